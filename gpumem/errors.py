@@ -1,0 +1,130 @@
+"""The gpumem exception hierarchy.
+
+Every error gpumem raises derives from :class:`GpumemError`, so ``except
+GpumemError`` catches all of them. Errors that are also a kind of standard
+error (a bad argument, an unknown key) derive from that builtin too, so code
+that already catches ``ValueError`` keeps working.
+
+Invariant (tested): an operation that raises one of these leaves the device's
+and the allocator's accounting exactly as it was before the call.
+"""
+
+from __future__ import annotations
+
+from .units import format_bytes
+
+
+class GpumemError(Exception):
+    """Root of every error raised by gpumem."""
+
+
+class InvalidArgumentError(GpumemError, ValueError):
+    """A size, pointer, index or option that cannot be valid (negative, zero, wrong type...)."""
+
+
+class InvalidPointerError(GpumemError, ValueError):
+    """A pointer that the device or allocator does not know (never allocated, or already freed)."""
+
+
+class DoubleFreeError(InvalidPointerError):
+    """A pointer freed a second time."""
+
+
+class MappingError(GpumemError, ValueError):
+    """A virtual-memory operation that does not fit the current mappings."""
+
+
+class MappingOverlapError(MappingError):
+    """A mapping or reservation that overlaps an existing one."""
+
+
+class UnsupportedOperationError(GpumemError, NotImplementedError):
+    """The device cannot do this at all (for example virtual memory management on a part without it)."""
+
+
+class DeviceNotFoundError(GpumemError, LookupError):
+    """A device spec that names no device: an unknown profile or an index out of range."""
+
+
+class BackendUnavailableError(GpumemError, ImportError):
+    """A backend whose Python packages are missing; the message says which extra to install."""
+
+
+class CudaError(GpumemError, RuntimeError):
+    """A CUDA runtime, driver or NVML call failed; ``error_name`` is CUDA's name for the error."""
+
+    def __init__(self, call: str, error_name: str, detail: str = "") -> None:
+        self.call = call
+        self.error_name = error_name
+        self.detail = detail
+        msg = f"{call} failed: {error_name}"
+        if detail:
+            msg += f" ({detail})"
+        super().__init__(msg)
+
+
+class TransientDeviceError(GpumemError, RuntimeError):
+    """A device call failed in a way that may succeed if retried."""
+
+
+class DeviceLostError(GpumemError, RuntimeError):
+    """The device is gone (fell off the bus, was reset); every later call fails too."""
+
+
+class DeviceClosedError(GpumemError, RuntimeError):
+    """A call on a device object after :meth:`~gpumem.device.Device.close`."""
+
+
+class TraceFormatError(GpumemError, ValueError):
+    """A trace file that cannot be read: wrong format, truncated, malformed entry or forbidden pickle content."""
+
+    def __init__(self, path: str, message: str, entry: int | None = None) -> None:
+        self.path = path
+        self.entry = entry
+        where = f"{path}" if entry is None else f"{path}, entry {entry}"
+        super().__init__(f"{where}: {message}")
+
+
+class OutOfMemoryError(GpumemError, MemoryError):
+    """An allocation the device (or allocator limit) cannot satisfy.
+
+    Carries the requested size and the device's free and total bytes at the time
+    of the failure; an allocator adds what it holds and what to try in ``hint``.
+    """
+
+    def __init__(
+        self,
+        requested_nbytes: int,
+        free_nbytes: int,
+        total_nbytes: int,
+        *,
+        device: str = "",
+        allocated_nbytes: int | None = None,
+        cached_nbytes: int | None = None,
+        limit_nbytes: int | None = None,
+        hint: str = "",
+    ) -> None:
+        self.requested_nbytes = requested_nbytes
+        self.free_nbytes = free_nbytes
+        self.total_nbytes = total_nbytes
+        self.device = device
+        self.allocated_nbytes = allocated_nbytes
+        self.cached_nbytes = cached_nbytes
+        self.limit_nbytes = limit_nbytes
+        self.hint = hint
+        on = f" on {device}" if device else ""
+        parts = [
+            f"out of memory{on}: tried to allocate {format_bytes(requested_nbytes)} "
+            f"({requested_nbytes} bytes); the device has {format_bytes(free_nbytes)} free "
+            f"of {format_bytes(total_nbytes)} total"
+        ]
+        if allocated_nbytes is not None:
+            parts.append(f"this allocator has {format_bytes(allocated_nbytes)} allocated")
+        if cached_nbytes is not None:
+            parts.append(f"{format_bytes(cached_nbytes)} reserved but unused")
+        if limit_nbytes is not None:
+            parts.append(f"its limit is {format_bytes(limit_nbytes)}")
+        msg = "; ".join(parts) + "."
+        if hint:
+            msg += " " + hint
+        super().__init__(msg)

@@ -1,0 +1,122 @@
+"""Opening devices by spec: ``"sim:<profile>"`` or ``"cuda:<index>"``.
+
+>>> dev = open_device("sim:a100-80gb")
+>>> dev = open_device("sim:h200-141gb?pressure=spikes&seed=7")
+>>> dev = open_device("sim:t4-16gb", pressure=sim.Step(4 * GiB, at_s=0.01), faults=sim.FaultPlan(...), seed=1)
+>>> dev = open_device("cuda:0")          # needs gpumem[cuda12] or gpumem[cuda13]
+
+Options in the spec string (after ``?``, joined by ``&``) for simulated devices:
+``pressure=<preset>`` (step, ramp, spikes, random), ``seed=<int>``,
+``fail_rate=<probability>`` (injected allocation failures), ``lost_at_s=<seconds>``.
+Keyword arguments do the same from Python and take precedence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl
+
+from .device import Device, DeviceKind
+from .errors import DeviceNotFoundError, InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A parsed device spec."""
+
+    kind: DeviceKind
+    target: str
+    """The profile name (sim) or the device index as text (cuda)."""
+    options: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def index(self) -> int:
+        """The CUDA device index (cuda specs only)."""
+        return int(self.target)
+
+    def __str__(self) -> str:
+        opts = "&".join(f"{k}={v}" for k, v in self.options.items())
+        return f"{self.kind.value}:{self.target}" + (f"?{opts}" if opts else "")
+
+
+_SIM_OPTIONS = ("pressure", "seed", "fail_rate", "lost_at_s")
+
+
+def parse_spec(spec: str) -> DeviceSpec:
+    """Parse ``"sim:<profile>[?opts]"`` or ``"cuda:<index>"``; raise :class:`InvalidArgumentError` otherwise."""
+    if not isinstance(spec, str):
+        raise InvalidArgumentError(f"device spec must be a str, got {type(spec).__name__}")
+    head, _, query = spec.strip().partition("?")
+    kind_text, sep, target = head.partition(":")
+    kind_text = kind_text.lower()
+    if not sep or not target:
+        raise InvalidArgumentError(f"device spec {spec!r} must look like 'sim:<profile>' or 'cuda:<index>'")
+    try:
+        kind = DeviceKind(kind_text)
+    except ValueError:
+        raise InvalidArgumentError(f"device spec {spec!r}: unknown kind {kind_text!r} (use 'sim' or 'cuda')") from None
+    options = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=False)) if query else {}
+    if kind is DeviceKind.CUDA:
+        if options:
+            raise InvalidArgumentError(f"device spec {spec!r}: cuda devices take no options")
+        if not target.isdigit():
+            raise InvalidArgumentError(f"device spec {spec!r}: the CUDA index must be a non-negative integer")
+    else:
+        unknown = set(options) - set(_SIM_OPTIONS)
+        if unknown:
+            raise InvalidArgumentError(f"device spec {spec!r}: unknown option(s) {sorted(unknown)}; "
+                                       f"known: {', '.join(_SIM_OPTIONS)}")
+    return DeviceSpec(kind, target.lower() if kind is DeviceKind.SIM else target, options)
+
+
+def _sim_device(parsed: DeviceSpec, spec: str, kwargs: dict[str, Any]) -> Device:
+    import sim  # the simulator is part of this distribution; imported lazily to keep gpumem light
+
+    profile = kwargs.pop("profile", None)
+    if profile is None:
+        profile = sim.get_profile(parsed.target)
+    elif not isinstance(profile, sim.DeviceProfile):
+        raise InvalidArgumentError(f"profile must be a sim.DeviceProfile, got {type(profile).__name__}")
+    opts = parsed.options
+    try:
+        seed = int(kwargs.pop("seed", opts.get("seed", 0)))
+        pressure = kwargs.pop("pressure", None)
+        if pressure is None and "pressure" in opts:
+            pressure = sim.preset(opts["pressure"], profile.total_nbytes)
+        faults = kwargs.pop("faults", None)
+        if faults is None and ("fail_rate" in opts or "lost_at_s" in opts):
+            faults = sim.FaultPlan(
+                malloc_failure_rate=float(opts.get("fail_rate", 0.0)),
+                device_lost_at_s=float(opts["lost_at_s"]) if "lost_at_s" in opts else None,
+            )
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, InvalidArgumentError):
+            raise
+        raise InvalidArgumentError(f"device spec {spec!r}: bad option value: {exc}") from None
+    env = kwargs.pop("env", None)
+    if kwargs:
+        raise InvalidArgumentError(f"unknown keyword argument(s) for a simulated device: {sorted(kwargs)}")
+    canonical = DeviceSpec(parsed.kind, profile.name, parsed.options)
+    return sim.SimDevice(profile, env=env, pressure=pressure, faults=faults, seed=seed, spec=str(canonical))
+
+
+def open_device(spec: str, **kwargs: Any) -> Device:
+    """Open the device named by ``spec`` (see the module docstring).
+
+    Simulated devices accept ``profile=``, ``pressure=``, ``faults=``, ``seed=`` and ``env=``
+    (a ``simpy.Environment`` to share with other simulated devices). Real devices need the
+    ``gpumem[cuda12]`` or ``gpumem[cuda13]`` extra; without it a clear
+    :class:`~gpumem.errors.BackendUnavailableError` says which to install.
+    """
+    parsed = parse_spec(spec)
+    if parsed.kind is DeviceKind.SIM:
+        return _sim_device(parsed, spec, dict(kwargs))
+    if kwargs:
+        raise InvalidArgumentError(f"cuda devices take no keyword arguments, got {sorted(kwargs)}")
+    from .cuda import CudaDevice
+
+    return CudaDevice(parsed.index)
+
+
+__all__ = ["DeviceSpec", "parse_spec", "open_device", "DeviceNotFoundError"]

@@ -1,0 +1,711 @@
+"""The simulated GPU: a :class:`gpumem.Device` that lives in a SimPy environment.
+
+Time
+    Every call costs simulated time (:mod:`sim.latency`): the device advances its
+    ``simpy.Environment`` by that much, and whatever other tenants (SimPy
+    processes, :mod:`sim.pressure`) and scheduled faults do meanwhile happens
+    before the call completes. ``advance(seconds)`` lets time pass without a
+    call, as a program computing between allocations would.
+
+Memory
+    Physical memory is counted in the profile's granularity (2 MiB on CUDA), the
+    way the H200 was measured to behave (``hil/probes/calibrate.py``): a
+    ``cudaMalloc`` above 1 MiB takes whole 2 MiB pages of its own; smaller ones
+    are packed, 512-byte aligned, into shared 2 MiB pages that return to the
+    device when their last allocation is freed; a ``cuMemCreate`` chunk takes
+    exactly its (granular) size. ``mem_info().free_nbytes`` is what is left after
+    the CUDA context, this process's pages and other tenants.
+
+Addresses
+    One 47-bit virtual address space holds ``malloc`` ranges and address
+    reservations, so nothing can overlap by construction; mappings inside a
+    reservation are checked for overlap explicitly.
+
+Note [A failed call changes nothing]
+------------------------------------
+Each call validates its arguments, advances time, checks for a lost device,
+decides injected faults and checks capacity *before* it mutates any state, so
+every exception leaves the accounting as it was. The stateful property tests in
+``tests/sim`` check this after every step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import simpy
+
+from gpumem.device import (
+    BytesLike,
+    Device,
+    DeviceKind,
+    DeviceProperties,
+    MemInfo,
+    PhysicalHandle,
+    check_data,
+    check_granular,
+    check_nbytes,
+    check_pointer,
+)
+from gpumem.errors import (
+    DeviceClosedError,
+    DeviceLostError,
+    DoubleFreeError,
+    InvalidArgumentError,
+    InvalidPointerError,
+    MappingError,
+    MappingOverlapError,
+    OutOfMemoryError,
+    TransientDeviceError,
+    UnsupportedOperationError,
+)
+from gpumem.units import MiB, align_up
+
+from .events import EventCallback, EventHub, MemoryEvent, MemoryEventKind, Subscription
+from .faults import FaultInjector, FaultKind, FaultPlan
+from .pressure import Scenario, TenantContext
+from .profiles import DeviceProfile
+from .storage import SparseStore
+
+log = logging.getLogger(__name__)
+
+#: ``cudaMalloc`` requests up to this size are packed into shared pages (measured on the H200).
+SMALL_MALLOC_MAX_NBYTES = 1 * MiB
+SMALL_MALLOC_ALIGNMENT = 512
+_VA_BASE = 0x7F00_0000_0000
+_VA_LIMIT = 1 << 47
+_FREED_MEMORY = 65_536
+
+
+class _Allocation:
+    """A ``malloc``'d range; ``page`` is the shared small page it lives in, if any."""
+
+    __slots__ = ("start", "nbytes", "store", "page", "span_nbytes")
+
+    def __init__(self, start: int, nbytes: int, span_nbytes: int, page: "_SmallPage | None") -> None:
+        self.start = start
+        self.nbytes = nbytes
+        self.span_nbytes = span_nbytes
+        self.page = page
+        self.store = SparseStore(nbytes)
+
+
+class _SmallPage:
+    """A granularity page that packs small ``malloc``'s, like the CUDA driver does."""
+
+    __slots__ = ("start", "nbytes", "starts", "subs")
+
+    def __init__(self, start: int, nbytes: int) -> None:
+        self.start = start
+        self.nbytes = nbytes
+        self.starts: list[int] = []
+        self.subs: dict[int, _Allocation] = {}
+
+    def find_gap(self, span: int) -> int | None:
+        cursor = self.start
+        for s in self.starts:
+            if s - cursor >= span:
+                return cursor
+            cursor = s + self.subs[s].span_nbytes
+        if self.start + self.nbytes - cursor >= span:
+            return cursor
+        return None
+
+
+class _Physical:
+    """A ``cuMemCreate`` chunk."""
+
+    __slots__ = ("handle", "store", "released", "map_count")
+
+    def __init__(self, handle: PhysicalHandle) -> None:
+        self.handle = handle
+        self.store = SparseStore(handle.nbytes)
+        self.released = False
+        self.map_count = 0
+
+
+@dataclass
+class _Mapping:
+    va: int
+    nbytes: int
+    physical: _Physical
+    offset: int
+    accessible: bool = False
+
+
+@dataclass
+class _Reservation:
+    start: int
+    nbytes: int
+    starts: list[int] = field(default_factory=list)
+    mappings: dict[int, _Mapping] = field(default_factory=dict)
+
+
+@dataclass
+class SimCallStats:
+    """How many calls the device served and how much simulated time they took."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    busy_us: float = 0.0
+    injected_faults: int = 0
+
+    def count(self, name: str, cost_us: float) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.busy_us += cost_us
+
+
+class _Tenant(TenantContext):
+    def __init__(self, device: "SimDevice", name: str, rng: random.Random) -> None:
+        self.device = device
+        self.env = device.env
+        self.name = name
+        self.rng = rng
+        self._held = 0
+        self._held_pages = 0
+
+    @property
+    def held_nbytes(self) -> int:
+        return self._held
+
+    def take(self, nbytes: int) -> bool:
+        return self.device._tenant_take(self, nbytes)
+
+    def give(self, nbytes: int) -> None:
+        self.device._tenant_give(self, nbytes)
+
+
+class SimDevice(Device):
+    """A simulated GPU of a given :class:`~sim.profiles.DeviceProfile`.
+
+    >>> from sim import SimDevice, get_profile
+    >>> dev = SimDevice(get_profile("a100-80gb"))
+    >>> p = dev.malloc(64 * 2**20); dev.write(p, b"hello"); dev.read(p, 5)
+    b'hello'
+
+    ``pressure`` scenarios run as other tenants from time 0; ``faults`` injects
+    failures; ``seed`` makes every random choice repeatable.
+    """
+
+    kind = DeviceKind.SIM
+
+    def __init__(
+        self,
+        profile: DeviceProfile,
+        *,
+        env: simpy.Environment | None = None,
+        pressure: Iterable[Scenario] | Scenario | None = None,
+        faults: FaultPlan | None = None,
+        seed: int = 0,
+        spec: str | None = None,
+    ) -> None:
+        self.profile = profile
+        self.spec = spec or profile.spec
+        self.env = env if env is not None else simpy.Environment()
+        self.latency = profile.latency
+        self._props = profile.properties()
+        self._gran = profile.granularity_nbytes
+        self._rng = random.Random(seed)
+        self.seed = seed
+        self.faults = FaultInjector(faults or FaultPlan(), random.Random(self._rng.getrandbits(64)))
+        self.events = EventHub()
+        self.stats = SimCallStats()
+        self._closed = False
+        self._lost = False
+        self._total_pages = profile.total_nbytes // self._gran
+        self._fixed_nbytes = profile.context_nbytes + profile.host_reserved_nbytes
+        self._process_pages = 0
+        self._tenant_pages = 0
+        # one address space: sorted starts of top-level ranges, and the ranges by start
+        self._starts: list[int] = []
+        self._ranges: dict[int, _Allocation | _SmallPage | _Reservation] = {}
+        self._va_cursor = _VA_BASE
+        self._allocations: dict[int, _Allocation] = {}
+        self._small_pages: list[_SmallPage] = []
+        self._freed: OrderedDict[int, None] = OrderedDict()
+        self._physicals: dict[int, _Physical] = {}
+        self._next_handle = 1
+        self._tenants: list[_Tenant] = []
+        if isinstance(pressure, Scenario):
+            pressure = [pressure]
+        for i, scenario in enumerate(pressure or ()):
+            self.add_tenant(scenario, name=f"tenant-{i}")
+        if self.faults.plan.device_lost_at_s is not None:
+            self.env.process(self._lose_at(self.faults.plan.device_lost_at_s))
+
+    # -- simulated time ------------------------------------------------------------------
+    @property
+    def now_s(self) -> float:
+        """Simulated seconds since the device was created."""
+        return float(self.env.now)
+
+    def advance(self, seconds: float) -> None:
+        """Let ``seconds`` of simulated time pass (tenants and faults act meanwhile)."""
+        if seconds < 0:
+            raise InvalidArgumentError(f"seconds must not be negative, got {seconds}")
+        if seconds:
+            self.env.run(until=self.env.now + seconds)
+
+    def _call(self, name: str, cost_us: float) -> None:
+        """Start a call: refuse on a closed or lost device, then let its cost in time pass."""
+        if self._closed:
+            raise DeviceClosedError(f"{self.spec} is closed")
+        if self._lost:
+            raise DeviceLostError(f"{self.spec} was lost at t={self.faults.plan.device_lost_at_s}s")
+        if cost_us > 0:
+            self.env.run(until=self.env.now + cost_us * 1e-6)
+        self.stats.count(name, cost_us)
+        if self._lost:
+            raise DeviceLostError(f"{self.spec} was lost at t={self.faults.plan.device_lost_at_s}s")
+
+    def _lose_at(self, at_s: float):  # SimPy process
+        yield self.env.timeout(at_s)
+        self._lost = True
+        self.events.publish(MemoryEvent(self.now_s, MemoryEventKind.DEVICE_LOST, 0, self._free_nbytes(), "faults"))
+
+    # -- events and tenants -----------------------------------------------------------------
+    def subscribe(self, callback: EventCallback) -> Subscription:
+        """Call ``callback(event)`` for every :class:`~sim.events.MemoryEvent` from now on."""
+        return self.events.subscribe(callback)
+
+    def watch_free_level(self, level_nbytes: int) -> None:
+        """Publish FREE_BELOW / FREE_ABOVE events when free memory crosses ``level_nbytes``."""
+        self.events.watch_level(check_nbytes(level_nbytes, what="level_nbytes"))
+
+    def add_tenant(self, scenario: Scenario, name: str | None = None) -> None:
+        """Start another tenant running ``scenario`` now."""
+        if not isinstance(scenario, Scenario):
+            raise InvalidArgumentError(f"scenario must be a sim.pressure.Scenario, got {type(scenario).__name__}")
+        tenant = _Tenant(self, name or f"tenant-{len(self._tenants)}", random.Random(self._rng.getrandbits(64)))
+        self._tenants.append(tenant)
+        self.env.process(scenario.process(tenant))
+
+    @property
+    def tenant_nbytes(self) -> int:
+        """Device bytes other tenants hold now (granularity-rounded)."""
+        return self._tenant_pages * self._gran
+
+    def _tenant_take(self, tenant: _Tenant, nbytes: int) -> bool:
+        pages = -(-nbytes // self._gran)
+        old_free = self._free_nbytes()
+        if pages * self._gran > old_free or self._closed:
+            self.events.publish(MemoryEvent(self.now_s, MemoryEventKind.TENANT_DENIED, nbytes, old_free, tenant.name))
+            return False
+        self._tenant_pages += pages
+        tenant._held += nbytes
+        tenant._held_pages += pages
+        new_free = self._free_nbytes()
+        self.events.publish(MemoryEvent(self.now_s, MemoryEventKind.TENANT_TOOK, nbytes, new_free, tenant.name))
+        self.events.free_changed(self.now_s, old_free, new_free, tenant.name)
+        return True
+
+    def _tenant_give(self, tenant: _Tenant, nbytes: int) -> None:
+        nbytes = min(nbytes, tenant._held)
+        if nbytes <= 0:
+            return
+        old_free = self._free_nbytes()
+        tenant._held -= nbytes
+        pages = -(-tenant._held // self._gran)
+        released = tenant._held_pages - pages
+        tenant._held_pages = pages
+        self._tenant_pages -= released
+        new_free = self._free_nbytes()
+        self.events.publish(MemoryEvent(self.now_s, MemoryEventKind.TENANT_RETURNED, nbytes, new_free, tenant.name))
+        self.events.free_changed(self.now_s, old_free, new_free, tenant.name)
+
+    # -- accounting -------------------------------------------------------------------------------
+    def _free_nbytes(self) -> int:
+        return (self.profile.total_nbytes - self._fixed_nbytes
+                - (self._process_pages + self._tenant_pages) * self._gran)
+
+    def _take_pages(self, pages: int) -> None:
+        old = self._free_nbytes()
+        self._process_pages += pages
+        self.events.free_changed(self.now_s, old, self._free_nbytes(), "process")
+
+    def _give_pages(self, pages: int) -> None:
+        old = self._free_nbytes()
+        self._process_pages -= pages
+        self.events.free_changed(self.now_s, old, self._free_nbytes(), "process")
+
+    @property
+    def process_used_nbytes(self) -> int:
+        """Device bytes this process holds through this device object (granularity-rounded)."""
+        return self._process_pages * self._gran
+
+    def _oom(self, nbytes: int) -> OutOfMemoryError:
+        return OutOfMemoryError(nbytes, self._free_nbytes(), self.profile.total_nbytes, device=self.spec,
+                                hint="(cudaErrorMemoryAllocation)")
+
+    def _decide_allocation_fault(self, nbytes: int) -> None:
+        fault = self.faults.next_allocation_fault()
+        if fault is None:
+            return
+        self.stats.injected_faults += 1
+        self.events.publish(MemoryEvent(self.now_s, MemoryEventKind.FAULT_INJECTED, nbytes, self._free_nbytes(),
+                                        fault.value))
+        if fault is FaultKind.TRANSIENT:
+            raise TransientDeviceError(f"injected transient error on allocation call {self.faults.allocation_calls}")
+        raise self._oom(nbytes)
+
+    # -- the address space ----------------------------------------------------------------------
+    def _va_alloc(self, nbytes: int, alignment: int) -> int:
+        start = align_up(self._va_cursor, alignment)
+        if start + nbytes <= _VA_LIMIT:
+            return start
+        # wrap around: first gap that fits between live ranges
+        cursor = _VA_BASE
+        for s in self._starts:
+            cand = align_up(cursor, alignment)
+            if cand + nbytes <= s:
+                return cand
+            cursor = max(cursor, s + self._range_nbytes(self._ranges[s]))
+        cand = align_up(cursor, alignment)
+        if cand + nbytes <= _VA_LIMIT:
+            return cand
+        raise OutOfMemoryError(nbytes, self._free_nbytes(), self.profile.total_nbytes, device=self.spec,
+                               hint="(virtual address space exhausted)")
+
+    @staticmethod
+    def _range_nbytes(r: _Allocation | _SmallPage | _Reservation) -> int:
+        return r.span_nbytes if isinstance(r, _Allocation) else r.nbytes
+
+    def _insert_range(self, start: int, r: _Allocation | _SmallPage | _Reservation) -> None:
+        bisect.insort(self._starts, start)
+        self._ranges[start] = r
+        self._va_cursor = max(self._va_cursor, start + self._range_nbytes(r))
+
+    def _remove_range(self, start: int) -> None:
+        i = bisect.bisect_left(self._starts, start)
+        del self._starts[i]
+        del self._ranges[start]
+
+    def _range_at(self, ptr: int) -> _Allocation | _SmallPage | _Reservation | None:
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i < 0:
+            return None
+        r = self._ranges[self._starts[i]]
+        start = self._starts[i]
+        return r if ptr < start + self._range_nbytes(r) else None
+
+    # -- Device: properties and info -------------------------------------------------------------
+    def properties(self) -> DeviceProperties:
+        return self._props
+
+    def mem_info(self) -> MemInfo:
+        self._call("mem_info", self.latency.mem_get_info_us)
+        return MemInfo(self._free_nbytes(), self.profile.total_nbytes)
+
+    # -- Device: malloc and free -------------------------------------------------------------------
+    def malloc(self, nbytes: int) -> int:
+        check_nbytes(nbytes)
+        self._call("malloc", self.latency.malloc_us(nbytes))
+        self._decide_allocation_fault(nbytes)
+        if nbytes <= SMALL_MALLOC_MAX_NBYTES:
+            return self._malloc_small(nbytes)
+        span = align_up(nbytes, self._gran)
+        pages = span // self._gran
+        if span > self._free_nbytes():
+            raise self._oom(nbytes)
+        start = self._va_alloc(span, self._gran)
+        alloc = _Allocation(start, nbytes, span, None)
+        self._insert_range(start, alloc)
+        self._allocations[start] = alloc
+        self._freed.pop(start, None)
+        self._take_pages(pages)
+        return start
+
+    def _malloc_small(self, nbytes: int) -> int:
+        span = align_up(nbytes, SMALL_MALLOC_ALIGNMENT)
+        for page in self._small_pages:
+            at = page.find_gap(span)
+            if at is not None:
+                break
+        else:
+            if self._gran > self._free_nbytes():
+                raise self._oom(nbytes)
+            start = self._va_alloc(self._gran, self._gran)
+            page = _SmallPage(start, self._gran)
+            self._insert_range(start, page)
+            self._small_pages.append(page)
+            self._take_pages(1)
+            at = start
+        alloc = _Allocation(at, nbytes, span, page)
+        bisect.insort(page.starts, at)
+        page.subs[at] = alloc
+        self._allocations[at] = alloc
+        self._freed.pop(at, None)
+        return at
+
+    def free(self, ptr: int) -> None:
+        check_pointer(ptr)
+        alloc = self._allocations.get(ptr)
+        if alloc is None:
+            if ptr in self._freed:
+                raise DoubleFreeError(f"double free of {ptr:#x} on {self.spec}")
+            raise InvalidPointerError(f"free of {ptr:#x}, which {self.spec} never allocated (or not its start)")
+        self._call("free", self.latency.free_us(alloc.nbytes))
+        del self._allocations[ptr]
+        self._freed[ptr] = None
+        if len(self._freed) > _FREED_MEMORY:
+            self._freed.popitem(last=False)
+        page = alloc.page
+        if page is None:
+            self._remove_range(ptr)
+            self._give_pages(alloc.span_nbytes // self._gran)
+            return
+        page.starts.remove(ptr)
+        del page.subs[ptr]
+        if not page.subs:
+            self._small_pages.remove(page)
+            self._remove_range(page.start)
+            self._give_pages(1)
+
+    # -- Device: virtual memory management -----------------------------------------------------------
+    def _require_vmm(self, call: str) -> None:
+        if not self._props.vmm_supported:
+            raise UnsupportedOperationError(
+                f"{call}: {self.spec} ({self._props.name}) does not support virtual memory management")
+
+    def address_reserve(self, nbytes: int, alignment: int = 0) -> int:
+        self._require_vmm("address_reserve")
+        check_granular(nbytes, self._gran)
+        check_nbytes(alignment, what="alignment", allow_zero=True)
+        if alignment and (alignment & (alignment - 1) or alignment % self._gran):
+            raise InvalidArgumentError(f"alignment {alignment} must be 0 or a power-of-two multiple of the granularity")
+        self._call("address_reserve", self.latency.address_reserve_us)
+        start = self._va_alloc(nbytes, max(alignment, self._gran))
+        self._insert_range(start, _Reservation(start, nbytes))
+        return start
+
+    def _reservation(self, va: int, nbytes: int, call: str) -> _Reservation:
+        r = self._range_at(va)
+        if not isinstance(r, _Reservation):
+            raise MappingError(f"{call}: {va:#x} is not inside an address reservation on {self.spec}")
+        if va + nbytes > r.start + r.nbytes:
+            raise MappingError(f"{call}: [{va:#x}, {va + nbytes:#x}) runs past its reservation's end "
+                               f"{r.start + r.nbytes:#x}")
+        return r
+
+    def address_free(self, va: int, nbytes: int) -> None:
+        self._require_vmm("address_free")
+        check_pointer(va, what="va")
+        check_granular(nbytes, self._gran)
+        r = self._ranges.get(va)
+        if not isinstance(r, _Reservation):
+            raise MappingError(f"address_free: {va:#x} is not the base of a reservation on {self.spec}")
+        if r.nbytes != nbytes:
+            raise MappingError(f"address_free: reservation at {va:#x} is {r.nbytes} bytes, not {nbytes}")
+        if r.mappings:
+            raise MappingError(f"address_free: reservation at {va:#x} still has {len(r.mappings)} mapping(s)")
+        self._call("address_free", self.latency.address_free_us)
+        self._remove_range(va)
+
+    def mem_create(self, nbytes: int) -> PhysicalHandle:
+        self._require_vmm("mem_create")
+        check_granular(nbytes, self._gran)
+        self._call("mem_create", self.latency.mem_create_us)
+        self._decide_allocation_fault(nbytes)
+        if nbytes > self._free_nbytes():
+            raise self._oom(nbytes)
+        handle = PhysicalHandle(self._next_handle, nbytes)
+        self._next_handle += 1
+        self._physicals[handle.handle] = _Physical(handle)
+        self._take_pages(nbytes // self._gran)
+        return handle
+
+    def _physical(self, handle: object, call: str) -> _Physical:
+        if not isinstance(handle, PhysicalHandle):
+            raise InvalidArgumentError(f"{call}: handle must be a PhysicalHandle, got {type(handle).__name__}")
+        phys = self._physicals.get(handle.handle)
+        if phys is None or phys.handle != handle or phys.released:
+            raise InvalidPointerError(f"{call}: unknown or released physical handle {handle.handle}")
+        return phys
+
+    def mem_release(self, handle: PhysicalHandle) -> None:
+        self._require_vmm("mem_release")
+        phys = self._physical(handle, "mem_release")
+        self._call("mem_release", self.latency.mem_release_us)
+        phys.released = True
+        if phys.map_count == 0:
+            self._drop_physical(phys)
+
+    def _drop_physical(self, phys: _Physical) -> None:
+        del self._physicals[phys.handle.handle]
+        self._give_pages(phys.handle.nbytes // self._gran)
+
+    def mem_map(self, va: int, nbytes: int, handle: PhysicalHandle, offset: int = 0) -> None:
+        self._require_vmm("mem_map")
+        check_pointer(va, what="va")
+        check_granular(nbytes, self._gran)
+        check_nbytes(offset, what="offset", allow_zero=True)
+        if va % self._gran or offset % self._gran:
+            raise InvalidArgumentError(f"mem_map: va and offset must be multiples of the granularity {self._gran}")
+        phys = self._physical(handle, "mem_map")
+        if offset + nbytes > phys.handle.nbytes:
+            raise InvalidArgumentError(f"mem_map: offset {offset} + nbytes {nbytes} exceeds the chunk's "
+                                       f"{phys.handle.nbytes} bytes")
+        r = self._reservation(va, nbytes, "mem_map")
+        i = bisect.bisect_right(r.starts, va) - 1
+        if i >= 0:
+            prev = r.mappings[r.starts[i]]
+            if prev.va + prev.nbytes > va:
+                raise MappingOverlapError(f"mem_map: [{va:#x}, {va + nbytes:#x}) overlaps the mapping at {prev.va:#x}")
+        if i + 1 < len(r.starts) and r.starts[i + 1] < va + nbytes:
+            raise MappingOverlapError(f"mem_map: [{va:#x}, {va + nbytes:#x}) overlaps the mapping at "
+                                      f"{r.starts[i + 1]:#x}")
+        self._call("mem_map", self.latency.mem_map_us)
+        bisect.insort(r.starts, va)
+        r.mappings[va] = _Mapping(va, nbytes, phys, offset)
+        phys.map_count += 1
+
+    def _mappings_covering(self, va: int, nbytes: int, call: str) -> list[_Mapping]:
+        """The mappings that tile ``[va, va + nbytes)`` exactly from ``va`` (contiguous, no holes)."""
+        r = self._reservation(va, nbytes, call)
+        i = bisect.bisect_right(r.starts, va) - 1
+        out: list[_Mapping] = []
+        cursor = va
+        end = va + nbytes
+        while cursor < end:
+            if i < 0 or i >= len(r.starts):
+                raise MappingError(f"{call}: {cursor:#x} is not mapped")
+            m = r.mappings[r.starts[i]]
+            if not m.va <= cursor < m.va + m.nbytes:
+                raise MappingError(f"{call}: {cursor:#x} is not mapped")
+            out.append(m)
+            cursor = m.va + m.nbytes
+            i += 1
+        return out
+
+    def mem_set_access(self, va: int, nbytes: int) -> None:
+        self._require_vmm("mem_set_access")
+        check_pointer(va, what="va")
+        check_granular(nbytes, self._gran)
+        maps = self._mappings_covering(va, nbytes, "mem_set_access")
+        self._call("mem_set_access", self.latency.mem_set_access_us)
+        for m in maps:
+            m.accessible = True
+
+    def mem_unmap(self, va: int, nbytes: int) -> None:
+        self._require_vmm("mem_unmap")
+        check_pointer(va, what="va")
+        check_granular(nbytes, self._gran)
+        maps = self._mappings_covering(va, nbytes, "mem_unmap")
+        if maps[0].va != va or maps[-1].va + maps[-1].nbytes != va + nbytes:
+            raise MappingError(f"mem_unmap: [{va:#x}, {va + nbytes:#x}) does not cover whole mappings")
+        self._call("mem_unmap", self.latency.mem_unmap_us)
+        r = self._reservation(va, nbytes, "mem_unmap")
+        for m in maps:
+            r.starts.remove(m.va)
+            del r.mappings[m.va]
+            m.physical.map_count -= 1
+            if m.physical.released and m.physical.map_count == 0:
+                self._drop_physical(m.physical)
+
+    # -- Device: data --------------------------------------------------------------------------------
+    def _segments(self, ptr: int, nbytes: int, call: str) -> list[tuple[SparseStore, int, int]]:
+        """(store, offset, length) pieces that hold ``[ptr, ptr + nbytes)``."""
+        r = self._range_at(ptr)
+        if isinstance(r, _SmallPage):
+            i = bisect.bisect_right(r.starts, ptr) - 1
+            r = r.subs[r.starts[i]] if i >= 0 else None
+        if isinstance(r, _Allocation):
+            if ptr >= r.start + r.nbytes:
+                r = None
+            elif ptr + nbytes > r.start + r.nbytes:
+                raise InvalidPointerError(f"{call}: [{ptr:#x}, {ptr + nbytes:#x}) runs past the end of the "
+                                          f"{r.nbytes}-byte allocation at {r.start:#x}")
+            else:
+                return [(r.store, ptr - r.start, nbytes)]
+        if isinstance(r, _Reservation):
+            try:
+                maps = self._mappings_covering(ptr, nbytes, call)
+            except MappingError as exc:
+                raise InvalidPointerError(str(exc)) from None
+            pieces = []
+            cursor, end = ptr, ptr + nbytes
+            for m in maps:
+                if not m.accessible:
+                    raise InvalidPointerError(f"{call}: mapping at {m.va:#x} has no access set (mem_set_access)")
+                take = min(end, m.va + m.nbytes) - cursor
+                pieces.append((m.physical.store, m.offset + cursor - m.va, take))
+                cursor += take
+            return pieces
+        raise InvalidPointerError(f"{call}: {ptr:#x} is not inside any allocation or mapping on {self.spec}")
+
+    def write(self, ptr: int, data: BytesLike) -> None:
+        check_pointer(ptr)
+        view = check_data(data)
+        if len(view) == 0:
+            return
+        pieces = self._segments(ptr, len(view), "write")
+        self._call("write", self.latency.copy_us(len(view), self._props.memory_bandwidth_gbps))
+        pos = 0
+        for store, offset, length in pieces:
+            store.write(offset, view[pos:pos + length])
+            pos += length
+
+    def read(self, ptr: int, nbytes: int) -> bytes:
+        check_pointer(ptr)
+        check_nbytes(nbytes, allow_zero=True)
+        if nbytes == 0:
+            return b""
+        pieces = self._segments(ptr, nbytes, "read")
+        self._call("read", self.latency.copy_us(nbytes, self._props.memory_bandwidth_gbps))
+        return b"".join(store.read(offset, length) for store, offset, length in pieces)
+
+    def synchronize(self) -> None:
+        self._call("synchronize", self.latency.synchronize_us)
+
+    # -- life cycle -------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._allocations.clear()
+        self._small_pages.clear()
+        self._physicals.clear()
+        self._starts.clear()
+        self._ranges.clear()
+        self._process_pages = 0
+
+    # -- introspection for tests and reports ----------------------------------------------------------------
+    @property
+    def n_allocations(self) -> int:
+        """Live ``malloc`` allocations."""
+        return len(self._allocations)
+
+    def allocation_ranges(self) -> list[tuple[int, int]]:
+        """``(ptr, nbytes)`` of every live ``malloc`` allocation."""
+        return [(a.start, a.nbytes) for a in self._allocations.values()]
+
+    def mapping_ranges(self) -> list[tuple[int, int, int]]:
+        """``(va, nbytes, handle)`` of every live mapping."""
+        return [(m.va, m.nbytes, m.physical.handle.handle)
+                for r in self._ranges.values() if isinstance(r, _Reservation) for m in r.mappings.values()]
+
+    def accounting(self) -> tuple[int, int, int]:
+        """``(process_pages, tenant_pages, live allocations + live handles)``: what tests compare
+        before and after a failing call."""
+        return (self._process_pages, self._tenant_pages, len(self._allocations) + len(self._physicals))
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the internal accounting is inconsistent (used by property tests)."""
+        pages = 0
+        for r in self._ranges.values():
+            if isinstance(r, _Allocation):
+                pages += r.span_nbytes // self._gran
+            elif isinstance(r, _SmallPage):
+                assert r.subs, "empty small page kept"
+                pages += 1
+        pages += sum(p.handle.nbytes // self._gran for p in self._physicals.values())
+        assert pages == self._process_pages, (pages, self._process_pages)
+        assert self._free_nbytes() >= 0, self._free_nbytes()
+        prev_end = 0
+        for s in self._starts:
+            assert s >= prev_end, "overlapping top-level ranges"
+            prev_end = s + self._range_nbytes(self._ranges[s])

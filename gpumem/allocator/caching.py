@@ -1,0 +1,418 @@
+"""The caching allocator: best fit, splitting and coalescing over any :class:`~gpumem.device.Device`.
+
+>>> from gpumem import open_device
+>>> from gpumem.allocator import CachingAllocator
+>>> alloc = CachingAllocator(open_device("sim:a100-80gb"))
+>>> p = alloc.allocate(1000)          # rounded to 1024 B, from the small pool
+>>> alloc.free(p)                     # cached: the next request of that size costs no device call
+>>> print(alloc.memory_summary())
+
+Requests are rounded (512 B by default) and served from a small pool (up to
+1 MiB) or a large pool, each with one free list per stream. A request takes the
+best-fitting free block of its pool and stream, splitting off the remainder
+when it is large enough to be useful; a freed block merges with free
+neighbours. When no free block fits, the backing (:mod:`.backing`) grows: a new
+``malloc``'d segment, or more of a virtual range with physical pages mapped
+under it. When the device is out of memory, the allocator gives its cached
+memory back and retries once before raising
+:class:`~gpumem.errors.OutOfMemoryError` with what it holds and what to try.
+
+Note [Streams]
+--------------
+Every block carries the stream it was allocated on, and free lists are per
+stream, so a block freed on stream A is never handed to stream B: B's kernels
+could run while A's still use it. A block used on other streams too
+(:meth:`CachingAllocator.record_stream`) goes to a pending list when freed and
+only becomes reusable after :meth:`CachingAllocator.synchronize`, the sync point.
+
+Note [A failed allocation changes nothing]
+------------------------------------------
+Allocation first finds or grows a free block, then commits it (maps its pages
+in virtual mode). If committing fails the block goes back exactly where it was
+(re-merged with its neighbours), and growth that produced it is kept only as
+cached memory, which a retry or :meth:`empty_cache` reuses or returns; stats
+other than the OOM and retry counters are unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from ..device import Device, check_nbytes, check_pointer
+from ..errors import DoubleFreeError, InvalidArgumentError, InvalidPointerError, OutOfMemoryError
+from ..units import format_bytes
+from .backing import Backing, LimitExceeded, SegmentBacking, VirtualBacking
+from .block import Block, FreeList
+from .policy import DEFAULT_POLICY, AllocatorPolicy, VmmMode, get_policy
+from .stats import AllocatorStats, format_summary
+
+log = logging.getLogger(__name__)
+
+_FREED_MEMORY = 65_536
+
+
+class CachingAllocator:
+    """A caching allocator over ``device`` under a named or custom :class:`AllocatorPolicy`.
+
+    ``limit``: the most memory the allocator may reserve, as bytes (int) or as a fraction of
+    the device's total (float in (0, 1]). ``gc_threshold``: a fraction in (0, 1); once reserved
+    memory passes that fraction of the limit (or of the device), cached memory is given back
+    before the allocator grows. ``record_history``: keep every allocation, free and segment
+    event for export as a trace or a PyTorch snapshot (:meth:`history`).
+    """
+
+    def __init__(
+        self,
+        device: Device,
+        policy: str | AllocatorPolicy = DEFAULT_POLICY,
+        *,
+        limit: int | float | None = None,
+        gc_threshold: float | None = None,
+        record_history: bool = False,
+    ) -> None:
+        self.device = device
+        self.policy = get_policy(policy)
+        total = device.properties().total_nbytes
+        self.limit_nbytes = _limit_nbytes(limit, total)
+        if gc_threshold is not None and not (isinstance(gc_threshold, (int, float)) and 0 < gc_threshold < 1):
+            raise InvalidArgumentError(f"gc_threshold must be a fraction in (0, 1), got {gc_threshold!r}")
+        self.gc_threshold = gc_threshold
+        use_vmm = self.policy.vmm is VmmMode.ALWAYS or (self.policy.vmm is VmmMode.AUTO and device.vmm_supported)
+        if self.policy.vmm is VmmMode.ALWAYS and not device.vmm_supported:
+            from ..errors import UnsupportedOperationError
+
+            raise UnsupportedOperationError(f"policy {self.policy.name!r} needs virtual memory management, "
+                                            f"which {device.spec} does not support")
+        backing_cls = VirtualBacking if use_vmm else SegmentBacking
+        self.backing: Backing = backing_cls(device, self.policy, self.limit_nbytes)
+        self.uses_vmm = use_vmm
+        self._lock = threading.RLock()
+        self._free_lists: dict[tuple[bool, int], FreeList] = {}
+        self._live: dict[int, Block] = {}
+        self._freed: dict[int, None] = {}
+        self._pending: list[Block] = []
+        self.stats = AllocatorStats()
+        self._recorder = None
+        if record_history:
+            from ..trace import TraceRecorder
+
+            self._recorder = TraceRecorder()
+            self.backing.on_segment = self._recorder.record_segment
+        self._small_max = self.policy.small_max_nbytes if self.policy.separate_small_pool else -1
+        self._round = self.policy.round_nbytes
+        self._closed = False
+
+    # -- the hot path ---------------------------------------------------------------------------------
+    def allocate(self, nbytes: int, stream: int = 0) -> int:
+        """Allocate ``nbytes`` on ``stream``; return the device pointer.
+
+        Raises :class:`~gpumem.errors.InvalidArgumentError` for a bad size and
+        :class:`~gpumem.errors.OutOfMemoryError` when neither the cache nor the device can serve it.
+        """
+        if nbytes.__class__ is not int or nbytes <= 0:
+            check_nbytes(nbytes)
+        if stream.__class__ is not int:
+            raise InvalidArgumentError(f"stream must be an int, got {type(stream).__name__}")
+        r = self._round
+        size = -(-nbytes // r) * r
+        small = size <= self._small_max
+        with self._lock:
+            if self._closed:
+                raise InvalidArgumentError("allocator is closed")
+            free_list = self._free_lists.get((small, stream))
+            if free_list is None:
+                free_list = self._free_lists[(small, stream)] = FreeList()
+            block = free_list.best_fit(size)
+            if block is not None:
+                free_list.remove(block)
+                self.stats.cache_hits += 1
+            else:
+                block = self._grow(small, stream, size, free_list, nbytes)
+            block = self._split(block, size, small, free_list)
+            try:
+                self.backing.commit(block)
+            except OutOfMemoryError:
+                self.stats.num_alloc_retries += 1
+                self._unsplit_after_failure(block, free_list)
+                block = self._retry_after_release(small, stream, size, free_list, nbytes)
+            block.allocated = True
+            block.requested = nbytes
+            addr = block.addr
+            self._live[addr] = block
+            st = self.stats
+            st.allocated_nbytes += size
+            st.requested_nbytes += nbytes
+            st.num_allocs += 1
+            if st.allocated_nbytes > st.peak_allocated_nbytes:
+                st.peak_allocated_nbytes = st.allocated_nbytes
+            if st.requested_nbytes > st.peak_requested_nbytes:
+                st.peak_requested_nbytes = st.requested_nbytes
+            reserved = self.backing.reserved_nbytes
+            if reserved > st.peak_reserved_nbytes:
+                st.peak_reserved_nbytes = reserved
+            if self._recorder is not None:
+                self._recorder.record_alloc(addr, nbytes, stream)
+            return addr
+
+    def free(self, ptr: int) -> None:
+        """Return ``ptr`` to the cache. Unknown pointers and double frees raise, changing nothing."""
+        with self._lock:
+            block = self._live.pop(ptr, None) if ptr.__class__ is int else None
+            if block is None:
+                check_pointer(ptr)
+                if ptr in self._freed:
+                    raise DoubleFreeError(f"double free of {ptr:#x} in the caching allocator")
+                raise InvalidPointerError(f"free of {ptr:#x}, which this allocator did not allocate")
+            self._freed[ptr] = None
+            if len(self._freed) > _FREED_MEMORY:
+                del self._freed[next(iter(self._freed))]
+            st = self.stats
+            st.allocated_nbytes -= block.size
+            st.requested_nbytes -= block.requested
+            st.num_frees += 1
+            if self._recorder is not None:
+                self._recorder.record_free(ptr, block.stream)
+            block.allocated = False
+            self.backing.decommit(block)
+            if block.pending_streams:
+                self._pending.append(block)
+                return
+            self._insert_free(block)
+
+    # -- growth, splitting, merging --------------------------------------------------------------------
+    def _grow(self, small: bool, stream: int, size: int, free_list: FreeList, nbytes: int) -> Block:
+        self.stats.cache_misses += 1
+        if self.gc_threshold is not None:
+            cap = self.limit_nbytes or self.device.properties().total_nbytes
+            if self.backing.reserved_nbytes > self.gc_threshold * cap:
+                self.stats.num_gc_releases += 1
+                self.backing.release_cached(self._free_list_of)
+        try:
+            return self._grow_once(small, stream, size, free_list)
+        except OutOfMemoryError:
+            self.stats.num_alloc_retries += 1
+            return self._retry_after_release(small, stream, size, free_list, nbytes, grown=False)
+
+    def _grow_once(self, small: bool, stream: int, size: int, free_list: FreeList) -> Block:
+        tail = self.backing.tail_block(small, stream)
+        if tail is not None:
+            free_list.remove(tail)
+        try:
+            return self.backing.grow(small, stream, size, tail)
+        except BaseException:
+            if tail is not None:
+                free_list.add(tail)
+            raise
+
+    def _retry_after_release(self, small: bool, stream: int, size: int, free_list: FreeList, nbytes: int,
+                             grown: bool = True) -> Block:
+        """Give cached memory back, then try once more to find or grow and commit a block."""
+        self.backing.release_cached(self._free_list_of)
+        block = None
+        try:
+            block = free_list.best_fit(size)
+            if block is not None:
+                free_list.remove(block)
+            else:
+                block = self._grow_once(small, stream, size, free_list)
+            block = self._split(block, size, small, free_list)
+            self.backing.commit(block)
+            return block
+        except OutOfMemoryError as exc:
+            if block is not None:
+                self._unsplit_after_failure(block, free_list)
+            self.stats.num_ooms += 1
+            raise self._oom_error(nbytes, exc) from None
+
+    def _split(self, block: Block, size: int, small: bool, free_list: FreeList) -> Block:
+        remaining = block.size - size
+        min_rest = self.policy.min_split_small_nbytes if small else self.policy.min_split_large_nbytes
+        if remaining >= min_rest and remaining > 0:
+            rest = Block(block.addr + size, remaining, block.stream, block.segment)
+            rest.prev = block
+            rest.next = block.next
+            if block.next is not None:
+                block.next.prev = rest
+            else:
+                seg = block.segment
+                if getattr(seg, "last", None) is block:
+                    seg.last = rest  # type: ignore[attr-defined]
+            block.next = rest
+            block.size = size
+            free_list.add(rest)
+            self.stats.num_splits += 1
+        return block
+
+    def _unsplit_after_failure(self, block: Block, free_list: FreeList) -> None:
+        self._insert_free(block)
+
+    def _insert_free(self, block: Block) -> None:
+        """Put a free block in its free list, merged with free neighbours of the same segment."""
+        free_list = self._free_list_of(block)
+        prev = block.prev
+        if prev is not None and not prev.allocated and not prev.pending_streams and prev in free_list:
+            free_list.remove(prev)
+            prev.size += block.size
+            prev.next = block.next
+            if block.next is not None:
+                block.next.prev = prev
+            elif getattr(block.segment, "last", None) is block:
+                block.segment.last = prev  # type: ignore[attr-defined]
+            block = prev
+        nxt = block.next
+        if nxt is not None and not nxt.allocated and not nxt.pending_streams and nxt in free_list:
+            free_list.remove(nxt)
+            block.size += nxt.size
+            block.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = block
+            elif getattr(block.segment, "last", None) is nxt:
+                block.segment.last = block  # type: ignore[attr-defined]
+        free_list.add(block)
+
+    def _free_list_of(self, block: Block) -> FreeList:
+        seg = block.segment
+        key = (bool(getattr(seg, "small", False)) and self.policy.separate_small_pool, block.stream)
+        fl = self._free_lists.get(key)
+        if fl is None:
+            fl = self._free_lists[key] = FreeList()
+        return fl
+
+    def _oom_error(self, nbytes: int, cause: OutOfMemoryError) -> OutOfMemoryError:
+        info = self.device.mem_info()
+        st = self.stats
+        cached = self.backing.reserved_nbytes - st.allocated_nbytes
+        if isinstance(cause, LimitExceeded):
+            hint = (f"The allocator's limit of {format_bytes(self.limit_nbytes or 0)} is reached: raise `limit`, "
+                    "free tensors you no longer need, or use smaller batches.")
+        else:
+            hint = ("Try: free what you no longer need; use smaller batches or shorter sequences; "
+                    "other processes hold "
+                    f"{format_bytes(max(0, info.total_nbytes - info.free_nbytes - self.backing.reserved_nbytes))} "
+                    "of this device (see `gpumem devices`)")
+            if not self.uses_vmm and cached > 0:
+                hint += "; the cached memory is fragmented: the 'gpumem' policy with virtual memory avoids that"
+            hint += "."
+        return OutOfMemoryError(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec,
+                                allocated_nbytes=st.allocated_nbytes, cached_nbytes=cached,
+                                limit_nbytes=self.limit_nbytes, hint=hint)
+
+    # -- streams ---------------------------------------------------------------------------------------
+    def record_stream(self, ptr: int, stream: int) -> None:
+        """Note that the live block at ``ptr`` is used on ``stream`` too (see Note [Streams])."""
+        with self._lock:
+            block = self._live.get(ptr)
+            if block is None:
+                raise InvalidPointerError(f"record_stream: {ptr!r} is not a live allocation")
+            if stream != block.stream:
+                if block.pending_streams is None:
+                    block.pending_streams = set()
+                block.pending_streams.add(stream)
+
+    def synchronize(self) -> None:
+        """Wait for the device, then make blocks freed with pending stream uses reusable."""
+        with self._lock:
+            self.device.synchronize()
+            pending, self._pending = self._pending, []
+            for block in pending:
+                block.pending_streams = None
+                self._insert_free(block)
+
+    # -- cache control and introspection -----------------------------------------------------------------
+    def empty_cache(self) -> int:
+        """Give every cached byte that holds no live data back to the device; return how many."""
+        with self._lock:
+            released = self.backing.release_cached(self._free_list_of)
+            log.debug("empty_cache released %s", format_bytes(released))
+            return released
+
+    @property
+    def reserved_nbytes(self) -> int:
+        """Device memory the allocator holds now."""
+        return self.backing.reserved_nbytes
+
+    @property
+    def allocated_nbytes(self) -> int:
+        """Bytes in live blocks (rounded sizes)."""
+        return self.stats.allocated_nbytes
+
+    def live_blocks(self) -> list[tuple[int, int]]:
+        """``(ptr, size)`` of every live block."""
+        with self._lock:
+            return [(b.addr, b.size) for b in self._live.values()]
+
+    def block_size(self, ptr: int) -> int:
+        """The (rounded) size of the live block at ``ptr``."""
+        block = self._live.get(ptr)
+        if block is None:
+            raise InvalidPointerError(f"{ptr!r} is not a live allocation")
+        return block.size
+
+    def memory_stats(self) -> dict[str, int | float]:
+        """Counters in the spirit of ``torch.cuda.memory_stats`` (flat names, values now)."""
+        with self._lock:
+            return self.snapshot_stats().as_dict()
+
+    def snapshot_stats(self) -> AllocatorStats:
+        """A copy of the stats with the derived fields (reserved, fragmentation...) filled in."""
+        with self._lock:
+            st = self.stats.copy()
+            st.reserved_nbytes = self.backing.reserved_nbytes
+            st.num_segments = self.backing.n_segments
+            st.active_nbytes = st.allocated_nbytes + sum(b.size for b in self._pending)
+            free_lists = list(self._free_lists.values())
+            total_free = st.reserved_nbytes - st.allocated_nbytes
+            st.inactive_split_nbytes = sum(fl.nbytes for fl in free_lists) if not self.uses_vmm else max(
+                0, total_free - getattr(self.backing, "mapped_empty_nbytes", lambda: 0)()
+                - len(getattr(self.backing, "unmapped", ())) * self.backing.granularity)
+            st.num_live_blocks = len(self._live)
+            st.num_free_blocks = sum(len(fl) for fl in free_lists)
+            largest = min(self.backing.largest_free_nbytes(free_lists), max(total_free, 0))
+            st.largest_free_nbytes = largest
+            st.device_calls = self.backing.device_calls
+            return st
+
+    def memory_summary(self) -> str:
+        """A text table of the stats, for people."""
+        return format_summary(self.snapshot_stats(), self.policy, self.device.spec, self.backing.describe())
+
+    def history(self):  # -> gpumem.trace.Trace
+        """The recorded allocation history as a :class:`gpumem.trace.Trace` (``record_history=True``)."""
+        if self._recorder is None:
+            raise InvalidArgumentError("history was not recorded: create the allocator with record_history=True")
+        return self._recorder.to_trace(f"gpumem-{self.policy.name}")
+
+    def close(self) -> None:
+        """Give all memory back to the device. Live blocks become invalid."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._live:
+                log.warning("closing an allocator with %d live block(s)", len(self._live))
+            self.backing.close()
+            self._live.clear()
+            self._free_lists.clear()
+
+    def __enter__(self) -> "CachingAllocator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _limit_nbytes(limit: int | float | None, total_nbytes: int) -> int | None:
+    if limit is None:
+        return None
+    if isinstance(limit, bool):
+        raise InvalidArgumentError("limit must be bytes (int) or a fraction of the device (float)")
+    if isinstance(limit, float):
+        if not 0 < limit <= 1:
+            raise InvalidArgumentError(f"a fractional limit must be in (0, 1], got {limit}")
+        return int(limit * total_nbytes)
+    if isinstance(limit, int):
+        if limit <= 0:
+            raise InvalidArgumentError(f"limit must be positive, got {limit}")
+        return limit
+    raise InvalidArgumentError(f"limit must be bytes (int) or a fraction (float), got {type(limit).__name__}")

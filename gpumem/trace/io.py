@@ -1,0 +1,101 @@
+"""One entry point for every trace format: :func:`load_trace` and :func:`save_trace`.
+
+Formats (``format=`` names, aliases in brackets):
+
+==================== ========================================= =====================================
+``pytorch-snapshot`` PyTorch memory snapshot pickle            ``.pickle``, ``.pkl`` (``+ .gz``)
+                     [``pytorch``, ``snapshot``]
+``rmm-log``          RMM logging_resource_adaptor CSV [``rmm``] ``.csv`` (``+ .gz``)
+``gpumem``           native text format [``native``, ``gmt``]  ``.gmt`` (``+ .gz``)
+==================== ========================================= =====================================
+
+Detection looks at the content first (after transparent gunzip): a pickle starts
+with the ``PROTO`` opcode ``0x80``, a native trace with a JSON header naming
+``gpumem-trace``, an RMM log with a CSV header holding ``Action`` and ``Pointer``.
+When the content says nothing (empty, truncated), the suffix decides, so the
+chosen reader can explain what is wrong; when neither does,
+:class:`~gpumem.errors.TraceFormatError` is raised.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import TraceFormatError
+from ._fileio import PathLike, check_exists, peek
+from .model import Trace
+from .native import read_native_trace, write_native_trace
+from .pytorch import read_pytorch_snapshot
+from .rmm import read_rmm_log
+
+__all__ = ["FORMATS", "detect_format", "load_trace", "save_trace"]
+
+#: Canonical format names.
+FORMATS = ("pytorch-snapshot", "rmm-log", "gpumem")
+
+_ALIASES = {
+    "pytorch-snapshot": "pytorch-snapshot", "pytorch": "pytorch-snapshot", "snapshot": "pytorch-snapshot",
+    "rmm-log": "rmm-log", "rmm": "rmm-log",
+    "gpumem": "gpumem", "native": "gpumem", "gmt": "gpumem",
+}
+_SUFFIXES = {".pickle": "pytorch-snapshot", ".pkl": "pytorch-snapshot", ".csv": "rmm-log", ".gmt": "gpumem"}
+
+
+def _format_from_content(head: bytes) -> str | None:
+    if head[:1] == b"\x80":
+        return "pytorch-snapshot"
+    if head.lstrip()[:1] == b"{" and b"gpumem-trace" in head:
+        return "gpumem"
+    first_line = head.split(b"\n", 1)[0]
+    if b"," in first_line and b"Action" in first_line and b"Pointer" in first_line:
+        return "rmm-log"
+    return None
+
+
+def _format_from_suffix(path: Path) -> str | None:
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes.pop()
+    return _SUFFIXES.get(suffixes[-1]) if suffixes else None
+
+
+def detect_format(path: PathLike) -> str:
+    """The canonical format name of ``path`` (content first, then suffix); ``TraceFormatError`` if unknown."""
+    p = check_exists(path)
+    fmt = _format_from_content(peek(p)) or _format_from_suffix(p)
+    if fmt is None:
+        raise TraceFormatError(
+            str(p), "unrecognised trace format (expected a PyTorch snapshot pickle, an RMM log CSV or a "
+            "gpumem .gmt trace); pass format= to force one"
+        )
+    return fmt
+
+
+def load_trace(path: PathLike, format: str | None = None, *, device: int | None = None,
+               name: str | None = None) -> Trace:
+    """Read a trace in any supported format.
+
+    ``format`` forces a reader (a name or alias from the module docstring);
+    ``device`` picks the device of a multi-device PyTorch snapshot; ``name``
+    overrides the default name (the file name up to its first dot; native files
+    keep the name stored in them). Raises ``FileNotFoundError`` for a missing file
+    and ``TraceFormatError`` for an unknown format or unreadable content.
+    """
+    p = check_exists(path)
+    if format is None:
+        fmt = detect_format(p)
+    else:
+        fmt = _ALIASES.get(format.lower())  # type: ignore[assignment]
+        if fmt is None:
+            raise TraceFormatError(str(p), f"unknown format {format!r}; expected one of {sorted(_ALIASES)}")
+    if fmt == "pytorch-snapshot":
+        return read_pytorch_snapshot(p, device=device, name=name)
+    if fmt == "rmm-log":
+        return read_rmm_log(p, name=name)
+    trace = read_native_trace(p)
+    return trace if name is None else trace.renamed(name)
+
+
+def save_trace(trace: Trace, path: PathLike) -> Path:
+    """Write ``trace`` in the native format (gzip-compressed when ``path`` ends in ``.gz``); returns the path."""
+    return write_native_trace(trace, path)

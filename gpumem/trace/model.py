@@ -1,0 +1,400 @@
+"""The trace model: a sequence of allocate/free operations keyed by dense allocation ids.
+
+A :class:`Trace` is what every reader produces and every writer consumes. It is a
+*struct of arrays*: op ``i`` is ``(kinds[i], alloc_ids[i], nbytes[i], streams[i],
+times_us[i], addrs[i])``. Arrays keep a 900k-op trace in a few tens of MiB and
+let statistics (peak live bytes, size histograms) run vectorised; a replayer that
+must touch every op in pure Python should call :meth:`Trace.as_lists` once and
+loop over plain lists, which is several times faster than indexing numpy arrays
+element by element.
+
+Allocation ids replace addresses. Source traces name an allocation by its
+address, and addresses are reused as soon as memory is freed; a replayer feeding
+a *different* allocator cannot use them. So allocation ``k`` is simply the k-th
+``ALLOC`` op in the trace, and a ``FREE`` op names the id it releases. The original
+address is kept in ``addrs`` (for export and debugging only).
+
+Invariants (checked by :meth:`Trace.validate`, which the constructor calls):
+
+* ``ALLOC`` ops carry ids ``0, 1, 2, ...`` in order;
+* every ``FREE`` op names an id allocated *earlier* and freed only once;
+* a ``FREE`` op repeats its allocation's ``nbytes`` and ``addr``;
+* sizes are non-negative.
+
+Allocations never freed are *live at the end* (``n_live_at_end``); frees whose
+allocation happened before the trace window began were dropped by the reader and
+counted in ``n_unmatched_frees``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from ..units import format_bytes
+
+__all__ = ["OpKind", "TraceOp", "TraceSummary", "Trace", "SOURCES"]
+
+#: The values :attr:`Trace.source` takes for traces this package produced.
+SOURCES = ("pytorch-snapshot", "rmm-log", "gpumem", "recorded")
+
+
+class OpKind(enum.IntEnum):
+    """What an op does: ``ALLOC`` creates allocation ``alloc_id``, ``FREE`` releases it."""
+
+    ALLOC = 0
+    FREE = 1
+
+
+_KINDS = (OpKind.ALLOC, OpKind.FREE)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceOp:
+    """One operation, for iteration and tests (replayers should use :meth:`Trace.as_lists`).
+
+    ``nbytes`` is the requested size; for a ``FREE`` it is the size of the
+    allocation being freed. ``time_us`` is 0.0 and ``addr`` is 0 when unknown.
+    """
+
+    kind: OpKind
+    alloc_id: int
+    nbytes: int
+    stream: int
+    time_us: float
+    addr: int
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSummary:
+    """Headline figures of a trace; ``str()`` gives a one-paragraph human-readable form."""
+
+    name: str
+    source: str
+    n_ops: int
+    n_allocs: int
+    n_frees: int
+    n_live_at_end: int
+    n_unmatched_frees: int
+    n_failed_allocs: int
+    peak_live_nbytes: int
+    total_alloc_nbytes: int
+    max_alloc_nbytes: int
+    median_alloc_nbytes: float
+    n_streams: int
+    duration_s: float
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name} ({self.source}): {self.n_ops:,} ops, {self.n_allocs:,} allocations "
+            f"({self.n_live_at_end:,} live at the end), peak live {format_bytes(self.peak_live_nbytes)}, "
+            f"largest {format_bytes(self.max_alloc_nbytes)}, median {format_bytes(self.median_alloc_nbytes)}, "
+            f"{self.n_streams} stream(s), {self.duration_s:.3f} s"
+            + (f", {self.n_unmatched_frees:,} unmatched frees skipped" if self.n_unmatched_frees else "")
+            + (f", {self.n_failed_allocs:,} failed allocations" if self.n_failed_allocs else "")
+        )
+
+
+_DTYPES: dict[str, Any] = {
+    "kinds": np.int8,
+    "alloc_ids": np.int64,
+    "nbytes": np.int64,
+    "streams": np.int64,
+    "times_us": np.float64,
+    "addrs": np.int64,
+}
+
+
+@dataclass(eq=False)
+class Trace:
+    """An allocation trace as parallel numpy arrays, one element per op.
+
+    Build one with a reader (:func:`gpumem.trace.load_trace`), with
+    :meth:`from_ops`, or with a :class:`gpumem.trace.TraceRecorder`. The arrays
+    are converted to their canonical dtypes and the invariants in the module
+    docstring are checked on construction (``InvalidArgumentError`` if broken).
+
+    ``n_live_at_end`` is derived from the arrays; passing a value other than 0
+    that disagrees with them is an error. Treat a Trace as immutable: methods
+    return new traces rather than editing arrays in place.
+    """
+
+    name: str
+    source: str
+    kinds: np.ndarray
+    alloc_ids: np.ndarray
+    nbytes: np.ndarray
+    streams: np.ndarray
+    times_us: np.ndarray
+    addrs: np.ndarray
+    n_unmatched_frees: int = 0
+    n_live_at_end: int = 0
+    n_failed_allocs: int = 0
+
+    __hash__ = None  # type: ignore[assignment]  # mutable container of arrays
+
+    def __post_init__(self) -> None:
+        for field_name, dtype in _DTYPES.items():
+            arr = np.asarray(getattr(self, field_name))
+            if arr.dtype != dtype:
+                arr = arr.astype(dtype)
+            if arr.ndim != 1:
+                raise InvalidArgumentError(f"Trace.{field_name} must be one-dimensional, got shape {arr.shape}")
+            setattr(self, field_name, arr)
+        n = len(self.kinds)
+        for field_name in _DTYPES:
+            if len(getattr(self, field_name)) != n:
+                raise InvalidArgumentError(
+                    f"Trace.{field_name} has {len(getattr(self, field_name))} elements, kinds has {n}"
+                )
+        self.validate()
+        live = self.n_allocs - int(np.count_nonzero(self.kinds == OpKind.FREE))
+        if self.n_live_at_end not in (0, live):
+            raise InvalidArgumentError(f"n_live_at_end={self.n_live_at_end} but the ops leave {live} allocations live")
+        self.n_live_at_end = live
+
+    # -- invariants -----------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Check the invariants of the module docstring; raise ``InvalidArgumentError`` naming the first bad op."""
+        kinds = self.kinds
+        if len(kinds) == 0:
+            return
+        bad = np.flatnonzero((kinds != OpKind.ALLOC) & (kinds != OpKind.FREE))
+        if len(bad):
+            raise InvalidArgumentError(f"op {bad[0]}: kind {kinds[bad[0]]} is neither ALLOC (0) nor FREE (1)")
+        bad = np.flatnonzero(self.nbytes < 0)
+        if len(bad):
+            raise InvalidArgumentError(f"op {bad[0]}: negative size {self.nbytes[bad[0]]}")
+        is_alloc = kinds == OpKind.ALLOC
+        alloc_pos = np.flatnonzero(is_alloc)
+        n_allocs = len(alloc_pos)
+        bad = np.flatnonzero(self.alloc_ids[alloc_pos] != np.arange(n_allocs))
+        if len(bad):
+            i = alloc_pos[bad[0]]
+            raise InvalidArgumentError(
+                f"op {i}: ALLOC has id {self.alloc_ids[i]}, expected {bad[0]} (ids are dense, in alloc order)"
+            )
+        free_pos = np.flatnonzero(~is_alloc)
+        if len(free_pos) == 0:
+            return
+        ids = self.alloc_ids[free_pos]
+        bad = np.flatnonzero((ids < 0) | (ids >= n_allocs))
+        if len(bad):
+            raise InvalidArgumentError(f"op {free_pos[bad[0]]}: FREE of id {ids[bad[0]]}, which is never allocated")
+        bad = np.flatnonzero(alloc_pos[ids] > free_pos)
+        if len(bad):
+            raise InvalidArgumentError(f"op {free_pos[bad[0]]}: FREE of id {ids[bad[0]]} before its ALLOC")
+        seen = np.zeros(n_allocs, dtype=np.int64)
+        np.add.at(seen, ids, 1)
+        if seen.max() > 1:
+            twice = int(np.flatnonzero(seen > 1)[0])
+            second = free_pos[np.flatnonzero(ids == twice)[1]]
+            raise InvalidArgumentError(f"op {second}: id {twice} freed a second time")
+        bad = np.flatnonzero(self.nbytes[free_pos] != self.nbytes[alloc_pos[ids]])
+        if len(bad):
+            i = free_pos[bad[0]]
+            raise InvalidArgumentError(
+                f"op {i}: FREE of id {ids[bad[0]]} says {self.nbytes[i]} bytes, the ALLOC said "
+                f"{self.nbytes[alloc_pos[ids[bad[0]]]]}"
+            )
+        bad = np.flatnonzero(self.addrs[free_pos] != self.addrs[alloc_pos[ids]])
+        if len(bad):
+            i = free_pos[bad[0]]
+            raise InvalidArgumentError(f"op {i}: FREE of id {ids[bad[0]]} has a different addr than its ALLOC")
+
+    # -- construction ---------------------------------------------------------------
+
+    @classmethod
+    def from_ops(
+        cls,
+        name: str,
+        source: str,
+        ops: Iterable[TraceOp | Sequence[Any]],
+        *,
+        n_unmatched_frees: int = 0,
+        n_failed_allocs: int = 0,
+    ) -> Trace:
+        """Build a trace from ``TraceOp`` objects or ``(kind, alloc_id, nbytes, stream, time_us, addr)`` tuples."""
+        rows = [
+            (op.kind, op.alloc_id, op.nbytes, op.stream, op.time_us, op.addr) if isinstance(op, TraceOp) else op
+            for op in ops
+        ]
+        for i, row in enumerate(rows):
+            if len(row) != 6:
+                raise InvalidArgumentError(f"op {i}: expected 6 fields (kind, alloc_id, nbytes, stream, time_us, addr)")
+        cols: list[Sequence[Any]] = list(zip(*rows)) if rows else [()] * 6
+        return cls(
+            name,
+            source,
+            np.array(cols[0], dtype=np.int8),
+            np.array(cols[1], dtype=np.int64),
+            np.array(cols[2], dtype=np.int64),
+            np.array(cols[3], dtype=np.int64),
+            np.array(cols[4], dtype=np.float64),
+            np.array(cols[5], dtype=np.int64),
+            n_unmatched_frees=n_unmatched_frees,
+            n_failed_allocs=n_failed_allocs,
+        )
+
+    @classmethod
+    def empty(cls, name: str = "empty", source: str = "gpumem") -> Trace:
+        """A trace with no ops."""
+        return cls.from_ops(name, source, [])
+
+    # -- sizes and iteration --------------------------------------------------------
+
+    @property
+    def n_ops(self) -> int:
+        """Number of ops (allocs plus frees)."""
+        return len(self.kinds)
+
+    @property
+    def n_allocs(self) -> int:
+        """Number of ALLOC ops, which is also one past the largest alloc id."""
+        return int(np.count_nonzero(self.kinds == OpKind.ALLOC))
+
+    @property
+    def n_frees(self) -> int:
+        """Number of FREE ops."""
+        return self.n_ops - self.n_allocs
+
+    def __len__(self) -> int:
+        return self.n_ops
+
+    def __iter__(self) -> Iterator[TraceOp]:
+        cols = (self.kinds.tolist(), self.alloc_ids.tolist(), self.nbytes.tolist(),
+                self.streams.tolist(), self.times_us.tolist(), self.addrs.tolist())
+        for k, i, n, s, t, a in zip(*cols):
+            yield TraceOp(_KINDS[k], i, n, s, t, a)
+
+    def __getitem__(self, index: int) -> TraceOp:
+        """Op ``index`` as a :class:`TraceOp` (negative indices count from the end)."""
+        return TraceOp(
+            _KINDS[int(self.kinds[index])],
+            int(self.alloc_ids[index]),
+            int(self.nbytes[index]),
+            int(self.streams[index]),
+            float(self.times_us[index]),
+            int(self.addrs[index]),
+        )
+
+    def as_lists(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """``(kinds, alloc_ids, nbytes, streams)`` as plain lists, for fast pure-Python replay loops.
+
+        ``for kind, aid, n, s in zip(*trace.as_lists()):`` runs several times faster
+        than indexing the arrays. ``kinds`` holds ints (0 = ALLOC, 1 = FREE).
+        """
+        return self.kinds.tolist(), self.alloc_ids.tolist(), self.nbytes.tolist(), self.streams.tolist()
+
+    # -- comparison -----------------------------------------------------------------
+
+    def ops_equal(self, other: Trace, *, times: bool = True, addrs: bool = True) -> bool:
+        """True when both traces hold the same ops (optionally ignoring times and/or addresses)."""
+        if self.n_ops != other.n_ops:
+            return False
+        names = ["kinds", "alloc_ids", "nbytes", "streams"] + (["addrs"] if addrs else [])
+        if not all(np.array_equal(getattr(self, f), getattr(other, f)) for f in names):
+            return False
+        return not times or np.array_equal(self.times_us, other.times_us, equal_nan=True)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Trace):
+            return NotImplemented
+        return (
+            self.name == other.name
+            and self.source == other.source
+            and self.n_unmatched_frees == other.n_unmatched_frees
+            and self.n_live_at_end == other.n_live_at_end
+            and self.n_failed_allocs == other.n_failed_allocs
+            and self.ops_equal(other)
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Trace(name={self.name!r}, source={self.source!r}, n_ops={self.n_ops}, n_allocs={self.n_allocs}, "
+            f"n_live_at_end={self.n_live_at_end}, n_unmatched_frees={self.n_unmatched_frees})"
+        )
+
+    # -- statistics -----------------------------------------------------------------
+
+    def live_nbytes(self) -> np.ndarray:
+        """Sum of live requested sizes after each op (int64 array of length ``n_ops``)."""
+        signed = np.where(self.kinds == OpKind.ALLOC, self.nbytes, -self.nbytes)
+        return np.cumsum(signed, dtype=np.int64)
+
+    @property
+    def peak_live_nbytes(self) -> int:
+        """The largest sum of live requested sizes at any point of the trace (0 for an empty trace)."""
+        if self.n_ops == 0:
+            return 0
+        return max(0, int(self.live_nbytes().max()))
+
+    def summary(self) -> TraceSummary:
+        """Headline figures: counts, peak live bytes, size extremes, streams and duration."""
+        alloc_sizes = self.nbytes[self.kinds == OpKind.ALLOC]
+        times = self.times_us[np.isfinite(self.times_us)]
+        return TraceSummary(
+            name=self.name,
+            source=self.source,
+            n_ops=self.n_ops,
+            n_allocs=len(alloc_sizes),
+            n_frees=self.n_ops - len(alloc_sizes),
+            n_live_at_end=self.n_live_at_end,
+            n_unmatched_frees=self.n_unmatched_frees,
+            n_failed_allocs=self.n_failed_allocs,
+            peak_live_nbytes=self.peak_live_nbytes,
+            total_alloc_nbytes=int(alloc_sizes.sum()),
+            max_alloc_nbytes=int(alloc_sizes.max()) if len(alloc_sizes) else 0,
+            median_alloc_nbytes=float(np.median(alloc_sizes)) if len(alloc_sizes) else 0.0,
+            n_streams=len(np.unique(self.streams)),
+            duration_s=float(times.max() - times.min()) / 1e6 if len(times) else 0.0,
+        )
+
+    # -- windows --------------------------------------------------------------------
+
+    def slice(self, start: int = 0, stop: int | None = None) -> Trace:
+        """The ops in ``[start, stop)`` as a new trace, with ids renumbered from 0.
+
+        Frees of allocations made before ``start`` are dropped and counted in the
+        new trace's ``n_unmatched_frees`` (a reader would have done the same with a
+        trace recorded from ``start`` on). Counters describing the whole source
+        (``n_unmatched_frees``, ``n_failed_allocs`` of ``self``) are not carried over.
+        """
+        n = self.n_ops
+        start, stop, _ = slice(start, stop).indices(n)
+        stop = max(start, stop)
+        kinds = self.kinds[start:stop]
+        ids = self.alloc_ids[start:stop]
+        is_alloc = kinds == OpKind.ALLOC
+        new_id = np.full(self.n_allocs, -1, dtype=np.int64)
+        new_id[ids[is_alloc]] = np.arange(int(is_alloc.sum()), dtype=np.int64)
+        mapped = new_id[ids] if len(ids) else ids
+        keep = mapped >= 0
+        return Trace(
+            self.name,
+            self.source,
+            kinds[keep],
+            mapped[keep],
+            self.nbytes[start:stop][keep],
+            self.streams[start:stop][keep],
+            self.times_us[start:stop][keep],
+            self.addrs[start:stop][keep],
+            n_unmatched_frees=int(np.count_nonzero(~keep)),
+        )
+
+    def head(self, n_ops: int) -> Trace:
+        """The first ``n_ops`` ops (ids are unchanged, since allocs precede their frees)."""
+        return self.slice(0, n_ops)
+
+    def renamed(self, name: str) -> Trace:
+        """The same ops under another name."""
+        return Trace(
+            name, self.source, self.kinds, self.alloc_ids, self.nbytes, self.streams, self.times_us, self.addrs,
+            n_unmatched_frees=self.n_unmatched_frees, n_failed_allocs=self.n_failed_allocs,
+        )

@@ -1,0 +1,170 @@
+"""gpumem's own trace format (``.gmt``, or ``.gmt.gz`` gzip-compressed).
+
+A UTF-8 text file: a JSON header line, then one line per op, fields separated by
+single spaces::
+
+    {"format": "gpumem-trace", "version": 1, "name": "gpt2_train", "source": "pytorch-snapshot", "n_ops": 4, "n_allocs": 2, "n_unmatched_frees": 0, "n_failed_allocs": 0, "time_unit": "us"}
+    a 0 37632 0 1795211429637998 7f49e3e00000
+    a 1 256 0 1795211429638010.5 7f49e3e09300
+    f 0 0 1795211429640001
+    f 1 7 1795211429640002
+
+* ``a <alloc_id> <nbytes> <stream> <time_us> <addr>``: an ALLOC. Ids must be
+  0, 1, 2, ... in order (they are redundant, and checked, so a damaged file is
+  caught early). ``addr`` is the original address in lowercase hex, no ``0x``.
+* ``f <alloc_id> <stream> <time_us>``: the FREE of a live allocation; its size
+  and address are those of the ALLOC.
+* ``time_us`` is written as an integer when integral, else as Python's shortest
+  round-trip ``repr`` of the float (``nan``/``inf`` allowed), so times survive
+  exactly. Streams and sizes are decimal integers.
+* ``n_ops`` in the header must match the number of op lines (this catches a
+  truncated uncompressed file); ``name``, ``source`` and the counters restore the
+  :class:`~gpumem.trace.Trace` fields, so ``read(write(t)) == t``.
+
+The reader rejects another ``format``, an unknown ``version`` and any malformed
+line with :class:`~gpumem.errors.TraceFormatError` naming the file and line.
+Version 1 is the only version; a future incompatible change bumps it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgumentError, TraceFormatError
+from ._fileio import PathLike, check_exists, open_for_writing, open_text
+from .model import OpKind, Trace
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "NATIVE_SUFFIXES", "read_native_trace", "write_native_trace"]
+
+FORMAT_NAME = "gpumem-trace"
+FORMAT_VERSION = 1
+NATIVE_SUFFIXES = (".gmt", ".gmt.gz")
+_HEADER_INTS = ("n_ops", "n_allocs", "n_unmatched_frees", "n_failed_allocs")
+
+
+def _fmt_time(t: float) -> str:
+    if t.is_integer() and abs(t) < 2**63:
+        return str(int(t))
+    return repr(t)
+
+
+def write_native_trace(trace: Trace, path: PathLike) -> Path:
+    """Write ``trace`` in the native format (gzip when ``path`` ends in ``.gz``); returns the path."""
+    header: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "name": trace.name,
+        "source": trace.source,
+        "n_ops": trace.n_ops,
+        "n_allocs": trace.n_allocs,
+        "n_unmatched_frees": trace.n_unmatched_frees,
+        "n_failed_allocs": trace.n_failed_allocs,
+        "time_unit": "us",
+    }
+    p = Path(path)
+    fmt_time = _fmt_time
+    with open_for_writing(p) as f:
+        f.write(json.dumps(header) + "\n")
+        lines: list[str] = []
+        push = lines.append
+        for kind, aid, n, s, t, a in zip(trace.kinds.tolist(), trace.alloc_ids.tolist(), trace.nbytes.tolist(),
+                                         trace.streams.tolist(), trace.times_us.tolist(), trace.addrs.tolist()):
+            if kind == OpKind.ALLOC:
+                push(f"a {aid} {n} {s} {fmt_time(t)} {a:x}\n")
+            else:
+                push(f"f {aid} {s} {fmt_time(t)}\n")
+            if len(lines) >= 65536:
+                f.write("".join(lines))
+                lines.clear()
+        f.write("".join(lines))
+    return p
+
+
+def _parse_header(line: str, where: str) -> dict[str, Any]:
+    try:
+        header = json.loads(line)
+    except ValueError:
+        header = None
+    if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
+        raise TraceFormatError(where, f"line 1: not a {FORMAT_NAME} header")
+    if header.get("version") != FORMAT_VERSION:
+        raise TraceFormatError(
+            where, f"line 1: unsupported {FORMAT_NAME} version {header.get('version')!r} (this reader knows 1)"
+        )
+    for key in _HEADER_INTS:
+        if type(header.get(key)) is not int or header[key] < 0:
+            raise TraceFormatError(where, f"line 1: header field {key!r} must be a non-negative integer")
+    for key in ("name", "source"):
+        if not isinstance(header.get(key), str):
+            raise TraceFormatError(where, f"line 1: header field {key!r} must be a string")
+    return header
+
+
+def read_native_trace(path: PathLike) -> Trace:
+    """Read a native ``.gmt``/``.gmt.gz`` trace; see the module docstring for the format and its checks."""
+    where = str(path)
+    check_exists(path)
+    kinds: list[int] = []
+    ids: list[int] = []
+    nbytes: list[int] = []
+    streams: list[int] = []
+    times: list[float] = []
+    addrs: list[int] = []
+    alloc_nbytes: list[int] = []
+    alloc_addrs: list[int] = []
+    live = bytearray()
+    with open_text(path) as f:
+        header = _parse_header(f.readline(), where)
+        lineno = 1
+        for lineno, line in enumerate(f, start=2):
+            p = line.split()
+            try:
+                tag = p[0]
+                if tag == "a" and len(p) == 6:
+                    aid = int(p[1])
+                    if aid != len(alloc_nbytes):
+                        raise ValueError(f"alloc id {aid}, expected {len(alloc_nbytes)}")
+                    n = int(p[2])
+                    if n < 0:
+                        raise ValueError(f"negative size {n}")
+                    a = int(p[5], 16)
+                    kinds.append(0)
+                    alloc_nbytes.append(n)
+                    alloc_addrs.append(a)
+                    live.append(1)
+                    s, t = int(p[3]), float(p[4])
+                elif tag == "f" and len(p) == 4:
+                    aid = int(p[1])
+                    if not 0 <= aid < len(live) or not live[aid]:
+                        raise ValueError(f"free of id {aid}, which is not live")
+                    live[aid] = 0
+                    n, a = alloc_nbytes[aid], alloc_addrs[aid]
+                    s, t = int(p[2]), float(p[3])
+                    kinds.append(1)
+                else:
+                    raise ValueError(f"expected 'a <id> <nbytes> <stream> <time_us> <addr>' or "
+                                     f"'f <id> <stream> <time_us>', got {line.strip()[:80]!r}")
+            except (ValueError, IndexError) as e:
+                raise TraceFormatError(where, f"line {lineno}: {e}") from None
+            ids.append(aid)
+            nbytes.append(n)
+            streams.append(s)
+            times.append(t)
+            addrs.append(a)
+    if len(kinds) != header["n_ops"]:
+        raise TraceFormatError(where, f"header says {header['n_ops']} ops, the file has {len(kinds)} (truncated?)")
+    if len(alloc_nbytes) != header["n_allocs"]:
+        raise TraceFormatError(where, f"header says {header['n_allocs']} allocations, the file has {len(alloc_nbytes)}")
+    try:
+        return Trace(
+            header["name"], header["source"],
+            np.array(kinds, dtype=np.int8), np.array(ids, dtype=np.int64), np.array(nbytes, dtype=np.int64),
+            np.array(streams, dtype=np.int64), np.array(times, dtype=np.float64), np.array(addrs, dtype=np.int64),
+            n_unmatched_frees=header["n_unmatched_frees"], n_failed_allocs=header["n_failed_allocs"],
+        )
+    except (InvalidArgumentError, OverflowError) as e:
+        raise TraceFormatError(where, str(e)) from None

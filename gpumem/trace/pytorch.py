@@ -1,0 +1,220 @@
+"""Reading PyTorch memory snapshots (``torch.cuda.memory._dump_snapshot``).
+
+A snapshot is a pickled dict (often gzipped)::
+
+    {
+      "segments": [ {"address", "total_size", "stream", "blocks": [...], ...}, ... ],  # state at dump time
+      "device_traces": [ [entry, entry, ...],   # device 0, oldest first
+                         [...], ... ],          # one list per device
+      "allocator_settings": {...}, ...          # optional, ignored here
+    }
+
+Each trace entry is a dict with ``action``, ``addr``, ``size`` (the *requested*
+size, not the rounded block size), ``stream``, ``time_us`` and ``frames`` (a stack
+trace), sometimes ``compile_context`` and ``user_metadata``. Actions:
+
+=================  =====================================================
+``alloc``          a tensor allocation: becomes an ALLOC op
+``free_requested`` the tensor was freed: becomes the FREE op
+``free_completed`` the block is reusable (later, if streams recorded it): ignored
+``segment_*``      cudaMalloc/cudaFree/map/unmap of allocator segments: ignored
+``snapshot``       a snapshot was taken: ignored
+``oom``            an allocation failed: counted in ``n_failed_allocs``
+=================  =====================================================
+
+So an allocation lives from its ``alloc`` to the ``free_requested`` of the same
+address. The history is a ring buffer: it may begin with frees of allocations
+made before recording started; those are skipped and counted
+(``n_unmatched_frees``). ``segments`` (the allocator state at dump time) is not
+needed to rebuild the ops and is not read.
+
+Loading is safe (see :mod:`gpumem.trace.safe_pickle`) and fast: the cyclic garbage
+collector is paused while the million small dicts are built (it would otherwise
+triple the load time) and entries are read column by column with list
+comprehensions; a per-entry validating pass runs only when the fast path finds
+something wrong, to name the bad entry.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from ..errors import TraceFormatError
+from ._fileio import PathLike, check_exists, trace_name_from_path
+from .builder import AddressReuseError, build_trace
+from .model import Trace
+from .safe_pickle import load_plain_pickle
+
+__all__ = ["ACTIONS", "read_pytorch_snapshot", "load_snapshot_dict", "snapshot_to_trace"]
+
+#: Every trace-entry action PyTorch writes, with the code used internally (0 alloc, 1 free).
+ACTIONS: dict[str, int] = {
+    "alloc": 0,
+    "free_requested": 1,
+    "free_completed": 2,
+    "segment_alloc": 3,
+    "segment_free": 4,
+    "segment_map": 5,
+    "segment_unmap": 6,
+    "snapshot": 7,
+    "oom": 8,
+}
+_OOM = ACTIONS["oom"]
+_INT64_MAX = 2**63 - 1
+
+Columns = tuple[list[int], list[int], list[int], list[int], list[Any]]
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def load_snapshot_dict(path: PathLike) -> dict[str, Any]:
+    """The snapshot dict of ``path``, loaded safely, with its top-level shape checked."""
+    check_exists(path)
+    with _gc_paused():
+        data = load_plain_pickle(path)
+    _check_top_level(data, str(path))
+    return data
+
+
+def _check_top_level(data: Any, where: str) -> None:
+    if not isinstance(data, dict):
+        raise TraceFormatError(where, f"top level is a {type(data).__name__}, not the dict of a memory snapshot")
+    if "device_traces" not in data:
+        raise TraceFormatError(
+            where, "no 'device_traces' key: not a memory snapshot, or recorded without _record_memory_history"
+        )
+    traces = data["device_traces"]
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        raise TraceFormatError(where, "'device_traces' must be a list with one list of entries per device")
+    if not isinstance(data.get("segments", []), list):
+        raise TraceFormatError(where, "'segments' must be a list")
+
+
+def _pick_device(traces: list[list[Any]], device: int | None, where: str) -> int:
+    if device is not None:
+        if not 0 <= device < len(traces):
+            raise TraceFormatError(where, f"no device {device}: the snapshot has traces for {len(traces)} device(s)")
+        return device
+    non_empty = [i for i, t in enumerate(traces) if t]
+    if len(non_empty) > 1:
+        raise TraceFormatError(where, f"devices {non_empty} all have traces: pass device= to choose one")
+    return non_empty[0] if non_empty else 0
+
+
+def _columns_fast(entries: list[Any]) -> Columns | None:
+    """All five columns, or None when anything needs the careful pass (which then names the entry)."""
+    try:
+        codes = list(map(ACTIONS.get, [e["action"] for e in entries]))
+        addrs = [e["addr"] for e in entries]
+        sizes = [e["size"] for e in entries]
+        streams = [e["stream"] for e in entries]
+        times = [e["time_us"] for e in entries]
+    except (KeyError, TypeError, IndexError):
+        return None
+    if None in codes:
+        return None
+    if not ({int} >= set(map(type, addrs)) and {int} >= set(map(type, sizes)) and {int} >= set(map(type, streams))):
+        return None
+    if not {int, float} >= set(map(type, times)):
+        return None
+    if entries and (min(sizes) < 0 or min(addrs) < 0 or max(addrs) > _INT64_MAX or max(sizes) > _INT64_MAX
+                    or min(streams) < -_INT64_MAX or max(streams) > _INT64_MAX):
+        return None
+    return codes, addrs, sizes, streams, times  # type: ignore[return-value]
+
+
+def _int_field(entry: dict[str, Any], key: str, where: str, i: int, *, default: int | None = None,
+               minimum: int = 0) -> int:
+    if key not in entry and default is not None:
+        return default
+    value = entry.get(key)
+    if type(value) is not int:
+        what = "missing" if key not in entry else f"not an integer ({type(value).__name__})"
+        raise TraceFormatError(where, f"'{key}' is {what}", entry=i)
+    if value < minimum:
+        raise TraceFormatError(where, f"negative '{key}' ({value})", entry=i)
+    if value > _INT64_MAX:
+        raise TraceFormatError(where, f"'{key}' ({value}) does not fit in 64 bits", entry=i)
+    return value
+
+
+def _columns_careful(entries: list[Any], where: str) -> Columns:
+    """Validate entry by entry; raise ``TraceFormatError`` naming the first bad one."""
+    codes, addrs, sizes, streams, times = [], [], [], [], []
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            raise TraceFormatError(where, f"entry is a {type(e).__name__}, not a dict", entry=i)
+        action = e.get("action")
+        if not isinstance(action, str):
+            raise TraceFormatError(where, "'action' is missing or not a string", entry=i)
+        if action not in ACTIONS:
+            raise TraceFormatError(where, f"unknown action {action!r}", entry=i)
+        codes.append(ACTIONS[action])
+        addrs.append(_int_field(e, "addr", where, i))
+        sizes.append(_int_field(e, "size", where, i))
+        streams.append(_int_field(e, "stream", where, i, default=0, minimum=-_INT64_MAX))
+        t = e.get("time_us", 0)
+        if type(t) not in (int, float):
+            raise TraceFormatError(where, f"'time_us' is not a number ({type(t).__name__})", entry=i)
+        times.append(t)
+    return codes, addrs, sizes, streams, times
+
+
+def snapshot_to_trace(
+    snapshot: Any,
+    *,
+    name: str = "snapshot",
+    device: int | None = None,
+    where: str = "<snapshot>",
+    consume: bool = False,
+) -> Trace:
+    """The ops of one device of an in-memory snapshot dict (``where`` names it in errors).
+
+    ``device=None`` picks the only device whose trace is non-empty. With
+    ``consume=True`` the snapshot's ``device_traces`` are emptied once read, so
+    the entry dicts can be freed before the trace is built (lower peak memory).
+    """
+    _check_top_level(snapshot, where)
+    traces = snapshot["device_traces"]
+    entries = traces[_pick_device(traces, device, where)] if traces else []
+    cols = _columns_fast(entries) or _columns_careful(entries, where)
+    if consume:
+        del entries
+        traces.clear()
+    codes, addrs, sizes, streams, times = cols
+    n_oom = codes.count(_OOM)
+    try:
+        return build_trace(
+            name, "pytorch-snapshot", codes, addrs, sizes, streams, np.asarray(times, dtype=np.float64),
+            origin=where, n_failed_allocs=n_oom,
+        )
+    except AddressReuseError as e:
+        raise TraceFormatError(where, str(e), entry=e.index) from None
+
+
+def read_pytorch_snapshot(path: PathLike, *, device: int | None = None, name: str | None = None) -> Trace:
+    """Read a PyTorch memory snapshot pickle (gzipped or not) as a :class:`Trace`.
+
+    ``name`` defaults to the file name up to its first dot. Raises
+    ``FileNotFoundError`` for a missing file and ``TraceFormatError`` (naming the
+    file, and the entry index for a bad entry) for anything unreadable.
+    """
+    data = load_snapshot_dict(path)
+    trace = snapshot_to_trace(
+        data, name=name if name is not None else trace_name_from_path(path), device=device, where=str(path), consume=True
+    )
+    return trace

@@ -613,7 +613,7 @@ class SimDevice(Device):
         self._call("mem_unmap", self.latency.mem_unmap_us)
         r = self._reservation(va, nbytes, "mem_unmap")
         for m in maps:
-            r.starts.remove(m.va)
+            del r.starts[bisect.bisect_left(r.starts, m.va)]
             del r.mappings[m.va]
             m.physical.map_count -= 1
             if m.physical.released and m.physical.map_count == 0:

@@ -192,7 +192,7 @@ class CachingAllocator:
             return self._grow_once(small, stream, size, free_list)
         except OutOfMemoryError:
             self.stats.num_alloc_retries += 1
-            return self._retry_after_release(small, stream, size, free_list, nbytes, grown=False)
+            return self._retry_after_release(small, stream, size, free_list, nbytes)
 
     def _grow_once(self, small: bool, stream: int, size: int, free_list: FreeList) -> Block:
         tail = self.backing.tail_block(small, stream)
@@ -205,8 +205,8 @@ class CachingAllocator:
                 free_list.add(tail)
             raise
 
-    def _retry_after_release(self, small: bool, stream: int, size: int, free_list: FreeList, nbytes: int,
-                             grown: bool = True) -> Block:
+    def _retry_after_release(self, small: bool, stream: int, size: int, free_list: FreeList,
+                             nbytes: int) -> Block:
         """Give cached memory back, then try once more to find or grow and commit a block."""
         self.backing.release_cached(self._free_list_of)
         block = None
@@ -390,7 +390,7 @@ class CachingAllocator:
                 return
             self._closed = True
             if self._live:
-                log.warning("closing an allocator with %d live block(s)", len(self._live))
+                log.info("closing an allocator with %d live block(s)", len(self._live))
             self.backing.close()
             self._live.clear()
             self._free_lists.clear()

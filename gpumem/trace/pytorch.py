@@ -191,7 +191,8 @@ def snapshot_to_trace(
     _check_top_level(snapshot, where)
     traces = snapshot["device_traces"]
     entries = traces[_pick_device(traces, device, where)] if traces else []
-    cols = _columns_fast(entries) or _columns_careful(entries, where)
+    with _gc_paused():
+        cols = _columns_fast(entries) or _columns_careful(entries, where)
     if consume:
         del entries
         traces.clear()
@@ -213,8 +214,9 @@ def read_pytorch_snapshot(path: PathLike, *, device: int | None = None, name: st
     ``FileNotFoundError`` for a missing file and ``TraceFormatError`` (naming the
     file, and the entry index for a bad entry) for anything unreadable.
     """
-    data = load_snapshot_dict(path)
-    trace = snapshot_to_trace(
-        data, name=name if name is not None else trace_name_from_path(path), device=device, where=str(path), consume=True
-    )
-    return trace
+    with _gc_paused():  # the collector would repeatedly traverse the million entry dicts
+        data = load_snapshot_dict(path)
+        return snapshot_to_trace(
+            data, name=trace_name_from_path(path) if name is None else name, device=device, where=str(path),
+            consume=True,
+        )

@@ -1,0 +1,166 @@
+"""Replay an allocation trace through a caching allocator on any device.
+
+>>> from gpumem.trace import load_trace
+>>> from gpumem.replay import replay_trace
+>>> result = replay_trace(load_trace("resnet_train.snapshot.pickle.gz"), "sim:h200-141gb", policy="gpumem")
+>>> print(f"{result.overhead:.2%}")
+
+The replay allocates and frees exactly what the trace did, in order, and reports
+the peak of the program's live bytes (what it asked for), the peak of what the
+allocator reserved from the device, their ratio as *overhead*, the allocator's
+stats and the time per operation. An allocation the device cannot serve stops
+the replay (unless ``stop_on_oom=False``, which skips it and its free) and the
+out-of-memory details are kept in :attr:`ReplayResult.oom_message`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .allocator import CachingAllocator
+from .allocator.policy import DEFAULT_POLICY, AllocatorPolicy
+from .allocator.stats import AllocatorStats
+from .device import Device
+from .errors import OutOfMemoryError
+from .progress import ProgressBar
+from .specs import open_device
+from .trace import Trace
+
+log = logging.getLogger(__name__)
+
+_CHUNK_OPS = 16_384
+
+
+@dataclass
+class ReplayResult:
+    """What one replay measured. ``as_json()`` gives the ``gpumem replay --json`` object."""
+
+    trace: str
+    device: str
+    policy: str
+    n_ops: int
+    n_allocs: int
+    completed_ops: int
+    peak_live_bytes: int
+    peak_reserved_bytes: int
+    ooms: int
+    wall_s: float
+    stats: AllocatorStats
+    sim_time_s: float | None = None
+    oom_message: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def overhead(self) -> float:
+        """``peak_reserved / peak_live - 1``."""
+        return self.peak_reserved_bytes / self.peak_live_bytes - 1.0 if self.peak_live_bytes else 0.0
+
+    @property
+    def ns_per_op(self) -> float:
+        """Wall-clock nanoseconds per replayed operation (allocate or free)."""
+        return self.wall_s * 1e9 / self.completed_ops if self.completed_ops else 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "trace": self.trace,
+            "device": self.device,
+            "policy": self.policy,
+            "n_ops": self.n_ops,
+            "n_allocs": self.n_allocs,
+            "completed_ops": self.completed_ops,
+            "peak_live_bytes": self.peak_live_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "overhead": self.overhead,
+            "ooms": self.ooms,
+            "wall_s": self.wall_s,
+            "ns_per_op": self.ns_per_op,
+            "sim_time_s": self.sim_time_s,
+            "device_calls": self.stats.device_calls,
+            "cache_hits": self.stats.cache_hits,
+            "cache_misses": self.stats.cache_misses,
+            "external_fragmentation_at_end": self.stats.external_fragmentation,
+        }
+        if self.oom_message:
+            out["oom"] = self.oom_message
+        out.update(self.extra)
+        return out
+
+
+def replay(trace: Trace, allocator: CachingAllocator, *, stop_on_oom: bool = True,
+           progress: bool | None = None) -> ReplayResult:
+    """Replay ``trace`` through ``allocator`` (which keeps its state afterwards: live blocks
+    of allocations the trace never freed stay allocated)."""
+    kinds, ids, sizes, streams = trace.as_lists()
+    n = len(kinds)
+    ptrs = [0] * (max(ids) + 1 if ids else 0)
+    allocate = allocator.allocate
+    free = allocator.free
+    device = allocator.device
+    sim_start = getattr(device, "now_s", None)
+    bar = ProgressBar(n, f"replay {trace.name}", enabled=progress)
+    ooms = 0
+    oom_message: str | None = None
+    done = 0
+    t0 = time.perf_counter()
+    try:
+        while done < n:
+            stop = min(done + _CHUNK_OPS, n)
+            try:
+                for i in range(done, stop):
+                    if kinds[i] == 0:
+                        ptrs[ids[i]] = allocate(sizes[i], streams[i])
+                    else:
+                        p = ptrs[ids[i]]
+                        if p:
+                            free(p)
+                            ptrs[ids[i]] = 0
+                done = stop
+            except OutOfMemoryError as exc:
+                ooms += 1
+                if oom_message is None:
+                    oom_message = str(exc)
+                done = i + 1
+                if stop_on_oom:
+                    log.warning("replay of %s stopped at op %d of %d: %s", trace.name, i, n, exc)
+                    break
+            bar.update(done)
+    finally:
+        wall_s = time.perf_counter() - t0
+        bar.close(done)
+    stats = allocator.snapshot_stats()
+    sim_end = getattr(device, "now_s", None)
+    return ReplayResult(
+        trace=trace.name,
+        device=device.spec,
+        policy=allocator.policy.name,
+        n_ops=n,
+        n_allocs=trace.n_allocs,
+        completed_ops=done,
+        peak_live_bytes=stats.peak_requested_nbytes,
+        peak_reserved_bytes=stats.peak_reserved_nbytes,
+        ooms=ooms,
+        wall_s=wall_s,
+        stats=stats,
+        sim_time_s=(sim_end - sim_start) if sim_start is not None and sim_end is not None else None,
+        oom_message=oom_message,
+    )
+
+
+def replay_trace(trace: Trace, device: str | Device = "sim:h200-141gb",
+                 policy: str | AllocatorPolicy = DEFAULT_POLICY, *, stop_on_oom: bool = True,
+                 progress: bool | None = None, **allocator_options: Any) -> ReplayResult:
+    """Open ``device`` (a spec or a :class:`Device`), build an allocator, replay, close both."""
+    own_device = not isinstance(device, Device)
+    dev = open_device(device) if own_device else device  # type: ignore[arg-type]
+    try:
+        allocator = CachingAllocator(dev, policy, **allocator_options)
+        try:
+            return replay(trace, allocator, stop_on_oom=stop_on_oom, progress=progress)
+        finally:
+            allocator.close()
+    finally:
+        if own_device:
+            dev.close()

@@ -129,17 +129,16 @@ def check_granular(nbytes: object, granularity: int, *, what: str = "nbytes") ->
 
 def check_data(data: object) -> memoryview:
     """Bytes-like data for :meth:`Device.write` as a flat byte memoryview."""
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        view = memoryview(data)
-    elif hasattr(data, "__array_interface__") or hasattr(data, "__buffer__"):
-        try:
-            view = memoryview(data)  # type: ignore[arg-type]
-        except TypeError as exc:
-            raise InvalidArgumentError(f"data must be bytes-like: {exc}") from None
-    else:
-        raise InvalidArgumentError(f"data must be bytes-like, got {type(data).__name__}")
+    # Any object with the buffer protocol (bytes, numpy arrays, array.array, mmap...): Python 3.12
+    # adds __buffer__ to all of them, 3.10/3.11 do not, so just try.
+    try:
+        view = memoryview(data)  # type: ignore[arg-type]
+    except (TypeError, ValueError, BufferError):  # ValueError: e.g. a numpy array of Python objects
+        raise InvalidArgumentError(f"data must be bytes-like, got {type(data).__name__}") from None
     if not view.c_contiguous:
         raise InvalidArgumentError("data must be C-contiguous")
+    if view.nbytes == 0:
+        return memoryview(b"")  # cast() refuses views with a zero in their shape, e.g. np.zeros((0, 3))
     return view.cast("B")
 
 

@@ -60,7 +60,7 @@ def parse_spec(spec: str) -> DeviceSpec:
     if kind is DeviceKind.CUDA:
         if options:
             raise InvalidArgumentError(f"device spec {spec!r}: cuda devices take no options")
-        if not target.isdigit():
+        if not (target.isascii() and target.isdigit()):  # isdigit alone accepts "²", which int() refuses
             raise InvalidArgumentError(f"device spec {spec!r}: the CUDA index must be a non-negative integer")
     else:
         unknown = set(options) - set(_SIM_OPTIONS)

@@ -16,8 +16,9 @@ Writing device tests
     A test that requests the ``device`` fixture (or ``device_spec``) runs once per chosen
     device. ``device`` is a freshly opened :class:`gpumem.Device` (``gpumem.open_device``),
     closed after the test; when the test passed, the fixture also checks that the test
-    left no live allocations or mappings behind (a device exposes ``n_allocations`` and,
-    optionally, ``mapping_ranges()`` for this; see :func:`live_objects`).
+    left no live allocations, mappings or reservations behind (through the device's
+    ``n_allocations`` and, where it has them, ``mapping_ranges()`` and ``reservation_ranges()``;
+    see :func:`live_objects`).
 
 Markers
     ``requires_vmm`` - skip on devices without virtual memory management;
@@ -257,19 +258,21 @@ def device_spec(pytestconfig: pytest.Config) -> str:
 
 
 def live_objects(dev: Any) -> int | None:
-    """What a device holds for the program right now: live ``malloc`` allocations plus live mappings.
+    """What a device holds for the program right now: live ``malloc`` allocations, mappings and reservations.
 
     Duck-typed, so that any :class:`gpumem.Device` can take part: ``n_allocations`` (an int
-    attribute or property) and optionally ``mapping_ranges()``. None when the device has neither.
+    attribute or property) and, where the device has them, ``mapping_ranges()`` and
+    ``reservation_ranges()``. None when the device has no ``n_allocations``.
     """
     n = getattr(dev, "n_allocations", None)
     if callable(n):
         n = n()
     if not isinstance(n, int):
         return None
-    mappings = getattr(dev, "mapping_ranges", None)
-    if callable(mappings):
-        n += len(mappings())
+    for name in ("mapping_ranges", "reservation_ranges"):
+        ranges = getattr(dev, name, None)
+        if callable(ranges):
+            n += len(ranges())
     return n
 
 
@@ -311,8 +314,8 @@ def device(request: pytest.FixtureRequest, device_spec: str) -> Iterator[Any]:
         if baseline is not None and report is not None and report.passed:
             left = live_objects(dev)
             if left is not None and left != baseline:
-                pytest.fail(f"{device_spec}: the test left {left - baseline} live allocation(s)/mapping(s) "
-                            f"behind (had {baseline} before, {left} after)", pytrace=False)
+                pytest.fail(f"{device_spec}: the test left {left - baseline} live allocation(s), mapping(s) or "
+                            f"reservation(s) behind (had {baseline} before, {left} after)", pytrace=False)
     finally:
         dev.close()
 

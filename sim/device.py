@@ -17,7 +17,8 @@ Memory
     the CUDA context, this process's pages and other tenants.
 
 Addresses
-    One 47-bit virtual address space holds ``malloc`` ranges and address
+    One virtual address space (from ``0x7f00_0000_0000`` to 2**48, 129 TiB, so
+    that 1 TiB reservations fit as on the H200) holds ``malloc`` ranges and address
     reservations, so nothing can overlap by construction; mappings inside a
     reservation are checked for overlap explicitly.
 
@@ -78,7 +79,7 @@ log = logging.getLogger(__name__)
 SMALL_MALLOC_MAX_NBYTES = 1 * MiB
 SMALL_MALLOC_ALIGNMENT = 512
 _VA_BASE = 0x7F00_0000_0000
-_VA_LIMIT = 1 << 47
+_VA_LIMIT = 1 << 48
 _FREED_MEMORY = 65_536
 
 
@@ -250,6 +251,14 @@ class SimDevice(Device):
         if seconds:
             self._advance_to(self.env.now + seconds)
 
+    def _check_usable(self) -> None:
+        """Refuse a call on a closed or lost device before looking anything up (a closed device has
+        forgotten its allocations, so a lookup would misreport DeviceClosedError as a bad pointer)."""
+        if self._closed:
+            raise DeviceClosedError(f"{self.spec} is closed")
+        if self._lost:
+            raise DeviceLostError(f"{self.spec} was lost at t={self.faults.plan.device_lost_at_s}s")
+
     def _call(self, name: str, cost_us: float) -> None:
         """Start a call: refuse on a closed or lost device, then let its cost in time pass."""
         if self._closed:
@@ -416,7 +425,9 @@ class SimDevice(Device):
     # -- Device: malloc and free -------------------------------------------------------------------
     def malloc(self, nbytes: int) -> int:
         check_nbytes(nbytes)
-        self._call("malloc", self.latency.malloc_us(nbytes))
+        # a request beyond the device fails at once on a real GPU: do not charge (and simulate) the
+        # extrapolated cost of an absurd size, which can be hours of simulated tenant activity
+        self._call("malloc", self.latency.malloc_us(min(nbytes, self.profile.total_nbytes)))
         self._decide_allocation_fault(nbytes)
         if nbytes <= SMALL_MALLOC_MAX_NBYTES:
             return self._malloc_small(nbytes)
@@ -456,6 +467,7 @@ class SimDevice(Device):
 
     def free(self, ptr: int) -> None:
         check_pointer(ptr)
+        self._check_usable()
         alloc = self._allocations.get(ptr)
         if alloc is None:
             if ptr in self._freed:
@@ -480,6 +492,7 @@ class SimDevice(Device):
 
     # -- Device: virtual memory management -----------------------------------------------------------
     def _require_vmm(self, call: str) -> None:
+        self._check_usable()
         if not self._props.vmm_supported:
             raise UnsupportedOperationError(
                 f"{call}: {self.spec} ({self._props.name}) does not support virtual memory management")
@@ -653,6 +666,7 @@ class SimDevice(Device):
     def write(self, ptr: int, data: BytesLike) -> None:
         check_pointer(ptr)
         view = check_data(data)
+        self._check_usable()
         if len(view) == 0:
             return
         pieces = self._segments(ptr, len(view), "write")
@@ -665,6 +679,7 @@ class SimDevice(Device):
     def read(self, ptr: int, nbytes: int) -> bytes:
         check_pointer(ptr)
         check_nbytes(nbytes, allow_zero=True)
+        self._check_usable()
         if nbytes == 0:
             return b""
         pieces = self._segments(ptr, nbytes, "read")

@@ -137,6 +137,9 @@ class PeriodicSpikes(Scenario):
         _check_positive("nbytes", self.nbytes)
         _check_positive("period_s", self.period_s)
         _check_positive("spike_s", self.spike_s)
+        _check_nonneg("start_s", self.start_s)
+        if self.count is not None:
+            _check_nonneg("count", self.count)
         if self.spike_s >= self.period_s:
             raise InvalidArgumentError("spike_s must be shorter than period_s")
 
@@ -199,6 +202,7 @@ class TraceTenant(Scenario):
 
     def __post_init__(self) -> None:
         _check_positive("time_scale", self.time_scale)
+        _check_nonneg("start_s", self.start_s)
 
     @classmethod
     def from_trace(cls, trace: object, *, start_s: float = 0.0, time_scale: float = 1.0) -> "TraceTenant":

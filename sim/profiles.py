@@ -60,10 +60,12 @@ class DeviceProfile:
             raise InvalidArgumentError(f"profile name must be lowercase without spaces, got {self.name!r}")
         for what in ("total_nbytes", "granularity_nbytes"):
             value = getattr(self, what)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidArgumentError(f"{what} must be a positive int, got {value!r}")
-        if self.context_nbytes < 0 or self.host_reserved_nbytes < 0:
-            raise InvalidArgumentError("context_nbytes and host_reserved_nbytes must not be negative")
+        for what in ("context_nbytes", "host_reserved_nbytes"):
+            value = getattr(self, what)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidArgumentError(f"{what} must be a non-negative int, got {value!r}")
         if self.context_nbytes + self.host_reserved_nbytes >= self.total_nbytes:
             raise InvalidArgumentError("context and host reservations leave no memory on the device")
         if self.granularity_nbytes & (self.granularity_nbytes - 1):
@@ -145,8 +147,11 @@ def custom_profile(name: str, total_nbytes: int, *, base: str | DeviceProfile = 
     >>> p = custom_profile("my-card-8gb", 8 * GiB, compute_capability=(8, 6))
     """
     base_profile = base if isinstance(base, DeviceProfile) else get_profile(base)
-    return replace(base_profile, name=name, display_name=str(overrides.pop("display_name", name)),
-                   total_nbytes=total_nbytes, **overrides)  # type: ignore[arg-type]
+    try:
+        return replace(base_profile, name=name, display_name=str(overrides.pop("display_name", name)),
+                       total_nbytes=total_nbytes, **overrides)  # type: ignore[arg-type]
+    except TypeError as exc:  # an unknown field: every gpumem error is a GpumemError
+        raise InvalidArgumentError(f"custom_profile: {exc}") from None
 
 
 __all__ = ["DeviceProfile", "BUILTIN_PROFILES", "profile_names", "get_profile", "custom_profile", "GiB"]

@@ -168,8 +168,8 @@ class SegmentBacking(Backing):
         released = 0
         for base, seg in list(self.segments.items()):
             head = self._heads[base]
-            if head.allocated or head.size != seg.nbytes:
-                continue
+            if head.allocated or head.pending_streams or head.size != seg.nbytes:
+                continue  # holds live data, or was freed but waits for a stream sync point
             free_list_of(head).remove(head)
             self.device.free(base)
             self.device_calls += 1

@@ -136,6 +136,10 @@ class CachingAllocator:
                 self.stats.num_alloc_retries += 1
                 self._unsplit_after_failure(block, free_list)
                 block = self._retry_after_release(small, stream, size, free_list, nbytes)
+            except BaseException:
+                # any other failure (a TransientDeviceError...): the block goes back, see the Note
+                self._unsplit_after_failure(block, free_list)
+                raise
             block.allocated = True
             block.requested = nbytes
             addr = block.addr
@@ -174,10 +178,11 @@ class CachingAllocator:
             if self._recorder is not None:
                 self._recorder.record_free(ptr, block.stream)
             block.allocated = False
-            self.backing.decommit(block)
             if block.pending_streams:
+                # its memory stays committed (pages not stealable) until the sync point, see Note [Streams]
                 self._pending.append(block)
                 return
+            self.backing.decommit(block)
             self._insert_free(block)
 
     # -- growth, splitting, merging --------------------------------------------------------------------
@@ -224,6 +229,10 @@ class CachingAllocator:
                 self._unsplit_after_failure(block, free_list)
             self.stats.num_ooms += 1
             raise self._oom_error(nbytes, exc) from None
+        except BaseException:
+            if block is not None:
+                self._unsplit_after_failure(block, free_list)
+            raise
 
     def _split(self, block: Block, size: int, small: bool, free_list: FreeList) -> Block:
         remaining = block.size - size
@@ -317,6 +326,7 @@ class CachingAllocator:
             pending, self._pending = self._pending, []
             for block in pending:
                 block.pending_streams = None
+                self.backing.decommit(block)
                 self._insert_free(block)
 
     # -- cache control and introspection -----------------------------------------------------------------

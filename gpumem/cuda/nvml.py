@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 from gpumem.errors import BackendUnavailableError, CudaError
 
@@ -36,8 +36,6 @@ from .backend import import_nvml
 from .errors import from_nvml_error
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -244,15 +242,6 @@ def list_cuda_devices(nvml: Any | None = None) -> list[CudaDeviceSummary]:
         except CudaError as exc:
             log.debug("listing CUDA devices through NVML failed: %s", exc)
             return []
-
-
-def best_effort(what: str, fn: Callable[[], T], default: T) -> T:
-    """``fn()``, or ``default`` (logging ``what`` failed at debug level) if it raises a gpumem CUDA error."""
-    try:
-        return fn()
-    except (CudaError, BackendUnavailableError) as exc:
-        log.debug("%s failed: %s", what, exc)
-        return default
 
 
 __all__ = [

@@ -1,0 +1,405 @@
+"""Fake CuPy runtime, cuda-bindings driver and pynvml modules for testing gpumem.cuda without a GPU.
+
+Deliberately small: they are not a second simulator. They do just enough to
+(1) let :class:`gpumem.cuda.CudaDevice` run its bookkeeping and error
+translation, and (2) *fail loudly* (``AssertionError``) when the adapter hands
+CUDA something a real driver would choke on: a pointer it never returned, an
+overlapping mapping, a released handle. "Device memory" is host memory from
+``ctypes``, so ``cudaMemcpy`` really copies and a read-after-write round trip
+tests the adapter's pointer arithmetic.
+
+Errors are injected one call at a time: ``fake.fail["cudaMalloc"] = "cudaErrorMemoryAllocation"``
+makes the next ``malloc`` fail with that error (runtime and driver alike).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+from types import SimpleNamespace
+from typing import Any
+
+MiB = 2**20
+GiB = 2**30
+
+H200_PROPS: dict[str, Any] = {
+    "name": b"NVIDIA H200",
+    "totalGlobalMem": 150_109_880_320,
+    "major": 9,
+    "minor": 0,
+    "multiProcessorCount": 132,
+    "integrated": 0,
+    "memoryClockRate": 3_201_000,
+    "memoryBusWidth": 6016,
+}
+#: 2 x 3.201 GHz x 6016 bit / 8, as measured on the H200.
+H200_BANDWIDTH_GBPS = 2 * 3_201_000 * 1e3 * 6016 / 8 / 1e9
+
+RUNTIME_ERRORS = {
+    "cudaErrorInvalidValue": (1, "invalid argument"),
+    "cudaErrorMemoryAllocation": (2, "out of memory"),
+    "cudaErrorInsufficientDriver": (35, "CUDA driver version is insufficient for CUDA runtime version"),
+    "cudaErrorNoDevice": (100, "no CUDA-capable device is detected"),
+    "cudaErrorInvalidDevice": (101, "invalid device ordinal"),
+    "cudaErrorIllegalAddress": (700, "an illegal memory access was encountered"),
+}
+
+
+class FakeCUDARuntimeError(RuntimeError):
+    """Like CuPy's: ``status`` and a message starting with CUDA's name for the error."""
+
+    def __init__(self, name: str) -> None:
+        self.status, text = RUNTIME_ERRORS[name]
+        super().__init__(f"{name}: {text}")
+
+
+class _Host:
+    """Host memory standing in for device memory, aligned like CUDA's."""
+
+    def __init__(self, nbytes: int, alignment: int) -> None:
+        self.buf = ctypes.create_string_buffer(nbytes + alignment)
+        base = ctypes.addressof(self.buf)
+        self.addr = -(-base // alignment) * alignment
+        self.nbytes = nbytes
+
+
+class FakeRuntime:
+    """Stands in for ``cupy.cuda.runtime`` (one process, ``device_count`` identical GPUs)."""
+
+    memcpyHostToDevice = 1
+    memcpyDeviceToHost = 2
+    cudaDevAttrMemoryClockRate = 36
+    cudaDevAttrGlobalMemoryBusWidth = 37
+    CUDARuntimeError = FakeCUDARuntimeError
+
+    def __init__(self, device_count: int = 1, total_nbytes: int = 1 * GiB, props: dict | None = None,
+                 attributes: dict[int, int] | None = None) -> None:
+        self.device_count = device_count
+        self.total_nbytes = total_nbytes
+        self.props = dict(H200_PROPS if props is None else props, totalGlobalMem=total_nbytes)
+        self.attributes = attributes or {}
+        self.used_nbytes = 0
+        self.current: int | None = None
+        self.calls: list[tuple[str, tuple]] = []
+        self.fail: dict[str, str] = {}
+        self.allocations: dict[int, _Host] = {}
+        self.driver: FakeDriver | None = None  # set by FakeDriver, for memcpy into mappings
+
+    def _enter(self, name: str, *args: Any) -> None:
+        self.calls.append((name, args))
+        error = self.fail.pop(name, None)
+        if error is not None:
+            raise FakeCUDARuntimeError(error)
+
+    def count(self, name: str) -> int:
+        return sum(1 for n, _ in self.calls if n == name)
+
+    # device and properties
+    def getDeviceCount(self) -> int:
+        self._enter("cudaGetDeviceCount")
+        return self.device_count
+
+    def setDevice(self, index: int) -> None:
+        self._enter("cudaSetDevice", index)
+        if not 0 <= index < self.device_count:
+            raise FakeCUDARuntimeError("cudaErrorInvalidDevice")
+        self.current = index
+
+    def getDeviceProperties(self, index: int) -> dict:
+        self._enter("cudaGetDeviceProperties", index)
+        return dict(self.props)
+
+    def deviceGetAttribute(self, attr: int, index: int) -> int:
+        self._enter("cudaDeviceGetAttribute", attr, index)
+        if attr not in self.attributes:
+            raise FakeCUDARuntimeError("cudaErrorInvalidValue")
+        return self.attributes[attr]
+
+    def deviceGetPCIBusId(self, index: int) -> str:
+        self._enter("cudaDeviceGetPCIBusId", index)
+        return f"0000:{0x18 + index:02x}:00.0"
+
+    def deviceSynchronize(self) -> None:
+        self._enter("cudaDeviceSynchronize")
+
+    # memory
+    def memGetInfo(self) -> tuple[int, int]:
+        self._enter("cudaMemGetInfo")
+        return self.total_nbytes - self.used_nbytes, self.total_nbytes
+
+    def malloc(self, nbytes: int) -> int:
+        self._enter("cudaMalloc", nbytes)
+        assert self.current is not None, "cudaMalloc before cudaSetDevice"
+        if self.used_nbytes + nbytes > self.total_nbytes:
+            raise FakeCUDARuntimeError("cudaErrorMemoryAllocation")
+        host = _Host(nbytes, 256)
+        self.allocations[host.addr] = host
+        self.used_nbytes += nbytes
+        return host.addr
+
+    def free(self, ptr: int) -> None:
+        self._enter("cudaFree", ptr)
+        if ptr == 0:
+            return
+        assert ptr in self.allocations, f"cudaFree of {ptr:#x}, which cudaMalloc never returned"
+        self.used_nbytes -= self.allocations.pop(ptr).nbytes
+
+    def _device_range_ok(self, ptr: int, nbytes: int) -> bool:
+        for host in self.allocations.values():
+            if host.addr <= ptr and ptr + nbytes <= host.addr + host.nbytes:
+                return True
+        return self.driver is not None and self.driver.accessible(ptr, nbytes)
+
+    def memcpy(self, dst: int, src: int, nbytes: int, kind: int) -> None:
+        self._enter("cudaMemcpy", dst, src, nbytes, kind)
+        device_ptr = dst if kind == self.memcpyHostToDevice else src
+        assert kind in (self.memcpyHostToDevice, self.memcpyDeviceToHost), kind
+        assert self._device_range_ok(device_ptr, nbytes), \
+            f"cudaMemcpy of {nbytes} bytes at {device_ptr:#x}: not inside an allocation or accessible mapping"
+        ctypes.memmove(dst, src, nbytes)
+
+
+class CUresult(enum.IntEnum):
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_OUT_OF_MEMORY = 2
+    CUDA_ERROR_NOT_SUPPORTED = 801
+
+
+class _Ptr:
+    """Like ``CUdeviceptr`` / ``CUmemGenericAllocationHandle``: a wrapper that ``int()`` unwraps."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __int__(self) -> int:
+        return self.value
+
+
+class FakeDriver:
+    """Stands in for ``cuda.bindings.driver``: results are ``(CUresult, value...)`` tuples."""
+
+    CUresult = CUresult
+    CUmemAllocationType = SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED=1)
+    CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
+    CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
+    CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
+    CUdevice_attribute = SimpleNamespace(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED=102)
+
+    @staticmethod
+    def CUmemAllocationProp() -> SimpleNamespace:  # noqa: N802 - the driver's name
+        return SimpleNamespace(type=None, location=SimpleNamespace(type=None, id=None))
+
+    @staticmethod
+    def CUmemAccessDesc() -> SimpleNamespace:  # noqa: N802
+        return SimpleNamespace(flags=None, location=SimpleNamespace(type=None, id=None))
+
+    def __init__(self, runtime: FakeRuntime, *, vmm_supported: bool = True, granularity: int = 2 * MiB) -> None:
+        self.runtime = runtime
+        runtime.driver = self
+        self.vmm_supported = vmm_supported
+        self.gran = granularity
+        self.calls: list[tuple[str, tuple]] = []
+        self.fail: dict[str, str] = {}
+        self.reservations: dict[int, _Host] = {}
+        self.handles: dict[int, list] = {}  # id -> [nbytes, released, n_mappings]
+        self.mappings: dict[int, list] = {}  # va -> [nbytes, handle id, accessible]
+        self._next = 100
+
+    def _enter(self, name: str, *args: Any) -> CUresult:
+        self.calls.append((name, args))
+        error = self.fail.pop(name, None)
+        return CUresult[error] if error else CUresult.CUDA_SUCCESS
+
+    def count(self, name: str) -> int:
+        return sum(1 for n, _ in self.calls if n == name)
+
+    def accessible(self, ptr: int, nbytes: int) -> bool:
+        cursor, end = ptr, ptr + nbytes
+        while cursor < end:
+            hit = [(va, m) for va, m in self.mappings.items() if va <= cursor < va + m[0]]
+            if not hit or not hit[0][1][2]:
+                return False
+            cursor = hit[0][0] + hit[0][1][0]
+        return True
+
+    def cuGetErrorName(self, err: CUresult) -> tuple:  # noqa: N802
+        return CUresult.CUDA_SUCCESS, err.name.encode()
+
+    def cuGetErrorString(self, err: CUresult) -> tuple:  # noqa: N802
+        return CUresult.CUDA_SUCCESS, f"fake {err.name}".encode()
+
+    def cuInit(self, flags: int) -> tuple:  # noqa: N802
+        return (self._enter("cuInit", flags),)
+
+    def cuDeviceGet(self, ordinal: int) -> tuple:  # noqa: N802
+        return self._enter("cuDeviceGet", ordinal), _Ptr(ordinal)
+
+    def cuDeviceGetAttribute(self, attr: int, dev: _Ptr) -> tuple:  # noqa: N802
+        return self._enter("cuDeviceGetAttribute", attr, dev), int(self.vmm_supported)
+
+    def cuMemGetAllocationGranularity(self, prop: SimpleNamespace, flag: int) -> tuple:  # noqa: N802
+        assert prop.type == 1 and prop.location.type == 1
+        return self._enter("cuMemGetAllocationGranularity", prop, flag), self.gran
+
+    def cuMemAddressReserve(self, nbytes: int, alignment: int, addr: int, flags: int) -> tuple:  # noqa: N802
+        err = self._enter("cuMemAddressReserve", nbytes, alignment, addr, flags)
+        if err:
+            return err, _Ptr(0)
+        host = _Host(nbytes, max(alignment, self.gran))
+        self.reservations[host.addr] = host
+        return CUresult.CUDA_SUCCESS, _Ptr(host.addr)
+
+    def cuMemAddressFree(self, va: int, nbytes: int) -> tuple:  # noqa: N802
+        err = self._enter("cuMemAddressFree", va, nbytes)
+        if err:
+            return (err,)
+        host = self.reservations.get(va)
+        assert host is not None and host.nbytes == nbytes, f"cuMemAddressFree({va:#x}, {nbytes}): no such reservation"
+        assert not any(va <= m < va + nbytes for m in self.mappings), "cuMemAddressFree of a mapped reservation"
+        del self.reservations[va]
+        return (CUresult.CUDA_SUCCESS,)
+
+    def cuMemCreate(self, nbytes: int, prop: SimpleNamespace, flags: int) -> tuple:  # noqa: N802
+        err = self._enter("cuMemCreate", nbytes, prop, flags)
+        if err:
+            return err, _Ptr(0)
+        assert nbytes % self.gran == 0
+        if self.runtime.used_nbytes + nbytes > self.runtime.total_nbytes:
+            return CUresult.CUDA_ERROR_OUT_OF_MEMORY, _Ptr(0)
+        self._next += 1
+        self.handles[self._next] = [nbytes, False, 0]
+        self.runtime.used_nbytes += nbytes
+        return CUresult.CUDA_SUCCESS, _Ptr(self._next)
+
+    def _maybe_drop(self, hid: int) -> None:
+        nbytes, released, n_maps = self.handles[hid]
+        if released and n_maps == 0:
+            del self.handles[hid]
+            self.runtime.used_nbytes -= nbytes
+
+    def cuMemRelease(self, handle: _Ptr) -> tuple:  # noqa: N802
+        err = self._enter("cuMemRelease", handle)
+        if err:
+            return (err,)
+        h = self.handles.get(int(handle))
+        assert h is not None and not h[1], f"cuMemRelease of unknown or released handle {int(handle)} (undefined)"
+        h[1] = True
+        self._maybe_drop(int(handle))
+        return (CUresult.CUDA_SUCCESS,)
+
+    def cuMemMap(self, va: int, nbytes: int, offset: int, handle: _Ptr, flags: int) -> tuple:  # noqa: N802
+        err = self._enter("cuMemMap", va, nbytes, offset, handle, flags)
+        if err:
+            return (err,)
+        assert isinstance(va, int) and isinstance(handle, _Ptr), (va, handle)
+        h = self.handles.get(int(handle))
+        assert h is not None and not h[1] and offset + nbytes <= h[0], "cuMemMap of a bad handle or range"
+        assert any(r <= va and va + nbytes <= r + host.nbytes for r, host in self.reservations.items()), \
+            "cuMemMap outside any reservation"
+        assert not any(m < va + nbytes and va < m + v[0] for m, v in self.mappings.items()), "cuMemMap overlap"
+        self.mappings[va] = [nbytes, int(handle), False]
+        h[2] += 1
+        return (CUresult.CUDA_SUCCESS,)
+
+    def cuMemSetAccess(self, va: int, nbytes: int, descs: list, count: int) -> tuple:  # noqa: N802
+        err = self._enter("cuMemSetAccess", va, nbytes, descs, count)
+        if err:
+            return (err,)
+        assert count == len(descs) == 1 and descs[0].flags == 3 and descs[0].location.type == 1
+        m = self.mappings.get(va)
+        assert m is not None and m[0] == nbytes, "cuMemSetAccess not on a whole mapping"
+        m[2] = True
+        return (CUresult.CUDA_SUCCESS,)
+
+    def cuMemUnmap(self, va: int, nbytes: int) -> tuple:  # noqa: N802
+        err = self._enter("cuMemUnmap", va, nbytes)
+        if err:
+            return (err,)
+        m = self.mappings.get(va)
+        assert m is not None and m[0] == nbytes, f"cuMemUnmap({va:#x}, {nbytes}) is not one whole mapping"
+        del self.mappings[va]
+        self.handles[m[1]][2] -= 1
+        self._maybe_drop(m[1])
+        return (CUresult.CUDA_SUCCESS,)
+
+
+class FakeNVMLError(Exception):
+    def __init__(self, value: int) -> None:
+        self.value = value
+        super().__init__({1: "Uninitialized", 3: "Not Supported", 12: "NVML Shared Library Not Found"}.get(value, "?"))
+
+
+class FakeNvml:
+    """Stands in for ``pynvml``: ``gpus`` is a list of dicts (name, uuid, total, used, pci, processes)."""
+
+    NVML_ERROR_UNINITIALIZED = 1
+    NVML_ERROR_NOT_SUPPORTED = 3
+    NVML_ERROR_LIBRARY_NOT_FOUND = 12
+    NVML_CLOCK_MEM = 2
+    NVMLError = FakeNVMLError
+
+    def __init__(self, gpus: list[dict] | None = None, *, init_error: int | None = None) -> None:
+        self.gpus = gpus if gpus is not None else [fake_gpu(0)]
+        self.init_error = init_error
+        self.inits = 0
+        self.fail: dict[str, int] = {}
+
+    def _enter(self, name: str) -> None:
+        error = self.fail.pop(name, None)
+        if error is not None:
+            raise FakeNVMLError(error)
+        if name != "nvmlInit" and self.inits <= 0:
+            raise FakeNVMLError(self.NVML_ERROR_UNINITIALIZED)
+
+    def nvmlInit(self) -> None:  # noqa: N802
+        if self.init_error is not None:
+            raise FakeNVMLError(self.init_error)
+        self._enter("nvmlInit")
+        self.inits += 1
+
+    def nvmlShutdown(self) -> None:  # noqa: N802
+        self._enter("nvmlShutdown")
+        self.inits -= 1
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+        self._enter("nvmlDeviceGetCount")
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> dict:  # noqa: N802
+        self._enter("nvmlDeviceGetHandleByIndex")
+        return self.gpus[i]
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus_id: bytes) -> dict:  # noqa: N802
+        self._enter("nvmlDeviceGetHandleByPciBusId")
+        assert isinstance(bus_id, bytes)
+        for g in self.gpus:
+            if g["pci"] == bus_id.decode():
+                return g
+        raise FakeNVMLError(3)
+
+    def nvmlDeviceGetName(self, h: dict) -> str:  # noqa: N802
+        self._enter("nvmlDeviceGetName")
+        return h["name"]
+
+    def nvmlDeviceGetUUID(self, h: dict) -> bytes:  # noqa: N802
+        self._enter("nvmlDeviceGetUUID")
+        return h["uuid"].encode()
+
+    def nvmlDeviceGetMemoryInfo(self, h: dict) -> SimpleNamespace:  # noqa: N802
+        self._enter("nvmlDeviceGetMemoryInfo")
+        return SimpleNamespace(total=h["total"], used=h["used"], free=h["total"] - h["used"])
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: dict) -> list:  # noqa: N802
+        self._enter("nvmlDeviceGetComputeRunningProcesses")
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in h["processes"]]
+
+    def nvmlDeviceGetMaxClockInfo(self, h: dict, clock: int) -> int:  # noqa: N802
+        self._enter("nvmlDeviceGetMaxClockInfo")
+        assert clock == self.NVML_CLOCK_MEM
+        return h.get("mem_clock_mhz", 3201)
+
+
+def fake_gpu(i: int, *, processes: list | None = None, total: int = 150_754_820_096, used: int = 1_197_342_720) -> dict:
+    return {"name": "NVIDIA H200", "uuid": f"GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x}", "total": total, "used": used,
+            "pci": f"0000:{0x18 + i:02x}:00.0", "processes": processes or []}

@@ -1,0 +1,126 @@
+"""The same calls on the simulator and on CudaDevice (over fakes) end the same way.
+
+The contract suite checks this against a real GPU; this table keeps the two
+implementations' checks in step on every machine. Each scenario gets a fresh
+device and returns what it observed (values that do not depend on addresses) or
+raises; the exception types must be identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+import sim
+from gpumem import PhysicalHandle
+
+G = 2 * 2**20
+
+
+def _mapped(dev, n_chunks: int = 2, access: bool = True) -> tuple[int, list[PhysicalHandle]]:
+    va = dev.address_reserve(8 * G)
+    hs = [dev.mem_create(G) for _ in range(n_chunks)]
+    for i, h in enumerate(hs):
+        dev.mem_map(va + i * G, G, h)
+    if access:
+        dev.mem_set_access(va, n_chunks * G)
+    return va, hs
+
+
+def _roundtrip(dev):
+    p = dev.malloc(1000)
+    dev.write(p + 10, b"abc")
+    return dev.read(p + 10, 3)
+
+
+def _across_mappings(dev):
+    va, _ = _mapped(dev)
+    dev.write(va + G - 1, b"xy")
+    return dev.read(va + G - 1, 2)
+
+
+def _unmap_two_at_once(dev):
+    va, hs = _mapped(dev)
+    dev.mem_unmap(va, 2 * G)
+    for h in hs:
+        dev.mem_release(h)
+    dev.address_free(va, 8 * G)
+    return dev.mapping_ranges()
+
+
+def _released_while_mapped(dev):
+    va, hs = _mapped(dev)
+    dev.mem_release(hs[0])
+    dev.write(va, b"ok")
+    return dev.read(va, 2)
+
+
+def _double_free(dev):
+    p = dev.malloc(4096)
+    dev.free(p)
+    dev.free(p)
+
+
+def _closed_malloc(dev):
+    dev.close()
+    dev.close()
+    dev.malloc(64)
+
+
+SCENARIOS: dict[str, Callable[[Any], Any]] = {
+    "roundtrip": _roundtrip,
+    "across_mappings": _across_mappings,
+    "unmap_two_at_once": _unmap_two_at_once,
+    "released_while_mapped": _released_while_mapped,
+    "malloc_zero": lambda d: d.malloc(0),
+    "malloc_float": lambda d: d.malloc(64.0),
+    "free_unknown": lambda d: d.free(d.malloc(4096) + 0x4000_0000),
+    "free_interior": lambda d: d.free(d.malloc(4096) + 512),
+    "double_free": _double_free,
+    "read_past_end": lambda d: d.read(d.malloc(1000) + 999, 2),
+    "read_just_after_end": lambda d: d.read(d.malloc(1000) + 1000, 1),
+    "read_negative": lambda d: d.read(d.malloc(1000), -1),
+    "write_text": lambda d: d.write(d.malloc(1000), "abc"),
+    "write_empty_anywhere": lambda d: d.write(123, b""),
+    "reserve_not_granular": lambda d: d.address_reserve(G + 512),
+    "reserve_bad_alignment": lambda d: d.address_reserve(G, 3 * G),
+    "create_not_granular": lambda d: d.mem_create(G // 2),
+    "map_overlap": lambda d: d.mem_map(_mapped(d)[0] + G, G, d.mem_create(G)),
+    "map_past_reservation": lambda d: d.mem_map(d.address_reserve(2 * G) + G, 2 * G, d.mem_create(2 * G)),
+    "map_into_malloc": lambda d: d.mem_map((d.malloc(8 * G) // G + 1) * G, G, d.mem_create(G)),
+    "map_int_handle": lambda d: d.mem_map(d.address_reserve(2 * G), G, 1),
+    "map_offset_too_big": lambda d: d.mem_map(d.address_reserve(2 * G), G, d.mem_create(G), G),
+    "map_unaligned_va": lambda d: d.mem_map(d.address_reserve(2 * G) + 4096, G, d.mem_create(G)),
+    "map_forged_handle": lambda d: d.mem_map(d.address_reserve(2 * G), G, PhysicalHandle(999, G)),
+    "map_released": lambda d: (lambda h: (d.mem_release(h), d.mem_map(d.address_reserve(G), G, h)))(d.mem_create(G)),
+    "release_twice": lambda d: (lambda h: (d.mem_release(h), d.mem_release(h)))(d.mem_create(G)),
+    "unmap_part": lambda d: (lambda va: (d.mem_map(va, 2 * G, d.mem_create(2 * G)), d.mem_unmap(va, G)))(
+        d.address_reserve(4 * G)),
+    "unmap_unmapped": lambda d: d.mem_unmap(d.address_reserve(4 * G), G),
+    "set_access_unmapped": lambda d: d.mem_set_access(_mapped(d)[0] + 2 * G, G),
+    "read_no_access": lambda d: d.read(_mapped(d, access=False)[0], 1),
+    "read_into_hole": lambda d: d.read(_mapped(d)[0] + G, G + 1),
+    "free_reservation_mapped": lambda d: d.address_free(_mapped(d)[0], 8 * G),
+    "free_reservation_wrong_size": lambda d: d.address_free(d.address_reserve(2 * G), G),
+    "free_reservation_not_base": lambda d: d.address_free(d.address_reserve(2 * G) + G, G),
+    "closed_malloc": _closed_malloc,
+    "closed_mem_info": lambda d: (d.close(), d.mem_info()),
+    "closed_reserve": lambda d: (d.close(), d.address_reserve(G)),
+}
+
+
+def _outcome(dev, scenario) -> tuple[str, Any]:
+    try:
+        result = scenario(dev)
+    except Exception as exc:  # noqa: BLE001 - the outcome is the point
+        return "raises", type(exc)
+    finally:
+        dev.close()
+    return "returns", result
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_same_outcome_as_the_simulator(name, fakes):
+    expected = _outcome(sim.SimDevice(sim.get_profile("h200-141gb")), SCENARIOS[name])
+    assert _outcome(fakes.open(), SCENARIOS[name]) == expected

@@ -1,0 +1,43 @@
+"""Real CuPy programs running on gpumem's allocator (only on a real CUDA device)."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from gpumem.allocator import CachingAllocator
+
+pytestmark = pytest.mark.cuda
+
+
+def test_cupy_array_work_matches_numpy(device):
+    cupy = pytest.importorskip("cupy")
+    import gpumem.cupy_allocator as gca
+
+    alloc = CachingAllocator(device, "gpumem")
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((512, 384)).astype(np.float32)
+    b = rng.standard_normal((384, 256)).astype(np.float32)
+    v = rng.standard_normal(1 << 20)
+    with gca.using(alloc):
+        ga, gb, gv = cupy.asarray(a), cupy.asarray(b), cupy.asarray(v)
+        assert alloc.stats.num_allocs >= 3, "CuPy did not allocate through gpumem"
+        prod = cupy.asnumpy(ga @ gb)
+        fft = cupy.asnumpy(cupy.fft.rfft(gv))
+        total = float(cupy.sum(gv * gv))
+        srt = cupy.asnumpy(cupy.sort(gv))
+        for _ in range(50):  # churn: temporaries of changing shapes
+            n = int(rng.integers(1, 1 << 18))
+            x = cupy.arange(n, dtype=cupy.float64)
+            assert float(x.sum()) == n * (n - 1) / 2
+        del ga, gb, gv, x
+        gc.collect()
+    np.testing.assert_allclose(prod, a @ b, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(fft, np.fft.rfft(v), rtol=1e-6, atol=1e-6)
+    assert total == pytest.approx(float(np.sum(v * v)), rel=1e-9)
+    np.testing.assert_array_equal(srt, np.sort(v))
+    cupy.cuda.get_current_stream().synchronize()
+    assert alloc.stats.allocated_nbytes == 0, "a block CuPy dropped was not returned"
+    alloc.close()

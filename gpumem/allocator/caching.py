@@ -145,7 +145,7 @@ class CachingAllocator:
             addr = block.addr
             self._live[addr] = block
             st = self.stats
-            st.allocated_nbytes += size
+            st.allocated_nbytes += block.size  # not `size`: an unsplit block is larger, and free() subtracts block.size
             st.requested_nbytes += nbytes
             st.num_allocs += 1
             if st.allocated_nbytes > st.peak_allocated_nbytes:

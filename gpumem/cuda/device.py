@@ -31,15 +31,17 @@ record *before* calling CUDA:
 
 ``read`` and ``write`` only copy inside one live allocation or inside
 contiguous mappings that have access set. Each call validates its arguments,
-then refuses if the device is closed, then checks the record, then calls CUDA,
-and only when CUDA succeeded updates the record: a failing call changes nothing.
+then refuses if the device is closed (virtual memory calls refuse first, before
+validating), then checks the record, then calls CUDA, and only when CUDA
+succeeded updates the record: a failing call changes nothing.
 Where one request takes several CUDA calls (unmapping several mappings), the
 record follows each call that succeeded, so it stays true even then.
 
-The checks mirror :mod:`sim.device` one for one (same exceptions for the same
-inputs), because one contract suite runs against both devices. One difference:
-after :meth:`CudaDevice.close`, *every* call except :meth:`~CudaDevice.properties`
-raises :class:`~gpumem.errors.DeviceClosedError`.
+The checks mirror :mod:`sim.device` one for one, in the same order (same
+exceptions for the same inputs), because one contract suite runs against both
+devices; ``tests/cuda/test_cuda_sim_parity.py`` compares them call by call.
+After :meth:`CudaDevice.close` every call with valid arguments except
+:meth:`~CudaDevice.properties` raises :class:`~gpumem.errors.DeviceClosedError`.
 
 Threads: a device object is not thread-safe (neither is the simulated one);
 use one per thread or guard it with a lock.
@@ -166,10 +168,13 @@ class CudaDevice(Device):
         self._nvml_device: NvmlDevice | None = None
         count = self._count_devices()
         if index >= count:
-            raise DeviceNotFoundError(
-                f"{self.spec}: no such CUDA device; this machine has {count} "
-                f"({'cuda:0' if count == 1 else f'cuda:0 to cuda:{count - 1}'})" if count else
-                f"{self.spec}: this machine has no CUDA device")
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            where = f" with CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
+            if count:
+                which = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+                raise DeviceNotFoundError(
+                    f"{self.spec}: no such CUDA device; this machine has {count} ({which}){where}")
+            raise DeviceNotFoundError(f"{self.spec}: this machine has no CUDA device{where}")
         self._runtime("cudaSetDevice", self._rt.setDevice, index)
         self._runtime("cudaFree", self._rt.free, 0)  # cudaFree(NULL): makes sure the primary context exists
         raw = self._runtime("cudaGetDeviceProperties", self._rt.getDeviceProperties, index)
@@ -200,25 +205,36 @@ class CudaDevice(Device):
         log.debug("opened %s: %s", self.spec, self._props)
 
     # -- calling CUDA ----------------------------------------------------------------------------------
-    def _runtime(self, call: str, fn: Callable[..., T], *args: Any, oom_nbytes: int | None = None) -> T:
-        """``fn(*args)`` with CuPy's ``CUDARuntimeError`` turned into a gpumem error (OOM when ``oom_nbytes``)."""
+    def _runtime(self, call: str, fn: Callable[..., T], *args: Any, oom_nbytes: int | None = None,
+                 memory_nbytes: int | None = None) -> T:
+        """``fn(*args)`` with CuPy's ``CUDARuntimeError`` turned into a gpumem error.
+
+        ``oom_nbytes`` is the size an allocating call asked for: CUDA's
+        out-of-memory errors then become :class:`OutOfMemoryError`. An
+        allocation of device memory passes its size as ``memory_nbytes`` too:
+        when that exceeds the device's total memory, *any* failure is an
+        out-of-memory error (the request could never succeed, whichever error
+        code CUDA chose for it).
+        """
         try:
             return fn(*args)
         except self._backend.runtime_error as exc:
-            err = from_runtime_error(call, exc)
-            if oom_nbytes is not None and is_out_of_memory(err.error_name):
-                raise self._oom(oom_nbytes, err) from exc
-            raise err from exc
+            raise self._translate(from_runtime_error(call, exc), oom_nbytes, memory_nbytes) from exc
 
-    def _driver(self, call: str, fn: Callable[..., T], *args: Any, oom_nbytes: int | None = None) -> T:
-        """``fn(*args)`` of :class:`VmmDriver` with the device current, an OOM ``CudaError`` made an OOM error."""
+    def _driver(self, call: str, fn: Callable[..., T], *args: Any, oom_nbytes: int | None = None,
+                memory_nbytes: int | None = None) -> T:
+        """``fn(*args)`` of :class:`VmmDriver` with the device current; errors as in :meth:`_runtime`."""
         self._activate()
         try:
             return fn(*args)
         except CudaError as err:
-            if oom_nbytes is not None and is_out_of_memory(err.error_name):
-                raise self._oom(oom_nbytes, err) from err
-            raise
+            raise self._translate(err, oom_nbytes, memory_nbytes) from err
+
+    def _translate(self, err: CudaError, oom_nbytes: int | None, memory_nbytes: int | None) -> Exception:
+        if oom_nbytes is not None and (is_out_of_memory(err.error_name)
+                                       or (memory_nbytes is not None and memory_nbytes > self._total_nbytes)):
+            return self._oom(oom_nbytes, err)
+        return err
 
     def _oom(self, nbytes: int, err: CudaError | None = None, why: str = "") -> OutOfMemoryError:
         try:
@@ -245,8 +261,8 @@ class CudaDevice(Device):
                 return 0
             if err.error_name == "cudaErrorInsufficientDriver":
                 raise CudaError(err.call, err.error_name,
-                                f"{err.detail}; the installed CuPy needs a newer NVIDIA driver: {INSTALL_HINT}"
-                                ) from exc
+                                f"{err.detail}; either no NVIDIA driver is installed, or it is older than the CUDA "
+                                f"version this CuPy was built for: {INSTALL_HINT}") from exc
             raise err from exc
 
     def _bandwidth_gbps(self, raw: dict[str, Any]) -> float:
@@ -282,13 +298,16 @@ class CudaDevice(Device):
             return 0
 
     def _require_vmm(self, call: str) -> VmmDriver:
+        """Refuse on a closed device, then on one without VMM; both before any argument check (as the simulator)."""
+        self._check_open()
         if self._vmm_ok and self._vmm is not None:
             return self._vmm
         if self._backend.driver is None:
             raise VmmUnavailableError(f"{call}: {self._vmm_missing}")
-        raise UnsupportedOperationError(
-            f"{call}: {self.spec} ({self._props.name}) does not support virtual memory management"
-            + (f" ({self._vmm_missing})" if self._vmm_missing else ""))
+        msg = f"{call}: {self.spec} ({self._props.name}) does not support virtual memory management"
+        if self._vmm_missing and "does not support" not in self._vmm_missing:
+            msg += f" ({self._vmm_missing})"  # the driver could not be used: say why
+        raise UnsupportedOperationError(msg)
 
     # -- NVML ---------------------------------------------------------------------------------------------
     def _nvml(self) -> NvmlDevice:
@@ -348,7 +367,7 @@ class CudaDevice(Device):
         if nbytes > _SIZE_MAX:
             raise self._oom(nbytes, why="larger than CUDA's size_t")
         self._activate()
-        ptr = int(self._runtime("cudaMalloc", self._rt.malloc, nbytes, oom_nbytes=nbytes))
+        ptr = int(self._runtime("cudaMalloc", self._rt.malloc, nbytes, oom_nbytes=nbytes, memory_nbytes=nbytes))
         self._allocations[ptr] = nbytes
         bisect.insort(self._alloc_starts, ptr)
         self._freed.pop(ptr, None)
@@ -379,7 +398,6 @@ class CudaDevice(Device):
         check_nbytes(alignment, what="alignment", allow_zero=True)
         if alignment and (alignment & (alignment - 1) or alignment % self._gran):
             raise InvalidArgumentError(f"alignment {alignment} must be 0 or a power-of-two multiple of the granularity")
-        self._check_open()
         if nbytes > _SIZE_MAX:
             raise self._oom(nbytes, why="larger than CUDA's size_t")
         va = self._driver("cuMemAddressReserve", vmm.address_reserve, nbytes, alignment, oom_nbytes=nbytes)
@@ -412,7 +430,6 @@ class CudaDevice(Device):
         vmm = self._require_vmm("address_free")
         check_pointer(va, what="va")
         check_granular(nbytes, self._gran)
-        self._check_open()
         r = self._reservations.get(va)
         if r is None:
             raise MappingError(f"address_free: {va:#x} is not the base of a reservation on {self.spec}")
@@ -427,10 +444,9 @@ class CudaDevice(Device):
     def mem_create(self, nbytes: int) -> PhysicalHandle:
         vmm = self._require_vmm("mem_create")
         check_granular(nbytes, self._gran)
-        self._check_open()
         if nbytes > _SIZE_MAX:
             raise self._oom(nbytes, why="larger than CUDA's size_t")
-        driver_handle = self._driver("cuMemCreate", vmm.create, nbytes, oom_nbytes=nbytes)
+        driver_handle = self._driver("cuMemCreate", vmm.create, nbytes, oom_nbytes=nbytes, memory_nbytes=nbytes)
         handle = PhysicalHandle(self._next_handle, nbytes)
         self._next_handle += 1
         self._physicals[handle.handle] = _Physical(handle, driver_handle)
@@ -450,7 +466,6 @@ class CudaDevice(Device):
     def mem_release(self, handle: PhysicalHandle) -> None:
         vmm = self._require_vmm("mem_release")
         self._check_handle_type(handle, "mem_release")
-        self._check_open()
         phys = self._physical(handle, "mem_release")
         self._driver("cuMemRelease", vmm.release, phys.driver_handle)
         phys.released = True
@@ -465,7 +480,6 @@ class CudaDevice(Device):
         if va % self._gran or offset % self._gran:
             raise InvalidArgumentError(f"mem_map: va and offset must be multiples of the granularity {self._gran}")
         self._check_handle_type(handle, "mem_map")
-        self._check_open()
         phys = self._physical(handle, "mem_map")
         if offset + nbytes > phys.handle.nbytes:
             raise InvalidArgumentError(f"mem_map: offset {offset} + nbytes {nbytes} exceeds the chunk's "
@@ -504,26 +518,24 @@ class CudaDevice(Device):
     def mem_set_access(self, va: int, nbytes: int) -> None:
         """Make the mappings covering ``[va, va + nbytes)`` readable and writable.
 
-        Access is set per mapping and on each *whole* mapping (one
-        ``cuMemSetAccess`` per mapping not yet accessible), which is what the
-        record tracks and what the driver accepts for any layout of mappings.
+        One ``cuMemSetAccess`` covers the whole range, which must be fully mapped
+        (possibly by several mappings); every mapping it touches is recorded as accessible.
         """
         vmm = self._require_vmm("mem_set_access")
         check_pointer(va, what="va")
         check_granular(nbytes, self._gran)
-        self._check_open()
         maps = self._mappings_covering(va, nbytes, "mem_set_access")
+        # One driver call for the whole range: cuMemSetAccess accepts any fully mapped range,
+        # and each call costs ~27 us on an H200 whatever its size (hil/probes/calibrate.py).
+        self._driver("cuMemSetAccess", vmm.set_access, va, nbytes)
         for m in maps:
-            if not m.accessible:
-                self._driver("cuMemSetAccess", vmm.set_access, m.va, m.nbytes)
-                m.accessible = True
+            m.accessible = True
 
     def mem_unmap(self, va: int, nbytes: int) -> None:
         """Unmap whole mappings tiling ``[va, va + nbytes)`` (one ``cuMemUnmap`` each, as the driver requires)."""
         vmm = self._require_vmm("mem_unmap")
         check_pointer(va, what="va")
         check_granular(nbytes, self._gran)
-        self._check_open()
         maps = self._mappings_covering(va, nbytes, "mem_unmap")
         if maps[0].va != va or maps[-1].va + maps[-1].nbytes != va + nbytes:
             raise MappingError(f"mem_unmap: [{va:#x}, {va + nbytes:#x}) does not cover whole mappings")
@@ -565,9 +577,9 @@ class CudaDevice(Device):
     def write(self, ptr: int, data: BytesLike) -> None:
         check_pointer(ptr)
         view = check_data(data)
+        self._check_open()
         if len(view) == 0:
             return
-        self._check_open()
         self._check_range(ptr, len(view), "write")
         host = np.frombuffer(view, dtype=np.uint8)  # no copy; keeps the buffer alive during the call
         kind = getattr(self._rt, "memcpyHostToDevice", _MEMCPY_HOST_TO_DEVICE)
@@ -577,9 +589,9 @@ class CudaDevice(Device):
     def read(self, ptr: int, nbytes: int) -> bytes:
         check_pointer(ptr)
         check_nbytes(nbytes, allow_zero=True)
+        self._check_open()
         if nbytes == 0:
             return b""
-        self._check_open()
         self._check_range(ptr, nbytes, "read")
         host = np.empty(nbytes, dtype=np.uint8)
         kind = getattr(self._rt, "memcpyDeviceToHost", _MEMCPY_DEVICE_TO_HOST)

@@ -92,10 +92,17 @@ def open_for_writing(path: PathLike, *, text: bool = True) -> Iterator[IO]:  # t
         finally:
             raw.close()
     else:
-        with open(p, "w" if text else "wb", **({"encoding": "utf-8", "newline": "\n"} if text else {})) as f:
-            yield f
+        if text:
+            with open(p, "w", encoding="utf-8", newline="\n") as f:
+                yield f
+        else:
+            with open(p, "wb") as fb:
+                yield fb
 
 
 def trace_name_from_path(path: PathLike) -> str:
-    """The default trace name: the file name up to its first dot (``gpt2_train.snapshot.pickle.gz`` -> ``gpt2_train``)."""
+    """The default trace name: the file name up to its first dot.
+
+    ``gpt2_train.snapshot.pickle.gz`` -> ``gpt2_train``.
+    """
     return Path(path).name.split(".", 1)[0] or Path(path).name

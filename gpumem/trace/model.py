@@ -190,8 +190,7 @@ class Trace:
         bad = np.flatnonzero(alloc_pos[ids] > free_pos)
         if len(bad):
             raise InvalidArgumentError(f"op {free_pos[bad[0]]}: FREE of id {ids[bad[0]]} before its ALLOC")
-        seen = np.zeros(n_allocs, dtype=np.int64)
-        np.add.at(seen, ids, 1)
+        seen = np.bincount(ids, minlength=n_allocs)
         if seen.max() > 1:
             twice = int(np.flatnonzero(seen > 1)[0])
             second = free_pos[np.flatnonzero(ids == twice)[1]]

@@ -181,8 +181,13 @@ def check_allocator(alloc: CachingAllocator, model: dict[int, LiveBlock], pendin
     blocks = sorted(alloc.live_blocks())
     # the live blocks are exactly the model's, with rounded sizes, aligned, and disjoint
     assert {p for p, _ in blocks} == set(model)
+    pol = alloc.policy
     for p, size in blocks:
-        assert size == round_up(model[p].requested, alloc.policy.round_nbytes)
+        rounded = round_up(model[p].requested, pol.round_nbytes)
+        small = pol.separate_small_pool and rounded <= pol.small_max_nbytes
+        # a block is the rounded request, or larger by a remainder too small to split off
+        assert rounded <= size < rounded + (pol.min_split_small_nbytes if small else pol.min_split_large_nbytes)
+        assert size % pol.round_nbytes == 0
         assert p % alloc.policy.round_nbytes == 0
         assert alloc.block_size(p) == size
     for (a, na), (b, _) in zip(blocks, blocks[1:]):

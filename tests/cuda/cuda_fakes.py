@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import os
 from types import SimpleNamespace
 from typing import Any
+
+from gpumem.cuda import CudaBackend, CudaDevice
 
 MiB = 2**20
 GiB = 2**30
@@ -307,9 +310,14 @@ class FakeDriver:
         if err:
             return (err,)
         assert count == len(descs) == 1 and descs[0].flags == 3 and descs[0].location.type == 1
-        m = self.mappings.get(va)
-        assert m is not None and m[0] == nbytes, "cuMemSetAccess not on a whole mapping"
-        m[2] = True
+        # the driver accepts any fully mapped range, tiled by one or more whole mappings
+        cursor, end = va, va + nbytes
+        while cursor < end:
+            m = self.mappings.get(cursor)
+            assert m is not None, "cuMemSetAccess on a range that is not fully mapped"
+            m[2] = True
+            cursor += m[0]
+        assert cursor == end, "cuMemSetAccess range ends inside a mapping"
         return (CUresult.CUDA_SUCCESS,)
 
     def cuMemUnmap(self, va: int, nbytes: int) -> tuple:  # noqa: N802
@@ -403,3 +411,30 @@ class FakeNvml:
 def fake_gpu(i: int, *, processes: list | None = None, total: int = 150_754_820_096, used: int = 1_197_342_720) -> dict:
     return {"name": "NVIDIA H200", "uuid": f"GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x}", "total": total, "used": used,
             "pci": f"0000:{0x18 + i:02x}:00.0", "processes": processes or []}
+
+
+class Fakes:
+    """The fake modules behind one device, for tests to inspect and to inject failures into."""
+
+    def __init__(self, *, device_count: int = 1, vmm: bool | None = True, nvml: bool = True, **runtime_kw) -> None:
+        self.runtime = FakeRuntime(device_count=device_count, **runtime_kw)
+        self.driver = FakeDriver(self.runtime, vmm_supported=bool(vmm)) if vmm is not None else None
+        self.nvml = FakeNvml([fake_gpu(i, processes=[(os.getpid(), 600 * 2**20), (4242, 2**30)])
+                              for i in range(device_count)]) if nvml else None
+
+    def backend(self) -> CudaBackend:
+        return CudaBackend(
+            runtime=self.runtime,
+            runtime_error=FakeRuntime.CUDARuntimeError,
+            driver=self.driver,
+            driver_missing="" if self.driver else 'cuda-bindings is not installed; pip install "gpumem[cuda12]"',
+            nvml=self.nvml,
+            nvml_missing="" if self.nvml else "nvidia-ml-py is not installed",
+        )
+
+    def open(self, index: int = 0) -> CudaDevice:
+        return CudaDevice(index, backend=self.backend())
+
+    def device_calls(self) -> int:
+        """How many calls reached CUDA (runtime and driver), to check that bad input reached none."""
+        return len(self.runtime.calls) + (len(self.driver.calls) if self.driver else 0)

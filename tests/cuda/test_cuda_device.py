@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from cuda_fakes import H200_BANDWIDTH_GBPS, GiB, MiB
+from cuda_fakes import H200_BANDWIDTH_GBPS, Fakes, GiB, MiB
 
 from gpumem import (
     CudaError,
@@ -49,16 +49,12 @@ def test_open_reads_properties_once(fakes):
 
 
 def test_integrated_gpu_has_unified_memory():
-    from conftest import Fakes
-
     f = Fakes(props={"name": "Orin", "major": 8, "minor": 7, "multiProcessorCount": 16, "integrated": 1,
                      "memoryClockRate": 3_200_000, "memoryBusWidth": 256})
     assert f.open().properties().unified_memory is True
 
 
 def test_selects_its_device_on_open_and_before_calls():
-    from conftest import Fakes
-
     f = Fakes(device_count=3)
     dev = f.open(2)
     assert dev.spec == "cuda:2" and f.runtime.current == 2
@@ -74,8 +70,6 @@ def test_index_out_of_range_names_the_count(fakes, index):
 
 
 def test_index_out_of_range_with_several_devices():
-    from conftest import Fakes
-
     with pytest.raises(DeviceNotFoundError, match=r"has 4 \(cuda:0 to cuda:3\)"):
         Fakes(device_count=4).open(4)
 
@@ -102,24 +96,18 @@ def test_bad_index(fakes, index):
 
 def test_bandwidth_from_attributes_when_props_lack_the_clock():
     """CUDA 13 removed memoryClockRate from cudaDeviceProp: the attribute gives it."""
-    from conftest import Fakes
-
     f = Fakes(props={"name": b"NVIDIA H200", "major": 9, "minor": 0, "multiProcessorCount": 132, "integrated": 0},
               attributes={36: 3_201_000, 37: 6016})
     assert f.open().properties().memory_bandwidth_gbps == pytest.approx(H200_BANDWIDTH_GBPS)
 
 
 def test_bandwidth_from_nvml_when_the_attribute_fails_too():
-    from conftest import Fakes
-
     f = Fakes(props={"name": b"NVIDIA H200", "major": 9, "minor": 0, "multiProcessorCount": 132, "integrated": 0,
                      "memoryBusWidth": 6016})
     assert f.open().properties().memory_bandwidth_gbps == pytest.approx(H200_BANDWIDTH_GBPS)
 
 
 def test_bandwidth_unknown_is_zero_and_logged(caplog):
-    from conftest import Fakes
-
     f = Fakes(nvml=False, props={"name": b"X", "major": 9, "minor": 0, "multiProcessorCount": 1, "integrated": 0})
     with caplog.at_level(logging.WARNING, logger="gpumem.cuda.device"):
         assert f.open().properties().memory_bandwidth_gbps == 0.0
@@ -263,6 +251,17 @@ def test_real_oom_from_capacity(dev, fakes):
     with pytest.raises(OutOfMemoryError, match="cudaErrorMemoryAllocation"):
         dev.malloc(2 * GiB)
     assert dev.n_allocations == 0
+
+
+def test_any_error_for_more_than_the_device_has_is_oom(dev, fakes):
+    """Whichever error CUDA picks for an impossible size, the caller learns it is out of memory."""
+    fakes.runtime.fail["cudaMalloc"] = "cudaErrorInvalidValue"
+    with pytest.raises(OutOfMemoryError, match="cudaErrorInvalidValue") as info:
+        dev.malloc(fakes.runtime.total_nbytes + 2 * MiB)
+    assert info.value.total_nbytes == fakes.runtime.total_nbytes
+    fakes.runtime.fail["cudaMalloc"] = "cudaErrorInvalidValue"
+    with pytest.raises(CudaError):  # a size that fits: the error stays what it is
+        dev.malloc(64)
 
 
 def test_size_beyond_size_t_is_oom_without_calling_cuda(dev, fakes):

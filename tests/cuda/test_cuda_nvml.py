@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from cuda_fakes import FakeNvml, fake_gpu
+from cuda_fakes import FakeNvml, Fakes, fake_gpu
 
 from gpumem import BackendUnavailableError, CudaError
 from gpumem.cuda import CudaDeviceSummary, GpuProcess, NvmlMemoryInfo, list_cuda_devices
@@ -96,8 +96,6 @@ def test_device_processes_and_nvml_memory(dev, fakes):
 
 
 def test_device_finds_its_gpu_by_pci_bus_id():
-    from conftest import Fakes
-
     f = Fakes(device_count=2)
     f.nvml.gpus.reverse()  # NVML order differs from CUDA order
     f.nvml.gpus[0]["processes"] = [(99, None)]
@@ -112,8 +110,6 @@ def test_device_falls_back_to_nvml_index(fakes):
 
 
 def test_device_without_pynvml():
-    from conftest import Fakes
-
     dev = Fakes(nvml=False).open()
     with pytest.raises(BackendUnavailableError, match="nvidia-ml-py"):
         dev.other_processes()

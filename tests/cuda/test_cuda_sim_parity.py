@@ -107,6 +107,19 @@ SCENARIOS: dict[str, Callable[[Any], Any]] = {
     "closed_malloc": _closed_malloc,
     "closed_mem_info": lambda d: (d.close(), d.mem_info()),
     "closed_reserve": lambda d: (d.close(), d.address_reserve(G)),
+    "closed_reserve_bad_size": lambda d: (d.close(), d.address_reserve(G + 1)),
+    "closed_malloc_bad_size": lambda d: (d.close(), d.malloc(0)),
+    "closed_free": lambda d: (lambda p: (d.close(), d.free(p)))(d.malloc(64)),
+    "closed_free_bad_pointer": lambda d: (d.close(), d.free(0)),
+    "closed_read": lambda d: (lambda p: (d.close(), d.read(p, 1)))(d.malloc(64)),
+    "closed_read_empty": lambda d: (d.close(), d.read(4096, 0)),
+    "closed_write_empty": lambda d: (d.close(), d.write(4096, b"")),
+    "closed_map": lambda d: (lambda va, h: (d.close(), d.mem_map(va, G, h)))(d.address_reserve(G), d.mem_create(G)),
+    "closed_unmap": lambda d: (lambda va: (d.close(), d.mem_unmap(va, G)))(_mapped(d)[0]),
+    "closed_set_access": lambda d: (lambda va: (d.close(), d.mem_set_access(va, G)))(_mapped(d, access=False)[0]),
+    "closed_release": lambda d: (lambda h: (d.close(), d.mem_release(h)))(d.mem_create(G)),
+    "closed_address_free": lambda d: (lambda va: (d.close(), d.address_free(va, G)))(d.address_reserve(G)),
+    "closed_synchronize": lambda d: (d.close(), d.synchronize()),
 }
 
 

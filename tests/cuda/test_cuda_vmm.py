@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cuda_fakes import MiB
+from cuda_fakes import Fakes, MiB
 
 from gpumem import (
     BackendUnavailableError,
@@ -135,17 +135,15 @@ def test_unmap_must_cover_whole_mappings(dev, fakes):
     assert fakes.device_calls() == before
 
 
-def test_unmap_and_set_access_across_several_mappings_call_the_driver_per_mapping(dev, fakes):
+def test_set_access_is_one_call_and_unmap_one_per_mapping_across_several_mappings(dev, fakes):
     va = dev.address_reserve(8 * G)
     hs = [dev.mem_create(G) for _ in range(3)]
     for i, h in enumerate(hs):
         dev.mem_map(va + i * G, G, h)
     dev.mem_set_access(va, 3 * G)
-    assert [c[1][:2] for c in fakes.driver.calls if c[0] == "cuMemSetAccess"] == [(va + i * G, G) for i in range(3)]
+    assert [c[1][:2] for c in fakes.driver.calls if c[0] == "cuMemSetAccess"] == [(va, 3 * G)]
     dev.write(va + G - 2, b"span")  # one copy across two mappings
     assert dev.read(va + G - 2, 4) == b"span"
-    dev.mem_set_access(va, 3 * G)  # already accessible: nothing to do
-    assert fakes.driver.count("cuMemSetAccess") == 3
     dev.mem_unmap(va, 3 * G)
     assert [c[1] for c in fakes.driver.calls if c[0] == "cuMemUnmap"] == [(va + i * G, G) for i in range(3)]
     assert dev.mapping_ranges() == []
@@ -212,6 +210,9 @@ def test_mem_create_out_of_memory_names_the_driver_error(dev, fakes):
         dev.mem_create(1024 * G)  # the fake device has 1 GiB
     assert "CUDA_ERROR_OUT_OF_MEMORY" in info.value.hint and info.value.requested_nbytes == 1024 * G
     assert info.value.total_nbytes == fakes.runtime.total_nbytes
+    fakes.driver.fail["cuMemCreate"] = "CUDA_ERROR_INVALID_VALUE"
+    with pytest.raises(OutOfMemoryError, match="CUDA_ERROR_INVALID_VALUE"):
+        dev.mem_create(1024 * G)  # more than the device has: out of memory whatever the code
     fakes.driver.fail["cuMemAddressReserve"] = "CUDA_ERROR_OUT_OF_MEMORY"
     with pytest.raises(OutOfMemoryError, match="CUDA_ERROR_OUT_OF_MEMORY"):
         dev.address_reserve(G)
@@ -267,8 +268,6 @@ def test_unmap_failing_midway_keeps_the_record_true(dev, fakes):
 
 
 def test_device_without_vmm_support():
-    from conftest import Fakes
-
     f = Fakes(vmm=False)
     dev = f.open()
     assert dev.vmm_supported is False and dev.granularity_nbytes == 2 * MiB
@@ -280,8 +279,6 @@ def test_device_without_vmm_support():
 
 
 def test_missing_cuda_bindings_names_the_extras():
-    from conftest import Fakes
-
     f = Fakes(vmm=None)
     dev = f.open()
     assert dev.vmm_supported is False
@@ -304,8 +301,6 @@ def test_driver_that_cannot_load_disables_vmm(fakes):
 
 
 def test_other_granularity_is_respected():
-    from conftest import Fakes
-
     f = Fakes()
     f.driver.gran = 4 * G
     dev = f.open()

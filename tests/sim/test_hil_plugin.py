@@ -1,0 +1,143 @@
+"""The gpumem_hil pytest plugin, run in child pytest processes on a throw-away test file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hil import plugin
+
+REPO = Path(__file__).resolve().parents[2]
+
+TESTS = textwrap.dedent('''
+    import pytest
+
+    def test_opens(device, device_spec):
+        assert device.spec.startswith(device_spec.split("?")[0])
+
+    @pytest.mark.requires_vmm
+    def test_vmm(device):
+        assert device.vmm_supported
+
+    @pytest.mark.sim_only
+    def test_sim(device):
+        pass
+
+    @pytest.mark.cuda
+    def test_cuda(device):
+        pass
+
+    def test_leaks(device):
+        device.malloc(4096)
+
+    def test_fails_and_leaks(device):
+        device.malloc(4096)
+        assert False, "on purpose"
+
+    @pytest.mark.parametrize("device_spec", ["sim:l4-24gb"])
+    def test_own_device(device):
+        assert device.spec == "sim:l4-24gb"
+
+    def test_no_device():
+        pass
+''')
+
+
+def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    (tmp_path / "test_hil_sample.py").write_text(TESTS)
+    full_env = {k: v for k, v in os.environ.items() if k not in (plugin.ENV_VAR, "PYTEST_ADDOPTS")}
+    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
+    full_env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # so -p loads the plugin whether gpumem is installed or not
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "hil.plugin", "-p", "no:cacheprovider", "-q", "-rA",
+         "--rootdir", str(tmp_path), str(tmp_path), *args],
+        capture_output=True, text=True, env=full_env, cwd=tmp_path, timeout=120,
+    )
+
+
+def test_default_devices_markers_leaks_and_record(tmp_path):
+    record_dir = tmp_path / "records"
+    res = _run(tmp_path, "--gpumem-record", str(record_dir))
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out
+    specs = plugin.DEFAULT_DEVICE_SPECS
+    for spec in specs:
+        assert f"PASSED test_hil_sample.py::test_opens[{spec}]" in out, out
+        assert f"cuda: {spec} is not a real device" in out
+        assert f"ERROR test_hil_sample.py::test_leaks[{spec}]" in out
+        assert f"ERROR test_hil_sample.py::test_fails_and_leaks[{spec}]" not in out  # no leak error on failure
+    assert "requires_vmm: sim:jetson-nano-2gb does not support VMM" in out
+    assert "the test left 1 live allocation" in out
+
+    [json_path] = record_dir.glob("contract-*.json")
+    [md_path] = record_dir.glob("contract-*.md")
+    assert json_path.stem == md_path.stem
+    assert json_path.name.startswith("contract-sim-nvidia-tegra-x1-jetson-nano-2gb-and-3-more-20")
+    rec = json.loads(json_path.read_text())
+    n = len(specs)
+    # as in pytest's own summary, a test whose call passed and whose teardown failed counts in both
+    assert rec["counts"]["passed"] == n * 4 - 1 + 2  # opens, sim, leaks, vmm (not jetson); own device, no device
+    assert rec["counts"]["failed"] == n
+    assert rec["counts"]["errors"] == n
+    assert rec["counts"]["skipped"] == n + 1  # cuda everywhere, vmm on the jetson
+    assert [d["spec"] for d in rec["devices"]] == list(specs)
+    assert rec["devices"][-1]["name"] == "NVIDIA H200"
+    assert rec["devices"][-1]["properties"]["total_nbytes"] == 150_109_880_320
+    assert rec["devices"][0]["counts"] == {"passed": 3, "failed": 1, "skipped": 2, "errors": 1}
+    assert len(rec["failed"]) == n and all("test_fails_and_leaks" in t for t in rec["failed"])
+    assert len(rec["errors"]) == n and all("test_leaks" in t for t in rec["errors"])
+    assert rec["date"].endswith("+00:00") and rec["host"] and rec["versions"]["gpumem"]
+    assert rec["exit_status"] == 1
+    md = md_path.read_text()
+    assert "NVIDIA H200" in md and "test_fails_and_leaks" in md and "| `sim:t4-16gb` |" in md
+    assert "gpumem: recorded this run in" in out
+
+    again = _run(tmp_path, "--gpumem-record", str(record_dir))  # a second run never overwrites the first
+    assert again.returncode == 1
+    assert len(list(record_dir.glob("contract-*.json"))) == 2
+
+
+def test_choosing_devices(tmp_path):
+    res = _run(tmp_path, "--gpumem-device", "sim:t4-16gb, sim:a100-80gb", "--gpumem-device", "sim:t4-16gb",
+               "-k", "opens")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "2 passed" in res.stdout and "test_opens[sim:t4-16gb]" in res.stdout
+
+    res = _run(tmp_path, "-k", "opens", "-v", env={plugin.ENV_VAR: "sim:h100-80gb?seed=3"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "gpumem devices (GPUMEM_DEVICE): sim:h100-80gb?seed=3" in res.stdout
+    assert "1 passed" in res.stdout and "test_opens[sim:h100-80gb?seed=3]" in res.stdout
+
+    res = _run(tmp_path, "--gpumem-device", "sim:all", "-k", "opens")
+    assert res.returncode == 0 and f"{len(__import__('sim').profile_names())} passed" in res.stdout
+
+
+@pytest.mark.parametrize("spec", ["sim:no-such-card", "gpu:0", "cuda:zero", "sim:t4-16gb?bogus=1"])
+def test_bad_device_is_a_usage_error(tmp_path, spec):
+    res = _run(tmp_path, "--gpumem-device", spec)
+    assert res.returncode == 4, res.stdout + res.stderr  # pytest's usage error
+    assert "bad device spec" in res.stderr
+
+
+def test_help_texts(tmp_path):
+    res = _run(tmp_path, "--help")
+    assert res.returncode == 0
+    assert "--gpumem-device=SPEC" in res.stdout and "--gpumem-record=DIR" in res.stdout
+    assert "GPUMEM_DEVICE" in res.stdout and "sim:h200-141gb" in res.stdout
+    res = _run(tmp_path, "--markers")
+    for marker in ("requires_vmm", "sim_only", "cuda"):
+        assert f"@pytest.mark.{marker}:" in res.stdout
+
+
+def test_split_specs_and_record_stem():
+    assert plugin.split_specs(["a:1,b:2", " a:1 ", "", "c:3"]) == ["a:1", "b:2", "c:3"]
+    rec = {"date": "2026-11-20T10:00:00+00:00",
+           "devices": [{"spec": "cuda:0", "kind": "cuda", "name": "NVIDIA H200"}]}
+    assert plugin.record_stem(rec) == "contract-nvidia-h200-2026-11-20"

@@ -1,0 +1,141 @@
+"""Injected faults: seeded failure rates, failures at given calls, transient errors, a lost device."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpumem import (
+    DeviceLostError,
+    InvalidArgumentError,
+    MiB,
+    OutOfMemoryError,
+    TransientDeviceError,
+)
+from sim import FaultPlan, MemoryEventKind, SimDevice, get_profile
+
+A100 = get_profile("a100-80gb")
+
+
+def _failing_calls(plan: FaultPlan, seed: int, n: int = 60) -> list[int]:
+    dev = SimDevice(A100, faults=plan, seed=seed)
+    failed = []
+    for i in range(1, n + 1):
+        acc = dev.accounting()
+        try:
+            ptr = dev.malloc(1 * MiB + 1) if i % 3 else dev.mem_create(2 * MiB)
+        except OutOfMemoryError as exc:
+            assert exc.requested_nbytes in (1 * MiB + 1, 2 * MiB)
+            assert dev.accounting() == acc
+            failed.append(i)
+            continue
+        if isinstance(ptr, int):
+            dev.free(ptr)
+        else:
+            dev.mem_release(ptr)
+    return failed
+
+
+def test_failure_rate_is_deterministic_under_a_seed():
+    plan = FaultPlan(malloc_failure_rate=0.3)
+    first = _failing_calls(plan, seed=7)
+    assert first == _failing_calls(plan, seed=7)
+    assert 5 < len(first) < 35
+    assert _failing_calls(plan, seed=8) != first
+    assert _failing_calls(FaultPlan(malloc_failure_rate=1.0), seed=1) == list(range(1, 61))
+    assert _failing_calls(FaultPlan(), seed=1) == []
+
+
+def test_fail_at_given_calls():
+    assert _failing_calls(FaultPlan(fail_allocation_calls={1, 4, 5}), seed=0, n=10) == [1, 4, 5]
+
+
+def test_only_allocation_calls_count():
+    dev = SimDevice(A100, faults=FaultPlan(fail_allocation_calls={2}))
+    p = dev.malloc(4096)                       # allocation call 1
+    dev.write(p, b"x")
+    dev.read(p, 1)
+    dev.mem_info()
+    dev.free(p)
+    va = dev.address_reserve(2 * MiB)          # reservations take no memory: not counted
+    with pytest.raises(OutOfMemoryError):
+        dev.mem_create(2 * MiB)                # allocation call 2
+    dev.address_free(va, 2 * MiB)
+    assert dev.faults.allocation_calls == 2 and dev.stats.injected_faults == 1
+
+
+def test_transient_error_then_success_on_retry():
+    dev = SimDevice(A100, faults=FaultPlan(transient_error_calls={2}))
+    a = dev.malloc(64 * MiB)
+    acc = dev.accounting()
+    with pytest.raises(TransientDeviceError):
+        dev.malloc(64 * MiB)
+    assert dev.accounting() == acc
+    b = dev.malloc(64 * MiB)  # the retry works
+    dev.write(b, b"retry")
+    assert dev.read(b, 5) == b"retry"
+    dev.free(a)
+    dev.free(b)
+
+
+def test_injected_faults_publish_events():
+    dev = SimDevice(A100, faults=FaultPlan(fail_allocation_calls={1}, transient_error_calls={2}))
+    seen = []
+    dev.subscribe(seen.append)
+    for exc in (OutOfMemoryError, TransientDeviceError):
+        with pytest.raises(exc):
+            dev.malloc(4096)
+    injected = [e for e in seen if e.kind is MemoryEventKind.FAULT_INJECTED]
+    assert [e.source for e in injected] == ["oom", "transient"]
+    assert dev.stats.injected_faults == 2
+
+
+def test_device_lost_at_a_time():
+    dev = SimDevice(A100, faults=FaultPlan(device_lost_at_s=0.01))
+    gran = dev.granularity_nbytes
+    ptr = dev.malloc(4096)
+    dev.write(ptr, b"before")
+    va = dev.address_reserve(2 * gran)
+    h = dev.mem_create(gran)
+    dev.mem_map(va, gran, h)
+    dev.mem_set_access(va, gran)
+    acc = dev.accounting()
+    dev.advance(0.02)
+    lost = [e for e in dev.events.history if e.kind is MemoryEventKind.DEVICE_LOST]
+    assert len(lost) == 1 and lost[0].time_s == pytest.approx(0.01)
+    calls = [
+        lambda: dev.mem_info(), lambda: dev.malloc(4096), lambda: dev.free(ptr), lambda: dev.free(0x1234000),
+        lambda: dev.write(ptr, b"after"), lambda: dev.read(ptr, 6), lambda: dev.read(ptr, 0),
+        lambda: dev.synchronize(), lambda: dev.address_reserve(gran), lambda: dev.mem_create(gran),
+        lambda: dev.mem_map(va + gran, gran, h), lambda: dev.mem_set_access(va, gran),
+        lambda: dev.mem_unmap(va, gran), lambda: dev.mem_release(h), lambda: dev.address_free(va, 2 * gran),
+        lambda: dev.read(va, 4),
+    ]
+    for i, call in enumerate(calls):
+        with pytest.raises(DeviceLostError):
+            call()
+        assert dev.accounting() == acc, i
+    dev.close()
+    dev.close()
+
+
+def test_device_lost_during_a_call():
+    """A call whose simulated time runs past the loss fails, and changes nothing."""
+    dev = SimDevice(A100, faults=FaultPlan(device_lost_at_s=50e-6))
+    acc = dev.accounting()
+    with pytest.raises(DeviceLostError):
+        dev.malloc(64 * MiB)  # costs 91.8 µs
+    assert dev.accounting() == acc and dev.n_allocations == 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(malloc_failure_rate=-0.1), dict(malloc_failure_rate=1.5),
+                                    dict(device_lost_at_s=-1.0)])
+def test_fault_plan_validation(kwargs):
+    with pytest.raises(InvalidArgumentError):
+        FaultPlan(**kwargs)
+
+
+def test_fault_plan_values():
+    assert not FaultPlan().injects_anything
+    assert FaultPlan(malloc_failure_rate=0.1).injects_anything
+    assert FaultPlan(transient_error_calls=[3]).transient_error_calls == frozenset({3})
+    assert FaultPlan(device_lost_at_s=0.0).injects_anything

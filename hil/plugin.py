@@ -173,7 +173,7 @@ def pytest_configure(config: pytest.Config) -> None:
         specs, source = list(DEFAULT_DEVICE_SPECS), "default"
     if not specs:
         raise pytest.UsageError(f"{source}: no device spec given")
-    if source != "default":
+    if source != "default" and not getattr(config.option, "help", False):
         _validate_specs(specs, source)
     record = config.getoption("gpumem_record", default=None)
     config.stash[_STATE_KEY] = _HilState(specs=specs, source=source, record_dir=Path(record) if record else None)
@@ -208,6 +208,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     for marker in metafunc.definition.iter_markers("parametrize"):
         if "device_spec" in _parametrize_argnames(marker):
             return  # the test chose its own devices
+    fixturedefs = getattr(metafunc, "_arg2fixturedefs", {}).get("device_spec") or ()
+    if fixturedefs and fixturedefs[-1].params is not None:
+        return  # a conftest overrides device_spec with a parametrised fixture of its own
     specs = _state(metafunc.config).specs
     metafunc.parametrize("device_spec", specs, ids=specs)
 

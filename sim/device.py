@@ -331,7 +331,14 @@ class SimDevice(Device):
             return
         old_free = self._free_nbytes()
         tenant._held -= nbytes
-        pages = -(-tenant._held // self._gran)
+        # Each take was rounded up to pages on its own, so a give returns its own pages (scenarios give
+        # back what they took): recomputing ceil(held / granularity) instead would repack what is
+        # left and free more than was given back. Never keep fewer pages than the bytes held need,
+        # and none once nothing is held.
+        if tenant._held == 0:
+            pages = 0
+        else:
+            pages = max(-(-tenant._held // self._gran), tenant._held_pages - -(-nbytes // self._gran))
         released = tenant._held_pages - pages
         tenant._held_pages = pages
         self._tenant_pages -= released

@@ -10,8 +10,19 @@ choose with ``HYPOTHESIS_PROFILE=ci``.
 """
 
 import os
+import sys
+from pathlib import Path
 
 from hypothesis import HealthCheck, settings
+
+# pytest puts this directory (tests/) on sys.path to import this conftest, and there tests/sim
+# looks like a namespace package "sim". Under an editable install (whose import hook runs after
+# sys.path) `import sim` would find tests/sim instead of the simulator. A regular package anywhere
+# on sys.path beats a namespace one, so appending the checkout's root fixes that without
+# overriding an installed copy.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
 
 
 def pytest_addoption(parser, pluginmanager):

@@ -241,3 +241,17 @@ def test_preset_unknown():
 def test_scenario_validation(make):
     with pytest.raises(InvalidArgumentError):
         make()
+
+
+def test_a_give_returns_the_pages_of_its_take():
+    """Each take is rounded to pages on its own; giving one back frees exactly its pages."""
+    ops = [(0.0, 0, 1 * MiB, True), (0.0, 1, 1 * MiB, True), (0.0, 2, 3 * MiB, True),
+           (0.001, 0, 1 * MiB, False), (0.002, 2, 3 * MiB, False), (0.003, 1, 1 * MiB, False)]
+    dev = SimDevice(T4, pressure=TraceTenant(ops=ops))
+    assert _at(dev, 0.0005) == BASE_FREE - 8 * MiB   # 2 + 2 + 4 MiB of pages
+    assert _at(dev, 0.0015) == BASE_FREE - 6 * MiB   # the first 1 MiB allocation's page
+    assert _at(dev, 0.0025) == BASE_FREE - 2 * MiB   # the 3 MiB allocation's two pages
+    assert _at(dev, 0.0035) == BASE_FREE
+    ramp = SimDevice(T4, pressure=Ramp(nbytes=3 * MiB, duration_s=0.003, steps=3, hold_s=0.001))
+    assert _at(ramp, 0.0029) == BASE_FREE - 6 * MiB  # three 1 MiB steps, a page each
+    assert _at(ramp, 0.0045) == BASE_FREE             # given back all at once

@@ -10,7 +10,7 @@ traces=${2:-../shared/traces}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -c "import gpumem; d = gpumem.open_device('cuda:0'); print(d.properties()); print(d.mem_info()); d.close()" 2>&1 | tee "$out/pytest-cuda.log"
-python3 -m pytest tests/contract tests/hil tests/cuda --gpumem-device cuda:0 --gpumem-record "$out" -q -p no:cacheprovider 2>&1 | tee -a "$out/pytest-cuda.log" | tail -40
+python3 -m pytest tests/contract tests/hil tests/cuda_adapter --gpumem-device cuda:0 --gpumem-record "$out" -q -p no:cacheprovider 2>&1 | tee -a "$out/pytest-cuda.log" | tail -40
 rc=${PIPESTATUS[0]}
 python3 -m hil.probes.calibrate --out "$out/calibrate.json" > /dev/null 2>&1 || echo "calibration probe failed"
 if [ -d "$traces" ]; then

@@ -27,7 +27,7 @@ Note [A failed call changes nothing]
 Each call validates its arguments, advances time, checks for a lost device,
 decides injected faults and checks capacity *before* it mutates any state, so
 every exception leaves the accounting as it was. The stateful property tests in
-``tests/sim`` check this after every step.
+``tests/simulator`` check this after every step.
 """
 
 from __future__ import annotations

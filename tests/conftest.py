@@ -15,11 +15,11 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 
-# pytest puts this directory (tests/) on sys.path to import this conftest, and there tests/sim
-# looks like a namespace package "sim". Under an editable install (whose import hook runs after
-# sys.path) `import sim` would find tests/sim instead of the simulator. A regular package anywhere
-# on sys.path beats a namespace one, so appending the checkout's root fixes that without
-# overriding an installed copy.
+# pytest puts this directory (tests/) on sys.path to import this conftest, so no test folder may be
+# named like a package the tests import: a folder "sim", "cuda" or "trace" there would be found as a
+# namespace package before an editable install's import hook runs (hence tests/simulator,
+# tests/cuda_adapter, tests/traces). Appending the checkout's root also lets an uninstalled checkout
+# import gpumem, sim and hil, without overriding an installed copy.
 _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.append(_ROOT)

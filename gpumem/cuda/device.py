@@ -39,7 +39,7 @@ record follows each call that succeeded, so it stays true even then.
 
 The checks mirror :mod:`sim.device` one for one, in the same order (same
 exceptions for the same inputs), because one contract suite runs against both
-devices; ``tests/cuda/test_cuda_sim_parity.py`` compares them call by call.
+devices; ``tests/cuda_adapter/test_cuda_sim_parity.py`` compares them call by call.
 After :meth:`CudaDevice.close` every call with valid arguments except
 :meth:`~CudaDevice.properties` raises :class:`~gpumem.errors.DeviceClosedError`.
 

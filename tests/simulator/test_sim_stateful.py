@@ -125,7 +125,7 @@ class SimDeviceMachine(RuleBasedStateMachine):
     # -- helpers ---------------------------------------------------------------------------------------
     @property
     def lost(self) -> bool:
-        return self.dev._lost  # noqa: SLF001 - sim internals are fair game in tests/sim
+        return self.dev._lost  # noqa: SLF001 - sim internals are fair game in tests/simulator
 
     def _snapshot(self):
         acc = self.dev.accounting()

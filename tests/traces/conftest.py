@@ -12,7 +12,7 @@ SHARED_TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
-    """``tests/trace/data``: small traces derived from the real ResNet-50 trace (see make_fixtures.py)."""
+    """``tests/traces/data``: small traces derived from the real ResNet-50 trace (see make_fixtures.py)."""
     return DATA_DIR
 
 

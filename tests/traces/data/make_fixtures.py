@@ -1,6 +1,6 @@
 """Regenerate the small trace fixtures in this folder from the shared real traces.
 
-    cd /work/main && PYTHONPATH=. python3 tests/trace/data/make_fixtures.py
+    cd /work/main && PYTHONPATH=. python3 tests/traces/data/make_fixtures.py
 
 Writes, from ``../shared/traces/resnet_train.*`` (ResNet-50 training on an H200):
 

@@ -41,6 +41,8 @@ from typing import Iterable
 
 import simpy
 
+from gpumem.vmm_book import Mapping as _Mapping
+from gpumem.vmm_book import Reservation as _Reservation
 from gpumem.device import (
     BytesLike,
     Device,
@@ -60,7 +62,6 @@ from gpumem.errors import (
     InvalidArgumentError,
     InvalidPointerError,
     MappingError,
-    MappingOverlapError,
     OutOfMemoryError,
     TransientDeviceError,
     UnsupportedOperationError,
@@ -128,23 +129,6 @@ class _Physical:
         self.store = SparseStore(handle.nbytes)
         self.released = False
         self.map_count = 0
-
-
-@dataclass
-class _Mapping:
-    va: int
-    nbytes: int
-    physical: _Physical
-    offset: int
-    accessible: bool = False
-
-
-@dataclass
-class _Reservation:
-    start: int
-    nbytes: int
-    starts: list[int] = field(default_factory=list)
-    mappings: dict[int, _Mapping] = field(default_factory=dict)
 
 
 @dataclass
@@ -519,9 +503,7 @@ class SimDevice(Device):
         r = self._range_at(va)
         if not isinstance(r, _Reservation):
             raise MappingError(f"{call}: {va:#x} is not inside an address reservation on {self.spec}")
-        if va + nbytes > r.start + r.nbytes:
-            raise MappingError(f"{call}: [{va:#x}, {va + nbytes:#x}) runs past its reservation's end "
-                               f"{r.start + r.nbytes:#x}")
+        r.check_inside(va, nbytes, call)
         return r
 
     def address_free(self, va: int, nbytes: int) -> None:
@@ -583,36 +565,13 @@ class SimDevice(Device):
             raise InvalidArgumentError(f"mem_map: offset {offset} + nbytes {nbytes} exceeds the chunk's "
                                        f"{phys.handle.nbytes} bytes")
         r = self._reservation(va, nbytes, "mem_map")
-        i = bisect.bisect_right(r.starts, va) - 1
-        if i >= 0:
-            prev = r.mappings[r.starts[i]]
-            if prev.va + prev.nbytes > va:
-                raise MappingOverlapError(f"mem_map: [{va:#x}, {va + nbytes:#x}) overlaps the mapping at {prev.va:#x}")
-        if i + 1 < len(r.starts) and r.starts[i + 1] < va + nbytes:
-            raise MappingOverlapError(f"mem_map: [{va:#x}, {va + nbytes:#x}) overlaps the mapping at "
-                                      f"{r.starts[i + 1]:#x}")
+        r.check_unmapped(va, nbytes, "mem_map")
         self._call("mem_map", self.latency.mem_map_us)
-        bisect.insort(r.starts, va)
-        r.mappings[va] = _Mapping(va, nbytes, phys, offset)
-        phys.map_count += 1
+        r.add(va, nbytes, phys, offset)
 
     def _mappings_covering(self, va: int, nbytes: int, call: str) -> list[_Mapping]:
         """The mappings that tile ``[va, va + nbytes)`` exactly from ``va`` (contiguous, no holes)."""
-        r = self._reservation(va, nbytes, call)
-        i = bisect.bisect_right(r.starts, va) - 1
-        out: list[_Mapping] = []
-        cursor = va
-        end = va + nbytes
-        while cursor < end:
-            if i < 0 or i >= len(r.starts):
-                raise MappingError(f"{call}: {cursor:#x} is not mapped")
-            m = r.mappings[r.starts[i]]
-            if not m.va <= cursor < m.va + m.nbytes:
-                raise MappingError(f"{call}: {cursor:#x} is not mapped")
-            out.append(m)
-            cursor = m.va + m.nbytes
-            i += 1
-        return out
+        return self._reservation(va, nbytes, call).covering(va, nbytes, call)
 
     def mem_set_access(self, va: int, nbytes: int) -> None:
         self._require_vmm("mem_set_access")
@@ -627,15 +586,11 @@ class SimDevice(Device):
         self._require_vmm("mem_unmap")
         check_pointer(va, what="va")
         check_granular(nbytes, self._gran)
-        maps = self._mappings_covering(va, nbytes, "mem_unmap")
-        if maps[0].va != va or maps[-1].va + maps[-1].nbytes != va + nbytes:
-            raise MappingError(f"mem_unmap: [{va:#x}, {va + nbytes:#x}) does not cover whole mappings")
-        self._call("mem_unmap", self.latency.mem_unmap_us)
         r = self._reservation(va, nbytes, "mem_unmap")
+        maps = r.whole_mappings(va, nbytes, "mem_unmap")
+        self._call("mem_unmap", self.latency.mem_unmap_us)
         for m in maps:
-            del r.starts[bisect.bisect_left(r.starts, m.va)]
-            del r.mappings[m.va]
-            m.physical.map_count -= 1
+            r.remove(m)
             if m.physical.released and m.physical.map_count == 0:
                 self._drop_physical(m.physical)
 

@@ -53,7 +53,7 @@ import bisect
 import logging
 import os
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import numpy as np
@@ -79,11 +79,12 @@ from gpumem.errors import (
     InvalidArgumentError,
     InvalidPointerError,
     MappingError,
-    MappingOverlapError,
     OutOfMemoryError,
     UnsupportedOperationError,
 )
 from gpumem.units import CUDA_GRANULARITY_NBYTES
+from gpumem.vmm_book import Mapping as _Mapping
+from gpumem.vmm_book import Reservation as _Reservation
 
 from .backend import INSTALL_HINT, CudaBackend, load_backend
 from .errors import VmmUnavailableError, from_runtime_error, is_out_of_memory
@@ -114,23 +115,6 @@ class _Physical:
     driver_handle: Any
     released: bool = False
     map_count: int = 0
-
-
-@dataclass
-class _Mapping:
-    va: int
-    nbytes: int
-    physical: _Physical
-    offset: int
-    accessible: bool = False
-
-
-@dataclass
-class _Reservation:
-    start: int
-    nbytes: int
-    starts: list[int] = field(default_factory=list)
-    mappings: dict[int, _Mapping] = field(default_factory=dict)
 
 
 def _decode(value: object) -> str:
@@ -421,9 +405,7 @@ class CudaDevice(Device):
         r = self._reservation_at(va)
         if r is None:
             raise MappingError(f"{call}: {va:#x} is not inside an address reservation on {self.spec}")
-        if va + nbytes > r.start + r.nbytes:
-            raise MappingError(f"{call}: [{va:#x}, {va + nbytes:#x}) runs past its reservation's end "
-                               f"{r.start + r.nbytes:#x}")
+        r.check_inside(va, nbytes, call)
         return r
 
     def address_free(self, va: int, nbytes: int) -> None:
@@ -485,35 +467,13 @@ class CudaDevice(Device):
             raise InvalidArgumentError(f"mem_map: offset {offset} + nbytes {nbytes} exceeds the chunk's "
                                        f"{phys.handle.nbytes} bytes")
         r = self._reservation(va, nbytes, "mem_map")
-        i = bisect.bisect_right(r.starts, va) - 1
-        if i >= 0:
-            prev = r.mappings[r.starts[i]]
-            if prev.va + prev.nbytes > va:
-                raise MappingOverlapError(f"mem_map: [{va:#x}, {va + nbytes:#x}) overlaps the mapping at {prev.va:#x}")
-        if i + 1 < len(r.starts) and r.starts[i + 1] < va + nbytes:
-            raise MappingOverlapError(f"mem_map: [{va:#x}, {va + nbytes:#x}) overlaps the mapping at "
-                                      f"{r.starts[i + 1]:#x}")
+        r.check_unmapped(va, nbytes, "mem_map")
         self._driver("cuMemMap", vmm.map, va, nbytes, phys.driver_handle, offset, oom_nbytes=nbytes)
-        bisect.insort(r.starts, va)
-        r.mappings[va] = _Mapping(va, nbytes, phys, offset)
-        phys.map_count += 1
+        r.add(va, nbytes, phys, offset)
 
     def _mappings_covering(self, va: int, nbytes: int, call: str) -> list[_Mapping]:
         """The mappings that tile ``[va, va + nbytes)`` from ``va`` without holes, or :class:`MappingError`."""
-        r = self._reservation(va, nbytes, call)
-        i = bisect.bisect_right(r.starts, va) - 1
-        out: list[_Mapping] = []
-        cursor, end = va, va + nbytes
-        while cursor < end:
-            if i < 0 or i >= len(r.starts):
-                raise MappingError(f"{call}: {cursor:#x} is not mapped")
-            m = r.mappings[r.starts[i]]
-            if not m.va <= cursor < m.va + m.nbytes:
-                raise MappingError(f"{call}: {cursor:#x} is not mapped")
-            out.append(m)
-            cursor = m.va + m.nbytes
-            i += 1
-        return out
+        return self._reservation(va, nbytes, call).covering(va, nbytes, call)
 
     def mem_set_access(self, va: int, nbytes: int) -> None:
         """Make the mappings covering ``[va, va + nbytes)`` readable and writable.
@@ -536,18 +496,14 @@ class CudaDevice(Device):
         vmm = self._require_vmm("mem_unmap")
         check_pointer(va, what="va")
         check_granular(nbytes, self._gran)
-        maps = self._mappings_covering(va, nbytes, "mem_unmap")
-        if maps[0].va != va or maps[-1].va + maps[-1].nbytes != va + nbytes:
-            raise MappingError(f"mem_unmap: [{va:#x}, {va + nbytes:#x}) does not cover whole mappings")
         r = self._reservation(va, nbytes, "mem_unmap")
+        maps = r.whole_mappings(va, nbytes, "mem_unmap")
         for m in maps:
             self._driver("cuMemUnmap", vmm.unmap, m.va, m.nbytes)
             self._forget_mapping(r, m)
 
     def _forget_mapping(self, r: _Reservation, m: _Mapping) -> None:
-        del r.starts[bisect.bisect_left(r.starts, m.va)]
-        del r.mappings[m.va]
-        m.physical.map_count -= 1
+        r.remove(m)
         if m.physical.released and m.physical.map_count == 0:
             del self._physicals[m.physical.handle.handle]
 

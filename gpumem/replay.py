@@ -111,7 +111,9 @@ def replay(trace: Trace, allocator: CachingAllocator, *, stop_on_oom: bool = Tru
             try:
                 for i in range(done, stop):
                     if kinds[i] == 0:
-                        ptrs[ids[i]] = allocate(sizes[i], streams[i])
+                        # a zero-byte allocation (valid in a Trace) takes no memory, as in PyTorch and CUDA;
+                        # the allocator rejects nbytes=0, so it gets no pointer and its free is skipped
+                        ptrs[ids[i]] = allocate(sizes[i], streams[i]) if sizes[i] else 0
                     else:
                         p = ptrs[ids[i]]
                         if p:

@@ -1,6 +1,6 @@
 """Regenerate the small trace fixtures in this folder from the shared real traces.
 
-    cd /work/main && PYTHONPATH=. python3 tests/traces/data/make_fixtures.py
+    PYTHONPATH=. python3 tests/traces/data/make_fixtures.py   (from the repository root)
 
 Writes, from ``../shared/traces/resnet_train.*`` (ResNet-50 training on an H200):
 

@@ -73,12 +73,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         transient=st.frozensets(st.integers(1, 40), max_size=4),
         limit=st.sampled_from([None, None, 0.6, 160 * MiB]),
         gc_threshold=st.sampled_from([None, None, 0.5]),
+        record_history=st.booleans(),
     )
-    def setup(self, seed, pressure, fail_rate, transient, limit, gc_threshold):
+    def setup(self, seed, pressure, fail_rate, transient, limit, gc_threshold, record_history):
         self.dev = sim.SimDevice(small_profile(384, vmm=self.vmm_profile), pressure=PRESSURE[pressure],
                                  faults=sim.FaultPlan(malloc_failure_rate=fail_rate, transient_error_calls=transient),
                                  seed=seed)
-        self.alloc = CachingAllocator(self.dev, self.policy, limit=limit, gc_threshold=gc_threshold)
+        self.alloc = CachingAllocator(self.dev, self.policy, limit=limit, gc_threshold=gc_threshold,
+                                      record_history=record_history)
+        self.record_history = record_history
         assert self.alloc.uses_vmm == (self.policy == "gpumem" and self.vmm_profile)
 
     # -- helpers ------------------------------------------------------------------------------------------
@@ -236,6 +239,12 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self.dev.mapping_ranges() == []
             assert self.dev.n_allocations == 0
             check_allocator(self.alloc, {}, {})
+            if self.record_history:
+                # the history holds exactly the successful allocations and the frees
+                trace = self.alloc.history()
+                assert trace.n_allocs == st_.num_allocs and trace.n_frees == st_.num_frees
+                assert trace.n_live_at_end == 0
+                assert trace.peak_live_nbytes == st_.peak_requested_nbytes
         finally:
             self.alloc.close()
             self.dev.close()
@@ -245,7 +254,7 @@ def _machine(policy: str, vmm_profile: bool = True):
     cls = type(f"Machine_{policy}_{'vmm' if vmm_profile else 'novmm'}", (AllocatorMachine,),
                {"policy": policy, "vmm_profile": vmm_profile, "exact_device_accounting": policy != "cupy"})
     test = cls.TestCase
-    test.settings = settings(max_examples=80, stateful_step_count=60, deadline=None,
+    test.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     return test
 

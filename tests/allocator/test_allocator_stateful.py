@@ -213,7 +213,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def consistent(self):
         if self.alloc is None:
             return
-        check_allocator(self.alloc, {p: b for p, b in self.live.items()}, self.pending,
+        check_allocator(self.alloc, self.live, self.pending,
                         exact_device_accounting=self.exact_device_accounting)
 
     @invariant()

@@ -64,9 +64,7 @@ def test_requests_round_up_to_512(dev, policy, nbytes, size):
     alloc = make(dev, policy)
     p = alloc.allocate(nbytes)
     assert p % 512 == 0
-    assert alloc.block_size(p) >= size  # pytorch keeps remainders of 1 MiB or less in the block
-    if policy != "pytorch":
-        assert alloc.block_size(p) == size
+    assert alloc.block_size(p) == size
     st = alloc.snapshot_stats()
     assert st.requested_nbytes == nbytes
     assert st.allocated_nbytes == alloc.block_size(p)

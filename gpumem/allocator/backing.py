@@ -275,11 +275,14 @@ class VirtualBacking(Backing):
                                 hint="The allocator's virtual range is exhausted; raise va_reserve_factor.")
 
     # -- pages ------------------------------------------------------------------------------
-    def commit(self, block: Block) -> None:
+    def _pages(self, block: Block) -> tuple[VirtualSegment, int, int]:
+        """The block's range and the first and last page indices it touches."""
         seg: VirtualSegment = block.segment  # type: ignore[assignment]
         g = self.granularity
-        first = (block.addr - seg.base) // g
-        last = (block.addr + block.size - 1 - seg.base) // g
+        return seg, (block.addr - seg.base) // g, (block.addr + block.size - 1 - seg.base) // g
+
+    def commit(self, block: Block) -> None:
+        seg, first, last = self._pages(block)
         refs = seg.refs
         if first == last and refs[first]:
             refs[first] += 1  # the common case: a page already holding live data
@@ -298,10 +301,7 @@ class VirtualBacking(Backing):
             self.peak_live_pages = self.live_pages
 
     def decommit(self, block: Block) -> None:
-        seg: VirtualSegment = block.segment  # type: ignore[assignment]
-        g = self.granularity
-        first = (block.addr - seg.base) // g
-        last = (block.addr + block.size - 1 - seg.base) // g
+        seg, first, last = self._pages(block)
         refs = seg.refs
         for p in range(first, last + 1):
             refs[p] -= 1

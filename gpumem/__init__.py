@@ -6,7 +6,7 @@ The pieces, each in its own module:
 * :mod:`gpumem.specs` - :func:`open_device` for ``"sim:<profile>"`` and ``"cuda:<index>"``;
 * :mod:`gpumem.cuda` - the real-device adapter (CuPy, cuda-bindings, NVML), imported on demand;
 * :mod:`gpumem.errors` - the exception hierarchy rooted in :class:`GpumemError`;
-* the ``sim`` package (same distribution) - the SimPy-driven simulated GPU.
+* the :mod:`gpumem.sim` package - the SimPy-driven simulated GPU.
 """
 
 from .device import Device, DeviceKind, DeviceProperties, MemInfo, PhysicalHandle

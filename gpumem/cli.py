@@ -30,7 +30,7 @@ EXIT_USAGE = 2
 
 
 def _device_rows() -> list[dict[str, Any]]:
-    import sim
+    from gpumem import sim
 
     rows: list[dict[str, Any]] = []
     try:

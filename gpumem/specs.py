@@ -71,7 +71,7 @@ def parse_spec(spec: str) -> DeviceSpec:
 
 
 def _sim_device(parsed: DeviceSpec, spec: str, kwargs: dict[str, Any]) -> Device:
-    import sim  # the simulator is part of this distribution; imported lazily to keep gpumem light
+    from gpumem import sim  # the simulator is part of this distribution; imported lazily to keep gpumem light
 
     profile = kwargs.pop("profile", None)
     if profile is None:

@@ -1,6 +1,6 @@
 """Shared test configuration: the gpumem_hil plugin and the Hypothesis profiles.
 
-``hil.plugin`` is loaded through its pytest11 entry point (``gpumem_hil``) when gpumem is
+``gpumem.hil.plugin`` is loaded through its pytest11 entry point (``gpumem_hil``) when gpumem is
 installed (``pip install -e .``). In a bare checkout (``PYTHONPATH=. pytest``) the entry
 point is not there, so it is registered here, under the same name: never twice, and not
 when it was disabled with ``-p no:gpumem_hil``.
@@ -26,10 +26,10 @@ if _ROOT not in sys.path:
 
 
 def pytest_addoption(parser, pluginmanager):
-    import hil.plugin
+    import gpumem.hil.plugin
 
-    if not pluginmanager.is_registered(hil.plugin) and not pluginmanager.is_blocked("gpumem_hil"):
-        pluginmanager.register(hil.plugin, "gpumem_hil")
+    if not pluginmanager.is_registered(gpumem.hil.plugin) and not pluginmanager.is_blocked("gpumem_hil"):
+        pluginmanager.register(gpumem.hil.plugin, "gpumem_hil")
 
 
 settings.register_profile("dev", max_examples=20, deadline=None,

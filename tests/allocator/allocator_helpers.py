@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-import sim
+from gpumem import sim
 from gpumem.allocator import CachingAllocator
 from gpumem.allocator.backing import SegmentBacking, VirtualBacking
 from gpumem.units import MiB

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import sim
+from gpumem import sim
 from gpumem import open_device
 from gpumem.allocator import CachingAllocator
 from gpumem.replay import ReplayResult, replay, replay_trace

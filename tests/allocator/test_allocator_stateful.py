@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import sim
+from gpumem import sim
 from gpumem.allocator import CachingAllocator
 from gpumem.errors import DoubleFreeError, OutOfMemoryError, TransientDeviceError
 from gpumem.units import KiB, MiB

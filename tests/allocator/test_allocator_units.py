@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-import sim
+from gpumem import sim
 from gpumem import open_device
 from gpumem.allocator import POLICIES, AllocatorPolicy, CachingAllocator, VmmMode, get_policy
 from gpumem.allocator.backing import SegmentBacking, VirtualBacking

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import pytest
 
-import sim
+from gpumem import sim
 from gpumem import PhysicalHandle
 
 G = 2 * 2**20

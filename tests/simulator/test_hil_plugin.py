@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hil import plugin
+from gpumem.hil import plugin
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,7 +56,7 @@ def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subpr
     full_env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # so -p loads the plugin whether gpumem is installed or not
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "hil.plugin", "-p", "no:cacheprovider", "-q", "-rA",
+        [sys.executable, "-m", "pytest", "-p", "gpumem.hil.plugin", "-p", "no:cacheprovider", "-q", "-rA",
          "--rootdir", str(tmp_path), str(tmp_path), *args],
         capture_output=True, text=True, env=full_env, cwd=tmp_path, timeout=120,
     )
@@ -116,7 +116,7 @@ def test_choosing_devices(tmp_path):
     assert "1 passed" in res.stdout and "test_opens[sim:h100-80gb?seed=3]" in res.stdout
 
     res = _run(tmp_path, "--gpumem-device", "sim:all", "-k", "opens")
-    assert res.returncode == 0 and f"{len(__import__('sim').profile_names())} passed" in res.stdout
+    assert res.returncode == 0 and f"{len(__import__('gpumem.sim', fromlist=['x']).profile_names())} passed" in res.stdout
 
 
 @pytest.mark.parametrize("spec", ["sim:no-such-card", "gpu:0", "cuda:zero", "sim:t4-16gb?bogus=1"])

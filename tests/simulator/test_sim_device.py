@@ -7,7 +7,7 @@ import pytest
 import gpumem
 from gpumem import DeviceClosedError, GiB, MiB, OutOfMemoryError
 from gpumem.units import TiB
-from sim import SimDevice, get_profile
+from gpumem.sim import SimDevice, get_profile
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from gpumem import (
     OutOfMemoryError,
     TransientDeviceError,
 )
-from sim import FaultPlan, MemoryEventKind, SimDevice, get_profile
+from gpumem.sim import FaultPlan, MemoryEventKind, SimDevice, get_profile
 
 A100 = get_profile("a100-80gb")
 

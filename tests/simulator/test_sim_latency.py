@@ -8,7 +8,7 @@ import pytest
 
 import gpumem
 from gpumem import GiB, InvalidArgumentError, InvalidPointerError, MiB, OutOfMemoryError
-from sim import LatencyModel, PeriodicSpikes, SimDevice, custom_profile, get_profile
+from gpumem.sim import LatencyModel, PeriodicSpikes, SimDevice, custom_profile, get_profile
 
 US = 1e-6
 

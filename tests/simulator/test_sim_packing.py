@@ -14,7 +14,7 @@ import pytest
 
 import gpumem
 from gpumem import MiB, OutOfMemoryError
-from sim import SimDevice, Step, custom_profile
+from gpumem.sim import SimDevice, Step, custom_profile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CALIBRATIONS = sorted(glob.glob(os.path.join(REPO, "reports", "hil", "calibration-h200-*.json")))

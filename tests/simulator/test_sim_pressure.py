@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from gpumem import GiB, InvalidArgumentError, MiB
-from sim import (
+from gpumem.sim import (
     MemoryEventKind,
     PeriodicSpikes,
     Ramp,
@@ -19,7 +19,7 @@ from sim import (
     get_profile,
     preset,
 )
-from sim.pressure import PRESET_NAMES
+from gpumem.sim.pressure import PRESET_NAMES
 
 K = MemoryEventKind
 T4 = get_profile("t4-16gb")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import gpumem
-import sim
+from gpumem import sim
 from gpumem import DeviceNotFoundError, GiB, InvalidArgumentError, MiB
-from sim import BUILTIN_PROFILES, DeviceProfile, SimDevice, custom_profile, get_profile, profile_names
+from gpumem.sim import BUILTIN_PROFILES, DeviceProfile, SimDevice, custom_profile, get_profile, profile_names
 
 H200_TOTAL = 150_109_880_320
 H200_FREE_AFTER_CONTEXT = 149_557_477_376

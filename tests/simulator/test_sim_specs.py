@@ -7,7 +7,7 @@ import simpy
 
 import gpumem
 from gpumem import DeviceKind, DeviceLostError, GiB, InvalidArgumentError, MiB, parse_spec
-from sim import FaultPlan, PeriodicSpikes, SimDevice, Step, custom_profile
+from gpumem.sim import FaultPlan, PeriodicSpikes, SimDevice, Step, custom_profile
 
 
 def test_spec_with_every_option():

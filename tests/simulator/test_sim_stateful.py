@@ -24,7 +24,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import sim
+from gpumem import sim
 from gpumem import (
     DeviceClosedError,
     DeviceLostError,
@@ -40,8 +40,8 @@ from gpumem import (
     UnsupportedOperationError,
 )
 from gpumem.units import align_up
-from sim import FaultPlan, MemoryEventKind, PeriodicSpikes, RandomArrivals, SimDevice, Step
-from sim.device import SMALL_MALLOC_ALIGNMENT, SMALL_MALLOC_MAX_NBYTES
+from gpumem.sim import FaultPlan, MemoryEventKind, PeriodicSpikes, RandomArrivals, SimDevice, Step
+from gpumem.sim.device import SMALL_MALLOC_ALIGNMENT, SMALL_MALLOC_MAX_NBYTES
 
 GRAN = 2 * MiB
 

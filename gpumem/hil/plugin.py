@@ -132,7 +132,7 @@ def split_specs(values: Iterable[str]) -> list[str]:
             if not spec:
                 continue
             if spec.lower() == ALL_SIMS:
-                import sim
+                from gpumem import sim
 
                 expanded = [f"sim:{name}" for name in sim.profile_names()]
             else:
@@ -151,7 +151,7 @@ def _validate_specs(specs: list[str], source: str) -> None:
         try:
             parsed = parse_spec(spec)
             if parsed.kind is DeviceKind.SIM:
-                import sim
+                from gpumem import sim
 
                 sim.get_profile(parsed.target)
         except GpumemError as exc:
@@ -218,7 +218,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def _sim_vmm_supported(spec: str) -> bool | None:
     """Whether a simulated spec's profile supports VMM (None when that cannot be told without opening it)."""
     try:
-        import sim
+        from gpumem import sim
         from gpumem import parse_spec
 
         return sim.get_profile(parse_spec(spec).target).vmm_supported

@@ -3,7 +3,7 @@
 Prints JSON: how cudaMemGetInfo's free bytes move for cudaMalloc of various sizes
 (the physical granularity and any packing of small allocations), and the cost of
 each device call (runtime and driver virtual-memory calls), so the simulator's
-latency model can be calibrated. Run: ``python -m hil.probes.calibrate [--out FILE]``.
+latency model can be calibrated. Run: ``python -m gpumem.hil.probes.calibrate [--out FILE]``.
 """
 
 from __future__ import annotations

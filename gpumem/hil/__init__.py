@@ -1,6 +1,6 @@
 """Hardware-in-the-loop support for gpumem.
 
-* :mod:`hil.plugin` - the pytest plugin (entry point ``gpumem_hil``) that runs the
+* :mod:`gpumem.hil.plugin` - the pytest plugin (entry point ``gpumem_hil``) that runs the
   device-parametrised suites (``tests/contract``) on simulated profiles or on a real
   GPU (``pytest --gpumem-device cuda:0``) and records runs (``--gpumem-record DIR``);
 * :mod:`hil.probes` - measurement scripts run on real GPUs to calibrate the simulator.

@@ -167,7 +167,7 @@ class _Tenant(TenantContext):
 class SimDevice(Device):
     """A simulated GPU of a given :class:`~sim.profiles.DeviceProfile`.
 
-    >>> from sim import SimDevice, get_profile
+    >>> from gpumem.sim import SimDevice, get_profile
     >>> dev = SimDevice(get_profile("a100-80gb"))
     >>> p = dev.malloc(64 * 2**20); dev.write(p, b"hello"); dev.read(p, 5)
     b'hello'

@@ -18,9 +18,11 @@ from .errors import (
     DeviceNotFoundError,
     DoubleFreeError,
     GpumemError,
+    InternalError,
     InvalidArgumentError,
     InvalidPointerError,
     MappingError,
+    MemoryHazardError,
     MappingOverlapError,
     OutOfMemoryError,
     TraceFormatError,
@@ -38,5 +40,5 @@ __all__ = [
     "GpumemError", "InvalidArgumentError", "InvalidPointerError", "DoubleFreeError", "MappingError",
     "MappingOverlapError", "UnsupportedOperationError", "DeviceNotFoundError", "BackendUnavailableError",
     "CudaError", "TransientDeviceError", "DeviceLostError", "DeviceClosedError", "OutOfMemoryError",
-    "TraceFormatError", "KiB", "MiB", "GiB", "format_bytes", "__version__",
+    "TraceFormatError", "MemoryHazardError", "InternalError", "KiB", "MiB", "GiB", "format_bytes", "__version__",
 ]

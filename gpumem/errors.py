@@ -53,10 +53,12 @@ class BackendUnavailableError(GpumemError, ImportError):
 class CudaError(GpumemError, RuntimeError):
     """A CUDA runtime, driver or NVML call failed; ``error_name`` is CUDA's name for the error."""
 
-    def __init__(self, call: str, error_name: str, detail: str = "") -> None:
+    def __init__(self, call: str, error_name: str, detail: str = "", *, injected: bool = False) -> None:
         self.call = call
         self.error_name = error_name
         self.detail = detail
+        self.injected = injected
+        """True when the simulator injected this failure on purpose (:class:`gpumem.sim.FaultPlan`)."""
         msg = f"{call} failed: {error_name}"
         if detail:
             msg += f" ({detail})"
@@ -103,6 +105,7 @@ class OutOfMemoryError(GpumemError, MemoryError):
         cached_nbytes: int | None = None,
         limit_nbytes: int | None = None,
         hint: str = "",
+        injected: bool = False,
     ) -> None:
         self.requested_nbytes = requested_nbytes
         self.free_nbytes = free_nbytes
@@ -112,6 +115,8 @@ class OutOfMemoryError(GpumemError, MemoryError):
         self.cached_nbytes = cached_nbytes
         self.limit_nbytes = limit_nbytes
         self.hint = hint
+        self.injected = injected
+        """True when the simulator injected this failure on purpose: nothing was really out of memory."""
         on = f" on {device}" if device else ""
         parts = [
             f"out of memory{on}: tried to allocate {format_bytes(requested_nbytes)} "
@@ -125,6 +130,30 @@ class OutOfMemoryError(GpumemError, MemoryError):
         if limit_nbytes is not None:
             parts.append(f"its limit is {format_bytes(limit_nbytes)}")
         msg = "; ".join(parts) + "."
+        if injected:
+            msg += " (This failure was an injected fault, not a real shortage.)"
         if hint:
             msg += " " + hint
         super().__init__(msg)
+
+
+class MemoryHazardError(GpumemError, RuntimeError):
+    """Memory that queued or running GPU work still touches was unmapped, released or freed, or work
+    was launched on memory that is not mapped or not allocated (the simulator's sanitizer).
+
+    On a real GPU such a call returns success and the context dies later with
+    ``CUDA_ERROR_ILLEGAL_ADDRESS``; the simulator refuses it and changes nothing.
+    """
+
+    def __init__(self, call: str, message: str, *, stream: int | None = None, va: int = 0, nbytes: int = 0,
+                 work: str = "") -> None:
+        self.call = call
+        self.stream = stream
+        self.va = va
+        self.nbytes = nbytes
+        self.work = work
+        super().__init__(f"{call}: {message}")
+
+
+class InternalError(GpumemError, RuntimeError):
+    """gpumem's own bookkeeping is inconsistent (a bug): raised by consistency checks instead of ``assert``."""

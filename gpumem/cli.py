@@ -4,10 +4,18 @@
     Real CUDA devices (through NVML, without creating a CUDA context) and every
     simulated profile, with total and free bytes.
 
-``gpumem replay TRACE [--device SPEC] [--policy NAME] [--json]``
+``gpumem replay TRACE [--device SPEC] [--policy NAME] [--limit LIMIT] [--format NAME]
+[--device-index N] [--json] [--summary] [--export-snapshot PATH]``
     Replay an allocation trace (PyTorch snapshot, RMM log or gpumem trace)
     through gpumem's caching allocator and report peak live and reserved bytes,
-    overhead, out-of-memory errors and time per operation.
+    overhead, external fragmentation, out-of-memory errors and time per operation.
+
+Exit status (:data:`EXIT_CODES`): 0 done; 1 out of memory (the trace does not fit the
+device or the limit); 2 bad input (a bad option, device spec, trace file or output
+path); 3 the device was lost; 4 another device error during the replay (a failed
+device call, a memory hazard the simulator caught, an internal consistency error);
+141 the output pipe was closed (``gpumem replay ... --json | head``), as for a command
+that SIGPIPE ended.
 """
 
 from __future__ import annotations
@@ -15,20 +23,54 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from . import __version__
-from .errors import GpumemError, TraceFormatError
-from .units import format_bytes
+from .errors import DeviceLostError, GpumemError, InvalidArgumentError, OutOfMemoryError, TraceFormatError
+from .units import format_bytes, parse_limit
 
 log = logging.getLogger("gpumem")
 
 EXIT_OK = 0
 EXIT_OOM = 1
 EXIT_USAGE = 2
+EXIT_DEVICE_LOST = 3
+EXIT_DEVICE_ERROR = 4
+EXIT_BROKEN_PIPE = 141
+
+#: Exit status -> meaning, as ``--help`` and the README list them.
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "done",
+    EXIT_OOM: "out of memory: the trace does not fit the device (or --limit)",
+    EXIT_USAGE: "bad input: a bad option, device spec, trace file or output path",
+    EXIT_DEVICE_LOST: "the device was lost during the replay",
+    EXIT_DEVICE_ERROR: "another device error during the replay (a failed device call, a memory hazard the "
+                       "simulator caught, an internal consistency error)",
+    EXIT_BROKEN_PIPE: "the output pipe was closed early (e.g. `| head`); nothing else went wrong",
+}
+
+_DEFAULT_DEVICE = "sim:h200-141gb"
+_FITS_SHOWN = 4
+
+OVERHEAD_MEANING = ("peak reserved / peak live - 1: memory the allocator held from the device, at its worst, "
+                    "beyond what the program had allocated")
+FRAGMENTATION_MEANING = ("1 - largest free cached block / all free cached bytes, at the end: 0% when the memory "
+                         "the allocator keeps but does not use is one piece")
 
 
+class _UsageError(Exception):
+    """A bad input found by a command: printed as ``gpumem COMMAND: message``, exit 2."""
+
+
+def _exit_codes_text() -> str:
+    return "exit status:\n" + "\n".join(f"  {code:<4}{text}" for code, text in EXIT_CODES.items())
+
+
+# -- devices -------------------------------------------------------------------------------------------
 def _device_rows() -> list[dict[str, Any]]:
     from gpumem import sim
 
@@ -68,106 +110,312 @@ def cmd_devices(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- replay --------------------------------------------------------------------------------------------
+def _cli_names(message: str) -> str:
+    """Python keyword names in a library message, as the options a command-line user passes instead."""
+    message = re.sub(r"\bpass device=", "pass --device-index N", message)
+    return re.sub(r"\bpass format=", "pass --format NAME", message)
+
+
+def check_output_path(path: str, option: str) -> Path:
+    """``path`` as a Path, if a file can be written there; else :class:`_UsageError` saying why.
+
+    Checked before the replay starts, so that a typo does not lose a long replay's results.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise _UsageError(f"{option}: {path} is a folder; give a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise _UsageError(f"{option}: no such folder {parent} (create it first)")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise _UsageError(f"{option}: cannot write {path} (permission denied)")
+    return p
+
+
+def _load(args: argparse.Namespace):
+    from .trace import detect_format, load_trace
+
+    try:
+        if args.device_index is not None:
+            fmt = detect_format(args.trace) if args.format is None else args.format
+            if fmt != "pytorch-snapshot":
+                raise _UsageError(f"--device-index applies to PyTorch snapshots only; {args.trace} is read as {fmt}")
+        return load_trace(args.trace, format=args.format, device=args.device_index)
+    except FileNotFoundError:
+        raise _UsageError(f"no such trace file: {args.trace}") from None
+    except TraceFormatError as exc:
+        raise _UsageError(f"cannot read the trace: {_cli_names(str(exc))}") from None
+    except OSError as exc:  # permission denied, a folder, an I/O error
+        raise _UsageError(f"cannot read the trace {args.trace}: {exc.strerror or exc}") from None
+
+
+def _usable_nbytes(profile: Any) -> int:
+    """What a simulated profile leaves to programs: its total less the CUDA context and the host's share."""
+    return int(profile.total_nbytes - profile.context_nbytes - profile.host_reserved_nbytes)
+
+
+def oom_report(result: Any, allocator: Any, device: Any) -> str:
+    """The out-of-memory report of a stopped replay: what failed, where, why, and what fits the trace."""
+    from gpumem import sim
+
+    exc: OutOfMemoryError = result.oom_error
+    op = (result.oom_op if result.oom_op is not None else result.completed_ops - 1) + 1
+    peak = result.trace_peak_live_bytes
+    lines: list[str] = []
+    stats = getattr(device, "stats", None)
+    n_injected = getattr(stats, "injected_faults", 0) if stats is not None else 0
+    injected = bool(getattr(exc, "injected", False))
+    what = (f"allocation of {format_bytes(exc.requested_nbytes)} ({exc.requested_nbytes:,} bytes) at op {op:,} of "
+            f"{result.n_ops:,}")
+    if injected:
+        lines.append(f"gpumem replay: an injected fault (the device spec's fault options) failed the {what} on "
+                     f"{result.device}; nothing was out of memory. The replay stopped there.")
+        return "\n".join(lines)
+    lines.append(f"gpumem replay: out of memory on {result.device}: the {what} failed; the replay stopped there.")
+    if n_injected:
+        lines.append(f"  note: this device spec injects faults ({n_injected} so far): this failure may be one of them.")
+    held = (exc.allocated_nbytes or 0) + (exc.cached_nbytes or 0)
+    outside = max(0, exc.total_nbytes - exc.free_nbytes - held)
+    profile = getattr(device, "profile", None)
+    lines.append(f"  device: {format_bytes(exc.free_nbytes)} free of {format_bytes(exc.total_nbytes)}; this "
+                 f"allocator held {format_bytes(exc.allocated_nbytes or 0)} in live allocations and "
+                 f"{format_bytes(exc.cached_nbytes or 0)} cached but unused.")
+    if profile is not None:
+        ctx = profile.context_nbytes + profile.host_reserved_nbytes
+        others = max(0, outside - ctx)
+        lines.append(f"  outside this allocator: {format_bytes(min(ctx, outside))} for this process's CUDA context"
+                     + ("" if not profile.host_reserved_nbytes else " and the host's share of unified memory")
+                     + (f", {format_bytes(others)} held by other tenants (the spec's pressure scenario)"
+                        if others else "") + ".")
+    else:
+        lines.append(f"  outside this allocator: {format_bytes(outside)} (this process's CUDA context and "
+                     "other processes on the device).")
+    limit = exc.limit_nbytes
+    limit_hit = limit is not None and held + exc.requested_nbytes > limit
+    room = (f"leaves {format_bytes(_usable_nbytes(profile))} to programs after the CUDA context" if profile is not None
+            else f"has {format_bytes(exc.total_nbytes)} in total")
+    lines.append(f"  this trace needs {format_bytes(peak)} ({peak:,} bytes) live at its peak; {result.device} {room}"
+                 + (f", and --limit allows {format_bytes(limit)}" if limit is not None else "") + ".")
+    fits = [p.spec for p in sim.BUILTIN_PROFILES if _usable_nbytes(p) >= peak]
+    if fits:
+        shown = ", ".join(fits[:_FITS_SHOWN]) + (f" and {len(fits) - _FITS_SHOWN} larger" if len(fits) > _FITS_SHOWN
+                                                  else "")
+        lines.append(f"  these simulated profiles have room for that peak: {shown} (see `gpumem devices`).")
+    else:
+        lines.append("  no simulated profile has room for that peak.")
+    advice = []
+    if limit_hit:
+        advice.append(f"raise --limit (it is {format_bytes(limit)}; the peak is {format_bytes(peak)})")
+    if fits and (profile is None or _usable_nbytes(profile) < peak):
+        advice.append(f"replay on a larger device (--device {fits[0]})")
+    uses_vmm = bool(getattr(allocator, "uses_vmm", False))
+    if not uses_vmm and (exc.cached_nbytes or 0) > 0 and getattr(device, "vmm_supported", False):
+        advice.append("use --policy gpumem: with virtual memory its cache does not fragment")
+    if profile is not None and (outside > profile.context_nbytes + profile.host_reserved_nbytes):
+        advice.append("replay without the spec's pressure scenario")
+    if advice:
+        lines.append("  try: " + "; ".join(advice) + ".")
+    return "\n".join(lines)
+
+
+def _print_result(result: Any, summary: str | None) -> None:
+    print(f"trace       {result.trace} ({result.n_ops:,} ops, {result.n_allocs:,} allocations)")
+    print(f"device      {result.device}")
+    print(f"policy      {result.policy}")
+    if result.oom_op is not None:
+        print(f"replayed    {result.oom_op:,} of {result.n_ops:,} ops (stopped by out of memory at op "
+              f"{result.oom_op + 1:,})")
+    print(f"peak live   {format_bytes(result.peak_live_bytes)}  (the most the program had allocated at once)")
+    print(f"peak reserv {format_bytes(result.peak_reserved_bytes)}  (the most the allocator held from the device)")
+    print(f"overhead    {result.overhead:.2%}  (= peak reserved / peak live - 1: what the allocator held beyond "
+          "the program's own bytes, at its worst)")
+    print(f"ext. frag.  {result.stats.external_fragmentation:.2%}  (external fragmentation at the end = 1 - largest "
+          "free cached block / all free cached bytes; 0% when the unused cache is one piece)")
+    print(f"ooms        {result.ooms}")
+    print(f"time        {result.wall_s:.2f} s wall, {result.ns_per_op:,.0f} ns per op")
+    if summary is not None:
+        print(summary)
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from .allocator import CachingAllocator
     from .replay import replay
     from .specs import open_device
-    from .trace import load_trace, save_pytorch_snapshot
+    from .trace import save_pytorch_snapshot
 
+    export = check_output_path(args.export_snapshot, "--export-snapshot") if args.export_snapshot else None
     try:
-        trace = load_trace(args.trace)
-    except FileNotFoundError:
-        print(f"gpumem replay: no such trace file: {args.trace}", file=sys.stderr)
-        return EXIT_USAGE
-    except TraceFormatError as exc:
-        print(f"gpumem replay: cannot read the trace: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    device = open_device(args.device)
+        device = open_device(args.device)
+    except GpumemError as exc:
+        raise _UsageError(f"--device {args.device}: {exc}") from None
     try:
-        allocator = CachingAllocator(device, args.policy, limit=args.limit, record_history=bool(args.export_snapshot))
-        result = replay(trace, allocator, stop_on_oom=True, progress=None if not args.json else False)
-        summary = allocator.memory_summary()
-        if args.export_snapshot:
-            save_pytorch_snapshot(allocator.history(), args.export_snapshot)
-        allocator.close()
+        try:
+            limit = parse_limit(args.limit, device.properties().total_nbytes) if args.limit is not None else None
+        except InvalidArgumentError as exc:
+            raise _UsageError(f"--limit: {exc}") from None
+        trace = _load(args)
+        if trace.n_ops == 0:
+            raise _UsageError(f"the trace {args.trace} has no allocations or frees: nothing to replay")
+        allocator = CachingAllocator(device, args.policy, limit=limit, record_history=export is not None)
+        lost = False
+        try:
+            result = replay(trace, allocator, stop_on_oom=True, progress=None if not args.json else False)
+            summary = allocator.memory_summary() if args.summary else None
+            history = allocator.history() if export is not None else None
+            report = oom_report(result, allocator, device) if result.oom_error is not None else None
+        except DeviceLostError:
+            lost = True  # nothing can be given back to a lost device: closing the allocator would only log failures
+            raise
+        finally:
+            if not lost:
+                allocator.close()
     finally:
         device.close()
     if args.json:
         print(json.dumps(result.as_json(), indent=2))
     else:
-        print(f"trace       {result.trace} ({result.n_ops:,} ops, {result.n_allocs:,} allocations)")
-        print(f"device      {result.device}")
-        print(f"policy      {result.policy}")
-        print(f"peak live   {format_bytes(result.peak_live_bytes)}")
-        print(f"peak reserv {format_bytes(result.peak_reserved_bytes)}")
-        print(f"overhead    {result.overhead:.2%}")
-        print(f"ooms        {result.ooms}")
-        print(f"time        {result.wall_s:.2f} s wall, {result.ns_per_op:,.0f} ns per op")
-        if args.summary:
-            print(summary)
-    if result.oom_message:
-        print(f"gpumem replay: the trace does not fit {result.device}: stopped after {result.completed_ops:,} of "
-              f"{result.n_ops:,} ops.\n{result.oom_message}", file=sys.stderr)
-        return EXIT_OOM
-    return EXIT_OK
+        _print_result(result, summary)
+    sys.stdout.flush()
+    code = EXIT_OK
+    if report is not None:
+        print(report, file=sys.stderr)
+        code = EXIT_OOM
+    if export is not None:
+        try:
+            save_pytorch_snapshot(history, export)
+        except OSError as exc:
+            print(f"gpumem replay: --export-snapshot: cannot write {export}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_USAGE
+    return code
 
 
-def _limit(text: str) -> int | float:
-    value = float(text)
-    return value if 0 < value <= 1 and ("." in text or "e" in text.lower()) else int(value)
+def _limit_syntax(text: str) -> str:
+    """argparse check of ``--limit``'s form (the bytes are computed once the device is open)."""
+    try:
+        parse_limit(text, 2**64)
+    except InvalidArgumentError as exc:
+        if "less than one byte" not in str(exc):
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _device_index(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a device number (0, 1, ...), got {text[:40]!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+_LIMIT_HELP = (
+    "cap on the memory the allocator reserves. Bytes: a whole number (536870912) or a number with a unit "
+    "(8GiB, 512MiB, 1.5GiB: powers of 1024; 512MB, 8GB: powers of 1000). Or a share of the device: a "
+    "percentage (90%%) or a fraction written with a decimal point, in (0, 1] (0.9; 1.0 is the whole device). "
+    "A bare number with a decimal point is always a fraction, so 2.5 is refused, not read as 2 bytes; '1' "
+    "alone is refused as ambiguous (1.0, 100%% or 1B); 8G is refused (GB or GiB?). Same rules as "
+    "CachingAllocator(limit=...). Default: no cap."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from .allocator.policy import DEFAULT_POLICY, POLICIES
+    from .trace import FORMATS
 
+    raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
         prog="gpumem",
-        description="GPU memory management, simulation first: list devices, replay allocation traces.",
-        epilog="Device specs: 'sim:<profile>' (see `gpumem devices`), with options such as "
-               "'sim:h200-141gb?pressure=spikes&seed=3', or 'cuda:<index>' for a real GPU.",
+        formatter_class=raw,
+        description="GPU memory management, simulation first: list devices, replay allocation traces.\n"
+                    "Run `gpumem COMMAND --help` for a command's options.",
+        epilog="device specs: 'sim:<profile>' (see `gpumem devices`), with options such as\n"
+               "'sim:h200-141gb?pressure=spikes&seed=3', or 'cuda:<index>' for a real GPU.\n\n" + _exit_codes_text(),
     )
     parser.add_argument("--version", action="version", version=f"gpumem {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("devices", help="list real CUDA devices and simulated profiles",
+    p = sub.add_parser("devices", help="list real CUDA devices and simulated profiles", formatter_class=raw,
                        description="List real CUDA devices (via NVML, no CUDA context) and every simulated "
-                                   "profile, with total and free bytes.")
+                                   "profile, with total and free bytes.",
+                       epilog="exit status: 0 done.")
     p.add_argument("--json", action="store_true", help="print a JSON list of {spec, kind, name, total_bytes, "
                                                        "free_bytes, ...}")
     p.set_defaults(func=cmd_devices)
 
-    p = sub.add_parser("replay", help="replay an allocation trace through the caching allocator",
-                       description="Replay an allocation trace (PyTorch snapshot .pickle[.gz], RMM log "
-                                   ".csv[.gz], or gpumem .gmt[.gz]) through gpumem's caching allocator and "
-                                   "report peak live bytes, peak reserved bytes, overhead "
-                                   "(peak reserved / peak live - 1), OOMs and time per operation.")
+    p = sub.add_parser(
+        "replay", help="replay an allocation trace through the caching allocator", formatter_class=raw,
+        description="Replay an allocation trace (PyTorch snapshot .pickle[.gz], RMM log .csv[.gz], or gpumem\n"
+                    ".gmt[.gz]) through gpumem's caching allocator on a device, and report:\n"
+                    "  peak live      the largest total the program had allocated at once;\n"
+                    "  peak reserved  the largest total the allocator held from the device;\n"
+                    f"  overhead       {OVERHEAD_MEANING};\n"
+                    f"  external fragmentation  {FRAGMENTATION_MEANING};\n"
+                    "  out-of-memory errors and the time per operation.\n"
+                    "An allocation that does not fit stops the replay; the report (printed once, on stderr) says\n"
+                    "what failed, what the trace needs at its peak and which simulated profiles have room for it.",
+        epilog=_exit_codes_text(),
+    )
     p.add_argument("trace", help="the trace file")
-    p.add_argument("--device", default="sim:h200-141gb", help="device spec (default: %(default)s)")
+    p.add_argument("--device", default=_DEFAULT_DEVICE, help="device spec (default: %(default)s)")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                    help="allocator policy (default: %(default)s): " + "; ".join(
                        f"{name}: {pol.description}" for name, pol in POLICIES.items()))
-    p.add_argument("--limit", type=_limit, default=None,
-                   help="cap on reserved memory: bytes, or a fraction of the device such as 0.5")
+    p.add_argument("--limit", type=_limit_syntax, default=None, metavar="LIMIT", help=_LIMIT_HELP)
+    p.add_argument("--format", choices=FORMATS, default=None,
+                   help="read the trace with this reader instead of detecting the format from the content "
+                        "and the file name")
+    p.add_argument("--device-index", type=_device_index, default=None, metavar="N",
+                   help="for a PyTorch snapshot of several GPUs: replay GPU N's trace (needed when more than one "
+                        "GPU has one)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--summary", action="store_true", help="also print the allocator's memory summary table")
     p.add_argument("--export-snapshot", metavar="PATH",
-                   help="write what gpumem did as a PyTorch memory snapshot (open it in PyTorch's memory_viz)")
+                   help="write what gpumem did as a PyTorch memory snapshot (open it in PyTorch's memory_viz); "
+                        "the folder must exist (checked before the replay starts)")
     p.set_defaults(func=cmd_replay)
     return parser
 
 
+def _run(args: argparse.Namespace) -> int:
+    try:
+        return int(args.func(args))
+    except _UsageError as exc:
+        print(f"gpumem {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except DeviceLostError as exc:
+        print(f"gpumem {args.command}: the device was lost: {exc}", file=sys.stderr)
+        return EXIT_DEVICE_LOST
+    except InvalidArgumentError as exc:
+        print(f"gpumem {args.command}: {_cli_names(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+    except GpumemError as exc:
+        print(f"gpumem {args.command}: device error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_DEVICE_ERROR
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``gpumem`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return int(args.func(args))
-    except GpumemError as exc:
-        print(f"gpumem {args.command}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        code = _run(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # the reader went away (`| head`): as CPython's documentation recommends, point stdout at devnull so that
+        # the interpreter's final flush does not fail again, and end quietly
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # pragma: no cover - stdout without a file descriptor
+            pass
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,33 +1,44 @@
 """Replay an allocation trace through a caching allocator on any device.
 
->>> from gpumem.trace import load_trace
 >>> from gpumem.replay import replay_trace
->>> result = replay_trace(load_trace("resnet_train.snapshot.pickle.gz"), "sim:h200-141gb", policy="gpumem")
+>>> result = replay_trace("data/traces/resnet_train.snapshot.pickle.gz", "sim:h200-141gb", policy="gpumem")
 >>> print(f"{result.overhead:.2%}")
+
+``replay_trace`` takes a :class:`~gpumem.trace.Trace` or the path of a trace file
+(read with :func:`~gpumem.trace.load_trace`, any format).
 
 The replay allocates and frees exactly what the trace did, in order, and reports
 the peak of the program's live bytes (what it asked for), the peak of what the
-allocator reserved from the device, their ratio as *overhead*, the allocator's
-stats and the time per operation. An allocation the device cannot serve stops
-the replay (unless ``stop_on_oom=False``, which skips it and its free) and the
-out-of-memory details are kept in :attr:`ReplayResult.oom_message`.
+allocator reserved from the device, and
+
+* *overhead* = peak reserved / peak live - 1: how much memory the allocator held,
+  at its worst, beyond what the program had allocated (rounding, splitting, cache);
+* *external fragmentation* (at the end) = 1 - largest free cached block / all free
+  cached bytes: how scattered the memory the allocator keeps but does not use is;
+
+with the allocator's stats and the time per operation. An allocation the device
+cannot serve stops the replay (unless ``stop_on_oom=False``, which skips it and its
+free); the first out-of-memory error is kept in :attr:`ReplayResult.oom_error`
+(its text in :attr:`ReplayResult.oom_message`), with the index of the operation
+that failed in :attr:`ReplayResult.oom_op`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 from .allocator import CachingAllocator
 from .allocator.policy import DEFAULT_POLICY, AllocatorPolicy
 from .allocator.stats import AllocatorStats
 from .device import Device
-from .errors import OutOfMemoryError
+from .errors import InvalidArgumentError, OutOfMemoryError
 from .progress import ProgressBar
 from .specs import open_device
-from .trace import Trace
+from .trace import Trace, load_trace
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +63,12 @@ class ReplayResult:
     sim_time_s: float | None = None
     oom_message: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    oom_error: OutOfMemoryError | None = None
+    """The first out-of-memory error of the replay (None when every allocation succeeded)."""
+    oom_op: int | None = None
+    """0-based index, in the trace, of the operation that raised :attr:`oom_error`."""
+    trace_peak_live_bytes: int = 0
+    """The peak of the trace's live bytes over the whole trace (also the part not replayed after an OOM)."""
 
     @property
     def overhead(self) -> float:
@@ -83,8 +100,11 @@ class ReplayResult:
             "cache_misses": self.stats.cache_misses,
             "external_fragmentation_at_end": self.stats.external_fragmentation,
         }
+        out["trace_peak_live_bytes"] = self.trace_peak_live_bytes
         if self.oom_message:
             out["oom"] = self.oom_message
+            out["oom_op"] = self.oom_op
+            out["oom_injected"] = bool(getattr(self.oom_error, "injected", False))
         out.update(self.extra)
         return out
 
@@ -102,7 +122,8 @@ def replay(trace: Trace, allocator: CachingAllocator, *, stop_on_oom: bool = Tru
     sim_start = getattr(device, "now_s", None)
     bar = ProgressBar(n, f"replay {trace.name}", enabled=progress)
     ooms = 0
-    oom_message: str | None = None
+    oom_error: OutOfMemoryError | None = None
+    oom_op: int | None = None
     done = 0
     t0 = time.perf_counter()
     try:
@@ -122,11 +143,12 @@ def replay(trace: Trace, allocator: CachingAllocator, *, stop_on_oom: bool = Tru
                 done = stop
             except OutOfMemoryError as exc:
                 ooms += 1
-                if oom_message is None:
-                    oom_message = str(exc)
+                if oom_error is None:
+                    oom_error, oom_op = exc, i
                 done = i + 1
                 if stop_on_oom:
-                    log.warning("replay of %s stopped at op %d of %d: %s", trace.name, i, n, exc)
+                    # the caller reports the error (ReplayResult.oom_error): logged here only for debugging
+                    log.debug("replay of %s stopped at op %d (0-based) of %d: %s", trace.name, i, n, exc)
                     break
             bar.update(done)
     finally:
@@ -147,14 +169,28 @@ def replay(trace: Trace, allocator: CachingAllocator, *, stop_on_oom: bool = Tru
         wall_s=wall_s,
         stats=stats,
         sim_time_s=(sim_end - sim_start) if sim_start is not None and sim_end is not None else None,
-        oom_message=oom_message,
+        oom_message=None if oom_error is None else str(oom_error),
+        oom_error=oom_error,
+        oom_op=oom_op,
+        trace_peak_live_bytes=trace.peak_live_nbytes,
     )
 
 
-def replay_trace(trace: Trace, device: str | Device = "sim:h200-141gb",
+def replay_trace(trace: Union[Trace, str, "os.PathLike[str]"], device: str | Device = "sim:h200-141gb",
                  policy: str | AllocatorPolicy = DEFAULT_POLICY, *, stop_on_oom: bool = True,
                  progress: bool | None = None, **allocator_options: Any) -> ReplayResult:
-    """Open ``device`` (a spec or a :class:`Device`), build an allocator, replay, close both."""
+    """Replay ``trace`` on ``device`` and return what it measured.
+
+    ``trace`` is a :class:`~gpumem.trace.Trace` or the path of a trace file in any format
+    :func:`~gpumem.trace.load_trace` reads (load it yourself to force a format or pick a
+    device of a multi-GPU snapshot). ``device`` is a spec (opened and closed here) or an
+    open :class:`Device` (left open). ``allocator_options`` go to
+    :class:`~gpumem.allocator.CachingAllocator` (``limit=`` among them).
+    """
+    if isinstance(trace, (str, os.PathLike)):
+        trace = load_trace(trace)
+    elif not isinstance(trace, Trace):
+        raise InvalidArgumentError(f"replay_trace: trace must be a Trace or a path, got {type(trace).__name__}")
     own_device = not isinstance(device, Device)
     dev = open_device(device) if own_device else device  # type: ignore[arg-type]
     try:

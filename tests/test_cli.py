@@ -132,8 +132,21 @@ def test_replay_oom(capsys, big_trace_file):
     code, out, err = run(capsys, "replay", str(big_trace_file), "--device", "sim:gtx-1050-2gb")
     assert code == EXIT_OOM
     assert "ooms        1" in out
-    assert "does not fit sim:gtx-1050-2gb" in err
-    assert "out of memory" in err and "(1073741824 bytes)" in err and "free of" in err and "Try:" in err
+    assert "replayed    1 of 6 ops (stopped by out of memory at op 2)" in out
+    # printed once (it was two or three times, with op counts that disagreed), on stderr only
+    assert err.count("out of memory") == 1 and out.count("out of memory") == 1  # the "replayed" line
+    assert "gpumem replay: out of memory on sim:gtx-1050-2gb" in err
+    assert "1.00 GiB (1,073,741,824 bytes) at op 2 of 6" in err
+    assert "894.00 MiB free of 1.95 GiB" in err
+    # what the whole trace needs, not what it reached before it stopped, and where it fits
+    assert "this trace needs 3.00 GiB (3,221,225,472 bytes) live at its peak" in err
+    fits = err.split("room for that peak: ")[1]
+    assert fits.startswith("sim:gtx-1650-4gb") and "gtx-1050" not in fits
+    assert "try: replay on a larger device (--device sim:gtx-1650-4gb)" in err
+    # the context is this process's own, not "other processes"; no Python-only advice
+    assert "80.00 MiB for this process's CUDA context" in err and "other processes" not in err
+    assert "device=" not in err and "format=" not in err and "limit`" not in err
+    assert "injected" not in err
     assert "Traceback" not in err and "Traceback" not in out
 
 
@@ -146,11 +159,56 @@ def test_replay_oom_json(capsys, big_trace_file):
     assert "out of memory" in err
 
 
-@pytest.mark.parametrize("limit, text", [("0.001", "its limit is 15.10 MiB"), (str(8 * MiB), "its limit is 8.00 MiB")])
+@pytest.mark.parametrize("limit, text", [
+    ("0.001", "--limit allows 15.10 MiB"),
+    (str(8 * MiB), "--limit allows 8.00 MiB"),
+    ("8MiB", "--limit allows 8.00 MiB"),
+    ("8388608B", "--limit allows 8.00 MiB"),
+    ("0.1%", "--limit allows 15.10 MiB"),
+    ("10MB", "--limit allows 9.54 MiB"),
+])
 def test_replay_limit(capsys, trace_file, limit, text):
     code, out, err = run(capsys, "replay", str(trace_file), "--device", "sim:t4-16gb", "--limit", limit)
-    assert code == EXIT_OOM
-    assert text in err and "raise `limit`" in err
+    assert code == EXIT_OOM, err
+    assert text in err and "raise --limit" in err
+    assert err.count("out of memory") == 1
+
+
+@pytest.mark.parametrize("limit", ["90%", "0.9", "1.0", "100%", "8GiB", "512MB", "512MiB", "1.5GiB", str(GiB)])
+def test_replay_limit_that_fits(capsys, trace_file, limit):
+    code, out, err = run(capsys, "replay", str(trace_file), "--device", "sim:t4-16gb", "--limit", limit, "--json")
+    assert code == EXIT_OK, err
+    assert json.loads(out)["ooms"] == 0
+
+
+@pytest.mark.parametrize("limit, text", [
+    ("2.5", "fraction of the device"),  # was 2 bytes
+    ("1", "ambiguous"),  # 1 byte, or the whole device?
+    ("inf", "not a finite number"),  # was a traceback
+    ("nan", "not a finite number"),
+    ("-5", "negative"),
+    ("0", "must be positive"),
+    ("8G", "write GB or GiB"),
+    ("0.3KiB", "not a whole number of bytes"),
+    ("1e9", "fraction of the device"),
+    ("150%", "(0%, 100%]"),
+    ("abc", "cannot read"),
+    ("8 parsecs", "unknown unit"),
+    ("5XB", "unknown unit"),
+])
+def test_replay_bad_limit(capsys, trace_file, limit, text):
+    with pytest.raises(SystemExit) as info:
+        main(["replay", str(trace_file), "--limit", limit])
+    assert info.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "argument --limit" in err and text in err
+    assert "Traceback" not in err
+
+
+def test_replay_limit_below_one_byte(capsys, trace_file):
+    code, out, err = run(capsys, "replay", str(trace_file), "--device", "sim:t4-16gb", "--limit", "1e-12")
+    assert code == EXIT_USAGE and out == ""
+    assert "--limit" in err and "less than one byte" in err
 
 
 def test_replay_missing_file(capsys, tmp_path):
@@ -192,12 +250,6 @@ def test_replay_bad_device(capsys, trace_file):
     assert "no-such-card" in err and "Traceback" not in err
 
 
-def test_replay_bad_limit(capsys, trace_file):
-    code, out, err = run(capsys, "replay", str(trace_file), "--limit", "-5")
-    assert code == EXIT_USAGE
-    assert "limit" in err
-
-
 @pytest.mark.parametrize("argv", [["replay", "x.gmt", "--policy", "tcmalloc"], ["replay", "x.gmt", "--limit", "abc"],
                                   [], ["frobnicate"], ["replay"]])
 def test_usage_errors_exit_2(capsys, argv):
@@ -231,3 +283,230 @@ def test_version(capsys):
 def test_parser_lists_both_commands():
     text = build_parser().format_help()
     assert "devices" in text and "replay" in text
+
+
+# -- issue 6: options, outputs, exit codes ---------------------------------------------------------------
+
+
+def _snapshot(entries_per_device: list[list[tuple[str, int, int]]]) -> dict:
+    return {"segments": [], "device_traces": [
+        [{"action": a, "addr": addr, "size": n, "stream": 0, "time_us": t, "frames": []}
+         for t, (a, addr, n) in enumerate(entries)]
+        for entries in entries_per_device
+    ]}
+
+
+@pytest.fixture
+def two_gpu_snapshot(tmp_path):
+    """A PyTorch snapshot with traces on GPUs 0 and 1 (1 MiB live on GPU 0, 3 MiB at once on GPU 1)."""
+    import pickle
+
+    gpu0 = [("alloc", 0x1000, MiB), ("free_requested", 0x1000, MiB), ("free_completed", 0x1000, MiB)]
+    gpu1 = [("alloc", 0x1000, MiB), ("alloc", 0x200000, 2 * MiB), ("free_completed", 0x1000, MiB),
+            ("free_completed", 0x200000, 2 * MiB)]
+    path = tmp_path / "two.pickle"
+    path.write_bytes(pickle.dumps(_snapshot([gpu0, gpu1]), protocol=4))
+    return path
+
+
+def test_replay_device_index(capsys, two_gpu_snapshot):
+    code, out, err = run(capsys, "replay", str(two_gpu_snapshot))
+    assert code == EXIT_USAGE
+    assert "pass --device-index N" in err and "device=" not in err  # CLI users get the CLI's option name
+    for index, peak in ((0, MiB), (1, 3 * MiB)):
+        code, out, err = run(capsys, "replay", str(two_gpu_snapshot), "--device-index", str(index), "--json")
+        assert code == EXIT_OK, err
+        assert json.loads(out)["peak_live_bytes"] == peak
+    code, out, err = run(capsys, "replay", str(two_gpu_snapshot), "--device-index", "2")
+    assert code == EXIT_USAGE and "no device 2" in err
+
+
+def test_replay_device_index_only_for_snapshots(capsys, trace_file):
+    code, out, err = run(capsys, "replay", str(trace_file), "--device-index", "0")
+    assert code == EXIT_USAGE and "PyTorch snapshots only" in err and out == ""
+
+
+@pytest.mark.parametrize("value", ["-1", "one", "1.5"])
+def test_replay_bad_device_index(capsys, trace_file, value):
+    with pytest.raises(SystemExit) as info:
+        main(["replay", str(trace_file), "--device-index", value])
+    assert info.value.code == EXIT_USAGE and "--device-index" in capsys.readouterr().err
+
+
+def test_replay_format(capsys, tmp_path, trace_file):
+    # a native trace under a name that says nothing: detected by content, or read by the forced reader
+    odd = tmp_path / "trace.data"
+    odd.write_bytes(trace_file.read_bytes())
+    code, out, err = run(capsys, "replay", str(odd), "--format", "gpumem", "--json")
+    assert code == EXIT_OK, err
+    assert json.loads(out)["n_ops"] == small_trace().n_ops
+    # forcing the wrong reader reads it with that reader, which refuses it
+    code, out, err = run(capsys, "replay", str(odd), "--format", "rmm-log")
+    assert code == EXIT_USAGE and "cannot read the trace" in err and "trace.data" in err
+    # an unrecognised file names the option, not a Python keyword
+    unknown = tmp_path / "mystery.bin"
+    unknown.write_bytes(b"\x01\x02 nothing known")
+    code, out, err = run(capsys, "replay", str(unknown))
+    assert code == EXIT_USAGE and "pass --format NAME" in err and "format=" not in err
+    with pytest.raises(SystemExit) as info:
+        main(["replay", str(odd), "--format", "tcmalloc"])
+    assert info.value.code == EXIT_USAGE
+
+
+def test_replay_empty_trace_is_an_error(capsys, tmp_path):
+    path = save_trace(Trace.empty(), tmp_path / "empty.gmt")
+    code, out, err = run(capsys, "replay", str(path))
+    assert code == EXIT_USAGE and out == ""
+    assert "no allocations or frees" in err and "empty.gmt" in err
+
+
+@pytest.mark.parametrize("where", ["missing-folder/out.pickle", "a-folder", "a-file/out.pickle"])
+def test_export_path_checked_before_the_replay(capsys, trace_file, tmp_path, monkeypatch, where):
+    (tmp_path / "a-folder").mkdir()
+    (tmp_path / "a-file").write_text("x")
+    import gpumem.replay
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("the replay must not start")
+
+    monkeypatch.setattr(gpumem.replay, "replay", no_replay)
+    code, out, err = run(capsys, "replay", str(trace_file), "--export-snapshot", str(tmp_path / where))
+    assert code == EXIT_USAGE and out == ""
+    assert err.startswith("gpumem replay: --export-snapshot: ") and "Traceback" not in err
+
+
+def test_export_failure_after_the_replay_keeps_the_results(capsys, trace_file, tmp_path, monkeypatch):
+    import gpumem.trace
+
+    def disk_full(history, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gpumem.trace, "save_pytorch_snapshot", disk_full)
+    code, out, err = run(capsys, "replay", str(trace_file), "--export-snapshot", str(tmp_path / "out.pickle"))
+    assert code == EXIT_USAGE
+    assert "overhead" in out  # the results were printed first
+    assert "cannot write" in err and "No space left on device" in err
+
+
+def test_closed_pipe_is_not_a_traceback(trace_file):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    for argv in (["devices", "--json"], ["replay", str(trace_file), "--json"], ["replay", str(trace_file)]):
+        proc = subprocess.Popen([sys.executable, "-m", "gpumem", *argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env)
+        proc.stdout.close()  # the reader is gone before the command writes anything: `| head -c 0`
+        err = proc.stderr.read().decode()
+        proc.stderr.close()
+        assert proc.wait(timeout=120) == 141, err
+        assert err == "", err
+
+
+def test_exit_codes_for_device_errors(capsys, trace_file):
+    code, out, err = run(capsys, "replay", str(trace_file), "--device", "sim:t4-16gb?lost_at_s=0")
+    assert code == 3, err
+    assert "the device was lost" in err and "Traceback" not in err
+    assert "WARNING" not in err  # no log line per page that could not be given back to the lost device
+
+
+def test_exit_code_for_other_device_errors(capsys, monkeypatch):
+    import argparse
+
+    from gpumem import cli
+    from gpumem.errors import CudaError, DeviceLostError, InvalidArgumentError
+
+    cases = [(CudaError("cuMemUnmap", "CUDA_ERROR_UNKNOWN", "injected fault"), 4),
+             (DeviceLostError("gone"), 3), (InvalidArgumentError("pass device= to choose"), 2)]
+    for exc, code in cases:
+        def fail(args, exc=exc):
+            raise exc
+        assert cli._run(argparse.Namespace(func=fail, command="replay")) == code
+        err = capsys.readouterr().err
+        assert err.startswith("gpumem replay: ") and "device=" not in err
+
+
+class _Stub:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _oom_result(exc, n_ops=100, op=41, peak=3 * GiB, device="sim:t4-16gb"):
+    return _Stub(oom_error=exc, oom_op=op, completed_ops=op + 1, n_ops=n_ops, trace_peak_live_bytes=peak,
+                 device=device)
+
+
+def test_oom_report_injected_fault():
+    from gpumem import sim
+    from gpumem.cli import oom_report
+    from gpumem.errors import OutOfMemoryError
+
+    dev = sim.SimDevice(sim.get_profile("t4-16gb"))
+    exc = OutOfMemoryError(2 * MiB, 14 * GiB, 15 * GiB, device=dev.spec, allocated_nbytes=0, cached_nbytes=0,
+                           injected=True)
+    text = oom_report(_oom_result(exc), _Stub(uses_vmm=True), dev)
+    dev.close()
+    assert "an injected fault" in text and "nothing was out of memory" in text and "op 42 of 100" in text
+    assert "needs" not in text and "try:" not in text  # no advice about a shortage that did not happen
+
+
+@pytest.mark.parametrize("profile, advised", [("t4-16gb", True), ("jetson-nano-2gb", False)])
+def test_oom_report_virtual_memory_advice_only_where_supported(profile, advised):
+    from gpumem import sim
+    from gpumem.cli import oom_report
+    from gpumem.errors import OutOfMemoryError
+
+    dev = sim.SimDevice(sim.get_profile(profile))
+    info = dev.mem_info()
+    exc = OutOfMemoryError(64 * MiB, 10 * MiB, info.total_nbytes, device=dev.spec, allocated_nbytes=100 * MiB,
+                           cached_nbytes=300 * MiB)
+    text = oom_report(_oom_result(exc, peak=GiB, device=dev.spec), _Stub(uses_vmm=False), dev)
+    dev.close()
+    assert ("--policy gpumem" in text) is advised
+    assert "this trace needs 1.00 GiB" in text
+
+
+def test_replay_with_injected_faults_says_so(capsys, trace_file):
+    code, out, err = run(capsys, "replay", str(trace_file), "--device", "sim:t4-16gb?fail_rate=1&seed=1")
+    assert code == EXIT_OOM
+    assert err.count("out of memory") <= 1 and "inject" in err
+
+
+def test_replay_trace_takes_a_path(trace_file):
+    from pathlib import Path
+
+    by_trace = replay_trace(load_trace(trace_file), "sim:t4-16gb", progress=False)
+    for path in (trace_file, str(trace_file), Path(trace_file)):
+        res = replay_trace(path, "sim:t4-16gb", progress=False)
+        assert (res.n_ops, res.peak_live_bytes, res.peak_reserved_bytes) == (
+            by_trace.n_ops, by_trace.peak_live_bytes, by_trace.peak_reserved_bytes)
+    with pytest.raises(FileNotFoundError):
+        replay_trace(trace_file.parent / "missing.gmt", "sim:t4-16gb", progress=False)
+    with pytest.raises(ValueError):
+        replay_trace(42, "sim:t4-16gb", progress=False)  # type: ignore[arg-type]
+
+
+def test_text_output_explains_overhead_and_fragmentation(capsys, trace_file):
+    code, out, err = run(capsys, "replay", str(trace_file))
+    assert code == EXIT_OK
+    assert "peak reserved / peak live - 1" in out
+    assert "external fragmentation" in out and "largest free cached block" in out
+
+
+def test_help_documents_exit_codes_and_options(capsys):
+    for argv in (["--help"], ["replay", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        out = capsys.readouterr().out
+        assert "exit status:" in out
+        for code in ("0", "1", "2", "3", "4", "141"):
+            assert f"\n  {code} " in out
+    with pytest.raises(SystemExit):
+        main(["replay", "--help"])
+    out = capsys.readouterr().out
+    for text in ("--format", "--device-index", "8GiB", "90%", "peak reserved / peak live - 1",
+                 "external fragmentation", "pytorch-snapshot", "rmm-log"):
+        assert text in out

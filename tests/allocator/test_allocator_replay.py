@@ -1,5 +1,5 @@
 """Replaying traces through the caching allocator: synthetic traces, prefixes of the real ones
-(``../shared/traces``, or the copy in ``data/traces``; skipped when absent) and, marked slow,
+(``data/traces``, shipped with the project) and, marked slow,
 whole real traces."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from allocator_helpers import check_structure, small_device
 
 ALL_POLICIES = ["gpumem", "bestfit", "pytorch", "cupy"]
 REPO = Path(__file__).resolve().parents[2]
-TRACE_DIRS = [REPO.parent / "shared" / "traces", REPO / "data" / "traces"]
+TRACE_DIRS = [REPO / "data" / "traces"]  # the real traces ship with the project
 JSON_KEYS = {"trace", "device", "policy", "n_ops", "n_allocs", "peak_live_bytes", "peak_reserved_bytes", "overhead",
              "ooms", "wall_s", "ns_per_op"}
 
@@ -30,7 +30,7 @@ def real_trace_path(name: str) -> Path:
     for d in TRACE_DIRS:
         if (d / name).is_file():
             return d / name
-    pytest.skip(f"real trace {name} not found in {', '.join(map(str, TRACE_DIRS))}")
+    pytest.fail(f"real trace {name} not found in {', '.join(map(str, TRACE_DIRS))}")
 
 
 _cache: dict[str, Trace] = {}

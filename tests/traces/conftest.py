@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-SHARED_TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+SHARED_TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"  # the real traces ship with the project
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +18,7 @@ def data_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def shared_traces() -> Path:
-    """``../shared/traces`` next to the repository; the test is skipped when it is absent."""
+    """``data/traces``: the real traces, shipped with the project (missing data is a failure, not a skip)."""
     if not SHARED_TRACES.is_dir():
-        pytest.skip(f"shared traces not found at {SHARED_TRACES}")
+        pytest.fail(f"the project's traces are missing: no folder {SHARED_TRACES}")
     return SHARED_TRACES

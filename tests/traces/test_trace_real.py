@@ -1,4 +1,4 @@
-"""The real traces in ../shared/traces (skipped when absent): sizes, peaks and cross-format agreement.
+"""The real traces in data/traces (shipped with the project): sizes, peaks and cross-format agreement.
 
 Expected figures were measured with this reader and agree with the trace README.
 """

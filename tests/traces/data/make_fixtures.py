@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 tests/traces/data/make_fixtures.py   (from the repository root)
 
-Writes, from ``../shared/traces/resnet_train.*`` (ResNet-50 training on an H200):
+Writes, from ``data/traces/resnet_train.*`` (ResNet-50 training on an H200):
 
 * ``resnet_head.snapshot.pickle.gz`` -- the real snapshot dict cut to the entries
   that hold its first 2000 ops (alloc / free_requested); every entry keeps its
@@ -26,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
-SHARED = REPO.parent / "shared" / "traces"
+SHARED = REPO / "data" / "traces"
 N_OPS = 2000
 
 sys.path.insert(0, str(REPO))

@@ -3,7 +3,8 @@
 ``gpumem.hil.plugin`` is loaded through its pytest11 entry point (``gpumem_hil``) when gpumem is
 installed (``pip install -e .``). In a bare checkout (``PYTHONPATH=. pytest``) the entry
 point is not there, so it is registered here, under the same name: never twice, and not
-when it was disabled with ``-p no:gpumem_hil``.
+when it was disabled with ``-p no:gpumem_hil``. The plugin acts only in projects that opt in:
+this one does, with ``gpumem_hil = true`` in ``pyproject.toml``.
 
 Hypothesis profiles: ``dev`` (default, quick) and ``ci`` (more examples, derandomised);
 choose with ``HYPOTHESIS_PROFILE=ci``.
@@ -19,7 +20,7 @@ from hypothesis import HealthCheck, settings
 # named like a package the tests import: a folder "sim", "cuda" or "trace" there would be found as a
 # namespace package before an editable install's import hook runs (hence tests/simulator,
 # tests/cuda_adapter, tests/traces). Appending the checkout's root also lets an uninstalled checkout
-# import gpumem, sim and hil, without overriding an installed copy.
+# import gpumem (and gpumem.sim, gpumem.hil), without overriding an installed copy.
 _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.append(_ROOT)

@@ -3,6 +3,16 @@
 Loaded through the ``pytest11`` entry point ``gpumem_hil`` once gpumem is installed
 (``pip install -e .``); ``tests/conftest.py`` registers it for a bare checkout.
 
+Opting in
+    Installing gpumem changes nothing in other projects' pytest runs: the plugin only
+    adds its command-line options and the ini key ``gpumem_hil``. Its fixtures
+    (``device``, ``device_spec``, ``gpumem_device_specs``), their parametrisation, its
+    markers, its report header and ``--gpumem-record`` take effect only in a project that
+    opts in, with ``gpumem_hil = true`` in its pytest configuration (``[tool.pytest.ini_options]``
+    in ``pyproject.toml``, ``pytest.ini``, or ``-o gpumem_hil=true``), or in a run given
+    ``--gpumem-device``. (``GPUMEM_DEVICE`` chooses the devices of a project that opted in;
+    it does not opt in by itself.) gpumem's own ``pyproject.toml`` opts in.
+
 Choosing devices
     ``--gpumem-device SPEC`` (repeatable, or comma-separated) names the devices that
     device-parametrised tests run on, e.g. ``--gpumem-device cuda:0`` on a GPU machine or
@@ -90,11 +100,20 @@ class _HilState:
 
 
 _STATE_KEY = pytest.StashKey[_HilState]()
+_ACTIVE_NAME = "gpumem_hil_active"
 _CALL_REPORT_KEY = pytest.StashKey[Any]()
 
 
 # -- options and configuration ---------------------------------------------------------------------
+#: The ini key (``[tool.pytest.ini_options]``, ``pytest.ini``) by which a project opts in.
+INI_KEY = "gpumem_hil"
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini(INI_KEY, type="bool", default=False,
+                  help="enable gpumem's device fixtures, their parametrisation over --gpumem-device, its markers and "
+                       "report header in this project (they are off unless a project sets this or passes "
+                       "--gpumem-device)")
     group = parser.getgroup("gpumem", "gpumem hardware-in-the-loop (device-parametrised tests)")
     group.addoption(
         "--gpumem-device",
@@ -107,7 +126,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             "specs with commas. 'sim:<profile>[?options]' is a simulated GPU (e.g. sim:t4-16gb, "
             "sim:h200-141gb?pressure=spikes&seed=3), 'sim:all' every built-in profile, 'cuda:<index>' "
             f"a real GPU (needs gpumem[cuda12] or gpumem[cuda13]). Default: ${ENV_VAR} if set, else "
-            + ",".join(DEFAULT_DEVICE_SPECS) + "."
+            + ",".join(DEFAULT_DEVICE_SPECS) + f". Giving it enables the plugin in this run (as the ini key "
+            f"{INI_KEY} = true does)."
         ),
     )
     group.addoption(
@@ -158,7 +178,19 @@ def _validate_specs(specs: list[str], source: str) -> None:
             raise pytest.UsageError(f"{source}: bad device spec {spec!r}: {exc}") from None
 
 
+def enabled(config: pytest.Config) -> bool:
+    """Whether this run opted in: ``--gpumem-device`` given, or the ini key ``gpumem_hil`` true."""
+    if config.getoption("gpumem_devices", default=None):
+        return True
+    try:
+        return bool(config.getini(INI_KEY))
+    except ValueError:  # pragma: no cover - the key is always registered by pytest_addoption
+        return False
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if not enabled(config) or config.pluginmanager.has_plugin(_ACTIVE_NAME):
+        return
     known = {line.split(":", 1)[0].strip() for line in config.getini("markers")}
     for name, line in _MARKERS.items():
         if name not in known:
@@ -177,17 +209,11 @@ def pytest_configure(config: pytest.Config) -> None:
         _validate_specs(specs, source)
     record = config.getoption("gpumem_record", default=None)
     config.stash[_STATE_KEY] = _HilState(specs=specs, source=source, record_dir=Path(record) if record else None)
+    config.pluginmanager.register(GpumemHil(), _ACTIVE_NAME)
 
 
 def _state(config: pytest.Config) -> _HilState:
     return config.stash[_STATE_KEY]
-
-
-def pytest_report_header(config: pytest.Config) -> str | None:
-    state = config.stash.get(_STATE_KEY, None)
-    if state is None:
-        return None
-    return f"gpumem devices ({state.source}): {', '.join(state.specs)}"
 
 
 # -- parametrisation and markers ---------------------------------------------------------------------
@@ -202,7 +228,7 @@ def _parametrize_argnames(marker: pytest.Mark) -> list[str]:
     return list(names)
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+def _generate_tests(metafunc: pytest.Metafunc) -> None:
     if "device_spec" not in metafunc.fixturenames:
         return
     for marker in metafunc.definition.iter_markers("parametrize"):
@@ -226,7 +252,7 @@ def _sim_vmm_supported(spec: str) -> bool | None:
         return None
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def _collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     state = _state(config)
     any_cuda = any(_spec_kind(s) == "cuda" for s in state.specs)
     for item in items:
@@ -248,18 +274,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # -- fixtures ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def gpumem_device_specs(pytestconfig: pytest.Config) -> list[str]:
-    """The device specs this session runs device-parametrised tests on."""
-    return list(_state(pytestconfig).specs)
-
-
-@pytest.fixture
-def device_spec(pytestconfig: pytest.Config) -> str:
-    """The device spec of this test run (parametrised over ``--gpumem-device``); the first spec otherwise."""
-    return _state(pytestconfig).specs[0]
-
-
 def live_objects(dev: Any) -> int | None:
     """What a device holds for the program right now: live ``malloc`` allocations, mappings and reservations.
 
@@ -287,8 +301,7 @@ def _properties_dict(props: Any) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
 
 
-@pytest.fixture
-def device(request: pytest.FixtureRequest, device_spec: str) -> Iterator[Any]:
+def _device(request: pytest.FixtureRequest, device_spec: str) -> Iterator[Any]:
     """A freshly opened device for ``device_spec``, closed after the test.
 
     After a passing test the fixture checks the test released everything it allocated or
@@ -323,14 +336,6 @@ def device(request: pytest.FixtureRequest, device_spec: str) -> Iterator[Any]:
         dev.close()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
-    outcome = yield
-    report = outcome.get_result()
-    if report.when == "call":
-        item.stash[_CALL_REPORT_KEY] = report
-
-
 # -- recording -----------------------------------------------------------------------------------------
 class _Recorder:
     """Counts outcomes the way the terminal summary does (via ``pytest_report_teststatus``)."""
@@ -355,7 +360,7 @@ class _Recorder:
             state.errors.append(report.nodeid)
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
+def _sessionstart(session: pytest.Session) -> None:
     config = session.config
     if config.stash.get(_STATE_KEY, None) is not None and not config.pluginmanager.has_plugin("gpumem_hil_recorder"):
         config.pluginmanager.register(_Recorder(config), "gpumem_hil_recorder")
@@ -523,8 +528,7 @@ def write_record(record: dict[str, Any], directory: Path) -> list[Path]:
     return [json_path, md_path]
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+def _sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     state = config.stash.get(_STATE_KEY, None)
     if state is None or state.record_dir is None or hasattr(config, "workerinput"):
@@ -533,11 +537,64 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     state.record_paths = write_record(record, state.record_dir)
 
 
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+def _terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     state = config.stash.get(_STATE_KEY, None)
     if state is not None and state.record_paths:
         terminalreporter.write_line("gpumem: recorded this run in " + ", ".join(str(p) for p in state.record_paths))
 
 
-__all__ = ["DEFAULT_DEVICE_SPECS", "ENV_VAR", "split_specs", "live_objects", "build_record", "record_stem",
+class GpumemHil:
+    """The plugin's effect: registered (as ``gpumem_hil_active``) only in a run that opted in
+    (see the module docstring), so that other projects' runs see none of its fixtures and hooks."""
+
+    def pytest_report_header(self, config: pytest.Config) -> str | None:
+        state = config.stash.get(_STATE_KEY, None)
+        if state is None:
+            return None
+        return f"gpumem devices ({state.source}): {', '.join(state.specs)}"
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        _generate_tests(metafunc)
+
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        _collection_modifyitems(config, items)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+        outcome = yield
+        report = outcome.get_result()
+        if report.when == "call":
+            item.stash[_CALL_REPORT_KEY] = report
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        _sessionstart(session)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        _sessionfinish(session, exitstatus)
+
+    def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+        _terminal_summary(terminalreporter, exitstatus, config)
+
+    @pytest.fixture(scope="session")
+    def gpumem_device_specs(self, pytestconfig: pytest.Config) -> list[str]:
+        """The device specs this session runs device-parametrised tests on."""
+        return list(_state(pytestconfig).specs)
+
+    @pytest.fixture
+    def device_spec(self, pytestconfig: pytest.Config) -> str:
+        """The device spec of this test run (parametrised over ``--gpumem-device``); the first spec otherwise."""
+        return _state(pytestconfig).specs[0]
+
+    @pytest.fixture
+    def device(self, request: pytest.FixtureRequest, device_spec: str) -> Iterator[Any]:
+        """A freshly opened device for ``device_spec``, closed after the test.
+
+        After a passing test the fixture checks the test released everything it allocated or
+        mapped (see :func:`live_objects`); a leak is reported as an error of the test.
+        """
+        yield from _device(request, device_spec)
+
+
+__all__ = ["DEFAULT_DEVICE_SPECS", "ENV_VAR", "INI_KEY", "GpumemHil", "enabled", "split_specs", "live_objects", "build_record", "record_stem",
            "render_markdown", "write_record"]

@@ -49,17 +49,75 @@ TESTS = textwrap.dedent('''
 ''')
 
 
-def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    (tmp_path / "test_hil_sample.py").write_text(TESTS)
+OTHER_PROJECT_TESTS = textwrap.dedent('''
+    import pytest
+
+    def test_uses_device(device):
+        pass
+
+    @pytest.mark.parametrize("device_spec", ["mine"])
+    def test_own_param(device_spec):
+        assert device_spec == "mine"
+
+    def test_plain():
+        pass
+''')
+
+
+def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None, opt_in: bool = True,
+         autoload: bool = False, tests: str = TESTS) -> subprocess.CompletedProcess:
+    """pytest in a child process on a throw-away project in ``tmp_path`` that opts in to the plugin (its
+    pytest.ini sets ``gpumem_hil = true``) or not; the plugin comes through ``-p`` or, with ``autoload``,
+    through its installed entry point, as in any project of a machine where gpumem is installed."""
+    (tmp_path / "test_hil_sample.py").write_text(tests)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n" + ("gpumem_hil = true\n" if opt_in else ""))
     full_env = {k: v for k, v in os.environ.items() if k not in (plugin.ENV_VAR, "PYTEST_ADDOPTS")}
     full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
-    full_env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # so -p loads the plugin whether gpumem is installed or not
+    load = []
+    if autoload:
+        full_env.pop("PYTEST_DISABLE_PLUGIN_AUTOLOAD", None)
+    else:
+        full_env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # so -p loads the plugin whether gpumem is installed or not
+        load = ["-p", "gpumem.hil.plugin"]
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "gpumem.hil.plugin", "-p", "no:cacheprovider", "-q", "-rA",
-         "--rootdir", str(tmp_path), str(tmp_path), *args],
+        [sys.executable, "-m", "pytest", *load, "-p", "no:cacheprovider", "-q", "-rA",
+         "--rootdir", str(tmp_path), "-c", str(tmp_path / "pytest.ini"), str(tmp_path), *args],
         capture_output=True, text=True, env=full_env, cwd=tmp_path, timeout=120,
     )
+
+
+def _entry_point_installed() -> bool:
+    from importlib import metadata
+
+    return any(ep.value == "gpumem.hil.plugin" for ep in metadata.entry_points(group="pytest11"))
+
+
+@pytest.mark.parametrize("autoload", [False, True])
+def test_projects_that_do_not_opt_in_are_untouched(tmp_path, autoload):
+    if autoload and not _entry_point_installed():
+        pytest.skip("gpumem is not installed (pip install -e .): no pytest11 entry point to autoload")
+    res = _run(tmp_path, "-v", opt_in=False, autoload=autoload, env={plugin.ENV_VAR: "sim:t4-16gb"},
+               tests=OTHER_PROJECT_TESTS)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out
+    assert "gpumem devices" not in out  # no report header
+    assert "fixture 'device' not found" in out  # no fixtures
+    assert "PASSED test_hil_sample.py::test_own_param[mine]" in out  # no parametrisation over devices
+    assert "PASSED test_hil_sample.py::test_plain" in out and "2 passed, 1 error" in out
+    res = _run(tmp_path, "--markers", opt_in=False, autoload=autoload, tests=OTHER_PROJECT_TESTS)
+    assert "@pytest.mark.requires_vmm" not in res.stdout and "@pytest.mark.sim_only" not in res.stdout
+    res = _run(tmp_path, "--fixtures", opt_in=False, autoload=autoload, tests=OTHER_PROJECT_TESTS)
+    assert "gpumem_device_specs" not in res.stdout and "\ndevice " not in res.stdout
+    res = _run(tmp_path, "--help", opt_in=False, autoload=autoload, tests=OTHER_PROJECT_TESTS)
+    assert "--gpumem-device=SPEC" in res.stdout and "gpumem_hil" in res.stdout  # the way to opt in is listed
+
+
+@pytest.mark.parametrize("how", [["--gpumem-device", "sim:t4-16gb"], ["-o", "gpumem_hil=true"]])
+def test_opting_in_from_the_command_line(tmp_path, how):
+    res = _run(tmp_path, "-v", "-k", "opens", *how, opt_in=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "gpumem devices (" in res.stdout and "test_opens[sim:t4-16gb]" in res.stdout
 
 
 def test_default_devices_markers_leaks_and_record(tmp_path):

@@ -1,0 +1,37 @@
+"""What ``pip install .`` puts on a machine: only the ``gpumem`` import name, the ``gpumem`` command and
+the pytest plugin's entry point (which acts only in projects that opt in: tests/simulator/test_hil_plugin.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from setuptools import find_packages
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest depends on tomli there
+    import tomli as tomllib  # type: ignore[no-redef]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def test_only_gpumem_is_installed():
+    find = pyproject()["tool"]["setuptools"]["packages"]["find"]
+    packages = find_packages(where=str(REPO), include=find["include"], exclude=find.get("exclude", ()))
+    assert "gpumem" in packages and "gpumem.sim" in packages and "gpumem.hil" in packages
+    assert {p.split(".")[0] for p in packages} == {"gpumem"}  # no generic top-level names such as sim or hil
+    assert not (REPO / "sim").exists() and not (REPO / "hil").exists()
+
+
+def test_entry_points():
+    project = pyproject()["project"]
+    assert project["scripts"] == {"gpumem": "gpumem.cli:main"}
+    assert project["entry-points"]["pytest11"] == {"gpumem_hil": "gpumem.hil.plugin"}
+
+
+def test_this_project_opts_in_to_its_plugin():
+    assert pyproject()["tool"]["pytest"]["ini_options"]["gpumem_hil"] is True

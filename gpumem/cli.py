@@ -14,8 +14,8 @@ Exit status (:data:`EXIT_CODES`): 0 done; 1 out of memory (the trace does not fi
 device or the limit); 2 bad input (a bad option, device spec, trace file or output
 path); 3 the device was lost; 4 another device error during the replay (a failed
 device call, a memory hazard the simulator caught, an internal consistency error);
-141 the output pipe was closed (``gpumem replay ... --json | head``), as for a command
-that SIGPIPE ended.
+130 interrupted (Ctrl-C); 141 the output pipe was closed (``gpumem replay ... --json | head``),
+as for a command that SIGPIPE ended.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ EXIT_OOM = 1
 EXIT_USAGE = 2
 EXIT_DEVICE_LOST = 3
 EXIT_DEVICE_ERROR = 4
+EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141
 
 #: Exit status -> meaning, as ``--help`` and the README list them.
@@ -48,8 +49,9 @@ EXIT_CODES: dict[int, str] = {
     EXIT_OOM: "out of memory: the trace does not fit the device (or --limit)",
     EXIT_USAGE: "bad input: a bad option, device spec, trace file or output path",
     EXIT_DEVICE_LOST: "the device was lost during the replay",
-    EXIT_DEVICE_ERROR: "another device error during the replay (a failed device call, a memory hazard the "
-                       "simulator caught, an internal consistency error)",
+    EXIT_DEVICE_ERROR: "another device error during the replay (a failed device call, a memory hazard\n"
+                       "      the simulator caught, an internal consistency error)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
     EXIT_BROKEN_PIPE: "the output pipe was closed early (e.g. `| head`); nothing else went wrong",
 }
 
@@ -350,13 +352,16 @@ def build_parser() -> argparse.ArgumentParser:
         "replay", help="replay an allocation trace through the caching allocator", formatter_class=raw,
         description="Replay an allocation trace (PyTorch snapshot .pickle[.gz], RMM log .csv[.gz], or gpumem\n"
                     ".gmt[.gz]) through gpumem's caching allocator on a device, and report:\n"
-                    "  peak live      the largest total the program had allocated at once;\n"
-                    "  peak reserved  the largest total the allocator held from the device;\n"
-                    f"  overhead       {OVERHEAD_MEANING};\n"
-                    f"  external fragmentation  {FRAGMENTATION_MEANING};\n"
+                    "  peak live      the most the program had allocated at once;\n"
+                    "  peak reserved  the most the allocator held from the device;\n"
+                    "  overhead       peak reserved / peak live - 1: what the allocator held, at its worst,\n"
+                    "                 beyond what the program had allocated;\n"
+                    "  external fragmentation (at the end)\n"
+                    "                 1 - largest free cached block / all free cached bytes: 0% when the\n"
+                    "                 memory the allocator keeps but does not use is one piece;\n"
                     "  out-of-memory errors and the time per operation.\n"
-                    "An allocation that does not fit stops the replay; the report (printed once, on stderr) says\n"
-                    "what failed, what the trace needs at its peak and which simulated profiles have room for it.",
+                    "An allocation that does not fit stops the replay; one report on stderr says what failed,\n"
+                    "what the trace needs at its peak and which simulated profiles have room for it.",
         epilog=_exit_codes_text(),
     )
     p.add_argument("trace", help="the trace file")
@@ -416,6 +421,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError):  # pragma: no cover - stdout without a file descriptor
             pass
         return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        print(f"gpumem {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -413,6 +413,17 @@ def test_exit_codes_for_device_errors(capsys, trace_file):
     assert "WARNING" not in err  # no log line per page that could not be given back to the lost device
 
 
+def test_interrupt_is_quiet(capsys, trace_file, monkeypatch):
+    import gpumem.replay
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gpumem.replay, "replay", interrupted)
+    code, out, err = run(capsys, "replay", str(trace_file))
+    assert code == 130 and err == "gpumem replay: interrupted\n"
+
+
 def test_exit_code_for_other_device_errors(capsys, monkeypatch):
     import argparse
 
@@ -502,7 +513,7 @@ def test_help_documents_exit_codes_and_options(capsys):
             main(argv)
         out = capsys.readouterr().out
         assert "exit status:" in out
-        for code in ("0", "1", "2", "3", "4", "141"):
+        for code in ("0", "1", "2", "3", "4", "130", "141"):
             assert f"\n  {code} " in out
     with pytest.raises(SystemExit):
         main(["replay", "--help"])

@@ -3,9 +3,8 @@ the pytest plugin's entry point (which acts only in projects that opt in: tests/
 
 from __future__ import annotations
 
+import fnmatch
 from pathlib import Path
-
-from setuptools import find_packages
 
 try:
     import tomllib
@@ -15,13 +14,31 @@ except ModuleNotFoundError:  # Python 3.10: pytest depends on tomli there
 REPO = Path(__file__).resolve().parents[1]
 
 
+def find_packages(where: Path, include: list[str], exclude: list[str]) -> list[str]:
+    """What setuptools' ``packages.find`` selects (setuptools itself is not installed in a fresh venv):
+    folders with an ``__init__.py`` under importable parents, as dotted names, filtered by the patterns."""
+    names = []
+
+    def walk(folder: Path, prefix: str) -> None:
+        for child in sorted(folder.iterdir()):
+            if child.is_dir() and (child / "__init__.py").is_file():
+                name = prefix + child.name
+                if any(fnmatch.fnmatchcase(name, p) for p in include) and not any(
+                        fnmatch.fnmatchcase(name, p) for p in exclude):
+                    names.append(name)
+                walk(child, name + ".")
+
+    walk(where, "")
+    return names
+
+
 def pyproject() -> dict:
     return tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
 
 
 def test_only_gpumem_is_installed():
     find = pyproject()["tool"]["setuptools"]["packages"]["find"]
-    packages = find_packages(where=str(REPO), include=find["include"], exclude=find.get("exclude", ()))
+    packages = find_packages(REPO, find["include"], find.get("exclude", []))
     assert "gpumem" in packages and "gpumem.sim" in packages and "gpumem.hil" in packages
     assert {p.split(".")[0] for p in packages} == {"gpumem"}  # no generic top-level names such as sim or hil
     assert not (REPO / "sim").exists() and not (REPO / "hil").exists()

@@ -108,3 +108,19 @@ def test_format_bytes_round_trips_within_rounding(n):
         assert back == n
     else:
         assert abs(float(value) * BYTE_UNITS[unit.lower()] - n) <= 0.005 * BYTE_UNITS[unit.lower()]
+
+
+@pytest.mark.parametrize("limit", [64 * MiB, 8 * GiB, 0.5, 1.0, 0.001])
+def test_the_allocator_reads_limits_by_the_same_rules(limit):
+    from gpumem import open_device
+    from gpumem.allocator import CachingAllocator
+
+    dev = open_device("sim:t4-16gb")
+    try:
+        alloc = CachingAllocator(dev, "gpumem", limit=limit)
+        try:
+            assert alloc.limit_nbytes == parse_limit(limit, dev.properties().total_nbytes)
+        finally:
+            alloc.close()
+    finally:
+        dev.close()

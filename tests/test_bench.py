@@ -112,3 +112,30 @@ def test_run_peer_survives_a_dying_process(bench, tmp_path):
     assert res["errors"][path].startswith("the process exited with status 1: ValueError: unknown worker kind")
     res = bench.run_peer({"kind": "cuda", "peer": "no-such-peer-lib", "traces": [path]}, timeout_s=120)
     assert path in res["errors"]
+
+
+def test_a_missing_gpu_library_is_a_skipped_column(bench, tmp_path):
+    import importlib.util
+
+    path = str(save_trace(tiny("alpha"), tmp_path / "alpha.gmt"))
+    res = bench.run_peer({"kind": "cuda", "peer": "rmm-pool", "traces": [path], "repeat": 1}, timeout_s=120)
+    if importlib.util.find_spec("rmm") is None:
+        assert res["unavailable"] and "rmm" in res["unavailable"] and res["errors"] == {} == res["results"]
+    else:  # pragma: no cover - a GPU machine with RMM
+        assert path in res["results"] or path in res["errors"]
+
+
+def test_time_ops_frees_everything_and_skips_zero_byte_allocations(bench):
+    trace = Trace.from_ops("z", "gpumem", [(0, 0, 0, 0, 0.0, 0x1000), (0, 1, 512, 0, 1.0, 0x2000),
+                                           (0, 2, 1024, 0, 2.0, 0x3000), (1, 1, 512, 0, 3.0, 0x2000)])
+    live: set[int] = set()
+    counter = iter(range(1, 100))
+
+    def alloc(n):
+        assert n > 0
+        p = next(counter)
+        live.add(p)
+        return p
+
+    us = bench._time_ops(trace, alloc, live.remove)
+    assert us > 0 and live == set()  # the one left live at the end is freed too

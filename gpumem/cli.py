@@ -27,7 +27,8 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
 
 from . import __version__
 from .errors import DeviceLostError, GpumemError, InvalidArgumentError, OutOfMemoryError, TraceFormatError
@@ -43,8 +44,8 @@ EXIT_DEVICE_ERROR = 4
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141
 
-#: Exit status -> meaning, as ``--help`` and the README list them.
-EXIT_CODES: dict[int, str] = {
+#: Exit status -> meaning, as ``--help`` and the README list them (read-only).
+EXIT_CODES: Mapping[int, str] = MappingProxyType({
     EXIT_OK: "done",
     EXIT_OOM: "out of memory: the trace does not fit the device (or --limit)",
     EXIT_USAGE: "bad input: a bad option, device spec, trace file or output path",
@@ -53,7 +54,7 @@ EXIT_CODES: dict[int, str] = {
                        "      the simulator caught, an internal consistency error)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
     EXIT_BROKEN_PIPE: "the output pipe was closed early (e.g. `| head`); nothing else went wrong",
-}
+})
 
 _DEFAULT_DEVICE = "sim:h200-141gb"
 _FITS_SHOWN = 4
@@ -99,6 +100,7 @@ def _device_rows() -> list[dict[str, Any]]:
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
+    """``gpumem devices``: print the device table (or JSON list); returns the exit status."""
     rows = _device_rows()
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -241,6 +243,10 @@ def _print_result(result: Any, summary: str | None) -> None:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    """``gpumem replay``: check the options and the output path, open the device, read the trace, replay,
+    print the results (then the out-of-memory report, once), write the export; returns the exit status.
+    Bad input raises :class:`_UsageError`; device errors propagate to :func:`_run`, which maps them to
+    exit statuses."""
     from .allocator import CachingAllocator
     from .replay import replay
     from .specs import open_device
@@ -323,6 +329,7 @@ _LIMIT_HELP = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``gpumem`` argument parser (``devices`` and ``replay``)."""
     from .allocator.policy import DEFAULT_POLICY, POLICIES
     from .trace import FORMATS
 

@@ -64,14 +64,17 @@ import re as _re
 from fractions import Fraction as _Fraction
 from numbers import Integral as _Integral
 from numbers import Real as _Real
+from types import MappingProxyType as _MappingProxyType
+from typing import Mapping as _Mapping
 
-#: Unit suffixes accepted by :func:`parse_nbytes` (lower case) and their size in bytes.
-BYTE_UNITS: dict[str, int] = {
+#: Unit suffixes accepted by :func:`parse_nbytes` (lower case) and their size in bytes (read-only).
+BYTE_UNITS: _Mapping[str, int] = _MappingProxyType({
     "b": 1,
     "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-}
-_AMBIGUOUS_UNITS = {"k": "KB or KiB", "m": "MB or MiB", "g": "GB or GiB", "t": "TB or TiB"}
+})
+_AMBIGUOUS_UNITS: _Mapping[str, str] = _MappingProxyType(
+    {"k": "KB or KiB", "m": "MB or MiB", "g": "GB or GiB", "t": "TB or TiB"})
 _MAX_TEXT_CHARS = 64
 #: The largest size :func:`parse_nbytes` and :func:`parse_limit` accept: 2**64 bytes, more than any address space.
 MAX_NBYTES = 2**64

@@ -281,7 +281,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     finally:
         device.close()
     if args.json:
-        print(json.dumps(result.as_json(), indent=2))
+        data = result.as_json()
+        data["limit_bytes"] = limit
+        if report is not None:
+            data["oom_report"] = report  # the report printed on stderr, with the command line's option names
+        print(json.dumps(data, indent=2))
     else:
         _print_result(result, summary)
     sys.stdout.flush()

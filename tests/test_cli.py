@@ -10,7 +10,7 @@ import pytest
 from gpumem.cli import EXIT_OOM, EXIT_OK, EXIT_USAGE, build_parser, main
 from gpumem.replay import replay_trace
 from gpumem.trace import Trace, load_trace, save_trace
-from gpumem.units import GiB, KiB, MiB
+from gpumem.units import GiB, KiB, MiB, parse_limit
 
 GB = 10**9
 
@@ -156,7 +156,10 @@ def test_replay_oom_json(capsys, big_trace_file):
     data = json.loads(out)
     assert data["ooms"] == 1 and "out of memory" in data["oom"]
     assert data["completed_ops"] < data["n_ops"]
-    assert "out of memory" in err
+    assert data["oom_op"] == 1 and data["oom_injected"] is False and data["limit_bytes"] is None
+    assert data["trace_peak_live_bytes"] == 3 * GiB
+    assert data["oom_report"] == err.strip()  # the same report, once on stderr
+    assert err.count("out of memory") == 1
 
 
 @pytest.mark.parametrize("limit, text", [
@@ -178,7 +181,9 @@ def test_replay_limit(capsys, trace_file, limit, text):
 def test_replay_limit_that_fits(capsys, trace_file, limit):
     code, out, err = run(capsys, "replay", str(trace_file), "--device", "sim:t4-16gb", "--limit", limit, "--json")
     assert code == EXIT_OK, err
-    assert json.loads(out)["ooms"] == 0
+    data = json.loads(out)
+    assert data["ooms"] == 0 and "oom_report" not in data
+    assert data["limit_bytes"] == parse_limit(limit, 15_835_594_752)  # the total sim:t4-16gb reports
 
 
 @pytest.mark.parametrize("limit, text", [

@@ -20,7 +20,23 @@ The interface mirrors the CUDA calls it stands for:
 ``mem_unmap``            ``cuMemUnmap``
 ``write`` / ``read``     ``cudaMemcpy`` host-to-device / device-to-host
 ``synchronize``          ``cudaDeviceSynchronize``
+``stream_create``        ``cudaStreamCreateWithFlags`` (non-blocking)
+``stream_destroy``       ``cudaStreamDestroy``
+``stream_synchronize``   ``cudaStreamSynchronize``
+``stream_wait_event``    ``cudaStreamWaitEvent``
+``event_record``         ``cudaEventCreateWithFlags`` + ``cudaEventRecord``
+``event_query``          ``cudaEventQuery`` (``cudaErrorNotReady`` is ``False``)
+``event_synchronize``    ``cudaEventSynchronize``
+``event_destroy``        ``cudaEventDestroy``
 =======================  ===============================================
+
+Note [Public methods check, implementations do]
+-----------------------------------------------
+As RMM's ``device_memory_resource`` does with ``allocate`` and ``do_allocate``,
+the public methods of :class:`Device` are concrete: each validates what every
+device validates the same way, takes the device's lock, and calls the
+implementation's protected ``_do_<call>`` method. An implementation overrides
+only the ``_do_`` methods and never re-checks what the base already did.
 
 Note [Validation before any device call]
 ----------------------------------------
@@ -33,12 +49,20 @@ live here, once, so both devices reject exactly the same inputs.
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
+import logging
+import threading
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Callable, Iterator, TypeVar, Union
 
 from .errors import InvalidArgumentError
+from .events import EventCallback, EventHub, MemoryEvent, Subscription
 from .units import format_bytes
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Bytes accepted by :meth:`Device.write`.
 BytesLike = Union[bytes, bytearray, memoryview]
@@ -142,6 +166,40 @@ def check_data(data: object) -> memoryview:
     return view.cast("B")
 
 
+def check_stream(stream: object, *, what: str = "stream") -> int:
+    """Return ``stream`` if it is a valid stream id (an ``int`` >= 0; 0 is the default stream), else raise.
+
+    Any non-negative int is accepted, not only ids from :meth:`Device.stream_create`:
+    foreign code passes its own streams (CuPy's ``cudaStream_t`` pointers, a trace's
+    stream numbers).
+    """
+    if isinstance(stream, bool) or not isinstance(stream, int):
+        raise InvalidArgumentError(f"{what} must be an int stream id, got {type(stream).__name__} {stream!r}")
+    if stream < 0:
+        raise InvalidArgumentError(f"{what} must not be negative, got {stream}")
+    return stream
+
+
+class Event:
+    """A point in a stream's work, from :meth:`Device.event_record` (CUDA's ``cudaEvent_t``).
+
+    Opaque: devices subclass it and keep their handle inside. An event belongs to the
+    device that recorded it; give it back with :meth:`Device.event_destroy`.
+    """
+
+    __slots__ = ("stream", "_device", "_destroyed")
+
+    def __init__(self, device: "Device", stream: int) -> None:
+        self.stream = stream
+        """The stream the event was recorded on."""
+        self._device = device
+        self._destroyed = False
+
+    def __repr__(self) -> str:
+        state = " destroyed" if self._destroyed else ""
+        return f"<{type(self).__name__} stream={self.stream}{state}>"
+
+
 class Device(abc.ABC):
     """A GPU, simulated or real. See the module docstring for the CUDA call each method stands for.
 
@@ -152,74 +210,327 @@ class Device(abc.ABC):
     #: The spec this device was opened with, e.g. ``"sim:a100-80gb"`` or ``"cuda:0"``.
     spec: str
     kind: DeviceKind
+    #: The event type this device's :meth:`event_record` returns.
+    event_type: type[Event] = Event
+
+    def __init__(self) -> None:
+        # Note [One lock per device]: every public call runs under this lock, so a device object
+        # may be shared by threads; an RLock, because a SimPy tenant acting during a call calls
+        # back into the device on the same thread.
+        self._lock = threading.RLock()
+        self._tls = threading.local()
+        self.events = EventHub(dispatch=self._dispatch_event)
+        """Memory events this device published (:attr:`EventHub.history`) and their subscribers."""
+        self._user_streams: set[int] = set()
+
+    # Note [Event delivery after the call]
+    # ------------------------------------
+    # A device publishes memory events (another tenant took memory, free memory fell below a
+    # level...) while a call runs, often from deep inside it (a SimPy tenant acts while a call's
+    # simulated time passes). Delivering them there would let a subscriber re-enter the device,
+    # or the allocator above it, in the middle of an operation. So each thread has a deferral
+    # depth: inside ``deferred_events()`` (every public call runs inside one) published events
+    # queue up, and they reach the subscribers when the outermost block on that thread exits,
+    # after the device's lock was released. Callbacks run one at a time in publication order;
+    # events their own device calls publish are queued behind and delivered by the same loop.
+    def _dispatch_event(self, event: MemoryEvent) -> None:
+        tls = self._tls
+        if getattr(tls, "depth", 0):
+            queue = getattr(tls, "queue", None)
+            if queue is None:
+                queue = tls.queue = []
+            queue.append(event)
+        else:
+            self.events.deliver(event)
+
+    def _flush_events(self, *, raising: bool) -> None:
+        """Deliver what this thread queued (outermost block only); see the Note above."""
+        tls = self._tls
+        queue = getattr(tls, "queue", None)
+        if not queue or getattr(tls, "delivering", False):
+            return
+        tls.delivering = True
+        first_error: BaseException | None = None
+        try:
+            while queue:
+                event = queue.pop(0)
+                try:
+                    self.events.deliver(event)
+                except Exception as exc:  # noqa: BLE001 - deliver the rest, then report the first
+                    if first_error is None:
+                        first_error = exc
+                    log.debug("%s: subscriber raised on %s", self.spec, event, exc_info=True)
+        finally:
+            tls.delivering = False
+        if first_error is not None:
+            if raising:
+                raise first_error
+            log.warning("%s: a subscriber raised while another error was raised: %r", self.spec, first_error)
+
+    @contextlib.contextmanager
+    def deferred_events(self) -> Iterator[None]:
+        """Queue memory events published on this thread meanwhile; deliver them when the outermost
+        such block on this thread exits (Note [Event delivery after the call]).
+
+        The allocator wraps each public operation in one, outside its own lock, so a subscriber
+        may call the allocator back (``empty_cache()``, ``allocate()``) safely.
+        """
+        tls = self._tls
+        depth = getattr(tls, "depth", 0)
+        tls.depth = depth + 1
+        try:
+            yield
+        except BaseException:
+            tls.depth = depth
+            if not depth:
+                self._flush_events(raising=False)
+            raise
+        tls.depth = depth
+        if not depth:
+            self._flush_events(raising=True)
+
+    def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run one device call: deferred events, under the lock (the cheap form of ``deferred_events``)."""
+        tls = self._tls
+        depth = getattr(tls, "depth", 0)
+        tls.depth = depth + 1
+        try:
+            with self._lock:
+                result = fn(*args)
+        except BaseException:
+            tls.depth = depth
+            if not depth:
+                self._flush_events(raising=False)
+            raise
+        tls.depth = depth
+        if not depth and getattr(tls, "queue", None):
+            self._flush_events(raising=True)
+        return result
+
+    def subscribe(self, callback: EventCallback) -> Subscription:
+        """Call ``callback(event)`` for every :class:`~gpumem.events.MemoryEvent` from now on, always
+        after the device call that published it returned. ``Subscription.cancel()`` stops it."""
+        if not callable(callback):
+            raise InvalidArgumentError(f"callback must be callable, got {type(callback).__name__}")
+        with self._lock:
+            return self.events.subscribe(callback)
+
+    # -- checks shared by every device ---------------------------------------------------
+    def _check_event(self, event: object, call: str) -> Event:
+        if not isinstance(event, self.event_type):
+            raise InvalidArgumentError(f"{call}: expected an Event from event_record, got {type(event).__name__}")
+        if event._device is not self:
+            raise InvalidArgumentError(f"{call}: {event!r} belongs to another device than {self.spec}")
+        if event._destroyed:
+            raise InvalidArgumentError(f"{call}: {event!r} was destroyed")
+        return event
 
     # -- what the device is and has -------------------------------------------------
     @abc.abstractmethod
     def properties(self) -> DeviceProperties:
         """Static properties (cached: a real ``cudaGetDeviceProperties`` costs about 1 ms)."""
 
-    @abc.abstractmethod
     def mem_info(self) -> MemInfo:
         """Free and total bytes right now, other processes and tenants included."""
+        return self._run(self._do_mem_info)
 
     # -- plain allocation ------------------------------------------------------------
-    @abc.abstractmethod
     def malloc(self, nbytes: int) -> int:
         """Allocate ``nbytes`` (> 0) of device memory; return a pointer aligned to at least 256 B.
 
         Raises :class:`~gpumem.errors.OutOfMemoryError` when the device cannot.
         """
+        return self._run(self._do_malloc, nbytes)
 
-    @abc.abstractmethod
     def free(self, ptr: int) -> None:
-        """Free a pointer from :meth:`malloc`. Unknown or already-freed pointers raise."""
+        """Free a pointer from :meth:`malloc`. Unknown or already-freed pointers raise.
+
+        Like ``cudaFree``, the memory must not be in use by queued work: the
+        simulator's sanitizer raises :class:`~gpumem.errors.MemoryHazardError` if it is.
+        """
+        return self._run(self._do_free, ptr)
 
     # -- virtual memory management ----------------------------------------------------
-    @abc.abstractmethod
     def address_reserve(self, nbytes: int, alignment: int = 0) -> int:
         """Reserve ``nbytes`` (a granularity multiple) of virtual address space; return its base."""
+        return self._run(self._do_address_reserve, nbytes, alignment)
 
-    @abc.abstractmethod
     def address_free(self, va: int, nbytes: int) -> None:
         """Give back a whole reservation; it must have no mappings left."""
+        return self._run(self._do_address_free, va, nbytes)
 
-    @abc.abstractmethod
     def mem_create(self, nbytes: int) -> PhysicalHandle:
         """Create a physical chunk of ``nbytes`` (a granularity multiple); takes device memory."""
+        return self._run(self._do_mem_create, nbytes)
 
-    @abc.abstractmethod
     def mem_release(self, handle: PhysicalHandle) -> None:
         """Release a physical chunk. Its memory returns once it is also unmapped everywhere."""
+        return self._run(self._do_mem_release, handle)
 
-    @abc.abstractmethod
     def mem_map(self, va: int, nbytes: int, handle: PhysicalHandle, offset: int = 0) -> None:
         """Map ``nbytes`` of ``handle`` starting at ``offset`` at ``va`` inside a reservation."""
+        return self._run(self._do_mem_map, va, nbytes, handle, offset)
 
-    @abc.abstractmethod
     def mem_set_access(self, va: int, nbytes: int) -> None:
         """Make a mapped range readable and writable by this device."""
+        return self._run(self._do_mem_set_access, va, nbytes)
 
-    @abc.abstractmethod
     def mem_unmap(self, va: int, nbytes: int) -> None:
-        """Unmap a range that was mapped with exactly this base and size."""
+        """Unmap a range that was mapped with exactly this base and size.
+
+        ``cuMemUnmap`` does not wait for the GPU: unmapping memory that queued or
+        running work touches kills the context later (``CUDA_ERROR_ILLEGAL_ADDRESS``).
+        Wait for that work first (:meth:`event_synchronize`); the simulator's sanitizer
+        raises :class:`~gpumem.errors.MemoryHazardError` otherwise.
+        """
+        return self._run(self._do_mem_unmap, va, nbytes)
 
     # -- data and ordering --------------------------------------------------------------
-    @abc.abstractmethod
     def write(self, ptr: int, data: BytesLike) -> None:
         """Copy host bytes to device memory at ``ptr`` (inside one allocation or accessible mapping)."""
+        return self._run(self._do_write, ptr, data)
 
-    @abc.abstractmethod
     def read(self, ptr: int, nbytes: int) -> bytes:
         """Copy ``nbytes`` of device memory at ``ptr`` back to the host."""
+        return self._run(self._do_read, ptr, nbytes)
 
-    @abc.abstractmethod
     def synchronize(self) -> None:
-        """Wait until all work on the device has finished."""
+        """Wait until all work on the device, on every stream, has finished."""
+        return self._run(self._do_synchronize)
+
+    # -- streams and events ---------------------------------------------------------------
+    def stream_create(self) -> int:
+        """Create a stream; return its id (> 0). Stream 0 is the default stream and always exists."""
+        return self._run(self._stream_create)
+
+    def _stream_create(self) -> int:
+        stream = self._do_stream_create()
+        self._user_streams.add(stream)
+        return stream
+
+    def stream_destroy(self, stream: int) -> None:
+        """Destroy a stream from :meth:`stream_create`; work already queued on it still completes.
+
+        Stream 0 and streams this device did not create raise :class:`~gpumem.errors.InvalidArgumentError`.
+        """
+        check_stream(stream)
+        return self._run(self._stream_destroy, stream)
+
+    def _stream_destroy(self, stream: int) -> None:
+        if stream not in self._user_streams:
+            why = "the default stream cannot be destroyed" if stream == 0 else "it was not made by stream_create"
+            raise InvalidArgumentError(f"stream_destroy: stream {stream} on {self.spec}: {why}")
+        self._do_stream_destroy(stream)
+        self._user_streams.discard(stream)
+
+    def event_record(self, stream: int = 0) -> Event:
+        """Record an event on ``stream``: it completes when all work queued there before it has completed."""
+        check_stream(stream)
+        return self._run(self._do_event_record, stream)
+
+    def event_query(self, event: Event) -> bool:
+        """Whether ``event`` has completed (never waits)."""
+        return self._run(self._event_call, "event_query", self._do_event_query, event)
+
+    def event_synchronize(self, event: Event) -> None:
+        """Wait until ``event`` has completed."""
+        return self._run(self._event_call, "event_synchronize", self._do_event_synchronize, event)
+
+    def event_destroy(self, event: Event) -> None:
+        """Give ``event`` back; using it afterwards raises :class:`~gpumem.errors.InvalidArgumentError`."""
+        return self._run(self._event_destroy, event)
+
+    def _event_call(self, call: str, fn: Callable[[Any], T], event: Event) -> T:
+        return fn(self._check_event(event, call))
+
+    def _event_destroy(self, event: Event) -> None:
+        self._do_event_destroy(self._check_event(event, "event_destroy"))
+        event._destroyed = True
+
+    def stream_synchronize(self, stream: int) -> None:
+        """Wait until all work queued on ``stream`` has completed."""
+        check_stream(stream)
+        return self._run(self._do_stream_synchronize, stream)
+
+    def stream_wait_event(self, stream: int, event: Event) -> None:
+        """Make work queued on ``stream`` from now on wait until ``event`` has completed (no host wait)."""
+        check_stream(stream)
+        return self._run(self._stream_wait_event, stream, event)
+
+    def _stream_wait_event(self, stream: int, event: Event) -> None:
+        self._do_stream_wait_event(stream, self._check_event(event, "stream_wait_event"))
 
     # -- life cycle ----------------------------------------------------------------------
-    @abc.abstractmethod
     def close(self) -> None:
         """Free everything this device object still holds. Idempotent."""
+        return self._run(self._do_close)
+
+    # -- what an implementation provides (Note [Public methods check, implementations do]) --
+    @abc.abstractmethod
+    def _do_mem_info(self) -> MemInfo: ...
+
+    @abc.abstractmethod
+    def _do_malloc(self, nbytes: int) -> int: ...
+
+    @abc.abstractmethod
+    def _do_free(self, ptr: int) -> None: ...
+
+    @abc.abstractmethod
+    def _do_address_reserve(self, nbytes: int, alignment: int) -> int: ...
+
+    @abc.abstractmethod
+    def _do_address_free(self, va: int, nbytes: int) -> None: ...
+
+    @abc.abstractmethod
+    def _do_mem_create(self, nbytes: int) -> PhysicalHandle: ...
+
+    @abc.abstractmethod
+    def _do_mem_release(self, handle: PhysicalHandle) -> None: ...
+
+    @abc.abstractmethod
+    def _do_mem_map(self, va: int, nbytes: int, handle: PhysicalHandle, offset: int) -> None: ...
+
+    @abc.abstractmethod
+    def _do_mem_set_access(self, va: int, nbytes: int) -> None: ...
+
+    @abc.abstractmethod
+    def _do_mem_unmap(self, va: int, nbytes: int) -> None: ...
+
+    @abc.abstractmethod
+    def _do_write(self, ptr: int, data: BytesLike) -> None: ...
+
+    @abc.abstractmethod
+    def _do_read(self, ptr: int, nbytes: int) -> bytes: ...
+
+    @abc.abstractmethod
+    def _do_synchronize(self) -> None: ...
+
+    @abc.abstractmethod
+    def _do_stream_create(self) -> int: ...
+
+    @abc.abstractmethod
+    def _do_stream_destroy(self, stream: int) -> None: ...
+
+    @abc.abstractmethod
+    def _do_event_record(self, stream: int) -> Event: ...
+
+    @abc.abstractmethod
+    def _do_event_query(self, event: Any) -> bool: ...
+
+    @abc.abstractmethod
+    def _do_event_synchronize(self, event: Any) -> None: ...
+
+    @abc.abstractmethod
+    def _do_event_destroy(self, event: Any) -> None: ...
+
+    @abc.abstractmethod
+    def _do_stream_synchronize(self, stream: int) -> None: ...
+
+    @abc.abstractmethod
+    def _do_stream_wait_event(self, stream: int, event: Any) -> None: ...
+
+    @abc.abstractmethod
+    def _do_close(self) -> None: ...
 
     @property
     def vmm_supported(self) -> bool:

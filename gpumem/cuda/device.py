@@ -43,8 +43,19 @@ devices; ``tests/cuda_adapter/test_cuda_sim_parity.py`` compares them call by ca
 After :meth:`CudaDevice.close` every call with valid arguments except
 :meth:`~CudaDevice.properties` raises :class:`~gpumem.errors.DeviceClosedError`.
 
-Threads: a device object is not thread-safe (neither is the simulated one);
-use one per thread or guard it with a lock.
+Note [Streams and events on CUDA]
+---------------------------------
+``stream_create`` makes a non-blocking stream (``cudaStreamNonBlocking``: it
+does not synchronise with the legacy default stream, as on the simulator where
+stream 0 is a stream like any other); its id is the ``cudaStream_t`` value, so
+CuPy's ``Stream.ptr`` can be passed wherever a stream is taken, without
+``stream_create``. Events are created with ``cudaEventDisableTiming`` (the
+cheapest kind: no timestamp) and destroyed events are kept in a small pool for
+the next ``event_record``, because an allocator records one per free.
+``event_query`` turns ``cudaErrorNotReady`` into ``False``.
+
+Threads: every public call holds the device's lock (:class:`gpumem.Device`) and
+makes this device current on the calling thread before it calls CUDA.
 """
 
 from __future__ import annotations
@@ -63,6 +74,7 @@ from gpumem.device import (
     Device,
     DeviceKind,
     DeviceProperties,
+    Event,
     MemInfo,
     PhysicalHandle,
     check_data,
@@ -76,6 +88,7 @@ from gpumem.errors import (
     DeviceClosedError,
     DeviceNotFoundError,
     DoubleFreeError,
+    InternalError,
     InvalidArgumentError,
     InvalidPointerError,
     MappingError,
@@ -87,7 +100,14 @@ from gpumem.vmm_book import Mapping as _Mapping
 from gpumem.vmm_book import Reservation as _Reservation
 
 from .backend import INSTALL_HINT, CudaBackend, load_backend
-from .errors import VmmUnavailableError, from_runtime_error, is_out_of_memory
+from .errors import (
+    CUDA_ERROR_NOT_READY,
+    CUDA_SUCCESS,
+    VmmUnavailableError,
+    from_runtime_error,
+    is_out_of_memory,
+    runtime_status_name,
+)
 from .nvml import GpuProcess, NvmlDevice, NvmlMemoryInfo, NvmlSession
 from .vmm import VmmDriver, open_vmm
 
@@ -105,6 +125,21 @@ _MEMCPY_DEVICE_TO_HOST = 2
 #: ``cudaDeviceAttr`` values used when ``cudaDeviceProp`` lacks the memory clock (CUDA 13 removed it).
 _ATTR_MEMORY_CLOCK_RATE = 36
 _ATTR_GLOBAL_MEMORY_BUS_WIDTH = 37
+#: ``cudaStreamNonBlocking`` and ``cudaEventDisableTiming`` (flags CuPy also exports under these names).
+_STREAM_NON_BLOCKING = 1
+_EVENT_DISABLE_TIMING = 2
+#: How many destroyed events are kept for reuse by ``event_record``.
+_EVENT_POOL_SIZE = 64
+
+
+class CudaEvent(Event):
+    """An event of a :class:`CudaDevice`: ``handle`` is the ``cudaEvent_t``."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, device: "CudaDevice", stream: int, handle: int) -> None:
+        super().__init__(device, stream)
+        self.handle = handle
 
 
 @dataclass
@@ -138,8 +173,10 @@ class CudaDevice(Device):
     """
 
     kind = DeviceKind.CUDA
+    event_type = CudaEvent
 
     def __init__(self, index: int, *, backend: CudaBackend | None = None) -> None:
+        super().__init__()
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:
             raise InvalidArgumentError(f"CUDA device index must be a non-negative int, got {index!r}")
         self.index = index
@@ -185,6 +222,8 @@ class CudaDevice(Device):
         self._res_starts: list[int] = []
         self._physicals: dict[int, _Physical] = {}
         self._next_handle = 1
+        self._event_pool: list[int] = []
+        self._live_events = 0
         self._closed = False
         log.debug("opened %s: %s", self.spec, self._props)
 
@@ -338,14 +377,14 @@ class CudaDevice(Device):
     def properties(self) -> DeviceProperties:
         return self._props
 
-    def mem_info(self) -> MemInfo:
+    def _do_mem_info(self) -> MemInfo:
         self._check_open()
         self._activate()
         free, total = self._runtime("cudaMemGetInfo", self._rt.memGetInfo)
         return MemInfo(int(free), int(total))
 
     # -- Device: malloc and free ----------------------------------------------------------------------
-    def malloc(self, nbytes: int) -> int:
+    def _do_malloc(self, nbytes: int) -> int:
         check_nbytes(nbytes)
         self._check_open()
         if nbytes > _SIZE_MAX:
@@ -357,7 +396,7 @@ class CudaDevice(Device):
         self._freed.pop(ptr, None)
         return ptr
 
-    def free(self, ptr: int) -> None:
+    def _do_free(self, ptr: int) -> None:
         check_pointer(ptr)
         self._check_open()
         if ptr not in self._allocations:
@@ -376,7 +415,7 @@ class CudaDevice(Device):
             self._freed.popitem(last=False)
 
     # -- Device: virtual memory management -----------------------------------------------------------
-    def address_reserve(self, nbytes: int, alignment: int = 0) -> int:
+    def _do_address_reserve(self, nbytes: int, alignment: int = 0) -> int:
         vmm = self._require_vmm("address_reserve")
         check_granular(nbytes, self._gran)
         check_nbytes(alignment, what="alignment", allow_zero=True)
@@ -408,7 +447,7 @@ class CudaDevice(Device):
         r.check_inside(va, nbytes, call)
         return r
 
-    def address_free(self, va: int, nbytes: int) -> None:
+    def _do_address_free(self, va: int, nbytes: int) -> None:
         vmm = self._require_vmm("address_free")
         check_pointer(va, what="va")
         check_granular(nbytes, self._gran)
@@ -423,7 +462,7 @@ class CudaDevice(Device):
         del self._reservations[va]
         del self._res_starts[bisect.bisect_left(self._res_starts, va)]
 
-    def mem_create(self, nbytes: int) -> PhysicalHandle:
+    def _do_mem_create(self, nbytes: int) -> PhysicalHandle:
         vmm = self._require_vmm("mem_create")
         check_granular(nbytes, self._gran)
         if nbytes > _SIZE_MAX:
@@ -445,7 +484,7 @@ class CudaDevice(Device):
         if not isinstance(handle, PhysicalHandle):
             raise InvalidArgumentError(f"{call}: handle must be a PhysicalHandle, got {type(handle).__name__}")
 
-    def mem_release(self, handle: PhysicalHandle) -> None:
+    def _do_mem_release(self, handle: PhysicalHandle) -> None:
         vmm = self._require_vmm("mem_release")
         self._check_handle_type(handle, "mem_release")
         phys = self._physical(handle, "mem_release")
@@ -454,7 +493,7 @@ class CudaDevice(Device):
         if phys.map_count == 0:
             del self._physicals[handle.handle]
 
-    def mem_map(self, va: int, nbytes: int, handle: PhysicalHandle, offset: int = 0) -> None:
+    def _do_mem_map(self, va: int, nbytes: int, handle: PhysicalHandle, offset: int = 0) -> None:
         vmm = self._require_vmm("mem_map")
         check_pointer(va, what="va")
         check_granular(nbytes, self._gran)
@@ -475,7 +514,7 @@ class CudaDevice(Device):
         """The mappings that tile ``[va, va + nbytes)`` from ``va`` without holes, or :class:`MappingError`."""
         return self._reservation(va, nbytes, call).covering(va, nbytes, call)
 
-    def mem_set_access(self, va: int, nbytes: int) -> None:
+    def _do_mem_set_access(self, va: int, nbytes: int) -> None:
         """Make the mappings covering ``[va, va + nbytes)`` readable and writable.
 
         One ``cuMemSetAccess`` covers the whole range, which must be fully mapped
@@ -491,7 +530,7 @@ class CudaDevice(Device):
         for m in maps:
             m.accessible = True
 
-    def mem_unmap(self, va: int, nbytes: int) -> None:
+    def _do_mem_unmap(self, va: int, nbytes: int) -> None:
         """Unmap whole mappings tiling ``[va, va + nbytes)`` (one ``cuMemUnmap`` each, as the driver requires)."""
         vmm = self._require_vmm("mem_unmap")
         check_pointer(va, what="va")
@@ -530,7 +569,7 @@ class CudaDevice(Device):
             return
         raise InvalidPointerError(f"{call}: {ptr:#x} is not inside any allocation or mapping on {self.spec}")
 
-    def write(self, ptr: int, data: BytesLike) -> None:
+    def _do_write(self, ptr: int, data: BytesLike) -> None:
         check_pointer(ptr)
         view = check_data(data)
         self._check_open()
@@ -542,7 +581,7 @@ class CudaDevice(Device):
         self._activate()
         self._runtime("cudaMemcpy", self._rt.memcpy, ptr, host.ctypes.data, len(view), kind)
 
-    def read(self, ptr: int, nbytes: int) -> bytes:
+    def _do_read(self, ptr: int, nbytes: int) -> bytes:
         check_pointer(ptr)
         check_nbytes(nbytes, allow_zero=True)
         self._check_open()
@@ -555,13 +594,87 @@ class CudaDevice(Device):
         self._runtime("cudaMemcpy", self._rt.memcpy, host.ctypes.data, ptr, nbytes, kind)
         return host.tobytes()
 
-    def synchronize(self) -> None:
+    def _do_synchronize(self) -> None:
         self._check_open()
         self._activate()
         self._runtime("cudaDeviceSynchronize", self._rt.deviceSynchronize)
 
+    # -- Device: streams and events (Note [Streams and events on CUDA]) -------------------------------------
+    def _do_stream_create(self) -> int:
+        self._check_open()
+        self._activate()
+        return int(self._runtime("cudaStreamCreateWithFlags", self._rt.streamCreateWithFlags, _STREAM_NON_BLOCKING))
+
+    def _do_stream_destroy(self, stream: int) -> None:
+        self._check_open()
+        self._activate()
+        self._runtime("cudaStreamDestroy", self._rt.streamDestroy, stream)
+
+    def _do_event_record(self, stream: int) -> CudaEvent:
+        self._check_open()
+        self._activate()
+        if self._event_pool:
+            handle = self._event_pool.pop()
+        else:
+            handle = int(self._runtime("cudaEventCreateWithFlags", self._rt.eventCreateWithFlags,
+                                       _EVENT_DISABLE_TIMING))
+        try:
+            self._runtime("cudaEventRecord", self._rt.eventRecord, handle, stream)
+        except CudaError:
+            self._give_back_event(handle)  # the event is still good; only the record failed
+            raise
+        self._live_events += 1
+        return CudaEvent(self, stream, handle)
+
+    def _do_event_query(self, event: CudaEvent) -> bool:
+        self._check_open()
+        self._activate()
+        # CuPy's eventQuery returns cudaEventQuery's status instead of raising; accept both forms
+        try:
+            status = self._rt.eventQuery(event.handle)
+        except self._backend.runtime_error as exc:
+            err = from_runtime_error("cudaEventQuery", exc)
+            if err.error_name == "cudaErrorNotReady":
+                return False
+            raise err from exc
+        status = int(status or CUDA_SUCCESS)
+        if status == CUDA_SUCCESS:
+            return True
+        if status == CUDA_ERROR_NOT_READY:
+            return False
+        raise CudaError("cudaEventQuery", runtime_status_name(status))
+
+    def _do_event_synchronize(self, event: CudaEvent) -> None:
+        self._check_open()
+        self._activate()
+        self._runtime("cudaEventSynchronize", self._rt.eventSynchronize, event.handle)
+
+    def _do_event_destroy(self, event: CudaEvent) -> None:
+        self._check_open()
+        self._give_back_event(event.handle)
+        self._live_events -= 1
+
+    def _give_back_event(self, handle: int) -> None:
+        """Pool ``handle`` for the next ``event_record`` (a recorded event may be recorded again), or
+        destroy it when the pool is full."""
+        if len(self._event_pool) < _EVENT_POOL_SIZE:
+            self._event_pool.append(handle)
+            return
+        self._activate()
+        self._runtime("cudaEventDestroy", self._rt.eventDestroy, handle)
+
+    def _do_stream_synchronize(self, stream: int) -> None:
+        self._check_open()
+        self._activate()
+        self._runtime("cudaStreamSynchronize", self._rt.streamSynchronize, stream)
+
+    def _do_stream_wait_event(self, stream: int, event: CudaEvent) -> None:
+        self._check_open()
+        self._activate()
+        self._runtime("cudaStreamWaitEvent", self._rt.streamWaitEvent, stream, event.handle, 0)
+
     # -- life cycle ------------------------------------------------------------------------------------------
-    def close(self) -> None:
+    def _do_close(self) -> None:
         """Free everything still held (mappings, chunks, reservations, allocations), then refuse further calls.
 
         Idempotent and never raises: a CUDA error while cleaning up is logged as
@@ -593,6 +706,12 @@ class CudaDevice(Device):
                 attempt("cuMemAddressFree", vmm.address_free, r.start, r.nbytes)
         for ptr in self._alloc_starts:
             attempt("cudaFree", self._rt.free, ptr)
+        for handle in self._event_pool:
+            attempt("cudaEventDestroy", self._rt.eventDestroy, handle)
+        self._event_pool.clear()
+        for stream in sorted(self._user_streams):
+            attempt("cudaStreamDestroy", self._rt.streamDestroy, stream)
+        self._user_streams.clear()
         n_held = len(self._allocations) + len(self._physicals) + len(self._reservations)
         self._allocations.clear()
         self._alloc_starts.clear()
@@ -632,21 +751,30 @@ class CudaDevice(Device):
         return [(va, self._reservations[va].nbytes) for va in self._res_starts]
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the record is inconsistent (used by tests)."""
-        assert self._alloc_starts == sorted(self._allocations), "allocation index out of sync"
-        assert self._res_starts == sorted(self._reservations), "reservation index out of sync"
+        """Raise :class:`~gpumem.errors.InternalError` if the record is inconsistent (used by tests)."""
+        with self._lock:
+            self._check_invariants()
+
+    def _check_invariants(self) -> None:
+        def require(ok: bool, what: str) -> None:
+            if not ok:
+                raise InternalError(f"{self.spec}: {what}")
+
+        require(self._alloc_starts == sorted(self._allocations), "allocation index out of sync")
+        require(self._res_starts == sorted(self._reservations), "reservation index out of sync")
         counts: dict[int, int] = {}
         for r in self._reservations.values():
-            assert r.starts == sorted(r.mappings), "mapping index out of sync"
+            require(r.starts == sorted(r.mappings), "mapping index out of sync")
             prev_end = r.start
             for s in r.starts:
                 m = r.mappings[s]
-                assert s >= prev_end and s + m.nbytes <= r.start + r.nbytes, "mapping overlaps or escapes"
+                require(s >= prev_end and s + m.nbytes <= r.start + r.nbytes, f"mapping at {s:#x} overlaps or escapes")
                 prev_end = s + m.nbytes
                 counts[m.physical.handle.handle] = counts.get(m.physical.handle.handle, 0) + 1
         for hid, phys in self._physicals.items():
-            assert phys.map_count == counts.get(hid, 0), (hid, phys.map_count, counts.get(hid, 0))
-            assert not (phys.released and phys.map_count == 0), "released, unmapped chunk kept"
+            require(phys.map_count == counts.get(hid, 0),
+                    f"chunk {hid}: {phys.map_count} mappings counted, {counts.get(hid, 0)} found")
+            require(not (phys.released and phys.map_count == 0), f"released, unmapped chunk {hid} kept")
 
 
 __all__ = ["CudaDevice"]

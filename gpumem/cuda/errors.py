@@ -35,7 +35,19 @@ _RUNTIME_ERROR_NAMES = {
     35: "cudaErrorInsufficientDriver",
     100: "cudaErrorNoDevice",
     101: "cudaErrorInvalidDevice",
+    400: "cudaErrorInvalidResourceHandle",
+    600: "cudaErrorNotReady",
+    700: "cudaErrorIllegalAddress",
 }
+
+#: ``cudaSuccess`` and ``cudaErrorNotReady``: what ``cudaEventQuery`` returns for a complete and a pending event.
+CUDA_SUCCESS = 0
+CUDA_ERROR_NOT_READY = 600
+
+
+def runtime_status_name(status: int) -> str:
+    """CUDA's name for a ``cudaError_t`` number (``"cudaError(123)"`` for ones this package does not list)."""
+    return _RUNTIME_ERROR_NAMES.get(status, f"cudaError({status})")
 
 
 class VmmUnavailableError(UnsupportedOperationError, BackendUnavailableError):
@@ -59,8 +71,8 @@ def runtime_error_name(exc: BaseException) -> str:
     if head.startswith(("cudaError", "hipError")) and " " not in head:
         return head
     status = getattr(exc, "status", None)
-    if isinstance(status, int) and status in _RUNTIME_ERROR_NAMES:
-        return _RUNTIME_ERROR_NAMES[status]
+    if isinstance(status, int):
+        return runtime_status_name(status)
     return f"cudaError({status})" if status is not None else type(exc).__name__
 
 

@@ -22,22 +22,36 @@ Addresses
     reservations, so nothing can overlap by construction; mappings inside a
     reservation are checked for overlap explicitly.
 
+Streams and the sanitizer
+    Work queued with :meth:`SimDevice.launch` runs on its stream's SimPy process
+    (:mod:`sim.streams`). Freeing or unmapping memory that queued or running work
+    touches, or launching work on memory that is not allocated or not mapped with
+    access, is what kills a real context (``CUDA_ERROR_ILLEGAL_ADDRESS``, later):
+    the simulator's sanitizer raises :class:`~gpumem.errors.MemoryHazardError`
+    instead and changes nothing (``sanitizer="raise"``, the default), or records a
+    :class:`Hazard` in :attr:`SimDevice.hazards` and lets the call proceed
+    (``"count"``, for replays), or looks away (``"off"``).
+
 Note [A failed call changes nothing]
 ------------------------------------
 Each call validates its arguments, advances time, checks for a lost device,
 decides injected faults and checks capacity *before* it mutates any state, so
 every exception leaves the accounting as it was. The stateful property tests in
 ``tests/simulator`` check this after every step.
+
+Threads: every public call holds the device's lock (:class:`gpumem.Device`), so
+threads may share a device; SimPy tenants run inside whichever call moves time.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import math
 import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import simpy
 
@@ -48,31 +62,37 @@ from gpumem.device import (
     Device,
     DeviceKind,
     DeviceProperties,
+    Event,
     MemInfo,
     PhysicalHandle,
     check_data,
     check_granular,
     check_nbytes,
     check_pointer,
+    check_stream,
 )
 from gpumem.errors import (
+    CudaError,
     DeviceClosedError,
     DeviceLostError,
     DoubleFreeError,
+    InternalError,
     InvalidArgumentError,
     InvalidPointerError,
     MappingError,
+    MemoryHazardError,
     OutOfMemoryError,
     TransientDeviceError,
     UnsupportedOperationError,
 )
 from gpumem.units import MiB, align_up
 
-from .events import EventCallback, EventHub, MemoryEvent, MemoryEventKind, Subscription
+from .events import MemoryEvent, MemoryEventKind
 from .faults import FaultInjector, FaultKind, FaultPlan
 from .pressure import Scenario, TenantContext
 from .profiles import DeviceProfile
 from .storage import SparseStore
+from .streams import DONE, StreamEngine, Work
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +102,43 @@ SMALL_MALLOC_ALIGNMENT = 512
 _VA_BASE = 0x7F00_0000_0000
 _VA_LIMIT = 1 << 48
 _FREED_MEMORY = 65_536
+#: What the sanitizer does about a hazard (Note [What the sanitizer looks at] in :mod:`sim.streams`).
+SANITIZER_MODES = ("raise", "count", "off")
+
+
+@dataclass(frozen=True)
+class Hazard:
+    """A memory hazard the sanitizer saw in ``count`` mode (what ``raise`` mode would have raised)."""
+
+    time_s: float
+    call: str
+    """The device call: ``free``, ``mem_unmap`` or ``launch``."""
+    stream: int
+    va: int
+    nbytes: int
+    work: str
+    """The name of the work that touches the range (or of the work being launched)."""
+    message: str
+
+    def to_error(self) -> MemoryHazardError:
+        return MemoryHazardError(self.call, self.message, stream=self.stream, va=self.va, nbytes=self.nbytes,
+                                 work=self.work)
+
+
+class SimEvent(Event):
+    """An event of a :class:`SimDevice`: the last work on its stream when it was recorded
+    (Note [Events are a pointer to the stream's tail] in :mod:`sim.streams`)."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, device: "SimDevice", stream: int, work: Work | None) -> None:
+        super().__init__(device, stream)
+        self.work = work
+
+    @property
+    def complete(self) -> bool:
+        """Whether the event has completed (no device call, no simulated time)."""
+        return self.work is None or self.work.state == DONE
 
 
 class _Allocation:
@@ -177,6 +234,7 @@ class SimDevice(Device):
     """
 
     kind = DeviceKind.SIM
+    event_type = SimEvent
 
     def __init__(
         self,
@@ -187,7 +245,11 @@ class SimDevice(Device):
         faults: FaultPlan | None = None,
         seed: int = 0,
         spec: str | None = None,
+        sanitizer: str = "raise",
     ) -> None:
+        if sanitizer not in SANITIZER_MODES:
+            raise InvalidArgumentError(f"sanitizer must be one of {', '.join(SANITIZER_MODES)}, got {sanitizer!r}")
+        super().__init__()
         self.profile = profile
         self.spec = spec or profile.spec
         self.env = env if env is not None else simpy.Environment()
@@ -197,8 +259,13 @@ class SimDevice(Device):
         self._rng = random.Random(seed)
         self.seed = seed
         self.faults = FaultInjector(faults or FaultPlan(), random.Random(self._rng.getrandbits(64)))
-        self.events = EventHub()
         self.stats = SimCallStats()
+        self.sanitizer = sanitizer
+        """``"raise"``, ``"count"`` or ``"off"`` (see the module docstring)."""
+        self.hazards: list[Hazard] = []
+        """Hazards seen in ``count`` mode, oldest first."""
+        self.streams = StreamEngine(self.env)
+        self._next_stream = 1
         self._closed = False
         self._lost = False
         self._total_pages = profile.total_nbytes // self._gran
@@ -229,11 +296,12 @@ class SimDevice(Device):
         return float(self.env.now)
 
     def advance(self, seconds: float) -> None:
-        """Let ``seconds`` of simulated time pass (tenants and faults act meanwhile)."""
-        if seconds < 0:
-            raise InvalidArgumentError(f"seconds must not be negative, got {seconds}")
+        """Let ``seconds`` of simulated time pass (tenants, faults and queued work act meanwhile)."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0 \
+                or math.isinf(seconds):
+            raise InvalidArgumentError(f"seconds must be a finite number >= 0, got {seconds!r}")
         if seconds:
-            self._advance_to(self.env.now + seconds)
+            self._run(self._advance_to, self.env.now + seconds)
 
     def _check_usable(self) -> None:
         """Refuse a call on a closed or lost device before looking anything up (a closed device has
@@ -243,8 +311,9 @@ class SimDevice(Device):
         if self._lost:
             raise DeviceLostError(f"{self.spec} was lost at t={self.faults.plan.device_lost_at_s}s")
 
-    def _call(self, name: str, cost_us: float) -> None:
-        """Start a call: refuse on a closed or lost device, then let its cost in time pass."""
+    def _call(self, name: str, cost_us: float, nbytes: int = 0) -> None:
+        """Start a call: refuse on a closed or lost device, let its cost in time pass, then decide
+        a per-call-type injected fault (``nbytes``: what an allocating call asked for)."""
         if self._closed:
             raise DeviceClosedError(f"{self.spec} is closed")
         if self._lost:
@@ -254,6 +323,13 @@ class SimDevice(Device):
         self.stats.count(name, cost_us)
         if self._lost:
             raise DeviceLostError(f"{self.spec} was lost at t={self.faults.plan.device_lost_at_s}s")
+        if self.faults.per_call and self.faults.call_fails(name):
+            self.stats.injected_faults += 1
+            self.events.publish(MemoryEvent(self.now_s, MemoryEventKind.FAULT_INJECTED, nbytes, self._free_nbytes(),
+                                            name))
+            if name in ("malloc", "mem_create"):
+                raise self._oom(nbytes, injected=True)
+            raise CudaError(name, "CUDA_ERROR_UNKNOWN", "injected fault", injected=True)
 
     def _advance_to(self, until_s: float) -> None:
         """Move the clock to ``until_s``, running every SimPy event due before then.
@@ -274,16 +350,16 @@ class SimDevice(Device):
         self.events.publish(MemoryEvent(self.now_s, MemoryEventKind.DEVICE_LOST, 0, self._free_nbytes(), "faults"))
 
     # -- events and tenants -----------------------------------------------------------------
-    def subscribe(self, callback: EventCallback) -> Subscription:
-        """Call ``callback(event)`` for every :class:`~sim.events.MemoryEvent` from now on."""
-        return self.events.subscribe(callback)
-
     def watch_free_level(self, level_nbytes: int) -> None:
         """Publish FREE_BELOW / FREE_ABOVE events when free memory crosses ``level_nbytes``."""
-        self.events.watch_level(check_nbytes(level_nbytes, what="level_nbytes"))
+        check_nbytes(level_nbytes, what="level_nbytes")
+        self._run(self.events.watch_level, level_nbytes)
 
     def add_tenant(self, scenario: Scenario, name: str | None = None) -> None:
         """Start another tenant running ``scenario`` now."""
+        self._run(self._add_tenant, scenario, name)
+
+    def _add_tenant(self, scenario: Scenario, name: str | None) -> None:
         if not isinstance(scenario, Scenario):
             raise InvalidArgumentError(f"scenario must be a sim.pressure.Scenario, got {type(scenario).__name__}")
         tenant = _Tenant(self, name or f"tenant-{len(self._tenants)}", random.Random(self._rng.getrandbits(64)))
@@ -350,9 +426,9 @@ class SimDevice(Device):
         """Device bytes this process holds through this device object (granularity-rounded)."""
         return self._process_pages * self._gran
 
-    def _oom(self, nbytes: int) -> OutOfMemoryError:
+    def _oom(self, nbytes: int, *, injected: bool = False) -> OutOfMemoryError:
         return OutOfMemoryError(nbytes, self._free_nbytes(), self.profile.total_nbytes, device=self.spec,
-                                hint="(cudaErrorMemoryAllocation)")
+                                hint="(cudaErrorMemoryAllocation)", injected=injected)
 
     def _decide_allocation_fault(self, nbytes: int) -> None:
         fault = self.faults.next_allocation_fault()
@@ -363,7 +439,7 @@ class SimDevice(Device):
                                         fault.value))
         if fault is FaultKind.TRANSIENT:
             raise TransientDeviceError(f"injected transient error on allocation call {self.faults.allocation_calls}")
-        raise self._oom(nbytes)
+        raise self._oom(nbytes, injected=True)
 
     # -- the address space ----------------------------------------------------------------------
     def _va_alloc(self, nbytes: int, alignment: int) -> int:
@@ -409,16 +485,16 @@ class SimDevice(Device):
     def properties(self) -> DeviceProperties:
         return self._props
 
-    def mem_info(self) -> MemInfo:
+    def _do_mem_info(self) -> MemInfo:
         self._call("mem_info", self.latency.mem_get_info_us)
         return MemInfo(self._free_nbytes(), self.profile.total_nbytes)
 
     # -- Device: malloc and free -------------------------------------------------------------------
-    def malloc(self, nbytes: int) -> int:
+    def _do_malloc(self, nbytes: int) -> int:
         check_nbytes(nbytes)
         # a request beyond the device fails at once on a real GPU: do not charge (and simulate) the
         # extrapolated cost of an absurd size, which can be hours of simulated tenant activity
-        self._call("malloc", self.latency.malloc_us(min(nbytes, self.profile.total_nbytes)))
+        self._call("malloc", self.latency.malloc_us(min(nbytes, self.profile.total_nbytes)), nbytes)
         self._decide_allocation_fault(nbytes)
         if nbytes <= SMALL_MALLOC_MAX_NBYTES:
             return self._malloc_small(nbytes)
@@ -456,7 +532,7 @@ class SimDevice(Device):
         self._freed.pop(at, None)
         return at
 
-    def free(self, ptr: int) -> None:
+    def _do_free(self, ptr: int) -> None:
         check_pointer(ptr)
         self._check_usable()
         alloc = self._allocations.get(ptr)
@@ -464,6 +540,7 @@ class SimDevice(Device):
             if ptr in self._freed:
                 raise DoubleFreeError(f"double free of {ptr:#x} on {self.spec}")
             raise InvalidPointerError(f"free of {ptr:#x}, which {self.spec} never allocated (or not its start)")
+        self._sanitize_release("free", ptr, alloc.nbytes)
         self._call("free", self.latency.free_us(alloc.nbytes))
         del self._allocations[ptr]
         self._freed[ptr] = None
@@ -488,7 +565,7 @@ class SimDevice(Device):
             raise UnsupportedOperationError(
                 f"{call}: {self.spec} ({self._props.name}) does not support virtual memory management")
 
-    def address_reserve(self, nbytes: int, alignment: int = 0) -> int:
+    def _do_address_reserve(self, nbytes: int, alignment: int = 0) -> int:
         self._require_vmm("address_reserve")
         check_granular(nbytes, self._gran)
         check_nbytes(alignment, what="alignment", allow_zero=True)
@@ -506,7 +583,7 @@ class SimDevice(Device):
         r.check_inside(va, nbytes, call)
         return r
 
-    def address_free(self, va: int, nbytes: int) -> None:
+    def _do_address_free(self, va: int, nbytes: int) -> None:
         self._require_vmm("address_free")
         check_pointer(va, what="va")
         check_granular(nbytes, self._gran)
@@ -520,10 +597,10 @@ class SimDevice(Device):
         self._call("address_free", self.latency.address_free_us)
         self._remove_range(va)
 
-    def mem_create(self, nbytes: int) -> PhysicalHandle:
+    def _do_mem_create(self, nbytes: int) -> PhysicalHandle:
         self._require_vmm("mem_create")
         check_granular(nbytes, self._gran)
-        self._call("mem_create", self.latency.mem_create_us)
+        self._call("mem_create", self.latency.mem_create_us, nbytes)
         self._decide_allocation_fault(nbytes)
         if nbytes > self._free_nbytes():
             raise self._oom(nbytes)
@@ -541,7 +618,7 @@ class SimDevice(Device):
             raise InvalidPointerError(f"{call}: unknown or released physical handle {handle.handle}")
         return phys
 
-    def mem_release(self, handle: PhysicalHandle) -> None:
+    def _do_mem_release(self, handle: PhysicalHandle) -> None:
         self._require_vmm("mem_release")
         phys = self._physical(handle, "mem_release")
         self._call("mem_release", self.latency.mem_release_us)
@@ -553,7 +630,7 @@ class SimDevice(Device):
         del self._physicals[phys.handle.handle]
         self._give_pages(phys.handle.nbytes // self._gran)
 
-    def mem_map(self, va: int, nbytes: int, handle: PhysicalHandle, offset: int = 0) -> None:
+    def _do_mem_map(self, va: int, nbytes: int, handle: PhysicalHandle, offset: int = 0) -> None:
         self._require_vmm("mem_map")
         check_pointer(va, what="va")
         check_granular(nbytes, self._gran)
@@ -573,7 +650,7 @@ class SimDevice(Device):
         """The mappings that tile ``[va, va + nbytes)`` exactly from ``va`` (contiguous, no holes)."""
         return self._reservation(va, nbytes, call).covering(va, nbytes, call)
 
-    def mem_set_access(self, va: int, nbytes: int) -> None:
+    def _do_mem_set_access(self, va: int, nbytes: int) -> None:
         self._require_vmm("mem_set_access")
         check_pointer(va, what="va")
         check_granular(nbytes, self._gran)
@@ -582,12 +659,13 @@ class SimDevice(Device):
         for m in maps:
             m.accessible = True
 
-    def mem_unmap(self, va: int, nbytes: int) -> None:
+    def _do_mem_unmap(self, va: int, nbytes: int) -> None:
         self._require_vmm("mem_unmap")
         check_pointer(va, what="va")
         check_granular(nbytes, self._gran)
         r = self._reservation(va, nbytes, "mem_unmap")
         maps = r.whole_mappings(va, nbytes, "mem_unmap")
+        self._sanitize_release("mem_unmap", va, nbytes)
         self._call("mem_unmap", self.latency.mem_unmap_us)
         for m in maps:
             r.remove(m)
@@ -625,7 +703,7 @@ class SimDevice(Device):
             return pieces
         raise InvalidPointerError(f"{call}: {ptr:#x} is not inside any allocation or mapping on {self.spec}")
 
-    def write(self, ptr: int, data: BytesLike) -> None:
+    def _do_write(self, ptr: int, data: BytesLike) -> None:
         check_pointer(ptr)
         view = check_data(data)
         self._check_usable()
@@ -638,7 +716,7 @@ class SimDevice(Device):
             store.write(offset, view[pos:pos + length])
             pos += length
 
-    def read(self, ptr: int, nbytes: int) -> bytes:
+    def _do_read(self, ptr: int, nbytes: int) -> bytes:
         check_pointer(ptr)
         check_nbytes(nbytes, allow_zero=True)
         self._check_usable()
@@ -648,11 +726,120 @@ class SimDevice(Device):
         self._call("read", self.latency.copy_us(nbytes, self._props.memory_bandwidth_gbps))
         return b"".join(store.read(offset, length) for store, offset, length in pieces)
 
-    def synchronize(self) -> None:
+    # -- Device: streams and events ---------------------------------------------------------------------
+    def _do_synchronize(self) -> None:
         self._call("synchronize", self.latency.synchronize_us)
+        for work in self.streams.tails():
+            self._wait_for(work)
+
+    def _wait_for(self, work: Work | None) -> None:
+        """Run simulated time until ``work`` has finished (tenants and other streams act meanwhile)."""
+        if work is None or work.state == DONE:
+            return
+        self.env.run(until=work.done_event)
+        if work.state != DONE:  # never seen: the event triggers only after the state moved
+            raise InternalError(f"{self.spec}: {work!r} not done after its event")
+        if self._lost:
+            raise DeviceLostError(f"{self.spec} was lost at t={self.faults.plan.device_lost_at_s}s")
+
+    def _do_stream_create(self) -> int:
+        self._call("stream_create", self.latency.stream_create_us)
+        while self._next_stream in self._user_streams or self.streams.known(self._next_stream):
+            self._next_stream += 1  # skip ids foreign code already queued work on
+        stream = self._next_stream
+        self._next_stream += 1
+        return stream
+
+    def _do_stream_destroy(self, stream: int) -> None:
+        self._call("stream_destroy", self.latency.stream_destroy_us)
+        self.streams.drop(stream)
+
+    def _do_event_record(self, stream: int) -> SimEvent:
+        self._call("event_record", self.latency.event_record_us)
+        return SimEvent(self, stream, self.streams.tail(stream))
+
+    def _do_event_query(self, event: SimEvent) -> bool:
+        self._call("event_query", self.latency.event_query_us)
+        return event.complete
+
+    def _do_event_synchronize(self, event: SimEvent) -> None:
+        self._call("event_synchronize", self.latency.synchronize_us)
+        self._wait_for(event.work)
+
+    def _do_event_destroy(self, event: SimEvent) -> None:
+        self._call("event_destroy", self.latency.event_destroy_us)
+
+    def _do_stream_synchronize(self, stream: int) -> None:
+        self._call("stream_synchronize", self.latency.synchronize_us)
+        self._wait_for(self.streams.tail(stream))
+
+    def _do_stream_wait_event(self, stream: int, event: SimEvent) -> None:
+        self._call("stream_wait_event", self.latency.stream_wait_event_us)
+        if not event.complete:
+            self.streams.launch(stream, f"wait for an event on stream {event.stream}", 0.0, (), event.work)
+
+    def launch(self, stream: int, duration_s: float, touches: Sequence[tuple[int, int]] = (),
+               name: str | None = None) -> Work:
+        """Queue work (a kernel) on ``stream`` that runs ``duration_s`` simulated seconds once the work
+        before it there has finished, and reads and writes the ``(ptr, nbytes)`` ranges ``touches``
+        from the moment it is queued until it ends.
+
+        Every touched range must lie inside one live ``malloc`` allocation or inside mappings with
+        access set; otherwise the sanitizer raises :class:`~gpumem.errors.MemoryHazardError`
+        (``sanitizer="raise"``). Returns the :class:`~sim.streams.Work` (its ``state``, ``end_s``).
+        """
+        check_stream(stream)
+        if isinstance(duration_s, bool) or not isinstance(duration_s, (int, float)) or not duration_s >= 0 \
+                or math.isinf(duration_s):
+            raise InvalidArgumentError(f"launch: duration_s must be a finite number >= 0, got {duration_s!r}")
+        if name is not None and not isinstance(name, str):
+            raise InvalidArgumentError(f"launch: name must be a str or None, got {type(name).__name__}")
+        ranges: list[tuple[int, int]] = []
+        try:
+            for touch in touches:
+                ptr, nbytes = touch
+                ranges.append((check_pointer(ptr, what="touch pointer"), check_nbytes(nbytes, what="touch nbytes")))
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, InvalidArgumentError):
+                raise
+            raise InvalidArgumentError("launch: touches must be a sequence of (ptr, nbytes) pairs") from None
+        return self._run(self._launch, stream, float(duration_s), ranges, name)
+
+    def _launch(self, stream: int, duration_s: float, ranges: list[tuple[int, int]], name: str | None) -> Work:
+        self._check_usable()
+        label = name if name is not None else f"work {self.stats.calls.get('launch', 0) + 1}"
+        if self.sanitizer != "off":
+            for ptr, nbytes in ranges:
+                try:
+                    self._segments(ptr, nbytes, "launch")
+                except InvalidPointerError as exc:
+                    self._hazard(Hazard(self.now_s, "launch", stream, ptr, nbytes, label,
+                                        f"work {label!r} on stream {stream} touches [{ptr:#x}, {ptr + nbytes:#x}), "
+                                        f"which is not allocated or not mapped with access ({exc})"))
+        self._call("launch", self.latency.launch_us)
+        return self.streams.launch(stream, label, duration_s, ranges)
+
+    def _sanitize_release(self, call: str, va: int, nbytes: int) -> None:
+        """Before ``free`` or ``mem_unmap`` of ``[va, va + nbytes)``: is in-flight work touching it?"""
+        if self.sanitizer == "off":
+            return
+        hit = self.streams.touching(va, nbytes)
+        if hit is None:
+            return
+        work, ptr, n = hit
+        self._hazard(Hazard(self.now_s, call, work.stream, va, nbytes, work.name,
+                            f"[{va:#x}, {va + nbytes:#x}) is touched by {work.state_name} work {work.name!r} on stream "
+                            f"{work.stream} (its range [{ptr:#x}, {ptr + n:#x})); wait for it first "
+                            f"(event_synchronize / stream_synchronize)"))
+
+    def _hazard(self, hazard: Hazard) -> None:
+        if self.sanitizer == "raise":
+            raise hazard.to_error()
+        self.hazards.append(hazard)
+        log.debug("%s: hazard %s", self.spec, hazard.message)
 
     # -- life cycle -------------------------------------------------------------------------------------
-    def close(self) -> None:
+    def _do_close(self) -> None:
         if self._closed:
             return
         self._closed = True
@@ -678,24 +865,45 @@ class SimDevice(Device):
         return [(m.va, m.nbytes, m.physical.handle.handle)
                 for r in self._ranges.values() if isinstance(r, _Reservation) for m in r.mappings.values()]
 
+    def reservation_ranges(self) -> list[tuple[int, int]]:
+        """``(va, nbytes)`` of every live address reservation, by address."""
+        return [(s, r.nbytes) for s in self._starts if isinstance(r := self._ranges[s], _Reservation)]
+
     def accounting(self) -> tuple[int, int, int]:
         """``(process_pages, tenant_pages, live allocations + live handles)``: what tests compare
         before and after a failing call."""
         return (self._process_pages, self._tenant_pages, len(self._allocations) + len(self._physicals))
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the internal accounting is inconsistent (used by property tests)."""
+        """Raise :class:`~gpumem.errors.InternalError` if the internal accounting is inconsistent
+        (used by property tests and ``CachingAllocator.check_consistency``)."""
+        with self._lock:
+            self._check_invariants()
+
+    def _check_invariants(self) -> None:
+        def require(ok: bool, what: str) -> None:
+            if not ok:
+                raise InternalError(f"{self.spec}: {what}")
+
         pages = 0
         for r in self._ranges.values():
             if isinstance(r, _Allocation):
                 pages += r.span_nbytes // self._gran
             elif isinstance(r, _SmallPage):
-                assert r.subs, "empty small page kept"
+                require(bool(r.subs), f"empty small page kept at {r.start:#x}")
                 pages += 1
         pages += sum(p.handle.nbytes // self._gran for p in self._physicals.values())
-        assert pages == self._process_pages, (pages, self._process_pages)
-        assert self._free_nbytes() >= 0, self._free_nbytes()
+        require(pages == self._process_pages, f"{pages} pages held, {self._process_pages} counted")
+        require(self._free_nbytes() >= 0, f"negative free memory {self._free_nbytes()}")
         prev_end = 0
         for s in self._starts:
-            assert s >= prev_end, "overlapping top-level ranges"
+            require(s >= prev_end, f"overlapping top-level ranges at {s:#x}")
             prev_end = s + self._range_nbytes(self._ranges[s])
+        if self.sanitizer == "raise" and not self._closed:
+            for work in self.streams.inflight:
+                for ptr, n in work.touches:
+                    try:
+                        self._segments(ptr, n, "check_invariants")
+                    except InvalidPointerError as exc:
+                        raise InternalError(f"{self.spec}: in-flight {work!r} touches memory that is gone: {exc}") \
+                            from None

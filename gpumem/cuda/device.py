@@ -86,6 +86,7 @@ from gpumem.errors import (
     BackendUnavailableError,
     CudaError,
     DeviceClosedError,
+    DeviceLostError,
     DeviceNotFoundError,
     DoubleFreeError,
     InternalError,
@@ -106,6 +107,7 @@ from .errors import (
     VmmUnavailableError,
     from_runtime_error,
     is_out_of_memory,
+    is_sticky,
     runtime_status_name,
 )
 from .nvml import GpuProcess, NvmlDevice, NvmlMemoryInfo, NvmlSession
@@ -182,6 +184,7 @@ class CudaDevice(Device):
         self.index = index
         self.spec = f"cuda:{index}"
         self._closed = True  # until fully opened: close() then has nothing to do
+        self._lost: CudaError | None = None
         self._backend = backend if backend is not None else load_backend()
         self._rt = self._backend.runtime
         self._total_nbytes = 0
@@ -223,7 +226,7 @@ class CudaDevice(Device):
         self._physicals: dict[int, _Physical] = {}
         self._next_handle = 1
         self._event_pool: list[int] = []
-        self._live_events = 0
+        self._live_events: set[int] = set()  # handles of events handed out and not destroyed
         self._closed = False
         log.debug("opened %s: %s", self.spec, self._props)
 
@@ -254,6 +257,8 @@ class CudaDevice(Device):
             raise self._translate(err, oom_nbytes, memory_nbytes) from err
 
     def _translate(self, err: CudaError, oom_nbytes: int | None, memory_nbytes: int | None) -> Exception:
+        if is_sticky(err.error_name):
+            return self._lose(err)
         if oom_nbytes is not None and (is_out_of_memory(err.error_name)
                                        or (memory_nbytes is not None and memory_nbytes > self._total_nbytes)):
             return self._oom(oom_nbytes, err)
@@ -274,6 +279,17 @@ class CudaDevice(Device):
     def _check_open(self) -> None:
         if self._closed:
             raise DeviceClosedError(f"{self.spec} is closed")
+        if self._lost is not None:
+            raise DeviceLostError(f"{self.spec} is lost: {self._lost}")
+
+    def _lose(self, err: CudaError) -> DeviceLostError:
+        """Note [A sticky error loses the device]: after ``cudaErrorIllegalAddress`` and its kin the
+        context is dead and every later call fails; the record is left as it is (nothing more can be
+        freed) and every later call raises :class:`~gpumem.errors.DeviceLostError` at once."""
+        if self._lost is None:
+            self._lost = err
+            log.error("%s: the CUDA context is dead: %s", self.spec, err)
+        return DeviceLostError(f"{self.spec} is lost: {err}")
 
     def _count_devices(self) -> int:
         try:
@@ -623,7 +639,7 @@ class CudaDevice(Device):
         except CudaError:
             self._give_back_event(handle)  # the event is still good; only the record failed
             raise
-        self._live_events += 1
+        self._live_events.add(handle)
         return CudaEvent(self, stream, handle)
 
     def _do_event_query(self, event: CudaEvent) -> bool:
@@ -636,13 +652,14 @@ class CudaDevice(Device):
             err = from_runtime_error("cudaEventQuery", exc)
             if err.error_name == "cudaErrorNotReady":
                 return False
-            raise err from exc
+            raise self._translate(err, None, None) from exc
         status = int(status or CUDA_SUCCESS)
         if status == CUDA_SUCCESS:
             return True
         if status == CUDA_ERROR_NOT_READY:
             return False
-        raise CudaError("cudaEventQuery", runtime_status_name(status))
+        err = CudaError("cudaEventQuery", runtime_status_name(status))
+        raise self._translate(err, None, None)
 
     def _do_event_synchronize(self, event: CudaEvent) -> None:
         self._check_open()
@@ -652,7 +669,7 @@ class CudaDevice(Device):
     def _do_event_destroy(self, event: CudaEvent) -> None:
         self._check_open()
         self._give_back_event(event.handle)
-        self._live_events -= 1
+        self._live_events.discard(event.handle)
 
     def _give_back_event(self, handle: int) -> None:
         """Pool ``handle`` for the next ``event_record`` (a recorded event may be recorded again), or
@@ -706,9 +723,10 @@ class CudaDevice(Device):
                 attempt("cuMemAddressFree", vmm.address_free, r.start, r.nbytes)
         for ptr in self._alloc_starts:
             attempt("cudaFree", self._rt.free, ptr)
-        for handle in self._event_pool:
+        for handle in [*self._event_pool, *sorted(self._live_events)]:
             attempt("cudaEventDestroy", self._rt.eventDestroy, handle)
         self._event_pool.clear()
+        self._live_events.clear()
         for stream in sorted(self._user_streams):
             attempt("cudaStreamDestroy", self._rt.streamDestroy, stream)
         self._user_streams.clear()

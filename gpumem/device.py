@@ -204,6 +204,16 @@ class Event:
         return f"<{type(self).__name__} stream={self.stream}{state}>"
 
 
+class _CallState(threading.local):
+    """Per thread: how deep in device calls / ``deferred_events`` blocks, and the events queued meanwhile."""
+
+    depth = 0
+    delivering = False
+
+    def __init__(self) -> None:
+        self.queue: list[MemoryEvent] = []
+
+
 class Device(abc.ABC):
     """A GPU, simulated or real. See the module docstring for the CUDA call each method stands for.
 
@@ -222,7 +232,7 @@ class Device(abc.ABC):
         # may be shared by threads; an RLock, because a SimPy tenant acting during a call calls
         # back into the device on the same thread.
         self._lock = threading.RLock()
-        self._tls = threading.local()
+        self._tls = _CallState()
         self.events = EventHub(dispatch=self._dispatch_event)
         """Memory events this device published (:attr:`EventHub.history`) and their subscribers."""
         self._user_streams: set[int] = set()
@@ -244,19 +254,16 @@ class Device(abc.ABC):
     # events their own device calls publish are queued behind and delivered by the same loop.
     def _dispatch_event(self, event: MemoryEvent) -> None:
         tls = self._tls
-        if getattr(tls, "depth", 0):
-            queue = getattr(tls, "queue", None)
-            if queue is None:
-                queue = tls.queue = []
-            queue.append(event)
+        if tls.depth:
+            tls.queue.append(event)
         else:
             self.events.deliver(event)
 
     def _flush_events(self, *, raising: bool) -> None:
         """Deliver what this thread queued (outermost block only); see the Note above."""
         tls = self._tls
-        queue = getattr(tls, "queue", None)
-        if not queue or getattr(tls, "delivering", False):
+        queue = tls.queue
+        if not queue or tls.delivering:
             return
         tls.delivering = True
         first_error: BaseException | None = None
@@ -285,7 +292,7 @@ class Device(abc.ABC):
         may call the allocator back (``empty_cache()``, ``allocate()``) safely.
         """
         tls = self._tls
-        depth = getattr(tls, "depth", 0)
+        depth = tls.depth
         tls.depth = depth + 1
         try:
             yield
@@ -301,18 +308,18 @@ class Device(abc.ABC):
     def _run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run one device call: deferred events, under the lock (the cheap form of ``deferred_events``)."""
         tls = self._tls
-        depth = getattr(tls, "depth", 0)
+        depth = tls.depth
         tls.depth = depth + 1
         try:
             with self._lock:
                 result = fn(*args)
         except BaseException:
             tls.depth = depth
-            if not depth:
+            if not depth and tls.queue:
                 self._flush_events(raising=False)
             raise
         tls.depth = depth
-        if not depth and getattr(tls, "queue", None):
+        if not depth and tls.queue:
             self._flush_events(raising=True)
         return result
 

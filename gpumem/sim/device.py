@@ -124,7 +124,10 @@ class SimEvent(Event):
     __slots__ = ("work",)
 
     def __init__(self, device: "SimDevice", stream: int, work: Work | None) -> None:
-        super().__init__(device, stream)
+        # Event.__init__ inlined: event_record is on the allocator's hot path
+        self.stream = stream
+        self._device = device
+        self._destroyed = False
         self.work = work
 
     @property
@@ -279,9 +282,8 @@ class SimDevice(Device):
         return f"{self.spec} was lost at t={self.faults.plan.device_lost_at_s}s"
 
     def _call(self, name: str, cost_us: float, nbytes: int = 0) -> None:
-        """Start a call: refuse on a closed or lost device, let its cost in time pass, then decide
-        a per-call-type injected fault (``nbytes``: what an allocating call asked for)."""
-        self._check_usable()
+        """Start a call (the base class refused a closed or lost device already): let its cost in time
+        pass, then decide a per-call-type injected fault (``nbytes``: what an allocating call asked for)."""
         if cost_us > 0:
             self._advance_to(self.env.now + cost_us * 1e-6)
         self.stats.count(name, cost_us)
@@ -555,8 +557,8 @@ class SimDevice(Device):
         return stream
 
     def _do_stream_destroy(self, stream: int) -> None:
+        # like cudaStreamDestroy: returns at once; work queued on the stream still runs to its end
         self._call("stream_destroy", self.latency.stream_destroy_us)
-        self.streams.drop(stream)
 
     def _do_event_record(self, stream: int) -> SimEvent:
         self._call("event_record", self.latency.event_record_us)

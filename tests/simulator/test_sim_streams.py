@@ -260,3 +260,15 @@ def test_event_calls_cost_little_simulated_time():
         dev.event_destroy(dev.event_record(0))
     per_pair_us = (dev.now_s - t0) / 100 * 1e6
     assert 2.0 <= per_pair_us <= 10.0
+
+
+def test_idle_streams_are_forgotten_so_ten_thousand_streams_cost_nothing_after():
+    dev = SimDevice(A100)
+    ptr = dev.malloc(4096)
+    for stream in range(1, 10_001):
+        dev.launch(stream * 16, 1.0, [(ptr, 8)])
+        dev.event_destroy(dev.event_record(stream * 16))
+    assert dev.streams.n_busy_streams > 0
+    dev.synchronize()
+    assert dev.streams.n_busy_streams == 0 and dev.streams.inflight == []
+    dev.free(ptr)

@@ -323,6 +323,11 @@ class CudaDevice(Device):
             raise InternalError(f"{self.spec}: VMM call without a VMM driver")
         return vmm
 
+    def _close_nvml(self) -> None:
+        if self._nvml_session is not None:
+            self._nvml_session.close()
+            self._nvml_session = self._nvml_device = None
+
     # -- NVML ---------------------------------------------------------------------------------------------
     def _nvml(self) -> NvmlDevice:
         """This GPU's NVML handle, opened on first use (found by PCI bus id, which is exact)."""
@@ -526,9 +531,17 @@ class CudaDevice(Device):
             except Exception as exc:  # noqa: BLE001 - keep cleaning up
                 failures.append(f"{call}: {exc}")
 
+        book = self._book
+        if self._lost:
+            # the context is dead: every CUDA call would fail; the driver frees it all with the process
+            log.debug("closed lost %s without freeing (%d records dropped)", self.spec,
+                      len(book.allocations) + len(book.physicals) + len(book.reservations))
+            self._event_pool.clear()
+            self._live_events.clear()
+            self._close_nvml()
+            return
         attempt("cudaSetDevice", self._rt.setDevice, self.index)
         attempt("cudaDeviceSynchronize", self._rt.deviceSynchronize)
-        book = self._book
         vmm = self._vmm
         if vmm is not None:
             for r in book.reservations.values():
@@ -548,9 +561,7 @@ class CudaDevice(Device):
         for stream in sorted(self._user_streams):
             attempt("cudaStreamDestroy", self._rt.streamDestroy, stream)
         n_held = len(book.allocations) + len(book.physicals) + len(book.reservations)
-        if self._nvml_session is not None:
-            self._nvml_session.close()
-            self._nvml_session = self._nvml_device = None
+        self._close_nvml()
         for failure in failures:
             log.warning("%s: while closing: %s", self.spec, failure)
         log.debug("closed %s (released %d allocations, chunks and reservations)", self.spec, n_held)

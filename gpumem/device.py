@@ -52,6 +52,7 @@ the argument types first for the others.
 from __future__ import annotations
 
 import abc
+import collections
 import contextlib
 import enum
 import logging
@@ -211,7 +212,7 @@ class _CallState(threading.local):
     delivering = False
 
     def __init__(self) -> None:
-        self.queue: list[MemoryEvent] = []
+        self.queue: collections.deque[MemoryEvent] = collections.deque()
 
 
 class Device(abc.ABC):
@@ -269,7 +270,7 @@ class Device(abc.ABC):
         first_error: BaseException | None = None
         try:
             while queue:
-                event = queue.pop(0)
+                event = queue.popleft()
                 try:
                     self.events.deliver(event)
                 except Exception as exc:  # noqa: BLE001 - deliver the rest, then report the first

@@ -210,7 +210,20 @@ class SimDevice(Device):
     b'hello'
 
     ``pressure`` scenarios run as other tenants from time 0; ``faults`` injects
-    failures; ``seed`` makes every random choice repeatable.
+    failures (per call type too: :class:`~sim.faults.FaultPlan`); ``seed`` makes
+    every random choice repeatable; ``sanitizer`` is ``"raise"`` (the default),
+    ``"count"`` or ``"off"`` (see the module docstring).
+
+    Work runs on streams in simulated time::
+
+        >>> k = dev.launch(0, 0.010, [(p, 5)], name="reader")   # a 10 ms kernel reading p
+        >>> done = dev.event_record(0)
+        >>> dev.event_query(done)
+        False
+        >>> dev.free(p)                  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        gpumem.errors.MemoryHazardError: free: ...
+        >>> dev.event_synchronize(done); dev.free(p)
     """
 
     kind = DeviceKind.SIM

@@ -9,7 +9,7 @@ The pieces, each in its own module:
 * the :mod:`gpumem.sim` package - the SimPy-driven simulated GPU.
 """
 
-from .device import Device, DeviceKind, DeviceProperties, MemInfo, PhysicalHandle
+from .device import Device, DeviceKind, DeviceProperties, Event, MemInfo, PhysicalHandle
 from .errors import (
     BackendUnavailableError,
     CudaError,
@@ -35,7 +35,7 @@ from .units import GiB, KiB, MiB, format_bytes
 __version__ = "0.1.0"
 
 __all__ = [
-    "Device", "DeviceKind", "DeviceProperties", "MemInfo", "PhysicalHandle",
+    "Device", "DeviceKind", "DeviceProperties", "Event", "MemInfo", "PhysicalHandle",
     "open_device", "parse_spec", "DeviceSpec",
     "GpumemError", "InvalidArgumentError", "InvalidPointerError", "DoubleFreeError", "MappingError",
     "MappingOverlapError", "UnsupportedOperationError", "DeviceNotFoundError", "BackendUnavailableError",

@@ -7,7 +7,11 @@
 
 Options in the spec string (after ``?``, joined by ``&``) for simulated devices:
 ``pressure=<preset>`` (step, ramp, spikes, random), ``seed=<int>``,
-``fail_rate=<probability>`` (injected allocation failures), ``lost_at_s=<seconds>``.
+``fail_rate=<probability>`` (injected allocation failures), ``lost_at_s=<seconds>``,
+``fail.<call>=<probability>`` (injected failures of one call type, e.g.
+``fail.mem_unmap=0.01``; see :data:`gpumem.sim.faults.CALL_NAMES`) and
+``sanitizer=raise|count|off`` (what the memory sanitizer does about a hazard;
+``raise`` by default, ``count`` for replays).
 Keyword arguments do the same from Python and take precedence.
 """
 
@@ -40,7 +44,8 @@ class DeviceSpec:
         return f"{self.kind.value}:{self.target}" + (f"?{opts}" if opts else "")
 
 
-_SIM_OPTIONS = ("pressure", "seed", "fail_rate", "lost_at_s")
+_SIM_OPTIONS = ("pressure", "seed", "fail_rate", "lost_at_s", "sanitizer", "fail.<call>")
+_FAIL_PREFIX = "fail."
 
 
 def parse_spec(spec: str) -> DeviceSpec:
@@ -63,7 +68,7 @@ def parse_spec(spec: str) -> DeviceSpec:
         if not (target.isascii() and target.isdigit()):  # isdigit alone accepts "²", which int() refuses
             raise InvalidArgumentError(f"device spec {spec!r}: the CUDA index must be a non-negative integer")
     else:
-        unknown = set(options) - set(_SIM_OPTIONS)
+        unknown = {k for k in options if k not in _SIM_OPTIONS and not k.startswith(_FAIL_PREFIX)}
         if unknown:
             raise InvalidArgumentError(f"device spec {spec!r}: unknown option(s) {sorted(unknown)}; "
                                        f"known: {', '.join(_SIM_OPTIONS)}")
@@ -85,11 +90,14 @@ def _sim_device(parsed: DeviceSpec, spec: str, kwargs: dict[str, Any]) -> Device
         if pressure is None and "pressure" in opts:
             pressure = sim.preset(opts["pressure"], profile.total_nbytes)
         faults = kwargs.pop("faults", None)
-        if faults is None and ("fail_rate" in opts or "lost_at_s" in opts):
+        call_rates = {k[len(_FAIL_PREFIX):]: float(v) for k, v in opts.items() if k.startswith(_FAIL_PREFIX)}
+        if faults is None and ("fail_rate" in opts or "lost_at_s" in opts or call_rates):
             faults = sim.FaultPlan(
                 malloc_failure_rate=float(opts.get("fail_rate", 0.0)),
                 device_lost_at_s=float(opts["lost_at_s"]) if "lost_at_s" in opts else None,
+                call_failure_rates=call_rates,
             )
+        sanitizer = kwargs.pop("sanitizer", opts.get("sanitizer", "raise"))
     except (TypeError, ValueError) as exc:
         if isinstance(exc, InvalidArgumentError):
             raise
@@ -98,13 +106,14 @@ def _sim_device(parsed: DeviceSpec, spec: str, kwargs: dict[str, Any]) -> Device
     if kwargs:
         raise InvalidArgumentError(f"unknown keyword argument(s) for a simulated device: {sorted(kwargs)}")
     canonical = DeviceSpec(parsed.kind, profile.name, parsed.options)
-    return sim.SimDevice(profile, env=env, pressure=pressure, faults=faults, seed=seed, spec=str(canonical))
+    return sim.SimDevice(profile, env=env, pressure=pressure, faults=faults, seed=seed, spec=str(canonical),
+                         sanitizer=sanitizer)
 
 
 def open_device(spec: str, **kwargs: Any) -> Device:
     """Open the device named by ``spec`` (see the module docstring).
 
-    Simulated devices accept ``profile=``, ``pressure=``, ``faults=``, ``seed=`` and ``env=``
+    Simulated devices accept ``profile=``, ``pressure=``, ``faults=``, ``seed=``, ``sanitizer=`` and ``env=``
     (a ``simpy.Environment`` to share with other simulated devices). Real devices need the
     ``gpumem[cuda12]`` or ``gpumem[cuda13]`` extra; without it a clear
     :class:`~gpumem.errors.BackendUnavailableError` says which to install.

@@ -35,7 +35,42 @@ _RUNTIME_ERROR_NAMES = {
     35: "cudaErrorInsufficientDriver",
     100: "cudaErrorNoDevice",
     101: "cudaErrorInvalidDevice",
+    400: "cudaErrorInvalidResourceHandle",
+    214: "cudaErrorECCUncorrectable",
+    600: "cudaErrorNotReady",
+    700: "cudaErrorIllegalAddress",
+    714: "cudaErrorHardwareStackError",
+    715: "cudaErrorIllegalInstruction",
+    716: "cudaErrorMisalignedAddress",
+    717: "cudaErrorInvalidAddressSpace",
+    718: "cudaErrorInvalidPc",
+    719: "cudaErrorLaunchFailure",
 }
+
+#: Errors after which the CUDA context is dead: every later call in the process fails with them
+#: ("sticky" errors in NVIDIA's documentation). gpumem reports them as a lost device.
+STICKY_ERROR_NAMES = frozenset({
+    "cudaErrorECCUncorrectable", "cudaErrorIllegalAddress", "cudaErrorHardwareStackError",
+    "cudaErrorIllegalInstruction", "cudaErrorMisalignedAddress", "cudaErrorInvalidAddressSpace",
+    "cudaErrorInvalidPc", "cudaErrorLaunchFailure",
+    "CUDA_ERROR_ECC_UNCORRECTABLE", "CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_HARDWARE_STACK_ERROR",
+    "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+    "CUDA_ERROR_INVALID_PC", "CUDA_ERROR_LAUNCH_FAILED",
+})
+
+
+def is_sticky(error_name: str) -> bool:
+    """Whether ``error_name`` leaves the CUDA context unusable (see :data:`STICKY_ERROR_NAMES`)."""
+    return error_name in STICKY_ERROR_NAMES
+
+#: ``cudaSuccess`` and ``cudaErrorNotReady``: what ``cudaEventQuery`` returns for a complete and a pending event.
+CUDA_SUCCESS = 0
+CUDA_ERROR_NOT_READY = 600
+
+
+def runtime_status_name(status: int) -> str:
+    """CUDA's name for a ``cudaError_t`` number (``"cudaError(123)"`` for ones this package does not list)."""
+    return _RUNTIME_ERROR_NAMES.get(status, f"cudaError({status})")
 
 
 class VmmUnavailableError(UnsupportedOperationError, BackendUnavailableError):
@@ -59,8 +94,8 @@ def runtime_error_name(exc: BaseException) -> str:
     if head.startswith(("cudaError", "hipError")) and " " not in head:
         return head
     status = getattr(exc, "status", None)
-    if isinstance(status, int) and status in _RUNTIME_ERROR_NAMES:
-        return _RUNTIME_ERROR_NAMES[status]
+    if isinstance(status, int):
+        return runtime_status_name(status)
     return f"cudaError({status})" if status is not None else type(exc).__name__
 
 
@@ -137,6 +172,7 @@ def from_nvml_error(nvml: Any, call: str, exc: BaseException) -> CudaError:
 
 
 __all__ = [
+    "STICKY_ERROR_NAMES", "is_sticky", "runtime_status_name",
     "OUT_OF_MEMORY_NAMES", "VmmUnavailableError", "is_out_of_memory", "runtime_error_name", "from_runtime_error",
     "driver_error_name", "check_driver", "driver_call", "nvml_error_name", "from_nvml_error",
 ]

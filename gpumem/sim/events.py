@@ -1,103 +1,10 @@
-"""Memory events a simulated device publishes, and subscriptions to them.
+"""Memory events a simulated device publishes (re-exported from :mod:`gpumem.events`).
 
-Code under test can react to pressure the way it would on a shared GPU: poll
-``mem_info()``, or subscribe::
-
-    sub = device.subscribe(lambda ev: print(ev))
-    device.watch_free_level(8 * GiB)   # FREE_BELOW / FREE_ABOVE when free memory crosses 8 GiB
-    ...
-    sub.cancel()
+The event types and the hub live in :mod:`gpumem.events` since every
+:class:`gpumem.Device` offers ``subscribe`` (the simulator is, for now, the only
+device that publishes anything); this module keeps the ``sim.events`` names.
 """
 
-from __future__ import annotations
+from gpumem.events import EventCallback, EventHub, MemoryEvent, MemoryEventKind, Subscription
 
-import enum
-from dataclasses import dataclass
-from typing import Callable
-
-
-class MemoryEventKind(str, enum.Enum):
-    """What happened."""
-
-    TENANT_TOOK = "tenant_took"
-    """Another tenant allocated memory."""
-    TENANT_RETURNED = "tenant_returned"
-    """Another tenant gave memory back."""
-    TENANT_DENIED = "tenant_denied"
-    """Another tenant asked for more than was free and got nothing."""
-    FREE_BELOW = "free_below"
-    """Free memory fell below a watched level."""
-    FREE_ABOVE = "free_above"
-    """Free memory rose back to or above a watched level."""
-    FAULT_INJECTED = "fault_injected"
-    """An injected fault made a call fail."""
-    DEVICE_LOST = "device_lost"
-    """The device is gone; every later call fails."""
-
-
-@dataclass(frozen=True)
-class MemoryEvent:
-    """One event: when (simulated seconds), what, how many bytes, and free bytes just after."""
-
-    time_s: float
-    kind: MemoryEventKind
-    nbytes: int
-    free_nbytes: int
-    source: str = ""
-    level_nbytes: int | None = None
-
-
-EventCallback = Callable[[MemoryEvent], None]
-
-
-class Subscription:
-    """Handle returned by ``subscribe``; :meth:`cancel` stops the callbacks."""
-
-    def __init__(self, hub: "EventHub", callback: EventCallback) -> None:
-        self._hub = hub
-        self.callback = callback
-
-    def cancel(self) -> None:
-        self._hub.unsubscribe(self)
-
-
-class EventHub:
-    """Fan-out of :class:`MemoryEvent` to subscribers, plus free-level watching.
-
-    Every event is also kept in :attr:`history` (bounded) so tests can assert on it.
-    """
-
-    def __init__(self, history_limit: int = 100_000) -> None:
-        self._subs: list[Subscription] = []
-        self._levels: list[int] = []
-        self.history: list[MemoryEvent] = []
-        self._history_limit = history_limit
-
-    def subscribe(self, callback: EventCallback) -> Subscription:
-        sub = Subscription(self, callback)
-        self._subs.append(sub)
-        return sub
-
-    def unsubscribe(self, sub: Subscription) -> None:
-        if sub in self._subs:
-            self._subs.remove(sub)
-
-    def watch_level(self, level_nbytes: int) -> None:
-        if level_nbytes not in self._levels:
-            self._levels.append(level_nbytes)
-
-    def publish(self, event: MemoryEvent) -> None:
-        if len(self.history) < self._history_limit:
-            self.history.append(event)
-        for sub in list(self._subs):
-            sub.callback(event)
-
-    def free_changed(self, time_s: float, old_free: int, new_free: int, source: str) -> None:
-        """Publish level crossings between ``old_free`` and ``new_free``."""
-        for level in self._levels:
-            if old_free >= level > new_free:
-                self.publish(MemoryEvent(time_s, MemoryEventKind.FREE_BELOW, old_free - new_free, new_free, source,
-                                         level))
-            elif old_free < level <= new_free:
-                self.publish(MemoryEvent(time_s, MemoryEventKind.FREE_ABOVE, new_free - old_free, new_free, source,
-                                         level))
+__all__ = ["EventCallback", "EventHub", "MemoryEvent", "MemoryEventKind", "Subscription"]

@@ -9,8 +9,16 @@ seeded random generator, so the same plan and seed always fail the same calls.
 * ``transient_error_calls``: these allocation calls raise
   :class:`~gpumem.errors.TransientDeviceError` once (a retry succeeds);
 * ``device_lost_at_s``: from this simulated time on, every call raises
-  :class:`~gpumem.errors.DeviceLostError`.
+  :class:`~gpumem.errors.DeviceLostError`;
+* ``fail_calls``: per call type (a :data:`CALL_NAMES` entry, the :class:`gpumem.Device`
+  method's name), the 1-based indices of that type's calls to fail, e.g.
+  ``{"mem_unmap": {3}}`` fails the third ``mem_unmap``;
+* ``call_failure_rates``: per call type, the probability that each call fails
+  (spec option ``fail.<call>=<probability>``).
 
+An injected failure raises what the real call would: ``malloc`` and ``mem_create``
+an :class:`~gpumem.errors.OutOfMemoryError`, every other call a
+:class:`~gpumem.errors.CudaError` ``CUDA_ERROR_UNKNOWN``; both with ``injected=True``.
 A failed call changes nothing: the fault is decided before any state moves.
 """
 
@@ -19,8 +27,16 @@ from __future__ import annotations
 import enum
 import random
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from gpumem.errors import InvalidArgumentError
+
+#: The device calls whose failures can be injected per call type (the Device method names).
+CALL_NAMES = (
+    "malloc", "free", "address_reserve", "address_free", "mem_create", "mem_release", "mem_map",
+    "mem_set_access", "mem_unmap", "stream_create", "stream_destroy", "event_record", "event_query",
+    "event_synchronize", "event_destroy", "stream_synchronize", "stream_wait_event", "synchronize",
+)
 
 
 class FaultKind(str, enum.Enum):
@@ -36,6 +52,8 @@ class FaultPlan:
     fail_allocation_calls: frozenset[int] = field(default_factory=frozenset)
     transient_error_calls: frozenset[int] = field(default_factory=frozenset)
     device_lost_at_s: float | None = None
+    fail_calls: Mapping[str, frozenset[int]] = field(default_factory=dict)
+    call_failure_rates: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.malloc_failure_rate <= 1.0:
@@ -44,11 +62,37 @@ class FaultPlan:
             raise InvalidArgumentError("device_lost_at_s must not be negative")
         object.__setattr__(self, "fail_allocation_calls", frozenset(self.fail_allocation_calls))
         object.__setattr__(self, "transient_error_calls", frozenset(self.transient_error_calls))
+        fail_calls: dict[str, frozenset[int]] = {}
+        for name, indices in dict(self.fail_calls).items():
+            _check_call_name(name, "fail_calls")
+            try:
+                idx = frozenset(indices)
+            except TypeError:
+                raise InvalidArgumentError(f"fail_calls[{name!r}] must be a set of call indices") from None
+            if any(isinstance(i, bool) or not isinstance(i, int) or i < 1 for i in idx):
+                raise InvalidArgumentError(f"fail_calls[{name!r}]: call indices are ints >= 1, got {sorted(idx, key=repr)}")
+            if idx:
+                fail_calls[name] = idx
+        rates: dict[str, float] = {}
+        for name, rate in dict(self.call_failure_rates).items():
+            _check_call_name(name, "call_failure_rates")
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+                raise InvalidArgumentError(f"call_failure_rates[{name!r}] must be a probability in [0, 1], "
+                                           f"got {rate!r}")
+            if rate:
+                rates[name] = float(rate)
+        object.__setattr__(self, "fail_calls", fail_calls)
+        object.__setattr__(self, "call_failure_rates", rates)
 
     @property
     def injects_anything(self) -> bool:
         return bool(self.malloc_failure_rate or self.fail_allocation_calls or self.transient_error_calls
-                    or self.device_lost_at_s is not None)
+                    or self.device_lost_at_s is not None or self.fail_calls or self.call_failure_rates)
+
+
+def _check_call_name(name: object, what: str) -> None:
+    if name not in CALL_NAMES:
+        raise InvalidArgumentError(f"{what}: unknown call {name!r}; known: {', '.join(CALL_NAMES)}")
 
 
 class FaultInjector:
@@ -59,6 +103,23 @@ class FaultInjector:
         self._rng = rng
         self.allocation_calls = 0
         self.injected = 0
+        self.calls: dict[str, int] = {}
+        """How many calls of each type were counted (only types the plan fails are counted)."""
+        self.per_call = bool(plan.fail_calls or plan.call_failure_rates)
+        """Whether any per-call-type fault is planned (the device skips :meth:`call_fails` otherwise)."""
+
+    def call_fails(self, name: str) -> bool:
+        """Count one call of type ``name`` and say whether it fails (per-call-type faults only)."""
+        plan = self.plan
+        indices = plan.fail_calls.get(name)
+        rate = plan.call_failure_rates.get(name)
+        if indices is None and rate is None:
+            return False
+        n = self.calls[name] = self.calls.get(name, 0) + 1
+        if (indices is not None and n in indices) or (rate is not None and self._rng.random() < rate):
+            self.injected += 1
+            return True
+        return False
 
     def next_allocation_fault(self) -> FaultKind | None:
         """Count one allocation call and say which fault, if any, it gets."""

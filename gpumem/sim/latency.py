@@ -14,6 +14,11 @@ cuMemSetAccess 27 µs, cuMemUnmap 17 µs, cuMemRelease 11 µs for a 2 MiB chunk;
 reserve 13 µs and free 16 µs of address space. Copies run at the profile's
 bandwidth plus a fixed launch cost.
 
+The stream and event calls are estimates until measured (``hil/probes`` has no
+probe for them yet): CUDA documents none, and published microbenchmarks put
+``cudaEventRecord`` and ``cudaEventQuery`` at a few microseconds,
+``cudaStreamCreate`` near 10 µs and a kernel launch near 4 µs of host time.
+
 Simulated time only moves the SimPy clock; nothing sleeps for real.
 """
 
@@ -43,6 +48,14 @@ class LatencyModel:
     mem_unmap_us: float = 17.0
     copy_launch_us: float = 8.0
     synchronize_us: float = 2.0
+    # estimates until measured (see the Note above)
+    stream_create_us: float = 10.0
+    stream_destroy_us: float = 6.0
+    event_record_us: float = 2.5
+    event_query_us: float = 2.0
+    event_destroy_us: float = 1.5
+    stream_wait_event_us: float = 2.5
+    launch_us: float = 4.0
 
     def malloc_free_us(self, nbytes: int) -> float:
         """Cost of a ``cudaMalloc`` + ``cudaFree`` pair of ``nbytes``."""

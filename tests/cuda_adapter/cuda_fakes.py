@@ -44,6 +44,8 @@ RUNTIME_ERRORS = {
     "cudaErrorInsufficientDriver": (35, "CUDA driver version is insufficient for CUDA runtime version"),
     "cudaErrorNoDevice": (100, "no CUDA-capable device is detected"),
     "cudaErrorInvalidDevice": (101, "invalid device ordinal"),
+    "cudaErrorInvalidResourceHandle": (400, "invalid resource handle"),
+    "cudaErrorNotReady": (600, "device not ready"),
     "cudaErrorIllegalAddress": (700, "an illegal memory access was encountered"),
 }
 
@@ -87,6 +89,14 @@ class FakeRuntime:
         self.fail: dict[str, str] = {}
         self.allocations: dict[int, _Host] = {}
         self.driver: FakeDriver | None = None  # set by FakeDriver, for memcpy into mappings
+        # streams and events: work is "queued" on a stream while the stream is in ``busy``; an event
+        # recorded then stays pending until that stream (or the device) is synchronized
+        self.streams: dict[int, int] = {}     # handle -> flags (streams made by cudaStreamCreateWithFlags)
+        self.busy: set[int] = set()           # streams with unfinished work (tests add to it)
+        self.events: dict[int, list] = {}     # handle -> [flags, pending, stream recorded on]
+        self.waits: list[tuple[int, int]] = []  # (stream, event) of each cudaStreamWaitEvent
+        self.query_status: dict[int, int] = {}  # event -> status cudaEventQuery returns instead (e.g. 700)
+        self._next_handle = 0x5000
 
     def _enter(self, name: str, *args: Any) -> None:
         self.calls.append((name, args))
@@ -124,6 +134,75 @@ class FakeRuntime:
 
     def deviceSynchronize(self) -> None:
         self._enter("cudaDeviceSynchronize")
+        self.busy.clear()
+        for ev in self.events.values():
+            ev[1] = False
+
+    # streams and events (CuPy's signatures; eventQuery returns the status, as CuPy's does)
+    def _stream_ok(self, stream: int) -> None:
+        assert stream == 0 or stream in self.streams or stream >= 0x1_0000_0000, \
+            f"stream {stream:#x} was never created (undefined behaviour)"
+
+    def _event(self, event: int) -> list:
+        assert event in self.events, f"event {event:#x} was never created or was destroyed (undefined behaviour)"
+        return self.events[event]
+
+    def streamCreateWithFlags(self, flags: int) -> int:
+        self._enter("cudaStreamCreateWithFlags", flags)
+        self._next_handle += 0x10
+        self.streams[self._next_handle] = flags
+        return self._next_handle
+
+    def streamDestroy(self, stream: int) -> None:
+        self._enter("cudaStreamDestroy", stream)
+        assert stream in self.streams, f"cudaStreamDestroy of {stream:#x}, never created"
+        del self.streams[stream]
+        self.busy.discard(stream)
+
+    def streamSynchronize(self, stream: int) -> None:
+        self._enter("cudaStreamSynchronize", stream)
+        self._stream_ok(stream)
+        self.busy.discard(stream)
+        for ev in self.events.values():
+            if ev[2] == stream:
+                ev[1] = False
+
+    def streamWaitEvent(self, stream: int, event: int, flags: int = 0) -> None:
+        self._enter("cudaStreamWaitEvent", stream, event, flags)
+        self._stream_ok(stream)
+        self._event(event)
+        self.waits.append((stream, event))
+
+    def eventCreateWithFlags(self, flags: int) -> int:
+        self._enter("cudaEventCreateWithFlags", flags)
+        self._next_handle += 0x10
+        self.events[self._next_handle] = [flags, False, None]
+        return self._next_handle
+
+    def eventDestroy(self, event: int) -> None:
+        self._enter("cudaEventDestroy", event)
+        self._event(event)
+        del self.events[event]
+
+    def eventRecord(self, event: int, stream: int) -> None:
+        self._enter("cudaEventRecord", event, stream)
+        self._stream_ok(stream)
+        ev = self._event(event)
+        ev[1], ev[2] = stream in self.busy, stream
+
+    def eventQuery(self, event: int) -> int:
+        self.calls.append(("cudaEventQuery", (event,)))
+        ev = self._event(event)
+        if event in self.query_status:
+            return self.query_status[event]
+        return RUNTIME_ERRORS["cudaErrorNotReady"][0] if ev[1] else 0
+
+    def eventSynchronize(self, event: int) -> None:
+        self._enter("cudaEventSynchronize", event)
+        ev = self._event(event)
+        if ev[1]:
+            self.busy.discard(ev[2])
+            ev[1] = False
 
     # memory
     def memGetInfo(self) -> tuple[int, int]:

@@ -123,6 +123,34 @@ SCENARIOS: dict[str, Callable[[Any], Any]] = {
 }
 
 
+def _stream_round_trip(dev):
+    s = dev.stream_create()
+    e = dev.event_record(s)
+    dev.stream_wait_event(0, e)
+    dev.event_synchronize(e)
+    done = dev.event_query(e)
+    dev.event_destroy(e)
+    dev.stream_synchronize(s)
+    dev.stream_destroy(s)
+    return done
+
+
+SCENARIOS.update({
+    "stream_round_trip": _stream_round_trip,
+    "stream_destroy_default": lambda d: d.stream_destroy(0),
+    "stream_destroy_twice": lambda d: (lambda s: (d.stream_destroy(s), d.stream_destroy(s)))(d.stream_create()),
+    "stream_negative": lambda d: d.event_record(-1),
+    "stream_float": lambda d: d.stream_synchronize(0.0),
+    "event_destroyed": lambda d: (lambda e: (d.event_destroy(e), d.event_query(e)))(d.event_record()),
+    "event_not_an_event": lambda d: d.event_synchronize(object()),
+    "event_wait_destroyed": lambda d: (lambda e: (d.event_destroy(e), d.stream_wait_event(0, e)))(d.event_record()),
+    "closed_stream_create": lambda d: (d.close(), d.stream_create()),
+    "closed_event_record": lambda d: (d.close(), d.event_record(0)),
+    "closed_event_query": lambda d: (lambda e: (d.close(), d.event_query(e)))(d.event_record()),
+    "closed_stream_synchronize": lambda d: (d.close(), d.stream_synchronize(0)),
+})
+
+
 def _outcome(dev, scenario) -> tuple[str, Any]:
     try:
         result = scenario(dev)
@@ -137,3 +165,4 @@ def _outcome(dev, scenario) -> tuple[str, Any]:
 def test_same_outcome_as_the_simulator(name, fakes):
     expected = _outcome(sim.SimDevice(sim.get_profile("h200-141gb")), SCENARIOS[name])
     assert _outcome(fakes.open(), SCENARIOS[name]) == expected
+

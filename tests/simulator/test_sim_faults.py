@@ -5,13 +5,15 @@ from __future__ import annotations
 import pytest
 
 from gpumem import (
+    CudaError,
     DeviceLostError,
     InvalidArgumentError,
     MiB,
     OutOfMemoryError,
     TransientDeviceError,
 )
-from gpumem.sim import FaultPlan, MemoryEventKind, SimDevice, get_profile
+from gpumem import open_device
+from gpumem.sim import CALL_NAMES, FaultPlan, MemoryEventKind, SimDevice, get_profile
 
 A100 = get_profile("a100-80gb")
 
@@ -139,3 +141,93 @@ def test_fault_plan_values():
     assert FaultPlan(malloc_failure_rate=0.1).injects_anything
     assert FaultPlan(transient_error_calls=[3]).transient_error_calls == frozenset({3})
     assert FaultPlan(device_lost_at_s=0.0).injects_anything
+
+
+# -- faults per call type -------------------------------------------------------------------------------------
+def _setup_for(dev: SimDevice, call: str):
+    """Prepare state in which ``call`` can succeed; return a thunk making exactly one such call."""
+    G = 2 * MiB
+    ptr = dev.malloc(4096)
+    va = dev.address_reserve(4 * G)
+    h = dev.mem_create(G)
+    dev.mem_map(va, G, h)
+    dev.mem_set_access(va, G)
+    spare = dev.address_reserve(2 * G)
+    h2 = dev.mem_create(G)
+    s = dev.stream_create()
+    dev.launch(s, 0.001, [(ptr, 16)])
+    e = dev.event_record(s)
+    return {
+        "malloc": lambda: dev.malloc(4096),
+        "free": lambda: dev.free(ptr),
+        "address_reserve": lambda: dev.address_reserve(G),
+        "address_free": lambda: dev.address_free(spare, 2 * G),
+        "mem_create": lambda: dev.mem_create(G),
+        "mem_release": lambda: dev.mem_release(h2),
+        "mem_map": lambda: dev.mem_map(va + G, G, h2),
+        "mem_set_access": lambda: dev.mem_set_access(va, G),
+        "mem_unmap": lambda: dev.mem_unmap(va, G),
+        "stream_create": lambda: dev.stream_create(),
+        "stream_destroy": lambda: dev.stream_destroy(s),
+        "event_record": lambda: dev.event_record(s),
+        "event_query": lambda: dev.event_query(e),
+        "event_synchronize": lambda: dev.event_synchronize(e),
+        "event_destroy": lambda: dev.event_destroy(e),
+        "stream_synchronize": lambda: dev.stream_synchronize(s),
+        "stream_wait_event": lambda: dev.stream_wait_event(0, e),
+        "synchronize": lambda: dev.synchronize(),
+    }[call]
+
+
+def _device_state(dev: SimDevice):
+    return (dev.accounting(), sorted(dev.allocation_ranges()), sorted(dev.mapping_ranges()), dev.reservation_ranges(),
+            sorted(dev._user_streams), [(w.name, w.stream) for w in dev.streams.inflight], dev.streams.tail(0))
+
+
+@pytest.mark.parametrize("call", CALL_NAMES)
+def test_each_call_type_fails_on_purpose_and_changes_nothing(call):
+    probe = SimDevice(A100)
+    _setup_for(probe, call)
+    n_before = probe.stats.calls.get(call, 0)
+    # sanitizer off: the setup's kernel may still touch what "free" and "mem_unmap" release
+    dev = SimDevice(A100, faults=FaultPlan(fail_calls={call: {n_before + 1}}), sanitizer="off")
+    thunk = _setup_for(dev, call)
+    before = _device_state(dev)
+    expected = OutOfMemoryError if call in ("malloc", "mem_create") else CudaError
+    with pytest.raises(expected) as info:
+        thunk()
+    assert info.value.injected is True and "injected fault" in str(info.value)
+    if expected is CudaError:
+        assert (info.value.call, info.value.error_name) == (call, "CUDA_ERROR_UNKNOWN")
+    assert _device_state(dev) == before
+    assert [e.source for e in dev.events.history if e.kind is MemoryEventKind.FAULT_INJECTED] == [call]
+    dev.check_invariants()
+    thunk()                                   # the next call of the same type succeeds
+    dev.check_invariants()
+
+
+def test_call_failure_rates_are_seeded_and_spec_options_set_them():
+    def failures(seed):
+        dev = SimDevice(A100, faults=FaultPlan(call_failure_rates={"event_record": 0.5}), seed=seed)
+        out = []
+        for i in range(40):
+            try:
+                dev.event_record(0)
+            except CudaError:
+                out.append(i)
+        return out
+
+    assert failures(3) == failures(3) and 5 < len(failures(3)) < 35
+    dev = open_device("sim:a100-80gb?fail.mem_unmap=1&fail.malloc=0")
+    assert dev.faults.plan.call_failure_rates == {"mem_unmap": 1.0}
+
+
+@pytest.mark.parametrize("plan", [
+    dict(fail_calls={"cudaMalloc": {1}}), dict(fail_calls={"malloc": {0}}), dict(fail_calls={"malloc": {True}}),
+    dict(fail_calls={"malloc": 3}), dict(call_failure_rates={"free": 1.5}), dict(call_failure_rates={"write": 0.1}),
+], ids=repr)
+def test_bad_call_fault_plans(plan):
+    with pytest.raises(InvalidArgumentError):
+        FaultPlan(**plan)
+    with pytest.raises(InvalidArgumentError):
+        open_device("sim:a100-80gb?fail.launch=0.5")

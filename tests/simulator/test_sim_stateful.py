@@ -14,6 +14,12 @@ After every step: allocations and mappings never overlap and match the model, us
 (pressure and faults never lose an allocation), ``check_invariants()``. A failed call
 (any GpumemError) leaves the process accounting exactly as it was (tenants may act while a
 call's simulated time passes, so their pages are compared only when no tenant runs).
+
+Streams: the machine launches work on a few streams touching live memory, and predicts the
+sanitizer: a ``free`` or ``mem_unmap`` of memory that unfinished work touches raises
+``MemoryHazardError`` (and changes nothing), a launch on freed memory too. Invariant: no
+unfinished work touches memory that is not allocated or mapped with access. One fault plan
+fails every call type now and then (``CudaError``/``OutOfMemoryError`` with ``injected``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from gpumem import sim
 from gpumem import (
     DeviceClosedError,
+    CudaError,
     DeviceLostError,
     DoubleFreeError,
     GpumemError,
@@ -34,13 +41,14 @@ from gpumem import (
     InvalidPointerError,
     MappingError,
     MappingOverlapError,
+    MemoryHazardError,
     MiB,
     OutOfMemoryError,
     TransientDeviceError,
     UnsupportedOperationError,
 )
 from gpumem.units import align_up
-from gpumem.sim import FaultPlan, MemoryEventKind, PeriodicSpikes, RandomArrivals, SimDevice, Step
+from gpumem.sim import CALL_NAMES, FaultPlan, MemoryEventKind, PeriodicSpikes, RandomArrivals, SimDevice, Step
 from gpumem.sim.device import SMALL_MALLOC_ALIGNMENT, SMALL_MALLOC_MAX_NBYTES
 
 GRAN = 2 * MiB
@@ -71,6 +79,7 @@ FAULTS = {
     "rate": FaultPlan(malloc_failure_rate=0.2),
     "calls": FaultPlan(fail_allocation_calls={2, 5, 9}, transient_error_calls={3, 4, 12}),
     "lost": FaultPlan(device_lost_at_s=2e-2),
+    "percall": FaultPlan(call_failure_rates={name: 0.08 for name in CALL_NAMES}),
 }
 
 SIZES = st.one_of(
@@ -121,6 +130,7 @@ class SimDeviceMachine(RuleBasedStateMachine):
         self.chunks: dict[int, _Chunk] = {}
         self.reservations: dict[int, int] = {}
         self.mappings: dict[int, _Mapping] = {}
+        self.works: list = []  # launched sim.Work, unfinished ones matter
 
     # -- helpers ---------------------------------------------------------------------------------------
     @property
@@ -136,6 +146,8 @@ class SimDeviceMachine(RuleBasedStateMachine):
         """A call raised: the class is one it may raise, and nothing changed."""
         if isinstance(exc, DeviceLostError):
             assert self.lost, exc
+        elif isinstance(exc, CudaError):
+            assert exc.injected and exc.error_name == "CUDA_ERROR_UNKNOWN", exc
         else:
             assert not self.lost or isinstance(exc, (InvalidArgumentError,)), f"lost device raised {exc!r}"
             assert isinstance(exc, allowed), f"unexpected {type(exc).__name__}: {exc}"
@@ -148,6 +160,8 @@ class SimDeviceMachine(RuleBasedStateMachine):
         try:
             return fn(), False
         except GpumemError as exc:
+            if isinstance(exc, OutOfMemoryError) and exc.injected:
+                assert self.dev.stats.injected_faults > faults_before, "injected=True but no fault was injected"
             if isinstance(exc, (OutOfMemoryError, TransientDeviceError)):
                 injected = self.dev.stats.injected_faults > faults_before
                 if isinstance(exc, TransientDeviceError):
@@ -217,6 +231,10 @@ class SimDeviceMachine(RuleBasedStateMachine):
     def free(self, data):
         a = self._pick_alloc(data)
         used_before = self.dev.process_used_nbytes
+        if self._touched(a.ptr, a.nbytes):
+            result, failed = self._expect_lost_or(lambda: self.dev.free(a.ptr), MemoryHazardError)
+            assert failed, "free under unfinished work did not raise"
+            return
         _, failed = self._expect_lost_or(lambda: self.dev.free(a.ptr))
         if failed:
             return
@@ -351,6 +369,10 @@ class SimDeviceMachine(RuleBasedStateMachine):
     def unmap(self, data):
         m = self._pick_mapping(data)
         used_before = self.dev.process_used_nbytes
+        if self._touched(m.va, m.nbytes):
+            _, failed = self._expect_lost_or(lambda: self.dev.mem_unmap(m.va, m.nbytes), MemoryHazardError)
+            assert failed, "unmap under unfinished work did not raise"
+            return
         _, failed = self._expect_lost_or(lambda: self.dev.mem_unmap(m.va, m.nbytes))
         if failed:
             return
@@ -409,6 +431,69 @@ class SimDeviceMachine(RuleBasedStateMachine):
         if not failed:
             assert back == payload
 
+    # -- streams and the sanitizer ------------------------------------------------------------------------------
+    def _touched(self, va: int, nbytes: int) -> bool:
+        """Whether unfinished work touches ``[va, va + nbytes)`` (what the sanitizer must refuse)."""
+        return any(not w.done and p < va + nbytes and va < p + n for w in self.works for p, n in w.touches)
+
+    def _live_ranges(self) -> list[tuple[int, int]]:
+        """Where work may touch: live allocations and mappings with access."""
+        return ([(a.ptr, a.nbytes) for a in self.allocs.values()]
+                + [(m.va, m.nbytes) for m in self.mappings.values() if m.accessible])
+
+    @precondition(lambda self: self.allocs or any(m.accessible for m in self.mappings.values()))
+    @rule(data=st.data(), stream=st.integers(0, 3), duration_us=st.integers(0, 5000), n_touches=st.integers(1, 3))
+    def launch(self, data, stream, duration_us, n_touches):
+        live = sorted(self._live_ranges())
+        touches = []
+        for _ in range(n_touches):
+            start, n = data.draw(st.sampled_from(live))
+            off = data.draw(st.integers(0, n - 1))
+            touches.append((start + off, data.draw(st.integers(1, n - off))))
+        work, failed = self._expect_lost_or(lambda: self.dev.launch(stream, duration_us * 1e-6, touches))
+        if not failed:
+            assert work.touches == tuple(touches)
+            self.works.append(work)
+
+    @precondition(lambda self: self.freed)
+    @rule(data=st.data())
+    def launch_on_freed_memory(self, data):
+        ptr = data.draw(st.sampled_from(sorted(self.freed)))
+        if any(a.ptr <= ptr < a.ptr + a.nbytes for a in self.allocs.values()) or any(
+                m.va <= ptr < m.va + m.nbytes for m in self.mappings.values()):
+            return  # the address was handed out again
+        before_tail = self.dev.streams.tail(1)
+        _, failed = self._expect_lost_or(lambda: self.dev.launch(1, 1e-3, [(ptr, 8)]), MemoryHazardError)
+        assert failed
+        assert self.dev.streams.tail(1) is before_tail
+
+    @rule(how=st.sampled_from(["event", "stream", "device", "query"]), stream=st.integers(0, 3))
+    def wait(self, how, stream):
+        dev = self.dev
+        if how == "device":
+            _, failed = self._expect_lost_or(dev.synchronize)
+            if not failed:
+                assert all(w.done for w in self.works)
+            return
+        if how == "stream":
+            _, failed = self._expect_lost_or(lambda: dev.stream_synchronize(stream))
+            if not failed:
+                assert all(w.done for w in self.works if w.stream == stream)
+            return
+        event, failed = self._expect_lost_or(lambda: dev.event_record(stream))
+        if failed:
+            return
+        pending = [w for w in self.works if w.stream == stream and not w.done]
+        if how == "event":
+            _, failed = self._expect_lost_or(lambda: dev.event_synchronize(event))
+            if not failed:
+                assert all(w.done for w in pending)
+        else:
+            complete, failed = self._expect_lost_or(lambda: dev.event_query(event))
+            if not failed:
+                assert complete == all(w.done for w in pending)
+        self._expect_lost_or(lambda: dev.event_destroy(event))
+
     # -- time, pressure and the end ------------------------------------------------------------------------------
     @rule(dt_us=st.integers(0, 3000))
     def advance(self, dt_us):
@@ -433,6 +518,14 @@ class SimDeviceMachine(RuleBasedStateMachine):
         assert maps == sorted((m.va, m.nbytes, m.chunk.handle.handle) for m in self.mappings.values())
         for va, n, _ in maps:  # mappings live inside their reservations, which no malloc overlaps
             assert not any(p < va + n and va < p + pn for p, pn in allocs)
+
+    @invariant()
+    def unfinished_work_touches_only_live_memory(self):
+        self.works = [w for w in self.works if not w.done]
+        live = self._live_ranges()
+        for w in self.works:
+            for p, n in w.touches:
+                assert any(s <= p and p + n <= s + sn for s, sn in live), (w, hex(p), n)
 
     @invariant()
     def used_plus_free_is_total(self):

@@ -1,0 +1,306 @@
+"""Streams, events and the memory sanitizer of the simulated GPU.
+
+The regression scenario of issue 6: on an H200, a kernel reading a mapped page followed at
+once by ``cuMemUnmap`` returns success and kills the context at the next synchronize. The
+simulator refuses the unmap (``MemoryHazardError``, nothing changed) until the kernel's
+event has completed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpumem import (
+    DeviceLostError,
+    InvalidArgumentError,
+    MemoryHazardError,
+    MiB,
+    open_device,
+)
+from gpumem.sim import FaultPlan, SimDevice, Step, get_profile
+
+A100 = get_profile("a100-80gb")
+G = 2 * MiB
+KERNEL_S = 0.010
+
+
+def _state(dev: SimDevice):
+    """Everything a failed call must leave as it was."""
+    return (dev.accounting(), sorted(dev.allocation_ranges()), sorted(dev.mapping_ranges()),
+            dev.reservation_ranges(), [(w.name, w.state) for w in dev.streams.inflight], sorted(dev._user_streams))
+
+
+def _mapped(dev: SimDevice, n_gran: int = 1):
+    va = dev.address_reserve(4 * G)
+    h = dev.mem_create(n_gran * G)
+    dev.mem_map(va, n_gran * G, h)
+    dev.mem_set_access(va, n_gran * G)
+    return va, h
+
+
+def test_unmap_under_running_kernel_is_a_hazard_until_its_event_completes():
+    dev = SimDevice(A100)
+    va, h = _mapped(dev)
+    dev.write(va, b"payload")
+    t0 = dev.now_s
+    work = dev.launch(0, KERNEL_S, [(va, 4096)], name="reader")
+    done = dev.event_record(0)
+    before = _state(dev)
+    with pytest.raises(MemoryHazardError) as info:
+        dev.mem_unmap(va, G)
+    err = info.value
+    assert (err.call, err.stream, err.va, err.nbytes, err.work) == ("mem_unmap", 0, va, G, "reader")
+    assert "reader" in str(err) and "stream 0" in str(err)
+    assert _state(dev) == before
+    assert dev.read(va, 7) == b"payload"
+    assert not dev.event_query(done) and work.state_name == "running"
+    dev.event_synchronize(done)
+    assert work.done and dev.event_query(done)
+    assert dev.now_s >= t0 + KERNEL_S
+    dev.mem_unmap(va, G)
+    dev.mem_release(h)
+    assert dev.mapping_ranges() == []
+
+
+@pytest.mark.parametrize("nbytes", [4096, 3 * MiB + 5], ids=["small", "large"])
+def test_free_under_queued_kernel_is_a_hazard(nbytes):
+    dev = SimDevice(A100)
+    ptr = dev.malloc(nbytes)
+    dev.launch(5, KERNEL_S, [(ptr + nbytes - 16, 16)], name="tail-writer")
+    dev.launch(5, KERNEL_S, [(ptr, 8)], name="queued")     # queued behind the first
+    before = _state(dev)
+    with pytest.raises(MemoryHazardError) as info:
+        dev.free(ptr)
+    assert info.value.call == "free" and info.value.stream == 5
+    assert _state(dev) == before
+    dev.stream_synchronize(5)
+    assert dev.now_s >= 2 * KERNEL_S
+    dev.free(ptr)
+    assert dev.allocation_ranges() == []
+
+
+def test_release_of_a_mapped_chunk_under_work_is_not_a_hazard_but_the_unmap_is():
+    dev = SimDevice(A100)
+    va, h = _mapped(dev)
+    e = dev.event_record(0)
+    assert dev.event_query(e), "an event on an idle stream is complete at once"
+    dev.launch(0, KERNEL_S, [(va, G)])
+    dev.mem_release(h)                      # memory stays until unmapped
+    with pytest.raises(MemoryHazardError):
+        dev.mem_unmap(va, G)
+    dev.synchronize()
+    dev.mem_unmap(va, G)
+    assert dev.accounting()[2] == 0
+
+
+def test_launch_on_memory_not_allocated_or_not_accessible_is_a_hazard():
+    dev = SimDevice(A100)
+    va = dev.address_reserve(4 * G)
+    h = dev.mem_create(G)
+    dev.mem_map(va, G, h)                   # mapped, no access yet
+    ptr = dev.malloc(4096)
+    before = _state(dev)
+    for touch in [(va, 16), (va + G, 16), (ptr + 4090, 16), (0x1000, 8)]:
+        with pytest.raises(MemoryHazardError) as info:
+            dev.launch(3, KERNEL_S, [(ptr, 16), touch], name="bad")
+        assert info.value.call == "launch" and info.value.work == "bad" and info.value.va == touch[0]
+        assert _state(dev) == before
+    assert dev.streams.tail(3) is None, "nothing was queued"
+
+
+def test_count_mode_records_hazards_and_lets_calls_proceed():
+    dev = open_device("sim:a100-80gb?sanitizer=count")
+    ptr = dev.malloc(4096)
+    dev.launch(0, KERNEL_S, [(ptr, 4096)], name="k")
+    dev.free(ptr)
+    dev.launch(0, KERNEL_S, [(ptr, 16)], name="after-free")
+    assert [(hz.call, hz.work) for hz in dev.hazards] == [("free", "k"), ("launch", "after-free")]
+    assert dev.allocation_ranges() == []
+    assert open_device("sim:a100-80gb", sanitizer="off").sanitizer == "off"
+    with pytest.raises(InvalidArgumentError):
+        open_device("sim:a100-80gb?sanitizer=loud")
+
+
+def test_work_runs_in_fifo_order_per_stream_and_streams_overlap():
+    dev = SimDevice(A100)
+    a1 = dev.launch(1, 0.004)
+    a2 = dev.launch(1, 0.004)
+    b1 = dev.launch(2, 0.006)
+    dev.synchronize()
+    assert a2.start_s == pytest.approx(a1.end_s)
+    assert b1.start_s < a1.end_s, "different streams run at the same time"
+    assert dev.now_s == pytest.approx(max(a2.end_s, b1.end_s), abs=1e-4)
+
+
+def test_stream_wait_event_orders_work_across_streams():
+    dev = SimDevice(A100)
+    first = dev.launch(1, 0.005)
+    e = dev.event_record(1)
+    dev.stream_wait_event(2, e)
+    second = dev.launch(2, 0.001)
+    e2 = dev.event_record(2)
+    assert not dev.event_query(e2)
+    dev.event_synchronize(e2)
+    assert second.start_s >= first.end_s
+    # waiting on a completed event queues nothing
+    dev.stream_wait_event(3, e)
+    assert dev.streams.tail(3) is None
+
+
+def test_time_passes_only_through_calls_so_kernels_stay_in_flight():
+    dev = SimDevice(A100)
+    ptr = dev.malloc(4096)
+    work = dev.launch(0, KERNEL_S, [(ptr, 64)])
+    for _ in range(200):
+        dev.free(dev.malloc(3 * MiB))       # ~200 x 150 us = 30 ms of calls
+        if work.done:
+            break
+    assert work.done, "calls advance simulated time"
+    e = dev.event_record(0)
+    assert dev.event_query(e)
+
+
+def test_foreign_stream_ids_need_no_create_and_create_skips_them():
+    dev = SimDevice(A100)
+    dev.launch(1, 0.001)
+    s = dev.stream_create()
+    assert s != 1 and s > 0
+    dev.stream_destroy(s)
+    with pytest.raises(InvalidArgumentError):
+        dev.stream_destroy(s)
+    with pytest.raises(InvalidArgumentError):
+        dev.stream_destroy(1)               # foreign: not made by stream_create
+    with pytest.raises(InvalidArgumentError):
+        dev.stream_destroy(0)
+
+
+def test_destroyed_stream_still_finishes_its_work():
+    dev = SimDevice(A100)
+    s = dev.stream_create()
+    work = dev.launch(s, 0.002)
+    dev.stream_destroy(s)
+    dev.synchronize()
+    assert work.done
+
+
+@pytest.mark.parametrize("bad", [
+    dict(duration_s=-1.0), dict(duration_s=float("inf")), dict(duration_s=float("nan")), dict(duration_s="1"),
+    dict(touches=[(1,)]), dict(touches=[(0, 16)]), dict(touches=[(4096, 0)]), dict(touches=5),
+    dict(touches=[(4096.0, 16)]), dict(stream=-1), dict(stream=True), dict(name=3),
+], ids=repr)
+def test_launch_bad_arguments(bad):
+    dev = SimDevice(A100)
+    ptr = dev.malloc(4096)
+    args = dict(stream=0, duration_s=0.001, touches=[(ptr, 16)], name=None) | bad
+    before = _state(dev)
+    with pytest.raises(InvalidArgumentError):
+        dev.launch(**args)
+    assert _state(dev) == before
+
+
+def test_every_call_raises_device_lost_after_a_loss():
+    dev = SimDevice(A100, faults=FaultPlan(device_lost_at_s=0.001))
+    ptr = dev.malloc(4096)
+    va, h = _mapped(dev)
+    e = dev.event_record(0)
+    s = dev.stream_create()
+    dev.launch(0, 0.005)                     # the loss happens while this runs
+    with pytest.raises(DeviceLostError):
+        dev.synchronize()
+    calls = [
+        lambda: dev.malloc(16), lambda: dev.free(ptr), lambda: dev.mem_info(), lambda: dev.read(ptr, 1),
+        lambda: dev.write(ptr, b"x"), lambda: dev.address_reserve(G), lambda: dev.address_free(va, 4 * G),
+        lambda: dev.mem_create(G), lambda: dev.mem_release(h), lambda: dev.mem_map(va + G, G, h),
+        lambda: dev.mem_set_access(va, G), lambda: dev.mem_unmap(va, G), lambda: dev.synchronize(),
+        lambda: dev.stream_create(), lambda: dev.stream_destroy(s), lambda: dev.event_record(0),
+        lambda: dev.event_query(e), lambda: dev.event_synchronize(e), lambda: dev.event_destroy(e),
+        lambda: dev.stream_synchronize(0), lambda: dev.stream_wait_event(s, e), lambda: dev.launch(0, 0.001),
+    ]
+    for call in calls:
+        with pytest.raises(DeviceLostError):
+            call()
+
+
+def test_subscriber_sees_events_only_after_the_call_returned_and_may_reenter():
+    dev = SimDevice(A100, pressure=Step(nbytes=4 * G, at_s=0.004, until_s=1.0))
+    ptr = dev.malloc(4096)
+    work = dev.launch(0, KERNEL_S, [(ptr, 16)])
+    e = dev.event_record(0)
+    seen = []
+
+    def on_event(ev):
+        # delivered inside event_synchronize this would see the kernel still running at t=4 ms
+        seen.append((ev.kind.value, work.done, dev.now_s))
+        p = dev.malloc(4096)                 # re-entering the device from a callback is safe
+        dev.write(p, b"ok")
+        dev.free(p)
+
+    dev.subscribe(on_event)
+    dev.event_synchronize(e)
+    assert seen and seen[0][0] == "tenant_took"
+    assert all(done for _, done, _ in seen)
+    assert all(t >= KERNEL_S for _, _, t in seen)
+
+
+def test_deferred_events_deliver_when_the_outermost_block_exits():
+    dev = SimDevice(A100, pressure=Step(nbytes=4 * G, at_s=0.001, until_s=1.0))
+    seen = []
+    dev.subscribe(seen.append)
+    with dev.deferred_events():
+        with dev.deferred_events():
+            dev.advance(0.002)
+        assert seen == [], "the inner block is not the outermost"
+    assert [ev.kind.value for ev in seen] == ["tenant_took"]
+
+
+def test_event_calls_cost_little_simulated_time():
+    dev = SimDevice(A100)
+    t0 = dev.now_s
+    for _ in range(100):
+        dev.event_destroy(dev.event_record(0))
+    per_pair_us = (dev.now_s - t0) / 100 * 1e6
+    assert 2.0 <= per_pair_us <= 10.0
+
+
+def test_idle_streams_are_forgotten_so_ten_thousand_streams_cost_nothing_after():
+    dev = SimDevice(A100)
+    ptr = dev.malloc(4096)
+    for stream in range(1, 10_001):
+        dev.launch(stream * 16, 1.0, [(ptr, 8)])
+        dev.event_destroy(dev.event_record(stream * 16))
+    assert dev.streams.n_busy_streams > 0
+    dev.synchronize()
+    assert dev.streams.n_busy_streams == 0 and dev.streams.inflight == []
+    dev.free(ptr)
+
+
+def test_events_published_on_a_thread_are_delivered_on_that_thread_after_its_call():
+    import threading
+
+    dev = SimDevice(A100, pressure=Step(nbytes=4 * G, at_s=0.001, until_s=1.0))
+    delivered_on = []
+    dev.subscribe(lambda ev: delivered_on.append(threading.current_thread().name))
+    with dev.deferred_events():              # this thread defers; the other thread's call does not wait for it
+        t = threading.Thread(target=dev.advance, args=(0.002,), name="mover")
+        t.start()
+        t.join()
+        assert delivered_on == ["mover"], "the thread whose call published the event delivers it"
+
+
+def test_a_failing_subscriber_raises_after_the_call_took_effect():
+    dev = SimDevice(A100, pressure=Step(nbytes=4 * G, at_s=0.001, until_s=1.0))
+    calls = []
+
+    def bad(ev):
+        calls.append(ev.kind.value)
+        raise RuntimeError("subscriber bug")
+
+    dev.subscribe(bad)
+    dev.subscribe(lambda ev: calls.append("second saw " + ev.kind.value))
+    ptr_holder = []
+    with pytest.raises(RuntimeError, match="subscriber bug"):
+        with dev.deferred_events():
+            dev.advance(0.002)
+            ptr_holder.append(dev.malloc(4096))
+    assert calls == ["tenant_took", "second saw tenant_took"], "every subscriber got the event"
+    assert dev.allocation_ranges() == [(ptr_holder[0], 4096)]

@@ -136,28 +136,50 @@ def open_binary(path: PathLike, *, limits: TraceLimits | None = None, inspect: C
         bar.close()
 
 
-def iter_lines(f: IO[bytes], where: str, limits: TraceLimits, *, start: int = 1) -> Iterator[tuple[int, str]]:
+def iter_lines(f: IO[bytes], where: str, limits: TraceLimits, *, start: int = 1,
+               skip_blank: bool = False) -> Iterator[tuple[int, str]]:
     """``(line_number, text)`` for each line of ``f`` (line ending stripped), numbered from ``start``.
 
-    A line longer than ``limits.max_line_nbytes`` or not valid UTF-8 raises
-    ``TraceFormatError`` naming the line and quoting at most a short prefix.
+    Reads in chunks and splits them in C, so even a file of millions of empty
+    lines costs little (``skip_blank=True`` drops empty lines before decoding
+    them, still counting them). A line longer than ``limits.max_line_nbytes`` or
+    not valid UTF-8 raises ``TraceFormatError`` naming the line and quoting at
+    most a short prefix; the long line is never held whole.
     """
     cap = limits.max_line_nbytes
     lineno = start
+    pending = b""
     while True:
-        raw = f.readline(cap + 1)
-        if not raw:
-            return
-        if len(raw) > cap:
-            raise TraceFormatError(where, f"line {lineno}: longer than {cap:,} bytes (TraceLimits.max_line_nbytes), "
-                                          f"starting {shorten(raw)}")
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise TraceFormatError(where, f"line {lineno}: not UTF-8 ({e.reason} at byte {e.start}): "
-                                          f"{shorten(raw)}") from None
-        yield lineno, text.rstrip("\r\n")
-        lineno += 1
+        block = f.read(CHUNK_NBYTES)
+        if not block:
+            break
+        lines = (pending + block if pending else block).split(b"\n")
+        pending = lines.pop()
+        if len(pending) > cap:
+            raise _long_line(where, lineno + len(lines), cap, pending)
+        for raw in lines:
+            if skip_blank and (not raw or raw == b"\r"):
+                lineno += 1
+                continue
+            if len(raw) > cap:
+                raise _long_line(where, lineno, cap, raw)
+            yield lineno, _decode(raw, where, lineno).rstrip("\r")
+            lineno += 1
+    if pending and not (skip_blank and pending == b"\r"):
+        yield lineno, _decode(pending, where, lineno).rstrip("\r")
+
+
+def _long_line(where: str, lineno: int, cap: int, raw: bytes) -> TraceFormatError:
+    return TraceFormatError(where, f"line {lineno}: longer than {cap:,} bytes (TraceLimits.max_line_nbytes), "
+                                   f"starting {shorten(raw)}")
+
+
+def _decode(raw: bytes, where: str, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TraceFormatError(where, f"line {lineno}: not UTF-8 ({e.reason} at byte {e.start}): "
+                                      f"{shorten(raw)}") from None
 
 
 @contextmanager

@@ -48,7 +48,7 @@ class TraceLimits:
 
     max_decompressed_nbytes: int = 64 * _GiB
     max_compression_ratio: float = 200.0
-    ratio_floor_nbytes: int = 64 * _MiB
+    ratio_floor_nbytes: int = 16 * _MiB
     max_entries: int = 200_000_000
     max_objects: int = 2_000_000_000
     max_line_nbytes: int = 1 * _MiB

@@ -83,7 +83,7 @@ def _parse_int(text: str, what: str = "stream", *, hexadecimal: bool = False) ->
     Raises ``ValueError`` quoting at most a short prefix of ``text``.
     """
     text = text.strip()
-    base = 16 if hexadecimal or text[:2].lower() == "0x" else 10
+    base = 16 if hexadecimal or text.lstrip("+-")[:2].lower() == "0x" else 10
     if len(text) > 20:
         raise ValueError(f"{what} {shorten(text)} is not a 64-bit integer")
     try:
@@ -116,7 +116,7 @@ def read_rmm_log(path: PathLike, *, name: str | None = None, limits: TraceLimits
     times: list[int] = []
     linenos = array("q")  # the line of each event, to name it in an error found after reading
     with open_binary(path, limits=limits, progress=progress) as f:
-        lines = iter_lines(f, where, limits)
+        lines = iter_lines(f, where, limits, skip_blank=True)
         first = next(lines, None)
         header = first[1].strip() if first else ""
         if not header:

@@ -231,6 +231,10 @@ class _ObjectBudget:
 
     def __call__(self, chunk: bytes) -> None:
         self.scanner.feed(chunk)
+        self.check()
+
+    def check(self) -> None:
+        """Refuse when more objects than ``limits.max_objects`` are alive since the load began."""
         made = sys.getallocatedblocks() - self.baseline
         if made > self.peak_objects:
             self.peak_objects = made
@@ -265,4 +269,5 @@ def _load_counted(path: PathLike, limits: TraceLimits, progress: bool | None) ->
             raise TraceFormatError(name, "pickle needs more memory than is available") from e
         except Exception as e:  # any failure of the C unpickler on untrusted bytes is a format error
             raise TraceFormatError(name, f"not a readable pickle ({type(e).__name__}: {shorten(str(e))})") from e
-    return value, max(budget.peak_objects, sys.getallocatedblocks() - budget.baseline)
+        budget.check()  # the objects made from the last chunk
+    return value, budget.peak_objects

@@ -36,7 +36,7 @@ import sys
 from typing import Any
 
 from ..errors import TraceFormatError
-from ._fileio import PathLike, open_binary
+from ._fileio import CHUNK_NBYTES, PathLike, check_exists, is_gzip, open_binary
 from .limits import DEFAULT_LIMITS, TraceLimits, shorten
 
 __all__ = ["OpcodeScanner", "PlainUnpickler", "load_plain_pickle"]
@@ -44,6 +44,7 @@ __all__ = ["OpcodeScanner", "PlainUnpickler", "load_plain_pickle"]
 _EXT_OPCODES = frozenset(b"\x82\x83\x84")  # EXT1, EXT2, EXT4
 _TUPLE_OPCODES = frozenset(b"t\x85\x86\x87")  # TUPLE, TUPLE1, TUPLE2, TUPLE3 (EMPTY_TUPLE cannot nest)
 _STOP = ord(".")
+_FRAME = 0x95  # FRAME: an 8-byte length the unpickler reads (and allocates) in one go
 _PAIR_LINE_OPCODES = frozenset(b"ci")  # GLOBAL and INST: two newline-terminated arguments
 
 
@@ -82,11 +83,12 @@ def _byte_class(codes: set[int] | frozenset[int]) -> bytes:
 def _build_pattern() -> re.Pattern[bytes]:
     """A run of allowed opcodes whose arguments the regex engine can measure itself.
 
-    Left out, for :class:`OpcodeScanner` to handle one by one: 4/8-byte lengths, tuples (counted), STOP and EXT.
+    Left out, for :class:`OpcodeScanner` to handle one by one: 4/8-byte lengths, FRAME, tuples (counted),
+    STOP and EXT.
     """
     by_size: dict[int, set[int]] = {}
     for code, size in _FIXED.items():
-        if code not in _EXT_OPCODES and code not in _TUPLE_OPCODES and code != _STOP:
+        if code not in _EXT_OPCODES and code not in _TUPLE_OPCODES and code not in (_STOP, _FRAME):
             by_size.setdefault(size, set()).add(code)
     alts = [_byte_class(codes) + (b".{%d}" % size if size else b"") for size, codes in sorted(by_size.items())]
     alts.append(_byte_class(_LINE - _PAIR_LINE_OPCODES) + rb"[^\n]*\n")
@@ -109,12 +111,17 @@ class OpcodeScanner:
     ``max_line_nbytes``, or past ``max_tuples`` tuple-building opcodes. Tuples are
     capped because they nest without bound and hashing a tuple nested 200,000 deep
     (a dict key, 200 KB of pickle) overflows the C stack and kills the process;
-    with at most ``max_tuples`` tuples none nests deeper. After ``STOP`` the rest
-    is ignored (the unpickler stops there too).
+    with at most ``max_tuples`` tuples none nests deeper. A length-prefixed
+    argument or frame that would end past ``max_stream_nbytes`` (the most the
+    stream can hold: the file's size, or what a gzip file may expand to under the
+    limits) is refused before the unpickler allocates a buffer of that length.
+    After ``STOP`` the rest is ignored (the unpickler stops there too).
     """
 
-    def __init__(self, where: str, max_line_nbytes: int, max_tuples: int = 20_000) -> None:
+    def __init__(self, where: str, max_line_nbytes: int, max_tuples: int = 20_000,
+                 max_stream_nbytes: int | None = None) -> None:
         self.where = where
+        self.max_stream_nbytes = max_stream_nbytes
         self.max_line_nbytes = max_line_nbytes
         self.max_tuples = max_tuples
         self.n_tuples = 0
@@ -157,10 +164,18 @@ class OpcodeScanner:
                 if length < 0:
                     raise TraceFormatError(self.where, f"not a readable pickle (negative length at byte {base + pos})")
                 end = pos + 1 + width + length
+                self._check_end(base + pos, base + end, length)
                 if end > n:
                     self._skip = end - n
                     return
                 pos = end
+                continue
+            if op == _FRAME:
+                if pos + 9 > n:
+                    break
+                length = int.from_bytes(buf[pos + 1:pos + 9], "little")
+                self._check_end(base + pos, base + pos + 9 + length, length)
+                pos += 9
                 continue
             if op in _TUPLE_OPCODES:
                 self.n_tuples += 1
@@ -184,10 +199,18 @@ class OpcodeScanner:
                                                f"{self.max_line_nbytes:,} bytes (TraceLimits.max_line_nbytes): "
                                                f"{shorten(self._tail)}")
 
+    def _check_end(self, at: int, end: int, length: int) -> None:
+        if self.max_stream_nbytes is not None and end > self.max_stream_nbytes:
+            raise TraceFormatError(
+                self.where, f"not a readable pickle: the opcode at byte {at:,} declares {length:,} bytes, more than "
+                f"the file can hold ({self.max_stream_nbytes:,} bytes in all under its TraceLimits)")
+
     @staticmethod
     def _incomplete(buf: bytes, pos: int, op: int) -> bool:
         """Whether the opcode at ``pos`` is a valid one cut short by the end of ``buf``."""
         rest = len(buf) - pos - 1
+        if op == _FRAME:
+            return rest < 8
         if op in _FIXED:
             return rest < _FIXED[op]
         if op in _LEN1:
@@ -222,10 +245,10 @@ class PlainUnpickler(pickle.Unpickler):
 class _ObjectBudget:
     """Inspects each chunk: feeds the opcode scanner, then checks how many objects the load has made so far."""
 
-    def __init__(self, where: str, limits: TraceLimits) -> None:
+    def __init__(self, where: str, limits: TraceLimits, max_stream_nbytes: int | None = None) -> None:
         self.where = where
         self.limits = limits
-        self.scanner = OpcodeScanner(where, limits.max_line_nbytes, limits.max_pickle_tuples)
+        self.scanner = OpcodeScanner(where, limits.max_line_nbytes, limits.max_pickle_tuples, max_stream_nbytes)
         self.baseline = sys.getallocatedblocks()
         self.peak_objects = 0
 
@@ -257,7 +280,12 @@ def load_plain_pickle(path: PathLike, *, limits: TraceLimits | None = None, prog
 def _load_counted(path: PathLike, limits: TraceLimits, progress: bool | None) -> tuple[Any, int]:
     """The unpickled value and the peak number of objects the load made (for the reader's own bounds)."""
     name = str(path)
-    budget = _ObjectBudget(name, limits)
+    p = check_exists(path)
+    size = p.stat().st_size
+    if is_gzip(p):  # what GuardedReader lets the file expand to, plus one chunk of slack
+        size = min(limits.max_decompressed_nbytes,
+                   max(limits.ratio_floor_nbytes, int(limits.max_compression_ratio * size))) + CHUNK_NBYTES
+    budget = _ObjectBudget(name, limits, size)
     with open_binary(path, limits=limits, inspect=budget, progress=progress) as f:
         try:
             value = PlainUnpickler(f, path=name).load()

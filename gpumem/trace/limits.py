@@ -35,8 +35,9 @@ class TraceLimits:
       5-20x; a gzip bomb compresses about 1000x.
     * ``max_entries``: events (snapshot entries, log lines, ops) in one trace.
     * ``max_objects``: interpreter objects alive at once while a pickle is unpickled
-      (measured with :func:`sys.getallocatedblocks` after every chunk read); a real
-      snapshot makes about one object per 8 bytes of pickle.
+      (measured with :func:`sys.getallocatedblocks` after every chunk read, so
+      other threads' allocations during the load count too); a real snapshot
+      makes about one object per 8 bytes of pickle.
     * ``max_line_nbytes``: one line of a text format (RMM CSV, ``.gmt``), or one
       text-protocol pickle argument.
     * ``max_nesting_depth``: brackets nested in a ``.gmt`` JSON header.

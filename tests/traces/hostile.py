@@ -107,7 +107,13 @@ CHILD = textwrap.dedent("""
         except BaseException as e:
             outcome = [type(e).__name__, str(e)[:400], len(str(e))]
         out.append(outcome)
-    out.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    # VmHWM belongs to this process's own memory map; ru_maxrss would carry the parent's peak across exec
+    try:
+        with open("/proc/self/status") as f:
+            peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out.append(peak)
     print(json.dumps(out))
 """)
 

@@ -29,6 +29,7 @@ truncated or corrupt stream, an exceeded limit -- into
 
 from __future__ import annotations
 
+import functools
 import pickle
 import pickletools
 import re
@@ -80,8 +81,9 @@ def _byte_class(codes: set[int] | frozenset[int]) -> bytes:
     return b"[" + b"".join(re.escape(bytes([c])) for c in sorted(codes)) + b"]"
 
 
-def _build_pattern() -> re.Pattern[bytes]:
-    """A run of allowed opcodes whose arguments the regex engine can measure itself.
+@functools.lru_cache(maxsize=8)
+def _run_pattern(max_line_nbytes: int) -> re.Pattern[bytes]:
+    """A run of allowed opcodes whose arguments the regex engine can measure itself (lines up to the cap).
 
     Left out, for :class:`OpcodeScanner` to handle one by one: 4/8-byte lengths, FRAME, tuples (counted),
     STOP and EXT.
@@ -91,14 +93,13 @@ def _build_pattern() -> re.Pattern[bytes]:
         if code not in _EXT_OPCODES and code not in _TUPLE_OPCODES and code not in (_STOP, _FRAME):
             by_size.setdefault(size, set()).add(code)
     alts = [_byte_class(codes) + (b".{%d}" % size if size else b"") for size, codes in sorted(by_size.items())]
-    alts.append(_byte_class(_LINE - _PAIR_LINE_OPCODES) + rb"[^\n]*\n")
-    alts.append(_byte_class(_PAIR_LINE_OPCODES) + rb"[^\n]*\n[^\n]*\n")
+    line = b"[^\\n]{0,%d}\\n" % max_line_nbytes
+    alts.append(_byte_class(_LINE - _PAIR_LINE_OPCODES) + line)
+    alts.append(_byte_class(_PAIR_LINE_OPCODES) + line + line)
     counted = b"|".join(re.escape(bytes([k])) + (b".{%d}" % k if k else b"") for k in range(256))
     alts.append(_byte_class(_LEN1) + b"(?:" + counted + b")")
     return re.compile(b"(?:" + b"|".join(alts) + b")*+", re.DOTALL)
 
-
-_RUN = _build_pattern()
 
 
 class OpcodeScanner:
@@ -129,6 +130,7 @@ class OpcodeScanner:
         self._tail = b""
         self._skip = 0
         self._offset = 0  # stream offset of the first byte of the next chunk
+        self._run = _run_pattern(max_line_nbytes)
 
     def feed(self, chunk: bytes) -> None:
         """Scan the next chunk of the stream."""
@@ -149,7 +151,7 @@ class OpcodeScanner:
         n = len(buf)
         pos = 0
         while True:
-            pos = _RUN.match(buf, pos).end()  # type: ignore[union-attr]  # a starred group always matches
+            pos = self._run.match(buf, pos).end()  # type: ignore[union-attr]  # a starred group always matches
             if pos >= n:
                 return
             op = buf[pos]
@@ -189,15 +191,30 @@ class OpcodeScanner:
                 raise TraceFormatError(
                     self.where, f"pickle uses an extension code (EXT opcode at byte {base + pos}), which a memory "
                     "snapshot never does; refused without consulting copyreg")
+            if op in _LINE and self._line_too_long(buf, pos, op):
+                raise self._long_argument(base + pos, buf[pos:pos + 100])
             if not self._incomplete(buf, pos, op):
                 raise TraceFormatError(self.where, f"not a readable pickle (byte {op:#04x} at {base + pos} is no "
                                                    "opcode a snapshot may use)")
             break
         self._tail = buf[pos:]
-        if len(self._tail) > self.max_line_nbytes + 2:
-            raise TraceFormatError(self.where, f"pickle argument at byte {base + pos} is longer than "
-                                               f"{self.max_line_nbytes:,} bytes (TraceLimits.max_line_nbytes): "
-                                               f"{shorten(self._tail)}")
+        if self._tail[0] in _LINE and self._line_too_long(self._tail, 0, self._tail[0]):
+            raise self._long_argument(base + pos, self._tail[:100])
+
+    def _line_too_long(self, buf: bytes, pos: int, op: int) -> bool:
+        """Whether a newline-terminated argument at ``pos`` (complete or not) exceeds the cap."""
+        cap = self.max_line_nbytes
+        start = pos + 1
+        for _ in range(2 if op in _PAIR_LINE_OPCODES else 1):
+            end = buf.find(b"\n", start, start + cap + 1)
+            if end < 0:
+                return len(buf) - start > cap
+            start = end + 1
+        return False
+
+    def _long_argument(self, at: int, head: bytes) -> TraceFormatError:
+        return TraceFormatError(self.where, f"pickle argument at byte {at:,} is longer than {self.max_line_nbytes:,} "
+                                            f"bytes (TraceLimits.max_line_nbytes): {shorten(head, 40)}")
 
     def _check_end(self, at: int, end: int, length: int) -> None:
         if self.max_stream_nbytes is not None and end > self.max_stream_nbytes:

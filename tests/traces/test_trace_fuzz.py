@@ -266,3 +266,38 @@ def test_mutated_resnet_snapshot(tmp_path: Path, mutation: str) -> None:
         assert trace is not None and trace.n_ops == 34_249
     if mutation in ("truncate", "ext"):
         assert trace is None
+
+
+# -- the opcode scanner sees the same stream however it is cut ------------------------------
+
+
+@cache
+def fixture_pickle() -> bytes:
+    return gzip.decompress((DATA_DIR / "resnet_head.snapshot.pickle.gz").read_bytes())[:6_000]
+
+
+def scan(data: bytes, cuts: list[int]) -> str:
+    """Feed ``data`` to a scanner in pieces cut at ``cuts``; 'ok', 'done' or the error's first words."""
+    from gpumem.trace import OpcodeScanner
+
+    scanner = OpcodeScanner("x", 1000, 10, len(data))
+    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(data))), len(data)]
+    try:
+        for a, b in zip(bounds, bounds[1:]):
+            scanner.feed(data[a:b])
+    except TraceFormatError as e:
+        return str(e).split("(")[0]
+    return "done" if scanner.done else "ok"
+
+
+@FUZZ
+@given(data=st.data())
+def test_scanner_is_chunking_invariant(data: st.DataObject) -> None:
+    base = fixture_pickle()
+    insert = data.draw(st.sampled_from([b"", b"\x82\x01", b"\x84\x00\x00\x00\x01", b"\x85" * 12, b"\xff",
+                                        b"X\xff\xff\xff\x7f", b"L" + b"9" * 1200 + b"\n"]))
+    at = data.draw(st.integers(2, len(base)))
+    stream = base[:at] + insert + base[at:] if data.draw(st.booleans()) else base[:at] + insert
+    cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=40))
+    assert scan(stream, cuts) == scan(stream, [])
+    assert scan(stream, list(range(0, len(stream), 7))) == scan(stream, [])

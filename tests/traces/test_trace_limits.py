@@ -406,3 +406,27 @@ def test_open_binary_closes_the_file_on_error(tmp_path: Path) -> None:
         with open_binary(path, limits=TraceLimits(max_decompressed_nbytes=1000)) as f:
             f.read()
     assert os.path.exists(path)
+
+
+def test_progress_draws_with_tqdm_on_a_terminal() -> None:
+    import io
+
+    from gpumem.progress import NoProgress, ProgressBar, progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Terminal()
+    bar = progress(4 * MiB, "load x", "B", stream=out, delay_s=0)
+    assert not isinstance(bar, NoProgress) and type(bar).__module__.startswith("tqdm")
+    bar.update(MiB)
+    bar.close()
+    assert "load x" in out.getvalue() and "4.00M" in out.getvalue()
+    assert isinstance(progress(10, "x", stream=out, enabled=False), NoProgress)
+    replay_bar = ProgressBar(100, "replay t", stream=out, delay_s=0)
+    replay_bar.update(40)
+    replay_bar.update(30)  # absolute counts never move the bar back
+    assert replay_bar._bar.n == 40
+    replay_bar.close(100)
+    assert replay_bar._bar.n == 100

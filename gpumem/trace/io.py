@@ -24,9 +24,10 @@ is nothing to replay, and such a file is almost always the wrong one.
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
-from ..errors import TraceFormatError
+from ..errors import GpumemError, TraceFormatError
 from ._fileio import PathLike, check_exists, peek
 from .limits import TraceLimits, shorten
 from .model import Trace
@@ -35,6 +36,12 @@ from .pytorch import read_pytorch_snapshot
 from .rmm import read_rmm_log
 
 __all__ = ["FORMATS", "detect_format", "load_trace", "save_trace"]
+
+#: What a reader bug on hostile input could raise; load_trace turns it into a TraceFormatError.
+_READER_FAILURES: tuple[type[BaseException], ...] = (
+    ValueError, KeyError, IndexError, TypeError, AttributeError, OverflowError, RecursionError, MemoryError,
+    EOFError, OSError, zlib.error, GpumemError,
+)
 
 #: Canonical format names.
 FORMATS = ("pytorch-snapshot", "rmm-log", "gpumem")
@@ -99,14 +106,21 @@ def load_trace(path: PathLike, format: str | None = None, *, device: int | None 
         if fmt is None:
             raise TraceFormatError(str(p), f"unknown format {shorten(format, 40)}; expected one of {sorted(_ALIASES)}")
     if device is not None and fmt != "pytorch-snapshot":
-        raise TraceFormatError(str(p), f"device={device!r} applies to PyTorch snapshots only; this is a {fmt} trace")
-    if fmt == "pytorch-snapshot":
-        trace = read_pytorch_snapshot(p, device=device, name=name, limits=limits, progress=progress)
-    elif fmt == "rmm-log":
-        trace = read_rmm_log(p, name=name, limits=limits, progress=progress)
-    else:
-        trace = read_native_trace(p, limits=limits, progress=progress)
-        trace = trace if name is None else trace.renamed(name)
+        raise TraceFormatError(str(p), f"device={shorten(device)} applies to PyTorch snapshots only; "
+                                       f"this is a {fmt} trace")
+    try:
+        if fmt == "pytorch-snapshot":
+            trace = read_pytorch_snapshot(p, device=device, name=name, limits=limits, progress=progress)
+        elif fmt == "rmm-log":
+            trace = read_rmm_log(p, name=name, limits=limits, progress=progress)
+        else:
+            trace = read_native_trace(p, limits=limits, progress=progress)
+            trace = trace if name is None else trace.renamed(name)
+    except (TraceFormatError, FileNotFoundError):
+        raise
+    except _READER_FAILURES as e:  # a reader bug must still reach the caller as a format error
+        raise TraceFormatError(str(p), f"unexpected reader failure ({type(e).__name__}: "
+                                       f"{shorten(str(e), 120)[1:-1]})") from e
     if trace.n_allocs == 0:
         raise TraceFormatError(str(p), f"no allocations: the {fmt} trace holds no allocation to replay")
     return trace

@@ -430,3 +430,15 @@ def test_progress_draws_with_tqdm_on_a_terminal() -> None:
     assert replay_bar._bar.n == 40
     replay_bar.close(100)
     assert replay_bar._bar.n == 100
+
+
+def test_a_reader_bug_still_surfaces_as_a_format_error(monkeypatch: pytest.MonkeyPatch, data_dir: Path) -> None:
+    import gpumem.trace.io as trace_io
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise KeyError("x" * 10_000)
+
+    monkeypatch.setattr(trace_io, "read_rmm_log", broken)
+    with pytest.raises(TraceFormatError, match="unexpected reader failure \\(KeyError: ") as err:
+        load_trace(data_dir / "resnet_head.rmm_log.csv.gz")
+    assert len(str(err.value)) < 400 and isinstance(err.value.__cause__, KeyError)

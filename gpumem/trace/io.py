@@ -79,7 +79,7 @@ def detect_format(path: PathLike) -> str:
     if fmt is None:
         raise TraceFormatError(
             str(p), "unrecognised trace format (expected a PyTorch snapshot pickle, an RMM log CSV or a "
-            "gpumem .gmt trace); pass format= to force one"
+            "gpumem .gmt trace); pass format= (the command line's --format) to force one"
         )
     return fmt
 

@@ -19,29 +19,34 @@ PyTorch snapshot that PyTorch's memory viewer opens (:func:`save_pytorch_snapsho
         ...
 
 Pickles are loaded with an unpickler that cannot import or call anything
-(:mod:`gpumem.trace.safe_pickle`); every unreadable input raises
-:class:`~gpumem.errors.TraceFormatError` naming the file (and entry or line).
+(:mod:`gpumem.trace.safe_pickle`); every reader streams its file under a
+:class:`TraceLimits` (:mod:`gpumem.trace.limits`), and every unreadable input
+raises :class:`~gpumem.errors.TraceFormatError` naming the file (and entry or line).
 """
 
 from __future__ import annotations
 
 from .builder import build_trace, replay_addresses
 from .io import FORMATS, detect_format, load_trace, save_trace
+from .limits import DEFAULT_LIMITS, TraceLimits
 from .model import OpKind, Trace, TraceOp, TraceSummary
 from .native import read_native_trace, write_native_trace
 from .pytorch import load_snapshot_dict, read_pytorch_snapshot, snapshot_to_trace
 from .pytorch_export import save_pytorch_snapshot, to_pytorch_snapshot
 from .recorder import SEGMENT_ACTIONS, SegmentEvent, TraceRecorder
 from .rmm import read_rmm_log, write_rmm_log
-from .safe_pickle import PlainUnpickler, load_plain_pickle
+from .safe_pickle import OpcodeScanner, PlainUnpickler, load_plain_pickle
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "FORMATS",
     "OpKind",
+    "OpcodeScanner",
     "PlainUnpickler",
     "SEGMENT_ACTIONS",
     "SegmentEvent",
     "Trace",
+    "TraceLimits",
     "TraceOp",
     "TraceRecorder",
     "TraceSummary",

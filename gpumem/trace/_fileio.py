@@ -1,4 +1,12 @@
-"""File helpers shared by the readers and writers: gzip by content, errors by file name."""
+"""File helpers shared by the readers and writers: gzip by content, errors by file name, limits while reading.
+
+Readers open their input with :func:`open_binary`: a :class:`GuardedReader` that
+decompresses gzip by content, chunk by chunk, and enforces
+:class:`~gpumem.trace.limits.TraceLimits` on every chunk (decompressed bytes,
+compression ratio), reports the compressed bytes read to a progress bar, and lets
+a reader inspect each chunk before it is parsed (the pickle reader refuses
+forbidden opcodes there). :func:`iter_lines` reads lines of bounded length.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +15,22 @@ import gzip
 import io
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from ..errors import TraceFormatError
+from ..progress import progress as progress_bar
+from .limits import DEFAULT_LIMITS, TraceLimits, shorten
 
 GZIP_MAGIC = b"\x1f\x8b"
 
 #: What a truncated or corrupt (possibly gzipped) file raises while being read.
-READ_ERRORS: tuple[type[BaseException], ...] = (EOFError, gzip.BadGzipFile, zlib.error, UnicodeDecodeError)
+READ_ERRORS: tuple[type[BaseException], ...] = (EOFError, gzip.BadGzipFile, zlib.error, UnicodeDecodeError, OSError)
+
+#: Bytes decompressed per chunk: the granularity at which limits are checked.
+CHUNK_NBYTES = 64 * 1024
 
 PathLike = str | os.PathLike[str]
 
@@ -36,25 +49,137 @@ def is_gzip(path: Path) -> bool:
         return f.read(2) == GZIP_MAGIC
 
 
+class GuardedReader(io.RawIOBase):
+    """A readable stream over a (possibly gzipped) file that enforces ``limits`` chunk by chunk.
+
+    ``inspect(chunk)`` (optional) sees every chunk of decompressed content before
+    the consumer does and may raise ``TraceFormatError``; ``bar`` (optional, a
+    :func:`gpumem.progress.progress` bar counting bytes) advances by the compressed
+    bytes read. Raises ``TraceFormatError`` naming the limit when one is exceeded.
+    """
+
+    def __init__(self, path: Path, limits: TraceLimits, *, inspect: Callable[[bytes], None] | None = None,
+                 bar: Any = None) -> None:
+        super().__init__()
+        self.path = path
+        self.limits = limits
+        self._inspect = inspect
+        self._bar = bar
+        self._raw: IO[bytes] = open(path, "rb")
+        self.gzipped = self._raw.read(2) == GZIP_MAGIC
+        self._raw.seek(0)
+        self._source: IO[bytes] = gzip.GzipFile(fileobj=self._raw, mode="rb") if self.gzipped else self._raw
+        self.decompressed_nbytes = 0
+        self._compressed_seen = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        chunk = self._source.read(min(len(buffer), CHUNK_NBYTES))
+        n = len(chunk)
+        if n:
+            self.decompressed_nbytes += n
+            self._check()
+            if self._inspect is not None:
+                self._inspect(chunk)
+            buffer[:n] = chunk
+        return n
+
+    def _check(self) -> None:
+        limits = self.limits
+        total = self.decompressed_nbytes
+        if total > limits.max_decompressed_nbytes:
+            raise TraceFormatError(
+                str(self.path), f"more than {limits.max_decompressed_nbytes:,} bytes of content "
+                "(TraceLimits.max_decompressed_nbytes); raise the limit if the file is genuine")
+        compressed = self._raw.tell()
+        if self._bar is not None and compressed > self._compressed_seen:
+            self._bar.update(compressed - self._compressed_seen)
+            self._compressed_seen = compressed
+        if self.gzipped and total > limits.ratio_floor_nbytes and total > limits.max_compression_ratio * compressed:
+            raise TraceFormatError(
+                str(self.path), f"{compressed:,} compressed bytes expand to more than {total:,} "
+                f"(over {limits.max_compression_ratio:g}x, TraceLimits.max_compression_ratio): a decompression bomb?")
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                if self._source is not self._raw:
+                    self._source.close()
+            finally:
+                self._raw.close()
+        super().close()
+
+
 @contextmanager
-def open_binary(path: PathLike) -> Iterator[IO[bytes]]:
-    """Open for reading, transparently decompressing gzip; read errors become ``TraceFormatError``."""
+def open_binary(path: PathLike, *, limits: TraceLimits | None = None, inspect: Callable[[bytes], None] | None = None,
+                progress: bool | None = False, desc: str | None = None) -> Iterator[IO[bytes]]:
+    """Open for reading, transparently decompressing gzip; read errors become ``TraceFormatError``.
+
+    The stream enforces ``limits`` (:data:`~gpumem.trace.limits.DEFAULT_LIMITS` when
+    None) while it is read; ``inspect`` sees each decompressed chunk first;
+    ``progress`` shows a bar of compressed bytes read (None: only on a terminal).
+    """
     p = check_exists(path)
-    raw: IO[bytes] = open(p, "rb")
     try:
-        f: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="rb") if raw.read(2) == GZIP_MAGIC else raw
-        raw.seek(0)
+        reader = GuardedReader(p, limits or DEFAULT_LIMITS, inspect=inspect)
+    except OSError as e:
+        raise TraceFormatError(str(p), f"cannot read ({type(e).__name__}: {shorten(str(e))})") from e
+    bar = progress_bar(p.stat().st_size, desc or f"load {p.name}", "B", enabled=progress)
+    reader._bar = bar
+    try:
         with reading_errors(p):
-            yield f
+            yield io.BufferedReader(reader, buffer_size=CHUNK_NBYTES)
     finally:
-        raw.close()
+        reader.close()
+        bar.close()
 
 
-@contextmanager
-def open_text(path: PathLike) -> Iterator[IO[str]]:
-    """Like :func:`open_binary`, as UTF-8 text with universal newlines."""
-    with open_binary(path) as f:
-        yield io.TextIOWrapper(f, encoding="utf-8", newline=None)
+def iter_lines(f: IO[bytes], where: str, limits: TraceLimits, *, start: int = 1,
+               skip_blank: bool = False) -> Iterator[tuple[int, str]]:
+    """``(line_number, text)`` for each line of ``f`` (line ending stripped), numbered from ``start``.
+
+    Reads in chunks and splits them in C, so even a file of millions of empty
+    lines costs little (``skip_blank=True`` drops empty lines before decoding
+    them, still counting them). A line longer than ``limits.max_line_nbytes`` or
+    not valid UTF-8 raises ``TraceFormatError`` naming the line and quoting at
+    most a short prefix; the long line is never held whole.
+    """
+    cap = limits.max_line_nbytes
+    lineno = start
+    pending = b""
+    while True:
+        block = f.read(CHUNK_NBYTES)
+        if not block:
+            break
+        lines = (pending + block if pending else block).split(b"\n")
+        pending = lines.pop()
+        if len(pending) > cap:
+            raise _long_line(where, lineno + len(lines), cap, pending)
+        for raw in lines:
+            if skip_blank and (not raw or raw == b"\r"):
+                lineno += 1
+                continue
+            if len(raw) > cap:
+                raise _long_line(where, lineno, cap, raw)
+            yield lineno, _decode(raw, where, lineno).rstrip("\r")
+            lineno += 1
+    if pending and not (skip_blank and pending == b"\r"):
+        yield lineno, _decode(pending, where, lineno).rstrip("\r")
+
+
+def _long_line(where: str, lineno: int, cap: int, raw: bytes) -> TraceFormatError:
+    return TraceFormatError(where, f"line {lineno}: longer than {cap:,} bytes (TraceLimits.max_line_nbytes), "
+                                   f"starting {shorten(raw)}")
+
+
+def _decode(raw: bytes, where: str, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TraceFormatError(where, f"line {lineno}: not UTF-8 ({e.reason} at byte {e.start}): "
+                                      f"{shorten(raw)}") from None
 
 
 @contextmanager
@@ -63,7 +188,7 @@ def reading_errors(path: PathLike) -> Iterator[None]:
     try:
         yield
     except READ_ERRORS as e:
-        raise TraceFormatError(str(path), f"truncated or corrupt file ({type(e).__name__}: {e})") from e
+        raise TraceFormatError(str(path), f"truncated or corrupt file ({type(e).__name__}: {shorten(str(e))})") from e
 
 
 def peek(path: PathLike, nbytes: int = 256) -> bytes:
@@ -71,7 +196,7 @@ def peek(path: PathLike, nbytes: int = 256) -> bytes:
     try:
         with open_binary(path) as f:
             return f.read(nbytes)
-    except TraceFormatError:
+    except (TraceFormatError, OSError):
         return b""
 
 

@@ -15,20 +15,33 @@ with the ``PROTO`` opcode ``0x80``, a native trace with a JSON header naming
 When the content says nothing (empty, truncated), the suffix decides, so the
 chosen reader can explain what is wrong; when neither does,
 :class:`~gpumem.errors.TraceFormatError` is raised.
+
+Trace files are untrusted input: every reader streams its file under a
+:class:`~gpumem.trace.limits.TraceLimits` (``limits=``) and every failure is a
+``TraceFormatError``. A trace without a single allocation is refused too: there
+is nothing to replay, and such a file is almost always the wrong one.
 """
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
-from ..errors import TraceFormatError
+from ..errors import GpumemError, TraceFormatError
 from ._fileio import PathLike, check_exists, peek
+from .limits import TraceLimits, shorten
 from .model import Trace
 from .native import read_native_trace, write_native_trace
 from .pytorch import read_pytorch_snapshot
 from .rmm import read_rmm_log
 
 __all__ = ["FORMATS", "detect_format", "load_trace", "save_trace"]
+
+#: What a reader bug on hostile input could raise; load_trace turns it into a TraceFormatError.
+_READER_FAILURES: tuple[type[BaseException], ...] = (
+    ValueError, KeyError, IndexError, TypeError, AttributeError, OverflowError, RecursionError, MemoryError,
+    EOFError, OSError, zlib.error, GpumemError,
+)
 
 #: Canonical format names.
 FORMATS = ("pytorch-snapshot", "rmm-log", "gpumem")
@@ -66,34 +79,51 @@ def detect_format(path: PathLike) -> str:
     if fmt is None:
         raise TraceFormatError(
             str(p), "unrecognised trace format (expected a PyTorch snapshot pickle, an RMM log CSV or a "
-            "gpumem .gmt trace); pass format= to force one"
+            "gpumem .gmt trace); pass format= (the command line's --format) to force one"
         )
     return fmt
 
 
 def load_trace(path: PathLike, format: str | None = None, *, device: int | None = None,
-               name: str | None = None) -> Trace:
+               name: str | None = None, limits: TraceLimits | None = None, progress: bool | None = None) -> Trace:
     """Read a trace in any supported format.
 
     ``format`` forces a reader (a name or alias from the module docstring);
-    ``device`` picks the device of a multi-device PyTorch snapshot; ``name``
-    overrides the default name (the file name up to its first dot; native files
-    keep the name stored in them). Raises ``FileNotFoundError`` for a missing file
-    and ``TraceFormatError`` for an unknown format or unreadable content.
+    ``device`` picks the device of a multi-device PyTorch snapshot (its index in
+    ``device_traces``); ``name`` overrides the default name (the file name up to
+    its first dot; native files keep the name stored in them). ``limits`` caps what
+    reading may cost (default :data:`~gpumem.trace.limits.DEFAULT_LIMITS`);
+    ``progress`` shows a bar of the file's bytes read (None: only when stderr is a
+    terminal). Raises ``FileNotFoundError`` for a missing file and
+    ``TraceFormatError`` for an unknown format, unreadable content, an exceeded
+    limit, or a trace with no allocations.
     """
     p = check_exists(path)
     if format is None:
         fmt = detect_format(p)
     else:
-        fmt = _ALIASES.get(format.lower())  # type: ignore[assignment]
+        fmt = _ALIASES.get(format.lower()) if isinstance(format, str) else None  # type: ignore[assignment]
         if fmt is None:
-            raise TraceFormatError(str(p), f"unknown format {format!r}; expected one of {sorted(_ALIASES)}")
-    if fmt == "pytorch-snapshot":
-        return read_pytorch_snapshot(p, device=device, name=name)
-    if fmt == "rmm-log":
-        return read_rmm_log(p, name=name)
-    trace = read_native_trace(p)
-    return trace if name is None else trace.renamed(name)
+            raise TraceFormatError(str(p), f"unknown format {shorten(format, 40)}; expected one of {sorted(_ALIASES)}")
+    if device is not None and fmt != "pytorch-snapshot":
+        raise TraceFormatError(str(p), f"device={shorten(device)} applies to PyTorch snapshots only; "
+                                       f"this is a {fmt} trace")
+    try:
+        if fmt == "pytorch-snapshot":
+            trace = read_pytorch_snapshot(p, device=device, name=name, limits=limits, progress=progress)
+        elif fmt == "rmm-log":
+            trace = read_rmm_log(p, name=name, limits=limits, progress=progress)
+        else:
+            trace = read_native_trace(p, limits=limits, progress=progress)
+            trace = trace if name is None else trace.renamed(name)
+    except (TraceFormatError, FileNotFoundError):
+        raise
+    except _READER_FAILURES as e:  # a reader bug must still reach the caller as a format error
+        raise TraceFormatError(str(p), f"unexpected reader failure ({type(e).__name__}: "
+                                       f"{shorten(str(e), 120)[1:-1]})") from e
+    if trace.n_allocs == 0:
+        raise TraceFormatError(str(p), f"no allocations: the {fmt} trace holds no allocation to replay")
+    return trace
 
 
 def save_trace(trace: Trace, path: PathLike) -> Path:

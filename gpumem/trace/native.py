@@ -22,20 +22,25 @@ single spaces::
   :class:`~gpumem.trace.Trace` fields, so ``read(write(t)) == t``.
 
 The reader rejects another ``format``, an unknown ``version`` and any malformed
-line with :class:`~gpumem.errors.TraceFormatError` naming the file and line.
+line with :class:`~gpumem.errors.TraceFormatError` naming the file and line. It
+streams the file under :class:`~gpumem.trace.limits.TraceLimits`: lines of bounded
+length, a header of bounded nesting, at most ``max_entries`` ops, and every number
+in range (sizes, ids and addresses in ``[0, 2**63)``, streams in ``(-2**63, 2**63)``).
 Version 1 is the only version; a future incompatible change bumps it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidArgumentError, TraceFormatError
-from ._fileio import PathLike, check_exists, open_for_writing, open_text
+from ._fileio import PathLike, check_exists, iter_lines, open_binary, open_for_writing
+from .limits import DEFAULT_LIMITS, TraceLimits, shorten
 from .model import OpKind, Trace
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "NATIVE_SUFFIXES", "read_native_trace", "write_native_trace"]
@@ -44,6 +49,8 @@ FORMAT_NAME = "gpumem-trace"
 FORMAT_VERSION = 1
 NATIVE_SUFFIXES = (".gmt", ".gmt.gz")
 _HEADER_INTS = ("n_ops", "n_allocs", "n_unmatched_frees", "n_failed_allocs")
+_INT64_MAX = 2**63 - 1
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
 def _fmt_time(t: float) -> str:
@@ -84,30 +91,74 @@ def write_native_trace(trace: Trace, path: PathLike) -> Path:
     return p
 
 
-def _parse_header(line: str, where: str) -> dict[str, Any]:
+def _nesting_depth(text: str) -> int:
+    """The deepest bracket nesting of a JSON text (brackets inside strings do not count)."""
+    depth = deepest = 0
+    for ch in _JSON_STRING.sub("", text):
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _parse_header(line: str, where: str, limits: TraceLimits = DEFAULT_LIMITS) -> dict[str, Any]:
+    depth = _nesting_depth(line)
+    if depth > limits.max_nesting_depth:
+        raise TraceFormatError(where, f"line 1: header nests {depth} levels deep "
+                                      f"(TraceLimits.max_nesting_depth is {limits.max_nesting_depth})")
     try:
         header = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
         raise TraceFormatError(where, f"line 1: not a {FORMAT_NAME} header")
     if header.get("version") != FORMAT_VERSION:
         raise TraceFormatError(
-            where, f"line 1: unsupported {FORMAT_NAME} version {header.get('version')!r} (this reader knows 1)"
+            where, f"line 1: unsupported {FORMAT_NAME} version {shorten(header.get('version'))} (this reader knows 1)"
         )
     for key in _HEADER_INTS:
-        if type(header.get(key)) is not int or header[key] < 0:
-            raise TraceFormatError(where, f"line 1: header field {key!r} must be a non-negative integer")
+        value = header.get(key)
+        if type(value) is not int or not 0 <= value <= _INT64_MAX:
+            raise TraceFormatError(where, f"line 1: header field {key!r} must be a non-negative 64-bit integer, "
+                                          f"got {shorten(value)}")
     for key in ("name", "source"):
         if not isinstance(header.get(key), str):
             raise TraceFormatError(where, f"line 1: header field {key!r} must be a string")
     return header
 
 
-def read_native_trace(path: PathLike) -> Trace:
-    """Read a native ``.gmt``/``.gmt.gz`` trace; see the module docstring for the format and its checks."""
+def _int(text: str, what: str, lo: int, hi: int, base: int = 10) -> int:
+    """``int(text, base)`` within ``[lo, hi]``; ``ValueError`` quoting at most a prefix of ``text``."""
+    if len(text) > 20:  # 2**63 has 19 digits, 16 in hex: anything longer is out of range (or not a number)
+        raise ValueError(f"{what} {shorten(text)} is not a 64-bit integer")
+    try:
+        value = int(text, base)
+    except ValueError:
+        raise ValueError(f"{what} {shorten(text)} is not {'a hexadecimal' if base == 16 else 'an'} integer") from None
+    if not lo <= value <= hi:
+        raise ValueError(f"{what} {value} out of range [{lo}, {hi}]")
+    return value
+
+
+def _time(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"time_us {shorten(text)} is not a number") from None
+
+
+def read_native_trace(path: PathLike, *, limits: TraceLimits | None = None, progress: bool | None = False) -> Trace:
+    """Read a native ``.gmt``/``.gmt.gz`` trace; see the module docstring for the format and its checks.
+
+    ``limits`` defaults to :data:`~gpumem.trace.limits.DEFAULT_LIMITS`; ``progress``
+    shows the bytes read (None: only on a terminal).
+    """
     where = str(path)
     check_exists(path)
+    limits = limits or DEFAULT_LIMITS
+    max_ops = limits.max_entries
     kinds: list[int] = []
     ids: list[int] = []
     nbytes: list[int] = []
@@ -117,39 +168,42 @@ def read_native_trace(path: PathLike) -> Trace:
     alloc_nbytes: list[int] = []
     alloc_addrs: list[int] = []
     live = bytearray()
-    with open_text(path) as f:
-        header = _parse_header(f.readline(), where)
-        lineno = 1
-        for lineno, line in enumerate(f, start=2):
+    with open_binary(path, limits=limits, progress=progress) as f:
+        lines = iter_lines(f, where, limits)
+        first = next(lines, None)
+        header = _parse_header(first[1] if first else "", where, limits)
+        for lineno, line in lines:
             p = line.split()
             try:
-                tag = p[0]
+                tag = p[0] if p else ""
                 if tag == "a" and len(p) == 6:
-                    aid = int(p[1])
+                    aid = _int(p[1], "alloc id", 0, _INT64_MAX)
                     if aid != len(alloc_nbytes):
                         raise ValueError(f"alloc id {aid}, expected {len(alloc_nbytes)}")
-                    n = int(p[2])
-                    if n < 0:
-                        raise ValueError(f"negative size {n}")
-                    a = int(p[5], 16)
+                    if p[2][:1] == "-":
+                        raise ValueError(f"negative size {shorten(p[2])}")
+                    n = _int(p[2], "size", 0, _INT64_MAX)
+                    a = _int(p[5], "addr", 0, _INT64_MAX, 16)
+                    s, t = _int(p[3], "stream", -_INT64_MAX, _INT64_MAX), _time(p[4])
                     kinds.append(0)
                     alloc_nbytes.append(n)
                     alloc_addrs.append(a)
                     live.append(1)
-                    s, t = int(p[3]), float(p[4])
                 elif tag == "f" and len(p) == 4:
-                    aid = int(p[1])
+                    aid = _int(p[1], "alloc id", 0, _INT64_MAX)
                     if not 0 <= aid < len(live) or not live[aid]:
                         raise ValueError(f"free of id {aid}, which is not live")
+                    s, t = _int(p[2], "stream", -_INT64_MAX, _INT64_MAX), _time(p[3])
                     live[aid] = 0
                     n, a = alloc_nbytes[aid], alloc_addrs[aid]
-                    s, t = int(p[2]), float(p[3])
                     kinds.append(1)
                 else:
                     raise ValueError(f"expected 'a <id> <nbytes> <stream> <time_us> <addr>' or "
-                                     f"'f <id> <stream> <time_us>', got {line.strip()[:80]!r}")
+                                     f"'f <id> <stream> <time_us>', got {shorten(line.strip())}")
             except (ValueError, IndexError) as e:
                 raise TraceFormatError(where, f"line {lineno}: {e}") from None
+            if len(kinds) > max_ops:
+                raise TraceFormatError(where, f"line {lineno}: more than {max_ops:,} ops (TraceLimits.max_entries)")
             ids.append(aid)
             nbytes.append(n)
             streams.append(s)
@@ -167,4 +221,4 @@ def read_native_trace(path: PathLike) -> Trace:
             n_unmatched_frees=header["n_unmatched_frees"], n_failed_allocs=header["n_failed_allocs"],
         )
     except (InvalidArgumentError, OverflowError) as e:
-        raise TraceFormatError(where, str(e)) from None
+        raise TraceFormatError(where, shorten(str(e), 200)[1:-1]) from None

@@ -28,7 +28,12 @@ made before recording started; those are skipped and counted
 (``n_unmatched_frees``). ``segments`` (the allocator state at dump time) is not
 needed to rebuild the ops and is not read.
 
-Loading is safe (see :mod:`gpumem.trace.safe_pickle`) and fast: the cyclic garbage
+Loading is safe (see :mod:`gpumem.trace.safe_pickle`), bounded (see
+:class:`~gpumem.trace.limits.TraceLimits`: besides the caps applied while
+unpickling, a device's entries are capped at ``max_entries`` and may not
+outnumber the objects the file really made, so a list that repeats one memo
+reference a million times is refused before it is walked; every number is
+range-checked, times included) and fast: the cyclic garbage
 collector is paused while the million small dicts are built (it would otherwise
 triple the load time) and entries are read column by column with list
 comprehensions; a per-entry validating pass runs only when the fast path finds
@@ -47,8 +52,9 @@ import numpy as np
 from ..errors import TraceFormatError
 from ._fileio import PathLike, check_exists, trace_name_from_path
 from .builder import AddressReuseError, build_trace
+from .limits import DEFAULT_LIMITS, TraceLimits, shorten
 from .model import Trace
-from .safe_pickle import load_plain_pickle
+from .safe_pickle import _load_counted
 
 __all__ = ["ACTIONS", "read_pytorch_snapshot", "load_snapshot_dict", "snapshot_to_trace"]
 
@@ -66,6 +72,7 @@ ACTIONS: dict[str, int] = {
 }
 _OOM = ACTIONS["oom"]
 _INT64_MAX = 2**63 - 1
+_TIME_LIMIT_US = 2**63  # integer times beyond this are no real clock (and 2**1024 does not fit a float)
 
 Columns = tuple[list[int], list[int], list[int], list[int], list[Any]]
 
@@ -81,16 +88,22 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def load_snapshot_dict(path: PathLike) -> dict[str, Any]:
-    """The snapshot dict of ``path``, loaded safely, with its top-level shape checked."""
+def load_snapshot_dict(path: PathLike, *, limits: TraceLimits | None = None,
+                       progress: bool | None = False) -> dict[str, Any]:
+    """The snapshot dict of ``path``, loaded safely under ``limits``, with its top-level shape checked."""
+    return _load_snapshot(path, limits or DEFAULT_LIMITS, progress)[0]
+
+
+def _load_snapshot(path: PathLike, limits: TraceLimits, progress: bool | None) -> tuple[dict[str, Any], int]:
+    """The checked snapshot dict and the number of objects unpickling it made."""
     check_exists(path)
     with _gc_paused():
-        data = load_plain_pickle(path)
-    _check_top_level(data, str(path))
-    return data
+        data, n_objects = _load_counted(path, limits, progress)
+    _check_top_level(data, str(path), limits)
+    return data, n_objects
 
 
-def _check_top_level(data: Any, where: str) -> None:
+def _check_top_level(data: Any, where: str, limits: TraceLimits = DEFAULT_LIMITS) -> None:
     if not isinstance(data, dict):
         raise TraceFormatError(where, f"top level is a {type(data).__name__}, not the dict of a memory snapshot")
     if "device_traces" not in data:
@@ -98,7 +111,12 @@ def _check_top_level(data: Any, where: str) -> None:
             where, "no 'device_traces' key: not a memory snapshot, or recorded without _record_memory_history"
         )
     traces = data["device_traces"]
-    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+    if not isinstance(traces, list):
+        raise TraceFormatError(where, "'device_traces' must be a list with one list of entries per device")
+    if len(traces) > limits.max_devices:
+        raise TraceFormatError(where, f"'device_traces' has {len(traces):,} devices, more than "
+                                      f"{limits.max_devices:,} (TraceLimits.max_devices)")
+    if not all(isinstance(t, list) for t in traces):
         raise TraceFormatError(where, "'device_traces' must be a list with one list of entries per device")
     if not isinstance(data.get("segments", []), list):
         raise TraceFormatError(where, "'segments' must be a list")
@@ -106,12 +124,16 @@ def _check_top_level(data: Any, where: str) -> None:
 
 def _pick_device(traces: list[list[Any]], device: int | None, where: str) -> int:
     if device is not None:
+        if type(device) is not int:
+            raise TraceFormatError(where, f"device must be an int index, got {shorten(device)}")
         if not 0 <= device < len(traces):
             raise TraceFormatError(where, f"no device {device}: the snapshot has traces for {len(traces)} device(s)")
         return device
     non_empty = [i for i, t in enumerate(traces) if t]
     if len(non_empty) > 1:
-        raise TraceFormatError(where, f"devices {non_empty} all have traces: pass device= to choose one")
+        shown = ", ".join(map(str, non_empty[:8])) + (", ..." if len(non_empty) > 8 else "")
+        raise TraceFormatError(where, f"devices [{shown}] all have traces: pass device= (the command line's "
+                                      "--device-index) to choose one")
     return non_empty[0] if non_empty else 0
 
 
@@ -131,6 +153,10 @@ def _columns_fast(entries: list[Any]) -> Columns | None:
         return None
     if not {int, float} >= set(map(type, times)):
         return None
+    if entries and int in set(map(type, times)):
+        int_times = [t for t in times if type(t) is int]
+        if min(int_times) < -_TIME_LIMIT_US or max(int_times) > _TIME_LIMIT_US:
+            return None
     if entries and (min(sizes) < 0 or min(addrs) < 0 or max(addrs) > _INT64_MAX or max(sizes) > _INT64_MAX
                     or min(streams) < -_INT64_MAX or max(streams) > _INT64_MAX):
         return None
@@ -146,9 +172,9 @@ def _int_field(entry: dict[str, Any], key: str, where: str, i: int, *, default: 
         what = "missing" if key not in entry else f"not an integer ({type(value).__name__})"
         raise TraceFormatError(where, f"'{key}' is {what}", entry=i)
     if value < minimum:
-        raise TraceFormatError(where, f"negative '{key}' ({value})", entry=i)
+        raise TraceFormatError(where, f"negative '{key}' ({shorten(value)})", entry=i)
     if value > _INT64_MAX:
-        raise TraceFormatError(where, f"'{key}' ({value}) does not fit in 64 bits", entry=i)
+        raise TraceFormatError(where, f"'{key}' ({shorten(value)}) does not fit in 64 bits", entry=i)
     return value
 
 
@@ -162,7 +188,7 @@ def _columns_careful(entries: list[Any], where: str) -> Columns:
         if not isinstance(action, str):
             raise TraceFormatError(where, "'action' is missing or not a string", entry=i)
         if action not in ACTIONS:
-            raise TraceFormatError(where, f"unknown action {action!r}", entry=i)
+            raise TraceFormatError(where, f"unknown action {shorten(action)}", entry=i)
         codes.append(ACTIONS[action])
         addrs.append(_int_field(e, "addr", where, i))
         sizes.append(_int_field(e, "size", where, i))
@@ -170,6 +196,8 @@ def _columns_careful(entries: list[Any], where: str) -> Columns:
         t = e.get("time_us", 0)
         if type(t) not in (int, float):
             raise TraceFormatError(where, f"'time_us' is not a number ({type(t).__name__})", entry=i)
+        if type(t) is int and not -_TIME_LIMIT_US <= t <= _TIME_LIMIT_US:
+            raise TraceFormatError(where, f"'time_us' ({shorten(t)}) is out of range (|time_us| <= 2**63)", entry=i)
         times.append(t)
     return codes, addrs, sizes, streams, times
 
@@ -181,16 +209,28 @@ def snapshot_to_trace(
     device: int | None = None,
     where: str = "<snapshot>",
     consume: bool = False,
+    limits: TraceLimits | None = None,
+    n_objects: int | None = None,
 ) -> Trace:
     """The ops of one device of an in-memory snapshot dict (``where`` names it in errors).
 
     ``device=None`` picks the only device whose trace is non-empty. With
     ``consume=True`` the snapshot's ``device_traces`` are emptied once read, so
     the entry dicts can be freed before the trace is built (lower peak memory).
+    At most ``limits.max_entries`` entries are read; ``n_objects`` (the objects
+    unpickling made, when known) bounds them too: distinct entries are distinct
+    dicts, so more entries than objects means memo references repeated.
     """
-    _check_top_level(snapshot, where)
+    limits = limits or DEFAULT_LIMITS
+    _check_top_level(snapshot, where, limits)
     traces = snapshot["device_traces"]
     entries = traces[_pick_device(traces, device, where)] if traces else []
+    if len(entries) > limits.max_entries:
+        raise TraceFormatError(where, f"{len(entries):,} entries, more than {limits.max_entries:,} "
+                                      "(TraceLimits.max_entries); raise the limit if the file is genuine")
+    if n_objects is not None and len(entries) > n_objects:
+        raise TraceFormatError(where, f"{len(entries):,} entries but the file made only {n_objects:,} objects: "
+                                      "the entries repeat the same objects (memo references), as no snapshot does")
     with _gc_paused():
         cols = _columns_fast(entries) or _columns_careful(entries, where)
     if consume:
@@ -207,16 +247,21 @@ def snapshot_to_trace(
         raise TraceFormatError(where, str(e), entry=e.index) from None
 
 
-def read_pytorch_snapshot(path: PathLike, *, device: int | None = None, name: str | None = None) -> Trace:
+def read_pytorch_snapshot(path: PathLike, *, device: int | None = None, name: str | None = None,
+                          limits: TraceLimits | None = None, progress: bool | None = False) -> Trace:
     """Read a PyTorch memory snapshot pickle (gzipped or not) as a :class:`Trace`.
 
-    ``name`` defaults to the file name up to its first dot. Raises
+    ``device`` picks one device of a multi-device snapshot (its index in
+    ``device_traces``); ``name`` defaults to the file name up to its first dot;
+    ``limits`` defaults to :data:`~gpumem.trace.limits.DEFAULT_LIMITS`; ``progress``
+    shows the compressed bytes read (None: only on a terminal). Raises
     ``FileNotFoundError`` for a missing file and ``TraceFormatError`` (naming the
     file, and the entry index for a bad entry) for anything unreadable.
     """
+    limits = limits or DEFAULT_LIMITS
     with _gc_paused():  # the collector would repeatedly traverse the million entry dicts
-        data = load_snapshot_dict(path)
+        data, n_objects = _load_snapshot(path, limits, progress)
         return snapshot_to_trace(
             data, name=trace_name_from_path(path) if name is None else name, device=device, where=str(path),
-            consume=True,
+            consume=True, limits=limits, n_objects=n_objects,
         )

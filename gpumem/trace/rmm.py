@@ -23,17 +23,24 @@ RAPIDS Memory Manager's logging adaptor writes one CSV line per call::
 after rounding to whole microseconds), so a trace with non-decreasing times whose
 consecutive gaps are under 12 hours reads back with the same ops and the same
 times *relative to the first op*, to the microsecond.
+
+The reader streams the file line by line under
+:class:`~gpumem.trace.limits.TraceLimits` (bounded line length, at most
+``max_entries`` lines, the decompressed-size and ratio caps), range-checks every
+number, and quotes at most a short prefix of a bad field in its errors.
 """
 
 from __future__ import annotations
 
+from array import array
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import TraceFormatError
-from ._fileio import PathLike, check_exists, open_for_writing, open_text, trace_name_from_path
+from ._fileio import PathLike, check_exists, iter_lines, open_binary, open_for_writing, trace_name_from_path
 from .builder import AddressReuseError, build_trace, replay_addresses
+from .limits import DEFAULT_LIMITS, TraceLimits, shorten
 from .model import OpKind, Trace
 
 __all__ = ["RMM_HEADER", "read_rmm_log", "write_rmm_log", "parse_time_of_day_us", "format_time_of_day"]
@@ -49,12 +56,14 @@ _INT64_MAX = 2**63 - 1
 def parse_time_of_day_us(text: str) -> int:
     """``"21:50:47.674565"`` -> microseconds since midnight. Raises ``ValueError`` when malformed."""
     hms, _, frac = text.strip().partition(".")
-    h, m, s = hms.split(":")
+    parts = hms.split(":")
+    if len(parts) != 3 or not all(p.strip().isdigit() and len(p.strip()) <= 2 for p in parts):
+        raise ValueError(f"time of day {shorten(text)} is not HH:MM:SS.ffffff")
     if not (frac.isdigit() or frac == "") or len(frac) > 9:
-        raise ValueError(f"bad fraction of a second in {text!r}")
-    hour, minute, second = int(h), int(m), int(s)
+        raise ValueError(f"bad fraction of a second in {shorten(text)}")
+    hour, minute, second = (int(p) for p in parts)
     if not (0 <= hour < 24 and 0 <= minute < 60 and 0 <= second < 61):
-        raise ValueError(f"time of day out of range: {text!r}")
+        raise ValueError(f"time of day out of range: {shorten(text)}")
     us = int((frac + "000000")[:6]) if frac else 0
     return ((hour * 60 + minute) * 60 + second) * 1_000_000 + us
 
@@ -68,85 +77,97 @@ def format_time_of_day(time_us: float) -> str:
     return f"{hour:02d}:{minute:02d}:{second:02d}.{us:06d}"
 
 
-def _parse_int(text: str) -> int:
+def _parse_int(text: str, what: str = "stream", *, hexadecimal: bool = False) -> int:
+    """A decimal or ``0x`` hexadecimal (always hexadecimal when ``hexadecimal``) integer in ``(-2**63, 2**63)``.
+
+    Raises ``ValueError`` quoting at most a short prefix of ``text``.
+    """
     text = text.strip()
-    return int(text, 16) if text[:2].lower() == "0x" else int(text)
+    base = 16 if hexadecimal or text.lstrip("+-")[:2].lower() == "0x" else 10
+    if len(text) > 20:
+        raise ValueError(f"{what} {shorten(text)} is not a 64-bit integer")
+    try:
+        value = int(text, base)
+    except ValueError:
+        raise ValueError(f"{what} {shorten(text)} is not {'a hexadecimal' if base == 16 else 'an'} integer") from None
+    if abs(value) > _INT64_MAX:
+        raise ValueError(f"{what} {value} does not fit in 64 bits")
+    return value
 
 
-def read_rmm_log(path: PathLike, *, name: str | None = None) -> Trace:
+def read_rmm_log(path: PathLike, *, name: str | None = None, limits: TraceLimits | None = None,
+                 progress: bool | None = False) -> Trace:
     """Read an RMM logging-adaptor CSV (gzipped or not) as a :class:`Trace` with ``source == "rmm-log"``.
 
     Raises ``TraceFormatError`` naming the file and line for a bad header, a
-    malformed line, an unknown action, or an allocation at a pointer still live.
+    malformed line, an unknown action, a number out of range, an exceeded limit
+    (``limits``, default :data:`~gpumem.trace.limits.DEFAULT_LIMITS`) or an
+    allocation at a pointer still live. ``progress`` shows the bytes read (None:
+    only on a terminal).
     """
     where = str(path)
     check_exists(path)
+    limits = limits or DEFAULT_LIMITS
+    max_lines = limits.max_entries
     codes: list[int] = []
     addrs: list[int] = []
     sizes: list[int] = []
     streams: list[int] = []
     times: list[int] = []
-    with open_text(path) as f:
-        header = f.readline().strip()
+    linenos = array("q")  # the line of each event, to name it in an error found after reading
+    with open_binary(path, limits=limits, progress=progress) as f:
+        lines = iter_lines(f, where, limits, skip_blank=True)
+        first = next(lines, None)
+        header = first[1].strip() if first else ""
         if not header:
             raise TraceFormatError(where, "line 1: empty file, expected the RMM log header " + ",".join(RMM_HEADER))
         columns = [c.strip() for c in header.split(",")]
         missing = [c for c in _REQUIRED if c not in columns]
         if missing:
-            raise TraceFormatError(where, f"line 1: header {header!r} lacks column(s) {', '.join(missing)}")
+            raise TraceFormatError(where, f"line 1: header {shorten(header)} lacks column(s) {', '.join(missing)}")
         i_time, i_action, i_ptr, i_size, i_stream = (columns.index(c) for c in _REQUIRED)
         n_cols = len(columns)
         day_offset = 0
         prev = None
-        lineno = 1
-        for lineno, line in enumerate(f, start=2):
+        for lineno, line in lines:
             if not line.strip():
                 continue
-            fields = line.rstrip("\r\n").split(",")
+            fields = line.split(",")
             if len(fields) != n_cols:
                 raise TraceFormatError(where, f"line {lineno}: {len(fields)} fields, the header has {n_cols}")
             action = fields[i_action].strip()
             code = _ACTION_CODES.get(action)
             if code is None:
-                raise TraceFormatError(where, f"line {lineno}: unknown action {action!r}")
+                raise TraceFormatError(where, f"line {lineno}: unknown action {shorten(action)}")
             try:
                 t = parse_time_of_day_us(fields[i_time]) + day_offset
                 if prev is not None and t < prev - _HALF_DAY_US:
                     day_offset += _DAY_US
                     t += _DAY_US
-                size = int(fields[i_size])
-                stream = _parse_int(fields[i_stream])
-                addr = 0 if code == 2 else int(fields[i_ptr].strip(), 16)
+                size = _parse_int(fields[i_size], "size")
+                stream = _parse_int(fields[i_stream], "stream")
+                addr = 0 if code == 2 else _parse_int(fields[i_ptr], "pointer", hexadecimal=True)
             except ValueError as e:
                 raise TraceFormatError(where, f"line {lineno}: {e}") from None
-            if size < 0 or size > _INT64_MAX or not 0 <= addr <= _INT64_MAX or abs(stream) > _INT64_MAX:
+            if size < 0 or addr < 0:
                 raise TraceFormatError(where, f"line {lineno}: size, pointer or stream out of range")
+            if len(codes) >= max_lines:
+                raise TraceFormatError(where, f"line {lineno}: more than {max_lines:,} events "
+                                              "(TraceLimits.max_entries)")
             prev = t
             codes.append(code)
             addrs.append(addr)
             sizes.append(size)
             streams.append(stream)
             times.append(t)
+            linenos.append(lineno)
     try:
         return build_trace(
             name if name is not None else trace_name_from_path(path), "rmm-log",
             codes, addrs, sizes, streams, times, origin=where, n_failed_allocs=codes.count(2),
         )
     except AddressReuseError as e:
-        raise TraceFormatError(where, f"line {_line_of_event(path, e.index)}: {e}") from None
-
-
-def _line_of_event(path: PathLike, index: int) -> int:
-    """The line number of the ``index``-th event (blank lines are skipped when reading)."""
-    with open_text(path) as f:
-        f.readline()
-        seen = -1
-        for lineno, line in enumerate(f, start=2):
-            if line.strip():
-                seen += 1
-                if seen == index:
-                    return lineno
-    return -1
+        raise TraceFormatError(where, f"line {linenos[e.index]}: {e}") from None
 
 
 def write_rmm_log(trace: Trace, path: PathLike) -> Path:

@@ -1,4 +1,4 @@
-"""Loading pickles that cannot run code.
+"""Loading pickles that cannot run code, and cannot make the process run out of memory.
 
 A pickle is a small program: its ``GLOBAL``/``STACK_GLOBAL`` opcodes import any
 callable (``os.system``, ``builtins.eval``) and ``REDUCE`` calls it. Every such
@@ -8,24 +8,241 @@ natively: ``dict``, ``list``, ``tuple``, ``set``, ``frozenset``, ``str``,
 ``bytes``, ``bytearray``, ``int``, ``float``, ``bool`` and ``None``. That is
 all a PyTorch memory snapshot contains.
 
+Except one way around ``find_class``: the ``EXT1``/``EXT2``/``EXT4`` opcodes name
+an object by an extension code, and the unpickler first looks that code up in
+:mod:`copyreg`'s process-wide extension cache, which holds whatever any earlier
+unpickling in the process resolved. So the byte stream is scanned, opcode by
+opcode and chunk by chunk, *before* the unpickler sees it
+(:class:`OpcodeScanner`), and a pickle using an extension code, or any byte that is
+not a pickle opcode, is refused outright; copyreg is never consulted.
+
+Memory is bounded while loading (see :class:`~gpumem.trace.limits.TraceLimits`):
+the decompressed bytes, the compression ratio, and the interpreter objects alive
+(``sys.getallocatedblocks``) are checked after every 64 KiB chunk, so a small file
+of memo references or a gzip bomb is refused long before it can grow.
+
 :func:`load_plain_pickle` reads such a file (gzipped or not, detected by content)
-and turns every failure -- a forbidden global, a persistent id, a truncated or
-corrupt stream -- into :class:`~gpumem.errors.TraceFormatError` naming the file.
+and turns every failure -- a forbidden global or opcode, a persistent id, a
+truncated or corrupt stream, an exceeded limit -- into
+:class:`~gpumem.errors.TraceFormatError` naming the file.
 """
 
 from __future__ import annotations
 
+import functools
 import pickle
+import pickletools
+import re
+import sys
 from typing import Any
 
 from ..errors import TraceFormatError
-from ._fileio import PathLike, open_binary
+from ._fileio import CHUNK_NBYTES, PathLike, check_exists, is_gzip, open_binary
+from .limits import DEFAULT_LIMITS, TraceLimits, shorten
 
-__all__ = ["PlainUnpickler", "load_plain_pickle"]
+__all__ = ["OpcodeScanner", "PlainUnpickler", "load_plain_pickle"]
+
+_EXT_OPCODES = frozenset(b"\x82\x83\x84")  # EXT1, EXT2, EXT4
+_TUPLE_OPCODES = frozenset(b"t\x85\x86\x87")  # TUPLE, TUPLE1, TUPLE2, TUPLE3 (EMPTY_TUPLE cannot nest)
+_STOP = ord(".")
+_FRAME = 0x95  # FRAME: an 8-byte length the unpickler reads (and allocates) in one go
+_PAIR_LINE_OPCODES = frozenset(b"ci")  # GLOBAL and INST: two newline-terminated arguments
+
+
+def _opcode_tables() -> tuple[dict[int, int], frozenset[int], frozenset[int], dict[int, tuple[int, bool]]]:
+    fixed: dict[int, int] = {}  # opcode -> argument bytes
+    line: set[int] = set()  # argument up to a newline
+    len1: set[int] = set()  # 1-byte length, then that many bytes
+    lenn: dict[int, tuple[int, bool]] = {}  # opcode -> (length bytes, signed), then that many bytes
+    for od in pickletools.opcodes:
+        code = od.code.encode("latin-1")[0]
+        arg = od.arg
+        if arg is None:
+            fixed[code] = 0
+        elif arg.n >= 0:
+            fixed[code] = arg.n
+        elif arg.n == pickletools.UP_TO_NEWLINE:
+            line.add(code)
+        elif arg.n == pickletools.TAKEN_FROM_ARGUMENT1:
+            len1.add(code)
+        elif arg.n == pickletools.TAKEN_FROM_ARGUMENT4:
+            lenn[code] = (4, True)
+        elif arg.n == pickletools.TAKEN_FROM_ARGUMENT4U:
+            lenn[code] = (4, False)
+        else:
+            lenn[code] = (8, False)
+    return fixed, frozenset(line), frozenset(len1), lenn
+
+
+_FIXED, _LINE, _LEN1, _LENN = _opcode_tables()
+
+
+def _byte_class(codes: set[int] | frozenset[int]) -> bytes:
+    return b"[" + b"".join(re.escape(bytes([c])) for c in sorted(codes)) + b"]"
+
+
+@functools.lru_cache(maxsize=8)
+def _run_pattern(max_line_nbytes: int) -> re.Pattern[bytes]:
+    """A run of allowed opcodes whose arguments the regex engine can measure itself (lines up to the cap).
+
+    Left out, for :class:`OpcodeScanner` to handle one by one: 4/8-byte lengths, FRAME, tuples (counted),
+    STOP and EXT.
+    """
+    by_size: dict[int, set[int]] = {}
+    for code, size in _FIXED.items():
+        if code not in _EXT_OPCODES and code not in _TUPLE_OPCODES and code not in (_STOP, _FRAME):
+            by_size.setdefault(size, set()).add(code)
+    alts = [_byte_class(codes) + (b".{%d}" % size if size else b"") for size, codes in sorted(by_size.items())]
+    line = b"[^\\n]{0,%d}\\n" % max_line_nbytes
+    alts.append(_byte_class(_LINE - _PAIR_LINE_OPCODES) + line)
+    alts.append(_byte_class(_PAIR_LINE_OPCODES) + line + line)
+    counted = b"|".join(re.escape(bytes([k])) + (b".{%d}" % k if k else b"") for k in range(256))
+    alts.append(_byte_class(_LEN1) + b"(?:" + counted + b")")
+    return re.compile(b"(?:" + b"|".join(alts) + b")*+", re.DOTALL)
+
+
+
+class OpcodeScanner:
+    """Follows a pickle's opcode stream chunk by chunk and refuses extension codes and non-opcodes.
+
+    ``feed(chunk)`` parses as far as the chunk allows (an opcode cut at the chunk's
+    end is completed by the next one; long string arguments are skipped without
+    being kept) and raises ``TraceFormatError`` at an ``EXT1``/``EXT2``/``EXT4``
+    opcode, at a byte that is no opcode, at a text argument longer than
+    ``max_line_nbytes``, or past ``max_tuples`` tuple-building opcodes. Tuples are
+    capped because they nest without bound and hashing a tuple nested 200,000 deep
+    (a dict key, 200 KB of pickle) overflows the C stack and kills the process;
+    with at most ``max_tuples`` tuples none nests deeper. A length-prefixed
+    argument or frame that would end past ``max_stream_nbytes`` (the most the
+    stream can hold: the file's size, or what a gzip file may expand to under the
+    limits) is refused before the unpickler allocates a buffer of that length.
+    After ``STOP`` the rest is ignored (the unpickler stops there too).
+    """
+
+    def __init__(self, where: str, max_line_nbytes: int, max_tuples: int = 20_000,
+                 max_stream_nbytes: int | None = None) -> None:
+        self.where = where
+        self.max_stream_nbytes = max_stream_nbytes
+        self.max_line_nbytes = max_line_nbytes
+        self.max_tuples = max_tuples
+        self.n_tuples = 0
+        self.done = False
+        self._tail = b""
+        self._skip = 0
+        self._offset = 0  # stream offset of the first byte of the next chunk
+        self._run = _run_pattern(max_line_nbytes)
+
+    def feed(self, chunk: bytes) -> None:
+        """Scan the next chunk of the stream."""
+        start = self._offset
+        self._offset += len(chunk)
+        if self.done:
+            return
+        if self._skip:
+            if len(chunk) <= self._skip:
+                self._skip -= len(chunk)
+                return
+            chunk = chunk[self._skip:]
+            start += self._skip
+            self._skip = 0
+        buf = self._tail + chunk if self._tail else chunk
+        base = start - len(self._tail)  # stream offset of buf[0]
+        self._tail = b""
+        n = len(buf)
+        pos = 0
+        while True:
+            pos = self._run.match(buf, pos).end()  # type: ignore[union-attr]  # a starred group always matches
+            if pos >= n:
+                return
+            op = buf[pos]
+            if op == _STOP:
+                self.done = True
+                return
+            if op in _LENN:
+                width, signed = _LENN[op]
+                if pos + 1 + width > n:
+                    break
+                length = int.from_bytes(buf[pos + 1:pos + 1 + width], "little", signed=signed)
+                if length < 0:
+                    raise TraceFormatError(self.where, f"not a readable pickle (negative length at byte {base + pos})")
+                end = pos + 1 + width + length
+                self._check_end(base + pos, base + end, length)
+                if end > n:
+                    self._skip = end - n
+                    return
+                pos = end
+                continue
+            if op == _FRAME:
+                if pos + 9 > n:
+                    break
+                length = int.from_bytes(buf[pos + 1:pos + 9], "little")
+                self._check_end(base + pos, base + pos + 9 + length, length)
+                pos += 9
+                continue
+            if op in _TUPLE_OPCODES:
+                self.n_tuples += 1
+                if self.n_tuples > self.max_tuples:
+                    raise TraceFormatError(
+                        self.where, f"pickle builds more than {self.max_tuples:,} tuples (TraceLimits.max_pickle_tuples;"
+                        " deeply nested tuples would overflow the stack when hashed)")
+                pos += 1
+                continue
+            if op in _EXT_OPCODES:
+                raise TraceFormatError(
+                    self.where, f"pickle uses an extension code (EXT opcode at byte {base + pos}), which a memory "
+                    "snapshot never does; refused without consulting copyreg")
+            if op in _LINE and self._line_too_long(buf, pos, op):
+                raise self._long_argument(base + pos, buf[pos:pos + 100])
+            if not self._incomplete(buf, pos, op):
+                raise TraceFormatError(self.where, f"not a readable pickle (byte {op:#04x} at {base + pos} is no "
+                                                   "opcode a snapshot may use)")
+            break
+        self._tail = buf[pos:]
+        if self._tail[0] in _LINE and self._line_too_long(self._tail, 0, self._tail[0]):
+            raise self._long_argument(base + pos, self._tail[:100])
+
+    def _line_too_long(self, buf: bytes, pos: int, op: int) -> bool:
+        """Whether a newline-terminated argument at ``pos`` (complete or not) exceeds the cap."""
+        cap = self.max_line_nbytes
+        start = pos + 1
+        for _ in range(2 if op in _PAIR_LINE_OPCODES else 1):
+            end = buf.find(b"\n", start, start + cap + 1)
+            if end < 0:
+                return len(buf) - start > cap
+            start = end + 1
+        return False
+
+    def _long_argument(self, at: int, head: bytes) -> TraceFormatError:
+        return TraceFormatError(self.where, f"pickle argument at byte {at:,} is longer than {self.max_line_nbytes:,} "
+                                            f"bytes (TraceLimits.max_line_nbytes): {shorten(head, 40)}")
+
+    def _check_end(self, at: int, end: int, length: int) -> None:
+        if self.max_stream_nbytes is not None and end > self.max_stream_nbytes:
+            raise TraceFormatError(
+                self.where, f"not a readable pickle: the opcode at byte {at:,} declares {length:,} bytes, more than "
+                f"the file can hold ({self.max_stream_nbytes:,} bytes in all under its TraceLimits)")
+
+    @staticmethod
+    def _incomplete(buf: bytes, pos: int, op: int) -> bool:
+        """Whether the opcode at ``pos`` is a valid one cut short by the end of ``buf``."""
+        rest = len(buf) - pos - 1
+        if op == _FRAME:
+            return rest < 8
+        if op in _FIXED:
+            return rest < _FIXED[op]
+        if op in _LEN1:
+            return rest < 1 or rest < 1 + buf[pos + 1]
+        if op in _LINE:
+            return buf.count(b"\n", pos) < (2 if op in _PAIR_LINE_OPCODES else 1)
+        return False
 
 
 class PlainUnpickler(pickle.Unpickler):
-    """An unpickler that refuses every global, so loading never imports or calls anything."""
+    """An unpickler that refuses every global, so loading never imports or calls anything.
+
+    Give it a stream that an :class:`OpcodeScanner` has checked (as
+    :func:`load_plain_pickle` does): ``find_class`` cannot stop the ``EXT`` opcodes.
+    """
 
     def __init__(self, file: Any, *, path: str = "<pickle>") -> None:
         super().__init__(file)
@@ -34,23 +251,68 @@ class PlainUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         raise TraceFormatError(
             self._path,
-            f"forbidden global {module}.{name} in pickle: only plain containers and scalars are allowed "
-            "(the file may be trying to run code)",
+            f"forbidden global {shorten(module, 60)[1:-1]}.{shorten(name, 60)[1:-1]} in pickle: only plain "
+            "containers and scalars are allowed (the file may be trying to run code)",
         )
 
     def persistent_load(self, pid: Any) -> Any:
         raise TraceFormatError(self._path, "pickle uses persistent ids, which a memory snapshot never does")
 
 
-def load_plain_pickle(path: PathLike) -> Any:
-    """Unpickle ``path`` (gzip detected by content) admitting only plain data; see the module docstring."""
+class _ObjectBudget:
+    """Inspects each chunk: feeds the opcode scanner, then checks how many objects the load has made so far."""
+
+    def __init__(self, where: str, limits: TraceLimits, max_stream_nbytes: int | None = None) -> None:
+        self.where = where
+        self.limits = limits
+        self.scanner = OpcodeScanner(where, limits.max_line_nbytes, limits.max_pickle_tuples, max_stream_nbytes)
+        self.baseline = sys.getallocatedblocks()
+        self.peak_objects = 0
+
+    def __call__(self, chunk: bytes) -> None:
+        self.scanner.feed(chunk)
+        self.check()
+
+    def check(self) -> None:
+        """Refuse when more objects than ``limits.max_objects`` are alive since the load began."""
+        made = sys.getallocatedblocks() - self.baseline
+        if made > self.peak_objects:
+            self.peak_objects = made
+            if made > self.limits.max_objects:
+                raise TraceFormatError(
+                    self.where, f"unpickling made more than {self.limits.max_objects:,} objects "
+                    "(TraceLimits.max_objects); raise the limit if the file is genuine")
+
+
+def load_plain_pickle(path: PathLike, *, limits: TraceLimits | None = None, progress: bool | None = False) -> Any:
+    """Unpickle ``path`` (gzip detected by content) admitting only plain data; see the module docstring.
+
+    ``limits`` defaults to :data:`~gpumem.trace.limits.DEFAULT_LIMITS`; ``progress``
+    shows the compressed bytes read (None: only on a terminal).
+    """
+    value, _ = _load_counted(path, limits or DEFAULT_LIMITS, progress)
+    return value
+
+
+def _load_counted(path: PathLike, limits: TraceLimits, progress: bool | None) -> tuple[Any, int]:
+    """The unpickled value and the peak number of objects the load made (for the reader's own bounds)."""
     name = str(path)
-    with open_binary(path) as f:
+    p = check_exists(path)
+    size = p.stat().st_size
+    if is_gzip(p):  # what GuardedReader lets the file expand to, plus one chunk of slack
+        size = min(limits.max_decompressed_nbytes,
+                   max(limits.ratio_floor_nbytes, int(limits.max_compression_ratio * size))) + CHUNK_NBYTES
+    budget = _ObjectBudget(name, limits, size)
+    with open_binary(path, limits=limits, inspect=budget, progress=progress) as f:
         try:
-            return PlainUnpickler(f, path=name).load()
+            value = PlainUnpickler(f, path=name).load()
         except TraceFormatError:
             raise
         except RecursionError as e:
             raise TraceFormatError(name, "pickle nests too deeply") from e
+        except MemoryError as e:
+            raise TraceFormatError(name, "pickle needs more memory than is available") from e
         except Exception as e:  # any failure of the C unpickler on untrusted bytes is a format error
-            raise TraceFormatError(name, f"not a readable pickle ({type(e).__name__}: {e})") from e
+            raise TraceFormatError(name, f"not a readable pickle ({type(e).__name__}: {shorten(str(e))})") from e
+        budget.check()  # the objects made from the last chunk
+    return value, budget.peak_objects

@@ -6,6 +6,8 @@ Equality per format:
 * PyTorch snapshot: the same ops, times and addresses (name and source are the reader's);
 * RMM CSV: the same ops and addresses; times to the microsecond and relative to the
   first op, since RMM logs the time of day (rounded to microseconds).
+
+A trace without allocations writes fine but ``load_trace`` refuses it ("no allocations").
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gpumem.errors import TraceFormatError
 from gpumem.trace import (
     Trace,
     load_trace,
@@ -36,7 +40,11 @@ def test_native_round_trip_is_exact(trace: Trace, gz: bool) -> None:
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / ("x.gmt.gz" if gz else "x.gmt")
         save_trace(trace, path)
-        assert load_trace(path) == trace
+        if trace.n_allocs == 0:
+            with pytest.raises(TraceFormatError, match="no allocations"):
+                load_trace(path)
+        else:
+            assert load_trace(path) == trace
 
 
 @PROPERTY
@@ -45,6 +53,10 @@ def test_rmm_round_trip_keeps_ops_and_relative_microseconds(trace: Trace, gz: bo
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / ("x.csv.gz" if gz else "x.csv")
         write_rmm_log(trace, path)
+        if trace.n_allocs == 0:
+            with pytest.raises(TraceFormatError, match="no allocations"):
+                load_trace(path)
+            return
         back = load_trace(path)
     assert back.source == "rmm-log" and back.name == "x"
     assert back.ops_equal(trace, times=False)

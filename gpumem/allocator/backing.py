@@ -10,9 +10,35 @@ and makes their memory real. Both backings speak only the
     ``device.malloc``; its memory is held, whole, until the segment is released.
 
 :class:`VirtualBacking`
-    One reserved virtual range per pool and stream, which only grows at its top;
-    physical memory is mapped page by page (the device granularity, 2 MiB) under
-    the pages that live blocks touch.
+    One reserved virtual range per pool, shared by every stream, which only grows
+    at its top; physical memory is mapped page by page (the device granularity,
+    2 MiB) under the pages that live blocks touch.
+
+The allocator (:mod:`.caching`) owns blocks and free lists; a backing owns
+segments and pages, and gives memory back to the device only when the fences of
+its last users have completed (Note [Stream-ordered frees] in :mod:`.fences`).
+
+Note [Failure atomicity]
+------------------------
+Every device call comes first and the bookkeeping changes only for what it did:
+a chunk is counted once ``mem_create`` returned it, a page is marked mapped once
+``mem_map`` succeeded and unmapped once ``mem_unmap`` did, a segment is dropped
+once ``free`` succeeded. A call that fails raises with the bookkeeping describing
+exactly what the device holds, so :meth:`CachingAllocator.check_consistency`
+passes and the next operation works. Pages mapped whose ``mem_set_access``
+failed and that could not be unmapped again are kept as empty pages marked
+``noaccess`` (access is set before a block uses them).
+
+Note [One range per pool]
+-------------------------
+All streams share the pool's virtual range: blocks of different streams tile it
+side by side, and free lists (in the allocator) are per stream, so a block is
+never handed from one stream to another. The page tables of a range are two
+arrays of one entry per page (16 B per 2 MiB of address space), so a thousand
+streams cost a thousand free lists, not a thousand reservations. Address space
+that a stream freed at the top of the range is taken back on
+:meth:`~Backing.release_cached`; another stream that grows over it first waits
+for the fence recorded then.
 
 Note [Virtual memory: pages follow live data]
 ---------------------------------------------
@@ -48,8 +74,9 @@ from array import array
 from typing import Callable
 
 from ..device import Device, PhysicalHandle
-from ..errors import OutOfMemoryError
-from .block import Block, FreeList
+from ..errors import InternalError, OutOfMemoryError
+from .block import Block, FreeList, append_block, drop_last_block
+from .fences import StreamFences, merge_fences
 from .policy import AllocatorPolicy
 
 log = logging.getLogger(__name__)
@@ -58,15 +85,22 @@ FreeListLookup = Callable[[Block], FreeList]
 
 
 class Segment:
-    """A stretch of device addresses tiled by blocks."""
+    """A stretch of device addresses tiled by blocks (a ``malloc``'d segment).
 
-    __slots__ = ("base", "nbytes", "small", "stream")
+    ``live``: allocated blocks in it; ``fence``: the fence recorded on ``stream`` when
+    it last fell empty (0: none), see Note [Stream-ordered frees].
+    """
+
+    __slots__ = ("base", "nbytes", "small", "stream", "last", "live", "fence")
 
     def __init__(self, base: int, nbytes: int, small: bool, stream: int) -> None:
         self.base = base
         self.nbytes = nbytes
         self.small = small
         self.stream = stream
+        self.last: Block | None = None
+        self.live = 0
+        self.fence = 0
 
 
 class LimitExceeded(OutOfMemoryError):
@@ -76,10 +110,12 @@ class LimitExceeded(OutOfMemoryError):
 class Backing(abc.ABC):
     """Supplies segments and physical memory to a caching allocator."""
 
-    def __init__(self, device: Device, policy: AllocatorPolicy, limit_nbytes: int | None) -> None:
+    def __init__(self, device: Device, policy: AllocatorPolicy, limit_nbytes: int | None,
+                 fences: StreamFences | None = None) -> None:
         self.device = device
         self.policy = policy
         self.limit_nbytes = limit_nbytes
+        self.fences = fences if fences is not None else StreamFences(device)
         self.granularity = device.granularity_nbytes
         self.reserved_nbytes = 0
         self.n_segments = 0
@@ -115,15 +151,22 @@ class Backing(abc.ABC):
 
     @abc.abstractmethod
     def decommit(self, block: Block) -> None:
-        """A block was freed."""
+        """A block is being freed: record the fences its memory needs; on failure raise and change nothing."""
 
     @abc.abstractmethod
-    def release_cached(self, free_list_of: FreeListLookup) -> int:
-        """Give back to the device the memory that holds no live data; return the bytes released."""
+    def release_cached(self, free_list_of: FreeListLookup, wait: bool = True) -> int:
+        """Give back to the device the memory that holds no live data; return the bytes released.
+
+        Memory whose fences have not completed is waited for when ``wait``, else kept.
+        """
 
     @abc.abstractmethod
     def close(self) -> None:
         """Give everything back (the allocator has no live blocks, or no longer cares)."""
+
+    @abc.abstractmethod
+    def consistency_problems(self, free_list_of: FreeListLookup) -> list[str]:
+        """What differs between this backing's bookkeeping and the device's (empty when consistent)."""
 
     def largest_free_nbytes(self, free_lists: list[FreeList]) -> int:
         """The largest request servable without new device memory."""
@@ -136,8 +179,9 @@ class Backing(abc.ABC):
 class SegmentBacking(Backing):
     """Segments from ``device.malloc``; see the module docstring."""
 
-    def __init__(self, device: Device, policy: AllocatorPolicy, limit_nbytes: int | None) -> None:
-        super().__init__(device, policy, limit_nbytes)
+    def __init__(self, device: Device, policy: AllocatorPolicy, limit_nbytes: int | None,
+                 fences: StreamFences | None = None) -> None:
+        super().__init__(device, policy, limit_nbytes, fences)
         self.segments: dict[int, Segment] = {}
         self._heads: dict[int, Block] = {}
 
@@ -154,25 +198,34 @@ class SegmentBacking(Backing):
         self.reserved_nbytes += seg_nbytes
         self.n_segments += 1
         block = Block(ptr, seg_nbytes, stream, seg)
+        append_block(seg, block)
         self._heads[ptr] = block
         self._segment_event("segment_alloc", ptr, seg_nbytes, stream)
         return block
 
     def commit(self, block: Block) -> None:
-        return None
+        block.segment.live += 1  # type: ignore[attr-defined]
 
     def decommit(self, block: Block) -> None:
-        return None
+        seg: Segment = block.segment  # type: ignore[assignment]
+        if seg.live == 1:
+            seg.fence = self.fences.record(seg.stream)
+        seg.live -= 1
 
-    def release_cached(self, free_list_of: FreeListLookup) -> int:
+    def release_cached(self, free_list_of: FreeListLookup, wait: bool = True) -> int:
         released = 0
+        fences = self.fences
         for base, seg in list(self.segments.items()):
             head = self._heads[base]
-            if head.allocated or head.pending_streams or head.size != seg.nbytes:
-                continue  # holds live data, or was freed but waits for a stream sync point
-            free_list_of(head).remove(head)
+            if seg.live or head.allocated or head.fences or head.size != seg.nbytes:
+                continue  # holds live data, or was freed but waits for a stream's fence
+            if seg.fence and not fences.done(seg.stream, seg.fence):
+                if not wait:
+                    continue
+                fences.wait(seg.stream, seg.fence)
             self.device.free(base)
             self.device_calls += 1
+            free_list_of(head).remove(head)
             del self.segments[base]
             del self._heads[base]
             self.reserved_nbytes -= seg.nbytes
@@ -184,6 +237,8 @@ class SegmentBacking(Backing):
     def close(self) -> None:
         for base, seg in list(self.segments.items()):
             try:
+                if seg.fence:
+                    self.fences.wait(seg.stream, seg.fence)
                 self.device.free(base)
             except Exception as exc:  # noqa: BLE001 - closing gives back what it can
                 log.warning("could not free segment %#x: %s", base, exc)
@@ -192,66 +247,128 @@ class SegmentBacking(Backing):
         self.reserved_nbytes = 0
         self.n_segments = 0
 
+    def consistency_problems(self, free_list_of: FreeListLookup) -> list[str]:
+        problems: list[str] = []
+        on_device = dict(self.device.allocation_ranges())
+        total = 0
+        for base, seg in self.segments.items():
+            total += seg.nbytes
+            if on_device.get(base) != seg.nbytes:
+                problems.append(f"segment {base:#x}+{seg.nbytes} is not a live device allocation of that size "
+                                f"(device: {on_device.get(base)})")
+            problems.extend(_chain_problems(seg, self._heads.get(base), seg.base + seg.nbytes, free_list_of))
+        if total != self.reserved_nbytes:
+            problems.append(f"segments hold {total} B but reserved_nbytes is {self.reserved_nbytes}")
+        return problems
+
     def describe(self) -> str:
         return f"segments ({self.n_segments} live, rule={self.policy.segment_rule.value})"
 
 
+def _chain_problems(seg: Segment, head: Block | None, end: int, free_list_of: FreeListLookup) -> list[str]:
+    """Blocks tile ``[seg.base, end)`` in order, each free one in its free list, live counts right."""
+    problems: list[str] = []
+    cursor = seg.base
+    b = head
+    prev = None
+    live = 0
+    while b is not None:
+        if b.prev is not prev or b.addr != cursor or b.size <= 0 or b.segment is not seg:
+            problems.append(f"block chain broken at {b!r} (expected {cursor:#x})")
+            break
+        if b.allocated:
+            live += 1
+        elif b.fences is not None or b.pending_streams:
+            live += 1  # freed, waiting for other streams: still counted by the backing
+        elif b not in free_list_of(b):
+            problems.append(f"free block {b!r} is in no free list")
+        cursor = b.addr + b.size
+        prev = b
+        b = b.next
+    if prev is not getattr(seg, "last", prev):
+        problems.append(f"segment {seg.base:#x}: last block is not the end of the chain")
+    if cursor != end:
+        problems.append(f"blocks of segment {seg.base:#x} end at {cursor:#x}, expected {end:#x}")
+    if isinstance(seg, Segment) and not isinstance(seg, VirtualSegment) and live != seg.live:
+        problems.append(f"segment {seg.base:#x} counts {seg.live} live blocks, its chain has {live}")
+    return problems
+
+
+def _page_array(n_pages: int) -> array:
+    return array("l", bytes(8 * n_pages)) if array("l").itemsize == 8 else array("q", bytes(8 * n_pages))
+
+
 class VirtualSegment(Segment):
-    """A reserved virtual range that grows at its top, mapped page by page."""
+    """A reserved virtual range that grows at its top, mapped page by page; shared by all streams."""
 
-    __slots__ = ("top", "last", "refs", "chunks", "empty")
+    __slots__ = ("top", "refs", "chunks", "empty", "page_fences", "users", "noaccess", "top_fences")
 
-    def __init__(self, base: int, nbytes: int, small: bool, stream: int, granularity: int) -> None:
-        super().__init__(base, nbytes, small, stream)
+    def __init__(self, base: int, nbytes: int, small: bool, granularity: int) -> None:
+        super().__init__(base, nbytes, small, 0)
         self.top = 0
         """Bytes from ``base`` tiled by blocks."""
-        self.last: Block | None = None
         n_pages = nbytes // granularity
-        self.refs = array("l", bytes(8 * n_pages)) if array("l").itemsize == 8 else array("q", bytes(8 * n_pages))
+        self.refs = _page_array(n_pages)
         """Live blocks touching each page."""
         self.chunks: list[PhysicalHandle | None] = [None] * n_pages
         """The physical chunk mapped at each page, if any."""
         self.empty: dict[int, None] = {}
         """Pages mapped but touched by no live block (insertion-ordered: oldest first)."""
+        self.page_fences: dict[int, dict[int, int]] = {}
+        """Empty (or once-empty) pages -> ``{stream: fence}`` that must complete before the page is unmapped."""
+        self.users: dict[int, int | frozenset[int]] = {}
+        """Pages still in use -> streams of blocks freed there meanwhile (only with several streams)."""
+        self.noaccess: set[int] = set()
+        """Mapped pages whose ``mem_set_access`` failed (see Note [Failure atomicity])."""
+        self.top_fences: dict[int, int] | None = None
+        """Fences of the streams whose free blocks were trimmed off the top (Note [One range per pool])."""
 
 
 class VirtualBacking(Backing):
     """Virtual ranges with page-granular physical backing; see Note [Virtual memory: pages follow live data]."""
 
-    def __init__(self, device: Device, policy: AllocatorPolicy, limit_nbytes: int | None) -> None:
-        super().__init__(device, policy, limit_nbytes)
+    def __init__(self, device: Device, policy: AllocatorPolicy, limit_nbytes: int | None,
+                 fences: StreamFences | None = None) -> None:
+        super().__init__(device, policy, limit_nbytes, fences)
         total = device.properties().total_nbytes
         g = self.granularity
         self.va_nbytes = -(-int(total * policy.va_reserve_factor) // g) * g
-        self.vsegments: dict[tuple[bool, int], VirtualSegment] = {}
+        self.vsegments: dict[bool, VirtualSegment] = {}
+        """One range per pool (``True``: the small pool)."""
         self.unmapped: list[PhysicalHandle] = []
         """Physical chunks held but mapped nowhere."""
         self.n_chunks = 0
         self.n_steals = 0
-        self.n_syncs = 0
+        self.n_waits = 0
         self.live_pages = 0
         """Pages touched by at least one live block, over all ranges."""
         self.peak_live_pages = 0
+        self._first_stream: int | None = None
+        self.multi_stream = False
+        """Whether blocks of more than one stream ever existed (then pages track their streams)."""
 
-    def _segment(self, small: bool, stream: int) -> VirtualSegment:
-        key = (small and self.policy.separate_small_pool, stream)
+    def _segment(self, small: bool) -> VirtualSegment:
+        key = small and self.policy.separate_small_pool
         seg = self.vsegments.get(key)
         if seg is None:
             base = self.device.address_reserve(self.va_nbytes)
             self.device_calls += 1
-            seg = VirtualSegment(base, self.va_nbytes, key[0], stream, self.granularity)
+            seg = VirtualSegment(base, self.va_nbytes, key, self.granularity)
             self.vsegments[key] = seg
             self.n_segments += 1
         return seg
 
     def tail_block(self, small: bool, stream: int) -> Block | None:
-        seg = self.vsegments.get((small and self.policy.separate_small_pool, stream))
-        if seg is None or seg.last is None or seg.last.allocated or seg.last.pending_streams:
+        seg = self.vsegments.get(small and self.policy.separate_small_pool)
+        if seg is None:
             return None
-        return seg.last
+        last = seg.last
+        if last is None or last.allocated or last.fences is not None or last.stream != stream:
+            return None
+        return last
 
     def grow(self, small: bool, stream: int, nbytes: int, tail: Block | None) -> Block:
-        seg = self._segment(small, stream)
+        seg = self._segment(small)
         if tail is not None:
             extra = nbytes - tail.size
             if seg.top + extra > seg.nbytes:
@@ -261,13 +378,29 @@ class VirtualBacking(Backing):
             return tail
         if seg.top + nbytes > seg.nbytes:
             raise self._va_exhausted(nbytes)
+        if seg.top_fences:
+            self._wait_top(seg, stream)
+        if self._first_stream is None:
+            self._first_stream = stream
+        elif stream != self._first_stream:
+            self.multi_stream = True
         block = Block(seg.base + seg.top, nbytes, stream, seg)
-        block.prev = seg.last
-        if seg.last is not None:
-            seg.last.next = block
-        seg.last = block
+        append_block(seg, block)
         seg.top += nbytes
         return block
+
+    def _wait_top(self, seg: VirtualSegment, stream: int) -> None:
+        """Before ``stream`` grows over address space trimmed from other streams, wait for their fences."""
+        fences = self.fences
+        pending = seg.top_fences or {}
+        for s, n in list(pending.items()):
+            if s != stream and not fences.done(s, n):
+                fences.wait(s, n)
+                self.n_waits += 1
+            if fences.done(s, n):
+                del pending[s]
+        if not pending:
+            seg.top_fences = None
 
     def _va_exhausted(self, nbytes: int) -> OutOfMemoryError:
         info = self.device.mem_info()
@@ -288,6 +421,12 @@ class VirtualBacking(Backing):
             refs[first] += 1  # the common case: a page already holding live data
             return
         chunks = seg.chunks
+        if seg.noaccess:
+            fix = [p for p in range(first, last + 1) if p in seg.noaccess]
+            for p in fix:
+                self.device.mem_set_access(seg.base + p * self.granularity, self.granularity)
+                self.device_calls += 1
+                seg.noaccess.discard(p)
         need = [p for p in range(first, last + 1) if refs[p] == 0 and chunks[p] is None]
         if need:
             self._map_pages(seg, need, first, last, block.size)
@@ -303,18 +442,68 @@ class VirtualBacking(Backing):
     def decommit(self, block: Block) -> None:
         seg, first, last = self._pages(block)
         refs = seg.refs
+        stream = block.stream
+        if first == last and refs[first] > 1:
+            refs[first] -= 1  # the common case: the page keeps live data
+            if self.multi_stream:
+                self._note_user(seg, first, stream)
+            return
+        emptied = [p for p in range(first, last + 1) if refs[p] == 1]
+        numbers: dict[int, int] = {}
+        if emptied:
+            streams = {stream}
+            if self.multi_stream:
+                for p in emptied:
+                    u = seg.users.get(p)
+                    if u is not None:
+                        streams.update((u,) if isinstance(u, int) else u)
+            for s in sorted(streams):  # a failure here leaves only completed-or-pending events behind
+                numbers[s] = self.fences.record(s)
+        page_fences = seg.page_fences
         for p in range(first, last + 1):
             refs[p] -= 1
             if refs[p] == 0:
                 seg.empty[p] = None
                 self.live_pages -= 1
+                seg.users.pop(p, None)
+                pf = page_fences.get(p)
+                if pf is None:
+                    page_fences[p] = dict(numbers)
+                else:
+                    for s, n in numbers.items():
+                        merge_fences(pf, s, n)
+            elif self.multi_stream:
+                self._note_user(seg, p, stream)
+
+    @staticmethod
+    def _note_user(seg: VirtualSegment, page: int, stream: int) -> None:
+        u = seg.users.get(page)
+        if u is None:
+            seg.users[page] = stream
+        elif u != stream and (isinstance(u, int) or stream not in u):
+            seg.users[page] = frozenset(((u,) if isinstance(u, int) else tuple(u)) + (stream,))
+
+    def _page_ready(self, seg: VirtualSegment, page: int, wait: bool) -> bool:
+        """Whether the empty page's fences have completed; with ``wait``, wait for them."""
+        pf = seg.page_fences.get(page)
+        if not pf:
+            return True
+        if self.fences.all_done(pf):
+            del seg.page_fences[page]
+            return True
+        if not wait:
+            return False
+        self.fences.wait_all(pf)
+        self.n_waits += 1
+        del seg.page_fences[page]
+        return True
 
     def _stealable(self, seg: VirtualSegment, first: int, last: int) -> int:
         own = sum(1 for p in range(first, last + 1) if p in seg.empty) if seg.empty else 0
         return sum(len(s.empty) for s in self.vsegments.values()) - own
 
     def _map_pages(self, seg: VirtualSegment, need: list[int], first: int, last: int, requested: int) -> None:
-        """Map a physical chunk under each page in ``need``; all or nothing."""
+        """Map a physical chunk under each page in ``need``; all or nothing (Note [Failure atomicity])."""
         g = self.granularity
         shortfall = len(need) - len(self.unmapped)
         if shortfall > 0 and self.policy.steal_empty_pages:
@@ -323,36 +512,38 @@ class VirtualBacking(Backing):
             allowance = int(touched * (1.0 + self.policy.page_slack)) - self.n_chunks
             creatable = max(0, min(shortfall, allowance))
             shortfall = max(creatable, shortfall - self._stealable(seg, first, last))
-        created: list[PhysicalHandle] = []
         if shortfall > 0:
             self._check_limit(shortfall * g, requested)
+            created = 0
             try:
                 for _ in range(shortfall):
-                    created.append(self.device.mem_create(g))
+                    handle = self.device.mem_create(g)
                     self.device_calls += 1
+                    self.unmapped.append(handle)
+                    self.n_chunks += 1
+                    self.reserved_nbytes += g
+                    created += 1
             except BaseException:
-                for h in created:
-                    self.device.mem_release(h)
+                try:
+                    self._release_unmapped(created)  # give back what this call created, as far as it can
+                except Exception as exc:  # noqa: BLE001 - the first error is the one raised
+                    log.debug("could not release a chunk after a failed create: %s", exc)
                 raise
-            self.unmapped.extend(created)
-            self.n_chunks += len(created)
-            self.reserved_nbytes += len(created) * g
         n_steal = len(need) - len(self.unmapped)
         if n_steal > 0:
-            self.unmapped.extend(self._steal(seg, first, last, n_steal))
+            self._steal(seg, first, last, n_steal)
         mapped: list[int] = []
         try:
             for p in need:
-                handle = self.unmapped.pop()
+                handle = self.unmapped[-1]
                 va = seg.base + p * g
-                try:
-                    self.device.mem_map(va, g, handle, 0)
-                except BaseException:
-                    self.unmapped.append(handle)
-                    raise
-                seg.chunks[p] = handle
-                mapped.append(p)
+                self.device.mem_map(va, g, handle, 0)
                 self.device_calls += 1
+                self.unmapped.pop()
+                seg.chunks[p] = handle
+                seg.noaccess.add(p)
+                mapped.append(p)
+                self._segment_event("segment_map", va, g, 0)
             # one access call per contiguous run of newly mapped pages
             run_start = prev = mapped[0]
             for p in mapped[1:] + [None]:  # type: ignore[list-item]
@@ -361,21 +552,70 @@ class VirtualBacking(Backing):
                     continue
                 self.device.mem_set_access(seg.base + run_start * g, (prev - run_start + 1) * g)
                 self.device_calls += 1
+                for q in range(run_start, prev + 1):
+                    seg.noaccess.discard(q)
                 if p is not None:
                     run_start = prev = p
         except BaseException:
-            for p in mapped:  # undo: unmap what this call mapped, keep the chunks cached
+            # undo: unmap what this call mapped, keep the chunks cached; a page that cannot be
+            # unmapped stays mapped and empty (and marked noaccess if its access was never set)
+            for p in mapped:
                 handle = seg.chunks[p]
+                try:
+                    self.device.mem_unmap(seg.base + p * g, g)
+                except Exception as exc:  # noqa: BLE001 - the first error is the one raised
+                    log.debug("could not unmap page %d after a failed map: %s", p, exc)
+                    seg.empty[p] = None
+                    continue
+                self.device_calls += 1
                 seg.chunks[p] = None
-                self.device.mem_unmap(seg.base + p * g, g)
-                assert handle is not None
+                seg.noaccess.discard(p)
+                if handle is None:
+                    raise InternalError(f"page {p} was mapped with no chunk") from None
                 self.unmapped.append(handle)
+                self._segment_event("segment_unmap", seg.base + p * g, g, 0)
             raise
 
-    def _steal(self, seg: VirtualSegment, first: int, last: int, count: int) -> list[PhysicalHandle]:
-        """Unmap ``count`` empty pages (none of ``[first, last]`` of ``seg``) and return their chunks.
+    def _release_unmapped(self, count: int | None = None) -> int:
+        """Release up to ``count`` (default all) unmapped chunks, newest first; return the bytes released.
 
-        The highest-addressed empty pages go first: best fit breaks ties towards low
+        Stops at the first failure and raises it; what was released is accounted for.
+        """
+        g = self.granularity
+        released = 0
+        n = len(self.unmapped) if count is None else min(count, len(self.unmapped))
+        for _ in range(n):
+            handle = self.unmapped[-1]
+            self.device.mem_release(handle)
+            self.device_calls += 1
+            self.unmapped.pop()
+            self.n_chunks -= 1
+            self.reserved_nbytes -= g
+            released += g
+        return released
+
+    def _unmap_page(self, seg: VirtualSegment, p: int) -> PhysicalHandle:
+        """Unmap the empty page ``p`` (its fences have completed) and return its chunk."""
+        g = self.granularity
+        handle = seg.chunks[p]
+        if handle is None or p not in seg.empty:
+            raise InternalError(f"page {p} of range {seg.base:#x} is not a mapped empty page")
+        va = seg.base + p * g
+        self.device.mem_unmap(va, g)
+        self.device_calls += 1
+        del seg.empty[p]
+        seg.chunks[p] = None
+        seg.noaccess.discard(p)
+        seg.page_fences.pop(p, None)
+        self._segment_event("segment_unmap", va, g, 0)
+        return handle
+
+    def _steal(self, seg: VirtualSegment, first: int, last: int, count: int) -> None:
+        """Unmap ``count`` empty pages (none of ``[first, last]`` of ``seg``) into :attr:`unmapped`.
+
+        Pages whose fences have completed go first; a page still used by queued work is
+        waited for only when there are not enough of the others. Among equals, the
+        highest-addressed empty pages go first: best fit breaks ties towards low
         addresses, so live data gathers low and the pages it is least likely to want
         back soon are the high ones (this halved the steals on the gpt2 trace).
         """
@@ -387,60 +627,56 @@ class VirtualBacking(Backing):
                     continue
                 candidates.append((other.base + p * g, p, other))
         candidates.sort(reverse=True)
-        handles: list[PhysicalHandle] = []
-        synced = False
-        for _, p, other in candidates[:count]:
-            if other.stream != seg.stream and not synced:
-                # the page's last user ran on another stream: wait for it before reuse
-                self.device.synchronize()
-                self.n_syncs += 1
-                synced = True
-            del other.empty[p]
-            handle = other.chunks[p]
-            other.chunks[p] = None
-            assert handle is not None
-            self.device.mem_unmap(other.base + p * g, g)
-            self.device_calls += 1
+        if len(candidates) < count:
+            raise InternalError(f"{len(candidates)} stealable pages, {count} counted")
+        busy: list[tuple[int, int, VirtualSegment]] = []
+        stolen = 0
+        for cand in candidates:
+            if stolen == count:
+                break
+            _, p, other = cand
+            if not self._page_ready(other, p, wait=False):
+                busy.append(cand)
+                continue
+            self.unmapped.append(self._unmap_page(other, p))
             self.n_steals += 1
-            handles.append(handle)
-        if len(handles) < count:
-            raise AssertionError("fewer stealable pages than counted")
-        return handles
+            stolen += 1
+        for _, p, other in busy:
+            if stolen == count:
+                break
+            self._page_ready(other, p, wait=True)
+            self.unmapped.append(self._unmap_page(other, p))
+            self.n_steals += 1
+            stolen += 1
 
     # -- giving memory back ---------------------------------------------------------------------
-    def release_cached(self, free_list_of: FreeListLookup) -> int:
-        g = self.granularity
+    def release_cached(self, free_list_of: FreeListLookup, wait: bool = True) -> int:
         released = 0
         for seg in self.vsegments.values():
             for p in list(seg.empty):
-                handle = seg.chunks[p]
-                seg.chunks[p] = None
-                assert handle is not None
-                self.device.mem_unmap(seg.base + p * g, g)
-                self.device.mem_release(handle)
-                self.device_calls += 2
-                released += g
-            seg.empty.clear()
+                if not self._page_ready(seg, p, wait):
+                    continue
+                self.unmapped.append(self._unmap_page(seg, p))
             self._trim_top(seg, free_list_of)
-        for handle in self.unmapped:
-            self.device.mem_release(handle)
-            self.device_calls += 1
-            released += g
-        self.unmapped.clear()
-        self.n_chunks -= released // g
-        self.reserved_nbytes -= released
+        released += self._release_unmapped()
         return released
 
     def _trim_top(self, seg: VirtualSegment, free_list_of: FreeListLookup) -> None:
-        """Drop a free block at the top of the range, so the address space does not creep up."""
-        last = seg.last
-        if last is None or last.allocated or last.pending_streams:
-            return
-        free_list_of(last).remove(last)
-        seg.top = last.addr - seg.base
-        seg.last = last.prev
-        if seg.last is not None:
-            seg.last.next = None
+        """Drop free blocks at the top of the range, so the address space does not creep up.
+
+        A stream's memory trimmed here may be reused by another stream's growth: a fence
+        recorded on the trimmed block's stream orders that (Note [One range per pool]).
+        """
+        while True:
+            last = seg.last
+            if last is None or last.allocated or last.fences is not None or last.pending_streams:
+                return
+            if self.multi_stream:
+                number = self.fences.record(last.stream)
+                seg.top_fences = merge_fences(seg.top_fences, last.stream, number)
+            free_list_of(last).remove(last)
+            drop_last_block(seg)
+            seg.top = last.addr - seg.base
 
     def close(self) -> None:
         g = self.granularity
@@ -448,6 +684,7 @@ class VirtualBacking(Backing):
             for p, handle in enumerate(seg.chunks):
                 if handle is not None:
                     try:
+                        self.fences.wait_all(seg.page_fences.get(p))
                         self.device.mem_unmap(seg.base + p * g, g)
                         self.device.mem_release(handle)
                     except Exception as exc:  # noqa: BLE001
@@ -467,6 +704,51 @@ class VirtualBacking(Backing):
         self.n_chunks = 0
         self.n_segments = 0
 
+    def consistency_problems(self, free_list_of: FreeListLookup) -> list[str]:
+        problems: list[str] = []
+        g = self.granularity
+        reservations = dict(self.device.reservation_ranges()) if hasattr(self.device, "reservation_ranges") else None
+        device_maps: dict[int, tuple[int, int]] = {va: (n, h) for va, n, h in self.device.mapping_ranges()}
+        mapped = 0
+        live_pages = 0
+        for seg in self.vsegments.values():
+            if reservations is not None and reservations.get(seg.base) != seg.nbytes:
+                problems.append(f"range {seg.base:#x}+{seg.nbytes} is not a device reservation of that size")
+            end = seg.base + seg.nbytes
+            ours = {}
+            for p, handle in enumerate(seg.chunks):
+                if handle is not None:
+                    ours[seg.base + p * g] = handle
+            for va, (n, h) in device_maps.items():
+                if seg.base <= va < end:
+                    handle = ours.pop(va, None)
+                    if handle is None or n != g or handle.handle != h:
+                        problems.append(f"device maps {va:#x}+{n} (handle {h}), the allocator has "
+                                        f"{handle.handle if handle else 'nothing'} there")
+                    else:
+                        mapped += 1
+            for va in ours:
+                problems.append(f"the allocator has page {va:#x} mapped, the device does not")
+            first_block = seg.last
+            while first_block is not None and first_block.prev is not None:
+                first_block = first_block.prev
+            problems.extend(_chain_problems(seg, first_block, seg.base + seg.top, free_list_of))
+            for p, r in enumerate(seg.refs):
+                if r < 0:
+                    problems.append(f"page {p} of {seg.base:#x} has {r} live blocks")
+                elif r:
+                    live_pages += 1
+                    if seg.chunks[p] is None:
+                        problems.append(f"page {p} of {seg.base:#x} holds live data but is not mapped")
+                elif seg.chunks[p] is not None and p not in seg.empty:
+                    problems.append(f"page {p} of {seg.base:#x} is mapped, empty and not stealable")
+        if live_pages != self.live_pages:
+            problems.append(f"{live_pages} pages hold live data, live_pages is {self.live_pages}")
+        if (mapped + len(self.unmapped)) != self.n_chunks or self.n_chunks * g != self.reserved_nbytes:
+            problems.append(f"{mapped} mapped + {len(self.unmapped)} unmapped chunks, n_chunks {self.n_chunks}, "
+                            f"reserved {self.reserved_nbytes} B")
+        return problems
+
     def mapped_empty_nbytes(self) -> int:
         return sum(len(s.empty) for s in self.vsegments.values()) * self.granularity
 
@@ -476,5 +758,5 @@ class VirtualBacking(Backing):
         return max(super().largest_free_nbytes(free_lists), cached)
 
     def describe(self) -> str:
-        return (f"virtual memory ({len(self.vsegments)} range(s) of {self.va_nbytes >> 30} GiB, "
+        return (f"virtual memory ({len(self.vsegments)} range(s) of {self.va_nbytes >> 30} GiB shared by all streams, "
                 f"{self.n_chunks} chunks of {self.granularity >> 20} MiB, {self.n_steals} steals)")

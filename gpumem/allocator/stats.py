@@ -49,6 +49,9 @@ class AllocatorStats:
     num_ooms: int = 0
     num_gc_releases: int = 0
     device_calls: int = 0
+    """Memory calls made (malloc, free, reserve, create, map, set access, unmap, release)."""
+    event_calls: int = 0
+    """Event calls made for stream-ordered frees (record, query, synchronize, destroy)."""
 
     def copy(self) -> "AllocatorStats":
         return replace(self)

@@ -87,11 +87,12 @@ FreeListLookup = Callable[[Block], FreeList]
 class Segment:
     """A stretch of device addresses tiled by blocks (a ``malloc``'d segment).
 
-    ``live``: allocated blocks in it; ``fence``: the fence recorded on ``stream`` when
-    it last fell empty (0: none), see Note [Stream-ordered frees].
+    ``live``: allocated blocks in it; ``dirty``: it fell empty and its last users' work has
+    no fence yet; ``fence``: the fence recorded on ``stream`` since (0: none), see Note
+    [Stream-ordered frees].
     """
 
-    __slots__ = ("base", "nbytes", "small", "stream", "last", "live", "fence")
+    __slots__ = ("base", "nbytes", "small", "stream", "last", "live", "dirty", "fence")
 
     def __init__(self, base: int, nbytes: int, small: bool, stream: int) -> None:
         self.base = base
@@ -100,6 +101,7 @@ class Segment:
         self.stream = stream
         self.last: Block | None = None
         self.live = 0
+        self.dirty = False
         self.fence = 0
 
 
@@ -150,8 +152,14 @@ class Backing(abc.ABC):
         """Make a just-allocated block's memory usable; on failure raise and change nothing."""
 
     @abc.abstractmethod
+    def commit_quietly(self, block: Block, nbytes: int) -> bool:
+        """Commit the block's first ``nbytes`` if that needs no device call and return True; else
+        change nothing and return False (the caller then commits it with :meth:`commit`)."""
+
+    @abc.abstractmethod
     def decommit(self, block: Block) -> None:
-        """A block is being freed: record the fences its memory needs; on failure raise and change nothing."""
+        """A block was freed: its memory, once no live block uses it, needs a fence on the block's
+        stream before it goes back to the device. Makes no device call."""
 
     @abc.abstractmethod
     def release_cached(self, free_list_of: FreeListLookup, wait: bool = True) -> int:
@@ -206,11 +214,15 @@ class SegmentBacking(Backing):
     def commit(self, block: Block) -> None:
         block.segment.live += 1  # type: ignore[attr-defined]
 
+    def commit_quietly(self, block: Block, nbytes: int) -> bool:
+        block.segment.live += 1  # type: ignore[attr-defined]
+        return True
+
     def decommit(self, block: Block) -> None:
         seg: Segment = block.segment  # type: ignore[assignment]
-        if seg.live == 1:
-            seg.fence = self.fences.record(seg.stream)
         seg.live -= 1
+        if not seg.live:
+            seg.dirty = True
 
     def release_cached(self, free_list_of: FreeListLookup, wait: bool = True) -> int:
         released = 0
@@ -219,6 +231,9 @@ class SegmentBacking(Backing):
             head = self._heads[base]
             if seg.live or head.allocated or head.fences or head.size != seg.nbytes:
                 continue  # holds live data, or was freed but waits for a stream's fence
+            if seg.dirty:
+                seg.fence = fences.record(seg.stream)  # covers the work of every block it held
+                seg.dirty = False
             if seg.fence and not fences.done(seg.stream, seg.fence):
                 if not wait:
                     continue
@@ -236,9 +251,7 @@ class SegmentBacking(Backing):
 
     def close(self) -> None:
         for base, seg in list(self.segments.items()):
-            try:
-                if seg.fence:
-                    self.fences.wait(seg.stream, seg.fence)
+            try:  # the allocator synchronized the device before closing
                 self.device.free(base)
             except Exception as exc:  # noqa: BLE001 - closing gives back what it can
                 log.warning("could not free segment %#x: %s", base, exc)
@@ -301,7 +314,7 @@ def _page_array(n_pages: int) -> array:
 class VirtualSegment(Segment):
     """A reserved virtual range that grows at its top, mapped page by page; shared by all streams."""
 
-    __slots__ = ("top", "refs", "chunks", "empty", "page_fences", "users", "noaccess", "top_fences")
+    __slots__ = ("top", "refs", "chunks", "empty", "dirty", "page_fences", "users", "noaccess", "top_fences")
 
     def __init__(self, base: int, nbytes: int, small: bool, granularity: int) -> None:
         super().__init__(base, nbytes, small, 0)
@@ -314,6 +327,8 @@ class VirtualSegment(Segment):
         """The physical chunk mapped at each page, if any."""
         self.empty: dict[int, None] = {}
         """Pages mapped but touched by no live block (insertion-ordered: oldest first)."""
+        self.dirty: dict[int, int | frozenset[int]] = {}
+        """Empty (or once-empty) pages -> the streams whose work on them has no fence yet."""
         self.page_fences: dict[int, dict[int, int]] = {}
         """Empty (or once-empty) pages -> ``{stream: fence}`` that must complete before the page is unmapped."""
         self.users: dict[int, int | frozenset[int]] = {}
@@ -439,52 +454,63 @@ class VirtualBacking(Backing):
         if self.live_pages > self.peak_live_pages:
             self.peak_live_pages = self.live_pages
 
+    def commit_quietly(self, block: Block, nbytes: int) -> bool:
+        seg: VirtualSegment = block.segment  # type: ignore[assignment]
+        g = self.granularity
+        first = (block.addr - seg.base) // g
+        if (block.addr + nbytes - 1 - seg.base) // g == first and seg.refs[first]:
+            seg.refs[first] += 1
+            return True
+        return False
+
     def decommit(self, block: Block) -> None:
         seg, first, last = self._pages(block)
         refs = seg.refs
         stream = block.stream
-        if first == last and refs[first] > 1:
-            refs[first] -= 1  # the common case: the page keeps live data
-            if self.multi_stream:
-                self._note_user(seg, first, stream)
-            return
-        emptied = [p for p in range(first, last + 1) if refs[p] == 1]
-        numbers: dict[int, int] = {}
-        if emptied:
-            streams = {stream}
-            if self.multi_stream:
-                for p in emptied:
-                    u = seg.users.get(p)
-                    if u is not None:
-                        streams.update((u,) if isinstance(u, int) else u)
-            for s in sorted(streams):  # a failure here leaves only completed-or-pending events behind
-                numbers[s] = self.fences.record(s)
-        page_fences = seg.page_fences
+        multi = self.multi_stream
         for p in range(first, last + 1):
             refs[p] -= 1
             if refs[p] == 0:
                 seg.empty[p] = None
                 self.live_pages -= 1
-                seg.users.pop(p, None)
-                pf = page_fences.get(p)
-                if pf is None:
-                    page_fences[p] = dict(numbers)
+                users = seg.users.pop(p, None) if multi else None
+                if users is not None or p in seg.dirty:
+                    self._note_user(seg, p, stream, seg.dirty)
+                    if users is not None:
+                        for u in ((users,) if isinstance(users, int) else users):
+                            self._note_user(seg, p, u, seg.dirty)
                 else:
-                    for s, n in numbers.items():
-                        merge_fences(pf, s, n)
-            elif self.multi_stream:
-                self._note_user(seg, p, stream)
+                    seg.dirty[p] = stream
+            elif multi:
+                self._note_user(seg, p, stream, seg.users)
 
     @staticmethod
-    def _note_user(seg: VirtualSegment, page: int, stream: int) -> None:
-        u = seg.users.get(page)
+    def _note_user(seg: VirtualSegment, page: int, stream: int, table: dict[int, int | frozenset[int]]) -> None:
+        """Add ``stream`` to the streams ``table`` keeps for ``page``."""
+        u = table.get(page)
         if u is None:
-            seg.users[page] = stream
+            table[page] = stream
         elif u != stream and (isinstance(u, int) or stream not in u):
-            seg.users[page] = frozenset(((u,) if isinstance(u, int) else tuple(u)) + (stream,))
+            table[page] = frozenset(((u,) if isinstance(u, int) else tuple(u)) + (stream,))
 
-    def _page_ready(self, seg: VirtualSegment, page: int, wait: bool) -> bool:
-        """Whether the empty page's fences have completed; with ``wait``, wait for them."""
+    def _fence_page(self, seg: VirtualSegment, page: int, batch: dict[int, int]) -> None:
+        """Give the page's unfenced streams a fence: one event per stream per ``batch`` (one call)."""
+        streams = seg.dirty.get(page)
+        if streams is None:
+            return
+        pf = seg.page_fences.get(page)
+        for s in ((streams,) if isinstance(streams, int) else sorted(streams)):
+            number = batch.get(s)
+            if number is None:
+                number = batch[s] = self.fences.record(s)
+            pf = merge_fences(pf, s, number)
+        seg.page_fences[page] = pf  # type: ignore[assignment]
+        del seg.dirty[page]
+
+    def _page_ready(self, seg: VirtualSegment, page: int, wait: bool, batch: dict[int, int]) -> bool:
+        """Whether the work of the empty page's last users is done (queried); with ``wait``, wait for it."""
+        if page in seg.dirty:
+            self._fence_page(seg, page, batch)
         pf = seg.page_fences.get(page)
         if not pf:
             return True
@@ -607,6 +633,7 @@ class VirtualBacking(Backing):
         seg.chunks[p] = None
         seg.noaccess.discard(p)
         seg.page_fences.pop(p, None)
+        seg.dirty.pop(p, None)
         self._segment_event("segment_unmap", va, g, 0)
         return handle
 
@@ -630,12 +657,13 @@ class VirtualBacking(Backing):
         if len(candidates) < count:
             raise InternalError(f"{len(candidates)} stealable pages, {count} counted")
         busy: list[tuple[int, int, VirtualSegment]] = []
+        batch: dict[int, int] = {}
         stolen = 0
         for cand in candidates:
             if stolen == count:
                 break
             _, p, other = cand
-            if not self._page_ready(other, p, wait=False):
+            if not self._page_ready(other, p, False, batch):
                 busy.append(cand)
                 continue
             self.unmapped.append(self._unmap_page(other, p))
@@ -644,7 +672,7 @@ class VirtualBacking(Backing):
         for _, p, other in busy:
             if stolen == count:
                 break
-            self._page_ready(other, p, wait=True)
+            self._page_ready(other, p, True, batch)
             self.unmapped.append(self._unmap_page(other, p))
             self.n_steals += 1
             stolen += 1
@@ -652,9 +680,10 @@ class VirtualBacking(Backing):
     # -- giving memory back ---------------------------------------------------------------------
     def release_cached(self, free_list_of: FreeListLookup, wait: bool = True) -> int:
         released = 0
+        batch: dict[int, int] = {}
         for seg in self.vsegments.values():
             for p in list(seg.empty):
-                if not self._page_ready(seg, p, wait):
+                if not self._page_ready(seg, p, wait, batch):
                     continue
                 self.unmapped.append(self._unmap_page(seg, p))
             self._trim_top(seg, free_list_of)
@@ -683,8 +712,7 @@ class VirtualBacking(Backing):
         for seg in self.vsegments.values():
             for p, handle in enumerate(seg.chunks):
                 if handle is not None:
-                    try:
-                        self.fences.wait_all(seg.page_fences.get(p))
+                    try:  # the allocator synchronized the device before closing
                         self.device.mem_unmap(seg.base + p * g, g)
                         self.device.mem_release(handle)
                     except Exception as exc:  # noqa: BLE001

@@ -29,6 +29,14 @@ waits for before it reports out of memory (PyTorch's ``process_events``). Memory
 goes back to the device only once the work of its last users is done: Note
 [Stream-ordered frees] in :mod:`.fences`.
 
+Note [The hot path makes no device call]
+----------------------------------------
+A request served from the cache on a page (or segment) that already holds live
+data, and a free that leaves its page (segment) in use, need no device call:
+they run under the lock alone, as a fast path. Anything else (growth, the first
+block on a mapped empty page, a free that empties a page and records a fence)
+runs as a full operation, below.
+
 Note [Callbacks run outside the allocator]
 ------------------------------------------
 A device may publish memory events (another tenant took memory...) during a
@@ -131,7 +139,15 @@ class CachingAllocator:
 
     @contextlib.contextmanager
     def _operation(self) -> Iterator[None]:
-        """Deferred device events outside, the lock inside (Note [Callbacks run outside the allocator]);
+        """Deferred device events outside, the lock inside (Note [The hot path makes no device call]
+----------------------------------------
+A request served from the cache on a page (or segment) that already holds live
+data, and a free that leaves its page (segment) in use, need no device call:
+they run under the lock alone, as a fast path. Anything else (growth, the first
+block on a mapped empty page, a free that empties a page and records a fence)
+runs as a full operation, below.
+
+Note [Callbacks run outside the allocator]);
         remembers a device loss so that every later call raises it."""
         with self._defer():
             with self._lock:
@@ -159,52 +175,70 @@ class CachingAllocator:
         r = self._round
         size = -(-nbytes // r) * r
         small = size <= self._small_max
+        # Note [The hot path makes no device call]: a cache hit on a page that already holds live
+        # data needs neither the device nor deferred events; everything else runs as an operation.
+        with self._lock:
+            if self._lost is None and not self._closed:
+                free_list = self._free_lists.get((small, stream))
+                if free_list is not None:
+                    block = free_list.best_fit(size)
+                    if block is not None and self.backing.commit_quietly(block, self._kept_nbytes(block, size, small)):
+                        free_list.remove(block)
+                        self.stats.cache_hits += 1
+                        return self._hand_out(self._split(block, size, small, free_list), nbytes, stream)
         with self._operation():
             if self._closed:
                 raise InvalidArgumentError("allocator is closed")
-            free_list = self._free_lists.get((small, stream))
-            if free_list is None:
-                free_list = self._free_lists[(small, stream)] = FreeList()
+            return self._allocate_slow(nbytes, size, small, stream)
+
+    def _allocate_slow(self, nbytes: int, size: int, small: bool, stream: int) -> int:
+        free_list = self._free_lists.get((small, stream))
+        if free_list is None:
+            free_list = self._free_lists[(small, stream)] = FreeList()
+        block = free_list.best_fit(size)
+        if block is None and self._pending:
+            self._process_pending(wait=False)  # blocks whose other-stream uses are done, see Note [Streams]
             block = free_list.best_fit(size)
-            if block is None and self._pending:
-                self._process_pending(wait=False)  # blocks whose other-stream uses are done, see Note [Streams]
-                block = free_list.best_fit(size)
-            self._committed = False
-            if block is not None:
-                free_list.remove(block)
-                self.stats.cache_hits += 1
-            else:
-                block = self._grow(small, stream, size, free_list, nbytes)
-            if not self._committed:
-                block = self._split(block, size, small, free_list)
-                try:
-                    self.backing.commit(block)
-                except OutOfMemoryError:
-                    self.stats.num_alloc_retries += 1
-                    self._unsplit_after_failure(block, free_list)
-                    block = self._retry_after_release(small, stream, size, free_list, nbytes)
-                except BaseException:
-                    # any other failure (a TransientDeviceError...): the block goes back, see the Note
-                    self._unsplit_after_failure(block, free_list)
-                    raise
-            block.allocated = True
-            block.requested = nbytes
-            addr = block.addr
-            self._live[addr] = block
-            st = self.stats
-            st.allocated_nbytes += block.size  # not `size`: an unsplit block is larger, and free() subtracts block.size
-            st.requested_nbytes += nbytes
-            st.num_allocs += 1
-            if st.allocated_nbytes > st.peak_allocated_nbytes:
-                st.peak_allocated_nbytes = st.allocated_nbytes
-            if st.requested_nbytes > st.peak_requested_nbytes:
-                st.peak_requested_nbytes = st.requested_nbytes
-            reserved = self.backing.reserved_nbytes
-            if reserved > st.peak_reserved_nbytes:
-                st.peak_reserved_nbytes = reserved
-            if self._recorder is not None:
-                self._recorder.record_alloc(addr, nbytes, stream)
-            return addr
+        self._committed = False
+        if block is not None:
+            free_list.remove(block)
+            self.stats.cache_hits += 1
+        else:
+            block = self._grow(small, stream, size, free_list, nbytes)
+        if not self._committed:
+            block = self._split(block, size, small, free_list)
+            try:
+                self.backing.commit(block)
+            except OutOfMemoryError:
+                self.stats.num_alloc_retries += 1
+                self._unsplit_after_failure(block, free_list)
+                block = self._retry_after_release(small, stream, size, free_list, nbytes)
+            except BaseException:
+                # any other failure (a TransientDeviceError...): the block goes back, see the Note
+                self._unsplit_after_failure(block, free_list)
+                raise
+        return self._hand_out(block, nbytes, stream)
+
+    def _hand_out(self, block: Block, nbytes: int, stream: int) -> int:
+        """Book a committed block as live and return its address."""
+        block.allocated = True
+        block.requested = nbytes
+        addr = block.addr
+        self._live[addr] = block
+        st = self.stats
+        st.allocated_nbytes += block.size  # not `size`: an unsplit block is larger, and free() subtracts block.size
+        st.requested_nbytes += nbytes
+        st.num_allocs += 1
+        if st.allocated_nbytes > st.peak_allocated_nbytes:
+            st.peak_allocated_nbytes = st.allocated_nbytes
+        if st.requested_nbytes > st.peak_requested_nbytes:
+            st.peak_requested_nbytes = st.requested_nbytes
+        reserved = self.backing.reserved_nbytes
+        if reserved > st.peak_reserved_nbytes:
+            st.peak_reserved_nbytes = reserved
+        if self._recorder is not None:
+            self._recorder.record_alloc(addr, nbytes, stream)
+        return addr
 
     def free(self, ptr: int) -> None:
         """Return ``ptr`` to the cache. Unknown pointers and double frees raise, changing nothing.
@@ -212,6 +246,13 @@ class CachingAllocator:
         The block is reusable at once on its own stream; blocks used on other streams
         (:meth:`record_stream`) once those streams' work up to now is done (Note [Streams]).
         """
+        with self._lock:  # see Note [The hot path makes no device call]
+            if self._lost is None:
+                block = self._live.get(ptr) if ptr.__class__ is int else None
+                if block is not None and not block.pending_streams:
+                    self.backing.decommit(block)  # no device call: fences come when memory goes back
+                    self._free_booked(ptr, block)
+                    return
         with self._operation():
             block = self._live.get(ptr) if ptr.__class__ is int else None
             if block is None:
@@ -221,26 +262,29 @@ class CachingAllocator:
                 raise InvalidPointerError(f"free of {ptr:#x}, which this allocator did not allocate")
             if block.pending_streams:
                 fences = self.fences
-                block_fences = {s: fences.record(s) for s in sorted(block.pending_streams)}
+                block.fences = {s: fences.record(s) for s in sorted(block.pending_streams)}  # may raise: still live
             else:
-                self.backing.decommit(block)  # device calls first: on failure the block stays live
-            del self._live[ptr]
-            self._freed[ptr] = None
-            if len(self._freed) > _FREED_MEMORY:
-                del self._freed[next(iter(self._freed))]
-            st = self.stats
-            st.allocated_nbytes -= block.size
-            st.requested_nbytes -= block.requested
-            st.num_frees += 1
-            if self._recorder is not None:
-                self._recorder.record_free(ptr, block.stream)
-            block.allocated = False
-            if block.pending_streams:
-                # its pages stay committed until the other streams' events complete, see Note [Streams]
-                block.fences = block_fences
-                self._pending.append(block)
-                return
-            self._insert_free(block)
+                self.backing.decommit(block)
+            self._free_booked(ptr, block)
+
+    def _free_booked(self, ptr: int, block: Block) -> None:
+        """The bookkeeping of a free whose device side (decommit or fences) is done."""
+        del self._live[ptr]
+        self._freed[ptr] = None
+        if len(self._freed) > _FREED_MEMORY:
+            del self._freed[next(iter(self._freed))]
+        st = self.stats
+        st.allocated_nbytes -= block.size
+        st.requested_nbytes -= block.requested
+        st.num_frees += 1
+        if self._recorder is not None:
+            self._recorder.record_free(ptr, block.stream)
+        block.allocated = False
+        if block.fences is not None:
+            # its pages stay committed until the other streams' events complete, see Note [Streams]
+            self._pending.append(block)
+            return
+        self._insert_free(block)
 
     # -- growth, splitting, merging --------------------------------------------------------------------
     def _grow(self, small: bool, stream: int, size: int, free_list: FreeList, nbytes: int) -> Block:
@@ -293,6 +337,12 @@ class CachingAllocator:
             if block is not None:
                 self._unsplit_after_failure(block, free_list)
             raise
+
+    def _kept_nbytes(self, block: Block, size: int, small: bool) -> int:
+        """The size ``block`` will have once :meth:`_split` has served ``size`` from it."""
+        remaining = block.size - size
+        min_rest = self.policy.min_split_small_nbytes if small else self.policy.min_split_large_nbytes
+        return size if remaining >= min_rest and remaining > 0 else block.size
 
     def _split(self, block: Block, size: int, small: bool, free_list: FreeList) -> Block:
         remaining = block.size - size
@@ -526,6 +576,11 @@ class CachingAllocator:
             self._closed = True
             if self._live:
                 log.info("closing an allocator with %d live block(s)", len(self._live))
+            if self.backing.reserved_nbytes:
+                try:  # no kernel may still use memory given back below
+                    self.device.synchronize()
+                except Exception as exc:  # noqa: BLE001 - closing gives back what it can
+                    log.warning("could not synchronize before closing: %s", exc)
             self.backing.close()
             self.fences.close()
             self._live.clear()

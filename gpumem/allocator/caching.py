@@ -409,7 +409,7 @@ Note [Callbacks run outside the allocator]);
         injected = bool(getattr(cause, "injected", False))
         if injected:
             hint = ("The device call failed because of an injected fault (the simulator's fault plan), "
-                    "not because the request does not fit.")
+                    "not a real shortage of memory.")
         elif isinstance(cause, LimitExceeded):
             hint = (f"The allocator's limit of {format_bytes(self.limit_nbytes or 0)} is reached: raise `limit`, "
                     "free tensors you no longer need, or use smaller batches.")
@@ -460,6 +460,8 @@ Note [Callbacks run outside the allocator]);
         never gives back memory a queued kernel still touches.
         """
         with self._operation():
+            if self._closed:
+                return 0
             self._process_pending(wait=True)
             released = self.backing.release_cached(self._free_list_of, wait=True)
             for key in [k for k, fl in self._free_lists.items() if not len(fl)]:
@@ -478,6 +480,8 @@ Note [Callbacks run outside the allocator]);
         device that lists its ranges (the simulator and the CUDA adapter).
         """
         with self._operation():
+            if self._closed:
+                return  # a closed allocator holds nothing
             problems = self.backing.consistency_problems(self._free_list_of)
             in_lists = 0
             for (small, stream), fl in self._free_lists.items():

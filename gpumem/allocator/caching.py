@@ -378,28 +378,28 @@ Note [Callbacks run outside the allocator]);
 
     def _process_pending(self, wait: bool) -> int:
         """Make freed blocks whose other-stream events have completed reusable (with ``wait``, wait for
-        them all); return how many became free. Stops at a failing device call, which it raises."""
+        them all); return how many became free. A failing event call is raised, with the blocks not
+        yet processed still pending."""
         done = 0
         fences = self.fences
-        while self._pending:
-            remaining: list[Block] = []
-            for i, block in enumerate(self._pending):
+        pending = self._pending
+        remaining: list[Block] = []
+        i = 0
+        try:
+            for i, block in enumerate(pending):  # noqa: B007 - i is read after a failure
                 if not fences.all_done(block.fences):
                     if not wait:
                         remaining.append(block)
                         continue
                     fences.wait_all(block.fences)
-                try:
-                    self.backing.decommit(block)
-                except BaseException:
-                    self._pending = remaining + self._pending[i:]
-                    raise
+                self.backing.decommit(block)
                 block.fences = None
                 block.pending_streams = None
                 self._insert_free(block)
                 done += 1
-            self._pending = remaining
-            break
+            i = len(pending)
+        finally:
+            self._pending = remaining + pending[i:]
         return done
 
     def _oom_error(self, nbytes: int, cause: OutOfMemoryError) -> OutOfMemoryError:

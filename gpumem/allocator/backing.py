@@ -557,7 +557,7 @@ class VirtualBacking(Backing):
                 raise
         n_steal = len(need) - len(self.unmapped)
         if n_steal > 0:
-            self._steal(seg, first, last, n_steal)
+            self._steal(seg, first, last, n_steal, requested)
         mapped: list[int] = []
         try:
             for p in need:
@@ -637,11 +637,12 @@ class VirtualBacking(Backing):
         self._segment_event("segment_unmap", va, g, 0)
         return handle
 
-    def _steal(self, seg: VirtualSegment, first: int, last: int, count: int) -> None:
+    def _steal(self, seg: VirtualSegment, first: int, last: int, count: int, requested: int) -> None:
         """Unmap ``count`` empty pages (none of ``[first, last]`` of ``seg``) into :attr:`unmapped`.
 
-        Pages whose fences have completed go first; a page still used by queued work is
-        waited for only when there are not enough of the others. Among equals, the
+        Pages whose fences have completed go first; for each one still used by queued work
+        a new chunk is created instead where the limit and the device allow, and the page
+        is waited for only when they do not (the memory is needed now). Among equals, the
         highest-addressed empty pages go first: best fit breaks ties towards low
         addresses, so live data gathers low and the pages it is least likely to want
         back soon are the high ones (this halved the steals on the gpt2 trace).
@@ -672,10 +673,27 @@ class VirtualBacking(Backing):
         for _, p, other in busy:
             if stolen == count:
                 break
+            if self._create_instead(requested):
+                stolen += 1
+                continue
             self._page_ready(other, p, True, batch)
             self.unmapped.append(self._unmap_page(other, p))
             self.n_steals += 1
             stolen += 1
+
+    def _create_instead(self, requested: int) -> bool:
+        """Rather than wait for a busy page, create a chunk if the limit and the device allow it."""
+        g = self.granularity
+        try:
+            self._check_limit(g, requested)
+            handle = self.device.mem_create(g)
+        except OutOfMemoryError:
+            return False  # memory is needed now: wait for the busy page
+        self.device_calls += 1
+        self.unmapped.append(handle)
+        self.n_chunks += 1
+        self.reserved_nbytes += g
+        return True
 
     # -- giving memory back ---------------------------------------------------------------------
     def release_cached(self, free_list_of: FreeListLookup, wait: bool = True) -> int:

@@ -32,10 +32,11 @@ goes back to the device only once the work of its last users is done: Note
 Note [The hot path makes no device call]
 ----------------------------------------
 A request served from the cache on a page (or segment) that already holds live
-data, and a free that leaves its page (segment) in use, need no device call:
-they run under the lock alone, as a fast path. Anything else (growth, the first
-block on a mapped empty page, a free that empties a page and records a fence)
-runs as a full operation, below.
+data needs no device call, and neither does a free (fences are recorded only
+when memory goes back to the device): they run under the lock alone, as a fast
+path. Anything else (growth, the first block on a mapped empty page, a free of
+a block used on other streams, which records events) runs as a full operation,
+below.
 
 Note [Callbacks run outside the allocator]
 ------------------------------------------
@@ -139,15 +140,7 @@ class CachingAllocator:
 
     @contextlib.contextmanager
     def _operation(self) -> Iterator[None]:
-        """Deferred device events outside, the lock inside (Note [The hot path makes no device call]
-----------------------------------------
-A request served from the cache on a page (or segment) that already holds live
-data, and a free that leaves its page (segment) in use, need no device call:
-they run under the lock alone, as a fast path. Anything else (growth, the first
-block on a mapped empty page, a free that empties a page and records a fence)
-runs as a full operation, below.
-
-Note [Callbacks run outside the allocator]);
+        """Deferred device events outside, the lock inside (Note [Callbacks run outside the allocator]);
         remembers a device loss so that every later call raises it."""
         with self._defer():
             with self._lock:

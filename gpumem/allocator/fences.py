@@ -10,19 +10,30 @@ stream order, and a kernel still reading the memory then faults
 (``CUDA_ERROR_ILLEGAL_ADDRESS``: the context is dead). So, as PyTorch's caching
 allocator does:
 
-* when a free leaves a page (virtual backing) or a segment (malloc backing) with
-  no live block, the allocator records an event on the stream of every block that
-  used it since it last fell empty (a *fence*); the page or segment goes back to
-  the device (unmapped for a steal or a release, freed) only once its fences have
-  completed: the allocator queries first, and waits (``event_synchronize``) only
-  when it needs that memory now;
+* a free that leaves a page (virtual backing) or a segment (malloc backing)
+  with no live block notes the streams of the blocks that used it since it was
+  last fenced; before the page or segment goes back to the device (unmapped for
+  a steal or a release, freed), the allocator records an event on each of those
+  streams (a *fence*: it completes once the work queued there up to now is
+  done, which includes every kernel of those blocks) and gives the memory back
+  only once the fences have completed: it queries first, takes memory whose
+  work is done before memory whose work is not, and waits
+  (``event_synchronize``) only when it needs that memory now (a steal with no
+  idle page left, ``empty_cache``, the out-of-memory retry);
 * a block used on other streams too (``record_stream``) records an event on each
   of them when it is freed and stays out of the free lists until they complete;
   pending blocks are looked at when an allocation misses the cache, and waited
   for before an out-of-memory error.
 
-Events are recorded only at those moments (one per stream per free call, shared
-by the pages that call empties), queried oldest first, and destroyed as soon as
+Why the fence of a page is recorded when the page goes back and not at the
+free: a free is the hot path, and in a replay most frees empty a page (an event
+per free doubled the device calls of the gpt2 replay). Recording later covers
+more work than needed (anything queued on those streams since), which can only
+make the allocator wait longer, never too little; and a steal is served by
+pages whose work is done first.
+
+Events are recorded only at those moments (one per stream per steal or release,
+shared by the pages it gives back), queried oldest first, and destroyed as soon as
 they are known to be complete. Events on one stream complete in the order they
 were recorded, so a fence is just ``(stream, number)``: :class:`StreamFences`
 keeps, per stream, the events not yet known complete, and the highest number

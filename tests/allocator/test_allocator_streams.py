@@ -41,8 +41,9 @@ def _old_behaviour(monkeypatch) -> None:
 
 def _steal_scenario(dev, stream: int) -> tuple[object, int, int]:
     """A kernel reads block A on ``stream``; A is freed; an allocation on ``stream`` then needs a
-    page, and the only empty page to steal is A's. Returns (work, A, the new block)."""
-    alloc = CachingAllocator(dev, "gpumem")
+    page, and the only empty page to steal is A's; the limit leaves no room for a new chunk instead.
+    Returns (work, A, the new block)."""
+    alloc = CachingAllocator(dev, "gpumem", limit=6 * MiB)
     a = alloc.allocate(2 * MiB, stream)  # page 0
     x = alloc.allocate(2 * MiB, stream)  # page 1, stays live: A's free block is not the range's tail
     work = dev.launch(stream, KERNEL_S, touches=[(a, 2 * MiB)], name="reads A")
@@ -94,6 +95,21 @@ def test_empty_cache_under_a_running_kernel_is_a_hazard_with_the_old_behaviour(d
         alloc.empty_cache()
     assert info.value.call in ("mem_unmap", "free")
     alloc.check_consistency()  # the refused call changed nothing, on either side
+
+
+def test_a_busy_page_is_not_waited_for_when_a_new_chunk_fits(dev):
+    """Wait only when the memory is needed: with room on the device, a steal that would have to wait
+    for a running kernel creates a chunk instead, and the kernel keeps running."""
+    alloc = CachingAllocator(dev, "gpumem")
+    a = alloc.allocate(2 * MiB)
+    x = alloc.allocate(2 * MiB)
+    work = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    b = alloc.allocate(4 * MiB)
+    assert alloc.backing.n_steals == 0 and not work.done and not dev.hazards
+    alloc.free(b)
+    alloc.free(x)
+    alloc.check_consistency()
 
 
 def test_memory_a_kernel_uses_is_not_given_back_early_by_gc(dev):

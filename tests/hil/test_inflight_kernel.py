@@ -78,7 +78,9 @@ def _finish(cupy, device, alloc: CachingAllocator, out: int, done) -> None:
 
 def test_steal_under_a_running_kernel(device):
     cupy = pytest.importorskip("cupy")
-    alloc = CachingAllocator(device, "gpumem")
+    # 12 MiB: the block (2 pages), `out` and `keep` (1 page each) and 2 new pages of `other`; the
+    # other 2 pages of `other` must be stolen from the block (no room to create them instead)
+    alloc = CachingAllocator(device, "gpumem", limit=12 * MiB)
     if not alloc.uses_vmm:
         pytest.skip("the steal path needs virtual memory management")
     stream = device.stream_create()

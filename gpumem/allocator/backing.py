@@ -384,6 +384,8 @@ class VirtualBacking(Backing):
 
     def grow(self, small: bool, stream: int, nbytes: int, tail: Block | None) -> Block:
         seg = self._segment(small)
+        if seg.top_fences:
+            self._wait_top(seg, stream)
         if tail is not None:
             extra = nbytes - tail.size
             if seg.top + extra > seg.nbytes:
@@ -393,8 +395,6 @@ class VirtualBacking(Backing):
             return tail
         if seg.top + nbytes > seg.nbytes:
             raise self._va_exhausted(nbytes)
-        if seg.top_fences:
-            self._wait_top(seg, stream)
         if self._first_stream is None:
             self._first_stream = stream
         elif stream != self._first_stream:
@@ -704,11 +704,11 @@ class VirtualBacking(Backing):
                 if not self._page_ready(seg, p, wait, batch):
                     continue
                 self.unmapped.append(self._unmap_page(seg, p))
-            self._trim_top(seg, free_list_of)
+            self._trim_top(seg, free_list_of, wait)
         released += self._release_unmapped()
         return released
 
-    def _trim_top(self, seg: VirtualSegment, free_list_of: FreeListLookup) -> None:
+    def _trim_top(self, seg: VirtualSegment, free_list_of: FreeListLookup, wait: bool) -> None:
         """Drop free blocks at the top of the range, so the address space does not creep up.
 
         A stream's memory trimmed here may be reused by another stream's growth: a fence
@@ -718,9 +718,10 @@ class VirtualBacking(Backing):
             last = seg.last
             if last is None or last.allocated or last.fences is not None or last.pending_streams:
                 return
-            if self.multi_stream:
-                number = self.fences.record(last.stream)
-                seg.top_fences = merge_fences(seg.top_fences, last.stream, number)
+            number = self.fences.record(last.stream)  # rare (releases only); another stream may grow here
+            if not wait and not self.fences.done(last.stream, number):
+                return  # its stream is busy: keep the address space rather than make a grower wait
+            seg.top_fences = merge_fences(seg.top_fences, last.stream, number)
             free_list_of(last).remove(last)
             drop_last_block(seg)
             seg.top = last.addr - seg.base

@@ -217,3 +217,23 @@ def test_a_trace_with_a_thousand_streams_replays():
     result = replay_trace(trace, "sim:a100-80gb", "gpumem")
     assert result.ooms == 0 and result.completed_ops == trace.n_ops
     assert result.overhead < 0.5
+
+
+def test_address_space_trimmed_from_one_stream_is_reused_by_another_only_after_its_work(dev):
+    """Note [One range per pool]: a free block at the top of the shared range is trimmed off when
+    the cache is released; a stream that grows over it waits for the fence of the stream that used
+    it. Here A shares its page with a live block, so releasing the page cannot have waited."""
+    alloc = CachingAllocator(dev, "gpumem")
+    keep = alloc.allocate(512 * KiB, 1)
+    a = alloc.allocate(512 * KiB, 1)  # same page as keep, at the top of the small pool's range
+    work = dev.launch(1, KERNEL_S, touches=[(a, 512 * KiB)], name="reads A")
+    alloc.free(a)
+    alloc.empty_cache()  # trims A's block off the top; its page stays (keep lives there)
+    assert not work.done
+    b = alloc.allocate(512 * KiB, 2)
+    assert b == a, "the scenario did not reuse A's addresses"
+    assert work.done, "stream 2 got stream 1's memory while stream 1's kernel still used it"
+    assert not dev.hazards
+    alloc.free(b)
+    alloc.free(keep)
+    alloc.check_consistency()

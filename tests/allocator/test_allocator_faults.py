@@ -292,3 +292,23 @@ def trace_path():
     if not path.exists():
         pytest.skip("data/traces is missing")
     return path
+
+
+# -- the out-of-memory report (part of point 11) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("vmm", [True, False])
+def test_oom_advice_about_virtual_memory_only_where_the_device_has_it(vmm):
+    """Issue 6: the advice recommended virtual memory on devices without it, and called this
+    process's own CUDA context 'other processes'."""
+    dev = small_device(384, vmm=vmm)
+    alloc = CachingAllocator(dev, "bestfit")
+    alloc.free(alloc.allocate(120 * MiB))
+    alloc.allocate(20 * MiB)  # carved from the 120 MiB segment: 100 MiB cached that cannot be released
+    with pytest.raises(OutOfMemoryError) as info:
+        alloc.allocate(250 * MiB)
+    msg = str(info.value)
+    assert not info.value.injected and "injected" not in msg
+    assert ("'gpumem' policy with virtual memory" in msg) is vmm
+    assert "other processes hold" not in msg
+    assert "held outside this allocator (this process's CUDA context" in msg

@@ -40,15 +40,19 @@ only the ``_do_`` methods and never re-checks what the base already did.
 
 Note [Validation before any device call]
 ----------------------------------------
-Every implementation validates its arguments with the helpers below *before*
-it touches its state or calls CUDA, so that bad input raises a specific
-:mod:`gpumem.errors` exception and leaves the accounting unchanged. The checks
-live here, once, so both devices reject exactly the same inputs.
+The public methods validate their arguments with the helpers below, and check
+them against the device's :class:`~gpumem.vmm_book.MemoryBook`, *before*
+anything touches the device's state or calls CUDA, so that bad input raises a
+specific :mod:`gpumem.errors` exception and leaves the accounting unchanged.
+The checks live here, once, so both devices reject exactly the same inputs, in
+the same order: a closed or lost device first for the virtual memory calls,
+the argument types first for the others.
 """
 
 from __future__ import annotations
 
 import abc
+import collections
 import contextlib
 import enum
 import logging
@@ -56,9 +60,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, TypeVar, Union
 
-from .errors import InvalidArgumentError
+from .errors import DeviceClosedError, DeviceLostError, InvalidArgumentError, UnsupportedOperationError
 from .events import EventCallback, EventHub, MemoryEvent, Subscription
 from .units import format_bytes
+from .vmm_book import Allocation, Mapping, MemoryBook, Physical, Reservation
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +205,16 @@ class Event:
         return f"<{type(self).__name__} stream={self.stream}{state}>"
 
 
+class _CallState(threading.local):
+    """Per thread: how deep in device calls / ``deferred_events`` blocks, and the events queued meanwhile."""
+
+    depth = 0
+    delivering = False
+
+    def __init__(self) -> None:
+        self.queue: collections.deque[MemoryEvent] = collections.deque()
+
+
 class Device(abc.ABC):
     """A GPU, simulated or real. See the module docstring for the CUDA call each method stands for.
 
@@ -218,10 +233,15 @@ class Device(abc.ABC):
         # may be shared by threads; an RLock, because a SimPy tenant acting during a call calls
         # back into the device on the same thread.
         self._lock = threading.RLock()
-        self._tls = threading.local()
+        self._tls = _CallState()
         self.events = EventHub(dispatch=self._dispatch_event)
         """Memory events this device published (:attr:`EventHub.history`) and their subscribers."""
         self._user_streams: set[int] = set()
+        self._closed = False
+        self._lost: Any = False
+        """Truthy once the device is lost (the simulator: True; CUDA: the sticky error)."""
+        self._book = MemoryBook(self)
+        """What this device handed out (:class:`~gpumem.vmm_book.MemoryBook`)."""
 
     # Note [Event delivery after the call]
     # ------------------------------------
@@ -235,25 +255,22 @@ class Device(abc.ABC):
     # events their own device calls publish are queued behind and delivered by the same loop.
     def _dispatch_event(self, event: MemoryEvent) -> None:
         tls = self._tls
-        if getattr(tls, "depth", 0):
-            queue = getattr(tls, "queue", None)
-            if queue is None:
-                queue = tls.queue = []
-            queue.append(event)
+        if tls.depth:
+            tls.queue.append(event)
         else:
             self.events.deliver(event)
 
     def _flush_events(self, *, raising: bool) -> None:
         """Deliver what this thread queued (outermost block only); see the Note above."""
         tls = self._tls
-        queue = getattr(tls, "queue", None)
-        if not queue or getattr(tls, "delivering", False):
+        queue = tls.queue
+        if not queue or tls.delivering:
             return
         tls.delivering = True
         first_error: BaseException | None = None
         try:
             while queue:
-                event = queue.pop(0)
+                event = queue.popleft()
                 try:
                     self.events.deliver(event)
                 except Exception as exc:  # noqa: BLE001 - deliver the rest, then report the first
@@ -276,7 +293,7 @@ class Device(abc.ABC):
         may call the allocator back (``empty_cache()``, ``allocate()``) safely.
         """
         tls = self._tls
-        depth = getattr(tls, "depth", 0)
+        depth = tls.depth
         tls.depth = depth + 1
         try:
             yield
@@ -292,18 +309,18 @@ class Device(abc.ABC):
     def _run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run one device call: deferred events, under the lock (the cheap form of ``deferred_events``)."""
         tls = self._tls
-        depth = getattr(tls, "depth", 0)
+        depth = tls.depth
         tls.depth = depth + 1
         try:
             with self._lock:
                 result = fn(*args)
         except BaseException:
             tls.depth = depth
-            if not depth:
+            if not depth and tls.queue:
                 self._flush_events(raising=False)
             raise
         tls.depth = depth
-        if not depth and getattr(tls, "queue", None):
+        if not depth and tls.queue:
             self._flush_events(raising=True)
         return result
 
@@ -332,7 +349,36 @@ class Device(abc.ABC):
 
     def mem_info(self) -> MemInfo:
         """Free and total bytes right now, other processes and tenants included."""
-        return self._run(self._do_mem_info)
+        return self._run(self._mem_info)
+
+    def _mem_info(self) -> MemInfo:
+        self._check_usable()
+        return self._do_mem_info()
+
+    # -- state every device keeps (Note [Public methods check, implementations do]) -----------
+    def _check_usable(self) -> None:
+        """Refuse a call on a closed or lost device, before looking anything up (a closed device has
+        forgotten its allocations, so a lookup would misreport DeviceClosedError as a bad pointer)."""
+        if self._closed:
+            raise DeviceClosedError(f"{self.spec} is closed")
+        if self._lost:
+            raise DeviceLostError(self._lost_message())
+
+    def _lost_message(self) -> str:
+        return f"{self.spec} is lost"
+
+    def _require_vmm(self, call: str) -> None:
+        """Refuse on a closed or lost device, then on one without virtual memory management; both
+        before any argument is checked."""
+        self._check_usable()
+        self._check_vmm(call)
+
+    def _check_vmm(self, call: str) -> None:
+        """Raise :class:`~gpumem.errors.UnsupportedOperationError` unless VMM calls work here."""
+        props = self.properties()
+        if not props.vmm_supported:
+            raise UnsupportedOperationError(
+                f"{call}: {self.spec} ({props.name}) does not support virtual memory management")
 
     # -- plain allocation ------------------------------------------------------------
     def malloc(self, nbytes: int) -> int:
@@ -340,7 +386,14 @@ class Device(abc.ABC):
 
         Raises :class:`~gpumem.errors.OutOfMemoryError` when the device cannot.
         """
-        return self._run(self._do_malloc, nbytes)
+        check_nbytes(nbytes)
+        return self._run(self._malloc, nbytes)
+
+    def _malloc(self, nbytes: int) -> int:
+        self._check_usable()
+        alloc = self._do_malloc(nbytes)
+        self._book.add_allocation(alloc)
+        return alloc.start
 
     def free(self, ptr: int) -> None:
         """Free a pointer from :meth:`malloc`. Unknown or already-freed pointers raise.
@@ -348,32 +401,113 @@ class Device(abc.ABC):
         Like ``cudaFree``, the memory must not be in use by queued work: the
         simulator's sanitizer raises :class:`~gpumem.errors.MemoryHazardError` if it is.
         """
-        return self._run(self._do_free, ptr)
+        check_pointer(ptr)
+        return self._run(self._free, ptr)
+
+    def _free(self, ptr: int) -> None:
+        self._check_usable()
+        alloc = self._book.allocation_to_free(ptr)
+        self._do_free(alloc)
+        self._book.forget_allocation(alloc)
 
     # -- virtual memory management ----------------------------------------------------
+    def _check_alignment(self, alignment: object) -> int:
+        check_nbytes(alignment, what="alignment", allow_zero=True)
+        gran = self.granularity_nbytes
+        if alignment and (alignment & (alignment - 1) or alignment % gran):  # type: ignore[operator]
+            raise InvalidArgumentError(f"alignment {alignment} must be 0 or a power-of-two multiple of the granularity")
+        return alignment  # type: ignore[return-value]
+
     def address_reserve(self, nbytes: int, alignment: int = 0) -> int:
         """Reserve ``nbytes`` (a granularity multiple) of virtual address space; return its base."""
-        return self._run(self._do_address_reserve, nbytes, alignment)
+        return self._run(self._address_reserve, nbytes, alignment)
+
+    def _address_reserve(self, nbytes: int, alignment: int) -> int:
+        self._require_vmm("address_reserve")
+        check_granular(nbytes, self.granularity_nbytes)
+        self._check_alignment(alignment)
+        va = self._do_address_reserve(nbytes, alignment)
+        self._book.reservations.add(va, va + nbytes, Reservation(va, nbytes))
+        return va
 
     def address_free(self, va: int, nbytes: int) -> None:
         """Give back a whole reservation; it must have no mappings left."""
-        return self._run(self._do_address_free, va, nbytes)
+        return self._run(self._address_free, va, nbytes)
+
+    def _address_free(self, va: int, nbytes: int) -> None:
+        self._require_vmm("address_free")
+        check_pointer(va, what="va")
+        check_granular(nbytes, self.granularity_nbytes)
+        self._book.reservation_to_free(va, nbytes)
+        self._do_address_free(va, nbytes)
+        self._book.reservations.remove(va)
 
     def mem_create(self, nbytes: int) -> PhysicalHandle:
         """Create a physical chunk of ``nbytes`` (a granularity multiple); takes device memory."""
-        return self._run(self._do_mem_create, nbytes)
+        return self._run(self._mem_create, nbytes)
+
+    def _mem_create(self, nbytes: int) -> PhysicalHandle:
+        self._require_vmm("mem_create")
+        check_granular(nbytes, self.granularity_nbytes)
+        native = self._do_mem_create(nbytes)
+        return self._book.add_physical(PhysicalHandle, nbytes, native).handle
 
     def mem_release(self, handle: PhysicalHandle) -> None:
         """Release a physical chunk. Its memory returns once it is also unmapped everywhere."""
-        return self._run(self._do_mem_release, handle)
+        return self._run(self._mem_release, handle)
+
+    def _mem_release(self, handle: PhysicalHandle) -> None:
+        self._require_vmm("mem_release")
+        phys = self._book.physical(handle, PhysicalHandle, "mem_release")
+        self._do_mem_release(phys)
+        phys.released = True
+        if phys.map_count == 0:
+            self._drop_physical(phys)
+
+    def _drop_physical(self, phys: Physical) -> None:
+        del self._book.physicals[phys.handle.handle]
+        self._physical_gone(phys)
+
+    def _physical_gone(self, phys: Physical) -> None:
+        """Hook: ``phys`` was released and has no mapping left, so its memory went back to the device."""
 
     def mem_map(self, va: int, nbytes: int, handle: PhysicalHandle, offset: int = 0) -> None:
         """Map ``nbytes`` of ``handle`` starting at ``offset`` at ``va`` inside a reservation."""
-        return self._run(self._do_mem_map, va, nbytes, handle, offset)
+        return self._run(self._mem_map, va, nbytes, handle, offset)
+
+    def _mem_map(self, va: int, nbytes: int, handle: PhysicalHandle, offset: int) -> None:
+        self._require_vmm("mem_map")
+        check_pointer(va, what="va")
+        gran = self.granularity_nbytes
+        check_granular(nbytes, gran)
+        check_nbytes(offset, what="offset", allow_zero=True)
+        if va % gran or offset % gran:
+            raise InvalidArgumentError(f"mem_map: va and offset must be multiples of the granularity {gran}")
+        phys = self._book.physical(handle, PhysicalHandle, "mem_map")
+        if offset + nbytes > phys.handle.nbytes:
+            raise InvalidArgumentError(f"mem_map: offset {offset} + nbytes {nbytes} exceeds the chunk's "
+                                       f"{phys.handle.nbytes} bytes")
+        r = self._book.reservation(va, nbytes, "mem_map")
+        r.check_unmapped(va, nbytes, "mem_map")
+        self._do_mem_map(va, nbytes, phys, offset)
+        r.add(va, nbytes, phys, offset)
 
     def mem_set_access(self, va: int, nbytes: int) -> None:
-        """Make a mapped range readable and writable by this device."""
-        return self._run(self._do_mem_set_access, va, nbytes)
+        """Make a mapped range readable and writable by this device.
+
+        The range must be fully mapped (possibly by several mappings); every mapping it
+        touches is recorded as accessible.
+        """
+        return self._run(self._mem_set_access, va, nbytes)
+
+    def _mem_set_access(self, va: int, nbytes: int) -> None:
+        self._require_vmm("mem_set_access")
+        check_pointer(va, what="va")
+        check_granular(nbytes, self.granularity_nbytes)
+        maps = self._book.reservation(va, nbytes, "mem_set_access").covering(va, nbytes, "mem_set_access")
+        self._do_mem_set_access(va, nbytes, maps)
+        for m in maps:
+            m.accessible = True
 
     def mem_unmap(self, va: int, nbytes: int) -> None:
         """Unmap a range that was mapped with exactly this base and size.
@@ -383,20 +517,57 @@ class Device(abc.ABC):
         Wait for that work first (:meth:`event_synchronize`); the simulator's sanitizer
         raises :class:`~gpumem.errors.MemoryHazardError` otherwise.
         """
-        return self._run(self._do_mem_unmap, va, nbytes)
+        return self._run(self._mem_unmap, va, nbytes)
+
+    def _mem_unmap(self, va: int, nbytes: int) -> None:
+        self._require_vmm("mem_unmap")
+        check_pointer(va, what="va")
+        check_granular(nbytes, self.granularity_nbytes)
+        r = self._book.reservation(va, nbytes, "mem_unmap")
+        maps = r.whole_mappings(va, nbytes, "mem_unmap")
+        self._do_mem_unmap(r, maps)
+
+    def _unmapped(self, r: Reservation, m: Mapping) -> None:
+        """Record that ``m`` was unmapped: implementations of ``_do_mem_unmap`` call it for each mapping
+        right after the device unmapped it (Note [The book follows the device] in :mod:`gpumem.vmm_book`)."""
+        r.remove(m)
+        if m.physical.released and m.physical.map_count == 0:
+            self._drop_physical(m.physical)
 
     # -- data and ordering --------------------------------------------------------------
     def write(self, ptr: int, data: BytesLike) -> None:
         """Copy host bytes to device memory at ``ptr`` (inside one allocation or accessible mapping)."""
-        return self._run(self._do_write, ptr, data)
+        check_pointer(ptr)
+        view = check_data(data)
+        return self._run(self._write, ptr, view)
+
+    def _write(self, ptr: int, view: memoryview) -> None:
+        self._check_usable()
+        if len(view) == 0:
+            return
+        pieces = self._book.locate(ptr, len(view), "write")
+        self._do_write(ptr, view, pieces)
 
     def read(self, ptr: int, nbytes: int) -> bytes:
         """Copy ``nbytes`` of device memory at ``ptr`` back to the host."""
-        return self._run(self._do_read, ptr, nbytes)
+        check_pointer(ptr)
+        check_nbytes(nbytes, allow_zero=True)
+        return self._run(self._read, ptr, nbytes)
+
+    def _read(self, ptr: int, nbytes: int) -> bytes:
+        self._check_usable()
+        if nbytes == 0:
+            return b""
+        pieces = self._book.locate(ptr, nbytes, "read")
+        return self._do_read(ptr, nbytes, pieces)
 
     def synchronize(self) -> None:
         """Wait until all work on the device, on every stream, has finished."""
-        return self._run(self._do_synchronize)
+        return self._run(self._synchronize)
+
+    def _synchronize(self) -> None:
+        self._check_usable()
+        self._do_synchronize()
 
     # -- streams and events ---------------------------------------------------------------
     def stream_create(self) -> int:
@@ -404,6 +575,7 @@ class Device(abc.ABC):
         return self._run(self._stream_create)
 
     def _stream_create(self) -> int:
+        self._check_usable()
         stream = self._do_stream_create()
         self._user_streams.add(stream)
         return stream
@@ -420,13 +592,18 @@ class Device(abc.ABC):
         if stream not in self._user_streams:
             why = "the default stream cannot be destroyed" if stream == 0 else "it was not made by stream_create"
             raise InvalidArgumentError(f"stream_destroy: stream {stream} on {self.spec}: {why}")
+        self._check_usable()
         self._do_stream_destroy(stream)
         self._user_streams.discard(stream)
 
     def event_record(self, stream: int = 0) -> Event:
         """Record an event on ``stream``: it completes when all work queued there before it has completed."""
         check_stream(stream)
-        return self._run(self._do_event_record, stream)
+        return self._run(self._event_record, stream)
+
+    def _event_record(self, stream: int) -> Event:
+        self._check_usable()
+        return self._do_event_record(stream)
 
     def event_query(self, event: Event) -> bool:
         """Whether ``event`` has completed (never waits)."""
@@ -441,16 +618,24 @@ class Device(abc.ABC):
         return self._run(self._event_destroy, event)
 
     def _event_call(self, call: str, fn: Callable[[Any], T], event: Event) -> T:
-        return fn(self._check_event(event, call))
+        self._check_event(event, call)
+        self._check_usable()
+        return fn(event)
 
     def _event_destroy(self, event: Event) -> None:
-        self._do_event_destroy(self._check_event(event, "event_destroy"))
+        self._check_event(event, "event_destroy")
+        self._check_usable()
+        self._do_event_destroy(event)
         event._destroyed = True
 
     def stream_synchronize(self, stream: int) -> None:
         """Wait until all work queued on ``stream`` has completed."""
         check_stream(stream)
-        return self._run(self._do_stream_synchronize, stream)
+        return self._run(self._stream_synchronize, stream)
+
+    def _stream_synchronize(self, stream: int) -> None:
+        self._check_usable()
+        self._do_stream_synchronize(stream)
 
     def stream_wait_event(self, stream: int, event: Event) -> None:
         """Make work queued on ``stream`` from now on wait until ``event`` has completed (no host wait)."""
@@ -458,22 +643,74 @@ class Device(abc.ABC):
         return self._run(self._stream_wait_event, stream, event)
 
     def _stream_wait_event(self, stream: int, event: Event) -> None:
-        self._do_stream_wait_event(stream, self._check_event(event, "stream_wait_event"))
+        self._check_event(event, "stream_wait_event")
+        self._check_usable()
+        self._do_stream_wait_event(stream, event)
 
     # -- life cycle ----------------------------------------------------------------------
     def close(self) -> None:
         """Free everything this device object still holds. Idempotent."""
-        return self._run(self._do_close)
+        return self._run(self._close)
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._do_close()
+        finally:
+            self._book.clear()
+            self._user_streams.clear()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    # -- introspection for tests and reports ------------------------------------------------
+    @property
+    def n_allocations(self) -> int:
+        """Live ``malloc`` allocations."""
+        return len(self._book.allocations)
+
+    def allocation_ranges(self) -> list[tuple[int, int]]:
+        """``(ptr, nbytes)`` of every live ``malloc`` allocation, by address."""
+        with self._lock:
+            return [(s, e - s) for s, e, _ in self._book.allocations.items()]
+
+    def mapping_ranges(self) -> list[tuple[int, int, int]]:
+        """``(va, nbytes, handle)`` of every live mapping, by address."""
+        with self._lock:
+            return [(m.va, m.nbytes, m.physical.handle.handle)
+                    for r in self._book.reservations.values() for m in r.mappings.values()]
+
+    def reservation_ranges(self) -> list[tuple[int, int]]:
+        """``(va, nbytes)`` of every live address reservation, by address."""
+        with self._lock:
+            return [(s, e - s) for s, e, _ in self._book.reservations.items()]
+
+    def check_invariants(self) -> None:
+        """Raise :class:`~gpumem.errors.InternalError` if the device's bookkeeping is inconsistent
+        (used by property tests and by ``CachingAllocator.check_consistency``)."""
+        with self._lock:
+            self._book.check()
+            self._check_device_invariants()
+
+    def _check_device_invariants(self) -> None:
+        """Hook: an implementation's own consistency checks (raise InternalError)."""
 
     # -- what an implementation provides (Note [Public methods check, implementations do]) --
+    # Each is called under the device's lock, after the base class validated the arguments and
+    # found the records involved, and before it records the outcome: raising changes nothing.
     @abc.abstractmethod
     def _do_mem_info(self) -> MemInfo: ...
 
     @abc.abstractmethod
-    def _do_malloc(self, nbytes: int) -> int: ...
+    def _do_malloc(self, nbytes: int) -> Allocation:
+        """Allocate; return the :class:`~gpumem.vmm_book.Allocation` (its ``native`` is the device's)."""
 
     @abc.abstractmethod
-    def _do_free(self, ptr: int) -> None: ...
+    def _do_free(self, alloc: Allocation) -> None: ...
 
     @abc.abstractmethod
     def _do_address_reserve(self, nbytes: int, alignment: int) -> int: ...
@@ -482,25 +719,28 @@ class Device(abc.ABC):
     def _do_address_free(self, va: int, nbytes: int) -> None: ...
 
     @abc.abstractmethod
-    def _do_mem_create(self, nbytes: int) -> PhysicalHandle: ...
+    def _do_mem_create(self, nbytes: int) -> Any:
+        """Create a chunk; return the device's own object for it (kept as ``Physical.native``)."""
 
     @abc.abstractmethod
-    def _do_mem_release(self, handle: PhysicalHandle) -> None: ...
+    def _do_mem_release(self, phys: Physical) -> None: ...
 
     @abc.abstractmethod
-    def _do_mem_map(self, va: int, nbytes: int, handle: PhysicalHandle, offset: int) -> None: ...
+    def _do_mem_map(self, va: int, nbytes: int, phys: Physical, offset: int) -> None: ...
 
     @abc.abstractmethod
-    def _do_mem_set_access(self, va: int, nbytes: int) -> None: ...
+    def _do_mem_set_access(self, va: int, nbytes: int, maps: list[Mapping]) -> None: ...
 
     @abc.abstractmethod
-    def _do_mem_unmap(self, va: int, nbytes: int) -> None: ...
+    def _do_mem_unmap(self, r: Reservation, maps: list[Mapping]) -> None:
+        """Unmap ``maps`` (whole mappings of ``r``), calling :meth:`_unmapped` for each one unmapped."""
 
     @abc.abstractmethod
-    def _do_write(self, ptr: int, data: BytesLike) -> None: ...
+    def _do_write(self, ptr: int, view: memoryview, pieces: list[tuple[Any, int, int]]) -> None:
+        """Copy ``view`` to ``ptr``; ``pieces`` is where it lands (:meth:`MemoryBook.locate`)."""
 
     @abc.abstractmethod
-    def _do_read(self, ptr: int, nbytes: int) -> bytes: ...
+    def _do_read(self, ptr: int, nbytes: int, pieces: list[tuple[Any, int, int]]) -> bytes: ...
 
     @abc.abstractmethod
     def _do_synchronize(self) -> None: ...
@@ -530,7 +770,8 @@ class Device(abc.ABC):
     def _do_stream_wait_event(self, stream: int, event: Any) -> None: ...
 
     @abc.abstractmethod
-    def _do_close(self) -> None: ...
+    def _do_close(self) -> None:
+        """Free what the device still holds (the book still lists it; the base clears it afterwards)."""
 
     @property
     def vmm_supported(self) -> bool:

@@ -101,9 +101,17 @@ class EventHub:
         self._dispatch(event)
 
     def deliver(self, event: MemoryEvent) -> None:
-        """Call every subscriber with ``event`` now."""
+        """Call every subscriber with ``event`` now; if some raise, the others are still called and
+        the first exception is raised afterwards."""
+        first_error: Exception | None = None
         for sub in list(self._subs):
-            sub.callback(event)
+            try:
+                sub.callback(event)
+            except Exception as exc:  # noqa: BLE001 - one subscriber's bug must not starve the others
+                if first_error is None:
+                    first_error = exc
+        if first_error is not None:
+            raise first_error
 
     def free_changed(self, time_s: float, old_free: int, new_free: int, source: str) -> None:
         """Publish level crossings between ``old_free`` and ``new_free``."""

@@ -17,31 +17,33 @@ Note [Bookkeeping keeps bad input away from CUDA]
 --------------------------------------------------
 CUDA's answer to a bad pointer ranges from an error code to undefined behaviour
 (``cuMemRelease`` of an invalid handle) to a corrupted context (a ``cudaMemcpy``
-past the end of an allocation). So this device remembers everything it handed
-out, exactly as :class:`sim.SimDevice` does, and checks every call against that
-record *before* calling CUDA:
+past the end of an allocation). So everything this device hands out is
+recorded in the :class:`~gpumem.device.Device` base class's book
+(:class:`~gpumem.vmm_book.MemoryBook`, the same one the simulator uses), and
+every call is checked against it *before* CUDA is called:
 
 * live ``malloc`` pointers and their sizes (and a bounded memory of freed ones,
   so a second ``free`` is a :class:`~gpumem.errors.DoubleFreeError` rather
   than an :class:`~gpumem.errors.InvalidPointerError`);
-* address reservations, and per reservation its mappings sorted by address, so
-  an overlapping ``mem_map`` raises :class:`~gpumem.errors.MappingOverlapError`
-  instead of reaching ``cuMemMap``;
+* address reservations, and per reservation its mappings, so an overlapping
+  ``mem_map`` raises :class:`~gpumem.errors.MappingOverlapError` instead of
+  reaching ``cuMemMap``;
 * physical chunks, released or not, with the number of mappings of each.
 
 ``read`` and ``write`` only copy inside one live allocation or inside
-contiguous mappings that have access set. Each call validates its arguments,
-then refuses if the device is closed (virtual memory calls refuse first, before
-validating), then checks the record, then calls CUDA, and only when CUDA
-succeeded updates the record: a failing call changes nothing.
-Where one request takes several CUDA calls (unmapping several mappings), the
-record follows each call that succeeded, so it stays true even then.
+contiguous mappings that have access set. The base class validates, checks the
+book, calls this class's ``_do_`` method (which calls CUDA), and only when CUDA
+succeeded updates the book: a failing call changes nothing. Where one request
+takes several CUDA calls (unmapping several mappings), the book follows each
+call that succeeded, so it stays true even then.
 
-The checks mirror :mod:`sim.device` one for one, in the same order (same
-exceptions for the same inputs), because one contract suite runs against both
-devices; ``tests/cuda_adapter/test_cuda_sim_parity.py`` compares them call by call.
-After :meth:`CudaDevice.close` every call with valid arguments except
-:meth:`~CudaDevice.properties` raises :class:`~gpumem.errors.DeviceClosedError`.
+Because the checks live in the base class, the simulator and this device
+reject the same inputs in the same order (one contract suite runs against
+both; ``tests/cuda_adapter/test_cuda_sim_parity.py`` compares them call by
+call). After :meth:`CudaDevice.close` every call with valid arguments except
+:meth:`~CudaDevice.properties` raises :class:`~gpumem.errors.DeviceClosedError`;
+after a sticky CUDA error (the context is dead) every call raises
+:class:`~gpumem.errors.DeviceLostError`.
 
 Note [Streams and events on CUDA]
 ---------------------------------
@@ -60,45 +62,31 @@ makes this device current on the calling thread before it calls CUDA.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import numpy as np
 
 from gpumem.device import (
-    BytesLike,
     Device,
     DeviceKind,
     DeviceProperties,
     Event,
     MemInfo,
-    PhysicalHandle,
-    check_data,
-    check_granular,
-    check_nbytes,
-    check_pointer,
 )
 from gpumem.errors import (
     BackendUnavailableError,
     CudaError,
-    DeviceClosedError,
     DeviceLostError,
     DeviceNotFoundError,
-    DoubleFreeError,
     InternalError,
     InvalidArgumentError,
-    InvalidPointerError,
-    MappingError,
     OutOfMemoryError,
     UnsupportedOperationError,
 )
 from gpumem.units import CUDA_GRANULARITY_NBYTES
-from gpumem.vmm_book import Mapping as _Mapping
-from gpumem.vmm_book import Reservation as _Reservation
+from gpumem.vmm_book import Allocation, Mapping, Physical, Reservation
 
 from .backend import INSTALL_HINT, CudaBackend, load_backend
 from .errors import (
@@ -117,8 +105,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: How many freed pointers are remembered to tell a double free from a wild pointer (as in the simulator).
-_FREED_MEMORY = 65_536
 #: Sizes above this cannot be passed to CUDA (``size_t``); the device cannot have that much anyway.
 _SIZE_MAX = 2**64 - 1
 #: ``cudaMemcpyKind`` values (CuPy exports them as ``runtime.memcpyHostToDevice``...).
@@ -142,16 +128,6 @@ class CudaEvent(Event):
     def __init__(self, device: "CudaDevice", stream: int, handle: int) -> None:
         super().__init__(device, stream)
         self.handle = handle
-
-
-@dataclass
-class _Physical:
-    """A ``cuMemCreate`` chunk: our handle, the driver's, and how many mappings use it."""
-
-    handle: PhysicalHandle
-    driver_handle: Any
-    released: bool = False
-    map_count: int = 0
 
 
 def _decode(value: object) -> str:
@@ -184,7 +160,7 @@ class CudaDevice(Device):
         self.index = index
         self.spec = f"cuda:{index}"
         self._closed = True  # until fully opened: close() then has nothing to do
-        self._lost: CudaError | None = None
+        self._lost: CudaError | None = None  # the sticky error that lost the device
         self._backend = backend if backend is not None else load_backend()
         self._rt = self._backend.runtime
         self._total_nbytes = 0
@@ -217,14 +193,7 @@ class CudaDevice(Device):
             vmm_supported=vmm_ok,
             granularity_nbytes=self._gran,
         )
-        # the record (Note [Bookkeeping keeps bad input away from CUDA])
-        self._allocations: dict[int, int] = {}
-        self._alloc_starts: list[int] = []
-        self._freed: OrderedDict[int, None] = OrderedDict()
-        self._reservations: dict[int, _Reservation] = {}
-        self._res_starts: list[int] = []
-        self._physicals: dict[int, _Physical] = {}
-        self._next_handle = 1
+        # the record (Note [Bookkeeping keeps bad input away from CUDA]) is the base class's book
         self._event_pool: list[int] = []
         self._live_events: set[int] = set()  # handles of events handed out and not destroyed
         self._closed = False
@@ -277,16 +246,16 @@ class CudaDevice(Device):
         self._runtime("cudaSetDevice", self._rt.setDevice, self.index)
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise DeviceClosedError(f"{self.spec} is closed")
-        if self._lost is not None:
-            raise DeviceLostError(f"{self.spec} is lost: {self._lost}")
+        self._check_usable()
+
+    def _lost_message(self) -> str:
+        return f"{self.spec} is lost: {self._lost}"
 
     def _lose(self, err: CudaError) -> DeviceLostError:
         """Note [A sticky error loses the device]: after ``cudaErrorIllegalAddress`` and its kin the
         context is dead and every later call fails; the record is left as it is (nothing more can be
         freed) and every later call raises :class:`~gpumem.errors.DeviceLostError` at once."""
-        if self._lost is None:
+        if not self._lost:
             self._lost = err
             log.error("%s: the CUDA context is dead: %s", self.spec, err)
         return DeviceLostError(f"{self.spec} is lost: {err}")
@@ -336,17 +305,28 @@ class CudaDevice(Device):
             log.debug("%s: cudaDeviceGetAttribute(%s) failed: %s", self.spec, name, exc)
             return 0
 
-    def _require_vmm(self, call: str) -> VmmDriver:
-        """Refuse on a closed device, then on one without VMM; both before any argument check (as the simulator)."""
-        self._check_open()
+    def _check_vmm(self, call: str) -> None:
+        """Refuse a device without VMM (the base class refused a closed or lost one already)."""
         if self._vmm_ok and self._vmm is not None:
-            return self._vmm
+            return
         if self._backend.driver is None:
             raise VmmUnavailableError(f"{call}: {self._vmm_missing}")
         msg = f"{call}: {self.spec} ({self._props.name}) does not support virtual memory management"
         if self._vmm_missing and "does not support" not in self._vmm_missing:
             msg += f" ({self._vmm_missing})"  # the driver could not be used: say why
         raise UnsupportedOperationError(msg)
+
+    @property
+    def _vmm_driver(self) -> VmmDriver:
+        vmm = self._vmm
+        if vmm is None:  # never: _check_vmm refused already
+            raise InternalError(f"{self.spec}: VMM call without a VMM driver")
+        return vmm
+
+    def _close_nvml(self) -> None:
+        if self._nvml_session is not None:
+            self._nvml_session.close()
+            self._nvml_session = self._nvml_device = None
 
     # -- NVML ---------------------------------------------------------------------------------------------
     def _nvml(self) -> NvmlDevice:
@@ -394,49 +374,25 @@ class CudaDevice(Device):
         return self._props
 
     def _do_mem_info(self) -> MemInfo:
-        self._check_open()
         self._activate()
         free, total = self._runtime("cudaMemGetInfo", self._rt.memGetInfo)
         return MemInfo(int(free), int(total))
 
     # -- Device: malloc and free ----------------------------------------------------------------------
-    def _do_malloc(self, nbytes: int) -> int:
-        check_nbytes(nbytes)
-        self._check_open()
+    def _do_malloc(self, nbytes: int) -> Allocation:
         if nbytes > _SIZE_MAX:
             raise self._oom(nbytes, why="larger than CUDA's size_t")
         self._activate()
         ptr = int(self._runtime("cudaMalloc", self._rt.malloc, nbytes, oom_nbytes=nbytes, memory_nbytes=nbytes))
-        self._allocations[ptr] = nbytes
-        bisect.insort(self._alloc_starts, ptr)
-        self._freed.pop(ptr, None)
-        return ptr
+        return Allocation(ptr, nbytes)
 
-    def _do_free(self, ptr: int) -> None:
-        check_pointer(ptr)
-        self._check_open()
-        if ptr not in self._allocations:
-            if ptr in self._freed:
-                raise DoubleFreeError(f"double free of {ptr:#x} on {self.spec}")
-            raise InvalidPointerError(f"free of {ptr:#x}, which {self.spec} never allocated (or not its start)")
+    def _do_free(self, alloc: Allocation) -> None:
         self._activate()
-        self._runtime("cudaFree", self._rt.free, ptr)
-        self._forget_allocation(ptr)
-
-    def _forget_allocation(self, ptr: int) -> None:
-        del self._allocations[ptr]
-        del self._alloc_starts[bisect.bisect_left(self._alloc_starts, ptr)]
-        self._freed[ptr] = None
-        if len(self._freed) > _FREED_MEMORY:
-            self._freed.popitem(last=False)
+        self._runtime("cudaFree", self._rt.free, alloc.start)
 
     # -- Device: virtual memory management -----------------------------------------------------------
-    def _do_address_reserve(self, nbytes: int, alignment: int = 0) -> int:
-        vmm = self._require_vmm("address_reserve")
-        check_granular(nbytes, self._gran)
-        check_nbytes(alignment, what="alignment", allow_zero=True)
-        if alignment and (alignment & (alignment - 1) or alignment % self._gran):
-            raise InvalidArgumentError(f"alignment {alignment} must be 0 or a power-of-two multiple of the granularity")
+    def _do_address_reserve(self, nbytes: int, alignment: int) -> int:
+        vmm = self._vmm_driver
         if nbytes > _SIZE_MAX:
             raise self._oom(nbytes, why="larger than CUDA's size_t")
         va = self._driver("cuMemAddressReserve", vmm.address_reserve, nbytes, alignment, oom_nbytes=nbytes)
@@ -445,165 +401,43 @@ class CudaDevice(Device):
             self._driver("cuMemAddressFree", vmm.address_free, va, nbytes)
             raise CudaError("cuMemAddressReserve", "misaligned",
                             f"{va:#x} is not aligned to {max(alignment, self._gran)}")
-        self._reservations[va] = _Reservation(va, nbytes)
-        bisect.insort(self._res_starts, va)
         return va
 
-    def _reservation_at(self, ptr: int) -> _Reservation | None:
-        i = bisect.bisect_right(self._res_starts, ptr) - 1
-        if i < 0:
-            return None
-        r = self._reservations[self._res_starts[i]]
-        return r if ptr < r.start + r.nbytes else None
-
-    def _reservation(self, va: int, nbytes: int, call: str) -> _Reservation:
-        r = self._reservation_at(va)
-        if r is None:
-            raise MappingError(f"{call}: {va:#x} is not inside an address reservation on {self.spec}")
-        r.check_inside(va, nbytes, call)
-        return r
-
     def _do_address_free(self, va: int, nbytes: int) -> None:
-        vmm = self._require_vmm("address_free")
-        check_pointer(va, what="va")
-        check_granular(nbytes, self._gran)
-        r = self._reservations.get(va)
-        if r is None:
-            raise MappingError(f"address_free: {va:#x} is not the base of a reservation on {self.spec}")
-        if r.nbytes != nbytes:
-            raise MappingError(f"address_free: reservation at {va:#x} is {r.nbytes} bytes, not {nbytes}")
-        if r.mappings:
-            raise MappingError(f"address_free: reservation at {va:#x} still has {len(r.mappings)} mapping(s)")
-        self._driver("cuMemAddressFree", vmm.address_free, va, nbytes)
-        del self._reservations[va]
-        del self._res_starts[bisect.bisect_left(self._res_starts, va)]
+        self._driver("cuMemAddressFree", self._vmm_driver.address_free, va, nbytes)
 
-    def _do_mem_create(self, nbytes: int) -> PhysicalHandle:
-        vmm = self._require_vmm("mem_create")
-        check_granular(nbytes, self._gran)
+    def _do_mem_create(self, nbytes: int) -> Any:
+        vmm = self._vmm_driver
         if nbytes > _SIZE_MAX:
             raise self._oom(nbytes, why="larger than CUDA's size_t")
-        driver_handle = self._driver("cuMemCreate", vmm.create, nbytes, oom_nbytes=nbytes, memory_nbytes=nbytes)
-        handle = PhysicalHandle(self._next_handle, nbytes)
-        self._next_handle += 1
-        self._physicals[handle.handle] = _Physical(handle, driver_handle)
-        return handle
+        return self._driver("cuMemCreate", vmm.create, nbytes, oom_nbytes=nbytes, memory_nbytes=nbytes)
 
-    def _physical(self, handle: PhysicalHandle, call: str) -> _Physical:
-        phys = self._physicals.get(handle.handle)
-        if phys is None or phys.handle != handle or phys.released:
-            raise InvalidPointerError(f"{call}: unknown or released physical handle {handle.handle}")
-        return phys
+    def _do_mem_release(self, phys: Physical) -> None:
+        self._driver("cuMemRelease", self._vmm_driver.release, phys.native)
 
-    @staticmethod
-    def _check_handle_type(handle: object, call: str) -> None:
-        if not isinstance(handle, PhysicalHandle):
-            raise InvalidArgumentError(f"{call}: handle must be a PhysicalHandle, got {type(handle).__name__}")
+    def _do_mem_map(self, va: int, nbytes: int, phys: Physical, offset: int) -> None:
+        self._driver("cuMemMap", self._vmm_driver.map, va, nbytes, phys.native, offset, oom_nbytes=nbytes)
 
-    def _do_mem_release(self, handle: PhysicalHandle) -> None:
-        vmm = self._require_vmm("mem_release")
-        self._check_handle_type(handle, "mem_release")
-        phys = self._physical(handle, "mem_release")
-        self._driver("cuMemRelease", vmm.release, phys.driver_handle)
-        phys.released = True
-        if phys.map_count == 0:
-            del self._physicals[handle.handle]
-
-    def _do_mem_map(self, va: int, nbytes: int, handle: PhysicalHandle, offset: int = 0) -> None:
-        vmm = self._require_vmm("mem_map")
-        check_pointer(va, what="va")
-        check_granular(nbytes, self._gran)
-        check_nbytes(offset, what="offset", allow_zero=True)
-        if va % self._gran or offset % self._gran:
-            raise InvalidArgumentError(f"mem_map: va and offset must be multiples of the granularity {self._gran}")
-        self._check_handle_type(handle, "mem_map")
-        phys = self._physical(handle, "mem_map")
-        if offset + nbytes > phys.handle.nbytes:
-            raise InvalidArgumentError(f"mem_map: offset {offset} + nbytes {nbytes} exceeds the chunk's "
-                                       f"{phys.handle.nbytes} bytes")
-        r = self._reservation(va, nbytes, "mem_map")
-        r.check_unmapped(va, nbytes, "mem_map")
-        self._driver("cuMemMap", vmm.map, va, nbytes, phys.driver_handle, offset, oom_nbytes=nbytes)
-        r.add(va, nbytes, phys, offset)
-
-    def _mappings_covering(self, va: int, nbytes: int, call: str) -> list[_Mapping]:
-        """The mappings that tile ``[va, va + nbytes)`` from ``va`` without holes, or :class:`MappingError`."""
-        return self._reservation(va, nbytes, call).covering(va, nbytes, call)
-
-    def _do_mem_set_access(self, va: int, nbytes: int) -> None:
-        """Make the mappings covering ``[va, va + nbytes)`` readable and writable.
-
-        One ``cuMemSetAccess`` covers the whole range, which must be fully mapped
-        (possibly by several mappings); every mapping it touches is recorded as accessible.
-        """
-        vmm = self._require_vmm("mem_set_access")
-        check_pointer(va, what="va")
-        check_granular(nbytes, self._gran)
-        maps = self._mappings_covering(va, nbytes, "mem_set_access")
+    def _do_mem_set_access(self, va: int, nbytes: int, maps: list[Mapping]) -> None:
         # One driver call for the whole range: cuMemSetAccess accepts any fully mapped range,
         # and each call costs ~27 us on an H200 whatever its size (hil/probes/calibrate.py).
-        self._driver("cuMemSetAccess", vmm.set_access, va, nbytes)
-        for m in maps:
-            m.accessible = True
+        self._driver("cuMemSetAccess", self._vmm_driver.set_access, va, nbytes)
 
-    def _do_mem_unmap(self, va: int, nbytes: int) -> None:
-        """Unmap whole mappings tiling ``[va, va + nbytes)`` (one ``cuMemUnmap`` each, as the driver requires)."""
-        vmm = self._require_vmm("mem_unmap")
-        check_pointer(va, what="va")
-        check_granular(nbytes, self._gran)
-        r = self._reservation(va, nbytes, "mem_unmap")
-        maps = r.whole_mappings(va, nbytes, "mem_unmap")
+    def _do_mem_unmap(self, r: Reservation, maps: list[Mapping]) -> None:
+        """One ``cuMemUnmap`` per mapping, as the driver requires; the book follows each one that succeeded."""
+        vmm = self._vmm_driver
         for m in maps:
             self._driver("cuMemUnmap", vmm.unmap, m.va, m.nbytes)
-            self._forget_mapping(r, m)
-
-    def _forget_mapping(self, r: _Reservation, m: _Mapping) -> None:
-        r.remove(m)
-        if m.physical.released and m.physical.map_count == 0:
-            del self._physicals[m.physical.handle.handle]
+            self._unmapped(r, m)
 
     # -- Device: data ------------------------------------------------------------------------------------
-    def _check_range(self, ptr: int, nbytes: int, call: str) -> None:
-        """Raise :class:`InvalidPointerError` unless ``[ptr, ptr + nbytes)`` may be copied (see the Note)."""
-        i = bisect.bisect_right(self._alloc_starts, ptr) - 1
-        if i >= 0:
-            start = self._alloc_starts[i]
-            size = self._allocations[start]
-            if ptr < start + size:
-                if ptr + nbytes > start + size:
-                    raise InvalidPointerError(f"{call}: [{ptr:#x}, {ptr + nbytes:#x}) runs past the end of the "
-                                              f"{size}-byte allocation at {start:#x}")
-                return
-        if self._reservation_at(ptr) is not None:
-            try:
-                maps = self._mappings_covering(ptr, nbytes, call)
-            except MappingError as exc:
-                raise InvalidPointerError(str(exc)) from None
-            for m in maps:
-                if not m.accessible:
-                    raise InvalidPointerError(f"{call}: mapping at {m.va:#x} has no access set (mem_set_access)")
-            return
-        raise InvalidPointerError(f"{call}: {ptr:#x} is not inside any allocation or mapping on {self.spec}")
-
-    def _do_write(self, ptr: int, data: BytesLike) -> None:
-        check_pointer(ptr)
-        view = check_data(data)
-        self._check_open()
-        if len(view) == 0:
-            return
-        self._check_range(ptr, len(view), "write")
+    def _do_write(self, ptr: int, view: memoryview, pieces: list[tuple[Any, int, int]]) -> None:
         host = np.frombuffer(view, dtype=np.uint8)  # no copy; keeps the buffer alive during the call
         kind = getattr(self._rt, "memcpyHostToDevice", _MEMCPY_HOST_TO_DEVICE)
         self._activate()
         self._runtime("cudaMemcpy", self._rt.memcpy, ptr, host.ctypes.data, len(view), kind)
 
-    def _do_read(self, ptr: int, nbytes: int) -> bytes:
-        check_pointer(ptr)
-        check_nbytes(nbytes, allow_zero=True)
-        self._check_open()
-        if nbytes == 0:
-            return b""
-        self._check_range(ptr, nbytes, "read")
+    def _do_read(self, ptr: int, nbytes: int, pieces: list[tuple[Any, int, int]]) -> bytes:
         host = np.empty(nbytes, dtype=np.uint8)
         kind = getattr(self._rt, "memcpyDeviceToHost", _MEMCPY_DEVICE_TO_HOST)
         self._activate()
@@ -611,23 +445,19 @@ class CudaDevice(Device):
         return host.tobytes()
 
     def _do_synchronize(self) -> None:
-        self._check_open()
         self._activate()
         self._runtime("cudaDeviceSynchronize", self._rt.deviceSynchronize)
 
     # -- Device: streams and events (Note [Streams and events on CUDA]) -------------------------------------
     def _do_stream_create(self) -> int:
-        self._check_open()
         self._activate()
         return int(self._runtime("cudaStreamCreateWithFlags", self._rt.streamCreateWithFlags, _STREAM_NON_BLOCKING))
 
     def _do_stream_destroy(self, stream: int) -> None:
-        self._check_open()
         self._activate()
         self._runtime("cudaStreamDestroy", self._rt.streamDestroy, stream)
 
     def _do_event_record(self, stream: int) -> CudaEvent:
-        self._check_open()
         self._activate()
         if self._event_pool:
             handle = self._event_pool.pop()
@@ -643,7 +473,6 @@ class CudaDevice(Device):
         return CudaEvent(self, stream, handle)
 
     def _do_event_query(self, event: CudaEvent) -> bool:
-        self._check_open()
         self._activate()
         # CuPy's eventQuery returns cudaEventQuery's status instead of raising; accept both forms
         try:
@@ -662,12 +491,10 @@ class CudaDevice(Device):
         raise self._translate(err, None, None)
 
     def _do_event_synchronize(self, event: CudaEvent) -> None:
-        self._check_open()
         self._activate()
         self._runtime("cudaEventSynchronize", self._rt.eventSynchronize, event.handle)
 
     def _do_event_destroy(self, event: CudaEvent) -> None:
-        self._check_open()
         self._give_back_event(event.handle)
         self._live_events.discard(event.handle)
 
@@ -681,12 +508,10 @@ class CudaDevice(Device):
         self._runtime("cudaEventDestroy", self._rt.eventDestroy, handle)
 
     def _do_stream_synchronize(self, stream: int) -> None:
-        self._check_open()
         self._activate()
         self._runtime("cudaStreamSynchronize", self._rt.streamSynchronize, stream)
 
     def _do_stream_wait_event(self, stream: int, event: CudaEvent) -> None:
-        self._check_open()
         self._activate()
         self._runtime("cudaStreamWaitEvent", self._rt.streamWaitEvent, stream, event.handle, 0)
 
@@ -698,9 +523,6 @@ class CudaDevice(Device):
         a warning and cleaning goes on (what CUDA refused to free is reclaimed
         when the process exits).
         """
-        if self._closed:
-            return
-        self._closed = True
         failures: list[str] = []
 
         def attempt(call: str, fn: Callable[..., Any], *args: Any) -> None:
@@ -709,90 +531,39 @@ class CudaDevice(Device):
             except Exception as exc:  # noqa: BLE001 - keep cleaning up
                 failures.append(f"{call}: {exc}")
 
+        book = self._book
+        if self._lost:
+            # the context is dead: every CUDA call would fail; the driver frees it all with the process
+            log.debug("closed lost %s without freeing (%d records dropped)", self.spec,
+                      len(book.allocations) + len(book.physicals) + len(book.reservations))
+            self._event_pool.clear()
+            self._live_events.clear()
+            self._close_nvml()
+            return
         attempt("cudaSetDevice", self._rt.setDevice, self.index)
         attempt("cudaDeviceSynchronize", self._rt.deviceSynchronize)
         vmm = self._vmm
         if vmm is not None:
-            for r in list(self._reservations.values()):
-                for m in list(r.mappings.values()):
+            for r in book.reservations.values():
+                for m in r.mappings.values():
                     attempt("cuMemUnmap", vmm.unmap, m.va, m.nbytes)
-            for phys in self._physicals.values():
+            for phys in book.physicals.values():
                 if not phys.released:
-                    attempt("cuMemRelease", vmm.release, phys.driver_handle)
-            for r in self._reservations.values():
+                    attempt("cuMemRelease", vmm.release, phys.native)
+            for r in book.reservations.values():
                 attempt("cuMemAddressFree", vmm.address_free, r.start, r.nbytes)
-        for ptr in self._alloc_starts:
-            attempt("cudaFree", self._rt.free, ptr)
+        for alloc in book.allocations.values():
+            attempt("cudaFree", self._rt.free, alloc.start)
         for handle in [*self._event_pool, *sorted(self._live_events)]:
             attempt("cudaEventDestroy", self._rt.eventDestroy, handle)
         self._event_pool.clear()
         self._live_events.clear()
         for stream in sorted(self._user_streams):
             attempt("cudaStreamDestroy", self._rt.streamDestroy, stream)
-        self._user_streams.clear()
-        n_held = len(self._allocations) + len(self._physicals) + len(self._reservations)
-        self._allocations.clear()
-        self._alloc_starts.clear()
-        self._freed.clear()
-        self._reservations.clear()
-        self._res_starts.clear()
-        self._physicals.clear()
-        if self._nvml_session is not None:
-            self._nvml_session.close()
-            self._nvml_session = self._nvml_device = None
+        n_held = len(book.allocations) + len(book.physicals) + len(book.reservations)
+        self._close_nvml()
         for failure in failures:
             log.warning("%s: while closing: %s", self.spec, failure)
         log.debug("closed %s (released %d allocations, chunks and reservations)", self.spec, n_held)
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._closed
-
-    # -- introspection for tests and reports (same names as on sim.SimDevice) ---------------------------------
-    @property
-    def n_allocations(self) -> int:
-        """Live ``malloc`` allocations."""
-        return len(self._allocations)
-
-    def allocation_ranges(self) -> list[tuple[int, int]]:
-        """``(ptr, nbytes)`` of every live ``malloc`` allocation."""
-        return [(p, self._allocations[p]) for p in self._alloc_starts]
-
-    def mapping_ranges(self) -> list[tuple[int, int, int]]:
-        """``(va, nbytes, handle)`` of every live mapping."""
-        return [(m.va, m.nbytes, m.physical.handle.handle)
-                for r in self._reservations.values() for m in r.mappings.values()]
-
-    def reservation_ranges(self) -> list[tuple[int, int]]:
-        """``(va, nbytes)`` of every live address reservation."""
-        return [(va, self._reservations[va].nbytes) for va in self._res_starts]
-
-    def check_invariants(self) -> None:
-        """Raise :class:`~gpumem.errors.InternalError` if the record is inconsistent (used by tests)."""
-        with self._lock:
-            self._check_invariants()
-
-    def _check_invariants(self) -> None:
-        def require(ok: bool, what: str) -> None:
-            if not ok:
-                raise InternalError(f"{self.spec}: {what}")
-
-        require(self._alloc_starts == sorted(self._allocations), "allocation index out of sync")
-        require(self._res_starts == sorted(self._reservations), "reservation index out of sync")
-        counts: dict[int, int] = {}
-        for r in self._reservations.values():
-            require(r.starts == sorted(r.mappings), "mapping index out of sync")
-            prev_end = r.start
-            for s in r.starts:
-                m = r.mappings[s]
-                require(s >= prev_end and s + m.nbytes <= r.start + r.nbytes, f"mapping at {s:#x} overlaps or escapes")
-                prev_end = s + m.nbytes
-                counts[m.physical.handle.handle] = counts.get(m.physical.handle.handle, 0) + 1
-        for hid, phys in self._physicals.items():
-            require(phys.map_count == counts.get(hid, 0),
-                    f"chunk {hid}: {phys.map_count} mappings counted, {counts.get(hid, 0)} found")
-            require(not (phys.released and phys.map_count == 0), f"released, unmapped chunk {hid} kept")
-
 
 __all__ = ["CudaDevice"]

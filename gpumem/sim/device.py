@@ -18,9 +18,12 @@ Memory
 
 Addresses
     One virtual address space (from ``0x7f00_0000_0000`` to 2**48, 129 TiB, so
-    that 1 TiB reservations fit as on the H200) holds ``malloc`` ranges and address
-    reservations, so nothing can overlap by construction; mappings inside a
-    reservation are checked for overlap explicitly.
+    that 1 TiB reservations fit as on the H200) holds ``malloc`` ranges, small
+    pages and address reservations, so nothing can overlap by construction.
+    What was handed out (allocations, reservations and their mappings, chunks)
+    is recorded once, in the :class:`gpumem.Device` base class's book
+    (:mod:`gpumem.vmm_book`), which also checks every call's arguments; this
+    class adds time, pages, bytes, streams and the sanitizer.
 
 Streams and the sanitizer
     Work queued with :meth:`SimDevice.launch` runs on its stream's SimPy process
@@ -34,9 +37,9 @@ Streams and the sanitizer
 
 Note [A failed call changes nothing]
 ------------------------------------
-Each call validates its arguments, advances time, checks for a lost device,
-decides injected faults and checks capacity *before* it mutates any state, so
-every exception leaves the accounting as it was. The stateful property tests in
+Each call is validated (by the base class), then advances time, checks for a
+lost device, decides injected faults and checks capacity *before* it mutates
+any state, so every exception leaves the accounting as it was. The stateful property tests in
 ``tests/simulator`` check this after every step.
 
 Threads: every public call holds the device's lock (:class:`gpumem.Device`), so
@@ -45,45 +48,35 @@ threads may share a device; SimPy tenants run inside whichever call moves time.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import random
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import simpy
 
-from gpumem.vmm_book import Mapping as _Mapping
-from gpumem.vmm_book import Reservation as _Reservation
+from gpumem.intervals import IntervalMap
+from gpumem.vmm_book import Allocation, Mapping, Physical, Reservation
 from gpumem.device import (
-    BytesLike,
     Device,
     DeviceKind,
     DeviceProperties,
     Event,
     MemInfo,
-    PhysicalHandle,
-    check_data,
-    check_granular,
     check_nbytes,
     check_pointer,
     check_stream,
 )
 from gpumem.errors import (
     CudaError,
-    DeviceClosedError,
     DeviceLostError,
-    DoubleFreeError,
     InternalError,
     InvalidArgumentError,
     InvalidPointerError,
-    MappingError,
     MemoryHazardError,
     OutOfMemoryError,
     TransientDeviceError,
-    UnsupportedOperationError,
 )
 from gpumem.units import MiB, align_up
 
@@ -101,7 +94,6 @@ SMALL_MALLOC_MAX_NBYTES = 1 * MiB
 SMALL_MALLOC_ALIGNMENT = 512
 _VA_BASE = 0x7F00_0000_0000
 _VA_LIMIT = 1 << 48
-_FREED_MEMORY = 65_536
 #: What the sanitizer does about a hazard (Note [What the sanitizer looks at] in :mod:`sim.streams`).
 SANITIZER_MODES = ("raise", "count", "off")
 
@@ -132,7 +124,10 @@ class SimEvent(Event):
     __slots__ = ("work",)
 
     def __init__(self, device: "SimDevice", stream: int, work: Work | None) -> None:
-        super().__init__(device, stream)
+        # Event.__init__ inlined: event_record is on the allocator's hot path
+        self.stream = stream
+        self._device = device
+        self._destroyed = False
         self.work = work
 
     @property
@@ -141,51 +136,36 @@ class SimEvent(Event):
         return self.work is None or self.work.state == DONE
 
 
-class _Allocation:
-    """A ``malloc``'d range; ``page`` is the shared small page it lives in, if any."""
+class _Allocation(Allocation):
+    """A ``malloc``'d range (``native``: its :class:`SparseStore`); ``page`` is the shared small page
+    it lives in, if any, and ``span_nbytes`` what it occupies there (512-byte aligned) or in pages."""
 
-    __slots__ = ("start", "nbytes", "store", "page", "span_nbytes")
+    __slots__ = ("page", "span_nbytes")
 
     def __init__(self, start: int, nbytes: int, span_nbytes: int, page: "_SmallPage | None") -> None:
-        self.start = start
-        self.nbytes = nbytes
+        super().__init__(start, nbytes, SparseStore(nbytes))
         self.span_nbytes = span_nbytes
         self.page = page
-        self.store = SparseStore(nbytes)
 
 
 class _SmallPage:
     """A granularity page that packs small ``malloc``'s, like the CUDA driver does."""
 
-    __slots__ = ("start", "nbytes", "starts", "subs")
+    __slots__ = ("start", "nbytes", "subs")
 
     def __init__(self, start: int, nbytes: int) -> None:
         self.start = start
         self.nbytes = nbytes
-        self.starts: list[int] = []
-        self.subs: dict[int, _Allocation] = {}
+        self.subs: IntervalMap[_Allocation] = IntervalMap()
+        """The allocations in the page, each over its 512-byte aligned span."""
 
     def find_gap(self, span: int) -> int | None:
-        cursor = self.start
-        for s in self.starts:
-            if s - cursor >= span:
-                return cursor
-            cursor = s + self.subs[s].span_nbytes
-        if self.start + self.nbytes - cursor >= span:
-            return cursor
-        return None
+        """First fit: the lowest address in the page with ``span`` free bytes."""
+        return self.subs.find_gap(self.start, self.start + self.nbytes, span)
 
 
-class _Physical:
-    """A ``cuMemCreate`` chunk."""
-
-    __slots__ = ("handle", "store", "released", "map_count")
-
-    def __init__(self, handle: PhysicalHandle) -> None:
-        self.handle = handle
-        self.store = SparseStore(handle.nbytes)
-        self.released = False
-        self.map_count = 0
+#: What the simulator's address space holds at a reservation (the reservation itself is in the book).
+_RESERVED = "reservation"
 
 
 @dataclass
@@ -230,7 +210,20 @@ class SimDevice(Device):
     b'hello'
 
     ``pressure`` scenarios run as other tenants from time 0; ``faults`` injects
-    failures; ``seed`` makes every random choice repeatable.
+    failures (per call type too: :class:`~sim.faults.FaultPlan`); ``seed`` makes
+    every random choice repeatable; ``sanitizer`` is ``"raise"`` (the default),
+    ``"count"`` or ``"off"`` (see the module docstring).
+
+    Work runs on streams in simulated time::
+
+        >>> k = dev.launch(0, 0.010, [(p, 5)], name="reader")   # a 10 ms kernel reading p
+        >>> done = dev.event_record(0)
+        >>> dev.event_query(done)
+        False
+        >>> dev.free(p)                  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        gpumem.errors.MemoryHazardError: free: ...
+        >>> dev.event_synchronize(done); dev.free(p)
     """
 
     kind = DeviceKind.SIM
@@ -272,15 +265,10 @@ class SimDevice(Device):
         self._fixed_nbytes = profile.context_nbytes + profile.host_reserved_nbytes
         self._process_pages = 0
         self._tenant_pages = 0
-        # one address space: sorted starts of top-level ranges, and the ranges by start
-        self._starts: list[int] = []
-        self._ranges: dict[int, _Allocation | _SmallPage | _Reservation] = {}
+        # one address space of top-level ranges: large allocations, small pages and reservations
+        self._space: IntervalMap[_Allocation | _SmallPage | str] = IntervalMap()
         self._va_cursor = _VA_BASE
-        self._allocations: dict[int, _Allocation] = {}
-        self._small_pages: list[_SmallPage] = []
-        self._freed: OrderedDict[int, None] = OrderedDict()
-        self._physicals: dict[int, _Physical] = {}
-        self._next_handle = 1
+        self._small_pages: list[_SmallPage] = []  # in creation order: small mallocs fit first there
         self._tenants: list[_Tenant] = []
         if isinstance(pressure, Scenario):
             pressure = [pressure]
@@ -303,26 +291,17 @@ class SimDevice(Device):
         if seconds:
             self._run(self._advance_to, self.env.now + seconds)
 
-    def _check_usable(self) -> None:
-        """Refuse a call on a closed or lost device before looking anything up (a closed device has
-        forgotten its allocations, so a lookup would misreport DeviceClosedError as a bad pointer)."""
-        if self._closed:
-            raise DeviceClosedError(f"{self.spec} is closed")
-        if self._lost:
-            raise DeviceLostError(f"{self.spec} was lost at t={self.faults.plan.device_lost_at_s}s")
+    def _lost_message(self) -> str:
+        return f"{self.spec} was lost at t={self.faults.plan.device_lost_at_s}s"
 
     def _call(self, name: str, cost_us: float, nbytes: int = 0) -> None:
-        """Start a call: refuse on a closed or lost device, let its cost in time pass, then decide
-        a per-call-type injected fault (``nbytes``: what an allocating call asked for)."""
-        if self._closed:
-            raise DeviceClosedError(f"{self.spec} is closed")
-        if self._lost:
-            raise DeviceLostError(f"{self.spec} was lost at t={self.faults.plan.device_lost_at_s}s")
+        """Start a call (the base class refused a closed or lost device already): let its cost in time
+        pass, then decide a per-call-type injected fault (``nbytes``: what an allocating call asked for)."""
         if cost_us > 0:
             self._advance_to(self.env.now + cost_us * 1e-6)
         self.stats.count(name, cost_us)
         if self._lost:
-            raise DeviceLostError(f"{self.spec} was lost at t={self.faults.plan.device_lost_at_s}s")
+            raise DeviceLostError(self._lost_message())
         if self.faults.per_call and self.faults.call_fails(name):
             self.stats.injected_faults += 1
             self.events.publish(MemoryEvent(self.now_s, MemoryEventKind.FAULT_INJECTED, nbytes, self._free_nbytes(),
@@ -443,43 +422,20 @@ class SimDevice(Device):
 
     # -- the address space ----------------------------------------------------------------------
     def _va_alloc(self, nbytes: int, alignment: int) -> int:
+        """A free, aligned range of the address space: above everything so far, or (once the top is
+        reached) the lowest gap that fits."""
         start = align_up(self._va_cursor, alignment)
         if start + nbytes <= _VA_LIMIT:
             return start
-        # wrap around: first gap that fits between live ranges
-        cursor = _VA_BASE
-        for s in self._starts:
-            cand = align_up(cursor, alignment)
-            if cand + nbytes <= s:
-                return cand
-            cursor = max(cursor, s + self._range_nbytes(self._ranges[s]))
-        cand = align_up(cursor, alignment)
-        if cand + nbytes <= _VA_LIMIT:
-            return cand
+        at = self._space.find_gap(_VA_BASE, _VA_LIMIT, nbytes, alignment)
+        if at is not None:
+            return at
         raise OutOfMemoryError(nbytes, self._free_nbytes(), self.profile.total_nbytes, device=self.spec,
                                hint="(virtual address space exhausted)")
 
-    @staticmethod
-    def _range_nbytes(r: _Allocation | _SmallPage | _Reservation) -> int:
-        return r.span_nbytes if isinstance(r, _Allocation) else r.nbytes
-
-    def _insert_range(self, start: int, r: _Allocation | _SmallPage | _Reservation) -> None:
-        bisect.insort(self._starts, start)
-        self._ranges[start] = r
-        self._va_cursor = max(self._va_cursor, start + self._range_nbytes(r))
-
-    def _remove_range(self, start: int) -> None:
-        i = bisect.bisect_left(self._starts, start)
-        del self._starts[i]
-        del self._ranges[start]
-
-    def _range_at(self, ptr: int) -> _Allocation | _SmallPage | _Reservation | None:
-        i = bisect.bisect_right(self._starts, ptr) - 1
-        if i < 0:
-            return None
-        r = self._ranges[self._starts[i]]
-        start = self._starts[i]
-        return r if ptr < start + self._range_nbytes(r) else None
+    def _space_add(self, start: int, nbytes: int, what: _Allocation | _SmallPage | str) -> None:
+        self._space.add(start, start + nbytes, what)
+        self._va_cursor = max(self._va_cursor, start + nbytes)
 
     # -- Device: properties and info -------------------------------------------------------------
     def properties(self) -> DeviceProperties:
@@ -490,8 +446,7 @@ class SimDevice(Device):
         return MemInfo(self._free_nbytes(), self.profile.total_nbytes)
 
     # -- Device: malloc and free -------------------------------------------------------------------
-    def _do_malloc(self, nbytes: int) -> int:
-        check_nbytes(nbytes)
+    def _do_malloc(self, nbytes: int) -> _Allocation:
         # a request beyond the device fails at once on a real GPU: do not charge (and simulate) the
         # extrapolated cost of an absurd size, which can be hours of simulated tenant activity
         self._call("malloc", self.latency.malloc_us(min(nbytes, self.profile.total_nbytes)), nbytes)
@@ -499,18 +454,15 @@ class SimDevice(Device):
         if nbytes <= SMALL_MALLOC_MAX_NBYTES:
             return self._malloc_small(nbytes)
         span = align_up(nbytes, self._gran)
-        pages = span // self._gran
         if span > self._free_nbytes():
             raise self._oom(nbytes)
         start = self._va_alloc(span, self._gran)
         alloc = _Allocation(start, nbytes, span, None)
-        self._insert_range(start, alloc)
-        self._allocations[start] = alloc
-        self._freed.pop(start, None)
-        self._take_pages(pages)
-        return start
+        self._space_add(start, span, alloc)
+        self._take_pages(span // self._gran)
+        return alloc
 
-    def _malloc_small(self, nbytes: int) -> int:
+    def _malloc_small(self, nbytes: int) -> _Allocation:
         span = align_up(nbytes, SMALL_MALLOC_ALIGNMENT)
         for page in self._small_pages:
             at = page.find_gap(span)
@@ -521,210 +473,77 @@ class SimDevice(Device):
                 raise self._oom(nbytes)
             start = self._va_alloc(self._gran, self._gran)
             page = _SmallPage(start, self._gran)
-            self._insert_range(start, page)
+            self._space_add(start, self._gran, page)
             self._small_pages.append(page)
             self._take_pages(1)
             at = start
         alloc = _Allocation(at, nbytes, span, page)
-        bisect.insort(page.starts, at)
-        page.subs[at] = alloc
-        self._allocations[at] = alloc
-        self._freed.pop(at, None)
-        return at
+        page.subs.add(at, at + span, alloc)
+        return alloc
 
-    def _do_free(self, ptr: int) -> None:
-        check_pointer(ptr)
-        self._check_usable()
-        alloc = self._allocations.get(ptr)
-        if alloc is None:
-            if ptr in self._freed:
-                raise DoubleFreeError(f"double free of {ptr:#x} on {self.spec}")
-            raise InvalidPointerError(f"free of {ptr:#x}, which {self.spec} never allocated (or not its start)")
-        self._sanitize_release("free", ptr, alloc.nbytes)
+    def _do_free(self, alloc: _Allocation) -> None:  # type: ignore[override]
+        self._sanitize_release("free", alloc.start, alloc.nbytes)
         self._call("free", self.latency.free_us(alloc.nbytes))
-        del self._allocations[ptr]
-        self._freed[ptr] = None
-        if len(self._freed) > _FREED_MEMORY:
-            self._freed.popitem(last=False)
         page = alloc.page
         if page is None:
-            self._remove_range(ptr)
+            self._space.remove(alloc.start)
             self._give_pages(alloc.span_nbytes // self._gran)
             return
-        page.starts.remove(ptr)
-        del page.subs[ptr]
+        page.subs.remove(alloc.start)
         if not page.subs:
             self._small_pages.remove(page)
-            self._remove_range(page.start)
+            self._space.remove(page.start)
             self._give_pages(1)
 
     # -- Device: virtual memory management -----------------------------------------------------------
-    def _require_vmm(self, call: str) -> None:
-        self._check_usable()
-        if not self._props.vmm_supported:
-            raise UnsupportedOperationError(
-                f"{call}: {self.spec} ({self._props.name}) does not support virtual memory management")
-
-    def _do_address_reserve(self, nbytes: int, alignment: int = 0) -> int:
-        self._require_vmm("address_reserve")
-        check_granular(nbytes, self._gran)
-        check_nbytes(alignment, what="alignment", allow_zero=True)
-        if alignment and (alignment & (alignment - 1) or alignment % self._gran):
-            raise InvalidArgumentError(f"alignment {alignment} must be 0 or a power-of-two multiple of the granularity")
+    def _do_address_reserve(self, nbytes: int, alignment: int) -> int:
         self._call("address_reserve", self.latency.address_reserve_us)
         start = self._va_alloc(nbytes, max(alignment, self._gran))
-        self._insert_range(start, _Reservation(start, nbytes))
+        self._space_add(start, nbytes, _RESERVED)
         return start
 
-    def _reservation(self, va: int, nbytes: int, call: str) -> _Reservation:
-        r = self._range_at(va)
-        if not isinstance(r, _Reservation):
-            raise MappingError(f"{call}: {va:#x} is not inside an address reservation on {self.spec}")
-        r.check_inside(va, nbytes, call)
-        return r
-
     def _do_address_free(self, va: int, nbytes: int) -> None:
-        self._require_vmm("address_free")
-        check_pointer(va, what="va")
-        check_granular(nbytes, self._gran)
-        r = self._ranges.get(va)
-        if not isinstance(r, _Reservation):
-            raise MappingError(f"address_free: {va:#x} is not the base of a reservation on {self.spec}")
-        if r.nbytes != nbytes:
-            raise MappingError(f"address_free: reservation at {va:#x} is {r.nbytes} bytes, not {nbytes}")
-        if r.mappings:
-            raise MappingError(f"address_free: reservation at {va:#x} still has {len(r.mappings)} mapping(s)")
         self._call("address_free", self.latency.address_free_us)
-        self._remove_range(va)
+        self._space.remove(va)
 
-    def _do_mem_create(self, nbytes: int) -> PhysicalHandle:
-        self._require_vmm("mem_create")
-        check_granular(nbytes, self._gran)
+    def _do_mem_create(self, nbytes: int) -> SparseStore:
         self._call("mem_create", self.latency.mem_create_us, nbytes)
         self._decide_allocation_fault(nbytes)
         if nbytes > self._free_nbytes():
             raise self._oom(nbytes)
-        handle = PhysicalHandle(self._next_handle, nbytes)
-        self._next_handle += 1
-        self._physicals[handle.handle] = _Physical(handle)
         self._take_pages(nbytes // self._gran)
-        return handle
+        return SparseStore(nbytes)
 
-    def _physical(self, handle: object, call: str) -> _Physical:
-        if not isinstance(handle, PhysicalHandle):
-            raise InvalidArgumentError(f"{call}: handle must be a PhysicalHandle, got {type(handle).__name__}")
-        phys = self._physicals.get(handle.handle)
-        if phys is None or phys.handle != handle or phys.released:
-            raise InvalidPointerError(f"{call}: unknown or released physical handle {handle.handle}")
-        return phys
-
-    def _do_mem_release(self, handle: PhysicalHandle) -> None:
-        self._require_vmm("mem_release")
-        phys = self._physical(handle, "mem_release")
+    def _do_mem_release(self, phys: Physical) -> None:
         self._call("mem_release", self.latency.mem_release_us)
-        phys.released = True
-        if phys.map_count == 0:
-            self._drop_physical(phys)
 
-    def _drop_physical(self, phys: _Physical) -> None:
-        del self._physicals[phys.handle.handle]
+    def _physical_gone(self, phys: Physical) -> None:
         self._give_pages(phys.handle.nbytes // self._gran)
 
-    def _do_mem_map(self, va: int, nbytes: int, handle: PhysicalHandle, offset: int = 0) -> None:
-        self._require_vmm("mem_map")
-        check_pointer(va, what="va")
-        check_granular(nbytes, self._gran)
-        check_nbytes(offset, what="offset", allow_zero=True)
-        if va % self._gran or offset % self._gran:
-            raise InvalidArgumentError(f"mem_map: va and offset must be multiples of the granularity {self._gran}")
-        phys = self._physical(handle, "mem_map")
-        if offset + nbytes > phys.handle.nbytes:
-            raise InvalidArgumentError(f"mem_map: offset {offset} + nbytes {nbytes} exceeds the chunk's "
-                                       f"{phys.handle.nbytes} bytes")
-        r = self._reservation(va, nbytes, "mem_map")
-        r.check_unmapped(va, nbytes, "mem_map")
+    def _do_mem_map(self, va: int, nbytes: int, phys: Physical, offset: int) -> None:
         self._call("mem_map", self.latency.mem_map_us)
-        r.add(va, nbytes, phys, offset)
 
-    def _mappings_covering(self, va: int, nbytes: int, call: str) -> list[_Mapping]:
-        """The mappings that tile ``[va, va + nbytes)`` exactly from ``va`` (contiguous, no holes)."""
-        return self._reservation(va, nbytes, call).covering(va, nbytes, call)
-
-    def _do_mem_set_access(self, va: int, nbytes: int) -> None:
-        self._require_vmm("mem_set_access")
-        check_pointer(va, what="va")
-        check_granular(nbytes, self._gran)
-        maps = self._mappings_covering(va, nbytes, "mem_set_access")
+    def _do_mem_set_access(self, va: int, nbytes: int, maps: list[Mapping]) -> None:
         self._call("mem_set_access", self.latency.mem_set_access_us)
-        for m in maps:
-            m.accessible = True
 
-    def _do_mem_unmap(self, va: int, nbytes: int) -> None:
-        self._require_vmm("mem_unmap")
-        check_pointer(va, what="va")
-        check_granular(nbytes, self._gran)
-        r = self._reservation(va, nbytes, "mem_unmap")
-        maps = r.whole_mappings(va, nbytes, "mem_unmap")
-        self._sanitize_release("mem_unmap", va, nbytes)
+    def _do_mem_unmap(self, r: Reservation, maps: list[Mapping]) -> None:
+        va, end = maps[0].va, maps[-1].va + maps[-1].nbytes
+        self._sanitize_release("mem_unmap", va, end - va)
         self._call("mem_unmap", self.latency.mem_unmap_us)
-        for m in maps:
-            r.remove(m)
-            if m.physical.released and m.physical.map_count == 0:
-                self._drop_physical(m.physical)
+        for m in maps:  # one simulated call for the whole range: all or nothing
+            self._unmapped(r, m)
 
     # -- Device: data --------------------------------------------------------------------------------
-    def _segments(self, ptr: int, nbytes: int, call: str) -> list[tuple[SparseStore, int, int]]:
-        """(store, offset, length) pieces that hold ``[ptr, ptr + nbytes)``."""
-        r = self._range_at(ptr)
-        if isinstance(r, _SmallPage):
-            i = bisect.bisect_right(r.starts, ptr) - 1
-            r = r.subs[r.starts[i]] if i >= 0 else None
-        if isinstance(r, _Allocation):
-            if ptr >= r.start + r.nbytes:
-                r = None
-            elif ptr + nbytes > r.start + r.nbytes:
-                raise InvalidPointerError(f"{call}: [{ptr:#x}, {ptr + nbytes:#x}) runs past the end of the "
-                                          f"{r.nbytes}-byte allocation at {r.start:#x}")
-            else:
-                return [(r.store, ptr - r.start, nbytes)]
-        if isinstance(r, _Reservation):
-            try:
-                maps = self._mappings_covering(ptr, nbytes, call)
-            except MappingError as exc:
-                raise InvalidPointerError(str(exc)) from None
-            pieces = []
-            cursor, end = ptr, ptr + nbytes
-            for m in maps:
-                if not m.accessible:
-                    raise InvalidPointerError(f"{call}: mapping at {m.va:#x} has no access set (mem_set_access)")
-                take = min(end, m.va + m.nbytes) - cursor
-                pieces.append((m.physical.store, m.offset + cursor - m.va, take))
-                cursor += take
-            return pieces
-        raise InvalidPointerError(f"{call}: {ptr:#x} is not inside any allocation or mapping on {self.spec}")
-
-    def _do_write(self, ptr: int, data: BytesLike) -> None:
-        check_pointer(ptr)
-        view = check_data(data)
-        self._check_usable()
-        if len(view) == 0:
-            return
-        pieces = self._segments(ptr, len(view), "write")
+    def _do_write(self, ptr: int, view: memoryview, pieces: list[tuple[Any, int, int]]) -> None:
         self._call("write", self.latency.copy_us(len(view), self._props.memory_bandwidth_gbps))
         pos = 0
-        for store, offset, length in pieces:
-            store.write(offset, view[pos:pos + length])
+        for holder, offset, length in pieces:
+            holder.native.write(offset, view[pos:pos + length])
             pos += length
 
-    def _do_read(self, ptr: int, nbytes: int) -> bytes:
-        check_pointer(ptr)
-        check_nbytes(nbytes, allow_zero=True)
-        self._check_usable()
-        if nbytes == 0:
-            return b""
-        pieces = self._segments(ptr, nbytes, "read")
+    def _do_read(self, ptr: int, nbytes: int, pieces: list[tuple[Any, int, int]]) -> bytes:
         self._call("read", self.latency.copy_us(nbytes, self._props.memory_bandwidth_gbps))
-        return b"".join(store.read(offset, length) for store, offset, length in pieces)
+        return b"".join(holder.native.read(offset, length) for holder, offset, length in pieces)
 
     # -- Device: streams and events ---------------------------------------------------------------------
     def _do_synchronize(self) -> None:
@@ -740,7 +559,7 @@ class SimDevice(Device):
         if work.state != DONE:  # never seen: the event triggers only after the state moved
             raise InternalError(f"{self.spec}: {work!r} not done after its event")
         if self._lost:
-            raise DeviceLostError(f"{self.spec} was lost at t={self.faults.plan.device_lost_at_s}s")
+            raise DeviceLostError(self._lost_message())
 
     def _do_stream_create(self) -> int:
         self._call("stream_create", self.latency.stream_create_us)
@@ -751,8 +570,8 @@ class SimDevice(Device):
         return stream
 
     def _do_stream_destroy(self, stream: int) -> None:
+        # like cudaStreamDestroy: returns at once; work queued on the stream still runs to its end
         self._call("stream_destroy", self.latency.stream_destroy_us)
-        self.streams.drop(stream)
 
     def _do_event_record(self, stream: int) -> SimEvent:
         self._call("event_record", self.latency.event_record_us)
@@ -811,7 +630,7 @@ class SimDevice(Device):
         if self.sanitizer != "off":
             for ptr, nbytes in ranges:
                 try:
-                    self._segments(ptr, nbytes, "launch")
+                    self._book.locate(ptr, nbytes, "launch")
                 except InvalidPointerError as exc:
                     self._hazard(Hazard(self.now_s, "launch", stream, ptr, nbytes, label,
                                         f"work {label!r} on stream {stream} touches [{ptr:#x}, {ptr + nbytes:#x}), "
@@ -840,70 +659,52 @@ class SimDevice(Device):
 
     # -- life cycle -------------------------------------------------------------------------------------
     def _do_close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._allocations.clear()
         self._small_pages.clear()
-        self._physicals.clear()
-        self._starts.clear()
-        self._ranges.clear()
+        self._space.clear()
         self._process_pages = 0
 
     # -- introspection for tests and reports ----------------------------------------------------------------
-    @property
-    def n_allocations(self) -> int:
-        """Live ``malloc`` allocations."""
-        return len(self._allocations)
-
-    def allocation_ranges(self) -> list[tuple[int, int]]:
-        """``(ptr, nbytes)`` of every live ``malloc`` allocation."""
-        return [(a.start, a.nbytes) for a in self._allocations.values()]
-
-    def mapping_ranges(self) -> list[tuple[int, int, int]]:
-        """``(va, nbytes, handle)`` of every live mapping."""
-        return [(m.va, m.nbytes, m.physical.handle.handle)
-                for r in self._ranges.values() if isinstance(r, _Reservation) for m in r.mappings.values()]
-
-    def reservation_ranges(self) -> list[tuple[int, int]]:
-        """``(va, nbytes)`` of every live address reservation, by address."""
-        return [(s, r.nbytes) for s in self._starts if isinstance(r := self._ranges[s], _Reservation)]
-
     def accounting(self) -> tuple[int, int, int]:
         """``(process_pages, tenant_pages, live allocations + live handles)``: what tests compare
         before and after a failing call."""
-        return (self._process_pages, self._tenant_pages, len(self._allocations) + len(self._physicals))
-
-    def check_invariants(self) -> None:
-        """Raise :class:`~gpumem.errors.InternalError` if the internal accounting is inconsistent
-        (used by property tests and ``CachingAllocator.check_consistency``)."""
         with self._lock:
-            self._check_invariants()
+            return (self._process_pages, self._tenant_pages,
+                    len(self._book.allocations) + len(self._book.physicals))
 
-    def _check_invariants(self) -> None:
+    def _check_device_invariants(self) -> None:
         def require(ok: bool, what: str) -> None:
             if not ok:
                 raise InternalError(f"{self.spec}: {what}")
 
+        self._space.check()
+        book = self._book
         pages = 0
-        for r in self._ranges.values():
-            if isinstance(r, _Allocation):
-                pages += r.span_nbytes // self._gran
-            elif isinstance(r, _SmallPage):
-                require(bool(r.subs), f"empty small page kept at {r.start:#x}")
+        for start, end, what in self._space.items():
+            if isinstance(what, _Allocation):
+                require(book.allocations.get(start) is what, f"allocation at {start:#x} not in the book")
+                pages += what.span_nbytes // self._gran
+            elif isinstance(what, _SmallPage):
+                require(bool(what.subs), f"empty small page kept at {start:#x}")
+                what.subs.check()
+                for s, _, sub in what.subs.items():
+                    require(book.allocations.get(s) is sub, f"small allocation at {s:#x} not in the book")
                 pages += 1
-        pages += sum(p.handle.nbytes // self._gran for p in self._physicals.values())
+            else:
+                require(start in book.reservations and book.reservations.end_of(start) == end,
+                        f"reservation at {start:#x} not in the book")
+        require(len(book.reservations) == sum(1 for *_, w in self._space.items() if w == _RESERVED),
+                "the book has reservations the address space lacks")
+        require(len(book.allocations) == sum(len(p.subs) for p in self._small_pages)
+                + sum(1 for *_, w in self._space.items() if isinstance(w, _Allocation)),
+                "the book has allocations the address space lacks")
+        pages += sum(p.handle.nbytes // self._gran for p in book.physicals.values())
         require(pages == self._process_pages, f"{pages} pages held, {self._process_pages} counted")
         require(self._free_nbytes() >= 0, f"negative free memory {self._free_nbytes()}")
-        prev_end = 0
-        for s in self._starts:
-            require(s >= prev_end, f"overlapping top-level ranges at {s:#x}")
-            prev_end = s + self._range_nbytes(self._ranges[s])
         if self.sanitizer == "raise" and not self._closed:
             for work in self.streams.inflight:
                 for ptr, n in work.touches:
                     try:
-                        self._segments(ptr, n, "check_invariants")
+                        self._book.locate(ptr, n, "check_invariants")
                     except InvalidPointerError as exc:
                         raise InternalError(f"{self.spec}: in-flight {work!r} touches memory that is gone: {exc}") \
                             from None

@@ -89,7 +89,7 @@ class StreamEngine:
         self._inflight: dict[Work, None] = {}  # insertion-ordered set
 
     def known(self, stream: int) -> bool:
-        """Whether ``stream`` has (or had) queued work and was not dropped."""
+        """Whether ``stream`` has unfinished work."""
         return stream in self._streams
 
     def tail(self, stream: int) -> Work | None:
@@ -119,11 +119,10 @@ class StreamEngine:
             st.process = self.env.process(self._run(st))
         return work
 
-    def drop(self, stream: int) -> None:
-        """Forget ``stream`` once it is idle (``stream_destroy``); queued work still runs to its end."""
-        st = self._streams.get(stream)
-        if st is not None and st.process is None:
-            del self._streams[stream]
+    @property
+    def n_busy_streams(self) -> int:
+        """Streams with unfinished work (idle streams are forgotten)."""
+        return len(self._streams)
 
     def _run(self, st: _Stream) -> Iterator[simpy.Event]:
         env = self.env
@@ -143,6 +142,9 @@ class StreamEngine:
             self._inflight.pop(work, None)
             work.done_event.succeed()
         st.process = None
+        # an idle stream keeps nothing: foreign code may use thousands of stream ids once each
+        if self._streams.get(st.id) is st:
+            del self._streams[st.id]
 
     def touching(self, va: int, nbytes: int) -> tuple[Work, int, int] | None:
         """In-flight work that touches ``[va, va + nbytes)``, with the overlapping touch, or ``None``."""

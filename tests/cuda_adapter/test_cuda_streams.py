@@ -144,7 +144,8 @@ def test_a_sticky_error_loses_the_device_and_keeps_the_record(dev, fakes):
     assert fakes.runtime.calls[mark:] == [], "a lost device calls CUDA no more"
     assert dev.allocation_ranges() == ranges
     dev.check_invariants()
-    dev.close()
+    dev.close()                                # calls no CUDA: the context is dead
+    assert fakes.runtime.calls[mark:] == []
 
 
 def test_sticky_error_from_synchronize_loses_the_device(dev, fakes):

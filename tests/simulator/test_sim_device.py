@@ -111,3 +111,21 @@ def test_double_free_is_remembered_only_for_freed_starts(dev):
     with pytest.raises(gpumem.DoubleFreeError):
         dev.free(r)
     dev.free(q)
+
+
+def test_check_invariants_raises_internal_error_not_assertion_error():
+    from gpumem import InternalError
+
+    dev = SimDevice(get_profile("a100-80gb"))
+    dev.malloc(3 * MiB)
+    dev.check_invariants()
+    dev._process_pages += 1  # noqa: SLF001 - corrupt the accounting on purpose
+    with pytest.raises(InternalError, match="pages"):
+        dev.check_invariants()
+    dev._process_pages -= 1  # noqa: SLF001
+    va = dev.address_reserve(4 * MiB)
+    h = dev.mem_create(2 * MiB)
+    dev.mem_map(va, 2 * MiB, h)
+    dev._book.physicals[h.handle].map_count = 5  # noqa: SLF001
+    with pytest.raises(InternalError, match="mappings counted"):
+        dev.check_invariants()

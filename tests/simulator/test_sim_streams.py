@@ -260,3 +260,47 @@ def test_event_calls_cost_little_simulated_time():
         dev.event_destroy(dev.event_record(0))
     per_pair_us = (dev.now_s - t0) / 100 * 1e6
     assert 2.0 <= per_pair_us <= 10.0
+
+
+def test_idle_streams_are_forgotten_so_ten_thousand_streams_cost_nothing_after():
+    dev = SimDevice(A100)
+    ptr = dev.malloc(4096)
+    for stream in range(1, 10_001):
+        dev.launch(stream * 16, 1.0, [(ptr, 8)])
+        dev.event_destroy(dev.event_record(stream * 16))
+    assert dev.streams.n_busy_streams > 0
+    dev.synchronize()
+    assert dev.streams.n_busy_streams == 0 and dev.streams.inflight == []
+    dev.free(ptr)
+
+
+def test_events_published_on_a_thread_are_delivered_on_that_thread_after_its_call():
+    import threading
+
+    dev = SimDevice(A100, pressure=Step(nbytes=4 * G, at_s=0.001, until_s=1.0))
+    delivered_on = []
+    dev.subscribe(lambda ev: delivered_on.append(threading.current_thread().name))
+    with dev.deferred_events():              # this thread defers; the other thread's call does not wait for it
+        t = threading.Thread(target=dev.advance, args=(0.002,), name="mover")
+        t.start()
+        t.join()
+        assert delivered_on == ["mover"], "the thread whose call published the event delivers it"
+
+
+def test_a_failing_subscriber_raises_after_the_call_took_effect():
+    dev = SimDevice(A100, pressure=Step(nbytes=4 * G, at_s=0.001, until_s=1.0))
+    calls = []
+
+    def bad(ev):
+        calls.append(ev.kind.value)
+        raise RuntimeError("subscriber bug")
+
+    dev.subscribe(bad)
+    dev.subscribe(lambda ev: calls.append("second saw " + ev.kind.value))
+    ptr_holder = []
+    with pytest.raises(RuntimeError, match="subscriber bug"):
+        with dev.deferred_events():
+            dev.advance(0.002)
+            ptr_holder.append(dev.malloc(4096))
+    assert calls == ["tenant_took", "second saw tenant_took"], "every subscriber got the event"
+    assert dev.allocation_ranges() == [(ptr_holder[0], 4096)]

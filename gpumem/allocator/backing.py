@@ -14,9 +14,12 @@ and makes their memory real. Both backings speak only the
     at its top; physical memory is mapped page by page (the device granularity,
     2 MiB) under the pages that live blocks touch.
 
-The allocator (:mod:`.caching`) owns blocks and free lists; a backing owns
-segments and pages, and gives memory back to the device only when the fences of
-its last users have completed (Note [Stream-ordered frees] in :mod:`.fences`).
+The allocator (:mod:`.caching`) owns blocks and free lists and tiles segments
+with blocks (through the checked splices of :mod:`.block`); a backing only
+allocates segments (``malloc``, or address space at the top of a range), maps
+and unmaps the pages under blocks (``commit``/``decommit``) and gives memory
+back to the device, once the fences of its last users have completed (Note
+[Stream-ordered frees] in :mod:`.fences`).
 
 Note [Failure atomicity]
 ------------------------
@@ -36,9 +39,10 @@ side by side, and free lists (in the allocator) are per stream, so a block is
 never handed from one stream to another. The page tables of a range are two
 arrays of one entry per page (16 B per 2 MiB of address space), so a thousand
 streams cost a thousand free lists, not a thousand reservations. Address space
-that a stream freed at the top of the range is taken back on
-:meth:`~Backing.release_cached`; another stream that grows over it first waits
-for the fence recorded then.
+that a stream freed at the top of the range is taken back when the cache is
+released (the allocator drops the free blocks there, :meth:`VirtualBacking.lower_top`
+lowers the top); another stream that grows over it first waits for the fence
+recorded then.
 
 Note [Virtual memory: pages follow live data]
 ---------------------------------------------
@@ -75,13 +79,13 @@ from typing import Callable
 
 from ..device import Device, PhysicalHandle
 from ..errors import InternalError, OutOfMemoryError
-from .block import Block, FreeList, append_block, drop_last_block
+from .block import Block, FreeList
 from .fences import StreamFences, merge_fences
 from .policy import AllocatorPolicy
 
 log = logging.getLogger(__name__)
 
-FreeListLookup = Callable[[Block], FreeList]
+SegmentCallback = Callable[["Segment"], None]
 
 
 class Segment:
@@ -136,18 +140,6 @@ class Backing(abc.ABC):
             self.on_segment(action, addr, nbytes, stream)
 
     @abc.abstractmethod
-    def grow(self, small: bool, stream: int, nbytes: int, tail: Block | None) -> Block:
-        """Return a free block (in no free list) of at least ``nbytes`` for this pool and stream.
-
-        ``tail`` is this pool's and stream's free block at the top of its growable segment, if
-        the backing reported one (virtual mode); the caller has removed it from its free list.
-        """
-
-    @abc.abstractmethod
-    def tail_block(self, small: bool, stream: int) -> Block | None:
-        """The free block that :meth:`grow` would extend, if any."""
-
-    @abc.abstractmethod
     def commit(self, block: Block) -> None:
         """Make a just-allocated block's memory usable; on failure raise and change nothing."""
 
@@ -162,18 +154,29 @@ class Backing(abc.ABC):
         stream before it goes back to the device. Makes no device call."""
 
     @abc.abstractmethod
-    def release_cached(self, free_list_of: FreeListLookup, wait: bool = True) -> int:
+    def release_cached(self, drop_blocks: SegmentCallback, wait: bool = True) -> int:
         """Give back to the device the memory that holds no live data; return the bytes released.
 
-        Memory whose fences have not completed is waited for when ``wait``, else kept.
+        Memory whose fences have not completed is waited for when ``wait``, else kept. A
+        ``malloc``'d segment is freed only once it holds no live block; right after the device
+        freed it, ``drop_blocks(segment)`` lets the allocator forget the segment's free blocks.
         """
+
+    @abc.abstractmethod
+    def segments_list(self) -> list[Segment]:
+        """Every segment (or virtual range) the allocator tiles with blocks."""
+
+    @staticmethod
+    @abc.abstractmethod
+    def tiled_end(seg: Segment) -> int:
+        """The address where the blocks of ``seg`` must end."""
 
     @abc.abstractmethod
     def close(self) -> None:
         """Give everything back (the allocator has no live blocks, or no longer cares)."""
 
     @abc.abstractmethod
-    def consistency_problems(self, free_list_of: FreeListLookup) -> list[str]:
+    def consistency_problems(self) -> list[str]:
         """What differs between this backing's bookkeeping and the device's (empty when consistent)."""
 
     def largest_free_nbytes(self, free_lists: list[FreeList]) -> int:
@@ -191,12 +194,16 @@ class SegmentBacking(Backing):
                  fences: StreamFences | None = None) -> None:
         super().__init__(device, policy, limit_nbytes, fences)
         self.segments: dict[int, Segment] = {}
-        self._heads: dict[int, Block] = {}
 
-    def tail_block(self, small: bool, stream: int) -> Block | None:
-        return None
+    def segments_list(self) -> list[Segment]:
+        return list(self.segments.values())
 
-    def grow(self, small: bool, stream: int, nbytes: int, tail: Block | None) -> Block:
+    @staticmethod
+    def tiled_end(seg: Segment) -> int:
+        return seg.base + seg.nbytes
+
+    def new_segment(self, small: bool, stream: int, nbytes: int) -> Segment:
+        """``malloc`` a segment for a (rounded) request of ``nbytes`` on ``stream``; the allocator tiles it."""
         seg_nbytes = self.policy.segment_nbytes(small, nbytes, self.granularity)
         self._check_limit(seg_nbytes, nbytes)
         ptr = self.device.malloc(seg_nbytes)
@@ -205,11 +212,8 @@ class SegmentBacking(Backing):
         self.segments[ptr] = seg
         self.reserved_nbytes += seg_nbytes
         self.n_segments += 1
-        block = Block(ptr, seg_nbytes, stream, seg)
-        append_block(seg, block)
-        self._heads[ptr] = block
         self._segment_event("segment_alloc", ptr, seg_nbytes, stream)
-        return block
+        return seg
 
     def commit(self, block: Block) -> None:
         block.segment.live += 1  # type: ignore[attr-defined]
@@ -224,13 +228,12 @@ class SegmentBacking(Backing):
         if not seg.live:
             seg.dirty = True
 
-    def release_cached(self, free_list_of: FreeListLookup, wait: bool = True) -> int:
+    def release_cached(self, drop_blocks: SegmentCallback, wait: bool = True) -> int:
         released = 0
         fences = self.fences
         for base, seg in list(self.segments.items()):
-            head = self._heads[base]
-            if seg.live or head.allocated or head.fences or head.size != seg.nbytes:
-                continue  # holds live data, or was freed but waits for a stream's fence
+            if seg.live:
+                continue  # holds live data, or blocks freed but waiting for other streams' events
             if seg.dirty:
                 seg.fence = fences.record(seg.stream)  # covers the work of every block it held
                 seg.dirty = False
@@ -240,9 +243,8 @@ class SegmentBacking(Backing):
                 fences.wait(seg.stream, seg.fence)
             self.device.free(base)
             self.device_calls += 1
-            free_list_of(head).remove(head)
+            drop_blocks(seg)
             del self.segments[base]
-            del self._heads[base]
             self.reserved_nbytes -= seg.nbytes
             self.n_segments -= 1
             released += seg.nbytes
@@ -256,11 +258,10 @@ class SegmentBacking(Backing):
             except Exception as exc:  # noqa: BLE001 - closing gives back what it can
                 log.warning("could not free segment %#x: %s", base, exc)
         self.segments.clear()
-        self._heads.clear()
         self.reserved_nbytes = 0
         self.n_segments = 0
 
-    def consistency_problems(self, free_list_of: FreeListLookup) -> list[str]:
+    def consistency_problems(self) -> list[str]:
         problems: list[str] = []
         on_device = dict(self.device.allocation_ranges())
         total = 0
@@ -269,42 +270,12 @@ class SegmentBacking(Backing):
             if on_device.get(base) != seg.nbytes:
                 problems.append(f"segment {base:#x}+{seg.nbytes} is not a live device allocation of that size "
                                 f"(device: {on_device.get(base)})")
-            problems.extend(_chain_problems(seg, self._heads.get(base), seg.base + seg.nbytes, free_list_of))
         if total != self.reserved_nbytes:
             problems.append(f"segments hold {total} B but reserved_nbytes is {self.reserved_nbytes}")
         return problems
 
     def describe(self) -> str:
         return f"segments ({self.n_segments} live, rule={self.policy.segment_rule.value})"
-
-
-def _chain_problems(seg: Segment, head: Block | None, end: int, free_list_of: FreeListLookup) -> list[str]:
-    """Blocks tile ``[seg.base, end)`` in order, each free one in its free list, live counts right."""
-    problems: list[str] = []
-    cursor = seg.base
-    b = head
-    prev = None
-    live = 0
-    while b is not None:
-        if b.prev is not prev or b.addr != cursor or b.size <= 0 or b.segment is not seg:
-            problems.append(f"block chain broken at {b!r} (expected {cursor:#x})")
-            break
-        if b.allocated:
-            live += 1
-        elif b.fences is not None or b.pending_streams:
-            live += 1  # freed, waiting for other streams: still counted by the backing
-        elif b not in free_list_of(b):
-            problems.append(f"free block {b!r} is in no free list")
-        cursor = b.addr + b.size
-        prev = b
-        b = b.next
-    if prev is not getattr(seg, "last", prev):
-        problems.append(f"segment {seg.base:#x}: last block is not the end of the chain")
-    if cursor != end:
-        problems.append(f"blocks of segment {seg.base:#x} end at {cursor:#x}, expected {end:#x}")
-    if isinstance(seg, Segment) and not isinstance(seg, VirtualSegment) and live != seg.live:
-        problems.append(f"segment {seg.base:#x} counts {seg.live} live blocks, its chain has {live}")
-    return problems
 
 
 def _page_array(n_pages: int) -> array:
@@ -373,36 +344,43 @@ class VirtualBacking(Backing):
             self.n_segments += 1
         return seg
 
-    def tail_block(self, small: bool, stream: int) -> Block | None:
-        seg = self.vsegments.get(small and self.policy.separate_small_pool)
-        if seg is None:
-            return None
-        last = seg.last
-        if last is None or last.allocated or last.fences is not None or last.stream != stream:
-            return None
-        return last
+    def segments_list(self) -> list[Segment]:
+        return list(self.vsegments.values())
 
-    def grow(self, small: bool, stream: int, nbytes: int, tail: Block | None) -> Block:
-        seg = self._segment(small)
+    @staticmethod
+    def tiled_end(seg: Segment) -> int:
+        return seg.base + seg.top  # type: ignore[attr-defined]
+
+    def range_of(self, small: bool, reserve: bool = True) -> VirtualSegment | None:
+        """The pool's virtual range (reserved on first use when ``reserve``)."""
+        seg = self.vsegments.get(small and self.policy.separate_small_pool)
+        return seg if seg is not None or not reserve else self._segment(small)
+
+    def extend(self, seg: VirtualSegment, stream: int, extra_nbytes: int, requested: int) -> int:
+        """Add ``extra_nbytes`` of address space at the top of ``seg`` for ``stream``; return where
+        it starts (the allocator tiles it with a block, or grows its tail block over it)."""
+        if seg.top + extra_nbytes > seg.nbytes:
+            raise self._va_exhausted(requested)
         if seg.top_fences:
             self._wait_top(seg, stream)
-        if tail is not None:
-            extra = nbytes - tail.size
-            if seg.top + extra > seg.nbytes:
-                raise self._va_exhausted(nbytes)
-            seg.top += extra
-            tail.size = nbytes
-            return tail
-        if seg.top + nbytes > seg.nbytes:
-            raise self._va_exhausted(nbytes)
         if self._first_stream is None:
             self._first_stream = stream
         elif stream != self._first_stream:
             self.multi_stream = True
-        block = Block(seg.base + seg.top, nbytes, stream, seg)
-        append_block(seg, block)
-        seg.top += nbytes
-        return block
+        addr = seg.base + seg.top
+        seg.top += extra_nbytes
+        return addr
+
+    def lower_top(self, seg: VirtualSegment, addr: int, stream: int, wait: bool) -> bool:
+        """Give back the address space from ``addr`` to the top (a free block of ``stream`` the allocator
+        drops) and record a fence on ``stream`` for whoever grows over it (Note [One range per pool]).
+        Returns False, changing nothing, when ``stream`` is busy and not ``wait``."""
+        number = self.fences.record(stream)
+        if not wait and not self.fences.done(stream, number):
+            return False  # its stream is busy: keep the address space rather than make a grower wait
+        seg.top_fences = merge_fences(seg.top_fences, stream, number)
+        seg.top = addr - seg.base
+        return True
 
     def _wait_top(self, seg: VirtualSegment, stream: int) -> None:
         """Before ``stream`` grows over address space trimmed from other streams, wait for their fences."""
@@ -696,7 +674,7 @@ class VirtualBacking(Backing):
         return True
 
     # -- giving memory back ---------------------------------------------------------------------
-    def release_cached(self, free_list_of: FreeListLookup, wait: bool = True) -> int:
+    def release_cached(self, drop_blocks: SegmentCallback, wait: bool = True) -> int:
         released = 0
         batch: dict[int, int] = {}
         for seg in self.vsegments.values():
@@ -704,27 +682,8 @@ class VirtualBacking(Backing):
                 if not self._page_ready(seg, p, wait, batch):
                     continue
                 self.unmapped.append(self._unmap_page(seg, p))
-            self._trim_top(seg, free_list_of, wait)
         released += self._release_unmapped()
         return released
-
-    def _trim_top(self, seg: VirtualSegment, free_list_of: FreeListLookup, wait: bool) -> None:
-        """Drop free blocks at the top of the range, so the address space does not creep up.
-
-        A stream's memory trimmed here may be reused by another stream's growth: a fence
-        recorded on the trimmed block's stream orders that (Note [One range per pool]).
-        """
-        while True:
-            last = seg.last
-            if last is None or last.allocated or last.fences is not None or last.pending_streams:
-                return
-            number = self.fences.record(last.stream)  # rare (releases only); another stream may grow here
-            if not wait and not self.fences.done(last.stream, number):
-                return  # its stream is busy: keep the address space rather than make a grower wait
-            seg.top_fences = merge_fences(seg.top_fences, last.stream, number)
-            free_list_of(last).remove(last)
-            drop_last_block(seg)
-            seg.top = last.addr - seg.base
 
     def close(self) -> None:
         g = self.granularity
@@ -751,7 +710,7 @@ class VirtualBacking(Backing):
         self.n_chunks = 0
         self.n_segments = 0
 
-    def consistency_problems(self, free_list_of: FreeListLookup) -> list[str]:
+    def consistency_problems(self) -> list[str]:
         problems: list[str] = []
         g = self.granularity
         reservations = dict(self.device.reservation_ranges()) if hasattr(self.device, "reservation_ranges") else None
@@ -776,10 +735,6 @@ class VirtualBacking(Backing):
                         mapped += 1
             for va in ours:
                 problems.append(f"the allocator has page {va:#x} mapped, the device does not")
-            first_block = seg.last
-            while first_block is not None and first_block.prev is not None:
-                first_block = first_block.prev
-            problems.extend(_chain_problems(seg, first_block, seg.base + seg.top, free_list_of))
             for p, r in enumerate(seg.refs):
                 if r < 0:
                     problems.append(f"page {p} of {seg.base:#x} has {r} live blocks")

@@ -71,8 +71,8 @@ from ..device import Device, check_nbytes, check_pointer
 from ..errors import (DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError, InvalidPointerError,
                       OutOfMemoryError)
 from ..units import format_bytes
-from .backing import Backing, LimitExceeded, SegmentBacking, VirtualBacking
-from .block import Block, FreeList, merge_blocks, split_block
+from .backing import Backing, LimitExceeded, Segment, SegmentBacking, VirtualBacking, VirtualSegment
+from .block import Block, FreeList, append_block, drop_last_block, merge_blocks, split_block
 from .fences import StreamFences
 from .policy import DEFAULT_POLICY, AllocatorPolicy, VmmMode, get_policy
 from .stats import AllocatorStats, format_summary
@@ -286,7 +286,7 @@ class CachingAllocator:
             cap = self.limit_nbytes or self.device.properties().total_nbytes
             if self.backing.reserved_nbytes > self.gc_threshold * cap:
                 self.stats.num_gc_releases += 1
-                self.backing.release_cached(self._free_list_of, wait=False)
+                self._release_cached(wait=False)
         try:
             return self._grow_once(small, stream, size, free_list)
         except OutOfMemoryError:
@@ -295,22 +295,61 @@ class CachingAllocator:
             return self._retry_after_release(small, stream, size, free_list, nbytes)
 
     def _grow_once(self, small: bool, stream: int, size: int, free_list: FreeList) -> Block:
-        tail = self.backing.tail_block(small, stream)
-        if tail is not None:
+        """A new free block (in no free list) of at least ``size`` bytes: a new ``malloc``'d segment
+        tiled by one block, or the top of the pool's virtual range (growing this stream's free
+        block there, if it is the range's last)."""
+        backing = self.backing
+        if isinstance(backing, SegmentBacking):
+            seg = backing.new_segment(small, stream, size)
+            block = Block(seg.base, seg.nbytes, stream, seg)
+            append_block(seg, block)
+            return block
+        vseg = backing.range_of(small)
+        tail = vseg.last  # type: ignore[union-attr]
+        if tail is not None and tail.stream == stream and not tail.allocated and tail.fences is None \
+                and tail in free_list:
+            backing.extend(vseg, stream, size - tail.size, size)  # type: ignore[arg-type]
             free_list.remove(tail)
-        try:
-            return self.backing.grow(small, stream, size, tail)
-        except BaseException:
-            if tail is not None:
-                free_list.add(tail)
-            raise
+            tail.size = size
+            return tail
+        addr = backing.extend(vseg, stream, size, size)  # type: ignore[arg-type]
+        block = Block(addr, size, stream, vseg)
+        append_block(vseg, block)
+        return block
+
+    def _release_cached(self, wait: bool) -> int:
+        """Give cached memory back (Note [Stream-ordered frees]); then, in virtual memory, drop the free
+        blocks at the top of each range so that its address space does not creep up."""
+        released = self.backing.release_cached(self._drop_blocks, wait)
+        if isinstance(self.backing, VirtualBacking):
+            backing = self.backing
+            for seg in backing.segments_list():
+                while True:
+                    last = seg.last
+                    if last is None or last.allocated or last.fences is not None:
+                        break
+                    if not backing.lower_top(seg, last.addr, last.stream, wait):  # type: ignore[arg-type]
+                        break
+                    self._free_list_of(last).remove(last)
+                    drop_last_block(seg)
+        return released
+
+    def _drop_blocks(self, seg: object) -> None:
+        """Forget the blocks of a segment the backing gave back (all free: they are merged into one)."""
+        b = seg.last  # type: ignore[attr-defined]
+        while b is not None:
+            if b.allocated or b.fences is not None:
+                raise InternalError(f"segment {seg.base:#x} was given back with {b!r} in use")  # type: ignore[attr-defined]
+            self._free_list_of(b).remove(b)
+            b = b.prev
+        seg.last = None  # type: ignore[attr-defined]
 
     def _retry_after_release(self, small: bool, stream: int, size: int, free_list: FreeList,
                              nbytes: int) -> Block:
         """Wait for pending blocks, give cached memory back, then try once more to find or grow,
         split and commit a block."""
         self._process_pending(wait=True)
-        self.backing.release_cached(self._free_list_of, wait=True)
+        self._release_cached(wait=True)
         block = None
         try:
             block = free_list.best_fit(size)
@@ -456,7 +495,7 @@ class CachingAllocator:
             if self._closed:
                 return 0
             self._process_pending(wait=True)
-            released = self.backing.release_cached(self._free_list_of, wait=True)
+            released = self._release_cached(wait=True)
             for key in [k for k, fl in self._free_lists.items() if not len(fl)]:
                 del self._free_lists[key]  # idle streams cost nothing once their cache is gone
             log.debug("empty_cache released %s", format_bytes(released))
@@ -475,7 +514,12 @@ class CachingAllocator:
         with self._operation():
             if self._closed:
                 return  # a closed allocator holds nothing
-            problems = self.backing.consistency_problems(self._free_list_of)
+            problems = self.backing.consistency_problems()
+            for seg in self.backing.segments_list():
+                head = seg.last
+                while head is not None and head.prev is not None:
+                    head = head.prev
+                problems.extend(_chain_problems(seg, head, self.backing.tiled_end(seg), self._free_list_of))
             in_lists = 0
             for (small, stream), fl in self._free_lists.items():
                 for b in fl:
@@ -589,6 +633,35 @@ class CachingAllocator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _chain_problems(seg: Segment, head: Block | None, end: int, free_list_of: Callable[[Block], FreeList]) -> list[str]:
+    """Blocks tile ``[seg.base, end)`` in order, each free one in its free list, live counts right."""
+    problems: list[str] = []
+    cursor = seg.base
+    b = head
+    prev = None
+    live = 0
+    while b is not None:
+        if b.prev is not prev or b.addr != cursor or b.size <= 0 or b.segment is not seg:
+            problems.append(f"block chain broken at {b!r} (expected {cursor:#x})")
+            break
+        if b.allocated:
+            live += 1
+        elif b.fences is not None or b.pending_streams:
+            live += 1  # freed, waiting for other streams: still counted by the backing
+        elif b not in free_list_of(b):
+            problems.append(f"free block {b!r} is in no free list")
+        cursor = b.addr + b.size
+        prev = b
+        b = b.next
+    if prev is not getattr(seg, "last", prev):
+        problems.append(f"segment {seg.base:#x}: last block is not the end of the chain")
+    if cursor != end:
+        problems.append(f"blocks of segment {seg.base:#x} end at {cursor:#x}, expected {end:#x}")
+    if isinstance(seg, Segment) and not isinstance(seg, VirtualSegment) and live != seg.live:
+        problems.append(f"segment {seg.base:#x} counts {seg.live} live blocks, its chain has {live}")
+    return problems
 
 
 def _limit_nbytes(limit: int | float | None, total_nbytes: int) -> int | None:

@@ -112,13 +112,14 @@ def _chain_blocks(alloc: CachingAllocator) -> list[tuple[object, list]]:
     backing = alloc.backing
     out = []
     if isinstance(backing, SegmentBacking):
-        for base, seg in backing.segments.items():
+        for seg in backing.segments.values():
             blocks = []
-            b = backing._heads[base]  # noqa: SLF001
-            assert b.prev is None
+            b = seg.last
             while b is not None:
                 blocks.append(b)
-                b = b.next
+                b = b.prev
+            blocks.reverse()
+            assert blocks and blocks[0].addr == seg.base
             out.append((seg, blocks))
     else:
         assert isinstance(backing, VirtualBacking)

@@ -446,6 +446,11 @@ class VirtualBacking(Backing):
         refs = seg.refs
         stream = block.stream
         multi = self.multi_stream
+        if first == last and refs[first] > 1:
+            refs[first] -= 1  # the common case: the page keeps live data
+            if multi:
+                self._note_user(seg, first, stream, seg.users)
+            return
         for p in range(first, last + 1):
             refs[p] -= 1
             if refs[p] == 0:

@@ -179,10 +179,17 @@ class CachingAllocator:
                         free_list.remove(block)
                         self.stats.cache_hits += 1
                         return self._hand_out(self._split(block, size, small, free_list), nbytes, stream)
-        with self._operation():
-            if self._closed:
-                raise InvalidArgumentError("allocator is closed")
-            return self._allocate_slow(nbytes, size, small, stream)
+        with self._defer():  # as _operation(), spelled out: this is the common slow path
+            with self._lock:
+                if self._lost is not None:
+                    raise DeviceLostError(f"the device was lost: {self._lost}")
+                if self._closed:
+                    raise InvalidArgumentError("allocator is closed")
+                try:
+                    return self._allocate_slow(nbytes, size, small, stream)
+                except DeviceLostError as exc:
+                    self._lost = exc
+                    raise
 
     def _allocate_slow(self, nbytes: int, size: int, small: bool, stream: int) -> int:
         free_list = self._free_lists.get((small, stream))

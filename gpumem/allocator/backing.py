@@ -448,7 +448,7 @@ class VirtualBacking(Backing):
         multi = self.multi_stream
         if first == last and refs[first] > 1:
             refs[first] -= 1  # the common case: the page keeps live data
-            if multi:
+            if multi and seg.users.get(first) != stream:
                 self._note_user(seg, first, stream, seg.users)
             return
         for p in range(first, last + 1):
@@ -456,15 +456,18 @@ class VirtualBacking(Backing):
             if refs[p] == 0:
                 seg.empty[p] = None
                 self.live_pages -= 1
-                users = seg.users.pop(p, None) if multi else None
-                if users is not None or p in seg.dirty:
-                    self._note_user(seg, p, stream, seg.dirty)
+                dirty = seg.dirty
+                d = dirty.get(p)
+                if d is None:
+                    dirty[p] = stream
+                elif d != stream:
+                    self._note_user(seg, p, stream, dirty)
+                if multi:
+                    users = seg.users.pop(p, None)
                     if users is not None:
                         for u in ((users,) if isinstance(users, int) else users):
-                            self._note_user(seg, p, u, seg.dirty)
-                else:
-                    seg.dirty[p] = stream
-            elif multi:
+                            self._note_user(seg, p, u, dirty)
+            elif multi and seg.users.get(p) != stream:
                 self._note_user(seg, p, stream, seg.users)
 
     @staticmethod

@@ -10,9 +10,39 @@ and makes their memory real. Both backings speak only the
     ``device.malloc``; its memory is held, whole, until the segment is released.
 
 :class:`VirtualBacking`
-    One reserved virtual range per pool and stream, which only grows at its top;
-    physical memory is mapped page by page (the device granularity, 2 MiB) under
-    the pages that live blocks touch.
+    One reserved virtual range per pool, shared by every stream, which only grows
+    at its top; physical memory is mapped page by page (the device granularity,
+    2 MiB) under the pages that live blocks touch.
+
+The allocator (:mod:`.caching`) owns blocks and free lists and tiles segments
+with blocks (through the checked splices of :mod:`.block`); a backing only
+allocates segments (``malloc``, or address space at the top of a range), maps
+and unmaps the pages under blocks (``commit``/``decommit``) and gives memory
+back to the device, once the fences of its last users have completed (Note
+[Stream-ordered frees] in :mod:`.fences`).
+
+Note [Failure atomicity]
+------------------------
+Every device call comes first and the bookkeeping changes only for what it did:
+a chunk is counted once ``mem_create`` returned it, a page is marked mapped once
+``mem_map`` succeeded and unmapped once ``mem_unmap`` did, a segment is dropped
+once ``free`` succeeded. A call that fails raises with the bookkeeping describing
+exactly what the device holds, so :meth:`CachingAllocator.check_consistency`
+passes and the next operation works. Pages mapped whose ``mem_set_access``
+failed and that could not be unmapped again are kept as empty pages marked
+``noaccess`` (access is set before a block uses them).
+
+Note [One range per pool]
+-------------------------
+All streams share the pool's virtual range: blocks of different streams tile it
+side by side, and free lists (in the allocator) are per stream, so a block is
+never handed from one stream to another. The page tables of a range are two
+arrays of one entry per page (16 B per 2 MiB of address space), so a thousand
+streams cost a thousand free lists, not a thousand reservations. Address space
+that a stream freed at the top of the range is taken back when the cache is
+released (the allocator drops the free blocks there, :meth:`VirtualBacking.lower_top`
+lowers the top); another stream that grows over it first waits for the fence
+recorded then.
 
 Note [Virtual memory: pages follow live data]
 ---------------------------------------------
@@ -48,25 +78,35 @@ from array import array
 from typing import Callable
 
 from ..device import Device, PhysicalHandle
-from ..errors import OutOfMemoryError
+from ..errors import InternalError, OutOfMemoryError
 from .block import Block, FreeList
+from .fences import StreamFences, merge_fences
 from .policy import AllocatorPolicy
 
 log = logging.getLogger(__name__)
 
-FreeListLookup = Callable[[Block], FreeList]
+SegmentCallback = Callable[["Segment"], None]
 
 
 class Segment:
-    """A stretch of device addresses tiled by blocks."""
+    """A stretch of device addresses tiled by blocks (a ``malloc``'d segment).
 
-    __slots__ = ("base", "nbytes", "small", "stream")
+    ``live``: allocated blocks in it; ``dirty``: it fell empty and its last users' work has
+    no fence yet; ``fence``: the fence recorded on ``stream`` since (0: none), see Note
+    [Stream-ordered frees].
+    """
+
+    __slots__ = ("base", "nbytes", "small", "stream", "last", "live", "dirty", "fence")
 
     def __init__(self, base: int, nbytes: int, small: bool, stream: int) -> None:
         self.base = base
         self.nbytes = nbytes
         self.small = small
         self.stream = stream
+        self.last: Block | None = None
+        self.live = 0
+        self.dirty = False
+        self.fence = 0
 
 
 class LimitExceeded(OutOfMemoryError):
@@ -76,10 +116,12 @@ class LimitExceeded(OutOfMemoryError):
 class Backing(abc.ABC):
     """Supplies segments and physical memory to a caching allocator."""
 
-    def __init__(self, device: Device, policy: AllocatorPolicy, limit_nbytes: int | None) -> None:
+    def __init__(self, device: Device, policy: AllocatorPolicy, limit_nbytes: int | None,
+                 fences: StreamFences | None = None) -> None:
         self.device = device
         self.policy = policy
         self.limit_nbytes = limit_nbytes
+        self.fences = fences if fences is not None else StreamFences(device)
         self.granularity = device.granularity_nbytes
         self.reserved_nbytes = 0
         self.n_segments = 0
@@ -98,32 +140,44 @@ class Backing(abc.ABC):
             self.on_segment(action, addr, nbytes, stream)
 
     @abc.abstractmethod
-    def grow(self, small: bool, stream: int, nbytes: int, tail: Block | None) -> Block:
-        """Return a free block (in no free list) of at least ``nbytes`` for this pool and stream.
-
-        ``tail`` is this pool's and stream's free block at the top of its growable segment, if
-        the backing reported one (virtual mode); the caller has removed it from its free list.
-        """
-
-    @abc.abstractmethod
-    def tail_block(self, small: bool, stream: int) -> Block | None:
-        """The free block that :meth:`grow` would extend, if any."""
-
-    @abc.abstractmethod
     def commit(self, block: Block) -> None:
         """Make a just-allocated block's memory usable; on failure raise and change nothing."""
 
     @abc.abstractmethod
-    def decommit(self, block: Block) -> None:
-        """A block was freed."""
+    def commit_quietly(self, block: Block, nbytes: int) -> bool:
+        """Commit the block's first ``nbytes`` if that needs no device call and return True; else
+        change nothing and return False (the caller then commits it with :meth:`commit`)."""
 
     @abc.abstractmethod
-    def release_cached(self, free_list_of: FreeListLookup) -> int:
-        """Give back to the device the memory that holds no live data; return the bytes released."""
+    def decommit(self, block: Block) -> None:
+        """A block was freed: its memory, once no live block uses it, needs a fence on the block's
+        stream before it goes back to the device. Makes no device call."""
+
+    @abc.abstractmethod
+    def release_cached(self, drop_blocks: SegmentCallback, wait: bool = True) -> int:
+        """Give back to the device the memory that holds no live data; return the bytes released.
+
+        Memory whose fences have not completed is waited for when ``wait``, else kept. A
+        ``malloc``'d segment is freed only once it holds no live block; right after the device
+        freed it, ``drop_blocks(segment)`` lets the allocator forget the segment's free blocks.
+        """
+
+    @abc.abstractmethod
+    def segments_list(self) -> list[Segment]:
+        """Every segment (or virtual range) the allocator tiles with blocks."""
+
+    @staticmethod
+    @abc.abstractmethod
+    def tiled_end(seg: Segment) -> int:
+        """The address where the blocks of ``seg`` must end."""
 
     @abc.abstractmethod
     def close(self) -> None:
         """Give everything back (the allocator has no live blocks, or no longer cares)."""
+
+    @abc.abstractmethod
+    def consistency_problems(self) -> list[str]:
+        """What differs between this backing's bookkeeping and the device's (empty when consistent)."""
 
     def largest_free_nbytes(self, free_lists: list[FreeList]) -> int:
         """The largest request servable without new device memory."""
@@ -136,15 +190,20 @@ class Backing(abc.ABC):
 class SegmentBacking(Backing):
     """Segments from ``device.malloc``; see the module docstring."""
 
-    def __init__(self, device: Device, policy: AllocatorPolicy, limit_nbytes: int | None) -> None:
-        super().__init__(device, policy, limit_nbytes)
+    def __init__(self, device: Device, policy: AllocatorPolicy, limit_nbytes: int | None,
+                 fences: StreamFences | None = None) -> None:
+        super().__init__(device, policy, limit_nbytes, fences)
         self.segments: dict[int, Segment] = {}
-        self._heads: dict[int, Block] = {}
 
-    def tail_block(self, small: bool, stream: int) -> Block | None:
-        return None
+    def segments_list(self) -> list[Segment]:
+        return list(self.segments.values())
 
-    def grow(self, small: bool, stream: int, nbytes: int, tail: Block | None) -> Block:
+    @staticmethod
+    def tiled_end(seg: Segment) -> int:
+        return seg.base + seg.nbytes
+
+    def new_segment(self, small: bool, stream: int, nbytes: int) -> Segment:
+        """``malloc`` a segment for a (rounded) request of ``nbytes`` on ``stream``; the allocator tiles it."""
         seg_nbytes = self.policy.segment_nbytes(small, nbytes, self.granularity)
         self._check_limit(seg_nbytes, nbytes)
         ptr = self.device.malloc(seg_nbytes)
@@ -153,28 +212,39 @@ class SegmentBacking(Backing):
         self.segments[ptr] = seg
         self.reserved_nbytes += seg_nbytes
         self.n_segments += 1
-        block = Block(ptr, seg_nbytes, stream, seg)
-        self._heads[ptr] = block
         self._segment_event("segment_alloc", ptr, seg_nbytes, stream)
-        return block
+        return seg
 
     def commit(self, block: Block) -> None:
-        return None
+        block.segment.live += 1  # type: ignore[attr-defined]
+
+    def commit_quietly(self, block: Block, nbytes: int) -> bool:
+        block.segment.live += 1  # type: ignore[attr-defined]
+        return True
 
     def decommit(self, block: Block) -> None:
-        return None
+        seg: Segment = block.segment  # type: ignore[assignment]
+        seg.live -= 1
+        if not seg.live:
+            seg.dirty = True
 
-    def release_cached(self, free_list_of: FreeListLookup) -> int:
+    def release_cached(self, drop_blocks: SegmentCallback, wait: bool = True) -> int:
         released = 0
+        fences = self.fences
         for base, seg in list(self.segments.items()):
-            head = self._heads[base]
-            if head.allocated or head.pending_streams or head.size != seg.nbytes:
-                continue  # holds live data, or was freed but waits for a stream sync point
-            free_list_of(head).remove(head)
+            if seg.live:
+                continue  # holds live data, or blocks freed but waiting for other streams' events
+            if seg.dirty:
+                seg.fence = fences.record(seg.stream)  # covers the work of every block it held
+                seg.dirty = False
+            if seg.fence and not fences.done(seg.stream, seg.fence):
+                if not wait:
+                    continue
+                fences.wait(seg.stream, seg.fence)
             self.device.free(base)
             self.device_calls += 1
+            drop_blocks(seg)
             del self.segments[base]
-            del self._heads[base]
             self.reserved_nbytes -= seg.nbytes
             self.n_segments -= 1
             released += seg.nbytes
@@ -183,91 +253,147 @@ class SegmentBacking(Backing):
 
     def close(self) -> None:
         for base, seg in list(self.segments.items()):
-            try:
+            try:  # the allocator synchronized the device before closing
                 self.device.free(base)
             except Exception as exc:  # noqa: BLE001 - closing gives back what it can
                 log.warning("could not free segment %#x: %s", base, exc)
         self.segments.clear()
-        self._heads.clear()
         self.reserved_nbytes = 0
         self.n_segments = 0
+
+    def consistency_problems(self) -> list[str]:
+        problems: list[str] = []
+        on_device = dict(self.device.allocation_ranges())
+        total = 0
+        for base, seg in self.segments.items():
+            total += seg.nbytes
+            if on_device.get(base) != seg.nbytes:
+                problems.append(f"segment {base:#x}+{seg.nbytes} is not a live device allocation of that size "
+                                f"(device: {on_device.get(base)})")
+        if total != self.reserved_nbytes:
+            problems.append(f"segments hold {total} B but reserved_nbytes is {self.reserved_nbytes}")
+        return problems
 
     def describe(self) -> str:
         return f"segments ({self.n_segments} live, rule={self.policy.segment_rule.value})"
 
 
+def _page_array(n_pages: int) -> array:
+    return array("l", bytes(8 * n_pages)) if array("l").itemsize == 8 else array("q", bytes(8 * n_pages))
+
+
 class VirtualSegment(Segment):
-    """A reserved virtual range that grows at its top, mapped page by page."""
+    """A reserved virtual range that grows at its top, mapped page by page; shared by all streams."""
 
-    __slots__ = ("top", "last", "refs", "chunks", "empty")
+    __slots__ = ("top", "refs", "chunks", "empty", "dirty", "page_fences", "users", "noaccess", "top_fences")
 
-    def __init__(self, base: int, nbytes: int, small: bool, stream: int, granularity: int) -> None:
-        super().__init__(base, nbytes, small, stream)
+    def __init__(self, base: int, nbytes: int, small: bool, granularity: int) -> None:
+        super().__init__(base, nbytes, small, 0)
         self.top = 0
         """Bytes from ``base`` tiled by blocks."""
-        self.last: Block | None = None
         n_pages = nbytes // granularity
-        self.refs = array("l", bytes(8 * n_pages)) if array("l").itemsize == 8 else array("q", bytes(8 * n_pages))
+        self.refs = _page_array(n_pages)
         """Live blocks touching each page."""
         self.chunks: list[PhysicalHandle | None] = [None] * n_pages
         """The physical chunk mapped at each page, if any."""
         self.empty: dict[int, None] = {}
         """Pages mapped but touched by no live block (insertion-ordered: oldest first)."""
+        self.dirty: dict[int, int | frozenset[int]] = {}
+        """Empty (or once-empty) pages -> the streams whose work on them has no fence yet."""
+        self.page_fences: dict[int, dict[int, int]] = {}
+        """Empty (or once-empty) pages -> ``{stream: fence}`` that must complete before the page is unmapped."""
+        self.users: dict[int, int | frozenset[int]] = {}
+        """Pages still in use -> streams of blocks freed there meanwhile (only with several streams)."""
+        self.noaccess: set[int] = set()
+        """Mapped pages whose ``mem_set_access`` failed (see Note [Failure atomicity])."""
+        self.top_fences: dict[int, int] | None = None
+        """Fences of the streams whose free blocks were trimmed off the top (Note [One range per pool])."""
 
 
 class VirtualBacking(Backing):
     """Virtual ranges with page-granular physical backing; see Note [Virtual memory: pages follow live data]."""
 
-    def __init__(self, device: Device, policy: AllocatorPolicy, limit_nbytes: int | None) -> None:
-        super().__init__(device, policy, limit_nbytes)
+    def __init__(self, device: Device, policy: AllocatorPolicy, limit_nbytes: int | None,
+                 fences: StreamFences | None = None) -> None:
+        super().__init__(device, policy, limit_nbytes, fences)
         total = device.properties().total_nbytes
         g = self.granularity
         self.va_nbytes = -(-int(total * policy.va_reserve_factor) // g) * g
-        self.vsegments: dict[tuple[bool, int], VirtualSegment] = {}
+        self.vsegments: dict[bool, VirtualSegment] = {}
+        """One range per pool (``True``: the small pool)."""
         self.unmapped: list[PhysicalHandle] = []
         """Physical chunks held but mapped nowhere."""
         self.n_chunks = 0
         self.n_steals = 0
-        self.n_syncs = 0
+        self.n_waits = 0
         self.live_pages = 0
         """Pages touched by at least one live block, over all ranges."""
         self.peak_live_pages = 0
+        self._first_stream: int | None = None
+        self.multi_stream = False
+        """Whether blocks of more than one stream ever existed (then pages track their streams)."""
 
-    def _segment(self, small: bool, stream: int) -> VirtualSegment:
-        key = (small and self.policy.separate_small_pool, stream)
+    def _segment(self, small: bool) -> VirtualSegment:
+        key = small and self.policy.separate_small_pool
         seg = self.vsegments.get(key)
         if seg is None:
             base = self.device.address_reserve(self.va_nbytes)
             self.device_calls += 1
-            seg = VirtualSegment(base, self.va_nbytes, key[0], stream, self.granularity)
+            seg = VirtualSegment(base, self.va_nbytes, key, self.granularity)
             self.vsegments[key] = seg
             self.n_segments += 1
         return seg
 
-    def tail_block(self, small: bool, stream: int) -> Block | None:
-        seg = self.vsegments.get((small and self.policy.separate_small_pool, stream))
-        if seg is None or seg.last is None or seg.last.allocated or seg.last.pending_streams:
-            return None
-        return seg.last
+    def segments_list(self) -> list[Segment]:
+        return list(self.vsegments.values())
 
-    def grow(self, small: bool, stream: int, nbytes: int, tail: Block | None) -> Block:
-        seg = self._segment(small, stream)
-        if tail is not None:
-            extra = nbytes - tail.size
-            if seg.top + extra > seg.nbytes:
-                raise self._va_exhausted(nbytes)
-            seg.top += extra
-            tail.size = nbytes
-            return tail
-        if seg.top + nbytes > seg.nbytes:
-            raise self._va_exhausted(nbytes)
-        block = Block(seg.base + seg.top, nbytes, stream, seg)
-        block.prev = seg.last
-        if seg.last is not None:
-            seg.last.next = block
-        seg.last = block
-        seg.top += nbytes
-        return block
+    @staticmethod
+    def tiled_end(seg: Segment) -> int:
+        return seg.base + seg.top  # type: ignore[attr-defined]
+
+    def range_of(self, small: bool, reserve: bool = True) -> VirtualSegment | None:
+        """The pool's virtual range (reserved on first use when ``reserve``)."""
+        seg = self.vsegments.get(small and self.policy.separate_small_pool)
+        return seg if seg is not None or not reserve else self._segment(small)
+
+    def extend(self, seg: VirtualSegment, stream: int, extra_nbytes: int, requested: int) -> int:
+        """Add ``extra_nbytes`` of address space at the top of ``seg`` for ``stream``; return where
+        it starts (the allocator tiles it with a block, or grows its tail block over it)."""
+        if seg.top + extra_nbytes > seg.nbytes:
+            raise self._va_exhausted(requested)
+        if seg.top_fences:
+            self._wait_top(seg, stream)
+        if self._first_stream is None:
+            self._first_stream = stream
+        elif stream != self._first_stream:
+            self.multi_stream = True
+        addr = seg.base + seg.top
+        seg.top += extra_nbytes
+        return addr
+
+    def lower_top(self, seg: VirtualSegment, addr: int, stream: int, wait: bool) -> bool:
+        """Give back the address space from ``addr`` to the top (a free block of ``stream`` the allocator
+        drops) and record a fence on ``stream`` for whoever grows over it (Note [One range per pool]).
+        Returns False, changing nothing, when ``stream`` is busy and not ``wait``."""
+        number = self.fences.record(stream)
+        if not wait and not self.fences.done(stream, number):
+            return False  # its stream is busy: keep the address space rather than make a grower wait
+        seg.top_fences = merge_fences(seg.top_fences, stream, number)
+        seg.top = addr - seg.base
+        return True
+
+    def _wait_top(self, seg: VirtualSegment, stream: int) -> None:
+        """Before ``stream`` grows over address space trimmed from other streams, wait for their fences."""
+        fences = self.fences
+        pending = seg.top_fences or {}
+        for s, n in list(pending.items()):
+            if s != stream and not fences.done(s, n):
+                fences.wait(s, n)
+                self.n_waits += 1
+            if fences.done(s, n):
+                del pending[s]
+        if not pending:
+            seg.top_fences = None
 
     def _va_exhausted(self, nbytes: int) -> OutOfMemoryError:
         info = self.device.mem_info()
@@ -288,6 +414,12 @@ class VirtualBacking(Backing):
             refs[first] += 1  # the common case: a page already holding live data
             return
         chunks = seg.chunks
+        if seg.noaccess:
+            fix = [p for p in range(first, last + 1) if p in seg.noaccess]
+            for p in fix:
+                self.device.mem_set_access(seg.base + p * self.granularity, self.granularity)
+                self.device_calls += 1
+                seg.noaccess.discard(p)
         need = [p for p in range(first, last + 1) if refs[p] == 0 and chunks[p] is None]
         if need:
             self._map_pages(seg, need, first, last, block.size)
@@ -300,21 +432,90 @@ class VirtualBacking(Backing):
         if self.live_pages > self.peak_live_pages:
             self.peak_live_pages = self.live_pages
 
+    def commit_quietly(self, block: Block, nbytes: int) -> bool:
+        seg: VirtualSegment = block.segment  # type: ignore[assignment]
+        g = self.granularity
+        first = (block.addr - seg.base) // g
+        if (block.addr + nbytes - 1 - seg.base) // g == first and seg.refs[first]:
+            seg.refs[first] += 1
+            return True
+        return False
+
     def decommit(self, block: Block) -> None:
         seg, first, last = self._pages(block)
         refs = seg.refs
+        stream = block.stream
+        multi = self.multi_stream
+        if first == last and refs[first] > 1:
+            refs[first] -= 1  # the common case: the page keeps live data
+            if multi and seg.users.get(first) != stream:
+                self._note_user(seg, first, stream, seg.users)
+            return
         for p in range(first, last + 1):
             refs[p] -= 1
             if refs[p] == 0:
                 seg.empty[p] = None
                 self.live_pages -= 1
+                dirty = seg.dirty
+                d = dirty.get(p)
+                if d is None:
+                    dirty[p] = stream
+                elif d != stream:
+                    self._note_user(seg, p, stream, dirty)
+                if multi:
+                    users = seg.users.pop(p, None)
+                    if users is not None:
+                        for u in ((users,) if isinstance(users, int) else users):
+                            self._note_user(seg, p, u, dirty)
+            elif multi and seg.users.get(p) != stream:
+                self._note_user(seg, p, stream, seg.users)
+
+    @staticmethod
+    def _note_user(seg: VirtualSegment, page: int, stream: int, table: dict[int, int | frozenset[int]]) -> None:
+        """Add ``stream`` to the streams ``table`` keeps for ``page``."""
+        u = table.get(page)
+        if u is None:
+            table[page] = stream
+        elif u != stream and (isinstance(u, int) or stream not in u):
+            table[page] = frozenset(((u,) if isinstance(u, int) else tuple(u)) + (stream,))
+
+    def _fence_page(self, seg: VirtualSegment, page: int, batch: dict[int, int]) -> None:
+        """Give the page's unfenced streams a fence: one event per stream per ``batch`` (one call)."""
+        streams = seg.dirty.get(page)
+        if streams is None:
+            return
+        pf = seg.page_fences.get(page)
+        for s in ((streams,) if isinstance(streams, int) else sorted(streams)):
+            number = batch.get(s)
+            if number is None:
+                number = batch[s] = self.fences.record(s)
+            pf = merge_fences(pf, s, number)
+        seg.page_fences[page] = pf  # type: ignore[assignment]
+        del seg.dirty[page]
+
+    def _page_ready(self, seg: VirtualSegment, page: int, wait: bool, batch: dict[int, int]) -> bool:
+        """Whether the work of the empty page's last users is done (queried); with ``wait``, wait for it."""
+        if page in seg.dirty:
+            self._fence_page(seg, page, batch)
+        pf = seg.page_fences.get(page)
+        if not pf:
+            return True
+        if self.fences.all_done(pf):
+            del seg.page_fences[page]
+            return True
+        if not wait:
+            return False
+        self.fences.wait_all(pf)
+        self.n_waits += 1
+        del seg.page_fences[page]
+        return True
 
     def _stealable(self, seg: VirtualSegment, first: int, last: int) -> int:
         own = sum(1 for p in range(first, last + 1) if p in seg.empty) if seg.empty else 0
         return sum(len(s.empty) for s in self.vsegments.values()) - own
 
     def _map_pages(self, seg: VirtualSegment, need: list[int], first: int, last: int, requested: int) -> None:
-        """Map a physical chunk under each page in ``need``; all or nothing."""
+        """Map a physical chunk under each page in ``need``; all or nothing (Note [Failure atomicity])."""
         g = self.granularity
         shortfall = len(need) - len(self.unmapped)
         if shortfall > 0 and self.policy.steal_empty_pages:
@@ -323,36 +524,38 @@ class VirtualBacking(Backing):
             allowance = int(touched * (1.0 + self.policy.page_slack)) - self.n_chunks
             creatable = max(0, min(shortfall, allowance))
             shortfall = max(creatable, shortfall - self._stealable(seg, first, last))
-        created: list[PhysicalHandle] = []
         if shortfall > 0:
             self._check_limit(shortfall * g, requested)
+            created = 0
             try:
                 for _ in range(shortfall):
-                    created.append(self.device.mem_create(g))
+                    handle = self.device.mem_create(g)
                     self.device_calls += 1
+                    self.unmapped.append(handle)
+                    self.n_chunks += 1
+                    self.reserved_nbytes += g
+                    created += 1
             except BaseException:
-                for h in created:
-                    self.device.mem_release(h)
+                try:
+                    self._release_unmapped(created)  # give back what this call created, as far as it can
+                except Exception as exc:  # noqa: BLE001 - the first error is the one raised
+                    log.debug("could not release a chunk after a failed create: %s", exc)
                 raise
-            self.unmapped.extend(created)
-            self.n_chunks += len(created)
-            self.reserved_nbytes += len(created) * g
         n_steal = len(need) - len(self.unmapped)
         if n_steal > 0:
-            self.unmapped.extend(self._steal(seg, first, last, n_steal))
+            self._steal(seg, first, last, n_steal, requested)
         mapped: list[int] = []
         try:
             for p in need:
-                handle = self.unmapped.pop()
+                handle = self.unmapped[-1]
                 va = seg.base + p * g
-                try:
-                    self.device.mem_map(va, g, handle, 0)
-                except BaseException:
-                    self.unmapped.append(handle)
-                    raise
-                seg.chunks[p] = handle
-                mapped.append(p)
+                self.device.mem_map(va, g, handle, 0)
                 self.device_calls += 1
+                self.unmapped.pop()
+                seg.chunks[p] = handle
+                seg.noaccess.add(p)
+                mapped.append(p)
+                self._segment_event("segment_map", va, g, 0)
             # one access call per contiguous run of newly mapped pages
             run_start = prev = mapped[0]
             for p in mapped[1:] + [None]:  # type: ignore[list-item]
@@ -361,21 +564,72 @@ class VirtualBacking(Backing):
                     continue
                 self.device.mem_set_access(seg.base + run_start * g, (prev - run_start + 1) * g)
                 self.device_calls += 1
+                for q in range(run_start, prev + 1):
+                    seg.noaccess.discard(q)
                 if p is not None:
                     run_start = prev = p
         except BaseException:
-            for p in mapped:  # undo: unmap what this call mapped, keep the chunks cached
+            # undo: unmap what this call mapped, keep the chunks cached; a page that cannot be
+            # unmapped stays mapped and empty (and marked noaccess if its access was never set)
+            for p in mapped:
                 handle = seg.chunks[p]
+                try:
+                    self.device.mem_unmap(seg.base + p * g, g)
+                except Exception as exc:  # noqa: BLE001 - the first error is the one raised
+                    log.debug("could not unmap page %d after a failed map: %s", p, exc)
+                    seg.empty[p] = None
+                    continue
+                self.device_calls += 1
                 seg.chunks[p] = None
-                self.device.mem_unmap(seg.base + p * g, g)
-                assert handle is not None
+                seg.noaccess.discard(p)
+                if handle is None:
+                    raise InternalError(f"page {p} was mapped with no chunk") from None
                 self.unmapped.append(handle)
+                self._segment_event("segment_unmap", seg.base + p * g, g, 0)
             raise
 
-    def _steal(self, seg: VirtualSegment, first: int, last: int, count: int) -> list[PhysicalHandle]:
-        """Unmap ``count`` empty pages (none of ``[first, last]`` of ``seg``) and return their chunks.
+    def _release_unmapped(self, count: int | None = None) -> int:
+        """Release up to ``count`` (default all) unmapped chunks, newest first; return the bytes released.
 
-        The highest-addressed empty pages go first: best fit breaks ties towards low
+        Stops at the first failure and raises it; what was released is accounted for.
+        """
+        g = self.granularity
+        released = 0
+        n = len(self.unmapped) if count is None else min(count, len(self.unmapped))
+        for _ in range(n):
+            handle = self.unmapped[-1]
+            self.device.mem_release(handle)
+            self.device_calls += 1
+            self.unmapped.pop()
+            self.n_chunks -= 1
+            self.reserved_nbytes -= g
+            released += g
+        return released
+
+    def _unmap_page(self, seg: VirtualSegment, p: int) -> PhysicalHandle:
+        """Unmap the empty page ``p`` (its fences have completed) and return its chunk."""
+        g = self.granularity
+        handle = seg.chunks[p]
+        if handle is None or p not in seg.empty:
+            raise InternalError(f"page {p} of range {seg.base:#x} is not a mapped empty page")
+        va = seg.base + p * g
+        self.device.mem_unmap(va, g)
+        self.device_calls += 1
+        del seg.empty[p]
+        seg.chunks[p] = None
+        seg.noaccess.discard(p)
+        seg.page_fences.pop(p, None)
+        seg.dirty.pop(p, None)
+        self._segment_event("segment_unmap", va, g, 0)
+        return handle
+
+    def _steal(self, seg: VirtualSegment, first: int, last: int, count: int, requested: int) -> None:
+        """Unmap ``count`` empty pages (none of ``[first, last]`` of ``seg``) into :attr:`unmapped`.
+
+        Pages whose fences have completed go first; for each one still used by queued work
+        a new chunk is created instead where the limit and the device allow, and the page
+        is waited for only when they do not (the memory is needed now). Among equals, the
+        highest-addressed empty pages go first: best fit breaks ties towards low
         addresses, so live data gathers low and the pages it is least likely to want
         back soon are the high ones (this halved the steals on the gpt2 trace).
         """
@@ -387,67 +641,64 @@ class VirtualBacking(Backing):
                     continue
                 candidates.append((other.base + p * g, p, other))
         candidates.sort(reverse=True)
-        handles: list[PhysicalHandle] = []
-        synced = False
-        for _, p, other in candidates[:count]:
-            if other.stream != seg.stream and not synced:
-                # the page's last user ran on another stream: wait for it before reuse
-                self.device.synchronize()
-                self.n_syncs += 1
-                synced = True
-            del other.empty[p]
-            handle = other.chunks[p]
-            other.chunks[p] = None
-            assert handle is not None
-            self.device.mem_unmap(other.base + p * g, g)
-            self.device_calls += 1
+        if len(candidates) < count:
+            raise InternalError(f"{len(candidates)} stealable pages, {count} counted")
+        busy: list[tuple[int, int, VirtualSegment]] = []
+        batch: dict[int, int] = {}
+        stolen = 0
+        for cand in candidates:
+            if stolen == count:
+                break
+            _, p, other = cand
+            if not self._page_ready(other, p, False, batch):
+                busy.append(cand)
+                continue
+            self.unmapped.append(self._unmap_page(other, p))
             self.n_steals += 1
-            handles.append(handle)
-        if len(handles) < count:
-            raise AssertionError("fewer stealable pages than counted")
-        return handles
+            stolen += 1
+        for _, p, other in busy:
+            if stolen == count:
+                break
+            if self._create_instead(requested):
+                stolen += 1
+                continue
+            self._page_ready(other, p, True, batch)
+            self.unmapped.append(self._unmap_page(other, p))
+            self.n_steals += 1
+            stolen += 1
+
+    def _create_instead(self, requested: int) -> bool:
+        """Rather than wait for a busy page, create a chunk if the limit and the device allow it."""
+        g = self.granularity
+        try:
+            self._check_limit(g, requested)
+            handle = self.device.mem_create(g)
+        except OutOfMemoryError:
+            return False  # memory is needed now: wait for the busy page
+        self.device_calls += 1
+        self.unmapped.append(handle)
+        self.n_chunks += 1
+        self.reserved_nbytes += g
+        return True
 
     # -- giving memory back ---------------------------------------------------------------------
-    def release_cached(self, free_list_of: FreeListLookup) -> int:
-        g = self.granularity
+    def release_cached(self, drop_blocks: SegmentCallback, wait: bool = True) -> int:
         released = 0
+        batch: dict[int, int] = {}
         for seg in self.vsegments.values():
             for p in list(seg.empty):
-                handle = seg.chunks[p]
-                seg.chunks[p] = None
-                assert handle is not None
-                self.device.mem_unmap(seg.base + p * g, g)
-                self.device.mem_release(handle)
-                self.device_calls += 2
-                released += g
-            seg.empty.clear()
-            self._trim_top(seg, free_list_of)
-        for handle in self.unmapped:
-            self.device.mem_release(handle)
-            self.device_calls += 1
-            released += g
-        self.unmapped.clear()
-        self.n_chunks -= released // g
-        self.reserved_nbytes -= released
+                if not self._page_ready(seg, p, wait, batch):
+                    continue
+                self.unmapped.append(self._unmap_page(seg, p))
+        released += self._release_unmapped()
         return released
-
-    def _trim_top(self, seg: VirtualSegment, free_list_of: FreeListLookup) -> None:
-        """Drop a free block at the top of the range, so the address space does not creep up."""
-        last = seg.last
-        if last is None or last.allocated or last.pending_streams:
-            return
-        free_list_of(last).remove(last)
-        seg.top = last.addr - seg.base
-        seg.last = last.prev
-        if seg.last is not None:
-            seg.last.next = None
 
     def close(self) -> None:
         g = self.granularity
         for seg in self.vsegments.values():
             for p, handle in enumerate(seg.chunks):
                 if handle is not None:
-                    try:
+                    try:  # the allocator synchronized the device before closing
                         self.device.mem_unmap(seg.base + p * g, g)
                         self.device.mem_release(handle)
                     except Exception as exc:  # noqa: BLE001
@@ -467,6 +718,47 @@ class VirtualBacking(Backing):
         self.n_chunks = 0
         self.n_segments = 0
 
+    def consistency_problems(self) -> list[str]:
+        problems: list[str] = []
+        g = self.granularity
+        reservations = dict(self.device.reservation_ranges()) if hasattr(self.device, "reservation_ranges") else None
+        device_maps: dict[int, tuple[int, int]] = {va: (n, h) for va, n, h in self.device.mapping_ranges()}
+        mapped = 0
+        live_pages = 0
+        for seg in self.vsegments.values():
+            if reservations is not None and reservations.get(seg.base) != seg.nbytes:
+                problems.append(f"range {seg.base:#x}+{seg.nbytes} is not a device reservation of that size")
+            end = seg.base + seg.nbytes
+            ours = {}
+            for p, handle in enumerate(seg.chunks):
+                if handle is not None:
+                    ours[seg.base + p * g] = handle
+            for va, (n, h) in device_maps.items():
+                if seg.base <= va < end:
+                    handle = ours.pop(va, None)
+                    if handle is None or n != g or handle.handle != h:
+                        problems.append(f"device maps {va:#x}+{n} (handle {h}), the allocator has "
+                                        f"{handle.handle if handle else 'nothing'} there")
+                    else:
+                        mapped += 1
+            for va in ours:
+                problems.append(f"the allocator has page {va:#x} mapped, the device does not")
+            for p, r in enumerate(seg.refs):
+                if r < 0:
+                    problems.append(f"page {p} of {seg.base:#x} has {r} live blocks")
+                elif r:
+                    live_pages += 1
+                    if seg.chunks[p] is None:
+                        problems.append(f"page {p} of {seg.base:#x} holds live data but is not mapped")
+                elif seg.chunks[p] is not None and p not in seg.empty:
+                    problems.append(f"page {p} of {seg.base:#x} is mapped, empty and not stealable")
+        if live_pages != self.live_pages:
+            problems.append(f"{live_pages} pages hold live data, live_pages is {self.live_pages}")
+        if (mapped + len(self.unmapped)) != self.n_chunks or self.n_chunks * g != self.reserved_nbytes:
+            problems.append(f"{mapped} mapped + {len(self.unmapped)} unmapped chunks, n_chunks {self.n_chunks}, "
+                            f"reserved {self.reserved_nbytes} B")
+        return problems
+
     def mapped_empty_nbytes(self) -> int:
         return sum(len(s.empty) for s in self.vsegments.values()) * self.granularity
 
@@ -476,5 +768,5 @@ class VirtualBacking(Backing):
         return max(super().largest_free_nbytes(free_lists), cached)
 
     def describe(self) -> str:
-        return (f"virtual memory ({len(self.vsegments)} range(s) of {self.va_nbytes >> 30} GiB, "
+        return (f"virtual memory ({len(self.vsegments)} range(s) of {self.va_nbytes >> 30} GiB shared by all streams, "
                 f"{self.n_chunks} chunks of {self.granularity >> 20} MiB, {self.n_steals} steals)")

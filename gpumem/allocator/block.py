@@ -5,6 +5,12 @@ segment, or a virtual range). It is tiled by :class:`Block` objects linked in
 address order (``prev``/``next``); a block is either allocated or free. Free
 blocks sit in a :class:`FreeList`, one per pool and stream, sorted by
 ``(size, addr)`` so that best fit is one binary search.
+
+The block chain changes in two ways only, both here and both checked:
+:func:`split_block` cuts a block in two and :func:`merge_blocks` joins two
+neighbours; :func:`append_block` and :func:`drop_last_block` grow and shrink a
+virtual range at its top. The allocator owns blocks and free lists; the backings
+(:mod:`.backing`) only make the memory under blocks real.
 """
 
 from __future__ import annotations
@@ -12,11 +18,21 @@ from __future__ import annotations
 import bisect
 from typing import Iterator
 
+from ..errors import InternalError
+
 
 class Block:
-    """A tile of a segment: ``[addr, addr + size)``."""
+    """A tile of a segment: ``[addr, addr + size)``.
 
-    __slots__ = ("addr", "size", "requested", "stream", "segment", "prev", "next", "allocated", "pending_streams")
+    ``pending_streams``: streams other than ``stream`` that used the block
+    (:meth:`~gpumem.allocator.CachingAllocator.record_stream`); ``fences``: once such a
+    block is freed, ``{stream: fence}`` of the events recorded on those streams, which
+    must complete before the block is reused (see Note [Stream-ordered frees] in
+    :mod:`.caching`).
+    """
+
+    __slots__ = ("addr", "size", "requested", "stream", "segment", "prev", "next", "allocated", "pending_streams",
+                 "fences")
 
     def __init__(self, addr: int, size: int, stream: int, segment: object) -> None:
         self.addr = addr
@@ -28,6 +44,7 @@ class Block:
         self.next: Block | None = None
         self.allocated = False
         self.pending_streams: set[int] | None = None
+        self.fences: dict[int, int] | None = None
 
     @property
     def end(self) -> int:
@@ -36,6 +53,69 @@ class Block:
     def __repr__(self) -> str:
         state = "allocated" if self.allocated else "free"
         return f"<Block {self.addr:#x}+{self.size} {state} stream={self.stream}>"
+
+
+def split_block(block: Block, size: int) -> Block:
+    """Cut ``block`` after its first ``size`` bytes; return the new block holding the rest.
+
+    The rest has the block's stream and segment and is linked after it (and becomes the
+    segment's ``last`` if the block was).
+    """
+    if not 0 < size < block.size:
+        raise InternalError(f"cannot split {block!r} at {size}")
+    rest = Block(block.addr + size, block.size - size, block.stream, block.segment)
+    rest.prev = block
+    rest.next = nxt = block.next
+    if nxt is not None:
+        nxt.prev = rest
+    elif getattr(block.segment, "last", None) is block:
+        block.segment.last = rest  # type: ignore[attr-defined]
+    block.next = rest
+    block.size = size
+    return rest
+
+
+def merge_blocks(left: Block, right: Block) -> Block:
+    """Join ``right`` into its left neighbour ``left``; return ``left``.
+
+    Both must be free neighbours of one segment and stream.
+    """
+    if left.next is not right or right.prev is not left or left.addr + left.size != right.addr:
+        raise InternalError(f"merge of non-adjacent blocks {left!r} and {right!r}")
+    if left.allocated or right.allocated or left.stream != right.stream or left.segment is not right.segment:
+        raise InternalError(f"merge of {left!r} and {right!r}: not two free blocks of one stream")
+    left.size += right.size
+    left.next = nxt = right.next
+    if nxt is not None:
+        nxt.prev = left
+    elif getattr(left.segment, "last", None) is right:
+        left.segment.last = left  # type: ignore[attr-defined]
+    right.prev = right.next = None
+    return left
+
+
+def append_block(segment: object, block: Block) -> None:
+    """Link ``block`` after the segment's last block (it must start where that one ends)."""
+    last: Block | None = segment.last  # type: ignore[attr-defined]
+    if last is not None and last.addr + last.size != block.addr:
+        raise InternalError(f"append of {block!r} after {last!r}: not contiguous")
+    block.prev = last
+    block.next = None
+    if last is not None:
+        last.next = block
+    segment.last = block  # type: ignore[attr-defined]
+
+
+def drop_last_block(segment: object) -> Block:
+    """Unlink and return the segment's last block."""
+    last: Block | None = segment.last  # type: ignore[attr-defined]
+    if last is None or last.next is not None:
+        raise InternalError("drop of the last block of a segment with none")
+    segment.last = prev = last.prev  # type: ignore[attr-defined]
+    if prev is not None:
+        prev.next = None
+    last.prev = None
+    return last
 
 
 class FreeList:
@@ -65,6 +145,8 @@ class FreeList:
     def remove(self, block: Block) -> None:
         keys = self._keys
         i = bisect.bisect_left(keys, (block.size, block.addr))
+        if i == len(keys) or keys[i] != (block.size, block.addr) or self._blocks.get(block.addr) is not block:
+            raise InternalError(f"{block!r} is not in its free list")
         del keys[i]
         del self._blocks[block.addr]
         self.nbytes -= block.size

@@ -22,8 +22,30 @@ Note [Streams]
 Every block carries the stream it was allocated on, and free lists are per
 stream, so a block freed on stream A is never handed to stream B: B's kernels
 could run while A's still use it. A block used on other streams too
-(:meth:`CachingAllocator.record_stream`) goes to a pending list when freed and
-only becomes reusable after :meth:`CachingAllocator.synchronize`, the sync point.
+(:meth:`CachingAllocator.record_stream`) records an event on each of them when it
+is freed and goes to a pending list; it becomes reusable once those events have
+completed, which the allocator checks when an allocation misses the cache and
+waits for before it reports out of memory (PyTorch's ``process_events``). Memory
+goes back to the device only once the work of its last users is done: Note
+[Stream-ordered frees] in :mod:`.fences`.
+
+Note [The hot path makes no device call]
+----------------------------------------
+A request served from the cache on a page (or segment) that already holds live
+data needs no device call, and neither does a free (fences are recorded only
+when memory goes back to the device): they run under the lock alone, as a fast
+path. Anything else (growth, the first block on a mapped empty page, a free of
+a block used on other streams, which records events) runs as a full operation,
+below.
+
+Note [Callbacks run outside the allocator]
+------------------------------------------
+A device may publish memory events (another tenant took memory...) during a
+call the allocator makes. Every public operation runs as
+``with device.deferred_events(): with self._lock: ...``, so those events reach
+subscribers after the operation has finished and the lock is released, as
+PyTorch calls its observers after unlocking: a subscriber may call
+:meth:`CachingAllocator.empty_cache` or :meth:`~CachingAllocator.allocate`.
 
 Note [A failed allocation changes nothing]
 ------------------------------------------
@@ -31,19 +53,27 @@ Allocation first finds or grows a free block, then commits it (maps its pages
 in virtual mode). If committing fails the block goes back exactly where it was
 (re-merged with its neighbours), and growth that produced it is kept only as
 cached memory, which a retry or :meth:`empty_cache` reuses or returns; stats
-other than the OOM and retry counters are unchanged.
+other than the OOM and retry counters are unchanged. Every other operation is
+failure-atomic too (Note [Failure atomicity] in :mod:`.backing`), and
+:meth:`CachingAllocator.check_consistency` compares the bookkeeping with the
+device's. After the device is lost, every call raises
+:class:`~gpumem.errors.DeviceLostError`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from typing import Any, Callable, ContextManager, Iterator
 
 from ..device import Device, check_nbytes, check_pointer
-from ..errors import DoubleFreeError, InvalidArgumentError, InvalidPointerError, OutOfMemoryError
+from ..errors import (DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError, InvalidPointerError,
+                      OutOfMemoryError)
 from ..units import format_bytes
-from .backing import Backing, LimitExceeded, SegmentBacking, VirtualBacking
-from .block import Block, FreeList
+from .backing import Backing, LimitExceeded, Segment, SegmentBacking, VirtualBacking, VirtualSegment
+from .block import Block, FreeList, append_block, drop_last_block, merge_blocks, split_block
+from .fences import StreamFences
 from .policy import DEFAULT_POLICY, AllocatorPolicy, VmmMode, get_policy
 from .stats import AllocatorStats, format_summary
 
@@ -84,10 +114,12 @@ class CachingAllocator:
 
             raise UnsupportedOperationError(f"policy {self.policy.name!r} needs virtual memory management, "
                                             f"which {device.spec} does not support")
+        self.fences = StreamFences(device)
         backing_cls = VirtualBacking if use_vmm else SegmentBacking
-        self.backing: Backing = backing_cls(device, self.policy, self.limit_nbytes)
+        self.backing: Backing = backing_cls(device, self.policy, self.limit_nbytes, self.fences)
         self.uses_vmm = use_vmm
         self._lock = threading.RLock()
+        self._defer: Callable[[], ContextManager[Any]] = getattr(device, "deferred_events", contextlib.nullcontext)
         self._free_lists: dict[tuple[bool, int], FreeList] = {}
         self._live: dict[int, Block] = {}
         self._freed: dict[int, None] = {}
@@ -102,6 +134,23 @@ class CachingAllocator:
         self._small_max = self.policy.small_max_nbytes if self.policy.separate_small_pool else -1
         self._round = self.policy.round_nbytes
         self._closed = False
+        self._committed = False
+        """Set by :meth:`_grow` when its out-of-memory retry already committed the block."""
+        self._lost: DeviceLostError | None = None
+
+    @contextlib.contextmanager
+    def _operation(self) -> Iterator[None]:
+        """Deferred device events outside, the lock inside (Note [Callbacks run outside the allocator]);
+        remembers a device loss so that every later call raises it."""
+        with self._defer():
+            with self._lock:
+                if self._lost is not None:
+                    raise DeviceLostError(f"the device was lost: {self._lost}")
+                try:
+                    yield
+                except DeviceLostError as exc:
+                    self._lost = exc
+                    raise
 
     # -- the hot path ---------------------------------------------------------------------------------
     def allocate(self, nbytes: int, stream: int = 0) -> int:
@@ -112,23 +161,51 @@ class CachingAllocator:
         """
         if nbytes.__class__ is not int or nbytes <= 0:
             check_nbytes(nbytes)
-        if stream.__class__ is not int:
-            raise InvalidArgumentError(f"stream must be an int, got {type(stream).__name__}")
+        if stream.__class__ is not int or stream < 0:
+            if stream.__class__ is not int:
+                raise InvalidArgumentError(f"stream must be an int, got {type(stream).__name__}")
+            raise InvalidArgumentError(f"stream must not be negative, got {stream}")
         r = self._round
         size = -(-nbytes // r) * r
         small = size <= self._small_max
+        # Note [The hot path makes no device call]: a cache hit on a page that already holds live
+        # data needs neither the device nor deferred events; everything else runs as an operation.
         with self._lock:
-            if self._closed:
-                raise InvalidArgumentError("allocator is closed")
-            free_list = self._free_lists.get((small, stream))
-            if free_list is None:
-                free_list = self._free_lists[(small, stream)] = FreeList()
+            if self._lost is None and not self._closed:
+                free_list = self._free_lists.get((small, stream))
+                if free_list is not None:
+                    block = free_list.best_fit(size)
+                    if block is not None and self.backing.commit_quietly(block, self._kept_nbytes(block, size, small)):
+                        free_list.remove(block)
+                        self.stats.cache_hits += 1
+                        return self._hand_out(self._split(block, size, small, free_list), nbytes, stream)
+        with self._defer():  # as _operation(), spelled out: this is the common slow path
+            with self._lock:
+                if self._lost is not None:
+                    raise DeviceLostError(f"the device was lost: {self._lost}")
+                if self._closed:
+                    raise InvalidArgumentError("allocator is closed")
+                try:
+                    return self._allocate_slow(nbytes, size, small, stream)
+                except DeviceLostError as exc:
+                    self._lost = exc
+                    raise
+
+    def _allocate_slow(self, nbytes: int, size: int, small: bool, stream: int) -> int:
+        free_list = self._free_lists.get((small, stream))
+        if free_list is None:
+            free_list = self._free_lists[(small, stream)] = FreeList()
+        block = free_list.best_fit(size)
+        if block is None and self._pending:
+            self._process_pending(wait=False)  # blocks whose other-stream uses are done, see Note [Streams]
             block = free_list.best_fit(size)
-            if block is not None:
-                free_list.remove(block)
-                self.stats.cache_hits += 1
-            else:
-                block = self._grow(small, stream, size, free_list, nbytes)
+        self._committed = False
+        if block is not None:
+            free_list.remove(block)
+            self.stats.cache_hits += 1
+        else:
+            block = self._grow(small, stream, size, free_list, nbytes)
+        if not self._committed:
             block = self._split(block, size, small, free_list)
             try:
                 self.backing.commit(block)
@@ -140,50 +217,74 @@ class CachingAllocator:
                 # any other failure (a TransientDeviceError...): the block goes back, see the Note
                 self._unsplit_after_failure(block, free_list)
                 raise
-            block.allocated = True
-            block.requested = nbytes
-            addr = block.addr
-            self._live[addr] = block
-            st = self.stats
-            st.allocated_nbytes += block.size  # not `size`: an unsplit block is larger, and free() subtracts block.size
-            st.requested_nbytes += nbytes
-            st.num_allocs += 1
-            if st.allocated_nbytes > st.peak_allocated_nbytes:
-                st.peak_allocated_nbytes = st.allocated_nbytes
-            if st.requested_nbytes > st.peak_requested_nbytes:
-                st.peak_requested_nbytes = st.requested_nbytes
-            reserved = self.backing.reserved_nbytes
-            if reserved > st.peak_reserved_nbytes:
-                st.peak_reserved_nbytes = reserved
-            if self._recorder is not None:
-                self._recorder.record_alloc(addr, nbytes, stream)
-            return addr
+        return self._hand_out(block, nbytes, stream)
+
+    def _hand_out(self, block: Block, nbytes: int, stream: int) -> int:
+        """Book a committed block as live and return its address."""
+        block.allocated = True
+        block.requested = nbytes
+        addr = block.addr
+        self._live[addr] = block
+        st = self.stats
+        st.allocated_nbytes += block.size  # not `size`: an unsplit block is larger, and free() subtracts block.size
+        st.requested_nbytes += nbytes
+        st.num_allocs += 1
+        if st.allocated_nbytes > st.peak_allocated_nbytes:
+            st.peak_allocated_nbytes = st.allocated_nbytes
+        if st.requested_nbytes > st.peak_requested_nbytes:
+            st.peak_requested_nbytes = st.requested_nbytes
+        reserved = self.backing.reserved_nbytes
+        if reserved > st.peak_reserved_nbytes:
+            st.peak_reserved_nbytes = reserved
+        if self._recorder is not None:
+            self._recorder.record_alloc(addr, nbytes, stream)
+        return addr
 
     def free(self, ptr: int) -> None:
-        """Return ``ptr`` to the cache. Unknown pointers and double frees raise, changing nothing."""
-        with self._lock:
-            block = self._live.pop(ptr, None) if ptr.__class__ is int else None
+        """Return ``ptr`` to the cache. Unknown pointers and double frees raise, changing nothing.
+
+        The block is reusable at once on its own stream; blocks used on other streams
+        (:meth:`record_stream`) once those streams' work up to now is done (Note [Streams]).
+        """
+        with self._lock:  # see Note [The hot path makes no device call]
+            if self._lost is None:
+                block = self._live.get(ptr) if ptr.__class__ is int else None
+                if block is not None and not block.pending_streams:
+                    self.backing.decommit(block)  # no device call: fences come when memory goes back
+                    self._free_booked(ptr, block)
+                    return
+        with self._operation():
+            block = self._live.get(ptr) if ptr.__class__ is int else None
             if block is None:
                 check_pointer(ptr)
                 if ptr in self._freed:
                     raise DoubleFreeError(f"double free of {ptr:#x} in the caching allocator")
                 raise InvalidPointerError(f"free of {ptr:#x}, which this allocator did not allocate")
-            self._freed[ptr] = None
-            if len(self._freed) > _FREED_MEMORY:
-                del self._freed[next(iter(self._freed))]
-            st = self.stats
-            st.allocated_nbytes -= block.size
-            st.requested_nbytes -= block.requested
-            st.num_frees += 1
-            if self._recorder is not None:
-                self._recorder.record_free(ptr, block.stream)
-            block.allocated = False
             if block.pending_streams:
-                # its memory stays committed (pages not stealable) until the sync point, see Note [Streams]
-                self._pending.append(block)
-                return
-            self.backing.decommit(block)
-            self._insert_free(block)
+                fences = self.fences
+                block.fences = {s: fences.record(s) for s in sorted(block.pending_streams)}  # may raise: still live
+            else:
+                self.backing.decommit(block)
+            self._free_booked(ptr, block)
+
+    def _free_booked(self, ptr: int, block: Block) -> None:
+        """The bookkeeping of a free whose device side (decommit or fences) is done."""
+        del self._live[ptr]
+        self._freed[ptr] = None
+        if len(self._freed) > _FREED_MEMORY:
+            del self._freed[next(iter(self._freed))]
+        st = self.stats
+        st.allocated_nbytes -= block.size
+        st.requested_nbytes -= block.requested
+        st.num_frees += 1
+        if self._recorder is not None:
+            self._recorder.record_free(ptr, block.stream)
+        block.allocated = False
+        if block.fences is not None:
+            # its pages stay committed until the other streams' events complete, see Note [Streams]
+            self._pending.append(block)
+            return
+        self._insert_free(block)
 
     # -- growth, splitting, merging --------------------------------------------------------------------
     def _grow(self, small: bool, stream: int, size: int, free_list: FreeList, nbytes: int) -> Block:
@@ -192,28 +293,70 @@ class CachingAllocator:
             cap = self.limit_nbytes or self.device.properties().total_nbytes
             if self.backing.reserved_nbytes > self.gc_threshold * cap:
                 self.stats.num_gc_releases += 1
-                self.backing.release_cached(self._free_list_of)
+                self._release_cached(wait=False)
         try:
             return self._grow_once(small, stream, size, free_list)
         except OutOfMemoryError:
             self.stats.num_alloc_retries += 1
+            self._committed = True  # the retry split and committed it: allocate() must not commit it again
             return self._retry_after_release(small, stream, size, free_list, nbytes)
 
     def _grow_once(self, small: bool, stream: int, size: int, free_list: FreeList) -> Block:
-        tail = self.backing.tail_block(small, stream)
-        if tail is not None:
+        """A new free block (in no free list) of at least ``size`` bytes: a new ``malloc``'d segment
+        tiled by one block, or the top of the pool's virtual range (growing this stream's free
+        block there, if it is the range's last)."""
+        backing = self.backing
+        if isinstance(backing, SegmentBacking):
+            seg = backing.new_segment(small, stream, size)
+            block = Block(seg.base, seg.nbytes, stream, seg)
+            append_block(seg, block)
+            return block
+        vseg = backing.range_of(small)
+        tail = vseg.last  # type: ignore[union-attr]
+        if tail is not None and tail.stream == stream and not tail.allocated and tail.fences is None \
+                and tail in free_list:
+            backing.extend(vseg, stream, size - tail.size, size)  # type: ignore[arg-type]
             free_list.remove(tail)
-        try:
-            return self.backing.grow(small, stream, size, tail)
-        except BaseException:
-            if tail is not None:
-                free_list.add(tail)
-            raise
+            tail.size = size
+            return tail
+        addr = backing.extend(vseg, stream, size, size)  # type: ignore[arg-type]
+        block = Block(addr, size, stream, vseg)
+        append_block(vseg, block)
+        return block
+
+    def _release_cached(self, wait: bool) -> int:
+        """Give cached memory back (Note [Stream-ordered frees]); then, in virtual memory, drop the free
+        blocks at the top of each range so that its address space does not creep up."""
+        released = self.backing.release_cached(self._drop_blocks, wait)
+        if isinstance(self.backing, VirtualBacking):
+            backing = self.backing
+            for seg in backing.segments_list():
+                while True:
+                    last = seg.last
+                    if last is None or last.allocated or last.fences is not None:
+                        break
+                    if not backing.lower_top(seg, last.addr, last.stream, wait):  # type: ignore[arg-type]
+                        break
+                    self._free_list_of(last).remove(last)
+                    drop_last_block(seg)
+        return released
+
+    def _drop_blocks(self, seg: object) -> None:
+        """Forget the blocks of a segment the backing gave back (all free: they are merged into one)."""
+        b = seg.last  # type: ignore[attr-defined]
+        while b is not None:
+            if b.allocated or b.fences is not None:
+                raise InternalError(f"segment {seg.base:#x} was given back with {b!r} in use")  # type: ignore[attr-defined]
+            self._free_list_of(b).remove(b)
+            b = b.prev
+        seg.last = None  # type: ignore[attr-defined]
 
     def _retry_after_release(self, small: bool, stream: int, size: int, free_list: FreeList,
                              nbytes: int) -> Block:
-        """Give cached memory back, then try once more to find or grow and commit a block."""
-        self.backing.release_cached(self._free_list_of)
+        """Wait for pending blocks, give cached memory back, then try once more to find or grow,
+        split and commit a block."""
+        self._process_pending(wait=True)
+        self._release_cached(wait=True)
         block = None
         try:
             block = free_list.best_fit(size)
@@ -234,22 +377,17 @@ class CachingAllocator:
                 self._unsplit_after_failure(block, free_list)
             raise
 
+    def _kept_nbytes(self, block: Block, size: int, small: bool) -> int:
+        """The size ``block`` will have once :meth:`_split` has served ``size`` from it."""
+        remaining = block.size - size
+        min_rest = self.policy.min_split_small_nbytes if small else self.policy.min_split_large_nbytes
+        return size if remaining >= min_rest and remaining > 0 else block.size
+
     def _split(self, block: Block, size: int, small: bool, free_list: FreeList) -> Block:
         remaining = block.size - size
         min_rest = self.policy.min_split_small_nbytes if small else self.policy.min_split_large_nbytes
         if remaining >= min_rest and remaining > 0:
-            rest = Block(block.addr + size, remaining, block.stream, block.segment)
-            rest.prev = block
-            rest.next = block.next
-            if block.next is not None:
-                block.next.prev = rest
-            else:
-                seg = block.segment
-                if getattr(seg, "last", None) is block:
-                    seg.last = rest  # type: ignore[attr-defined]
-            block.next = rest
-            block.size = size
-            free_list.add(rest)
+            free_list.add(split_block(block, size))
             self.stats.num_splits += 1
         return block
 
@@ -257,27 +395,16 @@ class CachingAllocator:
         self._insert_free(block)
 
     def _insert_free(self, block: Block) -> None:
-        """Put a free block in its free list, merged with free neighbours of the same segment."""
+        """Put a free block in its free list, merged with free neighbours of the same segment and stream."""
         free_list = self._free_list_of(block)
         prev = block.prev
-        if prev is not None and not prev.allocated and not prev.pending_streams and prev in free_list:
+        if prev is not None and not prev.allocated and prev.fences is None and prev in free_list:
             free_list.remove(prev)
-            prev.size += block.size
-            prev.next = block.next
-            if block.next is not None:
-                block.next.prev = prev
-            elif getattr(block.segment, "last", None) is block:
-                block.segment.last = prev  # type: ignore[attr-defined]
-            block = prev
+            block = merge_blocks(prev, block)
         nxt = block.next
-        if nxt is not None and not nxt.allocated and not nxt.pending_streams and nxt in free_list:
+        if nxt is not None and not nxt.allocated and nxt.fences is None and nxt in free_list:
             free_list.remove(nxt)
-            block.size += nxt.size
-            block.next = nxt.next
-            if nxt.next is not None:
-                nxt.next.prev = block
-            elif getattr(block.segment, "last", None) is nxt:
-                block.segment.last = block  # type: ignore[attr-defined]
+            merge_blocks(block, nxt)
         free_list.add(block)
 
     def _free_list_of(self, block: Block) -> FreeList:
@@ -288,29 +415,64 @@ class CachingAllocator:
             fl = self._free_lists[key] = FreeList()
         return fl
 
+    def _process_pending(self, wait: bool) -> int:
+        """Make freed blocks whose other-stream events have completed reusable (with ``wait``, wait for
+        them all); return how many became free. A failing event call is raised, with the blocks not
+        yet processed still pending."""
+        done = 0
+        fences = self.fences
+        pending = self._pending
+        remaining: list[Block] = []
+        i = 0
+        try:
+            for i, block in enumerate(pending):  # noqa: B007 - i is read after a failure
+                if not fences.all_done(block.fences):
+                    if not wait:
+                        remaining.append(block)
+                        continue
+                    fences.wait_all(block.fences)
+                self.backing.decommit(block)
+                block.fences = None
+                block.pending_streams = None
+                self._insert_free(block)
+                done += 1
+            i = len(pending)
+        finally:
+            self._pending = remaining + pending[i:]
+        return done
+
     def _oom_error(self, nbytes: int, cause: OutOfMemoryError) -> OutOfMemoryError:
         info = self.device.mem_info()
         st = self.stats
         cached = self.backing.reserved_nbytes - st.allocated_nbytes
-        if isinstance(cause, LimitExceeded):
+        injected = bool(getattr(cause, "injected", False))
+        if injected:
+            hint = ("The device call failed because of an injected fault (the simulator's fault plan), "
+                    "not a real shortage of memory.")
+        elif isinstance(cause, LimitExceeded):
             hint = (f"The allocator's limit of {format_bytes(self.limit_nbytes or 0)} is reached: raise `limit`, "
                     "free tensors you no longer need, or use smaller batches.")
         else:
-            hint = ("Try: free what you no longer need; use smaller batches or shorter sequences; "
-                    "other processes hold "
-                    f"{format_bytes(max(0, info.total_nbytes - info.free_nbytes - self.backing.reserved_nbytes))} "
-                    "of this device (see `gpumem devices`)")
+            outside = max(0, info.total_nbytes - info.free_nbytes - self.backing.reserved_nbytes)
+            hint = ("Try: free what you no longer need; use smaller batches or shorter sequences. "
+                    f"{format_bytes(outside)} of this device is held outside this allocator (this process's "
+                    "CUDA context, other allocators, other processes; see `gpumem devices`)")
             if not self.uses_vmm and cached > 0:
-                hint += "; the cached memory is fragmented: the 'gpumem' policy with virtual memory avoids that"
+                if self.device.vmm_supported:
+                    hint += "; the cached memory is fragmented: the 'gpumem' policy with virtual memory avoids that"
+                else:
+                    hint += "; the cached memory is fragmented (this device has no virtual memory management)"
             hint += "."
         return OutOfMemoryError(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec,
                                 allocated_nbytes=st.allocated_nbytes, cached_nbytes=cached,
-                                limit_nbytes=self.limit_nbytes, hint=hint)
+                                limit_nbytes=self.limit_nbytes, hint=hint, injected=injected)
 
     # -- streams ---------------------------------------------------------------------------------------
     def record_stream(self, ptr: int, stream: int) -> None:
         """Note that the live block at ``ptr`` is used on ``stream`` too (see Note [Streams])."""
-        with self._lock:
+        if stream.__class__ is not int or stream < 0:
+            raise InvalidArgumentError(f"stream must be a non-negative int, got {stream!r}")
+        with self._operation():
             block = self._live.get(ptr)
             if block is None:
                 raise InvalidPointerError(f"record_stream: {ptr!r} is not a live allocation")
@@ -320,22 +482,73 @@ class CachingAllocator:
                 block.pending_streams.add(stream)
 
     def synchronize(self) -> None:
-        """Wait for the device, then make blocks freed with pending stream uses reusable."""
-        with self._lock:
+        """Wait for the device, then make every block freed with pending stream uses reusable.
+
+        Never needed for correctness or for memory to be reused: the allocator tracks the
+        streams' events itself (Note [Streams]).
+        """
+        with self._operation():
             self.device.synchronize()
-            pending, self._pending = self._pending, []
-            for block in pending:
-                block.pending_streams = None
-                self.backing.decommit(block)
-                self._insert_free(block)
+            self._process_pending(wait=True)
 
     # -- cache control and introspection -----------------------------------------------------------------
     def empty_cache(self) -> int:
-        """Give every cached byte that holds no live data back to the device; return how many."""
-        with self._lock:
-            released = self.backing.release_cached(self._free_list_of)
+        """Give every cached byte that holds no live data back to the device; return how many.
+
+        Waits for the work still using that memory (events recorded when it was freed),
+        never gives back memory a queued kernel still touches.
+        """
+        with self._operation():
+            if self._closed:
+                return 0
+            self._process_pending(wait=True)
+            released = self._release_cached(wait=True)
+            for key in [k for k, fl in self._free_lists.items() if not len(fl)]:
+                del self._free_lists[key]  # idle streams cost nothing once their cache is gone
             log.debug("empty_cache released %s", format_bytes(released))
             return released
+
+    def check_consistency(self) -> None:
+        """Compare the allocator's bookkeeping with the device's; raise
+        :class:`~gpumem.errors.InternalError` listing the differences.
+
+        Checks that every segment is a live device allocation (or every virtual range a
+        reservation, and its mapped pages exactly the device's mappings with the same
+        chunks), that blocks tile their segments, that free blocks are in their free
+        lists and live ones are not, and that the byte counts add up. Runs on any
+        device that lists its ranges (the simulator and the CUDA adapter).
+        """
+        with self._operation():
+            if self._closed:
+                return  # a closed allocator holds nothing
+            problems = self.backing.consistency_problems()
+            for seg in self.backing.segments_list():
+                head = seg.last
+                while head is not None and head.prev is not None:
+                    head = head.prev
+                problems.extend(_chain_problems(seg, head, self.backing.tiled_end(seg), self._free_list_of))
+            in_lists = 0
+            for (small, stream), fl in self._free_lists.items():
+                for b in fl:
+                    in_lists += 1
+                    if b.allocated or b.stream != stream or b.fences is not None:
+                        problems.append(f"{b!r} is in the free list of stream {stream} but is not free there")
+            live_nbytes = 0
+            for addr, b in self._live.items():
+                live_nbytes += b.size
+                if not b.allocated or b.addr != addr:
+                    problems.append(f"live block {b!r} is not marked allocated at {addr:#x}")
+            if live_nbytes != self.stats.allocated_nbytes:
+                problems.append(f"live blocks hold {live_nbytes} B, allocated_nbytes is {self.stats.allocated_nbytes}")
+            for b in self._pending:
+                if b.allocated or not b.fences:
+                    problems.append(f"pending block {b!r} has no fences or is allocated")
+            if self.backing.reserved_nbytes < 0 or self.stats.allocated_nbytes > self.backing.reserved_nbytes:
+                problems.append(f"reserved {self.backing.reserved_nbytes} B < allocated "
+                                f"{self.stats.allocated_nbytes} B")
+            if problems:
+                raise InternalError("allocator and device disagree: " + "; ".join(problems[:8])
+                                    + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""))
 
     @property
     def reserved_nbytes(self) -> int:
@@ -381,6 +594,7 @@ class CachingAllocator:
             largest = min(self.backing.largest_free_nbytes(free_lists), max(total_free, 0))
             st.largest_free_nbytes = largest
             st.device_calls = self.backing.device_calls
+            st.event_calls = self.fences.device_calls
             return st
 
     def memory_summary(self) -> str:
@@ -388,21 +602,37 @@ class CachingAllocator:
         return format_summary(self.snapshot_stats(), self.policy, self.device.spec, self.backing.describe())
 
     def history(self):  # -> gpumem.trace.Trace
-        """The recorded allocation history as a :class:`gpumem.trace.Trace` (``record_history=True``)."""
+        """The recorded allocation history as a :class:`gpumem.trace.Trace` (``record_history=True``).
+
+        The trace carries the allocator's segment events in ``trace.segment_events``
+        (``segment_alloc``/``segment_free`` for ``malloc``'d segments, ``segment_map``/``segment_unmap``
+        per page in virtual memory), which :func:`gpumem.trace.save_pytorch_snapshot` writes, so
+        PyTorch's memory viewer shows the memory the allocator really reserved over time.
+        """
         if self._recorder is None:
             raise InvalidArgumentError("history was not recorded: create the allocator with record_history=True")
-        return self._recorder.to_trace(f"gpumem-{self.policy.name}")
+        with self._lock:
+            trace = self._recorder.to_trace(f"gpumem-{self.policy.name}")
+            trace.segment_events = list(self._recorder.segment_events)  # type: ignore[attr-defined]
+            return trace
 
     def close(self) -> None:
-        """Give all memory back to the device. Live blocks become invalid."""
-        with self._lock:
+        """Give all memory back to the device (after the work still using it). Live blocks become invalid."""
+        with self._defer(), self._lock:
             if self._closed:
                 return
             self._closed = True
             if self._live:
                 log.info("closing an allocator with %d live block(s)", len(self._live))
+            if self.backing.reserved_nbytes:
+                try:  # no kernel may still use memory given back below
+                    self.device.synchronize()
+                except Exception as exc:  # noqa: BLE001 - closing gives back what it can
+                    log.warning("could not synchronize before closing: %s", exc)
             self.backing.close()
+            self.fences.close()
             self._live.clear()
+            self._pending.clear()
             self._free_lists.clear()
 
     def __enter__(self) -> "CachingAllocator":
@@ -410,6 +640,35 @@ class CachingAllocator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _chain_problems(seg: Segment, head: Block | None, end: int, free_list_of: Callable[[Block], FreeList]) -> list[str]:
+    """Blocks tile ``[seg.base, end)`` in order, each free one in its free list, live counts right."""
+    problems: list[str] = []
+    cursor = seg.base
+    b = head
+    prev = None
+    live = 0
+    while b is not None:
+        if b.prev is not prev or b.addr != cursor or b.size <= 0 or b.segment is not seg:
+            problems.append(f"block chain broken at {b!r} (expected {cursor:#x})")
+            break
+        if b.allocated:
+            live += 1
+        elif b.fences is not None or b.pending_streams:
+            live += 1  # freed, waiting for other streams: still counted by the backing
+        elif b not in free_list_of(b):
+            problems.append(f"free block {b!r} is in no free list")
+        cursor = b.addr + b.size
+        prev = b
+        b = b.next
+    if prev is not getattr(seg, "last", prev):
+        problems.append(f"segment {seg.base:#x}: last block is not the end of the chain")
+    if cursor != end:
+        problems.append(f"blocks of segment {seg.base:#x} end at {cursor:#x}, expected {end:#x}")
+    if isinstance(seg, Segment) and not isinstance(seg, VirtualSegment) and live != seg.live:
+        problems.append(f"segment {seg.base:#x} counts {seg.live} live blocks, its chain has {live}")
+    return problems
 
 
 def _limit_nbytes(limit: int | float | None, total_nbytes: int) -> int | None:

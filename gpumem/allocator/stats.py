@@ -49,6 +49,9 @@ class AllocatorStats:
     num_ooms: int = 0
     num_gc_releases: int = 0
     device_calls: int = 0
+    """Memory calls made (malloc, free, reserve, create, map, set access, unmap, release)."""
+    event_calls: int = 0
+    """Event calls made for stream-ordered frees (record, query, synchronize, destroy)."""
 
     def copy(self) -> "AllocatorStats":
         return replace(self)
@@ -106,7 +109,7 @@ def format_summary(st: AllocatorStats, policy: "AllocatorPolicy", device_spec: s
         ("Allocations", st.num_allocs), ("Frees", st.num_frees), ("Live blocks", st.num_live_blocks),
         ("Free blocks", st.num_free_blocks), ("Segments", st.num_segments), ("Splits", st.num_splits),
         ("Cache hits", st.cache_hits), ("Cache misses", st.cache_misses), ("Retries", st.num_alloc_retries),
-        ("OOMs", st.num_ooms), ("Device calls", st.device_calls),
+        ("OOMs", st.num_ooms), ("Device calls", st.device_calls), ("Event calls", st.event_calls),
     ]
     for name, value in counts:
         lines.append(f" {name:<22}{value:>21,}")

@@ -20,7 +20,12 @@ Segments. The viewer's *Allocator State History* replays the events backwards
 from the final ``segments`` and needs every block to lie inside a segment at
 every step. What is written:
 
-* ``segments_events=None``: every allocation gets its own segment exactly its
+* ``segments_events=None`` and a trace from :meth:`CachingAllocator.history()
+  <gpumem.allocator.CachingAllocator.history>`: the allocator's own segment events, which
+  the trace carries in ``trace.segment_events`` (as below), so the viewer shows the memory
+  gpumem really reserved: ``segment_alloc``/``segment_free`` per ``malloc``'d segment,
+  ``segment_map``/``segment_unmap`` per page of virtual memory.
+* ``segments_events=None`` and any other trace: every allocation gets its own segment exactly its
   size: a ``segment_alloc`` right before its ``alloc`` and, if it is freed, a
   ``segment_free`` right after its ``free_completed`` (the picture a non-caching,
   cudaMalloc-per-tensor allocator would give).
@@ -205,11 +210,14 @@ def to_pytorch_snapshot(
     """The PyTorch memory-snapshot dict of ``trace`` (see the module docstring for what it holds).
 
     ``segments_events`` is an iterable of ``(action, addr, nbytes, stream,
-    time_us)`` with ``action`` in ``segment_alloc/segment_free/segment_map/segment_unmap``.
+    time_us)`` with ``action`` in ``segment_alloc/segment_free/segment_map/segment_unmap``;
+    by default the trace's own ``segment_events`` if it has them (an allocator's history).
     ``device`` is the index written into the segments; ``device_traces`` gets
     ``device + 1`` lists with the trace in the last.
     """
     addrs = replay_addresses(trace)
+    if segments_events is None:
+        segments_events = getattr(trace, "segment_events", None)  # a trace from CachingAllocator.history()
     per_alloc = segments_events is None
     op_entries = _op_entries(trace, addrs, per_alloc)
     seg_entries: list[tuple[float, int, dict[str, Any]]] = []

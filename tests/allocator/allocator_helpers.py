@@ -112,13 +112,14 @@ def _chain_blocks(alloc: CachingAllocator) -> list[tuple[object, list]]:
     backing = alloc.backing
     out = []
     if isinstance(backing, SegmentBacking):
-        for base, seg in backing.segments.items():
+        for seg in backing.segments.values():
             blocks = []
-            b = backing._heads[base]  # noqa: SLF001
-            assert b.prev is None
+            b = seg.last
             while b is not None:
                 blocks.append(b)
-                b = b.next
+                b = b.prev
+            blocks.reverse()
+            assert blocks and blocks[0].addr == seg.base
             out.append((seg, blocks))
     else:
         assert isinstance(backing, VirtualBacking)
@@ -151,7 +152,7 @@ def check_structure(alloc: CachingAllocator, pending: set[int] = frozenset()) ->
             if b.allocated:
                 assert live.get(b.addr) == b.size, f"allocated block {b!r} is not live"
                 assert id(b) not in in_lists
-            elif b.pending_streams:
+            elif b.fences:
                 assert b.addr in pending, f"unexpected pending block {b!r}"
                 assert id(b) not in in_lists
             else:
@@ -164,7 +165,7 @@ def check_structure(alloc: CachingAllocator, pending: set[int] = frozenset()) ->
         else:
             assert cursor == seg.base + seg.top, "blocks do not reach the top of the virtual range"
         for a, b in zip(blocks, blocks[1:]):
-            if not (a.allocated or a.pending_streams or b.allocated or b.pending_streams):
+            if not (a.allocated or a.fences or b.allocated or b.fences) and a.stream == b.stream:
                 raise AssertionError(f"adjacent free blocks {a!r} and {b!r} were not merged")
     assert seen_free == len(in_lists), "a free list holds blocks that belong to no segment"
 
@@ -224,3 +225,4 @@ def check_allocator(alloc: CachingAllocator, model: dict[int, LiveBlock], pendin
     if isinstance(dev, sim.SimDevice):
         dev.check_invariants()
     check_structure(alloc, set(pending))
+    alloc.check_consistency()

@@ -89,6 +89,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         ptrs = sorted(self.live)
         return self.live[ptrs[index % len(ptrs)]]
 
+    def _sync_pending(self) -> None:
+        """An allocation that misses the cache makes pending blocks whose other-stream events have
+        completed reusable (no work runs in these tests, so all of them), as PyTorch's process_events."""
+        still = {b.addr for b in self.alloc._pending}  # noqa: SLF001
+        assert still <= set(self.pending)
+        self.pending = {p: n for p, n in self.pending.items() if p in still}
+
     def _observe(self):
         return self.alloc.snapshot_stats(), sorted(self.alloc.live_blocks())
 
@@ -121,6 +128,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         try:
             ptr = self.alloc.allocate(nbytes, stream)
         except (OutOfMemoryError, TransientDeviceError) as exc:
+            self._sync_pending()
             event(f"allocation failed: {type(exc).__name__}")
             after, blocks_after = self._observe()
             # Note [A failed allocation changes nothing]: only cached memory may have been given back
@@ -143,6 +151,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             else:
                 assert after.num_ooms == before.num_ooms
             return
+        self._sync_pending()
         assert ptr not in self.live
         self.tag += 1
         block = LiveBlock(ptr, nbytes, stream, self.tag)
@@ -190,6 +199,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def empty_cache(self):
         before = self.alloc.reserved_nbytes
         released = self.alloc.empty_cache()
+        self.pending.clear()  # empty_cache waits for the events of pending blocks
         assert released == before - self.alloc.reserved_nbytes
         event(f"empty_cache released {'something' if released else 'nothing'}")
         self._assert_no_cached_memory()

@@ -388,13 +388,16 @@ def test_a_block_freed_on_one_stream_is_not_reused_on_another(dev, policy, nbyte
 
 @pytest.mark.parametrize("policy", ALL_POLICIES)
 @pytest.mark.parametrize("nbytes", [1000, 4 * MiB])
-def test_record_stream_delays_reuse_until_synchronize(dev, policy, nbytes):
+def test_record_stream_delays_reuse_until_the_other_stream_is_done(dev, policy, nbytes):
+    """A block used on stream 1 by a kernel still running is neither reused nor given back; once
+    the kernel is done it is reusable with no manual synchronize()."""
     alloc = make(dev, policy)
     p = alloc.allocate(nbytes, stream=0)
     size = alloc.block_size(p)
     p_pages = {pg: h for pg, h in page_handles(dev).items() if pg in pages_of(p, size)}
     alloc.record_stream(p, 1)
     alloc.record_stream(p, 0)  # its own stream: nothing to wait for
+    work = dev.launch(1, 0.01, touches=[(p, nbytes)], name="reader")
     alloc.free(p)
     assert alloc.snapshot_stats().active_nbytes == size
     q = alloc.allocate(nbytes, stream=0)
@@ -406,12 +409,24 @@ def test_record_stream_delays_reuse_until_synchronize(dev, policy, nbytes):
         for pg in pages_of(q, alloc.block_size(q)):
             if handles[pg] in p_pages.values():
                 assert p_pages.get(pg) == handles[pg], "a chunk of the waiting block was remapped under q"
-    alloc.empty_cache()  # must not give the waiting block's memory back either
-    if alloc.uses_vmm:
-        assert all(pg in page_handles(dev) for pg in pages_of(p, size))
-    alloc.synchronize()
+    assert not work.done
+    alloc.empty_cache()  # waits for the kernel, then the block is free (and its cache given back)
+    assert work.done
     assert alloc.snapshot_stats().active_nbytes == alloc.block_size(q)
-    assert alloc.allocate(nbytes, stream=0) == p
+    alloc.check_consistency()
+
+
+def test_record_stream_block_is_reusable_once_its_event_completes(dev):
+    """PyTorch's process_events: a cache miss looks at pending blocks; no synchronize() needed."""
+    alloc = make(dev, "bestfit")
+    p = alloc.allocate(2 * MiB)  # a whole segment: the next request misses the cache
+    alloc.record_stream(p, 1)
+    work = dev.launch(1, 0.01, touches=[(p, 1000)])
+    alloc.free(p)
+    assert alloc.allocate(2 * MiB) != p  # the kernel on stream 1 still reads p
+    dev.advance(0.02)
+    assert work.done
+    assert alloc.allocate(2 * MiB) == p
 
 
 def test_record_stream_on_its_own_stream_does_not_delay(dev):
@@ -429,17 +444,18 @@ def test_record_stream_of_unknown_pointer(dev):
 
 
 @pytest.mark.parametrize("policy", ALL_POLICIES)
-def test_pending_blocks_are_given_back_after_synchronize(dev, policy):
+def test_pending_blocks_are_given_back_by_empty_cache(dev, policy):
     alloc = make(dev, policy)
     ptrs = [alloc.allocate(n, stream=0) for n in (1000, 4 * MiB, 30 * MiB)]
+    works = []
     for p in ptrs:
         alloc.record_stream(p, 1)
+        works.append(dev.launch(1, 0.005, touches=[(p, 1000)]))
         alloc.free(p)
-    alloc.empty_cache()
-    assert alloc.reserved_nbytes > 0
-    alloc.synchronize()
-    alloc.empty_cache()
+    alloc.empty_cache()  # waits for the kernels on stream 1, as PyTorch's empty_cache does
+    assert all(w.done for w in works)
     assert alloc.reserved_nbytes == 0 and dev.process_used_nbytes == 0
+    assert alloc.snapshot_stats().active_nbytes == 0
 
 
 # -- bad input --------------------------------------------------------------------------------------------

@@ -1,0 +1,179 @@
+"""Stream fences: device events that say when queued GPU work on a stream is done.
+
+Note [Stream-ordered frees]
+---------------------------
+A block freed on its stream may be handed to the next request on that stream at
+once: the stream runs its work in order, so the new owner's kernels start after
+the old owner's finish. Giving the *memory* back to the device is different:
+``cuMemUnmap`` and ``cudaFree`` take effect when the host calls them, not in
+stream order, and a kernel still reading the memory then faults
+(``CUDA_ERROR_ILLEGAL_ADDRESS``: the context is dead). So, as PyTorch's caching
+allocator does:
+
+* a free that leaves a page (virtual backing) or a segment (malloc backing)
+  with no live block notes the streams of the blocks that used it since it was
+  last fenced; before the page or segment goes back to the device (unmapped for
+  a steal or a release, freed), the allocator records an event on each of those
+  streams (a *fence*: it completes once the work queued there up to now is
+  done, which includes every kernel of those blocks) and gives the memory back
+  only once the fences have completed: it queries first, takes memory whose
+  work is done before memory whose work is not, and waits
+  (``event_synchronize``) only when it needs that memory now (a steal with no
+  idle page left, ``empty_cache``, the out-of-memory retry);
+* a block used on other streams too (``record_stream``) records an event on each
+  of them when it is freed and stays out of the free lists until they complete;
+  pending blocks are looked at when an allocation misses the cache, and waited
+  for before an out-of-memory error.
+
+Why the fence of a page is recorded when the page goes back and not at the
+free: a free is the hot path, and in a replay most frees empty a page (an event
+per free doubled the device calls of the gpt2 replay). Recording later covers
+more work than needed (anything queued on those streams since), which can only
+make the allocator wait longer, never too little; and a steal is served by
+pages whose work is done first.
+
+Events are recorded only at those moments (one per stream per steal or release,
+shared by the pages it gives back), queried oldest first, and destroyed as soon as
+they are known to be complete. Events on one stream complete in the order they
+were recorded, so a fence is just ``(stream, number)``: :class:`StreamFences`
+keeps, per stream, the events not yet known complete, and the highest number
+known complete.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+from ..device import Device
+
+log = logging.getLogger(__name__)
+
+
+class StreamFences:
+    """Events recorded on streams, known complete in recording order (see the Note)."""
+
+    __slots__ = ("device", "_queues", "_done", "_next", "n_records", "n_queries", "n_waits", "n_destroys")
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self._queues: dict[int, deque[tuple[int, Any]]] = {}
+        """stream -> ``(number, event)`` of the events not yet known complete, oldest first."""
+        self._done: dict[int, int] = {}
+        """stream -> the highest fence number known complete."""
+        self._next = 1
+        self.n_records = 0
+        self.n_queries = 0
+        self.n_waits = 0
+        self.n_destroys = 0
+
+    @property
+    def device_calls(self) -> int:
+        """Event calls made so far (record, query, synchronize, destroy)."""
+        return self.n_records + self.n_queries + self.n_waits + self.n_destroys
+
+    @property
+    def outstanding(self) -> int:
+        """Events recorded and not yet destroyed."""
+        return sum(len(q) for q in self._queues.values())
+
+    def record(self, stream: int) -> int:
+        """Record an event on ``stream`` and return its fence number. On failure nothing changes."""
+        event = self.device.event_record(stream)
+        self.n_records += 1
+        number = self._next
+        self._next = number + 1
+        q = self._queues.get(stream)
+        if q is None:
+            q = self._queues[stream] = deque()
+        q.append((number, event))
+        if len(q) > 1:
+            self._retire_front(stream, q)  # keep the queue short: one query when the GPU is behind
+        return number
+
+    def _retire_front(self, stream: int, q: deque[tuple[int, Any]]) -> None:
+        """Retire the completed events at the front of ``q`` except the newest (queries, never waits)."""
+        while len(q) > 1:
+            self.n_queries += 1
+            if not self.device.event_query(q[0][1]):
+                return
+            self._retire(stream, q)
+
+    def done(self, stream: int, number: int) -> bool:
+        """Whether the fence has completed (queries the device, never waits)."""
+        if number <= self._done.get(stream, 0):
+            return True
+        q = self._queues.get(stream)
+        while q:
+            n, event = q[0]
+            if n > number:
+                break
+            self.n_queries += 1
+            if not self.device.event_query(event):
+                return False
+            self._retire(stream, q)
+        return number <= self._done.get(stream, 0) or not q or q[0][0] > number
+
+    def wait(self, stream: int, number: int) -> None:
+        """Block until the fence has completed (``event_synchronize`` on it, if not known complete)."""
+        if number <= self._done.get(stream, 0):
+            return
+        q = self._queues.get(stream)
+        if not q:
+            return
+        target = None
+        for n, event in q:
+            if n > number:
+                break
+            target = event
+        if target is not None:
+            self.device.event_synchronize(target)
+            self.n_waits += 1
+            while q and q[0][0] <= number:
+                self._retire(stream, q)
+
+    def all_done(self, fences: dict[int, int] | None) -> bool:
+        """Whether every ``{stream: number}`` fence has completed (queries, never waits)."""
+        if not fences:
+            return True
+        for stream, number in fences.items():
+            if not self.done(stream, number):
+                return False
+        return True
+
+    def wait_all(self, fences: dict[int, int] | None) -> None:
+        """Wait for every ``{stream: number}`` fence."""
+        if fences:
+            for stream, number in fences.items():
+                self.wait(stream, number)
+
+    def _retire(self, stream: int, q: deque[tuple[int, Any]]) -> None:
+        n, event = q.popleft()
+        self._done[stream] = n
+        if not q:
+            del self._queues[stream]
+        try:
+            self.device.event_destroy(event)
+            self.n_destroys += 1
+        except Exception as exc:  # noqa: BLE001 - a lost event handle holds no memory
+            log.debug("could not destroy an event on stream %d: %s", stream, exc)
+
+    def close(self) -> None:
+        """Destroy every outstanding event (best effort)."""
+        for stream, q in list(self._queues.items()):
+            for _, event in q:
+                try:
+                    self.device.event_destroy(event)
+                except Exception as exc:  # noqa: BLE001
+                    log.debug("could not destroy an event on stream %d: %s", stream, exc)
+        self._queues.clear()
+
+
+def merge_fences(into: dict[int, int] | None, stream: int, number: int) -> dict[int, int]:
+    """``into`` with ``stream``'s fence raised to ``number`` (a later fence on a stream covers earlier ones)."""
+    if into is None:
+        return {stream: number}
+    if into.get(stream, 0) < number:
+        into[stream] = number
+    return into

@@ -1,0 +1,239 @@
+"""Stream-ordered frees (issue 6, point 3) and streams at scale (point 6), on the simulator's sanitizer.
+
+A kernel queued with ``SimDevice.launch(stream, 0.01, touches=[(ptr, n)])`` reads and writes its
+block for 10 ms of simulated time, across any number of allocator calls. The sanitizer raises
+:class:`~gpumem.errors.MemoryHazardError` when memory that work still touches is unmapped or freed,
+which on a real GPU returns success and kills the context (``CUDA_ERROR_ILLEGAL_ADDRESS``).
+
+The allocator before issue 6 unmapped and freed without looking at in-flight work: ``_old_behaviour``
+reproduces that by making every fence look complete, and each scenario checks that the sanitizer
+then raises, so the tests are known to catch the bug they guard against.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpumem.allocator import CachingAllocator
+from gpumem.allocator.fences import StreamFences
+from gpumem.errors import MemoryHazardError
+from gpumem.trace import Trace, build_trace
+from gpumem.trace.builder import ALLOC_CODE, FREE_CODE
+from gpumem.units import KiB, MiB
+
+from allocator_helpers import small_device
+
+KERNEL_S = 0.01
+
+
+@pytest.fixture
+def dev():
+    d = small_device(384)
+    yield d
+    d.close()
+
+
+def _old_behaviour(monkeypatch) -> None:
+    """Every fence looks complete and nothing is waited for: the allocator before issue 6."""
+    monkeypatch.setattr(StreamFences, "done", lambda self, stream, number: True)
+    monkeypatch.setattr(StreamFences, "wait", lambda self, stream, number: None)
+
+
+def _steal_scenario(dev, stream: int) -> tuple[object, int, int]:
+    """A kernel reads block A on ``stream``; A is freed; an allocation on ``stream`` then needs a
+    page, and the only empty page to steal is A's; the limit leaves no room for a new chunk instead.
+    Returns (work, A, the new block)."""
+    alloc = CachingAllocator(dev, "gpumem", limit=6 * MiB)
+    a = alloc.allocate(2 * MiB, stream)  # page 0
+    x = alloc.allocate(2 * MiB, stream)  # page 1, stays live: A's free block is not the range's tail
+    work = dev.launch(stream, KERNEL_S, touches=[(a, 2 * MiB)], name="reads A")
+    alloc.free(a)
+    # 4 MiB at the top: 2 new pages; peak live was 2 pages, so one is created and one stolen (A's)
+    b = alloc.allocate(4 * MiB, stream)
+    assert alloc.backing.n_steals == 1
+    alloc.free(x)
+    alloc.free(b)
+    return work, a, b
+
+
+@pytest.mark.parametrize("stream", [0, 7])
+def test_steal_waits_for_a_kernel_still_reading_the_page(dev, stream):
+    work, a, _ = _steal_scenario(dev, stream)
+    # the steal waited (event_synchronize) until the kernel was done, then unmapped A's page
+    assert work.done and dev.now_s >= work.end_s
+    assert not dev.hazards
+
+
+@pytest.mark.parametrize("stream", [0, 7])
+def test_steal_under_a_running_kernel_is_a_hazard_with_the_old_behaviour(dev, stream, monkeypatch):
+    _old_behaviour(monkeypatch)
+    with pytest.raises(MemoryHazardError) as info:
+        _steal_scenario(dev, stream)
+    assert info.value.call == "mem_unmap" and info.value.work == "reads A"
+
+
+@pytest.mark.parametrize("policy", ["gpumem", "bestfit", "pytorch", "cupy"])
+def test_empty_cache_waits_for_a_kernel_still_reading_freed_memory(dev, policy):
+    alloc = CachingAllocator(dev, policy)
+    p = alloc.allocate(3 * MiB, 5)
+    work = dev.launch(5, KERNEL_S, touches=[(p, 3 * MiB)], name="reads p")
+    alloc.free(p)
+    released = alloc.empty_cache()
+    assert work.done and dev.now_s >= work.end_s, "memory went back before the kernel was done"
+    assert released > 0 and alloc.reserved_nbytes == 0 and dev.process_used_nbytes == 0
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("policy", ["gpumem", "bestfit"])
+def test_empty_cache_under_a_running_kernel_is_a_hazard_with_the_old_behaviour(dev, policy, monkeypatch):
+    _old_behaviour(monkeypatch)
+    alloc = CachingAllocator(dev, policy)
+    p = alloc.allocate(3 * MiB, 5)
+    dev.launch(5, KERNEL_S, touches=[(p, 3 * MiB)], name="reads p")
+    alloc.free(p)
+    with pytest.raises(MemoryHazardError) as info:
+        alloc.empty_cache()
+    assert info.value.call in ("mem_unmap", "free")
+    alloc.check_consistency()  # the refused call changed nothing, on either side
+
+
+def test_a_busy_page_is_not_waited_for_when_a_new_chunk_fits(dev):
+    """Wait only when the memory is needed: with room on the device, a steal that would have to wait
+    for a running kernel creates a chunk instead, and the kernel keeps running."""
+    alloc = CachingAllocator(dev, "gpumem")
+    a = alloc.allocate(2 * MiB)
+    x = alloc.allocate(2 * MiB)
+    work = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    b = alloc.allocate(4 * MiB)
+    assert alloc.backing.n_steals == 0 and not work.done and not dev.hazards
+    alloc.free(b)
+    alloc.free(x)
+    alloc.check_consistency()
+
+
+def test_memory_a_kernel_uses_is_not_given_back_early_by_gc(dev):
+    """The gc threshold releases only memory whose work is done (it queries, never waits)."""
+    alloc = CachingAllocator(dev, "gpumem", gc_threshold=0.01)
+    p = alloc.allocate(8 * MiB)
+    work = dev.launch(0, KERNEL_S, touches=[(p, 8 * MiB)])
+    alloc.free(p)
+    q = alloc.allocate(3 * MiB, 1)  # past the threshold: gc runs, must skip p's pages
+    assert not dev.hazards and not work.done
+    alloc.free(q)
+    alloc.empty_cache()
+    assert work.done and alloc.reserved_nbytes == 0
+
+
+def test_pending_record_stream_blocks_do_not_cause_an_oom(dev):
+    """Issue 6: three 100 MiB blocks freed after record_stream made a 200 MiB request fail on a
+    384 MiB card (352 MiB usable) until synchronize() was called by hand."""
+    for policy in ("gpumem", "bestfit"):
+        alloc = CachingAllocator(dev, policy)
+        works = []
+        for _ in range(3):
+            p = alloc.allocate(100 * MiB)
+            alloc.record_stream(p, 3)
+            works.append(dev.launch(3, KERNEL_S, touches=[(p, 100 * MiB)]))
+            alloc.free(p)
+        q = alloc.allocate(200 * MiB)  # the OOM path waits for the pending blocks' events
+        assert all(w.done for w in works)
+        assert not dev.hazards
+        alloc.free(q)
+        alloc.check_consistency()
+        alloc.close()
+        assert dev.process_used_nbytes == 0
+
+
+def test_pending_blocks_without_work_are_reused_at_once(dev):
+    alloc = CachingAllocator(dev, "gpumem")
+    for _ in range(3):
+        p = alloc.allocate(100 * MiB)
+        alloc.record_stream(p, 3)
+        alloc.free(p)
+    q = alloc.allocate(200 * MiB)
+    assert alloc.stats.num_ooms == 0
+    alloc.free(q)
+
+
+# -- streams at scale (point 6) ---------------------------------------------------------------------
+
+
+def test_ten_thousand_streams_on_the_default_policy():
+    """Issue 6: each (pool, stream) reserved twice the device in address space; stream 832 failed
+    on an 80 GB device. All streams now share one range per pool."""
+    from gpumem import open_device
+
+    with open_device("sim:a100-80gb") as dev:
+        alloc = CachingAllocator(dev)
+        for s in range(1, 10_001):
+            p = alloc.allocate(512 if s % 2 else 3 * MiB, s)
+            q = alloc.allocate(64 * KiB, s)
+            alloc.free(p)
+            alloc.free(q)
+        assert len(alloc.backing.vsegments) == 2  # one range per pool
+        assert len(dev.reservation_ranges()) == 2
+        alloc.check_consistency()
+        alloc.empty_cache()
+        assert alloc.reserved_nbytes == 0 and dev.process_used_nbytes == 0
+        assert len(alloc._free_lists) == 0  # noqa: SLF001 - idle streams keep no host memory
+        alloc.close()
+
+
+def _rmm_like_trace(n_streams: int, n_events: int) -> Trace:
+    """An RMM-log-like trace: address-keyed allocations and frees interleaved over ``n_streams``
+    streams (odd numbers, like ``cudaStream_t`` handles), 512 B to 8 MiB, built as the RMM reader
+    builds its traces."""
+    import random
+
+    rng = random.Random(6)
+    codes, addrs, sizes, streams = [], [], [], []
+    live: dict[int, list[int]] = {}
+    next_addr = 1 << 32
+    for i in range(n_events):
+        s = (i if i < 2 * n_streams else rng.randrange(n_streams)) % n_streams * 2 + 1
+        mine = live.setdefault(s, [])
+        if mine and rng.random() < 0.45:
+            codes.append(FREE_CODE)
+            addrs.append(mine.pop(rng.randrange(len(mine))))
+            sizes.append(0)
+        else:
+            n = rng.choice([512, 4 * KiB, 100 * KiB, 1 * MiB + 1, 8 * MiB])
+            codes.append(ALLOC_CODE)
+            addrs.append(next_addr)
+            mine.append(next_addr)
+            next_addr += n + 256
+            sizes.append(n)
+        streams.append(s)
+    return build_trace("rmm-1000-streams", "rmm", codes, addrs, sizes, streams, [float(i) for i in range(len(codes))])
+
+
+def test_a_trace_with_a_thousand_streams_replays():
+    """Issue 6: a 42 KB RMM log with 1,000 streams failed at a 512 B allocation."""
+    from gpumem.replay import replay_trace
+
+    trace = _rmm_like_trace(1000, 6000)
+    assert len(set(trace.streams.tolist())) == 1000
+    result = replay_trace(trace, "sim:a100-80gb", "gpumem")
+    assert result.ooms == 0 and result.completed_ops == trace.n_ops
+    assert result.overhead < 0.5
+
+
+def test_address_space_trimmed_from_one_stream_is_reused_by_another_only_after_its_work(dev):
+    """Note [One range per pool]: a free block at the top of the shared range is trimmed off when
+    the cache is released; a stream that grows over it waits for the fence of the stream that used
+    it. Here A shares its page with a live block, so releasing the page cannot have waited."""
+    alloc = CachingAllocator(dev, "gpumem")
+    keep = alloc.allocate(512 * KiB, 1)
+    a = alloc.allocate(512 * KiB, 1)  # same page as keep, at the top of the small pool's range
+    work = dev.launch(1, KERNEL_S, touches=[(a, 512 * KiB)], name="reads A")
+    alloc.free(a)
+    alloc.empty_cache()  # trims A's block off the top; its page stays (keep lives there)
+    assert not work.done
+    b = alloc.allocate(512 * KiB, 2)
+    assert b == a, "the scenario did not reuse A's addresses"
+    assert work.done, "stream 2 got stream 1's memory while stream 1's kernel still used it"
+    assert not dev.hazards
+    alloc.free(b)
+    alloc.free(keep)
+    alloc.check_consistency()

@@ -70,7 +70,7 @@ from typing import Any, Callable, ContextManager, Iterator
 from ..device import Device, check_nbytes, check_pointer
 from ..errors import (DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError, InvalidPointerError,
                       OutOfMemoryError)
-from ..units import format_bytes
+from ..units import format_bytes, parse_limit
 from .backing import Backing, LimitExceeded, Segment, SegmentBacking, VirtualBacking, VirtualSegment
 from .block import Block, FreeList, append_block, drop_last_block, merge_blocks, split_block
 from .fences import StreamFences
@@ -85,8 +85,9 @@ _FREED_MEMORY = 65_536
 class CachingAllocator:
     """A caching allocator over ``device`` under a named or custom :class:`AllocatorPolicy`.
 
-    ``limit``: the most memory the allocator may reserve, as bytes (int) or as a fraction of
-    the device's total (float in (0, 1]). ``gc_threshold``: a fraction in (0, 1); once reserved
+    ``limit``: the most memory the allocator may reserve: bytes (int), a fraction of the
+    device's total (float in (0, 1]), or text by the same rules as ``gpumem replay --limit``
+    (``"8GiB"``, ``"512MB"``, ``"90%"``, ``"0.9"``; see :func:`gpumem.units.parse_limit`). ``gc_threshold``: a fraction in (0, 1); once reserved
     memory passes that fraction of the limit (or of the device), cached memory is given back
     before the allocator grows. ``record_history``: keep every allocation, free and segment
     event for export as a trace or a PyTorch snapshot (:meth:`history`).
@@ -97,14 +98,14 @@ class CachingAllocator:
         device: Device,
         policy: str | AllocatorPolicy = DEFAULT_POLICY,
         *,
-        limit: int | float | None = None,
+        limit: int | float | str | None = None,
         gc_threshold: float | None = None,
         record_history: bool = False,
     ) -> None:
         self.device = device
         self.policy = get_policy(policy)
         total = device.properties().total_nbytes
-        self.limit_nbytes = _limit_nbytes(limit, total)
+        self.limit_nbytes = parse_limit(limit, total)
         if gc_threshold is not None and not (isinstance(gc_threshold, (int, float)) and 0 < gc_threshold < 1):
             raise InvalidArgumentError(f"gc_threshold must be a fraction in (0, 1), got {gc_threshold!r}")
         self.gc_threshold = gc_threshold
@@ -669,19 +670,3 @@ def _chain_problems(seg: Segment, head: Block | None, end: int, free_list_of: Ca
     if isinstance(seg, Segment) and not isinstance(seg, VirtualSegment) and live != seg.live:
         problems.append(f"segment {seg.base:#x} counts {seg.live} live blocks, its chain has {live}")
     return problems
-
-
-def _limit_nbytes(limit: int | float | None, total_nbytes: int) -> int | None:
-    if limit is None:
-        return None
-    if isinstance(limit, bool):
-        raise InvalidArgumentError("limit must be bytes (int) or a fraction of the device (float)")
-    if isinstance(limit, float):
-        if not 0 < limit <= 1:
-            raise InvalidArgumentError(f"a fractional limit must be in (0, 1], got {limit}")
-        return int(limit * total_nbytes)
-    if isinstance(limit, int):
-        if limit <= 0:
-            raise InvalidArgumentError(f"limit must be positive, got {limit}")
-        return limit
-    raise InvalidArgumentError(f"limit must be bytes (int) or a fraction (float), got {type(limit).__name__}")

@@ -260,29 +260,32 @@ class Device(abc.ABC):
         else:
             self.events.deliver(event)
 
-    def _flush_events(self, *, raising: bool) -> None:
-        """Deliver what this thread queued (outermost block only); see the Note above."""
+    def _flush_events(self) -> None:
+        """Deliver what this thread queued (outermost block only); see the Note above.
+
+        Never raises an ``Exception``: a subscriber's exception is logged and delivery goes on
+        (Note [A subscriber cannot break a call] in :mod:`gpumem.events`), so a call that took
+        effect always returns its result. A ``BaseException`` from a subscriber
+        (``KeyboardInterrupt``, ``SystemExit``) propagates, after the call's state is complete;
+        the events still queued behind it are dropped (logged), never delivered later inside an
+        unrelated call.
+        """
         tls = self._tls
         queue = tls.queue
         if not queue or tls.delivering:
             return
         tls.delivering = True
-        first_error: BaseException | None = None
         try:
             while queue:
-                event = queue.popleft()
-                try:
-                    self.events.deliver(event)
-                except Exception as exc:  # noqa: BLE001 - deliver the rest, then report the first
-                    if first_error is None:
-                        first_error = exc
-                    log.debug("%s: subscriber raised on %s", self.spec, event, exc_info=True)
+                self.events.deliver(queue.popleft())
+        except BaseException:
+            if queue:
+                log.warning("%s: %d memory event(s) dropped, not delivered: a subscriber raised a "
+                            "BaseException", self.spec, len(queue))
+                queue.clear()
+            raise
         finally:
             tls.delivering = False
-        if first_error is not None:
-            if raising:
-                raise first_error
-            log.warning("%s: a subscriber raised while another error was raised: %r", self.spec, first_error)
 
     @contextlib.contextmanager
     def deferred_events(self) -> Iterator[None]:
@@ -297,14 +300,10 @@ class Device(abc.ABC):
         tls.depth = depth + 1
         try:
             yield
-        except BaseException:
+        finally:
             tls.depth = depth
-            if not depth:
-                self._flush_events(raising=False)
-            raise
-        tls.depth = depth
-        if not depth:
-            self._flush_events(raising=True)
+            if not depth and tls.queue:
+                self._flush_events()
 
     def _run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run one device call: deferred events, under the lock (the cheap form of ``deferred_events``)."""
@@ -313,16 +312,11 @@ class Device(abc.ABC):
         tls.depth = depth + 1
         try:
             with self._lock:
-                result = fn(*args)
-        except BaseException:
+                return fn(*args)
+        finally:
             tls.depth = depth
             if not depth and tls.queue:
-                self._flush_events(raising=False)
-            raise
-        tls.depth = depth
-        if not depth and tls.queue:
-            self._flush_events(raising=True)
-        return result
+                self._flush_events()
 
     def subscribe(self, callback: EventCallback) -> Subscription:
         """Call ``callback(event)`` for every :class:`~gpumem.events.MemoryEvent` from now on, always

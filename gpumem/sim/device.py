@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import random
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -96,6 +97,32 @@ _VA_BASE = 0x7F00_0000_0000
 _VA_LIMIT = 1 << 48
 #: What the sanitizer does about a hazard (Note [What the sanitizer looks at] in :mod:`sim.streams`).
 SANITIZER_MODES = ("raise", "count", "off")
+
+
+def check_duration(value: object, *, what: str) -> float:
+    """Return ``value`` as a float if it is a finite real number of seconds >= 0, else raise
+    :class:`~gpumem.errors.InvalidArgumentError` (``bool``, text, NaN, infinities and ints too large for a
+    float are refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(f"{what} must be a finite number of seconds >= 0, got {type(value).__name__} "
+                                   f"{value!r}"[:200])
+    try:
+        seconds = float(value)
+    except (OverflowError, ValueError, TypeError):
+        raise InvalidArgumentError(f"{what} must be a finite number of seconds >= 0, got one too large "
+                                   f"for a float") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidArgumentError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
+    return seconds
+
+
+# Note [The clock stays finite]
+# -----------------------------
+# SimPy refuses to run once its clock is infinite, so a clock at ``inf`` would make every later call
+# fail. Durations are finite, but two finite ones can add up to ``inf`` (``advance(1.7e308)`` twice,
+# or two such kernels queued one after the other). ``advance`` and ``launch`` therefore refuse a
+# duration for which now + all queued work + the duration is not finite: the clock can never pass
+# that bound, since queued work ends at the latest when all of it has run back to back.
 
 
 @dataclass(frozen=True)
@@ -285,11 +312,22 @@ class SimDevice(Device):
 
     def advance(self, seconds: float) -> None:
         """Let ``seconds`` of simulated time pass (tenants, faults and queued work act meanwhile)."""
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0 \
-                or math.isinf(seconds):
-            raise InvalidArgumentError(f"seconds must be a finite number >= 0, got {seconds!r}")
+        seconds = check_duration(seconds, what="advance: seconds")
+        self._run(self._advance, seconds)
+
+    def _advance(self, seconds: float) -> None:
+        self._check_usable()
+        self._check_finite_time("advance", seconds)
         if seconds:
-            self._run(self._advance_to, self.env.now + seconds)
+            self._advance_to(self.env.now + seconds)
+
+    def _check_finite_time(self, call: str, seconds: float) -> None:
+        """Refuse a duration after which the clock would not be finite (Note [The clock stays finite])."""
+        end_s = self.env.now + self.streams.pending_s + seconds
+        if not math.isfinite(end_s):
+            raise InvalidArgumentError(f"{call}: {seconds!r} s from t={self.env.now!r} s (with "
+                                       f"{self.streams.pending_s!r} s of queued work) would take the simulated "
+                                       f"clock past the largest finite time")
 
     def _lost_message(self) -> str:
         return f"{self.spec} was lost at t={self.faults.plan.device_lost_at_s}s"
@@ -318,6 +356,8 @@ class SimDevice(Device):
         before ``until_s`` nothing can happen meanwhile, so the clock is set directly.
         """
         env = self.env
+        if until_s <= env.now:
+            return  # a cost too small to move a clock this large (SimPy refuses run(until=now))
         if env.peek() > until_s:
             env._now = until_s  # noqa: SLF001 - see the note above
         else:
@@ -608,9 +648,7 @@ class SimDevice(Device):
         (``sanitizer="raise"``). Returns the :class:`~sim.streams.Work` (its ``state``, ``end_s``).
         """
         check_stream(stream)
-        if isinstance(duration_s, bool) or not isinstance(duration_s, (int, float)) or not duration_s >= 0 \
-                or math.isinf(duration_s):
-            raise InvalidArgumentError(f"launch: duration_s must be a finite number >= 0, got {duration_s!r}")
+        duration_s = check_duration(duration_s, what="launch: duration_s")
         if name is not None and not isinstance(name, str):
             raise InvalidArgumentError(f"launch: name must be a str or None, got {type(name).__name__}")
         ranges: list[tuple[int, int]] = []
@@ -622,10 +660,11 @@ class SimDevice(Device):
             if isinstance(exc, InvalidArgumentError):
                 raise
             raise InvalidArgumentError("launch: touches must be a sequence of (ptr, nbytes) pairs") from None
-        return self._run(self._launch, stream, float(duration_s), ranges, name)
+        return self._run(self._launch, stream, duration_s, ranges, name)
 
     def _launch(self, stream: int, duration_s: float, ranges: list[tuple[int, int]], name: str | None) -> Work:
         self._check_usable()
+        self._check_finite_time("launch", duration_s)
         label = name if name is not None else f"work {self.stats.calls.get('launch', 0) + 1}"
         if self.sanitizer != "off":
             for ptr, nbytes in ranges:

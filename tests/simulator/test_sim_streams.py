@@ -9,6 +9,7 @@ event has completed.
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 
@@ -189,6 +190,7 @@ def test_destroyed_stream_still_finishes_its_work():
 
 @pytest.mark.parametrize("bad", [
     dict(duration_s=-1.0), dict(duration_s=float("inf")), dict(duration_s=float("nan")), dict(duration_s="1"),
+    dict(duration_s=10**400), dict(duration_s=True), dict(duration_s=None),
     dict(touches=[(1,)]), dict(touches=[(0, 16)]), dict(touches=[(4096, 0)]), dict(touches=5),
     dict(touches=[(4096.0, 16)]), dict(stream=-1), dict(stream=True), dict(name=3),
 ], ids=repr)
@@ -200,6 +202,44 @@ def test_launch_bad_arguments(bad):
     with pytest.raises(InvalidArgumentError):
         dev.launch(**args)
     assert _state(dev) == before
+
+
+@pytest.mark.parametrize("bad", [-1, -0.5, float("inf"), float("-inf"), float("nan"), 10**400, True, "1", None],
+                         ids=repr)
+def test_advance_bad_durations(bad):
+    dev = SimDevice(A100)
+    dev.launch(0, 1.0)
+    before = (_state(dev), dev.now_s, dev.streams.pending_s)
+    with pytest.raises(InvalidArgumentError, match="finite number of seconds"):
+        dev.advance(bad)
+    assert (_state(dev), dev.now_s, dev.streams.pending_s) == before
+
+
+def test_the_clock_never_reaches_infinity():
+    """Review of issue 6: advance(1.7e308) twice, or two such kernels, made the clock inf, and every
+    later call raised SimPy's ValueError for ever."""
+    dev = SimDevice(A100)
+    ptr = dev.malloc(4096)
+    dev.advance(1.7e308)
+    t = dev.now_s
+    with pytest.raises(InvalidArgumentError, match="largest finite time"):
+        dev.advance(1.7e308)
+    assert dev.now_s == t
+    with pytest.raises(InvalidArgumentError, match="largest finite time"):
+        dev.launch(0, 1.7e308)
+    assert dev.streams.n_busy_streams == 0
+    dev.free(ptr)                            # the device still works
+    dev.synchronize()
+
+    dev = SimDevice(A100)
+    dev.launch(0, 1.7e308)
+    before = (_state(dev), dev.now_s, dev.streams.pending_s)
+    with pytest.raises(InvalidArgumentError, match="largest finite time"):
+        dev.launch(1, 1.7e308)               # could run after the first (stream_wait_event): refused too
+    assert (_state(dev), dev.now_s, dev.streams.pending_s) == before
+    dev.synchronize()
+    assert math.isfinite(dev.now_s) and dev.streams.pending_s == 0.0
+    dev.mem_info()
 
 
 def test_every_call_raises_device_lost_after_a_loss():

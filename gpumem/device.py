@@ -643,7 +643,12 @@ class Device(abc.ABC):
 
     # -- life cycle ----------------------------------------------------------------------
     def close(self) -> None:
-        """Free everything this device object still holds. Idempotent."""
+        """Wait for all queued work, then free everything this device object still holds. Idempotent.
+
+        Like ``cudaDeviceSynchronize`` before teardown: work still queued or running on any stream
+        runs to its end first (the simulator runs simulated time until every stream is idle), so
+        nothing is freed or unmapped under it. A lost device has no work left to wait for.
+        """
         return self._run(self._close)
 
     def _close(self) -> None:

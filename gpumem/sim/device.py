@@ -697,7 +697,20 @@ class SimDevice(Device):
         log.debug("%s: hazard %s", self.spec, hazard.message)
 
     # -- life cycle -------------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        """Before ``close`` frees anything: run simulated time until every stream is idle, as a program
+        calls ``cudaDeviceSynchronize`` before tearing down (freeing memory that queued or running work
+        touches is the hazard the sanitizer exists for). A lost device's work is gone: no wait."""
+        while not self._lost:
+            tails = [w for w in self.streams.tails() if w.state != DONE]
+            if not tails:
+                return
+            for work in tails:
+                if work.state != DONE and not self._lost:
+                    self.env.run(until=work.done_event)
+
     def _do_close(self) -> None:
+        self._drain()
         self._small_pages.clear()
         self._space.clear()
         self._process_pages = 0

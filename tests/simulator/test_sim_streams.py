@@ -242,6 +242,34 @@ def test_the_clock_never_reaches_infinity():
     dev.mem_info()
 
 
+@pytest.mark.parametrize("sanitizer", ["raise", "count"])
+def test_close_waits_for_queued_work_before_freeing(sanitizer):
+    """Review of issue 6: close() freed and unmapped memory that running work touched, and the work
+    stayed queued for ever."""
+    dev = SimDevice(A100, sanitizer=sanitizer)
+    ptr = dev.malloc(8 * MiB)
+    va, h = _mapped(dev)
+    w1 = dev.launch(0, 0.050, [(ptr, 8 * MiB)], name="reads ptr")
+    w2 = dev.launch(1, 0.050, [(va, G)], name="reads the mapping")
+    e = dev.event_record(1)
+    dev.stream_wait_event(2, e)
+    w3 = dev.launch(2, 0.020, [(ptr, 16)], name="after the mapping's reader")
+    dev.close()
+    assert (w1.state_name, w2.state_name, w3.state_name) == ("done", "done", "done")
+    assert w3.end_s == pytest.approx(w2.end_s + 0.020) and dev.now_s >= w3.end_s
+    assert dev.streams.inflight == [] and dev.streams.n_busy_streams == 0 and dev.hazards == []
+    assert dev.accounting() == (0, 0, 0)
+
+
+def test_close_of_a_lost_device_does_not_wait():
+    dev = SimDevice(A100, faults=FaultPlan(device_lost_at_s=0.010))
+    ptr = dev.malloc(4096)
+    dev.launch(0, 1e6, [(ptr, 16)])
+    dev.advance(0.020)
+    dev.close()
+    assert dev.now_s < 1.0 and dev.closed
+
+
 def test_every_call_raises_device_lost_after_a_loss():
     dev = SimDevice(A100, faults=FaultPlan(device_lost_at_s=0.001))
     ptr = dev.malloc(4096)

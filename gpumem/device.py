@@ -45,8 +45,19 @@ them against the device's :class:`~gpumem.vmm_book.MemoryBook`, *before*
 anything touches the device's state or calls CUDA, so that bad input raises a
 specific :mod:`gpumem.errors` exception and leaves the accounting unchanged.
 The checks live here, once, so both devices reject exactly the same inputs, in
-the same order: a closed or lost device first for the virtual memory calls,
-the argument types first for the others.
+the same order:
+
+1. the argument checks that need no device state (types, signs, the type of an
+   event), except for the virtual memory calls, which check nothing first;
+2. a closed device (:class:`~gpumem.errors.DeviceClosedError`), then a lost one
+   (:class:`~gpumem.errors.DeviceLostError`): after a loss *every* call but
+   :meth:`Device.properties`, :meth:`Device.close`, :meth:`Device.subscribe`
+   (host-side bookkeeping, so code can still watch a device it is giving up on)
+   and the introspection methods (``allocation_ranges``, ``check_invariants``...)
+   raises, the simulator's ``advance``, ``launch``, ``add_tenant`` and
+   ``watch_free_level`` included;
+3. the checks against what the device handed out (an unknown pointer, stream or
+   mapping, an event destroyed or made by another device), then the call.
 """
 
 from __future__ import annotations
@@ -320,16 +331,23 @@ class Device(abc.ABC):
 
     def subscribe(self, callback: EventCallback) -> Subscription:
         """Call ``callback(event)`` for every :class:`~gpumem.events.MemoryEvent` from now on, always
-        after the device call that published it returned. ``Subscription.cancel()`` stops it."""
+        after the device call that published it returned. ``Subscription.cancel()`` stops it.
+
+        Allowed on a closed or lost device (it is host-side bookkeeping: code may still watch a
+        device it is giving up on); see Note [Validation before any device call]."""
         if not callable(callback):
             raise InvalidArgumentError(f"callback must be callable, got {type(callback).__name__}")
         with self._lock:
             return self.events.subscribe(callback)
 
     # -- checks shared by every device ---------------------------------------------------
-    def _check_event(self, event: object, call: str) -> Event:
+    def _check_event_type(self, event: object, call: str) -> None:
+        """The argument check that needs no device state: is ``event`` an event of this device's type?"""
         if not isinstance(event, self.event_type):
             raise InvalidArgumentError(f"{call}: expected an Event from event_record, got {type(event).__name__}")
+
+    def _check_event(self, event: Event, call: str) -> Event:
+        """Look ``event`` up (after :meth:`_check_usable`): made by this device and not destroyed."""
         if event._device is not self:
             raise InvalidArgumentError(f"{call}: {event!r} belongs to another device than {self.spec}")
         if event._destroyed:
@@ -583,10 +601,10 @@ class Device(abc.ABC):
         return self._run(self._stream_destroy, stream)
 
     def _stream_destroy(self, stream: int) -> None:
+        self._check_usable()
         if stream not in self._user_streams:
             why = "the default stream cannot be destroyed" if stream == 0 else "it was not made by stream_create"
             raise InvalidArgumentError(f"stream_destroy: stream {stream} on {self.spec}: {why}")
-        self._check_usable()
         self._do_stream_destroy(stream)
         self._user_streams.discard(stream)
 
@@ -601,24 +619,27 @@ class Device(abc.ABC):
 
     def event_query(self, event: Event) -> bool:
         """Whether ``event`` has completed (never waits)."""
+        self._check_event_type(event, "event_query")
         return self._run(self._event_call, "event_query", self._do_event_query, event)
 
     def event_synchronize(self, event: Event) -> None:
         """Wait until ``event`` has completed."""
+        self._check_event_type(event, "event_synchronize")
         return self._run(self._event_call, "event_synchronize", self._do_event_synchronize, event)
 
     def event_destroy(self, event: Event) -> None:
         """Give ``event`` back; using it afterwards raises :class:`~gpumem.errors.InvalidArgumentError`."""
+        self._check_event_type(event, "event_destroy")
         return self._run(self._event_destroy, event)
 
     def _event_call(self, call: str, fn: Callable[[Any], T], event: Event) -> T:
-        self._check_event(event, call)
         self._check_usable()
+        self._check_event(event, call)
         return fn(event)
 
     def _event_destroy(self, event: Event) -> None:
-        self._check_event(event, "event_destroy")
         self._check_usable()
+        self._check_event(event, "event_destroy")
         self._do_event_destroy(event)
         event._destroyed = True
 
@@ -634,11 +655,12 @@ class Device(abc.ABC):
     def stream_wait_event(self, stream: int, event: Event) -> None:
         """Make work queued on ``stream`` from now on wait until ``event`` has completed (no host wait)."""
         check_stream(stream)
+        self._check_event_type(event, "stream_wait_event")
         return self._run(self._stream_wait_event, stream, event)
 
     def _stream_wait_event(self, stream: int, event: Event) -> None:
-        self._check_event(event, "stream_wait_event")
         self._check_usable()
+        self._check_event(event, "stream_wait_event")
         self._do_stream_wait_event(stream, event)
 
     # -- life cycle ----------------------------------------------------------------------

@@ -372,15 +372,22 @@ class SimDevice(Device):
     def watch_free_level(self, level_nbytes: int) -> None:
         """Publish FREE_BELOW / FREE_ABOVE events when free memory crosses ``level_nbytes``."""
         check_nbytes(level_nbytes, what="level_nbytes")
-        self._run(self.events.watch_level, level_nbytes)
+        self._run(self._watch_free_level, level_nbytes)
+
+    def _watch_free_level(self, level_nbytes: int) -> None:
+        self._check_usable()
+        self.events.watch_level(level_nbytes)
 
     def add_tenant(self, scenario: Scenario, name: str | None = None) -> None:
         """Start another tenant running ``scenario`` now."""
+        if not isinstance(scenario, Scenario):
+            raise InvalidArgumentError(f"scenario must be a sim.pressure.Scenario, got {type(scenario).__name__}")
+        if name is not None and not isinstance(name, str):
+            raise InvalidArgumentError(f"name must be a str or None, got {type(name).__name__}")
         self._run(self._add_tenant, scenario, name)
 
     def _add_tenant(self, scenario: Scenario, name: str | None) -> None:
-        if not isinstance(scenario, Scenario):
-            raise InvalidArgumentError(f"scenario must be a sim.pressure.Scenario, got {type(scenario).__name__}")
+        self._check_usable()
         tenant = _Tenant(self, name or f"tenant-{len(self._tenants)}", random.Random(self._rng.getrandbits(64)))
         self._tenants.append(tenant)
         self.env.process(scenario.process(tenant))

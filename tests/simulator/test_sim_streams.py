@@ -275,6 +275,9 @@ def test_every_call_raises_device_lost_after_a_loss():
     ptr = dev.malloc(4096)
     va, h = _mapped(dev)
     e = dev.event_record(0)
+    destroyed = dev.event_record(0)
+    dev.event_destroy(destroyed)
+    foreign = SimDevice(A100).event_record(0)
     s = dev.stream_create()
     dev.launch(0, 0.005)                     # the loss happens while this runs
     with pytest.raises(DeviceLostError):
@@ -287,10 +290,31 @@ def test_every_call_raises_device_lost_after_a_loss():
         lambda: dev.stream_create(), lambda: dev.stream_destroy(s), lambda: dev.event_record(0),
         lambda: dev.event_query(e), lambda: dev.event_synchronize(e), lambda: dev.event_destroy(e),
         lambda: dev.stream_synchronize(0), lambda: dev.stream_wait_event(s, e), lambda: dev.launch(0, 0.001),
+        # review of issue 6: lookups that depend on the device's state came before the loss check, and
+        # the simulator's own calls that act on the device did not check at all
+        lambda: dev.stream_destroy(77), lambda: dev.event_query(destroyed), lambda: dev.event_query(foreign),
+        lambda: dev.event_synchronize(destroyed), lambda: dev.event_destroy(foreign),
+        lambda: dev.stream_wait_event(0, destroyed), lambda: dev.advance(1.0), lambda: dev.advance(0),
+        lambda: dev.watch_free_level(GiB), lambda: dev.add_tenant(Step(nbytes=G, at_s=0.0, until_s=1.0)),
     ]
+    t = dev.now_s
     for call in calls:
+        before = _state(dev)
         with pytest.raises(DeviceLostError):
             call()
+        assert _state(dev) == before
+    assert dev.now_s == t and not dev._tenants
+    # argument TYPE errors still come first, as on a closed device (Note [Validation before any device call])
+    with pytest.raises(InvalidArgumentError):
+        dev.event_query("not an event")
+    with pytest.raises(InvalidArgumentError):
+        dev.stream_destroy(-1)
+    with pytest.raises(InvalidArgumentError):
+        dev.advance(float("nan"))
+    sub = dev.subscribe(print)               # allowed: host-side bookkeeping
+    sub.cancel()
+    dev.check_invariants()
+    dev.close()
 
 
 def test_subscriber_sees_events_only_after_the_call_returned_and_may_reenter():

@@ -529,8 +529,9 @@ class SimDevice(Device):
         return alloc
 
     def _do_free(self, alloc: _Allocation) -> None:  # type: ignore[override]
-        self._sanitize_release("free", alloc.start, alloc.nbytes)
+        hazard = self._sanitize_release("free", alloc.start, alloc.nbytes)
         self._call("free", self.latency.free_us(alloc.nbytes))
+        self._record_hazards(hazard)
         page = alloc.page
         if page is None:
             self._space.remove(alloc.start)
@@ -575,8 +576,9 @@ class SimDevice(Device):
 
     def _do_mem_unmap(self, r: Reservation, maps: list[Mapping]) -> None:
         va, end = maps[0].va, maps[-1].va + maps[-1].nbytes
-        self._sanitize_release("mem_unmap", va, end - va)
+        hazard = self._sanitize_release("mem_unmap", va, end - va)
         self._call("mem_unmap", self.latency.mem_unmap_us)
+        self._record_hazards(hazard)
         for m in maps:  # one simulated call for the whole range: all or nothing
             self._unmapped(r, m)
 
@@ -673,35 +675,46 @@ class SimDevice(Device):
         self._check_usable()
         self._check_finite_time("launch", duration_s)
         label = name if name is not None else f"work {self.stats.calls.get('launch', 0) + 1}"
+        hazards: list[Hazard] = []
         if self.sanitizer != "off":
             for ptr, nbytes in ranges:
                 try:
                     self._book.locate(ptr, nbytes, "launch")
                 except InvalidPointerError as exc:
-                    self._hazard(Hazard(self.now_s, "launch", stream, ptr, nbytes, label,
+                    hazards.append(self._hazard(Hazard(self.now_s, "launch", stream, ptr, nbytes, label,
                                         f"work {label!r} on stream {stream} touches [{ptr:#x}, {ptr + nbytes:#x}), "
-                                        f"which is not allocated or not mapped with access ({exc})"))
+                                        f"which is not allocated or not mapped with access ({exc})")))
         self._call("launch", self.latency.launch_us)
+        self._record_hazards(*hazards)
         return self.streams.launch(stream, label, duration_s, ranges)
 
-    def _sanitize_release(self, call: str, va: int, nbytes: int) -> None:
-        """Before ``free`` or ``mem_unmap`` of ``[va, va + nbytes)``: is in-flight work touching it?"""
+    def _sanitize_release(self, call: str, va: int, nbytes: int) -> Hazard | None:
+        """Before ``free`` or ``mem_unmap`` of ``[va, va + nbytes)``: is in-flight work touching it?
+        Raises in ``raise`` mode; returns the hazard to record in ``count`` mode."""
         if self.sanitizer == "off":
-            return
+            return None
         hit = self.streams.touching(va, nbytes)
         if hit is None:
-            return
+            return None
         work, ptr, n = hit
-        self._hazard(Hazard(self.now_s, call, work.stream, va, nbytes, work.name,
+        return self._hazard(Hazard(self.now_s, call, work.stream, va, nbytes, work.name,
                             f"[{va:#x}, {va + nbytes:#x}) is touched by {work.state_name} work {work.name!r} on stream "
                             f"{work.stream} (its range [{ptr:#x}, {ptr + n:#x})); wait for it first "
                             f"(event_synchronize / stream_synchronize)"))
 
-    def _hazard(self, hazard: Hazard) -> None:
+    def _hazard(self, hazard: Hazard) -> Hazard:
+        """Raise ``hazard`` in ``raise`` mode; in ``count`` mode return it, for :meth:`_record_hazards`
+        once the call goes ahead (a call that then fails, e.g. by an injected fault, did not do the
+        hazardous thing: recording it would count a retry twice)."""
         if self.sanitizer == "raise":
             raise hazard.to_error()
-        self.hazards.append(hazard)
-        log.debug("%s: hazard %s", self.spec, hazard.message)
+        return hazard
+
+    def _record_hazards(self, *hazards: Hazard | None) -> None:
+        for hazard in hazards:
+            if hazard is not None:
+                self.hazards.append(hazard)
+                log.debug("%s: hazard %s", self.spec, hazard.message)
 
     # -- life cycle -------------------------------------------------------------------------------------
     def _drain(self) -> None:

@@ -14,6 +14,7 @@ import math
 import pytest
 
 from gpumem import (
+    CudaError,
     DeviceLostError,
     GiB,
     InvalidArgumentError,
@@ -268,6 +269,35 @@ def test_close_of_a_lost_device_does_not_wait():
     dev.advance(0.020)
     dev.close()
     assert dev.now_s < 1.0 and dev.closed
+
+
+def test_count_mode_records_a_hazard_only_for_a_call_that_went_ahead():
+    """Review of issue 6: in count mode a free that then failed by an injected fault recorded its hazard,
+    and the retry recorded it again."""
+    dev = SimDevice(A100, sanitizer="count", faults=FaultPlan(fail_calls={"free": {1}, "mem_unmap": {1}}))
+    ptr = dev.malloc(4 * MiB)
+    va, h = _mapped(dev)
+    dev.launch(0, 1.0, [(ptr, 1), (va, 1)])
+    before = _state(dev)[:4]             # the work starts meanwhile: time passes
+    with pytest.raises(CudaError) as err:
+        dev.free(ptr)
+    assert err.value.injected and dev.hazards == [] and _state(dev)[:4] == before
+    with pytest.raises(CudaError):
+        dev.mem_unmap(va, G)
+    assert dev.hazards == [] and _state(dev)[:4] == before
+    dev.free(ptr)
+    dev.mem_unmap(va, G)
+    assert [(hz.call, hz.va) for hz in dev.hazards] == [("free", ptr), ("mem_unmap", va)]
+
+
+def test_count_mode_records_no_hazard_for_a_launch_on_a_lost_device():
+    dev = SimDevice(A100, sanitizer="count", faults=FaultPlan(device_lost_at_s=0.001))
+    ptr = dev.malloc(4096)
+    dev.free(ptr)
+    dev.advance(0.002)
+    with pytest.raises(DeviceLostError):
+        dev.launch(0, 0.001, [(ptr, 16)])
+    assert dev.hazards == []
 
 
 def test_every_call_raises_device_lost_after_a_loss():

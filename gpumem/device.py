@@ -264,6 +264,9 @@ class Device(abc.ABC):
     # queue up, and they reach the subscribers when the outermost block on that thread exits,
     # after the device's lock was released. Callbacks run one at a time in publication order;
     # events their own device calls publish are queued behind and delivered by the same loop.
+    # A callback's exception never reaches the caller of the device call (it is logged: Note [A
+    # subscriber cannot break a call] in :mod:`gpumem.events`); a KeyboardInterrupt does, and the
+    # events still queued on that thread are dropped.
     def _dispatch_event(self, event: MemoryEvent) -> None:
         tls = self._tls
         if tls.depth:

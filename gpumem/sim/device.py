@@ -33,7 +33,10 @@ Streams and the sanitizer
     the simulator's sanitizer raises :class:`~gpumem.errors.MemoryHazardError`
     instead and changes nothing (``sanitizer="raise"``, the default), or records a
     :class:`Hazard` in :attr:`SimDevice.hazards` and lets the call proceed
-    (``"count"``, for replays), or looks away (``"off"``).
+    (``"count"``, for replays), or looks away (``"off"``). In ``count`` mode a hazard
+    is recorded only for a call that goes ahead (not for one an injected fault fails).
+    :meth:`~gpumem.Device.close` first runs simulated time until every stream is
+    idle (as ``cudaDeviceSynchronize`` before teardown), then frees.
 
 Note [A failed call changes nothing]
 ------------------------------------

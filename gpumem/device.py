@@ -45,8 +45,19 @@ them against the device's :class:`~gpumem.vmm_book.MemoryBook`, *before*
 anything touches the device's state or calls CUDA, so that bad input raises a
 specific :mod:`gpumem.errors` exception and leaves the accounting unchanged.
 The checks live here, once, so both devices reject exactly the same inputs, in
-the same order: a closed or lost device first for the virtual memory calls,
-the argument types first for the others.
+the same order:
+
+1. the argument checks that need no device state (types, signs, the type of an
+   event), except for the virtual memory calls, which check nothing first;
+2. a closed device (:class:`~gpumem.errors.DeviceClosedError`), then a lost one
+   (:class:`~gpumem.errors.DeviceLostError`): after a loss *every* call but
+   :meth:`Device.properties`, :meth:`Device.close`, :meth:`Device.subscribe`
+   (host-side bookkeeping, so code can still watch a device it is giving up on)
+   and the introspection methods (``allocation_ranges``, ``check_invariants``...)
+   raises, the simulator's ``advance``, ``launch``, ``add_tenant`` and
+   ``watch_free_level`` included;
+3. the checks against what the device handed out (an unknown pointer, stream or
+   mapping, an event destroyed or made by another device), then the call.
 """
 
 from __future__ import annotations
@@ -253,6 +264,9 @@ class Device(abc.ABC):
     # queue up, and they reach the subscribers when the outermost block on that thread exits,
     # after the device's lock was released. Callbacks run one at a time in publication order;
     # events their own device calls publish are queued behind and delivered by the same loop.
+    # A callback's exception never reaches the caller of the device call (it is logged: Note [A
+    # subscriber cannot break a call] in :mod:`gpumem.events`); a KeyboardInterrupt does, and the
+    # events still queued on that thread are dropped.
     def _dispatch_event(self, event: MemoryEvent) -> None:
         tls = self._tls
         if tls.depth:
@@ -260,29 +274,32 @@ class Device(abc.ABC):
         else:
             self.events.deliver(event)
 
-    def _flush_events(self, *, raising: bool) -> None:
-        """Deliver what this thread queued (outermost block only); see the Note above."""
+    def _flush_events(self) -> None:
+        """Deliver what this thread queued (outermost block only); see the Note above.
+
+        Never raises an ``Exception``: a subscriber's exception is logged and delivery goes on
+        (Note [A subscriber cannot break a call] in :mod:`gpumem.events`), so a call that took
+        effect always returns its result. A ``BaseException`` from a subscriber
+        (``KeyboardInterrupt``, ``SystemExit``) propagates, after the call's state is complete;
+        the events still queued behind it are dropped (logged), never delivered later inside an
+        unrelated call.
+        """
         tls = self._tls
         queue = tls.queue
         if not queue or tls.delivering:
             return
         tls.delivering = True
-        first_error: BaseException | None = None
         try:
             while queue:
-                event = queue.popleft()
-                try:
-                    self.events.deliver(event)
-                except Exception as exc:  # noqa: BLE001 - deliver the rest, then report the first
-                    if first_error is None:
-                        first_error = exc
-                    log.debug("%s: subscriber raised on %s", self.spec, event, exc_info=True)
+                self.events.deliver(queue.popleft())
+        except BaseException:
+            if queue:
+                log.warning("%s: %d memory event(s) dropped, not delivered: a subscriber raised a "
+                            "BaseException", self.spec, len(queue))
+                queue.clear()
+            raise
         finally:
             tls.delivering = False
-        if first_error is not None:
-            if raising:
-                raise first_error
-            log.warning("%s: a subscriber raised while another error was raised: %r", self.spec, first_error)
 
     @contextlib.contextmanager
     def deferred_events(self) -> Iterator[None]:
@@ -297,14 +314,10 @@ class Device(abc.ABC):
         tls.depth = depth + 1
         try:
             yield
-        except BaseException:
+        finally:
             tls.depth = depth
-            if not depth:
-                self._flush_events(raising=False)
-            raise
-        tls.depth = depth
-        if not depth:
-            self._flush_events(raising=True)
+            if not depth and tls.queue:
+                self._flush_events()
 
     def _run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run one device call: deferred events, under the lock (the cheap form of ``deferred_events``)."""
@@ -313,29 +326,31 @@ class Device(abc.ABC):
         tls.depth = depth + 1
         try:
             with self._lock:
-                result = fn(*args)
-        except BaseException:
+                return fn(*args)
+        finally:
             tls.depth = depth
             if not depth and tls.queue:
-                self._flush_events(raising=False)
-            raise
-        tls.depth = depth
-        if not depth and tls.queue:
-            self._flush_events(raising=True)
-        return result
+                self._flush_events()
 
     def subscribe(self, callback: EventCallback) -> Subscription:
         """Call ``callback(event)`` for every :class:`~gpumem.events.MemoryEvent` from now on, always
-        after the device call that published it returned. ``Subscription.cancel()`` stops it."""
+        after the device call that published it returned. ``Subscription.cancel()`` stops it.
+
+        Allowed on a closed or lost device (it is host-side bookkeeping: code may still watch a
+        device it is giving up on); see Note [Validation before any device call]."""
         if not callable(callback):
             raise InvalidArgumentError(f"callback must be callable, got {type(callback).__name__}")
         with self._lock:
             return self.events.subscribe(callback)
 
     # -- checks shared by every device ---------------------------------------------------
-    def _check_event(self, event: object, call: str) -> Event:
+    def _check_event_type(self, event: object, call: str) -> None:
+        """The argument check that needs no device state: is ``event`` an event of this device's type?"""
         if not isinstance(event, self.event_type):
             raise InvalidArgumentError(f"{call}: expected an Event from event_record, got {type(event).__name__}")
+
+    def _check_event(self, event: Event, call: str) -> Event:
+        """Look ``event`` up (after :meth:`_check_usable`): made by this device and not destroyed."""
         if event._device is not self:
             raise InvalidArgumentError(f"{call}: {event!r} belongs to another device than {self.spec}")
         if event._destroyed:
@@ -589,10 +604,10 @@ class Device(abc.ABC):
         return self._run(self._stream_destroy, stream)
 
     def _stream_destroy(self, stream: int) -> None:
+        self._check_usable()
         if stream not in self._user_streams:
             why = "the default stream cannot be destroyed" if stream == 0 else "it was not made by stream_create"
             raise InvalidArgumentError(f"stream_destroy: stream {stream} on {self.spec}: {why}")
-        self._check_usable()
         self._do_stream_destroy(stream)
         self._user_streams.discard(stream)
 
@@ -607,24 +622,27 @@ class Device(abc.ABC):
 
     def event_query(self, event: Event) -> bool:
         """Whether ``event`` has completed (never waits)."""
+        self._check_event_type(event, "event_query")
         return self._run(self._event_call, "event_query", self._do_event_query, event)
 
     def event_synchronize(self, event: Event) -> None:
         """Wait until ``event`` has completed."""
+        self._check_event_type(event, "event_synchronize")
         return self._run(self._event_call, "event_synchronize", self._do_event_synchronize, event)
 
     def event_destroy(self, event: Event) -> None:
         """Give ``event`` back; using it afterwards raises :class:`~gpumem.errors.InvalidArgumentError`."""
+        self._check_event_type(event, "event_destroy")
         return self._run(self._event_destroy, event)
 
     def _event_call(self, call: str, fn: Callable[[Any], T], event: Event) -> T:
-        self._check_event(event, call)
         self._check_usable()
+        self._check_event(event, call)
         return fn(event)
 
     def _event_destroy(self, event: Event) -> None:
-        self._check_event(event, "event_destroy")
         self._check_usable()
+        self._check_event(event, "event_destroy")
         self._do_event_destroy(event)
         event._destroyed = True
 
@@ -640,16 +658,22 @@ class Device(abc.ABC):
     def stream_wait_event(self, stream: int, event: Event) -> None:
         """Make work queued on ``stream`` from now on wait until ``event`` has completed (no host wait)."""
         check_stream(stream)
+        self._check_event_type(event, "stream_wait_event")
         return self._run(self._stream_wait_event, stream, event)
 
     def _stream_wait_event(self, stream: int, event: Event) -> None:
-        self._check_event(event, "stream_wait_event")
         self._check_usable()
+        self._check_event(event, "stream_wait_event")
         self._do_stream_wait_event(stream, event)
 
     # -- life cycle ----------------------------------------------------------------------
     def close(self) -> None:
-        """Free everything this device object still holds. Idempotent."""
+        """Wait for all queued work, then free everything this device object still holds. Idempotent.
+
+        Like ``cudaDeviceSynchronize`` before teardown: work still queued or running on any stream
+        runs to its end first (the simulator runs simulated time until every stream is idle), so
+        nothing is freed or unmapped under it. A lost device has no work left to wait for.
+        """
         return self._run(self._close)
 
     def _close(self) -> None:

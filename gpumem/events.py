@@ -16,8 +16,11 @@ device call: see Note [Event delivery after the call] in :mod:`gpumem.device`.
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass
 from typing import Callable
+
+log = logging.getLogger(__name__)
 
 
 class MemoryEventKind(str, enum.Enum):
@@ -101,17 +104,23 @@ class EventHub:
         self._dispatch(event)
 
     def deliver(self, event: MemoryEvent) -> None:
-        """Call every subscriber with ``event`` now; if some raise, the others are still called and
-        the first exception is raised afterwards."""
-        first_error: Exception | None = None
+        """Call every subscriber with ``event`` now.
+
+        Note [A subscriber cannot break a call]: a subscriber that raises an
+        ``Exception`` is a bug in the subscriber, not a failure of the device
+        call that published the event (which has already taken effect). As
+        PyTorch's allocator observers and RMM's callbacks cannot break an
+        allocation, the exception is logged (``log.exception``, with the
+        subscriber and the event) and the other subscribers are still called;
+        nothing is raised. A ``BaseException`` (``KeyboardInterrupt``,
+        ``SystemExit``) propagates at once: the subscribers after it do not
+        get this event.
+        """
         for sub in list(self._subs):
             try:
                 sub.callback(event)
-            except Exception as exc:  # noqa: BLE001 - one subscriber's bug must not starve the others
-                if first_error is None:
-                    first_error = exc
-        if first_error is not None:
-            raise first_error
+            except Exception:  # noqa: BLE001 - see the Note: logged, never raised
+                log.exception("memory event subscriber %r raised on %r (ignored)", sub.callback, event)
 
     def free_changed(self, time_s: float, old_free: int, new_free: int, source: str) -> None:
         """Publish level crossings between ``old_free`` and ``new_free``."""

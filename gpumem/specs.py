@@ -25,6 +25,12 @@ from .device import Device, DeviceKind
 from .errors import DeviceNotFoundError, InvalidArgumentError
 
 
+def _shown(text: str, limit: int = 120) -> str:
+    """``repr(text)``, cut to about ``limit`` characters: an error message never echoes a huge input whole."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else f"{shown[:limit]}... ({len(text)} characters)"
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """A parsed device spec."""
@@ -56,21 +62,21 @@ def parse_spec(spec: str) -> DeviceSpec:
     kind_text, sep, target = head.partition(":")
     kind_text = kind_text.lower()
     if not sep or not target:
-        raise InvalidArgumentError(f"device spec {spec!r} must look like 'sim:<profile>' or 'cuda:<index>'")
+        raise InvalidArgumentError(f"device spec {_shown(spec)} must look like 'sim:<profile>' or 'cuda:<index>'")
     try:
         kind = DeviceKind(kind_text)
     except ValueError:
-        raise InvalidArgumentError(f"device spec {spec!r}: unknown kind {kind_text!r} (use 'sim' or 'cuda')") from None
+        raise InvalidArgumentError(f"device spec {_shown(spec)}: unknown kind {kind_text!r} (use 'sim' or 'cuda')") from None
     options = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=False)) if query else {}
     if kind is DeviceKind.CUDA:
         if options:
-            raise InvalidArgumentError(f"device spec {spec!r}: cuda devices take no options")
+            raise InvalidArgumentError(f"device spec {_shown(spec)}: cuda devices take no options")
         if not (target.isascii() and target.isdigit()):  # isdigit alone accepts "²", which int() refuses
-            raise InvalidArgumentError(f"device spec {spec!r}: the CUDA index must be a non-negative integer")
+            raise InvalidArgumentError(f"device spec {_shown(spec)}: the CUDA index must be a non-negative integer")
     else:
         unknown = {k for k in options if k not in _SIM_OPTIONS and not k.startswith(_FAIL_PREFIX)}
         if unknown:
-            raise InvalidArgumentError(f"device spec {spec!r}: unknown option(s) {sorted(unknown)}; "
+            raise InvalidArgumentError(f"device spec {_shown(spec)}: unknown option(s) {_shown(str(sorted(unknown)))}; "
                                        f"known: {', '.join(_SIM_OPTIONS)}")
     return DeviceSpec(kind, target.lower() if kind is DeviceKind.SIM else target, options)
 
@@ -101,7 +107,7 @@ def _sim_device(parsed: DeviceSpec, spec: str, kwargs: dict[str, Any]) -> Device
     except (TypeError, ValueError) as exc:
         if isinstance(exc, InvalidArgumentError):
             raise
-        raise InvalidArgumentError(f"device spec {spec!r}: bad option value: {exc}") from None
+        raise InvalidArgumentError(f"device spec {_shown(spec)}: bad option value: {str(exc)[:200]}") from None
     env = kwargs.pop("env", None)
     if kwargs:
         raise InvalidArgumentError(f"unknown keyword argument(s) for a simulated device: {sorted(kwargs)}")

@@ -33,7 +33,10 @@ Streams and the sanitizer
     the simulator's sanitizer raises :class:`~gpumem.errors.MemoryHazardError`
     instead and changes nothing (``sanitizer="raise"``, the default), or records a
     :class:`Hazard` in :attr:`SimDevice.hazards` and lets the call proceed
-    (``"count"``, for replays), or looks away (``"off"``).
+    (``"count"``, for replays), or looks away (``"off"``). In ``count`` mode a hazard
+    is recorded only for a call that goes ahead (not for one an injected fault fails).
+    :meth:`~gpumem.Device.close` first runs simulated time until every stream is
+    idle (as ``cudaDeviceSynchronize`` before teardown), then frees.
 
 Note [A failed call changes nothing]
 ------------------------------------
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import random
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -96,6 +100,32 @@ _VA_BASE = 0x7F00_0000_0000
 _VA_LIMIT = 1 << 48
 #: What the sanitizer does about a hazard (Note [What the sanitizer looks at] in :mod:`sim.streams`).
 SANITIZER_MODES = ("raise", "count", "off")
+
+
+def check_duration(value: object, *, what: str) -> float:
+    """Return ``value`` as a float if it is a finite real number of seconds >= 0, else raise
+    :class:`~gpumem.errors.InvalidArgumentError` (``bool``, text, NaN, infinities and ints too large for a
+    float are refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(f"{what} must be a finite number of seconds >= 0, got {type(value).__name__} "
+                                   f"{value!r}"[:200])
+    try:
+        seconds = float(value)
+    except (OverflowError, ValueError, TypeError):
+        raise InvalidArgumentError(f"{what} must be a finite number of seconds >= 0, got one too large "
+                                   f"for a float") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidArgumentError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
+    return seconds
+
+
+# Note [The clock stays finite]
+# -----------------------------
+# SimPy refuses to run once its clock is infinite, so a clock at ``inf`` would make every later call
+# fail. Durations are finite, but two finite ones can add up to ``inf`` (``advance(1.7e308)`` twice,
+# or two such kernels queued one after the other). ``advance`` and ``launch`` therefore refuse a
+# duration for which now + all queued work + the duration is not finite: the clock can never pass
+# that bound, since queued work ends at the latest when all of it has run back to back.
 
 
 @dataclass(frozen=True)
@@ -285,11 +315,22 @@ class SimDevice(Device):
 
     def advance(self, seconds: float) -> None:
         """Let ``seconds`` of simulated time pass (tenants, faults and queued work act meanwhile)."""
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0 \
-                or math.isinf(seconds):
-            raise InvalidArgumentError(f"seconds must be a finite number >= 0, got {seconds!r}")
+        seconds = check_duration(seconds, what="advance: seconds")
+        self._run(self._advance, seconds)
+
+    def _advance(self, seconds: float) -> None:
+        self._check_usable()
+        self._check_finite_time("advance", seconds)
         if seconds:
-            self._run(self._advance_to, self.env.now + seconds)
+            self._advance_to(self.env.now + seconds)
+
+    def _check_finite_time(self, call: str, seconds: float) -> None:
+        """Refuse a duration after which the clock would not be finite (Note [The clock stays finite])."""
+        end_s = self.env.now + self.streams.pending_s + seconds
+        if not math.isfinite(end_s):
+            raise InvalidArgumentError(f"{call}: {seconds!r} s from t={self.env.now!r} s (with "
+                                       f"{self.streams.pending_s!r} s of queued work) would take the simulated "
+                                       f"clock past the largest finite time")
 
     def _lost_message(self) -> str:
         return f"{self.spec} was lost at t={self.faults.plan.device_lost_at_s}s"
@@ -318,6 +359,8 @@ class SimDevice(Device):
         before ``until_s`` nothing can happen meanwhile, so the clock is set directly.
         """
         env = self.env
+        if until_s <= env.now:
+            return  # a cost too small to move a clock this large (SimPy refuses run(until=now))
         if env.peek() > until_s:
             env._now = until_s  # noqa: SLF001 - see the note above
         else:
@@ -332,15 +375,22 @@ class SimDevice(Device):
     def watch_free_level(self, level_nbytes: int) -> None:
         """Publish FREE_BELOW / FREE_ABOVE events when free memory crosses ``level_nbytes``."""
         check_nbytes(level_nbytes, what="level_nbytes")
-        self._run(self.events.watch_level, level_nbytes)
+        self._run(self._watch_free_level, level_nbytes)
+
+    def _watch_free_level(self, level_nbytes: int) -> None:
+        self._check_usable()
+        self.events.watch_level(level_nbytes)
 
     def add_tenant(self, scenario: Scenario, name: str | None = None) -> None:
         """Start another tenant running ``scenario`` now."""
+        if not isinstance(scenario, Scenario):
+            raise InvalidArgumentError(f"scenario must be a sim.pressure.Scenario, got {type(scenario).__name__}")
+        if name is not None and not isinstance(name, str):
+            raise InvalidArgumentError(f"name must be a str or None, got {type(name).__name__}")
         self._run(self._add_tenant, scenario, name)
 
     def _add_tenant(self, scenario: Scenario, name: str | None) -> None:
-        if not isinstance(scenario, Scenario):
-            raise InvalidArgumentError(f"scenario must be a sim.pressure.Scenario, got {type(scenario).__name__}")
+        self._check_usable()
         tenant = _Tenant(self, name or f"tenant-{len(self._tenants)}", random.Random(self._rng.getrandbits(64)))
         self._tenants.append(tenant)
         self.env.process(scenario.process(tenant))
@@ -482,8 +532,9 @@ class SimDevice(Device):
         return alloc
 
     def _do_free(self, alloc: _Allocation) -> None:  # type: ignore[override]
-        self._sanitize_release("free", alloc.start, alloc.nbytes)
+        hazard = self._sanitize_release("free", alloc.start, alloc.nbytes)
         self._call("free", self.latency.free_us(alloc.nbytes))
+        self._record_hazards(hazard)
         page = alloc.page
         if page is None:
             self._space.remove(alloc.start)
@@ -528,8 +579,9 @@ class SimDevice(Device):
 
     def _do_mem_unmap(self, r: Reservation, maps: list[Mapping]) -> None:
         va, end = maps[0].va, maps[-1].va + maps[-1].nbytes
-        self._sanitize_release("mem_unmap", va, end - va)
+        hazard = self._sanitize_release("mem_unmap", va, end - va)
         self._call("mem_unmap", self.latency.mem_unmap_us)
+        self._record_hazards(hazard)
         for m in maps:  # one simulated call for the whole range: all or nothing
             self._unmapped(r, m)
 
@@ -608,9 +660,7 @@ class SimDevice(Device):
         (``sanitizer="raise"``). Returns the :class:`~sim.streams.Work` (its ``state``, ``end_s``).
         """
         check_stream(stream)
-        if isinstance(duration_s, bool) or not isinstance(duration_s, (int, float)) or not duration_s >= 0 \
-                or math.isinf(duration_s):
-            raise InvalidArgumentError(f"launch: duration_s must be a finite number >= 0, got {duration_s!r}")
+        duration_s = check_duration(duration_s, what="launch: duration_s")
         if name is not None and not isinstance(name, str):
             raise InvalidArgumentError(f"launch: name must be a str or None, got {type(name).__name__}")
         ranges: list[tuple[int, int]] = []
@@ -622,43 +672,68 @@ class SimDevice(Device):
             if isinstance(exc, InvalidArgumentError):
                 raise
             raise InvalidArgumentError("launch: touches must be a sequence of (ptr, nbytes) pairs") from None
-        return self._run(self._launch, stream, float(duration_s), ranges, name)
+        return self._run(self._launch, stream, duration_s, ranges, name)
 
     def _launch(self, stream: int, duration_s: float, ranges: list[tuple[int, int]], name: str | None) -> Work:
         self._check_usable()
+        self._check_finite_time("launch", duration_s)
         label = name if name is not None else f"work {self.stats.calls.get('launch', 0) + 1}"
+        hazards: list[Hazard] = []
         if self.sanitizer != "off":
             for ptr, nbytes in ranges:
                 try:
                     self._book.locate(ptr, nbytes, "launch")
                 except InvalidPointerError as exc:
-                    self._hazard(Hazard(self.now_s, "launch", stream, ptr, nbytes, label,
+                    hazards.append(self._hazard(Hazard(self.now_s, "launch", stream, ptr, nbytes, label,
                                         f"work {label!r} on stream {stream} touches [{ptr:#x}, {ptr + nbytes:#x}), "
-                                        f"which is not allocated or not mapped with access ({exc})"))
+                                        f"which is not allocated or not mapped with access ({exc})")))
         self._call("launch", self.latency.launch_us)
+        self._record_hazards(*hazards)
         return self.streams.launch(stream, label, duration_s, ranges)
 
-    def _sanitize_release(self, call: str, va: int, nbytes: int) -> None:
-        """Before ``free`` or ``mem_unmap`` of ``[va, va + nbytes)``: is in-flight work touching it?"""
+    def _sanitize_release(self, call: str, va: int, nbytes: int) -> Hazard | None:
+        """Before ``free`` or ``mem_unmap`` of ``[va, va + nbytes)``: is in-flight work touching it?
+        Raises in ``raise`` mode; returns the hazard to record in ``count`` mode."""
         if self.sanitizer == "off":
-            return
+            return None
         hit = self.streams.touching(va, nbytes)
         if hit is None:
-            return
+            return None
         work, ptr, n = hit
-        self._hazard(Hazard(self.now_s, call, work.stream, va, nbytes, work.name,
+        return self._hazard(Hazard(self.now_s, call, work.stream, va, nbytes, work.name,
                             f"[{va:#x}, {va + nbytes:#x}) is touched by {work.state_name} work {work.name!r} on stream "
                             f"{work.stream} (its range [{ptr:#x}, {ptr + n:#x})); wait for it first "
                             f"(event_synchronize / stream_synchronize)"))
 
-    def _hazard(self, hazard: Hazard) -> None:
+    def _hazard(self, hazard: Hazard) -> Hazard:
+        """Raise ``hazard`` in ``raise`` mode; in ``count`` mode return it, for :meth:`_record_hazards`
+        once the call goes ahead (a call that then fails, e.g. by an injected fault, did not do the
+        hazardous thing: recording it would count a retry twice)."""
         if self.sanitizer == "raise":
             raise hazard.to_error()
-        self.hazards.append(hazard)
-        log.debug("%s: hazard %s", self.spec, hazard.message)
+        return hazard
+
+    def _record_hazards(self, *hazards: Hazard | None) -> None:
+        for hazard in hazards:
+            if hazard is not None:
+                self.hazards.append(hazard)
+                log.debug("%s: hazard %s", self.spec, hazard.message)
 
     # -- life cycle -------------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        """Before ``close`` frees anything: run simulated time until every stream is idle, as a program
+        calls ``cudaDeviceSynchronize`` before tearing down (freeing memory that queued or running work
+        touches is the hazard the sanitizer exists for). A lost device's work is gone: no wait."""
+        while not self._lost:
+            tails = [w for w in self.streams.tails() if w.state != DONE]
+            if not tails:
+                return
+            for work in tails:
+                if work.state != DONE and not self._lost:
+                    self.env.run(until=work.done_event)
+
     def _do_close(self) -> None:
+        self._drain()
         self._small_pages.clear()
         self._space.clear()
         self._process_pages = 0

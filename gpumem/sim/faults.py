@@ -25,6 +25,8 @@ A failed call changes nothing: the fault is decided before any state moves.
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 import random
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -56,31 +58,35 @@ class FaultPlan:
     call_failure_rates: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.malloc_failure_rate <= 1.0:
-            raise InvalidArgumentError(f"malloc_failure_rate must be in [0, 1], got {self.malloc_failure_rate}")
-        if self.device_lost_at_s is not None and self.device_lost_at_s < 0:
-            raise InvalidArgumentError("device_lost_at_s must not be negative")
-        object.__setattr__(self, "fail_allocation_calls", frozenset(self.fail_allocation_calls))
-        object.__setattr__(self, "transient_error_calls", frozenset(self.transient_error_calls))
-        fail_calls: dict[str, frozenset[int]] = {}
-        for name, indices in dict(self.fail_calls).items():
-            _check_call_name(name, "fail_calls")
+        object.__setattr__(self, "malloc_failure_rate", _probability(self.malloc_failure_rate, "malloc_failure_rate"))
+        if self.device_lost_at_s is not None:
+            lost = self.device_lost_at_s
+            if isinstance(lost, bool) or not isinstance(lost, numbers.Real):
+                raise InvalidArgumentError(f"device_lost_at_s must be a finite number of seconds >= 0 or None, got "
+                                           f"{type(lost).__name__} {lost!r}"[:200])
             try:
-                idx = frozenset(indices)
-            except TypeError:
-                raise InvalidArgumentError(f"fail_calls[{name!r}] must be a set of call indices") from None
-            if any(isinstance(i, bool) or not isinstance(i, int) or i < 1 for i in idx):
-                raise InvalidArgumentError(f"fail_calls[{name!r}]: call indices are ints >= 1, got {sorted(idx, key=repr)}")
+                lost_s = float(lost)
+            except (OverflowError, ValueError, TypeError):
+                raise InvalidArgumentError("device_lost_at_s is too large for a float") from None
+            if not math.isfinite(lost_s) or lost_s < 0:
+                raise InvalidArgumentError(f"device_lost_at_s must be a finite number of seconds >= 0, got {lost!r}")
+            object.__setattr__(self, "device_lost_at_s", lost_s)
+        object.__setattr__(self, "fail_allocation_calls",
+                           _call_indices(self.fail_allocation_calls, "fail_allocation_calls"))
+        object.__setattr__(self, "transient_error_calls",
+                           _call_indices(self.transient_error_calls, "transient_error_calls"))
+        fail_calls: dict[str, frozenset[int]] = {}
+        for name, indices in _items(self.fail_calls, "fail_calls"):
+            _check_call_name(name, "fail_calls")
+            idx = _call_indices(indices, f"fail_calls[{name!r}]")
             if idx:
                 fail_calls[name] = idx
         rates: dict[str, float] = {}
-        for name, rate in dict(self.call_failure_rates).items():
+        for name, rate in _items(self.call_failure_rates, "call_failure_rates"):
             _check_call_name(name, "call_failure_rates")
-            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
-                raise InvalidArgumentError(f"call_failure_rates[{name!r}] must be a probability in [0, 1], "
-                                           f"got {rate!r}")
+            rate = _probability(rate, f"call_failure_rates[{name!r}]")
             if rate:
-                rates[name] = float(rate)
+                rates[name] = rate
         object.__setattr__(self, "fail_calls", fail_calls)
         object.__setattr__(self, "call_failure_rates", rates)
 
@@ -88,6 +94,42 @@ class FaultPlan:
     def injects_anything(self) -> bool:
         return bool(self.malloc_failure_rate or self.fail_allocation_calls or self.transient_error_calls
                     or self.device_lost_at_s is not None or self.fail_calls or self.call_failure_rates)
+
+
+def _probability(value: object, what: str) -> float:
+    """``value`` as a float probability in [0, 1], else :class:`InvalidArgumentError`."""
+    ok = not isinstance(value, bool) and isinstance(value, numbers.Real)
+    try:
+        ok = ok and 0.0 <= float(value) <= 1.0  # type: ignore[arg-type]
+    except (OverflowError, ValueError, TypeError):
+        ok = False
+    if not ok:
+        raise InvalidArgumentError(f"{what} must be a probability in [0, 1], got {type(value).__name__} "
+                                   f"{value!r}"[:200])
+    return float(value)
+
+
+def _call_indices(value: object, what: str) -> frozenset[int]:
+    """``value`` as a frozenset of 1-based call indices (positive ints), else :class:`InvalidArgumentError`."""
+    if isinstance(value, (str, bytes, bytearray, Mapping)):
+        raise InvalidArgumentError(f"{what} must be a set of call indices (ints >= 1), got {type(value).__name__}")
+    try:
+        indices = frozenset(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be a set of call indices (ints >= 1), got "
+                                   f"{type(value).__name__}") from None
+    bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or i < 1]
+    if bad:
+        raise InvalidArgumentError(f"{what}: call indices are ints >= 1 (1 is the first call), got "
+                                   f"{sorted(bad, key=repr)[:5]!r}"[:200])
+    return indices
+
+
+def _items(value: object, what: str) -> list[tuple[object, object]]:
+    """The ``(call name, value)`` pairs of a mapping, else :class:`InvalidArgumentError`."""
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError(f"{what} must be a mapping of call names, got {type(value).__name__}")
+    return list(value.items())
 
 
 def _check_call_name(name: object, what: str) -> None:

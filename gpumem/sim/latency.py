@@ -3,7 +3,7 @@
 Note [Latency calibration]
 --------------------------
 ``cudaMalloc`` + ``cudaFree`` pairs cost 89 µs at 512 B and 1 MiB, 153 µs at
-64 MiB and 838 µs at 1 GiB on the H200 (``shared/anchors.md``); between those
+64 MiB and 838 µs at 1 GiB on the H200 (``reports/anchors.md``); between those
 points the cost is interpolated linearly in the size, beyond 1 GiB extrapolated
 with the last slope. A pair is split between the two calls in the ratio
 :attr:`LatencyModel.malloc_share`. ``cudaMemGetInfo`` costs 6.5 µs and

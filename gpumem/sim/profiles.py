@@ -136,7 +136,7 @@ def get_profile(name: str) -> DeviceProfile:
         return matches[0]
     raise DeviceNotFoundError(
         f"unknown simulated profile {name!r}; known profiles: {', '.join(profile_names())} "
-        "(or build a sim.DeviceProfile for a custom card)"
+        "(from Python, gpumem.sim.custom_profile(...) builds a profile for another card)"
     )
 
 

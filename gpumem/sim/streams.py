@@ -87,6 +87,10 @@ class StreamEngine:
         self.env = env
         self._streams: dict[int, _Stream] = {}
         self._inflight: dict[Work, None] = {}  # insertion-ordered set
+        self._n_pending = 0
+        self.pending_s = 0.0
+        """The summed durations of unfinished work (an upper bound on how long it can still run:
+        Note [The clock stays finite] in :mod:`sim.device`)."""
 
     def known(self, stream: int) -> bool:
         """Whether ``stream`` has unfinished work."""
@@ -113,6 +117,8 @@ class StreamEngine:
         work = Work(self.env, name, stream, duration_s, tuple(touches), wait_for)
         st.queue.append(work)
         st.tail = work
+        self._n_pending += 1
+        self.pending_s += duration_s
         if work.touches:
             self._inflight[work] = None
         if st.process is None:
@@ -140,6 +146,9 @@ class StreamEngine:
             work.end_s = env.now
             queue.popleft()
             self._inflight.pop(work, None)
+            self._n_pending -= 1
+            # reset when idle, so rounding in the running sum never accumulates
+            self.pending_s = self.pending_s - work.duration_s if self._n_pending else 0.0
             work.done_event.succeed()
         st.process = None
         # an idle stream keeps nothing: foreign code may use thousands of stream ids once each

@@ -89,3 +89,26 @@ def test_bad_events(device, device_spec, canary):
 def test_simulated_contract_devices_run_the_sanitizer(device):
     if device.kind is DeviceKind.SIM:
         assert device.sanitizer == "raise"
+
+
+def test_a_closed_device_refuses_before_looking_up_streams_and_events(device_spec):
+    """One order on every device (Note [Validation before any device call]): argument types, then a
+    closed or lost device, then lookups (review of issue 6: lookups came first for some calls)."""
+    dev = gpumem.open_device(device_spec)
+    s = dev.stream_create()
+    e = dev.event_record(0)
+    dead = dev.event_record(0)
+    dev.event_destroy(dead)
+    dev.close()
+    calls = [
+        lambda: dev.stream_destroy(77), lambda: dev.stream_destroy(s), lambda: dev.event_query(dead),
+        lambda: dev.event_query(e), lambda: dev.event_synchronize(dead), lambda: dev.event_destroy(dead),
+        lambda: dev.stream_wait_event(0, dead),
+    ]
+    for call in calls:
+        with pytest.raises(gpumem.DeviceClosedError):
+            call()
+    with pytest.raises(InvalidArgumentError):
+        dev.event_query("not an event")
+    with pytest.raises(InvalidArgumentError):
+        dev.stream_destroy(-1)

@@ -129,11 +129,26 @@ def test_device_lost_during_a_call():
     assert dev.accounting() == acc and dev.n_allocations == 0
 
 
-@pytest.mark.parametrize("kwargs", [dict(malloc_failure_rate=-0.1), dict(malloc_failure_rate=1.5),
-                                    dict(device_lost_at_s=-1.0)])
+@pytest.mark.parametrize("kwargs", [
+    dict(malloc_failure_rate=-0.1), dict(malloc_failure_rate=1.5), dict(malloc_failure_rate=float("nan")),
+    dict(malloc_failure_rate="0.5"), dict(malloc_failure_rate=True), dict(malloc_failure_rate=10**400),
+    dict(device_lost_at_s=-1.0), dict(device_lost_at_s=float("nan")), dict(device_lost_at_s=float("inf")),
+    dict(device_lost_at_s="5"), dict(device_lost_at_s=True), dict(device_lost_at_s=10**400),
+    dict(fail_allocation_calls={"1", "2"}), dict(fail_allocation_calls="12"), dict(fail_allocation_calls={-1, 0}),
+    dict(fail_allocation_calls={1.0}), dict(fail_allocation_calls=3), dict(transient_error_calls={0}),
+    dict(transient_error_calls={"1"}), dict(transient_error_calls={True}),
+], ids=repr)
 def test_fault_plan_validation(kwargs):
+    """Review of issue 6: text values raised TypeError, NaN was accepted as a loss time, and strings or
+    non-positive numbers were accepted as call indices."""
     with pytest.raises(InvalidArgumentError):
         FaultPlan(**kwargs)
+
+
+def test_spec_refuses_a_nan_or_infinite_loss_time():
+    for bad in ("nan", "inf", "-1"):
+        with pytest.raises(InvalidArgumentError):
+            open_device(f"sim:a100-80gb?lost_at_s={bad}")
 
 
 def test_fault_plan_values():
@@ -225,6 +240,10 @@ def test_call_failure_rates_are_seeded_and_spec_options_set_them():
 @pytest.mark.parametrize("plan", [
     dict(fail_calls={"cudaMalloc": {1}}), dict(fail_calls={"malloc": {0}}), dict(fail_calls={"malloc": {True}}),
     dict(fail_calls={"malloc": 3}), dict(call_failure_rates={"free": 1.5}), dict(call_failure_rates={"write": 0.1}),
+    dict(fail_calls={"free": "12"}), dict(fail_calls={"free": {-1}}), dict(fail_calls={"free": {1.5}}),
+    dict(fail_calls=[("free", {1})]), dict(fail_calls=5), dict(call_failure_rates={"free": "0.5"}),
+    dict(call_failure_rates={"free": float("nan")}), dict(call_failure_rates={"free": True}),
+    dict(call_failure_rates=[("free", 0.5)]),
 ], ids=repr)
 def test_bad_call_fault_plans(plan):
     with pytest.raises(InvalidArgumentError):

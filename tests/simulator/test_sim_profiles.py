@@ -129,3 +129,10 @@ def test_profiles_are_values():
     with pytest.raises(AttributeError):
         p.total_nbytes = 1  # frozen
     assert sim.get_profile("t4-16gb").properties() == SimDevice(p).properties()
+
+
+def test_unknown_profile_points_at_custom_profile():
+    """The advice names the function that exists (review of issue 6: it named sim.DeviceProfile)."""
+    with pytest.raises(DeviceNotFoundError, match=r"gpumem\.sim\.custom_profile\(") as err:
+        get_profile("no-such-card")
+    assert "no-such-card" in str(err.value)

@@ -91,3 +91,11 @@ def test_canonical_specs():
 def test_bad_keyword_arguments(kwargs):
     with pytest.raises(InvalidArgumentError):
         gpumem.open_device("sim:t4-16gb", **kwargs)
+
+
+@pytest.mark.parametrize("spec", ["sim:a100-80gb?seed=" + "9" * 5000, "sim:a100-80gb?fail_rate=" + "x" * 5000,
+                                  "sim:a100-80gb?" + "k" * 5000 + "=1", "bogus:" + "z" * 5000])
+def test_spec_errors_never_echo_a_huge_spec_whole(spec):
+    with pytest.raises(InvalidArgumentError) as err:
+        gpumem.open_device(spec)
+    assert len(str(err.value)) < 700

@@ -8,11 +8,17 @@ event has completed.
 
 from __future__ import annotations
 
+import logging
+import math
+
 import pytest
 
 from gpumem import (
+    CudaError,
     DeviceLostError,
+    GiB,
     InvalidArgumentError,
+    InvalidPointerError,
     MemoryHazardError,
     MiB,
     open_device,
@@ -185,6 +191,7 @@ def test_destroyed_stream_still_finishes_its_work():
 
 @pytest.mark.parametrize("bad", [
     dict(duration_s=-1.0), dict(duration_s=float("inf")), dict(duration_s=float("nan")), dict(duration_s="1"),
+    dict(duration_s=10**400), dict(duration_s=True), dict(duration_s=None),
     dict(touches=[(1,)]), dict(touches=[(0, 16)]), dict(touches=[(4096, 0)]), dict(touches=5),
     dict(touches=[(4096.0, 16)]), dict(stream=-1), dict(stream=True), dict(name=3),
 ], ids=repr)
@@ -198,11 +205,109 @@ def test_launch_bad_arguments(bad):
     assert _state(dev) == before
 
 
+@pytest.mark.parametrize("bad", [-1, -0.5, float("inf"), float("-inf"), float("nan"), 10**400, True, "1", None],
+                         ids=repr)
+def test_advance_bad_durations(bad):
+    dev = SimDevice(A100)
+    dev.launch(0, 1.0)
+    before = (_state(dev), dev.now_s, dev.streams.pending_s)
+    with pytest.raises(InvalidArgumentError, match="finite number of seconds"):
+        dev.advance(bad)
+    assert (_state(dev), dev.now_s, dev.streams.pending_s) == before
+
+
+def test_the_clock_never_reaches_infinity():
+    """Review of issue 6: advance(1.7e308) twice, or two such kernels, made the clock inf, and every
+    later call raised SimPy's ValueError for ever."""
+    dev = SimDevice(A100)
+    ptr = dev.malloc(4096)
+    dev.advance(1.7e308)
+    t = dev.now_s
+    with pytest.raises(InvalidArgumentError, match="largest finite time"):
+        dev.advance(1.7e308)
+    assert dev.now_s == t
+    with pytest.raises(InvalidArgumentError, match="largest finite time"):
+        dev.launch(0, 1.7e308)
+    assert dev.streams.n_busy_streams == 0
+    dev.free(ptr)                            # the device still works
+    dev.synchronize()
+
+    dev = SimDevice(A100)
+    dev.launch(0, 1.7e308)
+    before = (_state(dev), dev.now_s, dev.streams.pending_s)
+    with pytest.raises(InvalidArgumentError, match="largest finite time"):
+        dev.launch(1, 1.7e308)               # could run after the first (stream_wait_event): refused too
+    assert (_state(dev), dev.now_s, dev.streams.pending_s) == before
+    dev.synchronize()
+    assert math.isfinite(dev.now_s) and dev.streams.pending_s == 0.0
+    dev.mem_info()
+
+
+@pytest.mark.parametrize("sanitizer", ["raise", "count"])
+def test_close_waits_for_queued_work_before_freeing(sanitizer):
+    """Review of issue 6: close() freed and unmapped memory that running work touched, and the work
+    stayed queued for ever."""
+    dev = SimDevice(A100, sanitizer=sanitizer)
+    ptr = dev.malloc(8 * MiB)
+    va, h = _mapped(dev)
+    w1 = dev.launch(0, 0.050, [(ptr, 8 * MiB)], name="reads ptr")
+    w2 = dev.launch(1, 0.050, [(va, G)], name="reads the mapping")
+    e = dev.event_record(1)
+    dev.stream_wait_event(2, e)
+    w3 = dev.launch(2, 0.020, [(ptr, 16)], name="after the mapping's reader")
+    dev.close()
+    assert (w1.state_name, w2.state_name, w3.state_name) == ("done", "done", "done")
+    assert w3.end_s == pytest.approx(w2.end_s + 0.020) and dev.now_s >= w3.end_s
+    assert dev.streams.inflight == [] and dev.streams.n_busy_streams == 0 and dev.hazards == []
+    assert dev.accounting() == (0, 0, 0)
+
+
+def test_close_of_a_lost_device_does_not_wait():
+    dev = SimDevice(A100, faults=FaultPlan(device_lost_at_s=0.010))
+    ptr = dev.malloc(4096)
+    dev.launch(0, 1e6, [(ptr, 16)])
+    dev.advance(0.020)
+    dev.close()
+    assert dev.now_s < 1.0 and dev.closed
+
+
+def test_count_mode_records_a_hazard_only_for_a_call_that_went_ahead():
+    """Review of issue 6: in count mode a free that then failed by an injected fault recorded its hazard,
+    and the retry recorded it again."""
+    dev = SimDevice(A100, sanitizer="count", faults=FaultPlan(fail_calls={"free": {1}, "mem_unmap": {1}}))
+    ptr = dev.malloc(4 * MiB)
+    va, h = _mapped(dev)
+    dev.launch(0, 1.0, [(ptr, 1), (va, 1)])
+    before = _state(dev)[:4]             # the work starts meanwhile: time passes
+    with pytest.raises(CudaError) as err:
+        dev.free(ptr)
+    assert err.value.injected and dev.hazards == [] and _state(dev)[:4] == before
+    with pytest.raises(CudaError):
+        dev.mem_unmap(va, G)
+    assert dev.hazards == [] and _state(dev)[:4] == before
+    dev.free(ptr)
+    dev.mem_unmap(va, G)
+    assert [(hz.call, hz.va) for hz in dev.hazards] == [("free", ptr), ("mem_unmap", va)]
+
+
+def test_count_mode_records_no_hazard_for_a_launch_on_a_lost_device():
+    dev = SimDevice(A100, sanitizer="count", faults=FaultPlan(device_lost_at_s=0.001))
+    ptr = dev.malloc(4096)
+    dev.free(ptr)
+    dev.advance(0.002)
+    with pytest.raises(DeviceLostError):
+        dev.launch(0, 0.001, [(ptr, 16)])
+    assert dev.hazards == []
+
+
 def test_every_call_raises_device_lost_after_a_loss():
     dev = SimDevice(A100, faults=FaultPlan(device_lost_at_s=0.001))
     ptr = dev.malloc(4096)
     va, h = _mapped(dev)
     e = dev.event_record(0)
+    destroyed = dev.event_record(0)
+    dev.event_destroy(destroyed)
+    foreign = SimDevice(A100).event_record(0)
     s = dev.stream_create()
     dev.launch(0, 0.005)                     # the loss happens while this runs
     with pytest.raises(DeviceLostError):
@@ -215,10 +320,31 @@ def test_every_call_raises_device_lost_after_a_loss():
         lambda: dev.stream_create(), lambda: dev.stream_destroy(s), lambda: dev.event_record(0),
         lambda: dev.event_query(e), lambda: dev.event_synchronize(e), lambda: dev.event_destroy(e),
         lambda: dev.stream_synchronize(0), lambda: dev.stream_wait_event(s, e), lambda: dev.launch(0, 0.001),
+        # review of issue 6: lookups that depend on the device's state came before the loss check, and
+        # the simulator's own calls that act on the device did not check at all
+        lambda: dev.stream_destroy(77), lambda: dev.event_query(destroyed), lambda: dev.event_query(foreign),
+        lambda: dev.event_synchronize(destroyed), lambda: dev.event_destroy(foreign),
+        lambda: dev.stream_wait_event(0, destroyed), lambda: dev.advance(1.0), lambda: dev.advance(0),
+        lambda: dev.watch_free_level(GiB), lambda: dev.add_tenant(Step(nbytes=G, at_s=0.0, until_s=1.0)),
     ]
+    t = dev.now_s
     for call in calls:
+        before = _state(dev)
         with pytest.raises(DeviceLostError):
             call()
+        assert _state(dev) == before
+    assert dev.now_s == t and not dev._tenants
+    # argument TYPE errors still come first, as on a closed device (Note [Validation before any device call])
+    with pytest.raises(InvalidArgumentError):
+        dev.event_query("not an event")
+    with pytest.raises(InvalidArgumentError):
+        dev.stream_destroy(-1)
+    with pytest.raises(InvalidArgumentError):
+        dev.advance(float("nan"))
+    sub = dev.subscribe(print)               # allowed: host-side bookkeeping
+    sub.cancel()
+    dev.check_invariants()
+    dev.close()
 
 
 def test_subscriber_sees_events_only_after_the_call_returned_and_may_reenter():
@@ -287,8 +413,11 @@ def test_events_published_on_a_thread_are_delivered_on_that_thread_after_its_cal
         assert delivered_on == ["mover"], "the thread whose call published the event delivers it"
 
 
-def test_a_failing_subscriber_raises_after_the_call_took_effect():
-    dev = SimDevice(A100, pressure=Step(nbytes=4 * G, at_s=0.001, until_s=1.0))
+def test_a_failing_subscriber_is_logged_and_never_breaks_the_call(caplog):
+    """Review of issue 6: a subscriber's exception replaced the result of the call that published the
+    event, so a malloc crossing a watched level raised while the device held the allocation."""
+    dev = SimDevice(A100)
+    dev.watch_free_level(70 * GiB)
     calls = []
 
     def bad(ev):
@@ -297,10 +426,48 @@ def test_a_failing_subscriber_raises_after_the_call_took_effect():
 
     dev.subscribe(bad)
     dev.subscribe(lambda ev: calls.append("second saw " + ev.kind.value))
-    ptr_holder = []
-    with pytest.raises(RuntimeError, match="subscriber bug"):
-        with dev.deferred_events():
-            dev.advance(0.002)
-            ptr_holder.append(dev.malloc(4096))
-    assert calls == ["tenant_took", "second saw tenant_took"], "every subscriber got the event"
-    assert dev.allocation_ranges() == [(ptr_holder[0], 4096)]
+    with caplog.at_level(logging.ERROR, logger="gpumem.events"):
+        ptr = dev.malloc(20 * GiB)           # crosses the level: FREE_BELOW
+    assert dev.allocation_ranges() == [(ptr, 20 * GiB)], "the call returned what the device holds"
+    assert calls == ["free_below", "second saw free_below"], "every subscriber got the event"
+    [record] = [r for r in caplog.records if "subscriber" in r.getMessage()]
+    assert "bad" in record.getMessage() and "free_below" in record.getMessage() and record.exc_info
+    dev.free(ptr)                            # crosses back: FREE_ABOVE, the subscriber raises again
+    assert dev.allocation_ranges() == [] and calls[-2:] == ["free_above", "second saw free_above"]
+    with pytest.raises(InvalidPointerError):  # the free happened once: a retry is a double free
+        dev.free(ptr)
+
+
+def test_a_failing_subscriber_inside_deferred_events_does_not_raise_at_the_block_exit():
+    dev = SimDevice(A100, pressure=Step(nbytes=4 * G, at_s=0.001, until_s=1.0))
+    dev.subscribe(lambda ev: 1 / 0)
+    with dev.deferred_events():
+        dev.advance(0.002)
+        ptr = dev.malloc(4096)
+    assert dev.allocation_ranges() == [(ptr, 4096)]
+
+
+def test_a_base_exception_from_a_subscriber_propagates_and_drops_the_queued_events():
+    """Review of issue 6: after a KeyboardInterrupt from a subscriber, the events queued behind it were
+    delivered later, inside an unrelated call."""
+    dev = SimDevice(A100)
+    dev.watch_free_level(70 * GiB)
+    dev.watch_free_level(60 * GiB)
+    seen = []
+
+    def interrupt_once(ev):
+        seen.append(ev.level_nbytes)
+        if len(seen) == 1:
+            raise KeyboardInterrupt
+
+    dev.subscribe(interrupt_once)
+    with pytest.raises(KeyboardInterrupt):
+        dev.malloc(30 * GiB)                 # crosses both levels: two FREE_BELOW events
+    assert seen == [70 * GiB]
+    assert dev.accounting()[2] == 1 and dev.process_used_nbytes == 30 * GiB, "the malloc took effect"
+    dev.mem_info()
+    dev.check_invariants()
+    assert seen == [70 * GiB], "the dropped event is not delivered inside a later call"
+    ptr = dev.allocation_ranges()[0][0]
+    dev.free(ptr)                            # delivery works again afterwards
+    assert seen == [70 * GiB, 70 * GiB, 60 * GiB]

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import stat
 import sys
 from pathlib import Path
 from types import MappingProxyType
@@ -121,20 +122,82 @@ def _cli_names(message: str) -> str:
     return re.sub(r"\bpass format=", "pass --format NAME", message)
 
 
-def check_output_path(path: str, option: str) -> Path:
-    """``path`` as a Path, if a file can be written there; else :class:`_UsageError` saying why.
+_FILE_KINDS = ((stat.S_ISDIR, "a folder; give a file name"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
-    Checked before the replay starts, so that a typo does not lose a long replay's results.
+
+def _shorten_path(path: str, limit: int = 120) -> str:
+    return path if len(path) <= limit else path[: limit // 2] + "..." + path[-(limit // 2):]
+
+
+class OutputFile:
+    """An output file checked and opened for writing before a long run (:func:`check_output_path`).
+
+    ``created`` says whether the check created it (empty); :meth:`discard` removes it again then, so that
+    a run that fails leaves nothing behind.
     """
+
+    def __init__(self, path: Path, created: bool) -> None:
+        self.path = path
+        self.created = created
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def discard(self) -> None:
+        """Remove the file if the check created it (a failed run); keeps a file that was there before."""
+        if self.created:
+            try:
+                os.unlink(self.path)
+            except OSError as exc:  # pragma: no cover - removed meanwhile
+                log.debug("could not remove %s: %s", self.path, exc)
+            self.created = False
+
+
+def check_output_path(path: str, option: str) -> OutputFile:
+    """Check that a file can be written at ``path`` by opening it for writing (creating it if missing),
+    before the long run starts; :class:`_UsageError` saying why not.
+
+    The target, if it exists, must be a regular file (or a link to one): folders, FIFOs, devices, sockets
+    and dangling links are refused, since writing them would fail (or block, for a FIFO without a
+    reader) only after the whole replay. The file is opened with ``O_WRONLY | O_CREAT | O_NONBLOCK`` and
+    without truncation, so an existing file keeps its content until the results are written; every
+    ``OSError`` (a missing folder, permission denied, a name too long) is a usage error.
+    """
+    if not path:
+        raise _UsageError(f"{option}: the file name is empty")
+    shown = _shorten_path(path)
     p = Path(path)
-    if p.is_dir():
-        raise _UsageError(f"{option}: {path} is a folder; give a file name")
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise _UsageError(f"{option}: no such folder {parent} (create it first)")
-    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise _UsageError(f"{option}: cannot write {path} (permission denied)")
-    return p
+    try:
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            if os.path.lexists(p):
+                raise _UsageError(f"{option}: {shown} is a link to a missing file ({os.readlink(p)[:120]}); "
+                                  "give a file name") from None
+            existed = False
+        else:
+            existed = True
+            for is_kind, what in _FILE_KINDS:
+                if is_kind(st.st_mode):
+                    raise _UsageError(f"{option}: {shown} is {what}")
+        parent = p.parent
+        if not existed and not parent.is_dir():
+            raise _UsageError(f"{option}: no such folder {_shorten_path(str(parent))} (create it first)")
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        out = OutputFile(p, created=not existed)
+        if not stat.S_ISREG(st.st_mode):  # changed between the checks
+            raise _UsageError(f"{option}: {shown} is not a regular file")
+        return out
+    except OSError as exc:
+        raise _UsageError(f"{option}: cannot write {shown}: {exc.strerror or exc}") from None
 
 
 def _load(args: argparse.Namespace):
@@ -247,12 +310,23 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print the results (then the out-of-memory report, once), write the export; returns the exit status.
     Bad input raises :class:`_UsageError`; device errors propagate to :func:`_run`, which maps them to
     exit statuses."""
+    export = None if args.export_snapshot is None else check_output_path(args.export_snapshot, "--export-snapshot")
+    finished = False
+    try:
+        code = _replay(args, export)
+        finished = True
+        return code
+    finally:
+        if export is not None and not finished:
+            export.discard()  # the replay failed: leave no empty file behind
+
+
+def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
     from .allocator import CachingAllocator
     from .replay import replay
     from .specs import open_device
     from .trace import save_pytorch_snapshot
 
-    export = check_output_path(args.export_snapshot, "--export-snapshot") if args.export_snapshot else None
     try:
         device = open_device(args.device)
     except GpumemError as exc:
@@ -295,9 +369,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         code = EXIT_OOM
     if export is not None:
         try:
-            save_pytorch_snapshot(history, export)
+            save_pytorch_snapshot(history, export.path)
         except OSError as exc:
-            print(f"gpumem replay: --export-snapshot: cannot write {export}: {exc.strerror or exc}", file=sys.stderr)
+            export.discard()
+            print(f"gpumem replay: --export-snapshot: cannot write {_shorten_path(str(export))}: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
             return EXIT_USAGE
     return code
 
@@ -391,7 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary", action="store_true", help="also print the allocator's memory summary table")
     p.add_argument("--export-snapshot", metavar="PATH",
                    help="write what gpumem did as a PyTorch memory snapshot (open it in PyTorch's memory_viz); "
-                        "the folder must exist (checked before the replay starts)")
+                        "a regular file (created, or replaced once the replay is done) in a folder that exists: "
+                        "checked by opening it for writing before the replay starts; removed again if the "
+                        "replay fails and the file was not there before")
     p.set_defaults(func=cmd_replay)
     return parser
 

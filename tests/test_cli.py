@@ -380,6 +380,68 @@ def test_export_path_checked_before_the_replay(capsys, trace_file, tmp_path, mon
     assert err.startswith("gpumem replay: --export-snapshot: ") and "Traceback" not in err
 
 
+def _no_replay(monkeypatch):
+    import gpumem.replay
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("the replay must not start")
+
+    monkeypatch.setattr(gpumem.replay, "replay", no_replay)
+
+
+def test_export_name_too_long_is_a_usage_error(capsys, trace_file, tmp_path, monkeypatch):
+    _no_replay(monkeypatch)
+    code, out, err = run(capsys, "replay", str(trace_file), "--export-snapshot", str(tmp_path / ("a" * 300 + ".pickle")))
+    assert code == EXIT_USAGE and out == ""
+    assert err.startswith("gpumem replay: --export-snapshot: cannot write ") and "too long" in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and len(err) < 300
+
+
+def test_export_empty_name_is_refused(capsys, trace_file, monkeypatch):
+    _no_replay(monkeypatch)
+    code, out, err = run(capsys, "replay", str(trace_file), "--export-snapshot", "")
+    assert code == EXIT_USAGE and out == ""
+    assert err == "gpumem replay: --export-snapshot: the file name is empty\n"
+
+
+@pytest.mark.parametrize("kind", ["dangling", "fifo", "device", "proc", "dirlink"])
+def test_export_target_must_be_a_regular_file(capsys, trace_file, tmp_path, monkeypatch, kind):
+    import os
+
+    target = {"device": "/dev/null", "proc": "/proc/r.pickle"}.get(kind, str(tmp_path / "out.pickle"))
+    if kind == "dangling":
+        os.symlink(tmp_path / "missing" / "x", target)
+    elif kind == "fifo":
+        os.mkfifo(target)  # no reader: opening it for writing must not hang
+    elif kind == "dirlink":
+        os.symlink(tmp_path, target)
+    _no_replay(monkeypatch)
+    code, out, err = run(capsys, "replay", str(trace_file), "--export-snapshot", target)
+    assert code == EXIT_USAGE and out == ""
+    assert err.startswith("gpumem replay: --export-snapshot: ") and len(err.splitlines()) == 1
+    expected = {"dangling": "link to a missing file", "fifo": "FIFO", "device": "character device",
+                "proc": "cannot write", "dirlink": "is a folder"}[kind]
+    assert expected in err
+
+
+def test_export_file_created_up_front_is_removed_when_the_replay_fails(capsys, trace_file, tmp_path):
+    out_path = tmp_path / "out.pickle"
+    code, out, err = run(capsys, "replay", str(trace_file), "--device", "sim:a100-80gb?lost_at_s=0",
+                         "--export-snapshot", str(out_path))
+    assert code == 3 and not out_path.exists()
+    bad = tmp_path / "bad.gmt"
+    bad.write_text("nonsense")
+    code, out, err = run(capsys, "replay", str(bad), "--export-snapshot", str(out_path))
+    assert code == EXIT_USAGE and not out_path.exists()
+    # a file that was there before is kept (with its content) when the replay fails
+    out_path.write_bytes(b"old")
+    code, out, err = run(capsys, "replay", str(bad), "--export-snapshot", str(out_path))
+    assert code == EXIT_USAGE and out_path.read_bytes() == b"old"
+    # and replaced when it succeeds
+    code, out, err = run(capsys, "replay", str(trace_file), "--export-snapshot", str(out_path))
+    assert code == EXIT_OK and out_path.stat().st_size > 3
+
+
 def test_export_failure_after_the_replay_keeps_the_results(capsys, trace_file, tmp_path, monkeypatch):
     import gpumem.trace
 
@@ -391,6 +453,7 @@ def test_export_failure_after_the_replay_keeps_the_results(capsys, trace_file, t
     assert code == EXIT_USAGE
     assert "overhead" in out  # the results were printed first
     assert "cannot write" in err and "No space left on device" in err
+    assert not (tmp_path / "out.pickle").exists()  # created by the up-front check, removed again
 
 
 def test_closed_pipe_is_not_a_traceback(trace_file):

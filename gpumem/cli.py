@@ -14,8 +14,9 @@ Exit status (:data:`EXIT_CODES`): 0 done; 1 out of memory (the trace does not fi
 device or the limit); 2 bad input (a bad option, device spec, trace file or output
 path); 3 the device was lost; 4 another device error during the replay (a failed
 device call, a memory hazard the simulator caught, an internal consistency error);
-130 interrupted (Ctrl-C); 141 the output pipe was closed (``gpumem replay ... --json | head``),
-as for a command that SIGPIPE ended.
+130 interrupted (Ctrl-C); 141 standard output was closed: the output pipe closed early
+(``gpumem replay ... --json | head``), as for a command that SIGPIPE ended, or no standard output
+at all (``gpumem replay ... >&-``: the command stops before it starts, with one line on stderr).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ EXIT_CODES: Mapping[int, str] = MappingProxyType({
     EXIT_DEVICE_ERROR: "another device error during the replay (a failed device call, a memory hazard\n"
                        "      the simulator caught, an internal consistency error)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
-    EXIT_BROKEN_PIPE: "the output pipe was closed early (e.g. `| head`); nothing else went wrong",
+    EXIT_BROKEN_PIPE: "standard output was closed: the output pipe closed early (e.g. `| head`; nothing\n"
+                      "      else went wrong), or it was closed from the start (`>&-`; nothing was run)",
 })
 
 _DEFAULT_DEVICE = "sim:h200-141gb"
@@ -491,12 +493,36 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_DEVICE_ERROR
 
 
+def _stdout_closed() -> bool:
+    """Whether standard output is missing or closed (Python sets ``sys.stdout`` to None when the process
+    starts with file descriptor 1 closed)."""
+    out = sys.stdout
+    if out is None or getattr(out, "closed", False):
+        return True
+    try:
+        fd = out.fileno()
+    except (OSError, ValueError, AttributeError):  # a stream without a file descriptor (captured output)
+        return False
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gpumem`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if _stdout_closed():
+        # started with stdout closed (`gpumem replay T >&-`): the results could go nowhere; end at once, as
+        # for a closed pipe, with one line on stderr (if there is one) and no traceback
+        if sys.stderr is not None:
+            print(f"gpumem {args.command}: standard output is closed: nothing to print the results to",
+                  file=sys.stderr)
+        return EXIT_BROKEN_PIPE
     try:
         code = _run(args)
         sys.stdout.flush()

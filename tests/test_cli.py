@@ -474,6 +474,28 @@ def test_closed_pipe_is_not_a_traceback(trace_file):
         assert err == "", err
 
 
+@pytest.mark.parametrize("command", ["devices", "replay"])
+def test_closed_stdout_is_not_a_traceback(trace_file, command):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    argv = ["devices"] if command == "devices" else ["replay", str(trace_file)]
+    proc = subprocess.run([sys.executable, "-m", "gpumem", *argv], stderr=subprocess.PIPE, env=env, timeout=120,
+                          preexec_fn=lambda: os.close(1))  # as `gpumem ... >&-`
+    err = proc.stderr.decode()
+    assert proc.returncode == 141, err
+    assert err == f"gpumem {command}: standard output is closed: nothing to print the results to\n"
+
+
+def test_stdout_none_in_process(capsys, trace_file, monkeypatch):
+    monkeypatch.setattr("sys.stdout", None)
+    assert main(["replay", str(trace_file)]) == 141
+
+
 def test_exit_codes_for_device_errors(capsys, trace_file):
     code, out, err = run(capsys, "replay", str(trace_file), "--device", "sim:t4-16gb?lost_at_s=0")
     assert code == 3, err

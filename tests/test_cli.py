@@ -496,6 +496,50 @@ def test_stdout_none_in_process(capsys, trace_file, monkeypatch):
     assert main(["replay", str(trace_file)]) == 141
 
 
+def test_ctrl_c_while_building_the_parser(capsys, monkeypatch):
+    import gpumem.cli
+
+    def interrupted():
+        raise KeyboardInterrupt  # as a Ctrl-C during the imports that build_parser does
+
+    monkeypatch.setattr(gpumem.cli, "build_parser", interrupted)
+    code, out, err = run(capsys, "replay", "x")
+    assert code == 130 and out == "" and err == "gpumem: interrupted\n"
+
+
+def test_ctrl_c_early_in_a_real_process(trace_file):
+    """SIGINT at several moments once main() runs (building the parser, importing the trace readers and
+    the allocator, replaying): 130 and one line, never a traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    # the console script imports gpumem.cli, then calls main(): the signal comes once main() may run
+    code = ("import sys\n"
+            "from gpumem.cli import main\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    for delay in (0.0, 0.05, 0.15):
+        proc = subprocess.Popen([sys.executable, "-c", code, "replay", str(trace_file)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        assert proc.stdout.readline() == "ready\n"
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        if proc.returncode == 0:  # the replay was already done: nothing to interrupt
+            continue
+        assert proc.returncode == 130, err
+        assert "Traceback" not in err and len(err.splitlines()) == 1 and err.endswith("interrupted\n"), err
+
+
 def test_exit_codes_for_device_errors(capsys, trace_file):
     code, out, err = run(capsys, "replay", str(trace_file), "--device", "sim:t4-16gb?lost_at_s=0")
     assert code == 3, err

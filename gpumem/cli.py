@@ -224,6 +224,16 @@ def _usable_nbytes(profile: Any) -> int:
     return int(profile.total_nbytes - profile.context_nbytes - profile.host_reserved_nbytes)
 
 
+def _spec_has_pressure(device: Any) -> bool:
+    """Whether the device was opened from a spec with a pressure scenario (``?pressure=...``)."""
+    from .specs import parse_spec
+
+    try:
+        return "pressure" in parse_spec(str(getattr(device, "spec", ""))).options
+    except GpumemError:
+        return False
+
+
 def oom_report(result: Any, allocator: Any, device: Any) -> str:
     """The out-of-memory report of a stopped replay: what failed, where, why, and what fits the trace."""
     from gpumem import sim
@@ -250,14 +260,21 @@ def oom_report(result: Any, allocator: Any, device: Any) -> str:
     lines.append(f"  device: {format_bytes(exc.free_nbytes)} free of {format_bytes(exc.total_nbytes)}; this "
                  f"allocator held {format_bytes(exc.allocated_nbytes or 0)} in live allocations and "
                  f"{format_bytes(exc.cached_nbytes or 0)} cached but unused.")
+    has_pressure = _spec_has_pressure(device)
     if profile is not None:
         ctx = profile.context_nbytes + profile.host_reserved_nbytes
-        others = max(0, outside - ctx)
-        lines.append(f"  outside this allocator: {format_bytes(min(ctx, outside))} for this process's CUDA context"
-                     + ("" if not profile.host_reserved_nbytes else " and the host's share of unified memory")
-                     + (f", {format_bytes(others)} held by other tenants (the spec's pressure scenario)"
-                        if others else "") + ".")
+        tenants = min(max(0, int(getattr(device, "tenant_nbytes", 0) or 0)), max(0, outside - min(ctx, outside)))
+        rest = max(0, outside - min(ctx, outside) - tenants)
+        parts = [f"{format_bytes(min(ctx, outside))} for this process's CUDA context"
+                 + ("" if not profile.host_reserved_nbytes else " and the host's share of unified memory")]
+        if tenants:
+            parts.append(f"{format_bytes(tenants)} held by other tenants (the spec's pressure scenario)")
+        if rest:
+            parts.append(f"{format_bytes(rest)} of granularity rounding (the device hands out whole pages) and "
+                         "the device's own reserve")
+        lines.append("  outside this allocator's blocks: " + ", ".join(parts) + ".")
     else:
+        tenants = 0
         lines.append(f"  outside this allocator: {format_bytes(outside)} (this process's CUDA context and "
                      "other processes on the device).")
     limit = exc.limit_nbytes
@@ -281,7 +298,7 @@ def oom_report(result: Any, allocator: Any, device: Any) -> str:
     uses_vmm = bool(getattr(allocator, "uses_vmm", False))
     if not uses_vmm and (exc.cached_nbytes or 0) > 0 and getattr(device, "vmm_supported", False):
         advice.append("use --policy gpumem: with virtual memory its cache does not fragment")
-    if profile is not None and (outside > profile.context_nbytes + profile.host_reserved_nbytes):
+    if has_pressure and tenants:
         advice.append("replay without the spec's pressure scenario")
     if advice:
         lines.append("  try: " + "; ".join(advice) + ".")

@@ -150,6 +150,33 @@ def test_replay_oom(capsys, big_trace_file):
     assert "Traceback" not in err and "Traceback" not in out
 
 
+def _odd_sizes_file(tmp_path):
+    """Many odd-sized allocations (each rounded up by the device's pages), then more than a 2 GB card holds."""
+    ops = [(0, i, 3 * MiB + 4321, 0, float(i), 0x1_0000_0000 * (i + 1)) for i in range(700)]
+    return save_trace(Trace.from_ops("odd", "gpumem", ops), tmp_path / "odd.gmt")
+
+
+def test_oom_report_names_no_invented_tenants(capsys, tmp_path):
+    path = _odd_sizes_file(tmp_path)
+    code, out, err = run(capsys, "replay", str(path), "--device", "sim:gtx-1050-2gb", "--policy", "cupy")
+    assert code == EXIT_OOM, err
+    assert "tenant" not in err and "pressure" not in err  # the spec has no pressure: no tenants, no such advice
+    assert "granularity rounding" in err
+
+
+def test_oom_report_tenants_are_the_simulators(capsys, tmp_path):
+    import re
+
+    path = _odd_sizes_file(tmp_path)
+    code, out, err = run(capsys, "replay", str(path), "--device", "sim:gtx-1050-2gb?pressure=step",
+                         "--policy", "cupy")
+    assert code == EXIT_OOM, err
+    held = re.search(r"([0-9.]+ [KMG]iB) held by other tenants \(the spec's pressure scenario\)", err)
+    assert held is not None, err
+    assert held.group(1) == "500.00 MiB"  # the step preset takes a quarter of the 2 GB card (page-rounded)
+    assert "replay without the spec's pressure scenario" in err
+
+
 def test_replay_oom_json(capsys, big_trace_file):
     code, out, err = run(capsys, "replay", str(big_trace_file), "--device", "sim:gtx-1050-2gb", "--json")
     assert code == EXIT_OOM

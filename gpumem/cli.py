@@ -239,7 +239,7 @@ def oom_report(result: Any, allocator: Any, device: Any) -> str:
     from gpumem import sim
 
     exc: OutOfMemoryError = result.oom_error
-    op = (result.oom_op if result.oom_op is not None else result.completed_ops - 1) + 1
+    op = (result.oom_op if result.oom_op is not None else result.completed_ops) + 1
     peak = result.trace_peak_live_bytes
     lines: list[str] = []
     stats = getattr(device, "stats", None)
@@ -310,7 +310,7 @@ def _print_result(result: Any, summary: str | None) -> None:
     print(f"device      {result.device}")
     print(f"policy      {result.policy}")
     if result.oom_op is not None:
-        print(f"replayed    {result.oom_op:,} of {result.n_ops:,} ops (stopped by out of memory at op "
+        print(f"replayed    {result.completed_ops:,} of {result.n_ops:,} ops (stopped by out of memory at op "
               f"{result.oom_op + 1:,})")
     print(f"peak live   {format_bytes(result.peak_live_bytes)}  (the most the program had allocated at once)")
     print(f"peak reserv {format_bytes(result.peak_reserved_bytes)}  (the most the allocator held from the device)")

@@ -187,6 +187,11 @@ def test_replay_oom_json(capsys, big_trace_file):
     assert data["trace_peak_live_bytes"] == 3 * GiB
     assert data["oom_report"] == err.strip()  # the same report, once on stderr
     assert err.count("out of memory") == 1
+    # the failed op (op 2, 0-based 1) is not completed: JSON and text agree, the time per op is over op 1 only
+    assert data["completed_ops"] == data["oom_op"] == 1
+    assert data["ns_per_op"] == pytest.approx(data["wall_s"] * 1e9 / 1)
+    code, out, err = run(capsys, "replay", str(big_trace_file), "--device", "sim:gtx-1050-2gb")
+    assert f"replayed    {data['completed_ops']:,} of 6 ops" in out
 
 
 @pytest.mark.parametrize("limit, text", [
@@ -607,7 +612,7 @@ class _Stub:
 
 
 def _oom_result(exc, n_ops=100, op=41, peak=3 * GiB, device="sim:t4-16gb"):
-    return _Stub(oom_error=exc, oom_op=op, completed_ops=op + 1, n_ops=n_ops, trace_peak_live_bytes=peak,
+    return _Stub(oom_error=exc, oom_op=op, completed_ops=op, n_ops=n_ops, trace_peak_live_bytes=peak,
                  device=device)
 
 

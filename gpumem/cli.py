@@ -378,6 +378,8 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
         data["limit_bytes"] = limit
         if report is not None:
             data["oom_report"] = report  # the report printed on stderr, with the command line's option names
+        if summary is not None:
+            data["summary"] = summary  # --summary: the allocator's memory summary table, as text
         print(json.dumps(data, indent=2))
     else:
         _print_result(result, summary)
@@ -483,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="for a PyTorch snapshot of several GPUs: replay GPU N's trace (needed when more than one "
                         "GPU has one)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--summary", action="store_true", help="also print the allocator's memory summary table")
+    p.add_argument("--summary", action="store_true", help="also print the allocator's memory summary table "
+                                                          "(with --json: as the text of the \"summary\" key)")
     p.add_argument("--export-snapshot", metavar="PATH",
                    help="write what gpumem did as a PyTorch memory snapshot (open it in PyTorch's memory_viz); "
                         "a regular file (created, or replaced once the replay is done) in a folder that exists: "

@@ -177,6 +177,16 @@ def test_oom_report_tenants_are_the_simulators(capsys, tmp_path):
     assert "replay without the spec's pressure scenario" in err
 
 
+def test_replay_summary_with_json(capsys, trace_file):
+    code, out, err = run(capsys, "replay", str(trace_file), "--json", "--summary")
+    assert code == EXIT_OK, err
+    data = json.loads(out)
+    code, text_out, err = run(capsys, "replay", str(trace_file), "--summary")
+    assert isinstance(data["summary"], str) and data["summary"] and data["summary"] in text_out
+    code, out, err = run(capsys, "replay", str(trace_file), "--json")
+    assert "summary" not in json.loads(out)
+
+
 def test_replay_oom_json(capsys, big_trace_file):
     code, out, err = run(capsys, "replay", str(big_trace_file), "--device", "sim:gtx-1050-2gb", "--json")
     assert code == EXIT_OOM

@@ -305,21 +305,28 @@ def oom_report(result: Any, allocator: Any, device: Any) -> str:
     return "\n".join(lines)
 
 
+_LABEL_WIDTH = 15  # the longest label ("peak reserved") and two spaces
+
+
+def _row(label: str, value: str) -> None:
+    print(f"{label:<{_LABEL_WIDTH}}{value}")
+
+
 def _print_result(result: Any, summary: str | None) -> None:
-    print(f"trace       {result.trace} ({result.n_ops:,} ops, {result.n_allocs:,} allocations)")
-    print(f"device      {result.device}")
-    print(f"policy      {result.policy}")
+    _row("trace", f"{result.trace} ({result.n_ops:,} ops, {result.n_allocs:,} allocations)")
+    _row("device", result.device)
+    _row("policy", result.policy)
     if result.oom_op is not None:
-        print(f"replayed    {result.completed_ops:,} of {result.n_ops:,} ops (stopped by out of memory at op "
-              f"{result.oom_op + 1:,})")
-    print(f"peak live   {format_bytes(result.peak_live_bytes)}  (the most the program had allocated at once)")
-    print(f"peak reserv {format_bytes(result.peak_reserved_bytes)}  (the most the allocator held from the device)")
-    print(f"overhead    {result.overhead:.2%}  (= peak reserved / peak live - 1: what the allocator held beyond "
-          "the program's own bytes, at its worst)")
-    print(f"ext. frag.  {result.stats.external_fragmentation:.2%}  (external fragmentation at the end = 1 - largest "
-          "free cached block / all free cached bytes; 0% when the unused cache is one piece)")
-    print(f"ooms        {result.ooms}")
-    print(f"time        {result.wall_s:.2f} s wall, {result.ns_per_op:,.0f} ns per op")
+        _row("replayed", f"{result.completed_ops:,} of {result.n_ops:,} ops (stopped by out of memory at op "
+                         f"{result.oom_op + 1:,})")
+    _row("peak live", f"{format_bytes(result.peak_live_bytes)}  (the most the program had allocated at once)")
+    _row("peak reserved", f"{format_bytes(result.peak_reserved_bytes)}  (the most the allocator held from the device)")
+    _row("overhead", f"{result.overhead:.2%}  (= peak reserved / peak live - 1: what the allocator held beyond "
+                     "the program's own bytes, at its worst)")
+    _row("ext. frag.", f"{result.stats.external_fragmentation:.2%}  (external fragmentation at the end = 1 - "
+                       "largest free cached block / all free cached bytes; 0% when the unused cache is one piece)")
+    _row("ooms", str(result.ooms))
+    _row("time", f"{result.wall_s:.2f} s wall, {result.ns_per_op:,.0f} ns per op")
     if summary is not None:
         print(summary)
 

@@ -88,7 +88,7 @@ def test_replay_text(capsys, trace_file):
         assert label in out
     assert "tiny" in out and "sim:t4-16gb" in out and "gpumem" in out
     assert f"{expected.overhead:.2%}" in out
-    assert "ooms        0" in out
+    assert "ooms           0" in out
     assert "Traceback" not in err
 
 
@@ -131,8 +131,8 @@ def test_replay_export_snapshot(capsys, trace_file, tmp_path):
 def test_replay_oom(capsys, big_trace_file):
     code, out, err = run(capsys, "replay", str(big_trace_file), "--device", "sim:gtx-1050-2gb")
     assert code == EXIT_OOM
-    assert "ooms        1" in out
-    assert "replayed    1 of 6 ops (stopped by out of memory at op 2)" in out
+    assert "ooms           1" in out
+    assert "replayed       1 of 6 ops (stopped by out of memory at op 2)" in out
     # printed once (it was two or three times, with op counts that disagreed), on stderr only
     assert err.count("out of memory") == 1 and out.count("out of memory") == 1  # the "replayed" line
     assert "gpumem replay: out of memory on sim:gtx-1050-2gb" in err
@@ -177,6 +177,16 @@ def test_oom_report_tenants_are_the_simulators(capsys, tmp_path):
     assert "replay without the spec's pressure scenario" in err
 
 
+def test_replay_text_labels_are_whole_and_aligned(capsys, big_trace_file):
+    code, out, err = run(capsys, "replay", str(big_trace_file), "--device", "sim:gtx-1050-2gb")
+    rows = out.splitlines()
+    labels = ["trace", "device", "policy", "replayed", "peak live", "peak reserved", "overhead", "ext. frag.",
+              "ooms", "time"]
+    assert [r[:15].rstrip() for r in rows] == labels
+    assert all(r[15] != " " and r[13:15] == "  " for r in rows)  # every value starts in one column, after two spaces
+    assert "peak reserv " not in out
+
+
 def test_replay_summary_with_json(capsys, trace_file):
     code, out, err = run(capsys, "replay", str(trace_file), "--json", "--summary")
     assert code == EXIT_OK, err
@@ -201,7 +211,7 @@ def test_replay_oom_json(capsys, big_trace_file):
     assert data["completed_ops"] == data["oom_op"] == 1
     assert data["ns_per_op"] == pytest.approx(data["wall_s"] * 1e9 / 1)
     code, out, err = run(capsys, "replay", str(big_trace_file), "--device", "sim:gtx-1050-2gb")
-    assert f"replayed    {data['completed_ops']:,} of 6 ops" in out
+    assert f"replayed       {data['completed_ops']:,} of 6 ops" in out
 
 
 @pytest.mark.parametrize("limit, text", [

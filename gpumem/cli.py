@@ -436,6 +436,12 @@ _LIMIT_HELP = (
 )
 
 
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    """``-v``/``-vv`` after the command too (``gpumem replay -v T``), counted with those before it."""
+    parser.add_argument("-v", "--verbose", action="count", default=0, dest="command_verbose",
+                        help="more logging (-v info, -vv debug)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``gpumem`` argument parser (``devices`` and ``replay``)."""
     from .allocator.policy import DEFAULT_POLICY, POLICIES
@@ -461,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="exit status: 0 done.")
     p.add_argument("--json", action="store_true", help="print a JSON list of {spec, kind, name, total_bytes, "
                                                        "free_bytes, ...}")
+    _add_verbose(p)
     p.set_defaults(func=cmd_devices)
 
     p = sub.add_parser(
@@ -499,6 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "a regular file (created, or replaced once the replay is done) in a folder that exists: "
                         "checked by opening it for writing before the replay starts; removed again if the "
                         "replay fails and the file was not there before")
+    _add_verbose(p)
     p.set_defaults(func=cmd_replay)
     return parser
 
@@ -559,7 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    level = logging.WARNING - 10 * min(args.verbose, 2)
+    level = logging.WARNING - 10 * min(args.verbose + getattr(args, "command_verbose", 0), 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if _stdout_closed():
         # started with stdout closed (`gpumem replay T >&-`): the results could go nowhere; end at once, as

@@ -187,6 +187,29 @@ def test_replay_text_labels_are_whole_and_aligned(capsys, big_trace_file):
     assert "peak reserv " not in out
 
 
+@pytest.mark.parametrize("argv, verbose", [
+    (["replay", "-v", "T"], 1), (["-v", "replay", "T"], 1), (["replay", "T", "-vv"], 2),
+    (["-v", "replay", "--verbose", "T"], 2), (["devices", "-v"], 1), (["replay", "T"], 0),
+])
+def test_verbose_before_or_after_the_command(argv, verbose):
+    args = build_parser().parse_args(argv)
+    assert args.verbose + args.command_verbose == verbose
+
+
+def test_verbose_after_the_command_logs():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "gpumem", "devices", "-vv"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert "DEBUG gpumem." in proc.stderr and "unrecognized" not in proc.stderr
+
+
 def test_replay_summary_with_json(capsys, trace_file):
     code, out, err = run(capsys, "replay", str(trace_file), "--json", "--summary")
     assert code == EXIT_OK, err

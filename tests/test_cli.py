@@ -204,10 +204,12 @@ def test_verbose_after_the_command_logs():
 
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "gpumem", "devices", "-vv"], capture_output=True, text=True,
+    code = ("import logging, sys\nfrom gpumem.cli import main\ncode = main(sys.argv[1:])\n"
+            "print('root level', logging.getLogger().level, file=sys.stderr)\nsys.exit(code)\n")
+    proc = subprocess.run([sys.executable, "-c", code, "devices", "-vv"], capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.returncode == EXIT_OK, proc.stderr
-    assert "DEBUG gpumem." in proc.stderr and "unrecognized" not in proc.stderr
+    assert "root level 10" in proc.stderr and "unrecognized" not in proc.stderr
 
 
 def test_replay_summary_with_json(capsys, trace_file):

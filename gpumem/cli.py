@@ -358,10 +358,14 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
     except GpumemError as exc:
         raise _UsageError(f"--device {args.device}: {exc}") from None
     try:
+        total = device.properties().total_nbytes
         try:
-            limit = parse_limit(args.limit, device.properties().total_nbytes) if args.limit is not None else None
+            limit = parse_limit(args.limit, total) if args.limit is not None else None
         except InvalidArgumentError as exc:
             raise _UsageError(f"--limit: {exc}") from None
+        if limit is not None and limit > total:
+            log.warning("--limit %s (%s) is more than %s has (%s in all): it caps nothing the device would not "
+                        "refuse first", args.limit, format_bytes(limit), device.spec, format_bytes(total))
         trace = _load(args)
         if trace.n_ops == 0:
             raise _UsageError(f"the trace {args.trace} has no allocations or frees: nothing to replay")

@@ -212,6 +212,34 @@ def test_verbose_after_the_command_logs():
     assert "root level 10" in proc.stderr and "unrecognized" not in proc.stderr
 
 
+def test_limit_above_the_device_memory_is_warned(capsys, caplog, trace_file):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="gpumem"):
+        code, out, err = run(capsys, "replay", str(trace_file), "--device", "sim:h200-141gb", "--limit", "200GiB")
+    assert code == EXIT_OK, err
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "--limit 200GiB" in r.getMessage()]
+    assert len(warned) == 1 and "sim:h200-141gb" in warned[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gpumem"):
+        code, out, err = run(capsys, "replay", str(trace_file), "--device", "sim:h200-141gb", "--limit", "100GiB")
+    assert code == EXIT_OK and not [r for r in caplog.records if "--limit" in r.getMessage()]
+
+
+def test_limit_warning_reaches_stderr(trace_file):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "gpumem", "replay", str(trace_file), "--limit", "200GiB"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert proc.stderr.startswith("WARNING gpumem: --limit 200GiB (200.00 GiB) is more than sim:h200-141gb has")
+
+
 def test_replay_summary_with_json(capsys, trace_file):
     code, out, err = run(capsys, "replay", str(trace_file), "--json", "--summary")
     assert code == EXIT_OK, err

@@ -120,8 +120,10 @@ def cmd_devices(args: argparse.Namespace) -> int:
 # -- replay --------------------------------------------------------------------------------------------
 def _cli_names(message: str) -> str:
     """Python keyword names in a library message, as the options a command-line user passes instead."""
-    message = re.sub(r"\bpass device=", "pass --device-index N", message)
-    return re.sub(r"\bpass format=", "pass --format NAME", message)
+    # the library may already name the option in parentheses: "pass format= (the command line's --format)"
+    aside = r"(?:\s*\(the command line's [^)]*\))?"
+    message = re.sub(r"\bpass device=" + aside, "pass --device-index N", message)
+    return re.sub(r"\bpass format=" + aside, "pass --format NAME", message)
 
 
 _FILE_KINDS = ((stat.S_ISDIR, "a folder; give a file name"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -205,6 +207,7 @@ def check_output_path(path: str, option: str) -> OutputFile:
 def _load(args: argparse.Namespace):
     from .trace import detect_format, load_trace
 
+    _check_trace_path(args.trace)
     try:
         if args.device_index is not None:
             fmt = detect_format(args.trace) if args.format is None else args.format
@@ -212,11 +215,37 @@ def _load(args: argparse.Namespace):
                 raise _UsageError(f"--device-index applies to PyTorch snapshots only; {args.trace} is read as {fmt}")
         return load_trace(args.trace, format=args.format, device=args.device_index)
     except FileNotFoundError:
-        raise _UsageError(f"no such trace file: {args.trace}") from None
+        _check_trace_path(args.trace)
+        raise _UsageError(f"no such trace file: {_shorten_path(args.trace)}") from None
+    except IsADirectoryError:
+        raise _UsageError(_folder_message(args.trace)) from None
     except TraceFormatError as exc:
+        if "is a directory" in str(exc).lower():  # the readers' own check
+            raise _UsageError(_folder_message(args.trace)) from None
         raise _UsageError(f"cannot read the trace: {_cli_names(str(exc))}") from None
-    except OSError as exc:  # permission denied, a folder, an I/O error
-        raise _UsageError(f"cannot read the trace {args.trace}: {exc.strerror or exc}") from None
+    except OSError as exc:  # permission denied, an I/O error
+        raise _UsageError(f"cannot read the trace {_shorten_path(args.trace)}: {exc.strerror or exc}") from None
+
+
+def _folder_message(path: str) -> str:
+    shown = _shorten_path(path)
+    return (f"{shown} is a folder, not a trace file; give one trace file, or replay every trace in the folder "
+            f"with: python benchmarks/replay_bench.py --traces {shown}")
+
+
+def _check_trace_path(path: str) -> None:
+    """A usage error for a trace path that is a folder or not a regular file (a FIFO, a device)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return  # the reader says "no such trace file"
+    except OSError as exc:  # a name too long, a loop of links, a file where a folder should be
+        raise _UsageError(f"cannot read the trace {_shorten_path(path)}: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise _UsageError(_folder_message(path))
+    if not stat.S_ISREG(st.st_mode):
+        what = next((w for is_kind, w in _FILE_KINDS if is_kind(st.st_mode)), "not a regular file")
+        raise _UsageError(f"{_shorten_path(path)} is {what}, not a trace file (traces are read from regular files)")
 
 
 def _usable_nbytes(profile: Any) -> int:

@@ -240,6 +240,57 @@ def test_limit_warning_reaches_stderr(trace_file):
     assert proc.stderr.startswith("WARNING gpumem: --limit 200GiB (200.00 GiB) is more than sim:h200-141gb has")
 
 
+def test_unknown_format_message_names_the_option_once(capsys, tmp_path):
+    odd = tmp_path / "odd.dat"
+    odd.write_text("hello\n")
+    code, out, err = run(capsys, "replay", str(odd))
+    assert code == EXIT_USAGE
+    assert "pass --format NAME to force one" in err and err.count("--format") == 1, err
+
+
+def test_cli_names_with_and_without_the_aside():
+    from gpumem.cli import _cli_names
+
+    assert _cli_names("x; pass format= (the command line's --format) to force one") == \
+        "x; pass --format NAME to force one"
+    assert _cli_names("pass format= to force one") == "pass --format NAME to force one"
+    assert _cli_names("pass device= (the command line's --device-index) to pick") == "pass --device-index N to pick"
+
+
+def test_a_folder_given_as_the_trace(capsys, tmp_path):
+    code, out, err = run(capsys, "replay", str(tmp_path))
+    assert code == EXIT_USAGE and out == ""
+    assert err == (f"gpumem replay: {tmp_path} is a folder, not a trace file; give one trace file, or replay every "
+                   f"trace in the folder with: python benchmarks/replay_bench.py --traces {tmp_path}\n")
+
+
+@pytest.mark.parametrize("raised", ["format", "isadir"])
+def test_a_folder_reported_by_the_readers(capsys, tmp_path, monkeypatch, raised):
+    """The trace readers say "is a directory" themselves (TraceFormatError); the CLI gives the same advice."""
+    import gpumem.cli
+    import gpumem.trace
+    from gpumem.errors import TraceFormatError
+
+    def reader(path, *args, **kwargs):
+        if raised == "format":
+            raise TraceFormatError(str(path), "is a directory")
+        raise IsADirectoryError(21, "Is a directory", str(path))
+
+    monkeypatch.setattr(gpumem.trace, "load_trace", reader)
+    monkeypatch.setattr(gpumem.cli, "_check_trace_path", lambda path: None)
+    code, out, err = run(capsys, "replay", str(tmp_path / "t.gmt"))
+    assert code == EXIT_USAGE and "is a folder, not a trace file" in err and "replay_bench.py --traces" in err
+
+
+def test_a_fifo_given_as_the_trace_does_not_hang(capsys, tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    code, out, err = run(capsys, "replay", str(fifo))
+    assert code == EXIT_USAGE and "is a FIFO (named pipe), not a trace file" in err
+
+
 def test_replay_summary_with_json(capsys, trace_file):
     code, out, err = run(capsys, "replay", str(trace_file), "--json", "--summary")
     assert code == EXIT_OK, err
@@ -331,7 +382,7 @@ def test_replay_missing_file(capsys, tmp_path):
 def test_replay_directory_is_not_a_trace(capsys, tmp_path):
     code, out, err = run(capsys, "replay", str(tmp_path))
     assert code == EXIT_USAGE
-    assert "no such trace file" in err
+    assert "is a folder" in err and "no such trace file" not in err
 
 
 @pytest.mark.parametrize("name, content", [

@@ -811,3 +811,24 @@ def test_help_documents_exit_codes_and_options(capsys):
     for text in ("--format", "--device-index", "8GiB", "90%", "peak reserved / peak live - 1",
                  "external fragmentation", "pytorch-snapshot", "rmm-log"):
         assert text in out
+
+
+@pytest.mark.parametrize("probe", ["calibrate", "inflight"])
+def test_hil_probes_without_cupy_say_which_extra(capsys, monkeypatch, probe):
+    import importlib
+    import sys
+
+    module = importlib.import_module(f"gpumem.hil.probes.{probe}")
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError, as without CuPy
+    argv = [] if probe == "calibrate" else ["--path", "release"]
+    monkeypatch.setattr(sys, "argv", [probe, *argv])
+    if probe == "calibrate":
+        with pytest.raises(SystemExit) as info:
+            module.main()
+        code = info.value.code
+    else:
+        code = module.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and 'pip install "gpumem[cuda13]"' in err
+    assert err.startswith(f"python -m gpumem.hil.probes.{probe}: needs CuPy")

@@ -174,14 +174,16 @@ def check_output_path(path: str, option: str) -> OutputFile:
     if not path:
         raise _UsageError(f"{option}: the file name is empty")
     shown = _shorten_path(path)
-    p = Path(path)
+    p = Path(path)  # note: Path drops a trailing "/", so the checks below use the text as given
     try:
         try:
-            st = os.stat(p)
+            st = os.stat(path)
         except FileNotFoundError:
-            if os.path.lexists(p):
-                raise _UsageError(f"{option}: {shown} is a link to a missing file ({os.readlink(p)[:120]}); "
+            if os.path.lexists(path):
+                raise _UsageError(f"{option}: {shown} is a link to a missing file ({os.readlink(path)[:120]}); "
                                   "give a file name") from None
+            if path.endswith(("/", os.sep)):
+                raise _UsageError(f"{option}: {shown} names a folder (it ends with {path[-1]!r}); give a file name")
             existed = False
         else:
             existed = True
@@ -191,7 +193,7 @@ def check_output_path(path: str, option: str) -> OutputFile:
         parent = p.parent
         if not existed and not parent.is_dir():
             raise _UsageError(f"{option}: no such folder {_shorten_path(str(parent))} (create it first)")
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), 0o666)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), 0o666)
         try:
             st = os.fstat(fd)
         finally:

@@ -560,6 +560,13 @@ def test_export_empty_name_is_refused(capsys, trace_file, monkeypatch):
     assert err == "gpumem replay: --export-snapshot: the file name is empty\n"
 
 
+def test_export_name_ending_with_a_slash_is_refused(capsys, trace_file, tmp_path, monkeypatch):
+    _no_replay(monkeypatch)
+    code, out, err = run(capsys, "replay", str(trace_file), "--export-snapshot", str(tmp_path / "newdir") + "/")
+    assert code == EXIT_USAGE and "names a folder" in err
+    assert not (tmp_path / "newdir").exists()
+
+
 @pytest.mark.parametrize("kind", ["dangling", "fifo", "device", "proc", "dirlink"])
 def test_export_target_must_be_a_regular_file(capsys, trace_file, tmp_path, monkeypatch, kind):
     import os

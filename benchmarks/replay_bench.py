@@ -38,6 +38,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -374,8 +375,19 @@ def cuda_table(traces: list[tuple[Path, Any]], rows: list[dict], repeat: int, ti
     return gpumem_ok
 
 
+def plain_text(doc: str) -> str:
+    """The module docstring as plain text for ``--help``: no reStructuredText/Sphinx markup
+    (``**bold**``, ``:data:`NAME```, double backquotes, ``Usage::``)."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", doc)  # :data:`BEST_PEER` -> BEST_PEER
+    text = re.sub(r"\*\*([^*]+)\*\*", r"\1", text)  # **Overhead** -> Overhead
+    text = re.sub(r"``([^`]+)``", r"\1", text)  # ``--traces`` -> --traces
+    text = re.sub(r"::$", ":", text, flags=re.MULTILINE)  # Usage:: -> Usage:
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=plain_text(__doc__ or ""),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", type=Path, default=default_traces_dir(),
                         help="folder whose trace files to replay (default: the project's data/traces)")
     parser.add_argument("--device", default="sim:h200-141gb", help="simulated device for tables 1 and 2")

@@ -14,8 +14,9 @@ Exit status (:data:`EXIT_CODES`): 0 done; 1 out of memory (the trace does not fi
 device or the limit); 2 bad input (a bad option, device spec, trace file or output
 path); 3 the device was lost; 4 another device error during the replay (a failed
 device call, a memory hazard the simulator caught, an internal consistency error);
-130 interrupted (Ctrl-C); 141 the output pipe was closed (``gpumem replay ... --json | head``),
-as for a command that SIGPIPE ended.
+130 interrupted (Ctrl-C); 141 standard output was closed: the output pipe closed early
+(``gpumem replay ... --json | head``), as for a command that SIGPIPE ended, or no standard output
+at all (``gpumem replay ... >&-``: the command stops before it starts, with one line on stderr).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import logging
 import os
 import re
+import stat
 import sys
 from pathlib import Path
 from types import MappingProxyType
@@ -53,7 +55,8 @@ EXIT_CODES: Mapping[int, str] = MappingProxyType({
     EXIT_DEVICE_ERROR: "another device error during the replay (a failed device call, a memory hazard\n"
                        "      the simulator caught, an internal consistency error)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
-    EXIT_BROKEN_PIPE: "the output pipe was closed early (e.g. `| head`); nothing else went wrong",
+    EXIT_BROKEN_PIPE: "standard output was closed: the output pipe closed early (e.g. `| head`; nothing\n"
+                      "      else went wrong), or it was closed from the start (`>&-`; nothing was run)",
 })
 
 _DEFAULT_DEVICE = "sim:h200-141gb"
@@ -117,29 +120,96 @@ def cmd_devices(args: argparse.Namespace) -> int:
 # -- replay --------------------------------------------------------------------------------------------
 def _cli_names(message: str) -> str:
     """Python keyword names in a library message, as the options a command-line user passes instead."""
-    message = re.sub(r"\bpass device=", "pass --device-index N", message)
-    return re.sub(r"\bpass format=", "pass --format NAME", message)
+    # the library may already name the option in parentheses: "pass format= (the command line's --format)"
+    aside = r"(?:\s*\(the command line's [^)]*\))?"
+    message = re.sub(r"\bpass device=" + aside, "pass --device-index N", message)
+    return re.sub(r"\bpass format=" + aside, "pass --format NAME", message)
 
 
-def check_output_path(path: str, option: str) -> Path:
-    """``path`` as a Path, if a file can be written there; else :class:`_UsageError` saying why.
+_FILE_KINDS = ((stat.S_ISDIR, "a folder; give a file name"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
-    Checked before the replay starts, so that a typo does not lose a long replay's results.
+
+def _shorten_path(path: str, limit: int = 120) -> str:
+    return path if len(path) <= limit else path[: limit // 2] + "..." + path[-(limit // 2):]
+
+
+class OutputFile:
+    """An output file checked and opened for writing before a long run (:func:`check_output_path`).
+
+    ``created`` says whether the check created it (empty); :meth:`discard` removes it again then, so that
+    a run that fails leaves nothing behind.
     """
-    p = Path(path)
-    if p.is_dir():
-        raise _UsageError(f"{option}: {path} is a folder; give a file name")
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise _UsageError(f"{option}: no such folder {parent} (create it first)")
-    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise _UsageError(f"{option}: cannot write {path} (permission denied)")
-    return p
+
+    def __init__(self, path: Path, created: bool) -> None:
+        self.path = path
+        self.created = created
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def discard(self) -> None:
+        """Remove the file if the check created it (a failed run); keeps a file that was there before."""
+        if self.created:
+            try:
+                os.unlink(self.path)
+            except OSError as exc:  # pragma: no cover - removed meanwhile
+                log.debug("could not remove %s: %s", self.path, exc)
+            self.created = False
+
+
+def check_output_path(path: str, option: str) -> OutputFile:
+    """Check that a file can be written at ``path`` by opening it for writing (creating it if missing),
+    before the long run starts; :class:`_UsageError` saying why not.
+
+    The target, if it exists, must be a regular file (or a link to one): folders, FIFOs, devices, sockets
+    and dangling links are refused, since writing them would fail (or block, for a FIFO without a
+    reader) only after the whole replay. The file is opened with ``O_WRONLY | O_CREAT | O_NONBLOCK`` and
+    without truncation, so an existing file keeps its content until the results are written; every
+    ``OSError`` (a missing folder, permission denied, a name too long) is a usage error.
+    """
+    if not path:
+        raise _UsageError(f"{option}: the file name is empty")
+    shown = _shorten_path(path)
+    p = Path(path)  # note: Path drops a trailing "/", so the checks below use the text as given
+    try:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            if os.path.lexists(path):
+                raise _UsageError(f"{option}: {shown} is a link to a missing file ({os.readlink(path)[:120]}); "
+                                  "give a file name") from None
+            if path.endswith(("/", os.sep)):
+                raise _UsageError(f"{option}: {shown} names a folder (it ends with {path[-1]!r}); give a file name")
+            existed = False
+        else:
+            existed = True
+            for is_kind, what in _FILE_KINDS:
+                if is_kind(st.st_mode):
+                    raise _UsageError(f"{option}: {shown} is {what}")
+        parent = p.parent
+        if not existed and not parent.is_dir():
+            raise _UsageError(f"{option}: no such folder {_shorten_path(str(parent))} (create it first)")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        out = OutputFile(p, created=not existed)
+        if not stat.S_ISREG(st.st_mode):  # changed between the checks
+            raise _UsageError(f"{option}: {shown} is not a regular file")
+        return out
+    except OSError as exc:
+        raise _UsageError(f"{option}: cannot write {shown}: {exc.strerror or exc}") from None
 
 
 def _load(args: argparse.Namespace):
     from .trace import detect_format, load_trace
 
+    _check_trace_path(args.trace)
     try:
         if args.device_index is not None:
             fmt = detect_format(args.trace) if args.format is None else args.format
@@ -147,11 +217,37 @@ def _load(args: argparse.Namespace):
                 raise _UsageError(f"--device-index applies to PyTorch snapshots only; {args.trace} is read as {fmt}")
         return load_trace(args.trace, format=args.format, device=args.device_index)
     except FileNotFoundError:
-        raise _UsageError(f"no such trace file: {args.trace}") from None
+        _check_trace_path(args.trace)
+        raise _UsageError(f"no such trace file: {_shorten_path(args.trace)}") from None
+    except IsADirectoryError:
+        raise _UsageError(_folder_message(args.trace)) from None
     except TraceFormatError as exc:
+        if "is a directory" in str(exc).lower():  # the readers' own check
+            raise _UsageError(_folder_message(args.trace)) from None
         raise _UsageError(f"cannot read the trace: {_cli_names(str(exc))}") from None
-    except OSError as exc:  # permission denied, a folder, an I/O error
-        raise _UsageError(f"cannot read the trace {args.trace}: {exc.strerror or exc}") from None
+    except OSError as exc:  # permission denied, an I/O error
+        raise _UsageError(f"cannot read the trace {_shorten_path(args.trace)}: {exc.strerror or exc}") from None
+
+
+def _folder_message(path: str) -> str:
+    shown = _shorten_path(path)
+    return (f"{shown} is a folder, not a trace file; give one trace file, or replay every trace in the folder "
+            f"with: python benchmarks/replay_bench.py --traces {shown}")
+
+
+def _check_trace_path(path: str) -> None:
+    """A usage error for a trace path that is a folder or not a regular file (a FIFO, a device)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return  # the reader says "no such trace file"
+    except OSError as exc:  # a name too long, a loop of links, a file where a folder should be
+        raise _UsageError(f"cannot read the trace {_shorten_path(path)}: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise _UsageError(_folder_message(path))
+    if not stat.S_ISREG(st.st_mode):
+        what = next((w for is_kind, w in _FILE_KINDS if is_kind(st.st_mode)), "not a regular file")
+        raise _UsageError(f"{_shorten_path(path)} is {what}, not a trace file (traces are read from regular files)")
 
 
 def _usable_nbytes(profile: Any) -> int:
@@ -159,12 +255,22 @@ def _usable_nbytes(profile: Any) -> int:
     return int(profile.total_nbytes - profile.context_nbytes - profile.host_reserved_nbytes)
 
 
+def _spec_has_pressure(device: Any) -> bool:
+    """Whether the device was opened from a spec with a pressure scenario (``?pressure=...``)."""
+    from .specs import parse_spec
+
+    try:
+        return "pressure" in parse_spec(str(getattr(device, "spec", ""))).options
+    except GpumemError:
+        return False
+
+
 def oom_report(result: Any, allocator: Any, device: Any) -> str:
     """The out-of-memory report of a stopped replay: what failed, where, why, and what fits the trace."""
     from gpumem import sim
 
     exc: OutOfMemoryError = result.oom_error
-    op = (result.oom_op if result.oom_op is not None else result.completed_ops - 1) + 1
+    op = (result.oom_op if result.oom_op is not None else result.completed_ops) + 1
     peak = result.trace_peak_live_bytes
     lines: list[str] = []
     stats = getattr(device, "stats", None)
@@ -185,14 +291,21 @@ def oom_report(result: Any, allocator: Any, device: Any) -> str:
     lines.append(f"  device: {format_bytes(exc.free_nbytes)} free of {format_bytes(exc.total_nbytes)}; this "
                  f"allocator held {format_bytes(exc.allocated_nbytes or 0)} in live allocations and "
                  f"{format_bytes(exc.cached_nbytes or 0)} cached but unused.")
+    has_pressure = _spec_has_pressure(device)
     if profile is not None:
         ctx = profile.context_nbytes + profile.host_reserved_nbytes
-        others = max(0, outside - ctx)
-        lines.append(f"  outside this allocator: {format_bytes(min(ctx, outside))} for this process's CUDA context"
-                     + ("" if not profile.host_reserved_nbytes else " and the host's share of unified memory")
-                     + (f", {format_bytes(others)} held by other tenants (the spec's pressure scenario)"
-                        if others else "") + ".")
+        tenants = min(max(0, int(getattr(device, "tenant_nbytes", 0) or 0)), max(0, outside - min(ctx, outside)))
+        rest = max(0, outside - min(ctx, outside) - tenants)
+        parts = [f"{format_bytes(min(ctx, outside))} for this process's CUDA context"
+                 + ("" if not profile.host_reserved_nbytes else " and the host's share of unified memory")]
+        if tenants:
+            parts.append(f"{format_bytes(tenants)} held by other tenants (the spec's pressure scenario)")
+        if rest:
+            parts.append(f"{format_bytes(rest)} of granularity rounding (the device hands out whole pages) and "
+                         "the device's own reserve")
+        lines.append("  outside this allocator's blocks: " + ", ".join(parts) + ".")
     else:
+        tenants = 0
         lines.append(f"  outside this allocator: {format_bytes(outside)} (this process's CUDA context and "
                      "other processes on the device).")
     limit = exc.limit_nbytes
@@ -216,28 +329,35 @@ def oom_report(result: Any, allocator: Any, device: Any) -> str:
     uses_vmm = bool(getattr(allocator, "uses_vmm", False))
     if not uses_vmm and (exc.cached_nbytes or 0) > 0 and getattr(device, "vmm_supported", False):
         advice.append("use --policy gpumem: with virtual memory its cache does not fragment")
-    if profile is not None and (outside > profile.context_nbytes + profile.host_reserved_nbytes):
+    if has_pressure and tenants:
         advice.append("replay without the spec's pressure scenario")
     if advice:
         lines.append("  try: " + "; ".join(advice) + ".")
     return "\n".join(lines)
 
 
+_LABEL_WIDTH = 15  # the longest label ("peak reserved") and two spaces
+
+
+def _row(label: str, value: str) -> None:
+    print(f"{label:<{_LABEL_WIDTH}}{value}")
+
+
 def _print_result(result: Any, summary: str | None) -> None:
-    print(f"trace       {result.trace} ({result.n_ops:,} ops, {result.n_allocs:,} allocations)")
-    print(f"device      {result.device}")
-    print(f"policy      {result.policy}")
+    _row("trace", f"{result.trace} ({result.n_ops:,} ops, {result.n_allocs:,} allocations)")
+    _row("device", result.device)
+    _row("policy", result.policy)
     if result.oom_op is not None:
-        print(f"replayed    {result.oom_op:,} of {result.n_ops:,} ops (stopped by out of memory at op "
-              f"{result.oom_op + 1:,})")
-    print(f"peak live   {format_bytes(result.peak_live_bytes)}  (the most the program had allocated at once)")
-    print(f"peak reserv {format_bytes(result.peak_reserved_bytes)}  (the most the allocator held from the device)")
-    print(f"overhead    {result.overhead:.2%}  (= peak reserved / peak live - 1: what the allocator held beyond "
-          "the program's own bytes, at its worst)")
-    print(f"ext. frag.  {result.stats.external_fragmentation:.2%}  (external fragmentation at the end = 1 - largest "
-          "free cached block / all free cached bytes; 0% when the unused cache is one piece)")
-    print(f"ooms        {result.ooms}")
-    print(f"time        {result.wall_s:.2f} s wall, {result.ns_per_op:,.0f} ns per op")
+        _row("replayed", f"{result.completed_ops:,} of {result.n_ops:,} ops (stopped by out of memory at op "
+                         f"{result.oom_op + 1:,})")
+    _row("peak live", f"{format_bytes(result.peak_live_bytes)}  (the most the program had allocated at once)")
+    _row("peak reserved", f"{format_bytes(result.peak_reserved_bytes)}  (the most the allocator held from the device)")
+    _row("overhead", f"{result.overhead:.2%}  (= peak reserved / peak live - 1: what the allocator held beyond "
+                     "the program's own bytes, at its worst)")
+    _row("ext. frag.", f"{result.stats.external_fragmentation:.2%}  (external fragmentation at the end = 1 - "
+                       "largest free cached block / all free cached bytes; 0% when the unused cache is one piece)")
+    _row("ooms", str(result.ooms))
+    _row("time", f"{result.wall_s:.2f} s wall, {result.ns_per_op:,.0f} ns per op")
     if summary is not None:
         print(summary)
 
@@ -247,21 +367,36 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print the results (then the out-of-memory report, once), write the export; returns the exit status.
     Bad input raises :class:`_UsageError`; device errors propagate to :func:`_run`, which maps them to
     exit statuses."""
+    export = None if args.export_snapshot is None else check_output_path(args.export_snapshot, "--export-snapshot")
+    finished = False
+    try:
+        code = _replay(args, export)
+        finished = True
+        return code
+    finally:
+        if export is not None and not finished:
+            export.discard()  # the replay failed: leave no empty file behind
+
+
+def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
     from .allocator import CachingAllocator
     from .replay import replay
     from .specs import open_device
     from .trace import save_pytorch_snapshot
 
-    export = check_output_path(args.export_snapshot, "--export-snapshot") if args.export_snapshot else None
     try:
         device = open_device(args.device)
     except GpumemError as exc:
         raise _UsageError(f"--device {args.device}: {exc}") from None
     try:
+        total = device.properties().total_nbytes
         try:
-            limit = parse_limit(args.limit, device.properties().total_nbytes) if args.limit is not None else None
+            limit = parse_limit(args.limit, total) if args.limit is not None else None
         except InvalidArgumentError as exc:
             raise _UsageError(f"--limit: {exc}") from None
+        if limit is not None and limit > total:
+            log.warning("--limit %s (%s) is more than %s has (%s in all): it caps nothing the device would not "
+                        "refuse first", args.limit, format_bytes(limit), device.spec, format_bytes(total))
         trace = _load(args)
         if trace.n_ops == 0:
             raise _UsageError(f"the trace {args.trace} has no allocations or frees: nothing to replay")
@@ -285,6 +420,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         data["limit_bytes"] = limit
         if report is not None:
             data["oom_report"] = report  # the report printed on stderr, with the command line's option names
+        if summary is not None:
+            data["summary"] = summary  # --summary: the allocator's memory summary table, as text
         print(json.dumps(data, indent=2))
     else:
         _print_result(result, summary)
@@ -295,9 +432,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         code = EXIT_OOM
     if export is not None:
         try:
-            save_pytorch_snapshot(history, export)
+            save_pytorch_snapshot(history, export.path)
         except OSError as exc:
-            print(f"gpumem replay: --export-snapshot: cannot write {export}: {exc.strerror or exc}", file=sys.stderr)
+            export.discard()
+            print(f"gpumem replay: --export-snapshot: cannot write {_shorten_path(str(export))}: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
             return EXIT_USAGE
     return code
 
@@ -332,6 +471,12 @@ _LIMIT_HELP = (
 )
 
 
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    """``-v``/``-vv`` after the command too (``gpumem replay -v T``), counted with those before it."""
+    parser.add_argument("-v", "--verbose", action="count", default=0, dest="command_verbose",
+                        help="more logging (-v info, -vv debug)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``gpumem`` argument parser (``devices`` and ``replay``)."""
     from .allocator.policy import DEFAULT_POLICY, POLICIES
@@ -357,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="exit status: 0 done.")
     p.add_argument("--json", action="store_true", help="print a JSON list of {spec, kind, name, total_bytes, "
                                                        "free_bytes, ...}")
+    _add_verbose(p)
     p.set_defaults(func=cmd_devices)
 
     p = sub.add_parser(
@@ -388,10 +534,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="for a PyTorch snapshot of several GPUs: replay GPU N's trace (needed when more than one "
                         "GPU has one)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--summary", action="store_true", help="also print the allocator's memory summary table")
+    p.add_argument("--summary", action="store_true", help="also print the allocator's memory summary table "
+                                                          "(with --json: as the text of the \"summary\" key)")
     p.add_argument("--export-snapshot", metavar="PATH",
                    help="write what gpumem did as a PyTorch memory snapshot (open it in PyTorch's memory_viz); "
-                        "the folder must exist (checked before the replay starts)")
+                        "a regular file (created, or replaced once the replay is done) in a folder that exists: "
+                        "checked by opening it for writing before the replay starts; removed again if the "
+                        "replay fails and the file was not there before")
+    _add_verbose(p)
     p.set_defaults(func=cmd_replay)
     return parser
 
@@ -413,12 +563,54 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_DEVICE_ERROR
 
 
+def _stdout_closed() -> bool:
+    """Whether standard output is missing or closed (Python sets ``sys.stdout`` to None when the process
+    starts with file descriptor 1 closed)."""
+    out = sys.stdout
+    if out is None or getattr(out, "closed", False):
+        return True
+    try:
+        fd = out.fileno()
+    except (OSError, ValueError, AttributeError):  # a stream without a file descriptor (captured output)
+        return False
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``gpumem`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    level = logging.WARNING - 10 * min(args.verbose, 2)
+    """Run the ``gpumem`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+
+    Ctrl-C anywhere in here, the imports that building the parser and the commands do included, ends with
+    one line on stderr and status 130. (Python's own start-up and the imports of the ``gpumem`` package
+    and of this module, about the first 0.15 s of the process, come before this function runs: a Ctrl-C
+    then still ends as for any Python program, with Python's traceback and death by SIGINT, which a shell
+    reports as status 130 too.)
+    """
+    command = ""
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        command = f" {args.command}"
+        return _main(args)
+    except KeyboardInterrupt:
+        if sys.stderr is not None:
+            print(f"gpumem{command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(args: argparse.Namespace) -> int:
+    level = logging.WARNING - 10 * min(args.verbose + getattr(args, "command_verbose", 0), 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if _stdout_closed():
+        # started with stdout closed (`gpumem replay T >&-`): the results could go nowhere; end at once, as
+        # for a closed pipe, with one line on stderr (if there is one) and no traceback
+        if sys.stderr is not None:
+            print(f"gpumem {args.command}: standard output is closed: nothing to print the results to",
+                  file=sys.stderr)
+        return EXIT_BROKEN_PIPE
     try:
         code = _run(args)
         sys.stdout.flush()
@@ -432,9 +624,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError):  # pragma: no cover - stdout without a file descriptor
             pass
         return EXIT_BROKEN_PIPE
-    except KeyboardInterrupt:
-        print(f"gpumem {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

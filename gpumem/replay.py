@@ -55,6 +55,9 @@ class ReplayResult:
     n_ops: int
     n_allocs: int
     completed_ops: int
+    """Operations replayed: all of them, or, when an out-of-memory error stopped the replay, those before
+    the one that failed (:attr:`oom_op`, which is not counted). With ``stop_on_oom=False`` the skipped
+    allocations count as replayed."""
     peak_live_bytes: int
     peak_reserved_bytes: int
     ooms: int
@@ -77,7 +80,8 @@ class ReplayResult:
 
     @property
     def ns_per_op(self) -> float:
-        """Wall-clock nanoseconds per replayed operation (allocate or free)."""
+        """Wall-clock nanoseconds per replayed operation (allocate or free): the wall time over
+        :attr:`completed_ops`."""
         return self.wall_s * 1e9 / self.completed_ops if self.completed_ops else 0.0
 
     def as_json(self) -> dict[str, Any]:
@@ -145,11 +149,12 @@ def replay(trace: Trace, allocator: CachingAllocator, *, stop_on_oom: bool = Tru
                 ooms += 1
                 if oom_error is None:
                     oom_error, oom_op = exc, i
-                done = i + 1
                 if stop_on_oom:
+                    done = i  # ops 0 .. i-1 were done; op i failed and is not counted as completed
                     # the caller reports the error (ReplayResult.oom_error): logged here only for debugging
                     log.debug("replay of %s stopped at op %d (0-based) of %d: %s", trace.name, i, n, exc)
                     break
+                done = i + 1  # the failed allocation is skipped (and its free): the replay goes on after it
             bar.update(done)
     finally:
         wall_s = time.perf_counter() - t0

@@ -139,3 +139,13 @@ def test_time_ops_frees_everything_and_skips_zero_byte_allocations(bench):
 
     us = bench._time_ops(trace, alloc, live.remove)
     assert us > 0 and live == set()  # the one left live at the end is freed too
+
+
+def test_help_is_plain_text(bench, capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "**" not in out and "``" not in out and ":data:" not in out and "::" not in out
+    assert "1. Overhead (peak reserved / peak live - 1)" in out and "(BEST_PEER)" in out
+    assert "python benchmarks/replay_bench.py [--traces DIR]" in out

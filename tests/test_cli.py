@@ -88,7 +88,7 @@ def test_replay_text(capsys, trace_file):
         assert label in out
     assert "tiny" in out and "sim:t4-16gb" in out and "gpumem" in out
     assert f"{expected.overhead:.2%}" in out
-    assert "ooms        0" in out
+    assert "ooms           0" in out
     assert "Traceback" not in err
 
 
@@ -131,8 +131,8 @@ def test_replay_export_snapshot(capsys, trace_file, tmp_path):
 def test_replay_oom(capsys, big_trace_file):
     code, out, err = run(capsys, "replay", str(big_trace_file), "--device", "sim:gtx-1050-2gb")
     assert code == EXIT_OOM
-    assert "ooms        1" in out
-    assert "replayed    1 of 6 ops (stopped by out of memory at op 2)" in out
+    assert "ooms           1" in out
+    assert "replayed       1 of 6 ops (stopped by out of memory at op 2)" in out
     # printed once (it was two or three times, with op counts that disagreed), on stderr only
     assert err.count("out of memory") == 1 and out.count("out of memory") == 1  # the "replayed" line
     assert "gpumem replay: out of memory on sim:gtx-1050-2gb" in err
@@ -150,6 +150,157 @@ def test_replay_oom(capsys, big_trace_file):
     assert "Traceback" not in err and "Traceback" not in out
 
 
+def _odd_sizes_file(tmp_path):
+    """Many odd-sized allocations (each rounded up by the device's pages), then more than a 2 GB card holds."""
+    ops = [(0, i, 3 * MiB + 4321, 0, float(i), 0x1_0000_0000 * (i + 1)) for i in range(700)]
+    return save_trace(Trace.from_ops("odd", "gpumem", ops), tmp_path / "odd.gmt")
+
+
+def test_oom_report_names_no_invented_tenants(capsys, tmp_path):
+    path = _odd_sizes_file(tmp_path)
+    code, out, err = run(capsys, "replay", str(path), "--device", "sim:gtx-1050-2gb", "--policy", "cupy")
+    assert code == EXIT_OOM, err
+    assert "tenant" not in err and "pressure" not in err  # the spec has no pressure: no tenants, no such advice
+    assert "granularity rounding" in err
+
+
+def test_oom_report_tenants_are_the_simulators(capsys, tmp_path):
+    import re
+
+    path = _odd_sizes_file(tmp_path)
+    code, out, err = run(capsys, "replay", str(path), "--device", "sim:gtx-1050-2gb?pressure=step",
+                         "--policy", "cupy")
+    assert code == EXIT_OOM, err
+    held = re.search(r"([0-9.]+ [KMG]iB) held by other tenants \(the spec's pressure scenario\)", err)
+    assert held is not None, err
+    assert held.group(1) == "500.00 MiB"  # the step preset takes a quarter of the 2 GB card (page-rounded)
+    assert "replay without the spec's pressure scenario" in err
+
+
+def test_replay_text_labels_are_whole_and_aligned(capsys, big_trace_file):
+    code, out, err = run(capsys, "replay", str(big_trace_file), "--device", "sim:gtx-1050-2gb")
+    rows = out.splitlines()
+    labels = ["trace", "device", "policy", "replayed", "peak live", "peak reserved", "overhead", "ext. frag.",
+              "ooms", "time"]
+    assert [r[:15].rstrip() for r in rows] == labels
+    assert all(r[15] != " " and r[13:15] == "  " for r in rows)  # every value starts in one column, after two spaces
+    assert "peak reserv " not in out
+
+
+@pytest.mark.parametrize("argv, verbose", [
+    (["replay", "-v", "T"], 1), (["-v", "replay", "T"], 1), (["replay", "T", "-vv"], 2),
+    (["-v", "replay", "--verbose", "T"], 2), (["devices", "-v"], 1), (["replay", "T"], 0),
+])
+def test_verbose_before_or_after_the_command(argv, verbose):
+    args = build_parser().parse_args(argv)
+    assert args.verbose + args.command_verbose == verbose
+
+
+def test_verbose_after_the_command_logs():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    code = ("import logging, sys\nfrom gpumem.cli import main\ncode = main(sys.argv[1:])\n"
+            "print('root level', logging.getLogger().level, file=sys.stderr)\nsys.exit(code)\n")
+    proc = subprocess.run([sys.executable, "-c", code, "devices", "-vv"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert "root level 10" in proc.stderr and "unrecognized" not in proc.stderr
+
+
+def test_limit_above_the_device_memory_is_warned(capsys, caplog, trace_file):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="gpumem"):
+        code, out, err = run(capsys, "replay", str(trace_file), "--device", "sim:h200-141gb", "--limit", "200GiB")
+    assert code == EXIT_OK, err
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "--limit 200GiB" in r.getMessage()]
+    assert len(warned) == 1 and "sim:h200-141gb" in warned[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gpumem"):
+        code, out, err = run(capsys, "replay", str(trace_file), "--device", "sim:h200-141gb", "--limit", "100GiB")
+    assert code == EXIT_OK and not [r for r in caplog.records if "--limit" in r.getMessage()]
+
+
+def test_limit_warning_reaches_stderr(trace_file):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "gpumem", "replay", str(trace_file), "--limit", "200GiB"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert proc.stderr.startswith("WARNING gpumem: --limit 200GiB (200.00 GiB) is more than sim:h200-141gb has")
+
+
+def test_unknown_format_message_names_the_option_once(capsys, tmp_path):
+    odd = tmp_path / "odd.dat"
+    odd.write_text("hello\n")
+    code, out, err = run(capsys, "replay", str(odd))
+    assert code == EXIT_USAGE
+    assert "pass --format NAME to force one" in err and err.count("--format") == 1, err
+
+
+def test_cli_names_with_and_without_the_aside():
+    from gpumem.cli import _cli_names
+
+    assert _cli_names("x; pass format= (the command line's --format) to force one") == \
+        "x; pass --format NAME to force one"
+    assert _cli_names("pass format= to force one") == "pass --format NAME to force one"
+    assert _cli_names("pass device= (the command line's --device-index) to pick") == "pass --device-index N to pick"
+
+
+def test_a_folder_given_as_the_trace(capsys, tmp_path):
+    code, out, err = run(capsys, "replay", str(tmp_path))
+    assert code == EXIT_USAGE and out == ""
+    assert err == (f"gpumem replay: {tmp_path} is a folder, not a trace file; give one trace file, or replay every "
+                   f"trace in the folder with: python benchmarks/replay_bench.py --traces {tmp_path}\n")
+
+
+@pytest.mark.parametrize("raised", ["format", "isadir"])
+def test_a_folder_reported_by_the_readers(capsys, tmp_path, monkeypatch, raised):
+    """The trace readers say "is a directory" themselves (TraceFormatError); the CLI gives the same advice."""
+    import gpumem.cli
+    import gpumem.trace
+    from gpumem.errors import TraceFormatError
+
+    def reader(path, *args, **kwargs):
+        if raised == "format":
+            raise TraceFormatError(str(path), "is a directory")
+        raise IsADirectoryError(21, "Is a directory", str(path))
+
+    monkeypatch.setattr(gpumem.trace, "load_trace", reader)
+    monkeypatch.setattr(gpumem.cli, "_check_trace_path", lambda path: None)
+    code, out, err = run(capsys, "replay", str(tmp_path / "t.gmt"))
+    assert code == EXIT_USAGE and "is a folder, not a trace file" in err and "replay_bench.py --traces" in err
+
+
+def test_a_fifo_given_as_the_trace_does_not_hang(capsys, tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    code, out, err = run(capsys, "replay", str(fifo))
+    assert code == EXIT_USAGE and "is a FIFO (named pipe), not a trace file" in err
+
+
+def test_replay_summary_with_json(capsys, trace_file):
+    code, out, err = run(capsys, "replay", str(trace_file), "--json", "--summary")
+    assert code == EXIT_OK, err
+    data = json.loads(out)
+    code, text_out, err = run(capsys, "replay", str(trace_file), "--summary")
+    assert isinstance(data["summary"], str) and data["summary"] and data["summary"] in text_out
+    code, out, err = run(capsys, "replay", str(trace_file), "--json")
+    assert "summary" not in json.loads(out)
+
+
 def test_replay_oom_json(capsys, big_trace_file):
     code, out, err = run(capsys, "replay", str(big_trace_file), "--device", "sim:gtx-1050-2gb", "--json")
     assert code == EXIT_OOM
@@ -160,6 +311,11 @@ def test_replay_oom_json(capsys, big_trace_file):
     assert data["trace_peak_live_bytes"] == 3 * GiB
     assert data["oom_report"] == err.strip()  # the same report, once on stderr
     assert err.count("out of memory") == 1
+    # the failed op (op 2, 0-based 1) is not completed: JSON and text agree, the time per op is over op 1 only
+    assert data["completed_ops"] == data["oom_op"] == 1
+    assert data["ns_per_op"] == pytest.approx(data["wall_s"] * 1e9 / 1)
+    code, out, err = run(capsys, "replay", str(big_trace_file), "--device", "sim:gtx-1050-2gb")
+    assert f"replayed       {data['completed_ops']:,} of 6 ops" in out
 
 
 @pytest.mark.parametrize("limit, text", [
@@ -226,7 +382,7 @@ def test_replay_missing_file(capsys, tmp_path):
 def test_replay_directory_is_not_a_trace(capsys, tmp_path):
     code, out, err = run(capsys, "replay", str(tmp_path))
     assert code == EXIT_USAGE
-    assert "no such trace file" in err
+    assert "is a folder" in err and "no such trace file" not in err
 
 
 @pytest.mark.parametrize("name, content", [
@@ -380,6 +536,75 @@ def test_export_path_checked_before_the_replay(capsys, trace_file, tmp_path, mon
     assert err.startswith("gpumem replay: --export-snapshot: ") and "Traceback" not in err
 
 
+def _no_replay(monkeypatch):
+    import gpumem.replay
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("the replay must not start")
+
+    monkeypatch.setattr(gpumem.replay, "replay", no_replay)
+
+
+def test_export_name_too_long_is_a_usage_error(capsys, trace_file, tmp_path, monkeypatch):
+    _no_replay(monkeypatch)
+    code, out, err = run(capsys, "replay", str(trace_file), "--export-snapshot", str(tmp_path / ("a" * 300 + ".pickle")))
+    assert code == EXIT_USAGE and out == ""
+    assert err.startswith("gpumem replay: --export-snapshot: cannot write ") and "too long" in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and len(err) < 300
+
+
+def test_export_empty_name_is_refused(capsys, trace_file, monkeypatch):
+    _no_replay(monkeypatch)
+    code, out, err = run(capsys, "replay", str(trace_file), "--export-snapshot", "")
+    assert code == EXIT_USAGE and out == ""
+    assert err == "gpumem replay: --export-snapshot: the file name is empty\n"
+
+
+def test_export_name_ending_with_a_slash_is_refused(capsys, trace_file, tmp_path, monkeypatch):
+    _no_replay(monkeypatch)
+    code, out, err = run(capsys, "replay", str(trace_file), "--export-snapshot", str(tmp_path / "newdir") + "/")
+    assert code == EXIT_USAGE and "names a folder" in err
+    assert not (tmp_path / "newdir").exists()
+
+
+@pytest.mark.parametrize("kind", ["dangling", "fifo", "device", "proc", "dirlink"])
+def test_export_target_must_be_a_regular_file(capsys, trace_file, tmp_path, monkeypatch, kind):
+    import os
+
+    target = {"device": "/dev/null", "proc": "/proc/r.pickle"}.get(kind, str(tmp_path / "out.pickle"))
+    if kind == "dangling":
+        os.symlink(tmp_path / "missing" / "x", target)
+    elif kind == "fifo":
+        os.mkfifo(target)  # no reader: opening it for writing must not hang
+    elif kind == "dirlink":
+        os.symlink(tmp_path, target)
+    _no_replay(monkeypatch)
+    code, out, err = run(capsys, "replay", str(trace_file), "--export-snapshot", target)
+    assert code == EXIT_USAGE and out == ""
+    assert err.startswith("gpumem replay: --export-snapshot: ") and len(err.splitlines()) == 1
+    expected = {"dangling": "link to a missing file", "fifo": "FIFO", "device": "character device",
+                "proc": "cannot write", "dirlink": "is a folder"}[kind]
+    assert expected in err
+
+
+def test_export_file_created_up_front_is_removed_when_the_replay_fails(capsys, trace_file, tmp_path):
+    out_path = tmp_path / "out.pickle"
+    code, out, err = run(capsys, "replay", str(trace_file), "--device", "sim:a100-80gb?lost_at_s=0",
+                         "--export-snapshot", str(out_path))
+    assert code == 3 and not out_path.exists()
+    bad = tmp_path / "bad.gmt"
+    bad.write_text("nonsense")
+    code, out, err = run(capsys, "replay", str(bad), "--export-snapshot", str(out_path))
+    assert code == EXIT_USAGE and not out_path.exists()
+    # a file that was there before is kept (with its content) when the replay fails
+    out_path.write_bytes(b"old")
+    code, out, err = run(capsys, "replay", str(bad), "--export-snapshot", str(out_path))
+    assert code == EXIT_USAGE and out_path.read_bytes() == b"old"
+    # and replaced when it succeeds
+    code, out, err = run(capsys, "replay", str(trace_file), "--export-snapshot", str(out_path))
+    assert code == EXIT_OK and out_path.stat().st_size > 3
+
+
 def test_export_failure_after_the_replay_keeps_the_results(capsys, trace_file, tmp_path, monkeypatch):
     import gpumem.trace
 
@@ -391,6 +616,7 @@ def test_export_failure_after_the_replay_keeps_the_results(capsys, trace_file, t
     assert code == EXIT_USAGE
     assert "overhead" in out  # the results were printed first
     assert "cannot write" in err and "No space left on device" in err
+    assert not (tmp_path / "out.pickle").exists()  # created by the up-front check, removed again
 
 
 def test_closed_pipe_is_not_a_traceback(trace_file):
@@ -409,6 +635,72 @@ def test_closed_pipe_is_not_a_traceback(trace_file):
         proc.stderr.close()
         assert proc.wait(timeout=120) == 141, err
         assert err == "", err
+
+
+@pytest.mark.parametrize("command", ["devices", "replay"])
+def test_closed_stdout_is_not_a_traceback(trace_file, command):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    argv = ["devices"] if command == "devices" else ["replay", str(trace_file)]
+    proc = subprocess.run([sys.executable, "-m", "gpumem", *argv], stderr=subprocess.PIPE, env=env, timeout=120,
+                          preexec_fn=lambda: os.close(1))  # as `gpumem ... >&-`
+    err = proc.stderr.decode()
+    assert proc.returncode == 141, err
+    assert err == f"gpumem {command}: standard output is closed: nothing to print the results to\n"
+
+
+def test_stdout_none_in_process(capsys, trace_file, monkeypatch):
+    monkeypatch.setattr("sys.stdout", None)
+    assert main(["replay", str(trace_file)]) == 141
+
+
+def test_ctrl_c_while_building_the_parser(capsys, monkeypatch):
+    import gpumem.cli
+
+    def interrupted():
+        raise KeyboardInterrupt  # as a Ctrl-C during the imports that build_parser does
+
+    monkeypatch.setattr(gpumem.cli, "build_parser", interrupted)
+    code, out, err = run(capsys, "replay", "x")
+    assert code == 130 and out == "" and err == "gpumem: interrupted\n"
+
+
+def test_ctrl_c_early_in_a_real_process(trace_file):
+    """SIGINT at several moments once main() runs (building the parser, importing the trace readers and
+    the allocator, replaying): 130 and one line, never a traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    # the console script imports gpumem.cli, then calls main(): the signal comes once main() may run
+    code = ("import sys\n"
+            "from gpumem.cli import main\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    for delay in (0.0, 0.05, 0.15):
+        proc = subprocess.Popen([sys.executable, "-c", code, "replay", str(trace_file)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        assert proc.stdout.readline() == "ready\n"
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        if proc.returncode == 0:  # the replay was already done: nothing to interrupt
+            continue
+        assert proc.returncode == 130, err
+        assert "Traceback" not in err and len(err.splitlines()) == 1 and err.endswith("interrupted\n"), err
 
 
 def test_exit_codes_for_device_errors(capsys, trace_file):
@@ -451,7 +743,7 @@ class _Stub:
 
 
 def _oom_result(exc, n_ops=100, op=41, peak=3 * GiB, device="sim:t4-16gb"):
-    return _Stub(oom_error=exc, oom_op=op, completed_ops=op + 1, n_ops=n_ops, trace_peak_live_bytes=peak,
+    return _Stub(oom_error=exc, oom_op=op, completed_ops=op, n_ops=n_ops, trace_peak_live_bytes=peak,
                  device=device)
 
 
@@ -526,3 +818,24 @@ def test_help_documents_exit_codes_and_options(capsys):
     for text in ("--format", "--device-index", "8GiB", "90%", "peak reserved / peak live - 1",
                  "external fragmentation", "pytorch-snapshot", "rmm-log"):
         assert text in out
+
+
+@pytest.mark.parametrize("probe", ["calibrate", "inflight"])
+def test_hil_probes_without_cupy_say_which_extra(capsys, monkeypatch, probe):
+    import importlib
+    import sys
+
+    module = importlib.import_module(f"gpumem.hil.probes.{probe}")
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError, as without CuPy
+    argv = [] if probe == "calibrate" else ["--path", "release"]
+    monkeypatch.setattr(sys, "argv", [probe, *argv])
+    if probe == "calibrate":
+        with pytest.raises(SystemExit) as info:
+            module.main()
+        code = info.value.code
+    else:
+        code = module.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and 'pip install "gpumem[cuda13]"' in err
+    assert err.startswith(f"python -m gpumem.hil.probes.{probe}: needs CuPy")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 
@@ -27,9 +28,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    import cupy
-    from cupy.cuda import runtime
-    from cuda.bindings import driver
+    try:
+        import cupy
+        from cupy.cuda import runtime
+        from cuda.bindings import driver
+    except ImportError as exc:
+        print(f"python -m gpumem.hil.probes.calibrate: needs CuPy and cuda-bindings, which could not be imported "
+              f"({exc}); install them with: pip install \"gpumem[cuda13]\" (or \"gpumem[cuda12]\" for CUDA 12.x)",
+              file=sys.stderr)
+        raise SystemExit(2) from None
 
     runtime.setDevice(0)
     cupy.cuda.Device(0).use()

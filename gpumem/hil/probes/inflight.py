@@ -59,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--old", action="store_true", help="switch the stream fences off (the pre-issue-6 allocator)")
     parser.add_argument("--device", default="cuda:0", help="a CUDA device spec (default cuda:0)")
     args = parser.parse_args(argv)
-    import cupy  # noqa: PLC0415 - a real-GPU probe
+    try:
+        import cupy  # noqa: PLC0415 - a real-GPU probe
+    except ImportError as exc:
+        print(f"python -m gpumem.hil.probes.inflight: needs CuPy, which could not be imported ({exc}); install it "
+              f"with: pip install \"gpumem[cuda13]\" (or \"gpumem[cuda12]\" for CUDA 12.x)", file=sys.stderr)
+        return 2
 
     if args.old:
         StreamFences.done = lambda self, stream, number: True  # type: ignore[method-assign]

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import signal
 import stat
 import sys
 from pathlib import Path
@@ -590,15 +591,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     reports as status 130 too.)
     """
     command = ""
+    sigint = _SigintFlag()
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
         command = f" {args.command}"
         return _main(args)
     except KeyboardInterrupt:
-        if sys.stderr is not None:
-            print(f"gpumem{command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        pass
+    except Exception:
+        # a Ctrl-C inside a C extension's import (numpy's) can come out as an ImportError or SystemError
+        if not sigint.seen:
+            raise
+    finally:
+        sigint.restore()
+    if sys.stderr is not None:
+        print(f"gpumem{command}: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+class _SigintFlag:
+    """Python's SIGINT handling (``KeyboardInterrupt``) that also remembers that SIGINT came, for :func:`main`.
+
+    Installed only over Python's default handler, in the main thread; :meth:`restore` puts it back.
+    """
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous: Any = None
+        try:
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self._previous = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread
+            pass
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            try:
+                signal.signal(signal.SIGINT, self._previous)
+            except ValueError:  # pragma: no cover
+                pass
+            self._previous = None
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -73,12 +73,13 @@ def open_regular(path: Path) -> IO[bytes]:
     The file is opened non-blocking and checked with ``fstat``, so a file swapped
     for a FIFO after :func:`check_exists` still cannot hang the reader.
     """
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    nonblock = getattr(os, "O_NONBLOCK", 0)  # POSIX only
+    fd = os.open(path, os.O_RDONLY | nonblock | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise TraceFormatError(str(path), _not_regular(mode))
-        if hasattr(os, "set_blocking"):
+        if nonblock:
             os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

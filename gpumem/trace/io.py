@@ -117,8 +117,10 @@ def load_trace(path: PathLike, format: str | None = None, *, device: int | None 
     reading may cost (default :data:`~gpumem.trace.limits.DEFAULT_LIMITS`);
     ``progress`` shows a bar of the file's bytes read (None: only when stderr is a
     terminal). Raises ``FileNotFoundError`` for a missing file and
-    ``TraceFormatError`` for an unknown format, unreadable content, an exceeded
-    limit, or a trace with no allocations.
+    ``TraceFormatError`` for something that is no regular file (a directory, a
+    FIFO, a device, a symbolic link loop: checked with ``os.stat``, never opened),
+    a forced format that the content's signature contradicts, an unknown format,
+    unreadable content, an exceeded limit, or a trace with no allocations.
     """
     p = check_exists(path)
     if format is None:

@@ -24,8 +24,10 @@ single spaces::
 The reader rejects another ``format``, an unknown ``version`` and any malformed
 line with :class:`~gpumem.errors.TraceFormatError` naming the file and line. It
 streams the file under :class:`~gpumem.trace.limits.TraceLimits`: lines of bounded
-length, a header of bounded nesting, at most ``max_entries`` ops, and every number
-in range (sizes, ids and addresses in ``[0, 2**63)``, streams in ``(-2**63, 2**63)``).
+length, a header of bounded nesting, at most ``max_entries`` ops and
+``max_memory_nbytes // ENTRY_NBYTES`` (kept in compact array columns), an integer
+``version`` (not ``true``), and every number in ASCII digits and in range (sizes,
+ids and addresses in ``[0, 2**63)``, streams in ``(-2**63, 2**63)``).
 Version 1 is the only version; a future incompatible change bumps it.
 """
 

@@ -26,8 +26,11 @@ times *relative to the first op*, to the microsecond.
 
 The reader streams the file line by line under
 :class:`~gpumem.trace.limits.TraceLimits` (bounded line length, at most
-``max_entries`` lines, the decompressed-size and ratio caps), range-checks every
-number, and quotes at most a short prefix of a bad field in its errors.
+``max_entries`` lines and ``max_memory_nbytes // ENTRY_NBYTES`` events, the
+decompressed-size and ratio caps), keeps events in compact array columns,
+range-checks every number (ASCII digits only: no Unicode digits, no underscores;
+sizes, pointers and streams non-negative), and quotes at most a short prefix of
+a bad field in its errors.
 """
 
 from __future__ import annotations

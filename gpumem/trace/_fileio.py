@@ -14,6 +14,7 @@ import errno
 import gzip
 import io
 import os
+import stat
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,17 +36,60 @@ CHUNK_NBYTES = 64 * 1024
 PathLike = str | os.PathLike[str]
 
 
+def _not_regular(mode: int) -> str:
+    """What a file that is no regular file is, for an error message."""
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a trace file"
+    kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+            else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "special")
+    return f"is not a regular file ({kind}); a trace must be a regular file"
+
+
 def check_exists(path: PathLike) -> Path:
-    """``Path(path)``, or ``FileNotFoundError`` naming it when there is no such file."""
+    """``Path(path)`` when it is a regular file (after following symbolic links).
+
+    Raises ``FileNotFoundError`` naming it when there is no such file, and
+    ``TraceFormatError`` saying what it is for a directory, a FIFO, a device, a
+    socket or a symbolic link loop. Only ``os.stat`` is used, so a FIFO without a
+    writer is never opened (opening it would block).
+    """
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(errno.ENOENT, "no such trace file", str(p))
+    try:
+        st = os.stat(p)
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileNotFoundError(errno.ENOENT, "no such trace file", str(p)) from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise TraceFormatError(str(p), "is a symbolic link loop, not a trace file") from None
+        raise TraceFormatError(str(p), f"cannot read ({type(e).__name__}: {shorten(str(e))})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise TraceFormatError(str(p), _not_regular(st.st_mode))
     return p
+
+
+def open_regular(path: Path) -> IO[bytes]:
+    """Open ``path`` for binary reading, refusing anything but a regular file without ever blocking.
+
+    The file is opened non-blocking and checked with ``fstat``, so a file swapped
+    for a FIFO after :func:`check_exists` still cannot hang the reader.
+    """
+    nonblock = getattr(os, "O_NONBLOCK", 0)  # POSIX only
+    fd = os.open(path, os.O_RDONLY | nonblock | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise TraceFormatError(str(path), _not_regular(mode))
+        if nonblock:
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def is_gzip(path: Path) -> bool:
     """Whether the file starts with the gzip magic bytes (the suffix is not trusted)."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         return f.read(2) == GZIP_MAGIC
 
 
@@ -65,7 +109,7 @@ class GuardedReader(io.RawIOBase):
         self.limits = limits
         self._inspect = inspect
         self._bar = bar
-        self._raw: IO[bytes] = open(path, "rb")
+        self._raw: IO[bytes] = open_regular(path)
         self.gzipped = self._raw.read(2) == GZIP_MAGIC
         self._raw.seek(0)
         self._source: IO[bytes] = gzip.GzipFile(fileobj=self._raw, mode="rb") if self.gzipped else self._raw

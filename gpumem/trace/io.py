@@ -72,6 +72,28 @@ def _format_from_suffix(path: Path) -> str | None:
     return _SUFFIXES.get(suffixes[-1]) if suffixes else None
 
 
+_DESCRIPTIONS = {"pytorch-snapshot": "a PyTorch snapshot", "rmm-log": "an RMM log", "gpumem": "a gpumem .gmt trace"}
+
+
+def _check_forced_format(path: Path, fmt: str) -> None:
+    """Refuse a forced format that the content's signature contradicts, saying what the file looks like.
+
+    Without this, a CSV read as a pickle fails deep in the unpickler with a message about opcodes.
+    """
+    head = peek(path)
+    if not head:
+        return  # empty or unreadable: the reader explains
+    seen = _format_from_content(head)
+    if seen == fmt or (seen is None and fmt != "pytorch-snapshot"):
+        return  # an unrecognised text file: the forced text reader says what is wrong with it
+    if seen is None:
+        looks = "it does not start with a pickle's PROTO opcode 0x80, as every snapshot does"
+    else:
+        looks = f"it starts like {_DESCRIPTIONS[seen]}"
+    raise TraceFormatError(str(path), f"this file does not look like {_DESCRIPTIONS[fmt]} ({looks}); "
+                                      f"drop the forced format to detect it")
+
+
 def detect_format(path: PathLike) -> str:
     """The canonical format name of ``path`` (content first, then suffix); ``TraceFormatError`` if unknown."""
     p = check_exists(path)
@@ -95,8 +117,10 @@ def load_trace(path: PathLike, format: str | None = None, *, device: int | None 
     reading may cost (default :data:`~gpumem.trace.limits.DEFAULT_LIMITS`);
     ``progress`` shows a bar of the file's bytes read (None: only when stderr is a
     terminal). Raises ``FileNotFoundError`` for a missing file and
-    ``TraceFormatError`` for an unknown format, unreadable content, an exceeded
-    limit, or a trace with no allocations.
+    ``TraceFormatError`` for something that is no regular file (a directory, a
+    FIFO, a device, a symbolic link loop: checked with ``os.stat``, never opened),
+    a forced format that the content's signature contradicts, an unknown format,
+    unreadable content, an exceeded limit, or a trace with no allocations.
     """
     p = check_exists(path)
     if format is None:
@@ -105,6 +129,7 @@ def load_trace(path: PathLike, format: str | None = None, *, device: int | None 
         fmt = _ALIASES.get(format.lower()) if isinstance(format, str) else None  # type: ignore[assignment]
         if fmt is None:
             raise TraceFormatError(str(p), f"unknown format {shorten(format, 40)}; expected one of {sorted(_ALIASES)}")
+        _check_forced_format(p, fmt)
     if device is not None and fmt != "pytorch-snapshot":
         raise TraceFormatError(str(p), f"device={shorten(device)} applies to PyTorch snapshots only; "
                                        f"this is a {fmt} trace")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["DEFAULT_LIMITS", "TraceLimits", "shorten"]
+__all__ = ["DEFAULT_LIMITS", "ENTRY_NBYTES", "TraceLimits", "shorten"]
 
 _GiB = 2**30
 _MiB = 2**20
@@ -45,6 +45,18 @@ class TraceLimits:
       there are tuples, and hashing one nested ~200,000 deep crashes the
       interpreter; a real snapshot holds about 150.
     * ``max_devices``: per-device trace lists in a snapshot.
+    * ``max_memory_nbytes``: memory a load may take, whatever the file's size or
+      compression ratio. Text readers (RMM, ``.gmt``) store events compactly in
+      array-backed columns and count :data:`ENTRY_NBYTES` per event (their
+      measured peak, building the trace included), so they refuse an event past
+      ``max_memory_nbytes // ENTRY_NBYTES`` as it is read. The pickle reader
+      measures the process's resident memory growth since the load began after
+      every 64 KiB chunk (and every pickle frame, at most 1 MiB) and refuses the
+      load once it exceeds the budget; it then counts :data:`ENTRY_NBYTES` per
+      snapshot entry, for the columns it builds, against what is left. A real snapshot takes about 12
+      bytes per decompressed pickle byte (the 58 MB ``llama_generate`` pickle:
+      0.7 GB), so the 4 GiB default admits snapshots of ~300 MB of pickle
+      (~4 million entries), and text logs of ~25 million events.
     """
 
     max_decompressed_nbytes: int = 64 * _GiB
@@ -56,16 +68,34 @@ class TraceLimits:
     max_nesting_depth: int = 64
     max_pickle_tuples: int = 20_000
     max_devices: int = 4096
+    max_memory_nbytes: int = 4 * _GiB
 
     def __post_init__(self) -> None:
         for name in ("max_decompressed_nbytes", "ratio_floor_nbytes", "max_entries", "max_objects",
-                     "max_line_nbytes", "max_nesting_depth", "max_pickle_tuples", "max_devices"):
+                     "max_line_nbytes", "max_nesting_depth", "max_pickle_tuples", "max_devices",
+                     "max_memory_nbytes"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise InvalidArgumentError(f"TraceLimits.{name} must be a positive int, got {value!r}")
         ratio = self.max_compression_ratio
         if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not ratio >= 1:
             raise InvalidArgumentError(f"TraceLimits.max_compression_ratio must be a number >= 1, got {ratio!r}")
+
+
+#: Bytes a reader counts per event against ``TraceLimits.max_memory_nbytes``: the measured peak of the
+#: RMM and ``.gmt`` readers, building the trace included, is about 120 bytes per event.
+ENTRY_NBYTES = 160
+
+
+def max_entries_for(limits: TraceLimits, used_nbytes: int = 0) -> tuple[int, str]:
+    """The most events a reader may keep under ``limits`` (``used_nbytes`` of the memory budget already
+    taken), and the limit that binds, as an error message names it."""
+    by_memory = max(0, limits.max_memory_nbytes - used_nbytes) // ENTRY_NBYTES
+    if by_memory < limits.max_entries:
+        taken = f", {used_nbytes:,} of them taken by unpickling" if used_nbytes else ""
+        return by_memory, (f"TraceLimits.max_memory_nbytes: {limits.max_memory_nbytes:,} bytes{taken}, at "
+                           f"{ENTRY_NBYTES} bytes per event")
+    return limits.max_entries, "TraceLimits.max_entries"
 
 
 #: The limits used when a reader is given none.

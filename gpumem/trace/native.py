@@ -24,8 +24,10 @@ single spaces::
 The reader rejects another ``format``, an unknown ``version`` and any malformed
 line with :class:`~gpumem.errors.TraceFormatError` naming the file and line. It
 streams the file under :class:`~gpumem.trace.limits.TraceLimits`: lines of bounded
-length, a header of bounded nesting, at most ``max_entries`` ops, and every number
-in range (sizes, ids and addresses in ``[0, 2**63)``, streams in ``(-2**63, 2**63)``).
+length, a header of bounded nesting, at most ``max_entries`` ops and
+``max_memory_nbytes // ENTRY_NBYTES`` (kept in compact array columns), an integer
+``version`` (not ``true``), and every number in ASCII digits and in range (sizes,
+ids and addresses in ``[0, 2**63)``, streams in ``(-2**63, 2**63)``).
 Version 1 is the only version; a future incompatible change bumps it.
 """
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +43,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, TraceFormatError
 from ._fileio import PathLike, check_exists, iter_lines, open_binary, open_for_writing
-from .limits import DEFAULT_LIMITS, TraceLimits, shorten
+from .limits import DEFAULT_LIMITS, TraceLimits, max_entries_for, shorten
 from .model import OpKind, Trace
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "NATIVE_SUFFIXES", "read_native_trace", "write_native_trace"]
@@ -51,6 +54,10 @@ NATIVE_SUFFIXES = (".gmt", ".gmt.gz")
 _HEADER_INTS = ("n_ops", "n_allocs", "n_unmatched_frees", "n_failed_allocs")
 _INT64_MAX = 2**63 - 1
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_DEC_INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_HEX_INT = re.compile(r"[0-9a-fA-F]+", re.ASCII)
+_FLOAT = re.compile(r"[+-]?(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|nan|inf|infinity)",
+                    re.ASCII | re.IGNORECASE)
 
 
 def _fmt_time(t: float) -> str:
@@ -114,7 +121,7 @@ def _parse_header(line: str, where: str, limits: TraceLimits = DEFAULT_LIMITS) -
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
         raise TraceFormatError(where, f"line 1: not a {FORMAT_NAME} header")
-    if header.get("version") != FORMAT_VERSION:
+    if type(header.get("version")) is not int or header["version"] != FORMAT_VERSION:  # True == 1 in Python
         raise TraceFormatError(
             where, f"line 1: unsupported {FORMAT_NAME} version {shorten(header.get('version'))} (this reader knows 1)"
         )
@@ -133,20 +140,18 @@ def _int(text: str, what: str, lo: int, hi: int, base: int = 10) -> int:
     """``int(text, base)`` within ``[lo, hi]``; ``ValueError`` quoting at most a prefix of ``text``."""
     if len(text) > 20:  # 2**63 has 19 digits, 16 in hex: anything longer is out of range (or not a number)
         raise ValueError(f"{what} {shorten(text)} is not a 64-bit integer")
-    try:
-        value = int(text, base)
-    except ValueError:
-        raise ValueError(f"{what} {shorten(text)} is not {'a hexadecimal' if base == 16 else 'an'} integer") from None
+    if not (_HEX_INT if base == 16 else _DEC_INT).fullmatch(text):  # int() takes "١٢" and "1_0"
+        raise ValueError(f"{what} {shorten(text)} is not {'a hexadecimal' if base == 16 else 'an'} integer")
+    value = int(text, base)
     if not lo <= value <= hi:
         raise ValueError(f"{what} {value} out of range [{lo}, {hi}]")
     return value
 
 
 def _time(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"time_us {shorten(text)} is not a number") from None
+    if not _FLOAT.fullmatch(text):  # float() takes "١٢" and "1_0"
+        raise ValueError(f"time_us {shorten(text)} is not a number")
+    return float(text)
 
 
 def read_native_trace(path: PathLike, *, limits: TraceLimits | None = None, progress: bool | None = False) -> Trace:
@@ -158,15 +163,15 @@ def read_native_trace(path: PathLike, *, limits: TraceLimits | None = None, prog
     where = str(path)
     check_exists(path)
     limits = limits or DEFAULT_LIMITS
-    max_ops = limits.max_entries
-    kinds: list[int] = []
-    ids: list[int] = []
-    nbytes: list[int] = []
-    streams: list[int] = []
-    times: list[float] = []
-    addrs: list[int] = []
-    alloc_nbytes: list[int] = []
-    alloc_addrs: list[int] = []
+    max_ops, binding = max_entries_for(limits)
+    kinds = array("b")  # compact columns (see TraceLimits.max_memory_nbytes)
+    ids = array("q")
+    nbytes = array("q")
+    streams = array("q")
+    times = array("d")
+    addrs = array("q")
+    alloc_nbytes = array("q")
+    alloc_addrs = array("q")
     live = bytearray()
     with open_binary(path, limits=limits, progress=progress) as f:
         lines = iter_lines(f, where, limits)
@@ -203,7 +208,8 @@ def read_native_trace(path: PathLike, *, limits: TraceLimits | None = None, prog
             except (ValueError, IndexError) as e:
                 raise TraceFormatError(where, f"line {lineno}: {e}") from None
             if len(kinds) > max_ops:
-                raise TraceFormatError(where, f"line {lineno}: more than {max_ops:,} ops (TraceLimits.max_entries)")
+                raise TraceFormatError(where, f"line {lineno}: more than {max_ops:,} ops ({binding}); "
+                                              "raise the limit if the file is genuine")
             ids.append(aid)
             nbytes.append(n)
             streams.append(s)

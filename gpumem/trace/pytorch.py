@@ -33,7 +33,8 @@ Loading is safe (see :mod:`gpumem.trace.safe_pickle`), bounded (see
 unpickling, a device's entries are capped at ``max_entries`` and may not
 outnumber the objects the file really made, so a list that repeats one memo
 reference a million times is refused before it is walked; every number is
-range-checked, times included) and fast: the cyclic garbage
+range-checked, times included: NaN and infinite times are refused; the memory
+unpickling takes is capped by ``max_memory_nbytes``, ``segments`` included) and fast: the cyclic garbage
 collector is paused while the million small dicts are built (it would otherwise
 triple the load time) and entries are read column by column with list
 comprehensions; a per-entry validating pass runs only when the fast path finds
@@ -43,6 +44,7 @@ something wrong, to name the bad entry.
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -52,7 +54,7 @@ import numpy as np
 from ..errors import TraceFormatError
 from ._fileio import PathLike, check_exists, trace_name_from_path
 from .builder import AddressReuseError, build_trace
-from .limits import DEFAULT_LIMITS, TraceLimits, shorten
+from .limits import DEFAULT_LIMITS, TraceLimits, max_entries_for, shorten
 from .model import Trace
 from .safe_pickle import _load_counted
 
@@ -94,13 +96,14 @@ def load_snapshot_dict(path: PathLike, *, limits: TraceLimits | None = None,
     return _load_snapshot(path, limits or DEFAULT_LIMITS, progress)[0]
 
 
-def _load_snapshot(path: PathLike, limits: TraceLimits, progress: bool | None) -> tuple[dict[str, Any], int]:
-    """The checked snapshot dict and the number of objects unpickling it made."""
+def _load_snapshot(path: PathLike, limits: TraceLimits,
+                   progress: bool | None) -> tuple[dict[str, Any], int, int]:
+    """The checked snapshot dict, the number of objects unpickling it made and the memory it took."""
     check_exists(path)
     with _gc_paused():
-        data, n_objects = _load_counted(path, limits, progress)
+        data, n_objects, memory_nbytes = _load_counted(path, limits, progress)
     _check_top_level(data, str(path), limits)
-    return data, n_objects
+    return data, n_objects, memory_nbytes
 
 
 def _check_top_level(data: Any, where: str, limits: TraceLimits = DEFAULT_LIMITS) -> None:
@@ -153,6 +156,10 @@ def _columns_fast(entries: list[Any]) -> Columns | None:
         return None
     if not {int, float} >= set(map(type, times)):
         return None
+    if entries and float in set(map(type, times)):
+        float_times = np.array([t for t in times if type(t) is float], dtype=np.float64)
+        if not np.isfinite(float_times).all():
+            return None
     if entries and int in set(map(type, times)):
         int_times = [t for t in times if type(t) is int]
         if min(int_times) < -_TIME_LIMIT_US or max(int_times) > _TIME_LIMIT_US:
@@ -196,6 +203,8 @@ def _columns_careful(entries: list[Any], where: str) -> Columns:
         t = e.get("time_us", 0)
         if type(t) not in (int, float):
             raise TraceFormatError(where, f"'time_us' is not a number ({type(t).__name__})", entry=i)
+        if type(t) is float and not math.isfinite(t):
+            raise TraceFormatError(where, f"'time_us' is not finite ({t!r})", entry=i)
         if type(t) is int and not -_TIME_LIMIT_US <= t <= _TIME_LIMIT_US:
             raise TraceFormatError(where, f"'time_us' ({shorten(t)}) is out of range (|time_us| <= 2**63)", entry=i)
         times.append(t)
@@ -211,6 +220,7 @@ def snapshot_to_trace(
     consume: bool = False,
     limits: TraceLimits | None = None,
     n_objects: int | None = None,
+    memory_nbytes: int = 0,
 ) -> Trace:
     """The ops of one device of an in-memory snapshot dict (``where`` names it in errors).
 
@@ -220,14 +230,17 @@ def snapshot_to_trace(
     At most ``limits.max_entries`` entries are read; ``n_objects`` (the objects
     unpickling made, when known) bounds them too: distinct entries are distinct
     dicts, so more entries than objects means memo references repeated.
+    ``memory_nbytes`` (the memory unpickling took) is deducted from
+    ``limits.max_memory_nbytes`` before the entries' columns are counted against it.
     """
     limits = limits or DEFAULT_LIMITS
     _check_top_level(snapshot, where, limits)
     traces = snapshot["device_traces"]
     entries = traces[_pick_device(traces, device, where)] if traces else []
-    if len(entries) > limits.max_entries:
-        raise TraceFormatError(where, f"{len(entries):,} entries, more than {limits.max_entries:,} "
-                                      "(TraceLimits.max_entries); raise the limit if the file is genuine")
+    max_entries, binding = max_entries_for(limits, memory_nbytes)
+    if len(entries) > max_entries:
+        raise TraceFormatError(where, f"{len(entries):,} entries, more than {max_entries:,} "
+                                      f"({binding}); raise the limit if the file is genuine")
     if n_objects is not None and len(entries) > n_objects:
         raise TraceFormatError(where, f"{len(entries):,} entries but the file made only {n_objects:,} objects: "
                                       "the entries repeat the same objects (memo references), as no snapshot does")
@@ -260,8 +273,8 @@ def read_pytorch_snapshot(path: PathLike, *, device: int | None = None, name: st
     """
     limits = limits or DEFAULT_LIMITS
     with _gc_paused():  # the collector would repeatedly traverse the million entry dicts
-        data, n_objects = _load_snapshot(path, limits, progress)
+        data, n_objects, memory_nbytes = _load_snapshot(path, limits, progress)
         return snapshot_to_trace(
             data, name=trace_name_from_path(path) if name is None else name, device=device, where=str(path),
-            consume=True, limits=limits, n_objects=n_objects,
+            consume=True, limits=limits, n_objects=n_objects, memory_nbytes=memory_nbytes,
         )

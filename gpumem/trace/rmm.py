@@ -26,12 +26,16 @@ times *relative to the first op*, to the microsecond.
 
 The reader streams the file line by line under
 :class:`~gpumem.trace.limits.TraceLimits` (bounded line length, at most
-``max_entries`` lines, the decompressed-size and ratio caps), range-checks every
-number, and quotes at most a short prefix of a bad field in its errors.
+``max_entries`` lines and ``max_memory_nbytes // ENTRY_NBYTES`` events, the
+decompressed-size and ratio caps), keeps events in compact array columns,
+range-checks every number (ASCII digits only: no Unicode digits, no underscores;
+sizes, pointers and streams non-negative), and quotes at most a short prefix of
+a bad field in its errors.
 """
 
 from __future__ import annotations
 
+import re
 from array import array
 from pathlib import Path
 
@@ -40,7 +44,7 @@ import numpy as np
 from ..errors import TraceFormatError
 from ._fileio import PathLike, check_exists, iter_lines, open_binary, open_for_writing, trace_name_from_path
 from .builder import AddressReuseError, build_trace, replay_addresses
-from .limits import DEFAULT_LIMITS, TraceLimits, shorten
+from .limits import DEFAULT_LIMITS, TraceLimits, max_entries_for, shorten
 from .model import OpKind, Trace
 
 __all__ = ["RMM_HEADER", "read_rmm_log", "write_rmm_log", "parse_time_of_day_us", "format_time_of_day"]
@@ -51,17 +55,18 @@ _ACTION_CODES = {"allocate": 0, "free": 1, "allocate failure": 2}
 _DAY_US = 86_400_000_000
 _HALF_DAY_US = _DAY_US // 2
 _INT64_MAX = 2**63 - 1
+_DEC_INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_HEX_INT = re.compile(r"[+-]?(?:0[xX])?[0-9a-fA-F]+", re.ASCII)
+_TIME_OF_DAY = re.compile(r"([0-9]{1,2}):([0-9]{1,2}):([0-9]{1,2})(?:\.([0-9]{0,9}))?", re.ASCII)
 
 
 def parse_time_of_day_us(text: str) -> int:
     """``"21:50:47.674565"`` -> microseconds since midnight. Raises ``ValueError`` when malformed."""
-    hms, _, frac = text.strip().partition(".")
-    parts = hms.split(":")
-    if len(parts) != 3 or not all(p.strip().isdigit() and len(p.strip()) <= 2 for p in parts):
+    m = _TIME_OF_DAY.fullmatch(text.strip())  # ASCII digits only: str.isdigit() admits "١٢" and "²"
+    if m is None:
         raise ValueError(f"time of day {shorten(text)} is not HH:MM:SS.ffffff")
-    if not (frac.isdigit() or frac == "") or len(frac) > 9:
-        raise ValueError(f"bad fraction of a second in {shorten(text)}")
-    hour, minute, second = (int(p) for p in parts)
+    hour, minute, second = (int(g) for g in m.groups()[:3])
+    frac = m.group(4) or ""
     if not (0 <= hour < 24 and 0 <= minute < 60 and 0 <= second < 61):
         raise ValueError(f"time of day out of range: {shorten(text)}")
     us = int((frac + "000000")[:6]) if frac else 0
@@ -86,10 +91,10 @@ def _parse_int(text: str, what: str = "stream", *, hexadecimal: bool = False) ->
     base = 16 if hexadecimal or text.lstrip("+-")[:2].lower() == "0x" else 10
     if len(text) > 20:
         raise ValueError(f"{what} {shorten(text)} is not a 64-bit integer")
-    try:
-        value = int(text, base)
-    except ValueError:
-        raise ValueError(f"{what} {shorten(text)} is not {'a hexadecimal' if base == 16 else 'an'} integer") from None
+    pattern = _HEX_INT if base == 16 else _DEC_INT
+    if not pattern.fullmatch(text):  # int() would take Unicode digits ("١٢") and underscores ("1_0")
+        raise ValueError(f"{what} {shorten(text)} is not {'a hexadecimal' if base == 16 else 'an'} integer")
+    value = int(text, base)
     if abs(value) > _INT64_MAX:
         raise ValueError(f"{what} {value} does not fit in 64 bits")
     return value
@@ -108,12 +113,12 @@ def read_rmm_log(path: PathLike, *, name: str | None = None, limits: TraceLimits
     where = str(path)
     check_exists(path)
     limits = limits or DEFAULT_LIMITS
-    max_lines = limits.max_entries
-    codes: list[int] = []
-    addrs: list[int] = []
-    sizes: list[int] = []
-    streams: list[int] = []
-    times: list[int] = []
+    max_lines, binding = max_entries_for(limits)
+    codes = array("b")  # compact columns: ~41 bytes per event instead of ~250 in lists of ints
+    addrs = array("q")
+    sizes = array("q")
+    streams = array("q")
+    times = array("q")
     linenos = array("q")  # the line of each event, to name it in an error found after reading
     with open_binary(path, limits=limits, progress=progress) as f:
         lines = iter_lines(f, where, limits, skip_blank=True)
@@ -149,11 +154,17 @@ def read_rmm_log(path: PathLike, *, name: str | None = None, limits: TraceLimits
                 addr = 0 if code == 2 else _parse_int(fields[i_ptr], "pointer", hexadecimal=True)
             except ValueError as e:
                 raise TraceFormatError(where, f"line {lineno}: {e}") from None
-            if size < 0 or addr < 0:
-                raise TraceFormatError(where, f"line {lineno}: size, pointer or stream out of range")
+            if size < 0:
+                raise TraceFormatError(where, f"line {lineno}: negative size {size}")
+            if addr < 0:
+                raise TraceFormatError(where, f"line {lineno}: negative pointer {addr:#x}")
+            if stream < 0:
+                raise TraceFormatError(where, f"line {lineno}: negative stream {stream} (stream ids are >= 0)")
+            if t > _INT64_MAX:
+                raise TraceFormatError(where, f"line {lineno}: time out of range")
             if len(codes) >= max_lines:
-                raise TraceFormatError(where, f"line {lineno}: more than {max_lines:,} events "
-                                              "(TraceLimits.max_entries)")
+                raise TraceFormatError(where, f"line {lineno}: more than {max_lines:,} events ({binding}); "
+                                              "raise the limit if the file is genuine")
             prev = t
             codes.append(code)
             addrs.append(addr)

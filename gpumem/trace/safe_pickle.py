@@ -17,9 +17,13 @@ opcode and chunk by chunk, *before* the unpickler sees it
 not a pickle opcode, is refused outright; copyreg is never consulted.
 
 Memory is bounded while loading (see :class:`~gpumem.trace.limits.TraceLimits`):
-the decompressed bytes, the compression ratio, and the interpreter objects alive
-(``sys.getallocatedblocks``) are checked after every 64 KiB chunk, so a small file
-of memo references or a gzip bomb is refused long before it can grow.
+the decompressed bytes, the compression ratio, the interpreter objects alive
+(``sys.getallocatedblocks``) and the process's resident memory growth
+(``max_memory_nbytes``, from ``/proc/self/statm``, else the peak from
+``getrusage``) are checked after every 64 KiB chunk, and frames are capped at
+:data:`MAX_FRAME_NBYTES`, so a small file of memo references (a list of 100
+million references is one object, but 800 MB) or a gzip bomb is refused once it
+takes the budget, whatever its compression ratio.
 
 :func:`load_plain_pickle` reads such a file (gzipped or not, detected by content)
 and turns every failure -- a forbidden global or opcode, a persistent id, a
@@ -30,10 +34,12 @@ truncated or corrupt stream, an exceeded limit -- into
 from __future__ import annotations
 
 import functools
+import os
 import pickle
 import pickletools
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import TraceFormatError
@@ -47,6 +53,10 @@ _TUPLE_OPCODES = frozenset(b"t\x85\x86\x87")  # TUPLE, TUPLE1, TUPLE2, TUPLE3 (E
 _STOP = ord(".")
 _FRAME = 0x95  # FRAME: an 8-byte length the unpickler reads (and allocates) in one go
 _PAIR_LINE_OPCODES = frozenset(b"ci")  # GLOBAL and INST: two newline-terminated arguments
+#: The largest FRAME admitted. Python's picklers end a frame once it reaches 64 KiB (a larger argument is
+#: written outside frames), and the unpickler executes a frame's opcodes only after reading it whole, so the
+#: memory checks made after every chunk see a frame's effect at most this late.
+MAX_FRAME_NBYTES = 1 << 20
 
 
 def _opcode_tables() -> tuple[dict[int, int], frozenset[int], frozenset[int], dict[int, tuple[int, bool]]]:
@@ -120,9 +130,10 @@ class OpcodeScanner:
     """
 
     def __init__(self, where: str, max_line_nbytes: int, max_tuples: int = 20_000,
-                 max_stream_nbytes: int | None = None) -> None:
+                 max_stream_nbytes: int | None = None, *, stream_is_exact: bool = False) -> None:
         self.where = where
         self.max_stream_nbytes = max_stream_nbytes
+        self.stream_is_exact = stream_is_exact  # max_stream_nbytes is the stream's size, not a bound on it
         self.max_line_nbytes = max_line_nbytes
         self.max_tuples = max_tuples
         self.n_tuples = 0
@@ -177,6 +188,11 @@ class OpcodeScanner:
                     break
                 length = int.from_bytes(buf[pos + 1:pos + 9], "little")
                 self._check_end(base + pos, base + pos + 9 + length, length)
+                if length > MAX_FRAME_NBYTES:
+                    raise TraceFormatError(
+                        self.where, f"pickle frame at byte {base + pos:,} holds {length:,} bytes, more than "
+                        f"{MAX_FRAME_NBYTES:,} (pickle writes frames of about 64 KiB; the unpickler runs a frame "
+                        "only once it is read whole, so a larger one would escape the memory checks)")
                 pos += 9
                 continue
             if op in _TUPLE_OPCODES:
@@ -218,9 +234,14 @@ class OpcodeScanner:
 
     def _check_end(self, at: int, end: int, length: int) -> None:
         if self.max_stream_nbytes is not None and end > self.max_stream_nbytes:
+            if self.stream_is_exact:
+                raise TraceFormatError(
+                    self.where, f"not a readable pickle (truncated): the opcode at byte {at:,} declares {length:,} bytes, which run "
+                    f"past the end of the file ({self.max_stream_nbytes:,} bytes)")
             raise TraceFormatError(
                 self.where, f"not a readable pickle: the opcode at byte {at:,} declares {length:,} bytes, more than "
-                f"the file can hold ({self.max_stream_nbytes:,} bytes in all under its TraceLimits)")
+                f"the file may expand to ({self.max_stream_nbytes:,} bytes under its TraceLimits: "
+                "max_decompressed_nbytes, max_compression_ratio); truncated, corrupt, or a decompression bomb")
 
     @staticmethod
     def _incomplete(buf: bytes, pos: int, op: int) -> bool:
@@ -259,15 +280,46 @@ class PlainUnpickler(pickle.Unpickler):
         raise TraceFormatError(self._path, "pickle uses persistent ids, which a memory snapshot never does")
 
 
-class _ObjectBudget:
-    """Inspects each chunk: feeds the opcode scanner, then checks how many objects the load has made so far."""
+def _rss_reader() -> Callable[[], int] | None:
+    """A function returning the process's resident memory in bytes, or None where the platform has none."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            f.read()
+        page = os.sysconf("SC_PAGE_SIZE")
 
-    def __init__(self, where: str, limits: TraceLimits, max_stream_nbytes: int | None = None) -> None:
+        def current() -> int:
+            with open("/proc/self/statm", "rb") as f:
+                return int(f.read().split()[1]) * page
+        return current
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB elsewhere
+
+    def peak() -> int:  # the peak only ever grows, so its growth bounds the load's growth too
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    return peak
+
+
+_RSS = _rss_reader()
+
+
+class _ObjectBudget:
+    """Inspects each chunk: feeds the opcode scanner, then checks the objects and memory the load has taken so far."""
+
+    def __init__(self, where: str, limits: TraceLimits, max_stream_nbytes: int | None = None,
+                 stream_is_exact: bool = False) -> None:
         self.where = where
         self.limits = limits
-        self.scanner = OpcodeScanner(where, limits.max_line_nbytes, limits.max_pickle_tuples, max_stream_nbytes)
+        self.scanner = OpcodeScanner(where, limits.max_line_nbytes, limits.max_pickle_tuples, max_stream_nbytes,
+                                     stream_is_exact=stream_is_exact)
         self.baseline = sys.getallocatedblocks()
         self.peak_objects = 0
+        self.rss_baseline = _RSS() if _RSS is not None else 0
+        self.peak_memory_nbytes = 0
 
     def __call__(self, chunk: bytes) -> None:
         self.scanner.feed(chunk)
@@ -275,6 +327,15 @@ class _ObjectBudget:
 
     def check(self) -> None:
         """Refuse when more objects than ``limits.max_objects`` are alive since the load began."""
+        if _RSS is not None:
+            grown = _RSS() - self.rss_baseline
+            if grown > self.peak_memory_nbytes:
+                self.peak_memory_nbytes = grown
+                if grown > self.limits.max_memory_nbytes:
+                    raise TraceFormatError(
+                        self.where, f"unpickling took more than {self.limits.max_memory_nbytes:,} bytes of memory "
+                        "(TraceLimits.max_memory_nbytes; repeated memo references or a decompression bomb?); "
+                        "raise the limit if the file is genuine")
         made = sys.getallocatedblocks() - self.baseline
         if made > self.peak_objects:
             self.peak_objects = made
@@ -290,19 +351,21 @@ def load_plain_pickle(path: PathLike, *, limits: TraceLimits | None = None, prog
     ``limits`` defaults to :data:`~gpumem.trace.limits.DEFAULT_LIMITS`; ``progress``
     shows the compressed bytes read (None: only on a terminal).
     """
-    value, _ = _load_counted(path, limits or DEFAULT_LIMITS, progress)
+    value, _, _ = _load_counted(path, limits or DEFAULT_LIMITS, progress)
     return value
 
 
-def _load_counted(path: PathLike, limits: TraceLimits, progress: bool | None) -> tuple[Any, int]:
-    """The unpickled value and the peak number of objects the load made (for the reader's own bounds)."""
+def _load_counted(path: PathLike, limits: TraceLimits, progress: bool | None) -> tuple[Any, int, int]:
+    """The unpickled value, the peak number of objects the load made and the memory it took (for the reader's
+    own bounds)."""
     name = str(path)
     p = check_exists(path)
     size = p.stat().st_size
-    if is_gzip(p):  # what GuardedReader lets the file expand to, plus one chunk of slack
+    gzipped = is_gzip(p)
+    if gzipped:  # what GuardedReader lets the file expand to, plus one chunk of slack
         size = min(limits.max_decompressed_nbytes,
                    max(limits.ratio_floor_nbytes, int(limits.max_compression_ratio * size))) + CHUNK_NBYTES
-    budget = _ObjectBudget(name, limits, size)
+    budget = _ObjectBudget(name, limits, size, stream_is_exact=not gzipped)
     with open_binary(path, limits=limits, inspect=budget, progress=progress) as f:
         try:
             value = PlainUnpickler(f, path=name).load()
@@ -315,4 +378,4 @@ def _load_counted(path: PathLike, limits: TraceLimits, progress: bool | None) ->
         except Exception as e:  # any failure of the C unpickler on untrusted bytes is a format error
             raise TraceFormatError(name, f"not a readable pickle ({type(e).__name__}: {shorten(str(e))})") from e
         budget.check()  # the objects made from the last chunk
-    return value, budget.peak_objects
+    return value, budget.peak_objects, budget.peak_memory_nbytes

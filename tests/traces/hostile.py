@@ -72,6 +72,34 @@ def memo_bomb_pickle(path: Path, n_batches: int = 100_000, batch: int = 1000, *,
     return write_gzip_members(path, parts)
 
 
+def segments_memo_bomb_pickle(path: Path, n_batches: int = 200_000, batch: int = 500) -> Path:
+    """A valid one-entry snapshot whose ``segments`` list (never walked by the reader) holds lists of
+    ``batch`` memo references, ``n_batches`` of them: one object per list, 8 bytes per reference.
+
+    With the defaults: 200 MB of pickle, 100 million references, 0.8 GB to load (the review's
+    t3_pickle_refs.py, 1.1 MB gzipped at 178x). Identical gzip members compress past the 200x ratio
+    cap; tests raise ``max_compression_ratio`` to show that the memory budget alone stops it.
+    """
+    head = (b"\x80\x04}" + _short_str("device_traces") + b"]]" + entry_opcodes(ENTRY) + b"aas"
+            + _short_str("segments") + b"]" + _short_str("s") + b"\x94" + b"0")  # memo 0, popped
+    body = b"(" + b"h\x00" * batch + b"e"
+    per_member = max(1, (1 << 20) // len(body))
+    full, rest = divmod(n_batches, per_member)
+    parts = [(head, 1), (body * per_member, full)] + ([(body * rest, 1)] if rest else []) + [(b"s.", 1)]
+    return write_gzip_members(path, parts)
+
+
+def rmm_event_bomb(path: Path, n_events: int = 4_000_000) -> Path:
+    """A well-formed RMM log of ``n_events`` alloc/free lines (the review's t1b_rmm_bomb.py: 4 million
+    events, 0.9 MB of .gz at 165x; identical members compress further, so raise ``max_compression_ratio``)."""
+    pair = b"0,00:00:01.000000,allocate,0x1000,1,0\n0,00:00:01.000001,free,0x1000,1,0\n"
+    per_member = 10_000
+    full, rest = divmod(n_events // 2, per_member)
+    parts = ([(b"Thread,Time,Action,Pointer,Size,Stream\n", 1), (pair * per_member, full)]
+             + ([(pair * rest, 1)] if rest else []))
+    return write_gzip_members(path, parts)
+
+
 def rmm_long_line_bomb(path: Path, n_mib: int = 7_800) -> Path:
     """An RMM log whose second line is ``n_mib`` MiB of digits in the Size field (7.8 MB gzipped by default)."""
     head = b"Thread,Time,Action,Pointer,Size,Stream\n1,21:50:47.674565,allocate,0x10,"
@@ -92,15 +120,16 @@ def nested_tuple_key_pickle(path: Path, depth: int = 1_000_000) -> Path:
 
 
 CHILD = textwrap.dedent("""
-    import json, resource, sys
+    import json, os, resource, sys
     limit = int(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     from gpumem.errors import TraceFormatError
-    from gpumem.trace import load_trace
+    from gpumem.trace import TraceLimits, load_trace
+    limits = TraceLimits(**json.loads(os.environ.get("GPUMEM_TEST_LIMITS", "{}")))
     out = []
     for path in sys.argv[2:]:
         try:
-            t = load_trace(path, progress=False)
+            t = load_trace(path, progress=False, limits=limits)
             outcome = ["trace", t.n_ops]
         except TraceFormatError as e:
             outcome = ["TraceFormatError", str(e)[:400], len(str(e))]
@@ -118,15 +147,18 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def load_in_child(paths: list[Path], address_space_nbytes: int = 2 << 30, timeout_s: float = 120) -> tuple[list[Any], int]:
+def load_in_child(paths: list[Path], address_space_nbytes: int = 2 << 30, timeout_s: float = 120,
+                  limits: dict[str, Any] | None = None) -> tuple[list[Any], int]:
     """Load each path with ``load_trace`` in a child whose address space is capped (RLIMIT_AS).
+
+    ``limits`` (keyword arguments of ``TraceLimits``) replaces the default limits.
 
     Returns ``(outcomes, peak_rss_nbytes)``: an outcome is ``["trace", n_ops]`` or
     ``[exception type name, message prefix, message length]``. A crash of the child
     (a signal, which is what a stack overflow is) fails with its exit status.
     """
     env = dict(os.environ, PYTHONPATH=str(REPO), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
-               MKL_NUM_THREADS="1")
+               MKL_NUM_THREADS="1", GPUMEM_TEST_LIMITS=json.dumps(limits or {}))
     proc = subprocess.run([sys.executable, "-c", CHILD, str(address_space_nbytes), *map(str, paths)],
                           capture_output=True, text=True, timeout=timeout_s, env=env)
     if proc.returncode != 0:

@@ -340,10 +340,16 @@ def test_format_forces_a_reader(tmp_path: Path) -> None:
     path = tmp_path / "trace.bin"
     path.write_text(RMM_HEADER + "1,21:50:47.674565,allocate,0x10,8,0\n")
     assert load_trace(path, format="rmm").source == "rmm-log"
-    with pytest.raises(TraceFormatError, match="not a gpumem-trace header"):
+    with pytest.raises(TraceFormatError, match=r"does not look like a gpumem \.gmt trace \(it starts like an RMM log\)"):
         load_trace(path, format="gpumem")
-    with pytest.raises(TraceFormatError, match="not a readable pickle"):
+    with pytest.raises(TraceFormatError, match=r"does not look like a PyTorch snapshot \(it starts like an RMM log\)"):
         load_trace(path, format="pytorch-snapshot")
+    other = tmp_path / "other.bin"
+    other.write_text("hello,world\n")
+    with pytest.raises(TraceFormatError, match=r"does not look like a PyTorch snapshot \(it does not start"):
+        load_trace(other, format="pytorch-snapshot")
+    with pytest.raises(TraceFormatError, match="not a gpumem-trace header"):  # unrecognised: the reader explains
+        load_trace(other, format="gpumem")
     with pytest.raises(TraceFormatError, match="device=1 applies to PyTorch snapshots only"):
         load_trace(path, device=1)
 

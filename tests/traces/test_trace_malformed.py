@@ -262,7 +262,7 @@ RMM_HEADER = "Thread,Time,Action,Pointer,Size,Stream\n"
     (RMM_HEADER + "1,25:50:47.674565,allocate,0x10,8,0\n", "line 2: time of day out of range"),
     (RMM_HEADER + "1,yesterday,allocate,0x10,8,0\n", "line 2"),
     (RMM_HEADER + "1,21:50:47.674565,allocate,0xZZ,8,0\n", "line 2: pointer '0xZZ' is not a hexadecimal integer"),
-    (RMM_HEADER + "1,21:50:47.674565,allocate,0x10,-8,0\n", "line 2: size, pointer or stream out of range"),
+    (RMM_HEADER + "1,21:50:47.674565,allocate,0x10,-8,0\n", "line 2: negative size -8"),
     (RMM_HEADER + "1,21:50:47.674565,allocate,0x10,8,0\n\n1,21:50:47.674566,allocate,0x10,8,0\n",
      "line 4: alloc at 0x10, which is already allocated"),
 ])

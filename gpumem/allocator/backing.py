@@ -172,8 +172,9 @@ class Backing(abc.ABC):
         """The address where the blocks of ``seg`` must end."""
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Give everything back (the allocator has no live blocks, or no longer cares)."""
+    def close(self, keep: Callable[[Segment], bool] = lambda seg: False) -> None:
+        """Give everything back but the segments (ranges) ``keep`` names, whose streams could not be
+        waited for; what fails to go back is kept too and stays counted in ``reserved_nbytes``."""
 
     @abc.abstractmethod
     def consistency_problems(self) -> list[str]:
@@ -251,15 +252,19 @@ class SegmentBacking(Backing):
             self._segment_event("segment_free", base, seg.nbytes, seg.stream)
         return released
 
-    def close(self) -> None:
+    def close(self, keep: Callable[[Segment], bool] = lambda seg: False) -> None:
         for base, seg in list(self.segments.items()):
-            try:  # the allocator synchronized the device before closing
+            if keep(seg):
+                continue
+            try:  # the allocator waited for the streams that used it
                 self.device.free(base)
-            except Exception as exc:  # noqa: BLE001 - closing gives back what it can
+            except Exception as exc:  # noqa: BLE001 - closing gives back what it can, keeps the rest
                 log.warning("could not free segment %#x: %s", base, exc)
-        self.segments.clear()
-        self.reserved_nbytes = 0
-        self.n_segments = 0
+                continue
+            del self.segments[base]
+            self.reserved_nbytes -= seg.nbytes
+            self.n_segments -= 1
+            self._segment_event("segment_free", base, seg.nbytes, seg.stream)
 
     def consistency_problems(self) -> list[str]:
         problems: list[str] = []
@@ -693,30 +698,45 @@ class VirtualBacking(Backing):
         released += self._release_unmapped()
         return released
 
-    def close(self) -> None:
+    def close(self, keep: Callable[[Segment], bool] = lambda seg: False) -> None:
         g = self.granularity
-        for seg in self.vsegments.values():
+        for key, seg in list(self.vsegments.items()):
+            if keep(seg):
+                continue
+            whole = True
             for p, handle in enumerate(seg.chunks):
-                if handle is not None:
-                    try:  # the allocator synchronized the device before closing
-                        self.device.mem_unmap(seg.base + p * g, g)
-                        self.device.mem_release(handle)
-                    except Exception as exc:  # noqa: BLE001
-                        log.warning("could not unmap page %d: %s", p, exc)
+                if handle is None:
+                    continue
+                va = seg.base + p * g
+                try:  # the allocator waited for the streams that used it
+                    self.device.mem_unmap(va, g)
+                except Exception as exc:  # noqa: BLE001 - kept, still counted
+                    log.warning("could not unmap page %d of %#x: %s", p, seg.base, exc)
+                    whole = False
+                    continue
+                seg.chunks[p] = None
+                seg.empty.pop(p, None)
+                seg.noaccess.discard(p)
+                self._segment_event("segment_unmap", va, g, 0)
+                self.unmapped.append(handle)
+            if not whole:
+                continue
             try:
                 self.device.address_free(seg.base, seg.nbytes)
             except Exception as exc:  # noqa: BLE001
                 log.warning("could not free address range %#x: %s", seg.base, exc)
-        for handle in self.unmapped:
+                continue
+            del self.vsegments[key]
+            self.n_segments -= 1
+        for handle in list(self.unmapped):
             try:
                 self.device.mem_release(handle)
             except Exception as exc:  # noqa: BLE001
                 log.warning("could not release chunk: %s", exc)
-        self.vsegments.clear()
-        self.unmapped.clear()
-        self.reserved_nbytes = 0
-        self.n_chunks = 0
-        self.n_segments = 0
+                continue
+            self.unmapped.remove(handle)
+            self.n_chunks -= 1
+            self.reserved_nbytes -= g
 
     def consistency_problems(self) -> list[str]:
         problems: list[str] = []

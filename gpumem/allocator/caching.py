@@ -138,6 +138,8 @@ class CachingAllocator:
         self._committed = False
         """Set by :meth:`_grow` when its out-of-memory retry already committed the block."""
         self._lost: DeviceLostError | None = None
+        self.leaked_nbytes = 0
+        """After :meth:`close`: device memory that could not be given back (Note [Closing waits for the streams])."""
 
     @contextlib.contextmanager
     def _operation(self) -> Iterator[None]:
@@ -618,23 +620,88 @@ class CachingAllocator:
             return trace
 
     def close(self) -> None:
-        """Give all memory back to the device (after the work still using it). Live blocks become invalid."""
+        """Give all memory back to the device, after the work still using it. Live blocks become invalid.
+
+        Note [Closing waits for the streams]: before a segment or a virtual range goes back, the
+        streams that used it are synchronized (``stream_synchronize``; if that fails for a stream,
+        one ``synchronize`` of the whole device is tried). Memory used by a stream that could not be
+        waited for is *kept*, not given back under a kernel that may still run: it stays counted in
+        :attr:`reserved_nbytes` (and :attr:`leaked_nbytes`), and a warning says how much was leaked.
+        """
         with self._defer(), self._lock:
             if self._closed:
                 return
             self._closed = True
             if self._live:
                 log.info("closing an allocator with %d live block(s)", len(self._live))
-            if self.backing.reserved_nbytes:
-                try:  # no kernel may still use memory given back below
-                    self.device.synchronize()
-                except Exception as exc:  # noqa: BLE001 - closing gives back what it can
-                    log.warning("could not synchronize before closing: %s", exc)
-            self.backing.close()
+            failed: set[int] = set()
+            all_streams: set[int] = set()
+            if self.backing.reserved_nbytes or self.backing.n_segments:
+                all_streams = self._streams_in_use()
+                for s in sorted(all_streams):
+                    try:
+                        self.device.stream_synchronize(s)
+                    except Exception as exc:  # noqa: BLE001 - that stream's memory is kept, below
+                        log.debug("could not synchronize stream %d before closing: %s", s, exc)
+                        failed.add(s)
+                if failed:
+                    try:
+                        self.device.synchronize()
+                        failed.clear()
+                    except Exception as exc:  # noqa: BLE001
+                        log.warning("could not synchronize streams %s before closing: %s", sorted(failed), exc)
+
+            def keep(seg: Segment) -> bool:
+                if not failed:
+                    return False
+                if isinstance(seg, VirtualSegment):
+                    return True  # a range is shared by all streams: any of them may still use it
+                return bool(self._segment_streams(seg) & failed)
+
+            self.backing.close(keep)
             self.fences.close()
             self._live.clear()
             self._pending.clear()
             self._free_lists.clear()
+            self.leaked_nbytes = self.backing.reserved_nbytes
+            if self.leaked_nbytes:
+                log.warning("closed with %s still held on %s (%d segment(s)/range(s)): memory that work on streams "
+                            "%s may still use, or whose release failed, was not given back",
+                            format_bytes(self.leaked_nbytes), self.device.spec, self.backing.n_segments,
+                            sorted(failed) or "none")
+
+    def _streams_in_use(self) -> set[int]:
+        """Every stream whose work may touch memory this allocator holds."""
+        streams: set[int] = {0}
+        for (_, s) in self._free_lists:
+            streams.add(s)
+        for b in list(self._live.values()) + self._pending:
+            streams.add(b.stream)
+            streams.update(b.pending_streams or ())
+            streams.update(b.fences or ())
+        for seg in self.backing.segments_list():
+            streams |= self._segment_streams(seg)
+            if isinstance(seg, VirtualSegment):
+                for table in (seg.dirty, seg.users):
+                    for u in table.values():
+                        streams.update((u,) if isinstance(u, int) else u)
+                for pf in seg.page_fences.values():
+                    streams.update(pf)
+                streams.update(seg.top_fences or ())
+        streams.update(self.fences.streams())
+        return streams
+
+    @staticmethod
+    def _segment_streams(seg: Segment) -> set[int]:
+        """The streams of the blocks tiling ``seg`` (and of their other-stream uses)."""
+        streams = {seg.stream}
+        b = seg.last
+        while b is not None:
+            streams.add(b.stream)
+            streams.update(b.pending_streams or ())
+            streams.update(b.fences or ())
+            b = b.prev
+        return streams
 
     def __enter__(self) -> "CachingAllocator":
         return self

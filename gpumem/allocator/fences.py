@@ -159,6 +159,10 @@ class StreamFences:
         except Exception as exc:  # noqa: BLE001 - a lost event handle holds no memory
             log.debug("could not destroy an event on stream %d: %s", stream, exc)
 
+    def streams(self) -> set[int]:
+        """The streams with events not yet known complete."""
+        return set(self._queues)
+
     def close(self) -> None:
         """Destroy every outstanding event (best effort)."""
         for stream, q in list(self._queues.items()):

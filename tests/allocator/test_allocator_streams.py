@@ -237,3 +237,30 @@ def test_address_space_trimmed_from_one_stream_is_reused_by_another_only_after_i
     alloc.free(b)
     alloc.free(keep)
     alloc.check_consistency()
+
+
+# -- close() waits for the streams that used the memory (review finding F1) ----------------------------
+@pytest.mark.parametrize("policy", ["gpumem", "bestfit", "pytorch", "cupy"])
+@pytest.mark.parametrize("sync_fails", [(), ("synchronize",), ("synchronize", "stream_synchronize")])
+def test_close_waits_for_streams_and_keeps_what_it_cannot_wait_for(policy, sync_fails, caplog):
+    from gpumem import sim
+
+    from allocator_helpers import small_profile
+
+    dev = sim.SimDevice(small_profile(384, vmm=(policy == "gpumem")),
+                        faults=sim.FaultPlan(fail_calls={c: frozenset({1}) for c in sync_fails}))
+    alloc = CachingAllocator(dev, policy, record_history=True)
+    a = alloc.allocate(4 * MiB, 0)
+    dev.launch(0, 0.5, touches=[(a, 4 * MiB)], name="reads a")
+    alloc.free(a)
+    with caplog.at_level("WARNING"):
+        alloc.close()  # the sanitizer is on (raise): giving the memory back under the kernel would raise
+    assert alloc.reserved_nbytes == alloc.leaked_nbytes == dev.process_used_nbytes
+    sign = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+    if len(sync_fails) == 2:  # neither the stream nor the device could be waited for: kept, and said so
+        assert alloc.leaked_nbytes > 0
+        assert "still held" in caplog.text
+    else:
+        assert alloc.leaked_nbytes == 0
+        # the export sees the memory go back at close (finding F4a)
+        assert sum(sign[e[0]] * e[2] for e in alloc.history().segment_events) == 0

@@ -61,6 +61,22 @@ any moment: fragmentation of the address space costs address space, which is
 plentiful, not memory. What remains is the partial pages at the edges of live
 data, which best fit keeps few.
 
+Note [Exporting cached chunks]
+------------------------------
+PyTorch's snapshot describes expandable segments by address (``segment_map`` /
+``segment_unmap``), but a physical chunk held and mapped nowhere (cached between
+an unmap and its release, or kept because ``mem_release`` failed) has no address,
+and it is reserved memory all the same. So that the reserved bytes an export
+implies equal :attr:`Backing.reserved_nbytes` after every operation, also under
+faults, such chunks are shown *mapped* in a separate, synthetic stretch of
+addresses (from :data:`CACHED_CHUNKS_EXPORT_BASE`, above any real device address
+and below 2**53, which the viewer's JavaScript numbers hold exactly): at the end
+of each operation (:meth:`VirtualBacking.sync_export`) a chunk that stayed
+unmapped gets a ``segment_map`` of one granule there, and one that has since been
+mapped or released a ``segment_unmap``. In the viewer they are a segment with no
+blocks: cached memory. A successful operation leaves no unmapped chunk behind, so
+this adds no events to a fault-free run.
+
 Note [Why every chunk is one page]
 ----------------------------------
 Chunks of a single granule can back any page, so any empty page can be stolen
@@ -86,6 +102,9 @@ from .policy import AllocatorPolicy
 log = logging.getLogger(__name__)
 
 SegmentCallback = Callable[["Segment"], None]
+
+CACHED_CHUNKS_EXPORT_BASE = 1 << 52
+"""Where exported histories show physical chunks held but mapped nowhere (Note [Exporting cached chunks])."""
 
 
 class Segment:
@@ -179,6 +198,10 @@ class Backing(abc.ABC):
     @abc.abstractmethod
     def consistency_problems(self) -> list[str]:
         """What differs between this backing's bookkeeping and the device's (empty when consistent)."""
+
+    def sync_export(self) -> None:
+        """Bring the recorded segment events up to date with memory held outside every segment
+        (called at the end of each allocator operation when history is recorded)."""
 
     def largest_free_nbytes(self, free_lists: list[FreeList]) -> int:
         """The largest request servable without new device memory."""
@@ -328,6 +351,9 @@ class VirtualBacking(Backing):
         """One range per pool (``True``: the small pool)."""
         self.unmapped: list[PhysicalHandle] = []
         """Physical chunks held but mapped nowhere."""
+        self._exported_cached: dict[int, int] = {}
+        """``handle.handle`` -> the export address of an unmapped chunk shown as held (Note [Exporting cached chunks])."""
+        self._free_export_slots: list[int] = []
         self.n_chunks = 0
         self.n_steals = 0
         self.n_waits = 0
@@ -778,6 +804,25 @@ class VirtualBacking(Backing):
             problems.append(f"{mapped} mapped + {len(self.unmapped)} unmapped chunks, n_chunks {self.n_chunks}, "
                             f"reserved {self.reserved_nbytes} B")
         return problems
+
+    def sync_export(self) -> None:
+        if self.on_segment is None:
+            return
+        g = self.granularity
+        exported = self._exported_cached
+        now = {h.handle for h in self.unmapped}
+        for hid in [h for h in exported if h not in now]:
+            addr = exported.pop(hid)
+            self._free_export_slots.append(addr)
+            self._segment_event("segment_unmap", addr, g, 0)
+        for hid in now:
+            if hid not in exported:
+                slots = self._free_export_slots
+                addr = slots.pop() if slots else CACHED_CHUNKS_EXPORT_BASE + len(exported) * g
+                while addr in exported.values():  # cannot happen with slots reused; kept cheap and safe
+                    addr += g
+                exported[hid] = addr
+                self._segment_event("segment_map", addr, g, 0)
 
     def mapped_empty_nbytes(self) -> int:
         return sum(len(s.empty) for s in self.vsegments.values()) * self.granularity

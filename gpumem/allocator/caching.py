@@ -154,6 +154,9 @@ class CachingAllocator:
                 except DeviceLostError as exc:
                     self._lost = exc
                     raise
+                finally:
+                    if self._recorder is not None:
+                        self.backing.sync_export()  # Note [Exporting cached chunks] in .backing
 
     # -- the hot path ---------------------------------------------------------------------------------
     def allocate(self, nbytes: int, stream: int = 0) -> int:
@@ -193,6 +196,9 @@ class CachingAllocator:
                 except DeviceLostError as exc:
                     self._lost = exc
                     raise
+                finally:
+                    if self._recorder is not None:
+                        self.backing.sync_export()  # Note [Exporting cached chunks] in .backing
 
     def _allocate_slow(self, nbytes: int, size: int, small: bool, stream: int) -> int:
         free_list = self._free_lists.get((small, stream))
@@ -659,16 +665,18 @@ class CachingAllocator:
                 return bool(self._segment_streams(seg) & failed)
 
             self.backing.close(keep)
+            if self._recorder is not None:
+                self.backing.sync_export()
             self.fences.close()
             self._live.clear()
             self._pending.clear()
             self._free_lists.clear()
             self.leaked_nbytes = self.backing.reserved_nbytes
             if self.leaked_nbytes:
-                log.warning("closed with %s still held on %s (%d segment(s)/range(s)): memory that work on streams "
-                            "%s may still use, or whose release failed, was not given back",
-                            format_bytes(self.leaked_nbytes), self.device.spec, self.backing.n_segments,
-                            sorted(failed) or "none")
+                why = (f"work on streams {sorted(failed)} may still use it" if failed
+                       else "giving it back failed")
+                log.warning("closed with %s still held on %s (%d segment(s)/range(s)) and not given back: %s",
+                            format_bytes(self.leaked_nbytes), self.device.spec, self.backing.n_segments, why)
 
     def _streams_in_use(self) -> set[int]:
         """Every stream whose work may touch memory this allocator holds."""

@@ -132,6 +132,10 @@ class LimitExceeded(OutOfMemoryError):
     """Growing would take the allocator past its memory limit."""
 
 
+class AddressSpaceExhausted(OutOfMemoryError):
+    """The pool's virtual range has no address space left at its top (not a shortage of memory)."""
+
+
 class Backing(abc.ABC):
     """Supplies segments and physical memory to a caching allocator."""
 
@@ -428,8 +432,8 @@ class VirtualBacking(Backing):
 
     def _va_exhausted(self, nbytes: int) -> OutOfMemoryError:
         info = self.device.mem_info()
-        return OutOfMemoryError(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec,
-                                hint="The allocator's virtual range is exhausted; raise va_reserve_factor.")
+        return AddressSpaceExhausted(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec,
+                                     hint="The allocator's virtual range is exhausted; raise va_reserve_factor.")
 
     # -- pages ------------------------------------------------------------------------------
     def _pages(self, block: Block) -> tuple[VirtualSegment, int, int]:

@@ -71,7 +71,7 @@ from ..device import Device, check_nbytes, check_pointer
 from ..errors import (DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError, InvalidPointerError,
                       OutOfMemoryError)
 from ..units import format_bytes, parse_limit
-from .backing import Backing, LimitExceeded, Segment, SegmentBacking, VirtualBacking, VirtualSegment
+from .backing import AddressSpaceExhausted, Backing, LimitExceeded, Segment, SegmentBacking, VirtualBacking, VirtualSegment
 from .block import Block, FreeList, append_block, drop_last_block, merge_blocks, split_block
 from .fences import StreamFences
 from .policy import DEFAULT_POLICY, AllocatorPolicy, VmmMode, get_policy
@@ -350,6 +350,29 @@ class CachingAllocator:
                     drop_last_block(seg)
         return released
 
+    def _reown_idle(self, stream: int, free_list: FreeList) -> bool:
+        """Virtual memory, out of memory: hand the free blocks of other streams of the pool whose work is
+        done (a fence recorded now has completed) to ``stream``, merged with its neighbours, so that the
+        address space idle streams freed below live blocks is not lost (Note [One range per pool]).
+        Returns whether any block moved."""
+        pool = next((k[0] for k, fl in self._free_lists.items() if fl is free_list), None)
+        moved = False
+        for (small, s), fl in list(self._free_lists.items()):
+            if small != pool or s == stream or not len(fl):
+                continue
+            number = self.fences.record(s)
+            if not self.fences.done(s, number):
+                continue  # that stream still has work queued: its free blocks stay its own
+            for b in fl:
+                fl.remove(b)
+                b.stream = stream
+                self._insert_free(b)
+            moved = True
+        if moved:
+            release = self._release_cached(wait=False)  # a merged free top can now be trimmed
+            log.debug("re-owned idle streams' free blocks to stream %d (%d B released)", stream, release)
+        return moved
+
     def _drop_blocks(self, seg: object) -> None:
         """Forget the blocks of a segment the backing gave back (all free: they are merged into one)."""
         b = seg.last  # type: ignore[attr-defined]
@@ -369,6 +392,8 @@ class CachingAllocator:
         block = None
         try:
             block = free_list.best_fit(size)
+            if block is None and isinstance(self.backing, VirtualBacking) and self._reown_idle(stream, free_list):
+                block = free_list.best_fit(size)
             if block is not None:
                 free_list.remove(block)
             else:
@@ -458,6 +483,12 @@ class CachingAllocator:
         if injected:
             hint = ("The device call failed because of an injected fault (the simulator's fault plan), "
                     "not a real shortage of memory.")
+        elif isinstance(cause, AddressSpaceExhausted):
+            va = getattr(self.backing, "va_nbytes", 0)
+            hint = (f"The allocator's virtual address range ({format_bytes(va)} per pool) is exhausted, not the "
+                    "device's memory: free blocks of other streams that are still busy, or below live blocks, "
+                    "hold its address space. Free long-lived blocks, use fewer streams, or raise the policy's "
+                    "va_reserve_factor.")
         elif isinstance(cause, LimitExceeded):
             hint = (f"The allocator's limit of {format_bytes(self.limit_nbytes or 0)} is reached: raise `limit`, "
                     "free tensors you no longer need, or use smaller batches.")

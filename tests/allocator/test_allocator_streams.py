@@ -264,3 +264,36 @@ def test_close_waits_for_streams_and_keeps_what_it_cannot_wait_for(policy, sync_
         assert alloc.leaked_nbytes == 0
         # the export sees the memory go back at close (finding F4a)
         assert sum(sign[e[0]] * e[2] for e in alloc.history().segment_events) == 0
+
+
+# -- address space of idle streams (review finding F3) --------------------------------------------------
+def test_idle_streams_address_space_is_reused_by_another_stream(dev):
+    """Seven streams each used 100 MiB once, then went idle below a live block: their free blocks held
+    the shared range's address space for good and a new stream got a persistent OOM on an almost empty
+    card. Out of memory, free blocks of idle streams are re-owned by the requesting stream."""
+    alloc = CachingAllocator(dev, "gpumem")
+    for s in range(1, 8):
+        alloc.free(alloc.allocate(100 * MiB, s))
+    keep = alloc.allocate(2 * MiB, 50)
+    alloc.empty_cache()
+    p = alloc.allocate(100 * MiB, 99)
+    q = alloc.allocate(100 * MiB, 0)
+    alloc.check_consistency()
+    for x in (p, q, keep):
+        alloc.free(x)
+    alloc.check_consistency()
+    alloc.close()
+
+
+def test_address_space_exhaustion_is_named_in_the_oom_error(dev, monkeypatch):
+    from gpumem.errors import OutOfMemoryError
+
+    monkeypatch.setattr(CachingAllocator, "_reown_idle", lambda self, stream, free_list: False)
+    alloc = CachingAllocator(dev, "gpumem")
+    for s in range(1, 8):
+        alloc.free(alloc.allocate(100 * MiB, s))
+    alloc.allocate(2 * MiB, 50)
+    alloc.empty_cache()
+    with pytest.raises(OutOfMemoryError, match="virtual address range"):
+        alloc.allocate(100 * MiB, 99)
+    alloc.close()

@@ -201,6 +201,19 @@ class CachingAllocator:
                         self.backing.sync_export()  # Note [Exporting cached chunks] in .backing
 
     def _allocate_slow(self, nbytes: int, size: int, small: bool, stream: int) -> int:
+        total = self.device.properties().total_nbytes
+        if size > total or (self.limit_nbytes is not None and size > self.limit_nbytes):
+            # can never fit: refuse at once, without waiting for work or flushing the cache
+            self.stats.num_ooms += 1
+            info = self.device.mem_info()
+            if size > total:
+                cause = OutOfMemoryError(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec)
+                hint = f"The request is larger than the device's total memory ({format_bytes(total)})."
+            else:
+                cause = LimitExceeded(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec,
+                                      limit_nbytes=self.limit_nbytes)
+                hint = None
+            raise self._oom_error(nbytes, cause, hint)
         free_list = self._free_lists.get((small, stream))
         if free_list is None:
             free_list = self._free_lists[(small, stream)] = FreeList()
@@ -385,31 +398,35 @@ class CachingAllocator:
 
     def _retry_after_release(self, small: bool, stream: int, size: int, free_list: FreeList,
                              nbytes: int) -> Block:
-        """Wait for pending blocks, give cached memory back, then try once more to find or grow,
-        split and commit a block."""
-        self._process_pending(wait=True)
-        self._release_cached(wait=True)
-        block = None
-        try:
-            block = free_list.best_fit(size)
-            if block is None and isinstance(self.backing, VirtualBacking) and self._reown_idle(stream, free_list):
+        """Make pending blocks reusable and give cached memory back, then try once more to find or grow,
+        split and commit a block: first with what is free of work (no waiting), and only if that is
+        still short, waiting for the work still using cached memory."""
+        for wait in (False, True):
+            self._process_pending(wait=wait)
+            self._release_cached(wait=wait)
+            block = None
+            try:
                 block = free_list.best_fit(size)
-            if block is not None:
-                free_list.remove(block)
-            else:
-                block = self._grow_once(small, stream, size, free_list)
-            block = self._split(block, size, small, free_list)
-            self.backing.commit(block)
-            return block
-        except OutOfMemoryError as exc:
-            if block is not None:
-                self._unsplit_after_failure(block, free_list)
-            self.stats.num_ooms += 1
-            raise self._oom_error(nbytes, exc) from None
-        except BaseException:
-            if block is not None:
-                self._unsplit_after_failure(block, free_list)
-            raise
+                if block is None and isinstance(self.backing, VirtualBacking) and self._reown_idle(stream, free_list):
+                    block = free_list.best_fit(size)
+                if block is not None:
+                    free_list.remove(block)
+                else:
+                    block = self._grow_once(small, stream, size, free_list)
+                block = self._split(block, size, small, free_list)
+                self.backing.commit(block)
+                return block
+            except OutOfMemoryError as exc:
+                if block is not None:
+                    self._unsplit_after_failure(block, free_list)
+                if wait:
+                    self.stats.num_ooms += 1
+                    raise self._oom_error(nbytes, exc) from None
+            except BaseException:
+                if block is not None:
+                    self._unsplit_after_failure(block, free_list)
+                raise
+        raise InternalError("unreachable")  # pragma: no cover
 
     def _kept_nbytes(self, block: Block, size: int, small: bool) -> int:
         """The size ``block`` will have once :meth:`_split` has served ``size`` from it."""
@@ -475,12 +492,14 @@ class CachingAllocator:
             self._pending = remaining + pending[i:]
         return done
 
-    def _oom_error(self, nbytes: int, cause: OutOfMemoryError) -> OutOfMemoryError:
+    def _oom_error(self, nbytes: int, cause: OutOfMemoryError, hint: str | None = None) -> OutOfMemoryError:
         info = self.device.mem_info()
         st = self.stats
         cached = self.backing.reserved_nbytes - st.allocated_nbytes
         injected = bool(getattr(cause, "injected", False))
-        if injected:
+        if hint is not None:
+            pass
+        elif injected:
             hint = ("The device call failed because of an injected fault (the simulator's fault plan), "
                     "not a real shortage of memory.")
         elif isinstance(cause, AddressSpaceExhausted):

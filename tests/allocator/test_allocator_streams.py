@@ -297,3 +297,49 @@ def test_address_space_exhaustion_is_named_in_the_oom_error(dev, monkeypatch):
     with pytest.raises(OutOfMemoryError, match="virtual address range"):
         alloc.allocate(100 * MiB, 99)
     alloc.close()
+
+
+# -- no needless waiting on the out-of-memory path (review finding F6) -----------------------------------
+@pytest.mark.parametrize("policy", ["gpumem", "bestfit", "pytorch", "cupy"])
+def test_oom_retry_releases_idle_cache_before_waiting_for_pending_blocks(policy):
+    """A record_stream block behind a 10 s kernel made an unrelated allocation wait 10 s although the
+    idle cache it released anyway was enough."""
+    from gpumem import sim
+
+    from allocator_helpers import small_profile
+
+    dev = sim.SimDevice(small_profile(384, vmm=(policy == "gpumem")))
+    alloc = CachingAllocator(dev, policy)
+    p = alloc.allocate(8 * MiB, 0)
+    alloc.record_stream(p, 5)
+    dev.launch(5, 10.0, touches=[(p, 8 * MiB)], name="10 s kernel on stream 5")
+    alloc.free(p)
+    alloc.free(alloc.allocate(300 * MiB, 0))
+    t0 = dev.now_s
+    q = alloc.allocate(300 * MiB, 1)
+    assert dev.now_s - t0 < 1.0
+    alloc.free(q)
+    alloc.check_consistency()
+    alloc.close()
+
+
+@pytest.mark.parametrize("policy", ["gpumem", "bestfit"])
+@pytest.mark.parametrize("request_nbytes, kwargs", [(2**64, {}), (200 * MiB, {"limit": 100 * MiB})])
+def test_impossible_request_is_refused_at_once(policy, request_nbytes, kwargs):
+    from gpumem import sim
+    from gpumem.errors import OutOfMemoryError
+
+    from allocator_helpers import small_profile
+
+    dev = sim.SimDevice(small_profile(384, vmm=(policy == "gpumem")))
+    alloc = CachingAllocator(dev, policy, **kwargs)
+    a = alloc.allocate(8 * MiB)
+    b = alloc.allocate(8 * MiB)
+    dev.launch(0, 2.0, touches=[(a, 8 * MiB)], name="2 s kernel")
+    alloc.free(a)
+    alloc.free(b)
+    t0, r0 = dev.now_s, alloc.reserved_nbytes
+    with pytest.raises(OutOfMemoryError):
+        alloc.allocate(request_nbytes)
+    assert dev.now_s - t0 < 0.1 and alloc.reserved_nbytes == r0  # no wait, cache kept
+    alloc.close()

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -80,6 +81,28 @@ from .stats import AllocatorStats, format_summary
 log = logging.getLogger(__name__)
 
 _FREED_MEMORY = 65_536
+_STREAM_END = 1 << 64
+
+
+def _as_int(value: object, what: str) -> int:
+    """``value`` as a plain int: ints, int subclasses and integer types such as ``np.int64`` (through
+    ``operator.index``); bools and anything else raise :class:`InvalidArgumentError`."""
+    if value.__class__ is int:
+        return value  # type: ignore[return-value]
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{what} must be an int, got bool {value!r}")
+    try:
+        return int(operator.index(value))  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be an int, got {type(value).__name__} {value!r:.60}") from None
+
+
+def _check_stream(stream: object) -> int:
+    """A stream handle: an int in [0, 2**64) (a ``cudaStream_t``)."""
+    s = _as_int(stream, "stream")
+    if not 0 <= s < _STREAM_END:
+        raise InvalidArgumentError(f"stream must be an int in [0, 2**64), got {s}")
+    return s
 
 
 class CachingAllocator:
@@ -167,10 +190,8 @@ class CachingAllocator:
         """
         if nbytes.__class__ is not int or nbytes <= 0:
             check_nbytes(nbytes)
-        if stream.__class__ is not int or stream < 0:
-            if stream.__class__ is not int:
-                raise InvalidArgumentError(f"stream must be an int, got {type(stream).__name__}")
-            raise InvalidArgumentError(f"stream must not be negative, got {stream}")
+        if stream.__class__ is not int or not 0 <= stream < _STREAM_END:
+            stream = _check_stream(stream)
         r = self._round
         size = -(-nbytes // r) * r
         small = size <= self._small_max
@@ -275,13 +296,17 @@ class CachingAllocator:
                     self.backing.decommit(block)  # no device call: fences come when memory goes back
                     self._free_booked(ptr, block)
                     return
+        ptr = _as_int(ptr, "ptr")
         with self._operation():
-            block = self._live.get(ptr) if ptr.__class__ is int else None
+            if self._closed:
+                raise InvalidArgumentError(f"free of {ptr:#x}: the allocator is closed")
+            block = self._live.get(ptr)
             if block is None:
                 check_pointer(ptr)
                 if ptr in self._freed:
                     raise DoubleFreeError(f"double free of {ptr:#x} in the caching allocator")
-                raise InvalidPointerError(f"free of {ptr:#x}, which this allocator did not allocate")
+                raise InvalidPointerError(f"free of {ptr:#x}, which this allocator did not allocate"
+                                          + self._inside_live(ptr))
             if block.pending_streams:
                 fences = self.fences
                 block.fences = {s: fences.record(s) for s in sorted(block.pending_streams)}  # may raise: still live
@@ -529,16 +554,25 @@ class CachingAllocator:
     # -- streams ---------------------------------------------------------------------------------------
     def record_stream(self, ptr: int, stream: int) -> None:
         """Note that the live block at ``ptr`` is used on ``stream`` too (see Note [Streams])."""
-        if stream.__class__ is not int or stream < 0:
-            raise InvalidArgumentError(f"stream must be a non-negative int, got {stream!r}")
+        ptr = _as_int(ptr, "ptr")
+        stream = _check_stream(stream)
         with self._operation():
+            if self._closed:
+                raise InvalidArgumentError(f"record_stream of {ptr:#x}: the allocator is closed")
             block = self._live.get(ptr)
             if block is None:
-                raise InvalidPointerError(f"record_stream: {ptr!r} is not a live allocation")
+                raise InvalidPointerError(f"record_stream: {ptr:#x} is not a live allocation" + self._inside_live(ptr))
             if stream != block.stream:
                 if block.pending_streams is None:
                     block.pending_streams = set()
                 block.pending_streams.add(stream)
+
+    def _inside_live(self, ptr: int) -> str:
+        """``"; it is inside the live block at 0x..."`` when ``ptr`` points into a live block (error path only)."""
+        for b in self._live.values():
+            if b.addr < ptr < b.addr + b.size:
+                return f"; it is inside the live block at {b.addr:#x} (+{ptr - b.addr:#x}): free that pointer"
+        return ""
 
     def synchronize(self) -> None:
         """Wait for the device, then make every block freed with pending stream uses reusable.

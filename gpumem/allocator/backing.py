@@ -661,7 +661,8 @@ class VirtualBacking(Backing):
     def _steal(self, seg: VirtualSegment, first: int, last: int, count: int, requested: int) -> None:
         """Unmap ``count`` empty pages (none of ``[first, last]`` of ``seg``) into :attr:`unmapped`.
 
-        Pages whose fences have completed go first; for each one still used by queued work
+        Pages whose fences have completed go first (the highest few, then any other empty page
+        whose work is done); for each one still used by queued work
         a new chunk is created instead where the limit and the device allow, and the page
         is waited for only when they do not (the memory is needed now). Among equals, the
         highest-addressed empty pages go first: best fit breaks ties towards low
@@ -691,6 +692,21 @@ class VirtualBacking(Backing):
             self.unmapped.append(self._unmap_page(other, p))
             self.n_steals += 1
             stolen += 1
+        if stolen < count and busy:
+            # before creating or waiting, any other empty page whose work is done (beyond the highest few)
+            seen = {(id(o), q) for _, q, o in candidates}
+            for other in self.vsegments.values():
+                if stolen == count:
+                    break
+                for p in list(other.empty):
+                    if stolen == count:
+                        break
+                    if (id(other), p) in seen or (other is seg and first <= p <= last):
+                        continue
+                    if self._page_ready(other, p, False, batch):
+                        self.unmapped.append(self._unmap_page(other, p))
+                        self.n_steals += 1
+                        stolen += 1
         for _, p, other in busy:
             if stolen == count:
                 break

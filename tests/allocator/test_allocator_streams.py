@@ -343,3 +343,21 @@ def test_impossible_request_is_refused_at_once(policy, request_nbytes, kwargs):
         alloc.allocate(request_nbytes)
     assert dev.now_s - t0 < 0.1 and alloc.reserved_nbytes == r0  # no wait, cache kept
     alloc.close()
+
+
+# -- a steal takes an idle empty page before waiting for busy ones (review finding F5) --------------------
+def test_steal_takes_any_idle_empty_page_before_waiting(dev):
+    alloc = CachingAllocator(dev, "gpumem", limit=10 * MiB)
+    a0 = alloc.allocate(2 * MiB, 7)  # page 0: no work ever
+    rest = [alloc.allocate(2 * MiB, 0) for _ in range(4)]  # pages 1-4
+    for p in rest:
+        dev.launch(0, 1.0, touches=[(p, 2 * MiB)], name="1 s kernel")
+    for p in [a0] + rest:
+        alloc.free(p)
+    t0 = dev.now_s
+    q = alloc.allocate(2 * MiB, 9)  # at the limit: one empty page is stolen
+    assert dev.now_s - t0 < 0.1 and alloc.backing.n_waits == 0
+    assert alloc.backing.vsegments[False].chunks[0] is None  # the idle page was the one taken
+    alloc.free(q)
+    alloc.check_consistency()
+    alloc.close()

@@ -500,9 +500,22 @@ class CachingAllocator:
         pending = self._pending
         remaining: list[Block] = []
         i = 0
+        blocked: dict[int, int] = {}
+        """stream -> a fence found not complete in this pass: later fences there are not complete either
+        (events on one stream complete in order), so they are not queried (as PyTorch stops at the first)."""
         try:
             for i, block in enumerate(pending):  # noqa: B007 - i is read after a failure
-                if not fences.all_done(block.fences):
+                ready = True
+                for s, n in block.fences.items():  # type: ignore[union-attr]
+                    b = blocked.get(s)
+                    if b is not None and n >= b:
+                        ready = False
+                        break
+                    if not fences.done(s, n):
+                        blocked[s] = n if b is None else min(b, n)
+                        ready = False
+                        break
+                if not ready:
                     if not wait:
                         remaining.append(block)
                         continue

@@ -361,3 +361,24 @@ def test_steal_takes_any_idle_empty_page_before_waiting(dev):
     alloc.free(q)
     alloc.check_consistency()
     alloc.close()
+
+
+# -- pending blocks: one query per busy stream per miss (review finding F7) --------------------------------
+def test_cache_miss_queries_each_busy_stream_once_not_each_pending_block():
+    from gpumem import sim
+
+    from allocator_helpers import small_profile
+
+    dev = sim.SimDevice(small_profile(2048))
+    alloc = CachingAllocator(dev, "gpumem")
+    ps = [alloc.allocate(4 * KiB, 0) for _ in range(300)]
+    for p in ps:
+        alloc.record_stream(p, 5)
+    dev.launch(5, 100.0, touches=[], name="long kernel on stream 5")
+    for p in ps:
+        alloc.free(p)
+    q0 = dev.stats.calls.get("event_query", 0)
+    for i in range(20):
+        alloc.allocate(64 * KiB + i * 512, 1 + i)  # cache misses
+    assert dev.stats.calls.get("event_query", 0) - q0 <= 20
+    alloc.close()

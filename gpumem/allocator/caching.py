@@ -388,6 +388,22 @@ class CachingAllocator:
                     drop_last_block(seg)
         return released
 
+    def _anything_to_wait_for(self) -> bool:
+        """After a release that did not wait: whether pending blocks or cached memory (still used by
+        queued work) remain, so that waiting for them could make room."""
+        if self._pending:
+            return True
+        backing = self.backing
+        if isinstance(backing, VirtualBacking):
+            if backing.unmapped:
+                return True
+            for seg in backing.vsegments.values():
+                last = seg.last
+                if seg.empty or (last is not None and not last.allocated and last.fences is None):
+                    return True
+            return False
+        return any(not seg.live for seg in backing.segments_list())
+
     def _reown_idle(self, stream: int, free_list: FreeList) -> bool:
         """Virtual memory, out of memory: hand the free blocks of other streams of the pool whose work is
         done (a fence recorded now has completed) to ``stream``, merged with its neighbours, so that the
@@ -429,6 +445,7 @@ class CachingAllocator:
         for wait in (False, True):
             self._process_pending(wait=wait)
             self._release_cached(wait=wait)
+            more = not wait and self._anything_to_wait_for()  # before this attempt adds its own free block
             block = None
             try:
                 block = free_list.best_fit(size)
@@ -444,7 +461,7 @@ class CachingAllocator:
             except OutOfMemoryError as exc:
                 if block is not None:
                     self._unsplit_after_failure(block, free_list)
-                if wait:
+                if not more:
                     self.stats.num_ooms += 1
                     raise self._oom_error(nbytes, exc) from None
             except BaseException:

@@ -628,6 +628,7 @@ class CachingAllocator:
             released = self._release_cached(wait=True)
             for key in [k for k, fl in self._free_lists.items() if not len(fl)]:
                 del self._free_lists[key]  # idle streams cost nothing once their cache is gone
+            self.fences.forget_idle()  # nor their events and fence entries
             log.debug("empty_cache released %s", format_bytes(released))
             return released
 

@@ -382,3 +382,30 @@ def test_cache_miss_queries_each_busy_stream_once_not_each_pending_block():
         alloc.allocate(64 * KiB + i * 512, 1 + i)  # cache misses
     assert dev.stats.calls.get("event_query", 0) - q0 <= 20
     alloc.close()
+
+
+# -- idle streams' events and fence entries go back on empty_cache (review finding F8) --------------------
+@pytest.mark.parametrize("policy", ["gpumem", "bestfit"])
+def test_empty_cache_destroys_idle_streams_events_and_forgets_them(policy):
+    from gpumem import sim
+
+    from allocator_helpers import small_profile
+
+    dev = sim.SimDevice(small_profile(1024, vmm=(policy == "gpumem")))
+    alloc = CachingAllocator(dev, policy)
+    for s in range(1, 601):
+        alloc.free(alloc.allocate(4096 if s % 2 else 3 * MiB, s))
+        if s % 100 == 0:
+            alloc.empty_cache()
+    alloc.empty_cache()
+    assert alloc.fences.outstanding == 0
+    assert alloc.fences.n_records == alloc.fences.n_destroys
+    assert len(alloc.fences._done) == 0 and not alloc._free_lists
+    # a busy stream's events are kept
+    p = alloc.allocate(3 * MiB, 7)
+    dev.launch(7, 1.0, touches=[(p, 3 * MiB)], name="busy")
+    alloc.free(p)
+    alloc.empty_cache()  # waits for the page's fence: then stream 7 is idle and forgotten as well
+    assert alloc.fences.outstanding == 0
+    alloc.check_consistency()
+    alloc.close()

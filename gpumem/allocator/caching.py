@@ -583,7 +583,11 @@ class CachingAllocator:
 
     # -- streams ---------------------------------------------------------------------------------------
     def record_stream(self, ptr: int, stream: int) -> None:
-        """Note that the live block at ``ptr`` is used on ``stream`` too (see Note [Streams])."""
+        """Note that the live block at ``ptr`` is used on ``stream`` too (see Note [Streams]).
+
+        Pure bookkeeping: no device call, so on a device lost but not yet noticed it succeeds; the
+        next call that reaches the device (the free of that block records events) raises
+        :class:`~gpumem.errors.DeviceLostError`."""
         ptr = _as_int(ptr, "ptr")
         stream = _check_stream(stream)
         with self._operation():
@@ -624,6 +628,7 @@ class CachingAllocator:
         with self._operation():
             if self._closed:
                 return 0
+            self.device.mem_info()  # a lost device is noticed here (DeviceLostError), even with nothing cached
             self._process_pending(wait=True)
             released = self._release_cached(wait=True)
             for key in [k for k, fl in self._free_lists.items() if not len(fl)]:
@@ -645,6 +650,7 @@ class CachingAllocator:
         with self._operation():
             if self._closed:
                 return  # a closed allocator holds nothing
+            self.device.mem_info()  # a lost device raises DeviceLostError (the range listings below do not)
             problems = self.backing.consistency_problems()
             for seg in self.backing.segments_list():
                 head = seg.last

@@ -229,7 +229,8 @@ class CachingAllocator:
             info = self.device.mem_info()
             if size > total:
                 cause = OutOfMemoryError(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec)
-                hint = f"The request is larger than the device's total memory ({format_bytes(total)})."
+                hint = (f"The request is larger than the device's total memory ({format_bytes(total)}), so it was "
+                        "refused at once. Try: use smaller batches or shorter sequences, or split the tensor.")
             else:
                 cause = LimitExceeded(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec,
                                       limit_nbytes=self.limit_nbytes)

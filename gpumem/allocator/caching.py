@@ -424,6 +424,7 @@ class CachingAllocator:
                 self._insert_free(b)
             moved = True
         if moved:
+            self.backing.multi_stream = True  # type: ignore[attr-defined] # pages now track their streams
             release = self._release_cached(wait=False)  # a merged free top can now be trimmed
             log.debug("re-owned idle streams' free blocks to stream %d (%d B released)", stream, release)
         return moved

@@ -409,3 +409,24 @@ def test_empty_cache_destroys_idle_streams_events_and_forgets_them(policy):
     assert alloc.fences.outstanding == 0
     alloc.check_consistency()
     alloc.close()
+
+
+def test_reowned_address_space_tracks_both_streams_work(dev):
+    """Only stream 1 ever grew the range, then stream 99 is served from stream 1's re-owned free blocks,
+    on a page where stream 1 still holds live data: that page's fence must cover stream 99's work too."""
+    alloc = CachingAllocator(dev, "gpumem")
+    a = alloc.allocate(299 * MiB, 1)
+    k1 = alloc.allocate(1 * MiB + 512, 1)  # large pool; shares a's last page
+    alloc.free(a)
+    b = alloc.allocate(340 * MiB, 1)  # a is too small: the range grows
+    k2 = alloc.allocate(2 * MiB, 1)
+    alloc.free(b)
+    p = alloc.allocate(200 * MiB, 99)  # no address space left at the top: re-owned from stream 1
+    assert alloc.backing.multi_stream  # pages now note each stream whose blocks used them
+    dev.launch(99, KERNEL_S, touches=[(p, 200 * MiB)], name="new owner's kernel")
+    alloc.free(p)
+    alloc.free(k1)
+    alloc.empty_cache()  # must wait for stream 99's kernel on the shared page: the sanitizer raises otherwise
+    alloc.free(k2)
+    alloc.check_consistency()
+    alloc.close()

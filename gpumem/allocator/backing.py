@@ -61,6 +61,22 @@ any moment: fragmentation of the address space costs address space, which is
 plentiful, not memory. What remains is the partial pages at the edges of live
 data, which best fit keeps few.
 
+Note [Exporting cached chunks]
+------------------------------
+PyTorch's snapshot describes expandable segments by address (``segment_map`` /
+``segment_unmap``), but a physical chunk held and mapped nowhere (cached between
+an unmap and its release, or kept because ``mem_release`` failed) has no address,
+and it is reserved memory all the same. So that the reserved bytes an export
+implies equal :attr:`Backing.reserved_nbytes` after every operation, also under
+faults, such chunks are shown *mapped* in a separate, synthetic stretch of
+addresses (from :data:`CACHED_CHUNKS_EXPORT_BASE`, above any real device address
+and below 2**53, which the viewer's JavaScript numbers hold exactly): at the end
+of each operation (:meth:`VirtualBacking.sync_export`) a chunk that stayed
+unmapped gets a ``segment_map`` of one granule there, and one that has since been
+mapped or released a ``segment_unmap``. In the viewer they are a segment with no
+blocks: cached memory. A successful operation leaves no unmapped chunk behind, so
+this adds no events to a fault-free run.
+
 Note [Why every chunk is one page]
 ----------------------------------
 Chunks of a single granule can back any page, so any empty page can be stolen
@@ -87,6 +103,9 @@ log = logging.getLogger(__name__)
 
 SegmentCallback = Callable[["Segment"], None]
 
+CACHED_CHUNKS_EXPORT_BASE = 1 << 52
+"""Where exported histories show physical chunks held but mapped nowhere (Note [Exporting cached chunks])."""
+
 
 class Segment:
     """A stretch of device addresses tiled by blocks (a ``malloc``'d segment).
@@ -111,6 +130,10 @@ class Segment:
 
 class LimitExceeded(OutOfMemoryError):
     """Growing would take the allocator past its memory limit."""
+
+
+class AddressSpaceExhausted(OutOfMemoryError):
+    """The pool's virtual range has no address space left at its top (not a shortage of memory)."""
 
 
 class Backing(abc.ABC):
@@ -172,12 +195,17 @@ class Backing(abc.ABC):
         """The address where the blocks of ``seg`` must end."""
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Give everything back (the allocator has no live blocks, or no longer cares)."""
+    def close(self, keep: Callable[[Segment], bool] = lambda seg: False) -> None:
+        """Give everything back but the segments (ranges) ``keep`` names, whose streams could not be
+        waited for; what fails to go back is kept too and stays counted in ``reserved_nbytes``."""
 
     @abc.abstractmethod
     def consistency_problems(self) -> list[str]:
         """What differs between this backing's bookkeeping and the device's (empty when consistent)."""
+
+    def sync_export(self) -> None:
+        """Bring the recorded segment events up to date with memory held outside every segment
+        (called at the end of each allocator operation when history is recorded)."""
 
     def largest_free_nbytes(self, free_lists: list[FreeList]) -> int:
         """The largest request servable without new device memory."""
@@ -251,15 +279,19 @@ class SegmentBacking(Backing):
             self._segment_event("segment_free", base, seg.nbytes, seg.stream)
         return released
 
-    def close(self) -> None:
+    def close(self, keep: Callable[[Segment], bool] = lambda seg: False) -> None:
         for base, seg in list(self.segments.items()):
-            try:  # the allocator synchronized the device before closing
+            if keep(seg):
+                continue
+            try:  # the allocator waited for the streams that used it
                 self.device.free(base)
-            except Exception as exc:  # noqa: BLE001 - closing gives back what it can
+            except Exception as exc:  # noqa: BLE001 - closing gives back what it can, keeps the rest
                 log.warning("could not free segment %#x: %s", base, exc)
-        self.segments.clear()
-        self.reserved_nbytes = 0
-        self.n_segments = 0
+                continue
+            del self.segments[base]
+            self.reserved_nbytes -= seg.nbytes
+            self.n_segments -= 1
+            self._segment_event("segment_free", base, seg.nbytes, seg.stream)
 
     def consistency_problems(self) -> list[str]:
         problems: list[str] = []
@@ -323,6 +355,9 @@ class VirtualBacking(Backing):
         """One range per pool (``True``: the small pool)."""
         self.unmapped: list[PhysicalHandle] = []
         """Physical chunks held but mapped nowhere."""
+        self._exported_cached: dict[int, int] = {}
+        """``handle.handle`` -> the export address of an unmapped chunk shown as held (Note [Exporting cached chunks])."""
+        self._free_export_slots: list[int] = []
         self.n_chunks = 0
         self.n_steals = 0
         self.n_waits = 0
@@ -397,8 +432,8 @@ class VirtualBacking(Backing):
 
     def _va_exhausted(self, nbytes: int) -> OutOfMemoryError:
         info = self.device.mem_info()
-        return OutOfMemoryError(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec,
-                                hint="The allocator's virtual range is exhausted; raise va_reserve_factor.")
+        return AddressSpaceExhausted(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec,
+                                     hint="The allocator's virtual range is exhausted; raise va_reserve_factor.")
 
     # -- pages ------------------------------------------------------------------------------
     def _pages(self, block: Block) -> tuple[VirtualSegment, int, int]:
@@ -626,7 +661,8 @@ class VirtualBacking(Backing):
     def _steal(self, seg: VirtualSegment, first: int, last: int, count: int, requested: int) -> None:
         """Unmap ``count`` empty pages (none of ``[first, last]`` of ``seg``) into :attr:`unmapped`.
 
-        Pages whose fences have completed go first; for each one still used by queued work
+        Pages whose fences have completed go first (the highest few, then any other empty page
+        whose work is done); for each one still used by queued work
         a new chunk is created instead where the limit and the device allow, and the page
         is waited for only when they do not (the memory is needed now). Among equals, the
         highest-addressed empty pages go first: best fit breaks ties towards low
@@ -656,6 +692,21 @@ class VirtualBacking(Backing):
             self.unmapped.append(self._unmap_page(other, p))
             self.n_steals += 1
             stolen += 1
+        if stolen < count and busy:
+            # before creating or waiting, any other empty page whose work is done (beyond the highest few)
+            seen = {(id(o), q) for _, q, o in candidates}
+            for other in self.vsegments.values():
+                if stolen == count:
+                    break
+                for p in list(other.empty):
+                    if stolen == count:
+                        break
+                    if (id(other), p) in seen or (other is seg and first <= p <= last):
+                        continue
+                    if self._page_ready(other, p, False, batch):
+                        self.unmapped.append(self._unmap_page(other, p))
+                        self.n_steals += 1
+                        stolen += 1
         for _, p, other in busy:
             if stolen == count:
                 break
@@ -693,30 +744,45 @@ class VirtualBacking(Backing):
         released += self._release_unmapped()
         return released
 
-    def close(self) -> None:
+    def close(self, keep: Callable[[Segment], bool] = lambda seg: False) -> None:
         g = self.granularity
-        for seg in self.vsegments.values():
+        for key, seg in list(self.vsegments.items()):
+            if keep(seg):
+                continue
+            whole = True
             for p, handle in enumerate(seg.chunks):
-                if handle is not None:
-                    try:  # the allocator synchronized the device before closing
-                        self.device.mem_unmap(seg.base + p * g, g)
-                        self.device.mem_release(handle)
-                    except Exception as exc:  # noqa: BLE001
-                        log.warning("could not unmap page %d: %s", p, exc)
+                if handle is None:
+                    continue
+                va = seg.base + p * g
+                try:  # the allocator waited for the streams that used it
+                    self.device.mem_unmap(va, g)
+                except Exception as exc:  # noqa: BLE001 - kept, still counted
+                    log.warning("could not unmap page %d of %#x: %s", p, seg.base, exc)
+                    whole = False
+                    continue
+                seg.chunks[p] = None
+                seg.empty.pop(p, None)
+                seg.noaccess.discard(p)
+                self._segment_event("segment_unmap", va, g, 0)
+                self.unmapped.append(handle)
+            if not whole:
+                continue
             try:
                 self.device.address_free(seg.base, seg.nbytes)
             except Exception as exc:  # noqa: BLE001
                 log.warning("could not free address range %#x: %s", seg.base, exc)
-        for handle in self.unmapped:
+                continue
+            del self.vsegments[key]
+            self.n_segments -= 1
+        for handle in list(self.unmapped):
             try:
                 self.device.mem_release(handle)
             except Exception as exc:  # noqa: BLE001
                 log.warning("could not release chunk: %s", exc)
-        self.vsegments.clear()
-        self.unmapped.clear()
-        self.reserved_nbytes = 0
-        self.n_chunks = 0
-        self.n_segments = 0
+                continue
+            self.unmapped.remove(handle)
+            self.n_chunks -= 1
+            self.reserved_nbytes -= g
 
     def consistency_problems(self) -> list[str]:
         problems: list[str] = []
@@ -758,6 +824,25 @@ class VirtualBacking(Backing):
             problems.append(f"{mapped} mapped + {len(self.unmapped)} unmapped chunks, n_chunks {self.n_chunks}, "
                             f"reserved {self.reserved_nbytes} B")
         return problems
+
+    def sync_export(self) -> None:
+        if self.on_segment is None:
+            return
+        g = self.granularity
+        exported = self._exported_cached
+        now = {h.handle for h in self.unmapped}
+        for hid in [h for h in exported if h not in now]:
+            addr = exported.pop(hid)
+            self._free_export_slots.append(addr)
+            self._segment_event("segment_unmap", addr, g, 0)
+        for hid in now:
+            if hid not in exported:
+                slots = self._free_export_slots
+                addr = slots.pop() if slots else CACHED_CHUNKS_EXPORT_BASE + len(exported) * g
+                while addr in exported.values():  # cannot happen with slots reused; kept cheap and safe
+                    addr += g
+                exported[hid] = addr
+                self._segment_event("segment_map", addr, g, 0)
 
     def mapped_empty_nbytes(self) -> int:
         return sum(len(s.empty) for s in self.vsegments.values()) * self.granularity

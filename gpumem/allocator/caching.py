@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -71,7 +72,7 @@ from ..device import Device, check_nbytes, check_pointer
 from ..errors import (DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError, InvalidPointerError,
                       OutOfMemoryError)
 from ..units import format_bytes, parse_limit
-from .backing import Backing, LimitExceeded, Segment, SegmentBacking, VirtualBacking, VirtualSegment
+from .backing import AddressSpaceExhausted, Backing, LimitExceeded, Segment, SegmentBacking, VirtualBacking, VirtualSegment
 from .block import Block, FreeList, append_block, drop_last_block, merge_blocks, split_block
 from .fences import StreamFences
 from .policy import DEFAULT_POLICY, AllocatorPolicy, VmmMode, get_policy
@@ -80,6 +81,28 @@ from .stats import AllocatorStats, format_summary
 log = logging.getLogger(__name__)
 
 _FREED_MEMORY = 65_536
+_STREAM_END = 1 << 64
+
+
+def _as_int(value: object, what: str) -> int:
+    """``value`` as a plain int: ints, int subclasses and integer types such as ``np.int64`` (through
+    ``operator.index``); bools and anything else raise :class:`InvalidArgumentError`."""
+    if value.__class__ is int:
+        return value  # type: ignore[return-value]
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{what} must be an int, got bool {value!r}")
+    try:
+        return int(operator.index(value))  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be an int, got {type(value).__name__} {value!r:.60}") from None
+
+
+def _check_stream(stream: object) -> int:
+    """A stream handle: an int in [0, 2**64) (a ``cudaStream_t``)."""
+    s = _as_int(stream, "stream")
+    if not 0 <= s < _STREAM_END:
+        raise InvalidArgumentError(f"stream must be an int in [0, 2**64), got {s}")
+    return s
 
 
 class CachingAllocator:
@@ -138,6 +161,8 @@ class CachingAllocator:
         self._committed = False
         """Set by :meth:`_grow` when its out-of-memory retry already committed the block."""
         self._lost: DeviceLostError | None = None
+        self.leaked_nbytes = 0
+        """After :meth:`close`: device memory that could not be given back (Note [Closing waits for the streams])."""
 
     @contextlib.contextmanager
     def _operation(self) -> Iterator[None]:
@@ -152,6 +177,9 @@ class CachingAllocator:
                 except DeviceLostError as exc:
                     self._lost = exc
                     raise
+                finally:
+                    if self._recorder is not None:
+                        self.backing.sync_export()  # Note [Exporting cached chunks] in .backing
 
     # -- the hot path ---------------------------------------------------------------------------------
     def allocate(self, nbytes: int, stream: int = 0) -> int:
@@ -162,10 +190,8 @@ class CachingAllocator:
         """
         if nbytes.__class__ is not int or nbytes <= 0:
             check_nbytes(nbytes)
-        if stream.__class__ is not int or stream < 0:
-            if stream.__class__ is not int:
-                raise InvalidArgumentError(f"stream must be an int, got {type(stream).__name__}")
-            raise InvalidArgumentError(f"stream must not be negative, got {stream}")
+        if stream.__class__ is not int or not 0 <= stream < _STREAM_END:
+            stream = _check_stream(stream)
         r = self._round
         size = -(-nbytes // r) * r
         small = size <= self._small_max
@@ -191,8 +217,25 @@ class CachingAllocator:
                 except DeviceLostError as exc:
                     self._lost = exc
                     raise
+                finally:
+                    if self._recorder is not None:
+                        self.backing.sync_export()  # Note [Exporting cached chunks] in .backing
 
     def _allocate_slow(self, nbytes: int, size: int, small: bool, stream: int) -> int:
+        total = self.device.properties().total_nbytes
+        if size > total or (self.limit_nbytes is not None and size > self.limit_nbytes):
+            # can never fit: refuse at once, without waiting for work or flushing the cache
+            self.stats.num_ooms += 1
+            info = self.device.mem_info()
+            if size > total:
+                cause = OutOfMemoryError(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec)
+                hint = (f"The request is larger than the device's total memory ({format_bytes(total)}), so it was "
+                        "refused at once. Try: use smaller batches or shorter sequences, or split the tensor.")
+            else:
+                cause = LimitExceeded(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec,
+                                      limit_nbytes=self.limit_nbytes)
+                hint = None
+            raise self._oom_error(nbytes, cause, hint)
         free_list = self._free_lists.get((small, stream))
         if free_list is None:
             free_list = self._free_lists[(small, stream)] = FreeList()
@@ -254,13 +297,17 @@ class CachingAllocator:
                     self.backing.decommit(block)  # no device call: fences come when memory goes back
                     self._free_booked(ptr, block)
                     return
+        ptr = _as_int(ptr, "ptr")
         with self._operation():
-            block = self._live.get(ptr) if ptr.__class__ is int else None
+            if self._closed:
+                raise InvalidArgumentError(f"free of {ptr:#x}: the allocator is closed")
+            block = self._live.get(ptr)
             if block is None:
                 check_pointer(ptr)
                 if ptr in self._freed:
                     raise DoubleFreeError(f"double free of {ptr:#x} in the caching allocator")
-                raise InvalidPointerError(f"free of {ptr:#x}, which this allocator did not allocate")
+                raise InvalidPointerError(f"free of {ptr:#x}, which this allocator did not allocate"
+                                          + self._inside_live(ptr))
             if block.pending_streams:
                 fences = self.fences
                 block.fences = {s: fences.record(s) for s in sorted(block.pending_streams)}  # may raise: still live
@@ -342,6 +389,46 @@ class CachingAllocator:
                     drop_last_block(seg)
         return released
 
+    def _anything_to_wait_for(self) -> bool:
+        """After a release that did not wait: whether pending blocks or cached memory (still used by
+        queued work) remain, so that waiting for them could make room."""
+        if self._pending:
+            return True
+        backing = self.backing
+        if isinstance(backing, VirtualBacking):
+            if backing.unmapped:
+                return True
+            for seg in backing.vsegments.values():
+                last = seg.last
+                if seg.empty or (last is not None and not last.allocated and last.fences is None):
+                    return True
+            return False
+        return any(not seg.live for seg in backing.segments_list())
+
+    def _reown_idle(self, stream: int, free_list: FreeList) -> bool:
+        """Virtual memory, out of memory: hand the free blocks of other streams of the pool whose work is
+        done (a fence recorded now has completed) to ``stream``, merged with its neighbours, so that the
+        address space idle streams freed below live blocks is not lost (Note [One range per pool]).
+        Returns whether any block moved."""
+        pool = next((k[0] for k, fl in self._free_lists.items() if fl is free_list), None)
+        moved = False
+        for (small, s), fl in list(self._free_lists.items()):
+            if small != pool or s == stream or not len(fl):
+                continue
+            number = self.fences.record(s)
+            if not self.fences.done(s, number):
+                continue  # that stream still has work queued: its free blocks stay its own
+            for b in fl:
+                fl.remove(b)
+                b.stream = stream
+                self._insert_free(b)
+            moved = True
+        if moved:
+            self.backing.multi_stream = True  # type: ignore[attr-defined] # pages now track their streams
+            release = self._release_cached(wait=False)  # a merged free top can now be trimmed
+            log.debug("re-owned idle streams' free blocks to stream %d (%d B released)", stream, release)
+        return moved
+
     def _drop_blocks(self, seg: object) -> None:
         """Forget the blocks of a segment the backing gave back (all free: they are merged into one)."""
         b = seg.last  # type: ignore[attr-defined]
@@ -354,29 +441,36 @@ class CachingAllocator:
 
     def _retry_after_release(self, small: bool, stream: int, size: int, free_list: FreeList,
                              nbytes: int) -> Block:
-        """Wait for pending blocks, give cached memory back, then try once more to find or grow,
-        split and commit a block."""
-        self._process_pending(wait=True)
-        self._release_cached(wait=True)
-        block = None
-        try:
-            block = free_list.best_fit(size)
-            if block is not None:
-                free_list.remove(block)
-            else:
-                block = self._grow_once(small, stream, size, free_list)
-            block = self._split(block, size, small, free_list)
-            self.backing.commit(block)
-            return block
-        except OutOfMemoryError as exc:
-            if block is not None:
-                self._unsplit_after_failure(block, free_list)
-            self.stats.num_ooms += 1
-            raise self._oom_error(nbytes, exc) from None
-        except BaseException:
-            if block is not None:
-                self._unsplit_after_failure(block, free_list)
-            raise
+        """Make pending blocks reusable and give cached memory back, then try once more to find or grow,
+        split and commit a block: first with what is free of work (no waiting), and only if that is
+        still short, waiting for the work still using cached memory."""
+        for wait in (False, True):
+            self._process_pending(wait=wait)
+            self._release_cached(wait=wait)
+            more = not wait and self._anything_to_wait_for()  # before this attempt adds its own free block
+            block = None
+            try:
+                block = free_list.best_fit(size)
+                if block is None and isinstance(self.backing, VirtualBacking) and self._reown_idle(stream, free_list):
+                    block = free_list.best_fit(size)
+                if block is not None:
+                    free_list.remove(block)
+                else:
+                    block = self._grow_once(small, stream, size, free_list)
+                block = self._split(block, size, small, free_list)
+                self.backing.commit(block)
+                return block
+            except OutOfMemoryError as exc:
+                if block is not None:
+                    self._unsplit_after_failure(block, free_list)
+                if not more:
+                    self.stats.num_ooms += 1
+                    raise self._oom_error(nbytes, exc) from None
+            except BaseException:
+                if block is not None:
+                    self._unsplit_after_failure(block, free_list)
+                raise
+        raise InternalError("unreachable")  # pragma: no cover
 
     def _kept_nbytes(self, block: Block, size: int, small: bool) -> int:
         """The size ``block`` will have once :meth:`_split` has served ``size`` from it."""
@@ -425,9 +519,22 @@ class CachingAllocator:
         pending = self._pending
         remaining: list[Block] = []
         i = 0
+        blocked: dict[int, int] = {}
+        """stream -> a fence found not complete in this pass: later fences there are not complete either
+        (events on one stream complete in order), so they are not queried (as PyTorch stops at the first)."""
         try:
             for i, block in enumerate(pending):  # noqa: B007 - i is read after a failure
-                if not fences.all_done(block.fences):
+                ready = True
+                for s, n in block.fences.items():  # type: ignore[union-attr]
+                    b = blocked.get(s)
+                    if b is not None and n >= b:
+                        ready = False
+                        break
+                    if not fences.done(s, n):
+                        blocked[s] = n if b is None else min(b, n)
+                        ready = False
+                        break
+                if not ready:
                     if not wait:
                         remaining.append(block)
                         continue
@@ -442,14 +549,22 @@ class CachingAllocator:
             self._pending = remaining + pending[i:]
         return done
 
-    def _oom_error(self, nbytes: int, cause: OutOfMemoryError) -> OutOfMemoryError:
+    def _oom_error(self, nbytes: int, cause: OutOfMemoryError, hint: str | None = None) -> OutOfMemoryError:
         info = self.device.mem_info()
         st = self.stats
         cached = self.backing.reserved_nbytes - st.allocated_nbytes
         injected = bool(getattr(cause, "injected", False))
-        if injected:
+        if hint is not None:
+            pass
+        elif injected:
             hint = ("The device call failed because of an injected fault (the simulator's fault plan), "
                     "not a real shortage of memory.")
+        elif isinstance(cause, AddressSpaceExhausted):
+            va = getattr(self.backing, "va_nbytes", 0)
+            hint = (f"The allocator's virtual address range ({format_bytes(va)} per pool) is exhausted, not the "
+                    "device's memory: free blocks of other streams that are still busy, or below live blocks, "
+                    "hold its address space. Free long-lived blocks, use fewer streams, or raise the policy's "
+                    "va_reserve_factor.")
         elif isinstance(cause, LimitExceeded):
             hint = (f"The allocator's limit of {format_bytes(self.limit_nbytes or 0)} is reached: raise `limit`, "
                     "free tensors you no longer need, or use smaller batches.")
@@ -470,17 +585,30 @@ class CachingAllocator:
 
     # -- streams ---------------------------------------------------------------------------------------
     def record_stream(self, ptr: int, stream: int) -> None:
-        """Note that the live block at ``ptr`` is used on ``stream`` too (see Note [Streams])."""
-        if stream.__class__ is not int or stream < 0:
-            raise InvalidArgumentError(f"stream must be a non-negative int, got {stream!r}")
+        """Note that the live block at ``ptr`` is used on ``stream`` too (see Note [Streams]).
+
+        Pure bookkeeping: no device call, so on a device lost but not yet noticed it succeeds; the
+        next call that reaches the device (the free of that block records events) raises
+        :class:`~gpumem.errors.DeviceLostError`."""
+        ptr = _as_int(ptr, "ptr")
+        stream = _check_stream(stream)
         with self._operation():
+            if self._closed:
+                raise InvalidArgumentError(f"record_stream of {ptr:#x}: the allocator is closed")
             block = self._live.get(ptr)
             if block is None:
-                raise InvalidPointerError(f"record_stream: {ptr!r} is not a live allocation")
+                raise InvalidPointerError(f"record_stream: {ptr:#x} is not a live allocation" + self._inside_live(ptr))
             if stream != block.stream:
                 if block.pending_streams is None:
                     block.pending_streams = set()
                 block.pending_streams.add(stream)
+
+    def _inside_live(self, ptr: int) -> str:
+        """``"; it is inside the live block at 0x..."`` when ``ptr`` points into a live block (error path only)."""
+        for b in self._live.values():
+            if b.addr < ptr < b.addr + b.size:
+                return f"; it is inside the live block at {b.addr:#x} (+{ptr - b.addr:#x}): free that pointer"
+        return ""
 
     def synchronize(self) -> None:
         """Wait for the device, then make every block freed with pending stream uses reusable.
@@ -502,10 +630,12 @@ class CachingAllocator:
         with self._operation():
             if self._closed:
                 return 0
+            self.device.mem_info()  # a lost device is noticed here (DeviceLostError), even with nothing cached
             self._process_pending(wait=True)
             released = self._release_cached(wait=True)
             for key in [k for k, fl in self._free_lists.items() if not len(fl)]:
                 del self._free_lists[key]  # idle streams cost nothing once their cache is gone
+            self.fences.forget_idle()  # nor their events and fence entries
             log.debug("empty_cache released %s", format_bytes(released))
             return released
 
@@ -522,6 +652,7 @@ class CachingAllocator:
         with self._operation():
             if self._closed:
                 return  # a closed allocator holds nothing
+            self.device.mem_info()  # a lost device raises DeviceLostError (the range listings below do not)
             problems = self.backing.consistency_problems()
             for seg in self.backing.segments_list():
                 head = seg.last
@@ -618,23 +749,90 @@ class CachingAllocator:
             return trace
 
     def close(self) -> None:
-        """Give all memory back to the device (after the work still using it). Live blocks become invalid."""
+        """Give all memory back to the device, after the work still using it. Live blocks become invalid.
+
+        Note [Closing waits for the streams]: before a segment or a virtual range goes back, the
+        streams that used it are synchronized (``stream_synchronize``; if that fails for a stream,
+        one ``synchronize`` of the whole device is tried). Memory used by a stream that could not be
+        waited for is *kept*, not given back under a kernel that may still run: it stays counted in
+        :attr:`reserved_nbytes` (and :attr:`leaked_nbytes`), and a warning says how much was leaked.
+        """
         with self._defer(), self._lock:
             if self._closed:
                 return
             self._closed = True
             if self._live:
                 log.info("closing an allocator with %d live block(s)", len(self._live))
-            if self.backing.reserved_nbytes:
-                try:  # no kernel may still use memory given back below
-                    self.device.synchronize()
-                except Exception as exc:  # noqa: BLE001 - closing gives back what it can
-                    log.warning("could not synchronize before closing: %s", exc)
-            self.backing.close()
+            failed: set[int] = set()
+            all_streams: set[int] = set()
+            if self.backing.reserved_nbytes or self.backing.n_segments:
+                all_streams = self._streams_in_use()
+                for s in sorted(all_streams):
+                    try:
+                        self.device.stream_synchronize(s)
+                    except Exception as exc:  # noqa: BLE001 - that stream's memory is kept, below
+                        log.debug("could not synchronize stream %d before closing: %s", s, exc)
+                        failed.add(s)
+                if failed:
+                    try:
+                        self.device.synchronize()
+                        failed.clear()
+                    except Exception as exc:  # noqa: BLE001
+                        log.warning("could not synchronize streams %s before closing: %s", sorted(failed), exc)
+
+            def keep(seg: Segment) -> bool:
+                if not failed:
+                    return False
+                if isinstance(seg, VirtualSegment):
+                    return True  # a range is shared by all streams: any of them may still use it
+                return bool(self._segment_streams(seg) & failed)
+
+            self.backing.close(keep)
+            if self._recorder is not None:
+                self.backing.sync_export()
             self.fences.close()
             self._live.clear()
             self._pending.clear()
             self._free_lists.clear()
+            self.leaked_nbytes = self.backing.reserved_nbytes
+            if self.leaked_nbytes:
+                why = (f"work on streams {sorted(failed)} may still use it" if failed
+                       else "giving it back failed")
+                log.warning("closed with %s still held on %s (%d segment(s)/range(s)) and not given back: %s",
+                            format_bytes(self.leaked_nbytes), self.device.spec, self.backing.n_segments, why)
+
+    def _streams_in_use(self) -> set[int]:
+        """Every stream whose work may touch memory this allocator holds."""
+        streams: set[int] = {0}
+        for (_, s) in self._free_lists:
+            streams.add(s)
+        for b in list(self._live.values()) + self._pending:
+            streams.add(b.stream)
+            streams.update(b.pending_streams or ())
+            streams.update(b.fences or ())
+        for seg in self.backing.segments_list():
+            streams |= self._segment_streams(seg)
+            if isinstance(seg, VirtualSegment):
+                for table in (seg.dirty, seg.users):
+                    for u in table.values():
+                        streams.update((u,) if isinstance(u, int) else u)
+                for pf in seg.page_fences.values():
+                    streams.update(pf)
+                streams.update(seg.top_fences or ())
+        streams.update(self.fences.streams())
+        return streams
+
+    @staticmethod
+    def _segment_streams(seg: Segment) -> set[int]:
+        """The streams of the blocks tiling ``seg`` (and of their other-stream uses)."""
+        streams = {seg.stream}
+        b = seg.last
+        while b is not None:
+            streams.add(b.stream)
+            streams.update(b.pending_streams or ())
+            streams.update(b.fences or ())
+            b = b.prev
+        return streams
 
     def __enter__(self) -> "CachingAllocator":
         return self

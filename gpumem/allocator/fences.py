@@ -159,6 +159,30 @@ class StreamFences:
         except Exception as exc:  # noqa: BLE001 - a lost event handle holds no memory
             log.debug("could not destroy an event on stream %d: %s", stream, exc)
 
+    def forget_idle(self) -> None:
+        """Forget the streams whose newest event has completed: destroy their events and drop their
+        entries (host memory per stream goes back on ``empty_cache``). Safe for any fence still held
+        elsewhere: a stream with no queued event answers every fence as complete. Best effort: a
+        failing query stops it (a lost device is raised)."""
+        from ..errors import DeviceLostError
+
+        try:
+            for stream, q in list(self._queues.items()):
+                self.n_queries += 1
+                if self.device.event_query(q[-1][1]):
+                    while q:
+                        self._retire(stream, q)
+        except DeviceLostError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the events stay queued, nothing is lost
+            log.debug("could not query an event while forgetting idle streams: %s", exc)
+        queues = self._queues
+        self._done = {s: n for s, n in self._done.items() if s in queues}
+
+    def streams(self) -> set[int]:
+        """The streams with events not yet known complete."""
+        return set(self._queues)
+
     def close(self) -> None:
         """Destroy every outstanding event (best effort)."""
         for stream, q in list(self._queues.items()):

@@ -312,3 +312,21 @@ def test_oom_advice_about_virtual_memory_only_where_the_device_has_it(vmm):
     assert ("'gpumem' policy with virtual memory" in msg) is vmm
     assert "other processes hold" not in msg
     assert "held outside this allocator (this process's CUDA context" in msg
+
+
+# -- a lost device is noticed by empty_cache and check_consistency (review finding F9) --------------------
+@pytest.mark.parametrize("policy", ["gpumem", "bestfit", "pytorch", "cupy"])
+@pytest.mark.parametrize("call", ["empty_cache", "check_consistency"])
+def test_empty_cache_and_check_consistency_raise_on_a_lost_device(policy, call):
+    from gpumem.errors import DeviceLostError
+
+    from allocator_helpers import small_profile
+
+    dev = sim.SimDevice(small_profile(384, vmm=(policy == "gpumem")), faults=sim.FaultPlan(device_lost_at_s=0.5))
+    alloc = CachingAllocator(dev, policy)
+    alloc.allocate(4 * MiB)
+    dev.advance(1.0)
+    with pytest.raises(DeviceLostError):
+        getattr(alloc, call)()
+    with pytest.raises(DeviceLostError):  # and every later call
+        alloc.allocate(MiB)

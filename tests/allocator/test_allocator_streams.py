@@ -237,3 +237,196 @@ def test_address_space_trimmed_from_one_stream_is_reused_by_another_only_after_i
     alloc.free(b)
     alloc.free(keep)
     alloc.check_consistency()
+
+
+# -- close() waits for the streams that used the memory (review finding F1) ----------------------------
+@pytest.mark.parametrize("policy", ["gpumem", "bestfit", "pytorch", "cupy"])
+@pytest.mark.parametrize("sync_fails", [(), ("synchronize",), ("synchronize", "stream_synchronize")])
+def test_close_waits_for_streams_and_keeps_what_it_cannot_wait_for(policy, sync_fails, caplog):
+    from gpumem import sim
+
+    from allocator_helpers import small_profile
+
+    dev = sim.SimDevice(small_profile(384, vmm=(policy == "gpumem")),
+                        faults=sim.FaultPlan(fail_calls={c: frozenset({1}) for c in sync_fails}))
+    alloc = CachingAllocator(dev, policy, record_history=True)
+    a = alloc.allocate(4 * MiB, 0)
+    dev.launch(0, 0.5, touches=[(a, 4 * MiB)], name="reads a")
+    alloc.free(a)
+    with caplog.at_level("WARNING"):
+        alloc.close()  # the sanitizer is on (raise): giving the memory back under the kernel would raise
+    assert alloc.reserved_nbytes == alloc.leaked_nbytes == dev.process_used_nbytes
+    sign = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+    if len(sync_fails) == 2:  # neither the stream nor the device could be waited for: kept, and said so
+        assert alloc.leaked_nbytes > 0
+        assert "still held" in caplog.text
+    else:
+        assert alloc.leaked_nbytes == 0
+        # the export sees the memory go back at close (finding F4a)
+        assert sum(sign[e[0]] * e[2] for e in alloc.history().segment_events) == 0
+
+
+# -- address space of idle streams (review finding F3) --------------------------------------------------
+def test_idle_streams_address_space_is_reused_by_another_stream(dev):
+    """Seven streams each used 100 MiB once, then went idle below a live block: their free blocks held
+    the shared range's address space for good and a new stream got a persistent OOM on an almost empty
+    card. Out of memory, free blocks of idle streams are re-owned by the requesting stream."""
+    alloc = CachingAllocator(dev, "gpumem")
+    for s in range(1, 8):
+        alloc.free(alloc.allocate(100 * MiB, s))
+    keep = alloc.allocate(2 * MiB, 50)
+    alloc.empty_cache()
+    p = alloc.allocate(100 * MiB, 99)
+    q = alloc.allocate(100 * MiB, 0)
+    alloc.check_consistency()
+    for x in (p, q, keep):
+        alloc.free(x)
+    alloc.check_consistency()
+    alloc.close()
+
+
+def test_address_space_exhaustion_is_named_in_the_oom_error(dev, monkeypatch):
+    from gpumem.errors import OutOfMemoryError
+
+    monkeypatch.setattr(CachingAllocator, "_reown_idle", lambda self, stream, free_list: False)
+    alloc = CachingAllocator(dev, "gpumem")
+    for s in range(1, 8):
+        alloc.free(alloc.allocate(100 * MiB, s))
+    alloc.allocate(2 * MiB, 50)
+    alloc.empty_cache()
+    with pytest.raises(OutOfMemoryError, match="virtual address range"):
+        alloc.allocate(100 * MiB, 99)
+    alloc.close()
+
+
+# -- no needless waiting on the out-of-memory path (review finding F6) -----------------------------------
+@pytest.mark.parametrize("policy", ["gpumem", "bestfit", "pytorch", "cupy"])
+def test_oom_retry_releases_idle_cache_before_waiting_for_pending_blocks(policy):
+    """A record_stream block behind a 10 s kernel made an unrelated allocation wait 10 s although the
+    idle cache it released anyway was enough."""
+    from gpumem import sim
+
+    from allocator_helpers import small_profile
+
+    dev = sim.SimDevice(small_profile(384, vmm=(policy == "gpumem")))
+    alloc = CachingAllocator(dev, policy)
+    p = alloc.allocate(8 * MiB, 0)
+    alloc.record_stream(p, 5)
+    dev.launch(5, 10.0, touches=[(p, 8 * MiB)], name="10 s kernel on stream 5")
+    alloc.free(p)
+    alloc.free(alloc.allocate(300 * MiB, 0))
+    t0 = dev.now_s
+    q = alloc.allocate(300 * MiB, 1)
+    assert dev.now_s - t0 < 1.0
+    alloc.free(q)
+    alloc.check_consistency()
+    alloc.close()
+
+
+@pytest.mark.parametrize("policy", ["gpumem", "bestfit"])
+@pytest.mark.parametrize("request_nbytes, kwargs", [(2**64, {}), (200 * MiB, {"limit": 100 * MiB})])
+def test_impossible_request_is_refused_at_once(policy, request_nbytes, kwargs):
+    from gpumem import sim
+    from gpumem.errors import OutOfMemoryError
+
+    from allocator_helpers import small_profile
+
+    dev = sim.SimDevice(small_profile(384, vmm=(policy == "gpumem")))
+    alloc = CachingAllocator(dev, policy, **kwargs)
+    a = alloc.allocate(8 * MiB)
+    b = alloc.allocate(8 * MiB)
+    dev.launch(0, 2.0, touches=[(a, 8 * MiB)], name="2 s kernel")
+    alloc.free(a)
+    alloc.free(b)
+    t0, r0 = dev.now_s, alloc.reserved_nbytes
+    with pytest.raises(OutOfMemoryError):
+        alloc.allocate(request_nbytes)
+    assert dev.now_s - t0 < 0.1 and alloc.reserved_nbytes == r0  # no wait, cache kept
+    alloc.close()
+
+
+# -- a steal takes an idle empty page before waiting for busy ones (review finding F5) --------------------
+def test_steal_takes_any_idle_empty_page_before_waiting(dev):
+    alloc = CachingAllocator(dev, "gpumem", limit=10 * MiB)
+    a0 = alloc.allocate(2 * MiB, 7)  # page 0: no work ever
+    rest = [alloc.allocate(2 * MiB, 0) for _ in range(4)]  # pages 1-4
+    for p in rest:
+        dev.launch(0, 1.0, touches=[(p, 2 * MiB)], name="1 s kernel")
+    for p in [a0] + rest:
+        alloc.free(p)
+    t0 = dev.now_s
+    q = alloc.allocate(2 * MiB, 9)  # at the limit: one empty page is stolen
+    assert dev.now_s - t0 < 0.1 and alloc.backing.n_waits == 0
+    assert alloc.backing.vsegments[False].chunks[0] is None  # the idle page was the one taken
+    alloc.free(q)
+    alloc.check_consistency()
+    alloc.close()
+
+
+# -- pending blocks: one query per busy stream per miss (review finding F7) --------------------------------
+def test_cache_miss_queries_each_busy_stream_once_not_each_pending_block():
+    from gpumem import sim
+
+    from allocator_helpers import small_profile
+
+    dev = sim.SimDevice(small_profile(2048))
+    alloc = CachingAllocator(dev, "gpumem")
+    ps = [alloc.allocate(4 * KiB, 0) for _ in range(300)]
+    for p in ps:
+        alloc.record_stream(p, 5)
+    dev.launch(5, 100.0, touches=[], name="long kernel on stream 5")
+    for p in ps:
+        alloc.free(p)
+    q0 = dev.stats.calls.get("event_query", 0)
+    for i in range(20):
+        alloc.allocate(64 * KiB + i * 512, 1 + i)  # cache misses
+    assert dev.stats.calls.get("event_query", 0) - q0 <= 20
+    alloc.close()
+
+
+# -- idle streams' events and fence entries go back on empty_cache (review finding F8) --------------------
+@pytest.mark.parametrize("policy", ["gpumem", "bestfit"])
+def test_empty_cache_destroys_idle_streams_events_and_forgets_them(policy):
+    from gpumem import sim
+
+    from allocator_helpers import small_profile
+
+    dev = sim.SimDevice(small_profile(1024, vmm=(policy == "gpumem")))
+    alloc = CachingAllocator(dev, policy)
+    for s in range(1, 601):
+        alloc.free(alloc.allocate(4096 if s % 2 else 3 * MiB, s))
+        if s % 100 == 0:
+            alloc.empty_cache()
+    alloc.empty_cache()
+    assert alloc.fences.outstanding == 0
+    assert alloc.fences.n_records == alloc.fences.n_destroys
+    assert len(alloc.fences._done) == 0 and not alloc._free_lists
+    # a busy stream's events are kept
+    p = alloc.allocate(3 * MiB, 7)
+    dev.launch(7, 1.0, touches=[(p, 3 * MiB)], name="busy")
+    alloc.free(p)
+    alloc.empty_cache()  # waits for the page's fence: then stream 7 is idle and forgotten as well
+    assert alloc.fences.outstanding == 0
+    alloc.check_consistency()
+    alloc.close()
+
+
+def test_reowned_address_space_tracks_both_streams_work(dev):
+    """Only stream 1 ever grew the range, then stream 99 is served from stream 1's re-owned free blocks,
+    on a page where stream 1 still holds live data: that page's fence must cover stream 99's work too."""
+    alloc = CachingAllocator(dev, "gpumem")
+    a = alloc.allocate(299 * MiB, 1)
+    k1 = alloc.allocate(1 * MiB + 512, 1)  # large pool; shares a's last page
+    alloc.free(a)
+    b = alloc.allocate(340 * MiB, 1)  # a is too small: the range grows
+    k2 = alloc.allocate(2 * MiB, 1)
+    alloc.free(b)
+    p = alloc.allocate(200 * MiB, 99)  # no address space left at the top: re-owned from stream 1
+    assert alloc.backing.multi_stream  # pages now note each stream whose blocks used them
+    dev.launch(99, KERNEL_S, touches=[(p, 200 * MiB)], name="new owner's kernel")
+    alloc.free(p)
+    alloc.free(k1)
+    alloc.empty_cache()  # must wait for stream 99's kernel on the shared page: the sanitizer raises otherwise
+    alloc.free(k2)
+    alloc.check_consistency()
+    alloc.close()

@@ -671,3 +671,42 @@ def test_history_exports_to_a_pytorch_snapshot(dev, policy, tmp_path):
     assert back.peak_live_nbytes == trace.peak_live_nbytes
     gz = save_pytorch_snapshot(trace, tmp_path / "gpumem.pickle.gz")
     assert load_trace(gz).ops_equal(trace, times=False, addrs=False)
+
+
+# -- consistent validation and clear messages (review finding F10) ----------------------------------------
+def test_pointer_and_stream_validation_is_consistent_and_clear():
+    import numpy as np
+
+    from gpumem.errors import InvalidArgumentError, InvalidPointerError
+
+    from allocator_helpers import small_device
+
+    dev = small_device(384)
+    alloc = CachingAllocator(dev)
+
+    class Ptr(int):
+        pass
+
+    p = alloc.allocate(MiB)
+    alloc.record_stream(np.int64(p), 1)
+    alloc.free(np.int64(p))  # record_stream accepted it: free does too
+    q = alloc.allocate(MiB)
+    alloc.free(Ptr(q))  # an int subclass is the same pointer
+    for bad in (2**64, 2**80, -1):
+        with pytest.raises(InvalidArgumentError, match=r"\[0, 2\*\*64\)"):
+            alloc.allocate(1, bad)
+    r = alloc.allocate(MiB)
+    with pytest.raises(InvalidArgumentError, match=r"\[0, 2\*\*64\)"):
+        alloc.record_stream(r, 2**80)
+    with pytest.raises(InvalidArgumentError):
+        alloc.record_stream(r, True)
+    with pytest.raises(InvalidPointerError, match=f"inside the live block at {r:#x}"):
+        alloc.free(r + 1)
+    with pytest.raises(InvalidPointerError, match=f"{r + 1:#x}"):
+        alloc.record_stream(r + 1, 1)
+    alloc.close()
+    with pytest.raises(InvalidArgumentError, match="allocator is closed"):
+        alloc.free(r)
+    with pytest.raises(InvalidArgumentError, match="allocator is closed"):
+        alloc.record_stream(r, 1)
+    dev.close()

@@ -18,34 +18,13 @@ import numpy as np
 import pytest
 
 from gpumem.allocator import CachingAllocator
+from gpumem.hil.probes.inflight import BLOCK_NBYTES, EXPECTED, N, SLOW_SUM_SOURCE, SPIN_CYCLES
 from gpumem.units import MiB
 
 pytestmark = pytest.mark.cuda
 
-_SOURCE = r"""
-extern "C" __global__ void slow_sum(const double* x, long long n, long long spin_cycles, double* out) {
-    __shared__ double part[256];
-    const volatile double* vx = x;  // volatile: every pass really loads the buffer again
-    long long start = clock64();
-    double s;
-    do {  // read the whole buffer again and again until spin_cycles have passed
-        s = 0.0;
-        for (long long i = threadIdx.x; i < n; i += blockDim.x) s += vx[i];
-    } while (clock64() - start < spin_cycles);
-    part[threadIdx.x] = s;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double total = 0.0;
-        for (int t = 0; t < blockDim.x; ++t) total += part[t];
-        out[0] = total;
-    }
-}
-"""
-
-BLOCK_NBYTES = 4 * MiB
-N = BLOCK_NBYTES // 8
-EXPECTED = float(N * (N - 1) // 2)  # exact in float64: every partial sum is an integer below 2**53
-SPIN_CYCLES = 100_000_000  # about 50 ms at 2 GHz
+# the kernel and its figures are the probe's, so the test and `python -m gpumem.hil.probes.inflight`
+# run the very same scenario
 
 
 def _array(cupy, ptr: int, n: int, owner: object):
@@ -59,7 +38,7 @@ def _start_reader(cupy, device, alloc: CachingAllocator, stream: int):
     out = alloc.allocate(8, stream)
     device.write(block, np.arange(N, dtype=np.float64).tobytes())
     device.write(out, np.zeros(1).tobytes())
-    kernel = cupy.RawKernel(_SOURCE, "slow_sum")
+    kernel = cupy.RawKernel(SLOW_SUM_SOURCE, "slow_sum")
     cstream = cupy.cuda.ExternalStream(stream)
     with cstream:
         kernel((1,), (256,), (_array(cupy, block, N, alloc), np.int64(N), np.int64(SPIN_CYCLES),

@@ -26,7 +26,8 @@ from gpumem.allocator import CachingAllocator
 from gpumem.allocator.fences import StreamFences
 from gpumem.units import MiB
 
-_SOURCE = r"""
+SLOW_SUM_SOURCE = r"""
+// Sums x[0..n) again and again until spin_cycles have passed (volatile: every pass really loads x).
 extern "C" __global__ void slow_sum(const double* x, long long n, long long spin_cycles, double* out) {
     __shared__ double part[256];
     const volatile double* vx = x;
@@ -47,7 +48,7 @@ extern "C" __global__ void slow_sum(const double* x, long long n, long long spin
 """
 BLOCK_NBYTES = 4 * MiB
 N = BLOCK_NBYTES // 8
-EXPECTED = float(N * (N - 1) // 2)
+EXPECTED = float(N * (N - 1) // 2)  # exact in float64: every partial sum is an integer below 2**53
 SPIN_CYCLES = 100_000_000  # about 50 ms at 2 GHz
 
 
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cstream = cupy.cuda.ExternalStream(stream)
     with cstream:
-        cupy.RawKernel(_SOURCE, "slow_sum")((1,), (256,), (array(block, N), np.int64(N), np.int64(SPIN_CYCLES),
+        cupy.RawKernel(SLOW_SUM_SOURCE, "slow_sum")((1,), (256,), (array(block, N), np.int64(N), np.int64(SPIN_CYCLES),
                                                            array(out, 1)))
         done = cstream.record()
     result["kernel_running_at_free"] = not done.done

@@ -299,7 +299,6 @@ class Engine {
     void steal(detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t count, std::uint64_t requested);
     bool create_instead(std::uint64_t requested);
     std::uint64_t backing_release_cached(bool wait);            // VirtualBacking.release_cached
-    void drop_blocks_unused();
     void backing_close(bool keep_all);
     std::uint64_t mapped_empty_nbytes() const;
     std::uint64_t backing_largest_free_nbytes() const;
@@ -342,6 +341,7 @@ class Engine {
 
     // VirtualBacking state
     std::vector<std::unique_ptr<detail::VSeg>> vsegs_;   // creation order (dict order); at most 2
+    std::vector<std::unique_ptr<detail::VSeg>> closed_vsegs_;   // given back by close(): kept for the blocks naming them
     detail::VSeg* vseg_by_key_[2] = {nullptr, nullptr};
     std::vector<ChunkHandle> unmapped_;
     std::uint64_t reserved_nbytes_ = 0, n_segments_ = 0, device_calls_ = 0;

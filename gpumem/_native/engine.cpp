@@ -1693,6 +1693,7 @@ std::vector<std::string> Engine::consistency_problems(
     const std::vector<std::tuple<std::uint64_t, std::uint64_t, ChunkHandle>>* device_maps,
     const std::vector<std::pair<std::uint64_t, std::uint64_t>>* reservations) {
     Guard guard(*this);
+    check_usable_op();
     std::vector<std::string> problems;
     if (closed_) return problems;
     std::uint64_t f, t;

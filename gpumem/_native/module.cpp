@@ -35,6 +35,7 @@ struct AllocObject {
     PyObject* helpers;
     PyObject* deferred;   // device.deferred_events (bound method) or null
     PyObject* spec;       // device.spec (str) for error messages
+    PyObject* huge_nbytes;   // during allocate(): the request when it is >= 2**64 (borrowed), else null
 };
 
 void* release_gil() { return PyEval_SaveThread(); }
@@ -74,8 +75,9 @@ void set_error(AllocObject* self) {
                 PyObject* fn = helper_attr(self, "oom_error");
                 if (!fn) break;
                 PyObject* cause = o.cause_py_exc ? static_cast<PyObject*>(o.cause_py_exc) : Py_None;
-                PyObject* err = PyObject_CallFunction(fn, "iKKKKLKKKOO", static_cast<int>(o.cause),
-                                                      (unsigned long long)o.requested_nbytes,
+                PyObject* req = self->huge_nbytes ? (Py_INCREF(self->huge_nbytes), self->huge_nbytes)
+                                                  : PyLong_FromUnsignedLongLong(o.requested_nbytes);
+                PyObject* err = PyObject_CallFunction(fn, "iNKKKLKKKOO", static_cast<int>(o.cause), req,
                                                       (unsigned long long)o.free_nbytes,
                                                       (unsigned long long)o.total_nbytes,
                                                       (unsigned long long)o.allocated_nbytes,
@@ -294,6 +296,17 @@ PyObject* Alloc_allocate(AllocObject* self, PyObject* const* args, Py_ssize_t na
         Py_DECREF(fn);
         if (!r) return nullptr;
         bool ok = to_u64_clamped(PyTuple_GET_ITEM(r, 0), &nbytes) && to_u64_clamped(PyTuple_GET_ITEM(r, 1), &stream);
+        if (ok && nbytes == UINT64_MAX) {
+            // a request past 2**64 bytes can never fit: the engine sees UINT64_MAX, the error the real number
+            PyObject* huge = PyTuple_GET_ITEM(r, 0);
+            Py_INCREF(huge);
+            Py_DECREF(r);
+            self->huge_nbytes = huge;
+            PyObject* out = run_op(self, [&]() { return PyLong_FromUnsignedLongLong(self->engine->allocate(nbytes, stream)); });
+            self->huge_nbytes = nullptr;
+            Py_DECREF(huge);
+            return out;
+        }
         Py_DECREF(r);
         if (!ok) return nullptr;
     }

@@ -10,6 +10,7 @@ in ``gpumem/_native/engine.h``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -20,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from gpumem import sim
 from gpumem.allocator import CachingAllocator
 from gpumem.allocator.native import load_engine
+from gpumem.allocator.policy import get_policy
 from gpumem.device import Event, MemInfo, PhysicalHandle
 from gpumem.units import KiB, MiB
 
@@ -32,6 +34,16 @@ RECORDED = ("mem_info", "address_reserve", "address_free", "mem_create", "mem_re
             "mem_set_access", "mem_unmap", "event_record", "event_query", "event_synchronize", "event_destroy",
             "stream_synchronize", "synchronize")
 """The device calls an allocator makes in virtual-memory mode (``properties()`` is static, not recorded)."""
+
+_BASE = get_policy("gpumem")
+POLICIES = [
+    _BASE,
+    dataclasses.replace(_BASE, name="no-steal", steal_empty_pages=False),
+    dataclasses.replace(_BASE, name="slack", page_slack=0.25, round_nbytes=4096),
+    dataclasses.replace(_BASE, name="one-pool", separate_small_pool=False, min_split_large_nbytes=1 * MiB + 1),
+    dataclasses.replace(_BASE, name="small-va", va_reserve_factor=1.0, min_split_small_nbytes=4096),
+]
+"""Virtual-memory policies: the default and variants of every knob the engine mirrors."""
 
 TRACES_DIR = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "data", "traces")
 
@@ -90,11 +102,11 @@ def stats_of(alloc: CachingAllocator) -> dict:
 class Pair:
     """The same device twice, a Python and a native allocator, compared after every operation."""
 
-    def __init__(self, make_device, **options) -> None:
+    def __init__(self, make_device, policy=_BASE, **options) -> None:
         self.devs = [make_device(), make_device()]
         self.logs = [CallLog(d) for d in self.devs]
-        self.allocs = [CachingAllocator(self.devs[0], engine="python", **options),
-                       CachingAllocator(self.devs[1], engine="native", **options)]
+        self.allocs = [CachingAllocator(self.devs[0], policy, engine="python", **options),
+                       CachingAllocator(self.devs[1], policy, engine="native", **options)]
         assert self.allocs[0].engine == "python" and self.allocs[1].engine == "native"
 
     def both(self, op: str, *args):
@@ -138,8 +150,9 @@ class Differential(RuleBasedStateMachine):
     @initialize(big=st.booleans(), seed=st.integers(0, 2**16),
                 rate=st.sampled_from([0.0, 0.0, 0.05, 0.2]),
                 calls=st.sets(st.sampled_from(FAULT_CALLS), min_size=1, max_size=4),
-                limit=st.sampled_from([None, None, 200 * MiB]), gc=st.sampled_from([None, None, 0.5]))
-    def setup(self, big, seed, rate, calls, limit, gc):
+                limit=st.sampled_from([None, None, 200 * MiB]), gc=st.sampled_from([None, None, 0.5]),
+                policy=st.sampled_from(POLICIES))
+    def setup(self, big, seed, rate, calls, limit, gc, policy):
         plan = sim.FaultPlan(call_failure_rates={c: rate for c in calls}) if rate else sim.FaultPlan()
         if big:
             def make():
@@ -147,7 +160,7 @@ class Differential(RuleBasedStateMachine):
         else:
             def make():
                 return sim.SimDevice(small_profile(384), faults=plan, seed=seed)
-        self.pair = Pair(make, limit=limit if not big else None, gc_threshold=gc)
+        self.pair = Pair(make, policy=policy, limit=limit if not big else None, gc_threshold=gc)
         self.live: list[int] = []
         self.freed: list[int] = []
 

@@ -186,9 +186,16 @@ class PtrMap {
 };
 }  // namespace detail
 
+// Errors: a device error the Python allocator lets through is rethrown as the backend's BackendError
+// (out of memory, device lost, other; with the Python backend, py_exc is the device's exception,
+// valid until the backend's clear_errors()); everything the allocator itself raises is an
+// EngineError (kOutOfMemory carries OomInfo, the numbers of CachingAllocator._oom_error).
+// Backend contract beyond backend.h: mem_create never returns ChunkHandle 0 (the engine's page
+// tables use 0 for "no chunk"); EventHandle may be any value.
 class Engine {
   public:
-    // Does not own `backend`, which must outlive the engine. Reserves nothing yet.
+    // Does not own `backend`, which must outlive the engine. Reserves nothing yet; calls
+    // backend.info() once (total memory, granularity).
     Engine(Backend& backend, const EngineConfig& config);
     ~Engine();
     Engine(const Engine&) = delete;

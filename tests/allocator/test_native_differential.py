@@ -365,3 +365,21 @@ def test_native_engine_under_threads():
     assert alloc.allocated_nbytes == 0
     alloc.close()
     assert alloc.reserved_nbytes == 0
+
+
+def test_device_events_reach_subscribers_after_the_native_operation():
+    """A subscriber may call the allocator back: events published during a native operation are
+    delivered after it, outside the engine's lock (Note [Callbacks run outside the allocator])."""
+    dev = sim.SimDevice(small_profile(384), faults=sim.FaultPlan(fail_calls={"mem_create": frozenset({2})}))
+    alloc = CachingAllocator(dev, engine="native")
+    seen: list[tuple[int, int]] = []
+
+    def on_event(event) -> None:
+        seen.append((alloc.empty_cache(), alloc.allocated_nbytes))  # re-enters the allocator
+
+    dev.subscribe(on_event)
+    p = alloc.allocate(5 * MiB)  # the second mem_create fails (injected); the retry succeeds
+    assert seen and seen[0][1] == alloc.block_size(p)  # delivered after the allocation completed
+    alloc.free(p)
+    alloc.check_consistency()
+    alloc.close()

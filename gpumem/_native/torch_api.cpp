@@ -280,6 +280,18 @@ GPUMEM_EXPORT int gpumem_torch_record_stream(void* ptr, void* stream) {
     return -1;
 }
 
+// Starts gpumem's engine on `device` now rather than at its first allocation (loads the driver,
+// checks virtual memory support; reserves no memory). Returns 0, or -1 with gpumem_torch_last_error().
+GPUMEM_EXPORT int gpumem_torch_start(int device) {
+    try {
+        get_or_make(device);
+        return 0;
+    } catch (const std::exception& e) {
+        t_last_error = e.what();
+        return -1;
+    }
+}
+
 // Whether gpumem has an engine on `device` (1), none yet (0), or failed to make one (-1: see
 // gpumem_torch_last_error()).
 GPUMEM_EXPORT int gpumem_torch_engine_state(int device) {

@@ -61,8 +61,15 @@ int check_device() {
     b.mem_map(va + 2 * g, g, c2, 0);
     b.mem_set_access(va, 3 * g);
 
-    // Write and read back through the driver: the mapping is real and readable/writable.
+    // Write and read back through the driver: the mapping is real and readable/writable. The
+    // backend made no context current on this thread (it pushes its own for each call): do it here.
     void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    using PrimaryRetain = int (*)(void**, int);
+    using SetCurrent = int (*)(void*);
+    void* ctx = nullptr;
+    expect(reinterpret_cast<PrimaryRetain>(dlsym(lib, "cuDevicePrimaryCtxRetain"))(&ctx, 0) == 0 &&
+               reinterpret_cast<SetCurrent>(dlsym(lib, "cuCtxSetCurrent"))(ctx) == 0,
+           "the primary context made current for the checks below");
     using MemsetD8 = int (*)(unsigned long long, unsigned char, size_t);
     using MemcpyDtoH = int (*)(void*, unsigned long long, size_t);
     auto memset_d8 = reinterpret_cast<MemsetD8>(dlsym(lib, "cuMemsetD8_v2"));

@@ -17,12 +17,19 @@ def scenario_work_matches_cpu() -> None:
     import torch
 
     assert gt.installed()
+    # cuBLAS's workspace (32 MiB on Hopper) is allocated through the allocator at the first matmul and
+    # kept: the baseline is taken after one
+    w = torch.ones(8, 8, device="cuda", dtype=torch.float64)
+    assert float((w @ w).sum()) == 512.0
+    del w
+    torch.cuda.synchronize()
+    base = gt.memory_stats()
     torch.manual_seed(0)
     a_cpu, b_cpu = torch.randn(512, 384, dtype=torch.float64), torch.randn(384, 256, dtype=torch.float64)
     a, b = a_cpu.cuda(), b_cpu.cuda()
     st = gt.memory_stats()
-    assert st["num_allocs"] >= 2, st
-    assert st["allocated_bytes.all.current"] >= a.numel() * 8 + b.numel() * 8
+    assert st["num_allocs"] >= base["num_allocs"] + 2, st
+    assert st["allocated_bytes.all.current"] >= base["allocated_bytes.all.current"] + a.numel() * 8 + b.numel() * 8
     assert st["reserved_bytes.all.current"] >= st["allocated_bytes.all.current"]
     prod = (a @ b).cpu()
     assert torch.allclose(prod, a_cpu @ b_cpu)
@@ -34,10 +41,12 @@ def scenario_work_matches_cpu() -> None:
     del a, b, x, empty
     torch.cuda.synchronize()
     st = gt.memory_stats(0)
-    assert st["allocated_bytes.all.current"] == 0, st
-    assert st["num_frees"] == st["num_allocs"], st
+    assert st["allocated_bytes.all.current"] == base["allocated_bytes.all.current"], (base, st)
+    assert st["num_allocs"] - st["num_frees"] == base["num_allocs"] - base["num_frees"], (base, st)
     released = gt.empty_cache()
-    assert released > 0 and gt.memory_stats("cuda:0")["reserved_bytes.all.current"] == 0
+    after = gt.memory_stats("cuda:0")
+    assert released > 0 and after["reserved_bytes.all.current"] == st["reserved_bytes.all.current"] - released
+    assert after["allocated_bytes.all.current"] <= after["reserved_bytes.all.current"]
     summary = gt.memory_summary()
     assert "reserved (mapped)" in summary and "overhead" in summary
     print(summary)
@@ -106,7 +115,8 @@ def scenario_streams() -> None:
     assert float(y.sum()) == 3.0 * (1 << 22)
     del y, z
     torch.cuda.synchronize()
-    assert gt.memory_stats()["allocated_bytes.all.current"] == 0
+    st = gt.memory_stats()
+    assert st["num_allocs"] == st["num_frees"], st  # no matmul here: nothing is kept
 
 
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}

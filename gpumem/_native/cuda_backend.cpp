@@ -281,7 +281,15 @@ CudaBackend::CudaBackend(int ordinal) : drv_(cuda_driver()), ordinal_(ordinal) {
 }
 
 CudaBackend::~CudaBackend() {
-    if (primary_ != nullptr) drv_.cuDevicePrimaryCtxRelease(device_);
+    if (primary_ == nullptr) return;
+    try {
+        ContextScope scope(*this);
+        for (void* ev : event_pool_) drv_.cuEventDestroy(ev);
+    } catch (const BackendError&) {
+        // the context is gone (process teardown): the driver frees the events with it
+    }
+    event_pool_.clear();
+    drv_.cuDevicePrimaryCtxRelease(device_);
 }
 
 DeviceInfo CudaBackend::info() { return info_; }
@@ -341,7 +349,14 @@ void CudaBackend::mem_unmap(std::uint64_t va, std::uint64_t nbytes) {
 EventHandle CudaBackend::event_record(StreamHandle stream) {
     ContextScope scope(*this);
     CUevent ev = nullptr;
-    drv_.check(drv_.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    {
+        std::lock_guard<std::mutex> lock(event_mutex_);
+        if (!event_pool_.empty()) {
+            ev = event_pool_.back();
+            event_pool_.pop_back();
+        }
+    }
+    if (ev == nullptr) drv_.check(drv_.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
     CUresult r = drv_.cuEventRecord(ev, reinterpret_cast<CUstream>(static_cast<std::uintptr_t>(stream)));
     if (r != CUDA_SUCCESS) {
         drv_.cuEventDestroy(ev);   // the failed call leaves nothing behind (Note [Backend errors are exceptions])
@@ -365,9 +380,16 @@ void CudaBackend::event_synchronize(EventHandle event) {
 }
 
 void CudaBackend::event_destroy(EventHandle event) {
+    CUevent ev = reinterpret_cast<CUevent>(static_cast<std::uintptr_t>(event));
+    {
+        std::lock_guard<std::mutex> lock(event_mutex_);   // Note [Recycled events]
+        if (event_pool_.size() < kMaxPooledEvents) {
+            event_pool_.push_back(ev);
+            return;
+        }
+    }
     ContextScope scope(*this);
-    drv_.check(drv_.cuEventDestroy(reinterpret_cast<CUevent>(static_cast<std::uintptr_t>(event))),
-               "cuEventDestroy");
+    drv_.check(drv_.cuEventDestroy(ev), "cuEventDestroy");
 }
 
 void CudaBackend::stream_synchronize(StreamHandle stream) {

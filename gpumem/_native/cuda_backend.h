@@ -11,6 +11,12 @@
 // costs one cuCtxGetCurrent; otherwise the primary context is pushed for the call and popped after,
 // so a caller's own current context is left as it was.
 //
+// Note [Recycled events]: the engine records an event whenever memory goes back with work still
+// queued (hundreds per training step) and destroys it once done. Creating and destroying a CUDA
+// event costs a driver call each; the backend keeps destroyed events (up to kMaxPooledEvents) and
+// records into them again: cuEventRecord replaces an event's previous state, so a recycled event
+// behaves as a new one. Handles are opaque to the engine, so it cannot tell.
+//
 // Note [Sticky errors mean a lost device]: CUDA reports a fault in a kernel (illegal address,
 // launch failure, uncorrectable ECC error...) on whatever call comes next, and every later call in
 // that context fails the same way. Those errors are mapped to ErrorKind::kDeviceLost, out of memory
@@ -19,7 +25,9 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "backend.h"
 
@@ -64,8 +72,12 @@ class CudaBackend final : public Backend {
     void stream_synchronize(StreamHandle stream) override;
     void synchronize() override;
 
+    static constexpr std::size_t kMaxPooledEvents = 4096;
+
   private:
     class ContextScope;
+    std::mutex event_mutex_;               // guards event_pool_ (Note [Recycled events])
+    std::vector<void*> event_pool_;        // CUevents ready to be recorded again
     const CudaDriver& drv_;
     int ordinal_;
     int device_ = 0;              // CUdevice

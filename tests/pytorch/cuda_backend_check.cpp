@@ -85,6 +85,19 @@ int check_device() {
     b.event_synchronize(ev);
     expect(b.event_query(ev), "event_query after event_synchronize is true");
     b.event_destroy(ev);
+    // Note [Recycled events]: a recycled event is recorded again and behaves as a new one
+    gpumem::EventHandle again = b.event_record(0);
+    expect(again == ev, "a destroyed event is recycled");
+    b.event_synchronize(again);
+    expect(b.event_query(again), "a recycled event completes");
+    std::vector<gpumem::EventHandle> many;
+    for (int i = 0; i < 8; ++i) many.push_back(b.event_record(0));
+    b.stream_synchronize(0);
+    bool done = true;
+    for (gpumem::EventHandle e : many) done = done && b.event_query(e);
+    expect(done, "events recorded before a stream synchronize are complete after it");
+    for (gpumem::EventHandle e : many) b.event_destroy(e);
+    b.event_destroy(again);
     b.stream_synchronize(0);
     b.synchronize();
 

@@ -28,8 +28,9 @@ What differs from PyTorch's own allocator (Note [What PyTorch gives a pluggable 
   must stay alive until that stream is done with it, or be announced with :func:`record_stream`.
 * Out of memory raises ``torch.OutOfMemoryError`` as usual, with gpumem's figures in its message.
 * CUDA graph capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) has not been
-  tried on gpumem: PyTorch gives a pluggable allocator no private graph pools, and the engine records
-  events on the stream when memory goes back, which a capturing stream refuses.
+  tried on gpumem: PyTorch gives a pluggable allocator no private graph pools, and the events the
+  engine records and queries when memory goes back behave differently on a capturing stream
+  (captured into the graph, or refused, depending on the capture mode).
 """
 
 from __future__ import annotations

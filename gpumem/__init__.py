@@ -6,7 +6,9 @@ The pieces, each in its own module:
 * :mod:`gpumem.specs` - :func:`open_device` for ``"sim:<profile>"`` and ``"cuda:<index>"``;
 * :mod:`gpumem.cuda` - the real-device adapter (CuPy, cuda-bindings, NVML), imported on demand;
 * :mod:`gpumem.errors` - the exception hierarchy rooted in :class:`GpumemError`;
-* the :mod:`gpumem.sim` package - the SimPy-driven simulated GPU.
+* the :mod:`gpumem.sim` package - the SimPy-driven simulated GPU;
+* :func:`engine` - ``"native"`` (the C++ allocator engine is built) or ``"python"``;
+* :mod:`gpumem.torch` - PyTorch on gpumem (imported on demand).
 """
 
 from .device import Device, DeviceKind, DeviceProperties, Event, MemInfo, PhysicalHandle
@@ -29,6 +31,7 @@ from .errors import (
     TransientDeviceError,
     UnsupportedOperationError,
 )
+from .native import engine
 from .specs import DeviceSpec, open_device, parse_spec
 from .units import GiB, KiB, MiB, format_bytes
 
@@ -36,7 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Device", "DeviceKind", "DeviceProperties", "Event", "MemInfo", "PhysicalHandle",
-    "open_device", "parse_spec", "DeviceSpec",
+    "open_device", "parse_spec", "DeviceSpec", "engine",
     "GpumemError", "InvalidArgumentError", "InvalidPointerError", "DoubleFreeError", "MappingError",
     "MappingOverlapError", "UnsupportedOperationError", "DeviceNotFoundError", "BackendUnavailableError",
     "CudaError", "TransientDeviceError", "DeviceLostError", "DeviceClosedError", "OutOfMemoryError",

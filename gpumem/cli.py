@@ -105,9 +105,14 @@ def _device_rows() -> list[dict[str, Any]]:
 
 def cmd_devices(args: argparse.Namespace) -> int:
     """``gpumem devices``: print the device table (or JSON list); returns the exit status."""
+    from .native import engine
+
     rows = _device_rows()
+    which = engine()  # "native" or "python" (the allocator engine gpumem runs on in this install)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        # Note [The engine in the JSON list]: the list stays a list of devices (what scripts parse);
+        # each row says which engine gpumem would allocate on it with.
+        print(json.dumps([{**r, "engine": which} for r in rows], indent=2))
         return EXIT_OK
     print(f"{'SPEC':<24} {'KIND':<5} {'NAME':<36} {'TOTAL':>11} {'FREE':>11}")
     for r in rows:
@@ -115,6 +120,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
               f"{format_bytes(r['free_bytes']):>11}")
     if not any(r["kind"] == "cuda" for r in rows):
         print("(no CUDA device found: install gpumem[cuda12] or gpumem[cuda13] on a GPU machine to list them)")
+    print(f"engine: {which}")
     return EXIT_OK
 
 
@@ -499,10 +505,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("devices", help="list real CUDA devices and simulated profiles", formatter_class=raw,
                        description="List real CUDA devices (via NVML, no CUDA context) and every simulated "
-                                   "profile, with total and free bytes.",
+                                   "profile, with total and free bytes, and which allocator engine gpumem runs on "
+                                   "(native: the C++ engine; python: the pure-Python one).",
                        epilog="exit status: 0 done.")
     p.add_argument("--json", action="store_true", help="print a JSON list of {spec, kind, name, total_bytes, "
-                                                       "free_bytes, ...}")
+                                                       "free_bytes, engine, ...}")
     _add_verbose(p)
     p.set_defaults(func=cmd_devices)
 

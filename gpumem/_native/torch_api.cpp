@@ -1,0 +1,359 @@
+// PyTorch on gpumem: the C functions torch.cuda.memory.CUDAPluggableAllocator loads from this
+// library, and the C accessors gpumem.torch reads its stats through (ctypes: not on the hot path).
+//
+// One Engine over one CudaBackend per device, made on the device's first allocation. No Python
+// here: PyTorch calls these from any thread, with or without the GIL.
+//
+// Note [What PyTorch gives a pluggable allocator]: PyTorch (torch/csrc/cuda/CUDAPluggableAllocator.cpp)
+// calls alloc(size, device, stream) with the current stream of the current device, and
+// free(ptr, size, device, stream) with the size, device and stream *of the allocation*, from the
+// tensor's deleter. From Python only these two functions can be installed
+// (torch._C._cuda_customAllocator(alloc, free)): the C++ hooks set_record_stream_fn,
+// set_reset_fn (torch.cuda.empty_cache), stats and snapshots are not reachable, so
+// - Tensor.record_stream(s) does nothing under any pluggable allocator. gpumem frees are
+//   stream-ordered on the allocation stream: the engine records an event on that stream when the
+//   memory goes back, and no other stream reuses the memory before that event has completed. A
+//   tensor also used on *another* stream must be kept alive until that stream is done with it, or
+//   announced with gpumem.torch.record_stream(tensor, stream) (gpumem_torch_record_stream below,
+//   whose signature is also the one set_record_stream_fn takes, for C++ programs that build the
+//   pluggable allocator themselves);
+// - torch.cuda.empty_cache() does nothing: gpumem.torch.empty_cache() gives cached memory back;
+// - torch.cuda.memory_stats() and friends raise: gpumem.torch.memory_stats() reads ours.
+//
+// Note [Out of memory reaches PyTorch as its OutOfMemoryError]: PyTorch does not check the
+// pointer alloc returns (a null pointer would become a tensor that faults in the first kernel),
+// and it turns a C++ exception from alloc into a Python exception: c10::OutOfMemoryError into
+// torch.OutOfMemoryError, any other std::exception into RuntimeError (pytorch issue 133280). So on
+// out of memory this throws c10::OutOfMemoryError, built without PyTorch's headers from the
+// symbols of the c10 library PyTorch has loaded (its constructor, vtable and type_info, found with
+// dlopen RTLD_NOLOAD; the object is made by c10's own constructor, so its layout is c10's). Where
+// those symbols cannot be found (another PyTorch build, or no PyTorch at all), it throws
+// gpumem::TorchOutOfMemory, a std::runtime_error whose message starts like PyTorch's ("CUDA out of
+// memory."), which PyTorch raises as RuntimeError. Other errors throw std::runtime_error.
+#include <dlfcn.h>
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <cxxabi.h>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "cuda_backend.h"
+#include "engine.h"
+
+#define GPUMEM_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace gpumem {
+namespace {
+
+constexpr int kMaxDevices = 64;
+
+struct TorchOutOfMemory : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+// One device's engine, and what the PyTorch side counts beyond the engine's own stats.
+struct DeviceEngine {
+    std::unique_ptr<CudaBackend> backend;
+    std::unique_ptr<Engine> engine;
+    std::atomic<std::uint64_t> torch_ooms{0};       // alloc calls that ended in out of memory
+    std::atomic<std::uint64_t> torch_errors{0};     // alloc calls that failed otherwise
+    std::atomic<std::uint64_t> free_errors{0};      // free calls that failed (reported on stderr)
+    std::atomic<std::uint64_t> zero_allocs{0};      // size-0 requests (no memory: null pointer)
+};
+
+// Note [Engines live until the process ends]: the per-device engines are made once and never
+// destroyed. PyTorch frees tensors during interpreter shutdown, after any static destructor of
+// ours could have run; an engine destroyed first would turn those frees into use-after-free. The
+// driver takes the memory back when the process exits.
+struct TorchState {
+    std::mutex make_mutex;
+    std::atomic<DeviceEngine*> devices[kMaxDevices] = {};
+    std::string make_error[kMaxDevices];   // why a device's engine could not be made (under make_mutex)
+};
+
+TorchState& state() {
+    static TorchState* s = new TorchState();   // never destroyed (Note [Engines live until the process ends])
+    return *s;
+}
+
+thread_local std::string t_last_error;
+
+DeviceEngine* existing(int device) {
+    if (device < 0 || device >= kMaxDevices) return nullptr;
+    return state().devices[device].load(std::memory_order_acquire);
+}
+
+DeviceEngine* get_or_make(int device) {
+    if (device < 0 || device >= kMaxDevices)
+        throw std::runtime_error("gpumem: CUDA device index " + std::to_string(device) + " out of range");
+    TorchState& s = state();
+    DeviceEngine* d = s.devices[device].load(std::memory_order_acquire);
+    if (d != nullptr) return d;
+    std::lock_guard<std::mutex> lock(s.make_mutex);
+    d = s.devices[device].load(std::memory_order_relaxed);
+    if (d != nullptr) return d;
+    auto made = std::make_unique<DeviceEngine>();
+    try {
+        made->backend = std::make_unique<CudaBackend>(device);
+        if (!made->backend->info().vmm_supported)
+            throw std::runtime_error("CUDA device " + std::to_string(device) +
+                                     " does not support virtual memory management (cuMemCreate/cuMemMap), "
+                                     "which gpumem's native engine needs");
+        made->engine = std::make_unique<Engine>(*made->backend, EngineConfig());
+    } catch (const std::exception& e) {
+        s.make_error[device] = e.what();
+        throw std::runtime_error(std::string("gpumem could not start on CUDA device ") + std::to_string(device) +
+                                 ": " + e.what());
+    }
+    d = made.release();
+    s.devices[device].store(d, std::memory_order_release);
+    return d;
+}
+
+std::string format_mib(std::uint64_t nbytes) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.2f MiB", static_cast<double>(nbytes) / (1024.0 * 1024.0));
+    return buf;
+}
+
+// ---- c10::OutOfMemoryError without PyTorch's headers (Note [Out of memory reaches PyTorch ...]) ----
+
+struct C10SourceLocation {   // c10::SourceLocation
+    const char* function;
+    const char* file;
+    std::uint32_t line;
+};
+
+using C10ErrorCtor = void (*)(void* self, C10SourceLocation loc, std::string msg);
+
+struct C10Oom {
+    C10ErrorCtor ctor = nullptr;
+    void* vtable = nullptr;          // _ZTVN3c1016OutOfMemoryErrorE
+    std::type_info* type = nullptr;  // _ZTIN3c1016OutOfMemoryErrorE
+    bool usable() const { return ctor != nullptr && vtable != nullptr && type != nullptr; }
+};
+
+C10Oom find_c10_oom() {
+    C10Oom found;
+    const char* libs[] = {"libc10.so", "libc10_cuda.so", "libtorch_cuda.so", "libtorch_cpu.so", "libtorch_python.so"};
+    for (const char* name : libs) {
+        void* h = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
+        if (h == nullptr) continue;
+        if (found.ctor == nullptr) {
+            void* c = dlsym(h, "_ZN3c105ErrorC1ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE");
+            if (c == nullptr)
+                c = dlsym(h, "_ZN3c105ErrorC2ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE");
+            found.ctor = reinterpret_cast<C10ErrorCtor>(c);
+        }
+        if (found.vtable == nullptr) found.vtable = dlsym(h, "_ZTVN3c1016OutOfMemoryErrorE");
+        if (found.type == nullptr) found.type = static_cast<std::type_info*>(dlsym(h, "_ZTIN3c1016OutOfMemoryErrorE"));
+        // the handles stay open: PyTorch's libraries are loaded for the life of the process anyway
+    }
+    return found;
+}
+
+void destroy_c10_error(void* obj) {
+    // the complete-object destructor is the first slot of the vtable (Itanium C++ ABI)
+    void** vptr = *static_cast<void***>(obj);
+    reinterpret_cast<void (*)(void*)>(vptr[0])(obj);
+}
+
+[[noreturn]] void throw_out_of_memory(const std::string& msg) {
+    static const C10Oom c10 = find_c10_oom();
+    if (c10.usable()) {
+        // c10::Error's size differs between PyTorch versions; 1 KiB is several times any of them.
+        constexpr std::size_t kRoom = 1024;
+        void* obj = __cxxabiv1::__cxa_allocate_exception(kRoom);
+        std::memset(obj, 0, kRoom);
+        c10.ctor(obj, C10SourceLocation{"gpumem_torch_malloc", __FILE__, static_cast<std::uint32_t>(__LINE__)}, msg);
+        // OutOfMemoryError adds nothing to Error but its type: give the object that type's vtable
+        *static_cast<void**>(obj) = static_cast<char*>(c10.vtable) + 2 * sizeof(void*);
+        __cxxabiv1::__cxa_throw(obj, c10.type, &destroy_c10_error);
+    }
+    throw TorchOutOfMemory(msg);
+}
+
+std::string oom_message(const EngineError& e, std::uint64_t nbytes, int device) {
+    const OomInfo& o = e.oom;
+    return "CUDA out of memory. Tried to allocate " + format_mib(nbytes) + " on GPU " + std::to_string(device) +
+           " through gpumem. GPU " + std::to_string(device) + " has a total capacity of " +
+           format_mib(o.total_nbytes) + " of which " + format_mib(o.free_nbytes) + " is free. gpumem holds " +
+           format_mib(o.reserved_nbytes) + " (" + format_mib(o.allocated_nbytes) + " allocated by PyTorch). " +
+           e.what();
+}
+
+}  // namespace
+}  // namespace gpumem
+
+using namespace gpumem;
+
+// Names of the values gpumem_torch_stats writes, in order, comma-separated.
+GPUMEM_EXPORT const char* gpumem_torch_stat_names() {
+    return "allocated_nbytes,requested_nbytes,reserved_nbytes,active_nbytes,inactive_split_nbytes,"
+           "largest_free_nbytes,peak_allocated_nbytes,peak_requested_nbytes,peak_reserved_nbytes,num_allocs,"
+           "num_frees,num_live_blocks,num_free_blocks,num_segments,num_splits,cache_hits,cache_misses,"
+           "num_alloc_retries,num_ooms,num_gc_releases,device_calls,event_calls,n_chunks,n_steals,n_waits,"
+           "n_ranges,va_nbytes,granularity_nbytes,leaked_nbytes,torch_ooms,torch_errors,free_errors,zero_allocs";
+}
+
+// PyTorch's alloc hook (CUDAPluggableAllocator: void*(size_t, int, cudaStream_t)).
+GPUMEM_EXPORT void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
+    if (size <= 0) {
+        // Zero-size tensors get no memory (PyTorch never dereferences their pointer; the free of a
+        // null pointer below does nothing). A negative size cannot come from PyTorch (size_t).
+        if (size < 0) throw std::invalid_argument("gpumem_torch_malloc: negative size " + std::to_string(size));
+        if (DeviceEngine* d = existing(device)) d->zero_allocs.fetch_add(1, std::memory_order_relaxed);
+        return nullptr;
+    }
+    DeviceEngine* d = get_or_make(device);
+    const std::uint64_t nbytes = static_cast<std::uint64_t>(size);
+    const std::uint64_t s = reinterpret_cast<std::uintptr_t>(stream);
+    try {
+        std::uint64_t p = d->engine->try_allocate_fast(nbytes, s);
+        if (p == 0) p = d->engine->allocate(nbytes, s);
+        return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
+    } catch (const EngineError& e) {
+        if (e.kind == EngineErrorKind::kOutOfMemory) {
+            d->torch_ooms.fetch_add(1, std::memory_order_relaxed);
+            throw_out_of_memory(oom_message(e, nbytes, device));
+        }
+        d->torch_errors.fetch_add(1, std::memory_order_relaxed);
+        throw std::runtime_error(std::string("gpumem could not allocate ") + std::to_string(nbytes) +
+                                 " bytes on CUDA device " + std::to_string(device) + ": " + e.what());
+    } catch (const BackendError& e) {
+        d->torch_errors.fetch_add(1, std::memory_order_relaxed);
+        throw std::runtime_error(std::string("gpumem: CUDA device ") + std::to_string(device) + ": " + e.what());
+    }
+}
+
+// PyTorch's free hook (void(void*, size_t, int, cudaStream_t)). Called from tensor deleters, which
+// must not throw: a failure is counted (free_errors) and reported on stderr.
+GPUMEM_EXPORT void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream) {
+    (void)size;
+    (void)stream;   // the engine knows the block's stream (Note [What PyTorch gives a pluggable allocator])
+    if (ptr == nullptr) return;
+    DeviceEngine* d = existing(device);
+    if (d == nullptr) {
+        std::fprintf(stderr, "gpumem: free of %p on CUDA device %d, where gpumem allocated nothing\n", ptr, device);
+        return;
+    }
+    const std::uint64_t p = reinterpret_cast<std::uintptr_t>(ptr);
+    try {
+        if (!d->engine->try_free_fast(p)) d->engine->free(p);
+    } catch (const std::exception& e) {
+        if (d->free_errors.fetch_add(1, std::memory_order_relaxed) < 8)
+            std::fprintf(stderr, "gpumem: free of %p on CUDA device %d failed: %s\n", ptr, device, e.what());
+    }
+}
+
+// Tensor.record_stream for gpumem: `ptr` (an allocation of any device's engine) is also used on
+// `stream`; its memory is not reused before the work queued on `stream` until its free is done.
+// The signature set_record_stream_fn takes. Returns 0, or -1 with gpumem_torch_last_error().
+GPUMEM_EXPORT int gpumem_torch_record_stream(void* ptr, void* stream) {
+    const std::uint64_t p = reinterpret_cast<std::uintptr_t>(ptr);
+    const std::uint64_t s = reinterpret_cast<std::uintptr_t>(stream);
+    std::string why = "no gpumem engine has started";
+    for (int i = 0; i < kMaxDevices; ++i) {
+        DeviceEngine* d = existing(i);
+        if (d == nullptr) continue;
+        try {
+            d->engine->record_stream(p, s);
+            return 0;
+        } catch (const EngineError& e) {
+            if (e.kind != EngineErrorKind::kInvalidPointer) {
+                t_last_error = e.what();
+                return -1;
+            }
+            why = e.what();
+        } catch (const std::exception& e) {
+            t_last_error = e.what();
+            return -1;
+        }
+    }
+    t_last_error = "gpumem_torch_record_stream: " + why;
+    return -1;
+}
+
+// Starts gpumem's engine on `device` now rather than at its first allocation (loads the driver,
+// checks virtual memory support; reserves no memory). Returns 0, or -1 with gpumem_torch_last_error().
+GPUMEM_EXPORT int gpumem_torch_start(int device) {
+    try {
+        get_or_make(device);
+        return 0;
+    } catch (const std::exception& e) {
+        t_last_error = e.what();
+        return -1;
+    }
+}
+
+// Whether gpumem has an engine on `device` (1), none yet (0), or failed to make one (-1: see
+// gpumem_torch_last_error()).
+GPUMEM_EXPORT int gpumem_torch_engine_state(int device) {
+    if (device < 0 || device >= kMaxDevices) {
+        t_last_error = "device index out of range";
+        return -1;
+    }
+    if (existing(device) != nullptr) return 1;
+    TorchState& s = state();
+    std::lock_guard<std::mutex> lock(s.make_mutex);
+    if (!s.make_error[device].empty()) {
+        t_last_error = s.make_error[device];
+        return -1;
+    }
+    return 0;
+}
+
+// Writes up to `n` stats of `device`'s engine (in the order of gpumem_torch_stat_names) into `out`.
+// Returns how many were written; 0 when gpumem has no engine on that device yet; -1 on error.
+GPUMEM_EXPORT int gpumem_torch_stats(int device, std::uint64_t* out, int n) {
+    DeviceEngine* d = existing(device);
+    if (d == nullptr) return 0;
+    if (out == nullptr || n < 0) {
+        t_last_error = "gpumem_torch_stats: bad output buffer";
+        return -1;
+    }
+    EngineStats st;
+    try {
+        st = d->engine->stats();
+    } catch (const std::exception& e) {
+        t_last_error = e.what();
+        return -1;
+    }
+    const std::uint64_t values[] = {
+        st.allocated_nbytes, st.requested_nbytes, st.reserved_nbytes, st.active_nbytes, st.inactive_split_nbytes,
+        st.largest_free_nbytes, st.peak_allocated_nbytes, st.peak_requested_nbytes, st.peak_reserved_nbytes,
+        st.num_allocs, st.num_frees, st.num_live_blocks, st.num_free_blocks, st.num_segments, st.num_splits,
+        st.cache_hits, st.cache_misses, st.num_alloc_retries, st.num_ooms, st.num_gc_releases, st.device_calls,
+        st.event_calls, st.n_chunks, st.n_steals, st.n_waits, st.n_ranges, st.va_nbytes, st.granularity_nbytes,
+        st.leaked_nbytes, d->torch_ooms.load(), d->torch_errors.load(), d->free_errors.load(), d->zero_allocs.load(),
+    };
+    const int count = static_cast<int>(sizeof values / sizeof values[0]);
+    const int written = n < count ? n : count;
+    for (int i = 0; i < written; ++i) out[i] = values[i];
+    return written;
+}
+
+// Gives `device`'s cached memory back to the driver; the bytes released go to *released_nbytes.
+// Returns 0 (also when gpumem has no engine there: nothing to release), or -1 on error.
+GPUMEM_EXPORT int gpumem_torch_empty_cache(int device, std::uint64_t* released_nbytes) {
+    std::uint64_t released = 0;
+    if (DeviceEngine* d = existing(device)) {
+        try {
+            released = d->engine->empty_cache();
+        } catch (const std::exception& e) {
+            t_last_error = e.what();
+            return -1;
+        }
+    }
+    if (released_nbytes != nullptr) *released_nbytes = released;
+    return 0;
+}
+
+// The message of this thread's last failed gpumem_torch_* call.
+GPUMEM_EXPORT const char* gpumem_torch_last_error() { return t_last_error.c_str(); }

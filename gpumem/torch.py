@@ -1,0 +1,307 @@
+"""PyTorch on gpumem: make PyTorch allocate GPU memory through gpumem's native engine.
+
+Call :func:`install` at the very start of the program, before PyTorch touches the GPU::
+
+    import gpumem.torch
+    gpumem.torch.install()          # before the first CUDA tensor
+
+    import torch
+    model = MyModel().cuda()        # every CUDA tensor's memory now comes from gpumem
+    ...
+    print(gpumem.torch.memory_summary())
+
+How it works. PyTorch lets a program replace its CUDA caching allocator, once, before CUDA is
+initialised, with two C functions (``torch.cuda.memory.CUDAPluggableAllocator``). gpumem's native
+library exports them (``gpumem_torch_malloc`` and ``gpumem_torch_free``); each device gets one
+native engine, made at its first allocation, which calls the CUDA driver directly (virtual memory:
+``cuMemAddressReserve``, ``cuMemCreate``, ``cuMemMap``...). No Python runs when PyTorch allocates.
+
+What differs from PyTorch's own allocator (Note [What PyTorch gives a pluggable allocator] in
+``gpumem/_native/torch_api.cpp``):
+
+* ``torch.cuda.memory_stats()``, ``memory_allocated()``, ``max_memory_reserved()``,
+  ``memory_summary()`` and snapshots raise: PyTorch does not ask a pluggable allocator for them.
+  Use :func:`memory_stats` and :func:`memory_summary` here.
+* ``torch.cuda.empty_cache()`` does nothing: use :func:`empty_cache`.
+* ``Tensor.record_stream(stream)`` does nothing (PyTorch does not pass it on). Frees are
+  stream-ordered on the stream a tensor was allocated on; a tensor also used on another stream
+  must stay alive until that stream is done with it, or be announced with :func:`record_stream`.
+* Out of memory raises ``torch.OutOfMemoryError`` as usual, with gpumem's figures in its message.
+* CUDA graph capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) has not been
+  tried on gpumem: PyTorch gives a pluggable allocator no private graph pools, and the events the
+  engine records and queries when memory goes back behave differently on a capturing stream
+  (captured into the graph, or refused, depending on the capture mode).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from typing import Any
+
+from .errors import BackendUnavailableError, GpumemError, InvalidArgumentError
+from .native import library_path
+from .units import format_bytes
+
+__all__ = ["install", "installed", "memory_stats", "memory_summary", "empty_cache", "record_stream",
+           "TooLateError"]
+
+log = logging.getLogger(__name__)
+
+ALLOC_FN = "gpumem_torch_malloc"
+FREE_FN = "gpumem_torch_free"
+
+
+class TooLateError(GpumemError):
+    """:func:`install` was called after PyTorch had initialised CUDA (its allocator is then fixed)."""
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:
+        raise BackendUnavailableError(f"PyTorch is not installed ({exc}); gpumem.torch needs it") from None
+    return torch
+
+
+# Note [Installing once]: PyTorch takes one allocator per process, so the pluggable allocator is
+# made and installed once; functools.cache keeps it (and is how `installed()` knows). A failed
+# install raises, caches nothing and may be retried.
+@functools.cache
+def _installed_allocator() -> Any:
+    torch = _torch()
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError("PyTorch sees no CUDA device (torch.cuda.is_available() is False)")
+    if torch.cuda.is_initialized():
+        raise TooLateError(
+            "gpumem.torch.install() was called after PyTorch initialised CUDA, when its allocator can no longer be "
+            "replaced; call it at the start of the program, before the first CUDA tensor, torch.cuda.init() or "
+            "anything else that uses the GPU")
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), ALLOC_FN, FREE_FN)
+    try:
+        torch.cuda.memory.change_current_allocator(allocator)
+    except RuntimeError as exc:  # "Can't swap an already initialized allocator"
+        raise TooLateError(f"PyTorch refused to change its CUDA allocator ({exc}); call gpumem.torch.install() "
+                           "before PyTorch first uses the GPU") from None
+    log.info("PyTorch allocates through gpumem (%s)", library_path())
+    return allocator
+
+
+def install(device: "int | str | Any | None" = None) -> None:
+    """Make PyTorch allocate all its CUDA memory through gpumem's native engine.
+
+    Call it once, at program start, before PyTorch first uses the GPU (a CUDA tensor,
+    ``torch.cuda.init()``, ``torch.cuda.current_device()``...): PyTorch can change its allocator only
+    before that. Calling it again is harmless.
+
+    Args:
+        device: ``None`` (the default) starts gpumem on each device at its first allocation. A device
+            (``0``, ``"cuda:1"``, ``torch.device("cuda", 1)``) starts gpumem's engine there now, so that a
+            device gpumem cannot run on (no virtual memory management) fails here rather than at the
+            first allocation. No memory is taken.
+
+    Raises:
+        TooLateError: PyTorch had already initialised CUDA.
+        BackendUnavailableError: PyTorch, a CUDA device or gpumem's native engine is missing
+            (see :func:`gpumem.engine`).
+        GpumemError: gpumem could not start on ``device``.
+    """
+    index = None if device is None else _device_index(device, default_current=False)
+    _installed_allocator()
+    if index is not None:
+        lib = _lib()
+        if lib.gpumem_torch_start(index) != 0:
+            raise GpumemError(f"gpumem could not start on cuda:{index}: {_last_error(lib)}")
+
+
+def installed() -> bool:
+    """Whether :func:`install` has made gpumem PyTorch's allocator in this process."""
+    return _installed_allocator.cache_info().currsize > 0
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    """The native library through ctypes, for the stats accessors (never on the allocation path)."""
+    lib = ctypes.CDLL(library_path())
+    u64p = ctypes.POINTER(ctypes.c_uint64)
+    lib.gpumem_torch_stat_names.restype = ctypes.c_char_p
+    lib.gpumem_torch_stat_names.argtypes = []
+    lib.gpumem_torch_stats.restype = ctypes.c_int
+    lib.gpumem_torch_stats.argtypes = [ctypes.c_int, u64p, ctypes.c_int]
+    lib.gpumem_torch_empty_cache.restype = ctypes.c_int
+    lib.gpumem_torch_empty_cache.argtypes = [ctypes.c_int, u64p]
+    lib.gpumem_torch_record_stream.restype = ctypes.c_int
+    lib.gpumem_torch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.gpumem_torch_start.restype = ctypes.c_int
+    lib.gpumem_torch_start.argtypes = [ctypes.c_int]
+    lib.gpumem_torch_engine_state.restype = ctypes.c_int
+    lib.gpumem_torch_engine_state.argtypes = [ctypes.c_int]
+    lib.gpumem_torch_last_error.restype = ctypes.c_char_p
+    lib.gpumem_torch_last_error.argtypes = []
+    return lib
+
+
+def _last_error(lib: ctypes.CDLL) -> str:
+    return (lib.gpumem_torch_last_error() or b"").decode("utf-8", "replace")
+
+
+def _device_index(device: "int | str | Any | None", default_current: bool = True) -> int:
+    """A CUDA device index from an int, ``"cuda:N"``, ``torch.device`` or ``None`` (the current device)."""
+    if device is None:
+        if not default_current:
+            raise InvalidArgumentError("no device given")
+        return int(_torch().cuda.current_device())
+    if isinstance(device, bool):
+        raise InvalidArgumentError(f"not a CUDA device: {device!r}")
+    if isinstance(device, int):
+        index = device
+    else:
+        text = str(device)
+        kind, _, rest = text.partition(":")
+        if kind != "cuda":
+            raise InvalidArgumentError(f"not a CUDA device: {device!r} (expected an index, 'cuda:N' or a torch.device)")
+        if rest == "":
+            index = getattr(device, "index", None)
+            if index is None:
+                return int(_torch().cuda.current_device())
+        else:
+            try:
+                index = int(rest)
+            except ValueError:
+                raise InvalidArgumentError(f"not a CUDA device: {device!r}") from None
+    if index < 0:
+        raise InvalidArgumentError(f"CUDA device index must be >= 0, got {index}")
+    return index
+
+
+def _require_installed() -> None:
+    if not installed():
+        raise GpumemError("gpumem is not PyTorch's allocator in this process: call gpumem.torch.install() first "
+                          "(at program start)")
+
+
+def _raw_stats(index: int) -> dict[str, int]:
+    lib = _lib()
+    names = lib.gpumem_torch_stat_names().decode().split(",")
+    values = (ctypes.c_uint64 * len(names))()
+    n = lib.gpumem_torch_stats(index, values, len(names))
+    if n < 0:
+        raise GpumemError(f"gpumem could not read its stats on cuda:{index}: {_last_error(lib)}")
+    if n == 0:  # no engine on this device yet: nothing allocated there
+        return {name: 0 for name in names}
+    return {name: int(values[i]) for i, name in enumerate(names[:n])}
+
+
+def memory_stats(device: "int | str | Any | None" = None) -> dict[str, int]:
+    """What gpumem holds for PyTorch on ``device`` (default: the current device), as a flat dict.
+
+    The keys PyTorch's ``torch.cuda.memory_stats()`` uses where the quantity is the same (all bytes,
+    ``.all`` pools together):
+
+    * ``allocated_bytes.all.current`` / ``.peak`` - bytes in live tensors' blocks (sizes rounded up
+      to 512 bytes, as PyTorch counts them);
+    * ``requested_bytes.all.current`` / ``.peak`` - bytes PyTorch asked for;
+    * ``reserved_bytes.all.current`` / ``.peak`` - device memory gpumem holds (mapped physical pages):
+      the figure that decides whether another process still fits on the GPU;
+    * ``active_bytes.all.current``, ``inactive_split_bytes.all.current``;
+    * ``num_alloc_retries``, ``num_ooms`` (allocations that failed for lack of memory);
+    * ``num_allocs``, ``num_frees``, ``num_device_calls`` (driver memory calls: create, map, set
+      access, unmap, release), ``num_event_calls``.
+
+    and every counter of gpumem's engine under ``gpumem.<name>`` (``gpumem.n_chunks``,
+    ``gpumem.n_steals``, ``gpumem.va_nbytes``...). Before the first allocation on ``device`` every
+    value is 0.
+
+    Raises:
+        GpumemError: :func:`install` was not called in this process.
+    """
+    _require_installed()
+    raw = _raw_stats(_device_index(device))
+    out = {
+        "allocated_bytes.all.current": raw["allocated_nbytes"],
+        "allocated_bytes.all.peak": raw["peak_allocated_nbytes"],
+        "requested_bytes.all.current": raw["requested_nbytes"],
+        "requested_bytes.all.peak": raw["peak_requested_nbytes"],
+        "reserved_bytes.all.current": raw["reserved_nbytes"],
+        "reserved_bytes.all.peak": raw["peak_reserved_nbytes"],
+        "active_bytes.all.current": raw["active_nbytes"],
+        "inactive_split_bytes.all.current": raw["inactive_split_nbytes"],
+        "num_alloc_retries": raw["num_alloc_retries"],
+        "num_ooms": raw["torch_ooms"],
+        "num_allocs": raw["num_allocs"],
+        "num_frees": raw["num_frees"],
+        "num_device_calls": raw["device_calls"],
+        "num_event_calls": raw["event_calls"],
+    }
+    out.update({f"gpumem.{k}": v for k, v in raw.items()})
+    return out
+
+
+def memory_summary(device: "int | str | Any | None" = None) -> str:
+    """A text table of :func:`memory_stats` for ``device`` (default: the current device).
+
+    Memory rows give the current and peak bytes; ``overhead`` is how much more device memory gpumem
+    holds than live tensors take (peak reserved over peak allocated, minus one).
+    """
+    st = memory_stats(device)
+    index = _device_index(device)
+
+    def row(label: str, key: str) -> str:
+        cur, peak = st[f"{key}.all.current"], st[f"{key}.all.peak"] if f"{key}.all.peak" in st else None
+        return f"| {label:<22} | {format_bytes(cur):>12} | {format_bytes(peak) if peak is not None else '':>12} |"
+
+    peak_alloc, peak_res = st["allocated_bytes.all.peak"], st["reserved_bytes.all.peak"]
+    overhead = f"{(peak_res / peak_alloc - 1) * 100:.2f} %" if peak_alloc else "n/a"
+    lines = [
+        f"gpumem memory summary, cuda:{index} (PyTorch on gpumem's native engine)",
+        f"| {'memory':<22} | {'current':>12} | {'peak':>12} |",
+        f"|{'-' * 24}|{'-' * 14}|{'-' * 14}|",
+        row("allocated (blocks)", "allocated_bytes"),
+        row("requested", "requested_bytes"),
+        row("reserved (mapped)", "reserved_bytes"),
+        row("active", "active_bytes"),
+        row("inactive split", "inactive_split_bytes"),
+        "",
+        f"overhead (peak reserved / peak allocated - 1): {overhead}",
+        f"allocations {st['num_allocs']:,}, frees {st['num_frees']:,}, out of memory {st['num_ooms']:,}, "
+        f"retries {st['num_alloc_retries']:,}",
+        f"driver memory calls {st['num_device_calls']:,}, event calls {st['num_event_calls']:,}, "
+        f"chunks {st['gpumem.n_chunks']:,}, steals {st['gpumem.n_steals']:,}, waits {st['gpumem.n_waits']:,}",
+        f"address space reserved {format_bytes(st['gpumem.va_nbytes'])}, page {format_bytes(st['gpumem.granularity_nbytes'])}",
+    ]
+    if st["gpumem.free_errors"] or st["gpumem.torch_errors"]:
+        lines.append(f"errors: {st['gpumem.torch_errors']} failed allocations, {st['gpumem.free_errors']} failed frees "
+                     "(see stderr)")
+    return "\n".join(lines)
+
+
+def empty_cache(device: "int | str | Any | None" = None) -> int:
+    """Give the device memory gpumem caches but no tensor uses back to the driver; returns the bytes released.
+
+    ``torch.cuda.empty_cache()`` does not reach a pluggable allocator: call this instead. Memory whose
+    free is still pending on a stream is released once that stream's work is done.
+    """
+    _require_installed()
+    index = _device_index(device)
+    lib = _lib()
+    released = ctypes.c_uint64(0)
+    if lib.gpumem_torch_empty_cache(index, ctypes.byref(released)) != 0:
+        raise GpumemError(f"gpumem could not empty its cache on cuda:{index}: {_last_error(lib)}")
+    return int(released.value)
+
+
+def record_stream(tensor: Any, stream: Any) -> None:
+    """``tensor.record_stream(stream)`` for gpumem: ``tensor`` is also used on ``stream``.
+
+    When ``tensor`` is freed, its memory is not reused until the work queued on ``stream`` so far is
+    done (PyTorch's own ``Tensor.record_stream`` does not reach a pluggable allocator).
+    """
+    _require_installed()
+    ptr = int(tensor.untyped_storage().data_ptr())
+    if ptr == 0:
+        return  # a zero-size tensor has no memory
+    handle = int(getattr(stream, "cuda_stream", stream))
+    lib = _lib()
+    if lib.gpumem_torch_record_stream(ctypes.c_void_p(ptr), ctypes.c_void_p(handle)) != 0:
+        raise GpumemError(f"gpumem could not record the stream for the tensor at {ptr:#x}: {_last_error(lib)}")

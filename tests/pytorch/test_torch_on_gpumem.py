@@ -1,0 +1,119 @@
+"""gpumem.torch: PyTorch on gpumem's native engine.
+
+Without a GPU: the import guards, the errors, and the C functions PyTorch loads (called through
+ctypes, no CUDA needed for the paths tested). On a real device (``--gpumem-device cuda:0``): real
+PyTorch programs, each in a fresh process (PyTorch takes its allocator once, before CUDA starts):
+see ``torch_child.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gpumem
+import gpumem.torch as gt
+from gpumem.errors import BackendUnavailableError, GpumemError, InvalidArgumentError
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+native_only = pytest.mark.skipif(gpumem.engine() != "native", reason="gpumem's native engine is not built")
+
+
+@pytest.mark.skipif(HAVE_TORCH, reason="PyTorch is installed")
+def test_install_without_torch_says_so():
+    with pytest.raises(BackendUnavailableError, match="PyTorch is not installed"):
+        gt.install()
+    assert not gt.installed()
+
+
+def test_stats_before_install_are_an_error():
+    assert not gt.installed()
+    for call in (gt.memory_stats, gt.memory_summary, gt.empty_cache):
+        with pytest.raises(GpumemError, match=r"call gpumem.torch.install\(\) first"):
+            call(0)
+
+
+@pytest.mark.parametrize("spec, index", [(0, 0), (3, 3), ("cuda:2", 2)])
+def test_device_index(spec, index):
+    assert gt._device_index(spec) == index
+
+
+@pytest.mark.parametrize("bad", [-1, True, "cpu", "cuda:x", "cuda:-1", "mps:0", 1.5])
+def test_bad_device_is_rejected(bad):
+    with pytest.raises(InvalidArgumentError):
+        gt._device_index(bad)
+
+
+# -- the C functions PyTorch loads ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lib():
+    if gpumem.engine() != "native":
+        pytest.skip("gpumem's native engine is not built")
+    return gt._lib()
+
+
+@native_only
+def test_the_hooks_are_exported(lib):
+    for name in (gt.ALLOC_FN, gt.FREE_FN, "gpumem_torch_stats", "gpumem_torch_empty_cache",
+                 "gpumem_torch_record_stream", "gpumem_torch_start"):
+        assert hasattr(lib, name), name
+
+
+@native_only
+def test_the_hooks_without_an_engine(lib):
+    # no engine has started in this process: nothing to report, release or record; a null free is a no-op
+    names = lib.gpumem_torch_stat_names().decode().split(",")
+    assert len(names) == len(set(names)) and "peak_reserved_nbytes" in names
+    out = (ctypes.c_uint64 * len(names))()
+    assert lib.gpumem_torch_stats(0, out, len(names)) == 0
+    released = ctypes.c_uint64(7)
+    assert lib.gpumem_torch_empty_cache(0, ctypes.byref(released)) == 0 and released.value == 0
+    assert lib.gpumem_torch_record_stream(ctypes.c_void_p(0x1000), None) == -1
+    assert b"no gpumem engine has started" in lib.gpumem_torch_last_error()
+    assert lib.gpumem_torch_engine_state(-1) == -1 and lib.gpumem_torch_engine_state(5) == 0
+    free = lib.gpumem_torch_free
+    free.restype, free.argtypes = None, [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    free(None, 0, 0, None)
+    malloc = lib.gpumem_torch_malloc
+    malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    assert malloc(0, 0, None) is None  # zero-size tensors get no memory
+
+
+@native_only
+def test_starting_without_a_driver_is_a_clear_error(lib):
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("this machine has libcuda")
+    assert lib.gpumem_torch_start(0) == -1
+    assert b"libcuda.so.1" in lib.gpumem_torch_last_error()
+    assert lib.gpumem_torch_engine_state(0) == -1  # the failure is remembered
+
+
+# -- real PyTorch programs (H200) -----------------------------------------------------------------------
+def _child(scenario: str) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(HERE / "torch_child.py"), scenario], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0 and f"PASS {scenario}" in done.stdout, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scenario", ["work_matches_cpu", "oom_is_torch_oom", "too_late", "streams"])
+def test_pytorch_on_gpumem(scenario, device_spec):
+    if not device_spec.startswith("cuda:"):
+        pytest.skip("needs a real CUDA device")
+    if not HAVE_TORCH:
+        pytest.skip("PyTorch is not installed")
+    if gpumem.engine() != "native":
+        pytest.fail("gpumem's native engine is not built: PyTorch cannot run on gpumem")
+    _child(scenario)

@@ -1,0 +1,126 @@
+"""Scenarios of PyTorch on gpumem, each run in a fresh process by test_torch_on_gpumem.py.
+
+PyTorch takes its allocator once per process, before CUDA starts, so every scenario needs its own
+interpreter: ``python torch_child.py SCENARIO``. Prints ``PASS <scenario>`` at the end on success;
+any failed assertion exits non-zero with its traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def scenario_work_matches_cpu() -> None:
+    import gpumem.torch as gt
+
+    gt.install(0)
+    import torch
+
+    assert gt.installed()
+    # cuBLAS's workspace (32 MiB on Hopper) is allocated through the allocator at the first matmul and
+    # kept: the baseline is taken after one
+    w = torch.ones(8, 8, device="cuda", dtype=torch.float64)
+    assert float((w @ w).sum()) == 512.0
+    del w
+    torch.cuda.synchronize()
+    base = gt.memory_stats()
+    torch.manual_seed(0)
+    a_cpu, b_cpu = torch.randn(512, 384, dtype=torch.float64), torch.randn(384, 256, dtype=torch.float64)
+    a, b = a_cpu.cuda(), b_cpu.cuda()
+    st = gt.memory_stats()
+    assert st["num_allocs"] >= base["num_allocs"] + 2, st
+    assert st["allocated_bytes.all.current"] >= base["allocated_bytes.all.current"] + a.numel() * 8 + b.numel() * 8
+    assert st["reserved_bytes.all.current"] >= st["allocated_bytes.all.current"]
+    prod = (a @ b).cpu()
+    assert torch.allclose(prod, a_cpu @ b_cpu)
+    for n in range(1, 3000, 37):  # churn: temporaries of changing sizes
+        x = torch.arange(n, device="cuda", dtype=torch.float64)
+        assert float(x.sum()) == n * (n - 1) / 2
+    empty = torch.empty(0, device="cuda")
+    assert empty.data_ptr() == 0
+    del a, b, x, empty
+    torch.cuda.synchronize()
+    st = gt.memory_stats(0)
+    assert st["allocated_bytes.all.current"] == base["allocated_bytes.all.current"], (base, st)
+    assert st["num_allocs"] - st["num_frees"] == base["num_allocs"] - base["num_frees"], (base, st)
+    released = gt.empty_cache()
+    after = gt.memory_stats("cuda:0")
+    assert released > 0 and after["reserved_bytes.all.current"] == st["reserved_bytes.all.current"] - released
+    assert after["allocated_bytes.all.current"] <= after["reserved_bytes.all.current"]
+    summary = gt.memory_summary()
+    assert "reserved (mapped)" in summary and "overhead" in summary
+    print(summary)
+
+
+def scenario_oom_is_torch_oom() -> None:
+    import gpumem.torch as gt
+
+    gt.install()
+    import torch
+
+    keep = torch.ones(1 << 20, device="cuda")
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        torch.empty(total * 2, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError as exc:
+        print("OutOfMemoryError:", str(exc).splitlines()[0])
+        assert "gpumem" in str(exc)
+    else:
+        raise AssertionError("no OutOfMemoryError")
+    assert gt.memory_stats()["num_ooms"] == 1
+    # the process still works after the error
+    assert float(keep.sum()) == float(1 << 20)
+    y = torch.ones(1000, device="cuda") * 2
+    assert float(y.sum()) == 2000.0
+
+
+def scenario_too_late() -> None:
+    import torch
+
+    import gpumem.torch as gt
+
+    torch.ones(1, device="cuda")
+    try:
+        gt.install()
+    except gt.TooLateError as exc:
+        print("TooLateError:", exc)
+    else:
+        raise AssertionError("install() after CUDA started did not raise")
+    assert not gt.installed()
+    try:
+        gt.memory_stats()
+    except gt.GpumemError as exc:
+        assert "install" in str(exc)
+    else:
+        raise AssertionError("memory_stats() without install() did not raise")
+
+
+def scenario_streams() -> None:
+    import gpumem.torch as gt
+
+    gt.install()
+    import torch
+
+    side = torch.cuda.Stream()
+    x = torch.ones(1 << 22, device="cuda")
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # keeps the side stream busy (cycles)
+        y = x * 3
+    gt.record_stream(x, side)
+    ptr = x.data_ptr()
+    del x  # freed on the default stream while the side stream still reads it
+    z = torch.zeros(1 << 22, device="cuda")
+    assert z.data_ptr() != ptr or side.query(), "memory reused before the side stream was done"
+    side.synchronize()
+    assert float(y.sum()) == 3.0 * (1 << 22)
+    del y, z
+    torch.cuda.synchronize()
+    st = gt.memory_stats()
+    assert st["num_allocs"] == st["num_frees"], st  # no matmul here: nothing is kept
+
+
+SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
+
+if __name__ == "__main__":
+    SCENARIOS[sys.argv[1]]()
+    print(f"PASS {sys.argv[1]}")

@@ -84,7 +84,7 @@ log = logging.getLogger(__name__)
 _STAT_FIELDS = tuple(f.name for f in dataclasses.fields(AllocatorStats))
 
 _FREED_MEMORY = 65_536
-NATIVE_BY_DEFAULT = False
+NATIVE_BY_DEFAULT = True
 """Whether ``engine=None`` picks the native engine where it can run (Note [Choosing the engine]).
 
 Off for now: the native engine makes the reference's decisions (tests/allocator/test_native_differential.py),

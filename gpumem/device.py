@@ -68,7 +68,7 @@ import contextlib
 import enum
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import FrozenInstanceError, dataclass
 from typing import Any, Callable, Iterator, TypeVar, Union
 
 from .errors import DeviceClosedError, DeviceLostError, InvalidArgumentError, UnsupportedOperationError
@@ -94,12 +94,41 @@ class DeviceKind(str, enum.Enum):
     CUDA = "cuda"
 
 
-@dataclass(frozen=True)
 class MemInfo:
-    """Free and total bytes of a device right now, other tenants included."""
+    """Free and total bytes of a device right now, other tenants included.
+
+    An immutable value (equality, hash, ``repr`` and :class:`dataclasses.FrozenInstanceError` on assignment,
+    as the frozen dataclass it was), written out by hand: Note [Value objects on the hot path].
+    """
+
+    __slots__ = ("free_nbytes", "total_nbytes")
 
     free_nbytes: int
     total_nbytes: int
+
+    def __init__(self, free_nbytes: int, total_nbytes: int) -> None:
+        _set_free_nbytes(self, free_nbytes)
+        _set_total_nbytes(self, total_nbytes)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (self.free_nbytes, self.total_nbytes) == (other.free_nbytes, other.total_nbytes)  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((self.free_nbytes, self.total_nbytes))
+
+    def __repr__(self) -> str:
+        return f"MemInfo(free_nbytes={self.free_nbytes!r}, total_nbytes={self.total_nbytes!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (MemInfo, (self.free_nbytes, self.total_nbytes))
 
     @property
     def used_nbytes(self) -> int:
@@ -108,6 +137,10 @@ class MemInfo:
 
     def __str__(self) -> str:
         return f"{format_bytes(self.free_nbytes)} free of {format_bytes(self.total_nbytes)}"
+
+
+_set_free_nbytes = MemInfo.free_nbytes.__set__  # type: ignore[attr-defined]
+_set_total_nbytes = MemInfo.total_nbytes.__set__  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -124,12 +157,50 @@ class DeviceProperties:
     granularity_nbytes: int
 
 
-@dataclass(frozen=True)
+# Note [Value objects on the hot path]
+# ------------------------------------
+# ``mem_create`` returns a new handle and ``mem_info`` a new MemInfo on every call. As frozen
+# dataclasses they cost three times what a plain slotted object does (each field is set through
+# ``object.__setattr__``), which was a visible part of a simulated call. They are written out by hand:
+# slots set through the slot descriptors, and the same value semantics (equality with their own type
+# only, hash, repr, assignment refused with FrozenInstanceError, pickling).
 class PhysicalHandle:
-    """A physical memory chunk from :meth:`Device.mem_create` (CUDA's ``CUmemGenericAllocationHandle``)."""
+    """A physical memory chunk from :meth:`Device.mem_create` (CUDA's ``CUmemGenericAllocationHandle``).
+
+    An immutable value: Note [Value objects on the hot path]."""
+
+    __slots__ = ("handle", "nbytes")
 
     handle: int
     nbytes: int
+
+    def __init__(self, handle: int, nbytes: int) -> None:
+        _set_handle(self, handle)
+        _set_nbytes(self, nbytes)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (self.handle, self.nbytes) == (other.handle, other.nbytes)  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((self.handle, self.nbytes))
+
+    def __repr__(self) -> str:
+        return f"PhysicalHandle(handle={self.handle!r}, nbytes={self.nbytes!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PhysicalHandle, (self.handle, self.nbytes))
+
+
+_set_handle = PhysicalHandle.handle.__set__  # type: ignore[attr-defined]
+_set_nbytes = PhysicalHandle.nbytes.__set__  # type: ignore[attr-defined]
 
 
 def check_nbytes(nbytes: object, *, what: str = "nbytes", allow_zero: bool = False) -> int:

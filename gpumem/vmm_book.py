@@ -191,7 +191,7 @@ class MemoryBook:
         if not isinstance(handle, handle_type):
             raise InvalidArgumentError(f"{call}: handle must be a PhysicalHandle, got {type(handle).__name__}")
         phys = self.physicals.get(handle.handle)
-        if phys is None or phys.handle != handle or phys.released:
+        if phys is None or (phys.handle is not handle and phys.handle != handle) or phys.released:
             raise InvalidPointerError(f"{call}: unknown or released physical handle {handle.handle}")
         return phys
 

@@ -462,11 +462,17 @@ class SimDevice(Device):
                 - (self._process_pages + self._tenant_pages) * self._gran)
 
     def _take_pages(self, pages: int) -> None:
+        if not self.events.watching_levels:  # nobody watches a level: no crossing to look for
+            self._process_pages += pages
+            return
         old = self._free_nbytes()
         self._process_pages += pages
         self.events.free_changed(self.now_s, old, self._free_nbytes(), "process")
 
     def _give_pages(self, pages: int) -> None:
+        if not self.events.watching_levels:
+            self._process_pages -= pages
+            return
         old = self._free_nbytes()
         self._process_pages -= pages
         self.events.free_changed(self.now_s, old, self._free_nbytes(), "process")
@@ -553,9 +559,10 @@ class SimDevice(Device):
         return alloc
 
     def _do_free(self, alloc: _Allocation) -> None:  # type: ignore[override]
-        hazard = self._sanitize_release("free", alloc.start, alloc.nbytes)
+        hazard = self._sanitize_release("free", alloc.start, alloc.nbytes) if self.streams._inflight else None  # noqa: SLF001
         self._call("free", self.latency.free_us(alloc.nbytes))
-        self._record_hazards(hazard)
+        if hazard is not None:
+            self._record_hazards(hazard)
         page = alloc.page
         if page is None:
             self._space.remove(alloc.start)
@@ -609,11 +616,13 @@ class SimDevice(Device):
 
     def _do_mem_unmap(self, r: Reservation, maps: list[Mapping]) -> None:
         va, end = maps[0].va, maps[-1].va + maps[-1].nbytes
-        hazard = self._sanitize_release("mem_unmap", va, end - va)
+        # nothing in flight touches memory: no hazard (what _sanitize_release finds, without the call)
+        hazard = self._sanitize_release("mem_unmap", va, end - va) if self.streams._inflight else None  # noqa: SLF001
         lat = self.latency
         self._call("mem_unmap", lat.mem_unmap_us + lat.mem_unmap_mapping_us * len(maps)
                    + lat.mem_unmap_mib_us * (end - va) / MiB)
-        self._record_hazards(hazard)
+        if hazard is not None:
+            self._record_hazards(hazard)
         for m in maps:  # one simulated call for the whole range: all or nothing
             self._unmapped(r, m)
 
@@ -670,14 +679,17 @@ class SimDevice(Device):
 
     def _do_event_synchronize(self, event: SimEvent) -> None:
         self._call("event_synchronize", self.latency.synchronize_us)
-        self._wait_for(event.work)
+        work = event.work
+        if work is not None and work.state != DONE:
+            self._wait_for(work)
 
     def _do_event_destroy(self, event: SimEvent) -> None:
         self._call("event_destroy", self.latency.event_destroy_us)
 
     def _do_stream_synchronize(self, stream: int) -> None:
         self._call("stream_synchronize", self.latency.synchronize_us)
-        self._wait_for(self.streams.tail(stream))
+        if stream in self.streams._streams:  # noqa: SLF001 - an idle stream has no entry: nothing to wait for
+            self._wait_for(self.streams.tail(stream))
 
     def _do_stream_wait_event(self, stream: int, event: SimEvent) -> None:
         self._call("stream_wait_event", self.latency.stream_wait_event_us)

@@ -52,18 +52,20 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Sequence
 
 from gpumem.units import GiB, MiB
 
 Points = tuple[tuple[int, float], ...]
 
 
-def interpolate_us(points: Points, nbytes: int) -> float:
+def interpolate_us(points: Points, nbytes: int, sizes: Sequence[int] | None = None) -> float:
     """The cost at ``nbytes`` on the piecewise-linear curve through ``points`` (``(nbytes, µs)``, sizes
-    increasing): the first point's cost below it, the last segment's slope beyond the last point."""
+    increasing): the first point's cost below it, the last segment's slope beyond the last point.
+    ``sizes``: the points' sizes, if the caller keeps them."""
     if nbytes <= points[0][0]:
         return points[0][1]
-    i = bisect.bisect_right([p[0] for p in points], nbytes)
+    i = bisect.bisect_right(sizes if sizes is not None else [p[0] for p in points], nbytes)
     if i >= len(points):
         (s0, c0), (s1, c1) = points[-2], points[-1]
     else:
@@ -105,9 +107,13 @@ class LatencyModel:
     stream_wait_event_us: float = 1.1
     launch_us: float = 4.0  # an estimate (see the Note above)
 
+    def __post_init__(self) -> None:
+        # the sizes of the malloc curve, kept: malloc and free interpolate it on every call
+        object.__setattr__(self, "_malloc_sizes", tuple(p[0] for p in self.malloc_free_points))
+
     def malloc_free_us(self, nbytes: int) -> float:
         """Cost of a ``cudaMalloc`` + ``cudaFree`` pair of ``nbytes``."""
-        return interpolate_us(self.malloc_free_points, nbytes)
+        return interpolate_us(self.malloc_free_points, nbytes, self._malloc_sizes)  # type: ignore[attr-defined]
 
     def malloc_us(self, nbytes: int) -> float:
         return self.malloc_free_us(nbytes) * self.malloc_share

@@ -688,7 +688,9 @@ class Device(abc.ABC):
             if type(va) is not int or type(nbytes) is not int or va <= 0 or nbytes <= 0 or nbytes % gran:
                 check_pointer(va, what="va")
                 check_granular(nbytes, gran)
-            maps = self._book.reservation(va, nbytes, "mem_set_access").covering(va, nbytes, "mem_set_access")
+            r = self._book.reservation(va, nbytes, "mem_set_access")
+            m = r.mappings.get(va)  # the common case, one whole mapping: what covering() finds, without the walk
+            maps = [m] if m is not None and m.nbytes == nbytes else r.covering(va, nbytes, "mem_set_access")
             self._do_mem_set_access(va, nbytes, maps)
             for m in maps:
                 m.accessible = True
@@ -715,7 +717,8 @@ class Device(abc.ABC):
                 check_pointer(va, what="va")
                 check_granular(nbytes, gran)
             r = self._book.reservation(va, nbytes, "mem_unmap")
-            maps = r.whole_mappings(va, nbytes, "mem_unmap")
+            m = r.mappings.get(va)  # one whole mapping: what whole_mappings() finds, without the walk
+            maps = [m] if m is not None and m.nbytes == nbytes else r.whole_mappings(va, nbytes, "mem_unmap")
             self._do_mem_unmap(r, maps)
         finally:
             lock.release()

@@ -167,7 +167,8 @@ class MemoryBook:
         if hit is None:
             raise MappingError(f"{call}: {va:#x} is not inside an address reservation on {self.spec}")
         r = hit[2]
-        r.check_inside(va, nbytes, call)
+        if va + nbytes > r.start + r.nbytes:
+            r.check_inside(va, nbytes, call)  # raises
         return r
 
     def reservation_to_free(self, va: int, nbytes: int) -> Reservation:

@@ -68,7 +68,7 @@ import contextlib
 import enum
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import FrozenInstanceError, dataclass
 from typing import Any, Callable, Iterator, TypeVar, Union
 
 from .errors import DeviceClosedError, DeviceLostError, InvalidArgumentError, UnsupportedOperationError
@@ -94,12 +94,41 @@ class DeviceKind(str, enum.Enum):
     CUDA = "cuda"
 
 
-@dataclass(frozen=True)
 class MemInfo:
-    """Free and total bytes of a device right now, other tenants included."""
+    """Free and total bytes of a device right now, other tenants included.
+
+    An immutable value (equality, hash, ``repr`` and :class:`dataclasses.FrozenInstanceError` on assignment,
+    as the frozen dataclass it was), written out by hand: Note [Value objects on the hot path].
+    """
+
+    __slots__ = ("free_nbytes", "total_nbytes")
 
     free_nbytes: int
     total_nbytes: int
+
+    def __init__(self, free_nbytes: int, total_nbytes: int) -> None:
+        _set_free_nbytes(self, free_nbytes)
+        _set_total_nbytes(self, total_nbytes)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (self.free_nbytes, self.total_nbytes) == (other.free_nbytes, other.total_nbytes)  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((self.free_nbytes, self.total_nbytes))
+
+    def __repr__(self) -> str:
+        return f"MemInfo(free_nbytes={self.free_nbytes!r}, total_nbytes={self.total_nbytes!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (MemInfo, (self.free_nbytes, self.total_nbytes))
 
     @property
     def used_nbytes(self) -> int:
@@ -108,6 +137,10 @@ class MemInfo:
 
     def __str__(self) -> str:
         return f"{format_bytes(self.free_nbytes)} free of {format_bytes(self.total_nbytes)}"
+
+
+_set_free_nbytes = MemInfo.free_nbytes.__set__  # type: ignore[attr-defined]
+_set_total_nbytes = MemInfo.total_nbytes.__set__  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -124,12 +157,50 @@ class DeviceProperties:
     granularity_nbytes: int
 
 
-@dataclass(frozen=True)
+# Note [Value objects on the hot path]
+# ------------------------------------
+# ``mem_create`` returns a new handle and ``mem_info`` a new MemInfo on every call. As frozen
+# dataclasses they cost three times what a plain slotted object does (each field is set through
+# ``object.__setattr__``), which was a visible part of a simulated call. They are written out by hand:
+# slots set through the slot descriptors, and the same value semantics (equality with their own type
+# only, hash, repr, assignment refused with FrozenInstanceError, pickling).
 class PhysicalHandle:
-    """A physical memory chunk from :meth:`Device.mem_create` (CUDA's ``CUmemGenericAllocationHandle``)."""
+    """A physical memory chunk from :meth:`Device.mem_create` (CUDA's ``CUmemGenericAllocationHandle``).
+
+    An immutable value: Note [Value objects on the hot path]."""
+
+    __slots__ = ("handle", "nbytes")
 
     handle: int
     nbytes: int
+
+    def __init__(self, handle: int, nbytes: int) -> None:
+        _set_handle(self, handle)
+        _set_nbytes(self, nbytes)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (self.handle, self.nbytes) == (other.handle, other.nbytes)  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((self.handle, self.nbytes))
+
+    def __repr__(self) -> str:
+        return f"PhysicalHandle(handle={self.handle!r}, nbytes={self.nbytes!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PhysicalHandle, (self.handle, self.nbytes))
+
+
+_set_handle = PhysicalHandle.handle.__set__  # type: ignore[attr-defined]
+_set_nbytes = PhysicalHandle.nbytes.__set__  # type: ignore[attr-defined]
 
 
 def check_nbytes(nbytes: object, *, what: str = "nbytes", allow_zero: bool = False) -> int:
@@ -217,7 +288,8 @@ class Event:
 
 
 class _CallState(threading.local):
-    """Per thread: how deep in device calls / ``deferred_events`` blocks, and the events queued meanwhile."""
+    """Per thread: how deep in ``deferred_events`` blocks (a device call is known by its lock), whether its
+    queue is being delivered, and the events queued meanwhile."""
 
     depth = 0
     delivering = False
@@ -245,6 +317,10 @@ class Device(abc.ABC):
         # back into the device on the same thread.
         self._lock = threading.RLock()
         self._tls = _CallState()
+        self._queued_events = 0
+        self._vmm_gran = 0
+        """The granularity once a VMM call found VMM supported (0 before: the check runs in full)."""
+        """Events queued on any thread, not yet delivered (Note [The hot path of a device call])."""
         self.events = EventHub(dispatch=self._dispatch_event)
         """Memory events this device published (:attr:`EventHub.history`) and their subscribers."""
         self._user_streams: set[int] = set()
@@ -267,12 +343,35 @@ class Device(abc.ABC):
     # A callback's exception never reaches the caller of the device call (it is logged: Note [A
     # subscriber cannot break a call] in :mod:`gpumem.events`); a KeyboardInterrupt does, and the
     # events still queued on that thread are dropped.
+    #
+    # Note [The hot path of a device call]
+    # ------------------------------------
+    # A simulated call is mostly this bookkeeping, and the native engine calls these public methods
+    # once per page it maps, so the common case is kept to a handful of bytecodes: "inside a device
+    # call on this thread" is "this thread holds the device's (re-entrant) lock", which a call takes
+    # anyway, so a call does not touch the per-thread state (a ``threading.local`` costs more than
+    # the lock) unless an event was queued: ``_queued_events`` counts the events queued on all
+    # threads (changed only under the lock) and a call looks at its thread's queue only when it is
+    # non-zero. The public methods of the hot calls take the lock themselves rather than through
+    # :meth:`_run`, and check plain ``int`` arguments with one comparison each before falling back
+    # to the full checks (which raise the same errors in the same order as before).
+    def _inside_call(self) -> bool:
+        """Whether this thread is inside a device call or a ``deferred_events()`` block (events queue)."""
+        return bool(self._tls.depth) or self._lock._is_owned()  # type: ignore[attr-defined]
+
     def _dispatch_event(self, event: MemoryEvent) -> None:
-        tls = self._tls
-        if tls.depth:
-            tls.queue.append(event)
+        if self._inside_call():
+            with self._lock:
+                self._tls.queue.append(event)
+                self._queued_events += 1
         else:
             self.events.deliver(event)
+
+    def _after_call(self) -> None:
+        """After a call released the lock, with events queued somewhere: deliver this thread's, if the call
+        was the outermost (Note [Event delivery after the call])."""
+        if self._tls.queue and not self._inside_call():
+            self._flush_events()
 
     def _flush_events(self) -> None:
         """Deliver what this thread queued (outermost block only); see the Note above.
@@ -291,11 +390,16 @@ class Device(abc.ABC):
         tls.delivering = True
         try:
             while queue:
-                self.events.deliver(queue.popleft())
+                event = queue.popleft()
+                with self._lock:
+                    self._queued_events -= 1
+                self.events.deliver(event)
         except BaseException:
             if queue:
                 log.warning("%s: %d memory event(s) dropped, not delivered: a subscriber raised a "
                             "BaseException", self.spec, len(queue))
+                with self._lock:
+                    self._queued_events -= len(queue)
                 queue.clear()
             raise
         finally:
@@ -316,21 +420,20 @@ class Device(abc.ABC):
             yield
         finally:
             tls.depth = depth
-            if not depth and tls.queue:
+            if not depth and tls.queue and not self._lock._is_owned():  # type: ignore[attr-defined]
                 self._flush_events()
 
     def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run one device call: deferred events, under the lock (the cheap form of ``deferred_events``)."""
-        tls = self._tls
-        depth = tls.depth
-        tls.depth = depth + 1
+        """Run one device call under the lock, then deliver the events it queued if it was the outermost
+        (Note [The hot path of a device call])."""
+        lock = self._lock
+        lock.acquire()
         try:
-            with self._lock:
-                return fn(*args)
+            return fn(*args)
         finally:
-            tls.depth = depth
-            if not depth and tls.queue:
-                self._flush_events()
+            lock.release()
+            if self._queued_events:
+                self._after_call()
 
     def subscribe(self, callback: EventCallback) -> Subscription:
         """Call ``callback(event)`` for every :class:`~gpumem.events.MemoryEvent` from now on, always
@@ -364,11 +467,16 @@ class Device(abc.ABC):
 
     def mem_info(self) -> MemInfo:
         """Free and total bytes right now, other processes and tenants included."""
-        return self._run(self._mem_info)
-
-    def _mem_info(self) -> MemInfo:
-        self._check_usable()
-        return self._do_mem_info()
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._closed or self._lost:
+                self._check_usable()
+            return self._do_mem_info()
+        finally:
+            lock.release()
+            if self._queued_events:
+                self._after_call()
 
     # -- state every device keeps (Note [Public methods check, implementations do]) -----------
     def _check_usable(self) -> None:
@@ -401,14 +509,20 @@ class Device(abc.ABC):
 
         Raises :class:`~gpumem.errors.OutOfMemoryError` when the device cannot.
         """
-        check_nbytes(nbytes)
-        return self._run(self._malloc, nbytes)
-
-    def _malloc(self, nbytes: int) -> int:
-        self._check_usable()
-        alloc = self._do_malloc(nbytes)
-        self._book.add_allocation(alloc)
-        return alloc.start
+        if type(nbytes) is not int or nbytes <= 0:
+            check_nbytes(nbytes)
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._closed or self._lost:
+                self._check_usable()
+            alloc = self._do_malloc(nbytes)
+            self._book.add_allocation(alloc)
+            return alloc.start
+        finally:
+            lock.release()
+            if self._queued_events:
+                self._after_call()
 
     def free(self, ptr: int) -> None:
         """Free a pointer from :meth:`malloc`. Unknown or already-freed pointers raise.
@@ -416,14 +530,20 @@ class Device(abc.ABC):
         Like ``cudaFree``, the memory must not be in use by queued work: the
         simulator's sanitizer raises :class:`~gpumem.errors.MemoryHazardError` if it is.
         """
-        check_pointer(ptr)
-        return self._run(self._free, ptr)
-
-    def _free(self, ptr: int) -> None:
-        self._check_usable()
-        alloc = self._book.allocation_to_free(ptr)
-        self._do_free(alloc)
-        self._book.forget_allocation(alloc)
+        if type(ptr) is not int or ptr <= 0:
+            check_pointer(ptr)
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._closed or self._lost:
+                self._check_usable()
+            alloc = self._book.allocation_to_free(ptr)
+            self._do_free(alloc)
+            self._book.forget_allocation(alloc)
+        finally:
+            lock.release()
+            if self._queued_events:
+                self._after_call()
 
     # -- virtual memory management ----------------------------------------------------
     def _check_alignment(self, alignment: object) -> int:
@@ -433,51 +553,84 @@ class Device(abc.ABC):
             raise InvalidArgumentError(f"alignment {alignment} must be 0 or a power-of-two multiple of the granularity")
         return alignment  # type: ignore[return-value]
 
+    def _vmm_ready(self, call: str) -> int:
+        """The slow path of the virtual-memory calls' first check: refuse a closed or lost device or one
+        without VMM (:meth:`_require_vmm`), else remember that VMM works and return the granularity."""
+        self._require_vmm(call)
+        gran = self._vmm_gran = self.granularity_nbytes
+        return gran
+
     def address_reserve(self, nbytes: int, alignment: int = 0) -> int:
         """Reserve ``nbytes`` (a granularity multiple) of virtual address space; return its base."""
-        return self._run(self._address_reserve, nbytes, alignment)
-
-    def _address_reserve(self, nbytes: int, alignment: int) -> int:
-        self._require_vmm("address_reserve")
-        check_granular(nbytes, self.granularity_nbytes)
-        self._check_alignment(alignment)
-        va = self._do_address_reserve(nbytes, alignment)
-        self._book.reservations.add(va, va + nbytes, Reservation(va, nbytes))
-        return va
+        lock = self._lock
+        lock.acquire()
+        try:
+            gran = self._vmm_gran
+            if not gran or self._closed or self._lost:
+                gran = self._vmm_ready("address_reserve")
+            if type(nbytes) is not int or nbytes <= 0 or nbytes % gran or type(alignment) is not int or alignment:
+                check_granular(nbytes, gran)
+                self._check_alignment(alignment)
+            va = self._do_address_reserve(nbytes, alignment)
+            self._book.reservations.add(va, va + nbytes, Reservation(va, nbytes))
+            return va
+        finally:
+            lock.release()
+            if self._queued_events:
+                self._after_call()
 
     def address_free(self, va: int, nbytes: int) -> None:
         """Give back a whole reservation; it must have no mappings left."""
-        return self._run(self._address_free, va, nbytes)
-
-    def _address_free(self, va: int, nbytes: int) -> None:
-        self._require_vmm("address_free")
-        check_pointer(va, what="va")
-        check_granular(nbytes, self.granularity_nbytes)
-        self._book.reservation_to_free(va, nbytes)
-        self._do_address_free(va, nbytes)
-        self._book.reservations.remove(va)
+        lock = self._lock
+        lock.acquire()
+        try:
+            gran = self._vmm_gran
+            if not gran or self._closed or self._lost:
+                gran = self._vmm_ready("address_free")
+            if type(va) is not int or type(nbytes) is not int or va <= 0 or nbytes <= 0 or nbytes % gran:
+                check_pointer(va, what="va")
+                check_granular(nbytes, gran)
+            self._book.reservation_to_free(va, nbytes)
+            self._do_address_free(va, nbytes)
+            self._book.reservations.remove(va)
+        finally:
+            lock.release()
+            if self._queued_events:
+                self._after_call()
 
     def mem_create(self, nbytes: int) -> PhysicalHandle:
         """Create a physical chunk of ``nbytes`` (a granularity multiple); takes device memory."""
-        return self._run(self._mem_create, nbytes)
-
-    def _mem_create(self, nbytes: int) -> PhysicalHandle:
-        self._require_vmm("mem_create")
-        check_granular(nbytes, self.granularity_nbytes)
-        native = self._do_mem_create(nbytes)
-        return self._book.add_physical(PhysicalHandle, nbytes, native).handle
+        lock = self._lock
+        lock.acquire()
+        try:
+            gran = self._vmm_gran
+            if not gran or self._closed or self._lost:
+                gran = self._vmm_ready("mem_create")
+            if type(nbytes) is not int or nbytes <= 0 or nbytes % gran:
+                check_granular(nbytes, gran)
+            native = self._do_mem_create(nbytes)
+            return self._book.add_physical(PhysicalHandle, nbytes, native).handle
+        finally:
+            lock.release()
+            if self._queued_events:
+                self._after_call()
 
     def mem_release(self, handle: PhysicalHandle) -> None:
         """Release a physical chunk. Its memory returns once it is also unmapped everywhere."""
-        return self._run(self._mem_release, handle)
-
-    def _mem_release(self, handle: PhysicalHandle) -> None:
-        self._require_vmm("mem_release")
-        phys = self._book.physical(handle, PhysicalHandle, "mem_release")
-        self._do_mem_release(phys)
-        phys.released = True
-        if phys.map_count == 0:
-            self._drop_physical(phys)
+        lock = self._lock
+        lock.acquire()
+        try:
+            if not self._vmm_gran or self._closed or self._lost:
+                self._vmm_ready("mem_release")
+            phys = self._book.physical(handle, PhysicalHandle, "mem_release")
+            self._do_mem_release(phys)
+            phys.released = True
+            if phys.map_count == 0:
+                self._drop_physical(phys)
+        finally:
+            lock.release()
+            if self._queued_events:
+                self._after_call()
 
     def _drop_physical(self, phys: Physical) -> None:
         del self._book.physicals[phys.handle.handle]
@@ -488,24 +641,37 @@ class Device(abc.ABC):
 
     def mem_map(self, va: int, nbytes: int, handle: PhysicalHandle, offset: int = 0) -> None:
         """Map ``nbytes`` of ``handle`` starting at ``offset`` at ``va`` inside a reservation."""
-        return self._run(self._mem_map, va, nbytes, handle, offset)
+        lock = self._lock
+        lock.acquire()
+        try:
+            gran = self._vmm_gran
+            if not gran or self._closed or self._lost:
+                gran = self._vmm_ready("mem_map")
+            if (type(va) is not int or type(nbytes) is not int or type(offset) is not int or va <= 0 or nbytes <= 0
+                    or offset < 0 or va % gran or nbytes % gran or offset % gran):
+                self._check_map_args(va, nbytes, offset, gran)
+            book = self._book
+            phys = book.physical(handle, PhysicalHandle, "mem_map")
+            if offset + nbytes > phys.handle.nbytes:
+                raise InvalidArgumentError(f"mem_map: offset {offset} + nbytes {nbytes} exceeds the chunk's "
+                                           f"{phys.handle.nbytes} bytes")
+            r = book.reservation(va, nbytes, "mem_map")
+            r.check_unmapped(va, nbytes, "mem_map")
+            self._do_mem_map(va, nbytes, phys, offset)
+            r.add(va, nbytes, phys, offset)
+        finally:
+            lock.release()
+            if self._queued_events:
+                self._after_call()
 
-    def _mem_map(self, va: int, nbytes: int, handle: PhysicalHandle, offset: int) -> None:
-        self._require_vmm("mem_map")
+    @staticmethod
+    def _check_map_args(va: object, nbytes: object, offset: object, gran: int) -> None:
+        """The argument checks of :meth:`mem_map`, in their order (the slow path: one of them fails)."""
         check_pointer(va, what="va")
-        gran = self.granularity_nbytes
         check_granular(nbytes, gran)
         check_nbytes(offset, what="offset", allow_zero=True)
-        if va % gran or offset % gran:
+        if va % gran or offset % gran:  # type: ignore[operator]
             raise InvalidArgumentError(f"mem_map: va and offset must be multiples of the granularity {gran}")
-        phys = self._book.physical(handle, PhysicalHandle, "mem_map")
-        if offset + nbytes > phys.handle.nbytes:
-            raise InvalidArgumentError(f"mem_map: offset {offset} + nbytes {nbytes} exceeds the chunk's "
-                                       f"{phys.handle.nbytes} bytes")
-        r = self._book.reservation(va, nbytes, "mem_map")
-        r.check_unmapped(va, nbytes, "mem_map")
-        self._do_mem_map(va, nbytes, phys, offset)
-        r.add(va, nbytes, phys, offset)
 
     def mem_set_access(self, va: int, nbytes: int) -> None:
         """Make a mapped range readable and writable by this device.
@@ -513,16 +679,25 @@ class Device(abc.ABC):
         The range must be fully mapped (possibly by several mappings); every mapping it
         touches is recorded as accessible.
         """
-        return self._run(self._mem_set_access, va, nbytes)
-
-    def _mem_set_access(self, va: int, nbytes: int) -> None:
-        self._require_vmm("mem_set_access")
-        check_pointer(va, what="va")
-        check_granular(nbytes, self.granularity_nbytes)
-        maps = self._book.reservation(va, nbytes, "mem_set_access").covering(va, nbytes, "mem_set_access")
-        self._do_mem_set_access(va, nbytes, maps)
-        for m in maps:
-            m.accessible = True
+        lock = self._lock
+        lock.acquire()
+        try:
+            gran = self._vmm_gran
+            if not gran or self._closed or self._lost:
+                gran = self._vmm_ready("mem_set_access")
+            if type(va) is not int or type(nbytes) is not int or va <= 0 or nbytes <= 0 or nbytes % gran:
+                check_pointer(va, what="va")
+                check_granular(nbytes, gran)
+            r = self._book.reservation(va, nbytes, "mem_set_access")
+            m = r.mappings.get(va)  # the common case, one whole mapping: what covering() finds, without the walk
+            maps = [m] if m is not None and m.nbytes == nbytes else r.covering(va, nbytes, "mem_set_access")
+            self._do_mem_set_access(va, nbytes, maps)
+            for m in maps:
+                m.accessible = True
+        finally:
+            lock.release()
+            if self._queued_events:
+                self._after_call()
 
     def mem_unmap(self, va: int, nbytes: int) -> None:
         """Unmap a range that was mapped with exactly this base and size.
@@ -532,15 +707,23 @@ class Device(abc.ABC):
         Wait for that work first (:meth:`event_synchronize`); the simulator's sanitizer
         raises :class:`~gpumem.errors.MemoryHazardError` otherwise.
         """
-        return self._run(self._mem_unmap, va, nbytes)
-
-    def _mem_unmap(self, va: int, nbytes: int) -> None:
-        self._require_vmm("mem_unmap")
-        check_pointer(va, what="va")
-        check_granular(nbytes, self.granularity_nbytes)
-        r = self._book.reservation(va, nbytes, "mem_unmap")
-        maps = r.whole_mappings(va, nbytes, "mem_unmap")
-        self._do_mem_unmap(r, maps)
+        lock = self._lock
+        lock.acquire()
+        try:
+            gran = self._vmm_gran
+            if not gran or self._closed or self._lost:
+                gran = self._vmm_ready("mem_unmap")
+            if type(va) is not int or type(nbytes) is not int or va <= 0 or nbytes <= 0 or nbytes % gran:
+                check_pointer(va, what="va")
+                check_granular(nbytes, gran)
+            r = self._book.reservation(va, nbytes, "mem_unmap")
+            m = r.mappings.get(va)  # one whole mapping: what whole_mappings() finds, without the walk
+            maps = [m] if m is not None and m.nbytes == nbytes else r.whole_mappings(va, nbytes, "mem_unmap")
+            self._do_mem_unmap(r, maps)
+        finally:
+            lock.release()
+            if self._queued_events:
+                self._after_call()
 
     def _unmapped(self, r: Reservation, m: Mapping) -> None:
         """Record that ``m`` was unmapped: implementations of ``_do_mem_unmap`` call it for each mapping
@@ -613,47 +796,85 @@ class Device(abc.ABC):
 
     def event_record(self, stream: int = 0) -> Event:
         """Record an event on ``stream``: it completes when all work queued there before it has completed."""
-        check_stream(stream)
-        return self._run(self._event_record, stream)
-
-    def _event_record(self, stream: int) -> Event:
-        self._check_usable()
-        return self._do_event_record(stream)
+        if type(stream) is not int or stream < 0:
+            check_stream(stream)
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._closed or self._lost:
+                self._check_usable()
+            return self._do_event_record(stream)
+        finally:
+            lock.release()
+            if self._queued_events:
+                self._after_call()
 
     def event_query(self, event: Event) -> bool:
         """Whether ``event`` has completed (never waits)."""
-        self._check_event_type(event, "event_query")
-        return self._run(self._event_call, "event_query", self._do_event_query, event)
+        if not isinstance(event, self.event_type):
+            self._check_event_type(event, "event_query")
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._closed or self._lost:
+                self._check_usable()
+            if event._device is not self or event._destroyed:
+                self._check_event(event, "event_query")
+            return self._do_event_query(event)
+        finally:
+            lock.release()
+            if self._queued_events:
+                self._after_call()
 
     def event_synchronize(self, event: Event) -> None:
         """Wait until ``event`` has completed."""
-        self._check_event_type(event, "event_synchronize")
-        return self._run(self._event_call, "event_synchronize", self._do_event_synchronize, event)
+        if not isinstance(event, self.event_type):
+            self._check_event_type(event, "event_synchronize")
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._closed or self._lost:
+                self._check_usable()
+            if event._device is not self or event._destroyed:
+                self._check_event(event, "event_synchronize")
+            return self._do_event_synchronize(event)
+        finally:
+            lock.release()
+            if self._queued_events:
+                self._after_call()
 
     def event_destroy(self, event: Event) -> None:
         """Give ``event`` back; using it afterwards raises :class:`~gpumem.errors.InvalidArgumentError`."""
-        self._check_event_type(event, "event_destroy")
-        return self._run(self._event_destroy, event)
-
-    def _event_call(self, call: str, fn: Callable[[Any], T], event: Event) -> T:
-        self._check_usable()
-        self._check_event(event, call)
-        return fn(event)
-
-    def _event_destroy(self, event: Event) -> None:
-        self._check_usable()
-        self._check_event(event, "event_destroy")
-        self._do_event_destroy(event)
-        event._destroyed = True
+        if not isinstance(event, self.event_type):
+            self._check_event_type(event, "event_destroy")
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._closed or self._lost:
+                self._check_usable()
+            if event._device is not self or event._destroyed:
+                self._check_event(event, "event_destroy")
+            self._do_event_destroy(event)
+            event._destroyed = True
+        finally:
+            lock.release()
+            if self._queued_events:
+                self._after_call()
 
     def stream_synchronize(self, stream: int) -> None:
         """Wait until all work queued on ``stream`` has completed."""
-        check_stream(stream)
-        return self._run(self._stream_synchronize, stream)
-
-    def _stream_synchronize(self, stream: int) -> None:
-        self._check_usable()
-        self._do_stream_synchronize(stream)
+        if type(stream) is not int or stream < 0:
+            check_stream(stream)
+        lock = self._lock
+        lock.acquire()
+        try:
+            if self._closed or self._lost:
+                self._check_usable()
+            self._do_stream_synchronize(stream)
+        finally:
+            lock.release()
+            if self._queued_events:
+                self._after_call()
 
     def stream_wait_event(self, stream: int, event: Event) -> None:
         """Make work queued on ``stream`` from now on wait until ``event`` has completed (no host wait)."""

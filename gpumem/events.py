@@ -93,6 +93,11 @@ class EventHub:
         if sub in self._subs:
             self._subs.remove(sub)
 
+    @property
+    def watching_levels(self) -> bool:
+        """Whether any free level is watched (a device skips looking for crossings otherwise)."""
+        return bool(self._levels)
+
     def watch_level(self, level_nbytes: int) -> None:
         if level_nbytes not in self._levels:
             self._levels.append(level_nbytes)

@@ -167,7 +167,8 @@ class MemoryBook:
         if hit is None:
             raise MappingError(f"{call}: {va:#x} is not inside an address reservation on {self.spec}")
         r = hit[2]
-        r.check_inside(va, nbytes, call)
+        if va + nbytes > r.start + r.nbytes:
+            r.check_inside(va, nbytes, call)  # raises
         return r
 
     def reservation_to_free(self, va: int, nbytes: int) -> Reservation:
@@ -191,7 +192,7 @@ class MemoryBook:
         if not isinstance(handle, handle_type):
             raise InvalidArgumentError(f"{call}: handle must be a PhysicalHandle, got {type(handle).__name__}")
         phys = self.physicals.get(handle.handle)
-        if phys is None or phys.handle != handle or phys.released:
+        if phys is None or (phys.handle is not handle and phys.handle != handle) or phys.released:
             raise InvalidPointerError(f"{call}: unknown or released physical handle {handle.handle}")
         return phys
 

@@ -17,6 +17,17 @@ data-centre parts, less on small cards). Embedded parts (Jetson) share memory
 with the CPU: their "total" is the board's RAM as CUDA reports it and the
 operating system's own use is modelled as ``host_reserved_nbytes``.
 
+Note [Where the latencies come from]
+------------------------------------
+Every built-in profile uses the default :class:`~sim.latency.LatencyModel`, whose
+figures were measured on the H200 (Note [Latency calibration] in
+:mod:`sim.latency`, ``reports/hil/calibrate-h200-2026-11-22.md``): the costs of
+driver calls are host-side work of the driver, and no other card was measured.
+For the H100 (the same driver on the same kind of host) they are the best
+estimate there is; for older and smaller cards, and for Jetson boards (slower
+CPUs), they are a lower bound. Pass ``latency=LatencyModel(...)`` to
+:func:`custom_profile` to model a card measured with ``hil/probes/calibrate.py``.
+
 A user defines a custom profile with :func:`custom_profile` or by building a
 :class:`DeviceProfile` directly, and passes it to ``sim.SimDevice`` or
 ``gpumem.open_device("sim:custom", profile=...)``.

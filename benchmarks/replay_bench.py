@@ -12,7 +12,10 @@ so only ratios within a run mean anything):
    free). Goal: at most 10x.
 3. With ``--cuda``: on a real GPU, wall time per operation of gpumem on ``cuda:0``
    beside CuPy's MemoryPool and PyTorch's caching allocator (and RMM's pool if rmm is
-   installed) on the same traces. Goal: at or below CuPy's pool.
+   installed) on the same traces. Goal: at or below CuPy's pool. Two gpumem columns:
+   ``gpumem`` (a ``CachingAllocator`` over the CuPy-based device adapter: the engine's
+   device calls go through Python) and ``gpumem-native`` (``gpumem._engine.CudaAllocator``:
+   the native engine calling the CUDA driver itself, as under PyTorch).
 
 The traces are every trace file in ``--traces DIR`` (default: the project's
 ``data/traces``): PyTorch snapshots (``.pickle``, ``.pkl``), RMM logs (``.csv``) and
@@ -60,7 +63,7 @@ TRACE_SUFFIXES = (".pickle", ".pkl", ".csv", ".gmt")
 #: The policies of table 1, in column order (each in its own process).
 SIM_POLICIES = ("gpumem", "bestfit", "pytorch", "cupy")
 #: The allocators of table 3, in column order (each in its own process).
-CUDA_PEERS = ("gpumem", "gpumem-bestfit", "cupy-pool", "pytorch", "rmm-pool")
+CUDA_PEERS = ("gpumem", "gpumem-native", "gpumem-bestfit", "cupy-pool", "pytorch", "rmm-pool")
 #: How long one peer's process may run (all traces), seconds.
 DEFAULT_PEER_TIMEOUT_S = 4 * 3600
 
@@ -144,6 +147,21 @@ def _cuda_runner(peer: str) -> Callable[[Any], tuple[float, float | None]]:
             finally:
                 dev.close()
         return run_gpumem
+    if peer == "gpumem-native":
+        # the native engine over the CUDA driver (gpumem._engine.CudaAllocator): no Python device calls
+        from gpumem.native import native_module
+
+        try:
+            engine_mod = native_module()
+        except Exception as exc:  # noqa: BLE001 - reported as this peer being unavailable
+            raise ImportError(str(exc)) from exc
+
+        def run_native(tr: Any) -> tuple[float, float | None]:
+            a = engine_mod.CudaAllocator(0)
+            us = _time_ops(tr, a.allocate, a.free)
+            a.empty_cache()
+            return us, None
+        return run_native
     if peer == "cupy-pool":
         import cupy
 
@@ -354,8 +372,9 @@ def cuda_table(traces: list[tuple[Path, Any]], rows: list[dict], repeat: int, ti
     failures: list[tuple[str, str, str]] = []
     gpumem_ok = True
     print("\n## Cost per operation on cuda:0 (µs, median of runs, one process per allocator, same traces)\n")
-    print("| trace | " + " | ".join(names) + " | gpumem / cupy-pool | gpumem overhead (real) |")
-    print("|---" * (len(names) + 3) + "|")
+    print("| trace | " + " | ".join(names) + " | gpumem / cupy-pool | gpumem-native / cupy-pool "
+          "| gpumem overhead (real) |")
+    print("|---" * (len(names) + 4) + "|")
     for path, tr in traces:
         us: dict[str, float | None] = {}
         for peer in names:
@@ -368,9 +387,10 @@ def cuda_table(traces: list[tuple[Path, Any]], rows: list[dict], repeat: int, ti
         over = gp["overhead"] if gp else None
         rows.append({"table": "cuda", "trace": tr.name, "us_per_op": us, "gpumem_overhead": over,
                      "failed": {p: e for p, t, e in failures if t == tr.name}})
-        ratio = (f"{us['gpumem'] / us['cupy-pool']:.2f}x" if us.get("gpumem") and us.get("cupy-pool") else "n/a")
+        ratios = [f"{us[p] / us['cupy-pool']:.2f}x" if us.get(p) and us.get("cupy-pool") else "n/a"
+                  for p in ("gpumem", "gpumem-native")]
         print(f"| {tr.name} | " + " | ".join("failed" if us[n] is None else f"{us[n]:.2f}" for n in names)
-              + f" | {ratio} | {'n/a' if over is None else f'{over:.2%}'} |")
+              + f" | {ratios[0]} | {ratios[1]} | {'n/a' if over is None else f'{over:.2%}'} |")
     _failure_notes(failures)
     return gpumem_ok
 

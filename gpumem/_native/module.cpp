@@ -608,6 +608,8 @@ PyModuleDef engine_module = {PyModuleDef_HEAD_INIT, "gpumem._engine",
 
 }  // namespace
 
+int gpumem_add_cuda_allocator(PyObject* module);   // cuda_allocator.cpp
+
 PyMODINIT_FUNC PyInit__engine(void) {
     AllocType.tp_name = "gpumem._engine.Allocator";
     AllocType.tp_basicsize = sizeof(AllocObject);
@@ -623,6 +625,10 @@ PyMODINIT_FUNC PyInit__engine(void) {
     Py_INCREF(&AllocType);
     if (PyModule_AddObject(m, "Allocator", reinterpret_cast<PyObject*>(&AllocType)) < 0) {
         Py_DECREF(&AllocType);
+        Py_DECREF(m);
+        return nullptr;
+    }
+    if (gpumem_add_cuda_allocator(m) < 0) {
         Py_DECREF(m);
         return nullptr;
     }

@@ -189,6 +189,11 @@ std::string oom_message(const EngineError& e, std::uint64_t nbytes, int device) 
 }
 
 }  // namespace
+
+// The engine PyTorch's hooks use on `device` (made on first use), for gpumem._engine.CudaAllocator:
+// Python programs and PyTorch on one device share one engine, as they share the device's memory.
+Engine& cuda_engine(int device) { return *get_or_make(device)->engine; }
+
 }  // namespace gpumem
 
 using namespace gpumem;

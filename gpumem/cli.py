@@ -598,8 +598,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     reports as status 130 too.)
     """
     command = ""
-    sigint = _SigintFlag()
+    sigint: _SigintFlag | None = None
     try:
+        # inside the try: a Ctrl-C while the handler is being installed is an interruption like any other
+        sigint = _SigintFlag()
         parser = build_parser()
         args = parser.parse_args(argv)
         command = f" {args.command}"
@@ -608,10 +610,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         pass
     except Exception:
         # a Ctrl-C inside a C extension's import (numpy's) can come out as an ImportError or SystemError
-        if not sigint.seen:
+        if sigint is None or not sigint.seen:
             raise
     finally:
-        sigint.restore()
+        if sigint is not None:
+            sigint.restore()
     if sys.stderr is not None:
         print(f"gpumem{command}: interrupted", file=sys.stderr)
     return EXIT_INTERRUPTED

@@ -872,3 +872,16 @@ def test_hil_probes_without_cupy_say_which_extra(capsys, monkeypatch, probe):
     assert code == 2 and out == ""
     assert len(err.splitlines()) == 1 and 'pip install "gpumem[cuda13]"' in err
     assert err.startswith(f"python -m gpumem.hil.probes.{probe}: needs CuPy")
+
+
+def test_ctrl_c_while_the_handler_is_installed_is_quiet(capsys, monkeypatch):
+    """A SIGINT that lands inside installing gpumem's own handler (seen once on a loaded CI box, as a
+    traceback) ends as any other interruption: status 130 and one line."""
+    from gpumem import cli
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli._SigintFlag, "__init__", interrupted)
+    code, out, err = run(capsys, "devices")
+    assert code == 130 and err == "gpumem: interrupted\n"

@@ -22,7 +22,9 @@ REQUIRE_NATIVE = os.environ.get("GPUMEM_REQUIRE_NATIVE", "") not in ("", "0")
 
 
 class OptionalBuildExt(build_ext):
-    """``build_ext`` that warns instead of failing when the engine cannot be compiled."""
+    """``build_ext`` that warns (once) instead of failing when the engine cannot be compiled."""
+
+    failed = False
 
     def run(self) -> None:
         try:
@@ -36,10 +38,27 @@ class OptionalBuildExt(build_ext):
         except Exception as exc:  # noqa: BLE001 - CompileError, LinkError
             self._failed(exc)
 
-    @staticmethod
-    def _failed(exc: BaseException) -> None:
+    def copy_extensions_to_source(self) -> None:
+        # editable installs copy the built library into the source tree: there is none to copy
+        if not self.failed:
+            super().copy_extensions_to_source()
+
+    def _failed(self, exc: BaseException) -> None:
         if REQUIRE_NATIVE:
             raise exc
+        if self.failed:
+            return
+        self.failed = True
+        # Note [A failed build leaves no stale engine]: a library built from older sources would
+        # otherwise stay importable beside the new sources, and gpumem would run code that is not
+        # in the checkout.
+        here = os.path.dirname(os.path.abspath(__file__))
+        for stale in glob.glob(os.path.join(here, "gpumem", "_engine*.so")) + \
+                glob.glob(os.path.join(here, "gpumem", "_engine*.pyd")):
+            try:
+                os.remove(stale)
+            except OSError:
+                pass
         sys.stderr.write(f"warning: gpumem's native engine was not built ({exc}); gpumem will run on its "
                          "pure-Python engine, which is slower. Install a C++ compiler and reinstall to build it.\n")
 

@@ -111,8 +111,9 @@ def cmd_devices(args: argparse.Namespace) -> int:
     which = engine()  # "native" or "python" (the allocator engine gpumem runs on in this install)
     if args.json:
         # Note [The engine in the JSON list]: the list stays a list of devices (what scripts parse);
-        # each row says which engine gpumem would allocate on it with.
-        print(json.dumps([{**r, "engine": which} for r in rows], indent=2))
+        # each row says which engine gpumem's default policy would allocate on it with: the native
+        # engine runs virtual-memory mode only, so devices without VMM run on the Python engine.
+        print(json.dumps([{**r, "engine": which if r.get("vmm_supported") else "python"} for r in rows], indent=2))
         return EXIT_OK
     print(f"{'SPEC':<24} {'KIND':<5} {'NAME':<36} {'TOTAL':>11} {'FREE':>11}")
     for r in rows:
@@ -120,7 +121,8 @@ def cmd_devices(args: argparse.Namespace) -> int:
               f"{format_bytes(r['free_bytes']):>11}")
     if not any(r["kind"] == "cuda" for r in rows):
         print("(no CUDA device found: install gpumem[cuda12] or gpumem[cuda13] on a GPU machine to list them)")
-    print(f"engine: {which}")
+    print(f"engine: {which}" + (" (devices without virtual memory management run on the python engine)"
+                                if which == "native" and not all(r.get("vmm_supported") for r in rows) else ""))
     return EXIT_OK
 
 
@@ -354,6 +356,8 @@ def _print_result(result: Any, summary: str | None) -> None:
     _row("trace", f"{result.trace} ({result.n_ops:,} ops, {result.n_allocs:,} allocations)")
     _row("device", result.device)
     _row("policy", result.policy)
+    if "engine" in result.extra:
+        _row("engine", str(result.extra["engine"]))
     if result.oom_op is not None:
         _row("replayed", f"{result.completed_ops:,} of {result.n_ops:,} ops (stopped by out of memory at op "
                          f"{result.oom_op + 1:,})")

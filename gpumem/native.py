@@ -30,8 +30,8 @@ __all__ = ["engine", "native_module", "library_path", "NativeEngineWarning"]
 log = logging.getLogger(__name__)
 
 #: How to get the native engine, for messages.
-HOW_TO_BUILD = ("install a C++ compiler (g++ or clang++) and reinstall gpumem "
-                "(pip install -e . in a checkout, or pip install --force-reinstall --no-binary gpumem gpumem)")
+HOW_TO_BUILD = ("install a C++ compiler (g++ or clang++) and reinstall gpumem from its checkout "
+                "(pip install -e .)")
 
 
 class NativeEngineWarning(RuntimeWarning):
@@ -66,8 +66,7 @@ def native_module() -> ModuleType:
 def engine() -> str:
     """``"native"`` when gpumem's C++ engine is built and importable, else ``"python"``.
 
-    The first call that finds no native engine warns once (:class:`NativeEngineWarning`, also
-    logged) with the reason and how to build it; gpumem keeps working on its pure-Python engine,
+    The first call that finds no native engine warns once (:class:`NativeEngineWarning`) with the reason and how to build it; gpumem keeps working on its pure-Python engine,
     only slower.
     """
     module, why = _load()
@@ -81,7 +80,7 @@ def engine() -> str:
 def _warn_once(why: str) -> None:
     message = (f"gpumem's native engine is not available ({why}); gpumem runs on its pure-Python engine, "
                f"which is much slower. To build the native engine, {HOW_TO_BUILD}.")
-    log.warning(message)
+    log.debug(message)  # the warning below is the one message people see
     warnings.warn(message, NativeEngineWarning, stacklevel=3)
 
 

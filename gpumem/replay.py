@@ -178,6 +178,7 @@ def replay(trace: Trace, allocator: CachingAllocator, *, stop_on_oom: bool = Tru
         oom_error=oom_error,
         oom_op=oom_op,
         trace_peak_live_bytes=trace.peak_live_nbytes,
+        extra={"engine": getattr(allocator, "engine", "python")},
     )
 
 

@@ -87,9 +87,8 @@ _FREED_MEMORY = 65_536
 NATIVE_BY_DEFAULT = True
 """Whether ``engine=None`` picks the native engine where it can run (Note [Choosing the engine]).
 
-Off for now: the native engine makes the reference's decisions (tests/allocator/test_native_differential.py),
-but the white-box tests read the Python engine's internals (``backing``, ``_free_lists``...) of default
-allocators; they pin ``engine="python"`` first, then this turns on."""
+On: the native engine makes the reference's decisions (tests/allocator/test_native_differential.py). The
+white-box tests that read the Python engine's internals pin the reference (tests/allocator/conftest.py)."""
 _STREAM_END = 1 << 64
 
 
@@ -193,6 +192,9 @@ class CachingAllocator:
         why = None
         if load_engine() is None:
             why = "the native engine (gpumem._engine) is not built"
+            from ..native import engine as which_engine
+
+            which_engine()  # warns once per process (NativeEngineWarning) that gpumem runs on Python
         elif not use_vmm:
             why = f"the native engine runs virtual-memory mode only, and {self.device.spec} runs without it"
         elif record_history:

@@ -122,6 +122,16 @@ class CachingAllocator:
     memory passes that fraction of the limit (or of the device), cached memory is given back
     before the allocator grows. ``record_history``: keep every allocation, free and segment
     event for export as a trace or a PyTorch snapshot (:meth:`history`).
+
+    ``engine``: which implementation runs it. ``None`` (the default) takes the native C++ engine
+    (``gpumem._engine``, built at install time where a C++ compiler exists) where it can run, that
+    is in virtual-memory mode (the ``gpumem`` policy on a device with VMM) without
+    ``record_history``, and the pure-Python reference engine otherwise (the ``bestfit``,
+    ``pytorch`` and ``cupy`` policies, devices without VMM, history recording). ``"python"``
+    forces the reference; ``"native"`` raises
+    :class:`~gpumem.errors.UnsupportedOperationError` where the native engine cannot run. Both make
+    the same decisions (``tests/allocator/test_native_differential.py``); :attr:`engine` says
+    which one runs.
     """
 
     def __init__(
@@ -822,7 +832,8 @@ class CachingAllocator:
     def memory_summary(self) -> str:
         """A text table of the stats, for people."""
         describe = self._native.describe() if self._native is not None else self.backing.describe()
-        return format_summary(self.snapshot_stats(), self.policy, self.device.spec, describe)
+        return format_summary(self.snapshot_stats(), self.policy, self.device.spec,
+                              f"{describe}; {self.engine} engine")
 
     def history(self):  # -> gpumem.trace.Trace
         """The recorded allocation history as a :class:`gpumem.trace.Trace` (``record_history=True``).

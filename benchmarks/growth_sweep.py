@@ -87,18 +87,20 @@ def call_cost_us(kind: str, nbytes: int, n_mappings: int = 1) -> float:
 VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
     "pages": ({"growth": "pages", "page_slack": 0.0},
               "before issue 7: one-page chunks, an empty page stolen before a chunk is created"),
-    "pages+slack0.5": ({"growth": "pages", "page_slack": 0.005},
-                       "one-page chunks, created (not stolen) up to 0.5 % above the most pages ever touched"),
-    "runs": ({"page_slack": 0.0, "chunk_max_fraction": 1.0, "grow_ahead_fraction": 0.0},
-             "one chunk per run of pages a block needs (uncapped), no slack, no growing ahead"),
-    "runs+slack0.5": ({"chunk_max_fraction": 1.0, "grow_ahead_fraction": 0.0},
-                      "one chunk per run (uncapped), slack 0.5 %"),
-    "runs/64+slack0.5": ({"chunk_max_fraction": 1 / 64, "grow_ahead_fraction": 0.0},
-                         "runs capped at 1/64 of the memory held, slack 0.5 %"),
-    "chunks": ({}, "the default: runs capped at 1/64 of held, slack 0.5 %, grown ahead at the top to 0.4 % of held"),
-    "chunks+ahead0.2": ({"grow_ahead_fraction": 0.002}, "as chunks, grown ahead to 0.2 % of held"),
-    "chunks+ahead0.8": ({"grow_ahead_fraction": 0.008, "page_slack": 0.008},
-                        "as chunks, grown ahead to 0.8 % of held, slack 0.8 %"),
+    "pages+slack": ({"growth": "pages"},
+                    "one-page chunks, created (not stolen) up to 0.5 % above the most pages ever touched"),
+    "runs": ({"chunk_max_fraction": 1.0, "grow_ahead_fraction": 0.0},
+             "one chunk per run of pages a block needs (uncapped), slack 0.5 %"),
+    "runs<=32MiB": ({"chunk_max_fraction": 1.0, "chunk_max_nbytes": 32 << 20, "grow_ahead_fraction": 0.0},
+                    "runs capped at 32 MiB, slack 0.5 %"),
+    "chunks/64": ({"chunk_max_fraction": 1 / 64}, "runs capped at 1/64 of the memory held, slack 0.5 %, "
+                  "grown ahead at the top to 0.4 % of held"),
+    "chunks/128": ({"chunk_max_fraction": 1 / 128}, "as chunks/64, capped at 1/128 of held"),
+    "chunks": ({}, "the default: as chunks/64, capped at 1/256 of held"),
+    "chunks,no-ahead": ({"grow_ahead_fraction": 0.0}, "as chunks, never grown ahead"),
+    "chunks,slack0.3": ({"page_slack": 0.003, "grow_ahead_fraction": 0.002},
+                        "as chunks, slack 0.3 %, grown ahead to 0.2 %"),
+    "chunks/1024": ({"chunk_max_fraction": 1 / 1024}, "as chunks, capped at 1/1024 of held"),
 }
 
 

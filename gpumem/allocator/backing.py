@@ -886,12 +886,14 @@ class VirtualBacking(Backing):
         handle = self._steal_chunk(seg, first, last, rem, requested)
         if handle is not None:
             return handle
+        # idle chunks that remain are all larger than the run: give back one whose work is done and
+        # create what fits (memory shrinks); wait for one only when memory would run short
+        self._release_idle_chunk(seg, first, last, False)
         n = min(rem, self._chunk_cap_pages())
         try:
             return self._create_chunk(n, requested)
         except OutOfMemoryError:
-            # idle chunks remain, all larger than the run: give one back and create what fits
-            if not self._release_idle_chunk(seg, first, last):
+            if not self._release_idle_chunk(seg, first, last, True):
                 raise
         return self._create_chunk(n, requested)
 
@@ -956,13 +958,19 @@ class VirtualBacking(Backing):
         self.n_steals += 1
         return self._unmap_chunk(other, s)
 
-    def _release_idle_chunk(self, seg: VirtualSegment, first: int, last: int) -> bool:
-        """Give back the smallest idle chunk (waiting for its work if needed); False when there is none."""
+    def _release_idle_chunk(self, seg: VirtualSegment, first: int, last: int, wait: bool) -> bool:
+        """Give back the smallest idle chunk whose work is done (with ``wait``: else the smallest,
+        waiting for its work); False when there is none."""
         idle = sorted(self._idle_chunks(seg, first, last))
-        if not idle:
-            return False
-        _, _, s, other = idle[0]
-        self._chunk_ready(other, s, True, {})
+        batch: dict[int, int] = {}
+        for _, _, s, other in idle:
+            if self._chunk_ready(other, s, False, batch):
+                break
+        else:
+            if not wait or not idle:
+                return False
+            _, _, s, other = idle[0]
+            self._chunk_ready(other, s, True, batch)
         self.unmapped.append(self._unmap_chunk(other, s))
         self._release_unmapped(1)
         return True

@@ -97,8 +97,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
                   "grown ahead at the top to 0.4 % of held"),
     "chunks/128": ({"chunk_max_fraction": 1 / 128}, "as chunks/64, capped at 1/128 of held"),
     "chunks": ({}, "the default: as chunks/64, capped at 1/256 of held"),
-    "chunks,no-ahead": ({"grow_ahead_fraction": 0.0}, "as chunks, never grown ahead"),
-    "chunks,slack0.3": ({"page_slack": 0.003, "grow_ahead_fraction": 0.002},
+    "chunks-no-ahead": ({"grow_ahead_fraction": 0.0}, "as chunks, never grown ahead"),
+    "chunks-slack0.3": ({"page_slack": 0.003, "grow_ahead_fraction": 0.002},
                         "as chunks, slack 0.3 %, grown ahead to 0.2 %"),
     "chunks/1024": ({"chunk_max_fraction": 1 / 1024}, "as chunks, capped at 1/1024 of held"),
 }

@@ -368,6 +368,8 @@ class VirtualBacking(Backing):
         self.live_pages = 0
         """Pages touched by at least one live block, over all ranges."""
         self.peak_live_pages = 0
+        self._created: list[PhysicalHandle] | None = None
+        """The chunks the running :meth:`_map_runs` created (given back if it fails)."""
         self.chunked = policy.growth is GrowthRule.CHUNKS
         """Chunks of several pages (Note [Chunks of several pages]); else every chunk is one page."""
         self._first_stream: int | None = None
@@ -771,6 +773,7 @@ class VirtualBacking(Backing):
         """Pages the memory held may reach before idle chunks are stolen."""
         top_page = (seg.top - 1) // g
         mapped: list[int] = []  # first pages of the chunks this call mapped
+        created = self._created = []
         try:
             i = 0
             while i < len(need):
@@ -823,7 +826,22 @@ class VirtualBacking(Backing):
                     seg.empty.pop(q, None)
                 self.unmapped.append(handle)
                 self._segment_event("segment_unmap", seg.base + start * g, handle.nbytes, 0)
+            # and give back the chunks this call created: a failed allocation holds no more memory
+            for handle in created:
+                if handle not in self.unmapped:
+                    continue  # could not be unmapped: kept, counted
+                try:
+                    self.device.mem_release(handle)
+                except Exception as exc:  # noqa: BLE001 - kept cached and counted; the first error is raised
+                    log.debug("could not release a chunk after a failed map: %s", exc)
+                    continue
+                self.device_calls += 1
+                self.unmapped.remove(handle)
+                self.n_chunks -= 1
+                self.reserved_nbytes -= handle.nbytes
             raise
+        finally:
+            self._created = None
 
     def _take_cached(self, max_pages: int) -> PhysicalHandle | None:
         """Take the largest cached (unmapped) chunk of at most ``max_pages`` out of the cache (None: none)."""
@@ -905,6 +923,8 @@ class VirtualBacking(Backing):
         self.device_calls += 1
         self.n_chunks += 1
         self.reserved_nbytes += nbytes
+        if self._created is not None:
+            self._created.append(handle)
         return handle
 
     def _idle_chunks(self, seg: VirtualSegment, first: int, last: int) -> list[tuple[int, int, int, VirtualSegment]]:

@@ -30,7 +30,9 @@ once ``free`` succeeded. A call that fails raises with the bookkeeping describin
 exactly what the device holds, so :meth:`CachingAllocator.check_consistency`
 passes and the next operation works. Pages mapped whose ``mem_set_access``
 failed and that could not be unmapped again are kept as empty pages marked
-``noaccess`` (access is set before a block uses them).
+``noaccess`` (access is set before a block uses them). A commit that fails
+unmaps the chunks it mapped and releases the ones it created (a failed
+allocation holds no more memory than before); chunks it stole stay cached.
 
 Note [One range per pool]
 -------------------------
@@ -59,7 +61,10 @@ chunks, else unmaps an empty page anywhere and maps its chunk where it is needed
 memory held never exceeds the largest number of pages live data has touched at
 any moment: fragmentation of the address space costs address space, which is
 plentiful, not memory. What remains is the partial pages at the edges of live
-data, which best fit keeps few.
+data, which best fit keeps few. That is ``growth=PAGES`` with no slack; the
+default trades a little of it (under 1 %) for far fewer driver calls: chunks of
+several pages that move whole, created within a slack (Note [Chunks of several
+pages]).
 
 Note [Exporting cached chunks]
 ------------------------------
@@ -77,12 +82,45 @@ mapped or released a ``segment_unmap``. In the viewer they are a segment with no
 blocks: cached memory. A successful operation leaves no unmapped chunk behind, so
 this adds no events to a fault-free run.
 
-Note [Why every chunk is one page]
-----------------------------------
-Chunks of a single granule can back any page, so any empty page can be stolen
-for any block. Larger chunks would need fewer ``cuMemMap`` calls for large blocks
-but could only move whole; the map calls are paid only when pages change hands,
-which the reuse of mapped free blocks keeps rare.
+Note [Chunks of several pages]
+------------------------------
+On the H200 a driver call costs more than a whole allocation from CuPy's pool
+(``cuMemCreate`` 14.6 µs, ``cuMemMap`` 3.0, ``cuMemSetAccess`` 38, ``cuMemUnmap``
+23.6, ``cuMemRelease`` 15.6), and with one-page chunks growing to 15 GiB takes
+7,000 creates and maps. CUDA maps a chunk only whole and at offset 0, and unmaps
+a mapping only whole, so a chunk of several pages lies on contiguous pages and
+moves whole. ``growth=CHUNKS`` (the default; ``growth=PAGES`` with
+``page_slack=0`` is the behaviour before, kept for comparison) therefore:
+
+* covers each run of pages a block needs, left to right, with as few chunks as
+  it can: the largest cached chunk that fits in the rest of the run, else a new
+  chunk of the rest of the run, capped at ``chunk_max_fraction`` (1/256) of the
+  memory held and ``chunk_max_nbytes`` (at least one page), then one
+  ``mem_set_access`` per contiguous run of newly mapped pages;
+* creates while the memory held stays within ``page_slack`` (0.5 %) of the most
+  pages live data ever touched, and steals (an idle chunk: all its pages empty,
+  the largest that fits in the run, one whose work is done first) only past it:
+  stealing costs an unmap and a map where creating costs one create, and the
+  slack is what lets a program's steady state run without moving memory;
+* grows ahead: a chunk for a run that ends at the top of a range extends past
+  it over unmapped address space, to ``grow_ahead_fraction`` (0.4 %) of the
+  memory held (within the slack and the cap), so that the next blocks grown at
+  the top find their pages mapped;
+* past the slack with no idle chunk small enough, gives back an idle chunk that
+  is too large to move (its work done; waited for only if memory would run
+  short) before creating what is needed, so the memory held does not creep up
+  by chunks that fit nowhere; idle chunks are unmapped and released whole by
+  ``empty_cache`` and the out-of-memory retry.
+
+Why the cap: an empty page can only move with its whole chunk, so the empty
+pages of a chunk that still holds some live data are locked where they are
+(still reusable by blocks at those addresses, without a call). The larger the
+chunks, the more memory is locked when a program's peak comes elsewhere: on the
+gpt2 trace uncapped chunks (one per run) held 3.9 % more than live data at the
+peak, 1/64 of the held memory 1.9 %, 1/256 0.63 % (``reports/growth-sweep.md``,
+``benchmarks/growth_sweep.py``). A cap relative to what is held keeps the locked
+memory a fixed fraction of the footprint, and makes the chunks grow
+geometrically: about 256 creates per e-fold of growth instead of one per page.
 """
 
 from __future__ import annotations

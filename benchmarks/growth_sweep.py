@@ -93,14 +93,16 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
              "one chunk per run of pages a block needs (uncapped), slack 0.5 %"),
     "runs<=32MiB": ({"chunk_max_fraction": 1.0, "chunk_max_nbytes": 32 << 20, "grow_ahead_fraction": 0.0},
                     "runs capped at 32 MiB, slack 0.5 %"),
-    "chunks/64": ({"chunk_max_fraction": 1 / 64}, "runs capped at 1/64 of the memory held, slack 0.5 %, "
-                  "grown ahead at the top to 0.4 % of held"),
-    "chunks/128": ({"chunk_max_fraction": 1 / 128}, "as chunks/64, capped at 1/128 of held"),
-    "chunks": ({}, "the default: as chunks/64, capped at 1/256 of held"),
-    "chunks-no-ahead": ({"grow_ahead_fraction": 0.0}, "as chunks, never grown ahead"),
+    "chunks/64": ({"chunk_max_fraction": 1 / 64, "grow_ahead_fraction": 0.004},
+                  "runs capped at 1/64 of the memory held, slack 0.5 %, grown ahead at the top to 0.4 % of held"),
+    "chunks/128": ({"chunk_max_fraction": 1 / 128, "grow_ahead_fraction": 0.004},
+                   "as chunks/64, capped at 1/128 of held"),
+    "chunks+ahead": ({"grow_ahead_fraction": 0.004}, "as chunks/64, capped at 1/256 of held"),
+    "chunks": ({}, "the default: runs capped at 1/256 of held, slack 0.5 %, never grown ahead"),
     "chunks-slack0.3": ({"page_slack": 0.003, "grow_ahead_fraction": 0.002},
-                        "as chunks, slack 0.3 %, grown ahead to 0.2 %"),
-    "chunks/1024": ({"chunk_max_fraction": 1 / 1024}, "as chunks, capped at 1/1024 of held"),
+                        "capped at 1/256, slack 0.3 %, grown ahead to 0.2 %"),
+    "chunks/1024": ({"chunk_max_fraction": 1 / 1024, "grow_ahead_fraction": 0.004},
+                    "as chunks/64, capped at 1/1024 of held"),
 }
 
 

@@ -96,10 +96,11 @@ class AllocatorPolicy:
     page), so that memory locked in partly live chunks stays small."""
     chunk_max_nbytes: int = 1 << 30
     """``growth=CHUNKS``: and at most this many bytes."""
-    grow_ahead_fraction: float = 0.004
+    grow_ahead_fraction: float = 0.0
     """``growth=CHUNKS``: a chunk created for a run that ends at the top of a range is extended past it
     to this fraction of the memory held (within ``page_slack``, ``chunk_max_*`` and unmapped address
-    space), so that the next blocks grown at the top find their pages mapped."""
+    space), so that the next blocks grown at the top find their pages mapped. Off by default: on the
+    traces it saved no calls (``reports/growth-sweep.md``)."""
 
     def __post_init__(self) -> None:
         if self.round_nbytes <= 0 or self.round_nbytes & (self.round_nbytes - 1):

@@ -102,10 +102,9 @@ moves whole. ``growth=CHUNKS`` (the default; ``growth=PAGES`` with
   the largest that fits in the run, one whose work is done first) only past it:
   stealing costs an unmap and a map where creating costs one create, and the
   slack is what lets a program's steady state run without moving memory;
-* grows ahead: a chunk for a run that ends at the top of a range extends past
-  it over unmapped address space, to ``grow_ahead_fraction`` (0.4 %) of the
-  memory held (within the slack and the cap), so that the next blocks grown at
-  the top find their pages mapped;
+* can grow ahead (``grow_ahead_fraction``, off by default: it saved no calls on
+  the traces): a chunk for a run that ends at the top of a range then extends
+  past it over unmapped address space, within the slack and the cap;
 * past the slack with no idle chunk small enough, gives back an idle chunk that
   is too large to move (its work done; waited for only if memory would run
   short) before creating what is needed, so the memory held does not creep up
@@ -117,7 +116,7 @@ pages of a chunk that still holds some live data are locked where they are
 (still reusable by blocks at those addresses, without a call). The larger the
 chunks, the more memory is locked when a program's peak comes elsewhere: on the
 gpt2 trace uncapped chunks (one per run) held 3.9 % more than live data at the
-peak, 1/64 of the held memory 1.9 %, 1/256 0.63 % (``reports/growth-sweep.md``,
+peak, 1/64 of the held memory 1.9 %, 1/256 0.66 % (``reports/growth-sweep.md``,
 ``benchmarks/growth_sweep.py``). A cap relative to what is held keeps the locked
 memory a fixed fraction of the footprint, and makes the chunks grow
 geometrically: about 256 creates per e-fold of growth instead of one per page.

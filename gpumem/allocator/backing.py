@@ -806,8 +806,7 @@ class VirtualBacking(Backing):
         """
         g = self.granularity
         touched = max(self.peak_live_pages, self.live_pages + len(need))
-        budget = int(touched * (1.0 + self.policy.page_slack))
-        """Pages the memory held may reach before idle chunks are stolen."""
+        budget = int(touched * (1.0 + self.policy.page_slack))  # pages held may reach this before a steal
         top_page = (seg.top - 1) // g
         mapped: list[int] = []  # first pages of the chunks this call mapped
         created = self._created = []

@@ -932,7 +932,6 @@ class VirtualBacking(Backing):
         ``seg``, held by the caller and in no list: created within the slack, else an idle chunk
         stolen, else created past the slack (the limit and the device allowing), else an idle chunk
         that is too large given back first. Raises an out-of-memory error when none can be had."""
-        g = self.granularity
         n = self._growth_pages(seg, pos, rem, at_top, budget) if self.policy.steal_empty_pages else min(
             rem, self._chunk_cap_pages())
         if n:
@@ -996,7 +995,6 @@ class VirtualBacking(Backing):
         pages, Note [Virtual memory: pages follow live data]); one whose work is done before one
         still used by queued work, for which a chunk is created instead where the limit and the
         device allow, and which is waited for only when they do not."""
-        g = self.granularity
         fits = sorted((c for c in self._idle_chunks(seg, first, last) if c[0] <= max_pages), reverse=True)
         if not fits:
             return None

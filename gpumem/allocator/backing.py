@@ -380,7 +380,8 @@ class VirtualSegment(Segment):
 
 
 class VirtualBacking(Backing):
-    """Virtual ranges with page-granular physical backing; see Note [Virtual memory: pages follow live data]."""
+    """Virtual ranges with physical chunks mapped under the pages live blocks touch; see Note [Virtual memory:
+    pages follow live data] and Note [Chunks of several pages]."""
 
     def __init__(self, device: Device, policy: AllocatorPolicy, limit_nbytes: int | None,
                  fences: StreamFences | None = None) -> None:

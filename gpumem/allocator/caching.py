@@ -63,6 +63,7 @@ device's. After the device is lost, every call raises
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import operator
 import threading
@@ -80,7 +81,15 @@ from .stats import AllocatorStats, format_summary
 
 log = logging.getLogger(__name__)
 
+_STAT_FIELDS = tuple(f.name for f in dataclasses.fields(AllocatorStats))
+
 _FREED_MEMORY = 65_536
+NATIVE_BY_DEFAULT = False
+"""Whether ``engine=None`` picks the native engine where it can run (Note [Choosing the engine]).
+
+Off for now: the native engine makes the reference's decisions (tests/allocator/test_native_differential.py),
+but the white-box tests read the Python engine's internals (``backing``, ``_free_lists``...) of default
+allocators; they pin ``engine="python"`` first, then this turns on."""
 _STREAM_END = 1 << 64
 
 
@@ -124,6 +133,7 @@ class CachingAllocator:
         limit: int | float | str | None = None,
         gc_threshold: float | None = None,
         record_history: bool = False,
+        engine: str | None = None,
     ) -> None:
         self.device = device
         self.policy = get_policy(policy)
@@ -148,7 +158,7 @@ class CachingAllocator:
         self._live: dict[int, Block] = {}
         self._freed: dict[int, None] = {}
         self._pending: list[Block] = []
-        self.stats = AllocatorStats()
+        self._stats = AllocatorStats()
         self._recorder = None
         if record_history:
             from ..trace import TraceRecorder
@@ -163,6 +173,58 @@ class CachingAllocator:
         self._lost: DeviceLostError | None = None
         self.leaked_nbytes = 0
         """After :meth:`close`: device memory that could not be given back (Note [Closing waits for the streams])."""
+        self._native: Any = None
+        self.engine = self._choose_engine(engine, use_vmm, record_history)
+        """Which engine runs this allocator: ``"native"`` (``gpumem._engine``) or ``"python"``."""
+        if self.engine == "native":
+            self._start_native(gc_threshold)
+
+    def _choose_engine(self, engine: str | None, use_vmm: bool, record_history: bool) -> str:
+        """Note [Choosing the engine]: the native engine is an exact port of the virtual-memory path
+        (``gpumem/_native/engine.h``), so it runs where that path runs and history is not recorded (the
+        recorder lives in Python); ``engine="python"`` forces the reference, ``engine="native"`` refuses
+        to fall back."""
+        if engine not in (None, "python", "native"):
+            raise InvalidArgumentError(f"engine must be None, 'python' or 'native', got {engine!r}")
+        if engine == "python":
+            return "python"
+        from .native import load_engine
+
+        why = None
+        if load_engine() is None:
+            why = "the native engine (gpumem._engine) is not built"
+        elif not use_vmm:
+            why = f"the native engine runs virtual-memory mode only, and {self.device.spec} runs without it"
+        elif record_history:
+            why = "the native engine does not record history"
+        if why is None and (engine == "native" or NATIVE_BY_DEFAULT):
+            return "native"
+        if engine == "native":
+            from ..errors import UnsupportedOperationError
+
+            raise UnsupportedOperationError(f"engine='native' is unavailable: {why}")
+        return "python"
+
+    def _start_native(self, gc_threshold: float | None) -> None:
+        """Create the native engine and bind the hot methods to it (no Python frame on the hot path)."""
+        from . import native
+
+        p = self.policy
+        self._native = native.load_engine().Allocator(
+            self.device, native, round_nbytes=p.round_nbytes, small_max_nbytes=p.small_max_nbytes,
+            separate_small_pool=p.separate_small_pool, min_split_small_nbytes=p.min_split_small_nbytes,
+            min_split_large_nbytes=p.min_split_large_nbytes, va_reserve_factor=p.va_reserve_factor,
+            steal_empty_pages=p.steal_empty_pages, page_slack=p.page_slack,
+            limit_nbytes=self.limit_nbytes or 0, gc_threshold=gc_threshold or 0.0)
+        self.allocate = self._native.allocate  # type: ignore[method-assign]
+        self.free = self._native.free  # type: ignore[method-assign]
+
+    @property
+    def stats(self) -> AllocatorStats:
+        """The counters (with the native engine: a snapshot, derived fields filled in)."""
+        if self._native is not None:
+            return self.snapshot_stats()
+        return self._stats
 
     @contextlib.contextmanager
     def _operation(self) -> Iterator[None]:
@@ -204,7 +266,7 @@ class CachingAllocator:
                     block = free_list.best_fit(size)
                     if block is not None and self.backing.commit_quietly(block, self._kept_nbytes(block, size, small)):
                         free_list.remove(block)
-                        self.stats.cache_hits += 1
+                        self._stats.cache_hits += 1
                         return self._hand_out(self._split(block, size, small, free_list), nbytes, stream)
         with self._defer():  # as _operation(), spelled out: this is the common slow path
             with self._lock:
@@ -225,7 +287,7 @@ class CachingAllocator:
         total = self.device.properties().total_nbytes
         if size > total or (self.limit_nbytes is not None and size > self.limit_nbytes):
             # can never fit: refuse at once, without waiting for work or flushing the cache
-            self.stats.num_ooms += 1
+            self._stats.num_ooms += 1
             info = self.device.mem_info()
             if size > total:
                 cause = OutOfMemoryError(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec)
@@ -246,7 +308,7 @@ class CachingAllocator:
         self._committed = False
         if block is not None:
             free_list.remove(block)
-            self.stats.cache_hits += 1
+            self._stats.cache_hits += 1
         else:
             block = self._grow(small, stream, size, free_list, nbytes)
         if not self._committed:
@@ -254,7 +316,7 @@ class CachingAllocator:
             try:
                 self.backing.commit(block)
             except OutOfMemoryError:
-                self.stats.num_alloc_retries += 1
+                self._stats.num_alloc_retries += 1
                 self._unsplit_after_failure(block, free_list)
                 block = self._retry_after_release(small, stream, size, free_list, nbytes)
             except BaseException:
@@ -269,7 +331,7 @@ class CachingAllocator:
         block.requested = nbytes
         addr = block.addr
         self._live[addr] = block
-        st = self.stats
+        st = self._stats
         st.allocated_nbytes += block.size  # not `size`: an unsplit block is larger, and free() subtracts block.size
         st.requested_nbytes += nbytes
         st.num_allocs += 1
@@ -321,7 +383,7 @@ class CachingAllocator:
         self._freed[ptr] = None
         if len(self._freed) > _FREED_MEMORY:
             del self._freed[next(iter(self._freed))]
-        st = self.stats
+        st = self._stats
         st.allocated_nbytes -= block.size
         st.requested_nbytes -= block.requested
         st.num_frees += 1
@@ -336,16 +398,16 @@ class CachingAllocator:
 
     # -- growth, splitting, merging --------------------------------------------------------------------
     def _grow(self, small: bool, stream: int, size: int, free_list: FreeList, nbytes: int) -> Block:
-        self.stats.cache_misses += 1
+        self._stats.cache_misses += 1
         if self.gc_threshold is not None:
             cap = self.limit_nbytes or self.device.properties().total_nbytes
             if self.backing.reserved_nbytes > self.gc_threshold * cap:
-                self.stats.num_gc_releases += 1
+                self._stats.num_gc_releases += 1
                 self._release_cached(wait=False)
         try:
             return self._grow_once(small, stream, size, free_list)
         except OutOfMemoryError:
-            self.stats.num_alloc_retries += 1
+            self._stats.num_alloc_retries += 1
             self._committed = True  # the retry split and committed it: allocate() must not commit it again
             return self._retry_after_release(small, stream, size, free_list, nbytes)
 
@@ -464,7 +526,7 @@ class CachingAllocator:
                 if block is not None:
                     self._unsplit_after_failure(block, free_list)
                 if not more:
-                    self.stats.num_ooms += 1
+                    self._stats.num_ooms += 1
                     raise self._oom_error(nbytes, exc) from None
             except BaseException:
                 if block is not None:
@@ -483,7 +545,7 @@ class CachingAllocator:
         min_rest = self.policy.min_split_small_nbytes if small else self.policy.min_split_large_nbytes
         if remaining >= min_rest and remaining > 0:
             free_list.add(split_block(block, size))
-            self.stats.num_splits += 1
+            self._stats.num_splits += 1
         return block
 
     def _unsplit_after_failure(self, block: Block, free_list: FreeList) -> None:
@@ -551,7 +613,7 @@ class CachingAllocator:
 
     def _oom_error(self, nbytes: int, cause: OutOfMemoryError, hint: str | None = None) -> OutOfMemoryError:
         info = self.device.mem_info()
-        st = self.stats
+        st = self._stats
         cached = self.backing.reserved_nbytes - st.allocated_nbytes
         injected = bool(getattr(cause, "injected", False))
         if hint is not None:
@@ -590,6 +652,8 @@ class CachingAllocator:
         Pure bookkeeping: no device call, so on a device lost but not yet noticed it succeeds; the
         next call that reaches the device (the free of that block records events) raises
         :class:`~gpumem.errors.DeviceLostError`."""
+        if self._native is not None:
+            return self._native.record_stream(ptr, stream)
         ptr = _as_int(ptr, "ptr")
         stream = _check_stream(stream)
         with self._operation():
@@ -616,6 +680,8 @@ class CachingAllocator:
         Never needed for correctness or for memory to be reused: the allocator tracks the
         streams' events itself (Note [Streams]).
         """
+        if self._native is not None:
+            return self._native.synchronize()
         with self._operation():
             self.device.synchronize()
             self._process_pending(wait=True)
@@ -627,6 +693,8 @@ class CachingAllocator:
         Waits for the work still using that memory (events recorded when it was freed),
         never gives back memory a queued kernel still touches.
         """
+        if self._native is not None:
+            return self._native.empty_cache()
         with self._operation():
             if self._closed:
                 return 0
@@ -649,6 +717,15 @@ class CachingAllocator:
         lists and live ones are not, and that the byte counts add up. Runs on any
         device that lists its ranges (the simulator and the CUDA adapter).
         """
+        if self._native is not None:
+            maps = list(self.device.mapping_ranges())
+            reservations = (list(self.device.reservation_ranges()) if hasattr(self.device, "reservation_ranges")
+                            else None)
+            problems = self._native.consistency_problems(maps, reservations)
+            if problems:
+                raise InternalError("allocator and device disagree: " + "; ".join(problems[:8])
+                                    + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""))
+            return
         with self._operation():
             if self._closed:
                 return  # a closed allocator holds nothing
@@ -670,14 +747,14 @@ class CachingAllocator:
                 live_nbytes += b.size
                 if not b.allocated or b.addr != addr:
                     problems.append(f"live block {b!r} is not marked allocated at {addr:#x}")
-            if live_nbytes != self.stats.allocated_nbytes:
-                problems.append(f"live blocks hold {live_nbytes} B, allocated_nbytes is {self.stats.allocated_nbytes}")
+            if live_nbytes != self._stats.allocated_nbytes:
+                problems.append(f"live blocks hold {live_nbytes} B, allocated_nbytes is {self._stats.allocated_nbytes}")
             for b in self._pending:
                 if b.allocated or not b.fences:
                     problems.append(f"pending block {b!r} has no fences or is allocated")
-            if self.backing.reserved_nbytes < 0 or self.stats.allocated_nbytes > self.backing.reserved_nbytes:
+            if self.backing.reserved_nbytes < 0 or self._stats.allocated_nbytes > self.backing.reserved_nbytes:
                 problems.append(f"reserved {self.backing.reserved_nbytes} B < allocated "
-                                f"{self.stats.allocated_nbytes} B")
+                                f"{self._stats.allocated_nbytes} B")
             if problems:
                 raise InternalError("allocator and device disagree: " + "; ".join(problems[:8])
                                     + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""))
@@ -685,20 +762,28 @@ class CachingAllocator:
     @property
     def reserved_nbytes(self) -> int:
         """Device memory the allocator holds now."""
+        if self._native is not None:
+            return self._native.reserved_nbytes()
         return self.backing.reserved_nbytes
 
     @property
     def allocated_nbytes(self) -> int:
         """Bytes in live blocks (rounded sizes)."""
-        return self.stats.allocated_nbytes
+        if self._native is not None:
+            return self._native.allocated_nbytes()
+        return self._stats.allocated_nbytes
 
     def live_blocks(self) -> list[tuple[int, int]]:
         """``(ptr, size)`` of every live block."""
+        if self._native is not None:
+            return self._native.live_blocks()
         with self._lock:
             return [(b.addr, b.size) for b in self._live.values()]
 
     def block_size(self, ptr: int) -> int:
         """The (rounded) size of the live block at ``ptr``."""
+        if self._native is not None:
+            return self._native.block_size(ptr)
         block = self._live.get(ptr)
         if block is None:
             raise InvalidPointerError(f"{ptr!r} is not a live allocation")
@@ -711,8 +796,11 @@ class CachingAllocator:
 
     def snapshot_stats(self) -> AllocatorStats:
         """A copy of the stats with the derived fields (reserved, fragmentation...) filled in."""
+        if self._native is not None:
+            d = self._native.stats()
+            return AllocatorStats(**{f: d[f] for f in _STAT_FIELDS})
         with self._lock:
-            st = self.stats.copy()
+            st = self._stats.copy()
             st.reserved_nbytes = self.backing.reserved_nbytes
             st.num_segments = self.backing.n_segments
             st.active_nbytes = st.allocated_nbytes + sum(b.size for b in self._pending)
@@ -731,7 +819,8 @@ class CachingAllocator:
 
     def memory_summary(self) -> str:
         """A text table of the stats, for people."""
-        return format_summary(self.snapshot_stats(), self.policy, self.device.spec, self.backing.describe())
+        describe = self._native.describe() if self._native is not None else self.backing.describe()
+        return format_summary(self.snapshot_stats(), self.policy, self.device.spec, describe)
 
     def history(self):  # -> gpumem.trace.Trace
         """The recorded allocation history as a :class:`gpumem.trace.Trace` (``record_history=True``).
@@ -757,6 +846,14 @@ class CachingAllocator:
         waited for is *kept*, not given back under a kernel that may still run: it stays counted in
         :attr:`reserved_nbytes` (and :attr:`leaked_nbytes`), and a warning says how much was leaked.
         """
+        if self._native is not None:
+            self._native.close()
+            self._closed = True
+            self.leaked_nbytes = self._native.stats()["leaked_nbytes"]
+            if self.leaked_nbytes:
+                log.warning("closed with %s still held on %s and not given back: work on some streams may "
+                            "still use it", format_bytes(self.leaked_nbytes), self.device.spec)
+            return
         with self._defer(), self._lock:
             if self._closed:
                 return

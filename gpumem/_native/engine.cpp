@@ -1,0 +1,1790 @@
+// The native allocator engine: see engine.h and Note [An exact port] there. Every function names
+// its Python original (gpumem/allocator/{caching,backing,fences,block}.py); keep them in step.
+#include "engine.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <deque>
+#include <functional>
+
+namespace gpumem {
+namespace detail {
+
+// -- page tables ---------------------------------------------------------------------------------
+// Python's VirtualSegment.dirty / .users: page -> one stream (an int) or several (a frozenset).
+// One stream per page is kept in an array (the common case, no allocation), more in a map.
+struct StreamTable {
+    std::vector<std::uint64_t> one;
+    std::vector<std::uint8_t> state;   // 0: absent, 1: one stream, 2: several (in `many`)
+    std::unordered_map<std::int64_t, std::vector<std::uint64_t>> many;   // sorted
+    explicit StreamTable(std::size_t n) : one(n, 0), state(n, 0) {}
+    bool has(std::int64_t p) const { return state[p] != 0; }
+    // table.get(p) == stream (an int equal to it; a frozenset never is)
+    bool equals(std::int64_t p, std::uint64_t s) const { return state[p] == 1 && one[p] == s; }
+    // VirtualBacking._note_user
+    void note(std::int64_t p, std::uint64_t s) {
+        std::uint8_t st = state[p];
+        if (st == 0) {
+            state[p] = 1;
+            one[p] = s;
+        } else if (st == 1) {
+            if (one[p] == s) return;
+            std::vector<std::uint64_t> v{std::min(one[p], s), std::max(one[p], s)};
+            many[p] = std::move(v);
+            state[p] = 2;
+        } else {
+            auto& v = many[p];
+            auto it = std::lower_bound(v.begin(), v.end(), s);
+            if (it == v.end() || *it != s) v.insert(it, s);
+        }
+    }
+    // the streams of page p, sorted (Python: sorted(streams) where it matters)
+    void get(std::int64_t p, std::vector<std::uint64_t>& out) const {
+        out.clear();
+        if (state[p] == 1) out.push_back(one[p]);
+        else if (state[p] == 2) out = many.at(p);
+    }
+    void pop(std::int64_t p) {
+        if (state[p] == 2) many.erase(p);
+        state[p] = 0;
+    }
+    template <class F> void each_stream(F f) const {
+        for (std::size_t p = 0; p < state.size(); ++p)
+            if (state[p] == 1) f(one[p]);
+        for (auto& kv : many)
+            for (auto s : kv.second) f(s);
+    }
+};
+
+// Python's VirtualSegment (backing.py).
+struct VSeg {
+    std::uint64_t base, nbytes;
+    bool small;
+    std::uint64_t top = 0;   // bytes from base tiled by blocks
+    Block* last = nullptr;
+    std::int64_t n_pages;
+    std::vector<std::int64_t> refs;
+    std::vector<ChunkHandle> chunks;   // 0: no chunk mapped
+    // `empty`: insertion-ordered set of pages (a dict in Python): a linked list over pages
+    std::vector<std::int64_t> eprev, enext;
+    std::vector<std::uint8_t> in_empty;
+    std::int64_t ehead = -1, etail = -1;
+    std::size_t n_empty = 0;
+    StreamTable dirty, users;
+    std::unordered_map<std::int64_t, FenceMap> page_fences;
+    std::vector<std::uint8_t> noaccess;
+    std::size_t n_noaccess = 0;
+    std::unique_ptr<FenceMap> top_fences;
+
+    VSeg(std::uint64_t b, std::uint64_t n, bool s, std::uint64_t g)
+        : base(b), nbytes(n), small(s), n_pages(static_cast<std::int64_t>(n / g)), refs(n / g, 0),
+          chunks(n / g, 0), eprev(n / g, -1), enext(n / g, -1), in_empty(n / g, 0), dirty(n / g),
+          users(n / g), noaccess(n / g, 0) {}
+
+    bool is_empty(std::int64_t p) const { return in_empty[p] != 0; }
+    void empty_add(std::int64_t p) {   // seg.empty[p] = None (keeps its place if there)
+        if (in_empty[p]) return;
+        in_empty[p] = 1;
+        eprev[p] = etail;
+        enext[p] = -1;
+        if (etail >= 0) enext[etail] = p; else ehead = p;
+        etail = p;
+        ++n_empty;
+    }
+    void empty_pop(std::int64_t p) {   // seg.empty.pop(p, None)
+        if (!in_empty[p]) return;
+        in_empty[p] = 0;
+        if (eprev[p] >= 0) enext[eprev[p]] = enext[p]; else ehead = enext[p];
+        if (enext[p] >= 0) eprev[enext[p]] = eprev[p]; else etail = eprev[p];
+        --n_empty;
+    }
+    void empty_list(std::vector<std::int64_t>& out) const {   // list(seg.empty)
+        out.clear();
+        for (std::int64_t p = ehead; p >= 0; p = enext[p]) out.push_back(p);
+    }
+    void noaccess_add(std::int64_t p) { if (!noaccess[p]) { noaccess[p] = 1; ++n_noaccess; } }
+    void noaccess_discard(std::int64_t p) { if (noaccess[p]) { noaccess[p] = 0; --n_noaccess; } }
+};
+
+bool BlockLess::operator()(const Block* a, const Block* b) const {
+    return a->size != b->size ? a->size < b->size : a->addr < b->addr;
+}
+bool BlockLess::operator()(const Block* a, const std::pair<std::uint64_t, std::uint64_t>& k) const {
+    return a->size != k.first ? a->size < k.first : a->addr < k.second;
+}
+bool BlockLess::operator()(const std::pair<std::uint64_t, std::uint64_t>& k, const Block* b) const {
+    return k.first != b->size ? k.first < b->size : k.second < b->addr;
+}
+
+// -- PtrMap: open addressing, linear probing, backward-shift deletion -----------------------------
+PtrMap::PtrMap() : keys_(64, 0), vals_(64, nullptr), mask_(63) {}
+
+static inline std::size_t hash64(std::uint64_t k) {
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdULL;
+    k ^= k >> 33;
+    return static_cast<std::size_t>(k);
+}
+
+void* PtrMap::get(std::uint64_t key) const {
+    for (std::size_t i = hash64(key) & mask_;; i = (i + 1) & mask_) {
+        std::uint64_t k = keys_[i];
+        if (k == key) return vals_[i];
+        if (k == 0) return nullptr;
+    }
+}
+
+void PtrMap::put(std::uint64_t key, void* value) {
+    if ((n_ + 1) * 2 > keys_.size()) grow();
+    for (std::size_t i = hash64(key) & mask_;; i = (i + 1) & mask_) {
+        if (keys_[i] == key) { vals_[i] = value; return; }
+        if (keys_[i] == 0) { keys_[i] = key; vals_[i] = value; ++n_; return; }
+    }
+}
+
+bool PtrMap::erase(std::uint64_t key) {
+    std::size_t i = hash64(key) & mask_;
+    for (;; i = (i + 1) & mask_) {
+        if (keys_[i] == key) break;
+        if (keys_[i] == 0) return false;
+    }
+    std::size_t j = i;
+    for (;;) {
+        j = (j + 1) & mask_;
+        if (keys_[j] == 0) break;
+        std::size_t h = hash64(keys_[j]) & mask_;
+        // move keys_[j] to the hole at i if its home is not in (i, j] (cyclically)
+        bool stay = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
+        if (!stay) {
+            keys_[i] = keys_[j];
+            vals_[i] = vals_[j];
+            i = j;
+        }
+    }
+    keys_[i] = 0;
+    vals_[i] = nullptr;
+    --n_;
+    return true;
+}
+
+void PtrMap::grow() {
+    std::vector<std::uint64_t> ok;
+    std::vector<void*> ov;
+    ok.swap(keys_);
+    ov.swap(vals_);
+    keys_.assign(ok.size() * 2, 0);
+    vals_.assign(ok.size() * 2, nullptr);
+    mask_ = keys_.size() - 1;
+    n_ = 0;
+    for (std::size_t i = 0; i < ok.size(); ++i)
+        if (ok[i]) put(ok[i], ov[i]);
+}
+
+void PtrMap::clear() {
+    std::fill(keys_.begin(), keys_.end(), 0);
+    std::fill(vals_.begin(), vals_.end(), nullptr);
+    n_ = 0;
+}
+
+}  // namespace detail
+
+using detail::Block;
+using detail::FenceMap;
+using detail::FreeList;
+using detail::VSeg;
+
+namespace {
+constexpr std::size_t kFreedMemory = 65536;   // caching.py _FREED_MEMORY
+
+std::string hex(std::uint64_t v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "0x%" PRIx64, v);
+    return buf;
+}
+
+// What the Python allocator's `except OutOfMemoryError` would see in the exception being handled.
+struct Caught {
+    bool oom = false;
+    OomCause cause = OomCause::kDevice;
+    void* exc = nullptr;
+};
+Caught classify_current() {
+    try {
+        throw;
+    } catch (const BackendError& e) {
+        return {e.kind == ErrorKind::kOutOfMemory, OomCause::kDevice, e.py_exc};
+    } catch (const EngineError& e) {
+        return {e.kind == EngineErrorKind::kOutOfMemory, e.oom.cause, e.oom.cause_py_exc};
+    } catch (...) {
+        return {};
+    }
+}
+}  // namespace
+
+// -- the lock ----------------------------------------------------------------------------------------
+void Engine::lock() {
+    if (mutex_.try_lock()) return;
+    void* token = hooks_.release ? hooks_.release() : nullptr;   // Note [Waiting for the engine's lock]
+    mutex_.lock();
+    if (hooks_.reacquire) hooks_.reacquire(token);
+}
+void Engine::unlock() { mutex_.unlock(); }
+
+struct Engine::Guard {
+    Engine& e;
+    explicit Guard(Engine& en) : e(en) { e.lock(); }
+    ~Guard() { e.unlock(); }
+};
+
+Engine::Engine(Backend& backend, const EngineConfig& config) : backend_(backend), cfg_(config) {
+    DeviceInfo info = backend_.info();
+    total_nbytes_ = info.total_nbytes;
+    g_ = info.granularity_nbytes;
+    if (!g_ || (cfg_.round_nbytes & (cfg_.round_nbytes - 1)) || !cfg_.round_nbytes)
+        throw EngineError(EngineErrorKind::kInvalidArgument, "bad granularity or round_nbytes");
+    // VirtualBacking.__init__: -(-int(total * factor) // g) * g
+    std::uint64_t va = static_cast<std::uint64_t>(static_cast<double>(total_nbytes_) * cfg_.va_reserve_factor);
+    va_nbytes_ = (va + g_ - 1) / g_ * g_;
+    small_max_ = cfg_.separate_small_pool ? static_cast<std::int64_t>(cfg_.small_max_nbytes) : -1;
+    freed_ring_.assign(kFreedMemory + 1, 0);
+}
+
+Engine::~Engine() = default;
+
+// -- block.py ----------------------------------------------------------------------------------------
+Block* Engine::new_block(std::uint64_t addr, std::uint64_t size, std::uint64_t stream, VSeg* seg) {
+    if (block_pool_.empty()) {
+        constexpr std::size_t kSlab = 256;
+        block_slabs_.emplace_back(new Block[kSlab]);
+        Block* slab = block_slabs_.back().get();
+        for (std::size_t i = kSlab; i-- > 0;) block_pool_.push_back(&slab[i]);
+    }
+    Block* b = block_pool_.back();
+    block_pool_.pop_back();
+    b->addr = addr;
+    b->size = size;
+    b->requested = 0;
+    b->stream = stream;
+    b->seg = seg;
+    b->prev = b->next = nullptr;
+    b->allocated = false;
+    b->in_list = nullptr;
+    return b;
+}
+
+void Engine::recycle_block(Block* b) {
+    b->pending_streams.reset();
+    b->fences.reset();
+    b->prev = b->next = nullptr;
+    b->in_list = nullptr;
+    b->seg = nullptr;
+    block_pool_.push_back(b);
+}
+
+// block.split_block
+Block* Engine::split_block(Block* b, std::uint64_t size) {
+    if (!(0 < size && size < b->size)) throw EngineError(EngineErrorKind::kInternal, "cannot split block at " + hex(b->addr));
+    Block* rest = new_block(b->addr + size, b->size - size, b->stream, b->seg);
+    rest->prev = b;
+    rest->next = b->next;
+    if (b->next) b->next->prev = rest;
+    else if (b->seg && b->seg->last == b) b->seg->last = rest;
+    b->next = rest;
+    b->size = size;
+    return rest;
+}
+
+// block.merge_blocks (the right block goes back to the pool)
+Block* Engine::merge_blocks(Block* left, Block* right) {
+    if (left->next != right || right->prev != left || left->addr + left->size != right->addr)
+        throw EngineError(EngineErrorKind::kInternal, "merge of non-adjacent blocks at " + hex(left->addr));
+    if (left->allocated || right->allocated || left->stream != right->stream || left->seg != right->seg)
+        throw EngineError(EngineErrorKind::kInternal, "merge of blocks that are not two free blocks of one stream");
+    left->size += right->size;
+    left->next = right->next;
+    if (right->next) right->next->prev = left;
+    else if (left->seg && left->seg->last == right) left->seg->last = left;
+    recycle_block(right);
+    return left;
+}
+
+// block.append_block
+void Engine::append_block(VSeg* seg, Block* b) {
+    Block* last = seg->last;
+    if (last && last->addr + last->size != b->addr)
+        throw EngineError(EngineErrorKind::kInternal, "append of a block that is not contiguous at " + hex(b->addr));
+    b->prev = last;
+    b->next = nullptr;
+    if (last) last->next = b;
+    seg->last = b;
+}
+
+// block.drop_last_block
+Block* Engine::drop_last_block(VSeg* seg) {
+    Block* last = seg->last;
+    if (!last || last->next) throw EngineError(EngineErrorKind::kInternal, "drop of the last block of a segment with none");
+    seg->last = last->prev;
+    if (last->prev) last->prev->next = nullptr;
+    last->prev = nullptr;
+    return last;
+}
+
+// FreeList.add / remove / best_fit
+void Engine::fl_add(FreeList* fl, Block* b) {
+    if (b->node.empty()) {
+        fl->blocks.insert(b);
+    } else {
+        b->node.value() = b;
+        fl->blocks.insert(std::move(b->node));
+    }
+    b->in_list = fl;
+    fl->nbytes += b->size;
+}
+
+void Engine::fl_remove(FreeList* fl, Block* b) {
+    if (b->in_list != fl) throw EngineError(EngineErrorKind::kInternal, "block " + hex(b->addr) + " is not in its free list");
+    auto it = fl->blocks.find(b);
+    if (it == fl->blocks.end() || *it != b)
+        throw EngineError(EngineErrorKind::kInternal, "block " + hex(b->addr) + " is not in its free list");
+    b->node = fl->blocks.extract(it);
+    b->in_list = nullptr;
+    fl->nbytes -= b->size;
+}
+
+Block* Engine::fl_best_fit(FreeList* fl, std::uint64_t size) {
+    auto it = fl->blocks.lower_bound(std::make_pair(size, std::uint64_t(0)));
+    return it == fl->blocks.end() ? nullptr : *it;
+}
+
+// -- free lists (CachingAllocator._free_lists, an insertion-ordered dict) ------------------------------
+FreeList* Engine::free_list_get(bool small, std::uint64_t stream) {
+    auto& idx = fl_index_[small ? 1 : 0];
+    auto it = idx.find(stream);
+    return it == idx.end() ? nullptr : it->second;
+}
+
+FreeList* Engine::free_list_make(bool small, std::uint64_t stream) {
+    FreeList* fl = free_list_get(small, stream);
+    if (fl) return fl;
+    fl_order_.emplace_back(new FreeList());
+    fl = fl_order_.back().get();
+    fl->small = small;
+    fl->stream = stream;
+    fl_index_[small ? 1 : 0][stream] = fl;
+    return fl;
+}
+
+// CachingAllocator._free_list_of
+FreeList* Engine::free_list_of(const Block* b) {
+    bool small = b->seg && b->seg->small && cfg_.separate_small_pool;
+    return free_list_make(small, b->stream);
+}
+
+// -- fences.py: StreamFences ---------------------------------------------------------------------------
+std::uint64_t Engine::fences_done_of(std::uint64_t stream) const {
+    auto it = fdone_.find(stream);
+    return it == fdone_.end() ? 0 : it->second;
+}
+
+namespace {
+struct FQ {   // a helper view over the queue of one stream
+};
+}  // namespace
+
+// StreamFences.record
+std::uint64_t Engine::fences_record(std::uint64_t stream) {
+    EventHandle ev = backend_.event_record(stream);
+    ++n_records_;
+    std::uint64_t number = fnext_++;
+    auto it = fq_index_.find(stream);
+    if (it == fq_index_.end()) {
+        fq_order_.push_back(StreamQueue{stream, {}, 0});
+        it = fq_index_.emplace(stream, std::prev(fq_order_.end())).first;
+    }
+    StreamQueue& q = *it->second;
+    q.q.emplace_back(number, ev);
+    // StreamFences._retire_front: retire the completed events at the front except the newest
+    while (q.size() > 1) {
+        ++n_queries_;
+        if (!backend_.event_query(q.q[q.head].second)) break;
+        // _retire (the queue keeps at least one event: never deleted here)
+        auto front = q.q[q.head++];
+        fdone_[stream] = front.first;
+        try {
+            backend_.event_destroy(front.second);
+            ++n_destroys_;
+        } catch (...) {   // a lost event handle holds no memory
+        }
+    }
+    if (q.head > 32 && q.head * 2 > q.q.size()) {
+        q.q.erase(q.q.begin(), q.q.begin() + static_cast<std::ptrdiff_t>(q.head));
+        q.head = 0;
+    }
+    return number;
+}
+
+// StreamFences.done
+bool Engine::fences_done(std::uint64_t stream, std::uint64_t number) {
+    if (number <= fences_done_of(stream)) return true;
+    auto it = fq_index_.find(stream);
+    bool has_q = it != fq_index_.end();
+    while (has_q) {
+        StreamQueue& q = *it->second;
+        auto front = q.q[q.head];
+        if (front.first > number) break;
+        ++n_queries_;
+        if (!backend_.event_query(front.second)) return false;
+        // _retire
+        ++q.head;
+        fdone_[stream] = front.first;
+        if (!q.size()) {
+            fq_order_.erase(it->second);
+            fq_index_.erase(it);
+            has_q = false;
+        }
+        try {
+            backend_.event_destroy(front.second);
+            ++n_destroys_;
+        } catch (...) {
+        }
+    }
+    if (number <= fences_done_of(stream) || !has_q) return true;
+    StreamQueue& q = *it->second;
+    return q.q[q.head].first > number;
+}
+
+// StreamFences.wait
+void Engine::fences_wait(std::uint64_t stream, std::uint64_t number) {
+    if (number <= fences_done_of(stream)) return;
+    auto it = fq_index_.find(stream);
+    if (it == fq_index_.end()) return;
+    StreamQueue* q = &*it->second;
+    bool have = false;
+    EventHandle target = 0;
+    for (std::size_t i = q->head; i < q->q.size(); ++i) {
+        if (q->q[i].first > number) break;
+        target = q->q[i].second;
+        have = true;
+    }
+    if (!have) return;
+    backend_.event_synchronize(target);
+    ++f_n_waits_;
+    while (q && q->q[q->head].first <= number) {
+        auto front = q->q[q->head++];
+        fdone_[stream] = front.first;
+        if (!q->size()) {
+            fq_order_.erase(it->second);
+            fq_index_.erase(it);
+            q = nullptr;
+        }
+        try {
+            backend_.event_destroy(front.second);
+            ++n_destroys_;
+        } catch (...) {
+        }
+    }
+}
+
+bool Engine::fences_all_done(const FenceMap* f) {
+    if (!f || f->empty()) return true;
+    for (auto& sn : *f)
+        if (!fences_done(sn.first, sn.second)) return false;
+    return true;
+}
+
+void Engine::fences_wait_all(const FenceMap* f) {
+    if (!f) return;
+    for (auto& sn : *f) fences_wait(sn.first, sn.second);
+}
+
+// StreamFences.forget_idle
+void Engine::fences_forget_idle() {
+    std::vector<std::uint64_t> streams;
+    for (auto& q : fq_order_) streams.push_back(q.stream);
+    try {
+        for (auto s : streams) {
+            auto it = fq_index_.find(s);
+            if (it == fq_index_.end()) continue;
+            StreamQueue& q = *it->second;
+            ++n_queries_;
+            if (backend_.event_query(q.q.back().second)) {
+                std::vector<EventHandle> evs;
+                while (q.size()) {
+                    auto front = q.q[q.head++];
+                    fdone_[s] = front.first;
+                    if (!q.size()) {
+                        fq_order_.erase(it->second);
+                        fq_index_.erase(it);
+                        try {
+                            backend_.event_destroy(front.second);
+                            ++n_destroys_;
+                        } catch (...) {
+                        }
+                        break;
+                    }
+                    try {
+                        backend_.event_destroy(front.second);
+                        ++n_destroys_;
+                    } catch (...) {
+                    }
+                }
+            }
+        }
+    } catch (const BackendError& e) {
+        if (e.kind == ErrorKind::kDeviceLost) throw;
+        // the events stay queued, nothing is lost
+    }
+    for (auto it = fdone_.begin(); it != fdone_.end();) {
+        if (!fq_index_.count(it->first)) it = fdone_.erase(it);
+        else ++it;
+    }
+}
+
+// StreamFences.close
+void Engine::fences_close() {
+    for (auto& q : fq_order_)
+        for (std::size_t i = q.head; i < q.q.size(); ++i) {
+            try {
+                backend_.event_destroy(q.q[i].second);
+            } catch (...) {
+            }
+        }
+    fq_order_.clear();
+    fq_index_.clear();
+}
+
+// fences.merge_fences
+void Engine::merge_fences(std::unique_ptr<FenceMap>& into, std::uint64_t stream, std::uint64_t number) {
+    if (!into) {
+        into.reset(new FenceMap{{stream, number}});
+        return;
+    }
+    for (auto& sn : *into)
+        if (sn.first == stream) {
+            if (sn.second < number) sn.second = number;
+            return;
+        }
+    into->emplace_back(stream, number);
+}
+
+namespace {
+void merge_into(FenceMap& into, std::uint64_t stream, std::uint64_t number) {
+    for (auto& sn : into)
+        if (sn.first == stream) {
+            if (sn.second < number) sn.second = number;
+            return;
+        }
+    into.emplace_back(stream, number);
+}
+}  // namespace
+
+// -- backing.py: VirtualBacking ----------------------------------------------------------------------------
+// Backing._check_limit
+void Engine::check_limit(std::uint64_t extra_nbytes, std::uint64_t requested) {
+    if (cfg_.limit_nbytes && reserved_nbytes_ + extra_nbytes > cfg_.limit_nbytes) {
+        std::uint64_t f, t;
+        backend_.mem_info(&f, &t);
+        OomInfo info;
+        info.cause = OomCause::kLimit;
+        info.requested_nbytes = requested;
+        info.free_nbytes = f;
+        info.total_nbytes = t;
+        info.limit_nbytes = cfg_.limit_nbytes;
+        throw EngineError(info, "the allocator's limit is reached");
+    }
+}
+
+// VirtualBacking._segment
+VSeg* Engine::segment(bool small) {
+    bool key = small && cfg_.separate_small_pool;
+    VSeg* seg = vseg_by_key_[key];
+    if (!seg) {
+        std::uint64_t base = backend_.address_reserve(va_nbytes_, 0);
+        ++device_calls_;
+        vsegs_.emplace_back(new VSeg(base, va_nbytes_, key, g_));
+        seg = vsegs_.back().get();
+        vseg_by_key_[key] = seg;
+        ++n_segments_;
+    }
+    return seg;
+}
+
+// VirtualBacking.range_of (reserve=True)
+VSeg* Engine::range_of(bool small) {
+    VSeg* seg = vseg_by_key_[small && cfg_.separate_small_pool];
+    return seg ? seg : segment(small);
+}
+
+// VirtualBacking.extend
+std::uint64_t Engine::extend(VSeg* seg, std::uint64_t stream, std::uint64_t extra_nbytes, std::uint64_t requested) {
+    if (seg->top + extra_nbytes > seg->nbytes || extra_nbytes > seg->nbytes) va_exhausted(requested);
+    if (seg->top_fences && !seg->top_fences->empty()) wait_top(seg, stream);
+    if (!have_first_stream_) {
+        have_first_stream_ = true;
+        first_stream_ = stream;
+    } else if (stream != first_stream_) {
+        multi_stream_ = true;
+    }
+    std::uint64_t addr = seg->base + seg->top;
+    seg->top += extra_nbytes;
+    return addr;
+}
+
+// VirtualBacking.lower_top
+bool Engine::lower_top(VSeg* seg, std::uint64_t addr, std::uint64_t stream, bool wait) {
+    std::uint64_t number = fences_record(stream);
+    if (!wait && !fences_done(stream, number)) return false;
+    merge_fences(seg->top_fences, stream, number);
+    seg->top = addr - seg->base;
+    return true;
+}
+
+// VirtualBacking._wait_top
+void Engine::wait_top(VSeg* seg, std::uint64_t stream) {
+    FenceMap& pending = *seg->top_fences;
+    FenceMap snapshot = pending;
+    for (auto& sn : snapshot) {
+        std::uint64_t s = sn.first, n = sn.second;
+        if (s != stream && !fences_done(s, n)) {
+            fences_wait(s, n);
+            ++n_waits_;
+        }
+        if (fences_done(s, n)) {
+            for (auto it = pending.begin(); it != pending.end(); ++it)
+                if (it->first == s) {
+                    pending.erase(it);
+                    break;
+                }
+        }
+    }
+    if (pending.empty()) seg->top_fences.reset();
+}
+
+// VirtualBacking._va_exhausted (raised)
+void Engine::va_exhausted(std::uint64_t nbytes) {
+    std::uint64_t f, t;
+    backend_.mem_info(&f, &t);
+    OomInfo info;
+    info.cause = OomCause::kAddressSpace;
+    info.requested_nbytes = nbytes;
+    info.free_nbytes = f;
+    info.total_nbytes = t;
+    throw EngineError(info, "the allocator's virtual range is exhausted");
+}
+
+// VirtualBacking.commit
+void Engine::commit(Block* b) {
+    VSeg* seg = b->seg;
+    std::int64_t first = static_cast<std::int64_t>((b->addr - seg->base) / g_);
+    std::int64_t last = static_cast<std::int64_t>((b->addr + b->size - 1 - seg->base) / g_);
+    auto& refs = seg->refs;
+    if (first == last && refs[first]) {
+        ++refs[first];   // the common case: a page already holding live data
+        return;
+    }
+    if (seg->n_noaccess) {
+        for (std::int64_t p = first; p <= last; ++p) {
+            if (!seg->noaccess[p]) continue;
+            backend_.mem_set_access(seg->base + static_cast<std::uint64_t>(p) * g_, g_);
+            ++device_calls_;
+            seg->noaccess_discard(p);
+        }
+    }
+    std::vector<std::int64_t> need;
+    for (std::int64_t p = first; p <= last; ++p)
+        if (refs[p] == 0 && seg->chunks[p] == 0) need.push_back(p);
+    if (!need.empty()) map_pages(seg, need, first, last, b->size);
+    for (std::int64_t p = first; p <= last; ++p) {
+        if (refs[p] == 0) {
+            seg->empty_pop(p);
+            ++live_pages_;
+        }
+        ++refs[p];
+    }
+    if (live_pages_ > peak_live_pages_) peak_live_pages_ = live_pages_;
+}
+
+// VirtualBacking.commit_quietly
+bool Engine::commit_quietly(Block* b, std::uint64_t nbytes) {
+    VSeg* seg = b->seg;
+    std::uint64_t first = (b->addr - seg->base) / g_;
+    if ((b->addr + nbytes - 1 - seg->base) / g_ == first && seg->refs[first]) {
+        ++seg->refs[first];
+        return true;
+    }
+    return false;
+}
+
+// VirtualBacking.decommit
+void Engine::decommit(Block* b) {
+    VSeg* seg = b->seg;
+    std::int64_t first = static_cast<std::int64_t>((b->addr - seg->base) / g_);
+    std::int64_t last = static_cast<std::int64_t>((b->addr + b->size - 1 - seg->base) / g_);
+    auto& refs = seg->refs;
+    std::uint64_t stream = b->stream;
+    bool multi = multi_stream_;
+    if (first == last && refs[first] > 1) {
+        --refs[first];   // the common case: the page keeps live data
+        if (multi && !seg->users.equals(first, stream)) seg->users.note(first, stream);
+        return;
+    }
+    for (std::int64_t p = first; p <= last; ++p) {
+        --refs[p];
+        if (refs[p] == 0) {
+            seg->empty_add(p);
+            --live_pages_;
+            seg->dirty.note(p, stream);
+            if (multi && seg->users.has(p)) {
+                std::vector<std::uint64_t> us;
+                seg->users.get(p, us);
+                seg->users.pop(p);
+                for (auto u : us) seg->dirty.note(p, u);
+            }
+        } else if (multi && !seg->users.equals(p, stream)) {
+            seg->users.note(p, stream);
+        }
+    }
+}
+
+// VirtualBacking._fence_page
+void Engine::fence_page(VSeg* seg, std::int64_t page, std::unordered_map<std::uint64_t, std::uint64_t>& batch) {
+    if (!seg->dirty.has(page)) return;
+    std::vector<std::uint64_t> streams;
+    seg->dirty.get(page, streams);
+    auto existing = seg->page_fences.find(page);
+    FenceMap local;
+    FenceMap& pf = existing != seg->page_fences.end() ? existing->second : local;   // mutated in place, as in Python
+    for (auto s : streams) {
+        auto bit = batch.find(s);
+        std::uint64_t number;
+        if (bit == batch.end()) {
+            number = fences_record(s);
+            batch[s] = number;
+        } else {
+            number = bit->second;
+        }
+        merge_into(pf, s, number);
+    }
+    if (existing == seg->page_fences.end()) seg->page_fences.emplace(page, std::move(local));
+    seg->dirty.pop(page);
+}
+
+// VirtualBacking._page_ready
+bool Engine::page_ready(VSeg* seg, std::int64_t page, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch) {
+    if (seg->dirty.has(page)) fence_page(seg, page, batch);
+    auto it = seg->page_fences.find(page);
+    if (it == seg->page_fences.end() || it->second.empty()) return true;
+    if (fences_all_done(&it->second)) {
+        seg->page_fences.erase(page);
+        return true;
+    }
+    if (!wait) return false;
+    it = seg->page_fences.find(page);
+    FenceMap copy = it->second;
+    fences_wait_all(&copy);
+    ++n_waits_;
+    seg->page_fences.erase(page);
+    return true;
+}
+
+// VirtualBacking._stealable
+std::uint64_t Engine::stealable(VSeg* seg, std::int64_t first, std::int64_t last) {
+    std::uint64_t own = 0;
+    if (seg->n_empty)
+        for (std::int64_t p = first; p <= last; ++p) own += seg->is_empty(p) ? 1 : 0;
+    std::uint64_t total = 0;
+    for (auto& s : vsegs_) total += s->n_empty;
+    return total - own;
+}
+
+// VirtualBacking._map_pages
+void Engine::map_pages(VSeg* seg, const std::vector<std::int64_t>& need, std::int64_t first, std::int64_t last,
+                       std::uint64_t requested) {
+    const std::uint64_t g = g_;
+    std::int64_t n_need = static_cast<std::int64_t>(need.size());
+    std::int64_t shortfall = n_need - static_cast<std::int64_t>(unmapped_.size());
+    if (shortfall > 0 && cfg_.steal_empty_pages) {
+        // Create freely up to the slack above the most pages live data ever touched; past it, steal.
+        std::int64_t touched = std::max(peak_live_pages_, live_pages_ + n_need);
+        std::int64_t allowance = static_cast<std::int64_t>(static_cast<double>(touched) * (1.0 + cfg_.page_slack))
+                                 - static_cast<std::int64_t>(n_chunks_);
+        std::int64_t creatable = std::max<std::int64_t>(0, std::min(shortfall, allowance));
+        shortfall = std::max(creatable, shortfall - static_cast<std::int64_t>(stealable(seg, first, last)));
+    }
+    if (shortfall > 0) {
+        check_limit(static_cast<std::uint64_t>(shortfall) * g, requested);
+        std::int64_t created = 0;
+        try {
+            for (std::int64_t i = 0; i < shortfall; ++i) {
+                ChunkHandle h = backend_.mem_create(g);
+                ++device_calls_;
+                unmapped_.push_back(h);
+                ++n_chunks_;
+                reserved_nbytes_ += g;
+                ++created;
+            }
+        } catch (...) {
+            try {
+                release_unmapped(created);   // give back what this call created, as far as it can
+            } catch (...) {   // the first error is the one raised
+            }
+            throw;
+        }
+    }
+    std::int64_t n_steal = n_need - static_cast<std::int64_t>(unmapped_.size());
+    if (n_steal > 0) steal(seg, first, last, n_steal, requested);
+    std::vector<std::int64_t> mapped;
+    mapped.reserve(need.size());
+    try {
+        for (auto p : need) {
+            ChunkHandle h = unmapped_.back();
+            std::uint64_t va = seg->base + static_cast<std::uint64_t>(p) * g;
+            backend_.mem_map(va, g, h, 0);
+            ++device_calls_;
+            unmapped_.pop_back();
+            seg->chunks[p] = h;
+            seg->noaccess_add(p);
+            mapped.push_back(p);
+        }
+        // one access call per contiguous run of newly mapped pages
+        std::int64_t run_start = mapped[0], prev = mapped[0];
+        for (std::size_t i = 1; i <= mapped.size(); ++i) {
+            bool more = i < mapped.size();
+            std::int64_t p = more ? mapped[i] : -1;
+            if (more && p == prev + 1) {
+                prev = p;
+                continue;
+            }
+            backend_.mem_set_access(seg->base + static_cast<std::uint64_t>(run_start) * g,
+                                    static_cast<std::uint64_t>(prev - run_start + 1) * g);
+            ++device_calls_;
+            for (std::int64_t q = run_start; q <= prev; ++q) seg->noaccess_discard(q);
+            if (more) run_start = prev = p;
+        }
+    } catch (...) {
+        // undo: unmap what this call mapped, keep the chunks cached; a page that cannot be unmapped
+        // stays mapped and empty (and marked noaccess if its access was never set)
+        for (auto p : mapped) {
+            ChunkHandle h = seg->chunks[p];
+            try {
+                backend_.mem_unmap(seg->base + static_cast<std::uint64_t>(p) * g, g);
+            } catch (...) {
+                seg->empty_add(p);
+                continue;
+            }
+            ++device_calls_;
+            seg->chunks[p] = 0;
+            seg->noaccess_discard(p);
+            unmapped_.push_back(h);
+        }
+        throw;
+    }
+}
+
+// VirtualBacking._release_unmapped
+std::uint64_t Engine::release_unmapped(std::int64_t count) {
+    std::uint64_t released = 0;
+    std::int64_t n = static_cast<std::int64_t>(unmapped_.size());
+    if (count >= 0) n = std::min(n, count);
+    for (std::int64_t i = 0; i < n; ++i) {
+        ChunkHandle h = unmapped_.back();
+        backend_.mem_release(h);
+        ++device_calls_;
+        unmapped_.pop_back();
+        --n_chunks_;
+        reserved_nbytes_ -= g_;
+        released += g_;
+    }
+    return released;
+}
+
+// VirtualBacking._unmap_page
+ChunkHandle Engine::unmap_page(VSeg* seg, std::int64_t p) {
+    ChunkHandle h = seg->chunks[p];
+    if (!h || !seg->is_empty(p))
+        throw EngineError(EngineErrorKind::kInternal, "page is not a mapped empty page in range " + hex(seg->base));
+    std::uint64_t va = seg->base + static_cast<std::uint64_t>(p) * g_;
+    backend_.mem_unmap(va, g_);
+    ++device_calls_;
+    seg->empty_pop(p);
+    seg->chunks[p] = 0;
+    seg->noaccess_discard(p);
+    seg->page_fences.erase(p);
+    seg->dirty.pop(p);
+    return h;
+}
+
+// VirtualBacking._steal
+void Engine::steal(VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t count, std::uint64_t requested) {
+    struct Cand {
+        std::uint64_t addr;
+        std::int64_t p;
+        VSeg* other;
+    };
+    std::vector<Cand> candidates;
+    std::vector<std::int64_t> pages;
+    for (auto& up : vsegs_) {
+        VSeg* other = up.get();
+        other->empty_list(pages);
+        std::size_t k = std::min(pages.size(), static_cast<std::size_t>(count + (last - first + 1)));
+        std::partial_sort(pages.begin(), pages.begin() + static_cast<std::ptrdiff_t>(k), pages.end(),
+                          std::greater<std::int64_t>());
+        for (std::size_t i = 0; i < k; ++i) {
+            std::int64_t p = pages[i];
+            if (other == seg && first <= p && p <= last) continue;
+            candidates.push_back({other->base + static_cast<std::uint64_t>(p) * g_, p, other});
+        }
+    }
+    std::sort(candidates.begin(), candidates.end(), [](const Cand& a, const Cand& b) { return a.addr > b.addr; });
+    if (static_cast<std::int64_t>(candidates.size()) < count)
+        throw EngineError(EngineErrorKind::kInternal, "fewer stealable pages than counted");
+    std::vector<Cand> busy;
+    std::unordered_map<std::uint64_t, std::uint64_t> batch;
+    std::int64_t stolen = 0;
+    for (auto& c : candidates) {
+        if (stolen == count) break;
+        if (!page_ready(c.other, c.p, false, batch)) {
+            busy.push_back(c);
+            continue;
+        }
+        unmapped_.push_back(unmap_page(c.other, c.p));
+        ++n_steals_;
+        ++stolen;
+    }
+    if (stolen < count && !busy.empty()) {
+        // before creating or waiting, any other empty page whose work is done (beyond the highest few)
+        for (auto& up : vsegs_) {
+            VSeg* other = up.get();
+            if (stolen == count) break;
+            other->empty_list(pages);
+            for (auto p : pages) {
+                if (stolen == count) break;
+                bool seen = false;
+                for (auto& c : candidates)
+                    if (c.other == other && c.p == p) {
+                        seen = true;
+                        break;
+                    }
+                if (seen || (other == seg && first <= p && p <= last)) continue;
+                if (page_ready(other, p, false, batch)) {
+                    unmapped_.push_back(unmap_page(other, p));
+                    ++n_steals_;
+                    ++stolen;
+                }
+            }
+        }
+    }
+    for (auto& c : busy) {
+        if (stolen == count) break;
+        if (create_instead(requested)) {
+            ++stolen;
+            continue;
+        }
+        page_ready(c.other, c.p, true, batch);
+        unmapped_.push_back(unmap_page(c.other, c.p));
+        ++n_steals_;
+        ++stolen;
+    }
+}
+
+// VirtualBacking._create_instead
+bool Engine::create_instead(std::uint64_t requested) {
+    ChunkHandle h;
+    try {
+        check_limit(g_, requested);
+        h = backend_.mem_create(g_);
+    } catch (...) {
+        if (classify_current().oom) return false;   // memory is needed now: wait for the busy page
+        throw;
+    }
+    ++device_calls_;
+    unmapped_.push_back(h);
+    ++n_chunks_;
+    reserved_nbytes_ += g_;
+    return true;
+}
+
+// VirtualBacking.release_cached
+std::uint64_t Engine::backing_release_cached(bool wait) {
+    std::uint64_t released = 0;
+    std::unordered_map<std::uint64_t, std::uint64_t> batch;
+    std::vector<std::int64_t> pages;
+    for (auto& up : vsegs_) {
+        VSeg* seg = up.get();
+        seg->empty_list(pages);
+        for (auto p : pages) {
+            if (!page_ready(seg, p, wait, batch)) continue;
+            unmapped_.push_back(unmap_page(seg, p));
+        }
+    }
+    released += release_unmapped(-1);
+    return released;
+}
+
+// VirtualBacking.close
+void Engine::backing_close(bool keep_all) {
+    std::vector<VSeg*> order;
+    for (auto& up : vsegs_) order.push_back(up.get());
+    for (VSeg* seg : order) {
+        if (keep_all) continue;
+        bool whole = true;
+        for (std::int64_t p = 0; p < seg->n_pages; ++p) {
+            ChunkHandle h = seg->chunks[p];
+            if (!h) continue;
+            std::uint64_t va = seg->base + static_cast<std::uint64_t>(p) * g_;
+            try {   // the allocator waited for the streams that used it
+                backend_.mem_unmap(va, g_);
+            } catch (...) {   // kept, still counted
+                whole = false;
+                continue;
+            }
+            seg->chunks[p] = 0;
+            seg->empty_pop(p);
+            seg->noaccess_discard(p);
+            unmapped_.push_back(h);
+        }
+        if (!whole) continue;
+        try {
+            backend_.address_free(seg->base, seg->nbytes);
+        } catch (...) {
+            continue;
+        }
+        vseg_by_key_[seg->small ? 1 : 0] = nullptr;
+        for (auto it = vsegs_.begin(); it != vsegs_.end(); ++it)
+            if (it->get() == seg) {
+                closed_vsegs_.push_back(std::move(*it));
+                vsegs_.erase(it);
+                break;
+            }
+        --n_segments_;
+    }
+    std::vector<ChunkHandle> snapshot = unmapped_;
+    for (ChunkHandle h : snapshot) {
+        try {
+            backend_.mem_release(h);
+        } catch (...) {
+            continue;
+        }
+        unmapped_.erase(std::find(unmapped_.begin(), unmapped_.end(), h));
+        --n_chunks_;
+        reserved_nbytes_ -= g_;
+    }
+}
+
+std::uint64_t Engine::mapped_empty_nbytes() const {
+    std::uint64_t n = 0;
+    for (auto& s : vsegs_) n += s->n_empty;
+    return n * g_;
+}
+
+// VirtualBacking.largest_free_nbytes
+std::uint64_t Engine::backing_largest_free_nbytes() const {
+    std::uint64_t largest = 0;
+    for (auto& fl : fl_order_)
+        if (!fl->blocks.empty()) largest = std::max(largest, (*fl->blocks.rbegin())->size);
+    std::uint64_t cached = unmapped_.size() * g_ + mapped_empty_nbytes();
+    return std::max(largest, cached);
+}
+
+// -- caching.py: CachingAllocator -------------------------------------------------------------------------
+void Engine::note_lost(const std::string& what) {
+    lost_ = true;
+    lost_what_ = what;
+}
+
+void Engine::check_usable_op() {
+    if (lost_) throw EngineError(EngineErrorKind::kDeviceLost, "the device was lost: " + lost_what_);
+}
+
+// Runs an operation body; a device loss is remembered (CachingAllocator._operation).
+#define GPUMEM_OPERATION(...)                                         \
+    try {                                                             \
+        __VA_ARGS__                                                   \
+    } catch (const BackendError& e) {                                 \
+        if (e.kind == ErrorKind::kDeviceLost) note_lost(e.what());    \
+        throw;                                                        \
+    }
+
+std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stream) {
+    if (nbytes == 0) return 0;
+    const std::uint64_t r = cfg_.round_nbytes;
+    if (nbytes > UINT64_MAX - r) return 0;
+    std::uint64_t size = (nbytes + r - 1) / r * r;
+    bool small = static_cast<std::int64_t>(size) <= small_max_ && size <= (UINT64_MAX >> 1);
+    Guard guard(*this);
+    if (lost_ || closed_) return 0;
+    FreeList* fl = free_list_get(small, stream);
+    if (!fl) return 0;
+    Block* b = fl_best_fit(fl, size);
+    if (!b || !commit_quietly(b, kept_nbytes(b, size, small))) return 0;
+    fl_remove(fl, b);
+    ++st_.cache_hits;
+    return hand_out(split(b, size, small, fl), nbytes, stream);
+}
+
+// CachingAllocator.allocate
+std::uint64_t Engine::allocate(std::uint64_t nbytes, std::uint64_t stream) {
+    if (nbytes == 0) throw EngineError(EngineErrorKind::kInvalidArgument, "nbytes must be positive, got 0");
+    const std::uint64_t r = cfg_.round_nbytes;
+    std::uint64_t size = nbytes > UINT64_MAX - r ? UINT64_MAX : (nbytes + r - 1) / r * r;
+    bool small = size <= (UINT64_MAX >> 1) && static_cast<std::int64_t>(size) <= small_max_;
+    Guard guard(*this);
+    // Note [The hot path makes no device call]
+    if (!lost_ && !closed_) {
+        FreeList* fl = free_list_get(small, stream);
+        if (fl) {
+            Block* b = fl_best_fit(fl, size);
+            if (b && commit_quietly(b, kept_nbytes(b, size, small))) {
+                fl_remove(fl, b);
+                ++st_.cache_hits;
+                return hand_out(split(b, size, small, fl), nbytes, stream);
+            }
+        }
+    }
+    check_usable_op();
+    if (closed_) throw EngineError(EngineErrorKind::kClosed, "allocator is closed");
+    GPUMEM_OPERATION(return allocate_slow(nbytes, size, small, stream);)
+}
+
+// CachingAllocator._allocate_slow
+std::uint64_t Engine::allocate_slow(std::uint64_t nbytes, std::uint64_t size, bool small, std::uint64_t stream) {
+    std::uint64_t total = total_nbytes_;
+    if (size > total || (cfg_.limit_nbytes && size > cfg_.limit_nbytes)) {
+        // can never fit: refuse at once, without waiting for work or flushing the cache
+        ++st_.num_ooms;
+        std::uint64_t f, t;
+        backend_.mem_info(&f, &t);
+        throw oom_error(nbytes, size > total ? OomCause::kTooLarge : OomCause::kLimit, nullptr);
+    }
+    FreeList* fl = free_list_make(small, stream);
+    Block* b = fl_best_fit(fl, size);
+    if (!b && !pending_.empty()) {
+        process_pending(false);   // blocks whose other-stream uses are done, see Note [Streams]
+        b = fl_best_fit(fl, size);
+    }
+    committed_ = false;
+    if (b) {
+        fl_remove(fl, b);
+        ++st_.cache_hits;
+    } else {
+        b = grow(small, stream, size, fl, nbytes);
+    }
+    if (!committed_) {
+        b = split(b, size, small, fl);
+        bool retry = false;
+        try {
+            commit(b);
+        } catch (...) {
+            insert_free(b);   // _unsplit_after_failure: the block goes back, see the Note
+            if (!classify_current().oom) throw;
+            ++st_.num_alloc_retries;
+            retry = true;
+        }
+        if (retry) b = retry_after_release(small, stream, size, fl, nbytes);
+    }
+    return hand_out(b, nbytes, stream);
+}
+
+// CachingAllocator._hand_out
+std::uint64_t Engine::hand_out(Block* b, std::uint64_t nbytes, std::uint64_t stream) {
+    (void)stream;
+    b->allocated = true;
+    b->requested = nbytes;
+    std::uint64_t addr = b->addr;
+    live_.put(addr, b);
+    EngineStats& st = st_;
+    st.allocated_nbytes += b->size;
+    st.requested_nbytes += nbytes;
+    ++st.num_allocs;
+    if (st.allocated_nbytes > st.peak_allocated_nbytes) st.peak_allocated_nbytes = st.allocated_nbytes;
+    if (st.requested_nbytes > st.peak_requested_nbytes) st.peak_requested_nbytes = st.requested_nbytes;
+    if (reserved_nbytes_ > st.peak_reserved_nbytes) st.peak_reserved_nbytes = reserved_nbytes_;
+    return addr;
+}
+
+bool Engine::try_free_fast(std::uint64_t ptr) {
+    Guard guard(*this);
+    if (lost_) return false;
+    Block* b = static_cast<Block*>(live_.get(ptr));
+    if (!b || b->pending_streams) return false;
+    decommit(b);   // no device call: fences come when memory goes back
+    free_booked(ptr, b);
+    return true;
+}
+
+// CachingAllocator.free
+void Engine::free(std::uint64_t ptr) {
+    Guard guard(*this);
+    if (!lost_) {
+        Block* b = static_cast<Block*>(live_.get(ptr));
+        if (b && !b->pending_streams) {
+            decommit(b);
+            free_booked(ptr, b);
+            return;
+        }
+    }
+    check_usable_op();
+    GPUMEM_OPERATION({
+        if (closed_) throw EngineError(EngineErrorKind::kClosed, "free of " + hex(ptr) + ": the allocator is closed");
+        Block* b = static_cast<Block*>(live_.get(ptr));
+        if (!b) {
+            if (ptr == 0) throw EngineError(EngineErrorKind::kInvalidArgument, "ptr must be a positive address, got 0");
+            if (freed_.get(ptr))
+                throw EngineError(EngineErrorKind::kDoubleFree, "double free of " + hex(ptr) + " in the caching allocator");
+            throw EngineError(EngineErrorKind::kInvalidPointer,
+                              "free of " + hex(ptr) + ", which this allocator did not allocate" + inside_live(ptr));
+        }
+        if (b->pending_streams) {
+            std::unique_ptr<FenceMap> f(new FenceMap());
+            for (auto s : *b->pending_streams) f->emplace_back(s, fences_record(s));   // may raise: still live
+            b->fences = std::move(f);
+        } else {
+            decommit(b);
+        }
+        free_booked(ptr, b);
+    })
+}
+
+// CachingAllocator._free_booked
+void Engine::free_booked(std::uint64_t ptr, Block* b) {
+    live_.erase(ptr);
+    if (!freed_.get(ptr)) {
+        freed_.put(ptr, reinterpret_cast<void*>(1));
+        std::size_t cap = freed_ring_.size();
+        freed_ring_[(freed_head_ + freed_count_) % cap] = ptr;
+        ++freed_count_;
+        if (freed_count_ > kFreedMemory) {
+            freed_.erase(freed_ring_[freed_head_]);
+            freed_head_ = (freed_head_ + 1) % cap;
+            --freed_count_;
+        }
+    }
+    st_.allocated_nbytes -= b->size;
+    st_.requested_nbytes -= b->requested;
+    ++st_.num_frees;
+    b->allocated = false;
+    if (b->fences) {
+        // its pages stay committed until the other streams' events complete, see Note [Streams]
+        pending_.push_back(b);
+        return;
+    }
+    insert_free(b);
+}
+
+// CachingAllocator._grow
+Block* Engine::grow(bool small, std::uint64_t stream, std::uint64_t size, FreeList* fl, std::uint64_t nbytes) {
+    ++st_.cache_misses;
+    if (cfg_.gc_threshold > 0) {
+        double cap = static_cast<double>(cfg_.limit_nbytes ? cfg_.limit_nbytes : total_nbytes_);
+        if (static_cast<double>(reserved_nbytes_) > cfg_.gc_threshold * cap) {
+            ++st_.num_gc_releases;
+            release_cached_all(false);
+        }
+    }
+    try {
+        return grow_once(small, stream, size, fl);
+    } catch (...) {
+        if (!classify_current().oom) throw;
+    }
+    ++st_.num_alloc_retries;
+    committed_ = true;   // the retry split and committed it: allocate() must not commit it again
+    return retry_after_release(small, stream, size, fl, nbytes);
+}
+
+// CachingAllocator._grow_once (virtual memory)
+Block* Engine::grow_once(bool small, std::uint64_t stream, std::uint64_t size, FreeList* fl) {
+    VSeg* vseg = range_of(small);
+    Block* tail = vseg->last;
+    if (tail && tail->stream == stream && !tail->allocated && !tail->fences && tail->in_list == fl) {
+        extend(vseg, stream, size - tail->size, size);
+        fl_remove(fl, tail);
+        tail->size = size;
+        return tail;
+    }
+    std::uint64_t addr = extend(vseg, stream, size, size);
+    Block* b = new_block(addr, size, stream, vseg);
+    append_block(vseg, b);
+    return b;
+}
+
+// CachingAllocator._release_cached
+std::uint64_t Engine::release_cached_all(bool wait) {
+    std::uint64_t released = backing_release_cached(wait);
+    for (auto& up : vsegs_) {
+        VSeg* seg = up.get();
+        for (;;) {
+            Block* last = seg->last;
+            if (!last || last->allocated || last->fences) break;
+            if (!lower_top(seg, last->addr, last->stream, wait)) break;
+            fl_remove(free_list_of(last), last);
+            recycle_block(drop_last_block(seg));
+        }
+    }
+    return released;
+}
+
+// CachingAllocator._anything_to_wait_for
+bool Engine::anything_to_wait_for() {
+    if (!pending_.empty()) return true;
+    if (!unmapped_.empty()) return true;
+    for (auto& up : vsegs_) {
+        Block* last = up->last;
+        if (up->n_empty || (last && !last->allocated && !last->fences)) return true;
+    }
+    return false;
+}
+
+// CachingAllocator._reown_idle
+bool Engine::reown_idle(std::uint64_t stream, FreeList* fl) {
+    bool pool = fl->small;
+    bool moved = false;
+    std::vector<FreeList*> lists;
+    for (auto& up : fl_order_) lists.push_back(up.get());
+    for (FreeList* other : lists) {
+        if (other->small != pool || other->stream == stream || other->blocks.empty()) continue;
+        std::uint64_t s = other->stream;
+        std::uint64_t number = fences_record(s);
+        if (!fences_done(s, number)) continue;   // that stream still has work queued
+        std::vector<Block*> blocks(other->blocks.begin(), other->blocks.end());
+        for (Block* b : blocks) {
+            fl_remove(other, b);
+            b->stream = stream;
+            insert_free(b);
+        }
+        moved = true;
+    }
+    if (moved) {
+        multi_stream_ = true;   // pages now track their streams
+        release_cached_all(false);   // a merged free top can now be trimmed
+    }
+    return moved;
+}
+
+// CachingAllocator._retry_after_release
+Block* Engine::retry_after_release(bool small, std::uint64_t stream, std::uint64_t size, FreeList* fl,
+                                   std::uint64_t nbytes) {
+    for (int w = 0; w < 2; ++w) {
+        bool wait = w == 1;
+        process_pending(wait);
+        release_cached_all(wait);
+        bool more = !wait && anything_to_wait_for();   // before this attempt adds its own free block
+        Block* b = nullptr;
+        Caught caught;
+        try {
+            b = fl_best_fit(fl, size);
+            if (!b && reown_idle(stream, fl)) b = fl_best_fit(fl, size);
+            if (b) fl_remove(fl, b);
+            else b = grow_once(small, stream, size, fl);
+            b = split(b, size, small, fl);
+            commit(b);
+            return b;
+        } catch (...) {
+            if (b) insert_free(b);
+            caught = classify_current();
+            if (!caught.oom) throw;
+        }
+        if (!more) {
+            ++st_.num_ooms;
+            throw oom_error(nbytes, caught.cause, caught.exc);
+        }
+    }
+    throw EngineError(EngineErrorKind::kInternal, "unreachable");
+}
+
+// CachingAllocator._kept_nbytes
+std::uint64_t Engine::kept_nbytes(const Block* b, std::uint64_t size, bool small) const {
+    std::uint64_t remaining = b->size - size;
+    std::uint64_t min_rest = small ? cfg_.min_split_small_nbytes : cfg_.min_split_large_nbytes;
+    return (remaining >= min_rest && remaining > 0) ? size : b->size;
+}
+
+// CachingAllocator._split
+Block* Engine::split(Block* b, std::uint64_t size, bool small, FreeList* fl) {
+    std::uint64_t remaining = b->size - size;
+    std::uint64_t min_rest = small ? cfg_.min_split_small_nbytes : cfg_.min_split_large_nbytes;
+    if (remaining >= min_rest && remaining > 0) {
+        fl_add(fl, split_block(b, size));
+        ++st_.num_splits;
+    }
+    return b;
+}
+
+// CachingAllocator._insert_free
+void Engine::insert_free(Block* b) {
+    FreeList* fl = free_list_of(b);
+    Block* prev = b->prev;
+    if (prev && !prev->allocated && !prev->fences && prev->in_list == fl) {
+        fl_remove(fl, prev);
+        b = merge_blocks(prev, b);
+    }
+    Block* nxt = b->next;
+    if (nxt && !nxt->allocated && !nxt->fences && nxt->in_list == fl) {
+        fl_remove(fl, nxt);
+        merge_blocks(b, nxt);
+    }
+    fl_add(fl, b);
+}
+
+// CachingAllocator._process_pending
+std::uint64_t Engine::process_pending(bool wait) {
+    std::uint64_t done = 0;
+    std::vector<Block*> pending;
+    pending.swap(pending_);
+    std::vector<Block*> remaining;
+    std::size_t i = 0;
+    std::unordered_map<std::uint64_t, std::uint64_t> blocked;
+    try {
+        for (i = 0; i < pending.size(); ++i) {
+            Block* block = pending[i];
+            bool ready = true;
+            for (auto& sn : *block->fences) {
+                auto bit = blocked.find(sn.first);
+                if (bit != blocked.end() && sn.second >= bit->second) {
+                    ready = false;
+                    break;
+                }
+                if (!fences_done(sn.first, sn.second)) {
+                    blocked[sn.first] = bit == blocked.end() ? sn.second : std::min(bit->second, sn.second);
+                    ready = false;
+                    break;
+                }
+            }
+            if (!ready) {
+                if (!wait) {
+                    remaining.push_back(block);
+                    continue;
+                }
+                fences_wait_all(block->fences.get());
+            }
+            decommit(block);
+            block->fences.reset();
+            block->pending_streams.reset();
+            insert_free(block);
+            ++done;
+        }
+    } catch (...) {
+        remaining.insert(remaining.end(), pending.begin() + static_cast<std::ptrdiff_t>(i), pending.end());
+        remaining.insert(remaining.end(), pending_.begin(), pending_.end());
+        pending_.swap(remaining);
+        throw;
+    }
+    remaining.insert(remaining.end(), pending_.begin(), pending_.end());
+    pending_.swap(remaining);
+    return done;
+}
+
+// CachingAllocator._oom_error (the numbers; the binding writes the message and the hint)
+EngineError Engine::oom_error(std::uint64_t nbytes, OomCause cause, void* cause_exc) {
+    std::uint64_t f, t;
+    backend_.mem_info(&f, &t);
+    OomInfo info;
+    info.cause = cause;
+    info.requested_nbytes = nbytes;
+    info.free_nbytes = f;
+    info.total_nbytes = t;
+    info.allocated_nbytes = st_.allocated_nbytes;
+    info.cached_signed = static_cast<std::int64_t>(reserved_nbytes_) - static_cast<std::int64_t>(st_.allocated_nbytes);
+    info.cached_nbytes = reserved_nbytes_ - st_.allocated_nbytes;
+    info.reserved_nbytes = reserved_nbytes_;
+    info.limit_nbytes = cfg_.limit_nbytes;
+    info.va_nbytes = va_nbytes_;
+    info.cause_py_exc = cause_exc;
+    return EngineError(info, "out of memory: tried to allocate " + std::to_string(nbytes) + " bytes; the device has " +
+                                 std::to_string(f) + " bytes free of " + std::to_string(t));
+}
+
+// CachingAllocator._inside_live
+std::string Engine::inside_live(std::uint64_t ptr) const {
+    std::string out;
+    live_.for_each([&](std::uint64_t addr, void* v) {
+        const Block* b = static_cast<const Block*>(v);
+        if (out.empty() && b->addr < ptr && ptr < b->addr + b->size)
+            out = "; it is inside the live block at " + hex(b->addr) + " (+" + hex(ptr - b->addr) + "): free that pointer";
+        (void)addr;
+    });
+    return out;
+}
+
+// CachingAllocator.record_stream
+void Engine::record_stream(std::uint64_t ptr, std::uint64_t stream) {
+    Guard guard(*this);
+    check_usable_op();
+    if (closed_) throw EngineError(EngineErrorKind::kClosed, "record_stream of " + hex(ptr) + ": the allocator is closed");
+    Block* b = static_cast<Block*>(live_.get(ptr));
+    if (!b)
+        throw EngineError(EngineErrorKind::kInvalidPointer,
+                          "record_stream: " + hex(ptr) + " is not a live allocation" + inside_live(ptr));
+    if (stream != b->stream) {
+        if (!b->pending_streams) b->pending_streams.reset(new std::vector<std::uint64_t>());
+        auto& v = *b->pending_streams;
+        auto it = std::lower_bound(v.begin(), v.end(), stream);
+        if (it == v.end() || *it != stream) v.insert(it, stream);
+    }
+}
+
+// CachingAllocator.synchronize
+void Engine::synchronize() {
+    Guard guard(*this);
+    check_usable_op();
+    GPUMEM_OPERATION({
+        backend_.synchronize();
+        process_pending(true);
+    })
+}
+
+// CachingAllocator.empty_cache
+std::uint64_t Engine::empty_cache() {
+    Guard guard(*this);
+    check_usable_op();
+    GPUMEM_OPERATION({
+        if (closed_) return 0;
+        std::uint64_t f, t;
+        backend_.mem_info(&f, &t);   // a lost device is noticed here, even with nothing cached
+        process_pending(true);
+        std::uint64_t released = release_cached_all(true);
+        for (auto it = fl_order_.begin(); it != fl_order_.end();) {
+            if ((*it)->blocks.empty()) {   // idle streams cost nothing once their cache is gone
+                fl_index_[(*it)->small ? 1 : 0].erase((*it)->stream);
+                it = fl_order_.erase(it);
+            } else {
+                ++it;
+            }
+        }
+        fences_forget_idle();   // nor their events and fence entries
+        return released;
+    })
+}
+
+// CachingAllocator._streams_in_use (sorted)
+std::vector<std::uint64_t> Engine::streams_in_use() {
+    std::set<std::uint64_t> streams{0};
+    for (auto& fl : fl_order_) streams.insert(fl->stream);
+    auto add_block = [&](const Block* b) {
+        streams.insert(b->stream);
+        if (b->pending_streams) streams.insert(b->pending_streams->begin(), b->pending_streams->end());
+        if (b->fences)
+            for (auto& sn : *b->fences) streams.insert(sn.first);
+    };
+    live_.for_each([&](std::uint64_t, void* v) { add_block(static_cast<const Block*>(v)); });
+    for (Block* b : pending_) add_block(b);
+    for (auto& up : vsegs_) {
+        for (const Block* b = up->last; b; b = b->prev) add_block(b);
+        up->dirty.each_stream([&](std::uint64_t s) { streams.insert(s); });
+        up->users.each_stream([&](std::uint64_t s) { streams.insert(s); });
+        for (auto& kv : up->page_fences)
+            for (auto& sn : kv.second) streams.insert(sn.first);
+        if (up->top_fences)
+            for (auto& sn : *up->top_fences) streams.insert(sn.first);
+    }
+    for (auto& q : fq_order_) streams.insert(q.stream);
+    return std::vector<std::uint64_t>(streams.begin(), streams.end());
+}
+
+// CachingAllocator.close
+void Engine::close() {
+    Guard guard(*this);
+    if (closed_) return;
+    closed_ = true;
+    std::vector<std::uint64_t> failed;
+    if (reserved_nbytes_ || n_segments_) {
+        for (auto s : streams_in_use()) {
+            try {
+                backend_.stream_synchronize(s);
+            } catch (...) {   // that stream's memory is kept, below
+                failed.push_back(s);
+            }
+        }
+        if (!failed.empty()) {
+            try {
+                backend_.synchronize();
+                failed.clear();
+            } catch (...) {
+            }
+        }
+    }
+    // a range is shared by all streams: any of them may still use it
+    backing_close(!failed.empty());
+    fences_close();
+    live_.clear();
+    pending_.clear();
+    fl_index_[0].clear();
+    fl_index_[1].clear();
+    fl_order_.clear();
+    leaked_nbytes_ = reserved_nbytes_;
+}
+
+// -- introspection --------------------------------------------------------------------------------------
+EngineStats Engine::stats() {
+    Guard guard(*this);
+    EngineStats st = st_;
+    st.reserved_nbytes = reserved_nbytes_;
+    st.num_segments = n_segments_;
+    std::uint64_t pend = 0;
+    for (Block* b : pending_) pend += b->size;
+    st.active_nbytes = st.allocated_nbytes + pend;
+    std::int64_t total_free = static_cast<std::int64_t>(st.reserved_nbytes) - static_cast<std::int64_t>(st.allocated_nbytes);
+    std::int64_t inactive = total_free - static_cast<std::int64_t>(mapped_empty_nbytes())
+                            - static_cast<std::int64_t>(unmapped_.size() * g_);
+    st.inactive_split_nbytes = inactive > 0 ? static_cast<std::uint64_t>(inactive) : 0;
+    st.num_live_blocks = live_.size();
+    std::uint64_t nfree = 0;
+    for (auto& fl : fl_order_) nfree += fl->blocks.size();
+    st.num_free_blocks = nfree;
+    std::uint64_t largest = backing_largest_free_nbytes();
+    std::uint64_t cap = total_free > 0 ? static_cast<std::uint64_t>(total_free) : 0;
+    st.largest_free_nbytes = std::min(largest, cap);
+    st.device_calls = device_calls_;
+    st.event_calls = n_records_ + n_queries_ + f_n_waits_ + n_destroys_;
+    st.n_chunks = n_chunks_;
+    st.n_steals = n_steals_;
+    st.n_waits = n_waits_;
+    st.n_ranges = vsegs_.size();
+    st.va_nbytes = va_nbytes_;
+    st.granularity_nbytes = g_;
+    st.leaked_nbytes = leaked_nbytes_;
+    return st;
+}
+
+std::uint64_t Engine::reserved_nbytes() {
+    Guard guard(*this);
+    return reserved_nbytes_;
+}
+
+std::uint64_t Engine::allocated_nbytes() {
+    Guard guard(*this);
+    return st_.allocated_nbytes;
+}
+
+std::uint64_t Engine::block_size(std::uint64_t ptr) {
+    Guard guard(*this);
+    Block* b = static_cast<Block*>(live_.get(ptr));
+    if (!b) throw EngineError(EngineErrorKind::kInvalidPointer, std::to_string(ptr) + " is not a live allocation");
+    return b->size;
+}
+
+std::vector<std::pair<std::uint64_t, std::uint64_t>> Engine::live_blocks() {
+    Guard guard(*this);
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> out;
+    live_.for_each([&](std::uint64_t addr, void* v) { out.emplace_back(addr, static_cast<Block*>(v)->size); });
+    std::sort(out.begin(), out.end());
+    return out;
+}
+
+bool Engine::closed() {
+    Guard guard(*this);
+    return closed_;
+}
+
+bool Engine::lost() {
+    Guard guard(*this);
+    return lost_;
+}
+
+std::string Engine::describe() {
+    Guard guard(*this);
+    return "virtual memory (" + std::to_string(vsegs_.size()) + " range(s) of " + std::to_string(va_nbytes_ >> 30) +
+           " GiB shared by all streams, " + std::to_string(n_chunks_) + " chunks of " + std::to_string(g_ >> 20) +
+           " MiB, " + std::to_string(n_steals_) + " steals)";
+}
+
+// CachingAllocator.check_consistency + VirtualBacking.consistency_problems + _chain_problems
+std::vector<std::string> Engine::consistency_problems(
+    const std::vector<std::tuple<std::uint64_t, std::uint64_t, ChunkHandle>>* device_maps,
+    const std::vector<std::pair<std::uint64_t, std::uint64_t>>* reservations) {
+    Guard guard(*this);
+    check_usable_op();
+    std::vector<std::string> problems;
+    if (closed_) return problems;
+    std::uint64_t f, t;
+    backend_.mem_info(&f, &t);   // a lost device raises (BackendError kDeviceLost)
+    std::uint64_t mapped = 0;
+    std::int64_t live_pages = 0;
+    for (auto& up : vsegs_) {
+        VSeg* seg = up.get();
+        if (reservations) {
+            bool found = false;
+            for (auto& r : *reservations)
+                if (r.first == seg->base && r.second == seg->nbytes) found = true;
+            if (!found) problems.push_back("range " + hex(seg->base) + " is not a device reservation of that size");
+        }
+        if (device_maps) {
+            std::unordered_map<std::uint64_t, ChunkHandle> ours;
+            for (std::int64_t p = 0; p < seg->n_pages; ++p)
+                if (seg->chunks[p]) ours[seg->base + static_cast<std::uint64_t>(p) * g_] = seg->chunks[p];
+            for (auto& m : *device_maps) {
+                std::uint64_t va = std::get<0>(m);
+                if (va < seg->base || va >= seg->base + seg->nbytes) continue;
+                auto it = ours.find(va);
+                if (it == ours.end() || std::get<1>(m) != g_ || it->second != std::get<2>(m)) {
+                    problems.push_back("device maps " + hex(va) + " differently from the allocator");
+                } else {
+                    ++mapped;
+                }
+                if (it != ours.end()) ours.erase(it);
+            }
+            for (auto& kv : ours) problems.push_back("the allocator has page " + hex(kv.first) + " mapped, the device does not");
+        } else {
+            for (std::int64_t p = 0; p < seg->n_pages; ++p) mapped += seg->chunks[p] ? 1 : 0;
+        }
+        for (std::int64_t p = 0; p < seg->n_pages; ++p) {
+            std::int64_t r = seg->refs[p];
+            if (r < 0) problems.push_back("page " + std::to_string(p) + " of " + hex(seg->base) + " has negative live blocks");
+            else if (r) {
+                ++live_pages;
+                if (!seg->chunks[p]) problems.push_back("page " + std::to_string(p) + " of " + hex(seg->base) + " holds live data but is not mapped");
+            } else if (seg->chunks[p] && !seg->is_empty(p)) {
+                problems.push_back("page " + std::to_string(p) + " of " + hex(seg->base) + " is mapped, empty and not stealable");
+            }
+        }
+        // _chain_problems
+        const Block* head = seg->last;
+        while (head && head->prev) head = head->prev;
+        std::uint64_t cursor = seg->base;
+        const Block* prev = nullptr;
+        for (const Block* b = head; b; b = b->next) {
+            if (b->prev != prev || b->addr != cursor || b->size == 0 || b->seg != seg) {
+                problems.push_back("block chain broken at " + hex(b->addr) + " (expected " + hex(cursor) + ")");
+                break;
+            }
+            if (!b->allocated && !b->fences && !b->pending_streams) {
+                if (b->in_list != free_list_get(seg->small && cfg_.separate_small_pool, b->stream))
+                    problems.push_back("free block " + hex(b->addr) + " is in no free list");
+            }
+            cursor = b->addr + b->size;
+            prev = b;
+        }
+        if (cursor != seg->base + seg->top)
+            problems.push_back("blocks of segment " + hex(seg->base) + " end at " + hex(cursor) + ", expected " +
+                               hex(seg->base + seg->top));
+    }
+    if (live_pages != live_pages_)
+        problems.push_back(std::to_string(live_pages) + " pages hold live data, live_pages is " + std::to_string(live_pages_));
+    if (mapped + unmapped_.size() != n_chunks_ || n_chunks_ * g_ != reserved_nbytes_)
+        problems.push_back(std::to_string(mapped) + " mapped + " + std::to_string(unmapped_.size()) +
+                           " unmapped chunks, n_chunks " + std::to_string(n_chunks_) + ", reserved " +
+                           std::to_string(reserved_nbytes_) + " B");
+    for (auto& fl : fl_order_)
+        for (const Block* b : fl->blocks)
+            if (b->allocated || b->stream != fl->stream || b->fences)
+                problems.push_back("block " + hex(b->addr) + " is in the free list of stream " + std::to_string(fl->stream) +
+                                   " but is not free there");
+    std::uint64_t live_nbytes = 0;
+    live_.for_each([&](std::uint64_t addr, void* v) {
+        const Block* b = static_cast<const Block*>(v);
+        live_nbytes += b->size;
+        if (!b->allocated || b->addr != addr) problems.push_back("live block " + hex(addr) + " is not marked allocated");
+    });
+    if (live_nbytes != st_.allocated_nbytes)
+        problems.push_back("live blocks hold " + std::to_string(live_nbytes) + " B, allocated_nbytes is " +
+                           std::to_string(st_.allocated_nbytes));
+    for (const Block* b : pending_)
+        if (b->allocated || !b->fences || b->fences->empty())
+            problems.push_back("pending block " + hex(b->addr) + " has no fences or is allocated");
+    if (st_.allocated_nbytes > reserved_nbytes_)
+        problems.push_back("reserved " + std::to_string(reserved_nbytes_) + " B < allocated " +
+                           std::to_string(st_.allocated_nbytes) + " B");
+    return problems;
+}
+
+}  // namespace gpumem

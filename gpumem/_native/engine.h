@@ -1,0 +1,361 @@
+// The native allocator engine: an exact C++ port of gpumem's pure-Python caching allocator in
+// virtual-memory mode (gpumem/allocator/caching.py over VirtualBacking of backing.py, with the
+// StreamFences of fences.py and the blocks and free lists of block.py).
+//
+// Note [An exact port]: the engine makes the same decisions as the Python reference: the same
+// pointers, the same device calls with the same arguments in the same order, the same stats and
+// the same errors, also when a device call fails (Note [Failure atomicity] in backing.py). The
+// differential test (tests/allocator/test_native_differential.py) holds it to that. Each function
+// below names the Python original it mirrors; a change to the reference is ported function by
+// function. The data structures differ (they are what makes the engine fast: no heap allocation
+// on the hot path, best fit in an ordered set keyed (size, addr), page tables as arrays), the
+// order in which they are walked does not (insertion-ordered where Python's dicts are).
+//
+// Threads: every public method takes the engine's mutex (PyTorch calls it from any thread). A
+// caller that holds another lock the device may need (the GIL) installs lock-wait hooks so that it
+// drops that lock while it waits for the engine's (Note [Waiting for the engine's lock]).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "backend.h"
+
+namespace gpumem {
+
+// Policy knobs mirrored from gpumem.allocator.policy.AllocatorPolicy (virtual-memory mode only).
+struct EngineConfig {
+    std::uint64_t round_nbytes = 512;
+    std::uint64_t small_max_nbytes = 1u << 20;
+    bool separate_small_pool = true;
+    std::uint64_t min_split_small_nbytes = 512;
+    std::uint64_t min_split_large_nbytes = 512;
+    double va_reserve_factor = 2.0;
+    bool steal_empty_pages = true;
+    double page_slack = 0.0;
+    std::uint64_t limit_nbytes = 0;   // 0: no limit (Python: limit_nbytes None)
+    double gc_threshold = 0.0;        // 0: none (Python: gc_threshold None)
+};
+
+// The fields of gpumem.allocator.stats.AllocatorStats, as snapshot_stats() fills them in.
+struct EngineStats {
+    std::uint64_t allocated_nbytes = 0;
+    std::uint64_t requested_nbytes = 0;
+    std::uint64_t reserved_nbytes = 0;
+    std::uint64_t active_nbytes = 0;
+    std::uint64_t inactive_split_nbytes = 0;
+    std::uint64_t largest_free_nbytes = 0;
+    std::uint64_t peak_allocated_nbytes = 0;
+    std::uint64_t peak_requested_nbytes = 0;
+    std::uint64_t peak_reserved_nbytes = 0;
+    std::uint64_t num_allocs = 0;
+    std::uint64_t num_frees = 0;
+    std::uint64_t num_live_blocks = 0;
+    std::uint64_t num_free_blocks = 0;
+    std::uint64_t num_segments = 0;
+    std::uint64_t num_splits = 0;
+    std::uint64_t cache_hits = 0;
+    std::uint64_t cache_misses = 0;
+    std::uint64_t num_alloc_retries = 0;
+    std::uint64_t num_ooms = 0;
+    std::uint64_t num_gc_releases = 0;
+    std::uint64_t device_calls = 0;
+    std::uint64_t event_calls = 0;
+    // backing details (VirtualBacking's describe() and counters)
+    std::uint64_t n_chunks = 0;
+    std::uint64_t n_steals = 0;
+    std::uint64_t n_waits = 0;
+    std::uint64_t n_ranges = 0;
+    std::uint64_t va_nbytes = 0;
+    std::uint64_t granularity_nbytes = 0;
+    std::uint64_t leaked_nbytes = 0;
+};
+
+enum class EngineErrorKind : int {
+    kInvalidArgument = 1,   // gpumem.errors.InvalidArgumentError
+    kInvalidPointer = 2,    // InvalidPointerError
+    kDoubleFree = 3,        // DoubleFreeError
+    kOutOfMemory = 4,       // OutOfMemoryError (with OomInfo)
+    kDeviceLost = 5,        // DeviceLostError ("the device was lost: ...", after a loss)
+    kInternal = 6,          // InternalError
+    kClosed = 7,            // InvalidArgumentError (the allocator is closed)
+};
+
+// What the Python allocator's _oom_error() needs to build its OutOfMemoryError.
+enum class OomCause : int {
+    kDevice = 1,        // the device said out of memory (BackendError kOutOfMemory): generic or injected hint
+    kTooLarge = 2,      // larger than the device: refused at once
+    kLimit = 3,         // LimitExceeded
+    kAddressSpace = 4,  // AddressSpaceExhausted
+};
+
+struct OomInfo {
+    OomCause cause = OomCause::kDevice;
+    std::uint64_t requested_nbytes = 0;
+    std::uint64_t free_nbytes = 0;        // device mem_info() at the time of the error
+    std::uint64_t total_nbytes = 0;
+    std::uint64_t allocated_nbytes = 0;
+    std::uint64_t cached_nbytes = 0;      // reserved - allocated (may be "negative": signed)
+    std::int64_t cached_signed = 0;
+    std::uint64_t reserved_nbytes = 0;
+    std::uint64_t limit_nbytes = 0;       // 0: none
+    std::uint64_t va_nbytes = 0;
+    void* cause_py_exc = nullptr;         // the device's exception (Python backend), borrowed
+};
+
+class EngineError : public std::runtime_error {
+  public:
+    EngineErrorKind kind;
+    OomInfo oom;   // kOutOfMemory only
+    EngineError(EngineErrorKind k, const std::string& what) : std::runtime_error(what), kind(k) {}
+    EngineError(const OomInfo& info, const std::string& what)
+        : std::runtime_error(what), kind(EngineErrorKind::kOutOfMemory), oom(info) {}
+};
+
+// Note [Waiting for the engine's lock]: with the Python backend the engine's mutex is taken with
+// the GIL held, and a device call made under the mutex may drop the GIL (the simulator's own
+// lock). A second Python thread that then blocked on the mutex while holding the GIL would
+// deadlock with the first. So the engine first tries the lock; when it is taken, it calls
+// `release()` (the binding: PyEval_SaveThread), waits, and calls `reacquire(token)`.
+struct LockHooks {
+    void* (*release)() = nullptr;
+    void (*reacquire)(void*) = nullptr;
+};
+
+namespace detail {
+struct VSeg;
+struct Block;
+struct FreeList;
+
+using FenceMap = std::vector<std::pair<std::uint64_t, std::uint64_t>>;   // (stream, number), insertion order
+
+struct BlockLess {
+    using is_transparent = void;
+    bool operator()(const Block* a, const Block* b) const;
+    bool operator()(const Block* a, const std::pair<std::uint64_t, std::uint64_t>& k) const;
+    bool operator()(const std::pair<std::uint64_t, std::uint64_t>& k, const Block* b) const;
+};
+using BlockSet = std::set<Block*, BlockLess>;
+
+struct Block {
+    std::uint64_t addr = 0, size = 0, requested = 0, stream = 0;
+    VSeg* seg = nullptr;
+    Block* prev = nullptr;
+    Block* next = nullptr;
+    bool allocated = false;
+    FreeList* in_list = nullptr;                       // the free list holding it, if any
+    std::unique_ptr<std::vector<std::uint64_t>> pending_streams;   // record_stream (sorted set)
+    std::unique_ptr<FenceMap> fences;                  // freed with pending streams
+    BlockSet::node_type node;                          // reused set node: no allocation per add
+};
+
+struct FreeList {
+    bool small = false;
+    std::uint64_t stream = 0;
+    BlockSet blocks;
+    std::uint64_t nbytes = 0;
+};
+
+// A hash map uint64 (nonzero) -> pointer, open addressing: no allocation per insert.
+class PtrMap {
+  public:
+    PtrMap();
+    void* get(std::uint64_t key) const;
+    void put(std::uint64_t key, void* value);
+    bool erase(std::uint64_t key);
+    std::size_t size() const { return n_; }
+    template <class F> void for_each(F f) const {
+        for (std::size_t i = 0; i < keys_.size(); ++i) if (keys_[i]) f(keys_[i], vals_[i]);
+    }
+    void clear();
+  private:
+    void grow();
+    std::vector<std::uint64_t> keys_;
+    std::vector<void*> vals_;
+    std::size_t n_ = 0, mask_ = 0;
+};
+}  // namespace detail
+
+// Errors: a device error the Python allocator lets through is rethrown as the backend's BackendError
+// (out of memory, device lost, other; with the Python backend, py_exc is the device's exception,
+// valid until the backend's clear_errors()); everything the allocator itself raises is an
+// EngineError (kOutOfMemory carries OomInfo, the numbers of CachingAllocator._oom_error).
+// Backend contract beyond backend.h: mem_create never returns ChunkHandle 0 (the engine's page
+// tables use 0 for "no chunk"); EventHandle may be any value.
+class Engine {
+  public:
+    // Does not own `backend`, which must outlive the engine. Reserves nothing yet; calls
+    // backend.info() once (total memory, granularity).
+    Engine(Backend& backend, const EngineConfig& config);
+    ~Engine();
+    Engine(const Engine&) = delete;
+    Engine& operator=(const Engine&) = delete;
+
+    // CachingAllocator.allocate: a device pointer for `nbytes` (> 0) on `stream`.
+    std::uint64_t allocate(std::uint64_t nbytes, std::uint64_t stream);
+    // The hot path alone (Note [The hot path makes no device call]): the pointer, or 0 when the
+    // request needs the full allocate() (which then decides exactly as Python's slow path).
+    std::uint64_t try_allocate_fast(std::uint64_t nbytes, std::uint64_t stream);
+    // CachingAllocator.free.
+    void free(std::uint64_t ptr);
+    // The free hot path alone: true when done, false when free() must run (changes nothing then).
+    bool try_free_fast(std::uint64_t ptr);
+    void record_stream(std::uint64_t ptr, std::uint64_t stream);
+    std::uint64_t empty_cache();
+    void synchronize();
+    // Gives everything back (Note [Closing waits for the streams] in caching.py); idempotent.
+    void close();
+
+    EngineStats stats();                       // snapshot_stats(), under the lock
+    std::uint64_t reserved_nbytes();
+    std::uint64_t allocated_nbytes();
+    std::uint64_t block_size(std::uint64_t ptr);   // throws kInvalidPointer for a non-live pointer
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> live_blocks();   // (ptr, size)
+    // check_consistency(): the engine's own invariants, plus the device's mappings when
+    // `device_maps` (va, nbytes, chunk) is given; the problems found (empty: consistent).
+    std::vector<std::string> consistency_problems(
+        const std::vector<std::tuple<std::uint64_t, std::uint64_t, ChunkHandle>>* device_maps,
+        const std::vector<std::pair<std::uint64_t, std::uint64_t>>* reservations);
+    bool closed();
+    bool lost();
+    std::string describe();
+    std::uint64_t total_nbytes() const { return total_nbytes_; }
+    void set_lock_hooks(const LockHooks& hooks) { hooks_ = hooks; }
+
+  private:
+    struct Guard;
+    void lock();
+    void unlock();
+
+    // -- caching.py: CachingAllocator ----------------------------------------------------------
+    void check_usable_op();
+    std::uint64_t allocate_slow(std::uint64_t nbytes, std::uint64_t size, bool small, std::uint64_t stream);
+    std::uint64_t hand_out(detail::Block* b, std::uint64_t nbytes, std::uint64_t stream);
+    void free_booked(std::uint64_t ptr, detail::Block* b);
+    detail::Block* grow(bool small, std::uint64_t stream, std::uint64_t size, detail::FreeList* fl,
+                        std::uint64_t nbytes);
+    detail::Block* grow_once(bool small, std::uint64_t stream, std::uint64_t size, detail::FreeList* fl);
+    std::uint64_t release_cached_all(bool wait);               // CachingAllocator._release_cached
+    bool anything_to_wait_for();
+    bool reown_idle(std::uint64_t stream, detail::FreeList* fl);
+    detail::Block* retry_after_release(bool small, std::uint64_t stream, std::uint64_t size,
+                                       detail::FreeList* fl, std::uint64_t nbytes);
+    std::uint64_t kept_nbytes(const detail::Block* b, std::uint64_t size, bool small) const;
+    detail::Block* split(detail::Block* b, std::uint64_t size, bool small, detail::FreeList* fl);
+    void insert_free(detail::Block* b);
+    detail::FreeList* free_list_of(const detail::Block* b);
+    detail::FreeList* free_list_get(bool small, std::uint64_t stream);
+    detail::FreeList* free_list_make(bool small, std::uint64_t stream);
+    std::uint64_t process_pending(bool wait);
+    EngineError oom_error(std::uint64_t nbytes, OomCause cause, void* cause_exc);
+    std::string inside_live(std::uint64_t ptr) const;
+    std::vector<std::uint64_t> streams_in_use();
+    void note_lost(const std::string& what);
+
+    // -- block.py ------------------------------------------------------------------------------
+    detail::Block* new_block(std::uint64_t addr, std::uint64_t size, std::uint64_t stream, detail::VSeg* seg);
+    void recycle_block(detail::Block* b);
+    detail::Block* split_block(detail::Block* b, std::uint64_t size);
+    detail::Block* merge_blocks(detail::Block* left, detail::Block* right);
+    void append_block(detail::VSeg* seg, detail::Block* b);
+    detail::Block* drop_last_block(detail::VSeg* seg);
+    void fl_add(detail::FreeList* fl, detail::Block* b);
+    void fl_remove(detail::FreeList* fl, detail::Block* b);
+    static detail::Block* fl_best_fit(detail::FreeList* fl, std::uint64_t size);
+
+    // -- fences.py: StreamFences -----------------------------------------------------------------
+    std::uint64_t fences_record(std::uint64_t stream);
+    bool fences_done(std::uint64_t stream, std::uint64_t number);
+    void fences_wait(std::uint64_t stream, std::uint64_t number);
+    bool fences_all_done(const detail::FenceMap* f);
+    void fences_wait_all(const detail::FenceMap* f);
+    void fences_forget_idle();
+    void fences_close();
+    std::uint64_t fences_done_of(std::uint64_t stream) const;
+    static void merge_fences(std::unique_ptr<detail::FenceMap>& into, std::uint64_t stream, std::uint64_t number);
+
+    // -- backing.py: VirtualBacking (same names) ------------------------------------------------------
+    void check_limit(std::uint64_t extra_nbytes, std::uint64_t requested);
+    detail::VSeg* segment(bool small);                          // _segment
+    detail::VSeg* range_of(bool small);
+    std::uint64_t extend(detail::VSeg* seg, std::uint64_t stream, std::uint64_t extra_nbytes, std::uint64_t requested);
+    bool lower_top(detail::VSeg* seg, std::uint64_t addr, std::uint64_t stream, bool wait);
+    void wait_top(detail::VSeg* seg, std::uint64_t stream);
+    [[noreturn]] void va_exhausted(std::uint64_t nbytes);
+    void commit(detail::Block* b);
+    bool commit_quietly(detail::Block* b, std::uint64_t nbytes);
+    void decommit(detail::Block* b);
+    void fence_page(detail::VSeg* seg, std::int64_t page, std::unordered_map<std::uint64_t, std::uint64_t>& batch);
+    bool page_ready(detail::VSeg* seg, std::int64_t page, bool wait,
+                    std::unordered_map<std::uint64_t, std::uint64_t>& batch);
+    std::uint64_t stealable(detail::VSeg* seg, std::int64_t first, std::int64_t last);
+    void map_pages(detail::VSeg* seg, const std::vector<std::int64_t>& need, std::int64_t first, std::int64_t last,
+                   std::uint64_t requested);
+    std::uint64_t release_unmapped(std::int64_t count);        // count < 0: all
+    ChunkHandle unmap_page(detail::VSeg* seg, std::int64_t p);
+    void steal(detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t count, std::uint64_t requested);
+    bool create_instead(std::uint64_t requested);
+    std::uint64_t backing_release_cached(bool wait);            // VirtualBacking.release_cached
+    void backing_close(bool keep_all);
+    std::uint64_t mapped_empty_nbytes() const;
+    std::uint64_t backing_largest_free_nbytes() const;
+
+    Backend& backend_;
+    EngineConfig cfg_;
+    LockHooks hooks_;
+    std::mutex mutex_;
+    std::uint64_t total_nbytes_ = 0, g_ = 0, va_nbytes_ = 0;
+    std::int64_t small_max_ = -1;
+
+    // CachingAllocator state
+    std::unordered_map<std::uint64_t, detail::FreeList*> fl_index_[2];   // [small][stream]
+    std::list<std::unique_ptr<detail::FreeList>> fl_order_;              // insertion order (dict order)
+    detail::PtrMap live_;
+    std::vector<std::uint64_t> live_order_;                               // unused slots: 0
+    detail::PtrMap freed_;
+    std::vector<std::uint64_t> freed_ring_;
+    std::size_t freed_head_ = 0, freed_count_ = 0;
+    std::vector<detail::Block*> pending_;
+    EngineStats st_;
+    bool closed_ = false, committed_ = false, lost_ = false;
+    std::string lost_what_;
+    std::uint64_t leaked_nbytes_ = 0;
+    std::vector<detail::Block*> block_pool_;
+    std::vector<std::unique_ptr<detail::Block[]>> block_slabs_;
+
+    // StreamFences state
+    struct StreamQueue {
+        std::uint64_t stream;
+        std::vector<std::pair<std::uint64_t, EventHandle>> q;   // (number, event), oldest first
+        std::size_t head = 0;
+        std::size_t size() const { return q.size() - head; }
+    };
+    std::list<StreamQueue> fq_order_;
+    std::unordered_map<std::uint64_t, std::list<StreamQueue>::iterator> fq_index_;
+    std::unordered_map<std::uint64_t, std::uint64_t> fdone_;
+    std::uint64_t fnext_ = 1;
+    std::uint64_t n_records_ = 0, n_queries_ = 0, f_n_waits_ = 0, n_destroys_ = 0;
+
+    // VirtualBacking state
+    std::vector<std::unique_ptr<detail::VSeg>> vsegs_;   // creation order (dict order); at most 2
+    std::vector<std::unique_ptr<detail::VSeg>> closed_vsegs_;   // given back by close(): kept for the blocks naming them
+    detail::VSeg* vseg_by_key_[2] = {nullptr, nullptr};
+    std::vector<ChunkHandle> unmapped_;
+    std::uint64_t reserved_nbytes_ = 0, n_segments_ = 0, device_calls_ = 0;
+    std::uint64_t n_chunks_ = 0, n_steals_ = 0, n_waits_ = 0;
+    std::int64_t live_pages_ = 0, peak_live_pages_ = 0;
+    bool have_first_stream_ = false, multi_stream_ = false;
+    std::uint64_t first_stream_ = 0;
+};
+
+}  // namespace gpumem

@@ -1,0 +1,632 @@
+// gpumem._engine: the CPython binding of the native engine (plain C API, no binding library).
+//
+// Allocator(device, helpers, **policy): an Engine over a PyDeviceBackend. allocate() and free()
+// are METH_FASTCALL and run the engine's hot path with no Python frame and no device call; anything
+// else (a cache miss, a free that records events, record_stream, empty_cache...) runs inside
+// `device.deferred_events()`, as the Python allocator's operations do (Note [Callbacks run outside
+// the allocator] in caching.py): memory events reach subscribers after the engine's lock is
+// released. The GIL is held throughout (the Python backend needs it), except while waiting for the
+// engine's lock (Note [Waiting for the engine's lock] in engine.h). `helpers` is the module
+// gpumem.allocator.native: argument checks and error construction on slow paths.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <new>
+#include <string>
+
+#include "engine.h"
+#include "pybackend.h"
+
+using gpumem::BackendError;
+using gpumem::Engine;
+using gpumem::EngineConfig;
+using gpumem::EngineError;
+using gpumem::EngineErrorKind;
+using gpumem::EngineStats;
+using gpumem::PyDeviceBackend;
+
+namespace {
+
+struct AllocObject {
+    PyObject_HEAD
+    Engine* engine;
+    PyDeviceBackend* backend;
+    PyObject* device;
+    PyObject* helpers;
+    PyObject* deferred;   // device.deferred_events (bound method) or null
+    PyObject* spec;       // device.spec (str) for error messages
+    PyObject* huge_nbytes;   // during allocate(): the request when it is >= 2**64 (borrowed), else null
+};
+
+void* release_gil() { return PyEval_SaveThread(); }
+void reacquire_gil(void* token) { PyEval_RestoreThread(static_cast<PyThreadState*>(token)); }
+
+PyObject* helper_attr(AllocObject* self, const char* name) { return PyObject_GetAttrString(self->helpers, name); }
+
+void raise_kind(AllocObject* self, const char* cls_name, const char* msg) {
+    PyObject* cls = helper_attr(self, cls_name);
+    if (!cls) return;
+    PyErr_SetString(cls, msg);
+    Py_DECREF(cls);
+}
+
+// Turns the C++ exception being handled into the Python exception the Python allocator raises.
+void set_error(AllocObject* self) {
+    try {
+        throw;
+    } catch (const BackendError& e) {
+        if (e.py_exc) {
+            PyObject* exc = static_cast<PyObject*>(e.py_exc);
+            PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(exc));
+            PyObject* tb = PyException_GetTraceback(exc);
+            Py_INCREF(type);
+            Py_INCREF(exc);
+            PyErr_Restore(type, exc, tb);
+        } else {
+            const char* cls = e.kind == gpumem::ErrorKind::kOutOfMemory ? "OUT_OF_MEMORY"
+                              : e.kind == gpumem::ErrorKind::kDeviceLost ? "DEVICE_LOST" : "INTERNAL";
+            if (e.kind == gpumem::ErrorKind::kOutOfMemory) PyErr_SetString(PyExc_MemoryError, e.what());
+            else raise_kind(self, cls, e.what());
+        }
+    } catch (const EngineError& e) {
+        switch (e.kind) {
+            case EngineErrorKind::kOutOfMemory: {
+                const gpumem::OomInfo& o = e.oom;
+                PyObject* fn = helper_attr(self, "oom_error");
+                if (!fn) break;
+                PyObject* cause = o.cause_py_exc ? static_cast<PyObject*>(o.cause_py_exc) : Py_None;
+                PyObject* req = self->huge_nbytes ? (Py_INCREF(self->huge_nbytes), self->huge_nbytes)
+                                                  : PyLong_FromUnsignedLongLong(o.requested_nbytes);
+                PyObject* err = PyObject_CallFunction(fn, "iNKKKLKKKOO", static_cast<int>(o.cause), req,
+                                                      (unsigned long long)o.free_nbytes,
+                                                      (unsigned long long)o.total_nbytes,
+                                                      (unsigned long long)o.allocated_nbytes,
+                                                      (long long)o.cached_signed,
+                                                      (unsigned long long)o.reserved_nbytes,
+                                                      (unsigned long long)o.limit_nbytes,
+                                                      (unsigned long long)o.va_nbytes, cause, self->spec);
+                Py_DECREF(fn);
+                if (!err) break;
+                PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err)), err);
+                Py_DECREF(err);
+                break;
+            }
+            case EngineErrorKind::kInvalidArgument:
+            case EngineErrorKind::kClosed:
+                raise_kind(self, "INVALID_ARGUMENT", e.what());
+                break;
+            case EngineErrorKind::kInvalidPointer:
+                raise_kind(self, "INVALID_POINTER", e.what());
+                break;
+            case EngineErrorKind::kDoubleFree:
+                raise_kind(self, "DOUBLE_FREE", e.what());
+                break;
+            case EngineErrorKind::kDeviceLost:
+                raise_kind(self, "DEVICE_LOST", e.what());
+                break;
+            default:
+                raise_kind(self, "INTERNAL", e.what());
+        }
+    } catch (const std::bad_alloc&) {
+        PyErr_NoMemory();
+    } catch (const std::exception& e) {
+        raise_kind(self, "INTERNAL", e.what());
+    }
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "gpumem engine: unknown error");
+}
+
+// Runs `f` (returns a new reference, or throws) inside device.deferred_events().
+template <class F>
+PyObject* run_op(AllocObject* self, F f) {
+    PyObject* cm = nullptr;
+    if (self->deferred) {
+        cm = PyObject_CallNoArgs(self->deferred);
+        if (!cm) return nullptr;
+        PyObject* entered = PyObject_CallMethod(cm, "__enter__", nullptr);
+        if (!entered) {
+            Py_DECREF(cm);
+            return nullptr;
+        }
+        Py_DECREF(entered);
+    }
+    PyObject* result = nullptr;
+    try {
+        result = f();
+    } catch (...) {
+        set_error(self);
+    }
+    self->backend->clear_errors();
+    if (cm) {
+        PyObject *et, *ev, *etb;
+        PyErr_Fetch(&et, &ev, &etb);
+        PyObject* r = PyObject_CallMethod(cm, "__exit__", "OOO", Py_None, Py_None, Py_None);
+        Py_DECREF(cm);
+        if (!r) {   // a subscriber's BaseException: it wins, as in a `finally`
+            Py_XDECREF(et);
+            Py_XDECREF(ev);
+            Py_XDECREF(etb);
+            Py_XDECREF(result);
+            return nullptr;
+        }
+        Py_DECREF(r);
+        PyErr_Restore(et, ev, etb);
+    }
+    return result;
+}
+
+// An int argument that fits in [0, 2**64): true and *out; false (no error set) otherwise.
+inline bool exact_u64(PyObject* o, std::uint64_t* out) {
+    if (!PyLong_CheckExact(o)) return false;
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+        PyErr_Clear();
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
+// A validated Python int to u64, clamping values past 2**64 (requests that can never fit).
+bool to_u64_clamped(PyObject* o, std::uint64_t* out) {
+    int overflow = 0;
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return false;
+        PyErr_Clear();
+        v = UINT64_MAX;
+    }
+    (void)overflow;
+    *out = v;
+    return true;
+}
+
+PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
+    static const char* kwlist[] = {"device", "helpers", "round_nbytes", "small_max_nbytes", "separate_small_pool",
+                                   "min_split_small_nbytes", "min_split_large_nbytes", "va_reserve_factor",
+                                   "steal_empty_pages", "page_slack", "limit_nbytes", "gc_threshold", nullptr};
+    PyObject *device, *helpers;
+    EngineConfig cfg;
+    unsigned long long round_nbytes = cfg.round_nbytes, small_max = cfg.small_max_nbytes,
+                       min_small = cfg.min_split_small_nbytes, min_large = cfg.min_split_large_nbytes, limit = 0;
+    int separate = 1, steal = 1;
+    double factor = cfg.va_reserve_factor, slack = cfg.page_slack, gc = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|KKpKKdpdKd", const_cast<char**>(kwlist), &device, &helpers,
+                                     &round_nbytes, &small_max, &separate, &min_small, &min_large, &factor, &steal,
+                                     &slack, &limit, &gc))
+        return nullptr;
+    cfg.round_nbytes = round_nbytes;
+    cfg.small_max_nbytes = small_max;
+    cfg.separate_small_pool = separate != 0;
+    cfg.min_split_small_nbytes = min_small;
+    cfg.min_split_large_nbytes = min_large;
+    cfg.va_reserve_factor = factor;
+    cfg.steal_empty_pages = steal != 0;
+    cfg.page_slack = slack;
+    cfg.limit_nbytes = limit;
+    cfg.gc_threshold = gc;
+
+    AllocObject* self = reinterpret_cast<AllocObject*>(type->tp_alloc(type, 0));
+    if (!self) return nullptr;
+    Py_INCREF(device);
+    Py_INCREF(helpers);
+    self->device = device;
+    self->helpers = helpers;
+    self->deferred = PyObject_GetAttrString(device, "deferred_events");
+    if (!self->deferred) PyErr_Clear();
+    self->spec = PyObject_GetAttrString(device, "spec");
+    if (!self->spec) {
+        PyErr_Clear();
+        self->spec = PyUnicode_FromString("");
+    }
+    PyObject* oom = PyObject_GetAttrString(helpers, "OUT_OF_MEMORY");
+    PyObject* lost = oom ? PyObject_GetAttrString(helpers, "DEVICE_LOST") : nullptr;
+    if (!lost) {
+        Py_XDECREF(oom);
+        Py_DECREF(self);
+        return nullptr;
+    }
+    try {
+        self->backend = new PyDeviceBackend(device, oom, lost);
+    } catch (...) {
+        self->backend = nullptr;
+    }
+    Py_DECREF(oom);
+    Py_DECREF(lost);
+    if (!self->backend) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    try {
+        self->engine = new Engine(*self->backend, cfg);
+    } catch (...) {
+        set_error(self);
+        self->backend->clear_errors();
+        Py_DECREF(self);
+        return nullptr;
+    }
+    gpumem::LockHooks hooks;
+    hooks.release = release_gil;
+    hooks.reacquire = reacquire_gil;
+    self->engine->set_lock_hooks(hooks);
+    return reinterpret_cast<PyObject*>(self);
+}
+
+void Alloc_dealloc(AllocObject* self) {
+    delete self->engine;
+    delete self->backend;
+    Py_XDECREF(self->device);
+    Py_XDECREF(self->helpers);
+    Py_XDECREF(self->deferred);
+    Py_XDECREF(self->spec);
+    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+// allocate(nbytes, stream=0) -> int
+PyObject* Alloc_allocate(AllocObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+    PyObject* o_nbytes = nullptr;
+    PyObject* o_stream = nullptr;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs >= 1) o_nbytes = args[0];
+    if (nargs >= 2) o_stream = args[1];
+    if (nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "allocate() takes at most 2 positional arguments");
+        return nullptr;
+    }
+    for (Py_ssize_t i = 0; i < nkw; ++i) {
+        PyObject* k = PyTuple_GET_ITEM(kwnames, i);
+        if (PyUnicode_CompareWithASCIIString(k, "stream") == 0 && !o_stream) o_stream = args[nargs + i];
+        else if (PyUnicode_CompareWithASCIIString(k, "nbytes") == 0 && !o_nbytes) o_nbytes = args[nargs + i];
+        else {
+            PyErr_Format(PyExc_TypeError, "allocate() got an unexpected keyword argument %R", k);
+            return nullptr;
+        }
+    }
+    if (!o_nbytes) {
+        PyErr_SetString(PyExc_TypeError, "allocate() missing required argument 'nbytes'");
+        return nullptr;
+    }
+    std::uint64_t nbytes = 0, stream = 0;
+    bool fast = exact_u64(o_nbytes, &nbytes) && nbytes > 0 && (!o_stream || exact_u64(o_stream, &stream));
+    if (!fast) {
+        PyObject* fn = helper_attr(self, "check_alloc_args");
+        if (!fn) return nullptr;
+        PyObject* zero = o_stream ? nullptr : PyLong_FromLong(0);
+        PyObject* r = PyObject_CallFunctionObjArgs(fn, o_nbytes, o_stream ? o_stream : zero, nullptr);
+        Py_XDECREF(zero);
+        Py_DECREF(fn);
+        if (!r) return nullptr;
+        bool ok = to_u64_clamped(PyTuple_GET_ITEM(r, 0), &nbytes) && to_u64_clamped(PyTuple_GET_ITEM(r, 1), &stream);
+        if (ok && nbytes == UINT64_MAX) {
+            // a request past 2**64 bytes can never fit: the engine sees UINT64_MAX, the error the real number
+            PyObject* huge = PyTuple_GET_ITEM(r, 0);
+            Py_INCREF(huge);
+            Py_DECREF(r);
+            self->huge_nbytes = huge;
+            PyObject* out = run_op(self, [&]() { return PyLong_FromUnsignedLongLong(self->engine->allocate(nbytes, stream)); });
+            self->huge_nbytes = nullptr;
+            Py_DECREF(huge);
+            return out;
+        }
+        Py_DECREF(r);
+        if (!ok) return nullptr;
+    }
+    try {
+        std::uint64_t p = self->engine->try_allocate_fast(nbytes, stream);
+        if (p) return PyLong_FromUnsignedLongLong(p);
+    } catch (...) {
+        set_error(self);
+        self->backend->clear_errors();
+        return nullptr;
+    }
+    return run_op(self, [&]() { return PyLong_FromUnsignedLongLong(self->engine->allocate(nbytes, stream)); });
+}
+
+PyObject* bad_pointer(AllocObject* self, const char* op, PyObject* ptr) {
+    PyObject* fn = helper_attr(self, "bad_pointer");
+    if (!fn) return nullptr;
+    bool lost = self->engine->lost();
+    PyObject* lost_what = Py_None;
+    Py_INCREF(lost_what);
+    if (lost) {
+        // the message the engine would give: ask it
+        try {
+            self->engine->record_stream(0, 0);
+        } catch (const EngineError& e) {
+            Py_DECREF(lost_what);
+            std::string w = e.what();
+            const std::string prefix = "the device was lost: ";
+            lost_what = PyUnicode_FromString(w.compare(0, prefix.size(), prefix) == 0 ? w.c_str() + prefix.size() : w.c_str());
+        } catch (...) {
+        }
+    }
+    PyObject* r = PyObject_CallFunction(fn, "sOOO", op, ptr, self->engine->closed() ? Py_True : Py_False, lost_what);
+    Py_DECREF(fn);
+    Py_XDECREF(lost_what);
+    Py_XDECREF(r);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "bad_pointer did not raise");
+    return nullptr;
+}
+
+// free(ptr)
+PyObject* Alloc_free(AllocObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "free() takes exactly one argument (ptr)");
+        return nullptr;
+    }
+    std::uint64_t ptr;
+    if (exact_u64(args[0], &ptr)) {
+        try {
+            if (self->engine->try_free_fast(ptr)) Py_RETURN_NONE;
+        } catch (...) {
+            set_error(self);
+            self->backend->clear_errors();
+            return nullptr;
+        }
+    } else {
+        PyObject* fn = helper_attr(self, "as_ptr");
+        if (!fn) return nullptr;
+        PyObject* r = PyObject_CallOneArg(fn, args[0]);
+        Py_DECREF(fn);
+        if (!r) return nullptr;
+        unsigned long long v = PyLong_AsUnsignedLongLong(r);
+        if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+            PyErr_Clear();
+            PyObject* out = bad_pointer(self, "free", r);
+            Py_DECREF(r);
+            return out;
+        }
+        Py_DECREF(r);
+        ptr = v;
+    }
+    return run_op(self, [&]() {
+        self->engine->free(ptr);
+        Py_RETURN_NONE;
+    });
+}
+
+PyObject* Alloc_record_stream(AllocObject* self, PyObject* args, PyObject* kwds) {
+    static const char* kwlist[] = {"ptr", "stream", nullptr};
+    PyObject *o_ptr, *o_stream;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", const_cast<char**>(kwlist), &o_ptr, &o_stream)) return nullptr;
+    PyObject* fn = helper_attr(self, "as_ptr");
+    if (!fn) return nullptr;
+    PyObject* p = PyObject_CallOneArg(fn, o_ptr);
+    Py_DECREF(fn);
+    if (!p) return nullptr;
+    fn = helper_attr(self, "check_stream");
+    PyObject* s = fn ? PyObject_CallOneArg(fn, o_stream) : nullptr;
+    Py_XDECREF(fn);
+    if (!s) {
+        Py_DECREF(p);
+        return nullptr;
+    }
+    std::uint64_t stream = PyLong_AsUnsignedLongLong(s);
+    Py_DECREF(s);
+    unsigned long long v = PyLong_AsUnsignedLongLong(p);
+    if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyObject* out = bad_pointer(self, "record_stream", p);
+        Py_DECREF(p);
+        return out;
+    }
+    Py_DECREF(p);
+    std::uint64_t ptr = v;
+    return run_op(self, [&]() {
+        self->engine->record_stream(ptr, stream);
+        Py_RETURN_NONE;
+    });
+}
+
+PyObject* Alloc_empty_cache(AllocObject* self, PyObject*) {
+    return run_op(self, [&]() { return PyLong_FromUnsignedLongLong(self->engine->empty_cache()); });
+}
+
+PyObject* Alloc_synchronize(AllocObject* self, PyObject*) {
+    return run_op(self, [&]() {
+        self->engine->synchronize();
+        Py_RETURN_NONE;
+    });
+}
+
+PyObject* Alloc_close(AllocObject* self, PyObject*) {
+    return run_op(self, [&]() {
+        self->engine->close();
+        Py_RETURN_NONE;
+    });
+}
+
+#define STAT(name) {#name, offsetof(EngineStats, name)}
+struct StatField {
+    const char* name;
+    size_t offset;
+};
+const StatField kStatFields[] = {
+    STAT(allocated_nbytes), STAT(requested_nbytes), STAT(reserved_nbytes), STAT(active_nbytes),
+    STAT(inactive_split_nbytes), STAT(largest_free_nbytes), STAT(peak_allocated_nbytes),
+    STAT(peak_requested_nbytes), STAT(peak_reserved_nbytes), STAT(num_allocs), STAT(num_frees),
+    STAT(num_live_blocks), STAT(num_free_blocks), STAT(num_segments), STAT(num_splits), STAT(cache_hits),
+    STAT(cache_misses), STAT(num_alloc_retries), STAT(num_ooms), STAT(num_gc_releases), STAT(device_calls),
+    STAT(event_calls), STAT(n_chunks), STAT(n_steals), STAT(n_waits), STAT(n_ranges), STAT(va_nbytes),
+    STAT(granularity_nbytes), STAT(leaked_nbytes),
+};
+
+PyObject* Alloc_stats(AllocObject* self, PyObject*) {
+    EngineStats st;
+    try {
+        st = self->engine->stats();
+    } catch (...) {
+        set_error(self);
+        return nullptr;
+    }
+    PyObject* d = PyDict_New();
+    if (!d) return nullptr;
+    for (const StatField& f : kStatFields) {
+        std::uint64_t v = *reinterpret_cast<const std::uint64_t*>(reinterpret_cast<const char*>(&st) + f.offset);
+        PyObject* o = PyLong_FromUnsignedLongLong(v);
+        if (!o || PyDict_SetItemString(d, f.name, o) < 0) {
+            Py_XDECREF(o);
+            Py_DECREF(d);
+            return nullptr;
+        }
+        Py_DECREF(o);
+    }
+    return d;
+}
+
+PyObject* Alloc_reserved_nbytes(AllocObject* self, PyObject*) {
+    return PyLong_FromUnsignedLongLong(self->engine->reserved_nbytes());
+}
+
+PyObject* Alloc_allocated_nbytes(AllocObject* self, PyObject*) {
+    return PyLong_FromUnsignedLongLong(self->engine->allocated_nbytes());
+}
+
+PyObject* Alloc_block_size(AllocObject* self, PyObject* ptr) {
+    std::uint64_t p;
+    if (!exact_u64(ptr, &p)) {
+        PyObject* cls = helper_attr(self, "INVALID_POINTER");
+        if (cls) {
+            PyErr_Format(cls, "%R is not a live allocation", ptr);
+            Py_DECREF(cls);
+        }
+        return nullptr;
+    }
+    try {
+        return PyLong_FromUnsignedLongLong(self->engine->block_size(p));
+    } catch (const EngineError&) {
+        PyObject* cls = helper_attr(self, "INVALID_POINTER");
+        if (cls) {
+            PyErr_Format(cls, "%R is not a live allocation", ptr);
+            Py_DECREF(cls);
+        }
+        return nullptr;
+    }
+}
+
+PyObject* Alloc_live_blocks(AllocObject* self, PyObject*) {
+    auto blocks = self->engine->live_blocks();
+    PyObject* out = PyList_New(static_cast<Py_ssize_t>(blocks.size()));
+    if (!out) return nullptr;
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+        PyObject* t = Py_BuildValue("(KK)", (unsigned long long)blocks[i].first, (unsigned long long)blocks[i].second);
+        if (!t) {
+            Py_DECREF(out);
+            return nullptr;
+        }
+        PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), t);
+    }
+    return out;
+}
+
+// consistency_problems(device_maps, reservations) -> list[str]; device_maps: [(va, nbytes, handle int)]
+// as Device.mapping_ranges() gives them, reservations: [(va, nbytes)] or None.
+PyObject* Alloc_consistency_problems(AllocObject* self, PyObject* args) {
+    PyObject *o_maps, *o_res;
+    if (!PyArg_ParseTuple(args, "OO", &o_maps, &o_res)) return nullptr;
+    // device handle value -> chunk id
+    std::unordered_map<std::uint64_t, gpumem::ChunkHandle> by_value;
+    for (std::size_t id = 1; id <= self->backend->chunk_table_size(); ++id) {
+        PyObject* h = self->backend->chunk_object(id);
+        if (!h) continue;
+        PyObject* v = PyObject_GetAttrString(h, "handle");
+        if (!v) return nullptr;
+        by_value[PyLong_AsUnsignedLongLong(v)] = id;
+        Py_DECREF(v);
+    }
+    std::vector<std::tuple<std::uint64_t, std::uint64_t, gpumem::ChunkHandle>> maps;
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> res;
+    PyObject* seq = PySequence_Fast(o_maps, "device_maps must be a sequence");
+    if (!seq) return nullptr;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+        unsigned long long va, n, h;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKK", &va, &n, &h)) {
+            Py_DECREF(seq);
+            return nullptr;
+        }
+        auto it = by_value.find(h);
+        maps.emplace_back(va, n, it == by_value.end() ? 0 : it->second);
+    }
+    Py_DECREF(seq);
+    if (o_res != Py_None) {
+        seq = PySequence_Fast(o_res, "reservations must be a sequence");
+        if (!seq) return nullptr;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+            unsigned long long va, n;
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KK", &va, &n)) {
+                Py_DECREF(seq);
+                return nullptr;
+            }
+            res.emplace_back(va, n);
+        }
+        Py_DECREF(seq);
+    }
+    return run_op(self, [&]() -> PyObject* {
+        auto problems = self->engine->consistency_problems(&maps, o_res == Py_None ? nullptr : &res);
+        PyObject* out = PyList_New(0);
+        for (auto& p : problems) {
+            PyObject* s = PyUnicode_FromString(p.c_str());
+            PyList_Append(out, s);
+            Py_XDECREF(s);
+        }
+        return out;
+    });
+}
+
+PyObject* Alloc_describe(AllocObject* self, PyObject*) {
+    return PyUnicode_FromString(self->engine->describe().c_str());
+}
+
+PyObject* Alloc_closed(AllocObject* self, PyObject*) { return PyBool_FromLong(self->engine->closed()); }
+PyObject* Alloc_lost(AllocObject* self, PyObject*) { return PyBool_FromLong(self->engine->lost()); }
+
+PyMethodDef Alloc_methods[] = {
+    {"allocate", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Alloc_allocate)),
+     METH_FASTCALL | METH_KEYWORDS, "allocate(nbytes, stream=0) -> device pointer"},
+    {"free", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Alloc_free)), METH_FASTCALL,
+     "free(ptr): return the block to the cache"},
+    {"record_stream", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Alloc_record_stream)),
+     METH_VARARGS | METH_KEYWORDS, "record_stream(ptr, stream)"},
+    {"empty_cache", reinterpret_cast<PyCFunction>(Alloc_empty_cache), METH_NOARGS, "give cached memory back"},
+    {"synchronize", reinterpret_cast<PyCFunction>(Alloc_synchronize), METH_NOARGS, "wait for the device"},
+    {"close", reinterpret_cast<PyCFunction>(Alloc_close), METH_NOARGS, "give everything back"},
+    {"stats", reinterpret_cast<PyCFunction>(Alloc_stats), METH_NOARGS, "the counters, as a dict"},
+    {"reserved_nbytes", reinterpret_cast<PyCFunction>(Alloc_reserved_nbytes), METH_NOARGS, "reserved bytes"},
+    {"allocated_nbytes", reinterpret_cast<PyCFunction>(Alloc_allocated_nbytes), METH_NOARGS, "allocated bytes"},
+    {"block_size", reinterpret_cast<PyCFunction>(Alloc_block_size), METH_O, "size of a live block"},
+    {"live_blocks", reinterpret_cast<PyCFunction>(Alloc_live_blocks), METH_NOARGS, "(ptr, size) of live blocks"},
+    {"consistency_problems", reinterpret_cast<PyCFunction>(Alloc_consistency_problems), METH_VARARGS,
+     "consistency_problems(device_maps, reservations) -> list of problems"},
+    {"describe", reinterpret_cast<PyCFunction>(Alloc_describe), METH_NOARGS, "the backing, in words"},
+    {"closed", reinterpret_cast<PyCFunction>(Alloc_closed), METH_NOARGS, "whether close() ran"},
+    {"lost", reinterpret_cast<PyCFunction>(Alloc_lost), METH_NOARGS, "whether the device was lost"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyTypeObject AllocType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyModuleDef engine_module = {PyModuleDef_HEAD_INIT, "gpumem._engine",
+                             "gpumem's native allocator engine (see gpumem/_native/engine.h).", -1, nullptr,
+                             nullptr, nullptr, nullptr, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__engine(void) {
+    AllocType.tp_name = "gpumem._engine.Allocator";
+    AllocType.tp_basicsize = sizeof(AllocObject);
+    AllocType.tp_flags = Py_TPFLAGS_DEFAULT;
+    AllocType.tp_doc = "Allocator(device, helpers, **policy): the native caching allocator engine over a "
+                       "Python gpumem.device.Device (virtual-memory mode).";
+    AllocType.tp_new = Alloc_new;
+    AllocType.tp_dealloc = reinterpret_cast<destructor>(Alloc_dealloc);
+    AllocType.tp_methods = Alloc_methods;
+    if (PyType_Ready(&AllocType) < 0) return nullptr;
+    PyObject* m = PyModule_Create(&engine_module);
+    if (!m) return nullptr;
+    Py_INCREF(&AllocType);
+    if (PyModule_AddObject(m, "Allocator", reinterpret_cast<PyObject*>(&AllocType)) < 0) {
+        Py_DECREF(&AllocType);
+        Py_DECREF(m);
+        return nullptr;
+    }
+    return m;
+}

@@ -1,0 +1,72 @@
+// PyDeviceBackend: the engine's Backend over a Python gpumem.device.Device (see pybackend.cpp).
+#pragma once
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <vector>
+
+#include "backend.h"
+
+namespace gpumem {
+
+// Every method is called with the GIL held. Python handle objects (PhysicalHandle, Event) live in
+// tables indexed by the ChunkHandle / EventHandle ids the engine sees (id = index + 1, never 0).
+//
+// Note [Device exceptions live for one operation]: a device call that raises is thrown as a
+// BackendError whose py_exc points to the Python exception; the backend keeps that exception
+// (a reference in `errors_`) until clear_errors(), which the binding calls at the end of each
+// operation, after it has re-raised the one that escaped. So an exception the engine handles and
+// drops (a failed event_destroy, an undo that failed) is not leaked, and the one re-raised is the
+// very object the device raised. py_exc is therefore a borrowed pointer, valid until then.
+class PyDeviceBackend : public Backend {
+  public:
+    // Borrows nothing: keeps its own references. Raises (Python error set, returns false from
+    // ok()) when the device lacks what the engine needs.
+    PyDeviceBackend(PyObject* device, PyObject* oom_error_cls, PyObject* device_lost_cls);
+    ~PyDeviceBackend() override;
+    bool ok() const { return ok_; }
+
+    DeviceInfo info() override;
+    void mem_info(std::uint64_t* free_nbytes, std::uint64_t* total_nbytes) override;
+    std::uint64_t address_reserve(std::uint64_t nbytes, std::uint64_t alignment) override;
+    void address_free(std::uint64_t va, std::uint64_t nbytes) override;
+    ChunkHandle mem_create(std::uint64_t nbytes) override;
+    void mem_release(ChunkHandle handle) override;
+    void mem_map(std::uint64_t va, std::uint64_t nbytes, ChunkHandle handle, std::uint64_t offset) override;
+    void mem_set_access(std::uint64_t va, std::uint64_t nbytes) override;
+    void mem_unmap(std::uint64_t va, std::uint64_t nbytes) override;
+    EventHandle event_record(StreamHandle stream) override;
+    bool event_query(EventHandle event) override;
+    void event_synchronize(EventHandle event) override;
+    void event_destroy(EventHandle event) override;
+    void stream_synchronize(StreamHandle stream) override;
+    void synchronize() override;
+
+    void clear_errors();
+    // The PhysicalHandle object of a chunk id (borrowed), or null.
+    PyObject* chunk_object(ChunkHandle id) const;
+    std::size_t chunk_table_size() const { return chunks_.size(); }
+
+  private:
+    [[noreturn]] void raise_current();
+    PyObject* call(PyObject* name, PyObject* a = nullptr, PyObject* b = nullptr, PyObject* c = nullptr,
+                   PyObject* d = nullptr);
+    void call_void(PyObject* name, PyObject* a = nullptr, PyObject* b = nullptr, PyObject* c = nullptr,
+                   PyObject* d = nullptr);
+    static std::uint64_t put(std::vector<PyObject*>& table, std::vector<std::uint64_t>& free_ids, PyObject* obj);
+    PyObject* get(const std::vector<PyObject*>& table, std::uint64_t id, const char* what);
+
+    PyObject* device_;
+    PyObject* oom_cls_;
+    PyObject* lost_cls_;
+    bool ok_ = false;
+    std::vector<PyObject*> chunks_, events_, errors_;
+    std::vector<std::uint64_t> free_chunk_ids_, free_event_ids_;
+    PyObject *n_properties_, *n_mem_info_, *n_address_reserve_, *n_address_free_, *n_mem_create_, *n_mem_release_,
+        *n_mem_map_, *n_mem_set_access_, *n_mem_unmap_, *n_event_record_, *n_event_query_, *n_event_synchronize_,
+        *n_event_destroy_, *n_stream_synchronize_, *n_synchronize_, *n_free_nbytes_, *n_total_nbytes_,
+        *n_granularity_nbytes_, *n_vmm_supported_;
+};
+
+}  // namespace gpumem

@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from gpumem import sim
 from gpumem.allocator import CachingAllocator
 from gpumem.allocator.native import load_engine
-from gpumem.allocator.policy import get_policy
+from gpumem.allocator.policy import GrowthRule, get_policy
 from gpumem.device import Event, MemInfo, PhysicalHandle
 from gpumem.units import KiB, MiB
 
@@ -42,8 +42,20 @@ POLICIES = [
     dataclasses.replace(_BASE, name="slack", page_slack=0.25, round_nbytes=4096),
     dataclasses.replace(_BASE, name="one-pool", separate_small_pool=False, min_split_large_nbytes=1 * MiB + 1),
     dataclasses.replace(_BASE, name="small-va", va_reserve_factor=1.0, min_split_small_nbytes=4096),
+    # growth=CHUNKS (the default) with small caps (many chunks, steals of whole chunks) and grow-ahead
+    dataclasses.replace(_BASE, name="chunks-small", chunk_max_fraction=1 / 16, chunk_max_nbytes=8 * MiB),
+    dataclasses.replace(_BASE, name="chunks-ahead", grow_ahead_fraction=0.1, page_slack=0.05),
+    dataclasses.replace(_BASE, name="chunks-no-slack", page_slack=0.0, chunk_max_fraction=1.0),
+    # growth=PAGES, the behaviour before issue 7 (one-page chunks, no slack)
+    dataclasses.replace(_BASE, name="pages", growth=GrowthRule.PAGES, page_slack=0.0),
+    dataclasses.replace(_BASE, name="pages-no-steal", growth=GrowthRule.PAGES, page_slack=0.0,
+                        steal_empty_pages=False),
+    dataclasses.replace(_BASE, name="pages-slack", growth=GrowthRule.PAGES, page_slack=0.25, round_nbytes=4096),
 ]
-"""Virtual-memory policies: the default and variants of every knob the engine mirrors."""
+"""Virtual-memory policies: the default (``growth=CHUNKS``) and variants of every knob the engine
+mirrors, and ``growth=PAGES`` (Note [Chunks of several pages] in ``gpumem/allocator/backing.py``)."""
+
+PAGES_POLICY = POLICIES[-3]
 
 TRACES_DIR = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "data", "traces")
 
@@ -297,13 +309,14 @@ def _traces():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("policy", [_BASE, PAGES_POLICY], ids=["chunks", "pages"])
 @pytest.mark.parametrize("name", _traces())
-def test_trace_replays_identically(name):
+def test_trace_replays_identically(name, policy):
     from gpumem.trace import load_trace
 
     trace = load_trace(os.path.join(TRACES_DIR, name))
     kinds, ids, sizes, streams = trace.as_lists()
-    pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")))
+    pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")), policy=policy)
     runs = []
     for alloc, log in zip(pair.allocs, pair.logs):
         ptrs = [0] * (max(ids) + 1 if ids else 0)

@@ -4,32 +4,34 @@ For each variant of the growth/move policy (a set of :class:`~gpumem.allocator.p
 knobs) every trace in ``--traces DIR`` (default: the project's ``data/traces``) is replayed on a
 simulated device (default ``sim:h200-141gb``) while the device calls the allocator makes are counted
 by kind. The script prints one table per variant: calls per trace by kind, the modelled driver time
-per operation on the H200 (:data:`H200_COSTS_US`, below) and the overhead (peak reserved / peak live
+per operation on the H200 (:func:`call_cost_us`, below) and the overhead (peak reserved / peak live
 - 1), then a summary table of every variant.
 
 Note [Modelled driver costs]
 ----------------------------
-Measured on the H200 (issue 7, single runs): ``cuMemCreate`` of one 2 MiB page 14.6 µs, ``cuMemMap``
-3.0 µs, ``cuMemSetAccess`` 38 µs over one page and 186 µs in one call over 32 one-page mappings,
-``cuMemUnmap`` 23.6 µs, ``cuMemRelease`` 15.6 µs, an event's record + query + destroy 5.6 µs together.
-What was not measured is assumed, and said so:
+Measured on the H200 on 2026-11-22 (``reports/hil/calibrate-h200-2026-11-22.md``: the calibration probe,
+median host time of one call from Python over 15 to 32 samples), less the binding's own 0.78 µs per call
+(``null_call``), which a driver call from the native engine does not pay:
 
-* ``cuMemCreate`` grows with the size (ASSUMPTION): 14.6 µs for the first 2 MiB plus
-  :data:`CREATE_US_PER_GIB` per further GiB. The slope is taken from ``cudaMalloc`` on the same H200
-  (``reports/anchors.md``: a malloc + free pair costs 153 µs at 64 MiB and 838 µs at 1 GiB, 0.71 µs per
-  MiB; the simulator gives the malloc 60 % of a pair), i.e. about 440 µs per GiB: physical memory
-  costs the driver the same per byte whichever call takes it.
-* ``cuMemSetAccess`` grows by (186 - 38) / 31 = 4.8 µs per further *mapping* in its range (that is
-  what was measured: 32 one-page mappings); a multi-page mapping is assumed to cost as one mapping
-  (ASSUMPTION: not measured).
-* ``cuMemMap``, ``cuMemUnmap`` and ``cuMemRelease`` cost the same whatever the size (ASSUMPTION: only
-  2 MiB was measured; a mapping is one page-table update of its range).
-* events: record, query and destroy 5.6 / 3 µs each, ``event_synchronize`` as a query (the wait
-  itself is GPU time, not driver overhead).
+* ``cuMemCreate``: 14.0 µs for 2 MiB, 13.6 for 32 MiB, 22.3 for 256 MiB, 118 for 1 GiB; ``cuMemRelease``:
+  14.9, 31.3, 161 and 586 µs. Sizes in between are interpolated linearly (:func:`interpolate_us`).
+* ``cuMemSetAccess`` costs per *mapping* in its range: 36.1 µs over one page, 984 over 32 one-page
+  mappings, 46.8 over one 64 MiB mapping; fitted exactly to those three: a fixed part per call, a part
+  per mapping and a part per MiB (:func:`fit_per_mapping`), about 4.8 + 30.2 per mapping + 0.17 per MiB.
+* ``cuMemUnmap`` likewise: 22.8 µs for one page, 660 for 32 one-page mappings, 28.3 for one 64 MiB
+  mapping: about 1.5 + 20.4 per mapping + 0.09 per MiB.
+* ``cuMemMap``: 3.2 µs for one page, 2.9 for 64 MiB (interpolated).
+* events: ``cuEventCreate`` + ``cuEventRecord`` for a record (1.15 + 1.68 µs), ``cuEventQuery`` 1.34,
+  ``cuEventSynchronize`` as an idle one 1.81 (the wait itself is GPU time, not driver overhead),
+  ``cuEventDestroy`` 1.47.
+
+Phase 1 of issue 7 used the issue's single runs and assumptions in their place (``cuMemCreate`` growing
+by 440 µs per GiB, ``cuMemSetAccess`` by 4.8 µs per further mapping, unmap and release flat); what changed
+is in ``reports/growth-sweep.md``.
 
 Usage::
 
-    python benchmarks/growth_sweep.py [--traces DIR] [--device SPEC] [--variants NAME,...] [--json OUT]
+    python benchmarks/growth_sweep.py [--traces DIR] [--device SPEC] [--variants NAME,...] [--engine E] [--json OUT]
 """
 
 from __future__ import annotations
@@ -54,33 +56,62 @@ from gpumem.trace import load_trace  # noqa: E402
 from gpumem.units import GiB, MiB  # noqa: E402
 
 PAGE_NBYTES = 2 * MiB
-CREATE_US_PER_GIB = 440.0
-"""Assumed growth of ``cuMemCreate`` with size (Note [Modelled driver costs])."""
-SET_ACCESS_US_PER_MAPPING = (186.0 - 38.0) / 31
-H200_COSTS_US: dict[str, float] = {
-    "mem_create": 14.6,
-    "mem_map": 3.0,
-    "mem_set_access": 38.0,
-    "mem_unmap": 23.6,
-    "mem_release": 15.6,
-    "event_record": 5.6 / 3,
-    "event_query": 5.6 / 3,
-    "event_synchronize": 5.6 / 3,
-    "event_destroy": 5.6 / 3,
-}
-"""Cost of one call of a page (2 MiB) on the H200, microseconds (Note [Modelled driver costs])."""
+BINDING_US = 0.78
+"""The calibration's ``null_call``: the Python binding's own cost, taken off every measured figure."""
+CREATE_US = {2 * MiB: 13.97, 32 * MiB: 13.61, 256 * MiB: 22.26, 1 * GiB: 118.39}
+RELEASE_US = {2 * MiB: 14.90, 32 * MiB: 31.33, 256 * MiB: 161.33, 1 * GiB: 585.99}
+MAP_US = {2 * MiB: 3.22, 64 * MiB: 2.94}
+SET_ACCESS_US = (36.14, 983.73, 46.80)
+"""``cuMemSetAccess`` over one page, over 32 one-page mappings, over one 64 MiB mapping (µs)."""
+UNMAP_US = (22.83, 659.86, 28.25)
+"""``cuMemUnmap`` over one page, over 32 one-page mappings, over one 64 MiB mapping (µs)."""
+EVENT_US = {"event_record": 1.15 + 1.68 - BINDING_US, "event_query": 1.34, "event_synchronize": 1.81,
+            "event_destroy": 1.47}
+"""Medians of cuEventCreate + cuEventRecord, cuEventQuery, cuEventSynchronize (idle), cuEventDestroy (µs)."""
+
+
+def interpolate_us(table: dict[int, float], nbytes: int) -> float:
+    """The measured median for ``nbytes`` (linear between measured sizes, the nearest segment's slope
+    outside them, never below the smallest figure), less the binding's overhead."""
+    sizes = sorted(table)
+    lo, hi = sizes[0], sizes[1]
+    for a, b in zip(sizes, sizes[1:]):
+        lo, hi = a, b
+        if nbytes <= b:
+            break
+    us = table[lo] + (table[hi] - table[lo]) * (nbytes - lo) / (hi - lo)
+    return max(us, min(table.values())) - BINDING_US
+
+
+def fit_per_mapping(one_page_us: float, pages32_us: float, one_64mib_us: float) -> tuple[float, float, float]:
+    """``(per call, per mapping, per MiB)`` µs, fitted exactly to a call over one page, over 32
+    one-page mappings and over one 64 MiB mapping (less the binding's overhead)."""
+    a, b, c = (x - BINDING_US for x in (one_page_us, pages32_us, one_64mib_us))
+    per_mib = (c - a) / 62  # one mapping of 64 MiB vs one of 2 MiB
+    per_mapping = (b - a - 62 * per_mib) / 31  # 32 mappings (64 MiB) vs one of 2 MiB
+    return a - per_mapping - 2 * per_mib, per_mapping, per_mib
+
+
+SET_ACCESS_FIT = fit_per_mapping(*SET_ACCESS_US)
+UNMAP_FIT = fit_per_mapping(*UNMAP_US)
 KINDS = ("mem_create", "mem_map", "mem_set_access", "mem_unmap", "mem_release", "events")
 
 
 def call_cost_us(kind: str, nbytes: int, n_mappings: int = 1) -> float:
     """Modelled H200 cost of one call of ``kind`` over ``nbytes`` (``n_mappings`` mappings for
-    ``mem_set_access``), Note [Modelled driver costs]."""
-    base = H200_COSTS_US[kind]
+    ``mem_set_access`` and ``mem_unmap``), Note [Modelled driver costs]."""
     if kind == "mem_create":
-        return base + CREATE_US_PER_GIB * max(0, nbytes - PAGE_NBYTES) / GiB
-    if kind == "mem_set_access":
-        return base + SET_ACCESS_US_PER_MAPPING * max(0, n_mappings - 1)
-    return base
+        return interpolate_us(CREATE_US, nbytes)
+    if kind == "mem_release":
+        return interpolate_us(RELEASE_US, nbytes)
+    if kind == "mem_map":
+        return interpolate_us(MAP_US, nbytes)
+    if kind in ("mem_set_access", "mem_unmap"):
+        per_call, per_mapping, per_mib = SET_ACCESS_FIT if kind == "mem_set_access" else UNMAP_FIT
+        return per_call + per_mapping * n_mappings + per_mib * nbytes / MiB
+    if kind in EVENT_US:
+        return EVENT_US[kind] - BINDING_US
+    raise ValueError(f"no modelled cost for {kind!r}")
 
 
 #: name -> (policy knobs on top of the default policy, what it is)
@@ -138,9 +169,10 @@ class CallCounter:
             if kind == "mem_map":
                 self._maps[args[0]] = nbytes
             elif kind == "mem_unmap":
-                va, end = args[0], args[0] + nbytes
+                va, end, n_mappings = args[0], args[0] + nbytes, 0
                 while va < end:
                     va += self._maps.pop(va)
+                    n_mappings += 1
             elif kind == "mem_set_access":
                 va, end, n_mappings = args[0], args[0] + nbytes, 0
                 while va < end:
@@ -152,12 +184,14 @@ class CallCounter:
         return wrapper
 
 
-def run_variant(trace: Any, knobs: dict[str, Any], device_spec: str) -> dict[str, Any]:
-    """Replay ``trace`` under the default policy with ``knobs``; return calls, cost and overhead."""
+def run_variant(trace: Any, knobs: dict[str, Any], device_spec: str, engine: str | None = None) -> dict[str, Any]:
+    """Replay ``trace`` under the default policy with ``knobs``; return calls, cost and overhead. Both
+    engines make the same device calls (tests/allocator/test_native_differential.py): the native one
+    only replays faster."""
     policy = dataclasses.replace(get_policy("gpumem"), name="sweep", **knobs)
     dev = open_device(device_spec)
     counter = CallCounter(dev)
-    alloc = CachingAllocator(dev, policy)
+    alloc = CachingAllocator(dev, policy, engine=engine)
     result = replay(trace, alloc, progress=False)
     alloc.check_consistency()
     return {
@@ -197,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="sim:h200-141gb")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of " + ", ".join(VARIANTS))
     ap.add_argument("--json", type=Path, help="also write the results as JSON here")
+    ap.add_argument("--engine", choices=("python", "native"), default=None,
+                    help="the allocator engine (default: the allocator's own choice)")
     args = ap.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
     unknown = [v for v in names if v not in VARIANTS]
@@ -206,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for name in names:
         knobs, about = VARIANTS[name]
-        results[name] = {t.name: run_variant(t, knobs, args.device) for t in traces}
+        results[name] = {t.name: run_variant(t, knobs, args.device, args.engine) for t in traces}
         print(table(name, about, results[name]), "\n", flush=True)
     tnames = [t.name for t in traces]
     print("### Summary: driver µs per op (overhead)\n")

@@ -130,6 +130,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], str]] = {
                    "as chunks/64, capped at 1/128 of held"),
     "chunks+ahead": ({"grow_ahead_fraction": 0.004}, "as chunks/64, capped at 1/256 of held"),
     "chunks": ({}, "the default: runs capped at 1/256 of held, slack 0.5 %, never grown ahead"),
+    "chunks/128-noahead": ({"chunk_max_fraction": 1 / 128}, "as chunks, capped at 1/128 of held"),
+    "chunks/192-noahead": ({"chunk_max_fraction": 1 / 192}, "as chunks, capped at 1/192 of held"),
     "chunks-slack0.3": ({"page_slack": 0.003, "grow_ahead_fraction": 0.002},
                         "capped at 1/256, slack 0.3 %, grown ahead to 0.2 %"),
     "chunks/1024": ({"chunk_max_fraction": 1 / 1024, "grow_ahead_fraction": 0.004},

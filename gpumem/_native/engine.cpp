@@ -394,11 +394,6 @@ std::uint64_t Engine::fences_done_of(std::uint64_t stream) const {
     return it == fdone_.end() ? 0 : it->second;
 }
 
-namespace {
-struct FQ {   // a helper view over the queue of one stream
-};
-}  // namespace
-
 // StreamFences.record
 std::uint64_t Engine::fences_record(std::uint64_t stream) {
     EventHandle ev = backend_.event_record(stream);

@@ -168,14 +168,12 @@ inline bool exact_u64(PyObject* o, std::uint64_t* out) {
 
 // A validated Python int to u64, clamping values past 2**64 (requests that can never fit).
 bool to_u64_clamped(PyObject* o, std::uint64_t* out) {
-    int overflow = 0;
     unsigned long long v = PyLong_AsUnsignedLongLong(o);
     if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return false;
         PyErr_Clear();
         v = UINT64_MAX;
     }
-    (void)overflow;
     *out = v;
     return true;
 }

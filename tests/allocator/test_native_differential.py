@@ -310,13 +310,17 @@ def _traces():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", [_BASE, PAGES_POLICY], ids=["chunks", "pages"])
+@pytest.mark.parametrize("limit_fraction", [None, 0.5])
 @pytest.mark.parametrize("name", _traces())
-def test_trace_replays_identically(name, policy):
+def test_trace_replays_identically(name, limit_fraction, policy):
+    """Whole real traces, under the default policy (``growth=CHUNKS``) and ``growth=PAGES``; with half
+    the trace's peak as the limit, OOMs, retries and steals too."""
     from gpumem.trace import load_trace
 
     trace = load_trace(os.path.join(TRACES_DIR, name))
     kinds, ids, sizes, streams = trace.as_lists()
-    pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")), policy=policy)
+    limit = None if limit_fraction is None else int(trace.peak_live_nbytes * limit_fraction)
+    pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")), policy=policy, limit=limit)
     runs = []
     for alloc, log in zip(pair.allocs, pair.logs):
         ptrs = [0] * (max(ids) + 1 if ids else 0)
@@ -324,16 +328,19 @@ def test_trace_replays_identically(name, policy):
         for i in range(len(kinds)):
             if kinds[i] == 0:
                 if sizes[i]:
-                    ptrs[ids[i]] = p = alloc.allocate(sizes[i], streams[i])
-                    out.append(p)
+                    r = outcome(alloc.allocate, sizes[i], streams[i])
+                    out.append(r)
+                    ptrs[ids[i]] = r[1] if r[0] == "ok" else 0
             elif ptrs[ids[i]]:
                 alloc.free(ptrs[ids[i]])
                 ptrs[ids[i]] = 0
         alloc.empty_cache()
         runs.append((out, stats_of(alloc), log.take()))
-    assert runs[0][0] == runs[1][0], "pointers differ"
+    assert runs[0][0] == runs[1][0], "pointers or errors differ"
     assert runs[0][1] == runs[1][1], "stats differ"
     assert runs[0][2] == runs[1][2], "device calls differ"
+    if limit is not None:
+        assert runs[0][1]["num_ooms"] > 0  # the limit really bit
 
 
 def test_native_engine_under_threads():

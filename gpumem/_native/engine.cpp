@@ -1220,15 +1220,15 @@ ChunkHandle Engine::create_chunk(std::int64_t n_pages, std::uint64_t requested) 
 // VirtualBacking._idle_chunks (in no particular order: every caller sorts by (pages, address))
 void Engine::idle_chunks(VSeg* seg, std::int64_t first, std::int64_t last, std::vector<IdleChunk>& found) {
     found.clear();
-    std::vector<std::int64_t> starts;
+    std::vector<std::uint8_t> seen;   // the pages of every chunk looked at (each chunk is looked at once)
     for (auto& up : vsegs_) {
         VSeg* other = up.get();
-        starts.clear();
-        for (std::int64_t p = other->ehead; p >= 0; p = other->enext[p]) starts.push_back(chunk_start(other, p));
-        std::sort(starts.begin(), starts.end());
-        starts.erase(std::unique(starts.begin(), starts.end()), starts.end());
-        for (std::int64_t s : starts) {
+        seen.assign(static_cast<std::size_t>(other->n_pages), 0);
+        for (std::int64_t p = other->ehead; p >= 0; p = other->enext[p]) {
+            if (seen[p]) continue;
+            std::int64_t s = chunk_start(other, p);
             std::int64_t n = chunk_pages(other->chunks[s]);
+            for (std::int64_t q = s; q < s + n; ++q) seen[q] = 1;
             if (other == seg && s <= last && s + n > first) continue;
             bool idle = true;
             for (std::int64_t q = s; q < s + n && idle; ++q) idle = other->is_empty(q);

@@ -970,13 +970,13 @@ class VirtualBacking(Backing):
         found: list[tuple[int, int, int, VirtualSegment]] = []
         for other in self.vsegments.values():
             empty = other.empty
-            seen: set[int] = set()
+            seen: set[int] = set()  # the pages of every chunk looked at (each chunk is looked at once)
             for p in empty:
-                s = self._chunk_start(other, p)
-                if s in seen:
+                if p in seen:
                     continue
-                seen.add(s)
+                s = self._chunk_start(other, p)
                 n = other.chunks[s].nbytes // g  # type: ignore[union-attr]
+                seen.update(range(s, s + n))
                 if other is seg and s <= last and s + n > first:
                     continue
                 if all(q in empty for q in range(s, s + n)):

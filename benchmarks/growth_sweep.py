@@ -32,6 +32,7 @@ is in ``reports/growth-sweep.md``.
 Usage::
 
     python benchmarks/growth_sweep.py [--traces DIR] [--device SPEC] [--variants NAME,...] [--engine E] [--json OUT]
+    python benchmarks/growth_sweep.py --engines ROUNDS   # wall time per op, Python vs native engine
 """
 
 from __future__ import annotations
@@ -208,6 +209,42 @@ def run_variant(trace: Any, knobs: dict[str, Any], device_spec: str, engine: str
     }
 
 
+def engine_table(traces: list[Any], device_spec: str, rounds: int) -> str:
+    """Wall time per op of a replay (``gpumem.replay.replay``, as ``gpumem replay`` runs it) with the
+    Python and the native engine, under the default policy and ``growth=PAGES`` with no slack, best of
+    ``rounds`` interleaved runs each (the simulated device's own cost included); the device calls
+    must be the same in both engines."""
+    import gc
+    import time
+
+    pages = {"growth": "pages", "page_slack": 0.0}
+    out = ["| trace | ops | policy | python ns/op | native ns/op | speedup | VMM calls/op | event calls/op | overhead |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for trace in traces:
+        for label, knobs in (("chunks (default)", {}), ("pages, slack 0", pages)):
+            policy = dataclasses.replace(get_policy("gpumem"), name="sweep", **knobs)
+            best: dict[str, tuple[float, Any]] = {}
+            for _ in range(rounds):
+                for engine in ("python", "native"):
+                    dev = open_device(device_spec)
+                    alloc = CachingAllocator(dev, policy, engine=engine)
+                    gc.collect()
+                    t0 = time.perf_counter()
+                    result = replay(trace, alloc, progress=False)
+                    wall_s = time.perf_counter() - t0
+                    alloc.close()
+                    if engine not in best or wall_s < best[engine][0]:
+                        best[engine] = (wall_s, result)
+            (py_s, py), (nat_s, nat) = best["python"], best["native"]
+            if (py.stats.device_calls, py.stats.event_calls) != (nat.stats.device_calls, nat.stats.event_calls):
+                raise SystemExit(f"{trace.name}: the engines made different device calls")
+            n = py.n_ops
+            out.append(f"| {trace.name} | {n:,} | {label} | {py_s / n * 1e9:,.0f} | {nat_s / n * 1e9:,.0f} | "
+                       f"{py_s / nat_s:.1f}x | {py.stats.device_calls / n:.4f} | {py.stats.event_calls / n:.4f} | "
+                       f"{py.overhead:.2%} |")
+    return "\n".join(out)
+
+
 def trace_files(folder: Path) -> list[Path]:
     files = sorted(p for p in folder.iterdir() if p.is_file() and (".trace." in p.name or ".snapshot." in p.name))
     if not files:
@@ -235,12 +272,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write the results as JSON here")
     ap.add_argument("--engine", choices=("python", "native"), default=None,
                     help="the allocator engine (default: the allocator's own choice)")
+    ap.add_argument("--engines", type=int, metavar="ROUNDS", default=0,
+                    help="instead of the sweep: time replays with both engines, best of ROUNDS each")
     args = ap.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         ap.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     traces = [load_trace(p) for p in trace_files(args.traces)]
+    if args.engines:
+        print("### Wall time per op, Python vs native engine\n")
+        print(engine_table(traces, args.device, args.engines))
+        return 0
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for name in names:
         knobs, about = VARIANTS[name]

@@ -302,6 +302,18 @@ def test_oom_messages_are_the_same():
         pair.both("free", p)
 
 
+@pytest.mark.parametrize("policy", [_BASE, PAGES_POLICY], ids=["chunks", "pages"])
+def test_memory_summary_is_the_same(policy):
+    """The summary names the growth rule, the chunks and the bytes they hold, the same in both engines."""
+    pair = Pair(lambda: sim.SimDevice(small_profile(384)), policy=policy)
+    a = pair.both("allocate", 40 * MiB, 0)
+    pair.both("free", a[1])
+    pair.both("allocate", 3 * MiB, 5)  # another stream: grows at the top, past the slack steals
+    summaries = [alloc.memory_summary() for alloc in pair.allocs]
+    assert summaries[0] == summaries[1]
+    assert f"({policy.growth.value})" in summaries[0]
+
+
 def _traces():
     if not os.path.isdir(TRACES_DIR):
         return []

@@ -247,6 +247,13 @@ Engine::Engine(Backend& backend, const EngineConfig& config) : backend_(backend)
     std::uint64_t va = static_cast<std::uint64_t>(static_cast<double>(total_nbytes_) * cfg_.va_reserve_factor);
     va_nbytes_ = (va + g_ - 1) / g_ * g_;
     small_max_ = cfg_.separate_small_pool ? static_cast<std::int64_t>(cfg_.small_max_nbytes) : -1;
+    // AllocatorPolicy.__post_init__'s checks of the growth knobs
+    if (!(cfg_.page_slack >= 0.0 && cfg_.page_slack <= 1.0) ||
+        !(cfg_.chunk_max_fraction >= 0.0 && cfg_.chunk_max_fraction <= 1.0) ||
+        !(cfg_.grow_ahead_fraction >= 0.0 && cfg_.grow_ahead_fraction <= 1.0) || !cfg_.chunk_max_nbytes ||
+        (cfg_.growth != GrowthRule::kPages && cfg_.growth != GrowthRule::kChunks))
+        throw EngineError(EngineErrorKind::kInvalidArgument, "bad growth policy");
+    chunked_ = cfg_.growth == GrowthRule::kChunks;
     freed_ring_.assign(kFreedMemory + 1, 0);
 }
 
@@ -689,7 +696,10 @@ void Engine::commit(Block* b) {
     std::vector<std::int64_t> need;
     for (std::int64_t p = first; p <= last; ++p)
         if (refs[p] == 0 && seg->chunks[p] == 0) need.push_back(p);
-    if (!need.empty()) map_pages(seg, need, first, last, b->size);
+    if (!need.empty()) {
+        if (chunked_) map_runs(seg, need, first, last, b->size);
+        else map_pages(seg, need, first, last, b->size);
+    }
     for (std::int64_t p = first; p <= last; ++p) {
         if (refs[p] == 0) {
             seg->empty_pop(p);
@@ -803,7 +813,7 @@ void Engine::map_pages(VSeg* seg, const std::vector<std::int64_t>& need, std::in
         // Create freely up to the slack above the most pages live data ever touched; past it, steal.
         std::int64_t touched = std::max(peak_live_pages_, live_pages_ + n_need);
         std::int64_t allowance = static_cast<std::int64_t>(static_cast<double>(touched) * (1.0 + cfg_.page_slack))
-                                 - static_cast<std::int64_t>(n_chunks_);
+                                 - static_cast<std::int64_t>(reserved_nbytes_ / g);
         std::int64_t creatable = std::max<std::int64_t>(0, std::min(shortfall, allowance));
         shortfall = std::max(creatable, shortfall - static_cast<std::int64_t>(stealable(seg, first, last)));
     }
@@ -815,8 +825,7 @@ void Engine::map_pages(VSeg* seg, const std::vector<std::int64_t>& need, std::in
                 ChunkHandle h = backend_.mem_create(g);
                 ++device_calls_;
                 unmapped_.push_back(h);
-                ++n_chunks_;
-                reserved_nbytes_ += g;
+                note_chunk(h, g);
                 ++created;
             }
         } catch (...) {
@@ -884,12 +893,14 @@ std::uint64_t Engine::release_unmapped(std::int64_t count) {
     if (count >= 0) n = std::min(n, count);
     for (std::int64_t i = 0; i < n; ++i) {
         ChunkHandle h = unmapped_.back();
+        std::uint64_t nbytes = chunk_nbytes(h);
         backend_.mem_release(h);
         ++device_calls_;
         unmapped_.pop_back();
+        chunk_nbytes_.erase(h);
         --n_chunks_;
-        reserved_nbytes_ -= g_;
-        released += g_;
+        reserved_nbytes_ -= nbytes;
+        released += nbytes;
     }
     return released;
 }
@@ -995,9 +1006,323 @@ bool Engine::create_instead(std::uint64_t requested) {
     }
     ++device_calls_;
     unmapped_.push_back(h);
-    ++n_chunks_;
-    reserved_nbytes_ += g_;
+    note_chunk(h, g_);
     return true;
+}
+
+// -- chunks of several pages (Note [Chunks of several pages] in backing.py) ----------------------------------
+// PhysicalHandle.nbytes: the engine keeps each held chunk's size (ChunkHandle is an opaque id).
+std::uint64_t Engine::chunk_nbytes(ChunkHandle h) const {
+    auto it = chunk_nbytes_.find(h);
+    if (it == chunk_nbytes_.end()) throw EngineError(EngineErrorKind::kInternal, "a chunk of unknown size");
+    return it->second;
+}
+
+// sum(h.nbytes for h in self.unmapped)
+std::uint64_t Engine::unmapped_nbytes() const {
+    std::uint64_t n = 0;
+    for (ChunkHandle h : unmapped_) n += chunk_nbytes(h);
+    return n;
+}
+
+// the bookkeeping after a successful mem_create: n_chunks += 1; reserved_nbytes += nbytes
+void Engine::note_chunk(ChunkHandle h, std::uint64_t nbytes) {
+    chunk_nbytes_[h] = nbytes;
+    ++n_chunks_;
+    reserved_nbytes_ += nbytes;
+}
+
+// VirtualBacking._chunk_start
+std::int64_t Engine::chunk_start(VSeg* seg, std::int64_t p) const {
+    const auto& chunks = seg->chunks;
+    ChunkHandle h = chunks[p];
+    while (p && chunks[p - 1] == h) --p;
+    return p;
+}
+
+// VirtualBacking._chunk_cap_pages
+std::int64_t Engine::chunk_cap_pages() const {
+    std::int64_t held = static_cast<std::int64_t>(reserved_nbytes_ / g_);
+    std::int64_t by_fraction = static_cast<std::int64_t>(static_cast<double>(held) * cfg_.chunk_max_fraction);
+    return std::max<std::int64_t>(1, std::min(by_fraction, static_cast<std::int64_t>(cfg_.chunk_max_nbytes / g_)));
+}
+
+// VirtualBacking._map_runs
+void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int64_t first, std::int64_t last,
+                      std::uint64_t requested) {
+    const std::uint64_t g = g_;
+    std::int64_t touched = std::max(peak_live_pages_, live_pages_ + static_cast<std::int64_t>(need.size()));
+    // pages held may reach this before a steal
+    std::int64_t budget = static_cast<std::int64_t>(static_cast<double>(touched) * (1.0 + cfg_.page_slack));
+    std::int64_t top_page = static_cast<std::int64_t>((seg->top - 1) / g);
+    std::vector<std::int64_t> mapped;   // first pages of the chunks this call mapped
+    std::vector<ChunkHandle> created;
+    created_ = &created;
+    try {
+        std::size_t i = 0;
+        while (i < need.size()) {
+            std::size_t j = i;
+            while (j + 1 < need.size() && need[j + 1] == need[j] + 1) ++j;
+            std::int64_t pos = need[i], end = need[j] + 1;
+            i = j + 1;
+            while (pos < end) {
+                std::int64_t rem = end - pos;
+                ChunkHandle h;
+                if (!take_cached(rem, &h))
+                    h = chunk_for(seg, pos, rem, end - 1 == top_page, first, last, budget, requested);
+                map_chunk(seg, pos, h);
+                mapped.push_back(pos);
+                pos += chunk_pages(h);
+            }
+        }
+        // one access call per contiguous run of newly mapped pages
+        std::size_t k = 0;
+        while (k < mapped.size()) {
+            std::int64_t start = mapped[k];
+            std::int64_t stop = start + chunk_pages(seg->chunks[start]);
+            while (k + 1 < mapped.size() && mapped[k + 1] == stop) {
+                ++k;
+                stop += chunk_pages(seg->chunks[stop]);
+            }
+            ++k;
+            backend_.mem_set_access(seg->base + static_cast<std::uint64_t>(start) * g,
+                                    static_cast<std::uint64_t>(stop - start) * g);
+            ++device_calls_;
+            for (std::int64_t q = start; q < stop; ++q) seg->noaccess_discard(q);
+        }
+    } catch (...) {
+        created_ = nullptr;
+        // undo: unmap what this call mapped, keep the chunks cached; a chunk that cannot be unmapped
+        // stays mapped with its pages empty (and noaccess if access was never set)
+        for (std::int64_t start : mapped) {
+            ChunkHandle h = seg->chunks[start];
+            if (!h) throw EngineError(EngineErrorKind::kInternal, "page " + std::to_string(start) + " was mapped with no chunk");
+            std::uint64_t nbytes = chunk_nbytes(h);
+            std::int64_t n = static_cast<std::int64_t>(nbytes / g);
+            try {
+                backend_.mem_unmap(seg->base + static_cast<std::uint64_t>(start) * g, nbytes);
+            } catch (...) {   // the first error is the one raised
+                for (std::int64_t q = start; q < start + n; ++q)
+                    if (!seg->refs[q]) seg->empty_add(q);
+                continue;
+            }
+            ++device_calls_;
+            for (std::int64_t q = start; q < start + n; ++q) {
+                seg->chunks[q] = 0;
+                seg->noaccess_discard(q);
+                seg->empty_pop(q);
+            }
+            unmapped_.push_back(h);
+        }
+        // and give back the chunks this call created: a failed allocation holds no more memory
+        for (ChunkHandle h : created) {
+            auto it = std::find(unmapped_.begin(), unmapped_.end(), h);
+            if (it == unmapped_.end()) continue;   // could not be unmapped: kept, counted
+            std::uint64_t nbytes = chunk_nbytes(h);
+            try {
+                backend_.mem_release(h);
+            } catch (...) {   // kept cached and counted; the first error is raised
+                continue;
+            }
+            ++device_calls_;
+            unmapped_.erase(std::find(unmapped_.begin(), unmapped_.end(), h));
+            chunk_nbytes_.erase(h);
+            --n_chunks_;
+            reserved_nbytes_ -= nbytes;
+        }
+        throw;
+    }
+    created_ = nullptr;
+}
+
+// VirtualBacking._take_cached: the largest cached chunk of at most max_pages, out of the cache
+bool Engine::take_cached(std::int64_t max_pages, ChunkHandle* out) {
+    std::ptrdiff_t best = -1;
+    std::int64_t best_n = 0;
+    for (std::size_t idx = 0; idx < unmapped_.size(); ++idx) {
+        std::int64_t n = chunk_pages(unmapped_[idx]);
+        if (n <= max_pages && (best < 0 || n > best_n)) {
+            best = static_cast<std::ptrdiff_t>(idx);
+            best_n = n;
+        }
+    }
+    if (best < 0) return false;
+    *out = unmapped_[static_cast<std::size_t>(best)];
+    unmapped_.erase(unmapped_.begin() + best);
+    return true;
+}
+
+// VirtualBacking._map_chunk: map h (held by the caller, in no list) whole at page pos; on failure it is cached
+void Engine::map_chunk(VSeg* seg, std::int64_t pos, ChunkHandle h) {
+    std::uint64_t nbytes = chunk_nbytes(h);
+    std::uint64_t va = seg->base + static_cast<std::uint64_t>(pos) * g_;
+    try {
+        backend_.mem_map(va, nbytes, h, 0);
+    } catch (...) {
+        unmapped_.push_back(h);
+        throw;
+    }
+    ++device_calls_;
+    for (std::int64_t q = pos; q < pos + static_cast<std::int64_t>(nbytes / g_); ++q) {
+        seg->chunks[q] = h;
+        seg->noaccess_add(q);
+        if (!seg->refs[q]) seg->empty_add(q);   // pages of the chunk past the block (grown ahead): mapped, empty
+    }
+}
+
+// VirtualBacking._growth_pages
+std::int64_t Engine::growth_pages(VSeg* seg, std::int64_t pos, std::int64_t rem, bool at_top, std::int64_t budget) {
+    std::int64_t held = static_cast<std::int64_t>(reserved_nbytes_ / g_);
+    std::int64_t room = budget - held;
+    if (room <= 0) return 0;
+    std::int64_t cap = chunk_cap_pages();
+    std::int64_t n = std::min({rem, cap, room});
+    if (at_top && n == rem) {
+        std::int64_t by_fraction = static_cast<std::int64_t>(static_cast<double>(held) * cfg_.grow_ahead_fraction);
+        std::int64_t ahead = std::min({std::max(rem, by_fraction), cap, room, seg->n_pages - pos});
+        while (n < ahead && !seg->chunks[pos + n]) ++n;
+    }
+    return n;
+}
+
+// VirtualBacking._chunk_for
+ChunkHandle Engine::chunk_for(VSeg* seg, std::int64_t pos, std::int64_t rem, bool at_top, std::int64_t first,
+                              std::int64_t last, std::int64_t budget, std::uint64_t requested) {
+    std::int64_t n = cfg_.steal_empty_pages ? growth_pages(seg, pos, rem, at_top, budget)
+                                            : std::min(rem, chunk_cap_pages());
+    if (n) return create_chunk(n, requested);
+    ChunkHandle h;
+    if (steal_chunk(seg, first, last, rem, requested, &h)) return h;
+    // idle chunks that remain are all larger than the run: give back one whose work is done and
+    // create what fits (memory shrinks); wait for one only when memory would run short
+    release_idle_chunk(seg, first, last, false);
+    n = std::min(rem, chunk_cap_pages());
+    try {
+        return create_chunk(n, requested);
+    } catch (...) {
+        if (!classify_current().oom) throw;
+        if (!release_idle_chunk(seg, first, last, true)) throw;
+    }
+    return create_chunk(n, requested);
+}
+
+// VirtualBacking._create_chunk
+ChunkHandle Engine::create_chunk(std::int64_t n_pages, std::uint64_t requested) {
+    std::uint64_t nbytes = static_cast<std::uint64_t>(n_pages) * g_;
+    check_limit(nbytes, requested);
+    ChunkHandle h = backend_.mem_create(nbytes);
+    ++device_calls_;
+    note_chunk(h, nbytes);
+    if (created_) created_->push_back(h);
+    return h;
+}
+
+// VirtualBacking._idle_chunks (in no particular order: every caller sorts by (pages, address))
+void Engine::idle_chunks(VSeg* seg, std::int64_t first, std::int64_t last, std::vector<IdleChunk>& found) {
+    found.clear();
+    std::vector<std::uint8_t> seen;   // the pages of every chunk looked at (each chunk is looked at once)
+    for (auto& up : vsegs_) {
+        VSeg* other = up.get();
+        seen.assign(static_cast<std::size_t>(other->n_pages), 0);
+        for (std::int64_t p = other->ehead; p >= 0; p = other->enext[p]) {
+            if (seen[p]) continue;
+            std::int64_t s = chunk_start(other, p);
+            std::int64_t n = chunk_pages(other->chunks[s]);
+            for (std::int64_t q = s; q < s + n; ++q) seen[q] = 1;
+            if (other == seg && s <= last && s + n > first) continue;
+            bool idle = true;
+            for (std::int64_t q = s; q < s + n && idle; ++q) idle = other->is_empty(q);
+            if (idle) found.push_back({n, other->base + static_cast<std::uint64_t>(s) * g_, s, other});
+        }
+    }
+}
+
+// VirtualBacking._chunk_ready (all(...): stops at the first page whose work is not done)
+bool Engine::chunk_ready(VSeg* seg, std::int64_t s, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch) {
+    std::int64_t n = chunk_pages(seg->chunks[s]);
+    for (std::int64_t q = s; q < s + n; ++q)
+        if (!page_ready(seg, q, wait, batch)) return false;
+    return true;
+}
+
+// VirtualBacking._steal_chunk (false: None)
+bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages,
+                         std::uint64_t requested, ChunkHandle* out) {
+    std::vector<IdleChunk> fits;
+    idle_chunks(seg, first, last, fits);
+    fits.erase(std::remove_if(fits.begin(), fits.end(), [&](const IdleChunk& c) { return c.n > max_pages; }), fits.end());
+    if (fits.empty()) return false;
+    std::sort(fits.begin(), fits.end(), [](const IdleChunk& a, const IdleChunk& b) {   // sorted(..., reverse=True)
+        return a.n != b.n ? a.n > b.n : a.addr > b.addr;
+    });
+    std::unordered_map<std::uint64_t, std::uint64_t> batch;
+    for (auto& c : fits) {
+        if (chunk_ready(c.seg, c.s, false, batch)) {
+            ++n_steals_;
+            *out = unmap_chunk(c.seg, c.s);
+            return true;
+        }
+    }
+    const IdleChunk& c = fits[0];
+    try {
+        *out = create_chunk(c.n, requested);
+        return true;
+    } catch (...) {
+        if (!classify_current().oom) throw;   // memory is needed now: wait for the busy chunk
+    }
+    chunk_ready(c.seg, c.s, true, batch);
+    ++n_steals_;
+    *out = unmap_chunk(c.seg, c.s);
+    return true;
+}
+
+// VirtualBacking._release_idle_chunk
+bool Engine::release_idle_chunk(VSeg* seg, std::int64_t first, std::int64_t last, bool wait) {
+    std::vector<IdleChunk> idle;
+    idle_chunks(seg, first, last, idle);
+    std::sort(idle.begin(), idle.end(), [](const IdleChunk& a, const IdleChunk& b) {   // sorted(...)
+        return a.n != b.n ? a.n < b.n : a.addr < b.addr;
+    });
+    std::unordered_map<std::uint64_t, std::uint64_t> batch;
+    const IdleChunk* pick = nullptr;
+    for (auto& c : idle)
+        if (chunk_ready(c.seg, c.s, false, batch)) {
+            pick = &c;
+            break;
+        }
+    if (!pick) {
+        if (!wait || idle.empty()) return false;
+        pick = &idle[0];
+        chunk_ready(pick->seg, pick->s, true, batch);
+    }
+    unmapped_.push_back(unmap_chunk(pick->seg, pick->s));
+    release_unmapped(1);
+    return true;
+}
+
+// VirtualBacking._unmap_chunk
+ChunkHandle Engine::unmap_chunk(VSeg* seg, std::int64_t s) {
+    ChunkHandle h = seg->chunks[s];
+    if (!h || (s && seg->chunks[s - 1] == h))
+        throw EngineError(EngineErrorKind::kInternal, "page " + std::to_string(s) + " of range " + hex(seg->base) +
+                                                          " is not the first page of a chunk");
+    std::uint64_t nbytes = chunk_nbytes(h);
+    std::int64_t n = static_cast<std::int64_t>(nbytes / g_);
+    for (std::int64_t q = s; q < s + n; ++q)
+        if (!seg->is_empty(q))
+            throw EngineError(EngineErrorKind::kInternal, "chunk at page " + std::to_string(s) + " of range " +
+                                                              hex(seg->base) + " is not idle");
+    std::uint64_t va = seg->base + static_cast<std::uint64_t>(s) * g_;
+    backend_.mem_unmap(va, nbytes);
+    ++device_calls_;
+    for (std::int64_t q = s; q < s + n; ++q) {
+        seg->empty_pop(q);
+        seg->chunks[q] = 0;
+        seg->noaccess_discard(q);
+        seg->page_fences.erase(q);
+        seg->dirty.pop(q);
+    }
+    return h;
 }
 
 // VirtualBacking.release_cached
@@ -1008,6 +1333,17 @@ std::uint64_t Engine::backing_release_cached(bool wait) {
     for (auto& up : vsegs_) {
         VSeg* seg = up.get();
         seg->empty_list(pages);
+        if (chunked_) {   // whole idle chunks
+            for (auto p : pages) {
+                if (!seg->is_empty(p)) continue;   // unmapped with its chunk
+                std::int64_t s = chunk_start(seg, p), n = chunk_pages(seg->chunks[s]);
+                bool idle = true;
+                for (std::int64_t q = s; q < s + n && idle; ++q) idle = seg->is_empty(q);
+                if (!idle || !chunk_ready(seg, s, wait, batch)) continue;   // live data on it, or its work not done
+                unmapped_.push_back(unmap_chunk(seg, s));
+            }
+            continue;
+        }
         for (auto p : pages) {
             if (!page_ready(seg, p, wait, batch)) continue;
             unmapped_.push_back(unmap_page(seg, p));
@@ -1026,17 +1362,20 @@ void Engine::backing_close(bool keep_all) {
         bool whole = true;
         for (std::int64_t p = 0; p < seg->n_pages; ++p) {
             ChunkHandle h = seg->chunks[p];
-            if (!h) continue;
+            if (!h || (p && seg->chunks[p - 1] == h)) continue;   // unmapped, or not the first page of its chunk
             std::uint64_t va = seg->base + static_cast<std::uint64_t>(p) * g_;
+            std::uint64_t nbytes = chunk_nbytes(h);
             try {   // the allocator waited for the streams that used it
-                backend_.mem_unmap(va, g_);
+                backend_.mem_unmap(va, nbytes);
             } catch (...) {   // kept, still counted
                 whole = false;
                 continue;
             }
-            seg->chunks[p] = 0;
-            seg->empty_pop(p);
-            seg->noaccess_discard(p);
+            for (std::int64_t q = p; q < p + static_cast<std::int64_t>(nbytes / g_); ++q) {
+                seg->chunks[q] = 0;
+                seg->empty_pop(q);
+                seg->noaccess_discard(q);
+            }
             unmapped_.push_back(h);
         }
         if (!whole) continue;
@@ -1063,7 +1402,8 @@ void Engine::backing_close(bool keep_all) {
         }
         unmapped_.erase(std::find(unmapped_.begin(), unmapped_.end(), h));
         --n_chunks_;
-        reserved_nbytes_ -= g_;
+        reserved_nbytes_ -= chunk_nbytes(h);
+        chunk_nbytes_.erase(h);
     }
 }
 
@@ -1078,7 +1418,7 @@ std::uint64_t Engine::backing_largest_free_nbytes() const {
     std::uint64_t largest = 0;
     for (auto& fl : fl_order_)
         if (!fl->blocks.empty()) largest = std::max(largest, (*fl->blocks.rbegin())->size);
-    std::uint64_t cached = unmapped_.size() * g_ + mapped_empty_nbytes();
+    std::uint64_t cached = unmapped_nbytes() + mapped_empty_nbytes();
     return std::max(largest, cached);
 }
 
@@ -1620,7 +1960,7 @@ EngineStats Engine::stats() {
     st.active_nbytes = st.allocated_nbytes + pend;
     std::int64_t total_free = static_cast<std::int64_t>(st.reserved_nbytes) - static_cast<std::int64_t>(st.allocated_nbytes);
     std::int64_t inactive = total_free - static_cast<std::int64_t>(mapped_empty_nbytes())
-                            - static_cast<std::int64_t>(unmapped_.size() * g_);
+                            - static_cast<std::int64_t>(unmapped_nbytes());
     st.inactive_split_nbytes = inactive > 0 ? static_cast<std::uint64_t>(inactive) : 0;
     st.num_live_blocks = live_.size();
     std::uint64_t nfree = 0;
@@ -1679,8 +2019,9 @@ bool Engine::lost() {
 std::string Engine::describe() {
     Guard guard(*this);
     return "virtual memory (" + std::to_string(vsegs_.size()) + " range(s) of " + std::to_string(va_nbytes_ >> 30) +
-           " GiB shared by all streams, " + std::to_string(n_chunks_) + " chunks of " + std::to_string(g_ >> 20) +
-           " MiB, " + std::to_string(n_steals_) + " steals)";
+           " GiB shared by all streams, " + std::to_string(n_chunks_) + " chunks (" +
+           (chunked_ ? "chunks" : "pages") + ") over " + std::to_string(reserved_nbytes_ >> 20) + " MiB, " +
+           std::to_string(n_steals_) + " steals)";
 }
 
 // CachingAllocator.check_consistency + VirtualBacking.consistency_problems + _chain_problems
@@ -1693,7 +2034,7 @@ std::vector<std::string> Engine::consistency_problems(
     if (closed_) return problems;
     std::uint64_t f, t;
     backend_.mem_info(&f, &t);   // a lost device raises (BackendError kDeviceLost)
-    std::uint64_t mapped = 0;
+    std::uint64_t mapped = 0, mapped_nbytes = 0;
     std::int64_t live_pages = 0;
     for (auto& up : vsegs_) {
         VSeg* seg = up.get();
@@ -1706,21 +2047,38 @@ std::vector<std::string> Engine::consistency_problems(
         if (device_maps) {
             std::unordered_map<std::uint64_t, ChunkHandle> ours;
             for (std::int64_t p = 0; p < seg->n_pages; ++p)
-                if (seg->chunks[p]) ours[seg->base + static_cast<std::uint64_t>(p) * g_] = seg->chunks[p];
+                if (seg->chunks[p] && !(p && seg->chunks[p - 1] == seg->chunks[p]))
+                    ours[seg->base + static_cast<std::uint64_t>(p) * g_] = seg->chunks[p];
             for (auto& m : *device_maps) {
                 std::uint64_t va = std::get<0>(m);
                 if (va < seg->base || va >= seg->base + seg->nbytes) continue;
                 auto it = ours.find(va);
-                if (it == ours.end() || std::get<1>(m) != g_ || it->second != std::get<2>(m)) {
+                if (it == ours.end() || std::get<1>(m) != chunk_nbytes(it->second) || it->second != std::get<2>(m)) {
                     problems.push_back("device maps " + hex(va) + " differently from the allocator");
                 } else {
                     ++mapped;
+                    mapped_nbytes += std::get<1>(m);
                 }
                 if (it != ours.end()) ours.erase(it);
             }
             for (auto& kv : ours) problems.push_back("the allocator has page " + hex(kv.first) + " mapped, the device does not");
         } else {
-            for (std::int64_t p = 0; p < seg->n_pages; ++p) mapped += seg->chunks[p] ? 1 : 0;
+            for (std::int64_t p = 0; p < seg->n_pages; ++p)
+                if (seg->chunks[p] && !(p && seg->chunks[p - 1] == seg->chunks[p])) {
+                    ++mapped;
+                    mapped_nbytes += chunk_nbytes(seg->chunks[p]);
+                }
+        }
+        // every chunk lies on exactly its pages, contiguous (Note [Chunks of several pages])
+        for (std::int64_t p = 0; p < seg->n_pages; ++p) {
+            ChunkHandle h = seg->chunks[p];
+            if (!h || (p && seg->chunks[p - 1] == h)) continue;
+            std::int64_t n = chunk_pages(h);
+            bool exact = p + n <= seg->n_pages && (p + n == seg->n_pages || seg->chunks[p + n] != h);
+            for (std::int64_t q = p; q < p + n && exact; ++q) exact = seg->chunks[q] == h;
+            if (!exact)
+                problems.push_back("chunk at page " + std::to_string(p) + " of " + hex(seg->base) +
+                                   " is not on exactly its " + std::to_string(n) + " pages");
         }
         for (std::int64_t p = 0; p < seg->n_pages; ++p) {
             std::int64_t r = seg->refs[p];
@@ -1755,7 +2113,7 @@ std::vector<std::string> Engine::consistency_problems(
     }
     if (live_pages != live_pages_)
         problems.push_back(std::to_string(live_pages) + " pages hold live data, live_pages is " + std::to_string(live_pages_));
-    if (mapped + unmapped_.size() != n_chunks_ || n_chunks_ * g_ != reserved_nbytes_)
+    if (mapped + unmapped_.size() != n_chunks_ || mapped_nbytes + unmapped_nbytes() != reserved_nbytes_)
         problems.push_back(std::to_string(mapped) + " mapped + " + std::to_string(unmapped_.size()) +
                            " unmapped chunks, n_chunks " + std::to_string(n_chunks_) + ", reserved " +
                            std::to_string(reserved_nbytes_) + " B");

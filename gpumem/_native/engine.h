@@ -33,6 +33,13 @@
 
 namespace gpumem {
 
+// gpumem.allocator.policy.GrowthRule: how physical chunks are sized (Note [Chunks of several pages]
+// in backing.py).
+enum class GrowthRule : int {
+    kPages = 0,    // every chunk is one page; empty pages are stolen one by one (_map_pages)
+    kChunks = 1,   // chunks of several pages, created within page_slack, moved whole (_map_runs)
+};
+
 // Policy knobs mirrored from gpumem.allocator.policy.AllocatorPolicy (virtual-memory mode only).
 struct EngineConfig {
     std::uint64_t round_nbytes = 512;
@@ -42,7 +49,11 @@ struct EngineConfig {
     std::uint64_t min_split_large_nbytes = 512;
     double va_reserve_factor = 2.0;
     bool steal_empty_pages = true;
-    double page_slack = 0.0;
+    double page_slack = 0.005;
+    GrowthRule growth = GrowthRule::kChunks;
+    double chunk_max_fraction = 1.0 / 256;              // growth=CHUNKS: cap relative to the memory held
+    std::uint64_t chunk_max_nbytes = std::uint64_t{1} << 30;   // growth=CHUNKS: absolute cap
+    double grow_ahead_fraction = 0.0;                   // growth=CHUNKS: grow ahead at the top of a range
     std::uint64_t limit_nbytes = 0;   // 0: no limit (Python: limit_nbytes None)
     double gc_threshold = 0.0;        // 0: none (Python: gc_threshold None)
 };
@@ -309,6 +320,33 @@ class Engine {
     void backing_close(bool keep_all);
     std::uint64_t mapped_empty_nbytes() const;
     std::uint64_t backing_largest_free_nbytes() const;
+    // chunks of several pages (Note [Chunks of several pages] in backing.py; same names)
+    std::uint64_t chunk_nbytes(ChunkHandle h) const;           // PhysicalHandle.nbytes
+    std::int64_t chunk_pages(ChunkHandle h) const { return static_cast<std::int64_t>(chunk_nbytes(h) / g_); }
+    std::uint64_t unmapped_nbytes() const;                     // sum(h.nbytes for h in unmapped)
+    void note_chunk(ChunkHandle h, std::uint64_t nbytes);     // a chunk mem_create'd: counted as held
+    std::int64_t chunk_start(detail::VSeg* seg, std::int64_t p) const;
+    std::int64_t chunk_cap_pages() const;
+    void map_runs(detail::VSeg* seg, const std::vector<std::int64_t>& need, std::int64_t first, std::int64_t last,
+                  std::uint64_t requested);
+    bool take_cached(std::int64_t max_pages, ChunkHandle* out);
+    void map_chunk(detail::VSeg* seg, std::int64_t pos, ChunkHandle h);
+    std::int64_t growth_pages(detail::VSeg* seg, std::int64_t pos, std::int64_t rem, bool at_top, std::int64_t budget);
+    ChunkHandle chunk_for(detail::VSeg* seg, std::int64_t pos, std::int64_t rem, bool at_top, std::int64_t first,
+                          std::int64_t last, std::int64_t budget, std::uint64_t requested);
+    ChunkHandle create_chunk(std::int64_t n_pages, std::uint64_t requested);
+    struct IdleChunk {   // (pages, address, first page, range), as _idle_chunks' tuples
+        std::int64_t n;
+        std::uint64_t addr;
+        std::int64_t s;
+        detail::VSeg* seg;
+    };
+    void idle_chunks(detail::VSeg* seg, std::int64_t first, std::int64_t last, std::vector<IdleChunk>& found);
+    bool chunk_ready(detail::VSeg* seg, std::int64_t s, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch);
+    bool steal_chunk(detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages,
+                     std::uint64_t requested, ChunkHandle* out);
+    bool release_idle_chunk(detail::VSeg* seg, std::int64_t first, std::int64_t last, bool wait);
+    ChunkHandle unmap_chunk(detail::VSeg* seg, std::int64_t s);
 
     Backend& backend_;
     EngineConfig cfg_;
@@ -354,6 +392,9 @@ class Engine {
     std::uint64_t reserved_nbytes_ = 0, n_segments_ = 0, device_calls_ = 0;
     std::uint64_t n_chunks_ = 0, n_steals_ = 0, n_waits_ = 0;
     std::int64_t live_pages_ = 0, peak_live_pages_ = 0;
+    bool chunked_ = true;                                        // VirtualBacking.chunked
+    std::unordered_map<ChunkHandle, std::uint64_t> chunk_nbytes_;   // every chunk held -> its size
+    std::vector<ChunkHandle>* created_ = nullptr;               // VirtualBacking._created
     bool have_first_stream_ = false, multi_stream_ = false;
     std::uint64_t first_stream_ = 0;
 };

@@ -181,16 +181,19 @@ bool to_u64_clamped(PyObject* o, std::uint64_t* out) {
 PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
     static const char* kwlist[] = {"device", "helpers", "round_nbytes", "small_max_nbytes", "separate_small_pool",
                                    "min_split_small_nbytes", "min_split_large_nbytes", "va_reserve_factor",
-                                   "steal_empty_pages", "page_slack", "limit_nbytes", "gc_threshold", nullptr};
+                                   "steal_empty_pages", "page_slack", "limit_nbytes", "gc_threshold", "chunked",
+                                   "chunk_max_fraction", "chunk_max_nbytes", "grow_ahead_fraction", nullptr};
     PyObject *device, *helpers;
     EngineConfig cfg;
     unsigned long long round_nbytes = cfg.round_nbytes, small_max = cfg.small_max_nbytes,
                        min_small = cfg.min_split_small_nbytes, min_large = cfg.min_split_large_nbytes, limit = 0;
-    int separate = 1, steal = 1;
+    int separate = 1, steal = 1, chunked = cfg.growth == gpumem::GrowthRule::kChunks;
     double factor = cfg.va_reserve_factor, slack = cfg.page_slack, gc = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|KKpKKdpdKd", const_cast<char**>(kwlist), &device, &helpers,
+    double chunk_fraction = cfg.chunk_max_fraction, ahead_fraction = cfg.grow_ahead_fraction;
+    unsigned long long chunk_max = cfg.chunk_max_nbytes;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|KKpKKdpdKdpdKd", const_cast<char**>(kwlist), &device, &helpers,
                                      &round_nbytes, &small_max, &separate, &min_small, &min_large, &factor, &steal,
-                                     &slack, &limit, &gc))
+                                     &slack, &limit, &gc, &chunked, &chunk_fraction, &chunk_max, &ahead_fraction))
         return nullptr;
     cfg.round_nbytes = round_nbytes;
     cfg.small_max_nbytes = small_max;
@@ -200,6 +203,11 @@ PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
     cfg.va_reserve_factor = factor;
     cfg.steal_empty_pages = steal != 0;
     cfg.page_slack = slack;
+    // AllocatorPolicy.growth (GrowthRule) and its knobs (Note [Chunks of several pages] in backing.py)
+    cfg.growth = chunked ? gpumem::GrowthRule::kChunks : gpumem::GrowthRule::kPages;
+    cfg.chunk_max_fraction = chunk_fraction;
+    cfg.chunk_max_nbytes = chunk_max;
+    cfg.grow_ahead_fraction = ahead_fraction;
     cfg.limit_nbytes = limit;
     cfg.gc_threshold = gc;
 

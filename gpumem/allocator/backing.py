@@ -30,7 +30,9 @@ once ``free`` succeeded. A call that fails raises with the bookkeeping describin
 exactly what the device holds, so :meth:`CachingAllocator.check_consistency`
 passes and the next operation works. Pages mapped whose ``mem_set_access``
 failed and that could not be unmapped again are kept as empty pages marked
-``noaccess`` (access is set before a block uses them).
+``noaccess`` (access is set before a block uses them). A commit that fails
+unmaps the chunks it mapped and releases the ones it created (a failed
+allocation holds no more memory than before); chunks it stole stay cached.
 
 Note [One range per pool]
 -------------------------
@@ -59,7 +61,10 @@ chunks, else unmaps an empty page anywhere and maps its chunk where it is needed
 memory held never exceeds the largest number of pages live data has touched at
 any moment: fragmentation of the address space costs address space, which is
 plentiful, not memory. What remains is the partial pages at the edges of live
-data, which best fit keeps few.
+data, which best fit keeps few. That is ``growth=PAGES`` with no slack; the
+default trades a little of it (under 1 %) for far fewer driver calls: chunks of
+several pages that move whole, created within a slack (Note [Chunks of several
+pages]).
 
 Note [Exporting cached chunks]
 ------------------------------
@@ -77,12 +82,44 @@ mapped or released a ``segment_unmap``. In the viewer they are a segment with no
 blocks: cached memory. A successful operation leaves no unmapped chunk behind, so
 this adds no events to a fault-free run.
 
-Note [Why every chunk is one page]
-----------------------------------
-Chunks of a single granule can back any page, so any empty page can be stolen
-for any block. Larger chunks would need fewer ``cuMemMap`` calls for large blocks
-but could only move whole; the map calls are paid only when pages change hands,
-which the reuse of mapped free blocks keeps rare.
+Note [Chunks of several pages]
+------------------------------
+On the H200 a driver call costs more than a whole allocation from CuPy's pool
+(``cuMemCreate`` 14.6 µs, ``cuMemMap`` 3.0, ``cuMemSetAccess`` 38, ``cuMemUnmap``
+23.6, ``cuMemRelease`` 15.6), and with one-page chunks growing to 15 GiB takes
+7,000 creates and maps. CUDA maps a chunk only whole and at offset 0, and unmaps
+a mapping only whole, so a chunk of several pages lies on contiguous pages and
+moves whole. ``growth=CHUNKS`` (the default; ``growth=PAGES`` with
+``page_slack=0`` is the behaviour before, kept for comparison) therefore:
+
+* covers each run of pages a block needs, left to right, with as few chunks as
+  it can: the largest cached chunk that fits in the rest of the run, else a new
+  chunk of the rest of the run, capped at ``chunk_max_fraction`` (1/256) of the
+  memory held and ``chunk_max_nbytes`` (at least one page), then one
+  ``mem_set_access`` per contiguous run of newly mapped pages;
+* creates while the memory held stays within ``page_slack`` (0.5 %) of the most
+  pages live data ever touched, and steals (an idle chunk: all its pages empty,
+  the largest that fits in the run, one whose work is done first) only past it:
+  stealing costs an unmap and a map where creating costs one create, and the
+  slack is what lets a program's steady state run without moving memory;
+* can grow ahead (``grow_ahead_fraction``, off by default: it saved no calls on
+  the traces): a chunk for a run that ends at the top of a range then extends
+  past it over unmapped address space, within the slack and the cap;
+* past the slack with no idle chunk small enough, gives back an idle chunk that
+  is too large to move (its work done; waited for only if memory would run
+  short) before creating what is needed, so the memory held does not creep up
+  by chunks that fit nowhere; idle chunks are unmapped and released whole by
+  ``empty_cache`` and the out-of-memory retry.
+
+Why the cap: an empty page can only move with its whole chunk, so the empty
+pages of a chunk that still holds some live data are locked where they are
+(still reusable by blocks at those addresses, without a call). The larger the
+chunks, the more memory is locked when a program's peak comes elsewhere: on the
+gpt2 trace uncapped chunks (one per run) held 3.9 % more than live data at the
+peak, 1/64 of the held memory 1.9 %, 1/256 0.66 % (``reports/growth-sweep.md``,
+``benchmarks/growth_sweep.py``). A cap relative to what is held keeps the locked
+memory a fixed fraction of the footprint, and makes the chunks grow
+geometrically: about 256 creates per e-fold of growth instead of one per page.
 """
 
 from __future__ import annotations
@@ -97,7 +134,7 @@ from ..device import Device, PhysicalHandle
 from ..errors import InternalError, OutOfMemoryError
 from .block import Block, FreeList
 from .fences import StreamFences, merge_fences
-from .policy import AllocatorPolicy
+from .policy import AllocatorPolicy, GrowthRule
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +380,8 @@ class VirtualSegment(Segment):
 
 
 class VirtualBacking(Backing):
-    """Virtual ranges with page-granular physical backing; see Note [Virtual memory: pages follow live data]."""
+    """Virtual ranges with physical chunks mapped under the pages live blocks touch; see Note [Virtual memory:
+    pages follow live data] and Note [Chunks of several pages]."""
 
     def __init__(self, device: Device, policy: AllocatorPolicy, limit_nbytes: int | None,
                  fences: StreamFences | None = None) -> None:
@@ -355,15 +393,23 @@ class VirtualBacking(Backing):
         """One range per pool (``True``: the small pool)."""
         self.unmapped: list[PhysicalHandle] = []
         """Physical chunks held but mapped nowhere."""
-        self._exported_cached: dict[int, int] = {}
-        """``handle.handle`` -> the export address of an unmapped chunk shown as held (Note [Exporting cached chunks])."""
-        self._free_export_slots: list[int] = []
+        self._exported_cached: dict[int, tuple[int, int]] = {}
+        """``handle.handle`` -> the export address and size of an unmapped chunk shown as held (Note
+        [Exporting cached chunks])."""
+        self._free_export_slots: dict[int, list[int]] = {}
+        """Size -> export addresses given up by chunks since mapped or released, for reuse."""
+        self._export_top = 0
+        """Bytes of the export stretch handed out so far."""
         self.n_chunks = 0
         self.n_steals = 0
         self.n_waits = 0
         self.live_pages = 0
         """Pages touched by at least one live block, over all ranges."""
         self.peak_live_pages = 0
+        self._created: list[PhysicalHandle] | None = None
+        """The chunks the running :meth:`_map_runs` created (given back if it fails)."""
+        self.chunked = policy.growth is GrowthRule.CHUNKS
+        """Chunks of several pages (Note [Chunks of several pages]); else every chunk is one page."""
         self._first_stream: int | None = None
         self.multi_stream = False
         """Whether blocks of more than one stream ever existed (then pages track their streams)."""
@@ -457,7 +503,10 @@ class VirtualBacking(Backing):
                 seg.noaccess.discard(p)
         need = [p for p in range(first, last + 1) if refs[p] == 0 and chunks[p] is None]
         if need:
-            self._map_pages(seg, need, first, last, block.size)
+            if self.chunked:
+                self._map_runs(seg, need, first, last, block.size)
+            else:
+                self._map_pages(seg, need, first, last, block.size)
         empty = seg.empty
         for p in range(first, last + 1):
             if refs[p] == 0:
@@ -556,7 +605,7 @@ class VirtualBacking(Backing):
         if shortfall > 0 and self.policy.steal_empty_pages:
             # Create freely up to the slack above the most pages live data ever touched; past it, steal.
             touched = max(self.peak_live_pages, self.live_pages + len(need))
-            allowance = int(touched * (1.0 + self.policy.page_slack)) - self.n_chunks
+            allowance = int(touched * (1.0 + self.policy.page_slack)) - self.reserved_nbytes // g
             creatable = max(0, min(shortfall, allowance))
             shortfall = max(creatable, shortfall - self._stealable(seg, first, last))
         if shortfall > 0:
@@ -628,7 +677,6 @@ class VirtualBacking(Backing):
 
         Stops at the first failure and raises it; what was released is accounted for.
         """
-        g = self.granularity
         released = 0
         n = len(self.unmapped) if count is None else min(count, len(self.unmapped))
         for _ in range(n):
@@ -637,8 +685,8 @@ class VirtualBacking(Backing):
             self.device_calls += 1
             self.unmapped.pop()
             self.n_chunks -= 1
-            self.reserved_nbytes -= g
-            released += g
+            self.reserved_nbytes -= handle.nbytes
+            released += handle.nbytes
         return released
 
     def _unmap_page(self, seg: VirtualSegment, p: int) -> PhysicalHandle:
@@ -732,11 +780,292 @@ class VirtualBacking(Backing):
         self.reserved_nbytes += g
         return True
 
+    # -- chunks of several pages (Note [Chunks of several pages]) ----------------------------
+    def _chunk_start(self, seg: VirtualSegment, p: int) -> int:
+        """The first page of the chunk mapped at page ``p`` (its pages are contiguous, the handle on each)."""
+        chunks = seg.chunks
+        handle = chunks[p]
+        while p and chunks[p - 1] is handle:
+            p -= 1
+        return p
+
+    def _chunk_cap_pages(self) -> int:
+        """The most pages a new chunk may hold now: ``chunk_max_fraction`` of the memory held and
+        ``chunk_max_nbytes``, at least one page."""
+        g = self.granularity
+        held = self.reserved_nbytes // g
+        return max(1, min(int(held * self.policy.chunk_max_fraction), self.policy.chunk_max_nbytes // g))
+
+    def _map_runs(self, seg: VirtualSegment, need: list[int], first: int, last: int, requested: int) -> None:
+        """Map chunks under the pages in ``need`` (ascending), run by run, left to right; one access
+        call per contiguous run of newly mapped pages; all or nothing (Note [Failure atomicity]).
+
+        Each piece of a run takes, in this order: the largest cached (unmapped) chunk that fits in
+        what is left of the run; a new chunk while the memory held stays within the slack
+        (:meth:`_growth_pages`); an idle chunk that fits, stolen (:meth:`_steal_chunk`); a new
+        chunk past the slack.
+        """
+        g = self.granularity
+        touched = max(self.peak_live_pages, self.live_pages + len(need))
+        budget = int(touched * (1.0 + self.policy.page_slack))  # pages held may reach this before a steal
+        top_page = (seg.top - 1) // g
+        mapped: list[int] = []  # first pages of the chunks this call mapped
+        created = self._created = []
+        try:
+            i = 0
+            while i < len(need):
+                j = i
+                while j + 1 < len(need) and need[j + 1] == need[j] + 1:
+                    j += 1
+                pos, end = need[i], need[j] + 1
+                i = j + 1
+                while pos < end:
+                    rem = end - pos
+                    handle = self._take_cached(rem)
+                    if handle is None:
+                        handle = self._chunk_for(seg, pos, rem, end - 1 == top_page, first, last, budget, requested)
+                    self._map_chunk(seg, pos, handle)
+                    mapped.append(pos)
+                    pos += handle.nbytes // g
+            # one access call per contiguous run of newly mapped pages
+            k = 0
+            while k < len(mapped):
+                start = mapped[k]
+                stop = start + seg.chunks[start].nbytes // g  # type: ignore[union-attr]
+                while k + 1 < len(mapped) and mapped[k + 1] == stop:
+                    k += 1
+                    stop += seg.chunks[stop].nbytes // g  # type: ignore[union-attr]
+                k += 1
+                self.device.mem_set_access(seg.base + start * g, (stop - start) * g)
+                self.device_calls += 1
+                for q in range(start, stop):
+                    seg.noaccess.discard(q)
+        except BaseException:
+            # undo: unmap what this call mapped, keep the chunks cached; a chunk that cannot be
+            # unmapped stays mapped with its pages empty (and noaccess if access was never set)
+            for start in mapped:
+                handle = seg.chunks[start]
+                if handle is None:
+                    raise InternalError(f"page {start} was mapped with no chunk") from None
+                n = handle.nbytes // g
+                try:
+                    self.device.mem_unmap(seg.base + start * g, handle.nbytes)
+                except Exception as exc:  # noqa: BLE001 - the first error is the one raised
+                    log.debug("could not unmap chunk at page %d after a failed map: %s", start, exc)
+                    for q in range(start, start + n):
+                        if not seg.refs[q]:
+                            seg.empty[q] = None
+                    continue
+                self.device_calls += 1
+                for q in range(start, start + n):
+                    seg.chunks[q] = None
+                    seg.noaccess.discard(q)
+                    seg.empty.pop(q, None)
+                self.unmapped.append(handle)
+                self._segment_event("segment_unmap", seg.base + start * g, handle.nbytes, 0)
+            # and give back the chunks this call created: a failed allocation holds no more memory
+            for handle in created:
+                if handle not in self.unmapped:
+                    continue  # could not be unmapped: kept, counted
+                try:
+                    self.device.mem_release(handle)
+                except Exception as exc:  # noqa: BLE001 - kept cached and counted; the first error is raised
+                    log.debug("could not release a chunk after a failed map: %s", exc)
+                    continue
+                self.device_calls += 1
+                self.unmapped.remove(handle)
+                self.n_chunks -= 1
+                self.reserved_nbytes -= handle.nbytes
+            raise
+        finally:
+            self._created = None
+
+    def _take_cached(self, max_pages: int) -> PhysicalHandle | None:
+        """Take the largest cached (unmapped) chunk of at most ``max_pages`` out of the cache (None: none)."""
+        g = self.granularity
+        best = -1
+        for idx, h in enumerate(self.unmapped):
+            n = h.nbytes // g
+            if n <= max_pages and (best < 0 or n > self.unmapped[best].nbytes // g):
+                best = idx
+        return self.unmapped.pop(best) if best >= 0 else None
+
+    def _map_chunk(self, seg: VirtualSegment, pos: int, handle: PhysicalHandle) -> None:
+        """Map ``handle`` (held by the caller, in no list) whole at page ``pos``; on failure it is cached."""
+        g = self.granularity
+        va = seg.base + pos * g
+        try:
+            self.device.mem_map(va, handle.nbytes, handle, 0)
+        except BaseException:
+            self.unmapped.append(handle)
+            raise
+        self.device_calls += 1
+        refs = seg.refs
+        for q in range(pos, pos + handle.nbytes // g):
+            seg.chunks[q] = handle
+            seg.noaccess.add(q)
+            if not refs[q]:
+                seg.empty[q] = None  # pages of the chunk past the block (grown ahead): mapped, empty
+        self._segment_event("segment_map", va, handle.nbytes, 0)
+
+    def _growth_pages(self, seg: VirtualSegment, pos: int, rem: int, at_top: bool, budget: int) -> int:
+        """How many pages a new chunk at ``pos`` for a run of ``rem`` more pages may hold (0: none
+        within the slack): at most what is left of the run, the cap and the budget; at the top of a
+        range, grown ahead to ``grow_ahead_fraction`` of the memory held over unmapped address space."""
+        g = self.granularity
+        held = self.reserved_nbytes // g
+        room = budget - held
+        if room <= 0:
+            return 0
+        cap = self._chunk_cap_pages()
+        n = min(rem, cap, room)
+        if at_top and n == rem:
+            ahead = min(max(rem, int(held * self.policy.grow_ahead_fraction)), cap, room,
+                        len(seg.chunks) - pos)
+            chunks = seg.chunks
+            while n < ahead and chunks[pos + n] is None:
+                n += 1
+        return n
+
+    def _chunk_for(self, seg: VirtualSegment, pos: int, rem: int, at_top: bool, first: int, last: int,
+                   budget: int, requested: int) -> PhysicalHandle:
+        """A chunk of at most ``rem`` pages (more only when grown ahead at the top) for page ``pos`` of
+        ``seg``, held by the caller and in no list: created within the slack, else an idle chunk
+        stolen, else created past the slack (the limit and the device allowing), else an idle chunk
+        that is too large given back first. Raises an out-of-memory error when none can be had."""
+        n = self._growth_pages(seg, pos, rem, at_top, budget) if self.policy.steal_empty_pages else min(
+            rem, self._chunk_cap_pages())
+        if n:
+            return self._create_chunk(n, requested)
+        handle = self._steal_chunk(seg, first, last, rem, requested)
+        if handle is not None:
+            return handle
+        # idle chunks that remain are all larger than the run: give back one whose work is done and
+        # create what fits (memory shrinks); wait for one only when memory would run short
+        self._release_idle_chunk(seg, first, last, False)
+        n = min(rem, self._chunk_cap_pages())
+        try:
+            return self._create_chunk(n, requested)
+        except OutOfMemoryError:
+            if not self._release_idle_chunk(seg, first, last, True):
+                raise
+        return self._create_chunk(n, requested)
+
+    def _create_chunk(self, n_pages: int, requested: int) -> PhysicalHandle:
+        """``mem_create`` a chunk of ``n_pages`` (within the limit), counted as held; the caller holds it."""
+        nbytes = n_pages * self.granularity
+        self._check_limit(nbytes, requested)
+        handle = self.device.mem_create(nbytes)
+        self.device_calls += 1
+        self.n_chunks += 1
+        self.reserved_nbytes += nbytes
+        if self._created is not None:
+            self._created.append(handle)
+        return handle
+
+    def _idle_chunks(self, seg: VirtualSegment, first: int, last: int) -> list[tuple[int, int, int, VirtualSegment]]:
+        """Every chunk whose pages are all empty, outside ``[first, last]`` of ``seg``, as
+        ``(pages, address, first page, range)``."""
+        g = self.granularity
+        found: list[tuple[int, int, int, VirtualSegment]] = []
+        for other in self.vsegments.values():
+            empty = other.empty
+            seen: set[int] = set()  # the pages of every chunk looked at (each chunk is looked at once)
+            for p in empty:
+                if p in seen:
+                    continue
+                s = self._chunk_start(other, p)
+                n = other.chunks[s].nbytes // g  # type: ignore[union-attr]
+                seen.update(range(s, s + n))
+                if other is seg and s <= last and s + n > first:
+                    continue
+                if all(q in empty for q in range(s, s + n)):
+                    found.append((n, other.base + s * g, s, other))
+        return found
+
+    def _chunk_ready(self, seg: VirtualSegment, s: int, wait: bool, batch: dict[int, int]) -> bool:
+        """Whether the work on every page of the idle chunk at ``s`` is done (fences recorded and
+        queried; with ``wait``, waited for)."""
+        n = seg.chunks[s].nbytes // self.granularity  # type: ignore[union-attr]
+        return all(self._page_ready(seg, q, wait, batch) for q in range(s, s + n))
+
+    def _steal_chunk(self, seg: VirtualSegment, first: int, last: int, max_pages: int,
+                     requested: int) -> PhysicalHandle | None:
+        """Unmap an idle chunk of at most ``max_pages`` and return it (held by the caller); None when
+        there is none. The largest goes first (fewest calls), then the highest address (as for
+        pages, Note [Virtual memory: pages follow live data]); one whose work is done before one
+        still used by queued work, for which a chunk is created instead where the limit and the
+        device allow, and which is waited for only when they do not."""
+        fits = sorted((c for c in self._idle_chunks(seg, first, last) if c[0] <= max_pages), reverse=True)
+        if not fits:
+            return None
+        batch: dict[int, int] = {}
+        for n, _, s, other in fits:
+            if self._chunk_ready(other, s, False, batch):
+                self.n_steals += 1
+                return self._unmap_chunk(other, s)
+        n, _, s, other = fits[0]
+        try:
+            return self._create_chunk(n, requested)
+        except OutOfMemoryError:
+            pass  # memory is needed now: wait for the busy chunk
+        self._chunk_ready(other, s, True, batch)
+        self.n_steals += 1
+        return self._unmap_chunk(other, s)
+
+    def _release_idle_chunk(self, seg: VirtualSegment, first: int, last: int, wait: bool) -> bool:
+        """Give back the smallest idle chunk whose work is done (with ``wait``: else the smallest,
+        waiting for its work); False when there is none."""
+        idle = sorted(self._idle_chunks(seg, first, last))
+        batch: dict[int, int] = {}
+        for _, _, s, other in idle:
+            if self._chunk_ready(other, s, False, batch):
+                break
+        else:
+            if not wait or not idle:
+                return False
+            _, _, s, other = idle[0]
+            self._chunk_ready(other, s, True, batch)
+        self.unmapped.append(self._unmap_chunk(other, s))
+        self._release_unmapped(1)
+        return True
+
+    def _unmap_chunk(self, seg: VirtualSegment, s: int) -> PhysicalHandle:
+        """Unmap the idle chunk whose first page is ``s`` (its fences have completed) and return it."""
+        g = self.granularity
+        handle = seg.chunks[s]
+        if handle is None or s and seg.chunks[s - 1] is handle:
+            raise InternalError(f"page {s} of range {seg.base:#x} is not the first page of a chunk")
+        n = handle.nbytes // g
+        if any(q not in seg.empty for q in range(s, s + n)):
+            raise InternalError(f"chunk at page {s} of range {seg.base:#x} is not idle")
+        va = seg.base + s * g
+        self.device.mem_unmap(va, handle.nbytes)
+        self.device_calls += 1
+        for q in range(s, s + n):
+            del seg.empty[q]
+            seg.chunks[q] = None
+            seg.noaccess.discard(q)
+            seg.page_fences.pop(q, None)
+            seg.dirty.pop(q, None)
+        self._segment_event("segment_unmap", va, handle.nbytes, 0)
+        return handle
+
     # -- giving memory back ---------------------------------------------------------------------
     def release_cached(self, drop_blocks: SegmentCallback, wait: bool = True) -> int:
         released = 0
         batch: dict[int, int] = {}
         for seg in self.vsegments.values():
+            if self.chunked:
+                for p in list(seg.empty):
+                    if p not in seg.empty:
+                        continue  # unmapped with its chunk
+                    s = self._chunk_start(seg, p)
+                    n = seg.chunks[s].nbytes // self.granularity  # type: ignore[union-attr]
+                    if any(q not in seg.empty for q in range(s, s + n)) or not self._chunk_ready(seg, s, wait, batch):
+                        continue  # part of it holds live data, or its work is not done
+                    self.unmapped.append(self._unmap_chunk(seg, s))
+                continue
             for p in list(seg.empty):
                 if not self._page_ready(seg, p, wait, batch):
                     continue
@@ -750,20 +1079,22 @@ class VirtualBacking(Backing):
             if keep(seg):
                 continue
             whole = True
-            for p, handle in enumerate(seg.chunks):
-                if handle is None:
-                    continue
+            chunks = seg.chunks
+            for p, handle in enumerate(chunks):
+                if handle is None or (p and chunks[p - 1] is handle):
+                    continue  # unmapped, or not the first page of its chunk
                 va = seg.base + p * g
                 try:  # the allocator waited for the streams that used it
-                    self.device.mem_unmap(va, g)
+                    self.device.mem_unmap(va, handle.nbytes)
                 except Exception as exc:  # noqa: BLE001 - kept, still counted
                     log.warning("could not unmap page %d of %#x: %s", p, seg.base, exc)
                     whole = False
                     continue
-                seg.chunks[p] = None
-                seg.empty.pop(p, None)
-                seg.noaccess.discard(p)
-                self._segment_event("segment_unmap", va, g, 0)
+                for q in range(p, p + handle.nbytes // g):
+                    chunks[q] = None
+                    seg.empty.pop(q, None)
+                    seg.noaccess.discard(q)
+                self._segment_event("segment_unmap", va, handle.nbytes, 0)
                 self.unmapped.append(handle)
             if not whole:
                 continue
@@ -782,7 +1113,7 @@ class VirtualBacking(Backing):
                 continue
             self.unmapped.remove(handle)
             self.n_chunks -= 1
-            self.reserved_nbytes -= g
+            self.reserved_nbytes -= handle.nbytes
 
     def consistency_problems(self) -> list[str]:
         problems: list[str] = []
@@ -790,23 +1121,30 @@ class VirtualBacking(Backing):
         reservations = dict(self.device.reservation_ranges()) if hasattr(self.device, "reservation_ranges") else None
         device_maps: dict[int, tuple[int, int]] = {va: (n, h) for va, n, h in self.device.mapping_ranges()}
         mapped = 0
+        mapped_nbytes = 0
         live_pages = 0
         for seg in self.vsegments.values():
             if reservations is not None and reservations.get(seg.base) != seg.nbytes:
                 problems.append(f"range {seg.base:#x}+{seg.nbytes} is not a device reservation of that size")
             end = seg.base + seg.nbytes
             ours = {}
-            for p, handle in enumerate(seg.chunks):
-                if handle is not None:
+            chunks = seg.chunks
+            for p, handle in enumerate(chunks):
+                if handle is not None and not (p and chunks[p - 1] is handle):
                     ours[seg.base + p * g] = handle
+                    n_pages = handle.nbytes // g
+                    if chunks[p:p + n_pages] != [handle] * n_pages or (
+                            p + n_pages < len(chunks) and chunks[p + n_pages] is handle):
+                        problems.append(f"chunk at page {p} of {seg.base:#x} is not on exactly its {n_pages} pages")
             for va, (n, h) in device_maps.items():
                 if seg.base <= va < end:
                     handle = ours.pop(va, None)
-                    if handle is None or n != g or handle.handle != h:
+                    if handle is None or n != handle.nbytes or handle.handle != h:
                         problems.append(f"device maps {va:#x}+{n} (handle {h}), the allocator has "
                                         f"{handle.handle if handle else 'nothing'} there")
                     else:
                         mapped += 1
+                        mapped_nbytes += n
             for va in ours:
                 problems.append(f"the allocator has page {va:#x} mapped, the device does not")
             for p, r in enumerate(seg.refs):
@@ -820,7 +1158,8 @@ class VirtualBacking(Backing):
                     problems.append(f"page {p} of {seg.base:#x} is mapped, empty and not stealable")
         if live_pages != self.live_pages:
             problems.append(f"{live_pages} pages hold live data, live_pages is {self.live_pages}")
-        if (mapped + len(self.unmapped)) != self.n_chunks or self.n_chunks * g != self.reserved_nbytes:
+        held_nbytes = mapped_nbytes + sum(h.nbytes for h in self.unmapped)
+        if (mapped + len(self.unmapped)) != self.n_chunks or held_nbytes != self.reserved_nbytes:
             problems.append(f"{mapped} mapped + {len(self.unmapped)} unmapped chunks, n_chunks {self.n_chunks}, "
                             f"reserved {self.reserved_nbytes} B")
         return problems
@@ -830,28 +1169,31 @@ class VirtualBacking(Backing):
             return
         g = self.granularity
         exported = self._exported_cached
-        now = {h.handle for h in self.unmapped}
+        now = {h.handle: h.nbytes for h in self.unmapped}
         for hid in [h for h in exported if h not in now]:
-            addr = exported.pop(hid)
-            self._free_export_slots.append(addr)
-            self._segment_event("segment_unmap", addr, g, 0)
-        for hid in now:
+            addr, nbytes = exported.pop(hid)
+            self._free_export_slots.setdefault(nbytes, []).append(addr)
+            self._segment_event("segment_unmap", addr, nbytes, 0)
+        for hid, nbytes in now.items():
             if hid not in exported:
-                slots = self._free_export_slots
-                addr = slots.pop() if slots else CACHED_CHUNKS_EXPORT_BASE + len(exported) * g
-                while addr in exported.values():  # cannot happen with slots reused; kept cheap and safe
-                    addr += g
-                exported[hid] = addr
-                self._segment_event("segment_map", addr, g, 0)
+                slots = self._free_export_slots.get(nbytes)
+                if slots:
+                    addr = slots.pop()
+                else:  # a fresh stretch above every slot handed out so far
+                    addr = CACHED_CHUNKS_EXPORT_BASE + self._export_top
+                    self._export_top += nbytes
+                exported[hid] = (addr, nbytes)
+                self._segment_event("segment_map", addr, nbytes, 0)
 
     def mapped_empty_nbytes(self) -> int:
         return sum(len(s.empty) for s in self.vsegments.values()) * self.granularity
 
     def largest_free_nbytes(self, free_lists: list[FreeList]) -> int:
         # any request up to the cached chunks can be stitched without new device memory
-        cached = (len(self.unmapped) + sum(len(s.empty) for s in self.vsegments.values())) * self.granularity
+        cached = sum(h.nbytes for h in self.unmapped) + sum(len(s.empty) for s in self.vsegments.values()) * self.granularity
         return max(super().largest_free_nbytes(free_lists), cached)
 
     def describe(self) -> str:
         return (f"virtual memory ({len(self.vsegments)} range(s) of {self.va_nbytes >> 30} GiB shared by all streams, "
-                f"{self.n_chunks} chunks of {self.granularity >> 20} MiB, {self.n_steals} steals)")
+                f"{self.n_chunks} chunks ({self.policy.growth.value}) over {self.reserved_nbytes >> 20} MiB, "
+                f"{self.n_steals} steals)")

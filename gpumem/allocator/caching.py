@@ -76,7 +76,7 @@ from ..units import format_bytes, parse_limit
 from .backing import AddressSpaceExhausted, Backing, LimitExceeded, Segment, SegmentBacking, VirtualBacking, VirtualSegment
 from .block import Block, FreeList, append_block, drop_last_block, merge_blocks, split_block
 from .fences import StreamFences
-from .policy import DEFAULT_POLICY, AllocatorPolicy, VmmMode, get_policy
+from .policy import DEFAULT_POLICY, AllocatorPolicy, GrowthRule, VmmMode, get_policy
 from .stats import AllocatorStats, format_summary
 
 log = logging.getLogger(__name__)
@@ -227,7 +227,9 @@ class CachingAllocator:
             separate_small_pool=p.separate_small_pool, min_split_small_nbytes=p.min_split_small_nbytes,
             min_split_large_nbytes=p.min_split_large_nbytes, va_reserve_factor=p.va_reserve_factor,
             steal_empty_pages=p.steal_empty_pages, page_slack=p.page_slack,
-            limit_nbytes=self.limit_nbytes or 0, gc_threshold=gc_threshold or 0.0)
+            limit_nbytes=self.limit_nbytes or 0, gc_threshold=gc_threshold or 0.0,
+            chunked=p.growth is GrowthRule.CHUNKS, chunk_max_fraction=p.chunk_max_fraction,
+            chunk_max_nbytes=p.chunk_max_nbytes, grow_ahead_fraction=p.grow_ahead_fraction)
         self.allocate = self._native.allocate  # type: ignore[method-assign]
         self.free = self._native.free  # type: ignore[method-assign]
 
@@ -820,7 +822,7 @@ class CachingAllocator:
             total_free = st.reserved_nbytes - st.allocated_nbytes
             st.inactive_split_nbytes = sum(fl.nbytes for fl in free_lists) if not self.uses_vmm else max(
                 0, total_free - getattr(self.backing, "mapped_empty_nbytes", lambda: 0)()
-                - len(getattr(self.backing, "unmapped", ())) * self.backing.granularity)
+                - sum(h.nbytes for h in getattr(self.backing, "unmapped", ())))
             st.num_live_blocks = len(self._live)
             st.num_free_blocks = sum(len(fl) for fl in free_lists)
             largest = min(self.backing.largest_free_nbytes(free_lists), max(total_free, 0))

@@ -39,6 +39,19 @@ class VmmMode(str, enum.Enum):
     """Always ``malloc``'d segments."""
 
 
+class GrowthRule(str, enum.Enum):
+    """How the virtual-memory backing sizes the physical chunks it creates (Note [Chunks of several pages]
+    in :mod:`.backing`)."""
+
+    PAGES = "pages"
+    """Every chunk is one page (the granularity); an empty page is stolen before a chunk is created
+    (the behaviour before issue 7, kept for comparison)."""
+    CHUNKS = "chunks"
+    """A chunk covers a whole run of pages a block needs (capped), grows ahead at the top of a range,
+    and moves whole; chunks are created while the held memory stays within ``page_slack`` of the most
+    pages live data touched, and stolen only past that."""
+
+
 class SegmentRule(str, enum.Enum):
     """How large a new segment is for a request of ``n`` bytes (segment mode only)."""
 
@@ -72,15 +85,40 @@ class AllocatorPolicy:
     """Virtual memory mode: address space reserved per pool and stream, as a multiple of device memory."""
     steal_empty_pages: bool = True
     """Virtual memory mode: remap a cached empty page rather than create a new physical chunk."""
-    page_slack: float = 0.0
-    """Virtual memory mode: physical chunks may exceed the most pages live data ever touched by this
-    fraction before empty pages are stolen (fewer device calls for a little more memory)."""
+    page_slack: float = 0.005
+    """Virtual memory mode: physical memory may exceed the most pages live data ever touched by this
+    fraction before empty pages are stolen (fewer device calls for a little more memory; Note [Chunks
+    of several pages] in :mod:`.backing`). The behaviour before issue 7: 0 with ``growth=PAGES``."""
+    growth: GrowthRule = GrowthRule.CHUNKS
+    """Virtual memory mode: how physical chunks are sized and moved (:class:`GrowthRule`)."""
+    chunk_max_fraction: float = 1 / 256
+    """``growth=CHUNKS``: a new chunk holds at most this fraction of the memory held then (at least one
+    page), so that memory locked in partly live chunks stays small."""
+    chunk_max_nbytes: int = 1 << 30
+    """``growth=CHUNKS``: and at most this many bytes."""
+    grow_ahead_fraction: float = 0.0
+    """``growth=CHUNKS``: a chunk created for a run that ends at the top of a range is extended past it
+    to this fraction of the memory held (within ``page_slack``, ``chunk_max_*`` and unmapped address
+    space), so that the next blocks grown at the top find their pages mapped. Off by default: on the
+    traces it saved no calls (``reports/growth-sweep.md``)."""
 
     def __post_init__(self) -> None:
         if self.round_nbytes <= 0 or self.round_nbytes & (self.round_nbytes - 1):
             raise InvalidArgumentError("round_nbytes must be a positive power of two")
         if self.va_reserve_factor < 1.0:
             raise InvalidArgumentError("va_reserve_factor must be at least 1")
+        if not isinstance(self.growth, GrowthRule):
+            try:
+                object.__setattr__(self, "growth", GrowthRule(self.growth))
+            except ValueError:
+                raise InvalidArgumentError(f"unknown growth rule {self.growth!r}; choose one of "
+                                           f"{', '.join(r.value for r in GrowthRule)}") from None
+        for knob in ("page_slack", "chunk_max_fraction", "grow_ahead_fraction"):
+            value = getattr(self, knob)
+            if not 0.0 <= value <= 1.0:
+                raise InvalidArgumentError(f"{knob} must be between 0 and 1, not {value!r}")
+        if self.chunk_max_nbytes <= 0:
+            raise InvalidArgumentError("chunk_max_nbytes must be positive")
 
     def round(self, nbytes: int) -> int:
         """The block size for a request of ``nbytes``."""

@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from gpumem import sim
 from gpumem.allocator import CachingAllocator
 from gpumem.allocator.native import load_engine
-from gpumem.allocator.policy import get_policy
+from gpumem.allocator.policy import GrowthRule, get_policy
 from gpumem.device import Event, MemInfo, PhysicalHandle
 from gpumem.units import KiB, MiB
 
@@ -42,8 +42,20 @@ POLICIES = [
     dataclasses.replace(_BASE, name="slack", page_slack=0.25, round_nbytes=4096),
     dataclasses.replace(_BASE, name="one-pool", separate_small_pool=False, min_split_large_nbytes=1 * MiB + 1),
     dataclasses.replace(_BASE, name="small-va", va_reserve_factor=1.0, min_split_small_nbytes=4096),
+    # growth=CHUNKS (the default) with small caps (many chunks, steals of whole chunks) and grow-ahead
+    dataclasses.replace(_BASE, name="chunks-small", chunk_max_fraction=1 / 16, chunk_max_nbytes=8 * MiB),
+    dataclasses.replace(_BASE, name="chunks-ahead", grow_ahead_fraction=0.1, page_slack=0.05),
+    dataclasses.replace(_BASE, name="chunks-no-slack", page_slack=0.0, chunk_max_fraction=1.0),
+    # growth=PAGES, the behaviour before issue 7 (one-page chunks, no slack)
+    dataclasses.replace(_BASE, name="pages", growth=GrowthRule.PAGES, page_slack=0.0),
+    dataclasses.replace(_BASE, name="pages-no-steal", growth=GrowthRule.PAGES, page_slack=0.0,
+                        steal_empty_pages=False),
+    dataclasses.replace(_BASE, name="pages-slack", growth=GrowthRule.PAGES, page_slack=0.25, round_nbytes=4096),
 ]
-"""Virtual-memory policies: the default and variants of every knob the engine mirrors."""
+"""Virtual-memory policies: the default (``growth=CHUNKS``) and variants of every knob the engine
+mirrors, and ``growth=PAGES`` (Note [Chunks of several pages] in ``gpumem/allocator/backing.py``)."""
+
+PAGES_POLICY = POLICIES[-3]
 
 TRACES_DIR = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "data", "traces")
 
@@ -290,6 +302,18 @@ def test_oom_messages_are_the_same():
         pair.both("free", p)
 
 
+@pytest.mark.parametrize("policy", [_BASE, PAGES_POLICY], ids=["chunks", "pages"])
+def test_memory_summary_is_the_same(policy):
+    """The summary names the growth rule, the chunks and the bytes they hold, the same in both engines."""
+    pair = Pair(lambda: sim.SimDevice(small_profile(384)), policy=policy)
+    a = pair.both("allocate", 40 * MiB, 0)
+    pair.both("free", a[1])
+    pair.both("allocate", 3 * MiB, 5)  # another stream: grows at the top, past the slack steals
+    summaries = [alloc.memory_summary() for alloc in pair.allocs]
+    assert summaries[0] == summaries[1]
+    assert f"({policy.growth.value})" in summaries[0]
+
+
 def _traces():
     if not os.path.isdir(TRACES_DIR):
         return []
@@ -297,16 +321,18 @@ def _traces():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("policy", [_BASE, PAGES_POLICY], ids=["chunks", "pages"])
 @pytest.mark.parametrize("limit_fraction", [None, 0.5])
 @pytest.mark.parametrize("name", _traces())
-def test_trace_replays_identically(name, limit_fraction):
-    """Whole real traces; with half the trace's peak as the limit, OOMs, retries and steals too."""
+def test_trace_replays_identically(name, limit_fraction, policy):
+    """Whole real traces, under the default policy (``growth=CHUNKS``) and ``growth=PAGES``; with half
+    the trace's peak as the limit, OOMs, retries and steals too."""
     from gpumem.trace import load_trace
 
     trace = load_trace(os.path.join(TRACES_DIR, name))
     kinds, ids, sizes, streams = trace.as_lists()
     limit = None if limit_fraction is None else int(trace.peak_live_nbytes * limit_fraction)
-    pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")), limit=limit)
+    pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")), policy=policy, limit=limit)
     runs = []
     for alloc, log in zip(pair.allocs, pair.logs):
         ptrs = [0] * (max(ids) + 1 if ids else 0)

@@ -1,0 +1,267 @@
+"""The growth policy of the virtual-memory backing (Note [Chunks of several pages] in gpumem.allocator.backing):
+chunks of several pages sized by rule, created within the slack, stolen and given back whole."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpumem.allocator import CachingAllocator
+from gpumem.allocator.native import load_engine
+from gpumem.allocator.policy import AllocatorPolicy, GrowthRule, get_policy
+from gpumem.errors import InvalidArgumentError, OutOfMemoryError
+from gpumem.replay import replay
+from gpumem.trace import load_trace
+from gpumem.units import MiB
+
+from allocator_helpers import small_device
+
+TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"
+G = 2 * MiB
+
+
+ENGINES = ["python"] + (["native"] if load_engine() is not None else [])
+"""Both engines where the native one is built: the rule is the same in both (Note [An exact port])."""
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request) -> str:
+    return request.param
+
+
+def policy(**knobs) -> AllocatorPolicy:
+    return dataclasses.replace(get_policy("gpumem"), name="test", **knobs)
+
+
+def count_calls(dev) -> Counter:
+    """Wrap the device's VMM calls to count them and the size of each create (in pages)."""
+    counts: Counter = Counter()
+    for kind in ("mem_create", "mem_map", "mem_set_access", "mem_unmap", "mem_release"):
+        fn = getattr(dev, kind)
+
+        def wrapper(*args, _fn=fn, _kind=kind):
+            out = _fn(*args)
+            counts[_kind] += 1
+            if _kind == "mem_create":
+                counts[f"create{args[0] // G}"] += 1
+            return out
+
+        setattr(dev, kind, wrapper)
+    return counts
+
+
+# -- the knobs -------------------------------------------------------------------------------------
+
+def test_default_policy_grows_in_chunks_and_the_old_behaviour_is_a_knob():
+    assert get_policy("gpumem").growth is GrowthRule.CHUNKS
+    assert policy(growth="pages").growth is GrowthRule.PAGES
+
+
+@pytest.mark.parametrize("knobs, text", [
+    ({"growth": "slabs"}, "unknown growth rule"),
+    ({"page_slack": -0.1}, "page_slack"),
+    ({"page_slack": 1.5}, "page_slack"),
+    ({"chunk_max_fraction": 2.0}, "chunk_max_fraction"),
+    ({"grow_ahead_fraction": -1.0}, "grow_ahead_fraction"),
+    ({"chunk_max_nbytes": 0}, "chunk_max_nbytes"),
+])
+def test_bad_growth_knobs_are_refused(knobs, text):
+    with pytest.raises(InvalidArgumentError, match=text):
+        policy(**knobs)
+
+
+# -- the rule ----------------------------------------------------------------------------------------
+
+def test_a_run_is_covered_by_chunks_capped_by_the_memory_held(engine):
+    """Uncapped fraction: each new chunk holds at most what is held already (at least a page), so a
+    64 MiB block on a fresh allocator takes chunks of 1, 1, 2, 4, 8 and 16 pages, one access call."""
+    dev = small_device(384)
+    calls = count_calls(dev)
+    alloc = CachingAllocator(dev, policy(chunk_max_fraction=1.0, grow_ahead_fraction=0.0), engine=engine)
+    alloc.allocate(64 * MiB)
+    assert [calls[f"create{n}"] for n in (1, 2, 4, 8, 16)] == [2, 1, 1, 1, 1]
+    assert calls["mem_create"] == calls["mem_map"] == 6
+    assert calls["mem_set_access"] == 1
+    assert alloc.reserved_nbytes == 64 * MiB
+    alloc.check_consistency()
+
+
+def test_chunks_are_capped_by_chunk_max_nbytes(engine):
+    dev = small_device(384)
+    calls = count_calls(dev)
+    alloc = CachingAllocator(dev, policy(chunk_max_fraction=1.0, chunk_max_nbytes=8 * MiB, grow_ahead_fraction=0.0),
+                             engine=engine)
+    alloc.allocate(64 * MiB)
+    assert [calls[f"create{n}"] for n in (1, 2, 4)] == [2, 1, 7]
+    assert calls["mem_set_access"] == 1
+    alloc.check_consistency()
+
+
+def test_pages_rule_makes_one_page_chunks(engine):
+    dev = small_device(384)
+    calls = count_calls(dev)
+    alloc = CachingAllocator(dev, policy(growth="pages", page_slack=0.0), engine=engine)
+    alloc.allocate(64 * MiB)
+    assert calls["mem_create"] == calls["create1"] == calls["mem_map"] == 32
+    alloc.check_consistency()
+
+
+def test_growing_ahead_at_the_top_maps_the_next_blocks_pages(engine):
+    """With slack, a chunk for a run that ends at the top of the range is extended past it, so that
+    the next blocks grown there need no device call; what is mapped ahead is empty, held memory."""
+    dev = small_device(384)
+    calls = count_calls(dev)
+    alloc = CachingAllocator(dev, policy(chunk_max_fraction=1.0, page_slack=1.0, grow_ahead_fraction=1.0),
+                             engine=engine)
+    alloc.allocate(32 * MiB)  # chunks of 1, 1, 2, 4, 8, 16 pages: the cap (what is held) stops growing ahead
+    assert alloc.reserved_nbytes == 32 * MiB
+    alloc.allocate(G)  # a one-page run at the top: its chunk is grown ahead to the cap, 16 pages
+    assert alloc.reserved_nbytes == 64 * MiB
+    creates, maps = calls["mem_create"], calls["mem_map"]
+    for _ in range(15):
+        alloc.allocate(G)  # each lands on pages mapped ahead
+    assert (calls["mem_create"], calls["mem_map"]) == (creates, maps)
+    assert alloc.reserved_nbytes == 64 * MiB
+    alloc.check_consistency()
+
+
+def test_without_slack_a_whole_idle_chunk_is_stolen_not_created(engine):
+    """Past the slack (0 here) memory moves: chunks whose pages are all empty are unmapped whole and
+    mapped where the new block needs them; nothing is created and memory held stays the same."""
+    dev = small_device(384)
+    calls = count_calls(dev)
+    alloc = CachingAllocator(dev, policy(chunk_max_fraction=1.0, page_slack=0.0, grow_ahead_fraction=0.0),
+                             engine=engine)
+    a = alloc.allocate(16 * MiB, stream=0)  # chunks of 1, 1, 2 and 4 pages
+    alloc.free(a)
+    held = alloc.reserved_nbytes
+    creates = calls["mem_create"]
+    alloc.allocate(16 * MiB, stream=1)  # another stream's free list: grows at the top
+    assert calls["mem_create"] == creates
+    assert calls["mem_unmap"] == 4  # the four idle chunks, whole
+    assert alloc.reserved_nbytes == held
+    assert "4 steals)" in alloc.memory_summary()
+    alloc.check_consistency()
+
+
+def test_a_chunk_with_live_data_is_never_stolen(engine):
+    dev = small_device(384)
+    alloc = CachingAllocator(dev, policy(chunk_max_fraction=1.0, page_slack=0.0, grow_ahead_fraction=0.0),
+                             engine=engine)
+    a = alloc.allocate(16 * MiB, stream=0)
+    alloc.free(a)
+    b = alloc.allocate(1 * MiB + 4096, stream=0)  # reuses the start of a's block: its chunk holds live data
+    dev.write(b, b"x" * 64)
+    handles_before = {va: h for va, n, h in dev.mapping_ranges()}
+    alloc.allocate(16 * MiB, stream=1)
+    after = {va: h for va, n, h in dev.mapping_ranges()}
+    assert after[b - b % G] == handles_before[b - b % G]
+    assert dev.read(b, 64) == b"x" * 64
+    alloc.check_consistency()
+
+
+def test_empty_cache_gives_back_idle_chunks_whole(engine):
+    dev = small_device(384)
+    calls = count_calls(dev)
+    alloc = CachingAllocator(dev, policy(chunk_max_fraction=1.0, grow_ahead_fraction=0.0), engine=engine)
+    a = alloc.allocate(16 * MiB)
+    alloc.free(a)
+    assert alloc.empty_cache() == 16 * MiB
+    assert calls["mem_unmap"] == calls["mem_release"] == 4
+    assert alloc.reserved_nbytes == 0
+    alloc.check_consistency()
+
+
+def test_a_limit_is_kept_by_giving_back_an_idle_chunk_too_large_to_move(engine):
+    """An idle chunk larger than every run cannot be mapped where it is needed: once memory would run
+    short it is given back and a chunk of the size needed is created."""
+    dev = small_device(384)
+    alloc = CachingAllocator(dev, policy(chunk_max_fraction=1.0, page_slack=0.0, grow_ahead_fraction=0.0),
+                             engine=engine, limit=32 * MiB)
+    a = alloc.allocate(30 * MiB, stream=0)  # chunks of 1, 1, 2, 4, 7 pages
+    alloc.free(a)
+    ptrs = [alloc.allocate(G, stream=1) for _ in range(15)]  # one page each, all at the top
+    assert alloc.reserved_nbytes <= 32 * MiB
+    assert len(set(ptrs)) == 15
+    alloc.check_consistency()
+    with pytest.raises(OutOfMemoryError):
+        alloc.allocate(4 * MiB, stream=1)
+    alloc.check_consistency()
+
+
+# -- bookkeeping matches the device under random workloads ------------------------------------------
+
+OPS = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "free", "empty"]),
+                         st.one_of(st.integers(1, 3 * MiB), st.integers(3 * MiB, 48 * MiB)),
+                         st.integers(0, 2), st.integers(0, 1 << 16)), min_size=1, max_size=40)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS, cap=st.sampled_from([1.0, 1 / 4, 1 / 256]), slack=st.sampled_from([0.0, 0.005, 0.5]),
+       ahead=st.sampled_from([0.0, 0.004, 0.5]), limit=st.sampled_from([None, 96 * MiB]))
+def test_bookkeeping_matches_the_device(engine, ops, cap, slack, ahead, limit):
+    dev = small_device(256)
+    alloc = CachingAllocator(dev, policy(chunk_max_fraction=cap, page_slack=slack, grow_ahead_fraction=ahead),
+                             limit=limit, engine=engine)
+    live: dict[int, bytes] = {}
+    for op, nbytes, stream, pick in ops:
+        if op == "alloc":
+            try:
+                ptr = alloc.allocate(nbytes, stream)
+            except OutOfMemoryError:
+                alloc.check_consistency()
+                continue
+            tag = bytes([pick & 0xFF]) * 16
+            dev.write(ptr, tag)
+            live[ptr] = tag
+        elif op == "free" and live:
+            ptr = sorted(live)[pick % len(live)]
+            assert dev.read(ptr, 16) == live.pop(ptr)
+            alloc.free(ptr)
+        elif op == "empty":
+            alloc.empty_cache()
+        alloc.check_consistency()
+        for ptr, tag in live.items():
+            assert dev.read(ptr, 16) == tag
+    alloc.close()
+
+
+# -- the real traces -----------------------------------------------------------------------------------
+
+def _replay_counts(name: str, pol: AllocatorPolicy, engine: str = "python") -> tuple[Counter, float]:
+    from gpumem import open_device
+
+    dev = open_device("sim:h200-141gb")
+    calls = count_calls(dev)
+    alloc = CachingAllocator(dev, pol, engine=engine)
+    result = replay(load_trace(TRACES / name), alloc, progress=False)
+    alloc.check_consistency()
+    return calls, result.overhead
+
+
+REAL = sorted(p.name for p in TRACES.iterdir() if ".trace." in p.name or ".snapshot." in p.name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", REAL)
+def test_default_policy_overhead_at_most_one_percent_on_real_traces(name, engine):
+    _, overhead = _replay_counts(name, get_policy("gpumem"), engine)
+    assert overhead <= 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, factor", [("gpt2_train.snapshot.pickle.gz", 5), ("resnet_train.snapshot.pickle.gz", 2)])
+def test_chunks_make_far_fewer_device_calls_than_pages(name, factor, engine):
+    """Measured (reports/growth-sweep.md): 5.9x fewer VMM calls on gpt2, 2.3x on resnet."""
+    before, _ = _replay_counts(name, policy(growth="pages", page_slack=0.0), engine)
+    after, _ = _replay_counts(name, get_policy("gpumem"), engine)
+    kinds = ("mem_create", "mem_map", "mem_set_access", "mem_unmap", "mem_release")
+    assert sum(after[k] for k in kinds) * factor <= sum(before[k] for k in kinds)
+    assert after["mem_create"] * factor <= before["mem_create"]
+    assert after["mem_map"] * factor <= before["mem_map"]

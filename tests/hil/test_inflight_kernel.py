@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from gpumem.allocator import CachingAllocator
-from gpumem.hil.probes.inflight import BLOCK_NBYTES, EXPECTED, N, SLOW_SUM_SOURCE, SPIN_CYCLES
+from gpumem.hil.probes.inflight import BLOCK_NBYTES, EXPECTED, N, PAGE_STEALS, SLOW_SUM_SOURCE, SPIN_CYCLES
 from gpumem.units import MiB
 
 pytestmark = pytest.mark.cuda
@@ -62,7 +62,8 @@ def test_steal_under_a_running_kernel(device):
     # other 2 pages of `other` must be stolen from the block (no room to create them instead)
     if not device.vmm_supported or device.granularity_nbytes != 2 * MiB:
         pytest.skip("the steal path needs virtual memory management with 2 MiB pages")
-    alloc = CachingAllocator(device, "gpumem", limit=12 * MiB)
+    # one-page chunks, no slack, the Python engine (whose backing counts steals): the steal path itself
+    alloc = CachingAllocator(device, PAGE_STEALS, limit=12 * MiB, engine="python")
     stream = device.stream_create()
     try:
         block, out, done = _start_reader(cupy, device, alloc, stream)

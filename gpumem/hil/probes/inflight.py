@@ -16,6 +16,7 @@ The pytest twin is ``tests/hil/test_inflight_kernel.py`` (fences on only).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -24,7 +25,12 @@ import numpy as np
 from gpumem import open_device
 from gpumem.allocator import CachingAllocator
 from gpumem.allocator.fences import StreamFences
+from gpumem.allocator.policy import GrowthRule, get_policy
 from gpumem.units import MiB
+
+#: gpumem's policy with one-page chunks and no slack: a freed page is stolen at once when another block
+#: needs one under the limit (the default grows by chunks and creates within its slack instead).
+PAGE_STEALS = dataclasses.replace(get_policy("gpumem"), name="gpumem-pages", growth=GrowthRule.PAGES, page_slack=0.0)
 
 SLOW_SUM_SOURCE = r"""
 // Sums x[0..n) again and again until spin_cycles have passed (volatile: every pass really loads x).
@@ -72,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         StreamFences.wait = lambda self, stream, number: None  # type: ignore[method-assign]
     device = open_device(args.device)
     limit = 12 * MiB if args.path == "steal" else None
-    alloc = CachingAllocator(device, "gpumem", limit=limit)
+    # the Python engine: --old switches its fences off; the steal path needs page steals (PAGE_STEALS)
+    alloc = CachingAllocator(device, PAGE_STEALS if args.path == "steal" else "gpumem", limit=limit, engine="python")
     stream = device.stream_create()
     result: dict[str, object] = {"path": args.path, "old": args.old, "device": args.device}
     block = alloc.allocate(BLOCK_NBYTES, stream)

@@ -27,9 +27,12 @@ enum class ErrorKind : int {
 struct BackendError : std::runtime_error {
     ErrorKind kind;
     int code;             // the CUDA error code where there is one, else 0
-    void* py_exc;         // PyObject* (owned reference) from the Python backend, else nullptr
-    BackendError(ErrorKind k, int c, const std::string& what, void* exc = nullptr)
-        : std::runtime_error(what), kind(k), code(c), py_exc(exc) {}
+    void* py_exc;         // PyObject* from the Python backend (see pybackend.h), else nullptr
+    // The Python exception is not an Exception (KeyboardInterrupt, SystemExit...): the engine lets
+    // it through where the Python allocator catches `Exception` (Note [Only Exception is caught]).
+    bool fatal = false;
+    BackendError(ErrorKind k, int c, const std::string& what, void* exc = nullptr, bool is_fatal = false)
+        : std::runtime_error(what), kind(k), code(c), py_exc(exc), fatal(is_fatal) {}
 };
 
 // A physical chunk from mem_create: an opaque id (CUmemGenericAllocationHandle, or an index into

@@ -220,20 +220,54 @@ Caught classify_current() {
         return {};
     }
 }
+// Note [Only Exception is caught]: where the Python allocator catches a device's failure and goes
+// on (`except Exception`: a lost event, a page kept mapped, a stream that could not be waited for),
+// a KeyboardInterrupt or SystemExit raised by the device call is not caught: it propagates. The
+// Python backend marks those BackendError::fatal; the engine's catch-all sites call this first.
+void rethrow_if_fatal() {
+    try {
+        throw;
+    } catch (const BackendError& e) {
+        if (e.fatal) throw;
+    } catch (...) {
+    }
+}
 }  // namespace
 
 // -- the lock ----------------------------------------------------------------------------------------
-void Engine::lock() {
-    if (mutex_.try_lock()) return;
-    void* token = hooks_.release ? hooks_.release() : nullptr;   // Note [Waiting for the engine's lock]
-    mutex_.lock();
-    if (hooks_.reacquire) hooks_.reacquire(token);
+// Note [Re-entry from the lock's thread]: with the Python backend a device call runs Python
+// (a finalizer, the cyclic GC, a signal handler) that may call the allocator again on the thread
+// that holds the lock. The Python allocator's lock is an RLock, so that does not deadlock; but an
+// operation that changes the engine's state in the middle of another would break its invariants
+// (the Python allocator gets corrupted that way too). So the lock records its owner: reads (stats,
+// block_size, describe...) re-enter; an operation that changes state throws kInternal rather than
+// deadlock. The binding defers a re-entrant free() to the end of the outer operation (module.cpp).
+void Engine::lock(bool reentrant) {
+    if (held_by_this_thread()) {
+        if (!reentrant)
+            throw EngineError(EngineErrorKind::kInternal,
+                              "the allocator was re-entered from a device call of one of its own operations "
+                              "(only free() and reads may re-enter)");
+        ++depth_;
+        return;
+    }
+    if (!mutex_.try_lock()) {
+        void* token = hooks_.release ? hooks_.release() : nullptr;   // Note [Waiting for the engine's lock]
+        mutex_.lock();
+        if (hooks_.reacquire) hooks_.reacquire(token);
+    }
+    owner_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+    depth_ = 1;
 }
-void Engine::unlock() { mutex_.unlock(); }
+void Engine::unlock() {
+    if (--depth_ > 0) return;
+    owner_.store(std::thread::id(), std::memory_order_relaxed);
+    mutex_.unlock();
+}
 
 struct Engine::Guard {
     Engine& e;
-    explicit Guard(Engine& en) : e(en) { e.lock(); }
+    explicit Guard(Engine& en, bool reentrant = false) : e(en) { e.lock(reentrant); }
     ~Guard() { e.unlock(); }
 };
 
@@ -417,6 +451,7 @@ std::uint64_t Engine::fences_record(std::uint64_t stream) {
             backend_.event_destroy(front.second);
             ++n_destroys_;
         } catch (...) {   // a lost event handle holds no memory
+            rethrow_if_fatal();   // Note [Only Exception is caught]
         }
     }
     if (q.head > 32 && q.head * 2 > q.q.size()) {
@@ -449,6 +484,7 @@ bool Engine::fences_done(std::uint64_t stream, std::uint64_t number) {
             backend_.event_destroy(front.second);
             ++n_destroys_;
         } catch (...) {
+            rethrow_if_fatal();   // Note [Only Exception is caught]
         }
     }
     if (number <= fences_done_of(stream) || !has_q) return true;
@@ -484,6 +520,7 @@ void Engine::fences_wait(std::uint64_t stream, std::uint64_t number) {
             backend_.event_destroy(front.second);
             ++n_destroys_;
         } catch (...) {
+            rethrow_if_fatal();   // Note [Only Exception is caught]
         }
     }
 }
@@ -522,6 +559,7 @@ void Engine::fences_forget_idle() {
                             backend_.event_destroy(front.second);
                             ++n_destroys_;
                         } catch (...) {
+                            rethrow_if_fatal();   // Note [Only Exception is caught]
                         }
                         break;
                     }
@@ -529,6 +567,7 @@ void Engine::fences_forget_idle() {
                         backend_.event_destroy(front.second);
                         ++n_destroys_;
                     } catch (...) {
+                        rethrow_if_fatal();   // Note [Only Exception is caught]
                     }
                 }
             }
@@ -550,6 +589,7 @@ void Engine::fences_close() {
             try {
                 backend_.event_destroy(q.q[i].second);
             } catch (...) {
+                rethrow_if_fatal();   // Note [Only Exception is caught]
             }
         }
     fq_order_.clear();
@@ -832,6 +872,7 @@ void Engine::map_pages(VSeg* seg, const std::vector<std::int64_t>& need, std::in
             try {
                 release_unmapped(created);   // give back what this call created, as far as it can
             } catch (...) {   // the first error is the one raised
+                rethrow_if_fatal();   // Note [Only Exception is caught]
             }
             throw;
         }
@@ -874,6 +915,7 @@ void Engine::map_pages(VSeg* seg, const std::vector<std::int64_t>& need, std::in
             try {
                 backend_.mem_unmap(seg->base + static_cast<std::uint64_t>(p) * g, g);
             } catch (...) {
+                rethrow_if_fatal();   // Note [Only Exception is caught]
                 seg->empty_add(p);
                 continue;
             }
@@ -1368,6 +1410,7 @@ void Engine::backing_close(bool keep_all) {
             try {   // the allocator waited for the streams that used it
                 backend_.mem_unmap(va, nbytes);
             } catch (...) {   // kept, still counted
+                rethrow_if_fatal();   // Note [Only Exception is caught]
                 whole = false;
                 continue;
             }
@@ -1382,6 +1425,7 @@ void Engine::backing_close(bool keep_all) {
         try {
             backend_.address_free(seg->base, seg->nbytes);
         } catch (...) {
+            rethrow_if_fatal();   // Note [Only Exception is caught]
             continue;
         }
         vseg_by_key_[seg->small ? 1 : 0] = nullptr;
@@ -1398,6 +1442,7 @@ void Engine::backing_close(bool keep_all) {
         try {
             backend_.mem_release(h);
         } catch (...) {
+            rethrow_if_fatal();   // Note [Only Exception is caught]
             continue;
         }
         unmapped_.erase(std::find(unmapped_.begin(), unmapped_.end(), h));
@@ -1927,6 +1972,7 @@ void Engine::close() {
             try {
                 backend_.stream_synchronize(s);
             } catch (...) {   // that stream's memory is kept, below
+                rethrow_if_fatal();   // Note [Only Exception is caught]
                 failed.push_back(s);
             }
         }
@@ -1935,6 +1981,7 @@ void Engine::close() {
                 backend_.synchronize();
                 failed.clear();
             } catch (...) {
+                rethrow_if_fatal();   // Note [Only Exception is caught]
             }
         }
     }
@@ -1951,7 +1998,7 @@ void Engine::close() {
 
 // -- introspection --------------------------------------------------------------------------------------
 EngineStats Engine::stats() {
-    Guard guard(*this);
+    Guard guard(*this, true);
     EngineStats st = st_;
     st.reserved_nbytes = reserved_nbytes_;
     st.num_segments = n_segments_;
@@ -1982,24 +2029,24 @@ EngineStats Engine::stats() {
 }
 
 std::uint64_t Engine::reserved_nbytes() {
-    Guard guard(*this);
+    Guard guard(*this, true);
     return reserved_nbytes_;
 }
 
 std::uint64_t Engine::allocated_nbytes() {
-    Guard guard(*this);
+    Guard guard(*this, true);
     return st_.allocated_nbytes;
 }
 
 std::uint64_t Engine::block_size(std::uint64_t ptr) {
-    Guard guard(*this);
+    Guard guard(*this, true);
     Block* b = static_cast<Block*>(live_.get(ptr));
     if (!b) throw EngineError(EngineErrorKind::kInvalidPointer, std::to_string(ptr) + " is not a live allocation");
     return b->size;
 }
 
 std::vector<std::pair<std::uint64_t, std::uint64_t>> Engine::live_blocks() {
-    Guard guard(*this);
+    Guard guard(*this, true);
     std::vector<std::pair<std::uint64_t, std::uint64_t>> out;
     live_.for_each([&](std::uint64_t addr, void* v) { out.emplace_back(addr, static_cast<Block*>(v)->size); });
     std::sort(out.begin(), out.end());
@@ -2007,17 +2054,17 @@ std::vector<std::pair<std::uint64_t, std::uint64_t>> Engine::live_blocks() {
 }
 
 bool Engine::closed() {
-    Guard guard(*this);
+    Guard guard(*this, true);
     return closed_;
 }
 
 bool Engine::lost() {
-    Guard guard(*this);
+    Guard guard(*this, true);
     return lost_;
 }
 
 std::string Engine::describe() {
-    Guard guard(*this);
+    Guard guard(*this, true);
     return "virtual memory (" + std::to_string(vsegs_.size()) + " range(s) of " + std::to_string(va_nbytes_ >> 30) +
            " GiB shared by all streams, " + std::to_string(n_chunks_) + " chunks (" +
            (chunked_ ? "chunks" : "pages") + ") over " + std::to_string(reserved_nbytes_ >> 20) + " MiB, " +
@@ -2028,7 +2075,7 @@ std::string Engine::describe() {
 std::vector<std::string> Engine::consistency_problems(
     const std::vector<std::tuple<std::uint64_t, std::uint64_t, ChunkHandle>>* device_maps,
     const std::vector<std::pair<std::uint64_t, std::uint64_t>>* reservations) {
-    Guard guard(*this);
+    Guard guard(*this, true);
     check_usable_op();
     std::vector<std::string> problems;
     if (closed_) return problems;

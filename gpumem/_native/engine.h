@@ -20,7 +20,9 @@
 #include <cstdint>
 #include <list>
 #include <memory>
+#include <atomic>
 #include <mutex>
+#include <thread>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -242,10 +244,27 @@ class Engine {
     std::string describe();
     std::uint64_t total_nbytes() const { return total_nbytes_; }
     void set_lock_hooks(const LockHooks& hooks) { hooks_ = hooks; }
+    // Whether the calling thread holds the engine's lock: it is inside one of the engine's
+    // operations (a device call ran Python that came back). Note [Re-entry from the lock's thread].
+    bool held_by_this_thread() const { return owner_.load(std::memory_order_relaxed) == std::this_thread::get_id(); }
+    // Holds the engine's lock for a scope (re-entrant), so that a caller's reads of the backend
+    // (the Python backend's chunk table) match the engine's state.
+    class Hold {
+      public:
+        explicit Hold(Engine& e) : e_(e) { e_.lock(true); }
+        ~Hold() { e_.unlock(); }
+        Hold(const Hold&) = delete;
+        Hold& operator=(const Hold&) = delete;
+
+      private:
+        Engine& e_;
+    };
 
   private:
     struct Guard;
-    void lock();
+    // reentrant: the thread that holds the lock may take it again (reads); otherwise it throws
+    // kInternal (Note [Re-entry from the lock's thread]).
+    void lock(bool reentrant = false);
     void unlock();
 
     // -- caching.py: CachingAllocator ----------------------------------------------------------
@@ -352,6 +371,8 @@ class Engine {
     EngineConfig cfg_;
     LockHooks hooks_;
     std::mutex mutex_;
+    std::atomic<std::thread::id> owner_{};   // the thread that holds mutex_, or none
+    int depth_ = 0;                          // how many times owner_ took it (under mutex_)
     std::uint64_t total_nbytes_ = 0, g_ = 0, va_nbytes_ = 0;
     std::int64_t small_max_ = -1;
 

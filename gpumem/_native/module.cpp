@@ -11,8 +11,13 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <cmath>
+#include <cstdio>
 #include <new>
 #include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
 
 #include "engine.h"
 #include "pybackend.h"
@@ -35,13 +40,45 @@ struct AllocObject {
     PyObject* helpers;
     PyObject* deferred;   // device.deferred_events (bound method) or null
     PyObject* spec;       // device.spec (str) for error messages
-    PyObject* huge_nbytes;   // during allocate(): the request when it is >= 2**64 (borrowed), else null
+    // frees that came back from a device call of this thread's own operation, applied when it ends
+    // (Note [A free from inside a device call is deferred])
+    std::vector<std::uint64_t>* deferred_frees;
 };
+
+// Note [A free from inside a device call is deferred]: a device call the engine makes under its
+// lock runs Python (the simulator's code, a device wrapper), and so may run a finalizer, the
+// cyclic GC or a signal handler, which may free an allocation (a tensor's __del__) on the thread
+// that holds the lock. The Python allocator's lock is an RLock: the free runs at once, in the
+// middle of the outer operation. The engine's lock is not taken twice by one thread (Note
+// [Re-entry from the lock's thread] in engine.cpp), so such a free is queued here and applied, in
+// order, when the outer operation has left the engine, before its memory events are delivered.
+// Its cost: the block is cached a little later than in the Python allocator (the outer operation
+// may grow where the Python one would have reused it). An error of a deferred free (a double
+// free) can no longer reach its caller, which has returned: it is reported as an unraisable
+// exception, as an exception in a finalizer is. Other operations re-entered that way raise
+// InternalError instead of deadlocking; reads (stats, block_size...) run.
+
+// The allocator's fields are dropped by the garbage collector's tp_clear (a reference cycle
+// through it): every method first checks that it still has its engine.
+bool alive(AllocObject* self) {
+    if (self->engine) return true;
+    PyErr_SetString(PyExc_RuntimeError,
+                    "gpumem allocator: cleared by the garbage collector (it was part of a collected reference cycle)");
+    return false;
+}
+#define CHECK_ALIVE(self) \
+    if (!alive(self)) return nullptr
 
 void* release_gil() { return PyEval_SaveThread(); }
 void reacquire_gil(void* token) { PyEval_RestoreThread(static_cast<PyThreadState*>(token)); }
 
-PyObject* helper_attr(AllocObject* self, const char* name) { return PyObject_GetAttrString(self->helpers, name); }
+PyObject* helper_attr(AllocObject* self, const char* name) {
+    if (!self->helpers) {
+        PyErr_SetString(PyExc_RuntimeError, "gpumem allocator: cleared by the garbage collector");
+        return nullptr;
+    }
+    return PyObject_GetAttrString(self->helpers, name);
+}
 
 void raise_kind(AllocObject* self, const char* cls_name, const char* msg) {
     PyObject* cls = helper_attr(self, cls_name);
@@ -51,7 +88,8 @@ void raise_kind(AllocObject* self, const char* cls_name, const char* msg) {
 }
 
 // Turns the C++ exception being handled into the Python exception the Python allocator raises.
-void set_error(AllocObject* self) {
+// huge_nbytes: the request of this allocate() when it is >= 2**64 (borrowed), else null.
+void set_error(AllocObject* self, PyObject* huge_nbytes = nullptr) {
     try {
         throw;
     } catch (const BackendError& e) {
@@ -75,7 +113,7 @@ void set_error(AllocObject* self) {
                 PyObject* fn = helper_attr(self, "oom_error");
                 if (!fn) break;
                 PyObject* cause = o.cause_py_exc ? static_cast<PyObject*>(o.cause_py_exc) : Py_None;
-                PyObject* req = self->huge_nbytes ? (Py_INCREF(self->huge_nbytes), self->huge_nbytes)
+                PyObject* req = huge_nbytes ? (Py_INCREF(huge_nbytes), huge_nbytes)
                                                   : PyLong_FromUnsignedLongLong(o.requested_nbytes);
                 PyObject* err = PyObject_CallFunction(fn, "iNKKKLKKKOO", static_cast<int>(o.cause), req,
                                                       (unsigned long long)o.free_nbytes,
@@ -84,7 +122,8 @@ void set_error(AllocObject* self) {
                                                       (long long)o.cached_signed,
                                                       (unsigned long long)o.reserved_nbytes,
                                                       (unsigned long long)o.limit_nbytes,
-                                                      (unsigned long long)o.va_nbytes, cause, self->spec);
+                                                      (unsigned long long)o.va_nbytes, cause,
+                                                      self->spec ? self->spec : Py_None);
                 Py_DECREF(fn);
                 if (!err) break;
                 PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err)), err);
@@ -115,9 +154,32 @@ void set_error(AllocObject* self) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "gpumem engine: unknown error");
 }
 
+// Applies the frees deferred during the operation that just left the engine (Note [A free from
+// inside a device call is deferred]); their errors are reported as unraisable.
+void drain_deferred_frees(AllocObject* self) {
+    std::vector<std::uint64_t>* q = self->deferred_frees;
+    if (!q || !self->engine || self->engine->held_by_this_thread()) return;
+    while (!q->empty() && self->engine) {
+        std::uint64_t ptr = q->front();
+        q->erase(q->begin());
+        try {
+            self->engine->free(ptr);
+        } catch (...) {
+            set_error(self);
+        }
+        if (self->backend) self->backend->clear_errors();
+        if (PyErr_Occurred()) {
+            PyObject* where = PyUnicode_FromFormat("gpumem: free(0x%llx) deferred from inside a device call",
+                                                   static_cast<unsigned long long>(ptr));
+            PyErr_WriteUnraisable(where);
+            Py_XDECREF(where);
+        }
+    }
+}
+
 // Runs `f` (returns a new reference, or throws) inside device.deferred_events().
 template <class F>
-PyObject* run_op(AllocObject* self, F f) {
+PyObject* run_op(AllocObject* self, F f, PyObject* huge_nbytes = nullptr) {
     PyObject* cm = nullptr;
     if (self->deferred) {
         cm = PyObject_CallNoArgs(self->deferred);
@@ -133,9 +195,15 @@ PyObject* run_op(AllocObject* self, F f) {
     try {
         result = f();
     } catch (...) {
-        set_error(self);
+        set_error(self, huge_nbytes);
     }
-    self->backend->clear_errors();
+    if (self->backend) self->backend->clear_errors();
+    if (self->deferred_frees && !self->deferred_frees->empty()) {
+        PyObject *et, *ev, *etb;
+        PyErr_Fetch(&et, &ev, &etb);
+        drain_deferred_frees(self);
+        PyErr_Restore(et, ev, etb);
+    }
     if (cm) {
         PyObject *et, *ev, *etb;
         PyErr_Fetch(&et, &ev, &etb);
@@ -195,6 +263,21 @@ PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
                                      &round_nbytes, &small_max, &separate, &min_small, &min_large, &factor, &steal,
                                      &slack, &limit, &gc, &chunked, &chunk_fraction, &chunk_max, &ahead_fraction))
         return nullptr;
+    // the floats go into the engine's arithmetic as they are: a NaN or an infinity (or a factor whose
+    // reservation cannot be counted in 64 bits) would be undefined behaviour there
+    if (!(std::isfinite(factor) && factor >= 1.0 && factor <= 4096.0) || !(std::isfinite(slack) && slack >= 0.0) ||
+        !(std::isfinite(gc) && gc >= 0.0)) {
+        PyObject* cls = PyObject_GetAttrString(helpers, "INVALID_ARGUMENT");
+        if (!cls) return nullptr;
+        char msg[256];
+        std::snprintf(msg, sizeof msg,
+                      "va_reserve_factor must be a finite number in [1, 4096], page_slack and gc_threshold finite "
+                      "and non-negative (got %g, %g, %g)",
+                      factor, slack, gc);
+        PyErr_SetString(cls, msg);
+        Py_DECREF(cls);
+        return nullptr;
+    }
     cfg.round_nbytes = round_nbytes;
     cfg.small_max_nbytes = small_max;
     cfg.separate_small_pool = separate != 0;
@@ -217,6 +300,11 @@ PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
     Py_INCREF(helpers);
     self->device = device;
     self->helpers = helpers;
+    self->deferred_frees = new (std::nothrow) std::vector<std::uint64_t>();
+    if (!self->deferred_frees) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
     self->deferred = PyObject_GetAttrString(device, "deferred_events");
     if (!self->deferred) PyErr_Clear();
     self->spec = PyObject_GetAttrString(device, "spec");
@@ -257,18 +345,47 @@ PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
     return reinterpret_cast<PyObject*>(self);
 }
 
+// GC support: a cycle through the allocator (device -> allocator -> device, an attribute of the
+// device naming its allocator) is collected as the Python allocator would be. Clearing drops the
+// engine and its backend without device calls (the Python allocator has no finalizer either); the
+// engine goes first, so that nothing is left that could call into the cleared device.
+int Alloc_traverse(AllocObject* self, visitproc visit, void* arg) {
+    Py_VISIT(self->device);
+    Py_VISIT(self->helpers);
+    Py_VISIT(self->deferred);
+    Py_VISIT(self->spec);
+    if (self->backend) {
+        int r = self->backend->traverse(visit, arg);
+        if (r) return r;
+    }
+    return 0;
+}
+
+int Alloc_clear(AllocObject* self) {
+    Engine* engine = self->engine;
+    PyDeviceBackend* backend = self->backend;
+    self->engine = nullptr;   // methods called from here on (finalizers run by the drops) raise
+    self->backend = nullptr;
+    delete engine;
+    delete backend;           // drops its device, handles and events
+    Py_CLEAR(self->device);
+    Py_CLEAR(self->helpers);
+    Py_CLEAR(self->deferred);
+    Py_CLEAR(self->spec);
+    return 0;
+}
+
 void Alloc_dealloc(AllocObject* self) {
-    delete self->engine;
-    delete self->backend;
-    Py_XDECREF(self->device);
-    Py_XDECREF(self->helpers);
-    Py_XDECREF(self->deferred);
-    Py_XDECREF(self->spec);
+    PyObject_GC_UnTrack(self);
+    Alloc_clear(self);
+    delete self->deferred_frees;
+    self->deferred_frees = nullptr;
     Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
 }
 
 // allocate(nbytes, stream=0) -> int
 PyObject* Alloc_allocate(AllocObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+    CHECK_ALIVE(self);
     PyObject* o_nbytes = nullptr;
     PyObject* o_stream = nullptr;
     Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
@@ -307,9 +424,8 @@ PyObject* Alloc_allocate(AllocObject* self, PyObject* const* args, Py_ssize_t na
             PyObject* huge = PyTuple_GET_ITEM(r, 0);
             Py_INCREF(huge);
             Py_DECREF(r);
-            self->huge_nbytes = huge;
-            PyObject* out = run_op(self, [&]() { return PyLong_FromUnsignedLongLong(self->engine->allocate(nbytes, stream)); });
-            self->huge_nbytes = nullptr;
+            PyObject* out = run_op(
+                self, [&]() { return PyLong_FromUnsignedLongLong(self->engine->allocate(nbytes, stream)); }, huge);
             Py_DECREF(huge);
             return out;
         }
@@ -359,14 +475,17 @@ PyObject* Alloc_free(AllocObject* self, PyObject* const* args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "free() takes exactly one argument (ptr)");
         return nullptr;
     }
+    CHECK_ALIVE(self);
     std::uint64_t ptr;
     if (exact_u64(args[0], &ptr)) {
-        try {
-            if (self->engine->try_free_fast(ptr)) Py_RETURN_NONE;
-        } catch (...) {
-            set_error(self);
-            self->backend->clear_errors();
-            return nullptr;
+        if (!self->engine->held_by_this_thread()) {
+            try {
+                if (self->engine->try_free_fast(ptr)) Py_RETURN_NONE;
+            } catch (...) {
+                set_error(self);
+                self->backend->clear_errors();
+                return nullptr;
+            }
         }
     } else {
         PyObject* fn = helper_attr(self, "as_ptr");
@@ -384,6 +503,14 @@ PyObject* Alloc_free(AllocObject* self, PyObject* const* args, Py_ssize_t nargs)
         Py_DECREF(r);
         ptr = v;
     }
+    if (self->engine->held_by_this_thread()) {   // Note [A free from inside a device call is deferred]
+        try {
+            self->deferred_frees->push_back(ptr);
+        } catch (const std::bad_alloc&) {
+            return PyErr_NoMemory();
+        }
+        Py_RETURN_NONE;
+    }
     return run_op(self, [&]() {
         self->engine->free(ptr);
         Py_RETURN_NONE;
@@ -391,6 +518,7 @@ PyObject* Alloc_free(AllocObject* self, PyObject* const* args, Py_ssize_t nargs)
 }
 
 PyObject* Alloc_record_stream(AllocObject* self, PyObject* args, PyObject* kwds) {
+    CHECK_ALIVE(self);
     static const char* kwlist[] = {"ptr", "stream", nullptr};
     PyObject *o_ptr, *o_stream;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", const_cast<char**>(kwlist), &o_ptr, &o_stream)) return nullptr;
@@ -424,10 +552,12 @@ PyObject* Alloc_record_stream(AllocObject* self, PyObject* args, PyObject* kwds)
 }
 
 PyObject* Alloc_empty_cache(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
     return run_op(self, [&]() { return PyLong_FromUnsignedLongLong(self->engine->empty_cache()); });
 }
 
 PyObject* Alloc_synchronize(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
     return run_op(self, [&]() {
         self->engine->synchronize();
         Py_RETURN_NONE;
@@ -435,6 +565,7 @@ PyObject* Alloc_synchronize(AllocObject* self, PyObject*) {
 }
 
 PyObject* Alloc_close(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
     return run_op(self, [&]() {
         self->engine->close();
         Py_RETURN_NONE;
@@ -457,6 +588,7 @@ const StatField kStatFields[] = {
 };
 
 PyObject* Alloc_stats(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
     EngineStats st;
     try {
         st = self->engine->stats();
@@ -480,14 +612,17 @@ PyObject* Alloc_stats(AllocObject* self, PyObject*) {
 }
 
 PyObject* Alloc_reserved_nbytes(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
     return PyLong_FromUnsignedLongLong(self->engine->reserved_nbytes());
 }
 
 PyObject* Alloc_allocated_nbytes(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
     return PyLong_FromUnsignedLongLong(self->engine->allocated_nbytes());
 }
 
 PyObject* Alloc_block_size(AllocObject* self, PyObject* ptr) {
+    CHECK_ALIVE(self);
     std::uint64_t p;
     if (!exact_u64(ptr, &p)) {
         PyObject* cls = helper_attr(self, "INVALID_POINTER");
@@ -510,6 +645,7 @@ PyObject* Alloc_block_size(AllocObject* self, PyObject* ptr) {
 }
 
 PyObject* Alloc_live_blocks(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
     auto blocks = self->engine->live_blocks();
     PyObject* out = PyList_New(static_cast<Py_ssize_t>(blocks.size()));
     if (!out) return nullptr;
@@ -527,18 +663,9 @@ PyObject* Alloc_live_blocks(AllocObject* self, PyObject*) {
 // consistency_problems(device_maps, reservations) -> list[str]; device_maps: [(va, nbytes, handle int)]
 // as Device.mapping_ranges() gives them, reservations: [(va, nbytes)] or None.
 PyObject* Alloc_consistency_problems(AllocObject* self, PyObject* args) {
+    CHECK_ALIVE(self);
     PyObject *o_maps, *o_res;
     if (!PyArg_ParseTuple(args, "OO", &o_maps, &o_res)) return nullptr;
-    // device handle value -> chunk id
-    std::unordered_map<std::uint64_t, gpumem::ChunkHandle> by_value;
-    for (std::size_t id = 1; id <= self->backend->chunk_table_size(); ++id) {
-        PyObject* h = self->backend->chunk_object(id);
-        if (!h) continue;
-        PyObject* v = PyObject_GetAttrString(h, "handle");
-        if (!v) return nullptr;
-        by_value[PyLong_AsUnsignedLongLong(v)] = id;
-        Py_DECREF(v);
-    }
     std::vector<std::tuple<std::uint64_t, std::uint64_t, gpumem::ChunkHandle>> maps;
     std::vector<std::pair<std::uint64_t, std::uint64_t>> res;
     PyObject* seq = PySequence_Fast(o_maps, "device_maps must be a sequence");
@@ -549,8 +676,7 @@ PyObject* Alloc_consistency_problems(AllocObject* self, PyObject* args) {
             Py_DECREF(seq);
             return nullptr;
         }
-        auto it = by_value.find(h);
-        maps.emplace_back(va, n, it == by_value.end() ? 0 : it->second);
+        maps.emplace_back(va, n, static_cast<gpumem::ChunkHandle>(h));   // the device's handle value, for now
     }
     Py_DECREF(seq);
     if (o_res != Py_None) {
@@ -567,6 +693,31 @@ PyObject* Alloc_consistency_problems(AllocObject* self, PyObject* args) {
         Py_DECREF(seq);
     }
     return run_op(self, [&]() -> PyObject* {
+        // the chunk table is read under the engine's lock, so that it matches the engine's state
+        // while another thread's operation changes it
+        gpumem::Engine::Hold hold(*self->engine);
+        // device handle value -> chunk id; a handle object without an int `handle` (a device that
+        // returned something else from mem_create) matches no mapping, as in the Python allocator
+        std::unordered_map<std::uint64_t, gpumem::ChunkHandle> by_value;
+        for (std::size_t id = 1; id <= self->backend->chunk_table_size(); ++id) {
+            PyObject* h = self->backend->chunk_object(id);
+            if (!h) continue;
+            PyObject* v = PyObject_GetAttrString(h, "handle");
+            if (!v) {
+                if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
+                PyErr_Clear();
+                continue;
+            }
+            unsigned long long hv = PyLong_Check(v) ? PyLong_AsUnsignedLongLong(v) : 0;
+            bool ok = PyLong_Check(v) && !(hv == static_cast<unsigned long long>(-1) && PyErr_Occurred());
+            PyErr_Clear();
+            Py_DECREF(v);
+            if (ok) by_value[hv] = id;
+        }
+        for (auto& m : maps) {
+            auto it = by_value.find(std::get<2>(m));
+            std::get<2>(m) = it == by_value.end() ? 0 : it->second;
+        }
         auto problems = self->engine->consistency_problems(&maps, o_res == Py_None ? nullptr : &res);
         PyObject* out = PyList_New(0);
         for (auto& p : problems) {
@@ -579,11 +730,18 @@ PyObject* Alloc_consistency_problems(AllocObject* self, PyObject* args) {
 }
 
 PyObject* Alloc_describe(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
     return PyUnicode_FromString(self->engine->describe().c_str());
 }
 
-PyObject* Alloc_closed(AllocObject* self, PyObject*) { return PyBool_FromLong(self->engine->closed()); }
-PyObject* Alloc_lost(AllocObject* self, PyObject*) { return PyBool_FromLong(self->engine->lost()); }
+PyObject* Alloc_closed(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
+    return PyBool_FromLong(self->engine->closed());
+}
+PyObject* Alloc_lost(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
+    return PyBool_FromLong(self->engine->lost());
+}
 
 PyMethodDef Alloc_methods[] = {
     {"allocate", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Alloc_allocate)),
@@ -621,7 +779,9 @@ int gpumem_add_cuda_allocator(PyObject* module);   // cuda_allocator.cpp
 PyMODINIT_FUNC PyInit__engine(void) {
     AllocType.tp_name = "gpumem._engine.Allocator";
     AllocType.tp_basicsize = sizeof(AllocObject);
-    AllocType.tp_flags = Py_TPFLAGS_DEFAULT;
+    AllocType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
+    AllocType.tp_traverse = reinterpret_cast<traverseproc>(Alloc_traverse);
+    AllocType.tp_clear = reinterpret_cast<inquiry>(Alloc_clear);
     AllocType.tp_doc = "Allocator(device, helpers, **policy): the native caching allocator engine over a "
                        "Python gpumem.device.Device (virtual-memory mode).";
     AllocType.tp_new = Alloc_new;

@@ -46,7 +46,10 @@ PyDeviceBackend::PyDeviceBackend(PyObject* device, PyObject* oom_error_cls, PyOb
 }
 
 PyDeviceBackend::~PyDeviceBackend() {
-    clear_errors();
+    auto all = std::move(errors_);
+    errors_.clear();
+    for (auto& kv : all)
+        for (PyObject* e : kv.second) Py_DECREF(e);
     for (PyObject* o : chunks_) Py_XDECREF(o);
     for (PyObject* o : events_) Py_XDECREF(o);
     Py_XDECREF(device_);
@@ -55,8 +58,11 @@ PyDeviceBackend::~PyDeviceBackend() {
 }
 
 void PyDeviceBackend::clear_errors() {
-    for (PyObject* e : errors_) Py_DECREF(e);
-    errors_.clear();
+    auto it = errors_.find(PyThread_get_thread_ident());
+    if (it == errors_.end()) return;
+    std::vector<PyObject*> mine = std::move(it->second);
+    errors_.erase(it);
+    for (PyObject* e : mine) Py_DECREF(e);   // may run Python (finalizers): the tables are consistent
 }
 
 // The Python exception being raised, classified (out of memory, device lost, other) and kept
@@ -81,8 +87,9 @@ void PyDeviceBackend::raise_current() {
         Py_DECREF(s);
     }
     PyErr_Clear();
-    errors_.push_back(value);   // owned until clear_errors()
-    throw BackendError(kind, 0, what, value);
+    bool fatal = !PyErr_GivenExceptionMatches(value, PyExc_Exception);   // Note [Only Exception is caught]
+    errors_[PyThread_get_thread_ident()].push_back(value);   // owned until this thread's clear_errors()
+    throw BackendError(kind, 0, what, value, fatal);
 }
 
 PyObject* PyDeviceBackend::call(PyObject* name, PyObject* a, PyObject* b, PyObject* c, PyObject* d) {
@@ -125,6 +132,17 @@ PyObject* PyDeviceBackend::get(const std::vector<PyObject*>& table, std::uint64_
 PyObject* PyDeviceBackend::chunk_object(ChunkHandle id) const {
     if (id == 0 || id > chunks_.size()) return nullptr;
     return chunks_[id - 1];
+}
+
+int PyDeviceBackend::traverse(visitproc visit, void* arg) {
+    Py_VISIT(device_);
+    Py_VISIT(oom_cls_);
+    Py_VISIT(lost_cls_);
+    for (PyObject* o : chunks_) Py_VISIT(o);
+    for (PyObject* o : events_) Py_VISIT(o);
+    for (auto& kv : errors_)
+        for (PyObject* o : kv.second) Py_VISIT(o);
+    return 0;
 }
 
 static PyObject* u64(std::uint64_t v) { return PyLong_FromUnsignedLongLong(v); }

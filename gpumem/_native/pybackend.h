@@ -4,6 +4,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <unordered_map>
 #include <vector>
 
 #include "backend.h"
@@ -15,10 +16,13 @@ namespace gpumem {
 //
 // Note [Device exceptions live for one operation]: a device call that raises is thrown as a
 // BackendError whose py_exc points to the Python exception; the backend keeps that exception
-// (a reference in `errors_`) until clear_errors(), which the binding calls at the end of each
-// operation, after it has re-raised the one that escaped. So an exception the engine handles and
-// drops (a failed event_destroy, an undo that failed) is not leaked, and the one re-raised is the
-// very object the device raised. py_exc is therefore a borrowed pointer, valid until then.
+// (a reference in the calling thread's list in `errors_`) until clear_errors(), which the binding
+// calls on that thread at the end of each operation, after it has re-raised the one that escaped.
+// So an exception the engine handles and drops (a failed event_destroy, an undo that failed) is
+// not leaked, and the one re-raised is the very object the device raised. py_exc is therefore a
+// borrowed pointer, valid until then. The lists are per thread (keyed by the thread's ident, under
+// the GIL): one thread ending its operation never drops an exception that another thread's
+// operation, still running in the engine, points to.
 class PyDeviceBackend : public Backend {
   public:
     // Borrows nothing: keeps its own references. Raises (Python error set, returns false from
@@ -43,10 +47,13 @@ class PyDeviceBackend : public Backend {
     void stream_synchronize(StreamHandle stream) override;
     void synchronize() override;
 
+    // Drops the exceptions kept for the calling thread's operation (GIL held).
     void clear_errors();
     // The PhysicalHandle object of a chunk id (borrowed), or null.
     PyObject* chunk_object(ChunkHandle id) const;
     std::size_t chunk_table_size() const { return chunks_.size(); }
+    // Visits the Python objects it holds (the allocator's tp_traverse).
+    int traverse(visitproc visit, void* arg);
 
   private:
     [[noreturn]] void raise_current();
@@ -61,7 +68,8 @@ class PyDeviceBackend : public Backend {
     PyObject* oom_cls_;
     PyObject* lost_cls_;
     bool ok_ = false;
-    std::vector<PyObject*> chunks_, events_, errors_;
+    std::vector<PyObject*> chunks_, events_;
+    std::unordered_map<unsigned long, std::vector<PyObject*>> errors_;   // thread ident -> exceptions kept
     std::vector<std::uint64_t> free_chunk_ids_, free_event_ids_;
     PyObject *n_properties_, *n_mem_info_, *n_address_reserve_, *n_address_free_, *n_mem_create_, *n_mem_release_,
         *n_mem_map_, *n_mem_set_access_, *n_mem_unmap_, *n_event_record_, *n_event_query_, *n_event_synchronize_,

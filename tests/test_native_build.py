@@ -136,3 +136,21 @@ def test_native_module_raises_when_missing_and_returns_when_built():
         with pytest.raises(BackendUnavailableError, match="not available"):
             native.native_module()
 
+
+
+def test_cuda_allocator_without_a_driver_says_why():
+    """gpumem._engine.CudaAllocator (the native engine over the CUDA driver, from Python) raises a clear
+    BackendUnavailableError where libcuda cannot be loaded, and checks its arguments first."""
+    import ctypes.util
+
+    if gpumem.engine() != "native":
+        pytest.skip("the native engine is not built")
+    from gpumem.native import native_module
+
+    cuda_allocator = native_module().CudaAllocator
+    with pytest.raises(TypeError):
+        cuda_allocator("zero")
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("this machine has libcuda")
+    with pytest.raises(gpumem.BackendUnavailableError, match="libcuda"):
+        cuda_allocator(0)

@@ -102,6 +102,27 @@ void set_error(int device) {
     }
 }
 
+// Runs `op` with the GIL released (the engine may wait for the device); a C++ exception it throws
+// becomes the Python exception, set with the GIL held again. Returns false when one was set.
+template <class Op>
+bool without_gil(int device, Op&& op) {
+    std::exception_ptr failure;
+    Py_BEGIN_ALLOW_THREADS
+    try {
+        op();
+    } catch (...) {
+        failure = std::current_exception();
+    }
+    Py_END_ALLOW_THREADS
+    if (!failure) return true;
+    try {
+        std::rethrow_exception(failure);
+    } catch (...) {
+        set_error(device);
+    }
+    return false;
+}
+
 // A plain int in [0, 2**64) (bool refused), or -1 with InvalidArgumentError set.
 int as_u64(PyObject* o, const char* what, std::uint64_t* out) {
     if (PyBool_Check(o) || !PyLong_Check(o)) {
@@ -123,22 +144,7 @@ PyObject* CudaAlloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
     int device = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|i", const_cast<char**>(kwlist), &device)) return nullptr;
     Engine* engine = nullptr;
-    std::exception_ptr failure;
-    Py_BEGIN_ALLOW_THREADS
-    try {
-        engine = &gpumem::cuda_engine(device);
-    } catch (...) {
-        failure = std::current_exception();
-    }
-    Py_END_ALLOW_THREADS
-    if (failure) {
-        try {
-            std::rethrow_exception(failure);
-        } catch (...) {
-            set_error(device);
-            return nullptr;
-        }
-    }
+    if (!without_gil(device, [&] { engine = &gpumem::cuda_engine(device); })) return nullptr;
     auto* self = reinterpret_cast<CudaAllocObject*>(type->tp_alloc(type, 0));
     if (!self) return nullptr;
     self->engine = engine;
@@ -167,24 +173,7 @@ PyObject* CudaAlloc_allocate(CudaAllocObject* self, PyObject* const* args, Py_ss
         set_error(self->device);
         return nullptr;
     }
-    if (p == 0) {
-        std::exception_ptr failure;
-        Py_BEGIN_ALLOW_THREADS
-        try {
-            p = self->engine->allocate(nbytes, stream);
-        } catch (...) {
-            failure = std::current_exception();
-        }
-        Py_END_ALLOW_THREADS
-        if (failure) {
-            try {
-                std::rethrow_exception(failure);   // turned into the Python error with the GIL held
-            } catch (...) {
-                set_error(self->device);
-                return nullptr;
-            }
-        }
-    }
+    if (p == 0 && !without_gil(self->device, [&] { p = self->engine->allocate(nbytes, stream); })) return nullptr;
     return PyLong_FromUnsignedLongLong(p);
 }
 
@@ -206,22 +195,7 @@ PyObject* CudaAlloc_free(CudaAllocObject* self, PyObject* const* args, Py_ssize_
 
 PyObject* CudaAlloc_empty_cache(CudaAllocObject* self, PyObject*) {
     std::uint64_t released = 0;
-    std::exception_ptr failure;
-    Py_BEGIN_ALLOW_THREADS
-    try {
-        released = self->engine->empty_cache();
-    } catch (...) {
-        failure = std::current_exception();
-    }
-    Py_END_ALLOW_THREADS
-    if (failure) {
-        try {
-            std::rethrow_exception(failure);
-        } catch (...) {
-            set_error(self->device);
-            return nullptr;
-        }
-    }
+    if (!without_gil(self->device, [&] { released = self->engine->empty_cache(); })) return nullptr;
     return PyLong_FromUnsignedLongLong(released);
 }
 

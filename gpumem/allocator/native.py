@@ -29,12 +29,11 @@ _STREAM_END = 1 << 64
 
 
 def load_engine():
-    """The ``gpumem._engine`` extension module, or None when it was not built."""
-    try:
-        from .. import _engine  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _engine
+    """The ``gpumem._engine`` extension module, or None when it was not built (loaded once per
+    process by :mod:`gpumem.native`, which also owns the warning)."""
+    from ..native import _load
+
+    return _load()[0]
 
 
 def check_alloc_args(nbytes: object, stream: object) -> tuple[int, int]:

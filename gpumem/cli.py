@@ -555,6 +555,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "replay fails and the file was not there before")
     _add_verbose(p)
     p.set_defaults(func=cmd_replay)
+
+    import importlib
+
+    from .commands import COMMAND_MODULES
+    for name in COMMAND_MODULES:
+        importlib.import_module(f".commands.{name}", __package__).register(sub, raw)
     return parser
 
 

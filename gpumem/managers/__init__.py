@@ -1,0 +1,1 @@
+"""Memory managers (issue 8): reserve rule, composable memory resources, config, manager, tracker."""

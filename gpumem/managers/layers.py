@@ -192,11 +192,13 @@ class LimitingLayer(ResourceLayer):
     nothing changes.
     """
 
-    def __init__(self, upstream: MemoryResource, limit_nbytes: int) -> None:
+    def __init__(self, upstream: MemoryResource, limit_nbytes: int, *, what: str = "the limit") -> None:
         super().__init__(upstream)
         if type(limit_nbytes) is not int or limit_nbytes <= 0:
             raise InvalidArgumentError(f"limit_nbytes must be an int > 0, got {limit_nbytes!r}")
         self.limit_nbytes = limit_nbytes
+        self.what = what
+        """How the refusal names the limit (a manager says "the usable memory")."""
         self._lock = threading.Lock()
         self._sizes: dict[int, int] = {}  # guarded by _lock
         self._used = 0  # guarded by _lock
@@ -213,7 +215,8 @@ class LimitingLayer(ResourceLayer):
                 raise OutOfMemoryError(
                     nbytes, mem.free_nbytes, mem.total_nbytes, device=self.device.spec,
                     allocated_nbytes=self._used, limit_nbytes=self.limit_nbytes,
-                    hint=f"Refused by the limit: {format_bytes(self.limit_nbytes - self._used)} of it is left.")
+                    hint=f"Refused by {self.what} ({format_bytes(self.limit_nbytes)}): "
+                         f"{format_bytes(self.limit_nbytes - self._used)} of it is left.")
             self._used += nbytes  # claimed before the upstream call, so concurrent callers cannot both pass
         try:
             ptr = self.upstream.do_allocate(nbytes, alignment, stream)

@@ -98,7 +98,7 @@ totals = st.integers(min_value=256 * MiB, max_value=256 * GiB)
 profile_names = st.sampled_from(PROFILES)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(profile_names, totals, totals)
 def test_monotone_in_total(name, t1, t2):
     lo, hi = sorted((t1, t2))
@@ -125,7 +125,7 @@ def test_monotone_in_total(name, t1, t2):
         assert usable_nbytes(props, mem) > 0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(totals, st.integers(min_value=0, max_value=64 * GiB))
 def test_min_free_never_past_an_eighth(total, min_free):
     e = emergency_nbytes(total, min_free_bytes=min_free)

@@ -50,6 +50,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Note [The pool's limit]: the limiting layer keeps the bytes *requested* within the usable memory;
+#: the caching allocator under it rounds blocks up (512 B, and pages of 2 MiB in virtual-memory mode)
+#: and caches freed blocks, so what it *holds* runs a little above what was requested (0.5-0.7 % on
+#: the recorded traces). Its own limit is therefore the usable memory plus a slack of 1/64 of it
+#: (at least 4 pages), taken from the reserve's emergency part and never more than that part: a
+#: request that fits the usable memory is not refused for rounding, and the pool never eats the
+#: context or more than the headroom.
+POOL_SLACK_DENOMINATOR = 64
+POOL_SLACK_PAGES = 4
+
 #: Note [When fragmentation is worth a warning]: only when the pool's free cached bytes are at least
 #: 1/100 of the usable memory. The ratio of a tiny cache says nothing: the unused tail of one 2 MiB
 #: page under a live block is "100 % fragmented" (no free block at all) and costs nothing.
@@ -215,9 +225,14 @@ class GpuMemoryManager:
         """``total_memory - usable_memory``: what stays out of reach."""
 
         if self.enable_pooling:
-            self._base: MemoryResource = AllocatorResource(dev, policy=config.pool_policy, limit=usable)
+            self.pool_limit_nbytes = usable + min(max(usable // POOL_SLACK_DENOMINATOR,
+                                                      POOL_SLACK_PAGES * self.properties.granularity_nbytes),
+                                                  self.reserve.emergency_nbytes)
+            self._base: MemoryResource = AllocatorResource(dev, policy=config.pool_policy,
+                                                           limit=self.pool_limit_nbytes)
             below: MemoryResource = FailureCallbackLayer(self._base, [self._base.empty_cache])
         else:
+            self.pool_limit_nbytes = 0
             self._base = DeviceResource(dev)
             below = self._base
         self._limit = LimitingLayer(below, usable, what="the manager's usable memory")
@@ -275,13 +290,14 @@ class GpuMemoryManager:
         return a
 
     def deallocate(self, allocation: Allocation) -> None:
-        """Give back an :class:`Allocation` of this manager (a second time, or another's, raises
+        """Give back the :class:`Allocation` object :meth:`allocate` returned (a second time, another
+        manager's, or an equal-looking copy raises
         :class:`~gpumem.errors.InvalidPointerError`; nothing changes)."""
         self._check_open()
         if not isinstance(allocation, Allocation):
             raise InvalidArgumentError(f"deallocate takes an Allocation, got {type(allocation).__name__}")
         with self._lock:
-            if self._live.get(allocation.ptr) != allocation:
+            if self._live.get(allocation.ptr) is not allocation:  # the object allocate() returned, not a look-alike
                 raise InvalidPointerError(f"{allocation} is not live in this manager ({self.device.spec}): "
                                           "freed already, or from another manager")
             del self._live[allocation.ptr]

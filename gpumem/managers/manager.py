@@ -43,7 +43,7 @@ from .config import MemoryConfig
 from .layers import FailureCallbackLayer, LimitingLayer, StatisticsLayer, TrackingLayer
 from .reserve import Reserve, compute_reserve, usable_nbytes
 from .resource import DEFAULT_ALIGNMENT, AllocatorResource, DeviceResource, MemoryResource
-from .tracker import AllocationTracker, BufferId
+from .tracker import AllocationTracker, BufferId, RegionStats
 
 if TYPE_CHECKING:
     from .fallback import FallbackBuffer
@@ -129,6 +129,8 @@ class MemoryStats:
     cpu_fallback_nbytes: int
     """Bytes of fallback buffers on the CPU now."""
     pool: PoolStats | None = None
+    regions: tuple[RegionStats, ...] = ()
+    """Per region (sub-regions included), from the tracker; empty when tracking is off."""
 
 
 def _resolve_device(device: Any) -> tuple[Device, bool]:
@@ -384,11 +386,13 @@ class GpuMemoryManager:
             allocated_nbytes=s.current_nbytes, peak_allocated_nbytes=s.peak_nbytes, held_nbytes=held,
             free_nbytes=mem.free_nbytes, utilisation=s.current_nbytes / self.usable_memory,
             fragmentation_ratio=frag, largest_free_block_nbytes=largest, n_allocations=s.current_count,
-            n_ooms=s.n_failures, cpu_fallbacks=fallbacks, cpu_fallback_nbytes=fb_nbytes, pool=pool)
+            n_ooms=s.n_failures, cpu_fallbacks=fallbacks, cpu_fallback_nbytes=fb_nbytes, pool=pool,
+            regions=self.tracker.stats().regions if self.tracker is not None else ())
 
     def log_memory_usage(self, level: int = logging.INFO) -> MemoryStats:
         """Log one line of :meth:`get_detailed_stats` (at ``level``), and a warning when the pool's
-        fragmentation passes ``config.fragmentation_warning`` (30 %). Returns the stats."""
+        fragmentation passes ``config.fragmentation_warning`` (30 %) while its free cached memory is
+        at least 1 % of the usable memory (Note [When fragmentation is worth a warning]). Returns the stats."""
         st = self.get_detailed_stats()
         log.log(level, "%s: %s allocated of %s usable (%.1f%%), pool holds %s, device %s free of %s, "
                 "fragmentation %.1f%%, largest free block %s, %d CPU fallback(s)", st.device,

@@ -175,6 +175,7 @@ def test_detailed_stats():
         info = m.tracker.get(a.buffer_id)
         assert (info.region, info.tag, info.n_elements, info.ptr) == ("fwd", "act", 25 * MiB, a.ptr)
         assert m.tracker.region_stats("fwd").live_nbytes == 100 * MiB
+        assert [(r.region, r.live_nbytes) for r in st.regions] == [("fwd", 100 * MiB)]
         m.deallocate(a)
         m.deallocate(b)
         m.reset_peak()

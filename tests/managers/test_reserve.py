@@ -132,3 +132,12 @@ def test_min_free_never_past_an_eighth(total, min_free):
     assert e <= max(total // 8, emergency_nbytes(total))
     assert e >= emergency_nbytes(total)
     assert e <= total // 8 or e == emergency_nbytes(total)
+
+
+def test_the_documented_table_is_the_computed_one():
+    import gpumem.managers.reserve as reserve
+    from gpumem.managers.reserve import reserve_table
+
+    doc = reserve.__doc__
+    for line in reserve_table().splitlines():
+        assert "    " + line in doc

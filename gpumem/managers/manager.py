@@ -245,6 +245,8 @@ class GpuMemoryManager:
             self.tracker = AllocationTracker(capture_stacks=config.capture_stacks,
                                              report_leaks_at_exit=config.leak_report_at_exit, name=dev.spec)
             self._tracking = top = TrackingLayer(top, self.tracker)
+        self._quiet = top
+        """The stack without the forensics layer: what a fallback buffer tries first (a fallback is no failure)."""
         if config.oom_forensics_dir is not None:
             from .forensics import ForensicsLayer
 
@@ -275,12 +277,16 @@ class GpuMemoryManager:
         device cannot, :class:`~gpumem.errors.InvalidArgumentError` on bad arguments; either way
         nothing changes.
         """
+        return self._allocate(size, alignment, stream, tag, n_elements, self.resource)
+
+    def _allocate(self, size: int, alignment: int, stream: int, tag: str | None, n_elements: int | None,
+                  resource: MemoryResource) -> Allocation:
         self._check_open()
         if tag is not None and not isinstance(tag, str):
             raise InvalidArgumentError(f"tag must be None or a str, got {type(tag).__name__}")
         if n_elements is not None and (type(n_elements) is not int or n_elements < 0):
             raise InvalidArgumentError(f"n_elements must be None or an int >= 0, got {n_elements!r}")
-        ptr = self.resource.allocate(size, alignment, stream)
+        ptr = resource.allocate(size, alignment, stream)
         bid = None
         if self._tracking is not None:
             bid = self._tracking.buffer_id(ptr)
@@ -290,6 +296,10 @@ class GpuMemoryManager:
         with self._lock:
             self._live[ptr] = a
         return a
+
+    def _allocate_for_fallback(self, size: int, tag: str | None) -> Allocation:
+        """:meth:`allocate` without OOM forensics, for a buffer that may fall back to the CPU."""
+        return self._allocate(size, DEFAULT_ALIGNMENT, 0, tag, None, self._quiet)
 
     def deallocate(self, allocation: Allocation) -> None:
         """Give back the :class:`Allocation` object :meth:`allocate` returned (a second time, another

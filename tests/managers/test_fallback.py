@@ -110,3 +110,16 @@ def test_manager_close_forgets_buffers():
     m.close()
     assert buf.freed
     buf.free()
+
+
+def test_a_fallback_writes_no_forensics(tmp_path):
+    with GpuMemoryManager("sim:gtx-1050-2gb", config=CFG.with_oom_forensics(tmp_path)) as m:
+        hog = m.allocate(m.usable_memory)
+        buf = m.create_buffer(MiB)
+        assert not buf.on_gpu and not buf.try_move_to_gpu()
+        assert list(tmp_path.iterdir()) == []
+        with pytest.raises(OutOfMemoryError, match="OOM forensics"):
+            FallbackBuffer(m, MiB, allow_cpu=False)      # no fallback: a real failure, with forensics
+        assert len(list(tmp_path.iterdir())) == 2
+        buf.free()
+        m.deallocate(hog)

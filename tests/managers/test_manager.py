@@ -8,6 +8,7 @@ import threading
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple, rule
 
 import gpumem
 from gpumem.errors import (DeviceClosedError, DeviceNotFoundError, InvalidArgumentError, InvalidPointerError,
@@ -300,3 +301,68 @@ def test_cuda_missing_index_says_how_many(device_spec):
     n = len(list_cuda_devices())
     with pytest.raises(DeviceNotFoundError, match=f"{n} CUDA device"):
         GpuMemoryManager(n + 7)
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """The manager against a model: live allocations, bytes, never past usable, refusals change nothing."""
+
+    allocs = Bundle("allocs")
+
+    @initialize(spec=st.sampled_from(["sim:gtx-1050-2gb", "sim:jetson-nano-2gb", "sim:h200-141gb"]),
+                pooling=st.booleans())
+    def start(self, spec, pooling):
+        self.m = GpuMemoryManager(spec, enable_pooling=pooling)
+        self.live: dict[int, Allocation] = {}
+
+    @rule(target=allocs, frac=st.floats(0.0001, 0.6), alignment=st.sampled_from([256, 4096, 1 << 21]))
+    def allocate(self, frac, alignment):
+        nbytes = max(1, int(self.m.usable_memory * frac))
+        used = sum(a.nbytes for a in self.live.values())
+        before = _state(self.m)
+        try:
+            a = self.m.allocate(nbytes, alignment)
+        except OutOfMemoryError:
+            assert used + nbytes > self.m.usable_memory
+            assert _state(self.m)[1:] == before[1:]
+            return multiple()
+        assert a.ptr % alignment == 0 and a.ptr not in self.live
+        self.live[a.ptr] = a
+        return a
+
+    @rule(a=consumes(allocs))
+    def deallocate(self, a):
+        self.m.deallocate(a)
+        del self.live[a.ptr]
+
+    @rule(a=allocs)
+    def deallocate_again_or_foreign(self, a):
+        if a.ptr in self.live:
+            return
+        before = _state(self.m)
+        with pytest.raises(InvalidPointerError):
+            self.m.deallocate(a)
+        assert _state(self.m)[1:] == before[1:]
+
+    @rule()
+    def empty_cache(self):
+        assert self.m.empty_cache() >= 0
+
+    @invariant()
+    def figures_add_up(self):
+        if not hasattr(self, "m"):
+            return
+        st_ = self.m.get_detailed_stats()
+        assert st_.allocated_nbytes == sum(a.nbytes for a in self.live.values()) <= self.m.usable_memory
+        assert st_.n_allocations == len(self.live) == len(self.m.tracker)
+        if st_.pool is not None:
+            assert st_.pool.reserved_nbytes <= self.m.pool_limit_nbytes
+
+    def teardown(self):
+        if hasattr(self, "m"):
+            for a in list(self.live.values()):
+                self.m.deallocate(a)
+            self.m.close()
+
+
+TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine.settings = settings(max_examples=15, stateful_step_count=20, deadline=None)

@@ -56,7 +56,10 @@ log = logging.getLogger(__name__)
 #: the recorded traces). Its own limit is therefore the usable memory plus a slack of 1/64 of it
 #: (at least 4 pages), taken from the reserve's emergency part and never more than that part: a
 #: request that fits the usable memory is not refused for rounding, and the pool never eats the
-#: context or more than the headroom.
+#: context or more than the headroom. A pool can still refuse a request the usable memory has room
+#: for: without virtual memory (segments from ``malloc``), a cached segment split by a live block
+#: cannot serve a request of its own size, and a new segment would pass the pool's limit. Before
+#: that error propagates the allocator and the failure-callback layer give the cache back and retry.
 POOL_SLACK_DENOMINATOR = 64
 POOL_SLACK_PAGES = 4
 

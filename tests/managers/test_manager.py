@@ -321,8 +321,10 @@ class ManagerMachine(RuleBasedStateMachine):
         before = _state(self.m)
         try:
             a = self.m.allocate(nbytes, alignment)
-        except OutOfMemoryError:
-            assert used + nbytes > self.m.usable_memory
+        except OutOfMemoryError as exc:
+            # past the usable memory, or (pooling) the pool's own limit: a segment split by a live block
+            # cannot serve a new request of its size (Note [The pool's limit])
+            assert used + nbytes > self.m.usable_memory or exc.limit_nbytes == self.m.pool_limit_nbytes
             assert _state(self.m)[1:] == before[1:]
             return multiple()
         assert a.ptr % alignment == 0 and a.ptr not in self.live

@@ -150,7 +150,10 @@ def write_oom_forensics(directory: str | os.PathLike[str], error: OutOfMemoryErr
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     spec = device.spec if device is not None else (error.device or "device")
-    stem = f"oom-{_slug(spec)}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{sequence}"
+    base = f"oom-{_slug(spec)}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{sequence}"
+    stem, n = base, 1
+    while (d / f"{stem}.pickle").exists() or (d / f"{stem}.txt").exists():  # another manager, same second
+        stem, n = f"{base}.{n}", n + 1
     buffers = tracker.live() if tracker is not None else []
     snap = build_oom_snapshot(buffers, error.requested_nbytes, error.free_nbytes, name=stem)
     snap["allocator_settings"]["oom_message"] = str(error)

@@ -24,6 +24,7 @@ beside them.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from dataclasses import dataclass
@@ -308,8 +309,6 @@ class FailureCallbackLayer(ResourceLayer):
         self.callbacks.append(callback)
 
     def _call(self, cb: Callable[..., Any], nbytes: int, exc: OutOfMemoryError) -> None:
-        import inspect
-
         try:
             try:
                 n_params = len(inspect.signature(cb).parameters)

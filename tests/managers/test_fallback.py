@@ -123,3 +123,20 @@ def test_a_fallback_writes_no_forensics(tmp_path):
         assert len(list(tmp_path.iterdir())) == 2
         buf.free()
         m.deallocate(hog)
+
+
+def test_fallback_round_trip_on_the_device(device):
+    """On any device (a real GPU with --gpumem-device cuda:0): the bytes survive GPU -> CPU -> GPU."""
+    mem = device.mem_info()
+    fraction = min(1.0, (mem.used_nbytes + 256 * MiB) / mem.total_nbytes)
+    cfg = MemoryConfig(gpu_memory_fraction=fraction, min_free_bytes=0).with_cpu_fallback(True)
+    with GpuMemoryManager(device, config=cfg) as m:
+        hog = m.allocate(m.usable_memory - 4 * MiB)
+        data = _payload(8 * MiB, 7)
+        buf = m.create_buffer(8 * MiB, data=data)
+        assert not buf.on_gpu and m.get_detailed_stats().cpu_fallbacks == 1
+        m.deallocate(hog)
+        assert buf.try_move_to_gpu() and buf.read() == data.tobytes()
+        buf.move_to_cpu()
+        assert buf.to_numpy().tobytes() == data.tobytes()
+        buf.free()

@@ -24,14 +24,17 @@ beside them.
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import logging
+import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import IO, Any, Callable, Iterable
 
 from gpumem.device import Device, MemInfo
 from gpumem.errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
+from gpumem.trace.rmm import RMM_HEADER
 from gpumem.units import format_bytes
 
 from .resource import DEFAULT_ALIGNMENT, MemoryResource
@@ -240,21 +243,39 @@ class LimitingLayer(ResourceLayer):
 
 # -- logging ------------------------------------------------------------------------------------------------
 class LoggingLayer(ResourceLayer):
-    """Logs every allocation, deallocation and refusal through ``logging`` (``logger``, at ``level``).
+    """Logs every allocation, deallocation and refusal through ``logging`` (``logger``, at ``level``),
+    and optionally as an RMM ``logging_resource_adaptor`` CSV log.
 
     Messages: ``allocate <nbytes> align=<a> stream=<s> -> <ptr>``, ``deallocate <ptr> <nbytes>``,
-    ``allocate <nbytes> failed: <error>``.
+    ``allocate <nbytes> failed: <error>`` (at least INFO). ``csv_path``: also write RMM's format
+    (``Thread,Time,Action,Pointer,Size,Stream``; actions ``allocate``, ``free``, ``allocate failure``),
+    which ``gpumem replay`` and :func:`gpumem.trace.load_trace` read; the file is closed by :meth:`close`.
     """
 
     def __init__(self, upstream: MemoryResource, *, logger: logging.Logger | None = None,
-                 level: int = logging.DEBUG) -> None:
+                 level: int = logging.DEBUG, csv_path: str | os.PathLike[str] | None = None) -> None:
         super().__init__(upstream)
         if logger is not None and not isinstance(logger, logging.Logger):
             raise InvalidArgumentError(f"logger must be a logging.Logger, got {type(logger).__name__}")
         if type(level) is not int:
             raise InvalidArgumentError(f"level must be a logging level (int), got {level!r}")
+        if csv_path is not None and not isinstance(csv_path, (str, os.PathLike)):
+            raise InvalidArgumentError(f"csv_path must be None or a path, got {type(csv_path).__name__}")
         self.logger = logger or log
         self.level = level
+        self._lock = threading.Lock()
+        self._csv: IO[str] | None = None  # guarded by _lock
+        if csv_path is not None:
+            self._csv = open(csv_path, "w", encoding="ascii", newline="")
+            self._csv.write(",".join(RMM_HEADER) + "\n")
+
+    def _row(self, action: str, ptr: int, nbytes: int, stream: int) -> None:
+        if self._csv is None:
+            return
+        now = datetime.datetime.now().strftime("%H:%M:%S.%f")
+        with self._lock:
+            if self._csv is not None:
+                self._csv.write(f"{threading.get_native_id()},{now},{action},{ptr:#x},{nbytes},{stream}\n")
 
     def do_allocate(self, nbytes: int, alignment: int, stream: int) -> int:
         try:
@@ -262,14 +283,31 @@ class LoggingLayer(ResourceLayer):
         except Exception as exc:
             self.logger.log(max(self.level, logging.INFO), "%s: allocate %d align=%d stream=%d failed: %s",
                             self.device.spec, nbytes, alignment, stream, exc)
+            if isinstance(exc, OutOfMemoryError):
+                self._row("allocate failure", 0, nbytes, stream)
             raise
         self.logger.log(self.level, "%s: allocate %d align=%d stream=%d -> %#x", self.device.spec, nbytes, alignment,
                         stream, ptr)
+        self._row("allocate", ptr, nbytes, stream)
         return ptr
 
     def do_deallocate(self, ptr: int, nbytes: int, alignment: int, stream: int) -> None:
         self.upstream.do_deallocate(ptr, nbytes, alignment, stream)
         self.logger.log(self.level, "%s: deallocate %#x %d stream=%d", self.device.spec, ptr, nbytes, stream)
+        self._row("free", ptr, nbytes, stream)
+
+    def flush(self) -> None:
+        """Flush the CSV log to disk."""
+        with self._lock:
+            if self._csv is not None:
+                self._csv.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            csv, self._csv = self._csv, None
+        if csv is not None:
+            csv.close()
+        super().close()
 
 
 # -- failure callbacks ----------------------------------------------------------------------------------------

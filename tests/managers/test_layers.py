@@ -173,6 +173,24 @@ def test_logging_layer(base, caplog):
         LoggingLayer(base, logger="x")
 
 
+def test_logging_layer_writes_an_rmm_log_gpumem_reads(dev, tmp_path):
+    from gpumem.trace import load_trace
+
+    path = tmp_path / "mr.csv"
+    lg = LoggingLayer(LimitingLayer(AllocatorResource(dev), 64 * MiB), csv_path=path)
+    ptrs = [lg.allocate(n * MiB) for n in (1, 2, 3)]
+    lg.deallocate(ptrs[1], 2 * MiB)
+    with pytest.raises(OutOfMemoryError):
+        lg.allocate(100 * MiB)
+    lg.close()
+    assert path.read_text().splitlines()[0] == "Thread,Time,Action,Pointer,Size,Stream"
+    trace = load_trace(path)
+    assert trace.n_allocs == 3 and trace.n_failed_allocs == 1 and trace.n_live_at_end == 2
+    assert sorted(trace.nbytes[trace.kinds == 0].tolist()) == [MiB, 2 * MiB, 3 * MiB]
+    with pytest.raises(InvalidArgumentError, match="csv_path"):
+        LoggingLayer(DeviceResource(dev), csv_path=3)
+
+
 def test_failure_callback_frees_and_retries(dev):
     base = AllocatorResource(dev, policy="bestfit", limit=64 * MiB)
     calls = []

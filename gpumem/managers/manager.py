@@ -200,9 +200,20 @@ class GpuMemoryManager:
         try:
             self._setup(device_index)
         except BaseException:
+            self._undo_setup()
+            raise
+
+    def _undo_setup(self) -> None:
+        """A failed constructor gives back what it built (pool, exit report, the device it opened)."""
+        try:
+            top = getattr(self, "resource", None) or getattr(self, "_base", None)
+            if top is not None:
+                top.close()
+            if self.tracker is not None:
+                self.tracker.close()
+        finally:
             if self._owns_device:
                 self.device.close()
-            raise
 
     def _setup(self, device_index: int | None) -> None:
         dev, config = self.device, self.config

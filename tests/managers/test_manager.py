@@ -215,8 +215,12 @@ def test_preallocation_warms_the_pool():
     with GpuMemoryManager("sim:t4-16gb", config=MemoryConfig().with_preallocation(64 * MiB)) as m:
         st = m.get_detailed_stats()
         assert st.held_nbytes >= 64 * MiB and st.allocated_nbytes == 0
+    dev = gpumem.open_device("sim:gtx-1050-2gb")
+    cfg = MemoryConfig(leak_report_at_exit=True).with_preallocation(64 * MiB, 4 * GiB)
     with pytest.raises(InvalidArgumentError, match="preallocate"):
-        GpuMemoryManager("sim:gtx-1050-2gb", config=MemoryConfig().with_preallocation(4 * GiB))
+        GpuMemoryManager(dev, config=cfg)
+    assert dev.n_allocations == 0 and not dev.mapping_ranges()   # the failed constructor gave everything back
+    dev.close()
 
 
 def test_closed_manager_refuses():

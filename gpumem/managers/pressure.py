@@ -33,7 +33,10 @@ to make this deterministic:
   every tenant take or return re-evaluates the level at once from the event's free bytes, in the
   thread whose device call moved the clock, after that call returned (events are delivered outside
   the device's and the allocator's locks: Note [Event delivery after the call] in
-  :mod:`gpumem.device`). Memory is then given back *before the next allocation* of that thread runs;
+  :mod:`gpumem.device`). Memory is then given back *before the next allocation* of that thread runs.
+  Events are delivered when the device call that moved the clock returns, so within one long call
+  (``advance(0.3)``) tenants act without the monitor seeing them; a program that makes device calls
+  or advances in steps (as one computing between allocations does) gets a reaction per step;
 * ``sim_advance_s``: each poll of the thread first lets that much simulated time pass, so the monitor
   itself drives the tenants (demos and soaks).
 
@@ -154,6 +157,8 @@ class SampleSource(str, enum.Enum):
     MEM_INFO = "mem_info"
     EVENT = "event"
     """A simulated device's memory event (its ``free_nbytes``), under ``react_to_events``."""
+    EXTERNAL = "external"
+    """Figures a caller passed to :meth:`PressureMonitor.observe`."""
 
 
 @dataclass(frozen=True)
@@ -303,11 +308,12 @@ class PressureMonitor:
             self._callbacks.append(callback)
 
     def remove_callback(self, callback: PressureCallback) -> None:
-        """Stop calling ``callback``; :class:`InvalidArgumentError` if it was not registered."""
+        """Stop calling ``callback`` (compared with ``==``, so a bound method ``obj.m`` matches another
+        ``obj.m``); :class:`InvalidArgumentError` if it was not registered."""
         with self._lock:
-            if not any(c is callback for c in self._callbacks):
+            if not any(c == callback for c in self._callbacks):
                 raise InvalidArgumentError(f"{callback!r} is not a registered callback")
-            self._callbacks = [c for c in self._callbacks if c is not callback]
+            self._callbacks = [c for c in self._callbacks if c != callback]
 
     # -- state -----------------------------------------------------------------------------------------
     @property
@@ -370,6 +376,20 @@ class PressureMonitor:
         with self._lock:
             self._polls += 1
         return self._evaluate(used, total, source)
+
+    def observe(self, used_nbytes: int, total_nbytes: int | None = None) -> PressureSample:
+        """Evaluate figures measured elsewhere (another monitoring system, a test): ``used_nbytes`` of
+        ``total_nbytes`` (default: the device's total) in use. Levels, releases and callbacks follow as
+        for a poll. :class:`InvalidArgumentError` unless ``0 <= used_nbytes <= total_nbytes`` and
+        ``total_nbytes > 0`` (nothing changes)."""
+        total = self._total_nbytes if total_nbytes is None else total_nbytes
+        for what, v in (("used_nbytes", used_nbytes), ("total_nbytes", total)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise InvalidArgumentError(f"{what} must be an int, got {type(v).__name__} {v!r}"[:200])
+        if total <= 0 or not 0 <= used_nbytes <= total:
+            raise InvalidArgumentError(f"need 0 <= used_nbytes <= total_nbytes and total_nbytes > 0, got "
+                                       f"used_nbytes={used_nbytes}, total_nbytes={total}")
+        return self._evaluate(int(used_nbytes), int(total), SampleSource.EXTERNAL, resample=False)
 
     def _evaluate(self, used: int, total: int, source: SampleSource, *, resample: bool = True) -> PressureSample:
         sim_now = getattr(self.device, "now_s", None)

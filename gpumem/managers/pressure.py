@@ -210,6 +210,10 @@ class PressureMonitorStats:
     level: MemoryPressure
     peak_level: MemoryPressure
     last_sample: PressureSample | None
+    peak_used_fraction: float
+    """The highest used fraction any sample showed."""
+    samples_by_source: dict[str, int]
+    """How many samples came from each :class:`SampleSource` (by its value)."""
 
 
 PressureCallback = Callable[[PressureChange], Any]
@@ -277,6 +281,8 @@ class PressureMonitor:
         self._sampled = False
         self._last: PressureSample | None = None
         self._sequence = 0
+        self._peak_fraction = 0.0
+        self._by_source: dict[str, int] = {}
         self._polls = self._events_seen = self._releases = self._released_nbytes = 0
         self._callback_errors = self._release_errors = self._poll_errors = 0
         self._thread: threading.Thread | None = None
@@ -335,7 +341,8 @@ class PressureMonitor:
                 polls=self._polls, events_seen=self._events_seen, level_changes=self._sequence,
                 releases=self._releases, released_nbytes=self._released_nbytes,
                 callback_errors=self._callback_errors, release_errors=self._release_errors,
-                poll_errors=self._poll_errors, level=self._level, peak_level=self._peak, last_sample=self._last)
+                poll_errors=self._poll_errors, level=self._level, peak_level=self._peak, last_sample=self._last,
+                peak_used_fraction=self._peak_fraction, samples_by_source=dict(self._by_source))
 
     # -- sampling --------------------------------------------------------------------------------------
     def _measure(self) -> tuple[int, int, SampleSource]:
@@ -399,6 +406,8 @@ class PressureMonitor:
             new = self._level_for(fraction, old) if self._sampled else MemoryPressure.from_used_fraction(
                 min(max(fraction, 0.0), 1.0))
             self._sampled = True
+            self._peak_fraction = max(self._peak_fraction, fraction)
+            self._by_source[source.value] = self._by_source.get(source.value, 0) + 1
             sample = PressureSample(used, total, new, source, time.monotonic(),
                                     float(sim_now) if isinstance(sim_now, (int, float)) else None)
             self._last = sample

@@ -59,6 +59,10 @@ class MultiGpuOutOfMemoryError(OutOfMemoryError):
             f"{format_bytes(r.free_nbytes)} free on the device, {r.reason}" for r in refusals)
         super().__init__(requested_nbytes, max((r.free_nbytes for r in refusals), default=0), total_nbytes,
                          device=f"{len(refusals)} devices", hint=f"Per device: {lines}.")
+        # one message for several devices (the base class speaks of one device)
+        self.args = (f"out of memory on every device: no device took {format_bytes(requested_nbytes)} "
+                     f"({requested_nbytes} bytes); {len(refusals)} devices, {format_bytes(total_nbytes)} in total. "
+                     f"Per device: {lines}.",)
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,9 @@ class MemoryPressure(enum.IntEnum):
             return cls.MEDIUM
         return cls.LOW
 
+    def __str__(self) -> str:
+        return self.name
+
     @property
     def lower_bound(self) -> float:
         """The used fraction at which this level begins (CRITICAL: just above it)."""

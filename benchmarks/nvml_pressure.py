@@ -58,7 +58,7 @@ class Plan:
     hog_steps: int = 20
     step_s: float = 0.2
     hold_s: float = 2.0
-    pause_s: float = 1.0
+    pause_s: float = 2.0
     cycles: int = 3
     buffer_nbytes: int = 256 * MiB
     scratch_nbytes: int = 64 * MiB
@@ -322,10 +322,16 @@ def run_check(device: Device, plan: Plan, *, out_dir: Path, hog: Any | None = No
             live.append((p, k))
         rec.live_nbytes = n_live * plan.buffer_nbytes
 
+        monitor: PressureMonitor | None = None
+
         def refill_cache() -> None:
+            # Note: a refill stops at HIGH pressure, as a program that watches the monitor would; refilling
+            # into the other process's next ramp would only make the monitor give it back again
             tmp = []
             try:
                 for _ in range(int(total * plan.cache_fraction) // plan.buffer_nbytes):
+                    if monitor is not None and monitor.level >= MemoryPressure.HIGH:
+                        break
                     tmp.append(alloc.allocate(plan.buffer_nbytes))
             except OutOfMemoryError as exc:  # the other process holds memory now: cache what fits
                 rec.our_ooms.append(f"(cache refill stopped early, not a failure) {str(exc)[:200]}")

@@ -1,9 +1,9 @@
 """Helpers of the MultiGpuMemoryManager tests and the soak: which per-device manager to use.
 
-``GpuMemoryManager`` (gpumem.managers.manager) is the real one. Until the branch that builds it is
-merged, ``CachingManager`` stands in with the interface the two branches agreed on, over the
-CachingAllocator's public interface (a usable limit of 90 % of the device), so the placement logic is
-tested either way; :func:`manager_factories` lists the ones available.
+``GpuMemoryManager`` (gpumem.managers.manager) is the real one. ``CachingManager`` implements the same
+interface over the CachingAllocator's public interface with a plain limit (90 % of the device) and no
+reserve rule, so the placement logic is also tested apart from the manager's own rules (and the tests
+ran before the manager existed); :func:`manager_factories` lists both.
 """
 
 from __future__ import annotations

@@ -81,6 +81,7 @@ from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 from gpumem.device import Device, DeviceKind
 from gpumem.errors import (
     BackendUnavailableError,
+    CudaError,
     DeviceClosedError,
     DeviceLostError,
     GpumemError,
@@ -327,7 +328,8 @@ class PressureMonitor:
     # -- state -----------------------------------------------------------------------------------------
     @property
     def level(self) -> MemoryPressure:
-        """The level after the last evaluation (LOW before the first)."""
+        """The level after the last evaluation. It starts at LOW, so a first sample at another level is a
+        change (callbacks hear of it)."""
         with self._lock:
             return self._level
 
@@ -360,6 +362,8 @@ class PressureMonitor:
                 except BackendUnavailableError as exc:
                     self._nvml_failed = True
                     log.info("%s: NVML unavailable (%s); sampling cudaMemGetInfo instead", dev.spec, exc)
+                except CudaError as exc:  # this sample only: NVML may answer next time
+                    log.warning("%s: NVML failed (%s); this sample comes from cudaMemGetInfo", dev.spec, exc)
         mem = dev.mem_info()
         return mem.used_nbytes, mem.total_nbytes, SampleSource.MEM_INFO
 

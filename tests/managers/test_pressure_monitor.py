@@ -306,3 +306,18 @@ def test_on_cuda_without_nvml_the_monitor_falls_back_to_mem_info():
         assert s.used_nbytes == dev.mem_info().used_nbytes
     finally:
         dev.close()
+
+
+def test_on_cuda_a_failing_nvml_call_falls_back_for_that_sample():
+    fakes = _fakes()
+    dev = fakes.open()
+    try:
+        mon = PressureMonitor(dev, interval_s=1.0)
+        assert mon.poll_once().source is SampleSource.NVML
+        fakes.nvml.fail["nvmlDeviceGetMemoryInfo"] = 3
+        assert mon.poll_once().source is SampleSource.MEM_INFO
+        fakes.nvml.fail.clear()
+        assert mon.poll_once().source is SampleSource.NVML
+        assert mon.stats().samples_by_source == {"nvml": 2, "mem_info": 1}
+    finally:
+        dev.close()

@@ -30,8 +30,8 @@ to make this deterministic:
 * tests call :meth:`PressureMonitor.poll_once` directly, between ``device.advance(...)`` steps
   (no thread at all);
 * ``react_to_events=True`` (the default) subscribes to the device's memory events: on the simulator
-  every tenant take or return re-evaluates the level at once from the event's free bytes, in the
-  thread whose device call moved the clock, after that call returned (events are delivered outside
+  every tenant take, return or refusal re-evaluates the level at once from the event's free bytes, in
+  the thread whose device call moved the clock, after that call returned (events are delivered outside
   the device's and the allocator's locks: Note [Event delivery after the call] in
   :mod:`gpumem.device`). Memory is then given back *before the next allocation* of that thread runs.
   Events are delivered when the device call that moved the clock returns, so within one long call
@@ -475,7 +475,8 @@ class PressureMonitor:
 
     def _on_event(self, event: MemoryEvent) -> None:
         """A device memory event (simulator): re-evaluate from its free bytes (Note [Polling a simulated device])."""
-        if event.kind not in (MemoryEventKind.TENANT_TOOK, MemoryEventKind.TENANT_RETURNED):
+        if event.kind not in (MemoryEventKind.TENANT_TOOK, MemoryEventKind.TENANT_RETURNED,
+                              MemoryEventKind.TENANT_DENIED):
             return
         if self._stop_event.is_set() and self._thread is None:
             return

@@ -101,8 +101,9 @@ class DeviceReport:
     injected_faults: int = 0
     tenant_denied: int = 0
     tenant_denied_cache_would_fit: int = 0
-    """Denials where free bytes plus this process's cache (estimated: pages held minus live bytes) would
-    have covered the request: the monitor had not given the cache back in time."""
+    """Denials where free bytes plus this process's cache would have covered the request. An upper
+    estimate: "cache" is the device pages this process holds minus its live bytes, which also counts
+    partly used chunks that ``empty_cache()`` cannot give back."""
     peak_level: str = "LOW"
     level_changes: int = 0
     releases: int = 0

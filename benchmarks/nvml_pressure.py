@@ -45,7 +45,7 @@ from gpumem.allocator import CachingAllocator
 from gpumem.device import Device, DeviceKind
 from gpumem.errors import GpumemError, OutOfMemoryError
 from gpumem.managers.pressure import MemoryPressure, PressureChange, PressureMonitor, SampleSource
-from gpumem.units import GiB, MiB, format_bytes
+from gpumem.units import MiB, format_bytes
 
 
 @dataclass(frozen=True)

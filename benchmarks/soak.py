@@ -48,12 +48,12 @@ import simpy
 
 import gpumem
 from gpumem import sim
-from gpumem.errors import OutOfMemoryError, TransientDeviceError
+from gpumem.errors import TransientDeviceError
 from gpumem.managers.multi import MultiGpuMemoryManager, MultiGpuOutOfMemoryError
-from gpumem.managers.pressure import MemoryPressure, PressureMonitor
+from gpumem.managers.pressure import PressureMonitor
 from gpumem.progress import progress
 from gpumem.sim.pressure import PRESET_NAMES, preset
-from gpumem.units import KiB, MiB, format_bytes
+from gpumem.units import MiB, format_bytes
 
 DEFAULT_DEVICES = ("a10-24gb", "a100-80gb", "l4-24gb", "h100-80gb")
 PATTERN_NBYTES = 16
@@ -155,14 +155,14 @@ def run_soak(ops: int = 300_000, *, devices: Sequence[str] = DEFAULT_DEVICES, se
     for m in monitors:
         m.start()  # reacts to tenant events at once; the thread itself sleeps (polls below are explicit)
     per_device_live = [0] * len(devs)
-    reports_pending: list[tuple[int, Any]] = []
+    denials_with_cache: list[tuple[int, Any]] = []
 
     def watch_denials(k: int) -> Callable[[Any], None]:
         def on_event(event: Any) -> None:
             if event.kind.value == "tenant_denied":
                 cached = devs[k].process_used_nbytes - per_device_live[k]
                 if event.free_nbytes + cached >= event.nbytes:
-                    reports_pending.append((k, event))
+                    denials_with_cache.append((k, event))
         return on_event
 
     subscriptions = [d.subscribe(watch_denials(k)) for k, d in enumerate(devs)]
@@ -291,7 +291,7 @@ def run_soak(ops: int = 300_000, *, devices: Sequence[str] = DEFAULT_DEVICES, se
         r = reports[k]
         r.injected_faults = d.stats.injected_faults
         r.tenant_denied = sum(1 for e in d.events.history if e.kind.value == "tenant_denied")
-        r.tenant_denied_cache_would_fit = sum(1 for i, _ in reports_pending if i == k)
+        r.tenant_denied_cache_would_fit = sum(1 for i, _ in denials_with_cache if i == k)
         r.peak_level, r.level_changes = ms.peak_level.name, ms.level_changes
         r.releases, r.released_nbytes = ms.releases, ms.released_nbytes
     spills = after.spills

@@ -321,3 +321,31 @@ def test_on_cuda_a_failing_nvml_call_falls_back_for_that_sample():
         assert mon.stats().samples_by_source == {"nvml": 2, "mem_info": 1}
     finally:
         dev.close()
+
+
+def test_callbacks_and_releasers_may_call_the_monitor_and_the_allocator_back():
+    """Nothing of the monitor (nor the allocator) is locked while they run: no deadlock."""
+    dev = gpumem.open_device(PROFILE)
+    try:
+        alloc = CachingAllocator(dev)
+        seen = []
+        mon = PressureMonitor(dev, interval_s=3600.0, hysteresis=0.0)
+
+        def callback(change):
+            seen.append((change.new, mon.level, mon.stats().level_changes))
+            p = alloc.allocate(MiB)  # the allocator is free to use
+            alloc.free(p)
+            mon.add_callback(lambda c: None)
+
+        class Releaser:
+            def empty_cache(self):
+                mon.stats()
+                return alloc.empty_cache()
+
+        mon.add_callback(callback)
+        mon.add_releaser(Releaser())
+        mon.observe(900, 1000)
+        assert seen[0][0] is MemoryPressure.HIGH and seen[0][1] is MemoryPressure.HIGH
+        alloc.close()
+    finally:
+        dev.close()

@@ -322,3 +322,32 @@ def test_replay_on_a_small_card_stops_at_the_first_oom():
         assert dev.n_allocations == 0  # the pool was closed: everything went back
     finally:
         dev.close()
+
+
+# -- on every --gpumem-device (simulated by default, cuda:0 on a GPU runner) -----------------------------------
+def test_patterns_survive_churn_on_the_device(device):
+    import random
+
+    rng = random.Random(7)
+    sizes = [rng.choice([1, 100, 512, 3000, 64 * KiB, 700 * KiB, 1 * MiB + 1, 3 * MiB]) for _ in range(300)]
+    with BucketAllocator(device, max_pooled_per_bucket=8) as pool:
+        live: dict[int, bytes] = {}
+        for i, n in enumerate(sizes):
+            p = pool.allocate(n)
+            assert p not in live
+            data = (i.to_bytes(4, "little") * (min(n, 4096) // 4 + 1))[:min(n, 4096)]
+            device.write(p, data)
+            live[p] = data
+            if i % 3 == 2:
+                victim = rng.choice(sorted(live))
+                pool.free(victim)
+                del live[victim]
+        for p, data in live.items():
+            assert device.read(p, len(data)) == data
+        assert pool.hit_rate > 0
+        pool.check_consistency()
+        for p in list(live):
+            pool.free(p)
+        assert pool.allocated_nbytes == 0
+        pool.clear_pool()
+        assert pool.reserved_nbytes == 0

@@ -422,15 +422,19 @@ class BucketAllocator:
         with self._defer(), self._lock:
             if self._closed:
                 return
-            if self._lost is None:
-                self.device.synchronize()  # no block goes back under queued work
-                self._release_pooled(0)
-                for ptr in list(self._live):
-                    self._device_free(ptr)
-                    size, requested, _ = self._live.pop(ptr)
-                    self._stats.allocated_nbytes -= size
-                    self._stats.requested_nbytes -= requested
-            self._closed = True
+            try:
+                if self._lost is None:
+                    self._device_call(self.device.synchronize)  # no block goes back under queued work
+                    self._release_pooled(0)
+                    for ptr in list(self._live):
+                        self._device_free(ptr)
+                        size, requested, _ = self._live.pop(ptr)
+                        self._stats.allocated_nbytes -= size
+                        self._stats.requested_nbytes -= requested
+            except DeviceLostError:
+                log.warning("%s was lost: the bucket pool closed without giving its memory back", self.device.spec)
+            finally:
+                self._closed = True
 
     def __enter__(self) -> "BucketAllocator":
         return self

@@ -351,3 +351,14 @@ def test_patterns_survive_churn_on_the_device(device):
         assert pool.allocated_nbytes == 0
         pool.clear_pool()
         assert pool.reserved_nbytes == 0
+
+
+def test_device_lost_while_closing_still_closes():
+    dev = small_device(256, faults=sim.FaultPlan(device_lost_at_s=0.05))
+    pool = BucketAllocator(dev)
+    p = pool.allocate(1000)
+    dev.launch(0, 0.1, touches=[(p, 1000)])  # simulated time passes beyond the loss while closing waits
+    pool.close()  # the loss is logged, not raised; the pool is closed
+    pool.close()
+    with pytest.raises(DeviceLostError):
+        pool.allocate(10)

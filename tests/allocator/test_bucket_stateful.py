@@ -129,7 +129,7 @@ class BucketMachine(RuleBasedStateMachine):
         pooled = self.pool.pooled_nbytes
         released = self.pool.shrink(keep)
         assert self.pool.pooled_nbytes == pooled - released
-        assert self.pool.pooled_nbytes <= max(keep, 0) or released == 0 and pooled <= keep
+        assert self.pool.pooled_nbytes <= keep
 
     @invariant()
     def books_match_the_device(self):

@@ -67,12 +67,19 @@ def test_compute_capability_missing_from_old_nvml_is_none():
     assert cuda.available and cuda.devices[0].compute_capability is None
 
 
+class DriverNvml(FakeNvml):
+    NVML_ERROR_DRIVER_NOT_LOADED = 9
+    NVML_ERROR_NO_PERMISSION = 4
+
+
 @pytest.mark.parametrize("error, reason", [
     (12, "no NVIDIA driver (libnvidia-ml not found)"),
+    (9, "the NVIDIA driver is not loaded"),
+    (4, "no permission to use the NVIDIA driver"),
     (3, "NVML could not start"),
 ])
 def test_cuda_unavailable_says_why(error, reason):
-    cuda = _cuda(discover_backends(nvml=FakeNvml(init_error=error), cupy_available=True))
+    cuda = _cuda(discover_backends(nvml=DriverNvml(init_error=error), cupy_available=True))
     assert not cuda.available and cuda.devices == () and reason in cuda.reason
 
 

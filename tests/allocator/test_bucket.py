@@ -362,3 +362,30 @@ def test_device_lost_while_closing_still_closes():
     pool.close()
     with pytest.raises(DeviceLostError):
         pool.allocate(10)
+
+
+def test_a_failed_device_free_changes_nothing():
+    from gpumem.errors import CudaError
+
+    dev = small_device(256, faults=sim.FaultPlan(fail_calls={"free": frozenset({1, 3})}))
+    pool = BucketAllocator(dev, max_pooled_per_bucket=0)
+    p = pool.allocate(1000)
+    before = state(pool)
+    with pytest.raises(CudaError):
+        pool.free(p)  # the pool is full (cap 0): the block goes back to the device, whose free fails
+    assert state(pool) == before and pool.block_size(p) == 1024
+    pool.free(p)  # the second device free succeeds
+    assert pool.reserved_nbytes == 0 and dev.n_allocations == 0
+    # clear_pool: a failure part way keeps the blocks not yet given back, and the books match the device
+    keep = BucketAllocator(dev)
+    ptrs = [keep.allocate(n) for n in (4 * KiB, 8 * KiB)]
+    for q in ptrs:
+        keep.free(q)
+    with pytest.raises(CudaError):
+        keep.clear_pool()  # the 8 KiB block goes first (fails: third device free)
+    assert keep.pooled_nbytes == 12 * KiB
+    keep.check_consistency()
+    assert keep.clear_pool() == 12 * KiB and dev.n_allocations == 0
+    keep.close()
+    pool.close()
+

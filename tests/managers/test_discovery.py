@@ -62,6 +62,19 @@ def test_cuda_devices_through_fake_nvml():
     assert nvml.inits == 0  # NVML shut down again
 
 
+def test_discovery_creates_no_cuda_context(monkeypatch):
+    """Only NVML is used: the CUDA runtime (CuPy), which would create a context, is never loaded."""
+    import gpumem.cuda.backend as backend
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("discovery must not load the CUDA runtime")
+
+    monkeypatch.setattr(backend, "load_backend", refuse)
+    monkeypatch.setattr(backend, "import_runtime", refuse)
+    cuda = _cuda(discover_backends(nvml=_two_gpus(), cupy_available=True))
+    assert cuda.available and len(cuda.devices) == 2
+
+
 def test_compute_capability_missing_from_old_nvml_is_none():
     cuda = _cuda(discover_backends(nvml=FakeNvml([fake_gpu(0)]), cupy_available=True))
     assert cuda.available and cuda.devices[0].compute_capability is None

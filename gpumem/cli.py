@@ -390,8 +390,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
-    from .allocator import CachingAllocator
-    from .replay import replay
+    from .replay import make_allocator, replay
     from .specs import open_device
     from .trace import save_pytorch_snapshot
 
@@ -411,7 +410,7 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
         trace = _load(args)
         if trace.n_ops == 0:
             raise _UsageError(f"the trace {args.trace} has no allocations or frees: nothing to replay")
-        allocator = CachingAllocator(device, args.policy, limit=limit, record_history=export is not None)
+        allocator = make_allocator(device, args.policy, limit=limit, record_history=export is not None)
         lost = False
         try:
             result = replay(trace, allocator, stop_on_oom=True, progress=None if not args.json else False)
@@ -490,6 +489,7 @@ def _add_verbose(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``gpumem`` argument parser (``devices`` and ``replay``)."""
+    from .allocator.bucket import BUCKET_POLICY_NAME, BucketPolicy
     from .allocator.policy import DEFAULT_POLICY, POLICIES
     from .trace import FORMATS
 
@@ -535,9 +535,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("trace", help="the trace file")
     p.add_argument("--device", default=_DEFAULT_DEVICE, help="device spec (default: %(default)s)")
-    p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted({*POLICIES, BUCKET_POLICY_NAME}),
                    help="allocator policy (default: %(default)s): " + "; ".join(
-                       f"{name}: {pol.description}" for name, pol in POLICIES.items()))
+                       f"{name}: {pol.description}" for name, pol in POLICIES.items())
+                   + f"; {BUCKET_POLICY_NAME}: {BucketPolicy().description}")
     p.add_argument("--limit", type=_limit_syntax, default=None, metavar="LIMIT", help=_LIMIT_HELP)
     p.add_argument("--format", choices=FORMATS, default=None,
                    help="read the trace with this reader instead of detecting the format from the content "

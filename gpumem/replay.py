@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from .allocator import CachingAllocator
+from .allocator.bucket import BucketAllocator, BucketPolicy, is_bucket_policy
 from .allocator.policy import DEFAULT_POLICY, AllocatorPolicy
 from .allocator.stats import AllocatorStats
 from .device import Device
@@ -113,7 +114,17 @@ class ReplayResult:
         return out
 
 
-def replay(trace: Trace, allocator: CachingAllocator, *, stop_on_oom: bool = True,
+def make_allocator(device: Device, policy: "str | AllocatorPolicy | BucketPolicy" = DEFAULT_POLICY,
+                   **allocator_options: Any) -> "CachingAllocator | BucketAllocator":
+    """The allocator a replay runs: the size-bucket pool for ``policy="bucket"`` (or a
+    :class:`~gpumem.allocator.bucket.BucketPolicy`), else a :class:`~gpumem.allocator.CachingAllocator`
+    under that policy. ``allocator_options`` go to the allocator (``limit=`` among them)."""
+    if is_bucket_policy(policy):
+        return BucketAllocator(device, policy, **allocator_options)  # type: ignore[arg-type]
+    return CachingAllocator(device, policy, **allocator_options)  # type: ignore[arg-type]
+
+
+def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, stop_on_oom: bool = True,
            progress: bool | None = None) -> ReplayResult:
     """Replay ``trace`` through ``allocator`` (which keeps its state afterwards: live blocks
     of allocations the trace never freed stay allocated)."""
@@ -183,15 +194,17 @@ def replay(trace: Trace, allocator: CachingAllocator, *, stop_on_oom: bool = Tru
 
 
 def replay_trace(trace: Union[Trace, str, "os.PathLike[str]"], device: str | Device = "sim:h200-141gb",
-                 policy: str | AllocatorPolicy = DEFAULT_POLICY, *, stop_on_oom: bool = True,
+                 policy: "str | AllocatorPolicy | BucketPolicy" = DEFAULT_POLICY, *, stop_on_oom: bool = True,
                  progress: bool | None = None, **allocator_options: Any) -> ReplayResult:
     """Replay ``trace`` on ``device`` and return what it measured.
 
     ``trace`` is a :class:`~gpumem.trace.Trace` or the path of a trace file in any format
     :func:`~gpumem.trace.load_trace` reads (load it yourself to force a format or pick a
     device of a multi-GPU snapshot). ``device`` is a spec (opened and closed here) or an
-    open :class:`Device` (left open). ``allocator_options`` go to
-    :class:`~gpumem.allocator.CachingAllocator` (``limit=`` among them).
+    open :class:`Device` (left open). ``policy`` is a caching-allocator policy
+    (``gpumem``, ``bestfit``, ``pytorch``, ``cupy``, ...) or ``"bucket"``, the size-bucket pool
+    (:mod:`gpumem.allocator.bucket`). ``allocator_options`` go to the allocator
+    (``limit=`` among them; ``max_pooled_per_bucket=`` for the bucket pool).
     """
     if isinstance(trace, (str, os.PathLike)):
         trace = load_trace(trace)
@@ -200,7 +213,7 @@ def replay_trace(trace: Union[Trace, str, "os.PathLike[str]"], device: str | Dev
     own_device = not isinstance(device, Device)
     dev = open_device(device) if own_device else device  # type: ignore[arg-type]
     try:
-        allocator = CachingAllocator(dev, policy, **allocator_options)
+        allocator = make_allocator(dev, policy, **allocator_options)
         try:
             return replay(trace, allocator, stop_on_oom=stop_on_oom, progress=progress)
         finally:

@@ -36,9 +36,11 @@ the rule would choose afresh.
 
 Note [Shrinking never runs out of memory]
 -----------------------------------------
-A resize frees the old block first and then allocates the new size, so it never needs the old and
-the new block at once: a shrink is served from the memory just freed (a cache hit) and cannot fail
-for lack of memory. Should the allocation fail anyway (another process took the memory in between;
+A resize frees the old block first, gives the allocator's cached memory back to the device
+(:meth:`CachingAllocator.empty_cache`, so that what a shrink gives up really reaches the other
+processes, on a segment backing too), and then allocates the new size: it never needs the old and the
+new block at once, so a shrink asks the device for less than it just gave back and does not fail for
+lack of memory. Should the allocation fail anyway (another process took the memory in between;
 on the simulator, device calls let simulated time pass), smaller sizes are tried, halving down to
 the minimum workspace. If even that fails, the workspace holds nothing (``nbytes == 0``, ``ptr is None``,
 ``batch_size == 0``), the allocator's cache is given back, and :class:`InsufficientWorkspaceMemoryError`
@@ -265,6 +267,9 @@ class Workspace:
         if self._ptr is not None:
             self.allocator.free(self._ptr)
             self._ptr = None
+        # the old block's memory goes back to the device before the new size is asked for: a segment
+        # backing would otherwise keep the old segment (split, not released) beside the new block
+        self.allocator.empty_cache()
         candidates: list[WorkspaceSize] = [target]
         if ladder_from is not None and ladder_from.workspace_bytes < target.workspace_bytes:
             candidates.append(ladder_from)
@@ -283,8 +288,6 @@ class Workspace:
                 continue
             self._ptr, self._size = ptr, c
             self._peak = max(self._peak, c.workspace_bytes)
-            if c.workspace_bytes < old:
-                self.allocator.empty_cache()  # what was given up goes back to the device
             log.info("workspace on %s: %s -> %s (batch %d)", target.device, format_bytes(old),
                      format_bytes(c.workspace_bytes), c.batch_size)
             return

@@ -27,9 +27,10 @@ cap), ``free`` what the device reports free, ``held`` what this process's worksp
 :func:`gpumem.managers.reserve.compute_reserve` of the device at that moment. ``free + held`` is what
 would be free if the workspace held nothing: other tenants' memory is not ours to take, and the
 reserve is what the CUDA context and emergencies need. The **share of the feasible maximum used** is
-``sum(held) / sum(feasible)`` over the steps (steps are equally long: a time average). A step where the
-rule holds *more* than the feasible maximum eats into the reserve: those are counted as
-``over_steps``; their excess is not counted as use (``held`` is capped at ``feasible`` in the sum).
+``sum(min(held, feasible)) / sum(feasible)`` over the steps (steps are equally long: a time average):
+what a rule holds beyond the feasible maximum is not counted as use. A step where the process holds a
+workspace and the device has less than the reserve free (the workspace eats into the reserve) is
+counted in ``over_steps``.
 A step with a feasible maximum below the minimum workspace has no feasible workspace at all
 (``infeasible_steps``); none occurs in the shipped scenario.
 """
@@ -93,7 +94,7 @@ class ScenarioResult:
     """Out-of-memory errors the process met: workspace allocations or resizes that failed."""
     steps_without_workspace: int
     over_steps: int
-    """Steps where the workspace held more than the feasible maximum (it ate into the reserve)."""
+    """Steps where the process held a workspace and less than the reserve was free (it ate into the reserve)."""
     infeasible_steps: int
     tenant_denied: int
     """Takes of the other tenant that the device refused (it had too little free)."""
@@ -170,7 +171,7 @@ def run_scenario(profile_name: str, pressure_name: str, rule: Rule | str, layer:
             feasible_batch = max(1, min(cap, rest // full.per_sample_bytes if rest > 0 else 0))
             if held == 0:
                 without += 1
-            if held > feasible:
+            if held and mem.free_nbytes < reserve:
                 over += 1
             held_sum += min(held, feasible)
             feasible_sum += feasible

@@ -44,9 +44,8 @@ lack of memory. Should the allocation fail anyway (another process took the memo
 on the simulator, device calls let simulated time pass), smaller sizes are tried, halving down to
 the minimum workspace. If even that fails, the workspace holds nothing (``nbytes == 0``, ``ptr is None``,
 ``batch_size == 0``), the allocator's cache is given back, and :class:`InsufficientWorkspaceMemoryError`
-is raised; the next :meth:`Workspace.poll` or :meth:`Workspace.ensure` tries again. After a shrink the
-memory given up goes back to the device (:meth:`CachingAllocator.empty_cache`), where the other
-processes can have it.
+is raised; the next :meth:`Workspace.poll` or :meth:`Workspace.ensure` tries again. (With an allocator
+shared with other code, the ``empty_cache`` of a resize also gives back that code's cached memory.)
 """
 
 from __future__ import annotations

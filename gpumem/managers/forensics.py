@@ -1,0 +1,218 @@
+"""OOM forensics: when an allocation fails, write down who held what before the error propagates.
+
+:func:`write_oom_forensics` writes two files into a directory:
+
+* ``oom-<device>-<time>-<pid>-<n>.pickle``: a PyTorch memory snapshot
+  (:mod:`gpumem.trace.pytorch_export`, the format ``torch.cuda.memory._dump_snapshot`` writes and
+  https://pytorch.org/memory_viz draws) of the buffers the tracker holds, in the order they were
+  made, each with its frames: first a frame naming its region and tag (``<gpumem region>``), then
+  its Python stack when stacks are captured; region, tag and buffer id are also in each entry's
+  ``user_metadata``. The failed request is the trace's last entry, an ``oom`` action. gpumem's own
+  reader (:func:`gpumem.trace.read_pytorch_snapshot`) loads it back.
+* ``oom-....txt``: a short report: the error, what the device and the manager held, the top
+  regions, tags and allocation sites by bytes, and the largest buffers.
+
+:class:`ForensicsLayer` does this for any resource stack; a
+:class:`~gpumem.managers.GpuMemoryManager` adds it when ``MemoryConfig.oom_forensics_dir`` is set.
+The :class:`~gpumem.errors.OutOfMemoryError` that propagates says where the files are
+(``error.forensics``, and the end of its message).
+
+Note [Forensics never hide the out-of-memory error]
+---------------------------------------------------
+Writing the files can fail (a full disk, a read-only directory). That failure is logged and the
+original out-of-memory error propagates unchanged: the program must learn that it ran out of
+memory, not that a report could not be written.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from gpumem.device import Device
+from gpumem.errors import InvalidArgumentError, OutOfMemoryError
+from gpumem.trace.model import OpKind, Trace
+from gpumem.trace.pytorch_export import save_pytorch_snapshot, to_pytorch_snapshot
+from gpumem.units import format_bytes
+
+from .layers import ResourceLayer
+from .resource import MemoryResource
+from .tracker import AllocationInfo, AllocationTracker, Location
+
+log = logging.getLogger(__name__)
+
+#: Rows per table in the text report.
+TOP_N = 10
+
+
+@dataclass(frozen=True)
+class ForensicsRecord:
+    """The files one out-of-memory error left behind."""
+
+    snapshot_path: Path
+    report_path: Path
+    requested_nbytes: int
+    n_buffers: int
+    """Buffers in the snapshot (live GPU buffers the tracker knew)."""
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "device"
+
+
+def _frames(info: AllocationInfo) -> list[dict[str, Any]]:
+    head = {"filename": "<gpumem region>", "line": 0,
+            "name": f"region={info.region or '(none)'} tag={info.tag or '(none)'} buffer=#{info.buffer_id}"}
+    stack = [{"filename": f.filename, "line": f.line, "name": f.name} for f in reversed(info.stack or ())]
+    return [head] + stack  # PyTorch lists the innermost frame first
+
+
+def _metadata(info: AllocationInfo) -> str:
+    return f"region={info.region or ''};tag={info.tag or ''};buffer={info.buffer_id}"
+
+
+def build_oom_snapshot(buffers: Iterable[AllocationInfo], requested_nbytes: int, free_nbytes: int,
+                       *, name: str = "oom", stream: int = 0) -> dict[str, Any]:
+    """The PyTorch snapshot dict of ``buffers`` (GPU buffers with a pointer) followed by an ``oom`` entry."""
+    live = sorted((b for b in buffers if b.location is Location.GPU and b.ptr is not None),
+                  key=lambda b: (b.created_s, b.buffer_id))
+    t0 = live[0].created_s if live else 0.0
+    ops = [(int(OpKind.ALLOC), i, b.nbytes, 0, round((b.created_s - t0) * 1e6), b.ptr) for i, b in enumerate(live)]
+    trace = Trace.from_ops(name, "gpumem.managers.forensics", ops)
+    snap = to_pytorch_snapshot(trace)
+    by_addr = {b.ptr: b for b in live}
+    entries = snap["device_traces"][-1]
+    for e in entries:
+        b = by_addr.get(e["addr"])
+        if b is not None and e["action"] == "alloc":
+            e["frames"] = _frames(b)
+            e["user_metadata"] = _metadata(b)
+    for seg in snap["segments"]:
+        for blk in seg["blocks"]:
+            b = by_addr.get(blk["address"])
+            if b is not None and blk["state"] == "active_allocated":
+                blk["frames"] = _frames(b)
+    last_t = max((e["time_us"] for e in entries), default=0)
+    entries.append({"action": "oom", "addr": 0, "size": requested_nbytes, "stream": stream, "time_us": last_t,
+                    "frames": [], "device_free": free_nbytes})
+    return snap
+
+
+def _table(title: str, rows: list[tuple[str, int, int]]) -> list[str]:
+    out = [title]
+    out += [f"  {format_bytes(n):>12}  {c:>6} buffer(s)  {k}" for k, n, c in rows[:TOP_N]] or ["  (none)"]
+    return out
+
+
+def _group(buffers: list[AllocationInfo], key: Any) -> list[tuple[str, int, int]]:
+    acc: dict[str, list[int]] = {}
+    for b in buffers:
+        slot = acc.setdefault(key(b) or "(none)", [0, 0])
+        slot[0] += b.nbytes
+        slot[1] += 1
+    return sorted(((k, n, c) for k, (n, c) in acc.items()), key=lambda x: (-x[1], x[0]))
+
+
+def format_oom_report(error: OutOfMemoryError, buffers: list[AllocationInfo], *, device: str = "",
+                      extra: Iterable[str] = ()) -> str:
+    """The text report: the error, then who holds what (top regions, tags, sites, largest buffers)."""
+    total = sum(b.nbytes for b in buffers)
+    lines = [f"gpumem out-of-memory report ({time.strftime('%Y-%m-%d %H:%M:%S %Z')}, pid {os.getpid()})",
+             f"device: {device or error.device or '?'}", f"error: {error}", ""]
+    lines += list(extra)
+    lines.append(f"tracked live buffers: {len(buffers)}, {format_bytes(total)} "
+                 f"({format_bytes(sum(b.nbytes for b in buffers if b.location is Location.GPU))} on the GPU)")
+    lines += _table("top regions:", _group(buffers, lambda b: b.region))
+    lines += _table("top tags:", _group(buffers, lambda b: b.tag))
+    lines += _table("top allocation sites:", _group(buffers, lambda b: b.site() if b.stack else None))
+    lines.append("largest buffers:")
+    for b in sorted(buffers, key=lambda b: -b.nbytes)[:TOP_N]:
+        lines.append(f"  {format_bytes(b.nbytes):>12}  #{b.buffer_id} {b.location.value} region={b.region} "
+                     f"tag={b.tag} at {b.site()}")
+    if not buffers:
+        lines.append("  (no tracked buffers: turn on MemoryConfig.track_allocations to see who holds what)")
+    return "\n".join(lines) + "\n"
+
+
+def write_oom_forensics(directory: str | os.PathLike[str], error: OutOfMemoryError, *,
+                        tracker: AllocationTracker | None = None, device: Device | None = None,
+                        extra: Iterable[str] = (), sequence: int = 0) -> ForensicsRecord:
+    """Write the snapshot and the report for ``error`` into ``directory`` (created if missing)."""
+    if not isinstance(error, OutOfMemoryError):
+        raise InvalidArgumentError(f"error must be an OutOfMemoryError, got {type(error).__name__}")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    spec = device.spec if device is not None else (error.device or "device")
+    stem = f"oom-{_slug(spec)}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{sequence}"
+    buffers = tracker.live() if tracker is not None else []
+    snap = build_oom_snapshot(buffers, error.requested_nbytes, error.free_nbytes, name=stem)
+    snap["allocator_settings"]["oom_message"] = str(error)
+    snapshot_path = save_pytorch_snapshot(snap, d / f"{stem}.pickle")
+    report_path = d / f"{stem}.txt"
+    report_path.write_text(format_oom_report(error, buffers, device=spec, extra=extra), encoding="utf-8")
+    return ForensicsRecord(snapshot_path, report_path, error.requested_nbytes,
+                           sum(1 for b in buffers if b.location is Location.GPU and b.ptr is not None))
+
+
+def with_forensics(error: OutOfMemoryError, record: ForensicsRecord) -> OutOfMemoryError:
+    """A copy of ``error`` whose message ends with where the forensics are; ``.forensics`` is the record."""
+    hint = (error.hint + " " if error.hint else "") + (
+        f"OOM forensics: snapshot {record.snapshot_path} (PyTorch format: pytorch.org/memory_viz), "
+        f"report {record.report_path}.")
+    new = OutOfMemoryError(error.requested_nbytes, error.free_nbytes, error.total_nbytes, device=error.device,
+                           allocated_nbytes=error.allocated_nbytes, cached_nbytes=error.cached_nbytes,
+                           limit_nbytes=error.limit_nbytes, hint=hint, injected=error.injected)
+    new.forensics = record  # type: ignore[attr-defined]
+    return new
+
+
+class ForensicsLayer(ResourceLayer):
+    """On an out-of-memory error from upstream, writes :func:`write_oom_forensics` into ``directory``
+    and raises the error with the files' paths (Note [Forensics never hide the out-of-memory error]).
+
+    ``tracker``: whose buffers to report (a :class:`~gpumem.managers.layers.TrackingLayer`'s); without
+    one the report has the error and the device's figures only. :attr:`records` lists what was written.
+    """
+
+    def __init__(self, upstream: MemoryResource, directory: str | os.PathLike[str], *,
+                 tracker: AllocationTracker | None = None) -> None:
+        super().__init__(upstream)
+        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+            raise InvalidArgumentError(f"directory must be a non-empty path, got {directory!r}")
+        if tracker is not None and not isinstance(tracker, AllocationTracker):
+            raise InvalidArgumentError(f"tracker must be an AllocationTracker, got {type(tracker).__name__}")
+        self.directory = Path(directory)
+        self.tracker = tracker
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+        self.records: list[ForensicsRecord] = []  # guarded by _lock
+
+    def do_allocate(self, nbytes: int, alignment: int, stream: int) -> int:
+        try:
+            return self.upstream.do_allocate(nbytes, alignment, stream)
+        except OutOfMemoryError as exc:
+            try:
+                mem = self.device.mem_info()
+                extra = [f"device memory now: {format_bytes(mem.free_nbytes)} free of {format_bytes(mem.total_nbytes)}",
+                         f"request: {format_bytes(nbytes)} ({nbytes} bytes), alignment {alignment}, stream {stream}", ""]
+                record = write_oom_forensics(self.directory, exc, tracker=self.tracker, device=self.device,
+                                             extra=extra, sequence=next(self._seq))
+            except Exception as write_exc:  # noqa: BLE001 - Note [Forensics never hide the out-of-memory error]
+                log.error("could not write OOM forensics to %s: %s: %s", self.directory, type(write_exc).__name__,
+                          write_exc)
+                raise exc from None
+            with self._lock:
+                self.records.append(record)
+            log.warning("out of memory on %s: forensics written to %s", self.device.spec, record.report_path)
+            raise with_forensics(exc, record) from exc
+
+
+__all__ = ["ForensicsLayer", "ForensicsRecord", "write_oom_forensics", "build_oom_snapshot", "format_oom_report",
+           "with_forensics"]

@@ -1,0 +1,210 @@
+"""The reserve: memory a manager keeps off-limits, and the usable memory that remains.
+
+A manager never hands out all of a GPU. Two kinds of memory stay out of its reach:
+
+``context_nbytes``
+    What the device already showed as *used* when it was measured: the CUDA context, the driver's
+    own allocations, on unified-memory boards (Jetson) the operating system, and any other tenant
+    present at that moment. This memory is **already gone** from :attr:`MemInfo.free_nbytes`; it is
+    counted here so that ``total = context + emergency + usable`` adds up, not taken twice.
+``emergency_nbytes``
+    Headroom kept *free* on purpose, for what allocates outside the manager later: cuBLAS/cuDNN
+    workspaces, kernel images loaded lazily on first use, NCCL buffers, a second library's pool.
+    Without it the first such allocation fails even though the manager "had room".
+
+Note [The reserve rule]
+-----------------------
+With ``T`` the device's total bytes and ``used`` what it showed as used when measured::
+
+    context   = used                        (estimated as clamp(T/64, 64 MiB, 512 MiB) if used == 0)
+    emergency = clamp(T/20, lo=min(128 MiB, T/10), hi=2 GiB)
+    emergency = max(emergency, min(min_free_bytes, T/8))      when min_free_bytes is given
+    reserve   = context + emergency
+    usable    = free - emergency     (= T - reserve when nothing else came or went since the measure)
+
+Why not the seeds' rule (600 MB + 10 % of the total, capped at 2 GB)? Its fixed 600 MB stands for
+the context, but the context is *measured* (80 MiB on a GTX 1050, 527 MiB on the H200), and on small
+cards the fixed part dominates: a 2 GB card loses 0.8 GB, 40 % of itself, before the program
+allocates anything. What needs headroom besides the context is mostly a fixed amount per process
+(cuBLAS keeps 4 MiB of workspace per handle before Hopper, 32 MiB on Hopper; lazily loaded kernels
+take tens of MiB), growing with the model only through workspaces and communication buffers, which
+bigger cards run bigger. Hence: 5 % of the card, at least 128 MiB (a tenth of cards below 1.25 GiB,
+so a tiny card keeps 90 % of itself), at most 2 GiB (on a 141 GB card 5 % would be 7 GB: more than
+any workspace needs). ``min_free_bytes`` (a user's "always keep this free") raises the emergency part
+but never past an eighth of the card: a figure written with an 80 GB card in mind (MemoryConfig's
+512 MB default) would otherwise take a quarter of a 2 GB one.
+
+Properties (tested with Hypothesis over every simulated profile and random totals): the emergency
+part is at most 10 % of the total (12.5 % with ``min_free_bytes``); the reserve and the usable
+memory never decrease as the total grows (the emergency part grows by at most 1 byte per 10 bytes
+of total); usable memory is positive or the call raises.
+
+Per simulated profile (``python -m gpumem.managers.reserve`` prints this table; MiB, measured at start
+on an otherwise idle device, no ``min_free_bytes``; "seeds" is the seeds' rule)::
+
+    profile              total  context emergency reserve  usable usable % seeds rsrv seeds usable
+    jetson-nano-2gb       1980      750       128     878    1102    55.7%        770         1209
+    gtx-1050-2gb          1998       80       128     208    1790    89.6%        772         1225
+    jetson-nano-4gb       3956     1050       197    1247    2708    68.5%        967         2988
+    gtx-1650-4gb          3904      100       195     295    3608    92.4%        962         2941
+    rtx-2060-6gb          5935      120       296     416    5518    93.0%       1165         4769
+    rtx-3060-12gb        12042      180       602     782   11259    93.5%       1776        10265
+    t4-16gb              15102      250       755    1005   14096    93.3%       1907        13194
+    rtx-4090-24gb        24217      300      1210    1510   22706    93.8%       1907        22309
+    l4-24gb              22563      300      1128    1428   21134    93.7%       1907        20655
+    a10-24gb             22731      300      1136    1436   21294    93.7%       1907        20823
+    a100-40gb            40354      420      2017    2437   37916    94.0%       1907        38447
+    l40s-48gb            45589      420      2048    2468   43121    94.6%       1907        43681
+    a100-80gb            81251      420      2048    2468   78783    97.0%       1907        79343
+    h100-80gb            81559      500      2048    2548   79011    96.9%       1907        79651
+    h200-141gb          143155      526      2048    2574  140581    98.2%       1907       141248
+
+On the 2 GB GTX 1050 the rule keeps 208 MiB (the measured 80 MiB context and 128 MiB of headroom)
+where the seeds' rule kept 772 MiB: 565 MiB more for the program (1790 MiB usable instead of 1225,
+46 % more). From about 40 GB up both rules keep about 2 GiB of headroom; the seeds' 2 GB also had to
+cover the context, which this rule measures and counts apart (a few hundred MiB more kept on the big
+cards: 2.5 GiB of 140 GiB on the H200, 1.8 %).
+On the Jetson boards the context column includes the operating system's share of the shared RAM,
+which the seeds' rule ignores (it would promise the program memory the OS holds).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from gpumem.device import DeviceProperties, MemInfo
+from gpumem.errors import InvalidArgumentError, OutOfMemoryError
+from gpumem.units import GiB, MiB, format_bytes
+
+log = logging.getLogger(__name__)
+
+#: Share of the total the emergency part aims at (Note [The reserve rule]): 1/20 = 5 %.
+EMERGENCY_SHARE_DENOMINATOR = 20
+#: The emergency floor, 128 MiB, but never more than a tenth of the card.
+EMERGENCY_FLOOR_NBYTES = 128 * MiB
+FLOOR_SHARE_DENOMINATOR = 10
+#: The emergency ceiling.
+EMERGENCY_CAP_NBYTES = 2 * GiB
+#: ``min_free_bytes`` is honoured up to an eighth of the card.
+MIN_FREE_SHARE_DENOMINATOR = 8
+#: Context estimate when the device shows nothing used (measured before the context existed).
+CONTEXT_ESTIMATE_MIN_NBYTES = 64 * MiB
+CONTEXT_ESTIMATE_MAX_NBYTES = 512 * MiB
+CONTEXT_ESTIMATE_SHARE_DENOMINATOR = 64
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """Memory kept out of a manager's reach (Note [The reserve rule])."""
+
+    context_nbytes: int
+    """Used when measured (context, driver, OS on unified boards, other tenants): already not free."""
+    emergency_nbytes: int
+    """Headroom kept free on purpose for allocations outside the manager."""
+
+    def __post_init__(self) -> None:
+        for what in ("context_nbytes", "emergency_nbytes"):
+            value = getattr(self, what)
+            if type(value) is not int or value < 0:
+                raise InvalidArgumentError(f"Reserve.{what} must be a non-negative int, got {value!r}")
+
+    @property
+    def nbytes(self) -> int:
+        """The whole reserve: context plus emergency."""
+        return self.context_nbytes + self.emergency_nbytes
+
+    def __str__(self) -> str:
+        return (f"{format_bytes(self.nbytes)} reserve ({format_bytes(self.context_nbytes)} context, "
+                f"{format_bytes(self.emergency_nbytes)} emergency)")
+
+
+def _check_inputs(properties: DeviceProperties, mem: MemInfo, min_free_bytes: object) -> None:
+    if not isinstance(properties, DeviceProperties):
+        raise InvalidArgumentError(f"properties must be a DeviceProperties, got {type(properties).__name__}")
+    if not isinstance(mem, MemInfo):
+        raise InvalidArgumentError(f"mem must be a MemInfo, got {type(mem).__name__}")
+    if mem.total_nbytes <= 0 or not 0 <= mem.free_nbytes <= mem.total_nbytes:
+        raise InvalidArgumentError(f"mem must have 0 <= free <= total and total > 0, got {mem!r}")
+    if min_free_bytes is not None and (type(min_free_bytes) is not int or min_free_bytes < 0):
+        raise InvalidArgumentError(f"min_free_bytes must be None or an int >= 0, got {min_free_bytes!r}")
+
+
+def estimate_context_nbytes(total_nbytes: int) -> int:
+    """A context estimate for a device measured before its context existed: ``clamp(T/64, 64 MiB, 512 MiB)``."""
+    return max(CONTEXT_ESTIMATE_MIN_NBYTES,
+               min(total_nbytes // CONTEXT_ESTIMATE_SHARE_DENOMINATOR, CONTEXT_ESTIMATE_MAX_NBYTES))
+
+
+def emergency_nbytes(total_nbytes: int, *, min_free_bytes: int | None = None) -> int:
+    """The emergency part for a device of ``total_nbytes`` (Note [The reserve rule])."""
+    floor = min(EMERGENCY_FLOOR_NBYTES, total_nbytes // FLOOR_SHARE_DENOMINATOR)
+    e = min(max(total_nbytes // EMERGENCY_SHARE_DENOMINATOR, floor), EMERGENCY_CAP_NBYTES)
+    if min_free_bytes is not None:
+        honoured = min(min_free_bytes, total_nbytes // MIN_FREE_SHARE_DENOMINATOR)
+        if honoured < min_free_bytes:
+            log.info("min_free_bytes %s capped at %s, an eighth of the device's %s (Note [The reserve rule])",
+                     format_bytes(min_free_bytes), format_bytes(honoured), format_bytes(total_nbytes))
+        e = max(e, honoured)
+    return e
+
+
+def compute_reserve(properties: DeviceProperties, mem: MemInfo, *, min_free_bytes: int | None = None) -> Reserve:
+    """The reserve for a device with ``properties``, measured as ``mem`` (Note [The reserve rule]).
+
+    ``mem`` should be read when the manager starts: what is used then counts as context. The total
+    is ``mem.total_nbytes`` (``properties.total_nbytes`` says the same on every gpumem device).
+    Raises :class:`~gpumem.errors.InvalidArgumentError` on inconsistent input.
+    """
+    _check_inputs(properties, mem, min_free_bytes)
+    total = mem.total_nbytes
+    used = mem.used_nbytes
+    context = used if used > 0 else min(estimate_context_nbytes(total), total // 2)
+    return Reserve(context_nbytes=context, emergency_nbytes=emergency_nbytes(total, min_free_bytes=min_free_bytes))
+
+
+def usable_nbytes(properties: DeviceProperties, mem: MemInfo, *, min_free_bytes: int | None = None,
+                  reserve: Reserve | None = None) -> int:
+    """Bytes a manager may hand out: ``total - reserve``, and never more than is free now minus the
+    emergency part (they agree when measured at start).
+
+    Raises :class:`~gpumem.errors.OutOfMemoryError` when nothing would be usable (the device is
+    already nearly full), :class:`~gpumem.errors.InvalidArgumentError` on inconsistent input.
+    """
+    if reserve is None:
+        reserve = compute_reserve(properties, mem, min_free_bytes=min_free_bytes)
+    else:
+        _check_inputs(properties, mem, min_free_bytes)
+        if not isinstance(reserve, Reserve):
+            raise InvalidArgumentError(f"reserve must be a Reserve, got {type(reserve).__name__}")
+    usable = min(mem.total_nbytes - reserve.nbytes, mem.free_nbytes - reserve.emergency_nbytes)
+    if usable <= 0:
+        raise OutOfMemoryError(reserve.nbytes, mem.free_nbytes, mem.total_nbytes, device=properties.name,
+                               hint=f"Nothing is usable: the device keeps a {reserve} and only "
+                                    f"{format_bytes(mem.free_nbytes)} is free.")
+    return usable
+
+
+def reserve_table() -> str:
+    """The per-profile table of Note [The reserve rule], computed from the simulated profiles (MiB)."""
+    from gpumem.sim.profiles import BUILTIN_PROFILES
+
+    rows = [f"{'profile':<18} {'total':>7} {'context':>8} {'emergency':>9} {'reserve':>7} {'usable':>7} "
+            f"{'usable %':>8} {'seeds rsrv':>10} {'seeds usable':>12}"]
+    for p in BUILTIN_PROFILES:
+        props = p.properties()
+        mem = MemInfo(p.total_nbytes - p.context_nbytes - p.host_reserved_nbytes, p.total_nbytes)
+        r = compute_reserve(props, mem)
+        u = usable_nbytes(props, mem, reserve=r)
+        seeds = min(600 * 1000**2 + p.total_nbytes // 10, 2 * 1000**3)
+        rows.append(f"{p.name:<18} {p.total_nbytes // MiB:>7} {r.context_nbytes // MiB:>8} "
+                    f"{r.emergency_nbytes // MiB:>9} {r.nbytes // MiB:>7} {u // MiB:>7} {u / p.total_nbytes:>8.1%} "
+                    f"{seeds // MiB:>10} {(p.total_nbytes - seeds) // MiB:>12}")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # pragma: no cover - prints the docstring's table
+    print(reserve_table())
+
+__all__ = ["Reserve", "compute_reserve", "usable_nbytes", "emergency_nbytes", "estimate_context_nbytes",
+           "reserve_table"]

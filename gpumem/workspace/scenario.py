@@ -24,9 +24,10 @@ that the process could hold at that moment while leaving the reserve free::
 
 where ``full`` is ``dequant + cap * per_sample`` clamped to [min, max] (``cap`` the GPU class's batch
 cap), ``free`` what the device reports free, ``held`` what this process's workspace holds and ``reserve``
-:func:`gpumem.managers.reserve.compute_reserve` of the device at that moment. ``free + held`` is what
-would be free if the workspace held nothing: other tenants' memory is not ours to take, and the
-reserve is what the CUDA context and emergencies need. The **share of the feasible maximum used** is
+what the reserve rule keeps free (the emergency part of :func:`gpumem.managers.reserve.compute_reserve`,
+Note [Which part of the reserve] in :mod:`.sizing`). ``free + held`` is what would be free if the
+workspace held nothing: other tenants' memory and the CUDA context are not ours to take, and the
+reserve is what allocations outside the workspace need. The **share of the feasible maximum used** is
 ``sum(min(held, feasible)) / sum(feasible)`` over the steps (steps are equally long: a time average):
 what a rule holds beyond the feasible maximum is not counted as use. A step where the process holds a
 workspace and the device has less than the reserve free (the workspace eats into the reserve) is

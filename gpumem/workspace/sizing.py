@@ -6,8 +6,8 @@ A quantized linear layer (BitNet-style 2-bit weights) needs GPU scratch memory f
 * the **intermediates**: fp32 rows of ``out_features`` values, one per sample of the batch.
 
 :func:`calculate_gpu_workspace_size` asks the device what is free right now, keeps the reserve of
-:func:`gpumem.managers.reserve.compute_reserve` free for the CUDA context and emergencies, takes a
-share (:data:`USABLE_FRACTION`) of the rest, and fits the largest batch the GPU's class allows:
+:func:`gpumem.managers.reserve.compute_reserve` free for what allocates outside the workspace (Note
+[Which part of the reserve]), takes a share (:data:`USABLE_FRACTION`) of the rest, and fits the largest batch the GPU's class allows:
 
 =====================  ============================
 reported total memory  batch cap (:class:`GpuClass`)
@@ -31,6 +31,17 @@ Cards report less than the size printed on the box (an "RTX 4090 24 GB" reports 
 "L4 24 GB" 22,563 MiB, a "GTX 1650 4 GB" 3,904 MiB). The classes are meant by the nominal size, so a
 class boundary of B GiB is met by a reported total of at least ``0.9 * B`` GiB
 (:data:`NOMINAL_TOLERANCE`): every built-in profile then lands in the class its name says.
+
+Note [Which part of the reserve]
+--------------------------------
+:func:`gpumem.managers.reserve.compute_reserve` returns a reserve of two parts: ``context_nbytes``, what
+the device already showed as used (the CUDA context, the OS on Jetson boards, other tenants), which is
+*already missing* from ``mem_info().free_nbytes``, and ``emergency_nbytes``, headroom kept free on purpose
+(5 % of the card, within [128 MiB, 2 GiB]; Note [The reserve rule] there). "Free after the reserve" is
+therefore ``free - emergency`` (the rule's ``usable_nbytes``, which never raises here: a non-positive
+result makes the available memory 0 and the sizing raises its own error). Subtracting the whole reserve
+from ``free`` would count the context twice. ``reserve_bytes`` in the results is that emergency part,
+and ``reserve_nbytes=`` overrides it.
 
 Note [The usable share]
 -----------------------
@@ -185,7 +196,8 @@ class WorkspaceSize:
     free_bytes: int
     total_bytes: int
     reserve_bytes: int
-    """What :func:`~gpumem.managers.reserve.compute_reserve` keeps free."""
+    """What is kept free: the emergency part of :func:`~gpumem.managers.reserve.compute_reserve`
+    (Note [Which part of the reserve])."""
     min_workspace_bytes: int
     max_workspace_bytes: int
 
@@ -222,10 +234,11 @@ def _positive_int(value: object, what: str) -> int:
 
 
 def reserve_nbytes_for(properties: DeviceProperties, mem: MemInfo) -> int:
-    """The bytes the reserve rule (:func:`gpumem.managers.reserve.compute_reserve`) keeps free."""
+    """The bytes the reserve rule keeps **free** on a device in state ``mem``: the emergency part of
+    :func:`gpumem.managers.reserve.compute_reserve` (Note [Which part of the reserve])."""
     from ..managers.reserve import compute_reserve
 
-    return int(compute_reserve(properties, mem).nbytes)
+    return int(compute_reserve(properties, mem).emergency_nbytes)
 
 
 def size_workspace(in_features: int, out_features: int, qtype: QType | str, properties: DeviceProperties,
@@ -235,7 +248,8 @@ def size_workspace(in_features: int, out_features: int, qtype: QType | str, prop
                    usable_fraction: float = USABLE_FRACTION) -> WorkspaceSize:
     """The workspace for a layer on a device whose state is ``properties`` and ``mem`` (no device call).
 
-    ``reserve_nbytes``: what to keep free (default: the reserve rule for ``properties`` and ``mem``).
+    ``reserve_nbytes``: what to keep free (default: the reserve rule's emergency part for ``properties`` and
+    ``mem``, Note [Which part of the reserve]).
     ``max_batch_size``: a caller's cap below the class's. Raises
     :class:`InsufficientWorkspaceMemoryError` when even the minimum workspace is not usable.
     """

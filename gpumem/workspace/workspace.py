@@ -21,11 +21,11 @@ Note [Hysteresis]
 -----------------
 Two thresholds, so that a noisy neighbour does not make the workspace flap:
 
-* **shrink** when the device's free memory has dropped below the reserve
-  (``free < reserve``, Note [The usable share] in :mod:`.sizing`): holding on would leave the CUDA context
-  and the other processes less than the reserve. The new size is what the rule allows now, which is
-  :data:`~gpumem.workspace.sizing.USABLE_FRACTION` of what is free after the reserve: after a shrink
-  5 % of that stays free again, so the next small take does not shrink it once more.
+* **shrink** when the device's free memory has dropped below the reserve (``free < reserve``, the
+  memory the reserve rule keeps free: Note [Which part of the reserve] in :mod:`.sizing`): holding on
+  would leave what allocates outside the workspace less than the reserve. The new size is what the
+  rule allows now, :data:`~gpumem.workspace.sizing.USABLE_FRACTION` of what is free after the reserve:
+  after a shrink 5 % of that stays free again, so the next small take does not shrink it once more.
 * **grow** only when the rule allows at least ``grow_ratio`` (default 1.05, 5 % more) of what is held,
   or the rule's full size (the class cap) when that is above what is held, on ``grow_after_polls``
   (default 3) polls in a row. A tenant whose use goes up and down between two polls therefore does

@@ -115,10 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         "**Feasible maximum** (per step): the largest workspace the sizing rule's own limits allow (dequant + the "
         "GPU class's batch cap × per-sample, within [1 MiB, 64 GiB]) that the process could hold at that moment "
         "while leaving the reserve free: `min(full, free + held − reserve)`, where `free + held` is what would be "
-        "free if the workspace held nothing and `reserve` is `gpumem.managers.reserve.compute_reserve`. **Share of "
-        "the feasible maximum used** = Σ min(held, feasible) / Σ feasible over the steps; holding more than the "
-        "feasible maximum (eating into the reserve) counts as a step *over* it, not as use. Batch share: the same "
-        "for the batch. Goal: no OOM and a share of at least 90 % on every profile. The 6 GB rule's share can read "
+        "free if the workspace held nothing and `reserve` is what the reserve rule keeps free (the emergency part "
+        "of `gpumem.managers.reserve.compute_reserve`: 5 % of the card within [128 MiB, 2 GiB]; the CUDA context "
+        "is already not free). **Share of the feasible maximum used** = Σ min(held, feasible) / Σ feasible over "
+        "the steps: what a rule holds beyond the feasible maximum is not counted as use. Batch share: the same "
+        "for the batch (a workspace below dequant + one sample is *tiled*, batch 1). Goal: no OOM and a share of at least 90 % on every profile. The 6 GB rule's share can read "
         "100 % where it holds *more* than fits beside the reserve: the column *steps inside the reserve* counts "
         "those steps (the other tenant then finds less than the reserve free, or is refused).",
         "",

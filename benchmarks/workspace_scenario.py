@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     results: dict[tuple[str, str, Rule], ScenarioResult] = {}
     failures: list[str] = []
+    every: list[ScenarioResult] = []
     for layer in LAYERS:
         results.clear()
         for prof in profiles:
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 for rule in Rule:
                     r = run_scenario(prof, pr, rule, layer, steps=args.steps)
                     results[(prof, pr, rule)] = r
+                    every.append(r)
                     if rule is Rule.ADAPTIVE and (r.ooms or r.used_share < GOAL_SHARE):
                         failures.append(f"{layer.name} on {prof} under {pr}: {r.ooms} OOM, share {r.used_share:.1%}")
         six_nbytes, six_batch = six_gb_rule_workspace_size(layer.in_features, layer.out_features, layer.qtype)
@@ -149,6 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     verdict = ("**Goal met**: no OOM and at least 90 % of the feasible maximum used by the adaptive workspace on "
                "every profile and preset." if not failures else
                "**Goal not met** on: " + "; ".join(failures) + ".")
+    ad = [r for r in every if r.rule is Rule.ADAPTIVE]
+    six = [r for r in every if r.rule is Rule.SIX_GB]
+    worst = min(ad, key=lambda r: r.used_share)
+    verdict += (f" Over {len(ad)} runs ({len(LAYERS)} layers × {len(profiles)} profiles × {len(PRESET_NAMES)} "
+                f"presets): adaptive {sum(r.ooms for r in ad)} OOM, share of the feasible maximum "
+                f"{worst.used_share:.1%} at worst ({worst.layer.name} on {worst.profile} under {worst.pressure}), "
+                f"{sum(r.resizes for r in ad)} resizes, {sum(r.over_steps for r in ad)} steps inside the reserve; "
+                f"6 GB rule {sum(r.ooms for r in six)} OOM in {sum(1 for r in six if r.ooms)} runs, "
+                f"{sum(r.over_steps for r in six)} steps inside the reserve, batch share "
+                f"{min(r.batch_share for r in six if not r.ooms):.0%} at worst where it ran.")
     out.insert(2, verdict + "\n")
     text = "\n".join(out)
     print(text)

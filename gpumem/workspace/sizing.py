@@ -296,6 +296,18 @@ def size_workspace(in_features: int, out_features: int, qtype: QType | str, prop
     return result
 
 
+SIZING_OPTIONS = ("reserve_nbytes", "max_batch_size", "min_workspace_nbytes", "max_workspace_nbytes",
+                  "usable_fraction")
+"""The keywords :func:`size_workspace` takes besides the layer and the device's state."""
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """Refuse keywords :func:`size_workspace` does not take (:class:`~gpumem.errors.InvalidArgumentError`)."""
+    unknown = sorted(set(options) - set(SIZING_OPTIONS))
+    if unknown:
+        raise InvalidArgumentError(f"unknown sizing option(s) {', '.join(unknown)}; known: {', '.join(SIZING_OPTIONS)}")
+
+
 def query_device(device: "Device") -> tuple[DeviceProperties, MemInfo]:
     """``device.properties()`` and ``device.mem_info()``; a failure raises :class:`WorkspaceDeviceQueryError`
     from the device's error."""
@@ -324,6 +336,7 @@ def calculate_gpu_workspace_size(in_features: int, out_features: int, qtype: QTy
     _positive_int(in_features, "in_features")
     _positive_int(out_features, "out_features")
     QType.parse(qtype)
+    check_options(options)
     if isinstance(device, str):
         from ..specs import open_device
 

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from ..errors import GpumemError, InvalidArgumentError, OutOfMemoryError
 from ..units import format_bytes
 from .sizing import (InsufficientWorkspaceMemoryError, QType, WorkspaceDeviceQueryError, WorkspaceSize,
-                     query_device, reserve_nbytes_for, size_workspace)
+                     check_options, query_device, reserve_nbytes_for, size_workspace)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..allocator import CachingAllocator
@@ -130,6 +130,7 @@ class Workspace:
         if not isinstance(self.hysteresis, Hysteresis):
             raise InvalidArgumentError(f"hysteresis must be a Hysteresis, got {type(hysteresis).__name__}")
         self.stream = stream
+        check_options(sizing)
         self._sizing = dict(sizing)
         # checks every argument (raises InvalidArgumentError) before anything is allocated
         first = self._rule(*query_device(device), held_nbytes=0)

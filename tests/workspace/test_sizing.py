@@ -139,6 +139,11 @@ def test_bad_arguments_raise_before_the_device_is_touched(args, what):
     dev.close()
 
 
+def test_unknown_option_raises():
+    with pytest.raises(InvalidArgumentError, match="unknown sizing option"):
+        calculate_gpu_workspace_size(10, 10, "i2s", "sim:t4-16gb", reserve=1)
+
+
 def test_bad_options_raise():
     props, mem = _props(2 * GiB), MemInfo(1 * GiB, 2 * GiB)
     for kwargs in ({"max_batch_size": 0}, {"reserve_nbytes": -1}, {"usable_fraction": 0.0},

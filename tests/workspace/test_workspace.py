@@ -190,6 +190,8 @@ def test_bad_arguments_allocate_nothing():
             Workspace(dev, *args)
     with pytest.raises(InvalidArgumentError):
         Workspace(dev, 10, 10, "i2s", hysteresis="fast")
+    with pytest.raises(InvalidArgumentError, match="max_batch"):
+        Workspace(dev, 10, 10, "i2s", max_bach_size=4)
     assert dev.n_allocations == 0 and not dev.mapping_ranges() and not dev.reservation_ranges()
     dev.close()
 

@@ -31,8 +31,10 @@ Two thresholds, so that a noisy neighbour does not make the workspace flap:
   (default 3) polls in a row. A tenant whose use goes up and down between two polls therefore does
   not make it grow, and a shrink has to be forced by a real shortage.
 
-In the band between the two, the workspace holds between 0.95 / 1.05 = 90.5 % and 100 % of what
-the rule would choose afresh.
+In the band between the two, the workspace holds between 1 / 1.05 = 95.2 % and 100 % of what the
+rule would choose afresh; when memory is what limits it, the rule chooses 95 % of what is free after the
+reserve, so the workspace holds between 0.95 / 1.05 = 90.5 % and 95 % of that (the feasible maximum of
+:mod:`gpumem.workspace.scenario`), more while polls lag behind a tenant that is leaving.
 
 Note [Shrinking never runs out of memory]
 -----------------------------------------

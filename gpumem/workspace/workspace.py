@@ -34,7 +34,7 @@ Two thresholds, so that a noisy neighbour does not make the workspace flap:
 In the band between the two, the workspace holds between 1 / 1.05 = 95.2 % and 100 % of what the
 rule would choose afresh; when memory is what limits it, the rule chooses 95 % of what is free after the
 reserve, so the workspace holds between 0.95 / 1.05 = 90.5 % and 95 % of that (the feasible maximum of
-:mod:`gpumem.workspace.scenario`), more while polls lag behind a tenant that is leaving.
+:mod:`gpumem.workspace.scenario`) between polls that change nothing.
 
 Note [Shrinking never runs out of memory]
 -----------------------------------------

@@ -4,7 +4,8 @@ A buffer is made through a manager (``manager.create_buffer(nbytes, data=...)`` 
 ``FallbackBuffer(manager, nbytes)``). It tries the GPU first; when the manager refuses
 (:class:`~gpumem.errors.OutOfMemoryError`: past the usable memory, or the device is full) and CPU
 fallback is enabled (``MemoryConfig.cpu_fallback_enabled`` or ``allow_cpu=True``), it lives in a
-NumPy array instead and counts in the manager's ``cpu_fallbacks``. :meth:`FallbackBuffer.try_move_to_gpu`
+NumPy array instead and counts in the manager's ``cpu_fallbacks`` (a fallback is not a failure: it
+writes no OOM forensics). :meth:`FallbackBuffer.try_move_to_gpu`
 (or ``manager.restore_fallbacks()`` for all of them) moves it back when memory has freed up.
 
 Note [Moving preserves the bytes]
@@ -79,7 +80,7 @@ class FallbackBuffer:
         self._cpu_id: BufferId | None = None
         self._freed = False
         try:
-            alloc = manager.allocate(nbytes, tag=tag)
+            alloc = manager._allocate_for_fallback(nbytes, tag) if self.allow_cpu else manager.allocate(nbytes, tag=tag)
         except OutOfMemoryError as exc:
             if not self.allow_cpu:
                 raise
@@ -144,7 +145,7 @@ class FallbackBuffer:
             if self._alloc is not None:
                 return True
             try:
-                alloc = self.manager.allocate(self.nbytes, tag=self.tag)
+                alloc = self.manager._allocate_for_fallback(self.nbytes, self.tag)
             except OutOfMemoryError:
                 return False
             try:

@@ -43,12 +43,22 @@ from .config import MemoryConfig
 from .layers import FailureCallbackLayer, LimitingLayer, StatisticsLayer, TrackingLayer
 from .reserve import Reserve, compute_reserve, usable_nbytes
 from .resource import DEFAULT_ALIGNMENT, AllocatorResource, DeviceResource, MemoryResource
-from .tracker import AllocationTracker, BufferId
+from .tracker import AllocationTracker, BufferId, RegionStats
 
 if TYPE_CHECKING:
     from .fallback import FallbackBuffer
 
 log = logging.getLogger(__name__)
+
+#: Note [The pool's limit]: the limiting layer keeps the bytes *requested* within the usable memory;
+#: the caching allocator under it rounds blocks up (512 B, and pages of 2 MiB in virtual-memory mode)
+#: and caches freed blocks, so what it *holds* runs a little above what was requested (0.5-0.7 % on
+#: the recorded traces). Its own limit is therefore the usable memory plus a slack of 1/64 of it
+#: (at least 4 pages), taken from the reserve's emergency part and never more than that part: a
+#: request that fits the usable memory is not refused for rounding, and the pool never eats the
+#: context or more than the headroom.
+POOL_SLACK_DENOMINATOR = 64
+POOL_SLACK_PAGES = 4
 
 #: Note [When fragmentation is worth a warning]: only when the pool's free cached bytes are at least
 #: 1/100 of the usable memory. The ratio of a tiny cache says nothing: the unused tail of one 2 MiB
@@ -119,6 +129,8 @@ class MemoryStats:
     cpu_fallback_nbytes: int
     """Bytes of fallback buffers on the CPU now."""
     pool: PoolStats | None = None
+    regions: tuple[RegionStats, ...] = ()
+    """Per region (sub-regions included), from the tracker; empty when tracking is off."""
 
 
 def _resolve_device(device: Any) -> tuple[Device, bool]:
@@ -215,9 +227,14 @@ class GpuMemoryManager:
         """``total_memory - usable_memory``: what stays out of reach."""
 
         if self.enable_pooling:
-            self._base: MemoryResource = AllocatorResource(dev, policy=config.pool_policy, limit=usable)
+            self.pool_limit_nbytes = usable + min(max(usable // POOL_SLACK_DENOMINATOR,
+                                                      POOL_SLACK_PAGES * self.properties.granularity_nbytes),
+                                                  self.reserve.emergency_nbytes)
+            self._base: MemoryResource = AllocatorResource(dev, policy=config.pool_policy,
+                                                           limit=self.pool_limit_nbytes)
             below: MemoryResource = FailureCallbackLayer(self._base, [self._base.empty_cache])
         else:
+            self.pool_limit_nbytes = 0
             self._base = DeviceResource(dev)
             below = self._base
         self._limit = LimitingLayer(below, usable, what="the manager's usable memory")
@@ -228,6 +245,8 @@ class GpuMemoryManager:
             self.tracker = AllocationTracker(capture_stacks=config.capture_stacks,
                                              report_leaks_at_exit=config.leak_report_at_exit, name=dev.spec)
             self._tracking = top = TrackingLayer(top, self.tracker)
+        self._quiet = top
+        """The stack without the forensics layer: what a fallback buffer tries first (a fallback is no failure)."""
         if config.oom_forensics_dir is not None:
             from .forensics import ForensicsLayer
 
@@ -258,12 +277,16 @@ class GpuMemoryManager:
         device cannot, :class:`~gpumem.errors.InvalidArgumentError` on bad arguments; either way
         nothing changes.
         """
+        return self._allocate(size, alignment, stream, tag, n_elements, self.resource)
+
+    def _allocate(self, size: int, alignment: int, stream: int, tag: str | None, n_elements: int | None,
+                  resource: MemoryResource) -> Allocation:
         self._check_open()
         if tag is not None and not isinstance(tag, str):
             raise InvalidArgumentError(f"tag must be None or a str, got {type(tag).__name__}")
         if n_elements is not None and (type(n_elements) is not int or n_elements < 0):
             raise InvalidArgumentError(f"n_elements must be None or an int >= 0, got {n_elements!r}")
-        ptr = self.resource.allocate(size, alignment, stream)
+        ptr = resource.allocate(size, alignment, stream)
         bid = None
         if self._tracking is not None:
             bid = self._tracking.buffer_id(ptr)
@@ -274,14 +297,19 @@ class GpuMemoryManager:
             self._live[ptr] = a
         return a
 
+    def _allocate_for_fallback(self, size: int, tag: str | None) -> Allocation:
+        """:meth:`allocate` without OOM forensics, for a buffer that may fall back to the CPU."""
+        return self._allocate(size, DEFAULT_ALIGNMENT, 0, tag, None, self._quiet)
+
     def deallocate(self, allocation: Allocation) -> None:
-        """Give back an :class:`Allocation` of this manager (a second time, or another's, raises
+        """Give back the :class:`Allocation` object :meth:`allocate` returned (a second time, another
+        manager's, or an equal-looking copy raises
         :class:`~gpumem.errors.InvalidPointerError`; nothing changes)."""
         self._check_open()
         if not isinstance(allocation, Allocation):
             raise InvalidArgumentError(f"deallocate takes an Allocation, got {type(allocation).__name__}")
         with self._lock:
-            if self._live.get(allocation.ptr) != allocation:
+            if self._live.get(allocation.ptr) is not allocation:  # the object allocate() returned, not a look-alike
                 raise InvalidPointerError(f"{allocation} is not live in this manager ({self.device.spec}): "
                                           "freed already, or from another manager")
             del self._live[allocation.ptr]
@@ -368,11 +396,13 @@ class GpuMemoryManager:
             allocated_nbytes=s.current_nbytes, peak_allocated_nbytes=s.peak_nbytes, held_nbytes=held,
             free_nbytes=mem.free_nbytes, utilisation=s.current_nbytes / self.usable_memory,
             fragmentation_ratio=frag, largest_free_block_nbytes=largest, n_allocations=s.current_count,
-            n_ooms=s.n_failures, cpu_fallbacks=fallbacks, cpu_fallback_nbytes=fb_nbytes, pool=pool)
+            n_ooms=s.n_failures, cpu_fallbacks=fallbacks, cpu_fallback_nbytes=fb_nbytes, pool=pool,
+            regions=self.tracker.stats().regions if self.tracker is not None else ())
 
     def log_memory_usage(self, level: int = logging.INFO) -> MemoryStats:
         """Log one line of :meth:`get_detailed_stats` (at ``level``), and a warning when the pool's
-        fragmentation passes ``config.fragmentation_warning`` (30 %). Returns the stats."""
+        fragmentation passes ``config.fragmentation_warning`` (30 %) while its free cached memory is
+        at least 1 % of the usable memory (Note [When fragmentation is worth a warning]). Returns the stats."""
         st = self.get_detailed_stats()
         log.log(level, "%s: %s allocated of %s usable (%.1f%%), pool holds %s, device %s free of %s, "
                 "fragmentation %.1f%%, largest free block %s, %d CPU fallback(s)", st.device,

@@ -39,7 +39,7 @@ part is at most 10 % of the total (12.5 % with ``min_free_bytes``); the reserve 
 memory never decrease as the total grows (the emergency part grows by at most 1 byte per 10 bytes
 of total); usable memory is positive or the call raises.
 
-Per simulated profile (``python -m gpumem.managers.reserve`` prints this table; MiB, measured at start
+Per simulated profile (``gpumem.managers.reserve.reserve_table()`` computes this table; MiB, measured at start
 on an otherwise idle device, no ``min_free_bytes``; "seeds" is the seeds' rule)::
 
     profile              total  context emergency reserve  usable usable % seeds rsrv seeds usable
@@ -202,9 +202,6 @@ def reserve_table() -> str:
                     f"{seeds // MiB:>10} {(p.total_nbytes - seeds) // MiB:>12}")
     return "\n".join(rows)
 
-
-if __name__ == "__main__":  # pragma: no cover - prints the docstring's table
-    print(reserve_table())
 
 __all__ = ["Reserve", "compute_reserve", "usable_nbytes", "emergency_nbytes", "estimate_context_nbytes",
            "reserve_table"]

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, NewType
 
 from gpumem.errors import InvalidArgumentError

@@ -196,10 +196,6 @@ def test_bad_arguments_allocate_nothing():
     dev.close()
 
 
-class _Take(Script):
-    pass
-
-
 @settings(max_examples=15, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 8), st.integers(-1200, 1200)), min_size=1, max_size=12),
        st.sampled_from(["gtx-1050-2gb", "jetson-nano-2gb"]))

@@ -11,5 +11,6 @@ from __future__ import annotations
 
 COMMAND_MODULES: tuple[str, ...] = (
     "info",
+    "workspace",
 )
 """Submodules of :mod:`gpumem.commands`, in the order ``gpumem --help`` lists them."""

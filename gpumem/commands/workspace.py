@@ -1,0 +1,98 @@
+"""``gpumem workspace``: the GPU workspace of a quantized linear layer on a device, from its free memory now."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..units import format_bytes
+
+_DESCRIPTION = """\
+Size the GPU workspace of a quantized linear layer (in x out weights) from what the device has free now:
+  dequant      in x out dequantized weights (fp16 for i2s and tl1, fp32 for tl2);
+  per sample   out fp32 intermediates;
+  usable       95% of the free memory left after the reserve (gpumem.managers.reserve);
+  batch        what the usable memory holds after the dequantized weights, capped by the GPU's class
+               (< 4 GB: 64, 4-8 GB: 128, 8-24 GB: 256, >= 24 GB: 512), at least 1;
+  workspace    dequant + batch x per sample, clamped to [1 MiB, 64 GiB] and never above usable
+               (below dequant + one sample, the kernel dequantizes in tiles).
+Too little memory exits 1 with what was required and available; nothing falls back to a constant."""
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text!r}")
+    return value
+
+
+def register(sub: Any, formatter_class: Any) -> None:
+    """Add the ``workspace`` subcommand to ``sub``."""
+    from ..cli import _DEFAULT_DEVICE, _add_verbose, _exit_codes_text
+
+    p = sub.add_parser("workspace", help="size a quantized linear layer's GPU workspace from the device's free memory",
+                       formatter_class=formatter_class, description=_DESCRIPTION,
+                       epilog=_exit_codes_text().replace("the trace does not fit the device (or --limit)",
+                                                         "not even the minimum workspace fits"))
+    p.add_argument("--in-features", type=_positive, required=True, metavar="N", help="the layer's input features")
+    p.add_argument("--out-features", type=_positive, required=True, metavar="M", help="the layer's output features")
+    p.add_argument("--qtype", choices=("i2s", "tl1", "tl2"), required=True, type=str.lower,
+                   help="quantization type: i2s and tl1 dequantize to fp16, tl2 to fp32")
+    p.add_argument("--device", default=_DEFAULT_DEVICE, help="device spec (default: %(default)s)")
+    p.add_argument("--max-batch-size", type=_positive, default=None, metavar="B",
+                   help="cap the batch below the GPU class's cap")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (workspace_bytes, batch_size, available_bytes, device, ...)")
+    _add_verbose(p)
+    p.set_defaults(func=cmd_workspace)
+
+
+def cmd_workspace(args: argparse.Namespace) -> int:
+    """Run ``gpumem workspace``; returns the exit status."""
+    import sys
+
+    from ..cli import EXIT_OK, EXIT_OOM
+    from ..workspace import InsufficientWorkspaceMemoryError, calculate_gpu_workspace_size
+
+    from ..cli import _UsageError
+    from ..errors import GpumemError
+    from ..specs import open_device
+
+    options = {} if args.max_batch_size is None else {"max_batch_size": args.max_batch_size}
+    try:
+        device = open_device(args.device)
+    except GpumemError as exc:
+        raise _UsageError(f"--device {args.device}: {exc}") from None
+    try:
+        ws = calculate_gpu_workspace_size(args.in_features, args.out_features, args.qtype, device, **options)
+    except InsufficientWorkspaceMemoryError as exc:
+        if args.json:
+            print(json.dumps({"error": "insufficient_memory", "required_bytes": exc.required_nbytes,
+                              "available_bytes": exc.available_nbytes, "free_bytes": exc.free_nbytes,
+                              "device": exc.device, "message": str(exc)}, indent=2))
+        print(f"gpumem workspace: {exc}", file=sys.stderr)
+        return EXIT_OOM
+    finally:
+        device.close()
+    if args.json:
+        print(json.dumps(ws.to_dict(), indent=2))
+        return EXIT_OK
+    rows = [
+        ("device", f"{ws.device} ({ws.gpu_class.label} class, batch cap {ws.max_batch_size})"),
+        ("layer", f"{ws.in_features} x {ws.out_features} {ws.qtype.value}"),
+        ("free", f"{format_bytes(ws.free_bytes)} of {format_bytes(ws.total_bytes)}"),
+        ("reserve", format_bytes(ws.reserve_bytes)),
+        ("available", f"{format_bytes(ws.available_bytes)} ({ws.available_bytes} bytes)"),
+        ("dequant", format_bytes(ws.dequant_bytes)),
+        ("per sample", format_bytes(ws.per_sample_bytes)),
+        ("batch", str(ws.batch_size)),
+        ("workspace", f"{format_bytes(ws.workspace_bytes)} ({ws.workspace_bytes} bytes)"
+                      + (" - tiled: the whole dequantized matrix does not fit" if ws.tiled else "")),
+    ]
+    for label, value in rows:
+        print(f"{label:<12}{value}")
+    return EXIT_OK

@@ -8,7 +8,14 @@ The pieces, each in its own module:
 * :mod:`gpumem.errors` - the exception hierarchy rooted in :class:`GpumemError`;
 * the :mod:`gpumem.sim` package - the SimPy-driven simulated GPU;
 * :func:`engine` - ``"native"`` (the C++ allocator engine is built) or ``"python"``;
-* :mod:`gpumem.torch` - PyTorch on gpumem (imported on demand).
+* :mod:`gpumem.torch` - PyTorch on gpumem (imported on demand);
+* :mod:`gpumem.managers` - memory managers: reserve and usable memory, layers, tracking, regions,
+  OOM forensics, CPU fallback, pressure monitoring, multi-GPU placement;
+* :mod:`gpumem.discovery` - which backends (CUDA, simulated, CPU) this machine has;
+* :mod:`gpumem.workspace` - workspace sizing from the real device.
+
+The names of the last three (and the size-bucket pool) are importable from ``gpumem`` itself; they are
+loaded on first use, so ``import gpumem`` stays light.
 """
 
 from .device import Device, DeviceKind, DeviceProperties, Event, MemInfo, PhysicalHandle
@@ -37,6 +44,39 @@ from .units import GiB, KiB, MiB, format_bytes
 
 __version__ = "0.1.0"
 
+# Note [Lazy exports]: the managers, discovery, workspace and estimation pull in the allocator and the
+# simulator; `import gpumem` (and so every `gpumem` command's start-up) should not pay for them. The names
+# below resolve on first access (PEP 562), each from the module named beside it.
+_LAZY_EXPORTS: "dict[str, str]" = {
+    **{name: ".managers" for name in (
+        "GpuMemoryManager", "MemoryConfig", "Allocation", "MemoryStats", "AllocationTracker", "BufferId",
+        "Location", "FallbackBuffer", "Reserve", "compute_reserve", "usable_nbytes", "region",
+        "MemoryPressure", "PressureMonitor", "MultiGpuMemoryManager", "MultiGpuOutOfMemoryError")},
+    **{name: ".discovery" for name in (
+        "BackendDevice", "BackendInfo", "BackendKind", "BackendSelection", "InitializedBackend",
+        "NoSuitableBackendError", "SelectionAttempt", "best_available_backend", "discover_backends",
+        "init_backend_with_memory_check", "print_backend_summary", "select_backend_for_model")},
+    **{name: ".workspace" for name in (
+        "InsufficientWorkspaceMemoryError", "QType", "Workspace", "WorkspaceDeviceQueryError", "WorkspaceSet",
+        "WorkspaceSize", "calculate_gpu_workspace_size")},
+    **{name: ".allocator.bucket" for name in ("BucketAllocator", "BucketPolicy", "BucketPoolStats")},
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gpumem' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later accesses skip this function
+    return value
+
+
+def __dir__() -> "list[str]":
+    return sorted({*globals(), *_LAZY_EXPORTS})
+
 __all__ = [
     "Device", "DeviceKind", "DeviceProperties", "Event", "MemInfo", "PhysicalHandle",
     "open_device", "parse_spec", "DeviceSpec", "engine",
@@ -44,4 +84,5 @@ __all__ = [
     "MappingOverlapError", "UnsupportedOperationError", "DeviceNotFoundError", "BackendUnavailableError",
     "CudaError", "TransientDeviceError", "DeviceLostError", "DeviceClosedError", "OutOfMemoryError",
     "TraceFormatError", "MemoryHazardError", "InternalError", "KiB", "MiB", "GiB", "format_bytes", "__version__",
+    *_LAZY_EXPORTS,
 ]

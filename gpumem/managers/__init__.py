@@ -7,7 +7,9 @@
 * :mod:`~gpumem.managers.manager`: :class:`GpuMemoryManager`;
 * :mod:`~gpumem.managers.tracker`, :mod:`~gpumem.managers.regions`: buffers, peaks, leaks, regions;
 * :mod:`~gpumem.managers.forensics`: snapshot and report on out of memory;
-* :mod:`~gpumem.managers.fallback`: :class:`FallbackBuffer` (GPU, or CPU when the GPU is full).
+* :mod:`~gpumem.managers.fallback`: :class:`FallbackBuffer` (GPU, or CPU when the GPU is full);
+* :mod:`~gpumem.managers.pressure`: :class:`MemoryPressure` levels and the :class:`PressureMonitor`;
+* :mod:`~gpumem.managers.multi`: :class:`MultiGpuMemoryManager` (placement over several devices).
 """
 
 from .config import ENV_VARIABLES, MemoryConfig
@@ -15,6 +17,10 @@ from .fallback import FallbackBuffer
 from .forensics import ForensicsLayer, ForensicsRecord, write_oom_forensics
 from .layers import (FailureCallbackLayer, LimitingLayer, LoggingLayer, ResourceLayer, ResourceStatistics,
                      StatisticsLayer, TrackingLayer)
+from .multi import (DeviceMemoryStats, DeviceRefusal, MultiGpuMemoryManager, MultiGpuMemoryStats,
+                    MultiGpuOutOfMemoryError)
+from .pressure import (MemoryPressure, PressureChange, PressureMonitor, PressureMonitorStats, PressureSample,
+                       Releaser, SampleSource)
 from .manager import Allocation, GpuMemoryManager, MemoryStats, PoolStats
 from .regions import current_region, region
 from .reserve import Reserve, compute_reserve, usable_nbytes
@@ -29,4 +35,7 @@ __all__ = [
     "Reserve", "compute_reserve", "usable_nbytes", "AllocatorResource", "DeviceResource", "MemoryResource",
     "find_layer", "AllocationInfo", "AllocationTracker", "BufferId", "LeakReport", "Location", "RegionStats",
     "TrackerStats", "UnknownBufferError",
+    "DeviceMemoryStats", "DeviceRefusal", "MultiGpuMemoryManager", "MultiGpuMemoryStats", "MultiGpuOutOfMemoryError",
+    "MemoryPressure", "PressureChange", "PressureMonitor", "PressureMonitorStats", "PressureSample", "Releaser",
+    "SampleSource",
 ]

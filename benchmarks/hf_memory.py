@@ -339,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="first generate row of each model only, no training")
     ap.add_argument("--no-train", action="store_true", help="skip the training rows")
     ap.add_argument("--trace", action="store_true", help="also record two small PyTorch memory snapshots")
+    ap.add_argument("--trace-big", action="store_true",
+                    help="also record a snapshot of llama-7b generate() at batch 16, prompt 4096, 8 new tokens")
     ap.add_argument("--max-batch", action="store_true", help="also bisect the largest batch on the device")
     ap.add_argument("--max-batch-spec", default="",
                     help="searches as model:prompt:new:start,... (default: the MAX_BATCH list)")
@@ -394,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
             row = Row("generate", name, cfg, b, p, n, weights_allocated_bytes=weights)
             rows.append(guarded(torch, lambda r: run_generate(torch, model, r), row))
             save()
+        if args.trace_big and name == "llama-7b":
+            def big_gen() -> None:
+                run_generate(torch, model, Row("generate", name, cfg, 16, 4096, 8))
+            record_snapshot(torch, big_gen, args.out / "generate_7b_b16_p4096_n8.snapshot.pickle")
         if args.trace and name == "llama-0.5b-gqa":
             def small_gen() -> None:
                 run_generate(torch, model, Row("generate", name, cfg, 2, 512, 4))

@@ -23,7 +23,8 @@ Note [Decode]
 Note [Overhead]
     cuBLAS takes a 32 MiB workspace through the caching allocator at the first matrix product of each
     stream/handle (one for inference, a second one for the backward pass of training), and kernels and
-    generate's bookkeeping take a few more MiB (measured: 1-7 MiB, and 19 MiB once in a decode step).
+    generate's bookkeeping take a few more MiB (measured: 1-7 MiB beyond the parameters once the weights are
+    loaded, and 19 MiB more in the decode steps of the multi-head 7B model only).
 """
 
 from __future__ import annotations
@@ -39,14 +40,17 @@ from ..units import MiB
 from .shape import ModelShape
 
 __all__ = ["Category", "WorkloadTrace", "inference_trace", "training_trace", "CUBLAS_WORKSPACE_NBYTES",
-           "MISC_NBYTES", "DECODE_SLACK_NBYTES"]
+           "MISC_NBYTES", "DECODE_SLACK_PER_Q_NBYTES"]
 
 CUBLAS_WORKSPACE_NBYTES = 32 * MiB
 """cuBLAS workspace per handle (Note [Overhead])."""
-MISC_NBYTES = 8 * MiB
+MISC_NBYTES = 12 * MiB
 """Small buffers of kernels, the RNG and generate's bookkeeping (Note [Overhead])."""
-DECODE_SLACK_NBYTES = 24 * MiB
-"""Kernel workspaces seen in decode steps of small batches (Note [Overhead])."""
+BACKWARD_MISC_NBYTES = 16 * MiB
+"""Training: small buffers of autograd and the optimizer beyond the two cuBLAS workspaces (Note [Overhead])."""
+DECODE_SLACK_PER_Q_NBYTES = 6 * 1024
+"""Multi-head (not grouped) attention: a kernel workspace in decode steps, per query width (Note [Overhead]:
+19 MiB measured on the 7B model, q width 4096, none on the grouped-query models)."""
 
 _ROUND = 512  # PyTorch rounds every block to 512 bytes; max_memory_allocated counts rounded blocks
 
@@ -259,7 +263,8 @@ def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1,
     _forward(e, shape, batch_size, prompt_len, d_act, cache, prompt_len, 0)
     for step in range(1, new_tokens):
         e.phase = "decode"
-        _forward(e, shape, batch_size, 1, d_act, cache, prompt_len + step, DECODE_SLACK_NBYTES)
+        slack = DECODE_SLACK_PER_Q_NBYTES * shape.q_dim if shape.n_kv_heads == shape.n_heads else 0
+        _forward(e, shape, batch_size, 1, d_act, cache, prompt_len + step, slack)
     e.phase = "end"
     e.free(ids)
     for c in cache:
@@ -295,7 +300,9 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     for n in params:
         e.alloc(n, Category.WEIGHTS)
     e.alloc(MISC_NBYTES, Category.OVERHEAD)
-    e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)
+    e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)  # forward
+    e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)  # the backward pass runs on autograd's thread: its own
+    e.alloc(BACKWARD_MISC_NBYTES, Category.OVERHEAD)
     states: list[int] = []
     for step in range(n_steps):
         e.phase = f"forward {step + 1}"

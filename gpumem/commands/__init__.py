@@ -10,5 +10,7 @@ stderr and the documented exit status.
 from __future__ import annotations
 
 COMMAND_MODULES: tuple[str, ...] = (
+    "estimate",
+    "fit",
 )
 """Submodules of :mod:`gpumem.commands`, in the order ``gpumem --help`` lists them."""

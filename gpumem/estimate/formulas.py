@@ -75,7 +75,7 @@ class TrainingEstimate(MemoryEstimate):
 
 
 def _check_dtype(dtype_bytes: Any) -> int:
-    if isinstance(dtype_bytes, bool) or dtype_bytes not in (1, 2, 4):
+    if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes not in (1, 2, 4):
         raise InvalidArgumentError(f"dtype_bytes must be 1, 2 or 4, got {dtype_bytes!r}")
     return int(dtype_bytes)
 

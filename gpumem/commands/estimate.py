@@ -116,17 +116,21 @@ def run(args: argparse.Namespace) -> int:
             f"generate(), batch {first['batch_size']}, prompt {first['prompt_len']}, {first['new_tokens']} new tokens")
     print(f"{first['n_params'] / 1e9:.2f}B parameters; {kind}")
     pols = list(first.get("peak_reserved_by_policy", {}))
-    head = f"{'DTYPE':<6} {'MODEL':>11} {'KV CACHE':>11} {'ACTIV.':>11} {'OVERHEAD':>11} {'PEAK ALLOC':>11}"
+    middle = ("GRADIENTS", "OPTIMIZER") if args.training else ("KV CACHE",)
+    keys = ("gradient_bytes", "optimizer_bytes") if args.training else ("kv_cache_bytes",)
+    head = f"{'DTYPE':<6} {'MODEL':>11}" + "".join(f" {m:>11}" for m in middle)
+    head += f" {'ACTIV.':>11} {'OVERHEAD':>11} {'PEAK ALLOC':>11}"
     head += "".join(f" {('RES ' + p)[:14]:>14}" for p in pols)
     print(head)
     for r in rows:
-        line = (f"{r['dtype']:<6} {format_bytes(r['model_bytes']):>11} {format_bytes(r['kv_cache_bytes']):>11} "
-                f"{format_bytes(r['activation_bytes']):>11} {format_bytes(r['overhead_bytes']):>11} "
-                f"{format_bytes(r['peak_allocated_bytes']):>11}")
+        line = f"{r['dtype']:<6} {format_bytes(r['model_bytes']):>11}" + "".join(
+            f" {format_bytes(r[k]):>11}" for k in keys)
+        line += (f" {format_bytes(r['activation_bytes']):>11} {format_bytes(r['overhead_bytes']):>11} "
+                 f"{format_bytes(r['peak_allocated_bytes']):>11}")
         for p in pols:
             mark = "" if r["fits_by_policy"][p] else " OOM"
             line += f" {format_bytes(r['peak_reserved_by_policy'][p]) + mark:>14}"
         print(line)
-    print(f"peak in: {first['peak_phase']}; RES = peak reserved by replay on {first.get('device', '-')} "
-          f"(OOM: does not fit it)")
+    print(f"peak in: {first['peak_phase']}; ACTIV. = activations and temporaries at the peak; RES = peak reserved "
+          f"by replay on {first.get('device', '-')} (OOM: does not fit it)")
     return 0

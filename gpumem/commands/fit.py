@@ -12,8 +12,9 @@ from ._model_args import add_model_args, model_from_args, parse_dtypes
 DESCRIPTION = """\
 Find the largest batch (or, with --search seq_len, the longest prompt) for which Hugging Face generate()
 (or, with --training, a training step) runs on --device without out-of-memory: the workload's allocations
-are replayed through gpumem's model of the --policy allocator, with --margin of the device held back for
-fragmentation (default: 20 % for pytorch, 1 % for expandable and gpumem; docs/estimation.md says why).
+are replayed through gpumem's model of the --policy allocator, with --margin more of the memory beyond the
+weights held back for fragmentation (default: 0.25 for pytorch, 0.01 for expandable and gpumem;
+docs/estimation.md says why).
 
 Beside it: what the peak-allocated estimate alone allows, where a halving retry (start at a power of two,
 halve on each out-of-memory) settles, and where a binary search on the same replays without margin settles.
@@ -31,7 +32,8 @@ def register(sub: Any, formatter_class: type) -> None:
     add_model_args(p)
     p.add_argument("--device", default="sim:h200-141gb", help="device spec (default: %(default)s)")
     p.add_argument("--policy", default="pytorch", help="allocator policy (default: %(default)s)")
-    p.add_argument("--margin", type=float, help="share of the device held back, in [0, 1)")
+    p.add_argument("--margin", type=float, help="extra share of the memory beyond the weights held back (0.25: "
+                                                "the rest must fit in free/1.25)")
     p.add_argument("--search", choices=("batch", "seq_len"), default="batch")
     p.add_argument("--batch-size", type=int, default=1, help="the batch when searching the sequence length")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt (training: sequence) length when "
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         what = "batch" if args.search == "batch" else "prompt length"
         print(f"{shape.n_params / 1e9:.2f}B parameters, {name}, on {r.device} ({r.usable_bytes / 2**30:.2f} GiB free), "
-              f"policy {r.policy}, margin {r.margin:.0%}")
+              f"policy {r.policy}, margin {r.margin:.0%} beyond the weights")
         print(f"largest {what} (simulated, with margin): {r.simulated}")
         print(f"  estimate alone (peak allocated <= free): {r.estimate}")
         print(f"  halving retry from {r.start}:            {r.halving}")

@@ -87,10 +87,21 @@ def compare(doc: dict[str, Any], *, expandable: dict[str, Any] | None = None, re
     return out
 
 
-def to_markdown(rows: list[AccuracyRow], title: str = "Estimate accuracy") -> str:
-    """The table, and a summary of the errors."""
+_COLUMNS = """\
+Columns: *measured alloc* is `torch.cuda.max_memory_allocated()` over the whole run (weights loaded
+before it included), *estimate* is `total_bytes` of `estimate_inference_memory` / `estimate_training_memory`,
+*error* = estimate / measured - 1 (the bar: never below 0, at most +10 %; the goal +3 %), *peak in* is the
+phase where the estimate peaks. *reserved (default)* is `torch.cuda.max_memory_reserved()` under PyTorch's
+default allocator, *sim pytorch* what the replay of the synthetic trace reserved under gpumem's `pytorch`
+policy on `sim:h200-141gb`; *reserved (expandable)* was measured with
+`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (only some rows), *sim expandable* is the `expandable`
+policy's replay. GiB = 2**30 bytes."""
+
+
+def to_markdown(rows: list[AccuracyRow], title: str = "Estimate accuracy", sources: list[str] | None = None) -> str:
+    """The table, and a summary of the errors; ``sources`` are lines naming where the measurements come from."""
     g = 2**30
-    lines = [f"# {title}", "",
+    lines = [f"# {title}", "", *(sources or []), *([""] if sources else []), _COLUMNS, "",
              "| kind | model | params | batch | prompt/seq | new | measured alloc GiB | estimate GiB | error | peak in "
              "| reserved (default) GiB | sim pytorch GiB | reserved (expandable) GiB | sim expandable GiB |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
@@ -126,14 +137,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows: list[AccuracyRow] = []
     meta: list[Any] = []
+    sources: list[str] = []
     exp = json.loads(args.expandable.read_text()) if args.expandable else None
-    for path in args.measured:
+    for path in [*args.measured, *([args.expandable] if args.expandable else [])]:
         doc = json.loads(path.read_text())
-        meta.append(doc.get("meta", {}))
-        rows += compare(doc, expandable=exp)
-    args.out.with_suffix(".md").write_text(to_markdown(rows, args.title))
+        m = doc.get("meta", {})
+        meta.append(m)
+        sources.append(f"- `{path.name}`: {m.get('device', '?')}, torch {m.get('torch', '?')}, transformers "
+                       f"{m.get('transformers', '?')}, PYTORCH_CUDA_ALLOC_CONF={m.get('alloc_conf') or '(default)'}"
+                       f"{', one process per model' if m.get('fresh_process_per_model') else ''}")
+        if path != args.expandable:
+            rows += compare(doc, expandable=exp)
+    text = to_markdown(rows, args.title, ["Measurements by `benchmarks/hf_memory.py`:", *sources])
+    args.out.with_suffix(".md").write_text(text)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
-    print(to_markdown(rows, args.title))
+    print(text)
     return 0
 
 

@@ -10,10 +10,13 @@ and of a plain binary search.
 Note [Fragmentation margin]
     gpumem's ``pytorch`` policy reproduces what PyTorch's allocator reserves on *recorded* traces to a few
     percent, but the synthetic trace is not the exact order of a real ``generate()``: on the H200 the
-    measured peak reserved of PyTorch's default allocator was up to 1.23 times the simulated one
-    (``reports/hil/estimate-accuracy-h200-2026-11-22.md``). :data:`DEFAULT_MARGINS` hold the device
-    back by that much for that policy, and by 1 % for the virtual-memory policies, whose reserve tracks
-    the live bytes.
+    largest batch that ran under PyTorch's default allocator needed up to 1.24 times the memory beyond
+    the weights that the ``pytorch`` replay reserved (batch 33 ran where the replay fitted 41, 134 where
+    it fitted 165, 155 where it fitted 171; ``reports/hil/estimate-fit-h200-2026-11-22.json``). The
+    weights are one allocation each and do not fragment, so the margin applies to the rest: a size fits
+    when its replay fits ``weights + (free - weights) / (1 + margin)``. :data:`DEFAULT_MARGINS` use 25 %
+    for the segment policies and 1 % for the virtual-memory ones, whose reserve tracks the live bytes
+    (expandable segments: the replay without margin gave exactly the batch that ran, 53).
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ __all__ = ["ReservedEstimate", "FitResult", "FitTry", "estimate_peak_reserved", 
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MARGINS: dict[str, float] = {"pytorch": 0.20, "bestfit": 0.20, "cupy": 0.20, "gpumem": 0.01,
+DEFAULT_MARGINS: dict[str, float] = {"pytorch": 0.25, "bestfit": 0.25, "cupy": 0.25, "gpumem": 0.01,
                                      "expandable": 0.01}
-"""Share of the device held back per policy when fitting (Note [Fragmentation margin])."""
+"""Extra share of the memory beyond the weights held back per policy when fitting (Note [Fragmentation
+margin])."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,8 @@ class FitTry:
 class FitResult:
     """The largest batch (or prompt length) that fits, by four rules, for one workload and device.
 
-    ``simulated``: the largest value whose replay fits within ``usable_bytes * (1 - margin)`` (the answer).
+    ``simulated``: the largest value whose replay fits within ``limit_bytes`` = weights + (``usable_bytes`` -
+    weights) / (1 + ``margin``) (the answer).
     ``estimate``: the largest value whose estimated peak *allocated* bytes fit ``usable_bytes`` (no
     allocator, no margin: what a formula alone says). ``halving``: where a retry that starts at ``start`` and
     halves on each out-of-memory error settles (accelerate's ``find_executable_batch_size``).
@@ -94,6 +99,7 @@ class FitResult:
     policy: str
     device: str
     usable_bytes: int
+    limit_bytes: int
     margin: float
     simulated: int
     estimate: int
@@ -135,7 +141,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                    max_value: int = 4096, start: int | None = None) -> FitResult:
     """The largest batch (``search="batch"``) or prompt/sequence length (``search="seq_len"``, at
     ``batch_size``) that runs on ``device`` without out-of-memory, by replaying the workload's allocations
-    under ``policy`` with ``margin`` of the device held back (default :data:`DEFAULT_MARGINS`).
+    under ``policy`` with ``margin`` of the memory beyond the weights held back (default
+    :data:`DEFAULT_MARGINS`, Note [Fragmentation margin]).
 
     ``training=True`` fits training steps of ``prompt_len`` tokens (``new_tokens`` is ignored). Returns a
     :class:`FitResult`; its ``simulated`` is 0 when not even 1 fits. ``max_value`` bounds the search.
@@ -146,13 +153,14 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         raise InvalidArgumentError(f"max_value must be a positive whole number, got {max_value!r}")
     if margin is None:
         margin = DEFAULT_MARGINS.get(policy, 0.20)
-    if not 0.0 <= margin < 1.0:
-        raise InvalidArgumentError(f"margin must be in [0, 1), got {margin!r}")
+    if not (isinstance(margin, (int, float)) and 0.0 <= margin <= 10.0):
+        raise InvalidArgumentError(f"margin must be a number in [0, 10], got {margin!r}")
     own = not isinstance(device, Device)
     dev = open_device(device) if own else device
     try:
         usable = dev.mem_info().free_nbytes
-        limit = int(usable * (1.0 - margin))
+        weights = min(usable, shape.n_params * dtype_bytes)
+        limit = int(weights + (usable - weights) / (1.0 + margin))
         tries: list[FitTry] = []
 
         def workload(v: int) -> WorkloadTrace:
@@ -186,7 +194,7 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         while halving >= 1 and not replay_fits(halving, None, "halving"):
             halving //= 2
         binary = _largest(lambda v: replay_fits(v, None, "binary_search"), 1, max_value)
-        return FitResult(search, policy, dev.spec, usable, margin, simulated, estimate, halving, binary, first, tries)
+        return FitResult(search, policy, dev.spec, usable, limit, margin, simulated, estimate, halving, binary, first, tries)
     except OutOfMemoryError as exc:  # the device itself could not be opened with room: report as no fit
         raise InvalidArgumentError(f"find_max_batch: {exc}") from exc
     finally:

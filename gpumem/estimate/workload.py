@@ -34,7 +34,7 @@ Note [Overhead]
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
@@ -81,28 +81,29 @@ class WorkloadTrace:
     phase_at_peak: str
 
 
-@dataclass
 class _Emitter:
     """Builds the ops of a trace and tracks live bytes per category (no lock: one thread builds it)."""
 
-    name: str
-    kinds: list[int] = field(default_factory=list)
-    ids: list[int] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
-    live: dict[int, tuple[int, Category]] = field(default_factory=dict)
-    by_cat: dict[Category, int] = field(default_factory=lambda: {c: 0 for c in Category})
-    cur: int = 0
-    peak: int = 0
-    at_peak: dict[Category, int] = field(default_factory=dict)
-    phase: str = ""
-    phase_at_peak: str = ""
-    next_id: int = 0
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.kinds: list[int] = []
+        self.ids: list[int] = []
+        self.sizes: list[int] = []
+        self.alloc_nbytes: list[int] = []  # by id: the size asked for (a free repeats it)
+        self.live: dict[int, tuple[int, Category]] = {}  # id -> (rounded size, category)
+        self.by_cat: dict[Category, int] = {c: 0 for c in Category}
+        self.cur = 0
+        self.peak = 0
+        self.at_peak: dict[Category, int] = {}
+        self.phase = ""
+        self.phase_at_peak = ""
 
     def alloc(self, nbytes: int, cat: Category = Category.ACTIVATIONS) -> int:
+        """Append an alloc of ``nbytes``; return its id."""
         nbytes = int(nbytes)
         rounded = -(-max(nbytes, 1) // _ROUND) * _ROUND
-        i = self.next_id
-        self.next_id += 1
+        i = len(self.alloc_nbytes)
+        self.alloc_nbytes.append(nbytes)
         self.kinds.append(0)
         self.ids.append(i)
         self.sizes.append(nbytes)
@@ -116,34 +117,22 @@ class _Emitter:
         return i
 
     def free(self, *ids: int) -> None:
+        """Append a free of each id."""
         for i in ids:
             rounded, cat = self.live.pop(i)
             self.kinds.append(1)
             self.ids.append(i)
-            self.sizes.append(self.sizes[self._alloc_pos(i)])
+            self.sizes.append(self.alloc_nbytes[i])
             self.by_cat[cat] -= rounded
             self.cur -= rounded
 
-    def _alloc_pos(self, i: int) -> int:
-        return self._pos[i]
-
-    def __post_init__(self) -> None:
-        self._pos: list[int] = []  # op index of each alloc id (ids are dense, in alloc order)
-
     def build(self) -> WorkloadTrace:
+        """The trace (one stream, times 0, 1, 2, ... µs, no addresses) and its peak."""
         n = len(self.kinds)
         trace = Trace(self.name, "gpumem.estimate", np.array(self.kinds, np.int8), np.array(self.ids, np.int64),
                       np.array(self.sizes, np.int64), np.zeros(n, np.int64), np.arange(n, dtype=np.float64),
                       np.zeros(n, np.int64))
         return WorkloadTrace(trace, self.peak, self.at_peak, self.phase_at_peak)
-
-
-class _TraceEmitter(_Emitter):
-    """An :class:`_Emitter` that remembers where each alloc is, so frees repeat its size."""
-
-    def alloc(self, nbytes: int, cat: Category = Category.ACTIVATIONS) -> int:
-        self._pos.append(len(self.kinds))
-        return super().alloc(nbytes, cat)
 
 
 def _check(name: str, value: int, minimum: int = 1) -> None:
@@ -258,7 +247,7 @@ def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1,
     _check("new_tokens", new_tokens, 0)
     _check("dtype_bytes", dtype_bytes)
     d_act = max(dtype_bytes, 2)  # int8/fp8 weights still compute in 16-bit
-    e = _TraceEmitter(f"generate b={batch_size} p={prompt_len} n={new_tokens}")
+    e = _Emitter(f"generate b={batch_size} p={prompt_len} n={new_tokens}")
     e.phase = "weights"
     for _, n in shape.param_shapes():
         e.alloc(n * dtype_bytes, Category.WEIGHTS)
@@ -305,7 +294,7 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     d = max(dtype_bytes, 2)
     s = shape
     h, i, t = s.hidden_size, s.intermediate_size, batch_size * seq_len
-    e = _TraceEmitter(f"train b={batch_size} s={seq_len}")
+    e = _Emitter(f"train b={batch_size} s={seq_len}")
     e.phase = "weights"
     params = [n * dtype_bytes for _, n in s.param_shapes()]
     for n in params:

@@ -46,7 +46,7 @@ def test_estimate_table_from_config_and_training(tmp_path, capsys):
     (["estimate", *SHAPE, "--prompt-len", "8", "--policy", "nope"], "unknown allocator policy"),
     (["estimate", *SHAPE, "--prompt-len", "0"], "prompt_len"),
     (["estimate", "--hf-config", "missing.json", "--prompt-len", "8"], "cannot read"),
-    (["fit", *SHAPE, "--margin", "2"], "margin"),
+    (["fit", *SHAPE, "--margin", "-1"], "margin"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, match, capsys):
     assert main(argv) == 2
@@ -59,6 +59,6 @@ def test_fit_json(capsys):
                  "--max", "256", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert 1 <= r["simulated"] <= r["binary_search"] <= r["estimate"]
-    assert r["policy"] == "pytorch" and r["margin"] == pytest.approx(0.2)
+    assert r["policy"] == "pytorch" and r["margin"] == pytest.approx(0.25)
     assert main(["fit", *SHAPE, "--device", "sim:gtx-1050-2gb", "--prompt-len", "256", "--max", "64"]) == 0
     assert "largest batch" in capsys.readouterr().out

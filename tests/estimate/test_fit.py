@@ -29,7 +29,9 @@ def test_a_workload_too_large_does_not_fit():
 def test_answer_fits_with_margin_and_one_more_does_not(policy):
     r = find_max_batch(TINY, 2, device=DEVICE, prompt_len=256, new_tokens=2, policy=policy, max_value=512)
     assert r.simulated >= 1
-    limit = int(r.usable_bytes * (1 - r.margin))
+    limit = r.limit_bytes
+    weights = TINY.n_params * 2
+    assert limit == int(weights + (r.usable_bytes - weights) / (1 + r.margin))
     dev = open_device(DEVICE)
     try:
         def fits(b):
@@ -58,8 +60,9 @@ def test_nothing_fits_gives_zero():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(search="tokens"), "search"),
-    (dict(margin=1.0), "margin"),
+    (dict(margin=11.0), "margin"),
     (dict(margin=-0.1), "margin"),
+    (dict(margin=float("nan")), "margin"),
     (dict(max_value=0), "max_value"),
     (dict(policy="nope"), "unknown allocator policy"),
 ])

@@ -74,3 +74,9 @@ def test_bad_input_is_refused(kwargs, match):
 def test_no_policy_is_refused():
     with pytest.raises(InvalidArgumentError, match="at least one policy"):
         estimate_peak_reserved(inference_trace(TINY, 2, prompt_len=8), ())
+
+
+def test_training_fit_and_weights_larger_than_the_device():
+    r = find_max_batch(TINY, 2, device=DEVICE, prompt_len=128, training=True, max_value=64)
+    assert 1 <= r.simulated <= r.binary_search
+    assert all(t.value >= 1 for t in r.tries)

@@ -15,8 +15,11 @@ between a batch that runs and one that runs out of memory), to check ``gpumem.es
 
 Usage (on a machine with a CUDA GPU, torch and transformers)::
 
+    python benchmarks/hf_memory.py --out results/ --fresh         # the accuracy grid, a process per model
     python benchmarks/hf_memory.py --out results/ --trace --max-batch
-    python benchmarks/hf_memory.py --out results/ --quick          # a few small rows
+    python benchmarks/hf_memory.py --out results/ --quick         # a few small rows
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/hf_memory.py --out results/ \
+        --tag hf_memory_expandable --no-train --models llama-0.5b-gqa,llama-7b
 
 The estimator compares itself with the JSON: ``python -m gpumem.estimate.accuracy results/hf_memory.json``.
 """
@@ -290,8 +293,9 @@ def run_fresh(args: argparse.Namespace, argv: list[str]) -> int:
             if left <= 5:
                 log.warning("budget spent: skipping %s", name)
                 continue
-            cmd = [sys.executable, __file__, *strip_opts(passthrough, ("--out", "--tag", "--models", "--budget-s")),
-                   "--out", tmp, "--tag", name, "--models", name, "--budget-s", str(left)]
+            cmd = [sys.executable, __file__, *strip_opts(passthrough, ("--out", "--tag", "--models", "--budget-s", "--snapshot-dir")),
+                   "--out", tmp, "--tag", name, "--models", name, "--budget-s", str(left),
+                   "--snapshot-dir", str(args.snapshot_dir or args.out)]
             proc = subprocess.run(cmd, check=False)
             part = Path(tmp) / f"{name}.json"
             if not part.exists():
@@ -347,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-batches", default="",
                     help="run exactly these generate() rows: model:batch:prompt:new,... (after the grid)")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new rows after this many seconds")
+    ap.add_argument("--snapshot-dir", type=Path, help="where snapshots go (default: --out)")
     ap.add_argument("--fresh", action="store_true",
                     help="run each model in its own process (no cuBLAS workspace or cache left by another model)")
     args = ap.parse_args(argv)
@@ -358,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     args.out.mkdir(parents=True, exist_ok=True)
+    snaps = args.snapshot_dir or args.out
+    snaps.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
@@ -399,11 +406,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.trace_big and name == "llama-7b":
             def big_gen() -> None:
                 run_generate(torch, model, Row("generate", name, cfg, 16, 4096, 8))
-            record_snapshot(torch, big_gen, args.out / "generate_7b_b16_p4096_n8.snapshot.pickle")
+            record_snapshot(torch, big_gen, snaps / "generate_7b_b16_p4096_n8.snapshot.pickle")
         if args.trace and name == "llama-0.5b-gqa":
             def small_gen() -> None:
                 run_generate(torch, model, Row("generate", name, cfg, 2, 512, 4))
-            record_snapshot(torch, small_gen, args.out / "generate_0.5b_b2_p512_n4.snapshot.pickle")
+            record_snapshot(torch, small_gen, snaps / "generate_0.5b_b2_p512_n4.snapshot.pickle")
         for spec in [c for c in args.check_batches.split(",") if c]:
             mname, b, p, n = spec.split(":")
             if mname == name:
@@ -428,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                 save()
             if args.trace and name == "llama-0.1b":
                 record_snapshot(torch, lambda: run_train(torch, model, Row("train", name, cfg, 2, 256, 0)),
-                                args.out / "train_0.1b_b2_s256.snapshot.pickle")
+                                snaps / "train_0.1b_b2_s256.snapshot.pickle")
         del model
         _reset(torch)
     meta["wall_s"] = time.perf_counter() - t_start

@@ -80,3 +80,16 @@ def test_training_fit_and_weights_larger_than_the_device():
     r = find_max_batch(TINY, 2, device=DEVICE, prompt_len=128, training=True, max_value=64)
     assert 1 <= r.simulated <= r.binary_search
     assert all(t.value >= 1 for t in r.tries)
+
+
+def test_bad_input_leaves_an_open_device_untouched():
+    dev = open_device(DEVICE)
+    try:
+        before = dev.mem_info()
+        with pytest.raises(InvalidArgumentError, match="margin"):
+            find_max_batch(TINY, 2, device=dev, prompt_len=16, margin=-1.0)
+        assert dev.mem_info() == before
+        r = find_max_batch(TINY, 2, device=dev, prompt_len=16, new_tokens=1, max_value=4)
+        assert r.simulated == 4 and dev.mem_info() == before  # replays give back what they took
+    finally:
+        dev.close()

@@ -131,7 +131,7 @@ from array import array
 from typing import Callable
 
 from ..device import Device, PhysicalHandle
-from ..errors import InternalError, OutOfMemoryError
+from ..errors import InternalError, InvalidArgumentError, OutOfMemoryError
 from .block import Block, FreeList
 from .fences import StreamFences, merge_fences
 from .policy import AllocatorPolicy, GrowthRule
@@ -354,10 +354,14 @@ def _page_array(n_pages: int) -> array:
 class VirtualSegment(Segment):
     """A reserved virtual range that grows at its top, mapped page by page; shared by all streams."""
 
-    __slots__ = ("top", "refs", "chunks", "empty", "dirty", "page_fences", "users", "noaccess", "top_fences")
+    __slots__ = ("top", "refs", "chunks", "empty", "dirty", "page_fences", "users", "noaccess", "top_fences",
+                 "page_nbytes")
 
     def __init__(self, base: int, nbytes: int, small: bool, granularity: int) -> None:
         super().__init__(base, nbytes, small, 0)
+        self.page_nbytes = granularity
+        """The size of this range's pages: the device granularity, or the policy's page size for the pool
+        (Note [Expandable segments] in :mod:`.policy`)."""
         self.top = 0
         """Bytes from ``base`` tiled by blocks."""
         n_pages = nbytes // granularity
@@ -388,6 +392,15 @@ class VirtualBacking(Backing):
         super().__init__(device, policy, limit_nbytes, fences)
         total = device.properties().total_nbytes
         g = self.granularity
+        self.custom_pages = policy.custom_pages
+        """Whether a pool's pages differ from the granularity (Note [Expandable segments] in :mod:`.policy`)."""
+        self.page_nbytes = {True: policy.small_page_nbytes or g, False: policy.large_page_nbytes or g}
+        """The page size of the small (``True``) and large pool's range."""
+        for nbytes in self.page_nbytes.values():
+            if nbytes % g:
+                raise InvalidArgumentError(f"policy {policy.name!r}: a page of {nbytes} B is not a multiple of "
+                                           f"{device.spec}'s granularity ({g} B)")
+        g = max(self.page_nbytes.values())
         self.va_nbytes = -(-int(total * policy.va_reserve_factor) // g) * g
         self.vsegments: dict[bool, VirtualSegment] = {}
         """One range per pool (``True``: the small pool)."""
@@ -420,7 +433,7 @@ class VirtualBacking(Backing):
         if seg is None:
             base = self.device.address_reserve(self.va_nbytes)
             self.device_calls += 1
-            seg = VirtualSegment(base, self.va_nbytes, key, self.granularity)
+            seg = VirtualSegment(base, self.va_nbytes, key, self.page_nbytes[key])
             self.vsegments[key] = seg
             self.n_segments += 1
         return seg
@@ -485,7 +498,7 @@ class VirtualBacking(Backing):
     def _pages(self, block: Block) -> tuple[VirtualSegment, int, int]:
         """The block's range and the first and last page indices it touches."""
         seg: VirtualSegment = block.segment  # type: ignore[assignment]
-        g = self.granularity
+        g = seg.page_nbytes
         return seg, (block.addr - seg.base) // g, (block.addr + block.size - 1 - seg.base) // g
 
     def commit(self, block: Block) -> None:
@@ -498,7 +511,7 @@ class VirtualBacking(Backing):
         if seg.noaccess:
             fix = [p for p in range(first, last + 1) if p in seg.noaccess]
             for p in fix:
-                self.device.mem_set_access(seg.base + p * self.granularity, self.granularity)
+                self.device.mem_set_access(seg.base + p * seg.page_nbytes, seg.page_nbytes)
                 self.device_calls += 1
                 seg.noaccess.discard(p)
         need = [p for p in range(first, last + 1) if refs[p] == 0 and chunks[p] is None]
@@ -518,7 +531,7 @@ class VirtualBacking(Backing):
 
     def commit_quietly(self, block: Block, nbytes: int) -> bool:
         seg: VirtualSegment = block.segment  # type: ignore[assignment]
-        g = self.granularity
+        g = seg.page_nbytes
         first = (block.addr - seg.base) // g
         if (block.addr + nbytes - 1 - seg.base) // g == first and seg.refs[first]:
             seg.refs[first] += 1
@@ -600,8 +613,13 @@ class VirtualBacking(Backing):
 
     def _map_pages(self, seg: VirtualSegment, need: list[int], first: int, last: int, requested: int) -> None:
         """Map a physical chunk under each page in ``need``; all or nothing (Note [Failure atomicity])."""
-        g = self.granularity
-        shortfall = len(need) - len(self.unmapped)
+        g = seg.page_nbytes
+        if self.custom_pages:
+            # pages of two sizes: only a cached chunk of this range's page size fits; those go last (popped first)
+            self.unmapped.sort(key=lambda h: h.nbytes == g)
+            shortfall = len(need) - sum(1 for h in self.unmapped if h.nbytes == g)
+        else:
+            shortfall = len(need) - len(self.unmapped)
         if shortfall > 0 and self.policy.steal_empty_pages:
             # Create freely up to the slack above the most pages live data ever touched; past it, steal.
             touched = max(self.peak_live_pages, self.live_pages + len(need))
@@ -691,7 +709,7 @@ class VirtualBacking(Backing):
 
     def _unmap_page(self, seg: VirtualSegment, p: int) -> PhysicalHandle:
         """Unmap the empty page ``p`` (its fences have completed) and return its chunk."""
-        g = self.granularity
+        g = seg.page_nbytes
         handle = seg.chunks[p]
         if handle is None or p not in seg.empty:
             raise InternalError(f"page {p} of range {seg.base:#x} is not a mapped empty page")
@@ -1074,10 +1092,10 @@ class VirtualBacking(Backing):
         return released
 
     def close(self, keep: Callable[[Segment], bool] = lambda seg: False) -> None:
-        g = self.granularity
         for key, seg in list(self.vsegments.items()):
             if keep(seg):
                 continue
+            g = seg.page_nbytes
             whole = True
             chunks = seg.chunks
             for p, handle in enumerate(chunks):
@@ -1117,13 +1135,13 @@ class VirtualBacking(Backing):
 
     def consistency_problems(self) -> list[str]:
         problems: list[str] = []
-        g = self.granularity
         reservations = dict(self.device.reservation_ranges()) if hasattr(self.device, "reservation_ranges") else None
         device_maps: dict[int, tuple[int, int]] = {va: (n, h) for va, n, h in self.device.mapping_ranges()}
         mapped = 0
         mapped_nbytes = 0
         live_pages = 0
         for seg in self.vsegments.values():
+            g = seg.page_nbytes
             if reservations is not None and reservations.get(seg.base) != seg.nbytes:
                 problems.append(f"range {seg.base:#x}+{seg.nbytes} is not a device reservation of that size")
             end = seg.base + seg.nbytes
@@ -1186,11 +1204,11 @@ class VirtualBacking(Backing):
                 self._segment_event("segment_map", addr, nbytes, 0)
 
     def mapped_empty_nbytes(self) -> int:
-        return sum(len(s.empty) for s in self.vsegments.values()) * self.granularity
+        return sum(len(s.empty) * s.page_nbytes for s in self.vsegments.values())
 
     def largest_free_nbytes(self, free_lists: list[FreeList]) -> int:
         # any request up to the cached chunks can be stitched without new device memory
-        cached = sum(h.nbytes for h in self.unmapped) + sum(len(s.empty) for s in self.vsegments.values()) * self.granularity
+        cached = sum(h.nbytes for h in self.unmapped) + sum(len(s.empty) * s.page_nbytes for s in self.vsegments.values())
         return max(super().largest_free_nbytes(free_lists), cached)
 
     def describe(self) -> str:

@@ -6,17 +6,45 @@ segment is, when a free block may be split, and whether memory comes from
 ``cudaMalloc``-style segments or from virtual memory. Comparing allocators is
 then comparing policies on one engine, on the same trace and device.
 
-============  ==================================================================
-``gpumem``    the default: virtual memory where the device supports it (page-granular
-              physical backing, stitched from any free chunk), else ``bestfit``
-``bestfit``   a plain best-fit cache without virtual memory: segments of the request
-              rounded up to the granularity, any remainder split off
-``pytorch``   a model of PyTorch's default CUDACachingAllocator: 2 MiB small segments,
-              20 MiB segments for requests under 10 MiB, larger ones rounded to 2 MiB;
-              large blocks split only when more than 1 MiB remains
-``cupy``      a model of CuPy's MemoryPool: one ``cudaMalloc`` of the rounded request
-              per segment, best-fit with splitting, no small/large distinction
-============  ==================================================================
+==============  ==================================================================
+``gpumem``      the default: virtual memory where the device supports it (page-granular
+                physical backing, stitched from any free chunk), else ``bestfit``
+``bestfit``     a plain best-fit cache without virtual memory: segments of the request
+                rounded up to the granularity, any remainder split off
+``pytorch``     a model of PyTorch's default CUDACachingAllocator: 2 MiB small segments,
+                20 MiB segments for requests under 10 MiB, larger ones rounded to 2 MiB;
+                large blocks split only when more than 1 MiB remains
+``cupy``        a model of CuPy's MemoryPool: one ``cudaMalloc`` of the rounded request
+                per segment, best-fit with splitting, no small/large distinction
+``expandable``  a model of PyTorch's expandable segments
+                (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``): a virtual range per
+                pool, mapped in pages of 2 MiB (small pool) / 20 MiB (large pool) at its
+                end as it grows, best fit, any remainder of 512 B or more split off, and
+                pages unmapped only by ``empty_cache`` or the out-of-memory retry
+                (Note [Expandable segments])
+==============  ==================================================================
+
+Note [Expandable segments]
+--------------------------
+PyTorch's ``ExpandableSegment`` (``c10/cuda/CUDACachingAllocator.cpp``) reserves
+address space of 1 1/8 times the device memory per stream and pool and maps
+physical memory under it in pages of ``kSmallBuffer`` (2 MiB) for the small pool
+and ``kLargeBuffer`` (20 MiB) for the large one. A request takes the best-fitting
+*mapped* free block of its pool and stream; with none, the allocator takes the
+lowest unmapped stretch of the stream's segment (with the free block just before
+it) and maps the request's size rounded up to whole pages there, which at first
+is always the end of the mapped part. With expandable segments
+``should_split`` splits any remainder of at least ``kMinBlockSize`` (512 B) in
+both pools. Freed blocks stay mapped; ``empty_cache`` (and the retry after a failed
+map) unmaps the whole pages inside free blocks. The model is gpumem's virtual
+backing with ``growth=PAGES``, no stealing (a page once mapped stays where it is
+until the cache is released), pages of 2 / 20 MiB (``small_page_nbytes`` /
+``large_page_nbytes``) and 1 1/8 of the device memory of address space. What
+differs: gpumem shares one range per pool among streams (PyTorch: one segment per
+stream and pool; free lists are per stream in both, so a single-stream trace is
+replayed identically), and after a release gpumem's best fit may place a block
+over any unmapped hole where PyTorch takes the lowest one large enough. It runs
+on the Python engine (the native engine has one page size).
 """
 
 from __future__ import annotations
@@ -96,6 +124,11 @@ class AllocatorPolicy:
     page), so that memory locked in partly live chunks stays small."""
     chunk_max_nbytes: int = 1 << 30
     """``growth=CHUNKS``: and at most this many bytes."""
+    small_page_nbytes: int | None = None
+    """Virtual memory mode with ``growth=PAGES`` and no stealing: the page size of the small pool's range
+    (a multiple of the device granularity; None: the granularity). Note [Expandable segments]."""
+    large_page_nbytes: int | None = None
+    """Likewise for the large pool's range (PyTorch's expandable segments: 20 MiB)."""
     grow_ahead_fraction: float = 0.0
     """``growth=CHUNKS``: a chunk created for a run that ends at the top of a range is extended past it
     to this fraction of the memory held (within ``page_slack``, ``chunk_max_*`` and unmapped address
@@ -119,6 +152,18 @@ class AllocatorPolicy:
                 raise InvalidArgumentError(f"{knob} must be between 0 and 1, not {value!r}")
         if self.chunk_max_nbytes <= 0:
             raise InvalidArgumentError("chunk_max_nbytes must be positive")
+        for knob in ("small_page_nbytes", "large_page_nbytes"):
+            value = getattr(self, knob)
+            if value is not None and (value.__class__ is not int or value <= 0):
+                raise InvalidArgumentError(f"{knob} must be a positive number of bytes or None, not {value!r}")
+        if self.custom_pages and (self.growth is not GrowthRule.PAGES or self.steal_empty_pages):
+            raise InvalidArgumentError("small_page_nbytes / large_page_nbytes need growth='pages' and "
+                                       "steal_empty_pages=False (a chunk moves only to a page of its size)")
+
+    @property
+    def custom_pages(self) -> bool:
+        """Whether a pool's virtual range has pages other than the device granularity."""
+        return self.small_page_nbytes is not None or self.large_page_nbytes is not None
 
     def round(self, nbytes: int) -> int:
         """The block size for a request of ``nbytes``."""
@@ -163,6 +208,17 @@ POLICIES: dict[str, AllocatorPolicy] = {
             separate_small_pool=False,
             segment_rule=SegmentRule.EXACT,
         ),
+        AllocatorPolicy(
+            "expandable",
+            "model of PyTorch's expandable segments (virtual range mapped in 2/20 MiB pages at its end, split >= 512 B)",
+            vmm=VmmMode.ALWAYS,
+            va_reserve_factor=1.125,
+            steal_empty_pages=False,
+            page_slack=0.0,
+            growth=GrowthRule.PAGES,
+            small_page_nbytes=2 * MiB,
+            large_page_nbytes=20 * MiB,
+        ),
     )
 }
 
@@ -170,7 +226,7 @@ DEFAULT_POLICY = "gpumem"
 
 
 def get_policy(name: "str | AllocatorPolicy") -> AllocatorPolicy:
-    """The named policy (``gpumem``, ``bestfit``, ``pytorch``, ``cupy``), or ``name`` if already a policy."""
+    """The named policy (``gpumem``, ``bestfit``, ``pytorch``, ``cupy``, ``expandable``), or ``name`` if already a policy."""
     if isinstance(name, AllocatorPolicy):
         return name
     try:

@@ -12,5 +12,7 @@ from __future__ import annotations
 COMMAND_MODULES: tuple[str, ...] = (
     "info",
     "workspace",
+    "estimate",
+    "fit",
 )
 """Submodules of :mod:`gpumem.commands`, in the order ``gpumem --help`` lists them."""

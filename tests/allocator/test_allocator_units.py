@@ -509,7 +509,7 @@ def test_bad_frees_raise_and_change_nothing(dev, policy):
 
 
 def test_unknown_policy_and_policies_by_name(dev):
-    assert set(POLICIES) == {"gpumem", "bestfit", "pytorch", "cupy"}
+    assert set(POLICIES) == {"gpumem", "bestfit", "pytorch", "cupy", "expandable"}
     for name in POLICIES:
         assert get_policy(name).name == name
         alloc = make(small_device(), name)

@@ -1,0 +1,136 @@
+"""``gpumem estimate``: peak allocated and peak reserved memory of generate() or training, per dtype."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..cli import _add_verbose, _exit_codes_text
+from ..errors import InvalidArgumentError
+from ..units import format_bytes
+from ._model_args import add_model_args, model_from_args, parse_dtypes
+
+DESCRIPTION = """\
+Estimate the GPU memory of Hugging Face generate() (greedy, DynamicCache, SDPA) or of full training steps
+(AdamW) for a Llama-style decoder, from a config.json or the numbers.
+
+Two figures per dtype: the peak of ALLOCATED bytes (what torch.cuda.max_memory_allocated reports; on an
+H200 the estimate was 0 % to +4.1 % above the measurement for 0.1B-7B models, batch 1-32, prompts up to
+4096), and the peak of RESERVED bytes under each --policy (what nvidia-smi shows and what decides out of
+memory), from replaying the workload's allocations through gpumem's model of that allocator on the
+simulated --device.
+
+examples:
+  gpumem estimate --hf-config config.json --batch-size 8 --prompt-len 1024 --new-tokens 128
+  gpumem estimate --hidden-size 4096 --intermediate-size 11008 --layers 32 --vocab-size 32000 \\
+      --heads 32 --prompt-len 4096 --new-tokens 16 --dtype bf16,fp32 --json
+  gpumem estimate --hf-config config.json --training --batch-size 4 --prompt-len 2048
+"""
+
+
+def register(sub: Any, formatter_class: type) -> None:
+    """Add ``estimate`` to the subcommands."""
+    p = sub.add_parser("estimate", help="estimate peak allocated and reserved memory of generate() or training",
+                       description=DESCRIPTION, epilog=_exit_codes_text(), formatter_class=formatter_class)
+    add_model_args(p)
+    w = p.add_argument_group("workload")
+    w.add_argument("--batch-size", type=int, default=1)
+    w.add_argument("--prompt-len", type=int, help="prompt tokens (training: sequence length); "
+                                                   "default: --max-seq-len minus --new-tokens")
+    w.add_argument("--new-tokens", type=int, default=0, help="tokens generated (default 0: prefill only)")
+    w.add_argument("--max-seq-len", type=int, help="default: prompt + new tokens")
+    w.add_argument("--training", action="store_true", help="full training steps instead of generate()")
+    w.add_argument("--dtype", help="comma-separated: bf16, fp16, fp32, int8 (default: the config's, else bf16)")
+    r = p.add_argument_group("peak reserved")
+    r.add_argument("--policy", default="pytorch,expandable,gpumem",
+                   help="allocator policies to replay under (default: %(default)s)")
+    r.add_argument("--device", default="sim:h200-141gb", help="simulated device for the replays")
+    r.add_argument("--no-reserved", action="store_true", help="skip the replays (peak allocated only)")
+    p.add_argument("--json", action="store_true", help="one JSON list, an object per dtype")
+    _add_verbose(p)
+    p.set_defaults(func=run)
+
+
+def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The estimate per dtype as JSON-ready dicts."""
+    from ..estimate.fit import estimate_peak_reserved
+    from ..estimate.formulas import estimate_inference_memory, estimate_training_memory
+    from ..estimate.workload import inference_trace, training_trace
+
+    shape, cfg_bytes = model_from_args(args)
+    if args.prompt_len is None and args.max_seq_len is None:
+        raise InvalidArgumentError("give --prompt-len or --max-seq-len")
+    for opt, value in (("prompt_len", args.prompt_len), ("max_seq_len", args.max_seq_len)):
+        if value is not None and value <= 0:
+            raise InvalidArgumentError(f"{opt} (--{opt.replace('_', '-')}) must be a positive whole number, got {value}")
+    new = args.new_tokens
+    max_len = args.max_seq_len if args.max_seq_len is not None else args.prompt_len + (0 if args.training else new)
+    prompt = args.prompt_len if args.prompt_len is not None else max_len - (0 if args.training else new)
+    policies = [x.strip() for x in args.policy.split(",") if x.strip()]
+    from ..allocator.policy import get_policy
+    for pol in policies:
+        get_policy(pol)
+    rows = []
+    dims = (shape.hidden_size, shape.intermediate_size, shape.n_layers, shape.vocab_size, shape.n_heads,
+            shape.n_kv_heads)
+    for name, nbytes in parse_dtypes(args.dtype, cfg_bytes, args.config_dtype):
+        if args.training:
+            est = estimate_training_memory(*dims, prompt, nbytes, batch_size=args.batch_size, head_dim=shape.head_dim,
+                                           tie_word_embeddings=shape.tie_word_embeddings)
+        else:
+            est = estimate_inference_memory(*dims, max_len, nbytes, batch_size=args.batch_size, prompt_len=prompt,
+                                            new_tokens=new, head_dim=shape.head_dim,
+                                            tie_word_embeddings=shape.tie_word_embeddings)
+        row: dict[str, Any] = {
+            "dtype": name, "dtype_bytes": nbytes, "workload": "training" if args.training else "generate",
+            "batch_size": args.batch_size, "prompt_len": prompt, "new_tokens": 0 if args.training else new,
+            "n_params": shape.n_params, "peak_allocated_bytes": est.total_bytes, "model_bytes": est.model_bytes,
+            "kv_cache_bytes": est.kv_cache_bytes, "activation_bytes": est.activation_bytes,
+            "overhead_bytes": est.overhead_bytes, "peak_phase": est.phase,
+        }
+        if args.training:
+            row["gradient_bytes"] = est.gradient_bytes  # type: ignore[attr-defined]
+            row["optimizer_bytes"] = est.optimizer_bytes  # type: ignore[attr-defined]
+        if not args.no_reserved and policies:
+            w = (training_trace(shape, nbytes, batch_size=args.batch_size, seq_len=prompt) if args.training else
+                 inference_trace(shape, nbytes, batch_size=args.batch_size, prompt_len=prompt, new_tokens=new))
+            res = estimate_peak_reserved(w, policies, device=args.device)
+            row["device"] = args.device
+            row["peak_reserved_bytes"] = res[0].peak_reserved_bytes
+            row["reserved_policy"] = res[0].policy
+            row["peak_reserved_by_policy"] = {e.policy: e.peak_reserved_bytes for e in res}
+            row["fits_by_policy"] = {e.policy: e.fits for e in res}
+        rows.append(row)
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the table (or JSON); exit 0."""
+    rows = estimate_rows(args)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    first = rows[0]
+    kind = (f"training, batch {first['batch_size']} x {first['prompt_len']} tokens" if args.training else
+            f"generate(), batch {first['batch_size']}, prompt {first['prompt_len']}, {first['new_tokens']} new tokens")
+    print(f"{first['n_params'] / 1e9:.2f}B parameters; {kind}")
+    pols = list(first.get("peak_reserved_by_policy", {}))
+    middle = ("GRADIENTS", "OPTIMIZER") if args.training else ("KV CACHE",)
+    keys = ("gradient_bytes", "optimizer_bytes") if args.training else ("kv_cache_bytes",)
+    head = f"{'DTYPE':<6} {'MODEL':>11}" + "".join(f" {m:>11}" for m in middle)
+    head += f" {'ACTIV.':>11} {'OVERHEAD':>11} {'PEAK ALLOC':>11}"
+    head += "".join(f" {('RES ' + p)[:14]:>14}" for p in pols)
+    print(head)
+    for r in rows:
+        line = f"{r['dtype']:<6} {format_bytes(r['model_bytes']):>11}" + "".join(
+            f" {format_bytes(r[k]):>11}" for k in keys)
+        line += (f" {format_bytes(r['activation_bytes']):>11} {format_bytes(r['overhead_bytes']):>11} "
+                 f"{format_bytes(r['peak_allocated_bytes']):>11}")
+        for p in pols:
+            mark = "" if r["fits_by_policy"][p] else " OOM"
+            line += f" {format_bytes(r['peak_reserved_by_policy'][p]) + mark:>14}"
+        print(line)
+    print(f"peak in: {first['peak_phase']}; ACTIV. = activations and temporaries at the peak; RES = peak reserved "
+          f"by replay on {first.get('device', '-')} (OOM: does not fit it)")
+    return 0

@@ -1,0 +1,72 @@
+"""``gpumem fit``: the largest batch (or prompt length) that runs on a device without out-of-memory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..cli import _add_verbose, _exit_codes_text
+from ._model_args import add_model_args, model_from_args, parse_dtypes
+
+DESCRIPTION = """\
+Find the largest batch (or, with --search seq_len, the longest prompt) for which Hugging Face generate()
+(or, with --training, a training step) runs on --device without out-of-memory: the workload's allocations
+are replayed through gpumem's model of the --policy allocator, with --margin more of the memory beyond the
+weights held back for fragmentation (default: 0.25 for pytorch, 0.01 for expandable and gpumem;
+docs/estimation.md says why).
+
+Beside it: what the peak-allocated estimate alone allows, where a halving retry (start at a power of two,
+halve on each out-of-memory) settles, and where a binary search on the same replays without margin settles.
+
+examples:
+  gpumem fit --hf-config config.json --device sim:a100-80gb --prompt-len 4096 --new-tokens 16
+  gpumem fit --hf-config config.json --search seq_len --batch-size 8 --new-tokens 64 --json
+"""
+
+
+def register(sub: Any, formatter_class: type) -> None:
+    """Add ``fit`` to the subcommands."""
+    p = sub.add_parser("fit", help="the largest batch or prompt that fits a device",
+                       description=DESCRIPTION, epilog=_exit_codes_text(), formatter_class=formatter_class)
+    add_model_args(p)
+    p.add_argument("--device", default="sim:h200-141gb", help="device spec (default: %(default)s)")
+    p.add_argument("--policy", default="pytorch", help="allocator policy (default: %(default)s)")
+    p.add_argument("--margin", type=float, help="extra share of the memory beyond the weights held back (0.25: "
+                                                "the rest must fit in free/1.25)")
+    p.add_argument("--search", choices=("batch", "seq_len"), default="batch")
+    p.add_argument("--batch-size", type=int, default=1, help="the batch when searching the sequence length")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt (training: sequence) length when "
+                                                               "searching the batch (default: %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--training", action="store_true")
+    p.add_argument("--dtype", help="bf16, fp16, fp32 or int8 (default: the config's, else bf16)")
+    p.add_argument("--max", type=int, default=4096, dest="max_value", help="upper bound of the search")
+    p.add_argument("--json", action="store_true")
+    _add_verbose(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the answer (or JSON); exit 0, or 1 when not even the smallest size fits."""
+    from ..cli import EXIT_OOM
+    from ..estimate.fit import find_max_batch
+
+    shape, cfg_bytes = model_from_args(args)
+    name, nbytes = parse_dtypes(args.dtype, cfg_bytes, args.config_dtype)[0]
+    r = find_max_batch(shape, nbytes, device=args.device, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                       batch_size=args.batch_size, search=args.search, training=args.training, policy=args.policy,
+                       margin=args.margin, max_value=args.max_value)
+    if args.json:
+        out = r.as_dict()
+        out.update(dtype=name, n_params=shape.n_params)
+        print(json.dumps(out, indent=2))
+    else:
+        what = "batch" if args.search == "batch" else "prompt length"
+        print(f"{shape.n_params / 1e9:.2f}B parameters, {name}, on {r.device} ({r.usable_bytes / 2**30:.2f} GiB free), "
+              f"policy {r.policy}, margin {r.margin:.0%} beyond the weights")
+        print(f"largest {what} (simulated, with margin): {r.simulated}")
+        print(f"  estimate alone (peak allocated <= free): {r.estimate}")
+        print(f"  halving retry from {r.start}:            {r.halving}")
+        print(f"  binary search, no margin:               {r.binary_search}")
+    return 0 if r.simulated >= 1 else EXIT_OOM

@@ -1,0 +1,165 @@
+"""Peak-allocated estimates of inference and training memory for Llama-style decoders."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import InvalidArgumentError
+from .shape import ModelShape
+from .workload import Category, WorkloadTrace, inference_trace, training_trace
+
+__all__ = ["MemoryEstimate", "TrainingEstimate", "estimate_model_memory", "estimate_kv_cache_memory",
+           "estimate_inference_memory", "estimate_training_memory"]
+
+log = logging.getLogger(__name__)
+
+_GB = 1e9
+_MB = 1e6
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The estimated peak of GPU memory a workload allocates, and its parts at that moment.
+
+    ``total_bytes`` is the peak of allocated bytes (what ``torch.cuda.max_memory_allocated`` reports):
+    ``model_bytes + kv_cache_bytes + activation_bytes + overhead_bytes``. ``phase`` names where the peak
+    falls (``prefill``, ``decode``, ``forward 2``, ``optimizer 1``, ...).
+    """
+
+    model_bytes: int
+    kv_cache_bytes: int
+    activation_bytes: int
+    overhead_bytes: int
+    total_bytes: int
+    phase: str = ""
+
+    @property
+    def total_gb(self) -> float:
+        """``total_bytes`` in GB (10**9 bytes)."""
+        return self.total_bytes / _GB
+
+    @property
+    def total_mb(self) -> float:
+        """``total_bytes`` in MB (10**6 bytes)."""
+        return self.total_bytes / _MB
+
+    @property
+    def model_gb(self) -> float:
+        """``model_bytes`` in GB."""
+        return self.model_bytes / _GB
+
+    @property
+    def kv_cache_gb(self) -> float:
+        """``kv_cache_bytes`` in GB."""
+        return self.kv_cache_bytes / _GB
+
+    @property
+    def activation_gb(self) -> float:
+        """``activation_bytes`` in GB."""
+        return self.activation_bytes / _GB
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TrainingEstimate(MemoryEstimate):
+    """A :class:`MemoryEstimate` of training steps; ``kv_cache_bytes`` is 0, and the peak's gradients and
+    optimizer states are given apart."""
+
+    gradient_bytes: int = 0
+    optimizer_bytes: int = 0
+
+
+def _check_dtype(dtype_bytes: Any) -> int:
+    if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes not in (1, 2, 4):
+        raise InvalidArgumentError(f"dtype_bytes must be 1, 2 or 4, got {dtype_bytes!r}")
+    return int(dtype_bytes)
+
+
+def estimate_model_memory(hidden_size: int, intermediate_size: int, n_layers: int, vocab_size: int,
+                          dtype_bytes: int, *, n_heads: int | None = None, n_kv_heads: int | None = None,
+                          tie_word_embeddings: bool = False) -> int:
+    """Bytes of the weights of a Llama-style decoder (embeddings, blocks, final norm, output projection).
+
+    ``n_heads``/``n_kv_heads`` matter for grouped-query attention (smaller k/v projections); without them
+    the attention is taken as multi-head (``n_kv_heads == n_heads``).
+    """
+    dtype_bytes = _check_dtype(dtype_bytes)
+    heads = n_heads or 1
+    shape = ModelShape(hidden_size, intermediate_size, n_layers, vocab_size, heads, n_kv_heads or heads,
+                       0 if hidden_size % heads == 0 else 1, tie_word_embeddings)
+    return shape.n_params * dtype_bytes
+
+
+def estimate_kv_cache_memory(n_layers: int, n_kv_heads: int, head_dim: int, seq_len: int, dtype_bytes: int, *,
+                             batch_size: int = 1) -> int:
+    """Bytes of a full key/value cache: ``2 * n_layers * batch * seq_len * n_kv_heads * head_dim * dtype``."""
+    dtype_bytes = _check_dtype(dtype_bytes)
+    for name, v in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
+                    ("seq_len", seq_len), ("batch_size", batch_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise InvalidArgumentError(f"{name} must be a positive whole number, got {v!r}")
+    return 2 * n_layers * batch_size * seq_len * n_kv_heads * head_dim * max(dtype_bytes, 2)
+
+
+def _from_trace(model_bytes: int, w: WorkloadTrace, cls: type = MemoryEstimate, **extra: int) -> Any:
+    at = w.at_peak
+    kv = at.get(Category.KV_CACHE, 0)
+    over = at.get(Category.OVERHEAD, 0)
+    weights = at.get(Category.WEIGHTS, 0)
+    rest = w.peak_nbytes - weights - kv - over - sum(extra.values())
+    return cls(model_bytes=weights, kv_cache_bytes=kv, activation_bytes=rest, overhead_bytes=over,
+               total_bytes=w.peak_nbytes, phase=w.phase_at_peak, **extra)
+
+
+def estimate_inference_memory(hidden_size: int, intermediate_size: int, n_layers: int, vocab_size: int,
+                              n_heads: int, n_kv_heads: int, max_seq_len: int, dtype_bytes: int, *,
+                              batch_size: int = 1, prompt_len: int | None = None, new_tokens: int = 0,
+                              head_dim: int = 0, tie_word_embeddings: bool = False) -> MemoryEstimate:
+    """The peak of allocated bytes of Hugging Face ``generate()`` on a Llama-style decoder.
+
+    ``prompt_len`` defaults to ``max_seq_len - new_tokens``; ``prompt_len + new_tokens`` may not exceed
+    ``max_seq_len``. The estimate walks the allocations of :func:`~gpumem.estimate.workload.inference_trace`
+    (weights, prefill, one decode step per new token after the first) and reports their peak.
+    """
+    dtype_bytes = _check_dtype(dtype_bytes)
+    shape = ModelShape(hidden_size, intermediate_size, n_layers, vocab_size, n_heads, n_kv_heads, head_dim,
+                       tie_word_embeddings)
+    prompt = _prompt(max_seq_len, prompt_len, new_tokens)
+    w = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt, new_tokens=new_tokens)
+    return _from_trace(shape.n_params * dtype_bytes, w)
+
+
+def _prompt(max_seq_len: int, prompt_len: int | None, new_tokens: int) -> int:
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0:
+        raise InvalidArgumentError(f"max_seq_len must be a positive whole number, got {max_seq_len!r}")
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0:
+        raise InvalidArgumentError(f"new_tokens must be a whole number >= 0, got {new_tokens!r}")
+    prompt = max_seq_len - new_tokens if prompt_len is None else prompt_len
+    if isinstance(prompt, bool) or not isinstance(prompt, int) or prompt <= 0:
+        raise InvalidArgumentError(f"prompt_len must be a positive whole number, got {prompt!r}")
+    if prompt + new_tokens > max_seq_len:
+        raise InvalidArgumentError(f"prompt_len {prompt} + new_tokens {new_tokens} exceeds max_seq_len {max_seq_len}")
+    return prompt
+
+
+def estimate_training_memory(hidden_size: int, intermediate_size: int, n_layers: int, vocab_size: int,
+                             n_heads: int, n_kv_heads: int, seq_len: int, dtype_bytes: int, *, batch_size: int = 1,
+                             optimizer_states: int = 2, head_dim: int = 0,
+                             tie_word_embeddings: bool = False) -> TrainingEstimate:
+    """The peak of allocated bytes of full training steps (forward, backward, foreach AdamW with
+    ``optimizer_states`` states per parameter in the weights' dtype), steady state included (two steps)."""
+    dtype_bytes = _check_dtype(dtype_bytes)
+    if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
+        raise InvalidArgumentError(f"optimizer_states must be a whole number >= 0, got {optimizer_states!r}")
+    shape = ModelShape(hidden_size, intermediate_size, n_layers, vocab_size, n_heads, n_kv_heads, head_dim,
+                       tie_word_embeddings)
+    w = training_trace(shape, dtype_bytes, batch_size=batch_size, seq_len=seq_len, n_steps=2,
+                       optimizer_states=optimizer_states)
+    return _from_trace(shape.n_params * dtype_bytes, w, TrainingEstimate,
+                       gradient_bytes=w.at_peak.get(Category.GRADIENTS, 0),
+                       optimizer_bytes=w.at_peak.get(Category.OPTIMIZER, 0))

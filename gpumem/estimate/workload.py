@@ -1,0 +1,377 @@
+"""Synthetic allocation traces of Hugging Face ``generate()`` and of training steps.
+
+The sequence follows what PyTorch's caching allocator sees when transformers runs a Llama-style model
+with SDPA attention (read off ``torch.cuda.memory._snapshot`` traces recorded on an H200,
+``reports/hil/estimate-accuracy-h200-2026-11-22.md``):
+
+Note [Prefill]
+    ``generate()`` runs the whole prompt at once (``T = batch * prompt`` tokens). The embeddings
+    (``T*H``), the layer's input and the residual stay live through a block; each RMSNorm upcasts to
+    fp32 (two ``T*H*4`` tensors at once); q, k and v are projected, rotated (``q*cos``,
+    ``rotate_half(q)*sin`` and their sum are three more q-sized tensors), k and v are copied into the
+    cache (``DynamicLayer.update`` does ``torch.cat``), SDPA writes its output and the ``reshape`` after
+    the transpose copies it; the gated MLP holds ``act(gate)``, ``up`` and their product (three
+    ``T*I`` tensors) at once. The peak is the last block's MLP, with the whole prompt's cache live. Only
+    the last position's logits are computed (``logits_to_keep=1``), then copied to fp32.
+
+Note [Decode]
+    Each new token runs one forward of ``batch`` tokens; every block grows its key and its value cache
+    by ``torch.cat`` (a new tensor one token longer is allocated before the old one is freed), so the
+    peak of a decode step is the whole cache plus one layer's key or value. ``new_tokens`` tokens need
+    ``new_tokens - 1`` decode forwards.
+
+Note [Token bookkeeping]
+    Beside the tensors of the model, ``generate()`` holds the int64 input ids and attention mask, and each
+    forward computes ``position_ids`` from the mask by ``cumsum``: about 24 bytes per token, which the
+    H200 runs showed at batch 135 x 4096 (0.55 M tokens: 12.6 MiB).
+
+Note [Overhead]
+    cuBLAS takes a 32 MiB workspace through the caching allocator at the first matrix product of each
+    stream/handle (one for inference, a second one for the backward pass of training), and kernels and
+    generate's bookkeeping take a few more MiB (measured: 1-7 MiB beyond the parameters once the weights are
+    loaded, and 19 MiB more in the decode steps of the multi-head 7B model only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from ..trace.model import Trace
+from ..units import MiB
+from .shape import ModelShape
+
+__all__ = ["Category", "WorkloadTrace", "inference_trace", "training_trace", "CUBLAS_WORKSPACE_NBYTES",
+           "MISC_NBYTES", "DECODE_SLACK_PER_Q_NBYTES"]
+
+CUBLAS_WORKSPACE_NBYTES = 32 * MiB
+"""cuBLAS workspace per handle (Note [Overhead])."""
+MISC_NBYTES = 12 * MiB
+"""Small buffers of kernels, the RNG and generate's bookkeeping (Note [Overhead])."""
+BACKWARD_MISC_NBYTES = 16 * MiB
+"""Training: small buffers of autograd and the optimizer beyond the two cuBLAS workspaces (Note [Overhead])."""
+DECODE_SLACK_PER_Q_NBYTES = 6 * 1024
+"""Multi-head (not grouped) attention: a kernel workspace in decode steps, per query width (Note [Overhead]:
+19 MiB measured on the 7B model, q width 4096, none on the grouped-query models)."""
+
+_ROUND = 512  # PyTorch rounds every block to 512 bytes; max_memory_allocated counts rounded blocks
+
+
+class Category(str, Enum):
+    """What an allocation of a synthetic trace holds."""
+
+    WEIGHTS = "weights"
+    KV_CACHE = "kv_cache"
+    ACTIVATIONS = "activations"
+    GRADIENTS = "gradients"
+    OPTIMIZER = "optimizer"
+    OVERHEAD = "overhead"
+
+
+@dataclass
+class WorkloadTrace:
+    """A synthetic trace and its peak, split by :class:`Category` at the moment of the peak."""
+
+    trace: Trace
+    peak_nbytes: int
+    at_peak: dict[Category, int]
+    phase_at_peak: str
+
+
+class _Emitter:
+    """Builds the ops of a trace and tracks live bytes per category (no lock: one thread builds it)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.kinds: list[int] = []
+        self.ids: list[int] = []
+        self.sizes: list[int] = []
+        self.alloc_nbytes: list[int] = []  # by id: the size asked for (a free repeats it)
+        self.live: dict[int, tuple[int, Category]] = {}  # id -> (rounded size, category)
+        self.by_cat: dict[Category, int] = {c: 0 for c in Category}
+        self.cur = 0
+        self.peak = 0
+        self.at_peak: dict[Category, int] = {}
+        self.phase = ""
+        self.phase_at_peak = ""
+
+    def alloc(self, nbytes: int, cat: Category = Category.ACTIVATIONS) -> int:
+        """Append an alloc of ``nbytes``; return its id."""
+        nbytes = int(nbytes)
+        rounded = -(-max(nbytes, 1) // _ROUND) * _ROUND
+        i = len(self.alloc_nbytes)
+        self.alloc_nbytes.append(nbytes)
+        self.kinds.append(0)
+        self.ids.append(i)
+        self.sizes.append(nbytes)
+        self.live[i] = (rounded, cat)
+        self.by_cat[cat] += rounded
+        self.cur += rounded
+        if self.cur > self.peak:
+            self.peak = self.cur
+            self.at_peak = dict(self.by_cat)
+            self.phase_at_peak = self.phase
+        return i
+
+    def free(self, *ids: int) -> None:
+        """Append a free of each id."""
+        for i in ids:
+            rounded, cat = self.live.pop(i)
+            self.kinds.append(1)
+            self.ids.append(i)
+            self.sizes.append(self.alloc_nbytes[i])
+            self.by_cat[cat] -= rounded
+            self.cur -= rounded
+
+    def build(self) -> WorkloadTrace:
+        """The trace (one stream, times 0, 1, 2, ... µs, no addresses) and its peak."""
+        n = len(self.kinds)
+        trace = Trace(self.name, "gpumem.estimate", np.array(self.kinds, np.int8), np.array(self.ids, np.int64),
+                      np.array(self.sizes, np.int64), np.zeros(n, np.int64), np.arange(n, dtype=np.float64),
+                      np.zeros(n, np.int64))
+        return WorkloadTrace(trace, self.peak, self.at_peak, self.phase_at_peak)
+
+
+def _check(name: str, value: int, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+
+
+def _norm(e: _Emitter, x_nbytes_fp32: int, out_nbytes: int) -> int:
+    """RMSNorm as transformers writes it: fp32 upcast, pow, rsqrt-scale, cast back, weight multiply."""
+    up = e.alloc(x_nbytes_fp32)
+    sq = e.alloc(x_nbytes_fp32)
+    e.free(sq)
+    scaled = e.alloc(x_nbytes_fp32)
+    e.free(up)
+    cast = e.alloc(out_nbytes)
+    out = e.alloc(out_nbytes)
+    e.free(cast, scaled)
+    return out
+
+
+def _rope(e: _Emitter, nbytes: int) -> int:
+    """``x*cos + rotate_half(x)*sin``: three x-sized temporaries and a half-sized one."""
+    a = e.alloc(nbytes)
+    neg = e.alloc(nbytes // 2)
+    cat = e.alloc(nbytes)
+    e.free(neg)
+    b = e.alloc(nbytes)
+    e.free(cat)
+    out = e.alloc(nbytes)
+    e.free(a, b)
+    return out
+
+
+def _forward_block(e: _Emitter, s: ModelShape, tokens: int, d: int, cache: list[int], layer: int,
+                   cache_tokens_after: int, batch: int, q_len: int) -> int:
+    """One decoder block on ``tokens`` tokens; grows ``cache[2*layer:2*layer+2]``; returns the block output id
+    (the caller frees the block input)."""
+    h, i = s.hidden_size, s.intermediate_size
+    th, tq, tkv, ti = tokens * h * d, tokens * s.q_dim * d, tokens * s.kv_dim * d, tokens * i * d
+    n1 = _norm(e, tokens * h * 4, th)
+    q = e.alloc(tq)
+    k = e.alloc(tkv)
+    v = e.alloc(tkv)
+    qe = _rope(e, tq)
+    e.free(q)
+    ke = _rope(e, tkv)
+    e.free(k)
+    layer_nbytes = batch * cache_tokens_after * s.kv_dim * d
+    for j, src in enumerate((ke, v)):  # DynamicLayer.update: torch.cat([old, new]) allocates before freeing
+        new = e.alloc(layer_nbytes, Category.KV_CACHE)
+        old = cache[2 * layer + j]
+        if old >= 0:
+            e.free(old)
+        cache[2 * layer + j] = new
+    e.free(ke, v)
+    out = e.alloc(tq)
+    lse = e.alloc(batch * s.n_heads * q_len * 4)
+    flat = e.alloc(tq)
+    e.free(out, lse, qe)
+    o = e.alloc(th)
+    e.free(flat, n1)
+    h1 = e.alloc(th)
+    e.free(o)
+    n2 = _norm(e, tokens * h * 4, th)
+    g = e.alloc(ti)
+    a = e.alloc(ti)
+    e.free(g)
+    u = e.alloc(ti)
+    m = e.alloc(ti)
+    e.free(a, u)
+    dn = e.alloc(th)
+    e.free(m, n2)
+    h2 = e.alloc(th)
+    e.free(dn, h1)
+    return h2
+
+
+def _forward(e: _Emitter, s: ModelShape, batch: int, q_len: int, d: int, cache: list[int], cache_tokens_after: int,
+             slack: int) -> None:
+    """One model forward of ``batch * q_len`` tokens that keeps only the last position's logits."""
+    tokens = batch * q_len
+    pos = e.alloc(tokens * 8)  # position_ids = attention_mask.cumsum(-1) - 1 (int64), and the cumsum
+    cum = e.alloc(tokens * 8)
+    emb = e.alloc(tokens * s.hidden_size * d)
+    cos = e.alloc(tokens * s.head_dim * d)
+    sin = e.alloc(tokens * s.head_dim * d)
+    ws = e.alloc(slack, Category.OVERHEAD) if slack else -1
+    x = emb
+    for layer in range(s.n_layers):
+        y = _forward_block(e, s, tokens, d, cache, layer, cache_tokens_after, batch, q_len)
+        if x != emb:
+            e.free(x)
+        x = y
+    nf = _norm(e, tokens * s.hidden_size * 4, tokens * s.hidden_size * d)
+    logits = e.alloc(batch * s.vocab_size * d)
+    e.free(nf, x, emb, cos, sin, pos, cum)
+    if ws >= 0:
+        e.free(ws)
+    # generate: next-token logits copied to fp32, logits processors work on copies, then argmax
+    f32 = e.alloc(batch * s.vocab_size * 4)
+    e.free(logits)
+    p1 = e.alloc(batch * s.vocab_size * 4)
+    p2 = e.alloc(batch * s.vocab_size * 4)
+    e.free(p1, p2, f32)
+
+
+def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, prompt_len: int,
+                    new_tokens: int = 0) -> WorkloadTrace:
+    """The allocations of loading the weights and running ``generate()`` (greedy, DynamicCache, SDPA)."""
+    _check("batch_size", batch_size)
+    _check("prompt_len", prompt_len)
+    _check("new_tokens", new_tokens, 0)
+    _check("dtype_bytes", dtype_bytes)
+    d_act = max(dtype_bytes, 2)  # int8/fp8 weights still compute in 16-bit
+    e = _Emitter(f"generate b={batch_size} p={prompt_len} n={new_tokens}")
+    e.phase = "weights"
+    for _, n in shape.param_shapes():
+        e.alloc(n * dtype_bytes, Category.WEIGHTS)
+    e.alloc(MISC_NBYTES, Category.OVERHEAD)
+    e.phase = "prefill"
+    ids = e.alloc(batch_size * (prompt_len + new_tokens) * 8)
+    mask = e.alloc(batch_size * prompt_len * 8)  # the int64 attention mask generate() is given
+    e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)
+    cache = [-1] * (2 * shape.n_layers)
+    _forward(e, shape, batch_size, prompt_len, d_act, cache, prompt_len, 0)
+    for step in range(1, new_tokens):
+        e.phase = "decode"
+        grown = e.alloc(batch_size * (prompt_len + step) * 8)  # generate() grows the mask by torch.cat
+        e.free(mask)
+        mask = grown
+        slack = DECODE_SLACK_PER_Q_NBYTES * shape.q_dim if shape.n_kv_heads == shape.n_heads else 0
+        _forward(e, shape, batch_size, 1, d_act, cache, prompt_len + step, slack)
+    e.phase = "end"
+    e.free(ids, mask)
+    for c in cache:
+        if c >= 0:
+            e.free(c)
+    return e.build()
+
+
+def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, seq_len: int,
+                   n_steps: int = 2, optimizer_states: int = 2) -> WorkloadTrace:
+    """The allocations of ``n_steps`` training steps (forward with labels, backward, foreach AdamW step,
+    ``zero_grad(set_to_none=True)``), weights, gradients and ``optimizer_states`` states per parameter in
+    ``dtype_bytes``.
+
+    Note [Training activations]: autograd keeps, per block and token, the fp32 input and the output of
+    each RMSNorm (``4H + 2H`` twice), the rotated q and k, v, the SDPA output and its reshaped copy
+    (``3*2Q + 2*2KV``), and ``gate``, ``act(gate)``, ``up`` and their product (``4*2I``). The loss keeps
+    the bf16 logits and the fp32 log-softmax; its backward holds two more fp32 logit-sized gradients.
+    The foreach AdamW step holds one parameter-sized temporary (``sqrt(exp_avg_sq)``) and, measured on the
+    H200, one more embedding-sized buffer; the recorded backward also held one more hidden-sized tensor
+    per block and token than the list above.
+    """
+    _check("batch_size", batch_size)
+    _check("seq_len", seq_len)
+    _check("n_steps", n_steps)
+    _check("dtype_bytes", dtype_bytes)
+    d = max(dtype_bytes, 2)
+    s = shape
+    h, i, t = s.hidden_size, s.intermediate_size, batch_size * seq_len
+    e = _Emitter(f"train b={batch_size} s={seq_len}")
+    e.phase = "weights"
+    params = [n * dtype_bytes for _, n in s.param_shapes()]
+    for n in params:
+        e.alloc(n, Category.WEIGHTS)
+    e.alloc(MISC_NBYTES, Category.OVERHEAD)
+    e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)  # forward
+    e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)  # the backward pass runs on autograd's thread: its own
+    e.alloc(BACKWARD_MISC_NBYTES, Category.OVERHEAD)
+    states: list[int] = []
+    for step in range(n_steps):
+        e.phase = f"forward {step + 1}"
+        ids = e.alloc(t * 8)
+        emb = e.alloc(t * h * d)
+        cos, sin = e.alloc(t * s.head_dim * d), e.alloc(t * s.head_dim * d)
+        saved: list[list[int]] = []
+        x = emb
+        for _ in range(s.n_layers):
+            keep = [e.alloc(t * h * 4), e.alloc(t * h * d)]  # norm 1
+            keep += [e.alloc(t * s.q_dim * d), e.alloc(t * s.kv_dim * d), e.alloc(t * s.kv_dim * d)]  # q, k rotated, v
+            tmp = e.alloc(t * s.q_dim * d)  # rope temporaries (one live at a time beyond the kept ones)
+            e.free(tmp)
+            keep += [e.alloc(t * s.q_dim * d), e.alloc(t * s.q_dim * d)]  # sdpa out, reshaped copy
+            keep.append(e.alloc(t * s.n_heads * 4))  # logsumexp
+            o = e.alloc(t * h * d)
+            h1 = e.alloc(t * h * d)
+            e.free(o)
+            keep += [e.alloc(t * h * 4), e.alloc(t * h * d)]  # norm 2
+            keep += [e.alloc(t * i * d) for _ in range(4)]  # gate, act, up, product
+            keep.append(e.alloc(t * h * d))  # measured: one more hidden-sized tensor per block
+            dn = e.alloc(t * h * d)
+            y = e.alloc(t * h * d)
+            e.free(dn, h1)
+            if x != emb:
+                e.free(x)  # the block input: the norm saved its fp32 copy, the residual add saves nothing
+            x = y
+            saved.append(keep)
+        nf32, nf = e.alloc(t * h * 4), e.alloc(t * h * d)
+        logits = e.alloc(t * s.vocab_size * d)
+        up = e.alloc(t * s.vocab_size * 4)
+        lsm = e.alloc(t * s.vocab_size * 4)
+        e.free(up)
+        e.phase = f"backward {step + 1}"
+        g1 = e.alloc(t * s.vocab_size * 4)
+        g2 = e.alloc(t * s.vocab_size * 4)
+        e.free(g1, lsm)
+        g3 = e.alloc(t * s.vocab_size * d)
+        e.free(g2)
+        grads: list[int] = []
+        if not s.tie_word_embeddings:
+            grads.append(e.alloc(params[-1], Category.GRADIENTS))
+        gx = e.alloc(t * h * d)
+        e.free(g3, logits, nf32, nf, x)
+        for layer in reversed(range(s.n_layers)):
+            per = s.layer_param_shapes()
+            gi = e.alloc(t * i * d)
+            gi2 = e.alloc(t * i * d)
+            for _, n in per[4:7]:
+                grads.append(e.alloc(n * dtype_bytes, Category.GRADIENTS))
+            e.free(gi, gi2)
+            for _, n in per[:4]:
+                grads.append(e.alloc(n * dtype_bytes, Category.GRADIENTS))
+            gq = e.alloc(t * s.q_dim * d)
+            e.free(gq)
+            for _, n in per[7:]:
+                grads.append(e.alloc(n * dtype_bytes, Category.GRADIENTS))
+            e.free(*saved[layer])
+        grads.append(e.alloc(params[0], Category.GRADIENTS))
+        grads.append(e.alloc(h * dtype_bytes, Category.GRADIENTS))
+        e.free(gx, emb, cos, sin, ids)
+        e.phase = f"optimizer {step + 1}"
+        if not states:
+            for n in params:
+                for _ in range(optimizer_states):
+                    states.append(e.alloc(n, Category.OPTIMIZER))
+        extra = e.alloc(params[0])  # measured: one embedding-sized buffer beside the states (foreach grouping)
+        tmp_ids = [e.alloc(n) for n in params] + [extra]
+        e.free(*tmp_ids)
+        e.free(*grads)
+    e.phase = "end"
+    return e.build()

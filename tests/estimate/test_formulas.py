@@ -1,0 +1,145 @@
+"""Estimates: parts, monotonicity, the H200 measurements, and bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpumem.errors import InvalidArgumentError
+from gpumem.estimate import (
+    ModelShape,
+    estimate_inference_memory,
+    estimate_kv_cache_memory,
+    estimate_model_memory,
+    estimate_training_memory,
+    inference_trace,
+    training_trace,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+MEASURED = ROOT / "reports" / "hil" / "estimate-hf-memory-h200-2026-11-22.json"
+SMALL = dict(hidden_size=256, intermediate_size=688, n_layers=2, vocab_size=1000, n_heads=4, n_kv_heads=2)
+
+
+def small_args():
+    return (SMALL["hidden_size"], SMALL["intermediate_size"], SMALL["n_layers"], SMALL["vocab_size"],
+            SMALL["n_heads"], SMALL["n_kv_heads"])
+
+
+def test_llama2_7b_parameter_count_is_exact():
+    # Llama-2-7B: 6,738,415,616 parameters (also what the H200 run counted on the random model)
+    assert ModelShape(4096, 11008, 32, 32000, 32, 32).n_params == 6_738_415_616
+    assert estimate_model_memory(4096, 11008, 32, 32000, 2, n_heads=32) == 2 * 6_738_415_616
+
+
+def test_grouped_query_attention_shrinks_weights_and_cache():
+    mha = estimate_model_memory(2048, 5632, 22, 32000, 2, n_heads=32, n_kv_heads=32)
+    gqa = estimate_model_memory(2048, 5632, 22, 32000, 2, n_heads=32, n_kv_heads=4)
+    assert gqa < mha
+    assert estimate_kv_cache_memory(22, 4, 64, 1000, 2) * 8 == estimate_kv_cache_memory(22, 32, 64, 1000, 2)
+
+
+def test_kv_cache_formula():
+    assert estimate_kv_cache_memory(32, 32, 128, 4096, 2, batch_size=16) == 2 * 32 * 16 * 4096 * 32 * 128 * 2
+
+
+def test_parts_add_up_and_helpers_convert():
+    e = estimate_inference_memory(*small_args(), 128, 2, batch_size=2, prompt_len=100, new_tokens=8)
+    assert e.model_bytes + e.kv_cache_bytes + e.activation_bytes + e.overhead_bytes == e.total_bytes
+    assert e.total_gb == pytest.approx(e.total_bytes / 1e9)
+    assert e.total_mb == pytest.approx(e.total_bytes / 1e6)
+    assert e.as_dict()["total_bytes"] == e.total_bytes
+    # weights are whole at the peak, and the cache holds at least the prompt of every layer
+    assert e.model_bytes == ModelShape(**SMALL).n_params * 2
+    assert e.kv_cache_bytes >= estimate_kv_cache_memory(2, 2, 64, 100, 2, batch_size=2)
+
+
+def test_prompt_defaults_to_max_seq_len_minus_new_tokens():
+    a = estimate_inference_memory(*small_args(), 128, 2, new_tokens=8)
+    b = estimate_inference_memory(*small_args(), 128, 2, prompt_len=120, new_tokens=8)
+    assert a == b
+
+
+@given(b=st.integers(1, 6), p=st.integers(1, 300), n=st.integers(0, 6), db=st.integers(1, 3), dp=st.integers(1, 200))
+def test_more_batch_or_prompt_never_needs_less(b, p, n, db, dp):
+    base = estimate_inference_memory(*small_args(), p + n, 2, batch_size=b, prompt_len=p, new_tokens=n)
+    more_b = estimate_inference_memory(*small_args(), p + n, 2, batch_size=b + db, prompt_len=p, new_tokens=n)
+    more_p = estimate_inference_memory(*small_args(), p + dp + n, 2, batch_size=b, prompt_len=p + dp, new_tokens=n)
+    assert more_b.total_bytes >= base.total_bytes
+    assert more_p.total_bytes >= base.total_bytes
+
+
+@given(b=st.integers(1, 4), s=st.integers(1, 256))
+def test_training_peak_holds_weights_grads_or_states(b, s):
+    e = estimate_training_memory(*small_args(), s, 2, batch_size=b)
+    w = ModelShape(**SMALL).n_params * 2
+    assert e.total_bytes >= 4 * w  # weights, gradients (or the step's temporary) and two AdamW states
+    assert e.model_bytes + e.gradient_bytes + e.optimizer_bytes + e.activation_bytes + e.overhead_bytes == e.total_bytes
+
+
+def test_synthetic_traces_are_valid_and_leave_nothing_but_weights():
+    shape = ModelShape(**SMALL)
+    w = inference_trace(shape, 2, batch_size=2, prompt_len=16, new_tokens=3)
+    w.trace.validate()
+    assert w.trace.n_live_at_end == len(shape.param_shapes()) + 2  # weights, misc buffers, cuBLAS workspace
+    t = training_trace(shape, 2, batch_size=2, seq_len=16)
+    t.trace.validate()
+    assert t.trace.peak_live_nbytes <= t.peak_nbytes
+
+
+def test_estimates_match_the_h200_measurements():
+    """The accuracy bar on the recorded H200 grid: never below the measured peak, at most 10 % above."""
+    doc = json.loads(MEASURED.read_text())
+    rows = [r for r in doc["rows"] if r["status"] == "ok"]
+    assert len(rows) >= 20
+    for r in rows:
+        c = r["config"]
+        args = (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"],
+                c["num_attention_heads"], c["num_key_value_heads"])
+        b, p, n = r["batch_size"], r["prompt_len"], r["new_tokens"]
+        if r["kind"] == "train":
+            est = estimate_training_memory(*args, p, 2, batch_size=b)
+        else:
+            est = estimate_inference_memory(*args, p + n, 2, batch_size=b, prompt_len=p, new_tokens=n)
+        err = est.total_bytes / r["peak_allocated_bytes"] - 1
+        assert 0 <= err <= 0.10, (r["kind"], r["model"], b, p, n, err)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch_size=0), "batch_size"),
+    (dict(batch_size=True), "batch_size"),
+    (dict(prompt_len=0), "prompt_len"),
+    (dict(prompt_len=120, new_tokens=20), "exceeds max_seq_len"),
+    (dict(new_tokens=-1), "new_tokens"),
+])
+def test_bad_workload_is_refused(kwargs, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        estimate_inference_memory(*small_args(), 128, 2, **kwargs)
+
+
+@pytest.mark.parametrize("dtype_bytes", [0, 3, 8, -2, True, 2.0])
+def test_bad_dtype_is_refused(dtype_bytes):
+    with pytest.raises(InvalidArgumentError, match="dtype_bytes"):
+        estimate_inference_memory(*small_args(), 128, dtype_bytes)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(hidden_size=0), "hidden_size"),
+    (dict(n_heads=3), "multiple"),
+    (dict(n_kv_heads=3), "multiple of n_kv_heads"),
+    (dict(vocab_size=-5), "vocab_size"),
+])
+def test_bad_shape_is_refused(kwargs, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        ModelShape(**{**SMALL, **kwargs})
+
+
+def test_bad_training_input_is_refused():
+    with pytest.raises(InvalidArgumentError, match="optimizer_states"):
+        estimate_training_memory(*small_args(), 64, 2, optimizer_states=-1)
+    with pytest.raises(InvalidArgumentError, match="seq_len"):
+        estimate_training_memory(*small_args(), 0, 2)
+    with pytest.raises(InvalidArgumentError, match="seq_len"):
+        estimate_kv_cache_memory(2, 2, 64, 0, 2)

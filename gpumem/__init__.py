@@ -12,9 +12,10 @@ The pieces, each in its own module:
 * :mod:`gpumem.managers` - memory managers: reserve and usable memory, layers, tracking, regions,
   OOM forensics, CPU fallback, pressure monitoring, multi-GPU placement;
 * :mod:`gpumem.discovery` - which backends (CUDA, simulated, CPU) this machine has;
-* :mod:`gpumem.workspace` - workspace sizing from the real device.
+* :mod:`gpumem.workspace` - workspace sizing from the real device;
+* :mod:`gpumem.estimate` - memory estimates for decoder LLMs (inference and training) and batch fitting.
 
-The names of the last three (and the size-bucket pool) are importable from ``gpumem`` itself; they are
+The names of the last four (and the size-bucket pool) are importable from ``gpumem`` itself; they are
 loaded on first use, so ``import gpumem`` stays light.
 """
 
@@ -59,6 +60,10 @@ _LAZY_EXPORTS: "dict[str, str]" = {
     **{name: ".workspace" for name in (
         "InsufficientWorkspaceMemoryError", "QType", "Workspace", "WorkspaceDeviceQueryError", "WorkspaceSet",
         "WorkspaceSize", "calculate_gpu_workspace_size")},
+    **{name: ".estimate" for name in (
+        "MemoryEstimate", "TrainingEstimate", "FitResult", "ModelShape", "estimate_inference_memory",
+        "estimate_kv_cache_memory", "estimate_model_memory", "estimate_training_memory", "estimate_peak_reserved",
+        "find_max_batch", "from_hf_config")},
     **{name: ".allocator.bucket" for name in ("BucketAllocator", "BucketPolicy", "BucketPoolStats")},
 }
 

@@ -263,7 +263,8 @@ def _build(trace: Trace, trace_path: str, specs: list[str], options: ReportOptio
         _write_csv(tmp / "summary.csv", summary)
         files += ["summary.json", "summary.csv"]
         # (4) sites
-        title = f"{trace.name}: who holds the memory at the peak of live data (op {peak_op:,})"
+        title = (f"{trace.name}: who holds the memory at the peak of live data (op {peak_op:,}), by "
+                 + ("allocation site" if site_table.kind == "stack frame" else "requested size (no stacks)"))
         figures.sites_figure(tmp / "fig4-sites.png", site_table, title)
         rows = [asdict(s) for s in site_table.sites]
         _write_json(tmp / "sites.json", {"op": site_table.op, "kind": site_table.kind,

@@ -124,6 +124,7 @@ def live_by_site(trace: Trace, op: int, sites: list[str | None] | None, top: int
     rows = [Site(label, b, c) for label, (b, c) in ranked[:top]]
     rest = ranked[top:]
     if rest:
-        rows.append(Site(f"(other {len(rest)} sites)", sum(v[0] for _, v in rest), sum(v[1] for _, v in rest)))
+        what = "sites" if sites is not None else "sizes"
+        rows.append(Site(f"(other {len(rest)} {what})", sum(v[0] for _, v in rest), sum(v[1] for _, v in rest)))
     total = int(sum(v[0] for v in groups.values()))
     return SiteTable(op, kind, rows, total)

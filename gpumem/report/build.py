@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -298,8 +298,6 @@ def _fit(trace: Trace, options: ReportOptions, groups: list[list[PolicyRun]],
          step: Any) -> tuple[list[FitCell], dict[tuple[str, str], int | None]]:
     """The fit matrix; the smallest limit is bisected without pressure, once per policy and kind of device
     (granularity, virtual memory), since a limit, not the device's size, decides it."""
-    from ..replay import replay_trace
-
     cells: list[FitCell] = []
     smallest: dict[tuple[str, str], int | None] = {}
     cache: dict[tuple[Any, ...], int | None] = {}
@@ -307,7 +305,6 @@ def _fit(trace: Trace, options: ReportOptions, groups: list[list[PolicyRun]],
         dev = open_device(base)
         try:
             key_dev = (dev.granularity_nbytes, dev.vmm_supported)
-            total = dev.properties().total_nbytes
         finally:
             dev.close()
         for r in runs:
@@ -318,17 +315,43 @@ def _fit(trace: Trace, options: ReportOptions, groups: list[list[PolicyRun]],
             if options.fit:
                 key = (r.policy, *key_dev)
                 if key not in cache:
-                    fits_at = r.result.peak_reserved_bytes
-                    if r.result.ooms or options.pressure is not None:
-                        plain = replay_trace(trace, base, r.policy, progress=False)
-                        fits_at = plain.peak_reserved_bytes if plain.ooms == 0 else 0
-                    cache[key] = smallest_limit(trace, base, r.policy, fits_at, on_step=step) if fits_at else None
+                    cache[key] = _bisect_limit(trace, base, r, options, key_dev, step)
                 value = cache[key]
-                if value is not None and value > total:
-                    value = None
             smallest[(r.device, r.policy)] = value
             cells.append(FitCell(r.device, r.policy, "runs" if r.result.ooms == 0 else "out of memory", value))
     return cells, smallest
+
+
+BIG_TWIN = "sim:h200-141gb"
+"""Where the smallest limit is bisected for a device too small for the trace (a limit, not the card's size,
+decides whether the trace runs, so the answer holds for the smaller card too: it needs that much)."""
+
+
+def _bisect_limit(trace: Trace, base: str, run: PolicyRun, options: ReportOptions, key_dev: tuple[int, bool],
+                  step: Any) -> int | None:
+    """The smallest limit for ``run``'s policy: bisected on ``base`` (without pressure), or on
+    :data:`BIG_TWIN` when the trace does not fit ``base`` at all and the twin is the same kind of device."""
+    from ..replay import replay_trace
+
+    assert run.result is not None
+    fits_at = run.result.peak_reserved_bytes
+    where = base
+    if run.result.ooms or options.pressure is not None:
+        plain = replay_trace(trace, base, run.policy, progress=False)
+        fits_at = plain.peak_reserved_bytes if plain.ooms == 0 else 0
+        if not fits_at:
+            twin = open_device(BIG_TWIN)
+            try:
+                same_kind = (twin.granularity_nbytes, twin.vmm_supported) == key_dev
+            finally:
+                twin.close()
+            if not same_kind:
+                return None
+            big = replay_trace(trace, BIG_TWIN, run.policy, progress=False)
+            if big.ooms:
+                return None
+            fits_at, where = big.peak_reserved_bytes, BIG_TWIN
+    return smallest_limit(trace, where, run.policy, fits_at, on_step=step)
 
 
 def _device_outputs(trace: Trace, spec: str, runs: list[PolicyRun], occs: list[tuple[str, Occupancy | None]],

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from ..errors import BackendUnavailableError
-from ..units import GiB, MiB, format_bytes
+from ..units import GiB, MiB
 
 if TYPE_CHECKING:  # pragma: no cover
     from .build import FitCell

@@ -471,8 +471,10 @@ def _html(meta: dict[str, Any], summary: list[dict[str, Any]], per_device: list[
                "</a><a href=report.json>report.json</a> (everything)</p>")
     captions = [
         ("Live and reserved memory over time",
-         "Black: what the program had allocated; coloured: what each policy held from the device. Red crosses: "
-         "out-of-memory errors; ticks at the bottom: pressure events (another tenant took or gave back memory)."),
+         "Black: the most the program had allocated in each interval; coloured: the most each policy held from "
+         "the device. Red crosses: out-of-memory errors (none when the trace fits)."
+         + (" Dotted: other tenants' memory (the pressure scenario); ticks at the bottom: their events (a tenant "
+            "took or gave back memory)." if meta["pressure"] else "")),
         ("Occupancy at the peak",
          "Each policy's segments (or virtual ranges) laid end to end, row after row, at the moment live data "
          "peaks: blue is live blocks, orange free holes the allocator holds, grey address space with no memory "

@@ -194,7 +194,7 @@ def test_out_of_memory_and_pressure_are_recorded(tmp_path):
     big = make_snapshot(tmp_path / "big.pickle.gz", scale=3)
     res = build_report(big, tmp_path / "r", ReportOptions(devices=("sim:gtx-1050-2gb",),
                                                                 policies=("pytorch", "gpumem"), pressure="step",
-                                                                samples=40, fit=False), progress=False)
+                                                                samples=40), progress=False)
     timeline = json.loads((tmp_path / "r" / "timeline-sim-gtx-1050-2gb-pressure-step.json").read_text())
     for row in res.summary:
         cols = timeline["policies"][row["policy"]]
@@ -204,6 +204,11 @@ def test_out_of_memory_and_pressure_are_recorded(tmp_path):
     assert any(r["ooms"] for r in res.summary)
     fit = json.loads((tmp_path / "r" / "fit.json").read_text())
     assert {c["status"] for c in fit} <= {"runs", "out of memory"}
+    peak = load_trace(big).peak_live_nbytes
+    for c in fit:  # bisected without pressure (on a larger card when this one is too small): what it needs
+        assert c["smallest_limit_nbytes"] >= peak
+        if c["status"] == "out of memory" and c["policy"] == "pytorch":
+            assert c["smallest_limit_nbytes"] > peak
 
 
 def test_unsupported_policy_is_a_cell_not_a_failure(snapshot, tmp_path):

@@ -14,5 +14,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "workspace",
     "estimate",
     "fit",
+    "report",
 )
 """Submodules of :mod:`gpumem.commands`, in the order ``gpumem --help`` lists them."""

@@ -1,0 +1,151 @@
+"""``gpumem report TRACE [--device SPEC ...] [--policy NAME ... | --policy all] [--pressure SCENARIO] --out DIR``:
+replay a trace under several allocator policies on several devices and write a self-contained report
+(``DIR/index.html``, PNG figures, and the numbers behind each figure as JSON and CSV)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from typing import Any
+
+from ..cli import _DEFAULT_DEVICE, _UsageError, _add_verbose, _check_trace_path, _cli_names, _device_index, \
+    _exit_codes_text, _shorten_path
+from ..errors import BackendUnavailableError, TraceFormatError
+
+_DESCRIPTION = """\
+Replay an allocation trace (PyTorch snapshot .pickle[.gz], RMM log .csv[.gz] or gpumem .gmt[.gz]) under
+each allocator policy on each device and write a report to DIR:
+  index.html   open it in a browser; it shows, per device:
+  (1) live and reserved memory over time per policy, with out-of-memory errors and pressure events;
+  (2) an occupancy map at the peak of live data: segments or virtual ranges, live blocks, free holes,
+      unmapped address space;
+  (3) free-hole sizes at the peak and external fragmentation over time;
+  and (4) who holds the memory at the peak (live bytes by the snapshot's stack frames, or by size),
+  (5) a fit matrix: whether the trace runs per device and policy, and the smallest memory limit it runs
+      under, (6) a summary table: peak live, peak reserved, overhead, OOMs, time per operation.
+  *.png        the figures; *.json, *.csv: the numbers behind each figure; report.json: all of them.
+The report is built in a temporary folder beside DIR and renamed to DIR when complete: a bad trace or an
+error leaves nothing behind. The same trace and options give the same numbers (the time per operation,
+measured, excepted)."""
+
+
+def _policies(values: list[str] | None) -> tuple[str, ...]:
+    from ..allocator.policy import POLICIES
+
+    if not values or "all" in values:
+        if values and len(values) > 1:
+            raise _UsageError("--policy all names every policy; give it alone")
+        return tuple(POLICIES)
+    return tuple(dict.fromkeys(values))
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Check the options, build the report, print where it is and the summary table."""
+    from ..errors import InvalidArgumentError
+    from ..report import ReportOptions, build_report
+
+    _check_trace_path(args.trace)
+    try:
+        options = ReportOptions(devices=tuple(dict.fromkeys(args.device or [_DEFAULT_DEVICE])),
+                                policies=_policies(args.policy), pressure=args.pressure,
+                                stop_on_oom=not args.keep_going, fit=not args.no_fit, samples=args.samples,
+                                trace_format=args.format, device_index=args.device_index)
+    except InvalidArgumentError as exc:
+        raise _UsageError(str(exc)) from None
+    from ..errors import GpumemError
+    from ..report.build import with_pressure
+    from ..specs import open_device
+
+    for spec in options.devices:  # a bad spec is bad input, found before any replay
+        try:
+            open_device(with_pressure(spec, options.pressure)).close()
+        except GpumemError as exc:
+            raise _UsageError(f"--device {spec}: {exc}") from None
+    command = _command_line(args, options)
+    try:
+        result = build_report(args.trace, args.out, options, force=args.force,
+                              progress=None if not args.json else False, command=command)
+    except FileNotFoundError:
+        raise _UsageError(f"no such trace file: {_shorten_path(args.trace)}") from None
+    except TraceFormatError as exc:
+        raise _UsageError(f"cannot read the trace: {_cli_names(str(exc))}; nothing was written") from None
+    except BackendUnavailableError as exc:
+        raise _UsageError(str(exc)) from None
+    except InvalidArgumentError as exc:
+        raise _UsageError(f"{_cli_names(str(exc))}; nothing was written") from None
+    if args.json:
+        print(json.dumps({"out": str(result.out_dir), "index": str(result.out_dir / "index.html"),
+                          "files": result.files, "summary": result.summary}, indent=2, sort_keys=True))
+        return 0
+    _print_summary(result.summary)
+    print(f"\nreport written to {result.out_dir / 'index.html'} (open it in a browser)")
+    return 0
+
+
+def _command_line(args: argparse.Namespace, options: Any) -> str:
+    """The command, as the report shows it (the paths as given)."""
+    words = ["gpumem", "report", args.trace]
+    for d in options.devices:
+        words += ["--device", d]
+    words += ["--policy", "all"] if args.policy in (None, ["all"]) else [w for p in options.policies
+                                                                          for w in ("--policy", p)]
+    for flag, on in (("--keep-going", args.keep_going), ("--no-fit", args.no_fit)):
+        if on:
+            words.append(flag)
+    if args.pressure:
+        words += ["--pressure", args.pressure]
+    if args.samples != 1000:
+        words += ["--samples", str(args.samples)]
+    words += ["--out", args.out]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def _print_summary(rows: list[dict[str, Any]]) -> None:
+    gib = 1 << 30
+    w = max([len("device")] + [len(str(r["device"])) for r in rows]) + 2
+    print(f"{'device':<{w}}{'policy':<12}{'peak live':>11}{'reserved':>11}{'overhead':>10}{'OOMs':>6}{'needs':>11}")
+    for r in rows:
+        if r.get("status") == "unsupported":
+            print(f"{r['device']:<{w}}{r['policy']:<12}  unsupported: {r.get('reason')}")
+            continue
+        needs = r.get("smallest_limit_bytes")
+        print(f"{r['device']:<{w}}{r['policy']:<12}{r['peak_live_bytes'] / gib:>7.2f} GiB{r['peak_reserved_bytes'] / gib:>7.2f}"
+              f" GiB{r['overhead']:>10.2%}{r['ooms']:>6}" + (f"{needs / gib:>7.2f} GiB" if needs else f"{'-':>11}"))
+    sys.stdout.flush()
+
+
+def register(sub: Any, formatter_class: type) -> None:
+    """Add ``gpumem report`` to the subcommands."""
+    from ..allocator.policy import POLICIES
+    from ..sim.pressure import PRESET_NAMES
+    from ..trace import FORMATS
+
+    p = sub.add_parser("report", help="write an HTML report with figures comparing allocator policies on a trace",
+                       formatter_class=formatter_class, description=_DESCRIPTION, epilog=_exit_codes_text())
+    p.add_argument("trace", help="the trace file")
+    p.add_argument("--out", required=True, metavar="DIR", help="the report's folder (created; must not exist "
+                                                               "unless --force)")
+    p.add_argument("--device", action="append", metavar="SPEC",
+                   help=f"device spec, repeatable (default: {_DEFAULT_DEVICE}); see `gpumem devices`")
+    p.add_argument("--policy", action="append", metavar="NAME", choices=sorted(POLICIES) + ["all"],
+                   help="allocator policy, repeatable, or 'all' (default: all): " + ", ".join(POLICIES))
+    p.add_argument("--pressure", choices=PRESET_NAMES, default=None,
+                   help="run the simulated devices with this pressure scenario (other tenants taking memory): "
+                        + ", ".join(PRESET_NAMES))
+    p.add_argument("--keep-going", action="store_true",
+                   help="skip an allocation that does not fit and go on (default: stop at the first, as replay)")
+    p.add_argument("--no-fit", action="store_true",
+                   help="skip the bisection of the smallest memory limit (faster; the fit matrix then says only "
+                        "whether the trace runs)")
+    p.add_argument("--samples", type=int, default=1000, metavar="N",
+                   help="points per policy in the figures over time (default: %(default)s)")
+    p.add_argument("--format", choices=FORMATS, default=None, help="read the trace with this reader instead of "
+                                                                    "detecting its format")
+    p.add_argument("--device-index", type=_device_index, default=None, metavar="N",
+                   help="for a PyTorch snapshot of several GPUs: report GPU N's trace")
+    p.add_argument("--force", action="store_true", help="replace DIR if it exists (once the new report is complete)")
+    p.add_argument("--json", action="store_true", help="print the files and the summary table as JSON")
+    _add_verbose(p)
+    p.set_defaults(func=cmd_report)

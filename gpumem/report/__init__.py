@@ -1,0 +1,19 @@
+"""Fragmentation reports: replay a trace under several allocator policies on several devices and write
+``index.html`` with figures (PNG) and the numbers behind them (JSON, CSV).
+
+>>> from gpumem.report import ReportOptions, build_report
+>>> build_report("data/traces/resnet_train.snapshot.pickle.gz", "out/resnet",
+...              ReportOptions(policies=("pytorch", "expandable", "gpumem")))
+
+``gpumem report`` is the command line (:mod:`gpumem.commands.report`); ``docs/reports.md`` explains the figures.
+"""
+
+from .build import DEFAULT_DEVICES, FitCell, ReportExistsError, ReportOptions, ReportResult, build_report
+from .runs import Occupancy, PolicyRun, SegmentLayout, Timeline, occupancy_at, run_policy, smallest_limit
+from .sites import Site, SiteTable, live_by_site, snapshot_sites
+
+__all__ = [
+    "DEFAULT_DEVICES", "FitCell", "Occupancy", "PolicyRun", "ReportExistsError", "ReportOptions", "ReportResult",
+    "SegmentLayout", "Site", "SiteTable", "Timeline", "build_report", "live_by_site", "occupancy_at",
+    "run_policy", "smallest_limit", "snapshot_sites",
+]

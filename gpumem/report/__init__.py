@@ -1,0 +1,1 @@
+"""Reports on allocation traces: replays under several policies and devices, with figures and tables."""

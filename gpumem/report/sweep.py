@@ -489,6 +489,8 @@ def _grouped_bars(result: SweepResult, path: Path, value: Any, ylabel: str, titl
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     labels = _trace_labels(result.traces)
     targets = [(d, lim) for d in result.devices for lim in result.limits]
@@ -511,28 +513,29 @@ def _grouped_bars(result: SweepResult, path: Path, value: Any, ylabel: str, titl
                 if v is None:
                     status = row.status if row is not None else SweepStatus.ERROR
                     ax.text(x, 0, " " + ("OOM" if status == SweepStatus.OOM else "error"), rotation=90,
-                            ha="center", va="bottom", fontsize=7, color=_STATUS_COLOURS[status])
+                            ha="center", va="bottom", fontsize=8, color=_STATUS_COLOURS[status])
                     continue
                 xs.append(x)
                 ys.append(v)
                 top = max(top, v)
-            ax.bar(xs, ys, bar_w, label=policy, color=cmap(j % 10))
+            ax.bar(xs, ys, bar_w, color=cmap(j % 10))
+        handles = [Patch(facecolor=cmap(j % 10), label=p) for j, p in enumerate(result.policies)]
         if marker is not None:
-            mlabel = marker_label
+            handles.append(Line2D([], [], color="black", linestyle="--", label=marker_label))
             for i, trace in enumerate(result.traces):
                 vals = [marker(r) for p in result.policies
                         if (r := by_key.get((trace, device, limit, p))) is not None and marker(r) is not None]
                 if vals:
-                    ax.hlines(max(vals), i - 0.45, i + 0.45, colors="black", linestyles="--", label=mlabel)
+                    ax.hlines(max(vals), i - 0.45, i + 0.45, colors="black", linestyles="--")
                     top = max(top, max(vals))
-                    mlabel = "_nolegend_"
         ax.set_xticks(range(len(result.traces)))
         ax.set_xticklabels([labels[t] for t in result.traces], rotation=20, ha="right", fontsize=8)
         ax.set_ylabel(ylabel)
         ax.set_title(_target_label(device, limit), fontsize=10)
-        ax.set_ylim(0, top * 1.15 if top > 0 else 1.0)
+        ax.set_xlim(-0.5, len(result.traces) - 0.5)
+        ax.set_ylim(0, top * 1.3 if top > 0 else 1.0)
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(title="policy", fontsize=8, title_fontsize=8, loc="upper left")
+        ax.legend(handles=handles, title="policy", fontsize=8, title_fontsize=8, loc="best")
     for k in range(len(targets), nrows * ncols):
         axes[k // ncols][k % ncols].set_visible(False)
     fig.suptitle(title)
@@ -595,8 +598,8 @@ def plot_sweep(result: SweepResult, folder: "str | os.PathLike[str]") -> list[Pa
         _fit_matrix(result, folder / "fit.png"),
         _grouped_bars(result, folder / "peak_reserved.png", lambda r: r.peak_reserved_bytes / _GiB,
                       "peak reserved (GiB)", "Peak memory reserved from the device, per policy",
-                      marker=lambda r: None if r.peak_live_bytes is None else r.peak_live_bytes / _GiB,
-                      marker_label="peak live"),
+                      marker=lambda r: None if r.trace_peak_live_bytes is None else r.trace_peak_live_bytes / _GiB,
+                      marker_label="trace's peak live"),
         _grouped_bars(result, folder / "overhead.png", lambda r: 100.0 * r.overhead,
                       "overhead (%)", "Overhead: peak reserved / peak live - 1, per policy"),
         _grouped_bars(result, folder / "time_per_op.png", lambda r: r.ns_per_op,

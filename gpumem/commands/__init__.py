@@ -10,5 +10,6 @@ stderr and the documented exit status.
 from __future__ import annotations
 
 COMMAND_MODULES: tuple[str, ...] = (
+    "sweep",
 )
 """Submodules of :mod:`gpumem.commands`, in the order ``gpumem --help`` lists them."""

@@ -48,6 +48,7 @@ __all__ = [
     "SweepResult",
     "SweepRow",
     "SweepStatus",
+    "check_out_dir",
     "make_cases",
     "plot_sweep",
     "run_case",
@@ -193,11 +194,14 @@ def _check_device(spec: Any) -> str:
 
     if not isinstance(spec, str):
         raise SweepError(f"a device must be a spec string such as 'sim:t4-16gb', got {type(spec).__name__}")
-    parsed = parse_spec(spec)
-    if parsed.kind is DeviceKind.SIM:
-        from ..specs import open_device
+    try:
+        parsed = parse_spec(spec)
+        if parsed.kind is DeviceKind.SIM:
+            from ..specs import open_device
 
-        open_device(spec).close()  # checks the profile and the options here, not in every worker
+            open_device(spec).close()  # checks the profile and the options here, not in every worker
+    except GpumemError as exc:
+        raise SweepError(f"device {spec}: {exc}") from None
     return spec
 
 
@@ -405,7 +409,10 @@ def _write_csv(result: SweepResult, path: Path) -> None:
             w.writerow({k: ("" if v is None else v) for k, v in r.as_dict().items()})
 
 
-def _check_out(out: Path) -> None:
+def check_out_dir(out: "str | os.PathLike[str]") -> None:
+    """Raise :class:`SweepError` unless ``out`` can take a sweep: new, empty, or an earlier sweep's folder
+    (checked by :func:`write_sweep`; call it before a long sweep to fail early)."""
+    out = Path(out)
     if out.exists() or out.is_symlink():
         if not out.is_dir() or out.is_symlink():
             raise SweepError(f"--out {out}: exists and is not a folder")
@@ -426,7 +433,7 @@ def write_sweep(result: SweepResult, out: "str | os.PathLike[str]", *, plots: bo
     half-written sweep. Raises :class:`SweepError` when ``out`` is in the way.
     """
     out = Path(out)
-    _check_out(out)
+    check_out_dir(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         _write_csv(result, tmp / "sweep.csv")

@@ -243,7 +243,10 @@ def make_cases(traces: Sequence[Any], devices: Sequence[str], policies: Sequence
     for p in policy_list:
         if not isinstance(p, str):
             raise SweepError(f"a policy is given by its name, got {type(p).__name__}")
-        get_policy(p)
+        try:
+            get_policy(p)
+        except InvalidArgumentError as exc:
+            raise SweepError(str(exc)) from None
     limit_list = _distinct((_check_limit(x) for x in limits), "limit")
     cases = []
     for i, (t, d, p, lim) in enumerate(itertools.product(trace_list, device_list, policy_list, limit_list)):

@@ -148,17 +148,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _print_table(result: Any) -> None:
-    from ..report.sweep import SweepStatus
+    from ..report.sweep import SweepStatus, trace_labels
 
-    head = f"{'TRACE':<28} {'DEVICE':<20} {'POLICY':<10} {'LIMIT':<8} {'STATUS':<6} {'PEAK LIVE':>11} " \
+    labels = trace_labels(result.traces)
+    width = max([5] + [len(v) for v in labels.values()])
+    head = f"{'TRACE':<{width}} {'DEVICE':<20} {'POLICY':<10} {'LIMIT':<8} {'STATUS':<6} {'PEAK LIVE':>11} " \
            f"{'RESERVED':>11} {'OVERHEAD':>9} {'NS/OP':>8}"
     print(head)
     for r in result.rows:
-        name = (r.trace_name or r.trace)[-28:]
+        name = labels[r.trace]
         if r.status == SweepStatus.ERROR:
-            print(f"{name:<28} {r.device[:20]:<20} {r.policy:<10} {str(r.limit or '-'):<8} error  "
+            print(f"{name:<{width}} {r.device[:20]:<20} {r.policy:<10} {str(r.limit or '-'):<8} error  "
                   f"{(r.error or '')[:60]}")
             continue
-        print(f"{name:<28} {r.device[:20]:<20} {r.policy:<10} {str(r.limit or '-'):<8} {r.status:<6} "
+        print(f"{name:<{width}} {r.device[:20]:<20} {r.policy:<10} {str(r.limit or '-'):<8} {r.status:<6} "
               f"{format_bytes(r.peak_live_bytes):>11} {format_bytes(r.peak_reserved_bytes):>11} "
               f"{r.overhead:>9.2%} {r.ns_per_op:>8,.0f}")

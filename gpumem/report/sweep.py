@@ -53,6 +53,7 @@ __all__ = [
     "plot_sweep",
     "run_case",
     "run_sweep",
+    "trace_labels",
     "write_sweep",
 ]
 
@@ -471,11 +472,12 @@ _STATUS_COLOURS = {SweepStatus.OK: "#4caf50", SweepStatus.OOM: "#ff9800", SweepS
 _STATUS_LABELS = {SweepStatus.OK: "runs", SweepStatus.OOM: "out of memory", SweepStatus.ERROR: "error (see table)"}
 
 
-def _trace_labels(traces: Sequence[str]) -> dict[str, str]:
-    """Short names for the traces: the file name without ``.gz``/``.pickle``/... (the path where two clash)."""
+def trace_labels(traces: Sequence[str]) -> dict[str, str]:
+    """Short names for the traces, as the figures and the text table show them: the file name without
+    ``.gz``, ``.pickle``, ``.pkl`` or ``.gmt`` (the path as given where two names clash)."""
     def short(t: str) -> str:
         name = os.path.basename(t)
-        for suffix in (".gz", ".pickle", ".pkl", ".csv", ".gmt", ".snapshot", ".trace", ".rmm_log"):
+        for suffix in (".gz", ".bz2", ".xz", ".zst", ".pickle", ".pkl", ".gmt"):
             if name.endswith(suffix):
                 name = name[: -len(suffix)]
         return name or t
@@ -492,7 +494,7 @@ def _target_label(device: str, limit: str | None) -> str:
 
 
 def _grouped_bars(result: SweepResult, path: Path, value: Any, ylabel: str, title: str, *,
-                  marker: Any = None, marker_label: str = "") -> Path:
+                  marker: Any = None, marker_label: str = "", bar_fmt: str = "") -> Path:
     """One panel per device (and limit); in each, a group of bars per trace, one bar per policy. Cases
     without a value (out of memory, error) are marked with their status above an empty slot."""
     import matplotlib
@@ -502,13 +504,14 @@ def _grouped_bars(result: SweepResult, path: Path, value: Any, ylabel: str, titl
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    labels = _trace_labels(result.traces)
+    labels = trace_labels(result.traces)
     targets = [(d, lim) for d in result.devices for lim in result.limits]
     by_key = {(r.trace, r.device, r.limit, r.policy): r for r in result.rows}
-    ncols = min(3, len(targets))
+    n_bars = len(result.traces) * len(result.policies)
+    ncols = 1 if n_bars > 8 else min(3, len(targets))  # wide panels one above the other
     nrows = -(-len(targets) // ncols)
-    width_in = max(5.0, 1.1 * len(result.traces) * max(1, len(result.policies)) * 0.45 + 2.0)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(width_in * ncols, 3.8 * nrows), squeeze=False)
+    width_in = min(16.0, max(5.0, 0.45 * n_bars + 2.0))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width_in * ncols, 4.2 * nrows), squeeze=False)
     cmap = plt.get_cmap("tab10")
     bar_w = 0.8 / len(result.policies)
     for k, (device, limit) in enumerate(targets):
@@ -528,7 +531,9 @@ def _grouped_bars(result: SweepResult, path: Path, value: Any, ylabel: str, titl
                 xs.append(x)
                 ys.append(v)
                 top = max(top, v)
-            ax.bar(xs, ys, bar_w, color=cmap(j % 10))
+            bars = ax.bar(xs, ys, bar_w, color=cmap(j % 10))
+            if bar_fmt and n_bars <= 40:
+                ax.bar_label(bars, fmt=bar_fmt, fontsize=7, padding=1)
         handles = [Patch(facecolor=cmap(j % 10), label=p) for j, p in enumerate(result.policies)]
         if marker is not None:
             handles.append(Line2D([], [], color="black", linestyle="--", label=marker_label))
@@ -564,11 +569,11 @@ def _fit_matrix(result: SweepResult, path: Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    labels = _trace_labels(result.traces)
+    labels = trace_labels(result.traces)
     rows = [(t, p) for t in result.traces for p in result.policies]
     cols = [(d, lim) for d in result.devices for lim in result.limits]
     by_key = {(r.trace, r.policy, r.device, r.limit): r for r in result.rows}
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(cols) + 3.0), max(2.5, 0.4 * len(rows) + 1.6)))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(cols) + 5.0), max(2.5, 0.4 * len(rows) + 1.6)))
     for i, (t, p) in enumerate(rows):
         for j, (d, lim) in enumerate(cols):
             r = by_key.get((t, p, d, lim))
@@ -609,9 +614,9 @@ def plot_sweep(result: SweepResult, folder: "str | os.PathLike[str]") -> list[Pa
         _grouped_bars(result, folder / "peak_reserved.png", lambda r: r.peak_reserved_bytes / _GiB,
                       "peak reserved (GiB)", "Peak memory reserved from the device, per policy",
                       marker=lambda r: None if r.trace_peak_live_bytes is None else r.trace_peak_live_bytes / _GiB,
-                      marker_label="trace's peak live"),
+                      marker_label="trace's peak live", bar_fmt="%.1f"),
         _grouped_bars(result, folder / "overhead.png", lambda r: 100.0 * r.overhead,
-                      "overhead (%)", "Overhead: peak reserved / peak live - 1, per policy"),
+                      "overhead (%)", "Overhead: peak reserved / peak live - 1, per policy", bar_fmt="%.1f"),
         _grouped_bars(result, folder / "time_per_op.png", lambda r: r.ns_per_op,
                       "time per operation (ns, wall clock)", "Allocator time per operation (wall clock: varies "
                       "from run to run)"),

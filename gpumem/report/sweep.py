@@ -393,6 +393,10 @@ def run_sweep(traces: Sequence[Any], devices: Sequence[str], policies: Sequence[
             except Exception as exc:  # noqa: BLE001 - the worker itself died or could not unpickle the task
                 log.debug("sweep case %s: executor error", case, exc_info=True)
                 row = _error_row(case, exc)
+                if not own:
+                    row = dataclasses.replace(row, error=(row.error or "") + " (the executor could not run the "
+                                              "case: is this version of gpumem installed where it runs the "
+                                              "tasks, on a Dask cluster the scheduler and every worker?)")
             rows[case.index] = row
             bar.update(1)
     finally:

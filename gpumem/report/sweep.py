@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import csv
 import dataclasses
+import enum
 import functools
 import itertools
 import json
@@ -32,7 +33,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -71,8 +72,9 @@ class SweepError(InvalidArgumentError):
     """A sweep that cannot be started or written: bad arguments, an output folder in the way."""
 
 
-class SweepStatus:
-    """The values of :attr:`SweepRow.status`."""
+class SweepStatus(str, enum.Enum):
+    """The values of :attr:`SweepRow.status` (rows hold the plain text, ``SweepStatus.OK.value``; a str
+    compares equal to its member: ``row.status == SweepStatus.OK``)."""
 
     OK = "ok"
     """The whole trace was replayed without an out-of-memory error."""
@@ -166,7 +168,7 @@ class SweepResult:
     @property
     def n_errors(self) -> int:
         """Rows that could not run."""
-        return sum(r.status == SweepStatus.ERROR for r in self.rows)
+        return sum(r.status == SweepStatus.ERROR.value for r in self.rows)
 
     def as_json(self) -> dict[str, Any]:
         """The ``sweep.json`` object (without the figure list, which :func:`write_sweep` adds)."""
@@ -277,7 +279,7 @@ def _error_row(case: SweepCase, exc: BaseException | str) -> SweepRow:
     text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
     # the worker's absolute path says where this machine keeps the file: the table shows the path as given
     text = text.replace(case.trace_path, case.trace)
-    return SweepRow(case.index, case.trace, case.device, case.policy, case.limit, SweepStatus.ERROR, False,
+    return SweepRow(case.index, case.trace, case.device, case.policy, case.limit, SweepStatus.ERROR.value, False,
                     error=text[:2000])
 
 
@@ -308,7 +310,7 @@ def run_case(case: SweepCase) -> SweepRow:
         # the traceback goes to the debug log.
         log.debug("sweep case %s failed", case, exc_info=True)
         return _error_row(case, exc)
-    status = SweepStatus.OK if result.oom_error is None else SweepStatus.OOM
+    status = (SweepStatus.OK if result.oom_error is None else SweepStatus.OOM).value
     return SweepRow(
         index=case.index, trace=case.trace, device=case.device, policy=case.policy, limit=case.limit,
         status=status, ran=status == SweepStatus.OK, trace_name=result.trace, limit_nbytes=limit_nbytes,
@@ -472,8 +474,10 @@ def write_sweep(result: SweepResult, out: "str | os.PathLike[str]", *, plots: bo
 
 # -- figures -------------------------------------------------------------------------------------------
 _GiB = float(1 << 30)
-_STATUS_COLOURS = {SweepStatus.OK: "#4caf50", SweepStatus.OOM: "#ff9800", SweepStatus.ERROR: "#9e9e9e"}
-_STATUS_LABELS = {SweepStatus.OK: "runs", SweepStatus.OOM: "out of memory", SweepStatus.ERROR: "error (see table)"}
+_STATUS_COLOURS = {SweepStatus.OK.value: "#4caf50", SweepStatus.OOM.value: "#ff9800",
+                   SweepStatus.ERROR.value: "#9e9e9e"}
+_STATUS_LABELS = {SweepStatus.OK.value: "runs", SweepStatus.OOM.value: "out of memory",
+                  SweepStatus.ERROR.value: "error (see table)"}
 
 
 def trace_labels(traces: Sequence[str]) -> dict[str, str]:
@@ -528,7 +532,7 @@ def _grouped_bars(result: SweepResult, path: Path, value: Any, ylabel: str, titl
                 x = i - 0.4 + bar_w * (j + 0.5)
                 v = value(row) if row is not None and row.status == SweepStatus.OK else None
                 if v is None:
-                    status = row.status if row is not None else SweepStatus.ERROR
+                    status = row.status if row is not None else SweepStatus.ERROR.value
                     ax.text(x, 0, " " + ("OOM" if status == SweepStatus.OOM else "error"), rotation=90,
                             ha="center", va="bottom", fontsize=8, color=_STATUS_COLOURS[status])
                     continue
@@ -581,7 +585,7 @@ def _fit_matrix(result: SweepResult, path: Path) -> Path:
     for i, (t, p) in enumerate(rows):
         for j, (d, lim) in enumerate(cols):
             r = by_key.get((t, p, d, lim))
-            status = r.status if r is not None else SweepStatus.ERROR
+            status = r.status if r is not None else SweepStatus.ERROR.value
             ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor=_STATUS_COLOURS[status],
                                        edgecolor="white"))
             if r is not None and status == SweepStatus.OK and r.peak_reserved_bytes is not None:

@@ -112,10 +112,15 @@ def _dask_executor(address: str) -> tuple[Any, Any]:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """``gpumem sweep``: check everything, run the cases, write DIR, print the table."""
-    from ..errors import InvalidArgumentError
-    from ..report.sweep import check_out_dir, make_cases, run_sweep, write_sweep
+    from ..errors import BackendUnavailableError, InvalidArgumentError
+    from ..report.sweep import check_out_dir, make_cases, require_matplotlib, run_sweep, write_sweep
 
     policies = _policies(args.policy)
+    try:
+        if not args.no_plots:
+            require_matplotlib()
+    except BackendUnavailableError as exc:
+        raise _UsageError(str(exc)) from None
     try:
         check_out_dir(args.out)
         make_cases(args.traces, args.device, policies, args.limit)  # bad arguments: fail before any work

@@ -37,11 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..errors import GpumemError, InvalidArgumentError
+from ..errors import BackendUnavailableError, GpumemError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "COLUMNS",
     "SWEEP_FILES",
     "TIMING_COLUMNS",
     "SweepCase",
@@ -52,6 +53,7 @@ __all__ = [
     "check_out_dir",
     "make_cases",
     "plot_sweep",
+    "require_matplotlib",
     "run_case",
     "run_sweep",
     "trace_labels",
@@ -434,6 +436,16 @@ def check_out_dir(out: "str | os.PathLike[str]") -> None:
         raise SweepError(f"--out {out}: no such folder {out.parent} (create it first)")
 
 
+def require_matplotlib() -> None:
+    """Raise :class:`~gpumem.errors.BackendUnavailableError` saying what to install when matplotlib, which
+    draws the figures, is missing (it is not one of gpumem's required dependencies)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise BackendUnavailableError("the sweep's figures need matplotlib: pip install matplotlib (or "
+                                      "'gpumem[dask]'), or write the table only (plots=False, --no-plots)") from None
+
+
 def write_sweep(result: SweepResult, out: "str | os.PathLike[str]", *, plots: bool = True) -> list[Path]:
     """Write ``sweep.csv``, ``sweep.json`` and the summary figures into the folder ``out``; returns the
     files written (paths inside ``out``).
@@ -444,6 +456,8 @@ def write_sweep(result: SweepResult, out: "str | os.PathLike[str]", *, plots: bo
     """
     out = Path(out)
     check_out_dir(out)
+    if plots:
+        require_matplotlib()
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         _write_csv(result, tmp / "sweep.csv")

@@ -23,6 +23,7 @@ from gpumem.report.sweep import (
     COLUMNS,
     TIMING_COLUMNS,
     SweepError,
+    SWEEP_FILES,
     SweepStatus,
     make_cases,
     run_sweep,
@@ -229,6 +230,7 @@ def test_write_sweep_files_and_replacing_an_earlier_sweep(inline_result, tmp_pat
     files = write_sweep(inline_result, out)
     assert sorted(f.name for f in files) == ["fit.png", "overhead.png", "peak_reserved.png", "sweep.csv",
                                             "sweep.json", "time_per_op.png"]
+    assert set(SWEEP_FILES) <= {f.name for f in files}
     assert all(f.stat().st_size > 0 for f in files)
     assert all(f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in files if f.suffix == ".png")
     data = json.loads((out / "sweep.json").read_text())
@@ -330,6 +332,18 @@ class _no_exit:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_cli_without_matplotlib_says_what_to_install(traces, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code = main(["sweep", traces[0], "--device", "sim:t4-16gb", "--policy", "gpumem", "--out", str(tmp_path / "o"),
+                 "--jobs", "1"])
+    assert code == EXIT_USAGE
+    assert "need matplotlib: pip install matplotlib" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    assert main(["sweep", traces[0], "--device", "sim:t4-16gb", "--policy", "gpumem", "--out", str(tmp_path / "o"),
+                 "--jobs", "1", "--no-plots"]) == EXIT_OK
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["sweep.csv", "sweep.json"]
 
 
 def test_cli_scheduler_without_dask_says_what_to_install(traces, tmp_path, capsys, monkeypatch):

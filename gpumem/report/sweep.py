@@ -218,12 +218,14 @@ def _check_limit(limit: Any) -> str | None:
     if isinstance(limit, bool) or not isinstance(limit, (str, int, float)):
         raise SweepError(f"a limit must be None, bytes (int), a fraction (float) or text such as '8GiB', "
                          f"got {type(limit).__name__}")
+    # the table and the workers carry the limit as text: bytes get their unit ("1" alone is ambiguous)
+    text = f"{limit}B" if isinstance(limit, int) else str(limit)
     try:
-        parse_limit(limit, 2**64)
+        parse_limit(text, 2**64)
     except InvalidArgumentError as exc:
         if "less than one byte" not in str(exc):
             raise SweepError(f"limit {limit!r}: {exc}") from None
-    return str(limit)
+    return text
 
 
 def make_cases(traces: Sequence[Any], devices: Sequence[str], policies: Sequence[str],

@@ -149,13 +149,30 @@ def test_row_order_does_not_depend_on_completion_order(traces, inline_result, se
 @settings(max_examples=40, deadline=None)
 @given(devices=st.lists(st.sampled_from(DEVICES), min_size=1, max_size=2, unique=True),
        policies=st.lists(st.sampled_from(["gpumem", "pytorch", "cupy", "bestfit"]), min_size=1, unique=True),
-       limits=st.lists(st.sampled_from([None, "1GiB", "90%", "0.5", 123456789]), min_size=1, unique=True))
+       limits=st.lists(st.sampled_from([None, "1GiB", "90%", "0.5", 123456789, 1]), min_size=1, unique=True))
 def test_cases_are_the_product_in_order(devices, policies, limits):
     cases = make_cases(["a.gmt", "b/c.gmt"], devices, policies, limits)
     assert [(c.trace, c.device, c.policy, c.limit) for c in cases] == list(
-        itertools.product(["a.gmt", "b/c.gmt"], devices, policies, [None if x is None else str(x) for x in limits]))
+        itertools.product(["a.gmt", "b/c.gmt"], devices, policies, [None if x is None else f"{x}B" if isinstance(x, int) else x for x in limits]))
     assert [c.index for c in cases] == list(range(len(cases)))
     assert all(os.path.isabs(c.trace_path) for c in cases)
+
+
+def test_each_worker_reads_a_trace_once_and_again_when_it_changes(tmp_path):
+    import gpumem.report.sweep as sweep_module
+
+    path = tmp_path / "t.gmt"
+    save_trace(_trace("t", 5), path)
+    cases = make_cases([str(path)], DEVICES[:1], POLICIES)
+    before = sweep_module._cached_trace.cache_info()
+    first = [sweep_module.run_case(c) for c in cases]
+    after = sweep_module._cached_trace.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
+    save_trace(_trace("t", 6, n=60), path)
+    os.utime(path, ns=(1, 1))  # a different mtime even on coarse clocks
+    second = sweep_module.run_case(cases[0])
+    assert sweep_module._cached_trace.cache_info().misses - after.misses == 1
+    assert second.n_ops != first[0].n_ops
 
 
 # -- failing cases and bad arguments ---------------------------------------------------------------------
@@ -200,6 +217,8 @@ def test_an_executor_failure_is_an_error_row(traces):
     (dict(limits=["2.5"]), "limit '2.5'"),
     (dict(limits=[]), "at least one limit"),
     (dict(limits=[True]), "a limit must be"),
+    (dict(limits=[2.5]), "limit 2.5"),
+    (dict(limits=[0]), "limit 0"),
     (dict(jobs=0), "jobs must be"),
     (dict(jobs=2, executor=cf.ThreadPoolExecutor(1)), "not both"),
     (dict(executor=object()), "submit"),

@@ -372,3 +372,21 @@ def test_cli_scheduler_without_dask_says_what_to_install(traces, tmp_path, capsy
     assert code == EXIT_USAGE
     assert "pip install 'gpumem[dask]'" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+# -- on the device under test (simulated profiles by default; --gpumem-device cuda:0 on a GPU) --------------
+def test_sweep_on_the_device_under_test_equals_plain_replays(traces, device_spec):
+    result = run_sweep(traces[:1], [device_spec], ["gpumem", "bestfit"], jobs=1, progress=False)
+    for row in result.rows:
+        plain = replay_trace(row.trace, device_spec, row.policy, progress=False)
+        assert row.status == (SweepStatus.OK if plain.oom_error is None else SweepStatus.OOM)
+        assert (row.peak_live_bytes, row.peak_reserved_bytes, row.completed_ops) == \
+               (plain.peak_live_bytes, plain.peak_reserved_bytes, plain.completed_ops)
+
+
+@pytest.mark.cuda
+def test_sweep_on_a_real_gpu_is_the_same_on_worker_processes(traces, device_spec):
+    inline = run_sweep(traces, [device_spec], POLICIES, LIMITS, jobs=1, progress=False)
+    pooled = run_sweep(traces, [device_spec], POLICIES, LIMITS, jobs=2, progress=False)
+    assert all(r.status != SweepStatus.ERROR for r in inline.rows), [r.error for r in inline.rows]
+    assert pooled.comparable_rows() == inline.comparable_rows()

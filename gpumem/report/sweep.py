@@ -330,15 +330,40 @@ def run_case(case: SweepCase) -> SweepRow:
 
 
 # -- the sweep -----------------------------------------------------------------------------------------
+class _DeferredFuture(cf.Future):
+    """A future that runs its task in the calling thread when its result is first asked for."""
+
+    def __init__(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self._call: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = (fn, args, kwargs)
+
+    def result(self, timeout: float | None = None) -> Any:
+        call, self._call = self._call, None
+        if call is not None:
+            fn, args, kwargs = call
+            try:
+                self.set_result(fn(*args, **kwargs))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
+                self.set_exception(exc)
+        return super().result(timeout)
+
+
 class _InlineExecutor(cf.Executor):
-    """Runs each task at ``submit`` in the calling process (``jobs=1``): no pool to start."""
+    """Runs each task in the calling process (``jobs=1``) when its result is asked for: no pool to start,
+    and the progress bar moves as the cases finish."""
 
     def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> cf.Future:  # type: ignore[override]
+        return _DeferredFuture(fn, args, kwargs)
+
+
+def _submit(executor: Any, case: SweepCase) -> Any:
+    """``executor.submit(run_case, case)``, or a failed future when submitting itself fails (a task the
+    executor cannot serialise, an executor already shut down)."""
+    try:
+        return executor.submit(run_case, case)
+    except Exception as exc:  # noqa: BLE001 - becomes the case's error row
         fut: cf.Future = cf.Future()
-        try:
-            fut.set_result(fn(*args, **kwargs))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
-            fut.set_exception(exc)
+        fut.set_exception(exc)
         return fut
 
 
@@ -392,7 +417,7 @@ def run_sweep(traces: Sequence[Any], devices: Sequence[str], policies: Sequence[
         # depends on the executor's kind. Results are taken in submission order (futures of any library
         # have result(); not all work with concurrent.futures.as_completed), and each row lands at its
         # case's index, so the table's order never depends on which worker finished first.
-        futures = [(case, executor.submit(run_case, case)) for case in cases]
+        futures = [(case, _submit(executor, case)) for case in cases]
         for case, fut in futures:
             try:
                 row = fut.result()

@@ -201,6 +201,10 @@ def test_an_executor_failure_is_an_error_row(traces):
     assert [r.status for r in result.rows] == [SweepStatus.ERROR] * 2
     assert all(r.error.startswith("BrokenProcessPool: a worker died (the executor could not run the case")
                for r in result.rows)
+    pool = cf.ThreadPoolExecutor(1)
+    pool.shutdown()
+    result = run_sweep(traces[:1], DEVICES[:1], POLICIES, executor=pool, progress=False)
+    assert all(r.error.startswith("RuntimeError: cannot schedule new futures after shutdown") for r in result.rows)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -13,9 +13,10 @@ The pieces, each in its own module:
   OOM forensics, CPU fallback, pressure monitoring, multi-GPU placement;
 * :mod:`gpumem.discovery` - which backends (CUDA, simulated, CPU) this machine has;
 * :mod:`gpumem.workspace` - workspace sizing from the real device;
-* :mod:`gpumem.estimate` - memory estimates for decoder LLMs (inference and training) and batch fitting.
+* :mod:`gpumem.estimate` - memory estimates for decoder LLMs (inference and training) and batch fitting;
+* :mod:`gpumem.report` - fragmentation reports with figures, and sweeps over traces, devices and policies.
 
-The names of the last four (and the size-bucket pool) are importable from ``gpumem`` itself; they are
+The names of the last five (and the size-bucket pool) are importable from ``gpumem`` itself; they are
 loaded on first use, so ``import gpumem`` stays light.
 """
 
@@ -64,6 +65,8 @@ _LAZY_EXPORTS: "dict[str, str]" = {
         "MemoryEstimate", "TrainingEstimate", "FitResult", "ModelShape", "estimate_inference_memory",
         "estimate_kv_cache_memory", "estimate_model_memory", "estimate_training_memory", "estimate_peak_reserved",
         "find_max_batch", "from_hf_config")},
+    **{name: ".report" for name in (
+        "ReportOptions", "ReportResult", "build_report", "SweepResult", "SweepRow", "run_sweep", "write_sweep")},
     **{name: ".allocator.bucket" for name in ("BucketAllocator", "BucketPolicy", "BucketPoolStats")},
 }
 

@@ -15,5 +15,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "estimate",
     "fit",
     "report",
+    "sweep",
 )
 """Submodules of :mod:`gpumem.commands`, in the order ``gpumem --help`` lists them."""

@@ -72,3 +72,95 @@ def test_cli_needs_an_out_folder_and_reports_a_missing_device(nvp, tmp_path, mon
 def test_cli_on_the_simulator_passes(nvp, tmp_path, capsys):
     assert nvp.main(["--device", "sim:t4-16gb", "--out", str(tmp_path), "--cycles", "1"]) == 0
     assert "Result: passed" in capsys.readouterr().out
+
+
+# -- the other process's events reach the parent, all of them ------------------------------------------
+FAKE_CHILD = r"""
+import json, os, sys, time
+n, fd = int(sys.argv[1]), int(sys.argv[3])
+seq = 0
+def line(**kw):
+    global seq
+    kw["seq"] = seq
+    seq += 1
+    return (json.dumps(kw) + "\n").encode()
+print("noise on stdout, not an event", flush=True)
+os.write(fd, line(event="ready", backend="fake 1.0"))
+i = 0
+while i < n:
+    k = min(n - i, 1 + i % 7)  # bursts: several lines in one write
+    os.write(fd, b"".join(line(event="took", nbytes=3, attempts=1) for _ in range(k)))
+    i += k
+    if i % 50 < 7:  # a line in two halves, with a pause between them
+        data = line(event="oom", nbytes=3, attempt=1)
+        os.write(fd, data[:20]); time.sleep(0.01); os.write(fd, data[20:])
+n_oom = seq - 1 - n
+os.write(fd, line(event="returned", nbytes=3 * n))
+done = line(event="done", backend="fake 1.0", events=seq, took=n, oom=n_oom, gave_up=0, skipped=0,
+            returned=1, returned_nbytes=3 * n)
+os.write(fd, done[:-1])  # the last line without its newline, and exit at once
+os._exit(0)
+"""
+
+
+def test_every_event_of_a_fake_child_arrives_while_the_parent_polls(nvp):
+    stop = False
+
+    def busy():  # another thread holds the GIL often, as the monitor's does
+        while not stop:
+            sum(range(5000))
+
+    th = __import__("threading").Thread(target=busy)
+    th.start()
+    try:
+        n = 1500
+        hog = nvp.SubprocessHog(n, [], script=FAKE_CHILD, start_timeout_s=30)
+        hog.start()
+        polls = 0
+        while not hog.finished():
+            hog.events()
+            polls += 1
+        assert hog.wait(10) == 0
+    finally:
+        stop = True
+        th.join()
+    events = hog.events()
+    assert polls > 0 and hog.unparsed == []
+    assert sum(1 for e in events if e["event"] == "took") == n
+    assert [e["seq"] for e in events] == list(range(len(events)))
+    assert events[0]["event"] == "ready" and events[-1]["event"] == "done" and hog.backend == "fake 1.0"
+    took, ooms, problems = nvp.tally_hog(events, n)
+    assert (took, problems) == (n, []) and ooms > 0
+    assert "noise on stdout" in hog.output()
+
+
+def test_a_lost_event_is_reported_as_lost_and_the_steps_come_from_the_childs_count(nvp):
+    events = [{"event": "ready", "seq": 0}]
+    events += [{"event": "took", "seq": i} for i in range(1, 61)]
+    events += [{"event": "returned", "seq": 61},
+               {"event": "done", "seq": 62, "events": 62, "took": 60, "oom": 0, "returned": 1}]
+    assert nvp.tally_hog(events, 60)[2] == []
+    lost = [e for e in events if e["seq"] not in (0, 5, 6)]
+    took, ooms, problems = nvp.tally_hog(lost, 60)
+    assert took == 60 and ooms == 0
+    assert any("lost" in p and "3 missing" in p for p in problems)
+    assert any("reports 60 'took' events, 58 arrived" in p for p in problems)
+    assert not any("took 60 of 60" in p or "of 60 steps" in p for p in problems)
+    took, _, problems = nvp.tally_hog(events[:-1], 60)  # no "done": its end is unknown
+    assert took == 60 and any("did not report its end" in p for p in problems)
+
+
+def test_a_child_that_dies_before_ready_is_reported(nvp):
+    hog = nvp.SubprocessHog(0, [], script="import sys; print('no GPU here'); sys.exit(3)", start_timeout_s=30)
+    with pytest.raises(RuntimeError, match="no GPU here"):
+        hog.start()
+
+
+def test_the_record_names_the_other_process_and_the_cli_fails_with_status_1(nvp, tmp_path, capsys):
+    with gpumem.open_device("sim:t4-16gb") as dev:
+        rec = nvp.run_check(dev, _plan(nvp), out_dir=tmp_path)
+    assert rec.hog_backend == "simulated tenant" and rec.hog_took == 2 * rec.plan["hog_steps"]
+    assert "other process: simulated tenant" in nvp.render(rec)
+    assert nvp.main(["--device", "sim:t4-16gb", "--out", str(tmp_path), "--cycles", "1", "--no-release"]) == 1
+    assert "Result: failed" in capsys.readouterr().out
+    assert list(tmp_path.glob("*-no-release.json"))

@@ -15,8 +15,9 @@ Size the GPU workspace of a quantized linear layer (in x out weights) from what 
   usable       95% of the free memory left after the reserve (gpumem.managers.reserve);
   batch        what the usable memory holds after the dequantized weights, capped by the GPU's class
                (< 4 GB: 64, 4-8 GB: 128, 8-24 GB: 256, >= 24 GB: 512), at least 1;
-  workspace    dequant + batch x per sample, clamped to [1 MiB, 64 GiB] and never above usable
-               (below dequant + one sample, the kernel dequantizes in tiles).
+  workspace    dequant + batch x per sample, clamped to [1 MiB, 64 GiB] and never above usable;
+               the batch is then what the clamped workspace holds (below dequant + one sample, the
+               kernel dequantizes in tiles, with a batch of 1).
 Too little memory exits 1 with what was required and available; nothing falls back to a constant."""
 
 _EXIT_MEANINGS = {

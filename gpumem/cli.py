@@ -73,8 +73,25 @@ class _UsageError(Exception):
     """A bad input found by a command: printed as ``gpumem COMMAND: message``, exit 2."""
 
 
-def _exit_codes_text() -> str:
-    return "exit status:\n" + "\n".join(f"  {code:<4}{text}" for code, text in EXIT_CODES.items())
+#: Exit status -> meaning in words that hold for every command (``gpumem --help``); a command with more
+#: specific words passes them to :func:`_exit_codes_text` (replay: :data:`EXIT_CODES`).
+GENERAL_EXIT_CODES: Mapping[int, str] = MappingProxyType({
+    EXIT_OK: "done",
+    EXIT_OOM: "out of memory: what the command needs does not fit the device (or its limit)",
+    EXIT_USAGE: "bad input: a bad option, device spec, input file or output path",
+    EXIT_DEVICE_LOST: "the device was lost",
+    EXIT_DEVICE_ERROR: "another device error (a failed device call, a memory hazard the simulator caught,\n"
+                       "      an internal consistency error)",
+    EXIT_INTERRUPTED: EXIT_CODES[EXIT_INTERRUPTED],
+    EXIT_BROKEN_PIPE: EXIT_CODES[EXIT_BROKEN_PIPE],
+})
+
+
+def _exit_codes_text(meanings: Mapping[int, str] | None = None) -> str:
+    """The ``exit status:`` block of a ``--help``: :data:`GENERAL_EXIT_CODES`, with a command's own
+    ``meanings`` (status -> text) in their place; a status whose text is empty is left out."""
+    merged = {**GENERAL_EXIT_CODES, **(meanings or {})}
+    return "exit status:\n" + "\n".join(f"  {code:<4}{text}" for code, text in sorted(merged.items()) if text)
 
 
 # -- devices -------------------------------------------------------------------------------------------
@@ -531,7 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "  out-of-memory errors and the time per operation.\n"
                     "An allocation that does not fit stops the replay; one report on stderr says what failed,\n"
                     "what the trace needs at its peak and which simulated profiles have room for it.",
-        epilog=_exit_codes_text(),
+        epilog=_exit_codes_text(EXIT_CODES),
     )
     p.add_argument("trace", help="the trace file")
     p.add_argument("--device", default=_DEFAULT_DEVICE, help="device spec (default: %(default)s)")

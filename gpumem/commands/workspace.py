@@ -15,9 +15,21 @@ Size the GPU workspace of a quantized linear layer (in x out weights) from what 
   usable       95% of the free memory left after the reserve (gpumem.managers.reserve);
   batch        what the usable memory holds after the dequantized weights, capped by the GPU's class
                (< 4 GB: 64, 4-8 GB: 128, 8-24 GB: 256, >= 24 GB: 512), at least 1;
-  workspace    dequant + batch x per sample, clamped to [1 MiB, 64 GiB] and never above usable
-               (below dequant + one sample, the kernel dequantizes in tiles).
+  workspace    dequant + batch x per sample, clamped to [1 MiB, 64 GiB] and never above usable;
+               the batch is then what the clamped workspace holds (below dequant + one sample, the
+               kernel dequantizes in tiles, with a batch of 1).
 Too little memory exits 1 with what was required and available; nothing falls back to a constant."""
+
+_EXIT_MEANINGS = {
+    0: "done",
+    1: "not even the minimum workspace fits what is usable on the device (with --json: an error\n"
+       "      object on stdout; the message on stderr)",
+    2: "bad input: a bad option or device spec",
+    3: "the device was lost while it was asked what it has free (with --json: an error object)",
+    4: "another device error: the device could not be asked what it has free (with --json: an\n"
+       "      error object)",
+}
+"""Exit status -> meaning for ``gpumem workspace --help`` (130 and 141 as for every command)."""
 
 
 def _positive(text: str) -> int:
@@ -36,8 +48,7 @@ def register(sub: Any, formatter_class: Any) -> None:
 
     p = sub.add_parser("workspace", help="size a quantized linear layer's GPU workspace from the device's free memory",
                        formatter_class=formatter_class, description=_DESCRIPTION,
-                       epilog=_exit_codes_text().replace("the trace does not fit the device (or --limit)",
-                                                         "not even the minimum workspace fits"))
+                       epilog=_exit_codes_text(_EXIT_MEANINGS))
     p.add_argument("--in-features", type=_positive, required=True, metavar="N", help="the layer's input features")
     p.add_argument("--out-features", type=_positive, required=True, metavar="M", help="the layer's output features")
     p.add_argument("--qtype", choices=("i2s", "tl1", "tl2"), required=True, type=str.lower,
@@ -55,12 +66,10 @@ def cmd_workspace(args: argparse.Namespace) -> int:
     """Run ``gpumem workspace``; returns the exit status."""
     import sys
 
-    from ..cli import EXIT_OK, EXIT_OOM
-    from ..workspace import InsufficientWorkspaceMemoryError, calculate_gpu_workspace_size
-
-    from ..cli import _UsageError
-    from ..errors import GpumemError
+    from ..cli import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, _UsageError
+    from ..errors import DeviceLostError, GpumemError
     from ..specs import open_device
+    from ..workspace import InsufficientWorkspaceMemoryError, WorkspaceDeviceQueryError, calculate_gpu_workspace_size
 
     options = {} if args.max_batch_size is None else {"max_batch_size": args.max_batch_size}
     try:
@@ -76,6 +85,14 @@ def cmd_workspace(args: argparse.Namespace) -> int:
                               "device": exc.device, "message": str(exc)}, indent=2))
         print(f"gpumem workspace: {exc}", file=sys.stderr)
         return EXIT_OOM
+    except WorkspaceDeviceQueryError as exc:
+        # the device's own error decides the status: lost (3) or any other device error (4), as documented
+        lost = isinstance(exc.cause, DeviceLostError)
+        if args.json:
+            print(json.dumps({"error": "device_lost" if lost else "device_error", "device": exc.device,
+                              "cause": type(exc.cause).__name__, "message": str(exc)}, indent=2))
+        print(f"gpumem workspace: {'the device was lost' if lost else 'device error'}: {exc}", file=sys.stderr)
+        return EXIT_DEVICE_LOST if lost else EXIT_DEVICE_ERROR
     finally:
         device.close()
     if args.json:

@@ -32,6 +32,17 @@ reserve is what allocations outside the workspace need. The **share of the feasi
 what a rule holds beyond the feasible maximum is not counted as use. A step where the process holds a
 workspace and the device has less than the reserve free (the workspace eats into the reserve) is
 counted in ``over_steps``.
+Since ``full`` holds the class's batch cap, a workspace that holds the capped batch scores 100 % even
+where free memory would allow far more (from the 8 - 24 GB class up, the cap binds for common layers):
+that is the definition the issue's batch caps imply. **Beside it**, ``used_share_uncapped`` measures the
+same against what free memory would allow *without the class cap*::
+
+    feasible_uncapped = min(full_uncapped, free + held - reserve)
+
+where ``full_uncapped`` is ``dequant + ABSOLUTE_MAX_BATCH_SIZE * per_sample`` clamped to [min, max]: the
+class cap removed, the rule's absolute limits (the batch maximum of 1024 and the 64 GiB clamp), which no
+size ever goes beyond, kept. It shows how much of the room the class cap leaves unused
+(``batch_share_uncapped``: the same for the batch, which the dequantized weights do not dilute).
 A step with a feasible maximum below the minimum workspace has no feasible workspace at all
 (``infeasible_steps``); none occurs in the shipped scenario.
 """
@@ -46,7 +57,7 @@ from ..allocator import CachingAllocator
 from ..errors import OutOfMemoryError
 from ..sim import SimDevice, get_profile
 from ..sim.pressure import preset
-from .sizing import QType, query_device, reserve_nbytes_for, six_gb_rule_workspace_size, size_workspace
+from .sizing import ABSOLUTE_MAX_BATCH_SIZE, QType, query_device, reserve_nbytes_for, six_gb_rule_workspace_size, size_workspace
 from .workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -90,6 +101,11 @@ class ScenarioResult:
     """``sum(min(held, feasible)) / sum(feasible)``: Note [The feasible maximum]."""
     batch_share: float
     """The same for the batch: ``sum(min(batch, feasible batch)) / sum(feasible batch)``."""
+    used_share_uncapped: float
+    """``sum(min(held, feasible_uncapped)) / sum(feasible_uncapped)``: the share of what free memory would
+    allow without the class's batch cap (Note [The feasible maximum])."""
+    batch_share_uncapped: float
+    """The same for the batch: the feasible batch capped by ``ABSOLUTE_MAX_BATCH_SIZE`` only."""
     resizes: int
     ooms: int
     """Out-of-memory errors the process met: workspace allocations or resizes that failed."""
@@ -125,6 +141,9 @@ def run_scenario(profile_name: str, pressure_name: str, rule: Rule | str, layer:
                               MemInfo(props.total_nbytes, props.total_nbytes), device=dev.spec, reserve_nbytes=0)
         full_nbytes = full.desired_bytes
         cap = full.max_batch_size
+        full_uncapped_nbytes = min(max(full.dequant_bytes + ABSOLUTE_MAX_BATCH_SIZE * full.per_sample_bytes,
+                                       full.min_workspace_bytes), full.max_workspace_bytes)
+        held_u_sum = feasible_u_sum = batch_u_sum = feasible_batch_u_sum = 0
         ooms = resizes = without = over = infeasible = 0
         held_sum = feasible_sum = batch_sum = feasible_batch_sum = 0
         held_list: list[int] = []
@@ -176,6 +195,13 @@ def run_scenario(profile_name: str, pressure_name: str, rule: Rule | str, layer:
                 over += 1
             held_sum += min(held, feasible)
             feasible_sum += feasible
+            feasible_u = _feasible(full_uncapped_nbytes, mem.free_nbytes, held, reserve)
+            held_u_sum += min(held, feasible_u)
+            feasible_u_sum += feasible_u
+            rest_u = feasible_u - full.dequant_bytes
+            feasible_batch_u = max(1, min(ABSOLUTE_MAX_BATCH_SIZE, rest_u // full.per_sample_bytes if rest_u > 0 else 0))
+            batch_u_sum += min(batch, feasible_batch_u)
+            feasible_batch_u_sum += feasible_batch_u
             batch_sum += min(batch, feasible_batch)
             feasible_batch_sum += feasible_batch
             held_list.append(held)
@@ -194,6 +220,8 @@ def run_scenario(profile_name: str, pressure_name: str, rule: Rule | str, layer:
             max_workspace_bytes=max(held_list), min_batch_size=min(batch_list), max_batch_size=max(batch_list),
             used_share=held_sum / feasible_sum if feasible_sum else 0.0,
             batch_share=batch_sum / feasible_batch_sum if feasible_batch_sum else 0.0,
+            used_share_uncapped=held_u_sum / feasible_u_sum if feasible_u_sum else 0.0,
+            batch_share_uncapped=batch_u_sum / feasible_batch_u_sum if feasible_batch_u_sum else 0.0,
             resizes=resizes, ooms=ooms, steps_without_workspace=without, over_steps=over,
             infeasible_steps=infeasible, tenant_denied=denied[0])
     finally:

@@ -21,9 +21,10 @@ below 4 GB             64
 and never more than :data:`ABSOLUTE_MAX_BATCH_SIZE`. The workspace is ``dequant + batch * per_sample``,
 clamped to [:data:`MIN_WORKSPACE_NBYTES`, :data:`MAX_WORKSPACE_NBYTES`] and never above what is usable:
 on a card too small for the whole dequantized matrix the workspace is what fits, and the kernel
-dequantizes in tiles (:attr:`WorkspaceSize.tiled`). When even the minimum does not fit,
-:class:`InsufficientWorkspaceMemoryError` says what was required, what was available and where; a failed
-device query raises :class:`WorkspaceDeviceQueryError`. Nothing falls back to a constant.
+dequantizes in tiles (:attr:`WorkspaceSize.tiled`). The batch is then recomputed from the clamped
+workspace, so it never claims more than the workspace holds (Note [The batch a workspace holds]). When
+even the minimum does not fit, :class:`InsufficientWorkspaceMemoryError` says what was required, what was
+available and where; a failed device query raises :class:`WorkspaceDeviceQueryError`. Nothing falls back to a constant.
 
 Note [GPU classes by nominal size]
 ----------------------------------
@@ -42,6 +43,18 @@ therefore ``free - emergency`` (the rule's ``usable_nbytes``, which never raises
 result makes the available memory 0 and the sizing raises its own error). Subtracting the whole reserve
 from ``free`` would count the context twice. ``reserve_bytes`` in the results is that emergency part,
 and ``reserve_nbytes=`` overrides it.
+
+Note [The batch a workspace holds]
+----------------------------------
+The batch reported with a workspace is always what that workspace holds, after every clamp
+(:func:`batch_for_workspace`, shared by :func:`size_workspace` and :class:`~gpumem.workspace.Workspace`):
+
+* **not tiled** (``workspace >= dequant + per_sample``): ``batch = min(cap, (workspace - dequant) //
+  per_sample)``, so ``workspace >= dequant + batch * per_sample`` always;
+* **tiled** (``workspace < dequant + per_sample``: the whole dequantized matrix and one sample do not fit,
+  because of the memory available or of :data:`MAX_WORKSPACE_NBYTES`): ``batch = 1``; the workspace holds
+  one sample's intermediates (``workspace >= per_sample``, the minimum workspace) and the rest is for
+  the tiles the kernel dequantizes one after the other.
 
 Note [The usable share]
 -----------------------
@@ -69,7 +82,19 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 USABLE_FRACTION = 0.95
-"""Share of the memory free after the reserve that a workspace may take (Note [The usable share])."""
+"""Share of the memory free after the reserve that a workspace may take (Note [The batch a workspace holds]
+----------------------------------
+The batch reported with a workspace is always what that workspace holds, after every clamp
+(:func:`batch_for_workspace`, shared by :func:`size_workspace` and :class:`~gpumem.workspace.Workspace`):
+
+* **not tiled** (``workspace >= dequant + per_sample``): ``batch = min(cap, (workspace - dequant) //
+  per_sample)``, so ``workspace >= dequant + batch * per_sample`` always;
+* **tiled** (``workspace < dequant + per_sample``: the whole dequantized matrix and one sample do not fit,
+  because of the memory available or of :data:`MAX_WORKSPACE_NBYTES`): ``batch = 1``; the workspace holds
+  one sample's intermediates (``workspace >= per_sample``, the minimum workspace) and the rest is for
+  the tiles the kernel dequantizes one after the other.
+
+Note [The usable share])."""
 
 ABSOLUTE_MAX_BATCH_SIZE = 1024
 """No batch above this, whatever the class or a caller's ``max_batch_size`` says."""
@@ -153,12 +178,16 @@ class InsufficientWorkspaceMemoryError(OutOfMemoryError):
         self.required_nbytes = required_nbytes
         self.available_nbytes = available_nbytes
         self.reserve_nbytes = reserve_nbytes
-        hint = (f"A workspace needs at least {format_bytes(required_nbytes)} ({required_nbytes} bytes); only "
-                f"{format_bytes(available_nbytes)} ({available_nbytes} bytes) is available on {device} "
-                f"({format_bytes(free_nbytes)} free, {format_bytes(reserve_nbytes)} kept as reserve).")
+        super().__init__(required_nbytes, free_nbytes, total_nbytes, device=device, hint=detail)
+        # a sizing, not an allocation: nothing was "tried to allocate" (OutOfMemoryError's wording)
+        on = f" on {device}" if device else ""
+        msg = (f"out of memory{on}: a workspace needs at least {format_bytes(required_nbytes)} "
+               f"({required_nbytes} bytes); only {format_bytes(available_nbytes)} ({available_nbytes} bytes) is "
+               f"available ({format_bytes(free_nbytes)} free of {format_bytes(total_nbytes)} total, "
+               f"{format_bytes(reserve_nbytes)} kept as reserve).")
         if detail:
-            hint += " " + detail
-        super().__init__(required_nbytes, free_nbytes, total_nbytes, device=device, hint=hint)
+            msg += " " + detail
+        self.args = (msg,)
 
 
 class WorkspaceDeviceQueryError(GpumemError, RuntimeError):
@@ -210,7 +239,8 @@ class WorkspaceSize:
 
     @property
     def tiled(self) -> bool:
-        """True when the whole dequantized matrix and one sample do not fit: the kernel dequantizes in tiles."""
+        """True when the whole dequantized matrix and one sample do not fit: the kernel dequantizes in tiles,
+        with a batch of 1 (Note [The batch a workspace holds])."""
         return self.workspace_bytes < self.dequant_bytes + self.per_sample_bytes
 
     def to_dict(self) -> dict[str, Any]:
@@ -231,6 +261,17 @@ def _positive_int(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise InvalidArgumentError(f"{what} must be a positive int, got {value!r:.60}")
     return int(value)
+
+
+def batch_for_workspace(workspace_nbytes: int, dequant_nbytes: int, per_sample_nbytes: int, cap: int) -> int:
+    """The batch a workspace of ``workspace_nbytes`` really holds (Note [The batch a workspace holds]):
+    ``(workspace - dequant) // per_sample`` capped by ``cap``; 1 when not even the dequantized matrix and
+    one sample fit (tiled). Used by :func:`size_workspace` after its clamps and by
+    :class:`~gpumem.workspace.Workspace` when it cuts a size down."""
+    rest = workspace_nbytes - dequant_nbytes
+    if rest < per_sample_nbytes:
+        return 1
+    return max(1, min(cap, rest // per_sample_nbytes))
 
 
 def reserve_nbytes_for(properties: DeviceProperties, mem: MemInfo) -> int:
@@ -286,6 +327,8 @@ def size_workspace(in_features: int, out_features: int, qtype: QType | str, prop
                    f"{format_bytes(per_sample)}, the minimum workspace {format_bytes(min_ws)})")
     desired = min(max(dequant + batch * per_sample, required), max(max_ws, required))
     workspace = min(desired, available)
+    # the clamps may have cut the workspace below dequant + batch * per_sample: the batch is what it holds
+    batch = batch_for_workspace(workspace, dequant, per_sample, cap)
     result = WorkspaceSize(
         workspace_bytes=workspace, batch_size=batch, available_bytes=available, device=device, qtype=q,
         in_features=in_features, out_features=out_features, dequant_bytes=dequant, per_sample_bytes=per_sample,
@@ -319,10 +362,10 @@ def query_device(device: "Device") -> tuple[DeviceProperties, MemInfo]:
 
 
 def calculate_gpu_workspace_size(in_features: int, out_features: int, qtype: QType | str,
-                                 device: "Device | str", **options: Any) -> WorkspaceSize:
+                                 device: "Device | str | int", **options: Any) -> WorkspaceSize:
     """The workspace for a quantized linear layer of ``in_features`` x ``out_features`` weights of type
     ``qtype`` on ``device`` (a :class:`~gpumem.Device`, or a spec such as ``"sim:t4-16gb"`` or ``"cuda:0"``,
-    opened and closed here), from its free memory right now.
+    or a CUDA index ``0`` meaning ``"cuda:0"``, opened and closed here), from its free memory right now.
 
     ``options`` go to :func:`size_workspace` (``max_batch_size``, ``reserve_nbytes``, ...). Raises
     :class:`InsufficientWorkspaceMemoryError` (an :class:`~gpumem.errors.OutOfMemoryError`) when too little is
@@ -337,6 +380,10 @@ def calculate_gpu_workspace_size(in_features: int, out_features: int, qtype: QTy
     _positive_int(out_features, "out_features")
     QType.parse(qtype)
     check_options(options)
+    if isinstance(device, int) and not isinstance(device, bool):
+        if device < 0:
+            raise InvalidArgumentError(f"a CUDA device index must be >= 0, got {device}")
+        device = f"cuda:{device}"
     if isinstance(device, str):
         from ..specs import open_device
 
@@ -345,6 +392,11 @@ def calculate_gpu_workspace_size(in_features: int, out_features: int, qtype: QTy
             return calculate_gpu_workspace_size(in_features, out_features, qtype, dev, **options)
         finally:
             dev.close()
+    from ..device import Device
+
+    if not isinstance(device, Device):
+        raise InvalidArgumentError(f"device must be a gpumem.Device, a spec such as 'sim:t4-16gb' or a CUDA index, "
+                                   f"got {type(device).__name__}")
     props, mem = query_device(device)
     return size_workspace(in_features, out_features, qtype, props, mem, device=str(device.spec), **options)
 

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from ..errors import GpumemError, InvalidArgumentError, OutOfMemoryError
 from ..units import format_bytes
 from .sizing import (InsufficientWorkspaceMemoryError, QType, WorkspaceDeviceQueryError, WorkspaceSize,
-                     check_options, query_device, reserve_nbytes_for, size_workspace)
+                     batch_for_workspace, check_options, query_device, reserve_nbytes_for, size_workspace)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..allocator import CachingAllocator
@@ -307,8 +307,7 @@ class Workspace:
         """``target`` cut to ``nbytes``, its batch recomputed for that size."""
         from dataclasses import replace
 
-        rest = nbytes - target.dequant_bytes
-        batch = max(1, min(target.max_batch_size, rest // target.per_sample_bytes if rest > 0 else 0))
+        batch = batch_for_workspace(nbytes, target.dequant_bytes, target.per_sample_bytes, target.max_batch_size)
         return replace(target, workspace_bytes=nbytes, batch_size=batch)
 
     # -- life cycle --------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gpumem.cli import EXIT_OK, EXIT_OOM, EXIT_USAGE, main
+from gpumem.cli import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, main
 from gpumem.workspace import calculate_gpu_workspace_size
 
 
@@ -76,3 +76,57 @@ def test_help_explains_the_rule(capsys):
     out = capsys.readouterr().out
     for text in ("< 4 GB: 64", ">= 24 GB: 512", "fp16 for i2s and tl1", "exit status"):
         assert text in out
+
+
+def test_a_lost_device_exits_3_with_a_json_error(capsys):
+    # found by review: a lost device exited 4 (the query error wrapping it) and printed nothing with --json
+    code, out, err = _run(capsys, "--in-features", "4096", "--out-features", "11008", "--qtype", "i2s",
+                          "--device", "sim:t4-16gb?lost_at_s=0", "--json")
+    assert code == EXIT_DEVICE_LOST
+    data = json.loads(out)
+    assert data["error"] == "device_lost" and data["cause"] == "DeviceLostError"
+    assert data["device"] == "sim:t4-16gb?lost_at_s=0" and "lost" in data["message"]
+    assert "the device was lost" in err
+    code, out, err = _run(capsys, "--in-features", "4096", "--out-features", "11008", "--qtype", "i2s",
+                          "--device", "sim:t4-16gb?lost_at_s=0")
+    assert code == EXIT_DEVICE_LOST and out == "" and "the device was lost" in err
+
+
+def test_another_device_error_exits_4_with_a_json_error(capsys, monkeypatch):
+    import gpumem.specs
+
+    real_open = gpumem.specs.open_device
+
+    def closed_device(spec):  # a device whose queries fail with something other than loss
+        dev = real_open(spec)
+        dev.close()
+        return dev
+
+    monkeypatch.setattr(gpumem.specs, "open_device", closed_device)
+    code, out, err = _run(capsys, "--in-features", "4096", "--out-features", "11008", "--qtype", "i2s",
+                          "--device", "sim:t4-16gb", "--json")
+    assert code == EXIT_DEVICE_ERROR
+    data = json.loads(out)
+    assert data["error"] == "device_error" and data["cause"] == "DeviceClosedError"
+    assert "device error" in err
+
+
+def _help(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_exit_status_is_the_commands_own(capsys):
+    # found by review: workspace --help (and gpumem --help) copied replay's exit-status words
+    status = _help(capsys, "workspace").split("exit status:")[1]
+    for word in ("trace", "replay", "--limit"):
+        assert word not in status
+    for code in ("0", "1", "2", "3", "4", "130", "141"):
+        assert f"\n  {code} " in status
+    assert "minimum workspace" in status and "lost" in status
+    top = _help(capsys).split("exit status:")[1]
+    assert "trace" not in top and "replay" not in top and "the device was lost" in top
+    replay = _help(capsys, "replay").split("exit status:")[1]
+    assert "the trace does not fit" in replay and "during the replay" in replay

@@ -139,6 +139,42 @@ def test_bad_arguments_raise_before_the_device_is_touched(args, what):
     dev.close()
 
 
+@pytest.mark.parametrize("device", [None, 0.0, True, False, object(), b"sim:t4-16gb", [0]])
+def test_a_bad_device_type_raises_invalid_argument(device):
+    # found by review: a non-Device, non-spec device raised AttributeError from inside the sizing
+    with pytest.raises(InvalidArgumentError, match="device must be"):
+        calculate_gpu_workspace_size(4096, 11008, "i2s", device)
+
+
+def test_an_int_device_is_a_cuda_index(monkeypatch):
+    import gpumem.specs
+
+    opened = []
+    real_open = gpumem.specs.open_device
+
+    def fake_open(spec):  # no GPU here: record the spec, size on a simulated card instead
+        opened.append(spec)
+        return real_open("sim:t4-16gb")
+
+    monkeypatch.setattr(gpumem.specs, "open_device", fake_open)
+    ws = calculate_gpu_workspace_size(4096, 11008, "i2s", 0)
+    assert opened == ["cuda:0"] and ws.batch_size == 256
+    with pytest.raises(InvalidArgumentError, match="CUDA device index"):
+        calculate_gpu_workspace_size(4096, 11008, "i2s", -1)
+    assert opened == ["cuda:0"]
+
+
+def test_the_error_says_needs_not_tried_to_allocate():
+    # found by review: a sizing allocates nothing, so "tried to allocate" was wrong
+    props, mem = _props(2 * GiB), MemInfo(1 * GiB, 2 * GiB)
+    with pytest.raises(InsufficientWorkspaceMemoryError) as err:
+        size_workspace(8, 2**30, "i2s", props, mem, device="sim:x", reserve_nbytes=0)
+    text = str(err.value)
+    assert "tried to allocate" not in text
+    assert text.startswith("out of memory on sim:x: a workspace needs at least 4.00 GiB (4294967296 bytes)")
+    assert "one sample's intermediates" in text
+
+
 def test_unknown_option_raises():
     with pytest.raises(InvalidArgumentError, match="unknown sizing option"):
         calculate_gpu_workspace_size(10, 10, "i2s", "sim:t4-16gb", reserve=1)
@@ -177,6 +213,55 @@ def test_invariants(in_f, out_f, qtype, total, free_share, reserve, cap):
     assert ws.min_workspace_bytes <= ws.workspace_bytes <= ws.available_bytes <= max(0, mem.free_nbytes - reserve)
     assert ws.workspace_bytes <= ws.max_workspace_bytes
     assert 1 <= ws.batch_size <= min(ws.gpu_class.max_batch_size, ABSOLUTE_MAX_BATCH_SIZE, cap or 10**9)
-    if not ws.tiled and ws.workspace_bytes < ws.max_workspace_bytes:
-        assert ws.workspace_bytes >= ws.dequant_bytes + ws.batch_size * ws.per_sample_bytes or \
-            ws.workspace_bytes == ws.available_bytes
+    _assert_holds_its_batch(ws)
+
+
+def _assert_holds_its_batch(ws) -> None:
+    """Note [The batch a workspace holds]: the batch reported is what the workspace holds."""
+    if ws.tiled:
+        assert ws.batch_size == 1 and ws.per_sample_bytes <= ws.workspace_bytes < ws.dequant_bytes + ws.per_sample_bytes
+    else:
+        assert ws.workspace_bytes >= ws.dequant_bytes + ws.batch_size * ws.per_sample_bytes
+
+
+@given(in_f=st.integers(1, 200000), out_f=st.integers(1, 200000), qtype=st.sampled_from(list(QType)),
+       total=st.integers(1 * GiB, 150 * GiB), free_share=st.floats(0.0, 1.0), reserve=st.integers(0, 4 * GiB),
+       cap=st.one_of(st.none(), st.integers(1, 4096)),
+       max_ws=st.one_of(st.none(), st.integers(1 * MiB, 80 * GiB)))
+def test_the_batch_is_what_the_clamped_workspace_holds(in_f, out_f, qtype, total, free_share, reserve, cap, max_ws):
+    """Found by review: the batch was computed before the clamp to MAX_WORKSPACE_NBYTES, so a 64 GiB
+    (clamped, tiled) workspace reported a batch of 512."""
+    props, mem = _props(total), MemInfo(int(total * free_share), total)
+    options = {} if max_ws is None else {"max_workspace_nbytes": max_ws}
+    try:
+        ws = size_workspace(in_f, out_f, qtype, props, mem, device="x", reserve_nbytes=reserve, max_batch_size=cap,
+                            **options)
+    except InsufficientWorkspaceMemoryError:
+        return
+    _assert_holds_its_batch(ws)
+
+
+def test_the_maximum_clamp_recomputes_the_batch():
+    # the review's case: a 150000 x 150000 TL2 layer (90 GB dequantized) on an H200
+    ws = calculate_gpu_workspace_size(150000, 150000, "tl2", "sim:h200-141gb")
+    assert ws.workspace_bytes == ws.max_workspace_bytes == 64 * GiB
+    assert ws.tiled and ws.batch_size == 1
+    # clamped but not tiled: the batch is what is left after the dequantized matrix
+    props, mem = _props(80 * GiB), MemInfo(70 * GiB, 80 * GiB)
+    ws = size_workspace(4096, 11008, "i2s", props, mem, device="x", reserve_nbytes=0,
+                        max_workspace_nbytes=4096 * 11008 * 2 + 100 * 11008 * 4 + 5)
+    assert not ws.tiled and ws.batch_size == 100
+
+
+def test_workspace_and_sizing_share_the_batch_rule():
+    from gpumem.workspace.sizing import batch_for_workspace
+    from gpumem.workspace.workspace import Workspace
+
+    props, mem = _props(80 * GiB), MemInfo(70 * GiB, 80 * GiB)
+    full = size_workspace(4096, 11008, "i2s", props, mem, device="x", reserve_nbytes=0)
+    for nbytes in (full.workspace_bytes // 2, full.dequant_bytes + 3 * full.per_sample_bytes, full.dequant_bytes,
+                   1 * MiB):
+        cut = Workspace._shrunk(full, nbytes)
+        assert cut.batch_size == batch_for_workspace(nbytes, full.dequant_bytes, full.per_sample_bytes,
+                                                     full.max_batch_size)
+        _assert_holds_its_batch(cut)

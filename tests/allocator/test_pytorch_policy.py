@@ -74,3 +74,42 @@ def test_overhead_matches_pytorch_measured_on_the_h200(trace, measured):
     r = replay_trace(f"{TRACES}/{trace}", "sim:h200-141gb", policy="pytorch", progress=False)
     assert r.ooms == 0
     assert abs(r.overhead - measured) < 0.001
+
+
+def test_replays_a_real_7b_generate_segment_for_segment():
+    """``data/generate_7b_b16_p4096_n8.snapshot.pickle.gz``: PyTorch 2.11 on the H200, ``benchmarks/hf_memory.py
+    --models llama-7b --no-train --quick --trace-big`` (generate() of the multi-head 7B at batch 16 x prompt 4096,
+    8 new tokens: 1376 MiB MLP tensors, 512 MiB cache tensors grown by ``torch.cat``), recorded after the weights
+    were loaded. The model makes the same 76 segments as PyTorch's ``segment_alloc`` entries, the large ones in the same order."""
+    from gpumem.trace import load_trace
+    from gpumem.trace.pytorch import load_snapshot_dict
+
+    path = "tests/allocator/data/generate_7b_b16_p4096_n8.snapshot.pickle.gz"
+    real = [e["size"] for e in load_snapshot_dict(path)["device_traces"][0] if e["action"] == "segment_alloc"]
+    trace = load_trace(path)
+    dev = open_device("sim:h200-141gb")
+    a = CachingAllocator(dev, "pytorch", engine="python")
+    made = []
+    new_segment = a.backing.new_segment
+
+    def spy(small, stream, nbytes):
+        seg = new_segment(small, stream, nbytes)
+        made.append(seg.nbytes)
+        return seg
+
+    a.backing.new_segment = spy
+    try:
+        ptrs = {}
+        for kind, i, n in zip(trace.kinds, trace.alloc_ids, trace.nbytes):
+            if kind == 0:
+                ptrs[i] = a.allocate(int(n))
+            else:
+                a.free(ptrs.pop(i))
+        # the large segments in the same order; one small (2 MiB) one earlier than PyTorch's, which had room
+        # left in a small segment made before recording began (not in the trace's operations)
+        assert [n for n in made if n > 2 * MiB] == [n for n in real if n > 2 * MiB]
+        assert sorted(made) == sorted(real) and len(real) == 76
+        assert a.stats.peak_reserved_nbytes == sum(real)  # 62.79 GiB, beside the 12.58 GiB held before recording
+    finally:
+        a.close()
+        dev.close()

@@ -132,6 +132,7 @@ from typing import Callable
 
 from ..device import Device, PhysicalHandle
 from ..errors import InternalError, InvalidArgumentError, OutOfMemoryError
+from ..units import align_up
 from .block import Block, FreeList
 from .fences import StreamFences, merge_fences
 from .policy import AllocatorPolicy, GrowthRule
@@ -139,6 +140,9 @@ from .policy import AllocatorPolicy, GrowthRule
 log = logging.getLogger(__name__)
 
 SegmentCallback = Callable[["Segment"], None]
+
+_TOP_DOWN_START = 1 << 62
+"""The ``order`` below which the first segment of a ``segments_top_down`` policy sorts (Note [Segments top-down])."""
 
 CACHED_CHUNKS_EXPORT_BASE = 1 << 52
 """Where exported histories show physical chunks held but mapped nowhere (Note [Exporting cached chunks])."""
@@ -152,10 +156,13 @@ class Segment:
     [Stream-ordered frees].
     """
 
-    __slots__ = ("base", "nbytes", "small", "stream", "last", "live", "dirty", "fence")
+    __slots__ = ("base", "nbytes", "small", "stream", "last", "live", "dirty", "fence", "order")
 
     def __init__(self, base: int, nbytes: int, small: bool, stream: int) -> None:
         self.base = base
+        self.order = base
+        """Where the segment sorts among equal-sized free blocks (:class:`~.block.TopDownFreeList`): its
+        address, or with ``segments_top_down`` a place below every segment made before it."""
         self.nbytes = nbytes
         self.small = small
         self.stream = stream
@@ -259,6 +266,7 @@ class SegmentBacking(Backing):
                  fences: StreamFences | None = None) -> None:
         super().__init__(device, policy, limit_nbytes, fences)
         self.segments: dict[int, Segment] = {}
+        self._order_low = _TOP_DOWN_START
 
     def segments_list(self) -> list[Segment]:
         return list(self.segments.values())
@@ -274,6 +282,9 @@ class SegmentBacking(Backing):
         ptr = self.device.malloc(seg_nbytes)
         self.device_calls += 1
         seg = Segment(ptr, seg_nbytes, small, stream)
+        if self.policy.segments_top_down:  # Note [Segments top-down] in .policy
+            self._order_low -= align_up(seg_nbytes, self.granularity)
+            seg.order = self._order_low
         self.segments[ptr] = seg
         self.reserved_nbytes += seg_nbytes
         self.n_segments += 1

@@ -161,3 +161,35 @@ class FreeList:
 
     def largest(self) -> int:
         return self._keys[-1][0] if self._keys else 0
+
+
+class TopDownFreeList(FreeList):
+    """A :class:`FreeList` of ``malloc``'d segments that orders equal sizes as if every new segment lay
+    below the ones made before it (each segment's ``order``: Note [Segments top-down] in
+    :mod:`.policy`): among equal sizes, best fit takes the newest segment, and the lowest offset in it."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def _key(block: Block) -> tuple[int, int]:
+        seg = block.segment
+        return block.size, seg.order + block.addr - seg.base  # type: ignore[attr-defined]
+
+    def __contains__(self, block: Block) -> bool:
+        return self._blocks.get(self._key(block)[1]) is block
+
+    def add(self, block: Block) -> None:
+        key = self._key(block)
+        bisect.insort(self._keys, key)
+        self._blocks[key[1]] = block
+        self.nbytes += block.size
+
+    def remove(self, block: Block) -> None:
+        keys = self._keys
+        key = self._key(block)
+        i = bisect.bisect_left(keys, key)
+        if i == len(keys) or keys[i] != key or self._blocks.get(key[1]) is not block:
+            raise InternalError(f"{block!r} is not in its free list")
+        del keys[i]
+        del self._blocks[key[1]]
+        self.nbytes -= block.size

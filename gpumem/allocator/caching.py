@@ -74,7 +74,7 @@ from ..errors import (DeviceLostError, DoubleFreeError, InternalError, InvalidAr
                       OutOfMemoryError)
 from ..units import format_bytes, parse_limit
 from .backing import AddressSpaceExhausted, Backing, LimitExceeded, Segment, SegmentBacking, VirtualBacking, VirtualSegment
-from .block import Block, FreeList, append_block, drop_last_block, merge_blocks, split_block
+from .block import Block, FreeList, TopDownFreeList, append_block, drop_last_block, merge_blocks, split_block
 from .fences import StreamFences
 from .policy import DEFAULT_POLICY, AllocatorPolicy, GrowthRule, VmmMode, get_policy
 from .stats import AllocatorStats, format_summary
@@ -316,7 +316,7 @@ class CachingAllocator:
             raise self._oom_error(nbytes, cause, hint)
         free_list = self._free_lists.get((small, stream))
         if free_list is None:
-            free_list = self._free_lists[(small, stream)] = FreeList()
+            free_list = self._free_lists[(small, stream)] = self._new_free_list()
         block = free_list.best_fit(size)
         if block is None and self._pending:
             self._process_pending(wait=False)  # blocks whose other-stream uses are done, see Note [Streams]
@@ -580,12 +580,19 @@ class CachingAllocator:
             merge_blocks(block, nxt)
         free_list.add(block)
 
+    def _new_free_list(self) -> FreeList:
+        """An empty free list: ordered by segment age with ``segments_top_down`` in segment mode (Note
+        [Segments top-down] in :mod:`.policy`), by address otherwise."""
+        if self.policy.segments_top_down and not self.uses_vmm:
+            return TopDownFreeList()
+        return FreeList()
+
     def _free_list_of(self, block: Block) -> FreeList:
         seg = block.segment
         key = (bool(getattr(seg, "small", False)) and self.policy.separate_small_pool, block.stream)
         fl = self._free_lists.get(key)
         if fl is None:
-            fl = self._free_lists[key] = FreeList()
+            fl = self._free_lists[key] = self._new_free_list()
         return fl
 
     def _process_pending(self, wait: bool) -> int:

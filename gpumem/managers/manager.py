@@ -41,7 +41,7 @@ from gpumem.units import format_bytes
 
 from .config import MemoryConfig
 from .layers import FailureCallbackLayer, LimitingLayer, StatisticsLayer, TrackingLayer
-from .reserve import Reserve, compute_reserve, usable_nbytes
+from .reserve import Reserve, compute_reserve, manager_usable_nbytes, usable_nbytes
 from .resource import DEFAULT_ALIGNMENT, AllocatorResource, DeviceResource, MemoryResource
 from .tracker import AllocationTracker, BufferId, RegionStats
 
@@ -224,9 +224,8 @@ class GpuMemoryManager:
         mem = dev.mem_info()
         self.reserve: Reserve = compute_reserve(self.properties, mem, min_free_bytes=config.min_free_bytes)
         """The reserve rule's parts (Note [The reserve rule])."""
-        rule = usable_nbytes(self.properties, mem, reserve=self.reserve)
-        cap = int(mem.total_nbytes * config.gpu_memory_fraction) - self.reserve.context_nbytes
-        usable = min(rule, cap)
+        usable_nbytes(self.properties, mem, reserve=self.reserve)  # raises when the rule leaves nothing
+        usable = manager_usable_nbytes(mem, self.reserve, config.gpu_memory_fraction)
         if usable <= 0:
             raise OutOfMemoryError(1, mem.free_nbytes, mem.total_nbytes, device=dev.spec,
                                    hint=f"gpu_memory_fraction={config.gpu_memory_fraction} of the device is "

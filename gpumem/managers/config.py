@@ -16,7 +16,7 @@ variable                           field                        value
 ``GPUMEM_TRACK_ALLOCATIONS``       ``track_allocations``        boolean
 ``GPUMEM_CAPTURE_STACKS``          ``capture_stacks``           boolean
 ``GPUMEM_MAX_POOLED_PER_BUCKET``   ``max_pooled_per_bucket``    an int >= 0
-``GPUMEM_PREALLOCATE``             ``preallocate_nbytes``       sizes separated by commas: ``64MiB,1GiB``
+``GPUMEM_PREALLOCATE``             ``preallocate_nbytes``       sizes separated by commas: ``64MiB,1GiB`` (no empty entry)
 ``GPUMEM_POOL_POLICY``             ``pool_policy``              ``gpumem``, ``bestfit``, ``pytorch``, ``cupy``
 ``GPUMEM_OOM_FORENSICS_DIR``       ``oom_forensics_dir``        a directory ('' switches forensics off)
 ``GPUMEM_LEAK_REPORT_AT_EXIT``     ``leak_report_at_exit``      boolean
@@ -205,7 +205,15 @@ def _int(text: str) -> int:
 
 
 def _sizes(text: str) -> tuple[int, ...]:
-    return tuple(parse_nbytes(t.strip()) for t in text.split(",") if t.strip())
+    """``"64MiB,1GiB"`` -> sizes; an empty value is no size at all. An empty entry (``64MiB,,1``, a
+    trailing comma) is refused rather than dropped: it is a typo for a size the user meant to name."""
+    if not text.strip():
+        return ()
+    entries = [t.strip() for t in text.split(",")]
+    if not all(entries):
+        raise ValueError(f"entry {entries.index('') + 1} of {len(entries)} is empty: name a size between "
+                         "every two commas")
+    return tuple(parse_nbytes(t) for t in entries)
 
 
 def _dir(text: str) -> str | None:

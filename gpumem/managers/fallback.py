@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gpumem.errors import DeviceClosedError, InvalidArgumentError, OutOfMemoryError
+from gpumem.errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
 from gpumem.units import format_bytes
 
 from .tracker import BufferId, Location
@@ -84,7 +84,20 @@ class FallbackBuffer:
         except OutOfMemoryError as exc:
             if not self.allow_cpu:
                 raise
-            host = np.zeros(nbytes, dtype=np.uint8)
+            try:
+                host = np.zeros(nbytes, dtype=np.uint8)
+            except MemoryError:
+                # NumPy's bare MemoryError says neither where nor how much: name the CPU, and the GPU's
+                # refusal that sent the buffer there
+                from gpumem.discovery import host_memory
+                try:
+                    host_total, host_free = host_memory()
+                except Exception:  # noqa: BLE001 - the figures only decorate the message
+                    host_total = host_free = 0
+                raise OutOfMemoryError(nbytes, host_free, host_total, device="cpu (host memory, CPU fallback)",
+                                       hint=f"The host could not allocate the fallback's {format_bytes(nbytes)} "
+                                            f"either; the GPU ({manager.device.spec}) had refused: "
+                                            f"{str(exc).splitlines()[0][:200]}") from exc
             if view is not None:
                 host[: len(view)] = np.frombuffer(view, dtype=np.uint8)
             self._to_cpu_state(host, counted=True)
@@ -116,7 +129,9 @@ class FallbackBuffer:
 
     def _check_live(self) -> None:
         if self._freed:
-            raise DeviceClosedError("this FallbackBuffer was freed")
+            # not DeviceClosedError: the device may be open and well; it is this buffer that is gone
+            raise InvalidPointerError(f"this {format_bytes(self.nbytes)} FallbackBuffer was freed "
+                                      "(free() or its manager's close()); it holds no memory any more")
 
     @property
     def location(self) -> Location:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpumem.errors import DeviceClosedError, InvalidArgumentError, OutOfMemoryError
+from gpumem.errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
 from gpumem.managers import FallbackBuffer, GpuMemoryManager, Location, MemoryConfig
 from gpumem.units import MiB
 
@@ -96,7 +96,7 @@ def test_bad_ranges_and_use_after_free(m):
             call()
     buf.free()
     for call in (buf.read, lambda: buf.write(b"x"), buf.try_move_to_gpu, buf.move_to_cpu):
-        with pytest.raises(DeviceClosedError):
+        with pytest.raises(InvalidPointerError, match="FallbackBuffer was freed"):
             call()
     with pytest.raises(InvalidArgumentError, match="GpuMemoryManager"):
         FallbackBuffer("sim:t4-16gb", 4)
@@ -140,3 +140,23 @@ def test_fallback_round_trip_on_the_device(device):
         buf.move_to_cpu()
         assert buf.to_numpy().tobytes() == data.tobytes()
         buf.free()
+
+
+def test_a_fallback_the_host_cannot_hold_raises_gpumems_oom_naming_the_cpu(m, monkeypatch):
+    """NumPy's bare MemoryError used to escape create_buffer(10**12, allow_cpu=True)."""
+    import numpy as np
+
+    from gpumem.managers import fallback as fb
+
+    def no_host_memory(*a, **k):
+        raise MemoryError("Unable to allocate")
+
+    monkeypatch.setattr(fb.np, "zeros", no_host_memory)
+    before = m.get_detailed_stats()
+    with pytest.raises(OutOfMemoryError, match=r"cpu \(host memory, CPU fallback\).*GPU \(sim:") as info:
+        m.create_buffer(10**12, allow_cpu=True)
+    assert not isinstance(info.value, MemoryError) or isinstance(info.value, OutOfMemoryError)
+    after = m.get_detailed_stats()
+    assert (after.cpu_fallbacks, after.cpu_fallback_nbytes, after.allocated_nbytes) == \
+        (before.cpu_fallbacks, before.cpu_fallback_nbytes, before.allocated_nbytes)
+    assert np.zeros is not None

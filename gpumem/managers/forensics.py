@@ -121,8 +121,14 @@ def _group(buffers: list[AllocationInfo], key: Any) -> list[tuple[str, int, int]
 
 
 def format_oom_report(error: OutOfMemoryError, buffers: list[AllocationInfo], *, device: str = "",
-                      extra: Iterable[str] = ()) -> str:
-    """The text report: the error, then who holds what (top regions, tags, sites, largest buffers)."""
+                      extra: Iterable[str] = (), tracking: bool | None = None) -> str:
+    """The text report: the error, then who holds what (top regions, tags, sites, largest buffers).
+
+    ``tracking``: whether a tracker was on (default: whether ``buffers`` is non-empty). With tracking on
+    and no buffers, the report says so: advice to turn tracking on would be wrong there (the memory is
+    then held outside this manager's tracked buffers: its pool's cache, other processes, the context)."""
+    if tracking is None:
+        tracking = bool(buffers)
     total = sum(b.nbytes for b in buffers)
     lines = [f"gpumem out-of-memory report ({time.strftime('%Y-%m-%d %H:%M:%S %Z')}, pid {os.getpid()})",
              f"device: {device or error.device or '?'}", f"error: {error}", ""]
@@ -136,7 +142,10 @@ def format_oom_report(error: OutOfMemoryError, buffers: list[AllocationInfo], *,
     for b in sorted(buffers, key=lambda b: -b.nbytes)[:TOP_N]:
         lines.append(f"  {format_bytes(b.nbytes):>12}  #{b.buffer_id} {b.location.value} region={b.region} "
                      f"tag={b.tag} at {b.site()}")
-    if not buffers:
+    if not buffers and tracking:
+        lines.append("  (no live tracked buffers: this manager's allocations hold nothing now; the memory is "
+                     "held elsewhere, see the device figures above)")
+    elif not buffers:
         lines.append("  (no tracked buffers: turn on MemoryConfig.track_allocations to see who holds what)")
     return "\n".join(lines) + "\n"
 
@@ -159,7 +168,8 @@ def write_oom_forensics(directory: str | os.PathLike[str], error: OutOfMemoryErr
     snap["allocator_settings"]["oom_message"] = str(error)
     snapshot_path = save_pytorch_snapshot(snap, d / f"{stem}.pickle")
     report_path = d / f"{stem}.txt"
-    report_path.write_text(format_oom_report(error, buffers, device=spec, extra=extra), encoding="utf-8")
+    report_path.write_text(format_oom_report(error, buffers, device=spec, extra=extra,
+                                                     tracking=tracker is not None), encoding="utf-8")
     return ForensicsRecord(snapshot_path, report_path, error.requested_nbytes,
                            sum(1 for b in buffers if b.location is Location.GPU and b.ptr is not None))
 

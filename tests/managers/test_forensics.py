@@ -107,3 +107,35 @@ def test_snapshot_of_nothing_is_just_the_oom():
     snap = build_oom_snapshot([], 123, 0)
     assert snap["device_traces"][-1] == [{"action": "oom", "addr": 0, "size": 123, "stream": 0, "time_us": 0,
                                           "frames": [], "device_free": 0}]
+
+
+def test_report_with_tracking_on_and_nothing_live_does_not_advise_turning_it_on(tmp_path):
+    cfg = MemoryConfig().with_oom_forensics(tmp_path / "oom").with_tracking(True)
+    with GpuMemoryManager("sim:gtx-1050-2gb", config=cfg) as m:
+        with pytest.raises(OutOfMemoryError) as err:
+            m.allocate(m.usable_memory + 1)
+        report = err.value.forensics.report_path.read_text()
+    assert "no live tracked buffers" in report and "turn on MemoryConfig.track_allocations" not in report
+    cfg = MemoryConfig().with_oom_forensics(tmp_path / "oom2").with_tracking(False)
+    with GpuMemoryManager("sim:gtx-1050-2gb", config=cfg) as m:
+        with pytest.raises(OutOfMemoryError) as err:
+            m.allocate(m.usable_memory + 1)
+        assert "turn on MemoryConfig.track_allocations" in err.value.forensics.report_path.read_text()
+
+
+def test_recorded_stacks_start_at_the_users_code_and_depth_counts_after_stripping():
+    """Note [Stacks start at the user's code]: no frame of gpumem's manager modules, and the caller's
+    own frame is the innermost one recorded."""
+    cfg = MemoryConfig().with_tracking(True, capture_stacks=True)
+    with GpuMemoryManager("sim:gtx-1050-2gb", config=cfg) as m:
+        m.tracker.stack_depth = 2
+
+        def users_inner_function():
+            return m.allocate(1 * MiB)
+
+        a = users_inner_function()
+        info = m.tracker.get(a.buffer_id)
+        assert len(info.stack) == 2
+        assert info.stack[-1].name == "users_inner_function"
+        assert info.stack[-2].name == "test_recorded_stacks_start_at_the_users_code_and_depth_counts_after_stripping"
+        assert not any("/gpumem/managers/" in f.filename.replace("\\", "/") for f in info.stack)

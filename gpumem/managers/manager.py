@@ -244,7 +244,8 @@ class GpuMemoryManager:
                                                       POOL_SLACK_PAGES * self.properties.granularity_nbytes),
                                                   self.reserve.emergency_nbytes)
             self._base: MemoryResource = AllocatorResource(dev, policy=config.pool_policy,
-                                                           limit=self.pool_limit_nbytes)
+                                                           limit=self.pool_limit_nbytes,
+                                                           max_pooled_per_bucket=config.max_pooled_per_bucket)
             below: MemoryResource = FailureCallbackLayer(self._base, [self._base.empty_cache])
         else:
             self.pool_limit_nbytes = 0

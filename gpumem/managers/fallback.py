@@ -5,8 +5,9 @@ A buffer is made through a manager (``manager.create_buffer(nbytes, data=...)`` 
 (:class:`~gpumem.errors.OutOfMemoryError`: past the usable memory, or the device is full) and CPU
 fallback is enabled (``MemoryConfig.cpu_fallback_enabled`` or ``allow_cpu=True``), it lives in a
 NumPy array instead and counts in the manager's ``cpu_fallbacks`` (a fallback is not a failure: it
-writes no OOM forensics). :meth:`FallbackBuffer.try_move_to_gpu`
-(or ``manager.restore_fallbacks()`` for all of them) moves it back when memory has freed up.
+writes no OOM forensics). It moves back to the GPU by itself when the manager frees memory
+(Note [Fallbacks move back by themselves] in :mod:`gpumem.managers.manager`);
+:meth:`FallbackBuffer.try_move_to_gpu` (or ``manager.restore_fallbacks()`` for all of them) does it on demand.
 
 Note [Moving preserves the bytes]
 ---------------------------------
@@ -173,6 +174,22 @@ class FallbackBuffer:
             self._leave_cpu_state()
             log.info("%s: %s buffer moved back to the GPU", self.manager.device.spec, format_bytes(self.nbytes))
             return True
+
+    def _move_back_quietly(self) -> bool:
+        """For the manager's automatic move back (Note [Fallbacks move back by themselves] in
+        :mod:`gpumem.managers.manager`): skip a buffer busy on another thread, never raise."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._freed or self._alloc is not None:
+                return False
+            return self.try_move_to_gpu()
+        except Exception as exc:  # noqa: BLE001 - a free must not fail because a move back did
+            log.warning("%s: moving a %s fallback buffer back failed: %s", self.manager.device.spec,
+                        format_bytes(self.nbytes), exc)
+            return False
+        finally:
+            self._lock.release()
 
     def move_to_cpu(self) -> None:
         """Move to host memory now (frees the GPU block; not counted as a fallback)."""

@@ -18,6 +18,20 @@ by ``MemoryConfig.gpu_memory_fraction``), and builds a stack of memory resources
 
 :attr:`GpuMemoryManager.resource` is the top of that stack, itself a memory resource.
 
+Note [Fallbacks move back by themselves]
+---------------------------------------
+A :class:`~gpumem.managers.FallbackBuffer` that fell back to the CPU because the GPU was full moves
+back to the GPU when memory frees up, as issue 8 promises, without the program asking: after every
+:meth:`GpuMemoryManager.deallocate` and :meth:`~GpuMemoryManager.empty_cache`, the manager tries the
+buffers that fell back, smallest first, as long as the usable memory's headroom (usable minus
+allocated) covers them. It stays cheap: with no buffer on the CPU it is one check of an empty set, and
+a buffer larger than the headroom is not tried. A buffer that is busy on another thread (its lock held)
+is skipped rather than waited for, so a free never blocks on, or deadlocks with, another buffer's
+operation. A buffer moved with ``move_to_cpu()`` stays there: the program asked for it. When the
+device is full for other reasons (other processes) the attempt fails quietly and the buffer stays on
+the CPU. :meth:`~GpuMemoryManager.restore_fallbacks` does the same on demand for every CPU buffer (a
+pressure monitor's callback at LOW is a good place: see docs/managers.md).
+
 Note [Usable memory and the fraction]
 -------------------------------------
 ``usable_memory = min(free_at_start - emergency, fraction * total - used_at_start)``: the reserve
@@ -194,6 +208,9 @@ class GpuMemoryManager:
         self._fallbacks: dict[int, "FallbackBuffer"] = {}
         self._cpu_fallbacks = 0
         self._cpu_fallback_nbytes = 0
+        self._fell_back: set[int] = set()
+        """ids of the buffers in ``_fallbacks`` that fell back (Note [Fallbacks move back by themselves])."""
+        self._restoring = threading.local()
         self._closed = False
         self.tracker: AllocationTracker | None = None
         self.resource: MemoryResource
@@ -333,6 +350,7 @@ class GpuMemoryManager:
             with self._lock:
                 self._live[allocation.ptr] = allocation
             raise
+        self._move_fallbacks_back()
 
     def live_allocations(self) -> list[Allocation]:
         """Every allocation not given back."""
@@ -353,16 +371,41 @@ class GpuMemoryManager:
             bufs = list(self._fallbacks.values())
         return sum(1 for b in bufs if not b.on_gpu and b.try_move_to_gpu())
 
+    def _move_fallbacks_back(self) -> int:
+        """Note [Fallbacks move back by themselves]: after memory was freed, move the buffers that fell
+        back to the CPU back to the GPU, smallest first, while the usable memory's headroom covers them.
+        Never raises; returns how many moved."""
+        if not self._fell_back or getattr(self._restoring, "active", False):
+            return 0  # the common case costs one check
+        self._restoring.active = True
+        try:
+            with self._lock:
+                bufs = sorted((self._fallbacks[i] for i in self._fell_back if i in self._fallbacks),
+                              key=lambda b: b.nbytes)
+            headroom = self.usable_memory - self.allocated_nbytes
+            moved = 0
+            for b in bufs:
+                if b.nbytes > headroom:
+                    break
+                if b._move_back_quietly():
+                    moved += 1
+                    headroom -= b.nbytes
+            return moved
+        finally:
+            self._restoring.active = False
+
     # bookkeeping called by FallbackBuffer
     def _fallback_placed(self, buf: "FallbackBuffer", *, counted: bool) -> None:
         with self._lock:
             self._fallbacks[id(buf)] = buf
-            if counted:
+            if counted:  # fell back (not moved by move_to_cpu()): moves back by itself
                 self._cpu_fallbacks += 1
+                self._fell_back.add(id(buf))
             self._cpu_fallback_nbytes += buf.nbytes
 
     def _fallback_left(self, buf: "FallbackBuffer") -> None:
         with self._lock:
+            self._fell_back.discard(id(buf))
             if self._fallbacks.pop(id(buf), None) is not None:
                 self._cpu_fallback_nbytes -= buf.nbytes
 
@@ -370,7 +413,9 @@ class GpuMemoryManager:
     def empty_cache(self) -> int:
         """Give cached, unused memory back to the device; return the bytes given back (0 without pooling)."""
         self._check_open()
-        return self.resource.empty_cache()
+        released = self.resource.empty_cache()
+        self._move_fallbacks_back()
+        return released
 
     def memory_info(self) -> MemInfo:
         """The device's total, free and used bytes right now (``.used_nbytes``), other tenants included."""

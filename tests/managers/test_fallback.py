@@ -160,3 +160,42 @@ def test_a_fallback_the_host_cannot_hold_raises_gpumems_oom_naming_the_cpu(m, mo
     assert (after.cpu_fallbacks, after.cpu_fallback_nbytes, after.allocated_nbytes) == \
         (before.cpu_fallbacks, before.cpu_fallback_nbytes, before.allocated_nbytes)
     assert np.zeros is not None
+
+
+def test_a_fallback_moves_back_by_itself_when_memory_frees_up(m):
+    """Note [Fallbacks move back by themselves]: issue 8's 'moves back when memory frees up', without
+    the program calling try_move_to_gpu()."""
+    hog = m.allocate(m.usable_memory - 4 * MiB)
+    small_hog = m.allocate(2 * MiB)
+    data = _payload(8 * MiB, 3)
+    buf = m.create_buffer(8 * MiB, data=data)
+    big = m.create_buffer(64 * MiB)
+    assert not buf.on_gpu and not big.on_gpu
+    m.deallocate(small_hog)                 # 2 MiB freed: headroom too small, nothing is tried
+    assert not buf.on_gpu and not big.on_gpu
+    m.deallocate(hog)                       # now there is room: both move back, bytes intact
+    assert buf.on_gpu and big.on_gpu and buf.read() == data.tobytes()
+    st = m.get_detailed_stats()
+    assert st.cpu_fallbacks == 2 and st.cpu_fallback_nbytes == 0
+    buf.move_to_cpu()                       # asked for: stays on the CPU through later frees
+    other = m.allocate(1 * MiB)
+    m.deallocate(other)
+    m.empty_cache()
+    assert not buf.on_gpu and buf.read() == data.tobytes()
+    buf.free()
+    big.free()
+
+
+def test_empty_cache_moves_a_fallback_back(m):
+    hog = m.allocate(m.usable_memory - 4 * MiB)
+    buf = m.create_buffer(8 * MiB, data=b"z" * 8)
+    assert not buf.on_gpu
+    # hide the buffer from deallocate's move back, so that empty_cache's own move back is what is seen
+    m._fell_back_saved = set(m._fell_back)
+    m._fell_back.clear()
+    m.deallocate(hog)
+    assert not buf.on_gpu
+    m._fell_back.update(m._fell_back_saved)
+    m.empty_cache()
+    assert buf.on_gpu and buf.read(0, 8) == b"z" * 8
+    buf.free()

@@ -78,9 +78,10 @@ def _metadata(info: AllocationInfo) -> str:
     return f"region={info.region or ''};tag={info.tag or ''};buffer={info.buffer_id}"
 
 
-def build_oom_snapshot(buffers: Iterable[AllocationInfo], requested_nbytes: int, free_nbytes: int,
-                       *, name: str = "oom", stream: int = 0) -> dict[str, Any]:
-    """The PyTorch snapshot dict of ``buffers`` (GPU buffers with a pointer) followed by an ``oom`` entry."""
+def build_snapshot(buffers: Iterable[AllocationInfo], *, name: str = "snapshot") -> dict[str, Any]:
+    """The PyTorch snapshot dict of ``buffers`` (GPU buffers with a pointer): one ``alloc`` entry and
+    one active block each, with the region, tag and Python stack as frames (region first) and as
+    ``user_metadata``. What an OOM writes and what :meth:`GpuMemoryManager.export_snapshot` writes."""
     live = sorted((b for b in buffers if b.location is Location.GPU and b.ptr is not None),
                   key=lambda b: (b.created_s, b.buffer_id))
     t0 = live[0].created_s if live else 0.0
@@ -99,6 +100,14 @@ def build_oom_snapshot(buffers: Iterable[AllocationInfo], requested_nbytes: int,
             b = by_addr.get(blk["address"])
             if b is not None and blk["state"] == "active_allocated":
                 blk["frames"] = _frames(b)
+    return snap
+
+
+def build_oom_snapshot(buffers: Iterable[AllocationInfo], requested_nbytes: int, free_nbytes: int,
+                       *, name: str = "oom", stream: int = 0) -> dict[str, Any]:
+    """:func:`build_snapshot` of ``buffers`` followed by an ``oom`` entry."""
+    snap = build_snapshot(buffers, name=name)
+    entries = snap["device_traces"][-1]
     last_t = max((e["time_us"] for e in entries), default=0)
     entries.append({"action": "oom", "addr": 0, "size": requested_nbytes, "stream": stream, "time_us": last_t,
                     "frames": [], "device_free": free_nbytes})
@@ -227,5 +236,13 @@ class ForensicsLayer(ResourceLayer):
             raise with_forensics(exc, record) from exc
 
 
-__all__ = ["ForensicsLayer", "ForensicsRecord", "write_oom_forensics", "build_oom_snapshot", "format_oom_report",
-           "with_forensics"]
+def write_snapshot(path: str | os.PathLike[str], tracker: AllocationTracker, *, name: str = "snapshot") -> Path:
+    """Write :func:`build_snapshot` of ``tracker``'s live buffers to ``path`` (PyTorch's pickle format:
+    pytorch.org/memory_viz, or :func:`gpumem.trace.read_pytorch_snapshot`); return the path."""
+    if not isinstance(tracker, AllocationTracker):
+        raise InvalidArgumentError(f"tracker must be an AllocationTracker, got {type(tracker).__name__}")
+    return Path(save_pytorch_snapshot(build_snapshot(tracker.live(), name=name), Path(path)))
+
+
+__all__ = ["ForensicsLayer", "ForensicsRecord", "write_oom_forensics", "build_oom_snapshot", "build_snapshot",
+           "write_snapshot", "format_oom_report", "with_forensics"]

@@ -44,7 +44,9 @@ so the three attributes always add up; :attr:`GpuMemoryManager.reserve` keeps th
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -408,6 +410,25 @@ class GpuMemoryManager:
             self._fell_back.discard(id(buf))
             if self._fallbacks.pop(id(buf), None) is not None:
                 self._cpu_fallback_nbytes -= buf.nbytes
+
+    def export_snapshot(self, path: str | os.PathLike[str]) -> Path:
+        """Write a memory snapshot of the live tracked buffers now, in PyTorch's format (the one OOM
+        forensics write: pytorch.org/memory_viz, or :func:`gpumem.trace.read_pytorch_snapshot`), each
+        buffer with its region, tag and (with ``capture_stacks``) Python stack as frames; return the path.
+
+        Raises :class:`~gpumem.errors.InvalidArgumentError` when tracking is off
+        (``MemoryConfig.track_allocations``): without the tracker there are no regions or stacks to
+        export. Nothing changes in the manager either way.
+        """
+        self._check_open()
+        if self.tracker is None:
+            raise InvalidArgumentError("export_snapshot needs MemoryConfig.track_allocations=True: the "
+                                       "snapshot's regions, tags and stacks come from the tracker")
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise InvalidArgumentError(f"path must be a non-empty path, got {path!r}")
+        from .forensics import write_snapshot
+
+        return write_snapshot(path, self.tracker, name=f"gpumem-{self.device.spec}")
 
     # -- cache and device -------------------------------------------------------------------------------
     def empty_cache(self) -> int:

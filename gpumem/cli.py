@@ -340,17 +340,33 @@ def oom_report(result: Any, allocator: Any, device: Any) -> str:
             else f"has {format_bytes(exc.total_nbytes)} in total")
     lines.append(f"  this trace needs {format_bytes(peak)} ({peak:,} bytes) live at its peak; {result.device} {room}"
                  + (f", and --limit allows {format_bytes(limit)}" if limit is not None else "") + ".")
-    fits = [p.spec for p in sim.BUILTIN_PROFILES if _usable_nbytes(p) >= peak]
+    # Only profiles that can be *truthfully* offered: not the device that just failed, none that is not
+    # larger than it, and none below what the policy had already taken when it failed (live + cached +
+    # the failed request): the peak of live bytes alone is a lower bound of what a policy needs, and a
+    # policy that rounds or caches needs more, so a card with room for the peak alone may fail the same way.
+    needed_at_failure = held + exc.requested_nbytes
+    need = max(peak, needed_at_failure)
+    own = _usable_nbytes(profile) if profile is not None else None
+    fits = [p.spec for p in sim.BUILTIN_PROFILES
+            if _usable_nbytes(p) >= need and p is not profile and (own is None or _usable_nbytes(p) > own)]
+    if own is not None and own >= peak:
+        lines.append(f"  the peak live bytes fit {result.device}; under this policy the replay needed more: it held "
+                     f"{format_bytes(held)} (live and cached) when the request of "
+                     f"{format_bytes(exc.requested_nbytes)} failed.")
     if fits:
         shown = ", ".join(fits[:_FITS_SHOWN]) + (f" and {len(fits) - _FITS_SHOWN} larger" if len(fits) > _FITS_SHOWN
                                                   else "")
-        lines.append(f"  these simulated profiles have room for that peak: {shown} (see `gpumem devices`).")
+        what = ("that peak" if need == peak else
+                f"that peak and for the {format_bytes(needed_at_failure)} this policy had reached when it failed")
+        lines.append(f"  these larger simulated profiles have room for {what}: {shown} (see `gpumem devices`; "
+                     "under this policy it may need more).")
     else:
-        lines.append("  no simulated profile has room for that peak.")
+        lines.append("  no larger simulated profile has room for that peak"
+                     + ("" if need == peak else " and for what this policy had reached when it failed") + ".")
     advice = []
     if limit_hit:
         advice.append(f"raise --limit (it is {format_bytes(limit)}; the peak is {format_bytes(peak)})")
-    if fits and (profile is None or _usable_nbytes(profile) < peak):
+    if fits:
         advice.append(f"replay on a larger device (--device {fits[0]})")
     uses_vmm = bool(getattr(allocator, "uses_vmm", False))
     if not uses_vmm and (exc.cached_nbytes or 0) > 0 and getattr(device, "vmm_supported", False):

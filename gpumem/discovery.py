@@ -36,9 +36,18 @@ Note [NVML's free memory is before the context]
 ------------------------------------------------
 NVML's free memory of a GPU is measured before this process creates its CUDA context (about 500 MiB,
 more on large parts) and includes memory the driver would give others. :func:`select_backend_for_model`
-compares the request with that figure; :func:`init_backend_with_memory_check` opens the device (creating
-the context) and checks again with the device's own ``mem_info()``, trying the next candidate when the
-first has no room after all.
+takes the context's estimate off that figure (``estimate_context_nbytes``) before applying the reserve
+rule; :func:`init_backend_with_memory_check` opens the device (creating the context) and checks again
+with the device's own ``mem_info()``, trying the next candidate when the first has no room after all.
+
+Note [Selection by usable memory]
+---------------------------------
+A GPU (real or simulated) is selected for ``required_bytes`` only when a ``GpuMemoryManager`` with
+the default ``MemoryConfig`` would make that much usable: the reserve (context plus emergency part)
+and ``gpu_memory_fraction`` come off the free memory by the manager's own function
+(:func:`gpumem.managers.reserve.manager_usable_nbytes`), not a copy of it. Comparing with raw free
+memory selected ``sim:t4-16gb`` for 14.2 GiB, where the manager has 13.03 GiB usable and refuses.
+The CPU has no reserve rule: its available memory is compared as it is.
 """
 
 from __future__ import annotations
@@ -446,9 +455,38 @@ def _pref_text(preference: object) -> str:
     return "none (a real GPU, else the CPU)" if preference is None else repr(preference)
 
 
-def _refusal(required: int, d: BackendDevice) -> str:
-    return (f"{format_bytes(d.free_nbytes)} free of {format_bytes(d.total_nbytes)}, "
-            f"{format_bytes(required)} needed")
+def manager_usable_nbytes_of(kind: "BackendKind", total_nbytes: int, free_nbytes: int, *,
+                             before_context: bool | None = None) -> int:
+    """What a ``GpuMemoryManager`` with the default :class:`~gpumem.managers.config.MemoryConfig`
+    would make usable on a device with these figures (Note [Selection by usable memory]); the CPU's
+    available memory as it is. ``before_context`` (default: ``kind is CUDA``): the figures were taken
+    before this process's CUDA context existed (NVML), so the context's estimate is taken off first."""
+    if kind is BackendKind.CPU:
+        return free_nbytes
+    from .device import MemInfo
+    from .managers.config import MemoryConfig
+    from .managers.reserve import estimate_context_nbytes, manager_usable_nbytes, reserve_for_mem
+
+    if before_context is None:
+        before_context = kind is BackendKind.CUDA
+    if before_context:
+        free_nbytes = max(free_nbytes - estimate_context_nbytes(total_nbytes), 0)
+    mem = MemInfo(free_nbytes, total_nbytes)
+    config = MemoryConfig()
+    reserve = reserve_for_mem(mem, min_free_bytes=config.min_free_bytes)
+    return max(manager_usable_nbytes(mem, reserve, config.gpu_memory_fraction), 0)
+
+
+def _usable(kind: "BackendKind", d: BackendDevice) -> int:
+    return manager_usable_nbytes_of(kind, d.total_nbytes, d.free_nbytes)
+
+
+def _refusal(required: int, d: BackendDevice, kind: "BackendKind | None" = None) -> str:
+    if kind is None or kind is BackendKind.CPU:
+        return (f"{format_bytes(d.free_nbytes)} free of {format_bytes(d.total_nbytes)}, "
+                f"{format_bytes(required)} needed")
+    return (f"{format_bytes(_usable(kind, d))} usable ({format_bytes(d.free_nbytes)} free of "
+            f"{format_bytes(d.total_nbytes)}, less the reserve), {format_bytes(required)} needed")
 
 
 def select_backend_for_model(required_bytes: int, preference: object = None, *,
@@ -468,10 +506,11 @@ def select_backend_for_model(required_bytes: int, preference: object = None, *,
     backends = discover_backends() if backends is None else backends
     attempts: list[SelectionAttempt] = []
     for kind, dev in _candidates(items, backends, attempts):
-        if dev.free_nbytes >= required:
-            log.info("selected %s (%s free) for %s", dev.spec, format_bytes(dev.free_nbytes), format_bytes(required))
+        usable = _usable(kind, dev)
+        if usable >= required:
+            log.info("selected %s (%s usable) for %s", dev.spec, format_bytes(usable), format_bytes(required))
             return BackendSelection(kind, dev, required)
-        attempts.append(SelectionAttempt(dev.spec, _refusal(required, dev)))
+        attempts.append(SelectionAttempt(dev.spec, _refusal(required, dev, kind)))
     raise NoSuitableBackendError(required, attempts, _pref_text(preference))
 
 
@@ -493,8 +532,8 @@ def init_backend_with_memory_check(preference: object, required_bytes: int, *,
         from .specs import open_device as opener  # type: ignore[assignment]
     attempts: list[SelectionAttempt] = []
     for kind, dev in _candidates(items, backends, attempts):
-        if dev.free_nbytes < required:
-            attempts.append(SelectionAttempt(dev.spec, _refusal(required, dev)))
+        if _usable(kind, dev) < required:
+            attempts.append(SelectionAttempt(dev.spec, _refusal(required, dev, kind)))
             continue
         selection = BackendSelection(kind, dev, required)
         if kind is BackendKind.CPU:
@@ -519,10 +558,12 @@ def init_backend_with_memory_check(preference: object, required_bytes: int, *,
             device.close()
             attempts.append(SelectionAttempt(dev.spec, f"opened, but mem_info failed: {exc}"))
             continue
-        if info.free_nbytes < required:
+        usable_open = manager_usable_nbytes_of(kind, info.total_nbytes, info.free_nbytes, before_context=False)
+        if usable_open < required:
             device.close()
-            attempts.append(SelectionAttempt(dev.spec, f"opened: {format_bytes(info.free_nbytes)} free of "
-                                             f"{format_bytes(info.total_nbytes)} once open, "
+            attempts.append(SelectionAttempt(dev.spec, f"opened: {format_bytes(usable_open)} usable "
+                                             f"({format_bytes(info.free_nbytes)} free of "
+                                             f"{format_bytes(info.total_nbytes)} once open, less the reserve), "
                                              f"{format_bytes(required)} needed"))
             continue
         log.info("opened %s: %s", dev.spec, info)

@@ -885,3 +885,17 @@ def test_ctrl_c_while_the_handler_is_installed_is_quiet(capsys, monkeypatch):
     monkeypatch.setattr(cli._SigintFlag, "__init__", interrupted)
     code, out, err = run(capsys, "devices")
     assert code == 130 and err == "gpumem: interrupted\n"
+
+
+def test_replay_oom_does_not_offer_the_device_that_just_failed(capsys, tmp_path):
+    """The peak live bytes (1.76 GiB) fit the GTX 1050, but the bucket pool rounds 600 MiB up to 1 GiB and
+    fails there: the report used to list sim:gtx-1050-2gb among the profiles 'with room'."""
+    ops = [(0, i, 600 * MiB, 0, float(i), 0x1_0000_0000 * (i + 1)) for i in range(3)]
+    ops += [(1, i, 600 * MiB, 0, 10.0 + i, 0x1_0000_0000 * (i + 1)) for i in range(3)]
+    path = save_trace(Trace.from_ops("buckets", "gpumem", ops), tmp_path / "buckets.gmt")
+    code, out, err = run(capsys, "replay", str(path), "--device", "sim:gtx-1050-2gb", "--policy", "bucket")
+    assert code == EXIT_OOM, err
+    assert "the peak live bytes fit sim:gtx-1050-2gb; under this policy the replay needed more" in err
+    fits = err.split("have room for that peak: ")[1].split("(see")[0]
+    assert "gtx-1050-2gb" not in fits and "jetson-nano-2gb" not in fits
+    assert "--device sim:gtx-1050-2gb" not in err

@@ -381,8 +381,9 @@ class BucketAllocator:
         """A text table of the stats, for people (the caching allocator's format)."""
         cap = self.policy.max_pooled_per_bucket
         return format_summary(self.snapshot_stats(), self.policy, self.device.spec,  # type: ignore[arg-type]
-                              f"power-of-two buckets, at most {'no cap' if cap is None else cap} pooled per "
-                              f"bucket; hit rate {self.hit_rate:.2%}; python engine")
+                              f"power-of-two buckets, "
+                              f"{'no cap on blocks pooled per bucket' if cap is None else f'at most {cap} pooled per bucket'}"
+                              f"; hit rate {self.hit_rate:.2%}; python engine")
 
     def check_consistency(self) -> None:
         """Compare the books with the device's allocations; raise :class:`~gpumem.errors.InternalError`

@@ -16,8 +16,8 @@ variable                           field                        value
 ``GPUMEM_TRACK_ALLOCATIONS``       ``track_allocations``        boolean
 ``GPUMEM_CAPTURE_STACKS``          ``capture_stacks``           boolean
 ``GPUMEM_MAX_POOLED_PER_BUCKET``   ``max_pooled_per_bucket``    an int >= 0
-``GPUMEM_PREALLOCATE``             ``preallocate_nbytes``       sizes separated by commas: ``64MiB,1GiB``
-``GPUMEM_POOL_POLICY``             ``pool_policy``              ``gpumem``, ``bestfit``, ``pytorch``, ``cupy``
+``GPUMEM_PREALLOCATE``             ``preallocate_nbytes``       sizes separated by commas: ``64MiB,1GiB`` (no empty entry)
+``GPUMEM_POOL_POLICY``             ``pool_policy``              ``gpumem``, ``bestfit``, ``pytorch``, ``cupy``, ``bucket``
 ``GPUMEM_OOM_FORENSICS_DIR``       ``oom_forensics_dir``        a directory ('' switches forensics off)
 ``GPUMEM_LEAK_REPORT_AT_EXIT``     ``leak_report_at_exit``      boolean
 ``GPUMEM_FRAGMENTATION_WARNING``   ``fragmentation_warning``    a number in [0, 1]
@@ -36,7 +36,7 @@ from gpumem.units import GiB, MiB, parse_nbytes
 
 #: Prefix of every environment variable :meth:`MemoryConfig.from_env` reads.
 ENV_PREFIX = "GPUMEM_"
-_POLICIES = ("gpumem", "bestfit", "pytorch", "cupy")
+_POLICIES = ("gpumem", "bestfit", "pytorch", "cupy", "bucket")
 
 
 def _is_number(v: object) -> bool:
@@ -59,11 +59,14 @@ class MemoryConfig:
     capture_stacks: bool = False
     """Keep the Python stack of every allocation (for leak reports and OOM forensics; a few µs each)."""
     max_pooled_per_bucket: int = 64
-    """For the size-bucket pool: the most free buffers kept per size bucket (0: no pooling)."""
+    """With ``pool_policy="bucket"``: the most free buffers the size-bucket pool keeps per size bucket
+    (0: none kept, every free goes back to the device). The caching allocator's policies ignore it."""
     preallocate_nbytes: tuple[int, ...] = ()
     """Sizes allocated and freed once at start, so the pool holds them before the first request."""
     pool_policy: str = "gpumem"
-    """The caching allocator's policy when pooling is on."""
+    """The pool when pooling is on: a caching allocator's policy (``gpumem``, ``bestfit``, ``pytorch``,
+    ``cupy``) or ``bucket``, the size-bucket pool (:class:`~gpumem.allocator.bucket.BucketAllocator`,
+    power-of-two buckets, at most ``max_pooled_per_bucket`` free blocks kept per bucket)."""
     oom_forensics_dir: str | None = None
     """Where to write a snapshot and report when an allocation fails (None: off)."""
     leak_report_at_exit: bool = False
@@ -205,7 +208,15 @@ def _int(text: str) -> int:
 
 
 def _sizes(text: str) -> tuple[int, ...]:
-    return tuple(parse_nbytes(t.strip()) for t in text.split(",") if t.strip())
+    """``"64MiB,1GiB"`` -> sizes; an empty value is no size at all. An empty entry (``64MiB,,1``, a
+    trailing comma) is refused rather than dropped: it is a typo for a size the user meant to name."""
+    if not text.strip():
+        return ()
+    entries = [t.strip() for t in text.split(",")]
+    if not all(entries):
+        raise ValueError(f"entry {entries.index('') + 1} of {len(entries)} is empty: name a size between "
+                         "every two commas")
+    return tuple(parse_nbytes(t) for t in entries)
 
 
 def _dir(text: str) -> str | None:

@@ -5,8 +5,9 @@ A buffer is made through a manager (``manager.create_buffer(nbytes, data=...)`` 
 (:class:`~gpumem.errors.OutOfMemoryError`: past the usable memory, or the device is full) and CPU
 fallback is enabled (``MemoryConfig.cpu_fallback_enabled`` or ``allow_cpu=True``), it lives in a
 NumPy array instead and counts in the manager's ``cpu_fallbacks`` (a fallback is not a failure: it
-writes no OOM forensics). :meth:`FallbackBuffer.try_move_to_gpu`
-(or ``manager.restore_fallbacks()`` for all of them) moves it back when memory has freed up.
+writes no OOM forensics). It moves back to the GPU by itself when the manager frees memory
+(Note [Fallbacks move back by themselves] in :mod:`gpumem.managers.manager`);
+:meth:`FallbackBuffer.try_move_to_gpu` (or ``manager.restore_fallbacks()`` for all of them) does it on demand.
 
 Note [Moving preserves the bytes]
 ---------------------------------
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gpumem.errors import DeviceClosedError, InvalidArgumentError, OutOfMemoryError
+from gpumem.errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
 from gpumem.units import format_bytes
 
 from .tracker import BufferId, Location
@@ -84,7 +85,20 @@ class FallbackBuffer:
         except OutOfMemoryError as exc:
             if not self.allow_cpu:
                 raise
-            host = np.zeros(nbytes, dtype=np.uint8)
+            try:
+                host = np.zeros(nbytes, dtype=np.uint8)
+            except MemoryError:
+                # NumPy's bare MemoryError says neither where nor how much: name the CPU, and the GPU's
+                # refusal that sent the buffer there
+                from gpumem.discovery import host_memory
+                try:
+                    host_total, host_free = host_memory()
+                except Exception:  # noqa: BLE001 - the figures only decorate the message
+                    host_total = host_free = 0
+                raise OutOfMemoryError(nbytes, host_free, host_total, device="cpu (host memory, CPU fallback)",
+                                       hint=f"The host could not allocate the fallback's {format_bytes(nbytes)} "
+                                            f"either; the GPU ({manager.device.spec}) had refused: "
+                                            f"{str(exc).splitlines()[0][:200]}") from exc
             if view is not None:
                 host[: len(view)] = np.frombuffer(view, dtype=np.uint8)
             self._to_cpu_state(host, counted=True)
@@ -116,7 +130,9 @@ class FallbackBuffer:
 
     def _check_live(self) -> None:
         if self._freed:
-            raise DeviceClosedError("this FallbackBuffer was freed")
+            # not DeviceClosedError: the device may be open and well; it is this buffer that is gone
+            raise InvalidPointerError(f"this {format_bytes(self.nbytes)} FallbackBuffer was freed "
+                                      "(free() or its manager's close()); it holds no memory any more")
 
     @property
     def location(self) -> Location:
@@ -158,6 +174,22 @@ class FallbackBuffer:
             self._leave_cpu_state()
             log.info("%s: %s buffer moved back to the GPU", self.manager.device.spec, format_bytes(self.nbytes))
             return True
+
+    def _move_back_quietly(self) -> bool:
+        """For the manager's automatic move back (Note [Fallbacks move back by themselves] in
+        :mod:`gpumem.managers.manager`): skip a buffer busy on another thread, never raise."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._freed or self._alloc is not None:
+                return False
+            return self.try_move_to_gpu()
+        except Exception as exc:  # noqa: BLE001 - a free must not fail because a move back did
+            log.warning("%s: moving a %s fallback buffer back failed: %s", self.manager.device.spec,
+                        format_bytes(self.nbytes), exc)
+            return False
+        finally:
+            self._lock.release()
 
     def move_to_cpu(self) -> None:
         """Move to host memory now (frees the GPU block; not counted as a fallback)."""

@@ -78,9 +78,10 @@ def _metadata(info: AllocationInfo) -> str:
     return f"region={info.region or ''};tag={info.tag or ''};buffer={info.buffer_id}"
 
 
-def build_oom_snapshot(buffers: Iterable[AllocationInfo], requested_nbytes: int, free_nbytes: int,
-                       *, name: str = "oom", stream: int = 0) -> dict[str, Any]:
-    """The PyTorch snapshot dict of ``buffers`` (GPU buffers with a pointer) followed by an ``oom`` entry."""
+def build_snapshot(buffers: Iterable[AllocationInfo], *, name: str = "snapshot") -> dict[str, Any]:
+    """The PyTorch snapshot dict of ``buffers`` (GPU buffers with a pointer): one ``alloc`` entry and
+    one active block each, with the region, tag and Python stack as frames (region first) and as
+    ``user_metadata``. What an OOM writes and what :meth:`GpuMemoryManager.export_snapshot` writes."""
     live = sorted((b for b in buffers if b.location is Location.GPU and b.ptr is not None),
                   key=lambda b: (b.created_s, b.buffer_id))
     t0 = live[0].created_s if live else 0.0
@@ -99,6 +100,14 @@ def build_oom_snapshot(buffers: Iterable[AllocationInfo], requested_nbytes: int,
             b = by_addr.get(blk["address"])
             if b is not None and blk["state"] == "active_allocated":
                 blk["frames"] = _frames(b)
+    return snap
+
+
+def build_oom_snapshot(buffers: Iterable[AllocationInfo], requested_nbytes: int, free_nbytes: int,
+                       *, name: str = "oom", stream: int = 0) -> dict[str, Any]:
+    """:func:`build_snapshot` of ``buffers`` followed by an ``oom`` entry."""
+    snap = build_snapshot(buffers, name=name)
+    entries = snap["device_traces"][-1]
     last_t = max((e["time_us"] for e in entries), default=0)
     entries.append({"action": "oom", "addr": 0, "size": requested_nbytes, "stream": stream, "time_us": last_t,
                     "frames": [], "device_free": free_nbytes})
@@ -121,8 +130,14 @@ def _group(buffers: list[AllocationInfo], key: Any) -> list[tuple[str, int, int]
 
 
 def format_oom_report(error: OutOfMemoryError, buffers: list[AllocationInfo], *, device: str = "",
-                      extra: Iterable[str] = ()) -> str:
-    """The text report: the error, then who holds what (top regions, tags, sites, largest buffers)."""
+                      extra: Iterable[str] = (), tracking: bool | None = None) -> str:
+    """The text report: the error, then who holds what (top regions, tags, sites, largest buffers).
+
+    ``tracking``: whether a tracker was on (default: whether ``buffers`` is non-empty). With tracking on
+    and no buffers, the report says so: advice to turn tracking on would be wrong there (the memory is
+    then held outside this manager's tracked buffers: its pool's cache, other processes, the context)."""
+    if tracking is None:
+        tracking = bool(buffers)
     total = sum(b.nbytes for b in buffers)
     lines = [f"gpumem out-of-memory report ({time.strftime('%Y-%m-%d %H:%M:%S %Z')}, pid {os.getpid()})",
              f"device: {device or error.device or '?'}", f"error: {error}", ""]
@@ -136,7 +151,10 @@ def format_oom_report(error: OutOfMemoryError, buffers: list[AllocationInfo], *,
     for b in sorted(buffers, key=lambda b: -b.nbytes)[:TOP_N]:
         lines.append(f"  {format_bytes(b.nbytes):>12}  #{b.buffer_id} {b.location.value} region={b.region} "
                      f"tag={b.tag} at {b.site()}")
-    if not buffers:
+    if not buffers and tracking:
+        lines.append("  (no live tracked buffers: this manager's allocations hold nothing now; the memory is "
+                     "held elsewhere, see the device figures above)")
+    elif not buffers:
         lines.append("  (no tracked buffers: turn on MemoryConfig.track_allocations to see who holds what)")
     return "\n".join(lines) + "\n"
 
@@ -159,7 +177,8 @@ def write_oom_forensics(directory: str | os.PathLike[str], error: OutOfMemoryErr
     snap["allocator_settings"]["oom_message"] = str(error)
     snapshot_path = save_pytorch_snapshot(snap, d / f"{stem}.pickle")
     report_path = d / f"{stem}.txt"
-    report_path.write_text(format_oom_report(error, buffers, device=spec, extra=extra), encoding="utf-8")
+    report_path.write_text(format_oom_report(error, buffers, device=spec, extra=extra,
+                                                     tracking=tracker is not None), encoding="utf-8")
     return ForensicsRecord(snapshot_path, report_path, error.requested_nbytes,
                            sum(1 for b in buffers if b.location is Location.GPU and b.ptr is not None))
 
@@ -217,5 +236,13 @@ class ForensicsLayer(ResourceLayer):
             raise with_forensics(exc, record) from exc
 
 
-__all__ = ["ForensicsLayer", "ForensicsRecord", "write_oom_forensics", "build_oom_snapshot", "format_oom_report",
-           "with_forensics"]
+def write_snapshot(path: str | os.PathLike[str], tracker: AllocationTracker, *, name: str = "snapshot") -> Path:
+    """Write :func:`build_snapshot` of ``tracker``'s live buffers to ``path`` (PyTorch's pickle format:
+    pytorch.org/memory_viz, or :func:`gpumem.trace.read_pytorch_snapshot`); return the path."""
+    if not isinstance(tracker, AllocationTracker):
+        raise InvalidArgumentError(f"tracker must be an AllocationTracker, got {type(tracker).__name__}")
+    return Path(save_pytorch_snapshot(build_snapshot(tracker.live(), name=name), Path(path)))
+
+
+__all__ = ["ForensicsLayer", "ForensicsRecord", "write_oom_forensics", "build_oom_snapshot", "build_snapshot",
+           "write_snapshot", "format_oom_report", "with_forensics"]

@@ -18,6 +18,20 @@ by ``MemoryConfig.gpu_memory_fraction``), and builds a stack of memory resources
 
 :attr:`GpuMemoryManager.resource` is the top of that stack, itself a memory resource.
 
+Note [Fallbacks move back by themselves]
+---------------------------------------
+A :class:`~gpumem.managers.FallbackBuffer` that fell back to the CPU because the GPU was full moves
+back to the GPU when memory frees up, as issue 8 promises, without the program asking: after every
+:meth:`GpuMemoryManager.deallocate` and :meth:`~GpuMemoryManager.empty_cache`, the manager tries the
+buffers that fell back, smallest first, as long as the usable memory's headroom (usable minus
+allocated) covers them. It stays cheap: with no buffer on the CPU it is one check of an empty set, and
+a buffer larger than the headroom is not tried. A buffer that is busy on another thread (its lock held)
+is skipped rather than waited for, so a free never blocks on, or deadlocks with, another buffer's
+operation. A buffer moved with ``move_to_cpu()`` stays there: the program asked for it. When the
+device is full for other reasons (other processes) the attempt fails quietly and the buffer stays on
+the CPU. :meth:`~GpuMemoryManager.restore_fallbacks` does the same on demand for every CPU buffer (a
+pressure monitor's callback at LOW is a good place: see docs/managers.md).
+
 Note [Usable memory and the fraction]
 -------------------------------------
 ``usable_memory = min(free_at_start - emergency, fraction * total - used_at_start)``: the reserve
@@ -30,7 +44,9 @@ so the three attributes always add up; :attr:`GpuMemoryManager.reserve` keeps th
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +57,7 @@ from gpumem.units import format_bytes
 
 from .config import MemoryConfig
 from .layers import FailureCallbackLayer, LimitingLayer, StatisticsLayer, TrackingLayer
-from .reserve import Reserve, compute_reserve, usable_nbytes
+from .reserve import Reserve, compute_reserve, manager_usable_nbytes, usable_nbytes
 from .resource import DEFAULT_ALIGNMENT, AllocatorResource, DeviceResource, MemoryResource
 from .tracker import AllocationTracker, BufferId, RegionStats
 
@@ -194,6 +210,9 @@ class GpuMemoryManager:
         self._fallbacks: dict[int, "FallbackBuffer"] = {}
         self._cpu_fallbacks = 0
         self._cpu_fallback_nbytes = 0
+        self._fell_back: set[int] = set()
+        """ids of the buffers in ``_fallbacks`` that fell back (Note [Fallbacks move back by themselves])."""
+        self._restoring = threading.local()
         self._closed = False
         self.tracker: AllocationTracker | None = None
         self.resource: MemoryResource
@@ -224,9 +243,8 @@ class GpuMemoryManager:
         mem = dev.mem_info()
         self.reserve: Reserve = compute_reserve(self.properties, mem, min_free_bytes=config.min_free_bytes)
         """The reserve rule's parts (Note [The reserve rule])."""
-        rule = usable_nbytes(self.properties, mem, reserve=self.reserve)
-        cap = int(mem.total_nbytes * config.gpu_memory_fraction) - self.reserve.context_nbytes
-        usable = min(rule, cap)
+        usable_nbytes(self.properties, mem, reserve=self.reserve)  # raises when the rule leaves nothing
+        usable = manager_usable_nbytes(mem, self.reserve, config.gpu_memory_fraction)
         if usable <= 0:
             raise OutOfMemoryError(1, mem.free_nbytes, mem.total_nbytes, device=dev.spec,
                                    hint=f"gpu_memory_fraction={config.gpu_memory_fraction} of the device is "
@@ -245,7 +263,8 @@ class GpuMemoryManager:
                                                       POOL_SLACK_PAGES * self.properties.granularity_nbytes),
                                                   self.reserve.emergency_nbytes)
             self._base: MemoryResource = AllocatorResource(dev, policy=config.pool_policy,
-                                                           limit=self.pool_limit_nbytes)
+                                                           limit=self.pool_limit_nbytes,
+                                                           max_pooled_per_bucket=config.max_pooled_per_bucket)
             below: MemoryResource = FailureCallbackLayer(self._base, [self._base.empty_cache])
         else:
             self.pool_limit_nbytes = 0
@@ -333,6 +352,7 @@ class GpuMemoryManager:
             with self._lock:
                 self._live[allocation.ptr] = allocation
             raise
+        self._move_fallbacks_back()
 
     def live_allocations(self) -> list[Allocation]:
         """Every allocation not given back."""
@@ -353,24 +373,70 @@ class GpuMemoryManager:
             bufs = list(self._fallbacks.values())
         return sum(1 for b in bufs if not b.on_gpu and b.try_move_to_gpu())
 
+    def _move_fallbacks_back(self) -> int:
+        """Note [Fallbacks move back by themselves]: after memory was freed, move the buffers that fell
+        back to the CPU back to the GPU, smallest first, while the usable memory's headroom covers them.
+        Never raises; returns how many moved."""
+        if not self._fell_back or getattr(self._restoring, "active", False):
+            return 0  # the common case costs one check
+        self._restoring.active = True
+        try:
+            with self._lock:
+                bufs = sorted((self._fallbacks[i] for i in self._fell_back if i in self._fallbacks),
+                              key=lambda b: b.nbytes)
+            headroom = self.usable_memory - self.allocated_nbytes
+            moved = 0
+            for b in bufs:
+                if b.nbytes > headroom:
+                    break
+                if b._move_back_quietly():
+                    moved += 1
+                    headroom -= b.nbytes
+            return moved
+        finally:
+            self._restoring.active = False
+
     # bookkeeping called by FallbackBuffer
     def _fallback_placed(self, buf: "FallbackBuffer", *, counted: bool) -> None:
         with self._lock:
             self._fallbacks[id(buf)] = buf
-            if counted:
+            if counted:  # fell back (not moved by move_to_cpu()): moves back by itself
                 self._cpu_fallbacks += 1
+                self._fell_back.add(id(buf))
             self._cpu_fallback_nbytes += buf.nbytes
 
     def _fallback_left(self, buf: "FallbackBuffer") -> None:
         with self._lock:
+            self._fell_back.discard(id(buf))
             if self._fallbacks.pop(id(buf), None) is not None:
                 self._cpu_fallback_nbytes -= buf.nbytes
+
+    def export_snapshot(self, path: str | os.PathLike[str]) -> Path:
+        """Write a memory snapshot of the live tracked buffers now, in PyTorch's format (the one OOM
+        forensics write: pytorch.org/memory_viz, or :func:`gpumem.trace.read_pytorch_snapshot`), each
+        buffer with its region, tag and (with ``capture_stacks``) Python stack as frames; return the path.
+
+        Raises :class:`~gpumem.errors.InvalidArgumentError` when tracking is off
+        (``MemoryConfig.track_allocations``): without the tracker there are no regions or stacks to
+        export. Nothing changes in the manager either way.
+        """
+        self._check_open()
+        if self.tracker is None:
+            raise InvalidArgumentError("export_snapshot needs MemoryConfig.track_allocations=True: the "
+                                       "snapshot's regions, tags and stacks come from the tracker")
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise InvalidArgumentError(f"path must be a non-empty path, got {path!r}")
+        from .forensics import write_snapshot
+
+        return write_snapshot(path, self.tracker, name=f"gpumem-{self.device.spec}")
 
     # -- cache and device -------------------------------------------------------------------------------
     def empty_cache(self) -> int:
         """Give cached, unused memory back to the device; return the bytes given back (0 without pooling)."""
         self._check_open()
-        return self.resource.empty_cache()
+        released = self.resource.empty_cache()
+        self._move_fallbacks_back()
+        return released
 
     def memory_info(self) -> MemInfo:
         """The device's total, free and used bytes right now (``.used_nbytes``), other tenants included."""

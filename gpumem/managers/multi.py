@@ -12,12 +12,17 @@ Note [Placement policy]
    long as it fits there (the device's manager accepts the allocation): a model's layers, a KV cache's
    pages, a training step's buffers then stay where the data they work with is, and nothing crosses
    devices because another card happens to have a few more free bytes today.
-2. **Most headroom first.** Otherwise (no name, a new name, or the affinity device refused), the
-   devices in decreasing order of *headroom* = the manager's usable memory minus what this
-   multi-manager has allocated on it, ties broken by the lower index. Headroom, not raw free bytes:
-   it fills a 24 GB and an 80 GB card in proportion to what each may use, leaving the reserve of
-   each alone, and it is known without a device call. Devices whose headroom is below the request
-   are skipped without asking them.
+2. **Proportional fill.** Otherwise (no name, a new name, or the affinity device refused), the
+   devices in increasing order of the *share of usable memory* each would have in use with this
+   request placed there: ``(allocated + nbytes) / usable``, where ``usable`` is the manager's usable
+   memory and ``allocated`` what this multi-manager has allocated on it; ties go to the lower index.
+   Balancing shares, not free bytes, fills a 24 GB and an 80 GB card in proportion to what each may
+   use: ranking by most free bytes (the first policy) gave the 24 GB card nothing until the 80 GB one
+   was 73 % full, so a workload on both saw one card idle and the other's reserve approached first.
+   The share is known without a device call and leaves each device's reserve alone. Counting the
+   request itself keeps a large allocation off a small card whose share it would push far above the
+   others'. Devices whose headroom (usable minus allocated) is below the request are skipped without
+   asking them.
 3. **Spill.** A device that refuses (out of memory: another process took memory, the cache is
    fragmented, an injected fault) is skipped and the next one tried; the tensor name's affinity moves
    to the device that accepted it.
@@ -34,6 +39,8 @@ callbacks) run after ``_lock`` is released.
 """
 
 from __future__ import annotations
+
+from fractions import Fraction
 
 import contextlib
 import logging
@@ -230,10 +237,18 @@ class MultiGpuMemoryManager:
     def _headroom(self, i: int) -> int:
         return int(self._managers[i].usable_memory) - self._allocated_nbytes[i]
 
+    def _share_after(self, i: int, nbytes: int) -> Fraction:
+        """Share of device ``i``'s usable memory in use with ``nbytes`` more (exact, so equal shares tie
+        and go to the lower index: Note [Placement policy])."""
+        usable = int(self._managers[i].usable_memory)
+        if usable <= 0:
+            return Fraction(10**30)
+        return Fraction(self._allocated_nbytes[i] + nbytes, usable)
+
     def _order(self, nbytes: int, name: str | None) -> tuple[list[int], int | None]:
         """Candidate devices in order (Note [Placement policy]), and the affinity device if any."""
         n = len(self._managers)
-        ranked = sorted(range(n), key=lambda i: (-self._headroom(i), i))
+        ranked = sorted(range(n), key=lambda i: (self._share_after(i, nbytes), i))
         home = self._affinity.get(name) if name is not None else None
         if home is not None:
             ranked.remove(home)

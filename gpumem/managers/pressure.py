@@ -61,14 +61,36 @@ When they gave anything back, the monitor samples once more at once: the level f
 Locks (Note [Callbacks outside every lock])
 -------------------------------------------
 ``PressureMonitor._lock`` guards the level, the statistics and the registration lists; it is held
-only to read or update them. Releasers and callbacks are called with no lock of the monitor held
-(a copy of the lists is taken under the lock) and, on the simulator, from event delivery that runs
-after the device and allocator locks were released. A callback or releaser that raises is logged and
-counted (``stats().callback_errors`` / ``release_errors``); it never stops the monitor.
+only to read or update them. Releasers and callbacks are called with no lock of the monitor's state
+held and, on the simulator, from event delivery that runs after the device and allocator locks were
+released. A callback or releaser that raises is logged and counted (``stats().callback_errors`` /
+``release_errors``); it never stops the monitor.
+
+One evaluation at a time (Note [One evaluation at a time])
+----------------------------------------------------------
+Three threads may evaluate: the poll thread, a thread whose device call delivered a memory event, and
+a caller of :meth:`PressureMonitor.poll_once` / :meth:`~PressureMonitor.observe`. When each changed the
+level under ``_lock`` and then released and called back with nothing held, the poll thread could sample
+*in the middle of* another thread's release and deliver its own, later change first: callbacks heard
+"LOW -> CRITICAL" after "CRITICAL -> LOW", and the last change delivered disagreed with ``level``.
+So a whole evaluation (sample, level update, release, re-sample, delivery) holds
+``_eval_lock``, a re-entrant lock that is never held with ``_lock`` waited for and that no allocator
+ever takes: another thread that wants to evaluate waits until a release in progress and its callbacks
+are done, and then samples the device as the release left it. The poll thread waits in short steps,
+so :meth:`~PressureMonitor.stop` still ends it. Changes are queued in sequence order and delivered by
+one loop: a callback or releaser that causes a nested evaluation on the same thread (the lock is
+re-entrant) only queues its change, which the outer loop delivers after the one in progress. Hence
+every change is delivered exactly once, in ``sequence`` order, and once the device is quiet the last
+change delivered is the current ``level``.
+
+An event delivered after a newer sample was taken (its simulated time is older than the sample's) is
+stale: its free bytes describe the device before that sample, so it is ignored rather than allowed to
+set the level back (``stats().events_seen`` counts the events that were evaluated).
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import math
@@ -296,6 +318,11 @@ class PressureMonitor:
         self._stop_event = threading.Event()
         self._total_nbytes = device.properties().total_nbytes
         self._in_release = threading.local()
+        # Note [One evaluation at a time]; guarded by _eval_lock:
+        self._eval_lock = threading.RLock()
+        self._pending: collections.deque[tuple[PressureChange, list[PressureCallback]]] = collections.deque()
+        self._delivering = False
+        self._measured_sim_s: float | None = None
 
     # -- registration ------------------------------------------------------------------------------
     def add_releaser(self, releaser: Releaser) -> None:
@@ -384,12 +411,22 @@ class PressureMonitor:
         On a simulated device with ``sim_advance_s``, that much simulated time passes first.
         Errors of the device (lost, closed) propagate; the thread logs them.
         """
-        if self.sim_advance_s:
-            self.device.advance(self.sim_advance_s)  # type: ignore[attr-defined]
-        used, total, source = self._measure()
-        with self._lock:
-            self._polls += 1
-        return self._evaluate(used, total, source)
+        with self._eval_lock:  # Note [One evaluation at a time]
+            if self.sim_advance_s:
+                self.device.advance(self.sim_advance_s)  # type: ignore[attr-defined]
+            used, total, source = self._measure_now()
+            with self._lock:
+                self._polls += 1
+            return self._evaluate(used, total, source)
+
+    def _measure_now(self) -> tuple[int, int, SampleSource]:
+        """:meth:`_measure`, remembering the simulated time of the figures (stale events: Note [One
+        evaluation at a time]). Called with ``_eval_lock`` held."""
+        measured = self._measure()
+        now = getattr(self.device, "now_s", None)
+        if isinstance(now, (int, float)) and not isinstance(now, bool):
+            self._measured_sim_s = float(now)
+        return measured
 
     def observe(self, used_nbytes: int, total_nbytes: int | None = None) -> PressureSample:
         """Evaluate figures measured elsewhere (another monitoring system, a test): ``used_nbytes`` of
@@ -403,9 +440,12 @@ class PressureMonitor:
         if total <= 0 or not 0 <= used_nbytes <= total:
             raise InvalidArgumentError(f"need 0 <= used_nbytes <= total_nbytes and total_nbytes > 0, got "
                                        f"used_nbytes={used_nbytes}, total_nbytes={total}")
-        return self._evaluate(int(used_nbytes), int(total), SampleSource.EXTERNAL, resample=False)
+        with self._eval_lock:  # Note [One evaluation at a time]
+            return self._evaluate(int(used_nbytes), int(total), SampleSource.EXTERNAL, resample=False)
 
     def _evaluate(self, used: int, total: int, source: SampleSource, *, resample: bool = True) -> PressureSample:
+        """Update the level from ``used`` of ``total``, release, deliver the changes in order.
+        The caller holds ``_eval_lock`` (Note [One evaluation at a time])."""
         sim_now = getattr(self.device, "now_s", None)
         with self._lock:
             old = self._level
@@ -425,24 +465,39 @@ class PressureMonitor:
                 self._peak = max(self._peak, new)
                 change = PressureChange(old, new, sample, self._sequence)
             releasers = list(self._releasers) if new >= MemoryPressure.HIGH else []
-            callbacks = list(self._callbacks) if change is not None else []
-        # Note [Callbacks outside every lock]: nothing of the monitor is held from here on
+            if change is not None:  # queued in sequence order (Note [One evaluation at a time])
+                self._pending.append((change, list(self._callbacks)))
+        # Note [Callbacks outside every lock]: the monitor's state lock is not held from here on
         if change is not None:
             log.info("%s: memory pressure %s -> %s (%.1f %% used, from %s)", self.device.spec, change.old.name,
                      change.new.name, 100 * sample.used_fraction, source.value)
         released = self._release(releasers, new) if releasers else 0
-        for cb in callbacks:
-            try:
-                cb(change)
-            except Exception:  # noqa: BLE001 - Note [Callbacks outside every lock]: logged, never fatal
-                with self._lock:
-                    self._callback_errors += 1
-                log.exception("%s: pressure callback %r raised", self.device.spec, cb)
+        self._deliver_pending()
         if released and resample:
             # Note [When cache is given back]: look again, so the level (and the callbacks) follow the release
-            used, total, source = self._measure()
+            used, total, source = self._measure_now()
             return self._evaluate(used, total, source, resample=False)
         return sample
+
+    def _deliver_pending(self) -> None:
+        """Call back every queued change, oldest first, each exactly once. A nested call (a callback or
+        releaser that caused an evaluation on this thread) returns at once: the outer loop delivers
+        what it queued, after the change in progress (Note [One evaluation at a time])."""
+        if self._delivering:
+            return
+        self._delivering = True
+        try:
+            while self._pending:
+                change, callbacks = self._pending.popleft()
+                for cb in callbacks:
+                    try:
+                        cb(change)
+                    except Exception:  # noqa: BLE001 - Note [Callbacks outside every lock]: logged, never fatal
+                        with self._lock:
+                            self._callback_errors += 1
+                        log.exception("%s: pressure callback %r raised", self.device.spec, cb)
+        finally:
+            self._delivering = False
 
     def _release(self, releasers: list[Releaser], level: MemoryPressure) -> int:
         """Call every releaser's ``empty_cache()``; return the bytes they gave back."""
@@ -480,10 +535,15 @@ class PressureMonitor:
             return
         if self._stop_event.is_set() and self._thread is None:
             return
-        with self._lock:
-            self._events_seen += 1
-        total = self._total_nbytes
-        self._evaluate(total - event.free_nbytes, total, SampleSource.EVENT)
+        with self._eval_lock:  # Note [One evaluation at a time]
+            measured = self._measured_sim_s
+            if measured is not None and event.time_s < measured:
+                return  # stale: a newer sample already saw the device after this event
+            self._measured_sim_s = float(event.time_s)
+            with self._lock:
+                self._events_seen += 1
+            total = self._total_nbytes
+            self._evaluate(total - event.free_nbytes, total, SampleSource.EVENT)
 
     # -- the thread -----------------------------------------------------------------------------------
     def start(self) -> "PressureMonitor":
@@ -507,6 +567,11 @@ class PressureMonitor:
 
     def _run(self) -> None:
         while not self._stop_event.wait(self.interval_s):
+            # wait for an evaluation in progress elsewhere (a release, its callbacks), in steps so that
+            # stop() is heard meanwhile (Note [One evaluation at a time])
+            while not self._eval_lock.acquire(timeout=0.05):
+                if self._stop_event.is_set():
+                    return
             try:
                 self.poll_once()
             except (DeviceLostError, DeviceClosedError) as exc:
@@ -522,6 +587,8 @@ class PressureMonitor:
                 with self._lock:
                     self._poll_errors += 1
                 log.exception("%s: pressure poll failed", self.device.spec)
+            finally:
+                self._eval_lock.release()
 
     def stop(self, timeout_s: float | None = None) -> None:
         """Stop polling and join the thread (idempotent); stop reacting to events.

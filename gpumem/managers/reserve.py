@@ -157,10 +157,29 @@ def compute_reserve(properties: DeviceProperties, mem: MemInfo, *, min_free_byte
     Raises :class:`~gpumem.errors.InvalidArgumentError` on inconsistent input.
     """
     _check_inputs(properties, mem, min_free_bytes)
+    return reserve_for_mem(mem, min_free_bytes=min_free_bytes)
+
+
+def reserve_for_mem(mem: MemInfo, *, min_free_bytes: int | None = None) -> Reserve:
+    """:func:`compute_reserve` from the memory figures alone (backend discovery has no
+    :class:`DeviceProperties` without opening the device)."""
     total = mem.total_nbytes
     used = mem.used_nbytes
     context = used if used > 0 else min(estimate_context_nbytes(total), total // 2)
     return Reserve(context_nbytes=context, emergency_nbytes=emergency_nbytes(total, min_free_bytes=min_free_bytes))
+
+
+def manager_usable_nbytes(mem: MemInfo, reserve: Reserve, gpu_memory_fraction: float) -> int:
+    """What a ``GpuMemoryManager`` started on a device measured as ``mem`` may hand out: the reserve
+    rule's usable memory (:func:`usable_nbytes`) capped by ``gpu_memory_fraction`` of the total minus
+    what was in use at start (Note [Usable memory and the fraction] in :mod:`gpumem.managers.manager`).
+    May be ``<= 0`` (nothing usable). The manager and
+    :func:`gpumem.discovery.select_backend_for_model` both call this, so a device that discovery
+    selects for ``n`` bytes is one whose manager accepts ``n`` bytes.
+    """
+    rule = min(mem.total_nbytes - reserve.nbytes, mem.free_nbytes - reserve.emergency_nbytes)
+    cap = int(mem.total_nbytes * gpu_memory_fraction) - reserve.context_nbytes
+    return min(rule, cap)
 
 
 def usable_nbytes(properties: DeviceProperties, mem: MemInfo, *, min_free_bytes: int | None = None,

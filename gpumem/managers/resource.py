@@ -220,27 +220,39 @@ class DeviceResource(_SourceResource):
 
 
 class AllocatorResource(_SourceResource):
-    """Memory from a :class:`~gpumem.allocator.CachingAllocator` (pooling): freed blocks are cached and reused.
+    """Memory from a :class:`~gpumem.allocator.CachingAllocator` or a size-bucket pool
+    (:class:`~gpumem.allocator.bucket.BucketAllocator`, which has the caching allocator's public
+    interface): freed blocks are cached and reused.
 
     Pass an allocator, or a device and the allocator's keyword arguments (``policy``, ``limit``,
-    ``gc_threshold``, ``engine``); a resource that built its allocator closes it on :meth:`close`.
+    ``gc_threshold``, ``engine``; with ``policy="bucket"``: ``limit``, ``max_pooled_per_bucket``); a
+    resource that built its allocator closes it on :meth:`close`.
     """
 
     def __init__(self, allocator: Any, **allocator_kwargs: Any) -> None:
         from gpumem.allocator import CachingAllocator
+        from gpumem.allocator.bucket import BUCKET_POLICY_NAME, BucketAllocator
 
-        if isinstance(allocator, CachingAllocator):
+        if isinstance(allocator, (CachingAllocator, BucketAllocator)):
             if allocator_kwargs:
                 raise InvalidArgumentError("allocator keyword arguments apply only when a device is given")
             self.allocator = allocator
             self._owns = False
         elif isinstance(allocator, Device):
             policy = allocator_kwargs.pop("policy", "gpumem")
-            self.allocator = CachingAllocator(allocator, policy, **allocator_kwargs)
+            if policy == BUCKET_POLICY_NAME:
+                unknown = set(allocator_kwargs) - {"limit", "max_pooled_per_bucket"}
+                if unknown:
+                    raise InvalidArgumentError(f"the size-bucket pool takes limit and max_pooled_per_bucket, "
+                                               f"not {', '.join(sorted(unknown))}")
+                self.allocator = BucketAllocator(allocator, BUCKET_POLICY_NAME, **allocator_kwargs)
+            else:
+                allocator_kwargs.pop("max_pooled_per_bucket", None)  # the caching allocator has no buckets
+                self.allocator = CachingAllocator(allocator, policy, **allocator_kwargs)
             self._owns = True
         else:
-            raise InvalidArgumentError(f"AllocatorResource needs a CachingAllocator or a Device, "
-                                       f"got {type(allocator).__name__}")
+            raise InvalidArgumentError(f"AllocatorResource needs a CachingAllocator, a BucketAllocator or a "
+                                       f"Device, got {type(allocator).__name__}")
         super().__init__(self.allocator.device)
 
     def _take(self, nbytes: int, stream: int) -> int:

@@ -17,13 +17,14 @@ does the forward pass hold" means. Peaks per region are reset with ``reset_peak(
 from __future__ import annotations
 
 import atexit
+import functools
 import enum
 import itertools
 import logging
 import sys
 import threading
 import time
-import traceback
+import os
 from dataclasses import dataclass, replace
 from typing import Callable, NewType
 
@@ -162,9 +163,31 @@ class _RegionCounters:
     total_allocs: int = 0
 
 
+#: Note [Stacks start at the user's code]: the directory of gpumem's manager modules (the layers,
+#: forensics, resources, the manager, the tracker, fallback buffers). Their frames are the same
+#: plumbing under every allocation: recorded, they filled most of ``stack_depth`` and pushed the
+#: caller's frames out, and a snapshot viewer showed gpumem first. They are left out, and
+#: ``stack_depth`` counts the frames that remain.
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_own_frame(filename: str) -> bool:
+    return os.path.dirname(os.path.abspath(filename)) == _OWN_DIR
+
+
 def _capture_stack(depth: int) -> tuple[StackFrame, ...]:
-    frames = traceback.extract_stack(limit=depth + 2)[:-2]  # drop _capture_stack and register
-    return tuple(StackFrame(f.filename, f.lineno or 0, f.name) for f in frames[-depth:])
+    """The ``depth`` innermost frames of the caller outside gpumem's manager modules, innermost last
+    (Note [Stacks start at the user's code])."""
+    out: list[StackFrame] = []
+    frame = sys._getframe(1)
+    while frame is not None and len(out) < depth:
+        code = frame.f_code
+        if not _is_own_frame(code.co_filename):
+            out.append(StackFrame(code.co_filename, frame.f_lineno or 0, code.co_name))
+        frame = frame.f_back
+    out.reverse()
+    return tuple(out)
 
 
 class AllocationTracker:

@@ -278,6 +278,10 @@ def test_memory_summary_and_stats(dev):
     pool.free(pool.allocate(1000))
     text = pool.memory_summary()
     assert "policy 'bucket'" in text and "hit rate" in text
+    assert "no cap on blocks pooled per bucket" in text and "at most no cap" not in text
+    capped = BucketAllocator(dev, max_pooled_per_bucket=4)
+    assert "at most 4 pooled per bucket" in capped.memory_summary()
+    capped.close()
     d = pool.memory_stats()
     assert d["reserved_nbytes"] == 1024 and d["hit_rate"] == 0.0 and d["num_free_blocks"] == 1
     assert "BucketAllocator(" in repr(pool)

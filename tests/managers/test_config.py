@@ -98,6 +98,8 @@ def test_from_env_uses_os_environ(monkeypatch):
     ("GPUMEM_MIN_FREE_BYTES", "8G", "GPUMEM_MIN_FREE_BYTES"),
     ("GPUMEM_MAX_POOLED_PER_BUCKET", "2.5", "GPUMEM_MAX_POOLED_PER_BUCKET"),
     ("GPUMEM_POOL_POLICY", "slab", "pool_policy"),
+    ("GPUMEM_PREALLOCATE", "64MiB,,1", r"GPUMEM_PREALLOCATE='64MiB,,1': entry 2 of 3 is empty"),
+    ("GPUMEM_PREALLOCATE", "64MiB,", "entry 2 of 2 is empty"),
 ])
 def test_from_env_rejects_bad_values(var, value, match):
     with pytest.raises(InvalidArgumentError, match=match):

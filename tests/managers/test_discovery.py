@@ -156,7 +156,8 @@ def test_host_memory_falls_back_to_sysconf(tmp_path):
 
 # -- best available and selection --------------------------------------------------------------------------
 def _backends(cuda_free=(22 * GiB, 140 * GiB), cpu_free=8 * GiB, cuda_ok=True):
-    devs = tuple(BackendDevice(f"cuda:{i}", f"GPU {i}", 160 * GiB, f, (9, 0)) for i, f in enumerate(cuda_free))
+    # each GPU: 2 GiB used by others, the rest free (the selection applies the reserve rule to these)
+    devs = tuple(BackendDevice(f"cuda:{i}", f"GPU {i}", f + 2 * GiB, f, (9, 0)) for i, f in enumerate(cuda_free))
     cuda = BackendInfo(BackendKind.CUDA, cuda_ok, devs if cuda_ok else (), "" if cuda_ok else "no NVIDIA driver")
     simb = discover_backends(nvml=FakeNvml(init_error=12))[1]
     cpu = BackendInfo(BackendKind.CPU, True, (BackendDevice("cpu", "host", 16 * GiB, cpu_free),))
@@ -198,11 +199,11 @@ def test_select_never_picks_the_simulator_unasked():
 
 def test_select_sim_gives_the_smallest_profile_with_room():
     sel = select_backend_for_model(13 * GiB, "sim", backends=_backends())
-    assert sel.spec == "sim:t4-16gb"
+    assert sel.spec == "sim:t4-16gb"  # 13.03 GiB usable there (Note [Selection by usable memory])
     sel = select_backend_for_model(GiB, ["cuda:0", "sim:a100-80gb"], backends=_backends(cuda_free=(GiB // 2, 0)))
     assert sel.spec == "sim:a100-80gb"
     assert select_backend_for_model(GiB, "sim:h200", backends=_backends()).spec == "sim:h200-141gb"
-    with pytest.raises(NoSuitableBackendError, match="sim:h200-141gb: 139"):
+    with pytest.raises(NoSuitableBackendError, match=r"sim:h200-141gb: 125\.31 GiB usable \(139"):
         select_backend_for_model(200 * GiB, "sim", backends=_backends())
 
 
@@ -306,3 +307,26 @@ def test_summary_text_and_json():
     text = format_backend_summary(no_gpu)
     assert "cuda: unavailable: no NVIDIA driver (libnvidia-ml not found)" in text
     assert "best available: cpu" in text
+
+
+# -- Note [Selection by usable memory] --------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["sim:t4-16gb", "sim:gtx-1050-2gb", "sim:h200-141gb"])
+def test_selection_uses_the_managers_usable_memory_at_the_edge(spec):
+    """Selected for exactly the manager's usable memory, refused one byte above: the raw free memory
+    (what it compared before) selected sim:t4-16gb for 14.2 GiB, which its manager refuses."""
+    from gpumem.discovery import select_backend_for_model
+    from gpumem.managers import GpuMemoryManager
+
+    with GpuMemoryManager(spec) as m:
+        usable = m.usable_memory
+        assert m.allocate(usable) is not None  # the manager accepts it
+    assert select_backend_for_model(usable, spec).spec == spec
+    with pytest.raises(NoSuitableBackendError, match="usable"):
+        select_backend_for_model(usable + 1, spec)
+
+
+def test_14_2_gib_does_not_select_the_t4():
+    import gpumem
+    from gpumem.discovery import select_backend_for_model
+
+    assert select_backend_for_model(int(14.2 * gpumem.GiB), "sim").spec != "sim:t4-16gb"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpumem.errors import DeviceClosedError, InvalidArgumentError, OutOfMemoryError
+from gpumem.errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
 from gpumem.managers import FallbackBuffer, GpuMemoryManager, Location, MemoryConfig
 from gpumem.units import MiB
 
@@ -96,7 +96,7 @@ def test_bad_ranges_and_use_after_free(m):
             call()
     buf.free()
     for call in (buf.read, lambda: buf.write(b"x"), buf.try_move_to_gpu, buf.move_to_cpu):
-        with pytest.raises(DeviceClosedError):
+        with pytest.raises(InvalidPointerError, match="FallbackBuffer was freed"):
             call()
     with pytest.raises(InvalidArgumentError, match="GpuMemoryManager"):
         FallbackBuffer("sim:t4-16gb", 4)
@@ -140,3 +140,62 @@ def test_fallback_round_trip_on_the_device(device):
         buf.move_to_cpu()
         assert buf.to_numpy().tobytes() == data.tobytes()
         buf.free()
+
+
+def test_a_fallback_the_host_cannot_hold_raises_gpumems_oom_naming_the_cpu(m, monkeypatch):
+    """NumPy's bare MemoryError used to escape create_buffer(10**12, allow_cpu=True)."""
+    import numpy as np
+
+    from gpumem.managers import fallback as fb
+
+    def no_host_memory(*a, **k):
+        raise MemoryError("Unable to allocate")
+
+    monkeypatch.setattr(fb.np, "zeros", no_host_memory)
+    before = m.get_detailed_stats()
+    with pytest.raises(OutOfMemoryError, match=r"cpu \(host memory, CPU fallback\).*GPU \(sim:") as info:
+        m.create_buffer(10**12, allow_cpu=True)
+    assert not isinstance(info.value, MemoryError) or isinstance(info.value, OutOfMemoryError)
+    after = m.get_detailed_stats()
+    assert (after.cpu_fallbacks, after.cpu_fallback_nbytes, after.allocated_nbytes) == \
+        (before.cpu_fallbacks, before.cpu_fallback_nbytes, before.allocated_nbytes)
+    assert np.zeros is not None
+
+
+def test_a_fallback_moves_back_by_itself_when_memory_frees_up(m):
+    """Note [Fallbacks move back by themselves]: issue 8's 'moves back when memory frees up', without
+    the program calling try_move_to_gpu()."""
+    hog = m.allocate(m.usable_memory - 4 * MiB)
+    small_hog = m.allocate(2 * MiB)
+    data = _payload(8 * MiB, 3)
+    buf = m.create_buffer(8 * MiB, data=data)
+    big = m.create_buffer(64 * MiB)
+    assert not buf.on_gpu and not big.on_gpu
+    m.deallocate(small_hog)                 # 2 MiB freed: headroom too small, nothing is tried
+    assert not buf.on_gpu and not big.on_gpu
+    m.deallocate(hog)                       # now there is room: both move back, bytes intact
+    assert buf.on_gpu and big.on_gpu and buf.read() == data.tobytes()
+    st = m.get_detailed_stats()
+    assert st.cpu_fallbacks == 2 and st.cpu_fallback_nbytes == 0
+    buf.move_to_cpu()                       # asked for: stays on the CPU through later frees
+    other = m.allocate(1 * MiB)
+    m.deallocate(other)
+    m.empty_cache()
+    assert not buf.on_gpu and buf.read() == data.tobytes()
+    buf.free()
+    big.free()
+
+
+def test_empty_cache_moves_a_fallback_back(m):
+    hog = m.allocate(m.usable_memory - 4 * MiB)
+    buf = m.create_buffer(8 * MiB, data=b"z" * 8)
+    assert not buf.on_gpu
+    # hide the buffer from deallocate's move back, so that empty_cache's own move back is what is seen
+    m._fell_back_saved = set(m._fell_back)
+    m._fell_back.clear()
+    m.deallocate(hog)
+    assert not buf.on_gpu
+    m._fell_back.update(m._fell_back_saved)
+    m.empty_cache()
+    assert buf.on_gpu and buf.read(0, 8) == b"z" * 8
+    buf.free()

@@ -107,3 +107,66 @@ def test_snapshot_of_nothing_is_just_the_oom():
     snap = build_oom_snapshot([], 123, 0)
     assert snap["device_traces"][-1] == [{"action": "oom", "addr": 0, "size": 123, "stream": 0, "time_us": 0,
                                           "frames": [], "device_free": 0}]
+
+
+def test_report_with_tracking_on_and_nothing_live_does_not_advise_turning_it_on(tmp_path):
+    cfg = MemoryConfig().with_oom_forensics(tmp_path / "oom").with_tracking(True)
+    with GpuMemoryManager("sim:gtx-1050-2gb", config=cfg) as m:
+        with pytest.raises(OutOfMemoryError) as err:
+            m.allocate(m.usable_memory + 1)
+        report = err.value.forensics.report_path.read_text()
+    assert "no live tracked buffers" in report and "turn on MemoryConfig.track_allocations" not in report
+    cfg = MemoryConfig().with_oom_forensics(tmp_path / "oom2").with_tracking(False)
+    with GpuMemoryManager("sim:gtx-1050-2gb", config=cfg) as m:
+        with pytest.raises(OutOfMemoryError) as err:
+            m.allocate(m.usable_memory + 1)
+        assert "turn on MemoryConfig.track_allocations" in err.value.forensics.report_path.read_text()
+
+
+def test_recorded_stacks_start_at_the_users_code_and_depth_counts_after_stripping():
+    """Note [Stacks start at the user's code]: no frame of gpumem's manager modules, and the caller's
+    own frame is the innermost one recorded."""
+    cfg = MemoryConfig().with_tracking(True, capture_stacks=True)
+    with GpuMemoryManager("sim:gtx-1050-2gb", config=cfg) as m:
+        m.tracker.stack_depth = 2
+
+        def users_inner_function():
+            return m.allocate(1 * MiB)
+
+        a = users_inner_function()
+        info = m.tracker.get(a.buffer_id)
+        assert len(info.stack) == 2
+        assert info.stack[-1].name == "users_inner_function"
+        assert info.stack[-2].name == "test_recorded_stacks_start_at_the_users_code_and_depth_counts_after_stripping"
+        assert not any("/gpumem/managers/" in f.filename.replace("\\", "/") for f in info.stack)
+
+
+def test_export_snapshot_at_any_time_with_regions_and_stacks(tmp_path):
+    """Issue 8: regions reach exported snapshots, not only OOM ones."""
+    cfg = MemoryConfig().with_tracking(True, capture_stacks=True)
+    with GpuMemoryManager("sim:gtx-1050-2gb", config=cfg) as m:
+        held = _fill(m)
+        path = m.export_snapshot(tmp_path / "now.pickle")
+        assert path == tmp_path / "now.pickle" and path.exists()
+        trace = read_pytorch_snapshot(path)                 # gpumem's own reader loads it
+        assert trace.n_allocs == len(held) and trace.n_failed_allocs == 0
+        assert sorted(trace.nbytes[trace.kinds == 0].tolist()) == sorted(a.nbytes for a in held)
+        snap = pickle.loads(path.read_bytes())
+        allocs = [e for e in snap["device_traces"][-1] if e["action"] == "alloc"]
+        assert not any(e["action"] == "oom" for e in snap["device_traces"][-1])
+        kv = next(e for e in allocs if "tag=kv-cache" in e["user_metadata"])
+        assert kv["frames"][0]["filename"] == "<gpumem region>" and "region=model" in kv["frames"][0]["name"]
+        assert "test_forensics.py" in kv["frames"][1]["filename"]   # the user's code first
+        live_before = len(m.tracker)
+        m.deallocate(held.pop())
+        assert read_pytorch_snapshot(m.export_snapshot(tmp_path / "later.pickle")).n_allocs == len(held)
+        assert len(m.tracker) == live_before - 1
+
+
+def test_export_snapshot_needs_tracking(tmp_path):
+    from gpumem.errors import InvalidArgumentError
+
+    with GpuMemoryManager("sim:gtx-1050-2gb", config=MemoryConfig().with_tracking(False)) as m:
+        with pytest.raises(InvalidArgumentError, match="track_allocations"):
+            m.export_snapshot(tmp_path / "x.pickle")
+    assert not (tmp_path / "x.pickle").exists()

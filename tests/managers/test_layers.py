@@ -89,7 +89,7 @@ def test_allocator_resource_pools(dev):
 
 
 def test_allocator_resource_refuses_bad_source(dev):
-    with pytest.raises(InvalidArgumentError, match="CachingAllocator or a Device"):
+    with pytest.raises(InvalidArgumentError, match="CachingAllocator, a BucketAllocator or a Device"):
         AllocatorResource("sim:t4-16gb")
     with pytest.raises(InvalidArgumentError, match="MemoryResource"):
         StatisticsLayer(dev)

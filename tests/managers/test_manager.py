@@ -375,3 +375,37 @@ class ManagerMachine(RuleBasedStateMachine):
 
 TestManagerMachine = ManagerMachine.TestCase
 TestManagerMachine.settings = settings(max_examples=15, stateful_step_count=20, deadline=None)
+
+
+# -- the size-bucket pool under a manager ----------------------------------------------------------
+@pytest.mark.parametrize("cap", [0, 2, 5])
+def test_pool_policy_bucket_uses_the_bucket_pool_and_max_pooled_per_bucket(cap):
+    """MemoryConfig.max_pooled_per_bucket used to do nothing and pool_policy="bucket" was refused."""
+    from gpumem.allocator.bucket import BucketAllocator
+    from gpumem.managers import MemoryConfig
+
+    cfg = MemoryConfig(pool_policy="bucket", max_pooled_per_bucket=cap)
+    with GpuMemoryManager("sim:t4-16gb", config=cfg) as m:
+        assert isinstance(m._base.allocator, BucketAllocator)
+        assert m._base.allocator.policy.max_pooled_per_bucket == cap
+        held = [m.allocate(1000) for _ in range(4)]
+        for a in held:
+            m.deallocate(a)
+        st = m.get_detailed_stats()
+        assert st.pool.policy == "bucket" and st.allocated_nbytes == 0
+        assert st.pool.cached_nbytes == min(cap, 4) * 1024  # 1000 B lands in the 1 KiB bucket
+        again = m.allocate(1000)
+        assert m.get_detailed_stats().pool.cache_hits == (1 if cap else 0)
+        m.deallocate(again)
+        assert m.empty_cache() >= 0 and m.get_detailed_stats().pool.cached_nbytes == 0
+
+
+def test_pool_policy_bucket_refuses_past_usable_memory_and_falls_back():
+    from gpumem.managers import MemoryConfig
+
+    cfg = MemoryConfig(pool_policy="bucket", cpu_fallback_enabled=True)
+    with GpuMemoryManager("sim:t4-16gb", config=cfg) as m:
+        with pytest.raises(OutOfMemoryError):
+            m.allocate(m.usable_memory + 1)
+        buf = m.create_buffer(64, data=b"a" * 64)
+        assert buf.on_gpu and buf.read() == b"a" * 64

@@ -48,27 +48,40 @@ def _no_overlap(multi):
             assert e0 <= s1, "overlapping allocations on one device"
 
 
-def test_unequal_devices_fill_by_headroom_then_affinity_holds(factory):
+def test_unequal_devices_fill_in_proportion_then_affinity_holds(factory):
+    """Note [Placement policy]: both cards get work from the start, each in proportion to its usable
+    memory (the first policy gave the 24 GB card nothing until the 80 GB one was 73 % full)."""
     multi, devs = _multi(factory, "sim:a10-24gb", "sim:a100-80gb")
     try:
         m0, m1 = multi.managers
         assert m1.usable_memory > m0.usable_memory
         i, a = multi.allocate_on_best_device(4 * GiB, "kv")
-        assert i == 1  # the 80 GB card has the most headroom
-        # fill the 80 GB card until the 24 GB one has more headroom
-        fill = []
-        while multi.get_memory_stats().devices[1].headroom_nbytes > m0.usable_memory:
-            fill.append(multi.allocate_on_best_device(8 * GiB)[1])
-            assert multi.device_of(fill[-1]) == 1
-        # unnamed work now goes to the 24 GB card, but "kv" stays at home while it fits
-        assert multi.allocate_on_best_device(1 * GiB)[0] == 0
+        assert i == 1  # 4 GiB is a smaller share of the 80 GB card
+        placed = [0, 0]
+        for _ in range(24):
+            d, _x = multi.allocate_on_best_device(1 * GiB)
+            placed[d] += 1
+        assert placed[0] > 0 and placed[1] > 0  # the small card is not left idle
+        stats = multi.get_memory_stats().devices
+        shares = [stats[k].allocated_nbytes / stats[k].usable_nbytes for k in (0, 1)]
+        # balanced: the shares differ by at most one allocation's share of the smaller card
+        assert abs(shares[0] - shares[1]) <= 1 * GiB / m0.usable_memory
+        # "kv" stays at home while it fits, even where the other card's share is lower
         j, b = multi.allocate_on_best_device(1 * GiB, "kv")
         assert j == 1 and multi.affinity("kv") == 1
         stats = multi.get_memory_stats()
         assert stats.allocated_nbytes == sum(x.nbytes for _, x in multi.live_allocations())
-        assert stats.devices[1].n_tensor_names == 1 and stats.n_allocations == len(fill) + 3
+        assert stats.devices[1].n_tensor_names == 1 and stats.n_allocations == 24 + 2
         assert stats.total_nbytes == m0.total_memory + m1.total_memory
         _no_overlap(multi)
+    finally:
+        _close(multi, devs)
+
+
+def test_equal_shares_tie_to_the_lower_index(factory):
+    multi, devs = _multi(factory, "sim:a10-24gb", "sim:a10-24gb")
+    try:
+        assert [multi.allocate_on_best_device(1 * GiB)[0] for _ in range(4)] == [0, 1, 0, 1]
     finally:
         _close(multi, devs)
 

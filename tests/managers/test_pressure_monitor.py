@@ -349,3 +349,81 @@ def test_callbacks_and_releasers_may_call_the_monitor_and_the_allocator_back():
         alloc.close()
     finally:
         dev.close()
+
+
+# -- order of delivery (Note [One evaluation at a time]) --------------------------------------------
+class _ReleaserRacedByAPoll:
+    """Gives the allocator's cache back, then lets another thread poll the monitor (as its thread would,
+    waking up in that moment) and waits up to ``wait_s`` for that poll. Before the fix the other poll
+    ran at once, saw the release and delivered its later change ahead of this thread's."""
+
+    def __init__(self, alloc: CachingAllocator, wait_s: float = 0.2) -> None:
+        self.alloc, self.wait_s, self.monitor, self.threads = alloc, wait_s, None, []
+
+    def empty_cache(self) -> int:
+        n = self.alloc.empty_cache()
+        if self.monitor is not None and not self.threads:
+            t = threading.Thread(target=self.monitor.poll_once)
+            self.threads.append(t)
+            t.start()
+            t.join(self.wait_s)  # with the fix it waits for this evaluation to end
+        return n
+
+
+def test_a_poll_during_a_release_waits_and_changes_arrive_in_order_exactly_once():
+    dev = gpumem.open_device("sim:t4-16gb")
+    alloc = CachingAllocator(dev)
+    blocks = [alloc.allocate(1 * GiB) for _ in range(10)]
+    for p in blocks[2:]:
+        alloc.free(p)
+    seen = []
+    releaser = _ReleaserRacedByAPoll(alloc)
+    monitor = PressureMonitor(dev, releasers=[releaser], callbacks=[seen.append])
+    monitor.poll_once()
+    releaser.monitor = monitor
+    dev.add_tenant(sim.Step(nbytes=4 * GiB))
+    dev.advance(0.001)  # the tenant takes 4 GiB
+    monitor.poll_once()  # CRITICAL: releases, and another thread polls in the middle of it
+    for t in releaser.threads:
+        t.join()
+    assert [c.sequence for c in seen] == list(range(1, len(seen) + 1))
+    assert [c.old for c in seen[1:]] == [c.new for c in seen[:-1]]
+    assert seen[-1].new is monitor.level is MemoryPressure.LOW
+    assert [(c.old.name, c.new.name) for c in seen] == [
+        ("LOW", "MEDIUM"), ("MEDIUM", "CRITICAL"), ("CRITICAL", "LOW")]
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_a_fast_thread_and_a_slow_release_deliver_in_order(attempt):
+    dev = gpumem.open_device("sim:t4-16gb")
+    alloc = CachingAllocator(dev)
+    blocks = [alloc.allocate(1 * GiB) for _ in range(10)]
+    for p in blocks[2:]:
+        alloc.free(p)
+    seen = []
+
+    class Slow:
+        def empty_cache(self) -> int:
+            import time
+            n = alloc.empty_cache()
+            time.sleep(0.01)
+            return n
+
+    with PressureMonitor(dev, interval_s=0.001, releasers=[Slow()], callbacks=[seen.append]) as monitor:
+        dev.add_tenant(sim.Step(nbytes=4 * GiB))
+        for _ in range(10):
+            dev.advance(0.001)
+    assert [c.sequence for c in seen] == list(range(1, len(seen) + 1))
+    assert seen[-1].new is monitor.level
+
+
+def test_the_guides_monitor_example_prints_what_the_guide_says(capsys):
+    """docs/pressure-and-multi-gpu.md, 'The pressure monitor': run as written, many times."""
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "pressure-and-multi-gpu.md").read_text()
+    section = text[text.index("## The pressure monitor"):]
+    code, printed = re.search(r"```python\n(.*?)```\n\nprints\n\n```\n(.*?)```", section, re.S).groups()
+    for _ in range(20):
+        exec(compile(code, "pressure-guide", "exec"), {})  # noqa: S102 - the guide's own example
+        assert capsys.readouterr().out == printed

@@ -141,3 +141,19 @@ def test_the_documented_table_is_the_computed_one():
     doc = reserve.__doc__
     for line in reserve_table().splitlines():
         assert "    " + line in doc
+
+
+def test_the_managers_guide_gtx_1050_figures():
+    """docs/managers.md: the GTX 1050 keeps 329.75 MiB and gives 1668.25 MiB by default, 208 and 1790
+    MiB with for_constrained() (the guide once gave only the latter, as if it were the default)."""
+    import pathlib
+
+    from gpumem.managers import GpuMemoryManager, MemoryConfig
+
+    MiB = 2**20
+    guide = (pathlib.Path(__file__).parents[2] / "docs" / "managers.md").read_text()
+    for config, reserved, usable in ((None, 329.75, 1668.25), (MemoryConfig.for_constrained(), 208, 1790)):
+        with GpuMemoryManager("sim:gtx-1050-2gb", config=config) as m:
+            assert m.total_memory == 1998 * MiB
+            assert (m.reserved_memory / MiB, m.usable_memory / MiB) == (reserved, usable)
+            assert f"{reserved:g} MiB (80 MiB context" in guide and f"| {usable:g} MiB |" in guide

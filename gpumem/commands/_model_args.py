@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from ..errors import InvalidArgumentError
-from ..estimate.shape import DTYPE_BYTES, ModelShape, from_hf_config
+from ..estimate.shape import DTYPE_BYTES, ModelShape, from_hf_config, read_config_text
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -28,12 +27,13 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
     """The shape and the config's dtype bytes (2 without a config); raises ``InvalidArgumentError``.
     Sets ``args.config_dtype`` to the config's dtype name (``bf16`` without one)."""
     args.config_dtype = "bf16"
+    check_workload_args(args)
     numbers = (args.hidden_size, args.intermediate_size, args.layers, args.vocab_size, args.heads)
     if args.hf_config:
         if any(v is not None for v in numbers):
             raise InvalidArgumentError("give either --hf-config or the shape options, not both")
         shape, nbytes = from_hf_config(args.hf_config)
-        cfg = json.loads(Path(args.hf_config).read_text())
+        cfg = json.loads(read_config_text(args.hf_config))
         cfg = {**cfg.get("text_config", {}), **cfg} if isinstance(cfg.get("text_config"), dict) else cfg
         name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
         args.config_dtype = _SHORT.get(name, name)
@@ -43,7 +43,7 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
     if missing:
         raise InvalidArgumentError(f"missing {', '.join(missing)} (or give --hf-config)")
     shape = ModelShape(args.hidden_size, args.intermediate_size, args.layers, args.vocab_size, args.heads,
-                       args.kv_heads or args.heads, args.head_dim, args.tie_word_embeddings)
+                       args.heads if args.kv_heads is None else args.kv_heads, args.head_dim, args.tie_word_embeddings)
     return shape, 2
 
 
@@ -55,10 +55,30 @@ def parse_dtypes(text: str | None, default_bytes: int, default_name: str = "") -
     if not text:
         name = default_name or {4: "fp32", 2: "bf16", 1: "int8"}[default_bytes]
         return [(name, default_bytes)]
-    out = []
+    out: list[tuple[str, int]] = []
     for name in text.split(","):
         name = name.strip()
         if name not in DTYPE_BYTES:
             raise InvalidArgumentError(f"unknown dtype {name!r}; choose from {', '.join(DTYPE_BYTES)}")
+        if name in (n for n, _ in out):
+            raise InvalidArgumentError(f"--dtype gives {name} twice")
         out.append((name, DTYPE_BYTES[name]))
     return out
+
+
+def check_workload_args(args: argparse.Namespace) -> None:
+    """Refuse conflicting or empty workload options (those the command has): an empty ``--policy`` list,
+    ``--training`` with both ``--max-seq-len`` and ``--prompt-len``, ``--new-tokens`` that leave no room
+    for a prompt within ``--max-seq-len``."""
+    policy = getattr(args, "policy", None)
+    if isinstance(policy, str) and not [x for x in policy.split(",") if x.strip()]:
+        raise InvalidArgumentError(f"--policy {policy!r} names no allocator policy")
+    max_len = getattr(args, "max_seq_len", None)
+    prompt = getattr(args, "prompt_len", None)
+    new = getattr(args, "new_tokens", None) or 0
+    if getattr(args, "training", False) and max_len is not None and prompt is not None and max_len != prompt:
+        raise InvalidArgumentError(f"--training takes one sequence length: give --prompt-len {prompt} or "
+                                   f"--max-seq-len {max_len}, not both")
+    if (max_len is not None and prompt is None and not getattr(args, "training", False)
+            and isinstance(max_len, int) and max_len > 0 and new >= max_len):
+        raise InvalidArgumentError(f"--new-tokens {new} leaves no room for a prompt within --max-seq-len {max_len}")

@@ -18,6 +18,17 @@ log = logging.getLogger(__name__)
 _GB = 1e9
 _MB = 1e6
 
+#: Sanity caps on the workload (far beyond any real run; see also ``shape.SHAPE_CAPS``): larger values
+#: raise ``InvalidArgumentError`` naming the field and the cap.
+WORKLOAD_CAPS = {"batch_size": 2**20, "seq_len": 2**24, "max_seq_len": 2**24, "prompt_len": 2**24,
+                 "new_tokens": 2**24}
+
+
+def _cap(name: str, value: Any) -> None:
+    cap = WORKLOAD_CAPS[name]
+    if isinstance(value, int) and not isinstance(value, bool) and value > cap:
+        raise InvalidArgumentError(f"{name} {value} exceeds the sanity cap of {cap}")
+
 
 @dataclass(frozen=True)
 class MemoryEstimate:
@@ -103,6 +114,9 @@ def estimate_kv_cache_memory(n_layers: int, n_kv_heads: int, head_dim: int, seq_
                     ("seq_len", seq_len), ("batch_size", batch_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise InvalidArgumentError(f"{name} must be a positive whole number, got {v!r}")
+    _cap("seq_len", seq_len)
+    _cap("batch_size", batch_size)
+    ModelShape(1, 1, n_layers, 1, n_kv_heads, n_kv_heads, head_dim)  # the shape caps
     return 2 * n_layers * batch_size * seq_len * n_kv_heads * head_dim * max(dtype_bytes, 2)
 
 
@@ -129,6 +143,7 @@ def estimate_inference_memory(hidden_size: int, intermediate_size: int, n_layers
     dtype_bytes = _check_dtype(dtype_bytes)
     shape = ModelShape(hidden_size, intermediate_size, n_layers, vocab_size, n_heads, n_kv_heads, head_dim,
                        tie_word_embeddings)
+    _cap("batch_size", batch_size)
     prompt = _prompt(max_seq_len, prompt_len, new_tokens)
     w = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt, new_tokens=new_tokens)
     return _from_trace(shape.n_params * dtype_bytes, w)
@@ -137,8 +152,14 @@ def estimate_inference_memory(hidden_size: int, intermediate_size: int, n_layers
 def _prompt(max_seq_len: int, prompt_len: int | None, new_tokens: int) -> int:
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0:
         raise InvalidArgumentError(f"max_seq_len must be a positive whole number, got {max_seq_len!r}")
+    _cap("max_seq_len", max_seq_len)
+    _cap("new_tokens", new_tokens)
+    _cap("prompt_len", prompt_len)
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0:
         raise InvalidArgumentError(f"new_tokens must be a whole number >= 0, got {new_tokens!r}")
+    if prompt_len is None and new_tokens >= max_seq_len:
+        raise InvalidArgumentError(f"new_tokens {new_tokens} leaves no room for a prompt within max_seq_len "
+                                   f"{max_seq_len}")
     prompt = max_seq_len - new_tokens if prompt_len is None else prompt_len
     if isinstance(prompt, bool) or not isinstance(prompt, int) or prompt <= 0:
         raise InvalidArgumentError(f"prompt_len must be a positive whole number, got {prompt!r}")
@@ -158,6 +179,8 @@ def estimate_training_memory(hidden_size: int, intermediate_size: int, n_layers:
         raise InvalidArgumentError(f"optimizer_states must be a whole number >= 0, got {optimizer_states!r}")
     shape = ModelShape(hidden_size, intermediate_size, n_layers, vocab_size, n_heads, n_kv_heads, head_dim,
                        tie_word_embeddings)
+    _cap("batch_size", batch_size)
+    _cap("seq_len", seq_len)
     w = training_trace(shape, dtype_bytes, batch_size=batch_size, seq_len=seq_len, n_steps=2,
                        optimizer_states=optimizer_states)
     return _from_trace(shape.n_params * dtype_bytes, w, TrainingEstimate,

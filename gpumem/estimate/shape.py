@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["ModelShape", "from_hf_config", "DTYPE_BYTES"]
+__all__ = ["ModelShape", "from_hf_config", "DTYPE_BYTES", "SHAPE_CAPS", "MAX_CONFIG_BYTES"]
+
+#: Sanity caps on the shape (far beyond any real model): larger values are refused, since the estimate's
+#: cost grows with them (``n_layers``) and the figures would be meaningless.
+SHAPE_CAPS: Mapping[str, int] = {
+    "hidden_size": 2**20, "intermediate_size": 2**20, "n_layers": 10_000, "vocab_size": 2**24,
+    "n_heads": 2**14, "n_kv_heads": 2**14, "head_dim": 2**20,
+}
+
+#: Largest ``config.json`` :func:`from_hf_config` reads (a real one is a few KB).
+MAX_CONFIG_BYTES = 16 * 2**20
 
 #: Bytes per element of the dtype names ``gpumem estimate --dtype`` and ``from_hf_config`` understand.
 DTYPE_BYTES: Mapping[str, int] = {
@@ -19,11 +30,13 @@ DTYPE_BYTES: Mapping[str, int] = {
 }
 
 
-def _positive_int(name: str, value: Any) -> int:
+def _positive_int(name: str, value: Any, cap: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidArgumentError(f"{name} must be a positive whole number, got {value!r}")
     if value <= 0:
         raise InvalidArgumentError(f"{name} must be positive, got {value}")
+    if cap is not None and value > cap:
+        raise InvalidArgumentError(f"{name} {value} exceeds the sanity cap of {cap}")
     return value
 
 
@@ -47,13 +60,15 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "n_layers", "vocab_size", "n_heads", "n_kv_heads"):
-            _positive_int(name, getattr(self, name))
+            _positive_int(name, getattr(self, name), SHAPE_CAPS[name])
         if self.head_dim == 0:
             if self.hidden_size % self.n_heads:
                 raise InvalidArgumentError(
                     f"hidden_size {self.hidden_size} is not a multiple of n_heads {self.n_heads}; give head_dim")
             object.__setattr__(self, "head_dim", self.hidden_size // self.n_heads)
-        _positive_int("head_dim", self.head_dim)
+        _positive_int("head_dim", self.head_dim, SHAPE_CAPS["head_dim"])
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise InvalidArgumentError(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
         if self.n_heads % self.n_kv_heads:
             raise InvalidArgumentError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
 
@@ -110,11 +125,13 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
     else:
         origin = str(path_or_dict)
         try:
-            cfg = json.loads(Path(path_or_dict).read_text())
+            cfg = json.loads(_read_config(path_or_dict, origin))
         except OSError as exc:
             raise InvalidArgumentError(f"cannot read {origin}: {exc.strerror or exc}") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidArgumentError(f"{origin} is not a JSON file: {exc}") from None
+        except (RecursionError, MemoryError):
+            raise InvalidArgumentError(f"{origin} is not a valid JSON config (nested too deeply or too large)") from None
         if not isinstance(cfg, dict):
             raise InvalidArgumentError(f"{origin}: expected a JSON object, got {type(cfg).__name__}")
     if isinstance(cfg.get("text_config"), Mapping):
@@ -131,9 +148,55 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
         raise InvalidArgumentError(f"{origin}: missing {', '.join(missing)} (not a decoder LLM config?)")
     n_kv = _first(cfg, "num_key_value_heads", default=fields["n_heads"])
     head_dim = _first(cfg, "head_dim", default=0)
+    aliases = {"hidden_size": ("hidden_size", "n_embd", "d_model"),
+               "intermediate_size": ("intermediate_size", "n_inner", "ffn_dim"),
+               "n_layers": ("num_hidden_layers", "n_layer", "num_layers"), "vocab_size": ("vocab_size",),
+               "n_heads": ("num_attention_heads", "n_head")}
+    for key, value in (*fields.items(), ("num_key_value_heads", n_kv), ("head_dim", head_dim)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            key = next((k for k in aliases.get(key, ()) if cfg.get(k) is not None), key)
+            raise InvalidArgumentError(f"{origin}: {key} must be a JSON integer, got {value!r}")
+    tie = cfg.get("tie_word_embeddings", False)
+    if tie is None:
+        tie = False
+    if not isinstance(tie, bool):
+        raise InvalidArgumentError(f"{origin}: tie_word_embeddings must be JSON true or false, got {tie!r}")
     dtype_name = str(_first(cfg, "torch_dtype", "dtype", default="bfloat16")).replace("torch.", "")
     if dtype_name not in DTYPE_BYTES:
         raise InvalidArgumentError(f"{origin}: unknown dtype {dtype_name!r}; known: {', '.join(DTYPE_BYTES)}")
     shape = ModelShape(fields["hidden_size"], fields["intermediate_size"], fields["n_layers"], fields["vocab_size"],
-                       fields["n_heads"], n_kv, head_dim, bool(cfg.get("tie_word_embeddings", False)))
+                       fields["n_heads"], n_kv, head_dim, tie)
     return shape, DTYPE_BYTES[dtype_name]
+
+
+def read_config_text(path: "str | os.PathLike[str]") -> str:
+    """The text of ``path``, refusing what is not a regular file (a FIFO, a device, a directory) and files
+    over :data:`MAX_CONFIG_BYTES`; raises ``InvalidArgumentError``."""
+    origin = str(path)
+    try:
+        return _read_config(path, origin)
+    except OSError as exc:
+        raise InvalidArgumentError(f"cannot read {origin}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidArgumentError(f"{origin} is not a JSON file: {exc}") from None
+
+
+def _read_config(path: "str | os.PathLike[str]", origin: str) -> str:
+    # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidArgumentError(f"{origin} is not a regular file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise InvalidArgumentError(f"{origin} is {st.st_size} bytes, over the {MAX_CONFIG_BYTES}-byte limit "
+                                       "for a config.json")
+        with os.fdopen(fd, "rb", closefd=True) as f:
+            fd = -1
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise InvalidArgumentError(f"{origin} is over the {MAX_CONFIG_BYTES}-byte limit for a config.json")
+    return data.decode("utf-8")

@@ -126,6 +126,8 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
         origin = str(path_or_dict)
         try:
             cfg = json.loads(_read_config(path_or_dict, origin))
+        except InvalidArgumentError:
+            raise
         except OSError as exc:
             raise InvalidArgumentError(f"cannot read {origin}: {exc.strerror or exc}") from None
         except (ValueError, UnicodeDecodeError) as exc:

@@ -55,14 +55,21 @@ def cmd_report(args: argparse.Namespace) -> int:
     except InvalidArgumentError as exc:
         raise _UsageError(str(exc)) from None
     from ..errors import GpumemError
-    from ..report.build import with_pressure
+    from ..report.build import _slug, with_pressure
     from ..specs import open_device
 
+    seen: dict[str, str] = {}
     for spec in options.devices:  # a bad spec is bad input, found before any replay
         try:
-            open_device(with_pressure(spec, options.pressure)).close()
+            dev = open_device(with_pressure(spec, options.pressure))
+            name = dev.spec
+            dev.close()
         except GpumemError as exc:
             raise _UsageError(f"--device {spec}: {exc}") from None
+        key = _slug(name)  # two specs naming one device would write the same figures
+        if key in seen:
+            raise _UsageError(f"--device {spec} is the same device as --device {seen[key]}; give it once")
+        seen[key] = spec
     command = _command_line(args, options)
     try:
         result = build_report(args.trace, args.out, options, force=args.force,

@@ -103,11 +103,48 @@ def _dask_executor(address: str) -> tuple[Any, Any]:
     except ImportError:
         raise _UsageError("--scheduler runs the sweep on Dask, which is not installed: "
                           "pip install 'gpumem[dask]'") from None
-    try:
-        client = Client(address, timeout="10s")
-    except (OSError, TimeoutError, ValueError) as exc:
-        raise _UsageError(f"--scheduler: cannot connect to the Dask scheduler at {address}: {exc}") from None
-    return client, client.get_executor()
+    import threading
+
+    # Client(timeout=) bounds only the TCP connect: a server that accepts and then says nothing (or speaks
+    # HTTP) would hang the handshake for ever, so the whole handshake runs in a thread under a deadline.
+    box: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def connect() -> None:
+        try:
+            client = Client(address, timeout=f"{_CONNECT_TIMEOUT_S}s")
+            client.scheduler_info()
+        except Exception as exc:  # noqa: BLE001 - anything from a non-Dask peer is "cannot connect"
+            with lock:
+                box["error"] = exc
+            return
+        with lock:
+            if box.get("abandoned"):
+                client.close()  # too late: the caller already gave up
+            else:
+                box["client"] = client
+
+    thread = threading.Thread(target=connect, name="gpumem-dask-connect", daemon=True)
+    thread.start()
+    thread.join(_CONNECT_TIMEOUT_S + 2)
+    with lock:
+        if "client" not in box:
+            box["abandoned"] = True
+    if "client" in box:
+        client = box["client"]
+        try:
+            return client, client.get_executor()
+        except Exception as exc:  # noqa: BLE001
+            client.close()
+            raise _UsageError(f"--scheduler: cannot use the Dask scheduler at {address}: {exc}") from None
+    why = box.get("error")
+    why_text = f"{type(why).__name__}: {why}" if why is not None else \
+        f"no Dask handshake within {_CONNECT_TIMEOUT_S + 2:g} s (is it a Dask scheduler?)"
+    raise _UsageError(f"--scheduler: cannot connect to the Dask scheduler at {address}: {why_text}"[:500])
+
+
+#: Seconds allowed for connecting to a Dask scheduler (the whole handshake gets two more).
+_CONNECT_TIMEOUT_S = 8
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -122,7 +159,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     except BackendUnavailableError as exc:
         raise _UsageError(str(exc)) from None
     try:
-        check_out_dir(args.out)
+        check_out_dir(args.out, args.traces)
         make_cases(args.traces, args.device, policies, args.limit)  # bad arguments: fail before any work
     except InvalidArgumentError as exc:
         raise _UsageError(str(exc)) from None

@@ -191,6 +191,7 @@ def build_report(trace_path: str | os.PathLike[str], out_dir: str | os.PathLike[
     out = Path(out_dir)
     if out.exists() and not force:
         raise ReportExistsError(f"{out} exists; choose another folder or replace it (--force)")
+    check_report_out(out, trace_path)
     figures.check_matplotlib()
     trace = load_trace(trace_path, format=options.trace_format, device=options.device_index)
     if trace.n_ops == 0:
@@ -213,12 +214,57 @@ def build_report(trace_path: str | os.PathLike[str], out_dir: str | os.PathLike[
     return result
 
 
+#: Files a report writes: fixed names, and the per-device figures and numbers.
+_REPORT_NAMES = frozenset({"index.html", "report.json", "summary.json", "summary.csv", "fig4-sites.png",
+                           "sites.json", "sites.csv", "fig5-fit.png", "fit.json", "fit.csv"})
+_REPORT_PATTERN = re.compile(r"(fig[1-3]-(timeline|occupancy|fragmentation)-[A-Za-z0-9-]+\.png"
+                             r"|(timeline|occupancy|fragmentation)-[A-Za-z0-9-]+\.(json|csv))")
+
+
+def _is_report_folder(out: Path) -> bool:
+    """True when ``out`` is a real folder holding an earlier gpumem report and nothing else: a
+    ``report.json`` with gpumem's report signature, and only plain files with the names a report writes."""
+    if out.is_symlink() or not out.is_dir():
+        return False
+    try:
+        entries = list(out.iterdir())
+        data = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    meta = data.get("meta") if isinstance(data, dict) else None
+    if not isinstance(meta, dict) or "gpumem_version" not in meta or "trace" not in meta \
+            or not {"summary", "fit", "figures"} <= set(data):
+        return False
+    return all(not e.is_symlink() and e.is_file()
+               and (e.name in _REPORT_NAMES or _REPORT_PATTERN.fullmatch(e.name)) for e in entries)
+
+
+def check_report_out(out: Path, trace_path: "str | os.PathLike[str] | None" = None) -> None:
+    """Raise :class:`ReportExistsError` unless ``out`` can take a report: a new path with a name, or
+    (``--force``) an earlier gpumem report's folder, which is all that is ever replaced; never the trace,
+    the folder holding it, a file, or a folder with anything else in it. Checked before any replay."""
+    out = Path(out)
+    if out.name in ("", ".", "..") or os.path.realpath(out) == os.path.realpath(os.sep):
+        raise ReportExistsError(f"--out {out}: give the report a folder of its own (a new name)")
+    if not (out.exists() or out.is_symlink()):
+        return
+    real = os.path.realpath(out)
+    if trace_path is not None:
+        trace_real = os.path.realpath(trace_path)
+        if trace_real == real or trace_real.startswith(real.rstrip(os.sep) + os.sep):
+            raise ReportExistsError(f"--out {out}: is or holds the trace being read; nothing was replaced")
+    if not _is_report_folder(out):
+        raise ReportExistsError(f"--out {out}: exists and is not an earlier gpumem report (only a report's "
+                                "folder is replaced by --force); choose a new folder")
+
+
 def _install(tmp: Path, out: Path, force: bool) -> None:
     """Rename the finished folder to ``out`` (replacing an old one only once the new one is complete)."""
     old = None
-    if out.exists():
+    if out.exists() or out.is_symlink():
         if not force:
             raise ReportExistsError(f"{out} appeared while the report was being built; nothing was replaced")
+        check_report_out(out)
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         os.replace(out, old)
     os.replace(tmp, out)

@@ -245,6 +245,12 @@ def make_cases(traces: Sequence[Any], devices: Sequence[str], policies: Sequence
     if isinstance(traces, (str, os.PathLike)) or not isinstance(traces, (list, tuple)):
         raise SweepError("traces must be a list of file paths")
     trace_list = _distinct((os.fspath(t) for t in traces), "trace")
+    same: dict[str, str] = {}
+    for t in trace_list:  # ./t.gz and t.gz, or a link to it, are one trace
+        real = os.path.realpath(t)
+        if real in same:
+            raise SweepError(f"trace {t!r} is the same file as {same[real]!r}; give it once")
+        same[real] = t
     device_list = _distinct((_check_device(d) for d in devices), "device")
     policy_list = _distinct(policies, "policy")
     for p in policy_list:
@@ -448,17 +454,42 @@ def _write_csv(result: SweepResult, path: Path) -> None:
             w.writerow({k: ("" if v is None else v) for k, v in r.as_dict().items()})
 
 
-def check_out_dir(out: "str | os.PathLike[str]") -> None:
-    """Raise :class:`SweepError` unless ``out`` can take a sweep: new, empty, or an earlier sweep's folder
+def _is_sweep_folder(out: Path) -> bool:
+    """True when ``out`` holds an earlier gpumem sweep and nothing else: a ``sweep.json`` that is a sweep's
+    (its table's columns and rows, the figure list), and only plain files named in it or :data:`SWEEP_FILES`."""
+    try:
+        entries = list(out.iterdir())
+        data = json.loads((out / "sweep.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(data, dict) or data.get("columns") != list(COLUMNS) \
+            or not isinstance(data.get("rows"), list) or not isinstance(data.get("figures"), list) \
+            or not {"traces", "devices", "policies", "limits", "executor"} <= set(data):
+        return False
+    figures = {f for f in data["figures"] if isinstance(f, str) and f.endswith(".png") and "/" not in f
+               and os.sep not in f and not f.startswith(".")}
+    return all(not e.is_symlink() and e.is_file() and (e.name in SWEEP_FILES or e.name in figures)
+               for e in entries)
+
+
+def check_out_dir(out: "str | os.PathLike[str]", traces: Sequence[Any] = ()) -> None:
+    """Raise :class:`SweepError` unless ``out`` can take a sweep: new, empty, or an earlier gpumem sweep's
+    folder holding nothing else (the only kind that is replaced), and holding none of ``traces``
     (checked by :func:`write_sweep`; call it before a long sweep to fail early)."""
     out = Path(out)
+    if out.name in ("", ".", "..") or os.path.realpath(out) == os.path.realpath(os.sep):
+        raise SweepError(f"--out {out}: give the sweep a folder of its own (a new name)")
     if out.exists() or out.is_symlink():
         if not out.is_dir() or out.is_symlink():
             raise SweepError(f"--out {out}: exists and is not a folder")
+        real = os.path.realpath(out).rstrip(os.sep) + os.sep
+        for t in traces:
+            if isinstance(t, (str, os.PathLike)) and os.path.realpath(t).startswith(real):
+                raise SweepError(f"--out {out}: holds the trace {t}; give a new or empty folder")
         entries = list(out.iterdir())
-        if entries and not (out / "sweep.json").is_file():
-            raise SweepError(f"--out {out}: the folder is not empty and holds no earlier sweep (no sweep.json); "
-                             "give a new or empty folder")
+        if entries and not _is_sweep_folder(out):
+            raise SweepError(f"--out {out}: the folder is not empty and is not an earlier gpumem sweep (only "
+                             "sweep.csv, sweep.json and its figures); give a new or empty folder")
     if not out.parent.is_dir():
         raise SweepError(f"--out {out}: no such folder {out.parent} (create it first)")
 

@@ -265,8 +265,12 @@ def test_write_sweep_files_and_replacing_an_earlier_sweep(inline_result, tmp_pat
     assert list(table[0]) == list(COLUMNS)
     assert [int(r["peak_reserved_bytes"]) for r in table] == [r.peak_reserved_bytes for r in inline_result.rows]
     assert [r["limit"] for r in table] == ["" if r.limit is None else r.limit for r in inline_result.rows]
-    # an earlier sweep's folder is replaced as a whole; nothing else is left beside it
+    # an earlier sweep's folder is replaced as a whole, but only when it holds nothing else
     (out / "stale.txt").write_text("old")
+    with pytest.raises(SweepError, match="not an earlier gpumem sweep"):
+        write_sweep(inline_result, out, plots=False)
+    assert (out / "stale.txt").read_text() == "old"
+    (out / "stale.txt").unlink()
     write_sweep(inline_result, out, plots=False)
     assert sorted(p.name for p in out.iterdir()) == ["sweep.csv", "sweep.json"]
     assert [p.name for p in tmp_path.iterdir()] == ["sweep"]

@@ -1,0 +1,93 @@
+"""gpumem report --out/--force: only an earlier gpumem report is ever replaced; the trace, the folder
+holding it, a file or a folder with other files are refused up front (exit 2) and nothing is touched."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gpumem.cli import EXIT_OK, EXIT_USAGE, main
+from gpumem.trace import Trace, save_trace
+from gpumem.units import MiB
+
+pytest.importorskip("matplotlib")
+
+
+def _trace(n: int = 60) -> Trace:
+    rng = random.Random(3)
+    ops, live, i = [], [], 0
+    for _ in range(n):
+        if live and rng.random() < 0.4:
+            aid, nb = live.pop()
+            ops.append((1, aid, nb, 0, 0.0, 0))
+        else:
+            nb = rng.choice([4096, 2 * MiB, 9 * MiB])
+            ops.append((0, i, nb, 0, 0.0, 0))
+            live.append((i, nb))
+            i += 1
+    ops += [(1, aid, nb, 0, 0.0, 0) for aid, nb in live]
+    return Trace.from_ops("t", "test", ops)
+
+
+@pytest.fixture()
+def trace(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    p = d / "t.pickle.gz"
+    save_trace(_trace(), p)
+    (d / "notes.txt").write_text("keep me")
+    return p
+
+
+def _report(trace, out, *extra):
+    return main(["report", str(trace), "--out", str(out), "--policy", "gpumem", "--no-fit", "--json", *extra])
+
+
+def test_force_refuses_the_folder_holding_the_trace(trace, capsys):
+    assert _report(trace, trace.parent, "--force") == EXIT_USAGE
+    assert trace.is_file() and (trace.parent / "notes.txt").read_text() == "keep me"
+    assert "trace" in capsys.readouterr().err
+
+
+def test_force_refuses_the_trace_itself(trace):
+    assert _report(trace, trace, "--force") == EXIT_USAGE
+    assert trace.is_file()
+
+
+def test_force_refuses_a_file_and_a_folder_of_other_files(trace, tmp_path):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    assert _report(trace, f, "--force") == EXIT_USAGE
+    assert f.read_text() == "x"
+    d = tmp_path / "other"
+    d.mkdir()
+    (d / "a.txt").write_text("a")
+    (d / "report.json").write_text("{}")
+    assert _report(trace, d, "--force") == EXIT_USAGE
+    assert (d / "a.txt").read_text() == "a" and (d / "report.json").read_text() == "{}"
+
+
+def test_force_refuses_a_report_with_a_stranger_in_it(trace, tmp_path):
+    out = tmp_path / "rep"
+    assert _report(trace, out) == EXIT_OK
+    (out / "notes.txt").write_text("mine")
+    assert _report(trace, out, "--force") == EXIT_USAGE
+    assert (out / "notes.txt").read_text() == "mine" and (out / "report.json").is_file()
+
+
+def test_force_replaces_an_earlier_report(trace, tmp_path):
+    out = tmp_path / "rep"
+    assert _report(trace, out) == EXIT_OK
+    assert _report(trace, out) == EXIT_USAGE  # no --force: refused
+    assert _report(trace, out, "--force") == EXIT_OK
+    assert (out / "index.html").is_file()
+
+
+@pytest.mark.parametrize("out", ["/", ".", ".."])
+def test_root_and_dot_are_refused_up_front(trace, tmp_path, monkeypatch, capsys, out):
+    monkeypatch.chdir(trace.parent)
+    assert _report(trace, out, "--force") == EXIT_USAGE
+    assert "Traceback" not in capsys.readouterr().err
+    assert trace.is_file() and (trace.parent / "notes.txt").is_file()
+    assert sorted(p.name for p in trace.parent.iterdir()) == ["notes.txt", "t.pickle.gz"]

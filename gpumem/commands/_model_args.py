@@ -47,6 +47,18 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
     return shape, 2
 
 
+def check_device(spec: str) -> None:
+    """Open and close ``spec`` once, so that a bad device spec is bad input (exit 2) found before any work;
+    raises ``InvalidArgumentError`` naming ``--device``."""
+    from ..errors import GpumemError
+    from ..specs import open_device
+
+    try:
+        open_device(spec).close()
+    except GpumemError as exc:
+        raise InvalidArgumentError(f"--device {spec}: {exc}") from None
+
+
 _SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16"}
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from ..cli import _add_verbose, _exit_codes_text
 from ..errors import InvalidArgumentError
 from ..units import format_bytes
-from ._model_args import add_model_args, model_from_args, parse_dtypes
+from ._model_args import add_model_args, check_device, model_from_args, parse_dtypes
 
 DESCRIPTION = """\
 Estimate the GPU memory of Hugging Face generate() (greedy, DynamicCache, SDPA) or of full training steps
@@ -71,6 +71,8 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ..allocator.policy import get_policy
     for pol in policies:
         get_policy(pol)
+    if not args.no_reserved and policies:
+        check_device(args.device)
     rows = []
     dims = (shape.hidden_size, shape.intermediate_size, shape.n_layers, shape.vocab_size, shape.n_heads,
             shape.n_kv_heads)

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from ..cli import _add_verbose, _exit_codes_text
-from ._model_args import add_model_args, model_from_args, parse_dtypes
+from ._model_args import add_model_args, check_device, model_from_args, parse_dtypes
 
 DESCRIPTION = """\
 Find the largest batch (or, with --search seq_len, the longest prompt) for which Hugging Face generate()
@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
     shape, cfg_bytes = model_from_args(args)
     name, nbytes = parse_dtypes(args.dtype, cfg_bytes, args.config_dtype)[0]
+    check_device(args.device)
     r = find_max_batch(shape, nbytes, device=args.device, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                        batch_size=args.batch_size, search=args.search, training=args.training, policy=args.policy,
                        margin=args.margin, max_value=args.max_value)

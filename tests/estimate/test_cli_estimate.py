@@ -47,6 +47,8 @@ def test_estimate_table_from_config_and_training(tmp_path, capsys):
     (["estimate", *SHAPE, "--prompt-len", "0"], "prompt_len"),
     (["estimate", "--hf-config", "missing.json", "--prompt-len", "8"], "cannot read"),
     (["fit", *SHAPE, "--margin", "-1"], "margin"),
+    (["estimate", *SHAPE, "--prompt-len", "8", "--device", "sim:foo"], "--device sim:foo"),
+    (["fit", *SHAPE, "--device", "sim:foo"], "--device sim:foo"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, match, capsys):
     assert main(argv) == 2

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from typing import Any
 
 from ..cli import _add_verbose, _exit_codes_text
 from ._model_args import add_model_args, check_device, model_from_args, parse_dtypes
+
+log = logging.getLogger(__name__)
 
 DESCRIPTION = """\
 Find the largest batch (or, with --search seq_len, the longest prompt) for which Hugging Face generate()
@@ -66,8 +69,15 @@ def run(args: argparse.Namespace) -> int:
         what = "batch" if args.search == "batch" else "prompt length"
         print(f"{shape.n_params / 1e9:.2f}B parameters, {name}, on {r.device} ({r.usable_bytes / 2**30:.2f} GiB free), "
               f"policy {r.policy}, margin {r.margin:.0%} beyond the weights")
-        print(f"largest {what} (simulated, with margin): {r.simulated}")
-        print(f"  estimate alone (peak allocated <= free): {r.estimate}")
-        print(f"  halving retry from {r.start}:            {r.halving}")
-        print(f"  binary search, no margin:               {r.binary_search}")
+        lines = [(f"largest {what} (simulated, with margin):", r.simulated),
+                 ("  estimate alone (peak allocated <= free):", r.estimate),
+                 (f"  halving retry from {r.start}:", r.halving),
+                 ("  binary search, no margin:", r.binary_search)]
+        width = max(len(label) for label, _ in lines)
+        for label, value in lines:
+            print(f"{label:<{width}} {value:>6}")
+        if r.reason:
+            print(f"does not fit: {r.reason}")
+    if r.reason and args.json:  # the text says it on standard output
+        log.warning("does not fit: %s", r.reason)
     return 0 if r.simulated >= 1 else EXIT_OOM

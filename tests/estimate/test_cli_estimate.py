@@ -64,3 +64,24 @@ def test_fit_json(capsys):
     assert r["policy"] == "pytorch" and r["margin"] == pytest.approx(0.25)
     assert main(["fit", *SHAPE, "--device", "sim:gtx-1050-2gb", "--prompt-len", "256", "--max", "64"]) == 0
     assert "largest batch" in capsys.readouterr().out
+
+
+BIG = ["--hidden-size", "4096", "--intermediate-size", "14336", "--layers", "32", "--vocab-size", "128256",
+       "--heads", "32", "--kv-heads", "8"]
+
+
+def test_fit_says_when_the_weights_alone_do_not_fit(capsys):
+    assert main(["fit", *BIG, "--device", "sim:jetson-nano-2gb"]) == 1
+    out = capsys.readouterr().out
+    assert "does not fit: the weights alone (14.96 GiB) exceed what sim:jetson-nano-2gb has free" in out
+    assert main(["fit", *BIG, "--device", "sim:jetson-nano-2gb", "--json"]) == 1
+    r = json.loads(capsys.readouterr().out)
+    assert r["simulated"] == 0 and r["weights_bytes"] == 8030261248 * 2
+    assert r["reason"].startswith("the weights alone (14.96 GiB) exceed")
+
+
+def test_fit_text_columns_line_up(capsys):
+    assert main(["fit", *SHAPE, "--device", "sim:gtx-1050-2gb", "--prompt-len", "256", "--max", "256"]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:5]
+    assert len({len(line) for line in lines}) == 1, lines
+    assert all(line.split()[-1].isdigit() for line in lines)

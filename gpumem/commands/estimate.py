@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from ..cli import _add_verbose, _exit_codes_text
+from ..cli import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
 from ..errors import InvalidArgumentError
 from ..units import format_bytes
 from ._model_args import add_model_args, check_device, model_from_args, parse_dtypes
@@ -28,11 +28,21 @@ examples:
   gpumem estimate --hf-config config.json --training --batch-size 4 --prompt-len 2048
 """
 
+#: ``estimate``'s own words for its exit statuses (the rest of :data:`gpumem.cli.GENERAL_EXIT_CODES` holds).
+EXIT_MEANINGS = {
+    EXIT_OK: "done, also when a replay runs out of memory on --device: the row then shows\n"
+             "      '> X OOM' (X, what was reserved when it failed, is a lower bound of the peak)",
+    EXIT_OOM: "",
+    EXIT_USAGE: "bad input: a bad option, --device spec, --policy or config.json",
+    EXIT_DEVICE_LOST: "",
+    EXIT_DEVICE_ERROR: "an internal error of a replay",
+}
+
 
 def register(sub: Any, formatter_class: type) -> None:
     """Add ``estimate`` to the subcommands."""
     p = sub.add_parser("estimate", help="estimate peak allocated and reserved memory of generate() or training",
-                       description=DESCRIPTION, epilog=_exit_codes_text(), formatter_class=formatter_class)
+                       description=DESCRIPTION, epilog=_exit_codes_text(EXIT_MEANINGS), formatter_class=formatter_class)
     add_model_args(p)
     w = p.add_argument_group("workload")
     w.add_argument("--batch-size", type=int, default=1)
@@ -103,6 +113,9 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             row["reserved_policy"] = res[0].policy
             row["peak_reserved_by_policy"] = {e.policy: e.peak_reserved_bytes for e in res}
             row["fits_by_policy"] = {e.policy: e.fits for e in res}
+            # a replay that ran out of memory stopped there: what it had reserved is a lower bound of the peak
+            row["peak_reserved_is_lower_bound"] = not res[0].fits
+            row["peak_reserved_is_lower_bound_by_policy"] = {e.policy: not e.fits for e in res}
         rows.append(row)
     return rows
 
@@ -122,17 +135,23 @@ def run(args: argparse.Namespace) -> int:
     keys = ("gradient_bytes", "optimizer_bytes") if args.training else ("kv_cache_bytes",)
     head = f"{'DTYPE':<6} {'MODEL':>11}" + "".join(f" {m:>11}" for m in middle)
     head += f" {'ACTIV.':>11} {'OVERHEAD':>11} {'PEAK ALLOC':>11}"
-    head += "".join(f" {('RES ' + p)[:14]:>14}" for p in pols)
+    head += "".join(f" {('RES ' + p)[:16]:>16}" for p in pols)
     print(head)
+    oom = False
     for r in rows:
         line = f"{r['dtype']:<6} {format_bytes(r['model_bytes']):>11}" + "".join(
             f" {format_bytes(r[k]):>11}" for k in keys)
         line += (f" {format_bytes(r['activation_bytes']):>11} {format_bytes(r['overhead_bytes']):>11} "
                  f"{format_bytes(r['peak_allocated_bytes']):>11}")
         for p in pols:
-            mark = "" if r["fits_by_policy"][p] else " OOM"
-            line += f" {format_bytes(r['peak_reserved_by_policy'][p]) + mark:>14}"
+            text = format_bytes(r["peak_reserved_by_policy"][p])
+            if not r["fits_by_policy"][p]:
+                text, oom = f"> {text} OOM", True
+            line += f" {text:>16}"
         print(line)
+    device = first.get("device", "-")
     print(f"peak in: {first['peak_phase']}; ACTIV. = activations and temporaries at the peak; RES = peak reserved "
-          f"by replay on {first.get('device', '-')} (OOM: does not fit it)")
+          f"by replay on {device}")
+    if oom:
+        print(f"> X OOM: the replay ran out of memory on {device} with X reserved; the peak is more than X")
     return 0

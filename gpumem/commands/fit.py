@@ -7,7 +7,7 @@ import json
 import logging
 from typing import Any
 
-from ..cli import _add_verbose, _exit_codes_text
+from ..cli import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
 from ._model_args import add_model_args, check_device, model_from_args, parse_dtypes
 
 log = logging.getLogger(__name__)
@@ -27,11 +27,20 @@ examples:
   gpumem fit --hf-config config.json --search seq_len --batch-size 8 --new-tokens 64 --json
 """
 
+#: ``fit``'s own words for its exit statuses (the rest of :data:`gpumem.cli.GENERAL_EXIT_CODES` holds).
+EXIT_MEANINGS = {
+    EXIT_OK: "done: at least batch 1 (or a 1-token prompt) fits --device",
+    EXIT_OOM: "nothing fits --device, not even batch 1 (or a 1-token prompt); the output says why",
+    EXIT_USAGE: "bad input: a bad option, --device spec, --policy or config.json",
+    EXIT_DEVICE_LOST: "",
+    EXIT_DEVICE_ERROR: "an internal error of a replay",
+}
+
 
 def register(sub: Any, formatter_class: type) -> None:
     """Add ``fit`` to the subcommands."""
     p = sub.add_parser("fit", help="the largest batch or prompt that fits a device",
-                       description=DESCRIPTION, epilog=_exit_codes_text(), formatter_class=formatter_class)
+                       description=DESCRIPTION, epilog=_exit_codes_text(EXIT_MEANINGS), formatter_class=formatter_class)
     add_model_args(p)
     p.add_argument("--device", default="sim:h200-141gb", help="device spec (default: %(default)s)")
     p.add_argument("--policy", default="pytorch", help="allocator policy (default: %(default)s)")
@@ -52,7 +61,6 @@ def register(sub: Any, formatter_class: type) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the answer (or JSON); exit 0, or 1 when not even the smallest size fits."""
-    from ..cli import EXIT_OOM
     from ..estimate.fit import find_max_batch
 
     shape, cfg_bytes = model_from_args(args)

@@ -85,3 +85,29 @@ def test_fit_text_columns_line_up(capsys):
     lines = capsys.readouterr().out.splitlines()[1:5]
     assert len({len(line) for line in lines}) == 1, lines
     assert all(line.split()[-1].isdigit() for line in lines)
+
+
+def test_estimate_marks_an_out_of_memory_replay_as_a_lower_bound(capsys):
+    argv = ["estimate", *SHAPE, "--prompt-len", "4096", "--batch-size", "64", "--policy", "pytorch",
+            "--device", "sim:gtx-1050-2gb"]
+    assert main(argv) == 0  # it answered: the replay not fitting is part of the answer
+    out = capsys.readouterr().out
+    assert " OOM" in out and "> " in out.splitlines()[2] and "the peak is more than X" in out
+    assert main([*argv, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["fits_by_policy"] == {"pytorch": False}
+    assert row["peak_reserved_is_lower_bound"] is True
+    assert row["peak_reserved_is_lower_bound_by_policy"] == {"pytorch": True}
+
+
+@pytest.mark.parametrize("command, own, foreign", [
+    ("estimate", "'> X OOM'", ("limit", "trace", "lost", "out of memory: what")),
+    ("fit", "not even batch 1", ("limit", "trace", "lost")),
+])
+def test_help_exit_status_is_the_commands_own(command, own, foreign, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out.split("exit status:")[1]
+    assert own in text.replace("\n      ", " ")
+    for word in foreign:
+        assert word not in text, word

@@ -9,7 +9,7 @@ from typing import Any
 from ..cli import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
 from ..errors import InvalidArgumentError
 from ..units import format_bytes
-from ._model_args import add_model_args, check_device, model_from_args, parse_dtypes
+from ._model_args import add_model_args, check_device, context_note, model_from_args, parse_dtypes
 
 DESCRIPTION = """\
 Estimate the GPU memory of Hugging Face generate() (greedy, DynamicCache, SDPA) or of full training steps
@@ -49,7 +49,8 @@ def register(sub: Any, formatter_class: type) -> None:
     w.add_argument("--prompt-len", type=int, help="prompt tokens (training: sequence length); "
                                                    "default: --max-seq-len minus --new-tokens")
     w.add_argument("--new-tokens", type=int, default=0, help="tokens generated (default 0: prefill only)")
-    w.add_argument("--max-seq-len", type=int, help="default: prompt + new tokens")
+    w.add_argument("--max-seq-len", type=int, help="default: prompt + new tokens; without --prompt-len, the --hf-config's "
+                                                 "max_position_embeddings")
     w.add_argument("--training", action="store_true", help="full training steps instead of generate()")
     w.add_argument("--dtype", help="comma-separated: bf16, fp16, fp32, int8 (default: the config's, else bf16)")
     r = p.add_argument_group("peak reserved")
@@ -69,14 +70,21 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ..estimate.workload import inference_trace, training_trace
 
     shape, cfg_bytes = model_from_args(args)
-    if args.prompt_len is None and args.max_seq_len is None:
-        raise InvalidArgumentError("give --prompt-len or --max-seq-len")
+    max_seq_len = args.max_seq_len
+    if args.prompt_len is None and max_seq_len is None:
+        if args.context_len is None:
+            raise InvalidArgumentError("give --prompt-len or --max-seq-len (or an --hf-config with "
+                                       "max_position_embeddings)")
+        max_seq_len = args.context_len  # the config's context
     for opt, value in (("prompt_len", args.prompt_len), ("max_seq_len", args.max_seq_len)):
         if value is not None and value <= 0:
             raise InvalidArgumentError(f"{opt} (--{opt.replace('_', '-')}) must be a positive whole number, got {value}")
+    if args.prompt_len is None and not args.training and max_seq_len is not None and max_seq_len <= args.new_tokens:
+        raise InvalidArgumentError(f"--new-tokens {args.new_tokens} leaves no prompt in a sequence of {max_seq_len}")
     new = args.new_tokens
-    max_len = args.max_seq_len if args.max_seq_len is not None else args.prompt_len + (0 if args.training else new)
+    max_len = max_seq_len if max_seq_len is not None else args.prompt_len + (0 if args.training else new)
     prompt = args.prompt_len if args.prompt_len is not None else max_len - (0 if args.training else new)
+    note = context_note(max(max_len, prompt + (0 if args.training else new)), args.context_len)
     policies = [x.strip() for x in args.policy.split(",") if x.strip()]
     from ..allocator.policy import get_policy
     for pol in policies:
@@ -100,6 +108,7 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             "n_params": shape.n_params, "peak_allocated_bytes": est.total_bytes, "model_bytes": est.model_bytes,
             "kv_cache_bytes": est.kv_cache_bytes, "activation_bytes": est.activation_bytes,
             "overhead_bytes": est.overhead_bytes, "peak_phase": est.phase,
+            "context_len": args.context_len, "warnings": [note] if note else [],
         }
         if args.training:
             row["gradient_bytes"] = est.gradient_bytes  # type: ignore[attr-defined]
@@ -152,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
     device = first.get("device", "-")
     print(f"peak in: {first['peak_phase']}; ACTIV. = activations and temporaries at the peak; RES = peak reserved "
           f"by replay on {device}")
+    if first["warnings"]:
+        print("warning: " + "; ".join(first["warnings"]))
     if oom:
         print(f"> X OOM: the replay ran out of memory on {device} with X reserved; the peak is more than X")
     return 0

@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from ..cli import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
-from ._model_args import add_model_args, check_device, model_from_args, parse_dtypes
+from ._model_args import add_model_args, check_device, context_note, model_from_args, parse_dtypes
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +66,14 @@ def run(args: argparse.Namespace) -> int:
     shape, cfg_bytes = model_from_args(args)
     name, nbytes = parse_dtypes(args.dtype, cfg_bytes, args.config_dtype)[0]
     check_device(args.device)
+    note = (context_note(args.prompt_len + (0 if args.training else args.new_tokens), args.context_len)
+            if args.search == "batch" else "")
     r = find_max_batch(shape, nbytes, device=args.device, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                        batch_size=args.batch_size, search=args.search, training=args.training, policy=args.policy,
                        margin=args.margin, max_value=args.max_value)
     if args.json:
         out = r.as_dict()
-        out.update(dtype=name, n_params=shape.n_params)
+        out.update(dtype=name, n_params=shape.n_params, context_len=args.context_len, warnings=[note] if note else [])
         print(json.dumps(out, indent=2))
     else:
         what = "batch" if args.search == "batch" else "prompt length"
@@ -86,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{label:<{width}} {value:>6}")
         if r.reason:
             print(f"does not fit: {r.reason}")
+        if note:
+            print(f"warning: {note}")
     if r.reason and args.json:  # the text says it on standard output
         log.warning("does not fit: %s", r.reason)
     return 0 if r.simulated >= 1 else EXIT_OOM

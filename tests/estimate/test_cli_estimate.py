@@ -1,6 +1,7 @@
 """``gpumem estimate`` and ``gpumem fit``."""
 
 import json
+import re
 
 import pytest
 
@@ -111,3 +112,44 @@ def test_help_exit_status_is_the_commands_own(command, own, foreign, capsys):
     assert own in text.replace("\n      ", " ")
     for word in foreign:
         assert word not in text, word
+
+
+LLAMA2 = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
+          "max_position_embeddings": 4096, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+          "num_key_value_heads": 32, "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "float16",
+          "vocab_size": 32000}
+
+
+def test_hf_config_context_is_the_default_sequence_and_a_longer_prompt_is_warned(tmp_path, capsys, caplog):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA2))
+    assert main(["estimate", "--hf-config", str(path), "--new-tokens", "16", "--no-reserved", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["prompt_len"], row["new_tokens"], row["context_len"], row["warnings"]) == (4080, 16, 4096, [])
+    caplog.clear()
+    assert main(["estimate", "--hf-config", str(path), "--prompt-len", "5000", "--new-tokens", "4",
+                 "--no-reserved"]) == 0
+    assert "warning: 5004 tokens exceed the model's context of 4096" in capsys.readouterr().out
+    assert any("exceed the model's context of 4096" in r.getMessage() and r.levelname == "WARNING"
+               for r in caplog.records)
+    assert main(["estimate", "--hf-config", str(path), "--prompt-len", "5000", "--no-reserved", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["warnings"] and "5000 tokens" in row["warnings"][0]
+    assert main(["fit", "--hf-config", str(path), "--prompt-len", "8000", "--device", "sim:gtx-1050-2gb",
+                 "--json"]) == 1
+    assert "8016 tokens exceed" in json.loads(capsys.readouterr().out)["warnings"][0]
+
+
+def test_incomplete_hf_config_names_the_hf_keys(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 4096, "vocab_size": 32000, "intermediate_size": 11008}))
+    assert main(["estimate", "--hf-config", str(path), "--prompt-len", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "missing num_hidden_layers, num_attention_heads" in err and not re.search(r"\b(n_layers|n_heads)\b", err)
+
+
+def test_new_tokens_filling_the_context_is_refused(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA2, "max_position_embeddings": 16}))
+    assert main(["estimate", "--hf-config", str(path), "--new-tokens", "16", "--no-reserved"]) == 2
+    assert "leaves no prompt" in capsys.readouterr().err

@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
+import logging
+
 from ..errors import InvalidArgumentError
 from ..estimate.shape import DTYPE_BYTES, ModelShape, from_hf_config, read_config_text
+
+log = logging.getLogger("gpumem.commands")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -25,9 +29,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
     """The shape and the config's dtype bytes (2 without a config); raises ``InvalidArgumentError``.
-    Sets ``args.config_dtype`` to the config's dtype name (``bf16`` without one)."""
+    Sets ``args.config_dtype`` to the config's dtype name (``bf16`` without one) and ``args.context_len`` to
+    its ``max_position_embeddings`` (``None`` without one)."""
     args.config_dtype = "bf16"
     check_workload_args(args)
+    args.context_len = None
     numbers = (args.hidden_size, args.intermediate_size, args.layers, args.vocab_size, args.heads)
     if args.hf_config:
         if any(v is not None for v in numbers):
@@ -37,6 +43,9 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
         cfg = {**cfg.get("text_config", {}), **cfg} if isinstance(cfg.get("text_config"), dict) else cfg
         name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
         args.config_dtype = _SHORT.get(name, name)
+        ctx = cfg.get("max_position_embeddings")
+        if isinstance(ctx, int) and not isinstance(ctx, bool) and ctx > 0:
+            args.context_len = ctx
         return shape, nbytes
     names = ("--hidden-size", "--intermediate-size", "--layers", "--vocab-size", "--heads")
     missing = [n for n, v in zip(names, numbers) if v is None]
@@ -45,6 +54,28 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
     shape = ModelShape(args.hidden_size, args.intermediate_size, args.layers, args.vocab_size, args.heads,
                        args.heads if args.kv_heads is None else args.kv_heads, args.head_dim, args.tie_word_embeddings)
     return shape, 2
+
+
+def context_note(tokens: int, context_len: int | None) -> str:
+    """A warning (logged, and returned for the output) when ``tokens`` exceed the config's context; else ``""``."""
+    if context_len is None or tokens <= context_len:
+        return ""
+    note = (f"{tokens} tokens exceed the model's context of {context_len} (max_position_embeddings in the config); "
+            f"the estimate is for the shape as if it could")
+    log.warning("%s", note)
+    return note
+
+
+def check_device(spec: str) -> None:
+    """Open and close ``spec`` once, so that a bad device spec is bad input (exit 2) found before any work;
+    raises ``InvalidArgumentError`` naming ``--device``."""
+    from ..errors import GpumemError
+    from ..specs import open_device
+
+    try:
+        open_device(spec).close()
+    except GpumemError as exc:
+        raise InvalidArgumentError(f"--device {spec}: {exc}") from None
 
 
 _SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16"}

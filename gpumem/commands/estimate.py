@@ -6,10 +6,10 @@ import argparse
 import json
 from typing import Any
 
-from ..cli import _add_verbose, _exit_codes_text
+from ..cli import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
 from ..errors import InvalidArgumentError
 from ..units import format_bytes
-from ._model_args import add_model_args, model_from_args, parse_dtypes
+from ._model_args import add_model_args, check_device, context_note, model_from_args, parse_dtypes
 
 DESCRIPTION = """\
 Estimate the GPU memory of Hugging Face generate() (greedy, DynamicCache, SDPA) or of full training steps
@@ -28,18 +28,29 @@ examples:
   gpumem estimate --hf-config config.json --training --batch-size 4 --prompt-len 2048
 """
 
+#: ``estimate``'s own words for its exit statuses (the rest of :data:`gpumem.cli.GENERAL_EXIT_CODES` holds).
+EXIT_MEANINGS = {
+    EXIT_OK: "done, also when a replay runs out of memory on --device: the row then shows\n"
+             "      '> X OOM' (X, what was reserved when it failed, is a lower bound of the peak)",
+    EXIT_OOM: "",
+    EXIT_USAGE: "bad input: a bad option, --device spec, --policy or config.json",
+    EXIT_DEVICE_LOST: "",
+    EXIT_DEVICE_ERROR: "an internal error of a replay",
+}
+
 
 def register(sub: Any, formatter_class: type) -> None:
     """Add ``estimate`` to the subcommands."""
     p = sub.add_parser("estimate", help="estimate peak allocated and reserved memory of generate() or training",
-                       description=DESCRIPTION, epilog=_exit_codes_text(), formatter_class=formatter_class)
+                       description=DESCRIPTION, epilog=_exit_codes_text(EXIT_MEANINGS), formatter_class=formatter_class)
     add_model_args(p)
     w = p.add_argument_group("workload")
     w.add_argument("--batch-size", type=int, default=1)
     w.add_argument("--prompt-len", type=int, help="prompt tokens (training: sequence length); "
                                                    "default: --max-seq-len minus --new-tokens")
     w.add_argument("--new-tokens", type=int, default=0, help="tokens generated (default 0: prefill only)")
-    w.add_argument("--max-seq-len", type=int, help="default: prompt + new tokens")
+    w.add_argument("--max-seq-len", type=int, help="default: prompt + new tokens; without --prompt-len, the --hf-config's "
+                                                 "max_position_embeddings")
     w.add_argument("--training", action="store_true", help="full training steps instead of generate()")
     w.add_argument("--dtype", help="comma-separated: bf16, fp16, fp32, int8 (default: the config's, else bf16)")
     r = p.add_argument_group("peak reserved")
@@ -59,18 +70,27 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ..estimate.workload import inference_trace, training_trace
 
     shape, cfg_bytes = model_from_args(args)
-    if args.prompt_len is None and args.max_seq_len is None:
-        raise InvalidArgumentError("give --prompt-len or --max-seq-len")
+    max_seq_len = args.max_seq_len
+    if args.prompt_len is None and max_seq_len is None:
+        if args.context_len is None:
+            raise InvalidArgumentError("give --prompt-len or --max-seq-len (or an --hf-config with "
+                                       "max_position_embeddings)")
+        max_seq_len = args.context_len  # the config's context
     for opt, value in (("prompt_len", args.prompt_len), ("max_seq_len", args.max_seq_len)):
         if value is not None and value <= 0:
             raise InvalidArgumentError(f"{opt} (--{opt.replace('_', '-')}) must be a positive whole number, got {value}")
+    if args.prompt_len is None and not args.training and max_seq_len is not None and max_seq_len <= args.new_tokens:
+        raise InvalidArgumentError(f"--new-tokens {args.new_tokens} leaves no prompt in a sequence of {max_seq_len}")
     new = args.new_tokens
-    max_len = args.max_seq_len if args.max_seq_len is not None else args.prompt_len + (0 if args.training else new)
+    max_len = max_seq_len if max_seq_len is not None else args.prompt_len + (0 if args.training else new)
     prompt = args.prompt_len if args.prompt_len is not None else max_len - (0 if args.training else new)
+    note = context_note(max(max_len, prompt + (0 if args.training else new)), args.context_len)
     policies = [x.strip() for x in args.policy.split(",") if x.strip()]
     from ..allocator.policy import get_policy
     for pol in policies:
         get_policy(pol)
+    if not args.no_reserved and policies:
+        check_device(args.device)
     rows = []
     dims = (shape.hidden_size, shape.intermediate_size, shape.n_layers, shape.vocab_size, shape.n_heads,
             shape.n_kv_heads)
@@ -88,6 +108,7 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             "n_params": shape.n_params, "peak_allocated_bytes": est.total_bytes, "model_bytes": est.model_bytes,
             "kv_cache_bytes": est.kv_cache_bytes, "activation_bytes": est.activation_bytes,
             "overhead_bytes": est.overhead_bytes, "peak_phase": est.phase,
+            "context_len": args.context_len, "warnings": [note] if note else [],
         }
         if args.training:
             row["gradient_bytes"] = est.gradient_bytes  # type: ignore[attr-defined]
@@ -101,6 +122,9 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             row["reserved_policy"] = res[0].policy
             row["peak_reserved_by_policy"] = {e.policy: e.peak_reserved_bytes for e in res}
             row["fits_by_policy"] = {e.policy: e.fits for e in res}
+            # a replay that ran out of memory stopped there: what it had reserved is a lower bound of the peak
+            row["peak_reserved_is_lower_bound"] = not res[0].fits
+            row["peak_reserved_is_lower_bound_by_policy"] = {e.policy: not e.fits for e in res}
         rows.append(row)
     return rows
 
@@ -120,17 +144,25 @@ def run(args: argparse.Namespace) -> int:
     keys = ("gradient_bytes", "optimizer_bytes") if args.training else ("kv_cache_bytes",)
     head = f"{'DTYPE':<6} {'MODEL':>11}" + "".join(f" {m:>11}" for m in middle)
     head += f" {'ACTIV.':>11} {'OVERHEAD':>11} {'PEAK ALLOC':>11}"
-    head += "".join(f" {('RES ' + p)[:14]:>14}" for p in pols)
+    head += "".join(f" {('RES ' + p)[:16]:>16}" for p in pols)
     print(head)
+    oom = False
     for r in rows:
         line = f"{r['dtype']:<6} {format_bytes(r['model_bytes']):>11}" + "".join(
             f" {format_bytes(r[k]):>11}" for k in keys)
         line += (f" {format_bytes(r['activation_bytes']):>11} {format_bytes(r['overhead_bytes']):>11} "
                  f"{format_bytes(r['peak_allocated_bytes']):>11}")
         for p in pols:
-            mark = "" if r["fits_by_policy"][p] else " OOM"
-            line += f" {format_bytes(r['peak_reserved_by_policy'][p]) + mark:>14}"
+            text = format_bytes(r["peak_reserved_by_policy"][p])
+            if not r["fits_by_policy"][p]:
+                text, oom = f"> {text} OOM", True
+            line += f" {text:>16}"
         print(line)
+    device = first.get("device", "-")
     print(f"peak in: {first['peak_phase']}; ACTIV. = activations and temporaries at the peak; RES = peak reserved "
-          f"by replay on {first.get('device', '-')} (OOM: does not fit it)")
+          f"by replay on {device}")
+    if first["warnings"]:
+        print("warning: " + "; ".join(first["warnings"]))
+    if oom:
+        print(f"> X OOM: the replay ran out of memory on {device} with X reserved; the peak is more than X")
     return 0

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from typing import Any
 
-from ..cli import _add_verbose, _exit_codes_text
-from ._model_args import add_model_args, model_from_args, parse_dtypes
+from ..cli import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
+from ._model_args import add_model_args, check_device, context_note, model_from_args, parse_dtypes
+
+log = logging.getLogger(__name__)
 
 DESCRIPTION = """\
 Find the largest batch (or, with --search seq_len, the longest prompt) for which Hugging Face generate()
@@ -24,11 +27,20 @@ examples:
   gpumem fit --hf-config config.json --search seq_len --batch-size 8 --new-tokens 64 --json
 """
 
+#: ``fit``'s own words for its exit statuses (the rest of :data:`gpumem.cli.GENERAL_EXIT_CODES` holds).
+EXIT_MEANINGS = {
+    EXIT_OK: "done: at least batch 1 (or a 1-token prompt) fits --device",
+    EXIT_OOM: "nothing fits --device, not even batch 1 (or a 1-token prompt); the output says why",
+    EXIT_USAGE: "bad input: a bad option, --device spec, --policy or config.json",
+    EXIT_DEVICE_LOST: "",
+    EXIT_DEVICE_ERROR: "an internal error of a replay",
+}
+
 
 def register(sub: Any, formatter_class: type) -> None:
     """Add ``fit`` to the subcommands."""
     p = sub.add_parser("fit", help="the largest batch or prompt that fits a device",
-                       description=DESCRIPTION, epilog=_exit_codes_text(), formatter_class=formatter_class)
+                       description=DESCRIPTION, epilog=_exit_codes_text(EXIT_MEANINGS), formatter_class=formatter_class)
     add_model_args(p)
     p.add_argument("--device", default="sim:h200-141gb", help="device spec (default: %(default)s)")
     p.add_argument("--policy", default="pytorch", help="allocator policy (default: %(default)s)")
@@ -49,24 +61,35 @@ def register(sub: Any, formatter_class: type) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the answer (or JSON); exit 0, or 1 when not even the smallest size fits."""
-    from ..cli import EXIT_OOM
     from ..estimate.fit import find_max_batch
 
     shape, cfg_bytes = model_from_args(args)
     name, nbytes = parse_dtypes(args.dtype, cfg_bytes, args.config_dtype)[0]
+    check_device(args.device)
+    note = (context_note(args.prompt_len + (0 if args.training else args.new_tokens), args.context_len)
+            if args.search == "batch" else "")
     r = find_max_batch(shape, nbytes, device=args.device, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                        batch_size=args.batch_size, search=args.search, training=args.training, policy=args.policy,
                        margin=args.margin, max_value=args.max_value)
     if args.json:
         out = r.as_dict()
-        out.update(dtype=name, n_params=shape.n_params)
+        out.update(dtype=name, n_params=shape.n_params, context_len=args.context_len, warnings=[note] if note else [])
         print(json.dumps(out, indent=2))
     else:
         what = "batch" if args.search == "batch" else "prompt length"
         print(f"{shape.n_params / 1e9:.2f}B parameters, {name}, on {r.device} ({r.usable_bytes / 2**30:.2f} GiB free), "
               f"policy {r.policy}, margin {r.margin:.0%} beyond the weights")
-        print(f"largest {what} (simulated, with margin): {r.simulated}")
-        print(f"  estimate alone (peak allocated <= free): {r.estimate}")
-        print(f"  halving retry from {r.start}:            {r.halving}")
-        print(f"  binary search, no margin:               {r.binary_search}")
+        lines = [(f"largest {what} (simulated, with margin):", r.simulated),
+                 ("  estimate alone (peak allocated <= free):", r.estimate),
+                 (f"  halving retry from {r.start}:", r.halving),
+                 ("  binary search, no margin:", r.binary_search)]
+        width = max(len(label) for label, _ in lines)
+        for label, value in lines:
+            print(f"{label:<{width}} {value:>6}")
+        if r.reason:
+            print(f"does not fit: {r.reason}")
+        if note:
+            print(f"warning: {note}")
+    if r.reason and args.json:  # the text says it on standard output
+        log.warning("does not fit: %s", r.reason)
     return 0 if r.simulated >= 1 else EXIT_OOM

@@ -107,6 +107,9 @@ class FitResult:
     binary_search: int
     start: int
     tries: list[FitTry] = field(default_factory=list)
+    weights_bytes: int = 0
+    reason: str = ""
+    """Why not even 1 fits (empty when ``simulated >= 1``)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
@@ -194,7 +197,17 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         while halving >= 1 and not replay_fits(halving, None, "halving"):
             halving //= 2
         binary = _largest(lambda v: replay_fits(v, None, "binary_search"), 1, max_value)
-        return FitResult(search, policy, dev.spec, usable, limit, margin, simulated, estimate, halving, binary, first, tries)
+        reason = ""
+        if simulated < 1:
+            what = "batch 1" if search == "batch" else f"a prompt of 1 token at batch {batch_size}"
+            if shape.n_params * dtype_bytes > usable:
+                reason = (f"the weights alone ({shape.n_params * dtype_bytes / 2**30:.2f} GiB) exceed what "
+                          f"{dev.spec} has free ({usable / 2**30:.2f} GiB)")
+            else:
+                reason = (f"not even {what} fits: its replay under {policy} needs more than "
+                          f"{limit / 2**30:.2f} GiB (the free {usable / 2**30:.2f} GiB less the margin)")
+        return FitResult(search, policy, dev.spec, usable, limit, margin, simulated, estimate, halving, binary, first,
+                         tries, shape.n_params * dtype_bytes, reason)
     except OutOfMemoryError as exc:  # the device itself could not be opened with room: report as no fit
         raise InvalidArgumentError(f"find_max_batch: {exc}") from exc
     finally:

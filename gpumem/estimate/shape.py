@@ -145,7 +145,9 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
         "vocab_size": _first(cfg, "vocab_size"),
         "n_heads": _first(cfg, "num_attention_heads", "n_head"),
     }
-    missing = [k for k, v in fields.items() if v is None]
+    hf_keys = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+               "n_layers": "num_hidden_layers", "vocab_size": "vocab_size", "n_heads": "num_attention_heads"}
+    missing = [hf_keys[k] for k, v in fields.items() if v is None]  # the config's own key names
     if missing:
         raise InvalidArgumentError(f"{origin}: missing {', '.join(missing)} (not a decoder LLM config?)")
     n_kv = _first(cfg, "num_key_value_heads", default=fields["n_heads"])

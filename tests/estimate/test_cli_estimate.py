@@ -1,6 +1,7 @@
 """``gpumem estimate`` and ``gpumem fit``."""
 
 import json
+import re
 
 import pytest
 
@@ -47,6 +48,8 @@ def test_estimate_table_from_config_and_training(tmp_path, capsys):
     (["estimate", *SHAPE, "--prompt-len", "0"], "prompt_len"),
     (["estimate", "--hf-config", "missing.json", "--prompt-len", "8"], "cannot read"),
     (["fit", *SHAPE, "--margin", "-1"], "margin"),
+    (["estimate", *SHAPE, "--prompt-len", "8", "--device", "sim:foo"], "--device sim:foo"),
+    (["fit", *SHAPE, "--device", "sim:foo"], "--device sim:foo"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, match, capsys):
     assert main(argv) == 2
@@ -62,3 +65,91 @@ def test_fit_json(capsys):
     assert r["policy"] == "pytorch" and r["margin"] == pytest.approx(0.25)
     assert main(["fit", *SHAPE, "--device", "sim:gtx-1050-2gb", "--prompt-len", "256", "--max", "64"]) == 0
     assert "largest batch" in capsys.readouterr().out
+
+
+BIG = ["--hidden-size", "4096", "--intermediate-size", "14336", "--layers", "32", "--vocab-size", "128256",
+       "--heads", "32", "--kv-heads", "8"]
+
+
+def test_fit_says_when_the_weights_alone_do_not_fit(capsys):
+    assert main(["fit", *BIG, "--device", "sim:jetson-nano-2gb"]) == 1
+    out = capsys.readouterr().out
+    assert "does not fit: the weights alone (14.96 GiB) exceed what sim:jetson-nano-2gb has free" in out
+    assert main(["fit", *BIG, "--device", "sim:jetson-nano-2gb", "--json"]) == 1
+    r = json.loads(capsys.readouterr().out)
+    assert r["simulated"] == 0 and r["weights_bytes"] == 8030261248 * 2
+    assert r["reason"].startswith("the weights alone (14.96 GiB) exceed")
+
+
+def test_fit_text_columns_line_up(capsys):
+    assert main(["fit", *SHAPE, "--device", "sim:gtx-1050-2gb", "--prompt-len", "256", "--max", "256"]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:5]
+    assert len({len(line) for line in lines}) == 1, lines
+    assert all(line.split()[-1].isdigit() for line in lines)
+
+
+def test_estimate_marks_an_out_of_memory_replay_as_a_lower_bound(capsys):
+    argv = ["estimate", *SHAPE, "--prompt-len", "4096", "--batch-size", "64", "--policy", "pytorch",
+            "--device", "sim:gtx-1050-2gb"]
+    assert main(argv) == 0  # it answered: the replay not fitting is part of the answer
+    out = capsys.readouterr().out
+    assert " OOM" in out and "> " in out.splitlines()[2] and "the peak is more than X" in out
+    assert main([*argv, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["fits_by_policy"] == {"pytorch": False}
+    assert row["peak_reserved_is_lower_bound"] is True
+    assert row["peak_reserved_is_lower_bound_by_policy"] == {"pytorch": True}
+
+
+@pytest.mark.parametrize("command, own, foreign", [
+    ("estimate", "'> X OOM'", ("limit", "trace", "lost", "out of memory: what")),
+    ("fit", "not even batch 1", ("limit", "trace", "lost")),
+])
+def test_help_exit_status_is_the_commands_own(command, own, foreign, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out.split("exit status:")[1]
+    assert own in text.replace("\n      ", " ")
+    for word in foreign:
+        assert word not in text, word
+
+
+LLAMA2 = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
+          "max_position_embeddings": 4096, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+          "num_key_value_heads": 32, "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "float16",
+          "vocab_size": 32000}
+
+
+def test_hf_config_context_is_the_default_sequence_and_a_longer_prompt_is_warned(tmp_path, capsys, caplog):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA2))
+    assert main(["estimate", "--hf-config", str(path), "--new-tokens", "16", "--no-reserved", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["prompt_len"], row["new_tokens"], row["context_len"], row["warnings"]) == (4080, 16, 4096, [])
+    caplog.clear()
+    assert main(["estimate", "--hf-config", str(path), "--prompt-len", "5000", "--new-tokens", "4",
+                 "--no-reserved"]) == 0
+    assert "warning: 5004 tokens exceed the model's context of 4096" in capsys.readouterr().out
+    assert any("exceed the model's context of 4096" in r.getMessage() and r.levelname == "WARNING"
+               for r in caplog.records)
+    assert main(["estimate", "--hf-config", str(path), "--prompt-len", "5000", "--no-reserved", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["warnings"] and "5000 tokens" in row["warnings"][0]
+    assert main(["fit", "--hf-config", str(path), "--prompt-len", "8000", "--device", "sim:gtx-1050-2gb",
+                 "--json"]) == 1
+    assert "8016 tokens exceed" in json.loads(capsys.readouterr().out)["warnings"][0]
+
+
+def test_incomplete_hf_config_names_the_hf_keys(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 4096, "vocab_size": 32000, "intermediate_size": 11008}))
+    assert main(["estimate", "--hf-config", str(path), "--prompt-len", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "missing num_hidden_layers, num_attention_heads" in err and not re.search(r"\b(n_layers|n_heads)\b", err)
+
+
+def test_new_tokens_filling_the_context_is_refused(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA2, "max_position_embeddings": 16}))
+    assert main(["estimate", "--hf-config", str(path), "--new-tokens", "16", "--no-reserved"]) == 2
+    assert "leaves no prompt" in capsys.readouterr().err

@@ -41,7 +41,7 @@ def test_tied_embeddings_drop_one_matrix():
 @pytest.mark.parametrize("content, match", [
     ("{not json", "not a JSON file"),
     ("[1, 2]", "expected a JSON object"),
-    (json.dumps({"hidden_size": 8}), "missing intermediate_size"),
+    (json.dumps({"hidden_size": 8}), "missing intermediate_size, num_hidden_layers, vocab_size, num_attention_heads"),
     (json.dumps({**LLAMA3_8B, "torch_dtype": "float64"}), "unknown dtype"),
 ])
 def test_bad_config_is_refused(tmp_path, content, match):

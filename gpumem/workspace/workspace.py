@@ -512,7 +512,7 @@ class WorkspaceSet:
         for ws in self:
             try:
                 resized[ws.device.spec] = ws.poll()
-            except (InsufficientWorkspaceMemoryError, WorkspaceDeviceQueryError) as exc:
+            except (InsufficientWorkspaceMemoryError, WorkspaceResizeError, WorkspaceDeviceQueryError) as exc:
                 resized[ws.device.spec] = True
                 first = first or exc
         if first is not None:

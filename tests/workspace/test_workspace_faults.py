@@ -13,7 +13,7 @@ from gpumem.errors import CudaError
 from gpumem.sim.faults import FaultInjector, FaultPlan
 from gpumem.units import MiB
 from gpumem.workspace import (InsufficientWorkspaceMemoryError, Workspace, WorkspaceReleaseError,
-                              WorkspaceResizeError)
+                              WorkspaceResizeError, WorkspaceSet)
 
 
 def _squeezed(call: str):
@@ -92,3 +92,17 @@ def test_memory_bound_workspace_grows_only_at_the_documented_margin():
     assert [ws.poll() for _ in range(3)] == [False, False, True]
     assert ws.nbytes >= 1.05 * held and ws.stats().grows == 1
     ws.close()
+
+
+def test_workspace_set_polls_the_others_before_raising_a_resize_error():
+    bad = gpumem.open_device("sim:gtx-1650-4gb")
+    good = gpumem.open_device("sim:t4-16gb")
+    wss = WorkspaceSet([bad, good], 8192, 16384, "i2s")
+    bad.malloc(bad.mem_info().free_nbytes - 64 * MiB)
+    bad.faults = FaultInjector(FaultPlan(fail_calls={"mem_map": {1}}), random.Random(0))
+    polls_before = wss["sim:t4-16gb"].stats().polls
+    with pytest.raises(WorkspaceResizeError):
+        wss.poll()
+    assert wss["sim:t4-16gb"].stats().polls == polls_before + 1  # polled although the other failed
+    assert wss.poll() == {"sim:gtx-1650-4gb": True, "sim:t4-16gb": False}  # recovered
+    wss.close()

@@ -32,6 +32,18 @@ _EXIT_MEANINGS = {
 """Exit status -> meaning for ``gpumem workspace --help`` (130 and 141 as for every command)."""
 
 
+MAX_FEATURES = 2**31
+"""The most ``--in-features``/``--out-features`` accepted: larger layers do not exist, and their sizes
+(terabytes of dequantized weights) would only be printed as nonsense."""
+
+
+def _features(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_FEATURES:
+        raise argparse.ArgumentTypeError(f"must be at most 2**31 ({MAX_FEATURES}), got {text!r}")
+    return value
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text, 10)
@@ -49,8 +61,10 @@ def register(sub: Any, formatter_class: Any) -> None:
     p = sub.add_parser("workspace", help="size a quantized linear layer's GPU workspace from the device's free memory",
                        formatter_class=formatter_class, description=_DESCRIPTION,
                        epilog=_exit_codes_text(_EXIT_MEANINGS))
-    p.add_argument("--in-features", type=_positive, required=True, metavar="N", help="the layer's input features")
-    p.add_argument("--out-features", type=_positive, required=True, metavar="M", help="the layer's output features")
+    p.add_argument("--in-features", type=_features, required=True, metavar="N",
+                   help="the layer's input features (at most 2**31)")
+    p.add_argument("--out-features", type=_features, required=True, metavar="M",
+                   help="the layer's output features (at most 2**31)")
     p.add_argument("--qtype", choices=("i2s", "tl1", "tl2"), required=True, type=str.lower,
                    help="quantization type: i2s and tl1 dequantize to fp16, tl2 to fp32")
     p.add_argument("--device", default=_DEFAULT_DEVICE, help="device spec (default: %(default)s)")

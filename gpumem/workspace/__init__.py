@@ -23,11 +23,12 @@ from .sizing import (
     six_gb_rule_workspace_size,
     size_workspace,
 )
-from .workspace import Hysteresis, Workspace, WorkspaceSet, WorkspaceStats
+from .workspace import (CLOSE_RELEASE_ATTEMPTS, Hysteresis, Workspace, WorkspaceReleaseError, WorkspaceResizeError,
+                        WorkspaceSet, WorkspaceStats)
 
 __all__ = [
     "calculate_gpu_workspace_size", "size_workspace", "six_gb_rule_workspace_size", "QType", "GpuClass",
     "WorkspaceSize", "InsufficientWorkspaceMemoryError", "WorkspaceDeviceQueryError", "Workspace",
-    "WorkspaceSet", "WorkspaceStats", "Hysteresis", "USABLE_FRACTION", "ABSOLUTE_MAX_BATCH_SIZE",
+    "WorkspaceSet", "WorkspaceStats", "WorkspaceResizeError", "WorkspaceReleaseError", "CLOSE_RELEASE_ATTEMPTS", "Hysteresis", "USABLE_FRACTION", "ABSOLUTE_MAX_BATCH_SIZE",
     "MIN_WORKSPACE_NBYTES", "MAX_WORKSPACE_NBYTES",
 ]

@@ -27,7 +27,8 @@ Two thresholds, so that a noisy neighbour does not make the workspace flap:
   rule allows now, :data:`~gpumem.workspace.sizing.USABLE_FRACTION` of what is free after the reserve:
   after a shrink 5 % of that stays free again, so the next small take does not shrink it once more.
 * **grow** only when the rule allows at least ``grow_ratio`` (default 1.05, 5 % more) of what is held,
-  or the rule's full size (the class cap) when that is above what is held, on ``grow_after_polls``
+  or the rule's full size when the cap (the class's batch cap or the maximum workspace), not memory,
+  limits it and that is above what is held, on ``grow_after_polls``
   (default 3) polls in a row. A tenant whose use goes up and down between two polls therefore does
   not make it grow, and a shrink has to be forced by a real shortage.
 
@@ -48,6 +49,22 @@ the minimum workspace. If even that fails, the workspace holds nothing (``nbytes
 ``batch_size == 0``), the allocator's cache is given back, and :class:`InsufficientWorkspaceMemoryError`
 is raised; the next :meth:`Workspace.poll` or :meth:`Workspace.ensure` tries again. (With an allocator
 shared with other code, the ``empty_cache`` of a resize also gives back that code's cached memory.)
+
+Note [Recovering from a failed resize]
+--------------------------------------
+A device call that fails in a resize (``mem_unmap``, ``mem_map``... a :class:`~gpumem.errors.CudaError`)
+leaves the workspace holding nothing and is raised as :class:`WorkspaceResizeError`, so that
+:meth:`Workspace.poll` has one contract (it raises that, :class:`InsufficientWorkspaceMemoryError` or
+:class:`WorkspaceDeviceQueryError`) and every failure is counted in ``failed_resizes``. A failed unmap can
+leave the old block's segment cached in the allocator; the device counts it as used, so sizing first
+would see no room and fail forever without reaching the ``empty_cache`` of the resize. The re-allocation
+(:meth:`Workspace._refill`) therefore gives the cache back *before* it asks the device what is free.
+
+Note [Closing gives everything back]
+------------------------------------
+Releasing memory can fail transiently (a failed unmap or release keeps the segment cached), so
+:meth:`Workspace.close` retries ``empty_cache`` up to :data:`CLOSE_RELEASE_ATTEMPTS` times; what still
+stays held is not leaked silently but reported by :class:`WorkspaceReleaseError` (``held_nbytes``).
 """
 
 from __future__ import annotations
@@ -67,6 +84,36 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..device import Device
 
 log = logging.getLogger(__name__)
+
+
+class WorkspaceResizeError(GpumemError, RuntimeError):
+    """A device call failed in the middle of a resize (``__cause__`` is the device's error, e.g. a
+    :class:`~gpumem.errors.CudaError`). The workspace then holds nothing (``ptr is None``); the failure is
+    counted in :attr:`WorkspaceStats.failed_resizes` and the next :meth:`Workspace.poll` or
+    :meth:`Workspace.ensure` tries again."""
+
+    def __init__(self, device: str, cause: BaseException, *, holds_nothing: bool = True) -> None:
+        self.device = device
+        self.cause = cause
+        now = "it holds nothing now" if holds_nothing else "it still holds its old block"
+        super().__init__(f"resizing the workspace on {device} failed, {now}: "
+                         f"{type(cause).__name__}: {cause}")
+
+
+class WorkspaceReleaseError(GpumemError, RuntimeError):
+    """:meth:`Workspace.close` could not give all of the workspace's memory back to the device, even after
+    retrying (Note [Closing gives everything back]); ``held_nbytes`` is what stays held."""
+
+    def __init__(self, device: str, held_nbytes: int, cause: BaseException | None = None) -> None:
+        self.device = device
+        self.held_nbytes = held_nbytes
+        why = f": {type(cause).__name__}: {cause}" if cause is not None else ""
+        super().__init__(f"closing the workspace on {device} left {format_bytes(held_nbytes)} ({held_nbytes} "
+                         f"bytes) held on the device after {CLOSE_RELEASE_ATTEMPTS} attempts to release it{why}")
+
+
+CLOSE_RELEASE_ATTEMPTS = 5
+"""How often :meth:`Workspace.close` tries to give the cache back before it reports what stays held."""
 
 
 @dataclass(frozen=True)
@@ -97,8 +144,12 @@ class WorkspaceStats:
     shrinks: int
     grows: int
     failed_resizes: int
-    """Resizes that ended with :class:`InsufficientWorkspaceMemoryError`."""
+    """Resizes (and re-allocations of an empty workspace) that failed: with
+    :class:`InsufficientWorkspaceMemoryError` or :class:`WorkspaceResizeError`."""
     peak_nbytes: int
+    recoveries: int = 0
+    """Polls (or :meth:`Workspace.ensure` calls) that allocated a workspace again after a failure had left
+    it holding nothing."""
 
     @property
     def resizes(self) -> int:
@@ -143,6 +194,7 @@ class Workspace:
         self._size: WorkspaceSize | None = None  # guarded by _lock: the sizing of the block held
         self._pending_grows = 0  # guarded by _lock: polls in a row that allowed growth
         self._polls = self._shrinks = self._grows = self._failed = self._peak = 0  # guarded by _lock
+        self._recoveries = 0  # guarded by _lock
         self._closed = False  # guarded by _lock
         try:
             self._resize(first, ladder_from=None)
@@ -195,23 +247,26 @@ class Workspace:
         with self._lock:
             return WorkspaceStats(nbytes=self.nbytes, batch_size=self.batch_size, polls=self._polls,
                                   shrinks=self._shrinks, grows=self._grows, failed_resizes=self._failed,
-                                  peak_nbytes=self._peak)
+                                  peak_nbytes=self._peak, recoveries=self._recoveries)
 
     # -- following pressure -----------------------------------------------------------------------------
     def poll(self) -> bool:
         """Look at the device's free memory and resize if the rule says so (Note [Hysteresis]); return
         whether the workspace was resized. Raises :class:`InsufficientWorkspaceMemoryError` when it had to
         shrink (or holds nothing) and not even the minimum fits (Note [Shrinking never runs out of memory]),
-        :class:`WorkspaceDeviceQueryError` when the device cannot be asked."""
+        :class:`WorkspaceResizeError` when a device call failed during the resize (the workspace then holds
+        nothing and the next poll tries again), :class:`WorkspaceDeviceQueryError` when the device cannot be
+        asked. Every failed resize is counted in ``failed_resizes``, every re-allocation after one in
+        ``recoveries``."""
         with self._lock:
             self._check_open()
             self._polls += 1
-            props, mem = query_device(self.device)
-            held = self.nbytes
             if self._ptr is None:  # a failed resize left nothing: try again now
                 self._pending_grows = 0
-                self._resize(self._rule(props, mem, held_nbytes=0), ladder_from=None)
+                self._refill()
                 return True
+            props, mem = query_device(self.device)
+            held = self.nbytes
             reserve = self._reserve(props, mem)
             if mem.free_nbytes < reserve:  # a real shortage: shrink now
                 self._pending_grows = 0
@@ -228,8 +283,12 @@ class Workspace:
                 return False
             target = self._rule(props, mem, held_nbytes=held)
             h = self.hysteresis
-            wants_more = target.workspace_bytes > held and (
-                target.workspace_bytes >= h.grow_ratio * held or target.workspace_bytes >= target.desired_bytes)
+            # "the rule's full size" only when the cap (not memory) limits the target: when memory limits
+            # it, desired_bytes is computed from the clamped batch and equals workspace_bytes, which would
+            # make any increase count as full and skip the margin (Note [Hysteresis])
+            capped = target.batch_size >= target.max_batch_size or target.workspace_bytes >= target.max_workspace_bytes
+            full = capped and target.workspace_bytes >= target.desired_bytes
+            wants_more = target.workspace_bytes > held and (target.workspace_bytes >= h.grow_ratio * held or full)
             if not wants_more:
                 self._pending_grows = 0
                 return False
@@ -246,14 +305,36 @@ class Workspace:
         with self._lock:
             self._check_open()
             if self._ptr is None:
-                props, mem = query_device(self.device)
-                self._resize(self._rule(props, mem, held_nbytes=0), ladder_from=None)
+                self._refill()
             assert self._ptr is not None
             return self._ptr
 
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidArgumentError(f"the workspace on {self.device.spec} is closed")
+
+    def _refill(self) -> None:
+        """Allocate a workspace again after a failure left nothing (caller holds ``_lock``).
+
+        The allocator's cache is given back *before* the device is asked what is free: a failed
+        ``empty_cache`` in the failed resize may have left the old block's segment cached, and the rule
+        would count it as used by someone else and never find room (Note [Recovering from a failed
+        resize])."""
+        try:
+            self.allocator.empty_cache()
+        except OutOfMemoryError:
+            raise
+        except GpumemError as exc:
+            self._failed += 1
+            raise WorkspaceResizeError(str(self.device.spec), exc) from exc
+        props, mem = query_device(self.device)
+        try:
+            target = self._rule(props, mem, held_nbytes=0)
+        except InsufficientWorkspaceMemoryError:
+            self._failed += 1
+            raise
+        self._resize(target, ladder_from=None)
+        self._recoveries += 1
 
     def _release_all(self) -> None:
         """Free the block and give the cache back (caller holds ``_lock``)."""
@@ -266,6 +347,17 @@ class Workspace:
         """Free what is held, then allocate ``target`` (or smaller: Note [Shrinking never runs out of
         memory]); caller holds ``_lock``. ``ladder_from``: on a grow, the old size, tried second."""
         old = self.nbytes
+        try:
+            self._free_and_allocate(target, ladder_from, old)
+        except (InsufficientWorkspaceMemoryError, WorkspaceResizeError):
+            raise
+        except GpumemError as exc:  # a device call failed (CudaError, ...): nothing half-done is kept
+            if self._ptr is None:
+                self._size = None
+            self._failed += 1
+            raise WorkspaceResizeError(str(self.device.spec), exc, holds_nothing=self._ptr is None) from exc
+
+    def _free_and_allocate(self, target: WorkspaceSize, ladder_from: WorkspaceSize | None, old: int) -> None:
         if self._ptr is not None:
             self.allocator.free(self._ptr)
             self._ptr = None
@@ -294,7 +386,10 @@ class Workspace:
                      format_bytes(c.workspace_bytes), c.batch_size)
             return
         self._size = None
-        self.allocator.empty_cache()
+        try:
+            self.allocator.empty_cache()
+        except GpumemError as exc:  # the next poll's _refill gives the cache back first
+            log.warning("workspace on %s: giving the cache back failed: %s", target.device, exc)
         self._failed += 1
         mem = self.device.mem_info()
         raise InsufficientWorkspaceMemoryError(
@@ -312,7 +407,11 @@ class Workspace:
 
     # -- life cycle --------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Free the workspace (and close the allocator if it is this workspace's own). Idempotent."""
+        """Free the workspace (and close the allocator if it is this workspace's own). Idempotent.
+
+        Raises :class:`WorkspaceReleaseError` (saying how much) when memory stays held on the device after
+        :data:`CLOSE_RELEASE_ATTEMPTS` attempts to give it back (Note [Closing gives everything back]); the
+        workspace is closed all the same."""
         with self._lock:
             if self._closed:
                 return
@@ -322,10 +421,28 @@ class Workspace:
                     self.allocator.free(self._ptr)
                     self._ptr = None
             finally:
+                self._size = None
+                last: BaseException | None = None
+                for _ in range(CLOSE_RELEASE_ATTEMPTS):
+                    try:
+                        self.allocator.empty_cache()
+                    except GpumemError as exc:
+                        last = exc
+                        continue
+                    last = None
+                    if self._cached_nbytes() == 0:
+                        break
+                held = self._cached_nbytes()
                 if self._owns_allocator:
                     self.allocator.close()
-                else:
-                    self.allocator.empty_cache()
+                    held = int(getattr(self.allocator, "leaked_nbytes", 0) or 0)
+            if held:
+                raise WorkspaceReleaseError(str(self.device.spec), held, last) from last
+
+    def _cached_nbytes(self) -> int:
+        """What the allocator holds on the device and no live block uses."""
+        ms = self.allocator.memory_stats()
+        return max(0, int(ms["reserved_nbytes"]) - int(ms["allocated_nbytes"]))
 
     def __enter__(self) -> "Workspace":
         return self
@@ -395,7 +512,7 @@ class WorkspaceSet:
         for ws in self:
             try:
                 resized[ws.device.spec] = ws.poll()
-            except (InsufficientWorkspaceMemoryError, WorkspaceDeviceQueryError) as exc:
+            except (InsufficientWorkspaceMemoryError, WorkspaceResizeError, WorkspaceDeviceQueryError) as exc:
                 resized[ws.device.spec] = True
                 first = first or exc
         if first is not None:

@@ -53,6 +53,8 @@ def test_too_little_memory_exits_1_naming_required_and_available(capsys):
 
 @pytest.mark.parametrize("argv", [
     ["--in-features", "0", "--out-features", "10", "--qtype", "i2s"],
+    ["--in-features", "999999999999999999999999", "--out-features", "2", "--qtype", "tl2"],
+    ["--in-features", "2", "--out-features", str(2**31 + 1), "--qtype", "tl2"],
     ["--in-features", "10", "--out-features", "x", "--qtype", "i2s"],
     ["--in-features", "10", "--out-features", "10", "--qtype", "q4"],
     ["--out-features", "10", "--qtype", "i2s"],

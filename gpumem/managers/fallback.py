@@ -80,6 +80,7 @@ class FallbackBuffer:
         self._host: np.ndarray | None = None
         self._cpu_id: BufferId | None = None
         self._freed = False
+        manager._buffer_created(self)  # close() marks it freed wherever it lives
         try:
             alloc = manager._allocate_for_fallback(nbytes, tag) if self.allow_cpu else manager.allocate(nbytes, tag=tag)
         except OutOfMemoryError as exc:

@@ -214,14 +214,20 @@ class LimitingLayer(ResourceLayer):
 
     def do_allocate(self, nbytes: int, alignment: int, stream: int) -> int:
         with self._lock:
-            if self._used + nbytes > self.limit_nbytes:
-                mem = self.memory_info()
-                raise OutOfMemoryError(
-                    nbytes, mem.free_nbytes, mem.total_nbytes, device=self.device.spec,
-                    allocated_nbytes=self._used, limit_nbytes=self.limit_nbytes,
-                    hint=f"Refused by {self.what} ({format_bytes(self.limit_nbytes)}): "
-                         f"{format_bytes(self.limit_nbytes - self._used)} of it is left.")
-            self._used += nbytes  # claimed before the upstream call, so concurrent callers cannot both pass
+            used = self._used
+            refused = used + nbytes > self.limit_nbytes
+            if not refused:
+                self._used += nbytes  # claimed before the upstream call, so concurrent callers cannot both pass
+        if refused:
+            # Note [No device call under a layer's lock]: memory_info() may deliver queued memory
+            # events to subscribers (a PressureMonitor whose callback allocates through this very
+            # layer), so the refusal is built after the lock is released.
+            mem = self.memory_info()
+            raise OutOfMemoryError(
+                nbytes, mem.free_nbytes, mem.total_nbytes, device=self.device.spec,
+                allocated_nbytes=used, limit_nbytes=self.limit_nbytes,
+                hint=f"Refused by {self.what} ({format_bytes(self.limit_nbytes)}): "
+                     f"{format_bytes(self.limit_nbytes - used)} of it is left.")
         try:
             ptr = self.upstream.do_allocate(nbytes, alignment, stream)
         except BaseException:

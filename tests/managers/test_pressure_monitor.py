@@ -437,6 +437,12 @@ def test_concurrent_starts_start_one_thread_and_one_subscription():
     try:
         with gpumem.open_device("sim:t4-16gb") as dev:
             mon = PressureMonitor(dev, interval_s=0.01)
+            real_poll = mon.poll_once
+
+            def slow_first_sample():                     # widens the window between check and claim
+                threading.Event().wait(0.05)
+                return real_poll()
+            mon.poll_once = slow_first_sample
             barrier = threading.Barrier(8)
             results = []
 

@@ -20,6 +20,16 @@ Statistics, tracking and limits count the ``nbytes`` a caller asked for, not wha
 rounded it to or padded it with: they describe the program's use. What the pool holds beyond it
 (rounding, cached free blocks) is the allocator's ``reserved_nbytes``, which a manager reports
 beside them.
+
+Note [No device call under a layer's lock]
+------------------------------------------
+A layer's ``_lock`` (a plain, non-re-entrant ``threading.Lock``) guards only its own counters and
+maps, and no layer holds it across a call upstream, a device call (``memory_info``, ``malloc``...),
+a logger or a callback. A device call may deliver queued memory events to their subscribers in the
+calling thread, and a subscriber (a ``PressureMonitor`` whose callback allocates through this very
+stack) would then wait for the lock its own thread holds: the ``LimitingLayer`` built its refusal's
+figures with ``memory_info()`` under its lock, and deadlocked so. Each layer therefore reads and
+changes its state under the lock, releases it, and only then calls out.
 """
 
 from __future__ import annotations

@@ -453,7 +453,9 @@ class GpuMemoryManager:
 
     @property
     def allocated_nbytes(self) -> int:
-        """Live bytes handed out."""
+        """Live bytes handed out (0 once closed: close() gave everything back)."""
+        if self._closed:
+            return 0
         return self._stats.statistics().current_nbytes
 
     def reset_peak(self) -> None:

@@ -10,15 +10,15 @@ Environment variables (read by :meth:`MemoryConfig.from_env`):
 =================================  ===========================  ===================================
 variable                           field                        value
 =================================  ===========================  ===================================
-``GPUMEM_GPU_MEMORY_FRACTION``     ``gpu_memory_fraction``      a number in (0, 1]
+``GPUMEM_GPU_MEMORY_FRACTION``     ``gpu_memory_fraction``      a number in [2**-20, 1]
 ``GPUMEM_CPU_FALLBACK``            ``cpu_fallback_enabled``     1/0, true/false, yes/no, on/off
 ``GPUMEM_MIN_FREE_BYTES``          ``min_free_bytes``           bytes: ``536870912``, ``512MB``, ``1GiB``
 ``GPUMEM_TRACK_ALLOCATIONS``       ``track_allocations``        boolean
 ``GPUMEM_CAPTURE_STACKS``          ``capture_stacks``           boolean
-``GPUMEM_MAX_POOLED_PER_BUCKET``   ``max_pooled_per_bucket``    an int >= 0
+``GPUMEM_MAX_POOLED_PER_BUCKET``   ``max_pooled_per_bucket``    an int >= 0 in ASCII digits
 ``GPUMEM_PREALLOCATE``             ``preallocate_nbytes``       sizes separated by commas: ``64MiB,1GiB`` (no empty entry)
 ``GPUMEM_POOL_POLICY``             ``pool_policy``              ``gpumem``, ``bestfit``, ``pytorch``, ``cupy``, ``bucket``
-``GPUMEM_OOM_FORENSICS_DIR``       ``oom_forensics_dir``        a directory ('' switches forensics off)
+``GPUMEM_OOM_FORENSICS_DIR``       ``oom_forensics_dir``        a directory ('' switches off; blank refused)
 ``GPUMEM_LEAK_REPORT_AT_EXIT``     ``leak_report_at_exit``      boolean
 ``GPUMEM_FRAGMENTATION_WARNING``   ``fragmentation_warning``    a number in [0, 1]
 =================================  ===========================  ===================================
@@ -27,6 +27,7 @@ variable                           field                        value
 from __future__ import annotations
 
 import math
+import re
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
@@ -81,6 +82,10 @@ class MemoryConfig:
         f = self.gpu_memory_fraction
         if not _is_number(f) or not 0 < f <= 1:
             raise bad("gpu_memory_fraction", "a number in (0, 1]")
+        if f < MIN_GPU_MEMORY_FRACTION:
+            raise InvalidArgumentError(
+                f"MemoryConfig.gpu_memory_fraction={f!r} is below {MIN_GPU_MEMORY_FRACTION}: that leaves less than "
+                "1 MiB of even a 1 TiB device, so no manager could use anything")
         for name in ("cpu_fallback_enabled", "track_allocations", "capture_stacks", "leak_report_at_exit"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a bool")
@@ -187,6 +192,12 @@ class MemoryConfig:
             raise InvalidArgumentError(f"from the environment: {exc}") from None
 
 
+#: The smallest ``gpu_memory_fraction`` accepted: 2**-20 of a 1 TiB device is 1 MiB, so anything below
+#: leaves no device a usable byte worth having (1e-300 passed "(0, 1]" and the manager then refused
+#: to start with an out-of-memory error for 1 byte).
+MIN_GPU_MEMORY_FRACTION = 2.0 ** -20
+
+
 def _bool(text: str) -> bool:
     t = text.strip().lower()
     if t in ("1", "true", "yes", "on"):
@@ -204,7 +215,12 @@ def _float(text: str) -> float:
 
 
 def _int(text: str) -> int:
-    return int(text.strip())
+    # int() also takes "1_0" and non-ASCII digits ("٣"): a variable that looks like a typo or another
+    # script is refused rather than read as a number nobody wrote
+    t = text.strip()
+    if not re.fullmatch(r"[+-]?[0-9]+", t):
+        raise ValueError("expected an integer written in ASCII digits 0-9")
+    return int(t)
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -220,6 +236,10 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def _dir(text: str) -> str | None:
+    if text and not text.strip():
+        # a blank value names no directory (forensics would go to a folder called "   "): refused;
+        # the empty value is the documented way to switch forensics off
+        raise ValueError("a blank directory name; set it to '' to switch OOM forensics off")
     return text or None
 
 

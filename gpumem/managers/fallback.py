@@ -75,11 +75,15 @@ class FallbackBuffer:
         self.nbytes = nbytes
         self.tag = tag
         self.allow_cpu = manager.config.cpu_fallback_enabled if allow_cpu is None else allow_cpu
+        # re-entrant on purpose: the device calls below run under it (a move must not interleave with a
+        # write), and a device call may deliver memory events whose pressure callbacks, in this same
+        # thread, use this buffer again (Note [No device call under a layer's lock] in layers.py)
         self._lock = threading.RLock()
         self._alloc: Allocation | None = None
         self._host: np.ndarray | None = None
         self._cpu_id: BufferId | None = None
         self._freed = False
+        manager._buffer_created(self)  # close() marks it freed wherever it lives
         try:
             alloc = manager._allocate_for_fallback(nbytes, tag) if self.allow_cpu else manager.allocate(nbytes, tag=tag)
         except OutOfMemoryError as exc:

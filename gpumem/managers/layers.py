@@ -20,6 +20,16 @@ Statistics, tracking and limits count the ``nbytes`` a caller asked for, not wha
 rounded it to or padded it with: they describe the program's use. What the pool holds beyond it
 (rounding, cached free blocks) is the allocator's ``reserved_nbytes``, which a manager reports
 beside them.
+
+Note [No device call under a layer's lock]
+------------------------------------------
+A layer's ``_lock`` (a plain, non-re-entrant ``threading.Lock``) guards only its own counters and
+maps, and no layer holds it across a call upstream, a device call (``memory_info``, ``malloc``...),
+a logger or a callback. A device call may deliver queued memory events to their subscribers in the
+calling thread, and a subscriber (a ``PressureMonitor`` whose callback allocates through this very
+stack) would then wait for the lock its own thread holds: the ``LimitingLayer`` built its refusal's
+figures with ``memory_info()`` under its lock, and deadlocked so. Each layer therefore reads and
+changes its state under the lock, releases it, and only then calls out.
 """
 
 from __future__ import annotations
@@ -214,14 +224,20 @@ class LimitingLayer(ResourceLayer):
 
     def do_allocate(self, nbytes: int, alignment: int, stream: int) -> int:
         with self._lock:
-            if self._used + nbytes > self.limit_nbytes:
-                mem = self.memory_info()
-                raise OutOfMemoryError(
-                    nbytes, mem.free_nbytes, mem.total_nbytes, device=self.device.spec,
-                    allocated_nbytes=self._used, limit_nbytes=self.limit_nbytes,
-                    hint=f"Refused by {self.what} ({format_bytes(self.limit_nbytes)}): "
-                         f"{format_bytes(self.limit_nbytes - self._used)} of it is left.")
-            self._used += nbytes  # claimed before the upstream call, so concurrent callers cannot both pass
+            used = self._used
+            refused = used + nbytes > self.limit_nbytes
+            if not refused:
+                self._used += nbytes  # claimed before the upstream call, so concurrent callers cannot both pass
+        if refused:
+            # Note [No device call under a layer's lock]: memory_info() may deliver queued memory
+            # events to subscribers (a PressureMonitor whose callback allocates through this very
+            # layer), so the refusal is built after the lock is released.
+            mem = self.memory_info()
+            raise OutOfMemoryError(
+                nbytes, mem.free_nbytes, mem.total_nbytes, device=self.device.spec,
+                allocated_nbytes=used, limit_nbytes=self.limit_nbytes,
+                hint=f"Refused by {self.what} ({format_bytes(self.limit_nbytes)}): "
+                     f"{format_bytes(self.limit_nbytes - used)} of it is left.")
         try:
             ptr = self.upstream.do_allocate(nbytes, alignment, stream)
         except BaseException:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -211,6 +212,9 @@ class GpuMemoryManager:
         self._cpu_fallbacks = 0
         self._cpu_fallback_nbytes = 0
         self._fell_back: set[int] = set()
+        self._buffers: "weakref.WeakSet[FallbackBuffer]" = weakref.WeakSet()
+        """Every FallbackBuffer made on this manager, wherever it lives, so close() can mark each freed
+        (a GPU-resident one would otherwise keep a pointer into memory the close gave back)."""
         """ids of the buffers in ``_fallbacks`` that fell back (Note [Fallbacks move back by themselves])."""
         self._restoring = threading.local()
         self._closed = False
@@ -397,6 +401,10 @@ class GpuMemoryManager:
             self._restoring.active = False
 
     # bookkeeping called by FallbackBuffer
+    def _buffer_created(self, buf: "FallbackBuffer") -> None:
+        with self._lock:
+            self._buffers.add(buf)
+
     def _fallback_placed(self, buf: "FallbackBuffer", *, counted: bool) -> None:
         with self._lock:
             self._fallbacks[id(buf)] = buf
@@ -445,7 +453,9 @@ class GpuMemoryManager:
 
     @property
     def allocated_nbytes(self) -> int:
-        """Live bytes handed out."""
+        """Live bytes handed out (0 once closed: close() gave everything back)."""
+        if self._closed:
+            return 0
         return self._stats.statistics().current_nbytes
 
     def reset_peak(self) -> None:
@@ -511,8 +521,9 @@ class GpuMemoryManager:
             return
         self._closed = True
         with self._lock:
-            bufs = list(self._fallbacks.values())
+            bufs = list(self._fallbacks.values()) + [b for b in list(self._buffers) if id(b) not in self._fallbacks]
             self._fallbacks.clear()
+            self._buffers.clear()
             self._live.clear()
         for b in bufs:
             b._forget()

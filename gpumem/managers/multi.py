@@ -26,6 +26,12 @@ Note [Placement policy]
 3. **Spill.** A device that refuses (out of memory: another process took memory, the cache is
    fragmented, an injected fault) is skipped and the next one tried; the tensor name's affinity moves
    to the device that accepted it.
+4. **A lost or closed device** is refused like a full one (its :class:`DeviceRefusal` says it is
+   lost), before its manager is asked: a manager with a caching pool could otherwise hand out a
+   cached block of a device that is gone. The check is one device call (``mem_info``) on the device
+   about to be tried; a device found lost is remembered as lost (it does not come back) and never
+   asked again. The request spills to a healthy device and a tensor name's affinity moves there;
+   ``get_memory_stats()`` reports the lost device (``lost`` says why) instead of failing.
 
 When no device accepts, :class:`MultiGpuOutOfMemoryError` (an ``OutOfMemoryError``) names every
 device with its headroom and free bytes and why it refused, and nothing changed: no allocation was
@@ -50,7 +56,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from gpumem.device import Device
-from gpumem.errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
+from gpumem.errors import (DeviceClosedError, DeviceLostError, InvalidArgumentError, InvalidPointerError,
+                           OutOfMemoryError)
 from gpumem.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -102,7 +109,9 @@ class DeviceMemoryStats:
     n_tensor_names: int
     """Tensor names with affinity to this device."""
     detail: Any
-    """The device manager's own ``get_detailed_stats()``."""
+    """The device manager's own ``get_detailed_stats()``; None for a lost device."""
+    lost: str | None = None
+    """Why the device cannot be used (lost, closed), or None for a usable one."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +189,8 @@ class MultiGpuMemoryManager:
         self._spills = 0
         self._refused = 0
         self._closed = False
+        self._lost: dict[int, str] = {}
+        """device position -> why it is unusable (lost or closed; permanent, so asked once)."""
 
     # -- what is there -----------------------------------------------------------------------------
     @property
@@ -229,6 +240,25 @@ class MultiGpuMemoryManager:
             return d.mem_info().free_nbytes
         except Exception:  # noqa: BLE001 - only for reports: a lost device has nothing free
             return 0
+
+    def _unusable(self, i: int) -> str | None:
+        """Why device ``i`` cannot be used (lost or closed), or None (Note [Placement policy], 4). Called
+        with ``_lock`` held, inside ``_deferred()``: the device call delivers no events here."""
+        reason = self._lost.get(i)
+        if reason is not None:
+            return reason
+        m, d = self._managers[i], self._devices[i]
+        try:
+            if getattr(m, "closed", False):
+                raise DeviceClosedError(f"the manager of {self._spec(i)} is closed")
+            if d is not None:
+                d.mem_info()
+        except (DeviceLostError, DeviceClosedError) as exc:
+            reason = f"{'lost' if isinstance(exc, DeviceLostError) else 'closed'}: {str(exc).splitlines()[0][:160]}"
+            self._lost[i] = reason
+            log.warning("device %d (%s) is unusable, placement skips it: %s", i, self._spec(i), reason)
+            return reason
+        return None
 
     def _spec(self, i: int) -> str:
         d = self._devices[i]
@@ -284,11 +314,20 @@ class MultiGpuMemoryManager:
                     refusals.append(DeviceRefusal(i, self._spec(i), headroom, self._free_nbytes(i),
                                                   f"headroom below the request"))
                     continue
+                unusable = self._unusable(i)
+                if unusable is not None:
+                    refusals.append(DeviceRefusal(i, self._spec(i), headroom, 0, unusable))
+                    continue
                 try:
                     allocation = self._managers[i].allocate(size, alignment)
                 except OutOfMemoryError as exc:
                     refusals.append(DeviceRefusal(i, self._spec(i), headroom, self._free_nbytes(i),
                                                   f"refused: {str(exc).splitlines()[0][:160]}"))
+                    continue
+                except (DeviceLostError, DeviceClosedError) as exc:  # lost between the check and the call
+                    kind = "lost" if isinstance(exc, DeviceLostError) else "closed"
+                    self._lost[i] = f"{kind}: {str(exc).splitlines()[0][:160]}"
+                    refusals.append(DeviceRefusal(i, self._spec(i), headroom, 0, self._lost[i]))
                     continue
                 self._owned[id(allocation)] = (i, allocation)
                 self._allocated_nbytes[i] += int(getattr(allocation, "nbytes", size))
@@ -344,12 +383,23 @@ class MultiGpuMemoryManager:
                 names_per[dev_i] += 1
             for i, m in enumerate(self._managers):
                 d = self._devices[i]
-                name = d.properties().name if d is not None else self._spec(i)
+                lost = self._unusable(i)
+                name = self._spec(i)
+                if d is not None:
+                    with contextlib.suppress(DeviceLostError, DeviceClosedError):
+                        name = d.properties().name
+                detail = None
+                if lost is None:
+                    try:
+                        detail = m.get_detailed_stats()
+                    except (DeviceLostError, DeviceClosedError) as exc:  # lost between the check and the call
+                        lost = self._lost[i] = (f"{'lost' if isinstance(exc, DeviceLostError) else 'closed'}: "
+                                                f"{str(exc).splitlines()[0][:160]}")
                 per.append(DeviceMemoryStats(
                     index=i, spec=self._spec(i), name=name, total_nbytes=int(m.total_memory),
                     usable_nbytes=int(m.usable_memory), allocated_nbytes=self._allocated_nbytes[i],
-                    headroom_nbytes=self._headroom(i), free_nbytes=self._free_nbytes(i), n_allocations=self._counts[i],
-                    n_tensor_names=names_per[i], detail=m.get_detailed_stats()))
+                    headroom_nbytes=self._headroom(i), free_nbytes=0 if lost else self._free_nbytes(i),
+                    n_allocations=self._counts[i], n_tensor_names=names_per[i], detail=detail, lost=lost))
             return MultiGpuMemoryStats(
                 devices=tuple(per), total_nbytes=sum(p.total_nbytes for p in per),
                 usable_nbytes=sum(p.usable_nbytes for p in per),

@@ -313,6 +313,7 @@ class PressureMonitor:
         self._callback_errors = self._release_errors = self._poll_errors = 0
         self._thread: threading.Thread | None = None
         self._subscription: Subscription | None = None
+        self._starting = False  # guarded by _lock; Note [One start wins]
         self._nvml_failed = False
         # not guarded (set/read by one thread at a time, or thread-safe by themselves):
         self._stop_event = threading.Event()
@@ -551,18 +552,35 @@ class PressureMonitor:
 
         :class:`InvalidArgumentError` if it is already running.
         """
+        # Note [One start wins]: the check and the claim are one lock section (``_starting``), so of
+        # concurrent start() calls exactly one starts a thread and subscribes; the others raise. The
+        # first sample and the subscription (device calls that may run callbacks) happen outside _lock.
         with self._lock:
-            if self._thread is not None:
+            if self._thread is not None or self._starting:
                 raise InvalidArgumentError("this PressureMonitor is already running")
+            self._starting = True
             self._stop_event.clear()
-        self.poll_once()
-        if self.react_to_events:
+        sub = None
+        try:
+            self.poll_once()
+            if self.react_to_events:
+                sub = self.device.subscribe(self._on_event)
+            thread = threading.Thread(target=self._run, name=f"gpumem-pressure[{self.device.spec}]", daemon=True)
             with self._lock:
-                self._subscription = self.device.subscribe(self._on_event)
-        thread = threading.Thread(target=self._run, name=f"gpumem-pressure[{self.device.spec}]", daemon=True)
-        with self._lock:
-            self._thread = thread
-        thread.start()
+                self._subscription = sub
+                self._thread = thread
+            thread.start()
+        except BaseException:
+            with self._lock:
+                if self._subscription is sub:
+                    self._subscription = None
+                self._thread = None
+            if sub is not None:
+                sub.cancel()
+            raise
+        finally:
+            with self._lock:
+                self._starting = False
         return self
 
     def _run(self) -> None:
@@ -598,9 +616,10 @@ class PressureMonitor:
         """
         with self._lock:
             thread = self._thread
+            if thread is not None and thread is threading.current_thread():
+                # checked before anything changes: the monitor keeps running and keeps its subscription
+                raise InvalidArgumentError("PressureMonitor.stop() called from the monitor's own thread")
             sub, self._subscription = self._subscription, None
-        if thread is not None and thread is threading.current_thread():
-            raise InvalidArgumentError("PressureMonitor.stop() called from the monitor's own thread")
         self._stop_event.set()
         if sub is not None:
             sub.cancel()

@@ -100,6 +100,13 @@ def test_from_env_uses_os_environ(monkeypatch):
     ("GPUMEM_POOL_POLICY", "slab", "pool_policy"),
     ("GPUMEM_PREALLOCATE", "64MiB,,1", r"GPUMEM_PREALLOCATE='64MiB,,1': entry 2 of 3 is empty"),
     ("GPUMEM_PREALLOCATE", "64MiB,", "entry 2 of 2 is empty"),
+    # int() took these; only ASCII digits are an int here
+    ("GPUMEM_MAX_POOLED_PER_BUCKET", "1_0", "ASCII digits"),
+    ("GPUMEM_MAX_POOLED_PER_BUCKET", "\u0663", "ASCII digits"),
+    # a blank directory was taken as the name of a folder
+    ("GPUMEM_OOM_FORENSICS_DIR", "   ", "blank directory"),
+    # accepted, then the manager failed with an out-of-memory error for 1 byte
+    ("GPUMEM_GPU_MEMORY_FRACTION", "1e-300", "less than 1 MiB"),
 ])
 def test_from_env_rejects_bad_values(var, value, match):
     with pytest.raises(InvalidArgumentError, match=match):

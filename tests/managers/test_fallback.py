@@ -112,6 +112,30 @@ def test_manager_close_forgets_buffers():
     buf.free()
 
 
+def test_manager_close_frees_gpu_resident_buffers_too():
+    # a buffer on the GPU kept its pointer after close(): a write reached memory the close gave back
+    import gpumem
+    dev = gpumem.open_device("sim:gtx-1050-2gb")
+    m = GpuMemoryManager(dev, config=CFG)
+    gpu_buf = m.create_buffer(MiB, data=b"A" * MiB)
+    cpu_buf = FallbackBuffer(m, MiB, allow_cpu=True)
+    assert gpu_buf.on_gpu
+    m.close()
+    assert gpu_buf.freed and cpu_buf.freed and not gpu_buf.on_gpu and gpu_buf.ptr is None
+    m2 = GpuMemoryManager(dev, config=CFG)
+    other = m2.allocate(MiB)
+    dev.write(other.ptr, b"B" * 16)
+    with pytest.raises(InvalidPointerError, match="was freed"):
+        gpu_buf.write(b"CORRUPT!")
+    with pytest.raises(InvalidPointerError, match="was freed"):
+        gpu_buf.read(0, 8)
+    assert dev.read(other.ptr, 16) == b"B" * 16
+    gpu_buf.free()                                        # idempotent after close
+    m2.deallocate(other)
+    m2.close()
+    dev.close()
+
+
 def test_a_fallback_writes_no_forensics(tmp_path):
     with GpuMemoryManager("sim:gtx-1050-2gb", config=CFG.with_oom_forensics(tmp_path)) as m:
         hog = m.allocate(m.usable_memory)

@@ -263,3 +263,52 @@ def test_full_stack(dev, pooled, caplog):
     assert isinstance(top, MemoryResource) and top.device is dev
     top.close()
     assert dev.n_allocations == 0
+
+
+def test_limit_refusal_makes_no_device_call_under_its_lock():
+    # the refusal called memory_info() with the layer's lock held; that device call delivered a due
+    # memory event to a PressureMonitor whose callback allocated through the same manager -> the thread
+    # waited for itself and every later allocate blocked
+    import threading
+
+    from gpumem import sim
+    from gpumem.managers import GpuMemoryManager, MemoryConfig, PressureMonitor
+    from gpumem.units import GiB
+
+    calls = []
+
+    def setup(at_s):
+        d = gpumem.open_device("sim:t4-16gb", pressure=sim.Step(12 * GiB, at_s=at_s))
+        m = GpuMemoryManager(d, config=MemoryConfig(gpu_memory_fraction=0.1))
+        m.allocate(m.usable_memory - MiB)
+
+        def cb(change):
+            calls.append(change)
+            m.deallocate(m.allocate(4096))
+        mon = PressureMonitor(d, callbacks=[cb], interval_s=60).start()
+        return d, m, mon
+
+    d, m, mon = setup(1e9)
+    mon.stop()
+    t0 = d.now_s                                          # the deterministic clock after setup
+    m.close(); d.close()
+    d, m, mon = setup(t0 + 1e-9)                          # the tenant arrives during the next device call
+    raised = []
+
+    def over_limit():
+        try:
+            m.allocate(2 * MiB)
+        except OutOfMemoryError as e:
+            raised.append(e)
+    t = threading.Thread(target=over_limit, daemon=True)
+    t.start()
+    t.join(10)
+    alive = t.is_alive()
+    if alive:
+        mon._stop_event.set()
+    assert not alive, "allocate deadlocked on the limit layer's lock"
+    assert calls and len(raised) == 1 and "Refused by" in str(raised[0])
+    a = m.allocate(4096)                                  # the manager still works
+    m.deallocate(a)
+    mon.stop()
+    m.close(); d.close()

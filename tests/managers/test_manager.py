@@ -231,6 +231,7 @@ def test_closed_manager_refuses():
     for call in (lambda: m.allocate(1), lambda: m.deallocate(a), m.empty_cache, m.get_detailed_stats, m.memory_info):
         with pytest.raises(DeviceClosedError):
             call()
+    assert m.allocated_nbytes == 0            # close() gave everything back (it said 256 before)
 
 
 def test_threads_share_a_manager():

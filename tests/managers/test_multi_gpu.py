@@ -296,3 +296,53 @@ class MultiMachine(RuleBasedStateMachine):
 
 TestMultiMachine = MultiMachine.TestCase
 TestMultiMachine.settings = settings(max_examples=15, stateful_step_count=25, deadline=None)
+
+
+def _lost_and_ok():
+    lost = gpumem.open_device("sim:t4-16gb?lost_at_s=0.001")
+    ok = gpumem.open_device("sim:t4-16gb")
+    return lost, ok
+
+
+def test_a_lost_device_is_refused_and_affinity_spills_to_a_healthy_one():
+    # a name bound to a lost device got DeviceLostError; a small request was even served from the lost
+    # device's cache
+    lost, ok = _lost_and_ok()
+    mm = MultiGpuMemoryManager([lost, ok])
+    i, a = mm.allocate_on_best_device(1 << 20, "w")
+    assert i == 0
+    mm.deallocate(a)                                   # its block stays cached in device 0's pool
+    lost.advance(0.01)
+    for name, size in [("w", 1 << 20), ("w", 100 << 20), ("x", 1 << 20), (None, 1 << 20)]:
+        j, b = mm.allocate_on_best_device(size, name)
+        assert j == 1, (name, size)
+        mm.deallocate(b)
+    assert mm.affinity("w") == 1 and mm.affinity("x") == 1
+    mm.close()
+    lost.close(); ok.close()
+
+
+def test_only_lost_devices_left_names_the_loss():
+    lost = gpumem.open_device("sim:t4-16gb?lost_at_s=0.001")
+    mm = MultiGpuMemoryManager([lost])
+    lost.advance(0.01)
+    with pytest.raises(MultiGpuOutOfMemoryError) as ei:
+        mm.allocate_on_best_device(1 << 20, "w")
+    assert ei.value.refusals[0].reason.startswith("lost:") and mm.affinity("w") is None
+    mm.close()
+    lost.close()
+
+
+def test_memory_stats_report_a_lost_device_instead_of_failing():
+    lost, ok = _lost_and_ok()
+    mm = MultiGpuMemoryManager([lost, ok])
+    i, a = mm.allocate_on_best_device(1 << 20, "w")
+    lost.advance(0.01)
+    st_ = mm.get_memory_stats()
+    d0, d1 = st_.devices
+    assert d0.lost is not None and "lost" in d0.lost and d0.detail is None and d0.free_nbytes == 0
+    assert d0.allocated_nbytes == 1 << 20
+    assert d1.lost is None and d1.detail is not None and d1.free_nbytes > 0
+    mm.deallocate(a)
+    mm.close()
+    lost.close(); ok.close()

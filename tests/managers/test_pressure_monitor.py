@@ -427,3 +427,72 @@ def test_the_guides_monitor_example_prints_what_the_guide_says(capsys):
     for _ in range(20):
         exec(compile(code, "pressure-guide", "exec"), {})  # noqa: S102 - the guide's own example
         assert capsys.readouterr().out == printed
+
+
+def test_concurrent_starts_start_one_thread_and_one_subscription():
+    # check and claim were separate lock sections: several start() calls passed the check, each
+    # started a thread and subscribed; stop() then cancelled one subscription and left the others
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with gpumem.open_device("sim:t4-16gb") as dev:
+            mon = PressureMonitor(dev, interval_s=0.01)
+            real_poll = mon.poll_once
+
+            def slow_first_sample():                     # widens the window between check and claim
+                threading.Event().wait(0.05)
+                return real_poll()
+            mon.poll_once = slow_first_sample
+            barrier = threading.Barrier(8)
+            results = []
+
+            def go():
+                barrier.wait()
+                try:
+                    mon.start()
+                    results.append("started")
+                except InvalidArgumentError as e:
+                    results.append(str(e))
+            ts = [threading.Thread(target=go) for _ in range(8)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            n_threads = sum(t.name.startswith("gpumem-pressure") for t in threading.enumerate())
+            n_subs = len(dev.events._subs)
+            mon.stop(timeout_s=5)
+            assert results.count("started") == 1
+            assert all("already running" in r for r in results if r != "started")
+            assert n_threads == 1 and n_subs == 1
+            assert len(dev.events._subs) == 0 and not mon.running
+    finally:
+        sys.setswitchinterval(old)
+
+
+def test_stop_from_the_monitor_thread_changes_nothing():
+    # stop() dropped the subscription before the own-thread check raised: the monitor kept running
+    # without it, and the subscription was never cancelled
+    with gpumem.open_device("sim:t4-16gb") as dev:
+        mon = PressureMonitor(dev, interval_s=0.01)
+        errs, seen = [], []
+
+        def cb(change):
+            try:
+                mon.stop()
+            except InvalidArgumentError as e:
+                errs.append(e)
+                seen.append(mon._subscription)
+        mon.add_callback(cb)
+        mon.start()
+        sub = mon._subscription
+        assert sub is not None
+        ptr = dev.malloc(int(dev.properties().total_nbytes * 0.9))     # another user: the level changes
+        deadline = 100
+        while not errs and deadline:
+            threading.Event().wait(0.05)
+            deadline -= 1
+        assert errs and "own thread" in str(errs[0])
+        assert seen[0] is sub and mon._subscription is sub and mon.running
+        mon.stop(timeout_s=5)
+        assert not mon.running and len(dev.events._subs) == 0
+        dev.free(ptr)

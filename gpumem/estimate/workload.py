@@ -5,20 +5,27 @@ with SDPA attention (read off ``torch.cuda.memory._snapshot`` traces recorded on
 ``reports/hil/estimate-accuracy-h200-2026-11-22.md``):
 
 Note [Prefill]
-    ``generate()`` runs the whole prompt at once (``T = batch * prompt`` tokens). The embeddings
-    (``T*H``), the layer's input and the residual stay live through a block; each RMSNorm upcasts to
-    fp32 (two ``T*H*4`` tensors at once); q, k and v are projected, rotated (``q*cos``,
-    ``rotate_half(q)*sin`` and their sum are three more q-sized tensors), k and v are copied into the
-    cache (``DynamicLayer.update`` does ``torch.cat``), SDPA writes its output and the ``reshape`` after
-    the transpose copies it; the gated MLP holds ``act(gate)``, ``up`` and their product (three
-    ``T*I`` tensors) at once. The peak is the last block's MLP, with the whole prompt's cache live. Only
-    the last position's logits are computed (``logits_to_keep=1``), then copied to fp32.
+    ``generate()`` runs the whole prompt at once (``T = batch * prompt`` tokens). The rotary embedding
+    computes cos and sin in fp32 (``freqs``, ``cat(freqs, freqs)``, ``cos()``/``sin()`` times the scaling:
+    up to 4.5 ``T*head_dim*4`` tensors at once) before casting them. The embeddings (``T*H``), the layer's
+    input and the residual stay live through a block; each RMSNorm upcasts to fp32 (two ``T*H*4`` tensors
+    at once); q, k and v are projected, rotated (``q*cos``, ``rotate_half(q)*sin`` and their sum are three
+    more q-sized tensors; the unrotated q and k are freed only after both are rotated), k and v are copied
+    into the cache (``DynamicLayer.update`` does ``torch.cat``), SDPA writes its output and the ``reshape``
+    after the transpose copies it; the normed input is freed before ``o_proj`` allocates, and the residual
+    add reuses ``o_proj``'s output (no second hidden-sized tensor); the gated MLP holds ``act(gate)``,
+    ``up`` and their product (three ``T*I`` tensors) at once. The peak is the last block's MLP, with the
+    whole prompt's cache live. Only the last position's logits are computed (``logits_to_keep=1``), then
+    copied to fp32. This order (which of the 512 MiB-class tensors are freed before which allocations) is
+    the one of ``tests/allocator/data/generate_7b_b16_p4096_n8.snapshot.pickle.gz``; with it the replay
+    makes the recording's segments.
 
 Note [Decode]
     Each new token runs one forward of ``batch`` tokens; every block grows its key and its value cache
     by ``torch.cat`` (a new tensor one token longer is allocated before the old one is freed), so the
     peak of a decode step is the whole cache plus one layer's key or value. ``new_tokens`` tokens need
-    ``new_tokens - 1`` decode forwards.
+    ``new_tokens - 1`` decode forwards; before each, ``generate()`` appends the last token to the int64
+    input ids and grows the attention mask, both by ``torch.cat``.
 
 Note [Token bookkeeping]
     Beside the tensors of the model, ``generate()`` holds the int64 input ids and attention mask, and each
@@ -166,6 +173,24 @@ def _rope(e: _Emitter, nbytes: int) -> int:
     return out
 
 
+def _rotary(e: _Emitter, n: int, d: int) -> tuple[int, int]:
+    """The rotary embedding's cos and sin (``n`` = tokens x head_dim values each), computed in fp32 as
+    transformers writes it: ``freqs`` (half width), ``emb = cat(freqs, freqs)``, ``emb.cos() * scaling`` and
+    ``emb.sin() * scaling``, then cast to the activation dtype; the fp32 temporaries go only after the casts."""
+    freqs = e.alloc(n // 2 * 4)
+    emb = e.alloc(n * 4)
+    c = e.alloc(n * 4)
+    cs = e.alloc(n * 4)
+    e.free(c)
+    si = e.alloc(n * 4)
+    ss = e.alloc(n * 4)
+    e.free(si)
+    cos = e.alloc(n * d)
+    sin = e.alloc(n * d)
+    e.free(freqs, emb, cs, ss)
+    return cos, sin
+
+
 def _forward_block(e: _Emitter, s: ModelShape, tokens: int, d: int, cache: list[int], layer: int,
                    cache_tokens_after: int, batch: int, q_len: int) -> int:
     """One decoder block on ``tokens`` tokens; grows ``cache[2*layer:2*layer+2]``; returns the block output id
@@ -177,9 +202,8 @@ def _forward_block(e: _Emitter, s: ModelShape, tokens: int, d: int, cache: list[
     k = e.alloc(tkv)
     v = e.alloc(tkv)
     qe = _rope(e, tq)
-    e.free(q)
     ke = _rope(e, tkv)
-    e.free(k)
+    e.free(q, k)  # the unrotated q and k go only once both are rotated (apply_rotary_pos_emb returns both)
     layer_nbytes = batch * cache_tokens_after * s.kv_dim * d
     for j, src in enumerate((ke, v)):  # DynamicLayer.update: torch.cat([old, new]) allocates before freeing
         new = e.alloc(layer_nbytes, Category.KV_CACHE)
@@ -191,11 +215,9 @@ def _forward_block(e: _Emitter, s: ModelShape, tokens: int, d: int, cache: list[
     out = e.alloc(tq)
     lse = e.alloc(batch * s.n_heads * q_len * 4)
     flat = e.alloc(tq)
-    e.free(out, lse, qe)
-    o = e.alloc(th)
-    e.free(flat, n1)
-    h1 = e.alloc(th)
-    e.free(o)
+    e.free(out, lse, qe, n1)  # the normed input goes before o_proj allocates
+    h1 = e.alloc(th)  # o_proj; the residual add reuses it (the recording shows no second hidden-sized tensor)
+    e.free(flat)
     n2 = _norm(e, tokens * h * 4, th)
     g = e.alloc(ti)
     a = e.alloc(ti)
@@ -217,8 +239,7 @@ def _forward(e: _Emitter, s: ModelShape, batch: int, q_len: int, d: int, cache: 
     pos = e.alloc(tokens * 8)  # position_ids = attention_mask.cumsum(-1) - 1 (int64), and the cumsum
     cum = e.alloc(tokens * 8)
     emb = e.alloc(tokens * s.hidden_size * d)
-    cos = e.alloc(tokens * s.head_dim * d)
-    sin = e.alloc(tokens * s.head_dim * d)
+    cos, sin = _rotary(e, tokens * s.head_dim, d)
     ws = e.alloc(slack, Category.OVERHEAD) if slack else -1
     x = emb
     for layer in range(s.n_layers):
@@ -253,19 +274,26 @@ def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1,
         e.alloc(n * dtype_bytes, Category.WEIGHTS)
     e.alloc(MISC_NBYTES, Category.OVERHEAD)
     e.phase = "prefill"
-    ids = e.alloc(batch_size * (prompt_len + new_tokens) * 8)
+    ids = e.alloc(batch_size * prompt_len * 8)  # the int64 input ids; each new token grows them by torch.cat
     mask = e.alloc(batch_size * prompt_len * 8)  # the int64 attention mask generate() is given
     e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)
     cache = [-1] * (2 * shape.n_layers)
     _forward(e, shape, batch_size, prompt_len, d_act, cache, prompt_len, 0)
     for step in range(1, new_tokens):
         e.phase = "decode"
-        grown = e.alloc(batch_size * (prompt_len + step) * 8)  # generate() grows the mask by torch.cat
+        grown = e.alloc(batch_size * (prompt_len + step) * 8)  # generate() appends the token to the ids,
+        e.free(ids)
+        ids = grown
+        grown = e.alloc(batch_size * (prompt_len + step) * 8)  # then grows the mask, both by torch.cat
         e.free(mask)
         mask = grown
         slack = DECODE_SLACK_PER_Q_NBYTES * shape.q_dim if shape.n_kv_heads == shape.n_heads else 0
         _forward(e, shape, batch_size, 1, d_act, cache, prompt_len + step, slack)
     e.phase = "end"
+    if new_tokens:
+        grown = e.alloc(batch_size * (prompt_len + new_tokens) * 8)  # the last token appended
+        e.free(ids)
+        ids = grown
     e.free(ids, mask)
     for c in cache:
         if c >= 0:

@@ -113,3 +113,42 @@ def test_replays_a_real_7b_generate_segment_for_segment():
     finally:
         a.close()
         dev.close()
+
+
+def test_synthetic_7b_generate_makes_the_recorded_segments():
+    """``gpumem.estimate.inference_trace`` of the same 7B run follows the recording's order (Note [Prefill] in
+    ``gpumem/estimate/workload.py``): after the weights, the cuBLAS workspace and the bookkeeping buffers it makes
+    the 73 large segments of ``data/generate_7b_b16_p4096_n8.snapshot.pickle.gz`` in the same order."""
+    from gpumem.estimate.shape import ModelShape
+    from gpumem.estimate.workload import inference_trace
+    from gpumem.trace.pytorch import load_snapshot_dict
+
+    path = "tests/allocator/data/generate_7b_b16_p4096_n8.snapshot.pickle.gz"
+    real = [e["size"] for e in load_snapshot_dict(path)["device_traces"][0]
+            if e["action"] == "segment_alloc" and e["size"] > 2 * MiB]
+    trace = inference_trace(ModelShape(4096, 11008, 32, 32000, 32, 32), 2, batch_size=16, prompt_len=4096,
+                            new_tokens=8).trace
+    dev = open_device("sim:h200-141gb")
+    a = CachingAllocator(dev, "pytorch", engine="python")
+    made = []
+    new_segment = a.backing.new_segment
+
+    def spy(small, stream, nbytes):
+        seg = new_segment(small, stream, nbytes)
+        made.append(seg.nbytes)
+        return seg
+
+    a.backing.new_segment = spy
+    try:
+        ptrs = {}
+        for kind, i, n in zip(trace.kinds, trace.alloc_ids, trace.nbytes):
+            if kind == 0:
+                ptrs[i] = a.allocate(int(n))
+            else:
+                a.free(ptrs.pop(i))
+        large = [n for n in made if n > 2 * MiB]
+        assert len(real) == 73 and large[-len(real):] == real
+        assert large[-len(real) - 3:-len(real)] == [250 * MiB, 12 * MiB, 32 * MiB]  # embedding, misc, cuBLAS
+    finally:
+        a.close()
+        dev.close()

@@ -313,7 +313,13 @@ def fit_figure(path: Path, cells: list["FitCell"], devices: list[str], policies:
     ax.set_xlim(0, len(policies))
     ax.set_ylim(len(devices), 0)
     ax.set_xticks([j + 0.5 for j in range(len(policies))], policies)
-    ax.set_yticks([i + 0.5 for i in range(len(devices))], devices, fontsize=8)
+    by_limit = {c.device for c in cells if getattr(c, "decided_by", "replay") == "limit"}
+    ax.set_yticks([i + 0.5 for i in range(len(devices))], [d + (" *" if d in by_limit else "") for d in devices],
+                  fontsize=8)
+    if by_limit:
+        ax.set_ylabel("device (* no replay of its own: \"needs\"\ncompared with its free memory)", fontsize=8)
+    else:
+        ax.set_ylabel("device", fontsize=8)
     ax.tick_params(length=0)
     for side in ax.spines.values():
         side.set_visible(False)

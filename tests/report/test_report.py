@@ -235,3 +235,24 @@ def test_cli_json_and_bad_options(snapshot, tmp_path, capsys):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
     with pytest.raises(SystemExit):
         main(["report", str(snapshot), "--out", str(tmp_path / "z"), "--policy", "tcmalloc"])
+
+
+def test_fit_matrix_spans_profiles_and_gives_needs_without_virtual_memory(tmp_path):
+    # about 2 GiB live at the peak: too much for a Jetson Nano 2GB (a device without virtual memory), whose
+    # cell must still say what the trace needs (bisected on a larger twin of the same kind), as a VMM card's does
+    big = make_snapshot(tmp_path / "big.pickle.gz", scale=3)
+    extra = ("sim:gtx-1050-2gb", "sim:jetson-nano-4gb", "sim:rtx-3060-12gb")
+    build_report(big, tmp_path / "r", ReportOptions(devices=("sim:jetson-nano-2gb",), policies=("pytorch", "cupy"),
+                                                    samples=20, fit_devices=extra), progress=False)
+    fit = json.loads((tmp_path / "r" / "fit.json").read_text())
+    assert [c["device"] for c in fit[::2]] == ["sim:jetson-nano-2gb", *extra]
+    peak = load_trace(big).peak_live_nbytes
+    for c in fit:
+        assert c["smallest_limit_nbytes"] is not None and c["smallest_limit_nbytes"] >= peak, c
+        assert c["decided_by"] == ("replay" if c["device"] == "sim:jetson-nano-2gb" else "limit")
+        if c["device"] == "sim:jetson-nano-2gb":
+            assert c["status"] == "out of memory"
+        else:  # the cell decided by the smallest limit agrees with a real replay on that profile
+            runs = replay_trace(big, c["device"], c["policy"], progress=False).ooms == 0
+            assert c["status"] == ("runs" if runs else "out of memory"), c
+    assert {c["status"] for c in fit if c["device"] == "sim:rtx-3060-12gb"} == {"runs"}

@@ -394,6 +394,18 @@ def _check_spawnable() -> None:
                          f"with its sweep under 'if __name__ == \"__main__\":', or pass jobs=1")
 
 
+def describe_executor(executor: Any) -> str:
+    """How the sweep records an executor: its class, with the scheduler's address for a Dask client or its
+    executor (``ClientExecutor(scheduler=tcp://10.0.0.5:8786)``)."""
+    name = type(executor).__name__
+    client = executor if hasattr(executor, "scheduler") else getattr(executor, "_client", None)
+    try:
+        address = getattr(getattr(client, "scheduler", None), "address", None)
+    except Exception:  # noqa: BLE001 - a description must not fail the sweep
+        address = None
+    return f"{name}(scheduler={address})" if isinstance(address, str) and address else name
+
+
 def run_sweep(traces: Sequence[Any], devices: Sequence[str], policies: Sequence[str],
               limits: Sequence[Any] = (None,), *, executor: Any = None, jobs: int | None = None,
               progress: bool | None = True) -> SweepResult:
@@ -431,7 +443,7 @@ def run_sweep(traces: Sequence[Any], devices: Sequence[str], policies: Sequence[
         executor = _InlineExecutor() if n == 1 else _process_pool(n)
         described = f"ProcessPoolExecutor(jobs={n})" if n > 1 else "in-process (jobs=1)"
     else:
-        described = type(executor).__name__
+        described = describe_executor(executor)
     log.info("sweep: %d cases on %s", len(cases), described)
     rows: list[SweepRow | None] = [None] * len(cases)
     bar = progress_bar(len(cases), "sweep", "case", enabled=None if progress else False)

@@ -99,6 +99,11 @@ def test_local_processes_and_dask_give_identical_numbers(traces, inline_result):
         on_dask = run_sweep(traces, DEVICES, POLICIES, LIMITS, executor=client.get_executor(), progress=False)
         # a Client passed as the executor itself (its submit returns Dask futures) takes the same path
         on_client = run_sweep(traces[:1], DEVICES[:1], POLICIES, executor=client, progress=False)
+        address = client.scheduler.address
+    # the record names the cluster, not only the executor's class
+    assert address.startswith("tcp://")
+    assert on_dask.executor == f"ClientExecutor(scheduler={address})"
+    assert on_client.executor == f"Client(scheduler={address})"
     assert local.comparable_rows() == inline_result.comparable_rows()
     assert on_dask.comparable_rows() == inline_result.comparable_rows()
     first = [r for r in inline_result.comparable_rows() if r["trace"] == traces[0] and r["device"] == DEVICES[0]

@@ -269,10 +269,11 @@ def fragmentation_figure(path: Path, runs: list["PolicyRun"], holes: dict[str, l
         if r.result is None:
             continue
         x = np.asarray(xs[r.policy])
+        step = max(1, len(x) // 8)  # markers staggered between policies, so that none hides another's
         # distinct styles and sparse markers: policies often sit on the same line (e.g. all near 97 %)
         right.plot(x, np.asarray(r.timeline.external_fragmentation) * 100, lw=1.3,
                    ls=_LINE_STYLES[k % len(_LINE_STYLES)], marker=_MARKERS[k % len(_MARKERS)],
-                   markevery=max(1, len(x) // 8), ms=5, mfc="none",
+                   markevery=(k * step // max(1, len(runs)), step), ms=5, mfc="none",
                    color=policy_colour(r.policy, order), label=r.policy)
     right.set_xlabel(x_label)
     right.set_ylabel("external fragmentation (%)")

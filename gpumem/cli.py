@@ -481,6 +481,8 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
             print(f"gpumem replay: --export-snapshot: cannot write {_shorten_path(str(export))}: "
                   f"{exc.strerror or exc}", file=sys.stderr)
             return EXIT_USAGE
+        # on stderr, so that --json's stdout stays one JSON document
+        print(f"gpumem replay: wrote the PyTorch snapshot to {_shorten_path(str(export))}", file=sys.stderr)
     return code
 
 

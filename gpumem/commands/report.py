@@ -41,6 +41,16 @@ def _policies(values: list[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(values))
 
 
+def _fit_devices(values: list[str] | None) -> tuple[str, ...]:
+    from ..report.build import FIT_DEVICES
+
+    if not values:
+        return FIT_DEVICES
+    if values == ["none"]:
+        return ()
+    return tuple(dict.fromkeys(values))
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     """Check the options, build the report, print where it is and the summary table."""
     from ..errors import InvalidArgumentError
@@ -51,7 +61,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         options = ReportOptions(devices=tuple(dict.fromkeys(args.device or [_DEFAULT_DEVICE])),
                                 policies=_policies(args.policy), pressure=args.pressure,
                                 stop_on_oom=not args.keep_going, fit=not args.no_fit, samples=args.samples,
-                                trace_format=args.format, device_index=args.device_index)
+                                trace_format=args.format, device_index=args.device_index,
+                                fit_devices=() if args.no_fit else _fit_devices(args.fit_device))
     except InvalidArgumentError as exc:
         raise _UsageError(str(exc)) from None
     from ..errors import GpumemError
@@ -101,6 +112,8 @@ def _command_line(args: argparse.Namespace, options: Any) -> str:
     for flag, on in (("--keep-going", args.keep_going), ("--no-fit", args.no_fit)):
         if on:
             words.append(flag)
+    for d in args.fit_device or []:
+        words += ["--fit-device", d]
     if args.pressure:
         words += ["--pressure", args.pressure]
     if args.samples != 1000:
@@ -143,6 +156,10 @@ def register(sub: Any, formatter_class: type) -> None:
                         + ", ".join(PRESET_NAMES))
     p.add_argument("--keep-going", action="store_true",
                    help="skip an allocation that does not fit and go on (default: stop at the first, as replay)")
+    p.add_argument("--fit-device", action="append", metavar="SPEC",
+                   help="a further device of the fit matrix, repeatable, decided by the smallest memory limit "
+                        "of its kind against what it can give, without a replay of its own (default: a spread "
+                        "of simulated profiles from 2 GB to 141 GB; 'none' for only the --device ones)")
     p.add_argument("--no-fit", action="store_true",
                    help="skip the bisection of the smallest memory limit (faster; the fit matrix then says only "
                         "whether the trace runs)")

@@ -46,6 +46,10 @@ from .sites import SiteTable, live_by_site, snapshot_sites
 log = logging.getLogger(__name__)
 
 DEFAULT_DEVICES = ("sim:h200-141gb",)
+FIT_DEVICES = ("sim:jetson-nano-2gb", "sim:gtx-1050-2gb", "sim:jetson-nano-4gb", "sim:gtx-1650-4gb",
+               "sim:rtx-2060-6gb", "sim:rtx-3060-12gb", "sim:t4-16gb", "sim:rtx-4090-24gb", "sim:a100-40gb",
+               "sim:a100-80gb", "sim:h200-141gb")
+"""The fit matrix's spread of profiles, 2 GB to 141 GB (with and without virtual memory), by default."""
 SAMPLES = 1000
 """Samples per replay in the timeline figures."""
 
@@ -65,6 +69,8 @@ class ReportOptions:
     stop_on_oom: bool = True
     fit: bool = True
     """Bisect the smallest memory limit per device and policy (the fit matrix's "needs")."""
+    fit_devices: tuple[str, ...] = ()
+    """Further device profiles of the fit matrix, decided by the smallest limit (no replay of their own)."""
     samples: int = SAMPLES
     trace_format: str | None = None
     device_index: int | None = None
@@ -99,6 +105,9 @@ class FitCell:
     """``runs``, ``out of memory`` or ``unsupported``."""
     smallest_limit_nbytes: int | None
     """The smallest ``limit=`` the trace runs under (without pressure), to within 1 % of its peak live bytes."""
+    decided_by: str = "replay"
+    """``replay``: a replay on the device; ``limit``: the smallest limit of the device's kind compared with the
+    memory the device can give (the further profiles of :attr:`ReportOptions.fit_devices`)."""
 
 
 @dataclass
@@ -340,32 +349,84 @@ def _build(trace: Trace, trace_path: str, specs: list[str], options: ReportOptio
     return ReportResult(out_dir=tmp, trace=trace.name, summary=summary, files=files)
 
 
+def _kind(spec: str) -> tuple[int, bool, Any]:
+    """A device's kind for the smallest limit (granularity, virtual memory) and its profile (None when real)."""
+    dev = open_device(spec)
+    try:
+        profile = getattr(dev, "profile", None)
+        return dev.granularity_nbytes, bool(dev.vmm_supported), profile
+    finally:
+        dev.close()
+
+
+def _capacity(spec: str) -> int:
+    """What ``spec`` can give an allocator: its free memory when opened."""
+    dev = open_device(spec)
+    try:
+        return int(dev.mem_info().free_nbytes)
+    finally:
+        dev.close()
+
+
 def _fit(trace: Trace, options: ReportOptions, groups: list[list[PolicyRun]],
          step: Any) -> tuple[list[FitCell], dict[tuple[str, str], int | None]]:
     """The fit matrix; the smallest limit is bisected without pressure, once per policy and kind of device
-    (granularity, virtual memory), since a limit, not the device's size, decides it."""
+    (granularity, virtual memory), since a limit, not the device's size, decides it.
+
+    The report's devices are decided by their replays; the further profiles of ``options.fit_devices`` by the
+    smallest limit of their kind compared with the memory the profile can give (no replay of their own)."""
     cells: list[FitCell] = []
     smallest: dict[tuple[str, str], int | None] = {}
     cache: dict[tuple[Any, ...], int | None] = {}
     for runs, base in zip(groups, options.devices):
-        dev = open_device(base)
-        try:
-            key_dev = (dev.granularity_nbytes, dev.vmm_supported)
-        finally:
-            dev.close()
+        key_dev = _kind(base)
         for r in runs:
             if r.result is None:
-                cells.append(FitCell(r.device, r.policy, "unsupported", None))
+                cells.append(FitCell(r.device, r.policy, "unsupported", None, "replay"))
                 continue
             value = None
             if options.fit:
-                key = (r.policy, *key_dev)
+                key = (r.policy, *key_dev[:2])
                 if key not in cache:
                     cache[key] = _bisect_limit(trace, base, r, options, key_dev, step)
                 value = cache[key]
             smallest[(r.device, r.policy)] = value
-            cells.append(FitCell(r.device, r.policy, "runs" if r.result.ooms == 0 else "out of memory", value))
+            cells.append(FitCell(r.device, r.policy, "runs" if r.result.ooms == 0 else "out of memory", value,
+                                 "replay"))
+    if not options.fit:
+        return cells, smallest
+    shown = {c.device for c in cells} | set(options.devices)
+    extra = [d for d in options.fit_devices if d not in shown]
+    for spec in extra:
+        key_dev = _kind(spec)
+        capacity = _capacity(spec)
+        for policy in options.policies:
+            key = (policy, *key_dev[:2])
+            if key not in cache:
+                cache[key] = _bisect_policy(trace, spec, policy, key_dev, step)
+            value = cache[key]
+            if value is None:
+                status = "unsupported" if _unsupported(spec, policy) else "out of memory"
+            else:
+                status = "runs" if value <= capacity else "out of memory"
+            cells.append(FitCell(spec, policy, status, value, "limit"))
     return cells, smallest
+
+
+def _unsupported(spec: str, policy: str) -> bool:
+    """Whether ``policy`` cannot run on ``spec`` at all (e.g. virtual memory on a device without it)."""
+    from ..errors import UnsupportedOperationError
+    from ..replay import make_allocator
+
+    dev = open_device(spec)
+    try:
+        try:
+            make_allocator(dev, policy).close()
+        except UnsupportedOperationError:
+            return True
+        return False
+    finally:
+        dev.close()
 
 
 BIG_TWIN = "sim:h200-141gb"
@@ -373,31 +434,53 @@ BIG_TWIN = "sim:h200-141gb"
 decides whether the trace runs, so the answer holds for the smaller card too: it needs that much)."""
 
 
-def _bisect_limit(trace: Trace, base: str, run: PolicyRun, options: ReportOptions, key_dev: tuple[int, bool],
-                  step: Any) -> int | None:
-    """The smallest limit for ``run``'s policy: bisected on ``base`` (without pressure), or on
-    :data:`BIG_TWIN` when the trace does not fit ``base`` at all and the twin is the same kind of device."""
+def _big_twin(profile: Any, trace: Trace) -> Any:
+    """A simulated profile like ``profile`` (same kind) but large enough for ``trace``: the place to bisect the
+    smallest limit of a device too small for it."""
+    from ..sim import custom_profile, get_profile
+
+    total = max(get_profile(BIG_TWIN.split(":", 1)[1]).total_nbytes, 4 * trace.peak_live_nbytes)
+    return custom_profile(f"{profile.name}-twin", total, base=profile)
+
+
+def _bisect_policy(trace: Trace, spec: str, policy: str, key_dev: tuple[int, bool, Any], step: Any) -> int | None:
+    """The smallest limit of ``policy`` on a device of ``spec``'s kind, bisected on a big twin of it."""
+    from ..errors import UnsupportedOperationError
+    from ..replay import replay_trace
+
+    profile = key_dev[2]
+    if profile is None:  # a real device: bisect on it
+        twin_kw: dict[str, Any] = {}
+    else:
+        twin_kw = {"profile": _big_twin(profile, trace)}
+    dev = open_device(spec, **twin_kw)
+    try:
+        try:
+            big = replay_trace(trace, dev, policy, progress=False)
+        except UnsupportedOperationError:
+            return None
+    finally:
+        dev.close()
+    if big.ooms:
+        return None
+    return smallest_limit(trace, spec, policy, big.peak_reserved_bytes, on_step=step,
+                          profile=twin_kw.get("profile"))
+
+
+def _bisect_limit(trace: Trace, base: str, run: PolicyRun, options: ReportOptions,
+                  key_dev: tuple[int, bool, Any], step: Any) -> int | None:
+    """The smallest limit for ``run``'s policy: bisected on ``base`` (without pressure), or on a big twin of
+    ``base`` (same kind of device, more memory) when the trace does not fit ``base`` at all."""
     from ..replay import replay_trace
 
     assert run.result is not None
     fits_at = run.result.peak_reserved_bytes
-    where = base
     if run.result.ooms or options.pressure is not None:
         plain = replay_trace(trace, base, run.policy, progress=False)
         fits_at = plain.peak_reserved_bytes if plain.ooms == 0 else 0
         if not fits_at:
-            twin = open_device(BIG_TWIN)
-            try:
-                same_kind = (twin.granularity_nbytes, twin.vmm_supported) == key_dev
-            finally:
-                twin.close()
-            if not same_kind:
-                return None
-            big = replay_trace(trace, BIG_TWIN, run.policy, progress=False)
-            if big.ooms:
-                return None
-            fits_at, where = big.peak_reserved_bytes, BIG_TWIN
-    return smallest_limit(trace, where, run.policy, fits_at, on_step=step)
+            return _bisect_policy(trace, base, run.policy, key_dev, step)
+    return smallest_limit(trace, base, run.policy, fits_at, on_step=step)
 
 
 def _device_outputs(trace: Trace, spec: str, runs: list[PolicyRun], occs: list[tuple[str, Occupancy | None]],

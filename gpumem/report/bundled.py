@@ -5,7 +5,8 @@ Run from the repository root::
     python -m gpumem.report.bundled
 
 It writes ``reports/report/<trace file>/`` for every trace in ``data/traces/`` (every policy, on a simulated
-H200, 400 samples per policy to keep the files small) and ``reports/report/index.html`` linking them, each
+H200, 400 samples per policy to keep the files small; the fit matrix over a spread of profiles from 2 GB to
+141 GB) and ``reports/report/index.html`` linking them, each
 folder replaced only once its new report is complete. ``--traces DIR``, ``--out DIR`` and ``--device SPEC``
 change where it reads and writes and what it replays on.
 """
@@ -19,7 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .build import DEFAULT_DEVICES, ReportOptions, build_report
+from .build import DEFAULT_DEVICES, FIT_DEVICES, ReportOptions, build_report
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         name = report_name(t)
         command = (f"gpumem report {args.traces}/{t.name} " + " ".join(f"--device {d}" for d in devices)
                    + f" --policy all --samples {SAMPLES} --out {args.out}/{name}")
-        result = build_report(t, out / name, ReportOptions(devices=devices, samples=SAMPLES), force=True,
+        result = build_report(t, out / name, ReportOptions(devices=devices, samples=SAMPLES, fit_devices=FIT_DEVICES), force=True,
                               command=command)
         rows.append((name, result.summary))
         print(f"{name}: {out / name / 'index.html'}", flush=True)
@@ -75,7 +76,7 @@ def _write_index(out: Path, rows: list[tuple[str, list[dict]]]) -> None:
              "td.l,th.l{text-align:left}th{background:#f4f4f4}</style></head><body>",
              "<h1>gpumem reports of the bundled traces</h1>",
              "<p>Each trace in <code>data/traces/</code> replayed under every allocator policy on a simulated "
-             "H200. The table gives the overhead (peak reserved / peak live &minus; 1); each trace's report has "
+             "H200 (each fit matrix spans simulated profiles from 2 GB to 141 GB). The table gives the overhead (peak reserved / peak live &minus; 1); each trace's report has "
              "the figures. Regenerate with <code>python -m gpumem.report.bundled</code>.</p>",
              "<table><tr><th class=l>trace</th><th>peak live (GiB)</th>"
              + "".join(f"<th>{e(p)}</th>" for p in policies) + "</tr>"]

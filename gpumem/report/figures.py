@@ -69,31 +69,33 @@ def _save(fig, path: Path) -> None:
 
 
 def timeline_figure(path: Path, runs: list["PolicyRun"], xs: dict[str, np.ndarray], x_label: str,
-                    title: str) -> None:
-    """(1) Live and reserved bytes over time per policy; out-of-memory errors and pressure marked."""
+                    title: str) -> np.ndarray:
+    """(1) Live and reserved bytes over time per policy; out-of-memory errors and pressure marked. Returns the
+    x values of the live line (those of the run that went furthest)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(10, 5.2), layout="constrained")
     order = [r.policy for r in runs]
-    live_drawn = False
-    tenant_drawn = False
     any_tenant = any(any(r.timeline.tenant_nbytes) for r in runs if r.result is not None)
     oom_labelled = False
+    live_x = np.zeros(0)
+    src = furthest_run(runs)
+    if src is not None:
+        # live (and the tenants) from the run that went furthest: runs stopped by an out-of-memory error
+        # end early, and the program's live bytes do not depend on the policy
+        live_x = np.asarray(xs[src.policy])
+        ax.plot(live_x, np.asarray(src.timeline.live_nbytes) / GiB, color="black", lw=1.2,
+                label="live: the program's tensors (most in each interval)")
+        if any_tenant:
+            ax.plot(live_x, np.asarray(src.timeline.tenant_nbytes) / GiB, color="#555555", lw=0.9, ls=":",
+                    label="other tenants (pressure scenario), sampled")
     for r in runs:
         if r.result is None:
             continue
         x = xs[r.policy]
         tl = r.timeline
         c = policy_colour(r.policy, order)
-        if not live_drawn:
-            ax.plot(x, np.asarray(tl.live_nbytes) / GiB, color="black", lw=1.2, label="live: the program's tensors (most in each interval)")
-            live_drawn = True
         ax.plot(x, np.asarray(tl.reserved_nbytes) / GiB, color=c, lw=1.4,
                 label=f"reserved: {r.policy} (peak {r.result.peak_reserved_bytes / GiB:.2f} GiB)")
-        if any_tenant and not tenant_drawn:
-            # the scenario is the same for every policy (seeded); one line, sampled where the replay was
-            ax.plot(x, np.asarray(tl.tenant_nbytes) / GiB, color="#555555", lw=0.9, ls=":",
-                    label="other tenants (pressure scenario), sampled")
-            tenant_drawn = True
         if r.ooms:
             ox = [_x_at(x, tl.op, o.op) for o in r.ooms]
             oy = [o.reserved_nbytes / GiB for o in r.ooms]
@@ -113,6 +115,17 @@ def timeline_figure(path: Path, runs: list["PolicyRun"], xs: dict[str, np.ndarra
     ax.set_title(title)
     fig.legend(loc="outside lower center", ncol=3, fontsize=8, frameon=False)
     _save(fig, path)
+    return live_x
+
+
+_LINE_STYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 1)))
+_MARKERS = ("o", "s", "^", "D", "v", "x", "+")
+
+
+def furthest_run(runs: list["PolicyRun"]) -> "PolicyRun | None":
+    """The replayed run whose timeline reaches the furthest operation (the first of equals)."""
+    done = [r for r in runs if r.result is not None and len(r.timeline.op)]
+    return max(done, key=lambda r: r.timeline.op[-1]) if done else None
 
 
 def _x_at(x: np.ndarray, ops: list[int], op: int) -> float:
@@ -252,17 +265,23 @@ def fragmentation_figure(path: Path, runs: list["PolicyRun"], holes: dict[str, l
         left.legend(fontsize=8)
     else:
         left.text(0.5, 0.5, "no free holes", transform=left.transAxes, ha="center")
-    for r in runs:
+    for k, r in enumerate(runs):
         if r.result is None:
             continue
-        right.plot(xs[r.policy], np.asarray(r.timeline.external_fragmentation) * 100, lw=1.2,
+        x = np.asarray(xs[r.policy])
+        step = max(1, len(x) // 8)  # markers staggered between policies, so that none hides another's
+        # distinct styles and sparse markers: policies often sit on the same line (e.g. all near 97 %)
+        right.plot(x, np.asarray(r.timeline.external_fragmentation) * 100, lw=1.3,
+                   ls=_LINE_STYLES[k % len(_LINE_STYLES)], marker=_MARKERS[k % len(_MARKERS)],
+                   markevery=(k * step // max(1, len(runs)), step), ms=5, mfc="none",
                    color=policy_colour(r.policy, order), label=r.policy)
     right.set_xlabel(x_label)
     right.set_ylabel("external fragmentation (%)")
     right.set_ylim(-2, 102)
     right.set_title("1 - largest free block / all free bytes", fontsize=10)
     right.grid(alpha=0.3)
-    right.legend(fontsize=8, loc="best")
+    # outside the panel, so it hides no data
+    right.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.suptitle(title)
     _save(fig, path)
 
@@ -277,7 +296,7 @@ def sites_figure(path: Path, table: "SiteTable", title: str) -> None:
     bars = ax.barh(range(len(rows)), values, color=LIVE_COLOUR, label=f"live bytes by {table.kind}")
     for bar, s in zip(bars, rows):
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
-                f" {s.live_nbytes / table.total_live_nbytes:.1%} ({s.n_live:,} tensors)" if table.total_live_nbytes
+                f" {s.live_nbytes / table.total_live_nbytes:.1%} ({s.n_live:,} tensor{'' if s.n_live == 1 else 's'})" if table.total_live_nbytes
                 else "", va="center", fontsize=8)
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
     ax.set_xlabel("live memory at the peak (GiB)")
@@ -313,7 +332,13 @@ def fit_figure(path: Path, cells: list["FitCell"], devices: list[str], policies:
     ax.set_xlim(0, len(policies))
     ax.set_ylim(len(devices), 0)
     ax.set_xticks([j + 0.5 for j in range(len(policies))], policies)
-    ax.set_yticks([i + 0.5 for i in range(len(devices))], devices, fontsize=8)
+    by_limit = {c.device for c in cells if getattr(c, "decided_by", "replay") == "limit"}
+    ax.set_yticks([i + 0.5 for i in range(len(devices))], [d + (" *" if d in by_limit else "") for d in devices],
+                  fontsize=8)
+    if by_limit:
+        ax.set_ylabel("device (* no replay of its own: \"needs\"\ncompared with its free memory)", fontsize=8)
+    else:
+        ax.set_ylabel("device", fontsize=8)
     ax.tick_params(length=0)
     for side in ax.spines.values():
         side.set_visible(False)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -363,11 +363,12 @@ def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
 # -- the smallest limit ----------------------------------------------------------------------------------
 
 
-def runs_under(trace: Trace, device_spec: str, policy: str, limit: int | None) -> bool:
-    """Whether ``trace`` replays on ``device_spec`` under ``policy`` and ``limit`` without running out of memory."""
+def runs_under(trace: Trace, device_spec: str, policy: str, limit: int | None, *, profile: Any = None) -> bool:
+    """Whether ``trace`` replays on ``device_spec`` under ``policy`` and ``limit`` without running out of memory
+    (``profile``: a :class:`~gpumem.sim.DeviceProfile` replacing the spec's, for a simulated device)."""
     from ..replay import replay
 
-    dev = open_device(device_spec)
+    dev = open_device(device_spec, profile=profile) if profile is not None else open_device(device_spec)
     try:
         allocator = CachingAllocator(dev, policy, limit=limit)
         try:
@@ -379,7 +380,7 @@ def runs_under(trace: Trace, device_spec: str, policy: str, limit: int | None) -
 
 
 def smallest_limit(trace: Trace, device_spec: str, policy: str, fits_at: int, *, rel_tol: float = 0.01,
-                   on_step: Callable[[], None] | None = None) -> int | None:
+                   on_step: Callable[[], None] | None = None, profile: Any = None) -> int | None:
     """The smallest ``limit=`` (bytes) under which ``trace`` runs, by bisection between the trace's peak live
     bytes and ``fits_at`` (a limit it is known to run under: the peak reserved of an unlimited run), to within
     ``rel_tol`` of the peak live bytes; None when the policy cannot run on the device.
@@ -390,13 +391,13 @@ def smallest_limit(trace: Trace, device_spec: str, policy: str, fits_at: int, *,
     hi = max(lo, fits_at)
     tol = max(1, int(rel_tol * lo))
     try:
-        if runs_under(trace, device_spec, policy, lo):
+        if runs_under(trace, device_spec, policy, lo, profile=profile):
             return lo
         if on_step is not None:
             on_step()
         while hi - lo > tol:
             mid = (lo + hi) // 2
-            ok = runs_under(trace, device_spec, policy, mid)
+            ok = runs_under(trace, device_spec, policy, mid, profile=profile)
             if on_step is not None:
                 on_step()
             if ok:

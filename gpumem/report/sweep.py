@@ -22,6 +22,7 @@ from executor to executor (:meth:`SweepResult.comparable_rows`).
 from __future__ import annotations
 
 import concurrent.futures as cf
+from concurrent.futures.process import BrokenProcessPool
 import csv
 import dataclasses
 import enum
@@ -32,6 +33,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -379,6 +381,37 @@ def _process_pool(jobs: int) -> cf.Executor:
     return cf.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
 
 
+_GUARD_HINT = ("a script that calls run_sweep with a process pool (jobs > 1, the default) must do so under "
+               "'if __name__ == \"__main__\":': the pool starts its workers with spawn, and each worker imports "
+               "the script again (see docs/sweeps.md, From Python); or pass jobs=1, or an executor")
+
+
+def _check_spawnable() -> None:
+    """Raise :class:`SweepError` where a spawned process pool cannot work: in a worker that is importing an
+    unguarded script (it would run the whole sweep again), or when the main program has no file a worker
+    could import (a script fed through stdin)."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # set while a spawned child prepares
+        raise SweepError("run_sweep was called while a pool worker was starting: " + _GUARD_HINT)
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if isinstance(path, str) and not os.path.isfile(path):
+        raise SweepError(f"run_sweep cannot start a process pool from a program without a file ({path}: a "
+                         f"script read from stdin, say), since each worker must import it: save it as a file "
+                         f"with its sweep under 'if __name__ == \"__main__\":', or pass jobs=1")
+
+
+def describe_executor(executor: Any) -> str:
+    """How the sweep records an executor: its class, with the scheduler's address for a Dask client or its
+    executor (``ClientExecutor(scheduler=tcp://10.0.0.5:8786)``)."""
+    name = type(executor).__name__
+    client = executor if hasattr(executor, "scheduler") else getattr(executor, "_client", None)
+    try:
+        address = getattr(getattr(client, "scheduler", None), "address", None)
+    except Exception:  # noqa: BLE001 - a description must not fail the sweep
+        address = None
+    return f"{name}(scheduler={address})" if isinstance(address, str) and address else name
+
+
 def run_sweep(traces: Sequence[Any], devices: Sequence[str], policies: Sequence[str],
               limits: Sequence[Any] = (None,), *, executor: Any = None, jobs: int | None = None,
               progress: bool | None = True) -> SweepResult:
@@ -411,10 +444,12 @@ def run_sweep(traces: Sequence[Any], devices: Sequence[str], policies: Sequence[
     own = executor is None
     if own:
         n = min(jobs or os.cpu_count() or 1, len(cases))
+        if n > 1:
+            _check_spawnable()
         executor = _InlineExecutor() if n == 1 else _process_pool(n)
         described = f"ProcessPoolExecutor(jobs={n})" if n > 1 else "in-process (jobs=1)"
     else:
-        described = type(executor).__name__
+        described = describe_executor(executor)
     log.info("sweep: %d cases on %s", len(cases), described)
     rows: list[SweepRow | None] = [None] * len(cases)
     bar = progress_bar(len(cases), "sweep", "case", enabled=None if progress else False)
@@ -428,6 +463,9 @@ def run_sweep(traces: Sequence[Any], devices: Sequence[str], policies: Sequence[
             try:
                 row = fut.result()
             except Exception as exc:  # noqa: BLE001 - the worker itself died or could not unpickle the task
+                if own and isinstance(exc, BrokenProcessPool):  # our workers died: most often, while starting,
+                    # from an unguarded script (a worker that imports it raises SweepError, _check_spawnable)
+                    raise SweepError(f"the sweep's worker processes died ({exc}); {_GUARD_HINT}") from None
                 log.debug("sweep case %s: executor error", case, exc_info=True)
                 row = _error_row(case, exc)
                 if not own:

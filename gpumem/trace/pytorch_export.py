@@ -9,7 +9,7 @@ a gpumem trace, and :func:`gpumem.trace.read_pytorch_snapshot` reads the ops bac
      "device_traces": [[entry, ...]],   # one device (device 0)
      "allocator_settings": {...}}       # a few descriptive keys
 
-Entries carry ``action, addr, size, stream, time_us, frames=[]``. An ALLOC op becomes
+Entries carry ``action, addr, size, stream, time_us, frames`` (``[]``, or the stacks given as ``frames=``). An ALLOC op becomes
 ``alloc``; a FREE op becomes ``free_requested`` immediately followed by
 ``free_completed``. ``size`` is the requested size. ``time_us`` is written as an int
 when it is integral (as PyTorch does), as a float otherwise, so it reads back
@@ -62,7 +62,30 @@ from .builder import replay_addresses
 from .model import OpKind, Trace
 from .recorder import SEGMENT_ACTIONS
 
-__all__ = ["to_pytorch_snapshot", "save_pytorch_snapshot"]
+__all__ = ["to_pytorch_snapshot", "save_pytorch_snapshot", "snapshot_frames"]
+
+
+def snapshot_frames(path: PathLike, n_allocs: int | None = None, device: int | None = None) -> list[Any] | None:
+    """The stack (``frames``) of each ``alloc`` entry of the PyTorch snapshot ``path``, in order (allocation
+    id order for a trace read from it), to hand to :func:`to_pytorch_snapshot`; None when the file has no
+    single device trace, no stacks, or (given ``n_allocs``) another number of allocations."""
+    from .pytorch import load_snapshot_dict
+
+    data = load_snapshot_dict(path)
+    traces = data.get("device_traces") or []
+    if device is not None:
+        entries = traces[device] if 0 <= device < len(traces) else None
+    else:
+        non_empty = [t for t in traces if t]
+        entries = non_empty[0] if len(non_empty) == 1 else None
+    if not entries:
+        return None
+    frames = [e.get("frames") for e in entries if isinstance(e, dict) and e.get("action") == "alloc"]
+    if n_allocs is not None and len(frames) != n_allocs:
+        return None
+    if not any(isinstance(f, list) and f for f in frames):
+        return None
+    return [f if isinstance(f, list) else [] for f in frames]
 
 _SEGMENT_RANK = {"segment_alloc": 0, "segment_map": 0, "segment_free": 2, "segment_unmap": 2}
 
@@ -182,17 +205,21 @@ def _block(addr: int, size: int, requested: int, state: str) -> dict[str, Any]:
     return {"address": addr, "size": size, "requested_size": requested, "state": state, "frames": []}
 
 
-def _op_entries(trace: Trace, addrs: np.ndarray, per_alloc_segments: bool) -> list[tuple[float, int, dict[str, Any]]]:
+def _op_entries(trace: Trace, addrs: np.ndarray, per_alloc_segments: bool,
+                frames: Sequence[Any] | None = None) -> list[tuple[float, int, dict[str, Any]]]:
     """``(time_us, rank 1, entry)`` for each op entry, in op order."""
     out: list[tuple[float, int, dict[str, Any]]] = []
     push = out.append
-    for kind, n, s, t, a in zip(trace.kinds.tolist(), trace.nbytes.tolist(), trace.streams.tolist(),
-                                trace.times_us.tolist(), addrs.tolist()):
+    for kind, n, s, t, a, k in zip(trace.kinds.tolist(), trace.nbytes.tolist(), trace.streams.tolist(),
+                                   trace.times_us.tolist(), addrs.tolist(), trace.alloc_ids.tolist()):
         tv = _time_value(t)
         if kind == OpKind.ALLOC:
             if per_alloc_segments:
                 push((t, 1, _entry("segment_alloc", a, n, s, tv)))
-            push((t, 1, _entry("alloc", a, n, s, tv)))
+            e = _entry("alloc", a, n, s, tv)
+            if frames is not None and k < len(frames) and isinstance(frames[k], list):
+                e["frames"] = frames[k]
+            push((t, 1, e))
         else:
             push((t, 1, _entry("free_requested", a, n, s, tv)))
             push((t, 1, _entry("free_completed", a, n, s, tv)))
@@ -206,6 +233,7 @@ def to_pytorch_snapshot(
     *,
     segments_events: Iterable[Sequence[Any]] | None = None,
     device: int = 0,
+    frames: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
     """The PyTorch memory-snapshot dict of ``trace`` (see the module docstring for what it holds).
 
@@ -213,13 +241,18 @@ def to_pytorch_snapshot(
     time_us)`` with ``action`` in ``segment_alloc/segment_free/segment_map/segment_unmap``;
     by default the trace's own ``segment_events`` if it has them (an allocator's history).
     ``device`` is the index written into the segments; ``device_traces`` gets
-    ``device + 1`` lists with the trace in the last.
+    ``device + 1`` lists with the trace in the last. ``frames``: the stack of each allocation (a list of
+    PyTorch frame dicts, indexed by allocation id; :func:`snapshot_frames` reads them from the snapshot the
+    trace came from), written on its ``alloc`` entry so that the viewer and ``gpumem report`` can tell who
+    allocated it (by default ``frames=[]``: gpumem's trace model keeps no stacks).
     """
+    if frames is not None and not isinstance(frames, Sequence):
+        raise InvalidArgumentError(f"frames must be a sequence (one stack per allocation), got {type(frames).__name__}")
     addrs = replay_addresses(trace)
     if segments_events is None:
         segments_events = getattr(trace, "segment_events", None)  # a trace from CachingAllocator.history()
     per_alloc = segments_events is None
-    op_entries = _op_entries(trace, addrs, per_alloc)
+    op_entries = _op_entries(trace, addrs, per_alloc, frames)
     seg_entries: list[tuple[float, int, dict[str, Any]]] = []
     if not per_alloc:
         for ev in segments_events or ():
@@ -259,6 +292,7 @@ def save_pytorch_snapshot(
     path: PathLike,
     *,
     segments_events: Iterable[Sequence[Any]] | None = None,
+    frames: Sequence[Any] | None = None,
 ) -> Path:
     """Pickle a trace (converted by :func:`to_pytorch_snapshot`) or a ready snapshot dict to ``path``.
 
@@ -266,7 +300,7 @@ def save_pytorch_snapshot(
     plain ``.pickle``. Returns the path written.
     """
     data = (
-        to_pytorch_snapshot(trace_or_snapshot, segments_events=segments_events)
+        to_pytorch_snapshot(trace_or_snapshot, segments_events=segments_events, frames=frames)
         if isinstance(trace_or_snapshot, Trace)
         else trace_or_snapshot
     )

@@ -235,3 +235,61 @@ def test_cli_json_and_bad_options(snapshot, tmp_path, capsys):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
     with pytest.raises(SystemExit):
         main(["report", str(snapshot), "--out", str(tmp_path / "z"), "--policy", "tcmalloc"])
+
+
+def test_fit_matrix_spans_profiles_and_gives_needs_without_virtual_memory(tmp_path):
+    # about 2 GiB live at the peak: too much for a Jetson Nano 2GB (a device without virtual memory), whose
+    # cell must still say what the trace needs (bisected on a larger twin of the same kind), as a VMM card's does
+    big = make_snapshot(tmp_path / "big.pickle.gz", scale=3)
+    extra = ("sim:gtx-1050-2gb", "sim:jetson-nano-4gb", "sim:rtx-3060-12gb")
+    build_report(big, tmp_path / "r", ReportOptions(devices=("sim:jetson-nano-2gb",), policies=("pytorch", "cupy"),
+                                                    samples=20, fit_devices=extra), progress=False)
+    fit = json.loads((tmp_path / "r" / "fit.json").read_text())
+    assert [c["device"] for c in fit[::2]] == ["sim:jetson-nano-2gb", *extra]
+    peak = load_trace(big).peak_live_nbytes
+    for c in fit:
+        assert c["smallest_limit_nbytes"] is not None and c["smallest_limit_nbytes"] >= peak, c
+        assert c["decided_by"] == ("replay" if c["device"] == "sim:jetson-nano-2gb" else "limit")
+        if c["device"] == "sim:jetson-nano-2gb":
+            assert c["status"] == "out of memory"
+        else:  # the cell decided by the smallest limit agrees with a real replay on that profile
+            runs = replay_trace(big, c["device"], c["policy"], progress=False).ooms == 0
+            assert c["status"] == ("runs" if runs else "out of memory"), c
+    assert {c["status"] for c in fit if c["device"] == "sim:rtx-3060-12gb"} == {"runs"}
+
+
+def test_live_line_covers_the_run_that_went_furthest(tmp_path):
+    # under pressure on a small card the policies run out of memory at different operations: the live (and
+    # tenant) line must not stop where the first policy's run stopped
+    from gpumem.report import figures
+    from gpumem.report.build import _x_axis
+    from gpumem.report.runs import run_policy
+
+    trace = load_trace(make_snapshot(tmp_path / "big.pickle.gz", scale=3))
+    spec = "sim:gtx-1050-2gb?pressure=spikes"
+    runs = [run_policy(trace, spec, p, samples=40) for p in ("bestfit", "gpumem", "pytorch", "cupy")]
+    ends = [r.timeline.op[-1] for r in runs]
+    assert len(set(ends)) > 1 and ends[0] < max(ends), ends  # the case of the bug: the first run stops early
+    xs, label = _x_axis(trace, runs)
+    live_x = figures.timeline_figure(tmp_path / "t.png", runs, xs, label, "t")
+    longest = runs[ends.index(max(ends))]
+    assert list(live_x) == list(xs[longest.policy])
+    assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_site_labels_say_tensor_for_one(tmp_path):
+    from gpumem.report import figures
+    from gpumem.report.sites import Site, SiteTable
+
+    table = SiteTable(op=1, kind="requested size", sites=[Site("1 MiB", MiB, 1), Site("2 MiB", 4 * MiB, 2)],
+                      total_live_nbytes=5 * MiB)
+    import matplotlib.pyplot as plt
+
+    texts = []
+    orig = plt.Axes.text
+    try:
+        plt.Axes.text = lambda self, *a, **k: texts.append(a[2]) or orig(self, *a, **k)
+        figures.sites_figure(tmp_path / "s.png", table, "t")
+    finally:
+        plt.Axes.text = orig
+    assert any(t.endswith("(1 tensor)") for t in texts) and any(t.endswith("(2 tensors)") for t in texts)

@@ -99,6 +99,11 @@ def test_local_processes_and_dask_give_identical_numbers(traces, inline_result):
         on_dask = run_sweep(traces, DEVICES, POLICIES, LIMITS, executor=client.get_executor(), progress=False)
         # a Client passed as the executor itself (its submit returns Dask futures) takes the same path
         on_client = run_sweep(traces[:1], DEVICES[:1], POLICIES, executor=client, progress=False)
+        address = client.scheduler.address
+    # the record names the cluster, not only the executor's class
+    assert address.startswith("tcp://")
+    assert on_dask.executor == f"ClientExecutor(scheduler={address})"
+    assert on_client.executor == f"Client(scheduler={address})"
     assert local.comparable_rows() == inline_result.comparable_rows()
     assert on_dask.comparable_rows() == inline_result.comparable_rows()
     first = [r for r in inline_result.comparable_rows() if r["trace"] == traces[0] and r["device"] == DEVICES[0]
@@ -398,3 +403,32 @@ def test_sweep_on_a_real_gpu_is_the_same_on_worker_processes(traces, device_spec
     pooled = run_sweep(traces, [device_spec], POLICIES, LIMITS, jobs=2, progress=False)
     assert all(r.status != SweepStatus.ERROR for r in inline.rows), [r.error for r in inline.rows]
     assert pooled.comparable_rows() == inline.comparable_rows()
+
+
+_UNGUARDED = """
+from gpumem.report.sweep import run_sweep
+result = run_sweep([{trace!r}], ["sim:t4-16gb"], ["gpumem", "pytorch"], jobs=2, progress=False)
+print("ROWS", [r.status.value if hasattr(r.status, "value") else r.status for r in result.rows])
+"""
+
+
+@pytest.mark.parametrize("how", ["script", "stdin"])
+def test_an_unguarded_script_or_stdin_gets_a_clear_error_not_error_rows(traces, tmp_path, how):
+    # run_sweep's pool spawns its workers, which import the main script again: an unguarded script would
+    # rerun the sweep in every worker, a script read from stdin cannot be imported at all
+    import subprocess
+
+    code = _UNGUARDED.format(trace=str(traces[0]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    if how == "script":
+        script = tmp_path / "unguarded.py"
+        script.write_text(code)
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=300)
+    else:
+        proc = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=300)
+    assert proc.returncode != 0, proc.stdout
+    assert "ROWS" not in proc.stdout
+    assert "SweepError" in proc.stderr
+    assert "__main__" in proc.stderr and "jobs=1" in proc.stderr, proc.stderr[-2000:]

@@ -281,3 +281,49 @@ def test_allocator_history_export_matches_reserved_under_faults(policy: str, see
     check_viewer_consistency(to_pytorch_snapshot(alloc.history()))
     alloc.close()
     assert implied() == alloc.reserved_nbytes
+
+
+def test_export_carries_the_source_snapshots_frames(tmp_path: Path) -> None:
+    # a snapshot with stacks, read, exported with its frames, read back: the report groups by the same sites
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "report"))
+    from test_report import make_snapshot  # type: ignore[import-not-found]
+
+    from gpumem.report.sites import frame_site, live_by_site, snapshot_sites
+    from gpumem.trace import load_trace
+    from gpumem.trace.pytorch_export import snapshot_frames
+
+    src = make_snapshot(tmp_path / "src.pickle.gz")
+    trace = load_trace(src)
+    frames = snapshot_frames(src, trace.n_allocs)
+    assert frames is not None and len(frames) == trace.n_allocs
+    out = save_pytorch_snapshot(trace, tmp_path / "out.pickle", frames=frames)
+    back = load_trace(out)
+    assert back.n_allocs == trace.n_allocs
+    assert snapshot_sites(out, back) == snapshot_sites(src, trace) and snapshot_sites(out, back) is not None
+    op = len(trace.kinds) // 2
+    assert live_by_site(back, op, snapshot_sites(out, back)) == live_by_site(trace, op, snapshot_sites(src, trace))
+    assert live_by_site(back, op, snapshot_sites(out, back)).kind == "stack frame"
+    # without frames, as before: empty stacks, and the report falls back to sizes
+    plain = save_pytorch_snapshot(trace, tmp_path / "plain.pickle")
+    assert snapshot_sites(plain, load_trace(plain)) is None
+    assert frame_site(frames[0]) is not None
+    with pytest.raises(InvalidArgumentError, match="frames"):
+        to_pytorch_snapshot(trace, frames=42)  # type: ignore[arg-type]
+
+
+def test_replay_export_snapshot_says_where_it_wrote(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from gpumem.cli import main
+    from gpumem.trace import Trace, save_trace
+
+    t = save_trace(Trace.from_ops("t", "test", [(0, 0, MiB, 0, 0.0, 0), (1, 0, MiB, 0, 1.0, 0)]), tmp_path / "t.gmt")
+    snap = tmp_path / "snap.pickle"
+    assert main(["replay", str(t), "--device", "sim:t4-16gb", "--export-snapshot", str(snap), "--json"]) == 0
+    out, err = capsys.readouterr()
+    json.loads(out)  # still one JSON document
+    assert snap.is_file() and "wrote the PyTorch snapshot to" in err and "snap.pickle" in err
+    assert main(["replay", str(t), "--device", "sim:t4-16gb", "--export-snapshot", str(tmp_path / "s2.pickle")]) == 0
+    assert "wrote the PyTorch snapshot to" in capsys.readouterr().err

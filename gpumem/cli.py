@@ -422,6 +422,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
             export.discard()  # the replay failed: leave no empty file behind
 
 
+def _source_frames(args: argparse.Namespace, n_allocs: int) -> "list[Any] | None":
+    """The stack frames of each allocation of the replayed trace, when it is a PyTorch snapshot that recorded
+    them and the replay made as many allocations (so an exported snapshot keeps who allocated what); else None."""
+    from .trace import detect_format
+    from .trace.pytorch_export import snapshot_frames
+
+    try:
+        fmt = detect_format(args.trace) if args.format is None else args.format
+        if fmt != "pytorch-snapshot":
+            return None
+        return snapshot_frames(args.trace, n_allocs, args.device_index)
+    except (GpumemError, OSError, ValueError) as exc:  # the trace was read once already: keep the export going
+        logging.getLogger(__name__).info("no stack frames for the exported snapshot: %s", exc)
+        return None
+
+
 def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
     from .replay import make_allocator, replay
     from .specs import open_device
@@ -474,8 +490,9 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
         print(report, file=sys.stderr)
         code = EXIT_OOM
     if export is not None:
+        frames = _source_frames(args, history.n_allocs)
         try:
-            save_pytorch_snapshot(history, export.path)
+            save_pytorch_snapshot(history, export.path, frames=frames)
         except OSError as exc:
             export.discard()
             print(f"gpumem replay: --export-snapshot: cannot write {_shorten_path(str(export))}: "

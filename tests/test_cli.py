@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 
@@ -126,6 +127,21 @@ def test_replay_export_snapshot(capsys, trace_file, tmp_path):
     assert code == EXIT_OK, err
     back = load_trace(path)
     assert back.ops_equal(small_trace(), times=False, addrs=False)
+
+
+def test_replay_export_snapshot_keeps_the_source_stacks(capsys, tmp_path):
+    """A PyTorch snapshot with stacks, replayed and exported, keeps who allocated what (the export wrote
+    ``frames: []`` for every block before, so reports of the exported file lost their allocation sites)."""
+    from gpumem.trace.pytorch_export import snapshot_frames
+
+    source = Path(__file__).resolve().parents[1] / "data" / "traces" / "resnet_train.snapshot.pickle.gz"
+    path = tmp_path / "out.pickle.gz"
+    code, out, err = run(capsys, "replay", str(source), "--export-snapshot", str(path))
+    assert code == EXIT_OK, err
+    assert f"wrote the PyTorch snapshot to {path}" in err
+    want, got = snapshot_frames(source), snapshot_frames(path)
+    assert want is not None and any(want)
+    assert got == want
 
 
 def test_replay_oom(capsys, big_trace_file):
@@ -608,7 +624,7 @@ def test_export_file_created_up_front_is_removed_when_the_replay_fails(capsys, t
 def test_export_failure_after_the_replay_keeps_the_results(capsys, trace_file, tmp_path, monkeypatch):
     import gpumem.trace
 
-    def disk_full(history, path):
+    def disk_full(history, path, **_kwargs):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(gpumem.trace, "save_pytorch_snapshot", disk_full)

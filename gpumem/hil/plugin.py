@@ -389,14 +389,30 @@ def _versions() -> dict[str, str]:
     return out
 
 
+GIT_COMMIT_ENV = "GPUMEM_GIT_COMMIT"
+"""Environment variable that names the commit a record is of, where the checkout's own git metadata cannot
+be trusted (a copy of a working tree sent to a GPU runner can carry a stale ``.git``)."""
+
+
 def _git_commit(root: Path) -> str | None:
+    """The commit the record is of: ``$GPUMEM_GIT_COMMIT`` if set, else ``git rev-parse HEAD`` in ``root``,
+    with ``+dirty`` appended when tracked files differ from that commit (so a record of a modified tree, or
+    of a copy whose ``.git`` is stale, never claims to be of a clean commit); None without git."""
+    given = os.environ.get(GIT_COMMIT_ENV, "").strip()
+    if given:
+        return given
     try:
         res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        if res.returncode != 0 or not res.stdout.strip():
+            return None
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    if res.returncode != 0:
-        return None
-    return res.stdout.strip() or None
+    commit = res.stdout.strip()
+    if status.returncode == 0 and status.stdout.strip():
+        commit += "+dirty"
+    return commit
 
 
 def _fill_missing_properties(state: _HilState) -> None:

@@ -199,3 +199,27 @@ def test_split_specs_and_record_stem():
     rec = {"date": "2026-11-20T10:00:00+00:00",
            "devices": [{"spec": "cuda:0", "kind": "cuda", "name": "NVIDIA H200"}]}
     assert plugin.record_stem(rec) == "contract-nvidia-h200-2026-11-20"
+
+
+def test_git_commit_names_a_modified_tree_and_takes_the_runners_word(tmp_path, monkeypatch):
+    """A record must not claim a clean commit for a tree that differs from it (a copy sent to a GPU runner
+    carried a stale ``.git``, and its records named a commit hours old); ``GPUMEM_GIT_COMMIT`` overrides."""
+    import subprocess
+
+    from gpumem.hil.plugin import GIT_COMMIT_ENV, _git_commit
+
+    monkeypatch.delenv(GIT_COMMIT_ENV, raising=False)
+    assert _git_commit(tmp_path) is None  # not a repository
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "PATH": __import__("os").environ["PATH"]}
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True, env=env)
+    (tmp_path / "f.txt").write_text("one\n")
+    subprocess.run(["git", "add", "f.txt"], cwd=tmp_path, check=True, env=env)
+    subprocess.run(["git", "commit", "-qm", "one"], cwd=tmp_path, check=True, env=env)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert _git_commit(tmp_path) == head
+    (tmp_path / "f.txt").write_text("two\n")
+    assert _git_commit(tmp_path) == head + "+dirty"
+    monkeypatch.setenv(GIT_COMMIT_ENV, "abc123")
+    assert _git_commit(tmp_path) == "abc123"

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gpumem.errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
+from gpumem.errors import InternalError, InvalidArgumentError, InvalidPointerError, OutOfMemoryError
 from gpumem.units import format_bytes
 
 from .tracker import BufferId, Location
@@ -169,8 +169,7 @@ class FallbackBuffer:
             except OutOfMemoryError:
                 return False
             try:
-                assert self._host is not None
-                self.manager.device.write(alloc.ptr, memoryview(self._host))
+                self.manager.device.write(alloc.ptr, memoryview(self._host_bytes()))
             except BaseException:
                 self.manager.deallocate(alloc)
                 raise
@@ -228,8 +227,13 @@ class FallbackBuffer:
             if self._alloc is not None:
                 self.manager.device.write(self._alloc.ptr + offset, view)
             else:
-                assert self._host is not None
-                self._host[offset: offset + len(view)] = np.frombuffer(view, dtype=np.uint8)
+                self._host_bytes()[offset: offset + len(view)] = np.frombuffer(view, dtype=np.uint8)
+
+    def _host_bytes(self) -> "np.ndarray":
+        """The CPU copy; only called while the buffer is on the CPU (caller holds ``_lock``)."""
+        if self._host is None:
+            raise InternalError("FallbackBuffer is neither on the GPU nor on the CPU")
+        return self._host
 
     def read(self, offset: int = 0, nbytes: int | None = None) -> bytes:
         """The bytes at ``offset`` (all to the end by default), wherever the buffer lives."""
@@ -239,8 +243,7 @@ class FallbackBuffer:
             self._check_range(offset, n)  # type: ignore[arg-type]
             if self._alloc is not None:
                 return self.manager.device.read(self._alloc.ptr + offset, n) if n else b""
-            assert self._host is not None
-            return self._host[offset: offset + n].tobytes()  # type: ignore[operator]
+            return self._host_bytes()[offset: offset + n].tobytes()  # type: ignore[operator]
 
     def to_numpy(self) -> np.ndarray:
         """A host copy of the whole buffer (``uint8``)."""

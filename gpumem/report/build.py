@@ -34,7 +34,7 @@ import numpy as np
 
 from .. import __version__
 from ..allocator.policy import POLICIES
-from ..errors import InvalidArgumentError
+from ..errors import InternalError, InvalidArgumentError
 from ..progress import ProgressBar
 from ..specs import open_device, parse_spec
 from ..trace import Trace, detect_format, load_trace
@@ -473,7 +473,8 @@ def _bisect_limit(trace: Trace, base: str, run: PolicyRun, options: ReportOption
     ``base`` (same kind of device, more memory) when the trace does not fit ``base`` at all."""
     from ..replay import replay_trace
 
-    assert run.result is not None
+    if run.result is None:
+        raise InternalError(f"the {run.policy!r} run on {run.device!r} has no replay result to size the fit from")
     fits_at = run.result.peak_reserved_bytes
     if run.result.ooms or options.pressure is not None:
         plain = replay_trace(trace, base, run.policy, progress=False)

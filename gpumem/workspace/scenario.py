@@ -54,7 +54,7 @@ import logging
 from dataclasses import dataclass
 
 from ..allocator import CachingAllocator
-from ..errors import OutOfMemoryError
+from ..errors import InternalError, OutOfMemoryError
 from ..sim import SimDevice, get_profile
 from ..sim.pressure import preset
 from .sizing import ABSOLUTE_MAX_BATCH_SIZE, QType, query_device, reserve_nbytes_for, six_gb_rule_workspace_size, size_workspace
@@ -172,7 +172,8 @@ def run_scenario(profile_name: str, pressure_name: str, rule: Rule | str, layer:
                 held = ws.nbytes if ws is not None else 0
                 batch = ws.batch_size if ws is not None else 0
             else:
-                assert alloc is not None
+                if alloc is None:
+                    raise InternalError("the fixed-rule run has no allocator")
                 if ptr is None:
                     try:
                         ptr = alloc.allocate(six_nbytes)
@@ -213,7 +214,8 @@ def run_scenario(profile_name: str, pressure_name: str, rule: Rule | str, layer:
             if ptr is not None:
                 alloc.free(ptr)
             alloc.close()
-        assert first is not None
+        if first is None:
+            raise InternalError("the scenario ran no step")
         return ScenarioResult(
             profile=profile.name, pressure=pressure_name, rule=rule, layer=layer, steps=steps,
             first_workspace_bytes=first[0], first_batch_size=first[1], min_workspace_bytes=min(held_list),

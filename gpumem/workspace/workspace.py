@@ -74,7 +74,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
-from ..errors import GpumemError, InvalidArgumentError, OutOfMemoryError
+from ..errors import GpumemError, InternalError, InvalidArgumentError, OutOfMemoryError
 from ..units import format_bytes
 from .sizing import (InsufficientWorkspaceMemoryError, QType, WorkspaceDeviceQueryError, WorkspaceSize,
                      batch_for_workspace, check_options, query_device, reserve_nbytes_for, size_workspace)
@@ -306,7 +306,8 @@ class Workspace:
             self._check_open()
             if self._ptr is None:
                 self._refill()
-            assert self._ptr is not None
+            if self._ptr is None:  # _refill raises when it cannot allocate: this is a bug
+                raise InternalError("the workspace holds no memory after a refill that did not fail")
             return self._ptr
 
     def _check_open(self) -> None:

@@ -1,0 +1,517 @@
+"""The hardware-in-the-loop runner: every device suite, the peer benchmark, simulator fidelity and
+sanitizer runs on a real GPU, with one command and one record.
+
+::
+
+    python -m gpumem.hil run --device cuda:0 --out reports/hil/
+
+runs, on each device given:
+
+1. **suites** - every suite of :data:`gpumem.hil.suites.SUITES` (contract, CUDA adapter, allocator,
+   native engine, managers, workspace, CuPy and PyTorch integration), each in its own pytest process
+   with ``--gpumem-device``;
+2. **peers** - the peer benchmark (:mod:`gpumem.hil.peers`): every trace through gpumem and through
+   PyTorch's, CuPy's and RMM's allocators and cudaMallocAsync, each in a fresh process;
+3. **fidelity** - the simulator against the real device (:mod:`gpumem.hil.fidelity`): peak reserved,
+   ``mem_info``, call latency and hazard scenarios;
+4. **sanitizer** - the suites again under compute-sanitizer (``--sanitizer memcheck,racecheck``).
+
+and writes ``hil-<device>-<date>.json`` (the machine-readable record) and ``hil-<device>-<date>.md``
+(a short summary) into ``--out``, with every pytest and sanitizer log in ``hil-<device>-<date>-logs/``.
+
+Given a simulated device (``--device sim:h200-141gb``) the suites run on the simulator and the parts
+that need a real GPU are recorded as skipped. Given a CUDA device on a machine without one, the
+runner stops at once with one message.
+
+Note [The runner holds no CUDA context]
+---------------------------------------
+Everything that touches the GPU runs in a child process: the environment probe, each suite, each
+peer, the fidelity check. A CUDA context in the runner itself would take about half a GiB of the card
+for the whole run (shrinking what each suite and peer sees, and shifting every ``mem_info`` figure the
+fidelity check compares), and a fault in one suite (an illegal address kills the context) would end
+the run instead of failing one suite.
+
+Note [Parts of a record made in several calls]
+----------------------------------------------
+A GPU runner may limit how long one command runs. ``--parts`` chooses what a call runs and
+``--resume FILE`` adds its results to an earlier record of the same devices: the parts run now
+replace theirs in the record, the rest are kept, and ``runs`` lists every call with its own parts,
+times, command and git commit. Parts never run are listed as "not run" in the summary: a record is
+complete only when every part ran in it.
+
+Exit status: 0 every part run passed and nothing was skipped; 1 something failed; 2 bad input or no
+usable device; 3 nothing failed but a suite or part was skipped (or not run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import enum
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from gpumem.hil.sanitizer import RACECHECK_SUITES, SanitizerTool, find_compute_sanitizer, parse_sanitizer_log, \
+    sanitizer_prefix
+from gpumem.hil.suites import SUITES, SuiteResult, SuiteStatus, run_suite, suite_named
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_INCOMPLETE", "EXIT_OK", "HilRunError", "Part", "RunOptions",
+           "exit_code_of", "find_repo_root", "overall_status", "render_markdown", "run"]
+
+log = logging.getLogger("gpumem.hil")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_INCOMPLETE = 3
+
+#: The schema of the record this module writes.
+RECORD_KIND = "gpumem-hil-record"
+SCHEMA_VERSION = 1
+
+
+class Part(str, enum.Enum):
+    """The parts of a HIL run, in the order they run."""
+
+    SUITES = "suites"
+    PEERS = "peers"
+    FIDELITY = "fidelity"
+    SANITIZER = "sanitizer"
+
+
+class HilRunError(Exception):
+    """The run cannot start (no usable device, no test suites, a bad ``--resume`` file): one clear message."""
+
+
+@dataclasses.dataclass
+class RunOptions:
+    """What :func:`run` does; the command line fills it (``python -m gpumem.hil run --help``)."""
+
+    devices: list[str]
+    out_dir: Path
+    parts: list[Part] = dataclasses.field(default_factory=lambda: list(Part))
+    suites: list[str] = dataclasses.field(default_factory=lambda: [s.name for s in SUITES])
+    sanitizer_tools: list[SanitizerTool] = dataclasses.field(
+        default_factory=lambda: [SanitizerTool.MEMCHECK, SanitizerTool.RACECHECK])
+    sanitizer_suites: list[str] | None = None
+    traces: Path | None = None
+    repo_root: Path | None = None
+    sim: str | None = None
+    suite_timeout_s: float = 1800.0
+    part_timeout_s: float = 3600.0
+    peers_repeat: int = 3
+    resume: Path | None = None
+    command: str = ""
+
+
+def find_repo_root(start: Path | None = None) -> Path:
+    """The gpumem checkout whose ``tests/`` hold the suites: ``start`` (default: the current directory)
+    or the checkout this package was imported from."""
+    import gpumem
+
+    candidates = [start or Path.cwd(), Path(gpumem.__file__).resolve().parents[1]]
+    for root in candidates:
+        if (root / "tests" / "contract").is_dir() and (root / "gpumem").is_dir():
+            return root.resolve()
+    raise HilRunError("the HIL suites live in the tests/ folder of a gpumem checkout, and none was found here or "
+                      "beside the installed package: run from a clone of the repository (git clone, then "
+                      "pip install -e \".[dev]\"), or pass --repo PATH")
+
+
+def _utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _child_env(repo_root: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _git_commit(repo_root: Path) -> str | None:
+    from gpumem.hil.plugin import _git_commit as commit_of  # one rule for every record (+dirty, GPUMEM_GIT_COMMIT)
+
+    return commit_of(repo_root)
+
+
+# -- the environment probe (a child process: Note [The runner holds no CUDA context]) ------------------------
+def probe_device(spec: str, repo_root: Path, timeout_s: float = 300.0) -> dict[str, Any]:
+    """The environment report of ``spec`` (:func:`gpumem.hil.environment.probe`), made in a child process.
+
+    Raises :class:`HilRunError` with one message when the device cannot be opened."""
+    cmd = [sys.executable, "-m", "gpumem.hil", "env", "--device", spec, "--json"]
+    try:
+        res = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=timeout_s,
+                             env=_child_env(repo_root))
+    except subprocess.TimeoutExpired:
+        raise HilRunError(f"opening {spec} did not finish in {timeout_s:g} s (is the GPU hung?)") from None
+    try:
+        report = json.loads(res.stdout)
+    except ValueError:
+        tail = [ln for ln in res.stderr.strip().splitlines() if ln.strip()][-1:]
+        raise HilRunError(f"could not describe {spec}: the probe exited with status {res.returncode}"
+                          + (f": {tail[0]}" if tail else "")) from None
+    if report.get("error"):
+        hint = ""
+        if spec.startswith("cuda"):
+            hint = (" The HIL runner needs a CUDA GPU with its driver, and CuPy and cuda-bindings installed "
+                    "(pip install -e \".[dev,cuda13]\"). Without a GPU, run the suites on the simulator: "
+                    "python -m gpumem.hil run --device sim:h200-141gb --out DIR.")
+        raise HilRunError(f"cannot open {spec}: {report['error']}.{hint}")
+    return report
+
+
+# -- parts ---------------------------------------------------------------------------------------------------------
+def _run_suites(opts: RunOptions, spec: str, log_dir: Path) -> list[dict[str, Any]]:
+    results = []
+    for name in opts.suites:
+        suite = suite_named(name)
+        log.info("suite %s on %s ...", name, spec)
+        res = run_suite(suite, spec, repo_root=opts.repo_root, log_dir=log_dir, timeout_s=opts.suite_timeout_s,
+                        env=_child_env(opts.repo_root))
+        log.info("suite %s on %s: %s (%d passed, %d failed, %d skipped, %d errors, %.0f s)%s", name, spec,
+                 res.status.value, res.passed, res.failed, res.skipped, res.errors, res.duration_s,
+                 f": {res.reason}" if res.reason else "")
+        results.append(res.as_json())
+    return results
+
+
+def _skipped_part(reason: str) -> dict[str, Any]:
+    return {"status": "skipped", "reason": reason, "summary": "", "markdown": ""}
+
+
+def _run_module_part(module: str, args: list[str], opts: RunOptions, log_dir: Path, label: str) -> dict[str, Any]:
+    """Run ``python -m <module> ... --json FILE`` and return the JSON it wrote (the contract in
+    ``gpumem.hil.peers`` and ``gpumem.hil.fidelity``); a crash, a timeout or no JSON is ``status: error``."""
+    json_path = log_dir / f"{label}.json"
+    log_path = log_dir / f"{label}.log"
+    json_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", module, *args, "--json", str(json_path)]
+    started = time.monotonic()
+    with open(log_path, "w", encoding="utf-8") as out:
+        try:
+            res = subprocess.run(cmd, cwd=opts.repo_root, stdout=out, stderr=subprocess.STDOUT,
+                                 timeout=opts.part_timeout_s, env=_child_env(opts.repo_root))
+            ended = f"exited with status {res.returncode}"
+        except subprocess.TimeoutExpired:
+            ended = f"timed out after {opts.part_timeout_s:g} s"
+    duration_s = round(time.monotonic() - started, 1)
+    try:
+        data = json.loads(json_path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or "status" not in data:
+            raise ValueError("no status")
+    except (OSError, ValueError):
+        lines = [ln for ln in log_path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+        data = {"status": "error", "reason": f"python -m {module} {ended} without writing its JSON"
+                + (f": {lines[-1][:300]}" if lines else ""), "summary": "", "markdown": ""}
+    data["command"] = " ".join(["python", "-m", module, *args])
+    data["log"] = log_path.name
+    data.setdefault("duration_s", duration_s)
+    return data
+
+
+def _run_peers(opts: RunOptions, spec: str, log_dir: Path) -> dict[str, Any]:
+    args = ["--device", spec, "--repeat", str(opts.peers_repeat)]
+    if opts.traces is not None:
+        args += ["--traces", str(opts.traces)]
+    return _run_module_part("gpumem.hil.peers", args, opts, log_dir, f"peers-{_slug(spec)}")
+
+
+def _run_fidelity(opts: RunOptions, spec: str, sim: str, log_dir: Path) -> dict[str, Any]:
+    args = ["--device", spec, "--sim", sim]
+    if opts.traces is not None:
+        args += ["--traces", str(opts.traces)]
+    return _run_module_part("gpumem.hil.fidelity", args, opts, log_dir, f"fidelity-{_slug(spec)}")
+
+
+def _sanitizer_suites(opts: RunOptions, tool: SanitizerTool) -> list[str]:
+    chosen = opts.sanitizer_suites if opts.sanitizer_suites is not None else opts.suites
+    if tool is SanitizerTool.RACECHECK:
+        return [s for s in chosen if s in RACECHECK_SUITES]
+    return list(chosen)
+
+
+def _run_sanitizer(opts: RunOptions, spec: str, log_dir: Path) -> dict[str, Any]:
+    exe = find_compute_sanitizer()
+    if exe is None:
+        return _skipped_part("compute-sanitizer was not found (on PATH, under $CUDA_HOME/bin or /usr/local/cuda/bin)")
+    runs = []
+    for tool in opts.sanitizer_tools:
+        for name in _sanitizer_suites(opts, tool):
+            label = f"{name}-{_slug(spec)}-{tool.value}"
+            tool_log = log_dir / f"{label}.sanitizer.log"
+            tool_log.unlink(missing_ok=True)
+            log.info("suite %s on %s under compute-sanitizer %s ...", name, spec, tool.value)
+            res = run_suite(suite_named(name), spec, repo_root=opts.repo_root, log_dir=log_dir,
+                            timeout_s=opts.suite_timeout_s, prefix=sanitizer_prefix(exe, tool, tool_log),
+                            env=_child_env(opts.repo_root), label=label)
+            entry: dict[str, Any] = {"tool": tool.value, "suite": name, "device": spec, "tests": res.as_json(),
+                                     "sanitizer_log": tool_log.name}
+            try:
+                findings = parse_sanitizer_log(tool_log.read_text(encoding="utf-8", errors="replace"))
+            except (OSError, ValueError) as exc:
+                entry.update(status="error", errors=None, processes=0, first_reports=[],
+                             reason=f"{exc} (tests: {res.status.value}{': ' + res.reason if res.reason else ''})")
+            else:
+                entry.update(findings.as_json())
+                if findings.errors:
+                    entry.update(status="failed", reason=f"{findings.errors} errors reported")
+                elif res.status is SuiteStatus.PASSED:
+                    entry.update(status="passed", reason="")
+                elif res.status is SuiteStatus.SKIPPED:
+                    entry.update(status="skipped", reason=res.reason)
+                else:
+                    entry.update(status="failed" if res.status is SuiteStatus.FAILED else "error",
+                                 reason=f"0 sanitizer errors, but the tests {res.status.value}: {res.reason}")
+            log.info("compute-sanitizer %s, suite %s: %s (%s errors)", tool.value, name, entry["status"],
+                     entry.get("errors"))
+            runs.append(entry)
+    worst = _worst([r["status"] for r in runs]) if runs else "skipped"
+    n_errors = sum(r.get("errors") or 0 for r in runs)
+    return {"status": worst, "reason": "" if worst == "passed" else "; ".join(
+        f"{r['tool']}/{r['suite']}: {r['reason']}" for r in runs if r["status"] != "passed"),
+            "summary": f"{len(runs)} sanitizer runs, {n_errors} errors", "executable": Path(exe).name, "runs": runs}
+
+
+_RANK = {"passed": 0, "skipped": 1, "not run": 1, "failed": 2, "error": 3}
+
+
+def _worst(statuses: Sequence[str]) -> str:
+    return max(statuses, key=lambda s: _RANK.get(s, 3)) if statuses else "passed"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
+
+
+# -- the record ------------------------------------------------------------------------------------------------
+def record_stem(devices: list[dict[str, Any]], date: str) -> str:
+    """``hil-<device-name>-<YYYY-MM-DD>`` (``sim-`` marks a simulated device; ``-and-N-more`` several)."""
+    first = devices[0]
+    base = _slug(first.get("name") or first["spec"])
+    if first.get("kind") == "sim":
+        base = f"sim-{base}"
+    if len(devices) > 1:
+        base += f"-and-{len(devices) - 1}-more"
+    return f"hil-{base}-{date[:10]}"
+
+
+def overall_status(record: dict[str, Any]) -> str:
+    """``passed`` (every part ran and passed, nothing skipped), ``failed``, or ``incomplete``."""
+    statuses: list[str] = []
+    for dev in record["devices"]:
+        parts = record["results"].get(dev["spec"], {})
+        for part in Part:
+            value = parts.get(part.value)
+            if value is None:
+                statuses.append("not run")
+            elif part is Part.SUITES:
+                statuses += [s["status"] for s in value]
+            else:
+                statuses.append(value.get("status", "error"))
+    worst = _worst(statuses)
+    return "failed" if worst in ("failed", "error") else "incomplete" if worst in ("skipped", "not run") else "passed"
+
+
+def exit_code_of(record: dict[str, Any], parts_run: Sequence[Part]) -> int:
+    """0 / 1 / 3 for what this call ran (parts not run in this call do not count against it)."""
+    statuses: list[str] = []
+    for dev in record["devices"]:
+        parts = record["results"].get(dev["spec"], {})
+        for part in parts_run:
+            value = parts.get(part.value)
+            if value is None:
+                statuses.append("not run")
+            elif part is Part.SUITES:
+                statuses += [s["status"] for s in value]
+            else:
+                statuses.append(value.get("status", "error"))
+    worst = _worst(statuses)
+    return EXIT_FAILED if worst in ("failed", "error") else EXIT_INCOMPLETE if worst != "passed" else EXIT_OK
+
+
+def _load_resume(path: Path, specs: list[str]) -> dict[str, Any]:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise HilRunError(f"--resume {path}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise HilRunError(f"--resume {path}: not JSON ({exc})") from None
+    if not isinstance(record, dict) or record.get("record") != RECORD_KIND:
+        raise HilRunError(f"--resume {path}: not a gpumem HIL record (its 'record' field is not {RECORD_KIND!r})")
+    theirs = [d.get("spec") for d in record.get("devices", [])]
+    if theirs != specs:
+        raise HilRunError(f"--resume {path}: that record is of {', '.join(map(str, theirs))}, this run of "
+                          f"{', '.join(specs)}; a record covers one set of devices")
+    return record
+
+
+def run(opts: RunOptions) -> tuple[dict[str, Any], list[Path]]:
+    """Run what ``opts`` says and write the record; returns the record and the paths written.
+
+    Raises :class:`HilRunError` (one message) when the run cannot start."""
+    opts.repo_root = find_repo_root(opts.repo_root)
+    specs = list(dict.fromkeys(opts.devices))
+    previous = _load_resume(opts.resume, specs) if opts.resume is not None else None
+    started = _utc_now()
+    devices = []
+    for spec in specs:  # before anything runs: a missing GPU stops here, with one message
+        log.info("probing %s ...", spec)
+        devices.append(probe_device(spec, opts.repo_root))
+    if previous is not None:
+        out_json = opts.resume
+        stem = out_json.stem
+        out_dir = out_json.parent
+    else:
+        out_dir = opts.out_dir
+        stem = record_stem(devices, started)
+        n = 1
+        base = stem
+        while (out_dir / f"{stem}.json").exists() or (out_dir / f"{stem}.md").exists():
+            n += 1
+            stem = f"{base}-{n}"
+        out_json = out_dir / f"{stem}.json"
+    log_dir = out_dir / f"{stem}-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Any]] = {spec: {} for spec in specs}
+    if previous is not None:
+        for spec in specs:
+            results[spec].update(previous.get("results", {}).get(spec, {}))
+    for dev in devices:
+        spec = dev["spec"]
+        real = dev["kind"] == "cuda"
+        sim = opts.sim or environment_sim(dev)
+        dev["fidelity_sim"] = sim if real else None
+        for part in opts.parts:
+            if part is Part.SUITES:
+                results[spec]["suites"] = _run_suites(opts, spec, log_dir)
+            elif not real:
+                results[spec][part.value] = _skipped_part(f"needs a real GPU ({spec} is simulated)")
+            elif part is Part.PEERS:
+                log.info("peer benchmark on %s ...", spec)
+                results[spec]["peers"] = _run_peers(opts, spec, log_dir)
+            elif part is Part.FIDELITY:
+                log.info("simulator fidelity: %s against %s ...", spec, sim)
+                results[spec]["fidelity"] = _run_fidelity(opts, spec, sim, log_dir)
+            else:
+                results[spec]["sanitizer"] = _run_sanitizer(opts, spec, log_dir)
+            if part is not Part.SUITES:
+                value = results[spec][part.value]
+                log.info("%s on %s: %s%s", part.value, spec, value.get("status"),
+                         f" ({value.get('summary')})" if value.get("summary") else "")
+    finished = _utc_now()
+    this_run = {"started_utc": started, "finished_utc": finished, "parts": [p.value for p in opts.parts],
+                "suites": list(opts.suites), "git_commit": _git_commit(opts.repo_root), "command": opts.command}
+    runs = list(previous.get("runs", [])) if previous is not None else []
+    runs.append(this_run)
+    record: dict[str, Any] = {
+        "record": RECORD_KIND,
+        "schema_version": SCHEMA_VERSION,
+        "date": runs[0]["started_utc"],
+        "finished_utc": finished,
+        "git_commit": this_run["git_commit"],
+        "devices": devices,
+        "results": results,
+        "runs": runs,
+    }
+    record["status"] = overall_status(record)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
+    out_md = out_json.with_suffix(".md")
+    out_md.write_text(render_markdown(record), encoding="utf-8")
+    return record, [out_json, out_md, log_dir]
+
+
+def environment_sim(dev: dict[str, Any]) -> str:
+    from gpumem.hil.environment import sim_profile_for
+
+    return sim_profile_for(dev.get("name"), dev.get("total_nbytes"))
+
+
+# -- the summary -----------------------------------------------------------------------------------------------
+_MARK = {"passed": "passed", "failed": "**FAILED**", "error": "**ERROR**", "skipped": "*skipped*",
+         "not run": "*not run*", "incomplete": "*incomplete*"}
+
+
+def _gib(n: Any) -> str:
+    return f"{n / 2**30:.2f} GiB" if isinstance(n, int) else "?"
+
+
+def render_markdown(record: dict[str, Any]) -> str:
+    """The short Markdown summary of a record."""
+    lines = [f"# gpumem hardware-in-the-loop record, {record['date'][:10]}", "",
+             f"**Status: {_MARK.get(record['status'], record['status'])}** "
+             "(passed = every part ran and passed; a skipped suite or part makes a record incomplete)", ""]
+    for dev in record["devices"]:
+        versions = dev.get("versions", {})
+        lines += [f"- device `{dev['spec']}`: {dev.get('name')}, {_gib(dev.get('total_nbytes'))}"
+                  + (f", driver {dev['driver_version']}" if dev.get("driver_version") else "")
+                  + (f", CUDA driver {dev['cuda_driver_version']}" if dev.get("cuda_driver_version") else "")
+                  + (f", CUDA runtime {dev['cuda_runtime_version']}" if dev.get("cuda_runtime_version") else "")
+                  + f", engine {dev.get('engine')}",
+                  "- packages: " + ", ".join(f"{k} {v}" for k, v in versions.items())]
+        if dev.get("compute_sanitizer"):
+            lines.append(f"- compute-sanitizer: {dev['compute_sanitizer']}")
+    for r in record["runs"]:
+        lines.append(f"- run {r['started_utc']} to {r['finished_utc']}: parts {', '.join(r['parts'])}; commit "
+                     f"`{r.get('git_commit') or 'unknown'}`; `{r.get('command') or ''}`")
+    lines.append("")
+    for dev in record["devices"]:
+        spec = dev["spec"]
+        parts = record["results"].get(spec, {})
+        lines += [f"## Suites on `{spec}`", ""]
+        suites = parts.get("suites")
+        if suites is None:
+            lines += ["*not run*", ""]
+        else:
+            lines += ["| suite | status | passed | failed | skipped | errors | time |", "|---|---|---|---|---|---|---|"]
+            for s in suites:
+                lines.append(f"| {s['suite']} | {_MARK.get(s['status'], s['status'])} | {s['passed']} | {s['failed']} "
+                             f"| {s['skipped']} | {s['errors']} | {s['duration_s']:.0f} s |")
+            lines.append("")
+            for s in suites:
+                if s["reason"] and s["status"] != "passed":
+                    lines.append(f"- **{s['suite']}**: {s['reason']}")
+                for failure in s["failures"][:10]:
+                    lines.append(f"  - `{failure}`")
+            skips = [(s["suite"], reason, n) for s in suites for reason, n in s["skip_reasons"].items()]
+            if skips:
+                lines += ["", "Skipped tests, by reason:", ""]
+                lines += [f"- {suite}: {reason} ({n})" for suite, reason, n in skips]
+            lines.append("")
+        for part, title in ((Part.PEERS, "Peer benchmark"), (Part.FIDELITY, "Simulator fidelity"),
+                            (Part.SANITIZER, "compute-sanitizer")):
+            value = parts.get(part.value)
+            lines += [f"## {title} on `{spec}`", ""]
+            if value is None:
+                lines += ["*not run*", ""]
+                continue
+            lines.append(f"Status: {_MARK.get(value.get('status'), value.get('status'))}"
+                         + (f" — {value['summary']}" if value.get("summary") else ""))
+            if value.get("reason") and value.get("status") != "passed":
+                lines += ["", f"Reason: {value['reason']}"]
+            lines.append("")
+            if part is Part.SANITIZER and value.get("runs"):
+                lines += ["| tool | suite | status | errors | processes | tests passed / failed / skipped |",
+                          "|---|---|---|---|---|---|"]
+                for r in value["runs"]:
+                    t = r["tests"]
+                    lines.append(f"| {r['tool']} | {r['suite']} | {_MARK.get(r['status'], r['status'])} "
+                                 f"| {r.get('errors') if r.get('errors') is not None else '?'} | {r.get('processes', 0)} "
+                                 f"| {t['passed']} / {t['failed']} / {t['skipped']} |")
+                lines.append("")
+                for r in value["runs"]:
+                    for rep in r.get("first_reports", []):
+                        lines.append(f"- {r['tool']}/{r['suite']}: `{rep}`")
+                lines.append("")
+            elif value.get("markdown"):
+                lines += [value["markdown"].rstrip(), ""]
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,135 @@
+"""Running the device suites under NVIDIA's compute-sanitizer, and reading what it found.
+
+``compute-sanitizer --tool memcheck`` checks every device memory access of every kernel (out of
+bounds, freed or never-allocated memory) and ``--tool racecheck`` the shared-memory accesses of
+kernels for races. The HIL runner (:mod:`gpumem.hil.runner`, ``--sanitizer memcheck,racecheck``)
+runs a suite's pytest process under the tool, with ``--target-processes all`` so that the processes
+a test starts are checked too, and keeps the tool's own report in a log file of its own
+(``--log-file``), apart from pytest's output.
+
+Note [API errors are not memory errors]
+---------------------------------------
+The contract suite makes failing calls on purpose (an allocation larger than the card, a free of a
+pointer never allocated, a mapping refused) to check the error each raises. memcheck reports every
+failing CUDA API call as an error unless told not to, which would bury the one kind of error the run
+is for. The runner passes ``--report-api-errors no``: the count is of memory-access hazards (and, for
+racecheck, of races), which a correct allocator and correct tests never cause. The flag is in the
+recorded command, so nobody reads the count as more than it is.
+
+Note [Which suites racecheck runs]
+----------------------------------
+racecheck looks only at shared memory inside kernels. gpumem launches no kernel of its own; the
+suites whose tests launch kernels that use shared memory are the ones where it applies: ``allocator``
+(a CuPy kernel sums a block with a shared-memory reduction while its memory is freed) and ``cupy``.
+memcheck applies to every suite that touches a real device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["RACECHECK_SUITES", "SanitizerFindings", "SanitizerTool", "find_compute_sanitizer",
+           "parse_sanitizer_log", "sanitizer_prefix", "sanitizer_version"]
+
+
+class SanitizerTool(str, enum.Enum):
+    """The compute-sanitizer tools the runner can use."""
+
+    MEMCHECK = "memcheck"
+    RACECHECK = "racecheck"
+
+
+#: Suites racecheck applies to (Note [Which suites racecheck runs]).
+RACECHECK_SUITES: tuple[str, ...] = ("allocator", "cupy")
+
+#: Where compute-sanitizer usually lives when it is not on ``PATH``.
+_USUAL_DIRS = ("/usr/local/cuda/bin", "/usr/local/cuda/compute-sanitizer", "/opt/nvidia/compute-sanitizer")
+
+
+def find_compute_sanitizer() -> str | None:
+    """The compute-sanitizer executable: on ``PATH``, under ``$CUDA_HOME``, or in the usual CUDA folders."""
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    dirs = [os.path.join(os.environ[v], "bin") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    for d in [*dirs, *_USUAL_DIRS]:
+        candidate = os.path.join(d, "compute-sanitizer")
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def sanitizer_version(executable: str) -> str | None:
+    """The tool's version line (``compute-sanitizer --version``), or None if it does not answer."""
+    try:
+        res = subprocess.run([executable, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [ln.strip() for ln in res.stdout.splitlines() if "version" in ln.lower()]
+    return lines[-1] if lines else None
+
+
+def sanitizer_prefix(executable: str, tool: SanitizerTool, log_file: Path) -> list[str]:
+    """The command-line prefix that runs a program under ``tool`` (Note [API errors are not memory errors])."""
+    prefix = [executable, "--tool", tool.value, "--target-processes", "all", "--print-limit", "200",
+              "--log-file", str(log_file)]
+    if tool is SanitizerTool.MEMCHECK:
+        prefix += ["--report-api-errors", "no"]
+    return prefix
+
+
+@dataclasses.dataclass
+class SanitizerFindings:
+    """What a compute-sanitizer log says: how many processes it checked, errors found, first few reports."""
+
+    processes: int
+    errors: int
+    first_reports: list[str]
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+errors?")
+_RACE_SUMMARY = re.compile(r"RACECHECK SUMMARY:\s*(\d+)\s+hazards? displayed\s*\((\d+)\s+errors?")
+_REPORT_START = re.compile(r"^=+\s+(Invalid|Race|Error|Uninitialized|Program hit|Barrier|Leaked|Malloc)")
+
+
+def parse_sanitizer_log(text: str, max_reports: int = 5) -> SanitizerFindings:
+    """Sum the ``ERROR SUMMARY`` lines of every checked process in a compute-sanitizer log.
+
+    A log without any summary line means the tool did not finish checking a process (it crashed or
+    was killed): ``ValueError``, so the caller reports it instead of reading zero errors."""
+    summaries = [int(m.group(1)) for m in _SUMMARY.finditer(text)]
+    races = [int(m.group(2)) for m in _RACE_SUMMARY.finditer(text)]
+    if not summaries and not races:
+        raise ValueError("the compute-sanitizer log has no ERROR SUMMARY line: the tool did not finish")
+    reports = []
+    for line in text.splitlines():
+        if _REPORT_START.match(line.strip()):
+            reports.append(line.strip().lstrip("= ").strip())
+            if len(reports) >= max_reports:
+                break
+    errors = sum(summaries) if summaries else sum(races)
+    return SanitizerFindings(processes=max(len(summaries), len(races)), errors=errors, first_reports=reports)
+
+
+def check_tools(names: Sequence[str]) -> list[SanitizerTool]:
+    """``["memcheck", "racecheck"]`` → the tools; ``ValueError`` naming the known ones otherwise."""
+    tools = []
+    for name in names:
+        try:
+            tool = SanitizerTool(name.strip())
+        except ValueError:
+            raise ValueError(f"unknown compute-sanitizer tool {name!r}; the runner knows: "
+                             f"{', '.join(t.value for t in SanitizerTool)}") from None
+        if tool not in tools:
+            tools.append(tool)
+    return tools

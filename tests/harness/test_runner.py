@@ -1,0 +1,297 @@
+"""The HIL runner (``python -m gpumem.hil``): suite results, skips made visible, records, resume,
+the no-GPU message, sanitizer logs and the GPU workflow file. Runs without a GPU."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from gpumem.hil.__main__ import build_parser, main
+from gpumem.hil.runner import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK, exit_code_of, overall_status, \
+    render_markdown
+from gpumem.hil.sanitizer import SanitizerTool, check_tools, parse_sanitizer_log, sanitizer_prefix
+from gpumem.hil.suites import SUITES, Suite, SuiteStatus, TestCounts, parse_junit, run_suite, status_of, suite_named
+
+REPO = Path(__file__).resolve().parents[2]
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="6">
+ <testcase classname="tests.contract.test_a" name="test_ok"/>
+ <testcase classname="tests.contract.test_a" name="test_ok2"/>
+ <testcase classname="tests.contract.test_a" name="test_skip1"><skipped type="pytest.skip" message="PyTorch is installed">x</skipped></testcase>
+ <testcase classname="tests.contract.test_a" name="test_skip2"><skipped type="pytest.skip" message="tests/x.py:12: PyTorch is installed">x</skipped></testcase>
+ <testcase classname="tests.contract.test_b" name="test_bad"><failure message="assert 1 == 2&#10;more">tb</failure></testcase>
+ <testcase classname="tests.contract.test_b" name="test_err"><error message="fixture 'device' broke">tb</error></testcase>
+</testsuite></testsuites>
+"""
+
+
+# -- JUnit parsing and suite status ------------------------------------------------------------------------------
+def test_parse_junit_counts_reasons_and_failures(tmp_path: Path) -> None:
+    path = tmp_path / "r.xml"
+    path.write_text(JUNIT)
+    counts = parse_junit(path)
+    assert (counts.passed, counts.failed, counts.skipped, counts.errors) == (2, 1, 2, 1)
+    assert counts.skip_reasons == {"PyTorch is installed": 2}  # "path:line: reason" grouped with the bare reason
+    assert counts.failures == ["tests.contract.test_b::test_bad: assert 1 == 2",
+                               "tests.contract.test_b::test_err (error): fixture 'device' broke"]
+
+
+@pytest.mark.parametrize("text", ["not xml at all", "<html><body/></html>", ""])
+def test_parse_junit_refuses_what_is_not_junit(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "r.xml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="JUnit XML"):
+        parse_junit(path)
+
+
+@pytest.mark.parametrize("counts, exit_code, expected", [
+    (TestCounts(passed=3), 0, SuiteStatus.PASSED),
+    (TestCounts(passed=3, skipped=2, skip_reasons={"r": 2}), 0, SuiteStatus.PASSED),
+    (TestCounts(skipped=4, skip_reasons={"no torch": 4}), 0, SuiteStatus.SKIPPED),  # skipped is never passed
+    (TestCounts(), 5, SuiteStatus.ERROR),                                           # nothing collected
+    (TestCounts(passed=3, failed=1), 1, SuiteStatus.FAILED),
+    (TestCounts(passed=3, errors=1), 1, SuiteStatus.FAILED),
+    (TestCounts(passed=3), 3, SuiteStatus.ERROR),                                   # pytest crashed after the tests
+])
+def test_status_of(counts: TestCounts, exit_code: int, expected: SuiteStatus) -> None:
+    assert status_of(counts, exit_code)[0] is expected
+
+
+def test_every_suite_path_exists_and_suites_are_named_uniquely() -> None:
+    names = [s.name for s in SUITES]
+    assert len(names) == len(set(names))
+    for suite in SUITES:
+        for path in (*suite.paths, *suite.ignore):
+            assert (REPO / path).exists(), f"suite {suite.name}: {path} is missing"
+    with pytest.raises(ValueError, match="the suites are: contract"):
+        suite_named("nope")
+
+
+def _write_tests(folder: Path, body: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "test_fake.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_run_suite_reports_a_failing_test(tmp_path: Path) -> None:
+    path = _write_tests(tmp_path / "t", """
+        def test_ok():
+            pass
+
+        def test_bad():
+            assert 1 == 2, "the figure is off"
+    """)
+    res = run_suite(Suite("fake", "a failing suite", (str(path),)), "sim:t4-16gb", repo_root=REPO,
+                    log_dir=tmp_path / "logs", timeout_s=300)
+    assert res.status is SuiteStatus.FAILED
+    assert (res.passed, res.failed) == (1, 1)
+    assert any("test_bad" in f and "the figure is off" in f for f in res.failures)
+    assert (tmp_path / "logs" / res.log).exists()
+
+
+def test_run_suite_kills_a_suite_past_its_time(tmp_path: Path) -> None:
+    path = _write_tests(tmp_path / "t", """
+        import time
+
+        def test_hangs():
+            time.sleep(120)
+    """)
+    res = run_suite(Suite("slow", "hangs", (str(path),)), "sim:t4-16gb", repo_root=REPO, log_dir=tmp_path / "logs",
+                    timeout_s=3)
+    assert res.status is SuiteStatus.ERROR
+    assert "timed out after 3 s" in res.reason
+
+
+# -- the command line ---------------------------------------------------------------------------------------------
+def test_run_on_a_simulator_shows_skipped_suites_and_parts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The CuPy suite skips entirely on a simulated device: the record says skipped, never passed, and the
+    parts that need a real GPU are skipped too (exit 3, status incomplete)."""
+    rc = main(["run", "--device", "sim:t4-16gb", "--out", str(tmp_path), "--suites", "cupy",
+               "--parts", "suites,peers,sanitizer"])
+    assert rc == EXIT_INCOMPLETE
+    (json_path,) = tmp_path.glob("hil-sim-tesla-t4-*.json")
+    record = json.loads(json_path.read_text())
+    assert record["record"] == "gpumem-hil-record" and record["status"] == "incomplete"
+    (suite,) = record["results"]["sim:t4-16gb"]["suites"]
+    assert suite["suite"] == "cupy" and suite["status"] == "skipped" and suite["passed"] == 0
+    assert suite["skip_reasons"]
+    assert record["results"]["sim:t4-16gb"]["peers"]["status"] == "skipped"
+    assert "fidelity" not in record["results"]["sim:t4-16gb"]
+    md = json_path.with_suffix(".md").read_text()
+    assert "| cupy | *skipped* | 0 |" in md
+    assert "## Simulator fidelity on `sim:t4-16gb`\n\n*not run*" in md
+    assert record["devices"][0]["versions"]["python"]
+    assert record["runs"][0]["command"].startswith("python -m gpumem.hil run --device sim:t4-16gb")
+
+
+def test_resume_adds_parts_to_a_record(tmp_path: Path) -> None:
+    assert main(["run", "--device", "sim:t4-16gb", "--out", str(tmp_path), "--suites", "cupy",
+                 "--parts", "peers"]) == EXIT_INCOMPLETE
+    (first,) = tmp_path.glob("hil-*.json")
+    assert main(["run", "--device", "sim:t4-16gb", "--suites", "cupy", "--parts", "fidelity",
+                 "--resume", str(first)]) == EXIT_INCOMPLETE
+    assert sorted(p.name for p in tmp_path.glob("hil-*.json")) == [first.name]  # the same record, added to
+    record = json.loads(first.read_text())
+    parts = record["results"]["sim:t4-16gb"]
+    assert parts["peers"]["status"] == "skipped" and parts["fidelity"]["status"] == "skipped"
+    assert [r["parts"] for r in record["runs"]] == [["peers"], ["fidelity"]]
+
+
+def test_resume_refuses_another_devices_record_and_bad_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["run", "--device", "sim:t4-16gb", "--out", str(tmp_path), "--parts", "peers"]) == EXIT_INCOMPLETE
+    (first,) = tmp_path.glob("hil-*.json")
+    before = first.read_text()
+    capsys.readouterr()
+    assert main(["run", "--device", "sim:a100-80gb", "--parts", "peers", "--resume", str(first)]) == EXIT_BAD_INPUT
+    assert "that record is of sim:t4-16gb" in capsys.readouterr().err
+    assert first.read_text() == before  # unchanged
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["run", "--device", "sim:t4-16gb", "--parts", "peers", "--resume", str(bad)]) == EXIT_BAD_INPUT
+    assert "not JSON" in capsys.readouterr().err
+    bad.write_text('{"record": "something else"}')
+    assert main(["run", "--device", "sim:t4-16gb", "--parts", "peers", "--resume", str(bad)]) == EXIT_BAD_INPUT
+    assert "not a gpumem HIL record" in capsys.readouterr().err
+    assert main(["run", "--device", "sim:t4-16gb", "--parts", "peers", "--resume",
+                 str(tmp_path / "missing.json")]) == EXIT_BAD_INPUT
+    assert "cannot read it" in capsys.readouterr().err
+
+
+def _has_cuda() -> bool:
+    try:
+        import gpumem
+
+        with gpumem.open_device("cuda:0"):
+            return True
+    except Exception:  # noqa: BLE001 - any failure means no usable GPU here
+        return False
+
+
+def test_without_a_gpu_it_stops_at_once_with_one_message(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    if _has_cuda():
+        pytest.skip("this machine has a GPU")
+    rc = main(["run", "--device", "cuda:0", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == EXIT_BAD_INPUT
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln[:2].isdigit()]  # not the log's timestamped lines
+    assert len(lines) == 1, err
+    assert "cannot open cuda:0" in lines[0] and "--device sim:h200-141gb" in lines[0]
+    assert "Traceback" not in err
+    assert not list(tmp_path.glob("hil-*"))  # nothing written
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--device", "gpu0"], "not a device spec"),
+    (["run", "--device", "cuda:0", "--suites", "contract,bogus"], "unknown suite 'bogus'"),
+    (["run", "--device", "cuda:0", "--parts", "suites,lunch"], "unknown part 'lunch'"),
+    (["run", "--device", "cuda:0", "--sanitizer", "memcheck,initcheck"], "unknown compute-sanitizer tool 'initcheck'"),
+    (["run", "--device", "cuda:0", "--repeat", "0"], "must be from 1 to 100"),
+    (["run", "--device", "cuda:0", "--suite-timeout", "nan"], "positive number of seconds"),
+    (["run"], "--device"),
+])
+def test_bad_arguments_exit_2_naming_the_problem(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_lists_every_suite(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    for suite in SUITES:
+        assert suite.name in out
+    assert "exit status" in out
+
+
+# -- overall status and exit codes --------------------------------------------------------------------------------
+def _record(suite_statuses: list[str], **parts: str) -> dict:
+    suites = [{"suite": f"s{i}", "status": s, "passed": 1, "failed": 0, "skipped": 0, "errors": 0, "duration_s": 1.0,
+               "reason": "", "failures": [], "skip_reasons": {}} for i, s in enumerate(suite_statuses)]
+    results = {"suites": suites, **{k: {"status": v, "summary": "", "markdown": ""} for k, v in parts.items()}}
+    return {"devices": [{"spec": "cuda:0"}], "results": {"cuda:0": results}}
+
+
+def test_overall_status_and_exit_codes() -> None:
+    from gpumem.hil.runner import Part
+
+    every = {"peers": "passed", "fidelity": "passed", "sanitizer": "passed"}
+    assert overall_status(_record(["passed", "passed"], **every)) == "passed"
+    assert overall_status(_record(["passed", "skipped"], **every)) == "incomplete"
+    assert overall_status(_record(["passed"], peers="passed", fidelity="passed")) == "incomplete"  # sanitizer not run
+    assert overall_status(_record(["passed", "skipped"], **{**every, "fidelity": "failed"})) == "failed"
+    assert overall_status(_record(["error"], **every)) == "failed"
+    rec = _record(["passed"], peers="passed")
+    assert exit_code_of(rec, [Part.SUITES, Part.PEERS]) == EXIT_OK  # what this call ran passed
+    assert exit_code_of(rec, [Part.SUITES, Part.FIDELITY]) == EXIT_INCOMPLETE
+    assert exit_code_of(_record(["failed"], peers="passed"), [Part.PEERS, Part.SUITES]) == EXIT_FAILED
+
+
+def test_markdown_shows_failures_and_reasons() -> None:
+    rec = _record(["failed"], peers="error")
+    rec["results"]["cuda:0"]["suites"][0].update(failures=["tests/x.py::test_y: boom"], reason="1 failed, 0 errors",
+                                                  skip_reasons={"PyTorch is installed": 1})
+    rec["results"]["cuda:0"]["peers"]["reason"] = "python -m gpumem.hil.peers exited with status 1"
+    rec.update(date="2026-11-22T00:00:00+00:00", status="failed", runs=[])
+    rec["devices"][0].update(name="NVIDIA H200", total_nbytes=150_109_880_320, versions={"python": "3.12"})
+    md = render_markdown(rec)
+    assert "**Status: **FAILED**" in md or "**FAILED**" in md
+    assert "`tests/x.py::test_y: boom`" in md
+    assert "PyTorch is installed (1)" in md
+    assert "Reason: python -m gpumem.hil.peers exited with status 1" in md
+
+
+# -- compute-sanitizer ----------------------------------------------------------------------------------------------
+SANITIZER_LOG = """\
+========= COMPUTE-SANITIZER
+========= ERROR SUMMARY: 0 errors
+========= COMPUTE-SANITIZER
+========= Invalid __global__ read of size 8 bytes
+=========     at slow_sum+0x120
+=========     by thread (3,0,0) in block (0,0,0)
+========= Invalid __global__ read of size 8 bytes
+========= ERROR SUMMARY: 32 errors
+"""
+
+
+def test_parse_sanitizer_log_sums_every_process() -> None:
+    f = parse_sanitizer_log(SANITIZER_LOG)
+    assert (f.processes, f.errors) == (2, 32)
+    assert f.first_reports[0] == "Invalid __global__ read of size 8 bytes"
+
+
+def test_parse_sanitizer_log_racecheck_and_unfinished() -> None:
+    f = parse_sanitizer_log("========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)\n")
+    assert f.errors == 1
+    with pytest.raises(ValueError, match="did not finish"):
+        parse_sanitizer_log("========= COMPUTE-SANITIZER\nSegmentation fault\n")  # no summary: never read as 0
+
+
+def test_sanitizer_prefix_turns_api_errors_off_only_for_memcheck(tmp_path: Path) -> None:
+    mem = sanitizer_prefix("compute-sanitizer", SanitizerTool.MEMCHECK, tmp_path / "m.log")
+    race = sanitizer_prefix("compute-sanitizer", SanitizerTool.RACECHECK, tmp_path / "r.log")
+    assert mem[mem.index("--tool") + 1] == "memcheck" and "--report-api-errors" in mem
+    assert "--report-api-errors" not in race and "all" in race
+    assert check_tools(["memcheck", "memcheck", "racecheck"]) == [SanitizerTool.MEMCHECK, SanitizerTool.RACECHECK]
+
+
+# -- the GPU runner's workflow ----------------------------------------------------------------------------------------
+def test_the_workflow_runs_the_runner_with_valid_arguments() -> None:
+    yaml = pytest.importorskip("yaml")
+    workflow = yaml.safe_load((REPO / ".github" / "workflows" / "hil.yml").read_text())
+    (job,) = workflow["jobs"].values()
+    assert "self-hosted" in job["runs-on"] and "gpu" in job["runs-on"]
+    commands = [line.strip() for step in job["steps"] for line in str(step.get("run", "")).splitlines()]
+    (run_line,) = [c for c in commands if c.startswith("python -m gpumem.hil run")]
+    args = build_parser().parse_args(shlex.split(run_line)[3:])  # what the runner will be given parses
+    assert args.device == ["cuda:0"]
+    upload = [s for s in job["steps"] if "upload-artifact" in str(s.get("uses", ""))]
+    assert upload and upload[0]["with"]["path"].rstrip("/") == str(args.out).rstrip("/")
+    assert upload[0].get("if") == "always()"  # the record is kept when the run fails

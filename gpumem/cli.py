@@ -105,8 +105,9 @@ def _device_rows() -> list[dict[str, Any]]:
         log.debug("no CUDA listing: %s", exc)
     else:
         for d in list_cuda_devices():
+            # NVML lists without a CUDA context; whether the device has VMM needs one: unknown (None)
             rows.append({"spec": f"cuda:{d.index}", "kind": "cuda", "name": d.name, "total_bytes": d.total_bytes,
-                         "free_bytes": d.free_bytes})
+                         "free_bytes": d.free_bytes, "vmm_supported": None})
     for profile in sim.BUILTIN_PROFILES:
         dev = sim.SimDevice(profile)
         info = dev.mem_info()
@@ -129,8 +130,10 @@ def cmd_devices(args: argparse.Namespace) -> int:
     if args.json:
         # Note [The engine in the JSON list]: the list stays a list of devices (what scripts parse);
         # each row says which engine gpumem's default policy would allocate on it with: the native
-        # engine runs virtual-memory mode only, so devices without VMM run on the Python engine.
-        print(json.dumps([{**r, "engine": which if r.get("vmm_supported") else "python"} for r in rows], indent=2))
+        # engine runs virtual-memory mode only, so devices without VMM run on the Python engine. A CUDA row
+        # (vmm_supported None: unknown until a context exists) names the engine the allocator will try.
+        print(json.dumps([{**r, "engine": "python" if r.get("vmm_supported") is False else which} for r in rows],
+                         indent=2))
         return EXIT_OK
     print(f"{'SPEC':<24} {'KIND':<5} {'NAME':<36} {'TOTAL':>11} {'FREE':>11}")
     for r in rows:
@@ -139,7 +142,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
     if not any(r["kind"] == "cuda" for r in rows):
         print("(no CUDA device found: install gpumem[cuda12] or gpumem[cuda13] on a GPU machine to list them)")
     print(f"engine: {which}" + (" (devices without virtual memory management run on the python engine)"
-                                if which == "native" and not all(r.get("vmm_supported") for r in rows) else ""))
+                                if which == "native" and any(r.get("vmm_supported") is False for r in rows) else ""))
     return EXIT_OK
 
 

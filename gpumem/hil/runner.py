@@ -51,16 +51,15 @@ import enum
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from gpumem.hil.sanitizer import RACECHECK_SUITES, SanitizerTool, find_compute_sanitizer, parse_sanitizer_log, \
+from gpumem.hil.sanitizer import MEMCHECK_SUITES, RACECHECK_SUITES, SanitizerTool, find_compute_sanitizer, parse_sanitizer_log, \
     sanitizer_prefix
-from gpumem.hil.suites import SUITES, SuiteResult, SuiteStatus, run_suite, suite_named
+from gpumem.hil.suites import SUITES, SuiteStatus, run_suite, slug, suite_named
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_INCOMPLETE", "EXIT_OK", "HilRunError", "Part", "RunOptions",
            "exit_code_of", "find_repo_root", "overall_status", "render_markdown", "run"]
@@ -222,18 +221,21 @@ def _run_peers(opts: RunOptions, spec: str, log_dir: Path) -> dict[str, Any]:
     args = ["--device", spec, "--repeat", str(opts.peers_repeat)]
     if opts.traces is not None:
         args += ["--traces", str(opts.traces)]
-    return _run_module_part("gpumem.hil.peers", args, opts, log_dir, f"peers-{_slug(spec)}")
+    return _run_module_part("gpumem.hil.peers", args, opts, log_dir, f"peers-{slug(spec)}")
 
 
 def _run_fidelity(opts: RunOptions, spec: str, sim: str, log_dir: Path) -> dict[str, Any]:
     args = ["--device", spec, "--sim", sim]
     if opts.traces is not None:
         args += ["--traces", str(opts.traces)]
-    return _run_module_part("gpumem.hil.fidelity", args, opts, log_dir, f"fidelity-{_slug(spec)}")
+    return _run_module_part("gpumem.hil.fidelity", args, opts, log_dir, f"fidelity-{slug(spec)}")
 
 
 def _sanitizer_suites(opts: RunOptions, tool: SanitizerTool) -> list[str]:
-    chosen = opts.sanitizer_suites if opts.sanitizer_suites is not None else opts.suites
+    if opts.sanitizer_suites is not None:
+        chosen = opts.sanitizer_suites
+    else:
+        chosen = [s for s in opts.suites if s in MEMCHECK_SUITES]
     if tool is SanitizerTool.RACECHECK:
         return [s for s in chosen if s in RACECHECK_SUITES]
     return list(chosen)
@@ -246,7 +248,7 @@ def _run_sanitizer(opts: RunOptions, spec: str, log_dir: Path) -> dict[str, Any]
     runs = []
     for tool in opts.sanitizer_tools:
         for name in _sanitizer_suites(opts, tool):
-            label = f"{name}-{_slug(spec)}-{tool.value}"
+            label = f"{name}-{slug(spec)}-{tool.value}"
             tool_log = log_dir / f"{label}.sanitizer.log"
             tool_log.unlink(missing_ok=True)
             log.info("suite %s on %s under compute-sanitizer %s ...", name, spec, tool.value)
@@ -262,7 +264,9 @@ def _run_sanitizer(opts: RunOptions, spec: str, log_dir: Path) -> dict[str, Any]
                              reason=f"{exc} (tests: {res.status.value}{': ' + res.reason if res.reason else ''})")
             else:
                 entry.update(findings.as_json())
-                if findings.errors:
+                if findings.processes == 0:
+                    entry.update(status="skipped", reason="the suite made no CUDA call: nothing to check")
+                elif findings.errors:
                     entry.update(status="failed", reason=f"{findings.errors} errors reported")
                 elif res.status is SuiteStatus.PASSED:
                     entry.update(status="passed", reason="")
@@ -288,15 +292,11 @@ def _worst(statuses: Sequence[str]) -> str:
     return max(statuses, key=lambda s: _RANK.get(s, 3)) if statuses else "passed"
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
-
-
 # -- the record ------------------------------------------------------------------------------------------------
 def record_stem(devices: list[dict[str, Any]], date: str) -> str:
     """``hil-<device-name>-<YYYY-MM-DD>`` (``sim-`` marks a simulated device; ``-and-N-more`` several)."""
     first = devices[0]
-    base = _slug(first.get("name") or first["spec"])
+    base = slug(first.get("name") or first["spec"])
     if first.get("kind") == "sim":
         base = f"sim-{base}"
     if len(devices) > 1:

@@ -3,9 +3,18 @@
 ``compute-sanitizer --tool memcheck`` checks every device memory access of every kernel (out of
 bounds, freed or never-allocated memory) and ``--tool racecheck`` the shared-memory accesses of
 kernels for races. The HIL runner (:mod:`gpumem.hil.runner`, ``--sanitizer memcheck,racecheck``)
-runs a suite's pytest process under the tool, with ``--target-processes all`` so that the processes
-a test starts are checked too, and keeps the tool's own report in a log file of its own
-(``--log-file``), apart from pytest's output.
+runs a suite's pytest process under the tool and keeps the tool's own report in a log file of its
+own (``--log-file``), apart from pytest's output.
+
+Note [Only the pytest process is checked]
+-----------------------------------------
+compute-sanitizer checks the process it starts (``--target-processes application-only``, its
+default), not the processes a test starts. With ``all`` it waits, for every child, until the child
+makes a CUDA call or its launch timeout passes: the engine suite starts a compiler for each of its
+C++ checks, and on the H200 it ran past 200 s instead of 80 s and then reported "No attachable
+process found". Everything gpumem does on the GPU in these suites (the native engine, the Python
+engine, CuPy and PyTorch on gpumem) runs inside the pytest process; the C++ backend check program is
+the one child left unchecked.
 
 Note [API errors are not memory errors]
 ---------------------------------------
@@ -21,7 +30,9 @@ Note [Which suites racecheck runs]
 racecheck looks only at shared memory inside kernels. gpumem launches no kernel of its own; the
 suites whose tests launch kernels that use shared memory are the ones where it applies: ``allocator``
 (a CuPy kernel sums a block with a shared-memory reduction while its memory is freed) and ``cupy``.
-memcheck applies to every suite that touches a real device.
+memcheck applies to every suite that touches a real device (:data:`MEMCHECK_SUITES`); the
+``cuda_adapter`` suite tests the adapter against fakes of CuPy and NVML and makes no CUDA call, so
+compute-sanitizer has nothing to check there ("terminated before first instrumented API call").
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ import subprocess
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["RACECHECK_SUITES", "SanitizerFindings", "SanitizerTool", "find_compute_sanitizer",
+__all__ = ["MEMCHECK_SUITES", "NOTHING_CHECKED", "RACECHECK_SUITES", "SanitizerFindings", "SanitizerTool", "find_compute_sanitizer",
            "parse_sanitizer_log", "sanitizer_prefix", "sanitizer_version"]
 
 
@@ -46,6 +57,8 @@ class SanitizerTool(str, enum.Enum):
     RACECHECK = "racecheck"
 
 
+#: Suites memcheck runs by default: every suite that makes CUDA calls (Note [Which suites racecheck runs]).
+MEMCHECK_SUITES: tuple[str, ...] = ("contract", "allocator", "engine", "managers", "workspace", "cupy", "pytorch")
 #: Suites racecheck applies to (Note [Which suites racecheck runs]).
 RACECHECK_SUITES: tuple[str, ...] = ("allocator", "cupy")
 
@@ -78,7 +91,7 @@ def sanitizer_version(executable: str) -> str | None:
 
 def sanitizer_prefix(executable: str, tool: SanitizerTool, log_file: Path) -> list[str]:
     """The command-line prefix that runs a program under ``tool`` (Note [API errors are not memory errors])."""
-    prefix = [executable, "--tool", tool.value, "--target-processes", "all", "--print-limit", "200",
+    prefix = [executable, "--tool", tool.value, "--target-processes", "application-only", "--print-limit", "200",
               "--log-file", str(log_file)]
     if tool is SanitizerTool.MEMCHECK:
         prefix += ["--report-api-errors", "no"]
@@ -102,11 +115,18 @@ _RACE_SUMMARY = re.compile(r"RACECHECK SUMMARY:\s*(\d+)\s+hazards? displayed\s*\
 _REPORT_START = re.compile(r"^=+\s+(Invalid|Race|Error|Uninitialized|Program hit|Barrier|Leaked|Malloc)")
 
 
+#: What compute-sanitizer says when the program it ran made no CUDA call at all.
+NOTHING_CHECKED = "Target application terminated before first instrumented API call"
+
+
 def parse_sanitizer_log(text: str, max_reports: int = 5) -> SanitizerFindings:
     """Sum the ``ERROR SUMMARY`` lines of every checked process in a compute-sanitizer log.
 
-    A log without any summary line means the tool did not finish checking a process (it crashed or
-    was killed): ``ValueError``, so the caller reports it instead of reading zero errors."""
+    A program that made no CUDA call (:data:`NOTHING_CHECKED`) gives ``processes == 0``. A log without
+    any summary line otherwise means the tool did not finish checking a process (it crashed or was
+    killed): ``ValueError``, so the caller reports it instead of reading zero errors."""
+    if NOTHING_CHECKED in text and "ERROR SUMMARY" not in text:
+        return SanitizerFindings(processes=0, errors=0, first_reports=[])
     summaries = [int(m.group(1)) for m in _SUMMARY.finditer(text)]
     races = [int(m.group(2)) for m in _RACE_SUMMARY.finditer(text)]
     if not summaries and not races:

@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import enum
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 __all__ = ["SUITES", "Suite", "SuiteResult", "SuiteStatus", "TestCounts", "parse_junit", "pytest_command",
-           "run_suite", "suite_named"]
+           "run_suite", "slug", "suite_named"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +132,11 @@ class SuiteResult:
         return cls(**kwargs)
 
 
+def slug(text: str) -> str:
+    """``NVIDIA H200`` → ``nvidia-h200``, ``cuda:0`` → ``cuda-0``: names for files."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
+
+
 def _first_line(text: str | None, limit: int = 240) -> str:
     line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
     return line if len(line) <= limit else line[: limit - 1] + "…"
@@ -217,7 +223,7 @@ def run_suite(suite: Suite, device: str, *, repo_root: Path, log_dir: Path, time
     ``prefix`` goes before the command (e.g. ``compute-sanitizer --tool memcheck``); the log of the run
     (stdout and stderr together) is written to ``log_dir/<label>.log``. A run past ``timeout_s`` is
     killed with its whole process group and reported as :attr:`SuiteStatus.ERROR`."""
-    label = label or f"{suite.name}-{device.replace(':', '')}"
+    label = label or f"{suite.name}-{slug(device)}"
     log_dir.mkdir(parents=True, exist_ok=True)
     junit = log_dir / f"{label}.junit.xml"
     log_path = log_dir / f"{label}.log"

@@ -278,7 +278,7 @@ def test_sanitizer_prefix_turns_api_errors_off_only_for_memcheck(tmp_path: Path)
     mem = sanitizer_prefix("compute-sanitizer", SanitizerTool.MEMCHECK, tmp_path / "m.log")
     race = sanitizer_prefix("compute-sanitizer", SanitizerTool.RACECHECK, tmp_path / "r.log")
     assert mem[mem.index("--tool") + 1] == "memcheck" and "--report-api-errors" in mem
-    assert "--report-api-errors" not in race and "all" in race
+    assert "--report-api-errors" not in race and "application-only" in race  # Note [Only the pytest process is checked]
     assert check_tools(["memcheck", "memcheck", "racecheck"]) == [SanitizerTool.MEMCHECK, SanitizerTool.RACECHECK]
 
 
@@ -295,3 +295,19 @@ def test_the_workflow_runs_the_runner_with_valid_arguments() -> None:
     upload = [s for s in job["steps"] if "upload-artifact" in str(s.get("uses", ""))]
     assert upload and upload[0]["with"]["path"].rstrip("/") == str(args.out).rstrip("/")
     assert upload[0].get("if") == "always()"  # the record is kept when the run fails
+
+
+def test_a_program_without_cuda_calls_is_nothing_checked_not_zero_errors() -> None:
+    f = parse_sanitizer_log("========= COMPUTE-SANITIZER\n========= Error: Target application terminated before "
+                            "first instrumented API call\n")
+    assert (f.processes, f.errors) == (0, 0)  # the runner shows that run as skipped, not as a clean check
+
+
+def test_memcheck_runs_only_suites_that_make_cuda_calls() -> None:
+    from gpumem.hil.runner import RunOptions, _sanitizer_suites
+
+    opts = RunOptions(devices=["cuda:0"], out_dir=Path("x"))
+    assert "cuda_adapter" not in _sanitizer_suites(opts, SanitizerTool.MEMCHECK)
+    assert _sanitizer_suites(opts, SanitizerTool.RACECHECK) == ["allocator", "cupy"]
+    opts.sanitizer_suites = ["cuda_adapter", "contract"]  # asked for by name: run
+    assert _sanitizer_suites(opts, SanitizerTool.MEMCHECK) == ["cuda_adapter", "contract"]

@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from gpumem.hil.sanitizer import MEMCHECK_SUITES, RACECHECK_SUITES, SanitizerTool, find_compute_sanitizer, parse_sanitizer_log, \
+from gpumem.hil.sanitizer import DEVICE_TESTS_ONLY, MEMCHECK_SUITES, RACECHECK_SUITES, SanitizerTool, find_compute_sanitizer, parse_sanitizer_log, \
     sanitizer_prefix
 from gpumem.hil.suites import SUITES, SuiteStatus, run_suite, slug, suite_named
 
@@ -254,7 +254,7 @@ def _run_sanitizer(opts: RunOptions, spec: str, log_dir: Path) -> dict[str, Any]
             log.info("suite %s on %s under compute-sanitizer %s ...", name, spec, tool.value)
             res = run_suite(suite_named(name), spec, repo_root=opts.repo_root, log_dir=log_dir,
                             timeout_s=opts.suite_timeout_s, prefix=sanitizer_prefix(exe, tool, tool_log),
-                            env=_child_env(opts.repo_root), label=label)
+                            env=_child_env(opts.repo_root), label=label, pytest_args=DEVICE_TESTS_ONLY)
             entry: dict[str, Any] = {"tool": tool.value, "suite": name, "device": spec, "tests": res.as_json(),
                                      "sanitizer_log": tool_log.name}
             try:

@@ -217,7 +217,8 @@ def _tail(path: Path, n_lines: int = 3) -> str:
 
 
 def run_suite(suite: Suite, device: str, *, repo_root: Path, log_dir: Path, timeout_s: float,
-              prefix: Sequence[str] = (), env: dict[str, str] | None = None, label: str | None = None) -> SuiteResult:
+              prefix: Sequence[str] = (), env: dict[str, str] | None = None, label: str | None = None,
+              pytest_args: Sequence[str] = ()) -> SuiteResult:
     """Run ``suite`` on ``device`` in a fresh pytest process and return its result.
 
     ``prefix`` goes before the command (e.g. ``compute-sanitizer --tool memcheck``); the log of the run
@@ -228,7 +229,7 @@ def run_suite(suite: Suite, device: str, *, repo_root: Path, log_dir: Path, time
     junit = log_dir / f"{label}.junit.xml"
     log_path = log_dir / f"{label}.log"
     junit.unlink(missing_ok=True)
-    cmd = [*prefix, *pytest_command(suite, device, junit)]
+    cmd = [*prefix, *pytest_command(suite, device, junit, pytest_args)]
     started = time.monotonic()
     exit_code: int | None
     timed_out = False

@@ -448,7 +448,7 @@ def _gib(n: Any) -> str:
 def render_markdown(record: dict[str, Any]) -> str:
     """The short Markdown summary of a record."""
     lines = [f"# gpumem hardware-in-the-loop record, {record['date'][:10]}", "",
-             f"**Status: {_MARK.get(record['status'], record['status'])}** "
+             f"Status: {_MARK.get(record['status'], record['status'])} "
              "(passed = every part ran and passed; a skipped suite or part makes a record incomplete)", ""]
     for dev in record["devices"]:
         versions = dev.get("versions", {})

@@ -38,7 +38,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import re
@@ -106,25 +105,10 @@ def find_trace_files(folder: Path) -> list[Path]:
 # -- workers: one process per peer allocator -----------------------------------------------------------------
 def _time_ops(trace: Any, alloc: Callable[[int], Any], free: Callable[[Any], None]) -> float:
     """Microseconds per op of replaying ``trace`` through ``alloc``/``free`` (garbage collector paused)."""
+    from gpumem.hil.peers import _time_ops as time_lists
+
     kinds, ids, sizes, _ = trace.as_lists()
-    ptrs: dict[int, object] = {}
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        for k, i, n in zip(kinds, ids, sizes):
-            if k == 0:
-                if n:
-                    ptrs[i] = alloc(n)
-            else:
-                p = ptrs.pop(i, None)
-                if p is not None:
-                    free(p)
-        dt = time.perf_counter() - t0
-    finally:
-        gc.enable()
-        for p in ptrs.values():
-            free(p)
-    return dt * 1e6 / max(len(kinds), 1)
+    return time_lists(kinds, ids, sizes, alloc, free)
 
 
 def _cuda_runner(peer: str) -> Callable[[Any], tuple[float, float | None]]:

@@ -304,37 +304,31 @@ def record_stem(devices: list[dict[str, Any]], date: str) -> str:
     return f"hil-{base}-{date[:10]}"
 
 
-def overall_status(record: dict[str, Any]) -> str:
-    """``passed`` (every part ran and passed, nothing skipped), ``failed``, or ``incomplete``."""
+def _statuses(record: dict[str, Any], parts: Sequence[Part]) -> list[str]:
+    """The status of every suite and part of ``parts`` on every device (``not run`` where absent)."""
     statuses: list[str] = []
     for dev in record["devices"]:
-        parts = record["results"].get(dev["spec"], {})
-        for part in Part:
-            value = parts.get(part.value)
+        results = record["results"].get(dev["spec"], {})
+        for part in parts:
+            value = results.get(part.value)
             if value is None:
                 statuses.append("not run")
             elif part is Part.SUITES:
                 statuses += [s["status"] for s in value]
             else:
                 statuses.append(value.get("status", "error"))
-    worst = _worst(statuses)
+    return statuses
+
+
+def overall_status(record: dict[str, Any]) -> str:
+    """``passed`` (every part ran and passed, nothing skipped), ``failed``, or ``incomplete``."""
+    worst = _worst(_statuses(record, list(Part)))
     return "failed" if worst in ("failed", "error") else "incomplete" if worst in ("skipped", "not run") else "passed"
 
 
 def exit_code_of(record: dict[str, Any], parts_run: Sequence[Part]) -> int:
     """0 / 1 / 3 for what this call ran (parts not run in this call do not count against it)."""
-    statuses: list[str] = []
-    for dev in record["devices"]:
-        parts = record["results"].get(dev["spec"], {})
-        for part in parts_run:
-            value = parts.get(part.value)
-            if value is None:
-                statuses.append("not run")
-            elif part is Part.SUITES:
-                statuses += [s["status"] for s in value]
-            else:
-                statuses.append(value.get("status", "error"))
-    worst = _worst(statuses)
+    worst = _worst(_statuses(record, parts_run))
     return EXIT_FAILED if worst in ("failed", "error") else EXIT_INCOMPLETE if worst != "passed" else EXIT_OK
 
 

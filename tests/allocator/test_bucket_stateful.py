@@ -68,9 +68,10 @@ class BucketMachine(RuleBasedStateMachine):
         except (OutOfMemoryError, TransientDeviceError) as exc:
             event(f"allocation failed: {type(exc).__name__}")
             live1, pooled1, alloc1, req1, res1, n1, f1 = after = self._observe()
-            if not self.pool.policy.release_on_oom or isinstance(exc, TransientDeviceError):
+            if not self.pool.policy.release_on_oom:
                 assert after == before
-            else:  # Note [Failure atomicity of the pool]: only pooled blocks may have gone back
+            else:  # Note [Failure atomicity of the pool]: only pooled blocks may have gone back (also when the
+                # retry after giving the pool back, to make room under the limit, meets a transient fault: CI found it)
                 assert (live1, alloc1, req1, n1, f1) == (live0, alloc0, req0, n0, f0)
                 assert set(pooled1) <= set(pooled0) and res1 <= res0
             return None

@@ -686,7 +686,25 @@ def test_ctrl_c_while_building_the_parser(capsys, monkeypatch):
     assert code == 130 and out == "" and err == "gpumem: interrupted\n"
 
 
-def test_ctrl_c_surfacing_as_an_import_error(capsys, monkeypatch):
+@pytest.fixture
+def python_sigint():
+    """SIGINT handled as Python does by default, for the test's duration: a shell's background job (CI started
+    with ``&``) inherits SIGINT ignored, and then neither Python nor :func:`main` raise KeyboardInterrupt."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def _sigint_as_in_a_terminal() -> None:
+    """For a child process: SIGINT back to its default disposition, so Python installs its own handler."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_ctrl_c_surfacing_as_an_import_error(capsys, monkeypatch, python_sigint):
     """A SIGINT during a C extension's import can come out as ImportError (numpy's): still 130, one line."""
     import os
     import signal
@@ -741,7 +759,8 @@ def test_ctrl_c_early_in_a_real_process():
         pytest.skip("needs data/traces/llama_generate.trace.pickle.gz")
     for delay in (0.0, 0.01, 0.02, 0.03, 0.05, 0.08, 0.1, 0.15, 0.3):
         proc = subprocess.Popen([sys.executable, "-c", code, "replay", str(long_trace)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+                                preexec_fn=_sigint_as_in_a_terminal)
         assert proc.stdout.readline() == "ready\n"
         proc.stdin.write("go\n")
         proc.stdin.flush()
@@ -915,3 +934,17 @@ def test_replay_oom_does_not_offer_the_device_that_just_failed(capsys, tmp_path)
     fits = err.split("have room for that peak: ")[1].split("(see")[0]
     assert "gtx-1050-2gb" not in fits and "jetson-nano-2gb" not in fits
     assert "--device sim:gtx-1050-2gb" not in err
+
+
+def test_sigint_ignored_by_the_caller_stays_ignored(capsys, trace_file):
+    """Started with SIGINT ignored (``nohup``, a background job of a script), main() keeps it ignored, as Python
+    does, instead of installing a handler that would make the job interruptible."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        code, out, err = run(capsys, "replay", str(trace_file))
+        assert code == 0, err
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

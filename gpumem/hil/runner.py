@@ -57,8 +57,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from gpumem.hil.sanitizer import DEVICE_TESTS_ONLY, MEMCHECK_SUITES, RACECHECK_SUITES, SanitizerTool, find_compute_sanitizer, parse_sanitizer_log, \
-    sanitizer_prefix
+from gpumem.hil.sanitizer import CHILD_PROCESS_SUITES, DEVICE_TESTS_ONLY, MEMCHECK_SUITES, RACECHECK_SUITES, \
+    SANITIZER_ENV_VAR, SanitizerTool, find_compute_sanitizer, parse_sanitizer_log, sanitizer_prefix
 from gpumem.hil.suites import SUITES, SuiteStatus, run_suite, slug, suite_named
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_INCOMPLETE", "EXIT_OK", "HilRunError", "Part", "RunOptions",
@@ -253,8 +253,9 @@ def _run_sanitizer(opts: RunOptions, spec: str, log_dir: Path) -> dict[str, Any]
             tool_log.unlink(missing_ok=True)
             log.info("suite %s on %s under compute-sanitizer %s ...", name, spec, tool.value)
             res = run_suite(suite_named(name), spec, repo_root=opts.repo_root, log_dir=log_dir,
-                            timeout_s=opts.suite_timeout_s, prefix=sanitizer_prefix(exe, tool, tool_log),
-                            env=_child_env(opts.repo_root), label=label, pytest_args=DEVICE_TESTS_ONLY)
+                            timeout_s=opts.suite_timeout_s, prefix=sanitizer_prefix(exe, tool, tool_log, children=name in CHILD_PROCESS_SUITES),
+                            env={**_child_env(opts.repo_root), SANITIZER_ENV_VAR: tool.value}, label=label,
+                            pytest_args=DEVICE_TESTS_ONLY)
             entry: dict[str, Any] = {"tool": tool.value, "suite": name, "device": spec, "tests": res.as_json(),
                                      "sanitizer_log": tool_log.name}
             try:
@@ -265,7 +266,7 @@ def _run_sanitizer(opts: RunOptions, spec: str, log_dir: Path) -> dict[str, Any]
             else:
                 entry.update(findings.as_json())
                 if findings.processes == 0:
-                    entry.update(status="skipped", reason="the suite made no CUDA call: nothing to check")
+                    entry.update(status="skipped", reason="no CUDA call in the processes the tool checked: nothing to check")
                 elif findings.errors:
                     entry.update(status="failed", reason=f"{findings.errors} errors reported")
                 elif res.status is SuiteStatus.PASSED:

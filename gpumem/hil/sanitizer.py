@@ -6,15 +6,18 @@ kernels for races. The HIL runner (:mod:`gpumem.hil.runner`, ``--sanitizer memch
 runs a suite's pytest process under the tool and keeps the tool's own report in a log file of its
 own (``--log-file``), apart from pytest's output.
 
-Note [Only the pytest process is checked]
------------------------------------------
+Note [Which processes are checked]
+----------------------------------
 compute-sanitizer checks the process it starts (``--target-processes application-only``, its
-default), not the processes a test starts. With ``all`` it waits, for every child, until the child
-makes a CUDA call or its launch timeout passes: the engine suite starts a compiler for each of its
-C++ checks, and on the H200 it ran past 200 s instead of 80 s and then reported "No attachable
-process found". Everything gpumem does on the GPU in these suites (the native engine, the Python
-engine, CuPy and PyTorch on gpumem) runs inside the pytest process; the C++ backend check program is
-the one child left unchecked.
+default), not the processes a test starts. Most suites do all their GPU work inside the pytest
+process, and are run that way. Two suites do theirs in child processes (:data:`CHILD_PROCESS_SUITES`):
+``engine`` drives the native C++ CUDA backend from a compiled check program, and ``pytorch`` runs each
+scenario in a fresh Python process, because PyTorch's allocator can only be replaced before its first
+CUDA call. Those two run with ``--target-processes all``: every child is checked once it makes a CUDA
+call, and a child that never makes one (the C++ compiler) ends with the tool's "terminated before
+first instrumented API call" line. Running every suite that way costs time for nothing: with the
+tool's default launch timeout, the engine suite once ran past 200 s instead of 80 s and then reported
+"No attachable process found".
 
 The tool attaches when the program makes its first CUDA call, and gives up ("No attachable process
 found", nothing checked) if that takes longer than its launch timeout: pytest collecting the
@@ -23,6 +26,17 @@ Under the tool a suite runs only its tests that run on the real device (``-k cud
 the tests parametrised with ``cuda:N`` and those named for CUDA): the others run on simulated
 devices, make no CUDA call and would only make the run longer (the allocator suite's simulated
 property tests ran past 400 s under memcheck on the H200).
+
+Note [Python frames under the sanitizer]
+----------------------------------------
+Under compute-sanitizer a Python program can keep objects alive longer than without it. On the H200
+(compute-sanitizer 2025.3, CuPy 14.2, Python 3.12), after ``cupy.fft.rfft(x)`` returned, the frame
+objects of ``rfft`` and ``_fft`` stayed alive with their locals (the input and the output array),
+held by something outside Python's garbage collector, and their two 8 MiB blocks were never handed
+back to gpumem; without the tool both were freed at once. The memory is not leaked by gpumem:
+CuPy never lets go of it. A suite run under the tool gets ``GPUMEM_SANITIZER_TOOL`` (the tool's
+name) in its environment (:data:`SANITIZER_ENV_VAR`), so a test that checks that every block CuPy
+dropped came back checks it against the blocks CuPy still holds instead of against none.
 
 Note [API errors are not memory errors]
 ---------------------------------------
@@ -57,8 +71,9 @@ from typing import Any, Sequence
 #: pytest arguments that select, in a suite, the tests that run on the real device.
 DEVICE_TESTS_ONLY: tuple[str, ...] = ("-k", "cuda")
 
-__all__ = ["DEVICE_TESTS_ONLY", "MEMCHECK_SUITES", "NOTHING_CHECKED", "RACECHECK_SUITES", "SanitizerFindings", "SanitizerTool", "find_compute_sanitizer",
-           "parse_sanitizer_log", "sanitizer_prefix", "sanitizer_version"]
+__all__ = ["CHILD_PROCESS_SUITES", "DEVICE_TESTS_ONLY", "MEMCHECK_SUITES", "NOTHING_CHECKED", "RACECHECK_SUITES",
+           "SANITIZER_ENV_VAR", "SanitizerFindings", "SanitizerTool", "find_compute_sanitizer", "parse_sanitizer_log",
+           "sanitizer_prefix", "sanitizer_version"]
 
 
 class SanitizerTool(str, enum.Enum):
@@ -70,6 +85,10 @@ class SanitizerTool(str, enum.Enum):
 
 #: Suites memcheck runs by default: every suite that makes CUDA calls (Note [Which suites racecheck runs]).
 MEMCHECK_SUITES: tuple[str, ...] = ("contract", "allocator", "engine", "managers", "workspace", "cupy", "pytorch")
+#: Environment variable that tells a suite it runs under compute-sanitizer (Note [Python frames under the sanitizer]).
+SANITIZER_ENV_VAR = "GPUMEM_SANITIZER_TOOL"
+#: Suites whose CUDA work runs in child processes of pytest (Note [Which processes are checked]).
+CHILD_PROCESS_SUITES: tuple[str, ...] = ("engine", "pytorch")
 #: Suites racecheck applies to (Note [Which suites racecheck runs]).
 RACECHECK_SUITES: tuple[str, ...] = ("allocator", "cupy")
 
@@ -100,9 +119,11 @@ def sanitizer_version(executable: str) -> str | None:
     return lines[-1] if lines else None
 
 
-def sanitizer_prefix(executable: str, tool: SanitizerTool, log_file: Path) -> list[str]:
-    """The command-line prefix that runs a program under ``tool`` (Note [API errors are not memory errors])."""
-    prefix = [executable, "--tool", tool.value, "--target-processes", "application-only", "--launch-timeout", "0",
+def sanitizer_prefix(executable: str, tool: SanitizerTool, log_file: Path, *, children: bool = False) -> list[str]:
+    """The command-line prefix that runs a program under ``tool`` (Note [API errors are not memory errors]);
+    ``children``: check the processes it starts too (Note [Which processes are checked])."""
+    prefix = [executable, "--tool", tool.value, "--target-processes", "all" if children else "application-only",
+              "--launch-timeout", "0",
               "--print-limit", "200", "--log-file", str(log_file)]
     if tool is SanitizerTool.MEMCHECK:
         prefix += ["--report-api-errors", "no"]

@@ -13,7 +13,8 @@ import pytest
 from gpumem.hil.__main__ import build_parser, main
 from gpumem.hil.runner import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK, exit_code_of, overall_status, \
     render_markdown
-from gpumem.hil.sanitizer import SanitizerTool, check_tools, parse_sanitizer_log, sanitizer_prefix
+from gpumem.hil.sanitizer import CHILD_PROCESS_SUITES, MEMCHECK_SUITES, SanitizerTool, check_tools, parse_sanitizer_log, \
+    sanitizer_prefix
 from gpumem.hil.suites import SUITES, Suite, SuiteStatus, TestCounts, parse_junit, run_suite, status_of, suite_named
 
 REPO = Path(__file__).resolve().parents[2]
@@ -278,7 +279,7 @@ def test_sanitizer_prefix_turns_api_errors_off_only_for_memcheck(tmp_path: Path)
     mem = sanitizer_prefix("compute-sanitizer", SanitizerTool.MEMCHECK, tmp_path / "m.log")
     race = sanitizer_prefix("compute-sanitizer", SanitizerTool.RACECHECK, tmp_path / "r.log")
     assert mem[mem.index("--tool") + 1] == "memcheck" and "--report-api-errors" in mem
-    assert "--report-api-errors" not in race and "application-only" in race  # Note [Only the pytest process is checked]
+    assert "--report-api-errors" not in race and "application-only" in race  # Note [Which processes are checked]
     assert check_tools(["memcheck", "memcheck", "racecheck"]) == [SanitizerTool.MEMCHECK, SanitizerTool.RACECHECK]
 
 
@@ -301,6 +302,20 @@ def test_a_program_without_cuda_calls_is_nothing_checked_not_zero_errors() -> No
     f = parse_sanitizer_log("========= COMPUTE-SANITIZER\n========= Error: Target application terminated before "
                             "first instrumented API call\n")
     assert (f.processes, f.errors) == (0, 0)  # the runner shows that run as skipped, not as a clean check
+
+
+def test_suites_working_in_child_processes_have_their_children_checked(tmp_path: Path) -> None:
+    # the engine and pytorch suites do their CUDA work in child processes; checking only pytest found
+    # nothing to check there on the H200 (Note [Which processes are checked])
+    assert set(CHILD_PROCESS_SUITES) == {"engine", "pytorch"} and set(CHILD_PROCESS_SUITES) <= set(MEMCHECK_SUITES)
+    prefix = sanitizer_prefix("compute-sanitizer", SanitizerTool.MEMCHECK, tmp_path / "m.log", children=True)
+    assert prefix[prefix.index("--target-processes") + 1] == "all"
+    assert prefix[prefix.index("--launch-timeout") + 1] == "0"  # a child that takes long to start is still checked
+    # the compiler child made no CUDA call, the check program did: one process checked, not zero
+    log = ("========= COMPUTE-SANITIZER\n========= Error: Target application terminated before first instrumented "
+           "API call\n========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n")
+    f = parse_sanitizer_log(log)
+    assert (f.processes, f.errors) == (1, 0)
 
 
 def test_memcheck_runs_only_suites_that_make_cuda_calls() -> None:

@@ -45,12 +45,14 @@ usable device; 3 nothing failed but a suite or part was skipped (or not run).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import enum
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -58,7 +60,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gpumem.hil.sanitizer import CHILD_PROCESS_SUITES, DEVICE_TESTS_ONLY, MEMCHECK_SUITES, RACECHECK_SUITES, \
-    SANITIZER_ENV_VAR, SanitizerTool, find_compute_sanitizer, parse_sanitizer_log, sanitizer_prefix
+    SANITIZER_ENV_VAR, SanitizerTool, child_control_command, find_compute_sanitizer, parse_sanitizer_log, sanitizer_prefix
 from gpumem.hil.suites import SUITES, SuiteStatus, run_suite, slug, suite_named
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_INCOMPLETE", "EXIT_OK", "HilRunError", "Part", "RunOptions",
@@ -241,11 +243,49 @@ def _sanitizer_suites(opts: RunOptions, tool: SanitizerTool) -> list[str]:
     return list(chosen)
 
 
+#: How long the sanitizer's control run may take (it takes seconds on the H200).
+CONTROL_TIMEOUT_S = 300.0
+
+
+def _run_control(exe: str, opts: RunOptions, spec: str, log_dir: Path) -> dict[str, Any]:
+    """The control of Note [A clean run needs a control]: memcheck, checking children, must count errors in
+    a child that reads freed memory on purpose."""
+    label = f"control-{slug(spec)}-memcheck"
+    tool_log = log_dir / f"{label}.sanitizer.log"
+    tool_log.unlink(missing_ok=True)
+    cmd = [*sanitizer_prefix(exe, SanitizerTool.MEMCHECK, tool_log, children=True), *child_control_command(spec)]
+    log.info("control on %s: memcheck on a child that reads freed memory on purpose ...", spec)
+    with open(log_dir / f"{label}.log", "w", encoding="utf-8") as out:
+        proc = subprocess.Popen(cmd, cwd=opts.repo_root, stdout=out, stderr=subprocess.STDOUT,
+                                env=_child_env(opts.repo_root), start_new_session=True)
+        try:
+            proc.wait(timeout=CONTROL_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return {"status": "error", "errors": None, "log": tool_log.name,
+                    "reason": f"the control run timed out after {CONTROL_TIMEOUT_S:g} s"}
+    try:
+        findings = parse_sanitizer_log(tool_log.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, ValueError) as exc:
+        return {"status": "error", "errors": None, "log": tool_log.name, "reason": f"the control run: {exc}"}
+    if findings.errors:
+        return {"status": "passed", "errors": findings.errors, "log": tool_log.name, "reason": ""}
+    return {"status": "failed", "errors": 0, "log": tool_log.name,
+            "reason": "memcheck counted no error in a child process that reads freed memory on purpose: "
+                      "the runs that check child processes prove nothing"}
+
+
 def _run_sanitizer(opts: RunOptions, spec: str, log_dir: Path) -> dict[str, Any]:
     exe = find_compute_sanitizer()
     if exe is None:
         return _skipped_part("compute-sanitizer was not found (on PATH, under $CUDA_HOME/bin or /usr/local/cuda/bin)")
     runs = []
+    control = None
+    if SanitizerTool.MEMCHECK in opts.sanitizer_tools and \
+            set(_sanitizer_suites(opts, SanitizerTool.MEMCHECK)) & set(CHILD_PROCESS_SUITES):
+        control = _run_control(exe, opts, spec, log_dir)
     for tool in opts.sanitizer_tools:
         for name in _sanitizer_suites(opts, tool):
             label = f"{name}-{slug(spec)}-{tool.value}"
@@ -279,11 +319,17 @@ def _run_sanitizer(opts: RunOptions, spec: str, log_dir: Path) -> dict[str, Any]
             log.info("compute-sanitizer %s, suite %s: %s (%s errors)", tool.value, name, entry["status"],
                      entry.get("errors"))
             runs.append(entry)
-    worst = _worst([r["status"] for r in runs]) if runs else "skipped"
+    statuses = [r["status"] for r in runs] + ([control["status"]] if control else [])
+    worst = _worst(statuses) if runs else "skipped"
     n_errors = sum(r.get("errors") or 0 for r in runs)
-    return {"status": worst, "reason": "" if worst == "passed" else "; ".join(
-        f"{r['tool']}/{r['suite']}: {r['reason']}" for r in runs if r["status"] != "passed"),
-            "summary": f"{len(runs)} sanitizer runs, {n_errors} errors", "executable": Path(exe).name, "runs": runs}
+    reasons = [f"{r['tool']}/{r['suite']}: {r['reason']}" for r in runs if r["status"] != "passed"]
+    if control and control["status"] != "passed":
+        reasons.append(f"control: {control['reason']}")
+    result = {"status": worst, "reason": "; ".join(reasons), "summary": f"{len(runs)} sanitizer runs, {n_errors} errors",
+              "executable": Path(exe).name, "runs": runs}
+    if control is not None:
+        result["control"] = control
+    return result
 
 
 _RANK = {"passed": 0, "skipped": 1, "not run": 1, "failed": 2, "error": 3}
@@ -495,14 +541,23 @@ def render_markdown(record: dict[str, Any]) -> str:
                 lines += ["", f"Reason: {value['reason']}"]
             lines.append("")
             if part is Part.SANITIZER and value.get("runs"):
-                lines += ["| tool | suite | status | errors | processes | tests passed / failed / skipped |",
+                lines += ["| tool | suite | status | errors | checked | tests passed / failed / skipped |",
                           "|---|---|---|---|---|---|"]
                 for r in value["runs"]:
                     t = r["tests"]
+                    checked = "yes" if r.get("processes") else "no"
+                    if r["suite"] in CHILD_PROCESS_SUITES and r["tool"] == SanitizerTool.MEMCHECK.value:
+                        checked += ", with children"
                     lines.append(f"| {r['tool']} | {r['suite']} | {_MARK.get(r['status'], r['status'])} "
-                                 f"| {r.get('errors') if r.get('errors') is not None else '?'} | {r.get('processes', 0)} "
+                                 f"| {r.get('errors') if r.get('errors') is not None else '?'} | {checked} "
                                  f"| {t['passed']} / {t['failed']} / {t['skipped']} |")
                 lines.append("")
+                control = value.get("control")
+                if control:
+                    lines += [f"Control (Note [A clean run needs a control]): memcheck on a child process that reads "
+                              f"freed memory on purpose counted {control.get('errors') if control.get('errors') is not None else '?'} "
+                              f"errors: {_MARK.get(control['status'], control['status'])}"
+                              + (f" ({control['reason']})" if control.get("reason") else "") + ".", ""]
                 for r in value["runs"]:
                     for rep in r.get("first_reports", []):
                         lines.append(f"- {r['tool']}/{r['suite']}: `{rep}`")

@@ -38,6 +38,17 @@ CuPy never lets go of it. A suite run under the tool gets ``GPUMEM_SANITIZER_TOO
 name) in its environment (:data:`SANITIZER_ENV_VAR`), so a test that checks that every block CuPy
 dropped came back checks it against the blocks CuPy still holds instead of against none.
 
+Note [A clean run needs a control]
+----------------------------------
+"0 errors" means something only if the tool, as configured, would have seen an error. For the
+suites checked in child processes that is not self-evident: compute-sanitizer prints one summary
+for the whole process tree, and a child it failed to attach to looks the same as a clean one. So
+before those suites the runner runs a control (:func:`child_control_command`): a Python process that
+starts the in-flight probe (``gpumem.hil.probes.inflight --path release --old``) as its child, which
+frees a block and gives its memory back while a kernel still reads it, with the allocator's stream
+fences switched off. memcheck must count errors there; if it counts none, the sanitizer part fails
+instead of reporting the child-process suites as clean.
+
 Note [API errors are not memory errors]
 ---------------------------------------
 The contract suite makes failing calls on purpose (an allocation larger than the card, a free of a
@@ -65,6 +76,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -72,8 +84,8 @@ from typing import Any, Sequence
 DEVICE_TESTS_ONLY: tuple[str, ...] = ("-k", "cuda")
 
 __all__ = ["CHILD_PROCESS_SUITES", "DEVICE_TESTS_ONLY", "MEMCHECK_SUITES", "NOTHING_CHECKED", "RACECHECK_SUITES",
-           "SANITIZER_ENV_VAR", "SanitizerFindings", "SanitizerTool", "find_compute_sanitizer", "parse_sanitizer_log",
-           "sanitizer_prefix", "sanitizer_version"]
+           "SANITIZER_ENV_VAR", "SanitizerFindings", "SanitizerTool", "child_control_command", "find_compute_sanitizer",
+           "parse_sanitizer_log", "sanitizer_prefix", "sanitizer_version"]
 
 
 class SanitizerTool(str, enum.Enum):
@@ -107,6 +119,13 @@ def find_compute_sanitizer() -> str | None:
         if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     return None
+
+
+def child_control_command(spec: str) -> list[str]:
+    """A program whose child reads freed device memory on purpose (Note [A clean run needs a control])."""
+    launcher = "import subprocess, sys; subprocess.call(sys.argv[1:])"
+    return [sys.executable, "-c", launcher, sys.executable, "-m", "gpumem.hil.probes.inflight", "--path", "release",
+            "--old", "--device", spec]
 
 
 def sanitizer_version(executable: str) -> str | None:

@@ -318,6 +318,47 @@ def test_suites_working_in_child_processes_have_their_children_checked(tmp_path:
     assert (f.processes, f.errors) == (1, 0)
 
 
+def _fake_sanitizer(tmp_path: Path, log_text: str | None) -> str:
+    """A stand-in for compute-sanitizer that writes ``log_text`` to its ``--log-file`` (nothing when None)."""
+    exe = tmp_path / "compute-sanitizer"
+    body = "" if log_text is None else f"cat > \"$log\" <<'EOF'\n{log_text}EOF\n"
+    exe.write_text("#!/bin/sh\nlog=''\nwhile [ $# -gt 0 ]; do\n  if [ \"$1\" = --log-file ]; then log=\"$2\"; fi\n"
+                   "  shift\ndone\n" + body)
+    exe.chmod(0o755)
+    return str(exe)
+
+
+@pytest.mark.parametrize("log_text, status", [
+    ("========= ERROR SUMMARY: 32 errors\n", "passed"),  # the tool saw the child's invalid reads
+    ("========= ERROR SUMMARY: 0 errors\n", "failed"),  # it did not: a clean child run would prove nothing
+    (None, "error"),  # no log at all
+])
+def test_the_sanitizer_control_must_see_the_childs_errors(tmp_path: Path, log_text: str | None, status: str) -> None:
+    from gpumem.hil.runner import RunOptions, _run_control
+
+    opts = RunOptions(devices=["cuda:0"], out_dir=tmp_path, repo_root=REPO)
+    control = _run_control(_fake_sanitizer(tmp_path, log_text), opts, "cuda:0", tmp_path)
+    assert control["status"] == status, control
+    assert (control["errors"] == 32) if status == "passed" else control["reason"]
+
+
+def test_a_failed_control_fails_the_sanitizer_part_in_the_summary(tmp_path: Path) -> None:
+    from gpumem.hil.runner import render_markdown
+
+    run = {"tool": "memcheck", "suite": "pytorch", "status": "passed", "errors": 0, "processes": 1,
+           "tests": {"passed": 7, "failed": 0, "skipped": 0}, "first_reports": []}
+    control = {"status": "failed", "errors": 0, "reason": "memcheck counted no error"}
+    record = _record(["passed"], peers="passed", fidelity="passed")
+    record["results"]["cuda:0"]["sanitizer"] = {"status": "failed", "summary": "1 sanitizer runs, 0 errors",
+                                                "reason": "control: memcheck counted no error", "runs": [run],
+                                                "control": control}
+    record.update(date="2026-11-22T00:00:00+00:00", status=overall_status(record), runs=[])
+    md = render_markdown(record)
+    assert "| memcheck | pytorch | passed | 0 | yes, with children | 7 / 0 / 0 |" in md
+    assert "counted 0 errors: **FAILED** (memcheck counted no error)" in md
+    assert overall_status(record) == "failed"
+
+
 def test_memcheck_runs_only_suites_that_make_cuda_calls() -> None:
     from gpumem.hil.runner import RunOptions, _sanitizer_suites
 

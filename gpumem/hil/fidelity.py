@@ -341,6 +341,7 @@ def run_fidelity(device: str, sim: str, traces: list[Path], sanitizer: str | Non
                      simulated.device_calls, sim)
     latency: list[LatencyRow] = []
     latency_note = ""
+    calibration: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="gpumem-fidelity-") as tmp:
         out = Path(tmp) / "calibrate.json"
         log.info("measuring device-call latency (python -m gpumem.hil.probes.calibrate) ...")
@@ -349,6 +350,7 @@ def run_fidelity(device: str, sim: str, traces: list[Path], sanitizer: str | Non
         if res.returncode == 0 and out.exists():
             measured = json.loads(out.read_text(encoding="utf-8"))
             latency = compare_latency(measured)
+            calibration = {k: measured[k] for k in ("driver_version", "repeat", "costs_us") if k in measured}
         else:
             tail = [ln for ln in res.stderr.strip().splitlines() if ln.strip()][-1:]
             latency_note = f"the calibration probe exited with status {res.returncode}" + (f": {tail[0]}" if tail else "")
@@ -371,7 +373,7 @@ def run_fidelity(device: str, sim: str, traces: list[Path], sanitizer: str | Non
         "status": status, "reason": "; ".join(problems), "summary": summary,
         "markdown": render_markdown(results, latency, hazards, sim, latency_note),
         "device": device, "sim": sim, "traces": [dataclasses.asdict(t) for t in results],
-        "latency": [dataclasses.asdict(r) for r in latency], "hazards": [dataclasses.asdict(h) for h in hazards],
+        "latency": [dataclasses.asdict(r) for r in latency], "calibration": calibration, "hazards": [dataclasses.asdict(h) for h in hazards],
         "differences": problems, "started_utc": started_utc, "duration_s": round(time.monotonic() - started, 1),
     }
 

@@ -2,40 +2,51 @@
 
 Note [Latency calibration]
 --------------------------
-Every figure below is a median measured on the H200 we test on by
-``hil/probes/calibrate.py`` (``reports/hil/calibrate-h200-2026-11-22.{md,json}``,
-30 samples per call unless noted, driver 580.159.04). The driver calls were
-timed from Python through cuda-bindings; the binding's own cost (a call that
-does nothing, ``cuCtxGetDevice``: 0.78 µs) is taken off each, since the native
-engine calls the driver directly. The runtime calls (``cudaMalloc``,
-``cudaFree``, ``cudaMemGetInfo``) are as CuPy sees them.
+Every figure below is the geometric mean of three calibrations of the H200
+we test on by ``hil/probes/calibrate.py`` (driver 580.159.04):
+``reports/hil/calibrate-h200-2026-11-22.json`` and the two HIL records'
+fidelity runs of 2026-11-22 (``reports/hil/hil-nvidia-h200-2026-11-22.json``
+keeps the calibration it measured); ``python benchmarks/fit_latency.py FILE...``
+prints the table and the fits. The runs differ more than expected: the same
+call took up to 2.7x longer in one run than in another (the host's load and
+clock, the driver's state), so a model fitted to one run was up to 2.9x off
+on the next. The geometric mean is the figure whose largest ratio to any run
+is smallest. ``cuMemCreate`` of 1 GiB is bimodal (117.6 and 116.9 µs in two
+runs, 16.3 µs in the third): no figure is within 2x of both modes.
 
-* ``cudaMalloc`` + ``cudaFree`` pairs: 86.7 µs at 512 B and 1 MiB, 154 µs at
-  64 MiB, 793 µs at 1 GiB; interpolated linearly in the size between those
+The driver calls were timed from Python through cuda-bindings; the binding's
+own cost (a call that does nothing, ``cuCtxGetDevice``: 0.2-0.8 µs) is taken
+off each, since the native engine calls the driver directly. The runtime
+calls (``cudaMalloc``, ``cudaFree``, ``cudaMemGetInfo``) are as CuPy sees them.
+
+* ``cudaMalloc`` + ``cudaFree`` pairs: 84.6 µs up to 1 MiB, 152.0 µs at
+  64 MiB, 641.4 µs at 1 GiB; interpolated linearly in the size between those
   points, extrapolated with the last slope beyond 1 GiB, and split between the
   two calls in the ratio :attr:`LatencyModel.malloc_share`.
-* ``cuMemCreate``: 13.2 µs up to 32 MiB (2 MiB: 13.2, 32 MiB: 12.8), 21.5 µs
-  at 256 MiB, 117.6 µs at 1 GiB; ``cuMemRelease``: 14.1, 30.6, 160.6 and
-  585.2 µs at those sizes (releasing costs more than creating, and grows with
-  the size). Interpolated like the malloc pairs.
-* ``cuMemMap``: 2.4 µs, the same for one 2 MiB page and for a 64 MiB chunk.
+* ``cuMemCreate``: 10.7 µs at 2 MiB, 11.1 at 32 MiB, 16.5 at 256 MiB, 60.8 at
+  1 GiB; ``cuMemRelease``: 12.1, 25.4, 118.7 and 437.2 µs at those sizes
+  (releasing costs more than creating, and grows with the size). Interpolated
+  like the malloc pairs.
+* ``cuMemMap``: 2.1 µs, about the same for one 2 MiB page and a 64 MiB chunk.
 * ``cuMemSetAccess`` over a range of ``k`` mappings and ``n`` MiB:
-  4.8 + 30.2 k + 0.17 n µs, fitted exactly to one page (35.4 µs), one call over
-  32 one-page mappings (983 µs: the cost is per mapping, one call over many
-  saves almost nothing) and one 64 MiB mapping (46.0 µs).
-* ``cuMemUnmap`` likewise: 1.5 + 20.4 k + 0.088 n µs (one page 22.1 µs, 32
-  one-page mappings in one call 659 µs, one 64 MiB mapping 27.5 µs).
-* ``cuMemAddressReserve`` 3.7 µs and ``cuMemAddressFree`` 6.1 µs (1 TiB; 1 GiB
-  costs 3.2 and 3.4 µs).
-* ``cudaMemGetInfo`` 7.1 µs (``cuMemGetInfo`` 7.0); ``cudaGetDeviceProperties``
-  1.46 ms (devices cache it: a simulated ``properties()`` costs nothing).
+  1.5 + 29.5 k + 0.18 n µs, fitted to one page (31.3 µs), one call over 32
+  one-page mappings (957 µs: the cost is per mapping, one call over many saves
+  almost nothing) and one 64 MiB mapping (42.6 µs).
+* ``cuMemUnmap`` likewise: 19.4 k + 0.10 n µs (one page 19.4 µs, 32 one-page
+  mappings in one call 630 µs, one 64 MiB mapping 25.8 µs; the exact fit has
+  a fixed part of -0.3 µs, taken as none).
+* ``cuMemAddressReserve`` 2.8 µs and ``cuMemAddressFree`` 3.6 µs (one figure
+  for every size: 1 GiB and 1 TiB cost 2.7 and 3.0 µs to reserve, 2.8 and
+  5.1 µs to free).
+* ``cudaMemGetInfo`` 5.8 µs (6.0; ``cuMemGetInfo`` 5.7); ``cudaGetDeviceProperties``
+  1.26 ms (devices cache it: a simulated ``properties()`` costs nothing).
 * Events and streams: ``cuEventCreate`` + ``cuEventRecord`` (what
-  ``event_record`` stands for) 1.3 µs, ``cuEventQuery`` 0.6 µs,
-  ``cuEventDestroy`` 0.7 µs, ``cuStreamWaitEvent`` 1.1 µs,
+  ``event_record`` stands for) 0.9 µs, ``cuEventQuery`` 0.35 µs,
+  ``cuEventDestroy`` 0.4 µs, ``cuStreamWaitEvent`` 0.8 µs,
   ``cuStreamSynchronize`` / ``cuEventSynchronize`` with nothing to wait for
-  1.1 µs (waiting adds the simulated time the work still needs),
-  ``cuCtxSynchronize`` 1.3 µs, ``cuStreamCreate`` 2.8 µs, ``cuStreamDestroy``
-  2.4 µs.
+  0.7 µs (waiting adds the simulated time the work still needs),
+  ``cuCtxSynchronize`` 0.8 µs, ``cuStreamCreate`` 2.8 µs, ``cuStreamDestroy``
+  2.0 µs.
 
 Not measured yet, estimates: a kernel launch (``launch_us``, near 4 µs of host
 time in published microbenchmarks) and the fixed cost of a copy
@@ -77,34 +88,34 @@ def interpolate_us(points: Points, nbytes: int, sizes: Sequence[int] | None = No
 class LatencyModel:
     """Simulated cost of each device call, in microseconds (Note [Latency calibration])."""
 
-    malloc_free_points: Points = ((0, 86.7), (1 * MiB, 86.7), (64 * MiB, 154.0), (1 * GiB, 793.5))
+    malloc_free_points: Points = ((0, 84.6), (1 * MiB, 84.6), (64 * MiB, 152.0), (1 * GiB, 641.4))
     malloc_share: float = 0.6
-    mem_get_info_us: float = 7.1
-    get_properties_us: float = 1461.0
-    address_reserve_us: float = 3.7
-    address_free_us: float = 6.1
-    mem_create_points: Points = ((2 * MiB, 13.2), (32 * MiB, 13.2), (256 * MiB, 21.5), (1 * GiB, 117.6))
-    mem_release_points: Points = ((2 * MiB, 14.1), (32 * MiB, 30.6), (256 * MiB, 160.6), (1 * GiB, 585.2))
-    mem_map_us: float = 2.4
-    mem_set_access_us: float = 4.8
+    mem_get_info_us: float = 5.8
+    get_properties_us: float = 1257.0
+    address_reserve_us: float = 2.8
+    address_free_us: float = 3.6
+    mem_create_points: Points = ((2 * MiB, 10.7), (32 * MiB, 11.1), (256 * MiB, 16.5), (1 * GiB, 60.8))
+    mem_release_points: Points = ((2 * MiB, 12.1), (32 * MiB, 25.4), (256 * MiB, 118.7), (1 * GiB, 437.2))
+    mem_map_us: float = 2.1
+    mem_set_access_us: float = 1.5
     """Per call; plus :attr:`mem_set_access_mapping_us` per mapping and :attr:`mem_set_access_mib_us` per MiB."""
-    mem_set_access_mapping_us: float = 30.2
-    mem_set_access_mib_us: float = 0.17
-    mem_unmap_us: float = 1.5
+    mem_set_access_mapping_us: float = 29.5
+    mem_set_access_mib_us: float = 0.18
+    mem_unmap_us: float = 0.0
     """Per call; plus :attr:`mem_unmap_mapping_us` per mapping and :attr:`mem_unmap_mib_us` per MiB."""
-    mem_unmap_mapping_us: float = 20.4
-    mem_unmap_mib_us: float = 0.088
+    mem_unmap_mapping_us: float = 19.4
+    mem_unmap_mib_us: float = 0.10
     copy_launch_us: float = 8.0
-    synchronize_us: float = 1.1
+    synchronize_us: float = 0.7
     """``cudaStreamSynchronize`` / ``cudaEventSynchronize`` with nothing left to wait for."""
-    device_synchronize_us: float = 1.3
+    device_synchronize_us: float = 0.8
     """``cudaDeviceSynchronize`` with nothing left to wait for."""
     stream_create_us: float = 2.8
-    stream_destroy_us: float = 2.4
-    event_record_us: float = 1.3
-    event_query_us: float = 0.6
-    event_destroy_us: float = 0.7
-    stream_wait_event_us: float = 1.1
+    stream_destroy_us: float = 2.0
+    event_record_us: float = 0.9
+    event_query_us: float = 0.35
+    event_destroy_us: float = 0.4
+    stream_wait_event_us: float = 0.8
     launch_us: float = 4.0  # an estimate (see the Note above)
 
     def __post_init__(self) -> None:

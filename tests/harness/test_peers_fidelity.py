@@ -92,3 +92,32 @@ def test_fidelity_cli_skips_on_a_simulator_and_refuses_bad_input(tmp_path: Path,
     assert "not a simulated device" in capsys.readouterr().err
     assert fidelity.main(["--sim", "sim:nope"]) == 2
     assert "unknown simulated profile" in capsys.readouterr().err
+
+
+def test_fit_latency_prints_the_geometric_mean_and_the_spread(tmp_path, capsys) -> None:
+    """benchmarks/fit_latency.py, which the latency model's Note [Latency calibration] is made with."""
+    import importlib.util
+    import json
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("fit_latency", repo / "benchmarks" / "fit_latency.py")
+    fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit)
+    calibration = repo / "reports" / "hil" / "calibrate-h200-2026-11-22.json"
+    slower = json.loads(calibration.read_text())
+    for cost in slower["costs_us"].values():  # a second run, every call 4x slower (the binding's cost too)
+        for key in ("median_us", "p90_us", "min_us"):
+            if key in cost:
+                cost[key] *= 4
+    (tmp_path / "slower.json").write_text(json.dumps(slower))
+    assert fit.main([str(calibration), str(tmp_path / "slower.json")]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| cuMemMap_1page |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    first, second, mean, spread = float(cells[1]), float(cells[2]), float(cells[3]), cells[4]
+    assert second == pytest.approx(4 * first, rel=1e-2) and mean == pytest.approx(2 * first, rel=1e-2)
+    assert spread.startswith("4.00x") and "no figure within 2x of all" not in spread  # exactly 2x either way
+    assert "cuMemSetAccess:" in out and "cuMemUnmap:" in out
+    (tmp_path / "bad.json").write_text("{}")
+    assert fit.main([str(tmp_path / "bad.json")]) == 2
+    assert "neither a calibration" in capsys.readouterr().err

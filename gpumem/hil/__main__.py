@@ -37,8 +37,13 @@ examples:
   {prog} run --device sim:h200-141gb --out build/hil --suites contract,allocator   (no GPU: the simulator)
 
 exit status: 0 every part run passed, nothing skipped; 1 a suite or part failed; 2 bad input or no
-usable device; 3 nothing failed, but a suite or part was skipped.
+usable device; 3 nothing failed, but a suite or part was skipped; 130 interrupted (Ctrl-C): no record
+written, every child process killed.
 """
+
+
+#: Exit status after Ctrl-C (128 + SIGINT, as a shell reports it).
+EXIT_INTERRUPTED = 130
 
 
 def _csv(text: str) -> list[str]:
@@ -104,6 +109,12 @@ def _split(texts: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(s for text in texts for s in _csv(text)))
 
 
+def _out_dir(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty path")
+    return Path(text)
+
+
 def _device(text: str) -> str:
     specs = _csv(text)
     if not specs:
@@ -126,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", action="append", required=True, type=_device, metavar="SPEC",
                    help="a device to run on: cuda:N (a real GPU) or sim:PROFILE; repeat or comma-separate for several")
-    p.add_argument("--out", type=Path, default=Path("reports/hil"), metavar="DIR",
+    p.add_argument("--out", type=_out_dir, default=Path("reports/hil"), metavar="DIR",
                    help="where the record, the summary and the logs go (default: reports/hil)")
     p.add_argument("--parts", type=_parts, default=list(Part), metavar="LIST",
                    help="comma-separated parts to run: suites, peers, fidelity, sanitizer (default: all)")
@@ -196,6 +207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HilRunError as exc:
         print(f"{PROG} run: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # the running child and what it started were killed (gpumem.hil.process)
+        print(f"{PROG} run: interrupted; no record written"
+              + (f" ({opts.resume} is unchanged)" if opts.resume is not None else ""), file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(f"{PROG}: {record['status']}; wrote {paths[0]}, {paths[1]} and the logs in {paths[2]}/")
     return exit_code_of(record, opts.parts)
 

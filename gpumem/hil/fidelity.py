@@ -152,7 +152,8 @@ def _model_costs(model: Any) -> dict[str, float]:
         "cuMemUnmap_32maps": model.mem_unmap_cost_us(32, 32 * two),
         "cuMemUnmap_64MiB_1map": model.mem_unmap_cost_us(1, big),
         "cuMemAddressReserve_1GiB": model.address_reserve_us, "cuMemAddressReserve_1TiB": model.address_reserve_us,
-        "cuMemAddressFree_1GiB": model.address_free_us, "cuMemAddressFree_1TiB": model.address_free_us,
+        "cuMemAddressFree_1GiB": model.address_free_cost_us(1 << 30),
+        "cuMemAddressFree_1TiB": model.address_free_cost_us(1 << 40),
         "cuEventQuery": model.event_query_us, "cuEventDestroy": model.event_destroy_us,
         "cuStreamWaitEvent": model.stream_wait_event_us, "cuStreamSynchronize_idle": model.synchronize_us,
         "cuEventSynchronize_idle": model.synchronize_us, "cuCtxSynchronize_idle": model.device_synchronize_us,
@@ -318,6 +319,7 @@ def render_markdown(traces: list[TraceFidelity], latency: list[LatencyRow], haza
 
 
 def run_fidelity(device: str, sim: str, traces: list[Path], sanitizer: str | None, calibrate_repeat: int) -> dict:
+    from gpumem.errors import TraceFormatError
     from gpumem.trace import load_trace
 
     started = time.monotonic()
@@ -326,7 +328,11 @@ def run_fidelity(device: str, sim: str, traces: list[Path], sanitizer: str | Non
     problems: list[str] = []
     for path in traces:
         log.info("replaying %s on %s and %s ...", path.name, device, sim)
-        trace = load_trace(path)
+        try:
+            trace = load_trace(path)
+        except (OSError, TraceFormatError) as exc:  # one bad file costs its own row, not the part
+            problems.append(f"{path.name}: cannot be read as a trace ({str(exc)[:200]})")
+            continue
         real = replay_with_checkpoints(device, trace)
         simulated = replay_with_checkpoints(sim, trace)
         t = compare_trace(path.name, real, simulated)

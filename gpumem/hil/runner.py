@@ -57,10 +57,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from gpumem.hil.sanitizer import CHILD_PROCESS_SUITES, DEVICE_TESTS_ONLY, MEMCHECK_SUITES, RACECHECK_SUITES, \
     SANITIZER_ENV_VAR, SanitizerTool, child_control_command, find_compute_sanitizer, parse_sanitizer_log, sanitizer_prefix
+from gpumem.hil.process import run_in_group
 from gpumem.hil.suites import SUITES, SuiteStatus, run_suite, slug, suite_named
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_INCOMPLETE", "EXIT_OK", "HilRunError", "Part", "RunOptions",
@@ -117,7 +118,11 @@ def find_repo_root(start: Path | None = None) -> Path:
     or the checkout this package was imported from."""
     import gpumem
 
-    candidates = [start or Path.cwd(), Path(gpumem.__file__).resolve().parents[1]]
+    if start is not None:  # asked for by name: that checkout or an error, never another one
+        if (start / "tests" / "contract").is_dir() and (start / "gpumem").is_dir():
+            return start.resolve()
+        raise HilRunError(f"--repo {start}: not a gpumem checkout (no tests/contract and gpumem/ in it)")
+    candidates = [Path.cwd(), Path(gpumem.__file__).resolve().parents[1]]
     for root in candidates:
         if (root / "tests" / "contract").is_dir() and (root / "gpumem").is_dir():
             return root.resolve()
@@ -198,12 +203,9 @@ def _run_module_part(module: str, args: list[str], opts: RunOptions, log_dir: Pa
     cmd = [sys.executable, "-m", module, *args, "--json", str(json_path)]
     started = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as out:
-        try:
-            res = subprocess.run(cmd, cwd=opts.repo_root, stdout=out, stderr=subprocess.STDOUT,
-                                 timeout=opts.part_timeout_s, env=_child_env(opts.repo_root))
-            ended = f"exited with status {res.returncode}"
-        except subprocess.TimeoutExpired:
-            ended = f"timed out after {opts.part_timeout_s:g} s"
+        code = run_in_group(cmd, cwd=opts.repo_root, stdout=out, env=_child_env(opts.repo_root),
+                            timeout_s=opts.part_timeout_s)
+        ended = f"exited with status {code}" if code is not None else f"timed out after {opts.part_timeout_s:g} s"
     duration_s = round(time.monotonic() - started, 1)
     try:
         data = json.loads(json_path.read_text(encoding="utf-8"))
@@ -256,14 +258,8 @@ def _run_control(exe: str, opts: RunOptions, spec: str, log_dir: Path) -> dict[s
     cmd = [*sanitizer_prefix(exe, SanitizerTool.MEMCHECK, tool_log, children=True), *child_control_command(spec)]
     log.info("control on %s: memcheck on a child that reads freed memory on purpose ...", spec)
     with open(log_dir / f"{label}.log", "w", encoding="utf-8") as out:
-        proc = subprocess.Popen(cmd, cwd=opts.repo_root, stdout=out, stderr=subprocess.STDOUT,
-                                env=_child_env(opts.repo_root), start_new_session=True)
-        try:
-            proc.wait(timeout=CONTROL_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if run_in_group(cmd, cwd=opts.repo_root, stdout=out, env=_child_env(opts.repo_root),
+                        timeout_s=CONTROL_TIMEOUT_S) is None:
             return {"status": "error", "errors": None, "log": tool_log.name,
                     "reason": f"the control run timed out after {CONTROL_TIMEOUT_S:g} s"}
     try:
@@ -368,8 +364,15 @@ def _statuses(record: dict[str, Any], parts: Sequence[Part]) -> list[str]:
 
 
 def overall_status(record: dict[str, Any]) -> str:
-    """``passed`` (every part ran and passed, nothing skipped), ``failed``, or ``incomplete``."""
-    worst = _worst(_statuses(record, list(Part)))
+    """``passed`` (every part and every suite of :data:`SUITES` ran and passed, nothing skipped), ``failed``,
+    or ``incomplete``."""
+    statuses = _statuses(record, list(Part))
+    every = {s.name for s in SUITES}
+    for dev in record["devices"]:
+        ran = {s.get("suite") for s in record["results"].get(dev["spec"], {}).get("suites") or []}
+        if every - ran:
+            statuses.append("not run")  # a record of some suites only is not a passed record
+    worst = _worst(statuses)
     return "failed" if worst in ("failed", "error") else "incomplete" if worst in ("skipped", "not run") else "passed"
 
 
@@ -380,19 +383,111 @@ def exit_code_of(record: dict[str, Any], parts_run: Sequence[Part]) -> int:
 
 
 def _load_resume(path: Path, specs: list[str]) -> dict[str, Any]:
+    """The record to add to, checked before anything runs (Note [Parts of a record made in several calls])."""
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise HilRunError(f"--resume {path}: cannot read it ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise HilRunError(f"--resume {path}: not JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:
+        raise HilRunError(f"--resume {path}: not JSON ({str(exc)[:200]})") from None
     if not isinstance(record, dict) or record.get("record") != RECORD_KIND:
         raise HilRunError(f"--resume {path}: not a gpumem HIL record (its 'record' field is not {RECORD_KIND!r})")
-    theirs = [d.get("spec") for d in record.get("devices", [])]
+    problem = _record_shape_problem(record)
+    if problem:
+        raise HilRunError(f"--resume {path}: a damaged record: {problem}")
+    theirs = [d.get("spec") for d in record["devices"]]
     if theirs != specs:
         raise HilRunError(f"--resume {path}: that record is of {', '.join(map(str, theirs))}, this run of "
                           f"{', '.join(specs)}; a record covers one set of devices")
     return record
+
+
+def _record_shape_problem(record: dict[str, Any]) -> str:
+    """What is wrong with the shape of a record read back, or '' (the fields :func:`run` and
+    :func:`render_markdown` rely on)."""
+    devices, results, runs = record.get("devices"), record.get("results"), record.get("runs")
+    if not isinstance(devices, list) or not devices or not all(isinstance(d, dict) and isinstance(d.get("spec"), str)
+                                                              for d in devices):
+        return "'devices' is not a list of devices with a spec"
+    if not isinstance(results, dict) or not all(isinstance(v, dict) for v in results.values()):
+        return "'results' is not an object of results per device"
+    if not isinstance(runs, list) or not runs or not all(
+            isinstance(r, dict) and isinstance(r.get("parts"), list) and isinstance(r.get("started_utc"), str)
+            for r in runs):
+        return "'runs' is not a list of calls with their parts and start time"
+    for spec, res in results.items():
+        suites = res.get("suites", [])
+        if not isinstance(suites, list) or not all(isinstance(x, dict) and isinstance(x.get("suite"), str)
+                                                   and isinstance(x.get("status"), str) for x in suites):
+            return f"the suites of {spec} are not a list of suite results"
+        for part in ("peers", "fidelity", "sanitizer"):
+            if part in res and not (isinstance(res[part], dict) and isinstance(res[part].get("status"), str)):
+                return f"the {part} part of {spec} is not a result with a status"
+    return ""
+
+
+def _check_same_devices(previous: dict[str, Any], devices: list[dict[str, Any]], path: Path) -> None:
+    """A resumed record must be of the very cards probed now, not only of the same specs."""
+    for old, new in zip(previous["devices"], devices):
+        for key in ("name", "total_nbytes", "kind"):
+            if old.get(key) is not None and new.get(key) is not None and old.get(key) != new.get(key):
+                raise HilRunError(f"--resume {path}: {new['spec']} there is {old.get('name')} "
+                                  f"({old.get(key)!r} for {key}), here {new.get('name')} ({new.get(key)!r}): "
+                                  "a record covers one set of cards")
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    """Make ``out_dir`` or say, in one line, why it cannot be used."""
+    if str(out_dir).strip() == "":
+        raise HilRunError("--out: empty path")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise HilRunError(f"--out {out_dir}: cannot make the folder ({exc.strerror or exc})") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise HilRunError(f"--out {out_dir}: cannot write there")
+
+
+@contextlib.contextmanager
+def _exclusive(out_dir: Path) -> Iterator[None]:
+    """One run at a time writes into ``out_dir``: a second one stops at once instead of overwriting the
+    first one's record and logs (it picks its record's name at its start and writes it at its end)."""
+    import fcntl
+
+    lock_path = out_dir / ".gpumem-hil.lock"
+    try:
+        handle = open(lock_path, "a+", encoding="utf-8")
+    except OSError as exc:
+        raise HilRunError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})") from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise HilRunError(f"another run is writing into {out_dir}: wait for it, or give another --out") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _check_part_inputs(opts: RunOptions) -> None:
+    """--traces and --sim, checked before any suite runs."""
+    if opts.traces is not None and (Part.PEERS in opts.parts or Part.FIDELITY in opts.parts):
+        if not opts.traces.is_dir():
+            raise HilRunError(f"--traces {opts.traces}: no such folder")
+    if opts.sim is not None:
+        from gpumem.sim import get_profile
+        from gpumem.specs import parse_spec
+
+        try:
+            parsed = parse_spec(opts.sim)
+            if parsed.kind.value != "sim":
+                raise HilRunError(f"--sim {opts.sim}: not a simulated device (sim:PROFILE)")
+            get_profile(parsed.target)
+        except HilRunError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any refusal of the spec is the user's input
+            raise HilRunError(f"--sim {opts.sim}: {exc}") from None
 
 
 def run(opts: RunOptions) -> tuple[dict[str, Any], list[Path]]:
@@ -401,18 +496,29 @@ def run(opts: RunOptions) -> tuple[dict[str, Any], list[Path]]:
     Raises :class:`HilRunError` (one message) when the run cannot start."""
     opts.repo_root = find_repo_root(opts.repo_root)
     specs = list(dict.fromkeys(opts.devices))
+    if len({slug(s) for s in specs}) != len(specs):
+        raise HilRunError(f"--device {', '.join(specs)}: two of these name the same device (their logs would "
+                          "share one file)")
+    _check_part_inputs(opts)
     previous = _load_resume(opts.resume, specs) if opts.resume is not None else None
+    out_dir = opts.resume.parent if opts.resume is not None else opts.out_dir
+    _check_out_dir(out_dir)
+    with _exclusive(out_dir):
+        return _run_locked(opts, specs, previous, out_dir)
+
+
+def _run_locked(opts: RunOptions, specs: list[str], previous: dict[str, Any] | None,
+                out_dir: Path) -> tuple[dict[str, Any], list[Path]]:
     started = _utc_now()
     devices = []
     for spec in specs:  # before anything runs: a missing GPU stops here, with one message
         log.info("probing %s ...", spec)
         devices.append(probe_device(spec, opts.repo_root))
-    if previous is not None:
+    if previous is not None and opts.resume is not None:
+        _check_same_devices(previous, devices, opts.resume)
         out_json = opts.resume
         stem = out_json.stem
-        out_dir = out_json.parent
     else:
-        out_dir = opts.out_dir
         stem = record_stem(devices, started)
         n = 1
         base = stem
@@ -432,8 +538,12 @@ def run(opts: RunOptions) -> tuple[dict[str, Any], list[Path]]:
         sim = opts.sim or environment_sim(dev)
         dev["fidelity_sim"] = sim if real else None
         for part in opts.parts:
-            if part is Part.SUITES:
-                results[spec]["suites"] = _run_suites(opts, spec, log_dir)
+            if part is Part.SUITES:  # suites not run in this call keep their earlier results
+                ran = _run_suites(opts, spec, log_dir)
+                names = {r["suite"] for r in ran}
+                kept = [r for r in results[spec].get("suites", []) if r["suite"] not in names]
+                order = {s.name: i for i, s in enumerate(SUITES)}
+                results[spec]["suites"] = sorted(kept + ran, key=lambda r: order.get(r["suite"], len(order)))
             elif not real:
                 results[spec][part.value] = _skipped_part(f"needs a real GPU ({spec} is simulated)")
             elif part is Part.PEERS:

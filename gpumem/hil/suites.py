@@ -23,13 +23,13 @@ import dataclasses
 import enum
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any, Sequence
+
+from gpumem.hil.process import run_in_group
 
 __all__ = ["SUITES", "Suite", "SuiteResult", "SuiteStatus", "TestCounts", "parse_junit", "pytest_command",
            "run_suite", "slug", "suite_named"]
@@ -234,18 +234,10 @@ def run_suite(suite: Suite, device: str, *, repo_root: Path, log_dir: Path, time
     exit_code: int | None
     timed_out = False
     with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(cmd, cwd=repo_root, stdout=log, stderr=subprocess.STDOUT,
-                                env=env if env is not None else dict(os.environ), start_new_session=True)
-        try:
-            exit_code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-            exit_code = None
+        # its own process group, killed whole on a timeout or a Ctrl-C of the runner (gpumem.hil.process)
+        exit_code = run_in_group(cmd, cwd=repo_root, stdout=log, env=env if env is not None else dict(os.environ),
+                                 timeout_s=timeout_s)
+        timed_out = exit_code is None
     duration_s = time.monotonic() - started
     shown = " ".join(str(c) for c in cmd[len(prefix):]).replace(sys.executable, "python")
     if prefix:

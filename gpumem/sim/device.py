@@ -582,7 +582,7 @@ class SimDevice(Device):
         return start
 
     def _do_address_free(self, va: int, nbytes: int) -> None:
-        self._call("address_free", self.latency.address_free_us)
+        self._call("address_free", self.latency.address_free_cost_us(nbytes))
         self._space.remove(va)
 
     def _do_mem_create(self, nbytes: int) -> SparseStore:

@@ -35,9 +35,10 @@ calls (``cudaMalloc``, ``cudaFree``, ``cudaMemGetInfo``) are as CuPy sees them.
 * ``cuMemUnmap`` likewise: 19.4 k + 0.10 n µs (one page 19.4 µs, 32 one-page
   mappings in one call 630 µs, one 64 MiB mapping 25.8 µs; the exact fit has
   a fixed part of -0.3 µs, taken as none).
-* ``cuMemAddressReserve`` 2.8 µs and ``cuMemAddressFree`` 3.6 µs (one figure
-  for every size: 1 GiB and 1 TiB cost 2.7 and 3.0 µs to reserve, 2.8 and
-  5.1 µs to free).
+* ``cuMemAddressReserve`` 2.8 µs for every size (1 GiB and 1 TiB cost 2.7
+  and 3.0 µs); ``cuMemAddressFree`` grows with the size: 2.8 µs at 1 GiB,
+  5.1 µs at 1 TiB, interpolated like the malloc pairs (one figure for both,
+  3.6 µs, was 2.2x off on a run that freed 1 GiB in 1.6 µs).
 * ``cudaMemGetInfo`` 5.8 µs (6.0; ``cuMemGetInfo`` 5.7); ``cudaGetDeviceProperties``
   1.26 ms (devices cache it: a simulated ``properties()`` costs nothing).
 * Events and streams: ``cuEventCreate`` + ``cuEventRecord`` (what
@@ -93,7 +94,7 @@ class LatencyModel:
     mem_get_info_us: float = 5.8
     get_properties_us: float = 1257.0
     address_reserve_us: float = 2.8
-    address_free_us: float = 3.6
+    address_free_points: Points = ((1 * GiB, 2.8), (1024 * GiB, 5.1))
     mem_create_points: Points = ((2 * MiB, 10.7), (32 * MiB, 11.1), (256 * MiB, 16.5), (1 * GiB, 60.8))
     mem_release_points: Points = ((2 * MiB, 12.1), (32 * MiB, 25.4), (256 * MiB, 118.7), (1 * GiB, 437.2))
     mem_map_us: float = 2.1
@@ -135,6 +136,10 @@ class LatencyModel:
     def mem_create_cost_us(self, nbytes: int) -> float:
         """Cost of a ``cuMemCreate`` of ``nbytes``."""
         return interpolate_us(self.mem_create_points, nbytes)
+
+    def address_free_cost_us(self, nbytes: int) -> float:
+        """Cost of a ``cuMemAddressFree`` of a range of ``nbytes``."""
+        return interpolate_us(self.address_free_points, nbytes)
 
     def mem_release_cost_us(self, nbytes: int) -> float:
         """Cost of a ``cuMemRelease`` of a chunk of ``nbytes``."""

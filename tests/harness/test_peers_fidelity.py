@@ -121,3 +121,14 @@ def test_fit_latency_prints_the_geometric_mean_and_the_spread(tmp_path, capsys) 
     (tmp_path / "bad.json").write_text("{}")
     assert fit.main([str(tmp_path / "bad.json")]) == 2
     assert "neither a calibration" in capsys.readouterr().err
+
+
+def test_one_unreadable_trace_costs_its_row_not_the_fidelity_part(tmp_path) -> None:
+    """Found by review: a truncated trace file stopped the whole part with a traceback."""
+    bad = tmp_path / "broken.trace.pickle.gz"
+    bad.write_bytes(b"\x1f\x8b\x08\x00truncated")
+    result = fidelity.run_fidelity("sim:t4-16gb", "sim:t4-16gb", [bad, SMALL_TRACE], None, 1)
+    assert result["status"] == "failed"
+    assert any(d.startswith("broken.trace.pickle.gz: cannot be read as a trace") for d in result["differences"])
+    assert [t["trace"] for t in result["traces"]] == [SMALL_TRACE.name]  # the good trace was still compared
+    assert result["traces"][0]["peak_reserved_equal"]

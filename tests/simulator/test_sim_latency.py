@@ -71,7 +71,7 @@ def test_mem_info_and_other_calls(dev):
     assert _cost_us(dev, lambda: dev.mem_set_access(va, gran)) == pytest.approx(1.5 + 29.5 + 0.18 * 2)
     assert _cost_us(dev, lambda: dev.mem_unmap(va, gran)) == pytest.approx(19.4 + 0.10 * 2)
     assert _cost_us(dev, lambda: dev.mem_release(handle)) == pytest.approx(12.1)
-    assert _cost_us(dev, lambda: dev.address_free(va, 4 * gran)) == pytest.approx(3.6)
+    assert _cost_us(dev, lambda: dev.address_free(va, 4 * gran)) == pytest.approx(2.8)  # below 1 GiB: its cost
     ev = None
 
     def record():
@@ -189,3 +189,10 @@ def test_advance(dev):
     assert dev.now_s == pytest.approx(0.25)
     with pytest.raises(InvalidArgumentError):
         dev.advance(-1)
+
+
+def test_address_free_cost_grows_with_the_range():
+    lat = LatencyModel()
+    assert lat.address_free_cost_us(GiB) == pytest.approx(2.8)
+    assert lat.address_free_cost_us(1024 * GiB) == pytest.approx(5.1)
+    assert 2.8 < lat.address_free_cost_us(512 * GiB) < 5.1

@@ -1,0 +1,170 @@
+"""The HIL runner under hostile input, interruption and concurrency (found by an attacker's review):
+every refusal is one line and exit 2 with nothing written, and no child process outlives the runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpumem.hil.__main__ import EXIT_INTERRUPTED, main
+from gpumem.hil.process import run_in_group
+from gpumem.hil.runner import EXIT_BAD_INPUT, overall_status
+
+REPO = Path(__file__).resolve().parents[2]
+SIM = "sim:t4-16gb"
+
+
+def _refused(capsys: pytest.CaptureFixture, argv: list[str], expected: str) -> None:
+    assert main(argv) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert expected in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.fixture
+def cupy_record(tmp_path: Path) -> Path:
+    """A record of the (quick, all-skipped) CuPy suite on a simulated device."""
+    main(["run", "--device", SIM, "--out", str(tmp_path / "rec"), "--suites", "cupy", "--parts", "suites"])
+    (path,) = (tmp_path / "rec").glob("hil-*.json")
+    return path
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (lambda r: r.update(devices="x"), "'devices' is not a list"),
+    (lambda r: r.update(devices=[SIM]), "'devices' is not a list"),
+    (lambda r: r.update(results=[]), "'results' is not an object"),
+    (lambda r: r.update(runs="abc"), "'runs' is not a list"),
+    (lambda r: r["runs"][0].update(parts=None), "'runs' is not a list"),
+    (lambda r: r["results"][SIM].update(peers="x"), "the peers part"),
+    (lambda r: r["results"][SIM]["suites"][0].pop("suite"), "the suites of"),
+])
+def test_a_damaged_resume_record_is_refused_before_anything_runs(cupy_record: Path, capsys, damage,
+                                                                  expected: str) -> None:
+    record = json.loads(cupy_record.read_text())
+    damage(record)
+    cupy_record.write_text(json.dumps(record))
+    before = cupy_record.read_bytes()
+    capsys.readouterr()
+    _refused(capsys, ["run", "--device", SIM, "--suites", "cupy", "--parts", "suites", "--resume", str(cupy_record)],
+             expected)
+    assert cupy_record.read_bytes() == before
+
+
+def test_a_deeply_nested_resume_file_is_one_line(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "deep.json"
+    bad.write_text("[" * 100_000)
+    _refused(capsys, ["run", "--device", SIM, "--suites", "cupy", "--resume", str(bad)], "not JSON")
+
+
+def test_a_resumed_record_of_another_card_is_refused(cupy_record: Path, capsys) -> None:
+    record = json.loads(cupy_record.read_text())
+    record["devices"][0]["name"] = "NVIDIA H100 80GB HBM3"
+    cupy_record.write_text(json.dumps(record))
+    capsys.readouterr()
+    _refused(capsys, ["run", "--device", SIM, "--suites", "cupy", "--parts", "suites", "--resume", str(cupy_record)],
+             "a record covers one set of cards")
+
+
+def test_resuming_some_suites_keeps_the_others(cupy_record: Path) -> None:
+    assert main(["run", "--device", SIM, "--suites", "cuda_adapter", "--parts", "suites",
+                 "--resume", str(cupy_record)]) in (0, 3)
+    suites = [s["suite"] for s in json.loads(cupy_record.read_text())["results"][SIM]["suites"]]
+    assert suites == ["cuda_adapter", "cupy"]  # the CuPy result of the first call is still there, in suite order
+
+
+def test_a_record_missing_suites_is_not_passed() -> None:
+    record = {"devices": [{"spec": SIM}], "results": {SIM: {
+        "suites": [{"suite": "contract", "status": "passed"}],
+        **{p: {"status": "passed"} for p in ("peers", "fidelity", "sanitizer")}}}}
+    assert overall_status(record) == "incomplete"
+    record["results"][SIM]["suites"] = []
+    assert overall_status(record) == "incomplete"
+
+
+def test_bad_out_traces_sim_repo_and_devices_are_refused_up_front(tmp_path: Path, capsys) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    base = ["run", "--device", SIM, "--suites", "cupy"]
+    _refused(capsys, [*base, "--out", str(a_file)], "cannot make the folder")
+    _refused(capsys, [*base, "--out", str(a_file / "sub")], "cannot make the folder")
+    with pytest.raises(SystemExit) as stop:
+        main([*base, "--out", ""])
+    assert stop.value.code == EXIT_BAD_INPUT and "argument --out: empty path" in capsys.readouterr().err
+    _refused(capsys, [*base, "--out", str(tmp_path), "--traces", str(tmp_path / "none")], "no such folder")
+    _refused(capsys, [*base, "--out", str(tmp_path), "--sim", "sim:bogus"], "unknown simulated profile")
+    _refused(capsys, [*base, "--out", str(tmp_path), "--sim", "cuda:0"], "not a simulated device")
+    _refused(capsys, [*base, "--out", str(tmp_path), "--repo", str(tmp_path)], "not a gpumem checkout")
+    _refused(capsys, ["run", "--device", "sim:t4-16gb,sim:T4-16gb", "--out", str(tmp_path)], "name the same device")
+    assert list(tmp_path.iterdir()) == [a_file]  # nothing written
+    assert not list(Path.cwd().glob("hil-sim-*"))
+
+
+def test_a_second_run_into_the_same_folder_stops_at_once(tmp_path: Path, capsys) -> None:
+    import fcntl
+
+    with open(tmp_path / ".gpumem-hil.lock", "a+") as held:  # as a first run holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _refused(capsys, ["run", "--device", SIM, "--suites", "cupy", "--out", str(tmp_path)],
+                 "another run is writing into")
+    assert not list(tmp_path.glob("hil-*"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_child_that_runs_too_long_is_killed_with_what_it_started(tmp_path: Path) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    code = (f"import subprocess, time; p = subprocess.Popen(['sleep', '60']); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    with open(tmp_path / "log", "w") as log:
+        assert run_in_group([sys.executable, "-c", code], cwd=None, stdout=log, env=None, timeout_s=3) is None
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+
+
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_ctrl_c_kills_the_suite_and_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "gpumem.hil", "run", "--device", SIM, "--suites", "managers",
+                             "--parts", "suites", "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    log = out / "hil-sim-tesla-t4-16gb-placeholder"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # wait for the suite's pytest to be running
+        logs = list(out.glob("*-logs/managers-*.log"))
+        if logs and logs[0].stat().st_size > 0:
+            log = logs[0]
+            break
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("the managers suite never started")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    assert "interrupted; no record written" in err and "Traceback" not in err
+    assert not list(out.glob("hil-*.json"))
+    size = log.stat().st_size
+    time.sleep(1.5)
+    assert log.stat().st_size == size  # the suite's pytest was killed, not left writing its log
+    found = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
+    assert found.stdout.strip() == "", found.stdout

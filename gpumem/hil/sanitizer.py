@@ -161,9 +161,16 @@ class SanitizerFindings:
         return dataclasses.asdict(self)
 
 
-_SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+errors?")
+# the line ends there: "ERROR SUMMARY: 27 errors were not printed. Use --print-limit ..." is not a summary
+_SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+errors?\s*$", re.MULTILINE)
 _RACE_SUMMARY = re.compile(r"RACECHECK SUMMARY:\s*(\d+)\s+hazards? displayed\s*\((\d+)\s+errors?")
-_REPORT_START = re.compile(r"^=+\s+(Invalid|Race|Error|Uninitialized|Program hit|Barrier|Leaked|Malloc)")
+# the first line of one report ("Warp illegal address", "Invalid __global__ read of size 8 bytes", ...); the
+# lines that detail it are indented further, and the tool's own lines are not reports
+_REPORT_START = re.compile(r"^=+ (Invalid|Race|Error|Uninitialized|Program hit|Barrier|Leaked|Malloc|Warp|Lane|"
+                           r"Out-of-range|Address|Cuda API|Illegal|Misaligned|Hazard)")
+_NOT_A_REPORT = ("Error: Target application", "Error: No attachable process")
+#: What compute-sanitizer prints when it failed itself: nothing it counted can be trusted.
+INTERNAL_ERROR = "Internal Sanitizer Error"
 
 
 #: What compute-sanitizer says when the program it ran made no CUDA call at all.
@@ -176,20 +183,21 @@ def parse_sanitizer_log(text: str, max_reports: int = 5) -> SanitizerFindings:
     A program that made no CUDA call (:data:`NOTHING_CHECKED`) gives ``processes == 0``. A log without
     any summary line otherwise means the tool did not finish checking a process (it crashed or was
     killed): ``ValueError``, so the caller reports it instead of reading zero errors."""
+    if INTERNAL_ERROR in text:
+        raise ValueError(f"compute-sanitizer reported an {INTERNAL_ERROR}: what it counted cannot be trusted")
     if NOTHING_CHECKED in text and "ERROR SUMMARY" not in text:
         return SanitizerFindings(processes=0, errors=0, first_reports=[])
     summaries = [int(m.group(1)) for m in _SUMMARY.finditer(text)]
     races = [int(m.group(2)) for m in _RACE_SUMMARY.finditer(text)]
     if not summaries and not races:
         raise ValueError("the compute-sanitizer log has no ERROR SUMMARY line: the tool did not finish")
-    reports = []
-    for line in text.splitlines():
-        if _REPORT_START.match(line.strip()):
-            reports.append(line.strip().lstrip("= ").strip())
-            if len(reports) >= max_reports:
-                break
-    errors = sum(summaries) if summaries else sum(races)
-    return SanitizerFindings(processes=max(len(summaries), len(races)), errors=errors, first_reports=reports)
+    headers = [line.strip().lstrip("= ").strip() for line in text.splitlines()
+               if _REPORT_START.match(line.rstrip()) and not line.lstrip("= ").startswith(_NOT_A_REPORT)]
+    # race errors are not always in the ERROR SUMMARY, and a report the summaries do not count (printed
+    # after the last one) is still an error: never fewer errors than either says
+    errors = max(sum(summaries), sum(races), len(headers))
+    return SanitizerFindings(processes=max(len(summaries), len(races)), errors=errors,
+                             first_reports=headers[:max_reports])
 
 
 def check_tools(names: Sequence[str]) -> list[SanitizerTool]:

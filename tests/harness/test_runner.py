@@ -371,3 +371,27 @@ def test_memcheck_runs_only_suites_that_make_cuda_calls() -> None:
     assert _sanitizer_suites(opts, SanitizerTool.RACECHECK) == ["allocator", "cupy"]
     opts.sanitizer_suites = ["cuda_adapter", "contract"]  # asked for by name: run
     assert _sanitizer_suites(opts, SanitizerTool.MEMCHECK) == ["cuda_adapter", "contract"]
+
+
+def test_parse_sanitizer_log_on_real_memcheck_output() -> None:
+    """Found by review on the project's own H200 log: 'ERROR SUMMARY: 27 errors were not printed' was read as
+    a second process with 27 more errors, and 'Warp illegal address' reports were not listed."""
+    text = (REPO / "reports" / "hil" / "inflight-sanitizer-h200-2026-11-22.log").read_text()
+    f = parse_sanitizer_log(text)
+    assert (f.processes, f.errors) == (4, 64)  # two clean runs, two with 32 errors each
+    assert f.first_reports and f.first_reports[0] == "Warp illegal address"
+
+
+@pytest.mark.parametrize("log, errors", [
+    ("========= ERROR SUMMARY: 0 errors\n========= RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)\n", 2),
+    ("========= ERROR SUMMARY: 0 errors\n========= Invalid __global__ read of size 8 bytes\n=========     at k+0x10\n", 1),
+    ("========= COMPUTE-SANITIZER\n========= Error: Target application terminated before first instrumented API "
+     "call\n========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n", 0),
+])
+def test_parse_sanitizer_log_never_reads_fewer_errors_than_listed(log: str, errors: int) -> None:
+    assert parse_sanitizer_log(log).errors == errors
+
+
+def test_an_internal_sanitizer_error_is_not_a_clean_run() -> None:
+    with pytest.raises(ValueError, match="cannot be trusted"):
+        parse_sanitizer_log("========= Internal Sanitizer Error: x\n========= ERROR SUMMARY: 0 errors\n")

@@ -42,7 +42,9 @@ import datetime as _dt
 import gc
 import json
 import logging
+import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -67,8 +69,12 @@ PEER_NAMES = tuple(name for name, _ in PEERS)
 GPUMEM_PEERS = ("gpumem", "gpumem-cupy", "gpumem-torch")
 TRACE_SUFFIXES = (".pickle", ".pkl", ".csv", ".gmt")
 DEFAULT_TIMEOUT_S = 600.0
+#: The longest ``--timeout-s`` accepted: beyond it (or ``inf``, ``nan``) a timeout means nothing, and an infinite
+#: one overflowed in the worker's wait.
+MAX_SECONDS = 1e6
 #: Test hook: ``GPUMEM_PEERS_FAKE=crash:PEER``, ``hang:PEER`` or ``missing:PEER`` makes that peer's process
-#: crash, hang, or report its library missing (how the benchmark survives each is tested without a GPU).
+#: crash, hang (with a child process that hangs too), or report its library missing (how the benchmark
+#: survives each is tested without a GPU).
 FAKE_ENV = "GPUMEM_PEERS_FAKE"
 
 
@@ -288,6 +294,9 @@ def worker(task: dict[str, Any]) -> int:
     if fake == f"crash:{task['peer']}":
         os.abort()
     if fake == f"hang:{task['peer']}":
+        if not task.get("fake_child"):  # a hanging helper of its own, as a library's worker processes would be
+            subprocess.Popen([sys.executable, "-m", "gpumem.hil.peers", "--worker",
+                              json.dumps({**task, "fake_child": True})])
         time.sleep(3600)
     try:
         if fake == f"missing:{task['peer']}":
@@ -304,6 +313,37 @@ def worker(task: dict[str, Any]) -> int:
     return 0
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` and every process it started (its own session, so its own process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+
+
+def _run_worker(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[str, str, int | None]:
+    """Run a worker in a new session; ``(stdout, stderr, exit status)``, the status None when it ran past
+    ``timeout_s``: then the whole process group is killed, so no worker (or anything it started) is left
+    holding the GPU. Any other exception while waiting (Ctrl-C) kills the group too, then propagates."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        return stdout or "", stderr or "", proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:  # a process outside the group still holds the pipes
+            proc.kill()
+            stdout, stderr = "", ""
+        return stdout or "", stderr or "", None
+    except BaseException:
+        _kill_group(proc)
+        proc.wait()
+        raise
+
+
 def run_cell(peer: str, trace: Path, device: str, repeat: int, timeout_s: float) -> tuple[PeerCell, int | None]:
     """Run one peer on one trace in a fresh process; never raises for the peer's own failures."""
     env = dict(os.environ)
@@ -314,14 +354,10 @@ def run_cell(peer: str, trace: Path, device: str, repeat: int, timeout_s: float)
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     task = {"peer": peer, "trace": str(trace), "device": device, "repeat": repeat}
     label = trace_label(trace)
-    try:
-        proc = subprocess.run([sys.executable, "-m", "gpumem.hil.peers", "--worker", json.dumps(task)],
-                              capture_output=True, text=True, timeout=timeout_s, env=env)
-        stdout, stderr, ended = proc.stdout, proc.stderr, f"the process exited with status {proc.returncode}"
-    except subprocess.TimeoutExpired as exc:
-        stdout = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        ended = f"timed out after {timeout_s:g} s"
+    stdout, stderr, returncode = _run_worker([sys.executable, "-m", "gpumem.hil.peers", "--worker", json.dumps(task)],
+                                             env, timeout_s)
+    ended = (f"the process exited with status {returncode}" if returncode is not None
+             else f"timed out after {timeout_s:g} s")
     for line in reversed(stdout.splitlines()):
         try:
             rec = json.loads(line)
@@ -398,12 +434,25 @@ def run_benchmark(device: str, traces: list[Path], peers: Sequence[str], repeat:
             cells.append(cell)
     labels = [trace_label(t) for t in traces]
     gpumem_failed = [c for c in cells if c.peer in GPUMEM_PEERS and c.status == "failed"]
+    # gpumem's own Python API needs nothing but gpumem: unavailable there means gpumem itself is missing
+    gpumem_missing = [c for c in cells if c.peer == "gpumem" and c.status == "unavailable"]
     missing = sorted({c.peer for c in cells if c.status != "ok"})
     n_ok = sum(c.status == "ok" for c in cells)
-    status = "failed" if gpumem_failed else "passed"
+    if gpumem_failed or gpumem_missing:
+        status = "failed"
+        reason = "; ".join([f"{c.peer} failed on {c.trace}: {c.reason}" for c in gpumem_failed]
+                           + [f"gpumem itself is unavailable on {c.trace}: {c.reason}" for c in gpumem_missing])
+    elif n_ok == 0:
+        # nothing measured proves nothing: never "passed"
+        status = "skipped"
+        reason = (f"nothing measured: no peer ran on any trace ({len(cells)} cells: "
+                  + ", ".join(f"{c.peer} {c.status}" for c in cells[:8]) + (", ..." if len(cells) > 8 else "") + ")"
+                  if cells else "nothing measured: no trace or no peer given")
+    else:
+        status, reason = "passed", ""
     return {
         "status": status,
-        "reason": "; ".join(f"{c.peer} failed on {c.trace}: {c.reason}" for c in gpumem_failed),
+        "reason": reason,
         "summary": f"{len(labels)} traces × {len(peers)} peers: {n_ok} measured"
                    + (f"; did not run: {', '.join(missing)}" if missing else ""),
         "markdown": render_markdown(cells, labels, live, peers),
@@ -421,18 +470,42 @@ def _write(path: Path | None, data: dict[str, Any]) -> None:
         path.write_text(text, encoding="utf-8")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (:class:`PeersInputError`, exit status 2), without the usage."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise PeersInputError(message)
+
+
+def _seconds(text: str) -> float:
+    """A float option in seconds: finite, above 0 and at most :data:`MAX_SECONDS` (``inf`` overflowed)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0 and at most {MAX_SECONDS:g}, "
+                                         f"got {text!r}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpumem.hil.peers", description=__doc__,
+    parser = _Parser(prog="python -m gpumem.hil.peers", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda:0", help="the real GPU (cuda:N); a sim: spec records the part "
                                                             "as skipped")
     parser.add_argument("--traces", type=Path, default=None, help="folder of traces (default: data/traces)")
     parser.add_argument("--peers", default=",".join(PEER_NAMES), help="comma-separated peers (default: all)")
     parser.add_argument("--repeat", type=int, default=3, help="timed passes per peer and trace (default 3)")
-    parser.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="per peer and trace")
+    parser.add_argument("--timeout-s", type=_seconds, default=DEFAULT_TIMEOUT_S,
+                        help=f"per peer and trace, seconds (default {DEFAULT_TIMEOUT_S:g}, at most {MAX_SECONDS:g})")
     parser.add_argument("--json", type=Path, default=None, help="write the JSON here (default: stdout)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except PeersInputError as exc:
+        print(f"python -m gpumem.hil.peers: {exc}", file=sys.stderr)
+        return 2
     if args.worker:
         return worker(json.loads(args.worker))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
@@ -444,8 +517,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   f"{', '.join(PEER_NAMES)}")
         if not 1 <= args.repeat <= 100:
             raise PeersInputError(f"--repeat must be from 1 to 100, got {args.repeat}")
-        if not args.timeout_s > 0:
-            raise PeersInputError(f"--timeout-s must be positive, got {args.timeout_s}")
+        if not (math.isfinite(args.timeout_s) and 0 < args.timeout_s <= MAX_SECONDS):  # a caller's own default
+            raise PeersInputError(f"--timeout-s must be finite, above 0 and at most {MAX_SECONDS:g}, "
+                                  f"got {args.timeout_s}")
         if not (args.device.startswith("cuda:") or args.device.startswith("sim:")):
             raise PeersInputError(f"--device: {args.device!r} is not cuda:N or sim:PROFILE")
         if args.device.startswith("cuda:") and not args.device[5:].isdigit():

@@ -166,9 +166,12 @@ _SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+errors?\s*$", re.MULTILINE)
 _RACE_SUMMARY = re.compile(r"RACECHECK SUMMARY:\s*(\d+)\s+hazards? displayed\s*\((\d+)\s+errors?")
 # the first line of one report ("Warp illegal address", "Invalid __global__ read of size 8 bytes", ...); the
 # lines that detail it are indented further, and the tool's own lines are not reports
-_REPORT_START = re.compile(r"^=+ (Invalid|Race|Error|Uninitialized|Program hit|Barrier|Leaked|Malloc|Warp|Lane|"
-                           r"Out-of-range|Address|Cuda API|Illegal|Misaligned|Hazard)")
-_NOT_A_REPORT = ("Error: Target application", "Error: No attachable process")
+# (racecheck: "Error: Race reported between ...", or in hazard mode "ERROR: Potential WAW hazard detected ...")
+_REPORT_START = re.compile(r"^=+ (Invalid|Race|Error|ERROR: Potential|Uninitialized|Program hit|Barrier|Leaked|"
+                           r"Malloc|Warp|Lane|Out-of-range|Address|Cuda API|Illegal|Misaligned|Hazard)")
+#: The tool's own "Error:" lines, about the run and not about a memory access.
+_NOT_A_REPORT = ("Error: Target application", "Error: No attachable process", "Error: process didn't terminate",
+                 "Error: Unable to", "Error: Could not", "Error: Failed to")
 #: What compute-sanitizer prints when it failed itself: nothing it counted can be trusted.
 INTERNAL_ERROR = "Internal Sanitizer Error"
 
@@ -191,11 +194,19 @@ def parse_sanitizer_log(text: str, max_reports: int = 5) -> SanitizerFindings:
     races = [int(m.group(2)) for m in _RACE_SUMMARY.finditer(text)]
     if not summaries and not races:
         raise ValueError("the compute-sanitizer log has no ERROR SUMMARY line: the tool did not finish")
-    headers = [line.strip().lstrip("= ").strip() for line in text.splitlines()
-               if _REPORT_START.match(line.rstrip()) and not line.lstrip("= ").startswith(_NOT_A_REPORT)]
+    summary_ends = [m.end() for m in _SUMMARY.finditer(text)] + [m.end() for m in _RACE_SUMMARY.finditer(text)]
+    last_summary_end = max(summary_ends)
+    headers: list[str] = []
+    after_last_summary = 0  # reports of a process whose summary never came (it was killed, the tool crashed)
+    offset = 0
+    for line in text.splitlines(keepends=True):
+        if _REPORT_START.match(line.rstrip()) and not line.lstrip("= ").startswith(_NOT_A_REPORT):
+            headers.append(line.strip().lstrip("= ").strip())
+            after_last_summary += offset >= last_summary_end
+        offset += len(line)
     # race errors are not always in the ERROR SUMMARY, and a report the summaries do not count (printed
     # after the last one) is still an error: never fewer errors than either says
-    errors = max(sum(summaries), sum(races), len(headers))
+    errors = max(sum(summaries), sum(races), len(headers) - after_last_summary) + after_last_summary
     return SanitizerFindings(processes=max(len(summaries), len(races)), errors=errors,
                              first_reports=headers[:max_reports])
 

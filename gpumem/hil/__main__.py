@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -33,7 +34,7 @@ against the real device); sanitizer (the suites under compute-sanitizer, real GP
 examples:
   {prog} run --device cuda:0 --out reports/hil/
   {prog} run --device cuda:0 --out reports/hil/ --parts suites,sanitizer --sanitizer memcheck
-  {prog} run --device cuda:0 --parts peers,fidelity --resume reports/hil/hil-nvidia-h200-2026-11-22.json
+  {prog} run --device cuda:0 --parts peers,fidelity --resume reports/hil/hil-<device>-<date>.json
   {prog} run --device sim:h200-141gb --out build/hil --suites contract,allocator   (no GPU: the simulator)
 
 exit status: 0 every part run passed, nothing skipped; 1 a suite or part failed; 2 bad input or no
@@ -44,6 +45,18 @@ written, every child process killed.
 
 #: Exit status after Ctrl-C (128 + SIGINT, as a shell reports it).
 EXIT_INTERRUPTED = 130
+
+
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP (a CI job cancelled, ``timeout``): unwinds like Ctrl-C, so the child's group is killed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminated(signum: int, _frame: object) -> None:
+    raise _Terminated(signum)
 
 
 def _csv(text: str) -> list[str]:
@@ -137,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", action="append", required=True, type=_device, metavar="SPEC",
                    help="a device to run on: cuda:N (a real GPU) or sim:PROFILE; repeat or comma-separate for several")
-    p.add_argument("--out", type=_out_dir, default=Path("reports/hil"), metavar="DIR",
-                   help="where the record, the summary and the logs go (default: reports/hil)")
+    p.add_argument("--out", type=_out_dir, default=None, metavar="DIR",
+                   help="where the record, the summary and the logs go (default: reports/hil; with --resume, beside "
+                        "the record resumed)")
     p.add_argument("--parts", type=_parts, default=list(Part), metavar="LIST",
                    help="comma-separated parts to run: suites, peers, fidelity, sanitizer (default: all)")
     p.add_argument("--suites", type=_suites, default=[s.name for s in SUITES], metavar="LIST",
@@ -181,7 +195,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "env":
         from gpumem.hil.environment import probe
 
+        if len(_csv(args.device)) != 1:
+            print(f"{PROG} env: one device at a time (got {args.device})", file=sys.stderr)
+            return EXIT_BAD_INPUT
         report = probe(args.device).as_json()
+        if report["error"] and not args.json:
+            print(f"{PROG} env: {report['error']}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         if args.json:
             print(json.dumps(report, indent=1, default=str))
         else:
@@ -195,15 +215,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         print(f"{PROG} run: the suites need pytest and hypothesis: pip install -e \".[dev]\"", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.out is not None and args.resume is not None and args.out.resolve() != args.resume.resolve().parent:
+        print(f"{PROG} run: --out {args.out} and --resume {args.resume}: a resumed record stays where it is; "
+              "give one or the other", file=sys.stderr)
+        return EXIT_BAD_INPUT
     opts = RunOptions(
-        devices=_split(args.device), out_dir=args.out, parts=args.parts, suites=args.suites,
+        devices=_split(args.device), out_dir=args.out if args.out is not None else Path("reports/hil"), parts=args.parts, suites=args.suites,
         sanitizer_suites=args.sanitizer_suites, traces=args.traces, repo_root=args.repo, sim=args.sim,
         suite_timeout_s=args.suite_timeout, part_timeout_s=args.part_timeout, peers_repeat=args.repeat,
         resume=args.resume, command=" ".join([PROG, *map(shlex.quote, sys.argv[1:] if argv is None else argv)]))
     if args.sanitizer is not None:
         opts.sanitizer_tools = args.sanitizer
+    previous_term = signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: the running child's group is killed
+    previous_hup = signal.signal(signal.SIGHUP, _terminated)
     try:
         record, paths = run(opts)
+    except _Terminated as exc:
+        print(f"{PROG} run: stopped by signal {exc.signum}; no record written", file=sys.stderr)
+        return 128 + exc.signum
     except HilRunError as exc:
         print(f"{PROG} run: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -211,6 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG} run: interrupted; no record written"
               + (f" ({opts.resume} is unchanged)" if opts.resume is not None else ""), file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
+        signal.signal(signal.SIGHUP, previous_hup)
     print(f"{PROG}: {record['status']}; wrote {paths[0]}, {paths[1]} and the logs in {paths[2]}/")
     return exit_code_of(record, opts.parts)
 

@@ -62,7 +62,7 @@ from typing import Any, Iterator, Sequence
 from gpumem.hil.sanitizer import CHILD_PROCESS_SUITES, DEVICE_TESTS_ONLY, MEMCHECK_SUITES, RACECHECK_SUITES, \
     SANITIZER_ENV_VAR, SanitizerTool, child_control_command, find_compute_sanitizer, parse_sanitizer_log, sanitizer_prefix
 from gpumem.hil.process import run_in_group
-from gpumem.hil.suites import SUITES, SuiteStatus, run_suite, slug, suite_named
+from gpumem.hil.suites import SUITES, SuiteResult, SuiteStatus, missing_needs, run_suite, slug, suite_named
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_INCOMPLETE", "EXIT_OK", "HilRunError", "Part", "RunOptions",
            "exit_code_of", "find_repo_root", "overall_status", "render_markdown", "run"]
@@ -180,6 +180,13 @@ def _run_suites(opts: RunOptions, spec: str, log_dir: Path) -> list[dict[str, An
     results = []
     for name in opts.suites:
         suite = suite_named(name)
+        missing = missing_needs(suite) if spec.startswith("cuda:") else []
+        if missing:  # Note [A skipped suite is not a passed one]
+            reason = f"{', '.join(missing)} not installed: the suite's real-device tests cannot run"
+            log.info("suite %s on %s: skipped (%s)", name, spec, reason)
+            results.append(SuiteResult(name, spec, SuiteStatus.SKIPPED, 0, 0, 0, 0, 0.0, {reason: 1}, [], None, "",
+                                       reason=reason).as_json())
+            continue
         log.info("suite %s on %s ...", name, spec)
         res = run_suite(suite, spec, repo_root=opts.repo_root, log_dir=log_dir, timeout_s=opts.suite_timeout_s,
                         env=_child_env(opts.repo_root))
@@ -502,18 +509,18 @@ def run(opts: RunOptions) -> tuple[dict[str, Any], list[Path]]:
     _check_part_inputs(opts)
     previous = _load_resume(opts.resume, specs) if opts.resume is not None else None
     out_dir = opts.resume.parent if opts.resume is not None else opts.out_dir
-    _check_out_dir(out_dir)
-    with _exclusive(out_dir):
-        return _run_locked(opts, specs, previous, out_dir)
-
-
-def _run_locked(opts: RunOptions, specs: list[str], previous: dict[str, Any] | None,
-                out_dir: Path) -> tuple[dict[str, Any], list[Path]]:
     started = _utc_now()
     devices = []
-    for spec in specs:  # before anything runs: a missing GPU stops here, with one message
+    for spec in specs:  # before anything runs or is written: a missing GPU stops here, with one message
         log.info("probing %s ...", spec)
         devices.append(probe_device(spec, opts.repo_root))
+    _check_out_dir(out_dir)
+    with _exclusive(out_dir):
+        return _run_locked(opts, specs, previous, out_dir, started, devices)
+
+
+def _run_locked(opts: RunOptions, specs: list[str], previous: dict[str, Any] | None, out_dir: Path, started: str,
+                devices: list[dict[str, Any]]) -> tuple[dict[str, Any], list[Path]]:
     if previous is not None and opts.resume is not None:
         _check_same_devices(previous, devices, opts.resume)
         out_json = opts.resume
@@ -596,11 +603,40 @@ def _gib(n: Any) -> str:
     return f"{n / 2**30:.2f} GiB" if isinstance(n, int) else "?"
 
 
+def _status_causes(record: dict[str, Any]) -> str:
+    """What keeps a record from passing, in a few words per suite or part."""
+    every = [s.name for s in SUITES]
+    causes = []
+    for dev in record["devices"]:
+        spec = dev["spec"]
+        res = record["results"].get(spec, {})
+        ran = {x.get("suite"): x for x in res.get("suites") or []}
+        causes += [f"suite {n} {ran[n]['status']}" for n in every if n in ran and ran[n].get("status") != "passed"]
+        not_run = [n for n in every if n not in ran]
+        if not_run:
+            causes.append(f"suites not run: {', '.join(not_run)}")
+        for part in (Part.PEERS, Part.FIDELITY, Part.SANITIZER):
+            value = res.get(part.value)
+            if value is None:
+                causes.append(f"{part.value} not run")
+            elif value.get("status") != "passed":
+                reason = str(value.get("reason") or "")
+                causes.append(f"{part.value} {value.get('status')}" + (f" ({reason[:120]})" if reason else ""))
+        if len(record["devices"]) > 1 and causes:
+            causes[-1] += f" on {spec}"
+    return "; ".join(causes)
+
+
 def render_markdown(record: dict[str, Any]) -> str:
     """The short Markdown summary of a record."""
+    causes = _status_causes(record)
     lines = [f"# gpumem hardware-in-the-loop record, {record['date'][:10]}", "",
-             f"Status: {_MARK.get(record['status'], record['status'])} "
-             "(passed = every part ran and passed; a skipped suite or part makes a record incomplete)", ""]
+             f"Status: {_MARK.get(record['status'], record['status'])}" + (f": {causes}" if causes else "")
+             + " (passed = every part ran and passed; a skipped suite or part makes a record incomplete)", ""]
+    commits = list(dict.fromkeys(str(r.get("git_commit")) for r in record.get("runs", [])))
+    if len(commits) > 1:
+        lines += [f"Made by {len(record['runs'])} calls at {len(commits)} commits ({', '.join(commits)}): "
+                  "each run below names the parts it made and its commit.", ""]
     for dev in record["devices"]:
         versions = dev.get("versions", {})
         lines += [f"- device `{dev['spec']}`: {dev.get('name')}, {_gib(dev.get('total_nbytes'))}"

@@ -43,6 +43,9 @@ class Suite:
     description: str
     paths: tuple[str, ...]
     ignore: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()
+    """Modules without which the suite's real-device tests all skip: on a real device a missing one makes the
+    suite ``skipped`` (its argument and error-path tests alone would read as passed)."""
 
 
 #: Every suite that takes a device, in the order they run.
@@ -59,9 +62,17 @@ SUITES: tuple[Suite, ...] = (
     Suite("managers", "memory managers: reserve, layers, tracker, fallback, pressure, multi-GPU, discovery",
           ("tests/managers",)),
     Suite("workspace", "workspace sizing and memory estimation", ("tests/workspace", "tests/estimate")),
-    Suite("cupy", "CuPy allocating through gpumem", ("tests/hil/test_cupy_integration.py",)),
-    Suite("pytorch", "PyTorch allocating through gpumem's native engine", ("tests/pytorch/test_torch_on_gpumem.py",)),
+    Suite("cupy", "CuPy allocating through gpumem", ("tests/hil/test_cupy_integration.py",), needs=("cupy",)),
+    Suite("pytorch", "PyTorch allocating through gpumem's native engine", ("tests/pytorch/test_torch_on_gpumem.py",),
+          needs=("torch",)),
 )
+
+
+def missing_needs(suite: Suite) -> list[str]:
+    """The modules of ``suite.needs`` that cannot be imported here (looked for, not imported: no CUDA call)."""
+    import importlib.util
+
+    return [m for m in suite.needs if importlib.util.find_spec(m) is None]
 
 
 def suite_named(name: str) -> Suite:

@@ -168,3 +168,71 @@ def test_ctrl_c_kills_the_suite_and_writes_nothing(tmp_path: Path) -> None:
     assert log.stat().st_size == size  # the suite's pytest was killed, not left writing its log
     found = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
     assert found.stdout.strip() == "", found.stdout
+
+
+def test_sigterm_kills_the_suite_as_ctrl_c_does(tmp_path: Path) -> None:
+    """Found by review: a cancelled CI job (SIGTERM) left the suite's pytest running under PID 1."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "gpumem.hil", "run", "--device", SIM, "--suites", "managers",
+                             "--parts", "suites", "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + 120
+    while not any(p.stat().st_size for p in out.glob("*-logs/managers-*.log")):
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the managers suite never started")
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by signal" in err and "Traceback" not in err
+    time.sleep(0.5)
+    found = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
+    assert found.stdout.strip() == "", found.stdout
+
+
+def test_out_and_resume_together_are_refused(cupy_record: Path, tmp_path: Path, capsys) -> None:
+    capsys.readouterr()
+    _refused(capsys, ["run", "--device", SIM, "--suites", "cupy", "--resume", str(cupy_record),
+                      "--out", str(tmp_path / "elsewhere")], "a resumed record stays where it is")
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_failed_probe_writes_nothing(tmp_path: Path, capsys) -> None:
+    """Found by review: a run that stopped at once still made --out and a lock file in it."""
+    _refused(capsys, ["run", "--device", "sim:nope", "--out", str(tmp_path / "out")], "nope")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_suite_whose_library_is_missing_is_skipped_on_a_real_device(tmp_path: Path, monkeypatch) -> None:
+    """Found by review: without PyTorch the pytorch suite's argument tests passed and the suite read as passed."""
+    from gpumem.hil import runner
+
+    monkeypatch.setattr(runner, "missing_needs", lambda suite: ["torch"] if suite.name == "pytorch" else [])
+    opts = runner.RunOptions(devices=["cuda:0"], out_dir=tmp_path, suites=["pytorch"], repo_root=REPO)
+    (res,) = runner._run_suites(opts, "cuda:0", tmp_path)
+    assert res["status"] == "skipped" and "torch not installed" in res["reason"]
+
+
+def test_env_takes_one_device_and_says_its_error_in_one_line(capsys) -> None:
+    assert main(["env", "--device", "sim:h200-141gb,sim:t4-16gb"]) == EXIT_BAD_INPUT
+    assert "one device at a time" in capsys.readouterr().err
+    assert main(["env", "--device", "sim:nope"]) == EXIT_BAD_INPUT
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "nope" in err
+
+
+def test_the_summary_says_why_a_record_is_not_passed_and_which_commits_made_it() -> None:
+    from gpumem.hil.runner import render_markdown
+
+    record = {"date": "2026-11-22T00:00:00+00:00", "status": "incomplete", "devices": [{"spec": SIM}],
+              "results": {SIM: {"suites": [{"suite": "contract", "status": "passed", "passed": 1, "failed": 0,
+                                            "skipped": 0, "errors": 0, "duration_s": 1.0, "skip_reasons": {},
+                                            "failures": [], "reason": ""}],
+                                "fidelity": {"status": "failed", "reason": "latency of x", "summary": ""}}},
+              "runs": [{"git_commit": "aaa", "parts": ["suites"], "started_utc": "t", "finished_utc": "t", "command": "c"},
+                       {"git_commit": "bbb", "parts": ["fidelity"], "started_utc": "t", "finished_utc": "t", "command": "c"}]}
+    status_line = render_markdown(record).splitlines()[2]
+    assert "suites not run: cuda_adapter" in status_line and "fidelity failed (latency of x)" in status_line
+    assert "peers not run" in status_line
+    assert "Made by 2 calls at 2 commits (aaa, bbb)" in render_markdown(record)

@@ -1,6 +1,7 @@
 """Child processes of the HIL runner: each in its own process group, killed whole when it runs too long
 or when the runner is interrupted (a pytest run, a peer benchmark or a sanitizer run leaves no orphan
-behind that would keep holding the GPU)."""
+behind that would keep holding the GPU). Their logs name files relative to the checkout they ran in,
+so a record's logs carry no path of the machine that made them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import signal
 import subprocess
 from pathlib import Path
-from typing import IO, Sequence
+from typing import Sequence
 
 __all__ = ["run_in_group"]
 
@@ -20,18 +21,31 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_in_group(cmd: Sequence[str], *, cwd: Path | None, stdout: IO[str], env: dict[str, str] | None,
+def _relativize(log_path: Path, root: Path) -> None:
+    """Write ``log_path`` again with ``root/`` taken off every path in it."""
+    prefix = f"{root.resolve()}/"
+    text = log_path.read_text(encoding="utf-8", errors="replace")
+    if prefix in text:
+        log_path.write_text(text.replace(prefix, ""), encoding="utf-8")
+
+
+def run_in_group(cmd: Sequence[str], *, cwd: Path, log_path: Path, env: dict[str, str] | None,
                  timeout_s: float) -> int | None:
-    """Run ``cmd`` in a new session (stderr into ``stdout``) and return its exit status, or None when it ran
-    past ``timeout_s`` and was killed with every process it started. Any exception while waiting (a
-    ``KeyboardInterrupt`` above all) kills the group too, then propagates."""
-    proc = subprocess.Popen(list(cmd), cwd=cwd, stdout=stdout, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        return None
-    except BaseException:
-        _kill_group(proc)
-        raise
+    """Run ``cmd`` in ``cwd`` in a new session, its stdout and stderr into ``log_path``, and return its exit
+    status, or None when it ran past ``timeout_s`` and was killed with every process it started. Any
+    exception while waiting (a ``KeyboardInterrupt`` above all) kills the group too, then propagates.
+    The log's paths under ``cwd`` are made relative to it."""
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(list(cmd), cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return None
+        except BaseException:
+            _kill_group(proc)
+            raise
+        finally:
+            log.flush()
+            _relativize(log_path, cwd)

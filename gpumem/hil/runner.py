@@ -135,6 +135,13 @@ def _utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def _root(opts: RunOptions) -> Path:
+    """The checkout the children run in (:func:`run` has found it by then)."""
+    if opts.repo_root is None:
+        raise HilRunError("no gpumem checkout to run in")
+    return opts.repo_root
+
+
 def _child_env(repo_root: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root), env.get("PYTHONPATH", "")) if p)
@@ -209,10 +216,9 @@ def _run_module_part(module: str, args: list[str], opts: RunOptions, log_dir: Pa
     json_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", module, *args, "--json", str(json_path)]
     started = time.monotonic()
-    with open(log_path, "w", encoding="utf-8") as out:
-        code = run_in_group(cmd, cwd=opts.repo_root, stdout=out, env=_child_env(opts.repo_root),
-                            timeout_s=opts.part_timeout_s)
-        ended = f"exited with status {code}" if code is not None else f"timed out after {opts.part_timeout_s:g} s"
+    code = run_in_group(cmd, cwd=_root(opts), log_path=log_path, env=_child_env(_root(opts)),
+                        timeout_s=opts.part_timeout_s)
+    ended = f"exited with status {code}" if code is not None else f"timed out after {opts.part_timeout_s:g} s"
     duration_s = round(time.monotonic() - started, 1)
     try:
         data = json.loads(json_path.read_text(encoding="utf-8"))
@@ -264,11 +270,10 @@ def _run_control(exe: str, opts: RunOptions, spec: str, log_dir: Path) -> dict[s
     tool_log.unlink(missing_ok=True)
     cmd = [*sanitizer_prefix(exe, SanitizerTool.MEMCHECK, tool_log, children=True), *child_control_command(spec)]
     log.info("control on %s: memcheck on a child that reads freed memory on purpose ...", spec)
-    with open(log_dir / f"{label}.log", "w", encoding="utf-8") as out:
-        if run_in_group(cmd, cwd=opts.repo_root, stdout=out, env=_child_env(opts.repo_root),
-                        timeout_s=CONTROL_TIMEOUT_S) is None:
-            return {"status": "error", "errors": None, "log": tool_log.name,
-                    "reason": f"the control run timed out after {CONTROL_TIMEOUT_S:g} s"}
+    if run_in_group(cmd, cwd=_root(opts), log_path=log_dir / f"{label}.log", env=_child_env(_root(opts)),
+                    timeout_s=CONTROL_TIMEOUT_S) is None:
+        return {"status": "error", "errors": None, "log": tool_log.name,
+                "reason": f"the control run timed out after {CONTROL_TIMEOUT_S:g} s"}
     try:
         findings = parse_sanitizer_log(tool_log.read_text(encoding="utf-8", errors="replace"))
     except (OSError, ValueError) as exc:

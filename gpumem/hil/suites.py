@@ -254,13 +254,10 @@ def run_suite(suite: Suite, device: str, *, repo_root: Path, log_dir: Path, time
     junit.unlink(missing_ok=True)
     cmd = [*prefix, *pytest_command(suite, device, junit, pytest_args)]
     started = time.monotonic()
-    exit_code: int | None
-    timed_out = False
-    with open(log_path, "w", encoding="utf-8") as log:
-        # its own process group, killed whole on a timeout or a Ctrl-C of the runner (gpumem.hil.process)
-        exit_code = run_in_group(cmd, cwd=repo_root, stdout=log, env=env if env is not None else dict(os.environ),
-                                 timeout_s=timeout_s)
-        timed_out = exit_code is None
+    # its own process group, killed whole on a timeout or a Ctrl-C of the runner (gpumem.hil.process)
+    exit_code = run_in_group(cmd, cwd=repo_root, log_path=log_path, env=env if env is not None else dict(os.environ),
+                             timeout_s=timeout_s)
+    timed_out = exit_code is None
     duration_s = time.monotonic() - started
     shown = " ".join(str(c) for c in cmd[len(prefix):]).replace(sys.executable, "python")
     if prefix:

@@ -128,8 +128,8 @@ def test_a_child_that_runs_too_long_is_killed_with_what_it_started(tmp_path: Pat
     pid_file = tmp_path / "grandchild.pid"
     code = (f"import subprocess, time; p = subprocess.Popen(['sleep', '60']); "
             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
-    with open(tmp_path / "log", "w") as log:
-        assert run_in_group([sys.executable, "-c", code], cwd=None, stdout=log, env=None, timeout_s=3) is None
+    assert run_in_group([sys.executable, "-c", code], cwd=tmp_path, log_path=tmp_path / "log", env=None,
+                        timeout_s=3) is None
     grandchild = int(pid_file.read_text())
     deadline = time.monotonic() + 5
     while _alive(grandchild) and time.monotonic() < deadline:
@@ -236,3 +236,11 @@ def test_the_summary_says_why_a_record_is_not_passed_and_which_commits_made_it()
     assert "suites not run: cuda_adapter" in status_line and "fidelity failed (latency of x)" in status_line
     assert "peers not run" in status_line
     assert "Made by 2 calls at 2 commits (aaa, bbb)" in render_markdown(record)
+
+
+def test_child_logs_name_files_relative_to_the_checkout(tmp_path: Path) -> None:
+    """The H200 record's logs named the device machine's checkout (pytest's warnings print absolute paths)."""
+    code = "import os; print(os.path.join(os.getcwd(), 'tests', 'x.py') + ':1: a warning')"
+    assert run_in_group([sys.executable, "-c", code], cwd=tmp_path, log_path=tmp_path / "log", env=None,
+                        timeout_s=30) == 0
+    assert (tmp_path / "log").read_text() == "tests/x.py:1: a warning\n"

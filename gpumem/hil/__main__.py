@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from gpumem.hil.process import timeout_seconds
 from gpumem.hil.runner import EXIT_BAD_INPUT, HilRunError, Part, RunOptions, exit_code_of, run
 from gpumem.hil.sanitizer import check_tools
 from gpumem.hil.suites import SUITES, suite_named
@@ -98,16 +99,6 @@ def _tools(text: str) -> list:
     return tools
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return value
-
-
 def _repeat(text: str) -> int:
     try:
         value = int(text)
@@ -168,9 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the simulated device fidelity compares with (default: the profile named like the GPU, "
                         "else sim:h200-141gb)")
     p.add_argument("--repeat", type=_repeat, default=3, metavar="N", help="timed passes per peer and trace (default 3)")
-    p.add_argument("--suite-timeout", type=_positive, default=1800.0, metavar="SECONDS",
+    p.add_argument("--suite-timeout", type=timeout_seconds, default=1800.0, metavar="SECONDS",
                    help="kill a suite's pytest run after this long (default 1800)")
-    p.add_argument("--part-timeout", type=_positive, default=3600.0, metavar="SECONDS",
+    p.add_argument("--part-timeout", type=timeout_seconds, default=3600.0, metavar="SECONDS",
                    help="kill the peer benchmark or the fidelity check after this long (default 3600)")
     p.add_argument("--resume", type=Path, default=None, metavar="RECORD.json",
                    help="add this call's parts to an earlier record of the same devices (for runners that limit "

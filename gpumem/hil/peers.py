@@ -42,15 +42,15 @@ import datetime as _dt
 import gc
 import json
 import logging
-import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from gpumem.hil.process import MAX_TIMEOUT_S, kill_group, timeout_seconds
 
 log = logging.getLogger("gpumem.hil.peers")
 
@@ -69,9 +69,6 @@ PEER_NAMES = tuple(name for name, _ in PEERS)
 GPUMEM_PEERS = ("gpumem", "gpumem-cupy", "gpumem-torch")
 TRACE_SUFFIXES = (".pickle", ".pkl", ".csv", ".gmt")
 DEFAULT_TIMEOUT_S = 600.0
-#: The longest ``--timeout-s`` accepted: beyond it (or ``inf``, ``nan``) a timeout means nothing, and an infinite
-#: one overflowed in the worker's wait.
-MAX_SECONDS = 1e6
 #: Test hook: ``GPUMEM_PEERS_FAKE=crash:PEER``, ``hang:PEER`` or ``missing:PEER`` makes that peer's process
 #: crash, hang (with a child process that hangs too), or report its library missing (how the benchmark
 #: survives each is tested without a GPU).
@@ -313,14 +310,6 @@ def worker(task: dict[str, Any]) -> int:
     return 0
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill ``proc`` and every process it started (its own session, so its own process group)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
-
-
 def _run_worker(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[str, str, int | None]:
     """Run a worker in a new session; ``(stdout, stderr, exit status)``, the status None when it ran past
     ``timeout_s``: then the whole process group is killed, so no worker (or anything it started) is left
@@ -331,7 +320,7 @@ def _run_worker(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[
         stdout, stderr = proc.communicate(timeout=timeout_s)
         return stdout or "", stderr or "", proc.returncode
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_group(proc)
         try:
             stdout, stderr = proc.communicate(timeout=5)
         except subprocess.TimeoutExpired:  # a process outside the group still holds the pipes
@@ -339,8 +328,7 @@ def _run_worker(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[
             stdout, stderr = "", ""
         return stdout or "", stderr or "", None
     except BaseException:
-        _kill_group(proc)
-        proc.wait()
+        kill_group(proc)
         raise
 
 
@@ -477,18 +465,6 @@ class _Parser(argparse.ArgumentParser):
         raise PeersInputError(message)
 
 
-def _seconds(text: str) -> float:
-    """A float option in seconds: finite, above 0 and at most :data:`MAX_SECONDS` (``inf`` overflowed)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0 and at most {MAX_SECONDS:g}, "
-                                         f"got {text!r}")
-    return value
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _Parser(prog="python -m gpumem.hil.peers", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -497,8 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--traces", type=Path, default=None, help="folder of traces (default: data/traces)")
     parser.add_argument("--peers", default=",".join(PEER_NAMES), help="comma-separated peers (default: all)")
     parser.add_argument("--repeat", type=int, default=3, help="timed passes per peer and trace (default 3)")
-    parser.add_argument("--timeout-s", type=_seconds, default=DEFAULT_TIMEOUT_S,
-                        help=f"per peer and trace, seconds (default {DEFAULT_TIMEOUT_S:g}, at most {MAX_SECONDS:g})")
+    parser.add_argument("--timeout-s", type=timeout_seconds, default=DEFAULT_TIMEOUT_S,
+                        help=f"per peer and trace, seconds (default {DEFAULT_TIMEOUT_S:g}, at most {MAX_TIMEOUT_S:g})")
     parser.add_argument("--json", type=Path, default=None, help="write the JSON here (default: stdout)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     try:
@@ -517,9 +493,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   f"{', '.join(PEER_NAMES)}")
         if not 1 <= args.repeat <= 100:
             raise PeersInputError(f"--repeat must be from 1 to 100, got {args.repeat}")
-        if not (math.isfinite(args.timeout_s) and 0 < args.timeout_s <= MAX_SECONDS):  # a caller's own default
-            raise PeersInputError(f"--timeout-s must be finite, above 0 and at most {MAX_SECONDS:g}, "
-                                  f"got {args.timeout_s}")
         if not (args.device.startswith("cuda:") or args.device.startswith("sim:")):
             raise PeersInputError(f"--device: {args.device!r} is not cuda:N or sim:PROFILE")
         if args.device.startswith("cuda:") and not args.device[5:].isdigit():

@@ -5,19 +5,39 @@ so a record's logs carry no path of the machine that made them."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import math
 import os
 import signal
 import subprocess
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["run_in_group"]
+__all__ = ["MAX_TIMEOUT_S", "kill_group", "run_in_group", "timeout_seconds"]
+
+#: The longest timeout accepted: beyond it (or ``inf``, ``nan``) a timeout means nothing, and an infinite one
+#: overflowed in a child's wait.
+MAX_TIMEOUT_S = 1e6
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def timeout_seconds(text: str) -> float:
+    """An argparse type for a timeout: a finite number of seconds above 0, at most :data:`MAX_TIMEOUT_S`."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, finite and at most "
+                                         f"{MAX_TIMEOUT_S:g}, got {text!r}")
+    return value
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` (started in a session of its own) and every process it started, and reap it."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+    proc.kill()  # if the group could not be signalled
     proc.wait()
 
 
@@ -41,10 +61,10 @@ def run_in_group(cmd: Sequence[str], *, cwd: Path, log_path: Path, env: dict[str
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc)
             return None
         except BaseException:
-            _kill_group(proc)
+            kill_group(proc)
             raise
         finally:
             log.flush()

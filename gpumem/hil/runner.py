@@ -191,8 +191,9 @@ def _run_suites(opts: RunOptions, spec: str, log_dir: Path) -> list[dict[str, An
         if missing:  # Note [A skipped suite is not a passed one]
             reason = f"{', '.join(missing)} not installed: the suite's real-device tests cannot run"
             log.info("suite %s on %s: skipped (%s)", name, spec, reason)
-            results.append(SuiteResult(name, spec, SuiteStatus.SKIPPED, 0, 0, 0, 0, 0.0, {reason: 1}, [], None, "",
-                                       reason=reason).as_json())
+            results.append(SuiteResult(suite=name, device=spec, status=SuiteStatus.SKIPPED, passed=0, failed=0,
+                                       skipped=0, errors=0, duration_s=0.0, skip_reasons={reason: 1}, failures=[],
+                                       exit_code=None, command="", reason=reason).as_json())
             continue
         log.info("suite %s on %s ...", name, spec)
         res = run_suite(suite, spec, repo_root=opts.repo_root, log_dir=log_dir, timeout_s=opts.suite_timeout_s,

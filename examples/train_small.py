@@ -50,8 +50,22 @@ def main() -> int:
         if step % 10 == 0 or step == args.steps - 1:
             print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
     torch.cuda.synchronize()
-    print(f"train_small: {args.steps} steps in {time.perf_counter() - t0:.2f} s", flush=True)
+    print(f"train_small: {args.steps} steps in {time.perf_counter() - t0:.2f} s; {_peaks(torch)}", flush=True)
     return 0
+
+
+def _peaks(torch) -> str:
+    """Peak allocated and reserved bytes, from gpumem.torch when it is PyTorch's allocator (PyTorch's own
+    counters raise under a pluggable allocator), else from PyTorch."""
+    import sys
+
+    gtorch = sys.modules.get("gpumem.torch")
+    if gtorch is not None and gtorch.installed():
+        st, who = gtorch.memory_stats(), "gpumem"
+        alloc, res = st["allocated_bytes.all.peak"], st["reserved_bytes.all.peak"]
+    else:
+        alloc, res, who = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(), "pytorch"
+    return f"peak allocated {alloc / 2**20:.1f} MiB, peak reserved {res / 2**20:.1f} MiB ({who})"
 
 
 if __name__ == "__main__":

@@ -8,11 +8,11 @@ ROOT=$PWD
 W=$(mktemp -d)
 EX=$ROOT/examples/train_small.py
 cases=()
-run() {  # run NAME COMMAND...: in the work folder, at most 120 s, output and exit status kept
+run() {  # run NAME COMMAND...: in the work folder, at most 50 s, output and exit status kept
     local name=$1; shift
     cases+=("$name")
     local t0=$SECONDS
-    (cd "$W" && timeout 120 "$@") >"$W/$name.log" 2>&1
+    (cd "$W" && timeout 50 "$@") >"$W/$name.log" 2>&1
     echo $? >"$W/$name.rc"
     echo $((SECONDS - t0)) >"$W/$name.s"
     printf '%s\n' "$*" >"$W/$name.cmd"

@@ -5,8 +5,11 @@
     gpumem record --out run1 --report -- python examples/train_small.py
 
 --oom sizes the batch from the GPU's memory so that one activation takes a sixth of it: the forward
-and backward passes of the four layers need several such tensors at once, so the first step fails with
-torch.OutOfMemoryError on any GPU (the error a too-large batch gives in a real program).
+and backward passes need several such tensors at once, and under PyTorch's caching allocator the first
+step fails with torch.OutOfMemoryError (on an H200: 99.24 GiB allocated and 23.27 GiB reserved but
+unallocated when 23.30 GiB more were asked for). Under gpumem's allocator (`--allocator gpumem`) the
+same steps ran on that H200: the memory PyTorch's allocator lost to fragmentation was enough
+(reports/hil/record-h200-2026-11-25.md).
 """
 
 from __future__ import annotations

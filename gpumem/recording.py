@@ -214,7 +214,8 @@ class _OomHook:
     native_callback: Any = None  # the ctypes callback gpumem's engine holds: kept alive here
     pytorch_attached: bool = False
 
-    def write(self, device: int, requested: int, free: int, total: int, snap: dict[str, Any], extra: list[str]) -> None:
+    def write(self, device: int, requested: int, free: int, total: int, snap: dict[str, Any], extra: list[str],
+              allocated: "int | None" = None, cached: "int | None" = None) -> None:
         """Write the snapshot and the report; never raises (Note [Forensics never hide the out-of-memory error])."""
         from .managers.forensics import format_oom_report, unique_stem
         from .trace.pytorch_export import save_pytorch_snapshot
@@ -227,7 +228,8 @@ class _OomHook:
                 directory.mkdir(parents=True, exist_ok=True)
                 spec = f"cuda:{device}"
                 stem = unique_stem(directory, spec, next(self.seq))
-                error = OutOfMemoryError(requested, free, total, device=spec)
+                error = OutOfMemoryError(requested, free, total, device=spec, allocated_nbytes=allocated,
+                                         cached_nbytes=cached)
                 snap.setdefault("allocator_settings", {})["oom_message"] = str(error)
                 snapshot_path = save_pytorch_snapshot(snap, directory / f"{stem}.pickle")
                 report_path = directory / f"{stem}.txt"
@@ -239,18 +241,22 @@ class _OomHook:
         except Exception as exc:  # noqa: BLE001 - the program must learn of the OOM, not of a failed report
             log.error("could not write the out-of-memory snapshot to %s: %s: %s", directory, type(exc).__name__, exc)
 
-    def on_pytorch_oom(self, device: int, alloc: int, device_allocated: int, device_free: int) -> None:
-        """PyTorch's OOM observer (``torch._C._cuda_attach_out_of_memory_observer``)."""
+    def on_pytorch_oom(self, device: int, alloc: int, device_total: int, device_free: int) -> None:
+        """PyTorch's OOM observer (``torch._C._cuda_attach_out_of_memory_observer``): PyTorch passes the device,
+        the bytes requested, the device's total (or the cap of its memory fraction) and its free bytes."""
         try:
-            torch = _torch()
-            snap = torch.cuda.memory._snapshot()
-            total = int(torch.cuda.get_device_properties(device).total_memory)
-            extra = [f"PyTorch: {format_bytes(device_allocated)} allocated on cuda:{device}, "
-                     f"{format_bytes(device_free)} free on the device", ""]
+            snap = _torch().cuda.memory._snapshot()
+            segments = [seg for seg in snap.get("segments", ()) if seg.get("device", device) == device]
+            reserved = sum(int(seg.get("total_size", 0)) for seg in segments)
+            allocated = sum(int(b.get("size", 0)) for seg in segments for b in seg.get("blocks", ())
+                            if b.get("state") == "active_allocated")
+            extra = [f"PyTorch on cuda:{device}: {format_bytes(allocated)} allocated, {format_bytes(reserved)} "
+                     f"reserved ({format_bytes(reserved - allocated)} reserved but unallocated)", ""]
         except Exception as exc:  # noqa: BLE001
             log.error("could not take PyTorch's snapshot at the out-of-memory error: %s", exc)
             return
-        self.write(int(device), int(alloc), int(device_free), total, snap, extra)
+        self.write(int(device), int(alloc), int(device_free), int(device_total), snap, extra, allocated,
+                   max(0, reserved - allocated))
 
     def on_gpumem_oom(self, device: int, requested: int, free: int, total: int) -> None:
         """gpumem.torch's OOM observer (called by ``gpumem_torch_malloc`` before it throws)."""

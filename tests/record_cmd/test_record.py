@@ -159,6 +159,9 @@ def test_oom_writes_the_snapshot_and_report_before_the_error(tmp_path: Path) -> 
     assert len(oom) == 1 and oom[0]["requested_nbytes"] == 10 << 20
     text = Path(tmp_path / oom[0]["report"]).read_text()
     assert "tried to allocate 10.00 MiB" in text and "prog.py:2 in <listcomp>" in text and "4 buffer(s)" in text
+    # PyTorch's observer gets (device, requested, the device's total, free): the H200 record read the total
+    # as the bytes allocated ("PyTorch: 139.80 GiB allocated")
+    assert "free of 1.00 MiB total" in text and "PyTorch on cuda:0: 13.67 KiB allocated, 13.67 KiB reserved" in text
     assert load_trace(tmp_path / oom[0]["snapshot"]).n_allocs == 5
     # the written before the error reached the program: the observer's log line comes before the traceback
     assert r.stderr.index("out of memory on cuda:0 (10.00 MiB requested)") < r.stderr.index("Traceback")
@@ -319,3 +322,26 @@ def test_native_history_without_a_gpu() -> None:
     events, dropped = recording._native_events()
     assert (events, dropped) == ([], 0)
     assert lib.gpumem_torch_record_history(0) == 0
+
+
+def test_a_pytorch_oom_entry_without_addr_is_read(tmp_path: Path) -> None:
+    """PyTorch writes an ``oom`` trace entry with ``device_free`` and no ``addr``; the H200 record's
+    ``gpumem report`` of an out-of-memory run failed on it ("entry 63: 'addr' is missing")."""
+    import pickle
+
+    from gpumem.trace import save_pytorch_snapshot, to_pytorch_snapshot
+    from gpumem.trace.model import Trace
+
+    trace = Trace.from_ops("t", "test", [(0, 0, 4096, 0, 1, 0x1000), (0, 1, 8192, 0, 2, 0x3000)])
+    snap = to_pytorch_snapshot(trace)
+    snap["device_traces"][0].append({"action": "oom", "size": 1 << 30, "stream": 0, "time_us": 3,
+                                     "device_free": 1 << 20, "frames": []})
+    path = tmp_path / "oom.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    t = load_trace(path)
+    assert t.n_allocs == 2 and t.n_failed_allocs == 1
+    bad = tmp_path / "bad.pickle"  # an alloc without addr is still refused, naming the entry
+    snap["device_traces"][0][0].pop("addr")
+    save_pytorch_snapshot(snap, bad)
+    with pytest.raises(gpumem.TraceFormatError, match="entry 0: 'addr' is missing"):
+        load_trace(bad)

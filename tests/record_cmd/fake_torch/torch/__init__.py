@@ -69,7 +69,7 @@ def fake_alloc(nbytes):
     _state.t += 1.0
     if used + nbytes > _state.capacity:
         for obs in list(_state.observers):
-            obs(0, nbytes, used, _state.capacity - used)
+            obs(0, nbytes, _state.capacity, _state.capacity - used)  # as PyTorch: total, free
         raise OutOfMemoryError(f"CUDA out of memory. Tried to allocate {nbytes} bytes (fake)")
     addr = _state.next_addr
     _state.next_addr += (nbytes + 511) // 512 * 512

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gpumem
 from gpumem.cli import EXIT_USAGE, main
@@ -345,3 +347,37 @@ def test_a_pytorch_oom_entry_without_addr_is_read(tmp_path: Path) -> None:
     save_pytorch_snapshot(snap, bad)
     with pytest.raises(gpumem.TraceFormatError, match="entry 0: 'addr' is missing"):
         load_trace(bad)
+
+
+@st.composite
+def _histories(draw):
+    """Native histories: allocations at fresh addresses and frees of live ones, on devices 0 and 1."""
+    events, live, next_addr = [], {0: [], 1: []}, 0x10000
+    for t in range(draw(st.integers(0, 60))):
+        dev = draw(st.integers(0, 1))
+        if live[dev] and draw(st.booleans()):
+            addr = live[dev].pop(draw(st.integers(0, len(live[dev]) - 1)))
+            events.append((1, dev, addr, 0, 0, float(t)))
+        else:
+            nbytes = draw(st.integers(1, 1 << 20))
+            events.append((0, dev, next_addr, nbytes, 0, float(t)))
+            live[dev].append(next_addr)
+            next_addr += 1 << 21
+    return events, {d: len(v) for d, v in live.items()}
+
+
+@settings(max_examples=40, deadline=None)
+@given(_histories())
+def test_snapshot_from_events_keeps_every_allocation(tmp_path_factory: pytest.TempPathFactory, history) -> None:
+    """Property: per device, the snapshot read back holds every recorded allocation and the same live set."""
+    from gpumem.recording import snapshot_from_events
+    from gpumem.trace import save_pytorch_snapshot
+
+    events, live = history
+    path = save_pytorch_snapshot(snapshot_from_events(events), tmp_path_factory.mktemp("h") / "s.pickle")
+    for dev in (0, 1):
+        n = sum(1 for e in events if e[0] == 0 and e[1] == dev)
+        if n == 0:
+            continue
+        t = load_trace(path, device=dev)
+        assert t.n_allocs == n and t.n_live_at_end == live[dev]

@@ -174,20 +174,26 @@ def test_oom_dir_from_the_environment(tmp_path: Path) -> None:
     assert len(list((tmp_path / "elsewhere").glob("oom-*.txt"))) == 1 and not (tmp_path / "run" / "oom").exists()
 
 
-def test_sigterm_writes_the_snapshot_and_ends_by_the_signal(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig, ended_by", [(signal.SIGTERM, "Terminated"), (signal.SIGINT, "KeyboardInterrupt")])
+def test_a_signal_writes_the_snapshot_and_ends_by_the_signal(tmp_path: Path, sig: int, ended_by: str) -> None:
+    """SIGTERM to gpumem record goes on to the program; SIGINT goes to the whole process group, as Ctrl-C in a
+    terminal does (gpumem record itself waits for the program to write its snapshot)."""
     (tmp_path / "prog.py").write_text(PROGRAM)
     proc = subprocess.Popen([sys.executable, "-m", "gpumem", "record", "--out", "run", "--", "python", "prog.py",
                              "sleep"], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, start_new_session=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        proc.send_signal(signal.SIGTERM)
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert _status(tmp_path / "run")["ended_by"] == "Terminated"
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + sig, err
+    assert _status(tmp_path / "run")["ended_by"] == ended_by
     assert load_trace(tmp_path / "run" / "snapshot.pickle").n_allocs == 5
 
 

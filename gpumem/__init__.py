@@ -14,9 +14,10 @@ The pieces, each in its own module:
 * :mod:`gpumem.discovery` - which backends (CUDA, simulated, CPU) this machine has;
 * :mod:`gpumem.workspace` - workspace sizing from the real device;
 * :mod:`gpumem.estimate` - memory estimates for decoder LLMs (inference and training) and batch fitting;
-* :mod:`gpumem.report` - fragmentation reports with figures, and sweeps over traces, devices and policies.
+* :mod:`gpumem.report` - fragmentation reports with figures, and sweeps over traces, devices and policies;
+* :mod:`gpumem.recording` - :func:`record` a PyTorch program's memory snapshot, :func:`snapshot_on_oom`.
 
-The names of the last five (and the size-bucket pool) are importable from ``gpumem`` itself; they are
+The names of the last six (and the size-bucket pool) are importable from ``gpumem`` itself; they are
 loaded on first use, so ``import gpumem`` stays light.
 """
 
@@ -68,6 +69,7 @@ _LAZY_EXPORTS: "dict[str, str]" = {
     **{name: ".report" for name in (
         "ReportOptions", "ReportResult", "build_report", "SweepResult", "SweepRow", "run_sweep", "write_sweep")},
     **{name: ".allocator.bucket" for name in ("BucketAllocator", "BucketPolicy", "BucketPoolStats")},
+    **{name: ".recording" for name in ("record", "Recording", "RecordResult", "snapshot_on_oom")},
 }
 
 

@@ -45,7 +45,7 @@ from .native import library_path
 from .units import format_bytes
 
 __all__ = ["install", "installed", "memory_stats", "memory_summary", "empty_cache", "record_stream",
-           "TooLateError"]
+           "TooLateError", "snapshot_on_oom"]
 
 log = logging.getLogger(__name__)
 
@@ -305,3 +305,12 @@ def record_stream(tensor: Any, stream: Any) -> None:
     lib = _lib()
     if lib.gpumem_torch_record_stream(ctypes.c_void_p(ptr), ctypes.c_void_p(handle)) != 0:
         raise GpumemError(f"gpumem could not record the stream for the tensor at {ptr:#x}: {_last_error(lib)}")
+
+
+def snapshot_on_oom(directory: "str | Any | None") -> None:
+    """On out of memory, write a snapshot and a report of who holds what into ``directory`` before the error
+    reaches the program (``None``: stop). Works on gpumem (after :func:`install`) and on PyTorch's own
+    allocator; see :func:`gpumem.recording.snapshot_on_oom`."""
+    from .recording import snapshot_on_oom as _snapshot_on_oom
+
+    _snapshot_on_oom(directory)

@@ -34,6 +34,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -42,6 +43,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cuda_backend.h"
 #include "engine.h"
@@ -188,6 +190,59 @@ std::string oom_message(const EngineError& e, std::uint64_t nbytes, int device) 
            e.what();
 }
 
+// Note [Allocation history for gpumem record]: PyTorch refuses _record_memory_history and snapshots
+// under a pluggable allocator, so `gpumem record --allocator gpumem` (gpumem/record.py) asks this
+// library for the history instead: while on, each successful alloc, each free and each out-of-memory
+// is appended (one mutex, one vector push) as a HistoryEvent; Python copies them out at the end and
+// writes them as a PyTorch snapshot. The history is bounded (max_entries): events past the bound are
+// counted as dropped, never wrapped around, so that every recorded free still has its alloc. The OOM
+// observer is called from the allocating thread, after the engine has given up and before the error
+// is thrown, with no engine lock held (as PyTorch calls its own OOM observers).
+struct HistoryEvent {          // mirrored by gpumem/record.py (_HistoryEvent)
+    std::uint64_t addr;
+    std::uint64_t nbytes;
+    std::uint64_t stream;
+    double time_us;            // since the history was turned on
+    std::int32_t device;
+    std::int32_t action;       // 0 alloc, 1 free, 2 out of memory (addr 0, nbytes requested)
+};
+
+using OomObserver = void (*)(int device, std::uint64_t requested_nbytes, std::uint64_t free_nbytes,
+                             std::uint64_t total_nbytes);
+
+struct History {
+    std::mutex mutex;
+    std::atomic<bool> on{false};
+    std::vector<HistoryEvent> events;       // under mutex
+    std::uint64_t max_entries = 0;          // under mutex
+    std::uint64_t dropped = 0;              // under mutex
+    std::chrono::steady_clock::time_point t0;
+    std::atomic<OomObserver> oom_observer{nullptr};
+};
+
+History& history() {
+    static History* h = new History();   // never destroyed (Note [Engines live until the process ends])
+    return *h;
+}
+
+void record_event(int action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream) {
+    History& h = history();
+    if (!h.on.load(std::memory_order_relaxed)) return;
+    std::lock_guard<std::mutex> lock(h.mutex);
+    if (!h.on.load(std::memory_order_relaxed)) return;
+    if (h.events.size() >= h.max_entries) {
+        ++h.dropped;
+        return;
+    }
+    const double t = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h.t0).count();
+    try {
+        h.events.push_back(HistoryEvent{addr, nbytes, stream, t, static_cast<std::int32_t>(device),
+                                        static_cast<std::int32_t>(action)});
+    } catch (const std::bad_alloc&) {   // the history never fails an allocation: the event is dropped
+        ++h.dropped;
+    }
+}
+
 }  // namespace
 
 // The engine PyTorch's hooks use on `device` (made on first use), for gpumem._engine.CudaAllocator:
@@ -222,10 +277,14 @@ GPUMEM_EXPORT void* gpumem_torch_malloc(ssize_t size, int device, void* stream) 
     try {
         std::uint64_t p = d->engine->try_allocate_fast(nbytes, s);
         if (p == 0) p = d->engine->allocate(nbytes, s);
+        record_event(0, device, p, nbytes, s);
         return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
     } catch (const EngineError& e) {
         if (e.kind == EngineErrorKind::kOutOfMemory) {
             d->torch_ooms.fetch_add(1, std::memory_order_relaxed);
+            record_event(2, device, 0, nbytes, s);
+            if (OomObserver obs = history().oom_observer.load(std::memory_order_acquire))
+                obs(device, nbytes, e.oom.free_nbytes, e.oom.total_nbytes);
             throw_out_of_memory(oom_message(e, nbytes, device));
         }
         d->torch_errors.fetch_add(1, std::memory_order_relaxed);
@@ -240,8 +299,8 @@ GPUMEM_EXPORT void* gpumem_torch_malloc(ssize_t size, int device, void* stream) 
 // PyTorch's free hook (void(void*, size_t, int, cudaStream_t)). Called from tensor deleters, which
 // must not throw: a failure is counted (free_errors) and reported on stderr.
 GPUMEM_EXPORT void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream) {
-    (void)size;
-    (void)stream;   // the engine knows the block's stream (Note [What PyTorch gives a pluggable allocator])
+    // the engine knows the block's stream (Note [What PyTorch gives a pluggable allocator]); size and
+    // stream only go into the history (Note [Allocation history for gpumem record])
     if (ptr == nullptr) return;
     DeviceEngine* d = existing(device);
     if (d == nullptr) {
@@ -249,6 +308,7 @@ GPUMEM_EXPORT void gpumem_torch_free(void* ptr, ssize_t size, int device, void* 
         return;
     }
     const std::uint64_t p = reinterpret_cast<std::uintptr_t>(ptr);
+    record_event(1, device, p, static_cast<std::uint64_t>(size), reinterpret_cast<std::uintptr_t>(stream));
     try {
         if (!d->engine->try_free_fast(p)) d->engine->free(p);
     } catch (const std::exception& e) {
@@ -362,3 +422,45 @@ GPUMEM_EXPORT int gpumem_torch_empty_cache(int device, std::uint64_t* released_n
 
 // The message of this thread's last failed gpumem_torch_* call.
 GPUMEM_EXPORT const char* gpumem_torch_last_error() { return t_last_error.c_str(); }
+
+// Turns the allocation history on (max_entries > 0: cleared, then recorded up to that many events)
+// or off (max_entries == 0: kept for gpumem_torch_history). Note [Allocation history for gpumem record].
+GPUMEM_EXPORT int gpumem_torch_record_history(std::uint64_t max_entries) {
+    History& h = history();
+    std::lock_guard<std::mutex> lock(h.mutex);
+    if (max_entries == 0) {
+        h.on.store(false, std::memory_order_relaxed);
+        return 0;
+    }
+    try {
+        h.events.clear();
+        h.events.reserve(max_entries < (1u << 16) ? max_entries : (1u << 16));
+    } catch (const std::exception& e) {
+        t_last_error = e.what();
+        return -1;
+    }
+    h.max_entries = max_entries;
+    h.dropped = 0;
+    h.t0 = std::chrono::steady_clock::now();
+    h.on.store(true, std::memory_order_relaxed);
+    return 0;
+}
+
+// Copies up to `n` recorded events into `out` (out == nullptr: none); *dropped gets the events past
+// max_entries. Returns how many events the history holds.
+GPUMEM_EXPORT std::int64_t gpumem_torch_history(HistoryEvent* out, std::int64_t n, std::uint64_t* dropped) {
+    History& h = history();
+    std::lock_guard<std::mutex> lock(h.mutex);
+    const std::int64_t held = static_cast<std::int64_t>(h.events.size());
+    if (out != nullptr && n > 0) std::memcpy(out, h.events.data(), sizeof(HistoryEvent) * (n < held ? n : held));
+    if (dropped != nullptr) *dropped = h.dropped;
+    return held;
+}
+
+// The function gpumem_torch_malloc calls on out of memory before it throws (nullptr: none).
+GPUMEM_EXPORT void gpumem_torch_set_oom_observer(OomObserver observer) {
+    history().oom_observer.store(observer, std::memory_order_release);
+}
+
+// sizeof(HistoryEvent), so that Python can check its mirror of the layout.
+GPUMEM_EXPORT int gpumem_torch_history_event_size() { return static_cast<int>(sizeof(HistoryEvent)); }

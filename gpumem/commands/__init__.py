@@ -16,5 +16,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "fit",
     "report",
     "sweep",
+    "record",
 )
 """Submodules of :mod:`gpumem.commands`, in the order ``gpumem --help`` lists them."""

@@ -109,9 +109,24 @@ def build_oom_snapshot(buffers: Iterable[AllocationInfo], requested_nbytes: int,
     snap = build_snapshot(buffers, name=name)
     entries = snap["device_traces"][-1]
     last_t = max((e["time_us"] for e in entries), default=0)
-    entries.append({"action": "oom", "addr": 0, "size": requested_nbytes, "stream": stream, "time_us": last_t,
-                    "frames": [], "device_free": free_nbytes})
+    entries.append(oom_entry(requested_nbytes, free_nbytes, stream=stream, time_us=last_t))
     return snap
+
+
+def oom_entry(requested_nbytes: int, free_nbytes: int, *, stream: int = 0, time_us: float = 0,
+              frames: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A PyTorch snapshot trace entry for a failed request (``action == "oom"``), as PyTorch writes it."""
+    return {"action": "oom", "addr": 0, "size": int(requested_nbytes), "stream": int(stream), "time_us": time_us,
+            "frames": list(frames or ()), "device_free": int(free_nbytes)}
+
+
+def unique_stem(directory: Path, spec: str, sequence: int = 0) -> str:
+    """``oom-<device>-<time>-<pid>-<n>``: a file stem no ``.pickle`` or ``.txt`` in ``directory`` has yet."""
+    base = f"oom-{_slug(spec)}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{sequence}"
+    stem, n = base, 1
+    while (directory / f"{stem}.pickle").exists() or (directory / f"{stem}.txt").exists():  # same second
+        stem, n = f"{base}.{n}", n + 1
+    return stem
 
 
 def _table(title: str, rows: list[tuple[str, int, int]]) -> list[str]:
@@ -168,10 +183,7 @@ def write_oom_forensics(directory: str | os.PathLike[str], error: OutOfMemoryErr
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     spec = device.spec if device is not None else (error.device or "device")
-    base = f"oom-{_slug(spec)}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{sequence}"
-    stem, n = base, 1
-    while (d / f"{stem}.pickle").exists() or (d / f"{stem}.txt").exists():  # another manager, same second
-        stem, n = f"{base}.{n}", n + 1
+    stem = unique_stem(d, spec, sequence)  # another manager may write in the same second
     buffers = tracker.live() if tracker is not None else []
     snap = build_oom_snapshot(buffers, error.requested_nbytes, error.free_nbytes, name=stem)
     snap["allocator_settings"]["oom_message"] = str(error)
@@ -245,4 +257,4 @@ def write_snapshot(path: str | os.PathLike[str], tracker: AllocationTracker, *, 
 
 
 __all__ = ["ForensicsLayer", "ForensicsRecord", "write_oom_forensics", "build_oom_snapshot", "build_snapshot",
-           "write_snapshot", "format_oom_report", "with_forensics"]
+           "write_snapshot", "format_oom_report", "with_forensics", "oom_entry", "unique_stem"]

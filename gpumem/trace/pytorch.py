@@ -144,7 +144,8 @@ def _columns_fast(entries: list[Any]) -> Columns | None:
     """All five columns, or None when anything needs the careful pass (which then names the entry)."""
     try:
         codes = list(map(ACTIONS.get, [e["action"] for e in entries]))
-        addrs = [e["addr"] for e in entries]
+        # PyTorch writes an oom entry with device_free in place of addr (memory_snapshot.cpp)
+        addrs = [e["addr"] if "addr" in e or e["action"] != "oom" else 0 for e in entries]
         sizes = [e["size"] for e in entries]
         streams = [e["stream"] for e in entries]
         times = [e["time_us"] for e in entries]
@@ -197,7 +198,7 @@ def _columns_careful(entries: list[Any], where: str) -> Columns:
         if action not in ACTIONS:
             raise TraceFormatError(where, f"unknown action {shorten(action)}", entry=i)
         codes.append(ACTIONS[action])
-        addrs.append(_int_field(e, "addr", where, i))
+        addrs.append(_int_field(e, "addr", where, i, default=0 if action == "oom" else None))
         sizes.append(_int_field(e, "size", where, i))
         streams.append(_int_field(e, "stream", where, i, default=0, minimum=-_INT64_MAX))
         t = e.get("time_us", 0)

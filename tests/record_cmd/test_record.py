@@ -1,0 +1,388 @@
+"""`gpumem record`, gpumem.record() and snapshot_on_oom, without a GPU: a fake torch (fake_torch/torch) stands in.
+
+The command's tests run it end to end in a child process with the fake torch on PYTHONPATH; the library's
+tests load the fake into sys.modules for the test only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gpumem
+from gpumem.cli import EXIT_USAGE, main
+from gpumem.commands.record import child_command
+from gpumem.cli import _UsageError
+from gpumem.errors import BackendUnavailableError, InvalidArgumentError
+from gpumem.trace import load_trace
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKE = Path(__file__).resolve().parent / "fake_torch"
+
+PROGRAM = """\
+import sys, torch
+keep = [torch.cuda.fake_alloc(1000 * (i + 1)) for i in range(5)]
+torch.cuda.fake_free(keep.pop(0))
+open("ran.marker", "w").write("ran")
+what = sys.argv[1] if len(sys.argv) > 1 else ""
+if what == "oom":
+    torch.cuda.fake_alloc(10 << 20)
+elif what == "raise":
+    raise ValueError("the program failed")
+elif what == "exit3":
+    sys.exit(3)
+elif what == "sleep":
+    print("ready", flush=True)
+    import time; time.sleep(60)
+"""
+
+
+def _env(fake: bool = True, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUMEM_", "FAKE_TORCH"))}
+    env["PYTHONPATH"] = os.pathsep.join(([str(FAKE)] if fake else []) + [str(ROOT)])
+    env.update(extra)
+    return env
+
+
+def _record(tmp_path: Path, *args: str, fake: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    return subprocess.run([sys.executable, "-m", "gpumem", "record", *args], cwd=tmp_path, env=_env(fake, **env),
+                          capture_output=True, text=True, timeout=120)
+
+
+# -- parsing -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command, expected", [
+    (["--", "python", "t.py", "a"], ["python", "-m", "gpumem.record_child", "t.py", "a"]),
+    (["python", "-u", "-X", "dev", "t.py"], ["python", "-u", "-X", "dev", "-m", "gpumem.record_child", "t.py"]),
+    (["python", "-m", "pkg.train", "--lr", "1"], ["python", "-m", "gpumem.record_child", "-m", "pkg.train", "--lr", "1"]),
+    (["python", "-c", "print(1)"], ["python", "-m", "gpumem.record_child", "-c", "print(1)"]),
+])
+def test_child_command_rewrites_the_interpreter_line(command: list[str], expected: list[str]) -> None:
+    assert child_command(command) == expected
+
+
+@pytest.mark.parametrize("command, words", [
+    ([], "no program given"),
+    (["--"], "no program given"),
+    (["ls", "-l"], "must be started by a Python interpreter"),
+    (["python"], "no program given after the interpreter"),
+    (["python", "-"], "standard input"),
+    (["python", "-I", "t.py"], "'-I' is not supported"),
+    (["python", "-m"], "-m needs an argument"),
+    (["python7.99", "t.py"], "no such Python interpreter"),
+])
+def test_child_command_refuses_what_it_cannot_record(command: list[str], words: str) -> None:
+    with pytest.raises(_UsageError, match=words.replace("(", r"\(")):
+        child_command(command)
+
+
+def test_help_explains_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["record", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for words in ("snapshot.pickle", "--allocator", "--report", "record.json", "runs nothing", "exit status"):
+        assert words in out
+
+
+def test_bad_options_run_nothing(tmp_path: Path) -> None:
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    r = _record(tmp_path, "--out", "full", "--", "python", "prog.py")
+    assert r.returncode == EXIT_USAGE and "is not empty" in r.stderr
+    assert not (tmp_path / "ran.marker").exists() and os.listdir(tmp_path / "full") == ["keep.txt"]
+    r = _record(tmp_path, "--max-entries", "0", "--", "python", "prog.py")
+    assert r.returncode == EXIT_USAGE and "--max-entries" in r.stderr and not (tmp_path / "ran.marker").exists()
+    r = _record(tmp_path, "--out", "no/such/dir", "--", "python", "prog.py")
+    assert r.returncode == EXIT_USAGE and "no such folder" in r.stderr
+
+
+# -- the one-line refusal ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fake, env, reason", [
+    (True, {"FAKE_TORCH_CUDA": "0"}, "PyTorch sees no CUDA device"),
+    (False, {}, "PyTorch is not installed"),
+])
+def test_no_cuda_or_no_torch_is_one_line_and_runs_nothing(tmp_path: Path, fake: bool, env: dict[str, str],
+                                                          reason: str) -> None:
+    if not fake and importlib.util.find_spec("torch") is not None:
+        pytest.skip("PyTorch is installed here")
+    r = _record(tmp_path, "--out", "run", "--", "python", "prog.py", fake=fake, **env)
+    assert r.returncode == EXIT_USAGE
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("gpumem record: cannot record: " + reason) and "not run" in lines[0]
+    assert not (tmp_path / "ran.marker").exists()
+    assert not (tmp_path / "run").exists()  # the folder it made is removed again
+
+
+# -- end to end with the fake torch ----------------------------------------------------------------------------
+def _status(out: Path) -> dict:
+    return json.loads((out / "record.json").read_text())
+
+
+def test_record_writes_a_snapshot_gpumem_reads_and_a_report(tmp_path: Path) -> None:
+    r = _record(tmp_path, "--out", "run", "--report", "--", "python", "prog.py")
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "run"
+    trace = load_trace(out / "snapshot.pickle")
+    assert trace.n_allocs == 5 and trace.n_ops == 6
+    st = _status(out)
+    assert st["status"] == "done" and st["exit_status"] == 0 and st["allocator"] == "pytorch"
+    assert (out / "report" / "index.html").is_file()
+    assert "snapshot written to run/snapshot.pickle" in r.stderr and "report written to" in r.stdout
+
+
+@pytest.mark.parametrize("what, code, ended_by", [("exit3", 3, "SystemExit"), ("raise", 1, "ValueError")])
+def test_exit_status_is_the_programs_and_the_snapshot_is_written(tmp_path: Path, what: str, code: int,
+                                                                 ended_by: str) -> None:
+    r = _record(tmp_path, "--out", "run", "--", "python", "prog.py", what)
+    assert r.returncode == code, r.stderr
+    assert _status(tmp_path / "run")["ended_by"] == ended_by
+    assert load_trace(tmp_path / "run" / "snapshot.pickle").n_allocs == 5
+    if what == "raise":  # the traceback is the program's, as python prog.py would print it
+        assert "ValueError: the program failed" in r.stderr and 'File "prog.py", line 9' in r.stderr
+        assert "record_child" not in r.stderr and "runpy" not in r.stderr
+
+
+def test_oom_writes_the_snapshot_and_report_before_the_error(tmp_path: Path) -> None:
+    r = _record(tmp_path, "--out", "run", "--", "python", "prog.py", "oom")
+    assert r.returncode == 1 and "torch.OutOfMemoryError" in r.stderr
+    oom = _status(tmp_path / "run")["oom_snapshots"]
+    assert len(oom) == 1 and oom[0]["requested_nbytes"] == 10 << 20
+    text = Path(tmp_path / oom[0]["report"]).read_text()
+    assert "tried to allocate 10.00 MiB" in text and "prog.py:2 in <listcomp>" in text and "4 buffer(s)" in text
+    # PyTorch's observer gets (device, requested, the device's total, free): the H200 record read the total
+    # as the bytes allocated ("PyTorch: 139.80 GiB allocated")
+    assert "free of 1.00 MiB total" in text and "PyTorch on cuda:0: 13.67 KiB allocated, 13.67 KiB reserved" in text
+    assert load_trace(tmp_path / oom[0]["snapshot"]).n_allocs == 5
+    # the written before the error reached the program: the observer's log line comes before the traceback
+    assert r.stderr.index("out of memory on cuda:0 (10.00 MiB requested)") < r.stderr.index("Traceback")
+
+
+def test_oom_dir_from_the_environment(tmp_path: Path) -> None:
+    r = _record(tmp_path, "--out", "run", "--", "python", "prog.py", "oom", GPUMEM_OOM_SNAPSHOT_DIR="elsewhere")
+    assert r.returncode == 1
+    assert len(list((tmp_path / "elsewhere").glob("oom-*.txt"))) == 1 and not (tmp_path / "run" / "oom").exists()
+
+
+@pytest.mark.parametrize("sig, ended_by", [(signal.SIGTERM, "Terminated"), (signal.SIGINT, "KeyboardInterrupt")])
+def test_a_signal_writes_the_snapshot_and_ends_by_the_signal(tmp_path: Path, sig: int, ended_by: str) -> None:
+    """SIGTERM to gpumem record goes on to the program; SIGINT goes to the whole process group, as Ctrl-C in a
+    terminal does (gpumem record itself waits for the program to write its snapshot)."""
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    proc = subprocess.Popen([sys.executable, "-m", "gpumem", "record", "--out", "run", "--", "python", "prog.py",
+                             "sleep"], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + sig, err
+    assert _status(tmp_path / "run")["ended_by"] == ended_by
+    assert load_trace(tmp_path / "run" / "snapshot.pickle").n_allocs == 5
+
+
+# -- the library, with the fake torch in sys.modules -------------------------------------------------------------
+@pytest.fixture
+def fake_torch(monkeypatch: pytest.MonkeyPatch):
+    from gpumem import recording
+
+    for name in ("torch", "torch.cuda", "torch.cuda.memory", "torch._C"):
+        monkeypatch.setitem(sys.modules, name, None)  # restored (removed) after the test
+    spec = importlib.util.spec_from_file_location("torch", FAKE / "torch" / "__init__.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["torch"] = module
+    spec.loader.exec_module(module)
+    monkeypatch.delenv("GPUMEM_OOM_SNAPSHOT_DIR", raising=False)
+    recording._oom_hook.cache_clear()
+    yield module
+    recording._oom_hook.cache_clear()
+
+
+def test_context_manager_writes_the_snapshot(fake_torch, tmp_path: Path) -> None:
+    with gpumem.record(out=tmp_path / "r1") as rec:
+        a = fake_torch.cuda.fake_alloc(4096)
+        fake_torch.cuda.fake_alloc(8192)
+        fake_torch.cuda.fake_free(a)
+    assert rec.result is not None and rec.result.snapshot_path == tmp_path / "r1" / "snapshot.pickle"
+    assert load_trace(rec.result.snapshot_path).n_allocs == 2
+    calls = fake_torch.cuda.fake_state.history_calls
+    assert calls[0]["enabled"] == "all" and calls[0]["context"] == "all" and calls[-1]["enabled"] is None
+
+
+def test_context_manager_writes_the_snapshot_when_the_block_raises(fake_torch, tmp_path: Path) -> None:
+    with pytest.raises(fake_torch.OutOfMemoryError):
+        with gpumem.record(out=tmp_path / "r2", oom_dir=tmp_path / "oom") as rec:
+            fake_torch.cuda.fake_alloc(4096)
+            fake_torch.cuda.fake_alloc(2 << 20)
+    assert load_trace(rec.result.snapshot_path).n_allocs == 1
+    assert len(list((tmp_path / "oom").glob("oom-cuda-0-*.pickle"))) == 1
+
+
+def test_context_manager_bad_input(fake_torch, tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="allocator must be one of"):
+        gpumem.record(out=tmp_path, allocator="tensorflow")
+    with pytest.raises(InvalidArgumentError, match="max_entries"):
+        gpumem.record(out=tmp_path, max_entries=0)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InvalidArgumentError, match="not a folder"):
+        gpumem.record(out=tmp_path / "file").start()
+    assert fake_torch.cuda.fake_state.history_calls == []  # nothing was turned on
+
+
+def test_context_manager_without_cuda(fake_torch, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_TORCH_CUDA", "0")
+    with pytest.raises(BackendUnavailableError, match="no CUDA device"):
+        with gpumem.record(out=tmp_path / "r"):
+            pass
+    assert not (tmp_path / "r").exists()
+
+
+def test_snapshot_on_oom_opt_in_and_off(fake_torch, tmp_path: Path) -> None:
+    import gpumem.torch
+
+    fake_torch.cuda.fake_alloc(1000)
+    with pytest.raises(fake_torch.OutOfMemoryError):
+        fake_torch.cuda.fake_alloc(2 << 20)
+    assert not list(tmp_path.iterdir())  # not opted in: nothing
+    gpumem.torch.snapshot_on_oom(tmp_path / "oom")
+    fake_torch.cuda.fake_alloc(3000)
+    with pytest.raises(fake_torch.OutOfMemoryError):
+        fake_torch.cuda.fake_alloc(2 << 20)
+    reports = list((tmp_path / "oom").glob("*.txt"))
+    assert len(reports) == 1 and "test_record.py" in reports[0].read_text()
+    gpumem.torch.snapshot_on_oom(None)
+    with pytest.raises(fake_torch.OutOfMemoryError):
+        fake_torch.cuda.fake_alloc(2 << 20)
+    assert len(list((tmp_path / "oom").glob("*.txt"))) == 1
+    with pytest.raises(InvalidArgumentError):
+        gpumem.snapshot_on_oom(tmp_path, max_entries=-1)
+
+
+def test_a_failing_oom_write_never_hides_the_error(fake_torch, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    gpumem.snapshot_on_oom(tmp_path / "file" / "oom")  # cannot be created
+    with pytest.raises(fake_torch.OutOfMemoryError):
+        fake_torch.cuda.fake_alloc(2 << 20)
+
+
+# -- gpumem's native history ----------------------------------------------------------------------------------
+def test_snapshot_from_native_events_per_device(tmp_path: Path) -> None:
+    from gpumem.recording import snapshot_from_events
+    from gpumem.trace import save_pytorch_snapshot
+
+    events = [
+        (1, 0, 0x9000, 64, 0, 0.5),         # a free of memory allocated before the history: skipped
+        (0, 0, 0x1000, 512, 0, 1.0),
+        (0, 1, 0x2000, 1024, 7, 2.0),
+        (1, 0, 0x1000, 512, 0, 3.0),
+        (0, 0, 0x1000, 256, 0, 4.0),        # the address again, after its free
+        (2, 0, 0, 1 << 30, 0, 5.0),
+    ]
+    snap = snapshot_from_events(events, free_nbytes={0: 123})
+    path = save_pytorch_snapshot(snap, tmp_path / "s.pickle")
+    t0 = load_trace(path, device=0)
+    t1 = load_trace(path, device=1)
+    assert (t0.n_allocs, t1.n_allocs) == (2, 1)
+    ooms = [e for e in snap["device_traces"][0] if e["action"] == "oom"]
+    assert ooms == [{"action": "oom", "addr": 0, "size": 1 << 30, "stream": 0, "time_us": 5.0, "frames": [],
+                     "device_free": 123}]
+
+
+def test_gpumem_oom_observer_writes_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpumem import recording
+    import gpumem.torch as gtorch
+
+    hook = recording._OomHook(directory=tmp_path)
+    monkeypatch.setattr(recording, "_native_events", lambda: ([(0, 0, 0x1000, 4096, 0, 1.0)], 0))
+    monkeypatch.setattr(gtorch, "memory_summary", lambda device=None: "gpumem memory summary, cuda:0 (fake)")
+    hook.on_gpumem_oom(0, 1 << 20, 100, 1 << 30)
+    assert len(hook.records) == 1
+    text = hook.records[0].report_path.read_text()
+    assert "gpumem memory summary, cuda:0 (fake)" in text and "tracked live buffers: 1, 4.00 KiB" in text
+    assert load_trace(hook.records[0].snapshot_path).n_allocs == 1
+
+
+def test_native_history_without_a_gpu() -> None:
+    from gpumem import recording
+    from gpumem.native import engine
+
+    if engine() != "native":
+        pytest.skip("no native engine")
+    lib = recording._native()
+    assert lib.gpumem_torch_record_history(10) == 0
+    events, dropped = recording._native_events()
+    assert (events, dropped) == ([], 0)
+    assert lib.gpumem_torch_record_history(0) == 0
+
+
+def test_a_pytorch_oom_entry_without_addr_is_read(tmp_path: Path) -> None:
+    """PyTorch writes an ``oom`` trace entry with ``device_free`` and no ``addr``; the H200 record's
+    ``gpumem report`` of an out-of-memory run failed on it ("entry 63: 'addr' is missing")."""
+    import pickle
+
+    from gpumem.trace import save_pytorch_snapshot, to_pytorch_snapshot
+    from gpumem.trace.model import Trace
+
+    trace = Trace.from_ops("t", "test", [(0, 0, 4096, 0, 1, 0x1000), (0, 1, 8192, 0, 2, 0x3000)])
+    snap = to_pytorch_snapshot(trace)
+    snap["device_traces"][0].append({"action": "oom", "size": 1 << 30, "stream": 0, "time_us": 3,
+                                     "device_free": 1 << 20, "frames": []})
+    path = tmp_path / "oom.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    t = load_trace(path)
+    assert t.n_allocs == 2 and t.n_failed_allocs == 1
+    bad = tmp_path / "bad.pickle"  # an alloc without addr is still refused, naming the entry
+    snap["device_traces"][0][0].pop("addr")
+    save_pytorch_snapshot(snap, bad)
+    with pytest.raises(gpumem.TraceFormatError, match="entry 0: 'addr' is missing"):
+        load_trace(bad)
+
+
+@st.composite
+def _histories(draw):
+    """Native histories: allocations at fresh addresses and frees of live ones, on devices 0 and 1."""
+    events, live, next_addr = [], {0: [], 1: []}, 0x10000
+    for t in range(draw(st.integers(0, 60))):
+        dev = draw(st.integers(0, 1))
+        if live[dev] and draw(st.booleans()):
+            addr = live[dev].pop(draw(st.integers(0, len(live[dev]) - 1)))
+            events.append((1, dev, addr, 0, 0, float(t)))
+        else:
+            nbytes = draw(st.integers(1, 1 << 20))
+            events.append((0, dev, next_addr, nbytes, 0, float(t)))
+            live[dev].append(next_addr)
+            next_addr += 1 << 21
+    return events, {d: len(v) for d, v in live.items()}
+
+
+@settings(max_examples=40, deadline=None)
+@given(_histories())
+def test_snapshot_from_events_keeps_every_allocation(tmp_path_factory: pytest.TempPathFactory, history) -> None:
+    """Property: per device, the snapshot read back holds every recorded allocation and the same live set."""
+    from gpumem.recording import snapshot_from_events
+    from gpumem.trace import save_pytorch_snapshot
+
+    events, live = history
+    path = save_pytorch_snapshot(snapshot_from_events(events), tmp_path_factory.mktemp("h") / "s.pickle")
+    for dev in (0, 1):
+        n = sum(1 for e in events if e[0] == 0 and e[1] == dev)
+        if n == 0:
+            continue
+        t = load_trace(path, device=dev)
+        assert t.n_allocs == n and t.n_live_at_end == live[dev]

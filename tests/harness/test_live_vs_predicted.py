@@ -1,0 +1,109 @@
+"""The live-vs-predicted table of the workloads probe (issue 18 point 2), on a tiny fake record: no GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpumem.errors import TraceFormatError
+from gpumem.hil.probes import workloads as wl
+from gpumem.torch import trace_from_words
+from gpumem.trace import load_trace, save_trace
+from gpumem.trace.pytorch_export import save_pytorch_snapshot
+
+MiB = 2**20
+
+
+def _words() -> list[int]:
+    """A native trace buffer: three allocations (one freed, one freed before another is made), one free of
+    a block allocated before tracing began."""
+    ev = [(0, 0x10000, 3 * MiB, 0, 0), (0, 0x400000, 5 * MiB, 0, 1000), (1, 0x10000, 3 * MiB, 0, 2000),
+          (1, 0x999000, 7, 0, 2500), (0, 0x10000, 2 * MiB, 7, 3000), (1, 0x400000, 5 * MiB, 0, 4000)]
+    return [w for e in ev for w in e]
+
+
+def test_trace_from_words_pairs_frees_and_skips_the_unknown_one() -> None:
+    t = trace_from_words(_words(), name="fake")
+    assert (t.n_allocs, t.n_unmatched_frees) == (3, 1)
+    assert int(t.live_nbytes().max()) == 8 * MiB
+
+
+@pytest.mark.parametrize("words, why", [([0, 1, 2, 3], "whole number"), ([2, 1, 2, 3, 4], "neither")])
+def test_trace_from_words_refuses_a_bad_buffer(words: list[int], why: str) -> None:
+    with pytest.raises(TraceFormatError, match=why):
+        trace_from_words(words)
+
+
+def _fake_record(tmp_path: Path) -> dict:
+    trace = trace_from_words(_words(), name="fake")
+    save_trace(trace, tmp_path / wl.trace_file_name("fake", "gpumem"))
+    save_pytorch_snapshot(trace, tmp_path / wl.trace_file_name("fake", "default"))
+    base = {"workload": "fake", "mean_step_ms": 1.5, "peak_allocated_bytes": 8 * MiB}
+    return {"runs": [
+        base | {"allocator": "default", "peak_reserved_bytes": 20 * MiB, "trace_file": wl.trace_file_name("fake", "default")},
+        base | {"allocator": "gpumem", "policy": None, "peak_reserved_bytes": 10 * MiB,
+                "trace_file": wl.trace_file_name("fake", "gpumem")},
+        {"workload": "broken", "allocator": "gpumem", "error": "Traceback ...\nRuntimeError: capture failed"},
+    ]}
+
+
+def test_live_vs_predicted_replays_each_run_with_its_allocators_model(tmp_path: Path) -> None:
+    rows = wl.live_vs_predicted(_fake_record(tmp_path), tmp_path)
+    assert [(r.workload, r.allocator, r.model) for r in rows] == [
+        ("fake", "default", "pytorch"), ("fake", "gpumem", "gpumem"), ("broken", "gpumem", "gpumem")]
+    default, gpumem, broken = rows
+    assert default.live_overhead == pytest.approx(1.5) and gpumem.live_overhead == pytest.approx(0.25)
+    for r in (default, gpumem):   # the replay's own figures, not the live ones
+        from gpumem.replay import replay_trace
+
+        res = replay_trace(str(tmp_path / wl.trace_file_name("fake", r.allocator)), "sim:h200-141gb", r.model)
+        assert r.predicted_peak_reserved_nbytes == res.peak_reserved_bytes
+        assert r.diff_pp == pytest.approx((res.overhead - r.live_overhead) * 100)
+    assert broken.predicted_overhead is None and "capture failed" in broken.error
+    table = wl.render_table(rows, "sim:h200-141gb")
+    assert "| fake | gpumem | gpumem |" in table and "live run failed" in table
+    assert table.count("met") >= 1
+
+
+def test_live_vs_predicted_passes_the_gpu_timing_and_policy_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+
+    def fake_replay(path: Path, sim: str, model: str, gpu_timing: str | None) -> object:
+        seen.append((path.name, model, gpu_timing))
+        return type("R", (), {"overhead": 0.0, "peak_reserved_bytes": 1})()
+
+    monkeypatch.setattr(wl, "_replay", fake_replay)
+    rows = wl.live_vs_predicted(_fake_record(tmp_path), tmp_path, gpu_timing="model", policy="bestfit")
+    assert seen == [("fake.default.snapshot.pickle.gz", "pytorch", "model"), ("fake.gpumem.gmt.gz", "bestfit", "model")]
+    assert all(r.gpu_timing == "model" for r in rows)
+
+
+def test_a_missing_trace_costs_its_row(tmp_path: Path) -> None:
+    record = _fake_record(tmp_path)
+    (tmp_path / wl.trace_file_name("fake", "gpumem")).unlink()
+    rows = wl.live_vs_predicted(record, tmp_path)
+    assert rows[0].predicted_overhead is not None
+    assert rows[1].predicted_overhead is None and rows[1].error.startswith("replay failed")
+
+
+def test_bad_records_are_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(wl.WorkloadInputError, match="no 'runs'"):
+        wl.live_vs_predicted({"rows": []}, tmp_path)
+    with pytest.raises(wl.WorkloadInputError, match="unknown allocator"):
+        wl.live_vs_predicted({"runs": [{"workload": "x", "allocator": "expandable"}]}, tmp_path)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert wl.main(["predict", str(bad)]) == 2
+    assert "cannot read the workloads record" in capsys.readouterr().err
+
+
+def test_predict_cli_prints_the_table_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "workloads.json").write_text(json.dumps(_fake_record(tmp_path)))
+    assert wl.main(["predict", str(tmp_path / "workloads.json"), "--json", str(tmp_path / "rows.json")]) == 0
+    assert "| fake | default | pytorch |" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert len(rows) == 3 and rows[0]["diff_pp"] is not None and np.isfinite(rows[0]["diff_pp"])
+    assert load_trace(tmp_path / "fake.gpumem.gmt.gz").n_allocs == 3

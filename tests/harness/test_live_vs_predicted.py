@@ -107,3 +107,34 @@ def test_predict_cli_prints_the_table_and_writes_json(tmp_path: Path, capsys: py
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert len(rows) == 3 and rows[0]["diff_pp"] is not None and np.isfinite(rows[0]["diff_pp"])
     assert load_trace(tmp_path / "fake.gpumem.gmt.gz").n_allocs == 3
+
+
+def test_parse_policy_replaces_fields_and_refuses_bad_specs() -> None:
+    from gpumem.allocator.policy import GrowthRule, get_policy
+
+    assert wl.parse_policy("pytorch") is get_policy("pytorch")
+    p = wl.parse_policy("gpumem:growth=pages,page_slack=0,steal_empty_pages=true")
+    assert (p.growth, p.page_slack, p.steal_empty_pages, p.name) == (
+        GrowthRule.PAGES, 0.0, True, "gpumem:growth=pages,page_slack=0,steal_empty_pages=true")
+    for bad, why in [("nope", "unknown allocator policy"), ("gpumem:foo=1", "not field=value"),
+                     ("gpumem:page_slack", "not field=value"), ("gpumem:page_slack=x", "convert"),
+                     ("gpumem:steal_empty_pages=maybe", "true or false"), ("gpumem:page_slack=2", "between 0 and 1"),
+                     ("gpumem:growth=sideways", "growth")]:
+        with pytest.raises(wl.WorkloadInputError, match=why):
+            wl.parse_policy(bad)
+    assert get_policy("gpumem").page_slack != 0.0   # the named policy is unchanged
+
+
+def test_fidelity_cli_adds_the_table_and_refuses_a_bad_record(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from gpumem.hil import fidelity
+
+    (tmp_path / "workloads.json").write_text(json.dumps(_fake_record(tmp_path)))
+    out = tmp_path / "fidelity.json"
+    assert fidelity.main(["--device", "sim:h200-141gb", "--live-record", str(tmp_path / "workloads.json"),
+                          "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["status"] == "skipped"   # no real GPU: the part is skipped, the table still shown
+    assert "| fake | gpumem | gpumem |" in data["markdown"] and len(data["live_vs_predicted"]["rows"]) == 3
+    assert any("broken on gpumem: live run failed" in d for d in data["live_vs_predicted"]["differences"])
+    assert fidelity.main(["--device", "sim:h200-141gb", "--live-record", str(tmp_path / "nope.json")]) == 2
+    assert "--live-record: cannot read" in capsys.readouterr().err

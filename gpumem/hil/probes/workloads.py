@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
+import enum
 import gzip
 import json
 import logging
@@ -184,12 +185,13 @@ def w_moe_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
 
 
 #: generate() requests: (batch, prompt length), one per step.
+GENERATE_NEW_TOKENS = 48
 GENERATE_REQUESTS = ((1, 512), (8, 96), (4, 1024), (16, 32), (2, 256), (8, 700), (1, 1500), (12, 128))
 
 
 def w_llama_generate(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
     model = _hf_causal(torch, "llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                       num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                       num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
                        max_position_embeddings=4096).to(torch.bfloat16)
     model.eval()
 
@@ -197,10 +199,10 @@ def w_llama_generate(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
         batch, prompt = GENERATE_REQUESTS[i % len(GENERATE_REQUESTS)]
         ids = torch.randint(0, 32000, (batch, prompt), device="cuda", generator=_gen(torch, i))
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=96,
-                                 min_new_tokens=96, do_sample=False, use_cache=True, pad_token_id=0)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=GENERATE_NEW_TOKENS,
+                                 min_new_tokens=GENERATE_NEW_TOKENS, do_sample=False, use_cache=True, pad_token_id=0)
         return out[:, prompt:].sum().float()
-    return ("Llama-style decoder (8 layers, d 1024, bf16) Hugging Face generate(): greedy, 96 new tokens, "
+    return (f"Llama-style decoder (4 layers, d 1024, bf16) Hugging Face generate(): greedy, {GENERATE_NEW_TOKENS} new tokens, "
             "KV cache growing, batch 1-16, prompt 32-1500 per request", step)
 
 
@@ -313,6 +315,39 @@ WORKLOADS: dict[str, Callable[[Any, dict], tuple[str, Callable[[int], Any]]]] = 
 }
 
 
+def parse_policy(spec: str) -> Any:
+    """An allocator policy from ``NAME`` or ``NAME:key=value,...`` (e.g. ``gpumem:growth=pages,page_slack=0``):
+    the named policy with those fields replaced (numbers, ``true``/``false`` and enum values as text).
+
+    Raises:
+        WorkloadInputError: an unknown policy or field, or a value the policy refuses.
+    """
+    from gpumem.allocator.policy import get_policy
+    from gpumem.errors import GpumemError
+
+    name, _, rest = spec.partition(":")
+    try:
+        pol = get_policy(name)
+        fields = {f.name: f for f in dataclasses.fields(pol)}
+        changes: dict[str, Any] = {}
+        for item in filter(None, rest.split(",")):
+            key, eq, text = item.partition("=")
+            if not eq or key not in fields:
+                raise WorkloadInputError(f"policy {spec!r}: {item!r} is not field=value of a policy field")
+            old = getattr(pol, key)
+            if isinstance(old, bool):
+                if text.lower() not in ("true", "false"):
+                    raise WorkloadInputError(f"policy {spec!r}: {key} takes true or false, not {text!r}")
+                changes[key] = text.lower() == "true"
+            elif isinstance(old, (int, float)) and not isinstance(old, enum.Enum):
+                changes[key] = type(old)(float(text)) if isinstance(old, float) else int(text)
+            else:
+                changes[key] = text
+        return dataclasses.replace(pol, name=spec, **changes) if changes else pol
+    except (GpumemError, ValueError, TypeError) as exc:
+        raise WorkloadInputError(f"policy {spec!r}: {exc}") from None
+
+
 def trace_file_name(workload: str, allocator: str) -> str:
     """The trace a run writes: a PyTorch snapshot for PyTorch's allocator, a gpumem trace for gpumem's."""
     return f"{workload}.{allocator}." + ("snapshot.pickle.gz" if allocator == "default" else "gmt.gz")
@@ -325,7 +360,7 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
 
         gt.install()
         if policy:
-            gt.configure(policy)
+            gt.configure(parse_policy(policy))
         gt.start_trace()
     import torch
 
@@ -469,7 +504,7 @@ def _replay(trace_path: Path, sim: str, model: str, gpu_timing: str | None) -> A
     options: dict[str, Any] = {}
     if gpu_timing is not None:
         options["gpu_timing"] = gpu_timing   # s18's option (issue 18 point 1); absent before it lands
-    return replay_trace(str(trace_path), sim, model, progress=False, **options)
+    return replay_trace(str(trace_path), sim, parse_policy(model), progress=False, **options)
 
 
 def live_vs_predicted(record: dict, trace_dir: Path, sim: str = "sim:h200-141gb", gpu_timing: str | None = None,

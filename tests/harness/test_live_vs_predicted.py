@@ -41,7 +41,7 @@ def _fake_record(tmp_path: Path) -> dict:
     trace = trace_from_words(_words(), name="fake")
     save_trace(trace, tmp_path / wl.trace_file_name("fake", "gpumem"))
     save_pytorch_snapshot(trace, tmp_path / wl.trace_file_name("fake", "default"))
-    base = {"workload": "fake", "mean_step_ms": 1.5, "peak_allocated_bytes": 8 * MiB}
+    base = {"workload": "fake", "mean_step_ms": 1.5, "peak_allocated_bytes": 8 * MiB, "num_allocs": 3, "losses": [0.5]}
     return {"runs": [
         base | {"allocator": "default", "peak_reserved_bytes": 20 * MiB, "trace_file": wl.trace_file_name("fake", "default")},
         base | {"allocator": "gpumem", "policy": None, "peak_reserved_bytes": 10 * MiB,
@@ -64,7 +64,7 @@ def test_live_vs_predicted_replays_each_run_with_its_allocators_model(tmp_path: 
         assert r.diff_pp == pytest.approx((res.overhead - r.live_overhead) * 100)
     assert broken.predicted_overhead is None and "capture failed" in broken.error
     table = wl.render_table(rows, "sim:h200-141gb")
-    assert "| fake | gpumem | gpumem |" in table and "live run failed" in table
+    assert "| fake | - | gpumem | gpumem |" in table and "live run failed" in table
     assert table.count("met") >= 1
 
 
@@ -103,8 +103,9 @@ def test_bad_records_are_refused_in_one_line(tmp_path: Path, capsys: pytest.Capt
 def test_predict_cli_prints_the_table_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     (tmp_path / "workloads.json").write_text(json.dumps(_fake_record(tmp_path)))
     assert wl.main(["predict", str(tmp_path / "workloads.json"), "--json", str(tmp_path / "rows.json")]) == 0
-    assert "| fake | default | pytorch |" in capsys.readouterr().out
+    assert "| fake | - | default | pytorch |" in capsys.readouterr().out
     rows = json.loads((tmp_path / "rows.json").read_text())
+    rows = rows["workloads.json"]
     assert len(rows) == 3 and rows[0]["diff_pp"] is not None and np.isfinite(rows[0]["diff_pp"])
     assert load_trace(tmp_path / "fake.gpumem.gmt.gz").n_allocs == 3
 
@@ -134,7 +135,20 @@ def test_fidelity_cli_adds_the_table_and_refuses_a_bad_record(tmp_path: Path, ca
                           "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["status"] == "skipped"   # no real GPU: the part is skipped, the table still shown
-    assert "| fake | gpumem | gpumem |" in data["markdown"] and len(data["live_vs_predicted"]["rows"]) == 3
+    assert "| fake | - | gpumem | gpumem |" in data["markdown"] and len(data["live_vs_predicted"]["rows"]) == 3
     assert any("broken on gpumem: live run failed" in d for d in data["live_vs_predicted"]["differences"])
     assert fidelity.main(["--device", "sim:h200-141gb", "--live-record", str(tmp_path / "nope.json")]) == 2
     assert "--live-record: cannot read" in capsys.readouterr().err
+
+
+def test_render_live_compares_each_gpumem_run_with_the_default() -> None:
+    base = {"workload": "w", "mean_step_ms": 10.0, "peak_allocated_bytes": 100, "num_allocs": 5, "losses": [1.0, 2.0]}
+    record = {"gpu": "G", "torch": "T", "steps": 2, "warmup": 1, "runs": [
+        base | {"allocator": "default", "peak_reserved_bytes": 110},
+        base | {"allocator": "gpumem", "peak_reserved_bytes": 101, "mean_step_ms": 10.5},
+        base | {"workload": "v", "allocator": "gpumem", "peak_reserved_bytes": 101, "losses": [3.0]},
+        {"workload": "x", "allocator": "gpumem", "error": "boom\nRuntimeError: capture failed\nsee docs\n\n"}]}
+    text = wl.render_live(record)
+    assert "| w | default | 0.000 | 0.000 | 10.00 % | 10.00 |  |  | 5 |" in text
+    assert "| w | gpumem | 0.000 | 0.000 | 1.00 % | 10.50 | +5.00 % | yes | 5 |" in text
+    assert "| v | gpumem |" in text and "| x | gpumem | failed: RuntimeError: capture failed |" in text

@@ -348,6 +348,28 @@ def parse_policy(spec: str) -> Any:
         raise WorkloadInputError(f"policy {spec!r}: {exc}") from None
 
 
+#: The PyTorch-default snapshot of each workload as shipped in data/traces (gpumem.trace.corpus splits them).
+CORPUS_NAMES = {
+    "gpt2_train": "gpt2_fp32_train_h200.snapshot.pickle.gz", "resnet50_train": "resnet50_train_h200.snapshot.pickle.gz",
+    "llama_varlen_train": "llama_varlen_train_h200.snapshot.pickle.gz", "vit_train": "vit_train_h200.snapshot.pickle.gz",
+    "moe_train": "moe_train_h200.snapshot.pickle.gz", "llama_generate": "llama_kvcache_generate_h200.snapshot.pickle.gz",
+    "unet_train": "unet_train_h200.snapshot.pickle.gz", "gpt2_train_bf16": "gpt2_bf16_train_h200.snapshot.pickle.gz",
+    "multistream_infer": "multistream_infer_h200.snapshot.pickle.gz",
+    "cudagraph_train": "cudagraph_train_h200.snapshot.pickle.gz",
+}
+
+
+def corpus_part_of(workload: str) -> str:
+    """``tuning``/``check``: the corpus part of the workload's shipped trace, ``-`` when it ships none."""
+    from gpumem.errors import InvalidArgumentError
+    from gpumem.trace.corpus import corpus_part
+
+    try:
+        return corpus_part(CORPUS_NAMES.get(workload, workload)).value
+    except InvalidArgumentError:
+        return "-"
+
+
 def trace_file_name(workload: str, allocator: str) -> str:
     """The trace a run writes: a PyTorch snapshot for PyTorch's allocator, a gpumem trace for gpumem's."""
     return f"{workload}.{allocator}." + ("snapshot.pickle.gz" if allocator == "default" else "gmt.gz")
@@ -527,7 +549,7 @@ def live_vs_predicted(record: dict, trace_dir: Path, sim: str = "sim:h200-141gb"
         model = (policy or run.get("policy") or "gpumem") if allocator == "gpumem" else MODEL_OF[allocator]
         if "error" in run:
             rows.append(LivePredictedRow(run["workload"], allocator, model, float("nan"), None, 0, None, float("nan"),
-                                         gpu_timing, error="live run failed: " + run["error"].strip()[-160:]))
+                                         gpu_timing, error="live run failed: " + error_line(run["error"])))
             continue
         live = overhead(run["peak_reserved_bytes"], run["peak_allocated_bytes"])
         try:
@@ -549,19 +571,50 @@ def render_table(rows: Sequence[LivePredictedRow], sim: str) -> str:
     lines = [f"Replayed on `{sim}`, GPU timing: {timing}. Overhead = peak reserved / peak allocated - 1; "
              "difference = predicted - live, percentage points. Target (issue 18): gpumem rows within 1 pp "
              "(goal 0.2).", "",
-             "| workload | allocator | model | live overhead | predicted | difference pp | live peak reserved GiB "
-             "| step ms | target |", "|---|---|---|---|---|---|---|---|---|"]
+             "| workload | corpus part | allocator | model | live overhead | predicted | difference pp "
+             "| live peak reserved GiB | step ms | target |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.error and r.predicted_overhead is None:
-            lines.append(f"| {r.workload} | {r.allocator} | {r.model} | "
+            lines.append(f"| {r.workload} | {corpus_part_of(r.workload)} | {r.allocator} | {r.model} | "
                          + (f"{r.live_overhead * 100:.2f} %" if r.live_overhead == r.live_overhead else "-")
                          + f" | - | - | - | - | {r.error[:120]} |")
             continue
         d = r.diff_pp
         target = ("" if r.allocator != "gpumem" else "met" if d is not None and abs(d) <= 1.0 else "NOT met")
-        lines.append(f"| {r.workload} | {r.allocator} | {r.model} | {r.live_overhead * 100:.2f} % | "
+        lines.append(f"| {r.workload} | {corpus_part_of(r.workload)} | {r.allocator} | {r.model} | "
+                     f"{r.live_overhead * 100:.2f} % | "
                      f"{r.predicted_overhead * 100:.2f} % | {d:+.2f} | {r.live_peak_reserved_nbytes / 2**30:.3f} | "
                      f"{r.mean_step_ms:.2f} | {target} |")
+    return "\n".join(lines) + "\n"
+
+
+def error_line(text: str) -> str:
+    """The line of a failed run's output that says what failed: the last ``...Error: ...`` line, else the
+    last non-empty one (one line, at most 160 characters)."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    said = [ln for ln in lines if "Error:" in ln or "Exception:" in ln]
+    return ((said or lines or ["?"])[-1])[:160]
+
+
+def render_live(record: dict) -> str:
+    """A Markdown table of a record's live runs: peaks, overhead, step time, and whether each gpumem run's
+    losses equal PyTorch's allocator's run of the same workload."""
+    base = {r["workload"]: r for r in record["runs"] if r.get("allocator") == "default" and "error" not in r}
+    lines = [f"{record.get('gpu', '?')}, PyTorch {record.get('torch', '?')}, {record.get('steps')} steps "
+             f"({record.get('warmup')} warm-up) per run, gpumem policy: {record.get('gpumem_policy') or 'the default'}",
+             "", "| workload | allocator | peak allocated GiB | peak reserved GiB | overhead | step ms | vs default "
+             "| losses equal to default | allocations |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in record["runs"]:
+        if "error" in r:
+            lines.append(f"| {r['workload']} | {r['allocator']} | failed: {error_line(r['error'])} | | | | | | |")
+            continue
+        b = base.get(r["workload"])
+        vs = f"{(r['mean_step_ms'] / b['mean_step_ms'] - 1) * 100:+.2f} %" if b and r is not b else ""
+        eq = "" if b is None or r is b else ("yes" if r["losses"] == b["losses"] else "no")
+        ov = overhead(r["peak_reserved_bytes"], r["peak_allocated_bytes"])
+        lines.append(f"| {r['workload']} | {r['allocator']} | {r['peak_allocated_bytes'] / 2**30:.3f} | "
+                     f"{r['peak_reserved_bytes'] / 2**30:.3f} | {ov * 100:.2f} % | {r['mean_step_ms']:.2f} | {vs} | {eq} "
+                     f"| {r['num_allocs']:,} |")
     return "\n".join(lines) + "\n"
 
 
@@ -592,13 +645,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     child.add_argument("--out", type=Path, required=True)
     child.add_argument("--child-out", type=Path, required=True)
     child.add_argument("--gpumem-policy", default=None)
-    pred = sub.add_parser("predict", help="replay a record's traces and tabulate live against predicted")
-    pred.add_argument("record", type=Path)
-    pred.add_argument("--traces", type=Path, default=None, help="folder of the traces (default: the record's)")
+    pred = sub.add_parser("predict", help="replay records' traces and tabulate live against predicted")
+    pred.add_argument("records", type=Path, nargs="+", help="workloads records, each with its traces beside it")
     pred.add_argument("--sim", default="sim:h200-141gb")
     pred.add_argument("--gpu-timing", default=None, help="the replay's GPU timing mode (when the simulator has one)")
     pred.add_argument("--policy", default=None, help="gpumem model for gpumem rows (default: the run's policy)")
-    pred.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    pred.add_argument("--json", type=Path, default=None, help="write the records' rows as JSON here")
+    pred.add_argument("--markdown", type=Path, default=None, help="write the live and predicted tables here")
     args = parser.parse_args(argv)
     if args.cmd == "child":
         record = run_child(args.workload, args.allocator, args.steps, args.warmup, args.out, args.gpumem_policy)
@@ -616,15 +669,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                         args.tag)
         runs = json.loads(path.read_text())["runs"]
         return 0 if all("error" not in r for r in runs) else 1
+    sections, rows_json = [], {}
     try:
-        record = _load_record(args.record)
-        rows = live_vs_predicted(record, args.traces or args.record.parent, args.sim, args.gpu_timing, args.policy)
+        for path in args.records:
+            record = _load_record(path)
+            rows = live_vs_predicted(record, path.parent, args.sim, args.gpu_timing, args.policy)
+            sections.append(f"## {path.parent.name}/{path.name}\n\n### Live\n\n{render_live(record)}\n"
+                            f"### Live against predicted\n\n{render_table(rows, args.sim)}")
+            rows_json[str(path.name)] = [dataclasses.asdict(r) | {"diff_pp": r.diff_pp} for r in rows]
     except WorkloadInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(render_table(rows, args.sim))
+    text = "\n".join(sections)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text)
     if args.json:
-        args.json.write_text(json.dumps([dataclasses.asdict(r) | {"diff_pp": r.diff_pp} for r in rows], indent=1))
+        args.json.write_text(json.dumps(rows_json, indent=1))
     return 0
 
 

@@ -105,7 +105,7 @@ def test_predict_cli_prints_the_table_and_writes_json(tmp_path: Path, capsys: py
     assert wl.main(["predict", str(tmp_path / "workloads.json"), "--json", str(tmp_path / "rows.json")]) == 0
     assert "| fake | - | default | pytorch |" in capsys.readouterr().out
     rows = json.loads((tmp_path / "rows.json").read_text())
-    rows = rows["workloads.json"]
+    rows = rows["workloads.json default"]
     assert len(rows) == 3 and rows[0]["diff_pp"] is not None and np.isfinite(rows[0]["diff_pp"])
     assert load_trace(tmp_path / "fake.gpumem.gmt.gz").n_allocs == 3
 
@@ -152,3 +152,14 @@ def test_render_live_compares_each_gpumem_run_with_the_default() -> None:
     assert "| w | default | 0.000 | 0.000 | 10.00 % | 10.00 |  |  | 5 |" in text
     assert "| w | gpumem | 0.000 | 0.000 | 1.00 % | 10.50 | +5.00 % | yes | 5 |" in text
     assert "| v | gpumem |" in text and "| x | gpumem | failed: RuntimeError: capture failed |" in text
+
+
+def test_a_gpu_timing_this_replay_lacks_is_refused_in_one_line(tmp_path: Path) -> None:
+    import inspect
+
+    from gpumem.replay import replay_trace
+
+    if "gpu_timing" in inspect.signature(replay_trace).parameters:
+        pytest.skip("this gpumem's replay has gpu timing")
+    with pytest.raises(wl.WorkloadInputError, match="no gpu_timing option"):
+        wl.live_vs_predicted(_fake_record(tmp_path), tmp_path, gpu_timing="trace")

@@ -525,7 +525,12 @@ def _replay(trace_path: Path, sim: str, model: str, gpu_timing: str | None) -> A
 
     options: dict[str, Any] = {}
     if gpu_timing is not None:
-        options["gpu_timing"] = gpu_timing   # s18's option (issue 18 point 1); absent before it lands
+        import inspect
+
+        if "gpu_timing" not in inspect.signature(replay_trace).parameters:
+            raise WorkloadInputError(f"gpu timing {gpu_timing!r}: this gpumem's replay has no gpu_timing option "
+                                     "(issue 18 point 1)")
+        options["gpu_timing"] = gpu_timing
     return replay_trace(str(trace_path), sim, parse_policy(model), progress=False, **options)
 
 
@@ -648,7 +653,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pred = sub.add_parser("predict", help="replay records' traces and tabulate live against predicted")
     pred.add_argument("records", type=Path, nargs="+", help="workloads records, each with its traces beside it")
     pred.add_argument("--sim", default="sim:h200-141gb")
-    pred.add_argument("--gpu-timing", default=None, help="the replay's GPU timing mode (when the simulator has one)")
+    pred.add_argument("--gpu-timing", default=None,
+                      help="the replays' GPU timing modes, comma-separated: one table each (default: the replay's)")
     pred.add_argument("--policy", default=None, help="gpumem model for gpumem rows (default: the run's policy)")
     pred.add_argument("--json", type=Path, default=None, help="write the records' rows as JSON here")
     pred.add_argument("--markdown", type=Path, default=None, help="write the live and predicted tables here")
@@ -673,10 +679,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for path in args.records:
             record = _load_record(path)
-            rows = live_vs_predicted(record, path.parent, args.sim, args.gpu_timing, args.policy)
-            sections.append(f"## {path.parent.name}/{path.name}\n\n### Live\n\n{render_live(record)}\n"
-                            f"### Live against predicted\n\n{render_table(rows, args.sim)}")
-            rows_json[str(path.name)] = [dataclasses.asdict(r) | {"diff_pp": r.diff_pp} for r in rows]
+            sections.append(f"## {path.parent.name}/{path.name}\n\n### Live\n\n{render_live(record)}")
+            for timing in (args.gpu_timing.split(",") if args.gpu_timing else [None]):
+                rows = live_vs_predicted(record, path.parent, args.sim, timing, args.policy)
+                sections.append(f"### Live against predicted, GPU timing {timing or 'default'}\n\n"
+                                + render_table(rows, args.sim))
+                rows_json[f"{path.name} {timing or 'default'}"] = [dataclasses.asdict(r) | {"diff_pp": r.diff_pp}
+                                                                   for r in rows]
     except WorkloadInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -142,6 +142,23 @@ def scenario_trace() -> None:
     del b, c
 
 
+def scenario_trace_out_env() -> None:
+    """GPUMEM_TRACE_OUT: a program that only calls install() leaves its trace in that file at exit."""
+    import os
+    import subprocess
+    import tempfile
+
+    from gpumem.trace import load_trace
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "run.gmt.gz")
+        prog = ("import gpumem.torch as gt; gt.install(); import torch; "
+                "x = torch.empty(4096, dtype=torch.uint8, device='cuda'); y = torch.empty(100, device='cuda'); del x")
+        subprocess.run([sys.executable, "-c", prog], check=True, env={**os.environ, "GPUMEM_TRACE_OUT": out})
+        t = load_trace(out)
+        assert t.n_allocs == 2 and t.n_unmatched_frees == 0, t
+
+
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 if __name__ == "__main__":

@@ -27,6 +27,10 @@ What differs from PyTorch's own allocator (Note [What PyTorch gives a pluggable 
   stream-ordered on the stream a tensor was allocated on; a tensor also used on another stream
   must stay alive until that stream is done with it, or be announced with :func:`record_stream`.
 * Out of memory raises ``torch.OutOfMemoryError`` as usual, with gpumem's figures in its message.
+* ``torch.cuda.memory._record_memory_history`` records nothing either: :func:`start_trace` records
+  every allocation and free PyTorch asks gpumem for, :func:`recorded_trace` gives them as a gpumem
+  trace (replay it with ``gpumem replay``); ``GPUMEM_TRACE_OUT=run.gmt.gz`` does both for a whole
+  program (the trace is written at exit). :func:`configure` gives the engine a policy's growth knobs.
 * CUDA graph capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) has not been
   tried on gpumem: PyTorch gives a pluggable allocator no private graph pools, and the events the
   engine records and queries when memory goes back behave differently on a capturing stream

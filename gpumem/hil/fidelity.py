@@ -20,6 +20,11 @@ Four checks, each against the real device given and its simulated twin:
    real GPU each run is a fresh process of ``python -m gpumem.hil.probes.inflight`` under
    ``compute-sanitizer --tool memcheck``; on the simulator the same steps run with the simulator's
    sanitizer counting hazards. Both must flag the misbehaving runs and neither the real ones.
+4. **Live against predicted** (with ``--live-record``, issue 18) - real PyTorch workloads run live under
+   PyTorch's allocator and ``gpumem.torch``, each recording its own trace
+   (``python -m gpumem.hil.probes.workloads live``); each run replayed on ``--sim`` with its allocator's
+   model (``--gpu-timing`` for the replay's GPU timing): every gpumem row's predicted overhead must be
+   within 1 percentage point of the live one.
 
 Every difference is listed; the status is ``passed`` only when every check holds.
 """

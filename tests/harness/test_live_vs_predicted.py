@@ -163,3 +163,42 @@ def test_a_gpu_timing_this_replay_lacks_is_refused_in_one_line(tmp_path: Path) -
         pytest.skip("this gpumem's replay has gpu timing")
     with pytest.raises(wl.WorkloadInputError, match="no gpu_timing option"):
         wl.live_vs_predicted(_fake_record(tmp_path), tmp_path, gpu_timing="trace")
+
+
+@pytest.mark.parametrize("argv, why", [(["--workloads", "nope"], "unknown workload"),
+                                       (["--allocators", "expandable"], "unknown workload or allocator"),
+                                       (["--steps", "3", "--warmup", "3"], "0 < --warmup < --steps"),
+                                       (["--tag", "a/b"], "letters, digits")])
+def test_live_refuses_bad_options_before_running_anything(tmp_path: Path, argv: list[str], why: str,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        wl.main(["live", "--out", str(tmp_path / "out"), *argv])
+    assert exc.value.code == 2 and why in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_live_records_a_failed_child_and_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        workload, allocator = cmd[4], cmd[5]
+        if allocator == "gpumem":
+            return subprocess.CompletedProcess(cmd, 1, "", "Traceback\nRuntimeError: no GPU here\n")
+        out = Path(cmd[cmd.index("--child-out") + 1])
+        out.write_text(json.dumps({"workload": workload, "allocator": allocator, "gpu": "G", "torch": "T",
+                                   "mean_step_ms": 1.0, "peak_allocated_bytes": 10, "peak_reserved_bytes": 11,
+                                   "trace_nbytes": 5, "losses": [1.0], "num_allocs": 1}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    path = wl.run_live(["gpt2_train", "moe_train"], ["default", "gpumem"], 3, 1, tmp_path, "gpumem", 5.0, tag="after")
+    assert path.name == "workloads-after.json"
+    record = json.loads(path.read_text())
+    assert [(r["workload"], r["allocator"], "error" in r) for r in record["runs"]] == [
+        ("gpt2_train", "default", False), ("gpt2_train", "gpumem", True), ("moe_train", "default", False),
+        ("moe_train", "gpumem", True)]
+    assert all("--gpumem-policy" in c for c in calls) and record["gpumem_policy"] == "gpumem"
+    assert wl.error_line(record["runs"][1]["error"]) == "RuntimeError: no GPU here"

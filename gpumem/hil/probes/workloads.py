@@ -29,7 +29,6 @@ import enum
 import gzip
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -37,12 +36,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from .train import _child_env   # PyTorch's allocator as shipped, cuBLAS configured alike
+
 log = logging.getLogger(__name__)
 
 ALLOCATORS = ("default", "gpumem")
 #: The simulator's model of each live allocator (Note [Which model predicts which run]).
 MODEL_OF = {"default": "pytorch", "gpumem": "gpumem"}
-CUBLAS_WORKSPACE_CONFIG = ":4096:8"
 #: Entries PyTorch's memory history keeps at most (a ring buffer: more would drop the oldest).
 HISTORY_MAX_ENTRIES = 4_000_000
 
@@ -439,14 +439,6 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
 
 
 # -- the live runs (parent process) ---------------------------------------------------------------------
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE_CONFIG
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    env.pop("PYTORCH_ALLOC_CONF", None)
-    return env
-
-
 def overhead(peak_reserved: int, peak_allocated: int) -> float | None:
     """``peak_reserved / peak_allocated - 1`` (None when nothing was allocated)."""
     return peak_reserved / peak_allocated - 1 if peak_allocated else None
@@ -458,7 +450,7 @@ def run_live(workloads: Sequence[str], allocators: Sequence[str], steps: int, wa
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"date": _dt.date.today().isoformat(), "steps": steps, "warmup": warmup,
                               "gpumem_policy": policy, "runs": [], "gpu": "?", "torch": "?"}
-    path = out / f"workloads{tag}.json"
+    path = out / (f"workloads-{tag}.json" if tag else "workloads.json")
     for workload in workloads:
         for allocator in allocators:
             child_out = out / f".{workload}-{allocator}.json"
@@ -468,7 +460,7 @@ def run_live(workloads: Sequence[str], allocators: Sequence[str], steps: int, wa
                 cmd += ["--gpumem-policy", policy]
             t0 = time.perf_counter()
             try:
-                done = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=timeout_s)
+                done = subprocess.run(cmd, env=_child_env("default"), capture_output=True, text=True, timeout=timeout_s)
                 failure = None if done.returncode == 0 and child_out.is_file() else (done.stderr or done.stdout)[-1500:]
             except subprocess.TimeoutExpired:
                 failure = f"timed out after {timeout_s:.0f} s"
@@ -640,7 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     live.add_argument("--warmup", type=int, default=4)
     live.add_argument("--gpumem-policy", default=None, help="the gpumem engine's policy (default: the engine's)")
     live.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
-    live.add_argument("--tag", default="", help="suffix of the record's name (workloads<TAG>.json)")
+    live.add_argument("--tag", default="", help="the record's name is workloads-TAG.json (default workloads.json)")
     live.add_argument("--out", type=Path, required=True)
     child = sub.add_parser("child")
     child.add_argument("workload")
@@ -664,6 +656,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.child_out.write_text(json.dumps(record))
         return 0
     if args.cmd == "live":
+        if args.tag and not args.tag.replace("-", "").replace("_", "").isalnum():
+            parser.error(f"--tag {args.tag!r}: letters, digits, - and _ only")
         names = [w for w in args.workloads.split(",") if w]
         allocators = [a for a in args.allocators.split(",") if a]
         bad = [n for n in names if n not in WORKLOADS] + [a for a in allocators if a not in ALLOCATORS]

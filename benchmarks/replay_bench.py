@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from gpumem.trace.corpus import CHECK, TUNING
+
 REPO = Path(__file__).resolve().parents[1]
 
 #: Best peer overhead on the H200 (PyTorch with expandable segments), by trace name.
@@ -55,8 +57,10 @@ BEST_PEER = {"gpt2_train": 0.069, "resnet_train": 0.006, "llama_generate": 0.053
 #: CuPy MemoryPool cost per op on the H200, microseconds.
 CUPY_US = {"gpt2_train": 0.81, "resnet_train": 1.41, "llama_generate": 0.55, "bert_varlen": 0.89}
 #: The project's traces, in the order of the README's tables; other files in a folder follow, by name.
-TRACE_FILES = ("gpt2_train.snapshot.pickle.gz", "resnet_train.snapshot.pickle.gz", "bert_varlen.trace.pickle.gz",
-               "llama_generate.trace.pickle.gz", "resnet_train.rmm_log.csv.gz")
+#: The five of the README's tables first, then the rest of the corpus (gpumem.trace.corpus: tuning, then check).
+_README_TRACES = ("gpt2_train.snapshot.pickle.gz", "resnet_train.snapshot.pickle.gz", "bert_varlen.trace.pickle.gz",
+                  "llama_generate.trace.pickle.gz", "resnet_train.rmm_log.csv.gz")
+TRACE_FILES = _README_TRACES + tuple(n for n in TUNING + CHECK if n not in _README_TRACES)
 #: File name endings of trace files (each also with ``.gz``).
 TRACE_SUFFIXES = (".pickle", ".pkl", ".csv", ".gmt")
 #: The policies of table 1, in column order (each in its own process).

@@ -27,6 +27,10 @@ What differs from PyTorch's own allocator (Note [What PyTorch gives a pluggable 
   stream-ordered on the stream a tensor was allocated on; a tensor also used on another stream
   must stay alive until that stream is done with it, or be announced with :func:`record_stream`.
 * Out of memory raises ``torch.OutOfMemoryError`` as usual, with gpumem's figures in its message.
+* ``torch.cuda.memory._record_memory_history`` records nothing either: :func:`start_trace` records
+  every allocation and free PyTorch asks gpumem for, :func:`recorded_trace` gives them as a gpumem
+  trace (replay it with ``gpumem replay``); ``GPUMEM_TRACE_OUT=run.gmt.gz`` does both for a whole
+  program (the trace is written at exit). :func:`configure` gives the engine a policy's growth knobs.
 * CUDA graph capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) has not been
   tried on gpumem: PyTorch gives a pluggable allocator no private graph pools, and the events the
   engine records and queries when memory goes back behave differently on a capturing stream
@@ -36,8 +40,10 @@ What differs from PyTorch's own allocator (Note [What PyTorch gives a pluggable 
 from __future__ import annotations
 
 import ctypes
+import atexit
 import functools
 import logging
+import os
 from typing import Any
 
 from .errors import BackendUnavailableError, GpumemError, InvalidArgumentError
@@ -45,7 +51,12 @@ from .native import library_path
 from .units import format_bytes
 
 __all__ = ["install", "installed", "memory_stats", "memory_summary", "empty_cache", "record_stream",
-           "TooLateError", "snapshot_on_oom"]
+           "TooLateError", "snapshot_on_oom", "configure", "start_trace", "stop_trace", "recorded_trace", "trace_from_words",
+           "TRACE_OUT_ENV"]
+
+#: Environment variable: when set, :func:`install` starts tracing and the trace of device 0 is written
+#: to this path (a gpumem ``.gmt`` trace, gzipped when the name ends in ``.gz``) when the process exits.
+TRACE_OUT_ENV = "GPUMEM_TRACE_OUT"
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +120,9 @@ def install(device: "int | str | Any | None" = None) -> None:
     """
     index = None if device is None else _device_index(device, default_current=False)
     _installed_allocator()
+    out = os.environ.get(TRACE_OUT_ENV)
+    if out and not _trace_at_exit.cache_info().currsize:
+        _trace_at_exit(out)
     if index is not None:
         lib = _lib()
         if lib.gpumem_torch_start(index) != 0:
@@ -139,6 +153,13 @@ def _lib() -> ctypes.CDLL:
     lib.gpumem_torch_engine_state.argtypes = [ctypes.c_int]
     lib.gpumem_torch_last_error.restype = ctypes.c_char_p
     lib.gpumem_torch_last_error.argtypes = []
+    lib.gpumem_torch_trace.restype = None
+    lib.gpumem_torch_trace.argtypes = [ctypes.c_int]
+    lib.gpumem_torch_trace_read.restype = ctypes.c_int64
+    lib.gpumem_torch_trace_read.argtypes = [ctypes.c_int, u64p, ctypes.c_int64]
+    lib.gpumem_torch_configure.restype = ctypes.c_int
+    lib.gpumem_torch_configure.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_double,
+                                           ctypes.c_int]
     return lib
 
 
@@ -314,3 +335,101 @@ def snapshot_on_oom(directory: "str | Any | None") -> None:
     from .recording import snapshot_on_oom as _snapshot_on_oom
 
     _snapshot_on_oom(directory)
+def configure(policy: Any) -> None:
+    """Give the engines gpumem makes from now on ``policy``'s growth knobs (an
+    :class:`~gpumem.allocator.policy.AllocatorPolicy` or a policy name).
+
+    Call it before the first allocation on a device: an engine already made keeps its policy. The
+    native engine takes ``growth``, ``page_slack``, ``chunk_max_fraction``, ``grow_ahead_fraction`` and
+    ``steal_empty_pages``; the policy's other fields must be the default policy's.
+
+    Raises:
+        InvalidArgumentError: a value the engine refuses.
+    """
+    from .allocator.policy import GrowthRule, get_policy
+
+    pol = get_policy(policy)
+    lib = _lib()
+    growth = 0 if GrowthRule(pol.growth) is GrowthRule.PAGES else 1
+    if lib.gpumem_torch_configure(growth, float(pol.page_slack), float(pol.chunk_max_fraction),
+                                  float(pol.grow_ahead_fraction), int(bool(pol.steal_empty_pages))) != 0:
+        raise InvalidArgumentError(f"gpumem.torch.configure({pol.name!r}): {_last_error(lib)}")
+
+
+def start_trace() -> None:
+    """Record every allocation and free PyTorch asks gpumem for, on every device, from now on (what an
+    earlier trace recorded is forgotten). Read it with :func:`recorded_trace`."""
+    _lib().gpumem_torch_trace(1)
+
+
+def stop_trace() -> None:
+    """Stop recording; what was recorded stays readable with :func:`recorded_trace`."""
+    _lib().gpumem_torch_trace(0)
+
+
+#: The native trace buffer's words per event: kind (0 alloc, 1 free), address, bytes, stream, ns.
+_TRACE_WORDS = 5
+
+
+def trace_from_words(words: Any, name: str = "gpumem.torch") -> Any:
+    """A :class:`~gpumem.trace.Trace` from the native trace buffer's words (5 per event: kind, address,
+    bytes, stream, nanoseconds since tracing began). Frees of blocks allocated before tracing began are
+    skipped (logged)."""
+    import numpy as np
+
+    from .errors import TraceFormatError
+    from .trace.builder import AddressReuseError, build_trace
+
+    arr = np.asarray(words, dtype=np.uint64)
+    if arr.ndim != 1 or arr.size % _TRACE_WORDS:
+        raise TraceFormatError(f"<{name}>", f"{arr.size} words is not a whole number of {_TRACE_WORDS}-word events")
+    ev = arr.reshape(-1, _TRACE_WORDS)
+    if ev.size and int(ev[:, 0].max()) > 1:
+        raise TraceFormatError(f"<{name}>", f"event kind {int(ev[:, 0].max())} is neither 0 (alloc) nor 1 (free)")
+    try:
+        return build_trace(name, "recorded", ev[:, 0].astype(np.int8), ev[:, 1].astype(np.int64),
+                           ev[:, 2].astype(np.int64), ev[:, 3].astype(np.int64), ev[:, 4].astype(np.float64) / 1e3,
+                           origin=f"<{name}>")
+    except AddressReuseError as e:
+        raise TraceFormatError(f"<{name}>", str(e), entry=e.index) from None
+
+
+def recorded_trace(device: "int | str | Any | None" = None, name: str | None = None) -> Any:
+    """What :func:`start_trace` has recorded on ``device`` so far, as a :class:`~gpumem.trace.Trace`
+    (save it with :func:`gpumem.trace.save_trace`).
+
+    Raises:
+        GpumemError: gpumem has no engine on ``device`` (nothing was allocated there).
+    """
+    import numpy as np
+
+    _require_installed()
+    index = _device_index(device)
+    lib = _lib()
+    u64p = ctypes.POINTER(ctypes.c_uint64)
+    for _ in range(8):   # the buffer may grow between sizing and copying while other threads allocate
+        n = int(lib.gpumem_torch_trace_read(index, None, 0))
+        if n < 0:
+            raise GpumemError(f"gpumem has no trace on cuda:{index}: {_last_error(lib)}")
+        buf = np.zeros(n * _TRACE_WORDS + 1024 * _TRACE_WORDS, dtype=np.uint64)
+        have = int(lib.gpumem_torch_trace_read(index, buf.ctypes.data_as(u64p), len(buf) // _TRACE_WORDS))
+        if have <= len(buf) // _TRACE_WORDS:
+            return trace_from_words(buf[:have * _TRACE_WORDS], name or f"gpumem.torch cuda:{index}")
+    raise GpumemError(f"gpumem's trace on cuda:{index} kept growing while being read; call stop_trace() first")
+
+
+@functools.cache
+def _trace_at_exit(path: str) -> None:
+    """Start tracing now and write device 0's trace to ``path`` when the process exits (``GPUMEM_TRACE_OUT``)."""
+    start_trace()
+
+    def write() -> None:
+        from .trace import save_trace
+
+        stop_trace()
+        try:
+            save_trace(recorded_trace(0), path)
+        except GpumemError as exc:
+            log.error("gpumem.torch: could not write the trace to %s: %s", path, exc)
+
+    atexit.register(write)

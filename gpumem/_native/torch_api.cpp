@@ -67,7 +67,24 @@ struct DeviceEngine {
     std::atomic<std::uint64_t> torch_errors{0};     // alloc calls that failed otherwise
     std::atomic<std::uint64_t> free_errors{0};      // free calls that failed (reported on stderr)
     std::atomic<std::uint64_t> zero_allocs{0};      // size-0 requests (no memory: null pointer)
+    std::mutex trace_mutex;                         // guards trace (autograd frees on its own threads)
+    std::vector<std::uint64_t> trace;               // kTraceWords per event (Note [Tracing PyTorch's calls])
 };
+
+// Note [Tracing PyTorch's calls]: gpumem_torch_trace(1) makes the hooks append every allocation and
+// free they serve to their device's buffer, as (kind 0 alloc / 1 free, address, bytes, stream,
+// nanoseconds since tracing began): the allocation trace of a live run, which gpumem.torch turns
+// into a gpumem trace to replay in the simulator. A free is written before the engine frees the
+// block, so that its address cannot be handed out again (and written) ahead of it. Off (the
+// default), the hooks pay one relaxed atomic load.
+constexpr std::size_t kTraceWords = 5;
+std::atomic<bool> g_tracing{false};
+std::atomic<std::int64_t> g_trace_t0_ns{0};
+
+std::int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 // Note [Engines live until the process ends]: the per-device engines are made once and never
 // destroyed. PyTorch frees tensors during interpreter shutdown, after any static destructor of
@@ -77,6 +94,7 @@ struct TorchState {
     std::mutex make_mutex;
     std::atomic<DeviceEngine*> devices[kMaxDevices] = {};
     std::string make_error[kMaxDevices];   // why a device's engine could not be made (under make_mutex)
+    EngineConfig config;                   // the policy of engines made from now on (under make_mutex)
 };
 
 TorchState& state() {
@@ -89,6 +107,12 @@ thread_local std::string t_last_error;
 DeviceEngine* existing(int device) {
     if (device < 0 || device >= kMaxDevices) return nullptr;
     return state().devices[device].load(std::memory_order_acquire);
+}
+
+void trace_event(DeviceEngine* d, std::uint64_t kind, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream) {
+    const std::uint64_t t = static_cast<std::uint64_t>(now_ns() - g_trace_t0_ns.load(std::memory_order_relaxed));
+    std::lock_guard<std::mutex> lock(d->trace_mutex);
+    d->trace.insert(d->trace.end(), {kind, addr, nbytes, stream, t});
 }
 
 DeviceEngine* get_or_make(int device) {
@@ -107,7 +131,7 @@ DeviceEngine* get_or_make(int device) {
             throw std::runtime_error("CUDA device " + std::to_string(device) +
                                      " does not support virtual memory management (cuMemCreate/cuMemMap), "
                                      "which gpumem's native engine needs");
-        made->engine = std::make_unique<Engine>(*made->backend, EngineConfig());
+        made->engine = std::make_unique<Engine>(*made->backend, s.config);
     } catch (const std::exception& e) {
         s.make_error[device] = e.what();
         throw std::runtime_error(std::string("gpumem could not start on CUDA device ") + std::to_string(device) +
@@ -278,6 +302,7 @@ GPUMEM_EXPORT void* gpumem_torch_malloc(ssize_t size, int device, void* stream) 
         std::uint64_t p = d->engine->try_allocate_fast(nbytes, s);
         if (p == 0) p = d->engine->allocate(nbytes, s);
         record_event(0, device, p, nbytes, s);
+        if (g_tracing.load(std::memory_order_relaxed)) trace_event(d, 0, p, nbytes, s);
         return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
     } catch (const EngineError& e) {
         if (e.kind == EngineErrorKind::kOutOfMemory) {
@@ -300,7 +325,8 @@ GPUMEM_EXPORT void* gpumem_torch_malloc(ssize_t size, int device, void* stream) 
 // must not throw: a failure is counted (free_errors) and reported on stderr.
 GPUMEM_EXPORT void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream) {
     // the engine knows the block's stream (Note [What PyTorch gives a pluggable allocator]); size and
-    // stream only go into the history (Note [Allocation history for gpumem record])
+    // stream only go into the history (Note [Allocation history for gpumem record]) and the trace (Note
+    // [Tracing PyTorch's calls]), which keeps the one PyTorch passes
     if (ptr == nullptr) return;
     DeviceEngine* d = existing(device);
     if (d == nullptr) {
@@ -309,6 +335,8 @@ GPUMEM_EXPORT void gpumem_torch_free(void* ptr, ssize_t size, int device, void* 
     }
     const std::uint64_t p = reinterpret_cast<std::uintptr_t>(ptr);
     record_event(1, device, p, static_cast<std::uint64_t>(size), reinterpret_cast<std::uintptr_t>(stream));
+    if (g_tracing.load(std::memory_order_relaxed))
+        trace_event(d, 1, p, static_cast<std::uint64_t>(size < 0 ? 0 : size), reinterpret_cast<std::uintptr_t>(stream));
     try {
         if (!d->engine->try_free_fast(p)) d->engine->free(p);
     } catch (const std::exception& e) {
@@ -464,3 +492,55 @@ GPUMEM_EXPORT void gpumem_torch_set_oom_observer(OomObserver observer) {
 
 // sizeof(HistoryEvent), so that Python can check its mirror of the layout.
 GPUMEM_EXPORT int gpumem_torch_history_event_size() { return static_cast<int>(sizeof(HistoryEvent)); }
+// Turns tracing on (1: each device's buffer emptied, the clock restarted) or off (0; the buffers are
+// kept). Note [Tracing PyTorch's calls].
+GPUMEM_EXPORT void gpumem_torch_trace(int on) {
+    if (on) {
+        for (int i = 0; i < kMaxDevices; ++i) {
+            if (DeviceEngine* d = existing(i)) {
+                std::lock_guard<std::mutex> lock(d->trace_mutex);
+                d->trace.clear();
+            }
+        }
+        g_trace_t0_ns.store(now_ns(), std::memory_order_relaxed);
+    }
+    g_tracing.store(on != 0, std::memory_order_release);
+}
+
+// Copies up to `n` events of `device`'s trace buffer into `out` (5 words each: kind, address, bytes,
+// stream, nanoseconds); returns how many the buffer holds (call with n = 0 to size `out`), -1 when
+// gpumem has no engine there.
+GPUMEM_EXPORT std::int64_t gpumem_torch_trace_read(int device, std::uint64_t* out, std::int64_t n) {
+    DeviceEngine* d = existing(device);
+    if (d == nullptr) {
+        t_last_error = "gpumem has no engine on CUDA device " + std::to_string(device);
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(d->trace_mutex);
+    const std::int64_t have = static_cast<std::int64_t>(d->trace.size() / kTraceWords);
+    const std::int64_t k = n < have ? n : have;
+    if (k > 0) std::memcpy(out, d->trace.data(), static_cast<std::size_t>(k) * kTraceWords * sizeof(std::uint64_t));
+    return have;
+}
+
+// The policy of the engines made from now on (devices whose engine exists keep theirs): growth 0
+// pages / 1 chunks, and the EngineConfig fields of the same names. Returns 0, or -1 with
+// gpumem_torch_last_error() (a value out of range: nothing changed).
+GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double chunk_max_fraction,
+                                         double grow_ahead_fraction, int steal_empty_pages) {
+    if ((growth != 0 && growth != 1) || !(page_slack >= 0.0 && page_slack < 1.0) ||
+        !(chunk_max_fraction > 0.0 && chunk_max_fraction <= 1.0) ||
+        !(grow_ahead_fraction >= 0.0 && grow_ahead_fraction < 1.0)) {
+        t_last_error = "gpumem_torch_configure: growth must be 0 or 1, page_slack and grow_ahead_fraction in [0, 1), "
+                       "chunk_max_fraction in (0, 1]";
+        return -1;
+    }
+    TorchState& s = state();
+    std::lock_guard<std::mutex> lock(s.make_mutex);
+    s.config.growth = growth == 0 ? GrowthRule::kPages : GrowthRule::kChunks;
+    s.config.page_slack = page_slack;
+    s.config.chunk_max_fraction = chunk_max_fraction;
+    s.config.grow_ahead_fraction = grow_ahead_fraction;
+    s.config.steal_empty_pages = steal_empty_pages != 0;
+    return 0;
+}

@@ -20,6 +20,11 @@ Four checks, each against the real device given and its simulated twin:
    real GPU each run is a fresh process of ``python -m gpumem.hil.probes.inflight`` under
    ``compute-sanitizer --tool memcheck``; on the simulator the same steps run with the simulator's
    sanitizer counting hazards. Both must flag the misbehaving runs and neither the real ones.
+4. **Live against predicted** (with ``--live-record``, issue 18) - real PyTorch workloads run live under
+   PyTorch's allocator and ``gpumem.torch``, each recording its own trace
+   (``python -m gpumem.hil.probes.workloads live``); each run replayed on ``--sim`` with its allocator's
+   model (``--gpu-timing`` for the replay's GPU timing): every gpumem row's predicted overhead must be
+   within 1 percentage point of the live one.
 
 Every difference is listed; the status is ``passed`` only when every check holds.
 """
@@ -384,6 +389,27 @@ def run_fidelity(device: str, sim: str, traces: list[Path], sanitizer: str | Non
     }
 
 
+def live_vs_predicted_part(record_path: Path, sim: str, gpu_timing: str | None = None) -> dict[str, Any]:
+    """The live-vs-predicted table (issue 18) of a workloads record (``python -m gpumem.hil.probes.workloads
+    live``), its traces beside it: each live run replayed on ``sim`` with its allocator's model. Returns the
+    rows, their Markdown and the gpumem rows off by more than 1 percentage point (``differences``).
+
+    Raises:
+        FidelityInputError: the record cannot be read.
+    """
+    from gpumem.hil.probes import workloads
+
+    try:
+        rows = workloads.live_vs_predicted(workloads._load_record(record_path), record_path.parent, sim, gpu_timing)
+    except workloads.WorkloadInputError as exc:
+        raise FidelityInputError(f"--live-record: {exc}") from None
+    problems = [f"live vs predicted, {r.workload} on gpumem: " + (r.error or f"{r.diff_pp:+.2f} pp")
+                for r in rows if r.allocator == "gpumem" and (r.diff_pp is None or abs(r.diff_pp) > 1.0)]
+    return {"rows": [dataclasses.asdict(r) | {"diff_pp": r.diff_pp} for r in rows], "differences": problems,
+            "markdown": f"### Live against predicted peak reserved ({record_path.name})\n\n"
+                        + workloads.render_table(rows, sim)}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from gpumem.hil.peers import default_traces_dir, find_traces, PeersInputError
     from gpumem.hil.sanitizer import find_compute_sanitizer
@@ -397,6 +423,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-sanitizer", action="store_true", help="do not run compute-sanitizer (hazards skipped)")
     parser.add_argument("--calibrate-repeat", type=int, default=30, help="samples per call for the latency probe")
     parser.add_argument("--json", type=Path, default=None, help="write the JSON here (default: stdout)")
+    parser.add_argument("--live-record", type=Path, default=None,
+                        help="a workloads record (python -m gpumem.hil.probes.workloads live), its traces beside it: "
+                             "add the live-vs-predicted table")
+    parser.add_argument("--gpu-timing", default=None, help="the replays' GPU timing mode for --live-record")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -423,6 +453,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         sanitizer = None if args.no_sanitizer else find_compute_sanitizer()
         data = run_fidelity(args.device, args.sim, traces, sanitizer, args.calibrate_repeat)
+    if args.live_record is not None:
+        try:
+            part = live_vs_predicted_part(args.live_record, args.sim, args.gpu_timing)
+        except FidelityInputError as exc:
+            print(f"python -m gpumem.hil.fidelity: {exc}", file=sys.stderr)
+            return 2
+        data["live_vs_predicted"] = part
+        data["markdown"] = data["markdown"] + ("\n" if data["markdown"] else "") + part["markdown"]
+        if part["differences"] and data["status"] != "skipped":
+            data["differences"] = data.get("differences", []) + part["differences"]
+            data["status"], data["reason"] = "failed", "; ".join(data["differences"])
     text = json.dumps(data, indent=1, default=str) + "\n"
     if args.json is None:
         sys.stdout.write(text)

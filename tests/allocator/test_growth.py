@@ -245,7 +245,15 @@ def _replay_counts(name: str, pol: AllocatorPolicy, engine: str = "python") -> t
     return calls, result.overhead
 
 
-REAL = sorted(p.name for p in TRACES.iterdir() if ".trace." in p.name or ".snapshot." in p.name)
+#: Traces recorded for issue 18 on which the default policy holds more than 1 % (measured at the split,
+#: data/traces/README.md): issue 18 point 3 chooses the policy that brings them down; strict, so that a
+#: policy that does makes these pass and fails here until the mark goes.
+ABOVE_ONE_PERCENT = {"gpt2_fp32_train_h200.snapshot.pickle.gz": "3.38 %", "gpt2_bf16_train_h200.snapshot.pickle.gz": "2.72 %",
+                     "moe_train_h200.snapshot.pickle.gz": "1.25 %", "vit_train_h200.snapshot.pickle.gz": "1.35 %",
+                     "llama_kvcache_generate_h200.snapshot.pickle.gz": "1.45 %"}
+REAL = [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=f"default policy {ABOVE_ONE_PERCENT[n]} (issue 18 point 3)"))
+        if n in ABOVE_ONE_PERCENT else n
+        for n in sorted(p.name for p in TRACES.iterdir() if ".trace." in p.name or ".snapshot." in p.name)]
 
 
 @pytest.mark.slow

@@ -90,6 +90,26 @@ def test_the_hooks_without_an_engine(lib):
 
 
 @native_only
+def test_trace_and_configure_hooks_without_an_engine(lib):
+    # tracing toggles without an engine; reading a device that has none is a clear error
+    assert hasattr(lib, "gpumem_torch_trace") and hasattr(lib, "gpumem_torch_trace_read")
+    lib.gpumem_torch_trace(1)
+    lib.gpumem_torch_trace(0)
+    assert lib.gpumem_torch_trace_read(7, None, 0) == -1
+    assert b"no engine on CUDA device 7" in lib.gpumem_torch_last_error()
+    with pytest.raises(GpumemError, match=r"call gpumem.torch.install\(\) first"):
+        gt.recorded_trace(0)
+    # the engine refuses values out of range (nothing changes); a valid policy is taken
+    for bad in [(2, 0.0, 0.5, 0.0, 1), (1, 1.0, 0.5, 0.0, 1), (1, 0.0, 0.0, 0.0, 1), (1, 0.0, 0.5, -0.1, 1),
+                (1, float("nan"), 0.5, 0.0, 1)]:
+        assert lib.gpumem_torch_configure(*bad) == -1, bad
+        assert b"growth must be 0 or 1" in lib.gpumem_torch_last_error()
+    gt.configure("gpumem")
+    with pytest.raises(InvalidArgumentError, match="unknown allocator policy"):
+        gt.configure("nope")
+
+
+@native_only
 def test_starting_without_a_driver_is_a_clear_error(lib):
     if ctypes.util.find_library("cuda"):
         pytest.skip("this machine has libcuda")
@@ -108,7 +128,8 @@ def _child(scenario: str) -> str:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("scenario", ["work_matches_cpu", "oom_is_torch_oom", "too_late", "streams"])
+@pytest.mark.parametrize("scenario", ["work_matches_cpu", "oom_is_torch_oom", "too_late", "streams", "trace",
+                                      "trace_out_env"])
 def test_pytorch_on_gpumem(scenario, device_spec):
     if not device_spec.startswith("cuda:"):
         pytest.skip("needs a real CUDA device")

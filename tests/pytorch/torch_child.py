@@ -119,6 +119,46 @@ def scenario_streams() -> None:
     assert st["num_allocs"] == st["num_frees"], st  # no matmul here: nothing is kept
 
 
+def scenario_trace() -> None:
+    """gpumem.torch records the allocations PyTorch asks for, with the policy configure() gave the engine."""
+    import gpumem.torch as gt
+
+    gt.install()
+    gt.configure("gpumem")
+    gt.start_trace()
+    import torch
+
+    a = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    b = torch.empty(3000, dtype=torch.uint8, device="cuda")
+    del a
+    torch.cuda.synchronize()
+    gt.stop_trace()
+    c = torch.empty(5000, dtype=torch.uint8, device="cuda")   # after stop_trace: not recorded
+    t = gt.recorded_trace(0)
+    kinds, ids, sizes, _ = t.as_lists()
+    assert (t.n_allocs, t.n_unmatched_frees) == (2, 0), t
+    assert sorted(s for k, s in zip(kinds, sizes) if k == 0) == [3000, 1 << 20], sizes
+    assert len(kinds) == 3, kinds   # two allocations, one free
+    del b, c
+
+
+def scenario_trace_out_env() -> None:
+    """GPUMEM_TRACE_OUT: a program that only calls install() leaves its trace in that file at exit."""
+    import os
+    import subprocess
+    import tempfile
+
+    from gpumem.trace import load_trace
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "run.gmt.gz")
+        prog = ("import gpumem.torch as gt; gt.install(); import torch; "
+                "x = torch.empty(4096, dtype=torch.uint8, device='cuda'); y = torch.empty(100, device='cuda'); del x")
+        subprocess.run([sys.executable, "-c", prog], check=True, env={**os.environ, "GPUMEM_TRACE_OUT": out})
+        t = load_trace(out)
+        assert t.n_allocs == 2 and t.n_unmatched_frees == 0, t
+
+
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 if __name__ == "__main__":

@@ -1,0 +1,696 @@
+"""Real PyTorch workloads on the GPU under two allocators, each recording its own allocation trace (issue 18).
+
+Each workload (random weights, synthetic data, fixed seeds, no download) runs in its own process under
+
+* ``default`` - PyTorch's CUDA caching allocator, recording its allocation history
+  (``torch.cuda.memory._record_memory_history``, no stack frames) into a PyTorch snapshot;
+* ``gpumem``  - gpumem's native engine (:func:`gpumem.torch.install`), recording every allocation and
+  free PyTorch asks it for (:func:`gpumem.torch.start_trace`) into a gpumem ``.gmt`` trace; with
+  ``--gpumem-policy`` the engine takes that policy's growth knobs (:func:`gpumem.torch.configure`).
+
+Per run it records live peak allocated and peak reserved bytes, the mean step time after warm-up and
+every step's loss (or the generated tokens' checksum), and the trace file (gzipped) beside the JSON
+record. ``predict`` replays every trace of a record in the simulator with the matching allocator
+model (gpumem's policy for gpumem runs, ``pytorch`` for PyTorch's) and tabulates live against
+predicted peak reserved overhead (:func:`live_vs_predicted`); the HIL fidelity part shows the same
+table (``python -m gpumem.hil.fidelity --live-record``).
+
+Run on the GPU: ``python -m gpumem.hil.probes.workloads live --out DIR [--workloads a,b] [--steps 12]``.
+Then anywhere: ``python -m gpumem.hil.probes.workloads predict DIR/workloads-<gpu>.json [--sim sim:h200-141gb]
+[--gpu-timing MODE] [--out reports/hil]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import enum
+import gzip
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .train import _child_env   # PyTorch's allocator as shipped, cuBLAS configured alike
+
+log = logging.getLogger(__name__)
+
+ALLOCATORS = ("default", "gpumem")
+#: The simulator's model of each live allocator (Note [Which model predicts which run]).
+MODEL_OF = {"default": "pytorch", "gpumem": "gpumem"}
+#: Entries PyTorch's memory history keeps at most (a ring buffer: more would drop the oldest).
+HISTORY_MAX_ENTRIES = 4_000_000
+
+
+class WorkloadInputError(Exception):
+    """A record or an option the probe cannot use (said in one line)."""
+
+
+# -- the workloads (child process) ----------------------------------------------------------------------
+# Each builder takes (torch, ctx) and returns (description, step), where step(i) runs step i and returns a
+# scalar tensor (the loss, or a checksum of what was generated). ctx gives the allocator's record_stream.
+
+def _hf_causal(torch: Any, kind: str, **cfg: Any) -> Any:
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(**cfg)
+        config._attn_implementation = "eager"   # Note [Eager attention] in train.py
+        return GPT2LMHeadModel(config).cuda()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**cfg)
+    config._attn_implementation = "eager"
+    return LlamaForCausalLM(config).cuda()
+
+
+def _train_step(torch: Any, model: Any, loss_of: Callable[[int], Any], amp: bool = False) -> Callable[[int], Any]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.train()
+
+    def step(i: int) -> Any:
+        if amp:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = loss_of(i)
+        else:
+            loss = loss_of(i)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.detach().float()
+    return step
+
+
+def _gen(torch: Any, i: int) -> Any:
+    g = torch.Generator(device="cuda")
+    g.manual_seed(1000 + i)
+    return g
+
+
+def w_gpt2_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    model = _hf_causal(torch, "gpt2")
+
+    def loss_of(i: int) -> Any:
+        ids = torch.randint(0, 50257, (8, 512), device="cuda", generator=_gen(torch, i))
+        return model(input_ids=ids, labels=ids).loss
+    return "GPT-2 small training, fp32 AdamW, batch 8 x 512", _train_step(torch, model, loss_of)
+
+
+def w_gpt2_train_bf16(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    model = _hf_causal(torch, "gpt2")
+
+    def loss_of(i: int) -> Any:
+        ids = torch.randint(0, 50257, (8, 512), device="cuda", generator=_gen(torch, i))
+        return model(input_ids=ids, labels=ids).loss
+    return "GPT-2 small training, autocast bf16, AdamW, batch 8 x 512", _train_step(torch, model, loss_of, amp=True)
+
+
+def w_resnet50_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    import torchvision
+
+    model = torchvision.models.resnet50(weights=None).cuda()
+    lossf = torch.nn.CrossEntropyLoss()
+
+    def loss_of(i: int) -> Any:
+        g = _gen(torch, i)
+        x = torch.randn((64, 3, 224, 224), device="cuda", generator=g)
+        y = torch.randint(0, 1000, (64,), device="cuda", generator=g)
+        return lossf(model(x), y)
+    return "ResNet-50 training (torchvision), fp32 AdamW, batch 64 x 224 px", _train_step(torch, model, loss_of)
+
+
+#: Llama-style decoder lengths, one per step (variable sequence lengths, as in packed-free batches).
+LLAMA_LENGTHS = (384, 1024, 160, 768, 512, 896, 256, 640, 1024, 320, 704, 448, 960, 192, 576, 832)
+
+
+def w_llama_varlen_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    model = _hf_causal(torch, "llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                       num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                       max_position_embeddings=2048)
+
+    def loss_of(i: int) -> Any:
+        ids = torch.randint(0, 32000, (8, LLAMA_LENGTHS[i % len(LLAMA_LENGTHS)]), device="cuda",
+                            generator=_gen(torch, i))
+        return model(input_ids=ids, labels=ids).loss
+    return ("Llama-style decoder training (8 layers, d 1024, GQA 16/4), bf16 autocast, batch 8, sequence "
+            "160-1024 varying every step", _train_step(torch, model, loss_of, amp=True))
+
+
+def w_vit_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    import torchvision
+
+    model = torchvision.models.vit_b_16(weights=None).cuda()
+    lossf = torch.nn.CrossEntropyLoss()
+
+    def loss_of(i: int) -> Any:
+        g = _gen(torch, i)
+        x = torch.randn((32, 3, 224, 224), device="cuda", generator=g)
+        y = torch.randint(0, 1000, (32,), device="cuda", generator=g)
+        return lossf(model(x), y)
+    return "ViT-B/16 training (torchvision), fp32 AdamW, batch 32 x 224 px", _train_step(torch, model, loss_of)
+
+
+def w_moe_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    nn = torch.nn
+    d, n_exp, top_k, tokens = 1024, 8, 2, 8192
+
+    class MoE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = nn.Linear(d, n_exp)
+            self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+                                         for _ in range(n_exp))
+
+        def forward(self, x: Any) -> Any:
+            weights, chosen = torch.topk(self.router(x).softmax(-1), top_k, dim=-1)
+            out = torch.zeros_like(x)
+            for e, expert in enumerate(self.experts):
+                rows, slot = torch.nonzero(chosen == e, as_tuple=True)   # a different count every step
+                if rows.numel():
+                    out.index_add_(0, rows, expert(x[rows]) * weights[rows, slot, None])
+            return out
+
+    model = nn.Sequential(MoE(), nn.LayerNorm(d), MoE()).cuda()
+
+    def loss_of(i: int) -> Any:
+        x = torch.randn((tokens, d), device="cuda", generator=_gen(torch, i))
+        return model(x).pow(2).mean()
+    return (f"mixture-of-experts blocks (2 x {n_exp} experts, top-{top_k}, d {d}), {tokens} tokens, fp32 AdamW",
+            _train_step(torch, model, loss_of))
+
+
+#: generate() requests: (batch, prompt length), one per step.
+GENERATE_NEW_TOKENS = 48
+GENERATE_REQUESTS = ((1, 512), (8, 96), (4, 1024), (16, 32), (2, 256), (8, 700), (1, 1500), (12, 128))
+
+
+def w_llama_generate(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    model = _hf_causal(torch, "llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                       num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
+                       max_position_embeddings=4096).to(torch.bfloat16)
+    model.eval()
+
+    def step(i: int) -> Any:
+        batch, prompt = GENERATE_REQUESTS[i % len(GENERATE_REQUESTS)]
+        ids = torch.randint(0, 32000, (batch, prompt), device="cuda", generator=_gen(torch, i))
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=GENERATE_NEW_TOKENS,
+                                 min_new_tokens=GENERATE_NEW_TOKENS, do_sample=False, use_cache=True, pad_token_id=0)
+        return out[:, prompt:].sum().float()
+    return (f"Llama-style decoder (4 layers, d 1024, bf16) Hugging Face generate(): greedy, {GENERATE_NEW_TOKENS} new tokens, "
+            "KV cache growing, batch 1-16, prompt 32-1500 per request", step)
+
+
+def w_unet_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    nn = torch.nn
+
+    def block(cin: int, cout: int) -> Any:
+        return nn.Sequential(nn.GroupNorm(32, cin), nn.SiLU(), nn.Conv2d(cin, cout, 3, padding=1),
+                             nn.GroupNorm(32, cout), nn.SiLU(), nn.Conv2d(cout, cout, 3, padding=1))
+
+    class UNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            ch = (128, 256, 512)
+            self.inp = nn.Conv2d(4, ch[0], 3, padding=1)
+            self.temb = nn.Linear(256, ch[0])
+            self.down = nn.ModuleList(block(a, b) for a, b in zip(ch, ch[1:] + (ch[-1],)))
+            self.up = nn.ModuleList(block(2 * b, a) for a, b in reversed(list(zip(ch, ch[1:] + (ch[-1],)))))
+            self.out = nn.Conv2d(ch[0], 4, 3, padding=1)
+
+        def forward(self, x: Any, t: Any) -> Any:
+            h = self.inp(x) + self.temb(t)[:, :, None, None]
+            skips = []
+            for b in self.down:
+                h = b(h)
+                skips.append(h)
+                h = nn.functional.avg_pool2d(h, 2)
+            for b in self.up:
+                h = nn.functional.interpolate(h, scale_factor=2.0, mode="nearest")
+                h = b(torch.cat([h, skips.pop()], 1))
+            return self.out(h)
+
+    model = UNet().cuda()
+
+    def loss_of(i: int) -> Any:
+        g = _gen(torch, i)
+        x = torch.randn((16, 4, 96, 96), device="cuda", generator=g)
+        noise = torch.randn(x.shape, device="cuda", generator=g)
+        t = torch.randn((16, 256), device="cuda", generator=g)
+        return (model(x + noise, t) - noise).pow(2).mean()
+    return ("diffusion-UNet-like conv net training step (GroupNorm/SiLU, 3 levels 128-512 channels, skips), "
+            "bf16 autocast, batch 16 x 4 x 96 x 96", _train_step(torch, model, loss_of, amp=True))
+
+
+def w_multistream_infer(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    nn = torch.nn
+    towers = [nn.Sequential(*[nn.Sequential(nn.Linear(2048, 8192), nn.GELU(), nn.Linear(8192, 2048))
+                              for _ in range(4)]).cuda().eval() for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(3)]   # two towers and a copy stream
+    main = torch.cuda.current_stream()
+    record_stream = ctx["record_stream"]
+    host = [torch.randn((4096, 2048)).pin_memory() for _ in range(2)]
+
+    def step(i: int) -> Any:
+        outs = []
+        with torch.no_grad():
+            copy = streams[2]
+            copy.wait_stream(main)
+            with torch.cuda.stream(copy):
+                x = host[i % 2].to("cuda", non_blocking=True) * (1.0 + i)   # allocated on the copy stream
+            for k, tower in enumerate(towers):
+                s = streams[k]
+                s.wait_stream(copy)
+                record_stream(x, s)
+                with torch.cuda.stream(s):
+                    y = tower(x[k * 2048:(k + 1) * 2048])
+                main.wait_stream(s)
+                record_stream(y, main)
+                outs.append(y)
+            record_stream(x, main)
+            return torch.cat(outs).float().pow(2).mean()
+    return ("two 4-layer MLP towers (d 2048, ffn 8192) on two streams, inputs copied in on a third stream, "
+            "4096 rows; inference", step)
+
+
+def w_cudagraph_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    nn = torch.nn
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.GELU(), nn.Linear(4096, 4096), nn.GELU(),
+                          nn.Linear(4096, 1024)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=True)
+    x = torch.randn((2048, 4096), device="cuda")
+    y = torch.randn((2048, 1024), device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm-up on a side stream, as PyTorch's CUDA graph guide says
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+
+    def step(i: int) -> Any:
+        x.copy_(torch.randn(x.shape, device="cuda", generator=_gen(torch, i)))
+        graph.replay()
+        return loss.detach().clone()
+    return "MLP training step (3 layers, d 4096, batch 2048) captured whole as one CUDA graph, replayed", step
+
+
+WORKLOADS: dict[str, Callable[[Any, dict], tuple[str, Callable[[int], Any]]]] = {
+    "gpt2_train": w_gpt2_train, "resnet50_train": w_resnet50_train, "llama_varlen_train": w_llama_varlen_train,
+    "vit_train": w_vit_train, "moe_train": w_moe_train, "llama_generate": w_llama_generate,
+    "unet_train": w_unet_train, "gpt2_train_bf16": w_gpt2_train_bf16, "multistream_infer": w_multistream_infer,
+    "cudagraph_train": w_cudagraph_train,
+}
+
+
+def parse_policy(spec: str) -> Any:
+    """An allocator policy from ``NAME`` or ``NAME:key=value,...`` (e.g. ``gpumem:growth=pages,page_slack=0``):
+    the named policy with those fields replaced (numbers, ``true``/``false`` and enum values as text).
+
+    Raises:
+        WorkloadInputError: an unknown policy or field, or a value the policy refuses.
+    """
+    from gpumem.allocator.policy import get_policy
+    from gpumem.errors import GpumemError
+
+    name, _, rest = spec.partition(":")
+    try:
+        pol = get_policy(name)
+        fields = {f.name: f for f in dataclasses.fields(pol)}
+        changes: dict[str, Any] = {}
+        for item in filter(None, rest.split(",")):
+            key, eq, text = item.partition("=")
+            if not eq or key not in fields:
+                raise WorkloadInputError(f"policy {spec!r}: {item!r} is not field=value of a policy field")
+            old = getattr(pol, key)
+            if isinstance(old, bool):
+                if text.lower() not in ("true", "false"):
+                    raise WorkloadInputError(f"policy {spec!r}: {key} takes true or false, not {text!r}")
+                changes[key] = text.lower() == "true"
+            elif isinstance(old, (int, float)) and not isinstance(old, enum.Enum):
+                changes[key] = type(old)(float(text)) if isinstance(old, float) else int(text)
+            else:
+                changes[key] = text
+        return dataclasses.replace(pol, name=spec, **changes) if changes else pol
+    except (GpumemError, ValueError, TypeError) as exc:
+        raise WorkloadInputError(f"policy {spec!r}: {exc}") from None
+
+
+#: The PyTorch-default snapshot of each workload as shipped in data/traces (gpumem.trace.corpus splits them).
+CORPUS_NAMES = {
+    "gpt2_train": "gpt2_fp32_train_h200.snapshot.pickle.gz", "resnet50_train": "resnet50_train_h200.snapshot.pickle.gz",
+    "llama_varlen_train": "llama_varlen_train_h200.snapshot.pickle.gz", "vit_train": "vit_train_h200.snapshot.pickle.gz",
+    "moe_train": "moe_train_h200.snapshot.pickle.gz", "llama_generate": "llama_kvcache_generate_h200.snapshot.pickle.gz",
+    "unet_train": "unet_train_h200.snapshot.pickle.gz", "gpt2_train_bf16": "gpt2_bf16_train_h200.snapshot.pickle.gz",
+    "multistream_infer": "multistream_infer_h200.snapshot.pickle.gz",
+    "cudagraph_train": "cudagraph_train_h200.snapshot.pickle.gz",
+}
+
+
+def corpus_part_of(workload: str) -> str:
+    """``tuning``/``check``: the corpus part of the workload's shipped trace, ``-`` when it ships none."""
+    from gpumem.errors import InvalidArgumentError
+    from gpumem.trace.corpus import corpus_part
+
+    try:
+        return corpus_part(CORPUS_NAMES.get(workload, workload)).value
+    except InvalidArgumentError:
+        return "-"
+
+
+def trace_file_name(workload: str, allocator: str) -> str:
+    """The trace a run writes: a PyTorch snapshot for PyTorch's allocator, a gpumem trace for gpumem's."""
+    return f"{workload}.{allocator}." + ("snapshot.pickle.gz" if allocator == "default" else "gmt.gz")
+
+
+def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: Path, policy: str | None) -> dict:
+    """Runs one workload under one allocator in this process, recording its trace into ``out_dir``."""
+    if allocator == "gpumem":
+        import gpumem.torch as gt
+
+        gt.install()
+        if policy:
+            gt.configure(parse_policy(policy))
+        gt.start_trace()
+    import torch
+
+    if allocator == "default":
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                 max_entries=HISTORY_MAX_ENTRIES)
+        record_stream = lambda t, s: t.record_stream(s)  # noqa: E731
+    else:
+        record_stream = gt.record_stream
+    torch.manual_seed(0)
+    torch.cuda.manual_seed_all(0)
+    torch.backends.cudnn.benchmark = False
+    description, step = WORKLOADS[workload](torch, {"record_stream": record_stream})
+    losses = []
+    t_start = time.perf_counter()
+    for i in range(steps):
+        if i == warmup:
+            torch.cuda.synchronize()
+            t_start = time.perf_counter()
+        losses.append(step(i))
+    torch.cuda.synchronize()
+    elapsed_s = time.perf_counter() - t_start
+    trace_path = out_dir / trace_file_name(workload, allocator)
+    record: dict[str, Any] = {"workload": workload, "allocator": allocator, "description": description,
+                              "steps": steps, "warmup": warmup, "policy": policy if allocator == "gpumem" else None,
+                              "losses": [float(x) for x in torch.stack(losses).cpu().tolist()],
+                              "mean_step_ms": elapsed_s / (steps - warmup) * 1e3,
+                              "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
+                              "trace_file": trace_path.name}
+    if allocator == "gpumem":
+        gt.stop_trace()
+        st = gt.memory_stats(0)
+        record.update(peak_allocated_bytes=st["allocated_bytes.all.peak"],
+                      peak_reserved_bytes=st["reserved_bytes.all.peak"], num_allocs=st["num_allocs"],
+                      num_device_calls=st["num_device_calls"], n_steals=st["gpumem.n_steals"],
+                      n_waits=st["gpumem.n_waits"], n_chunks=st["gpumem.n_chunks"])
+        from gpumem.trace import save_trace
+
+        save_trace(gt.recorded_trace(0, name=f"{workload} on gpumem.torch"), trace_path)
+    else:
+        st = torch.cuda.memory_stats(0)
+        record.update(peak_allocated_bytes=int(st["allocated_bytes.all.peak"]),
+                      peak_reserved_bytes=int(st["reserved_bytes.all.peak"]),
+                      num_allocs=int(st["allocation.all.allocated"]),
+                      num_device_calls=int(st.get("num_device_alloc", 0)) + int(st.get("num_device_free", 0)))
+        raw = out_dir / (trace_path.name[:-3])
+        torch.cuda.memory._dump_snapshot(str(raw))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        with open(raw, "rb") as src, gzip.open(trace_path, "wb", compresslevel=9) as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
+    record["trace_nbytes"] = trace_path.stat().st_size
+    return record
+
+
+# -- the live runs (parent process) ---------------------------------------------------------------------
+def overhead(peak_reserved: int, peak_allocated: int) -> float | None:
+    """``peak_reserved / peak_allocated - 1`` (None when nothing was allocated)."""
+    return peak_reserved / peak_allocated - 1 if peak_allocated else None
+
+
+def run_live(workloads: Sequence[str], allocators: Sequence[str], steps: int, warmup: int, out: Path,
+             policy: str | None, timeout_s: float, tag: str = "") -> Path:
+    """Every workload under every allocator, each its own process; the record is rewritten after each run."""
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"date": _dt.date.today().isoformat(), "steps": steps, "warmup": warmup,
+                              "gpumem_policy": policy, "runs": [], "gpu": "?", "torch": "?"}
+    path = out / (f"workloads-{tag}.json" if tag else "workloads.json")
+    for workload in workloads:
+        for allocator in allocators:
+            child_out = out / f".{workload}-{allocator}.json"
+            cmd = [sys.executable, "-m", "gpumem.hil.probes.workloads", "child", workload, allocator,
+                   "--steps", str(steps), "--warmup", str(warmup), "--out", str(out), "--child-out", str(child_out)]
+            if policy:
+                cmd += ["--gpumem-policy", policy]
+            t0 = time.perf_counter()
+            try:
+                done = subprocess.run(cmd, env=_child_env("default"), capture_output=True, text=True, timeout=timeout_s)
+                failure = None if done.returncode == 0 and child_out.is_file() else (done.stderr or done.stdout)[-1500:]
+            except subprocess.TimeoutExpired:
+                failure = f"timed out after {timeout_s:.0f} s"
+            wall_s = time.perf_counter() - t0
+            if failure is None:
+                record = json.loads(child_out.read_text())
+                child_out.unlink()
+                result["gpu"], result["torch"] = record["gpu"], record["torch"]
+            else:
+                record = {"workload": workload, "allocator": allocator, "error": failure}
+            record["wall_s"] = round(wall_s, 1)
+            result["runs"].append(record)
+            if failure is None:
+                ov = overhead(record["peak_reserved_bytes"], record["peak_allocated_bytes"])
+                print(f"{workload:<20} {allocator:<8} step {record['mean_step_ms']:8.2f} ms  peak alloc "
+                      f"{record['peak_allocated_bytes'] / 2**30:7.3f} GiB  overhead {ov * 100:6.2f} %  "
+                      f"trace {record['trace_nbytes'] / 2**20:.2f} MiB ({wall_s:.0f} s)", flush=True)
+            else:
+                print(f"{workload:<20} {allocator:<8} FAILED ({wall_s:.0f} s): {failure[-600:]}", flush=True)
+            path.write_text(json.dumps(result, indent=1))
+    return path
+
+
+# -- live against predicted (anywhere) ------------------------------------------------------------------
+# Note [Which model predicts which run]: each live run is replayed from its own trace with the model of
+# the allocator that ran it: gpumem's engine policy (the default, or the one the run configured) for
+# gpumem.torch runs, the `pytorch` model for PyTorch's allocator. Both sides are overheads (peak reserved
+# over peak allocated, minus one) so that a trace's own live bytes (requested sizes in gpumem's trace,
+# PyTorch's rounded block sizes in a snapshot) cancel out; the difference is in percentage points.
+
+@dataclasses.dataclass(frozen=True)
+class LivePredictedRow:
+    """One live run against its replay in the simulator."""
+
+    workload: str
+    allocator: str
+    model: str
+    live_overhead: float
+    predicted_overhead: float | None
+    live_peak_reserved_nbytes: int
+    predicted_peak_reserved_nbytes: int | None
+    mean_step_ms: float
+    gpu_timing: str | None
+    error: str | None = None
+
+    @property
+    def diff_pp(self) -> float | None:
+        """Predicted minus live overhead, in percentage points."""
+        return None if self.predicted_overhead is None else (self.predicted_overhead - self.live_overhead) * 100
+
+
+def _replay(trace_path: Path, sim: str, model: str, gpu_timing: str | None) -> Any:
+    from gpumem.replay import replay_trace
+
+    options: dict[str, Any] = {}
+    if gpu_timing is not None:
+        import inspect
+
+        if "gpu_timing" not in inspect.signature(replay_trace).parameters:
+            raise WorkloadInputError(f"gpu timing {gpu_timing!r}: this gpumem's replay has no gpu_timing option "
+                                     "(issue 18 point 1)")
+        options["gpu_timing"] = gpu_timing
+    return replay_trace(str(trace_path), sim, parse_policy(model), progress=False, **options)
+
+
+def live_vs_predicted(record: dict, trace_dir: Path, sim: str = "sim:h200-141gb", gpu_timing: str | None = None,
+                      policy: str | None = None) -> list[LivePredictedRow]:
+    """Replays each live run's trace (``trace_dir``/``trace_file``) on ``sim`` with its allocator's model.
+
+    ``policy`` overrides the gpumem model (default: the policy the live run configured, else ``gpumem``);
+    ``gpu_timing`` is passed to the replay when given. A run that failed live, or whose trace cannot be
+    replayed, gives a row with ``error`` set.
+    """
+    from gpumem.errors import GpumemError
+
+    if not isinstance(record, dict) or not isinstance(record.get("runs"), list):
+        raise WorkloadInputError("not a workloads record: no 'runs' list")
+    rows = []
+    for run in record["runs"]:
+        allocator = run.get("allocator")
+        if allocator not in MODEL_OF:
+            raise WorkloadInputError(f"run {run.get('workload')!r}: unknown allocator {allocator!r}")
+        model = (policy or run.get("policy") or "gpumem") if allocator == "gpumem" else MODEL_OF[allocator]
+        if "error" in run:
+            rows.append(LivePredictedRow(run["workload"], allocator, model, float("nan"), None, 0, None, float("nan"),
+                                         gpu_timing, error="live run failed: " + error_line(run["error"])))
+            continue
+        live = overhead(run["peak_reserved_bytes"], run["peak_allocated_bytes"])
+        try:
+            res = _replay(trace_dir / run["trace_file"], sim, model, gpu_timing)
+            predicted, error = res.overhead, None
+            predicted_nbytes = res.peak_reserved_bytes
+        except (GpumemError, OSError) as exc:
+            predicted = predicted_nbytes = None
+            error = f"replay failed: {exc}"[:200]
+        rows.append(LivePredictedRow(run["workload"], allocator, model, live if live is not None else float("nan"),
+                                     predicted, run["peak_reserved_bytes"], predicted_nbytes, run["mean_step_ms"],
+                                     gpu_timing, error))
+    return rows
+
+
+def render_table(rows: Sequence[LivePredictedRow], sim: str) -> str:
+    """A Markdown table of :func:`live_vs_predicted`'s rows, with the issue's target per gpumem row."""
+    timing = next((r.gpu_timing for r in rows if r.gpu_timing), None) or "idle (no GPU timing)"
+    lines = [f"Replayed on `{sim}`, GPU timing: {timing}. Overhead = peak reserved / peak allocated - 1; "
+             "difference = predicted - live, percentage points. Target (issue 18): gpumem rows within 1 pp "
+             "(goal 0.2).", "",
+             "| workload | corpus part | allocator | model | live overhead | predicted | difference pp "
+             "| live peak reserved GiB | step ms | target |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.error and r.predicted_overhead is None:
+            lines.append(f"| {r.workload} | {corpus_part_of(r.workload)} | {r.allocator} | {r.model} | "
+                         + (f"{r.live_overhead * 100:.2f} %" if r.live_overhead == r.live_overhead else "-")
+                         + f" | - | - | - | - | {r.error[:120]} |")
+            continue
+        d = r.diff_pp
+        target = ("" if r.allocator != "gpumem" else "met" if d is not None and abs(d) <= 1.0 else "NOT met")
+        lines.append(f"| {r.workload} | {corpus_part_of(r.workload)} | {r.allocator} | {r.model} | "
+                     f"{r.live_overhead * 100:.2f} % | "
+                     f"{r.predicted_overhead * 100:.2f} % | {d:+.2f} | {r.live_peak_reserved_nbytes / 2**30:.3f} | "
+                     f"{r.mean_step_ms:.2f} | {target} |")
+    return "\n".join(lines) + "\n"
+
+
+def error_line(text: str) -> str:
+    """The line of a failed run's output that says what failed: the last ``...Error: ...`` line, else the
+    last non-empty one (one line, at most 160 characters)."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    said = [ln for ln in lines if "Error:" in ln or "Exception:" in ln]
+    return ((said or lines or ["?"])[-1])[:160]
+
+
+def render_live(record: dict) -> str:
+    """A Markdown table of a record's live runs: peaks, overhead, step time, and whether each gpumem run's
+    losses equal PyTorch's allocator's run of the same workload."""
+    base = {r["workload"]: r for r in record["runs"] if r.get("allocator") == "default" and "error" not in r}
+    lines = [f"{record.get('gpu', '?')}, PyTorch {record.get('torch', '?')}, {record.get('steps')} steps "
+             f"({record.get('warmup')} warm-up) per run, gpumem policy: {record.get('gpumem_policy') or 'the default'}",
+             "", "| workload | allocator | peak allocated GiB | peak reserved GiB | overhead | step ms | vs default "
+             "| losses equal to default | allocations |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in record["runs"]:
+        if "error" in r:
+            lines.append(f"| {r['workload']} | {r['allocator']} | failed: {error_line(r['error'])} | | | | | | |")
+            continue
+        b = base.get(r["workload"])
+        vs = f"{(r['mean_step_ms'] / b['mean_step_ms'] - 1) * 100:+.2f} %" if b and r is not b else ""
+        eq = "" if b is None or r is b else ("yes" if r["losses"] == b["losses"] else "no")
+        ov = overhead(r["peak_reserved_bytes"], r["peak_allocated_bytes"])
+        lines.append(f"| {r['workload']} | {r['allocator']} | {r['peak_allocated_bytes'] / 2**30:.3f} | "
+                     f"{r['peak_reserved_bytes'] / 2**30:.3f} | {ov * 100:.2f} % | {r['mean_step_ms']:.2f} | {vs} | {eq} "
+                     f"| {r['num_allocs']:,} |")
+    return "\n".join(lines) + "\n"
+
+
+def _load_record(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise WorkloadInputError(f"cannot read the workloads record {path}: {exc}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    live = sub.add_parser("live", help="run the workloads on the GPU under both allocators")
+    live.add_argument("--workloads", default=",".join(WORKLOADS))
+    live.add_argument("--allocators", default=",".join(ALLOCATORS))
+    live.add_argument("--steps", type=int, default=12)
+    live.add_argument("--warmup", type=int, default=4)
+    live.add_argument("--gpumem-policy", default=None, help="the gpumem engine's policy (default: the engine's)")
+    live.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
+    live.add_argument("--tag", default="", help="the record's name is workloads-TAG.json (default workloads.json)")
+    live.add_argument("--out", type=Path, required=True)
+    child = sub.add_parser("child")
+    child.add_argument("workload")
+    child.add_argument("allocator")
+    child.add_argument("--steps", type=int, required=True)
+    child.add_argument("--warmup", type=int, required=True)
+    child.add_argument("--out", type=Path, required=True)
+    child.add_argument("--child-out", type=Path, required=True)
+    child.add_argument("--gpumem-policy", default=None)
+    pred = sub.add_parser("predict", help="replay records' traces and tabulate live against predicted")
+    pred.add_argument("records", type=Path, nargs="+", help="workloads records, each with its traces beside it")
+    pred.add_argument("--sim", default="sim:h200-141gb")
+    pred.add_argument("--gpu-timing", default=None,
+                      help="the replays' GPU timing modes, comma-separated: one table each (default: the replay's)")
+    pred.add_argument("--policy", default=None, help="gpumem model for gpumem rows (default: the run's policy)")
+    pred.add_argument("--json", type=Path, default=None, help="write the records' rows as JSON here")
+    pred.add_argument("--markdown", type=Path, default=None, help="write the live and predicted tables here")
+    args = parser.parse_args(argv)
+    if args.cmd == "child":
+        record = run_child(args.workload, args.allocator, args.steps, args.warmup, args.out, args.gpumem_policy)
+        args.child_out.write_text(json.dumps(record))
+        return 0
+    if args.cmd == "live":
+        if args.tag and not args.tag.replace("-", "").replace("_", "").isalnum():
+            parser.error(f"--tag {args.tag!r}: letters, digits, - and _ only")
+        names = [w for w in args.workloads.split(",") if w]
+        allocators = [a for a in args.allocators.split(",") if a]
+        bad = [n for n in names if n not in WORKLOADS] + [a for a in allocators if a not in ALLOCATORS]
+        if bad:
+            parser.error(f"unknown workload or allocator: {', '.join(bad)}")
+        if not 0 < args.warmup < args.steps:
+            parser.error("need 0 < --warmup < --steps")
+        path = run_live(names, allocators, args.steps, args.warmup, args.out, args.gpumem_policy, args.timeout,
+                        args.tag)
+        runs = json.loads(path.read_text())["runs"]
+        return 0 if all("error" not in r for r in runs) else 1
+    sections, rows_json = [], {}
+    try:
+        for path in args.records:
+            record = _load_record(path)
+            sections.append(f"## {path.parent.name}/{path.name}\n\n### Live\n\n{render_live(record)}")
+            for timing in (args.gpu_timing.split(",") if args.gpu_timing else [None]):
+                rows = live_vs_predicted(record, path.parent, args.sim, timing, args.policy)
+                sections.append(f"### Live against predicted, GPU timing {timing or 'default'}\n\n"
+                                + render_table(rows, args.sim))
+                rows_json[f"{path.name} {timing or 'default'}"] = [dataclasses.asdict(r) | {"diff_pp": r.diff_pp}
+                                                                   for r in rows]
+    except WorkloadInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    text = "\n".join(sections)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps(rows_json, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

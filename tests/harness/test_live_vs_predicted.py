@@ -1,0 +1,204 @@
+"""The live-vs-predicted table of the workloads probe (issue 18 point 2), on a tiny fake record: no GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpumem.errors import TraceFormatError
+from gpumem.hil.probes import workloads as wl
+from gpumem.torch import trace_from_words
+from gpumem.trace import load_trace, save_trace
+from gpumem.trace.pytorch_export import save_pytorch_snapshot
+
+MiB = 2**20
+
+
+def _words() -> list[int]:
+    """A native trace buffer: three allocations (one freed, one freed before another is made), one free of
+    a block allocated before tracing began."""
+    ev = [(0, 0x10000, 3 * MiB, 0, 0), (0, 0x400000, 5 * MiB, 0, 1000), (1, 0x10000, 3 * MiB, 0, 2000),
+          (1, 0x999000, 7, 0, 2500), (0, 0x10000, 2 * MiB, 7, 3000), (1, 0x400000, 5 * MiB, 0, 4000)]
+    return [w for e in ev for w in e]
+
+
+def test_trace_from_words_pairs_frees_and_skips_the_unknown_one() -> None:
+    t = trace_from_words(_words(), name="fake")
+    assert (t.n_allocs, t.n_unmatched_frees) == (3, 1)
+    assert int(t.live_nbytes().max()) == 8 * MiB
+
+
+@pytest.mark.parametrize("words, why", [([0, 1, 2, 3], "whole number"), ([2, 1, 2, 3, 4], "neither")])
+def test_trace_from_words_refuses_a_bad_buffer(words: list[int], why: str) -> None:
+    with pytest.raises(TraceFormatError, match=why):
+        trace_from_words(words)
+
+
+def _fake_record(tmp_path: Path) -> dict:
+    trace = trace_from_words(_words(), name="fake")
+    save_trace(trace, tmp_path / wl.trace_file_name("fake", "gpumem"))
+    save_pytorch_snapshot(trace, tmp_path / wl.trace_file_name("fake", "default"))
+    base = {"workload": "fake", "mean_step_ms": 1.5, "peak_allocated_bytes": 8 * MiB, "num_allocs": 3, "losses": [0.5]}
+    return {"runs": [
+        base | {"allocator": "default", "peak_reserved_bytes": 20 * MiB, "trace_file": wl.trace_file_name("fake", "default")},
+        base | {"allocator": "gpumem", "policy": None, "peak_reserved_bytes": 10 * MiB,
+                "trace_file": wl.trace_file_name("fake", "gpumem")},
+        {"workload": "broken", "allocator": "gpumem", "error": "Traceback ...\nRuntimeError: capture failed"},
+    ]}
+
+
+def test_live_vs_predicted_replays_each_run_with_its_allocators_model(tmp_path: Path) -> None:
+    rows = wl.live_vs_predicted(_fake_record(tmp_path), tmp_path)
+    assert [(r.workload, r.allocator, r.model) for r in rows] == [
+        ("fake", "default", "pytorch"), ("fake", "gpumem", "gpumem"), ("broken", "gpumem", "gpumem")]
+    default, gpumem, broken = rows
+    assert default.live_overhead == pytest.approx(1.5) and gpumem.live_overhead == pytest.approx(0.25)
+    for r in (default, gpumem):   # the replay's own figures, not the live ones
+        from gpumem.replay import replay_trace
+
+        res = replay_trace(str(tmp_path / wl.trace_file_name("fake", r.allocator)), "sim:h200-141gb", r.model)
+        assert r.predicted_peak_reserved_nbytes == res.peak_reserved_bytes
+        assert r.diff_pp == pytest.approx((res.overhead - r.live_overhead) * 100)
+    assert broken.predicted_overhead is None and "capture failed" in broken.error
+    table = wl.render_table(rows, "sim:h200-141gb")
+    assert "| fake | - | gpumem | gpumem |" in table and "live run failed" in table
+    assert table.count("met") >= 1
+
+
+def test_live_vs_predicted_passes_the_gpu_timing_and_policy_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+
+    def fake_replay(path: Path, sim: str, model: str, gpu_timing: str | None) -> object:
+        seen.append((path.name, model, gpu_timing))
+        return type("R", (), {"overhead": 0.0, "peak_reserved_bytes": 1})()
+
+    monkeypatch.setattr(wl, "_replay", fake_replay)
+    rows = wl.live_vs_predicted(_fake_record(tmp_path), tmp_path, gpu_timing="model", policy="bestfit")
+    assert seen == [("fake.default.snapshot.pickle.gz", "pytorch", "model"), ("fake.gpumem.gmt.gz", "bestfit", "model")]
+    assert all(r.gpu_timing == "model" for r in rows)
+
+
+def test_a_missing_trace_costs_its_row(tmp_path: Path) -> None:
+    record = _fake_record(tmp_path)
+    (tmp_path / wl.trace_file_name("fake", "gpumem")).unlink()
+    rows = wl.live_vs_predicted(record, tmp_path)
+    assert rows[0].predicted_overhead is not None
+    assert rows[1].predicted_overhead is None and rows[1].error.startswith("replay failed")
+
+
+def test_bad_records_are_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(wl.WorkloadInputError, match="no 'runs'"):
+        wl.live_vs_predicted({"rows": []}, tmp_path)
+    with pytest.raises(wl.WorkloadInputError, match="unknown allocator"):
+        wl.live_vs_predicted({"runs": [{"workload": "x", "allocator": "expandable"}]}, tmp_path)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert wl.main(["predict", str(bad)]) == 2
+    assert "cannot read the workloads record" in capsys.readouterr().err
+
+
+def test_predict_cli_prints_the_table_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "workloads.json").write_text(json.dumps(_fake_record(tmp_path)))
+    assert wl.main(["predict", str(tmp_path / "workloads.json"), "--json", str(tmp_path / "rows.json")]) == 0
+    assert "| fake | - | default | pytorch |" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    rows = rows["workloads.json default"]
+    assert len(rows) == 3 and rows[0]["diff_pp"] is not None and np.isfinite(rows[0]["diff_pp"])
+    assert load_trace(tmp_path / "fake.gpumem.gmt.gz").n_allocs == 3
+
+
+def test_parse_policy_replaces_fields_and_refuses_bad_specs() -> None:
+    from gpumem.allocator.policy import GrowthRule, get_policy
+
+    assert wl.parse_policy("pytorch") is get_policy("pytorch")
+    p = wl.parse_policy("gpumem:growth=pages,page_slack=0,steal_empty_pages=true")
+    assert (p.growth, p.page_slack, p.steal_empty_pages, p.name) == (
+        GrowthRule.PAGES, 0.0, True, "gpumem:growth=pages,page_slack=0,steal_empty_pages=true")
+    for bad, why in [("nope", "unknown allocator policy"), ("gpumem:foo=1", "not field=value"),
+                     ("gpumem:page_slack", "not field=value"), ("gpumem:page_slack=x", "convert"),
+                     ("gpumem:steal_empty_pages=maybe", "true or false"), ("gpumem:page_slack=2", "between 0 and 1"),
+                     ("gpumem:growth=sideways", "growth")]:
+        with pytest.raises(wl.WorkloadInputError, match=why):
+            wl.parse_policy(bad)
+    assert get_policy("gpumem").page_slack != 0.0   # the named policy is unchanged
+
+
+def test_fidelity_cli_adds_the_table_and_refuses_a_bad_record(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from gpumem.hil import fidelity
+
+    (tmp_path / "workloads.json").write_text(json.dumps(_fake_record(tmp_path)))
+    out = tmp_path / "fidelity.json"
+    assert fidelity.main(["--device", "sim:h200-141gb", "--live-record", str(tmp_path / "workloads.json"),
+                          "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["status"] == "skipped"   # no real GPU: the part is skipped, the table still shown
+    assert "| fake | - | gpumem | gpumem |" in data["markdown"] and len(data["live_vs_predicted"]["rows"]) == 3
+    assert any("broken on gpumem: live run failed" in d for d in data["live_vs_predicted"]["differences"])
+    assert fidelity.main(["--device", "sim:h200-141gb", "--live-record", str(tmp_path / "nope.json")]) == 2
+    assert "--live-record: cannot read" in capsys.readouterr().err
+
+
+def test_render_live_compares_each_gpumem_run_with_the_default() -> None:
+    base = {"workload": "w", "mean_step_ms": 10.0, "peak_allocated_bytes": 100, "num_allocs": 5, "losses": [1.0, 2.0]}
+    record = {"gpu": "G", "torch": "T", "steps": 2, "warmup": 1, "runs": [
+        base | {"allocator": "default", "peak_reserved_bytes": 110},
+        base | {"allocator": "gpumem", "peak_reserved_bytes": 101, "mean_step_ms": 10.5},
+        base | {"workload": "v", "allocator": "gpumem", "peak_reserved_bytes": 101, "losses": [3.0]},
+        {"workload": "x", "allocator": "gpumem", "error": "boom\nRuntimeError: capture failed\nsee docs\n\n"}]}
+    text = wl.render_live(record)
+    assert "| w | default | 0.000 | 0.000 | 10.00 % | 10.00 |  |  | 5 |" in text
+    assert "| w | gpumem | 0.000 | 0.000 | 1.00 % | 10.50 | +5.00 % | yes | 5 |" in text
+    assert "| v | gpumem |" in text and "| x | gpumem | failed: RuntimeError: capture failed |" in text
+
+
+def test_a_gpu_timing_this_replay_lacks_is_refused_in_one_line(tmp_path: Path) -> None:
+    import inspect
+
+    from gpumem.replay import replay_trace
+
+    if "gpu_timing" in inspect.signature(replay_trace).parameters:
+        pytest.skip("this gpumem's replay has gpu timing")
+    with pytest.raises(wl.WorkloadInputError, match="no gpu_timing option"):
+        wl.live_vs_predicted(_fake_record(tmp_path), tmp_path, gpu_timing="trace")
+
+
+@pytest.mark.parametrize("argv, why", [(["--workloads", "nope"], "unknown workload"),
+                                       (["--allocators", "expandable"], "unknown workload or allocator"),
+                                       (["--steps", "3", "--warmup", "3"], "0 < --warmup < --steps"),
+                                       (["--tag", "a/b"], "letters, digits")])
+def test_live_refuses_bad_options_before_running_anything(tmp_path: Path, argv: list[str], why: str,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        wl.main(["live", "--out", str(tmp_path / "out"), *argv])
+    assert exc.value.code == 2 and why in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_live_records_a_failed_child_and_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        workload, allocator = cmd[4], cmd[5]
+        if allocator == "gpumem":
+            return subprocess.CompletedProcess(cmd, 1, "", "Traceback\nRuntimeError: no GPU here\n")
+        out = Path(cmd[cmd.index("--child-out") + 1])
+        out.write_text(json.dumps({"workload": workload, "allocator": allocator, "gpu": "G", "torch": "T",
+                                   "mean_step_ms": 1.0, "peak_allocated_bytes": 10, "peak_reserved_bytes": 11,
+                                   "trace_nbytes": 5, "losses": [1.0], "num_allocs": 1}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    path = wl.run_live(["gpt2_train", "moe_train"], ["default", "gpumem"], 3, 1, tmp_path, "gpumem", 5.0, tag="after")
+    assert path.name == "workloads-after.json"
+    record = json.loads(path.read_text())
+    assert [(r["workload"], r["allocator"], "error" in r) for r in record["runs"]] == [
+        ("gpt2_train", "default", False), ("gpt2_train", "gpumem", True), ("moe_train", "default", False),
+        ("moe_train", "gpumem", True)]
+    assert all("--gpumem-policy" in c for c in calls) and record["gpumem_policy"] == "gpumem"
+    assert wl.error_line(record["runs"][1]["error"]) == "RuntimeError: no GPU here"

@@ -74,6 +74,8 @@ class ReportOptions:
     samples: int = SAMPLES
     trace_format: str | None = None
     device_index: int | None = None
+    gpu_timing: str | None = None
+    """How the program's GPU work runs beside each replay (:func:`gpumem.replay.replay`; None: the default)."""
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -304,7 +306,7 @@ def _build(trace: Trace, trace_path: str, specs: list[str], options: ReportOptio
         groups: list[list[PolicyRun]] = []
         for spec in specs:
             runs = [run_policy(trace, spec, p, samples=options.samples, stop_on_oom=options.stop_on_oom,
-                               on_progress=advance) for p in options.policies]
+                               on_progress=advance, gpu_timing=options.gpu_timing) for p in options.policies]
             occs: list[tuple[str, Occupancy | None]] = []
             for r in runs:
                 occs.append((r.policy, occupancy_at(trace, spec, r.policy, peak_op) if r.result else None))

@@ -35,6 +35,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <cxxabi.h>
@@ -47,6 +48,22 @@
 #include "engine.h"
 
 #define GPUMEM_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+// The engine's policy for PyTorch: the defaults, where GPUMEM_BUSY_SLACK (a number >= 0, or inf) sets
+// AllocatorPolicy.busy_slack (issue 18 measures several live).
+gpumem::EngineConfig torch_engine_config() {
+    gpumem::EngineConfig cfg;
+    if (const char* v = std::getenv("GPUMEM_BUSY_SLACK")) {
+        char* end = nullptr;
+        double value = std::strtod(v, &end);
+        if (end == v || *end != '\0' || !(value >= 0.0))
+            throw std::runtime_error(std::string("GPUMEM_BUSY_SLACK must be a number >= 0 or inf, not '") + v + "'");
+        cfg.busy_slack = value;
+    }
+    return cfg;
+}
+}  // namespace
 
 namespace gpumem {
 namespace {
@@ -105,7 +122,7 @@ DeviceEngine* get_or_make(int device) {
             throw std::runtime_error("CUDA device " + std::to_string(device) +
                                      " does not support virtual memory management (cuMemCreate/cuMemMap), "
                                      "which gpumem's native engine needs");
-        made->engine = std::make_unique<Engine>(*made->backend, EngineConfig());
+        made->engine = std::make_unique<Engine>(*made->backend, torch_engine_config());
     } catch (const std::exception& e) {
         s.make_error[device] = e.what();
         throw std::runtime_error(std::string("gpumem could not start on CUDA device ") + std::to_string(device) +

@@ -57,7 +57,7 @@ struct EngineConfig {
     double chunk_max_fraction = 1.0 / 256;              // growth=CHUNKS: cap relative to the memory held
     std::uint64_t chunk_max_nbytes = std::uint64_t{1} << 30;   // growth=CHUNKS: absolute cap
     double grow_ahead_fraction = 0.0;                   // growth=CHUNKS: grow ahead at the top of a range
-    double busy_slack = HUGE_VAL;                       // growth=CHUNKS: create past busy idle chunks within this slack
+    double busy_slack = 0.05;                           // growth=CHUNKS: create past busy idle chunks within this slack
     std::uint64_t limit_nbytes = 0;   // 0: no limit (Python: limit_nbytes None)
     double gc_threshold = 0.0;        // 0: none (Python: gc_threshold None)
 };

@@ -123,20 +123,22 @@ geometrically: about 256 creates per e-fold of growth instead of one per page.
 
 Note [Wait, do not grow, behind the GPU]
 ---------------------------------------
-Past the slack a chunk is stolen, and the idle chunks there are often still used by queued work: on a
-real GPU the CPU runs up to a launch queue ahead, so a page freed a moment ago has a fence that will
-complete only when the GPU catches up. Creating a chunk instead (the rule before issue 18) costs no
-time, but in a GPU-bound program *every* steal meets busy chunks, so the memory grows by what the CPU
-frees within one lag: replayed with the GPU behind (``gpu_timing="trace"``, :mod:`gpumem.sim.gpu_work`),
-gpt2_train held 6.87 % above its peak live bytes instead of 0.66 % (live GPT-2 training on the H200:
-12.97 %, with ``CUDA_LAUNCH_BLOCKING=1`` 4.01 %), llama_generate 2.16 % instead of 0.64 %, bert_varlen
-1.22 % instead of 0.71 %. With ``wait_for_busy_chunks`` the steal waits for the busy chunk: every
-figure is back to the one without lag, and the wait costs little time, because the GPU is the
-bottleneck and keeps running while the CPU waits (replayed GPU time +3.2 % on gpt2, +0.7 % on
-bert, +0.4 % on resnet, where the wait drains the queue; the live step times are in
-``reports/gpu-timing-calibration.md``). Waiting for the chunk whose fence is oldest instead of the
-largest changed nothing measurable in the replays; recording fences when pages empty instead of at
-the steal saved 0.1 point at five times the event calls. Memory first: on by default.
+Past the slack a chunk is stolen, and the idle chunks there are often still used by queued work: the
+CPU runs up to a launch queue ahead of the GPU, so a page freed a moment ago has a fence that completes
+only when the GPU catches up. Creating a chunk instead (the rule before issue 18, ``busy_slack=inf``)
+costs no time, but in a GPU-bound program every steal meets busy chunks and memory grows by what the
+CPU frees within one lag: live GPT-2 training on the H200 held 12.97 % above peak allocated (4.01 % with
+``CUDA_LAUNCH_BLOCKING=1``); replayed with the GPU behind (``gpu_timing="trace"``) gpt2_train 6.87 %
+instead of 0.66 %. Waiting always (``busy_slack=0``) held 3.78 % live (ResNet-50: 0.94 % from 2.06 %),
+but each steal then moves pages on the critical path: 70x the steals, step time +13 % and +26 %.
+Measured live (``reports/gpu-timing-calibration.md``), GPT-2 / ResNet-50 overhead and step time against
+PyTorch's allocator: 0.005: 3.53 % +5.7 % / 1.53 % +11 %; 0.02: 3.83 % +5.6 % / 2.06 % +0.0 %;
+0.05: 6.31 % -1.9 % / 2.06 % +0.0 %. The issue asks for step time within 1 %: 0.05 is the tightest
+value measured that keeps it, and halves GPT-2's overhead. The replay's time model does not see the
+cost of waiting (it predicted +3 % where live lost 13 %): the sim's unmap does not stall the GPU.
+Waiting for the chunk whose fence is oldest instead of the largest changed nothing measurable in the
+replays; recording fences when pages empty instead of at the steal saved 0.1 point at five times the
+event calls.
 """
 
 from __future__ import annotations

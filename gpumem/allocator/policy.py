@@ -169,7 +169,7 @@ class AllocatorPolicy:
     space), so that the next blocks grown at the top find their pages mapped. Off by default: on the
     traces it saved no calls (``reports/growth-sweep.md``)."""
 
-    busy_slack: float = float("inf")
+    busy_slack: float = 0.05
     """``growth=CHUNKS``, past the slack: when every idle chunk that could be stolen is still used by queued
     GPU work, a chunk is created while the memory held stays within ``page_slack + busy_slack`` of the most
     pages live data touched, and past that the busy chunk is waited for (Note [Wait, do not grow, behind

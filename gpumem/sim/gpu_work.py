@@ -17,7 +17,8 @@ more queued, it blocks until the oldest has run (CUDA's launch queue is bounded 
 GPU-bound program's CPU runs at the GPU's pace, about one queue behind). Where the GPU time of an item
 comes from is the timing:
 
-* ``trace``: the trace's clock. A GPU-bound program's CPU is throttled to the GPU's pace, so the time the
+* ``trace`` (the default, the best predictor of live runs: ``reports/gpu-timing-calibration.md``): the
+  trace's clock (a trace without one, all times equal, gets ``model``'s kernel times). A GPU-bound program's CPU is throttled to the GPU's pace, so the time the
   recording spent between operations ``i`` and ``i + 1`` is taken as the GPU time of the work queued
   there. A gap of ``sync_gap_us`` or more is a synchronisation (``loss.item()``, a data loader, the
   end of a step): the CPU waits there until the GPU has drained, and the gap is not GPU work.
@@ -58,7 +59,7 @@ class GpuTiming(str, enum.Enum):
     """No GPU work: every fence completes at once (the replay before issue 18)."""
 
 
-DEFAULT_GPU_TIMING = GpuTiming.IDLE
+DEFAULT_GPU_TIMING = GpuTiming.TRACE
 
 
 def gpu_timing(value: "str | GpuTiming | None") -> GpuTiming:
@@ -106,7 +107,7 @@ class ProgramGpu:
     """Runs a trace's GPU work on a simulated device beside a replay loop: call :meth:`before` ahead of
     operation ``i`` and :meth:`after` once it is done (with the block's pointer for an allocation)."""
 
-    __slots__ = ("device", "timing", "model", "_gaps_s", "_work_s", "_sync", "_streams", "_sizes", "_queue",
+    __slots__ = ("device", "timing", "model", "clock", "_work_s", "_sync", "_streams", "_sizes", "_queue",
                  "n_launches", "n_blocked", "n_syncs", "max_lag_s", "_cpu_s")
 
     def __init__(self, trace: "Trace", device: Any, timing: "str | GpuTiming | None",
@@ -131,8 +132,10 @@ class ProgramGpu:
         m = self.model
         self._cpu_s = m.cpu_op_us * 1e-6
         self._sync = [False] * n
-        if self.timing is GpuTiming.TRACE:
-            times = trace.times_us.tolist()
+        times = trace.times_us.tolist()
+        self.clock = bool(times) and min(times) != max(times)
+        """Whether the trace has a clock (``trace`` timing without one uses the model's kernel times)."""
+        if self.timing is GpuTiming.TRACE and self.clock:
             work = [0.0] * n
             for i in range(n - 1):
                 gap = times[i + 1] - times[i]
@@ -193,5 +196,6 @@ class ProgramGpu:
             if not w.done:
                 self.device.wait_work(w)
         self._queue.clear()
-        return {"gpu_timing": self.timing.value, "gpu_launches": self.n_launches,
+        timing = self.timing.value if self.clock or self.timing is GpuTiming.MODEL else "model (the trace has no clock)"
+        return {"gpu_timing": timing, "gpu_launches": self.n_launches,
                 "gpu_queue_full_waits": self.n_blocked, "gpu_syncs": self.n_syncs, "gpu_pending_at_end_s": lag_s}

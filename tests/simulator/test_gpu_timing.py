@@ -59,7 +59,8 @@ def test_gpu_work_runs_behind_the_cpu(timing):
         alloc.close()
     assert r.ooms == 0 and r.completed_ops == trace.n_ops
     assert r.extra["gpu_timing"] == timing and r.extra["gpu_launches"] > 1000
-    assert r.extra["gpu_queue_full_waits"] > 0  # the CPU ran a full queue ahead
+    if timing == "trace":
+        assert r.extra["gpu_queue_full_waits"] > 0  # the CPU ran a full queue ahead
     assert r.peak_reserved_bytes >= BEFORE_ISSUE_18["gpt2_train.snapshot.pickle.gz"] or r.stats.event_calls
 
 

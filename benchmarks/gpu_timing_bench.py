@@ -31,7 +31,8 @@ BUSY_SLACKS = (math.inf, 0.05, 0.02, 0.0)
 
 def _label(busy: float) -> str:
     default = " (default)" if busy == POLICIES["gpumem"].busy_slack else ""
-    return f"busy_slack={'inf' if math.isinf(busy) else busy:g}{default}"
+    value = "inf" if math.isinf(busy) else f"{busy:g}"
+    return f"busy_slack={value}{default}"
 
 
 def measure(paths: list[str], device: str, timings: tuple[str, ...], slacks: tuple[float, ...]) -> list[dict]:

@@ -309,7 +309,8 @@ def _build(trace: Trace, trace_path: str, specs: list[str], options: ReportOptio
                                on_progress=advance, gpu_timing=options.gpu_timing) for p in options.policies]
             occs: list[tuple[str, Occupancy | None]] = []
             for r in runs:
-                occs.append((r.policy, occupancy_at(trace, spec, r.policy, peak_op) if r.result else None))
+                occs.append((r.policy, occupancy_at(trace, spec, r.policy, peak_op, options.gpu_timing)
+                             if r.result else None))
                 advance(peak_op)
             all_runs.extend(runs)
             groups.append(runs)

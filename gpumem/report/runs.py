@@ -293,9 +293,11 @@ class Occupancy:
     stopped_by_oom: bool = False
 
 
-def occupancy_at(trace: Trace, device_spec: str, policy: str, stop_op: int) -> Occupancy | None:
-    """Replay operations ``0 .. stop_op - 1`` on the Python engine and read the layout (None when the policy
-    cannot run on the device). An out-of-memory error before ``stop_op`` stops there."""
+def occupancy_at(trace: Trace, device_spec: str, policy: str, stop_op: int,
+                 gpu_timing: "str | GpuTiming | None" = None) -> Occupancy | None:
+    """Replay operations ``0 .. stop_op - 1`` on the Python engine, with the program's GPU work run as
+    ``gpu_timing`` says (as :func:`run_policy`), and read the layout (None when the policy cannot run on the
+    device). An out-of-memory error before ``stop_op`` stops there."""
     kinds, ids, sizes, streams = trace.as_lists()
     ptrs = [0] * (max(ids) + 1 if ids else 0)
     dev = open_device(device_spec)
@@ -307,6 +309,15 @@ def occupancy_at(trace: Trace, device_spec: str, policy: str, stop_op: int) -> O
         try:
             done = stop_op
             oom = False
+            gpu = program_gpu(trace, dev, gpu_timing)
+            if gpu is not None:
+                at = [0]
+                try:
+                    run_ops_with_gpu(gpu, allocator.allocate, allocator.free, (kinds, ids, sizes, streams), ptrs,
+                                     0, stop_op, at)
+                except OutOfMemoryError:
+                    done, oom = at[0], True
+                return Occupancy(done, _layout(allocator), allocator.reserved_nbytes, oom)
             for i in range(stop_op):
                 try:
                     if kinds[i] == 0:

@@ -175,3 +175,15 @@ def test_bad_busy_slack_is_refused():
     for bad in (-0.1, float("nan"), "1", True):
         with pytest.raises(InvalidArgumentError, match="busy_slack"):
             dataclasses.replace(POLICIES["gpumem"], busy_slack=bad)
+
+
+def test_the_report_layout_replays_under_the_same_timing():
+    """The layout a report draws at the peak comes from a replay under the run's GPU timing: at the end of
+    the trace it holds what the run held (Python and native engines make the same decisions)."""
+    from gpumem.report.runs import occupancy_at
+
+    trace = load_trace(TRACES / "gpt2_train.snapshot.pickle.gz")
+    for timing in ("idle", "trace"):
+        run = replay_trace(trace, "sim:h200-141gb", progress=False, gpu_timing=timing)
+        occ = occupancy_at(trace, "sim:h200-141gb", "gpumem", trace.n_ops, timing)
+        assert occ.reserved_nbytes == run.stats.reserved_nbytes and not occ.stopped_by_oom

@@ -385,16 +385,18 @@ def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
 # -- the smallest limit ----------------------------------------------------------------------------------
 
 
-def runs_under(trace: Trace, device_spec: str, policy: str, limit: int | None, *, profile: Any = None) -> bool:
+def runs_under(trace: Trace, device_spec: str, policy: str, limit: int | None, *, profile: Any = None,
+               gpu_timing: "str | GpuTiming | None" = None) -> bool:
     """Whether ``trace`` replays on ``device_spec`` under ``policy`` and ``limit`` without running out of memory
-    (``profile``: a :class:`~gpumem.sim.DeviceProfile` replacing the spec's, for a simulated device)."""
+    (``profile``: a :class:`~gpumem.sim.DeviceProfile` replacing the spec's, for a simulated device;
+    ``gpu_timing``: how the program's GPU work runs beside the replay)."""
     from ..replay import replay
 
     dev = open_device(device_spec, profile=profile) if profile is not None else open_device(device_spec)
     try:
         allocator = CachingAllocator(dev, policy, limit=limit)
         try:
-            return replay(trace, allocator, stop_on_oom=True, progress=False).ooms == 0
+            return replay(trace, allocator, stop_on_oom=True, progress=False, gpu_timing=gpu_timing).ooms == 0
         finally:
             allocator.close()
     finally:
@@ -402,7 +404,8 @@ def runs_under(trace: Trace, device_spec: str, policy: str, limit: int | None, *
 
 
 def smallest_limit(trace: Trace, device_spec: str, policy: str, fits_at: int, *, rel_tol: float = 0.01,
-                   on_step: Callable[[], None] | None = None, profile: Any = None) -> int | None:
+                   on_step: Callable[[], None] | None = None, profile: Any = None,
+                   gpu_timing: "str | GpuTiming | None" = None) -> int | None:
     """The smallest ``limit=`` (bytes) under which ``trace`` runs, by bisection between the trace's peak live
     bytes and ``fits_at`` (a limit it is known to run under: the peak reserved of an unlimited run), to within
     ``rel_tol`` of the peak live bytes; None when the policy cannot run on the device.
@@ -413,13 +416,13 @@ def smallest_limit(trace: Trace, device_spec: str, policy: str, fits_at: int, *,
     hi = max(lo, fits_at)
     tol = max(1, int(rel_tol * lo))
     try:
-        if runs_under(trace, device_spec, policy, lo, profile=profile):
+        if runs_under(trace, device_spec, policy, lo, profile=profile, gpu_timing=gpu_timing):
             return lo
         if on_step is not None:
             on_step()
         while hi - lo > tol:
             mid = (lo + hi) // 2
-            ok = runs_under(trace, device_spec, policy, mid, profile=profile)
+            ok = runs_under(trace, device_spec, policy, mid, profile=profile, gpu_timing=gpu_timing)
             if on_step is not None:
                 on_step()
             if ok:

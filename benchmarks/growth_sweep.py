@@ -195,7 +195,7 @@ def run_variant(trace: Any, knobs: dict[str, Any], device_spec: str, engine: str
     dev = open_device(device_spec)
     counter = CallCounter(dev)
     alloc = CachingAllocator(dev, policy, engine=engine)
-    result = replay(trace, alloc, progress=False)
+    result = replay(trace, alloc, progress=False, gpu_timing="idle")
     alloc.check_consistency()
     return {
         "ops": result.n_ops,
@@ -230,7 +230,7 @@ def engine_table(traces: list[Any], device_spec: str, rounds: int) -> str:
                     alloc = CachingAllocator(dev, policy, engine=engine)
                     gc.collect()
                     t0 = time.perf_counter()
-                    result = replay(trace, alloc, progress=False)
+                    result = replay(trace, alloc, progress=False, gpu_timing="idle")
                     wall_s = time.perf_counter() - t0
                     alloc.close()
                     if engine not in best or wall_s < best[engine][0]:

@@ -194,12 +194,12 @@ def worker(task: dict[str, Any]) -> int:
         from gpumem.replay import replay_trace
 
         def sim_run(tr: Any) -> dict[str, Any]:
-            res = replay_trace(tr, task["device"], task["policy"], progress=False)
+            res = replay_trace(tr, task["device"], task["policy"], progress=False, gpu_timing="idle")
             out = res.as_json()
             best = res.ns_per_op
             if tr.source != "rmm-log":
                 for _ in range(int(task.get("timing_repeat", 0))):
-                    best = min(best, replay_trace(tr, task["device"], task["policy"], progress=False).ns_per_op)
+                    best = min(best, replay_trace(tr, task["device"], task["policy"], progress=False, gpu_timing="idle").ns_per_op)
             out["best_ns_per_op"] = best
             return out
         runner = sim_run

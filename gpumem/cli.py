@@ -29,6 +29,7 @@ import re
 import signal
 import stat
 import sys
+from .sim.gpu_work import DEFAULT_GPU_TIMING, GpuTiming
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
@@ -442,7 +443,7 @@ def _source_frames(args: argparse.Namespace, n_allocs: int) -> "list[Any] | None
 
 
 def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
-    from .replay import make_allocator, replay
+    from .replay import make_allocator, program_gpu, replay
     from .specs import open_device
     from .trace import save_pytorch_snapshot
 
@@ -465,7 +466,12 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
         allocator = make_allocator(device, args.policy, limit=limit, record_history=export is not None)
         lost = False
         try:
-            result = replay(trace, allocator, stop_on_oom=True, progress=None if not args.json else False)
+            try:
+                gpu = program_gpu(trace, device, args.gpu_timing)
+            except InvalidArgumentError as exc:
+                raise _UsageError(f"--gpu-timing: {exc}") from None
+            result = replay(trace, allocator, stop_on_oom=True, progress=None if not args.json else False,
+                            gpu=gpu, gpu_timing=None if gpu is not None else (args.gpu_timing or "idle"))
             summary = allocator.memory_summary() if args.summary else None
             history = allocator.history() if export is not None else None
             report = oom_report(result, allocator, device) if result.oom_error is not None else None
@@ -601,6 +607,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-index", type=_device_index, default=None, metavar="N",
                    help="for a PyTorch snapshot of several GPUs: replay GPU N's trace (needed when more than one "
                         "GPU has one)")
+    p.add_argument("--gpu-timing", choices=[t.value for t in GpuTiming], default=None,
+                   help="how the program's GPU work runs beside the replay, so that memory is freed while work "
+                        "that used it may still be queued: 'trace' (GPU time from the trace's clock), 'model' "
+                        "(from the bytes each kernel touches), 'idle' (no GPU work, every fence done at once). "
+                        f"Default: {DEFAULT_GPU_TIMING.value} on a simulated device, idle on a real one")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--summary", action="store_true", help="also print the allocator's memory summary table "
                                                           "(with --json: as the text of the \"summary\" key)")

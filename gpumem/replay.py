@@ -38,6 +38,7 @@ from .allocator.stats import AllocatorStats
 from .device import Device
 from .errors import InvalidArgumentError, OutOfMemoryError
 from .progress import ProgressBar
+from .sim.gpu_work import GpuTiming, GpuWorkModel, ProgramGpu, gpu_timing as _gpu_timing
 from .specs import open_device
 from .trace import Trace, load_trace
 
@@ -124,10 +125,59 @@ def make_allocator(device: Device, policy: "str | AllocatorPolicy | BucketPolicy
     return CachingAllocator(device, policy, **allocator_options)  # type: ignore[arg-type]
 
 
+def program_gpu(trace: Trace, device: Device, gpu_timing: "str | GpuTiming | None",
+                gpu_model: GpuWorkModel | None = None) -> ProgramGpu | None:
+    """The program's GPU work for a replay of ``trace`` on ``device`` (None for ``idle``: no work).
+
+    ``gpu_timing`` None is the default on a simulated device, and ``idle`` on a real one (which runs no
+    recorded program); ``trace`` or ``model`` named on a real device raises InvalidArgumentError
+    (Note [The GPU runs behind the CPU] in :mod:`gpumem.sim.gpu_work`)."""
+    from .sim import SimDevice
+
+    if gpu_timing is None and not isinstance(device, SimDevice):
+        return None
+    timing = _gpu_timing(gpu_timing)
+    if timing is GpuTiming.IDLE:
+        if gpu_model is not None:
+            raise InvalidArgumentError("gpu_model is for gpu_timing 'trace' or 'model', not 'idle'")
+        return None
+    return ProgramGpu(trace, device, timing, gpu_model)
+
+
+def run_ops_with_gpu(gpu: ProgramGpu, allocate: Any, free: Any, ops: tuple[list[int], list[int], list[int], list[int]],
+                     ptrs: list[int], start: int, stop: int, at: list[int]) -> None:
+    """Operations ``start .. stop-1`` of a replay with the program's GPU work beside them (``at[0]``: the
+    operation being done, for the caller's out-of-memory report). The loop of :func:`replay` otherwise."""
+    kinds, ids, sizes, streams = ops
+    before, after = gpu.before, gpu.after
+    for i in range(start, stop):
+        at[0] = i
+        before(i)
+        if kinds[i] == 0:
+            ptr = ptrs[ids[i]] = allocate(sizes[i], streams[i]) if sizes[i] else 0
+        else:
+            ptr = 0
+            p = ptrs[ids[i]]
+            if p:
+                free(p)
+                ptrs[ids[i]] = 0
+        after(i, ptr)
+
+
 def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, stop_on_oom: bool = True,
-           progress: bool | None = None) -> ReplayResult:
+           progress: bool | None = None, gpu_timing: "str | GpuTiming | None" = None,
+           gpu_model: GpuWorkModel | None = None, gpu: ProgramGpu | None = None) -> ReplayResult:
     """Replay ``trace`` through ``allocator`` (which keeps its state afterwards: live blocks
-    of allocations the trace never freed stay allocated)."""
+    of allocations the trace never freed stay allocated).
+
+    ``gpu_timing`` (``trace``, ``model`` or ``idle``; None: the default, :func:`program_gpu`) chooses how the
+    program's GPU work runs beside the replay, ``gpu_model`` its constants
+    (Note [The GPU runs behind the CPU] in :mod:`gpumem.sim.gpu_work`); or ``gpu``, one made already
+    (:func:`program_gpu`)."""
+    if gpu is None:
+        gpu = program_gpu(trace, allocator.device, gpu_timing, gpu_model)
+    elif gpu_timing is not None or gpu_model is not None:
+        raise InvalidArgumentError("replay: give gpu, or gpu_timing and gpu_model, not both")
     kinds, ids, sizes, streams = trace.as_lists()
     n = len(kinds)
     ptrs = [0] * (max(ids) + 1 if ids else 0)
@@ -140,23 +190,29 @@ def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, sto
     oom_error: OutOfMemoryError | None = None
     oom_op: int | None = None
     done = 0
+    at = [0]  # the operation the GPU-timed loop is at (for an out-of-memory error)
     t0 = time.perf_counter()
     try:
         while done < n:
             stop = min(done + _CHUNK_OPS, n)
             try:
-                for i in range(done, stop):
-                    if kinds[i] == 0:
-                        # a zero-byte allocation (valid in a Trace) takes no memory, as in PyTorch and CUDA;
-                        # the allocator rejects nbytes=0, so it gets no pointer and its free is skipped
-                        ptrs[ids[i]] = allocate(sizes[i], streams[i]) if sizes[i] else 0
-                    else:
-                        p = ptrs[ids[i]]
-                        if p:
-                            free(p)
-                            ptrs[ids[i]] = 0
+                if gpu is not None:
+                    run_ops_with_gpu(gpu, allocate, free, (kinds, ids, sizes, streams), ptrs, done, stop, at)
+                else:
+                    for i in range(done, stop):
+                        if kinds[i] == 0:
+                            # a zero-byte allocation (valid in a Trace) takes no memory, as in PyTorch and CUDA;
+                            # the allocator rejects nbytes=0, so it gets no pointer and its free is skipped
+                            ptrs[ids[i]] = allocate(sizes[i], streams[i]) if sizes[i] else 0
+                        else:
+                            p = ptrs[ids[i]]
+                            if p:
+                                free(p)
+                                ptrs[ids[i]] = 0
                 done = stop
             except OutOfMemoryError as exc:
+                if gpu is not None:
+                    i = at[0]
                 ooms += 1
                 if oom_error is None:
                     oom_error, oom_op = exc, i
@@ -170,6 +226,8 @@ def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, sto
     finally:
         wall_s = time.perf_counter() - t0
         bar.close(done)
+    extra: dict[str, Any] = {"engine": getattr(allocator, "engine", "python")}
+    extra.update(gpu.finish() if gpu is not None else {"gpu_timing": GpuTiming.IDLE.value})
     stats = allocator.snapshot_stats()
     sim_end = getattr(device, "now_s", None)
     return ReplayResult(
@@ -189,13 +247,14 @@ def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, sto
         oom_error=oom_error,
         oom_op=oom_op,
         trace_peak_live_bytes=trace.peak_live_nbytes,
-        extra={"engine": getattr(allocator, "engine", "python")},
+        extra=extra,
     )
 
 
 def replay_trace(trace: Union[Trace, str, "os.PathLike[str]"], device: str | Device = "sim:h200-141gb",
                  policy: "str | AllocatorPolicy | BucketPolicy" = DEFAULT_POLICY, *, stop_on_oom: bool = True,
-                 progress: bool | None = None, **allocator_options: Any) -> ReplayResult:
+                 progress: bool | None = None, gpu_timing: "str | GpuTiming | None" = None,
+                 gpu_model: GpuWorkModel | None = None, **allocator_options: Any) -> ReplayResult:
     """Replay ``trace`` on ``device`` and return what it measured.
 
     ``trace`` is a :class:`~gpumem.trace.Trace` or the path of a trace file in any format
@@ -204,7 +263,9 @@ def replay_trace(trace: Union[Trace, str, "os.PathLike[str]"], device: str | Dev
     open :class:`Device` (left open). ``policy`` is a caching-allocator policy
     (``gpumem``, ``bestfit``, ``pytorch``, ``cupy``, ...) or ``"bucket"``, the size-bucket pool
     (:mod:`gpumem.allocator.bucket`). ``allocator_options`` go to the allocator
-    (``limit=`` among them; ``max_pooled_per_bucket=`` for the bucket pool).
+    (``limit=`` among them; ``max_pooled_per_bucket=`` for the bucket pool). ``gpu_timing`` (``trace``,
+    ``model``, ``idle``) and ``gpu_model``: how the program's GPU work runs beside the replay
+    (:func:`replay`; Note [The GPU runs behind the CPU] in :mod:`gpumem.sim.gpu_work`).
     """
     if isinstance(trace, (str, os.PathLike)):
         trace = load_trace(trace)
@@ -215,7 +276,8 @@ def replay_trace(trace: Union[Trace, str, "os.PathLike[str]"], device: str | Dev
     try:
         allocator = make_allocator(dev, policy, **allocator_options)
         try:
-            return replay(trace, allocator, stop_on_oom=stop_on_oom, progress=progress)
+            return replay(trace, allocator, stop_on_oom=stop_on_oom, progress=progress, gpu_timing=gpu_timing,
+                          gpu_model=gpu_model)
         finally:
             allocator.close()
     finally:

@@ -159,7 +159,7 @@ def _lib() -> ctypes.CDLL:
     lib.gpumem_torch_trace_read.argtypes = [ctypes.c_int, u64p, ctypes.c_int64]
     lib.gpumem_torch_configure.restype = ctypes.c_int
     lib.gpumem_torch_configure.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_double,
-                                           ctypes.c_int]
+                                           ctypes.c_int, ctypes.c_double]
     return lib
 
 
@@ -335,13 +335,16 @@ def snapshot_on_oom(directory: "str | Any | None") -> None:
     from .recording import snapshot_on_oom as _snapshot_on_oom
 
     _snapshot_on_oom(directory)
+
+
 def configure(policy: Any) -> None:
     """Give the engines gpumem makes from now on ``policy``'s growth knobs (an
     :class:`~gpumem.allocator.policy.AllocatorPolicy` or a policy name).
 
     Call it before the first allocation on a device: an engine already made keeps its policy. The
-    native engine takes ``growth``, ``page_slack``, ``chunk_max_fraction``, ``grow_ahead_fraction`` and
-    ``steal_empty_pages``; the policy's other fields must be the default policy's.
+    native engine takes ``growth``, ``page_slack``, ``chunk_max_fraction``, ``grow_ahead_fraction``,
+    ``steal_empty_pages`` and ``busy_slack`` (``GPUMEM_BUSY_SLACK``, when set, overrides the last); the
+    policy's other fields must be the default policy's.
 
     Raises:
         InvalidArgumentError: a value the engine refuses.
@@ -352,7 +355,8 @@ def configure(policy: Any) -> None:
     lib = _lib()
     growth = 0 if GrowthRule(pol.growth) is GrowthRule.PAGES else 1
     if lib.gpumem_torch_configure(growth, float(pol.page_slack), float(pol.chunk_max_fraction),
-                                  float(pol.grow_ahead_fraction), int(bool(pol.steal_empty_pages))) != 0:
+                                  float(pol.grow_ahead_fraction), int(bool(pol.steal_empty_pages)),
+                                  float(pol.busy_slack)) != 0:
         raise InvalidArgumentError(f"gpumem.torch.configure({pol.name!r}): {_last_error(lib)}")
 
 

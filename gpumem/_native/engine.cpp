@@ -1096,6 +1096,7 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
     std::int64_t touched = std::max(peak_live_pages_, live_pages_ + static_cast<std::int64_t>(need.size()));
     // pages held may reach this before a steal
     std::int64_t budget = static_cast<std::int64_t>(static_cast<double>(touched) * (1.0 + cfg_.page_slack));
+    busy_pages_ = static_cast<double>(touched) * (1.0 + cfg_.page_slack + cfg_.busy_slack);
     std::int64_t top_page = static_cast<std::int64_t>((seg->top - 1) / g);
     std::vector<std::int64_t> mapped;   // first pages of the chunks this call mapped
     std::vector<ChunkHandle> created;
@@ -1306,11 +1307,13 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
         }
     }
     const IdleChunk& c = fits[0];
-    try {
-        *out = create_chunk(c.n, requested);
-        return true;
-    } catch (...) {
-        if (!classify_current().oom) throw;   // memory is needed now: wait for the busy chunk
+    if (static_cast<double>(reserved_nbytes_ / g_) + static_cast<double>(c.n) <= busy_pages_) {
+        try {
+            *out = create_chunk(c.n, requested);
+            return true;
+        } catch (...) {
+            if (!classify_current().oom) throw;   // memory is needed now: wait for the busy chunk
+        }
     }
     chunk_ready(c.seg, c.s, true, batch);
     ++n_steals_;

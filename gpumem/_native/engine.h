@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cmath>
 #include <cstdint>
 #include <list>
 #include <memory>
@@ -56,6 +57,7 @@ struct EngineConfig {
     double chunk_max_fraction = 1.0 / 256;              // growth=CHUNKS: cap relative to the memory held
     std::uint64_t chunk_max_nbytes = std::uint64_t{1} << 30;   // growth=CHUNKS: absolute cap
     double grow_ahead_fraction = 0.0;                   // growth=CHUNKS: grow ahead at the top of a range
+    double busy_slack = 0.05;                           // growth=CHUNKS: create past busy idle chunks within this slack
     std::uint64_t limit_nbytes = 0;   // 0: no limit (Python: limit_nbytes None)
     double gc_threshold = 0.0;        // 0: none (Python: gc_threshold None)
 };
@@ -412,6 +414,7 @@ class Engine {
     std::vector<ChunkHandle> unmapped_;
     std::uint64_t reserved_nbytes_ = 0, n_segments_ = 0, device_calls_ = 0;
     std::uint64_t n_chunks_ = 0, n_steals_ = 0, n_waits_ = 0;
+    double busy_pages_ = 0.0;   // VirtualBacking._busy_pages
     std::int64_t live_pages_ = 0, peak_live_pages_ = 0;
     bool chunked_ = true;                                        // VirtualBacking.chunked
     std::unordered_map<ChunkHandle, std::uint64_t> chunk_nbytes_;   // every chunk held -> its size

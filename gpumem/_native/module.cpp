@@ -250,18 +250,21 @@ PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
     static const char* kwlist[] = {"device", "helpers", "round_nbytes", "small_max_nbytes", "separate_small_pool",
                                    "min_split_small_nbytes", "min_split_large_nbytes", "va_reserve_factor",
                                    "steal_empty_pages", "page_slack", "limit_nbytes", "gc_threshold", "chunked",
-                                   "chunk_max_fraction", "chunk_max_nbytes", "grow_ahead_fraction", nullptr};
+                                   "chunk_max_fraction", "chunk_max_nbytes", "grow_ahead_fraction",
+                                   "busy_slack", nullptr};
     PyObject *device, *helpers;
     EngineConfig cfg;
     unsigned long long round_nbytes = cfg.round_nbytes, small_max = cfg.small_max_nbytes,
                        min_small = cfg.min_split_small_nbytes, min_large = cfg.min_split_large_nbytes, limit = 0;
+    double busy = cfg.busy_slack;
     int separate = 1, steal = 1, chunked = cfg.growth == gpumem::GrowthRule::kChunks;
     double factor = cfg.va_reserve_factor, slack = cfg.page_slack, gc = 0.0;
     double chunk_fraction = cfg.chunk_max_fraction, ahead_fraction = cfg.grow_ahead_fraction;
     unsigned long long chunk_max = cfg.chunk_max_nbytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|KKpKKdpdKdpdKd", const_cast<char**>(kwlist), &device, &helpers,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|KKpKKdpdKdpdKdd", const_cast<char**>(kwlist), &device, &helpers,
                                      &round_nbytes, &small_max, &separate, &min_small, &min_large, &factor, &steal,
-                                     &slack, &limit, &gc, &chunked, &chunk_fraction, &chunk_max, &ahead_fraction))
+                                     &slack, &limit, &gc, &chunked, &chunk_fraction, &chunk_max, &ahead_fraction,
+                                     &busy))
         return nullptr;
     // the floats go into the engine's arithmetic as they are: a NaN or an infinity (or a factor whose
     // reservation cannot be counted in 64 bits) would be undefined behaviour there
@@ -291,6 +294,14 @@ PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
     cfg.chunk_max_fraction = chunk_fraction;
     cfg.chunk_max_nbytes = chunk_max;
     cfg.grow_ahead_fraction = ahead_fraction;
+    if (!(busy >= 0.0)) {   // NaN or negative; inf is no bound
+        PyObject* cls = PyObject_GetAttrString(helpers, "INVALID_ARGUMENT");
+        if (!cls) return nullptr;
+        PyErr_SetString(cls, "busy_slack must be a number >= 0 (inf: no bound)");
+        Py_DECREF(cls);
+        return nullptr;
+    }
+    cfg.busy_slack = busy;
     cfg.limit_nbytes = limit;
     cfg.gc_threshold = gc;
 

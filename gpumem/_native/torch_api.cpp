@@ -36,6 +36,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <cxxabi.h>
@@ -49,6 +50,23 @@
 #include "engine.h"
 
 #define GPUMEM_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+// The engine's policy for PyTorch: the defaults, where GPUMEM_BUSY_SLACK (a number >= 0, or inf) sets
+// AllocatorPolicy.busy_slack (issue 18 measures several live).
+// `base` (gpumem_torch_configure's policy, the default policy otherwise) with GPUMEM_BUSY_SLACK applied.
+gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
+    gpumem::EngineConfig cfg = base;
+    if (const char* v = std::getenv("GPUMEM_BUSY_SLACK")) {
+        char* end = nullptr;
+        double value = std::strtod(v, &end);
+        if (end == v || *end != '\0' || !(value >= 0.0))
+            throw std::runtime_error(std::string("GPUMEM_BUSY_SLACK must be a number >= 0 or inf, not '") + v + "'");
+        cfg.busy_slack = value;
+    }
+    return cfg;
+}
+}  // namespace
 
 namespace gpumem {
 namespace {
@@ -131,7 +149,7 @@ DeviceEngine* get_or_make(int device) {
             throw std::runtime_error("CUDA device " + std::to_string(device) +
                                      " does not support virtual memory management (cuMemCreate/cuMemMap), "
                                      "which gpumem's native engine needs");
-        made->engine = std::make_unique<Engine>(*made->backend, s.config);
+        made->engine = std::make_unique<Engine>(*made->backend, torch_engine_config(s.config));
     } catch (const std::exception& e) {
         s.make_error[device] = e.what();
         throw std::runtime_error(std::string("gpumem could not start on CUDA device ") + std::to_string(device) +
@@ -527,12 +545,12 @@ GPUMEM_EXPORT std::int64_t gpumem_torch_trace_read(int device, std::uint64_t* ou
 // pages / 1 chunks, and the EngineConfig fields of the same names. Returns 0, or -1 with
 // gpumem_torch_last_error() (a value out of range: nothing changed).
 GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double chunk_max_fraction,
-                                         double grow_ahead_fraction, int steal_empty_pages) {
+                                         double grow_ahead_fraction, int steal_empty_pages, double busy_slack) {
     if ((growth != 0 && growth != 1) || !(page_slack >= 0.0 && page_slack < 1.0) ||
         !(chunk_max_fraction > 0.0 && chunk_max_fraction <= 1.0) ||
-        !(grow_ahead_fraction >= 0.0 && grow_ahead_fraction < 1.0)) {
+        !(grow_ahead_fraction >= 0.0 && grow_ahead_fraction < 1.0) || !(busy_slack >= 0.0)) {
         t_last_error = "gpumem_torch_configure: growth must be 0 or 1, page_slack and grow_ahead_fraction in [0, 1), "
-                       "chunk_max_fraction in (0, 1]";
+                       "chunk_max_fraction in (0, 1], busy_slack >= 0";
         return -1;
     }
     TorchState& s = state();
@@ -542,5 +560,6 @@ GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double c
     s.config.chunk_max_fraction = chunk_max_fraction;
     s.config.grow_ahead_fraction = grow_ahead_fraction;
     s.config.steal_empty_pages = steal_empty_pages != 0;
+    s.config.busy_slack = busy_slack;
     return 0;
 }

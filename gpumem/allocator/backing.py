@@ -120,6 +120,25 @@ peak, 1/64 of the held memory 1.9 %, 1/256 0.66 % (``reports/growth-sweep.md``,
 ``benchmarks/growth_sweep.py``). A cap relative to what is held keeps the locked
 memory a fixed fraction of the footprint, and makes the chunks grow
 geometrically: about 256 creates per e-fold of growth instead of one per page.
+
+Note [Wait, do not grow, behind the GPU]
+---------------------------------------
+Past the slack a chunk is stolen, and the idle chunks there are often still used by queued work: the
+CPU runs up to a launch queue ahead of the GPU, so a page freed a moment ago has a fence that completes
+only when the GPU catches up. Creating a chunk instead (the rule before issue 18, ``busy_slack=inf``)
+costs no time, but in a GPU-bound program every steal meets busy chunks and memory grows by what the
+CPU frees within one lag: live GPT-2 training on the H200 held 12.97 % above peak allocated (4.01 % with
+``CUDA_LAUNCH_BLOCKING=1``); replayed with the GPU behind (``gpu_timing="trace"``) gpt2_train 6.87 %
+instead of 0.66 %. Waiting always (``busy_slack=0``) held 3.78 % live (ResNet-50: 0.94 % from 2.06 %),
+but it moved pages every step: 70x the steals, step time +13 % and +26 %.
+Measured live (``reports/gpu-timing-calibration.md``), GPT-2 / ResNet-50 overhead and step time against
+PyTorch's allocator: 0.005: 3.53 % +5.7 % / 1.53 % +11 %; 0.02: 3.83 % +5.6 % / 2.06 % +0.0 %;
+0.05: 6.31 % -1.9 % / 2.06 % +0.0 %. The issue asks for step time within 1 %: 0.05 is the tightest
+value measured that keeps it, and halves GPT-2's overhead. The replay's time model does not see the
+cost of waiting (it predicted +3 % where live lost 13 %): the sim's unmap does not stall the GPU.
+Waiting for the chunk whose fence is oldest instead of the largest changed nothing measurable in the
+replays; recording fences when pages empty instead of at the steal saved 0.1 point at five times the
+event calls.
 """
 
 from __future__ import annotations
@@ -427,6 +446,8 @@ class VirtualBacking(Backing):
         self.n_chunks = 0
         self.n_steals = 0
         self.n_waits = 0
+        self._busy_pages = 0.0
+        """Pages the memory held may reach with a new chunk when the idle ones are busy (set per map)."""
         self.live_pages = 0
         """Pages touched by at least one live block, over all ranges."""
         self.peak_live_pages = 0
@@ -840,6 +861,7 @@ class VirtualBacking(Backing):
         top_page = (seg.top - 1) // g
         mapped: list[int] = []  # first pages of the chunks this call mapped
         created = self._created = []
+        self._busy_pages = touched * (1.0 + self.policy.page_slack + self.policy.busy_slack)
         try:
             i = 0
             while i < len(need):
@@ -1024,7 +1046,8 @@ class VirtualBacking(Backing):
         there is none. The largest goes first (fewest calls), then the highest address (as for
         pages, Note [Virtual memory: pages follow live data]); one whose work is done before one
         still used by queued work, for which a chunk is created instead where the limit and the
-        device allow, and which is waited for only when they do not."""
+        device allow and the memory held stays within ``busy_slack`` (Note [Wait, do not grow, behind the
+        GPU]), and which is waited for otherwise."""
         fits = sorted((c for c in self._idle_chunks(seg, first, last) if c[0] <= max_pages), reverse=True)
         if not fits:
             return None
@@ -1034,10 +1057,11 @@ class VirtualBacking(Backing):
                 self.n_steals += 1
                 return self._unmap_chunk(other, s)
         n, _, s, other = fits[0]
-        try:
-            return self._create_chunk(n, requested)
-        except OutOfMemoryError:
-            pass  # memory is needed now: wait for the busy chunk
+        if self.reserved_nbytes // self.granularity + n <= self._busy_pages:
+            try:
+                return self._create_chunk(n, requested)
+            except OutOfMemoryError:
+                pass  # memory is needed now: wait for the busy chunk
         self._chunk_ready(other, s, True, batch)
         self.n_steals += 1
         return self._unmap_chunk(other, s)

@@ -231,7 +231,8 @@ class CachingAllocator:
             steal_empty_pages=p.steal_empty_pages, page_slack=p.page_slack,
             limit_nbytes=self.limit_nbytes or 0, gc_threshold=gc_threshold or 0.0,
             chunked=p.growth is GrowthRule.CHUNKS, chunk_max_fraction=p.chunk_max_fraction,
-            chunk_max_nbytes=p.chunk_max_nbytes, grow_ahead_fraction=p.grow_ahead_fraction)
+            chunk_max_nbytes=p.chunk_max_nbytes, grow_ahead_fraction=p.grow_ahead_fraction,
+            busy_slack=float(p.busy_slack))
         self.allocate = self._native.allocate  # type: ignore[method-assign]
         self.free = self._native.free  # type: ignore[method-assign]
 

@@ -169,6 +169,13 @@ class AllocatorPolicy:
     space), so that the next blocks grown at the top find their pages mapped. Off by default: on the
     traces it saved no calls (``reports/growth-sweep.md``)."""
 
+    busy_slack: float = 0.05
+    """``growth=CHUNKS``, past the slack: when every idle chunk that could be stolen is still used by queued
+    GPU work, a chunk is created while the memory held stays within ``page_slack + busy_slack`` of the most
+    pages live data touched, and past that the busy chunk is waited for (Note [Wait, do not grow, behind
+    the GPU] in :mod:`.backing`). ``inf``: always create, waiting only when the device or the limit refuses
+    (the rule before issue 18); 0: always wait."""
+
     def __post_init__(self) -> None:
         if self.round_nbytes <= 0 or self.round_nbytes & (self.round_nbytes - 1):
             raise InvalidArgumentError("round_nbytes must be a positive power of two")
@@ -184,6 +191,9 @@ class AllocatorPolicy:
             value = getattr(self, knob)
             if not 0.0 <= value <= 1.0:
                 raise InvalidArgumentError(f"{knob} must be between 0 and 1, not {value!r}")
+        if not isinstance(self.busy_slack, (int, float)) or isinstance(self.busy_slack, bool) or \
+                not self.busy_slack >= 0.0:
+            raise InvalidArgumentError(f"busy_slack must be a number >= 0 (inf: no bound), not {self.busy_slack!r}")
         if self.chunk_max_nbytes <= 0:
             raise InvalidArgumentError("chunk_max_nbytes must be positive")
         for knob in ("small_page_nbytes", "large_page_nbytes"):

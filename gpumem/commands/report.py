@@ -62,6 +62,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                                 policies=_policies(args.policy), pressure=args.pressure,
                                 stop_on_oom=not args.keep_going, fit=not args.no_fit, samples=args.samples,
                                 trace_format=args.format, device_index=args.device_index,
+                                gpu_timing=args.gpu_timing,
                                 fit_devices=() if args.no_fit else _fit_devices(args.fit_device))
     except InvalidArgumentError as exc:
         raise _UsageError(str(exc)) from None
@@ -170,6 +171,8 @@ def register(sub: Any, formatter_class: type) -> None:
     p.add_argument("--device-index", type=_device_index, default=None, metavar="N",
                    help="for a PyTorch snapshot of several GPUs: report GPU N's trace")
     p.add_argument("--force", action="store_true", help="replace DIR if it exists (once the new report is complete)")
+    p.add_argument("--gpu-timing", choices=("trace", "model", "idle"), default=None,
+                   help="how the program's GPU work runs beside each replay (as gpumem replay --gpu-timing)")
     p.add_argument("--json", action="store_true", help="print the files and the summary table as JSON")
     _add_verbose(p)
     p.set_defaults(func=cmd_report)

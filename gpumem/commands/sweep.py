@@ -80,6 +80,8 @@ def register(sub: Any, formatter_class: Any) -> None:
     where.add_argument("--scheduler", metavar="ADDR",
                        help="run on the Dask cluster whose scheduler is at ADDR (tcp://host:8786); needs "
                             "pip install 'gpumem[dask]'")
+    p.add_argument("--gpu-timing", choices=("trace", "model", "idle"), default=None,
+                   help="how the program's GPU work runs beside each replay (as gpumem replay --gpu-timing)")
     p.add_argument("--no-plots", action="store_true", help="write the table only")
     p.add_argument("--json", action="store_true", help="print {out, files, rows} as JSON instead of the table")
     _add_verbose(p)
@@ -160,7 +162,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise _UsageError(str(exc)) from None
     try:
         check_out_dir(args.out, args.traces)
-        make_cases(args.traces, args.device, policies, args.limit)  # bad arguments: fail before any work
+        make_cases(args.traces, args.device, policies, args.limit, args.gpu_timing)  # bad arguments: fail before any work
     except InvalidArgumentError as exc:
         raise _UsageError(str(exc)) from None
     client = executor = None
@@ -168,7 +170,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         client, executor = _dask_executor(args.scheduler)
     try:
         result = run_sweep(args.traces, args.device, policies, args.limit, executor=executor, jobs=args.jobs,
-                           progress=not args.json)
+                           progress=not args.json, gpu_timing=args.gpu_timing)
     finally:
         if client is not None:
             client.close()

@@ -74,6 +74,8 @@ class ReportOptions:
     samples: int = SAMPLES
     trace_format: str | None = None
     device_index: int | None = None
+    gpu_timing: str | None = None
+    """How the program's GPU work runs beside each replay (:func:`gpumem.replay.replay`; None: the default)."""
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -304,10 +306,11 @@ def _build(trace: Trace, trace_path: str, specs: list[str], options: ReportOptio
         groups: list[list[PolicyRun]] = []
         for spec in specs:
             runs = [run_policy(trace, spec, p, samples=options.samples, stop_on_oom=options.stop_on_oom,
-                               on_progress=advance) for p in options.policies]
+                               on_progress=advance, gpu_timing=options.gpu_timing) for p in options.policies]
             occs: list[tuple[str, Occupancy | None]] = []
             for r in runs:
-                occs.append((r.policy, occupancy_at(trace, spec, r.policy, peak_op) if r.result else None))
+                occs.append((r.policy, occupancy_at(trace, spec, r.policy, peak_op, options.gpu_timing)
+                             if r.result else None))
                 advance(peak_op)
             all_runs.extend(runs)
             groups.append(runs)
@@ -403,7 +406,7 @@ def _fit(trace: Trace, options: ReportOptions, groups: list[list[PolicyRun]],
         for policy in options.policies:
             key = (policy, *key_dev[:2])
             if key not in cache:
-                cache[key] = _bisect_policy(trace, spec, policy, key_dev, step)
+                cache[key] = _bisect_policy(trace, spec, policy, key_dev, step, options.gpu_timing)
             value = cache[key]
             if value is None:
                 status = "unsupported" if _unsupported(spec, policy) else "out of memory"
@@ -443,8 +446,10 @@ def _big_twin(profile: Any, trace: Trace) -> Any:
     return custom_profile(f"{profile.name}-twin", total, base=profile)
 
 
-def _bisect_policy(trace: Trace, spec: str, policy: str, key_dev: tuple[int, bool, Any], step: Any) -> int | None:
-    """The smallest limit of ``policy`` on a device of ``spec``'s kind, bisected on a big twin of it."""
+def _bisect_policy(trace: Trace, spec: str, policy: str, key_dev: tuple[int, bool, Any], step: Any,
+                   gpu_timing: str | None = None) -> int | None:
+    """The smallest limit of ``policy`` on a device of ``spec``'s kind, bisected on a big twin of it (the
+    program's GPU work run as ``gpu_timing`` says)."""
     from ..errors import UnsupportedOperationError
     from ..replay import replay_trace
 
@@ -456,7 +461,7 @@ def _bisect_policy(trace: Trace, spec: str, policy: str, key_dev: tuple[int, boo
     dev = open_device(spec, **twin_kw)
     try:
         try:
-            big = replay_trace(trace, dev, policy, progress=False)
+            big = replay_trace(trace, dev, policy, progress=False, gpu_timing=gpu_timing)
         except UnsupportedOperationError:
             return None
     finally:
@@ -464,7 +469,7 @@ def _bisect_policy(trace: Trace, spec: str, policy: str, key_dev: tuple[int, boo
     if big.ooms:
         return None
     return smallest_limit(trace, spec, policy, big.peak_reserved_bytes, on_step=step,
-                          profile=twin_kw.get("profile"))
+                          profile=twin_kw.get("profile"), gpu_timing=gpu_timing)
 
 
 def _bisect_limit(trace: Trace, base: str, run: PolicyRun, options: ReportOptions,
@@ -477,11 +482,11 @@ def _bisect_limit(trace: Trace, base: str, run: PolicyRun, options: ReportOption
         raise InternalError(f"the {run.policy!r} run on {run.device!r} has no replay result to size the fit from")
     fits_at = run.result.peak_reserved_bytes
     if run.result.ooms or options.pressure is not None:
-        plain = replay_trace(trace, base, run.policy, progress=False)
+        plain = replay_trace(trace, base, run.policy, progress=False, gpu_timing=options.gpu_timing)
         fits_at = plain.peak_reserved_bytes if plain.ooms == 0 else 0
         if not fits_at:
-            return _bisect_policy(trace, base, run.policy, key_dev, step)
-    return smallest_limit(trace, base, run.policy, fits_at, on_step=step)
+            return _bisect_policy(trace, base, run.policy, key_dev, step, options.gpu_timing)
+    return smallest_limit(trace, base, run.policy, fits_at, on_step=step, gpu_timing=options.gpu_timing)
 
 
 def _device_outputs(trace: Trace, spec: str, runs: list[PolicyRun], occs: list[tuple[str, Occupancy | None]],

@@ -24,7 +24,8 @@ from ..allocator.backing import VirtualBacking
 from ..device import Device
 from ..errors import GpumemError, OutOfMemoryError, UnsupportedOperationError
 from ..events import MemoryEventKind
-from ..replay import ReplayResult
+from ..replay import ReplayResult, program_gpu, run_ops_with_gpu
+from ..sim.gpu_work import GpuTiming, ProgramGpu
 from ..specs import open_device
 from ..trace import Trace
 
@@ -90,8 +91,9 @@ class PolicyRun:
 
 
 def run_policy(trace: Trace, device_spec: str, policy: str, *, samples: int = 1500, stop_on_oom: bool = True,
-               on_progress: ProgressCallback | None = None) -> PolicyRun:
-    """Replay ``trace`` on a fresh ``device_spec`` under ``policy``, sampling about ``samples`` times.
+               on_progress: ProgressCallback | None = None, gpu_timing: "str | GpuTiming | None" = None) -> PolicyRun:
+    """Replay ``trace`` on a fresh ``device_spec`` under ``policy``, sampling about ``samples`` times, with the
+    program's GPU work run as ``gpu_timing`` says (:func:`gpumem.replay.replay`).
 
     A policy the device cannot run (virtual memory on a device without it) gives a run with
     :attr:`PolicyRun.unsupported` set; every other error propagates.
@@ -119,8 +121,9 @@ def run_policy(trace: Trace, device_spec: str, policy: str, *, samples: int = 15
             sub = events.subscribe(on_event)
         tenant = (lambda: dev.tenant_nbytes) if hasattr(type(dev), "tenant_nbytes") else None  # a property
         try:
+            gpu = program_gpu(trace, dev, gpu_timing)
             run.result = _replay_sampled(trace, allocator, dev, kinds, ids, sizes, streams, ptrs, chunk, run,
-                                         current, tenant, stop_on_oom, on_progress)
+                                         current, tenant, stop_on_oom, on_progress, gpu)
         finally:
             if sub is not None:
                 events.unsubscribe(sub)
@@ -166,7 +169,7 @@ class _Sampler:
 def _replay_sampled(trace: Trace, allocator: CachingAllocator, dev: Device, kinds: list[int], ids: list[int],
                     sizes: list[int], streams: list[int], ptrs: list[int], chunk: int, run: PolicyRun,
                     current: list[int], tenant: Callable[[], int] | None, stop_on_oom: bool,
-                    on_progress: ProgressCallback | None) -> ReplayResult:
+                    on_progress: ProgressCallback | None, gpu: ProgramGpu | None = None) -> ReplayResult:
     """The loop of :func:`gpumem.replay.replay`, with a sample after every ``chunk`` operations."""
     n = len(kinds)
     allocate = allocator.allocate
@@ -177,6 +180,7 @@ def _replay_sampled(trace: Trace, allocator: CachingAllocator, dev: Device, kind
     oom_op: int | None = None
     done = 0
     wall_s = 0.0
+    at = [0]  # the operation the GPU-timed loop is at (for an out-of-memory error)
     sampler = _Sampler(run, allocator, trace.live_nbytes(), tenant)
     sampler.sample(0)
     while done < n:
@@ -185,18 +189,23 @@ def _replay_sampled(trace: Trace, allocator: CachingAllocator, dev: Device, kind
         start = done
         t0 = time.perf_counter()
         try:
-            for i in range(done, stop):
-                if kinds[i] == 0:
-                    ptrs[ids[i]] = allocate(sizes[i], streams[i]) if sizes[i] else 0
-                else:
-                    p = ptrs[ids[i]]
-                    if p:
-                        free(p)
-                        ptrs[ids[i]] = 0
+            if gpu is not None:
+                run_ops_with_gpu(gpu, allocate, free, (kinds, ids, sizes, streams), ptrs, done, stop, at)
+            else:
+                for i in range(done, stop):
+                    if kinds[i] == 0:
+                        ptrs[ids[i]] = allocate(sizes[i], streams[i]) if sizes[i] else 0
+                    else:
+                        p = ptrs[ids[i]]
+                        if p:
+                            free(p)
+                            ptrs[ids[i]] = 0
             done = stop
             wall_s += time.perf_counter() - t0
         except OutOfMemoryError as exc:
             wall_s += time.perf_counter() - t0
+            if gpu is not None:
+                i = at[0]
             ooms += 1
             if oom_error is None:
                 oom_error, oom_op = exc, i
@@ -213,6 +222,8 @@ def _replay_sampled(trace: Trace, allocator: CachingAllocator, dev: Device, kind
         sampler.sample(done)
         if on_progress is not None:
             on_progress(done - start)
+    extra: dict[str, Any] = {"engine": getattr(allocator, "engine", "python")}
+    extra.update(gpu.finish() if gpu is not None else {"gpu_timing": GpuTiming.IDLE.value})
     stats = allocator.snapshot_stats()
     sim_end = getattr(dev, "now_s", None)
     return ReplayResult(
@@ -221,7 +232,7 @@ def _replay_sampled(trace: Trace, allocator: CachingAllocator, dev: Device, kind
         peak_reserved_bytes=stats.peak_reserved_nbytes, ooms=ooms, wall_s=wall_s, stats=stats,
         sim_time_s=(sim_end - sim_start) if sim_start is not None and sim_end is not None else None,
         oom_message=None if oom_error is None else str(oom_error), oom_error=oom_error, oom_op=oom_op,
-        trace_peak_live_bytes=trace.peak_live_nbytes, extra={"engine": getattr(allocator, "engine", "python")},
+        trace_peak_live_bytes=trace.peak_live_nbytes, extra=extra,
     )
 
 
@@ -282,9 +293,11 @@ class Occupancy:
     stopped_by_oom: bool = False
 
 
-def occupancy_at(trace: Trace, device_spec: str, policy: str, stop_op: int) -> Occupancy | None:
-    """Replay operations ``0 .. stop_op - 1`` on the Python engine and read the layout (None when the policy
-    cannot run on the device). An out-of-memory error before ``stop_op`` stops there."""
+def occupancy_at(trace: Trace, device_spec: str, policy: str, stop_op: int,
+                 gpu_timing: "str | GpuTiming | None" = None) -> Occupancy | None:
+    """Replay operations ``0 .. stop_op - 1`` on the Python engine, with the program's GPU work run as
+    ``gpu_timing`` says (as :func:`run_policy`), and read the layout (None when the policy cannot run on the
+    device). An out-of-memory error before ``stop_op`` stops there."""
     kinds, ids, sizes, streams = trace.as_lists()
     ptrs = [0] * (max(ids) + 1 if ids else 0)
     dev = open_device(device_spec)
@@ -296,6 +309,15 @@ def occupancy_at(trace: Trace, device_spec: str, policy: str, stop_op: int) -> O
         try:
             done = stop_op
             oom = False
+            gpu = program_gpu(trace, dev, gpu_timing)
+            if gpu is not None:
+                at = [0]
+                try:
+                    run_ops_with_gpu(gpu, allocator.allocate, allocator.free, (kinds, ids, sizes, streams), ptrs,
+                                     0, stop_op, at)
+                except OutOfMemoryError:
+                    done, oom = at[0], True
+                return Occupancy(done, _layout(allocator), allocator.reserved_nbytes, oom)
             for i in range(stop_op):
                 try:
                     if kinds[i] == 0:
@@ -363,16 +385,18 @@ def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
 # -- the smallest limit ----------------------------------------------------------------------------------
 
 
-def runs_under(trace: Trace, device_spec: str, policy: str, limit: int | None, *, profile: Any = None) -> bool:
+def runs_under(trace: Trace, device_spec: str, policy: str, limit: int | None, *, profile: Any = None,
+               gpu_timing: "str | GpuTiming | None" = None) -> bool:
     """Whether ``trace`` replays on ``device_spec`` under ``policy`` and ``limit`` without running out of memory
-    (``profile``: a :class:`~gpumem.sim.DeviceProfile` replacing the spec's, for a simulated device)."""
+    (``profile``: a :class:`~gpumem.sim.DeviceProfile` replacing the spec's, for a simulated device;
+    ``gpu_timing``: how the program's GPU work runs beside the replay)."""
     from ..replay import replay
 
     dev = open_device(device_spec, profile=profile) if profile is not None else open_device(device_spec)
     try:
         allocator = CachingAllocator(dev, policy, limit=limit)
         try:
-            return replay(trace, allocator, stop_on_oom=True, progress=False).ooms == 0
+            return replay(trace, allocator, stop_on_oom=True, progress=False, gpu_timing=gpu_timing).ooms == 0
         finally:
             allocator.close()
     finally:
@@ -380,7 +404,8 @@ def runs_under(trace: Trace, device_spec: str, policy: str, limit: int | None, *
 
 
 def smallest_limit(trace: Trace, device_spec: str, policy: str, fits_at: int, *, rel_tol: float = 0.01,
-                   on_step: Callable[[], None] | None = None, profile: Any = None) -> int | None:
+                   on_step: Callable[[], None] | None = None, profile: Any = None,
+                   gpu_timing: "str | GpuTiming | None" = None) -> int | None:
     """The smallest ``limit=`` (bytes) under which ``trace`` runs, by bisection between the trace's peak live
     bytes and ``fits_at`` (a limit it is known to run under: the peak reserved of an unlimited run), to within
     ``rel_tol`` of the peak live bytes; None when the policy cannot run on the device.
@@ -391,13 +416,13 @@ def smallest_limit(trace: Trace, device_spec: str, policy: str, fits_at: int, *,
     hi = max(lo, fits_at)
     tol = max(1, int(rel_tol * lo))
     try:
-        if runs_under(trace, device_spec, policy, lo, profile=profile):
+        if runs_under(trace, device_spec, policy, lo, profile=profile, gpu_timing=gpu_timing):
             return lo
         if on_step is not None:
             on_step()
         while hi - lo > tol:
             mid = (lo + hi) // 2
-            ok = runs_under(trace, device_spec, policy, mid, profile=profile)
+            ok = runs_under(trace, device_spec, policy, mid, profile=profile, gpu_timing=gpu_timing)
             if on_step is not None:
                 on_step()
             if ok:

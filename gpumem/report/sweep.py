@@ -103,6 +103,8 @@ class SweepCase:
     device: str
     policy: str
     limit: str | None = None
+    gpu_timing: str | None = None
+    """How the program's GPU work runs beside the replay (None: the default of :func:`gpumem.replay.replay`)."""
 
 
 @dataclass(frozen=True)
@@ -231,7 +233,7 @@ def _check_limit(limit: Any) -> str | None:
 
 
 def make_cases(traces: Sequence[Any], devices: Sequence[str], policies: Sequence[str],
-               limits: Sequence[Any] = (None,)) -> list[SweepCase]:
+               limits: Sequence[Any] = (None,), gpu_timing: str | None = None) -> list[SweepCase]:
     """Check the arguments and return every combination as a :class:`SweepCase`, in table order.
 
     Raises :class:`SweepError` for an empty or repeated argument, a trace that is not a path, a malformed
@@ -263,9 +265,16 @@ def make_cases(traces: Sequence[Any], devices: Sequence[str], policies: Sequence
         except InvalidArgumentError as exc:
             raise SweepError(str(exc)) from None
     limit_list = _distinct((_check_limit(x) for x in limits), "limit")
+    if gpu_timing is not None:
+        from ..sim.gpu_work import gpu_timing as _check_timing
+
+        try:
+            gpu_timing = _check_timing(gpu_timing).value
+        except InvalidArgumentError as exc:
+            raise SweepError(str(exc)) from None
     cases = []
     for i, (t, d, p, lim) in enumerate(itertools.product(trace_list, device_list, policy_list, limit_list)):
-        cases.append(SweepCase(i, t, os.path.abspath(t), d, p, lim))
+        cases.append(SweepCase(i, t, os.path.abspath(t), d, p, lim, gpu_timing))
     return cases
 
 
@@ -313,7 +322,8 @@ def run_case(case: SweepCase) -> SweepRow:
         try:
             if case.limit is not None:
                 limit_nbytes = parse_limit(case.limit, device.properties().total_nbytes)
-            result = replay_trace(trace, device, case.policy, progress=False, limit=limit_nbytes)
+            result = replay_trace(trace, device, case.policy, progress=False, limit=limit_nbytes,
+                                  gpu_timing=case.gpu_timing)
         finally:
             device.close()
     except Exception as exc:  # noqa: BLE001 - a failing case is a row (Note [Errors are rows])
@@ -414,7 +424,7 @@ def describe_executor(executor: Any) -> str:
 
 def run_sweep(traces: Sequence[Any], devices: Sequence[str], policies: Sequence[str],
               limits: Sequence[Any] = (None,), *, executor: Any = None, jobs: int | None = None,
-              progress: bool | None = True) -> SweepResult:
+              progress: bool | None = True, gpu_timing: str | None = None) -> SweepResult:
     """Replay every trace x device x policy x limit and return the tidy table (:class:`SweepResult`).
 
     ``traces`` are file paths (any format :func:`gpumem.trace.load_trace` reads); each worker loads them
@@ -427,6 +437,8 @@ def run_sweep(traces: Sequence[Any], devices: Sequence[str], policies: Sequence[
     down. Without one, a process pool of ``jobs`` workers (default: the CPU count, capped by the number of
     cases) runs the cases and is shut down afterwards; ``jobs=1`` runs them in this process.
     ``progress``: a bar of finished cases, shown only when stderr is a terminal (False: never).
+    ``gpu_timing``: how the program's GPU work runs beside each replay (``trace``, ``model``, ``idle``;
+    None: the default of :func:`gpumem.replay.replay`).
 
     Raises :class:`SweepError` for bad arguments (nothing is run then); a case that fails is a row with
     ``status="error"`` (Note [Errors are rows]).
@@ -440,7 +452,7 @@ def run_sweep(traces: Sequence[Any], devices: Sequence[str], policies: Sequence[
     if executor is not None and not callable(getattr(executor, "submit", None)):
         raise SweepError(f"executor must have a submit(fn, *args) method (a concurrent.futures-style executor), "
                          f"got {type(executor).__name__}")
-    cases = make_cases(traces, devices, policies, limits)
+    cases = make_cases(traces, devices, policies, limits, gpu_timing)
     own = executor is None
     if own:
         n = min(jobs or os.cpu_count() or 1, len(cases))

@@ -721,6 +721,14 @@ class SimDevice(Device):
             raise InvalidArgumentError("launch: touches must be a sequence of (ptr, nbytes) pairs") from None
         return self._run(self._launch, stream, duration_s, ranges, name)
 
+    def wait_work(self, work: Work) -> None:
+        """Let simulated time run until ``work`` (from :meth:`launch`) has finished, as a host blocked on
+        it would (tenants, faults and other streams act meanwhile). No device call is counted: a replay's
+        program waiting on its own launch queue (:mod:`sim.gpu_work`)."""
+        if not isinstance(work, Work):
+            raise InvalidArgumentError(f"wait_work: expected a Work from launch(), got {type(work).__name__}")
+        self._run(self._wait_for, work)
+
     def _launch(self, stream: int, duration_s: float, ranges: list[tuple[int, int]], name: str | None) -> Work:
         self._check_usable()
         self._check_finite_time("launch", duration_s)

@@ -13,6 +13,7 @@ import pytest
 from gpumem import sim
 from gpumem import open_device
 from gpumem.allocator import CachingAllocator
+from gpumem.allocator.policy import get_policy
 from gpumem.replay import ReplayResult, replay, replay_trace
 from gpumem.trace import Trace, load_trace
 from gpumem.units import GiB, KiB, MiB
@@ -227,8 +228,12 @@ def test_replay_whole_real_trace(name, policy):
     result = replay_trace(trace, "sim:h200-141gb", policy, progress=False)
     check_result(result, trace, policy)
     if policy == "gpumem":
-        # pages follow live data: what it holds at its peak is within 1% of the program's peak
-        assert result.overhead < 0.01
+        # pages follow live data: with the GPU idle, what it holds at its peak is within 1% of the program's
+        # peak; with the GPU behind (the default timing) busy idle chunks may be grown past within busy_slack
+        idle = replay_trace(trace, "sim:h200-141gb", policy, progress=False, gpu_timing="idle")
+        assert idle.overhead < 0.01
+        slack = get_policy(policy)
+        assert result.overhead < 0.01 + slack.page_slack + slack.busy_slack
 
 
 @pytest.mark.slow

@@ -12,10 +12,13 @@ then raises, so the tests are known to catch the bug they guard against.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gpumem.allocator import CachingAllocator
 from gpumem.allocator.fences import StreamFences
+from gpumem.allocator.policy import get_policy
 from gpumem.errors import MemoryHazardError
 from gpumem.trace import Trace, build_trace
 from gpumem.trace.builder import ALLOC_CODE, FREE_CODE
@@ -97,10 +100,14 @@ def test_empty_cache_under_a_running_kernel_is_a_hazard_with_the_old_behaviour(d
     alloc.check_consistency()  # the refused call changed nothing, on either side
 
 
+GROW_PAST_BUSY = dataclasses.replace(get_policy("gpumem"), name="grow-past-busy", busy_slack=float("inf"))
+
+
 def test_a_busy_page_is_not_waited_for_when_a_new_chunk_fits(dev):
-    """Wait only when the memory is needed: with room on the device, a steal that would have to wait
-    for a running kernel creates a chunk instead, and the kernel keeps running."""
-    alloc = CachingAllocator(dev, "gpumem")
+    """With busy_slack=inf (the rule before issue 18) wait only when the memory is needed: with room on the
+    device, a steal that would have to wait for a running kernel creates a chunk instead, and the kernel
+    keeps running."""
+    alloc = CachingAllocator(dev, GROW_PAST_BUSY)
     a = alloc.allocate(2 * MiB)
     x = alloc.allocate(2 * MiB)
     work = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
@@ -112,9 +119,26 @@ def test_a_busy_page_is_not_waited_for_when_a_new_chunk_fits(dev):
     alloc.check_consistency()
 
 
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_busy_page_is_waited_for_past_the_busy_slack(dev, engine):
+    """Note [Wait, do not grow, behind the GPU]: past page_slack + busy_slack the steal waits for the
+    running kernel instead of creating a chunk (before issue 18 it grew: the test above)."""
+    policy = dataclasses.replace(get_policy("gpumem"), name="wait-busy", busy_slack=0.0, page_slack=0.0)
+    alloc = CachingAllocator(dev, policy, engine=engine)
+    a = alloc.allocate(2 * MiB)
+    x = alloc.allocate(2 * MiB)
+    work = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    b = alloc.allocate(4 * MiB)
+    assert work.done and not dev.hazards and alloc.reserved_nbytes == 6 * MiB
+    alloc.free(b)
+    alloc.free(x)
+    alloc.check_consistency()
+
+
 def test_memory_a_kernel_uses_is_not_given_back_early_by_gc(dev):
     """The gc threshold releases only memory whose work is done (it queries, never waits)."""
-    alloc = CachingAllocator(dev, "gpumem", gc_threshold=0.01)
+    alloc = CachingAllocator(dev, GROW_PAST_BUSY, gc_threshold=0.01)
     p = alloc.allocate(8 * MiB)
     work = dev.launch(0, KERNEL_S, touches=[(p, 8 * MiB)])
     alloc.free(p)

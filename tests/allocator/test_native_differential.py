@@ -46,6 +46,8 @@ POLICIES = [
     dataclasses.replace(_BASE, name="chunks-small", chunk_max_fraction=1 / 16, chunk_max_nbytes=8 * MiB),
     dataclasses.replace(_BASE, name="chunks-ahead", grow_ahead_fraction=0.1, page_slack=0.05),
     dataclasses.replace(_BASE, name="chunks-no-slack", page_slack=0.0, chunk_max_fraction=1.0),
+    dataclasses.replace(_BASE, name="chunks-busy-slack", page_slack=0.0, busy_slack=0.05),
+    dataclasses.replace(_BASE, name="chunks-wait-busy", busy_slack=0.0),
     # growth=PAGES, the behaviour before issue 7 (one-page chunks, no slack)
     dataclasses.replace(_BASE, name="pages", growth=GrowthRule.PAGES, page_slack=0.0),
     dataclasses.replace(_BASE, name="pages-no-steal", growth=GrowthRule.PAGES, page_slack=0.0,

@@ -80,9 +80,16 @@ class AllocationInfo:
     """Innermost frame last; None unless stacks are captured."""
 
     def site(self) -> str:
-        """Where it was made: the innermost captured frame outside gpumem, or ``"?"``."""
-        for f in reversed(self.stack or ()):
-            if "/gpumem/" not in f.filename.replace("\\", "/"):
+        """Where it was made: the innermost captured frame outside the gpumem package, ``"?"`` when every
+        captured frame is gpumem's, or :data:`NO_STACK_SITE` without a stack.
+
+        gpumem's frames are told apart by the package's own directory, not by a ``gpumem`` in the path:
+        a user's program in a folder named ``gpumem`` (what ``git clone`` of this project makes) keeps
+        its sites."""
+        if self.stack is None:
+            return NO_STACK_SITE
+        for f in reversed(self.stack):
+            if not _in_package(f.filename):
                 return f"{f.filename}:{f.line} in {f.name}"
         return "?"
 
@@ -169,6 +176,18 @@ class _RegionCounters:
 #: caller's frames out, and a snapshot viewer showed gpumem first. They are left out, and
 #: ``stack_depth`` counts the frames that remain.
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+
+#: The gpumem package's directory, resolved: frames of files under it are gpumem's own.
+_PACKAGE_DIR = os.path.realpath(os.path.dirname(_OWN_DIR))
+
+#: What :meth:`AllocationInfo.site` says of a buffer registered without its stack.
+NO_STACK_SITE = "? (stacks not captured: set capture_stacks=True or GPUMEM_CAPTURE_STACKS=1)"
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_package(filename: str) -> bool:
+    """Whether ``filename`` is a file of the gpumem package (by its resolved directory)."""
+    return os.path.realpath(filename).startswith(_PACKAGE_DIR + os.sep)
 
 
 @functools.lru_cache(maxsize=4096)

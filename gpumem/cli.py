@@ -353,8 +353,19 @@ def oom_report(result: Any, allocator: Any, device: Any) -> str:
     own = _usable_nbytes(profile) if profile is not None else None
     fits = [p.spec for p in sim.BUILTIN_PROFILES
             if _usable_nbytes(p) >= need and p is not profile and (own is None or _usable_nbytes(p) > own)]
-    if own is not None and own >= peak:
-        lines.append(f"  the peak live bytes fit {result.device}; under this policy the replay needed more: it held "
+    # Note [Which bound the peak breaks]: the usable memory of the profile and --limit both bound what a
+    # replay may hold; "the peak fits, the policy needed more" is true only when the peak is within both.
+    # With the limit below the trace's peak no policy could fit, and the report must say so.
+    cap = own if limit is None else (limit if own is None else min(own, limit))
+    if limit is not None and limit < peak:
+        lines.append(f"  --limit allows {format_bytes(limit)}, less than the {format_bytes(peak)} this trace has live "
+                     "at its peak: no allocator could replay it under this limit.")
+    elif own is not None and own < peak:
+        lines.append(f"  {result.device} has room for {format_bytes(own)}, less than the {format_bytes(peak)} this "
+                     "trace has live at its peak: no allocator could replay it on this device.")
+    elif cap is not None and cap >= peak:
+        where = result.device if limit is None else f"{result.device} under --limit {format_bytes(limit)}"
+        lines.append(f"  the peak live bytes fit {where}; under this policy the replay needed more: it held "
                      f"{format_bytes(held)} (live and cached) when the request of "
                      f"{format_bytes(exc.requested_nbytes)} failed.")
     if fits:

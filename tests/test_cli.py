@@ -948,3 +948,21 @@ def test_sigint_ignored_by_the_caller_stays_ignored(capsys, trace_file):
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_replay_oom_under_a_limit_below_the_peak_says_no_allocator_could_fit(capsys, tmp_path):
+    """Issue 20 item 5: with --limit below the trace's peak live bytes the report said 'the peak live bytes fit
+    the device; under this policy the replay needed more', where no policy could fit."""
+    ops = [(0, i, 600 * MiB, 0, float(i), 0x1_0000_0000 * (i + 1)) for i in range(3)]
+    ops += [(1, i, 600 * MiB, 0, 10.0 + i, 0x1_0000_0000 * (i + 1)) for i in range(3)]
+    path = save_trace(Trace.from_ops("three", "gpumem", ops), tmp_path / "three.gmt")
+    code, out, err = run(capsys, "replay", str(path), "--device", "sim:a100-80gb", "--limit", "1GiB")
+    assert code == EXIT_OOM, err
+    assert "the peak live bytes fit" not in err
+    assert "--limit allows 1.00 GiB, less than the 1.76 GiB this trace has live at its peak" in err
+    assert "no allocator could replay it under this limit" in err
+    # a limit above the peak that the policy still exceeds keeps the policy explanation, naming the limit
+    code, out, err = run(capsys, "replay", str(path), "--device", "sim:a100-80gb", "--policy", "bucket",
+                         "--limit", "1800MiB")
+    assert code == EXIT_OOM, err
+    assert "the peak live bytes fit sim:a100-80gb under --limit 1.76 GiB; under this policy the replay needed more" in err

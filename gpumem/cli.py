@@ -122,6 +122,16 @@ def _device_rows() -> list[dict[str, Any]]:
     return rows
 
 
+def _no_cuda_reason() -> str:
+    """Why no CUDA device is listed, as backend discovery found it: the extra missing, no driver, no GPU..."""
+    from .discovery import BackendKind, discover_backends
+
+    cuda = next((b for b in discover_backends() if b.kind is BackendKind.CUDA), None)
+    if cuda is None or not cuda.reason:
+        return "CUDA backend discovery found none"
+    return cuda.reason
+
+
 def cmd_devices(args: argparse.Namespace) -> int:
     """``gpumem devices``: print the device table (or JSON list); returns the exit status."""
     from .native import engine
@@ -141,7 +151,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
         print(f"{r['spec']:<24} {r['kind']:<5} {r['name'][:36]:<36} {format_bytes(r['total_bytes']):>11} "
               f"{format_bytes(r['free_bytes']):>11}")
     if not any(r["kind"] == "cuda" for r in rows):
-        print("(no CUDA device found: install gpumem[cuda12] or gpumem[cuda13] on a GPU machine to list them)")
+        print(f"(no CUDA device listed: {_no_cuda_reason()})")
     print(f"engine: {which}" + (" (devices without virtual memory management run on the python engine)"
                                 if which == "native" and any(r.get("vmm_supported") is False for r in rows) else ""))
     return EXIT_OK

@@ -72,3 +72,17 @@ def test_info_as_a_process():
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["backends"][1]["backend"] == "sim"
+
+
+def test_devices_without_a_driver_says_the_driver_is_missing_not_to_install_the_extra(monkeypatch, capsys):
+    """Issue 20 item 7: with nvidia-ml-py installed but no driver, `gpumem devices` told the user to install the
+    CUDA extra that was installed; it says what discovery found instead."""
+    import gpumem.cuda.backend as backend
+    from gpumem import cli
+    from tests.managers.test_discovery import DriverNvml
+
+    monkeypatch.setattr(backend, "import_nvml", lambda: (DriverNvml(init_error=12), None))
+    assert cli.main(["devices"]) == 0
+    out = capsys.readouterr().out
+    assert "(no CUDA device listed: no NVIDIA driver (libnvidia-ml not found))" in out
+    assert "gpumem[cuda12]" not in out

@@ -966,3 +966,16 @@ def test_replay_oom_under_a_limit_below_the_peak_says_no_allocator_could_fit(cap
                          "--limit", "1800MiB")
     assert code == EXIT_OOM, err
     assert "the peak live bytes fit sim:a100-80gb under --limit 1.76 GiB; under this policy the replay needed more" in err
+
+
+def test_export_snapshot_says_it_runs_on_the_python_engine(capsys, tmp_path, trace_file):
+    """Issue 20 item 7: --export-snapshot switched to the (slower) Python engine without a word."""
+    from gpumem.allocator.native import load_engine
+
+    if load_engine() is None:
+        pytest.skip("the native engine is not built: nothing switches")
+    code, out, err = run(capsys, "replay", str(trace_file), "--export-snapshot", str(tmp_path / "out.pickle"))
+    assert code == 0, err
+    assert "runs on it, several times slower per operation than the native engine" in err
+    code, out, err = run(capsys, "replay", str(trace_file))
+    assert "Python engine" not in err

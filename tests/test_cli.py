@@ -979,3 +979,11 @@ def test_export_snapshot_says_it_runs_on_the_python_engine(capsys, tmp_path, tra
     assert "runs on it, several times slower per operation than the native engine" in err
     code, out, err = run(capsys, "replay", str(trace_file))
     assert "Python engine" not in err
+
+
+def test_summary_names_the_growth_rule_once(capsys, trace_file):
+    """Issue 20 item 7: the summary printed '1349 chunks (chunks)'."""
+    code, out, err = run(capsys, "replay", str(trace_file), "--summary")
+    assert code == 0, err
+    assert "chunks (chunks)" not in out and "chunks (pages)" not in out
+    assert "(growth=chunks)" in out or "(growth=pages)" in out or "virtual memory" not in out

@@ -2069,7 +2069,7 @@ bool Engine::lost() {
 std::string Engine::describe() {
     Guard guard(*this, true);
     return "virtual memory (" + std::to_string(vsegs_.size()) + " range(s) of " + std::to_string(va_nbytes_ >> 30) +
-           " GiB shared by all streams, " + std::to_string(n_chunks_) + " chunks (" +
+           " GiB shared by all streams, " + std::to_string(n_chunks_) + " chunks (growth=" +
            (chunked_ ? "chunks" : "pages") + ") over " + std::to_string(reserved_nbytes_ >> 20) + " MiB, " +
            std::to_string(n_steals_) + " steals)";
 }

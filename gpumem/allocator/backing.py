@@ -1248,5 +1248,5 @@ class VirtualBacking(Backing):
 
     def describe(self) -> str:
         return (f"virtual memory ({len(self.vsegments)} range(s) of {self.va_nbytes >> 30} GiB shared by all streams, "
-                f"{self.n_chunks} chunks ({self.policy.growth.value}) over {self.reserved_nbytes >> 20} MiB, "
+                f"{self.n_chunks} chunks (growth={self.policy.growth.value}) over {self.reserved_nbytes >> 20} MiB, "
                 f"{self.n_steals} steals)")

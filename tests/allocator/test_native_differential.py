@@ -315,7 +315,7 @@ def test_memory_summary_is_the_same(policy):
     assert [f"; {alloc.engine} engine" in text for alloc, text in zip(pair.allocs, summaries)] == [True, True]
     summaries = [text.replace(f"; {alloc.engine} engine", "") for alloc, text in zip(pair.allocs, summaries)]
     assert summaries[0] == summaries[1]
-    assert f"({policy.growth.value})" in summaries[0]
+    assert f"(growth={policy.growth.value})" in summaries[0]
 
 
 def _traces():

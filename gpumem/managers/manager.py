@@ -44,6 +44,7 @@ so the three attributes always add up; :attr:`GpuMemoryManager.reserve` keeps th
 from __future__ import annotations
 
 import logging
+import sys
 import os
 import threading
 import weakref
@@ -492,13 +493,21 @@ class GpuMemoryManager:
     def log_memory_usage(self, level: int = logging.INFO) -> MemoryStats:
         """Log one line of :meth:`get_detailed_stats` (at ``level``), and a warning when the pool's
         fragmentation passes ``config.fragmentation_warning`` (30 %) while its free cached memory is
-        at least 1 % of the usable memory (Note [When fragmentation is worth a warning]). Returns the stats."""
+        at least 1 % of the usable memory (Note [When fragmentation is worth a warning]). Returns the stats.
+
+        The line goes to the ``gpumem.managers.manager`` logger; where logging is not configured (no handler
+        anywhere up the logger's tree, so Python would drop an INFO line), it is printed on stderr instead,
+        so that a call never shows nothing."""
         st = self.get_detailed_stats()
-        log.log(level, "%s: %s allocated of %s usable (%.1f%%), pool holds %s, device %s free of %s, "
-                "fragmentation %.1f%%, largest free block %s, %d CPU fallback(s)", st.device,
-                format_bytes(st.allocated_nbytes), format_bytes(st.usable_nbytes), 100 * st.utilisation,
+        args = (st.device, format_bytes(st.allocated_nbytes), format_bytes(st.usable_nbytes), 100 * st.utilisation,
                 format_bytes(st.held_nbytes), format_bytes(st.free_nbytes), format_bytes(st.total_nbytes),
                 100 * st.fragmentation_ratio, format_bytes(st.largest_free_block_nbytes), st.cpu_fallbacks)
+        fmt = ("%s: %s allocated of %s usable (%.1f%%), pool holds %s, device %s free of %s, "
+               "fragmentation %.1f%%, largest free block %s, %d CPU fallback(s)")
+        if log.hasHandlers():
+            log.log(level, fmt, *args)
+        else:
+            print("gpumem: " + fmt % args, file=sys.stderr)
         cached = st.pool.cached_nbytes if st.pool else 0
         if st.fragmentation_ratio > self.config.fragmentation_warning and \
                 cached * FRAGMENTATION_MIN_CACHED_DENOMINATOR >= st.usable_nbytes:

@@ -410,3 +410,18 @@ def test_pool_policy_bucket_refuses_past_usable_memory_and_falls_back():
             m.allocate(m.usable_memory + 1)
         buf = m.create_buffer(64, data=b"a" * 64)
         assert buf.on_gpu and buf.read() == b"a" * 64
+
+
+def test_log_memory_usage_prints_when_logging_is_not_configured(monkeypatch, capsys):
+    """Issue 20 item 7: without logging configured the INFO line was dropped: the call showed nothing."""
+    import gpumem.managers.manager as manager_module
+
+    mgr = GpuMemoryManager("sim:t4-16gb")
+    try:
+        monkeypatch.setattr(manager_module.log, "hasHandlers", lambda: False)
+        st = mgr.log_memory_usage()
+        err = capsys.readouterr().err
+        assert err.startswith("gpumem: sim:t4-16gb: 0 B allocated of") and "fragmentation" in err
+        assert st.device == "sim:t4-16gb"
+    finally:
+        mgr.close()

@@ -577,7 +577,8 @@ def _add_verbose(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``gpumem`` argument parser (``devices`` and ``replay``)."""
+    """The ``gpumem`` argument parser (``devices`` and ``replay``, and the commands of :mod:`gpumem.commands`)."""
+    from .commands._args import refuse_repeated_options
     from .allocator.bucket import BUCKET_POLICY_NAME, BucketPolicy
     from .allocator.policy import DEFAULT_POLICY, POLICIES
     from .trace import FORMATS
@@ -656,6 +657,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .commands import COMMAND_MODULES
     for name in COMMAND_MODULES:
         importlib.import_module(f".commands.{name}", __package__).register(sub, raw)
+    refuse_repeated_options(parser)  # Note [Options behave the same in every command]
     return parser
 
 
@@ -708,7 +710,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # inside the try: a Ctrl-C while the handler is being installed is an interruption like any other
         sigint = _SigintFlag()
         parser = build_parser()
-        args = parser.parse_args(argv)
+        from .commands._args import strip_bookkeeping
+
+        args = strip_bookkeeping(parser.parse_args(argv))
         command = f" {args.command}"
         return _main(args)
     except KeyboardInterrupt:

@@ -987,3 +987,36 @@ def test_summary_names_the_growth_rule_once(capsys, trace_file):
     assert code == 0, err
     assert "chunks (chunks)" not in out and "chunks (pages)" not in out
     assert "(growth=chunks)" in out or "(growth=pages)" in out or "virtual memory" not in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["report", "T", "--out", "R", "--policy", "gpumem", "pytorch"],
+    ["report", "T", "--out", "R", "--policy", "gpumem", "--policy", "pytorch"],
+    ["sweep", "T", "--out", "R", "--device", "sim:t4-16gb", "--policy", "gpumem", "pytorch"],
+    ["sweep", "T", "--out", "R", "--device", "sim:t4-16gb", "--policy", "gpumem", "--policy", "pytorch"],
+])
+def test_several_values_both_ways_in_every_command(argv):
+    """Issue 20 item 3: `report --policy A B` was refused while `sweep` took it; `sweep --policy A --policy B`
+    silently kept only B."""
+    from gpumem.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert args.policy == ["gpumem", "pytorch"]
+
+
+def test_a_single_value_option_given_twice_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:   # argparse's usage error, as for any bad option
+        main(["replay", "T", "--device", "sim:t4-16gb", "--device", "sim:a100-80gb"])
+    assert exc.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--device given twice: it takes one value (the second was 'sim:a100-80gb')" in err
+
+
+def test_sweep_limits_both_ways_and_none_by_default():
+    from gpumem.cli import build_parser
+
+    p = build_parser()
+    base = ["sweep", "T", "--out", "R", "--device", "sim:t4-16gb", "--policy", "gpumem"]
+    assert p.parse_args(base).limit is None
+    assert p.parse_args(base + ["--limit", "8GiB", "--limit", "90%"]).limit == ["8GiB", "90%"]
+    assert p.parse_args(base + ["--limit", "8GiB", "90%"]).limit == ["8GiB", "90%"]

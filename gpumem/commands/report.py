@@ -4,6 +4,8 @@ replay a trace under several allocator policies on several devices and write a s
 
 from __future__ import annotations
 
+from ._args import MANY
+
 import argparse
 import json
 import shlex
@@ -148,17 +150,17 @@ def register(sub: Any, formatter_class: type) -> None:
     p.add_argument("trace", help="the trace file")
     p.add_argument("--out", required=True, metavar="DIR", help="the report's folder (created; must not exist "
                                                                "unless --force)")
-    p.add_argument("--device", action="append", metavar="SPEC",
-                   help=f"device spec, repeatable (default: {_DEFAULT_DEVICE}); see `gpumem devices`")
-    p.add_argument("--policy", action="append", metavar="NAME", choices=sorted(POLICIES) + ["all"],
-                   help="allocator policy, repeatable, or 'all' (default: all): " + ", ".join(POLICIES))
+    p.add_argument("--device", **MANY, metavar="SPEC",
+                   help=f"device specs, one or more, repeatable (default: {_DEFAULT_DEVICE}); see `gpumem devices`")
+    p.add_argument("--policy", **MANY, metavar="NAME", choices=sorted(POLICIES) + ["all"],
+                   help="allocator policies, one or more, repeatable, or 'all' (default: all): " + ", ".join(POLICIES))
     p.add_argument("--pressure", choices=PRESET_NAMES, default=None,
                    help="run the simulated devices with this pressure scenario (other tenants taking memory): "
                         + ", ".join(PRESET_NAMES))
     p.add_argument("--keep-going", action="store_true",
                    help="skip an allocation that does not fit and go on (default: stop at the first, as replay)")
-    p.add_argument("--fit-device", action="append", metavar="SPEC",
-                   help="a further device of the fit matrix, repeatable, decided by the smallest memory limit "
+    p.add_argument("--fit-device", **MANY, metavar="SPEC",
+                   help="further devices of the fit matrix, one or more, repeatable, each decided by the smallest memory limit "
                         "of its kind against what it can give, without a replay of its own (default: a spread "
                         "of simulated profiles from 2 GB to 141 GB; 'none' for only the --device ones)")
     p.add_argument("--no-fit", action="store_true",

@@ -4,6 +4,8 @@ and summary figures (PNG) into DIR, on local processes or on a Dask cluster."""
 
 from __future__ import annotations
 
+from ._args import MANY
+
 import argparse
 import json
 import logging
@@ -66,11 +68,11 @@ def register(sub: Any, formatter_class: Any) -> None:
     p = sub.add_parser("sweep", help="replay every trace x device x policy x limit; a table and figures",
                        formatter_class=formatter_class, description=_DESCRIPTION, epilog=_EPILOG)
     p.add_argument("traces", nargs="+", metavar="TRACE", help="trace files")
-    p.add_argument("--device", nargs="+", required=True, metavar="SPEC",
-                   help="device specs ('sim:<profile>', see `gpumem devices`; 'cuda:N')")
-    p.add_argument("--policy", nargs="+", required=True, metavar="NAME",
-                   help="allocator policies (see `gpumem replay --help`), or 'all'")
-    p.add_argument("--limit", nargs="+", type=_limit, default=[None], metavar="LIMIT",
+    p.add_argument("--device", **MANY, required=True, metavar="SPEC",
+                   help="device specs, one or more, repeatable ('sim:<profile>', see `gpumem devices`; 'cuda:N')")
+    p.add_argument("--policy", **MANY, required=True, metavar="NAME",
+                   help="allocator policies, one or more, repeatable (see `gpumem replay --help`), or 'all'")
+    p.add_argument("--limit", **MANY, type=_limit, default=None, metavar="LIMIT",
                    help="caps on the memory the allocator reserves, as `gpumem replay --limit` takes them "
                         "(8GiB, 90%%, 0.5), or 'none' for no cap (default: none)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
@@ -162,14 +164,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise _UsageError(str(exc)) from None
     try:
         check_out_dir(args.out, args.traces)
-        make_cases(args.traces, args.device, policies, args.limit, args.gpu_timing)  # bad arguments: fail before any work
+        make_cases(args.traces, args.device, policies, args.limit or [None], args.gpu_timing)  # bad arguments: fail before any work
     except InvalidArgumentError as exc:
         raise _UsageError(str(exc)) from None
     client = executor = None
     if args.scheduler is not None:
         client, executor = _dask_executor(args.scheduler)
     try:
-        result = run_sweep(args.traces, args.device, policies, args.limit, executor=executor, jobs=args.jobs,
+        result = run_sweep(args.traces, args.device, policies, args.limit or [None], executor=executor, jobs=args.jobs,
                            progress=not args.json, gpu_timing=args.gpu_timing)
     finally:
         if client is not None:

@@ -4,6 +4,8 @@ report) when it ends, however it ends."""
 
 from __future__ import annotations
 
+from ._args import MANY
+
 import argparse
 import json
 import os
@@ -244,7 +246,7 @@ def register(sub: Any, formatter_class: type) -> None:
                    help="the output folder: new or empty (default: gpumem-record-<date>-<time>)")
     p.add_argument("--report", action="store_true",
                    help="also write the fragmentation report of the snapshot into DIR/report (gpumem report)")
-    p.add_argument("--report-device", action="append", metavar="SPEC",
+    p.add_argument("--report-device", **MANY, metavar="SPEC",
                    help=f"device of the report's replays, repeatable (default: {_DEFAULT_DEVICE})")
     p.add_argument("--allocator", choices=("pytorch", "gpumem"), default="pytorch",
                    help="pytorch: PyTorch's caching allocator (default); gpumem: gpumem.torch, installed before the "

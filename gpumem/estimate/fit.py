@@ -27,14 +27,35 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from ..device import Device
+from ..errors import GpumemError, InvalidArgumentError, OutOfMemoryError
+from ..managers.reserve import default_usable_nbytes
+from ..progress import NoProgress, progress as progress_bar
+from ..replay import make_allocator, replay_trace
 from ..specs import open_device
-from ..errors import InvalidArgumentError, OutOfMemoryError
-from ..replay import replay_trace
+from ..units import format_bytes
 from .shape import ModelShape
-from .workload import WorkloadTrace, inference_trace, training_trace
+from .workload import WorkloadTrace, inference_trace, stream_inference, training_trace
 
 __all__ = ["ReservedEstimate", "FitResult", "FitTry", "estimate_peak_reserved", "find_max_batch",
-           "DEFAULT_MARGINS"]
+           "DEFAULT_MARGINS", "DEFAULT_NEW_TOKENS", "DEFAULT_PROMPT_LEN", "InjectedFaultError", "usable_memory",
+           "replay_inference"]
+
+DEFAULT_NEW_TOKENS = 16
+"""New tokens of a ``generate()`` workload when none are given, for ``gpumem estimate``, ``gpumem fit`` and
+:func:`find_max_batch` alike (printed with every answer)."""
+DEFAULT_PROMPT_LEN = 512
+"""Prompt length ``gpumem fit`` searches the batch at when none is given."""
+
+
+class InjectedFaultError(GpumemError, RuntimeError):
+    """A replay failed because the device spec injects faults (``?fail_rate=``...): nothing was out of
+    memory, and no size can be judged on such a device."""
+
+
+def usable_memory(device: Device) -> int:
+    """The usable memory of ``device`` as a ``GpuMemoryManager`` with the default config sees it
+    (:func:`gpumem.managers.reserve.default_usable_nbytes`): what estimates and fits are sized against."""
+    return default_usable_nbytes(device.mem_info())
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +75,8 @@ class ReservedEstimate:
     peak_reserved_bytes: int
     fits: bool
     oom_message: str = ""
+    injected_fault: bool = False
+    """The replay failed on a fault the device spec injects, not for want of memory."""
 
 
 def _replay(w: WorkloadTrace, device: "str | Device", policy: str, limit: int | None = None) -> ReservedEstimate:
@@ -61,17 +84,86 @@ def _replay(w: WorkloadTrace, device: "str | Device", policy: str, limit: int | 
     r = replay_trace(w.trace, device, policy, stop_on_oom=True, progress=False, **opts)
     spec = device if isinstance(device, str) else device.spec
     return ReservedEstimate(policy, spec, w.peak_nbytes, r.peak_reserved_bytes, r.oom_message is None,
-                            r.oom_message or "")
+                            r.oom_message or "", bool(getattr(r.oom_error, "injected", False)))
+
+
+class _Stopped(Exception):
+    """A streamed replay ran out of memory: the rest of the workload is not made."""
+
+
+class _AllocatorSink:
+    """Replays ops as an emitter makes them (Note [Decode steps simulated] in :mod:`.workload`), stopping at the
+    first out-of-memory error as ``replay(stop_on_oom=True)`` does."""
+
+    def __init__(self, allocator: Any) -> None:
+        self.allocator = allocator
+        self.ptrs: dict[int, int] = {}
+        self.error: OutOfMemoryError | None = None
+
+    def alloc(self, op_id: int, nbytes: int) -> None:
+        if self.error is None:
+            try:
+                # a zero-byte allocation takes no memory (as in replay()): no pointer, its free is skipped
+                self.ptrs[op_id] = self.allocator.allocate(nbytes, 0) if nbytes else 0
+            except OutOfMemoryError as exc:
+                self.error = exc
+                raise _Stopped from None
+
+    def free(self, op_id: int) -> None:
+        p = self.ptrs.pop(op_id, 0)
+        if p and self.error is None:
+            self.allocator.free(p)
+
+
+def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, ...] | list[str]",
+                     device: "str | Device", *, batch_size: int = 1, prompt_len: int,
+                     new_tokens: int = DEFAULT_NEW_TOKENS, limit: int | None = None, peak_nbytes: int | None = None,
+                     bar: Any = None) -> list[ReservedEstimate]:
+    """Peak reserved of ``generate()`` under each policy: every op of every decode step replayed as it is
+    made (:func:`~gpumem.estimate.workload.stream_inference`), so memory stays bounded while the figures
+    are those of replaying ``inference_trace(..., full_decode=True)``. ``bar`` (a progress bar) advances by
+    one per step."""
+    if peak_nbytes is None:
+        peak_nbytes = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len,
+                                      new_tokens=new_tokens).peak_nbytes
+    bar = bar if bar is not None else NoProgress()
+    out = []
+    for policy in policies:
+        own = not isinstance(device, Device)
+        dev = open_device(device) if own else device
+        try:
+            allocator = make_allocator(dev, policy, **({} if limit is None else {"limit": limit}))
+            try:
+                sink = _AllocatorSink(allocator)
+                try:
+                    stream_inference(shape, dtype_bytes, (sink,), batch_size=batch_size, prompt_len=prompt_len,
+                                     new_tokens=new_tokens, on_step=lambda _step: bar.update(1))
+                except _Stopped:
+                    pass
+                reserved = allocator.snapshot_stats().peak_reserved_nbytes
+            finally:
+                allocator.close()
+        finally:
+            if own:
+                dev.close()
+        err = sink.error
+        out.append(ReservedEstimate(policy, dev.spec, peak_nbytes, reserved, err is None,
+                                    "" if err is None else str(err), bool(getattr(err, "injected", False))))
+    return out
 
 
 def estimate_peak_reserved(w: WorkloadTrace, policies: "tuple[str, ...] | list[str]" = ("pytorch", "gpumem"), *,
-                           device: "str | Device" = "sim:h200-141gb") -> list[ReservedEstimate]:
+                           device: "str | Device" = "sim:h200-141gb",
+                           limit: int | None = None) -> list[ReservedEstimate]:
     """Replay ``w`` (from :func:`~gpumem.estimate.workload.inference_trace` or ``training_trace``) under each
-    policy on ``device`` and return what each reserved at its peak. A replay that runs out of memory is
-    reported with ``fits=False`` and the peak it reached."""
+    policy on ``device`` (within ``limit`` bytes when given) and return what each reserved at its peak. A
+    replay that runs out of memory is reported with ``fits=False`` and the peak it reached.
+
+    An inference trace holds only some decode steps (Note [Decode steps simulated]); the reserved figures of
+    ``generate()`` come from :func:`replay_inference`, which replays every step."""
     if not policies:
         raise InvalidArgumentError("estimate_peak_reserved: give at least one policy")
-    return [_replay(w, device, p) for p in policies]
+    return [_replay(w, device, p, limit) for p in policies]
 
 
 @dataclass(frozen=True)
@@ -88,7 +180,8 @@ class FitResult:
     """The largest batch (or prompt length) that fits, by four rules, for one workload and device.
 
     ``simulated``: the largest value whose replay fits within ``limit_bytes`` = weights + (``usable_bytes`` -
-    weights) / (1 + ``margin``) (the answer).
+    weights) / (1 + ``margin``) (the answer); ``usable_bytes`` is what a ``GpuMemoryManager`` may hand out
+    on the device (:func:`usable_memory`).
     ``estimate``: the largest value whose estimated peak *allocated* bytes fit ``usable_bytes`` (no
     allocator, no margin: what a formula alone says). ``halving``: where a retry that starts at ``start`` and
     halves on each out-of-memory error settles (accelerate's ``find_executable_batch_size``).
@@ -111,6 +204,14 @@ class FitResult:
     weights_bytes: int = 0
     reason: str = ""
     """Why not even 1 fits (empty when ``simulated >= 1``)."""
+    prompt_len: int = DEFAULT_PROMPT_LEN
+    """The prompt (training: sequence) length of a batch search; the last tried length of a seq_len search
+    is ``simulated``."""
+    new_tokens: int = DEFAULT_NEW_TOKENS
+    """New tokens generated per sequence (0 for training)."""
+    batch_size: int = 1
+    """The batch of a ``seq_len`` search."""
+    training: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
@@ -140,16 +241,20 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
 
 
 def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device" = "sim:h200-141gb",
-                   prompt_len: int = 512, new_tokens: int = 16, batch_size: int = 1, search: str = "batch",
-                   training: bool = False, policy: str = "pytorch", margin: float | None = None,
-                   max_value: int = 4096, start: int | None = None) -> FitResult:
+                   prompt_len: int = DEFAULT_PROMPT_LEN, new_tokens: int = DEFAULT_NEW_TOKENS, batch_size: int = 1,
+                   search: str = "batch", training: bool = False, policy: str = "pytorch",
+                   margin: float | None = None, max_value: int = 4096, start: int | None = None,
+                   progress: bool | None = False) -> FitResult:
     """The largest batch (``search="batch"``) or prompt/sequence length (``search="seq_len"``, at
     ``batch_size``) that runs on ``device`` without out-of-memory, by replaying the workload's allocations
     under ``policy`` with ``margin`` of the memory beyond the weights held back (default
-    :data:`DEFAULT_MARGINS`, Note [Fragmentation margin]).
+    :data:`DEFAULT_MARGINS`, Note [Fragmentation margin]), within the device's usable memory as a
+    ``GpuMemoryManager`` sees it (:func:`usable_memory`).
 
     ``training=True`` fits training steps of ``prompt_len`` tokens (``new_tokens`` is ignored). Returns a
     :class:`FitResult`; its ``simulated`` is 0 when not even 1 fits. ``max_value`` bounds the search.
+    ``progress``: a bar of the replays (None: on a terminal). Raises :class:`InjectedFaultError` when a
+    replay fails on a fault the device spec injects.
     """
     if search not in ("batch", "seq_len"):
         raise InvalidArgumentError(f"search must be 'batch' or 'seq_len', got {search!r}")
@@ -161,14 +266,18 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         raise InvalidArgumentError(f"margin must be a number in [0, 10], got {margin!r}")
     own = not isinstance(device, Device)
     dev = open_device(device) if own else device
+    bar = progress_bar(None, f"fit {search}", "replay", enabled=progress)
     try:
-        usable = dev.mem_info().free_nbytes
+        usable = max(0, usable_memory(dev))
         weights = min(usable, shape.n_params * dtype_bytes)
         limit = int(weights + (usable - weights) / (1.0 + margin))
         tries: list[FitTry] = []
 
+        def sizes(v: int) -> tuple[int, int]:
+            return (v, prompt_len) if search == "batch" else (batch_size, v)
+
         def workload(v: int) -> WorkloadTrace:
-            b, p = (v, prompt_len) if search == "batch" else (batch_size, v)
+            b, p = sizes(v)
             if training:
                 return training_trace(shape, dtype_bytes, batch_size=b, seq_len=p)
             return inference_trace(shape, dtype_bytes, batch_size=b, prompt_len=p, new_tokens=new_tokens)
@@ -182,7 +291,20 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                 if w.peak_nbytes > (lim or usable):
                     cache[key] = False  # cannot fit: its live bytes alone exceed the room
                 else:
-                    cache[key] = _replay(w, dev, policy, lim if lim else None).fits
+                    room = lim if lim else usable
+                    if training:
+                        r = _replay(w, dev, policy, room)
+                    else:
+                        b, p = sizes(v)
+                        r = replay_inference(shape, dtype_bytes, (policy,), dev, batch_size=b, prompt_len=p,
+                                             new_tokens=new_tokens, limit=room, peak_nbytes=w.peak_nbytes)[0]
+                    if r.injected_fault:
+                        raise InjectedFaultError(
+                            f"an injected fault (the device spec's fault options) failed the replay of {search} "
+                            f"{v} on {dev.spec}; nothing was out of memory, and no size can be judged on a "
+                            f"device that injects faults (give the spec without them): {r.oom_message}")
+                    cache[key] = r.fits
+                    bar.update(1)
                 tries.append(FitTry(v, cache[key], rule))
             return cache[key]
 
@@ -202,15 +324,17 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         if simulated < 1:
             what = "batch 1" if search == "batch" else f"a prompt of 1 token at batch {batch_size}"
             if shape.n_params * dtype_bytes > usable:
-                reason = (f"the weights alone ({shape.n_params * dtype_bytes / 2**30:.2f} GiB) exceed what "
-                          f"{dev.spec} has free ({usable / 2**30:.2f} GiB)")
+                reason = (f"the weights alone ({format_bytes(shape.n_params * dtype_bytes)}) exceed the usable "
+                          f"memory of {dev.spec} ({format_bytes(usable)})")
             else:
                 reason = (f"not even {what} fits: its replay under {policy} needs more than "
-                          f"{limit / 2**30:.2f} GiB (the free {usable / 2**30:.2f} GiB less the margin)")
+                          f"{format_bytes(limit)} (the usable {format_bytes(usable)} less the margin)")
         return FitResult(search, policy, dev.spec, usable, limit, margin, simulated, estimate, halving, binary, first,
-                         tries, shape.n_params * dtype_bytes, reason)
+                         tries, shape.n_params * dtype_bytes, reason, prompt_len=prompt_len,
+                         new_tokens=0 if training else new_tokens, batch_size=batch_size, training=training)
     except OutOfMemoryError as exc:  # the device itself could not be opened with room: report as no fit
         raise InvalidArgumentError(f"find_max_batch: {exc}") from exc
     finally:
+        bar.close()
         if own:
             dev.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -15,8 +16,21 @@ __all__ = ["MemoryEstimate", "TrainingEstimate", "estimate_model_memory", "estim
 
 log = logging.getLogger(__name__)
 
-_GB = 1e9
-_MB = 1e6
+_GIB = float(2**30)
+_MIB = float(2**20)
+
+
+def _deprecated_alias(field: str, divisor: float, new: str) -> property:
+    """The old ``*_gb``/``*_mb`` helper: warns, names ``new``, and returns what it always did, ``field`` in
+    decimal units (Note [GiB everywhere])."""
+
+    def get(self: Any) -> float:
+        warnings.warn(f"MemoryEstimate.{new.replace('_gib', '_gb').replace('_mib', '_mb')} (decimal GB/MB) is "
+                      f"deprecated: use {new} (GiB/MiB, 2**30/2**20 bytes, as the command line prints)",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(self, field) / divisor
+
+    return property(get, doc=f"Deprecated: ``{field}`` in decimal units; use ``{new}`` (it warns).")
 
 #: Sanity caps on the workload (far beyond any real run; see also ``shape.SHAPE_CAPS``): larger values
 #: raise ``InvalidArgumentError`` naming the field and the cap.
@@ -47,29 +61,39 @@ class MemoryEstimate:
     phase: str = ""
 
     @property
-    def total_gb(self) -> float:
-        """``total_bytes`` in GB (10**9 bytes)."""
-        return self.total_bytes / _GB
+    def total_gib(self) -> float:
+        """``total_bytes`` in GiB (2**30 bytes, the unit of the command line)."""
+        return self.total_bytes / _GIB
 
     @property
-    def total_mb(self) -> float:
-        """``total_bytes`` in MB (10**6 bytes)."""
-        return self.total_bytes / _MB
+    def total_mib(self) -> float:
+        """``total_bytes`` in MiB (2**20 bytes)."""
+        return self.total_bytes / _MIB
 
     @property
-    def model_gb(self) -> float:
-        """``model_bytes`` in GB."""
-        return self.model_bytes / _GB
+    def model_gib(self) -> float:
+        """``model_bytes`` in GiB."""
+        return self.model_bytes / _GIB
 
     @property
-    def kv_cache_gb(self) -> float:
-        """``kv_cache_bytes`` in GB."""
-        return self.kv_cache_bytes / _GB
+    def kv_cache_gib(self) -> float:
+        """``kv_cache_bytes`` in GiB."""
+        return self.kv_cache_bytes / _GIB
 
     @property
-    def activation_gb(self) -> float:
-        """``activation_bytes`` in GB."""
-        return self.activation_bytes / _GB
+    def activation_gib(self) -> float:
+        """``activation_bytes`` in GiB."""
+        return self.activation_bytes / _GIB
+
+    # Note [GiB everywhere]: the command line prints GiB (2**30); the ``*_gb``/``*_mb`` helpers returned GB
+    # (10**9), so one figure read differently in Python and in a terminal. The helpers are ``*_gib``/``*_mib``
+    # now; the old names stay as deprecated aliases that warn and still return the decimal figure (code
+    # that used them keeps its numbers until it moves).
+    total_gb = _deprecated_alias("total_bytes", 1e9, "total_gib")
+    total_mb = _deprecated_alias("total_bytes", 1e6, "total_mib")
+    model_gb = _deprecated_alias("model_bytes", 1e9, "model_gib")
+    kv_cache_gb = _deprecated_alias("kv_cache_bytes", 1e9, "kv_cache_gib")
+    activation_gb = _deprecated_alias("activation_bytes", 1e9, "activation_gib")
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""

@@ -27,6 +27,19 @@ Note [Decode]
     ``new_tokens - 1`` decode forwards; before each, ``generate()`` appends the last token to the int64
     input ids and grows the attention mask, both by ``torch.cat``.
 
+Note [Decode steps simulated]
+    A decode step repeats the one before it but for the sizes of the cache and of the ids and mask, which
+    are one token longer. At every op of step ``s + 1`` the live bytes are therefore at least those at the
+    same op of step ``s``: the peak of allocated bytes over all decode steps is the peak of the last one,
+    given the cache as the step before left it. :func:`inference_trace` thus holds the prefill, the first
+    ``DECODE_HEAD_STEPS`` steps and the last two (the cache jumps in size between them), and its peak and
+    the split at the peak are those of the full trace to the byte (``full_decode=True`` keeps every step;
+    ``tests/estimate/test_decode_steps.py`` compares both). What an allocator *reserves* depends on the
+    whole history of sizes, so it is not taken from that short trace: :func:`stream_inference` makes every
+    op of every step and hands each to the replaying allocator at once, keeping none, so memory no longer
+    grows with the number of new tokens (the old trace took about 220 KB per token) and the reserved
+    figures are those of the full trace.
+
 Note [Token bookkeeping]
     Beside the tensors of the model, ``generate()`` holds the int64 input ids and attention mask, and each
     forward computes ``position_ids`` from the mask by ``cumsum``: about 24 bytes per token, which the
@@ -43,6 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -51,7 +65,7 @@ from ..trace.model import Trace
 from ..units import MiB
 from .shape import ModelShape
 
-__all__ = ["Category", "WorkloadTrace", "inference_trace", "training_trace", "CUBLAS_WORKSPACE_NBYTES",
+__all__ = ["Category", "WorkloadTrace", "inference_trace", "stream_inference", "decode_steps_simulated", "OpSink", "training_trace", "CUBLAS_WORKSPACE_NBYTES",
            "MISC_NBYTES", "DECODE_SLACK_PER_Q_NBYTES"]
 
 CUBLAS_WORKSPACE_NBYTES = 32 * MiB
@@ -63,6 +77,9 @@ BACKWARD_MISC_NBYTES = 16 * MiB
 DECODE_SLACK_PER_Q_NBYTES = 6 * 1024
 """Multi-head (not grouped) attention: a kernel workspace in decode steps, per query width (Note [Overhead]:
 19 MiB measured on the 7B model, q width 4096, none on the grouped-query models)."""
+
+DECODE_HEAD_STEPS = 2
+"""Decode steps simulated one by one before the jump to the last (Note [Decode steps simulated])."""
 
 _ROUND = 512  # PyTorch rounds every block to 512 bytes; max_memory_allocated counts rounded blocks
 
@@ -88,11 +105,23 @@ class WorkloadTrace:
     phase_at_peak: str
 
 
+class OpSink(Protocol):
+    """What an emitter also sends its ops to, as it makes them (Note [Decode steps simulated])."""
+
+    def alloc(self, op_id: int, nbytes: int) -> None:
+        """An allocation of ``nbytes`` named ``op_id``."""
+
+    def free(self, op_id: int) -> None:
+        """The free of allocation ``op_id``."""
+
+
 class _Emitter:
     """Builds the ops of a trace and tracks live bytes per category (no lock: one thread builds it)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, record: bool = True, sinks: "tuple[OpSink, ...]" = ()) -> None:
         self.name = name
+        self.record = record
+        self.sinks = sinks
         self.kinds: list[int] = []
         self.ids: list[int] = []
         self.sizes: list[int] = []
@@ -104,16 +133,21 @@ class _Emitter:
         self.at_peak: dict[Category, int] = {}
         self.phase = ""
         self.phase_at_peak = ""
+        self.next_id = 0
 
     def alloc(self, nbytes: int, cat: Category = Category.ACTIVATIONS) -> int:
         """Append an alloc of ``nbytes``; return its id."""
         nbytes = int(nbytes)
         rounded = -(-max(nbytes, 1) // _ROUND) * _ROUND
-        i = len(self.alloc_nbytes)
-        self.alloc_nbytes.append(nbytes)
-        self.kinds.append(0)
-        self.ids.append(i)
-        self.sizes.append(nbytes)
+        i = self.next_id
+        self.next_id += 1
+        if self.record:
+            self.alloc_nbytes.append(nbytes)
+            self.kinds.append(0)
+            self.ids.append(i)
+            self.sizes.append(nbytes)
+        for sink in self.sinks:
+            sink.alloc(i, nbytes)
         self.live[i] = (rounded, cat)
         self.by_cat[cat] += rounded
         self.cur += rounded
@@ -127,9 +161,12 @@ class _Emitter:
         """Append a free of each id."""
         for i in ids:
             rounded, cat = self.live.pop(i)
-            self.kinds.append(1)
-            self.ids.append(i)
-            self.sizes.append(self.alloc_nbytes[i])
+            if self.record:
+                self.kinds.append(1)
+                self.ids.append(i)
+                self.sizes.append(self.alloc_nbytes[i])
+            for sink in self.sinks:
+                sink.free(i)
             self.by_cat[cat] -= rounded
             self.cur -= rounded
 
@@ -260,15 +297,51 @@ def _forward(e: _Emitter, s: ModelShape, batch: int, q_len: int, d: int, cache: 
     e.free(p1, p2, f32)
 
 
+def decode_steps_simulated(new_tokens: int, *, full: bool = False) -> list[int]:
+    """The decode steps (1 .. ``new_tokens - 1``) an inference trace simulates (Note [Decode steps
+    simulated]): all of them with ``full=True``, else the first :data:`DECODE_HEAD_STEPS` and the last."""
+    n = max(new_tokens - 1, 0)
+    if full or n <= DECODE_HEAD_STEPS + 2:
+        return list(range(1, n + 1))
+    return [*range(1, DECODE_HEAD_STEPS + 1), n - 1, n]
+
+
 def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, prompt_len: int,
-                    new_tokens: int = 0) -> WorkloadTrace:
-    """The allocations of loading the weights and running ``generate()`` (greedy, DynamicCache, SDPA)."""
+                    new_tokens: int = 0, full_decode: bool = False) -> WorkloadTrace:
+    """The allocations of loading the weights and running ``generate()`` (greedy, DynamicCache, SDPA).
+
+    Only the decode steps of :func:`decode_steps_simulated` are in the trace (all of them with
+    ``full_decode=True``, the reference: Note [Decode steps simulated]); its size does not grow with
+    ``new_tokens``.
+    """
     _check("batch_size", batch_size)
     _check("prompt_len", prompt_len)
     _check("new_tokens", new_tokens, 0)
     _check("dtype_bytes", dtype_bytes)
-    d_act = max(dtype_bytes, 2)  # int8/fp8 weights still compute in 16-bit
     e = _Emitter(f"generate b={batch_size} p={prompt_len} n={new_tokens}")
+    _emit_inference(e, shape, dtype_bytes, batch_size, prompt_len, new_tokens,
+                    decode_steps_simulated(new_tokens, full=full_decode))
+    return e.build()
+
+
+def stream_inference(shape: ModelShape, dtype_bytes: int, sinks: Sequence[OpSink], *, batch_size: int = 1,
+                     prompt_len: int, new_tokens: int = 0,
+                     on_step: Callable[[int], None] | None = None) -> None:
+    """Send every op of ``generate()`` (every decode step, as ``inference_trace(..., full_decode=True)``
+    makes them) to ``sinks`` as they are made, keeping none: memory does not grow with ``new_tokens``.
+    ``on_step(step)`` is called after the prefill (0) and each decode step."""
+    _check("batch_size", batch_size)
+    _check("prompt_len", prompt_len)
+    _check("new_tokens", new_tokens, 0)
+    _check("dtype_bytes", dtype_bytes)
+    e = _Emitter(f"generate b={batch_size} p={prompt_len} n={new_tokens}", record=False, sinks=tuple(sinks))
+    _emit_inference(e, shape, dtype_bytes, batch_size, prompt_len, new_tokens,
+                    range(1, max(new_tokens, 1)), on_step)
+
+
+def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size: int, prompt_len: int,
+                    new_tokens: int, steps: Iterable[int], on_step: Callable[[int], None] | None = None) -> None:
+    d_act = max(dtype_bytes, 2)  # int8/fp8 weights still compute in 16-bit
     e.phase = "weights"
     for _, n in shape.param_shapes():
         e.alloc(n * dtype_bytes, Category.WEIGHTS)
@@ -279,7 +352,9 @@ def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1,
     e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)
     cache = [-1] * (2 * shape.n_layers)
     _forward(e, shape, batch_size, prompt_len, d_act, cache, prompt_len, 0)
-    for step in range(1, new_tokens):
+    if on_step is not None:
+        on_step(0)
+    for step in steps:
         e.phase = "decode"
         grown = e.alloc(batch_size * (prompt_len + step) * 8)  # generate() appends the token to the ids,
         e.free(ids)
@@ -289,6 +364,8 @@ def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1,
         mask = grown
         slack = DECODE_SLACK_PER_Q_NBYTES * shape.q_dim if shape.n_kv_heads == shape.n_heads else 0
         _forward(e, shape, batch_size, 1, d_act, cache, prompt_len + step, slack)
+        if on_step is not None:
+            on_step(step)
     e.phase = "end"
     if new_tokens:
         grown = e.alloc(batch_size * (prompt_len + new_tokens) * 8)  # the last token appended
@@ -298,7 +375,6 @@ def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1,
     for c in cache:
         if c >= 0:
             e.free(c)
-    return e.build()
 
 
 def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, seq_len: int,

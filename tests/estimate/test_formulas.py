@@ -48,8 +48,17 @@ def test_kv_cache_formula():
 def test_parts_add_up_and_helpers_convert():
     e = estimate_inference_memory(*small_args(), 128, 2, batch_size=2, prompt_len=100, new_tokens=8)
     assert e.model_bytes + e.kv_cache_bytes + e.activation_bytes + e.overhead_bytes == e.total_bytes
-    assert e.total_gb == pytest.approx(e.total_bytes / 1e9)
-    assert e.total_mb == pytest.approx(e.total_bytes / 1e6)
+    assert e.total_gib == e.total_bytes / 2**30 and e.total_mib == e.total_bytes / 2**20
+    assert e.model_gib == e.model_bytes / 2**30 and e.kv_cache_gib == e.kv_cache_bytes / 2**30
+    assert e.activation_gib == e.activation_bytes / 2**30
+    for old, new, field, scale in (("total_gb", "total_gib", "total_bytes", 1e9),
+                                   ("total_mb", "total_mib", "total_bytes", 1e6),
+                                   ("model_gb", "model_gib", "model_bytes", 1e9),
+                                   ("kv_cache_gb", "kv_cache_gib", "kv_cache_bytes", 1e9),
+                                   ("activation_gb", "activation_gib", "activation_bytes", 1e9)):
+        with pytest.warns(DeprecationWarning, match=new):
+            value = getattr(e, old)  # the deprecated alias keeps its decimal figure
+        assert value == getattr(e, field) / scale
     assert e.as_dict()["total_bytes"] == e.total_bytes
     # weights are whole at the peak, and the cache holds at least the prompt of every layer
     assert e.model_bytes == ModelShape(**SMALL).n_params * 2

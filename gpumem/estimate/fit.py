@@ -34,7 +34,7 @@ from ..replay import make_allocator, replay_trace
 from ..specs import open_device
 from ..units import format_bytes
 from .shape import ModelShape
-from .workload import WorkloadTrace, inference_trace, stream_inference, training_trace
+from .workload import DECODE_HEAD_STEPS, WorkloadTrace, inference_trace, stream_inference, training_trace
 
 __all__ = ["ReservedEstimate", "FitResult", "FitTry", "estimate_peak_reserved", "find_max_batch",
            "DEFAULT_MARGINS", "DEFAULT_NEW_TOKENS", "DEFAULT_PROMPT_LEN", "InjectedFaultError", "usable_memory",
@@ -127,8 +127,20 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
         peak_nbytes = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len,
                                       new_tokens=new_tokens).peak_nbytes
     bar = bar if bar is not None else NoProgress()
+    # Note [Prefix first]: the trace of the first DECODE_HEAD_STEPS + 1 tokens is a prefix of the full
+    # workload's ops (its end frees, and its one allocation is the next step's first op), so a replay that
+    # runs out of memory there does so in the full replay too, at the same op with the same reserve; one
+    # that does not and covers every token is the full replay. Only the rest is streamed.
+    head = min(new_tokens, DECODE_HEAD_STEPS + 1)
+    prefix = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len, new_tokens=head)
     out = []
     for policy in policies:
+        first = _replay(prefix, device, policy, limit)
+        if not first.fits or head == new_tokens:
+            bar.update(max(new_tokens, 1))
+            out.append(ReservedEstimate(policy, first.device, peak_nbytes, first.peak_reserved_bytes, first.fits,
+                                        first.oom_message, first.injected_fault))
+            continue
         own = not isinstance(device, Device)
         dev = open_device(device) if own else device
         try:

@@ -43,7 +43,8 @@ def test_peak_allocated_and_its_split_match_the_full_trace(name, batch, prompt, 
 
 
 @pytest.mark.parametrize("name,batch,prompt,new", [("mha", 1, 64, 50), ("mha", 8, 100, 120), ("gqa", 3, 77, 60),
-                                                   ("gqa", 64, 16, 90), ("tied", 5, 200, 33), ("mha", 2, 9, 1)])
+                                                   ("gqa", 64, 16, 90), ("tied", 5, 200, 33), ("mha", 2, 9, 1),
+                                                   ("gqa", 4, 30, 4), ("gqa", 4, 30, 5)])
 def test_streamed_replay_reserves_what_the_full_trace_reserves(name, batch, prompt, new):
     s = SHAPES[name]
     full = inference_trace(s, 2, batch_size=batch, prompt_len=prompt, new_tokens=new, full_decode=True)

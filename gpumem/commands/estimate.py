@@ -130,11 +130,13 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
 
     if args.training:
         est = estimate_training_memory(*dims, prompt, nbytes, batch_size=args.batch_size, head_dim=shape.head_dim,
-                                       tie_word_embeddings=shape.tie_word_embeddings)
+                                       tie_word_embeddings=shape.tie_word_embeddings,
+                                       attention_bias=shape.attention_bias)
     else:
         est = estimate_inference_memory(*dims, max_len, nbytes, batch_size=args.batch_size, prompt_len=prompt,
                                         new_tokens=new, head_dim=shape.head_dim,
-                                        tie_word_embeddings=shape.tie_word_embeddings)
+                                        tie_word_embeddings=shape.tie_word_embeddings,
+                                        attention_bias=shape.attention_bias)
     row: dict[str, Any] = {
         "dtype": name, "dtype_bytes": nbytes, "workload": "training" if args.training else "generate",
         "batch_size": args.batch_size, "prompt_len": prompt, "new_tokens": 0 if args.training else new,

@@ -157,16 +157,18 @@ def _from_trace(model_bytes: int, w: WorkloadTrace, cls: type = MemoryEstimate, 
 def estimate_inference_memory(hidden_size: int, intermediate_size: int, n_layers: int, vocab_size: int,
                               n_heads: int, n_kv_heads: int, max_seq_len: int, dtype_bytes: int, *,
                               batch_size: int = 1, prompt_len: int | None = None, new_tokens: int = 0,
-                              head_dim: int = 0, tie_word_embeddings: bool = False) -> MemoryEstimate:
+                              head_dim: int = 0, tie_word_embeddings: bool = False,
+                              attention_bias: bool = False) -> MemoryEstimate:
     """The peak of allocated bytes of Hugging Face ``generate()`` on a Llama-style decoder.
 
+    ``attention_bias``: biases on the q, k and v projections (Qwen2).
     ``prompt_len`` defaults to ``max_seq_len - new_tokens``; ``prompt_len + new_tokens`` may not exceed
     ``max_seq_len``. The estimate walks the allocations of :func:`~gpumem.estimate.workload.inference_trace`
     (weights, prefill, one decode step per new token after the first) and reports their peak.
     """
     dtype_bytes = _check_dtype(dtype_bytes)
     shape = ModelShape(hidden_size, intermediate_size, n_layers, vocab_size, n_heads, n_kv_heads, head_dim,
-                       tie_word_embeddings)
+                       tie_word_embeddings, attention_bias)
     _cap("batch_size", batch_size)
     prompt = _prompt(max_seq_len, prompt_len, new_tokens)
     w = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt, new_tokens=new_tokens)
@@ -195,14 +197,14 @@ def _prompt(max_seq_len: int, prompt_len: int | None, new_tokens: int) -> int:
 def estimate_training_memory(hidden_size: int, intermediate_size: int, n_layers: int, vocab_size: int,
                              n_heads: int, n_kv_heads: int, seq_len: int, dtype_bytes: int, *, batch_size: int = 1,
                              optimizer_states: int = 2, head_dim: int = 0,
-                             tie_word_embeddings: bool = False) -> TrainingEstimate:
+                             tie_word_embeddings: bool = False, attention_bias: bool = False) -> TrainingEstimate:
     """The peak of allocated bytes of full training steps (forward, backward, foreach AdamW with
     ``optimizer_states`` states per parameter in the weights' dtype), steady state included (two steps)."""
     dtype_bytes = _check_dtype(dtype_bytes)
     if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
         raise InvalidArgumentError(f"optimizer_states must be a whole number >= 0, got {optimizer_states!r}")
     shape = ModelShape(hidden_size, intermediate_size, n_layers, vocab_size, n_heads, n_kv_heads, head_dim,
-                       tie_word_embeddings)
+                       tie_word_embeddings, attention_bias)
     _cap("batch_size", batch_size)
     _cap("seq_len", seq_len)
     w = training_trace(shape, dtype_bytes, batch_size=batch_size, seq_len=seq_len, n_steps=2,

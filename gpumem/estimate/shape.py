@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["ModelShape", "from_hf_config", "DTYPE_BYTES", "SHAPE_CAPS", "MAX_CONFIG_BYTES"]
+__all__ = ["ModelShape", "from_hf_config", "DTYPE_BYTES", "SHAPE_CAPS", "MAX_CONFIG_BYTES", "SUPPORTED_MODEL_TYPES"]
 
 #: Sanity caps on the shape (far beyond any real model): larger values are refused, since the estimate's
 #: cost grows with them (``n_layers``) and the figures would be meaningless.
@@ -57,6 +57,8 @@ class ModelShape:
     n_kv_heads: int
     head_dim: int = 0
     tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2; ``attention_bias`` in a Llama config)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "n_layers", "vocab_size", "n_heads", "n_kv_heads"):
@@ -69,6 +71,8 @@ class ModelShape:
         _positive_int("head_dim", self.head_dim, SHAPE_CAPS["head_dim"])
         if not isinstance(self.tie_word_embeddings, bool):
             raise InvalidArgumentError(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
+        if not isinstance(self.attention_bias, bool):
+            raise InvalidArgumentError(f"attention_bias must be true or false, got {self.attention_bias!r}")
         if self.n_heads % self.n_kv_heads:
             raise InvalidArgumentError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
 
@@ -83,11 +87,15 @@ class ModelShape:
         return self.n_kv_heads * self.head_dim
 
     def layer_param_shapes(self) -> list[tuple[str, int]]:
-        """Parameters of one block, in the order PyTorch creates them: (name, elements)."""
+        """Parameters of one block: (name, elements); the projections and norms in the order PyTorch creates
+        them, the attention biases (if any) last (the training trace's gradient order reads them by index)."""
         h, i = self.hidden_size, self.intermediate_size
-        return [("q_proj", h * self.q_dim), ("k_proj", h * self.kv_dim), ("v_proj", h * self.kv_dim),
-                ("o_proj", self.q_dim * h), ("gate_proj", h * i), ("up_proj", h * i), ("down_proj", i * h),
-                ("input_layernorm", h), ("post_attention_layernorm", h)]
+        out = [("q_proj", h * self.q_dim), ("k_proj", h * self.kv_dim), ("v_proj", h * self.kv_dim),
+               ("o_proj", self.q_dim * h), ("gate_proj", h * i), ("up_proj", h * i), ("down_proj", i * h),
+               ("input_layernorm", h), ("post_attention_layernorm", h)]
+        if self.attention_bias:
+            out += [("q_proj.bias", self.q_dim), ("k_proj.bias", self.kv_dim), ("v_proj.bias", self.kv_dim)]
+        return out
 
     def param_shapes(self) -> list[tuple[str, int]]:
         """Every parameter tensor of the model, in creation order: (name, elements)."""
@@ -110,6 +118,70 @@ def _first(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
         if name in cfg and cfg[name] is not None:
             return cfg[name]
     return default
+
+
+#: ``model_type`` values whose decoder is the Llama-style block :class:`ModelShape` describes (gated SiLU MLP,
+#: RMSNorm, rotary attention; ``qwen2`` with its q/k/v biases). A config without ``model_type`` is taken as one.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+#: Config keys that make a model a mixture-of-experts (Note [Refuse what is not modelled]).
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "n_shared_experts", "shared_expert_intermediate_size", "moe_layer_freq",
+            "first_k_dense_replace", "decoder_sparse_step")
+
+#: Other config keys that change memory and that the estimate does not model: any value but the neutral
+#: one (``None``, ``False``, ``0`` or an empty list) is refused.
+UNMODELLED_KEYS = {
+    "quantization_config": "quantized weights",
+    "quantization": "quantized weights",
+    "kv_lora_rank": "multi-head latent attention (DeepSeek's compressed cache)",
+    "q_lora_rank": "multi-head latent attention (DeepSeek's compressed cache)",
+    "num_nextn_predict_layers": "multi-token prediction layers",
+    "cross_attention_layers": "cross-attention layers",
+    "mlp_bias": "MLP biases",
+    "attn_logit_softcapping": "attention logit soft-capping (eager attention, full score matrices)",
+}
+
+_NEUTRAL = (None, False, 0, [], {}, "")
+
+
+def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str) -> None:
+    """Note [Refuse what is not modelled]: a config field that changes memory and that this estimate does not
+    model stops it with ``InvalidArgumentError`` naming the field: read as the dense Llama-style decoder it
+    otherwise describes, a Mixtral-8x7B config came out as 7.24B parameters (13.49 GiB) instead of 46.7B, and
+    a BitNet config as bf16 weights four times their packed size, without a word. Better no answer than a
+    wrong one: what is refused here is what this module does not read yet."""
+    moe = {k: cfg[k] for k in MOE_KEYS if cfg.get(k) not in _NEUTRAL}
+    if moe:
+        fields = ", ".join(f"{k}={v!r}" for k, v in moe.items())
+        raise InvalidArgumentError(f"{origin}: a mixture-of-experts model ({fields}) is not supported by this "
+                                   "estimate: read as a dense model it would count one expert's weights only")
+    for key, what in UNMODELLED_KEYS.items():
+        value = cfg.get(key)
+        if value not in _NEUTRAL:
+            shown = value.get("quant_method", value) if isinstance(value, Mapping) else value
+            raise InvalidArgumentError(f"{origin}: {key} ({shown!r:.80}) means {what}, which this estimate does "
+                                       "not model: it would be read as plain 16-bit dense weights")
+    model_type = cfg.get("model_type")
+    if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
+        raise InvalidArgumentError(f"{origin}: model_type {model_type!r:.60} is not one this estimate models "
+                                   f"(it reads {', '.join(SUPPORTED_MODEL_TYPES)}: Llama-style decoders); its "
+                                   "layers may hold other weights and temporaries")
+    act = cfg.get("hidden_act", cfg.get("hidden_activation"))
+    if act is not None and act not in ("silu", "swish"):
+        raise InvalidArgumentError(f"{origin}: hidden_act {act!r:.60} is not modelled (the estimate's MLP is "
+                                   "the gated SiLU of Llama); its temporaries differ")
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types):
+        raise InvalidArgumentError(f"{origin}: layer_types names layers other than full attention "
+                                   f"({sorted({str(t)[:40] for t in layer_types} - {'full_attention'})}), "
+                                   "which this estimate does not model")
+    window = cfg.get("sliding_window")
+    context = cfg.get("max_position_embeddings")
+    if window not in _NEUTRAL and cfg.get("use_sliding_window", True) is not False:
+        if not (isinstance(window, int) and isinstance(context, int) and window >= context):
+            raise InvalidArgumentError(f"{origin}: sliding-window attention (sliding_window={window!r:.40}) is "
+                                       "not modelled: the estimate would hold a cache longer than the window")
 
 
 def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -> tuple[ModelShape, int]:
@@ -138,6 +210,7 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
             raise InvalidArgumentError(f"{origin}: expected a JSON object, got {type(cfg).__name__}")
     if isinstance(cfg.get("text_config"), Mapping):
         cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k in ("torch_dtype", "dtype")}}
+    _refuse_unmodelled(cfg, origin)
     fields = {
         "hidden_size": _first(cfg, "hidden_size", "n_embd", "d_model"),
         "intermediate_size": _first(cfg, "intermediate_size", "n_inner", "ffn_dim"),
@@ -168,8 +241,11 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
     dtype_name = str(_first(cfg, "torch_dtype", "dtype", default="bfloat16")).replace("torch.", "")
     if dtype_name not in DTYPE_BYTES:
         raise InvalidArgumentError(f"{origin}: unknown dtype {dtype_name!r}; known: {', '.join(DTYPE_BYTES)}")
+    bias = cfg.get("attention_bias", cfg.get("model_type") == "qwen2")  # Qwen2's q/k/v always have biases
+    if not isinstance(bias, bool):
+        raise InvalidArgumentError(f"{origin}: attention_bias must be JSON true or false, got {bias!r:.40}")
     shape = ModelShape(fields["hidden_size"], fields["intermediate_size"], fields["n_layers"], fields["vocab_size"],
-                       fields["n_heads"], n_kv, head_dim, tie)
+                       fields["n_heads"], n_kv, head_dim, tie, bias)
     return shape, DTYPE_BYTES[dtype_name]
 
 

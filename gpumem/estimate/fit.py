@@ -175,6 +175,10 @@ def estimate_peak_reserved(w: WorkloadTrace, policies: "tuple[str, ...] | list[s
     ``generate()`` come from :func:`replay_inference`, which replays every step."""
     if not policies:
         raise InvalidArgumentError("estimate_peak_reserved: give at least one policy")
+    if not w.complete:
+        raise InvalidArgumentError("estimate_peak_reserved: this generate() trace leaves decode steps out (Note "
+                                   "[Decode steps simulated]); use replay_inference(), or inference_trace(..., "
+                                   "full_decode=True)")
     return [_replay(w, device, p, limit) for p in policies]
 
 

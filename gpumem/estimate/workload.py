@@ -103,6 +103,9 @@ class WorkloadTrace:
     peak_nbytes: int
     at_peak: dict[Category, int]
     phase_at_peak: str
+    complete: bool = True
+    """False when decode steps were left out (Note [Decode steps simulated]): the peak is exact, but a replay
+    of this trace is not the workload's (:func:`gpumem.estimate.fit.estimate_peak_reserved` refuses it)."""
 
 
 class OpSink(Protocol):
@@ -319,9 +322,11 @@ def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1,
     _check("new_tokens", new_tokens, 0)
     _check("dtype_bytes", dtype_bytes)
     e = _Emitter(f"generate b={batch_size} p={prompt_len} n={new_tokens}")
-    _emit_inference(e, shape, dtype_bytes, batch_size, prompt_len, new_tokens,
-                    decode_steps_simulated(new_tokens, full=full_decode))
-    return e.build()
+    steps = decode_steps_simulated(new_tokens, full=full_decode)
+    _emit_inference(e, shape, dtype_bytes, batch_size, prompt_len, new_tokens, steps)
+    w = e.build()
+    w.complete = len(steps) == max(new_tokens - 1, 0)
+    return w
 
 
 def stream_inference(shape: ModelShape, dtype_bytes: int, sinks: Sequence[OpSink], *, batch_size: int = 1,

@@ -183,3 +183,14 @@ def test_estimate_table_says_whether_it_fits_and_names_its_units(capsys):
                  "sim:a100-80gb", "--no-reserved"]) == 0
     out = capsys.readouterr().out
     assert "RES" not in out and "whether PEAK ALLOC fits" in out
+
+
+def test_a_short_trace_is_not_replayed_as_if_it_were_the_workload():
+    from gpumem.errors import InvalidArgumentError
+    from gpumem.estimate import estimate_peak_reserved
+
+    short = inference_trace(SHAPES["mha"], 2, batch_size=2, prompt_len=16, new_tokens=40)
+    assert not short.complete
+    with pytest.raises(InvalidArgumentError, match="leaves decode steps out"):
+        estimate_peak_reserved(short, ("pytorch",), device="sim:t4-16gb")
+    assert inference_trace(SHAPES["mha"], 2, batch_size=2, prompt_len=16, new_tokens=40, full_decode=True).complete

@@ -94,7 +94,10 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     for pol in policies:
         get_policy(pol)
     check_device(args.device)
-    usable = _usable(args.device)
+    if args.weight_fmt is not None and args.training:
+        raise InvalidArgumentError("--training with a weight format is not modelled (full training updates "
+                                   "16-bit weights)")
+    usable, workspace = _usable(args.device, shape, args.weight_fmt)
     rows = []
     dims = (shape.hidden_size, shape.intermediate_size, shape.n_layers, shape.vocab_size, shape.n_heads,
             shape.n_kv_heads)
@@ -104,26 +107,31 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
                    enabled=False if args.json or not replays else None)
     try:
         for name, nbytes in dtypes:
-            rows.append(_row(args, shape, dims, name, nbytes, prompt, new, max_len, policies, usable, note, bar))
+            rows.append(_row(args, shape, dims, name, nbytes, prompt, new, max_len, policies, (usable, workspace),
+                             note, bar))
     finally:
         bar.close()
     return rows
 
 
-def _usable(spec: str) -> int:
+def _usable(spec: str, shape: Any, fmt: Any) -> tuple[int, int]:
+    """The usable memory of ``spec`` and the dequantization workspace of ``fmt`` there."""
     from ..estimate.fit import usable_memory
+    from ..estimate.formats import dequant_workspace_nbytes
     from ..specs import open_device
 
     dev = open_device(spec)
     try:
-        return usable_memory(dev)
+        return usable_memory(dev), dequant_workspace_nbytes(shape, fmt, dev)
     finally:
         dev.close()
 
 
 def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str, nbytes: int, prompt: int,
-         new: int, max_len: int, policies: list[str], usable: int, note: str, bar: Any) -> dict[str, Any]:
-    """One dtype's estimate as a JSON-ready dict."""
+         new: int, max_len: int, policies: list[str], room: tuple[int, int], note: str, bar: Any) -> dict[str, Any]:
+    """One dtype's estimate as a JSON-ready dict; ``room`` is (usable bytes, dequantization workspace bytes)."""
+    usable, workspace = room
+    fmt = args.weight_fmt
     from ..estimate.fit import estimate_peak_reserved, replay_inference
     from ..estimate.formulas import estimate_inference_memory, estimate_training_memory
     from ..estimate.workload import training_trace
@@ -136,7 +144,8 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
         est = estimate_inference_memory(*dims, max_len, nbytes, batch_size=args.batch_size, prompt_len=prompt,
                                         new_tokens=new, head_dim=shape.head_dim,
                                         tie_word_embeddings=shape.tie_word_embeddings,
-                                        attention_bias=shape.attention_bias)
+                                        attention_bias=shape.attention_bias, weight_format=fmt,
+                                        workspace_nbytes=workspace)
     row: dict[str, Any] = {
         "dtype": name, "dtype_bytes": nbytes, "workload": "training" if args.training else "generate",
         "batch_size": args.batch_size, "prompt_len": prompt, "new_tokens": 0 if args.training else new,
@@ -145,7 +154,11 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
         "overhead_bytes": est.overhead_bytes, "peak_phase": est.phase,
         "context_len": args.context_len, "warnings": [note] if note else [],
         "device": args.device, "usable_bytes": usable,
+        "weight_format": None if fmt is None else fmt.name,
+        "weight_bits": None if fmt is None else fmt.bits_per_weight, "dequant_workspace_bytes": workspace,
     }
+    if fmt is not None and fmt.scales == "none":
+        row["warnings"].append(f"--weight-bits {fmt.bits_per_weight:g}: the weights' scales (if any) are not counted")
     if args.training:
         row["gradient_bytes"] = est.gradient_bytes  # type: ignore[attr-defined]
         row["optimizer_bytes"] = est.optimizer_bytes  # type: ignore[attr-defined]
@@ -158,7 +171,7 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
         else:
             res = replay_inference(shape, nbytes, policies, args.device, batch_size=args.batch_size,
                                    prompt_len=prompt, new_tokens=new, limit=usable, peak_nbytes=est.total_bytes,
-                                   bar=bar)
+                                   bar=bar, weight_format=fmt, workspace_nbytes=workspace)
         row["peak_reserved_bytes"] = res[0].peak_reserved_bytes
         row["reserved_policy"] = res[0].policy
         row["peak_reserved_by_policy"] = {e.policy: e.peak_reserved_bytes for e in res}
@@ -194,7 +207,10 @@ def run(args: argparse.Namespace) -> int:
     first = rows[0]
     kind = (f"training, batch {first['batch_size']} x {first['prompt_len']} tokens" if args.training else
             f"generate(), batch {first['batch_size']}, prompt {first['prompt_len']}, {first['new_tokens']} new tokens")
-    print(f"{first['n_params'] / 1e9:.2f}B parameters; {kind}; sizes in GiB (2^30 bytes)")
+    fmt = "" if first["weight_format"] is None else f"; projections in {first['weight_format']}"
+    if first["dequant_workspace_bytes"]:
+        fmt += f" (dequantization workspace {format_bytes(first['dequant_workspace_bytes'])} in OVERHEAD)"
+    print(f"{first['n_params'] / 1e9:.2f}B parameters{fmt}; {kind}; sizes in GiB (2^30 bytes)")
     pols = list(first.get("peak_reserved_by_policy", {}))
     middle = ("GRADIENTS", "OPTIMIZER") if args.training else ("KV @PEAK",)
     keys = ("gradient_bytes", "optimizer_bytes") if args.training else ("kv_cache_bytes",)

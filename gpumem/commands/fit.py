@@ -79,19 +79,23 @@ def run(args: argparse.Namespace) -> int:
         r = find_max_batch(shape, nbytes, device=args.device, prompt_len=args.prompt_len,
                            new_tokens=args.new_tokens, batch_size=args.batch_size, search=args.search,
                            training=args.training, policy=args.policy, margin=args.margin,
-                           max_value=args.max_value, progress=False if args.json else None)
-    except InjectedFaultError as exc:
+                           max_value=args.max_value, progress=False if args.json else None,
+                           weight_format=args.weight_fmt)
+    except InjectedFaultError as exc:  # Note: the injected fault is named, never read as a shortage
         print(f"gpumem fit: {exc}", file=sys.stderr)
         return EXIT_DEVICE_ERROR
     if args.json:
         out = r.as_dict()
-        out.update(dtype=name, n_params=shape.n_params, context_len=args.context_len, warnings=[note] if note else [])
+        out.update(dtype=name, weight_format=None if args.weight_fmt is None else args.weight_fmt.name,
+                   n_params=shape.n_params, context_len=args.context_len, warnings=[note] if note else [])
         print(json.dumps(out, indent=2))
     else:
         what = "batch" if args.search == "batch" else "prompt length"
         work = (f"training steps of {args.prompt_len} tokens" if args.training else
                 f"generate(), {args.new_tokens} new tokens")
         at = f"prompt {args.prompt_len}" if args.search == "batch" else f"batch {args.batch_size}"
+        if args.weight_fmt is not None:
+            name = f"{name}, projections in {args.weight_fmt.name}"
         print(f"{shape.n_params / 1e9:.2f}B parameters, {name}, {work}, {at}; on {r.device} "
               f"({r.usable_bytes / 2**30:.2f} GiB usable by a GpuMemoryManager), policy {r.policy}, "
               f"margin {r.margin:.0%} beyond the weights")

@@ -34,7 +34,8 @@ from ..replay import make_allocator, replay_trace
 from ..specs import open_device
 from ..units import format_bytes
 from .shape import ModelShape
-from .workload import DECODE_HEAD_STEPS, WorkloadTrace, inference_trace, stream_inference, training_trace
+from .formats import WeightFormat, dequant_workspace_nbytes
+from .workload import DECODE_HEAD_STEPS, weights_nbytes, WorkloadTrace, inference_trace, stream_inference, training_trace
 
 __all__ = ["ReservedEstimate", "FitResult", "FitTry", "estimate_peak_reserved", "find_max_batch",
            "DEFAULT_MARGINS", "DEFAULT_NEW_TOKENS", "DEFAULT_PROMPT_LEN", "InjectedFaultError", "usable_memory",
@@ -118,21 +119,24 @@ class _AllocatorSink:
 def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, ...] | list[str]",
                      device: "str | Device", *, batch_size: int = 1, prompt_len: int,
                      new_tokens: int = DEFAULT_NEW_TOKENS, limit: int | None = None, peak_nbytes: int | None = None,
-                     bar: Any = None) -> list[ReservedEstimate]:
+                     bar: Any = None, weight_format: WeightFormat | None = None,
+                     workspace_nbytes: int = 0) -> list[ReservedEstimate]:
     """Peak reserved of ``generate()`` under each policy: every op of every decode step replayed as it is
     made (:func:`~gpumem.estimate.workload.stream_inference`), so memory stays bounded while the figures
     are those of replaying ``inference_trace(..., full_decode=True)``. ``bar`` (a progress bar) advances by
     one per step."""
     if peak_nbytes is None:
         peak_nbytes = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len,
-                                      new_tokens=new_tokens).peak_nbytes
+                                      new_tokens=new_tokens, weight_format=weight_format,
+                                      workspace_nbytes=workspace_nbytes).peak_nbytes
     bar = bar if bar is not None else NoProgress()
     # Note [Prefix first]: the trace of the first DECODE_HEAD_STEPS + 1 tokens is a prefix of the full
     # workload's ops (its end frees, and its one allocation is the next step's first op), so a replay that
     # runs out of memory there does so in the full replay too, at the same op with the same reserve; one
     # that does not and covers every token is the full replay. Only the rest is streamed.
     head = min(new_tokens, DECODE_HEAD_STEPS + 1)
-    prefix = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len, new_tokens=head)
+    prefix = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len, new_tokens=head,
+                             weight_format=weight_format, workspace_nbytes=workspace_nbytes)
     out = []
     for policy in policies:
         first = _replay(prefix, device, policy, limit)
@@ -149,7 +153,8 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
                 sink = _AllocatorSink(allocator)
                 try:
                     stream_inference(shape, dtype_bytes, (sink,), batch_size=batch_size, prompt_len=prompt_len,
-                                     new_tokens=new_tokens, on_step=lambda _step: bar.update(1))
+                                     new_tokens=new_tokens, on_step=lambda _step: bar.update(1),
+                                     weight_format=weight_format, workspace_nbytes=workspace_nbytes)
                 except _Stopped:
                     pass
                 reserved = allocator.snapshot_stats().peak_reserved_nbytes
@@ -260,7 +265,7 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                    prompt_len: int = DEFAULT_PROMPT_LEN, new_tokens: int = DEFAULT_NEW_TOKENS, batch_size: int = 1,
                    search: str = "batch", training: bool = False, policy: str = "pytorch",
                    margin: float | None = None, max_value: int = 4096, start: int | None = None,
-                   progress: bool | None = False) -> FitResult:
+                   progress: bool | None = False, weight_format: WeightFormat | None = None) -> FitResult:
     """The largest batch (``search="batch"``) or prompt/sequence length (``search="seq_len"``, at
     ``batch_size``) that runs on ``device`` without out-of-memory, by replaying the workload's allocations
     under ``policy`` with ``margin`` of the memory beyond the weights held back (default
@@ -269,7 +274,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
 
     ``training=True`` fits training steps of ``prompt_len`` tokens (``new_tokens`` is ignored). Returns a
     :class:`FitResult`; its ``simulated`` is 0 when not even 1 fits. ``max_value`` bounds the search.
-    ``progress``: a bar of the replays (None: on a terminal). Raises :class:`InjectedFaultError` when a
+    ``weight_format``: the projections' format (:mod:`.formats`; generate() only), with its dequantization
+    workspace on ``device`` for the ternary ones. ``progress``: a bar of the replays (None: on a terminal). Raises :class:`InjectedFaultError` when a
     replay fails on a fault the device spec injects.
     """
     if search not in ("batch", "seq_len"):
@@ -280,12 +286,17 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         margin = DEFAULT_MARGINS.get(policy, 0.20)
     if not (isinstance(margin, (int, float)) and 0.0 <= margin <= 10.0):
         raise InvalidArgumentError(f"margin must be a number in [0, 10], got {margin!r}")
+    if weight_format is not None and training:
+        raise InvalidArgumentError("find_max_batch: a weight format with training is not modelled (full training "
+                                   "updates 16-bit weights)")
     own = not isinstance(device, Device)
     dev = open_device(device) if own else device
     bar = progress_bar(None, f"fit {search}", "replay", enabled=progress)
     try:
         usable = max(0, usable_memory(dev))
-        weights = min(usable, shape.n_params * dtype_bytes)
+        workspace = dequant_workspace_nbytes(shape, weight_format, dev)
+        weights_total = weights_nbytes(shape, dtype_bytes, weight_format)
+        weights = min(usable, weights_total)
         limit = int(weights + (usable - weights) / (1.0 + margin))
         tries: list[FitTry] = []
 
@@ -296,7 +307,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
             b, p = sizes(v)
             if training:
                 return training_trace(shape, dtype_bytes, batch_size=b, seq_len=p)
-            return inference_trace(shape, dtype_bytes, batch_size=b, prompt_len=p, new_tokens=new_tokens)
+            return inference_trace(shape, dtype_bytes, batch_size=b, prompt_len=p, new_tokens=new_tokens,
+                                   weight_format=weight_format, workspace_nbytes=workspace)
 
         cache: dict[tuple[int, int | None], bool] = {}
 
@@ -313,7 +325,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                     else:
                         b, p = sizes(v)
                         r = replay_inference(shape, dtype_bytes, (policy,), dev, batch_size=b, prompt_len=p,
-                                             new_tokens=new_tokens, limit=room, peak_nbytes=w.peak_nbytes)[0]
+                                             new_tokens=new_tokens, limit=room, peak_nbytes=w.peak_nbytes,
+                                             weight_format=weight_format, workspace_nbytes=workspace)[0]
                     if r.injected_fault:
                         raise InjectedFaultError(
                             f"an injected fault (the device spec's fault options) failed the replay of {search} "
@@ -339,14 +352,14 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         reason = ""
         if simulated < 1:
             what = "batch 1" if search == "batch" else f"a prompt of 1 token at batch {batch_size}"
-            if shape.n_params * dtype_bytes > usable:
-                reason = (f"the weights alone ({format_bytes(shape.n_params * dtype_bytes)}) exceed the usable "
+            if weights_total > usable:
+                reason = (f"the weights alone ({format_bytes(weights_total)}) exceed the usable "
                           f"memory of {dev.spec} ({format_bytes(usable)})")
             else:
                 reason = (f"not even {what} fits: its replay under {policy} needs more than "
                           f"{format_bytes(limit)} (the usable {format_bytes(usable)} less the margin)")
         return FitResult(search, policy, dev.spec, usable, limit, margin, simulated, estimate, halving, binary, first,
-                         tries, shape.n_params * dtype_bytes, reason, prompt_len=prompt_len,
+                         tries, weights_total, reason, prompt_len=prompt_len,
                          new_tokens=0 if training else new_tokens, batch_size=batch_size, training=training)
     except OutOfMemoryError as exc:  # the device itself could not be opened with room: report as no fit
         raise InvalidArgumentError(f"find_max_batch: {exc}") from exc

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from .formats import WeightFormat
 from .shape import ModelShape
 from .workload import Category, WorkloadTrace, inference_trace, training_trace
 
@@ -158,10 +159,13 @@ def estimate_inference_memory(hidden_size: int, intermediate_size: int, n_layers
                               n_heads: int, n_kv_heads: int, max_seq_len: int, dtype_bytes: int, *,
                               batch_size: int = 1, prompt_len: int | None = None, new_tokens: int = 0,
                               head_dim: int = 0, tie_word_embeddings: bool = False,
-                              attention_bias: bool = False) -> MemoryEstimate:
+                              attention_bias: bool = False, weight_format: "WeightFormat | None" = None,
+                              workspace_nbytes: int = 0) -> MemoryEstimate:
     """The peak of allocated bytes of Hugging Face ``generate()`` on a Llama-style decoder.
 
-    ``attention_bias``: biases on the q, k and v projections (Qwen2).
+    ``attention_bias``: biases on the q, k and v projections (Qwen2). ``weight_format``: the projections'
+    format (:mod:`.formats`; ``dtype_bytes`` is then the activations' and the other weights'), with
+    ``workspace_nbytes`` of dequantization workspace (:func:`.formats.dequant_workspace_nbytes`).
     ``prompt_len`` defaults to ``max_seq_len - new_tokens``; ``prompt_len + new_tokens`` may not exceed
     ``max_seq_len``. The estimate walks the allocations of :func:`~gpumem.estimate.workload.inference_trace`
     (weights, prefill, one decode step per new token after the first) and reports their peak.
@@ -171,7 +175,10 @@ def estimate_inference_memory(hidden_size: int, intermediate_size: int, n_layers
                        tie_word_embeddings, attention_bias)
     _cap("batch_size", batch_size)
     prompt = _prompt(max_seq_len, prompt_len, new_tokens)
-    w = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt, new_tokens=new_tokens)
+    if isinstance(workspace_nbytes, bool) or not isinstance(workspace_nbytes, int) or workspace_nbytes < 0:
+        raise InvalidArgumentError(f"workspace_nbytes must be a whole number >= 0, got {workspace_nbytes!r:.40}")
+    w = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt, new_tokens=new_tokens,
+                        weight_format=weight_format, workspace_nbytes=workspace_nbytes)
     return _from_trace(shape.n_params * dtype_bytes, w)
 
 

@@ -7,11 +7,15 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["ModelShape", "from_hf_config", "DTYPE_BYTES", "SHAPE_CAPS", "MAX_CONFIG_BYTES", "SUPPORTED_MODEL_TYPES"]
+if TYPE_CHECKING:  # pragma: no cover
+    from .formats import WeightFormat
+
+__all__ = ["ModelShape", "from_hf_config", "DTYPE_BYTES", "SHAPE_CAPS", "MAX_CONFIG_BYTES", "SUPPORTED_MODEL_TYPES",
+           "config_weight_format"]
 
 #: Sanity caps on the shape (far beyond any real model): larger values are refused, since the estimate's
 #: cost grows with them (``n_layers``) and the figures would be meaningless.
@@ -132,7 +136,6 @@ MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_exp
 #: Other config keys that change memory and that the estimate does not model: any value but the neutral
 #: one (``None``, ``False``, ``0`` or an empty list) is refused.
 UNMODELLED_KEYS = {
-    "quantization_config": "quantized weights",
     "quantization": "quantized weights",
     "kv_lora_rank": "multi-head latent attention (DeepSeek's compressed cache)",
     "q_lora_rank": "multi-head latent attention (DeepSeek's compressed cache)",
@@ -143,6 +146,37 @@ UNMODELLED_KEYS = {
 }
 
 _NEUTRAL = (None, False, 0, [], {}, "")
+
+
+def config_weight_format(cfg: Mapping[str, Any], origin: str = "config") -> "WeightFormat | None":
+    """The weight format a config's ``quantization_config`` names (Note [Weight formats] in :mod:`.formats`),
+    ``None`` without one; one this estimate does not read raises ``InvalidArgumentError`` naming it:
+    bitsandbytes 8-bit is ``int8``, per-tensor ``fp8`` is ``fp8``, BitNet's offline (packed) mode is ``i2s``
+    storage; bitsandbytes 4-bit (NF4, 64-weight blocks), GPTQ/AWQ (zero points, GPTQ's ``g_idx``), block-wise
+    fp8 and the rest are refused."""
+    from .formats import WEIGHT_FORMATS
+
+    q = cfg.get("quantization_config")
+    if q in _NEUTRAL:
+        return None
+    if not isinstance(q, Mapping):
+        raise InvalidArgumentError(f"{origin}: quantization_config must be a JSON object, got {q!r:.60}")
+    method = q.get("quant_method")
+    if method == "bitsandbytes" and q.get("load_in_8bit") is True and not q.get("load_in_4bit"):
+        return WEIGHT_FORMATS["int8"]
+    if method == "fp8" and q.get("weight_block_size") in _NEUTRAL:
+        return WEIGHT_FORMATS["fp8"]
+    if method == "bitnet" and q.get("quantization_mode", "offline") == "offline":
+        return WEIGHT_FORMATS["i2s"]
+    if method == "bitnet" and q.get("quantization_mode") == "online":
+        return None  # 16-bit weights, quantized on the fly
+    detail = {"bitsandbytes": "4-bit NF4 (blocks of 64 with their absmax) is not modelled",
+              "gptq": "GPTQ also stores zero points and g_idx, not modelled",
+              "awq": "AWQ also stores zero points, not modelled",
+              "fp8": "block-wise fp8 scales (weight_block_size) are not modelled"}.get(str(method),
+                                                                                    "not a format this estimate reads")
+    raise InvalidArgumentError(f"{origin}: quantization_config (quant_method {method!r:.40}): {detail}; give "
+                               "--weight-format or --weight-bits for what its weights store")
 
 
 def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str) -> None:
@@ -156,6 +190,7 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str) -> None:
         fields = ", ".join(f"{k}={v!r}" for k, v in moe.items())
         raise InvalidArgumentError(f"{origin}: a mixture-of-experts model ({fields}) is not supported by this "
                                    "estimate: read as a dense model it would count one expert's weights only")
+    config_weight_format(cfg, origin)  # a quantization_config it does not read raises
     for key, what in UNMODELLED_KEYS.items():
         value = cfg.get(key)
         if value not in _NEUTRAL:

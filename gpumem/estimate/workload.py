@@ -63,9 +63,11 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from ..trace.model import Trace
 from ..units import MiB
+from .formats import WeightFormat
 from .shape import ModelShape
 
-__all__ = ["Category", "WorkloadTrace", "inference_trace", "stream_inference", "decode_steps_simulated", "OpSink", "training_trace", "CUBLAS_WORKSPACE_NBYTES",
+__all__ = ["Category", "WorkloadTrace", "inference_trace", "stream_inference", "decode_steps_simulated", "OpSink", "param_nbytes",
+           "weights_nbytes", "training_trace", "CUBLAS_WORKSPACE_NBYTES",
            "MISC_NBYTES", "DECODE_SLACK_PER_Q_NBYTES"]
 
 CUBLAS_WORKSPACE_NBYTES = 32 * MiB
@@ -310,12 +312,14 @@ def decode_steps_simulated(new_tokens: int, *, full: bool = False) -> list[int]:
 
 
 def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, prompt_len: int,
-                    new_tokens: int = 0, full_decode: bool = False) -> WorkloadTrace:
+                    new_tokens: int = 0, full_decode: bool = False, weight_format: WeightFormat | None = None,
+                    workspace_nbytes: int = 0) -> WorkloadTrace:
     """The allocations of loading the weights and running ``generate()`` (greedy, DynamicCache, SDPA).
 
     Only the decode steps of :func:`decode_steps_simulated` are in the trace (all of them with
     ``full_decode=True``, the reference: Note [Decode steps simulated]); its size does not grow with
-    ``new_tokens``.
+    ``new_tokens``. ``weight_format``: the projections' format (:mod:`.formats`; ``dtype_bytes`` is then the
+    rest's and the activations'), ``workspace_nbytes`` a dequantization workspace held from the start.
     """
     _check("batch_size", batch_size)
     _check("prompt_len", prompt_len)
@@ -323,15 +327,16 @@ def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1,
     _check("dtype_bytes", dtype_bytes)
     e = _Emitter(f"generate b={batch_size} p={prompt_len} n={new_tokens}")
     steps = decode_steps_simulated(new_tokens, full=full_decode)
-    _emit_inference(e, shape, dtype_bytes, batch_size, prompt_len, new_tokens, steps)
+    _emit_inference(e, shape, dtype_bytes, batch_size, prompt_len, new_tokens, steps, None, weight_format,
+                    workspace_nbytes)
     w = e.build()
     w.complete = len(steps) == max(new_tokens - 1, 0)
     return w
 
 
 def stream_inference(shape: ModelShape, dtype_bytes: int, sinks: Sequence[OpSink], *, batch_size: int = 1,
-                     prompt_len: int, new_tokens: int = 0,
-                     on_step: Callable[[int], None] | None = None) -> None:
+                     prompt_len: int, new_tokens: int = 0, on_step: Callable[[int], None] | None = None,
+                     weight_format: WeightFormat | None = None, workspace_nbytes: int = 0) -> None:
     """Send every op of ``generate()`` (every decode step, as ``inference_trace(..., full_decode=True)``
     makes them) to ``sinks`` as they are made, keeping none: memory does not grow with ``new_tokens``.
     ``on_step(step)`` is called after the prefill (0) and each decode step."""
@@ -341,16 +346,43 @@ def stream_inference(shape: ModelShape, dtype_bytes: int, sinks: Sequence[OpSink
     _check("dtype_bytes", dtype_bytes)
     e = _Emitter(f"generate b={batch_size} p={prompt_len} n={new_tokens}", record=False, sinks=tuple(sinks))
     _emit_inference(e, shape, dtype_bytes, batch_size, prompt_len, new_tokens,
-                    range(1, max(new_tokens, 1)), on_step)
+                    range(1, max(new_tokens, 1)), on_step, weight_format, workspace_nbytes)
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def param_nbytes(shape: ModelShape, dtype_bytes: int, fmt: WeightFormat | None = None) -> list[int]:
+    """Bytes of every parameter tensor in creation order: the projections in ``fmt`` when given (Note [Weight
+    formats] in :mod:`.formats`), the rest in ``dtype_bytes``."""
+    if fmt is None:
+        return [n * dtype_bytes for _, n in shape.param_shapes()]
+    h, i, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
+    dims = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h),
+            "up_proj": (i, h), "down_proj": (h, i)}
+    out = []
+    for name, n in shape.param_shapes():
+        local = name.rsplit(".", 1)[-1]
+        out.append(fmt.nbytes(*dims[local]) if local in _PROJECTIONS and name.startswith("layers.")
+                   else n * dtype_bytes)
+    return out
+
+
+def weights_nbytes(shape: ModelShape, dtype_bytes: int, fmt: WeightFormat | None = None) -> int:
+    """Bytes of all the weights (:func:`param_nbytes`)."""
+    return sum(param_nbytes(shape, dtype_bytes, fmt))
 
 
 def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size: int, prompt_len: int,
-                    new_tokens: int, steps: Iterable[int], on_step: Callable[[int], None] | None = None) -> None:
+                    new_tokens: int, steps: Iterable[int], on_step: Callable[[int], None] | None = None,
+                    fmt: WeightFormat | None = None, workspace_nbytes: int = 0) -> None:
     d_act = max(dtype_bytes, 2)  # int8/fp8 weights still compute in 16-bit
     e.phase = "weights"
-    for _, n in shape.param_shapes():
-        e.alloc(n * dtype_bytes, Category.WEIGHTS)
+    for n in param_nbytes(shape, dtype_bytes, fmt):
+        e.alloc(n, Category.WEIGHTS)
     e.alloc(MISC_NBYTES, Category.OVERHEAD)
+    if workspace_nbytes:  # the ternary formats' dequantization workspace, one layer at a time (.formats)
+        e.alloc(workspace_nbytes, Category.OVERHEAD)
     e.phase = "prefill"
     ids = e.alloc(batch_size * prompt_len * 8)  # the int64 input ids; each new token grows them by torch.cat
     mask = e.alloc(batch_size * prompt_len * 8)  # the int64 attention mask generate() is given

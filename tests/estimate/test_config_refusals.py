@@ -16,7 +16,7 @@ CONFIGS = Path(__file__).parent / "configs"
 @pytest.mark.parametrize("name,match", [
     ("mixtral-8x7b.json", r"mixture-of-experts model \(num_local_experts=8, num_experts_per_tok=2\)"),
     ("qwen2-moe-a2.7b.json", r"mixture-of-experts model \(num_experts=60, num_experts_per_tok=4"),
-    ("bitnet-b1.58-2b.json", r"quantization_config \('bitnet'\) means quantized weights"),
+    ("bitnet-b1.58-2b.json", r"model_type 'bitnet' is not one this estimate models"),
     ("mistral-7b-v0.1.json", r"sliding-window attention \(sliding_window=4096\) is not modelled"),
 ])
 def test_unmodelled_configs_are_refused_naming_the_field(name, match, capsys):

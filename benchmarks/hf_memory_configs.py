@@ -41,7 +41,7 @@ PLANS: dict[str, tuple[str, dict[str, Any], list[tuple[int, int, int]], list[tup
     "qwen2-small": ("qwen2-7b.json", {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
                                       "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000},
                     [(2, 256, 16), (16, 1024, 32)], [(2, 512), (8, 1024)]),
-    "mistral-7b": ("mistral-7b-v0.1.json", {"sliding_window": None}, [(1, 1024, 16), (8, 2048, 16)], []),
+    "mistral-7b": ("mistral-7b-v0.1.json", {}, [(1, 1024, 16), (8, 2048, 16), (2, 4000, 64)], []),
 }
 
 

@@ -93,6 +93,7 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ..allocator.policy import get_policy
     for pol in policies:
         get_policy(pol)
+    shape.check_tokens(prompt + (0 if args.training else new))
     check_device(args.device)
     if args.weight_fmt is not None and args.training:
         raise InvalidArgumentError("--training with a weight format is not modelled (full training updates "

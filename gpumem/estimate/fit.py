@@ -300,6 +300,13 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         limit = int(weights + (usable - weights) / (1.0 + margin))
         tries: list[FitTry] = []
 
+        extra_tokens = 0 if training else new_tokens
+        if search == "batch":
+            shape.check_tokens(prompt_len + extra_tokens)
+        elif shape.sliding_window:  # Note [Sliding window]: the search stays within the window
+            shape.check_tokens(1 + extra_tokens)
+            max_value = min(max_value, shape.sliding_window - extra_tokens)
+
         def sizes(v: int) -> tuple[int, int]:
             return (v, prompt_len) if search == "batch" else (batch_size, v)
 

@@ -21,7 +21,7 @@ __all__ = ["ModelShape", "from_hf_config", "DTYPE_BYTES", "SHAPE_CAPS", "MAX_CON
 #: cost grows with them (``n_layers``) and the figures would be meaningless.
 SHAPE_CAPS: Mapping[str, int] = {
     "hidden_size": 2**20, "intermediate_size": 2**20, "n_layers": 10_000, "vocab_size": 2**24,
-    "n_heads": 2**14, "n_kv_heads": 2**14, "head_dim": 2**20,
+    "n_heads": 2**14, "n_kv_heads": 2**14, "head_dim": 2**20, "sliding_window": 2**24,
 }
 
 #: Largest ``config.json`` :func:`from_hf_config` reads (a real one is a few KB).
@@ -63,6 +63,9 @@ class ModelShape:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     """Biases on the q, k and v projections (Qwen2; ``attention_bias`` in a Llama config)."""
+    sliding_window: int = 0
+    """Tokens a sliding-window attention sees (0: none). Sequences within it are full attention; longer ones
+    are refused by :meth:`check_tokens` (Note [Sliding window])."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "n_layers", "vocab_size", "n_heads", "n_kv_heads"):
@@ -75,10 +78,22 @@ class ModelShape:
         _positive_int("head_dim", self.head_dim, SHAPE_CAPS["head_dim"])
         if not isinstance(self.tie_word_embeddings, bool):
             raise InvalidArgumentError(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
+        if self.sliding_window != 0:
+            _positive_int("sliding_window", self.sliding_window, SHAPE_CAPS["sliding_window"])
         if not isinstance(self.attention_bias, bool):
             raise InvalidArgumentError(f"attention_bias must be true or false, got {self.attention_bias!r}")
         if self.n_heads % self.n_kv_heads:
             raise InvalidArgumentError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    def check_tokens(self, n_tokens: int) -> None:
+        """Note [Sliding window]: a sequence of ``n_tokens`` within the window attends to every token, as full
+        attention does, so the estimate holds; a longer one is refused (``InvalidArgumentError``): what the
+        cache keeps past the window depends on the transformers version (a sliding cache layer, or the whole
+        sequence with a mask) and is not modelled."""
+        if self.sliding_window and n_tokens > self.sliding_window:
+            raise InvalidArgumentError(f"{n_tokens} tokens exceed the sliding window of {self.sliding_window}: "
+                                       "the cache of a sliding-window attention past its window is not modelled "
+                                       "(sequences within the window are)")
 
     @property
     def q_dim(self) -> int:
@@ -211,12 +226,6 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str) -> None:
         raise InvalidArgumentError(f"{origin}: layer_types names layers other than full attention "
                                    f"({sorted({str(t)[:40] for t in layer_types} - {'full_attention'})}), "
                                    "which this estimate does not model")
-    window = cfg.get("sliding_window")
-    context = cfg.get("max_position_embeddings")
-    if window not in _NEUTRAL and cfg.get("use_sliding_window", True) is not False:
-        if not (isinstance(window, int) and isinstance(context, int) and window >= context):
-            raise InvalidArgumentError(f"{origin}: sliding-window attention (sliding_window={window!r:.40}) is "
-                                       "not modelled: the estimate would hold a cache longer than the window")
 
 
 def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -> tuple[ModelShape, int]:
@@ -279,8 +288,13 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
     bias = cfg.get("attention_bias", cfg.get("model_type") == "qwen2")  # Qwen2's q/k/v always have biases
     if not isinstance(bias, bool):
         raise InvalidArgumentError(f"{origin}: attention_bias must be JSON true or false, got {bias!r:.40}")
+    window = cfg.get("sliding_window")
+    if window in _NEUTRAL or cfg.get("use_sliding_window", True) is False:
+        window = 0
+    elif isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise InvalidArgumentError(f"{origin}: sliding_window must be a JSON integer or null, got {window!r:.40}")
     shape = ModelShape(fields["hidden_size"], fields["intermediate_size"], fields["n_layers"], fields["vocab_size"],
-                       fields["n_heads"], n_kv, head_dim, tie, bias)
+                       fields["n_heads"], n_kv, head_dim, tie, bias, window)
     return shape, DTYPE_BYTES[dtype_name]
 
 

@@ -17,7 +17,6 @@ CONFIGS = Path(__file__).parent / "configs"
     ("mixtral-8x7b.json", r"mixture-of-experts model \(num_local_experts=8, num_experts_per_tok=2\)"),
     ("qwen2-moe-a2.7b.json", r"mixture-of-experts model \(num_experts=60, num_experts_per_tok=4"),
     ("bitnet-b1.58-2b.json", r"model_type 'bitnet' is not one this estimate models"),
-    ("mistral-7b-v0.1.json", r"sliding-window attention \(sliding_window=4096\) is not modelled"),
 ])
 def test_unmodelled_configs_are_refused_naming_the_field(name, match, capsys):
     with pytest.raises(InvalidArgumentError, match=match):
@@ -32,7 +31,7 @@ def test_unmodelled_configs_are_refused_naming_the_field(name, match, capsys):
     ({"mlp_bias": True}, "MLP biases"),
     ({"kv_lora_rank": 512}, "latent attention"),
     ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
-    ({"sliding_window": 4096, "use_sliding_window": True}, "sliding-window"),
+    ({"sliding_window": "4096", "use_sliding_window": True}, "sliding_window must be"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "gptq"),
     ({"attention_bias": "yes"}, "attention_bias must be"),
 ])
@@ -61,3 +60,26 @@ def test_qwen2_estimate_runs_from_the_config(capsys):
                  "--policy", "gpumem", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["n_params"] == 7_615_616_512 and row["fits"]
+
+
+def test_a_sliding_window_holds_within_it_and_is_refused_past_it(capsys):
+    path = str(CONFIGS / "mistral-7b-v0.1.json")
+    shape, _ = from_hf_config(path)
+    assert shape.sliding_window == 4096
+    # within the window a sliding-window attention is full attention: the same estimate as without one
+    assert main(["estimate", "--hf-config", path, "--prompt-len", "2048", "--new-tokens", "16", "--no-reserved",
+                 "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    base = json.loads((CONFIGS / "mistral-7b-v0.1.json").read_text())
+    from gpumem.estimate import estimate_inference_memory
+    e = estimate_inference_memory(4096, 14336, 32, 32000, 32, 8, 2064, 2, prompt_len=2048, new_tokens=16)
+    assert row["peak_allocated_bytes"] == e.total_bytes and base["sliding_window"] == 4096
+    assert main(["estimate", "--hf-config", path, "--prompt-len", "4090", "--new-tokens", "16"]) == 2
+    assert "4106 tokens exceed the sliding window of 4096" in capsys.readouterr().err
+    assert main(["fit", "--hf-config", path, "--prompt-len", "8192", "--device", "sim:a100-80gb"]) == 2
+    capsys.readouterr()
+    assert main(["fit", "--hf-config", path, "--search", "seq_len", "--batch-size", "1", "--device",
+                 "sim:a100-80gb", "--max", "100000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["simulated"] <= 4096 - 16
+    assert from_hf_config({**base, "use_sliding_window": False})[0].sliding_window == 0

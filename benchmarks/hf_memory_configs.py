@@ -35,12 +35,14 @@ sys.path.insert(0, str(HERE))
 
 log = logging.getLogger("hf_memory_configs")
 
-#: name -> (config file, overrides, generate rows (batch, prompt, new), training rows (batch, seq)).
-PLANS: dict[str, tuple[str, dict[str, Any], list[tuple[int, int, int]], list[tuple[int, int]]]] = {
+#: name -> (config file, overrides, generate rows (batch, prompt, new), training rows (batch, seq, gradient
+#: checkpointing)).
+PLANS: dict[str, tuple[str, dict[str, Any], list[tuple[int, int, int]], list[tuple[int, int, bool]]]] = {
     "qwen2-7b": ("qwen2-7b.json", {}, [(1, 512, 16), (8, 1024, 16), (4, 2048, 64)], []),
     "qwen2-small": ("qwen2-7b.json", {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
                                       "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000},
-                    [(2, 256, 16), (16, 1024, 32)], [(2, 512), (8, 1024)]),
+                    [(2, 256, 16), (16, 1024, 32)], [(2, 512, False), (8, 1024, False), (8, 1024, True),
+                                                     (16, 2048, True)]),
     "mistral-7b": ("mistral-7b-v0.1.json", {}, [(1, 1024, 16), (8, 2048, 16), (2, 4000, 64)], []),
 }
 
@@ -77,8 +79,14 @@ def measure(name: str, out: Path) -> None:
     rows = []
     for b, p, n in gen:
         rows.append(guarded(torch, lambda r: run_generate(torch, model, r), Row("generate", name, cfg, b, p, n)))
-    for b, s in train:
-        rows.append(guarded(torch, lambda r: run_train(torch, model, r), Row("train", name, cfg, b, s, 0)))
+    for b, s, ckpt in train:
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        row = Row("train", name, cfg, b, s, 0)
+        row.extra["gradient_checkpointing"] = ckpt
+        rows.append(guarded(torch, lambda r: run_train(torch, model, r), row))
+        if ckpt:
+            model.gradient_checkpointing_disable()
     out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}))
 
 
@@ -94,7 +102,8 @@ def estimate(row: dict[str, Any], device: str) -> dict[str, Any]:
             kv_heads=None, head_dim=0, tie_word_embeddings=False, weight_format=None, weight_bits=None,
             batch_size=row["batch_size"], prompt_len=row["prompt_len"], new_tokens=row["new_tokens"],
             max_seq_len=None, training=row["kind"] == "train", dtype="bf16", policy="pytorch", device=device,
-            no_reserved=False, json=True)
+            no_reserved=False, json=True,
+            gradient_checkpointing=bool(row.get("extra", {}).get("gradient_checkpointing")))
         (est,) = estimate_rows(ns)
     finally:
         os.unlink(f.name)
@@ -169,7 +178,8 @@ def to_markdown(doc: dict[str, Any]) -> str:
             continue
         res = r.get("estimated_peak_reserved_bytes") or 0
         rerr = r.get("reserved_error")
-        lines.append(f"| {r['kind']} | {r['model']} | {r['estimated_n_params'] / 1e9:.2f}B | {r['batch_size']} | "
+        kind = r["kind"] + (" (grad. ckpt)" if r.get("extra", {}).get("gradient_checkpointing") else "")
+        lines.append(f"| {kind} | {r['model']} | {r['estimated_n_params'] / 1e9:.2f}B | {r['batch_size']} | "
                      f"{r['prompt_len']} | {r['new_tokens']} | {r['peak_allocated_bytes'] / g:.3f} | "
                      f"{r['estimated_peak_allocated_bytes'] / g:.3f} | {r['alloc_error']:+.2%} | "
                      f"{r['peak_reserved_bytes'] / g:.3f} | {res / g:.3f} | "

@@ -55,6 +55,8 @@ def register(sub: Any, formatter_class: type) -> None:
     w.add_argument("--max-seq-len", type=int, help="default: prompt + new tokens; without --prompt-len, the --hf-config's "
                                                  "max_position_embeddings")
     w.add_argument("--training", action="store_true", help="full training steps instead of generate()")
+    w.add_argument("--gradient-checkpointing", action="store_true",
+                   help="training: each block's activations recomputed in the backward pass")
     w.add_argument("--dtype", help="comma-separated: bf16, fp16, fp32, int8 (default: the config's, else bf16)")
     r = p.add_argument_group("peak reserved")
     r.add_argument("--policy", default="pytorch,expandable,gpumem",
@@ -95,6 +97,8 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         get_policy(pol)
     shape.check_tokens(prompt + (0 if args.training else new))
     check_device(args.device)
+    if args.gradient_checkpointing and not args.training:
+        raise InvalidArgumentError("--gradient-checkpointing is for --training")
     if args.weight_fmt is not None and args.training:
         raise InvalidArgumentError("--training with a weight format is not modelled (full training updates "
                                    "16-bit weights)")
@@ -140,7 +144,8 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
     if args.training:
         est = estimate_training_memory(*dims, prompt, nbytes, batch_size=args.batch_size, head_dim=shape.head_dim,
                                        tie_word_embeddings=shape.tie_word_embeddings,
-                                       attention_bias=shape.attention_bias)
+                                       attention_bias=shape.attention_bias,
+                                       gradient_checkpointing=args.gradient_checkpointing)
     else:
         est = estimate_inference_memory(*dims, max_len, nbytes, batch_size=args.batch_size, prompt_len=prompt,
                                         new_tokens=new, head_dim=shape.head_dim,
@@ -163,11 +168,13 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
     if args.training:
         row["gradient_bytes"] = est.gradient_bytes  # type: ignore[attr-defined]
         row["optimizer_bytes"] = est.optimizer_bytes  # type: ignore[attr-defined]
+        row["gradient_checkpointing"] = args.gradient_checkpointing
     judged = est.total_bytes
     if not args.no_reserved and policies:
         if args.training:
-            res = estimate_peak_reserved(training_trace(shape, nbytes, batch_size=args.batch_size, seq_len=prompt),
-                                         policies, device=args.device, limit=usable)
+            w = training_trace(shape, nbytes, batch_size=args.batch_size, seq_len=prompt,
+                               gradient_checkpointing=args.gradient_checkpointing)
+            res = estimate_peak_reserved(w, policies, device=args.device, limit=usable)
             bar.update(len(policies))
         else:
             res = replay_inference(shape, nbytes, policies, args.device, batch_size=args.batch_size,

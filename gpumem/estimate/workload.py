@@ -415,7 +415,8 @@ def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size
 
 
 def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, seq_len: int,
-                   n_steps: int = 2, optimizer_states: int = 2) -> WorkloadTrace:
+                   n_steps: int = 2, optimizer_states: int = 2,
+                   gradient_checkpointing: bool = False) -> WorkloadTrace:
     """The allocations of ``n_steps`` training steps (forward with labels, backward, foreach AdamW step,
     ``zero_grad(set_to_none=True)``), weights, gradients and ``optimizer_states`` states per parameter in
     ``dtype_bytes``.
@@ -427,7 +428,14 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     The foreach AdamW step holds one parameter-sized temporary (``sqrt(exp_avg_sq)``) and, measured on the
     H200, one more embedding-sized buffer; the recorded backward also held one more hidden-sized tensor
     per block and token than the list above.
+
+    Note [Gradient checkpointing]: with ``gradient_checkpointing`` each block's forward keeps only its input
+    (the block runs without grad: what it would keep is freed at its end), and the backward runs the block's
+    forward again with grad just before its gradients, holding that one block's tensors (the list above)
+    until they are done. Not measured against a device yet (see the accuracy table).
     """
+    if not isinstance(gradient_checkpointing, bool):
+        raise InvalidArgumentError(f"gradient_checkpointing must be True or False, got {gradient_checkpointing!r}")
     _check("batch_size", batch_size)
     _check("seq_len", seq_len)
     _check("n_steps", n_steps)
@@ -451,8 +459,10 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         emb = e.alloc(t * h * d)
         cos, sin = e.alloc(t * s.head_dim * d), e.alloc(t * s.head_dim * d)
         saved: list[list[int]] = []
-        x = emb
-        for _ in range(s.n_layers):
+        inputs: list[int] = []  # gradient checkpointing: each block's input, kept for the recompute
+
+        def block() -> tuple[list[int], int]:
+            """One block's forward: the tensors autograd keeps, and the block's output."""
             keep = [e.alloc(t * h * 4), e.alloc(t * h * d)]  # norm 1
             keep += [e.alloc(t * s.q_dim * d), e.alloc(t * s.kv_dim * d), e.alloc(t * s.kv_dim * d)]  # q, k rotated, v
             tmp = e.alloc(t * s.q_dim * d)  # rope temporaries (one live at a time beyond the kept ones)
@@ -468,10 +478,18 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             dn = e.alloc(t * h * d)
             y = e.alloc(t * h * d)
             e.free(dn, h1)
-            if x != emb:
+            return keep, y
+
+        x = emb
+        for _ in range(s.n_layers):
+            keep, y = block()
+            if gradient_checkpointing:  # no_grad forward: what it would keep goes; the block input stays
+                e.free(*keep)
+                inputs.append(x)
+            elif x != emb:
                 e.free(x)  # the block input: the norm saved its fp32 copy, the residual add saves nothing
             x = y
-            saved.append(keep)
+            saved.append([] if gradient_checkpointing else keep)
         nf32, nf = e.alloc(t * h * 4), e.alloc(t * h * d)
         logits = e.alloc(t * s.vocab_size * d)
         up = e.alloc(t * s.vocab_size * 4)
@@ -490,6 +508,9 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         e.free(g3, logits, nf32, nf, x)
         for layer in reversed(range(s.n_layers)):
             per = s.layer_param_shapes()
+            if gradient_checkpointing:  # the block's forward again, with grad, from its saved input
+                saved[layer], y = block()
+                e.free(y)
             gi = e.alloc(t * i * d)
             gi2 = e.alloc(t * i * d)
             for _, n in per[4:7]:
@@ -502,6 +523,8 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             for _, n in per[7:]:
                 grads.append(e.alloc(n * dtype_bytes, Category.GRADIENTS))
             e.free(*saved[layer])
+            if gradient_checkpointing and inputs[layer] != emb:
+                e.free(inputs[layer])
         grads.append(e.alloc(params[0], Category.GRADIENTS))
         grads.append(e.alloc(h * dtype_bytes, Category.GRADIENTS))
         e.free(gx, emb, cos, sin, ids)

@@ -152,3 +152,21 @@ def test_bad_training_input_is_refused():
         estimate_training_memory(*small_args(), 0, 2)
     with pytest.raises(InvalidArgumentError, match="seq_len"):
         estimate_kv_cache_memory(2, 2, 64, 0, 2)
+
+
+def test_gradient_checkpointing_keeps_block_inputs_and_recomputes_one_block():
+    from gpumem.estimate import ModelShape, training_trace
+    from gpumem.estimate.workload import Category
+
+    shape = ModelShape(512, 1376, 8, 3000, 8, 2)
+    full = training_trace(shape, 2, batch_size=4, seq_len=256)
+    ckpt = training_trace(shape, 2, batch_size=4, seq_len=256, gradient_checkpointing=True)
+    assert ckpt.peak_nbytes < full.peak_nbytes
+    t, h, q, kv, i = 1024, 512, 512, 128, 1376
+    kept_per_block = t * (h * 4 + h * 2 + q * 2 + 2 * kv * 2 + 2 * q * 2 + 8 * 4 + h * 4 + h * 2 + 4 * i * 2 + h * 2)
+    # the recomputed block's kept tensors (Note [Training activations]) are live at the peak
+    assert ckpt.at_peak[Category.ACTIVATIONS] >= kept_per_block
+    t = ckpt.trace
+    assert t.n_allocs > full.trace.n_allocs  # the recompute allocates again
+    with pytest.raises(InvalidArgumentError, match="gradient_checkpointing"):
+        training_trace(shape, 2, seq_len=16, gradient_checkpointing="yes")

@@ -57,6 +57,8 @@ def register(sub: Any, formatter_class: type) -> None:
     w.add_argument("--training", action="store_true", help="full training steps instead of generate()")
     w.add_argument("--gradient-checkpointing", action="store_true",
                    help="training: each block's activations recomputed in the backward pass")
+    w.add_argument("--optimizer-8bit", action="store_true",
+                   help="training: AdamW states in bitsandbytes' block-wise 8-bit layout (modelled, unmeasured)")
     w.add_argument("--dtype", help="comma-separated: bf16, fp16, fp32, int8 (default: the config's, else bf16)")
     r = p.add_argument_group("peak reserved")
     r.add_argument("--policy", default="pytorch,expandable,gpumem",
@@ -97,8 +99,9 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         get_policy(pol)
     shape.check_tokens(prompt + (0 if args.training else new))
     check_device(args.device)
-    if args.gradient_checkpointing and not args.training:
-        raise InvalidArgumentError("--gradient-checkpointing is for --training")
+    for flag in ("gradient_checkpointing", "optimizer_8bit"):
+        if getattr(args, flag) and not args.training:
+            raise InvalidArgumentError(f"--{flag.replace('_', '-')} is for --training")
     if args.weight_fmt is not None and args.training:
         raise InvalidArgumentError("--training with a weight format is not modelled (full training updates "
                                    "16-bit weights)")
@@ -145,7 +148,8 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
         est = estimate_training_memory(*dims, prompt, nbytes, batch_size=args.batch_size, head_dim=shape.head_dim,
                                        tie_word_embeddings=shape.tie_word_embeddings,
                                        attention_bias=shape.attention_bias,
-                                       gradient_checkpointing=args.gradient_checkpointing)
+                                       gradient_checkpointing=args.gradient_checkpointing,
+                                       optimizer_8bit=args.optimizer_8bit)
     else:
         est = estimate_inference_memory(*dims, max_len, nbytes, batch_size=args.batch_size, prompt_len=prompt,
                                         new_tokens=new, head_dim=shape.head_dim,
@@ -169,11 +173,12 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
         row["gradient_bytes"] = est.gradient_bytes  # type: ignore[attr-defined]
         row["optimizer_bytes"] = est.optimizer_bytes  # type: ignore[attr-defined]
         row["gradient_checkpointing"] = args.gradient_checkpointing
+        row["optimizer_8bit"] = args.optimizer_8bit
     judged = est.total_bytes
     if not args.no_reserved and policies:
         if args.training:
             w = training_trace(shape, nbytes, batch_size=args.batch_size, seq_len=prompt,
-                               gradient_checkpointing=args.gradient_checkpointing)
+                               gradient_checkpointing=args.gradient_checkpointing, optimizer_8bit=args.optimizer_8bit)
             res = estimate_peak_reserved(w, policies, device=args.device, limit=usable)
             bar.update(len(policies))
         else:

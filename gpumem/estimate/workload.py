@@ -414,9 +414,24 @@ def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size
             e.free(c)
 
 
+OPTIM_8BIT_BLOCK = 2048
+"""Elements per fp32 absmax of an 8-bit optimizer state (bitsandbytes' block-wise quantization)."""
+OPTIM_8BIT_MIN_ELEMENTS = 4096
+"""Tensors with fewer elements keep 32-bit optimizer states (bitsandbytes' ``min_8bit_size``)."""
+
+
+def _optimizer_state_nbytes(n_elements: int, param_nbytes: int, eight_bit: bool) -> int:
+    """One optimizer state of a parameter (Note [8-bit optimizer states])."""
+    if not eight_bit:
+        return param_nbytes
+    if n_elements < OPTIM_8BIT_MIN_ELEMENTS:
+        return n_elements * 4
+    return n_elements + -(-n_elements // OPTIM_8BIT_BLOCK) * 4
+
+
 def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, seq_len: int,
                    n_steps: int = 2, optimizer_states: int = 2,
-                   gradient_checkpointing: bool = False) -> WorkloadTrace:
+                   gradient_checkpointing: bool = False, optimizer_8bit: bool = False) -> WorkloadTrace:
     """The allocations of ``n_steps`` training steps (forward with labels, backward, foreach AdamW step,
     ``zero_grad(set_to_none=True)``), weights, gradients and ``optimizer_states`` states per parameter in
     ``dtype_bytes``.
@@ -432,8 +447,17 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     Note [Gradient checkpointing]: with ``gradient_checkpointing`` each block's forward keeps only its input
     (the block runs without grad: what it would keep is freed at its end), and the backward runs the block's
     forward again with grad just before its gradients, holding that one block's tensors (the list above)
-    until they are done. Not measured against a device yet (see the accuracy table).
+    until they are done.
+
+    Note [8-bit optimizer states]: with ``optimizer_8bit`` each state of a tensor of ``m`` elements is
+    bitsandbytes' block-wise 8-bit layout, ``m`` bytes and one fp32 absmax per block of
+    :data:`OPTIM_8BIT_BLOCK` elements, except tensors under :data:`OPTIM_8BIT_MIN_ELEMENTS` elements
+    (the norms), whose states stay fp32. The update's parameter-sized temporaries of the foreach AdamW
+    are kept (bitsandbytes' fused kernel has none: an upper bound). Modelled only: bitsandbytes is not on
+    the GPU machine, so this figure is unmeasured.
     """
+    if not isinstance(optimizer_8bit, bool):
+        raise InvalidArgumentError(f"optimizer_8bit must be True or False, got {optimizer_8bit!r}")
     if not isinstance(gradient_checkpointing, bool):
         raise InvalidArgumentError(f"gradient_checkpointing must be True or False, got {gradient_checkpointing!r}")
     _check("batch_size", batch_size)
@@ -530,9 +554,9 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         e.free(gx, emb, cos, sin, ids)
         e.phase = f"optimizer {step + 1}"
         if not states:
-            for n in params:
+            for (_, m), n in zip(s.param_shapes(), params):
                 for _ in range(optimizer_states):
-                    states.append(e.alloc(n, Category.OPTIMIZER))
+                    states.append(e.alloc(_optimizer_state_nbytes(m, n, optimizer_8bit), Category.OPTIMIZER))
         extra = e.alloc(params[0])  # measured: one embedding-sized buffer beside the states (foreach grouping)
         tmp_ids = [e.alloc(n) for n in params] + [extra]
         e.free(*tmp_ids)

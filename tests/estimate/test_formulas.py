@@ -170,3 +170,30 @@ def test_gradient_checkpointing_keeps_block_inputs_and_recomputes_one_block():
     assert t.n_allocs > full.trace.n_allocs  # the recompute allocates again
     with pytest.raises(InvalidArgumentError, match="gradient_checkpointing"):
         training_trace(shape, 2, seq_len=16, gradient_checkpointing="yes")
+
+
+def test_8bit_optimizer_states_are_blockwise_bytes_and_small_tensors_stay_fp32():
+    from gpumem.estimate.workload import OPTIM_8BIT_BLOCK, _optimizer_state_nbytes
+
+    args = (1024, 2816, 2, 32000, 16, 4, 128, 2)
+    full = estimate_training_memory(*args, batch_size=1)
+    small = estimate_training_memory(*args, batch_size=1, optimizer_8bit=True)
+    assert small.optimizer_bytes < full.optimizer_bytes
+    assert _optimizer_state_nbytes(4096 * 4096, 2 * 4096 * 4096, True) == 4096 * 4096 + 4096 * 4096 // OPTIM_8BIT_BLOCK * 4
+    assert _optimizer_state_nbytes(1024, 2048, True) == 4096  # a norm: fp32 state
+    with pytest.raises(InvalidArgumentError, match="optimizer_8bit"):
+        estimate_training_memory(*args, optimizer_8bit=1)
+
+
+def test_training_flags_need_training(capsys):
+    from gpumem.cli import main
+
+    for flag in ("--gradient-checkpointing", "--optimizer-8bit"):
+        assert main(["estimate", "--hidden-size", "256", "--intermediate-size", "688", "--layers", "2",
+                     "--vocab-size", "1000", "--heads", "4", "--prompt-len", "16", flag]) == 2
+        assert "is for --training" in capsys.readouterr().err
+    assert main(["estimate", "--hidden-size", "256", "--intermediate-size", "688", "--layers", "2",
+                 "--vocab-size", "1000", "--heads", "4", "--prompt-len", "16", "--training", "--optimizer-8bit",
+                 "--gradient-checkpointing", "--json"]) == 0
+    (row,) = __import__("json").loads(capsys.readouterr().out)
+    assert row["optimizer_8bit"] and row["gradient_checkpointing"]

@@ -57,6 +57,10 @@ def register(sub: Any, formatter_class: type) -> None:
     p.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
                    help="tokens generated per sequence (default: %(default)s, as gpumem estimate)")
     p.add_argument("--training", action="store_true", help="training steps instead of generate()")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="training: each block's activations recomputed in the backward pass (as estimate)")
+    p.add_argument("--optimizer-8bit", action="store_true",
+                   help="training: 8-bit AdamW states (modelled, unmeasured; as estimate)")
     p.add_argument("--dtype", help="bf16, fp16, fp32 or int8 (default: the config's, else bf16)")
     p.add_argument("--max", type=int, default=4096, dest="max_value",
                    help="upper bound of the search (default: %(default)s)")
@@ -80,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
                            new_tokens=args.new_tokens, batch_size=args.batch_size, search=args.search,
                            training=args.training, policy=args.policy, margin=args.margin,
                            max_value=args.max_value, progress=False if args.json else None,
-                           weight_format=args.weight_fmt)
+                           weight_format=args.weight_fmt, gradient_checkpointing=args.gradient_checkpointing,
+                           optimizer_8bit=args.optimizer_8bit)
     except InjectedFaultError as exc:  # Note: the injected fault is named, never read as a shortage
         print(f"gpumem fit: {exc}", file=sys.stderr)
         return EXIT_DEVICE_ERROR

@@ -265,7 +265,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                    prompt_len: int = DEFAULT_PROMPT_LEN, new_tokens: int = DEFAULT_NEW_TOKENS, batch_size: int = 1,
                    search: str = "batch", training: bool = False, policy: str = "pytorch",
                    margin: float | None = None, max_value: int = 4096, start: int | None = None,
-                   progress: bool | None = False, weight_format: WeightFormat | None = None) -> FitResult:
+                   progress: bool | None = False, weight_format: WeightFormat | None = None,
+                   gradient_checkpointing: bool = False, optimizer_8bit: bool = False) -> FitResult:
     """The largest batch (``search="batch"``) or prompt/sequence length (``search="seq_len"``, at
     ``batch_size``) that runs on ``device`` without out-of-memory, by replaying the workload's allocations
     under ``policy`` with ``margin`` of the memory beyond the weights held back (default
@@ -275,7 +276,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
     ``training=True`` fits training steps of ``prompt_len`` tokens (``new_tokens`` is ignored). Returns a
     :class:`FitResult`; its ``simulated`` is 0 when not even 1 fits. ``max_value`` bounds the search.
     ``weight_format``: the projections' format (:mod:`.formats`; generate() only), with its dequantization
-    workspace on ``device`` for the ternary ones. ``progress``: a bar of the replays (None: on a terminal). Raises :class:`InjectedFaultError` when a
+    workspace on ``device`` for the ternary ones. ``gradient_checkpointing`` and ``optimizer_8bit``: training
+    options (:func:`~gpumem.estimate.workload.training_trace`). ``progress``: a bar of the replays (None: on a terminal). Raises :class:`InjectedFaultError` when a
     replay fails on a fault the device spec injects.
     """
     if search not in ("batch", "seq_len"):
@@ -286,6 +288,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         margin = DEFAULT_MARGINS.get(policy, 0.20)
     if not (isinstance(margin, (int, float)) and 0.0 <= margin <= 10.0):
         raise InvalidArgumentError(f"margin must be a number in [0, 10], got {margin!r}")
+    if (gradient_checkpointing or optimizer_8bit) and not training:
+        raise InvalidArgumentError("find_max_batch: gradient_checkpointing and optimizer_8bit are for training=True")
     if weight_format is not None and training:
         raise InvalidArgumentError("find_max_batch: a weight format with training is not modelled (full training "
                                    "updates 16-bit weights)")
@@ -313,7 +317,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         def workload(v: int) -> WorkloadTrace:
             b, p = sizes(v)
             if training:
-                return training_trace(shape, dtype_bytes, batch_size=b, seq_len=p)
+                return training_trace(shape, dtype_bytes, batch_size=b, seq_len=p,
+                                      gradient_checkpointing=gradient_checkpointing, optimizer_8bit=optimizer_8bit)
             return inference_trace(shape, dtype_bytes, batch_size=b, prompt_len=p, new_tokens=new_tokens,
                                    weight_format=weight_format, workspace_nbytes=workspace)
 

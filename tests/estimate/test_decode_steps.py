@@ -194,3 +194,13 @@ def test_a_short_trace_is_not_replayed_as_if_it_were_the_workload():
     with pytest.raises(InvalidArgumentError, match="leaves decode steps out"):
         estimate_peak_reserved(short, ("pytorch",), device="sim:t4-16gb")
     assert inference_trace(SHAPES["mha"], 2, batch_size=2, prompt_len=16, new_tokens=40, full_decode=True).complete
+
+
+def test_fit_takes_the_training_options_estimate_takes(capsys):
+    base = [*LLAMA_7B, "--layers", "2", "--device", "sim:t4-16gb", "--prompt-len", "256", "--json"]
+    assert main(["fit", *base, "--training", "--max", "64"]) == 0
+    plain = json.loads(capsys.readouterr().out)["simulated"]
+    assert main(["fit", *base, "--training", "--gradient-checkpointing", "--optimizer-8bit", "--max", "64"]) == 0
+    assert json.loads(capsys.readouterr().out)["simulated"] >= plain
+    assert main(["fit", *base, "--gradient-checkpointing"]) == 2
+    assert "for training" in capsys.readouterr().err

@@ -62,15 +62,15 @@ def measure(name: str, out: Path) -> None:
 
     cfg = _config(name)
     _, _, gen, train = PLANS[name]
-    config = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items()
-                                                                     if k not in ("model_type", "architectures")})
-    config._attn_implementation = "sdpa"
+    config = transformers.AutoConfig.for_model(
+        cfg["model_type"], attn_implementation="sdpa",
+        **{k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")})
     _reset(torch)
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
-            model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+            model = transformers.AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(old)
     model = model.to(torch.bfloat16).eval()
@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--plan", default=",".join(PLANS))
     ap.add_argument("--one", help=argparse.SUPPRESS)  # child: measure one plan into --out
-    ap.add_argument("--device-spec", default="sim:h100-80gb", help="simulated device of the estimate's replays")
+    ap.add_argument("--device-spec", default="auto",
+                    help="simulated device of the estimate's replays (auto: sim:h200-141gb on an H200, else "
+                         "sim:h100-80gb)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.one:
@@ -125,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.device_spec == "auto":
+        args.device_spec = "sim:h200-141gb" if "H200" in torch.cuda.get_device_name(0) else "sim:h100-80gb"
     meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "total_memory_bytes": torch.cuda.get_device_properties(0).total_memory,

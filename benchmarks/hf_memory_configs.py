@@ -40,7 +40,8 @@ log = logging.getLogger("hf_memory_configs")
 PLANS: dict[str, tuple[str, dict[str, Any], list[tuple[int, int, int]], list[tuple[int, int, bool]]]] = {
     "qwen2-7b": ("qwen2-7b.json", {}, [(1, 512, 16), (8, 1024, 16), (4, 2048, 64)], []),
     "qwen2-small": ("qwen2-7b.json", {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
-                                      "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000},
+                                      "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000,
+                                      "bos_token_id": 1, "eos_token_id": 2},
                     [(2, 256, 16), (16, 1024, 32)], [(2, 512, False), (8, 1024, False), (8, 1024, True),
                                                      (16, 2048, True)]),
     "mistral-7b": ("mistral-7b-v0.1.json", {}, [(1, 1024, 16), (8, 2048, 16), (2, 4000, 64)], []),

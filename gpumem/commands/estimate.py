@@ -140,7 +140,7 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
     """One dtype's estimate as a JSON-ready dict; ``room`` is (usable bytes, dequantization workspace bytes)."""
     usable, workspace = room
     fmt = args.weight_fmt
-    from ..estimate.fit import estimate_peak_reserved, replay_inference
+    from ..estimate.fit import estimate_peak_reserved, replay_inference, training_reserved_nbytes
     from ..estimate.formulas import estimate_inference_memory, estimate_training_memory
     from ..estimate.workload import training_trace
 
@@ -185,9 +185,14 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
             res = replay_inference(shape, nbytes, policies, args.device, batch_size=args.batch_size,
                                    prompt_len=prompt, new_tokens=new, limit=usable, peak_nbytes=est.total_bytes,
                                    bar=bar, weight_format=fmt, workspace_nbytes=workspace)
-        row["peak_reserved_bytes"] = res[0].peak_reserved_bytes
+        by_policy = {e.policy: e.peak_reserved_bytes for e in res}
+        if args.training:  # Note [Training reserved margin] in gpumem.estimate.fit
+            row["replayed_reserved_by_policy"] = dict(by_policy)
+            by_policy.update({e.policy: training_reserved_nbytes(e.peak_reserved_bytes) for e in res
+                              if e.policy == "pytorch" and e.fits})
+        row["peak_reserved_bytes"] = by_policy[res[0].policy]
         row["reserved_policy"] = res[0].policy
-        row["peak_reserved_by_policy"] = {e.policy: e.peak_reserved_bytes for e in res}
+        row["peak_reserved_by_policy"] = by_policy
         row["fits_by_policy"] = {e.policy: e.fits for e in res}
         # a replay that ran out of memory stopped there: what it had reserved is a lower bound of the peak
         row["peak_reserved_is_lower_bound"] = not res[0].fits
@@ -196,7 +201,7 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
         if injected:
             row["warnings"].append(f"an injected fault (the device spec's fault options) stopped the replay under "
                                    f"{', '.join(injected)}: nothing was out of memory; that figure is a lower bound")
-        judged = res[0].peak_reserved_bytes if res[0].fits else None
+        judged = by_policy[res[0].policy] if res[0].fits else None
     # Note [Fits]: the replays run within the usable memory of --device as a GpuMemoryManager sees it (what
     # gpumem fit sizes against: an allocator near its limit frees its cache and retries, as PyTorch's does);
     # the first policy's replay fits or not (peak allocated with --no-reserved), headroom = usable - its peak.

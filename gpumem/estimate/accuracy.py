@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidArgumentError
-from .fit import estimate_peak_reserved, replay_inference
+from .fit import estimate_peak_reserved, replay_inference, training_reserved_nbytes
 from .formulas import estimate_inference_memory, estimate_training_memory
 from .shape import ModelShape
 from .workload import training_trace
@@ -81,6 +81,8 @@ def compare(doc: dict[str, Any], *, expandable: dict[str, Any] | None = None, re
             res = replay_inference(shape, 2, policies, device, batch_size=b, prompt_len=p, new_tokens=n,
                                    peak_nbytes=est.total_bytes) if reserved else []
         sim = {e.policy: e.peak_reserved_bytes for e in res}
+        if r["kind"] == "train" and "pytorch" in sim:  # Note [Training reserved margin] in .fit
+            sim["pytorch"] = training_reserved_nbytes(sim["pytorch"])
         m = r["peak_allocated_bytes"]
         out.append(AccuracyRow(
             r["kind"], r["model"], shape.n_params, b, p, n, m, est.total_bytes, est.total_bytes / m - 1, est.phase,

@@ -54,7 +54,7 @@ TRAINING_RESERVED_MARGIN = 0.005
 the peak in the backward pass (autograd's small temporaries are not all in the trace); every generate() row
 was at or above. The estimate of training's peak reserved under ``pytorch`` is therefore the replay's plus
 0.5 %, rounded up to 2 MiB (what a segment of PyTorch's large pool rounds to): never below on those rows,
-at the cost of one row (peak in the optimizer step, already +2.9 %) going to +3.4 %."""
+at the cost of the two rows already +2.9 % above (peak in the optimizer step) going to +3.4 % and +3.5 %."""
 
 
 def training_reserved_nbytes(replayed_nbytes: int) -> int:

@@ -17,8 +17,9 @@ log = logging.getLogger(__name__)
 DESCRIPTION = """\
 Find the largest batch (or, with --search seq_len, the longest prompt) for which Hugging Face generate()
 (or, with --training, a training step) runs on --device without out-of-memory: the workload's allocations
-are replayed through gpumem's model of the --policy allocator, with --margin more of the memory beyond the
-weights held back for fragmentation (default: 0.02 for pytorch, 0.01 for expandable and gpumem;
+are replayed through gpumem's model of the --policy allocator within the memory a GpuMemoryManager may use on
+--device (as gpumem estimate judges FITS), with --margin more of the memory beyond the weights held back
+for fragmentation (default: 0.02 for pytorch, 0.01 for expandable and gpumem;
 docs/estimation.md says why).
 
 Beside it: what the peak-allocated estimate alone allows, where a halving retry (start at a power of two,

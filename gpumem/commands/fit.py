@@ -49,7 +49,7 @@ def register(sub: Any, formatter_class: type) -> None:
     p.add_argument("--device", default="sim:h200-141gb", help="device spec (default: %(default)s)")
     p.add_argument("--policy", default="pytorch", help="allocator policy (default: %(default)s)")
     p.add_argument("--margin", type=float, help="extra share of the memory beyond the weights held back (0.25: "
-                                                "the rest must fit in free/1.25)")
+                                                "the rest must fit in usable/1.25)")
     p.add_argument("--search", choices=("batch", "seq_len"), default="batch")
     p.add_argument("--batch-size", type=int, default=1, help="the batch when searching the sequence length "
                                                                "(default: %(default)s)")

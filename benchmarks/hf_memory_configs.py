@@ -104,7 +104,8 @@ def estimate(row: dict[str, Any], device: str) -> dict[str, Any]:
             batch_size=row["batch_size"], prompt_len=row["prompt_len"], new_tokens=row["new_tokens"],
             max_seq_len=None, training=row["kind"] == "train", dtype="bf16", policy="pytorch", device=device,
             no_reserved=False, json=True,
-            gradient_checkpointing=bool(row.get("extra", {}).get("gradient_checkpointing")), optimizer_8bit=False)
+            gradient_checkpointing=bool(row.get("extra", {}).get("gradient_checkpointing")), optimizer_8bit=False,
+            lora_rank=None, lora_targets="q_proj")
         (est,) = estimate_rows(ns)
     finally:
         os.unlink(f.name)

@@ -57,6 +57,11 @@ def register(sub: Any, formatter_class: type) -> None:
     w.add_argument("--training", action="store_true", help="full training steps instead of generate()")
     w.add_argument("--gradient-checkpointing", action="store_true",
                    help="training: each block's activations recomputed in the backward pass")
+    w.add_argument("--lora-rank", type=int, metavar="R",
+                   help="training: LoRA adapters of rank R on a frozen base (with --weight-format: QLoRA); "
+                        "modelled, unmeasured")
+    w.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                   help="training: the projections LoRA adapts (default: all seven)")
     w.add_argument("--optimizer-8bit", action="store_true",
                    help="training: AdamW states in bitsandbytes' block-wise 8-bit layout (modelled, unmeasured)")
     w.add_argument("--dtype", help="comma-separated: bf16, fp16, fp32, int8 (default: the config's, else bf16)")
@@ -99,12 +104,18 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         get_policy(pol)
     shape.check_tokens(prompt + (0 if args.training else new))
     check_device(args.device)
-    for flag in ("gradient_checkpointing", "optimizer_8bit"):
+    for flag in ("gradient_checkpointing", "optimizer_8bit", "lora_rank"):
         if getattr(args, flag) and not args.training:
             raise InvalidArgumentError(f"--{flag.replace('_', '-')} is for --training")
-    if args.weight_fmt is not None and args.training:
-        raise InvalidArgumentError("--training with a weight format is not modelled (full training updates "
-                                   "16-bit weights)")
+    args.lora = None
+    if args.lora_rank is not None:
+        from ..estimate.workload import LoraConfig
+
+        args.lora = LoraConfig(args.lora_rank, tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
+                               base_format=args.weight_fmt)
+    elif args.weight_fmt is not None and args.training:
+        raise InvalidArgumentError("--training with a weight format is modelled only with --lora-rank (QLoRA): "
+                                   "full training updates 16-bit weights")
     usable, workspace = _usable(args.device, shape, args.weight_fmt)
     rows = []
     dims = (shape.hidden_size, shape.intermediate_size, shape.n_layers, shape.vocab_size, shape.n_heads,
@@ -149,7 +160,7 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
                                        tie_word_embeddings=shape.tie_word_embeddings,
                                        attention_bias=shape.attention_bias,
                                        gradient_checkpointing=args.gradient_checkpointing,
-                                       optimizer_8bit=args.optimizer_8bit)
+                                       optimizer_8bit=args.optimizer_8bit, lora=args.lora)
     else:
         est = estimate_inference_memory(*dims, max_len, nbytes, batch_size=args.batch_size, prompt_len=prompt,
                                         new_tokens=new, head_dim=shape.head_dim,
@@ -174,11 +185,13 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
         row["optimizer_bytes"] = est.optimizer_bytes  # type: ignore[attr-defined]
         row["gradient_checkpointing"] = args.gradient_checkpointing
         row["optimizer_8bit"] = args.optimizer_8bit
+        row["lora_rank"] = args.lora_rank
     judged = est.total_bytes
     if not args.no_reserved and policies:
         if args.training:
             w = training_trace(shape, nbytes, batch_size=args.batch_size, seq_len=prompt,
-                               gradient_checkpointing=args.gradient_checkpointing, optimizer_8bit=args.optimizer_8bit)
+                               gradient_checkpointing=args.gradient_checkpointing, optimizer_8bit=args.optimizer_8bit,
+                               lora=args.lora)
             res = estimate_peak_reserved(w, policies, device=args.device, limit=usable)
             bar.update(len(policies))
         else:

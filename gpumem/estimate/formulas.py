@@ -10,7 +10,7 @@ from typing import Any
 from ..errors import InvalidArgumentError
 from .formats import WeightFormat
 from .shape import ModelShape
-from .workload import Category, WorkloadTrace, inference_trace, training_trace
+from .workload import Category, LoraConfig, WorkloadTrace, inference_trace, training_trace
 
 __all__ = ["MemoryEstimate", "TrainingEstimate", "estimate_model_memory", "estimate_kv_cache_memory",
            "estimate_inference_memory", "estimate_training_memory"]
@@ -205,10 +205,12 @@ def estimate_training_memory(hidden_size: int, intermediate_size: int, n_layers:
                              n_heads: int, n_kv_heads: int, seq_len: int, dtype_bytes: int, *, batch_size: int = 1,
                              optimizer_states: int = 2, head_dim: int = 0,
                              tie_word_embeddings: bool = False, attention_bias: bool = False,
-                             gradient_checkpointing: bool = False, optimizer_8bit: bool = False) -> TrainingEstimate:
+                             gradient_checkpointing: bool = False, optimizer_8bit: bool = False,
+                             lora: "LoraConfig | None" = None) -> TrainingEstimate:
     """The peak of allocated bytes of full training steps (forward, backward, foreach AdamW with
     ``optimizer_states`` states per parameter in the weights' dtype, or 8-bit with ``optimizer_8bit``), steady
-    state included (two steps); ``gradient_checkpointing`` recomputes each block in the backward pass."""
+    state included (two steps); ``gradient_checkpointing`` recomputes each block in the backward pass;
+    ``lora`` trains adapters on a frozen base (Note [LoRA] in :mod:`.workload`)."""
     dtype_bytes = _check_dtype(dtype_bytes)
     if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
         raise InvalidArgumentError(f"optimizer_states must be a whole number >= 0, got {optimizer_states!r}")
@@ -218,7 +220,7 @@ def estimate_training_memory(hidden_size: int, intermediate_size: int, n_layers:
     _cap("seq_len", seq_len)
     w = training_trace(shape, dtype_bytes, batch_size=batch_size, seq_len=seq_len, n_steps=2,
                        optimizer_states=optimizer_states, gradient_checkpointing=gradient_checkpointing,
-                       optimizer_8bit=optimizer_8bit)
+                       optimizer_8bit=optimizer_8bit, lora=lora)
     return _from_trace(shape.n_params * dtype_bytes, w, TrainingEstimate,
                        gradient_bytes=w.at_peak.get(Category.GRADIENTS, 0),
                        optimizer_bytes=w.at_peak.get(Category.OPTIMIZER, 0))

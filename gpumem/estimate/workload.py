@@ -66,7 +66,7 @@ from ..units import MiB
 from .formats import WeightFormat
 from .shape import ModelShape
 
-__all__ = ["Category", "WorkloadTrace", "inference_trace", "stream_inference", "decode_steps_simulated", "OpSink", "param_nbytes",
+__all__ = ["Category", "WorkloadTrace", "inference_trace", "stream_inference", "decode_steps_simulated", "OpSink", "param_nbytes", "LoraConfig",
            "weights_nbytes", "training_trace", "CUBLAS_WORKSPACE_NBYTES",
            "MISC_NBYTES", "DECODE_SLACK_PER_Q_NBYTES"]
 
@@ -357,9 +357,7 @@ def param_nbytes(shape: ModelShape, dtype_bytes: int, fmt: WeightFormat | None =
     formats] in :mod:`.formats`), the rest in ``dtype_bytes``."""
     if fmt is None:
         return [n * dtype_bytes for _, n in shape.param_shapes()]
-    h, i, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
-    dims = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h),
-            "up_proj": (i, h), "down_proj": (h, i)}
+    dims = _projection_dims(shape)
     out = []
     for name, n in shape.param_shapes():
         local = name.rsplit(".", 1)[-1]
@@ -414,6 +412,33 @@ def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size
             e.free(c)
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters on frozen base weights (Note [LoRA]): ``rank``, the projections that get one
+    (``targets``), the adapters' bytes per element (fp32, as PEFT casts them) and the frozen base's
+    format (``None``: the model dtype; ``int4`` etc.: QLoRA)."""
+
+    rank: int
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    adapter_bytes: int = 4
+    base_format: WeightFormat | None = None
+
+    def __post_init__(self) -> None:
+        _check("lora rank", self.rank)
+        if self.adapter_bytes not in (2, 4):
+            raise InvalidArgumentError(f"adapter_bytes must be 2 or 4, got {self.adapter_bytes!r}")
+        if not self.targets or any(t not in _PROJECTIONS for t in self.targets):
+            raise InvalidArgumentError(f"LoRA targets must be among {', '.join(_PROJECTIONS)}, got "
+                                       f"{self.targets!r:.80}")
+
+
+def _projection_dims(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """``name -> (out_features, in_features)`` of a block's projections."""
+    h, i, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h),
+            "up_proj": (i, h), "down_proj": (h, i)}
+
+
 OPTIM_8BIT_BLOCK = 2048
 """Elements per fp32 absmax of an 8-bit optimizer state (bitsandbytes' block-wise quantization)."""
 OPTIM_8BIT_MIN_ELEMENTS = 4096
@@ -431,7 +456,8 @@ def _optimizer_state_nbytes(n_elements: int, param_nbytes: int, eight_bit: bool)
 
 def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, seq_len: int,
                    n_steps: int = 2, optimizer_states: int = 2,
-                   gradient_checkpointing: bool = False, optimizer_8bit: bool = False) -> WorkloadTrace:
+                   gradient_checkpointing: bool = False, optimizer_8bit: bool = False,
+                   lora: LoraConfig | None = None) -> WorkloadTrace:
     """The allocations of ``n_steps`` training steps (forward with labels, backward, foreach AdamW step,
     ``zero_grad(set_to_none=True)``), weights, gradients and ``optimizer_states`` states per parameter in
     ``dtype_bytes``.
@@ -455,9 +481,19 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     (the norms), whose states stay fp32. The update's parameter-sized temporaries of the foreach AdamW
     are kept (bitsandbytes' fused kernel has none: an upper bound). Modelled only: bitsandbytes is not on
     the GPU machine, so this figure is unmeasured.
+
+    Note [LoRA]: with ``lora`` the base weights (in ``lora.base_format``, QLoRA) are frozen: no gradient,
+    no optimizer state. Each targeted projection of each block gets A (``rank x in``) and B (``out x rank``)
+    in ``lora.adapter_bytes``; its forward keeps the input cast to the adapters' dtype (``T x in``) and A's
+    output (``T x rank``), and holds B's output (``T x out``) while it is added; a quantized base is
+    dequantized to 16 bits for each matrix product, forward and backward (one ``out x in`` temporary at a
+    time). Gradients and AdamW states are the adapters'. Modelled only (PEFT and bitsandbytes are not on
+    the GPU machine): unmeasured.
     """
     if not isinstance(optimizer_8bit, bool):
         raise InvalidArgumentError(f"optimizer_8bit must be True or False, got {optimizer_8bit!r}")
+    if lora is not None and not isinstance(lora, LoraConfig):
+        raise InvalidArgumentError(f"lora must be a LoraConfig or None, got {type(lora).__name__}")
     if not isinstance(gradient_checkpointing, bool):
         raise InvalidArgumentError(f"gradient_checkpointing must be True or False, got {gradient_checkpointing!r}")
     _check("batch_size", batch_size)
@@ -469,9 +505,24 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     h, i, t = s.hidden_size, s.intermediate_size, batch_size * seq_len
     e = _Emitter(f"train b={batch_size} s={seq_len}")
     e.phase = "weights"
-    params = [n * dtype_bytes for _, n in s.param_shapes()]
+    params = param_nbytes(s, dtype_bytes, lora.base_format if lora else None)
     for n in params:
         e.alloc(n, Category.WEIGHTS)
+    dims = _projection_dims(s)
+    adapters: list[tuple[int, int]] = []  # trainable tensors: (elements, bytes)
+    if lora is not None:
+        for _ in range(s.n_layers):
+            for target in lora.targets:
+                out_f, in_f = dims[target]
+                adapters += [(lora.rank * in_f, lora.rank * in_f * lora.adapter_bytes),
+                             (out_f * lora.rank, out_f * lora.rank * lora.adapter_bytes)]
+        for _, n in adapters:
+            e.alloc(n, Category.WEIGHTS)
+    quantized_base = lora is not None and lora.base_format is not None
+
+    def dequantized(out_f: int, in_f: int) -> None:
+        """QLoRA: one projection's weights dequantized to 16 bits for a matrix product, then dropped."""
+        e.free(e.alloc(out_f * in_f * 2))
     e.alloc(MISC_NBYTES, Category.OVERHEAD)
     e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)  # forward
     e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)  # the backward pass runs on autograd's thread: its own
@@ -502,6 +553,13 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             dn = e.alloc(t * h * d)
             y = e.alloc(t * h * d)
             e.free(dn, h1)
+            if lora is not None:  # Note [LoRA]
+                for target in lora.targets:
+                    out_f, in_f = dims[target]
+                    if quantized_base:
+                        dequantized(out_f, in_f)
+                    keep += [e.alloc(t * in_f * lora.adapter_bytes), e.alloc(t * lora.rank * lora.adapter_bytes)]
+                    e.free(e.alloc(t * out_f * lora.adapter_bytes))
             return keep, y
 
         x = emb
@@ -526,7 +584,7 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         g3 = e.alloc(t * s.vocab_size * d)
         e.free(g2)
         grads: list[int] = []
-        if not s.tie_word_embeddings:
+        if not s.tie_word_embeddings and lora is None:
             grads.append(e.alloc(params[-1], Category.GRADIENTS))
         gx = e.alloc(t * h * d)
         e.free(g3, logits, nf32, nf, x)
@@ -535,6 +593,8 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             if gradient_checkpointing:  # the block's forward again, with grad, from its saved input
                 saved[layer], y = block()
                 e.free(y)
+            if lora is not None:
+                per = []  # the base is frozen: its gradients are none, the adapters' come below
             gi = e.alloc(t * i * d)
             gi2 = e.alloc(t * i * d)
             for _, n in per[4:7]:
@@ -546,19 +606,29 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             e.free(gq)
             for _, n in per[7:]:
                 grads.append(e.alloc(n * dtype_bytes, Category.GRADIENTS))
+            if lora is not None:
+                for target in lora.targets:
+                    out_f, in_f = dims[target]
+                    if quantized_base:
+                        dequantized(out_f, in_f)
+                    grads.append(e.alloc(lora.rank * in_f * lora.adapter_bytes, Category.GRADIENTS))
+                    grads.append(e.alloc(out_f * lora.rank * lora.adapter_bytes, Category.GRADIENTS))
             e.free(*saved[layer])
             if gradient_checkpointing and inputs[layer] != emb:
                 e.free(inputs[layer])
-        grads.append(e.alloc(params[0], Category.GRADIENTS))
-        grads.append(e.alloc(h * dtype_bytes, Category.GRADIENTS))
+        if lora is None:
+            grads.append(e.alloc(params[0], Category.GRADIENTS))
+            grads.append(e.alloc(h * dtype_bytes, Category.GRADIENTS))
         e.free(gx, emb, cos, sin, ids)
         e.phase = f"optimizer {step + 1}"
+        trainable = adapters if lora is not None else [(m, n) for (_, m), n in zip(s.param_shapes(), params)]
         if not states:
-            for (_, m), n in zip(s.param_shapes(), params):
+            for m, n in trainable:
                 for _ in range(optimizer_states):
                     states.append(e.alloc(_optimizer_state_nbytes(m, n, optimizer_8bit), Category.OPTIMIZER))
-        extra = e.alloc(params[0])  # measured: one embedding-sized buffer beside the states (foreach grouping)
-        tmp_ids = [e.alloc(n) for n in params] + [extra]
+        # measured: one buffer the size of the first (largest) trainable tensor beside the states (foreach grouping)
+        extra = e.alloc(max(n for _, n in trainable) if lora is not None else params[0])
+        tmp_ids = [e.alloc(n) for _, n in trainable] + [extra]
         e.free(*tmp_ids)
         e.free(*grads)
     e.phase = "end"

@@ -197,3 +197,40 @@ def test_training_flags_need_training(capsys):
                  "--gradient-checkpointing", "--json"]) == 0
     (row,) = __import__("json").loads(capsys.readouterr().out)
     assert row["optimizer_8bit"] and row["gradient_checkpointing"]
+
+
+def test_lora_trains_only_the_adapters_and_qlora_freezes_a_quantized_base():
+    from gpumem.estimate.formats import WEIGHT_FORMATS
+    from gpumem.estimate.workload import LoraConfig, weights_nbytes
+    from gpumem.estimate import ModelShape
+
+    args = (1024, 2816, 2, 32000, 16, 4, 256, 2)
+    shape = ModelShape(*args[:6])
+    full = estimate_training_memory(*args, batch_size=2)
+    lora = LoraConfig(8, ("q_proj", "v_proj"))
+    lo = estimate_training_memory(*args, batch_size=2, lora=lora)
+    adapters = 2 * (8 * 1024 * 4 + 1024 * 8 * 4) + 2 * (8 * 1024 * 4 + 256 * 8 * 4)  # 2 layers: q and v, A and B
+    assert lo.optimizer_bytes == 2 * adapters  # two fp32 states per adapter parameter, none for the base
+    assert lo.gradient_bytes <= adapters and lo.total_bytes < full.total_bytes
+    q = estimate_training_memory(*args, batch_size=2,
+                                 lora=LoraConfig(8, ("q_proj", "v_proj"), base_format=WEIGHT_FORMATS["int4"]))
+    assert q.model_bytes < lo.model_bytes
+    assert weights_nbytes(shape, 2, WEIGHT_FORMATS["int4"]) < weights_nbytes(shape, 2)
+    for bad in (dict(rank=0), dict(rank=8, targets=("lm_head",)), dict(rank=8, targets=())):
+        with pytest.raises(InvalidArgumentError):
+            LoraConfig(**bad)
+
+
+def test_lora_from_the_command_line(capsys):
+    from gpumem.cli import main
+
+    base = ["estimate", "--hidden-size", "256", "--intermediate-size", "688", "--layers", "2", "--vocab-size",
+            "1000", "--heads", "4", "--prompt-len", "64", "--json"]
+    assert main([*base, "--lora-rank", "8"]) == 2
+    assert "is for --training" in capsys.readouterr().err
+    assert main([*base, "--training", "--lora-rank", "8", "--weight-format", "int4", "--lora-targets",
+                 "q_proj,v_proj"]) == 0
+    (row,) = __import__("json").loads(capsys.readouterr().out)
+    assert row["lora_rank"] == 8 and row["weight_format"] == "int4"
+    assert main([*base, "--training", "--weight-format", "int4"]) == 2
+    assert "--lora-rank" in capsys.readouterr().err

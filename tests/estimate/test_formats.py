@@ -120,7 +120,7 @@ def test_cli_weight_format_from_option_and_config(tmp_path, capsys):
     assert "unknown weight format" in capsys.readouterr().err
     assert main(["estimate", "--hf-config", str(path), "--prompt-len", "128", "--training",
                  "--weight-format", "int4"]) == 2
-    assert "not modelled" in capsys.readouterr().err
+    assert "modelled only with --lora-rank" in capsys.readouterr().err
     assert main(["fit", "--hf-config", str(path), "--device", "sim:t4-16gb", "--max", "16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["weight_format"] == "int8" and out["weights_bytes"] < from_hf_config(path)[0].n_params * 2

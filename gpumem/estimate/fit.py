@@ -14,10 +14,18 @@ Note [Fragmentation margin]
     (34 did not), 155 where 155 ran, but 135 where only 134 ran (7B, prompt 1024, 64 new tokens;
     ``reports/hil/estimate-fit-h200-2026-11-22.json``). The weights are one allocation each and do not
     fragment, so the margin applies to the rest: a size fits when its replay fits
-    ``weights + (free - weights) / (1 + margin)``. :data:`DEFAULT_MARGINS` use 2 % for ``pytorch`` (33, 132
+    ``weights + (usable - weights) / (1 + margin)``. :data:`DEFAULT_MARGINS` use 2 % for ``pytorch`` (33, 132
     and 152 on those three), 25 % for the other segment policies (not checked against a device) and 1 % for
     the virtual-memory ones, whose reserve tracks the live bytes (expandable segments: the replay without
-    margin gave exactly the batch that ran, 53).
+    margin gave exactly the batch that ran, 53). Those figures were found against the device's whole free
+    memory; the room is now the usable memory a ``GpuMemoryManager`` keeps (Note [One usable memory]), which
+    is smaller, so the answers are below what ran there, never above.
+
+Note [One usable memory]
+    ``gpumem fit``, ``gpumem estimate`` (its FITS column and the replays' limit) and ``GpuMemoryManager`` all
+    size against :func:`gpumem.managers.reserve.default_usable_nbytes`: before, fit used the free memory
+    (78.94 GiB on ``sim:a100-80gb``) while the manager allowed 71.00 GiB, so a batch fit approved could be
+    refused by the manager on the same device.
 """
 
 from __future__ import annotations

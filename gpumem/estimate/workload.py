@@ -45,6 +45,14 @@ Note [Token bookkeeping]
     forward computes ``position_ids`` from the mask by ``cumsum``: about 24 bytes per token, which the
     H200 runs showed at batch 135 x 4096 (0.55 M tokens: 12.6 MiB).
 
+Note [Weights as PyTorch counts them]
+    ``max_memory_allocated`` counts a block's size, and PyTorch's allocator leaves a remainder of 1 MiB or
+    less inside a large block rather than splitting it off. Loading the weights into an empty cache, a
+    tensor over 10 MiB gets a new segment rounded up to 2 MiB, and one of 1-10 MiB a 20 MiB segment or the
+    best-fitting remainder of one: Qwen2-7B's 84 MLP matrices of 129.5 MiB each take 130 MiB blocks, and its
+    loaded model measured 43 MiB beyond its parameters on the H200 (Mistral-7B, whose matrices are whole
+    MiB multiples, 1.5 KB). :func:`loaded_weight_nbytes` walks those rules over the weights in order.
+
 Note [Overhead]
     cuBLAS takes a 32 MiB workspace through the caching allocator at the first matrix product of each
     stream/handle (one for inference, a second one for the backward pass of training), and kernels and
@@ -140,10 +148,11 @@ class _Emitter:
         self.phase_at_peak = ""
         self.next_id = 0
 
-    def alloc(self, nbytes: int, cat: Category = Category.ACTIVATIONS) -> int:
-        """Append an alloc of ``nbytes``; return its id."""
+    def alloc(self, nbytes: int, cat: Category = Category.ACTIVATIONS, counted: int | None = None) -> int:
+        """Append an alloc of ``nbytes``; return its id. ``counted``: the bytes PyTorch counts as allocated
+        for it, when not ``nbytes`` rounded to 512 (Note [Weights as PyTorch counts them])."""
         nbytes = int(nbytes)
-        rounded = -(-max(nbytes, 1) // _ROUND) * _ROUND
+        rounded = -(-max(nbytes, 1) // _ROUND) * _ROUND if counted is None else counted
         i = self.next_id
         self.next_id += 1
         if self.record:
@@ -366,6 +375,37 @@ def param_nbytes(shape: ModelShape, dtype_bytes: int, fmt: WeightFormat | None =
     return out
 
 
+_SMALL_NBYTES = 1 << 20  # PyTorch: kSmallSize
+_LARGE_BUFFER_NBYTES = 20 << 20  # kLargeBuffer
+_MIN_LARGE_ALLOC_NBYTES = 10 << 20  # kMinLargeAlloc
+_ROUND_LARGE_NBYTES = 2 << 20  # kRoundLarge
+
+
+def loaded_weight_nbytes(sizes: list[int]) -> list[int]:
+    """What ``torch.cuda.memory_allocated`` counts for each of ``sizes``, allocated in order into an empty
+    caching allocator with nothing freed (Note [Weights as PyTorch counts them])."""
+    free: list[int] = []  # the large pool's free remainders
+    out = []
+    for n in sizes:
+        r = -(-max(n, 1) // _ROUND) * _ROUND
+        if r <= _SMALL_NBYTES:  # small pool: 2 MiB segments, every remainder of 512 B or more is split off
+            out.append(r)
+            continue
+        fits = [b for b in free if b >= r]
+        if fits:
+            block = min(fits)
+            free.remove(block)
+        else:
+            block = (_LARGE_BUFFER_NBYTES if r < _MIN_LARGE_ALLOC_NBYTES
+                     else -(-r // _ROUND_LARGE_NBYTES) * _ROUND_LARGE_NBYTES)
+        if block - r > _SMALL_NBYTES:
+            free.append(block - r)
+            out.append(r)
+        else:
+            out.append(block)  # a remainder of 1 MiB or less stays in the block and is counted with it
+    return out
+
+
 def weights_nbytes(shape: ModelShape, dtype_bytes: int, fmt: WeightFormat | None = None) -> int:
     """Bytes of all the weights (:func:`param_nbytes`)."""
     return sum(param_nbytes(shape, dtype_bytes, fmt))
@@ -376,8 +416,9 @@ def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size
                     fmt: WeightFormat | None = None, workspace_nbytes: int = 0) -> None:
     d_act = max(dtype_bytes, 2)  # int8/fp8 weights still compute in 16-bit
     e.phase = "weights"
-    for n in param_nbytes(shape, dtype_bytes, fmt):
-        e.alloc(n, Category.WEIGHTS)
+    sizes = param_nbytes(shape, dtype_bytes, fmt)
+    for n, counted in zip(sizes, loaded_weight_nbytes(sizes)):
+        e.alloc(n, Category.WEIGHTS, counted)
     e.alloc(MISC_NBYTES, Category.OVERHEAD)
     if workspace_nbytes:  # the ternary formats' dequantization workspace, one layer at a time (.formats)
         e.alloc(workspace_nbytes, Category.OVERHEAD)
@@ -506,8 +547,8 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     e = _Emitter(f"train b={batch_size} s={seq_len}")
     e.phase = "weights"
     params = param_nbytes(s, dtype_bytes, lora.base_format if lora else None)
-    for n in params:
-        e.alloc(n, Category.WEIGHTS)
+    for n, counted in zip(params, loaded_weight_nbytes(params)):
+        e.alloc(n, Category.WEIGHTS, counted)
     dims = _projection_dims(s)
     adapters: list[tuple[int, int]] = []  # trainable tensors: (elements, bytes)
     if lora is not None:

@@ -11,7 +11,7 @@ from gpumem.errors import InvalidArgumentError
 from gpumem.estimate import ModelShape, estimate_inference_memory, from_hf_config, inference_trace
 from gpumem.estimate.formats import WEIGHT_FORMATS, custom_bits, dequant_workspace_nbytes, weight_format
 from gpumem.estimate.shape import config_weight_format
-from gpumem.estimate.workload import param_nbytes, weights_nbytes
+from gpumem.estimate.workload import loaded_weight_nbytes, param_nbytes, weights_nbytes
 from gpumem.specs import open_device
 from gpumem.workspace.sizing import size_workspace
 
@@ -53,7 +53,7 @@ def test_only_the_projections_take_the_format_and_the_peak_follows():
     e16 = estimate_inference_memory(1024, 2816, 4, 32000, 16, 4, 272, 2, prompt_len=256, new_tokens=16)
     e4 = estimate_inference_memory(1024, 2816, 4, 32000, 16, 4, 272, 2, prompt_len=256, new_tokens=16,
                                    weight_format=WEIGHT_FORMATS["int4"])
-    rounded = sum(-(-n // 512) * 512 for n in param_nbytes(SHAPE, 2, WEIGHT_FORMATS["int4"]))
+    rounded = sum(loaded_weight_nbytes(param_nbytes(SHAPE, 2, WEIGHT_FORMATS["int4"])))
     assert e4.model_bytes == rounded < e16.model_bytes
     assert e16.total_bytes - e4.total_bytes == e16.model_bytes - e4.model_bytes
 

@@ -8,7 +8,7 @@ import json
 import logging
 
 from ..errors import InvalidArgumentError
-from ..estimate.shape import DTYPE_BYTES, ModelShape, from_hf_config, read_config_text
+from ..estimate.shape import DTYPE_BYTES, ModelShape, config_weight_format, from_hf_config, read_config_text
 
 log = logging.getLogger("gpumem.commands")
 
@@ -25,6 +25,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
     g.add_argument("--head-dim", type=int, default=0, help="default: hidden size / heads")
     g.add_argument("--tie-word-embeddings", action="store_true")
+    f = g.add_mutually_exclusive_group()
+    f.add_argument("--weight-format", metavar="FORMAT",
+                   help="the projections' weights: int8, int4 (group 128), fp8, i2s, tl1, tl2 (ternary, with "
+                        "their dequantization workspace); default: the config's quantization_config, else --dtype")
+    f.add_argument("--weight-bits", type=float, metavar="BITS",
+                   help="bits per projection weight (4, 1.58...), scales not counted")
 
 
 def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
@@ -33,6 +39,13 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
     its ``max_position_embeddings`` (``None`` without one)."""
     args.config_dtype = "bf16"
     check_workload_args(args)
+    from ..estimate.formats import custom_bits, weight_format
+
+    args.weight_fmt = None
+    if getattr(args, "weight_format", None) is not None:
+        args.weight_fmt = weight_format(args.weight_format)
+    elif getattr(args, "weight_bits", None) is not None:
+        args.weight_fmt = custom_bits(args.weight_bits)
     args.context_len = None
     numbers = (args.hidden_size, args.intermediate_size, args.layers, args.vocab_size, args.heads)
     if args.hf_config:
@@ -41,6 +54,8 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
         shape, nbytes = from_hf_config(args.hf_config)
         cfg = json.loads(read_config_text(args.hf_config))
         cfg = {**cfg.get("text_config", {}), **cfg} if isinstance(cfg.get("text_config"), dict) else cfg
+        if args.weight_fmt is None:
+            args.weight_fmt = config_weight_format(cfg, args.hf_config)
         name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
         args.config_dtype = _SHORT.get(name, name)
         ctx = cfg.get("max_position_embeddings")

@@ -8,6 +8,8 @@ from typing import Any
 
 from ..cli import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
 from ..errors import InvalidArgumentError
+from ..estimate.fit import DEFAULT_NEW_TOKENS
+from ..progress import progress
 from ..units import format_bytes
 from ._model_args import add_model_args, check_device, context_note, model_from_args, parse_dtypes
 
@@ -45,18 +47,29 @@ def register(sub: Any, formatter_class: type) -> None:
                        description=DESCRIPTION, epilog=_exit_codes_text(EXIT_MEANINGS), formatter_class=formatter_class)
     add_model_args(p)
     w = p.add_argument_group("workload")
-    w.add_argument("--batch-size", type=int, default=1)
+    w.add_argument("--batch-size", type=int, default=1, help="default: %(default)s")
     w.add_argument("--prompt-len", type=int, help="prompt tokens (training: sequence length); "
                                                    "default: --max-seq-len minus --new-tokens")
-    w.add_argument("--new-tokens", type=int, default=0, help="tokens generated (default 0: prefill only)")
+    w.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
+                   help="tokens generated per sequence (default: %(default)s, as gpumem fit)")
     w.add_argument("--max-seq-len", type=int, help="default: prompt + new tokens; without --prompt-len, the --hf-config's "
                                                  "max_position_embeddings")
     w.add_argument("--training", action="store_true", help="full training steps instead of generate()")
+    w.add_argument("--gradient-checkpointing", action="store_true",
+                   help="training: each block's activations recomputed in the backward pass")
+    w.add_argument("--lora-rank", type=int, metavar="R",
+                   help="training: LoRA adapters of rank R on a frozen base (with --weight-format: QLoRA); "
+                        "modelled, unmeasured")
+    w.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                   help="training: the projections LoRA adapts (default: all seven)")
+    w.add_argument("--optimizer-8bit", action="store_true",
+                   help="training: AdamW states in bitsandbytes' block-wise 8-bit layout (modelled, unmeasured)")
     w.add_argument("--dtype", help="comma-separated: bf16, fp16, fp32, int8 (default: the config's, else bf16)")
     r = p.add_argument_group("peak reserved")
     r.add_argument("--policy", default="pytorch,expandable,gpumem",
                    help="allocator policies to replay under (default: %(default)s)")
-    r.add_argument("--device", default="sim:h200-141gb", help="simulated device for the replays")
+    r.add_argument("--device", default="sim:h200-141gb", help="simulated device for the replays, and whose usable "
+                   "memory (as a GpuMemoryManager sees it) FITS compares with (default: %(default)s)")
     r.add_argument("--no-reserved", action="store_true", help="skip the replays (peak allocated only)")
     p.add_argument("--json", action="store_true", help="one JSON list, an object per dtype")
     _add_verbose(p)
@@ -89,44 +102,131 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ..allocator.policy import get_policy
     for pol in policies:
         get_policy(pol)
-    if not args.no_reserved and policies:
-        check_device(args.device)
+    shape.check_tokens(prompt + (0 if args.training else new))
+    check_device(args.device)
+    for flag in ("gradient_checkpointing", "optimizer_8bit", "lora_rank"):
+        if getattr(args, flag) and not args.training:
+            raise InvalidArgumentError(f"--{flag.replace('_', '-')} is for --training")
+    args.lora = None
+    if args.lora_rank is not None:
+        from ..estimate.workload import LoraConfig
+
+        args.lora = LoraConfig(args.lora_rank, tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
+                               base_format=args.weight_fmt)
+    elif args.weight_fmt is not None and args.training:
+        raise InvalidArgumentError("--training with a weight format is modelled only with --lora-rank (QLoRA): "
+                                   "full training updates 16-bit weights")
+    usable, workspace = _usable(args.device, shape, args.weight_fmt)
     rows = []
     dims = (shape.hidden_size, shape.intermediate_size, shape.n_layers, shape.vocab_size, shape.n_heads,
             shape.n_kv_heads)
-    for name, nbytes in parse_dtypes(args.dtype, cfg_bytes, args.config_dtype):
-        if args.training:
-            est = estimate_training_memory(*dims, prompt, nbytes, batch_size=args.batch_size, head_dim=shape.head_dim,
-                                           tie_word_embeddings=shape.tie_word_embeddings)
-        else:
-            est = estimate_inference_memory(*dims, max_len, nbytes, batch_size=args.batch_size, prompt_len=prompt,
-                                            new_tokens=new, head_dim=shape.head_dim,
-                                            tie_word_embeddings=shape.tie_word_embeddings)
-        row: dict[str, Any] = {
-            "dtype": name, "dtype_bytes": nbytes, "workload": "training" if args.training else "generate",
-            "batch_size": args.batch_size, "prompt_len": prompt, "new_tokens": 0 if args.training else new,
-            "n_params": shape.n_params, "peak_allocated_bytes": est.total_bytes, "model_bytes": est.model_bytes,
-            "kv_cache_bytes": est.kv_cache_bytes, "activation_bytes": est.activation_bytes,
-            "overhead_bytes": est.overhead_bytes, "peak_phase": est.phase,
-            "context_len": args.context_len, "warnings": [note] if note else [],
-        }
-        if args.training:
-            row["gradient_bytes"] = est.gradient_bytes  # type: ignore[attr-defined]
-            row["optimizer_bytes"] = est.optimizer_bytes  # type: ignore[attr-defined]
-        if not args.no_reserved and policies:
-            w = (training_trace(shape, nbytes, batch_size=args.batch_size, seq_len=prompt) if args.training else
-                 inference_trace(shape, nbytes, batch_size=args.batch_size, prompt_len=prompt, new_tokens=new))
-            res = estimate_peak_reserved(w, policies, device=args.device)
-            row["device"] = args.device
-            row["peak_reserved_bytes"] = res[0].peak_reserved_bytes
-            row["reserved_policy"] = res[0].policy
-            row["peak_reserved_by_policy"] = {e.policy: e.peak_reserved_bytes for e in res}
-            row["fits_by_policy"] = {e.policy: e.fits for e in res}
-            # a replay that ran out of memory stopped there: what it had reserved is a lower bound of the peak
-            row["peak_reserved_is_lower_bound"] = not res[0].fits
-            row["peak_reserved_is_lower_bound_by_policy"] = {e.policy: not e.fits for e in res}
-        rows.append(row)
+    dtypes = parse_dtypes(args.dtype, cfg_bytes, args.config_dtype)
+    replays = 0 if args.no_reserved else len(policies) * len(dtypes)
+    bar = progress(replays * (1 if args.training else max(new, 1)) or None, "estimate: replays", "step",
+                   enabled=False if args.json or not replays else None)
+    try:
+        for name, nbytes in dtypes:
+            rows.append(_row(args, shape, dims, name, nbytes, prompt, new, max_len, policies, (usable, workspace),
+                             note, bar))
+    finally:
+        bar.close()
     return rows
+
+
+def _usable(spec: str, shape: Any, fmt: Any) -> tuple[int, int]:
+    """The usable memory of ``spec`` and the dequantization workspace of ``fmt`` there."""
+    from ..estimate.fit import usable_memory
+    from ..estimate.formats import dequant_workspace_nbytes
+    from ..specs import open_device
+
+    dev = open_device(spec)
+    try:
+        return usable_memory(dev), dequant_workspace_nbytes(shape, fmt, dev)
+    finally:
+        dev.close()
+
+
+def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str, nbytes: int, prompt: int,
+         new: int, max_len: int, policies: list[str], room: tuple[int, int], note: str, bar: Any) -> dict[str, Any]:
+    """One dtype's estimate as a JSON-ready dict; ``room`` is (usable bytes, dequantization workspace bytes)."""
+    usable, workspace = room
+    fmt = args.weight_fmt
+    from ..estimate.fit import estimate_peak_reserved, replay_inference, training_reserved_nbytes
+    from ..estimate.formulas import estimate_inference_memory, estimate_training_memory
+    from ..estimate.workload import training_trace
+
+    if args.training:
+        est = estimate_training_memory(*dims, prompt, nbytes, batch_size=args.batch_size, head_dim=shape.head_dim,
+                                       tie_word_embeddings=shape.tie_word_embeddings,
+                                       attention_bias=shape.attention_bias,
+                                       gradient_checkpointing=args.gradient_checkpointing,
+                                       optimizer_8bit=args.optimizer_8bit, lora=args.lora)
+    else:
+        est = estimate_inference_memory(*dims, max_len, nbytes, batch_size=args.batch_size, prompt_len=prompt,
+                                        new_tokens=new, head_dim=shape.head_dim,
+                                        tie_word_embeddings=shape.tie_word_embeddings,
+                                        attention_bias=shape.attention_bias, weight_format=fmt,
+                                        workspace_nbytes=workspace)
+    row: dict[str, Any] = {
+        "dtype": name, "dtype_bytes": nbytes, "workload": "training" if args.training else "generate",
+        "batch_size": args.batch_size, "prompt_len": prompt, "new_tokens": 0 if args.training else new,
+        "n_params": shape.n_params, "peak_allocated_bytes": est.total_bytes, "model_bytes": est.model_bytes,
+        "kv_cache_bytes": est.kv_cache_bytes, "activation_bytes": est.activation_bytes,
+        "overhead_bytes": est.overhead_bytes, "peak_phase": est.phase,
+        "context_len": args.context_len, "warnings": [note] if note else [],
+        "device": args.device, "usable_bytes": usable,
+        "weight_format": None if fmt is None else fmt.name,
+        "weight_bits": None if fmt is None else fmt.bits_per_weight, "dequant_workspace_bytes": workspace,
+    }
+    if fmt is not None and fmt.scales == "none":
+        row["warnings"].append(f"--weight-bits {fmt.bits_per_weight:g}: the weights' scales (if any) are not counted")
+    if args.training:
+        row["gradient_bytes"] = est.gradient_bytes  # type: ignore[attr-defined]
+        row["optimizer_bytes"] = est.optimizer_bytes  # type: ignore[attr-defined]
+        row["gradient_checkpointing"] = args.gradient_checkpointing
+        row["optimizer_8bit"] = args.optimizer_8bit
+        row["lora_rank"] = args.lora_rank
+    judged = est.total_bytes
+    if not args.no_reserved and policies:
+        if args.training:
+            w = training_trace(shape, nbytes, batch_size=args.batch_size, seq_len=prompt,
+                               gradient_checkpointing=args.gradient_checkpointing, optimizer_8bit=args.optimizer_8bit,
+                               lora=args.lora)
+            res = estimate_peak_reserved(w, policies, device=args.device, limit=usable)
+            bar.update(len(policies))
+        else:
+            res = replay_inference(shape, nbytes, policies, args.device, batch_size=args.batch_size,
+                                   prompt_len=prompt, new_tokens=new, limit=usable, peak_nbytes=est.total_bytes,
+                                   bar=bar, weight_format=fmt, workspace_nbytes=workspace)
+        by_policy = {e.policy: e.peak_reserved_bytes for e in res}
+        if args.training:  # Note [Training reserved margin] in gpumem.estimate.fit
+            row["replayed_reserved_by_policy"] = dict(by_policy)
+            by_policy.update({e.policy: training_reserved_nbytes(e.peak_reserved_bytes) for e in res
+                              if e.policy == "pytorch" and e.fits})
+        row["peak_reserved_bytes"] = by_policy[res[0].policy]
+        row["reserved_policy"] = res[0].policy
+        row["peak_reserved_by_policy"] = by_policy
+        row["fits_by_policy"] = {e.policy: e.fits for e in res}
+        # a replay that ran out of memory stopped there: what it had reserved is a lower bound of the peak
+        row["peak_reserved_is_lower_bound"] = not res[0].fits
+        row["peak_reserved_is_lower_bound_by_policy"] = {e.policy: not e.fits for e in res}
+        injected = [e.policy for e in res if e.injected_fault]
+        if injected:
+            row["warnings"].append(f"an injected fault (the device spec's fault options) stopped the replay under "
+                                   f"{', '.join(injected)}: nothing was out of memory; that figure is a lower bound")
+        judged = by_policy[res[0].policy] if res[0].fits else None
+    # Note [Fits]: the replays run within the usable memory of --device as a GpuMemoryManager sees it (what
+    # gpumem fit sizes against: an allocator near its limit frees its cache and retries, as PyTorch's does);
+    # the first policy's replay fits or not (peak allocated with --no-reserved), headroom = usable - its peak.
+    row["fits"] = judged is not None and judged <= usable
+    row["headroom_bytes"] = None if judged is None else usable - judged
+    return row
+
+
+def _fits_text(r: dict[str, Any]) -> str:
+    if r["headroom_bytes"] is None:
+        return "no (OOM)"
+    return f"{'yes' if r['fits'] else 'no'} {'+' if r['headroom_bytes'] >= 0 else ''}{r['headroom_bytes'] / 2**30:.2f}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,13 +238,17 @@ def run(args: argparse.Namespace) -> int:
     first = rows[0]
     kind = (f"training, batch {first['batch_size']} x {first['prompt_len']} tokens" if args.training else
             f"generate(), batch {first['batch_size']}, prompt {first['prompt_len']}, {first['new_tokens']} new tokens")
-    print(f"{first['n_params'] / 1e9:.2f}B parameters; {kind}")
+    fmt = "" if first["weight_format"] is None else f"; projections in {first['weight_format']}"
+    if first["dequant_workspace_bytes"]:
+        fmt += f" (dequantization workspace {format_bytes(first['dequant_workspace_bytes'])} in OVERHEAD)"
+    print(f"{first['n_params'] / 1e9:.2f}B parameters{fmt}; {kind}; sizes in GiB (2^30 bytes)")
     pols = list(first.get("peak_reserved_by_policy", {}))
-    middle = ("GRADIENTS", "OPTIMIZER") if args.training else ("KV CACHE",)
+    middle = ("GRADIENTS", "OPTIMIZER") if args.training else ("KV @PEAK",)
     keys = ("gradient_bytes", "optimizer_bytes") if args.training else ("kv_cache_bytes",)
     head = f"{'DTYPE':<6} {'MODEL':>11}" + "".join(f" {m:>11}" for m in middle)
     head += f" {'ACTIV.':>11} {'OVERHEAD':>11} {'PEAK ALLOC':>11}"
     head += "".join(f" {('RES ' + p)[:16]:>16}" for p in pols)
+    head += f" {'FITS, HEADROOM':>15}"
     print(head)
     oom = False
     for r in rows:
@@ -157,12 +261,21 @@ def run(args: argparse.Namespace) -> int:
             if not r["fits_by_policy"][p]:
                 text, oom = f"> {text} OOM", True
             line += f" {text:>16}"
+        line += f" {_fits_text(r):>15}"
         print(line)
-    device = first.get("device", "-")
-    print(f"peak in: {first['peak_phase']}; ACTIV. = activations and temporaries at the peak; RES = peak reserved "
-          f"by replay on {device}")
+    device = first["device"]
+    judged = f"RES {pols[0]}" if pols else "PEAK ALLOC"
+    footer = [f"peak in: {first['peak_phase']}; ACTIV. = activations and temporaries at the peak"]
+    if not args.training:
+        footer.append("KV @PEAK = the key/value cache at the peak (not after the last token)")
+    if pols:
+        footer.append(f"RES = peak reserved by replay on {device} within the usable memory")
+    footer.append(f"FITS, HEADROOM = whether {judged} fits the {format_bytes(first['usable_bytes'])} a "
+                  f"GpuMemoryManager may use on {device}, and what is left (GiB)")
+    print("; ".join(footer))
     if first["warnings"]:
         print("warning: " + "; ".join(first["warnings"]))
     if oom:
-        print(f"> X OOM: the replay ran out of memory on {device} with X reserved; the peak is more than X")
+        print(f"> X OOM: the replay ran out of the usable memory of {device} with X reserved; the peak is more "
+              "than X")
     return 0

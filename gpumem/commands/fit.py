@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from typing import Any
 
 from ..cli import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
+from ..estimate.fit import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT_LEN
 from ._model_args import add_model_args, check_device, context_note, model_from_args, parse_dtypes
 
 log = logging.getLogger(__name__)
@@ -15,8 +17,9 @@ log = logging.getLogger(__name__)
 DESCRIPTION = """\
 Find the largest batch (or, with --search seq_len, the longest prompt) for which Hugging Face generate()
 (or, with --training, a training step) runs on --device without out-of-memory: the workload's allocations
-are replayed through gpumem's model of the --policy allocator, with --margin more of the memory beyond the
-weights held back for fragmentation (default: 0.02 for pytorch, 0.01 for expandable and gpumem;
+are replayed through gpumem's model of the --policy allocator within the memory a GpuMemoryManager may use on
+--device (as gpumem estimate judges FITS), with --margin more of the memory beyond the weights held back
+for fragmentation (default: 0.02 for pytorch, 0.01 for expandable and gpumem;
 docs/estimation.md says why).
 
 Beside it: what the peak-allocated estimate alone allows, where a halving retry (start at a power of two,
@@ -33,7 +36,8 @@ EXIT_MEANINGS = {
     EXIT_OOM: "nothing fits --device, not even batch 1 (or a 1-token prompt); the output says why",
     EXIT_USAGE: "bad input: a bad option, --device spec, --policy or config.json",
     EXIT_DEVICE_LOST: "",
-    EXIT_DEVICE_ERROR: "an internal error of a replay",
+    EXIT_DEVICE_ERROR: "an internal error of a replay, or a fault the --device spec injects (?fail_rate=...)\n"
+                       "      failed one: no size can be judged on such a device",
 }
 
 
@@ -45,42 +49,64 @@ def register(sub: Any, formatter_class: type) -> None:
     p.add_argument("--device", default="sim:h200-141gb", help="device spec (default: %(default)s)")
     p.add_argument("--policy", default="pytorch", help="allocator policy (default: %(default)s)")
     p.add_argument("--margin", type=float, help="extra share of the memory beyond the weights held back (0.25: "
-                                                "the rest must fit in free/1.25)")
+                                                "the rest must fit in usable/1.25)")
     p.add_argument("--search", choices=("batch", "seq_len"), default="batch")
-    p.add_argument("--batch-size", type=int, default=1, help="the batch when searching the sequence length")
-    p.add_argument("--prompt-len", type=int, default=512, help="prompt (training: sequence) length when "
+    p.add_argument("--batch-size", type=int, default=1, help="the batch when searching the sequence length "
+                                                               "(default: %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN, help="prompt (training: sequence) length when "
                                                                "searching the batch (default: %(default)s)")
-    p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--training", action="store_true")
+    p.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
+                   help="tokens generated per sequence (default: %(default)s, as gpumem estimate)")
+    p.add_argument("--training", action="store_true", help="training steps instead of generate()")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="training: each block's activations recomputed in the backward pass (as estimate)")
+    p.add_argument("--optimizer-8bit", action="store_true",
+                   help="training: 8-bit AdamW states (modelled, unmeasured; as estimate)")
     p.add_argument("--dtype", help="bf16, fp16, fp32 or int8 (default: the config's, else bf16)")
-    p.add_argument("--max", type=int, default=4096, dest="max_value", help="upper bound of the search")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--max", type=int, default=4096, dest="max_value",
+                   help="upper bound of the search (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="one JSON object (its fields include the workload: "
+                                                       "prompt_len, new_tokens, batch_size, training)")
     _add_verbose(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the answer (or JSON); exit 0, or 1 when not even the smallest size fits."""
-    from ..estimate.fit import find_max_batch
+    from ..estimate.fit import InjectedFaultError, find_max_batch
 
     shape, cfg_bytes = model_from_args(args)
     name, nbytes = parse_dtypes(args.dtype, cfg_bytes, args.config_dtype)[0]
     check_device(args.device)
     note = (context_note(args.prompt_len + (0 if args.training else args.new_tokens), args.context_len)
             if args.search == "batch" else "")
-    r = find_max_batch(shape, nbytes, device=args.device, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                       batch_size=args.batch_size, search=args.search, training=args.training, policy=args.policy,
-                       margin=args.margin, max_value=args.max_value)
+    try:
+        r = find_max_batch(shape, nbytes, device=args.device, prompt_len=args.prompt_len,
+                           new_tokens=args.new_tokens, batch_size=args.batch_size, search=args.search,
+                           training=args.training, policy=args.policy, margin=args.margin,
+                           max_value=args.max_value, progress=False if args.json else None,
+                           weight_format=args.weight_fmt, gradient_checkpointing=args.gradient_checkpointing,
+                           optimizer_8bit=args.optimizer_8bit)
+    except InjectedFaultError as exc:  # Note: the injected fault is named, never read as a shortage
+        print(f"gpumem fit: {exc}", file=sys.stderr)
+        return EXIT_DEVICE_ERROR
     if args.json:
         out = r.as_dict()
-        out.update(dtype=name, n_params=shape.n_params, context_len=args.context_len, warnings=[note] if note else [])
+        out.update(dtype=name, weight_format=None if args.weight_fmt is None else args.weight_fmt.name,
+                   n_params=shape.n_params, context_len=args.context_len, warnings=[note] if note else [])
         print(json.dumps(out, indent=2))
     else:
         what = "batch" if args.search == "batch" else "prompt length"
-        print(f"{shape.n_params / 1e9:.2f}B parameters, {name}, on {r.device} ({r.usable_bytes / 2**30:.2f} GiB free), "
-              f"policy {r.policy}, margin {r.margin:.0%} beyond the weights")
+        work = (f"training steps of {args.prompt_len} tokens" if args.training else
+                f"generate(), {args.new_tokens} new tokens")
+        at = f"prompt {args.prompt_len}" if args.search == "batch" else f"batch {args.batch_size}"
+        if args.weight_fmt is not None:
+            name = f"{name}, projections in {args.weight_fmt.name}"
+        print(f"{shape.n_params / 1e9:.2f}B parameters, {name}, {work}, {at}; on {r.device} "
+              f"({r.usable_bytes / 2**30:.2f} GiB usable by a GpuMemoryManager), policy {r.policy}, "
+              f"margin {r.margin:.0%} beyond the weights")
         lines = [(f"largest {what} (simulated, with margin):", r.simulated),
-                 ("  estimate alone (peak allocated <= free):", r.estimate),
+                 ("  estimate alone (peak allocated <= usable):", r.estimate),
                  (f"  halving retry from {r.start}:", r.halving),
                  ("  binary search, no margin:", r.binary_search)]
         width = max(len(label) for label, _ in lines)

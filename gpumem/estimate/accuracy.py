@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidArgumentError
-from .fit import estimate_peak_reserved
+from .fit import estimate_peak_reserved, replay_inference, training_reserved_nbytes
 from .formulas import estimate_inference_memory, estimate_training_memory
 from .shape import ModelShape
-from .workload import inference_trace, training_trace
+from .workload import training_trace
 
 __all__ = ["AccuracyRow", "compare", "to_markdown", "main"]
 
@@ -71,14 +71,18 @@ def compare(doc: dict[str, Any], *, expandable: dict[str, Any] | None = None, re
         b, p, n = r["batch_size"], r["prompt_len"], r["new_tokens"]
         args = (shape.hidden_size, shape.intermediate_size, shape.n_layers, shape.vocab_size, shape.n_heads,
                 shape.n_kv_heads)
+        policies = ("pytorch", "expandable")
         if r["kind"] == "train":
             est = estimate_training_memory(*args, p, 2, batch_size=b)
-            w = training_trace(shape, 2, batch_size=b, seq_len=p) if reserved else None
+            res = estimate_peak_reserved(training_trace(shape, 2, batch_size=b, seq_len=p), policies,
+                                         device=device) if reserved else []
         else:
             est = estimate_inference_memory(*args, p + n, 2, batch_size=b, prompt_len=p, new_tokens=n)
-            w = inference_trace(shape, 2, batch_size=b, prompt_len=p, new_tokens=n) if reserved else None
-        sim = {e.policy: e.peak_reserved_bytes for e in estimate_peak_reserved(w, ("pytorch", "expandable"),
-                                                                              device=device)} if w else {}
+            res = replay_inference(shape, 2, policies, device, batch_size=b, prompt_len=p, new_tokens=n,
+                                   peak_nbytes=est.total_bytes) if reserved else []
+        sim = {e.policy: e.peak_reserved_bytes for e in res}
+        if r["kind"] == "train" and "pytorch" in sim:  # Note [Training reserved margin] in .fit
+            sim["pytorch"] = training_reserved_nbytes(sim["pytorch"])
         m = r["peak_allocated_bytes"]
         out.append(AccuracyRow(
             r["kind"], r["model"], shape.n_params, b, p, n, m, est.total_bytes, est.total_bytes / m - 1, est.phase,

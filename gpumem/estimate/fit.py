@@ -14,10 +14,18 @@ Note [Fragmentation margin]
     (34 did not), 155 where 155 ran, but 135 where only 134 ran (7B, prompt 1024, 64 new tokens;
     ``reports/hil/estimate-fit-h200-2026-11-22.json``). The weights are one allocation each and do not
     fragment, so the margin applies to the rest: a size fits when its replay fits
-    ``weights + (free - weights) / (1 + margin)``. :data:`DEFAULT_MARGINS` use 2 % for ``pytorch`` (33, 132
+    ``weights + (usable - weights) / (1 + margin)``. :data:`DEFAULT_MARGINS` use 2 % for ``pytorch`` (33, 132
     and 152 on those three), 25 % for the other segment policies (not checked against a device) and 1 % for
     the virtual-memory ones, whose reserve tracks the live bytes (expandable segments: the replay without
-    margin gave exactly the batch that ran, 53).
+    margin gave exactly the batch that ran, 53). Those figures were found against the device's whole free
+    memory; the room is now the usable memory a ``GpuMemoryManager`` keeps (Note [One usable memory]), which
+    is smaller, so the answers are below what ran there, never above.
+
+Note [One usable memory]
+    ``gpumem fit``, ``gpumem estimate`` (its FITS column and the replays' limit) and ``GpuMemoryManager`` all
+    size against :func:`gpumem.managers.reserve.default_usable_nbytes`: before, fit used the free memory
+    (78.94 GiB on ``sim:a100-80gb``) while the manager allowed 71.00 GiB, so a batch fit approved could be
+    refused by the manager on the same device.
 """
 
 from __future__ import annotations
@@ -27,14 +35,52 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from ..device import Device
+from ..errors import GpumemError, InvalidArgumentError, OutOfMemoryError
+from ..managers.reserve import default_usable_nbytes
+from ..progress import NoProgress, progress as progress_bar
+from ..replay import make_allocator, replay_trace
 from ..specs import open_device
-from ..errors import InvalidArgumentError, OutOfMemoryError
-from ..replay import replay_trace
+from ..units import format_bytes
 from .shape import ModelShape
-from .workload import WorkloadTrace, inference_trace, training_trace
+from .formats import WeightFormat, dequant_workspace_nbytes
+from .workload import DECODE_HEAD_STEPS, weights_nbytes, WorkloadTrace, inference_trace, stream_inference, training_trace
 
 __all__ = ["ReservedEstimate", "FitResult", "FitTry", "estimate_peak_reserved", "find_max_batch",
-           "DEFAULT_MARGINS"]
+           "DEFAULT_MARGINS", "DEFAULT_NEW_TOKENS", "training_reserved_nbytes", "TRAINING_RESERVED_MARGIN", "DEFAULT_PROMPT_LEN", "InjectedFaultError", "usable_memory",
+           "replay_inference"]
+
+DEFAULT_NEW_TOKENS = 16
+"""New tokens of a ``generate()`` workload when none are given, for ``gpumem estimate``, ``gpumem fit`` and
+:func:`find_max_batch` alike (printed with every answer)."""
+DEFAULT_PROMPT_LEN = 512
+"""Prompt length ``gpumem fit`` searches the batch at when none is given."""
+
+
+TRAINING_RESERVED_MARGIN = 0.005
+"""Note [Training reserved margin]: on the H200 (``reports/hil/estimate-accuracy-h200-2026-11-22.md``) the
+``pytorch`` replay of training steps reserved up to 0.33 % less than PyTorch did, on 3 of 9 rows, all with
+the peak in the backward pass (autograd's small temporaries are not all in the trace); every generate() row
+was at or above. The estimate of training's peak reserved under ``pytorch`` is therefore the replay's plus
+0.5 %, rounded up to 2 MiB (what a segment of PyTorch's large pool rounds to): never below on those rows,
+at the cost of the two rows already +2.9 % above (peak in the optimizer step) going to +3.4 % and +3.5 %."""
+
+
+def training_reserved_nbytes(replayed_nbytes: int) -> int:
+    """The estimate of training's peak reserved under ``pytorch`` from its replay (Note [Training reserved
+    margin])."""
+    grain = 2 * 2**20
+    return -(-int(replayed_nbytes * (1 + TRAINING_RESERVED_MARGIN)) // grain) * grain
+
+
+class InjectedFaultError(GpumemError, RuntimeError):
+    """A replay failed because the device spec injects faults (``?fail_rate=``...): nothing was out of
+    memory, and no size can be judged on such a device."""
+
+
+def usable_memory(device: Device) -> int:
+    """The usable memory of ``device`` as a ``GpuMemoryManager`` with the default config sees it
+    (:func:`gpumem.managers.reserve.default_usable_nbytes`): what estimates and fits are sized against."""
+    return default_usable_nbytes(device.mem_info())
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +100,8 @@ class ReservedEstimate:
     peak_reserved_bytes: int
     fits: bool
     oom_message: str = ""
+    injected_fault: bool = False
+    """The replay failed on a fault the device spec injects, not for want of memory."""
 
 
 def _replay(w: WorkloadTrace, device: "str | Device", policy: str, limit: int | None = None) -> ReservedEstimate:
@@ -61,17 +109,106 @@ def _replay(w: WorkloadTrace, device: "str | Device", policy: str, limit: int | 
     r = replay_trace(w.trace, device, policy, stop_on_oom=True, progress=False, **opts)
     spec = device if isinstance(device, str) else device.spec
     return ReservedEstimate(policy, spec, w.peak_nbytes, r.peak_reserved_bytes, r.oom_message is None,
-                            r.oom_message or "")
+                            r.oom_message or "", bool(getattr(r.oom_error, "injected", False)))
+
+
+class _Stopped(Exception):
+    """A streamed replay ran out of memory: the rest of the workload is not made."""
+
+
+class _AllocatorSink:
+    """Replays ops as an emitter makes them (Note [Decode steps simulated] in :mod:`.workload`), stopping at the
+    first out-of-memory error as ``replay(stop_on_oom=True)`` does."""
+
+    def __init__(self, allocator: Any) -> None:
+        self.allocator = allocator
+        self.ptrs: dict[int, int] = {}
+        self.error: OutOfMemoryError | None = None
+
+    def alloc(self, op_id: int, nbytes: int) -> None:
+        if self.error is None:
+            try:
+                # a zero-byte allocation takes no memory (as in replay()): no pointer, its free is skipped
+                self.ptrs[op_id] = self.allocator.allocate(nbytes, 0) if nbytes else 0
+            except OutOfMemoryError as exc:
+                self.error = exc
+                raise _Stopped from None
+
+    def free(self, op_id: int) -> None:
+        p = self.ptrs.pop(op_id, 0)
+        if p and self.error is None:
+            self.allocator.free(p)
+
+
+def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, ...] | list[str]",
+                     device: "str | Device", *, batch_size: int = 1, prompt_len: int,
+                     new_tokens: int = DEFAULT_NEW_TOKENS, limit: int | None = None, peak_nbytes: int | None = None,
+                     bar: Any = None, weight_format: WeightFormat | None = None,
+                     workspace_nbytes: int = 0) -> list[ReservedEstimate]:
+    """Peak reserved of ``generate()`` under each policy: every op of every decode step replayed as it is
+    made (:func:`~gpumem.estimate.workload.stream_inference`), so memory stays bounded while the figures
+    are those of replaying ``inference_trace(..., full_decode=True)``. ``bar`` (a progress bar) advances by
+    one per step."""
+    if peak_nbytes is None:
+        peak_nbytes = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len,
+                                      new_tokens=new_tokens, weight_format=weight_format,
+                                      workspace_nbytes=workspace_nbytes).peak_nbytes
+    bar = bar if bar is not None else NoProgress()
+    # Note [Prefix first]: the trace of the first DECODE_HEAD_STEPS + 1 tokens is a prefix of the full
+    # workload's ops (its end frees, and its one allocation is the next step's first op), so a replay that
+    # runs out of memory there does so in the full replay too, at the same op with the same reserve; one
+    # that does not and covers every token is the full replay. Only the rest is streamed.
+    head = min(new_tokens, DECODE_HEAD_STEPS + 1)
+    prefix = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len, new_tokens=head,
+                             weight_format=weight_format, workspace_nbytes=workspace_nbytes)
+    out = []
+    for policy in policies:
+        first = _replay(prefix, device, policy, limit)
+        if not first.fits or head == new_tokens:
+            bar.update(max(new_tokens, 1))
+            out.append(ReservedEstimate(policy, first.device, peak_nbytes, first.peak_reserved_bytes, first.fits,
+                                        first.oom_message, first.injected_fault))
+            continue
+        own = not isinstance(device, Device)
+        dev = open_device(device) if own else device
+        try:
+            allocator = make_allocator(dev, policy, **({} if limit is None else {"limit": limit}))
+            try:
+                sink = _AllocatorSink(allocator)
+                try:
+                    stream_inference(shape, dtype_bytes, (sink,), batch_size=batch_size, prompt_len=prompt_len,
+                                     new_tokens=new_tokens, on_step=lambda _step: bar.update(1),
+                                     weight_format=weight_format, workspace_nbytes=workspace_nbytes)
+                except _Stopped:
+                    pass
+                reserved = allocator.snapshot_stats().peak_reserved_nbytes
+            finally:
+                allocator.close()
+        finally:
+            if own:
+                dev.close()
+        err = sink.error
+        out.append(ReservedEstimate(policy, dev.spec, peak_nbytes, reserved, err is None,
+                                    "" if err is None else str(err), bool(getattr(err, "injected", False))))
+    return out
 
 
 def estimate_peak_reserved(w: WorkloadTrace, policies: "tuple[str, ...] | list[str]" = ("pytorch", "gpumem"), *,
-                           device: "str | Device" = "sim:h200-141gb") -> list[ReservedEstimate]:
+                           device: "str | Device" = "sim:h200-141gb",
+                           limit: int | None = None) -> list[ReservedEstimate]:
     """Replay ``w`` (from :func:`~gpumem.estimate.workload.inference_trace` or ``training_trace``) under each
-    policy on ``device`` and return what each reserved at its peak. A replay that runs out of memory is
-    reported with ``fits=False`` and the peak it reached."""
+    policy on ``device`` (within ``limit`` bytes when given) and return what each reserved at its peak. A
+    replay that runs out of memory is reported with ``fits=False`` and the peak it reached.
+
+    An inference trace holds only some decode steps (Note [Decode steps simulated]); the reserved figures of
+    ``generate()`` come from :func:`replay_inference`, which replays every step."""
     if not policies:
         raise InvalidArgumentError("estimate_peak_reserved: give at least one policy")
-    return [_replay(w, device, p) for p in policies]
+    if not w.complete:
+        raise InvalidArgumentError("estimate_peak_reserved: this generate() trace leaves decode steps out (Note "
+                                   "[Decode steps simulated]); use replay_inference(), or inference_trace(..., "
+                                   "full_decode=True)")
+    return [_replay(w, device, p, limit) for p in policies]
 
 
 @dataclass(frozen=True)
@@ -88,7 +225,8 @@ class FitResult:
     """The largest batch (or prompt length) that fits, by four rules, for one workload and device.
 
     ``simulated``: the largest value whose replay fits within ``limit_bytes`` = weights + (``usable_bytes`` -
-    weights) / (1 + ``margin``) (the answer).
+    weights) / (1 + ``margin``) (the answer); ``usable_bytes`` is what a ``GpuMemoryManager`` may hand out
+    on the device (:func:`usable_memory`).
     ``estimate``: the largest value whose estimated peak *allocated* bytes fit ``usable_bytes`` (no
     allocator, no margin: what a formula alone says). ``halving``: where a retry that starts at ``start`` and
     halves on each out-of-memory error settles (accelerate's ``find_executable_batch_size``).
@@ -111,6 +249,14 @@ class FitResult:
     weights_bytes: int = 0
     reason: str = ""
     """Why not even 1 fits (empty when ``simulated >= 1``)."""
+    prompt_len: int = DEFAULT_PROMPT_LEN
+    """The prompt (training: sequence) length of a batch search; the last tried length of a seq_len search
+    is ``simulated``."""
+    new_tokens: int = DEFAULT_NEW_TOKENS
+    """New tokens generated per sequence (0 for training)."""
+    batch_size: int = 1
+    """The batch of a ``seq_len`` search."""
+    training: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
@@ -140,16 +286,23 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
 
 
 def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device" = "sim:h200-141gb",
-                   prompt_len: int = 512, new_tokens: int = 16, batch_size: int = 1, search: str = "batch",
-                   training: bool = False, policy: str = "pytorch", margin: float | None = None,
-                   max_value: int = 4096, start: int | None = None) -> FitResult:
+                   prompt_len: int = DEFAULT_PROMPT_LEN, new_tokens: int = DEFAULT_NEW_TOKENS, batch_size: int = 1,
+                   search: str = "batch", training: bool = False, policy: str = "pytorch",
+                   margin: float | None = None, max_value: int = 4096, start: int | None = None,
+                   progress: bool | None = False, weight_format: WeightFormat | None = None,
+                   gradient_checkpointing: bool = False, optimizer_8bit: bool = False) -> FitResult:
     """The largest batch (``search="batch"``) or prompt/sequence length (``search="seq_len"``, at
     ``batch_size``) that runs on ``device`` without out-of-memory, by replaying the workload's allocations
     under ``policy`` with ``margin`` of the memory beyond the weights held back (default
-    :data:`DEFAULT_MARGINS`, Note [Fragmentation margin]).
+    :data:`DEFAULT_MARGINS`, Note [Fragmentation margin]), within the device's usable memory as a
+    ``GpuMemoryManager`` sees it (:func:`usable_memory`).
 
     ``training=True`` fits training steps of ``prompt_len`` tokens (``new_tokens`` is ignored). Returns a
     :class:`FitResult`; its ``simulated`` is 0 when not even 1 fits. ``max_value`` bounds the search.
+    ``weight_format``: the projections' format (:mod:`.formats`; generate() only), with its dequantization
+    workspace on ``device`` for the ternary ones. ``gradient_checkpointing`` and ``optimizer_8bit``: training
+    options (:func:`~gpumem.estimate.workload.training_trace`). ``progress``: a bar of the replays (None: on a terminal). Raises :class:`InjectedFaultError` when a
+    replay fails on a fault the device spec injects.
     """
     if search not in ("batch", "seq_len"):
         raise InvalidArgumentError(f"search must be 'batch' or 'seq_len', got {search!r}")
@@ -159,19 +312,39 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         margin = DEFAULT_MARGINS.get(policy, 0.20)
     if not (isinstance(margin, (int, float)) and 0.0 <= margin <= 10.0):
         raise InvalidArgumentError(f"margin must be a number in [0, 10], got {margin!r}")
+    if (gradient_checkpointing or optimizer_8bit) and not training:
+        raise InvalidArgumentError("find_max_batch: gradient_checkpointing and optimizer_8bit are for training=True")
+    if weight_format is not None and training:
+        raise InvalidArgumentError("find_max_batch: a weight format with training is not modelled (full training "
+                                   "updates 16-bit weights)")
     own = not isinstance(device, Device)
     dev = open_device(device) if own else device
+    bar = progress_bar(None, f"fit {search}", "replay", enabled=progress)
     try:
-        usable = dev.mem_info().free_nbytes
-        weights = min(usable, shape.n_params * dtype_bytes)
+        usable = max(0, usable_memory(dev))
+        workspace = dequant_workspace_nbytes(shape, weight_format, dev)
+        weights_total = weights_nbytes(shape, dtype_bytes, weight_format)
+        weights = min(usable, weights_total)
         limit = int(weights + (usable - weights) / (1.0 + margin))
         tries: list[FitTry] = []
 
+        extra_tokens = 0 if training else new_tokens
+        if search == "batch":
+            shape.check_tokens(prompt_len + extra_tokens)
+        elif shape.sliding_window:  # Note [Sliding window]: the search stays within the window
+            shape.check_tokens(1 + extra_tokens)
+            max_value = min(max_value, shape.sliding_window - extra_tokens)
+
+        def sizes(v: int) -> tuple[int, int]:
+            return (v, prompt_len) if search == "batch" else (batch_size, v)
+
         def workload(v: int) -> WorkloadTrace:
-            b, p = (v, prompt_len) if search == "batch" else (batch_size, v)
+            b, p = sizes(v)
             if training:
-                return training_trace(shape, dtype_bytes, batch_size=b, seq_len=p)
-            return inference_trace(shape, dtype_bytes, batch_size=b, prompt_len=p, new_tokens=new_tokens)
+                return training_trace(shape, dtype_bytes, batch_size=b, seq_len=p,
+                                      gradient_checkpointing=gradient_checkpointing, optimizer_8bit=optimizer_8bit)
+            return inference_trace(shape, dtype_bytes, batch_size=b, prompt_len=p, new_tokens=new_tokens,
+                                   weight_format=weight_format, workspace_nbytes=workspace)
 
         cache: dict[tuple[int, int | None], bool] = {}
 
@@ -182,7 +355,21 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                 if w.peak_nbytes > (lim or usable):
                     cache[key] = False  # cannot fit: its live bytes alone exceed the room
                 else:
-                    cache[key] = _replay(w, dev, policy, lim if lim else None).fits
+                    room = lim if lim else usable
+                    if training:
+                        r = _replay(w, dev, policy, room)
+                    else:
+                        b, p = sizes(v)
+                        r = replay_inference(shape, dtype_bytes, (policy,), dev, batch_size=b, prompt_len=p,
+                                             new_tokens=new_tokens, limit=room, peak_nbytes=w.peak_nbytes,
+                                             weight_format=weight_format, workspace_nbytes=workspace)[0]
+                    if r.injected_fault:
+                        raise InjectedFaultError(
+                            f"an injected fault (the device spec's fault options) failed the replay of {search} "
+                            f"{v} on {dev.spec}; nothing was out of memory, and no size can be judged on a "
+                            f"device that injects faults (give the spec without them): {r.oom_message}")
+                    cache[key] = r.fits
+                    bar.update(1)
                 tries.append(FitTry(v, cache[key], rule))
             return cache[key]
 
@@ -201,16 +388,18 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         reason = ""
         if simulated < 1:
             what = "batch 1" if search == "batch" else f"a prompt of 1 token at batch {batch_size}"
-            if shape.n_params * dtype_bytes > usable:
-                reason = (f"the weights alone ({shape.n_params * dtype_bytes / 2**30:.2f} GiB) exceed what "
-                          f"{dev.spec} has free ({usable / 2**30:.2f} GiB)")
+            if weights_total > usable:
+                reason = (f"the weights alone ({format_bytes(weights_total)}) exceed the usable "
+                          f"memory of {dev.spec} ({format_bytes(usable)})")
             else:
                 reason = (f"not even {what} fits: its replay under {policy} needs more than "
-                          f"{limit / 2**30:.2f} GiB (the free {usable / 2**30:.2f} GiB less the margin)")
+                          f"{format_bytes(limit)} (the usable {format_bytes(usable)} less the margin)")
         return FitResult(search, policy, dev.spec, usable, limit, margin, simulated, estimate, halving, binary, first,
-                         tries, shape.n_params * dtype_bytes, reason)
+                         tries, weights_total, reason, prompt_len=prompt_len,
+                         new_tokens=0 if training else new_tokens, batch_size=batch_size, training=training)
     except OutOfMemoryError as exc:  # the device itself could not be opened with room: report as no fit
         raise InvalidArgumentError(f"find_max_batch: {exc}") from exc
     finally:
+        bar.close()
         if own:
             dev.close()

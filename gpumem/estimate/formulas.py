@@ -3,20 +3,35 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from .formats import WeightFormat
 from .shape import ModelShape
-from .workload import Category, WorkloadTrace, inference_trace, training_trace
+from .workload import Category, LoraConfig, WorkloadTrace, inference_trace, training_trace
 
 __all__ = ["MemoryEstimate", "TrainingEstimate", "estimate_model_memory", "estimate_kv_cache_memory",
            "estimate_inference_memory", "estimate_training_memory"]
 
 log = logging.getLogger(__name__)
 
-_GB = 1e9
-_MB = 1e6
+_GIB = float(2**30)
+_MIB = float(2**20)
+
+
+def _deprecated_alias(field: str, divisor: float, new: str) -> property:
+    """The old ``*_gb``/``*_mb`` helper: warns, names ``new``, and returns what it always did, ``field`` in
+    decimal units (Note [GiB everywhere])."""
+
+    def get(self: Any) -> float:
+        warnings.warn(f"MemoryEstimate.{new.replace('_gib', '_gb').replace('_mib', '_mb')} (decimal GB/MB) is "
+                      f"deprecated: use {new} (GiB/MiB, 2**30/2**20 bytes, as the command line prints)",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(self, field) / divisor
+
+    return property(get, doc=f"Deprecated: ``{field}`` in decimal units; use ``{new}`` (it warns).")
 
 #: Sanity caps on the workload (far beyond any real run; see also ``shape.SHAPE_CAPS``): larger values
 #: raise ``InvalidArgumentError`` naming the field and the cap.
@@ -47,29 +62,39 @@ class MemoryEstimate:
     phase: str = ""
 
     @property
-    def total_gb(self) -> float:
-        """``total_bytes`` in GB (10**9 bytes)."""
-        return self.total_bytes / _GB
+    def total_gib(self) -> float:
+        """``total_bytes`` in GiB (2**30 bytes, the unit of the command line)."""
+        return self.total_bytes / _GIB
 
     @property
-    def total_mb(self) -> float:
-        """``total_bytes`` in MB (10**6 bytes)."""
-        return self.total_bytes / _MB
+    def total_mib(self) -> float:
+        """``total_bytes`` in MiB (2**20 bytes)."""
+        return self.total_bytes / _MIB
 
     @property
-    def model_gb(self) -> float:
-        """``model_bytes`` in GB."""
-        return self.model_bytes / _GB
+    def model_gib(self) -> float:
+        """``model_bytes`` in GiB."""
+        return self.model_bytes / _GIB
 
     @property
-    def kv_cache_gb(self) -> float:
-        """``kv_cache_bytes`` in GB."""
-        return self.kv_cache_bytes / _GB
+    def kv_cache_gib(self) -> float:
+        """``kv_cache_bytes`` in GiB."""
+        return self.kv_cache_bytes / _GIB
 
     @property
-    def activation_gb(self) -> float:
-        """``activation_bytes`` in GB."""
-        return self.activation_bytes / _GB
+    def activation_gib(self) -> float:
+        """``activation_bytes`` in GiB."""
+        return self.activation_bytes / _GIB
+
+    # Note [GiB everywhere]: the command line prints GiB (2**30); the ``*_gb``/``*_mb`` helpers returned GB
+    # (10**9), so one figure read differently in Python and in a terminal. The helpers are ``*_gib``/``*_mib``
+    # now; the old names stay as deprecated aliases that warn and still return the decimal figure (code
+    # that used them keeps its numbers until it moves).
+    total_gb = _deprecated_alias("total_bytes", 1e9, "total_gib")
+    total_mb = _deprecated_alias("total_bytes", 1e6, "total_mib")
+    model_gb = _deprecated_alias("model_bytes", 1e9, "model_gib")
+    kv_cache_gb = _deprecated_alias("kv_cache_bytes", 1e9, "kv_cache_gib")
+    activation_gb = _deprecated_alias("activation_bytes", 1e9, "activation_gib")
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
@@ -133,19 +158,27 @@ def _from_trace(model_bytes: int, w: WorkloadTrace, cls: type = MemoryEstimate, 
 def estimate_inference_memory(hidden_size: int, intermediate_size: int, n_layers: int, vocab_size: int,
                               n_heads: int, n_kv_heads: int, max_seq_len: int, dtype_bytes: int, *,
                               batch_size: int = 1, prompt_len: int | None = None, new_tokens: int = 0,
-                              head_dim: int = 0, tie_word_embeddings: bool = False) -> MemoryEstimate:
+                              head_dim: int = 0, tie_word_embeddings: bool = False,
+                              attention_bias: bool = False, weight_format: "WeightFormat | None" = None,
+                              workspace_nbytes: int = 0) -> MemoryEstimate:
     """The peak of allocated bytes of Hugging Face ``generate()`` on a Llama-style decoder.
 
+    ``attention_bias``: biases on the q, k and v projections (Qwen2). ``weight_format``: the projections'
+    format (:mod:`.formats`; ``dtype_bytes`` is then the activations' and the other weights'), with
+    ``workspace_nbytes`` of dequantization workspace (:func:`.formats.dequant_workspace_nbytes`).
     ``prompt_len`` defaults to ``max_seq_len - new_tokens``; ``prompt_len + new_tokens`` may not exceed
     ``max_seq_len``. The estimate walks the allocations of :func:`~gpumem.estimate.workload.inference_trace`
     (weights, prefill, one decode step per new token after the first) and reports their peak.
     """
     dtype_bytes = _check_dtype(dtype_bytes)
     shape = ModelShape(hidden_size, intermediate_size, n_layers, vocab_size, n_heads, n_kv_heads, head_dim,
-                       tie_word_embeddings)
+                       tie_word_embeddings, attention_bias)
     _cap("batch_size", batch_size)
     prompt = _prompt(max_seq_len, prompt_len, new_tokens)
-    w = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt, new_tokens=new_tokens)
+    if isinstance(workspace_nbytes, bool) or not isinstance(workspace_nbytes, int) or workspace_nbytes < 0:
+        raise InvalidArgumentError(f"workspace_nbytes must be a whole number >= 0, got {workspace_nbytes!r:.40}")
+    w = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt, new_tokens=new_tokens,
+                        weight_format=weight_format, workspace_nbytes=workspace_nbytes)
     return _from_trace(shape.n_params * dtype_bytes, w)
 
 
@@ -171,18 +204,23 @@ def _prompt(max_seq_len: int, prompt_len: int | None, new_tokens: int) -> int:
 def estimate_training_memory(hidden_size: int, intermediate_size: int, n_layers: int, vocab_size: int,
                              n_heads: int, n_kv_heads: int, seq_len: int, dtype_bytes: int, *, batch_size: int = 1,
                              optimizer_states: int = 2, head_dim: int = 0,
-                             tie_word_embeddings: bool = False) -> TrainingEstimate:
+                             tie_word_embeddings: bool = False, attention_bias: bool = False,
+                             gradient_checkpointing: bool = False, optimizer_8bit: bool = False,
+                             lora: "LoraConfig | None" = None) -> TrainingEstimate:
     """The peak of allocated bytes of full training steps (forward, backward, foreach AdamW with
-    ``optimizer_states`` states per parameter in the weights' dtype), steady state included (two steps)."""
+    ``optimizer_states`` states per parameter in the weights' dtype, or 8-bit with ``optimizer_8bit``), steady
+    state included (two steps); ``gradient_checkpointing`` recomputes each block in the backward pass;
+    ``lora`` trains adapters on a frozen base (Note [LoRA] in :mod:`.workload`)."""
     dtype_bytes = _check_dtype(dtype_bytes)
     if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
         raise InvalidArgumentError(f"optimizer_states must be a whole number >= 0, got {optimizer_states!r}")
     shape = ModelShape(hidden_size, intermediate_size, n_layers, vocab_size, n_heads, n_kv_heads, head_dim,
-                       tie_word_embeddings)
+                       tie_word_embeddings, attention_bias)
     _cap("batch_size", batch_size)
     _cap("seq_len", seq_len)
     w = training_trace(shape, dtype_bytes, batch_size=batch_size, seq_len=seq_len, n_steps=2,
-                       optimizer_states=optimizer_states)
+                       optimizer_states=optimizer_states, gradient_checkpointing=gradient_checkpointing,
+                       optimizer_8bit=optimizer_8bit, lora=lora)
     return _from_trace(shape.n_params * dtype_bytes, w, TrainingEstimate,
                        gradient_bytes=w.at_peak.get(Category.GRADIENTS, 0),
                        optimizer_bytes=w.at_peak.get(Category.OPTIMIZER, 0))

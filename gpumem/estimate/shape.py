@@ -7,17 +7,21 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["ModelShape", "from_hf_config", "DTYPE_BYTES", "SHAPE_CAPS", "MAX_CONFIG_BYTES"]
+if TYPE_CHECKING:  # pragma: no cover
+    from .formats import WeightFormat
+
+__all__ = ["ModelShape", "from_hf_config", "DTYPE_BYTES", "SHAPE_CAPS", "MAX_CONFIG_BYTES", "SUPPORTED_MODEL_TYPES",
+           "config_weight_format"]
 
 #: Sanity caps on the shape (far beyond any real model): larger values are refused, since the estimate's
 #: cost grows with them (``n_layers``) and the figures would be meaningless.
 SHAPE_CAPS: Mapping[str, int] = {
     "hidden_size": 2**20, "intermediate_size": 2**20, "n_layers": 10_000, "vocab_size": 2**24,
-    "n_heads": 2**14, "n_kv_heads": 2**14, "head_dim": 2**20,
+    "n_heads": 2**14, "n_kv_heads": 2**14, "head_dim": 2**20, "sliding_window": 2**24,
 }
 
 #: Largest ``config.json`` :func:`from_hf_config` reads (a real one is a few KB).
@@ -57,6 +61,11 @@ class ModelShape:
     n_kv_heads: int
     head_dim: int = 0
     tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2; ``attention_bias`` in a Llama config)."""
+    sliding_window: int = 0
+    """Tokens a sliding-window attention sees (0: none). Sequences within it are full attention; longer ones
+    are refused by :meth:`check_tokens` (Note [Sliding window])."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "n_layers", "vocab_size", "n_heads", "n_kv_heads"):
@@ -69,8 +78,22 @@ class ModelShape:
         _positive_int("head_dim", self.head_dim, SHAPE_CAPS["head_dim"])
         if not isinstance(self.tie_word_embeddings, bool):
             raise InvalidArgumentError(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
+        if self.sliding_window != 0:
+            _positive_int("sliding_window", self.sliding_window, SHAPE_CAPS["sliding_window"])
+        if not isinstance(self.attention_bias, bool):
+            raise InvalidArgumentError(f"attention_bias must be true or false, got {self.attention_bias!r}")
         if self.n_heads % self.n_kv_heads:
             raise InvalidArgumentError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    def check_tokens(self, n_tokens: int) -> None:
+        """Note [Sliding window]: a sequence of ``n_tokens`` within the window attends to every token, as full
+        attention does, so the estimate holds; a longer one is refused (``InvalidArgumentError``): what the
+        cache keeps past the window depends on the transformers version (a sliding cache layer, or the whole
+        sequence with a mask) and is not modelled."""
+        if self.sliding_window and n_tokens > self.sliding_window:
+            raise InvalidArgumentError(f"{n_tokens} tokens exceed the sliding window of {self.sliding_window}: "
+                                       "the cache of a sliding-window attention past its window is not modelled "
+                                       "(sequences within the window are)")
 
     @property
     def q_dim(self) -> int:
@@ -83,11 +106,15 @@ class ModelShape:
         return self.n_kv_heads * self.head_dim
 
     def layer_param_shapes(self) -> list[tuple[str, int]]:
-        """Parameters of one block, in the order PyTorch creates them: (name, elements)."""
+        """Parameters of one block: (name, elements); the projections and norms in the order PyTorch creates
+        them, the attention biases (if any) last (the training trace's gradient order reads them by index)."""
         h, i = self.hidden_size, self.intermediate_size
-        return [("q_proj", h * self.q_dim), ("k_proj", h * self.kv_dim), ("v_proj", h * self.kv_dim),
-                ("o_proj", self.q_dim * h), ("gate_proj", h * i), ("up_proj", h * i), ("down_proj", i * h),
-                ("input_layernorm", h), ("post_attention_layernorm", h)]
+        out = [("q_proj", h * self.q_dim), ("k_proj", h * self.kv_dim), ("v_proj", h * self.kv_dim),
+               ("o_proj", self.q_dim * h), ("gate_proj", h * i), ("up_proj", h * i), ("down_proj", i * h),
+               ("input_layernorm", h), ("post_attention_layernorm", h)]
+        if self.attention_bias:
+            out += [("q_proj.bias", self.q_dim), ("k_proj.bias", self.kv_dim), ("v_proj.bias", self.kv_dim)]
+        return out
 
     def param_shapes(self) -> list[tuple[str, int]]:
         """Every parameter tensor of the model, in creation order: (name, elements)."""
@@ -110,6 +137,95 @@ def _first(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
         if name in cfg and cfg[name] is not None:
             return cfg[name]
     return default
+
+
+#: ``model_type`` values whose decoder is the Llama-style block :class:`ModelShape` describes (gated SiLU MLP,
+#: RMSNorm, rotary attention; ``qwen2`` with its q/k/v biases). A config without ``model_type`` is taken as one.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+#: Config keys that make a model a mixture-of-experts (Note [Refuse what is not modelled]).
+MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "n_shared_experts", "shared_expert_intermediate_size", "moe_layer_freq",
+            "first_k_dense_replace", "decoder_sparse_step")
+
+#: Other config keys that change memory and that the estimate does not model: any value but the neutral
+#: one (``None``, ``False``, ``0`` or an empty list) is refused.
+UNMODELLED_KEYS = {
+    "quantization": "quantized weights",
+    "kv_lora_rank": "multi-head latent attention (DeepSeek's compressed cache)",
+    "q_lora_rank": "multi-head latent attention (DeepSeek's compressed cache)",
+    "num_nextn_predict_layers": "multi-token prediction layers",
+    "cross_attention_layers": "cross-attention layers",
+    "mlp_bias": "MLP biases",
+    "attn_logit_softcapping": "attention logit soft-capping (eager attention, full score matrices)",
+}
+
+_NEUTRAL = (None, False, 0, [], {}, "")
+
+
+def config_weight_format(cfg: Mapping[str, Any], origin: str = "config") -> "WeightFormat | None":
+    """The weight format a config's ``quantization_config`` names (Note [Weight formats] in :mod:`.formats`),
+    ``None`` without one; one this estimate does not read raises ``InvalidArgumentError`` naming it:
+    bitsandbytes 8-bit is ``int8``, per-tensor ``fp8`` is ``fp8``, BitNet's offline (packed) mode is ``i2s``
+    storage; bitsandbytes 4-bit (NF4, 64-weight blocks), GPTQ/AWQ (zero points, GPTQ's ``g_idx``), block-wise
+    fp8 and the rest are refused."""
+    from .formats import WEIGHT_FORMATS
+
+    q = cfg.get("quantization_config")
+    if q in _NEUTRAL:
+        return None
+    if not isinstance(q, Mapping):
+        raise InvalidArgumentError(f"{origin}: quantization_config must be a JSON object, got {q!r:.60}")
+    method = q.get("quant_method")
+    if method == "bitsandbytes" and q.get("load_in_8bit") is True and not q.get("load_in_4bit"):
+        return WEIGHT_FORMATS["int8"]
+    if method == "fp8" and q.get("weight_block_size") in _NEUTRAL:
+        return WEIGHT_FORMATS["fp8"]
+    if method == "bitnet" and q.get("quantization_mode", "offline") == "offline":
+        return WEIGHT_FORMATS["i2s"]
+    if method == "bitnet" and q.get("quantization_mode") == "online":
+        return None  # 16-bit weights, quantized on the fly
+    detail = {"bitsandbytes": "4-bit NF4 (blocks of 64 with their absmax) is not modelled",
+              "gptq": "GPTQ also stores zero points and g_idx, not modelled",
+              "awq": "AWQ also stores zero points, not modelled",
+              "fp8": "block-wise fp8 scales (weight_block_size) are not modelled"}.get(str(method),
+                                                                                    "not a format this estimate reads")
+    raise InvalidArgumentError(f"{origin}: quantization_config (quant_method {method!r:.40}): {detail}; give "
+                               "--weight-format or --weight-bits for what its weights store")
+
+
+def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str) -> None:
+    """Note [Refuse what is not modelled]: a config field that changes memory and that this estimate does not
+    model stops it with ``InvalidArgumentError`` naming the field: read as the dense Llama-style decoder it
+    otherwise describes, a Mixtral-8x7B config came out as 7.24B parameters (13.49 GiB) instead of 46.7B, and
+    a BitNet config as bf16 weights four times their packed size, without a word. Better no answer than a
+    wrong one: what is refused here is what this module does not read yet."""
+    moe = {k: cfg[k] for k in MOE_KEYS if cfg.get(k) not in _NEUTRAL}
+    if moe:
+        fields = ", ".join(f"{k}={v!r}" for k, v in moe.items())
+        raise InvalidArgumentError(f"{origin}: a mixture-of-experts model ({fields}) is not supported by this "
+                                   "estimate: read as a dense model it would count one expert's weights only")
+    config_weight_format(cfg, origin)  # a quantization_config it does not read raises
+    for key, what in UNMODELLED_KEYS.items():
+        value = cfg.get(key)
+        if value not in _NEUTRAL:
+            shown = value.get("quant_method", value) if isinstance(value, Mapping) else value
+            raise InvalidArgumentError(f"{origin}: {key} ({shown!r:.80}) means {what}, which this estimate does "
+                                       "not model: it would be read as plain 16-bit dense weights")
+    model_type = cfg.get("model_type")
+    if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
+        raise InvalidArgumentError(f"{origin}: model_type {model_type!r:.60} is not one this estimate models "
+                                   f"(it reads {', '.join(SUPPORTED_MODEL_TYPES)}: Llama-style decoders); its "
+                                   "layers may hold other weights and temporaries")
+    act = cfg.get("hidden_act", cfg.get("hidden_activation"))
+    if act is not None and act not in ("silu", "swish"):
+        raise InvalidArgumentError(f"{origin}: hidden_act {act!r:.60} is not modelled (the estimate's MLP is "
+                                   "the gated SiLU of Llama); its temporaries differ")
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types):
+        raise InvalidArgumentError(f"{origin}: layer_types names layers other than full attention "
+                                   f"({sorted({str(t)[:40] for t in layer_types} - {'full_attention'})}), "
+                                   "which this estimate does not model")
 
 
 def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -> tuple[ModelShape, int]:
@@ -138,6 +254,7 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
             raise InvalidArgumentError(f"{origin}: expected a JSON object, got {type(cfg).__name__}")
     if isinstance(cfg.get("text_config"), Mapping):
         cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k in ("torch_dtype", "dtype")}}
+    _refuse_unmodelled(cfg, origin)
     fields = {
         "hidden_size": _first(cfg, "hidden_size", "n_embd", "d_model"),
         "intermediate_size": _first(cfg, "intermediate_size", "n_inner", "ffn_dim"),
@@ -168,8 +285,16 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
     dtype_name = str(_first(cfg, "torch_dtype", "dtype", default="bfloat16")).replace("torch.", "")
     if dtype_name not in DTYPE_BYTES:
         raise InvalidArgumentError(f"{origin}: unknown dtype {dtype_name!r}; known: {', '.join(DTYPE_BYTES)}")
+    bias = cfg.get("attention_bias", cfg.get("model_type") == "qwen2")  # Qwen2's q/k/v always have biases
+    if not isinstance(bias, bool):
+        raise InvalidArgumentError(f"{origin}: attention_bias must be JSON true or false, got {bias!r:.40}")
+    window = cfg.get("sliding_window")
+    if window in _NEUTRAL or cfg.get("use_sliding_window", True) is False:
+        window = 0
+    elif isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise InvalidArgumentError(f"{origin}: sliding_window must be a JSON integer or null, got {window!r:.40}")
     shape = ModelShape(fields["hidden_size"], fields["intermediate_size"], fields["n_layers"], fields["vocab_size"],
-                       fields["n_heads"], n_kv, head_dim, tie)
+                       fields["n_heads"], n_kv, head_dim, tie, bias, window)
     return shape, DTYPE_BYTES[dtype_name]
 
 

@@ -27,10 +27,31 @@ Note [Decode]
     ``new_tokens - 1`` decode forwards; before each, ``generate()`` appends the last token to the int64
     input ids and grows the attention mask, both by ``torch.cat``.
 
+Note [Decode steps simulated]
+    A decode step repeats the one before it but for the sizes of the cache and of the ids and mask, which
+    are one token longer. At every op of step ``s + 1`` the live bytes are therefore at least those at the
+    same op of step ``s``: the peak of allocated bytes over all decode steps is the peak of the last one,
+    given the cache as the step before left it. :func:`inference_trace` thus holds the prefill, the first
+    ``DECODE_HEAD_STEPS`` steps and the last two (the cache jumps in size between them), and its peak and
+    the split at the peak are those of the full trace to the byte (``full_decode=True`` keeps every step;
+    ``tests/estimate/test_decode_steps.py`` compares both). What an allocator *reserves* depends on the
+    whole history of sizes, so it is not taken from that short trace: :func:`stream_inference` makes every
+    op of every step and hands each to the replaying allocator at once, keeping none, so memory no longer
+    grows with the number of new tokens (the old trace took about 220 KB per token) and the reserved
+    figures are those of the full trace.
+
 Note [Token bookkeeping]
     Beside the tensors of the model, ``generate()`` holds the int64 input ids and attention mask, and each
     forward computes ``position_ids`` from the mask by ``cumsum``: about 24 bytes per token, which the
     H200 runs showed at batch 135 x 4096 (0.55 M tokens: 12.6 MiB).
+
+Note [Weights as PyTorch counts them]
+    ``max_memory_allocated`` counts a block's size, and PyTorch's allocator leaves a remainder of 1 MiB or
+    less inside a large block rather than splitting it off. Loading the weights into an empty cache, a
+    tensor over 10 MiB gets a new segment rounded up to 2 MiB, and one of 1-10 MiB a 20 MiB segment or the
+    best-fitting remainder of one: Qwen2-7B's 84 MLP matrices of 129.5 MiB each take 130 MiB blocks, and its
+    loaded model measured 43 MiB beyond its parameters on the H200 (Mistral-7B, whose matrices are whole
+    MiB multiples, 1.5 KB). :func:`loaded_weight_nbytes` walks those rules over the weights in order.
 
 Note [Overhead]
     cuBLAS takes a 32 MiB workspace through the caching allocator at the first matrix product of each
@@ -43,15 +64,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..trace.model import Trace
 from ..units import MiB
+from .formats import WeightFormat
 from .shape import ModelShape
 
-__all__ = ["Category", "WorkloadTrace", "inference_trace", "training_trace", "CUBLAS_WORKSPACE_NBYTES",
+__all__ = ["Category", "WorkloadTrace", "inference_trace", "stream_inference", "decode_steps_simulated", "OpSink", "param_nbytes", "LoraConfig",
+           "weights_nbytes", "training_trace", "CUBLAS_WORKSPACE_NBYTES",
            "MISC_NBYTES", "DECODE_SLACK_PER_Q_NBYTES"]
 
 CUBLAS_WORKSPACE_NBYTES = 32 * MiB
@@ -63,6 +87,9 @@ BACKWARD_MISC_NBYTES = 16 * MiB
 DECODE_SLACK_PER_Q_NBYTES = 6 * 1024
 """Multi-head (not grouped) attention: a kernel workspace in decode steps, per query width (Note [Overhead]:
 19 MiB measured on the 7B model, q width 4096, none on the grouped-query models)."""
+
+DECODE_HEAD_STEPS = 2
+"""Decode steps simulated one by one before the jump to the last (Note [Decode steps simulated])."""
 
 _ROUND = 512  # PyTorch rounds every block to 512 bytes; max_memory_allocated counts rounded blocks
 
@@ -86,13 +113,28 @@ class WorkloadTrace:
     peak_nbytes: int
     at_peak: dict[Category, int]
     phase_at_peak: str
+    complete: bool = True
+    """False when decode steps were left out (Note [Decode steps simulated]): the peak is exact, but a replay
+    of this trace is not the workload's (:func:`gpumem.estimate.fit.estimate_peak_reserved` refuses it)."""
+
+
+class OpSink(Protocol):
+    """What an emitter also sends its ops to, as it makes them (Note [Decode steps simulated])."""
+
+    def alloc(self, op_id: int, nbytes: int) -> None:
+        """An allocation of ``nbytes`` named ``op_id``."""
+
+    def free(self, op_id: int) -> None:
+        """The free of allocation ``op_id``."""
 
 
 class _Emitter:
     """Builds the ops of a trace and tracks live bytes per category (no lock: one thread builds it)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, record: bool = True, sinks: "tuple[OpSink, ...]" = ()) -> None:
         self.name = name
+        self.record = record
+        self.sinks = sinks
         self.kinds: list[int] = []
         self.ids: list[int] = []
         self.sizes: list[int] = []
@@ -104,16 +146,22 @@ class _Emitter:
         self.at_peak: dict[Category, int] = {}
         self.phase = ""
         self.phase_at_peak = ""
+        self.next_id = 0
 
-    def alloc(self, nbytes: int, cat: Category = Category.ACTIVATIONS) -> int:
-        """Append an alloc of ``nbytes``; return its id."""
+    def alloc(self, nbytes: int, cat: Category = Category.ACTIVATIONS, counted: int | None = None) -> int:
+        """Append an alloc of ``nbytes``; return its id. ``counted``: the bytes PyTorch counts as allocated
+        for it, when not ``nbytes`` rounded to 512 (Note [Weights as PyTorch counts them])."""
         nbytes = int(nbytes)
-        rounded = -(-max(nbytes, 1) // _ROUND) * _ROUND
-        i = len(self.alloc_nbytes)
-        self.alloc_nbytes.append(nbytes)
-        self.kinds.append(0)
-        self.ids.append(i)
-        self.sizes.append(nbytes)
+        rounded = -(-max(nbytes, 1) // _ROUND) * _ROUND if counted is None else counted
+        i = self.next_id
+        self.next_id += 1
+        if self.record:
+            self.alloc_nbytes.append(nbytes)
+            self.kinds.append(0)
+            self.ids.append(i)
+            self.sizes.append(nbytes)
+        for sink in self.sinks:
+            sink.alloc(i, nbytes)
         self.live[i] = (rounded, cat)
         self.by_cat[cat] += rounded
         self.cur += rounded
@@ -127,9 +175,12 @@ class _Emitter:
         """Append a free of each id."""
         for i in ids:
             rounded, cat = self.live.pop(i)
-            self.kinds.append(1)
-            self.ids.append(i)
-            self.sizes.append(self.alloc_nbytes[i])
+            if self.record:
+                self.kinds.append(1)
+                self.ids.append(i)
+                self.sizes.append(self.alloc_nbytes[i])
+            for sink in self.sinks:
+                sink.free(i)
             self.by_cat[cat] -= rounded
             self.cur -= rounded
 
@@ -260,26 +311,126 @@ def _forward(e: _Emitter, s: ModelShape, batch: int, q_len: int, d: int, cache: 
     e.free(p1, p2, f32)
 
 
+def decode_steps_simulated(new_tokens: int, *, full: bool = False) -> list[int]:
+    """The decode steps (1 .. ``new_tokens - 1``) an inference trace simulates (Note [Decode steps
+    simulated]): all of them with ``full=True``, else the first :data:`DECODE_HEAD_STEPS` and the last."""
+    n = max(new_tokens - 1, 0)
+    if full or n <= DECODE_HEAD_STEPS + 2:
+        return list(range(1, n + 1))
+    return [*range(1, DECODE_HEAD_STEPS + 1), n - 1, n]
+
+
 def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, prompt_len: int,
-                    new_tokens: int = 0) -> WorkloadTrace:
-    """The allocations of loading the weights and running ``generate()`` (greedy, DynamicCache, SDPA)."""
+                    new_tokens: int = 0, full_decode: bool = False, weight_format: WeightFormat | None = None,
+                    workspace_nbytes: int = 0) -> WorkloadTrace:
+    """The allocations of loading the weights and running ``generate()`` (greedy, DynamicCache, SDPA).
+
+    Only the decode steps of :func:`decode_steps_simulated` are in the trace (all of them with
+    ``full_decode=True``, the reference: Note [Decode steps simulated]); its size does not grow with
+    ``new_tokens``. ``weight_format``: the projections' format (:mod:`.formats`; ``dtype_bytes`` is then the
+    rest's and the activations'), ``workspace_nbytes`` a dequantization workspace held from the start.
+    """
     _check("batch_size", batch_size)
     _check("prompt_len", prompt_len)
     _check("new_tokens", new_tokens, 0)
     _check("dtype_bytes", dtype_bytes)
-    d_act = max(dtype_bytes, 2)  # int8/fp8 weights still compute in 16-bit
     e = _Emitter(f"generate b={batch_size} p={prompt_len} n={new_tokens}")
+    steps = decode_steps_simulated(new_tokens, full=full_decode)
+    _emit_inference(e, shape, dtype_bytes, batch_size, prompt_len, new_tokens, steps, None, weight_format,
+                    workspace_nbytes)
+    w = e.build()
+    w.complete = len(steps) == max(new_tokens - 1, 0)
+    return w
+
+
+def stream_inference(shape: ModelShape, dtype_bytes: int, sinks: Sequence[OpSink], *, batch_size: int = 1,
+                     prompt_len: int, new_tokens: int = 0, on_step: Callable[[int], None] | None = None,
+                     weight_format: WeightFormat | None = None, workspace_nbytes: int = 0) -> None:
+    """Send every op of ``generate()`` (every decode step, as ``inference_trace(..., full_decode=True)``
+    makes them) to ``sinks`` as they are made, keeping none: memory does not grow with ``new_tokens``.
+    ``on_step(step)`` is called after the prefill (0) and each decode step."""
+    _check("batch_size", batch_size)
+    _check("prompt_len", prompt_len)
+    _check("new_tokens", new_tokens, 0)
+    _check("dtype_bytes", dtype_bytes)
+    e = _Emitter(f"generate b={batch_size} p={prompt_len} n={new_tokens}", record=False, sinks=tuple(sinks))
+    _emit_inference(e, shape, dtype_bytes, batch_size, prompt_len, new_tokens,
+                    range(1, max(new_tokens, 1)), on_step, weight_format, workspace_nbytes)
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def param_nbytes(shape: ModelShape, dtype_bytes: int, fmt: WeightFormat | None = None) -> list[int]:
+    """Bytes of every parameter tensor in creation order: the projections in ``fmt`` when given (Note [Weight
+    formats] in :mod:`.formats`), the rest in ``dtype_bytes``."""
+    if fmt is None:
+        return [n * dtype_bytes for _, n in shape.param_shapes()]
+    dims = _projection_dims(shape)
+    out = []
+    for name, n in shape.param_shapes():
+        local = name.rsplit(".", 1)[-1]
+        out.append(fmt.nbytes(*dims[local]) if local in _PROJECTIONS and name.startswith("layers.")
+                   else n * dtype_bytes)
+    return out
+
+
+_SMALL_NBYTES = 1 << 20  # PyTorch: kSmallSize
+_LARGE_BUFFER_NBYTES = 20 << 20  # kLargeBuffer
+_MIN_LARGE_ALLOC_NBYTES = 10 << 20  # kMinLargeAlloc
+_ROUND_LARGE_NBYTES = 2 << 20  # kRoundLarge
+
+
+def loaded_weight_nbytes(sizes: list[int]) -> list[int]:
+    """What ``torch.cuda.memory_allocated`` counts for each of ``sizes``, allocated in order into an empty
+    caching allocator with nothing freed (Note [Weights as PyTorch counts them])."""
+    free: list[int] = []  # the large pool's free remainders
+    out = []
+    for n in sizes:
+        r = -(-max(n, 1) // _ROUND) * _ROUND
+        if r <= _SMALL_NBYTES:  # small pool: 2 MiB segments, every remainder of 512 B or more is split off
+            out.append(r)
+            continue
+        fits = [b for b in free if b >= r]
+        if fits:
+            block = min(fits)
+            free.remove(block)
+        else:
+            block = (_LARGE_BUFFER_NBYTES if r < _MIN_LARGE_ALLOC_NBYTES
+                     else -(-r // _ROUND_LARGE_NBYTES) * _ROUND_LARGE_NBYTES)
+        if block - r > _SMALL_NBYTES:
+            free.append(block - r)
+            out.append(r)
+        else:
+            out.append(block)  # a remainder of 1 MiB or less stays in the block and is counted with it
+    return out
+
+
+def weights_nbytes(shape: ModelShape, dtype_bytes: int, fmt: WeightFormat | None = None) -> int:
+    """Bytes of all the weights (:func:`param_nbytes`)."""
+    return sum(param_nbytes(shape, dtype_bytes, fmt))
+
+
+def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size: int, prompt_len: int,
+                    new_tokens: int, steps: Iterable[int], on_step: Callable[[int], None] | None = None,
+                    fmt: WeightFormat | None = None, workspace_nbytes: int = 0) -> None:
+    d_act = max(dtype_bytes, 2)  # int8/fp8 weights still compute in 16-bit
     e.phase = "weights"
-    for _, n in shape.param_shapes():
-        e.alloc(n * dtype_bytes, Category.WEIGHTS)
+    sizes = param_nbytes(shape, dtype_bytes, fmt)
+    for n, counted in zip(sizes, loaded_weight_nbytes(sizes)):
+        e.alloc(n, Category.WEIGHTS, counted)
     e.alloc(MISC_NBYTES, Category.OVERHEAD)
+    if workspace_nbytes:  # the ternary formats' dequantization workspace, one layer at a time (.formats)
+        e.alloc(workspace_nbytes, Category.OVERHEAD)
     e.phase = "prefill"
     ids = e.alloc(batch_size * prompt_len * 8)  # the int64 input ids; each new token grows them by torch.cat
     mask = e.alloc(batch_size * prompt_len * 8)  # the int64 attention mask generate() is given
     e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)
     cache = [-1] * (2 * shape.n_layers)
     _forward(e, shape, batch_size, prompt_len, d_act, cache, prompt_len, 0)
-    for step in range(1, new_tokens):
+    if on_step is not None:
+        on_step(0)
+    for step in steps:
         e.phase = "decode"
         grown = e.alloc(batch_size * (prompt_len + step) * 8)  # generate() appends the token to the ids,
         e.free(ids)
@@ -289,6 +440,8 @@ def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1,
         mask = grown
         slack = DECODE_SLACK_PER_Q_NBYTES * shape.q_dim if shape.n_kv_heads == shape.n_heads else 0
         _forward(e, shape, batch_size, 1, d_act, cache, prompt_len + step, slack)
+        if on_step is not None:
+            on_step(step)
     e.phase = "end"
     if new_tokens:
         grown = e.alloc(batch_size * (prompt_len + new_tokens) * 8)  # the last token appended
@@ -298,11 +451,54 @@ def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1,
     for c in cache:
         if c >= 0:
             e.free(c)
-    return e.build()
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters on frozen base weights (Note [LoRA]): ``rank``, the projections that get one
+    (``targets``), the adapters' bytes per element (fp32, as PEFT casts them) and the frozen base's
+    format (``None``: the model dtype; ``int4`` etc.: QLoRA)."""
+
+    rank: int
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    adapter_bytes: int = 4
+    base_format: WeightFormat | None = None
+
+    def __post_init__(self) -> None:
+        _check("lora rank", self.rank)
+        if self.adapter_bytes not in (2, 4):
+            raise InvalidArgumentError(f"adapter_bytes must be 2 or 4, got {self.adapter_bytes!r}")
+        if not self.targets or any(t not in _PROJECTIONS for t in self.targets):
+            raise InvalidArgumentError(f"LoRA targets must be among {', '.join(_PROJECTIONS)}, got "
+                                       f"{self.targets!r:.80}")
+
+
+def _projection_dims(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """``name -> (out_features, in_features)`` of a block's projections."""
+    h, i, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (i, h),
+            "up_proj": (i, h), "down_proj": (h, i)}
+
+
+OPTIM_8BIT_BLOCK = 2048
+"""Elements per fp32 absmax of an 8-bit optimizer state (bitsandbytes' block-wise quantization)."""
+OPTIM_8BIT_MIN_ELEMENTS = 4096
+"""Tensors with fewer elements keep 32-bit optimizer states (bitsandbytes' ``min_8bit_size``)."""
+
+
+def _optimizer_state_nbytes(n_elements: int, param_nbytes: int, eight_bit: bool) -> int:
+    """One optimizer state of a parameter (Note [8-bit optimizer states])."""
+    if not eight_bit:
+        return param_nbytes
+    if n_elements < OPTIM_8BIT_MIN_ELEMENTS:
+        return n_elements * 4
+    return n_elements + -(-n_elements // OPTIM_8BIT_BLOCK) * 4
 
 
 def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, seq_len: int,
-                   n_steps: int = 2, optimizer_states: int = 2) -> WorkloadTrace:
+                   n_steps: int = 2, optimizer_states: int = 2,
+                   gradient_checkpointing: bool = False, optimizer_8bit: bool = False,
+                   lora: LoraConfig | None = None) -> WorkloadTrace:
     """The allocations of ``n_steps`` training steps (forward with labels, backward, foreach AdamW step,
     ``zero_grad(set_to_none=True)``), weights, gradients and ``optimizer_states`` states per parameter in
     ``dtype_bytes``.
@@ -314,7 +510,33 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     The foreach AdamW step holds one parameter-sized temporary (``sqrt(exp_avg_sq)``) and, measured on the
     H200, one more embedding-sized buffer; the recorded backward also held one more hidden-sized tensor
     per block and token than the list above.
+
+    Note [Gradient checkpointing]: with ``gradient_checkpointing`` each block's forward keeps only its input
+    (the block runs without grad: what it would keep is freed at its end), and the backward runs the block's
+    forward again with grad just before its gradients, holding that one block's tensors (the list above)
+    until they are done.
+
+    Note [8-bit optimizer states]: with ``optimizer_8bit`` each state of a tensor of ``m`` elements is
+    bitsandbytes' block-wise 8-bit layout, ``m`` bytes and one fp32 absmax per block of
+    :data:`OPTIM_8BIT_BLOCK` elements, except tensors under :data:`OPTIM_8BIT_MIN_ELEMENTS` elements
+    (the norms), whose states stay fp32. The update's parameter-sized temporaries of the foreach AdamW
+    are kept (bitsandbytes' fused kernel has none: an upper bound). Modelled only: bitsandbytes is not on
+    the GPU machine, so this figure is unmeasured.
+
+    Note [LoRA]: with ``lora`` the base weights (in ``lora.base_format``, QLoRA) are frozen: no gradient,
+    no optimizer state. Each targeted projection of each block gets A (``rank x in``) and B (``out x rank``)
+    in ``lora.adapter_bytes``; its forward keeps the input cast to the adapters' dtype (``T x in``) and A's
+    output (``T x rank``), and holds B's output (``T x out``) while it is added; a quantized base is
+    dequantized to 16 bits for each matrix product, forward and backward (one ``out x in`` temporary at a
+    time). Gradients and AdamW states are the adapters'. Modelled only (PEFT and bitsandbytes are not on
+    the GPU machine): unmeasured.
     """
+    if not isinstance(optimizer_8bit, bool):
+        raise InvalidArgumentError(f"optimizer_8bit must be True or False, got {optimizer_8bit!r}")
+    if lora is not None and not isinstance(lora, LoraConfig):
+        raise InvalidArgumentError(f"lora must be a LoraConfig or None, got {type(lora).__name__}")
+    if not isinstance(gradient_checkpointing, bool):
+        raise InvalidArgumentError(f"gradient_checkpointing must be True or False, got {gradient_checkpointing!r}")
     _check("batch_size", batch_size)
     _check("seq_len", seq_len)
     _check("n_steps", n_steps)
@@ -324,9 +546,24 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     h, i, t = s.hidden_size, s.intermediate_size, batch_size * seq_len
     e = _Emitter(f"train b={batch_size} s={seq_len}")
     e.phase = "weights"
-    params = [n * dtype_bytes for _, n in s.param_shapes()]
-    for n in params:
-        e.alloc(n, Category.WEIGHTS)
+    params = param_nbytes(s, dtype_bytes, lora.base_format if lora else None)
+    for n, counted in zip(params, loaded_weight_nbytes(params)):
+        e.alloc(n, Category.WEIGHTS, counted)
+    dims = _projection_dims(s)
+    adapters: list[tuple[int, int]] = []  # trainable tensors: (elements, bytes)
+    if lora is not None:
+        for _ in range(s.n_layers):
+            for target in lora.targets:
+                out_f, in_f = dims[target]
+                adapters += [(lora.rank * in_f, lora.rank * in_f * lora.adapter_bytes),
+                             (out_f * lora.rank, out_f * lora.rank * lora.adapter_bytes)]
+        for _, n in adapters:
+            e.alloc(n, Category.WEIGHTS)
+    quantized_base = lora is not None and lora.base_format is not None
+
+    def dequantized(out_f: int, in_f: int) -> None:
+        """QLoRA: one projection's weights dequantized to 16 bits for a matrix product, then dropped."""
+        e.free(e.alloc(out_f * in_f * 2))
     e.alloc(MISC_NBYTES, Category.OVERHEAD)
     e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)  # forward
     e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)  # the backward pass runs on autograd's thread: its own
@@ -338,8 +575,10 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         emb = e.alloc(t * h * d)
         cos, sin = e.alloc(t * s.head_dim * d), e.alloc(t * s.head_dim * d)
         saved: list[list[int]] = []
-        x = emb
-        for _ in range(s.n_layers):
+        inputs: list[int] = []  # gradient checkpointing: each block's input, kept for the recompute
+
+        def block() -> tuple[list[int], int]:
+            """One block's forward: the tensors autograd keeps, and the block's output."""
             keep = [e.alloc(t * h * 4), e.alloc(t * h * d)]  # norm 1
             keep += [e.alloc(t * s.q_dim * d), e.alloc(t * s.kv_dim * d), e.alloc(t * s.kv_dim * d)]  # q, k rotated, v
             tmp = e.alloc(t * s.q_dim * d)  # rope temporaries (one live at a time beyond the kept ones)
@@ -355,10 +594,25 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             dn = e.alloc(t * h * d)
             y = e.alloc(t * h * d)
             e.free(dn, h1)
-            if x != emb:
+            if lora is not None:  # Note [LoRA]
+                for target in lora.targets:
+                    out_f, in_f = dims[target]
+                    if quantized_base:
+                        dequantized(out_f, in_f)
+                    keep += [e.alloc(t * in_f * lora.adapter_bytes), e.alloc(t * lora.rank * lora.adapter_bytes)]
+                    e.free(e.alloc(t * out_f * lora.adapter_bytes))
+            return keep, y
+
+        x = emb
+        for _ in range(s.n_layers):
+            keep, y = block()
+            if gradient_checkpointing:  # no_grad forward: what it would keep goes; the block input stays
+                e.free(*keep)
+                inputs.append(x)
+            elif x != emb:
                 e.free(x)  # the block input: the norm saved its fp32 copy, the residual add saves nothing
             x = y
-            saved.append(keep)
+            saved.append([] if gradient_checkpointing else keep)
         nf32, nf = e.alloc(t * h * 4), e.alloc(t * h * d)
         logits = e.alloc(t * s.vocab_size * d)
         up = e.alloc(t * s.vocab_size * 4)
@@ -371,12 +625,17 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         g3 = e.alloc(t * s.vocab_size * d)
         e.free(g2)
         grads: list[int] = []
-        if not s.tie_word_embeddings:
+        if not s.tie_word_embeddings and lora is None:
             grads.append(e.alloc(params[-1], Category.GRADIENTS))
         gx = e.alloc(t * h * d)
         e.free(g3, logits, nf32, nf, x)
         for layer in reversed(range(s.n_layers)):
             per = s.layer_param_shapes()
+            if gradient_checkpointing:  # the block's forward again, with grad, from its saved input
+                saved[layer], y = block()
+                e.free(y)
+            if lora is not None:
+                per = []  # the base is frozen: its gradients are none, the adapters' come below
             gi = e.alloc(t * i * d)
             gi2 = e.alloc(t * i * d)
             for _, n in per[4:7]:
@@ -388,17 +647,29 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             e.free(gq)
             for _, n in per[7:]:
                 grads.append(e.alloc(n * dtype_bytes, Category.GRADIENTS))
+            if lora is not None:
+                for target in lora.targets:
+                    out_f, in_f = dims[target]
+                    if quantized_base:
+                        dequantized(out_f, in_f)
+                    grads.append(e.alloc(lora.rank * in_f * lora.adapter_bytes, Category.GRADIENTS))
+                    grads.append(e.alloc(out_f * lora.rank * lora.adapter_bytes, Category.GRADIENTS))
             e.free(*saved[layer])
-        grads.append(e.alloc(params[0], Category.GRADIENTS))
-        grads.append(e.alloc(h * dtype_bytes, Category.GRADIENTS))
+            if gradient_checkpointing and inputs[layer] != emb:
+                e.free(inputs[layer])
+        if lora is None:
+            grads.append(e.alloc(params[0], Category.GRADIENTS))
+            grads.append(e.alloc(h * dtype_bytes, Category.GRADIENTS))
         e.free(gx, emb, cos, sin, ids)
         e.phase = f"optimizer {step + 1}"
+        trainable = adapters if lora is not None else [(m, n) for (_, m), n in zip(s.param_shapes(), params)]
         if not states:
-            for n in params:
+            for m, n in trainable:
                 for _ in range(optimizer_states):
-                    states.append(e.alloc(n, Category.OPTIMIZER))
-        extra = e.alloc(params[0])  # measured: one embedding-sized buffer beside the states (foreach grouping)
-        tmp_ids = [e.alloc(n) for n in params] + [extra]
+                    states.append(e.alloc(_optimizer_state_nbytes(m, n, optimizer_8bit), Category.OPTIMIZER))
+        # measured: one buffer the size of the first (largest) trainable tensor beside the states (foreach grouping)
+        extra = e.alloc(max(n for _, n in trainable) if lora is not None else params[0])
+        tmp_ids = [e.alloc(n) for _, n in trainable] + [extra]
         e.free(*tmp_ids)
         e.free(*grads)
     e.phase = "end"

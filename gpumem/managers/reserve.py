@@ -182,6 +182,16 @@ def manager_usable_nbytes(mem: MemInfo, reserve: Reserve, gpu_memory_fraction: f
     return min(rule, cap)
 
 
+def default_usable_nbytes(mem: MemInfo) -> int:
+    """The ONE usable memory of a device measured as ``mem``: what a ``GpuMemoryManager`` with the default
+    :class:`~gpumem.managers.MemoryConfig` may hand out (:func:`manager_usable_nbytes` of the reserve
+    rule and the default ``gpu_memory_fraction``). ``gpumem estimate`` and ``gpumem fit`` size against
+    it, so a batch they approve is one the manager accepts on the same device. May be ``<= 0``."""
+    from .config import MemoryConfig
+
+    return manager_usable_nbytes(mem, reserve_for_mem(mem), MemoryConfig().gpu_memory_fraction)
+
+
 def usable_nbytes(properties: DeviceProperties, mem: MemInfo, *, min_free_bytes: int | None = None,
                   reserve: Reserve | None = None) -> int:
     """Bytes a manager may hand out: ``total - reserve``, and never more than is free now minus the
@@ -222,5 +232,5 @@ def reserve_table() -> str:
     return "\n".join(rows)
 
 
-__all__ = ["Reserve", "compute_reserve", "usable_nbytes", "emergency_nbytes", "estimate_context_nbytes",
+__all__ = ["Reserve", "compute_reserve", "usable_nbytes", "default_usable_nbytes", "manager_usable_nbytes", "emergency_nbytes", "estimate_context_nbytes",
            "reserve_table"]

@@ -48,8 +48,17 @@ def test_kv_cache_formula():
 def test_parts_add_up_and_helpers_convert():
     e = estimate_inference_memory(*small_args(), 128, 2, batch_size=2, prompt_len=100, new_tokens=8)
     assert e.model_bytes + e.kv_cache_bytes + e.activation_bytes + e.overhead_bytes == e.total_bytes
-    assert e.total_gb == pytest.approx(e.total_bytes / 1e9)
-    assert e.total_mb == pytest.approx(e.total_bytes / 1e6)
+    assert e.total_gib == e.total_bytes / 2**30 and e.total_mib == e.total_bytes / 2**20
+    assert e.model_gib == e.model_bytes / 2**30 and e.kv_cache_gib == e.kv_cache_bytes / 2**30
+    assert e.activation_gib == e.activation_bytes / 2**30
+    for old, new, field, scale in (("total_gb", "total_gib", "total_bytes", 1e9),
+                                   ("total_mb", "total_mib", "total_bytes", 1e6),
+                                   ("model_gb", "model_gib", "model_bytes", 1e9),
+                                   ("kv_cache_gb", "kv_cache_gib", "kv_cache_bytes", 1e9),
+                                   ("activation_gb", "activation_gib", "activation_bytes", 1e9)):
+        with pytest.warns(DeprecationWarning, match=new):
+            value = getattr(e, old)  # the deprecated alias keeps its decimal figure
+        assert value == getattr(e, field) / scale
     assert e.as_dict()["total_bytes"] == e.total_bytes
     # weights are whole at the peak, and the cache holds at least the prompt of every layer
     assert e.model_bytes == ModelShape(**SMALL).n_params * 2
@@ -143,3 +152,85 @@ def test_bad_training_input_is_refused():
         estimate_training_memory(*small_args(), 0, 2)
     with pytest.raises(InvalidArgumentError, match="seq_len"):
         estimate_kv_cache_memory(2, 2, 64, 0, 2)
+
+
+def test_gradient_checkpointing_keeps_block_inputs_and_recomputes_one_block():
+    from gpumem.estimate import ModelShape, training_trace
+    from gpumem.estimate.workload import Category
+
+    shape = ModelShape(512, 1376, 8, 3000, 8, 2)
+    full = training_trace(shape, 2, batch_size=4, seq_len=256)
+    ckpt = training_trace(shape, 2, batch_size=4, seq_len=256, gradient_checkpointing=True)
+    assert ckpt.peak_nbytes < full.peak_nbytes
+    t, h, q, kv, i = 1024, 512, 512, 128, 1376
+    kept_per_block = t * (h * 4 + h * 2 + q * 2 + 2 * kv * 2 + 2 * q * 2 + 8 * 4 + h * 4 + h * 2 + 4 * i * 2 + h * 2)
+    # the recomputed block's kept tensors (Note [Training activations]) are live at the peak
+    assert ckpt.at_peak[Category.ACTIVATIONS] >= kept_per_block
+    t = ckpt.trace
+    assert t.n_allocs > full.trace.n_allocs  # the recompute allocates again
+    with pytest.raises(InvalidArgumentError, match="gradient_checkpointing"):
+        training_trace(shape, 2, seq_len=16, gradient_checkpointing="yes")
+
+
+def test_8bit_optimizer_states_are_blockwise_bytes_and_small_tensors_stay_fp32():
+    from gpumem.estimate.workload import OPTIM_8BIT_BLOCK, _optimizer_state_nbytes
+
+    args = (1024, 2816, 2, 32000, 16, 4, 128, 2)
+    full = estimate_training_memory(*args, batch_size=1)
+    small = estimate_training_memory(*args, batch_size=1, optimizer_8bit=True)
+    assert small.optimizer_bytes < full.optimizer_bytes
+    assert _optimizer_state_nbytes(4096 * 4096, 2 * 4096 * 4096, True) == 4096 * 4096 + 4096 * 4096 // OPTIM_8BIT_BLOCK * 4
+    assert _optimizer_state_nbytes(1024, 2048, True) == 4096  # a norm: fp32 state
+    with pytest.raises(InvalidArgumentError, match="optimizer_8bit"):
+        estimate_training_memory(*args, optimizer_8bit=1)
+
+
+def test_training_flags_need_training(capsys):
+    from gpumem.cli import main
+
+    for flag in ("--gradient-checkpointing", "--optimizer-8bit"):
+        assert main(["estimate", "--hidden-size", "256", "--intermediate-size", "688", "--layers", "2",
+                     "--vocab-size", "1000", "--heads", "4", "--prompt-len", "16", flag]) == 2
+        assert "is for --training" in capsys.readouterr().err
+    assert main(["estimate", "--hidden-size", "256", "--intermediate-size", "688", "--layers", "2",
+                 "--vocab-size", "1000", "--heads", "4", "--prompt-len", "16", "--training", "--optimizer-8bit",
+                 "--gradient-checkpointing", "--json"]) == 0
+    (row,) = __import__("json").loads(capsys.readouterr().out)
+    assert row["optimizer_8bit"] and row["gradient_checkpointing"]
+
+
+def test_lora_trains_only_the_adapters_and_qlora_freezes_a_quantized_base():
+    from gpumem.estimate.formats import WEIGHT_FORMATS
+    from gpumem.estimate.workload import LoraConfig, weights_nbytes
+    from gpumem.estimate import ModelShape
+
+    args = (1024, 2816, 2, 32000, 16, 4, 256, 2)
+    shape = ModelShape(*args[:6])
+    full = estimate_training_memory(*args, batch_size=2)
+    lora = LoraConfig(8, ("q_proj", "v_proj"))
+    lo = estimate_training_memory(*args, batch_size=2, lora=lora)
+    adapters = 2 * (8 * 1024 * 4 + 1024 * 8 * 4) + 2 * (8 * 1024 * 4 + 256 * 8 * 4)  # 2 layers: q and v, A and B
+    assert lo.optimizer_bytes == 2 * adapters  # two fp32 states per adapter parameter, none for the base
+    assert lo.gradient_bytes <= adapters and lo.total_bytes < full.total_bytes
+    q = estimate_training_memory(*args, batch_size=2,
+                                 lora=LoraConfig(8, ("q_proj", "v_proj"), base_format=WEIGHT_FORMATS["int4"]))
+    assert q.model_bytes < lo.model_bytes
+    assert weights_nbytes(shape, 2, WEIGHT_FORMATS["int4"]) < weights_nbytes(shape, 2)
+    for bad in (dict(rank=0), dict(rank=8, targets=("lm_head",)), dict(rank=8, targets=())):
+        with pytest.raises(InvalidArgumentError):
+            LoraConfig(**bad)
+
+
+def test_lora_from_the_command_line(capsys):
+    from gpumem.cli import main
+
+    base = ["estimate", "--hidden-size", "256", "--intermediate-size", "688", "--layers", "2", "--vocab-size",
+            "1000", "--heads", "4", "--prompt-len", "64", "--json"]
+    assert main([*base, "--lora-rank", "8"]) == 2
+    assert "is for --training" in capsys.readouterr().err
+    assert main([*base, "--training", "--lora-rank", "8", "--weight-format", "int4", "--lora-targets",
+                 "q_proj,v_proj"]) == 0
+    (row,) = __import__("json").loads(capsys.readouterr().out)
+    assert row["lora_rank"] == 8 and row["weight_format"] == "int4"
+    assert main([*base, "--training", "--weight-format", "int4"]) == 2
+    assert "--lora-rank" in capsys.readouterr().err

@@ -1,0 +1,85 @@
+"""Issue 22 point 1: a config.json field that changes memory and is not modelled stops the estimate with an
+error naming it (before: a Mixtral config was read as a dense 7.24B model, a BitNet one as bf16)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gpumem.cli import main
+from gpumem.errors import InvalidArgumentError
+from gpumem.estimate import from_hf_config
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+@pytest.mark.parametrize("name,match", [
+    ("mixtral-8x7b.json", r"mixture-of-experts model \(num_local_experts=8, num_experts_per_tok=2\)"),
+    ("qwen2-moe-a2.7b.json", r"mixture-of-experts model \(num_experts=60, num_experts_per_tok=4"),
+    ("bitnet-b1.58-2b.json", r"model_type 'bitnet' is not one this estimate models"),
+])
+def test_unmodelled_configs_are_refused_naming_the_field(name, match, capsys):
+    with pytest.raises(InvalidArgumentError, match=match):
+        from_hf_config(CONFIGS / name)
+    assert main(["estimate", "--hf-config", str(CONFIGS / name), "--prompt-len", "128", "--no-reserved"]) == 2
+    assert name in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"model_type": "gemma2"}, "model_type 'gemma2'"),
+    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
+    ({"mlp_bias": True}, "MLP biases"),
+    ({"kv_lora_rank": 512}, "latent attention"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ({"sliding_window": "4096", "use_sliding_window": True}, "sliding_window must be"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "gptq"),
+    ({"attention_bias": "yes"}, "attention_bias must be"),
+])
+def test_each_unmodelled_field_is_named(extra, match):
+    base = json.loads((CONFIGS / "qwen2-7b.json").read_text())
+    with pytest.raises(InvalidArgumentError, match=match):
+        from_hf_config({**base, **extra})
+
+
+def test_neutral_values_are_accepted():
+    base = json.loads((CONFIGS / "qwen2-7b.json").read_text())
+    for extra in ({"sliding_window": None}, {"quantization_config": None}, {"num_experts": 0},
+                  {"use_sliding_window": False, "sliding_window": 4096}, {"mlp_bias": False},
+                  {"layer_types": ["full_attention"] * 28}):
+        from_hf_config({**base, **extra})
+
+
+def test_qwen2_is_read_with_its_qkv_biases():
+    shape, nbytes = from_hf_config(CONFIGS / "qwen2-7b.json")
+    assert shape.attention_bias and nbytes == 2
+    assert shape.n_params == 7_615_616_512  # Qwen2-7B's published count (the q/k/v biases included)
+
+
+def test_qwen2_estimate_runs_from_the_config(capsys):
+    assert main(["estimate", "--hf-config", str(CONFIGS / "qwen2-7b.json"), "--prompt-len", "512",
+                 "--policy", "gpumem", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["n_params"] == 7_615_616_512 and row["fits"]
+
+
+def test_a_sliding_window_holds_within_it_and_is_refused_past_it(capsys):
+    path = str(CONFIGS / "mistral-7b-v0.1.json")
+    shape, _ = from_hf_config(path)
+    assert shape.sliding_window == 4096
+    # within the window a sliding-window attention is full attention: the same estimate as without one
+    assert main(["estimate", "--hf-config", path, "--prompt-len", "2048", "--new-tokens", "16", "--no-reserved",
+                 "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    base = json.loads((CONFIGS / "mistral-7b-v0.1.json").read_text())
+    from gpumem.estimate import estimate_inference_memory
+    e = estimate_inference_memory(4096, 14336, 32, 32000, 32, 8, 2064, 2, prompt_len=2048, new_tokens=16)
+    assert row["peak_allocated_bytes"] == e.total_bytes and base["sliding_window"] == 4096
+    assert main(["estimate", "--hf-config", path, "--prompt-len", "4090", "--new-tokens", "16"]) == 2
+    assert "4106 tokens exceed the sliding window of 4096" in capsys.readouterr().err
+    assert main(["fit", "--hf-config", path, "--prompt-len", "8192", "--device", "sim:a100-80gb"]) == 2
+    capsys.readouterr()
+    assert main(["fit", "--hf-config", path, "--search", "seq_len", "--batch-size", "1", "--device",
+                 "sim:a100-80gb", "--max", "100000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["simulated"] <= 4096 - 16
+    assert from_hf_config({**base, "use_sliding_window": False})[0].sliding_window == 0

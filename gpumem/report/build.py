@@ -34,6 +34,7 @@ import numpy as np
 
 from .. import __version__
 from ..allocator.policy import POLICIES
+from ..outputs import replace_dir, resolve_output_path
 from ..errors import InternalError, InvalidArgumentError
 from ..progress import ProgressBar
 from ..specs import open_device, parse_spec
@@ -200,6 +201,8 @@ def build_report(trace_path: str | os.PathLike[str], out_dir: str | os.PathLike[
     nothing written."""
     options = options or ReportOptions()
     out = Path(out_dir)
+    if out.name not in ("", ".", ".."):  # the folder resolved first (Note [An output is replaced only by a complete one])
+        out = resolve_output_path(out)
     if out.exists() and not force:
         raise ReportExistsError(f"{out} exists; choose another folder or replace it (--force)")
     check_report_out(out, trace_path)
@@ -271,16 +274,11 @@ def check_report_out(out: Path, trace_path: "str | os.PathLike[str] | None" = No
 
 def _install(tmp: Path, out: Path, force: bool) -> None:
     """Rename the finished folder to ``out`` (replacing an old one only once the new one is complete)."""
-    old = None
     if out.exists() or out.is_symlink():
         if not force:
             raise ReportExistsError(f"{out} appeared while the report was being built; nothing was replaced")
         check_report_out(out)
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+    replace_dir(tmp, out)
 
 
 def _build(trace: Trace, trace_path: str, specs: list[str], options: ReportOptions, tmp: Path,

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from ..outputs import replace_dir, resolve_output_path
 from ..errors import BackendUnavailableError, GpumemError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -563,6 +564,8 @@ def write_sweep(result: SweepResult, out: "str | os.PathLike[str]", *, plots: bo
     half-written sweep. Raises :class:`SweepError` when ``out`` is in the way.
     """
     out = Path(out)
+    if out.name not in ("", ".", ".."):  # the folder resolved first (Note [An output is replaced only by a complete one])
+        out = resolve_output_path(out)
     check_out_dir(out)
     if plots:
         require_matplotlib()
@@ -576,18 +579,7 @@ def write_sweep(result: SweepResult, out: "str | os.PathLike[str]", *, plots: bo
         data["figures"] = figures
         (tmp / "sweep.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
         names = sorted(p.name for p in tmp.iterdir())
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.rename(out, old / "prev")
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if old is not None:
-                os.rename(old / "prev", out)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -91,3 +91,14 @@ def test_root_and_dot_are_refused_up_front(trace, tmp_path, monkeypatch, capsys,
     assert "Traceback" not in capsys.readouterr().err
     assert trace.is_file() and (trace.parent / "notes.txt").is_file()
     assert sorted(p.name for p in trace.parent.iterdir()) == ["notes.txt", "t.pickle.gz"]
+
+
+def test_force_through_the_folder_being_replaced_keeps_a_whole_report(trace, tmp_path, capsys):
+    """Issue 20 item 8: `report --out R/../R --force` hid the old report in .R.old-PID, left the new one in
+    .R.tmp-* and said "no such trace file"."""
+    out = tmp_path / "rep"
+    assert _report(trace, out) == EXIT_OK
+    capsys.readouterr()
+    assert _report(trace, f"{out}/../rep", "--force") == EXIT_OK, capsys.readouterr().err
+    assert (out / "index.html").is_file() and (out / "report.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "rep"]   # nothing hidden beside it

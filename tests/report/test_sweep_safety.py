@@ -154,3 +154,13 @@ def test_any_error_from_connecting_is_a_usage_error(trace, tmp_path, monkeypatch
     assert _sweep(trace, tmp_path / "sw", "--scheduler", "tcp://127.0.0.1:1") == EXIT_USAGE
     err = capsys.readouterr().err
     assert "tcp://127.0.0.1:1" in err and "Traceback" not in err
+
+
+def test_a_sweep_through_the_folder_being_replaced_is_whole(trace, tmp_path, capsys):
+    """Issue 20 item 8: `sweep --out S/../S` ended in a traceback with the old sweep hidden."""
+    out = tmp_path / "sw"
+    assert _sweep(trace, out) == EXIT_OK
+    capsys.readouterr()
+    assert _sweep(trace, f"{out}/../sw") == EXIT_OK, capsys.readouterr().err
+    assert (out / "sweep.json").is_file() and (out / "sweep.csv").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "sw"]

@@ -53,6 +53,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -62,6 +63,7 @@ from typing import Any, Iterator, Sequence
 from gpumem.hil.sanitizer import CHILD_PROCESS_SUITES, DEVICE_TESTS_ONLY, MEMCHECK_SUITES, RACECHECK_SUITES, \
     SANITIZER_ENV_VAR, SanitizerTool, child_control_command, find_compute_sanitizer, parse_sanitizer_log, sanitizer_prefix
 from gpumem.hil.process import run_in_group
+from gpumem.outputs import write_file_atomic
 from gpumem.hil.suites import SUITES, SuiteResult, SuiteStatus, missing_needs, run_suite, slug, suite_named
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_INCOMPLETE", "EXIT_OK", "HilRunError", "Part", "RunOptions",
@@ -395,10 +397,38 @@ def exit_code_of(record: dict[str, Any], parts_run: Sequence[Part]) -> int:
     return EXIT_FAILED if worst in ("failed", "error") else EXIT_INCOMPLETE if worst != "passed" else EXIT_OK
 
 
+#: The largest record ``--resume`` reads (a record of every part on 8 GPUs is well under 1 MiB).
+MAX_RECORD_NBYTES = 64 << 20
+
+
+def _read_record_text(path: Path) -> str:
+    """The text of a record file: a regular ``.json`` file of at most :data:`MAX_RECORD_NBYTES`, read with a
+    bound (``/dev/zero`` and a FIFO are refused before they are opened)."""
+    if path.suffix != ".json":
+        raise HilRunError(f"--resume {path}: give the record's .json file (the .md summary is written from it "
+                          "beside it, and would be written over the file given)")
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise HilRunError(f"--resume {path}: cannot read it ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise HilRunError(f"--resume {path}: not a regular file")
+    if st.st_size > MAX_RECORD_NBYTES:
+        raise HilRunError(f"--resume {path}: {st.st_size:,} bytes, more than a record has "
+                          f"(at most {MAX_RECORD_NBYTES:,})")
+    with open(path, "rb") as f:
+        data = f.read(MAX_RECORD_NBYTES + 1)
+    if len(data) > MAX_RECORD_NBYTES:
+        raise HilRunError(f"--resume {path}: more than {MAX_RECORD_NBYTES:,} bytes, more than a record has")
+    return data.decode("utf-8")
+
+
 def _load_resume(path: Path, specs: list[str]) -> dict[str, Any]:
     """The record to add to, checked before anything runs (Note [Parts of a record made in several calls])."""
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
+        record = json.loads(_read_record_text(path))
+    except UnicodeDecodeError as exc:
+        raise HilRunError(f"--resume {path}: not UTF-8 text ({exc.reason})") from None
     except OSError as exc:
         raise HilRunError(f"--resume {path}: cannot read it ({exc.strerror or exc})") from None
     except (ValueError, RecursionError) as exc:
@@ -406,6 +436,14 @@ def _load_resume(path: Path, specs: list[str]) -> dict[str, Any]:
     if not isinstance(record, dict) or record.get("record") != RECORD_KIND:
         raise HilRunError(f"--resume {path}: not a gpumem HIL record (its 'record' field is not {RECORD_KIND!r})")
     problem = _record_shape_problem(record)
+    if not problem:
+        # the summary reads more fields than the shape check names: render it now, before anything runs,
+        # so that a record missing one fails here and not after the suites ran
+        try:
+            overall_status(record)
+            render_markdown(record)
+        except Exception as exc:  # noqa: BLE001 - any failure means a damaged record
+            problem = f"its summary cannot be written ({type(exc).__name__}: {exc})"
     if problem:
         raise HilRunError(f"--resume {path}: a damaged record: {problem}")
     theirs = [d.get("spec") for d in record["devices"]]
@@ -508,6 +546,12 @@ def run(opts: RunOptions) -> tuple[dict[str, Any], list[Path]]:
 
     Raises :class:`HilRunError` (one message) when the run cannot start."""
     opts.repo_root = find_repo_root(opts.repo_root)
+    # relative paths are the caller's: resolved now, since the suites run with the checkout as their folder
+    # (a relative --out sent JUnit files into the checkout, and the suite was recorded as an error)
+    if opts.out_dir is not None:
+        opts.out_dir = Path(os.path.abspath(opts.out_dir))
+    if opts.resume is not None:
+        opts.resume = Path(os.path.abspath(opts.resume))
     specs = list(dict.fromkeys(opts.devices))
     if len({slug(s) for s in specs}) != len(specs):
         raise HilRunError(f"--device {', '.join(specs)}: two of these name the same device (their logs would "
@@ -588,9 +632,12 @@ def _run_locked(opts: RunOptions, specs: list[str], previous: dict[str, Any] | N
     }
     record["status"] = overall_status(record)
     out_dir.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
     out_md = out_json.with_suffix(".md")
-    out_md.write_text(render_markdown(record), encoding="utf-8")
+    if out_md == out_json:
+        raise HilRunError(f"the record {out_json} and its summary would be the same file")
+    # Note [An output is replaced only by a complete one] in gpumem.outputs
+    write_file_atomic(out_json, json.dumps(record, indent=1, default=str) + "\n")
+    write_file_atomic(out_md, render_markdown(record))
     return record, [out_json, out_md, log_dir]
 
 

@@ -244,3 +244,57 @@ def test_child_logs_name_files_relative_to_the_checkout(tmp_path: Path) -> None:
     assert run_in_group([sys.executable, "-c", code], cwd=tmp_path, log_path=tmp_path / "log", env=None,
                         timeout_s=30) == 0
     assert (tmp_path / "log").read_text() == "tests/x.py:1: a warning\n"
+
+
+# -- issue 20 items 8 and 9 ------------------------------------------------------------------------------------
+
+def test_resume_of_the_markdown_summary_is_refused_and_the_record_kept(cupy_record: Path, capsys) -> None:
+    """`--resume X.md` wrote the Markdown summary over the JSON record it resumed."""
+    md = cupy_record.with_suffix(".md")
+    md.write_text(cupy_record.read_text())   # a JSON record saved under the summary's name
+    before = cupy_record.read_bytes()
+    capsys.readouterr()
+    _refused(capsys, ["run", "--device", SIM, "--suites", "cupy", "--parts", "suites", "--resume", str(md)],
+             "give the record's .json file")
+    assert cupy_record.read_bytes() == before
+
+
+def test_resume_of_dev_zero_and_of_a_fifo_is_refused_at_once(tmp_path: Path, capsys) -> None:
+    fifo = tmp_path / "rec.json"
+    os.mkfifo(fifo)
+    _refused(capsys, ["run", "--device", SIM, "--suites", "cupy", "--resume", str(fifo)], "not a regular file")
+    link = tmp_path / "zero.json"
+    link.symlink_to("/dev/zero")
+    _refused(capsys, ["run", "--device", SIM, "--suites", "cupy", "--resume", str(link)], "not a regular file")
+
+
+def test_resume_of_a_huge_file_is_refused_by_size(tmp_path: Path, capsys, monkeypatch) -> None:
+    from gpumem.hil import runner
+
+    monkeypatch.setattr(runner, "MAX_RECORD_NBYTES", 1000)
+    big = tmp_path / "big.json"
+    big.write_text(" " * 5000 + "{}")
+    _refused(capsys, ["run", "--device", SIM, "--suites", "cupy", "--resume", str(big)], "more than a record has")
+
+
+def test_a_record_missing_what_the_summary_reads_is_refused_before_anything_runs(cupy_record: Path, capsys) -> None:
+    record = json.loads(cupy_record.read_text())
+    del record["devices"][0]["kind"]
+    del record["date"]
+    cupy_record.write_text(json.dumps(record))
+    before = cupy_record.read_bytes()
+    capsys.readouterr()
+    _refused(capsys, ["run", "--device", SIM, "--suites", "cupy", "--parts", "suites", "--resume", str(cupy_record)],
+             "its summary cannot be written")
+    assert cupy_record.read_bytes() == before
+
+
+def test_a_relative_out_is_the_callers_not_the_checkouts(tmp_path: Path, monkeypatch) -> None:
+    """A relative --out given from outside the checkout sent the JUnit files into the checkout, and a suite of
+    passing tests was recorded as an error."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--device", SIM, "--out", "rel", "--suites", "cupy", "--parts", "suites"]) in (0, 3)
+    (path,) = (tmp_path / "rel").glob("hil-*.json")
+    suites = json.loads(path.read_text())["results"][SIM]["suites"]
+    assert suites and all(s["status"] != "error" for s in suites), suites
+    assert not (REPO / "rel").exists()

@@ -62,6 +62,7 @@ from typing import Any, Iterator, Sequence
 from gpumem.hil.sanitizer import CHILD_PROCESS_SUITES, DEVICE_TESTS_ONLY, MEMCHECK_SUITES, RACECHECK_SUITES, \
     SANITIZER_ENV_VAR, SanitizerTool, child_control_command, find_compute_sanitizer, parse_sanitizer_log, sanitizer_prefix
 from gpumem.hil.process import run_in_group
+from gpumem.outputs import resolve_output, write_text_atomically
 from gpumem.hil.suites import SUITES, SuiteResult, SuiteStatus, missing_needs, run_suite, slug, suite_named
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_INCOMPLETE", "EXIT_OK", "HilRunError", "Part", "RunOptions",
@@ -515,6 +516,8 @@ def run(opts: RunOptions) -> tuple[dict[str, Any], list[Path]]:
     _check_part_inputs(opts)
     previous = _load_resume(opts.resume, specs) if opts.resume is not None else None
     out_dir = opts.resume.parent if opts.resume is not None else opts.out_dir
+    if str(out_dir).strip():
+        out_dir = resolve_output(out_dir)  # Note [An output is replaced only by a complete one]
     started = _utc_now()
     devices = []
     for spec in specs:  # before anything runs or is written: a missing GPU stops here, with one message
@@ -588,10 +591,18 @@ def _run_locked(opts: RunOptions, specs: list[str], previous: dict[str, Any] | N
     }
     record["status"] = overall_status(record)
     out_dir.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(record, indent=1, default=str) + "\n", encoding="utf-8")
-    out_md = out_json.with_suffix(".md")
-    out_md.write_text(render_markdown(record), encoding="utf-8")
+    out_md = summary_path(out_json)
+    markdown = render_markdown(record)  # rendered before anything is replaced: a failure leaves both intact
+    write_text_atomically(out_json, json.dumps(record, indent=1, default=str) + "\n")
+    write_text_atomically(out_md, markdown)
     return record, [out_json, out_md, log_dir]
+
+
+def summary_path(record_path: Path) -> Path:
+    """The Markdown summary's path for the record ``record_path``: ``X.json`` -> ``X.md``; never the record
+    itself (a record resumed from ``X.md`` gets ``X.md.summary.md``), so a summary cannot overwrite it."""
+    md = record_path.with_suffix(".md")
+    return md if md.name != record_path.name else record_path.with_name(record_path.name + ".summary.md")
 
 
 def environment_sim(dev: dict[str, Any]) -> str:

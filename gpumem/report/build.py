@@ -35,6 +35,7 @@ import numpy as np
 from .. import __version__
 from ..allocator.policy import POLICIES
 from ..errors import InternalError, InvalidArgumentError
+from ..outputs import replace_atomically, resolve_output
 from ..progress import ProgressBar
 from ..specs import open_device, parse_spec
 from ..trace import Trace, detect_format, load_trace
@@ -198,6 +199,8 @@ def build_report(trace_path: str | os.PathLike[str], out_dir: str | os.PathLike[
     nothing written."""
     options = options or ReportOptions()
     out = Path(out_dir)
+    if out.name not in ("", ".", ".."):
+        out = resolve_output(out)  # Note [An output is replaced only by a complete one]
     if out.exists() and not force:
         raise ReportExistsError(f"{out} exists; choose another folder or replace it (--force)")
     check_report_out(out, trace_path)
@@ -269,16 +272,11 @@ def check_report_out(out: Path, trace_path: "str | os.PathLike[str] | None" = No
 
 def _install(tmp: Path, out: Path, force: bool) -> None:
     """Rename the finished folder to ``out`` (replacing an old one only once the new one is complete)."""
-    old = None
     if out.exists() or out.is_symlink():
         if not force:
             raise ReportExistsError(f"{out} appeared while the report was being built; nothing was replaced")
         check_report_out(out)
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+    replace_atomically(tmp, out)
 
 
 def _build(trace: Trace, trace_path: str, specs: list[str], options: ReportOptions, tmp: Path,

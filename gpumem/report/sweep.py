@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..errors import BackendUnavailableError, GpumemError, InvalidArgumentError
+from ..outputs import replace_atomically, resolve_output
 
 log = logging.getLogger(__name__)
 
@@ -552,6 +553,7 @@ def write_sweep(result: SweepResult, out: "str | os.PathLike[str]", *, plots: bo
     """
     out = Path(out)
     check_out_dir(out)
+    out = resolve_output(out)  # Note [An output is replaced only by a complete one]
     if plots:
         require_matplotlib()
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
@@ -564,18 +566,7 @@ def write_sweep(result: SweepResult, out: "str | os.PathLike[str]", *, plots: bo
         data["figures"] = figures
         (tmp / "sweep.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
         names = sorted(p.name for p in tmp.iterdir())
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.rename(out, old / "prev")
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if old is not None:
-                os.rename(old / "prev", out)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_atomically(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

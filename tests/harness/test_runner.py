@@ -395,3 +395,17 @@ def test_parse_sanitizer_log_never_reads_fewer_errors_than_listed(log: str, erro
 def test_an_internal_sanitizer_error_is_not_a_clean_run() -> None:
     with pytest.raises(ValueError, match="cannot be trusted"):
         parse_sanitizer_log("========= Internal Sanitizer Error: x\n========= ERROR SUMMARY: 0 errors\n")
+
+
+def test_resume_of_a_record_named_md_never_overwrites_it(tmp_path: Path) -> None:
+    """issue 20 item 8: ``--resume X.md`` wrote the Markdown summary over the JSON record it resumed."""
+    assert main(["run", "--device", "sim:t4-16gb", "--out", str(tmp_path), "--suites", "cupy",
+                 "--parts", "peers"]) == EXIT_INCOMPLETE
+    (first,) = tmp_path.glob("hil-*.json")
+    x = tmp_path / "X.md"
+    first.rename(x)
+    assert main(["run", "--device", "sim:t4-16gb", "--suites", "cupy", "--parts", "fidelity",
+                 "--resume", str(x)]) == EXIT_INCOMPLETE
+    record = json.loads(x.read_text())  # still the JSON record, with both calls in it
+    assert [r["parts"] for r in record["runs"]] == [["peers"], ["fidelity"]]
+    assert (tmp_path / "X.md.summary.md").read_text().startswith("#")

@@ -91,3 +91,33 @@ def test_root_and_dot_are_refused_up_front(trace, tmp_path, monkeypatch, capsys,
     assert "Traceback" not in capsys.readouterr().err
     assert trace.is_file() and (trace.parent / "notes.txt").is_file()
     assert sorted(p.name for p in trace.parent.iterdir()) == ["notes.txt", "t.pickle.gz"]
+
+
+def test_force_through_the_folder_being_replaced_ends_complete(trace, tmp_path, monkeypatch):
+    """issue 20 item 8: ``--out R/../R --force`` hid the old report in ``.R.old-PID`` and left the new one
+    in ``.R.tmp-*``; the path is resolved first and nothing hidden is left."""
+    monkeypatch.chdir(tmp_path)
+    assert _report(trace, "R") == EXIT_OK
+    assert _report(trace, "R/../R", "--force") == EXIT_OK
+    assert (tmp_path / "R" / "index.html").is_file() and (tmp_path / "R" / "report.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_failed_replacement_leaves_the_old_output_and_no_temp(tmp_path, monkeypatch):
+    from gpumem import outputs
+    out = tmp_path / "R"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    tmp = tmp_path / ".R.new"
+    tmp.mkdir()
+    real_rename = outputs.os.rename
+
+    def failing(src, dst):
+        if str(src) == str(tmp):
+            raise OSError(28, "No space left on device")
+        return real_rename(src, dst)
+    monkeypatch.setattr(outputs.os, "rename", failing)
+    with pytest.raises(OSError):
+        outputs.replace_atomically(tmp, tmp_path / "R" / ".." / "R")
+    assert (out / "old.txt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["R"]

@@ -154,3 +154,12 @@ def test_any_error_from_connecting_is_a_usage_error(trace, tmp_path, monkeypatch
     assert _sweep(trace, tmp_path / "sw", "--scheduler", "tcp://127.0.0.1:1") == EXIT_USAGE
     err = capsys.readouterr().err
     assert "tcp://127.0.0.1:1" in err and "Traceback" not in err
+
+
+def test_sweep_through_the_folder_being_replaced_ends_complete(trace, tmp_path, monkeypatch):
+    """issue 20 item 8: ``sweep --out S/../S`` ended in a traceback with the old sweep hidden."""
+    monkeypatch.chdir(tmp_path)
+    assert _sweep(trace, "S") == EXIT_OK
+    assert _sweep(trace, "S/../S") == EXIT_OK
+    assert (tmp_path / "S" / "sweep.csv").is_file() and (tmp_path / "S" / "sweep.json").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".S")] == []

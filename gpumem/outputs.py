@@ -1,0 +1,81 @@
+"""Writing outputs safely: one place that replaces an output folder or file atomically, and resolves the
+path it is given first.
+
+Note [An output is replaced only by a complete one]
+---------------------------------------------------
+Reports, sweeps and HIL records are written into a temporary sibling of the destination and renamed into
+place only once complete. The destination is resolved first (``os.path.realpath`` of its parent): with
+``--out R/../R`` the parent ``R/..`` stops existing while ``R`` is moved aside, so a sibling named through
+it could not be found again (the old output was left hidden in ``.R.old-PID`` and the new one in
+``.R.tmp-*``). On any failure the old output is put back and the temporary one removed; nothing hidden is
+left behind. A file is fsynced before its rename (cheap); folders are not (many files).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+__all__ = ["resolve_output", "replace_atomically", "write_text_atomically"]
+
+
+def resolve_output(path: "str | os.PathLike[str]") -> Path:
+    """``path`` with its parent resolved (symlinks, ``..``) and its own name kept, so that moving the old
+    output aside cannot change what the path names."""
+    p = Path(path)
+    if p.name in ("", ".", ".."):
+        p = Path(os.path.realpath(p))
+    return Path(os.path.realpath(p.parent)) / p.name
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def replace_atomically(tmp: "str | os.PathLike[str]", out: "str | os.PathLike[str]") -> None:
+    """Move the finished ``tmp`` (a sibling of ``out``) to ``out``, replacing what is there only now
+    (Note [An output is replaced only by a complete one]). On failure the old ``out`` is restored, ``tmp``
+    is removed and the error propagates."""
+    tmp, out = Path(tmp), resolve_output(out)
+    try:
+        if out.exists() or out.is_symlink():
+            aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            try:
+                os.rename(out, aside / "prev")
+                try:
+                    os.rename(tmp, out)
+                except BaseException:
+                    os.rename(aside / "prev", out)
+                    raise
+            finally:
+                shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def write_text_atomically(path: "str | os.PathLike[str]", text: str) -> Path:
+    """Write ``text`` to ``path`` through a fsynced temporary sibling renamed over it; the old file stays
+    whole until then. Returns the resolved path."""
+    out = resolve_output(path)
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(name, out)
+    except BaseException:
+        _remove(Path(name))
+        raise
+    return out

@@ -53,6 +53,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -399,7 +400,7 @@ def exit_code_of(record: dict[str, Any], parts_run: Sequence[Part]) -> int:
 def _load_resume(path: Path, specs: list[str]) -> dict[str, Any]:
     """The record to add to, checked before anything runs (Note [Parts of a record made in several calls])."""
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
+        record = json.loads(_read_bounded(path))
     except OSError as exc:
         raise HilRunError(f"--resume {path}: cannot read it ({exc.strerror or exc})") from None
     except (ValueError, RecursionError) as exc:
@@ -407,6 +408,11 @@ def _load_resume(path: Path, specs: list[str]) -> dict[str, Any]:
     if not isinstance(record, dict) or record.get("record") != RECORD_KIND:
         raise HilRunError(f"--resume {path}: not a gpumem HIL record (its 'record' field is not {RECORD_KIND!r})")
     problem = _record_shape_problem(record)
+    if not problem:
+        try:  # every field the summary reads, read now: a damaged record fails before any suite runs
+            render_markdown({**record, "status": overall_status(record)})
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            problem = f"the summary cannot be made of it ({type(exc).__name__}: {str(exc)[:200]})"
     if problem:
         raise HilRunError(f"--resume {path}: a damaged record: {problem}")
     theirs = [d.get("spec") for d in record["devices"]]
@@ -414,6 +420,62 @@ def _load_resume(path: Path, specs: list[str]) -> dict[str, Any]:
         raise HilRunError(f"--resume {path}: that record is of {', '.join(map(str, theirs))}, this run of "
                           f"{', '.join(specs)}; a record covers one set of devices")
     return record
+
+
+#: The largest record ``--resume`` reads: a record of every suite on 8 devices with many calls is well under.
+MAX_RECORD_NBYTES = 64 << 20
+
+
+def _read_bounded(path: Path) -> str:
+    """The text of the regular file ``path``, at most :data:`MAX_RECORD_NBYTES`; a FIFO, a device
+    (``/dev/zero``) or a folder is refused without being read (opened non-blocking: a FIFO never blocks)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise HilRunError(f"--resume {path}: not a regular file (a record is a JSON file)")
+        if st.st_size > MAX_RECORD_NBYTES:
+            raise HilRunError(f"--resume {path}: {st.st_size} bytes, larger than any record "
+                              f"({MAX_RECORD_NBYTES} bytes at most)")
+        data = os.read(fd, MAX_RECORD_NBYTES + 1)
+        chunks = [data]
+        total = len(data)
+        while data and total <= MAX_RECORD_NBYTES:
+            data = os.read(fd, MAX_RECORD_NBYTES + 1 - total)
+            chunks.append(data)
+            total += len(data)
+        if total > MAX_RECORD_NBYTES:
+            raise HilRunError(f"--resume {path}: grew past {MAX_RECORD_NBYTES} bytes while read")
+    finally:
+        os.close(fd)
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _suite_problem(x: Any) -> str:
+    """What is wrong with one suite result read back, or ''."""
+    if not isinstance(x, dict):
+        return "not an object"
+    for key in ("suite", "status", "reason"):
+        if not isinstance(x.get(key), str):
+            return f"{key!r} is not a string"
+    for key in ("passed", "failed", "skipped", "errors"):
+        if not _is_int(x.get(key)) or x[key] < 0:
+            return f"{key!r} is not a count"
+    if not isinstance(x.get("duration_s"), (int, float)) or isinstance(x.get("duration_s"), bool):
+        return "'duration_s' is not a number"
+    if not isinstance(x.get("failures"), list) or not all(isinstance(f, str) for f in x["failures"]):
+        return "'failures' is not a list of strings"
+    reasons = x.get("skip_reasons")
+    if not isinstance(reasons, dict) or not all(_is_int(n) for n in reasons.values()):
+        return "'skip_reasons' is not an object of counts"
+    return ""
 
 
 def _record_shape_problem(record: dict[str, Any]) -> str:
@@ -426,14 +488,18 @@ def _record_shape_problem(record: dict[str, Any]) -> str:
     if not isinstance(results, dict) or not all(isinstance(v, dict) for v in results.values()):
         return "'results' is not an object of results per device"
     if not isinstance(runs, list) or not runs or not all(
-            isinstance(r, dict) and isinstance(r.get("parts"), list) and isinstance(r.get("started_utc"), str)
+            isinstance(r, dict) and isinstance(r.get("parts"), list) and all(isinstance(p, str) for p in r["parts"])
+            and isinstance(r.get("started_utc"), str) and isinstance(r.get("finished_utc"), str)
             for r in runs):
         return "'runs' is not a list of calls with their parts and start time"
     for spec, res in results.items():
         suites = res.get("suites", [])
-        if not isinstance(suites, list) or not all(isinstance(x, dict) and isinstance(x.get("suite"), str)
-                                                   and isinstance(x.get("status"), str) for x in suites):
+        if not isinstance(suites, list):
             return f"the suites of {spec} are not a list of suite results"
+        for i, x in enumerate(suites):
+            problem = _suite_problem(x)
+            if problem:
+                return f"the suites of {spec}: result {i}: {problem}"
         for part in ("peers", "fidelity", "sanitizer"):
             if part in res and not (isinstance(res[part], dict) and isinstance(res[part].get("status"), str)):
                 return f"the {part} part of {spec} is not a result with a status"

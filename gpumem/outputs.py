@@ -17,8 +17,29 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
-__all__ = ["resolve_output", "replace_atomically", "write_text_atomically"]
+__all__ = ["csv_cell", "csv_row", "resolve_output", "replace_atomically", "write_text_atomically"]
+
+
+# Note [Spreadsheet formulas in CSV cells]
+# A cell that starts with =, +, -, @, a tab or a carriage return is read as a formula by spreadsheets;
+# snapshot frame names and trace file names come from files a user did not write. As OWASP's CSV
+# injection advice says, such a text cell is prefixed with a single quote (and is still quoted by the
+# csv module where needed). Numbers are left as they are: -5 is a number, not a formula.
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: Any) -> Any:
+    """``value`` safe to put in a CSV cell (Note [Spreadsheet formulas in CSV cells])."""
+    if isinstance(value, str) and value.startswith(_FORMULA_STARTS):
+        return "'" + value
+    return value
+
+
+def csv_row(row: "dict[str, Any]") -> "dict[str, Any]":
+    """:func:`csv_cell` of every value of a ``csv.DictWriter`` row."""
+    return {k: csv_cell(v) for k, v in row.items()}
 
 
 def resolve_output(path: "str | os.PathLike[str]") -> Path:

@@ -35,7 +35,7 @@ import numpy as np
 from .. import __version__
 from ..allocator.policy import POLICIES
 from ..errors import InternalError, InvalidArgumentError
-from ..outputs import replace_atomically, resolve_output
+from ..outputs import csv_row, replace_atomically, resolve_output
 from ..progress import ProgressBar
 from ..specs import open_device, parse_spec
 from ..trace import Trace, detect_format, load_trace
@@ -160,7 +160,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
             return
         w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         w.writeheader()
-        w.writerows(rows)
+        w.writerows(csv_row(r) for r in rows)  # Note [Spreadsheet formulas in CSV cells]
 
 
 def _write_json(path: Path, data: Any, indent: int | None = 1) -> None:

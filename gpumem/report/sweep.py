@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ..errors import BackendUnavailableError, GpumemError, InvalidArgumentError
-from ..outputs import replace_atomically, resolve_output
+from ..outputs import csv_row, replace_atomically, resolve_output
 
 log = logging.getLogger(__name__)
 
@@ -490,7 +490,7 @@ def _write_csv(result: SweepResult, path: Path) -> None:
         w = csv.DictWriter(f, fieldnames=list(COLUMNS), lineterminator="\n")
         w.writeheader()
         for r in result.rows:
-            w.writerow({k: ("" if v is None else v) for k, v in r.as_dict().items()})
+            w.writerow(csv_row({k: ("" if v is None else v) for k, v in r.as_dict().items()}))
 
 
 def _is_sweep_folder(out: Path) -> bool:

@@ -1,11 +1,14 @@
-"""Writing outputs without losing the old ones: one module for every command that writes a folder or a file.
+"""Writing outputs safely: one place that replaces an output folder or file atomically, and resolves the
+path it is given first.
 
-Note [An output is replaced only by a complete one]: a report, a sweep or a HIL record is first written in
-full beside its destination (a temporary sibling), and only then moved into place; the old output is moved
-aside just before and removed just after, and put back if the move fails. An interrupted or failing command
-therefore leaves either the old output or the new one, never half of each, and never a hidden copy. The
-destination's folder is resolved first (:func:`resolve_output_path`): with ``--out R/../R`` the path
-``R/..`` stops existing the moment ``R`` is moved aside, and a rename through it fails half-way.
+Note [An output is replaced only by a complete one]
+---------------------------------------------------
+Reports, sweeps and HIL records are written into a temporary sibling of the destination and renamed into
+place only once complete. The destination is resolved first (``os.path.realpath`` of its parent): with
+``--out R/../R`` the parent ``R/..`` stops existing while ``R`` is moved aside, so a sibling named through
+it could not be found again (the old output was left hidden in ``.R.old-PID`` and the new one in
+``.R.tmp-*``). On any failure the old output is put back and the temporary one removed; nothing hidden is
+left behind. A file is fsynced before its rename (cheap); folders are not (many files).
 """
 
 from __future__ import annotations
@@ -14,57 +17,86 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
-from .errors import InvalidArgumentError
-
-__all__ = ["resolve_output_path", "replace_dir", "write_file_atomic"]
+__all__ = ["csv_cell", "csv_row", "resolve_output", "replace_atomically", "write_text_atomically"]
 
 
-def resolve_output_path(path: "str | os.PathLike[str]", *, what: str = "--out") -> Path:
-    """``path`` with its folder resolved (symbolic links and ``..`` followed) and its own name kept.
+# Note [Spreadsheet formulas in CSV cells]
+# A cell that starts with =, +, -, @, a tab or a carriage return is read as a formula by spreadsheets;
+# snapshot frame names and trace file names come from files a user did not write. As OWASP's CSV
+# injection advice says, such a text cell is prefixed with a single quote (and is still quoted by the
+# csv module where needed). Numbers are left as they are: -5 is a number, not a formula.
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
-    Raises :class:`~gpumem.errors.InvalidArgumentError` for a path without a name of its own
-    (``""``, ``.``, ``..``, ``/``)."""
+
+def csv_cell(value: Any) -> Any:
+    """``value`` safe to put in a CSV cell (Note [Spreadsheet formulas in CSV cells])."""
+    if isinstance(value, str) and value.startswith(_FORMULA_STARTS):
+        return "'" + value
+    return value
+
+
+def csv_row(row: "dict[str, Any]") -> "dict[str, Any]":
+    """:func:`csv_cell` of every value of a ``csv.DictWriter`` row."""
+    return {k: csv_cell(v) for k, v in row.items()}
+
+
+def resolve_output(path: "str | os.PathLike[str]") -> Path:
+    """``path`` with its parent resolved (symlinks, ``..``) and its own name kept, so that moving the old
+    output aside cannot change what the path names."""
     p = Path(path)
     if p.name in ("", ".", ".."):
-        raise InvalidArgumentError(f"{what} {os.fspath(path)!r}: give the output a name of its own (a new path)")
+        p = Path(os.path.realpath(p))
     return Path(os.path.realpath(p.parent)) / p.name
 
 
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Move the finished folder ``tmp`` to ``out`` (a sibling), replacing an existing ``out`` only now
-    (Note [An output is replaced only by a complete one]). ``out`` must be resolved
-    (:func:`resolve_output_path`)."""
-    old = None
-    if out.exists() or out.is_symlink():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-        os.rename(out, old / "prev")
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def replace_atomically(tmp: "str | os.PathLike[str]", out: "str | os.PathLike[str]") -> None:
+    """Move the finished ``tmp`` (a sibling of ``out``) to ``out``, replacing what is there only now
+    (Note [An output is replaced only by a complete one]). On failure the old ``out`` is restored, ``tmp``
+    is removed and the error propagates."""
+    tmp, out = Path(tmp), resolve_output(out)
     try:
-        os.rename(tmp, out)
+        if out.exists() or out.is_symlink():
+            aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            try:
+                os.rename(out, aside / "prev")
+                try:
+                    os.rename(tmp, out)
+                except BaseException:
+                    os.rename(aside / "prev", out)
+                    raise
+            finally:
+                shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
     except BaseException:
-        if old is not None:
-            os.rename(old / "prev", out)
-            shutil.rmtree(old, ignore_errors=True)
+        _remove(tmp)
         raise
-    if old is not None:
-        prev = old / "prev"
-        shutil.rmtree(prev, ignore_errors=True) if prev.is_dir() and not prev.is_symlink() else prev.unlink()
-        shutil.rmtree(old, ignore_errors=True)
 
 
-def write_file_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary sibling and a rename: readers see the old file or the
-    new one, never a part (Note [An output is replaced only by a complete one])."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def write_text_atomically(path: "str | os.PathLike[str]", text: str) -> Path:
+    """Write ``text`` to ``path`` through a fsynced temporary sibling renamed over it; the old file stays
+    whole until then. Returns the resolved path."""
+    out = resolve_output(path)
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(name, out)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _remove(Path(name))
         raise
+    return out

@@ -63,7 +63,7 @@ from typing import Any, Iterator, Sequence
 from gpumem.hil.sanitizer import CHILD_PROCESS_SUITES, DEVICE_TESTS_ONLY, MEMCHECK_SUITES, RACECHECK_SUITES, \
     SANITIZER_ENV_VAR, SanitizerTool, child_control_command, find_compute_sanitizer, parse_sanitizer_log, sanitizer_prefix
 from gpumem.hil.process import run_in_group
-from gpumem.outputs import write_file_atomic
+from gpumem.outputs import resolve_output, write_text_atomically
 from gpumem.hil.suites import SUITES, SuiteResult, SuiteStatus, missing_needs, run_suite, slug, suite_named
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_INCOMPLETE", "EXIT_OK", "HilRunError", "Part", "RunOptions",
@@ -397,38 +397,10 @@ def exit_code_of(record: dict[str, Any], parts_run: Sequence[Part]) -> int:
     return EXIT_FAILED if worst in ("failed", "error") else EXIT_INCOMPLETE if worst != "passed" else EXIT_OK
 
 
-#: The largest record ``--resume`` reads (a record of every part on 8 GPUs is well under 1 MiB).
-MAX_RECORD_NBYTES = 64 << 20
-
-
-def _read_record_text(path: Path) -> str:
-    """The text of a record file: a regular ``.json`` file of at most :data:`MAX_RECORD_NBYTES`, read with a
-    bound (``/dev/zero`` and a FIFO are refused before they are opened)."""
-    if path.suffix != ".json":
-        raise HilRunError(f"--resume {path}: give the record's .json file (the .md summary is written from it "
-                          "beside it, and would be written over the file given)")
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise HilRunError(f"--resume {path}: cannot read it ({exc.strerror or exc})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise HilRunError(f"--resume {path}: not a regular file")
-    if st.st_size > MAX_RECORD_NBYTES:
-        raise HilRunError(f"--resume {path}: {st.st_size:,} bytes, more than a record has "
-                          f"(at most {MAX_RECORD_NBYTES:,})")
-    with open(path, "rb") as f:
-        data = f.read(MAX_RECORD_NBYTES + 1)
-    if len(data) > MAX_RECORD_NBYTES:
-        raise HilRunError(f"--resume {path}: more than {MAX_RECORD_NBYTES:,} bytes, more than a record has")
-    return data.decode("utf-8")
-
-
 def _load_resume(path: Path, specs: list[str]) -> dict[str, Any]:
     """The record to add to, checked before anything runs (Note [Parts of a record made in several calls])."""
     try:
-        record = json.loads(_read_record_text(path))
-    except UnicodeDecodeError as exc:
-        raise HilRunError(f"--resume {path}: not UTF-8 text ({exc.reason})") from None
+        record = json.loads(_read_bounded(path))
     except OSError as exc:
         raise HilRunError(f"--resume {path}: cannot read it ({exc.strerror or exc})") from None
     except (ValueError, RecursionError) as exc:
@@ -437,13 +409,10 @@ def _load_resume(path: Path, specs: list[str]) -> dict[str, Any]:
         raise HilRunError(f"--resume {path}: not a gpumem HIL record (its 'record' field is not {RECORD_KIND!r})")
     problem = _record_shape_problem(record)
     if not problem:
-        # the summary reads more fields than the shape check names: render it now, before anything runs,
-        # so that a record missing one fails here and not after the suites ran
-        try:
-            overall_status(record)
-            render_markdown(record)
-        except Exception as exc:  # noqa: BLE001 - any failure means a damaged record
-            problem = f"its summary cannot be written ({type(exc).__name__}: {exc})"
+        try:  # every field the summary reads, read now: a damaged record fails before any suite runs
+            render_markdown({**record, "status": overall_status(record)})
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            problem = f"the summary cannot be made of it ({type(exc).__name__}: {str(exc)[:200]})"
     if problem:
         raise HilRunError(f"--resume {path}: a damaged record: {problem}")
     theirs = [d.get("spec") for d in record["devices"]]
@@ -451,6 +420,62 @@ def _load_resume(path: Path, specs: list[str]) -> dict[str, Any]:
         raise HilRunError(f"--resume {path}: that record is of {', '.join(map(str, theirs))}, this run of "
                           f"{', '.join(specs)}; a record covers one set of devices")
     return record
+
+
+#: The largest record ``--resume`` reads: a record of every suite on 8 devices with many calls is well under.
+MAX_RECORD_NBYTES = 64 << 20
+
+
+def _read_bounded(path: Path) -> str:
+    """The text of the regular file ``path``, at most :data:`MAX_RECORD_NBYTES`; a FIFO, a device
+    (``/dev/zero``) or a folder is refused without being read (opened non-blocking: a FIFO never blocks)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise HilRunError(f"--resume {path}: not a regular file (a record is a JSON file)")
+        if st.st_size > MAX_RECORD_NBYTES:
+            raise HilRunError(f"--resume {path}: {st.st_size} bytes, larger than any record "
+                              f"({MAX_RECORD_NBYTES} bytes at most)")
+        data = os.read(fd, MAX_RECORD_NBYTES + 1)
+        chunks = [data]
+        total = len(data)
+        while data and total <= MAX_RECORD_NBYTES:
+            data = os.read(fd, MAX_RECORD_NBYTES + 1 - total)
+            chunks.append(data)
+            total += len(data)
+        if total > MAX_RECORD_NBYTES:
+            raise HilRunError(f"--resume {path}: grew past {MAX_RECORD_NBYTES} bytes while read")
+    finally:
+        os.close(fd)
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _suite_problem(x: Any) -> str:
+    """What is wrong with one suite result read back, or ''."""
+    if not isinstance(x, dict):
+        return "not an object"
+    for key in ("suite", "status", "reason"):
+        if not isinstance(x.get(key), str):
+            return f"{key!r} is not a string"
+    for key in ("passed", "failed", "skipped", "errors"):
+        if not _is_int(x.get(key)) or x[key] < 0:
+            return f"{key!r} is not a count"
+    if not isinstance(x.get("duration_s"), (int, float)) or isinstance(x.get("duration_s"), bool):
+        return "'duration_s' is not a number"
+    if not isinstance(x.get("failures"), list) or not all(isinstance(f, str) for f in x["failures"]):
+        return "'failures' is not a list of strings"
+    reasons = x.get("skip_reasons")
+    if not isinstance(reasons, dict) or not all(_is_int(n) for n in reasons.values()):
+        return "'skip_reasons' is not an object of counts"
+    return ""
 
 
 def _record_shape_problem(record: dict[str, Any]) -> str:
@@ -463,14 +488,18 @@ def _record_shape_problem(record: dict[str, Any]) -> str:
     if not isinstance(results, dict) or not all(isinstance(v, dict) for v in results.values()):
         return "'results' is not an object of results per device"
     if not isinstance(runs, list) or not runs or not all(
-            isinstance(r, dict) and isinstance(r.get("parts"), list) and isinstance(r.get("started_utc"), str)
+            isinstance(r, dict) and isinstance(r.get("parts"), list) and all(isinstance(p, str) for p in r["parts"])
+            and isinstance(r.get("started_utc"), str) and isinstance(r.get("finished_utc"), str)
             for r in runs):
         return "'runs' is not a list of calls with their parts and start time"
     for spec, res in results.items():
         suites = res.get("suites", [])
-        if not isinstance(suites, list) or not all(isinstance(x, dict) and isinstance(x.get("suite"), str)
-                                                   and isinstance(x.get("status"), str) for x in suites):
+        if not isinstance(suites, list):
             return f"the suites of {spec} are not a list of suite results"
+        for i, x in enumerate(suites):
+            problem = _suite_problem(x)
+            if problem:
+                return f"the suites of {spec}: result {i}: {problem}"
         for part in ("peers", "fidelity", "sanitizer"):
             if part in res and not (isinstance(res[part], dict) and isinstance(res[part].get("status"), str)):
                 return f"the {part} part of {spec} is not a result with a status"
@@ -546,12 +575,6 @@ def run(opts: RunOptions) -> tuple[dict[str, Any], list[Path]]:
 
     Raises :class:`HilRunError` (one message) when the run cannot start."""
     opts.repo_root = find_repo_root(opts.repo_root)
-    # relative paths are the caller's: resolved now, since the suites run with the checkout as their folder
-    # (a relative --out sent JUnit files into the checkout, and the suite was recorded as an error)
-    if opts.out_dir is not None:
-        opts.out_dir = Path(os.path.abspath(opts.out_dir))
-    if opts.resume is not None:
-        opts.resume = Path(os.path.abspath(opts.resume))
     specs = list(dict.fromkeys(opts.devices))
     if len({slug(s) for s in specs}) != len(specs):
         raise HilRunError(f"--device {', '.join(specs)}: two of these name the same device (their logs would "
@@ -559,6 +582,8 @@ def run(opts: RunOptions) -> tuple[dict[str, Any], list[Path]]:
     _check_part_inputs(opts)
     previous = _load_resume(opts.resume, specs) if opts.resume is not None else None
     out_dir = opts.resume.parent if opts.resume is not None else opts.out_dir
+    if str(out_dir).strip():
+        out_dir = resolve_output(out_dir)  # Note [An output is replaced only by a complete one]
     started = _utc_now()
     devices = []
     for spec in specs:  # before anything runs or is written: a missing GPU stops here, with one message
@@ -632,13 +657,18 @@ def _run_locked(opts: RunOptions, specs: list[str], previous: dict[str, Any] | N
     }
     record["status"] = overall_status(record)
     out_dir.mkdir(parents=True, exist_ok=True)
-    out_md = out_json.with_suffix(".md")
-    if out_md == out_json:
-        raise HilRunError(f"the record {out_json} and its summary would be the same file")
-    # Note [An output is replaced only by a complete one] in gpumem.outputs
-    write_file_atomic(out_json, json.dumps(record, indent=1, default=str) + "\n")
-    write_file_atomic(out_md, render_markdown(record))
+    out_md = summary_path(out_json)
+    markdown = render_markdown(record)  # rendered before anything is replaced: a failure leaves both intact
+    write_text_atomically(out_json, json.dumps(record, indent=1, default=str) + "\n")
+    write_text_atomically(out_md, markdown)
     return record, [out_json, out_md, log_dir]
+
+
+def summary_path(record_path: Path) -> Path:
+    """The Markdown summary's path for the record ``record_path``: ``X.json`` -> ``X.md``; never the record
+    itself (a record resumed from ``X.md`` gets ``X.md.summary.md``), so a summary cannot overwrite it."""
+    md = record_path.with_suffix(".md")
+    return md if md.name != record_path.name else record_path.with_name(record_path.name + ".summary.md")
 
 
 def environment_sim(dev: dict[str, Any]) -> str:

@@ -248,6 +248,8 @@ def run_suite(suite: Suite, device: str, *, repo_root: Path, log_dir: Path, time
     (stdout and stderr together) is written to ``log_dir/<label>.log``. A run past ``timeout_s`` is
     killed with its whole process group and reported as :attr:`SuiteStatus.ERROR`."""
     label = label or f"{suite.name}-{slug(device)}"
+    # pytest runs in repo_root: a relative folder would send its JUnit file there and read it from here
+    log_dir = Path(os.path.abspath(log_dir))
     log_dir.mkdir(parents=True, exist_ok=True)
     junit = log_dir / f"{label}.junit.xml"
     log_path = log_dir / f"{label}.log"

@@ -30,6 +30,7 @@ import itertools
 import logging
 import os
 import re
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -253,7 +254,23 @@ def write_snapshot(path: str | os.PathLike[str], tracker: AllocationTracker, *, 
     pytorch.org/memory_viz, or :func:`gpumem.trace.read_pytorch_snapshot`); return the path."""
     if not isinstance(tracker, AllocationTracker):
         raise InvalidArgumentError(f"tracker must be an AllocationTracker, got {type(tracker).__name__}")
-    return Path(save_pytorch_snapshot(build_snapshot(tracker.live(), name=name), Path(path)))
+    out = Path(path)
+    if out.is_dir():
+        raise InvalidArgumentError(f"cannot write the snapshot to {out}: it is a folder (give a file name)")
+    if not out.parent.is_dir():
+        raise InvalidArgumentError(f"cannot write the snapshot to {out}: no such folder {out.parent}")
+    snapshot = build_snapshot(tracker.live(), name=name)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:  # an existing file is replaced only by a complete snapshot
+        save_pytorch_snapshot(snapshot, Path(tmp_name))
+        os.replace(tmp_name, out)
+    except OSError as exc:
+        raise InvalidArgumentError(f"cannot write the snapshot to {out}: {exc.strerror or exc}") from None
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    return out
 
 
 __all__ = ["ForensicsLayer", "ForensicsRecord", "write_oom_forensics", "build_oom_snapshot", "build_snapshot",

@@ -130,11 +130,12 @@ class MultiGpuMemoryStats:
     """Allocations no device accepted."""
 
 
-def _default_factory(enable_pooling: bool, config: Any) -> Callable[[Device | str | int], Any]:
-    def make(device: Device | str | int) -> Any:
+def _default_factory(enable_pooling: bool, config: Any) -> Callable[..., Any]:
+    def make(device: Device | str | int, device_index: int) -> Any:
         from gpumem.managers.manager import GpuMemoryManager  # helper module of the same package
 
-        return GpuMemoryManager(device, enable_pooling=enable_pooling, config=config)
+        # its allocations carry the position in this manager's list, the device_index it returns
+        return GpuMemoryManager(device, enable_pooling=enable_pooling, config=config, device_index=device_index)
 
     return make
 
@@ -169,8 +170,8 @@ class MultiGpuMemoryManager:
         factory = manager_factory if manager_factory is not None else _default_factory(enable_pooling, config)
         managers: list[Any] = []
         try:
-            for d in devices:
-                managers.append(factory(d))
+            for i, d in enumerate(devices):
+                managers.append(factory(d) if manager_factory is not None else factory(d, i))
         except BaseException:
             for m in managers:
                 with contextlib.suppress(Exception):

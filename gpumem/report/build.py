@@ -34,7 +34,7 @@ import numpy as np
 
 from .. import __version__
 from ..allocator.policy import POLICIES
-from ..outputs import replace_dir, resolve_output_path
+from ..outputs import csv_row, replace_atomically, resolve_output
 from ..errors import InternalError, InvalidArgumentError
 from ..progress import ProgressBar
 from ..specs import open_device, parse_spec
@@ -162,7 +162,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
             return
         w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         w.writeheader()
-        w.writerows(rows)
+        w.writerows(csv_row(r) for r in rows)  # Note [Spreadsheet formulas in CSV cells]
 
 
 def _write_json(path: Path, data: Any, indent: int | None = 1) -> None:
@@ -202,7 +202,7 @@ def build_report(trace_path: str | os.PathLike[str], out_dir: str | os.PathLike[
     options = options or ReportOptions()
     out = Path(out_dir)
     if out.name not in ("", ".", ".."):  # the folder resolved first (Note [An output is replaced only by a complete one])
-        out = resolve_output_path(out)
+        out = resolve_output(out)
     if out.exists() and not force:
         raise ReportExistsError(f"{out} exists; choose another folder or replace it (--force)")
     check_report_out(out, trace_path)
@@ -278,7 +278,7 @@ def _install(tmp: Path, out: Path, force: bool) -> None:
         if not force:
             raise ReportExistsError(f"{out} appeared while the report was being built; nothing was replaced")
         check_report_out(out)
-    replace_dir(tmp, out)
+    replace_atomically(tmp, out)
 
 
 def _build(trace: Trace, trace_path: str, specs: list[str], options: ReportOptions, tmp: Path,

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ..outputs import replace_dir, resolve_output_path
+from ..outputs import csv_row, replace_atomically, resolve_output
 from ..errors import BackendUnavailableError, GpumemError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -502,7 +502,7 @@ def _write_csv(result: SweepResult, path: Path) -> None:
         w = csv.DictWriter(f, fieldnames=list(COLUMNS), lineterminator="\n")
         w.writeheader()
         for r in result.rows:
-            w.writerow({k: ("" if v is None else v) for k, v in r.as_dict().items()})
+            w.writerow(csv_row({k: ("" if v is None else v) for k, v in r.as_dict().items()}))
 
 
 def _is_sweep_folder(out: Path) -> bool:
@@ -565,7 +565,7 @@ def write_sweep(result: SweepResult, out: "str | os.PathLike[str]", *, plots: bo
     """
     out = Path(out)
     if out.name not in ("", ".", ".."):  # the folder resolved first (Note [An output is replaced only by a complete one])
-        out = resolve_output_path(out)
+        out = resolve_output(out)
     check_out_dir(out)
     if plots:
         require_matplotlib()
@@ -579,7 +579,7 @@ def write_sweep(result: SweepResult, out: "str | os.PathLike[str]", *, plots: bo
         data["figures"] = figures
         (tmp / "sweep.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
         names = sorted(p.name for p in tmp.iterdir())
-        replace_dir(tmp, out)
+        replace_atomically(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

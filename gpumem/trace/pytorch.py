@@ -166,7 +166,7 @@ def _columns_fast(entries: list[Any]) -> Columns | None:
         if min(int_times) < -_TIME_LIMIT_US or max(int_times) > _TIME_LIMIT_US:
             return None
     if entries and (min(sizes) < 0 or min(addrs) < 0 or max(addrs) > _INT64_MAX or max(sizes) > _INT64_MAX
-                    or min(streams) < -_INT64_MAX or max(streams) > _INT64_MAX):
+                    or min(streams) < 0 or max(streams) > _INT64_MAX):
         return None
     return codes, addrs, sizes, streams, times  # type: ignore[return-value]
 
@@ -200,7 +200,7 @@ def _columns_careful(entries: list[Any], where: str) -> Columns:
         codes.append(ACTIONS[action])
         addrs.append(_int_field(e, "addr", where, i, default=0 if action == "oom" else None))
         sizes.append(_int_field(e, "size", where, i))
-        streams.append(_int_field(e, "stream", where, i, default=0, minimum=-_INT64_MAX))
+        streams.append(_int_field(e, "stream", where, i, default=0))  # replays take streams >= 0
         t = e.get("time_us", 0)
         if type(t) not in (int, float):
             raise TraceFormatError(where, f"'time_us' is not a number ({type(t).__name__})", entry=i)

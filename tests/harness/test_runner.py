@@ -395,3 +395,85 @@ def test_parse_sanitizer_log_never_reads_fewer_errors_than_listed(log: str, erro
 def test_an_internal_sanitizer_error_is_not_a_clean_run() -> None:
     with pytest.raises(ValueError, match="cannot be trusted"):
         parse_sanitizer_log("========= Internal Sanitizer Error: x\n========= ERROR SUMMARY: 0 errors\n")
+
+
+def test_resume_of_a_record_named_md_never_overwrites_it(tmp_path: Path) -> None:
+    """issue 20 item 8: ``--resume X.md`` wrote the Markdown summary over the JSON record it resumed."""
+    assert main(["run", "--device", "sim:t4-16gb", "--out", str(tmp_path), "--suites", "cupy",
+                 "--parts", "peers"]) == EXIT_INCOMPLETE
+    (first,) = tmp_path.glob("hil-*.json")
+    x = tmp_path / "X.md"
+    first.rename(x)
+    assert main(["run", "--device", "sim:t4-16gb", "--suites", "cupy", "--parts", "fidelity",
+                 "--resume", str(x)]) == EXIT_INCOMPLETE
+    record = json.loads(x.read_text())  # still the JSON record, with both calls in it
+    assert [r["parts"] for r in record["runs"]] == [["peers"], ["fidelity"]]
+    assert (tmp_path / "X.md.summary.md").read_text().startswith("#")
+
+
+def _first_record(tmp_path: Path) -> Path:
+    assert main(["run", "--device", "sim:t4-16gb", "--out", str(tmp_path), "--suites", "cupy",
+                 "--parts", "peers"]) == EXIT_INCOMPLETE
+    (first,) = tmp_path.glob("hil-*.json")
+    return first
+
+
+@pytest.mark.parametrize("damage", ["reason", "passed", "failures", "skip_reasons", "duration_s", "finished_utc",
+                                    "passed-as-text"])
+def test_resume_refuses_a_record_missing_what_the_summary_reads(tmp_path: Path, damage: str,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    """issue 20 item 9: a record missing fields passed the shape check and crashed the summary after the
+    suites ran; now refused before anything runs, the record unchanged."""
+    first = _first_record(tmp_path)
+    record = json.loads(first.read_text())
+    suite = {"suite": "contract", "device": "sim:t4-16gb", "status": "passed", "passed": 204, "failed": 0,
+             "skipped": 0, "errors": 0, "duration_s": 12.5, "skip_reasons": {}, "failures": [], "exit_code": 0,
+             "reason": "", "log": "contract-sim-t4-16gb.log", "sanitizer": None}
+    record["results"]["sim:t4-16gb"]["suites"] = [suite]
+    if damage == "reason":  # the undamaged record is taken (a control)
+        first.write_text(json.dumps(record))
+        assert main(["run", "--device", "sim:t4-16gb", "--suites", "cupy", "--parts", "peers",
+                     "--resume", str(first)]) == EXIT_INCOMPLETE
+        record = json.loads(first.read_text())
+        suite = record["results"]["sim:t4-16gb"]["suites"][0]
+    if damage == "finished_utc":
+        del record["runs"][0]["finished_utc"]
+    elif damage == "passed-as-text":
+        suite["passed"] = "204"
+    else:
+        del suite[damage]
+    first.write_text(json.dumps(record))
+    before = first.read_text()
+    capsys.readouterr()
+    assert main(["run", "--device", "sim:t4-16gb", "--suites", "cupy", "--parts", "fidelity",
+                 "--resume", str(first)]) == EXIT_BAD_INPUT
+    assert "a damaged record" in capsys.readouterr().err
+    assert first.read_text() == before
+
+
+def test_resume_refuses_dev_zero_a_fifo_and_a_huge_file_without_reading_them(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture) -> None:
+    """issue 20 item 9: ``--resume /dev/zero`` read without bound and a FIFO blocked for ever."""
+    import os
+    from gpumem.hil import runner
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", str(fifo), str(tmp_path)):
+        assert main(["run", "--device", "sim:t4-16gb", "--parts", "peers", "--resume", path]) == EXIT_BAD_INPUT
+        assert "not a regular file" in capsys.readouterr().err
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as f:
+        f.truncate(runner.MAX_RECORD_NBYTES + 1)
+    assert main(["run", "--device", "sim:t4-16gb", "--parts", "peers", "--resume", str(huge)]) == EXIT_BAD_INPUT
+    assert "larger than any record" in capsys.readouterr().err
+
+
+def test_a_relative_out_from_outside_the_checkout_holds_the_junit_and_counts_the_tests(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue 20 item 9: from outside the checkout a relative log folder sent the JUnit file into the
+    checkout (pytest runs there) and the passing suite was recorded as an error."""
+    monkeypatch.chdir(tmp_path)
+    res = run_suite(Suite("units", "the units tests", ("tests/test_units.py",)), "sim:t4-16gb", repo_root=REPO,
+                    log_dir=Path("logs"), timeout_s=300)
+    assert res.status is SuiteStatus.PASSED and res.passed > 0, res.reason
+    assert (tmp_path / "logs" / res.log).exists() and not (REPO / "logs").exists()

@@ -170,3 +170,21 @@ def test_export_snapshot_needs_tracking(tmp_path):
         with pytest.raises(InvalidArgumentError, match="track_allocations"):
             m.export_snapshot(tmp_path / "x.pickle")
     assert not (tmp_path / "x.pickle").exists()
+
+
+def test_export_snapshot_to_a_folder_or_a_missing_folder_is_a_clear_error(tmp_path):
+    """issue 20 item 12: a raw IsADirectoryError/FileNotFoundError; now a gpumem error naming the path and
+    what is wrong, nothing written and the manager unchanged."""
+    from gpumem.errors import InvalidArgumentError
+
+    cfg = MemoryConfig().with_tracking(True)
+    with GpuMemoryManager("sim:gtx-1050-2gb", config=cfg) as m:
+        held = _fill(m)
+        before = sorted(tmp_path.iterdir())
+        with pytest.raises(InvalidArgumentError, match=f"{tmp_path}: it is a folder"):
+            m.export_snapshot(tmp_path)
+        with pytest.raises(InvalidArgumentError, match="no such folder"):
+            m.export_snapshot(tmp_path / "missing" / "x.pickle")
+        assert sorted(tmp_path.iterdir()) == before and len(m.tracker) == len(held)
+        assert read_pytorch_snapshot(m.export_snapshot(tmp_path / "ok.pickle")).n_allocs == len(held)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.pickle"]

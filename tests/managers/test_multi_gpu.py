@@ -346,3 +346,16 @@ def test_memory_stats_report_a_lost_device_instead_of_failing():
     mm.deallocate(a)
     mm.close()
     lost.close(); ok.close()
+
+
+def test_an_allocation_on_device_1_says_device_index_1() -> None:
+    """issue 20 item 12: an allocation placed on device 1 reported ``device_index=0``."""
+    multi = MultiGpuMemoryManager(["sim:t4-16gb", "sim:t4-16gb"])
+    try:
+        placed = [multi.allocate_on_best_device(1 << 20) for _ in range(4)]
+        assert {i for i, _ in placed} == {0, 1}
+        for i, allocation in placed:
+            assert allocation.device_index == i
+        assert all(a.device_index == i for i, a in multi.live_allocations())
+    finally:
+        multi.close()

@@ -293,3 +293,23 @@ def test_site_labels_say_tensor_for_one(tmp_path):
     finally:
         plt.Axes.text = orig
     assert any(t.endswith("(1 tensor)") for t in texts) and any(t.endswith("(2 tensors)") for t in texts)
+
+
+def test_csv_cells_that_a_spreadsheet_reads_as_formulas_are_neutralised(tmp_path, monkeypatch):
+    """issue 20 item 12: snapshot frame names and the trace's file name went verbatim into sites.csv and
+    summary.csv; a cell starting with =, +, -, @ is a formula in a spreadsheet."""
+    import csv
+
+    from gpumem.outputs import csv_cell
+    assert [csv_cell(v) for v in ("=1+1", "+x", "-x", "@x", "\tx", "\rx", "ok", -5, None)] == \
+        ["'=1+1", "'+x", "'-x", "'@x", "'\tx", "'\rx", "ok", -5, None]
+    monkeypatch.setitem(SITES, ("=HYPERLINK(\"http://x\")", "@evil.py", 1), (1 << 20, 2 << 20))
+    snap = make_snapshot(tmp_path / "=cmd.pickle.gz")
+    out = tmp_path / "r"
+    build_report(snap, out, ReportOptions(devices=(DEVICE,), policies=("gpumem",), samples=10, fit=False),
+                 progress=False)
+    for name in ("sites.csv", "summary.csv"):
+        with open(out / name, newline="") as f:
+            cells = [c for row in csv.reader(f) for c in row]
+        assert not any(c.startswith(("=", "+", "-", "@", "\t", "\r")) for c in cells), name
+    assert any("=HYPERLINK" in c for c in open(out / "sites.csv").read().split(","))

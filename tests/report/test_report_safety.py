@@ -102,3 +102,33 @@ def test_force_through_the_folder_being_replaced_keeps_a_whole_report(trace, tmp
     assert _report(trace, f"{out}/../rep", "--force") == EXIT_OK, capsys.readouterr().err
     assert (out / "index.html").is_file() and (out / "report.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "rep"]   # nothing hidden beside it
+
+
+def test_force_through_the_folder_being_replaced_ends_complete(trace, tmp_path, monkeypatch):
+    """issue 20 item 8: ``--out R/../R --force`` hid the old report in ``.R.old-PID`` and left the new one
+    in ``.R.tmp-*``; the path is resolved first and nothing hidden is left."""
+    monkeypatch.chdir(tmp_path)
+    assert _report(trace, "R") == EXIT_OK
+    assert _report(trace, "R/../R", "--force") == EXIT_OK
+    assert (tmp_path / "R" / "index.html").is_file() and (tmp_path / "R" / "report.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_failed_replacement_leaves_the_old_output_and_no_temp(tmp_path, monkeypatch):
+    from gpumem import outputs
+    out = tmp_path / "R"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    tmp = tmp_path / ".R.new"
+    tmp.mkdir()
+    real_rename = outputs.os.rename
+
+    def failing(src, dst):
+        if str(src) == str(tmp):
+            raise OSError(28, "No space left on device")
+        return real_rename(src, dst)
+    monkeypatch.setattr(outputs.os, "rename", failing)
+    with pytest.raises(OSError):
+        outputs.replace_atomically(tmp, tmp_path / "R" / ".." / "R")
+    assert (out / "old.txt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["R"]

@@ -164,3 +164,12 @@ def test_a_sweep_through_the_folder_being_replaced_is_whole(trace, tmp_path, cap
     assert _sweep(trace, f"{out}/../sw") == EXIT_OK, capsys.readouterr().err
     assert (out / "sweep.json").is_file() and (out / "sweep.csv").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "sw"]
+
+
+def test_sweep_through_the_folder_being_replaced_ends_complete(trace, tmp_path, monkeypatch):
+    """issue 20 item 8: ``sweep --out S/../S`` ended in a traceback with the old sweep hidden."""
+    monkeypatch.chdir(tmp_path)
+    assert _sweep(trace, "S") == EXIT_OK
+    assert _sweep(trace, "S/../S") == EXIT_OK
+    assert (tmp_path / "S" / "sweep.csv").is_file() and (tmp_path / "S" / "sweep.json").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".S")] == []

@@ -315,3 +315,19 @@ def test_empty_file_falls_back_to_the_suffix(tmp_path: Path) -> None:
         path.write_bytes(b"")
         with pytest.raises(TraceFormatError, match=message):
             load_trace(path)
+
+
+def test_a_snapshot_with_stream_minus_one_is_refused_by_the_reader_naming_file_and_entry(tmp_path):
+    """issue 20 item 12: stream -1 passed the reader and failed later in the replay without naming the
+    file and the entry."""
+    import pickle
+
+    from gpumem.errors import TraceFormatError
+    from gpumem.trace import load_trace
+    entries = [{"action": "alloc", "addr": 4096, "size": 1024, "stream": 0, "time_us": 1, "frames": []},
+               {"action": "alloc", "addr": 8192, "size": 1024, "stream": -1, "time_us": 2, "frames": []}]
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [entries]}))
+    with pytest.raises(TraceFormatError) as info:
+        load_trace(path)
+    assert "s.pickle" in str(info.value) and "1" in str(info.value) and "stream" in str(info.value)

@@ -442,7 +442,8 @@ def _source_frames(args: argparse.Namespace, n_allocs: int) -> "list[Any] | None
 
 
 def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
-    from .replay import make_allocator, replay
+    from .allocator import make_allocator
+    from .replay import replay
     from .specs import open_device
     from .trace import save_pytorch_snapshot
 

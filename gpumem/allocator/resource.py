@@ -204,6 +204,12 @@ class AlignmentLayer(ResourceLayer):
     def do_deallocate(self, ptr: int, nbytes: int, alignment: int, stream: int) -> None:
         alignment = max(alignment, self.alignment)
         if alignment <= DEFAULT_ALIGNMENT:
+            if self._padded:  # a padded pointer given back with a small alignment is refused, not leaked
+                with self._lock:
+                    rec = self._padded.get(ptr)
+                if rec is not None:
+                    raise InvalidArgumentError(f"deallocate: {ptr:#x} was allocated with alignment={rec.alignment}; "
+                                               f"got alignment={alignment}")
             self.upstream.do_deallocate(ptr, nbytes, DEFAULT_ALIGNMENT, stream)
             return
         with self._lock:

@@ -464,7 +464,8 @@ def _source_frames(args: argparse.Namespace, n_allocs: int) -> "list[Any] | None
 
 
 def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
-    from .replay import make_allocator, program_gpu, replay
+    from .allocator import make_allocator
+    from .replay import program_gpu, replay
     from .specs import open_device
     from .trace import save_pytorch_snapshot
 

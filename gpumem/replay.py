@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from .allocator import CachingAllocator
-from .allocator.bucket import BucketAllocator, BucketPolicy, is_bucket_policy
+from .allocator import CachingAllocator, make_allocator
+from .allocator.bucket import BucketAllocator, BucketPolicy
 from .allocator.policy import DEFAULT_POLICY, AllocatorPolicy
 from .allocator.stats import AllocatorStats
 from .device import Device
@@ -113,16 +113,6 @@ class ReplayResult:
             out["oom_injected"] = bool(getattr(self.oom_error, "injected", False))
         out.update(self.extra)
         return out
-
-
-def make_allocator(device: Device, policy: "str | AllocatorPolicy | BucketPolicy" = DEFAULT_POLICY,
-                   **allocator_options: Any) -> "CachingAllocator | BucketAllocator":
-    """The allocator a replay runs: the size-bucket pool for ``policy="bucket"`` (or a
-    :class:`~gpumem.allocator.bucket.BucketPolicy`), else a :class:`~gpumem.allocator.CachingAllocator`
-    under that policy. ``allocator_options`` go to the allocator (``limit=`` among them)."""
-    if is_bucket_policy(policy):
-        return BucketAllocator(device, policy, **allocator_options)  # type: ignore[arg-type]
-    return CachingAllocator(device, policy, **allocator_options)  # type: ignore[arg-type]
 
 
 def program_gpu(trace: Trace, device: Device, gpu_timing: "str | GpuTiming | None",

@@ -58,6 +58,7 @@ from typing import Any, Callable, ContextManager
 from ..device import Device, check_nbytes
 from ..errors import DeviceLostError, InternalError, InvalidArgumentError, InvalidPointerError, OutOfMemoryError
 from ..units import format_bytes, parse_limit
+from .resource import AllocatorContract
 from .stats import AllocatorStats, format_summary
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ def _as_int(value: object, what: str) -> int:
         raise InvalidArgumentError(f"{what} must be an int, got {type(value).__name__} {value!r:.60}") from None
 
 
-class BucketAllocator:
+class BucketAllocator(AllocatorContract):
     """A size-bucket pool over any :class:`~gpumem.Device` (module docstring), with the caching allocator's
     public interface: ``allocate``, ``free``, ``empty_cache``, ``stats``, ``snapshot_stats``,
     ``reserved_nbytes``, ``allocated_nbytes``, ``live_blocks``, ``memory_stats``, ``memory_summary``,

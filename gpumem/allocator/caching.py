@@ -77,6 +77,7 @@ from .backing import AddressSpaceExhausted, Backing, LimitExceeded, Segment, Seg
 from .block import Block, FreeList, TopDownFreeList, append_block, drop_last_block, merge_blocks, split_block
 from .fences import StreamFences
 from .policy import DEFAULT_POLICY, AllocatorPolicy, GrowthRule, VmmMode, get_policy
+from .resource import AllocatorContract
 from .stats import AllocatorStats, format_summary
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ def _check_stream(stream: object) -> int:
     return s
 
 
-class CachingAllocator:
+class CachingAllocator(AllocatorContract):
     """A caching allocator over ``device`` under a named or custom :class:`AllocatorPolicy`.
 
     ``limit``: the most memory the allocator may reserve: bytes (int), a fraction of the

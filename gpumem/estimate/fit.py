@@ -38,7 +38,8 @@ from ..device import Device
 from ..errors import GpumemError, InvalidArgumentError, OutOfMemoryError
 from ..managers.reserve import default_usable_nbytes
 from ..progress import NoProgress, progress as progress_bar
-from ..replay import make_allocator, replay_trace
+from ..allocator import make_allocator
+from ..replay import replay_trace
 from ..specs import open_device
 from ..units import format_bytes
 from .shape import ModelShape

@@ -15,7 +15,7 @@
 from .config import ENV_VARIABLES, MemoryConfig
 from .fallback import FallbackBuffer
 from .forensics import ForensicsLayer, ForensicsRecord, write_oom_forensics
-from .layers import (FailureCallbackLayer, LimitingLayer, LoggingLayer, ResourceLayer, ResourceStatistics,
+from .layers import (Counter, FailureCallbackLayer, LimitingLayer, LoggingLayer, ResourceLayer, ResourceStatistics,
                      StatisticsLayer, TrackingLayer)
 from .multi import (DeviceMemoryStats, DeviceRefusal, MultiGpuMemoryManager, MultiGpuMemoryStats,
                     MultiGpuOutOfMemoryError)
@@ -24,7 +24,7 @@ from .pressure import (MemoryPressure, PressureChange, PressureMonitor, Pressure
 from .manager import Allocation, GpuMemoryManager, MemoryStats, PoolStats
 from .regions import current_region, region
 from .reserve import Reserve, compute_reserve, usable_nbytes
-from .resource import AllocatorResource, DeviceResource, MemoryResource, find_layer
+from .resource import AlignmentLayer, AllocatorResource, DeviceResource, MemoryResource, find_layer
 from .tracker import (AllocationInfo, AllocationTracker, BufferId, LeakReport, Location, RegionStats, TrackerStats,
                       UnknownBufferError)
 
@@ -32,7 +32,8 @@ __all__ = [
     "MemoryConfig", "ENV_VARIABLES", "FallbackBuffer", "ForensicsLayer", "ForensicsRecord", "write_oom_forensics",
     "FailureCallbackLayer", "LimitingLayer", "LoggingLayer", "ResourceLayer", "ResourceStatistics", "StatisticsLayer",
     "TrackingLayer", "Allocation", "GpuMemoryManager", "MemoryStats", "PoolStats", "current_region", "region",
-    "Reserve", "compute_reserve", "usable_nbytes", "AllocatorResource", "DeviceResource", "MemoryResource",
+    "Reserve", "compute_reserve", "usable_nbytes", "AlignmentLayer", "AllocatorResource", "DeviceResource",
+    "MemoryResource", "Counter",
     "find_layer", "AllocationInfo", "AllocationTracker", "BufferId", "LeakReport", "Location", "RegionStats",
     "TrackerStats", "UnknownBufferError",
     "DeviceMemoryStats", "DeviceRefusal", "MultiGpuMemoryManager", "MultiGpuMemoryStats", "MultiGpuOutOfMemoryError",

@@ -4,7 +4,7 @@ As RMM's resource adaptors (``statistics_resource_adaptor``, ``tracking_resource
 ``limiting_resource_adaptor``, ``logging_resource_adaptor``, ``failure_callback_resource_adaptor``),
 each adds one concern and forwards the rest, so a user stacks what they need::
 
-    base = AllocatorResource(dev)                       # or DeviceResource(dev): no pool
+    base = make_allocator(dev)                          # or DeviceResource(dev): no pool
     mr = StatisticsLayer(LimitingLayer(FailureCallbackLayer(base, [base.empty_cache]), 8 * GiB))
     p = mr.allocate(1 << 20)
     mr.deallocate(p, 1 << 20)
@@ -43,45 +43,15 @@ from dataclasses import dataclass
 from typing import IO, Any, Callable, Iterable
 
 from gpumem.device import Device, MemInfo
-from gpumem.errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
+from gpumem.errors import InternalError, InvalidArgumentError, InvalidPointerError, OutOfMemoryError
 from gpumem.trace.rmm import RMM_HEADER
 from gpumem.units import format_bytes
 
-from .resource import DEFAULT_ALIGNMENT, MemoryResource
+from gpumem.allocator.resource import DEFAULT_ALIGNMENT, AlignmentLayer, MemoryResource, ResourceLayer
+
 from .tracker import AllocationTracker, BufferId, Location
 
 log = logging.getLogger(__name__)
-
-
-class ResourceLayer(MemoryResource):
-    """A resource that forwards to ``upstream``; subclasses add one concern."""
-
-    def __init__(self, upstream: MemoryResource) -> None:
-        if not isinstance(upstream, MemoryResource):
-            raise InvalidArgumentError(f"upstream must be a MemoryResource, got {type(upstream).__name__}")
-        self.upstream = upstream
-
-    @property
-    def device(self) -> Device:
-        return self.upstream.device
-
-    def do_allocate(self, nbytes: int, alignment: int, stream: int) -> int:
-        return self.upstream.do_allocate(nbytes, alignment, stream)
-
-    def do_deallocate(self, ptr: int, nbytes: int, alignment: int, stream: int) -> None:
-        self.upstream.do_deallocate(ptr, nbytes, alignment, stream)
-
-    def empty_cache(self) -> int:
-        return self.upstream.empty_cache()
-
-    def memory_info(self) -> MemInfo:
-        return self.upstream.memory_info()
-
-    def close(self) -> None:
-        self.upstream.close()
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} over {self.upstream!r}>"
 
 
 # -- statistics ----------------------------------------------------------------------------------------
@@ -101,16 +71,47 @@ class ResourceStatistics:
     """Allocations the upstream refused (out of memory)."""
 
 
+@dataclass
+class Counter:
+    """One statistic as RMM's ``statistics_resource_adaptor`` keeps it: ``value`` now, its ``peak``
+    and the ``total`` ever added. Not thread-safe alone: its owner guards it."""
+
+    value: int = 0
+    peak: int = 0
+    total: int = 0
+
+    def add(self, n: int) -> None:
+        """``value += n`` (n >= 0), raising ``peak`` and ``total``."""
+        self.value += n
+        self.total += n
+        if self.value > self.peak:
+            self.peak = self.value
+
+    def sub(self, n: int) -> None:
+        """``value -= n``; a value below 0 is an :class:`~gpumem.errors.InternalError` (nothing changes)."""
+        if n > self.value:
+            raise InternalError(f"counter would go below 0: {self.value} - {n}")
+        self.value -= n
+
+    def reset_peak(self) -> None:
+        """``peak := value``."""
+        self.peak = self.value
+
+
 class StatisticsLayer(ResourceLayer):
-    """Counts bytes and allocations (current, peak, total), and refusals; peaks are resettable."""
+    """Counts bytes and allocations (current, peak, total), and refusals; peaks are resettable.
+
+    As RMM's ``statistics_resource_adaptor``: the upstream is called first, then two :class:`Counter`
+    s change under a short lock; no per-pointer map, since ``deallocate`` is given ``nbytes``
+    (the contract: the same ``nbytes`` as ``allocate``, which the base resource checks).
+    """
 
     def __init__(self, upstream: MemoryResource) -> None:
         super().__init__(upstream)
         self._lock = threading.Lock()
         # guarded by _lock:
-        self._sizes: dict[int, int] = {}
-        self._cur = self._peak = self._total = 0
-        self._cur_n = self._peak_n = self._total_n = 0
+        self._bytes = Counter()
+        self._count = Counter()
         self._n_free = self._n_fail = 0
 
     def do_allocate(self, nbytes: int, alignment: int, stream: int) -> int:
@@ -121,35 +122,28 @@ class StatisticsLayer(ResourceLayer):
                 self._n_fail += 1
             raise
         with self._lock:
-            self._sizes[ptr] = nbytes
-            self._cur += nbytes
-            self._total += nbytes
-            self._cur_n += 1
-            self._total_n += 1
-            self._peak = max(self._peak, self._cur)
-            self._peak_n = max(self._peak_n, self._cur_n)
+            self._bytes.add(nbytes)
+            self._count.add(1)
         return ptr
 
     def do_deallocate(self, ptr: int, nbytes: int, alignment: int, stream: int) -> None:
-        with self._lock:
-            if ptr not in self._sizes:
-                raise InvalidPointerError(f"deallocate: {ptr:#x} was not allocated through {self!r}")
         self.upstream.do_deallocate(ptr, nbytes, alignment, stream)
         with self._lock:
-            self._cur -= self._sizes.pop(ptr)
-            self._cur_n -= 1
+            self._bytes.sub(nbytes)
+            self._count.sub(1)
             self._n_free += 1
 
     def statistics(self) -> ResourceStatistics:
         """The counters now."""
         with self._lock:
-            return ResourceStatistics(self._cur, self._peak, self._total, self._cur_n, self._peak_n, self._total_n,
-                                      self._n_free, self._n_fail)
+            b, c = self._bytes, self._count
+            return ResourceStatistics(b.value, b.peak, b.total, c.value, c.peak, c.total, self._n_free, self._n_fail)
 
     def reset_peak(self) -> None:
         """Peaks := current values."""
         with self._lock:
-            self._peak, self._peak_n = self._cur, self._cur_n
+            self._bytes.reset_peak()
+            self._count.reset_peak()
 
 
 # -- tracking --------------------------------------------------------------------------------------------
@@ -214,8 +208,7 @@ class LimitingLayer(ResourceLayer):
         self.what = what
         """How the refusal names the limit (a manager says "the usable memory")."""
         self._lock = threading.Lock()
-        self._sizes: dict[int, int] = {}  # guarded by _lock
-        self._used = 0  # guarded by _lock
+        self._used = 0  # guarded by _lock; no per-pointer map: deallocate is given nbytes
 
     @property
     def used_nbytes(self) -> int:
@@ -244,17 +237,12 @@ class LimitingLayer(ResourceLayer):
             with self._lock:
                 self._used -= nbytes
             raise
-        with self._lock:
-            self._sizes[ptr] = nbytes
         return ptr
 
     def do_deallocate(self, ptr: int, nbytes: int, alignment: int, stream: int) -> None:
-        with self._lock:
-            if ptr not in self._sizes:
-                raise InvalidPointerError(f"deallocate: {ptr:#x} was not allocated through {self!r}")
         self.upstream.do_deallocate(ptr, nbytes, alignment, stream)
         with self._lock:
-            self._used -= self._sizes.pop(ptr)
+            self._used -= nbytes
 
 
 # -- logging ------------------------------------------------------------------------------------------------
@@ -395,5 +383,5 @@ class FailureCallbackLayer(ResourceLayer):
         raise last
 
 
-__all__ = ["ResourceLayer", "StatisticsLayer", "ResourceStatistics", "TrackingLayer", "LimitingLayer",
+__all__ = ["ResourceLayer", "AlignmentLayer", "Counter", "StatisticsLayer", "ResourceStatistics", "TrackingLayer", "LimitingLayer",
            "LoggingLayer", "FailureCallbackLayer", "FailureCallback", "DEFAULT_ALIGNMENT"]

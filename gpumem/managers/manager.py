@@ -5,7 +5,7 @@ reserve and the usable memory (Note [The reserve rule] in :mod:`gpumem.managers.
 by ``MemoryConfig.gpu_memory_fraction``), and builds a stack of memory resources
 (:mod:`gpumem.managers.resource`, :mod:`gpumem.managers.layers`), bottom to top:
 
-1. :class:`~gpumem.managers.resource.AllocatorResource` over a caching allocator limited to the
+1. a caching allocator (:func:`gpumem.allocator.make_allocator`, a memory resource) limited to the
    usable memory (``enable_pooling=True``) or :class:`~gpumem.managers.resource.DeviceResource`
    (straight from the device);
 2. with pooling, :class:`~gpumem.managers.layers.FailureCallbackLayer` calling ``empty_cache``
@@ -60,7 +60,11 @@ from gpumem.units import format_bytes
 from .config import MemoryConfig
 from .layers import FailureCallbackLayer, LimitingLayer, StatisticsLayer, TrackingLayer
 from .reserve import Reserve, compute_reserve, manager_usable_nbytes, usable_nbytes
-from .resource import DEFAULT_ALIGNMENT, AllocatorResource, DeviceResource, MemoryResource
+from gpumem.allocator import AlignmentLayer, make_allocator
+from gpumem.allocator.bucket import is_bucket_policy
+from gpumem.allocator.resource import AllocatorContract
+
+from .resource import DEFAULT_ALIGNMENT, DeviceResource, MemoryResource
 from .tracker import AllocationTracker, BufferId, RegionStats
 
 if TYPE_CHECKING:
@@ -267,14 +271,16 @@ class GpuMemoryManager:
             self.pool_limit_nbytes = usable + min(max(usable // POOL_SLACK_DENOMINATOR,
                                                       POOL_SLACK_PAGES * self.properties.granularity_nbytes),
                                                   self.reserve.emergency_nbytes)
-            self._base: MemoryResource = AllocatorResource(dev, policy=config.pool_policy,
-                                                           limit=self.pool_limit_nbytes,
-                                                           max_pooled_per_bucket=config.max_pooled_per_bucket)
+            bucket_options = ({"max_pooled_per_bucket": config.max_pooled_per_bucket}
+                              if is_bucket_policy(config.pool_policy) else {})
+            self._base: MemoryResource = make_allocator(dev, config.pool_policy, limit=self.pool_limit_nbytes,
+                                                        **bucket_options)
             below: MemoryResource = FailureCallbackLayer(self._base, [self._base.empty_cache])
         else:
             self.pool_limit_nbytes = 0
             self._base = DeviceResource(dev)
             below = self._base
+        below = AlignmentLayer(below)  # Note [Alignment is a layer]
         self._limit = LimitingLayer(below, usable, what="the manager's usable memory")
         self._stats = StatisticsLayer(self._limit)
         top: MemoryResource = self._stats
@@ -472,8 +478,8 @@ class GpuMemoryManager:
         mem = self.device.mem_info()
         pool = None
         frag, largest, held = 0.0, 0, s.current_nbytes
-        if isinstance(self._base, AllocatorResource):
-            a = self._base.allocator
+        if isinstance(self._base, AllocatorContract):
+            a = self._base
             ms = a.memory_stats()
             held = int(ms["reserved_nbytes"])
             pool = PoolStats(a.policy.name, held, held - int(ms["allocated_nbytes"]), int(ms["cache_hits"]),

@@ -1,298 +1,106 @@
-"""Memory resources, RMM style: one small interface that allocators and the layers over them share.
+"""Memory resources for the managers: the contract (re-exported), :class:`DeviceResource` and the old bridge.
 
-A :class:`MemoryResource` hands out device memory with ``allocate(nbytes, alignment=256,
-stream=0)`` and takes it back with ``deallocate(ptr, nbytes, alignment=256, stream=0)``. As in RMM
-(``device_memory_resource::allocate`` / ``do_allocate``), the public methods are concrete: they
-validate the arguments the same way for every resource and call the protected
-:meth:`~MemoryResource.do_allocate` / :meth:`~MemoryResource.do_deallocate` an implementation
-provides (Note [Public methods check, implementations do] in :mod:`gpumem.device`).
-
-Two resources take memory from a device:
-
-* :class:`AllocatorResource`: through a :class:`~gpumem.allocator.CachingAllocator` (pooling on),
-  using only its public interface (``allocate``, ``free``, ``empty_cache``, ``stats``,
-  ``reserved_nbytes``, ``allocated_nbytes``, ``close``);
-* :class:`DeviceResource`: straight from the device, one ``malloc`` per allocation (pooling off).
-
-The layers in :mod:`gpumem.managers.layers` wrap any resource (statistics, tracking, limits,
-logging, failure callbacks) and are resources themselves, so they stack.
-
-Note [Alignment above 256 bytes]
---------------------------------
-Every gpumem device and the caching allocator return pointers aligned to at least 256 B (CUDA's
-guarantee), so ``alignment <= 256`` costs nothing. A larger power of two is honoured by asking the
-source for ``nbytes + alignment - 256`` bytes and returning the first aligned address inside; the
-resource remembers the source's pointer to give it back. ``deallocate`` must be called with the
-``nbytes`` and ``alignment`` given to ``allocate`` (as in RMM); a mismatch is refused.
+The contract, :class:`~gpumem.allocator.resource.MemoryResource`, lives on the allocator floor
+(:mod:`gpumem.allocator.resource`) and the allocators are resources themselves, so a pooled
+stack starts at ``gpumem.allocator.make_allocator(dev, policy)``. :class:`DeviceResource` takes
+memory straight from the device (pooling off). Alignments above 256 B come from
+:class:`~gpumem.allocator.resource.AlignmentLayer` (Note [Alignment is a layer]).
 """
 
 from __future__ import annotations
 
-import abc
 import threading
-from dataclasses import dataclass
+import warnings
 from typing import Any
 
-from gpumem.device import MIN_POINTER_ALIGNMENT, Device, MemInfo
+from gpumem.allocator.resource import (DEFAULT_ALIGNMENT, MAX_ALIGNMENT, AlignmentLayer, MemoryResource,
+                                       check_alignment, check_base_alignment, check_ptr, check_size,
+                                       check_stream_arg, find_layer, stack_layers)
+from gpumem.device import Device
 from gpumem.errors import DeviceClosedError, InvalidArgumentError, InvalidPointerError
-from gpumem.units import align_up
-
-#: The alignment every resource guarantees without padding (CUDA's ``cudaMalloc`` guarantee).
-DEFAULT_ALIGNMENT = MIN_POINTER_ALIGNMENT
-#: The largest alignment accepted (1 GiB): larger ones are certainly a mistake.
-MAX_ALIGNMENT = 1 << 30
 
 
-def check_alignment(alignment: object) -> int:
-    """``alignment`` if it is a power of two in [1, 1 GiB], else :class:`InvalidArgumentError`."""
-    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1) or alignment > MAX_ALIGNMENT:
-        raise InvalidArgumentError(f"alignment must be a power of two between 1 and {MAX_ALIGNMENT}, got {alignment!r}")
-    return alignment
+class DeviceResource(MemoryResource):
+    """Memory straight from the device: one ``malloc`` per allocation, ``free`` on deallocate (no pool).
 
-
-def check_size(nbytes: object) -> int:
-    """``nbytes`` if it is an int > 0, else :class:`InvalidArgumentError`."""
-    if type(nbytes) is not int or nbytes <= 0:
-        raise InvalidArgumentError(f"nbytes must be an int > 0, got {nbytes!r}")
-    return nbytes
-
-
-def check_stream_arg(stream: object) -> int:
-    """``stream`` if it is an int >= 0, else :class:`InvalidArgumentError`."""
-    if type(stream) is not int or stream < 0:
-        raise InvalidArgumentError(f"stream must be an int >= 0, got {stream!r}")
-    return stream
-
-
-def check_ptr(ptr: object) -> int:
-    """``ptr`` if it is an int > 0, else :class:`InvalidArgumentError`."""
-    if type(ptr) is not int or ptr <= 0:
-        raise InvalidArgumentError(f"ptr must be a positive int, got {ptr!r}")
-    return ptr
-
-
-class MemoryResource(abc.ABC):
-    """The interface every resource and layer shares (module docstring)."""
-
-    @property
-    @abc.abstractmethod
-    def device(self) -> Device:
-        """The device the memory comes from."""
-
-    def allocate(self, nbytes: int, alignment: int = DEFAULT_ALIGNMENT, stream: int = 0) -> int:
-        """Allocate ``nbytes`` (> 0) aligned to ``alignment`` (a power of two) for use on ``stream``.
-
-        Raises :class:`~gpumem.errors.InvalidArgumentError` on bad arguments (nothing changes) and
-        :class:`~gpumem.errors.OutOfMemoryError` when the memory cannot be had (nothing changes).
-        """
-        check_size(nbytes)
-        check_alignment(alignment)
-        check_stream_arg(stream)
-        return self.do_allocate(nbytes, alignment, stream)
-
-    def deallocate(self, ptr: int, nbytes: int, alignment: int = DEFAULT_ALIGNMENT, stream: int = 0) -> None:
-        """Give back ``ptr`` from :meth:`allocate` with the same ``nbytes`` and ``alignment``."""
-        check_ptr(ptr)
-        check_size(nbytes)
-        check_alignment(alignment)
-        check_stream_arg(stream)
-        self.do_deallocate(ptr, nbytes, alignment, stream)
-
-    @abc.abstractmethod
-    def do_allocate(self, nbytes: int, alignment: int, stream: int) -> int:
-        """Allocate (arguments already validated)."""
-
-    @abc.abstractmethod
-    def do_deallocate(self, ptr: int, nbytes: int, alignment: int, stream: int) -> None:
-        """Deallocate (arguments already validated)."""
-
-    def empty_cache(self) -> int:
-        """Give cached, unused memory back to the device; return the bytes given back (0 without a cache)."""
-        return 0
-
-    def memory_info(self) -> MemInfo:
-        """The device's free and total bytes right now (other tenants included)."""
-        return self.device.mem_info()
-
-    def close(self) -> None:
-        """Release what the resource holds (idempotent)."""
-
-    def __enter__(self) -> "MemoryResource":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} on {self.device.spec}>"
-
-
-@dataclass(frozen=True)
-class _Raw:
-    """What the source handed out for one allocation (Note [Alignment above 256 bytes])."""
-
-    raw_ptr: int
-    raw_nbytes: int
-    nbytes: int
-    alignment: int
-
-
-class _SourceResource(MemoryResource):
-    """A resource that takes memory from a source (device or allocator), padding for large alignments."""
+    It keeps the size of each outstanding allocation (to check ``deallocate``'s ``nbytes`` and to
+    free what is left on :meth:`close`); the device stays open (its owner closes it).
+    """
 
     def __init__(self, device: Device) -> None:
         if not isinstance(device, Device):
             raise InvalidArgumentError(f"device must be a gpumem.Device, got {type(device).__name__}")
-        self._device = device
+        self.device = device
         self._lock = threading.Lock()
-        self._outstanding: dict[int, _Raw] = {}  # guarded by _lock
+        self._outstanding: dict[int, int] = {}  # guarded by _lock
         self._closed = False
-
-    @property
-    def device(self) -> Device:
-        return self._device
-
-    @abc.abstractmethod
-    def _take(self, nbytes: int, stream: int) -> int: ...
-
-    @abc.abstractmethod
-    def _give(self, ptr: int) -> None: ...
 
     def do_allocate(self, nbytes: int, alignment: int, stream: int) -> int:
         if self._closed:
             raise DeviceClosedError(f"{self!r} is closed")
-        raw_nbytes = nbytes if alignment <= DEFAULT_ALIGNMENT else nbytes + alignment - DEFAULT_ALIGNMENT
-        raw = self._take(raw_nbytes, stream)
-        ptr = align_up(raw, alignment) if alignment > DEFAULT_ALIGNMENT else raw
+        check_base_alignment(self, alignment)
+        ptr = self.device.malloc(nbytes)
         with self._lock:
-            self._outstanding[ptr] = _Raw(raw, raw_nbytes, nbytes, alignment)
+            self._outstanding[ptr] = nbytes
         return ptr
 
     def do_deallocate(self, ptr: int, nbytes: int, alignment: int, stream: int) -> None:
         with self._lock:
-            rec = self._outstanding.get(ptr)
-            if rec is None:
+            have = self._outstanding.get(ptr)
+            if have is None:
                 raise InvalidPointerError(f"deallocate: {ptr:#x} was not allocated by {self!r} (or was freed already)")
-            if rec.nbytes != nbytes or rec.alignment != alignment:
-                raise InvalidArgumentError(f"deallocate: {ptr:#x} was allocated with nbytes={rec.nbytes}, "
-                                           f"alignment={rec.alignment}; got nbytes={nbytes}, alignment={alignment}")
+            if have != nbytes:
+                raise InvalidArgumentError(f"deallocate: {ptr:#x} was allocated with nbytes={have}; got nbytes={nbytes}")
             del self._outstanding[ptr]
         try:
-            self._give(rec.raw_ptr)
+            self.device.free(ptr)
         except BaseException:
             with self._lock:
-                self._outstanding[ptr] = rec
+                self._outstanding[ptr] = have
             raise
 
     def outstanding_nbytes(self) -> int:
-        """Bytes handed out and not given back (as requested, padding excluded)."""
+        """Bytes handed out and not given back."""
         with self._lock:
-            return sum(r.nbytes for r in self._outstanding.values())
+            return sum(self._outstanding.values())
 
     def outstanding(self) -> list[tuple[int, int]]:
         """``(ptr, nbytes)`` of every allocation not given back."""
         with self._lock:
-            return [(p, r.nbytes) for p, r in self._outstanding.items()]
-
-
-class DeviceResource(_SourceResource):
-    """Memory straight from the device: one ``malloc`` per allocation, ``free`` on deallocate (no pool).
-
-    ``close()`` frees what is still outstanding; the device stays open (its owner closes it).
-    """
-
-    def _take(self, nbytes: int, stream: int) -> int:
-        return self._device.malloc(nbytes)
-
-    def _give(self, ptr: int) -> None:
-        self._device.free(ptr)
+            return list(self._outstanding.items())
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         with self._lock:
-            raws = [r.raw_ptr for r in self._outstanding.values()]
+            ptrs = list(self._outstanding)
             self._outstanding.clear()
-        if not self._device.closed:
-            for raw in raws:
-                self._device.free(raw)
+        if not self.device.closed:
+            for ptr in ptrs:
+                self.device.free(ptr)
 
 
-class AllocatorResource(_SourceResource):
-    """Memory from a :class:`~gpumem.allocator.CachingAllocator` or a size-bucket pool
-    (:class:`~gpumem.allocator.bucket.BucketAllocator`, which has the caching allocator's public
-    interface): freed blocks are cached and reused.
+def AllocatorResource(allocator: Any, **allocator_kwargs: Any) -> AlignmentLayer:  # noqa: N802 - the old class name
+    """Deprecated: the allocators are resources now. Warns, and returns
+    ``AlignmentLayer(make_allocator(device, **allocator_kwargs))`` for a device, or
+    ``AlignmentLayer(allocator)`` for an allocator (which the caller still owns and closes)."""
+    from gpumem.allocator import make_allocator
+    from gpumem.allocator.resource import AllocatorContract
 
-    Pass an allocator, or a device and the allocator's keyword arguments (``policy``, ``limit``,
-    ``gc_threshold``, ``engine``; with ``policy="bucket"``: ``limit``, ``max_pooled_per_bucket``); a
-    resource that built its allocator closes it on :meth:`close`.
-    """
-
-    def __init__(self, allocator: Any, **allocator_kwargs: Any) -> None:
-        from gpumem.allocator import CachingAllocator
-        from gpumem.allocator.bucket import BUCKET_POLICY_NAME, BucketAllocator
-
-        if isinstance(allocator, (CachingAllocator, BucketAllocator)):
-            if allocator_kwargs:
-                raise InvalidArgumentError("allocator keyword arguments apply only when a device is given")
-            self.allocator = allocator
-            self._owns = False
-        elif isinstance(allocator, Device):
-            policy = allocator_kwargs.pop("policy", "gpumem")
-            if policy == BUCKET_POLICY_NAME:
-                unknown = set(allocator_kwargs) - {"limit", "max_pooled_per_bucket"}
-                if unknown:
-                    raise InvalidArgumentError(f"the size-bucket pool takes limit and max_pooled_per_bucket, "
-                                               f"not {', '.join(sorted(unknown))}")
-                self.allocator = BucketAllocator(allocator, BUCKET_POLICY_NAME, **allocator_kwargs)
-            else:
-                allocator_kwargs.pop("max_pooled_per_bucket", None)  # the caching allocator has no buckets
-                self.allocator = CachingAllocator(allocator, policy, **allocator_kwargs)
-            self._owns = True
-        else:
-            raise InvalidArgumentError(f"AllocatorResource needs a CachingAllocator, a BucketAllocator or a "
-                                       f"Device, got {type(allocator).__name__}")
-        super().__init__(self.allocator.device)
-
-    def _take(self, nbytes: int, stream: int) -> int:
-        return self.allocator.allocate(nbytes, stream)
-
-    def _give(self, ptr: int) -> None:
-        self.allocator.free(ptr)
-
-    def empty_cache(self) -> int:
-        return self.allocator.empty_cache()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with self._lock:
-            raws = [r.raw_ptr for r in self._outstanding.values()]
-            self._outstanding.clear()
-        if self._owns:
-            self.allocator.close()
-        elif not self._device.closed:
-            for raw in raws:
-                self.allocator.free(raw)
+    warnings.warn("AllocatorResource is deprecated: allocators are memory resources; use "
+                  "gpumem.allocator.make_allocator(device, policy) (and AlignmentLayer for alignments above 256 B)",
+                  DeprecationWarning, stacklevel=2)
+    if isinstance(allocator, AllocatorContract):
+        if allocator_kwargs:
+            raise InvalidArgumentError("allocator keyword arguments apply only when a device is given")
+        return AlignmentLayer(allocator)
+    if isinstance(allocator, Device):
+        return AlignmentLayer(make_allocator(allocator, **allocator_kwargs))
+    raise InvalidArgumentError(f"AllocatorResource needs a CachingAllocator, a BucketAllocator or a "
+                               f"Device, got {type(allocator).__name__}")
 
 
-def stack_layers(resource: MemoryResource) -> list[MemoryResource]:
-    """``resource`` and every upstream under it, top first."""
-    out = [resource]
-    while (up := getattr(out[-1], "upstream", None)) is not None:
-        out.append(up)
-    return out
-
-
-def find_layer(resource: MemoryResource, kind: type) -> Any:
-    """The topmost layer of type ``kind`` in ``resource``'s stack, or None."""
-    for r in stack_layers(resource):
-        if isinstance(r, kind):
-            return r
-    return None
-
-
-__all__ = ["MemoryResource", "DeviceResource", "AllocatorResource", "DEFAULT_ALIGNMENT", "check_alignment",
-           "stack_layers", "find_layer"]
+__all__ = ["MemoryResource", "DeviceResource", "AllocatorResource", "AlignmentLayer", "DEFAULT_ALIGNMENT",
+           "MAX_ALIGNMENT", "check_alignment", "check_size", "check_stream_arg", "check_ptr", "stack_layers",
+           "find_layer"]

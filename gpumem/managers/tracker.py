@@ -176,6 +176,8 @@ class _RegionCounters:
 #: caller's frames out, and a snapshot viewer showed gpumem first. They are left out, and
 #: ``stack_depth`` counts the frames that remain.
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+#: The resource contract's module (the public ``allocate`` of every layer), on the allocator floor.
+_CONTRACT_FILE = os.path.join(os.path.dirname(_OWN_DIR), "allocator", "resource.py")
 
 #: The gpumem package's directory, resolved: frames of files under it are gpumem's own.
 _PACKAGE_DIR = os.path.realpath(os.path.dirname(_OWN_DIR))
@@ -192,7 +194,8 @@ def _in_package(filename: str) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def _is_own_frame(filename: str) -> bool:
-    return os.path.dirname(os.path.abspath(filename)) == _OWN_DIR
+    path = os.path.abspath(filename)
+    return os.path.dirname(path) == _OWN_DIR or path == _CONTRACT_FILE
 
 
 def _capture_stack(depth: int) -> tuple[StackFrame, ...]:

@@ -417,7 +417,7 @@ def _fit(trace: Trace, options: ReportOptions, groups: list[list[PolicyRun]],
 def _unsupported(spec: str, policy: str) -> bool:
     """Whether ``policy`` cannot run on ``spec`` at all (e.g. virtual memory on a device without it)."""
     from ..errors import UnsupportedOperationError
-    from ..replay import make_allocator
+    from ..allocator import make_allocator
 
     dev = open_device(spec)
     try:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..allocator import CachingAllocator
+from ..allocator import CachingAllocator, make_allocator
 from ..allocator.backing import VirtualBacking
 from ..device import Device
 from ..errors import GpumemError, OutOfMemoryError, UnsupportedOperationError
@@ -394,7 +394,7 @@ def runs_under(trace: Trace, device_spec: str, policy: str, limit: int | None, *
 
     dev = open_device(device_spec, profile=profile) if profile is not None else open_device(device_spec)
     try:
-        allocator = CachingAllocator(dev, policy, limit=limit)
+        allocator = make_allocator(dev, policy, limit=limit)
         try:
             return replay(trace, allocator, stop_on_oom=True, progress=False, gpu_timing=gpu_timing).ooms == 0
         finally:

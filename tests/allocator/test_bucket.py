@@ -12,7 +12,8 @@ from gpumem.allocator.bucket import (BUCKET_POLICY_NAME, BucketAllocator, Bucket
                                      is_bucket_policy)
 from gpumem.errors import (DeviceLostError, InternalError, InvalidArgumentError, InvalidPointerError,
                            OutOfMemoryError)
-from gpumem.replay import make_allocator, replay_trace
+from gpumem.allocator import make_allocator
+from gpumem.replay import replay_trace
 from gpumem.units import KiB, MiB
 
 from allocator_helpers import small_device

@@ -11,7 +11,9 @@ from gpumem.errors import DeviceClosedError, InvalidArgumentError, InvalidPointe
 from gpumem.managers.layers import (FailureCallbackLayer, LimitingLayer, LoggingLayer, StatisticsLayer,
                                     TrackingLayer)
 from gpumem.managers.regions import region
-from gpumem.managers.resource import AllocatorResource, DeviceResource, MemoryResource, find_layer, stack_layers
+from gpumem.allocator import make_allocator
+from gpumem.allocator.resource import AlignmentLayer
+from gpumem.managers.resource import DeviceResource, MemoryResource, find_layer, stack_layers
 from gpumem.managers.tracker import AllocationTracker, Location
 from gpumem.units import MiB
 
@@ -24,9 +26,16 @@ def dev():
 
 @pytest.fixture(params=["device", "allocator"])
 def base(request, dev):
-    r = DeviceResource(dev) if request.param == "device" else AllocatorResource(dev)
+    """A base resource (the device, or an allocator: a resource itself) under the alignment layer."""
+    r = AlignmentLayer(DeviceResource(dev) if request.param == "device" else make_allocator(dev))
     yield r
     r.close()
+
+
+def live_nbytes(aligned: AlignmentLayer) -> int:
+    """Bytes live in the base under ``aligned`` (requested for the device, rounded for an allocator)."""
+    up = aligned.upstream
+    return up.outstanding_nbytes() if isinstance(up, DeviceResource) else up.allocated_nbytes
 
 
 BAD_ALLOCATE = [
@@ -50,7 +59,7 @@ def test_alignment_is_honoured(base, alignment):
     assert all(p % alignment == 0 for p in ptrs)
     for i, p in enumerate(ptrs):
         base.deallocate(p, 1000 + i, alignment)
-    assert base.outstanding() == []
+    assert live_nbytes(base) == 0 and base.padded_count() == 0
 
 
 def test_deallocate_must_match(base, dev):
@@ -61,7 +70,7 @@ def test_deallocate_must_match(base, dev):
         base.deallocate(p, 4096, 256)
     with pytest.raises(InvalidPointerError):
         base.deallocate(p + 256, 4096, 4096)
-    assert base.outstanding() == [(p, 4096)]
+    assert base.padded_count() == 1 and live_nbytes(base) >= 4096
     base.deallocate(p, 4096, 4096)
     with pytest.raises(InvalidPointerError):  # double free
         base.deallocate(p, 4096, 4096)
@@ -76,21 +85,32 @@ def test_device_resource_is_unpooled(dev):
     assert r.empty_cache() == 0
 
 
-def test_allocator_resource_pools(dev):
-    r = AllocatorResource(dev, policy="bestfit")
+@pytest.mark.parametrize("policy", ["bestfit", "bucket"])
+def test_an_allocator_is_a_pooling_resource(dev, policy):
+    r = make_allocator(dev, policy)
+    assert isinstance(r, MemoryResource)
     p = r.allocate(8 * MiB)
     r.deallocate(p, 8 * MiB)
-    assert r.allocator.reserved_nbytes > 0          # cached, not given back
+    assert r.reserved_nbytes > 0          # cached, not given back
     assert r.empty_cache() > 0
-    assert r.allocator.reserved_nbytes == 0
+    assert r.reserved_nbytes == 0
     r.close()
-    with pytest.raises(DeviceClosedError):
+    with pytest.raises((DeviceClosedError, InvalidArgumentError), match="closed"):
         r.allocate(1)
 
 
-def test_allocator_resource_refuses_bad_source(dev):
-    with pytest.raises(InvalidArgumentError, match="CachingAllocator, a BucketAllocator or a Device"):
+def test_the_deprecated_allocator_resource_warns_and_stacks_the_same(dev):
+    from gpumem.managers.resource import AllocatorResource
+
+    with pytest.warns(DeprecationWarning, match="make_allocator"):
+        r = AllocatorResource(dev, policy="bestfit")
+    assert isinstance(r, AlignmentLayer) and r.upstream.policy.name == "bestfit"
+    r.close()
+    with pytest.warns(DeprecationWarning), pytest.raises(InvalidArgumentError, match="CachingAllocator, a BucketAllocator or a Device"):
         AllocatorResource("sim:t4-16gb")
+
+
+def test_layers_refuse_a_source_that_is_no_resource(dev):
     with pytest.raises(InvalidArgumentError, match="MemoryResource"):
         StatisticsLayer(dev)
 
@@ -177,7 +197,7 @@ def test_logging_layer_writes_an_rmm_log_gpumem_reads(dev, tmp_path):
     from gpumem.trace import load_trace
 
     path = tmp_path / "mr.csv"
-    lg = LoggingLayer(LimitingLayer(AllocatorResource(dev), 64 * MiB), csv_path=path)
+    lg = LoggingLayer(LimitingLayer(make_allocator(dev), 64 * MiB), csv_path=path)
     ptrs = [lg.allocate(n * MiB) for n in (1, 2, 3)]
     lg.deallocate(ptrs[1], 2 * MiB)
     with pytest.raises(OutOfMemoryError):
@@ -192,7 +212,7 @@ def test_logging_layer_writes_an_rmm_log_gpumem_reads(dev, tmp_path):
 
 
 def test_failure_callback_frees_and_retries(dev):
-    base = AllocatorResource(dev, policy="bestfit", limit=64 * MiB)
+    base = make_allocator(dev, "bestfit", limit=64 * MiB)
     calls = []
 
     def cb(nbytes, exc):
@@ -243,13 +263,13 @@ def test_failure_callback_that_raises_is_logged(dev, caplog):
 
 @pytest.mark.parametrize("pooled", [False, True])
 def test_full_stack(dev, pooled, caplog):
-    base = AllocatorResource(dev) if pooled else DeviceResource(dev)
+    base = make_allocator(dev) if pooled else DeviceResource(dev)
     tracker = AllocationTracker()
-    top = LoggingLayer(TrackingLayer(StatisticsLayer(LimitingLayer(
-        FailureCallbackLayer(base, [base.empty_cache]), 32 * MiB)), tracker))
+    top = LoggingLayer(TrackingLayer(StatisticsLayer(LimitingLayer(AlignmentLayer(
+        FailureCallbackLayer(base, [base.empty_cache])), 32 * MiB)), tracker))
     assert [type(r).__name__ for r in stack_layers(top)] == [
-        "LoggingLayer", "TrackingLayer", "StatisticsLayer", "LimitingLayer", "FailureCallbackLayer",
-        type(base).__name__]
+        "LoggingLayer", "TrackingLayer", "StatisticsLayer", "LimitingLayer", "AlignmentLayer",
+        "FailureCallbackLayer", type(base).__name__]
     stats = find_layer(top, StatisticsLayer)
     with region("a"):
         ptrs = [top.allocate(4 * MiB, 512) for _ in range(7)]

@@ -387,8 +387,8 @@ def test_pool_policy_bucket_uses_the_bucket_pool_and_max_pooled_per_bucket(cap):
 
     cfg = MemoryConfig(pool_policy="bucket", max_pooled_per_bucket=cap)
     with GpuMemoryManager("sim:t4-16gb", config=cfg) as m:
-        assert isinstance(m._base.allocator, BucketAllocator)
-        assert m._base.allocator.policy.max_pooled_per_bucket == cap
+        assert isinstance(m._base, BucketAllocator)
+        assert m._base.policy.max_pooled_per_bucket == cap
         held = [m.allocate(1000) for _ in range(4)]
         for a in held:
             m.deallocate(a)

@@ -2,7 +2,7 @@
 
 The caching allocator, the managers and the workspace logic never talk to CUDA
 or to the simulator directly: they call a :class:`Device`. Two implementations
-exist: :class:`sim.SimDevice` (a SimPy-driven simulated GPU, in the ``sim``
+exist: :class:`gpumem.sim.SimDevice` (a SimPy-driven simulated GPU, in the ``sim``
 package) and :class:`gpumem.cuda.CudaDevice` (a real GPU through CuPy,
 cuda-bindings and NVML). Both pass the same contract suite (``tests/contract``).
 

@@ -1,9 +1,9 @@
 """The simulated GPU: a :class:`gpumem.Device` that lives in a SimPy environment.
 
 Time
-    Every call costs simulated time (:mod:`sim.latency`): the device advances its
+    Every call costs simulated time (:mod:`gpumem.sim.latency`): the device advances its
     ``simpy.Environment`` by that much, and whatever other tenants (SimPy
-    processes, :mod:`sim.pressure`) and scheduled faults do meanwhile happens
+    processes, :mod:`gpumem.sim.pressure`) and scheduled faults do meanwhile happens
     before the call completes. ``advance(seconds)`` lets time pass without a
     call, as a program computing between allocations would.
 
@@ -27,7 +27,7 @@ Addresses
 
 Streams and the sanitizer
     Work queued with :meth:`SimDevice.launch` runs on its stream's SimPy process
-    (:mod:`sim.streams`). Freeing or unmapping memory that queued or running work
+    (:mod:`gpumem.sim.streams`). Freeing or unmapping memory that queued or running work
     touches, or launching work on memory that is not allocated or not mapped with
     access, is what kills a real context (``CUDA_ERROR_ILLEGAL_ADDRESS``, later):
     the simulator's sanitizer raises :class:`~gpumem.errors.MemoryHazardError`
@@ -84,7 +84,7 @@ from gpumem.errors import (
 )
 from gpumem.units import MiB, align_up
 
-from .events import MemoryEvent, MemoryEventKind
+from ..events import MemoryEvent, MemoryEventKind
 from .faults import FaultInjector, FaultKind, FaultPlan
 from .pressure import Scenario, TenantContext
 from .profiles import DeviceProfile
@@ -98,7 +98,7 @@ SMALL_MALLOC_MAX_NBYTES = 1 * MiB
 SMALL_MALLOC_ALIGNMENT = 512
 _VA_BASE = 0x7F00_0000_0000
 _VA_LIMIT = 1 << 48
-#: What the sanitizer does about a hazard (Note [What the sanitizer looks at] in :mod:`sim.streams`).
+#: What the sanitizer does about a hazard (Note [What the sanitizer looks at] in :mod:`gpumem.sim.streams`).
 SANITIZER_MODES = ("raise", "count", "off")
 
 
@@ -149,7 +149,7 @@ class Hazard:
 
 class SimEvent(Event):
     """An event of a :class:`SimDevice`: the last work on its stream when it was recorded
-    (Note [Events are a pointer to the stream's tail] in :mod:`sim.streams`)."""
+    (Note [Events are a pointer to the stream's tail] in :mod:`gpumem.sim.streams`)."""
 
     __slots__ = ("work",)
 
@@ -232,7 +232,7 @@ class _Tenant(TenantContext):
 
 
 class SimDevice(Device):
-    """A simulated GPU of a given :class:`~sim.profiles.DeviceProfile`.
+    """A simulated GPU of a given :class:`~gpumem.sim.profiles.DeviceProfile`.
 
     >>> from gpumem.sim import SimDevice, get_profile
     >>> dev = SimDevice(get_profile("a100-80gb"))
@@ -240,7 +240,7 @@ class SimDevice(Device):
     b'hello'
 
     ``pressure`` scenarios run as other tenants from time 0; ``faults`` injects
-    failures (per call type too: :class:`~sim.faults.FaultPlan`); ``seed`` makes
+    failures (per call type too: :class:`~gpumem.sim.faults.FaultPlan`); ``seed`` makes
     every random choice repeatable; ``sanitizer`` is ``"raise"`` (the default),
     ``"count"`` or ``"off"`` (see the module docstring).
 
@@ -405,7 +405,7 @@ class SimDevice(Device):
     def add_tenant(self, scenario: Scenario, name: str | None = None) -> None:
         """Start another tenant running ``scenario`` now."""
         if not isinstance(scenario, Scenario):
-            raise InvalidArgumentError(f"scenario must be a sim.pressure.Scenario, got {type(scenario).__name__}")
+            raise InvalidArgumentError(f"scenario must be a gpumem.sim.pressure.Scenario, got {type(scenario).__name__}")
         if name is not None and not isinstance(name, str):
             raise InvalidArgumentError(f"name must be a str or None, got {type(name).__name__}")
         self._run(self._add_tenant, scenario, name)
@@ -704,7 +704,7 @@ class SimDevice(Device):
 
         Every touched range must lie inside one live ``malloc`` allocation or inside mappings with
         access set; otherwise the sanitizer raises :class:`~gpumem.errors.MemoryHazardError`
-        (``sanitizer="raise"``). Returns the :class:`~sim.streams.Work` (its ``state``, ``end_s``).
+        (``sanitizer="raise"``). Returns the :class:`~gpumem.sim.streams.Work` (its ``state``, ``end_s``).
         """
         check_stream(stream)
         duration_s = check_duration(duration_s, what="launch: duration_s")
@@ -724,7 +724,7 @@ class SimDevice(Device):
     def wait_work(self, work: Work) -> None:
         """Let simulated time run until ``work`` (from :meth:`launch`) has finished, as a host blocked on
         it would (tenants, faults and other streams act meanwhile). No device call is counted: a replay's
-        program waiting on its own launch queue (:mod:`sim.gpu_work`)."""
+        program waiting on its own launch queue (:mod:`gpumem.sim.gpu_work`)."""
         if not isinstance(work, Work):
             raise InvalidArgumentError(f"wait_work: expected a Work from launch(), got {type(work).__name__}")
         self._run(self._wait_for, work)

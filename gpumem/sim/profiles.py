@@ -19,9 +19,9 @@ operating system's own use is modelled as ``host_reserved_nbytes``.
 
 Note [Where the latencies come from]
 ------------------------------------
-Every built-in profile uses the default :class:`~sim.latency.LatencyModel`, whose
+Every built-in profile uses the default :class:`~gpumem.sim.latency.LatencyModel`, whose
 figures were measured on the H200 (Note [Latency calibration] in
-:mod:`sim.latency`, ``reports/hil/calibrate-h200-2026-11-22.md``): the costs of
+:mod:`gpumem.sim.latency`, ``reports/hil/calibrate-h200-2026-11-22.md``): the costs of
 driver calls are host-side work of the driver, and no other card was measured.
 For the H100 (the same driver on the same kind of host) they are the best
 estimate there is; for older and smaller cards, and for Jetson boards (slower

@@ -90,7 +90,7 @@ class StreamEngine:
         self._n_pending = 0
         self.pending_s = 0.0
         """The summed durations of unfinished work (an upper bound on how long it can still run:
-        Note [The clock stays finite] in :mod:`sim.device`)."""
+        Note [The clock stays finite] in :mod:`gpumem.sim.device`)."""
 
     def known(self, stream: int) -> bool:
         """Whether ``stream`` has unfinished work."""

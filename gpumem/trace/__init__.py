@@ -6,7 +6,7 @@ replay it. Traces come from:
 
 * PyTorch memory snapshots (:mod:`gpumem.trace.pytorch`),
 * RMM logging-adaptor CSV logs (:mod:`gpumem.trace.rmm`),
-* gpumem's own ``.gmt`` format (:mod:`gpumem.trace.native`),
+* gpumem's own ``.gmt`` format (:mod:`gpumem.trace.gmt`),
 * a running allocator, through a :class:`TraceRecorder` (:mod:`gpumem.trace.recorder`).
 
 and go out as ``.gmt`` (:func:`save_trace`), RMM CSV (:func:`write_rmm_log`) or a
@@ -30,7 +30,7 @@ from .builder import build_trace, replay_addresses
 from .io import FORMATS, detect_format, load_trace, save_trace
 from .limits import DEFAULT_LIMITS, TraceLimits
 from .model import OpKind, Trace, TraceOp, TraceSummary
-from .native import read_native_trace, write_native_trace
+from .gmt import read_gmt_trace, write_gmt_trace
 from .pytorch import load_snapshot_dict, read_pytorch_snapshot, snapshot_to_trace
 from .pytorch_export import save_pytorch_snapshot, to_pytorch_snapshot
 from .recorder import SEGMENT_ACTIONS, SegmentEvent, TraceRecorder
@@ -55,7 +55,7 @@ __all__ = [
     "load_plain_pickle",
     "load_snapshot_dict",
     "load_trace",
-    "read_native_trace",
+    "read_gmt_trace",
     "read_pytorch_snapshot",
     "read_rmm_log",
     "replay_addresses",
@@ -63,6 +63,6 @@ __all__ = [
     "save_trace",
     "snapshot_to_trace",
     "to_pytorch_snapshot",
-    "write_native_trace",
+    "write_gmt_trace",
     "write_rmm_log",
 ]

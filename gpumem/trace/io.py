@@ -6,11 +6,11 @@ Formats (``format=`` names, aliases in brackets):
 ``pytorch-snapshot`` PyTorch memory snapshot pickle            ``.pickle``, ``.pkl`` (``+ .gz``)
                      [``pytorch``, ``snapshot``]
 ``rmm-log``          RMM logging_resource_adaptor CSV [``rmm``] ``.csv`` (``+ .gz``)
-``gpumem``           native text format [``native``, ``gmt``]  ``.gmt`` (``+ .gz``)
+``gpumem``           gpumem's text format [``gmt``, ``native``]  ``.gmt`` (``+ .gz``)
 ==================== ========================================= =====================================
 
 Detection looks at the content first (after transparent gunzip): a pickle starts
-with the ``PROTO`` opcode ``0x80``, a native trace with a JSON header naming
+with the ``PROTO`` opcode ``0x80``, a ``.gmt`` trace with a JSON header naming
 ``gpumem-trace``, an RMM log with a CSV header holding ``Action`` and ``Pointer``.
 When the content says nothing (empty, truncated), the suffix decides, so the
 chosen reader can explain what is wrong; when neither does,
@@ -31,7 +31,7 @@ from ..errors import GpumemError, TraceFormatError
 from ._fileio import PathLike, check_exists, peek
 from .limits import TraceLimits, shorten
 from .model import Trace
-from .native import read_native_trace, write_native_trace
+from .gmt import read_gmt_trace, write_gmt_trace
 from .pytorch import read_pytorch_snapshot
 from .rmm import read_rmm_log
 
@@ -113,7 +113,7 @@ def load_trace(path: PathLike, format: str | None = None, *, device: int | None 
     ``format`` forces a reader (a name or alias from the module docstring);
     ``device`` picks the device of a multi-device PyTorch snapshot (its index in
     ``device_traces``); ``name`` overrides the default name (the file name up to
-    its first dot; native files keep the name stored in them). ``limits`` caps what
+    its first dot; .gmt files keep the name stored in them). ``limits`` caps what
     reading may cost (default :data:`~gpumem.trace.limits.DEFAULT_LIMITS`);
     ``progress`` shows a bar of the file's bytes read (None: only when stderr is a
     terminal). Raises ``FileNotFoundError`` for a missing file and
@@ -139,7 +139,7 @@ def load_trace(path: PathLike, format: str | None = None, *, device: int | None 
         elif fmt == "rmm-log":
             trace = read_rmm_log(p, name=name, limits=limits, progress=progress)
         else:
-            trace = read_native_trace(p, limits=limits, progress=progress)
+            trace = read_gmt_trace(p, limits=limits, progress=progress)
             trace = trace if name is None else trace.renamed(name)
     except (TraceFormatError, FileNotFoundError):
         raise
@@ -152,5 +152,5 @@ def load_trace(path: PathLike, format: str | None = None, *, device: int | None 
 
 
 def save_trace(trace: Trace, path: PathLike) -> Path:
-    """Write ``trace`` in the native format (gzip-compressed when ``path`` ends in ``.gz``); returns the path."""
-    return write_native_trace(trace, path)
+    """Write ``trace`` in the .gmt format (gzip-compressed when ``path`` ends in ``.gz``); returns the path."""
+    return write_gmt_trace(trace, path)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from gpumem.errors import InvalidArgumentError, TraceFormatError
-from gpumem.trace import DEFAULT_LIMITS, TraceLimits, load_trace, read_native_trace, read_rmm_log, save_trace
+from gpumem.trace import DEFAULT_LIMITS, TraceLimits, load_trace, read_gmt_trace, read_rmm_log, save_trace
 from gpumem.trace._fileio import open_binary
 from gpumem.trace.limits import shorten
 from hostile import (
@@ -139,10 +139,10 @@ def test_native_numbers_out_of_range(tmp_path: Path, ops: str, message: str | No
     path = tmp_path / "n.gmt"
     path.write_text(json.dumps(GMT_HEADER) + "\n" + ops + "\n")
     if message is None:
-        assert read_native_trace(path).n_ops == 2
+        assert read_gmt_trace(path).n_ops == 2
         return
     with pytest.raises(TraceFormatError, match=message) as err:
-        read_native_trace(path)
+        read_gmt_trace(path)
     assert len(str(err.value)) < 300
 
 
@@ -150,7 +150,7 @@ def test_native_header_counts_must_fit_64_bits(tmp_path: Path) -> None:
     path = tmp_path / "h.gmt"
     path.write_text(json.dumps(dict(GMT_HEADER, n_ops=2**64)) + "\na 0 8 0 0 10\nf 0 0 1\n")
     with pytest.raises(TraceFormatError, match="'n_ops' must be a non-negative 64-bit integer"):
-        read_native_trace(path)
+        read_gmt_trace(path)
 
 
 # -- nesting -------------------------------------------------------------------------
@@ -162,14 +162,14 @@ def test_deeply_nested_native_header_is_refused(tmp_path: Path, depth: int) -> N
     path = tmp_path / "deep.gmt"
     path.write_text(header + "\na 0 8 0 0 10\nf 0 0 1\n")
     with pytest.raises(TraceFormatError, match=f"line 1: header nests {depth + 1} levels deep"):
-        read_native_trace(path)
+        read_gmt_trace(path)
 
 
 def test_brackets_inside_header_strings_do_not_count(tmp_path: Path) -> None:
     header = dict(GMT_HEADER, name="[" * 500 + '"{')
     path = tmp_path / "brackets.gmt"
     path.write_text(json.dumps(header) + "\na 0 8 0 0 10\nf 0 0 1\n")
-    assert read_native_trace(path).name == header["name"]
+    assert read_gmt_trace(path).name == header["name"]
 
 
 def test_deep_lists_in_a_snapshot_are_harmless(tmp_path: Path) -> None:

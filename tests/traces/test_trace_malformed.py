@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from gpumem.errors import TraceFormatError
-from gpumem.trace import load_trace, read_native_trace, read_pytorch_snapshot, read_rmm_log
+from gpumem.trace import load_trace, read_gmt_trace, read_pytorch_snapshot, read_rmm_log
 
 GOOD_ENTRY = {"action": "alloc", "addr": 0x1000, "size": 64, "stream": 0, "time_us": 1, "frames": []}
 
@@ -235,7 +235,7 @@ def test_bad_native_file(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "bad.gmt"
     path.write_text(text)
     with pytest.raises(TraceFormatError, match=message) as err:
-        read_native_trace(path)
+        read_gmt_trace(path)
     assert_names(err, path)
 
 

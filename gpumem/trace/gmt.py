@@ -46,7 +46,7 @@ from ._fileio import PathLike, check_exists, iter_lines, open_binary, open_for_w
 from .limits import DEFAULT_LIMITS, TraceLimits, max_entries_for, shorten
 from .model import OpKind, Trace
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "NATIVE_SUFFIXES", "read_native_trace", "write_native_trace"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "NATIVE_SUFFIXES", "read_gmt_trace", "write_gmt_trace"]
 
 FORMAT_NAME = "gpumem-trace"
 FORMAT_VERSION = 1
@@ -66,8 +66,8 @@ def _fmt_time(t: float) -> str:
     return repr(t)
 
 
-def write_native_trace(trace: Trace, path: PathLike) -> Path:
-    """Write ``trace`` in the native format (gzip when ``path`` ends in ``.gz``); returns the path."""
+def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
+    """Write ``trace`` in the .gmt format (gzip when ``path`` ends in ``.gz``); returns the path."""
     header: dict[str, Any] = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -154,8 +154,8 @@ def _time(text: str) -> float:
     return float(text)
 
 
-def read_native_trace(path: PathLike, *, limits: TraceLimits | None = None, progress: bool | None = False) -> Trace:
-    """Read a native ``.gmt``/``.gmt.gz`` trace; see the module docstring for the format and its checks.
+def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progress: bool | None = False) -> Trace:
+    """Read a ``.gmt``/``.gmt.gz`` trace; see the module docstring for the format and its checks.
 
     ``limits`` defaults to :data:`~gpumem.trace.limits.DEFAULT_LIMITS`; ``progress``
     shows the bytes read (None: only on a terminal).

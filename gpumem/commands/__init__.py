@@ -1,4 +1,4 @@
-"""The ``gpumem`` subcommands beyond ``devices`` and ``replay``, one module each.
+"""The ``gpumem`` subcommands, one module each (what they share: :mod:`gpumem.commands._common`).
 
 Each module named in :data:`COMMAND_MODULES` defines ``register(sub, formatter_class)``, which adds its
 parser to ``sub`` (the ``argparse`` subparsers of :func:`gpumem.cli.build_parser`) and sets ``func`` to a
@@ -10,6 +10,8 @@ stderr and the documented exit status.
 from __future__ import annotations
 
 COMMAND_MODULES: tuple[str, ...] = (
+    "devices",
+    "replay",
     "info",
     "workspace",
     "estimate",

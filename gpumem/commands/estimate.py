@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from ..cli import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
+from ._common import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
 from ..errors import InvalidArgumentError
 from ..estimate.fit import DEFAULT_NEW_TOKENS
 from ..progress import progress

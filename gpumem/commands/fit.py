@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from ..cli import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
+from ._common import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
 from ..estimate.fit import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT_LEN
 from ._model_args import add_model_args, check_device, context_note, model_from_args, parse_dtypes
 

@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from ..cli import EXIT_OK, _add_verbose
+from ._common import EXIT_OK, _add_verbose
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..cli import EXIT_OK, EXIT_USAGE, _DEFAULT_DEVICE, _UsageError, _add_verbose, _exit_codes_text, _shorten_path
+from ._common import EXIT_OK, EXIT_USAGE, _DEFAULT_DEVICE, _UsageError, _add_verbose, _exit_codes_text, _shorten_path
 
 _DESCRIPTION = """\
 Run a PyTorch program with its GPU memory history on and write its snapshot when it ends (normally, by

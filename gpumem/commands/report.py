@@ -12,7 +12,7 @@ import shlex
 import sys
 from typing import Any
 
-from ..cli import _DEFAULT_DEVICE, _UsageError, _add_verbose, _check_trace_path, _cli_names, _device_index, \
+from ._common import _DEFAULT_DEVICE, _UsageError, _add_verbose, _check_trace_path, _cli_names, _device_index, \
     _exit_codes_text, _shorten_path
 from ..errors import BackendUnavailableError, TraceFormatError
 

@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Any
 
-from ..cli import EXIT_OK, EXIT_USAGE, _UsageError, _add_verbose, _limit_syntax
+from ._common import EXIT_OK, EXIT_USAGE, _UsageError, _add_verbose, _limit_syntax
 from ..units import format_bytes
 
 log = logging.getLogger(__name__)

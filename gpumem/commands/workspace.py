@@ -56,7 +56,7 @@ def _positive(text: str) -> int:
 
 def register(sub: Any, formatter_class: Any) -> None:
     """Add the ``workspace`` subcommand to ``sub``."""
-    from ..cli import _DEFAULT_DEVICE, _add_verbose, _exit_codes_text
+    from ._common import _DEFAULT_DEVICE, _add_verbose, _exit_codes_text
 
     p = sub.add_parser("workspace", help="size a quantized linear layer's GPU workspace from the device's free memory",
                        formatter_class=formatter_class, description=_DESCRIPTION,
@@ -80,7 +80,7 @@ def cmd_workspace(args: argparse.Namespace) -> int:
     """Run ``gpumem workspace``; returns the exit status."""
     import sys
 
-    from ..cli import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, _UsageError
+    from ._common import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, _UsageError
     from ..errors import DeviceLostError, GpumemError
     from ..specs import open_device
     from ..workspace import InsufficientWorkspaceMemoryError, WorkspaceDeviceQueryError, calculate_gpu_workspace_size

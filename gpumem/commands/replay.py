@@ -1,0 +1,338 @@
+"""``gpumem replay``: replay an allocation trace through gpumem's caching allocator on a device, and
+report peak live and reserved bytes, overhead, external fragmentation, out-of-memory errors and the time
+per operation; the out-of-memory report says what failed and which profiles have room."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from ..errors import DeviceLostError, GpumemError, InvalidArgumentError, OutOfMemoryError, TraceFormatError
+from ..sim.gpu_work import DEFAULT_GPU_TIMING, GpuTiming
+from ..units import format_bytes, parse_limit
+from ._common import (EXIT_CODES, EXIT_USAGE, EXIT_OK, EXIT_OOM, OutputFile, _DEFAULT_DEVICE, _LIMIT_HELP,
+                      _UsageError, _add_verbose, _check_trace_path, _cli_names, _device_index, _exit_codes_text,
+                      _folder_message, _limit_syntax, _shorten_path, check_output_path, log)
+
+_FITS_SHOWN = 4
+
+def _load(args: argparse.Namespace):
+    from ..trace import detect_format, load_trace
+
+    _check_trace_path(args.trace)
+    try:
+        if args.device_index is not None:
+            fmt = detect_format(args.trace) if args.format is None else args.format
+            if fmt != "pytorch-snapshot":
+                raise _UsageError(f"--device-index applies to PyTorch snapshots only; {args.trace} is read as {fmt}")
+        return load_trace(args.trace, format=args.format, device=args.device_index)
+    except FileNotFoundError:
+        _check_trace_path(args.trace)
+        raise _UsageError(f"no such trace file: {_shorten_path(args.trace)}") from None
+    except IsADirectoryError:
+        raise _UsageError(_folder_message(args.trace)) from None
+    except TraceFormatError as exc:
+        if "is a directory" in str(exc).lower():  # the readers' own check
+            raise _UsageError(_folder_message(args.trace)) from None
+        raise _UsageError(f"cannot read the trace: {_cli_names(str(exc))}") from None
+    except OSError as exc:  # permission denied, an I/O error
+        raise _UsageError(f"cannot read the trace {_shorten_path(args.trace)}: {exc.strerror or exc}") from None
+
+def _usable_nbytes(profile: Any) -> int:
+    """What a simulated profile leaves to programs: its total less the CUDA context and the host's share."""
+    return int(profile.total_nbytes - profile.context_nbytes - profile.host_reserved_nbytes)
+
+def _spec_has_pressure(device: Any) -> bool:
+    """Whether the device was opened from a spec with a pressure scenario (``?pressure=...``)."""
+    from ..specs import parse_spec
+
+    try:
+        return "pressure" in parse_spec(str(getattr(device, "spec", ""))).options
+    except GpumemError:
+        return False
+
+
+def oom_report(result: Any, allocator: Any, device: Any) -> str:
+    """The out-of-memory report of a stopped replay: what failed, where, why, and what fits the trace."""
+    from gpumem import sim
+
+    exc: OutOfMemoryError = result.oom_error
+    op = (result.oom_op if result.oom_op is not None else result.completed_ops) + 1
+    peak = result.trace_peak_live_bytes
+    lines: list[str] = []
+    stats = getattr(device, "stats", None)
+    n_injected = getattr(stats, "injected_faults", 0) if stats is not None else 0
+    injected = bool(getattr(exc, "injected", False))
+    what = (f"allocation of {format_bytes(exc.requested_nbytes)} ({exc.requested_nbytes:,} bytes) at op {op:,} of "
+            f"{result.n_ops:,}")
+    if injected:
+        lines.append(f"gpumem replay: an injected fault (the device spec's fault options) failed the {what} on "
+                     f"{result.device}; nothing was out of memory. The replay stopped there.")
+        return "\n".join(lines)
+    lines.append(f"gpumem replay: out of memory on {result.device}: the {what} failed; the replay stopped there.")
+    if n_injected:
+        lines.append(f"  note: this device spec injects faults ({n_injected} so far): this failure may be one of them.")
+    held = (exc.allocated_nbytes or 0) + (exc.cached_nbytes or 0)
+    outside = max(0, exc.total_nbytes - exc.free_nbytes - held)
+    profile = getattr(device, "profile", None)
+    lines.append(f"  device: {format_bytes(exc.free_nbytes)} free of {format_bytes(exc.total_nbytes)}; this "
+                 f"allocator held {format_bytes(exc.allocated_nbytes or 0)} in live allocations and "
+                 f"{format_bytes(exc.cached_nbytes or 0)} cached but unused.")
+    has_pressure = _spec_has_pressure(device)
+    if profile is not None:
+        ctx = profile.context_nbytes + profile.host_reserved_nbytes
+        tenants = min(max(0, int(getattr(device, "tenant_nbytes", 0) or 0)), max(0, outside - min(ctx, outside)))
+        rest = max(0, outside - min(ctx, outside) - tenants)
+        parts = [f"{format_bytes(min(ctx, outside))} for this process's CUDA context"
+                 + ("" if not profile.host_reserved_nbytes else " and the host's share of unified memory")]
+        if tenants:
+            parts.append(f"{format_bytes(tenants)} held by other tenants (the spec's pressure scenario)")
+        if rest:
+            parts.append(f"{format_bytes(rest)} of granularity rounding (the device hands out whole pages) and "
+                         "the device's own reserve")
+        lines.append("  outside this allocator's blocks: " + ", ".join(parts) + ".")
+    else:
+        tenants = 0
+        lines.append(f"  outside this allocator: {format_bytes(outside)} (this process's CUDA context and "
+                     "other processes on the device).")
+    limit = exc.limit_nbytes
+    limit_hit = limit is not None and held + exc.requested_nbytes > limit
+    room = (f"leaves {format_bytes(_usable_nbytes(profile))} to programs after the CUDA context" if profile is not None
+            else f"has {format_bytes(exc.total_nbytes)} in total")
+    lines.append(f"  this trace needs {format_bytes(peak)} ({peak:,} bytes) live at its peak; {result.device} {room}"
+                 + (f", and --limit allows {format_bytes(limit)}" if limit is not None else "") + ".")
+    # Only profiles that can be *truthfully* offered: not the device that just failed, none that is not
+    # larger than it, and none below what the policy had already taken when it failed (live + cached +
+    # the failed request): the peak of live bytes alone is a lower bound of what a policy needs, and a
+    # policy that rounds or caches needs more, so a card with room for the peak alone may fail the same way.
+    needed_at_failure = held + exc.requested_nbytes
+    need = max(peak, needed_at_failure)
+    own = _usable_nbytes(profile) if profile is not None else None
+    fits = [p.spec for p in sim.BUILTIN_PROFILES
+            if _usable_nbytes(p) >= need and p is not profile and (own is None or _usable_nbytes(p) > own)]
+    # Note [Which bound the peak breaks]: the usable memory of the profile and --limit both bound what a
+    # replay may hold; "the peak fits, the policy needed more" is true only when the peak is within both.
+    # With the limit below the trace's peak no policy could fit, and the report must say so.
+    cap = own if limit is None else (limit if own is None else min(own, limit))
+    if limit is not None and limit < peak:
+        lines.append(f"  --limit allows {format_bytes(limit)}, less than the {format_bytes(peak)} this trace has live "
+                     "at its peak: no allocator could replay it under this limit.")
+    elif own is not None and own < peak:
+        lines.append(f"  {result.device} has room for {format_bytes(own)}, less than the {format_bytes(peak)} this "
+                     "trace has live at its peak: no allocator could replay it on this device.")
+    elif cap is not None and cap >= peak:
+        where = result.device if limit is None else f"{result.device} under --limit {format_bytes(limit)}"
+        lines.append(f"  the peak live bytes fit {where}; under this policy the replay needed more: it held "
+                     f"{format_bytes(held)} (live and cached) when the request of "
+                     f"{format_bytes(exc.requested_nbytes)} failed.")
+    if fits:
+        shown = ", ".join(fits[:_FITS_SHOWN]) + (f" and {len(fits) - _FITS_SHOWN} larger" if len(fits) > _FITS_SHOWN
+                                                  else "")
+        what = ("that peak" if need == peak else
+                f"that peak and for the {format_bytes(needed_at_failure)} this policy had reached when it failed")
+        lines.append(f"  these larger simulated profiles have room for {what}: {shown} (see `gpumem devices`; "
+                     "under this policy it may need more).")
+    else:
+        lines.append("  no larger simulated profile has room for that peak"
+                     + ("" if need == peak else " and for what this policy had reached when it failed") + ".")
+    advice = []
+    if limit_hit:
+        advice.append(f"raise --limit (it is {format_bytes(limit)}; the peak is {format_bytes(peak)})")
+    if fits:
+        advice.append(f"replay on a larger device (--device {fits[0]})")
+    uses_vmm = bool(getattr(allocator, "uses_vmm", False))
+    if not uses_vmm and (exc.cached_nbytes or 0) > 0 and getattr(device, "vmm_supported", False):
+        advice.append("use --policy gpumem: with virtual memory its cache does not fragment")
+    if has_pressure and tenants:
+        advice.append("replay without the spec's pressure scenario")
+    if advice:
+        lines.append("  try: " + "; ".join(advice) + ".")
+    return "\n".join(lines)
+
+_LABEL_WIDTH = 15  # the longest label ("peak reserved") and two spaces
+
+def _row(label: str, value: str) -> None:
+    print(f"{label:<{_LABEL_WIDTH}}{value}")
+
+def _print_result(result: Any, summary: str | None) -> None:
+    _row("trace", f"{result.trace} ({result.n_ops:,} ops, {result.n_allocs:,} allocations)")
+    _row("device", result.device)
+    _row("policy", result.policy)
+    if "engine" in result.extra:
+        _row("engine", str(result.extra["engine"]))
+    if result.oom_op is not None:
+        _row("replayed", f"{result.completed_ops:,} of {result.n_ops:,} ops (stopped by out of memory at op "
+                         f"{result.oom_op + 1:,})")
+    _row("peak live", f"{format_bytes(result.peak_live_bytes)}  (the most the program had allocated at once)")
+    _row("peak reserved", f"{format_bytes(result.peak_reserved_bytes)}  (the most the allocator held from the device)")
+    _row("overhead", f"{result.overhead:.2%}  (= peak reserved / peak live - 1: what the allocator held beyond "
+                     "the program's own bytes, at its worst)")
+    _row("ext. frag.", f"{result.stats.external_fragmentation:.2%}  (external fragmentation at the end = 1 - "
+                       "largest free cached block / all free cached bytes; 0% when the unused cache is one piece)")
+    _row("ooms", str(result.ooms))
+    _row("time", f"{result.wall_s:.2f} s wall, {result.ns_per_op:,.0f} ns per op")
+    if summary is not None:
+        print(summary)
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """``gpumem replay``: check the options and the output path, open the device, read the trace, replay,
+    print the results (then the out-of-memory report, once), write the export; returns the exit status.
+    Bad input raises :class:`_UsageError`; device errors propagate to :func:`_run`, which maps them to
+    exit statuses."""
+    export = None if args.export_snapshot is None else check_output_path(args.export_snapshot, "--export-snapshot")
+    finished = False
+    try:
+        code = _replay(args, export)
+        finished = True
+        return code
+    finally:
+        if export is not None and not finished:
+            export.discard()  # the replay failed: leave no empty file behind
+
+def _source_frames(args: argparse.Namespace, n_allocs: int) -> "list[Any] | None":
+    """The stack frames of each allocation of the replayed trace, when it is a PyTorch snapshot that recorded
+    them and the replay made as many allocations (so an exported snapshot keeps who allocated what); else None."""
+    from ..trace import detect_format
+    from ..trace.pytorch_export import snapshot_frames
+
+    try:
+        fmt = detect_format(args.trace) if args.format is None else args.format
+        if fmt != "pytorch-snapshot":
+            return None
+        return snapshot_frames(args.trace, n_allocs, args.device_index)
+    except (GpumemError, OSError, ValueError) as exc:  # the trace was read once already: keep the export going
+        logging.getLogger(__name__).info("no stack frames for the exported snapshot: %s", exc)
+        return None
+
+def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
+    from ..allocator import make_allocator
+    from ..replay import program_gpu, replay
+    from ..specs import open_device
+    from ..trace import save_pytorch_snapshot
+
+    try:
+        device = open_device(args.device)
+    except GpumemError as exc:
+        raise _UsageError(f"--device {args.device}: {exc}") from None
+    try:
+        total = device.properties().total_nbytes
+        try:
+            limit = parse_limit(args.limit, total) if args.limit is not None else None
+        except InvalidArgumentError as exc:
+            raise _UsageError(f"--limit: {exc}") from None
+        if limit is not None and limit > total:
+            log.warning("--limit %s (%s) is more than %s has (%s in all): it caps nothing the device would not "
+                        "refuse first", args.limit, format_bytes(limit), device.spec, format_bytes(total))
+        trace = _load(args)
+        if trace.n_ops == 0:
+            raise _UsageError(f"the trace {args.trace} has no allocations or frees: nothing to replay")
+        allocator = make_allocator(device, args.policy, limit=limit, record_history=export is not None)
+        if export is not None and getattr(allocator, "engine", None) == "python":
+            from ..allocator.native import load_engine
+
+            if load_engine() is not None:
+                print("gpumem replay: --export-snapshot records the allocator's history, which only the Python "
+                      "engine does: this replay runs on it, several times slower per operation than the native "
+                      "engine (see 'time' below)", file=sys.stderr)
+        lost = False
+        try:
+            try:
+                gpu = program_gpu(trace, device, args.gpu_timing)
+            except InvalidArgumentError as exc:
+                raise _UsageError(f"--gpu-timing: {exc}") from None
+            result = replay(trace, allocator, stop_on_oom=True, progress=None if not args.json else False,
+                            gpu=gpu, gpu_timing=None if gpu is not None else (args.gpu_timing or "idle"))
+            summary = allocator.memory_summary() if args.summary else None
+            history = allocator.history() if export is not None else None
+            report = oom_report(result, allocator, device) if result.oom_error is not None else None
+        except DeviceLostError:
+            lost = True  # nothing can be given back to a lost device: closing the allocator would only log failures
+            raise
+        finally:
+            if not lost:
+                allocator.close()
+    finally:
+        device.close()
+    if args.json:
+        data = result.as_json()
+        data["limit_bytes"] = limit
+        if report is not None:
+            data["oom_report"] = report  # the report printed on stderr, with the command line's option names
+        if summary is not None:
+            data["summary"] = summary  # --summary: the allocator's memory summary table, as text
+        print(json.dumps(data, indent=2))
+    else:
+        _print_result(result, summary)
+    sys.stdout.flush()
+    code = EXIT_OK
+    if report is not None:
+        print(report, file=sys.stderr)
+        code = EXIT_OOM
+    if export is not None:
+        frames = _source_frames(args, history.n_allocs)
+        try:
+            save_pytorch_snapshot(history, export.path, frames=frames)
+        except OSError as exc:
+            export.discard()
+            print(f"gpumem replay: --export-snapshot: cannot write {_shorten_path(str(export))}: "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            return EXIT_USAGE
+        # on stderr, so that --json's stdout stays one JSON document
+        print(f"gpumem replay: wrote the PyTorch snapshot to {_shorten_path(str(export))}", file=sys.stderr)
+    return code
+
+
+def register(sub: Any, formatter_class: Any) -> None:
+    """Add ``gpumem replay`` to the subcommands."""
+    from ..allocator.bucket import BUCKET_POLICY_NAME, BucketPolicy
+    from ..allocator.policy import DEFAULT_POLICY, POLICIES
+    from ..trace import FORMATS
+
+    raw = formatter_class
+    p = sub.add_parser(
+        "replay", help="replay an allocation trace through the caching allocator", formatter_class=raw,
+        description="Replay an allocation trace (PyTorch snapshot .pickle[.gz], RMM log .csv[.gz], or gpumem\n"
+                    ".gmt[.gz]) through gpumem's caching allocator on a device, and report:\n"
+                    "  peak live      the most the program had allocated at once;\n"
+                    "  peak reserved  the most the allocator held from the device;\n"
+                    "  overhead       peak reserved / peak live - 1: what the allocator held, at its worst,\n"
+                    "                 beyond what the program had allocated;\n"
+                    "  external fragmentation (at the end)\n"
+                    "                 1 - largest free cached block / all free cached bytes: 0% when the\n"
+                    "                 memory the allocator keeps but does not use is one piece;\n"
+                    "  out-of-memory errors and the time per operation.\n"
+                    "An allocation that does not fit stops the replay; one report on stderr says what failed,\n"
+                    "what the trace needs at its peak and which simulated profiles have room for it.",
+        epilog=_exit_codes_text(EXIT_CODES),
+    )
+    p.add_argument("trace", help="the trace file")
+    p.add_argument("--device", default=_DEFAULT_DEVICE, help="device spec (default: %(default)s)")
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted({*POLICIES, BUCKET_POLICY_NAME}),
+                   help="allocator policy (default: %(default)s): " + "; ".join(
+                       f"{name}: {pol.description}" for name, pol in POLICIES.items())
+                   + f"; {BUCKET_POLICY_NAME}: {BucketPolicy().description}")
+    p.add_argument("--limit", type=_limit_syntax, default=None, metavar="LIMIT", help=_LIMIT_HELP)
+    p.add_argument("--format", choices=FORMATS, default=None,
+                   help="read the trace with this reader instead of detecting the format from the content "
+                        "and the file name")
+    p.add_argument("--device-index", type=_device_index, default=None, metavar="N",
+                   help="for a PyTorch snapshot of several GPUs: replay GPU N's trace (needed when more than one "
+                        "GPU has one)")
+    p.add_argument("--gpu-timing", choices=[t.value for t in GpuTiming], default=None,
+                   help="how the program's GPU work runs beside the replay, so that memory is freed while work "
+                        "that used it may still be queued: 'trace' (GPU time from the trace's clock), 'model' "
+                        "(from the bytes each kernel touches), 'idle' (no GPU work, every fence done at once). "
+                        f"Default: {DEFAULT_GPU_TIMING.value} on a simulated device, idle on a real one")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--summary", action="store_true", help="also print the allocator's memory summary table "
+                                                          "(with --json: as the text of the \"summary\" key)")
+    p.add_argument("--export-snapshot", metavar="PATH",
+                   help="write what gpumem did as a PyTorch memory snapshot (open it in PyTorch's memory_viz); "
+                        "a regular file (created, or replaced once the replay is done) in a folder that exists: "
+                        "checked by opening it for writing before the replay starts; removed again if the "
+                        "replay fails and the file was not there before")
+    _add_verbose(p)
+    p.set_defaults(func=cmd_replay)

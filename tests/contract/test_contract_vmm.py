@@ -70,6 +70,27 @@ def test_same_chunk_mapped_twice(device, vmm, rng):
     assert device.read(va2 + 10, 1000) == data
 
 
+def test_remap_elsewhere_then_unmap_the_old_mapping(device, vmm, rng, slack):
+    """What a stream-ordered steal needs: a chunk mapped at a second address while still mapped at the first
+    keeps one copy of the data, takes no more memory, and survives the unmap of the first mapping; its
+    memory goes back only when the last mapping of the released chunk goes."""
+    gran = vmm.gran
+    before = device.mem_info().free_nbytes
+    old_va, new_va = vmm.reserve(2), vmm.reserve(2)
+    h = vmm.create(2)
+    vmm.map(old_va, h)
+    data = rng.randbytes(4096)
+    device.write(old_va + gran, data)
+    vmm.map(new_va, h)
+    assert before - device.mem_info().free_nbytes <= 2 * gran + slack, "a second mapping took memory"
+    vmm.unmap(old_va, 2 * gran)
+    assert device.read(new_va + gran, 4096) == data, "unmapping the old address lost the data"
+    vmm.release(h)
+    assert before - device.mem_info().free_nbytes >= 2 * gran - slack
+    vmm.unmap(new_va, 2 * gran)
+    assert abs(device.mem_info().free_nbytes - before) <= slack
+
+
 def test_mem_info_reflects_mem_create(device, vmm, slack):
     size_gran = 8
     before = device.mem_info().free_nbytes

@@ -573,7 +573,8 @@ void Engine::fences_forget_idle() {
             }
         }
     } catch (const BackendError& e) {
-        if (e.kind == ErrorKind::kDeviceLost) throw;
+        // a lost device, and a KeyboardInterrupt or SystemExit, go through (Note [Only Exception is caught])
+        if (e.kind == ErrorKind::kDeviceLost || e.fatal) throw;
         // the events stay queued, nothing is lost
     }
     for (auto it = fdone_.begin(); it != fdone_.end();) {
@@ -1144,6 +1145,7 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
             try {
                 backend_.mem_unmap(seg->base + static_cast<std::uint64_t>(start) * g, nbytes);
             } catch (...) {   // the first error is the one raised
+                rethrow_if_fatal();   // Note [Only Exception is caught]
                 for (std::int64_t q = start; q < start + n; ++q)
                     if (!seg->refs[q]) seg->empty_add(q);
                 continue;
@@ -1164,6 +1166,7 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
             try {
                 backend_.mem_release(h);
             } catch (...) {   // kept cached and counted; the first error is raised
+                rethrow_if_fatal();   // Note [Only Exception is caught]
                 continue;
             }
             ++device_calls_;

@@ -2075,15 +2075,22 @@ std::string Engine::describe() {
 }
 
 // CachingAllocator.check_consistency + VirtualBacking.consistency_problems + _chain_problems
-std::vector<std::string> Engine::consistency_problems(
-    const std::vector<std::tuple<std::uint64_t, std::uint64_t, ChunkHandle>>* device_maps,
-    const std::vector<std::pair<std::uint64_t, std::uint64_t>>* reservations) {
+std::vector<std::string> Engine::consistency_problems(const ListDevice& list_device) {
     Guard guard(*this, true);
     check_usable_op();
     std::vector<std::string> problems;
     if (closed_) return problems;
-    std::uint64_t f, t;
-    backend_.mem_info(&f, &t);   // a lost device raises (BackendError kDeviceLost)
+    DeviceMaps maps;
+    Reservations res;
+    bool have_res = false;
+    GPUMEM_OPERATION({
+        std::uint64_t f, t;
+        backend_.mem_info(&f, &t);   // a lost device raises (BackendError kDeviceLost), remembered
+        // read under the lock: no other thread's operation changes the mappings meanwhile
+        if (list_device) have_res = list_device(maps, res);
+    })
+    const DeviceMaps* device_maps = list_device ? &maps : nullptr;
+    const Reservations* reservations = have_res ? &res : nullptr;
     std::uint64_t mapped = 0, mapped_nbytes = 0;
     std::int64_t live_pages = 0;
     for (auto& up : vsegs_) {

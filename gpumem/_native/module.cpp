@@ -660,70 +660,108 @@ PyObject* Alloc_live_blocks(AllocObject* self, PyObject*) {
     return out;
 }
 
-// consistency_problems(device_maps, reservations) -> list[str]; device_maps: [(va, nbytes, handle int)]
-// as Device.mapping_ranges() gives them, reservations: [(va, nbytes)] or None.
-PyObject* Alloc_consistency_problems(AllocObject* self, PyObject* args) {
-    CHECK_ALIVE(self);
-    PyObject *o_maps, *o_res;
-    if (!PyArg_ParseTuple(args, "OO", &o_maps, &o_res)) return nullptr;
-    std::vector<std::tuple<std::uint64_t, std::uint64_t, gpumem::ChunkHandle>> maps;
-    std::vector<std::pair<std::uint64_t, std::uint64_t>> res;
-    PyObject* seq = PySequence_Fast(o_maps, "device_maps must be a sequence");
-    if (!seq) return nullptr;
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
-        unsigned long long va, n, h;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKK", &va, &n, &h)) {
-            Py_DECREF(seq);
-            return nullptr;
+// An int in [0, 2**64) from a helper's or a device listing's result; otherwise false with a
+// TypeError (or OverflowError) set that says what `what` should have been.
+bool result_u64(PyObject* o, const char* what, std::uint64_t* out) {
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "gpumem allocator: %s must be an int, got %.80s", what, Py_TYPE(o)->tp_name);
+        return false;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return false;
+    *out = v;
+    return true;
+}
+
+// A sequence of `n`-tuples of ints (the device's listings) into `out`; false with an error set.
+bool int_tuples(PyObject* seq_obj, Py_ssize_t n, const char* what, std::vector<std::uint64_t>& out) {
+    PyObject* seq = PySequence_Fast(seq_obj, what);
+    if (!seq) return false;
+    bool ok = true;
+    for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(seq); ++i) {
+        PyObject* t = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != n) {
+            PyErr_Format(PyExc_TypeError, "gpumem allocator: %s: entry %zd must be a tuple of %zd ints, got %.80s",
+                         what, i, n, Py_TYPE(t)->tp_name);
+            ok = false;
+            break;
         }
-        maps.emplace_back(va, n, static_cast<gpumem::ChunkHandle>(h));   // the device's handle value, for now
+        for (Py_ssize_t k = 0; ok && k < n; ++k) {
+            std::uint64_t v;
+            ok = result_u64(PyTuple_GET_ITEM(t, k), what, &v);
+            if (ok) out.push_back(v);
+        }
     }
     Py_DECREF(seq);
-    if (o_res != Py_None) {
-        seq = PySequence_Fast(o_res, "reservations must be a sequence");
-        if (!seq) return nullptr;
-        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
-            unsigned long long va, n;
-            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KK", &va, &n)) {
-                Py_DECREF(seq);
-                return nullptr;
+    return ok;
+}
+
+// consistency_problems(list_device) -> list[str]. list_device() returns (mappings, reservations):
+// [(va, nbytes, handle int)] as Device.mapping_ranges() gives them, and [(va, nbytes)] or None; the
+// engine calls it under its lock (Engine::consistency_problems), so that the listings match its state.
+PyObject* Alloc_consistency_problems(AllocObject* self, PyObject* list_device) {
+    CHECK_ALIVE(self);
+    if (list_device != Py_None && !PyCallable_Check(list_device)) {
+        PyErr_SetString(PyExc_TypeError, "consistency_problems(list_device): list_device must be callable or None");
+        return nullptr;
+    }
+    Engine::ListDevice list;
+    if (list_device != Py_None) {
+        list = [self, list_device](Engine::DeviceMaps& maps, Engine::Reservations& res) -> bool {
+            PyDeviceBackend* backend = self->backend;
+            PyObject* r = PyObject_CallNoArgs(list_device);
+            if (!r) backend->raise_current();   // the device's exception, as a device call's
+            std::vector<std::uint64_t> m, v;
+            bool have_res = false;
+            bool ok = PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2;
+            if (!ok)
+                PyErr_Format(PyExc_TypeError, "gpumem allocator: list_device() must return (mappings, reservations), "
+                             "got %.80s", Py_TYPE(r)->tp_name);
+            ok = ok && int_tuples(PyTuple_GET_ITEM(r, 0), 3, "the device's mapping_ranges()", m);
+            if (ok && PyTuple_GET_ITEM(r, 1) != Py_None) {
+                have_res = true;
+                ok = int_tuples(PyTuple_GET_ITEM(r, 1), 2, "the device's reservation_ranges()", v);
             }
-            res.emplace_back(va, n);
-        }
-        Py_DECREF(seq);
+            Py_DECREF(r);
+            if (!ok) backend->raise_current();
+            // device handle value -> chunk id; a handle object without an int `handle` (a device
+            // that returned something else from mem_create) matches no mapping, as in Python
+            std::unordered_map<std::uint64_t, gpumem::ChunkHandle> by_value;
+            for (std::size_t id = 1; id <= backend->chunk_table_size(); ++id) {
+                PyObject* h = backend->chunk_object(id);
+                if (!h) continue;
+                PyObject* hv_obj = PyObject_GetAttrString(h, "handle");
+                if (!hv_obj) {
+                    if (!PyErr_ExceptionMatches(PyExc_Exception)) backend->raise_current();
+                    PyErr_Clear();
+                    continue;
+                }
+                unsigned long long hv = PyLong_Check(hv_obj) ? PyLong_AsUnsignedLongLong(hv_obj) : 0;
+                bool hv_ok = PyLong_Check(hv_obj) && !(hv == static_cast<unsigned long long>(-1) && PyErr_Occurred());
+                PyErr_Clear();
+                Py_DECREF(hv_obj);
+                if (hv_ok) by_value[hv] = id;
+            }
+            for (std::size_t i = 0; i + 2 < m.size(); i += 3) {
+                auto it = by_value.find(m[i + 2]);
+                maps.emplace_back(m[i], m[i + 1], it == by_value.end() ? 0 : it->second);
+            }
+            for (std::size_t i = 0; i + 1 < v.size(); i += 2) res.emplace_back(v[i], v[i + 1]);
+            return have_res;
+        };
     }
     return run_op(self, [&]() -> PyObject* {
-        // the chunk table is read under the engine's lock, so that it matches the engine's state
-        // while another thread's operation changes it
-        gpumem::Engine::Hold hold(*self->engine);
-        // device handle value -> chunk id; a handle object without an int `handle` (a device that
-        // returned something else from mem_create) matches no mapping, as in the Python allocator
-        std::unordered_map<std::uint64_t, gpumem::ChunkHandle> by_value;
-        for (std::size_t id = 1; id <= self->backend->chunk_table_size(); ++id) {
-            PyObject* h = self->backend->chunk_object(id);
-            if (!h) continue;
-            PyObject* v = PyObject_GetAttrString(h, "handle");
-            if (!v) {
-                if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
-                PyErr_Clear();
-                continue;
-            }
-            unsigned long long hv = PyLong_Check(v) ? PyLong_AsUnsignedLongLong(v) : 0;
-            bool ok = PyLong_Check(v) && !(hv == static_cast<unsigned long long>(-1) && PyErr_Occurred());
-            PyErr_Clear();
-            Py_DECREF(v);
-            if (ok) by_value[hv] = id;
-        }
-        for (auto& m : maps) {
-            auto it = by_value.find(std::get<2>(m));
-            std::get<2>(m) = it == by_value.end() ? 0 : it->second;
-        }
-        auto problems = self->engine->consistency_problems(&maps, o_res == Py_None ? nullptr : &res);
+        auto problems = self->engine->consistency_problems(list);
         PyObject* out = PyList_New(0);
+        if (!out) return nullptr;
         for (auto& p : problems) {
             PyObject* s = PyUnicode_FromString(p.c_str());
-            PyList_Append(out, s);
-            Py_XDECREF(s);
+            if (!s || PyList_Append(out, s) < 0) {
+                Py_XDECREF(s);
+                Py_DECREF(out);
+                return nullptr;
+            }
+            Py_DECREF(s);
         }
         return out;
     });
@@ -758,8 +796,8 @@ PyMethodDef Alloc_methods[] = {
     {"allocated_nbytes", reinterpret_cast<PyCFunction>(Alloc_allocated_nbytes), METH_NOARGS, "allocated bytes"},
     {"block_size", reinterpret_cast<PyCFunction>(Alloc_block_size), METH_O, "size of a live block"},
     {"live_blocks", reinterpret_cast<PyCFunction>(Alloc_live_blocks), METH_NOARGS, "(ptr, size) of live blocks"},
-    {"consistency_problems", reinterpret_cast<PyCFunction>(Alloc_consistency_problems), METH_VARARGS,
-     "consistency_problems(device_maps, reservations) -> list of problems"},
+    {"consistency_problems", reinterpret_cast<PyCFunction>(Alloc_consistency_problems), METH_O,
+     "consistency_problems(list_device) -> list of problems; list_device() -> (mappings, reservations)"},
     {"describe", reinterpret_cast<PyCFunction>(Alloc_describe), METH_NOARGS, "the backing, in words"},
     {"closed", reinterpret_cast<PyCFunction>(Alloc_closed), METH_NOARGS, "whether close() ran"},
     {"lost", reinterpret_cast<PyCFunction>(Alloc_lost), METH_NOARGS, "whether the device was lost"},

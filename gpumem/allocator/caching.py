@@ -741,10 +741,16 @@ class CachingAllocator:
         device that lists its ranges (the simulator and the CUDA adapter).
         """
         if self._native is not None:
-            maps = list(self.device.mapping_ranges())
-            reservations = (list(self.device.reservation_ranges()) if hasattr(self.device, "reservation_ranges")
-                            else None)
-            problems = self._native.consistency_problems(maps, reservations)
+            device = self.device
+
+            def list_device() -> tuple[list[tuple[int, int, int]], list[tuple[int, int]] | None]:
+                # called by the engine under its lock (Engine::consistency_problems), so that another
+                # thread's allocation cannot change the mappings between the two views
+                reservations = (list(device.reservation_ranges()) if hasattr(device, "reservation_ranges")
+                                else None)
+                return list(device.mapping_ranges()), reservations
+
+            problems = self._native.consistency_problems(list_device)
             if problems:
                 raise InternalError("allocator and device disagree: " + "; ".join(problems[:8])
                                     + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""))

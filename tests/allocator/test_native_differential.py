@@ -422,6 +422,68 @@ def test_base_exceptions_in_the_rollback_of_a_failed_growth_propagate_the_same(e
     assert _sweep(setup, "allocate", (12 * MiB, 0), InjectedError, exc, policy=policy, max_calls=30) > 5
 
 
+def test_device_lost_met_by_check_consistency_is_remembered_the_same():
+    """A lost device noticed by check_consistency (its mem_info) is remembered, as by every operation."""
+    pair = Pair(lambda: sim.SimDevice(small_profile(384), faults=sim.FaultPlan(device_lost_at_s=0.001)))
+    a = pair.both("allocate", 5 * MiB, 0)
+    pair.on_devices(lambda d: d.advance(0.01))
+    assert pair.both("check_consistency")[1] == "DeviceLostError"
+    r = pair.both("allocate", 1000, 0)  # would reach the device: refused by what was remembered
+    assert r[:2] == ("raised", "DeviceLostError") and r[2].startswith("the device was lost: ")
+    pair.both("free", a[1])
+    pair.both("check_consistency")
+    pair.both("close")
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_check_consistency_while_other_threads_allocate(engine):
+    """check_consistency lists the device's mappings under the allocator's lock: another thread's
+    growth or release between the engine's view and the device's is never a disagreement."""
+    import sys
+    import threading
+
+    dev = sim.SimDevice(small_profile(384))
+    alloc = CachingAllocator(dev, engine=engine)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    rounds = [0, 0]
+
+    def churn(stream: int) -> None:
+        try:
+            while not stop.is_set():
+                ps = [alloc.allocate(size, stream) for size in (3 * MiB, 700 * KiB, 9 * MiB)]
+                for p in ps:
+                    alloc.free(p)
+                alloc.empty_cache()  # pages unmapped and released: the device's listing changes
+                rounds[stream] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    threads = [threading.Thread(target=churn, args=(s,)) for s in (0, 1)]
+    disagreements = []
+    checks = 0
+    try:
+        for t in threads:
+            t.start()
+        while sum(rounds) < 400 and not errors:  # the reference session saw 7 false alarms in 300 checks
+            checks += 1
+            try:
+                alloc.check_consistency()
+            except Exception as exc:  # noqa: BLE001 - counted
+                disagreements.append(str(exc))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(old)
+    assert not errors, errors
+    assert not disagreements, f"{len(disagreements)} of {checks}: {disagreements[0]}"
+    alloc.check_consistency()
+    alloc.close()
+
+
 def test_oom_messages_are_the_same():
     pair = Pair(lambda: sim.SimDevice(small_profile(384)))
     pair.both("allocate", 10 * 2**30, 0)  # larger than the device: refused at once

@@ -277,8 +277,14 @@ Engine::Engine(Backend& backend, const EngineConfig& config) : backend_(backend)
     g_ = info.granularity_nbytes;
     if (!g_ || (cfg_.round_nbytes & (cfg_.round_nbytes - 1)) || !cfg_.round_nbytes)
         throw EngineError(EngineErrorKind::kInvalidArgument, "bad granularity or round_nbytes");
-    // VirtualBacking.__init__: -(-int(total * factor) // g) * g
-    std::uint64_t va = static_cast<std::uint64_t>(static_cast<double>(total_nbytes_) * cfg_.va_reserve_factor);
+    // VirtualBacking.__init__: -(-int(total * factor) // g) * g, refused from 2**64 on (as in Python):
+    // the product is checked as a double before it is converted (a conversion out of range is undefined)
+    const double va_exact = static_cast<double>(total_nbytes_) * cfg_.va_reserve_factor;
+    const std::uint64_t va = va_exact < 18446744073709551616.0 ? static_cast<std::uint64_t>(va_exact) : UINT64_MAX;
+    if (va > UINT64_MAX - g_ + 1)
+        throw EngineError(EngineErrorKind::kInvalidArgument,
+                          "va_reserve_factor times the device's total memory is 2**64 B or more of address space "
+                          "per pool, more than 64-bit addresses hold; lower va_reserve_factor");
     va_nbytes_ = (va + g_ - 1) / g_ * g_;
     small_max_ = cfg_.separate_small_pool ? static_cast<std::int64_t>(cfg_.small_max_nbytes) : -1;
     // AllocatorPolicy.__post_init__'s checks of the growth knobs

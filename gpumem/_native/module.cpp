@@ -83,8 +83,28 @@ PyObject* helper_attr(AllocObject* self, const char* name) {
 void raise_kind(AllocObject* self, const char* cls_name, const char* msg) {
     PyObject* cls = helper_attr(self, cls_name);
     if (!cls) return;
-    PyErr_SetString(cls, msg);
+    if (PyExceptionClass_Check(cls)) PyErr_SetString(cls, msg);
+    else PyErr_Format(PyExc_TypeError, "gpumem allocator: helpers.%s must be an exception class, got %.80s (%s)",
+                      cls_name, Py_TYPE(cls)->tp_name, msg);
     Py_DECREF(cls);
+}
+
+// Note [Helpers' results are checked]: what a helper (gpumem.allocator.native, or a module passed
+// in its place) returns is checked before it is read, so that a wrong type is a TypeError naming
+// the helper, never a read through an unchecked tuple or a value taken for an int.
+
+// helpers.<name>(arg), which must return an int: a new reference, or null with an error set.
+PyObject* call_int_helper(AllocObject* self, const char* name, PyObject* arg) {
+    PyObject* fn = helper_attr(self, name);
+    if (!fn) return nullptr;
+    PyObject* r = PyObject_CallOneArg(fn, arg);
+    Py_DECREF(fn);
+    if (r && !PyLong_Check(r)) {
+        PyErr_Format(PyExc_TypeError, "gpumem allocator: helpers.%s returned %.80s, expected an int", name,
+                     Py_TYPE(r)->tp_name);
+        Py_CLEAR(r);
+    }
+    return r;
 }
 
 // Turns the C++ exception being handled into the Python exception the Python allocator raises.
@@ -126,7 +146,11 @@ void set_error(AllocObject* self, PyObject* huge_nbytes = nullptr) {
                                                       self->spec ? self->spec : Py_None);
                 Py_DECREF(fn);
                 if (!err) break;
-                PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err)), err);
+                if (PyExceptionInstance_Check(err))   // Note [Helpers' results are checked]
+                    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err)), err);
+                else
+                    PyErr_Format(PyExc_TypeError, "gpumem allocator: helpers.oom_error returned %.80s, expected an "
+                                 "exception", Py_TYPE(err)->tp_name);
                 Py_DECREF(err);
                 break;
             }
@@ -418,6 +442,13 @@ PyObject* Alloc_allocate(AllocObject* self, PyObject* const* args, Py_ssize_t na
         Py_XDECREF(zero);
         Py_DECREF(fn);
         if (!r) return nullptr;
+        if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2 || !PyLong_Check(PyTuple_GET_ITEM(r, 0)) ||
+            !PyLong_Check(PyTuple_GET_ITEM(r, 1))) {   // Note [Helpers' results are checked]
+            PyErr_Format(PyExc_TypeError, "gpumem allocator: helpers.check_alloc_args returned %.80s, expected a "
+                         "tuple (nbytes, stream) of two ints", Py_TYPE(r)->tp_name);
+            Py_DECREF(r);
+            return nullptr;
+        }
         bool ok = to_u64_clamped(PyTuple_GET_ITEM(r, 0), &nbytes) && to_u64_clamped(PyTuple_GET_ITEM(r, 1), &stream);
         if (ok && nbytes == UINT64_MAX) {
             // a request past 2**64 bytes can never fit: the engine sees UINT64_MAX, the error the real number
@@ -488,10 +519,7 @@ PyObject* Alloc_free(AllocObject* self, PyObject* const* args, Py_ssize_t nargs)
             }
         }
     } else {
-        PyObject* fn = helper_attr(self, "as_ptr");
-        if (!fn) return nullptr;
-        PyObject* r = PyObject_CallOneArg(fn, args[0]);
-        Py_DECREF(fn);
+        PyObject* r = call_int_helper(self, "as_ptr", args[0]);
         if (!r) return nullptr;
         unsigned long long v = PyLong_AsUnsignedLongLong(r);
         if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
@@ -522,20 +550,19 @@ PyObject* Alloc_record_stream(AllocObject* self, PyObject* args, PyObject* kwds)
     static const char* kwlist[] = {"ptr", "stream", nullptr};
     PyObject *o_ptr, *o_stream;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", const_cast<char**>(kwlist), &o_ptr, &o_stream)) return nullptr;
-    PyObject* fn = helper_attr(self, "as_ptr");
-    if (!fn) return nullptr;
-    PyObject* p = PyObject_CallOneArg(fn, o_ptr);
-    Py_DECREF(fn);
+    PyObject* p = call_int_helper(self, "as_ptr", o_ptr);
     if (!p) return nullptr;
-    fn = helper_attr(self, "check_stream");
-    PyObject* s = fn ? PyObject_CallOneArg(fn, o_stream) : nullptr;
-    Py_XDECREF(fn);
+    PyObject* s = call_int_helper(self, "check_stream", o_stream);
     if (!s) {
         Py_DECREF(p);
         return nullptr;
     }
     std::uint64_t stream = PyLong_AsUnsignedLongLong(s);
     Py_DECREF(s);
+    if (stream == static_cast<std::uint64_t>(-1) && PyErr_Occurred()) {   // check_stream let past 2**64 through
+        Py_DECREF(p);
+        return nullptr;
+    }
     unsigned long long v = PyLong_AsUnsignedLongLong(p);
     if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
         PyErr_Clear();
@@ -621,27 +648,46 @@ PyObject* Alloc_allocated_nbytes(AllocObject* self, PyObject*) {
     return PyLong_FromUnsignedLongLong(self->engine->allocated_nbytes());
 }
 
+// block_size(ptr): ptr as CachingAllocator.block_size takes it (any integer, through as_ptr).
 PyObject* Alloc_block_size(AllocObject* self, PyObject* ptr) {
     CHECK_ALIVE(self);
     std::uint64_t p;
+    PyObject* as_int = nullptr;   // ptr as an int, when it was not one
+    bool found = false;
     if (!exact_u64(ptr, &p)) {
+        as_int = call_int_helper(self, "as_ptr", ptr);   // np.int64 and other integers; a list raises
+        if (!as_int) return nullptr;
+        ptr = as_int;
+        unsigned long long v = PyLong_AsUnsignedLongLong(as_int);
+        found = !(v == static_cast<unsigned long long>(-1) && PyErr_Occurred());
+        PyErr_Clear();   // outside [0, 2**64): never a live block
+        p = v;
+    } else {
+        found = true;
+    }
+    std::uint64_t size = 0;
+    if (found) {
+        try {
+            size = self->engine->block_size(p);
+        } catch (const EngineError&) {
+            found = false;
+        } catch (...) {
+            set_error(self);
+            Py_XDECREF(as_int);
+            return nullptr;
+        }
+    }
+    if (!found) {
         PyObject* cls = helper_attr(self, "INVALID_POINTER");
         if (cls) {
             PyErr_Format(cls, "%R is not a live allocation", ptr);
             Py_DECREF(cls);
         }
+        Py_XDECREF(as_int);
         return nullptr;
     }
-    try {
-        return PyLong_FromUnsignedLongLong(self->engine->block_size(p));
-    } catch (const EngineError&) {
-        PyObject* cls = helper_attr(self, "INVALID_POINTER");
-        if (cls) {
-            PyErr_Format(cls, "%R is not a live allocation", ptr);
-            Py_DECREF(cls);
-        }
-        return nullptr;
-    }
+    Py_XDECREF(as_int);
+    return PyLong_FromUnsignedLongLong(size);
 }
 
 PyObject* Alloc_live_blocks(AllocObject* self, PyObject*) {

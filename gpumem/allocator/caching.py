@@ -810,9 +810,14 @@ class CachingAllocator:
             return [(b.addr, b.size) for b in self._live.values()]
 
     def block_size(self, ptr: int) -> int:
-        """The (rounded) size of the live block at ``ptr``."""
+        """The (rounded) size of the live block at ``ptr`` (any integer, ``np.int64`` included).
+
+        Raises :class:`~gpumem.errors.InvalidArgumentError` when ``ptr`` is not an integer, and
+        :class:`~gpumem.errors.InvalidPointerError` when no live block starts there."""
         if self._native is not None:
             return self._native.block_size(ptr)
+        if ptr.__class__ is not int:
+            ptr = _as_int(ptr, "ptr")
         block = self._live.get(ptr)
         if block is None:
             raise InvalidPointerError(f"{ptr!r} is not a live allocation")

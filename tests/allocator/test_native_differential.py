@@ -294,6 +294,22 @@ class Differential(RuleBasedStateMachine):
         if r[0] == "ok":
             self.live.append(r[1])
 
+    @rule(schedule=st.none() | SCHEDULES, size=SIZES, stream=STREAMS)
+    def allocate_in_another_thread(self, schedule, size, stream):
+        """The same operation from another thread (the device exceptions the native engine keeps are
+        per thread, Note [Device exceptions live for one operation]): the same outcome."""
+        import threading
+
+        results: list = []
+        worker = threading.Thread(target=lambda: results.append(
+            outcome(self.pair.both_failing, schedule or {}, "allocate", size, stream)))
+        worker.start()
+        worker.join()
+        assert results and results[0][0] == "ok", results  # a differing outcome failed in the thread
+        r = results[0][1]
+        if r[0] == "ok":
+            self.live.append(r[1])
+
     @rule(schedule=SCHEDULES, op=st.sampled_from(["empty_cache", "synchronize", "check_consistency"]))
     def operation_failing(self, schedule, op):
         self.pair.both_failing(schedule, op)

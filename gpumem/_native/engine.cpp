@@ -1536,6 +1536,12 @@ std::uint64_t Engine::allocate(std::uint64_t nbytes, std::uint64_t stream) {
     GPUMEM_OPERATION(return allocate_slow(nbytes, size, small, stream);)
 }
 
+void Engine::check_open() {
+    Guard guard(*this, true);
+    check_usable_op();
+    if (closed_) throw EngineError(EngineErrorKind::kClosed, "allocator is closed");
+}
+
 // CachingAllocator._allocate_slow
 std::uint64_t Engine::allocate_slow(std::uint64_t nbytes, std::uint64_t size, bool small, std::uint64_t stream) {
     std::uint64_t total = total_nbytes_;

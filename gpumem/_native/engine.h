@@ -220,6 +220,9 @@ class Engine {
     // The hot path alone (Note [The hot path makes no device call]): the pointer, or 0 when the
     // request needs the full allocate() (which then decides exactly as Python's slow path).
     std::uint64_t try_allocate_fast(std::uint64_t nbytes, std::uint64_t stream);
+    // What allocate() raises before it looks at the cache, when it cannot serve (kDeviceLost once the
+    // device was lost, kClosed once close() ran); returns when neither.
+    void check_open();
     // CachingAllocator.free.
     void free(std::uint64_t ptr);
     // The free hot path alone: true when done, false when free() must run (changes nothing then).

@@ -407,6 +407,45 @@ void Alloc_dealloc(AllocObject* self) {
     Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
 }
 
+// Note [No memory from a closed device]: a cache hit makes no device call (Note [The hot path
+// makes no device call] in caching.py), so after device.close() it would hand out an address into
+// memory the device has given back. allocate() therefore asks the device (its `closed` property,
+// one attribute read) first, as CachingAllocator.allocate does; a closed device raises what the
+// Python allocator raises: DeviceLostError once the device was lost, InvalidArgumentError once the
+// allocator was closed, else DeviceClosedError.
+bool device_closed(AllocObject* self) {
+    static PyObject* name = PyUnicode_InternFromString("closed");
+    if (!name) {
+        PyErr_Clear();
+        return false;
+    }
+    PyObject* v = PyObject_GetAttr(self->device, name);
+    if (!v) {   // a device without `closed` never closes
+        PyErr_Clear();
+        return false;
+    }
+    bool closed = v == Py_True || (v != Py_False && PyObject_IsTrue(v) == 1);
+    Py_DECREF(v);
+    PyErr_Clear();
+    return closed;
+}
+
+PyObject* closed_device_error(AllocObject* self) {
+    try {
+        self->engine->check_open();
+    } catch (...) {
+        set_error(self);
+        return nullptr;
+    }
+    PyObject* msg = PyUnicode_FromFormat("%S is closed", self->spec ? self->spec : Py_None);
+    PyObject* cls = msg ? helper_attr(self, "DEVICE_CLOSED") : nullptr;
+    if (cls && PyExceptionClass_Check(cls)) PyErr_SetObject(cls, msg);
+    else if (cls) PyErr_Format(PyExc_TypeError, "gpumem allocator: helpers.DEVICE_CLOSED must be an exception class");
+    Py_XDECREF(cls);
+    Py_XDECREF(msg);
+    return nullptr;
+}
+
 // allocate(nbytes, stream=0) -> int
 PyObject* Alloc_allocate(AllocObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
     CHECK_ALIVE(self);
@@ -455,6 +494,10 @@ PyObject* Alloc_allocate(AllocObject* self, PyObject* const* args, Py_ssize_t na
             PyObject* huge = PyTuple_GET_ITEM(r, 0);
             Py_INCREF(huge);
             Py_DECREF(r);
+            if (device_closed(self)) {
+                Py_DECREF(huge);
+                return closed_device_error(self);
+            }
             PyObject* out = run_op(
                 self, [&]() { return PyLong_FromUnsignedLongLong(self->engine->allocate(nbytes, stream)); }, huge);
             Py_DECREF(huge);
@@ -463,6 +506,7 @@ PyObject* Alloc_allocate(AllocObject* self, PyObject* const* args, Py_ssize_t na
         Py_DECREF(r);
         if (!ok) return nullptr;
     }
+    if (device_closed(self)) return closed_device_error(self);
     try {
         std::uint64_t p = self->engine->try_allocate_fast(nbytes, stream);
         if (p) return PyLong_FromUnsignedLongLong(p);

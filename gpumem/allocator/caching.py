@@ -70,8 +70,8 @@ import threading
 from typing import Any, Callable, ContextManager, Iterator
 
 from ..device import Device, check_nbytes, check_pointer
-from ..errors import (DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError, InvalidPointerError,
-                      OutOfMemoryError)
+from ..errors import (DeviceClosedError, DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError,
+                      InvalidPointerError, OutOfMemoryError)
 from ..units import format_bytes, parse_limit
 from .backing import AddressSpaceExhausted, Backing, LimitExceeded, Segment, SegmentBacking, VirtualBacking, VirtualSegment
 from .block import Block, FreeList, TopDownFreeList, append_block, drop_last_block, merge_blocks, split_block
@@ -275,8 +275,10 @@ class CachingAllocator:
         small = size <= self._small_max
         # Note [The hot path makes no device call]: a cache hit on a page that already holds live
         # data needs neither the device nor deferred events; everything else runs as an operation.
+        # A closed device is asked first: it has given all memory back (Note [No memory from a closed
+        # device] in gpumem/_native/module.cpp).
         with self._lock:
-            if self._lost is None and not self._closed:
+            if self._lost is None and not self._closed and not self.device.closed:
                 free_list = self._free_lists.get((small, stream))
                 if free_list is not None:
                     block = free_list.best_fit(size)
@@ -290,6 +292,8 @@ class CachingAllocator:
                     raise DeviceLostError(f"the device was lost: {self._lost}")
                 if self._closed:
                     raise InvalidArgumentError("allocator is closed")
+                if self.device.closed:
+                    raise DeviceClosedError(f"{self.device.spec} is closed")
                 try:
                     return self._allocate_slow(nbytes, size, small, stream)
                 except DeviceLostError as exc:

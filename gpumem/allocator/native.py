@@ -9,8 +9,8 @@ allocator's ``_oom_error`` builds, from the numbers the engine gathered at the s
 from __future__ import annotations
 
 from ..device import check_nbytes
-from ..errors import (DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError, InvalidPointerError,
-                      OutOfMemoryError)
+from ..errors import (DeviceClosedError, DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError,
+                      InvalidPointerError, OutOfMemoryError)
 from ..units import format_bytes
 
 __all__ = ["load_engine", "check_alloc_args", "as_ptr", "check_stream", "oom_error"]
@@ -20,6 +20,7 @@ INVALID_ARGUMENT = InvalidArgumentError
 INVALID_POINTER = InvalidPointerError
 DOUBLE_FREE = DoubleFreeError
 DEVICE_LOST = DeviceLostError
+DEVICE_CLOSED = DeviceClosedError
 INTERNAL = InternalError
 OUT_OF_MEMORY = OutOfMemoryError
 

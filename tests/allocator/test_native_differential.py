@@ -500,6 +500,24 @@ def test_check_consistency_while_other_threads_allocate(engine):
     alloc.close()
 
 
+def test_no_memory_from_a_closed_device():
+    """After device.close() a request the cache could serve (no device call) raises DeviceClosedError
+    in both engines, rather than return an address into memory the device gave back."""
+    pair = Pair(lambda: sim.SimDevice(small_profile(384)))
+    small, large = pair.both("allocate", 1000, 0)[1], pair.both("allocate", 5 * MiB, 3)[1]
+    keep = pair.both("allocate", 1000, 0)
+    pair.both("free", small)
+    pair.both("free", large)
+    pair.on_devices(lambda d: d.close())
+    for args in ((1000, 0), (5 * MiB, 3), (3 * MiB, 3), (2**70, 0)):
+        r = pair.both("allocate", *args)
+        assert r == ("raised", "DeviceClosedError", "sim:test-384mb is closed"), r
+    assert pair.both("allocate", 0, 0)[1] == "InvalidArgumentError"  # bad arguments are still named first
+    pair.both("free", keep[1])
+    pair.both("close")
+    assert pair.both("allocate", 1000, 0)[2] == "allocator is closed"
+
+
 def test_oom_messages_are_the_same():
     pair = Pair(lambda: sim.SimDevice(small_profile(384)))
     pair.both("allocate", 10 * 2**30, 0)  # larger than the device: refused at once

@@ -40,6 +40,7 @@ struct AllocObject {
     PyObject* helpers;
     PyObject* deferred;   // device.deferred_events (bound method) or null
     PyObject* spec;       // device.spec (str) for error messages
+    unsigned long long round_nbytes;   // the policy's rounding, for OOM messages (helpers.oom_error)
     // frees that came back from a device call of this thread's own operation, applied when it ends
     // (Note [A free from inside a device call is deferred])
     std::vector<std::uint64_t>* deferred_frees;
@@ -135,7 +136,7 @@ void set_error(AllocObject* self, PyObject* huge_nbytes = nullptr) {
                 PyObject* cause = o.cause_py_exc ? static_cast<PyObject*>(o.cause_py_exc) : Py_None;
                 PyObject* req = huge_nbytes ? (Py_INCREF(huge_nbytes), huge_nbytes)
                                                   : PyLong_FromUnsignedLongLong(o.requested_nbytes);
-                PyObject* err = PyObject_CallFunction(fn, "iNKKKLKKKOO", static_cast<int>(o.cause), req,
+                PyObject* err = PyObject_CallFunction(fn, "iNKKKLKKKOOK", static_cast<int>(o.cause), req,
                                                       (unsigned long long)o.free_nbytes,
                                                       (unsigned long long)o.total_nbytes,
                                                       (unsigned long long)o.allocated_nbytes,
@@ -143,7 +144,7 @@ void set_error(AllocObject* self, PyObject* huge_nbytes = nullptr) {
                                                       (unsigned long long)o.reserved_nbytes,
                                                       (unsigned long long)o.limit_nbytes,
                                                       (unsigned long long)o.va_nbytes, cause,
-                                                      self->spec ? self->spec : Py_None);
+                                                      self->spec ? self->spec : Py_None, self->round_nbytes);
                 Py_DECREF(fn);
                 if (!err) break;
                 if (PyExceptionInstance_Check(err))   // Note [Helpers' results are checked]
@@ -324,6 +325,7 @@ PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
     Py_INCREF(helpers);
     self->device = device;
     self->helpers = helpers;
+    self->round_nbytes = round_nbytes;
     self->deferred_frees = new (std::nothrow) std::vector<std::uint64_t>();
     if (!self->deferred_frees) {
         Py_DECREF(self);

@@ -92,6 +92,14 @@ white-box tests that read the Python engine's internals pin the reference (tests
 _STREAM_END = 1 << 64
 
 
+def too_large_hint(nbytes: int, size: int, total_nbytes: int) -> str:
+    """The hint of an out-of-memory error for a request (``nbytes``, rounded to ``size``) that can never
+    fit the device."""
+    what = "The request" if size == nbytes else f"The request, rounded up to {format_bytes(size)} by the policy,"
+    return (f"{what} is larger than the device's total memory ({format_bytes(total_nbytes)}), so it was "
+            "refused at once. Try: use smaller batches or shorter sequences, or split the tensor.")
+
+
 def _as_int(value: object, what: str) -> int:
     """``value`` as a plain int: ints, int subclasses and integer types such as ``np.int64`` (through
     ``operator.index``); bools and anything else raise :class:`InvalidArgumentError`."""
@@ -311,8 +319,7 @@ class CachingAllocator:
             info = self.device.mem_info()
             if size > total:
                 cause = OutOfMemoryError(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec)
-                hint = (f"The request is larger than the device's total memory ({format_bytes(total)}), so it was "
-                        "refused at once. Try: use smaller batches or shorter sequences, or split the tensor.")
+                hint = too_large_hint(nbytes, size, total)
             else:
                 cause = LimitExceeded(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec,
                                       limit_nbytes=self.limit_nbytes)
@@ -670,7 +677,8 @@ class CachingAllocator:
             hint += "."
         return OutOfMemoryError(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec,
                                 allocated_nbytes=st.allocated_nbytes, cached_nbytes=cached,
-                                limit_nbytes=self.limit_nbytes, hint=hint, injected=injected)
+                                limit_nbytes=self.limit_nbytes, hint=hint, injected=injected,
+                                rounded_nbytes=-(-nbytes // self._round) * self._round)
 
     # -- streams ---------------------------------------------------------------------------------------
     def record_stream(self, ptr: int, stream: int) -> None:

@@ -518,6 +518,24 @@ def test_no_memory_from_a_closed_device():
     assert pair.both("allocate", 1000, 0)[2] == "allocator is closed"
 
 
+@pytest.mark.parametrize("round_nbytes", [2**40, 256 * MiB])
+def test_oom_messages_state_the_requested_and_the_rounded_size(round_nbytes):
+    """With a policy rounding up to 1 TiB (refused at once) or 256 MiB (the device runs short), the
+    message says both the request and what the policy made of it, in both engines."""
+    pair = Pair(lambda: sim.SimDevice(small_profile(384)),
+                policy=dataclasses.replace(_BASE, name="coarse", round_nbytes=round_nbytes))
+    held = pair.both("allocate", 1, 0)
+    r = pair.both("allocate", 1000, 0)
+    assert r[:2] == ("raised", "OutOfMemoryError"), r
+    rounded = "1.00 TiB" if round_nbytes == 2**40 else "256.00 MiB"
+    assert f"tried to allocate 1000 B (1000 bytes, rounded up to {rounded} by the allocator's policy)" in r[2]
+    if round_nbytes == 2**40:
+        assert "The request, rounded up to 1.00 TiB by the policy, is larger than" in r[2]
+    assert "rounded" not in pair.both("allocate", 10 * 2**40, 0)[2].split(";")[0]  # a multiple: said once
+    if held[0] == "ok":
+        pair.both("free", held[1])
+
+
 def test_oom_messages_are_the_same():
     pair = Pair(lambda: sim.SimDevice(small_profile(384)))
     pair.both("allocate", 10 * 2**30, 0)  # larger than the device: refused at once

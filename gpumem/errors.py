@@ -106,8 +106,11 @@ class OutOfMemoryError(GpumemError, MemoryError):
         limit_nbytes: int | None = None,
         hint: str = "",
         injected: bool = False,
+        rounded_nbytes: int | None = None,
     ) -> None:
         self.requested_nbytes = requested_nbytes
+        self.rounded_nbytes = rounded_nbytes if rounded_nbytes is not None else requested_nbytes
+        """What the allocator needed for the request: its size rounded up by the allocator's policy."""
         self.free_nbytes = free_nbytes
         self.total_nbytes = total_nbytes
         self.device = device
@@ -118,9 +121,12 @@ class OutOfMemoryError(GpumemError, MemoryError):
         self.injected = injected
         """True when the simulator injected this failure on purpose: nothing was really out of memory."""
         on = f" on {device}" if device else ""
+        rounded = ""
+        if self.rounded_nbytes != requested_nbytes:
+            rounded = f", rounded up to {format_bytes(self.rounded_nbytes)} by the allocator's policy"
         parts = [
             f"out of memory{on}: tried to allocate {format_bytes(requested_nbytes)} "
-            f"({requested_nbytes} bytes); the device has {format_bytes(free_nbytes)} free "
+            f"({requested_nbytes} bytes{rounded}); the device has {format_bytes(free_nbytes)} free "
             f"of {format_bytes(total_nbytes)} total"
         ]
         if allocated_nbytes is not None:

@@ -12,7 +12,9 @@ Call :func:`install` at the very start of the program, before PyTorch touches th
 
 How it works. PyTorch lets a program replace its CUDA caching allocator, once, before CUDA is
 initialised, with two C functions (``torch.cuda.memory.CUDAPluggableAllocator``). gpumem's native
-library exports them (``gpumem_torch_malloc`` and ``gpumem_torch_free``); each device gets one
+library exports them (``gpumem_torch_alloc_hook``, which reports failures as the C++ exceptions
+PyTorch turns into its own, and ``gpumem_torch_free``; ``gpumem_torch_malloc`` is the same allocation
+for C callers, returning null on failure); each device gets one
 native engine, made at its first allocation, which calls the CUDA driver directly (virtual memory:
 ``cuMemAddressReserve``, ``cuMemCreate``, ``cuMemMap``...). No Python runs when PyTorch allocates.
 
@@ -60,7 +62,7 @@ TRACE_OUT_ENV = "GPUMEM_TRACE_OUT"
 
 log = logging.getLogger(__name__)
 
-ALLOC_FN = "gpumem_torch_malloc"
+ALLOC_FN = "gpumem_torch_alloc_hook"  # throws: Note [Two alloc functions: one for C, one for PyTorch]
 FREE_FN = "gpumem_torch_free"
 
 

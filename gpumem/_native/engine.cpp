@@ -277,8 +277,14 @@ Engine::Engine(Backend& backend, const EngineConfig& config) : backend_(backend)
     g_ = info.granularity_nbytes;
     if (!g_ || (cfg_.round_nbytes & (cfg_.round_nbytes - 1)) || !cfg_.round_nbytes)
         throw EngineError(EngineErrorKind::kInvalidArgument, "bad granularity or round_nbytes");
-    // VirtualBacking.__init__: -(-int(total * factor) // g) * g
-    std::uint64_t va = static_cast<std::uint64_t>(static_cast<double>(total_nbytes_) * cfg_.va_reserve_factor);
+    // VirtualBacking.__init__: -(-int(total * factor) // g) * g, refused from 2**64 on (as in Python):
+    // the product is checked as a double before it is converted (a conversion out of range is undefined)
+    const double va_exact = static_cast<double>(total_nbytes_) * cfg_.va_reserve_factor;
+    const std::uint64_t va = va_exact < 18446744073709551616.0 ? static_cast<std::uint64_t>(va_exact) : UINT64_MAX;
+    if (va > UINT64_MAX - g_ + 1)
+        throw EngineError(EngineErrorKind::kInvalidArgument,
+                          "va_reserve_factor times the device's total memory is 2**64 B or more of address space "
+                          "per pool, more than 64-bit addresses hold; lower va_reserve_factor");
     va_nbytes_ = (va + g_ - 1) / g_ * g_;
     small_max_ = cfg_.separate_small_pool ? static_cast<std::int64_t>(cfg_.small_max_nbytes) : -1;
     // AllocatorPolicy.__post_init__'s checks of the growth knobs
@@ -573,7 +579,8 @@ void Engine::fences_forget_idle() {
             }
         }
     } catch (const BackendError& e) {
-        if (e.kind == ErrorKind::kDeviceLost) throw;
+        // a lost device, and a KeyboardInterrupt or SystemExit, go through (Note [Only Exception is caught])
+        if (e.kind == ErrorKind::kDeviceLost || e.fatal) throw;
         // the events stay queued, nothing is lost
     }
     for (auto it = fdone_.begin(); it != fdone_.end();) {
@@ -1145,6 +1152,7 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
             try {
                 backend_.mem_unmap(seg->base + static_cast<std::uint64_t>(start) * g, nbytes);
             } catch (...) {   // the first error is the one raised
+                rethrow_if_fatal();   // Note [Only Exception is caught]
                 for (std::int64_t q = start; q < start + n; ++q)
                     if (!seg->refs[q]) seg->empty_add(q);
                 continue;
@@ -1165,6 +1173,7 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
             try {
                 backend_.mem_release(h);
             } catch (...) {   // kept cached and counted; the first error is raised
+                rethrow_if_fatal();   // Note [Only Exception is caught]
                 continue;
             }
             ++device_calls_;
@@ -1528,6 +1537,12 @@ std::uint64_t Engine::allocate(std::uint64_t nbytes, std::uint64_t stream) {
     check_usable_op();
     if (closed_) throw EngineError(EngineErrorKind::kClosed, "allocator is closed");
     GPUMEM_OPERATION(return allocate_slow(nbytes, size, small, stream);)
+}
+
+void Engine::check_open() {
+    Guard guard(*this, true);
+    check_usable_op();
+    if (closed_) throw EngineError(EngineErrorKind::kClosed, "allocator is closed");
 }
 
 // CachingAllocator._allocate_slow
@@ -2075,15 +2090,22 @@ std::string Engine::describe() {
 }
 
 // CachingAllocator.check_consistency + VirtualBacking.consistency_problems + _chain_problems
-std::vector<std::string> Engine::consistency_problems(
-    const std::vector<std::tuple<std::uint64_t, std::uint64_t, ChunkHandle>>* device_maps,
-    const std::vector<std::pair<std::uint64_t, std::uint64_t>>* reservations) {
+std::vector<std::string> Engine::consistency_problems(const ListDevice& list_device) {
     Guard guard(*this, true);
     check_usable_op();
     std::vector<std::string> problems;
     if (closed_) return problems;
-    std::uint64_t f, t;
-    backend_.mem_info(&f, &t);   // a lost device raises (BackendError kDeviceLost)
+    DeviceMaps maps;
+    Reservations res;
+    bool have_res = false;
+    GPUMEM_OPERATION({
+        std::uint64_t f, t;
+        backend_.mem_info(&f, &t);   // a lost device raises (BackendError kDeviceLost), remembered
+        // read under the lock: no other thread's operation changes the mappings meanwhile
+        if (list_device) have_res = list_device(maps, res);
+    })
+    const DeviceMaps* device_maps = list_device ? &maps : nullptr;
+    const Reservations* reservations = have_res ? &res : nullptr;
     std::uint64_t mapped = 0, mapped_nbytes = 0;
     std::int64_t live_pages = 0;
     for (auto& up : vsegs_) {

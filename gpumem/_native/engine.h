@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <memory>
 #include <atomic>
@@ -221,6 +222,9 @@ class Engine {
     // The hot path alone (Note [The hot path makes no device call]): the pointer, or 0 when the
     // request needs the full allocate() (which then decides exactly as Python's slow path).
     std::uint64_t try_allocate_fast(std::uint64_t nbytes, std::uint64_t stream);
+    // What allocate() raises before it looks at the cache, when it cannot serve (kDeviceLost once the
+    // device was lost, kClosed once close() ran); returns when neither.
+    void check_open();
     // CachingAllocator.free.
     void free(std::uint64_t ptr);
     // The free hot path alone: true when done, false when free() must run (changes nothing then).
@@ -236,11 +240,16 @@ class Engine {
     std::uint64_t allocated_nbytes();
     std::uint64_t block_size(std::uint64_t ptr);   // throws kInvalidPointer for a non-live pointer
     std::vector<std::pair<std::uint64_t, std::uint64_t>> live_blocks();   // (ptr, size)
-    // check_consistency(): the engine's own invariants, plus the device's mappings when
-    // `device_maps` (va, nbytes, chunk) is given; the problems found (empty: consistent).
-    std::vector<std::string> consistency_problems(
-        const std::vector<std::tuple<std::uint64_t, std::uint64_t, ChunkHandle>>* device_maps,
-        const std::vector<std::pair<std::uint64_t, std::uint64_t>>* reservations);
+    // check_consistency(): the engine's own invariants, plus the device's mappings (va, nbytes,
+    // chunk) and reservations (va, nbytes) that `list_device` fills in (it returns whether the
+    // device lists its reservations; empty function: the engine's own invariants only). It runs
+    // under the engine's lock, after a mem_info() that notices a lost device (remembered, as in
+    // every operation), so that what it lists matches the engine's state while other threads
+    // allocate. The problems found (empty: consistent).
+    using DeviceMaps = std::vector<std::tuple<std::uint64_t, std::uint64_t, ChunkHandle>>;
+    using Reservations = std::vector<std::pair<std::uint64_t, std::uint64_t>>;
+    using ListDevice = std::function<bool(DeviceMaps& maps, Reservations& reservations)>;
+    std::vector<std::string> consistency_problems(const ListDevice& list_device);
     bool closed();
     bool lost();
     std::string describe();
@@ -249,18 +258,6 @@ class Engine {
     // Whether the calling thread holds the engine's lock: it is inside one of the engine's
     // operations (a device call ran Python that came back). Note [Re-entry from the lock's thread].
     bool held_by_this_thread() const { return owner_.load(std::memory_order_relaxed) == std::this_thread::get_id(); }
-    // Holds the engine's lock for a scope (re-entrant), so that a caller's reads of the backend
-    // (the Python backend's chunk table) match the engine's state.
-    class Hold {
-      public:
-        explicit Hold(Engine& e) : e_(e) { e_.lock(true); }
-        ~Hold() { e_.unlock(); }
-        Hold(const Hold&) = delete;
-        Hold& operator=(const Hold&) = delete;
-
-      private:
-        Engine& e_;
-    };
 
   private:
     struct Guard;

@@ -40,6 +40,7 @@ struct AllocObject {
     PyObject* helpers;
     PyObject* deferred;   // device.deferred_events (bound method) or null
     PyObject* spec;       // device.spec (str) for error messages
+    unsigned long long round_nbytes;   // the policy's rounding, for OOM messages (helpers.oom_error)
     // frees that came back from a device call of this thread's own operation, applied when it ends
     // (Note [A free from inside a device call is deferred])
     std::vector<std::uint64_t>* deferred_frees;
@@ -83,8 +84,28 @@ PyObject* helper_attr(AllocObject* self, const char* name) {
 void raise_kind(AllocObject* self, const char* cls_name, const char* msg) {
     PyObject* cls = helper_attr(self, cls_name);
     if (!cls) return;
-    PyErr_SetString(cls, msg);
+    if (PyExceptionClass_Check(cls)) PyErr_SetString(cls, msg);
+    else PyErr_Format(PyExc_TypeError, "gpumem allocator: helpers.%s must be an exception class, got %.80s (%s)",
+                      cls_name, Py_TYPE(cls)->tp_name, msg);
     Py_DECREF(cls);
+}
+
+// Note [Helpers' results are checked]: what a helper (gpumem.allocator.native, or a module passed
+// in its place) returns is checked before it is read, so that a wrong type is a TypeError naming
+// the helper, never a read through an unchecked tuple or a value taken for an int.
+
+// helpers.<name>(arg), which must return an int: a new reference, or null with an error set.
+PyObject* call_int_helper(AllocObject* self, const char* name, PyObject* arg) {
+    PyObject* fn = helper_attr(self, name);
+    if (!fn) return nullptr;
+    PyObject* r = PyObject_CallOneArg(fn, arg);
+    Py_DECREF(fn);
+    if (r && !PyLong_Check(r)) {
+        PyErr_Format(PyExc_TypeError, "gpumem allocator: helpers.%s returned %.80s, expected an int", name,
+                     Py_TYPE(r)->tp_name);
+        Py_CLEAR(r);
+    }
+    return r;
 }
 
 // Turns the C++ exception being handled into the Python exception the Python allocator raises.
@@ -115,7 +136,7 @@ void set_error(AllocObject* self, PyObject* huge_nbytes = nullptr) {
                 PyObject* cause = o.cause_py_exc ? static_cast<PyObject*>(o.cause_py_exc) : Py_None;
                 PyObject* req = huge_nbytes ? (Py_INCREF(huge_nbytes), huge_nbytes)
                                                   : PyLong_FromUnsignedLongLong(o.requested_nbytes);
-                PyObject* err = PyObject_CallFunction(fn, "iNKKKLKKKOO", static_cast<int>(o.cause), req,
+                PyObject* err = PyObject_CallFunction(fn, "iNKKKLKKKOOK", static_cast<int>(o.cause), req,
                                                       (unsigned long long)o.free_nbytes,
                                                       (unsigned long long)o.total_nbytes,
                                                       (unsigned long long)o.allocated_nbytes,
@@ -123,10 +144,14 @@ void set_error(AllocObject* self, PyObject* huge_nbytes = nullptr) {
                                                       (unsigned long long)o.reserved_nbytes,
                                                       (unsigned long long)o.limit_nbytes,
                                                       (unsigned long long)o.va_nbytes, cause,
-                                                      self->spec ? self->spec : Py_None);
+                                                      self->spec ? self->spec : Py_None, self->round_nbytes);
                 Py_DECREF(fn);
                 if (!err) break;
-                PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err)), err);
+                if (PyExceptionInstance_Check(err))   // Note [Helpers' results are checked]
+                    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err)), err);
+                else
+                    PyErr_Format(PyExc_TypeError, "gpumem allocator: helpers.oom_error returned %.80s, expected an "
+                                 "exception", Py_TYPE(err)->tp_name);
                 Py_DECREF(err);
                 break;
             }
@@ -311,6 +336,7 @@ PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
     Py_INCREF(helpers);
     self->device = device;
     self->helpers = helpers;
+    self->round_nbytes = round_nbytes;
     self->deferred_frees = new (std::nothrow) std::vector<std::uint64_t>();
     if (!self->deferred_frees) {
         Py_DECREF(self);
@@ -394,6 +420,45 @@ void Alloc_dealloc(AllocObject* self) {
     Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
 }
 
+// Note [No memory from a closed device]: a cache hit makes no device call (Note [The hot path
+// makes no device call] in caching.py), so after device.close() it would hand out an address into
+// memory the device has given back. allocate() therefore asks the device (its `closed` property,
+// one attribute read) first, as CachingAllocator.allocate does; a closed device raises what the
+// Python allocator raises: DeviceLostError once the device was lost, InvalidArgumentError once the
+// allocator was closed, else DeviceClosedError.
+bool device_closed(AllocObject* self) {
+    static PyObject* name = PyUnicode_InternFromString("closed");
+    if (!name) {
+        PyErr_Clear();
+        return false;
+    }
+    PyObject* v = PyObject_GetAttr(self->device, name);
+    if (!v) {   // a device without `closed` never closes
+        PyErr_Clear();
+        return false;
+    }
+    bool closed = v == Py_True || (v != Py_False && PyObject_IsTrue(v) == 1);
+    Py_DECREF(v);
+    PyErr_Clear();
+    return closed;
+}
+
+PyObject* closed_device_error(AllocObject* self) {
+    try {
+        self->engine->check_open();
+    } catch (...) {
+        set_error(self);
+        return nullptr;
+    }
+    PyObject* msg = PyUnicode_FromFormat("%S is closed", self->spec ? self->spec : Py_None);
+    PyObject* cls = msg ? helper_attr(self, "DEVICE_CLOSED") : nullptr;
+    if (cls && PyExceptionClass_Check(cls)) PyErr_SetObject(cls, msg);
+    else if (cls) PyErr_Format(PyExc_TypeError, "gpumem allocator: helpers.DEVICE_CLOSED must be an exception class");
+    Py_XDECREF(cls);
+    Py_XDECREF(msg);
+    return nullptr;
+}
+
 // allocate(nbytes, stream=0) -> int
 PyObject* Alloc_allocate(AllocObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
     CHECK_ALIVE(self);
@@ -429,12 +494,23 @@ PyObject* Alloc_allocate(AllocObject* self, PyObject* const* args, Py_ssize_t na
         Py_XDECREF(zero);
         Py_DECREF(fn);
         if (!r) return nullptr;
+        if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2 || !PyLong_Check(PyTuple_GET_ITEM(r, 0)) ||
+            !PyLong_Check(PyTuple_GET_ITEM(r, 1))) {   // Note [Helpers' results are checked]
+            PyErr_Format(PyExc_TypeError, "gpumem allocator: helpers.check_alloc_args returned %.80s, expected a "
+                         "tuple (nbytes, stream) of two ints", Py_TYPE(r)->tp_name);
+            Py_DECREF(r);
+            return nullptr;
+        }
         bool ok = to_u64_clamped(PyTuple_GET_ITEM(r, 0), &nbytes) && to_u64_clamped(PyTuple_GET_ITEM(r, 1), &stream);
         if (ok && nbytes == UINT64_MAX) {
             // a request past 2**64 bytes can never fit: the engine sees UINT64_MAX, the error the real number
             PyObject* huge = PyTuple_GET_ITEM(r, 0);
             Py_INCREF(huge);
             Py_DECREF(r);
+            if (device_closed(self)) {
+                Py_DECREF(huge);
+                return closed_device_error(self);
+            }
             PyObject* out = run_op(
                 self, [&]() { return PyLong_FromUnsignedLongLong(self->engine->allocate(nbytes, stream)); }, huge);
             Py_DECREF(huge);
@@ -443,6 +519,7 @@ PyObject* Alloc_allocate(AllocObject* self, PyObject* const* args, Py_ssize_t na
         Py_DECREF(r);
         if (!ok) return nullptr;
     }
+    if (device_closed(self)) return closed_device_error(self);
     try {
         std::uint64_t p = self->engine->try_allocate_fast(nbytes, stream);
         if (p) return PyLong_FromUnsignedLongLong(p);
@@ -499,10 +576,7 @@ PyObject* Alloc_free(AllocObject* self, PyObject* const* args, Py_ssize_t nargs)
             }
         }
     } else {
-        PyObject* fn = helper_attr(self, "as_ptr");
-        if (!fn) return nullptr;
-        PyObject* r = PyObject_CallOneArg(fn, args[0]);
-        Py_DECREF(fn);
+        PyObject* r = call_int_helper(self, "as_ptr", args[0]);
         if (!r) return nullptr;
         unsigned long long v = PyLong_AsUnsignedLongLong(r);
         if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
@@ -533,20 +607,19 @@ PyObject* Alloc_record_stream(AllocObject* self, PyObject* args, PyObject* kwds)
     static const char* kwlist[] = {"ptr", "stream", nullptr};
     PyObject *o_ptr, *o_stream;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", const_cast<char**>(kwlist), &o_ptr, &o_stream)) return nullptr;
-    PyObject* fn = helper_attr(self, "as_ptr");
-    if (!fn) return nullptr;
-    PyObject* p = PyObject_CallOneArg(fn, o_ptr);
-    Py_DECREF(fn);
+    PyObject* p = call_int_helper(self, "as_ptr", o_ptr);
     if (!p) return nullptr;
-    fn = helper_attr(self, "check_stream");
-    PyObject* s = fn ? PyObject_CallOneArg(fn, o_stream) : nullptr;
-    Py_XDECREF(fn);
+    PyObject* s = call_int_helper(self, "check_stream", o_stream);
     if (!s) {
         Py_DECREF(p);
         return nullptr;
     }
     std::uint64_t stream = PyLong_AsUnsignedLongLong(s);
     Py_DECREF(s);
+    if (stream == static_cast<std::uint64_t>(-1) && PyErr_Occurred()) {   // check_stream let past 2**64 through
+        Py_DECREF(p);
+        return nullptr;
+    }
     unsigned long long v = PyLong_AsUnsignedLongLong(p);
     if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
         PyErr_Clear();
@@ -632,27 +705,46 @@ PyObject* Alloc_allocated_nbytes(AllocObject* self, PyObject*) {
     return PyLong_FromUnsignedLongLong(self->engine->allocated_nbytes());
 }
 
+// block_size(ptr): ptr as CachingAllocator.block_size takes it (any integer, through as_ptr).
 PyObject* Alloc_block_size(AllocObject* self, PyObject* ptr) {
     CHECK_ALIVE(self);
     std::uint64_t p;
+    PyObject* as_int = nullptr;   // ptr as an int, when it was not one
+    bool found = false;
     if (!exact_u64(ptr, &p)) {
+        as_int = call_int_helper(self, "as_ptr", ptr);   // np.int64 and other integers; a list raises
+        if (!as_int) return nullptr;
+        ptr = as_int;
+        unsigned long long v = PyLong_AsUnsignedLongLong(as_int);
+        found = !(v == static_cast<unsigned long long>(-1) && PyErr_Occurred());
+        PyErr_Clear();   // outside [0, 2**64): never a live block
+        p = v;
+    } else {
+        found = true;
+    }
+    std::uint64_t size = 0;
+    if (found) {
+        try {
+            size = self->engine->block_size(p);
+        } catch (const EngineError&) {
+            found = false;
+        } catch (...) {
+            set_error(self);
+            Py_XDECREF(as_int);
+            return nullptr;
+        }
+    }
+    if (!found) {
         PyObject* cls = helper_attr(self, "INVALID_POINTER");
         if (cls) {
             PyErr_Format(cls, "%R is not a live allocation", ptr);
             Py_DECREF(cls);
         }
+        Py_XDECREF(as_int);
         return nullptr;
     }
-    try {
-        return PyLong_FromUnsignedLongLong(self->engine->block_size(p));
-    } catch (const EngineError&) {
-        PyObject* cls = helper_attr(self, "INVALID_POINTER");
-        if (cls) {
-            PyErr_Format(cls, "%R is not a live allocation", ptr);
-            Py_DECREF(cls);
-        }
-        return nullptr;
-    }
+    Py_XDECREF(as_int);
+    return PyLong_FromUnsignedLongLong(size);
 }
 
 PyObject* Alloc_live_blocks(AllocObject* self, PyObject*) {
@@ -671,70 +763,108 @@ PyObject* Alloc_live_blocks(AllocObject* self, PyObject*) {
     return out;
 }
 
-// consistency_problems(device_maps, reservations) -> list[str]; device_maps: [(va, nbytes, handle int)]
-// as Device.mapping_ranges() gives them, reservations: [(va, nbytes)] or None.
-PyObject* Alloc_consistency_problems(AllocObject* self, PyObject* args) {
-    CHECK_ALIVE(self);
-    PyObject *o_maps, *o_res;
-    if (!PyArg_ParseTuple(args, "OO", &o_maps, &o_res)) return nullptr;
-    std::vector<std::tuple<std::uint64_t, std::uint64_t, gpumem::ChunkHandle>> maps;
-    std::vector<std::pair<std::uint64_t, std::uint64_t>> res;
-    PyObject* seq = PySequence_Fast(o_maps, "device_maps must be a sequence");
-    if (!seq) return nullptr;
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
-        unsigned long long va, n, h;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KKK", &va, &n, &h)) {
-            Py_DECREF(seq);
-            return nullptr;
+// An int in [0, 2**64) from a helper's or a device listing's result; otherwise false with a
+// TypeError (or OverflowError) set that says what `what` should have been.
+bool result_u64(PyObject* o, const char* what, std::uint64_t* out) {
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "gpumem allocator: %s must be an int, got %.80s", what, Py_TYPE(o)->tp_name);
+        return false;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return false;
+    *out = v;
+    return true;
+}
+
+// A sequence of `n`-tuples of ints (the device's listings) into `out`; false with an error set.
+bool int_tuples(PyObject* seq_obj, Py_ssize_t n, const char* what, std::vector<std::uint64_t>& out) {
+    PyObject* seq = PySequence_Fast(seq_obj, what);
+    if (!seq) return false;
+    bool ok = true;
+    for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(seq); ++i) {
+        PyObject* t = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != n) {
+            PyErr_Format(PyExc_TypeError, "gpumem allocator: %s: entry %zd must be a tuple of %zd ints, got %.80s",
+                         what, i, n, Py_TYPE(t)->tp_name);
+            ok = false;
+            break;
         }
-        maps.emplace_back(va, n, static_cast<gpumem::ChunkHandle>(h));   // the device's handle value, for now
+        for (Py_ssize_t k = 0; ok && k < n; ++k) {
+            std::uint64_t v;
+            ok = result_u64(PyTuple_GET_ITEM(t, k), what, &v);
+            if (ok) out.push_back(v);
+        }
     }
     Py_DECREF(seq);
-    if (o_res != Py_None) {
-        seq = PySequence_Fast(o_res, "reservations must be a sequence");
-        if (!seq) return nullptr;
-        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
-            unsigned long long va, n;
-            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KK", &va, &n)) {
-                Py_DECREF(seq);
-                return nullptr;
+    return ok;
+}
+
+// consistency_problems(list_device) -> list[str]. list_device() returns (mappings, reservations):
+// [(va, nbytes, handle int)] as Device.mapping_ranges() gives them, and [(va, nbytes)] or None; the
+// engine calls it under its lock (Engine::consistency_problems), so that the listings match its state.
+PyObject* Alloc_consistency_problems(AllocObject* self, PyObject* list_device) {
+    CHECK_ALIVE(self);
+    if (list_device != Py_None && !PyCallable_Check(list_device)) {
+        PyErr_SetString(PyExc_TypeError, "consistency_problems(list_device): list_device must be callable or None");
+        return nullptr;
+    }
+    Engine::ListDevice list;
+    if (list_device != Py_None) {
+        list = [self, list_device](Engine::DeviceMaps& maps, Engine::Reservations& res) -> bool {
+            PyDeviceBackend* backend = self->backend;
+            PyObject* r = PyObject_CallNoArgs(list_device);
+            if (!r) backend->raise_current();   // the device's exception, as a device call's
+            std::vector<std::uint64_t> m, v;
+            bool have_res = false;
+            bool ok = PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2;
+            if (!ok)
+                PyErr_Format(PyExc_TypeError, "gpumem allocator: list_device() must return (mappings, reservations), "
+                             "got %.80s", Py_TYPE(r)->tp_name);
+            ok = ok && int_tuples(PyTuple_GET_ITEM(r, 0), 3, "the device's mapping_ranges()", m);
+            if (ok && PyTuple_GET_ITEM(r, 1) != Py_None) {
+                have_res = true;
+                ok = int_tuples(PyTuple_GET_ITEM(r, 1), 2, "the device's reservation_ranges()", v);
             }
-            res.emplace_back(va, n);
-        }
-        Py_DECREF(seq);
+            Py_DECREF(r);
+            if (!ok) backend->raise_current();
+            // device handle value -> chunk id; a handle object without an int `handle` (a device
+            // that returned something else from mem_create) matches no mapping, as in Python
+            std::unordered_map<std::uint64_t, gpumem::ChunkHandle> by_value;
+            for (std::size_t id = 1; id <= backend->chunk_table_size(); ++id) {
+                PyObject* h = backend->chunk_object(id);
+                if (!h) continue;
+                PyObject* hv_obj = PyObject_GetAttrString(h, "handle");
+                if (!hv_obj) {
+                    if (!PyErr_ExceptionMatches(PyExc_Exception)) backend->raise_current();
+                    PyErr_Clear();
+                    continue;
+                }
+                unsigned long long hv = PyLong_Check(hv_obj) ? PyLong_AsUnsignedLongLong(hv_obj) : 0;
+                bool hv_ok = PyLong_Check(hv_obj) && !(hv == static_cast<unsigned long long>(-1) && PyErr_Occurred());
+                PyErr_Clear();
+                Py_DECREF(hv_obj);
+                if (hv_ok) by_value[hv] = id;
+            }
+            for (std::size_t i = 0; i + 2 < m.size(); i += 3) {
+                auto it = by_value.find(m[i + 2]);
+                maps.emplace_back(m[i], m[i + 1], it == by_value.end() ? 0 : it->second);
+            }
+            for (std::size_t i = 0; i + 1 < v.size(); i += 2) res.emplace_back(v[i], v[i + 1]);
+            return have_res;
+        };
     }
     return run_op(self, [&]() -> PyObject* {
-        // the chunk table is read under the engine's lock, so that it matches the engine's state
-        // while another thread's operation changes it
-        gpumem::Engine::Hold hold(*self->engine);
-        // device handle value -> chunk id; a handle object without an int `handle` (a device that
-        // returned something else from mem_create) matches no mapping, as in the Python allocator
-        std::unordered_map<std::uint64_t, gpumem::ChunkHandle> by_value;
-        for (std::size_t id = 1; id <= self->backend->chunk_table_size(); ++id) {
-            PyObject* h = self->backend->chunk_object(id);
-            if (!h) continue;
-            PyObject* v = PyObject_GetAttrString(h, "handle");
-            if (!v) {
-                if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
-                PyErr_Clear();
-                continue;
-            }
-            unsigned long long hv = PyLong_Check(v) ? PyLong_AsUnsignedLongLong(v) : 0;
-            bool ok = PyLong_Check(v) && !(hv == static_cast<unsigned long long>(-1) && PyErr_Occurred());
-            PyErr_Clear();
-            Py_DECREF(v);
-            if (ok) by_value[hv] = id;
-        }
-        for (auto& m : maps) {
-            auto it = by_value.find(std::get<2>(m));
-            std::get<2>(m) = it == by_value.end() ? 0 : it->second;
-        }
-        auto problems = self->engine->consistency_problems(&maps, o_res == Py_None ? nullptr : &res);
+        auto problems = self->engine->consistency_problems(list);
         PyObject* out = PyList_New(0);
+        if (!out) return nullptr;
         for (auto& p : problems) {
             PyObject* s = PyUnicode_FromString(p.c_str());
-            PyList_Append(out, s);
-            Py_XDECREF(s);
+            if (!s || PyList_Append(out, s) < 0) {
+                Py_XDECREF(s);
+                Py_DECREF(out);
+                return nullptr;
+            }
+            Py_DECREF(s);
         }
         return out;
     });
@@ -769,8 +899,8 @@ PyMethodDef Alloc_methods[] = {
     {"allocated_nbytes", reinterpret_cast<PyCFunction>(Alloc_allocated_nbytes), METH_NOARGS, "allocated bytes"},
     {"block_size", reinterpret_cast<PyCFunction>(Alloc_block_size), METH_O, "size of a live block"},
     {"live_blocks", reinterpret_cast<PyCFunction>(Alloc_live_blocks), METH_NOARGS, "(ptr, size) of live blocks"},
-    {"consistency_problems", reinterpret_cast<PyCFunction>(Alloc_consistency_problems), METH_VARARGS,
-     "consistency_problems(device_maps, reservations) -> list of problems"},
+    {"consistency_problems", reinterpret_cast<PyCFunction>(Alloc_consistency_problems), METH_O,
+     "consistency_problems(list_device) -> list of problems; list_device() -> (mappings, reservations)"},
     {"describe", reinterpret_cast<PyCFunction>(Alloc_describe), METH_NOARGS, "the backing, in words"},
     {"closed", reinterpret_cast<PyCFunction>(Alloc_closed), METH_NOARGS, "whether close() ran"},
     {"lost", reinterpret_cast<PyCFunction>(Alloc_lost), METH_NOARGS, "whether the device was lost"},

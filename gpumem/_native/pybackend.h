@@ -54,9 +54,12 @@ class PyDeviceBackend : public Backend {
     std::size_t chunk_table_size() const { return chunks_.size(); }
     // Visits the Python objects it holds (the allocator's tp_traverse).
     int traverse(visitproc visit, void* arg);
+    // Throws the Python exception being raised as a BackendError, classified and kept as a device
+    // call's (Note [Device exceptions live for one operation]): for Python code the binding runs
+    // on the engine's behalf inside an operation (the device listings of consistency_problems).
+    [[noreturn]] void raise_current();
 
   private:
-    [[noreturn]] void raise_current();
     PyObject* call(PyObject* name, PyObject* a = nullptr, PyObject* b = nullptr, PyObject* c = nullptr,
                    PyObject* d = nullptr);
     void call_void(PyObject* name, PyObject* a = nullptr, PyObject* b = nullptr, PyObject* c = nullptr,

@@ -24,7 +24,8 @@
 // pointer alloc returns (a null pointer would become a tensor that faults in the first kernel),
 // and it turns a C++ exception from alloc into a Python exception: c10::OutOfMemoryError into
 // torch.OutOfMemoryError, any other std::exception into RuntimeError (pytorch issue 133280). So on
-// out of memory this throws c10::OutOfMemoryError, built without PyTorch's headers from the
+// out of memory the hook PyTorch calls (gpumem_torch_alloc_hook; Note [Two alloc functions: one for
+// C, one for PyTorch]) throws c10::OutOfMemoryError, built without PyTorch's headers from the
 // symbols of the c10 library PyTorch has loaded (its constructor, vtable and type_info, found with
 // dlopen RTLD_NOLOAD; the object is made by c10's own constructor, so its layout is c10's). Where
 // those symbols cannot be found (another PyTorch build, or no PyTorch at all), it throws
@@ -285,6 +286,69 @@ void record_event(int action, int device, std::uint64_t addr, std::uint64_t nbyt
     }
 }
 
+// Note [Two alloc functions: one for C, one for PyTorch]: a C++ exception must not leave a function
+// that C code calls (ctypes, a C program): nothing there can catch it, and the process aborts (it
+// did, for gpumem_torch_malloc called without a driver). PyTorch, on the other hand, only learns
+// of a failure through an exception (Note [Out of memory reaches PyTorch as its OutOfMemoryError]:
+// it does not check the pointer). So the allocation is written once, without exceptions
+// (allocate_on), and exported twice: gpumem_torch_malloc, the C function, returns null and records
+// why (gpumem_torch_last_error()); gpumem_torch_alloc_hook, what gpumem.torch installs in PyTorch,
+// throws. Both count their failures (torch_ooms, torch_errors).
+struct AllocFailure {
+    std::string what;   // empty: no failure (a null pointer is then a zero-size request's)
+    bool oom = false;
+};
+
+void* allocate_on(ssize_t size, int device, void* stream, AllocFailure* failure) noexcept {
+    try {
+        if (size <= 0) {
+            // Zero-size tensors get no memory (PyTorch never dereferences their pointer; the free of a
+            // null pointer does nothing). A negative size cannot come from PyTorch (size_t).
+            if (size < 0) {
+                failure->what = "gpumem_torch_malloc: negative size " + std::to_string(size);
+                return nullptr;
+            }
+            if (DeviceEngine* d = existing(device)) d->zero_allocs.fetch_add(1, std::memory_order_relaxed);
+            return nullptr;
+        }
+        DeviceEngine* d = get_or_make(device);   // throws when there is no driver, no VMM...
+        const std::uint64_t nbytes = static_cast<std::uint64_t>(size);
+        const std::uint64_t s = reinterpret_cast<std::uintptr_t>(stream);
+        try {
+            std::uint64_t p = d->engine->try_allocate_fast(nbytes, s);
+            if (p == 0) p = d->engine->allocate(nbytes, s);
+            record_event(0, device, p, nbytes, s);   // Note [Allocation history for gpumem record]
+            if (g_tracing.load(std::memory_order_relaxed)) trace_event(d, 0, p, nbytes, s);
+            return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
+        } catch (const EngineError& e) {
+            if (e.kind == EngineErrorKind::kOutOfMemory) {
+                d->torch_ooms.fetch_add(1, std::memory_order_relaxed);
+                record_event(2, device, 0, nbytes, s);
+                if (OomObserver obs = history().oom_observer.load(std::memory_order_acquire))
+                    obs(device, nbytes, e.oom.free_nbytes, e.oom.total_nbytes);   // no engine lock held
+                failure->oom = true;
+                failure->what = oom_message(e, nbytes, device);
+                return nullptr;
+            }
+            d->torch_errors.fetch_add(1, std::memory_order_relaxed);
+            failure->what = "gpumem could not allocate " + std::to_string(nbytes) + " bytes on CUDA device " +
+                            std::to_string(device) + ": " + e.what();
+        } catch (const BackendError& e) {
+            d->torch_errors.fetch_add(1, std::memory_order_relaxed);
+            failure->what = "gpumem: CUDA device " + std::to_string(device) + ": " + e.what();
+        } catch (const std::exception& e) {
+            d->torch_errors.fetch_add(1, std::memory_order_relaxed);
+            failure->what = "gpumem: CUDA device " + std::to_string(device) + ": " + e.what();
+        }
+    } catch (const std::exception& e) {
+        failure->what = e.what();
+    } catch (...) {
+        failure->what = "gpumem_torch_malloc: unknown C++ exception";
+    }
+    if (failure->what.empty()) failure->what = "gpumem_torch_malloc: failed";
+    return nullptr;
+}
+
 }  // namespace
 
 // The engine PyTorch's hooks use on `device` (made on first use), for gpumem._engine.CudaAllocator:
@@ -304,39 +368,30 @@ GPUMEM_EXPORT const char* gpumem_torch_stat_names() {
            "n_ranges,va_nbytes,granularity_nbytes,leaked_nbytes,torch_ooms,torch_errors,free_errors,zero_allocs";
 }
 
-// PyTorch's alloc hook (CUDAPluggableAllocator: void*(size_t, int, cudaStream_t)).
+// Allocates `size` bytes on CUDA device `device` for work on `stream` (a cudaStream_t); the C
+// function: never throws (Note [Two alloc functions: one for C, one for PyTorch]). Returns the
+// pointer; null for size 0 (no memory), and null on failure, with the reason in
+// gpumem_torch_last_error() (out of memory, no driver, no virtual memory management, a negative
+// size). Free with gpumem_torch_free.
 GPUMEM_EXPORT void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
-    if (size <= 0) {
-        // Zero-size tensors get no memory (PyTorch never dereferences their pointer; the free of a
-        // null pointer below does nothing). A negative size cannot come from PyTorch (size_t).
-        if (size < 0) throw std::invalid_argument("gpumem_torch_malloc: negative size " + std::to_string(size));
-        if (DeviceEngine* d = existing(device)) d->zero_allocs.fetch_add(1, std::memory_order_relaxed);
-        return nullptr;
+    AllocFailure failure;
+    void* p = allocate_on(size, device, stream, &failure);
+    if (p == nullptr && !failure.what.empty()) t_last_error = failure.what;
+    return p;
+}
+
+// PyTorch's alloc hook (CUDAPluggableAllocator: void*(size_t, int, cudaStream_t)), what
+// gpumem.torch installs: gpumem_torch_malloc, with failures thrown as C++ exceptions, which PyTorch
+// turns into Python ones (c10::OutOfMemoryError: torch.OutOfMemoryError; others RuntimeError).
+// Only for C++ callers that catch them (Note [Two alloc functions: one for C, one for PyTorch]).
+GPUMEM_EXPORT void* gpumem_torch_alloc_hook(ssize_t size, int device, void* stream) {
+    AllocFailure failure;
+    void* p = allocate_on(size, device, stream, &failure);
+    if (p == nullptr && !failure.what.empty()) {
+        if (failure.oom) throw_out_of_memory(failure.what);
+        throw std::runtime_error(failure.what);
     }
-    DeviceEngine* d = get_or_make(device);
-    const std::uint64_t nbytes = static_cast<std::uint64_t>(size);
-    const std::uint64_t s = reinterpret_cast<std::uintptr_t>(stream);
-    try {
-        std::uint64_t p = d->engine->try_allocate_fast(nbytes, s);
-        if (p == 0) p = d->engine->allocate(nbytes, s);
-        record_event(0, device, p, nbytes, s);
-        if (g_tracing.load(std::memory_order_relaxed)) trace_event(d, 0, p, nbytes, s);
-        return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
-    } catch (const EngineError& e) {
-        if (e.kind == EngineErrorKind::kOutOfMemory) {
-            d->torch_ooms.fetch_add(1, std::memory_order_relaxed);
-            record_event(2, device, 0, nbytes, s);
-            if (OomObserver obs = history().oom_observer.load(std::memory_order_acquire))
-                obs(device, nbytes, e.oom.free_nbytes, e.oom.total_nbytes);
-            throw_out_of_memory(oom_message(e, nbytes, device));
-        }
-        d->torch_errors.fetch_add(1, std::memory_order_relaxed);
-        throw std::runtime_error(std::string("gpumem could not allocate ") + std::to_string(nbytes) +
-                                 " bytes on CUDA device " + std::to_string(device) + ": " + e.what());
-    } catch (const BackendError& e) {
-        d->torch_errors.fetch_add(1, std::memory_order_relaxed);
-        throw std::runtime_error(std::string("gpumem: CUDA device ") + std::to_string(device) + ": " + e.what());
-    }
+    return p;
 }
 
 // PyTorch's free hook (void(void*, size_t, int, cudaStream_t)). Called from tensor deleters, which

@@ -151,7 +151,7 @@ from typing import Callable
 
 from ..device import Device, PhysicalHandle
 from ..errors import InternalError, InvalidArgumentError, OutOfMemoryError
-from ..units import align_up
+from ..units import align_up, format_bytes
 from .block import Block, FreeList
 from .fences import StreamFences, merge_fences
 from .policy import AllocatorPolicy, GrowthRule
@@ -432,6 +432,11 @@ class VirtualBacking(Backing):
                                            f"{device.spec}'s granularity ({g} B)")
         g = max(self.page_nbytes.values())
         self.va_nbytes = -(-int(total * policy.va_reserve_factor) // g) * g
+        if self.va_nbytes >= 1 << 64:  # the native engine's arithmetic is 64-bit, and so are addresses
+            raise InvalidArgumentError(
+                f"policy {policy.name!r}: va_reserve_factor {policy.va_reserve_factor} times {device.spec}'s "
+                f"{format_bytes(total)} is {self.va_nbytes} B of address space per pool, more than 64-bit "
+                "addresses hold; lower va_reserve_factor")
         self.vsegments: dict[bool, VirtualSegment] = {}
         """One range per pool (``True``: the small pool)."""
         self.unmapped: list[PhysicalHandle] = []

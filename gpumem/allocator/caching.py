@@ -70,8 +70,8 @@ import threading
 from typing import Any, Callable, ContextManager, Iterator
 
 from ..device import Device, check_nbytes, check_pointer
-from ..errors import (DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError, InvalidPointerError,
-                      OutOfMemoryError)
+from ..errors import (DeviceClosedError, DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError,
+                      InvalidPointerError, OutOfMemoryError)
 from ..units import format_bytes, parse_limit
 from .backing import AddressSpaceExhausted, Backing, LimitExceeded, Segment, SegmentBacking, VirtualBacking, VirtualSegment
 from .block import Block, FreeList, TopDownFreeList, append_block, drop_last_block, merge_blocks, split_block
@@ -91,6 +91,14 @@ NATIVE_BY_DEFAULT = True
 On: the native engine makes the reference's decisions (tests/allocator/test_native_differential.py). The
 white-box tests that read the Python engine's internals pin the reference (tests/allocator/conftest.py)."""
 _STREAM_END = 1 << 64
+
+
+def too_large_hint(nbytes: int, size: int, total_nbytes: int) -> str:
+    """The hint of an out-of-memory error for a request (``nbytes``, rounded to ``size``) that can never
+    fit the device."""
+    what = "The request" if size == nbytes else f"The request, rounded up to {format_bytes(size)} by the policy,"
+    return (f"{what} is larger than the device's total memory ({format_bytes(total_nbytes)}), so it was "
+            "refused at once. Try: use smaller batches or shorter sequences, or split the tensor.")
 
 
 def _as_int(value: object, what: str) -> int:
@@ -277,8 +285,10 @@ class CachingAllocator(AllocatorContract):
         small = size <= self._small_max
         # Note [The hot path makes no device call]: a cache hit on a page that already holds live
         # data needs neither the device nor deferred events; everything else runs as an operation.
+        # A closed device is asked first: it has given all memory back (Note [No memory from a closed
+        # device] in gpumem/_native/module.cpp).
         with self._lock:
-            if self._lost is None and not self._closed:
+            if self._lost is None and not self._closed and not self.device.closed:
                 free_list = self._free_lists.get((small, stream))
                 if free_list is not None:
                     block = free_list.best_fit(size)
@@ -292,6 +302,8 @@ class CachingAllocator(AllocatorContract):
                     raise DeviceLostError(f"the device was lost: {self._lost}")
                 if self._closed:
                     raise InvalidArgumentError("allocator is closed")
+                if self.device.closed:
+                    raise DeviceClosedError(f"{self.device.spec} is closed")
                 try:
                     return self._allocate_slow(nbytes, size, small, stream)
                 except DeviceLostError as exc:
@@ -309,8 +321,7 @@ class CachingAllocator(AllocatorContract):
             info = self.device.mem_info()
             if size > total:
                 cause = OutOfMemoryError(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec)
-                hint = (f"The request is larger than the device's total memory ({format_bytes(total)}), so it was "
-                        "refused at once. Try: use smaller batches or shorter sequences, or split the tensor.")
+                hint = too_large_hint(nbytes, size, total)
             else:
                 cause = LimitExceeded(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec,
                                       limit_nbytes=self.limit_nbytes)
@@ -668,7 +679,8 @@ class CachingAllocator(AllocatorContract):
             hint += "."
         return OutOfMemoryError(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec,
                                 allocated_nbytes=st.allocated_nbytes, cached_nbytes=cached,
-                                limit_nbytes=self.limit_nbytes, hint=hint, injected=injected)
+                                limit_nbytes=self.limit_nbytes, hint=hint, injected=injected,
+                                rounded_nbytes=-(-nbytes // self._round) * self._round)
 
     # -- streams ---------------------------------------------------------------------------------------
     def record_stream(self, ptr: int, stream: int) -> None:
@@ -743,10 +755,16 @@ class CachingAllocator(AllocatorContract):
         device that lists its ranges (the simulator and the CUDA adapter).
         """
         if self._native is not None:
-            maps = list(self.device.mapping_ranges())
-            reservations = (list(self.device.reservation_ranges()) if hasattr(self.device, "reservation_ranges")
-                            else None)
-            problems = self._native.consistency_problems(maps, reservations)
+            device = self.device
+
+            def list_device() -> tuple[list[tuple[int, int, int]], list[tuple[int, int]] | None]:
+                # called by the engine under its lock (Engine::consistency_problems), so that another
+                # thread's allocation cannot change the mappings between the two views
+                reservations = (list(device.reservation_ranges()) if hasattr(device, "reservation_ranges")
+                                else None)
+                return list(device.mapping_ranges()), reservations
+
+            problems = self._native.consistency_problems(list_device)
             if problems:
                 raise InternalError("allocator and device disagree: " + "; ".join(problems[:8])
                                     + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""))
@@ -806,9 +824,14 @@ class CachingAllocator(AllocatorContract):
             return [(b.addr, b.size) for b in self._live.values()]
 
     def block_size(self, ptr: int) -> int:
-        """The (rounded) size of the live block at ``ptr``."""
+        """The (rounded) size of the live block at ``ptr`` (any integer, ``np.int64`` included).
+
+        Raises :class:`~gpumem.errors.InvalidArgumentError` when ``ptr`` is not an integer, and
+        :class:`~gpumem.errors.InvalidPointerError` when no live block starts there."""
         if self._native is not None:
             return self._native.block_size(ptr)
+        if ptr.__class__ is not int:
+            ptr = _as_int(ptr, "ptr")
         block = self._live.get(ptr)
         if block is None:
             raise InvalidPointerError(f"{ptr!r} is not a live allocation")

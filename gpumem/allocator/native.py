@@ -9,8 +9,8 @@ allocator's ``_oom_error`` builds, from the numbers the engine gathered at the s
 from __future__ import annotations
 
 from ..device import check_nbytes
-from ..errors import (DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError, InvalidPointerError,
-                      OutOfMemoryError)
+from ..errors import (DeviceClosedError, DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError,
+                      InvalidPointerError, OutOfMemoryError)
 from ..units import format_bytes
 
 __all__ = ["load_engine", "check_alloc_args", "as_ptr", "check_stream", "oom_error"]
@@ -20,6 +20,7 @@ INVALID_ARGUMENT = InvalidArgumentError
 INVALID_POINTER = InvalidPointerError
 DOUBLE_FREE = DoubleFreeError
 DEVICE_LOST = DeviceLostError
+DEVICE_CLOSED = DeviceClosedError
 INTERNAL = InternalError
 OUT_OF_MEMORY = OutOfMemoryError
 
@@ -77,13 +78,15 @@ def bad_pointer(op: str, ptr: int, closed: bool, lost: str | None) -> None:
 
 def oom_error(cause: int, nbytes: int, free_nbytes: int, total_nbytes: int, allocated_nbytes: int,
               cached_nbytes: int, reserved_nbytes: int, limit_nbytes: int, va_nbytes: int, cause_exc: object,
-              device: str) -> OutOfMemoryError:
+              device: str, round_nbytes: int) -> OutOfMemoryError:
     """The error of ``CachingAllocator._oom_error`` (virtual-memory mode), from the engine's numbers."""
+    from .caching import too_large_hint
+
     limit = limit_nbytes or None
     injected = bool(getattr(cause_exc, "injected", False)) if cause == _DEVICE else False
+    rounded = -(-nbytes // round_nbytes) * round_nbytes
     if cause == _TOO_LARGE:
-        hint = (f"The request is larger than the device's total memory ({format_bytes(total_nbytes)}), so it was "
-                "refused at once. Try: use smaller batches or shorter sequences, or split the tensor.")
+        hint = too_large_hint(nbytes, rounded, total_nbytes)
     elif injected:
         hint = ("The device call failed because of an injected fault (the simulator's fault plan), "
                 "not a real shortage of memory.")
@@ -101,4 +104,5 @@ def oom_error(cause: int, nbytes: int, free_nbytes: int, total_nbytes: int, allo
                 f"{format_bytes(outside)} of this device is held outside this allocator (this process's "
                 "CUDA context, other allocators, other processes; see `gpumem devices`).")
     return OutOfMemoryError(nbytes, free_nbytes, total_nbytes, device=device, allocated_nbytes=allocated_nbytes,
-                            cached_nbytes=cached_nbytes, limit_nbytes=limit, hint=hint, injected=injected)
+                            cached_nbytes=cached_nbytes, limit_nbytes=limit, hint=hint, injected=injected,
+                            rounded_nbytes=rounded)

@@ -83,6 +83,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
 from ..units import MiB, align_up
+from ..validate import check_int_in_range, check_real_in_range
 
 
 class VmmMode(str, enum.Enum):
@@ -177,29 +178,46 @@ class AllocatorPolicy:
     (the rule before issue 18); 0: always wait."""
 
     def __post_init__(self) -> None:
-        if self.round_nbytes <= 0 or self.round_nbytes & (self.round_nbytes - 1):
-            raise InvalidArgumentError("round_nbytes must be a positive power of two")
-        if self.va_reserve_factor < 1.0:
-            raise InvalidArgumentError("va_reserve_factor must be at least 1")
-        if not isinstance(self.growth, GrowthRule):
-            try:
-                object.__setattr__(self, "growth", GrowthRule(self.growth))
-            except ValueError:
-                raise InvalidArgumentError(f"unknown growth rule {self.growth!r}; choose one of "
-                                           f"{', '.join(r.value for r in GrowthRule)}") from None
-        for knob in ("page_slack", "chunk_max_fraction", "grow_ahead_fraction"):
-            value = getattr(self, knob)
-            if not 0.0 <= value <= 1.0:
-                raise InvalidArgumentError(f"{knob} must be between 0 and 1, not {value!r}")
-        if not isinstance(self.busy_slack, (int, float)) or isinstance(self.busy_slack, bool) or \
+        # Note [Every knob has a range]: each field is checked against the range the allocators can
+        # honour (table below; the native engine's arithmetic is 64-bit), and the error names the
+        # field and its range: a negative size or a NaN fraction would otherwise surface far away,
+        # as a wrong split or an engine error. Integers may be any integer type (np.int64); bools
+        # are refused where a number is meant, and numbers where a bool is.
+        for field, (kind, lo, hi) in _FIELD_RANGES.items():
+            value = getattr(self, field)
+            if kind == "int?" and value is None:
+                continue
+            if kind == "bool":
+                if value.__class__ is not bool:
+                    raise InvalidArgumentError(f"AllocatorPolicy.{field} must be a bool, got {value!r:.60}")
+                continue
+            if kind == "float+inf":   # checked below: inf (no bound) is allowed
+                continue
+            if kind == "str":
+                if not isinstance(value, str):
+                    raise InvalidArgumentError(f"AllocatorPolicy.{field} must be a str, got {value!r:.60}")
+                continue
+            number = (check_int_in_range(value, f"AllocatorPolicy.{field}", lo, hi) if kind != "float"
+                      else check_real_in_range(value, f"AllocatorPolicy.{field}", lo, hi))
+            object.__setattr__(self, field, number)
+        # busy_slack takes inf (no bound), which the finite ranges above do not
+        if isinstance(self.busy_slack, bool) or not isinstance(self.busy_slack, (int, float)) or \
                 not self.busy_slack >= 0.0:
-            raise InvalidArgumentError(f"busy_slack must be a number >= 0 (inf: no bound), not {self.busy_slack!r}")
-        if self.chunk_max_nbytes <= 0:
-            raise InvalidArgumentError("chunk_max_nbytes must be positive")
-        for knob in ("small_page_nbytes", "large_page_nbytes"):
-            value = getattr(self, knob)
-            if value is not None and (value.__class__ is not int or value <= 0):
-                raise InvalidArgumentError(f"{knob} must be a positive number of bytes or None, not {value!r}")
+            raise InvalidArgumentError(f"AllocatorPolicy.busy_slack must be a number >= 0 (inf: no bound), "
+                                       f"got {self.busy_slack!r:.60}")
+        object.__setattr__(self, "busy_slack", float(self.busy_slack))
+        if self.round_nbytes & (self.round_nbytes - 1):
+            raise InvalidArgumentError(f"AllocatorPolicy.round_nbytes must be a power of two in [1, 2**62], "
+                                       f"got {self.round_nbytes}")
+        for field, enum_type, label in (("vmm", VmmMode, "vmm mode"), ("segment_rule", SegmentRule, "segment rule"),
+                                        ("growth", GrowthRule, "growth rule")):
+            value = getattr(self, field)
+            if not isinstance(value, enum_type):
+                try:
+                    object.__setattr__(self, field, enum_type(value))
+                except (ValueError, TypeError):
+                    raise InvalidArgumentError(f"AllocatorPolicy.{field}: unknown {label} {value!r:.60}; choose one "
+                                               f"of {', '.join(r.value for r in enum_type)}") from None
         if self.custom_pages and (self.growth is not GrowthRule.PAGES or self.steal_empty_pages):
             raise InvalidArgumentError("small_page_nbytes / large_page_nbytes need growth='pages' and "
                                        "steal_empty_pages=False (a chunk moves only to a page of its size)")
@@ -224,6 +242,29 @@ class AllocatorPolicy:
             return 20 * MiB if nbytes < 10 * MiB else align_up(nbytes, 2 * MiB)
         return align_up(nbytes, granularity)
 
+
+_SIZE_END = (1 << 63) - 1
+_FIELD_RANGES: dict[str, tuple[str, float, float]] = {
+    "name": ("str", 0, 0),
+    "description": ("str", 0, 0),
+    "round_nbytes": ("int", 1, 1 << 62),
+    "small_max_nbytes": ("int", 0, _SIZE_END),
+    "separate_small_pool": ("bool", 0, 0),
+    "small_segment_nbytes": ("int", 1, _SIZE_END),
+    "min_split_small_nbytes": ("int", 0, _SIZE_END),
+    "min_split_large_nbytes": ("int", 0, _SIZE_END),
+    "va_reserve_factor": ("float", 1.0, 4096.0),
+    "steal_empty_pages": ("bool", 0, 0),
+    "page_slack": ("float", 0.0, 1.0),
+    "chunk_max_fraction": ("float", 0.0, 1.0),
+    "chunk_max_nbytes": ("int", 1, _SIZE_END),
+    "small_page_nbytes": ("int?", 1, _SIZE_END),
+    "large_page_nbytes": ("int?", 1, _SIZE_END),
+    "segments_top_down": ("bool", 0, 0),
+    "grow_ahead_fraction": ("float", 0.0, 1.0),
+    "busy_slack": ("float+inf", 0.0, float("inf")),
+}
+"""Each field of :class:`AllocatorPolicy`: its kind and its inclusive range (Note [Every knob has a range])."""
 
 POLICIES: dict[str, AllocatorPolicy] = {
     p.name: p

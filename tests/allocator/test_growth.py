@@ -275,3 +275,43 @@ def test_chunks_make_far_fewer_device_calls_than_pages(name, factor, engine):
     assert sum(after[k] for k in kinds) * factor <= sum(before[k] for k in kinds)
     assert after["mem_create"] * factor <= before["mem_create"]
     assert after["mem_map"] * factor <= before["mem_map"]
+
+
+# -- every knob has a range (issue 20 item 12) ---------------------------------------------------------
+@pytest.mark.parametrize("knobs, text", [
+    ({"small_max_nbytes": -1}, r"AllocatorPolicy.small_max_nbytes must be an int in \[0, 2\*\*63\), got -1"),
+    ({"min_split_large_nbytes": -5}, r"AllocatorPolicy.min_split_large_nbytes must be an int in \[0, 2\*\*63\)"),
+    ({"min_split_small_nbytes": -1}, r"min_split_small_nbytes must be an int in \[0, 2\*\*63\)"),
+    ({"small_segment_nbytes": 0}, r"small_segment_nbytes must be an int in \[1, 2\*\*63\)"),
+    ({"round_nbytes": 0}, r"round_nbytes must be an int in \[1, 2\*\*62\]"),
+    ({"round_nbytes": 3}, r"round_nbytes must be a power of two in \[1, 2\*\*62\]"),
+    ({"round_nbytes": 2**63}, r"round_nbytes must be an int in \[1, 2\*\*62\]"),
+    ({"small_max_nbytes": 2**64}, r"small_max_nbytes must be an int in \[0, 2\*\*63\)"),
+    ({"small_max_nbytes": 1.5}, "small_max_nbytes must be an int, got float"),
+    ({"chunk_max_nbytes": True}, "chunk_max_nbytes must be an int, got bool"),
+    ({"va_reserve_factor": 0.5}, r"va_reserve_factor must be a finite number in \[1.0, 4096.0\]"),
+    ({"va_reserve_factor": float("inf")}, r"va_reserve_factor must be a finite number in \[1.0, 4096.0\]"),
+    ({"page_slack": float("nan")}, r"page_slack must be a finite number in \[0.0, 1.0\]"),
+    ({"grow_ahead_fraction": "0.1"}, r"grow_ahead_fraction must be a number in \[0.0, 1.0\], got str"),
+    ({"separate_small_pool": 1}, "separate_small_pool must be a bool"),
+    ({"steal_empty_pages": None}, "steal_empty_pages must be a bool"),
+    ({"large_page_nbytes": -2}, r"large_page_nbytes must be an int in \[1, 2\*\*63\)"),
+    ({"vmm": "sometimes"}, "vmm: unknown vmm mode 'sometimes'"),
+    ({"segment_rule": 3}, "segment_rule: unknown segment rule 3"),
+    ({"description": None}, "description must be a str"),
+])
+def test_every_policy_field_out_of_range_is_refused_by_name_and_range(knobs, text):
+    with pytest.raises(InvalidArgumentError, match=text):
+        policy(**knobs)
+
+
+def test_policy_integers_of_any_type_become_ints_and_every_field_is_checked():
+    np = pytest.importorskip("numpy")
+    p = policy(small_max_nbytes=np.int64(4096), round_nbytes=np.uint32(1024), vmm="never")
+    assert p.small_max_nbytes == 4096 and type(p.small_max_nbytes) is int and type(p.round_nbytes) is int
+    assert p.vmm.value == "never"
+    from gpumem.allocator import policy as policy_module
+
+    fields = {f.name for f in dataclasses.fields(policy_module.AllocatorPolicy)}
+    assert fields == set(policy_module._FIELD_RANGES) | {"vmm", "segment_rule", "growth"}, \
+        "a field without a range: add it to _FIELD_RANGES"

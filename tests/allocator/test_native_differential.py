@@ -62,14 +62,43 @@ PAGES_POLICY = POLICIES[-3]
 TRACES_DIR = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "data", "traces")
 
 
+class InjectedInterrupt(KeyboardInterrupt):
+    """Ctrl-C, as a device call raises it: a BaseException that is not an Exception."""
+
+
+class InjectedExit(SystemExit):
+    """``sys.exit()`` from inside a device call (a signal handler, a tenant's code)."""
+
+
+class InjectedError(RuntimeError):
+    """A device call's ordinary failure (an Exception the allocator may catch and go on)."""
+
+
+INJECTED = (InjectedInterrupt, InjectedExit, InjectedError)
+
+
 class CallLog:
-    """Records the device calls made through ``device``'s public methods, with normalized arguments."""
+    """Records the device calls made through ``device``'s public methods, with normalized arguments.
+
+    :meth:`arm` makes it raise exceptions from chosen device calls (before the device runs them): both
+    devices of a :class:`Pair` see the same calls, so both fail at the same ones."""
 
     def __init__(self, device) -> None:
         self.calls: list[tuple] = []
         self._events: dict[int, tuple[Event, int]] = {}
+        self._n = 0
+        self._schedule: dict[int, type[BaseException]] = {}
+        self.fired = 0
+        """How many of the armed exceptions were raised."""
         for name in RECORDED:
             setattr(device, name, self._wrap(name, getattr(device, name)))
+
+    def arm(self, schedule: dict[int, type[BaseException]]) -> None:
+        """From now, the ``k``-th device call raises ``schedule[k]`` (an empty schedule disarms it and
+        keeps :attr:`fired`)."""
+        self._n, self._schedule = 0, dict(schedule)
+        if schedule:
+            self.fired = 0
 
     def _norm(self, value):
         if isinstance(value, PhysicalHandle):
@@ -86,6 +115,13 @@ class CallLog:
     def _wrap(self, name, method):
         def call(*args):
             norm = tuple(self._norm(a) for a in args)
+            if self._schedule:
+                self._n += 1
+                exc = self._schedule.pop(self._n, None)
+                if exc is not None:
+                    self.fired += 1
+                    self.calls.append((name, norm, "raised", exc.__name__))
+                    raise exc(f"injected into {name}")
             try:
                 result = method(*args)
             except BaseException as exc:
@@ -102,10 +138,11 @@ class CallLog:
 
 
 def outcome(fn, *args):
-    """``("ok", result)`` or ``("raised", type name, message)``."""
+    """``("ok", result)`` or ``("raised", type name, message)``; the injected BaseExceptions
+    (:data:`INJECTED`) are outcomes too, a real Ctrl-C is not."""
     try:
         return ("ok", fn(*args))
-    except Exception as exc:  # noqa: BLE001 - compared, not handled
+    except (Exception, InjectedInterrupt, InjectedExit) as exc:  # noqa: BLE001 - compared, not handled
         return ("raised", type(exc).__name__, str(exc))
 
 
@@ -132,6 +169,17 @@ class Pair:
         self.compare(op)
         return py
 
+    def both_failing(self, schedule: dict[int, type[BaseException]], op: str, *args):
+        """:meth:`both`, with ``schedule[k]`` raised from the ``k``-th device call of the operation (on
+        both devices); the outcome (propagated or handled) and the state afterwards must be the same."""
+        for log in self.logs:
+            log.arm(schedule)
+        try:
+            return self.both(op, *args)
+        finally:
+            for log in self.logs:
+                log.arm({})
+
     def on_devices(self, fn) -> None:
         results = [outcome(fn, d) for d in self.devs]
         assert results[0][0] == results[1][0], results
@@ -154,6 +202,8 @@ class Pair:
 SIZES = st.one_of(st.integers(1, 4 * KiB), st.integers(4 * KiB, 3 * MiB), st.integers(3 * MiB, 96 * MiB),
                   st.sampled_from([512, 2 * MiB, 2 * MiB + 1, 20 * MiB, 1 * MiB, 1 * MiB + 1]))
 STREAMS = st.sampled_from([0, 0, 7, 9, 0x7F00_1234])
+SCHEDULES = st.dictionaries(st.integers(1, 24), st.sampled_from(INJECTED), min_size=1, max_size=2)
+"""Which device calls of an operation raise what (:meth:`CallLog.arm`)."""
 FAULT_CALLS = ("mem_create", "mem_map", "mem_set_access", "mem_unmap", "mem_release", "event_record",
                "event_query", "event_synchronize", "event_destroy", "address_reserve")
 
@@ -238,6 +288,42 @@ class Differential(RuleBasedStateMachine):
             self.live.remove(ptr)
             self.freed.append(ptr)
 
+    @rule(schedule=SCHEDULES, size=SIZES, stream=STREAMS)
+    def allocate_failing(self, schedule, size, stream):
+        """Device calls of the allocation raise (Ctrl-C, SystemExit, an error; a second one during the
+        rollback of the first): what propagates and the state after it, the same in both engines."""
+        r = self.pair.both_failing(schedule, "allocate", size, stream)
+        if r[0] == "ok":
+            self.live.append(r[1])
+
+    @rule(schedule=st.none() | SCHEDULES, size=SIZES, stream=STREAMS)
+    def allocate_in_another_thread(self, schedule, size, stream):
+        """The same operation from another thread (the device exceptions the native engine keeps are
+        per thread, Note [Device exceptions live for one operation]): the same outcome."""
+        import threading
+
+        results: list = []
+        worker = threading.Thread(target=lambda: results.append(
+            outcome(self.pair.both_failing, schedule or {}, "allocate", size, stream)))
+        worker.start()
+        worker.join()
+        assert results and results[0][0] == "ok", results  # a differing outcome failed in the thread
+        r = results[0][1]
+        if r[0] == "ok":
+            self.live.append(r[1])
+
+    @rule(schedule=SCHEDULES, op=st.sampled_from(["empty_cache", "synchronize", "check_consistency"]))
+    def operation_failing(self, schedule, op):
+        self.pair.both_failing(schedule, op)
+
+    @precondition(lambda self: self.live)
+    @rule(schedule=SCHEDULES, i=st.integers(0, 10**6))
+    def free_failing(self, schedule, i):
+        ptr = self.live[i % len(self.live)]
+        if self.pair.both_failing(schedule, "free", ptr)[0] == "ok":
+            self.live.remove(ptr)
+            self.freed.append(ptr)
+
     @rule(bad=st.sampled_from([0, -5, 1.5, False, None, 2**70]), stream=STREAMS)
     def bad_allocate(self, bad, stream):
         self.pair.both("allocate", bad, stream)
@@ -292,6 +378,164 @@ def test_device_lost_is_remembered_the_same():
     pair.both("allocate", 1000, 0)  # remembered
     pair.both("empty_cache")
     pair.both("close")
+
+
+def _sweep(setup, op, args, first, then=None, policy=_BASE, max_calls=40) -> int:
+    """Every injection point of ``op(*args)``: for k = 1, 2, ... (and j = 1, 2, ... with ``then``), a
+    fresh pair prepared by ``setup(pair)`` runs ``op`` with its k-th device call raising ``first`` and
+    its (k+j)-th raising ``then`` (a failure during the rollback of the first), until ``op`` makes
+    fewer calls. The outcome and the state after it (and after more work) must be the same in both
+    engines. Returns how many runs injected everything they were armed with."""
+    complete = 0
+    for k in range(1, max_calls):
+        fired_k = False
+        for j in [None] if then is None else range(1, max_calls):
+            pair = Pair(lambda: sim.SimDevice(small_profile(384)), policy=policy)
+            setup(pair)
+            schedule = {k: first} if j is None else {k: first, k + j: then}
+            pair.both_failing(schedule, op, *args)
+            fired = pair.logs[0].fired
+            assert fired == pair.logs[1].fired
+            fired_k = fired_k or fired > 0
+            complete += fired == len(schedule)
+            pair.both("check_consistency")
+            pair.both("allocate", 3 * MiB, 0)
+            pair.both("empty_cache")
+            pair.both("close")
+            if fired < len(schedule):
+                break
+        if not fired_k:
+            return complete
+    raise AssertionError(f"{op} made more than {max_calls} device calls")
+
+
+def _freed_on_two_streams(pair) -> None:
+    """A block used on stream 1 too, freed: events queued on stream 1 (empty_cache waits, then forgets them)."""
+    p = pair.both("allocate", 1 * MiB, 0)[1]
+    pair.both("record_stream", p, 1)
+    pair.both("free", p)
+    q = pair.both("allocate", 6 * MiB, 1)[1]
+    pair.both("free", q)
+
+
+@pytest.mark.parametrize("exc", [InjectedInterrupt, InjectedExit])
+def test_base_exceptions_in_empty_cache_propagate_the_same(exc):
+    """Ctrl-C or SystemExit from any device call of empty_cache (waiting, releasing, forgetting idle
+    streams' events) propagates from both engines and leaves the same state; so does an ordinary
+    error, which empty_cache handles where the reference does."""
+    assert _sweep(_freed_on_two_streams, "empty_cache", (), exc) > 3
+
+
+@pytest.mark.parametrize("policy", [_BASE, PAGES_POLICY], ids=["chunks", "pages"])
+@pytest.mark.parametrize("exc", [InjectedInterrupt, InjectedExit])
+def test_base_exceptions_in_the_rollback_of_a_failed_growth_propagate_the_same(exc, policy):
+    """A growth fails (an ordinary device error), and a device call of its rollback (unmap, release)
+    raises Ctrl-C or SystemExit: it propagates from both engines, with the same state left."""
+
+    def setup(pair):
+        a = pair.both("allocate", 5 * MiB, 0)[1]
+        pair.both("allocate", 1 * MiB, 0)
+        pair.both("free", a)
+
+    assert _sweep(setup, "allocate", (12 * MiB, 0), InjectedError, exc, policy=policy, max_calls=30) > 5
+
+
+def test_device_lost_met_by_check_consistency_is_remembered_the_same():
+    """A lost device noticed by check_consistency (its mem_info) is remembered, as by every operation."""
+    pair = Pair(lambda: sim.SimDevice(small_profile(384), faults=sim.FaultPlan(device_lost_at_s=0.001)))
+    a = pair.both("allocate", 5 * MiB, 0)
+    pair.on_devices(lambda d: d.advance(0.01))
+    assert pair.both("check_consistency")[1] == "DeviceLostError"
+    r = pair.both("allocate", 1000, 0)  # would reach the device: refused by what was remembered
+    assert r[:2] == ("raised", "DeviceLostError") and r[2].startswith("the device was lost: ")
+    pair.both("free", a[1])
+    pair.both("check_consistency")
+    pair.both("close")
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_check_consistency_while_other_threads_allocate(engine):
+    """check_consistency lists the device's mappings under the allocator's lock: another thread's
+    growth or release between the engine's view and the device's is never a disagreement."""
+    import sys
+    import threading
+
+    dev = sim.SimDevice(small_profile(384))
+    alloc = CachingAllocator(dev, engine=engine)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    rounds = [0, 0]
+
+    def churn(stream: int) -> None:
+        try:
+            while not stop.is_set():
+                ps = [alloc.allocate(size, stream) for size in (3 * MiB, 700 * KiB, 9 * MiB)]
+                for p in ps:
+                    alloc.free(p)
+                alloc.empty_cache()  # pages unmapped and released: the device's listing changes
+                rounds[stream] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    threads = [threading.Thread(target=churn, args=(s,)) for s in (0, 1)]
+    disagreements = []
+    checks = 0
+    try:
+        for t in threads:
+            t.start()
+        while sum(rounds) < 400 and not errors:  # the reference session saw 7 false alarms in 300 checks
+            checks += 1
+            try:
+                alloc.check_consistency()
+            except Exception as exc:  # noqa: BLE001 - counted
+                disagreements.append(str(exc))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(old)
+    assert not errors, errors
+    assert not disagreements, f"{len(disagreements)} of {checks}: {disagreements[0]}"
+    alloc.check_consistency()
+    alloc.close()
+
+
+def test_no_memory_from_a_closed_device():
+    """After device.close() a request the cache could serve (no device call) raises DeviceClosedError
+    in both engines, rather than return an address into memory the device gave back."""
+    pair = Pair(lambda: sim.SimDevice(small_profile(384)))
+    small, large = pair.both("allocate", 1000, 0)[1], pair.both("allocate", 5 * MiB, 3)[1]
+    keep = pair.both("allocate", 1000, 0)
+    pair.both("free", small)
+    pair.both("free", large)
+    pair.on_devices(lambda d: d.close())
+    for args in ((1000, 0), (5 * MiB, 3), (3 * MiB, 3), (2**70, 0)):
+        r = pair.both("allocate", *args)
+        assert r == ("raised", "DeviceClosedError", "sim:test-384mb is closed"), r
+    assert pair.both("allocate", 0, 0)[1] == "InvalidArgumentError"  # bad arguments are still named first
+    pair.both("free", keep[1])
+    pair.both("close")
+    assert pair.both("allocate", 1000, 0)[2] == "allocator is closed"
+
+
+@pytest.mark.parametrize("round_nbytes", [2**40, 256 * MiB])
+def test_oom_messages_state_the_requested_and_the_rounded_size(round_nbytes):
+    """With a policy rounding up to 1 TiB (refused at once) or 256 MiB (the device runs short), the
+    message says both the request and what the policy made of it, in both engines."""
+    pair = Pair(lambda: sim.SimDevice(small_profile(384)),
+                policy=dataclasses.replace(_BASE, name="coarse", round_nbytes=round_nbytes))
+    held = pair.both("allocate", 1, 0)
+    r = pair.both("allocate", 1000, 0)
+    assert r[:2] == ("raised", "OutOfMemoryError"), r
+    rounded = "1.00 TiB" if round_nbytes == 2**40 else "256.00 MiB"
+    assert f"tried to allocate 1000 B (1000 bytes, rounded up to {rounded} by the allocator's policy)" in r[2]
+    if round_nbytes == 2**40:
+        assert "The request, rounded up to 1.00 TiB by the policy, is larger than" in r[2]
+    assert "rounded" not in pair.both("allocate", 10 * 2**40, 0)[2].split(";")[0]  # a multiple: said once
+    if held[0] == "ok":
+        pair.both("free", held[1])
 
 
 def test_oom_messages_are_the_same():

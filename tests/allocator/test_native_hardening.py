@@ -311,3 +311,99 @@ def test_nan_page_slack_is_invalid_argument():
 
     with pytest.raises(InvalidArgumentError):
         _engine.Allocator(gpumem.open_device(SPEC), native, page_slack=float("nan"))
+
+
+# -- issue 20 item 10: the helpers' results, integer pointers, huge devices, the C alloc function ------
+@pytest.mark.parametrize("helper, result, call", [
+    ("check_alloc_args", "None", "a.allocate(1.5)"),
+    ("check_alloc_args", "(1,)", "a.allocate(1.5)"),
+    ("check_alloc_args", "('x', 0)", "a.allocate(1.5)"),
+    ("as_ptr", "'x'", "a.free(1.5)"),
+    ("as_ptr", "None", "a.record_stream(1.5, 0)"),
+    ("check_stream", "[]", "a.record_stream(a.allocate(512), 1.5)"),
+    ("as_ptr", "2.5", "a.block_size([])"),
+    ("oom_error", "'not an exception'", "a.allocate(1 << 40)"),
+    ("INVALID_POINTER", "42", "a.free(12345)"),
+])
+def test_a_helper_returning_a_wrong_type_is_a_type_error(helper, result, call):
+    """The binding checks what its Python helpers return (Note [Helpers' results are checked]): a
+    wrong type is a TypeError naming the helper, never a crash (it segfaulted in allocate)."""
+    out = _run(f"""
+        import gpumem
+        from gpumem import _engine
+        from gpumem.allocator import native
+        a = _engine.Allocator(gpumem.open_device("{SPEC}"), native)
+        setattr(native, {helper!r}, (lambda *args: {result}) if {helper!r}.islower() else {result})
+        try:
+            {call}
+        except TypeError as exc:
+            print("TypeError", "{helper}" in str(exc))
+    """)
+    assert out.strip() == "TypeError True"
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_block_size_takes_any_integer_and_refuses_the_rest(engine):
+    np = pytest.importorskip("numpy")
+    a = CachingAllocator(gpumem.open_device(SPEC), engine=engine)
+    p = a.allocate(1000)
+    assert a.block_size(np.int64(p)) == a.block_size(p) == 1024
+    for bad in ([], "0x10", 1.0, True, None):
+        with pytest.raises(InvalidArgumentError, match="ptr must be an int"):
+            a.block_size(bad)
+    for missing in (np.int64(-1), 2**70, p + 512, np.uint64(2**64 - 1)):
+        with pytest.raises(gpumem.errors.InvalidPointerError, match="is not a live allocation"):
+            a.block_size(missing)
+    assert a.stats.allocated_nbytes == 1024  # nothing changed
+
+
+def test_a_device_past_64_bit_address_space_is_refused_alike():
+    """A 2**63-byte device: twice its memory is no 64-bit range. Both engines refuse it at once with the
+    same error (the native engine converted the product out of range: "nbytes must be positive, got 0")."""
+    from gpumem import sim
+    from gpumem.allocator import native
+
+    def device():
+        return sim.SimDevice(sim.custom_profile("huge", 2**63, context_nbytes=32 << 20))
+
+    errors = []
+    for engine in ("python", "native"):
+        with pytest.raises(InvalidArgumentError, match="va_reserve_factor") as exc:
+            CachingAllocator(device(), engine=engine)
+        errors.append(str(exc.value))
+    assert errors[0] == errors[1] and "64-bit" in errors[0]
+    with pytest.raises(InvalidArgumentError, match="va_reserve_factor"):
+        _engine.Allocator(device(), native)
+    for factor in (1.0, 4096.0):   # half the address space fits; 2**75 B is refused too
+        outcomes = []
+        for engine in ("python", "native"):
+            policy = gpumem.allocator.policy.AllocatorPolicy("huge-va", "", va_reserve_factor=factor)
+            try:
+                a = CachingAllocator(device(), policy, engine=engine)
+                outcomes.append(("ok", a.allocate(1 << 20)))
+            except gpumem.errors.GpumemError as e:
+                outcomes.append((type(e).__name__, str(e)))
+        assert outcomes[0] == outcomes[1]
+
+
+def test_the_c_alloc_function_reports_errors_without_aborting():
+    """gpumem_torch_malloc, called from C (ctypes) on a machine without a driver, returns null and
+    records why (a C++ exception used to cross the C boundary and abort the process)."""
+    import ctypes.util
+
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("this machine has libcuda")
+    out = _run("""
+        import ctypes
+        from gpumem.native import library_path
+        lib = ctypes.CDLL(library_path())
+        malloc = lib.gpumem_torch_malloc
+        malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.gpumem_torch_last_error.restype = ctypes.c_char_p
+        for size, device in ((1 << 20, 0), (-5, 0), (1 << 20, 999)):
+            print(malloc(size, device, None), lib.gpumem_torch_last_error().decode())
+        assert hasattr(lib, "gpumem_torch_alloc_hook")
+    """)
+    lines = out.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("None ") for line in lines), out
+    assert "libcuda" in lines[0] and "negative size" in lines[1] and "out of range" in lines[2]

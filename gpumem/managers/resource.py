@@ -36,39 +36,10 @@ from typing import Any
 from gpumem.device import MIN_POINTER_ALIGNMENT, Device, MemInfo
 from gpumem.errors import DeviceClosedError, InvalidArgumentError, InvalidPointerError
 from gpumem.units import align_up
+from gpumem.validate import MAX_ALIGNMENT, check_alignment, check_nbytes, check_pointer, check_stream
 
 #: The alignment every resource guarantees without padding (CUDA's ``cudaMalloc`` guarantee).
 DEFAULT_ALIGNMENT = MIN_POINTER_ALIGNMENT
-#: The largest alignment accepted (1 GiB): larger ones are certainly a mistake.
-MAX_ALIGNMENT = 1 << 30
-
-
-def check_alignment(alignment: object) -> int:
-    """``alignment`` if it is a power of two in [1, 1 GiB], else :class:`InvalidArgumentError`."""
-    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1) or alignment > MAX_ALIGNMENT:
-        raise InvalidArgumentError(f"alignment must be a power of two between 1 and {MAX_ALIGNMENT}, got {alignment!r}")
-    return alignment
-
-
-def check_size(nbytes: object) -> int:
-    """``nbytes`` if it is an int > 0, else :class:`InvalidArgumentError`."""
-    if type(nbytes) is not int or nbytes <= 0:
-        raise InvalidArgumentError(f"nbytes must be an int > 0, got {nbytes!r}")
-    return nbytes
-
-
-def check_stream_arg(stream: object) -> int:
-    """``stream`` if it is an int >= 0, else :class:`InvalidArgumentError`."""
-    if type(stream) is not int or stream < 0:
-        raise InvalidArgumentError(f"stream must be an int >= 0, got {stream!r}")
-    return stream
-
-
-def check_ptr(ptr: object) -> int:
-    """``ptr`` if it is an int > 0, else :class:`InvalidArgumentError`."""
-    if type(ptr) is not int or ptr <= 0:
-        raise InvalidArgumentError(f"ptr must be a positive int, got {ptr!r}")
-    return ptr
 
 
 class MemoryResource(abc.ABC):
@@ -85,17 +56,17 @@ class MemoryResource(abc.ABC):
         Raises :class:`~gpumem.errors.InvalidArgumentError` on bad arguments (nothing changes) and
         :class:`~gpumem.errors.OutOfMemoryError` when the memory cannot be had (nothing changes).
         """
-        check_size(nbytes)
-        check_alignment(alignment)
-        check_stream_arg(stream)
+        nbytes = check_nbytes(nbytes)  # gpumem.validate: the checks of every entry point
+        alignment = check_alignment(alignment)
+        stream = check_stream(stream)
         return self.do_allocate(nbytes, alignment, stream)
 
     def deallocate(self, ptr: int, nbytes: int, alignment: int = DEFAULT_ALIGNMENT, stream: int = 0) -> None:
         """Give back ``ptr`` from :meth:`allocate` with the same ``nbytes`` and ``alignment``."""
-        check_ptr(ptr)
-        check_size(nbytes)
-        check_alignment(alignment)
-        check_stream_arg(stream)
+        ptr = check_pointer(ptr)
+        nbytes = check_nbytes(nbytes)
+        alignment = check_alignment(alignment)
+        stream = check_stream(stream)
         self.do_deallocate(ptr, nbytes, alignment, stream)
 
     @abc.abstractmethod
@@ -294,5 +265,5 @@ def find_layer(resource: MemoryResource, kind: type) -> Any:
     return None
 
 
-__all__ = ["MemoryResource", "DeviceResource", "AllocatorResource", "DEFAULT_ALIGNMENT", "check_alignment",
-           "stack_layers", "find_layer"]
+__all__ = ["MemoryResource", "DeviceResource", "AllocatorResource", "DEFAULT_ALIGNMENT", "MAX_ALIGNMENT",
+           "check_alignment", "stack_layers", "find_layer"]

@@ -74,6 +74,7 @@ from typing import Any, Callable, Iterator, TypeVar, Union
 from .errors import DeviceClosedError, DeviceLostError, InvalidArgumentError, UnsupportedOperationError
 from .events import EventCallback, EventHub, MemoryEvent, Subscription
 from .units import format_bytes
+from .validate import STREAM_END, check_nbytes, check_pointer, check_stream  # re-exported: gpumem.device's checks
 from .vmm_book import Allocation, Mapping, MemoryBook, Physical, Reservation
 
 log = logging.getLogger(__name__)
@@ -203,32 +204,9 @@ _set_handle = PhysicalHandle.handle.__set__  # type: ignore[attr-defined]
 _set_nbytes = PhysicalHandle.nbytes.__set__  # type: ignore[attr-defined]
 
 
-def check_nbytes(nbytes: object, *, what: str = "nbytes", allow_zero: bool = False) -> int:
-    """Return ``nbytes`` if it is a valid size, else raise :class:`InvalidArgumentError`.
-
-    A size is a plain ``int`` (``bool`` and floats are refused, even ``2.0``),
-    positive, or zero when ``allow_zero``.
-    """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-        raise InvalidArgumentError(f"{what} must be an int, got {type(nbytes).__name__} {nbytes!r}")
-    if nbytes < 0:
-        raise InvalidArgumentError(f"{what} must not be negative, got {nbytes}")
-    if nbytes == 0 and not allow_zero:
-        raise InvalidArgumentError(f"{what} must be positive, got 0")
-    return nbytes
-
-
-def check_pointer(ptr: object, *, what: str = "ptr") -> int:
-    """Return ``ptr`` if it is a plausible device address (a positive int), else raise."""
-    if isinstance(ptr, bool) or not isinstance(ptr, int):
-        raise InvalidArgumentError(f"{what} must be an int address, got {type(ptr).__name__} {ptr!r}")
-    if ptr <= 0:
-        raise InvalidArgumentError(f"{what} must be a positive address, got {ptr}")
-    return ptr
-
-
 def check_granular(nbytes: object, granularity: int, *, what: str = "nbytes") -> int:
-    """A positive size that is a multiple of the device's allocation granularity."""
+    """A positive size (any integer type, :func:`gpumem.validate.check_nbytes`) that is a multiple of the
+    device's allocation granularity, as an int."""
     n = check_nbytes(nbytes, what=what)
     if n % granularity:
         raise InvalidArgumentError(
@@ -251,20 +229,6 @@ def check_data(data: object) -> memoryview:
     if view.nbytes == 0:
         return memoryview(b"")  # cast() refuses views with a zero in their shape, e.g. np.zeros((0, 3))
     return view.cast("B")
-
-
-def check_stream(stream: object, *, what: str = "stream") -> int:
-    """Return ``stream`` if it is a valid stream id (an ``int`` >= 0; 0 is the default stream), else raise.
-
-    Any non-negative int is accepted, not only ids from :meth:`Device.stream_create`:
-    foreign code passes its own streams (CuPy's ``cudaStream_t`` pointers, a trace's
-    stream numbers).
-    """
-    if isinstance(stream, bool) or not isinstance(stream, int):
-        raise InvalidArgumentError(f"{what} must be an int stream id, got {type(stream).__name__} {stream!r}")
-    if stream < 0:
-        raise InvalidArgumentError(f"{what} must not be negative, got {stream}")
-    return stream
 
 
 class Event:
@@ -510,7 +474,7 @@ class Device(abc.ABC):
         Raises :class:`~gpumem.errors.OutOfMemoryError` when the device cannot.
         """
         if type(nbytes) is not int or nbytes <= 0:
-            check_nbytes(nbytes)
+            nbytes = check_nbytes(nbytes)
         lock = self._lock
         lock.acquire()
         try:
@@ -531,7 +495,7 @@ class Device(abc.ABC):
         simulator's sanitizer raises :class:`~gpumem.errors.MemoryHazardError` if it is.
         """
         if type(ptr) is not int or ptr <= 0:
-            check_pointer(ptr)
+            ptr = check_pointer(ptr)
         lock = self._lock
         lock.acquire()
         try:
@@ -547,7 +511,7 @@ class Device(abc.ABC):
 
     # -- virtual memory management ----------------------------------------------------
     def _check_alignment(self, alignment: object) -> int:
-        check_nbytes(alignment, what="alignment", allow_zero=True)
+        alignment = check_nbytes(alignment, what="alignment", allow_zero=True)
         gran = self.granularity_nbytes
         if alignment and (alignment & (alignment - 1) or alignment % gran):  # type: ignore[operator]
             raise InvalidArgumentError(f"alignment {alignment} must be 0 or a power-of-two multiple of the granularity")
@@ -569,8 +533,8 @@ class Device(abc.ABC):
             if not gran or self._closed or self._lost:
                 gran = self._vmm_ready("address_reserve")
             if type(nbytes) is not int or nbytes <= 0 or nbytes % gran or type(alignment) is not int or alignment:
-                check_granular(nbytes, gran)
-                self._check_alignment(alignment)
+                nbytes = check_granular(nbytes, gran)
+                alignment = self._check_alignment(alignment)
             va = self._do_address_reserve(nbytes, alignment)
             self._book.reservations.add(va, va + nbytes, Reservation(va, nbytes))
             return va
@@ -588,8 +552,8 @@ class Device(abc.ABC):
             if not gran or self._closed or self._lost:
                 gran = self._vmm_ready("address_free")
             if type(va) is not int or type(nbytes) is not int or va <= 0 or nbytes <= 0 or nbytes % gran:
-                check_pointer(va, what="va")
-                check_granular(nbytes, gran)
+                va = check_pointer(va, what="va")
+                nbytes = check_granular(nbytes, gran)
             self._book.reservation_to_free(va, nbytes)
             self._do_address_free(va, nbytes)
             self._book.reservations.remove(va)
@@ -607,7 +571,7 @@ class Device(abc.ABC):
             if not gran or self._closed or self._lost:
                 gran = self._vmm_ready("mem_create")
             if type(nbytes) is not int or nbytes <= 0 or nbytes % gran:
-                check_granular(nbytes, gran)
+                nbytes = check_granular(nbytes, gran)
             native = self._do_mem_create(nbytes)
             return self._book.add_physical(PhysicalHandle, nbytes, native).handle
         finally:
@@ -649,7 +613,7 @@ class Device(abc.ABC):
                 gran = self._vmm_ready("mem_map")
             if (type(va) is not int or type(nbytes) is not int or type(offset) is not int or va <= 0 or nbytes <= 0
                     or offset < 0 or va % gran or nbytes % gran or offset % gran):
-                self._check_map_args(va, nbytes, offset, gran)
+                va, nbytes, offset = self._check_map_args(va, nbytes, offset, gran)
             book = self._book
             phys = book.physical(handle, PhysicalHandle, "mem_map")
             if offset + nbytes > phys.handle.nbytes:
@@ -665,13 +629,15 @@ class Device(abc.ABC):
                 self._after_call()
 
     @staticmethod
-    def _check_map_args(va: object, nbytes: object, offset: object, gran: int) -> None:
-        """The argument checks of :meth:`mem_map`, in their order (the slow path: one of them fails)."""
-        check_pointer(va, what="va")
-        check_granular(nbytes, gran)
-        check_nbytes(offset, what="offset", allow_zero=True)
-        if va % gran or offset % gran:  # type: ignore[operator]
+    def _check_map_args(va: object, nbytes: object, offset: object, gran: int) -> tuple[int, int, int]:
+        """The argument checks of :meth:`mem_map`, in their order (the slow path: one of them fails, or an
+        argument is an integer of another type); the arguments as ints."""
+        va = check_pointer(va, what="va")
+        nbytes = check_granular(nbytes, gran)
+        offset = check_nbytes(offset, what="offset", allow_zero=True)
+        if va % gran or offset % gran:
             raise InvalidArgumentError(f"mem_map: va and offset must be multiples of the granularity {gran}")
+        return va, nbytes, offset
 
     def mem_set_access(self, va: int, nbytes: int) -> None:
         """Make a mapped range readable and writable by this device.
@@ -686,8 +652,8 @@ class Device(abc.ABC):
             if not gran or self._closed or self._lost:
                 gran = self._vmm_ready("mem_set_access")
             if type(va) is not int or type(nbytes) is not int or va <= 0 or nbytes <= 0 or nbytes % gran:
-                check_pointer(va, what="va")
-                check_granular(nbytes, gran)
+                va = check_pointer(va, what="va")
+                nbytes = check_granular(nbytes, gran)
             r = self._book.reservation(va, nbytes, "mem_set_access")
             m = r.mappings.get(va)  # the common case, one whole mapping: what covering() finds, without the walk
             maps = [m] if m is not None and m.nbytes == nbytes else r.covering(va, nbytes, "mem_set_access")
@@ -714,8 +680,8 @@ class Device(abc.ABC):
             if not gran or self._closed or self._lost:
                 gran = self._vmm_ready("mem_unmap")
             if type(va) is not int or type(nbytes) is not int or va <= 0 or nbytes <= 0 or nbytes % gran:
-                check_pointer(va, what="va")
-                check_granular(nbytes, gran)
+                va = check_pointer(va, what="va")
+                nbytes = check_granular(nbytes, gran)
             r = self._book.reservation(va, nbytes, "mem_unmap")
             m = r.mappings.get(va)  # one whole mapping: what whole_mappings() finds, without the walk
             maps = [m] if m is not None and m.nbytes == nbytes else r.whole_mappings(va, nbytes, "mem_unmap")
@@ -735,7 +701,7 @@ class Device(abc.ABC):
     # -- data and ordering --------------------------------------------------------------
     def write(self, ptr: int, data: BytesLike) -> None:
         """Copy host bytes to device memory at ``ptr`` (inside one allocation or accessible mapping)."""
-        check_pointer(ptr)
+        ptr = check_pointer(ptr)
         view = check_data(data)
         return self._run(self._write, ptr, view)
 
@@ -748,8 +714,8 @@ class Device(abc.ABC):
 
     def read(self, ptr: int, nbytes: int) -> bytes:
         """Copy ``nbytes`` of device memory at ``ptr`` back to the host."""
-        check_pointer(ptr)
-        check_nbytes(nbytes, allow_zero=True)
+        ptr = check_pointer(ptr)
+        nbytes = check_nbytes(nbytes, allow_zero=True)
         return self._run(self._read, ptr, nbytes)
 
     def _read(self, ptr: int, nbytes: int) -> bytes:
@@ -783,7 +749,7 @@ class Device(abc.ABC):
 
         Stream 0 and streams this device did not create raise :class:`~gpumem.errors.InvalidArgumentError`.
         """
-        check_stream(stream)
+        stream = check_stream(stream)
         return self._run(self._stream_destroy, stream)
 
     def _stream_destroy(self, stream: int) -> None:
@@ -796,8 +762,8 @@ class Device(abc.ABC):
 
     def event_record(self, stream: int = 0) -> Event:
         """Record an event on ``stream``: it completes when all work queued there before it has completed."""
-        if type(stream) is not int or stream < 0:
-            check_stream(stream)
+        if type(stream) is not int or not 0 <= stream < STREAM_END:
+            stream = check_stream(stream)
         lock = self._lock
         lock.acquire()
         try:
@@ -863,8 +829,8 @@ class Device(abc.ABC):
 
     def stream_synchronize(self, stream: int) -> None:
         """Wait until all work queued on ``stream`` has completed."""
-        if type(stream) is not int or stream < 0:
-            check_stream(stream)
+        if type(stream) is not int or not 0 <= stream < STREAM_END:
+            stream = check_stream(stream)
         lock = self._lock
         lock.acquire()
         try:
@@ -878,7 +844,7 @@ class Device(abc.ABC):
 
     def stream_wait_event(self, stream: int, event: Event) -> None:
         """Make work queued on ``stream`` from now on wait until ``event`` has completed (no host wait)."""
-        check_stream(stream)
+        stream = check_stream(stream)
         self._check_event_type(event, "stream_wait_event")
         return self._run(self._stream_wait_event, stream, event)
 

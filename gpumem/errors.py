@@ -121,14 +121,11 @@ class OutOfMemoryError(GpumemError, MemoryError):
         self.injected = injected
         """True when the simulator injected this failure on purpose: nothing was really out of memory."""
         on = f" on {device}" if device else ""
-        rounded = ""
-        if self.rounded_nbytes != requested_nbytes:
-            rounded = f", rounded up to {format_bytes(self.rounded_nbytes)} by the allocator's policy"
-        parts = [
-            f"out of memory{on}: tried to allocate {format_bytes(requested_nbytes)} "
-            f"({requested_nbytes} bytes{rounded}); the device has {format_bytes(free_nbytes)} free "
-            f"of {format_bytes(total_nbytes)} total"
-        ]
+        parts = [f"out of memory{on}: tried to allocate {format_bytes(requested_nbytes)} ({requested_nbytes} bytes)"]
+        if self.rounded_nbytes != requested_nbytes:  # what the allocator really needed
+            parts.append(f"rounded up to {format_bytes(self.rounded_nbytes)} ({self.rounded_nbytes} bytes) by "
+                         "the allocator's policy")
+        parts.append(f"the device has {format_bytes(free_nbytes)} free of {format_bytes(total_nbytes)} total")
         if allocated_nbytes is not None:
             parts.append(f"this allocator has {format_bytes(allocated_nbytes)} allocated")
         if cached_nbytes is not None:

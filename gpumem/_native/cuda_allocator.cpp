@@ -123,13 +123,17 @@ bool without_gil(int device, Op&& op) {
     return false;
 }
 
-// A plain int in [0, 2**64) (bool refused), or -1 with InvalidArgumentError set.
+// An integer in [0, 2**64) (any integer type, through __index__, as gpumem.validate takes it; bool
+// refused), or -1 with InvalidArgumentError set.
 int as_u64(PyObject* o, const char* what, std::uint64_t* out) {
-    if (PyBool_Check(o) || !PyLong_Check(o)) {
+    PyObject* i = PyBool_Check(o) ? nullptr : PyNumber_Index(o);
+    if (!i) {
+        PyErr_Clear();
         raise_as("InvalidArgumentError", std::string(what) + " must be an int, got " + Py_TYPE(o)->tp_name);
         return -1;
     }
-    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    unsigned long long v = PyLong_AsUnsignedLongLong(i);
+    Py_DECREF(i);
     if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
         PyErr_Clear();
         raise_as("InvalidArgumentError", std::string(what) + " must be an int in [0, 2**64)");

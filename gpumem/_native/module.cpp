@@ -422,17 +422,24 @@ void Alloc_dealloc(AllocObject* self) {
 
 // Note [No memory from a closed device]: a cache hit makes no device call (Note [The hot path
 // makes no device call] in caching.py), so after device.close() it would hand out an address into
-// memory the device has given back. allocate() therefore asks the device (its `closed` property,
-// one attribute read) first, as CachingAllocator.allocate does; a closed device raises what the
-// Python allocator raises: DeviceLostError once the device was lost, InvalidArgumentError once the
-// allocator was closed, else DeviceClosedError.
+// memory the device has given back. allocate() therefore asks the device first, as
+// CachingAllocator.allocate does (device.closed); a closed device raises what the Python allocator
+// raises: DeviceLostError once the device was lost, InvalidArgumentError once the allocator was
+// closed, else DeviceClosedError. The binding reads the flag behind the property, Device._closed
+// (an instance attribute: a dictionary lookup, not a Python call, on the hot path), and the
+// property where a device has no such attribute.
 bool device_closed(AllocObject* self) {
-    static PyObject* name = PyUnicode_InternFromString("closed");
-    if (!name) {
+    static PyObject* flag = PyUnicode_InternFromString("_closed");
+    static PyObject* property = PyUnicode_InternFromString("closed");
+    if (!flag || !property) {
         PyErr_Clear();
         return false;
     }
-    PyObject* v = PyObject_GetAttr(self->device, name);
+    PyObject* v = PyObject_GetAttr(self->device, flag);
+    if (!v) {
+        PyErr_Clear();
+        v = PyObject_GetAttr(self->device, property);
+    }
     if (!v) {   // a device without `closed` never closes
         PyErr_Clear();
         return false;

@@ -50,12 +50,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
-from ..device import Device, check_nbytes
+from ..device import Device
+from ..validate import check_nbytes, check_pointer, check_stream
 from ..errors import DeviceLostError, InternalError, InvalidArgumentError, InvalidPointerError, OutOfMemoryError
 from ..units import format_bytes, parse_limit
 from .resource import AllocatorContract
@@ -68,8 +68,6 @@ BUCKET_POLICY_NAME = "bucket"
 
 DEFAULT_MIN_BUCKET_NBYTES = 512
 """The smallest bucket: 512 B, the caching allocator's rounding."""
-
-_STREAM_END = 1 << 64
 
 
 def bucket_nbytes(nbytes: int, min_bucket_nbytes: int = DEFAULT_MIN_BUCKET_NBYTES) -> int:
@@ -135,17 +133,6 @@ class BucketPoolStats:
         """Allocations served from the pool / all allocations (0 before any)."""
         n = self.hits + self.misses
         return self.hits / n if n else 0.0
-
-
-def _as_int(value: object, what: str) -> int:
-    if value.__class__ is int:
-        return value  # type: ignore[return-value]
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{what} must be an int, got bool {value!r}")
-    try:
-        return int(operator.index(value))  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidArgumentError(f"{what} must be an int, got {type(value).__name__} {value!r:.60}") from None
 
 
 class BucketAllocator(AllocatorContract):
@@ -222,9 +209,7 @@ class BucketAllocator(AllocatorContract):
         device (nor the limit) allows it: Note [Failure atomicity of the pool].
         """
         nbytes = check_nbytes(nbytes)
-        stream = _as_int(stream, "stream")
-        if not 0 <= stream < _STREAM_END:
-            raise InvalidArgumentError(f"stream must be an int in [0, 2**64), got {stream}")
+        stream = check_stream(stream)
         size = max(self.policy.min_bucket_nbytes, 1 << (nbytes - 1).bit_length())
         with self._defer(), self._lock:
             self._check_open()
@@ -245,7 +230,7 @@ class BucketAllocator(AllocatorContract):
 
         Unknown pointers and double frees raise :class:`~gpumem.errors.InvalidPointerError`, changing nothing.
         """
-        ptr = _as_int(ptr, "ptr")
+        ptr = check_pointer(ptr)
         with self._defer(), self._lock:
             self._check_open()
             entry = self._live.get(ptr)
@@ -285,9 +270,7 @@ class BucketAllocator(AllocatorContract):
         buckets) can use, and the fewest device calls give the most memory back; small buckets, which
         serve the most requests, keep their hit rate.
         """
-        limit = _as_int(max_pooled_nbytes, "max_pooled_nbytes")
-        if limit < 0:
-            raise InvalidArgumentError(f"max_pooled_nbytes must be >= 0, got {limit}")
+        limit = check_nbytes(max_pooled_nbytes, what="max_pooled_nbytes", allow_zero=True)
         with self._defer(), self._lock:
             if self._closed:
                 return 0

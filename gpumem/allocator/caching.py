@@ -65,11 +65,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import operator
 import threading
 from typing import Any, Callable, ContextManager, Iterator
 
-from ..device import Device, check_nbytes, check_pointer
+from ..device import Device
+from ..validate import STREAM_END, as_int, check_nbytes, check_pointer, check_stream
 from ..errors import (DeviceClosedError, DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError,
                       InvalidPointerError, OutOfMemoryError)
 from ..units import format_bytes, parse_limit
@@ -90,7 +90,6 @@ NATIVE_BY_DEFAULT = True
 
 On: the native engine makes the reference's decisions (tests/allocator/test_native_differential.py). The
 white-box tests that read the Python engine's internals pin the reference (tests/allocator/conftest.py)."""
-_STREAM_END = 1 << 64
 
 
 def too_large_hint(nbytes: int, size: int, total_nbytes: int) -> str:
@@ -99,27 +98,6 @@ def too_large_hint(nbytes: int, size: int, total_nbytes: int) -> str:
     what = "The request" if size == nbytes else f"The request, rounded up to {format_bytes(size)} by the policy,"
     return (f"{what} is larger than the device's total memory ({format_bytes(total_nbytes)}), so it was "
             "refused at once. Try: use smaller batches or shorter sequences, or split the tensor.")
-
-
-def _as_int(value: object, what: str) -> int:
-    """``value`` as a plain int: ints, int subclasses and integer types such as ``np.int64`` (through
-    ``operator.index``); bools and anything else raise :class:`InvalidArgumentError`."""
-    if value.__class__ is int:
-        return value  # type: ignore[return-value]
-    if isinstance(value, bool):
-        raise InvalidArgumentError(f"{what} must be an int, got bool {value!r}")
-    try:
-        return int(operator.index(value))  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidArgumentError(f"{what} must be an int, got {type(value).__name__} {value!r:.60}") from None
-
-
-def _check_stream(stream: object) -> int:
-    """A stream handle: an int in [0, 2**64) (a ``cudaStream_t``)."""
-    s = _as_int(stream, "stream")
-    if not 0 <= s < _STREAM_END:
-        raise InvalidArgumentError(f"stream must be an int in [0, 2**64), got {s}")
-    return s
 
 
 class CachingAllocator(AllocatorContract):
@@ -276,10 +254,10 @@ class CachingAllocator(AllocatorContract):
         Raises :class:`~gpumem.errors.InvalidArgumentError` for a bad size and
         :class:`~gpumem.errors.OutOfMemoryError` when neither the cache nor the device can serve it.
         """
-        if nbytes.__class__ is not int or nbytes <= 0:
-            check_nbytes(nbytes)
-        if stream.__class__ is not int or not 0 <= stream < _STREAM_END:
-            stream = _check_stream(stream)
+        if nbytes.__class__ is not int or nbytes <= 0:  # Note [Checks on hot paths] in gpumem.validate
+            nbytes = check_nbytes(nbytes)
+        if stream.__class__ is not int or not 0 <= stream < STREAM_END:
+            stream = check_stream(stream)
         r = self._round
         size = -(-nbytes // r) * r
         small = size <= self._small_max
@@ -388,7 +366,7 @@ class CachingAllocator(AllocatorContract):
                     self.backing.decommit(block)  # no device call: fences come when memory goes back
                     self._free_booked(ptr, block)
                     return
-        ptr = _as_int(ptr, "ptr")
+        ptr = as_int(ptr, "ptr")
         with self._operation():
             if self._closed:
                 raise InvalidArgumentError(f"free of {ptr:#x}: the allocator is closed")
@@ -691,8 +669,8 @@ class CachingAllocator(AllocatorContract):
         :class:`~gpumem.errors.DeviceLostError`."""
         if self._native is not None:
             return self._native.record_stream(ptr, stream)
-        ptr = _as_int(ptr, "ptr")
-        stream = _check_stream(stream)
+        ptr = as_int(ptr, "ptr")
+        stream = check_stream(stream)
         with self._operation():
             if self._closed:
                 raise InvalidArgumentError(f"record_stream of {ptr:#x}: the allocator is closed")
@@ -831,7 +809,7 @@ class CachingAllocator(AllocatorContract):
         if self._native is not None:
             return self._native.block_size(ptr)
         if ptr.__class__ is not int:
-            ptr = _as_int(ptr, "ptr")
+            ptr = as_int(ptr, "ptr")
         block = self._live.get(ptr)
         if block is None:
             raise InvalidPointerError(f"{ptr!r} is not a live allocation")

@@ -8,7 +8,7 @@ allocator's ``_oom_error`` builds, from the numbers the engine gathered at the s
 
 from __future__ import annotations
 
-from ..device import check_nbytes
+from ..validate import STREAM_END, as_int, check_nbytes, check_stream
 from ..errors import (DeviceClosedError, DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError,
                       InvalidPointerError, OutOfMemoryError)
 from ..units import format_bytes
@@ -26,7 +26,6 @@ OUT_OF_MEMORY = OutOfMemoryError
 
 # OomCause in engine.h
 _DEVICE, _TOO_LARGE, _LIMIT, _ADDRESS_SPACE = 1, 2, 3, 4
-_STREAM_END = 1 << 64
 
 
 def load_engine():
@@ -39,26 +38,16 @@ def load_engine():
 
 def check_alloc_args(nbytes: object, stream: object) -> tuple[int, int]:
     """``allocate``'s argument checks, as :meth:`CachingAllocator.allocate` makes them."""
-    from .caching import _check_stream
-
     if nbytes.__class__ is not int or nbytes <= 0:  # type: ignore[operator]
-        check_nbytes(nbytes)
-    if stream.__class__ is not int or not 0 <= stream < _STREAM_END:  # type: ignore[operator]
-        stream = _check_stream(stream)
-    return int(nbytes), int(stream)  # type: ignore[call-overload]
+        nbytes = check_nbytes(nbytes)
+    if stream.__class__ is not int or not 0 <= stream < STREAM_END:  # type: ignore[operator]
+        stream = check_stream(stream)
+    return nbytes, stream  # type: ignore[return-value]
 
 
 def as_ptr(ptr: object) -> int:
-    """A pointer argument as an int (``_as_int(ptr, "ptr")``)."""
-    from .caching import _as_int
-
-    return _as_int(ptr, "ptr")
-
-
-def check_stream(stream: object) -> int:
-    from .caching import _check_stream
-
-    return _check_stream(stream)
+    """A pointer argument as an int (:func:`gpumem.validate.as_int`)."""
+    return as_int(ptr, "ptr")
 
 
 def bad_pointer(op: str, ptr: int, closed: bool, lost: str | None) -> None:

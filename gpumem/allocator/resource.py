@@ -29,6 +29,8 @@ the padding lived inside the manager's bridge resource and every allocation ente
 
 from __future__ import annotations
 
+from .. import validate as _validate
+
 import abc
 import threading
 from dataclasses import dataclass
@@ -41,35 +43,27 @@ from gpumem.units import align_up
 #: The alignment every resource guarantees without padding (CUDA's ``cudaMalloc`` guarantee).
 DEFAULT_ALIGNMENT = MIN_POINTER_ALIGNMENT
 #: The largest alignment accepted (1 GiB): larger ones are certainly a mistake.
-MAX_ALIGNMENT = 1 << 30
+MAX_ALIGNMENT = _validate.MAX_ALIGNMENT
 
 
 def check_alignment(alignment: object) -> int:
-    """``alignment`` if it is a power of two in [1, 1 GiB], else :class:`InvalidArgumentError`."""
-    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1) or alignment > MAX_ALIGNMENT:
-        raise InvalidArgumentError(f"alignment must be a power of two between 1 and {MAX_ALIGNMENT}, got {alignment!r}")
-    return alignment
+    """``alignment`` as an int if it is a power of two in [1, MAX_ALIGNMENT] (:mod:`gpumem.validate`)."""
+    return _validate.check_alignment(alignment)
 
 
 def check_size(nbytes: object) -> int:
-    """``nbytes`` if it is an int > 0, else :class:`InvalidArgumentError`."""
-    if type(nbytes) is not int or nbytes <= 0:
-        raise InvalidArgumentError(f"nbytes must be an int > 0, got {nbytes!r}")
-    return nbytes
+    """``nbytes`` as an int if it is > 0 (:mod:`gpumem.validate`: any integer type, bools refused)."""
+    return _validate.check_nbytes(nbytes)
 
 
 def check_stream_arg(stream: object) -> int:
-    """``stream`` if it is an int >= 0, else :class:`InvalidArgumentError`."""
-    if type(stream) is not int or stream < 0:
-        raise InvalidArgumentError(f"stream must be an int >= 0, got {stream!r}")
-    return stream
+    """``stream`` as an int in [0, 2**64) (:mod:`gpumem.validate`)."""
+    return _validate.check_stream(stream)
 
 
 def check_ptr(ptr: object) -> int:
-    """``ptr`` if it is an int > 0, else :class:`InvalidArgumentError`."""
-    if type(ptr) is not int or ptr <= 0:
-        raise InvalidArgumentError(f"ptr must be a positive int, got {ptr!r}")
-    return ptr
+    """``ptr`` as an int if it is a valid device pointer (:mod:`gpumem.validate`)."""
+    return _validate.check_pointer(ptr)
 
 
 def check_base_alignment(resource: object, alignment: int) -> None:

@@ -395,7 +395,7 @@ class SimDevice(Device):
     # -- events and tenants -----------------------------------------------------------------
     def watch_free_level(self, level_nbytes: int) -> None:
         """Publish FREE_BELOW / FREE_ABOVE events when free memory crosses ``level_nbytes``."""
-        check_nbytes(level_nbytes, what="level_nbytes")
+        level_nbytes = check_nbytes(level_nbytes, what="level_nbytes")
         self._run(self._watch_free_level, level_nbytes)
 
     def _watch_free_level(self, level_nbytes: int) -> None:
@@ -706,7 +706,7 @@ class SimDevice(Device):
         access set; otherwise the sanitizer raises :class:`~gpumem.errors.MemoryHazardError`
         (``sanitizer="raise"``). Returns the :class:`~gpumem.sim.streams.Work` (its ``state``, ``end_s``).
         """
-        check_stream(stream)
+        stream = check_stream(stream)
         duration_s = check_duration(duration_s, what="launch: duration_s")
         if name is not None and not isinstance(name, str):
             raise InvalidArgumentError(f"launch: name must be a str or None, got {type(name).__name__}")

@@ -11,7 +11,11 @@ from ..errors import InvalidArgumentError
 from ..estimate.fit import DEFAULT_NEW_TOKENS
 from ..progress import progress
 from ..units import format_bytes
+from ._args import MANY
 from ._model_args import add_model_args, check_device, context_note, model_from_args, parse_dtypes
+
+#: The policies estimate replays under unless --policy says otherwise.
+DEFAULT_POLICIES = ("pytorch", "expandable", "gpumem")
 
 DESCRIPTION = """\
 Estimate the GPU memory of Hugging Face generate() (greedy, DynamicCache, SDPA) or of full training steps
@@ -64,10 +68,11 @@ def register(sub: Any, formatter_class: type) -> None:
                    help="training: the projections LoRA adapts (default: all seven)")
     w.add_argument("--optimizer-8bit", action="store_true",
                    help="training: AdamW states in bitsandbytes' block-wise 8-bit layout (modelled, unmeasured)")
-    w.add_argument("--dtype", help="comma-separated: bf16, fp16, fp32, int8 (default: the config's, else bf16)")
+    w.add_argument("--dtype", **MANY, help="bf16, fp16, fp32, int8: one or more, comma-separated or repeatable "
+                   "(default: the config's, else bf16)")
     r = p.add_argument_group("peak reserved")
-    r.add_argument("--policy", default="pytorch,expandable,gpumem",
-                   help="allocator policies to replay under (default: %(default)s)")
+    r.add_argument("--policy", **MANY, help="allocator policies to replay under: one or more, comma-separated or "
+                   f"repeatable (default: {','.join(DEFAULT_POLICIES)})")
     r.add_argument("--device", default="sim:h200-141gb", help="simulated device for the replays, and whose usable "
                    "memory (as a GpuMemoryManager sees it) FITS compares with (default: %(default)s)")
     r.add_argument("--no-reserved", action="store_true", help="skip the replays (peak allocated only)")
@@ -98,7 +103,9 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     max_len = max_seq_len if max_seq_len is not None else args.prompt_len + (0 if args.training else new)
     prompt = args.prompt_len if args.prompt_len is not None else max_len - (0 if args.training else new)
     note = context_note(max(max_len, prompt + (0 if args.training else new)), args.context_len)
-    policies = [x.strip() for x in args.policy.split(",") if x.strip()]
+    policies = [x.strip() for x in ",".join(args.policy or DEFAULT_POLICIES).split(",") if x.strip()]
+    if not policies:
+        raise InvalidArgumentError(f"--policy {' '.join(args.policy)!r} names no allocator policy")
     from ..allocator.policy import get_policy
     for pol in policies:
         get_policy(pol)
@@ -120,7 +127,7 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     dims = (shape.hidden_size, shape.intermediate_size, shape.n_layers, shape.vocab_size, shape.n_heads,
             shape.n_kv_heads)
-    dtypes = parse_dtypes(args.dtype, cfg_bytes, args.config_dtype)
+    dtypes = parse_dtypes(",".join(args.dtype) if args.dtype else None, cfg_bytes, args.config_dtype)
     replays = 0 if args.no_reserved else len(policies) * len(dtypes)
     bar = progress(replays * (1 if args.training else max(new, 1)) or None, "estimate: replays", "step",
                    enabled=False if args.json or not replays else None)

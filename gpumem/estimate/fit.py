@@ -320,7 +320,7 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                                    "updates 16-bit weights)")
     own = not isinstance(device, Device)
     dev = open_device(device) if own else device
-    bar = progress_bar(None, f"fit {search}", "replay", enabled=progress)
+    bar = progress_bar(None, f"fit {search}", " replays", enabled=progress)  # no total: tqdm writes "{n}{unit}"
     try:
         usable = max(0, usable_memory(dev))
         workspace = dequant_workspace_nbytes(shape, weight_format, dev)

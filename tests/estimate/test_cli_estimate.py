@@ -155,3 +155,15 @@ def test_new_tokens_filling_the_context_is_refused(tmp_path, capsys):
     path.write_text(json.dumps({**LLAMA2, "max_position_embeddings": 16}))
     assert main(["estimate", "--hf-config", str(path), "--new-tokens", "16", "--no-reserved"]) == 2
     assert "leaves no prompt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spelling", [["--policy", "pytorch", "gpumem"], ["--policy", "pytorch", "--policy", "gpumem"],
+                                      ["--policy", "pytorch,gpumem"]])
+def test_estimate_takes_several_policies_and_dtypes_in_every_spelling(capsys, spelling):
+    # report and sweep take `--policy A B` and `--policy A --policy B`; estimate took only `A,B` (issue 20 item 3)
+    argv = ["estimate", *SHAPE, "--prompt-len", "32", "--new-tokens", "1", "--device", "sim:t4-16gb", "--json",
+            *spelling, "--dtype", "bf16", "--dtype", "fp32"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["dtype"] for r in rows] == ["bf16", "fp32"]
+    assert all(list(r["peak_reserved_by_policy"]) == ["pytorch", "gpumem"] for r in rows), rows[0]

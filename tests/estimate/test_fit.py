@@ -1,5 +1,7 @@
 """find_max_batch and peak reserved by replay, on small simulated profiles."""
 
+import re
+
 import pytest
 
 from gpumem.errors import InvalidArgumentError
@@ -93,3 +95,22 @@ def test_bad_input_leaves_an_open_device_untouched():
         assert r.simulated == 4 and dev.mem_info() == before  # replays give back what they took
     finally:
         dev.close()
+
+
+def test_progress_bar_names_its_unit_apart_from_the_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the bar has no total: tqdm writes "{n}{unit}", which read "fit batch: 2replay [00:00, 3.18replay/s]"
+    import io
+
+    from gpumem.estimate import fit as fit_module
+    from gpumem.progress import progress as real_progress
+
+    out = io.StringIO()
+
+    def bar(total, desc, unit, *, enabled=None):
+        return real_progress(total, desc, unit, enabled=True, stream=out, delay_s=0.0)
+
+    monkeypatch.setattr(fit_module, "progress_bar", bar)
+    find_max_batch(TINY, 2, device=DEVICE, prompt_len=16, new_tokens=1, max_value=8, progress=True)
+    text = out.getvalue()
+    assert "fit batch" in text and " replay" in text
+    assert not re.search(r"\dreplay", text), text

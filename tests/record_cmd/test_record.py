@@ -92,6 +92,8 @@ def test_help_explains_the_command(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for words in ("snapshot.pickle", "--allocator", "--report", "record.json", "runs nothing", "exit status"):
         assert words in out
+    # the output folder is --out DIR throughout: no other name for it (the epilog once said OUT/oom)
+    assert "OUT/" not in out and "DIR/oom" in out
 
 
 def test_bad_options_run_nothing(tmp_path: Path) -> None:

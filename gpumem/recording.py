@@ -42,7 +42,7 @@ from .units import format_bytes
 log = logging.getLogger(__name__)
 
 __all__ = ["Allocator", "record", "Recording", "RecordResult", "OomSnapshot", "snapshot_on_oom",
-           "OOM_SNAPSHOT_ENV", "SNAPSHOT_NAME", "DEFAULT_MAX_ENTRIES"]
+           "OOM_SNAPSHOT_ENV", "SNAPSHOT_NAME", "DEFAULT_MAX_ENTRIES", "MAX_ENTRIES_LIMIT", "check_max_entries"]
 
 #: Environment variable naming the folder for out-of-memory snapshots (``gpumem record``, :func:`record`).
 OOM_SNAPSHOT_ENV = "GPUMEM_OOM_SNAPSHOT_DIR"
@@ -50,6 +50,16 @@ OOM_SNAPSHOT_ENV = "GPUMEM_OOM_SNAPSHOT_DIR"
 SNAPSHOT_NAME = "snapshot.pickle"
 #: Allocation events kept at most (PyTorch's ``max_entries``; gpumem's history stops there).
 DEFAULT_MAX_ENTRIES = 1_000_000
+#: The largest ``max_entries`` taken: gpumem's history counts in 64 bits, and ctypes passes a larger int on
+#: modulo 2**64 (2**64 became 0, which turns the history off: a recording of nothing).
+MAX_ENTRIES_LIMIT = 2**63 - 1
+
+
+def check_max_entries(value: Any, name: str = "max_entries") -> int:
+    """``value`` if it is an int from 1 to :data:`MAX_ENTRIES_LIMIT`; :class:`InvalidArgumentError` otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_ENTRIES_LIMIT:
+        raise InvalidArgumentError(f"{name} must be an int from 1 to {MAX_ENTRIES_LIMIT}, got {value!r}")
+    return value
 
 
 class Allocator(str, enum.Enum):
@@ -304,21 +314,24 @@ def snapshot_on_oom(directory: "str | os.PathLike[str] | None", *, max_entries: 
     gpumem's), so that the snapshot holds the events that led to the error; otherwise it holds what the
     history recorded (nothing if it is off) and, on PyTorch's allocator, the segments at the error.
 
+    ``directory`` is made absolute now (a later ``os.chdir`` does not move it) and created at the first error.
+
     Raises:
         BackendUnavailableError: no PyTorch or no CUDA device.
+        InvalidArgumentError: ``max_entries`` is not an int from 1 to :data:`MAX_ENTRIES_LIMIT`.
     """
     hook = _oom_hook()
     if directory is None:
         hook.directory = None
         return
-    if not isinstance(max_entries, int) or isinstance(max_entries, bool) or max_entries < 1:
-        raise InvalidArgumentError(f"max_entries must be a positive int, got {max_entries!r}")
+    check_max_entries(max_entries)
+    folder = Path(directory).absolute()  # a later chdir of the program does not move it
     torch = _torch()
     allocator = _current_allocator()
     _attach(hook, allocator, torch)
     if history:
         _history_on(allocator, torch, max_entries, stacks=True)
-    hook.directory = Path(directory)
+    hook.directory = folder
     log.info("out-of-memory snapshots go to %s", hook.directory)
 
 
@@ -337,24 +350,27 @@ class Recording:
     def __init__(self, out: "str | os.PathLike[str]", *, allocator: "Allocator | str" = Allocator.PYTORCH,
                  max_entries: int = DEFAULT_MAX_ENTRIES, stacks: bool = True,
                  oom_dir: "str | os.PathLike[str] | None" = None) -> None:
-        if not isinstance(max_entries, int) or isinstance(max_entries, bool) or max_entries < 1:
-            raise InvalidArgumentError(f"max_entries must be a positive int, got {max_entries!r}")
+        check_max_entries(max_entries)
         if not str(out):
             raise InvalidArgumentError("out must name a folder")
-        self.out = Path(out)
+        # absolute now: a program that changes its working folder still writes where it was asked to
+        self.out = Path(out).absolute()
         self.allocator = _allocator(allocator)
         self.max_entries = max_entries
         self.stacks = bool(stacks)
         env_dir = os.environ.get(OOM_SNAPSHOT_ENV) or None
-        self.oom_dir = Path(oom_dir) if oom_dir is not None else (Path(env_dir) if env_dir else None)
+        oom = oom_dir if oom_dir is not None else env_dir
+        self.oom_dir = Path(oom).absolute() if oom is not None else None
         self.result: RecordResult | None = None
         self._torch: Any = None
+        self._previous_oom_dir: "Path | None" = None
 
     def start(self) -> "Recording":
         """Check PyTorch and CUDA, install gpumem.torch (``allocator="gpumem"``), turn the history on.
 
         Raises:
             BackendUnavailableError: no PyTorch, no CUDA device (or, for gpumem, no native engine).
+            InvalidArgumentError: ``out`` is a file, cannot be created, or already holds a snapshot.
             gpumem.torch.TooLateError: ``allocator="gpumem"`` after PyTorch initialised CUDA.
         """
         if self._torch is not None:
@@ -362,15 +378,23 @@ class Recording:
         torch = _torch()
         if self.out.exists() and not self.out.is_dir():
             raise InvalidArgumentError(f"out: {self.out} exists and is not a folder")
+        snapshot = self.out / SNAPSHOT_NAME
+        if snapshot.exists() or snapshot.is_symlink():
+            raise InvalidArgumentError(f"out: {self.out} already holds a snapshot ({SNAPSHOT_NAME}); give a new "
+                                       "folder or move it away")
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidArgumentError(f"out: cannot create {self.out}: {exc.strerror or exc}") from None
         if self.allocator is Allocator.GPUMEM:
             from . import torch as gtorch
 
             gtorch.install()
-        self.out.mkdir(parents=True, exist_ok=True)
         _history_on(self.allocator, torch, self.max_entries, stacks=self.stacks)
         if self.oom_dir is not None:
             hook = _oom_hook()
             _attach(hook, self.allocator, torch)
+            self._previous_oom_dir = hook.directory  # given back at the end (a snapshot_on_oom of the program)
             hook.directory = self.oom_dir
         self._torch = torch
         log.info("recording %s's allocations (history of at most %d events) into %s", self.allocator.value,
@@ -394,10 +418,16 @@ class Recording:
         else:
             snap = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
-        path = Path(save_pytorch_snapshot(snap, self.out / SNAPSHOT_NAME))
-        n_events = sum(len(t) for t in snap.get("device_traces", ()))
         if self.oom_dir is not None:
-            _oom_hook().directory = None
+            _oom_hook().directory = self._previous_oom_dir
+        path = self.out / SNAPSHOT_NAME
+        tmp = self.out / f".{SNAPSHOT_NAME}.tmp-{os.getpid()}"
+        try:  # complete or not there: an interrupted write never leaves a truncated snapshot
+            save_pytorch_snapshot(snap, tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        n_events = sum(len(t) for t in snap.get("device_traces", ()))
         self.result = RecordResult(path, self.allocator, n_events, dropped)
         if dropped:
             log.warning("the history kept %d events and dropped %d past max_entries=%d", n_events, dropped,
@@ -429,7 +459,7 @@ def record(out: "str | os.PathLike[str]", *, allocator: "Allocator | str" = "pyt
         rec.result.snapshot_path
 
     Args:
-        out: the folder (created).
+        out: the folder (created; made absolute now); refused if it already holds a ``snapshot.pickle``.
         allocator: ``"pytorch"`` (PyTorch's caching allocator, with Python stacks) or ``"gpumem"``
             (installs :mod:`gpumem.torch` first: enter the block before PyTorch first uses the GPU).
         max_entries: allocation events kept at most.

@@ -315,7 +315,8 @@ def register(sub: Any, formatter_class: type) -> None:
                            3: "", 4: "",
                        }) + "\n  N   otherwise, the program's own exit status (128 + N: ended by signal N)\n\n"
                        f"example:\n  gpumem record --out run1 --report -- python examples/train_small.py --steps 20\n"
-                       f"  {OOM_SNAPSHOT_ENV}=DIR sends the out-of-memory files to DIR instead of OUT/oom.")
+                       f"  {OOM_SNAPSHOT_ENV}=DIR sends the out-of-memory files to DIR instead of the output folder's oom/\n"
+                       "  (a relative DIR: from where gpumem record runs).")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="the output folder: new or empty (default: gpumem-record-<date>-<time>)")
     p.add_argument("--report", action="store_true",

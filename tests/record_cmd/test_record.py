@@ -495,3 +495,33 @@ def test_a_recording_never_overwrites_a_snapshot(fake_torch, tmp_path: Path) -> 
         gpumem.record(out=tmp_path / "r").start()
     assert (tmp_path / "r" / "snapshot.pickle").read_bytes() == first
     assert fake_torch.cuda.fake_state.history_calls[-1]["enabled"] is None  # the refusal turned nothing on
+
+
+def test_the_guide_runs_as_written(tmp_path: Path) -> None:
+    """docs/out-of-memory.md, followed literally (with the fake torch, prog.py standing in for
+    examples/train_small.py): every `gpumem ...` line parses, and steps 1 and 2 run in order. Step 2's
+    `gpumem report run1/snapshot.pickle --out run1/report ...` failed: step 1's --report had made run1/report."""
+    import glob
+    import re
+    import shlex
+
+    from gpumem.cli import build_parser
+
+    text = (ROOT / "docs" / "out-of-memory.md").read_text()
+    lines = [ln.split("  #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+             for ln in block.splitlines() if ln.strip().startswith("gpumem ")]
+    assert len(lines) >= 6
+    ran = 0
+    for line in lines:
+        words = shlex.split(line)
+        build_parser().parse_args(words[1:])  # spelled right: an unknown option or command exits here
+        if words[1] not in ("record", "report", "replay") or "--allocator" in words:
+            continue  # fit/estimate need a config.json; --allocator gpumem needs PyTorch's pluggable allocator
+        words = [w for ww in words for w in (sorted(glob.glob(ww, root_dir=tmp_path)) or [ww] if "*" in ww else [ww])]
+        words = [{"examples/train_small.py": "prog.py", "--oom": "oom"}.get(w, w) for w in words]
+        r = _record(tmp_path, *words[2:]) if words[1] == "record" else subprocess.run(
+            [sys.executable, "-m", "gpumem", *words[1:]], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+            timeout=300)
+        assert r.returncode == (1 if words[1] == "record" else 0), (line, r.stderr)
+        ran += 1
+    assert ran >= 3  # record, report, report of the OOM snapshot

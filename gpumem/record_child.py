@@ -175,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     status["oom_snapshots"] = [{"snapshot": str(r.snapshot_path), "report": str(r.report_path), "device": r.device,
                                 "requested_nbytes": r.requested_nbytes} for r in _oom_hook().records]
+    status["oom_skipped"] = _oom_hook().skipped
     status["oom_dir"] = os.environ.get(OOM_SNAPSHOT_ENV) or None
     _write_status(status_path, status)
     signal.signal(signal.SIGINT, signal.default_int_handler)

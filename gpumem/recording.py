@@ -42,7 +42,8 @@ from .units import format_bytes
 log = logging.getLogger(__name__)
 
 __all__ = ["Allocator", "record", "Recording", "RecordResult", "OomSnapshot", "snapshot_on_oom",
-           "OOM_SNAPSHOT_ENV", "SNAPSHOT_NAME", "DEFAULT_MAX_ENTRIES", "MAX_ENTRIES_LIMIT", "check_max_entries"]
+           "OOM_SNAPSHOT_ENV", "SNAPSHOT_NAME", "DEFAULT_MAX_ENTRIES", "MAX_ENTRIES_LIMIT", "check_max_entries",
+           "MAX_OOM_SNAPSHOTS"]
 
 #: Environment variable naming the folder for out-of-memory snapshots (``gpumem record``, :func:`record`).
 OOM_SNAPSHOT_ENV = "GPUMEM_OOM_SNAPSHOT_DIR"
@@ -213,12 +214,24 @@ def _buffers_of(snap: dict[str, Any], device: int) -> list[Any]:
     return out
 
 
+#: Out-of-memory snapshots written at most per process (Note [A bound on out-of-memory snapshots]).
+MAX_OOM_SNAPSHOTS = 16
+
+# Note [A bound on out-of-memory snapshots]: a program that catches torch.OutOfMemoryError and retries (halve
+# the batch until it fits, skip the sample, a serving loop) meets the error hundreds of times, and each error
+# wrote a full snapshot (with a million-event history, hundreds of MB): the disk filled with copies of one
+# story. The first MAX_OOM_SNAPSHOTS errors are written (the first is the one that tells why); later ones are
+# counted (``skipped``, in gpumem record's record.json) and logged once, and the snapshot is not even taken.
+
+
 @dataclass
 class _OomHook:
     """The process's out-of-memory hook (made once: PyTorch cannot detach an observer); ``directory`` None: off."""
 
     directory: "Path | None" = None
     records: list[OomSnapshot] = field(default_factory=list)
+    skipped: int = 0
+    """Out-of-memory errors past :data:`MAX_OOM_SNAPSHOTS`, not written."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     seq: Any = field(default_factory=itertools.count)
     native_callback: Any = None  # the ctypes callback gpumem's engine holds: kept alive here
@@ -231,10 +244,12 @@ class _OomHook:
         from .trace.pytorch_export import save_pytorch_snapshot
 
         directory = self.directory
-        if directory is None:
+        if directory is None or self._full():
             return
         try:
             with self.lock:
+                if self._full():
+                    return
                 directory.mkdir(parents=True, exist_ok=True)
                 spec = f"cuda:{device}"
                 stem = unique_stem(directory, spec, next(self.seq))
@@ -251,9 +266,22 @@ class _OomHook:
         except Exception as exc:  # noqa: BLE001 - the program must learn of the OOM, not of a failed report
             log.error("could not write the out-of-memory snapshot to %s: %s: %s", directory, type(exc).__name__, exc)
 
+    def _full(self) -> bool:
+        """True (and the error counted, logged once) past :data:`MAX_OOM_SNAPSHOTS`."""
+        if len(self.records) < MAX_OOM_SNAPSHOTS:
+            return False
+        self.skipped += 1
+        if self.skipped == 1:
+            log.warning("%d out-of-memory snapshots written; later out-of-memory errors are not written "
+                        "(Note [A bound on out-of-memory snapshots])", MAX_OOM_SNAPSHOTS)
+        return True
+
     def on_pytorch_oom(self, device: int, alloc: int, device_total: int, device_free: int) -> None:
         """PyTorch's OOM observer (``torch._C._cuda_attach_out_of_memory_observer``): PyTorch passes the device,
         the bytes requested, the device's total (or the cap of its memory fraction) and its free bytes."""
+        if self.directory is None or len(self.records) >= MAX_OOM_SNAPSHOTS:
+            self.write(int(device), int(alloc), 0, 0, {}, [])  # counts it
+            return
         try:
             snap = _torch().cuda.memory._snapshot()
             segments = [seg for seg in snap.get("segments", ()) if seg.get("device", device) == device]
@@ -270,6 +298,9 @@ class _OomHook:
 
     def on_gpumem_oom(self, device: int, requested: int, free: int, total: int) -> None:
         """gpumem.torch's OOM observer (called by ``gpumem_torch_malloc`` before it throws)."""
+        if self.directory is None or len(self.records) >= MAX_OOM_SNAPSHOTS:
+            self.write(int(device), int(requested), 0, 0, {}, [])  # counts it
+            return
         try:
             events, _ = _native_events()
             snap = snapshot_from_events(events, free_nbytes={device: free})
@@ -308,7 +339,9 @@ def snapshot_on_oom(directory: "str | os.PathLike[str] | None", *, max_entries: 
                     history: bool = True) -> None:
     """On every later out-of-memory error of PyTorch (on its allocator, or on gpumem.torch after
     :func:`gpumem.torch.install`), write a snapshot and a report of who holds what into ``directory``
-    before the error reaches the program. ``None`` turns it off.
+    before the error reaches the program. ``None`` turns it off. At most :data:`MAX_OOM_SNAPSHOTS` errors
+    per process are written (a program that retries after the error would fill the disk); later ones are
+    counted and logged once.
 
     ``history``: also turn the allocation history on now (PyTorch's ``_record_memory_history``, or
     gpumem's), so that the snapshot holds the events that led to the error; otherwise it holds what the

@@ -258,6 +258,9 @@ def cmd_record(args: argparse.Namespace) -> int:
     for oom in status.get("oom_snapshots") or ():
         _say(f"out of memory on cuda:{oom.get('device')}: snapshot {_show(oom.get('snapshot'))}, "
              f"report {_show(oom.get('report'))}")
+    if status.get("oom_skipped"):
+        _say(f"{int(status['oom_skipped']):,} later out-of-memory errors were not written (at most "
+             f"{len(status.get('oom_snapshots') or ())} snapshots per program)")
     snapshot = status.get("snapshot_path")
     if not snapshot:
         _say(f"the program ended (status {code}) but the snapshot could not be written: {status.get('snapshot_error')}")

@@ -525,3 +525,45 @@ def test_the_guide_runs_as_written(tmp_path: Path) -> None:
         assert r.returncode == (1 if words[1] == "record" else 0), (line, r.stderr)
         ran += 1
     assert ran >= 3  # record, report, report of the OOM snapshot
+
+
+def test_a_program_that_retries_after_oom_does_not_fill_the_disk(tmp_path: Path) -> None:
+    """A program catching the error and retrying wrote one full snapshot per error (60 here; hundreds of MB each
+    with a long history): at most MAX_OOM_SNAPSHOTS, the rest counted."""
+    from gpumem.recording import MAX_OOM_SNAPSHOTS
+
+    r = _record(tmp_path, "--out", "run", "--", "python", "-c",
+                "import torch\nfor _ in range(60):\n    try: torch.cuda.fake_alloc(2 << 20)\n"
+                "    except torch.OutOfMemoryError: pass")
+    assert r.returncode == 0, r.stderr
+    assert len(list((tmp_path / "run" / "oom").glob("*.pickle"))) == MAX_OOM_SNAPSHOTS
+    st = _status(tmp_path / "run")
+    assert len(st["oom_snapshots"]) == MAX_OOM_SNAPSHOTS and st["oom_skipped"] == 60 - MAX_OOM_SNAPSHOTS
+    assert f"{60 - MAX_OOM_SNAPSHOTS} later out-of-memory errors were not written" in r.stderr
+    assert r.stderr.count("later out-of-memory errors are not written") == 1  # logged once
+
+
+def test_concurrent_ooms_each_get_their_own_files(fake_torch, tmp_path: Path) -> None:
+    """Threads meeting the error at once: distinct files, every one readable by gpumem's own reader."""
+    import threading
+
+    from gpumem.recording import MAX_OOM_SNAPSHOTS, _oom_hook
+
+    gpumem.snapshot_on_oom(tmp_path / "o dir ü")
+    fake_torch.cuda.fake_alloc(4096)
+    barrier = threading.Barrier(8)
+
+    def worker() -> None:
+        barrier.wait()
+        with pytest.raises(fake_torch.OutOfMemoryError):
+            fake_torch.cuda.fake_alloc(2 << 20)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    files = sorted((tmp_path / "o dir ü").glob("*.pickle"))
+    assert len(files) == 8 == len(_oom_hook().records) and 8 <= MAX_OOM_SNAPSHOTS
+    for f in files:
+        assert load_trace(f).n_allocs == 1

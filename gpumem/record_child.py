@@ -6,7 +6,8 @@ before the program's first line, runs the program as ``__main__`` (``sys.argv``,
 sets them), and writes the snapshot when the program ends: normally, by ``sys.exit``, by an uncaught
 exception (the traceback is printed as usual) or by SIGTERM/SIGINT. Its exit status is the program's; after
 SIGTERM it ends by SIGTERM again. What it wrote goes into a status file (JSON) that ``gpumem record`` reads.
-Where PyTorch or a CUDA device is missing it runs nothing and writes the reason there (exit status 2).
+Where PyTorch or a CUDA device is missing it runs nothing and writes the reason there (exit status 2);
+once recording, before the program's first line, it writes ``"status": "running"`` there.
 
 Configuration (set by ``gpumem record``): ``GPUMEM_RECORD_OUT`` the output folder, ``GPUMEM_RECORD_STATUS``
 the status file (default ``OUT/record.json``), ``GPUMEM_RECORD_ALLOCATOR`` pytorch|gpumem,
@@ -65,10 +66,21 @@ def parse_target(argv: Sequence[str]) -> Target:
     return Target("script", first, tuple(argv[1:]))
 
 
-def _write_status(path: Path, data: dict[str, Any]) -> None:
+def _write_status(path: Path, data: dict[str, Any]) -> bool:
+    """Replace the status file; False (and one line on stderr) where it cannot be written (the program removed
+    or replaced the output folder): the program's own ending still decides the exit status."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        print(f"gpumem record: could not write {path}: {exc.strerror or exc}", file=sys.stderr, flush=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        return False
+    return True
 
 
 def run_target(target: Target) -> None:
@@ -126,7 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rec = Recording(out, **kwargs).start()
     except GpumemError as exc:  # no torch, no CUDA, no native engine, too late for gpumem.torch
-        Path(out).mkdir(parents=True, exist_ok=True)
+        try:
+            Path(out).mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass  # _write_status says so
         _write_status(status_path, {"status": "unavailable", "reason": str(exc), "error": type(exc).__name__})
         return EXIT_UNAVAILABLE
 
@@ -135,6 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise Terminated()
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
+    # "running": gpumem record tells a program that ended before the snapshot (os._exit, a signal) from a
+    # recorder that never started ("starting", its own claim on the folder)
+    _write_status(status_path, {"status": "running", "allocator": rec.allocator.value, "pid": os.getpid()})
     print(f"gpumem record: recording {rec.allocator.value}'s allocations into {out}", file=sys.stderr, flush=True)
     outcome: BaseException | None = None
     try:
@@ -157,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     status["oom_snapshots"] = [{"snapshot": str(r.snapshot_path), "report": str(r.report_path), "device": r.device,
                                 "requested_nbytes": r.requested_nbytes} for r in _oom_hook().records]
+    status["oom_skipped"] = _oom_hook().skipped
     status["oom_dir"] = os.environ.get(OOM_SNAPSHOT_ENV) or None
     _write_status(status_path, status)
     signal.signal(signal.SIGINT, signal.default_int_handler)

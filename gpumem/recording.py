@@ -42,7 +42,8 @@ from .units import format_bytes
 log = logging.getLogger(__name__)
 
 __all__ = ["Allocator", "record", "Recording", "RecordResult", "OomSnapshot", "snapshot_on_oom",
-           "OOM_SNAPSHOT_ENV", "SNAPSHOT_NAME", "DEFAULT_MAX_ENTRIES"]
+           "OOM_SNAPSHOT_ENV", "SNAPSHOT_NAME", "DEFAULT_MAX_ENTRIES", "MAX_ENTRIES_LIMIT", "check_max_entries",
+           "MAX_OOM_SNAPSHOTS"]
 
 #: Environment variable naming the folder for out-of-memory snapshots (``gpumem record``, :func:`record`).
 OOM_SNAPSHOT_ENV = "GPUMEM_OOM_SNAPSHOT_DIR"
@@ -50,6 +51,16 @@ OOM_SNAPSHOT_ENV = "GPUMEM_OOM_SNAPSHOT_DIR"
 SNAPSHOT_NAME = "snapshot.pickle"
 #: Allocation events kept at most (PyTorch's ``max_entries``; gpumem's history stops there).
 DEFAULT_MAX_ENTRIES = 1_000_000
+#: The largest ``max_entries`` taken: gpumem's history counts in 64 bits, and ctypes passes a larger int on
+#: modulo 2**64 (2**64 became 0, which turns the history off: a recording of nothing).
+MAX_ENTRIES_LIMIT = 2**63 - 1
+
+
+def check_max_entries(value: Any, name: str = "max_entries") -> int:
+    """``value`` if it is an int from 1 to :data:`MAX_ENTRIES_LIMIT`; :class:`InvalidArgumentError` otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_ENTRIES_LIMIT:
+        raise InvalidArgumentError(f"{name} must be an int from 1 to {MAX_ENTRIES_LIMIT}, got {value!r}")
+    return value
 
 
 class Allocator(str, enum.Enum):
@@ -203,12 +214,24 @@ def _buffers_of(snap: dict[str, Any], device: int) -> list[Any]:
     return out
 
 
+#: Out-of-memory snapshots written at most per process (Note [A bound on out-of-memory snapshots]).
+MAX_OOM_SNAPSHOTS = 16
+
+# Note [A bound on out-of-memory snapshots]: a program that catches torch.OutOfMemoryError and retries (halve
+# the batch until it fits, skip the sample, a serving loop) meets the error hundreds of times, and each error
+# wrote a full snapshot (with a million-event history, hundreds of MB): the disk filled with copies of one
+# story. The first MAX_OOM_SNAPSHOTS errors are written (the first is the one that tells why); later ones are
+# counted (``skipped``, in gpumem record's record.json) and logged once, and the snapshot is not even taken.
+
+
 @dataclass
 class _OomHook:
     """The process's out-of-memory hook (made once: PyTorch cannot detach an observer); ``directory`` None: off."""
 
     directory: "Path | None" = None
     records: list[OomSnapshot] = field(default_factory=list)
+    skipped: int = 0
+    """Out-of-memory errors past :data:`MAX_OOM_SNAPSHOTS`, not written."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     seq: Any = field(default_factory=itertools.count)
     native_callback: Any = None  # the ctypes callback gpumem's engine holds: kept alive here
@@ -221,10 +244,12 @@ class _OomHook:
         from .trace.pytorch_export import save_pytorch_snapshot
 
         directory = self.directory
-        if directory is None:
+        if directory is None or self._full():
             return
         try:
             with self.lock:
+                if self._full():
+                    return
                 directory.mkdir(parents=True, exist_ok=True)
                 spec = f"cuda:{device}"
                 stem = unique_stem(directory, spec, next(self.seq))
@@ -241,9 +266,22 @@ class _OomHook:
         except Exception as exc:  # noqa: BLE001 - the program must learn of the OOM, not of a failed report
             log.error("could not write the out-of-memory snapshot to %s: %s: %s", directory, type(exc).__name__, exc)
 
+    def _full(self) -> bool:
+        """True (and the error counted, logged once) past :data:`MAX_OOM_SNAPSHOTS`."""
+        if len(self.records) < MAX_OOM_SNAPSHOTS:
+            return False
+        self.skipped += 1
+        if self.skipped == 1:
+            log.warning("%d out-of-memory snapshots written; later out-of-memory errors are not written "
+                        "(Note [A bound on out-of-memory snapshots])", MAX_OOM_SNAPSHOTS)
+        return True
+
     def on_pytorch_oom(self, device: int, alloc: int, device_total: int, device_free: int) -> None:
         """PyTorch's OOM observer (``torch._C._cuda_attach_out_of_memory_observer``): PyTorch passes the device,
         the bytes requested, the device's total (or the cap of its memory fraction) and its free bytes."""
+        if self.directory is None or len(self.records) >= MAX_OOM_SNAPSHOTS:
+            self.write(int(device), int(alloc), 0, 0, {}, [])  # counts it
+            return
         try:
             snap = _torch().cuda.memory._snapshot()
             segments = [seg for seg in snap.get("segments", ()) if seg.get("device", device) == device]
@@ -260,6 +298,9 @@ class _OomHook:
 
     def on_gpumem_oom(self, device: int, requested: int, free: int, total: int) -> None:
         """gpumem.torch's OOM observer (called by ``gpumem_torch_malloc`` before it throws)."""
+        if self.directory is None or len(self.records) >= MAX_OOM_SNAPSHOTS:
+            self.write(int(device), int(requested), 0, 0, {}, [])  # counts it
+            return
         try:
             events, _ = _native_events()
             snap = snapshot_from_events(events, free_nbytes={device: free})
@@ -298,27 +339,32 @@ def snapshot_on_oom(directory: "str | os.PathLike[str] | None", *, max_entries: 
                     history: bool = True) -> None:
     """On every later out-of-memory error of PyTorch (on its allocator, or on gpumem.torch after
     :func:`gpumem.torch.install`), write a snapshot and a report of who holds what into ``directory``
-    before the error reaches the program. ``None`` turns it off.
+    before the error reaches the program. ``None`` turns it off. At most :data:`MAX_OOM_SNAPSHOTS` errors
+    per process are written (a program that retries after the error would fill the disk); later ones are
+    counted and logged once.
 
     ``history``: also turn the allocation history on now (PyTorch's ``_record_memory_history``, or
     gpumem's), so that the snapshot holds the events that led to the error; otherwise it holds what the
     history recorded (nothing if it is off) and, on PyTorch's allocator, the segments at the error.
 
+    ``directory`` is made absolute now (a later ``os.chdir`` does not move it) and created at the first error.
+
     Raises:
         BackendUnavailableError: no PyTorch or no CUDA device.
+        InvalidArgumentError: ``max_entries`` is not an int from 1 to :data:`MAX_ENTRIES_LIMIT`.
     """
     hook = _oom_hook()
     if directory is None:
         hook.directory = None
         return
-    if not isinstance(max_entries, int) or isinstance(max_entries, bool) or max_entries < 1:
-        raise InvalidArgumentError(f"max_entries must be a positive int, got {max_entries!r}")
+    check_max_entries(max_entries)
+    folder = Path(directory).absolute()  # a later chdir of the program does not move it
     torch = _torch()
     allocator = _current_allocator()
     _attach(hook, allocator, torch)
     if history:
         _history_on(allocator, torch, max_entries, stacks=True)
-    hook.directory = Path(directory)
+    hook.directory = folder
     log.info("out-of-memory snapshots go to %s", hook.directory)
 
 
@@ -337,24 +383,27 @@ class Recording:
     def __init__(self, out: "str | os.PathLike[str]", *, allocator: "Allocator | str" = Allocator.PYTORCH,
                  max_entries: int = DEFAULT_MAX_ENTRIES, stacks: bool = True,
                  oom_dir: "str | os.PathLike[str] | None" = None) -> None:
-        if not isinstance(max_entries, int) or isinstance(max_entries, bool) or max_entries < 1:
-            raise InvalidArgumentError(f"max_entries must be a positive int, got {max_entries!r}")
+        check_max_entries(max_entries)
         if not str(out):
             raise InvalidArgumentError("out must name a folder")
-        self.out = Path(out)
+        # absolute now: a program that changes its working folder still writes where it was asked to
+        self.out = Path(out).absolute()
         self.allocator = _allocator(allocator)
         self.max_entries = max_entries
         self.stacks = bool(stacks)
         env_dir = os.environ.get(OOM_SNAPSHOT_ENV) or None
-        self.oom_dir = Path(oom_dir) if oom_dir is not None else (Path(env_dir) if env_dir else None)
+        oom = oom_dir if oom_dir is not None else env_dir
+        self.oom_dir = Path(oom).absolute() if oom is not None else None
         self.result: RecordResult | None = None
         self._torch: Any = None
+        self._previous_oom_dir: "Path | None" = None
 
     def start(self) -> "Recording":
         """Check PyTorch and CUDA, install gpumem.torch (``allocator="gpumem"``), turn the history on.
 
         Raises:
             BackendUnavailableError: no PyTorch, no CUDA device (or, for gpumem, no native engine).
+            InvalidArgumentError: ``out`` is a file, cannot be created, or already holds a snapshot.
             gpumem.torch.TooLateError: ``allocator="gpumem"`` after PyTorch initialised CUDA.
         """
         if self._torch is not None:
@@ -362,15 +411,23 @@ class Recording:
         torch = _torch()
         if self.out.exists() and not self.out.is_dir():
             raise InvalidArgumentError(f"out: {self.out} exists and is not a folder")
+        snapshot = self.out / SNAPSHOT_NAME
+        if snapshot.exists() or snapshot.is_symlink():
+            raise InvalidArgumentError(f"out: {self.out} already holds a snapshot ({SNAPSHOT_NAME}); give a new "
+                                       "folder or move it away")
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidArgumentError(f"out: cannot create {self.out}: {exc.strerror or exc}") from None
         if self.allocator is Allocator.GPUMEM:
             from . import torch as gtorch
 
             gtorch.install()
-        self.out.mkdir(parents=True, exist_ok=True)
         _history_on(self.allocator, torch, self.max_entries, stacks=self.stacks)
         if self.oom_dir is not None:
             hook = _oom_hook()
             _attach(hook, self.allocator, torch)
+            self._previous_oom_dir = hook.directory  # given back at the end (a snapshot_on_oom of the program)
             hook.directory = self.oom_dir
         self._torch = torch
         log.info("recording %s's allocations (history of at most %d events) into %s", self.allocator.value,
@@ -394,10 +451,16 @@ class Recording:
         else:
             snap = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
-        path = Path(save_pytorch_snapshot(snap, self.out / SNAPSHOT_NAME))
-        n_events = sum(len(t) for t in snap.get("device_traces", ()))
         if self.oom_dir is not None:
-            _oom_hook().directory = None
+            _oom_hook().directory = self._previous_oom_dir
+        path = self.out / SNAPSHOT_NAME
+        tmp = self.out / f".{SNAPSHOT_NAME}.tmp-{os.getpid()}"
+        try:  # complete or not there: an interrupted write never leaves a truncated snapshot
+            save_pytorch_snapshot(snap, tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        n_events = sum(len(t) for t in snap.get("device_traces", ()))
         self.result = RecordResult(path, self.allocator, n_events, dropped)
         if dropped:
             log.warning("the history kept %d events and dropped %d past max_entries=%d", n_events, dropped,
@@ -429,7 +492,7 @@ def record(out: "str | os.PathLike[str]", *, allocator: "Allocator | str" = "pyt
         rec.result.snapshot_path
 
     Args:
-        out: the folder (created).
+        out: the folder (created; made absolute now); refused if it already holds a ``snapshot.pickle``.
         allocator: ``"pytorch"`` (PyTorch's caching allocator, with Python stacks) or ``"gpumem"``
             (installs :mod:`gpumem.torch` first: enter the block before PyTorch first uses the GPU).
         max_entries: allocation events kept at most.

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -43,6 +44,7 @@ _PYTHON = re.compile(r"^python[0-9.]*(\.exe)?$")
 # PYTHONPATH that finds gpumem, and -m/-c/SCRIPT belong to the program)
 _PY_FLAGS = frozenset({"-u", "-O", "-OO", "-B", "-s", "-S", "-q", "-b", "-bb", "-d", "-v", "-R"})
 _PY_FLAGS_WITH_VALUE = frozenset({"-X", "-W"})
+_STATUS_MAX_NBYTES = 64 << 20  # record.json lists the out-of-memory files: far below this
 
 
 def child_command(command: Sequence[str]) -> list[str]:
@@ -83,7 +85,9 @@ def child_command(command: Sequence[str]) -> list[str]:
 
 def child_env(out: Path, allocator: str, max_entries: int, oom_dir: Path, base: "dict[str, str] | None" = None) -> dict[str, str]:
     """The environment of the child: the recording's settings, and gpumem on ``PYTHONPATH`` when it runs from a
-    checkout (an installed gpumem is the child interpreter's own business)."""
+    checkout (an installed gpumem is the child interpreter's own business). Paths go absolute: a program that
+    changes its working folder still writes into ``out`` (and a relative ``GPUMEM_OOM_SNAPSHOT_DIR`` is taken
+    from where gpumem record runs); an empty ``GPUMEM_OOM_SNAPSHOT_DIR`` counts as unset."""
     from .. import record_child
     from ..recording import OOM_SNAPSHOT_ENV
 
@@ -91,30 +95,72 @@ def child_env(out: Path, allocator: str, max_entries: int, oom_dir: Path, base: 
     root = Path(record_child.__file__).resolve().parent.parent
     if root.name not in ("site-packages", "dist-packages"):
         env["PYTHONPATH"] = os.pathsep.join([str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    out = out.absolute()
     env[record_child.OUT_ENV] = str(out)
     env[record_child.STATUS_ENV] = str(out / record_child.STATUS_NAME)
     env[record_child.ALLOCATOR_ENV] = allocator
     env[record_child.MAX_ENTRIES_ENV] = str(max_entries)
-    env.setdefault(OOM_SNAPSHOT_ENV, str(oom_dir))
+    env[OOM_SNAPSHOT_ENV] = str(Path(env.get(OOM_SNAPSHOT_ENV) or oom_dir).absolute())
     return env
 
 
+# Note [gpumem record claims its folder]: the output folder must be new or empty, and the check alone is not
+# enough: two recordings started in the same second without --out (or `gpumem record -- python -m gpumem
+# record ...`, whose inner run found the outer's default folder still empty) both took it, and the second
+# snapshot replaced the first. So the default folder is always a new one (a -2, -3... suffix when the name
+# is taken), and the folder is claimed by creating record.json exclusively ("status": "starting") before the
+# program runs: a second recording finds the folder not empty. The child replaces it by "running" once the
+# recording is on, then by the outcome; gpumem record tells from it a recorder that never started (the
+# folder is removed again) from a program that ended before the snapshot (os._exit, a signal: kept).
 def _check_out(path: str | None) -> tuple[Path, bool]:
-    """The output folder (default ``gpumem-record-<time>``): missing (created) or an empty folder."""
-    out = Path(path if path else time.strftime("gpumem-record-%Y%m%d-%H%M%S"))
-    if out.exists() or out.is_symlink():
-        if not out.is_dir():
-            raise _UsageError(f"--out: {_shorten_path(str(out))} exists and is not a folder")
-        if any(out.iterdir()):
-            raise _UsageError(f"--out: {_shorten_path(str(out))} is not empty; give a new folder")
-        return out, False
-    if not out.parent.is_dir():
-        raise _UsageError(f"--out: no such folder {_shorten_path(str(out.parent))} (create it first)")
+    """The output folder, claimed (Note [gpumem record claims its folder]): ``--out`` missing (created) or an
+    empty folder; by default a new ``gpumem-record-<time>[-N]``. Returns it and whether it was created."""
+    from ..record_child import STATUS_NAME
+
+    if path:
+        out = Path(path)
+        created = False
+        if out.exists() or out.is_symlink():
+            if not out.is_dir():
+                raise _UsageError(f"--out: {_shorten_path(str(out))} exists and is not a folder")
+            if any(out.iterdir()):
+                raise _UsageError(f"--out: {_shorten_path(str(out))} is not empty; give a new folder")
+        else:
+            if not out.parent.is_dir():
+                raise _UsageError(f"--out: no such folder {_shorten_path(str(out.parent))} (create it first)")
+            created = _mkdir(out)
+            if not created:
+                raise _UsageError(f"--out: {_shorten_path(str(out))} was created meanwhile by another program")
+    else:
+        base = time.strftime("gpumem-record-%Y%m%d-%H%M%S")
+        for n in range(1, 1000):
+            out = Path(base if n == 1 else f"{base}-{n}")
+            if _mkdir(out):
+                break
+        else:  # pragma: no cover - a thousand recordings in one second
+            raise _UsageError(f"cannot find a new folder name {base}-N: give --out")
+        created = True
+    try:
+        fd = os.open(out / STATUS_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        raise _UsageError(f"--out: {_shorten_path(str(out))} is not empty; give a new folder") from None
+    except OSError as exc:
+        _cleanup(out, created)
+        raise _UsageError(f"--out: cannot write into {_shorten_path(str(out))}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"status": "starting", "pid": os.getpid()}))
+    return out, created
+
+
+def _mkdir(out: Path) -> bool:
+    """Create ``out``; False if it exists already (anything there: a folder, a file, a link)."""
     try:
         out.mkdir()
+    except FileExistsError:
+        return False
     except OSError as exc:
         raise _UsageError(f"--out: cannot create {_shorten_path(str(out))}: {exc.strerror or exc}") from None
-    return out, True
+    return True
 
 
 def _wait(proc: "subprocess.Popen[bytes]") -> int:
@@ -147,48 +193,81 @@ def _say(text: str) -> None:
 
 
 def _read_status(path: Path) -> "dict[str, Any] | None":
+    """The status file as a dict; None where it is missing, not a regular file (a FIFO would block), larger
+    than a status file can be, or not a JSON object."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        if not stat.S_ISREG(path.lstat().st_mode):
+            return None
+        with open(path, "rb") as f:
+            raw = f.read(_STATUS_MAX_NBYTES + 1)
+        if len(raw) > _STATUS_MAX_NBYTES:
+            return None
+        data = json.loads(raw.decode("utf-8"))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 
 
+def _show(path: "str | Path") -> str:
+    """A path the child wrote (absolute) as the user would type it: relative where it lies under the current
+    folder."""
+    p = Path(path)
+    try:
+        return str(p.relative_to(Path.cwd()))
+    except ValueError:
+        return str(p)
+
+
 def cmd_record(args: argparse.Namespace) -> int:
     """Check the options, run the program under the recorder, say where the files went, report."""
     from .. import record_child
+    from ..recording import MAX_ENTRIES_LIMIT
 
     argv = child_command(args.program)
-    if args.max_entries < 1:
-        raise _UsageError(f"--max-entries must be 1 or more, got {args.max_entries}")
+    if not 1 <= args.max_entries <= MAX_ENTRIES_LIMIT:
+        raise _UsageError(f"--max-entries must be from 1 to {MAX_ENTRIES_LIMIT}, got {args.max_entries}")
     out, created = _check_out(args.out)
     oom_dir = out / "oom"
     env = child_env(out, args.allocator, args.max_entries, oom_dir)
+    status_path = out / record_child.STATUS_NAME
     try:
         proc = subprocess.Popen(argv, env=env)
     except OSError as exc:
         _cleanup(out, created)
         raise _UsageError(f"cannot start {argv[0][:80]}: {exc.strerror or exc}") from None
     code = _wait(proc)
-    status = _read_status(out / record_child.STATUS_NAME)
-    if status is None:
-        if code != 0 and not any(out.iterdir()):
-            _cleanup(out, created)
-            _say(f"the recorder did not start (status {code}): can {argv[0]} import gpumem and torch? see the "
-                 "error above")
-            return code if code != EXIT_OK else EXIT_USAGE
-        _say(f"the program ended (status {code}) without writing a snapshot (killed, or os._exit)")
-        return code
-    if status.get("status") == "unavailable":
+    status = _read_status(status_path)
+    state = status.get("status") if status is not None else None
+    if state == "starting":
+        _cleanup(out, created)
+        _say(f"the recorder did not start (status {code}): can {argv[0]} import gpumem and torch? see the "
+             "error above")
+        return code if code != EXIT_OK else EXIT_USAGE
+    if state == "unavailable":
         _cleanup(out, created)
         _say(f"cannot record: {status.get('reason')}; the program was not run")
         return EXIT_USAGE
+    if state == "running":
+        how = f"by signal {code - 128}" if code > 128 else "by os._exit"
+        record_child._write_status(status_path, {**status, "status": "ended without snapshot", "exit_status": code})
+        _say(f"the program ended (status {code}, {how}?) before its snapshot could be written: nothing recorded "
+             "(the snapshot is written on a normal end, sys.exit, an exception, Ctrl-C or SIGTERM)")
+        return code
+    if state != "done":
+        _say(f"the program ended (status {code}) and {_show(status_path)} is gone or unreadable: did the program "
+             f"remove or replace {_show(out)}? see the lines above")
+        return code
     for oom in status.get("oom_snapshots") or ():
-        _say(f"out of memory on cuda:{oom.get('device')}: snapshot {oom.get('snapshot')}, report {oom.get('report')}")
+        _say(f"out of memory on cuda:{oom.get('device')}: snapshot {_show(oom.get('snapshot'))}, "
+             f"report {_show(oom.get('report'))}")
+    if status.get("oom_skipped"):
+        _say(f"{int(status['oom_skipped']):,} later out-of-memory errors were not written (at most "
+             f"{len(status.get('oom_snapshots') or ())} snapshots per program)")
     snapshot = status.get("snapshot_path")
     if not snapshot:
         _say(f"the program ended (status {code}) but the snapshot could not be written: {status.get('snapshot_error')}")
         return code
+    snapshot = _show(snapshot)
     dropped = int(status.get("dropped") or 0)
     _say(f"the program ended (status {code}, {status.get('ended_by')}); snapshot written to {snapshot} "
          f"({int(status.get('n_events') or 0):,} events" + (f", {dropped:,} dropped past --max-entries" if dropped
@@ -218,7 +297,7 @@ def _cleanup(out: Path, created: bool) -> None:
     """Remove the output folder again if this command made it and nothing was written there."""
     status = out / "record.json"
     try:
-        if status.is_file():
+        if status.is_file() and not status.is_symlink():
             status.unlink()
         if created and not any(out.iterdir()):
             out.rmdir()
@@ -241,7 +320,8 @@ def register(sub: Any, formatter_class: type) -> None:
                            3: "", 4: "",
                        }) + "\n  N   otherwise, the program's own exit status (128 + N: ended by signal N)\n\n"
                        f"example:\n  gpumem record --out run1 --report -- python examples/train_small.py --steps 20\n"
-                       f"  {OOM_SNAPSHOT_ENV}=D sends the out-of-memory files to D instead of DIR/oom.")
+                       f"  {OOM_SNAPSHOT_ENV}=DIR sends the out-of-memory files to DIR instead of the output folder's oom/\n"
+                       "  (a relative DIR: from where gpumem record runs).")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="the output folder: new or empty (default: gpumem-record-<date>-<time>)")
     p.add_argument("--report", action="store_true",

@@ -388,3 +388,184 @@ def test_snapshot_from_events_keeps_every_allocation(tmp_path_factory: pytest.Te
             continue
         t = load_trace(path, device=dev)
         assert t.n_allocs == n and t.n_live_at_end == live[dev]
+
+
+# -- review findings (each failed before its fix) ------------------------------------------------------------------
+def test_a_program_that_changes_folder_still_gets_its_snapshot(tmp_path: Path) -> None:
+    """A relative --out went to the child as is: a program that chdir'd wrote nowhere (the snapshot and the
+    status file failed), the child ended with a traceback and status 1, and gpumem record said "the recorder
+    did not start" and removed the folder."""
+    (tmp_path / "sub").mkdir()
+    r = _record(tmp_path, "--out", "run", "--", "python", "-c",
+                "import os, torch; os.chdir('sub'); torch.cuda.fake_alloc(4096); torch.cuda.fake_alloc(2 << 20)",
+                GPUMEM_OOM_SNAPSHOT_DIR="oomdir")
+    assert r.returncode == 1 and "Traceback" in r.stderr and "record_child" not in r.stderr, r.stderr
+    assert load_trace(tmp_path / "run" / "snapshot.pickle").n_allocs == 1
+    assert len(list((tmp_path / "oomdir").glob("oom-*.txt"))) == 1  # relative to where gpumem record ran
+    assert not any((tmp_path / "sub").iterdir())
+    assert "snapshot written to run/snapshot.pickle" in r.stderr
+
+
+def test_os_exit_is_not_called_a_failed_start(tmp_path: Path) -> None:
+    """A program ending by os._exit(3) was reported as "the recorder did not start ... can python import gpumem
+    and torch?" and its output folder removed."""
+    r = _record(tmp_path, "--out", "run", "--", "python", "-c", "import os, torch; torch.cuda.fake_alloc(8); os._exit(3)")
+    assert r.returncode == 3
+    assert "did not start" not in r.stderr and "os._exit" in r.stderr, r.stderr
+    st = _status(tmp_path / "run")
+    assert st["status"] == "ended without snapshot" and st["exit_status"] == 3
+
+
+def test_two_recordings_never_share_a_folder(tmp_path: Path) -> None:
+    """`gpumem record -- python -m gpumem record -- python prog.py` (or two runs started in the same second
+    without --out) wrote both recordings into one default folder: the outer snapshot replaced the inner one."""
+    r = _record(tmp_path, "--", "python", "-m", "gpumem", "record", "--", "python", "prog.py")
+    assert r.returncode == 0, r.stderr
+    folders = sorted(p for p in tmp_path.iterdir() if p.name.startswith("gpumem-record-"))
+    assert len(folders) == 2, folders
+    assert sorted(_status(f)["n_events"] > 0 for f in folders) == [False, True]
+    # an explicit empty folder that another recording has claimed is refused, and left as it is
+    (tmp_path / "claimed").mkdir()
+    (tmp_path / "claimed" / "record.json").write_text('{"status": "running"}')
+    r = _record(tmp_path, "--out", "claimed", "--", "python", "prog.py")
+    assert r.returncode == EXIT_USAGE and "not empty" in r.stderr
+    assert (tmp_path / "claimed" / "record.json").read_text() == '{"status": "running"}'
+
+
+def test_a_failed_status_write_keeps_the_programs_exit_status(tmp_path: Path) -> None:
+    """A program that removes the output folder: the child ended with a traceback (status 1, not the
+    program's 0) and gpumem record said the recorder did not start."""
+    r = _record(tmp_path, "--out", "run", "--", "python", "-c",
+                "import os, shutil, torch; torch.cuda.fake_alloc(8); shutil.rmtree(os.environ['GPUMEM_RECORD_OUT']);"
+                "open(os.environ['GPUMEM_RECORD_OUT'], 'w').write('mine')")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "did not start" not in r.stderr
+    assert "could not write the snapshot" in r.stderr and (tmp_path / "run").read_text() == "mine"
+
+
+def test_max_entries_past_64_bits_is_refused(tmp_path: Path) -> None:
+    """ctypes passed --max-entries 2**64 to gpumem's history as 0, which turns the history off: a recording of
+    nothing; 2**64 + 5 kept 5 events."""
+    r = _record(tmp_path, "--out", "run", "--max-entries", str(2 ** 64), "--", "python", "prog.py")
+    assert r.returncode == EXIT_USAGE and "--max-entries" in r.stderr and not (tmp_path / "run").exists()
+    with pytest.raises(InvalidArgumentError, match="max_entries"):
+        gpumem.record(out=tmp_path / "r", max_entries=2 ** 64 + 5)
+    with pytest.raises(InvalidArgumentError, match="max_entries"):
+        gpumem.snapshot_on_oom(tmp_path, max_entries=2 ** 64)
+
+
+def test_an_empty_oom_dir_variable_does_not_turn_the_oom_files_off(tmp_path: Path) -> None:
+    """GPUMEM_OOM_SNAPSHOT_DIR= (empty) was passed on as is: no out-of-memory files at all, although the help
+    says OUT/oom."""
+    r = _record(tmp_path, "--out", "run", "--", "python", "prog.py", "oom", GPUMEM_OOM_SNAPSHOT_DIR="")
+    assert r.returncode == 1
+    assert len(list((tmp_path / "run" / "oom").glob("oom-*.txt"))) == 1
+
+
+def test_a_recording_gives_back_the_oom_folder_it_found(fake_torch, tmp_path: Path) -> None:
+    """snapshot_on_oom(A), then a recording with its own oom_dir: at its end the hook was turned off, so later
+    out-of-memory errors wrote nothing to A."""
+    gpumem.snapshot_on_oom(tmp_path / "a")
+    with gpumem.record(out=tmp_path / "r", oom_dir=tmp_path / "b"):
+        with pytest.raises(fake_torch.OutOfMemoryError):
+            fake_torch.cuda.fake_alloc(2 << 20)
+    with pytest.raises(fake_torch.OutOfMemoryError):
+        fake_torch.cuda.fake_alloc(2 << 20)
+    assert len(list((tmp_path / "b").glob("*.txt"))) == 1 and len(list((tmp_path / "a").glob("*.txt"))) == 1
+
+
+def test_oom_folder_is_the_one_named_before_a_chdir(fake_torch, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """snapshot_on_oom("oom") resolved the folder at the error: after a chdir the files went elsewhere."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    gpumem.snapshot_on_oom("oom")
+    with gpumem.record(out="rec") as rec:
+        monkeypatch.chdir(tmp_path / "sub")
+        with pytest.raises(fake_torch.OutOfMemoryError):
+            fake_torch.cuda.fake_alloc(2 << 20)
+    assert len(list((tmp_path / "oom").glob("*.txt"))) == 1 and not any((tmp_path / "sub").iterdir())
+    assert rec.result.snapshot_path == tmp_path / "rec" / "snapshot.pickle" and rec.result.snapshot_path.is_file()
+
+
+def test_a_recording_never_overwrites_a_snapshot(fake_torch, tmp_path: Path) -> None:
+    """gpumem.record(out) into a folder that holds a snapshot replaced it without a word (the command refuses
+    a folder that is not empty)."""
+    with gpumem.record(out=tmp_path / "r"):
+        fake_torch.cuda.fake_alloc(4096)
+    first = (tmp_path / "r" / "snapshot.pickle").read_bytes()
+    with pytest.raises(InvalidArgumentError, match="already holds a snapshot"):
+        gpumem.record(out=tmp_path / "r").start()
+    assert (tmp_path / "r" / "snapshot.pickle").read_bytes() == first
+    assert fake_torch.cuda.fake_state.history_calls[-1]["enabled"] is None  # the refusal turned nothing on
+
+
+def test_the_guide_runs_as_written(tmp_path: Path) -> None:
+    """docs/out-of-memory.md, followed literally (with the fake torch, prog.py standing in for
+    examples/train_small.py): every `gpumem ...` line parses, and steps 1 and 2 run in order. Step 2's
+    `gpumem report run1/snapshot.pickle --out run1/report ...` failed: step 1's --report had made run1/report."""
+    import glob
+    import re
+    import shlex
+
+    from gpumem.cli import build_parser
+
+    text = (ROOT / "docs" / "out-of-memory.md").read_text()
+    lines = [ln.split("  #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+             for ln in block.splitlines() if ln.strip().startswith("gpumem ")]
+    assert len(lines) >= 6
+    ran = 0
+    for line in lines:
+        words = shlex.split(line)
+        build_parser().parse_args(words[1:])  # spelled right: an unknown option or command exits here
+        if words[1] not in ("record", "report", "replay") or "--allocator" in words:
+            continue  # fit/estimate need a config.json; --allocator gpumem needs PyTorch's pluggable allocator
+        words = [w for ww in words for w in (sorted(glob.glob(ww, root_dir=tmp_path)) or [ww] if "*" in ww else [ww])]
+        words = [{"examples/train_small.py": "prog.py", "--oom": "oom"}.get(w, w) for w in words]
+        r = _record(tmp_path, *words[2:]) if words[1] == "record" else subprocess.run(
+            [sys.executable, "-m", "gpumem", *words[1:]], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+            timeout=300)
+        assert r.returncode == (1 if words[1] == "record" else 0), (line, r.stderr)
+        ran += 1
+    assert ran >= 3  # record, report, report of the OOM snapshot
+
+
+def test_a_program_that_retries_after_oom_does_not_fill_the_disk(tmp_path: Path) -> None:
+    """A program catching the error and retrying wrote one full snapshot per error (60 here; hundreds of MB each
+    with a long history): at most MAX_OOM_SNAPSHOTS, the rest counted."""
+    from gpumem.recording import MAX_OOM_SNAPSHOTS
+
+    r = _record(tmp_path, "--out", "run", "--", "python", "-c",
+                "import torch\nfor _ in range(60):\n    try: torch.cuda.fake_alloc(2 << 20)\n"
+                "    except torch.OutOfMemoryError: pass")
+    assert r.returncode == 0, r.stderr
+    assert len(list((tmp_path / "run" / "oom").glob("*.pickle"))) == MAX_OOM_SNAPSHOTS
+    st = _status(tmp_path / "run")
+    assert len(st["oom_snapshots"]) == MAX_OOM_SNAPSHOTS and st["oom_skipped"] == 60 - MAX_OOM_SNAPSHOTS
+    assert f"{60 - MAX_OOM_SNAPSHOTS} later out-of-memory errors were not written" in r.stderr
+    assert r.stderr.count("later out-of-memory errors are not written") == 1  # logged once
+
+
+def test_concurrent_ooms_each_get_their_own_files(fake_torch, tmp_path: Path) -> None:
+    """Threads meeting the error at once: distinct files, every one readable by gpumem's own reader."""
+    import threading
+
+    from gpumem.recording import MAX_OOM_SNAPSHOTS, _oom_hook
+
+    gpumem.snapshot_on_oom(tmp_path / "o dir ü")
+    fake_torch.cuda.fake_alloc(4096)
+    barrier = threading.Barrier(8)
+
+    def worker() -> None:
+        barrier.wait()
+        with pytest.raises(fake_torch.OutOfMemoryError):
+            fake_torch.cuda.fake_alloc(2 << 20)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    files = sorted((tmp_path / "o dir ü").glob("*.pickle"))
+    assert len(files) == 8 == len(_oom_hook().records) and 8 <= MAX_OOM_SNAPSHOTS
+    for f in files:
+        assert load_trace(f).n_allocs == 1

@@ -17,6 +17,7 @@ import decimal
 import os
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,16 @@ def replace_atomically(tmp: "str | os.PathLike[str]", out: "str | os.PathLike[st
         raise
 
 
+def _file_mode(out: Path) -> int:
+    """The permission bits for a file replacing ``out``: those of the file it replaces, or the umask's."""
+    try:
+        return stat.S_IMODE(os.stat(out).st_mode) & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def write_text_atomically(path: "str | os.PathLike[str]", text: str) -> Path:
     """Write ``text`` to ``path`` through a fsynced temporary sibling renamed over it; the old file stays
     whole until then. Returns the resolved path."""
@@ -111,6 +122,7 @@ def write_text_atomically(path: "str | os.PathLike[str]", text: str) -> Path:
     fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), _file_mode(out))  # mkstemp makes it private (0600): keep an ordinary file's mode
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -68,3 +68,20 @@ def test_old_output_kept_when_the_destination_is_taken_meanwhile(tmp_path, monke
     kept = [p for p in tmp_path.rglob("old.txt")]
     assert kept and kept[0].read_text() == "precious"
     assert not tmp.exists()
+
+
+def test_a_file_written_atomically_keeps_an_ordinary_mode(tmp_path):
+    """issue 20 review: write_text_atomically left every HIL record and summary private (0600, mkstemp's)."""
+    from gpumem.outputs import write_text_atomically
+
+    umask = os.umask(0o022)
+    try:
+        new = write_text_atomically(tmp_path / "new.json", "{}")
+        assert oct(new.stat().st_mode & 0o777) == oct(0o644)
+        old = tmp_path / "old.md"
+        old.write_text("x")
+        old.chmod(0o664)
+        write_text_atomically(old, "y")
+        assert oct(old.stat().st_mode & 0o777) == oct(0o664) and old.read_text() == "y"
+    finally:
+        os.umask(umask)

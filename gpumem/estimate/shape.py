@@ -269,6 +269,8 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
         raise InvalidArgumentError(f"{origin}: missing {', '.join(missing)} (not a decoder LLM config?)")
     n_kv = _first(cfg, "num_key_value_heads", default=fields["n_heads"])
     head_dim = _first(cfg, "head_dim", default=0)
+    if cfg.get("head_dim") == 0 and not isinstance(cfg.get("head_dim"), bool):  # 0 would mean "the default"
+        raise InvalidArgumentError(f"{origin}: head_dim must be positive, got 0")
     aliases = {"hidden_size": ("hidden_size", "n_embd", "d_model"),
                "intermediate_size": ("intermediate_size", "n_inner", "ffn_dim"),
                "n_layers": ("num_hidden_layers", "n_layer", "num_layers"), "vocab_size": ("vocab_size",),

@@ -177,3 +177,23 @@ def test_new_tokens_filling_max_seq_len(capsys):
     assert "-36" not in err
     with pytest.raises(InvalidArgumentError, match="leaves no room for a prompt"):
         estimate_inference_memory(*DIMS, 64, 2, new_tokens=64)
+
+
+_SMALL = ["--hidden-size", "64", "--intermediate-size", "128", "--layers", "2", "--vocab-size", "100",
+          "--heads", "4", "--prompt-len", "8", "--no-reserved", "--json"]
+
+
+@pytest.mark.parametrize("extra, expected", [(["--head-dim", "0"], "--head-dim must be positive"),
+                                             (["--dtype", ""], "unknown dtype ''")])
+def test_a_zero_head_dim_or_an_empty_dtype_is_refused_not_taken_for_the_default(capsys, extra, expected):
+    """issue 20 review: `--head-dim 0` silently meant hidden/heads, `--dtype ''` silently the default dtype."""
+    assert main(["estimate", *_SMALL, *extra]) == 2
+    captured = capsys.readouterr()
+    assert expected in captured.err and not captured.out
+
+
+def test_a_config_head_dim_of_zero_is_refused():
+    cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 100,
+           "num_attention_heads": 4, "head_dim": 0}
+    with pytest.raises(InvalidArgumentError, match="head_dim must be positive"):
+        from_hf_config(cfg)

@@ -158,6 +158,12 @@ UNMODELLED_KEYS = {
     "cross_attention_layers": "cross-attention layers",
     "mlp_bias": "MLP biases",
     "attn_logit_softcapping": "attention logit soft-capping (eager attention, full score matrices)",
+    "is_encoder_decoder": "an encoder besides the decoder",
+    "encoder_layers": "an encoder besides the decoder",
+    "vision_config": "a vision tower besides the language model (give its text_config as a file of its own to "
+                     "estimate the language model alone)",
+    "audio_config": "an audio tower besides the language model (give its text_config as a file of its own to "
+                    "estimate the language model alone)",
 }
 
 _NEUTRAL = (None, False, 0, [], {}, "")
@@ -253,6 +259,10 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
         if not isinstance(cfg, dict):
             raise InvalidArgumentError(f"{origin}: expected a JSON object, got {type(cfg).__name__}")
     if isinstance(cfg.get("text_config"), Mapping):
+        # the outer config's own fields are checked too: a vision tower, MoE keys or a quantization_config
+        # there change memory as much as inside (they were silently dropped with the outer config)
+        _refuse_unmodelled({k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "text_config")},
+                           origin)
         cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k in ("torch_dtype", "dtype")}}
     _refuse_unmodelled(cfg, origin)
     fields = {

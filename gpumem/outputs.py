@@ -13,8 +13,11 @@ left behind. A file is fsynced before its rename (cheap); folders are not (many 
 
 from __future__ import annotations
 
+import decimal
 import os
+import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,14 +29,24 @@ __all__ = ["csv_cell", "csv_row", "resolve_output", "replace_atomically", "write
 # A cell that starts with =, +, -, @, a tab or a carriage return is read as a formula by spreadsheets;
 # snapshot frame names and trace file names come from files a user did not write. As OWASP's CSV
 # injection advice says, such a text cell is prefixed with a single quote (and is still quoted by the
-# csv module where needed). Numbers are left as they are: -5 is a number, not a formula.
-_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+# csv module where needed). The start is looked for after any leading whitespace or quotes (spreadsheets
+# skip them: " =1+1" and "\"=1+1" are formulas too) and includes the full-width forms of the four
+# signs; a value that is not a number (a Path, bytes, an enum) is checked as the text csv writes for it.
+# Numbers are left as they are, and so is text that is a plain number ("-5", "+1.5e3"): a spreadsheet
+# reads it as that number, not a formula, and prefixing it would change the value.
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r", "\uff1d", "\uff0b", "\uff0d", "\uff20")
+_PLAIN_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
 def csv_cell(value: Any) -> Any:
     """``value`` safe to put in a CSV cell (Note [Spreadsheet formulas in CSV cells])."""
-    if isinstance(value, str) and value.startswith(_FORMULA_STARTS):
-        return "'" + value
+    if value is None or isinstance(value, (int, float, decimal.Decimal)):
+        return value
+    text = value if isinstance(value, str) else str(value)
+    head = text.lstrip().lstrip("\"'").lstrip()
+    if (head.startswith(_FORMULA_STARTS) or text.startswith(_FORMULA_STARTS)) \
+            and not _PLAIN_NUMBER.fullmatch(text):
+        return "'" + text
     return value
 
 
@@ -69,20 +82,37 @@ def replace_atomically(tmp: "str | os.PathLike[str]", out: "str | os.PathLike[st
     try:
         if out.exists() or out.is_symlink():
             aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            keep_aside = False
             try:
                 os.rename(out, aside / "prev")
                 try:
                     os.rename(tmp, out)
                 except BaseException:
-                    os.rename(aside / "prev", out)
+                    try:
+                        os.rename(aside / "prev", out)
+                    except OSError as e:  # something took ``out`` meanwhile: the old output is kept aside
+                        keep_aside = True
+                        raise OSError(e.errno, f"{out} could not be replaced and something else took its "
+                                      f"place meanwhile; the earlier output was kept in {aside / 'prev'}") from e
                     raise
             finally:
-                shutil.rmtree(aside, ignore_errors=True)
+                if not keep_aside:
+                    shutil.rmtree(aside, ignore_errors=True)
         else:
             os.rename(tmp, out)
     except BaseException:
         _remove(tmp)
         raise
+
+
+def _file_mode(out: Path) -> int:
+    """The permission bits for a file replacing ``out``: those of the file it replaces, or the umask's."""
+    try:
+        return stat.S_IMODE(os.stat(out).st_mode) & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def write_text_atomically(path: "str | os.PathLike[str]", text: str) -> Path:
@@ -92,6 +122,7 @@ def write_text_atomically(path: "str | os.PathLike[str]", text: str) -> Path:
     fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), _file_mode(out))  # mkstemp makes it private (0600): keep an ordinary file's mode
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

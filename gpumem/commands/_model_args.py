@@ -23,7 +23,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-size", type=int)
     g.add_argument("--heads", type=int, help="attention heads")
     g.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
-    g.add_argument("--head-dim", type=int, default=0, help="default: hidden size / heads")
+    g.add_argument("--head-dim", type=int, default=None, help="default: hidden size / heads")
     g.add_argument("--tie-word-embeddings", action="store_true")
     f = g.add_mutually_exclusive_group()
     f.add_argument("--weight-format", metavar="FORMAT",
@@ -66,8 +66,11 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
     missing = [n for n, v in zip(names, numbers) if v is None]
     if missing:
         raise InvalidArgumentError(f"missing {', '.join(missing)} (or give --hf-config)")
+    if args.head_dim is not None and args.head_dim <= 0:  # 0 is ModelShape's "default": never from the user
+        raise InvalidArgumentError(f"--head-dim must be positive, got {args.head_dim}")
     shape = ModelShape(args.hidden_size, args.intermediate_size, args.layers, args.vocab_size, args.heads,
-                       args.heads if args.kv_heads is None else args.kv_heads, args.head_dim, args.tie_word_embeddings)
+                       args.heads if args.kv_heads is None else args.kv_heads, args.head_dim or 0,
+                       args.tie_word_embeddings)
     return shape, 2
 
 
@@ -98,7 +101,7 @@ _SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp1
 
 def parse_dtypes(text: str | None, default_bytes: int, default_name: str = "") -> list[tuple[str, int]]:
     """``bf16,fp32`` -> ``[("bf16", 2), ("fp32", 4)]``; ``None`` -> the config's dtype."""
-    if not text:
+    if text is None:  # an empty --dtype is refused below, not taken for "the default"
         name = default_name or {4: "fp32", 2: "bf16", 1: "int8"}[default_bytes]
         return [(name, default_bytes)]
     out: list[tuple[str, int]] = []

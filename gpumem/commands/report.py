@@ -8,6 +8,7 @@ from ._args import MANY
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from typing import Any
@@ -31,6 +32,12 @@ each allocator policy on each device and write a report to DIR:
 The report is built in a temporary folder beside DIR and renamed to DIR when complete: a bad trace or an
 error leaves nothing behind. The same trace and options give the same numbers (the time per operation,
 measured, excepted)."""
+
+
+def _output_error(out: str, exc: OSError) -> str:
+    """One line for an error met while writing the report (the trace was read: it is not the cause)."""
+    where = f" ({_shorten_path(str(exc.filename))})" if exc.filename is not None else ""
+    return f"--out {_shorten_path(str(out))}: cannot write the report: {exc.strerror or exc}{where}; nothing was replaced"
 
 
 def _policies(values: list[str] | None) -> tuple[str, ...]:
@@ -88,8 +95,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     try:
         result = build_report(args.trace, args.out, options, force=args.force,
                               progress=None if not args.json else False, command=command)
-    except FileNotFoundError:
-        raise _UsageError(f"no such trace file: {_shorten_path(args.trace)}") from None
+    except FileNotFoundError as exc:
+        if exc.filename is None or os.path.realpath(exc.filename) == os.path.realpath(args.trace):
+            raise _UsageError(f"no such trace file: {_shorten_path(args.trace)}") from None
+        raise _UsageError(_output_error(args.out, exc)) from None
+    except OSError as exc:  # the output folder: its parent a file, a read-only or vanished folder
+        if exc.filename is not None and os.path.realpath(exc.filename) == os.path.realpath(args.trace):
+            raise _UsageError(f"cannot read the trace {_shorten_path(args.trace)}: {exc.strerror or exc}") from None
+        raise _UsageError(_output_error(args.out, exc)) from None
     except TraceFormatError as exc:
         raise _UsageError(f"cannot read the trace: {_cli_names(str(exc))}; nothing was written") from None
     except BackendUnavailableError as exc:

@@ -180,6 +180,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         files = write_sweep(result, args.out, plots=not args.no_plots)
     except InvalidArgumentError as exc:
         raise _UsageError(str(exc)) from None
+    except OSError as exc:  # the folder removed or made read-only while the cases ran
+        where = f" ({exc.filename})" if exc.filename is not None else ""
+        raise _UsageError(f"--out {args.out}: cannot write the sweep: {exc.strerror or exc}{where}; "
+                          "nothing was replaced") from None
     if args.json:
         print(json.dumps({"out": args.out, "files": [f.name for f in files],
                           "rows": [r.as_dict() for r in result.rows]}, indent=2))

@@ -158,6 +158,12 @@ UNMODELLED_KEYS = {
     "cross_attention_layers": "cross-attention layers",
     "mlp_bias": "MLP biases",
     "attn_logit_softcapping": "attention logit soft-capping (eager attention, full score matrices)",
+    "is_encoder_decoder": "an encoder besides the decoder",
+    "encoder_layers": "an encoder besides the decoder",
+    "vision_config": "a vision tower besides the language model (give its text_config as a file of its own to "
+                     "estimate the language model alone)",
+    "audio_config": "an audio tower besides the language model (give its text_config as a file of its own to "
+                    "estimate the language model alone)",
 }
 
 _NEUTRAL = (None, False, 0, [], {}, "")
@@ -253,6 +259,10 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
         if not isinstance(cfg, dict):
             raise InvalidArgumentError(f"{origin}: expected a JSON object, got {type(cfg).__name__}")
     if isinstance(cfg.get("text_config"), Mapping):
+        # the outer config's own fields are checked too: a vision tower, MoE keys or a quantization_config
+        # there change memory as much as inside (they were silently dropped with the outer config)
+        _refuse_unmodelled({k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "text_config")},
+                           origin)
         cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k in ("torch_dtype", "dtype")}}
     _refuse_unmodelled(cfg, origin)
     fields = {
@@ -269,6 +279,8 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
         raise InvalidArgumentError(f"{origin}: missing {', '.join(missing)} (not a decoder LLM config?)")
     n_kv = _first(cfg, "num_key_value_heads", default=fields["n_heads"])
     head_dim = _first(cfg, "head_dim", default=0)
+    if cfg.get("head_dim") == 0 and not isinstance(cfg.get("head_dim"), bool):  # 0 would mean "the default"
+        raise InvalidArgumentError(f"{origin}: head_dim must be positive, got 0")
     aliases = {"hidden_size": ("hidden_size", "n_embd", "d_model"),
                "intermediate_size": ("intermediate_size", "n_inner", "ffn_dim"),
                "n_layers": ("num_hidden_layers", "n_layer", "num_layers"), "vocab_size": ("vocab_size",),

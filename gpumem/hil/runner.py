@@ -609,6 +609,9 @@ def _run_locked(opts: RunOptions, specs: list[str], previous: dict[str, Any] | N
             stem = f"{base}-{n}"
         out_json = out_dir / f"{stem}.json"
     log_dir = out_dir / f"{stem}-logs"
+    for path, is_kind, kind in ((summary_path(out_json), os.path.isfile, "a file"), (log_dir, os.path.isdir, "a folder")):
+        if os.path.lexists(path) and not (is_kind(path) and not os.path.islink(path)):  # before any suite runs
+            raise HilRunError(f"{path}: is in the way of this record's {kind} (it is not {kind}); move it away")
     log_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {spec: {} for spec in specs}
     if previous is not None:

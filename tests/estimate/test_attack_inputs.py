@@ -177,3 +177,41 @@ def test_new_tokens_filling_max_seq_len(capsys):
     assert "-36" not in err
     with pytest.raises(InvalidArgumentError, match="leaves no room for a prompt"):
         estimate_inference_memory(*DIMS, 64, 2, new_tokens=64)
+
+
+_SMALL = ["--hidden-size", "64", "--intermediate-size", "128", "--layers", "2", "--vocab-size", "100",
+          "--heads", "4", "--prompt-len", "8", "--no-reserved", "--json"]
+
+
+@pytest.mark.parametrize("extra, expected", [(["--head-dim", "0"], "--head-dim must be positive"),
+                                             (["--dtype", ""], "unknown dtype ''")])
+def test_a_zero_head_dim_or_an_empty_dtype_is_refused_not_taken_for_the_default(capsys, extra, expected):
+    """issue 20 review: `--head-dim 0` silently meant hidden/heads, `--dtype ''` silently the default dtype."""
+    assert main(["estimate", *_SMALL, *extra]) == 2
+    captured = capsys.readouterr()
+    assert expected in captured.err and not captured.out
+
+
+def test_a_config_head_dim_of_zero_is_refused():
+    cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 100,
+           "num_attention_heads": 4, "head_dim": 0}
+    with pytest.raises(InvalidArgumentError, match="head_dim must be positive"):
+        from_hf_config(cfg)
+
+
+_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 100,
+         "num_attention_heads": 4}
+
+
+@pytest.mark.parametrize("cfg, expected", [
+    ({"text_config": _TEXT, "vision_config": {"hidden_size": 1024, "num_hidden_layers": 24}}, "vision tower"),
+    ({"text_config": _TEXT, "num_local_experts": 8}, "mixture-of-experts"),
+    ({"text_config": _TEXT, "quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+    ({**_TEXT, "is_encoder_decoder": True}, "an encoder"),
+    ({**_TEXT, "encoder_layers": 12}, "an encoder"),
+])
+def test_fields_that_change_memory_are_refused_also_outside_text_config(cfg, expected):
+    """issue 20 review: a multimodal config's vision tower, and every field outside its text_config (MoE
+    keys, a GPTQ quantization_config), were silently dropped; an encoder was silently not counted."""
+    with pytest.raises(InvalidArgumentError, match=expected):
+        from_hf_config(cfg)

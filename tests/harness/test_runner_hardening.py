@@ -287,3 +287,24 @@ def test_a_relative_out_is_the_callers_not_the_checkouts(tmp_path: Path, monkeyp
     suites = json.loads(path.read_text())["results"][SIM]["suites"]
     assert suites and all(s["status"] != "error" for s in suites), suites
     assert not (REPO / "rel").exists()
+
+
+@pytest.mark.parametrize("in_the_way", ["summary-folder", "logs-file"])
+def test_resume_with_the_summary_or_logs_path_taken_is_refused_before_anything_runs(cupy_record: Path, capsys,
+                                                                                    in_the_way: str) -> None:
+    """issue 20 review: a folder at X.md ended the resumed run in an IsADirectoryError traceback after
+    every suite had run; a file at X-logs in a FileExistsError one."""
+    md, logs = cupy_record.with_suffix(".md"), cupy_record.with_name(cupy_record.stem + "-logs")
+    if in_the_way == "summary-folder":
+        md.unlink()
+        md.mkdir()
+    else:
+        for p in logs.iterdir():
+            p.unlink()
+        logs.rmdir()
+        logs.write_text("mine")
+    before = cupy_record.read_bytes()
+    capsys.readouterr()
+    _refused(capsys, ["run", "--device", SIM, "--suites", "cupy", "--parts", "suites", "--resume", str(cupy_record)],
+             "is in the way")
+    assert cupy_record.read_bytes() == before

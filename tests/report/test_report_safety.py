@@ -132,3 +132,28 @@ def test_a_failed_replacement_leaves_the_old_output_and_no_temp(tmp_path, monkey
         outputs.replace_atomically(tmp, tmp_path / "R" / ".." / "R")
     assert (out / "old.txt").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["R"]
+
+
+def test_out_under_a_file_is_one_line_error_not_a_traceback(trace, tmp_path, capsys):
+    """issue 20 review: `report --out FILE/r` raised a raw FileExistsError traceback."""
+    f = tmp_path / "afile"
+    f.write_text("x")
+    assert _report(trace, f / "r") == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "cannot write the report" in err and "Traceback" not in err
+    assert f.read_text() == "x"
+
+
+def test_output_folder_vanishing_is_not_called_a_missing_trace(trace, tmp_path, capsys, monkeypatch):
+    """issue 20 review: any FileNotFoundError while writing (the output's folder removed meanwhile,
+    `--out /proc/r`) was reported as "no such trace file" naming a trace that exists."""
+    import gpumem.report.build as build
+
+    def vanish(tmp, out, force):
+        raise FileNotFoundError(2, "No such file or directory", str(out.parent))
+
+    monkeypatch.setattr(build, "_install", vanish)
+    assert _report(trace, tmp_path / "gone" / "r") == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "no such trace file" not in err and "cannot write the report" in err
+    assert not list((tmp_path / "gone").iterdir())

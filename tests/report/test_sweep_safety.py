@@ -173,3 +173,19 @@ def test_sweep_through_the_folder_being_replaced_ends_complete(trace, tmp_path, 
     assert _sweep(trace, "S/../S") == EXIT_OK
     assert (tmp_path / "S" / "sweep.csv").is_file() and (tmp_path / "S" / "sweep.json").is_file()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".S")] == []
+
+
+def test_output_folder_removed_while_running_is_one_line(trace, tmp_path, capsys, monkeypatch):
+    """issue 20 review: an OS error while writing the sweep (its folder removed or made read-only while
+    the cases ran) ended in a traceback."""
+    import gpumem.report.sweep as sweep_mod
+
+    def vanish(tmp, out):
+        raise FileNotFoundError(2, "No such file or directory", str(out))
+
+    monkeypatch.setattr(sweep_mod, "replace_atomically", vanish)
+    out = tmp_path / "s"
+    assert _sweep(trace, out) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "cannot write the sweep" in err and "Traceback" not in err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".s.")]

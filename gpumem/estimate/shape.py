@@ -238,8 +238,9 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
     """Read a Hugging Face ``config.json`` (a path, or the parsed dict) of a Llama-style decoder.
 
     Returns ``(shape, dtype_bytes)``; ``dtype_bytes`` comes from ``torch_dtype`` / ``dtype`` (2 when
-    absent). Multimodal configs with a ``text_config`` use it. Raises ``InvalidArgumentError`` when the
-    file cannot be read, is not JSON, or lacks a field the estimate needs.
+    absent). A multimodal config (a ``text_config`` beside a vision or audio tower) is refused: give its
+    ``text_config`` as a file of its own to estimate the language model alone. Raises
+    ``InvalidArgumentError`` when the file cannot be read, is not JSON, or lacks a field the estimate needs.
     """
     if isinstance(path_or_dict, Mapping):
         cfg: Mapping[str, Any] = path_or_dict

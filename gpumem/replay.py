@@ -134,6 +134,27 @@ def program_gpu(trace: Trace, device: Device, gpu_timing: "str | GpuTiming | Non
     return ProgramGpu(trace, device, timing, gpu_model)
 
 
+def run_ops(allocate: Any, free: Any, ops: tuple[list[int], list[int], list[int], list[int]], ptrs: list[int],
+            start: int, stop: int, gpu: ProgramGpu | None = None, at: list[int] | None = None) -> None:
+    """Operations ``start .. stop-1`` of a replay: the one loop of :func:`replay` and of the report's runs
+    (:mod:`gpumem.report.runs`, which samples between chunks); with ``gpu``, beside the program's GPU work
+    (:func:`run_ops_with_gpu`, ``at[0]``: the operation being done)."""
+    if gpu is not None:
+        run_ops_with_gpu(gpu, allocate, free, ops, ptrs, start, stop, at if at is not None else [0])
+        return
+    kinds, ids, sizes, streams = ops
+    for i in range(start, stop):
+        if kinds[i] == 0:
+            # a zero-byte allocation (valid in a Trace) takes no memory, as in PyTorch and CUDA; the
+            # allocator rejects nbytes=0, so it gets no pointer and its free is skipped
+            ptrs[ids[i]] = allocate(sizes[i], streams[i]) if sizes[i] else 0
+        else:
+            p = ptrs[ids[i]]
+            if p:
+                free(p)
+                ptrs[ids[i]] = 0
+
+
 def run_ops_with_gpu(gpu: ProgramGpu, allocate: Any, free: Any, ops: tuple[list[int], list[int], list[int], list[int]],
                      ptrs: list[int], start: int, stop: int, at: list[int]) -> None:
     """Operations ``start .. stop-1`` of a replay with the program's GPU work beside them (``at[0]``: the
@@ -186,19 +207,7 @@ def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, sto
         while done < n:
             stop = min(done + _CHUNK_OPS, n)
             try:
-                if gpu is not None:
-                    run_ops_with_gpu(gpu, allocate, free, (kinds, ids, sizes, streams), ptrs, done, stop, at)
-                else:
-                    for i in range(done, stop):
-                        if kinds[i] == 0:
-                            # a zero-byte allocation (valid in a Trace) takes no memory, as in PyTorch and CUDA;
-                            # the allocator rejects nbytes=0, so it gets no pointer and its free is skipped
-                            ptrs[ids[i]] = allocate(sizes[i], streams[i]) if sizes[i] else 0
-                        else:
-                            p = ptrs[ids[i]]
-                            if p:
-                                free(p)
-                                ptrs[ids[i]] = 0
+                run_ops(allocate, free, (kinds, ids, sizes, streams), ptrs, done, stop, gpu, at)
                 done = stop
             except OutOfMemoryError as exc:
                 if gpu is not None:

@@ -24,7 +24,7 @@ from ..allocator.backing import VirtualBacking
 from ..device import Device
 from ..errors import GpumemError, OutOfMemoryError, UnsupportedOperationError
 from ..events import MemoryEventKind
-from ..replay import ReplayResult, program_gpu, run_ops_with_gpu
+from ..replay import ReplayResult, program_gpu, run_ops, run_ops_with_gpu
 from ..sim.gpu_work import GpuTiming, ProgramGpu
 from ..specs import open_device
 from ..trace import Trace
@@ -189,17 +189,7 @@ def _replay_sampled(trace: Trace, allocator: CachingAllocator, dev: Device, kind
         start = done
         t0 = time.perf_counter()
         try:
-            if gpu is not None:
-                run_ops_with_gpu(gpu, allocate, free, (kinds, ids, sizes, streams), ptrs, done, stop, at)
-            else:
-                for i in range(done, stop):
-                    if kinds[i] == 0:
-                        ptrs[ids[i]] = allocate(sizes[i], streams[i]) if sizes[i] else 0
-                    else:
-                        p = ptrs[ids[i]]
-                        if p:
-                            free(p)
-                            ptrs[ids[i]] = 0
+            run_ops(allocate, free, (kinds, ids, sizes, streams), ptrs, done, stop, gpu, at)
             done = stop
             wall_s += time.perf_counter() - t0
         except OutOfMemoryError as exc:

@@ -88,7 +88,7 @@ def build(verbose: bool = False) -> Any:
     log.info("building gpumem's PyTorch shim against torch %s (cached after the first build)", torch.__version__)
     try:
         return cpp_extension.load(name=MODULE_NAME, sources=[str(SOURCE)], extra_include_paths=[str(NATIVE_INCLUDE)],
-                                  extra_cflags=["-O2", "-std=c++17"], with_cuda=True, verbose=verbose)
+                                  extra_cflags=["-O2"], with_cuda=True, verbose=verbose)
     except Exception as exc:  # noqa: BLE001 - the compiler's and loader's errors all end the same way
         raise ShimBuildError(f"gpumem's PyTorch shim could not be built against torch {torch.__version__}: "
                              f"{str(exc).strip()[-2000:]}") from exc

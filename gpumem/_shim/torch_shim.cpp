@@ -18,9 +18,9 @@
 //   and reset_accumulated_memory_stats, and cacheInfo (cuDNN's benchmark mode sizes its workspace
 //   with it).
 // What stays out of reach (PyTorch's base class raises, naming gpumem): snapshots and allocation
-// history (gpumem's own trace covers them), IPC handles, the checkpointing of graph pools that
-// torch.compile's CUDA-graph trees use when the same pool's graphs are recorded out of order
-// (getCheckpointState / setCheckpointPoolState), and MemPool's use_on_oom and no_split options.
+// history (gpumem's own trace covers them), IPC handles, restoring a graph pool's checkpoint that
+// differs from its present state (Note [Checkpoints of a graph pool]), and MemPool's use_on_oom and
+// no_split options.
 #include <torch/extension.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
@@ -120,6 +120,12 @@ struct Pool {
     std::unordered_set<void*> live;
 };
 
+struct PoolState : CA::AllocatorState {   // getCheckpointState
+    int device = -1;
+    MempoolId_t id;
+    std::unordered_set<void*> live;
+};
+
 struct Capture {   // an open beginAllocateToPool
     int device;
     MempoolId_t id;
@@ -128,6 +134,27 @@ struct Capture {   // an open beginAllocateToPool
 
 struct Counters {   // what resetAccumulatedStats subtracts from the engine's counters
     std::uint64_t allocs = 0, frees = 0, retries = 0, ooms = 0;
+};
+
+// Note [Device calls while a graph is captured]: a pool's engine grows during capture (mapping
+// pages: cuMemCreate, cuMemMap, cuMemSetAccess), calls CUDA counts as potentially unsafe, which the
+// default (global) capture mode refuses and which would invalidate the capture. They are safe here:
+// they enqueue no work on any stream. So the pool's calls run with this thread in relaxed capture
+// mode (cudaThreadExchangeStreamCaptureMode), restored right after, as CUDA's own libraries do.
+class RelaxedCapture {
+  public:
+    explicit RelaxedCapture(bool on) : on_(on) {
+        if (on_) C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode_));
+    }
+    ~RelaxedCapture() {
+        if (on_) (void)cudaThreadExchangeStreamCaptureMode(&mode_);
+    }
+    RelaxedCapture(const RelaxedCapture&) = delete;
+    RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+  private:
+    bool on_;
+    cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
 };
 
 class GpumemAllocator final : public Pluggable {
@@ -145,14 +172,18 @@ class GpumemAllocator final : public Pluggable {
 
     // ---- allocation -----------------------------------------------------------------------
     void* alloc(size_t nbytes, int device, cudaStream_t stream) {
-        if (device >= 0 && device < kMaxDevices && capturing_[device].load(std::memory_order_acquire) > 0) {
+        if (capturing(device)) {
             std::lock_guard<std::mutex> lock(mutex_);
             for (const Capture& c : captures_) {
                 if (c.device != device || !c.filter(stream)) continue;
                 Pool& pool = pools_.at({device, c.id});
                 if (nbytes == 0) return nullptr;
                 int oom = 0;
-                void* p = lib_.engine_malloc(pool.engine, nbytes, stream, &oom);
+                void* p = nullptr;
+                {
+                    RelaxedCapture relaxed(true);
+                    p = lib_.engine_malloc(pool.engine, nbytes, stream, &oom);
+                }
                 if (p == nullptr) {
                     TORCH_CHECK_WITH(OutOfMemoryError, !oom, lib_.pool_last_error(), " (memory pool ",
                                      c.id.first, ",", c.id.second, " on GPU ", device, ")");
@@ -164,7 +195,12 @@ class GpumemAllocator final : public Pluggable {
                 return p;
             }
         }
+        RelaxedCapture relaxed(capturing(device));
         return lib_.torch_malloc(static_cast<ssize_t>(nbytes), device, stream);
+    }
+
+    bool capturing(int device) const {
+        return device >= 0 && device < kMaxDevices && capturing_[device].load(std::memory_order_acquire) > 0;
     }
 
     void release(void* ptr, size_t nbytes, int device, cudaStream_t stream) {
@@ -176,12 +212,14 @@ class GpumemAllocator final : public Pluggable {
                 Pool* pool = it->second;
                 owner_.erase(it);
                 pool->live.erase(ptr);
+                RelaxedCapture relaxed(true);
                 if (lib_.engine_free(pool->engine, ptr) != 0)
                     std::fprintf(stderr, "gpumem: free of %p in a memory pool failed: %s\n", ptr, lib_.pool_last_error());
                 if (pool->use_count == 0 && pool->live.empty()) drop_locked(*pool);
                 return;
             }
         }
+        RelaxedCapture relaxed(capturing(device));
         lib_.torch_free(ptr, static_cast<ssize_t>(nbytes), device, stream);   // never throws
     }
 
@@ -250,6 +288,39 @@ class GpumemAllocator final : public Pluggable {
         auto it = pools_.find({device, id});
         if (it == pools_.end()) return expected.empty();
         return it->second.live == expected;
+    }
+
+    // Note [Checkpoints of a graph pool]: torch.compile's CUDA-graph trees take a checkpoint of
+    // the pool after recording each graph, and restore one (setCheckpointPoolState) before recording
+    // a new graph after replaying others, expecting the allocator to free the blocks allocated since
+    // and to re-create the ones freed since, at their old addresses. gpumem's checkpoint is the set
+    // of the pool's live blocks; a restore that finds exactly that set has nothing to do (the usual
+    // case of a fixed training loop); one that would have to re-create or free blocks raises.
+    std::shared_ptr<CA::AllocatorState> getCheckpointState(c10::DeviceIndex device, MempoolId_t id) override {
+        auto state = std::make_shared<PoolState>();
+        state->device = device;
+        state->id = id;
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = pools_.find({device, id});
+        if (it != pools_.end()) state->live = it->second.live;
+        return state;
+    }
+
+    CA::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device, std::shared_ptr<CA::AllocatorState> pps) override {
+        auto* state = dynamic_cast<PoolState*>(pps.get());
+        TORCH_CHECK(state != nullptr && state->device == device, "gpumem: a pool checkpoint of another allocator or GPU");
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = pools_.find({device, state->id});
+        const std::unordered_set<void*> none;
+        const auto& live = it == pools_.end() ? none : it->second.live;
+        std::size_t extra = 0, missing = 0;
+        for (void* p : live) extra += state->live.count(p) == 0;
+        for (void* p : state->live) missing += live.count(p) == 0;
+        TORCH_CHECK(extra == 0 && missing == 0, "gpumem cannot restore a checkpoint of CUDA-graph pool ",
+                    state->id.first, ",", state->id.second, " (torch.compile's CUDA-graph trees after a change of "
+                    "path): ", extra, " blocks allocated since would have to be freed and ", missing,
+                    " freed since re-created at their old addresses (Note [Checkpoints of a graph pool])");
+        return {};
     }
 
     // ---- cache, limits, stats ---------------------------------------------------------------

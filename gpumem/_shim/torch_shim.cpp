@@ -19,8 +19,8 @@
 //   with it).
 // What stays out of reach (PyTorch's base class raises, naming gpumem): snapshots and allocation
 // history (gpumem's own trace covers them), IPC handles, restoring a graph pool's checkpoint that
-// differs from its present state (Note [Checkpoints of a graph pool]), and MemPool's use_on_oom and
-// no_split options.
+// differs from its present state (Note [Checkpoints of a graph pool]), and MemPool's use_on_oom=True
+// and no_split options.
 #include <torch/extension.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
@@ -280,6 +280,14 @@ class GpumemAllocator final : public Pluggable {
         Pool& pool = it->second;
         if (--pool.use_count == 0 && pool.live.empty()) drop_locked(pool);
         // a pool released with live tensors goes when its last one is freed (release above)
+    }
+
+    // MemPool's destructor resets use_on_oom to false on every pool (a throw there ends the process):
+    // false is gpumem's only behaviour, a pool's memory is never taken for allocations outside it.
+    void setUseOnOOM(c10::DeviceIndex device, MempoolId_t id, bool use_on_oom) override {
+        TORCH_CHECK(!use_on_oom, "gpumem does not use a memory pool's memory when another allocation runs out "
+                    "(torch.cuda.MemPool(use_on_oom=True)); pool ", id.first, ",", id.second, " on GPU ",
+                    static_cast<int>(device));
     }
 
     bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t id,

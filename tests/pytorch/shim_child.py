@@ -142,7 +142,12 @@ def scenario_reduce_overhead(allocator: str) -> "dict[str, Any]":
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return {"allocator": installed, "losses": _bits(losses), "loss_first": losses[0], "loss_last": losses[-1]}
+    out = {"allocator": installed, "losses": _bits(losses), "loss_first": losses[0], "loss_last": losses[-1]}
+    if installed == "shim":   # the CUDA-graph trees' pool, when they did capture graphs
+        import gpumem.torch_shim as ts
+
+        out["pools"] = ts.pool_table()
+    return out
 
 
 def scenario_mem_pool(allocator: str) -> "dict[str, Any]":

@@ -18,8 +18,10 @@ for C callers, returning null on failure); each device gets one
 native engine, made at its first allocation, which calls the CUDA driver directly (virtual memory:
 ``cuMemAddressReserve``, ``cuMemCreate``, ``cuMemMap``...). No Python runs when PyTorch allocates.
 
-What differs from PyTorch's own allocator (Note [What PyTorch gives a pluggable allocator] in
-``gpumem/_native/torch_api.cpp``):
+:func:`gpumem.torch_shim.install` installs gpumem through PyTorch's C++ interface instead, where
+record_stream, CUDA graphs, ``torch.cuda.MemPool``, ``empty_cache`` and ``memory_stats`` reach
+gpumem. What differs from PyTorch's own allocator on the path of this module (Note [What PyTorch
+gives a pluggable allocator] in ``gpumem/_native/torch_api.cpp``):
 
 * ``torch.cuda.memory_stats()``, ``memory_allocated()``, ``max_memory_reserved()``,
   ``memory_summary()`` and snapshots raise: PyTorch does not ask a pluggable allocator for them.
@@ -132,8 +134,12 @@ def install(device: "int | str | Any | None" = None) -> None:
 
 
 def installed() -> bool:
-    """Whether :func:`install` has made gpumem PyTorch's allocator in this process."""
-    return _installed_allocator.cache_info().currsize > 0
+    """Whether :func:`install` (or :func:`gpumem.torch_shim.install`) made gpumem PyTorch's allocator here."""
+    if _installed_allocator.cache_info().currsize > 0:
+        return True
+    from . import torch_shim
+
+    return torch_shim.installed() is not None
 
 
 @functools.cache

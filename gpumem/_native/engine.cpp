@@ -2046,6 +2046,23 @@ EngineStats Engine::stats() {
     return st;
 }
 
+void Engine::set_limit_nbytes(std::uint64_t nbytes) {
+    Guard guard(*this);
+    cfg_.limit_nbytes = nbytes;
+}
+
+std::uint64_t Engine::limit_nbytes() {
+    Guard guard(*this, true);
+    return cfg_.limit_nbytes;
+}
+
+void Engine::reset_peak_stats() {
+    Guard guard(*this);
+    st_.peak_allocated_nbytes = st_.allocated_nbytes;
+    st_.peak_requested_nbytes = st_.requested_nbytes;
+    st_.peak_reserved_nbytes = reserved_nbytes_;
+}
+
 std::uint64_t Engine::reserved_nbytes() {
     Guard guard(*this, true);
     return reserved_nbytes_;

@@ -89,17 +89,17 @@ class MemoryResource(abc.ABC):
         Raises :class:`~gpumem.errors.InvalidArgumentError` on bad arguments (nothing changes) and
         :class:`~gpumem.errors.OutOfMemoryError` when the memory cannot be had (nothing changes).
         """
-        check_size(nbytes)
-        check_alignment(alignment)
-        check_stream_arg(stream)
+        nbytes = check_size(nbytes)   # gpumem.validate: any integer type, as a plain int
+        alignment = check_alignment(alignment)
+        stream = check_stream_arg(stream)
         return self.do_allocate(nbytes, alignment, stream)
 
     def deallocate(self, ptr: int, nbytes: int, alignment: int = DEFAULT_ALIGNMENT, stream: int = 0) -> None:
         """Give back ``ptr`` from :meth:`allocate` with the same ``nbytes`` and ``alignment``."""
-        check_ptr(ptr)
-        check_size(nbytes)
-        check_alignment(alignment)
-        check_stream_arg(stream)
+        ptr = check_ptr(ptr)
+        nbytes = check_size(nbytes)
+        alignment = check_alignment(alignment)
+        stream = check_stream_arg(stream)
         self.do_deallocate(ptr, nbytes, alignment, stream)
 
     @abc.abstractmethod

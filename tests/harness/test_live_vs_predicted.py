@@ -119,7 +119,7 @@ def test_parse_policy_replaces_fields_and_refuses_bad_specs() -> None:
         GrowthRule.PAGES, 0.0, True, "gpumem:growth=pages,page_slack=0,steal_empty_pages=true")
     for bad, why in [("nope", "unknown allocator policy"), ("gpumem:foo=1", "not field=value"),
                      ("gpumem:page_slack", "not field=value"), ("gpumem:page_slack=x", "convert"),
-                     ("gpumem:steal_empty_pages=maybe", "true or false"), ("gpumem:page_slack=2", "between 0 and 1"),
+                     ("gpumem:steal_empty_pages=maybe", "true or false"), ("gpumem:page_slack=2", r"page_slack must be a finite number in \[0.0, 1.0\]"),
                      ("gpumem:growth=sideways", "growth")]:
         with pytest.raises(wl.WorkloadInputError, match=why):
             wl.parse_policy(bad)

@@ -161,8 +161,9 @@ def mem_pool() -> Any:
 
     Where gpumem is PyTorch's allocator through the shim, the pool is a private pool of gpumem (an
     engine of its own). Otherwise PyTorch's own allocator stays in charge and takes the pool's
-    segments from gpumem's engine (alloc and free through ``gpumem_torch_malloc``/``_free``), so one
-    region of a program runs on gpumem without replacing PyTorch's allocator.
+    segments from gpumem's engine (alloc and free through ``gpumem_torch_alloc_hook`` and
+    ``gpumem_torch_free``), so one region of a program runs on gpumem without replacing PyTorch's
+    allocator.
 
     Raises:
         BackendUnavailableError: PyTorch, its MemPool (PyTorch 2.8 or later) or gpumem's native

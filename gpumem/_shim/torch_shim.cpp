@@ -82,7 +82,10 @@ struct Lib {
     explicit Lib(const std::string& path) {
         void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
         TORCH_CHECK(h != nullptr, "gpumem: cannot load its native library ", path, ": ", dlerror());
-        sym(h, "gpumem_torch_malloc", torch_malloc);
+        // the throwing export: a failure must reach PyTorch as an exception (torch.OutOfMemoryError), and
+        // gpumem_torch_malloc, the C function, returns null instead (Note [Two alloc functions: one for C,
+        // one for PyTorch] in torch_api.cpp); with it, memory fraction's OOM came back as a null pointer
+        sym(h, "gpumem_torch_alloc_hook", torch_malloc);
         sym(h, "gpumem_torch_free", torch_free);
         sym(h, "gpumem_torch_record_stream", torch_record_stream);
         sym(h, "gpumem_torch_last_error", torch_last_error);

@@ -72,11 +72,12 @@ class TooLateError(GpumemError):
     """:func:`install` was called after PyTorch had initialised CUDA (its allocator is then fixed)."""
 
 
-def _torch() -> Any:
+def _torch(who: str = "gpumem.torch") -> Any:
+    """The ``torch`` module, or :class:`BackendUnavailableError` saying that ``who`` needs it."""
     try:
         import torch
     except ImportError as exc:
-        raise BackendUnavailableError(f"PyTorch is not installed ({exc}); gpumem.torch needs it") from None
+        raise BackendUnavailableError(f"PyTorch is not installed ({exc}); {who} needs it") from None
     return torch
 
 

@@ -58,11 +58,9 @@ class ShimBuildError(BackendUnavailableError):
 
 
 def _torch() -> Any:
-    try:
-        import torch
-    except ImportError as exc:
-        raise BackendUnavailableError(f"PyTorch is not installed ({exc}); gpumem.torch_shim needs it") from None
-    return torch
+    from .torch import _torch as torch_module
+
+    return torch_module("gpumem.torch_shim")
 
 
 # Note [Building once per process]: functools.cache keeps the loaded module; a failed build caches

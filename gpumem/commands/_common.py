@@ -15,26 +15,34 @@ import re
 import stat
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ..errors import InvalidArgumentError
 from ..units import parse_limit
 
 log = logging.getLogger("gpumem")
 
+
 EXIT_OK = 0
+
 
 EXIT_OOM = 1
 
+
 EXIT_USAGE = 2
+
 
 EXIT_DEVICE_LOST = 3
 
+
 EXIT_DEVICE_ERROR = 4
+
 
 EXIT_INTERRUPTED = 130
 
+
 EXIT_BROKEN_PIPE = 141
+
 
 #: Exit status -> meaning, as ``--help`` and the README list them (read-only).
 EXIT_CODES: Mapping[int, str] = MappingProxyType({
@@ -49,16 +57,21 @@ EXIT_CODES: Mapping[int, str] = MappingProxyType({
                       "      else went wrong), or it was closed from the start (`>&-`; nothing was run)",
 })
 
+
 _DEFAULT_DEVICE = "sim:h200-141gb"
+
 
 OVERHEAD_MEANING = ("peak reserved / peak live - 1: memory the allocator held from the device, at its worst, "
                     "beyond what the program had allocated")
 
+
 FRAGMENTATION_MEANING = ("1 - largest free cached block / all free cached bytes, at the end: 0% when the memory "
                          "the allocator keeps but does not use is one piece")
 
+
 class _UsageError(Exception):
     """A bad input found by a command: printed as ``gpumem COMMAND: message``, exit 2."""
+
 
 #: Exit status -> meaning in words that hold for every command (``gpumem --help``); a command with more
 #: specific words passes them to :func:`_exit_codes_text` (replay: :data:`EXIT_CODES`).
@@ -73,11 +86,13 @@ GENERAL_EXIT_CODES: Mapping[int, str] = MappingProxyType({
     EXIT_BROKEN_PIPE: EXIT_CODES[EXIT_BROKEN_PIPE],
 })
 
+
 def _exit_codes_text(meanings: Mapping[int, str] | None = None) -> str:
     """The ``exit status:`` block of a ``--help``: :data:`GENERAL_EXIT_CODES`, with a command's own
     ``meanings`` (status -> text) in their place; a status whose text is empty is left out."""
     merged = {**GENERAL_EXIT_CODES, **(meanings or {})}
     return "exit status:\n" + "\n".join(f"  {code:<4}{text}" for code, text in sorted(merged.items()) if text)
+
 
 def _cli_names(message: str) -> str:
     """Python keyword names in a library message, as the options a command-line user passes instead."""
@@ -86,11 +101,14 @@ def _cli_names(message: str) -> str:
     message = re.sub(r"\bpass device=" + aside, "pass --device-index N", message)
     return re.sub(r"\bpass format=" + aside, "pass --format NAME", message)
 
+
 _FILE_KINDS = ((stat.S_ISDIR, "a folder; give a file name"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
+
 def _shorten_path(path: str, limit: int = 120) -> str:
     return path if len(path) <= limit else path[: limit // 2] + "..." + path[-(limit // 2):]
+
 
 class OutputFile:
     """An output file checked and opened for writing before a long run (:func:`check_output_path`).
@@ -117,6 +135,7 @@ class OutputFile:
             except OSError as exc:  # pragma: no cover - removed meanwhile
                 log.debug("could not remove %s: %s", self.path, exc)
             self.created = False
+
 
 def check_output_path(path: str, option: str) -> OutputFile:
     """Check that a file can be written at ``path`` by opening it for writing (creating it if missing),
@@ -162,10 +181,12 @@ def check_output_path(path: str, option: str) -> OutputFile:
     except OSError as exc:
         raise _UsageError(f"{option}: cannot write {shown}: {exc.strerror or exc}") from None
 
+
 def _folder_message(path: str) -> str:
     shown = _shorten_path(path)
     return (f"{shown} is a folder, not a trace file; give one trace file, or replay every trace in the folder "
             f"with: python benchmarks/replay_bench.py --traces {shown}")
+
 
 def _check_trace_path(path: str) -> None:
     """A usage error for a trace path that is a folder or not a regular file (a FIFO, a device)."""
@@ -181,6 +202,7 @@ def _check_trace_path(path: str) -> None:
         what = next((w for is_kind, w in _FILE_KINDS if is_kind(st.st_mode)), "not a regular file")
         raise _UsageError(f"{_shorten_path(path)} is {what}, not a trace file (traces are read from regular files)")
 
+
 def _limit_syntax(text: str) -> str:
     """argparse check of ``--limit``'s form (the bytes are computed once the device is open)."""
     try:
@@ -190,14 +212,23 @@ def _limit_syntax(text: str) -> str:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
-def _device_index(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a device number (0, 1, ...), got {text[:40]!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
+
+def whole_number_at_least(minimum: int, what: str) -> "Callable[[str], int]":
+    """An argparse type: a whole number (base 10) of at least ``minimum``; ``what`` names it in the error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text[:40]!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {'0 or more' if minimum == 0 else f'at least {minimum}'}, "
+                                             f"got {value}")
+        return value
+    return parse
+
+
+_device_index = whole_number_at_least(0, "a device number (0, 1, ...)")
+
 
 _LIMIT_HELP = (
     "cap on the memory the allocator reserves. Bytes: a whole number (536870912) or a number with a unit "
@@ -207,6 +238,7 @@ _LIMIT_HELP = (
     "alone is refused as ambiguous (1.0, 100%% or 1B); 8G is refused (GB or GiB?). Same rules as "
     "CachingAllocator(limit=...). Default: no cap."
 )
+
 
 def _add_verbose(parser: argparse.ArgumentParser) -> None:
     """``-v``/``-vv`` after the command too (``gpumem replay -v T``), counted with those before it."""

@@ -10,6 +10,7 @@ from typing import Any
 from ..units import format_bytes
 from ._common import EXIT_OK, _add_verbose, log
 
+
 def _device_rows() -> list[dict[str, Any]]:
     from gpumem import sim
 
@@ -35,6 +36,7 @@ def _device_rows() -> list[dict[str, Any]]:
         })
     return rows
 
+
 def _no_cuda_reason() -> str:
     """Why no CUDA device is listed, as backend discovery found it: the extra missing, no driver, no GPU..."""
     from ..discovery import BackendKind, discover_backends
@@ -43,6 +45,7 @@ def _no_cuda_reason() -> str:
     if cuda is None or not cuda.reason:
         return "CUDA backend discovery found none"
     return cuda.reason
+
 
 def cmd_devices(args: argparse.Namespace) -> int:
     """``gpumem devices``: print the device table (or JSON list); returns the exit status."""

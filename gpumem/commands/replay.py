@@ -17,7 +17,9 @@ from ._common import (EXIT_CODES, EXIT_USAGE, EXIT_OK, EXIT_OOM, OutputFile, _DE
                       _UsageError, _add_verbose, _check_trace_path, _cli_names, _device_index, _exit_codes_text,
                       _folder_message, _limit_syntax, _shorten_path, check_output_path, log)
 
+
 _FITS_SHOWN = 4
+
 
 def _load(args: argparse.Namespace):
     from ..trace import detect_format, load_trace
@@ -41,9 +43,11 @@ def _load(args: argparse.Namespace):
     except OSError as exc:  # permission denied, an I/O error
         raise _UsageError(f"cannot read the trace {_shorten_path(args.trace)}: {exc.strerror or exc}") from None
 
+
 def _usable_nbytes(profile: Any) -> int:
     """What a simulated profile leaves to programs: its total less the CUDA context and the host's share."""
     return int(profile.total_nbytes - profile.context_nbytes - profile.host_reserved_nbytes)
+
 
 def _spec_has_pressure(device: Any) -> bool:
     """Whether the device was opened from a spec with a pressure scenario (``?pressure=...``)."""
@@ -152,10 +156,13 @@ def oom_report(result: Any, allocator: Any, device: Any) -> str:
         lines.append("  try: " + "; ".join(advice) + ".")
     return "\n".join(lines)
 
+
 _LABEL_WIDTH = 15  # the longest label ("peak reserved") and two spaces
+
 
 def _row(label: str, value: str) -> None:
     print(f"{label:<{_LABEL_WIDTH}}{value}")
+
 
 def _print_result(result: Any, summary: str | None) -> None:
     _row("trace", f"{result.trace} ({result.n_ops:,} ops, {result.n_allocs:,} allocations)")
@@ -177,6 +184,7 @@ def _print_result(result: Any, summary: str | None) -> None:
     if summary is not None:
         print(summary)
 
+
 def cmd_replay(args: argparse.Namespace) -> int:
     """``gpumem replay``: check the options and the output path, open the device, read the trace, replay,
     print the results (then the out-of-memory report, once), write the export; returns the exit status.
@@ -192,6 +200,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if export is not None and not finished:
             export.discard()  # the replay failed: leave no empty file behind
 
+
 def _source_frames(args: argparse.Namespace, n_allocs: int) -> "list[Any] | None":
     """The stack frames of each allocation of the replayed trace, when it is a PyTorch snapshot that recorded
     them and the replay made as many allocations (so an exported snapshot keeps who allocated what); else None."""
@@ -206,6 +215,7 @@ def _source_frames(args: argparse.Namespace, n_allocs: int) -> "list[Any] | None
     except (GpumemError, OSError, ValueError) as exc:  # the trace was read once already: keep the export going
         logging.getLogger(__name__).info("no stack frames for the exported snapshot: %s", exc)
         return None
+
 
 def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
     from ..allocator import make_allocator

@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Any
 
-from ._common import EXIT_OK, EXIT_USAGE, _UsageError, _add_verbose, _limit_syntax
+from ._common import EXIT_OK, EXIT_USAGE, _UsageError, _add_verbose, _limit_syntax, whole_number_at_least
 from ..units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -90,14 +90,7 @@ def register(sub: Any, formatter_class: Any) -> None:
     p.set_defaults(func=cmd_sweep)
 
 
-def _jobs(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text[:40]!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+_jobs = whole_number_at_least(1, "a whole number")
 
 
 def _dask_executor(address: str) -> tuple[Any, Any]:

@@ -109,7 +109,9 @@ def find_trace_files(folder: Path) -> list[Path]:
 # -- workers: one process per peer allocator -----------------------------------------------------------------
 def _time_ops(trace: Any, alloc: Callable[[int], Any], free: Callable[[Any], None]) -> float:
     """Microseconds per op of replaying ``trace`` through ``alloc``/``free`` (garbage collector paused)."""
-    from gpumem.hil.peers import _time_ops as time_lists
+    if str(REPO) not in sys.path:  # the HIL tooling (hil/) is imported from the checkout's root
+        sys.path.append(str(REPO))
+    from hil.peers import _time_ops as time_lists
 
     kinds, ids, sizes, _ = trace.as_lists()
     return time_lists(kinds, ids, sizes, alloc, free)

@@ -1,9 +1,9 @@
-"""``python -m gpumem.hil``: the hardware-in-the-loop runner's command line.
+"""``python -m hil``: the hardware-in-the-loop runner's command line.
 
 Commands:
 
 ``run``  run the device suites, the peer benchmark, the simulator fidelity check and the sanitizer
-         runs on each ``--device`` and write one record (:mod:`gpumem.hil.runner`);
+         runs on each ``--device`` and write one record (:mod:`hil.runner`);
 ``env``  describe one device and the software around it, as a record names them.
 """
 
@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from gpumem.hil.process import timeout_seconds
-from gpumem.hil.runner import EXIT_BAD_INPUT, HilRunError, Part, RunOptions, exit_code_of, run
-from gpumem.hil.sanitizer import check_tools
-from gpumem.hil.suites import SUITES, suite_named
+from hil.process import timeout_seconds
+from hil.runner import EXIT_BAD_INPUT, HilRunError, Part, RunOptions, exit_code_of, run
+from hil.sanitizer import check_tools
+from hil.suites import SUITES, suite_named
 
-PROG = "python -m gpumem.hil"
+PROG = "python -m hil"
 
 _RUN_EPILOG = """\
 suites (--suites, default all):
@@ -184,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_BAD_INPUT
     if args.command == "env":
-        from gpumem.hil.environment import probe
+        from hil.environment import probe
 
         if len(_csv(args.device)) != 1:
             print(f"{PROG} env: one device at a time (got {args.device})", file=sys.stderr)
@@ -227,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HilRunError as exc:
         print(f"{PROG} run: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:  # the running child and what it started were killed (gpumem.hil.process)
+    except KeyboardInterrupt:  # the running child and what it started were killed (hil.process)
         print(f"{PROG} run: interrupted; no record written"
               + (f" ({opts.resume} is unchanged)" if opts.resume is not None else ""), file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -1,9 +1,9 @@
 """What a HIL record says about the machine: the device, its driver and CUDA versions, package versions.
 
-:func:`probe` runs in a process of its own (``python -m gpumem.hil env --device SPEC --json``), so the
+:func:`probe` runs in a process of its own (``python -m hil env --device SPEC --json``), so the
 runner never holds a CUDA context itself: a context in the runner would take about half a GiB of the
 card from every suite and every peer it measures (Note [The runner holds no CUDA context] in
-:mod:`gpumem.hil.runner`).
+:mod:`hil.runner`).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def _torch_cuda() -> str | None:
 
 
 def _sanitizer_text() -> str | None:
-    from gpumem.hil.sanitizer import find_compute_sanitizer, sanitizer_version
+    from hil.sanitizer import find_compute_sanitizer, sanitizer_version
 
     exe = find_compute_sanitizer()
     if exe is None:

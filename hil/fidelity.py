@@ -2,7 +2,7 @@
 
 ::
 
-    python -m gpumem.hil.fidelity --device cuda:0 [--sim sim:h200-141gb] [--traces DIR] [--json OUT.json]
+    python -m hil.fidelity --device cuda:0 [--sim sim:h200-141gb] [--traces DIR] [--json OUT.json]
 
 Four checks, each against the real device given and its simulated twin:
 
@@ -12,17 +12,17 @@ Four checks, each against the real device given and its simulated twin:
    trace's peak of live bytes, at the end, after ``empty_cache()``) must differ by no more than the
    context overhead (what the real device showed as used before the replay began).
 3. **Latency** - each device call's simulated cost (:class:`gpumem.sim.latency.LatencyModel`) must be
-   within 2x of the cost measured now by ``python -m gpumem.hil.probes.calibrate``, compared on the
+   within 2x of the cost measured now by ``python -m sim.calibrate``, compared on the
    footing Note [Latency calibration] gives: driver calls less the binding's own cost (``null_call``).
 4. **Hazards** - a kernel reads a block while the block is freed and its memory goes back to the
    device (its pages stolen by the next allocation; ``empty_cache()``), once with the allocator as it
    is and once with its stream fences switched off (the allocator made to misbehave on purpose). On the
-   real GPU each run is a fresh process of ``python -m gpumem.hil.probes.inflight`` under
+   real GPU each run is a fresh process of ``python -m hil.probes.inflight`` under
    ``compute-sanitizer --tool memcheck``; on the simulator the same steps run with the simulator's
    sanitizer counting hazards. Both must flag the misbehaving runs and neither the real ones.
 4. **Live against predicted** (with ``--live-record``, issue 18) - real PyTorch workloads run live under
    PyTorch's allocator and ``gpumem.torch``, each recording its own trace
-   (``python -m gpumem.hil.probes.workloads live``); each run replayed on ``--sim`` with its allocator's
+   (``python -m hil.probes.workloads live``); each run replayed on ``--sim`` with its allocator's
    model (``--gpu-timing`` for the replay's GPU timing): every gpumem row's predicted overhead must be
    within 1 percentage point of the live one.
 
@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-log = logging.getLogger("gpumem.hil.fidelity")
+log = logging.getLogger("hil.fidelity")
 
 #: The largest ratio, either way, between simulated and measured call latency.
 LATENCY_FACTOR = 2.0
@@ -223,9 +223,9 @@ def fences_off() -> Iterator[None]:
 
 
 def simulated_inflight(path: str, old: bool, sim: str) -> int:
-    """The simulated twin of ``python -m gpumem.hil.probes.inflight --path PATH [--old]``: hazards counted."""
+    """The simulated twin of ``python -m hil.probes.inflight --path PATH [--old]``: hazards counted."""
     from gpumem.allocator import CachingAllocator
-    from gpumem.hil.probes.inflight import BLOCK_NBYTES, PAGE_STEALS
+    from hil.probes.inflight import BLOCK_NBYTES, PAGE_STEALS
     from gpumem.specs import open_device
     from gpumem.units import MiB
 
@@ -253,11 +253,11 @@ def simulated_inflight(path: str, old: bool, sim: str) -> int:
 
 def real_inflight(path: str, old: bool, device: str, sanitizer: str, work_dir: Path) -> tuple[int | None, str]:
     """One run of the in-flight probe under memcheck in a fresh process: (errors, note)."""
-    from gpumem.hil.sanitizer import SanitizerTool, parse_sanitizer_log, sanitizer_prefix
+    from hil.sanitizer import SanitizerTool, parse_sanitizer_log, sanitizer_prefix
 
     log_file = work_dir / f"inflight-{path}-{'old' if old else 'fenced'}.log"
     cmd = [*sanitizer_prefix(sanitizer, SanitizerTool.MEMCHECK, log_file), sys.executable, "-m",
-           "gpumem.hil.probes.inflight", "--path", path, "--device", device] + (["--old"] if old else [])
+           "hil.probes.inflight", "--path", path, "--device", device] + (["--old"] if old else [])
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
@@ -355,8 +355,8 @@ def run_fidelity(device: str, sim: str, traces: list[Path], sanitizer: str | Non
     calibration: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="gpumem-fidelity-") as tmp:
         out = Path(tmp) / "calibrate.json"
-        log.info("measuring device-call latency (python -m gpumem.hil.probes.calibrate) ...")
-        res = subprocess.run([sys.executable, "-m", "gpumem.hil.probes.calibrate", "--out", str(out),
+        log.info("measuring device-call latency (python -m sim.calibrate) ...")
+        res = subprocess.run([sys.executable, "-m", "sim.calibrate", "--out", str(out),
                               "--repeat", str(calibrate_repeat)], capture_output=True, text=True, timeout=900)
         if res.returncode == 0 and out.exists():
             measured = json.loads(out.read_text(encoding="utf-8"))
@@ -390,14 +390,14 @@ def run_fidelity(device: str, sim: str, traces: list[Path], sanitizer: str | Non
 
 
 def live_vs_predicted_part(record_path: Path, sim: str, gpu_timing: str | None = None) -> dict[str, Any]:
-    """The live-vs-predicted table (issue 18) of a workloads record (``python -m gpumem.hil.probes.workloads
+    """The live-vs-predicted table (issue 18) of a workloads record (``python -m hil.probes.workloads
     live``), its traces beside it: each live run replayed on ``sim`` with its allocator's model. Returns the
     rows, their Markdown and the gpumem rows off by more than 1 percentage point (``differences``).
 
     Raises:
         FidelityInputError: the record cannot be read.
     """
-    from gpumem.hil.probes import workloads
+    from hil.probes import workloads
 
     try:
         rows = workloads.live_vs_predicted(workloads._load_record(record_path), record_path.parent, sim, gpu_timing)
@@ -411,10 +411,10 @@ def live_vs_predicted_part(record_path: Path, sim: str, gpu_timing: str | None =
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from gpumem.hil.peers import default_traces_dir, find_traces, PeersInputError
-    from gpumem.hil.sanitizer import find_compute_sanitizer
+    from hil.peers import default_traces_dir, find_traces, PeersInputError
+    from hil.sanitizer import find_compute_sanitizer
 
-    parser = argparse.ArgumentParser(prog="python -m gpumem.hil.fidelity", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m hil.fidelity", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda:0", help="the real GPU (cuda:N); a sim: spec records the part as "
                                                             "skipped")
@@ -424,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--calibrate-repeat", type=int, default=30, help="samples per call for the latency probe")
     parser.add_argument("--json", type=Path, default=None, help="write the JSON here (default: stdout)")
     parser.add_argument("--live-record", type=Path, default=None,
-                        help="a workloads record (python -m gpumem.hil.probes.workloads live), its traces beside it: "
+                        help="a workloads record (python -m hil.probes.workloads live), its traces beside it: "
                              "add the live-vs-predicted table")
     parser.add_argument("--gpu-timing", default=None, help="the replays' GPU timing mode for --live-record")
     args = parser.parse_args(argv)
@@ -442,10 +442,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         open_device(args.sim).close()
         traces = find_traces(args.traces or default_traces_dir())
     except (FidelityInputError, PeersInputError) as exc:
-        print(f"python -m gpumem.hil.fidelity: {exc}", file=sys.stderr)
+        print(f"python -m hil.fidelity: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - an unknown profile: one line
-        print(f"python -m gpumem.hil.fidelity: --sim {args.sim}: {exc}", file=sys.stderr)
+        print(f"python -m hil.fidelity: --sim {args.sim}: {exc}", file=sys.stderr)
         return 2
     if args.device.startswith("sim:"):
         data: dict[str, Any] = {"status": "skipped", "reason": f"needs a real GPU ({args.device} is simulated)",
@@ -457,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             part = live_vs_predicted_part(args.live_record, args.sim, args.gpu_timing)
         except FidelityInputError as exc:
-            print(f"python -m gpumem.hil.fidelity: {exc}", file=sys.stderr)
+            print(f"python -m hil.fidelity: {exc}", file=sys.stderr)
             return 2
         data["live_vs_predicted"] = part
         data["markdown"] = data["markdown"] + ("\n" if data["markdown"] else "") + part["markdown"]

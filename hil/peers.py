@@ -2,7 +2,7 @@
 
 ::
 
-    python -m gpumem.hil.peers --device cuda:0 [--traces DIR] [--repeat N] [--json OUT.json]
+    python -m hil.peers --device cuda:0 [--traces DIR] [--repeat N] [--json OUT.json]
 
 For every trace in ``--traces`` (default: the project's ``data/traces``) and every peer of
 :data:`PEERS` - gpumem through its Python API, its CuPy hook and its PyTorch integration; PyTorch's
@@ -50,9 +50,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from gpumem.hil.process import MAX_TIMEOUT_S, kill_group, timeout_seconds
+from hil.process import MAX_TIMEOUT_S, kill_group, timeout_seconds
 
-log = logging.getLogger("gpumem.hil.peers")
+log = logging.getLogger("hil.peers")
 
 #: Every peer, in table order: (name, what it is).
 PEERS: tuple[tuple[str, str], ...] = (
@@ -93,7 +93,7 @@ class PeerCell:
 
 
 def default_traces_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "data" / "traces"
+    return Path(__file__).resolve().parents[1] / "data" / "traces"
 
 
 def find_traces(folder: Path) -> list[Path]:
@@ -292,7 +292,7 @@ def worker(task: dict[str, Any]) -> int:
         os.abort()
     if fake == f"hang:{task['peer']}":
         if not task.get("fake_child"):  # a hanging helper of its own, as a library's worker processes would be
-            subprocess.Popen([sys.executable, "-m", "gpumem.hil.peers", "--worker",
+            subprocess.Popen([sys.executable, "-m", "hil.peers", "--worker",
                               json.dumps({**task, "fake_child": True})])
         time.sleep(3600)
     try:
@@ -342,7 +342,7 @@ def run_cell(peer: str, trace: Path, device: str, repeat: int, timeout_s: float)
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     task = {"peer": peer, "trace": str(trace), "device": device, "repeat": repeat}
     label = trace_label(trace)
-    stdout, stderr, returncode = _run_worker([sys.executable, "-m", "gpumem.hil.peers", "--worker", json.dumps(task)],
+    stdout, stderr, returncode = _run_worker([sys.executable, "-m", "hil.peers", "--worker", json.dumps(task)],
                                              env, timeout_s)
     ended = (f"the process exited with status {returncode}" if returncode is not None
              else f"timed out after {timeout_s:g} s")
@@ -402,7 +402,7 @@ def render_markdown(cells: list[PeerCell], traces: list[str], live: dict[str, in
         lines += ["", "Peers that did not run:", ""]
         lines += [f"- {c.peer} on {c.trace}: {c.status}: {c.reason}" for c in notes]
     lines += ["", "Each peer replays each trace in a fresh process (Note [One process per peer and trace] in "
-              "`gpumem/hil/peers.py`); peak reserved as Note [How each peer's peak reserved is read] says."]
+              "`hil/peers.py`); peak reserved as Note [How each peer's peak reserved is read] says."]
     return "\n".join(lines) + "\n"
 
 
@@ -466,7 +466,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(prog="python -m gpumem.hil.peers", description=__doc__,
+    parser = _Parser(prog="python -m hil.peers", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda:0", help="the real GPU (cuda:N); a sim: spec records the part "
                                                             "as skipped")
@@ -480,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
     except PeersInputError as exc:
-        print(f"python -m gpumem.hil.peers: {exc}", file=sys.stderr)
+        print(f"python -m hil.peers: {exc}", file=sys.stderr)
         return 2
     if args.worker:
         return worker(json.loads(args.worker))
@@ -499,7 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise PeersInputError(f"--device: {args.device!r}: the index must be a whole number")
         traces = find_traces(args.traces or default_traces_dir())
     except PeersInputError as exc:
-        print(f"python -m gpumem.hil.peers: {exc}", file=sys.stderr)
+        print(f"python -m hil.peers: {exc}", file=sys.stderr)
         return 2
     if args.device.startswith("sim:"):
         _write(args.json, {"status": "skipped", "reason": f"needs a real GPU ({args.device} is simulated)",

@@ -3,16 +3,16 @@ sanitizer runs on a real GPU, with one command and one record.
 
 ::
 
-    python -m gpumem.hil run --device cuda:0 --out reports/hil/
+    python -m hil run --device cuda:0 --out reports/hil/
 
 runs, on each device given:
 
-1. **suites** - every suite of :data:`gpumem.hil.suites.SUITES` (contract, CUDA adapter, allocator,
+1. **suites** - every suite of :data:`hil.suites.SUITES` (contract, CUDA adapter, allocator,
    native engine, managers, workspace, CuPy and PyTorch integration), each in its own pytest process
    with ``--gpumem-device``;
-2. **peers** - the peer benchmark (:mod:`gpumem.hil.peers`): every trace through gpumem and through
+2. **peers** - the peer benchmark (:mod:`hil.peers`): every trace through gpumem and through
    PyTorch's, CuPy's and RMM's allocators and cudaMallocAsync, each in a fresh process;
-3. **fidelity** - the simulator against the real device (:mod:`gpumem.hil.fidelity`): peak reserved,
+3. **fidelity** - the simulator against the real device (:mod:`hil.fidelity`): peak reserved,
    ``mem_info``, call latency and hazard scenarios;
 4. **sanitizer** - the suites again under compute-sanitizer (``--sanitizer memcheck,racecheck``).
 
@@ -60,16 +60,16 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from gpumem.hil.sanitizer import CHILD_PROCESS_SUITES, DEVICE_TESTS_ONLY, MEMCHECK_SUITES, RACECHECK_SUITES, \
+from hil.sanitizer import CHILD_PROCESS_SUITES, DEVICE_TESTS_ONLY, MEMCHECK_SUITES, RACECHECK_SUITES, \
     SANITIZER_ENV_VAR, SanitizerTool, child_control_command, find_compute_sanitizer, parse_sanitizer_log, sanitizer_prefix
-from gpumem.hil.process import run_in_group
+from hil.process import run_in_group
 from gpumem.outputs import resolve_output, write_text_atomically
-from gpumem.hil.suites import SUITES, SuiteResult, SuiteStatus, missing_needs, run_suite, slug, suite_named
+from hil.suites import SUITES, SuiteResult, SuiteStatus, missing_needs, run_suite, slug, suite_named
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_INCOMPLETE", "EXIT_OK", "HilRunError", "Part", "RunOptions",
            "exit_code_of", "find_repo_root", "overall_status", "render_markdown", "run"]
 
-log = logging.getLogger("gpumem.hil")
+log = logging.getLogger("hil")
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -96,7 +96,7 @@ class HilRunError(Exception):
 
 @dataclasses.dataclass
 class RunOptions:
-    """What :func:`run` does; the command line fills it (``python -m gpumem.hil run --help``)."""
+    """What :func:`run` does; the command line fills it (``python -m hil run --help``)."""
 
     devices: list[str]
     out_dir: Path
@@ -116,15 +116,15 @@ class RunOptions:
 
 
 def find_repo_root(start: Path | None = None) -> Path:
-    """The gpumem checkout whose ``tests/`` hold the suites: ``start`` (default: the current directory)
-    or the checkout this package was imported from."""
+    """The gpumem checkout whose ``tests/`` hold the suites: ``start`` (default: the current directory,
+    else the checkout this runner lies in, else the one gpumem was imported from)."""
     import gpumem
 
     if start is not None:  # asked for by name: that checkout or an error, never another one
         if (start / "tests" / "contract").is_dir() and (start / "gpumem").is_dir():
             return start.resolve()
         raise HilRunError(f"--repo {start}: not a gpumem checkout (no tests/contract and gpumem/ in it)")
-    candidates = [Path.cwd(), Path(gpumem.__file__).resolve().parents[1]]
+    candidates = [Path.cwd(), Path(__file__).resolve().parents[1], Path(gpumem.__file__).resolve().parents[1]]
     for root in candidates:
         if (root / "tests" / "contract").is_dir() and (root / "gpumem").is_dir():
             return root.resolve()
@@ -152,17 +152,17 @@ def _child_env(repo_root: Path) -> dict[str, str]:
 
 
 def _git_commit(repo_root: Path) -> str | None:
-    from gpumem.hil.plugin import _git_commit as commit_of  # one rule for every record (+dirty, GPUMEM_GIT_COMMIT)
+    from gpumem.testing import _git_commit as commit_of  # one rule for every record (+dirty, GPUMEM_GIT_COMMIT)
 
     return commit_of(repo_root)
 
 
 # -- the environment probe (a child process: Note [The runner holds no CUDA context]) ------------------------
 def probe_device(spec: str, repo_root: Path, timeout_s: float = 300.0) -> dict[str, Any]:
-    """The environment report of ``spec`` (:func:`gpumem.hil.environment.probe`), made in a child process.
+    """The environment report of ``spec`` (:func:`hil.environment.probe`), made in a child process.
 
     Raises :class:`HilRunError` with one message when the device cannot be opened."""
-    cmd = [sys.executable, "-m", "gpumem.hil", "env", "--device", spec, "--json"]
+    cmd = [sys.executable, "-m", "hil", "env", "--device", spec, "--json"]
     try:
         res = subprocess.run(cmd, cwd=repo_root, capture_output=True, text=True, timeout=timeout_s,
                              env=_child_env(repo_root))
@@ -179,7 +179,7 @@ def probe_device(spec: str, repo_root: Path, timeout_s: float = 300.0) -> dict[s
         if spec.startswith("cuda"):
             hint = (" The HIL runner needs a CUDA GPU with its driver, and CuPy and cuda-bindings installed "
                     "(pip install -e \".[dev,cuda13]\"). Without a GPU, run the suites on the simulator: "
-                    "python -m gpumem.hil run --device sim:h200-141gb --out DIR.")
+                    "python -m hil run --device sim:h200-141gb --out DIR.")
         raise HilRunError(f"cannot open {spec}: {report['error']}.{hint}")
     return report
 
@@ -213,7 +213,7 @@ def _skipped_part(reason: str) -> dict[str, Any]:
 
 def _run_module_part(module: str, args: list[str], opts: RunOptions, log_dir: Path, label: str) -> dict[str, Any]:
     """Run ``python -m <module> ... --json FILE`` and return the JSON it wrote (the contract in
-    ``gpumem.hil.peers`` and ``gpumem.hil.fidelity``); a crash, a timeout or no JSON is ``status: error``."""
+    ``hil.peers`` and ``hil.fidelity``); a crash, a timeout or no JSON is ``status: error``."""
     json_path = log_dir / f"{label}.json"
     log_path = log_dir / f"{label}.log"
     json_path.unlink(missing_ok=True)
@@ -241,14 +241,14 @@ def _run_peers(opts: RunOptions, spec: str, log_dir: Path) -> dict[str, Any]:
     args = ["--device", spec, "--repeat", str(opts.peers_repeat)]
     if opts.traces is not None:
         args += ["--traces", str(opts.traces)]
-    return _run_module_part("gpumem.hil.peers", args, opts, log_dir, f"peers-{slug(spec)}")
+    return _run_module_part("hil.peers", args, opts, log_dir, f"peers-{slug(spec)}")
 
 
 def _run_fidelity(opts: RunOptions, spec: str, sim: str, log_dir: Path) -> dict[str, Any]:
     args = ["--device", spec, "--sim", sim]
     if opts.traces is not None:
         args += ["--traces", str(opts.traces)]
-    return _run_module_part("gpumem.hil.fidelity", args, opts, log_dir, f"fidelity-{slug(spec)}")
+    return _run_module_part("hil.fidelity", args, opts, log_dir, f"fidelity-{slug(spec)}")
 
 
 def _sanitizer_suites(opts: RunOptions, tool: SanitizerTool) -> list[str]:
@@ -675,7 +675,7 @@ def summary_path(record_path: Path) -> Path:
 
 
 def environment_sim(dev: dict[str, Any]) -> str:
-    from gpumem.hil.environment import sim_profile_for
+    from hil.environment import sim_profile_for
 
     return sim_profile_for(dev.get("name"), dev.get("total_nbytes"))
 

@@ -2,7 +2,7 @@
 
 ``compute-sanitizer --tool memcheck`` checks every device memory access of every kernel (out of
 bounds, freed or never-allocated memory) and ``--tool racecheck`` the shared-memory accesses of
-kernels for races. The HIL runner (:mod:`gpumem.hil.runner`, ``--sanitizer memcheck,racecheck``)
+kernels for races. The HIL runner (:mod:`hil.runner`, ``--sanitizer memcheck,racecheck``)
 runs a suite's pytest process under the tool and keeps the tool's own report in a log file of its
 own (``--log-file``), apart from pytest's output.
 
@@ -44,7 +44,7 @@ Note [A clean run needs a control]
 suites checked in child processes that is not self-evident: compute-sanitizer prints one summary
 for the whole process tree, and a child it failed to attach to looks the same as a clean one. So
 before those suites the runner runs a control (:func:`child_control_command`): a Python process that
-starts the in-flight probe (``gpumem.hil.probes.inflight --path release --old``) as its child, which
+starts the in-flight probe (``hil.probes.inflight --path release --old``) as its child, which
 frees a block and gives its memory back while a kernel still reads it, with the allocator's stream
 fences switched off. memcheck must count errors there; if it counts none, the sanitizer part fails
 instead of reporting the child-process suites as clean.
@@ -124,7 +124,7 @@ def find_compute_sanitizer() -> str | None:
 def child_control_command(spec: str) -> list[str]:
     """A program whose child reads freed device memory on purpose (Note [A clean run needs a control])."""
     launcher = "import subprocess, sys; subprocess.call(sys.argv[1:])"
-    return [sys.executable, "-c", launcher, sys.executable, "-m", "gpumem.hil.probes.inflight", "--path", "release",
+    return [sys.executable, "-c", launcher, sys.executable, "-m", "hil.probes.inflight", "--path", "release",
             "--old", "--device", spec]
 
 

@@ -8,7 +8,7 @@ timed over several repetitions (median and 90th percentile, in µs, Python
 binding overhead included: see ``null_call`` in the table), so the simulator's
 latency model (:mod:`gpumem.sim.latency`) can be calibrated.
 
-Run: ``python -m gpumem.hil.probes.calibrate [--out FILE] [--repeat N]``.
+Run: ``python -m sim.calibrate [--out FILE] [--repeat N]``.
 
 Note [What each virtual-memory figure times]
 --------------------------------------------
@@ -262,7 +262,7 @@ def main() -> None:
         from cupy.cuda import runtime
         from cuda.bindings import driver
     except ImportError as exc:
-        print(f"python -m gpumem.hil.probes.calibrate: needs CuPy and cuda-bindings, which could not be imported "
+        print(f"python -m sim.calibrate: needs CuPy and cuda-bindings, which could not be imported "
               f"({exc}); install them with: pip install \"gpumem[cuda13]\" (or \"gpumem[cuda12]\" for CUDA 12.x)",
               file=sys.stderr)
         raise SystemExit(2) from None

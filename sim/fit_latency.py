@@ -2,12 +2,12 @@
 
 ::
 
-    python benchmarks/fit_latency.py reports/hil/calibrate-h200-2026-11-22.json reports/hil/hil-nvidia-h200-2026-11-22.json ...
+    python -m sim.fit_latency reports/hil/calibrate-h200-2026-11-22.json reports/hil/hil-nvidia-h200-2026-11-22.json ...
 
-Each file is either a calibration record (``python -m gpumem.hil.probes.calibrate --out``, with ``costs_us``)
+Each file is either a calibration record (``python -m sim.calibrate --out``, with ``costs_us``)
 or a HIL record / fidelity JSON whose fidelity part holds the calibration it measured (``calibration``) or,
 in older records, only its latency rows. Every call is put on the model's footing (Note [Latency
-calibration]: the binding's own cost taken off driver calls) by :func:`gpumem.hil.fidelity.compare_latency`.
+calibration]: the binding's own cost taken off driver calls) by :func:`hil.fidelity.compare_latency`.
 
 It prints, per call, every run's figure, their geometric mean (what the model should hold: the ratio to
 the farthest run is then as small as it can be), the spread (largest / smallest) and the model's figure
@@ -23,7 +23,7 @@ import math
 import sys
 from pathlib import Path
 
-from gpumem.hil.fidelity import LATENCY_FACTOR, compare_latency
+from hil.fidelity import LATENCY_FACTOR, compare_latency
 
 _MIB = 1 << 20
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"fit_latency: {exc}", file=sys.stderr)
         return 2
-    from gpumem.hil.fidelity import _model_costs
+    from hil.fidelity import _model_costs
     from gpumem.sim.latency import LatencyModel
 
     model = _model_costs(LatencyModel())

@@ -5,8 +5,8 @@ Replays every trace on a simulated device under ``--gpu-timing`` idle / trace / 
 ``gpumem/allocator/backing.py``), and prints one Markdown table per part: *tuning* (the traces policy
 decisions may look at) and *check* (held out: ``--check`` traces; no decision looks at them).
 
-    python benchmarks/gpu_timing_bench.py                       # data/traces/*.gz, all tuning
-    python benchmarks/gpu_timing_bench.py --check held_out/*.gz --json out.json
+    python -m sim.gpu_timing_bench                       # data/traces/*.gz, all tuning
+    python -m sim.gpu_timing_bench --check held_out/*.gz --json out.json
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ allocated / reserved bytes and the trace file the run recorded; gpumem's runs re
 with the policy the live run used (``busy_slack=inf`` by default: the rule before issue 18) and the
 candidates ``--busy-slack``, and prints one Markdown table per part (tuning / check, ``--check``).
 
-    python benchmarks/gpu_timing_live.py FOLDER --check llama_varlen_train vit_train llama_generate \\
+    python -m sim.gpu_timing_live FOLDER --check llama_varlen_train vit_train llama_generate \\
         unet_train multistream_infer --json out.json
 """
 

@@ -31,8 +31,8 @@ is in ``reports/growth-sweep.md``.
 
 Usage::
 
-    python benchmarks/growth_sweep.py [--traces DIR] [--device SPEC] [--variants NAME,...] [--engine E] [--json OUT]
-    python benchmarks/growth_sweep.py --engines ROUNDS   # wall time per op, Python vs native engine
+    python -m sim.growth_sweep [--traces DIR] [--device SPEC] [--variants NAME,...] [--engine E] [--json OUT]
+    python -m sim.growth_sweep --engines ROUNDS   # wall time per op, Python vs native engine
 """
 
 from __future__ import annotations

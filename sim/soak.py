@@ -28,7 +28,7 @@ At the end the soak checks, and exits 1 when any check fails:
 
 It prints one table of what each device held and did. Usage::
 
-    python benchmarks/soak.py [--ops 300000] [--devices a10-24gb,a100-80gb,l4-24gb,h100-80gb]
+    python -m sim.soak [--ops 300000] [--devices a10-24gb,a100-80gb,l4-24gb,h100-80gb]
                               [--seed 1] [--fail-rate 0.0005] [--json OUT.json]
 """
 

@@ -9,8 +9,8 @@ hard-coded 6 GB rule (:func:`gpumem.workspace.six_gb_rule_workspace_size`): see
 
 Usage::
 
-    python benchmarks/workspace_scenario.py --out -                              # a trial run: prints only
-    python benchmarks/workspace_scenario.py --out reports/workspace-scenario.md  # regenerates the report
+    python -m sim.workspace_scenario --out -                              # a trial run: prints only
+    python -m sim.workspace_scenario --out reports/workspace-scenario.md  # regenerates the report
 
 Prints the tables and writes them, with the command that made them, to ``--out`` (default
 ``reports/workspace-scenario.md``; ``--out -`` writes nothing). Exit status 1 when the goal (no
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="reports/workspace-scenario.md", help="Markdown report ('-': none)")
     args = parser.parse_args(argv)
     profiles = args.profiles.split(",") if args.profiles else [p.name for p in BUILTIN_PROFILES]
-    command = "python benchmarks/workspace_scenario.py" + (f" --steps {args.steps}" if args.steps != 400 else "") \
+    command = "python -m sim.workspace_scenario" + (f" --steps {args.steps}" if args.steps != 400 else "") \
         + (f" --profiles {args.profiles}" if args.profiles else "") + f" --out {args.out}"
     t0 = time.perf_counter()
     out: list[str] = [

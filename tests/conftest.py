@@ -1,6 +1,6 @@
 """Shared test configuration: the gpumem_hil plugin and the Hypothesis profiles.
 
-``gpumem.hil.plugin`` is loaded through its pytest11 entry point (``gpumem_hil``) when gpumem is
+``gpumem.testing`` is loaded through its pytest11 entry point (``gpumem_hil``) when gpumem is
 installed (``pip install -e .``). In a bare checkout (``PYTHONPATH=. pytest``) the entry
 point is not there, so it is registered here, under the same name: never twice, and not
 when it was disabled with ``-p no:gpumem_hil``. The plugin acts only in projects that opt in:
@@ -16,21 +16,23 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 
-# pytest puts this directory (tests/) on sys.path to import this conftest, so no test folder may be
-# named like a package the tests import: a folder "sim", "cuda" or "trace" there would be found as a
-# namespace package before an editable install's import hook runs (hence tests/simulator,
-# tests/cuda_adapter, tests/traces). Appending the checkout's root also lets an uninstalled checkout
-# import gpumem (and gpumem.sim, gpumem.hil), without overriding an installed copy.
+# pytest puts this directory (tests/) on sys.path to import this conftest, so a test folder named like
+# a package the tests import is found as a namespace package where that package is absent or installed
+# through an editable install's import hook: a folder "cuda" would make `import cuda` succeed without
+# cuda-bindings (hence tests/cuda_adapter and tests/pytorch). tests/sim and tests/hil are safe:
+# the checkout's sim/ and hil/ are regular packages on the root appended here, and a regular package wins
+# over a namespace folder. Appending the checkout's root lets an uninstalled checkout import gpumem, and
+# every checkout import the tooling at its top (hil, sim), without overriding an installed gpumem.
 _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.append(_ROOT)
 
 
 def pytest_addoption(parser, pluginmanager):
-    import gpumem.hil.plugin
+    import gpumem.testing
 
-    if not pluginmanager.is_registered(gpumem.hil.plugin) and not pluginmanager.is_blocked("gpumem_hil"):
-        pluginmanager.register(gpumem.hil.plugin, "gpumem_hil")
+    if not pluginmanager.is_registered(gpumem.testing) and not pluginmanager.is_blocked("gpumem_hil"):
+        pluginmanager.register(gpumem.testing, "gpumem_hil")
 
 
 settings.register_profile("dev", max_examples=20, deadline=None,

@@ -888,16 +888,16 @@ def test_help_documents_exit_codes_and_options(capsys):
         assert text in out
 
 
-@pytest.mark.parametrize("probe", ["calibrate", "inflight"])
+@pytest.mark.parametrize("probe", ["sim.calibrate", "hil.probes.inflight"])
 def test_hil_probes_without_cupy_say_which_extra(capsys, monkeypatch, probe):
     import importlib
     import sys
 
-    module = importlib.import_module(f"gpumem.hil.probes.{probe}")
+    module = importlib.import_module(probe)
     monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError, as without CuPy
-    argv = [] if probe == "calibrate" else ["--path", "release"]
+    argv = [] if probe == "sim.calibrate" else ["--path", "release"]
     monkeypatch.setattr(sys, "argv", [probe, *argv])
-    if probe == "calibrate":
+    if probe == "sim.calibrate":
         with pytest.raises(SystemExit) as info:
             module.main()
         code = info.value.code
@@ -906,7 +906,7 @@ def test_hil_probes_without_cupy_say_which_extra(capsys, monkeypatch, probe):
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert len(err.splitlines()) == 1 and 'pip install "gpumem[cuda13]"' in err
-    assert err.startswith(f"python -m gpumem.hil.probes.{probe}: needs CuPy")
+    assert err.startswith(f"python -m {probe}: needs CuPy")
 
 
 def test_ctrl_c_while_the_handler_is_installed_is_quiet(capsys, monkeypatch):

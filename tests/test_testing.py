@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from gpumem.hil import plugin
+from gpumem import testing as plugin
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 TESTS = textwrap.dedent('''
     import pytest
@@ -78,7 +78,7 @@ def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None, opt_in: 
         full_env.pop("PYTEST_DISABLE_PLUGIN_AUTOLOAD", None)
     else:
         full_env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # so -p loads the plugin whether gpumem is installed or not
-        load = ["-p", "gpumem.hil.plugin"]
+        load = ["-p", "gpumem.testing"]
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "pytest", *load, "-p", "no:cacheprovider", "-q", "-rA",
@@ -90,7 +90,7 @@ def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None, opt_in: 
 def _entry_point_installed() -> bool:
     from importlib import metadata
 
-    return any(ep.value == "gpumem.hil.plugin" for ep in metadata.entry_points(group="pytest11"))
+    return any(ep.value == "gpumem.testing" for ep in metadata.entry_points(group="pytest11"))
 
 
 @pytest.mark.parametrize("autoload", [False, True])
@@ -206,7 +206,7 @@ def test_git_commit_names_a_modified_tree_and_takes_the_runners_word(tmp_path, m
     carried a stale ``.git``, and its records named a commit hours old); ``GPUMEM_GIT_COMMIT`` overrides."""
     import subprocess
 
-    from gpumem.hil.plugin import GIT_COMMIT_ENV, _git_commit
+    from gpumem.testing import GIT_COMMIT_ENV, _git_commit
 
     monkeypatch.delenv(GIT_COMMIT_ENV, raising=False)
     assert _git_commit(tmp_path) is None  # not a repository

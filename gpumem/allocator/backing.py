@@ -117,7 +117,7 @@ pages of a chunk that still holds some live data are locked where they are
 chunks, the more memory is locked when a program's peak comes elsewhere: on the
 gpt2 trace uncapped chunks (one per run) held 3.9 % more than live data at the
 peak, 1/64 of the held memory 1.9 %, 1/256 0.66 % (``reports/growth-sweep.md``,
-``benchmarks/growth_sweep.py``). A cap relative to what is held keeps the locked
+``sim/growth_sweep.py``). A cap relative to what is held keeps the locked
 memory a fixed fraction of the footprint, and makes the chunks grow
 geometrically: about 256 creates per e-fold of growth instead of one per page.
 

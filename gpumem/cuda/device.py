@@ -420,7 +420,7 @@ class CudaDevice(Device):
 
     def _do_mem_set_access(self, va: int, nbytes: int, maps: list[Mapping]) -> None:
         # One driver call for the whole range: cuMemSetAccess accepts any fully mapped range,
-        # and each call costs ~27 us on an H200 whatever its size (hil/probes/calibrate.py).
+        # and each call costs ~27 us on an H200 whatever its size (sim/calibrate.py).
         self._driver("cuMemSetAccess", self._vmm_driver.set_access, va, nbytes)
 
     def _do_mem_unmap(self, r: Reservation, maps: list[Mapping]) -> None:

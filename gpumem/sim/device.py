@@ -9,7 +9,7 @@ Time
 
 Memory
     Physical memory is counted in the profile's granularity (2 MiB on CUDA), the
-    way the H200 was measured to behave (``hil/probes/calibrate.py``): a
+    way the H200 was measured to behave (``sim/calibrate.py``): a
     ``cudaMalloc`` above 1 MiB takes whole 2 MiB pages of its own; smaller ones
     are packed, 512-byte aligned, into shared 2 MiB pages that return to the
     device when their last allocation is freed; a ``cuMemCreate`` chunk takes
@@ -43,7 +43,7 @@ Note [A failed call changes nothing]
 Each call is validated (by the base class), then advances time, checks for a
 lost device, decides injected faults and checks capacity *before* it mutates
 any state, so every exception leaves the accounting as it was. The stateful property tests in
-``tests/simulator`` check this after every step.
+``tests/sim`` check this after every step.
 
 Threads: every public call holds the device's lock (:class:`gpumem.Device`), so
 threads may share a device; SimPy tenants run inside whichever call moves time.

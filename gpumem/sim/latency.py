@@ -3,10 +3,10 @@
 Note [Latency calibration]
 --------------------------
 Every figure below is the geometric mean of three calibrations of the H200
-we test on by ``hil/probes/calibrate.py`` (driver 580.159.04):
+we test on by ``sim/calibrate.py`` (driver 580.159.04):
 ``reports/hil/calibrate-h200-2026-11-22.json`` and the two HIL records'
 fidelity runs of 2026-11-22 (``reports/hil/hil-nvidia-h200-2026-11-22.json``
-keeps the calibration it measured); ``python benchmarks/fit_latency.py FILE...``
+keeps the calibration it measured); ``python -m sim.fit_latency FILE...``
 prints the table and the fits. The runs differ more than expected: the same
 call took up to 2.7x longer in one run than in another (the host's load and
 clock, the driver's state), so a model fitted to one run was up to 2.9x off

@@ -26,10 +26,10 @@ driver calls are host-side work of the driver, and no other card was measured.
 For the H100 (the same driver on the same kind of host) they are the best
 estimate there is; for older and smaller cards, and for Jetson boards (slower
 CPUs), they are a lower bound. Pass ``latency=LatencyModel(...)`` to
-:func:`custom_profile` to model a card measured with ``hil/probes/calibrate.py``.
+:func:`custom_profile` to model a card measured with ``sim/calibrate.py``.
 
 A user defines a custom profile with :func:`custom_profile` or by building a
-:class:`DeviceProfile` directly, and passes it to ``sim.SimDevice`` or
+:class:`DeviceProfile` directly, and passes it to ``gpumem.sim.SimDevice`` or
 ``gpumem.open_device("sim:custom", profile=...)``.
 """
 

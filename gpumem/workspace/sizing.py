@@ -410,7 +410,7 @@ SIX_GB_RULE_MAX_BATCH_SIZE = 128
 
 def six_gb_rule_workspace_size(in_features: int, out_features: int, qtype: QType | str) -> tuple[int, int]:
     """``(workspace_bytes, batch_size)`` by the hard-coded rule this module replaces, for comparison only
-    (``benchmarks/workspace_scenario.py``): it assumes 6 GiB are available on every GPU, batch =
+    (``sim/workspace_scenario.py``): it assumes 6 GiB are available on every GPU, batch =
     ``min((6 GiB - dequant) / per_sample, 128)``, workspace = ``dequant + batch * per_sample``. It never
     looks at the device, which is the bug."""
     q = QType.parse(qtype)

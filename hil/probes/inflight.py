@@ -8,9 +8,9 @@ back only once the kernel is done (Note [Stream-ordered frees] in :mod:`gpumem.a
 while the kernel still reads them: run it under ``compute-sanitizer --tool memcheck`` to see the
 invalid reads it makes (it may also kill the context). Prints one JSON line::
 
-    python -m gpumem.hil.probes.inflight --path release [--old] [--device cuda:0]
+    python -m hil.probes.inflight --path release [--old] [--device cuda:0]
 
-The pytest twin is ``tests/hil/test_inflight_kernel.py`` (fences on only).
+The pytest twin is ``tests/allocator/test_inflight_kernel.py`` (fences on only).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ SPIN_CYCLES = 100_000_000  # about 50 ms at 2 GHz
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpumem.hil.probes.inflight", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m hil.probes.inflight", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", choices=["steal", "release"], required=True,
                         help="how the freed block's memory goes back to the device")
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import cupy  # noqa: PLC0415 - a real-GPU probe
     except ImportError as exc:
-        print(f"python -m gpumem.hil.probes.inflight: needs CuPy, which could not be imported ({exc}); install it "
+        print(f"python -m hil.probes.inflight: needs CuPy, which could not be imported ({exc}); install it "
               f"with: pip install \"gpumem[cuda13]\" (or \"gpumem[cuda12]\" for CUDA 12.x)", file=sys.stderr)
         return 2
 

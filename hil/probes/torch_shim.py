@@ -1,6 +1,6 @@
 """HIL record of PyTorch on gpumem's C++ shim (issue 19 point 2): one GPU, each case in a fresh process.
 
-    python benchmarks/torch_shim_hil.py --out-json R.json --out-md R.md [--device-name H100]
+    python -m hil.probes.torch_shim --out-json R.json --out-md R.md [--device-name H100]
 
 Runs ``tests/pytorch/shim_child.py`` scenarios under PyTorch's own allocator (``native``),
 gpumem's two C hooks (``ctypes``) and gpumem's C++ shim (``shim``), and checks:
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHILD = ROOT / "tests" / "pytorch" / "shim_child.py"
 log = logging.getLogger("torch_shim_hil")
 

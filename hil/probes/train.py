@@ -18,7 +18,7 @@ synchronised only at the ends of the timed window). Writes ``train-<gpu>-<date>.
 Markdown record with the issue's targets (peak reserved at most 1 % above peak allocated; step time
 within 2 % of the default allocator) into ``--out``.
 
-Run: ``python -m gpumem.hil.probes.train [--steps 300] [--out reports/hil]``.
+Run: ``python -m hil.probes.train [--steps 300] [--out reports/hil]``.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def _gib(nbytes: float) -> str:
 
 def render_markdown(result: dict[str, Any]) -> str:
     lines = [f"# PyTorch training under three allocators: {result['gpu']} ({result['date']})", "",
-             f"`python -m gpumem.hil.probes.train --steps {result['steps']} --warmup {result['warmup']}`; "
+             f"`python -m hil.probes.train --steps {result['steps']} --warmup {result['warmup']}`; "
              f"PyTorch {result['torch']}; each run its own process, one after the other; fp32, AdamW, "
              "synthetic data, fixed seeds, `torch.use_deterministic_algorithms(True, warn_only=True)`, "
              f"`CUBLAS_WORKSPACE_CONFIG={CUBLAS_WORKSPACE_CONFIG}`. Peaks: PyTorch's counters for its allocator, "
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         for allocator in allocators:
             child_out = out / f".train-{model}-{allocator}.json"
-            cmd = [sys.executable, "-m", "gpumem.hil.probes.train", "--child", model, allocator, "--steps",
+            cmd = [sys.executable, "-m", "hil.probes.train", "--child", model, allocator, "--steps",
                    str(args.steps), "--warmup", str(args.warmup), "--gpt2-batch", str(args.gpt2_batch),
                    "--gpt2-seq-len", str(args.gpt2_seq_len), "--resnet-batch", str(args.resnet_batch),
                    "--child-out", str(child_out)]

@@ -13,10 +13,10 @@ every step's loss (or the generated tokens' checksum), and the trace file (gzipp
 record. ``predict`` replays every trace of a record in the simulator with the matching allocator
 model (gpumem's policy for gpumem runs, ``pytorch`` for PyTorch's) and tabulates live against
 predicted peak reserved overhead (:func:`live_vs_predicted`); the HIL fidelity part shows the same
-table (``python -m gpumem.hil.fidelity --live-record``).
+table (``python -m hil.fidelity --live-record``).
 
-Run on the GPU: ``python -m gpumem.hil.probes.workloads live --out DIR [--workloads a,b] [--steps 12]``.
-Then anywhere: ``python -m gpumem.hil.probes.workloads predict DIR/workloads-<gpu>.json [--sim sim:h200-141gb]
+Run on the GPU: ``python -m hil.probes.workloads live --out DIR [--workloads a,b] [--steps 12]``.
+Then anywhere: ``python -m hil.probes.workloads predict DIR/workloads-<gpu>.json [--sim sim:h200-141gb]
 [--gpu-timing MODE] [--out reports/hil]``.
 """
 
@@ -454,7 +454,7 @@ def run_live(workloads: Sequence[str], allocators: Sequence[str], steps: int, wa
     for workload in workloads:
         for allocator in allocators:
             child_out = out / f".{workload}-{allocator}.json"
-            cmd = [sys.executable, "-m", "gpumem.hil.probes.workloads", "child", workload, allocator,
+            cmd = [sys.executable, "-m", "hil.probes.workloads", "child", workload, allocator,
                    "--steps", str(steps), "--warmup", str(warmup), "--out", str(out), "--child-out", str(child_out)]
             if policy:
                 cmd += ["--gpumem-policy", policy]

@@ -241,7 +241,7 @@ def _replay_counts(name: str, pol: AllocatorPolicy, engine: str = "python") -> t
     calls = count_calls(dev)
     alloc = CachingAllocator(dev, pol, engine=engine)
     # the growth rule's figures (reports/growth-sweep.md) are measured with the GPU idle; with it behind
-    # (the default timing since issue 18) see tests/simulator/test_gpu_timing.py
+    # (the default timing since issue 18) see tests/sim/test_gpu_timing.py
     result = replay(load_trace(TRACES / name), alloc, progress=False, gpu_timing="idle")
     alloc.check_consistency()
     return calls, result.overhead

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from gpumem.allocator import CachingAllocator
-from gpumem.hil.probes.inflight import BLOCK_NBYTES, EXPECTED, N, PAGE_STEALS, SLOW_SUM_SOURCE, SPIN_CYCLES
+from hil.probes.inflight import BLOCK_NBYTES, EXPECTED, N, PAGE_STEALS, SLOW_SUM_SOURCE, SPIN_CYCLES
 from gpumem.units import MiB
 
 pytestmark = pytest.mark.cuda
 
-# the kernel and its figures are the probe's, so the test and `python -m gpumem.hil.probes.inflight`
+# the kernel and its figures are the probe's, so the test and `python -m hil.probes.inflight`
 # run the very same scenario
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gpumem.allocator import CachingAllocator
-from gpumem.hil.sanitizer import SANITIZER_ENV_VAR
+from hil.sanitizer import SANITIZER_ENV_VAR
 
 pytestmark = pytest.mark.cuda
 

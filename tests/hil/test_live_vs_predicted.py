@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gpumem.errors import TraceFormatError
-from gpumem.hil.probes import workloads as wl
+from hil.probes import workloads as wl
 from gpumem.torch import trace_from_words
 from gpumem.trace import load_trace, save_trace
 from gpumem.trace.pytorch_export import save_pytorch_snapshot
@@ -127,7 +127,7 @@ def test_parse_policy_replaces_fields_and_refuses_bad_specs() -> None:
 
 
 def test_fidelity_cli_adds_the_table_and_refuses_a_bad_record(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from gpumem.hil import fidelity
+    from hil import fidelity
 
     (tmp_path / "workloads.json").write_text(json.dumps(_fake_record(tmp_path)))
     out = tmp_path / "fidelity.json"

@@ -1,4 +1,4 @@
-"""benchmarks/nvml_pressure.py on the simulator: a tenant follows the second process's schedule; the
+"""hil/probes/nvml_pressure.py on the simulator: a tenant follows the second process's schedule; the
 monitor gives the cache back in time (and, as a control, without release the tenant is refused)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def nvp():
-    spec = importlib.util.spec_from_file_location("gpumem_nvml_pressure", REPO / "benchmarks" / "nvml_pressure.py")
+    spec = importlib.util.spec_from_file_location("gpumem_nvml_pressure", REPO / "hil" / "probes" / "nvml_pressure.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpumem_nvml_pressure"] = module
     spec.loader.exec_module(module)

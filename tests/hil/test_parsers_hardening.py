@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from gpumem.hil import peers
-from gpumem.hil.sanitizer import parse_sanitizer_log
-from gpumem.hil.suites import SuiteStatus, TestCounts, parse_junit, status_of
+from hil import peers
+from hil.sanitizer import parse_sanitizer_log
+from hil.suites import SuiteStatus, TestCounts, parse_junit, status_of
 
 REPO = Path(__file__).resolve().parents[2]
 REAL_LOG = REPO / "reports" / "hil" / "inflight-sanitizer-h200-2026-11-22.log"
@@ -204,7 +204,7 @@ def test_non_finite_or_absurd_timeouts_are_refused_in_one_line(value: str, capsy
 
 
 def test_timeout_inf_on_the_command_line_exits_2_with_one_line() -> None:
-    res = subprocess.run([sys.executable, "-m", "gpumem.hil.peers", "--device", "cuda:0", "--peers", "gpumem",
+    res = subprocess.run([sys.executable, "-m", "hil.peers", "--device", "cuda:0", "--peers", "gpumem",
                           "--timeout-s", "inf"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert res.returncode == 2
     assert len(res.stderr.strip().splitlines()) == 1 and "--timeout-s" in res.stderr
@@ -218,7 +218,7 @@ def test_a_timed_out_worker_leaves_no_process_behind(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(peers.FAKE_ENV, "hang:cupy-pool")
     cell, _ = peers.run_cell("cupy-pool", trace, "cuda:0", 1, timeout_s=3)
     assert cell.status == "failed" and "timed out after 3 s" in cell.reason
-    pattern = "gpumem.hil.peers --worker .*" + re.escape(str(trace))
+    pattern = "hil.peers --worker .*" + re.escape(str(trace))
     deadline = time.monotonic() + 5
     while True:
         found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumem.hil import fidelity, peers
+from hil import fidelity, peers
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL_TRACE = REPO / "data" / "traces" / "resnet_train.rmm_log.csv.gz"
@@ -95,12 +95,12 @@ def test_fidelity_cli_skips_on_a_simulator_and_refuses_bad_input(tmp_path: Path,
 
 
 def test_fit_latency_prints_the_geometric_mean_and_the_spread(tmp_path, capsys) -> None:
-    """benchmarks/fit_latency.py, which the latency model's Note [Latency calibration] is made with."""
+    """sim/fit_latency.py, which the latency model's Note [Latency calibration] is made with."""
     import importlib.util
     import json
 
     repo = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("fit_latency", repo / "benchmarks" / "fit_latency.py")
+    spec = importlib.util.spec_from_file_location("fit_latency", repo / "sim" / "fit_latency.py")
     fit = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fit)
     calibration = repo / "reports" / "hil" / "calibrate-h200-2026-11-22.json"

@@ -1,4 +1,4 @@
-"""The HIL runner (``python -m gpumem.hil``): suite results, skips made visible, records, resume,
+"""The HIL runner (``python -m hil``): suite results, skips made visible, records, resume,
 the no-GPU message, sanitizer logs and the GPU workflow file. Runs without a GPU."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from gpumem.hil.__main__ import build_parser, main
-from gpumem.hil.runner import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK, exit_code_of, overall_status, \
+from hil.__main__ import build_parser, main
+from hil.runner import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK, exit_code_of, overall_status, \
     render_markdown
-from gpumem.hil.sanitizer import CHILD_PROCESS_SUITES, MEMCHECK_SUITES, SanitizerTool, check_tools, parse_sanitizer_log, \
+from hil.sanitizer import CHILD_PROCESS_SUITES, MEMCHECK_SUITES, SanitizerTool, check_tools, parse_sanitizer_log, \
     sanitizer_prefix
-from gpumem.hil.suites import SUITES, Suite, SuiteStatus, TestCounts, parse_junit, run_suite, status_of, suite_named
+from hil.suites import SUITES, Suite, SuiteStatus, TestCounts, parse_junit, run_suite, status_of, suite_named
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -128,7 +128,7 @@ def test_run_on_a_simulator_shows_skipped_suites_and_parts(tmp_path: Path, capsy
     assert "| cupy | *skipped* | 0 |" in md
     assert "## Simulator fidelity on `sim:t4-16gb`\n\n*not run*" in md
     assert record["devices"][0]["versions"]["python"]
-    assert record["runs"][0]["command"].startswith("python -m gpumem.hil run --device sim:t4-16gb")
+    assert record["runs"][0]["command"].startswith("python -m hil run --device sim:t4-16gb")
 
 
 def test_resume_adds_parts_to_a_record(tmp_path: Path) -> None:
@@ -215,7 +215,7 @@ def test_help_lists_every_suite(capsys: pytest.CaptureFixture) -> None:
 # -- overall status and exit codes --------------------------------------------------------------------------------
 def _record(suite_statuses: list[str], **parts: str) -> dict:
     """A record of these suite statuses; every other suite of SUITES passed."""
-    from gpumem.hil.suites import SUITES
+    from hil.suites import SUITES
 
     suite_statuses = suite_statuses + ["passed"] * (len(SUITES) - len(suite_statuses))
     suites = [{"suite": SUITES[i].name if i < len(SUITES) else f"s{i}", "status": s, "passed": 1, "failed": 0, "skipped": 0, "errors": 0, "duration_s": 1.0,
@@ -225,7 +225,7 @@ def _record(suite_statuses: list[str], **parts: str) -> dict:
 
 
 def test_overall_status_and_exit_codes() -> None:
-    from gpumem.hil.runner import Part
+    from hil.runner import Part
 
     every = {"peers": "passed", "fidelity": "passed", "sanitizer": "passed"}
     assert overall_status(_record(["passed", "passed"], **every)) == "passed"
@@ -243,14 +243,14 @@ def test_markdown_shows_failures_and_reasons() -> None:
     rec = _record(["failed"], peers="error")
     rec["results"]["cuda:0"]["suites"][0].update(failures=["tests/x.py::test_y: boom"], reason="1 failed, 0 errors",
                                                   skip_reasons={"PyTorch is installed": 1})
-    rec["results"]["cuda:0"]["peers"]["reason"] = "python -m gpumem.hil.peers exited with status 1"
+    rec["results"]["cuda:0"]["peers"]["reason"] = "python -m hil.peers exited with status 1"
     rec.update(date="2026-11-22T00:00:00+00:00", status="failed", runs=[])
     rec["devices"][0].update(name="NVIDIA H200", total_nbytes=150_109_880_320, versions={"python": "3.12"})
     md = render_markdown(rec)
     assert md.splitlines()[2].startswith("Status: **FAILED**")
     assert "`tests/x.py::test_y: boom`" in md
     assert "PyTorch is installed (1)" in md
-    assert "Reason: python -m gpumem.hil.peers exited with status 1" in md
+    assert "Reason: python -m hil.peers exited with status 1" in md
 
 
 # -- compute-sanitizer ----------------------------------------------------------------------------------------------
@@ -294,7 +294,7 @@ def test_the_workflow_runs_the_runner_with_valid_arguments() -> None:
     (job,) = workflow["jobs"].values()
     assert "self-hosted" in job["runs-on"] and "gpu" in job["runs-on"]
     commands = [line.strip() for step in job["steps"] for line in str(step.get("run", "")).splitlines()]
-    (run_line,) = [c for c in commands if c.startswith("python -m gpumem.hil run")]
+    (run_line,) = [c for c in commands if c.startswith("python -m hil run")]
     args = build_parser().parse_args(shlex.split(run_line)[3:])  # what the runner will be given parses
     assert args.device == ["cuda:0"]
     upload = [s for s in job["steps"] if "upload-artifact" in str(s.get("uses", ""))]
@@ -338,7 +338,7 @@ def _fake_sanitizer(tmp_path: Path, log_text: str | None) -> str:
     (None, "error"),  # no log at all
 ])
 def test_the_sanitizer_control_must_see_the_childs_errors(tmp_path: Path, log_text: str | None, status: str) -> None:
-    from gpumem.hil.runner import RunOptions, _run_control
+    from hil.runner import RunOptions, _run_control
 
     opts = RunOptions(devices=["cuda:0"], out_dir=tmp_path, repo_root=REPO)
     control = _run_control(_fake_sanitizer(tmp_path, log_text), opts, "cuda:0", tmp_path)
@@ -347,7 +347,7 @@ def test_the_sanitizer_control_must_see_the_childs_errors(tmp_path: Path, log_te
 
 
 def test_a_failed_control_fails_the_sanitizer_part_in_the_summary(tmp_path: Path) -> None:
-    from gpumem.hil.runner import render_markdown
+    from hil.runner import render_markdown
 
     run = {"tool": "memcheck", "suite": "pytorch", "status": "passed", "errors": 0, "processes": 1,
            "tests": {"passed": 7, "failed": 0, "skipped": 0}, "first_reports": []}
@@ -364,7 +364,7 @@ def test_a_failed_control_fails_the_sanitizer_part_in_the_summary(tmp_path: Path
 
 
 def test_memcheck_runs_only_suites_that_make_cuda_calls() -> None:
-    from gpumem.hil.runner import RunOptions, _sanitizer_suites
+    from hil.runner import RunOptions, _sanitizer_suites
 
     opts = RunOptions(devices=["cuda:0"], out_dir=Path("x"))
     assert "cuda_adapter" not in _sanitizer_suites(opts, SanitizerTool.MEMCHECK)
@@ -455,7 +455,7 @@ def test_resume_refuses_dev_zero_a_fifo_and_a_huge_file_without_reading_them(tmp
                                                                             capsys: pytest.CaptureFixture) -> None:
     """issue 20 item 9: ``--resume /dev/zero`` read without bound and a FIFO blocked for ever."""
     import os
-    from gpumem.hil import runner
+    from hil import runner
     fifo = tmp_path / "fifo.json"
     os.mkfifo(fifo)
     for path in ("/dev/zero", str(fifo), str(tmp_path)):

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gpumem.hil.__main__ import EXIT_INTERRUPTED, main
-from gpumem.hil.process import run_in_group
-from gpumem.hil.runner import EXIT_BAD_INPUT, overall_status
+from hil.__main__ import EXIT_INTERRUPTED, main
+from hil.process import run_in_group
+from hil.runner import EXIT_BAD_INPUT, overall_status
 
 REPO = Path(__file__).resolve().parents[2]
 SIM = "sim:t4-16gb"
@@ -143,7 +143,7 @@ def _sigint_default() -> None:
 
 def test_ctrl_c_kills_the_suite_and_writes_nothing(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "gpumem.hil", "run", "--device", SIM, "--suites", "managers",
+    proc = subprocess.Popen([sys.executable, "-m", "hil", "run", "--device", SIM, "--suites", "managers",
                              "--parts", "suites", "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -173,7 +173,7 @@ def test_ctrl_c_kills_the_suite_and_writes_nothing(tmp_path: Path) -> None:
 def test_sigterm_kills_the_suite_as_ctrl_c_does(tmp_path: Path) -> None:
     """Found by review: a cancelled CI job (SIGTERM) left the suite's pytest running under PID 1."""
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "gpumem.hil", "run", "--device", SIM, "--suites", "managers",
+    proc = subprocess.Popen([sys.executable, "-m", "hil", "run", "--device", SIM, "--suites", "managers",
                              "--parts", "suites", "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     deadline = time.monotonic() + 120
@@ -206,7 +206,7 @@ def test_a_failed_probe_writes_nothing(tmp_path: Path, capsys) -> None:
 
 def test_a_suite_whose_library_is_missing_is_skipped_on_a_real_device(tmp_path: Path, monkeypatch) -> None:
     """Found by review: without PyTorch the pytorch suite's argument tests passed and the suite read as passed."""
-    from gpumem.hil import runner
+    from hil import runner
 
     monkeypatch.setattr(runner, "missing_needs", lambda suite: ["torch"] if suite.name == "pytorch" else [])
     opts = runner.RunOptions(devices=["cuda:0"], out_dir=tmp_path, suites=["pytorch"], repo_root=REPO)
@@ -223,7 +223,7 @@ def test_env_takes_one_device_and_says_its_error_in_one_line(capsys) -> None:
 
 
 def test_the_summary_says_why_a_record_is_not_passed_and_which_commits_made_it() -> None:
-    from gpumem.hil.runner import render_markdown
+    from hil.runner import render_markdown
 
     record = {"date": "2026-11-22T00:00:00+00:00", "status": "incomplete", "devices": [{"spec": SIM}],
               "results": {SIM: {"suites": [{"suite": "contract", "status": "passed", "passed": 1, "failed": 0,
@@ -258,7 +258,7 @@ def test_resume_of_dev_zero_and_of_a_fifo_is_refused_at_once(tmp_path: Path, cap
 
 
 def test_resume_of_a_huge_file_is_refused_by_size(tmp_path: Path, capsys, monkeypatch) -> None:
-    from gpumem.hil import runner
+    from hil import runner
 
     monkeypatch.setattr(runner, "MAX_RECORD_NBYTES", 1000)
     big = tmp_path / "big.json"

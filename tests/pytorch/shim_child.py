@@ -3,7 +3,7 @@
 ``python shim_child.py SCENARIO ALLOCATOR`` with ALLOCATOR one of ``native`` (PyTorch's own caching
 allocator), ``ctypes`` (gpumem.torch.install(): alloc and free only, record_stream ignored) and
 ``shim`` (gpumem.torch_shim.install()). Prints one line ``RESULT <json>`` with what it measured;
-the checks are made by the caller (test_torch_shim.py, benchmarks/torch_shim_hil.py), which compare
+the checks are made by the caller (test_torch_shim.py, hil/probes/torch_shim.py), which compare
 allocators. Exits non-zero with a traceback when the scenario itself cannot run.
 """
 

@@ -2,7 +2,7 @@
 
 Without a GPU (and without PyTorch): the build's errors and the fallback to the two C hooks, with
 a fake ``torch`` module; the native pool/engine functions the shim calls (through ctypes). On a
-real device (``--gpumem-device cuda:0``): the HIL record's scenarios (benchmarks/torch_shim_hil.py),
+real device (``--gpumem-device cuda:0``): the HIL record's scenarios (hil/probes/torch_shim.py),
 each in a fresh process.
 """
 
@@ -201,7 +201,7 @@ def test_shim_hil_record(device_spec, tmp_path):
         pytest.skip("needs a real CUDA device")
     if not HAVE_TORCH:
         pytest.skip("PyTorch is not installed")
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "torch_shim_hil.py"), "--out-json",
+    done = subprocess.run([sys.executable, str(ROOT / "hil" / "probes" / "torch_shim.py"), "--out-json",
                            str(tmp_path / "r.json"), "--out-md", str(tmp_path / "r.md")],
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]

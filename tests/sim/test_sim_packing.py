@@ -1,4 +1,4 @@
-"""The cudaMalloc page model, as measured on the H200 (hil/probes/calibrate.py, reports/hil/).
+"""The cudaMalloc page model, as measured on the H200 (sim/calibrate.py, reports/hil/).
 
 Up to 1 MiB, allocations are packed 512-B aligned into shared 2 MiB pages; larger ones take
 whole 2 MiB pages of their own; everything comes back when freed.

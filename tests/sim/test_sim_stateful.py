@@ -135,7 +135,7 @@ class SimDeviceMachine(RuleBasedStateMachine):
     # -- helpers ---------------------------------------------------------------------------------------
     @property
     def lost(self) -> bool:
-        return self.dev._lost  # noqa: SLF001 - sim internals are fair game in tests/simulator
+        return self.dev._lost  # noqa: SLF001 - sim internals are fair game in tests/sim
 
     def _snapshot(self):
         acc = self.dev.accounting()

@@ -1,4 +1,4 @@
-"""The workspace scenario (short runs; the full table is benchmarks/workspace_scenario.py)."""
+"""The workspace scenario (short runs; the full table is sim/workspace_scenario.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The simulated soak (benchmarks/soak.py), short: four unequal devices under every pressure preset and
+"""The simulated soak (sim/soak.py), short: four unequal devices under every pressure preset and
 injected faults; no lost or overlapping buffer, stats that add up, nothing held after close."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ FACTORIES = manager_factories()
 
 @pytest.fixture(scope="module")
 def soak():
-    spec = importlib.util.spec_from_file_location("gpumem_soak_bench", REPO / "benchmarks" / "soak.py")
+    spec = importlib.util.spec_from_file_location("gpumem_soak_bench", REPO / "sim" / "soak.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["gpumem_soak_bench"] = module
     spec.loader.exec_module(module)

@@ -56,8 +56,8 @@ REPO = Path(__file__).resolve().parents[1]
 BEST_PEER = {"gpt2_train": 0.069, "resnet_train": 0.006, "llama_generate": 0.053, "bert_varlen": 0.012}
 #: CuPy MemoryPool cost per op on the H200, microseconds.
 CUPY_US = {"gpt2_train": 0.81, "resnet_train": 1.41, "llama_generate": 0.55, "bert_varlen": 0.89}
-#: The project's traces, in the order of the README's tables; other files in a folder follow, by name.
-#: The five of the README's tables first, then the rest of the corpus (gpumem.trace.corpus: tuning, then check).
+#: The project's traces, in the order of docs/allocator.md's tables; other files in a folder follow, by name.
+#: The five of those tables first, then the rest of the corpus (gpumem.trace.corpus: tuning, then check).
 _README_TRACES = ("gpt2_train.snapshot.pickle.gz", "resnet_train.snapshot.pickle.gz", "bert_varlen.trace.pickle.gz",
                   "llama_generate.trace.pickle.gz", "resnet_train.rmm_log.csv.gz")
 TRACE_FILES = _README_TRACES + tuple(n for n in TUNING + CHECK if n not in _README_TRACES)

@@ -38,7 +38,7 @@ def tiny(name: str, n: int = 30) -> Trace:
 def test_defaults_to_the_shipped_traces(bench):
     assert bench.default_traces_dir() == REPO / "data" / "traces"
     found = [p.name for p in bench.find_trace_files(bench.default_traces_dir())]
-    assert found == list(bench.TRACE_FILES)  # every shipped trace, in the README's order
+    assert found == list(bench.TRACE_FILES)  # every shipped trace, in docs/allocator.md's order
 
 
 def test_every_trace_file_of_a_folder(bench, tmp_path, capsys):

@@ -44,7 +44,7 @@ EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141
 
 
-#: Exit status -> meaning, as ``--help`` and the README list them (read-only).
+#: Exit status -> meaning, as ``--help`` and docs/replay.md list them (read-only).
 EXIT_CODES: Mapping[int, str] = MappingProxyType({
     EXIT_OK: "done",
     EXIT_OOM: "out of memory: the trace does not fit the device (or --limit)",

@@ -7,7 +7,7 @@ a Llama trace it had never seen (issue 18). So the corpus is split once, by the 
 :data:`TUNING` only; :data:`CHECK` is what a decision is judged on, and every table that reports the
 corpus reports the two parts apart (:func:`corpus_part`). The split is fixed: a trace never moves
 from one part to the other, and a new trace is added to one part when it is added to the folder (the
-test ``tests/traces/test_trace_corpus.py`` fails on a trace in neither list). The traces that existed
+test ``tests/trace/test_trace_corpus.py`` fails on a trace in neither list). The traces that existed
 before the split were what the default policy was tuned on: they are tuning traces.
 """
 

@@ -12,7 +12,7 @@ SHARED_TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"  # the r
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
-    """``tests/traces/data``: small traces derived from the real ResNet-50 trace (see make_fixtures.py)."""
+    """``tests/trace/data``: small traces derived from the real ResNet-50 trace (see make_fixtures.py)."""
     return DATA_DIR
 
 

@@ -1,4 +1,4 @@
-"""The small traces in tests/traces/data (the first 2000 ops of the real ResNet-50 run) in every format."""
+"""The small traces in tests/trace/data (the first 2000 ops of the real ResNet-50 run) in every format."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hypothesis strategies shared by the trace tests (imported by name: tests/traces is on sys.path under pytest)."""
+"""Hypothesis strategies shared by the trace tests (imported by name: tests/trace is on sys.path under pytest)."""
 
 from __future__ import annotations
 

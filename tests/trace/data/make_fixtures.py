@@ -1,6 +1,6 @@
 """Regenerate the small trace fixtures in this folder from the shared real traces.
 
-    PYTHONPATH=. python3 tests/traces/data/make_fixtures.py   (from the repository root)
+    PYTHONPATH=. python3 tests/trace/data/make_fixtures.py   (from the repository root)
 
 Writes, from ``data/traces/resnet_train.*`` (ResNet-50 training on an H200):
 

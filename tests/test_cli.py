@@ -11,7 +11,8 @@ import pytest
 from gpumem.cli import EXIT_OOM, EXIT_OK, EXIT_USAGE, build_parser, main
 from gpumem.replay import replay_trace
 from gpumem.trace import Trace, load_trace, save_trace
-from gpumem.units import GiB, KiB, MiB, parse_limit
+from gpumem.units import GiB, KiB, MiB
+from gpumem.validate import parse_limit
 
 GB = 10**9
 

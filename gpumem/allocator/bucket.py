@@ -57,7 +57,8 @@ from typing import Any, Callable, ContextManager
 from ..device import Device
 from ..validate import check_nbytes, check_pointer, check_stream
 from ..errors import DeviceLostError, InternalError, InvalidArgumentError, InvalidPointerError, OutOfMemoryError
-from ..units import format_bytes, parse_limit
+from ..units import format_bytes
+from ..validate import parse_limit
 from .resource import AllocatorContract
 from .stats import AllocatorStats, format_summary
 

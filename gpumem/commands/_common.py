@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Callable, Mapping
 
 from ..errors import InvalidArgumentError
-from ..units import parse_limit
+from ..validate import parse_limit
 
 log = logging.getLogger("gpumem")
 

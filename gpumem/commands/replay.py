@@ -12,7 +12,8 @@ from typing import Any
 
 from ..errors import DeviceLostError, GpumemError, InvalidArgumentError, OutOfMemoryError, TraceFormatError
 from ..sim.gpu_work import DEFAULT_GPU_TIMING, GpuTiming
-from ..units import format_bytes, parse_limit
+from ..units import format_bytes
+from ..validate import parse_limit
 from ._common import (EXIT_CODES, EXIT_USAGE, EXIT_OK, EXIT_OOM, OutputFile, _DEFAULT_DEVICE, _LIMIT_HELP,
                       _UsageError, _add_verbose, _check_trace_path, _cli_names, _device_index, _exit_codes_text,
                       _folder_message, _limit_syntax, _shorten_path, check_output_path, log)

@@ -35,7 +35,7 @@ from .commands._common import (EXIT_BROKEN_PIPE, EXIT_CODES, EXIT_DEVICE_ERROR, 
                                _UsageError, _add_verbose, _check_trace_path, _cli_names, _device_index,
                                _exit_codes_text, _folder_message, _limit_syntax, _shorten_path, check_output_path)
 from .commands.devices import cmd_devices  # noqa: F401 - the old names, importable from gpumem.cli
-from .commands.replay import cmd_replay, oom_report  # noqa: F401
+from .commands.replay import cmd_replay  # noqa: F401
 from .errors import DeviceLostError, GpumemError, InvalidArgumentError, OutOfMemoryError, TraceFormatError  # noqa: F401
 
 log = logging.getLogger("gpumem")

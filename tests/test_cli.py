@@ -818,7 +818,7 @@ def _oom_result(exc, n_ops=100, op=41, peak=3 * GiB, device="sim:t4-16gb"):
 
 def test_oom_report_injected_fault():
     from gpumem import sim
-    from gpumem.cli import oom_report
+    from gpumem.managers.forensics import replay_oom_report as oom_report
     from gpumem.errors import OutOfMemoryError
 
     dev = sim.SimDevice(sim.get_profile("t4-16gb"))
@@ -833,7 +833,7 @@ def test_oom_report_injected_fault():
 @pytest.mark.parametrize("profile, advised", [("t4-16gb", True), ("jetson-nano-2gb", False)])
 def test_oom_report_virtual_memory_advice_only_where_supported(profile, advised):
     from gpumem import sim
-    from gpumem.cli import oom_report
+    from gpumem.managers.forensics import replay_oom_report as oom_report
     from gpumem.errors import OutOfMemoryError
 
     dev = sim.SimDevice(sim.get_profile(profile))

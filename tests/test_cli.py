@@ -793,7 +793,7 @@ def test_interrupt_is_quiet(capsys, trace_file, monkeypatch):
 def test_exit_code_for_other_device_errors(capsys, monkeypatch):
     import argparse
 
-    from gpumem import cli
+    from gpumem.commands._common import run_command
     from gpumem.errors import CudaError, DeviceLostError, InvalidArgumentError
 
     cases = [(CudaError("cuMemUnmap", "CUDA_ERROR_UNKNOWN", "injected fault"), 4),
@@ -801,7 +801,7 @@ def test_exit_code_for_other_device_errors(capsys, monkeypatch):
     for exc, code in cases:
         def fail(args, exc=exc):
             raise exc
-        assert cli._run(argparse.Namespace(func=fail, command="replay")) == code
+        assert run_command(argparse.Namespace(func=fail, command="replay")) == code
         err = capsys.readouterr().err
         assert err.startswith("gpumem replay: ") and "device=" not in err
 

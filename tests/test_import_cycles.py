@@ -1,7 +1,8 @@
 """No import cycle between the library's modules (issue 21).
 
 Every import counts: at module level, inside functions, under ``if TYPE_CHECKING`` and through
-``importlib.import_module("gpumem....")`` with a literal name. A cycle is broken by moving what both
+``importlib.import_module`` with a literal name (an f-string counts as importing every module its
+constant prefix names, as ``cli.py``'s loop over the commands). A cycle is broken by moving what both
 modules need to one that both can import, never by moving an import into a function, so the check
 reads the whole source of each module. ``from package import name`` depends on the package's
 ``__init__`` only where ``name`` is not itself a module of the package.
@@ -10,6 +11,7 @@ reads the whole source of each module. ``from package import name`` depends on t
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import pytest
@@ -42,9 +44,20 @@ def _targets(module: str, node: ast.AST, mods: dict[str, Path]) -> list[str]:
             base = ".".join(parts + ([node.module] if node.module else []))
         subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in mods]
         return [m for m in ([base] if len(subs) < len(node.names) else []) + subs if m in mods]
-    if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+    if (isinstance(node, ast.Call) and node.args
             and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"):
-        return [node.args[0].value] if node.args[0].value in mods else []
+        name = node.args[0]
+        if isinstance(name, ast.Constant) and isinstance(name.value, str):
+            text, whole = name.value, True
+        elif isinstance(name, ast.JoinedStr):  # f".commands.{name}": every module the constant prefix starts
+            text = "".join(v.value for v in itertools.takewhile(lambda v: isinstance(v, ast.Constant), name.values))
+            whole = False
+        else:
+            return []
+        if text.startswith("."):  # relative to the package given as the second argument (``__package__``)
+            package = module if mods[module].name == "__init__.py" else module.rpartition(".")[0]
+            text = package + text
+        return [m for m in mods if m == text or (not whole and m.startswith(text) and text.endswith("."))]
     return []
 
 
@@ -127,6 +140,7 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     "def f():\n    from .b import x\n",                                    # inside a function
     "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gpumem.b import x\n",
     "import importlib\nB = importlib.import_module('gpumem.b')\n",
+    "import importlib\nfor n in ('b',):\n    importlib.import_module(f'.{n}', __package__)\n",
 ])
 def test_the_check_sees_every_kind_of_import(tmp_path: Path, a_text: str) -> None:
     root = _tree(tmp_path, {"__init__.py": "", "a.py": a_text, "b.py": "def g():\n    from . import a\n"})

@@ -36,7 +36,7 @@ from .errors import InvalidArgumentError
 from .units import GiB, KiB, MiB, TiB
 
 __all__ = ["STREAM_END", "MAX_ALIGNMENT", "as_int", "check_int_in_range", "check_real_in_range", "check_nbytes",
-           "check_pointer", "check_stream", "check_alignment", "check_index", "BYTE_UNITS", "MAX_NBYTES", "parse_nbytes",
+           "check_pointer", "check_stream", "check_alignment", "check_index", "check_duration", "BYTE_UNITS", "MAX_NBYTES", "parse_nbytes",
            "parse_limit"]
 
 STREAM_END = 1 << 64
@@ -141,6 +141,23 @@ def check_index(index: object, n: int, *, what: str = "index") -> int:
     if not 0 <= i < n:
         raise InvalidArgumentError(f"{what} must be an int in [0, {n}), got {i}")
     return i
+
+
+def check_duration(value: object, *, what: str) -> float:
+    """Return ``value`` as a float if it is a finite real number of seconds >= 0, else raise
+    :class:`~gpumem.errors.InvalidArgumentError` (``bool``, text, NaN, infinities and ints too large for a
+    float are refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(f"{what} must be a finite number of seconds >= 0, got {type(value).__name__} "
+                                   f"{value!r}"[:200])
+    try:
+        seconds = float(value)
+    except (OverflowError, ValueError, TypeError):
+        raise InvalidArgumentError(f"{what} must be a finite number of seconds >= 0, got one too large "
+                                   f"for a float") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidArgumentError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
+    return seconds
 
 
 # -- parsing sizes and limits ------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ from gpumem.allocator.bucket import is_bucket_policy
 from gpumem.allocator.resource import AllocatorContract
 
 from .resource import DEFAULT_ALIGNMENT, Allocation, DeviceResource, MemoryResource
-from .tracker import AllocationTracker, BufferId, RegionStats
+from .tracker import AllocationTracker, RegionStats
 
 
 log = logging.getLogger(__name__)

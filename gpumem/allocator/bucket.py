@@ -442,16 +442,7 @@ class BucketAllocator(AllocatorContract):
     def _hand_out(self, ptr: int, size: int, nbytes: int, stream: int) -> int:
         self._live[ptr] = (size, nbytes, stream)
         st = self._stats
-        st.allocated_nbytes += size
-        st.requested_nbytes += nbytes
-        st.num_allocs += 1
-        if st.allocated_nbytes > st.peak_allocated_nbytes:
-            st.peak_allocated_nbytes = st.allocated_nbytes
-        if st.requested_nbytes > st.peak_requested_nbytes:
-            st.peak_requested_nbytes = st.requested_nbytes
-        reserved = st.allocated_nbytes + self._pooled_nbytes
-        if reserved > st.peak_reserved_nbytes:
-            st.peak_reserved_nbytes = reserved
+        st.count_allocation(size, nbytes, st.allocated_nbytes + size + self._pooled_nbytes)
         return ptr
 
     def _malloc(self, size: int, nbytes: int) -> int:

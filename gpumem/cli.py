@@ -33,9 +33,10 @@ from .commands._common import (EXIT_BROKEN_PIPE, EXIT_CODES, EXIT_DEVICE_ERROR, 
                                EXIT_INTERRUPTED, EXIT_OK, EXIT_OOM, EXIT_USAGE, FRAGMENTATION_MEANING,
                                GENERAL_EXIT_CODES, OVERHEAD_MEANING, OutputFile, _DEFAULT_DEVICE, _LIMIT_HELP,
                                _UsageError, _add_verbose, _check_trace_path, _cli_names, _device_index,
-                               _exit_codes_text, _folder_message, _limit_syntax, _shorten_path, check_output_path)
+                               _exit_codes_text, _folder_message, _limit_syntax, _shorten_path, check_output_path,
+                               run_command)
 from .commands.devices import cmd_devices  # noqa: F401 - the old names, importable from gpumem.cli
-from .commands.replay import cmd_replay, oom_report  # noqa: F401
+from .commands.replay import cmd_replay  # noqa: F401
 from .errors import DeviceLostError, GpumemError, InvalidArgumentError, OutOfMemoryError, TraceFormatError  # noqa: F401
 
 log = logging.getLogger("gpumem")
@@ -67,23 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(f".commands.{name}", __package__).register(sub, raw)
     refuse_repeated_options(parser)  # Note [Options behave the same in every command]
     return parser
-
-
-def _run(args: argparse.Namespace) -> int:
-    try:
-        return int(args.func(args))
-    except _UsageError as exc:
-        print(f"gpumem {args.command}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except DeviceLostError as exc:
-        print(f"gpumem {args.command}: the device was lost: {exc}", file=sys.stderr)
-        return EXIT_DEVICE_LOST
-    except InvalidArgumentError as exc:
-        print(f"gpumem {args.command}: {_cli_names(str(exc))}", file=sys.stderr)
-        return EXIT_USAGE
-    except GpumemError as exc:
-        print(f"gpumem {args.command}: device error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_DEVICE_ERROR
 
 
 def _stdout_closed() -> bool:
@@ -176,7 +160,7 @@ def _main(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         return EXIT_BROKEN_PIPE
     try:
-        code = _run(args)
+        code = run_command(args)
         sys.stdout.flush()
         return code
     except BrokenPipeError:

@@ -431,6 +431,7 @@ class Device(abc.ABC):
 
     def mem_info(self) -> MemInfo:
         """Free and total bytes right now, other processes and tenants included."""
+        # the lock inline, not through _run: Note [The hot path of a device call]
         lock = self._lock
         lock.acquire()
         try:
@@ -475,6 +476,7 @@ class Device(abc.ABC):
         """
         if type(nbytes) is not int or nbytes <= 0:
             nbytes = check_nbytes(nbytes)
+        # the lock inline, not through _run: Note [The hot path of a device call]
         lock = self._lock
         lock.acquire()
         try:
@@ -496,6 +498,7 @@ class Device(abc.ABC):
         """
         if type(ptr) is not int or ptr <= 0:
             ptr = check_pointer(ptr)
+        # the lock inline, not through _run: Note [The hot path of a device call]
         lock = self._lock
         lock.acquire()
         try:
@@ -526,6 +529,7 @@ class Device(abc.ABC):
 
     def address_reserve(self, nbytes: int, alignment: int = 0) -> int:
         """Reserve ``nbytes`` (a granularity multiple) of virtual address space; return its base."""
+        # the lock inline, not through _run: Note [The hot path of a device call]
         lock = self._lock
         lock.acquire()
         try:
@@ -545,6 +549,7 @@ class Device(abc.ABC):
 
     def address_free(self, va: int, nbytes: int) -> None:
         """Give back a whole reservation; it must have no mappings left."""
+        # the lock inline, not through _run: Note [The hot path of a device call]
         lock = self._lock
         lock.acquire()
         try:
@@ -564,6 +569,7 @@ class Device(abc.ABC):
 
     def mem_create(self, nbytes: int) -> PhysicalHandle:
         """Create a physical chunk of ``nbytes`` (a granularity multiple); takes device memory."""
+        # the lock inline, not through _run: Note [The hot path of a device call]
         lock = self._lock
         lock.acquire()
         try:
@@ -581,6 +587,7 @@ class Device(abc.ABC):
 
     def mem_release(self, handle: PhysicalHandle) -> None:
         """Release a physical chunk. Its memory returns once it is also unmapped everywhere."""
+        # the lock inline, not through _run: Note [The hot path of a device call]
         lock = self._lock
         lock.acquire()
         try:
@@ -605,6 +612,7 @@ class Device(abc.ABC):
 
     def mem_map(self, va: int, nbytes: int, handle: PhysicalHandle, offset: int = 0) -> None:
         """Map ``nbytes`` of ``handle`` starting at ``offset`` at ``va`` inside a reservation."""
+        # the lock inline, not through _run: Note [The hot path of a device call]
         lock = self._lock
         lock.acquire()
         try:
@@ -645,6 +653,7 @@ class Device(abc.ABC):
         The range must be fully mapped (possibly by several mappings); every mapping it
         touches is recorded as accessible.
         """
+        # the lock inline, not through _run: Note [The hot path of a device call]
         lock = self._lock
         lock.acquire()
         try:
@@ -673,6 +682,7 @@ class Device(abc.ABC):
         Wait for that work first (:meth:`event_synchronize`); the simulator's sanitizer
         raises :class:`~gpumem.errors.MemoryHazardError` otherwise.
         """
+        # the lock inline, not through _run: Note [The hot path of a device call]
         lock = self._lock
         lock.acquire()
         try:
@@ -764,6 +774,7 @@ class Device(abc.ABC):
         """Record an event on ``stream``: it completes when all work queued there before it has completed."""
         if type(stream) is not int or not 0 <= stream < STREAM_END:
             stream = check_stream(stream)
+        # the lock inline, not through _run: Note [The hot path of a device call]
         lock = self._lock
         lock.acquire()
         try:
@@ -779,6 +790,7 @@ class Device(abc.ABC):
         """Whether ``event`` has completed (never waits)."""
         if not isinstance(event, self.event_type):
             self._check_event_type(event, "event_query")
+        # the lock inline, not through _run: Note [The hot path of a device call]
         lock = self._lock
         lock.acquire()
         try:
@@ -796,6 +808,7 @@ class Device(abc.ABC):
         """Wait until ``event`` has completed."""
         if not isinstance(event, self.event_type):
             self._check_event_type(event, "event_synchronize")
+        # the lock inline, not through _run: Note [The hot path of a device call]
         lock = self._lock
         lock.acquire()
         try:
@@ -813,6 +826,7 @@ class Device(abc.ABC):
         """Give ``event`` back; using it afterwards raises :class:`~gpumem.errors.InvalidArgumentError`."""
         if not isinstance(event, self.event_type):
             self._check_event_type(event, "event_destroy")
+        # the lock inline, not through _run: Note [The hot path of a device call]
         lock = self._lock
         lock.acquire()
         try:
@@ -831,6 +845,7 @@ class Device(abc.ABC):
         """Wait until all work queued on ``stream`` has completed."""
         if type(stream) is not int or not 0 <= stream < STREAM_END:
             stream = check_stream(stream)
+        # the lock inline, not through _run: Note [The hot path of a device call]
         lock = self._lock
         lock.acquire()
         try:

@@ -37,6 +37,7 @@ from types import TracebackType
 from typing import Any
 
 from .errors import BackendUnavailableError, GpumemError, InvalidArgumentError, OutOfMemoryError
+from . import torch as gtorch
 from .units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -304,8 +305,6 @@ class _OomHook:
         try:
             events, _ = _native_events()
             snap = snapshot_from_events(events, free_nbytes={device: free})
-            from . import torch as gtorch
-
             extra = gtorch.memory_summary(device).splitlines() + [""]
         except Exception as exc:  # noqa: BLE001
             log.error("could not read gpumem's history at the out-of-memory error: %s", exc)
@@ -329,10 +328,7 @@ def _attach(hook: _OomHook, allocator: Allocator, torch: Any) -> None:
 
 
 def _current_allocator() -> Allocator:
-    import sys
-
-    gtorch = sys.modules.get("gpumem.torch")
-    return Allocator.GPUMEM if gtorch is not None and gtorch.installed() else Allocator.PYTORCH
+    return Allocator.GPUMEM if gtorch.installed() else Allocator.PYTORCH
 
 
 def snapshot_on_oom(directory: "str | os.PathLike[str] | None", *, max_entries: int = DEFAULT_MAX_ENTRIES,
@@ -420,8 +416,6 @@ class Recording:
         except OSError as exc:
             raise InvalidArgumentError(f"out: cannot create {self.out}: {exc.strerror or exc}") from None
         if self.allocator is Allocator.GPUMEM:
-            from . import torch as gtorch
-
             gtorch.install()
         _history_on(self.allocator, torch, self.max_entries, stacks=self.stacks)
         if self.oom_dir is not None:

@@ -55,7 +55,7 @@ from .native import library_path
 from .units import format_bytes
 
 __all__ = ["install", "installed", "memory_stats", "memory_summary", "empty_cache", "record_stream",
-           "TooLateError", "snapshot_on_oom", "configure", "start_trace", "stop_trace", "recorded_trace", "trace_from_words",
+           "TooLateError", "configure", "start_trace", "stop_trace", "recorded_trace", "trace_from_words",
            "TRACE_OUT_ENV"]
 
 #: Environment variable: when set, :func:`install` starts tracing and the trace of device 0 is written
@@ -134,13 +134,15 @@ def install(device: "int | str | Any | None" = None) -> None:
             raise GpumemError(f"gpumem could not start on cuda:{index}: {_last_error(lib)}")
 
 
+@functools.cache
+def _installed_through_shim() -> None:
+    """Called by :mod:`gpumem.torch_shim` once its C++ shim is PyTorch's allocator: the cache is how
+    :func:`installed` knows (Note [Installing once]), without this module reading the shim's."""
+
+
 def installed() -> bool:
     """Whether :func:`install` (or :func:`gpumem.torch_shim.install`) made gpumem PyTorch's allocator here."""
-    if _installed_allocator.cache_info().currsize > 0:
-        return True
-    from . import torch_shim
-
-    return torch_shim.installed() is not None
+    return _installed_allocator.cache_info().currsize > 0 or _installed_through_shim.cache_info().currsize > 0
 
 
 @functools.cache
@@ -335,15 +337,6 @@ def record_stream(tensor: Any, stream: Any) -> None:
     lib = _lib()
     if lib.gpumem_torch_record_stream(ctypes.c_void_p(ptr), ctypes.c_void_p(handle)) != 0:
         raise GpumemError(f"gpumem could not record the stream for the tensor at {ptr:#x}: {_last_error(lib)}")
-
-
-def snapshot_on_oom(directory: "str | Any | None") -> None:
-    """On out of memory, write a snapshot and a report of who holds what into ``directory`` before the error
-    reaches the program (``None``: stop). Works on gpumem (after :func:`install`) and on PyTorch's own
-    allocator; see :func:`gpumem.recording.snapshot_on_oom`."""
-    from .recording import snapshot_on_oom as _snapshot_on_oom
-
-    _snapshot_on_oom(directory)
 
 
 def configure(policy: Any) -> None:

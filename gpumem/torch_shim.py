@@ -35,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import BackendUnavailableError, GpumemError
+from . import torch as gtorch
 from .native import library_path
+from .torch import ALLOC_FN, FREE_FN, TooLateError
 
 __all__ = ["install", "installed", "InstallPath", "mem_pool", "build", "ShimBuildError", "pool_table"]
 
@@ -58,9 +60,7 @@ class ShimBuildError(BackendUnavailableError):
 
 
 def _torch() -> Any:
-    from .torch import _torch as torch_module
-
-    return torch_module("gpumem.torch_shim")
+    return gtorch._torch("gpumem.torch_shim")
 
 
 # Note [Building once per process]: functools.cache keeps the loaded module; a failed build caches
@@ -95,8 +95,6 @@ def build(verbose: bool = False) -> Any:
 @functools.cache
 def _installed() -> InstallPath:
     torch = _torch()
-    from .torch import TooLateError
-
     if torch.cuda.is_initialized():
         raise TooLateError(
             "gpumem.torch_shim.install() was called after PyTorch initialised CUDA, when its allocator can no "
@@ -106,8 +104,6 @@ def _installed() -> InstallPath:
     except ShimBuildError as exc:
         log.warning("%s; installing gpumem through its two C hooks instead (gpumem.torch: no record_stream, "
                     "CUDA-graph pools, empty_cache or torch.cuda.memory_stats)", exc)
-        from . import torch as gtorch
-
         gtorch.install()
         return InstallPath.CTYPES
     try:
@@ -115,6 +111,7 @@ def _installed() -> InstallPath:
     except RuntimeError as exc:  # "Can't swap an already initialized allocator"
         raise TooLateError(f"PyTorch refused gpumem's allocator ({exc}); call gpumem.torch_shim.install() before "
                            "PyTorch first uses the GPU") from None
+    gtorch._installed_through_shim()
     log.info("PyTorch allocates through gpumem's C++ shim (%s)", library_path())
     return InstallPath.SHIM
 
@@ -174,8 +171,6 @@ def mem_pool() -> Any:
     how = installed()
     if how is InstallPath.SHIM:
         return torch.cuda.MemPool()
-    from . import torch as gtorch
-
     if how is InstallPath.CTYPES or gtorch.installed():
         raise GpumemError("gpumem is PyTorch's allocator through its two C hooks (the shim could not be built), "
                           "which cannot serve a torch.cuda.MemPool")
@@ -185,6 +180,4 @@ def mem_pool() -> Any:
 
 @functools.cache
 def _plain_allocator() -> Any:
-    from .torch import ALLOC_FN, FREE_FN
-
     return _torch().cuda.memory.CUDAPluggableAllocator(library_path(), ALLOC_FN, FREE_FN)

@@ -11,7 +11,8 @@ import pytest
 from gpumem.cli import EXIT_OOM, EXIT_OK, EXIT_USAGE, build_parser, main
 from gpumem.replay import replay_trace
 from gpumem.trace import Trace, load_trace, save_trace
-from gpumem.units import GiB, KiB, MiB, parse_limit
+from gpumem.units import GiB, KiB, MiB
+from gpumem.validate import parse_limit
 
 GB = 10**9
 
@@ -792,7 +793,7 @@ def test_interrupt_is_quiet(capsys, trace_file, monkeypatch):
 def test_exit_code_for_other_device_errors(capsys, monkeypatch):
     import argparse
 
-    from gpumem import cli
+    from gpumem.commands._common import run_command
     from gpumem.errors import CudaError, DeviceLostError, InvalidArgumentError
 
     cases = [(CudaError("cuMemUnmap", "CUDA_ERROR_UNKNOWN", "injected fault"), 4),
@@ -800,7 +801,7 @@ def test_exit_code_for_other_device_errors(capsys, monkeypatch):
     for exc, code in cases:
         def fail(args, exc=exc):
             raise exc
-        assert cli._run(argparse.Namespace(func=fail, command="replay")) == code
+        assert run_command(argparse.Namespace(func=fail, command="replay")) == code
         err = capsys.readouterr().err
         assert err.startswith("gpumem replay: ") and "device=" not in err
 
@@ -817,7 +818,7 @@ def _oom_result(exc, n_ops=100, op=41, peak=3 * GiB, device="sim:t4-16gb"):
 
 def test_oom_report_injected_fault():
     from gpumem import sim
-    from gpumem.cli import oom_report
+    from gpumem.managers.forensics import replay_oom_report as oom_report
     from gpumem.errors import OutOfMemoryError
 
     dev = sim.SimDevice(sim.get_profile("t4-16gb"))
@@ -832,7 +833,7 @@ def test_oom_report_injected_fault():
 @pytest.mark.parametrize("profile, advised", [("t4-16gb", True), ("jetson-nano-2gb", False)])
 def test_oom_report_virtual_memory_advice_only_where_supported(profile, advised):
     from gpumem import sim
-    from gpumem.cli import oom_report
+    from gpumem.managers.forensics import replay_oom_report as oom_report
     from gpumem.errors import OutOfMemoryError
 
     dev = sim.SimDevice(sim.get_profile(profile))

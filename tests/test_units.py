@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpumem.errors import InvalidArgumentError
-from gpumem.units import BYTE_UNITS, GiB, KiB, MAX_NBYTES, MiB, TiB, format_bytes, parse_limit, parse_nbytes
+from gpumem.units import GiB, KiB, MiB, TiB, format_bytes
+from gpumem.validate import BYTE_UNITS, MAX_NBYTES, parse_limit, parse_nbytes
 
 H200 = 150_109_880_320
 

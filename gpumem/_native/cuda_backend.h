@@ -54,6 +54,7 @@ class CudaBackend final : public Backend {
 
     int ordinal() const { return ordinal_; }
 
+    // Backend's interface (backend.h): C++ declares the overrides in each backend, so this list repeats
     DeviceInfo info() override;
     void mem_info(std::uint64_t* free_nbytes, std::uint64_t* total_nbytes) override;
 

@@ -31,6 +31,7 @@ class PyDeviceBackend : public Backend {
     ~PyDeviceBackend() override;
     bool ok() const { return ok_; }
 
+    // Backend's interface (backend.h): C++ declares the overrides in each backend, so this list repeats
     DeviceInfo info() override;
     void mem_info(std::uint64_t* free_nbytes, std::uint64_t* total_nbytes) override;
     std::uint64_t address_reserve(std::uint64_t nbytes, std::uint64_t alignment) override;

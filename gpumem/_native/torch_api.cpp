@@ -49,6 +49,7 @@
 
 #include "cuda_backend.h"
 #include "engine.h"
+#include "recorder.h"
 
 #define GPUMEM_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -86,19 +87,14 @@ struct DeviceEngine {
     std::atomic<std::uint64_t> torch_errors{0};     // alloc calls that failed otherwise
     std::atomic<std::uint64_t> free_errors{0};      // free calls that failed (reported on stderr)
     std::atomic<std::uint64_t> zero_allocs{0};      // size-0 requests (no memory: null pointer)
-    std::mutex trace_mutex;                         // guards trace (autograd frees on its own threads)
-    std::vector<std::uint64_t> trace;               // kTraceWords per event (Note [Tracing PyTorch's calls])
 };
 
-// Note [Tracing PyTorch's calls]: gpumem_torch_trace(1) makes the hooks append every allocation and
-// free they serve to their device's buffer, as (kind 0 alloc / 1 free, address, bytes, stream,
-// nanoseconds since tracing began): the allocation trace of a live run, which gpumem.torch turns
-// into a gpumem trace to replay in the simulator. A free is written before the engine frees the
-// block, so that its address cannot be handed out again (and written) ahead of it. Off (the
-// default), the hooks pay one relaxed atomic load.
-constexpr std::size_t kTraceWords = 5;
-std::atomic<bool> g_tracing{false};
-std::atomic<std::int64_t> g_trace_t0_ns{0};
+// Note [Tracing PyTorch's calls]: gpumem_torch_trace(1) makes the hooks record every allocation and
+// free they serve, read per device as (kind 0 alloc / 1 free, address, bytes, stream, nanoseconds since
+// tracing began): the allocation trace of a live run, which gpumem.torch turns into a gpumem trace to
+// replay in the simulator. A free is recorded before the engine frees the block, so that its address
+// cannot be handed out again (and recorded) ahead of it. The trace is a window of the one recorder
+// (Note [One recorder for the history and the trace] in recorder.h).
 
 std::int64_t now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -126,12 +122,6 @@ thread_local std::string t_last_error;
 DeviceEngine* existing(int device) {
     if (device < 0 || device >= kMaxDevices) return nullptr;
     return state().devices[device].load(std::memory_order_acquire);
-}
-
-void trace_event(DeviceEngine* d, std::uint64_t kind, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream) {
-    const std::uint64_t t = static_cast<std::uint64_t>(now_ns() - g_trace_t0_ns.load(std::memory_order_relaxed));
-    std::lock_guard<std::mutex> lock(d->trace_mutex);
-    d->trace.insert(d->trace.end(), {kind, addr, nbytes, stream, t});
 }
 
 DeviceEngine* get_or_make(int device) {
@@ -234,56 +224,29 @@ std::string oom_message(const EngineError& e, std::uint64_t nbytes, int device) 
 }
 
 // Note [Allocation history for gpumem record]: PyTorch refuses _record_memory_history and snapshots
-// under a pluggable allocator, so `gpumem record --allocator gpumem` (gpumem/record.py) asks this
+// under a pluggable allocator, so `gpumem record --allocator gpumem` (gpumem/recording.py) asks this
 // library for the history instead: while on, each successful alloc, each free and each out-of-memory
-// is appended (one mutex, one vector push) as a HistoryEvent; Python copies them out at the end and
-// writes them as a PyTorch snapshot. The history is bounded (max_entries): events past the bound are
-// counted as dropped, never wrapped around, so that every recorded free still has its alloc. The OOM
-// observer is called from the allocating thread, after the engine has given up and before the error
-// is thrown, with no engine lock held (as PyTorch calls its own OOM observers).
-struct HistoryEvent {          // mirrored by gpumem/record.py (_HistoryEvent)
-    std::uint64_t addr;
-    std::uint64_t nbytes;
-    std::uint64_t stream;
-    double time_us;            // since the history was turned on
-    std::int32_t device;
-    std::int32_t action;       // 0 alloc, 1 free, 2 out of memory (addr 0, nbytes requested)
-};
-
+// is recorded (Note [One recorder for the history and the trace] in recorder.h); Python copies the
+// events out at the end and writes them as a PyTorch snapshot. The OOM observer is called from the
+// allocating thread, after the engine has given up and before the error is thrown, with no engine
+// lock held (as PyTorch calls its own OOM observers).
 using OomObserver = void (*)(int device, std::uint64_t requested_nbytes, std::uint64_t free_nbytes,
                              std::uint64_t total_nbytes);
 
-struct History {
-    std::mutex mutex;
-    std::atomic<bool> on{false};
-    std::vector<HistoryEvent> events;       // under mutex
-    std::uint64_t max_entries = 0;          // under mutex
-    std::uint64_t dropped = 0;              // under mutex
-    std::chrono::steady_clock::time_point t0;
+struct Recording {
+    Recorder recorder;
     std::atomic<OomObserver> oom_observer{nullptr};
 };
 
-History& history() {
-    static History* h = new History();   // never destroyed (Note [Engines live until the process ends])
-    return *h;
+Recording& recording() {
+    static Recording* r = new Recording();   // never destroyed (Note [Engines live until the process ends])
+    return *r;
 }
 
-void record_event(int action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream) {
-    History& h = history();
-    if (!h.on.load(std::memory_order_relaxed)) return;
-    std::lock_guard<std::mutex> lock(h.mutex);
-    if (!h.on.load(std::memory_order_relaxed)) return;
-    if (h.events.size() >= h.max_entries) {
-        ++h.dropped;
-        return;
-    }
-    const double t = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h.t0).count();
-    try {
-        h.events.push_back(HistoryEvent{addr, nbytes, stream, t, static_cast<std::int32_t>(device),
-                                        static_cast<std::int32_t>(action)});
-    } catch (const std::bad_alloc&) {   // the history never fails an allocation: the event is dropped
-        ++h.dropped;
-    }
+// Records one event of the hooks (one relaxed load when neither the history nor the trace is on).
+void record_event(std::int32_t action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream) {
+    Recorder& r = recording().recorder;
+    if (r.on()) r.record(action, device, addr, nbytes, stream, now_ns());
 }
 
 // Note [Two alloc functions: one for C, one for PyTorch]: a C++ exception must not leave a function
@@ -317,14 +280,13 @@ void* allocate_on(ssize_t size, int device, void* stream, AllocFailure* failure)
         try {
             std::uint64_t p = d->engine->try_allocate_fast(nbytes, s);
             if (p == 0) p = d->engine->allocate(nbytes, s);
-            record_event(0, device, p, nbytes, s);   // Note [Allocation history for gpumem record]
-            if (g_tracing.load(std::memory_order_relaxed)) trace_event(d, 0, p, nbytes, s);
+            record_event(Recorder::kAlloc, device, p, nbytes, s);   // Note [One recorder for the history and the trace]
             return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
         } catch (const EngineError& e) {
             if (e.kind == EngineErrorKind::kOutOfMemory) {
                 d->torch_ooms.fetch_add(1, std::memory_order_relaxed);
-                record_event(2, device, 0, nbytes, s);
-                if (OomObserver obs = history().oom_observer.load(std::memory_order_acquire))
+                record_event(Recorder::kOutOfMemory, device, 0, nbytes, s);
+                if (OomObserver obs = recording().oom_observer.load(std::memory_order_acquire))
                     obs(device, nbytes, e.oom.free_nbytes, e.oom.total_nbytes);   // no engine lock held
                 failure->oom = true;
                 failure->what = oom_message(e, nbytes, device);
@@ -398,8 +360,8 @@ GPUMEM_EXPORT void* gpumem_torch_alloc_hook(ssize_t size, int device, void* stre
 // must not throw: a failure is counted (free_errors) and reported on stderr.
 GPUMEM_EXPORT void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream) {
     // the engine knows the block's stream (Note [What PyTorch gives a pluggable allocator]); size and
-    // stream only go into the history (Note [Allocation history for gpumem record]) and the trace (Note
-    // [Tracing PyTorch's calls]), which keeps the one PyTorch passes
+    // stream only go to the recorder (Note [One recorder for the history and the trace]), which keeps the
+    // ones PyTorch passes
     if (ptr == nullptr) return;
     DeviceEngine* d = existing(device);
     if (d == nullptr) {
@@ -407,9 +369,7 @@ GPUMEM_EXPORT void gpumem_torch_free(void* ptr, ssize_t size, int device, void* 
         return;
     }
     const std::uint64_t p = reinterpret_cast<std::uintptr_t>(ptr);
-    record_event(1, device, p, static_cast<std::uint64_t>(size), reinterpret_cast<std::uintptr_t>(stream));
-    if (g_tracing.load(std::memory_order_relaxed))
-        trace_event(d, 1, p, static_cast<std::uint64_t>(size < 0 ? 0 : size), reinterpret_cast<std::uintptr_t>(stream));
+    record_event(Recorder::kFree, device, p, static_cast<std::uint64_t>(size), reinterpret_cast<std::uintptr_t>(stream));
     try {
         if (!d->engine->try_free_fast(p)) d->engine->free(p);
     } catch (const std::exception& e) {
@@ -527,73 +487,50 @@ GPUMEM_EXPORT const char* gpumem_torch_last_error() { return t_last_error.c_str(
 // Turns the allocation history on (max_entries > 0: cleared, then recorded up to that many events)
 // or off (max_entries == 0: kept for gpumem_torch_history). Note [Allocation history for gpumem record].
 GPUMEM_EXPORT int gpumem_torch_record_history(std::uint64_t max_entries) {
-    History& h = history();
-    std::lock_guard<std::mutex> lock(h.mutex);
+    Recorder& r = recording().recorder;
     if (max_entries == 0) {
-        h.on.store(false, std::memory_order_relaxed);
+        r.history_stop();
         return 0;
     }
     try {
-        h.events.clear();
-        h.events.reserve(max_entries < (1u << 16) ? max_entries : (1u << 16));
+        r.history_start(max_entries, now_ns());
     } catch (const std::exception& e) {
         t_last_error = e.what();
         return -1;
     }
-    h.max_entries = max_entries;
-    h.dropped = 0;
-    h.t0 = std::chrono::steady_clock::now();
-    h.on.store(true, std::memory_order_relaxed);
     return 0;
 }
 
 // Copies up to `n` recorded events into `out` (out == nullptr: none); *dropped gets the events past
 // max_entries. Returns how many events the history holds.
 GPUMEM_EXPORT std::int64_t gpumem_torch_history(HistoryEvent* out, std::int64_t n, std::uint64_t* dropped) {
-    History& h = history();
-    std::lock_guard<std::mutex> lock(h.mutex);
-    const std::int64_t held = static_cast<std::int64_t>(h.events.size());
-    if (out != nullptr && n > 0) std::memcpy(out, h.events.data(), sizeof(HistoryEvent) * (n < held ? n : held));
-    if (dropped != nullptr) *dropped = h.dropped;
-    return held;
+    return recording().recorder.history_read(out, n, dropped);
 }
 
 // The function gpumem_torch_malloc calls on out of memory before it throws (nullptr: none).
 GPUMEM_EXPORT void gpumem_torch_set_oom_observer(OomObserver observer) {
-    history().oom_observer.store(observer, std::memory_order_release);
+    recording().oom_observer.store(observer, std::memory_order_release);
 }
 
 // sizeof(HistoryEvent), so that Python can check its mirror of the layout.
 GPUMEM_EXPORT int gpumem_torch_history_event_size() { return static_cast<int>(sizeof(HistoryEvent)); }
-// Turns tracing on (1: each device's buffer emptied, the clock restarted) or off (0; the buffers are
+// Turns tracing on (1: the trace emptied, its clock restarted) or off (0; the trace is
 // kept). Note [Tracing PyTorch's calls].
 GPUMEM_EXPORT void gpumem_torch_trace(int on) {
-    if (on) {
-        for (int i = 0; i < kMaxDevices; ++i) {
-            if (DeviceEngine* d = existing(i)) {
-                std::lock_guard<std::mutex> lock(d->trace_mutex);
-                d->trace.clear();
-            }
-        }
-        g_trace_t0_ns.store(now_ns(), std::memory_order_relaxed);
-    }
-    g_tracing.store(on != 0, std::memory_order_release);
+    Recorder& r = recording().recorder;
+    if (on) r.trace_start(now_ns());
+    else r.trace_stop();
 }
 
-// Copies up to `n` events of `device`'s trace buffer into `out` (5 words each: kind, address, bytes,
-// stream, nanoseconds); returns how many the buffer holds (call with n = 0 to size `out`), -1 when
+// Copies up to `n` events of `device`'s trace into `out` (5 words each: kind, address, bytes,
+// stream, nanoseconds); returns how many the trace holds there (call with n = 0 to size `out`), -1 when
 // gpumem has no engine there.
 GPUMEM_EXPORT std::int64_t gpumem_torch_trace_read(int device, std::uint64_t* out, std::int64_t n) {
-    DeviceEngine* d = existing(device);
-    if (d == nullptr) {
+    if (existing(device) == nullptr) {
         t_last_error = "gpumem has no engine on CUDA device " + std::to_string(device);
         return -1;
     }
-    std::lock_guard<std::mutex> lock(d->trace_mutex);
-    const std::int64_t have = static_cast<std::int64_t>(d->trace.size() / kTraceWords);
-    const std::int64_t k = n < have ? n : have;
-    if (k > 0) std::memcpy(out, d->trace.data(), static_cast<std::size_t>(k) * kTraceWords * sizeof(std::uint64_t));
-    return have;
+    return recording().recorder.trace_read(device, out, n);
 }
 
 // The policy of the engines made from now on (devices whose engine exists keep theirs): growth 0

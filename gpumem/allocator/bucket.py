@@ -57,7 +57,8 @@ from typing import Any, Callable, ContextManager
 from ..device import Device
 from ..validate import check_nbytes, check_pointer, check_stream
 from ..errors import DeviceLostError, InternalError, InvalidArgumentError, InvalidPointerError, OutOfMemoryError
-from ..units import format_bytes, parse_limit
+from ..units import format_bytes
+from ..validate import parse_limit
 from .resource import AllocatorContract
 from .stats import AllocatorStats, format_summary
 
@@ -441,16 +442,7 @@ class BucketAllocator(AllocatorContract):
     def _hand_out(self, ptr: int, size: int, nbytes: int, stream: int) -> int:
         self._live[ptr] = (size, nbytes, stream)
         st = self._stats
-        st.allocated_nbytes += size
-        st.requested_nbytes += nbytes
-        st.num_allocs += 1
-        if st.allocated_nbytes > st.peak_allocated_nbytes:
-            st.peak_allocated_nbytes = st.allocated_nbytes
-        if st.requested_nbytes > st.peak_requested_nbytes:
-            st.peak_requested_nbytes = st.requested_nbytes
-        reserved = st.allocated_nbytes + self._pooled_nbytes
-        if reserved > st.peak_reserved_nbytes:
-            st.peak_reserved_nbytes = reserved
+        st.count_allocation(size, nbytes, st.allocated_nbytes + size + self._pooled_nbytes)
         return ptr
 
     def _malloc(self, size: int, nbytes: int) -> int:

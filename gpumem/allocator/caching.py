@@ -72,7 +72,8 @@ from ..device import Device
 from ..validate import STREAM_END, as_int, check_nbytes, check_pointer, check_stream
 from ..errors import (DeviceClosedError, DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError,
                       InvalidPointerError, OutOfMemoryError)
-from ..units import format_bytes, parse_limit
+from ..units import format_bytes
+from ..validate import parse_limit
 from .backing import AddressSpaceExhausted, Backing, LimitExceeded, Segment, SegmentBacking, VirtualBacking, VirtualSegment
 from .block import Block, FreeList, TopDownFreeList, append_block, drop_last_block, merge_blocks, split_block
 from .fences import StreamFences
@@ -105,7 +106,7 @@ class CachingAllocator(AllocatorContract):
 
     ``limit``: the most memory the allocator may reserve: bytes (int), a fraction of the
     device's total (float in (0, 1]), or text by the same rules as ``gpumem replay --limit``
-    (``"8GiB"``, ``"512MB"``, ``"90%"``, ``"0.9"``; see :func:`gpumem.units.parse_limit`). ``gc_threshold``: a fraction in (0, 1); once reserved
+    (``"8GiB"``, ``"512MB"``, ``"90%"``, ``"0.9"``; see :func:`gpumem.validate.parse_limit`). ``gc_threshold``: a fraction in (0, 1); once reserved
     memory passes that fraction of the limit (or of the device), cached memory is given back
     before the allocator grows. ``record_history``: keep every allocation, free and segment
     event for export as a trace or a PyTorch snapshot (:meth:`history`).

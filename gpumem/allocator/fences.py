@@ -2,42 +2,29 @@
 
 Note [Stream-ordered frees]
 ---------------------------
-A block freed on its stream may be handed to the next request on that stream at
-once: the stream runs its work in order, so the new owner's kernels start after
-the old owner's finish. Giving the *memory* back to the device is different:
-``cuMemUnmap`` and ``cudaFree`` take effect when the host calls them, not in
-stream order, and a kernel still reading the memory then faults
-(``CUDA_ERROR_ILLEGAL_ADDRESS``: the context is dead). So, as PyTorch's caching
-allocator does:
+A block freed on its stream may go to the next request on that stream at once: the stream runs its
+work in order, so the new owner's kernels start after the old owner's finish. Giving the *memory* back
+to the device is different: ``cuMemUnmap`` and ``cudaFree`` take effect when the host calls them, not
+in stream order, and a kernel still reading the memory then faults (the context is dead). So, as
+PyTorch's caching allocator does:
 
-* a free that leaves a page (virtual backing) or a segment (malloc backing)
-  with no live block notes the streams of the blocks that used it since it was
-  last fenced; before the page or segment goes back to the device (unmapped for
-  a steal or a release, freed), the allocator records an event on each of those
-  streams (a *fence*: it completes once the work queued there up to now is
-  done, which includes every kernel of those blocks) and gives the memory back
-  only once the fences have completed: it queries first, takes memory whose
-  work is done before memory whose work is not, and waits
-  (``event_synchronize``) only when it needs that memory now (a steal with no
-  idle page left, ``empty_cache``, the out-of-memory retry);
-* a block used on other streams too (``record_stream``) records an event on each
-  of them when it is freed and stays out of the free lists until they complete;
-  pending blocks are looked at when an allocation misses the cache, and waited
-  for before an out-of-memory error.
+* a free that leaves a page (virtual backing) or a segment (malloc backing) with no live block notes
+  the streams of the blocks that used it since it was last fenced; before the page or segment goes
+  back to the device (a steal, a release), the allocator records an event on each of those streams (a
+  *fence*: complete once the work queued there up to now is done) and gives the memory back only once
+  the fences completed: it queries first, takes memory whose work is done first, and waits
+  (``event_synchronize``) only when it needs that memory now (a steal with no idle page left,
+  ``empty_cache``, the out-of-memory retry);
+* a block used on other streams too (``record_stream``) records an event on each of them when freed
+  and stays out of the free lists until they complete (looked at when an allocation misses the cache,
+  waited for before an out-of-memory error).
 
-Why the fence of a page is recorded when the page goes back and not at the
-free: a free is the hot path, and in a replay most frees empty a page (an event
-per free doubled the device calls of the gpt2 replay). Recording later covers
-more work than needed (anything queued on those streams since), which can only
-make the allocator wait longer, never too little; and a steal is served by
-pages whose work is done first.
-
-Events are recorded only at those moments (one per stream per steal or release,
-shared by the pages it gives back), queried oldest first, and destroyed as soon as
-they are known to be complete. Events on one stream complete in the order they
-were recorded, so a fence is just ``(stream, number)``: :class:`StreamFences`
-keeps, per stream, the events not yet known complete, and the highest number
-known complete.
+Why a page's fence is recorded when the page goes back, not at the free: a free is the hot path, and
+most frees empty a page (an event per free doubled the device calls of a replay). Recording later
+covers more work than needed, which can only make the allocator wait longer, never too little.
+Events on one stream complete in the order they were recorded, so a fence is just ``(stream,
+number)``: :class:`StreamFences` keeps, per stream, the events not yet known complete (queried oldest
+first, destroyed once complete) and the highest number known complete.
 """
 
 from __future__ import annotations

@@ -56,6 +56,19 @@ class AllocatorStats:
     def copy(self) -> "AllocatorStats":
         return replace(self)
 
+    def count_allocation(self, size: int, nbytes: int, reserved_nbytes: int) -> None:
+        """Count a block of ``size`` bytes handed out for a request of ``nbytes``, with ``reserved_nbytes``
+        held from the device now, and raise the peaks it passes."""
+        self.allocated_nbytes += size
+        self.requested_nbytes += nbytes
+        self.num_allocs += 1
+        if self.allocated_nbytes > self.peak_allocated_nbytes:
+            self.peak_allocated_nbytes = self.allocated_nbytes
+        if self.requested_nbytes > self.peak_requested_nbytes:
+            self.peak_requested_nbytes = self.requested_nbytes
+        if reserved_nbytes > self.peak_reserved_nbytes:
+            self.peak_reserved_nbytes = reserved_nbytes
+
     @property
     def free_nbytes(self) -> int:
         """Reserved bytes not in live blocks."""

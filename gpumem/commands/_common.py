@@ -13,12 +13,13 @@ import logging
 import os
 import re
 import stat
+import sys
 from pathlib import Path
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from ..errors import InvalidArgumentError
-from ..units import parse_limit
+from ..errors import DeviceLostError, GpumemError, InvalidArgumentError
+from ..validate import parse_limit
 
 log = logging.getLogger("gpumem")
 
@@ -244,3 +245,22 @@ def _add_verbose(parser: argparse.ArgumentParser) -> None:
     """``-v``/``-vv`` after the command too (``gpumem replay -v T``), counted with those before it."""
     parser.add_argument("-v", "--verbose", action="count", default=0, dest="command_verbose",
                         help="more logging (-v info, -vv debug)")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed command line (``args.func``) and map gpumem's errors to one line on stderr and the
+    exit status of :data:`GENERAL_EXIT_CODES`."""
+    try:
+        return int(args.func(args))
+    except _UsageError as exc:
+        print(f"gpumem {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except DeviceLostError as exc:
+        print(f"gpumem {args.command}: the device was lost: {exc}", file=sys.stderr)
+        return EXIT_DEVICE_LOST
+    except InvalidArgumentError as exc:
+        print(f"gpumem {args.command}: {_cli_names(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+    except GpumemError as exc:
+        print(f"gpumem {args.command}: device error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_DEVICE_ERROR

@@ -143,7 +143,7 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _usable(spec: str, shape: Any, fmt: Any) -> tuple[int, int]:
     """The usable memory of ``spec`` and the dequantization workspace of ``fmt`` there."""
     from ..estimate.fit import usable_memory
-    from ..estimate.formats import dequant_workspace_nbytes
+    from ..estimate.formulas import dequant_workspace_nbytes
     from ..specs import open_device
 
     dev = open_device(spec)

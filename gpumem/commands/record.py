@@ -4,7 +4,7 @@ report) when it ends, however it ends."""
 
 from __future__ import annotations
 
-from ._args import MANY
+from ._args import MANY, refuse_repeated_options
 
 import argparse
 import json
@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ._common import EXIT_OK, EXIT_USAGE, _DEFAULT_DEVICE, _UsageError, _add_verbose, _exit_codes_text, _shorten_path
+from ._common import (EXIT_OK, EXIT_USAGE, _DEFAULT_DEVICE, _UsageError, _add_verbose, _exit_codes_text,
+                      _shorten_path, run_command)
 
 _DESCRIPTION = """\
 Run a PyTorch program with its GPU memory history on and write its snapshot when it ends (normally, by
@@ -283,14 +284,18 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 def _report(snapshot: str, out: Path, devices: list[str]) -> int:
     """``gpumem report SNAPSHOT --out OUT`` through the report command's own code; its exit status."""
-    from ..cli import _run, build_parser
+    from . import report as report_command
 
     argv = ["report", snapshot, "--out", str(out)]
     for d in devices:
         argv += ["--device", d]
     _say("writing the report: gpumem " + " ".join(argv))
     sys.stdout.flush()
-    return _run(build_parser().parse_args(argv))
+    parser = argparse.ArgumentParser(prog="gpumem")
+    report_command.register(parser.add_subparsers(dest="command", required=True),
+                            argparse.RawDescriptionHelpFormatter)
+    refuse_repeated_options(parser)
+    return run_command(parser.parse_args(argv))
 
 
 def _cleanup(out: Path, created: bool) -> None:

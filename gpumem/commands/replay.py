@@ -10,15 +10,14 @@ import logging
 import sys
 from typing import Any
 
-from ..errors import DeviceLostError, GpumemError, InvalidArgumentError, OutOfMemoryError, TraceFormatError
+from ..errors import DeviceLostError, GpumemError, InvalidArgumentError, TraceFormatError
+from ..managers.forensics import replay_oom_report
 from ..sim.gpu_work import DEFAULT_GPU_TIMING, GpuTiming
-from ..units import format_bytes, parse_limit
+from ..units import format_bytes
+from ..validate import parse_limit
 from ._common import (EXIT_CODES, EXIT_USAGE, EXIT_OK, EXIT_OOM, OutputFile, _DEFAULT_DEVICE, _LIMIT_HELP,
                       _UsageError, _add_verbose, _check_trace_path, _cli_names, _device_index, _exit_codes_text,
                       _folder_message, _limit_syntax, _shorten_path, check_output_path, log)
-
-
-_FITS_SHOWN = 4
 
 
 def _load(args: argparse.Namespace):
@@ -42,119 +41,6 @@ def _load(args: argparse.Namespace):
         raise _UsageError(f"cannot read the trace: {_cli_names(str(exc))}") from None
     except OSError as exc:  # permission denied, an I/O error
         raise _UsageError(f"cannot read the trace {_shorten_path(args.trace)}: {exc.strerror or exc}") from None
-
-
-def _usable_nbytes(profile: Any) -> int:
-    """What a simulated profile leaves to programs: its total less the CUDA context and the host's share."""
-    return int(profile.total_nbytes - profile.context_nbytes - profile.host_reserved_nbytes)
-
-
-def _spec_has_pressure(device: Any) -> bool:
-    """Whether the device was opened from a spec with a pressure scenario (``?pressure=...``)."""
-    from ..specs import parse_spec
-
-    try:
-        return "pressure" in parse_spec(str(getattr(device, "spec", ""))).options
-    except GpumemError:
-        return False
-
-
-def oom_report(result: Any, allocator: Any, device: Any) -> str:
-    """The out-of-memory report of a stopped replay: what failed, where, why, and what fits the trace."""
-    from gpumem import sim
-
-    exc: OutOfMemoryError = result.oom_error
-    op = (result.oom_op if result.oom_op is not None else result.completed_ops) + 1
-    peak = result.trace_peak_live_bytes
-    lines: list[str] = []
-    stats = getattr(device, "stats", None)
-    n_injected = getattr(stats, "injected_faults", 0) if stats is not None else 0
-    injected = bool(getattr(exc, "injected", False))
-    what = (f"allocation of {format_bytes(exc.requested_nbytes)} ({exc.requested_nbytes:,} bytes) at op {op:,} of "
-            f"{result.n_ops:,}")
-    if injected:
-        lines.append(f"gpumem replay: an injected fault (the device spec's fault options) failed the {what} on "
-                     f"{result.device}; nothing was out of memory. The replay stopped there.")
-        return "\n".join(lines)
-    lines.append(f"gpumem replay: out of memory on {result.device}: the {what} failed; the replay stopped there.")
-    if n_injected:
-        lines.append(f"  note: this device spec injects faults ({n_injected} so far): this failure may be one of them.")
-    held = (exc.allocated_nbytes or 0) + (exc.cached_nbytes or 0)
-    outside = max(0, exc.total_nbytes - exc.free_nbytes - held)
-    profile = getattr(device, "profile", None)
-    lines.append(f"  device: {format_bytes(exc.free_nbytes)} free of {format_bytes(exc.total_nbytes)}; this "
-                 f"allocator held {format_bytes(exc.allocated_nbytes or 0)} in live allocations and "
-                 f"{format_bytes(exc.cached_nbytes or 0)} cached but unused.")
-    has_pressure = _spec_has_pressure(device)
-    if profile is not None:
-        ctx = profile.context_nbytes + profile.host_reserved_nbytes
-        tenants = min(max(0, int(getattr(device, "tenant_nbytes", 0) or 0)), max(0, outside - min(ctx, outside)))
-        rest = max(0, outside - min(ctx, outside) - tenants)
-        parts = [f"{format_bytes(min(ctx, outside))} for this process's CUDA context"
-                 + ("" if not profile.host_reserved_nbytes else " and the host's share of unified memory")]
-        if tenants:
-            parts.append(f"{format_bytes(tenants)} held by other tenants (the spec's pressure scenario)")
-        if rest:
-            parts.append(f"{format_bytes(rest)} of granularity rounding (the device hands out whole pages) and "
-                         "the device's own reserve")
-        lines.append("  outside this allocator's blocks: " + ", ".join(parts) + ".")
-    else:
-        tenants = 0
-        lines.append(f"  outside this allocator: {format_bytes(outside)} (this process's CUDA context and "
-                     "other processes on the device).")
-    limit = exc.limit_nbytes
-    limit_hit = limit is not None and held + exc.requested_nbytes > limit
-    room = (f"leaves {format_bytes(_usable_nbytes(profile))} to programs after the CUDA context" if profile is not None
-            else f"has {format_bytes(exc.total_nbytes)} in total")
-    lines.append(f"  this trace needs {format_bytes(peak)} ({peak:,} bytes) live at its peak; {result.device} {room}"
-                 + (f", and --limit allows {format_bytes(limit)}" if limit is not None else "") + ".")
-    # Only profiles that can be *truthfully* offered: not the device that just failed, none that is not
-    # larger than it, and none below what the policy had already taken when it failed (live + cached +
-    # the failed request): the peak of live bytes alone is a lower bound of what a policy needs, and a
-    # policy that rounds or caches needs more, so a card with room for the peak alone may fail the same way.
-    needed_at_failure = held + exc.requested_nbytes
-    need = max(peak, needed_at_failure)
-    own = _usable_nbytes(profile) if profile is not None else None
-    fits = [p.spec for p in sim.BUILTIN_PROFILES
-            if _usable_nbytes(p) >= need and p is not profile and (own is None or _usable_nbytes(p) > own)]
-    # Note [Which bound the peak breaks]: the usable memory of the profile and --limit both bound what a
-    # replay may hold; "the peak fits, the policy needed more" is true only when the peak is within both.
-    # With the limit below the trace's peak no policy could fit, and the report must say so.
-    cap = own if limit is None else (limit if own is None else min(own, limit))
-    if limit is not None and limit < peak:
-        lines.append(f"  --limit allows {format_bytes(limit)}, less than the {format_bytes(peak)} this trace has live "
-                     "at its peak: no allocator could replay it under this limit.")
-    elif own is not None and own < peak:
-        lines.append(f"  {result.device} has room for {format_bytes(own)}, less than the {format_bytes(peak)} this "
-                     "trace has live at its peak: no allocator could replay it on this device.")
-    elif cap is not None and cap >= peak:
-        where = result.device if limit is None else f"{result.device} under --limit {format_bytes(limit)}"
-        lines.append(f"  the peak live bytes fit {where}; under this policy the replay needed more: it held "
-                     f"{format_bytes(held)} (live and cached) when the request of "
-                     f"{format_bytes(exc.requested_nbytes)} failed.")
-    if fits:
-        shown = ", ".join(fits[:_FITS_SHOWN]) + (f" and {len(fits) - _FITS_SHOWN} larger" if len(fits) > _FITS_SHOWN
-                                                  else "")
-        what = ("that peak" if need == peak else
-                f"that peak and for the {format_bytes(needed_at_failure)} this policy had reached when it failed")
-        lines.append(f"  these larger simulated profiles have room for {what}: {shown} (see `gpumem devices`; "
-                     "under this policy it may need more).")
-    else:
-        lines.append("  no larger simulated profile has room for that peak"
-                     + ("" if need == peak else " and for what this policy had reached when it failed") + ".")
-    advice = []
-    if limit_hit:
-        advice.append(f"raise --limit (it is {format_bytes(limit)}; the peak is {format_bytes(peak)})")
-    if fits:
-        advice.append(f"replay on a larger device (--device {fits[0]})")
-    uses_vmm = bool(getattr(allocator, "uses_vmm", False))
-    if not uses_vmm and (exc.cached_nbytes or 0) > 0 and getattr(device, "vmm_supported", False):
-        advice.append("use --policy gpumem: with virtual memory its cache does not fragment")
-    if has_pressure and tenants:
-        advice.append("replay without the spec's pressure scenario")
-    if advice:
-        lines.append("  try: " + "; ".join(advice) + ".")
-    return "\n".join(lines)
 
 
 _LABEL_WIDTH = 15  # the longest label ("peak reserved") and two spaces
@@ -257,7 +143,7 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
                             gpu=gpu, gpu_timing=None if gpu is not None else (args.gpu_timing or "idle"))
             summary = allocator.memory_summary() if args.summary else None
             history = allocator.history() if export is not None else None
-            report = oom_report(result, allocator, device) if result.oom_error is not None else None
+            report = replay_oom_report(result, allocator, device) if result.oom_error is not None else None
         except DeviceLostError:
             lost = True  # nothing can be given back to a lost device: closing the allocator would only log failures
             raise

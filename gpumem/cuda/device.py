@@ -15,35 +15,26 @@ Which library does what
 
 Note [Bookkeeping keeps bad input away from CUDA]
 --------------------------------------------------
-CUDA's answer to a bad pointer ranges from an error code to undefined behaviour
-(``cuMemRelease`` of an invalid handle) to a corrupted context (a ``cudaMemcpy``
-past the end of an allocation). So everything this device hands out is
-recorded in the :class:`~gpumem.device.Device` base class's book
-(:class:`~gpumem.vmm_book.MemoryBook`, the same one the simulator uses), and
-every call is checked against it *before* CUDA is called:
+CUDA's answer to a bad pointer ranges from an error code to undefined behaviour (``cuMemRelease`` of
+an invalid handle) to a corrupted context (a ``cudaMemcpy`` past the end of an allocation). So
+everything this device hands out is recorded in the :class:`~gpumem.device.Device` base class's book
+(:class:`~gpumem.vmm_book.MemoryBook`, the simulator's too), and every call is checked against it
+*before* CUDA is called:
 
-* live ``malloc`` pointers and their sizes (and a bounded memory of freed ones,
-  so a second ``free`` is a :class:`~gpumem.errors.DoubleFreeError` rather
-  than an :class:`~gpumem.errors.InvalidPointerError`);
-* address reservations, and per reservation its mappings, so an overlapping
-  ``mem_map`` raises :class:`~gpumem.errors.MappingOverlapError` instead of
-  reaching ``cuMemMap``;
+* live ``malloc`` pointers and their sizes (and a bounded memory of freed ones, so a second ``free``
+  is a :class:`~gpumem.errors.DoubleFreeError` rather than an ``InvalidPointerError``);
+* address reservations and their mappings, so an overlapping ``mem_map`` raises
+  :class:`~gpumem.errors.MappingOverlapError` instead of reaching ``cuMemMap``;
 * physical chunks, released or not, with the number of mappings of each.
 
-``read`` and ``write`` only copy inside one live allocation or inside
-contiguous mappings that have access set. The base class validates, checks the
-book, calls this class's ``_do_`` method (which calls CUDA), and only when CUDA
-succeeded updates the book: a failing call changes nothing. Where one request
-takes several CUDA calls (unmapping several mappings), the book follows each
-call that succeeded, so it stays true even then.
-
-Because the checks live in the base class, the simulator and this device
-reject the same inputs in the same order (one contract suite runs against
-both; ``tests/cuda_adapter/test_cuda_sim_parity.py`` compares them call by
-call). After :meth:`CudaDevice.close` every call with valid arguments except
-:meth:`~CudaDevice.properties` raises :class:`~gpumem.errors.DeviceClosedError`;
-after a sticky CUDA error (the context is dead) every call raises
-:class:`~gpumem.errors.DeviceLostError`.
+``read`` and ``write`` only copy inside one live allocation or inside contiguous mappings with access
+set. The base class validates, checks the book, calls this class's ``_do_`` method (which calls CUDA),
+and updates the book only when CUDA succeeded: a failing call changes nothing; where one request takes
+several CUDA calls, the book follows each one that succeeded. Because the checks live in the base
+class, the simulator and this device reject the same inputs in the same order
+(``tests/cuda_adapter/test_cuda_sim_parity.py`` compares them call by call). After
+:meth:`CudaDevice.close` every call with valid arguments except :meth:`~CudaDevice.properties` raises
+:class:`~gpumem.errors.DeviceClosedError`; after a sticky CUDA error, :class:`~gpumem.errors.DeviceLostError`.
 
 Note [Streams and events on CUDA]
 ---------------------------------

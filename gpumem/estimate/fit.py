@@ -43,7 +43,8 @@ from ..replay import replay_trace
 from ..specs import open_device
 from ..units import format_bytes
 from .shape import ModelShape
-from .formats import WeightFormat, dequant_workspace_nbytes
+from .formats import WeightFormat
+from .formulas import dequant_workspace_nbytes
 from .workload import DECODE_HEAD_STEPS, weights_nbytes, WorkloadTrace, inference_trace, stream_inference, training_trace
 
 __all__ = ["ReservedEstimate", "FitResult", "FitTry", "estimate_peak_reserved", "find_max_batch",

@@ -25,15 +25,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 from ..errors import InvalidArgumentError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..device import Device
-    from .shape import ModelShape
-
-__all__ = ["WeightFormat", "WEIGHT_FORMATS", "weight_format", "custom_bits", "dequant_workspace_nbytes"]
+__all__ = ["WeightFormat", "WEIGHT_FORMATS", "weight_format", "custom_bits"]
 
 INT4_GROUP = 128
 """Inputs per scale of the ``int4`` format."""
@@ -98,17 +94,3 @@ def custom_bits(bits: float) -> WeightFormat:
         raise InvalidArgumentError(f"weight bits must be a number in [1, 32], got {bits!r:.40}")
     num = round(bits * 100)
     return WeightFormat(f"{bits:g}-bit", num, 100)
-
-
-def dequant_workspace_nbytes(shape: "ModelShape", fmt: WeightFormat | None, device: "Device") -> int:
-    """The dequantization workspace of a ternary format on ``device`` (0 for the others): what
-    :func:`gpumem.workspace.size_workspace` gives the largest of the block's projections, from the device's
-    memory now (Note [Weight formats])."""
-    if fmt is None or not fmt.qtype:
-        return 0
-    from ..workspace.sizing import size_workspace
-
-    props, mem = device.properties(), device.mem_info()
-    h, i, q = shape.hidden_size, shape.intermediate_size, shape.q_dim
-    return max(size_workspace(n_in, n_out, fmt.qtype, props, mem, device=device.spec).workspace_bytes
-               for n_in, n_out in ((h, q), (q, h), (h, i), (i, h)))

@@ -7,13 +7,15 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..device import Device
 from ..errors import InvalidArgumentError
+from ..workspace.sizing import size_workspace
 from .formats import WeightFormat
 from .shape import ModelShape
 from .workload import Category, LoraConfig, WorkloadTrace, inference_trace, training_trace
 
 __all__ = ["MemoryEstimate", "TrainingEstimate", "estimate_model_memory", "estimate_kv_cache_memory",
-           "estimate_inference_memory", "estimate_training_memory"]
+           "estimate_inference_memory", "estimate_training_memory", "dequant_workspace_nbytes"]
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +167,7 @@ def estimate_inference_memory(hidden_size: int, intermediate_size: int, n_layers
 
     ``attention_bias``: biases on the q, k and v projections (Qwen2). ``weight_format``: the projections'
     format (:mod:`.formats`; ``dtype_bytes`` is then the activations' and the other weights'), with
-    ``workspace_nbytes`` of dequantization workspace (:func:`.formats.dequant_workspace_nbytes`).
+    ``workspace_nbytes`` of dequantization workspace (:func:`dequant_workspace_nbytes`).
     ``prompt_len`` defaults to ``max_seq_len - new_tokens``; ``prompt_len + new_tokens`` may not exceed
     ``max_seq_len``. The estimate walks the allocations of :func:`~gpumem.estimate.workload.inference_trace`
     (weights, prefill, one decode step per new token after the first) and reports their peak.
@@ -224,3 +226,15 @@ def estimate_training_memory(hidden_size: int, intermediate_size: int, n_layers:
     return _from_trace(shape.n_params * dtype_bytes, w, TrainingEstimate,
                        gradient_bytes=w.at_peak.get(Category.GRADIENTS, 0),
                        optimizer_bytes=w.at_peak.get(Category.OPTIMIZER, 0))
+
+
+def dequant_workspace_nbytes(shape: ModelShape, fmt: WeightFormat | None, device: Device) -> int:
+    """The dequantization workspace of a ternary format on ``device`` (0 for the others): what
+    :func:`gpumem.workspace.size_workspace` gives the largest of the block's projections, from the device's
+    memory now (Note [Weight formats] in :mod:`.formats`)."""
+    if fmt is None or not fmt.qtype:
+        return 0
+    props, mem = device.properties(), device.mem_info()
+    h, i, q = shape.hidden_size, shape.intermediate_size, shape.q_dim
+    return max(size_workspace(n_in, n_out, fmt.qtype, props, mem, device=device.spec).workspace_bytes
+               for n_in, n_out in ((h, q), (q, h), (h, i), (i, h)))

@@ -7,12 +7,11 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from ..errors import InvalidArgumentError
+from .formats import WEIGHT_FORMATS, WeightFormat
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .formats import WeightFormat
 
 __all__ = ["ModelShape", "from_hf_config", "DTYPE_BYTES", "SHAPE_CAPS", "MAX_CONFIG_BYTES", "SUPPORTED_MODEL_TYPES",
            "config_weight_format"]
@@ -175,8 +174,6 @@ def config_weight_format(cfg: Mapping[str, Any], origin: str = "config") -> "Wei
     bitsandbytes 8-bit is ``int8``, per-tensor ``fp8`` is ``fp8``, BitNet's offline (packed) mode is ``i2s``
     storage; bitsandbytes 4-bit (NF4, 64-weight blocks), GPTQ/AWQ (zero points, GPTQ's ``g_idx``), block-wise
     fp8 and the rest are refused."""
-    from .formats import WEIGHT_FORMATS
-
     q = cfg.get("quantization_config")
     if q in _NEUTRAL:
         return None

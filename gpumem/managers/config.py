@@ -33,7 +33,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from gpumem.errors import InvalidArgumentError
-from gpumem.units import GiB, MiB, parse_nbytes
+from gpumem.units import GiB, MiB
+from gpumem.validate import parse_nbytes
 
 #: Prefix of every environment variable :meth:`MemoryConfig.from_env` reads.
 ENV_PREFIX = "GPUMEM_"

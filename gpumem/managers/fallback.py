@@ -23,19 +23,46 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from gpumem.errors import InternalError, InvalidArgumentError, InvalidPointerError, OutOfMemoryError
 from gpumem.units import format_bytes
 
-from .tracker import BufferId, Location
+from gpumem.device import Device
 
-if TYPE_CHECKING:
-    from .manager import Allocation, GpuMemoryManager
+from .config import MemoryConfig
+from .resource import Allocation
+from .tracker import AllocationTracker, BufferId, Location
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class BufferHost(Protocol):
+    """What a :class:`FallbackBuffer` uses of its manager (:class:`~gpumem.managers.GpuMemoryManager` is one;
+    the manager builds buffers, so this module names what it needs rather than importing the manager)."""
+
+    config: MemoryConfig
+    device: Device
+    tracker: AllocationTracker | None
+
+    @property
+    def closed(self) -> bool: ...
+
+    def allocate(self, size: int, alignment: int = ..., *, stream: int = 0, tag: str | None = None,
+                 n_elements: int | None = None) -> Allocation: ...
+
+    def deallocate(self, allocation: Allocation) -> None: ...
+
+    def _allocate_for_fallback(self, size: int, tag: str | None) -> Allocation: ...
+
+    def _buffer_created(self, buf: "FallbackBuffer") -> None: ...
+
+    def _fallback_placed(self, buf: "FallbackBuffer", *, counted: bool) -> None: ...
+
+    def _fallback_left(self, buf: "FallbackBuffer") -> None: ...
 
 
 def _as_bytes_view(data: Any) -> memoryview:
@@ -56,11 +83,9 @@ class FallbackBuffer:
     manager's :class:`~gpumem.errors.OutOfMemoryError`. ``_lock`` guards the placement fields.
     """
 
-    def __init__(self, manager: "GpuMemoryManager", nbytes: int, *, data: Any = None, tag: str | None = None,
+    def __init__(self, manager: BufferHost, nbytes: int, *, data: Any = None, tag: str | None = None,
                  allow_cpu: bool | None = None) -> None:
-        from .manager import GpuMemoryManager
-
-        if not isinstance(manager, GpuMemoryManager):
+        if not isinstance(manager, BufferHost):
             raise InvalidArgumentError(f"manager must be a GpuMemoryManager, got {type(manager).__name__}")
         if type(nbytes) is not int or nbytes <= 0:
             raise InvalidArgumentError(f"nbytes must be an int > 0, got {nbytes!r}")

@@ -15,7 +15,8 @@
 :class:`ForensicsLayer` does this for any resource stack; a
 :class:`~gpumem.managers.GpuMemoryManager` adds it when ``MemoryConfig.oom_forensics_dir`` is set.
 The :class:`~gpumem.errors.OutOfMemoryError` that propagates says where the files are
-(``error.forensics``, and the end of its message).
+(``error.forensics``, and the end of its message). :func:`replay_oom_report` is the text ``gpumem replay``
+prints when a replay runs out of memory: what failed, why, and which simulated profiles have room.
 
 Note [Forensics never hide the out-of-memory error]
 ---------------------------------------------------
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from gpumem.device import Device
-from gpumem.errors import InvalidArgumentError, OutOfMemoryError
+from gpumem.errors import GpumemError, InvalidArgumentError, OutOfMemoryError
 from gpumem.trace.model import OpKind, Trace
 from gpumem.trace.pytorch_export import save_pytorch_snapshot, to_pytorch_snapshot
 from gpumem.units import format_bytes
@@ -273,5 +274,124 @@ def write_snapshot(path: str | os.PathLike[str], tracker: AllocationTracker, *, 
     return out
 
 
+#: How many larger simulated profiles the replay's out-of-memory report names.
+_FITS_SHOWN = 4
+
+
+def _usable_nbytes(profile: Any) -> int:
+    """What a simulated profile leaves to programs: its total less the CUDA context and the host's share."""
+    return int(profile.total_nbytes - profile.context_nbytes - profile.host_reserved_nbytes)
+
+
+def _spec_has_pressure(device: Any) -> bool:
+    """Whether the device was opened from a spec with a pressure scenario (``?pressure=...``)."""
+    from gpumem.specs import parse_spec
+
+    try:
+        return "pressure" in parse_spec(str(getattr(device, "spec", ""))).options
+    except GpumemError:
+        return False
+
+
+def replay_oom_report(result: Any, allocator: Any, device: Any) -> str:
+    """The out-of-memory report of a replay stopped at its first out-of-memory error (``gpumem replay``, a
+    :class:`~gpumem.replay.ReplayResult` with ``oom_error`` set): what failed, where, why, and which simulated
+    profiles have room for the trace. ``allocator`` and ``device`` are the ones the replay ran on."""
+    from gpumem import sim  # the simulator's profiles, imported on demand to keep the managers light
+
+    exc: OutOfMemoryError = result.oom_error
+    op = (result.oom_op if result.oom_op is not None else result.completed_ops) + 1
+    peak = result.trace_peak_live_bytes
+    lines: list[str] = []
+    stats = getattr(device, "stats", None)
+    n_injected = getattr(stats, "injected_faults", 0) if stats is not None else 0
+    injected = bool(getattr(exc, "injected", False))
+    what = (f"allocation of {format_bytes(exc.requested_nbytes)} ({exc.requested_nbytes:,} bytes) at op {op:,} of "
+            f"{result.n_ops:,}")
+    if injected:
+        lines.append(f"gpumem replay: an injected fault (the device spec's fault options) failed the {what} on "
+                     f"{result.device}; nothing was out of memory. The replay stopped there.")
+        return "\n".join(lines)
+    lines.append(f"gpumem replay: out of memory on {result.device}: the {what} failed; the replay stopped there.")
+    if n_injected:
+        lines.append(f"  note: this device spec injects faults ({n_injected} so far): this failure may be one of them.")
+    held = (exc.allocated_nbytes or 0) + (exc.cached_nbytes or 0)
+    outside = max(0, exc.total_nbytes - exc.free_nbytes - held)
+    profile = getattr(device, "profile", None)
+    lines.append(f"  device: {format_bytes(exc.free_nbytes)} free of {format_bytes(exc.total_nbytes)}; this "
+                 f"allocator held {format_bytes(exc.allocated_nbytes or 0)} in live allocations and "
+                 f"{format_bytes(exc.cached_nbytes or 0)} cached but unused.")
+    has_pressure = _spec_has_pressure(device)
+    if profile is not None:
+        ctx = profile.context_nbytes + profile.host_reserved_nbytes
+        tenants = min(max(0, int(getattr(device, "tenant_nbytes", 0) or 0)), max(0, outside - min(ctx, outside)))
+        rest = max(0, outside - min(ctx, outside) - tenants)
+        parts = [f"{format_bytes(min(ctx, outside))} for this process's CUDA context"
+                 + ("" if not profile.host_reserved_nbytes else " and the host's share of unified memory")]
+        if tenants:
+            parts.append(f"{format_bytes(tenants)} held by other tenants (the spec's pressure scenario)")
+        if rest:
+            parts.append(f"{format_bytes(rest)} of granularity rounding (the device hands out whole pages) and "
+                         "the device's own reserve")
+        lines.append("  outside this allocator's blocks: " + ", ".join(parts) + ".")
+    else:
+        tenants = 0
+        lines.append(f"  outside this allocator: {format_bytes(outside)} (this process's CUDA context and "
+                     "other processes on the device).")
+    limit = exc.limit_nbytes
+    limit_hit = limit is not None and held + exc.requested_nbytes > limit
+    room = (f"leaves {format_bytes(_usable_nbytes(profile))} to programs after the CUDA context" if profile is not None
+            else f"has {format_bytes(exc.total_nbytes)} in total")
+    lines.append(f"  this trace needs {format_bytes(peak)} ({peak:,} bytes) live at its peak; {result.device} {room}"
+                 + (f", and --limit allows {format_bytes(limit)}" if limit is not None else "") + ".")
+    # Only profiles that can be *truthfully* offered: not the device that just failed, none that is not
+    # larger than it, and none below what the policy had already taken when it failed (live + cached +
+    # the failed request): the peak of live bytes alone is a lower bound of what a policy needs, and a
+    # policy that rounds or caches needs more, so a card with room for the peak alone may fail the same way.
+    needed_at_failure = held + exc.requested_nbytes
+    need = max(peak, needed_at_failure)
+    own = _usable_nbytes(profile) if profile is not None else None
+    fits = [p.spec for p in sim.BUILTIN_PROFILES
+            if _usable_nbytes(p) >= need and p is not profile and (own is None or _usable_nbytes(p) > own)]
+    # Note [Which bound the peak breaks]: the usable memory of the profile and --limit both bound what a
+    # replay may hold; "the peak fits, the policy needed more" is true only when the peak is within both.
+    # With the limit below the trace's peak no policy could fit, and the report must say so.
+    cap = own if limit is None else (limit if own is None else min(own, limit))
+    if limit is not None and limit < peak:
+        lines.append(f"  --limit allows {format_bytes(limit)}, less than the {format_bytes(peak)} this trace has live "
+                     "at its peak: no allocator could replay it under this limit.")
+    elif own is not None and own < peak:
+        lines.append(f"  {result.device} has room for {format_bytes(own)}, less than the {format_bytes(peak)} this "
+                     "trace has live at its peak: no allocator could replay it on this device.")
+    elif cap is not None and cap >= peak:
+        where = result.device if limit is None else f"{result.device} under --limit {format_bytes(limit)}"
+        lines.append(f"  the peak live bytes fit {where}; under this policy the replay needed more: it held "
+                     f"{format_bytes(held)} (live and cached) when the request of "
+                     f"{format_bytes(exc.requested_nbytes)} failed.")
+    if fits:
+        shown = ", ".join(fits[:_FITS_SHOWN]) + (f" and {len(fits) - _FITS_SHOWN} larger" if len(fits) > _FITS_SHOWN
+                                                  else "")
+        what = ("that peak" if need == peak else
+                f"that peak and for the {format_bytes(needed_at_failure)} this policy had reached when it failed")
+        lines.append(f"  these larger simulated profiles have room for {what}: {shown} (see `gpumem devices`; "
+                     "under this policy it may need more).")
+    else:
+        lines.append("  no larger simulated profile has room for that peak"
+                     + ("" if need == peak else " and for what this policy had reached when it failed") + ".")
+    advice = []
+    if limit_hit:
+        advice.append(f"raise --limit (it is {format_bytes(limit)}; the peak is {format_bytes(peak)})")
+    if fits:
+        advice.append(f"replay on a larger device (--device {fits[0]})")
+    uses_vmm = bool(getattr(allocator, "uses_vmm", False))
+    if not uses_vmm and (exc.cached_nbytes or 0) > 0 and getattr(device, "vmm_supported", False):
+        advice.append("use --policy gpumem: with virtual memory its cache does not fragment")
+    if has_pressure and tenants:
+        advice.append("replay without the spec's pressure scenario")
+    if advice:
+        lines.append("  try: " + "; ".join(advice) + ".")
+    return "\n".join(lines)
+
+
 __all__ = ["ForensicsLayer", "ForensicsRecord", "write_oom_forensics", "build_oom_snapshot", "build_snapshot",
-           "write_snapshot", "format_oom_report", "with_forensics", "oom_entry", "unique_stem"]
+           "write_snapshot", "format_oom_report", "with_forensics", "oom_entry", "unique_stem", "replay_oom_report"]

@@ -50,7 +50,7 @@ import threading
 import weakref
 from pathlib import Path
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpumem.device import Device, DeviceKind, MemInfo
 from gpumem.errors import (DeviceClosedError, DeviceNotFoundError, InvalidArgumentError, InvalidPointerError,
@@ -58,17 +58,16 @@ from gpumem.errors import (DeviceClosedError, DeviceNotFoundError, InvalidArgume
 from gpumem.units import format_bytes
 
 from .config import MemoryConfig
+from .fallback import FallbackBuffer
 from .layers import FailureCallbackLayer, LimitingLayer, StatisticsLayer, TrackingLayer
 from .reserve import Reserve, compute_reserve, manager_usable_nbytes, usable_nbytes
 from gpumem.allocator import AlignmentLayer, make_allocator
 from gpumem.allocator.bucket import is_bucket_policy
 from gpumem.allocator.resource import AllocatorContract
 
-from .resource import DEFAULT_ALIGNMENT, DeviceResource, MemoryResource
-from .tracker import AllocationTracker, BufferId, RegionStats
+from .resource import DEFAULT_ALIGNMENT, Allocation, DeviceResource, MemoryResource
+from .tracker import AllocationTracker, RegionStats
 
-if TYPE_CHECKING:
-    from .fallback import FallbackBuffer
 
 log = logging.getLogger(__name__)
 
@@ -89,19 +88,6 @@ POOL_SLACK_PAGES = 4
 #: 1/100 of the usable memory. The ratio of a tiny cache says nothing: the unused tail of one 2 MiB
 #: page under a live block is "100 % fragmented" (no free block at all) and costs nothing.
 FRAGMENTATION_MIN_CACHED_DENOMINATOR = 100
-
-
-@dataclass(frozen=True)
-class Allocation:
-    """One block from :meth:`GpuMemoryManager.allocate`; give it back with :meth:`GpuMemoryManager.deallocate`."""
-
-    ptr: int
-    nbytes: int
-    buffer_id: BufferId | None
-    """The tracker's id (None when tracking is off)."""
-    device_index: int
-    alignment: int = DEFAULT_ALIGNMENT
-    stream: int = 0
 
 
 @dataclass(frozen=True)
@@ -213,7 +199,7 @@ class GpuMemoryManager:
         self.device, self._owns_device = _resolve_device(device)
         self._lock = threading.Lock()
         self._live: dict[int, Allocation] = {}
-        self._fallbacks: dict[int, "FallbackBuffer"] = {}
+        self._fallbacks: dict[int, FallbackBuffer] = {}
         self._cpu_fallbacks = 0
         self._cpu_fallback_nbytes = 0
         self._fell_back: set[int] = set()
@@ -371,11 +357,9 @@ class GpuMemoryManager:
             return list(self._live.values())
 
     def create_buffer(self, nbytes: int, *, data: Any = None, tag: str | None = None,
-                      allow_cpu: bool | None = None) -> "FallbackBuffer":
+                      allow_cpu: bool | None = None) -> FallbackBuffer:
         """A :class:`~gpumem.managers.FallbackBuffer` of ``nbytes`` (on the CPU if the GPU cannot hold it and
         ``allow_cpu``, default ``config.cpu_fallback_enabled``)."""
-        from .fallback import FallbackBuffer
-
         return FallbackBuffer(self, nbytes, data=data, tag=tag, allow_cpu=allow_cpu)
 
     def restore_fallbacks(self) -> int:
@@ -408,11 +392,11 @@ class GpuMemoryManager:
             self._restoring.active = False
 
     # bookkeeping called by FallbackBuffer
-    def _buffer_created(self, buf: "FallbackBuffer") -> None:
+    def _buffer_created(self, buf: FallbackBuffer) -> None:
         with self._lock:
             self._buffers.add(buf)
 
-    def _fallback_placed(self, buf: "FallbackBuffer", *, counted: bool) -> None:
+    def _fallback_placed(self, buf: FallbackBuffer, *, counted: bool) -> None:
         with self._lock:
             self._fallbacks[id(buf)] = buf
             if counted:  # fell back (not moved by move_to_cpu()): moves back by itself
@@ -420,7 +404,7 @@ class GpuMemoryManager:
                 self._fell_back.add(id(buf))
             self._cpu_fallback_nbytes += buf.nbytes
 
-    def _fallback_left(self, buf: "FallbackBuffer") -> None:
+    def _fallback_left(self, buf: FallbackBuffer) -> None:
         with self._lock:
             self._fell_back.discard(id(buf))
             if self._fallbacks.pop(id(buf), None) is not None:

@@ -4,44 +4,33 @@
 usable memory, so a 24 GB and an 80 GB card are each used within their own means) and places every
 allocation on one of them.
 
-Note [Placement policy]
------------------------
-``allocate_on_best_device(nbytes, tensor_name)`` tries devices in this order:
-
-1. **Affinity.** A tensor name that was placed before goes back to the device it was placed on, as
-   long as it fits there (the device's manager accepts the allocation): a model's layers, a KV cache's
-   pages, a training step's buffers then stay where the data they work with is, and nothing crosses
-   devices because another card happens to have a few more free bytes today.
-2. **Proportional fill.** Otherwise (no name, a new name, or the affinity device refused), the
-   devices in increasing order of the *share of usable memory* each would have in use with this
-   request placed there: ``(allocated + nbytes) / usable``, where ``usable`` is the manager's usable
-   memory and ``allocated`` what this multi-manager has allocated on it; ties go to the lower index.
-   Balancing shares, not free bytes, fills a 24 GB and an 80 GB card in proportion to what each may
-   use: ranking by most free bytes (the first policy) gave the 24 GB card nothing until the 80 GB one
-   was 73 % full, so a workload on both saw one card idle and the other's reserve approached first.
-   The share is known without a device call and leaves each device's reserve alone. Counting the
-   request itself keeps a large allocation off a small card whose share it would push far above the
-   others'. Devices whose headroom (usable minus allocated) is below the request are skipped without
-   asking them.
-3. **Spill.** A device that refuses (out of memory: another process took memory, the cache is
-   fragmented, an injected fault) is skipped and the next one tried; the tensor name's affinity moves
-   to the device that accepted it.
-4. **A lost or closed device** is refused like a full one (its :class:`DeviceRefusal` says it is
-   lost), before its manager is asked: a manager with a caching pool could otherwise hand out a
-   cached block of a device that is gone. The check is one device call (``mem_info``) on the device
-   about to be tried; a device found lost is remembered as lost (it does not come back) and never
-   asked again. The request spills to a healthy device and a tensor name's affinity moves there;
-   ``get_memory_stats()`` reports the lost device (``lost`` says why) instead of failing.
-
-When no device accepts, :class:`MultiGpuOutOfMemoryError` (an ``OutOfMemoryError``) names every
-device with its headroom and free bytes and why it refused, and nothing changed: no allocation was
-kept, no affinity moved.
-
 Locks: ``_lock`` (an ``RLock``) guards ``_owned``, ``_allocated_nbytes``, ``_counts`` and
 ``_affinity``; it is held across the choice and the manager's ``allocate``, so two threads never
 both count on the same headroom. Every public operation first enters every simulated device's
 ``deferred_events()`` (outside ``_lock``), so device memory events (and a pressure monitor's
 callbacks) run after ``_lock`` is released.
+
+Note [Placement policy]
+-----------------------
+``allocate_on_best_device(nbytes, tensor_name)`` tries devices in this order:
+
+1. **Affinity.** A tensor name placed before goes back to its device while it fits there: a model's
+   layers, a KV cache's pages stay with their data, and nothing crosses devices because another card
+   has a few more free bytes today.
+2. **Proportional fill.** Otherwise, the devices in increasing order of the share of usable memory
+   each would have in use with the request placed there, ``(allocated + nbytes) / usable``; ties go to
+   the lower index. Balancing shares, not free bytes, fills a 24 GB and an 80 GB card in proportion to
+   what each may use (most free bytes first left the 24 GB card idle until the 80 GB one was 73 %
+   full). The share needs no device call and leaves each reserve alone; counting the request keeps a
+   large allocation off a small card. Devices whose headroom is below the request are skipped unasked.
+3. **Spill.** A device that refuses (out of memory, fragmentation, an injected fault) is skipped; the
+   name's affinity moves to the device that accepted.
+4. **A lost or closed device** is refused like a full one before its manager is asked (a caching pool
+   could hand out a block of a device that is gone): one ``mem_info`` on the device about to be tried;
+   a device found lost stays lost, and ``get_memory_stats()`` reports it (``lost`` says why).
+
+When no device accepts, :class:`MultiGpuOutOfMemoryError` names every device with its headroom, free
+bytes and refusal, and nothing changed: no allocation kept, no affinity moved.
 """
 
 from __future__ import annotations

@@ -110,6 +110,7 @@ from gpumem.errors import (
     InvalidArgumentError,
 )
 from gpumem.events import MemoryEvent, MemoryEventKind, Subscription
+from gpumem.validate import check_duration
 
 log = logging.getLogger(__name__)
 
@@ -283,8 +284,6 @@ class PressureMonitor:
             if device.kind is not DeviceKind.SIM:
                 raise InvalidArgumentError("sim_advance_s applies to simulated devices only, "
                                            f"{device.spec} is {device.kind.value}")
-            from gpumem.sim.device import check_duration
-
             sim_advance_s = check_duration(sim_advance_s, what="sim_advance_s")
         releasers = list(releasers)
         callbacks = list(callbacks)

@@ -24,48 +24,18 @@ With ``T`` the device's total bytes and ``used`` what it showed as used when mea
 
 Why not the seeds' rule (600 MB + 10 % of the total, capped at 2 GB)? Its fixed 600 MB stands for
 the context, but the context is *measured* (80 MiB on a GTX 1050, 527 MiB on the H200), and on small
-cards the fixed part dominates: a 2 GB card loses 0.8 GB, 40 % of itself, before the program
-allocates anything. What needs headroom besides the context is mostly a fixed amount per process
-(cuBLAS keeps 4 MiB of workspace per handle before Hopper, 32 MiB on Hopper; lazily loaded kernels
-take tens of MiB), growing with the model only through workspaces and communication buffers, which
-bigger cards run bigger. Hence: 5 % of the card, at least 128 MiB (a tenth of cards below 1.25 GiB,
-so a tiny card keeps 90 % of itself), at most 2 GiB (on a 141 GB card 5 % would be 7 GB: more than
-any workspace needs). ``min_free_bytes`` (a user's "always keep this free") raises the emergency part
-but never past an eighth of the card: a figure written with an 80 GB card in mind (MemoryConfig's
-512 MB default) would otherwise take a quarter of a 2 GB one.
+cards the fixed part dominates: a 2 GB card loses 40 % of itself. What needs headroom besides the
+context is mostly a fixed amount per process (cuBLAS workspaces, lazily loaded kernels: tens of MiB),
+growing with the model only through workspaces and buffers, which bigger cards run bigger. Hence 5 %
+of the card, at least 128 MiB (a tenth of cards below 1.25 GiB), at most 2 GiB (5 % of a 141 GB card
+would be more than any workspace needs). ``min_free_bytes`` raises the emergency part but never past
+an eighth of the card: MemoryConfig's 512 MB default would otherwise take a quarter of a 2 GB card.
 
 Properties (tested with Hypothesis over every simulated profile and random totals): the emergency
 part is at most 10 % of the total (12.5 % with ``min_free_bytes``); the reserve and the usable
-memory never decrease as the total grows (the emergency part grows by at most 1 byte per 10 bytes
-of total); usable memory is positive or the call raises.
-
-Per simulated profile (``gpumem.managers.reserve.reserve_table()`` computes this table; MiB, measured at start
-on an otherwise idle device, no ``min_free_bytes``; "seeds" is the seeds' rule)::
-
-    profile              total  context emergency reserve  usable usable % seeds rsrv seeds usable
-    jetson-nano-2gb       1980      750       128     878    1102    55.7%        770         1209
-    gtx-1050-2gb          1998       80       128     208    1790    89.6%        772         1225
-    jetson-nano-4gb       3956     1050       197    1247    2708    68.5%        967         2988
-    gtx-1650-4gb          3904      100       195     295    3608    92.4%        962         2941
-    rtx-2060-6gb          5935      120       296     416    5518    93.0%       1165         4769
-    rtx-3060-12gb        12042      180       602     782   11259    93.5%       1776        10265
-    t4-16gb              15102      250       755    1005   14096    93.3%       1907        13194
-    rtx-4090-24gb        24217      300      1210    1510   22706    93.8%       1907        22309
-    l4-24gb              22563      300      1128    1428   21134    93.7%       1907        20655
-    a10-24gb             22731      300      1136    1436   21294    93.7%       1907        20823
-    a100-40gb            40354      420      2017    2437   37916    94.0%       1907        38447
-    l40s-48gb            45589      420      2048    2468   43121    94.6%       1907        43681
-    a100-80gb            81251      420      2048    2468   78783    97.0%       1907        79343
-    h100-80gb            81559      500      2048    2548   79011    96.9%       1907        79651
-    h200-141gb          143155      526      2048    2574  140581    98.2%       1907       141248
-
-On the 2 GB GTX 1050 the rule keeps 208 MiB (the measured 80 MiB context and 128 MiB of headroom)
-where the seeds' rule kept 772 MiB: 565 MiB more for the program (1790 MiB usable instead of 1225,
-46 % more). From about 40 GB up both rules keep about 2 GiB of headroom; the seeds' 2 GB also had to
-cover the context, which this rule measures and counts apart (a few hundred MiB more kept on the big
-cards: 2.5 GiB of 140 GiB on the H200, 1.8 %).
-On the Jetson boards the context column includes the operating system's share of the shared RAM,
-which the seeds' rule ignores (it would promise the program memory the OS holds).
+memory never decrease as the total grows; usable memory is positive or the call raises.
+``reserve_table()`` gives the figures per simulated profile beside the seeds' rule
+(``reports/reserve-rule.md``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 from gpumem.allocator.resource import (DEFAULT_ALIGNMENT, MAX_ALIGNMENT, AlignmentLayer, MemoryResource,
@@ -18,6 +19,8 @@ from gpumem.allocator.resource import (DEFAULT_ALIGNMENT, MAX_ALIGNMENT, Alignme
                                        check_stream_arg, find_layer, stack_layers)
 from gpumem.device import Device
 from gpumem.errors import DeviceClosedError, InvalidArgumentError, InvalidPointerError
+
+from .tracker import BufferId
 
 
 class DeviceResource(MemoryResource):
@@ -101,6 +104,19 @@ def AllocatorResource(allocator: Any, **allocator_kwargs: Any) -> AlignmentLayer
                                f"Device, got {type(allocator).__name__}")
 
 
-__all__ = ["MemoryResource", "DeviceResource", "AllocatorResource", "AlignmentLayer", "DEFAULT_ALIGNMENT",
+__all__ = ["Allocation", "MemoryResource", "DeviceResource", "AllocatorResource", "AlignmentLayer", "DEFAULT_ALIGNMENT",
            "MAX_ALIGNMENT", "check_alignment", "check_size", "check_stream_arg", "check_ptr", "stack_layers",
            "find_layer"]
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One block from :meth:`~gpumem.managers.GpuMemoryManager.allocate`; give it back with its ``deallocate``."""
+
+    ptr: int
+    nbytes: int
+    buffer_id: BufferId | None
+    """The tracker's id (None when tracking is off)."""
+    device_index: int
+    alignment: int = DEFAULT_ALIGNMENT
+    stream: int = 0

@@ -10,8 +10,8 @@
 policies and limits into one table.
 """
 
-from .build import DEFAULT_DEVICES, FitCell, ReportExistsError, ReportOptions, ReportResult, build_report
-from .runs import Occupancy, PolicyRun, SegmentLayout, Timeline, occupancy_at, run_policy, smallest_limit
+from .build import DEFAULT_DEVICES, ReportExistsError, ReportOptions, ReportResult, build_report
+from .runs import FitCell, Occupancy, PolicyRun, SegmentLayout, Timeline, occupancy_at, run_policy, smallest_limit
 from .sites import Site, SiteTable, live_by_site, snapshot_sites
 from .sweep import SweepCase, SweepError, SweepResult, SweepRow, SweepStatus, run_sweep, write_sweep
 

@@ -41,7 +41,7 @@ from ..specs import open_device, parse_spec
 from ..trace import Trace, detect_format, load_trace
 from ..units import GiB, format_bytes
 from . import figures
-from .runs import Occupancy, PolicyRun, occupancy_at, peak_live_op, run_policy, smallest_limit
+from .runs import FitCell, Occupancy, PolicyRun, occupancy_at, peak_live_op, run_policy, smallest_limit
 from .sites import SiteTable, live_by_site, snapshot_sites
 
 log = logging.getLogger(__name__)
@@ -96,21 +96,6 @@ class ReportOptions:
                                            f"{', '.join(PRESET_NAMES)}")
         if self.samples < 10:
             raise InvalidArgumentError("samples must be at least 10")
-
-
-@dataclass(frozen=True)
-class FitCell:
-    """One cell of the fit matrix."""
-
-    device: str
-    policy: str
-    status: str
-    """``runs``, ``out of memory`` or ``unsupported``."""
-    smallest_limit_nbytes: int | None
-    """The smallest ``limit=`` the trace runs under (without pressure), to within 1 % of its peak live bytes."""
-    decided_by: str = "replay"
-    """``replay``: a replay on the device; ``limit``: the smallest limit of the device's kind compared with the
-    memory the device can give (the further profiles of :attr:`ReportOptions.fit_devices`)."""
 
 
 @dataclass

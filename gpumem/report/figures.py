@@ -16,8 +16,7 @@ from ..errors import BackendUnavailableError
 from ..units import GiB, MiB
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .build import FitCell
-    from .runs import Occupancy, PolicyRun
+    from .runs import FitCell, Occupancy, PolicyRun
     from .sites import SiteTable
 
 DPI = 100

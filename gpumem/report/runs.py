@@ -433,3 +433,18 @@ def peak_live_op(trace: Trace) -> int:
     if len(live) == 0:
         return 0
     return int(np.argmax(live)) + 1
+
+
+@dataclass(frozen=True)
+class FitCell:
+    """One cell of the fit matrix."""
+
+    device: str
+    policy: str
+    status: str
+    """``runs``, ``out of memory`` or ``unsupported``."""
+    smallest_limit_nbytes: int | None
+    """The smallest ``limit=`` the trace runs under (without pressure), to within 1 % of its peak live bytes."""
+    decided_by: str = "replay"
+    """``replay``: a replay on the device; ``limit``: the smallest limit of the device's kind compared with the
+    memory the device can give (the further profiles of :attr:`ReportOptions.fit_devices`)."""

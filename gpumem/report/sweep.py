@@ -216,7 +216,7 @@ def _check_device(spec: Any) -> str:
 
 
 def _check_limit(limit: Any) -> str | None:
-    from ..units import parse_limit
+    from ..validate import parse_limit
 
     if limit is None:
         return None
@@ -312,7 +312,7 @@ def run_case(case: SweepCase) -> SweepRow:
     """
     from ..replay import replay_trace
     from ..specs import open_device
-    from ..units import parse_limit
+    from ..validate import parse_limit
 
     limit_nbytes = None
     try:

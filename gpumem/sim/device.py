@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 import random
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -83,6 +82,7 @@ from gpumem.errors import (
     TransientDeviceError,
 )
 from gpumem.units import MiB, align_up
+from gpumem.validate import check_duration
 
 from ..events import MemoryEvent, MemoryEventKind
 from .faults import FaultInjector, FaultKind, FaultPlan
@@ -100,23 +100,6 @@ _VA_BASE = 0x7F00_0000_0000
 _VA_LIMIT = 1 << 48
 #: What the sanitizer does about a hazard (Note [What the sanitizer looks at] in :mod:`gpumem.sim.streams`).
 SANITIZER_MODES = ("raise", "count", "off")
-
-
-def check_duration(value: object, *, what: str) -> float:
-    """Return ``value`` as a float if it is a finite real number of seconds >= 0, else raise
-    :class:`~gpumem.errors.InvalidArgumentError` (``bool``, text, NaN, infinities and ints too large for a
-    float are refused)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InvalidArgumentError(f"{what} must be a finite number of seconds >= 0, got {type(value).__name__} "
-                                   f"{value!r}"[:200])
-    try:
-        seconds = float(value)
-    except (OverflowError, ValueError, TypeError):
-        raise InvalidArgumentError(f"{what} must be a finite number of seconds >= 0, got one too large "
-                                   f"for a float") from None
-    if not math.isfinite(seconds) or seconds < 0:
-        raise InvalidArgumentError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
-    return seconds
 
 
 # Note [The clock stays finite]

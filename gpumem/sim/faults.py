@@ -25,13 +25,13 @@ A failed call changes nothing: the fault is decided before any state moves.
 from __future__ import annotations
 
 import enum
-import math
 import numbers
 import random
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from gpumem.errors import InvalidArgumentError
+from gpumem.validate import check_duration
 
 #: The device calls whose failures can be injected per call type (the Device method names).
 CALL_NAMES = (
@@ -60,16 +60,7 @@ class FaultPlan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "malloc_failure_rate", _probability(self.malloc_failure_rate, "malloc_failure_rate"))
         if self.device_lost_at_s is not None:
-            lost = self.device_lost_at_s
-            if isinstance(lost, bool) or not isinstance(lost, numbers.Real):
-                raise InvalidArgumentError(f"device_lost_at_s must be a finite number of seconds >= 0 or None, got "
-                                           f"{type(lost).__name__} {lost!r}"[:200])
-            try:
-                lost_s = float(lost)
-            except (OverflowError, ValueError, TypeError):
-                raise InvalidArgumentError("device_lost_at_s is too large for a float") from None
-            if not math.isfinite(lost_s) or lost_s < 0:
-                raise InvalidArgumentError(f"device_lost_at_s must be a finite number of seconds >= 0, got {lost!r}")
+            lost_s = check_duration(self.device_lost_at_s, what="device_lost_at_s")
             object.__setattr__(self, "device_lost_at_s", lost_s)
         object.__setattr__(self, "fail_allocation_calls",
                            _call_indices(self.fail_allocation_calls, "fail_allocation_calls"))

@@ -2,60 +2,26 @@
 
 Note [Latency calibration]
 --------------------------
-Every figure below is the geometric mean of three calibrations of the H200
-we test on by ``sim/calibrate.py`` (driver 580.159.04):
-``reports/hil/calibrate-h200-2026-11-22.json`` and the two HIL records'
-fidelity runs of 2026-11-22 (``reports/hil/hil-nvidia-h200-2026-11-22.json``
-keeps the calibration it measured); ``python -m sim.fit_latency FILE...``
-prints the table and the fits. The runs differ more than expected: the same
-call took up to 2.7x longer in one run than in another (the host's load and
-clock, the driver's state), so a model fitted to one run was up to 2.9x off
-on the next. The geometric mean is the figure whose largest ratio to any run
-is smallest. ``cuMemCreate`` of 1 GiB is bimodal (117.6 and 116.9 µs in two
-runs, 16.3 µs in the third): no figure is within 2x of both modes.
+The figures below, and the runs they come from, are in ``reports/sim-latency-model.md``: the
+geometric mean of three calibrations of the H200 we test on (``sim/calibrate.py``;
+``python -m sim.fit_latency FILE...`` prints the table and the fits). Why a geometric mean:
+the same call took up to 2.7x longer in one run than in another (the host's load and clock, the
+driver's state), so a model fitted to one run was up to 2.9x off on the next; the geometric mean is
+the figure whose largest ratio to any run is smallest.
 
-The driver calls were timed from Python through cuda-bindings; the binding's
-own cost (a call that does nothing, ``cuCtxGetDevice``: 0.2-0.8 µs) is taken
-off each, since the native engine calls the driver directly. The runtime
-calls (``cudaMalloc``, ``cudaFree``, ``cudaMemGetInfo``) are as CuPy sees them.
-
-* ``cudaMalloc`` + ``cudaFree`` pairs: 84.6 µs up to 1 MiB, 152.0 µs at
-  64 MiB, 641.4 µs at 1 GiB; interpolated linearly in the size between those
-  points, extrapolated with the last slope beyond 1 GiB, and split between the
-  two calls in the ratio :attr:`LatencyModel.malloc_share`.
-* ``cuMemCreate``: 10.7 µs at 2 MiB, 11.1 at 32 MiB, 16.5 at 256 MiB, 60.8 at
-  1 GiB; ``cuMemRelease``: 12.1, 25.4, 118.7 and 437.2 µs at those sizes
-  (releasing costs more than creating, and grows with the size). Interpolated
-  like the malloc pairs.
-* ``cuMemMap``: 2.1 µs, about the same for one 2 MiB page and a 64 MiB chunk.
-* ``cuMemSetAccess`` over a range of ``k`` mappings and ``n`` MiB:
-  1.5 + 29.5 k + 0.18 n µs, fitted to one page (31.3 µs), one call over 32
-  one-page mappings (957 µs: the cost is per mapping, one call over many saves
-  almost nothing) and one 64 MiB mapping (42.6 µs).
-* ``cuMemUnmap`` likewise: 19.4 k + 0.10 n µs (one page 19.4 µs, 32 one-page
-  mappings in one call 630 µs, one 64 MiB mapping 25.8 µs; the exact fit has
-  a fixed part of -0.3 µs, taken as none).
-* ``cuMemAddressReserve`` 2.8 µs for every size (1 GiB and 1 TiB cost 2.7
-  and 3.0 µs); ``cuMemAddressFree`` grows with the size: 2.8 µs at 1 GiB,
-  5.1 µs at 1 TiB, interpolated like the malloc pairs (one figure for both,
-  3.6 µs, was 2.2x off on a run that freed 1 GiB in 1.6 µs).
-* ``cudaMemGetInfo`` 5.8 µs (6.0; ``cuMemGetInfo`` 5.7); ``cudaGetDeviceProperties``
-  1.26 ms (devices cache it: a simulated ``properties()`` costs nothing).
-* Events and streams: ``cuEventCreate`` + ``cuEventRecord`` (what
-  ``event_record`` stands for) 0.9 µs, ``cuEventQuery`` 0.35 µs,
-  ``cuEventDestroy`` 0.4 µs, ``cuStreamWaitEvent`` 0.8 µs,
-  ``cuStreamSynchronize`` / ``cuEventSynchronize`` with nothing to wait for
-  0.7 µs (waiting adds the simulated time the work still needs),
-  ``cuCtxSynchronize`` 0.8 µs, ``cuStreamCreate`` 2.8 µs, ``cuStreamDestroy``
-  2.0 µs.
-
-Not measured yet, estimates: a kernel launch (``launch_us``, near 4 µs of host
-time in published microbenchmarks) and the fixed cost of a copy
-(``copy_launch_us``); copies then run at the profile's bandwidth.
-
-The same driver costs serve every profile: they are host-side driver work, and
-no other card was measured (an H100 runs the same driver on the same kind of
-host; smaller cards are likely slower, never measured here).
+* Driver calls were timed from Python through cuda-bindings; the binding's own cost (a call that
+  does nothing) is taken off each, since the native engine calls the driver directly. The runtime
+  calls (``cudaMalloc``, ``cudaFree``, ``cudaMemGetInfo``) are as CuPy sees them.
+* A cost that grows with the size (``cudaMalloc`` + ``cudaFree`` pairs, ``cuMemCreate``,
+  ``cuMemRelease``, ``cuMemAddressFree``) is interpolated linearly between the measured sizes and
+  extrapolated with the last slope; a pair is split between its two calls by
+  :attr:`LatencyModel.malloc_share`.
+* ``cuMemSetAccess`` and ``cuMemUnmap`` cost a fixed part, a part per mapping and a part per MiB:
+  one call over many mappings saves almost nothing over one call each.
+* Not measured yet, estimates: a kernel launch (``launch_us``) and the fixed cost of a copy
+  (``copy_launch_us``); copies then run at the profile's bandwidth.
+* The same driver costs serve every profile: they are host-side driver work, and no other card was
+  measured (an H100 runs the same driver on the same kind of host).
 
 Simulated time only moves the SimPy clock; nothing sleeps for real.
 """

@@ -22,29 +22,21 @@ that the process could hold at that moment while leaving the reserve free::
 
     feasible = min(full, free + held - reserve)
 
-where ``full`` is ``dequant + cap * per_sample`` clamped to [min, max] (``cap`` the GPU class's batch
-cap), ``free`` what the device reports free, ``held`` what this process's workspace holds and ``reserve``
-what the reserve rule keeps free (the emergency part of :func:`gpumem.managers.reserve.compute_reserve`,
-Note [Which part of the reserve] in :mod:`.sizing`). ``free + held`` is what would be free if the
-workspace held nothing: other tenants' memory and the CUDA context are not ours to take, and the
-reserve is what allocations outside the workspace need. The **share of the feasible maximum used** is
-``sum(min(held, feasible)) / sum(feasible)`` over the steps (steps are equally long: a time average):
-what a rule holds beyond the feasible maximum is not counted as use. A step where the process holds a
-workspace and the device has less than the reserve free (the workspace eats into the reserve) is
-counted in ``over_steps``.
-Since ``full`` holds the class's batch cap, a workspace that holds the capped batch scores 100 % even
-where free memory would allow far more (from the 8 - 24 GB class up, the cap binds for common layers):
-that is the definition the issue's batch caps imply. **Beside it**, ``used_share_uncapped`` measures the
-same against what free memory would allow *without the class cap*::
+``full`` is ``dequant + cap * per_sample`` clamped to [min, max] (``cap`` the GPU class's batch cap),
+``free`` what the device reports free, ``held`` what this process's workspace holds, ``reserve`` the
+emergency part of :func:`gpumem.managers.reserve.compute_reserve` (Note [Which part of the reserve] in
+:mod:`.sizing`). ``free + held`` is what would be free with no workspace: other tenants' memory and the
+CUDA context are not ours to take, and the reserve is for allocations outside the workspace. The
+**share used** is ``sum(min(held, feasible)) / sum(feasible)`` over the (equally long) steps: what a
+rule holds beyond the feasible maximum is not use. A step where a held workspace leaves less than the
+reserve free counts in ``over_steps``; one whose feasible maximum is below the minimum workspace, in
+``infeasible_steps``.
 
-    feasible_uncapped = min(full_uncapped, free + held - reserve)
-
-where ``full_uncapped`` is ``dequant + ABSOLUTE_MAX_BATCH_SIZE * per_sample`` clamped to [min, max]: the
-class cap removed, the rule's absolute limits (the batch maximum of 1024 and the 64 GiB clamp), which no
-size ever goes beyond, kept. It shows how much of the room the class cap leaves unused
-(``batch_share_uncapped``: the same for the batch, which the dequantized weights do not dilute).
-A step with a feasible maximum below the minimum workspace has no feasible workspace at all
-(``infeasible_steps``); none occurs in the shipped scenario.
+Since ``full`` holds the class's batch cap, a workspace holding the capped batch scores 100 % even where
+free memory would allow far more: the definition the issue's batch caps imply. Beside it,
+``used_share_uncapped`` (and ``batch_share_uncapped`` for the batch) measures against
+``full_uncapped = dequant + ABSOLUTE_MAX_BATCH_SIZE * per_sample`` clamped to [min, max]: the class cap
+removed, the rule's absolute limits kept. It shows how much room the class cap leaves unused.
 """
 
 from __future__ import annotations

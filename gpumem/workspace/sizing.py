@@ -82,19 +82,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 USABLE_FRACTION = 0.95
-"""Share of the memory free after the reserve that a workspace may take (Note [The batch a workspace holds]
-----------------------------------
-The batch reported with a workspace is always what that workspace holds, after every clamp
-(:func:`batch_for_workspace`, shared by :func:`size_workspace` and :class:`~gpumem.workspace.Workspace`):
-
-* **not tiled** (``workspace >= dequant + per_sample``): ``batch = min(cap, (workspace - dequant) //
-  per_sample)``, so ``workspace >= dequant + batch * per_sample`` always;
-* **tiled** (``workspace < dequant + per_sample``: the whole dequantized matrix and one sample do not fit,
-  because of the memory available or of :data:`MAX_WORKSPACE_NBYTES`): ``batch = 1``; the workspace holds
-  one sample's intermediates (``workspace >= per_sample``, the minimum workspace) and the rest is for
-  the tiles the kernel dequantizes one after the other.
-
-Note [The usable share])."""
+"""Share of the memory free after the reserve that a workspace may take (Note [The usable share])."""
 
 ABSOLUTE_MAX_BATCH_SIZE = 1024
 """No batch above this, whatever the class or a caller's ``max_batch_size`` says."""

@@ -262,13 +262,13 @@ def test_snapshot_on_oom_opt_in_and_off(fake_torch, tmp_path: Path) -> None:
     with pytest.raises(fake_torch.OutOfMemoryError):
         fake_torch.cuda.fake_alloc(2 << 20)
     assert not list(tmp_path.iterdir())  # not opted in: nothing
-    gpumem.torch.snapshot_on_oom(tmp_path / "oom")
+    gpumem.snapshot_on_oom(tmp_path / "oom")
     fake_torch.cuda.fake_alloc(3000)
     with pytest.raises(fake_torch.OutOfMemoryError):
         fake_torch.cuda.fake_alloc(2 << 20)
     reports = list((tmp_path / "oom").glob("*.txt"))
     assert len(reports) == 1 and "test_record.py" in reports[0].read_text()
-    gpumem.torch.snapshot_on_oom(None)
+    gpumem.snapshot_on_oom(None)
     with pytest.raises(fake_torch.OutOfMemoryError):
         fake_torch.cuda.fake_alloc(2 << 20)
     assert len(list((tmp_path / "oom").glob("*.txt"))) == 1

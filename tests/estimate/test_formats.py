@@ -9,7 +9,8 @@ import pytest
 from gpumem.cli import main
 from gpumem.errors import InvalidArgumentError
 from gpumem.estimate import ModelShape, estimate_inference_memory, from_hf_config, inference_trace
-from gpumem.estimate.formats import WEIGHT_FORMATS, custom_bits, dequant_workspace_nbytes, weight_format
+from gpumem.estimate.formats import WEIGHT_FORMATS, custom_bits, weight_format
+from gpumem.estimate.formulas import dequant_workspace_nbytes
 from gpumem.estimate.shape import config_weight_format
 from gpumem.estimate.workload import loaded_weight_nbytes, param_nbytes, weights_nbytes
 from gpumem.specs import open_device

@@ -14,11 +14,11 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
-#include <iterator>
 #include <new>
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "engine.h"
@@ -766,6 +766,8 @@ const StatField kStatFields[] = {
 };
 #undef STAT
 #undef BACKING_STAT
+static_assert(sizeof(EngineStats) == sizeof(kStatFields) / sizeof(kStatFields[0]) * sizeof(std::uint64_t),
+              "every EngineStats member (all std::uint64_t) has its row in kStatFields");
 
 // The rows of kStatFields whose `counter` is `counters`, as a dict of their values now.
 PyObject* stats_dict(AllocObject* self, bool counters) {
@@ -791,6 +793,21 @@ PyObject* stats_dict(AllocObject* self, bool counters) {
         Py_DECREF(o);
     }
     return d;
+}
+
+// The names of the rows of `table` that `keep` accepts, as a tuple; null with an error set.
+template <class Row, std::size_t N, class Keep>
+PyObject* field_names(const Row (&table)[N], Keep keep) {
+    PyObject* out = PyList_New(0);
+    for (const Row& row : table) {
+        if (!out || !keep(row)) continue;
+        PyObject* name = PyUnicode_FromString(row.name);
+        if (!name || PyList_Append(out, name) < 0) Py_CLEAR(out);
+        Py_XDECREF(name);
+    }
+    PyObject* tuple = out ? PyList_AsTuple(out) : nullptr;
+    Py_XDECREF(out);
+    return tuple;
 }
 
 PyObject* Alloc_stats(AllocObject* self, PyObject*) { return stats_dict(self, true); }
@@ -1043,33 +1060,17 @@ PyMODINIT_FUNC PyInit__engine(void) {
     }
     // Note [The policy and the stats from one table each]: the tables' names, for the test that holds
     // them to the dataclasses
-    PyObject* policy_fields = PyTuple_New(static_cast<Py_ssize_t>(std::size(kPolicyFields)));
-    PyObject* stats_fields = PyList_New(0);
-    PyObject* backing_fields = PyList_New(0);
-    bool ok = policy_fields && stats_fields && backing_fields;
-    for (std::size_t i = 0; ok && i < std::size(kPolicyFields); ++i) {
-        PyObject* name = PyUnicode_FromString(kPolicyFields[i].name);
-        ok = name != nullptr;
-        if (ok) PyTuple_SET_ITEM(policy_fields, static_cast<Py_ssize_t>(i), name);
+    const std::pair<const char*, PyObject*> names[] = {
+        {"POLICY_FIELDS", field_names(kPolicyFields, [](const PolicyField&) { return true; })},
+        {"STATS_FIELDS", field_names(kStatFields, [](const StatField& f) { return f.counter; })},
+        {"BACKING_STATS_FIELDS", field_names(kStatFields, [](const StatField& f) { return !f.counter; })},
+    };
+    bool ok = true;
+    for (const auto& [attr, value] : names) {
+        if (ok && value && PyModule_AddObject(m, attr, value) == 0) continue;   // the reference is stolen
+        ok = false;
+        Py_XDECREF(value);
     }
-    for (const StatField& f : kStatFields) {
-        PyObject* name = ok ? PyUnicode_FromString(f.name) : nullptr;
-        ok = name && PyList_Append(f.counter ? stats_fields : backing_fields, name) == 0;
-        Py_XDECREF(name);
-    }
-    PyObject* stats_tuple = ok ? PyList_AsTuple(stats_fields) : nullptr;
-    PyObject* backing_tuple = stats_tuple ? PyList_AsTuple(backing_fields) : nullptr;
-    Py_XDECREF(stats_fields);
-    Py_XDECREF(backing_fields);
-    ok = backing_tuple && PyModule_AddObject(m, "POLICY_FIELDS", policy_fields) == 0;
-    if (ok) policy_fields = nullptr;   // stolen
-    ok = ok && PyModule_AddObject(m, "STATS_FIELDS", stats_tuple) == 0;
-    if (ok) stats_tuple = nullptr;
-    ok = ok && PyModule_AddObject(m, "BACKING_STATS_FIELDS", backing_tuple) == 0;
-    if (ok) backing_tuple = nullptr;
-    Py_XDECREF(policy_fields);
-    Py_XDECREF(stats_tuple);
-    Py_XDECREF(backing_tuple);
     if (!ok) {
         Py_DECREF(m);
         return nullptr;

@@ -97,6 +97,32 @@ struct EngineStats {
     std::uint64_t leaked_nbytes = 0;
 };
 
+// One row per EngineStats member, in order: what the Python binding (module.cpp) and the C API
+// (torch_api.cpp) walk to name and read the stats (Note [The policy and the stats from one table
+// each] in module.cpp). `counter`: a field of AllocatorStats, else one of the backing's own.
+struct StatField {
+    const char* name;
+    std::uint64_t EngineStats::*member;
+    bool counter;
+};
+#define GPUMEM_STAT(name, counter) StatField{#name, &EngineStats::name, counter}
+inline constexpr StatField kStatFields[] = {
+    GPUMEM_STAT(allocated_nbytes, true), GPUMEM_STAT(requested_nbytes, true), GPUMEM_STAT(reserved_nbytes, true),
+    GPUMEM_STAT(active_nbytes, true), GPUMEM_STAT(inactive_split_nbytes, true),
+    GPUMEM_STAT(largest_free_nbytes, true), GPUMEM_STAT(peak_allocated_nbytes, true),
+    GPUMEM_STAT(peak_requested_nbytes, true), GPUMEM_STAT(peak_reserved_nbytes, true), GPUMEM_STAT(num_allocs, true),
+    GPUMEM_STAT(num_frees, true), GPUMEM_STAT(num_live_blocks, true), GPUMEM_STAT(num_free_blocks, true),
+    GPUMEM_STAT(num_segments, true), GPUMEM_STAT(num_splits, true), GPUMEM_STAT(cache_hits, true),
+    GPUMEM_STAT(cache_misses, true), GPUMEM_STAT(num_alloc_retries, true), GPUMEM_STAT(num_ooms, true),
+    GPUMEM_STAT(num_gc_releases, true), GPUMEM_STAT(device_calls, true), GPUMEM_STAT(event_calls, true),
+    GPUMEM_STAT(n_chunks, false), GPUMEM_STAT(n_steals, false), GPUMEM_STAT(n_waits, false),
+    GPUMEM_STAT(n_ranges, false), GPUMEM_STAT(va_nbytes, false), GPUMEM_STAT(granularity_nbytes, false),
+    GPUMEM_STAT(leaked_nbytes, false),
+};
+#undef GPUMEM_STAT
+static_assert(sizeof(EngineStats) == sizeof(kStatFields) / sizeof(kStatFields[0]) * sizeof(std::uint64_t),
+              "every EngineStats member (all std::uint64_t) has its row in kStatFields");
+
 enum class EngineErrorKind : int {
     kInvalidArgument = 1,   // gpumem.errors.InvalidArgumentError
     kInvalidPointer = 2,    // InvalidPointerError

@@ -31,6 +31,8 @@ using gpumem::EngineError;
 using gpumem::EngineErrorKind;
 using gpumem::EngineStats;
 using gpumem::PyDeviceBackend;
+using gpumem::StatField;
+using gpumem::kStatFields;
 
 namespace {
 
@@ -278,8 +280,8 @@ bool to_u64_clamped(PyObject* o, std::uint64_t* out) {
 // dataclass: how the engine takes it (a u64, a double, a bool, the growth rule) and where it goes in
 // EngineConfig, or why the engine does not read it (a label, a segment-mode knob, the choice of
 // engine made in Python) or needs it None (pages of their own size). The stats dict is built by
-// walking kStatFields (one row per EngineStats member: the AllocatorStats counters, then the
-// backing's own). Both tables are exported (POLICY_FIELDS, STATS_FIELDS, BACKING_STATS_FIELDS) and
+// walking kStatFields (engine.h: one row per EngineStats member, the AllocatorStats counters, then
+// the backing's own; torch_api.cpp walks it too). Both tables are exported (POLICY_FIELDS, STATS_FIELDS, BACKING_STATS_FIELDS) and
 // tests/allocator/test_native_differential.py holds them to dataclasses.fields(): a field added to
 // AllocatorPolicy or AllocatorStats that the engine does not know fails a test, where a hand-written
 // list of keyword arguments let it be dropped silently.
@@ -746,29 +748,6 @@ PyObject* Alloc_close(AllocObject* self, PyObject*) {
     });
 }
 
-// One row per EngineStats member (Note [The policy and the stats from one table each]): the counters
-// of AllocatorStats, in its order, then the backing's own (VirtualBacking's describe() and counters).
-struct StatField {
-    const char* name;
-    std::size_t offset;
-    bool counter;   // an AllocatorStats field (stats()), else the backing's (backing_stats())
-};
-#define STAT(name) {#name, offsetof(EngineStats, name), true}
-#define BACKING_STAT(name) {#name, offsetof(EngineStats, name), false}
-const StatField kStatFields[] = {
-    STAT(allocated_nbytes), STAT(requested_nbytes), STAT(reserved_nbytes), STAT(active_nbytes),
-    STAT(inactive_split_nbytes), STAT(largest_free_nbytes), STAT(peak_allocated_nbytes),
-    STAT(peak_requested_nbytes), STAT(peak_reserved_nbytes), STAT(num_allocs), STAT(num_frees),
-    STAT(num_live_blocks), STAT(num_free_blocks), STAT(num_segments), STAT(num_splits), STAT(cache_hits),
-    STAT(cache_misses), STAT(num_alloc_retries), STAT(num_ooms), STAT(num_gc_releases), STAT(device_calls),
-    STAT(event_calls), BACKING_STAT(n_chunks), BACKING_STAT(n_steals), BACKING_STAT(n_waits),
-    BACKING_STAT(n_ranges), BACKING_STAT(va_nbytes), BACKING_STAT(granularity_nbytes), BACKING_STAT(leaked_nbytes),
-};
-#undef STAT
-#undef BACKING_STAT
-static_assert(sizeof(EngineStats) == sizeof(kStatFields) / sizeof(kStatFields[0]) * sizeof(std::uint64_t),
-              "every EngineStats member (all std::uint64_t) has its row in kStatFields");
-
 // The rows of kStatFields whose `counter` is `counters`, as a dict of their values now.
 PyObject* stats_dict(AllocObject* self, bool counters) {
     CHECK_ALIVE(self);
@@ -783,8 +762,7 @@ PyObject* stats_dict(AllocObject* self, bool counters) {
     if (!d) return nullptr;
     for (const StatField& f : kStatFields) {
         if (f.counter != counters) continue;
-        std::uint64_t v = *reinterpret_cast<const std::uint64_t*>(reinterpret_cast<const char*>(&st) + f.offset);
-        PyObject* o = PyLong_FromUnsignedLongLong(v);
+        PyObject* o = PyLong_FromUnsignedLongLong(st.*f.member);
         if (!o || PyDict_SetItemString(d, f.name, o) < 0) {
             Py_XDECREF(o);
             Py_DECREF(d);

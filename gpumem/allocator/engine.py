@@ -11,7 +11,7 @@ every call to the engine through :class:`Engine`. The out-of-memory error of bot
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..errors import InvalidArgumentError, OutOfMemoryError
 from ..units import format_bytes
@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Engine", "OomCause", "oom_error", "too_large_hint", "no_history_error"]
 
 
+@runtime_checkable
 class Engine(Protocol):
     """One allocator engine over one device, under one policy.
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import NoReturn
 
 from ..device import Device
 from ..errors import (DeviceClosedError, DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError,
@@ -67,7 +68,8 @@ class NativeEngine:
         self.describe = ext.describe
 
     @property
-    def backing(self) -> None:
+    def backing(self) -> NoReturn:
+        """The Python engine's backing: none here (:attr:`~.caching.CachingAllocator.backing`)."""
         raise UnsupportedOperationError("the native engine's backing is C++: create the allocator with "
                                         "engine='python' to look inside it")
 

@@ -100,11 +100,12 @@ class PythonEngine:
         with self._lock:
             if self._lost is None and not self._closed and not self.device.closed:
                 free_list = self._free_lists.get((small, stream))
-                block = free_list.best_fit(size) if free_list is not None else None
-                if block is not None and self.backing.commit_quietly(block, self._kept_nbytes(block, size, small)):
-                    free_list.remove(block)  # type: ignore[union-attr]
-                    self._stats.cache_hits += 1
-                    return self._hand_out(self._split(block, size, small, free_list), nbytes, stream)  # type: ignore[arg-type]
+                if free_list is not None:
+                    block = free_list.best_fit(size)
+                    if block is not None and self.backing.commit_quietly(block, self._kept_nbytes(block, size, small)):
+                        free_list.remove(block)
+                        self._stats.cache_hits += 1
+                        return self._hand_out(self._split(block, size, small, free_list), nbytes, stream)
         with self._operation():
             if self._closed:
                 raise InvalidArgumentError("allocator is closed")

@@ -25,7 +25,7 @@ from types import ModuleType
 
 from .errors import BackendUnavailableError
 
-__all__ = ["engine", "native_module", "library_path", "NativeEngineWarning"]
+__all__ = ["engine", "load_engine", "native_module", "library_path", "NativeEngineWarning"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,16 @@ def _load() -> tuple[ModuleType | None, str]:
     return module, ""
 
 
+def load_engine(*, warn: bool = False) -> ModuleType | None:
+    """The native extension module ``gpumem._engine``, or None when it was not built (imported once per
+    process: Note [Loading the engine once]); with ``warn``, a missing engine warns once
+    (:class:`NativeEngineWarning`)."""
+    module, why = _load()
+    if module is None and warn:
+        _warn_once(why)
+    return module
+
+
 def native_module() -> ModuleType:
     """The native extension module ``gpumem._engine``.
 
@@ -69,11 +79,7 @@ def engine() -> str:
     The first call that finds no native engine warns once (:class:`NativeEngineWarning`) with the reason and how to build it; gpumem keeps working on its pure-Python engine,
     only slower.
     """
-    module, why = _load()
-    if module is not None:
-        return "native"
-    _warn_once(why)
-    return "python"
+    return "python" if load_engine(warn=True) is None else "native"
 
 
 @functools.cache
@@ -81,7 +87,7 @@ def _warn_once(why: str) -> None:
     message = (f"gpumem's native engine is not available ({why}); gpumem runs on its pure-Python engine, "
                f"which is much slower. To build the native engine, {HOW_TO_BUILD}.")
     log.debug(message)  # the warning below is the one message people see
-    warnings.warn(message, NativeEngineWarning, stacklevel=3)
+    warnings.warn(message, NativeEngineWarning, stacklevel=4)
 
 
 def library_path() -> str:

@@ -13,11 +13,11 @@ Traceback (most recent call last):
 ...
 gpumem.errors.InvalidArgumentError: stream must be an int in [0, 2**64), got 18446744073709551617
 
-Note [Checks on hot paths]: the checks cost a Python call, which the hottest paths (an allocation
-served from the cache) avoid with an inline guard that lets only the common good case through,
-``if type(x) is not int or not 0 <= x < STREAM_END: x = check_stream(x)``, so that a bad or unusual
-argument still goes through the one check here. The native engine makes the same guard in C and
-calls these for everything else (:mod:`gpumem.allocator.native`).
+Note [Checks on hot paths]: the checks cost a Python call, which the native engine's hot path (an
+allocation served from the cache, in C) avoids with an inline guard that lets only the common good case
+through (an exact int in range), so that a bad or unusual argument still goes through the one check here
+(:mod:`gpumem.allocator.native` calls these for it). The Python engine, the readable reference, simply
+calls them.
 """
 
 from __future__ import annotations

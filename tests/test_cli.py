@@ -971,7 +971,7 @@ def test_replay_oom_under_a_limit_below_the_peak_says_no_allocator_could_fit(cap
 
 def test_export_snapshot_says_it_runs_on_the_python_engine(capsys, tmp_path, trace_file):
     """Issue 20 item 7: --export-snapshot switched to the (slower) Python engine without a word."""
-    from gpumem.allocator.native import load_engine
+    from gpumem.native import load_engine
 
     if load_engine() is None:
         pytest.skip("the native engine is not built: nothing switches")

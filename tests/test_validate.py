@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from gpumem import sim, validate
 from gpumem.allocator import CachingAllocator
 from gpumem.allocator.bucket import BucketAllocator
-from gpumem.allocator.native import load_engine
+from gpumem.native import load_engine
 from gpumem.errors import InvalidArgumentError
 from gpumem.managers.resource import AllocatorResource, DeviceResource
 from gpumem.units import MiB

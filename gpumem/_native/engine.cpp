@@ -195,7 +195,7 @@ using detail::FreeList;
 using detail::VSeg;
 
 namespace {
-constexpr std::size_t kFreedMemory = 65536;   // caching.py _FREED_MEMORY
+constexpr std::size_t kFreedMemory = 65536;   // python_engine.py _FREED_MEMORY
 
 std::string hex(std::uint64_t v) {
     char buf[32];
@@ -404,7 +404,7 @@ Block* Engine::fl_best_fit(FreeList* fl, std::uint64_t size) {
     return it == fl->blocks.end() ? nullptr : *it;
 }
 
-// -- free lists (CachingAllocator._free_lists, an insertion-ordered dict) ------------------------------
+// -- free lists (PythonEngine._free_lists, an insertion-ordered dict) ------------------------------
 FreeList* Engine::free_list_get(bool small, std::uint64_t stream) {
     auto& idx = fl_index_[small ? 1 : 0];
     auto it = idx.find(stream);
@@ -422,7 +422,7 @@ FreeList* Engine::free_list_make(bool small, std::uint64_t stream) {
     return fl;
 }
 
-// CachingAllocator._free_list_of
+// PythonEngine._free_list_of
 FreeList* Engine::free_list_of(const Block* b) {
     bool small = b->seg && b->seg->small && cfg_.separate_small_pool;
     return free_list_make(small, b->stream);
@@ -1479,7 +1479,7 @@ std::uint64_t Engine::backing_largest_free_nbytes() const {
     return std::max(largest, cached);
 }
 
-// -- caching.py: CachingAllocator -------------------------------------------------------------------------
+// -- python_engine.py: PythonEngine -------------------------------------------------------------------------
 void Engine::note_lost(const std::string& what) {
     lost_ = true;
     lost_what_ = what;
@@ -1489,7 +1489,7 @@ void Engine::check_usable_op() {
     if (lost_) throw EngineError(EngineErrorKind::kDeviceLost, "the device was lost: " + lost_what_);
 }
 
-// Runs an operation body; a device loss is remembered (CachingAllocator._operation).
+// Runs an operation body; a device loss is remembered (PythonEngine._operation).
 #define GPUMEM_OPERATION(...)                                         \
     try {                                                             \
         __VA_ARGS__                                                   \
@@ -1515,7 +1515,7 @@ std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stre
     return hand_out(split(b, size, small, fl), nbytes, stream);
 }
 
-// CachingAllocator.allocate
+// PythonEngine.allocate
 std::uint64_t Engine::allocate(std::uint64_t nbytes, std::uint64_t stream) {
     if (nbytes == 0) throw EngineError(EngineErrorKind::kInvalidArgument, "nbytes must be positive, got 0");
     const std::uint64_t r = cfg_.round_nbytes;
@@ -1545,7 +1545,7 @@ void Engine::check_open() {
     if (closed_) throw EngineError(EngineErrorKind::kClosed, "allocator is closed");
 }
 
-// CachingAllocator._allocate_slow
+// PythonEngine._allocate_slow
 std::uint64_t Engine::allocate_slow(std::uint64_t nbytes, std::uint64_t size, bool small, std::uint64_t stream) {
     std::uint64_t total = total_nbytes_;
     if (size > total || (cfg_.limit_nbytes && size > cfg_.limit_nbytes)) {
@@ -1584,7 +1584,7 @@ std::uint64_t Engine::allocate_slow(std::uint64_t nbytes, std::uint64_t size, bo
     return hand_out(b, nbytes, stream);
 }
 
-// CachingAllocator._hand_out
+// PythonEngine._hand_out
 std::uint64_t Engine::hand_out(Block* b, std::uint64_t nbytes, std::uint64_t stream) {
     (void)stream;
     b->allocated = true;
@@ -1611,7 +1611,7 @@ bool Engine::try_free_fast(std::uint64_t ptr) {
     return true;
 }
 
-// CachingAllocator.free
+// PythonEngine.free
 void Engine::free(std::uint64_t ptr) {
     Guard guard(*this);
     if (!lost_) {
@@ -1644,7 +1644,7 @@ void Engine::free(std::uint64_t ptr) {
     })
 }
 
-// CachingAllocator._free_booked
+// PythonEngine._free_booked
 void Engine::free_booked(std::uint64_t ptr, Block* b) {
     live_.erase(ptr);
     if (!freed_.get(ptr)) {
@@ -1670,7 +1670,7 @@ void Engine::free_booked(std::uint64_t ptr, Block* b) {
     insert_free(b);
 }
 
-// CachingAllocator._grow
+// PythonEngine._grow
 Block* Engine::grow(bool small, std::uint64_t stream, std::uint64_t size, FreeList* fl, std::uint64_t nbytes) {
     ++st_.cache_misses;
     if (cfg_.gc_threshold > 0) {
@@ -1690,7 +1690,7 @@ Block* Engine::grow(bool small, std::uint64_t stream, std::uint64_t size, FreeLi
     return retry_after_release(small, stream, size, fl, nbytes);
 }
 
-// CachingAllocator._grow_once (virtual memory)
+// PythonEngine._grow_once (virtual memory)
 Block* Engine::grow_once(bool small, std::uint64_t stream, std::uint64_t size, FreeList* fl) {
     VSeg* vseg = range_of(small);
     Block* tail = vseg->last;
@@ -1706,7 +1706,7 @@ Block* Engine::grow_once(bool small, std::uint64_t stream, std::uint64_t size, F
     return b;
 }
 
-// CachingAllocator._release_cached
+// PythonEngine._release_cached
 std::uint64_t Engine::release_cached_all(bool wait) {
     std::uint64_t released = backing_release_cached(wait);
     for (auto& up : vsegs_) {
@@ -1722,7 +1722,7 @@ std::uint64_t Engine::release_cached_all(bool wait) {
     return released;
 }
 
-// CachingAllocator._anything_to_wait_for
+// PythonEngine._anything_to_wait_for
 bool Engine::anything_to_wait_for() {
     if (!pending_.empty()) return true;
     if (!unmapped_.empty()) return true;
@@ -1733,7 +1733,7 @@ bool Engine::anything_to_wait_for() {
     return false;
 }
 
-// CachingAllocator._reown_idle
+// PythonEngine._reown_idle
 bool Engine::reown_idle(std::uint64_t stream, FreeList* fl) {
     bool pool = fl->small;
     bool moved = false;
@@ -1759,7 +1759,7 @@ bool Engine::reown_idle(std::uint64_t stream, FreeList* fl) {
     return moved;
 }
 
-// CachingAllocator._retry_after_release
+// PythonEngine._retry_after_release
 Block* Engine::retry_after_release(bool small, std::uint64_t stream, std::uint64_t size, FreeList* fl,
                                    std::uint64_t nbytes) {
     for (int w = 0; w < 2; ++w) {
@@ -1790,14 +1790,14 @@ Block* Engine::retry_after_release(bool small, std::uint64_t stream, std::uint64
     throw EngineError(EngineErrorKind::kInternal, "unreachable");
 }
 
-// CachingAllocator._kept_nbytes
+// PythonEngine._kept_nbytes
 std::uint64_t Engine::kept_nbytes(const Block* b, std::uint64_t size, bool small) const {
     std::uint64_t remaining = b->size - size;
     std::uint64_t min_rest = small ? cfg_.min_split_small_nbytes : cfg_.min_split_large_nbytes;
     return (remaining >= min_rest && remaining > 0) ? size : b->size;
 }
 
-// CachingAllocator._split
+// PythonEngine._split
 Block* Engine::split(Block* b, std::uint64_t size, bool small, FreeList* fl) {
     std::uint64_t remaining = b->size - size;
     std::uint64_t min_rest = small ? cfg_.min_split_small_nbytes : cfg_.min_split_large_nbytes;
@@ -1808,7 +1808,7 @@ Block* Engine::split(Block* b, std::uint64_t size, bool small, FreeList* fl) {
     return b;
 }
 
-// CachingAllocator._insert_free
+// PythonEngine._insert_free
 void Engine::insert_free(Block* b) {
     FreeList* fl = free_list_of(b);
     Block* prev = b->prev;
@@ -1824,7 +1824,7 @@ void Engine::insert_free(Block* b) {
     fl_add(fl, b);
 }
 
-// CachingAllocator._process_pending
+// PythonEngine._process_pending
 std::uint64_t Engine::process_pending(bool wait) {
     std::uint64_t done = 0;
     std::vector<Block*> pending;
@@ -1872,7 +1872,7 @@ std::uint64_t Engine::process_pending(bool wait) {
     return done;
 }
 
-// CachingAllocator._oom_error (the numbers; the binding writes the message and the hint)
+// PythonEngine._oom_error (the numbers; the binding writes the message and the hint)
 EngineError Engine::oom_error(std::uint64_t nbytes, OomCause cause, void* cause_exc) {
     std::uint64_t f, t;
     backend_.mem_info(&f, &t);
@@ -1892,7 +1892,7 @@ EngineError Engine::oom_error(std::uint64_t nbytes, OomCause cause, void* cause_
                                  std::to_string(f) + " bytes free of " + std::to_string(t));
 }
 
-// CachingAllocator._inside_live
+// PythonEngine._inside_live
 std::string Engine::inside_live(std::uint64_t ptr) const {
     std::string out;
     live_.for_each([&](std::uint64_t addr, void* v) {
@@ -1904,7 +1904,7 @@ std::string Engine::inside_live(std::uint64_t ptr) const {
     return out;
 }
 
-// CachingAllocator.record_stream
+// PythonEngine.record_stream
 void Engine::record_stream(std::uint64_t ptr, std::uint64_t stream) {
     Guard guard(*this);
     check_usable_op();
@@ -1921,7 +1921,7 @@ void Engine::record_stream(std::uint64_t ptr, std::uint64_t stream) {
     }
 }
 
-// CachingAllocator.synchronize
+// PythonEngine.synchronize
 void Engine::synchronize() {
     Guard guard(*this);
     check_usable_op();
@@ -1931,7 +1931,7 @@ void Engine::synchronize() {
     })
 }
 
-// CachingAllocator.empty_cache
+// PythonEngine.empty_cache
 std::uint64_t Engine::empty_cache() {
     Guard guard(*this);
     check_usable_op();
@@ -1954,7 +1954,7 @@ std::uint64_t Engine::empty_cache() {
     })
 }
 
-// CachingAllocator._streams_in_use (sorted)
+// PythonEngine._streams_in_use (sorted)
 std::vector<std::uint64_t> Engine::streams_in_use() {
     std::set<std::uint64_t> streams{0};
     for (auto& fl : fl_order_) streams.insert(fl->stream);
@@ -1979,7 +1979,7 @@ std::vector<std::uint64_t> Engine::streams_in_use() {
     return std::vector<std::uint64_t>(streams.begin(), streams.end());
 }
 
-// CachingAllocator.close
+// PythonEngine.close
 void Engine::close() {
     Guard guard(*this);
     if (closed_) return;
@@ -2106,7 +2106,7 @@ std::string Engine::describe() {
            std::to_string(n_steals_) + " steals)";
 }
 
-// CachingAllocator.check_consistency + VirtualBacking.consistency_problems + _chain_problems
+// PythonEngine.check_consistency + VirtualBacking.consistency_problems + _chain_problems
 std::vector<std::string> Engine::consistency_problems(const ListDevice& list_device) {
     Guard guard(*this, true);
     check_usable_op();

@@ -1,5 +1,5 @@
 // The native allocator engine: an exact C++ port of gpumem's pure-Python caching allocator in
-// virtual-memory mode (gpumem/allocator/caching.py over VirtualBacking of backing.py, with the
+// virtual-memory mode (gpumem/allocator/python_engine.py over VirtualBacking of backing.py, with the
 // StreamFences of fences.py and the blocks and free lists of block.py).
 //
 // Note [An exact port]: the engine makes the same decisions as the Python reference: the same
@@ -96,6 +96,32 @@ struct EngineStats {
     std::uint64_t granularity_nbytes = 0;
     std::uint64_t leaked_nbytes = 0;
 };
+
+// One row per EngineStats member, in order: what the Python binding (module.cpp) and the C API
+// (torch_api.cpp) walk to name and read the stats (Note [The policy and the stats from one table
+// each] in module.cpp). `counter`: a field of AllocatorStats, else one of the backing's own.
+struct StatField {
+    const char* name;
+    std::uint64_t EngineStats::*member;
+    bool counter;
+};
+#define GPUMEM_STAT(name, counter) StatField{#name, &EngineStats::name, counter}
+inline constexpr StatField kStatFields[] = {
+    GPUMEM_STAT(allocated_nbytes, true), GPUMEM_STAT(requested_nbytes, true), GPUMEM_STAT(reserved_nbytes, true),
+    GPUMEM_STAT(active_nbytes, true), GPUMEM_STAT(inactive_split_nbytes, true),
+    GPUMEM_STAT(largest_free_nbytes, true), GPUMEM_STAT(peak_allocated_nbytes, true),
+    GPUMEM_STAT(peak_requested_nbytes, true), GPUMEM_STAT(peak_reserved_nbytes, true), GPUMEM_STAT(num_allocs, true),
+    GPUMEM_STAT(num_frees, true), GPUMEM_STAT(num_live_blocks, true), GPUMEM_STAT(num_free_blocks, true),
+    GPUMEM_STAT(num_segments, true), GPUMEM_STAT(num_splits, true), GPUMEM_STAT(cache_hits, true),
+    GPUMEM_STAT(cache_misses, true), GPUMEM_STAT(num_alloc_retries, true), GPUMEM_STAT(num_ooms, true),
+    GPUMEM_STAT(num_gc_releases, true), GPUMEM_STAT(device_calls, true), GPUMEM_STAT(event_calls, true),
+    GPUMEM_STAT(n_chunks, false), GPUMEM_STAT(n_steals, false), GPUMEM_STAT(n_waits, false),
+    GPUMEM_STAT(n_ranges, false), GPUMEM_STAT(va_nbytes, false), GPUMEM_STAT(granularity_nbytes, false),
+    GPUMEM_STAT(leaked_nbytes, false),
+};
+#undef GPUMEM_STAT
+static_assert(sizeof(EngineStats) == sizeof(kStatFields) / sizeof(kStatFields[0]) * sizeof(std::uint64_t),
+              "every EngineStats member (all std::uint64_t) has its row in kStatFields");
 
 enum class EngineErrorKind : int {
     kInvalidArgument = 1,   // gpumem.errors.InvalidArgumentError
@@ -205,7 +231,7 @@ class PtrMap {
 // Errors: a device error the Python allocator lets through is rethrown as the backend's BackendError
 // (out of memory, device lost, other; with the Python backend, py_exc is the device's exception,
 // valid until the backend's clear_errors()); everything the allocator itself raises is an
-// EngineError (kOutOfMemory carries OomInfo, the numbers of CachingAllocator._oom_error).
+// EngineError (kOutOfMemory carries OomInfo, the numbers of PythonEngine._oom_error).
 // Backend contract beyond backend.h: mem_create never returns ChunkHandle 0 (the engine's page
 // tables use 0 for "no chunk"); EventHandle may be any value.
 class Engine {
@@ -217,7 +243,7 @@ class Engine {
     Engine(const Engine&) = delete;
     Engine& operator=(const Engine&) = delete;
 
-    // CachingAllocator.allocate: a device pointer for `nbytes` (> 0) on `stream`.
+    // PythonEngine.allocate: a device pointer for `nbytes` (> 0) on `stream`.
     std::uint64_t allocate(std::uint64_t nbytes, std::uint64_t stream);
     // The hot path alone (Note [The hot path makes no device call]): the pointer, or 0 when the
     // request needs the full allocate() (which then decides exactly as Python's slow path).
@@ -225,7 +251,7 @@ class Engine {
     // What allocate() raises before it looks at the cache, when it cannot serve (kDeviceLost once the
     // device was lost, kClosed once close() ran); returns when neither.
     void check_open();
-    // CachingAllocator.free.
+    // PythonEngine.free.
     void free(std::uint64_t ptr);
     // The free hot path alone: true when done, false when free() must run (changes nothing then).
     bool try_free_fast(std::uint64_t ptr);
@@ -273,7 +299,7 @@ class Engine {
     void lock(bool reentrant = false);
     void unlock();
 
-    // -- caching.py: CachingAllocator ----------------------------------------------------------
+    // -- python_engine.py: PythonEngine ----------------------------------------------------------
     void check_usable_op();
     std::uint64_t allocate_slow(std::uint64_t nbytes, std::uint64_t size, bool small, std::uint64_t stream);
     std::uint64_t hand_out(detail::Block* b, std::uint64_t nbytes, std::uint64_t stream);
@@ -281,7 +307,7 @@ class Engine {
     detail::Block* grow(bool small, std::uint64_t stream, std::uint64_t size, detail::FreeList* fl,
                         std::uint64_t nbytes);
     detail::Block* grow_once(bool small, std::uint64_t stream, std::uint64_t size, detail::FreeList* fl);
-    std::uint64_t release_cached_all(bool wait);               // CachingAllocator._release_cached
+    std::uint64_t release_cached_all(bool wait);               // PythonEngine._release_cached
     bool anything_to_wait_for();
     bool reown_idle(std::uint64_t stream, detail::FreeList* fl);
     detail::Block* retry_after_release(bool small, std::uint64_t stream, std::uint64_t size,
@@ -382,7 +408,7 @@ class Engine {
     std::uint64_t total_nbytes_ = 0, g_ = 0, va_nbytes_ = 0;
     std::int64_t small_max_ = -1;
 
-    // CachingAllocator state
+    // PythonEngine state
     std::unordered_map<std::uint64_t, detail::FreeList*> fl_index_[2];   // [small][stream]
     std::list<std::unique_ptr<detail::FreeList>> fl_order_;              // insertion order (dict order)
     detail::PtrMap live_;

@@ -1,6 +1,6 @@
 // gpumem._engine: the CPython binding of the native engine (plain C API, no binding library).
 //
-// Allocator(device, helpers, **policy): an Engine over a PyDeviceBackend. allocate() and free()
+// Allocator(device, helpers, policy): an Engine over a PyDeviceBackend. allocate() and free()
 // are METH_FASTCALL and run the engine's hot path with no Python frame and no device call; anything
 // else (a cache miss, a free that records events, record_stream, empty_cache...) runs inside
 // `device.deferred_events()`, as the Python allocator's operations do (Note [Callbacks run outside
@@ -12,11 +12,13 @@
 #include <Python.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 #include <new>
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "engine.h"
@@ -29,6 +31,8 @@ using gpumem::EngineError;
 using gpumem::EngineErrorKind;
 using gpumem::EngineStats;
 using gpumem::PyDeviceBackend;
+using gpumem::StatField;
+using gpumem::kStatFields;
 
 namespace {
 
@@ -271,62 +275,143 @@ bool to_u64_clamped(PyObject* o, std::uint64_t* out) {
     return true;
 }
 
+// Note [The policy and the stats from one table each]: the engine's config is read from the
+// AllocatorPolicy object itself, by walking kPolicyFields, which has one row per field of the
+// dataclass: how the engine takes it (a u64, a double, a bool, the growth rule) and where it goes in
+// EngineConfig, or why the engine does not read it (a label, a segment-mode knob, the choice of
+// engine made in Python) or needs it None (pages of their own size). The stats dict is built by
+// walking kStatFields (engine.h: one row per EngineStats member, the AllocatorStats counters, then
+// the backing's own; torch_api.cpp walks it too). Both tables are exported (POLICY_FIELDS, STATS_FIELDS, BACKING_STATS_FIELDS) and
+// tests/allocator/test_native_differential.py holds them to dataclasses.fields(): a field added to
+// AllocatorPolicy or AllocatorStats that the engine does not know fails a test, where a hand-written
+// list of keyword arguments let it be dropped silently.
+enum class FieldKind { kU64, kF64, kBool, kGrowth, kMustBeNone, kNotRead };
+struct PolicyField {
+    const char* name;
+    FieldKind kind;
+    std::size_t offset;   // in EngineConfig; unused for kMustBeNone and kNotRead
+};
+#define CFG(name, kind) {#name, FieldKind::kind, offsetof(EngineConfig, name)}
+#define NOT_READ(name) {#name, FieldKind::kNotRead, 0}
+const PolicyField kPolicyFields[] = {
+    NOT_READ(name), NOT_READ(description),
+    NOT_READ(vmm),   // CachingAllocator runs the native engine only in virtual-memory mode
+    CFG(round_nbytes, kU64), CFG(small_max_nbytes, kU64), CFG(separate_small_pool, kBool),
+    NOT_READ(segment_rule), NOT_READ(small_segment_nbytes),   // segment mode only
+    CFG(min_split_small_nbytes, kU64), CFG(min_split_large_nbytes, kU64), CFG(va_reserve_factor, kF64),
+    CFG(steal_empty_pages, kBool), CFG(page_slack, kF64), CFG(growth, kGrowth), CFG(chunk_max_fraction, kF64),
+    CFG(chunk_max_nbytes, kU64),
+    {"small_page_nbytes", FieldKind::kMustBeNone, 0}, {"large_page_nbytes", FieldKind::kMustBeNone, 0},   // one page size
+    NOT_READ(segments_top_down),   // segment mode only
+    CFG(grow_ahead_fraction, kF64), CFG(busy_slack, kF64),
+};
+#undef CFG
+#undef NOT_READ
+
+void invalid_argument(PyObject* helpers, const char* msg) {
+    PyObject* cls = PyObject_GetAttrString(helpers, "INVALID_ARGUMENT");
+    if (!cls) return;
+    if (PyExceptionClass_Check(cls)) PyErr_SetString(cls, msg);
+    else PyErr_Format(PyExc_TypeError, "gpumem allocator: helpers.INVALID_ARGUMENT must be an exception class (%s)", msg);
+    Py_DECREF(cls);
+}
+
+// Reads `policy`'s field `f` into `cfg`; false with an error set (INVALID_ARGUMENT naming the field).
+bool read_policy_field(PyObject* helpers, PyObject* policy, const PolicyField& f, EngineConfig& cfg) {
+    if (f.kind == FieldKind::kNotRead) return true;
+    PyObject* v = PyObject_GetAttrString(policy, f.name);
+    if (!v) return false;
+    char* at = reinterpret_cast<char*>(&cfg) + f.offset;
+    const char* expected = nullptr;
+    switch (f.kind) {
+        case FieldKind::kU64:
+            if (PyLong_Check(v) && !PyBool_Check(v)) {
+                unsigned long long x = PyLong_AsUnsignedLongLong(v);
+                if (!(x == static_cast<unsigned long long>(-1) && PyErr_Occurred())) {
+                    *reinterpret_cast<std::uint64_t*>(at) = x;
+                    break;
+                }
+                PyErr_Clear();
+            }
+            expected = "an int in [0, 2**64)";
+            break;
+        case FieldKind::kF64:
+            if ((PyFloat_Check(v) || PyLong_Check(v)) && !PyBool_Check(v)) {
+                double x = PyFloat_AsDouble(v);
+                if (!(x == -1.0 && PyErr_Occurred())) {
+                    *reinterpret_cast<double*>(at) = x;
+                    break;
+                }
+                PyErr_Clear();
+            }
+            expected = "a number";
+            break;
+        case FieldKind::kBool:
+            if (PyBool_Check(v)) *reinterpret_cast<bool*>(at) = v == Py_True;
+            else expected = "a bool";
+            break;
+        case FieldKind::kGrowth: {   // GrowthRule, a str enum: "pages" or "chunks"
+            PyObject* value = PyObject_GetAttrString(v, "value");
+            if (!value) {
+                PyErr_Clear();
+                value = (Py_INCREF(v), v);
+            }
+            if (PyUnicode_Check(value) && PyUnicode_CompareWithASCIIString(value, "chunks") == 0)
+                *reinterpret_cast<gpumem::GrowthRule*>(at) = gpumem::GrowthRule::kChunks;
+            else if (PyUnicode_Check(value) && PyUnicode_CompareWithASCIIString(value, "pages") == 0)
+                *reinterpret_cast<gpumem::GrowthRule*>(at) = gpumem::GrowthRule::kPages;
+            else
+                expected = "'pages' or 'chunks'";
+            Py_DECREF(value);
+            break;
+        }
+        case FieldKind::kMustBeNone:
+            if (v != Py_None) expected = "None (the native engine has one page size, the device granularity)";
+            break;
+        case FieldKind::kNotRead:
+            break;
+    }
+    if (expected) {
+        char msg[256];
+        std::snprintf(msg, sizeof msg, "policy.%s must be %s, got a %.60s", f.name, expected, Py_TYPE(v)->tp_name);
+        invalid_argument(helpers, msg);
+    }
+    Py_DECREF(v);
+    return expected == nullptr;
+}
+
+// Allocator(device, helpers, policy=None, *, limit_nbytes=0, gc_threshold=0.0): `policy` has the
+// fields of AllocatorPolicy (Note [The policy and the stats from one table each]); None: the
+// engine's defaults.
 PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
-    static const char* kwlist[] = {"device", "helpers", "round_nbytes", "small_max_nbytes", "separate_small_pool",
-                                   "min_split_small_nbytes", "min_split_large_nbytes", "va_reserve_factor",
-                                   "steal_empty_pages", "page_slack", "limit_nbytes", "gc_threshold", "chunked",
-                                   "chunk_max_fraction", "chunk_max_nbytes", "grow_ahead_fraction",
-                                   "busy_slack", nullptr};
-    PyObject *device, *helpers;
+    static const char* kwlist[] = {"device", "helpers", "policy", "limit_nbytes", "gc_threshold", nullptr};
+    PyObject *device, *helpers, *policy = Py_None;
     EngineConfig cfg;
-    unsigned long long round_nbytes = cfg.round_nbytes, small_max = cfg.small_max_nbytes,
-                       min_small = cfg.min_split_small_nbytes, min_large = cfg.min_split_large_nbytes, limit = 0;
-    double busy = cfg.busy_slack;
-    int separate = 1, steal = 1, chunked = cfg.growth == gpumem::GrowthRule::kChunks;
-    double factor = cfg.va_reserve_factor, slack = cfg.page_slack, gc = 0.0;
-    double chunk_fraction = cfg.chunk_max_fraction, ahead_fraction = cfg.grow_ahead_fraction;
-    unsigned long long chunk_max = cfg.chunk_max_nbytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|KKpKKdpdKdpdKdd", const_cast<char**>(kwlist), &device, &helpers,
-                                     &round_nbytes, &small_max, &separate, &min_small, &min_large, &factor, &steal,
-                                     &slack, &limit, &gc, &chunked, &chunk_fraction, &chunk_max, &ahead_fraction,
-                                     &busy))
+    unsigned long long limit = 0;
+    double gc = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$Kd", const_cast<char**>(kwlist), &device, &helpers, &policy,
+                                     &limit, &gc))
         return nullptr;
+    if (policy != Py_None)
+        for (const PolicyField& f : kPolicyFields)
+            if (!read_policy_field(helpers, policy, f, cfg)) return nullptr;
     // the floats go into the engine's arithmetic as they are: a NaN or an infinity (or a factor whose
     // reservation cannot be counted in 64 bits) would be undefined behaviour there
+    const double factor = cfg.va_reserve_factor, slack = cfg.page_slack;
     if (!(std::isfinite(factor) && factor >= 1.0 && factor <= 4096.0) || !(std::isfinite(slack) && slack >= 0.0) ||
         !(std::isfinite(gc) && gc >= 0.0)) {
-        PyObject* cls = PyObject_GetAttrString(helpers, "INVALID_ARGUMENT");
-        if (!cls) return nullptr;
         char msg[256];
         std::snprintf(msg, sizeof msg,
                       "va_reserve_factor must be a finite number in [1, 4096], page_slack and gc_threshold finite "
                       "and non-negative (got %g, %g, %g)",
                       factor, slack, gc);
-        PyErr_SetString(cls, msg);
-        Py_DECREF(cls);
+        invalid_argument(helpers, msg);
         return nullptr;
     }
-    cfg.round_nbytes = round_nbytes;
-    cfg.small_max_nbytes = small_max;
-    cfg.separate_small_pool = separate != 0;
-    cfg.min_split_small_nbytes = min_small;
-    cfg.min_split_large_nbytes = min_large;
-    cfg.va_reserve_factor = factor;
-    cfg.steal_empty_pages = steal != 0;
-    cfg.page_slack = slack;
-    // AllocatorPolicy.growth (GrowthRule) and its knobs (Note [Chunks of several pages] in backing.py)
-    cfg.growth = chunked ? gpumem::GrowthRule::kChunks : gpumem::GrowthRule::kPages;
-    cfg.chunk_max_fraction = chunk_fraction;
-    cfg.chunk_max_nbytes = chunk_max;
-    cfg.grow_ahead_fraction = ahead_fraction;
-    if (!(busy >= 0.0)) {   // NaN or negative; inf is no bound
-        PyObject* cls = PyObject_GetAttrString(helpers, "INVALID_ARGUMENT");
-        if (!cls) return nullptr;
-        PyErr_SetString(cls, "busy_slack must be a number >= 0 (inf: no bound)");
-        Py_DECREF(cls);
+    if (!(cfg.busy_slack >= 0.0)) {   // NaN or negative; inf is no bound
+        invalid_argument(helpers, "busy_slack must be a number >= 0 (inf: no bound)");
         return nullptr;
     }
-    cfg.busy_slack = busy;
     cfg.limit_nbytes = limit;
     cfg.gc_threshold = gc;
 
@@ -336,7 +421,7 @@ PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
     Py_INCREF(helpers);
     self->device = device;
     self->helpers = helpers;
-    self->round_nbytes = round_nbytes;
+    self->round_nbytes = cfg.round_nbytes;
     self->deferred_frees = new (std::nothrow) std::vector<std::uint64_t>();
     if (!self->deferred_frees) {
         Py_DECREF(self);
@@ -423,7 +508,7 @@ void Alloc_dealloc(AllocObject* self) {
 // Note [No memory from a closed device]: a cache hit makes no device call (Note [The hot path
 // makes no device call] in caching.py), so after device.close() it would hand out an address into
 // memory the device has given back. allocate() therefore asks the device first, as
-// CachingAllocator.allocate does (device.closed); a closed device raises what the Python allocator
+// PythonEngine.allocate does (device.closed); a closed device raises what the Python allocator
 // raises: DeviceLostError once the device was lost, InvalidArgumentError once the allocator was
 // closed, else DeviceClosedError. The binding reads the flag behind the property, Device._closed
 // (an instance attribute: a dictionary lookup, not a Python call, on the hot path), and the
@@ -663,22 +748,8 @@ PyObject* Alloc_close(AllocObject* self, PyObject*) {
     });
 }
 
-#define STAT(name) {#name, offsetof(EngineStats, name)}
-struct StatField {
-    const char* name;
-    size_t offset;
-};
-const StatField kStatFields[] = {
-    STAT(allocated_nbytes), STAT(requested_nbytes), STAT(reserved_nbytes), STAT(active_nbytes),
-    STAT(inactive_split_nbytes), STAT(largest_free_nbytes), STAT(peak_allocated_nbytes),
-    STAT(peak_requested_nbytes), STAT(peak_reserved_nbytes), STAT(num_allocs), STAT(num_frees),
-    STAT(num_live_blocks), STAT(num_free_blocks), STAT(num_segments), STAT(num_splits), STAT(cache_hits),
-    STAT(cache_misses), STAT(num_alloc_retries), STAT(num_ooms), STAT(num_gc_releases), STAT(device_calls),
-    STAT(event_calls), STAT(n_chunks), STAT(n_steals), STAT(n_waits), STAT(n_ranges), STAT(va_nbytes),
-    STAT(granularity_nbytes), STAT(leaked_nbytes),
-};
-
-PyObject* Alloc_stats(AllocObject* self, PyObject*) {
+// The rows of kStatFields whose `counter` is `counters`, as a dict of their values now.
+PyObject* stats_dict(AllocObject* self, bool counters) {
     CHECK_ALIVE(self);
     EngineStats st;
     try {
@@ -690,8 +761,8 @@ PyObject* Alloc_stats(AllocObject* self, PyObject*) {
     PyObject* d = PyDict_New();
     if (!d) return nullptr;
     for (const StatField& f : kStatFields) {
-        std::uint64_t v = *reinterpret_cast<const std::uint64_t*>(reinterpret_cast<const char*>(&st) + f.offset);
-        PyObject* o = PyLong_FromUnsignedLongLong(v);
+        if (f.counter != counters) continue;
+        PyObject* o = PyLong_FromUnsignedLongLong(st.*f.member);
         if (!o || PyDict_SetItemString(d, f.name, o) < 0) {
             Py_XDECREF(o);
             Py_DECREF(d);
@@ -701,6 +772,24 @@ PyObject* Alloc_stats(AllocObject* self, PyObject*) {
     }
     return d;
 }
+
+// The names of the rows of `table` that `keep` accepts, as a tuple; null with an error set.
+template <class Row, std::size_t N, class Keep>
+PyObject* field_names(const Row (&table)[N], Keep keep) {
+    PyObject* out = PyList_New(0);
+    for (const Row& row : table) {
+        if (!out || !keep(row)) continue;
+        PyObject* name = PyUnicode_FromString(row.name);
+        if (!name || PyList_Append(out, name) < 0) Py_CLEAR(out);
+        Py_XDECREF(name);
+    }
+    PyObject* tuple = out ? PyList_AsTuple(out) : nullptr;
+    Py_XDECREF(out);
+    return tuple;
+}
+
+PyObject* Alloc_stats(AllocObject* self, PyObject*) { return stats_dict(self, true); }
+PyObject* Alloc_backing_stats(AllocObject* self, PyObject*) { return stats_dict(self, false); }
 
 PyObject* Alloc_reserved_nbytes(AllocObject* self, PyObject*) {
     CHECK_ALIVE(self);
@@ -901,7 +990,9 @@ PyMethodDef Alloc_methods[] = {
     {"empty_cache", reinterpret_cast<PyCFunction>(Alloc_empty_cache), METH_NOARGS, "give cached memory back"},
     {"synchronize", reinterpret_cast<PyCFunction>(Alloc_synchronize), METH_NOARGS, "wait for the device"},
     {"close", reinterpret_cast<PyCFunction>(Alloc_close), METH_NOARGS, "give everything back"},
-    {"stats", reinterpret_cast<PyCFunction>(Alloc_stats), METH_NOARGS, "the counters, as a dict"},
+    {"stats", reinterpret_cast<PyCFunction>(Alloc_stats), METH_NOARGS, "the AllocatorStats counters, as a dict"},
+    {"backing_stats", reinterpret_cast<PyCFunction>(Alloc_backing_stats), METH_NOARGS,
+     "the backing's counters (chunks, steals, waits, ranges, address space, page, leaked), as a dict"},
     {"reserved_nbytes", reinterpret_cast<PyCFunction>(Alloc_reserved_nbytes), METH_NOARGS, "reserved bytes"},
     {"allocated_nbytes", reinterpret_cast<PyCFunction>(Alloc_allocated_nbytes), METH_NOARGS, "allocated bytes"},
     {"block_size", reinterpret_cast<PyCFunction>(Alloc_block_size), METH_O, "size of a live block"},
@@ -930,7 +1021,8 @@ PyMODINIT_FUNC PyInit__engine(void) {
     AllocType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
     AllocType.tp_traverse = reinterpret_cast<traverseproc>(Alloc_traverse);
     AllocType.tp_clear = reinterpret_cast<inquiry>(Alloc_clear);
-    AllocType.tp_doc = "Allocator(device, helpers, **policy): the native caching allocator engine over a "
+    AllocType.tp_doc = "Allocator(device, helpers, policy=None, *, limit_nbytes=0, gc_threshold=0.0): the native "
+                       "caching allocator engine over a "
                        "Python gpumem.device.Device (virtual-memory mode).";
     AllocType.tp_new = Alloc_new;
     AllocType.tp_dealloc = reinterpret_cast<destructor>(Alloc_dealloc);
@@ -941,6 +1033,23 @@ PyMODINIT_FUNC PyInit__engine(void) {
     Py_INCREF(&AllocType);
     if (PyModule_AddObject(m, "Allocator", reinterpret_cast<PyObject*>(&AllocType)) < 0) {
         Py_DECREF(&AllocType);
+        Py_DECREF(m);
+        return nullptr;
+    }
+    // Note [The policy and the stats from one table each]: the tables' names, for the test that holds
+    // them to the dataclasses
+    const std::pair<const char*, PyObject*> names[] = {
+        {"POLICY_FIELDS", field_names(kPolicyFields, [](const PolicyField&) { return true; })},
+        {"STATS_FIELDS", field_names(kStatFields, [](const StatField& f) { return f.counter; })},
+        {"BACKING_STATS_FIELDS", field_names(kStatFields, [](const StatField& f) { return !f.counter; })},
+    };
+    bool ok = true;
+    for (const auto& [attr, value] : names) {
+        if (ok && value && PyModule_AddObject(m, attr, value) == 0) continue;   // the reference is stolen
+        ok = false;
+        Py_XDECREF(value);
+    }
+    if (!ok) {
         Py_DECREF(m);
         return nullptr;
     }

@@ -321,13 +321,19 @@ Engine& cuda_engine(int device) { return *get_or_make(device)->engine; }
 
 using namespace gpumem;
 
-// Names of the values gpumem_torch_stats writes, in order, comma-separated.
+// Names of the values gpumem_torch_stats writes, in order, comma-separated: the engine's stats
+// (kStatFields in engine.h), then the shim's own counters.
 GPUMEM_EXPORT const char* gpumem_torch_stat_names() {
-    return "allocated_nbytes,requested_nbytes,reserved_nbytes,active_nbytes,inactive_split_nbytes,"
-           "largest_free_nbytes,peak_allocated_nbytes,peak_requested_nbytes,peak_reserved_nbytes,num_allocs,"
-           "num_frees,num_live_blocks,num_free_blocks,num_segments,num_splits,cache_hits,cache_misses,"
-           "num_alloc_retries,num_ooms,num_gc_releases,device_calls,event_calls,n_chunks,n_steals,n_waits,"
-           "n_ranges,va_nbytes,granularity_nbytes,leaked_nbytes,torch_ooms,torch_errors,free_errors,zero_allocs";
+    try {
+        static const std::string names = [] {
+            std::string out;
+            for (const StatField& f : kStatFields) (out += f.name) += ',';
+            return out + "torch_ooms,torch_errors,free_errors,zero_allocs";
+        }();
+        return names.c_str();
+    } catch (...) {   // no memory for the string: never an exception through the C boundary
+        return "";
+    }
 }
 
 // Allocates `size` bytes on CUDA device `device` for work on `stream` (a cudaStream_t); the C
@@ -451,15 +457,12 @@ GPUMEM_EXPORT int gpumem_torch_stats(int device, std::uint64_t* out, int n) {
         t_last_error = e.what();
         return -1;
     }
-    const std::uint64_t values[] = {
-        st.allocated_nbytes, st.requested_nbytes, st.reserved_nbytes, st.active_nbytes, st.inactive_split_nbytes,
-        st.largest_free_nbytes, st.peak_allocated_nbytes, st.peak_requested_nbytes, st.peak_reserved_nbytes,
-        st.num_allocs, st.num_frees, st.num_live_blocks, st.num_free_blocks, st.num_segments, st.num_splits,
-        st.cache_hits, st.cache_misses, st.num_alloc_retries, st.num_ooms, st.num_gc_releases, st.device_calls,
-        st.event_calls, st.n_chunks, st.n_steals, st.n_waits, st.n_ranges, st.va_nbytes, st.granularity_nbytes,
-        st.leaked_nbytes, d->torch_ooms.load(), d->torch_errors.load(), d->free_errors.load(), d->zero_allocs.load(),
-    };
-    const int count = static_cast<int>(sizeof values / sizeof values[0]);
+    const std::uint64_t own[] = {d->torch_ooms.load(), d->torch_errors.load(), d->free_errors.load(),
+                                 d->zero_allocs.load()};
+    std::uint64_t values[sizeof kStatFields / sizeof kStatFields[0] + sizeof own / sizeof own[0]];
+    int count = 0;
+    for (const StatField& f : kStatFields) values[count++] = st.*f.member;
+    for (std::uint64_t v : own) values[count++] = v;
     const int written = n < count ? n : count;
     for (int i = 0; i < written; ++i) out[i] = values[i];
     return written;

@@ -413,6 +413,21 @@ class VirtualSegment(Segment):
         """Fences of the streams whose free blocks were trimmed off the top (Note [One range per pool])."""
 
 
+def pool_va_nbytes(device: Device, policy: AllocatorPolicy) -> int:
+    """The address space of each pool's virtual range; :class:`~gpumem.errors.InvalidArgumentError` when
+    it is 2**64 B or more (the allocator checks this before it picks an engine: both refuse it alike)."""
+    total = device.properties().total_nbytes
+    g = device.granularity_nbytes
+    g = max(policy.small_page_nbytes or g, policy.large_page_nbytes or g)
+    va_nbytes = -(-int(total * policy.va_reserve_factor) // g) * g
+    if va_nbytes >= 1 << 64:  # the native engine's arithmetic is 64-bit, and so are addresses
+        raise InvalidArgumentError(
+            f"policy {policy.name!r}: va_reserve_factor {policy.va_reserve_factor} times {device.spec}'s "
+            f"{format_bytes(total)} is {va_nbytes} B of address space per pool, more than 64-bit "
+            "addresses hold; lower va_reserve_factor")
+    return va_nbytes
+
+
 class VirtualBacking(Backing):
     """Virtual ranges with physical chunks mapped under the pages live blocks touch; see Note [Virtual memory:
     pages follow live data] and Note [Chunks of several pages]."""
@@ -420,7 +435,6 @@ class VirtualBacking(Backing):
     def __init__(self, device: Device, policy: AllocatorPolicy, limit_nbytes: int | None,
                  fences: StreamFences | None = None) -> None:
         super().__init__(device, policy, limit_nbytes, fences)
-        total = device.properties().total_nbytes
         g = self.granularity
         self.custom_pages = policy.custom_pages
         """Whether a pool's pages differ from the granularity (Note [Expandable segments] in :mod:`.policy`)."""
@@ -430,13 +444,7 @@ class VirtualBacking(Backing):
             if nbytes % g:
                 raise InvalidArgumentError(f"policy {policy.name!r}: a page of {nbytes} B is not a multiple of "
                                            f"{device.spec}'s granularity ({g} B)")
-        g = max(self.page_nbytes.values())
-        self.va_nbytes = -(-int(total * policy.va_reserve_factor) // g) * g
-        if self.va_nbytes >= 1 << 64:  # the native engine's arithmetic is 64-bit, and so are addresses
-            raise InvalidArgumentError(
-                f"policy {policy.name!r}: va_reserve_factor {policy.va_reserve_factor} times {device.spec}'s "
-                f"{format_bytes(total)} is {self.va_nbytes} B of address space per pool, more than 64-bit "
-                "addresses hold; lower va_reserve_factor")
+        self.va_nbytes = pool_va_nbytes(device, policy)
         self.vsegments: dict[bool, VirtualSegment] = {}
         """One range per pool (``True``: the small pool)."""
         self.unmapped: list[PhysicalHandle] = []

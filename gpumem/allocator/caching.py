@@ -62,43 +62,25 @@ device's. After the device is lost, every call raises
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import logging
-import threading
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any
 
 from ..device import Device
-from ..validate import STREAM_END, as_int, check_nbytes, check_pointer, check_stream
-from ..errors import (DeviceClosedError, DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError,
-                      InvalidPointerError, OutOfMemoryError)
-from ..units import format_bytes
-from ..validate import parse_limit
-from .backing import AddressSpaceExhausted, Backing, LimitExceeded, Segment, SegmentBacking, VirtualBacking, VirtualSegment
-from .block import Block, FreeList, TopDownFreeList, append_block, drop_last_block, merge_blocks, split_block
-from .fences import StreamFences
-from .policy import DEFAULT_POLICY, AllocatorPolicy, GrowthRule, VmmMode, get_policy
+from ..errors import InternalError, InvalidArgumentError, UnsupportedOperationError
+from ..native import load_engine
+from ..validate import as_int, check_stream, parse_limit
+from .backing import Backing, pool_va_nbytes
+from .engine import Engine
+from .native import NativeEngine
+from .policy import DEFAULT_POLICY, AllocatorPolicy, VmmMode, get_policy
+from .python_engine import PythonEngine
 from .resource import AllocatorContract
 from .stats import AllocatorStats, format_summary
 
-log = logging.getLogger(__name__)
-
-_STAT_FIELDS = tuple(f.name for f in dataclasses.fields(AllocatorStats))
-
-_FREED_MEMORY = 65_536
 NATIVE_BY_DEFAULT = True
 """Whether ``engine=None`` picks the native engine where it can run (Note [Choosing the engine]).
 
 On: the native engine makes the reference's decisions (tests/allocator/test_native_differential.py). The
 white-box tests that read the Python engine's internals pin the reference (tests/allocator/conftest.py)."""
-
-
-def too_large_hint(nbytes: int, size: int, total_nbytes: int) -> str:
-    """The hint of an out-of-memory error for a request (``nbytes``, rounded to ``size``) that can never
-    fit the device."""
-    what = "The request" if size == nbytes else f"The request, rounded up to {format_bytes(size)} by the policy,"
-    return (f"{what} is larger than the device's total memory ({format_bytes(total_nbytes)}), so it was "
-            "refused at once. Try: use smaller batches or shorter sequences, or split the tensor.")
 
 
 class CachingAllocator(AllocatorContract):
@@ -134,225 +116,72 @@ class CachingAllocator(AllocatorContract):
     ) -> None:
         self.device = device
         self.policy = get_policy(policy)
-        total = device.properties().total_nbytes
-        self.limit_nbytes = parse_limit(limit, total)
+        self.limit_nbytes = parse_limit(limit, device.properties().total_nbytes)
         if gc_threshold is not None and not (isinstance(gc_threshold, (int, float)) and 0 < gc_threshold < 1):
             raise InvalidArgumentError(f"gc_threshold must be a fraction in (0, 1), got {gc_threshold!r}")
         self.gc_threshold = gc_threshold
-        use_vmm = self.policy.vmm is VmmMode.ALWAYS or (self.policy.vmm is VmmMode.AUTO and device.vmm_supported)
         if self.policy.vmm is VmmMode.ALWAYS and not device.vmm_supported:
-            from ..errors import UnsupportedOperationError
-
             raise UnsupportedOperationError(f"policy {self.policy.name!r} needs virtual memory management, "
                                             f"which {device.spec} does not support")
-        self.fences = StreamFences(device)
-        backing_cls = VirtualBacking if use_vmm else SegmentBacking
-        self.backing: Backing = backing_cls(device, self.policy, self.limit_nbytes, self.fences)
-        self.uses_vmm = use_vmm
-        self._lock = threading.RLock()
-        self._defer: Callable[[], ContextManager[Any]] = getattr(device, "deferred_events", contextlib.nullcontext)
-        self._free_lists: dict[tuple[bool, int], FreeList] = {}
-        self._live: dict[int, Block] = {}
-        self._freed: dict[int, None] = {}
-        self._pending: list[Block] = []
-        self._stats = AllocatorStats()
-        self._recorder = None
-        if record_history:
-            from ..trace import TraceRecorder
-
-            self._recorder = TraceRecorder()
-            self.backing.on_segment = self._recorder.record_segment
-        self._small_max = self.policy.small_max_nbytes if self.policy.separate_small_pool else -1
-        self._round = self.policy.round_nbytes
-        self._closed = False
-        self._committed = False
-        """Set by :meth:`_grow` when its out-of-memory retry already committed the block."""
-        self._lost: DeviceLostError | None = None
+        self.uses_vmm = self.policy.vmm is VmmMode.ALWAYS or (self.policy.vmm is VmmMode.AUTO and device.vmm_supported)
+        if self.uses_vmm:
+            pool_va_nbytes(device, self.policy)  # a range past 64 bits is refused here, alike for both engines
+        self._engine: Engine = self._make_engine(engine, record_history)
         self.leaked_nbytes = 0
         """After :meth:`close`: device memory that could not be given back (Note [Closing waits for the streams])."""
-        self._native: Any = None
-        self.engine = self._choose_engine(engine, use_vmm, record_history)
-        """Which engine runs this allocator: ``"native"`` (``gpumem._engine``) or ``"python"``."""
-        if self.engine == "native":
-            self._start_native(gc_threshold)
+        # the hot path is the engine's own, with no frame of this class on it; a subclass that overrides
+        # allocate or free keeps its override (whose super() call reaches the engine)
+        if type(self).allocate is CachingAllocator.allocate:
+            self.allocate = self._engine.allocate  # type: ignore[method-assign]
+        if type(self).free is CachingAllocator.free:
+            self.free = self._engine.free  # type: ignore[method-assign]
 
-    def _choose_engine(self, engine: str | None, use_vmm: bool, record_history: bool) -> str:
+    def _make_engine(self, engine: str | None, record_history: bool) -> Engine:
         """Note [Choosing the engine]: the native engine is an exact port of the virtual-memory path
         (``gpumem/_native/engine.h``), so it runs where that path runs and history is not recorded (the
         recorder lives in Python); ``engine="python"`` forces the reference, ``engine="native"`` refuses
-        to fall back."""
+        to fall back. The choice is made once, here: the allocator then only delegates to it."""
         if engine not in (None, "python", "native"):
             raise InvalidArgumentError(f"engine must be None, 'python' or 'native', got {engine!r}")
-        if engine == "python":
-            return "python"
-        from .native import load_engine
-
         why = None
-        if load_engine() is None:
-            why = "the native engine (gpumem._engine) is not built"
-            from ..native import engine as which_engine
-
-            which_engine()  # warns once per process (NativeEngineWarning) that gpumem runs on Python
-        elif not use_vmm:
-            why = f"the native engine runs virtual-memory mode only, and {self.device.spec} runs without it"
-        elif record_history:
-            why = "the native engine does not record history"
-        elif self.policy.custom_pages:
-            why = f"the native engine has one page size, and policy {self.policy.name!r} has its own per pool"
-        if why is None and (engine == "native" or NATIVE_BY_DEFAULT):
-            return "native"
-        if engine == "native":
-            from ..errors import UnsupportedOperationError
-
-            raise UnsupportedOperationError(f"engine='native' is unavailable: {why}")
-        return "python"
-
-    def _start_native(self, gc_threshold: float | None) -> None:
-        """Create the native engine and bind the hot methods to it (no Python frame on the hot path)."""
-        from . import native
-
-        p = self.policy
-        self._native = native.load_engine().Allocator(
-            self.device, native, round_nbytes=p.round_nbytes, small_max_nbytes=p.small_max_nbytes,
-            separate_small_pool=p.separate_small_pool, min_split_small_nbytes=p.min_split_small_nbytes,
-            min_split_large_nbytes=p.min_split_large_nbytes, va_reserve_factor=p.va_reserve_factor,
-            steal_empty_pages=p.steal_empty_pages, page_slack=p.page_slack,
-            limit_nbytes=self.limit_nbytes or 0, gc_threshold=gc_threshold or 0.0,
-            chunked=p.growth is GrowthRule.CHUNKS, chunk_max_fraction=p.chunk_max_fraction,
-            chunk_max_nbytes=p.chunk_max_nbytes, grow_ahead_fraction=p.grow_ahead_fraction,
-            busy_slack=float(p.busy_slack))
-        self.allocate = self._native.allocate  # type: ignore[method-assign]
-        self.free = self._native.free  # type: ignore[method-assign]
+        if engine != "python":
+            if load_engine(warn=True) is None:
+                why = "the native engine (gpumem._engine) is not built"
+            elif not self.uses_vmm:
+                why = f"the native engine runs virtual-memory mode only, and {self.device.spec} runs without it"
+            elif record_history:
+                why = "the native engine does not record history"
+            elif self.policy.custom_pages:
+                why = f"the native engine has one page size, and policy {self.policy.name!r} has its own per pool"
+            if why is None and (engine == "native" or NATIVE_BY_DEFAULT):
+                return NativeEngine(self.device, self.policy, limit_nbytes=self.limit_nbytes,
+                                    gc_threshold=self.gc_threshold)
+            if engine == "native":
+                raise UnsupportedOperationError(f"engine='native' is unavailable: {why}")
+        return PythonEngine(self.device, self.policy, uses_vmm=self.uses_vmm, limit_nbytes=self.limit_nbytes,
+                            gc_threshold=self.gc_threshold, record_history=record_history)
 
     @property
-    def stats(self) -> AllocatorStats:
-        """The counters (with the native engine: a snapshot, derived fields filled in)."""
-        if self._native is not None:
-            return self.snapshot_stats()
-        return self._stats
+    def engine(self) -> str:
+        """Which engine runs this allocator: ``"native"`` (``gpumem._engine``) or ``"python"``."""
+        return self._engine.name
 
-    @contextlib.contextmanager
-    def _operation(self) -> Iterator[None]:
-        """Deferred device events outside, the lock inside (Note [Callbacks run outside the allocator]);
-        remembers a device loss so that every later call raises it."""
-        with self._defer():
-            with self._lock:
-                if self._lost is not None:
-                    raise DeviceLostError(f"the device was lost: {self._lost}")
-                try:
-                    yield
-                except DeviceLostError as exc:
-                    self._lost = exc
-                    raise
-                finally:
-                    if self._recorder is not None:
-                        self.backing.sync_export()  # Note [Exporting cached chunks] in .backing
+    @property
+    def backing(self) -> Backing:
+        """The Python engine's backing (its segments or virtual ranges), for reports and white-box tests.
 
-    # -- the hot path ---------------------------------------------------------------------------------
+        Raises :class:`~gpumem.errors.UnsupportedOperationError` on the native engine, whose backing
+        is C++: create the allocator with ``engine="python"`` to look inside."""
+        return self._engine.backing  # type: ignore[attr-defined,no-any-return]
+
+    # -- the hot path (the engine's methods themselves, bound in __init__) ---------------------------------
     def allocate(self, nbytes: int, stream: int = 0) -> int:
         """Allocate ``nbytes`` on ``stream``; return the device pointer.
 
         Raises :class:`~gpumem.errors.InvalidArgumentError` for a bad size and
         :class:`~gpumem.errors.OutOfMemoryError` when neither the cache nor the device can serve it.
         """
-        if nbytes.__class__ is not int or nbytes <= 0:  # Note [Checks on hot paths] in gpumem.validate
-            nbytes = check_nbytes(nbytes)
-        if stream.__class__ is not int or not 0 <= stream < STREAM_END:
-            stream = check_stream(stream)
-        r = self._round
-        size = -(-nbytes // r) * r
-        small = size <= self._small_max
-        # Note [The hot path makes no device call]: a cache hit on a page that already holds live
-        # data needs neither the device nor deferred events; everything else runs as an operation.
-        # A closed device is asked first: it has given all memory back (Note [No memory from a closed
-        # device] in gpumem/_native/module.cpp).
-        with self._lock:
-            if self._lost is None and not self._closed and not self.device.closed:
-                free_list = self._free_lists.get((small, stream))
-                if free_list is not None:
-                    block = free_list.best_fit(size)
-                    if block is not None and self.backing.commit_quietly(block, self._kept_nbytes(block, size, small)):
-                        free_list.remove(block)
-                        self._stats.cache_hits += 1
-                        return self._hand_out(self._split(block, size, small, free_list), nbytes, stream)
-        with self._defer():  # as _operation(), spelled out: this is the common slow path
-            with self._lock:
-                if self._lost is not None:
-                    raise DeviceLostError(f"the device was lost: {self._lost}")
-                if self._closed:
-                    raise InvalidArgumentError("allocator is closed")
-                if self.device.closed:
-                    raise DeviceClosedError(f"{self.device.spec} is closed")
-                try:
-                    return self._allocate_slow(nbytes, size, small, stream)
-                except DeviceLostError as exc:
-                    self._lost = exc
-                    raise
-                finally:
-                    if self._recorder is not None:
-                        self.backing.sync_export()  # Note [Exporting cached chunks] in .backing
-
-    def _allocate_slow(self, nbytes: int, size: int, small: bool, stream: int) -> int:
-        total = self.device.properties().total_nbytes
-        if size > total or (self.limit_nbytes is not None and size > self.limit_nbytes):
-            # can never fit: refuse at once, without waiting for work or flushing the cache
-            self._stats.num_ooms += 1
-            info = self.device.mem_info()
-            if size > total:
-                cause = OutOfMemoryError(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec)
-                hint = too_large_hint(nbytes, size, total)
-            else:
-                cause = LimitExceeded(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec,
-                                      limit_nbytes=self.limit_nbytes)
-                hint = None
-            raise self._oom_error(nbytes, cause, hint)
-        free_list = self._free_lists.get((small, stream))
-        if free_list is None:
-            free_list = self._free_lists[(small, stream)] = self._new_free_list()
-        block = free_list.best_fit(size)
-        if block is None and self._pending:
-            self._process_pending(wait=False)  # blocks whose other-stream uses are done, see Note [Streams]
-            block = free_list.best_fit(size)
-        self._committed = False
-        if block is not None:
-            free_list.remove(block)
-            self._stats.cache_hits += 1
-        else:
-            block = self._grow(small, stream, size, free_list, nbytes)
-        if not self._committed:
-            block = self._split(block, size, small, free_list)
-            try:
-                self.backing.commit(block)
-            except OutOfMemoryError:
-                self._stats.num_alloc_retries += 1
-                self._unsplit_after_failure(block, free_list)
-                block = self._retry_after_release(small, stream, size, free_list, nbytes)
-            except BaseException:
-                # any other failure (a TransientDeviceError...): the block goes back, see the Note
-                self._unsplit_after_failure(block, free_list)
-                raise
-        return self._hand_out(block, nbytes, stream)
-
-    def _hand_out(self, block: Block, nbytes: int, stream: int) -> int:
-        """Book a committed block as live and return its address."""
-        block.allocated = True
-        block.requested = nbytes
-        addr = block.addr
-        self._live[addr] = block
-        st = self._stats
-        st.allocated_nbytes += block.size  # not `size`: an unsplit block is larger, and free() subtracts block.size
-        st.requested_nbytes += nbytes
-        st.num_allocs += 1
-        if st.allocated_nbytes > st.peak_allocated_nbytes:
-            st.peak_allocated_nbytes = st.allocated_nbytes
-        if st.requested_nbytes > st.peak_requested_nbytes:
-            st.peak_requested_nbytes = st.requested_nbytes
-        reserved = self.backing.reserved_nbytes
-        if reserved > st.peak_reserved_nbytes:
-            st.peak_reserved_nbytes = reserved
-        if self._recorder is not None:
-            self._recorder.record_alloc(addr, nbytes, stream)
-        return addr
+        return self._engine.allocate(nbytes, stream)
 
     def free(self, ptr: int) -> None:
         """Return ``ptr`` to the cache. Unknown pointers and double frees raise, changing nothing.
@@ -360,306 +189,7 @@ class CachingAllocator(AllocatorContract):
         The block is reusable at once on its own stream; blocks used on other streams
         (:meth:`record_stream`) once those streams' work up to now is done (Note [Streams]).
         """
-        with self._lock:  # see Note [The hot path makes no device call]
-            if self._lost is None:
-                block = self._live.get(ptr) if ptr.__class__ is int else None
-                if block is not None and not block.pending_streams:
-                    self.backing.decommit(block)  # no device call: fences come when memory goes back
-                    self._free_booked(ptr, block)
-                    return
-        ptr = as_int(ptr, "ptr")
-        with self._operation():
-            if self._closed:
-                raise InvalidArgumentError(f"free of {ptr:#x}: the allocator is closed")
-            block = self._live.get(ptr)
-            if block is None:
-                check_pointer(ptr)
-                if ptr in self._freed:
-                    raise DoubleFreeError(f"double free of {ptr:#x} in the caching allocator")
-                raise InvalidPointerError(f"free of {ptr:#x}, which this allocator did not allocate"
-                                          + self._inside_live(ptr))
-            if block.pending_streams:
-                fences = self.fences
-                block.fences = {s: fences.record(s) for s in sorted(block.pending_streams)}  # may raise: still live
-            else:
-                self.backing.decommit(block)
-            self._free_booked(ptr, block)
-
-    def _free_booked(self, ptr: int, block: Block) -> None:
-        """The bookkeeping of a free whose device side (decommit or fences) is done."""
-        del self._live[ptr]
-        self._freed[ptr] = None
-        if len(self._freed) > _FREED_MEMORY:
-            del self._freed[next(iter(self._freed))]
-        st = self._stats
-        st.allocated_nbytes -= block.size
-        st.requested_nbytes -= block.requested
-        st.num_frees += 1
-        if self._recorder is not None:
-            self._recorder.record_free(ptr, block.stream)
-        block.allocated = False
-        if block.fences is not None:
-            # its pages stay committed until the other streams' events complete, see Note [Streams]
-            self._pending.append(block)
-            return
-        self._insert_free(block)
-
-    # -- growth, splitting, merging --------------------------------------------------------------------
-    def _grow(self, small: bool, stream: int, size: int, free_list: FreeList, nbytes: int) -> Block:
-        self._stats.cache_misses += 1
-        if self.gc_threshold is not None:
-            cap = self.limit_nbytes or self.device.properties().total_nbytes
-            if self.backing.reserved_nbytes > self.gc_threshold * cap:
-                self._stats.num_gc_releases += 1
-                self._release_cached(wait=False)
-        try:
-            return self._grow_once(small, stream, size, free_list)
-        except OutOfMemoryError:
-            self._stats.num_alloc_retries += 1
-            self._committed = True  # the retry split and committed it: allocate() must not commit it again
-            return self._retry_after_release(small, stream, size, free_list, nbytes)
-
-    def _grow_once(self, small: bool, stream: int, size: int, free_list: FreeList) -> Block:
-        """A new free block (in no free list) of at least ``size`` bytes: a new ``malloc``'d segment
-        tiled by one block, or the top of the pool's virtual range (growing this stream's free
-        block there, if it is the range's last)."""
-        backing = self.backing
-        if isinstance(backing, SegmentBacking):
-            seg = backing.new_segment(small, stream, size)
-            block = Block(seg.base, seg.nbytes, stream, seg)
-            append_block(seg, block)
-            return block
-        vseg = backing.range_of(small)
-        tail = vseg.last  # type: ignore[union-attr]
-        if tail is not None and tail.stream == stream and not tail.allocated and tail.fences is None \
-                and tail in free_list:
-            backing.extend(vseg, stream, size - tail.size, size)  # type: ignore[arg-type]
-            free_list.remove(tail)
-            tail.size = size
-            return tail
-        addr = backing.extend(vseg, stream, size, size)  # type: ignore[arg-type]
-        block = Block(addr, size, stream, vseg)
-        append_block(vseg, block)
-        return block
-
-    def _release_cached(self, wait: bool) -> int:
-        """Give cached memory back (Note [Stream-ordered frees]); then, in virtual memory, drop the free
-        blocks at the top of each range so that its address space does not creep up."""
-        released = self.backing.release_cached(self._drop_blocks, wait)
-        if isinstance(self.backing, VirtualBacking):
-            backing = self.backing
-            for seg in backing.segments_list():
-                while True:
-                    last = seg.last
-                    if last is None or last.allocated or last.fences is not None:
-                        break
-                    if not backing.lower_top(seg, last.addr, last.stream, wait):  # type: ignore[arg-type]
-                        break
-                    self._free_list_of(last).remove(last)
-                    drop_last_block(seg)
-        return released
-
-    def _anything_to_wait_for(self) -> bool:
-        """After a release that did not wait: whether pending blocks or cached memory (still used by
-        queued work) remain, so that waiting for them could make room."""
-        if self._pending:
-            return True
-        backing = self.backing
-        if isinstance(backing, VirtualBacking):
-            if backing.unmapped:
-                return True
-            for seg in backing.vsegments.values():
-                last = seg.last
-                if seg.empty or (last is not None and not last.allocated and last.fences is None):
-                    return True
-            return False
-        return any(not seg.live for seg in backing.segments_list())
-
-    def _reown_idle(self, stream: int, free_list: FreeList) -> bool:
-        """Virtual memory, out of memory: hand the free blocks of other streams of the pool whose work is
-        done (a fence recorded now has completed) to ``stream``, merged with its neighbours, so that the
-        address space idle streams freed below live blocks is not lost (Note [One range per pool]).
-        Returns whether any block moved."""
-        pool = next((k[0] for k, fl in self._free_lists.items() if fl is free_list), None)
-        moved = False
-        for (small, s), fl in list(self._free_lists.items()):
-            if small != pool or s == stream or not len(fl):
-                continue
-            number = self.fences.record(s)
-            if not self.fences.done(s, number):
-                continue  # that stream still has work queued: its free blocks stay its own
-            for b in fl:
-                fl.remove(b)
-                b.stream = stream
-                self._insert_free(b)
-            moved = True
-        if moved:
-            self.backing.multi_stream = True  # type: ignore[attr-defined] # pages now track their streams
-            release = self._release_cached(wait=False)  # a merged free top can now be trimmed
-            log.debug("re-owned idle streams' free blocks to stream %d (%d B released)", stream, release)
-        return moved
-
-    def _drop_blocks(self, seg: object) -> None:
-        """Forget the blocks of a segment the backing gave back (all free: they are merged into one)."""
-        b = seg.last  # type: ignore[attr-defined]
-        while b is not None:
-            if b.allocated or b.fences is not None:
-                raise InternalError(f"segment {seg.base:#x} was given back with {b!r} in use")  # type: ignore[attr-defined]
-            self._free_list_of(b).remove(b)
-            b = b.prev
-        seg.last = None  # type: ignore[attr-defined]
-
-    def _retry_after_release(self, small: bool, stream: int, size: int, free_list: FreeList,
-                             nbytes: int) -> Block:
-        """Make pending blocks reusable and give cached memory back, then try once more to find or grow,
-        split and commit a block: first with what is free of work (no waiting), and only if that is
-        still short, waiting for the work still using cached memory."""
-        for wait in (False, True):
-            self._process_pending(wait=wait)
-            self._release_cached(wait=wait)
-            more = not wait and self._anything_to_wait_for()  # before this attempt adds its own free block
-            block = None
-            try:
-                block = free_list.best_fit(size)
-                if block is None and isinstance(self.backing, VirtualBacking) and self._reown_idle(stream, free_list):
-                    block = free_list.best_fit(size)
-                if block is not None:
-                    free_list.remove(block)
-                else:
-                    block = self._grow_once(small, stream, size, free_list)
-                block = self._split(block, size, small, free_list)
-                self.backing.commit(block)
-                return block
-            except OutOfMemoryError as exc:
-                if block is not None:
-                    self._unsplit_after_failure(block, free_list)
-                if not more:
-                    self._stats.num_ooms += 1
-                    raise self._oom_error(nbytes, exc) from None
-            except BaseException:
-                if block is not None:
-                    self._unsplit_after_failure(block, free_list)
-                raise
-        raise InternalError("unreachable")  # pragma: no cover
-
-    def _kept_nbytes(self, block: Block, size: int, small: bool) -> int:
-        """The size ``block`` will have once :meth:`_split` has served ``size`` from it."""
-        remaining = block.size - size
-        min_rest = self.policy.min_split_small_nbytes if small else self.policy.min_split_large_nbytes
-        return size if remaining >= min_rest and remaining > 0 else block.size
-
-    def _split(self, block: Block, size: int, small: bool, free_list: FreeList) -> Block:
-        remaining = block.size - size
-        min_rest = self.policy.min_split_small_nbytes if small else self.policy.min_split_large_nbytes
-        if remaining >= min_rest and remaining > 0:
-            free_list.add(split_block(block, size))
-            self._stats.num_splits += 1
-        return block
-
-    def _unsplit_after_failure(self, block: Block, free_list: FreeList) -> None:
-        self._insert_free(block)
-
-    def _insert_free(self, block: Block) -> None:
-        """Put a free block in its free list, merged with free neighbours of the same segment and stream."""
-        free_list = self._free_list_of(block)
-        prev = block.prev
-        if prev is not None and not prev.allocated and prev.fences is None and prev in free_list:
-            free_list.remove(prev)
-            block = merge_blocks(prev, block)
-        nxt = block.next
-        if nxt is not None and not nxt.allocated and nxt.fences is None and nxt in free_list:
-            free_list.remove(nxt)
-            merge_blocks(block, nxt)
-        free_list.add(block)
-
-    def _new_free_list(self) -> FreeList:
-        """An empty free list: ordered by segment age with ``segments_top_down`` in segment mode (Note
-        [Segments top-down] in :mod:`.policy`), by address otherwise."""
-        if self.policy.segments_top_down and not self.uses_vmm:
-            return TopDownFreeList()
-        return FreeList()
-
-    def _free_list_of(self, block: Block) -> FreeList:
-        seg = block.segment
-        key = (bool(getattr(seg, "small", False)) and self.policy.separate_small_pool, block.stream)
-        fl = self._free_lists.get(key)
-        if fl is None:
-            fl = self._free_lists[key] = self._new_free_list()
-        return fl
-
-    def _process_pending(self, wait: bool) -> int:
-        """Make freed blocks whose other-stream events have completed reusable (with ``wait``, wait for
-        them all); return how many became free. A failing event call is raised, with the blocks not
-        yet processed still pending."""
-        done = 0
-        fences = self.fences
-        pending = self._pending
-        remaining: list[Block] = []
-        i = 0
-        blocked: dict[int, int] = {}
-        """stream -> a fence found not complete in this pass: later fences there are not complete either
-        (events on one stream complete in order), so they are not queried (as PyTorch stops at the first)."""
-        try:
-            for i, block in enumerate(pending):  # noqa: B007 - i is read after a failure
-                ready = True
-                for s, n in block.fences.items():  # type: ignore[union-attr]
-                    b = blocked.get(s)
-                    if b is not None and n >= b:
-                        ready = False
-                        break
-                    if not fences.done(s, n):
-                        blocked[s] = n if b is None else min(b, n)
-                        ready = False
-                        break
-                if not ready:
-                    if not wait:
-                        remaining.append(block)
-                        continue
-                    fences.wait_all(block.fences)
-                self.backing.decommit(block)
-                block.fences = None
-                block.pending_streams = None
-                self._insert_free(block)
-                done += 1
-            i = len(pending)
-        finally:
-            self._pending = remaining + pending[i:]
-        return done
-
-    def _oom_error(self, nbytes: int, cause: OutOfMemoryError, hint: str | None = None) -> OutOfMemoryError:
-        info = self.device.mem_info()
-        st = self._stats
-        cached = self.backing.reserved_nbytes - st.allocated_nbytes
-        injected = bool(getattr(cause, "injected", False))
-        if hint is not None:
-            pass
-        elif injected:
-            hint = ("The device call failed because of an injected fault (the simulator's fault plan), "
-                    "not a real shortage of memory.")
-        elif isinstance(cause, AddressSpaceExhausted):
-            va = getattr(self.backing, "va_nbytes", 0)
-            hint = (f"The allocator's virtual address range ({format_bytes(va)} per pool) is exhausted, not the "
-                    "device's memory: free blocks of other streams that are still busy, or below live blocks, "
-                    "hold its address space. Free long-lived blocks, use fewer streams, or raise the policy's "
-                    "va_reserve_factor.")
-        elif isinstance(cause, LimitExceeded):
-            hint = (f"The allocator's limit of {format_bytes(self.limit_nbytes or 0)} is reached: raise `limit`, "
-                    "free tensors you no longer need, or use smaller batches.")
-        else:
-            outside = max(0, info.total_nbytes - info.free_nbytes - self.backing.reserved_nbytes)
-            hint = ("Try: free what you no longer need; use smaller batches or shorter sequences. "
-                    f"{format_bytes(outside)} of this device is held outside this allocator (this process's "
-                    "CUDA context, other allocators, other processes; see `gpumem devices`)")
-            if not self.uses_vmm and cached > 0:
-                if self.device.vmm_supported:
-                    hint += "; the cached memory is fragmented: the 'gpumem' policy with virtual memory avoids that"
-                else:
-                    hint += "; the cached memory is fragmented (this device has no virtual memory management)"
-            hint += "."
-        return OutOfMemoryError(nbytes, info.free_nbytes, info.total_nbytes, device=self.device.spec,
-                                allocated_nbytes=st.allocated_nbytes, cached_nbytes=cached,
-                                limit_nbytes=self.limit_nbytes, hint=hint, injected=injected,
-                                rounded_nbytes=-(-nbytes // self._round) * self._round)
+        self._engine.free(ptr)
 
     # -- streams ---------------------------------------------------------------------------------------
     def record_stream(self, ptr: int, stream: int) -> None:
@@ -668,27 +198,7 @@ class CachingAllocator(AllocatorContract):
         Pure bookkeeping: no device call, so on a device lost but not yet noticed it succeeds; the
         next call that reaches the device (the free of that block records events) raises
         :class:`~gpumem.errors.DeviceLostError`."""
-        if self._native is not None:
-            return self._native.record_stream(ptr, stream)
-        ptr = as_int(ptr, "ptr")
-        stream = check_stream(stream)
-        with self._operation():
-            if self._closed:
-                raise InvalidArgumentError(f"record_stream of {ptr:#x}: the allocator is closed")
-            block = self._live.get(ptr)
-            if block is None:
-                raise InvalidPointerError(f"record_stream: {ptr:#x} is not a live allocation" + self._inside_live(ptr))
-            if stream != block.stream:
-                if block.pending_streams is None:
-                    block.pending_streams = set()
-                block.pending_streams.add(stream)
-
-    def _inside_live(self, ptr: int) -> str:
-        """``"; it is inside the live block at 0x..."`` when ``ptr`` points into a live block (error path only)."""
-        for b in self._live.values():
-            if b.addr < ptr < b.addr + b.size:
-                return f"; it is inside the live block at {b.addr:#x} (+{ptr - b.addr:#x}): free that pointer"
-        return ""
+        self._engine.record_stream(as_int(ptr, "ptr"), check_stream(stream))
 
     def synchronize(self) -> None:
         """Wait for the device, then make every block freed with pending stream uses reusable.
@@ -696,11 +206,7 @@ class CachingAllocator(AllocatorContract):
         Never needed for correctness or for memory to be reused: the allocator tracks the
         streams' events itself (Note [Streams]).
         """
-        if self._native is not None:
-            return self._native.synchronize()
-        with self._operation():
-            self.device.synchronize()
-            self._process_pending(wait=True)
+        self._engine.synchronize()
 
     # -- cache control and introspection -----------------------------------------------------------------
     def empty_cache(self) -> int:
@@ -709,19 +215,7 @@ class CachingAllocator(AllocatorContract):
         Waits for the work still using that memory (events recorded when it was freed),
         never gives back memory a queued kernel still touches.
         """
-        if self._native is not None:
-            return self._native.empty_cache()
-        with self._operation():
-            if self._closed:
-                return 0
-            self.device.mem_info()  # a lost device is noticed here (DeviceLostError), even with nothing cached
-            self._process_pending(wait=True)
-            released = self._release_cached(wait=True)
-            for key in [k for k, fl in self._free_lists.items() if not len(fl)]:
-                del self._free_lists[key]  # idle streams cost nothing once their cache is gone
-            self.fences.forget_idle()  # nor their events and fence entries
-            log.debug("empty_cache released %s", format_bytes(released))
-            return released
+        return self._engine.empty_cache()
 
     def check_consistency(self) -> None:
         """Compare the allocator's bookkeeping with the device's; raise
@@ -733,124 +227,51 @@ class CachingAllocator(AllocatorContract):
         lists and live ones are not, and that the byte counts add up. Runs on any
         device that lists its ranges (the simulator and the CUDA adapter).
         """
-        if self._native is not None:
-            device = self.device
+        problems = self._engine.consistency_problems()
+        if problems:
+            raise InternalError("allocator and device disagree: " + "; ".join(problems[:8])
+                                + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""))
 
-            def list_device() -> tuple[list[tuple[int, int, int]], list[tuple[int, int]] | None]:
-                # called by the engine under its lock (Engine::consistency_problems), so that another
-                # thread's allocation cannot change the mappings between the two views
-                reservations = (list(device.reservation_ranges()) if hasattr(device, "reservation_ranges")
-                                else None)
-                return list(device.mapping_ranges()), reservations
-
-            problems = self._native.consistency_problems(list_device)
-            if problems:
-                raise InternalError("allocator and device disagree: " + "; ".join(problems[:8])
-                                    + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""))
-            return
-        with self._operation():
-            if self._closed:
-                return  # a closed allocator holds nothing
-            self.device.mem_info()  # a lost device raises DeviceLostError (the range listings below do not)
-            problems = self.backing.consistency_problems()
-            for seg in self.backing.segments_list():
-                head = seg.last
-                while head is not None and head.prev is not None:
-                    head = head.prev
-                problems.extend(_chain_problems(seg, head, self.backing.tiled_end(seg), self._free_list_of))
-            in_lists = 0
-            for (small, stream), fl in self._free_lists.items():
-                for b in fl:
-                    in_lists += 1
-                    if b.allocated or b.stream != stream or b.fences is not None:
-                        problems.append(f"{b!r} is in the free list of stream {stream} but is not free there")
-            live_nbytes = 0
-            for addr, b in self._live.items():
-                live_nbytes += b.size
-                if not b.allocated or b.addr != addr:
-                    problems.append(f"live block {b!r} is not marked allocated at {addr:#x}")
-            if live_nbytes != self._stats.allocated_nbytes:
-                problems.append(f"live blocks hold {live_nbytes} B, allocated_nbytes is {self._stats.allocated_nbytes}")
-            for b in self._pending:
-                if b.allocated or not b.fences:
-                    problems.append(f"pending block {b!r} has no fences or is allocated")
-            if self.backing.reserved_nbytes < 0 or self._stats.allocated_nbytes > self.backing.reserved_nbytes:
-                problems.append(f"reserved {self.backing.reserved_nbytes} B < allocated "
-                                f"{self._stats.allocated_nbytes} B")
-            if problems:
-                raise InternalError("allocator and device disagree: " + "; ".join(problems[:8])
-                                    + (f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""))
+    @property
+    def stats(self) -> AllocatorStats:
+        """A snapshot of the counters, derived fields filled in (as :meth:`snapshot_stats`)."""
+        return self._engine.stats()
 
     @property
     def reserved_nbytes(self) -> int:
         """Device memory the allocator holds now."""
-        if self._native is not None:
-            return self._native.reserved_nbytes()
-        return self.backing.reserved_nbytes
+        return self._engine.reserved_nbytes()
 
     @property
     def allocated_nbytes(self) -> int:
         """Bytes in live blocks (rounded sizes)."""
-        if self._native is not None:
-            return self._native.allocated_nbytes()
-        return self._stats.allocated_nbytes
+        return self._engine.allocated_nbytes()
 
     def live_blocks(self) -> list[tuple[int, int]]:
         """``(ptr, size)`` of every live block."""
-        if self._native is not None:
-            return self._native.live_blocks()
-        with self._lock:
-            return [(b.addr, b.size) for b in self._live.values()]
+        return self._engine.live_blocks()
 
     def block_size(self, ptr: int) -> int:
         """The (rounded) size of the live block at ``ptr`` (any integer, ``np.int64`` included).
 
         Raises :class:`~gpumem.errors.InvalidArgumentError` when ``ptr`` is not an integer, and
         :class:`~gpumem.errors.InvalidPointerError` when no live block starts there."""
-        if self._native is not None:
-            return self._native.block_size(ptr)
-        if ptr.__class__ is not int:
-            ptr = as_int(ptr, "ptr")
-        block = self._live.get(ptr)
-        if block is None:
-            raise InvalidPointerError(f"{ptr!r} is not a live allocation")
-        return block.size
+        return self._engine.block_size(as_int(ptr, "ptr"))
 
     def memory_stats(self) -> dict[str, int | float]:
         """Counters in the spirit of ``torch.cuda.memory_stats`` (flat names, values now)."""
-        with self._lock:
-            return self.snapshot_stats().as_dict()
+        return self._engine.stats().as_dict()
 
     def snapshot_stats(self) -> AllocatorStats:
         """A copy of the stats with the derived fields (reserved, fragmentation...) filled in."""
-        if self._native is not None:
-            d = self._native.stats()
-            return AllocatorStats(**{f: d[f] for f in _STAT_FIELDS})
-        with self._lock:
-            st = self._stats.copy()
-            st.reserved_nbytes = self.backing.reserved_nbytes
-            st.num_segments = self.backing.n_segments
-            st.active_nbytes = st.allocated_nbytes + sum(b.size for b in self._pending)
-            free_lists = list(self._free_lists.values())
-            total_free = st.reserved_nbytes - st.allocated_nbytes
-            st.inactive_split_nbytes = sum(fl.nbytes for fl in free_lists) if not self.uses_vmm else max(
-                0, total_free - getattr(self.backing, "mapped_empty_nbytes", lambda: 0)()
-                - sum(h.nbytes for h in getattr(self.backing, "unmapped", ())))
-            st.num_live_blocks = len(self._live)
-            st.num_free_blocks = sum(len(fl) for fl in free_lists)
-            largest = min(self.backing.largest_free_nbytes(free_lists), max(total_free, 0))
-            st.largest_free_nbytes = largest
-            st.device_calls = self.backing.device_calls
-            st.event_calls = self.fences.device_calls
-            return st
+        return self._engine.stats()
 
     def memory_summary(self) -> str:
         """A text table of the stats, for people."""
-        describe = self._native.describe() if self._native is not None else self.backing.describe()
-        return format_summary(self.snapshot_stats(), self.policy, self.device.spec,
-                              f"{describe}; {self.engine} engine")
+        return format_summary(self._engine.stats(), self.policy, self.device.spec,
+                              f"{self._engine.describe()}; {self.engine} engine")
 
-    def history(self):  # -> gpumem.trace.Trace
+    def history(self) -> Any:  # -> gpumem.trace.Trace
         """The recorded allocation history as a :class:`gpumem.trace.Trace` (``record_history=True``).
 
         The trace carries the allocator's segment events in ``trace.segment_events``
@@ -858,12 +279,7 @@ class CachingAllocator(AllocatorContract):
         per page in virtual memory), which :func:`gpumem.trace.save_pytorch_snapshot` writes, so
         PyTorch's memory viewer shows the memory the allocator really reserved over time.
         """
-        if self._recorder is None:
-            raise InvalidArgumentError("history was not recorded: create the allocator with record_history=True")
-        with self._lock:
-            trace = self._recorder.to_trace(f"gpumem-{self.policy.name}")
-            trace.segment_events = list(self._recorder.segment_events)  # type: ignore[attr-defined]
-            return trace
+        return self._engine.history(f"gpumem-{self.policy.name}")
 
     def close(self) -> None:
         """Give all memory back to the device, after the work still using it. Live blocks become invalid.
@@ -874,122 +290,10 @@ class CachingAllocator(AllocatorContract):
         waited for is *kept*, not given back under a kernel that may still run: it stays counted in
         :attr:`reserved_nbytes` (and :attr:`leaked_nbytes`), and a warning says how much was leaked.
         """
-        if self._native is not None:
-            self._native.close()
-            self._closed = True
-            self.leaked_nbytes = self._native.stats()["leaked_nbytes"]
-            if self.leaked_nbytes:
-                log.warning("closed with %s still held on %s and not given back: work on some streams may "
-                            "still use it", format_bytes(self.leaked_nbytes), self.device.spec)
-            return
-        with self._defer(), self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if self._live:
-                log.info("closing an allocator with %d live block(s)", len(self._live))
-            failed: set[int] = set()
-            all_streams: set[int] = set()
-            if self.backing.reserved_nbytes or self.backing.n_segments:
-                all_streams = self._streams_in_use()
-                for s in sorted(all_streams):
-                    try:
-                        self.device.stream_synchronize(s)
-                    except Exception as exc:  # noqa: BLE001 - that stream's memory is kept, below
-                        log.debug("could not synchronize stream %d before closing: %s", s, exc)
-                        failed.add(s)
-                if failed:
-                    try:
-                        self.device.synchronize()
-                        failed.clear()
-                    except Exception as exc:  # noqa: BLE001
-                        log.warning("could not synchronize streams %s before closing: %s", sorted(failed), exc)
-
-            def keep(seg: Segment) -> bool:
-                if not failed:
-                    return False
-                if isinstance(seg, VirtualSegment):
-                    return True  # a range is shared by all streams: any of them may still use it
-                return bool(self._segment_streams(seg) & failed)
-
-            self.backing.close(keep)
-            if self._recorder is not None:
-                self.backing.sync_export()
-            self.fences.close()
-            self._live.clear()
-            self._pending.clear()
-            self._free_lists.clear()
-            self.leaked_nbytes = self.backing.reserved_nbytes
-            if self.leaked_nbytes:
-                why = (f"work on streams {sorted(failed)} may still use it" if failed
-                       else "giving it back failed")
-                log.warning("closed with %s still held on %s (%d segment(s)/range(s)) and not given back: %s",
-                            format_bytes(self.leaked_nbytes), self.device.spec, self.backing.n_segments, why)
-
-    def _streams_in_use(self) -> set[int]:
-        """Every stream whose work may touch memory this allocator holds."""
-        streams: set[int] = {0}
-        for (_, s) in self._free_lists:
-            streams.add(s)
-        for b in list(self._live.values()) + self._pending:
-            streams.add(b.stream)
-            streams.update(b.pending_streams or ())
-            streams.update(b.fences or ())
-        for seg in self.backing.segments_list():
-            streams |= self._segment_streams(seg)
-            if isinstance(seg, VirtualSegment):
-                for table in (seg.dirty, seg.users):
-                    for u in table.values():
-                        streams.update((u,) if isinstance(u, int) else u)
-                for pf in seg.page_fences.values():
-                    streams.update(pf)
-                streams.update(seg.top_fences or ())
-        streams.update(self.fences.streams())
-        return streams
-
-    @staticmethod
-    def _segment_streams(seg: Segment) -> set[int]:
-        """The streams of the blocks tiling ``seg`` (and of their other-stream uses)."""
-        streams = {seg.stream}
-        b = seg.last
-        while b is not None:
-            streams.add(b.stream)
-            streams.update(b.pending_streams or ())
-            streams.update(b.fences or ())
-            b = b.prev
-        return streams
+        self.leaked_nbytes = self._engine.close()
 
     def __enter__(self) -> "CachingAllocator":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _chain_problems(seg: Segment, head: Block | None, end: int, free_list_of: Callable[[Block], FreeList]) -> list[str]:
-    """Blocks tile ``[seg.base, end)`` in order, each free one in its free list, live counts right."""
-    problems: list[str] = []
-    cursor = seg.base
-    b = head
-    prev = None
-    live = 0
-    while b is not None:
-        if b.prev is not prev or b.addr != cursor or b.size <= 0 or b.segment is not seg:
-            problems.append(f"block chain broken at {b!r} (expected {cursor:#x})")
-            break
-        if b.allocated:
-            live += 1
-        elif b.fences is not None or b.pending_streams:
-            live += 1  # freed, waiting for other streams: still counted by the backing
-        elif b not in free_list_of(b):
-            problems.append(f"free block {b!r} is in no free list")
-        cursor = b.addr + b.size
-        prev = b
-        b = b.next
-    if prev is not getattr(seg, "last", prev):
-        problems.append(f"segment {seg.base:#x}: last block is not the end of the chain")
-    if cursor != end:
-        problems.append(f"blocks of segment {seg.base:#x} end at {cursor:#x}, expected {end:#x}")
-    if isinstance(seg, Segment) and not isinstance(seg, VirtualSegment) and live != seg.live:
-        problems.append(f"segment {seg.base:#x} counts {seg.live} live blocks, its chain has {live}")
-    return problems

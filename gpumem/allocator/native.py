@@ -1,19 +1,35 @@
-"""The Python side of the native engine (``gpumem._engine``): what its binding calls back for.
+"""The native engine (:class:`NativeEngine` over ``gpumem._engine.Allocator``), and what its binding calls back for.
 
-The binding (``gpumem/_native/module.cpp``) runs the hot path in C++ and calls these helpers on
-slow paths only: argument validation with the very checks (and messages) of
-:mod:`gpumem.allocator.caching`, and the :class:`~gpumem.errors.OutOfMemoryError` that the Python
-allocator's ``_oom_error`` builds, from the numbers the engine gathered at the same moment.
+The binding (``gpumem/_native/module.cpp``) reads the policy's fields from one table that names every
+field of :class:`~gpumem.allocator.policy.AllocatorPolicy` (``gpumem._engine.POLICY_FIELDS``) and
+builds its stats from one that names every field of :class:`~gpumem.allocator.stats.AllocatorStats`
+(``gpumem._engine.STATS_FIELDS``; ``tests/allocator/test_native_differential.py`` holds both to the
+dataclasses). It runs the hot path in C++ and calls the helpers of this module on slow paths only:
+argument validation with the checks (and messages) of :mod:`gpumem.validate`, and the
+:class:`~gpumem.errors.OutOfMemoryError` of :func:`gpumem.allocator.engine.oom_error`, from the
+numbers the engine gathered at the same moment.
 """
 
 from __future__ import annotations
 
-from ..validate import STREAM_END, as_int, check_nbytes, check_stream
-from ..errors import (DeviceClosedError, DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError,
-                      InvalidPointerError, OutOfMemoryError)
-from ..units import format_bytes
+import logging
+import sys
+from typing import NoReturn
 
-__all__ = ["load_engine", "check_alloc_args", "as_ptr", "check_stream", "oom_error"]
+from ..device import Device
+from ..errors import (DeviceClosedError, DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError,
+                      InvalidPointerError, OutOfMemoryError, UnsupportedOperationError)
+from ..native import native_module
+from ..units import align_up, format_bytes
+from ..validate import as_int, check_nbytes, check_stream
+from .engine import OomCause, no_history_error
+from .engine import oom_error as build_oom_error
+from .policy import AllocatorPolicy
+from .stats import AllocatorStats
+
+__all__ = ["NativeEngine", "check_alloc_args", "as_ptr", "check_stream", "bad_pointer", "oom_error"]
+
+log = logging.getLogger(__name__)
 
 # error classes the binding raises (read once when an allocator is created)
 INVALID_ARGUMENT = InvalidArgumentError
@@ -24,25 +40,68 @@ DEVICE_CLOSED = DeviceClosedError
 INTERNAL = InternalError
 OUT_OF_MEMORY = OutOfMemoryError
 
-# OomCause in engine.h
-_DEVICE, _TOO_LARGE, _LIMIT, _ADDRESS_SPACE = 1, 2, 3, 4
 
+class NativeEngine:
+    """The C++ engine (:class:`~.engine.Engine`) over ``device`` under ``policy``, virtual-memory mode.
 
-def load_engine():
-    """The ``gpumem._engine`` extension module, or None when it was not built (loaded once per
-    process by :mod:`gpumem.native`, which also owns the warning)."""
-    from ..native import _load
+    A thin shell: the extension object's methods are this engine's methods (bound here, so that
+    ``allocate`` and ``free`` run with no Python frame); only the results that need Python objects
+    (the stats dataclass, the device's listings for the consistency check) pass through Python.
+    Raises :class:`~gpumem.errors.BackendUnavailableError` when the extension is not built."""
 
-    return _load()[0]
+    name = "native"
+
+    def __init__(self, device: Device, policy: AllocatorPolicy, *, limit_nbytes: int | None,
+                 gc_threshold: float | None) -> None:
+        self.device = device
+        self._ext = ext = native_module().Allocator(device, sys.modules[__name__], policy,
+                                                    limit_nbytes=limit_nbytes or 0, gc_threshold=gc_threshold or 0.0)
+        self.allocate = ext.allocate
+        self.free = ext.free
+        self.record_stream = ext.record_stream
+        self.synchronize = ext.synchronize
+        self.empty_cache = ext.empty_cache
+        self.reserved_nbytes = ext.reserved_nbytes
+        self.allocated_nbytes = ext.allocated_nbytes
+        self.live_blocks = ext.live_blocks
+        self.block_size = ext.block_size
+        self.describe = ext.describe
+
+    @property
+    def backing(self) -> NoReturn:
+        """The Python engine's backing: none here (:attr:`~.caching.CachingAllocator.backing`)."""
+        raise UnsupportedOperationError("the native engine's backing is C++: create the allocator with "
+                                        "engine='python' to look inside it")
+
+    def stats(self) -> AllocatorStats:
+        return AllocatorStats(**self._ext.stats())
+
+    def consistency_problems(self) -> list[str]:
+        device = self.device
+
+        def list_device() -> tuple[list[tuple[int, int, int]], list[tuple[int, int]] | None]:
+            # called by the engine under its lock (Engine::consistency_problems), so that another
+            # thread's allocation cannot change the mappings between the two views
+            reservations = list(device.reservation_ranges()) if hasattr(device, "reservation_ranges") else None
+            return list(device.mapping_ranges()), reservations
+
+        return self._ext.consistency_problems(list_device)
+
+    def history(self, label: str):  # -> gpumem.trace.Trace
+        raise no_history_error()
+
+    def close(self) -> int:
+        self._ext.close()
+        leaked = self._ext.backing_stats()["leaked_nbytes"]
+        if leaked:
+            log.warning("closed with %s still held on %s and not given back: work on some streams may "
+                        "still use it", format_bytes(leaked), self.device.spec)
+        return leaked
 
 
 def check_alloc_args(nbytes: object, stream: object) -> tuple[int, int]:
-    """``allocate``'s argument checks, as :meth:`CachingAllocator.allocate` makes them."""
-    if nbytes.__class__ is not int or nbytes <= 0:  # type: ignore[operator]
-        nbytes = check_nbytes(nbytes)
-    if stream.__class__ is not int or not 0 <= stream < STREAM_END:  # type: ignore[operator]
-        stream = check_stream(stream)
-    return nbytes, stream  # type: ignore[return-value]
+    """``allocate``'s argument checks, for the arguments the binding's fast check did not let through."""
+    return check_nbytes(nbytes), check_stream(stream)
 
 
 def as_ptr(ptr: object) -> int:
@@ -51,7 +110,7 @@ def as_ptr(ptr: object) -> int:
 
 
 def bad_pointer(op: str, ptr: int, closed: bool, lost: str | None) -> None:
-    """Raise what the Python allocator raises for a pointer outside [0, 2**64) (never a live block)."""
+    """Raise what the Python engine raises for a pointer outside [0, 2**64) (never a live block)."""
     if lost is not None:
         raise DeviceLostError(f"the device was lost: {lost}")
     if op == "free":
@@ -68,30 +127,11 @@ def bad_pointer(op: str, ptr: int, closed: bool, lost: str | None) -> None:
 def oom_error(cause: int, nbytes: int, free_nbytes: int, total_nbytes: int, allocated_nbytes: int,
               cached_nbytes: int, reserved_nbytes: int, limit_nbytes: int, va_nbytes: int, cause_exc: object,
               device: str, round_nbytes: int) -> OutOfMemoryError:
-    """The error of ``CachingAllocator._oom_error`` (virtual-memory mode), from the engine's numbers."""
-    from .caching import too_large_hint
-
-    limit = limit_nbytes or None
-    injected = bool(getattr(cause_exc, "injected", False)) if cause == _DEVICE else False
-    rounded = -(-nbytes // round_nbytes) * round_nbytes
-    if cause == _TOO_LARGE:
-        hint = too_large_hint(nbytes, rounded, total_nbytes)
-    elif injected:
-        hint = ("The device call failed because of an injected fault (the simulator's fault plan), "
-                "not a real shortage of memory.")
-    elif cause == _ADDRESS_SPACE:
-        hint = (f"The allocator's virtual address range ({format_bytes(va_nbytes)} per pool) is exhausted, not the "
-                "device's memory: free blocks of other streams that are still busy, or below live blocks, "
-                "hold its address space. Free long-lived blocks, use fewer streams, or raise the policy's "
-                "va_reserve_factor.")
-    elif cause == _LIMIT:
-        hint = (f"The allocator's limit of {format_bytes(limit or 0)} is reached: raise `limit`, "
-                "free tensors you no longer need, or use smaller batches.")
-    else:
-        outside = max(0, total_nbytes - free_nbytes - reserved_nbytes)
-        hint = ("Try: free what you no longer need; use smaller batches or shorter sequences. "
-                f"{format_bytes(outside)} of this device is held outside this allocator (this process's "
-                "CUDA context, other allocators, other processes; see `gpumem devices`).")
-    return OutOfMemoryError(nbytes, free_nbytes, total_nbytes, device=device, allocated_nbytes=allocated_nbytes,
-                            cached_nbytes=cached_nbytes, limit_nbytes=limit, hint=hint, injected=injected,
-                            rounded_nbytes=rounded)
+    """:func:`gpumem.allocator.engine.oom_error` from the numbers the engine passes (``OomInfo`` in
+    ``engine.h``; ``limit_nbytes`` 0: none; ``cause_exc``: the device's error, for ``DEVICE``)."""
+    why = OomCause(cause)
+    injected = why is OomCause.DEVICE and bool(getattr(cause_exc, "injected", False))
+    return build_oom_error(why, nbytes, align_up(nbytes, round_nbytes), free_nbytes=free_nbytes,
+                           total_nbytes=total_nbytes, device=device, allocated_nbytes=allocated_nbytes,
+                           cached_nbytes=cached_nbytes, reserved_nbytes=reserved_nbytes,
+                           limit_nbytes=limit_nbytes or None, va_nbytes=va_nbytes, injected=injected)

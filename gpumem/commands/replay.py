@@ -127,7 +127,7 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
             raise _UsageError(f"the trace {args.trace} has no allocations or frees: nothing to replay")
         allocator = make_allocator(device, args.policy, limit=limit, record_history=export is not None)
         if export is not None and getattr(allocator, "engine", None) == "python":
-            from ..allocator.native import load_engine
+            from ..native import load_engine
 
             if load_engine() is not None:
                 print("gpumem replay: --export-snapshot records the allocator's history, which only the Python "

@@ -138,7 +138,7 @@ def check_structure(alloc: CachingAllocator, pending: set[int] = frozenset()) ->
     """Blocks tile their segments; every block is live, pending or in exactly its free list; free
     neighbours are merged; the free lists hold nothing else."""
     live = dict(alloc.live_blocks())
-    free_lists = alloc._free_lists  # noqa: SLF001
+    free_lists = alloc._engine._free_lists  # noqa: SLF001
     in_lists = {id(b): key for key, fl in free_lists.items() for b in fl}
     assert sum(len(fl) for fl in free_lists.values()) == len(in_lists)
     seen_free = 0

@@ -92,7 +92,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def _sync_pending(self) -> None:
         """An allocation that misses the cache makes pending blocks whose other-stream events have
         completed reusable (no work runs in these tests, so all of them), as PyTorch's process_events."""
-        still = {b.addr for b in self.alloc._pending}  # noqa: SLF001
+        still = {b.addr for b in self.alloc._engine._pending}  # noqa: SLF001
         assert still <= set(self.pending)
         self.pending = {p: n for p, n in self.pending.items() if p in still}
 

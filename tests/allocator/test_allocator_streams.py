@@ -200,7 +200,7 @@ def test_ten_thousand_streams_on_the_default_policy():
         alloc.check_consistency()
         alloc.empty_cache()
         assert alloc.reserved_nbytes == 0 and dev.process_used_nbytes == 0
-        assert len(alloc._free_lists) == 0  # noqa: SLF001 - idle streams keep no host memory
+        assert len(alloc._engine._free_lists) == 0  # noqa: SLF001 - idle streams keep no host memory
         alloc.close()
 
 
@@ -312,7 +312,9 @@ def test_idle_streams_address_space_is_reused_by_another_stream(dev):
 def test_address_space_exhaustion_is_named_in_the_oom_error(dev, monkeypatch):
     from gpumem.errors import OutOfMemoryError
 
-    monkeypatch.setattr(CachingAllocator, "_reown_idle", lambda self, stream, free_list: False)
+    from gpumem.allocator.python_engine import PythonEngine
+
+    monkeypatch.setattr(PythonEngine, "_reown_idle", lambda self, stream, free_list: False)
     alloc = CachingAllocator(dev, "gpumem")
     for s in range(1, 8):
         alloc.free(alloc.allocate(100 * MiB, s))
@@ -422,15 +424,15 @@ def test_empty_cache_destroys_idle_streams_events_and_forgets_them(policy):
         if s % 100 == 0:
             alloc.empty_cache()
     alloc.empty_cache()
-    assert alloc.fences.outstanding == 0
-    assert alloc.fences.n_records == alloc.fences.n_destroys
-    assert len(alloc.fences._done) == 0 and not alloc._free_lists
+    assert alloc._engine.fences.outstanding == 0
+    assert alloc._engine.fences.n_records == alloc._engine.fences.n_destroys
+    assert len(alloc._engine.fences._done) == 0 and not alloc._engine._free_lists
     # a busy stream's events are kept
     p = alloc.allocate(3 * MiB, 7)
     dev.launch(7, 1.0, touches=[(p, 3 * MiB)], name="busy")
     alloc.free(p)
     alloc.empty_cache()  # waits for the page's fence: then stream 7 is idle and forgotten as well
-    assert alloc.fences.outstanding == 0
+    assert alloc._engine.fences.outstanding == 0
     alloc.check_consistency()
     alloc.close()
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpumem.allocator import CachingAllocator
-from gpumem.allocator.native import load_engine
+from gpumem.native import load_engine
 from gpumem.allocator.policy import AllocatorPolicy, GrowthRule, get_policy
 from gpumem.errors import InvalidArgumentError, OutOfMemoryError
 from gpumem.replay import replay

@@ -20,8 +20,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from gpumem import sim
 from gpumem.allocator import CachingAllocator
-from gpumem.allocator.native import load_engine
-from gpumem.allocator.policy import GrowthRule, get_policy
+from gpumem.native import load_engine
+from gpumem.allocator.policy import AllocatorPolicy, GrowthRule, get_policy
+from gpumem.allocator.stats import AllocatorStats
 from gpumem.device import Event, MemInfo, PhysicalHandle
 from gpumem.units import KiB, MiB
 
@@ -367,6 +368,70 @@ def test_engine_attribute_and_forcing():
         CachingAllocator(nano, engine="native")
     with pytest.raises(InvalidArgumentError):
         CachingAllocator(dev, engine="fast")
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_one_engine_behind_the_protocol_and_no_python_backing_under_the_native_one(engine):
+    """The allocator holds one engine, which has every method of the Engine protocol; the native engine
+    runs without a Python backing (the allocator built one beside it before the engine seam)."""
+    from gpumem.allocator.backing import Backing
+    from gpumem.allocator.engine import Engine
+    from gpumem.errors import UnsupportedOperationError
+
+    alloc = CachingAllocator(sim.SimDevice(small_profile(384)), engine=engine)
+    assert isinstance(alloc._engine, Engine) and alloc._engine.name == alloc.engine == engine  # noqa: SLF001
+    if engine == "python":
+        assert isinstance(alloc.backing, Backing)
+    else:
+        assert not any(isinstance(v, Backing) for v in vars(alloc._engine).values())  # noqa: SLF001
+        with pytest.raises(UnsupportedOperationError, match="engine='python'"):
+            alloc.backing  # noqa: B018
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_the_hot_path_is_the_engines_own_unless_a_subclass_overrides_it(engine):
+    """allocate and free are the engine's methods themselves (no frame of CachingAllocator on the hot
+    path), except where a subclass overrides them: its override runs, and super() reaches the engine."""
+    alloc = CachingAllocator(sim.SimDevice(small_profile(384)), engine=engine)
+    assert alloc.allocate == alloc._engine.allocate and alloc.free == alloc._engine.free  # noqa: SLF001
+    calls = []
+
+    class Counting(CachingAllocator):
+        def allocate(self, nbytes, stream=0):
+            calls.append(("allocate", nbytes))
+            return super().allocate(nbytes, stream)
+
+        def free(self, ptr):
+            calls.append(("free", ptr))
+            super().free(ptr)
+
+    counting = Counting(sim.SimDevice(small_profile(384)), engine=engine)
+    p = counting.allocate(1000)
+    counting.free(p)
+    assert calls == [("allocate", 1000), ("free", p)] and counting.allocated_nbytes == 0
+
+
+def test_the_engine_knows_every_policy_and_stats_field():
+    """Note [The policy and the stats from one table each] in gpumem/_native/module.cpp: the binding reads
+    the policy and builds the stats by walking one table each, and the tables name exactly the fields of
+    the dataclasses, so a field added in Python that the engine does not know fails here."""
+    from gpumem import _engine
+
+    assert sorted(_engine.POLICY_FIELDS) == sorted(f.name for f in dataclasses.fields(AllocatorPolicy))
+    assert _engine.STATS_FIELDS == tuple(f.name for f in dataclasses.fields(AllocatorStats))
+    assert not set(_engine.BACKING_STATS_FIELDS) & set(_engine.STATS_FIELDS)
+    alloc = CachingAllocator(sim.SimDevice(small_profile(384)), engine="native")
+    assert alloc.snapshot_stats() == AllocatorStats(**alloc._engine._ext.stats())  # noqa: SLF001
+    assert sorted(alloc._engine._ext.backing_stats()) == sorted(_engine.BACKING_STATS_FIELDS)  # noqa: SLF001
+    # the C API PyTorch's hooks read walks the same table (kStatFields in engine.h), then its own counters
+    import ctypes
+
+    from gpumem.native import library_path
+
+    names = ctypes.CDLL(library_path()).gpumem_torch_stat_names
+    names.restype = ctypes.c_char_p
+    assert names().decode().split(",") == [*_engine.STATS_FIELDS, *_engine.BACKING_STATS_FIELDS, "torch_ooms",
+                                           "torch_errors", "free_errors", "zero_allocs"]
 
 
 def test_device_lost_is_remembered_the_same():

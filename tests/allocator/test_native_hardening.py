@@ -10,6 +10,7 @@ the suite.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 
 import gpumem
 from gpumem.allocator.caching import CachingAllocator
+from gpumem.allocator.policy import GrowthRule
 from gpumem.errors import InternalError, InvalidArgumentError, OutOfMemoryError
 
 try:
@@ -298,19 +300,52 @@ def test_check_consistency_tolerates_a_handle_without_handle_attribute():
         pass   # a disagreement is reported as such, never as AttributeError
 
 
+def _unchecked_policy(**fields):
+    """The default policy with ``fields`` set past its own checks (what the binding must refuse itself)."""
+    policy = dataclasses.replace(gpumem.allocator.policy.get_policy("gpumem"))
+    for name, value in fields.items():
+        object.__setattr__(policy, name, value)
+    return policy
+
+
 @pytest.mark.parametrize("factor", [float("nan"), float("inf"), 1e300, 0.5])
 def test_bad_va_reserve_factor_is_invalid_argument(factor):
     from gpumem.allocator import native
 
     with pytest.raises(InvalidArgumentError):
-        _engine.Allocator(gpumem.open_device(SPEC), native, va_reserve_factor=factor)
+        _engine.Allocator(gpumem.open_device(SPEC), native, _unchecked_policy(va_reserve_factor=factor))
 
 
 def test_nan_page_slack_is_invalid_argument():
     from gpumem.allocator import native
 
     with pytest.raises(InvalidArgumentError):
-        _engine.Allocator(gpumem.open_device(SPEC), native, page_slack=float("nan"))
+        _engine.Allocator(gpumem.open_device(SPEC), native, _unchecked_policy(page_slack=float("nan")))
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("round_nbytes", -1, "an int"), ("round_nbytes", 1.5, "an int"), ("round_nbytes", True, "an int"),
+    ("page_slack", "0.1", "a number"), ("separate_small_pool", 1, "a bool"), ("growth", "fast", "'pages' or"),
+    ("small_page_nbytes", 4 << 20, "None"),
+])
+def test_a_policy_field_of_the_wrong_type_is_refused_by_name(field, value, expected):
+    """The binding reads the policy through its table (Note [The policy and the stats from one table each]):
+    a field it cannot take is an InvalidArgumentError naming it, never a wrong config."""
+    from gpumem.allocator import native
+
+    with pytest.raises(InvalidArgumentError, match=f"policy.{field} must be {expected}"):
+        _engine.Allocator(gpumem.open_device(SPEC), native, _unchecked_policy(**{field: value}))
+
+
+def test_the_policy_object_reaches_the_engine():
+    """The binding takes the policy object itself: its rounding and its growth rule are the engine's."""
+    from gpumem.allocator import native
+
+    for growth, rule in ((GrowthRule.PAGES, "pages"), (GrowthRule.CHUNKS, "chunks")):
+        a = _engine.Allocator(gpumem.open_device(SPEC), native, _unchecked_policy(round_nbytes=4096, growth=growth))
+        assert a.block_size(a.allocate(1000)) == 4096
+        assert f"growth={rule}" in a.describe(), a.describe()
+        a.close()
 
 
 # -- issue 20 item 10: the helpers' results, integer pointers, huge devices, the C alloc function ------

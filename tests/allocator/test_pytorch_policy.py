@@ -35,7 +35,7 @@ def test_equal_free_blocks_go_to_the_newest_segment_first(alloc):
     # PyTorch takes the lowest address, and cudaMalloc places new segments below old ones
     assert alloc.allocate(40 * MiB) == new
     assert alloc.allocate(40 * MiB) == old
-    assert all(isinstance(fl, TopDownFreeList) for fl in alloc._free_lists.values())
+    assert all(isinstance(fl, TopDownFreeList) for fl in alloc._engine._free_lists.values())
     alloc.check_consistency()
 
 
@@ -56,7 +56,7 @@ def test_other_segment_policies_keep_address_order():
         a.free(old)
         a.free(new)
         assert a.allocate(40 * MiB) == min(old, new)
-        assert all(type(fl) is FreeList for fl in a._free_lists.values())
+        assert all(type(fl) is FreeList for fl in a._engine._free_lists.values())
     finally:
         a.close()
         dev.close()

@@ -1,0 +1,143 @@
+"""The engine seam: what :class:`~gpumem.allocator.caching.CachingAllocator` asks of the engine that runs it.
+
+Two engines make the same decisions (``tests/allocator/test_native_differential.py``): the pure-Python
+reference (:class:`~gpumem.allocator.python_engine.PythonEngine`) and the C++ port of its virtual-memory
+path (:class:`~gpumem.allocator.native.NativeEngine` over ``gpumem._engine``). The allocator picks one
+when it is created (Note [Choosing the engine] in :mod:`.caching`), checks its own arguments, and hands
+every call to the engine through :class:`Engine`. The out-of-memory error of both is built here
+(:func:`oom_error`), from the numbers each engine gathers when a request fails.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from ..errors import InvalidArgumentError, OutOfMemoryError
+from ..units import format_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..trace import Trace
+    from .stats import AllocatorStats
+
+__all__ = ["Engine", "OomCause", "oom_error", "too_large_hint", "no_history_error"]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One allocator engine over one device, under one policy.
+
+    ``allocate`` and ``free`` are the hot path: they check their arguments themselves with
+    :mod:`gpumem.validate` (the native engine in C, calling the same checks for anything unusual),
+    so that the allocator can hand them out as they are. The other methods take arguments the
+    allocator has checked (``ptr`` and ``stream`` ints). Every method raises the errors of
+    :class:`~gpumem.allocator.caching.CachingAllocator`'s documentation.
+    """
+
+    name: str
+    """``"python"`` or ``"native"``."""
+
+    def allocate(self, nbytes: int, stream: int = 0) -> int: ...
+
+    def free(self, ptr: int) -> None: ...
+
+    def record_stream(self, ptr: int, stream: int) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def empty_cache(self) -> int:
+        """Bytes given back to the device."""
+        ...
+
+    def stats(self) -> "AllocatorStats":
+        """A snapshot of the counters, derived fields (reserved, fragmentation...) filled in."""
+        ...
+
+    def reserved_nbytes(self) -> int: ...
+
+    def allocated_nbytes(self) -> int: ...
+
+    def live_blocks(self) -> list[tuple[int, int]]: ...
+
+    def block_size(self, ptr: int) -> int: ...
+
+    def consistency_problems(self) -> list[str]:
+        """Where the engine's bookkeeping and the device's disagree (empty: none)."""
+        ...
+
+    def describe(self) -> str:
+        """The backing, in words, for ``memory_summary()``."""
+        ...
+
+    def history(self, label: str) -> "Trace":
+        """The recorded history; :func:`no_history_error` when none was recorded."""
+        ...
+
+    def close(self) -> int:
+        """Give everything back (idempotent); return the bytes that could not be (leaked)."""
+        ...
+
+
+def no_history_error() -> InvalidArgumentError:
+    """What :meth:`Engine.history` raises when the allocator was created without ``record_history``."""
+    return InvalidArgumentError("history was not recorded: create the allocator with record_history=True")
+
+
+class OomCause(enum.IntEnum):
+    """Why a request failed; the values of ``OomCause`` in ``gpumem/_native/engine.h``."""
+
+    DEVICE = 1
+    """The device (or a fault injected into it) refused memory."""
+    TOO_LARGE = 2
+    """Larger than the device's total memory: refused at once."""
+    LIMIT = 3
+    """The allocator's ``limit`` is reached."""
+    ADDRESS_SPACE = 4
+    """The pool's virtual address range is exhausted."""
+
+
+def too_large_hint(nbytes: int, size: int, total_nbytes: int) -> str:
+    """The hint of an out-of-memory error for a request (``nbytes``, rounded to ``size``) that can never
+    fit the device."""
+    what = "The request" if size == nbytes else f"The request, rounded up to {format_bytes(size)} by the policy,"
+    return (f"{what} is larger than the device's total memory ({format_bytes(total_nbytes)}), so it was "
+            "refused at once. Try: use smaller batches or shorter sequences, or split the tensor.")
+
+
+def oom_error(cause: OomCause, nbytes: int, rounded_nbytes: int, *, free_nbytes: int, total_nbytes: int,
+              device: str, allocated_nbytes: int, cached_nbytes: int, reserved_nbytes: int,
+              limit_nbytes: int | None, va_nbytes: int = 0, injected: bool = False,
+              segment_mode_vmm: bool | None = None) -> OutOfMemoryError:
+    """The :class:`~gpumem.errors.OutOfMemoryError` of a failed request, with its hint.
+
+    The numbers are the engine's at the moment of the failure (``free_nbytes``/``total_nbytes`` from
+    the device's ``mem_info()``). ``segment_mode_vmm``: None in virtual-memory mode; in segment mode,
+    whether the device has virtual memory management (the hint on fragmented cached memory says
+    what to try then)."""
+    if cause is OomCause.TOO_LARGE:
+        hint = too_large_hint(nbytes, rounded_nbytes, total_nbytes)
+    elif injected:
+        hint = ("The device call failed because of an injected fault (the simulator's fault plan), "
+                "not a real shortage of memory.")
+    elif cause is OomCause.ADDRESS_SPACE:
+        hint = (f"The allocator's virtual address range ({format_bytes(va_nbytes)} per pool) is exhausted, not the "
+                "device's memory: free blocks of other streams that are still busy, or below live blocks, "
+                "hold its address space. Free long-lived blocks, use fewer streams, or raise the policy's "
+                "va_reserve_factor.")
+    elif cause is OomCause.LIMIT:
+        hint = (f"The allocator's limit of {format_bytes(limit_nbytes or 0)} is reached: raise `limit`, "
+                "free tensors you no longer need, or use smaller batches.")
+    else:
+        outside = max(0, total_nbytes - free_nbytes - reserved_nbytes)
+        hint = ("Try: free what you no longer need; use smaller batches or shorter sequences. "
+                f"{format_bytes(outside)} of this device is held outside this allocator (this process's "
+                "CUDA context, other allocators, other processes; see `gpumem devices`)")
+        if segment_mode_vmm is not None and cached_nbytes > 0:
+            if segment_mode_vmm:
+                hint += "; the cached memory is fragmented: the 'gpumem' policy with virtual memory avoids that"
+            else:
+                hint += "; the cached memory is fragmented (this device has no virtual memory management)"
+        hint += "."
+    return OutOfMemoryError(nbytes, free_nbytes, total_nbytes, device=device, allocated_nbytes=allocated_nbytes,
+                            cached_nbytes=cached_nbytes, limit_nbytes=limit_nbytes, hint=hint, injected=injected,
+                            rounded_nbytes=rounded_nbytes)

@@ -598,7 +598,11 @@ PyObject* CupyAlloc_engine_devices(CupyAllocObject* self, PyObject*) {
     return out;
 }
 
+PyObject* CupyAlloc_stream_in_c(CupyAllocObject* self, PyObject*) { return PyBool_FromLong(self->stream_fn != nullptr); }
+
 PyMethodDef CupyAlloc_methods[] = {
+    {"reads_stream_in_c", reinterpret_cast<PyCFunction>(CupyAlloc_stream_in_c), METH_NOARGS,
+     "reads_stream_in_c() -> bool: whether CuPy's current stream is read through CuPy's C function (a capsule)."},
     {"devices", reinterpret_cast<PyCFunction>(CupyAlloc_engine_devices), METH_NOARGS,
      "devices() -> list[int]: the devices this allocator has allocated on (CudaAllocator(d) reads each one)."},
     {nullptr, nullptr, 0, nullptr},

@@ -52,6 +52,7 @@ class Row:
     ops: int
     us_per_op: dict[str, float]          # allocator -> median µs per op of the timed passes
     passes_us: dict[str, list[float]]    # allocator -> every timed pass
+    engine_calls: tuple[int, int]        # gpumem's device calls and event calls in its last timed pass
 
     def ratio(self) -> float:
         return self.us_per_op["gpumem"] / self.us_per_op["cupy-pool"]
@@ -113,6 +114,7 @@ def make_allocators(cupy: Any, device: int, python_adapter: bool) -> dict[str, t
 
 
 def run_trace(cupy: Any, path: Path, allocators: dict[str, tuple[Alloc, Callable[[], None]]], passes: int) -> Row:
+    import gpumem.cupy_allocator as gca
     from gpumem.trace import load_trace
 
     kinds, ids, sizes, _ = load_trace(path).as_lists()
@@ -120,17 +122,23 @@ def run_trace(cupy: Any, path: Path, allocators: dict[str, tuple[Alloc, Callable
     for name, (fn, _release) in allocators.items():   # growth pass: not timed
         cupy.cuda.set_allocator(fn)
         replay(kinds, ids, sizes, cupy.cuda.alloc)
+    engine = gca._engine_module().CudaAllocator(cupy.cuda.Device().id)
+    calls = (0, 0)
     for k in range(passes):
         order = list(allocators) if k % 2 == 0 else list(reversed(allocators))
         for name in order:
             cupy.cuda.set_allocator(allocators[name][0])
+            before = engine.peaks()
             times[name].append(replay(kinds, ids, sizes, cupy.cuda.alloc))
+            if name == "gpumem":
+                after = engine.peaks()
+                calls = (after["device_calls"] - before["device_calls"], after["event_calls"] - before["event_calls"])
     cupy.cuda.set_allocator(None)
     cupy.cuda.Device().synchronize()
     for _fn, release in allocators.values():
         release()
     name = path.name.split(".")[0]
-    return Row(name, _part(path), len(kinds), {n: statistics.median(t) for n, t in times.items()}, times)
+    return Row(name, _part(path), len(kinds), {n: statistics.median(t) for n, t in times.items()}, times, calls)
 
 
 def breakdown(cupy: Any, device: int, n: int = 200_000) -> list[tuple[str, float]]:
@@ -170,11 +178,13 @@ def breakdown(cupy: Any, device: int, n: int = 200_000) -> list[tuple[str, float
 
 
 def render(rows: list[Row], names: list[str]) -> str:
-    head = "| trace | part | ops | " + " | ".join(f"{n} µs/op" for n in names) + " | gpumem / cupy-pool |"
-    lines = [head, "|" + "---|" * (len(names) + 4)]
+    head = ("| trace | part | ops | " + " | ".join(f"{n} µs/op" for n in names) +
+            " | gpumem / cupy-pool | gpumem device calls, event calls per pass |")
+    lines = [head, "|" + "---|" * (len(names) + 5)]
     for r in rows:
         cells = " | ".join(f"{r.us_per_op[n]:.2f}" for n in names)
-        lines.append(f"| {r.trace} | {r.part} | {r.ops} | {cells} | {r.ratio():.2f} |")
+        lines.append(f"| {r.trace} | {r.part} | {r.ops} | {cells} | {r.ratio():.2f} | {r.engine_calls[0]}, "
+                     f"{r.engine_calls[1]} |")
     worst = max(rows, key=Row.ratio)
     lines.append("")
     lines.append(f"gpumem at or below CuPy's pool on {sum(r.ratio() <= 1.0 for r in rows)}/{len(rows)} traces; "
@@ -190,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--python-adapter", action="store_true", help="also time the Python-adapter hook (slow)")
     ap.add_argument("--breakdown", action="store_true", help="also time the parts of one allocate+free")
+    ap.add_argument("--page-slack", type=float, help="the engine's page_slack (default: the default policy's); "
+                    "more slack, fewer steals of empty pages in steady state, more memory held")
     ap.add_argument("--json", type=Path, help="write the figures there as JSON")
     args = ap.parse_args(argv)
     if args.passes < 1:
@@ -201,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         import gpumem.cupy_allocator as gca
 
         gca.native_hook()
+        if args.page_slack is not None:   # before the engine is made (at the first allocation)
+            import gpumem.torch as gtorch
+            from gpumem.allocator.policy import DEFAULT_POLICY, get_policy
+
+            gtorch.configure(dataclasses.replace(get_policy(DEFAULT_POLICY), name=f"page_slack={args.page_slack}",
+                                                 page_slack=args.page_slack))
     except Exception as exc:  # noqa: BLE001 - reported as bad input
         print(f"cannot run: {exc}", file=sys.stderr)
         return 2
@@ -210,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     with cupy.cuda.Device(args.device):
         allocators = make_allocators(cupy, args.device, args.python_adapter)
         hook = allocators["gpumem"][0]
-        print(f"CuPy {cupy.__version__}, device {args.device} ({cupy.cuda.runtime.getDeviceProperties(args.device)['name'].decode()}); "
+        print(f"engine policy: {'default' if args.page_slack is None else f'default with page_slack={args.page_slack}'}; "
+              f"CuPy {cupy.__version__}, device {args.device} ({cupy.cuda.runtime.getDeviceProperties(args.device)['name'].decode()}); "
               f"the hook reads CuPy's stream {'in C (capsule)' if hook.reads_stream_in_c() else 'through Python'}")
         rows = []
         with progress(len(paths), desc="traces", unit="trace") as bar:

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "cuda_backend.h"
 #include "engine.h"
 
 namespace gpumem {
@@ -134,6 +135,14 @@ bool without_gil(int device, Op&& op) {
 // An integer in [0, 2**64) (any integer type, through __index__, as gpumem.validate takes it; bool
 // refused), or -1 with InvalidArgumentError set.
 int as_u64(PyObject* o, const char* what, std::uint64_t* out) {
+    if (PyLong_CheckExact(o)) {   // the common case, without PyNumber_Index's new reference
+        unsigned long long v = PyLong_AsUnsignedLongLong(o);
+        if (!(v == static_cast<unsigned long long>(-1) && PyErr_Occurred())) {
+            *out = v;
+            return 0;
+        }
+        PyErr_Clear();   // negative or too large: said below
+    }
     PyObject* i = PyBool_Check(o) ? nullptr : PyNumber_Index(o);
     if (!i) {
         PyErr_Clear();
@@ -450,8 +459,12 @@ PyObject* CupyAlloc_vectorcall(PyObject* callable, PyObject* const* args, size_t
     }
     std::uint64_t nbytes = 0;
     if (as_u64(args[0], "nbytes", &nbytes) < 0) return nullptr;
-    long long dev = 0;
-    if (!call_int(self->get_device, "CuPy's current device", 0, kMaxCupyDevices, &dev)) return nullptr;
+    // the device of the current context is CuPy's current device once CuPy has used it (cudaSetDevice
+    // makes its primary context current); before that (no context yet), CuPy's own function says
+    long long dev = gpumem::current_context_device();
+    if ((dev < 0 || dev >= kMaxCupyDevices) &&
+        !call_int(self->get_device, "CuPy's current device", 0, kMaxCupyDevices, &dev))
+        return nullptr;
     const int device = static_cast<int>(dev);
     if (nbytes == 0) {   // no memory, as CuPy's pool gives a size-0 array
         Py_INCREF(Py_None);

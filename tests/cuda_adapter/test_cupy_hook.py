@@ -6,6 +6,7 @@ device at each call, and hand CuPy the block's size (a multiple of 512 B), as Cu
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import types
@@ -138,8 +139,13 @@ def _hook(device=0, stream=0):
 
 
 def test_native_hook_size_zero_gets_no_memory_on_the_current_device():
-    p = _hook(device=3)(0)
-    assert (p.ptr, p.mem.size, p.mem.owner, p.device_id) == (0, 0, None, 3)
+    asked = []
+    hook = _native().CupyAllocator(lambda: asked.append(1) or 3, lambda: 0, _Mem, _Ptr, lambda n, d, e: MemoryError(n))
+    p = hook(0)
+    assert (p.ptr, p.mem.size, p.mem.owner) == (0, 0, None)
+    # CuPy's device function is asked only where no CUDA context is current (no driver here); on a GPU
+    # the current context's device is CuPy's current device
+    assert p.device_id == (3 if asked else 0)
 
 
 @pytest.mark.parametrize("bad", [-1, 2**64, 1.5, "8", True])
@@ -156,10 +162,15 @@ def test_native_hook_refuses_a_bad_size(bad):
 def test_native_hook_refuses_a_device_out_of_range(device):
     from gpumem.errors import InvalidArgumentError
 
-    hook = _hook(device=device)
-    with pytest.raises(InvalidArgumentError, match=r"CuPy's current device is -?\d+, outside \[0, 64\)"):
-        hook(512)
-    assert hook.devices() == []
+    asked = []
+    hook = _native().CupyAllocator(lambda: asked.append(1) or device, lambda: 0, _Mem, _Ptr, lambda *a: None)
+    try:
+        p = hook(0)
+    except InvalidArgumentError as exc:
+        assert asked and re.search(r"CuPy's current device is -?\d+, outside \[0, 64\)", str(exc))
+        assert hook.devices() == []
+    else:   # a GPU with a current context: CuPy's function was not asked
+        assert not asked and 0 <= p.device_id < 64
 
 
 def test_native_hook_refuses_a_negative_stream_and_a_bad_call():

@@ -54,6 +54,15 @@ def _cupy() -> Any:
     return cupy
 
 
+#: cudaStreamPerThread, CuPy's current stream in every thread under CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1: one
+#: handle for a different stream in each thread, which gpumem's free lists cannot tell apart (Note [CuPy's
+#: per-thread default stream] in gpumem/_native/cuda_allocator.cpp).
+PER_THREAD_STREAM = 2
+PER_THREAD_MESSAGE = ("gpumem's CuPy hook does not serve CuPy's per-thread default stream "
+                      "(CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1): one handle names a different stream in each thread; "
+                      "use an explicit cupy.cuda.Stream per thread")
+
+
 class _BlockOwner:
     """Keeps a gpumem block alive while CuPy references it; frees it when CuPy lets go."""
 
@@ -116,6 +125,8 @@ class CupyMalloc:
             return memory.MemoryPointer(memory.UnownedMemory(0, 0, None, device_id), 0)
         allocator = self.allocator(device_id)
         stream = cupy.cuda.get_current_stream().ptr
+        if stream == PER_THREAD_STREAM:
+            raise BackendUnavailableError(PER_THREAD_MESSAGE)
         try:
             ptr = allocator.allocate(nbytes, stream)
         except OutOfMemoryError as exc:

@@ -370,6 +370,16 @@ PyTypeObject CupyBlockType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 // `cdef intptr_t get_current_stream_ptr() except? -1`), the name Cython gives its capsule, and the one
 // this allocator calls when it is given that capsule instead of a Python function (no Python call).
 using StreamPtrFn = std::intptr_t (*)();
+
+// Note [CuPy's per-thread default stream]: with CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1 CuPy's current
+// stream is cudaStreamPerThread (handle 2) in every thread, a different stream in each. The engine keys
+// its free lists and its fences by the handle, so a block freed by one thread could be handed at once to
+// another thread's stream while the first thread's kernels still use it (CuPy's pool keys by thread
+// there). The hook refuses that stream, saying so, rather than race.
+constexpr long long kPerThreadStream = 2;   // cudaStreamPerThread
+constexpr const char* kPerThreadMessage =
+    "gpumem's CuPy hook does not serve CuPy's per-thread default stream (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1): "
+    "one handle names a different stream in each thread; use an explicit cupy.cuda.Stream per thread";
 constexpr const char* kStreamPtrCapsule = "intptr_t (void)";
 
 struct CupyAllocObject {
@@ -470,11 +480,6 @@ PyObject* CupyAlloc_vectorcall(PyObject* callable, PyObject* const* args, size_t
         Py_INCREF(Py_None);
         return cupy_pointer(self, 0, 0, Py_None, device);
     }
-    Engine* engine = self->engines[device];
-    if (engine == nullptr) {
-        if (!without_gil(device, [&] { engine = &gpumem::cuda_engine(device); })) return nullptr;
-        self->engines[device] = engine;
-    }
     long long stream = 0;
     if (self->stream_fn) {
         stream = static_cast<long long>(self->stream_fn());
@@ -485,6 +490,15 @@ PyObject* CupyAlloc_vectorcall(PyObject* callable, PyObject* const* args, size_t
         }
     } else if (!call_int(self->get_stream, "CuPy's current stream", 0, LLONG_MAX, &stream)) {
         return nullptr;
+    }
+    if (stream == kPerThreadStream) {
+        raise_as("BackendUnavailableError", kPerThreadMessage);
+        return nullptr;
+    }
+    Engine* engine = self->engines[device];
+    if (engine == nullptr) {
+        if (!without_gil(device, [&] { engine = &gpumem::cuda_engine(device); })) return nullptr;
+        self->engines[device] = engine;
     }
     const std::uint64_t s = static_cast<std::uint64_t>(stream);
     std::uint64_t p = 0, size = 0;

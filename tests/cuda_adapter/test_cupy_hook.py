@@ -247,3 +247,20 @@ def test_check_installed_reports_each_device_and_refuses_a_foreign_allocator(fak
     fake_cupy.set_allocator(lambda n: None)
     with pytest.raises(BackendUnavailableError, match="not gpumem's"):
         check_installed()
+
+
+def test_the_per_thread_default_stream_is_refused_by_both_hooks(fake_cupy):
+    """Under CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1 the stream handle 2 is a different stream in each thread: a
+    block freed by one thread could go at once to another thread's stream. Both hooks refuse it, allocating
+    nothing."""
+    from gpumem.cupy_allocator import PER_THREAD_MESSAGE, CupyMalloc
+
+    malloc = CupyMalloc(_sim_factory([]))
+    fake_cupy.get_current_stream = lambda: types.SimpleNamespace(ptr=2)
+    with pytest.raises(BackendUnavailableError, match="per-thread default stream"):
+        malloc(4096)
+    assert malloc.allocator(0).allocated_nbytes == 0
+    hook = _hook(stream=2)
+    with pytest.raises(BackendUnavailableError, match="per-thread default stream") as exc:
+        hook(4096)
+    assert str(exc.value) == PER_THREAD_MESSAGE and hook.devices() == []

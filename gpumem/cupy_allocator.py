@@ -1,4 +1,5 @@
-"""Make CuPy allocate through a gpumem :class:`~gpumem.allocator.CachingAllocator`.
+"""Make CuPy allocate through gpumem: its native engine over the CUDA driver, or a
+:class:`~gpumem.allocator.CachingAllocator`.
 
 One line::
 
@@ -7,9 +8,9 @@ One line::
 
 or, scoped (the previous CuPy allocator comes back on exit)::
 
-    with gca.using(policy="gpumem") as allocator:
+    with gca.using() as allocator:
         x = cupy.arange(10**8)
-        print(allocator.memory_summary())
+        print(gca.check_installed())   # per device: consistent?, bytes allocated and reserved
 
 CuPy calls the installed function with a byte count and expects a
 ``cupy.cuda.MemoryPointer``; gpumem hands it an ``UnownedMemory`` whose *owner*

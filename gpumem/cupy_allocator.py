@@ -1,4 +1,5 @@
-"""Make CuPy allocate through a gpumem :class:`~gpumem.allocator.CachingAllocator`.
+"""Make CuPy allocate through gpumem: its native engine over the CUDA driver, or a
+:class:`~gpumem.allocator.CachingAllocator`.
 
 One line::
 
@@ -7,9 +8,9 @@ One line::
 
 or, scoped (the previous CuPy allocator comes back on exit)::
 
-    with gca.using(policy="gpumem") as allocator:
+    with gca.using() as allocator:
         x = cupy.arange(10**8)
-        print(allocator.memory_summary())
+        print(gca.check_installed())   # per device: consistent?, bytes allocated and reserved
 
 CuPy calls the installed function with a byte count and expects a
 ``cupy.cuda.MemoryPointer``; gpumem hands it an ``UnownedMemory`` whose *owner*
@@ -18,18 +19,28 @@ block is freed exactly when CuPy would have freed its own. Blocks are allocated 
 CuPy's current stream (its handle is the stream id), so gpumem never hands a
 block freed on one stream to another (Note [Streams] in
 :mod:`gpumem.allocator.caching`).
+
+Where gpumem's native engine is built, :func:`install` puts the native engine over the CUDA driver
+in CuPy, one engine per device (the engine ``gpumem._engine.CudaAllocator(device)`` and
+:mod:`gpumem.torch` use), called from C (Note [CuPy's allocator in C] in
+``gpumem/_native/cuda_allocator.cpp``); it returns the current device's ``CudaAllocator``. Given a
+:class:`~gpumem.allocator.CachingAllocator` or allocator options, or where the engine is not built
+(one :class:`~gpumem.native.NativeEngineWarning`), CuPy allocates through a ``CachingAllocator`` over
+gpumem's Python CUDA adapter (:class:`CupyMalloc`) instead. :func:`check_installed` runs the
+consistency check of every device the installed hook allocated on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Union
 
 from .allocator import CachingAllocator
-from .allocator.policy import DEFAULT_POLICY, AllocatorPolicy
-from .errors import BackendUnavailableError, OutOfMemoryError
+from .allocator.policy import DEFAULT_POLICY, AllocatorPolicy, get_policy
+from .errors import BackendUnavailableError, InternalError, OutOfMemoryError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +53,15 @@ def _cupy() -> Any:
             "CuPy is not installed: pip install 'gpumem[cuda12]' (CUDA 12) or 'gpumem[cuda13]' (CUDA 13)"
         ) from exc
     return cupy
+
+
+#: cudaStreamPerThread, CuPy's current stream in every thread under CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1: one
+#: handle for a different stream in each thread, which gpumem's free lists cannot tell apart (Note [CuPy's
+#: per-thread default stream] in gpumem/_native/cuda_allocator.cpp).
+PER_THREAD_STREAM = 2
+PER_THREAD_MESSAGE = ("gpumem's CuPy hook does not serve CuPy's per-thread default stream "
+                      "(CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1): one handle names a different stream in each thread; "
+                      "use an explicit cupy.cuda.Stream per thread")
 
 
 class _BlockOwner:
@@ -106,6 +126,8 @@ class CupyMalloc:
             return memory.MemoryPointer(memory.UnownedMemory(0, 0, None, device_id), 0)
         allocator = self.allocator(device_id)
         stream = cupy.cuda.get_current_stream().ptr
+        if stream == PER_THREAD_STREAM:
+            raise BackendUnavailableError(PER_THREAD_MESSAGE)
         try:
             ptr = allocator.allocate(nbytes, stream)
         except OutOfMemoryError as exc:
@@ -129,26 +151,142 @@ def make_malloc(allocator: CachingAllocator) -> Callable[[int], Any]:
     return CupyMalloc(refuse, {own: allocator})
 
 
-def install(allocator: CachingAllocator | None = None, *, policy: str | AllocatorPolicy = DEFAULT_POLICY,
-            **allocator_options: Any) -> CachingAllocator:
-    """Route CuPy's allocations through gpumem, one allocator per device (Note [One allocator per device,
-    chosen at call time]); return the current device's allocator (``allocator`` when given: it serves the
-    current device, and the others get new ones with ``policy`` and ``allocator_options``)."""
+#: What :func:`install` returns: the current device's allocator, native or Python.
+InstalledAllocator = Union[CachingAllocator, Any]   # Any: gpumem._engine.CudaAllocator
+
+
+def _on_out_of_memory(cupy: Any) -> Callable[[int, int, BaseException], BaseException]:
+    def on_oom(nbytes: int, device_id: int, error: BaseException) -> BaseException:
+        # CuPy's own OutOfMemoryError lets CuPy code that catches it keep working; gpumem's says why
+        allocated_nbytes = _engine_module().CudaAllocator(device_id).allocated_nbytes()
+        cupy_error = cupy.cuda.memory.OutOfMemoryError(nbytes, allocated_nbytes)
+        cupy_error.__cause__ = error
+        return cupy_error
+    return on_oom
+
+
+def _engine_module() -> Any:
+    from .native import native_module
+
+    return native_module()
+
+
+def native_hook() -> Any:
+    """The native hook (``gpumem._engine.CupyAllocator``) for ``cupy.cuda.set_allocator``: every device on
+    its engine over the CUDA driver, chosen by CuPy's current device at each call; the owner CuPy keeps
+    frees the block from C (Note [CuPy's allocator in C]).
+
+    Raises:
+        BackendUnavailableError: CuPy is not installed, or gpumem's native engine is not built.
+    """
     cupy = _cupy()
+    engine = _engine_module()
+    memory = cupy.cuda.memory
+    make = engine.CupyAllocator
+    get_device = cupy.cuda.runtime.getDevice
+    on_oom = _on_out_of_memory(cupy)
+    capsule = getattr(cupy.cuda.stream, "__pyx_capi__", {}).get("get_current_stream_ptr")
+    if capsule is not None:
+        try:
+            return make(get_device, capsule, memory.UnownedMemory, memory.MemoryPointer, on_oom)
+        except Exception as exc:  # noqa: BLE001 - another CuPy build: its Python function below
+            log.debug("CuPy's get_current_stream_ptr capsule is not usable (%s); reading the stream from Python", exc)
+    return make(get_device, lambda: cupy.cuda.get_current_stream().ptr, memory.UnownedMemory, memory.MemoryPointer,
+                on_oom)
+
+
+def install(allocator: CachingAllocator | None = None, *, policy: str | AllocatorPolicy = DEFAULT_POLICY,
+            **allocator_options: Any) -> InstalledAllocator:
+    """Route CuPy's allocations through gpumem, one allocator per device (Note [One allocator per device,
+    chosen at call time]); return the current device's allocator.
+
+    With neither ``allocator`` nor ``allocator_options``, and gpumem's native engine built, CuPy gets the
+    native hook (:func:`native_hook`) and this returns ``gpumem._engine.CudaAllocator(device)``; a
+    ``policy`` other than the default is given to the engines made from now on (as
+    :func:`gpumem.torch.configure`: an engine already made keeps its policy). Otherwise each device gets a
+    :class:`~gpumem.allocator.CachingAllocator` over gpumem's Python CUDA adapter (``allocator`` serves the
+    current device; the others get new ones with ``policy`` and ``allocator_options``); where that is
+    because the native engine is not built, :func:`gpumem.engine` warns once.
+    """
+    cupy = _cupy()
+    current = cupy.cuda.Device().id
+    if allocator is None and not allocator_options:
+        from .native import engine
+
+        if engine() == "native":
+            if get_policy(policy).name != get_policy(DEFAULT_POLICY).name:
+                from .torch import configure
+
+                configure(policy)
+            cupy.cuda.set_allocator(native_hook())
+            return _engine_module().CudaAllocator(current)
+        log.info("CuPy allocates through gpumem's Python CUDA adapter: the native engine is not built")
     from .specs import open_device
 
     def factory(device_id: int) -> CachingAllocator:
         return CachingAllocator(open_device(f"cuda:{device_id}"), policy, **allocator_options)
 
-    current = cupy.cuda.Device().id
     malloc = CupyMalloc(factory, {current: allocator} if allocator is not None else None)
     cupy.cuda.set_allocator(malloc)
     return malloc.allocator(current)
 
 
+def _is_native_hook(hook: Any) -> bool:
+    from .native import engine
+
+    return engine() == "native" and isinstance(hook, _engine_module().CupyAllocator)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceCheck:
+    """The consistency check of one device's allocator under the installed hook."""
+
+    device: int
+    engine: str                  # "native" (the engine over the driver) or "python" (CachingAllocator)
+    problems: tuple[str, ...]    # empty: consistent
+    allocated_nbytes: int
+    reserved_nbytes: int
+
+    @property
+    def ok(self) -> bool:
+        """No problem found."""
+        return not self.problems
+
+
+def check_installed(raise_on_problem: bool = False) -> list[DeviceCheck]:
+    """Run the consistency check of every device the gpumem hook installed in CuPy allocated on.
+
+    Raises:
+        BackendUnavailableError: CuPy's current allocator is not one of gpumem's.
+        InternalError: ``raise_on_problem`` and some device's bookkeeping is inconsistent.
+    """
+    cupy = _cupy()
+    hook = cupy.cuda.get_allocator()
+    checks: list[DeviceCheck] = []
+    if isinstance(hook, CupyMalloc):
+        for dev, alloc in sorted(hook.allocators.items()):
+            try:
+                alloc.check_consistency()
+                problems: tuple[str, ...] = ()
+            except InternalError as exc:
+                problems = (str(exc),)
+            checks.append(DeviceCheck(dev, "python", problems, alloc.allocated_nbytes, alloc.reserved_nbytes))
+    elif _is_native_hook(hook):
+        for dev in hook.devices():
+            a = _engine_module().CudaAllocator(dev)
+            checks.append(DeviceCheck(dev, "native", tuple(a.consistency_problems()), a.allocated_nbytes(),
+                                      a.reserved_nbytes()))
+    else:
+        raise BackendUnavailableError(f"CuPy's allocator is {hook!r}, not gpumem's: call gpumem.cupy_allocator.install()")
+    bad = [c for c in checks if c.problems]
+    if raise_on_problem and bad:
+        raise InternalError("; ".join(f"cuda:{c.device}: " + "; ".join(c.problems) for c in bad))
+    return checks
+
+
 @contextlib.contextmanager
 def using(allocator: CachingAllocator | None = None, *, policy: str | AllocatorPolicy = DEFAULT_POLICY,
-          **allocator_options: Any) -> Iterator[CachingAllocator]:
+          **allocator_options: Any) -> Iterator[InstalledAllocator]:
     """Like :func:`install` for the duration of a ``with`` block; the previous allocator comes back after."""
     cupy = _cupy()
     previous = cupy.cuda.get_allocator()

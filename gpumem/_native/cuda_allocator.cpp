@@ -9,14 +9,23 @@
 // Note [One engine per device, shared with PyTorch]: CudaAllocator(0) and gpumem.torch on device 0
 // allocate from the same engine, so a pointer from one may be freed through the other, and the
 // stats describe everything gpumem holds on the device.
+//
+// CupyAllocator is the function gpumem.cupy_allocator installs in CuPy (Note [CuPy's allocator in C]).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
+#include <climits>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "backend.h"
+#include "cuda_backend.h"
 #include "engine.h"
 
 namespace gpumem {
@@ -126,6 +135,14 @@ bool without_gil(int device, Op&& op) {
 // An integer in [0, 2**64) (any integer type, through __index__, as gpumem.validate takes it; bool
 // refused), or -1 with InvalidArgumentError set.
 int as_u64(PyObject* o, const char* what, std::uint64_t* out) {
+    if (PyLong_CheckExact(o)) {   // the common case, without PyNumber_Index's new reference
+        unsigned long long v = PyLong_AsUnsignedLongLong(o);
+        if (!(v == static_cast<unsigned long long>(-1) && PyErr_Occurred())) {
+            *out = v;
+            return 0;
+        }
+        PyErr_Clear();   // negative or too large: said below
+    }
     PyObject* i = PyBool_Check(o) ? nullptr : PyNumber_Index(o);
     if (!i) {
         PyErr_Clear();
@@ -222,6 +239,58 @@ PyObject* CudaAlloc_peaks(CudaAllocObject* self, PyObject*) {
                          "num_allocs", static_cast<unsigned long long>(st.num_allocs));
 }
 
+PyObject* CudaAlloc_block_size(CudaAllocObject* self, PyObject* arg) {
+    std::uint64_t ptr = 0, size = 0;
+    if (as_u64(arg, "ptr", &ptr) < 0) return nullptr;
+    try {
+        size = self->engine->block_size(ptr);
+    } catch (...) {
+        set_error(self->device);
+        return nullptr;
+    }
+    return PyLong_FromUnsignedLongLong(size);
+}
+
+PyObject* pairs_list(const std::vector<std::pair<std::uint64_t, std::uint64_t>>& pairs) {
+    PyObject* out = PyList_New(static_cast<Py_ssize_t>(pairs.size()));
+    if (!out) return nullptr;
+    for (std::size_t i = 0; i < pairs.size(); ++i) {
+        PyObject* t = Py_BuildValue("(KK)", static_cast<unsigned long long>(pairs[i].first),
+                                    static_cast<unsigned long long>(pairs[i].second));
+        if (!t) {
+            Py_DECREF(out);
+            return nullptr;
+        }
+        PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), t);
+    }
+    return out;
+}
+
+PyObject* CudaAlloc_live_blocks(CudaAllocObject* self, PyObject*) {
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> blocks;
+    if (!without_gil(self->device, [&] { blocks = self->engine->live_blocks(); })) return nullptr;
+    return pairs_list(blocks);
+}
+
+// The engine's own invariants (blocks tile their ranges, free lists, byte counts): the driver does not
+// list a process's mappings, so unlike Allocator.consistency_problems there is no device side to compare.
+PyObject* CudaAlloc_consistency_problems(CudaAllocObject* self, PyObject*) {
+    std::vector<std::string> problems;
+    if (!without_gil(self->device, [&] { problems = self->engine->consistency_problems(Engine::ListDevice()); }))
+        return nullptr;
+    PyObject* out = PyList_New(static_cast<Py_ssize_t>(problems.size()));
+    if (!out) return nullptr;
+    for (std::size_t i = 0; i < problems.size(); ++i) {
+        PyObject* s = PyUnicode_FromString(problems[i].c_str());
+        if (!s) {
+            Py_DECREF(out);
+            return nullptr;
+        }
+        PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), s);
+    }
+    return out;
+}
+
 PyMethodDef CudaAlloc_methods[] = {
     {"allocate", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(CudaAlloc_allocate)), METH_FASTCALL,
      "allocate(nbytes, stream=0) -> int: a device pointer from the device's engine."},
@@ -235,10 +304,348 @@ PyMethodDef CudaAlloc_methods[] = {
      "allocated_nbytes() -> int: bytes in live blocks."},
     {"peaks", reinterpret_cast<PyCFunction>(CudaAlloc_peaks), METH_NOARGS,
      "peaks() -> dict: peak allocated/requested/reserved bytes and device-call counts."},
+    {"block_size", reinterpret_cast<PyCFunction>(CudaAlloc_block_size), METH_O,
+     "block_size(ptr) -> int: the size of the live block at ptr (the request rounded as the engine rounds it)."},
+    {"live_blocks", reinterpret_cast<PyCFunction>(CudaAlloc_live_blocks), METH_NOARGS,
+     "live_blocks() -> list of (ptr, size) of every live block, by address."},
+    {"consistency_problems", reinterpret_cast<PyCFunction>(CudaAlloc_consistency_problems), METH_NOARGS,
+     "consistency_problems() -> list[str]: the engine's broken invariants (empty: consistent)."},
     {nullptr, nullptr, 0, nullptr},
 };
 
 PyTypeObject CudaAllocType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// Note [CuPy's allocator in C]: CuPy calls its allocator once per array (cupy.cuda.alloc(nbytes) ->
+// MemoryPointer) and frees when the last reference to the memory object goes. Done in Python
+// (gpumem.cupy_allocator.CupyMalloc over a CachingAllocator), each call paid a Python frame, a dict
+// read for the device's allocator, the CachingAllocator's argument checks and a Python finaliser per
+// free: 2.6-4.8 us against CuPy's pool 1.4-2.6. CupyAllocator does the same in C: CuPy's current
+// device and stream come from CuPy's own functions (given at construction: nothing here imports
+// CuPy), the device's engine (the one CudaAllocator(device) and PyTorch use) is cached per device,
+// the engine's hot path runs without leaving C++, and CuPy's UnownedMemory and MemoryPointer are
+// built by vectorcall. The owner CuPy keeps is a CupyBlock, whose deallocator (C, no Python frame)
+// gives the block back to its engine, stream-ordered on the stream it was allocated on. The
+// memory's size is the block's (the request rounded, a multiple of 512 B), as CuPy's pool reports
+// it and as CuPy code reads it (test_percentile_memory_access). A block whose owner fails to be
+// made is freed at once; the owner is made before anything else can fail, so none leaks.
+constexpr int kMaxCupyDevices = 64;   // as torch_api.cpp's kMaxDevices
+
+struct CupyBlockObject {
+    PyObject_HEAD
+    Engine* engine;
+    unsigned long long ptr;
+    int device;
+};
+
+void free_block(Engine* engine, std::uint64_t ptr, int device) {
+    try {
+        if (!engine->try_free_fast(ptr)) engine->free(ptr);
+    } catch (...) {
+        // never raise from a deallocator: the failure is reported as unraisable, an exception in
+        // flight is kept
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        set_error(device);
+        PyErr_WriteUnraisable(nullptr);
+        PyErr_Restore(type, value, tb);
+    }
+}
+
+void CupyBlock_dealloc(CupyBlockObject* self) {
+    if (self->ptr) free_block(self->engine, self->ptr, self->device);
+    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+PyMemberDef CupyBlock_members[] = {
+    {const_cast<char*>("ptr"), T_ULONGLONG, offsetof(CupyBlockObject, ptr), READONLY,
+     const_cast<char*>("the block's device pointer")},
+    {const_cast<char*>("device"), T_INT, offsetof(CupyBlockObject, device), READONLY,
+     const_cast<char*>("the CUDA device it is on")},
+    {nullptr, 0, 0, 0, nullptr},
+};
+
+PyTypeObject CupyBlockType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// CuPy's own C function for its current stream (cupy.cuda.stream.__pyx_capi__["get_current_stream_ptr"]:
+// `cdef intptr_t get_current_stream_ptr() except? -1`), the name Cython gives its capsule, and the one
+// this allocator calls when it is given that capsule instead of a Python function (no Python call).
+using StreamPtrFn = std::intptr_t (*)();
+
+// Note [CuPy's per-thread default stream]: with CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1 CuPy's current
+// stream is cudaStreamPerThread (handle 2) in every thread, a different stream in each. The engine keys
+// its free lists and its fences by the handle, so a block freed by one thread could be handed at once to
+// another thread's stream while the first thread's kernels still use it (CuPy's pool keys by thread
+// there). The hook refuses that stream, saying so, rather than race.
+constexpr long long kPerThreadStream = 2;   // cudaStreamPerThread
+constexpr const char* kPerThreadMessage =
+    "gpumem's CuPy hook does not serve CuPy's per-thread default stream (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1): "
+    "one handle names a different stream in each thread; use an explicit cupy.cuda.Stream per thread";
+constexpr const char* kStreamPtrCapsule = "intptr_t (void)";
+
+struct CupyAllocObject {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject* get_device;       // () -> int: CuPy's current device
+    PyObject* get_stream;       // () -> int: CuPy's current stream (its pointer); or a capsule of the C function
+    StreamPtrFn stream_fn;      // from that capsule, or null
+    PyObject* unowned_memory;   // UnownedMemory(ptr, size, owner, device_id)
+    PyObject* memory_pointer;   // MemoryPointer(mem, offset)
+    PyObject* on_oom;           // (nbytes, device, gpumem error) -> the exception to raise
+    PyObject* zero;
+    Engine* engines[kMaxCupyDevices];   // made on a device's first allocation; written with the GIL held
+};
+
+// Calls `fn()` and reads an int in [lo, hi) from it; false with an exception set otherwise.
+bool call_int(PyObject* fn, const char* what, long long lo, long long hi, long long* out) {
+    PyObject* r = PyObject_CallNoArgs(fn);
+    if (!r) return false;
+    long long v = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    if (v == -1 && PyErr_Occurred()) return false;
+    if (v < lo || v >= hi) {
+        raise_as("InvalidArgumentError", std::string(what) + " is " + std::to_string(v) + ", outside [" +
+                 std::to_string(lo) + ", " + std::to_string(hi) + ")");
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
+// Sets the Python error for `failure` (an allocation's): out of memory goes through on_oom (CuPy's
+// OutOfMemoryError, which CuPy code catches, caused by gpumem's); the rest as CudaAllocator raises it.
+void set_alloc_error(CupyAllocObject* self, std::exception_ptr failure, std::uint64_t nbytes, int device) {
+    bool oom = false;
+    try {
+        std::rethrow_exception(failure);
+    } catch (const EngineError& e) {
+        oom = e.kind == EngineErrorKind::kOutOfMemory;
+        set_error(device);
+    } catch (const BackendError& e) {
+        oom = e.kind == gpumem::ErrorKind::kOutOfMemory;
+        set_error(device);
+    } catch (...) {
+        set_error(device);
+    }
+    if (!oom || !PyErr_Occurred()) return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb) PyException_SetTraceback(value, tb);
+    PyObject* exc = PyObject_CallFunction(self->on_oom, "KiO", static_cast<unsigned long long>(nbytes), device, value);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    if (!exc) return;   // on_oom's own error
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc)), exc);
+    Py_DECREF(exc);
+}
+
+// MemoryPointer(UnownedMemory(ptr, size, owner, device), 0); `owner` is stolen.
+PyObject* cupy_pointer(CupyAllocObject* self, std::uint64_t ptr, std::uint64_t size, PyObject* owner, int device) {
+    PyObject* ptr_o = PyLong_FromUnsignedLongLong(ptr);
+    PyObject* size_o = PyLong_FromUnsignedLongLong(size);
+    PyObject* dev_o = PyLong_FromLong(device);
+    PyObject* mem = nullptr;
+    if (ptr_o && size_o && dev_o) {
+        PyObject* args[4] = {ptr_o, size_o, owner, dev_o};
+        mem = PyObject_Vectorcall(self->unowned_memory, args, 4, nullptr);
+    }
+    Py_XDECREF(ptr_o);
+    Py_XDECREF(size_o);
+    Py_XDECREF(dev_o);
+    Py_DECREF(owner);   // the memory object keeps it; without one, the block goes back here
+    if (!mem) return nullptr;
+    PyObject* args[2] = {mem, self->zero};
+    PyObject* out = PyObject_Vectorcall(self->memory_pointer, args, 2, nullptr);
+    Py_DECREF(mem);
+    return out;
+}
+
+PyObject* CupyAlloc_vectorcall(PyObject* callable, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+    auto* self = reinterpret_cast<CupyAllocObject*>(callable);
+    if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames && PyTuple_GET_SIZE(kwnames))) {
+        raise_as("InvalidArgumentError", "CupyAllocator(nbytes) takes 1 positional argument");
+        return nullptr;
+    }
+    std::uint64_t nbytes = 0;
+    if (as_u64(args[0], "nbytes", &nbytes) < 0) return nullptr;
+    // the device of the current context is CuPy's current device once CuPy has used it (cudaSetDevice
+    // makes its primary context current); before that (no context yet), CuPy's own function says
+    long long dev = gpumem::current_context_device();
+    if ((dev < 0 || dev >= kMaxCupyDevices) &&
+        !call_int(self->get_device, "CuPy's current device", 0, kMaxCupyDevices, &dev))
+        return nullptr;
+    const int device = static_cast<int>(dev);
+    if (nbytes == 0) {   // no memory, as CuPy's pool gives a size-0 array
+        Py_INCREF(Py_None);
+        return cupy_pointer(self, 0, 0, Py_None, device);
+    }
+    long long stream = 0;
+    if (self->stream_fn) {
+        stream = static_cast<long long>(self->stream_fn());
+        if (stream == -1 && PyErr_Occurred()) return nullptr;
+        if (stream < 0) {
+            raise_as("InvalidArgumentError", "CuPy's current stream is " + std::to_string(stream));
+            return nullptr;
+        }
+    } else if (!call_int(self->get_stream, "CuPy's current stream", 0, LLONG_MAX, &stream)) {
+        return nullptr;
+    }
+    if (stream == kPerThreadStream) {
+        raise_as("BackendUnavailableError", kPerThreadMessage);
+        return nullptr;
+    }
+    Engine* engine = self->engines[device];
+    if (engine == nullptr) {
+        if (!without_gil(device, [&] { engine = &gpumem::cuda_engine(device); })) return nullptr;
+        self->engines[device] = engine;
+    }
+    const std::uint64_t s = static_cast<std::uint64_t>(stream);
+    std::uint64_t p = 0, size = 0;
+    std::exception_ptr failure;
+    try {
+        p = engine->try_allocate_fast(nbytes, s);
+    } catch (...) {
+        failure = std::current_exception();
+    }
+    if (p == 0 && !failure) {
+        Py_BEGIN_ALLOW_THREADS
+        try {
+            p = engine->allocate(nbytes, s);
+        } catch (...) {
+            failure = std::current_exception();
+        }
+        Py_END_ALLOW_THREADS
+    }
+    if (!failure) {
+        try {
+            size = engine->block_size(p);
+        } catch (...) {
+            failure = std::current_exception();
+            free_block(engine, p, device);
+        }
+    }
+    if (failure) {
+        set_alloc_error(self, failure, nbytes, device);
+        return nullptr;
+    }
+    CupyBlockObject* owner = PyObject_New(CupyBlockObject, &CupyBlockType);
+    if (!owner) {
+        free_block(engine, p, device);
+        return nullptr;
+    }
+    owner->engine = engine;
+    owner->ptr = p;
+    owner->device = device;
+    return cupy_pointer(self, p, size, reinterpret_cast<PyObject*>(owner), device);
+}
+
+PyObject* CupyAlloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
+    static const char* kwlist[] = {"get_device_id", "get_current_stream_ptr", "unowned_memory", "memory_pointer",
+                                   "on_out_of_memory", nullptr};
+    PyObject* f[5] = {};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO", const_cast<char**>(kwlist), &f[0], &f[1], &f[2], &f[3],
+                                     &f[4]))
+        return nullptr;
+    StreamPtrFn stream_fn = nullptr;
+    if (PyCapsule_CheckExact(f[1])) {
+        const char* name = PyCapsule_GetName(f[1]);
+        if (!name || std::strcmp(name, kStreamPtrCapsule) != 0) {
+            PyErr_Clear();
+            raise_as("InvalidArgumentError", std::string("CupyAllocator: the stream capsule must hold a C function '") +
+                     kStreamPtrCapsule + "', it holds '" + (name ? name : "?") + "'");
+            return nullptr;
+        }
+        stream_fn = reinterpret_cast<StreamPtrFn>(PyCapsule_GetPointer(f[1], name));
+        if (!stream_fn) return nullptr;
+    }
+    for (int i = 0; i < 5; ++i)
+        if (!(i == 1 && stream_fn) && !PyCallable_Check(f[i])) {
+            raise_as("InvalidArgumentError", std::string("CupyAllocator: ") + kwlist[i] + " must be callable, got " +
+                     Py_TYPE(f[i])->tp_name);
+            return nullptr;
+        }
+    auto* self = reinterpret_cast<CupyAllocObject*>(type->tp_alloc(type, 0));
+    if (!self) return nullptr;
+    self->vectorcall = CupyAlloc_vectorcall;
+    self->stream_fn = stream_fn;
+    PyObject** slots[5] = {&self->get_device, &self->get_stream, &self->unowned_memory, &self->memory_pointer,
+                           &self->on_oom};
+    for (int i = 0; i < 5; ++i) {
+        Py_INCREF(f[i]);
+        *slots[i] = f[i];
+    }
+    self->zero = PyLong_FromLong(0);
+    for (auto& e : self->engines) e = nullptr;
+    if (!self->zero) {
+        Py_DECREF(self);
+        return nullptr;
+    }
+    return reinterpret_cast<PyObject*>(self);
+}
+
+int CupyAlloc_traverse(CupyAllocObject* self, visitproc visit, void* arg) {
+    Py_VISIT(self->get_device);
+    Py_VISIT(self->get_stream);
+    Py_VISIT(self->unowned_memory);
+    Py_VISIT(self->memory_pointer);
+    Py_VISIT(self->on_oom);
+    return 0;
+}
+
+int CupyAlloc_clear(CupyAllocObject* self) {
+    Py_CLEAR(self->get_device);
+    Py_CLEAR(self->get_stream);
+    Py_CLEAR(self->unowned_memory);
+    Py_CLEAR(self->memory_pointer);
+    Py_CLEAR(self->on_oom);
+    Py_CLEAR(self->zero);
+    return 0;
+}
+
+void CupyAlloc_dealloc(CupyAllocObject* self) {
+    PyObject_GC_UnTrack(self);
+    CupyAlloc_clear(self);
+    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+PyObject* CupyAlloc_engine_devices(CupyAllocObject* self, PyObject*) {
+    PyObject* out = PyList_New(0);
+    if (!out) return nullptr;
+    for (int d = 0; d < kMaxCupyDevices; ++d) {
+        if (!self->engines[d]) continue;
+        PyObject* i = PyLong_FromLong(d);
+        if (!i || PyList_Append(out, i) < 0) {
+            Py_XDECREF(i);
+            Py_DECREF(out);
+            return nullptr;
+        }
+        Py_DECREF(i);
+    }
+    return out;
+}
+
+PyObject* CupyAlloc_stream_in_c(CupyAllocObject* self, PyObject*) { return PyBool_FromLong(self->stream_fn != nullptr); }
+
+PyMethodDef CupyAlloc_methods[] = {
+    {"reads_stream_in_c", reinterpret_cast<PyCFunction>(CupyAlloc_stream_in_c), METH_NOARGS,
+     "reads_stream_in_c() -> bool: whether CuPy's current stream is read through CuPy's C function (a capsule)."},
+    {"devices", reinterpret_cast<PyCFunction>(CupyAlloc_engine_devices), METH_NOARGS,
+     "devices() -> list[int]: the devices this allocator has allocated on (CudaAllocator(d) reads each one)."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyTypeObject CupyAllocType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+int add_type(PyObject* module, PyTypeObject* type, const char* name) {
+    if (PyType_Ready(type) < 0) return -1;
+    Py_INCREF(type);
+    if (PyModule_AddObject(module, name, reinterpret_cast<PyObject*>(type)) < 0) {
+        Py_DECREF(type);
+        return -1;
+    }
+    return 0;
+}
 
 }  // namespace
 
@@ -252,11 +659,28 @@ int gpumem_add_cuda_allocator(PyObject* module) {
     CudaAllocType.tp_new = CudaAlloc_new;
     CudaAllocType.tp_dealloc = reinterpret_cast<destructor>(CudaAlloc_dealloc);
     CudaAllocType.tp_methods = CudaAlloc_methods;
-    if (PyType_Ready(&CudaAllocType) < 0) return -1;
-    Py_INCREF(&CudaAllocType);
-    if (PyModule_AddObject(module, "CudaAllocator", reinterpret_cast<PyObject*>(&CudaAllocType)) < 0) {
-        Py_DECREF(&CudaAllocType);
-        return -1;
-    }
-    return 0;
+    if (add_type(module, &CudaAllocType, "CudaAllocator") < 0) return -1;
+
+    CupyBlockType.tp_name = "gpumem._engine.CupyBlock";
+    CupyBlockType.tp_basicsize = sizeof(CupyBlockObject);
+    CupyBlockType.tp_flags = Py_TPFLAGS_DEFAULT;
+    CupyBlockType.tp_doc = "A block of a device's engine that CuPy holds; freed when CuPy lets go of it.";
+    CupyBlockType.tp_dealloc = reinterpret_cast<destructor>(CupyBlock_dealloc);
+    CupyBlockType.tp_members = CupyBlock_members;
+    if (add_type(module, &CupyBlockType, "CupyBlock") < 0) return -1;
+
+    CupyAllocType.tp_name = "gpumem._engine.CupyAllocator";
+    CupyAllocType.tp_basicsize = sizeof(CupyAllocObject);
+    CupyAllocType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL;
+    CupyAllocType.tp_vectorcall_offset = offsetof(CupyAllocObject, vectorcall);
+    CupyAllocType.tp_call = PyVectorcall_Call;
+    CupyAllocType.tp_doc = "CupyAllocator(get_device_id, get_current_stream_ptr, unowned_memory, memory_pointer, "
+                           "on_out_of_memory): the function gpumem.cupy_allocator installs in CuPy (Note [CuPy's "
+                           "allocator in C]).";
+    CupyAllocType.tp_new = CupyAlloc_new;
+    CupyAllocType.tp_dealloc = reinterpret_cast<destructor>(CupyAlloc_dealloc);
+    CupyAllocType.tp_traverse = reinterpret_cast<traverseproc>(CupyAlloc_traverse);
+    CupyAllocType.tp_clear = reinterpret_cast<inquiry>(CupyAlloc_clear);
+    CupyAllocType.tp_methods = CupyAlloc_methods;
+    return add_type(module, &CupyAllocType, "CupyAllocator");
 }

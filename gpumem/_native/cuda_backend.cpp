@@ -90,6 +90,7 @@ struct CudaDriver {
     CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
     CUresult (*cuDevicePrimaryCtxRelease)(CUdevice) = nullptr;
     CUresult (*cuCtxGetCurrent)(CUcontext*) = nullptr;
+    CUresult (*cuCtxGetDevice)(CUdevice*) = nullptr;
     CUresult (*cuCtxPushCurrent)(CUcontext) = nullptr;
     CUresult (*cuCtxPopCurrent)(CUcontext*) = nullptr;
     CUresult (*cuCtxSynchronize)() = nullptr;
@@ -173,6 +174,7 @@ struct LoadedDriver {
         load(lib, d.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", missing);
         load(lib, d.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", missing);
         load(lib, d.cuCtxGetCurrent, "cuCtxGetCurrent", missing);
+        load(lib, d.cuCtxGetDevice, "cuCtxGetDevice", missing);
         load(lib, d.cuCtxPushCurrent, "cuCtxPushCurrent_v2", missing);
         load(lib, d.cuCtxPopCurrent, "cuCtxPopCurrent_v2", missing);
         load(lib, d.cuCtxSynchronize, "cuCtxSynchronize", missing);
@@ -206,6 +208,31 @@ const CudaDriver& cuda_driver() {
     static const LoadedDriver loaded;   // thread-safe initialisation (C++11)
     if (!loaded.error.empty()) throw BackendError(ErrorKind::kOther, 0, loaded.error);
     return loaded.table;
+}
+
+int current_context_device() noexcept {
+    try {
+        const CudaDriver& d = cuda_driver();
+        // CUdevice handles are ordinals in every driver so far; mapped anyway, once, for the devices there
+        static const std::vector<CUdevice> handles = [&d] {
+            std::vector<CUdevice> h;
+            int n = 0;
+            if (d.cuDeviceGetCount(&n) != CUDA_SUCCESS) return h;
+            for (int i = 0; i < n; ++i) {
+                CUdevice dev = -1;
+                h.push_back(d.cuDeviceGet(&dev, i) == CUDA_SUCCESS ? dev : -1);
+            }
+            return h;
+        }();
+        CUcontext current = nullptr;
+        if (d.cuCtxGetCurrent(&current) != CUDA_SUCCESS || current == nullptr) return -1;
+        CUdevice dev = -1;
+        if (d.cuCtxGetDevice(&dev) != CUDA_SUCCESS) return -1;
+        for (std::size_t i = 0; i < handles.size(); ++i)
+            if (handles[i] == dev) return static_cast<int>(i);
+    } catch (...) {
+    }
+    return -1;
 }
 
 // Note [The primary context]: pushes the backend's primary context for one call when another

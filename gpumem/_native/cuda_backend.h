@@ -40,6 +40,11 @@ struct CudaDriver;   // the table of driver entry points (cuda_backend.cpp)
 // when cuInit fails.
 const CudaDriver& cuda_driver();
 
+// The ordinal of the device of the calling thread's current context (what the CUDA runtime's
+// cudaGetDevice reports once a device is in use), or -1 when no context is current or the driver cannot
+// be loaded. Never throws; costs two driver calls (no Python: gpumem._engine.CupyAllocator's hot path).
+int current_context_device() noexcept;
+
 // How a CUresult maps onto the Backend's error kinds (exposed for tests).
 ErrorKind cuda_error_kind(int cu_result);
 

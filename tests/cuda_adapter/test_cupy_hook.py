@@ -6,6 +6,7 @@ device at each call, and hand CuPy the block's size (a multiple of 512 B), as Cu
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import types
@@ -111,3 +112,155 @@ def test_threads_make_one_allocator_per_device(fake_cupy):
     for t in threads:
         t.join()
     assert made == [0]
+
+
+# -- the native hook (gpumem._engine.CupyAllocator) without a driver: its checks and its failures --------------
+
+class _Mem:
+    def __init__(self, ptr, size, owner, device_id):
+        self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+
+class _Ptr:
+    def __init__(self, mem, offset):
+        self.mem, self.ptr, self.device_id = mem, mem.ptr + offset, mem.device_id
+
+
+def _native():
+    from gpumem.native import engine, native_module
+
+    if engine() != "native":
+        pytest.skip("gpumem's native engine is not built")
+    return native_module()
+
+
+def _hook(device=0, stream=0):
+    return _native().CupyAllocator(lambda: device, lambda: stream, _Mem, _Ptr, lambda n, d, e: MemoryError(n))
+
+
+def test_native_hook_size_zero_gets_no_memory_on_the_current_device():
+    asked = []
+    hook = _native().CupyAllocator(lambda: asked.append(1) or 3, lambda: 0, _Mem, _Ptr, lambda n, d, e: MemoryError(n))
+    p = hook(0)
+    assert (p.ptr, p.mem.size, p.mem.owner) == (0, 0, None)
+    # CuPy's device function is asked only where no CUDA context is current (no driver here); on a GPU
+    # the current context's device is CuPy's current device
+    assert p.device_id == (3 if asked else 0)
+
+
+@pytest.mark.parametrize("bad", [-1, 2**64, 1.5, "8", True])
+def test_native_hook_refuses_a_bad_size(bad):
+    from gpumem.errors import InvalidArgumentError
+
+    hook = _hook()
+    with pytest.raises(InvalidArgumentError, match="nbytes must be an int"):
+        hook(bad)
+    assert hook.devices() == []
+
+
+@pytest.mark.parametrize("device", [-1, 64])
+def test_native_hook_refuses_a_device_out_of_range(device):
+    from gpumem.errors import InvalidArgumentError
+
+    asked = []
+    hook = _native().CupyAllocator(lambda: asked.append(1) or device, lambda: 0, _Mem, _Ptr, lambda *a: None)
+    try:
+        p = hook(0)
+    except InvalidArgumentError as exc:
+        assert asked and re.search(r"CuPy's current device is -?\d+, outside \[0, 64\)", str(exc))
+        assert hook.devices() == []
+    else:   # a GPU with a current context: CuPy's function was not asked
+        assert not asked and 0 <= p.device_id < 64
+
+
+def test_native_hook_refuses_a_negative_stream_and_a_bad_call():
+    from gpumem.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="takes 1 positional argument"):
+        _hook()(1, 2)
+    with pytest.raises(InvalidArgumentError, match="takes 1 positional argument"):
+        _hook()(nbytes=1)
+
+
+def test_native_hook_refuses_what_is_not_callable_and_a_foreign_capsule():
+    import ctypes
+
+    from gpumem.errors import InvalidArgumentError
+
+    mod = _native()
+    with pytest.raises(InvalidArgumentError, match="unowned_memory must be callable, got int"):
+        mod.CupyAllocator(lambda: 0, lambda: 0, 1, _Ptr, lambda *a: None)
+    make_capsule = ctypes.pythonapi.PyCapsule_New
+    make_capsule.restype = ctypes.py_object
+    make_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    foreign = make_capsule(ctypes.cast(ctypes.pythonapi.Py_IsInitialized, ctypes.c_void_p), b"int (void)", None)
+    with pytest.raises(InvalidArgumentError, match=r"must hold a C function 'intptr_t \(void\)', it holds 'int \(void\)'"):
+        mod.CupyAllocator(lambda: 0, foreign, _Mem, _Ptr, lambda *a: None)
+
+
+def test_native_hook_without_a_driver_raises_and_keeps_no_engine():
+    hook = _hook()
+    try:
+        p = hook(512)
+    except BackendUnavailableError as exc:
+        assert "CUDA device 0" in str(exc)
+        assert hook.devices() == []
+    else:  # a machine with a driver: the allocation is real
+        assert p.mem.size == 512 and hook.devices() == [0]
+
+
+def test_install_without_the_native_engine_warns_once_and_uses_the_python_adapter(fake_cupy, monkeypatch):
+    import warnings
+
+    import gpumem.native as native
+    import gpumem.specs
+    from gpumem.cupy_allocator import CupyMalloc, install
+
+    monkeypatch.setattr(native, "_load", lambda: (None, "not built in this test"))
+    native._warn_once.cache_clear()
+    monkeypatch.setattr(gpumem.specs, "open_device", lambda spec: gpumem.open_device("sim:t4-16gb"))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            install()
+            alloc = install()
+        assert [type(w.message) for w in caught] == [native.NativeEngineWarning]
+        assert "not built in this test" in str(caught[0].message)
+        assert isinstance(fake_cupy.installed, CupyMalloc) and isinstance(alloc, CachingAllocator)
+        p = fake_cupy.installed(1000)
+        assert p.mem.size == 1024 == alloc.allocated_nbytes
+    finally:
+        native._warn_once.cache_clear()
+
+
+def test_check_installed_reports_each_device_and_refuses_a_foreign_allocator(fake_cupy):
+    from gpumem.cupy_allocator import CupyMalloc, check_installed
+
+    malloc = CupyMalloc(_sim_factory([]))
+    fake_cupy.set_allocator(malloc)
+    kept = [malloc(4096)]
+    fake_cupy.current = 1
+    kept.append(malloc(100))
+    checks = check_installed(raise_on_problem=True)
+    assert [(c.device, c.engine, c.ok, c.allocated_nbytes) for c in checks] == [(0, "python", True, 4096),
+                                                                                (1, "python", True, 512)]
+    fake_cupy.set_allocator(lambda n: None)
+    with pytest.raises(BackendUnavailableError, match="not gpumem's"):
+        check_installed()
+
+
+def test_the_per_thread_default_stream_is_refused_by_both_hooks(fake_cupy):
+    """Under CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1 the stream handle 2 is a different stream in each thread: a
+    block freed by one thread could go at once to another thread's stream. Both hooks refuse it, allocating
+    nothing."""
+    from gpumem.cupy_allocator import PER_THREAD_MESSAGE, CupyMalloc
+
+    malloc = CupyMalloc(_sim_factory([]))
+    fake_cupy.get_current_stream = lambda: types.SimpleNamespace(ptr=2)
+    with pytest.raises(BackendUnavailableError, match="per-thread default stream"):
+        malloc(4096)
+    assert malloc.allocator(0).allocated_nbytes == 0
+    hook = _hook(stream=2)
+    with pytest.raises(BackendUnavailableError, match="per-thread default stream") as exc:
+        hook(4096)
+    assert str(exc.value) == PER_THREAD_MESSAGE and hook.devices() == []

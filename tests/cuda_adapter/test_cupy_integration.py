@@ -58,3 +58,50 @@ def test_cupy_array_work_matches_numpy(device):
 def _blocks_cupy_still_holds(gca, alloc) -> set[int]:
     """The blocks of ``alloc`` whose owner (kept by CuPy's memory object, freeing the block when it goes) is alive."""
     return {o.ptr for o in gc.get_objects() if type(o) is gca._BlockOwner and o.allocator is alloc}
+
+
+def test_cupy_on_the_native_engine(device_spec):
+    """gpumem.cupy_allocator.install() on a GPU puts the native engine over the driver in CuPy (issue 19): the
+    block's size in mem.size, one engine per device, stream-ordered frees, CuPy's OutOfMemoryError, and the
+    engine consistent after array work."""
+    cupy = pytest.importorskip("cupy")
+    import gpumem.cupy_allocator as gca
+    from gpumem.native import engine, native_module
+
+    if not device_spec.startswith("cuda") or engine() != "native":
+        pytest.skip("needs a CUDA device and gpumem's native engine")
+    index = int(device_spec.partition(":")[2] or 0)
+    rng = np.random.default_rng(1)
+    v = rng.standard_normal(1 << 18)
+    plans = cupy.fft.config.get_plan_cache()
+    plan_cache_size = plans.get_size()
+    plans.set_size(0)
+    with cupy.cuda.Device(index), gca.using() as alloc:
+        assert type(alloc) is native_module().CudaAllocator
+        hook = cupy.cuda.get_allocator()
+        assert type(hook) is native_module().CupyAllocator
+        before = alloc.allocated_nbytes()
+        for n in (1, 16, 511, 513, 4097, 3 << 20):
+            p = cupy.cuda.alloc(n)
+            assert p.mem.size == alloc.block_size(p.ptr) and p.mem.size % 512 == 0 and p.mem.size >= n
+            assert p.device_id == index and type(p.mem._owner).__name__ == "CupyBlock" and p.mem._owner.ptr == p.ptr
+        del p
+        assert cupy.cuda.alloc(0).ptr == 0
+        gv = cupy.asarray(v)
+        np.testing.assert_allclose(cupy.asnumpy(cupy.fft.rfft(gv)), np.fft.rfft(v), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(cupy.asnumpy(cupy.sort(gv)), np.sort(v))
+        side = cupy.cuda.Stream(non_blocking=True)
+        with side:   # a block allocated on a side stream is that stream's (stream-ordered free)
+            s = cupy.arange(1 << 20, dtype=cupy.float32)
+            assert float(s.sum()) == pytest.approx((1 << 20) * ((1 << 20) - 1) / 2, rel=1e-6)
+        side.synchronize()
+        with pytest.raises(cupy.cuda.memory.OutOfMemoryError) as oom:
+            cupy.empty(1 << 50, dtype=cupy.uint8)
+        assert type(oom.value.__cause__).__name__ == "OutOfMemoryError"
+        del gv, s
+        gc.collect()
+        cupy.cuda.get_current_stream().synchronize()
+        assert alloc.allocated_nbytes() == before, "a block CuPy dropped was not given back"
+        checks = gca.check_installed(raise_on_problem=True)
+        assert [c.engine for c in checks] == ["native"] and checks[0].device == index
+    plans.set_size(plan_cache_size)

@@ -276,20 +276,21 @@ PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
                                    "min_split_small_nbytes", "min_split_large_nbytes", "va_reserve_factor",
                                    "steal_empty_pages", "page_slack", "limit_nbytes", "gc_threshold", "chunked",
                                    "chunk_max_fraction", "chunk_max_nbytes", "grow_ahead_fraction",
-                                   "busy_slack", nullptr};
+                                   "busy_slack", "stream_ordered_steal", nullptr};
     PyObject *device, *helpers;
     EngineConfig cfg;
     unsigned long long round_nbytes = cfg.round_nbytes, small_max = cfg.small_max_nbytes,
                        min_small = cfg.min_split_small_nbytes, min_large = cfg.min_split_large_nbytes, limit = 0;
     double busy = cfg.busy_slack;
     int separate = 1, steal = 1, chunked = cfg.growth == gpumem::GrowthRule::kChunks;
+    int stream_ordered = cfg.stream_ordered_steal;
     double factor = cfg.va_reserve_factor, slack = cfg.page_slack, gc = 0.0;
     double chunk_fraction = cfg.chunk_max_fraction, ahead_fraction = cfg.grow_ahead_fraction;
     unsigned long long chunk_max = cfg.chunk_max_nbytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|KKpKKdpdKdpdKdd", const_cast<char**>(kwlist), &device, &helpers,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|KKpKKdpdKdpdKddp", const_cast<char**>(kwlist), &device, &helpers,
                                      &round_nbytes, &small_max, &separate, &min_small, &min_large, &factor, &steal,
                                      &slack, &limit, &gc, &chunked, &chunk_fraction, &chunk_max, &ahead_fraction,
-                                     &busy))
+                                     &busy, &stream_ordered))
         return nullptr;
     // the floats go into the engine's arithmetic as they are: a NaN or an infinity (or a factor whose
     // reservation cannot be counted in 64 bits) would be undefined behaviour there
@@ -327,6 +328,7 @@ PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
         return nullptr;
     }
     cfg.busy_slack = busy;
+    cfg.stream_ordered_steal = stream_ordered != 0;
     cfg.limit_nbytes = limit;
     cfg.gc_threshold = gc;
 

@@ -219,7 +219,7 @@ class CachingAllocator(AllocatorContract):
             limit_nbytes=self.limit_nbytes or 0, gc_threshold=gc_threshold or 0.0,
             chunked=p.growth is GrowthRule.CHUNKS, chunk_max_fraction=p.chunk_max_fraction,
             chunk_max_nbytes=p.chunk_max_nbytes, grow_ahead_fraction=p.grow_ahead_fraction,
-            busy_slack=float(p.busy_slack))
+            busy_slack=float(p.busy_slack), stream_ordered_steal=p.stream_ordered_steal)
         self.allocate = self._native.allocate  # type: ignore[method-assign]
         self.free = self._native.free  # type: ignore[method-assign]
 

@@ -177,6 +177,12 @@ class AllocatorPolicy:
     the GPU] in :mod:`.backing`). ``inf``: always create, waiting only when the device or the limit refuses
     (the rule before issue 18); 0: always wait."""
 
+    stream_ordered_steal: bool = True
+    """``growth=CHUNKS``, past the slack: an idle chunk whose pending work is all on the stream of the block
+    that needs it is stolen at once, ordered after that work on the stream, instead of grown past or
+    waited for: mapped under the new block first, its old mapping unmapped once its fence completes (Note
+    [Stream-ordered steal] in :mod:`.backing`). Off: the ``busy_slack`` rule alone (before issue 18 point 3)."""
+
     def __post_init__(self) -> None:
         # Note [Every knob has a range]: each field is checked against the range the allocators can
         # honour (table below; the native engine's arithmetic is 64-bit), and the error names the
@@ -263,6 +269,7 @@ _FIELD_RANGES: dict[str, tuple[str, float, float]] = {
     "segments_top_down": ("bool", 0, 0),
     "grow_ahead_fraction": ("float", 0.0, 1.0),
     "busy_slack": ("float+inf", 0.0, float("inf")),
+    "stream_ordered_steal": ("bool", 0, 0),
 }
 """Each field of :class:`AllocatorPolicy`: its kind and its inclusive range (Note [Every knob has a range])."""
 

@@ -352,8 +352,8 @@ def configure(policy: Any) -> None:
 
     Call it before the first allocation on a device: an engine already made keeps its policy. The
     native engine takes ``growth``, ``page_slack``, ``chunk_max_fraction``, ``grow_ahead_fraction``,
-    ``steal_empty_pages``, ``busy_slack`` and ``stream_ordered_steal`` (``GPUMEM_BUSY_SLACK`` and
-    ``GPUMEM_STREAM_ORDERED_STEAL=0|1``, when set, override these two); the
+    ``steal_empty_pages``, ``busy_slack`` and ``stream_ordered_steal`` (``GPUMEM_BUSY_SLACK``,
+    ``GPUMEM_CHUNK_MAX_FRACTION`` and ``GPUMEM_STREAM_ORDERED_STEAL=0|1``, when set, override those); the
     policy's other fields must be the default policy's.
 
     Raises:

@@ -825,13 +825,27 @@ void Engine::fence_page(VSeg* seg, std::int64_t page, std::unordered_map<std::ui
 }
 
 // VirtualBacking._page_ready
-bool Engine::page_ready(VSeg* seg, std::int64_t page, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch) {
+bool Engine::page_ready(VSeg* seg, std::int64_t page, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch,
+                        std::unordered_map<std::uint64_t, std::uint64_t>* busy) {
     if (seg->dirty.has(page)) fence_page(seg, page, batch);
     auto it = seg->page_fences.find(page);
     if (it == seg->page_fences.end() || it->second.empty()) return true;
-    if (fences_all_done(&it->second)) {
-        seg->page_fences.erase(page);
-        return true;
+    bool known = false;   // a fence at or after one found pending in this pass
+    if (busy)
+        for (auto& f : it->second) {
+            auto b = busy->find(f.first);
+            if (b != busy->end() && f.second >= b->second) { known = true; break; }
+        }
+    if (!known) {
+        if (fences_all_done(&it->second)) {
+            seg->page_fences.erase(page);
+            return true;
+        }
+        if (busy && it->second.size() == 1) {
+            auto& f = it->second.front();
+            auto b = busy->find(f.first);
+            if (b == busy->end() || f.second < b->second) (*busy)[f.first] = f.second;
+        }
     }
     if (!wait) return false;
     it = seg->page_fences.find(page);
@@ -1303,10 +1317,11 @@ void Engine::idle_chunks(VSeg* seg, std::int64_t first, std::int64_t last, std::
 }
 
 // VirtualBacking._chunk_ready (all(...): stops at the first page whose work is not done)
-bool Engine::chunk_ready(VSeg* seg, std::int64_t s, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch) {
+bool Engine::chunk_ready(VSeg* seg, std::int64_t s, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch,
+                         std::unordered_map<std::uint64_t, std::uint64_t>* busy) {
     std::int64_t n = chunk_pages(seg->chunks[s]);
     for (std::int64_t q = s; q < s + n; ++q)
-        if (!page_ready(seg, q, wait, batch)) return false;
+        if (!page_ready(seg, q, wait, batch, busy)) return false;
     return true;
 }
 
@@ -1320,9 +1335,9 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
     std::sort(fits.begin(), fits.end(), [](const IdleChunk& a, const IdleChunk& b) {   // sorted(..., reverse=True)
         return a.n != b.n ? a.n > b.n : a.addr > b.addr;
     });
-    std::unordered_map<std::uint64_t, std::uint64_t> batch;
+    std::unordered_map<std::uint64_t, std::uint64_t> batch, busy;
     for (auto& c : fits) {
-        if (chunk_ready(c.seg, c.s, false, batch)) {
+        if (chunk_ready(c.seg, c.s, false, batch, &busy)) {
             ++n_steals_;
             *out = unmap_chunk(c.seg, c.s);
             return true;
@@ -1363,10 +1378,10 @@ bool Engine::release_idle_chunk(VSeg* seg, std::int64_t first, std::int64_t last
     std::sort(idle.begin(), idle.end(), [](const IdleChunk& a, const IdleChunk& b) {   // sorted(...)
         return a.n != b.n ? a.n < b.n : a.addr < b.addr;
     });
-    std::unordered_map<std::uint64_t, std::uint64_t> batch;
+    std::unordered_map<std::uint64_t, std::uint64_t> batch, busy;
     const IdleChunk* pick = nullptr;
     for (auto& c : idle)
-        if (chunk_ready(c.seg, c.s, false, batch)) {
+        if (chunk_ready(c.seg, c.s, false, batch, &busy)) {
             pick = &c;
             break;
         }

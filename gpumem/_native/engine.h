@@ -334,7 +334,8 @@ class Engine {
     void decommit(detail::Block* b);
     void fence_page(detail::VSeg* seg, std::int64_t page, std::unordered_map<std::uint64_t, std::uint64_t>& batch);
     bool page_ready(detail::VSeg* seg, std::int64_t page, bool wait,
-                    std::unordered_map<std::uint64_t, std::uint64_t>& batch);
+                    std::unordered_map<std::uint64_t, std::uint64_t>& batch,
+                    std::unordered_map<std::uint64_t, std::uint64_t>* busy = nullptr);
     std::uint64_t stealable(detail::VSeg* seg, std::int64_t first, std::int64_t last);
     void map_pages(detail::VSeg* seg, const std::vector<std::int64_t>& need, std::int64_t first, std::int64_t last,
                    std::uint64_t requested);
@@ -368,7 +369,8 @@ class Engine {
         detail::VSeg* seg;
     };
     void idle_chunks(detail::VSeg* seg, std::int64_t first, std::int64_t last, std::vector<IdleChunk>& found);
-    bool chunk_ready(detail::VSeg* seg, std::int64_t s, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch);
+    bool chunk_ready(detail::VSeg* seg, std::int64_t s, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch,
+                     std::unordered_map<std::uint64_t, std::uint64_t>* busy = nullptr);
     bool steal_chunk(detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages,
                      std::uint64_t requested, std::uint64_t stream, ChunkHandle* out);
     // stream-ordered steal (Note [Stream-ordered steal] in backing.py; same names)

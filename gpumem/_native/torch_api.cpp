@@ -54,7 +54,8 @@
 
 namespace {
 // The engine's policy for PyTorch: the defaults, where GPUMEM_BUSY_SLACK (a number >= 0, or inf) sets
-// AllocatorPolicy.busy_slack (issue 18 measures several live).
+// AllocatorPolicy.busy_slack, GPUMEM_CHUNK_MAX_FRACTION chunk_max_fraction and GPUMEM_STREAM_ORDERED_STEAL
+// stream_ordered_steal (issue 18 measures several live).
 // `base` (gpumem_torch_configure's policy, the default policy otherwise) with GPUMEM_BUSY_SLACK applied.
 gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
     gpumem::EngineConfig cfg = base;
@@ -64,6 +65,14 @@ gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
         if (end == v || *end != '\0' || !(value >= 0.0))
             throw std::runtime_error(std::string("GPUMEM_BUSY_SLACK must be a number >= 0 or inf, not '") + v + "'");
         cfg.busy_slack = value;
+    }
+    // AllocatorPolicy.chunk_max_fraction: GPUMEM_CHUNK_MAX_FRACTION, a number in (0, 1] (issue 18 measures several live)
+    if (const char* v = std::getenv("GPUMEM_CHUNK_MAX_FRACTION")) {
+        char* end = nullptr;
+        double value = std::strtod(v, &end);
+        if (end == v || *end != '\0' || !(value > 0.0 && value <= 1.0))
+            throw std::runtime_error(std::string("GPUMEM_CHUNK_MAX_FRACTION must be a number in (0, 1], not '") + v + "'");
+        cfg.chunk_max_fraction = value;
     }
     // AllocatorPolicy.stream_ordered_steal: GPUMEM_STREAM_ORDERED_STEAL=0 or 1 (issue 18 measures both live)
     if (const char* v = std::getenv("GPUMEM_STREAM_ORDERED_STEAL")) {

@@ -650,16 +650,26 @@ class VirtualBacking(Backing):
         seg.page_fences[page] = pf  # type: ignore[assignment]
         del seg.dirty[page]
 
-    def _page_ready(self, seg: VirtualSegment, page: int, wait: bool, batch: dict[int, int]) -> bool:
-        """Whether the work of the empty page's last users is done (queried); with ``wait``, wait for it."""
+    def _page_ready(self, seg: VirtualSegment, page: int, wait: bool, batch: dict[int, int],
+                    busy: dict[int, int] | None = None) -> bool:
+        """Whether the work of the empty page's last users is done (queried); with ``wait``, wait for it.
+
+        ``busy`` (one pass over many chunks): stream -> the lowest fence found pending in the pass; a fence
+        at or after it on its stream is pending too (fences complete in order), so it is not queried again
+        (a steal looked at dozens of busy chunks, a query each: 30,000 queries on gpt2_fp32)."""
         if page in seg.dirty:
             self._fence_page(seg, page, batch)
         pf = seg.page_fences.get(page)
         if not pf:
             return True
-        if self.fences.all_done(pf):
+        if busy is not None and any(number >= busy.get(s, number + 1) for s, number in pf.items()):
+            pass  # known pending in this pass
+        elif self.fences.all_done(pf):
             del seg.page_fences[page]
             return True
+        elif busy is not None and len(pf) == 1:
+            for s, number in pf.items():
+                busy[s] = min(busy.get(s, number), number)
         if not wait:
             return False
         self.fences.wait_all(pf)
@@ -1070,11 +1080,12 @@ class VirtualBacking(Backing):
                     found.append((n, other.base + s * g, s, other))
         return found
 
-    def _chunk_ready(self, seg: VirtualSegment, s: int, wait: bool, batch: dict[int, int]) -> bool:
+    def _chunk_ready(self, seg: VirtualSegment, s: int, wait: bool, batch: dict[int, int],
+                     busy: dict[int, int] | None = None) -> bool:
         """Whether the work on every page of the idle chunk at ``s`` is done (fences recorded and
         queried; with ``wait``, waited for)."""
         n = seg.chunks[s].nbytes // self.granularity  # type: ignore[union-attr]
-        return all(self._page_ready(seg, q, wait, batch) for q in range(s, s + n))
+        return all(self._page_ready(seg, q, wait, batch, busy) for q in range(s, s + n))
 
     def _steal_chunk(self, seg: VirtualSegment, first: int, last: int, max_pages: int,
                      requested: int, stream: int) -> PhysicalHandle | None:
@@ -1089,8 +1100,9 @@ class VirtualBacking(Backing):
         if not fits:
             return None
         batch: dict[int, int] = {}
+        busy: dict[int, int] = {}
         for n, _, s, other in fits:
-            if self._chunk_ready(other, s, False, batch):
+            if self._chunk_ready(other, s, False, batch, busy):
                 self.n_steals += 1
                 return self._unmap_chunk(other, s)
         if self.policy.stream_ordered_steal:
@@ -1114,8 +1126,9 @@ class VirtualBacking(Backing):
         waiting for its work); False when there is none."""
         idle = sorted(self._idle_chunks(seg, first, last))
         batch: dict[int, int] = {}
+        busy: dict[int, int] = {}
         for _, _, s, other in idle:
-            if self._chunk_ready(other, s, False, batch):
+            if self._chunk_ready(other, s, False, batch, busy):
                 break
         else:
             if not wait or not idle:

@@ -55,7 +55,7 @@ struct EngineConfig {
     bool steal_empty_pages = true;
     double page_slack = 0.005;
     GrowthRule growth = GrowthRule::kChunks;
-    double chunk_max_fraction = 1.0 / 256;              // growth=CHUNKS: cap relative to the memory held
+    double chunk_max_fraction = 1.0 / 1024;             // growth=CHUNKS: cap relative to the memory held
     std::uint64_t chunk_max_nbytes = std::uint64_t{1} << 30;   // growth=CHUNKS: absolute cap
     double grow_ahead_fraction = 0.0;                   // growth=CHUNKS: grow ahead at the top of a range
     double busy_slack = 0.05;                           // growth=CHUNKS: create past busy idle chunks within this slack

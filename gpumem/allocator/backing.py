@@ -94,7 +94,7 @@ moves whole. ``growth=CHUNKS`` (the default; ``growth=PAGES`` with
 
 * covers each run of pages a block needs, left to right, with as few chunks as
   it can: the largest cached chunk that fits in the rest of the run, else a new
-  chunk of the rest of the run, capped at ``chunk_max_fraction`` (1/256) of the
+  chunk of the rest of the run, capped at ``chunk_max_fraction`` (1/1024) of the
   memory held and ``chunk_max_nbytes`` (at least one page), then one
   ``mem_set_access`` per contiguous run of newly mapped pages;
 * creates while the memory held stays within ``page_slack`` (0.5 %) of the most
@@ -119,7 +119,15 @@ gpt2 trace uncapped chunks (one per run) held 3.9 % more than live data at the
 peak, 1/64 of the held memory 1.9 %, 1/256 0.66 % (``reports/growth-sweep.md``,
 ``benchmarks/growth_sweep.py``). A cap relative to what is held keeps the locked
 memory a fixed fraction of the footprint, and makes the chunks grow
-geometrically: about 256 creates per e-fold of growth instead of one per page.
+geometrically: about 1,024 creates per e-fold of growth instead of one per page.
+
+Why 1/1024 (issue 18, point 3; it was 1/256): on the H200 traces recorded since, the locked pages are
+what is left once the lag is handled (Note [Stream-ordered steal]): gpt2_fp32 held 3.38 % with the GPU
+idle, 1.62 % at 1/1024; live GPT-2 training over 80 steps 5.33 % at 1/256 and 1.73 % at 1/1024,
+ResNet-50 1.01 and 0.87 % (``reports/hil/live-vs-predicted-h200-2026-11-25-run2.md``). The price is
+moves: smaller chunks are stolen more often (live GPT-2: 20,737 steals over 80 steps against 3,750, step
+time +20 % against +7 % over PyTorch's allocator); memory comes first in the issue, and
+``chunk_max_fraction=1/256`` or ``stream_ordered_steal=False`` trade it back.
 
 Note [Wait, do not grow, behind the GPU]
 ---------------------------------------

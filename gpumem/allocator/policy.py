@@ -149,7 +149,7 @@ class AllocatorPolicy:
     of several pages] in :mod:`.backing`). The behaviour before issue 7: 0 with ``growth=PAGES``."""
     growth: GrowthRule = GrowthRule.CHUNKS
     """Virtual memory mode: how physical chunks are sized and moved (:class:`GrowthRule`)."""
-    chunk_max_fraction: float = 1 / 256
+    chunk_max_fraction: float = 1 / 1024
     """``growth=CHUNKS``: a new chunk holds at most this fraction of the memory held then (at least one
     page), so that memory locked in partly live chunks stays small."""
     chunk_max_nbytes: int = 1 << 30

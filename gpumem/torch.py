@@ -170,7 +170,7 @@ def _lib() -> ctypes.CDLL:
     lib.gpumem_torch_trace_read.argtypes = [ctypes.c_int, u64p, ctypes.c_int64]
     lib.gpumem_torch_configure.restype = ctypes.c_int
     lib.gpumem_torch_configure.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_double,
-                                           ctypes.c_int, ctypes.c_double]
+                                           ctypes.c_int, ctypes.c_double, ctypes.c_int]
     return lib
 
 
@@ -345,7 +345,8 @@ def configure(policy: Any) -> None:
 
     Call it before the first allocation on a device: an engine already made keeps its policy. The
     native engine takes ``growth``, ``page_slack``, ``chunk_max_fraction``, ``grow_ahead_fraction``,
-    ``steal_empty_pages`` and ``busy_slack`` (``GPUMEM_BUSY_SLACK``, when set, overrides the last); the
+    ``steal_empty_pages``, ``busy_slack`` and ``stream_ordered_steal`` (``GPUMEM_BUSY_SLACK``,
+    ``GPUMEM_CHUNK_MAX_FRACTION`` and ``GPUMEM_STREAM_ORDERED_STEAL=0|1``, when set, override those); the
     policy's other fields must be the default policy's.
 
     Raises:
@@ -358,7 +359,7 @@ def configure(policy: Any) -> None:
     growth = 0 if GrowthRule(pol.growth) is GrowthRule.PAGES else 1
     if lib.gpumem_torch_configure(growth, float(pol.page_slack), float(pol.chunk_max_fraction),
                                   float(pol.grow_ahead_fraction), int(bool(pol.steal_empty_pages)),
-                                  float(pol.busy_slack)) != 0:
+                                  float(pol.busy_slack), int(bool(pol.stream_ordered_steal))) != 0:
         raise InvalidArgumentError(f"gpumem.torch.configure({pol.name!r}): {_last_error(lib)}")
 
 

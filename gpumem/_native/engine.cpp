@@ -76,11 +76,13 @@ struct VSeg {
     std::vector<std::uint8_t> noaccess;
     std::size_t n_noaccess = 0;
     std::unique_ptr<FenceMap> top_fences;
+    std::vector<std::uint8_t> deferred;   // seg.deferred: old mappings of chunks stolen stream-ordered
+    std::size_t n_deferred = 0;
 
     VSeg(std::uint64_t b, std::uint64_t n, bool s, std::uint64_t g)
         : base(b), nbytes(n), small(s), n_pages(static_cast<std::int64_t>(n / g)), refs(n / g, 0),
           chunks(n / g, 0), eprev(n / g, -1), enext(n / g, -1), in_empty(n / g, 0), dirty(n / g),
-          users(n / g), noaccess(n / g, 0) {}
+          users(n / g), noaccess(n / g, 0), deferred(n / g, 0) {}
 
     bool is_empty(std::int64_t p) const { return in_empty[p] != 0; }
     void empty_add(std::int64_t p) {   // seg.empty[p] = None (keeps its place if there)
@@ -744,7 +746,7 @@ void Engine::commit(Block* b) {
     for (std::int64_t p = first; p <= last; ++p)
         if (refs[p] == 0 && seg->chunks[p] == 0) need.push_back(p);
     if (!need.empty()) {
-        if (chunked_) map_runs(seg, need, first, last, b->size);
+        if (chunked_) map_runs(seg, need, first, last, b->size, b->stream);
         else map_pages(seg, need, first, last, b->size);
     }
     for (std::int64_t p = first; p <= last; ++p) {
@@ -823,13 +825,27 @@ void Engine::fence_page(VSeg* seg, std::int64_t page, std::unordered_map<std::ui
 }
 
 // VirtualBacking._page_ready
-bool Engine::page_ready(VSeg* seg, std::int64_t page, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch) {
+bool Engine::page_ready(VSeg* seg, std::int64_t page, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch,
+                        std::unordered_map<std::uint64_t, std::uint64_t>* busy) {
     if (seg->dirty.has(page)) fence_page(seg, page, batch);
     auto it = seg->page_fences.find(page);
     if (it == seg->page_fences.end() || it->second.empty()) return true;
-    if (fences_all_done(&it->second)) {
-        seg->page_fences.erase(page);
-        return true;
+    bool known = false;   // a fence at or after one found pending in this pass
+    if (busy)
+        for (auto& f : it->second) {
+            auto b = busy->find(f.first);
+            if (b != busy->end() && f.second >= b->second) { known = true; break; }
+        }
+    if (!known) {
+        if (fences_all_done(&it->second)) {
+            seg->page_fences.erase(page);
+            return true;
+        }
+        if (busy && it->second.size() == 1) {
+            auto& f = it->second.front();
+            auto b = busy->find(f.first);
+            if (b == busy->end() || f.second < b->second) (*busy)[f.first] = f.second;
+        }
     }
     if (!wait) return false;
     it = seg->page_fences.find(page);
@@ -940,6 +956,10 @@ std::uint64_t Engine::release_unmapped(std::int64_t count) {
     std::uint64_t released = 0;
     std::int64_t n = static_cast<std::int64_t>(unmapped_.size());
     if (count >= 0) n = std::min(n, count);
+    if (!deferred_.empty() && n > 0) {   // a chunk goes back once mapped nowhere
+        std::vector<ChunkHandle> going(unmapped_.end() - n, unmapped_.end());
+        drain_deferred(true, nullptr, nullptr, &going);
+    }
     for (std::int64_t i = 0; i < n; ++i) {
         ChunkHandle h = unmapped_.back();
         std::uint64_t nbytes = chunk_nbytes(h);
@@ -1098,8 +1118,15 @@ std::int64_t Engine::chunk_cap_pages() const {
 
 // VirtualBacking._map_runs
 void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int64_t first, std::int64_t last,
-                      std::uint64_t requested) {
+                      std::uint64_t requested, std::uint64_t stream) {
     const std::uint64_t g = g_;
+    if (!deferred_.empty()) {
+        drain_deferred(false, nullptr, nullptr, nullptr);
+        bool hit = false;
+        if (seg->n_deferred)
+            for (auto p : need) if (seg->deferred[p]) { hit = true; break; }
+        if (hit) drain_deferred(true, seg, &need, nullptr);   // the old mapping must go before a new one there
+    }
     std::int64_t touched = std::max(peak_live_pages_, live_pages_ + static_cast<std::int64_t>(need.size()));
     // pages held may reach this before a steal
     std::int64_t budget = static_cast<std::int64_t>(static_cast<double>(touched) * (1.0 + cfg_.page_slack));
@@ -1119,7 +1146,7 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
                 std::int64_t rem = end - pos;
                 ChunkHandle h;
                 if (!take_cached(rem, &h))
-                    h = chunk_for(seg, pos, rem, end - 1 == top_page, first, last, budget, requested);
+                    h = chunk_for(seg, pos, rem, end - 1 == top_page, first, last, budget, requested, stream);
                 map_chunk(seg, pos, h);
                 mapped.push_back(pos);
                 pos += chunk_pages(h);
@@ -1239,12 +1266,12 @@ std::int64_t Engine::growth_pages(VSeg* seg, std::int64_t pos, std::int64_t rem,
 
 // VirtualBacking._chunk_for
 ChunkHandle Engine::chunk_for(VSeg* seg, std::int64_t pos, std::int64_t rem, bool at_top, std::int64_t first,
-                              std::int64_t last, std::int64_t budget, std::uint64_t requested) {
+                              std::int64_t last, std::int64_t budget, std::uint64_t requested, std::uint64_t stream) {
     std::int64_t n = cfg_.steal_empty_pages ? growth_pages(seg, pos, rem, at_top, budget)
                                             : std::min(rem, chunk_cap_pages());
     if (n) return create_chunk(n, requested);
     ChunkHandle h;
-    if (steal_chunk(seg, first, last, rem, requested, &h)) return h;
+    if (steal_chunk(seg, first, last, rem, requested, stream, &h)) return h;
     // idle chunks that remain are all larger than the run: give back one whose work is done and
     // create what fits (memory shrinks); wait for one only when memory would run short
     release_idle_chunk(seg, first, last, false);
@@ -1290,16 +1317,17 @@ void Engine::idle_chunks(VSeg* seg, std::int64_t first, std::int64_t last, std::
 }
 
 // VirtualBacking._chunk_ready (all(...): stops at the first page whose work is not done)
-bool Engine::chunk_ready(VSeg* seg, std::int64_t s, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch) {
+bool Engine::chunk_ready(VSeg* seg, std::int64_t s, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch,
+                         std::unordered_map<std::uint64_t, std::uint64_t>* busy) {
     std::int64_t n = chunk_pages(seg->chunks[s]);
     for (std::int64_t q = s; q < s + n; ++q)
-        if (!page_ready(seg, q, wait, batch)) return false;
+        if (!page_ready(seg, q, wait, batch, busy)) return false;
     return true;
 }
 
 // VirtualBacking._steal_chunk (false: None)
 bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages,
-                         std::uint64_t requested, ChunkHandle* out) {
+                         std::uint64_t requested, std::uint64_t stream, ChunkHandle* out) {
     std::vector<IdleChunk> fits;
     idle_chunks(seg, first, last, fits);
     fits.erase(std::remove_if(fits.begin(), fits.end(), [&](const IdleChunk& c) { return c.n > max_pages; }), fits.end());
@@ -1307,12 +1335,25 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
     std::sort(fits.begin(), fits.end(), [](const IdleChunk& a, const IdleChunk& b) {   // sorted(..., reverse=True)
         return a.n != b.n ? a.n > b.n : a.addr > b.addr;
     });
-    std::unordered_map<std::uint64_t, std::uint64_t> batch;
+    std::unordered_map<std::uint64_t, std::uint64_t> batch, busy;
     for (auto& c : fits) {
-        if (chunk_ready(c.seg, c.s, false, batch)) {
+        if (chunk_ready(c.seg, c.s, false, batch, &busy)) {
             ++n_steals_;
             *out = unmap_chunk(c.seg, c.s);
             return true;
+        }
+    }
+    if (cfg_.stream_ordered_steal) {   // Note [Stream-ordered steal] in backing.py
+        for (auto& c : fits) {
+            FenceMap pending = chunk_fences(c.seg, c.s, batch);
+            bool ours = true;
+            for (auto& f : pending)
+                if (f.first != stream && !fences_done(f.first, f.second)) { ours = false; break; }
+            if (ours) {
+                ++n_steals_;
+                *out = defer_unmap(c.seg, c.s, std::move(pending));
+                return true;
+            }
         }
     }
     const IdleChunk& c = fits[0];
@@ -1337,10 +1378,10 @@ bool Engine::release_idle_chunk(VSeg* seg, std::int64_t first, std::int64_t last
     std::sort(idle.begin(), idle.end(), [](const IdleChunk& a, const IdleChunk& b) {   // sorted(...)
         return a.n != b.n ? a.n < b.n : a.addr < b.addr;
     });
-    std::unordered_map<std::uint64_t, std::uint64_t> batch;
+    std::unordered_map<std::uint64_t, std::uint64_t> batch, busy;
     const IdleChunk* pick = nullptr;
     for (auto& c : idle)
-        if (chunk_ready(c.seg, c.s, false, batch)) {
+        if (chunk_ready(c.seg, c.s, false, batch, &busy)) {
             pick = &c;
             break;
         }
@@ -1379,11 +1420,111 @@ ChunkHandle Engine::unmap_chunk(VSeg* seg, std::int64_t s) {
     return h;
 }
 
+// VirtualBacking._chunk_fences
+FenceMap Engine::chunk_fences(VSeg* seg, std::int64_t s, std::unordered_map<std::uint64_t, std::uint64_t>& batch) {
+    FenceMap merged;
+    std::int64_t n = chunk_pages(seg->chunks[s]);
+    for (std::int64_t q = s; q < s + n; ++q) {
+        if (seg->dirty.has(q)) fence_page(seg, q, batch);
+        auto it = seg->page_fences.find(q);
+        if (it == seg->page_fences.end()) continue;
+        for (auto& f : it->second) merge_into(merged, f.first, f.second);
+    }
+    return merged;
+}
+
+// VirtualBacking._defer_unmap
+ChunkHandle Engine::defer_unmap(VSeg* seg, std::int64_t s, FenceMap pending) {
+    ChunkHandle h = seg->chunks[s];
+    if (!h || (s && seg->chunks[s - 1] == h))
+        throw EngineError(EngineErrorKind::kInternal, "page " + std::to_string(s) + " of range " + hex(seg->base) +
+                                                          " is not the first page of a chunk");
+    std::int64_t n = chunk_pages(h);
+    for (std::int64_t q = s; q < s + n; ++q)
+        if (!seg->is_empty(q))
+            throw EngineError(EngineErrorKind::kInternal, "chunk at page " + std::to_string(s) + " of range " +
+                                                              hex(seg->base) + " is not idle");
+    for (std::int64_t q = s; q < s + n; ++q) {
+        seg->empty_pop(q);
+        seg->chunks[q] = 0;
+        seg->noaccess_discard(q);
+        seg->page_fences.erase(q);
+        seg->dirty.pop(q);
+        if (!seg->deferred[q]) { seg->deferred[q] = 1; ++seg->n_deferred; }
+    }
+    deferred_.push_back(Deferred{seg, s, h, std::move(pending)});
+    return h;
+}
+
+// VirtualBacking._drain_deferred (pages: with seg; both null and handles null: every entry)
+void Engine::drain_deferred(bool wait, VSeg* seg, const std::vector<std::int64_t>* pages,
+                            const std::vector<ChunkHandle>* handles) {
+    std::vector<std::uint64_t> busy;
+    std::vector<Deferred> keep;
+    std::size_t i = 0;
+    auto finish = [&]() {
+        for (std::size_t k = i; k < deferred_.size(); ++k) keep.push_back(std::move(deferred_[k]));
+        deferred_ = std::move(keep);
+    };
+    try {
+        while (i < deferred_.size()) {
+            Deferred& e = deferred_[i];
+            std::uint64_t nbytes = chunk_nbytes(e.h);
+            std::int64_t n = static_cast<std::int64_t>(nbytes / g_);
+            if (wait) {
+                bool chosen = true;
+                if (seg && pages) {
+                    chosen = false;
+                    if (e.seg == seg)
+                        for (auto p : *pages) if (e.s <= p && p < e.s + n) { chosen = true; break; }
+                } else if (handles) {
+                    chosen = std::find(handles->begin(), handles->end(), e.h) != handles->end();
+                }
+                if (!chosen) {
+                    keep.push_back(std::move(e));
+                    ++i;
+                    continue;
+                }
+                if (!fences_all_done(&e.fences)) {
+                    fences_wait_all(&e.fences);
+                    ++n_waits_;
+                }
+            } else {
+                bool skip = false;
+                for (auto& f : e.fences)
+                    if (std::find(busy.begin(), busy.end(), f.first) != busy.end()) { skip = true; break; }
+                if (skip || !fences_all_done(&e.fences)) {
+                    for (auto& f : e.fences)
+                        if (std::find(busy.begin(), busy.end(), f.first) == busy.end()) busy.push_back(f.first);
+                    keep.push_back(std::move(e));
+                    ++i;
+                    continue;
+                }
+            }
+            backend_.mem_unmap(e.seg->base + static_cast<std::uint64_t>(e.s) * g_, nbytes);
+            ++device_calls_;
+            for (std::int64_t q = e.s; q < e.s + n; ++q)
+                if (e.seg->deferred[q]) { e.seg->deferred[q] = 0; --e.seg->n_deferred; }
+            ++i;
+        }
+    } catch (...) {
+        finish();
+        throw;
+    }
+    finish();
+}
+
+bool Engine::has_deferred(ChunkHandle h) const {
+    for (auto& e : deferred_) if (e.h == h) return true;
+    return false;
+}
+
 // VirtualBacking.release_cached
 std::uint64_t Engine::backing_release_cached(bool wait) {
     std::uint64_t released = 0;
     std::unordered_map<std::uint64_t, std::uint64_t> batch;
     std::vector<std::int64_t> pages;
+    if (!deferred_.empty()) drain_deferred(wait, nullptr, nullptr, nullptr);
     for (auto& up : vsegs_) {
         VSeg* seg = up.get();
         seg->empty_list(pages);
@@ -1394,6 +1535,7 @@ std::uint64_t Engine::backing_release_cached(bool wait) {
                 bool idle = true;
                 for (std::int64_t q = s; q < s + n && idle; ++q) idle = seg->is_empty(q);
                 if (!idle || !chunk_ready(seg, s, wait, batch)) continue;   // live data on it, or its work not done
+                if (!deferred_.empty() && has_deferred(seg->chunks[s])) continue;   // still mapped where stolen from
                 unmapped_.push_back(unmap_chunk(seg, s));
             }
             continue;
@@ -1414,6 +1556,22 @@ void Engine::backing_close(bool keep_all) {
     for (VSeg* seg : order) {
         if (keep_all) continue;
         bool whole = true;
+        for (std::size_t k = 0; k < deferred_.size();) {
+            Deferred& e = deferred_[k];
+            if (e.seg != seg) { ++k; continue; }
+            std::uint64_t nbytes = chunk_nbytes(e.h);
+            try {   // the allocator waited for the streams that used it
+                backend_.mem_unmap(seg->base + static_cast<std::uint64_t>(e.s) * g_, nbytes);
+            } catch (...) {   // kept, still counted
+                rethrow_if_fatal();   // Note [Only Exception is caught]
+                whole = false;
+                ++k;
+                continue;
+            }
+            for (std::int64_t q = e.s; q < e.s + static_cast<std::int64_t>(nbytes / g_); ++q)
+                if (seg->deferred[q]) { seg->deferred[q] = 0; --seg->n_deferred; }
+            deferred_.erase(deferred_.begin() + static_cast<std::ptrdiff_t>(k));
+        }
         for (std::int64_t p = 0; p < seg->n_pages; ++p) {
             ChunkHandle h = seg->chunks[p];
             if (!h || (p && seg->chunks[p - 1] == h)) continue;   // unmapped, or not the first page of its chunk
@@ -2133,14 +2291,39 @@ std::vector<std::string> Engine::consistency_problems(const ListDevice& list_dev
                 if (r.first == seg->base && r.second == seg->nbytes) found = true;
             if (!found) problems.push_back("range " + hex(seg->base) + " is not a device reservation of that size");
         }
+        std::size_t deferred_pages = 0;
+        for (auto& e : deferred_) {
+            if (e.seg != seg) continue;
+            std::int64_t n = chunk_pages(e.h);
+            deferred_pages += static_cast<std::size_t>(n);
+            for (std::int64_t q = e.s; q < e.s + n; ++q)
+                if (!seg->deferred[q] || seg->chunks[q]) {
+                    problems.push_back("the pages of the old mapping at " + hex(seg->base + static_cast<std::uint64_t>(e.s) * g_) +
+                                       " are not marked deferred and unmapped");
+                    break;
+                }
+        }
+        if (deferred_pages != seg->n_deferred)
+            problems.push_back(std::to_string(seg->n_deferred) + " pages of " + hex(seg->base) +
+                               " are marked deferred, not those of its old mappings");
         if (device_maps) {
             std::unordered_map<std::uint64_t, ChunkHandle> ours;
+            std::unordered_map<std::uint64_t, ChunkHandle> old;   // old mappings of stream-ordered steals
+            for (auto& e : deferred_)
+                if (e.seg == seg) old[seg->base + static_cast<std::uint64_t>(e.s) * g_] = e.h;
             for (std::int64_t p = 0; p < seg->n_pages; ++p)
                 if (seg->chunks[p] && !(p && seg->chunks[p - 1] == seg->chunks[p]))
                     ours[seg->base + static_cast<std::uint64_t>(p) * g_] = seg->chunks[p];
             for (auto& m : *device_maps) {
                 std::uint64_t va = std::get<0>(m);
                 if (va < seg->base || va >= seg->base + seg->nbytes) continue;
+                auto od = old.find(va);
+                if (od != old.end()) {
+                    if (std::get<1>(m) != chunk_nbytes(od->second) || od->second != std::get<2>(m))
+                        problems.push_back("the chunk stolen stream-ordered from " + hex(va) + " is not mapped there any more");
+                    old.erase(od);
+                    continue;
+                }
                 auto it = ours.find(va);
                 if (it == ours.end() || std::get<1>(m) != chunk_nbytes(it->second) || it->second != std::get<2>(m)) {
                     problems.push_back("device maps " + hex(va) + " differently from the allocator");
@@ -2151,6 +2334,8 @@ std::vector<std::string> Engine::consistency_problems(const ListDevice& list_dev
                 if (it != ours.end()) ours.erase(it);
             }
             for (auto& kv : ours) problems.push_back("the allocator has page " + hex(kv.first) + " mapped, the device does not");
+            for (auto& kv : old)
+                problems.push_back("the chunk stolen stream-ordered from " + hex(kv.first) + " is not mapped there any more");
         } else {
             for (std::int64_t p = 0; p < seg->n_pages; ++p)
                 if (seg->chunks[p] && !(p && seg->chunks[p - 1] == seg->chunks[p])) {

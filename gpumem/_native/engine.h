@@ -55,10 +55,11 @@ struct EngineConfig {
     bool steal_empty_pages = true;
     double page_slack = 0.005;
     GrowthRule growth = GrowthRule::kChunks;
-    double chunk_max_fraction = 1.0 / 256;              // growth=CHUNKS: cap relative to the memory held
+    double chunk_max_fraction = 1.0 / 1024;             // growth=CHUNKS: cap relative to the memory held
     std::uint64_t chunk_max_nbytes = std::uint64_t{1} << 30;   // growth=CHUNKS: absolute cap
     double grow_ahead_fraction = 0.0;                   // growth=CHUNKS: grow ahead at the top of a range
     double busy_slack = 0.05;                           // growth=CHUNKS: create past busy idle chunks within this slack
+    bool stream_ordered_steal = true;                   // growth=CHUNKS: steal a chunk busy on the same stream at once
     std::uint64_t limit_nbytes = 0;   // 0: no limit (Python: limit_nbytes None)
     double gc_threshold = 0.0;        // 0: none (Python: gc_threshold None)
 };
@@ -359,7 +360,8 @@ class Engine {
     void decommit(detail::Block* b);
     void fence_page(detail::VSeg* seg, std::int64_t page, std::unordered_map<std::uint64_t, std::uint64_t>& batch);
     bool page_ready(detail::VSeg* seg, std::int64_t page, bool wait,
-                    std::unordered_map<std::uint64_t, std::uint64_t>& batch);
+                    std::unordered_map<std::uint64_t, std::uint64_t>& batch,
+                    std::unordered_map<std::uint64_t, std::uint64_t>* busy = nullptr);
     std::uint64_t stealable(detail::VSeg* seg, std::int64_t first, std::int64_t last);
     void map_pages(detail::VSeg* seg, const std::vector<std::int64_t>& need, std::int64_t first, std::int64_t last,
                    std::uint64_t requested);
@@ -379,12 +381,12 @@ class Engine {
     std::int64_t chunk_start(detail::VSeg* seg, std::int64_t p) const;
     std::int64_t chunk_cap_pages() const;
     void map_runs(detail::VSeg* seg, const std::vector<std::int64_t>& need, std::int64_t first, std::int64_t last,
-                  std::uint64_t requested);
+                  std::uint64_t requested, std::uint64_t stream);
     bool take_cached(std::int64_t max_pages, ChunkHandle* out);
     void map_chunk(detail::VSeg* seg, std::int64_t pos, ChunkHandle h);
     std::int64_t growth_pages(detail::VSeg* seg, std::int64_t pos, std::int64_t rem, bool at_top, std::int64_t budget);
     ChunkHandle chunk_for(detail::VSeg* seg, std::int64_t pos, std::int64_t rem, bool at_top, std::int64_t first,
-                          std::int64_t last, std::int64_t budget, std::uint64_t requested);
+                          std::int64_t last, std::int64_t budget, std::uint64_t requested, std::uint64_t stream);
     ChunkHandle create_chunk(std::int64_t n_pages, std::uint64_t requested);
     struct IdleChunk {   // (pages, address, first page, range), as _idle_chunks' tuples
         std::int64_t n;
@@ -393,9 +395,16 @@ class Engine {
         detail::VSeg* seg;
     };
     void idle_chunks(detail::VSeg* seg, std::int64_t first, std::int64_t last, std::vector<IdleChunk>& found);
-    bool chunk_ready(detail::VSeg* seg, std::int64_t s, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch);
+    bool chunk_ready(detail::VSeg* seg, std::int64_t s, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch,
+                     std::unordered_map<std::uint64_t, std::uint64_t>* busy = nullptr);
     bool steal_chunk(detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages,
-                     std::uint64_t requested, ChunkHandle* out);
+                     std::uint64_t requested, std::uint64_t stream, ChunkHandle* out);
+    // stream-ordered steal (Note [Stream-ordered steal] in backing.py; same names)
+    detail::FenceMap chunk_fences(detail::VSeg* seg, std::int64_t s, std::unordered_map<std::uint64_t, std::uint64_t>& batch);
+    ChunkHandle defer_unmap(detail::VSeg* seg, std::int64_t s, detail::FenceMap pending);
+    void drain_deferred(bool wait, detail::VSeg* seg, const std::vector<std::int64_t>* pages,
+                        const std::vector<ChunkHandle>* handles);
+    bool has_deferred(ChunkHandle h) const;
     bool release_idle_chunk(detail::VSeg* seg, std::int64_t first, std::int64_t last, bool wait);
     ChunkHandle unmap_chunk(detail::VSeg* seg, std::int64_t s);
 
@@ -442,6 +451,13 @@ class Engine {
     std::vector<std::unique_ptr<detail::VSeg>> closed_vsegs_;   // given back by close(): kept for the blocks naming them
     detail::VSeg* vseg_by_key_[2] = {nullptr, nullptr};
     std::vector<ChunkHandle> unmapped_;
+    struct Deferred {   // VirtualBacking.deferred's entries
+        detail::VSeg* seg;
+        std::int64_t s;
+        ChunkHandle h;
+        detail::FenceMap fences;
+    };
+    std::vector<Deferred> deferred_;
     std::uint64_t reserved_nbytes_ = 0, n_segments_ = 0, device_calls_ = 0;
     std::uint64_t n_chunks_ = 0, n_steals_ = 0, n_waits_ = 0;
     double busy_pages_ = 0.0;   // VirtualBacking._busy_pages

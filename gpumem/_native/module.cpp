@@ -303,7 +303,7 @@ const PolicyField kPolicyFields[] = {
     CFG(chunk_max_nbytes, kU64),
     {"small_page_nbytes", FieldKind::kMustBeNone, 0}, {"large_page_nbytes", FieldKind::kMustBeNone, 0},   // one page size
     NOT_READ(segments_top_down),   // segment mode only
-    CFG(grow_ahead_fraction, kF64), CFG(busy_slack, kF64),
+    CFG(grow_ahead_fraction, kF64), CFG(busy_slack, kF64), CFG(stream_ordered_steal, kBool),
 };
 #undef CFG
 #undef NOT_READ

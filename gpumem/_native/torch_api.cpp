@@ -55,7 +55,8 @@
 
 namespace {
 // The engine's policy for PyTorch: the defaults, where GPUMEM_BUSY_SLACK (a number >= 0, or inf) sets
-// AllocatorPolicy.busy_slack (issue 18 measures several live).
+// AllocatorPolicy.busy_slack, GPUMEM_CHUNK_MAX_FRACTION chunk_max_fraction and GPUMEM_STREAM_ORDERED_STEAL
+// stream_ordered_steal (issue 18 measures several live).
 // `base` (gpumem_torch_configure's policy, the default policy otherwise) with GPUMEM_BUSY_SLACK applied.
 gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
     gpumem::EngineConfig cfg = base;
@@ -65,6 +66,21 @@ gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
         if (end == v || *end != '\0' || !(value >= 0.0))
             throw std::runtime_error(std::string("GPUMEM_BUSY_SLACK must be a number >= 0 or inf, not '") + v + "'");
         cfg.busy_slack = value;
+    }
+    // AllocatorPolicy.chunk_max_fraction: GPUMEM_CHUNK_MAX_FRACTION, a number in (0, 1] (issue 18 measures several live)
+    if (const char* v = std::getenv("GPUMEM_CHUNK_MAX_FRACTION")) {
+        char* end = nullptr;
+        double value = std::strtod(v, &end);
+        if (end == v || *end != '\0' || !(value > 0.0 && value <= 1.0))
+            throw std::runtime_error(std::string("GPUMEM_CHUNK_MAX_FRACTION must be a number in (0, 1], not '") + v + "'");
+        cfg.chunk_max_fraction = value;
+    }
+    // AllocatorPolicy.stream_ordered_steal: GPUMEM_STREAM_ORDERED_STEAL=0 or 1 (issue 18 measures both live)
+    if (const char* v = std::getenv("GPUMEM_STREAM_ORDERED_STEAL")) {
+        std::string s(v);
+        if (s != "0" && s != "1")
+            throw std::runtime_error("GPUMEM_STREAM_ORDERED_STEAL must be 0 or 1, not '" + s + "'");
+        cfg.stream_ordered_steal = s == "1";
     }
     return cfg;
 }
@@ -540,12 +556,14 @@ GPUMEM_EXPORT std::int64_t gpumem_torch_trace_read(int device, std::uint64_t* ou
 // pages / 1 chunks, and the EngineConfig fields of the same names. Returns 0, or -1 with
 // gpumem_torch_last_error() (a value out of range: nothing changed).
 GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double chunk_max_fraction,
-                                         double grow_ahead_fraction, int steal_empty_pages, double busy_slack) {
+                                         double grow_ahead_fraction, int steal_empty_pages, double busy_slack,
+                                         int stream_ordered_steal) {
     if ((growth != 0 && growth != 1) || !(page_slack >= 0.0 && page_slack < 1.0) ||
         !(chunk_max_fraction > 0.0 && chunk_max_fraction <= 1.0) ||
-        !(grow_ahead_fraction >= 0.0 && grow_ahead_fraction < 1.0) || !(busy_slack >= 0.0)) {
+        !(grow_ahead_fraction >= 0.0 && grow_ahead_fraction < 1.0) || !(busy_slack >= 0.0) ||
+        (stream_ordered_steal != 0 && stream_ordered_steal != 1)) {
         t_last_error = "gpumem_torch_configure: growth must be 0 or 1, page_slack and grow_ahead_fraction in [0, 1), "
-                       "chunk_max_fraction in (0, 1], busy_slack >= 0";
+                       "chunk_max_fraction in (0, 1], busy_slack >= 0, stream_ordered_steal 0 or 1";
         return -1;
     }
     TorchState& s = state();
@@ -556,5 +574,6 @@ GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double c
     s.config.grow_ahead_fraction = grow_ahead_fraction;
     s.config.steal_empty_pages = steal_empty_pages != 0;
     s.config.busy_slack = busy_slack;
+    s.config.stream_ordered_steal = stream_ordered_steal != 0;
     return 0;
 }

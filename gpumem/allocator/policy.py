@@ -149,7 +149,7 @@ class AllocatorPolicy:
     of several pages] in :mod:`.backing`). The behaviour before issue 7: 0 with ``growth=PAGES``."""
     growth: GrowthRule = GrowthRule.CHUNKS
     """Virtual memory mode: how physical chunks are sized and moved (:class:`GrowthRule`)."""
-    chunk_max_fraction: float = 1 / 256
+    chunk_max_fraction: float = 1 / 1024
     """``growth=CHUNKS``: a new chunk holds at most this fraction of the memory held then (at least one
     page), so that memory locked in partly live chunks stays small."""
     chunk_max_nbytes: int = 1 << 30
@@ -176,6 +176,12 @@ class AllocatorPolicy:
     pages live data touched, and past that the busy chunk is waited for (Note [Wait, do not grow, behind
     the GPU] in :mod:`.backing`). ``inf``: always create, waiting only when the device or the limit refuses
     (the rule before issue 18); 0: always wait."""
+
+    stream_ordered_steal: bool = True
+    """``growth=CHUNKS``, past the slack: an idle chunk whose pending work is all on the stream of the block
+    that needs it is stolen at once, ordered after that work on the stream, instead of grown past or
+    waited for: mapped under the new block first, its old mapping unmapped once its fence completes (Note
+    [Stream-ordered steal] in :mod:`.backing`). Off: the ``busy_slack`` rule alone (before issue 18 point 3)."""
 
     def __post_init__(self) -> None:
         # Note [Every knob has a range]: each field is checked against the range the allocators can
@@ -263,6 +269,7 @@ _FIELD_RANGES: dict[str, tuple[str, float, float]] = {
     "segments_top_down": ("bool", 0, 0),
     "grow_ahead_fraction": ("float", 0.0, 1.0),
     "busy_slack": ("float+inf", 0.0, float("inf")),
+    "stream_ordered_steal": ("bool", 0, 0),
 }
 """Each field of :class:`AllocatorPolicy`: its kind and its inclusive range (Note [Every knob has a range])."""
 

@@ -42,11 +42,11 @@ def _old_behaviour(monkeypatch) -> None:
     monkeypatch.setattr(StreamFences, "wait", lambda self, stream, number: None)
 
 
-def _steal_scenario(dev, stream: int) -> tuple[object, int, int]:
+def _steal_scenario(dev, stream: int, policy="gpumem") -> tuple[object, int, int, CachingAllocator]:
     """A kernel reads block A on ``stream``; A is freed; an allocation on ``stream`` then needs a
     page, and the only empty page to steal is A's; the limit leaves no room for a new chunk instead.
-    Returns (work, A, the new block)."""
-    alloc = CachingAllocator(dev, "gpumem", limit=6 * MiB)
+    Returns (work, A, the new block, the allocator)."""
+    alloc = CachingAllocator(dev, policy, limit=6 * MiB)
     a = alloc.allocate(2 * MiB, stream)  # page 0
     x = alloc.allocate(2 * MiB, stream)  # page 1, stays live: A's free block is not the range's tail
     work = dev.launch(stream, KERNEL_S, touches=[(a, 2 * MiB)], name="reads A")
@@ -56,15 +56,27 @@ def _steal_scenario(dev, stream: int) -> tuple[object, int, int]:
     assert alloc.backing.n_steals == 1
     alloc.free(x)
     alloc.free(b)
-    return work, a, b
+    return work, a, b, alloc
 
 
 @pytest.mark.parametrize("stream", [0, 7])
 def test_steal_waits_for_a_kernel_still_reading_the_page(dev, stream):
-    work, a, _ = _steal_scenario(dev, stream)
+    policy = dataclasses.replace(get_policy("gpumem"), name="no-ordered-steal", stream_ordered_steal=False)
+    work, a, _, _ = _steal_scenario(dev, stream, policy)
     # the steal waited (event_synchronize) until the kernel was done, then unmapped A's page
     assert work.done and dev.now_s >= work.end_s
     assert not dev.hazards
+
+
+@pytest.mark.parametrize("stream", [0, 7])
+def test_stream_ordered_steal_unmaps_once_the_kernel_is_done(dev, stream):
+    """The default: the steal did not wait (A's chunk is mapped under the new block, after the kernel on
+    the stream); A's old mapping goes when the kernel is done (here: empty_cache waits for it)."""
+    work, a, _, alloc = _steal_scenario(dev, stream)
+    assert not work.done and not dev.hazards
+    assert any(va == a for va, _, _ in dev.mapping_ranges())
+    alloc.empty_cache()
+    assert work.done and not dev.hazards and not dev.mapping_ranges()
 
 
 @pytest.mark.parametrize("stream", [0, 7])
@@ -100,7 +112,8 @@ def test_empty_cache_under_a_running_kernel_is_a_hazard_with_the_old_behaviour(d
     alloc.check_consistency()  # the refused call changed nothing, on either side
 
 
-GROW_PAST_BUSY = dataclasses.replace(get_policy("gpumem"), name="grow-past-busy", busy_slack=float("inf"))
+GROW_PAST_BUSY = dataclasses.replace(get_policy("gpumem"), name="grow-past-busy", busy_slack=float("inf"),
+                                     stream_ordered_steal=False)
 
 
 def test_a_busy_page_is_not_waited_for_when_a_new_chunk_fits(dev):
@@ -123,7 +136,8 @@ def test_a_busy_page_is_not_waited_for_when_a_new_chunk_fits(dev):
 def test_a_busy_page_is_waited_for_past_the_busy_slack(dev, engine):
     """Note [Wait, do not grow, behind the GPU]: past page_slack + busy_slack the steal waits for the
     running kernel instead of creating a chunk (before issue 18 it grew: the test above)."""
-    policy = dataclasses.replace(get_policy("gpumem"), name="wait-busy", busy_slack=0.0, page_slack=0.0)
+    policy = dataclasses.replace(get_policy("gpumem"), name="wait-busy", busy_slack=0.0, page_slack=0.0,
+                                 stream_ordered_steal=False)
     alloc = CachingAllocator(dev, policy, engine=engine)
     a = alloc.allocate(2 * MiB)
     x = alloc.allocate(2 * MiB)
@@ -134,6 +148,99 @@ def test_a_busy_page_is_waited_for_past_the_busy_slack(dev, engine):
     alloc.free(b)
     alloc.free(x)
     alloc.check_consistency()
+
+
+ORDERED = dataclasses.replace(get_policy("gpumem"), name="ordered-steal", busy_slack=0.0, page_slack=0.0)
+
+
+def _stats(alloc) -> dict:
+    if alloc._native is not None:  # noqa: SLF001
+        return alloc._native.stats()  # noqa: SLF001
+    b = alloc.backing
+    return {"n_steals": b.n_steals, "n_waits": b.n_waits}
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_chunk_busy_on_the_same_stream_is_stolen_at_once(dev, engine):
+    """Note [Stream-ordered steal]: the chunk under a kernel still queued on stream 0 is mapped under a new
+    block of stream 0 at once (no wait, no growth); its old mapping goes only once the kernel is done, and
+    the sanitizer sees no hazard throughout (the new block's work runs after the old on the stream)."""
+    alloc = CachingAllocator(dev, ORDERED, engine=engine)
+    a = alloc.allocate(2 * MiB)
+    x = alloc.allocate(2 * MiB)
+    work = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    b = alloc.allocate(4 * MiB)
+    assert not work.done and alloc.reserved_nbytes == 6 * MiB
+    assert _stats(alloc)["n_steals"] == 1 and _stats(alloc)["n_waits"] == 0
+    assert sum(1 for _, _, h in dev.mapping_ranges()) == 4  # the stolen chunk is mapped twice for now
+    alloc.check_consistency()
+    later = dev.launch(0, KERNEL_S, touches=[(b, 4 * MiB)])
+    alloc.free(b)
+    alloc.free(x)
+    alloc.empty_cache()  # waits for both kernels, unmaps the old mapping, gives everything back
+    assert work.done and later.done and not dev.hazards
+    assert alloc.reserved_nbytes == 0 and not dev.mapping_ranges()
+    alloc.check_consistency()
+    alloc.close()
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_chunk_busy_on_another_stream_is_waited_for(dev, engine):
+    """The stream-ordered steal orders work on one stream only: the chunk of a kernel on stream 5 is waited
+    for when a block of stream 0 needs it (past busy_slack=0)."""
+    alloc = CachingAllocator(dev, ORDERED, engine=engine)
+    a = alloc.allocate(2 * MiB, 5)
+    x = alloc.allocate(2 * MiB)
+    work = dev.launch(5, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    b = alloc.allocate(4 * MiB)
+    assert work.done and not dev.hazards and alloc.reserved_nbytes == 6 * MiB
+    assert _stats(alloc)["n_waits"] == 1
+    alloc.free(b)
+    alloc.free(x)
+    alloc.check_consistency()
+    alloc.close()
+
+
+def test_the_old_mapping_of_a_stream_ordered_steal_must_wait_for_its_work(dev, monkeypatch):
+    """The test above catches an engine that unmaps the stolen chunk's old mapping at once: the sanitizer
+    raises, as a real GPU would fault."""
+    from gpumem.allocator.backing import VirtualBacking
+
+    def unmap_at_once(self, seg, s, pending):
+        handle = seg.chunks[s]
+        self.device.mem_unmap(seg.base + s * self.granularity, handle.nbytes)
+        return handle
+
+    monkeypatch.setattr(VirtualBacking, "_defer_unmap", unmap_at_once)
+    alloc = CachingAllocator(dev, ORDERED, engine="python")
+    a = alloc.allocate(2 * MiB)
+    alloc.allocate(2 * MiB)
+    dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    with pytest.raises(MemoryHazardError):
+        alloc.allocate(4 * MiB)
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_block_over_an_old_mapping_waits_for_it(dev, engine):
+    """A block that needs the pages of an old mapping not yet unmapped (its kernel still queued) waits for
+    that kernel and unmaps it first: a page is never mapped twice at one address."""
+    alloc = CachingAllocator(dev, ORDERED, engine=engine)
+    a = alloc.allocate(2 * MiB)
+    x = alloc.allocate(2 * MiB)
+    work = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    b = alloc.allocate(4 * MiB)  # takes a's chunk, stream-ordered
+    alloc.free(x)
+    c = alloc.allocate(2 * MiB)  # best fit: a's old address, whose mapping is still there
+    assert work.done and not dev.hazards
+    alloc.check_consistency()
+    for p in (b, c):
+        alloc.free(p)
+    alloc.close()
+    assert dev.process_used_nbytes == 0
 
 
 def test_memory_a_kernel_uses_is_not_given_back_early_by_gc(dev):

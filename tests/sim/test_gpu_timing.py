@@ -31,9 +31,20 @@ BEFORE_ISSUE_18 = {
 }
 
 
+
+def _policy_before_issue_18(**knobs):
+    """The default policy with the chunk cap it had before issue 18 point 3 (1/256 of the memory held; Note
+    [Chunks of several pages]), the policy the figures above were measured with."""
+    import dataclasses
+
+    from gpumem.allocator.policy import POLICIES
+
+    return dataclasses.replace(POLICIES["gpumem"], chunk_max_fraction=1 / 256, **knobs)
+
+
 @pytest.mark.parametrize("name", sorted(BEFORE_ISSUE_18))
 def test_idle_reproduces_the_figures_before_issue_18(name):
-    r = replay_trace(TRACES / name, "sim:h200-141gb", progress=False, gpu_timing="idle")
+    r = replay_trace(TRACES / name, "sim:h200-141gb", _policy_before_issue_18(), progress=False, gpu_timing="idle")
     assert r.peak_reserved_bytes == BEFORE_ISSUE_18[name]
     assert r.extra["gpu_timing"] == "idle"
 
@@ -154,17 +165,26 @@ def test_cli_gpu_timing(capsys):
 def test_waiting_for_busy_chunks_holds_what_an_idle_gpu_holds(engine):
     """Note [Wait, do not grow, behind the GPU]: with the GPU behind, growing past busy idle chunks held
     6.87 % on gpt2_train; waiting for them (busy_slack=0) holds the 0.66 % of a replay without lag."""
-    import dataclasses
-
-    from gpumem.allocator.policy import POLICIES
-
     trace = load_trace(TRACES / "gpt2_train.snapshot.pickle.gz")
-    grow = dataclasses.replace(POLICIES["gpumem"], busy_slack=float("inf"))
-    wait = dataclasses.replace(POLICIES["gpumem"], busy_slack=0.0)
+    grow = _policy_before_issue_18(busy_slack=float("inf"), stream_ordered_steal=False)
+    wait = _policy_before_issue_18(busy_slack=0.0, stream_ordered_steal=False)
     grown = replay_trace(trace, "sim:h200-141gb", grow, progress=False, gpu_timing="trace", engine=engine)
     waited = replay_trace(trace, "sim:h200-141gb", wait, progress=False, gpu_timing="trace", engine=engine)
     assert grown.overhead > 0.05
-    assert waited.peak_reserved_bytes == BEFORE_ISSUE_18["gpt2_train.snapshot.pickle.gz"]
+    # within 0.1 %: a steal pass queries each stream's pending fence once, so the simulated CPU time between
+    # steals (and what the GPU finished meanwhile) differs a little from the replay without lag
+    assert waited.peak_reserved_bytes <= BEFORE_ISSUE_18["gpt2_train.snapshot.pickle.gz"] * 1.001
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_stream_ordered_steal_holds_about_what_an_idle_gpu_holds(engine):
+    """Note [Stream-ordered steal]: the default policy takes the busy chunks of the stream that needs them
+    at once: with the GPU behind, gpt2_train holds within 0.25 % of what the replay without lag holds (with
+    busy_slack=0.05 alone: 5 % more, the test above)."""
+    trace = load_trace(TRACES / "gpt2_train.snapshot.pickle.gz")
+    ordered = replay_trace(trace, "sim:h200-141gb", _policy_before_issue_18(), progress=False, gpu_timing="trace",
+                           engine=engine)
+    assert ordered.peak_reserved_bytes <= BEFORE_ISSUE_18["gpt2_train.snapshot.pickle.gz"] * 1.0025
 
 
 def test_bad_busy_slack_is_refused():

@@ -55,11 +55,11 @@ struct EngineConfig {
     bool steal_empty_pages = true;
     double page_slack = 0.005;
     GrowthRule growth = GrowthRule::kChunks;
-    double chunk_max_fraction = 1.0 / 1024;             // growth=CHUNKS: cap relative to the memory held
+    double chunk_max_fraction = 1.0 / 256;              // growth=CHUNKS: cap relative to the memory held
     std::uint64_t chunk_max_nbytes = std::uint64_t{1} << 30;   // growth=CHUNKS: absolute cap
     double grow_ahead_fraction = 0.0;                   // growth=CHUNKS: grow ahead at the top of a range
     double busy_slack = 0.05;                           // growth=CHUNKS: create past busy idle chunks within this slack
-    bool stream_ordered_steal = true;                   // growth=CHUNKS: steal a chunk busy on the same stream at once
+    bool stream_ordered_steal = false;                  // growth=CHUNKS: steal a chunk busy on the same stream at once
     std::uint64_t limit_nbytes = 0;   // 0: no limit (Python: limit_nbytes None)
     double gc_threshold = 0.0;        // 0: none (Python: gc_threshold None)
 };

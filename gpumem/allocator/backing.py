@@ -94,7 +94,7 @@ moves whole. ``growth=CHUNKS`` (the default; ``growth=PAGES`` with
 
 * covers each run of pages a block needs, left to right, with as few chunks as
   it can: the largest cached chunk that fits in the rest of the run, else a new
-  chunk of the rest of the run, capped at ``chunk_max_fraction`` (1/1024) of the
+  chunk of the rest of the run, capped at ``chunk_max_fraction`` (1/256) of the
   memory held and ``chunk_max_nbytes`` (at least one page), then one
   ``mem_set_access`` per contiguous run of newly mapped pages;
 * creates while the memory held stays within ``page_slack`` (0.5 %) of the most
@@ -121,13 +121,13 @@ peak, 1/64 of the held memory 1.9 %, 1/256 0.66 % (``reports/growth-sweep.md``,
 memory a fixed fraction of the footprint, and makes the chunks grow
 geometrically: about 1,024 creates per e-fold of growth instead of one per page.
 
-Why 1/1024 (issue 18, point 3; it was 1/256): on the H200 traces recorded since, the locked pages are
-what is left once the lag is handled (Note [Stream-ordered steal]): gpt2_fp32 held 3.38 % with the GPU
-idle, 1.62 % at 1/1024; live GPT-2 training over 80 steps 5.33 % at 1/256 and 1.73 % at 1/1024,
-ResNet-50 1.01 and 0.87 % (``reports/hil/live-vs-predicted-h200-2026-11-25-run2.md``). The price is
-moves: smaller chunks are stolen more often (live GPT-2: 20,737 steals over 80 steps against 3,750, step
-time +20 % against +7 % over PyTorch's allocator); memory comes first in the issue, and
-``chunk_max_fraction=1/256`` or ``stream_ordered_steal=False`` trade it back.
+Why 1/256 and not smaller (issue 18, point 3): past the lag (Note [Stream-ordered steal]) the locked
+pages are what is left, and 1/1024 halves them (gpt2_fp32 idle 3.38 -> 1.62 %; live GPT-2 with the
+ordered steal 5.33 -> 1.73 %, ResNet-50 1.01 -> 0.87 %), but smaller chunks move far more often: live
+GPT-2 20,737 steals over 80 steps against 3,750, step time +20 % (UNet and bf16 GPT-2: 2-3x) over
+PyTorch's allocator (``reports/hil/live-vs-predicted-h200-2026-11-25-run2.md``). A default that slows
+training by a fifth is worse than the memory it saves; 1/1024 with the ordered steal is the documented
+memory-first setting (``GPUMEM_CHUNK_MAX_FRACTION``, ``GPUMEM_STREAM_ORDERED_STEAL`` for gpumem.torch).
 
 Note [Wait, do not grow, behind the GPU]
 ---------------------------------------
@@ -162,8 +162,10 @@ checked at the next map, ``empty_cache``, the out-of-memory retry and ``close``.
 pages first waits for them (it would map the same address twice), and a chunk is released only once it is
 mapped nowhere. The memory is that of ``busy_slack=0`` without its waits: on the tuning traces with
 ``gpu_timing="trace"`` gpt2_fp32 5.52 -> 3.30 %, gpt2_bf16 6.95 -> 2.57 %, llama_generate 2.16 -> 0.64 %
-(``reports/policy-stream-ordered-steal.md``). Work on other streams is not ordered by it: such a chunk
-falls to the ``busy_slack`` rule.
+(``docs/stream-ordered-steal.md``). Work on other streams is not ordered by it: such a chunk falls to
+the ``busy_slack`` rule. Off by default: live on the H200 every steal cost 70-290 µs, more than its
+driver calls, and at cap 1/256 it cost +7 % step time on GPT-2 and +14 % on ResNet-50 for 0.9 and 1.0
+points of memory; the step-time target (within 1 %) comes first until a steal is cheaper.
 """
 
 from __future__ import annotations

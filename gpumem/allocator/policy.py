@@ -149,7 +149,7 @@ class AllocatorPolicy:
     of several pages] in :mod:`.backing`). The behaviour before issue 7: 0 with ``growth=PAGES``."""
     growth: GrowthRule = GrowthRule.CHUNKS
     """Virtual memory mode: how physical chunks are sized and moved (:class:`GrowthRule`)."""
-    chunk_max_fraction: float = 1 / 1024
+    chunk_max_fraction: float = 1 / 256
     """``growth=CHUNKS``: a new chunk holds at most this fraction of the memory held then (at least one
     page), so that memory locked in partly live chunks stays small."""
     chunk_max_nbytes: int = 1 << 30
@@ -177,11 +177,12 @@ class AllocatorPolicy:
     the GPU] in :mod:`.backing`). ``inf``: always create, waiting only when the device or the limit refuses
     (the rule before issue 18); 0: always wait."""
 
-    stream_ordered_steal: bool = True
+    stream_ordered_steal: bool = False
     """``growth=CHUNKS``, past the slack: an idle chunk whose pending work is all on the stream of the block
     that needs it is stolen at once, ordered after that work on the stream, instead of grown past or
     waited for: mapped under the new block first, its old mapping unmapped once its fence completes (Note
-    [Stream-ordered steal] in :mod:`.backing`). Off: the ``busy_slack`` rule alone (before issue 18 point 3)."""
+    [Stream-ordered steal] in :mod:`.backing`). Off (the default: it costs step time live): the ``busy_slack``
+    rule alone."""
 
     def __post_init__(self) -> None:
         # Note [Every knob has a range]: each field is checked against the range the allocators can

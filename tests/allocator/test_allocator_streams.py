@@ -42,6 +42,10 @@ def _old_behaviour(monkeypatch) -> None:
     monkeypatch.setattr(StreamFences, "wait", lambda self, stream, number: None)
 
 
+#: the default policy with the stream-ordered steal on (off by default: Note [Stream-ordered steal])
+ORDERED_DEFAULT = dataclasses.replace(get_policy("gpumem"), name="ordered-default", stream_ordered_steal=True)
+
+
 def _steal_scenario(dev, stream: int, policy="gpumem") -> tuple[object, int, int, CachingAllocator]:
     """A kernel reads block A on ``stream``; A is freed; an allocation on ``stream`` then needs a
     page, and the only empty page to steal is A's; the limit leaves no room for a new chunk instead.
@@ -70,9 +74,9 @@ def test_steal_waits_for_a_kernel_still_reading_the_page(dev, stream):
 
 @pytest.mark.parametrize("stream", [0, 7])
 def test_stream_ordered_steal_unmaps_once_the_kernel_is_done(dev, stream):
-    """The default: the steal did not wait (A's chunk is mapped under the new block, after the kernel on
+    """With the stream-ordered steal on: the steal did not wait (A's chunk is mapped under the new block, after the kernel on
     the stream); A's old mapping goes when the kernel is done (here: empty_cache waits for it)."""
-    work, a, _, alloc = _steal_scenario(dev, stream)
+    work, a, _, alloc = _steal_scenario(dev, stream, ORDERED_DEFAULT)
     assert not work.done and not dev.hazards
     assert any(va == a for va, _, _ in dev.mapping_ranges())
     alloc.empty_cache()
@@ -150,12 +154,13 @@ def test_a_busy_page_is_waited_for_past_the_busy_slack(dev, engine):
     alloc.check_consistency()
 
 
-ORDERED = dataclasses.replace(get_policy("gpumem"), name="ordered-steal", busy_slack=0.0, page_slack=0.0)
+ORDERED = dataclasses.replace(get_policy("gpumem"), name="ordered-steal", busy_slack=0.0, page_slack=0.0,
+                              stream_ordered_steal=True)
 
 
 def _stats(alloc) -> dict:
-    if alloc._native is not None:  # noqa: SLF001
-        return alloc._native.stats()  # noqa: SLF001
+    if alloc.engine == "native":
+        return alloc._engine._ext.backing_stats()  # noqa: SLF001
     b = alloc.backing
     return {"n_steals": b.n_steals, "n_waits": b.n_waits}
 

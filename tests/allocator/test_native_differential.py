@@ -49,9 +49,9 @@ POLICIES = [
     dataclasses.replace(_BASE, name="chunks-no-slack", page_slack=0.0, chunk_max_fraction=1.0),
     dataclasses.replace(_BASE, name="chunks-busy-slack", page_slack=0.0, busy_slack=0.05),
     dataclasses.replace(_BASE, name="chunks-wait-busy", busy_slack=0.0),
-    # stream-ordered steal (on by default) off, and on with small chunks that are stolen often
-    dataclasses.replace(_BASE, name="chunks-no-ordered-steal", stream_ordered_steal=False),
-    dataclasses.replace(_BASE, name="chunks-ordered-small", page_slack=0.0, busy_slack=0.0,
+    # stream-ordered steal (off by default) on, and on with small chunks that are stolen often
+    dataclasses.replace(_BASE, name="chunks-ordered-steal", stream_ordered_steal=True, chunk_max_fraction=1 / 1024),
+    dataclasses.replace(_BASE, name="chunks-ordered-small", page_slack=0.0, busy_slack=0.0, stream_ordered_steal=True,
                         chunk_max_fraction=1 / 16, chunk_max_nbytes=8 * MiB),
     # growth=PAGES, the behaviour before issue 7 (one-page chunks, no slack)
     dataclasses.replace(_BASE, name="pages", growth=GrowthRule.PAGES, page_slack=0.0),

@@ -455,18 +455,23 @@ std::uint64_t Engine::fences_record(std::uint64_t stream) {
         // _retire (the queue keeps at least one event: never deleted here)
         auto front = q.q[q.head++];
         fdone_[stream] = front.first;
-        try {
-            backend_.event_destroy(front.second);
-            ++n_destroys_;
-        } catch (...) {   // a lost event handle holds no memory
-            rethrow_if_fatal();   // Note [Only Exception is caught]
-        }
+        destroy_retired_event(front.second);
     }
     if (q.head > 32 && q.head * 2 > q.q.size()) {
         q.q.erase(q.q.begin(), q.q.begin() + static_cast<std::ptrdiff_t>(q.head));
         q.head = 0;
     }
     return number;
+}
+
+// A retired fence's event is destroyed; a failure is not fatal (a lost event handle holds no memory).
+void Engine::destroy_retired_event(EventHandle event) {
+    try {
+        backend_.event_destroy(event);
+        ++n_destroys_;
+    } catch (...) {
+        rethrow_if_fatal();   // Note [Only Exception is caught]
+    }
 }
 
 // StreamFences.done
@@ -488,12 +493,7 @@ bool Engine::fences_done(std::uint64_t stream, std::uint64_t number) {
             fq_index_.erase(it);
             has_q = false;
         }
-        try {
-            backend_.event_destroy(front.second);
-            ++n_destroys_;
-        } catch (...) {
-            rethrow_if_fatal();   // Note [Only Exception is caught]
-        }
+        destroy_retired_event(front.second);
     }
     if (number <= fences_done_of(stream) || !has_q) return true;
     StreamQueue& q = *it->second;
@@ -524,12 +524,7 @@ void Engine::fences_wait(std::uint64_t stream, std::uint64_t number) {
             fq_index_.erase(it);
             q = nullptr;
         }
-        try {
-            backend_.event_destroy(front.second);
-            ++n_destroys_;
-        } catch (...) {
-            rethrow_if_fatal();   // Note [Only Exception is caught]
-        }
+        destroy_retired_event(front.second);
     }
 }
 
@@ -563,20 +558,10 @@ void Engine::fences_forget_idle() {
                     if (!q.size()) {
                         fq_order_.erase(it->second);
                         fq_index_.erase(it);
-                        try {
-                            backend_.event_destroy(front.second);
-                            ++n_destroys_;
-                        } catch (...) {
-                            rethrow_if_fatal();   // Note [Only Exception is caught]
-                        }
+                        destroy_retired_event(front.second);
                         break;
                     }
-                    try {
-                        backend_.event_destroy(front.second);
-                        ++n_destroys_;
-                    } catch (...) {
-                        rethrow_if_fatal();   // Note [Only Exception is caught]
-                    }
+                    destroy_retired_event(front.second);
                 }
             }
         }

@@ -340,6 +340,7 @@ class Engine {
     std::uint64_t fences_record(std::uint64_t stream);
     bool fences_done(std::uint64_t stream, std::uint64_t number);
     void fences_wait(std::uint64_t stream, std::uint64_t number);
+    void destroy_retired_event(EventHandle event);
     bool fences_all_done(const detail::FenceMap* f);
     void fences_wait_all(const detail::FenceMap* f);
     void fences_forget_idle();

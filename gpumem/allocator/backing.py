@@ -1157,24 +1157,32 @@ class VirtualBacking(Backing):
         self._release_unmapped(1)
         return True
 
-    def _unmap_chunk(self, seg: VirtualSegment, s: int) -> PhysicalHandle:
-        """Unmap the idle chunk whose first page is ``s`` (its fences have completed) and return it."""
-        g = self.granularity
+    def _idle_chunk_at(self, seg: VirtualSegment, s: int) -> PhysicalHandle:
+        """The idle chunk whose first page is ``s``; an InternalError if ``s`` is not that."""
         handle = seg.chunks[s]
         if handle is None or s and seg.chunks[s - 1] is handle:
             raise InternalError(f"page {s} of range {seg.base:#x} is not the first page of a chunk")
-        n = handle.nbytes // g
-        if any(q not in seg.empty for q in range(s, s + n)):
+        if any(q not in seg.empty for q in range(s, s + handle.nbytes // self.granularity)):
             raise InternalError(f"chunk at page {s} of range {seg.base:#x} is not idle")
-        va = seg.base + s * g
-        self.device.mem_unmap(va, handle.nbytes)
-        self.device_calls += 1
+        return handle
+
+    @staticmethod
+    def _forget_chunk_pages(seg: VirtualSegment, s: int, n: int) -> None:
+        """Pages ``s`` to ``s + n`` lose their chunk: no longer empty, mapped, fenced or dirty."""
         for q in range(s, s + n):
             del seg.empty[q]
             seg.chunks[q] = None
             seg.noaccess.discard(q)
             seg.page_fences.pop(q, None)
             seg.dirty.pop(q, None)
+
+    def _unmap_chunk(self, seg: VirtualSegment, s: int) -> PhysicalHandle:
+        """Unmap the idle chunk whose first page is ``s`` (its fences have completed) and return it."""
+        handle = self._idle_chunk_at(seg, s)
+        va = seg.base + s * self.granularity
+        self.device.mem_unmap(va, handle.nbytes)
+        self.device_calls += 1
+        self._forget_chunk_pages(seg, s, handle.nbytes // self.granularity)
         self._segment_event("segment_unmap", va, handle.nbytes, 0)
         return handle
 
@@ -1192,19 +1200,10 @@ class VirtualBacking(Backing):
         """Take the idle chunk at ``s`` out of its pages without unmapping it yet, and return it: its old
         mapping goes on :attr:`deferred` until ``pending`` completes (Note [Stream-ordered steal])."""
         g = self.granularity
-        handle = seg.chunks[s]
-        if handle is None or s and seg.chunks[s - 1] is handle:
-            raise InternalError(f"page {s} of range {seg.base:#x} is not the first page of a chunk")
+        handle = self._idle_chunk_at(seg, s)
         n = handle.nbytes // g
-        if any(q not in seg.empty for q in range(s, s + n)):
-            raise InternalError(f"chunk at page {s} of range {seg.base:#x} is not idle")
-        for q in range(s, s + n):
-            del seg.empty[q]
-            seg.chunks[q] = None
-            seg.noaccess.discard(q)
-            seg.page_fences.pop(q, None)
-            seg.dirty.pop(q, None)
-            seg.deferred.add(q)
+        self._forget_chunk_pages(seg, s, n)
+        seg.deferred.update(range(s, s + n))
         self.deferred.append((seg, s, handle, pending))
         self._segment_event("segment_unmap", seg.base + s * g, handle.nbytes, 0)
         return handle

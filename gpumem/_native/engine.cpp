@@ -616,16 +616,22 @@ void merge_into(FenceMap& into, std::uint64_t stream, std::uint64_t number) {
 }  // namespace
 
 // -- backing.py: VirtualBacking ----------------------------------------------------------------------------
+// What every out-of-memory error says of the device: the cause, the request and the device's free and total.
+OomInfo Engine::device_oom_info(OomCause cause, std::uint64_t requested) {
+    std::uint64_t f, t;
+    backend_.mem_info(&f, &t);
+    OomInfo info;
+    info.cause = cause;
+    info.requested_nbytes = requested;
+    info.free_nbytes = f;
+    info.total_nbytes = t;
+    return info;
+}
+
 // Backing._check_limit
 void Engine::check_limit(std::uint64_t extra_nbytes, std::uint64_t requested) {
     if (cfg_.limit_nbytes && reserved_nbytes_ + extra_nbytes > cfg_.limit_nbytes) {
-        std::uint64_t f, t;
-        backend_.mem_info(&f, &t);
-        OomInfo info;
-        info.cause = OomCause::kLimit;
-        info.requested_nbytes = requested;
-        info.free_nbytes = f;
-        info.total_nbytes = t;
+        OomInfo info = device_oom_info(OomCause::kLimit, requested);
         info.limit_nbytes = cfg_.limit_nbytes;
         throw EngineError(info, "the allocator's limit is reached");
     }
@@ -699,14 +705,7 @@ void Engine::wait_top(VSeg* seg, std::uint64_t stream) {
 
 // VirtualBacking._va_exhausted (raised)
 void Engine::va_exhausted(std::uint64_t nbytes) {
-    std::uint64_t f, t;
-    backend_.mem_info(&f, &t);
-    OomInfo info;
-    info.cause = OomCause::kAddressSpace;
-    info.requested_nbytes = nbytes;
-    info.free_nbytes = f;
-    info.total_nbytes = t;
-    throw EngineError(info, "the allocator's virtual range is exhausted");
+    throw EngineError(device_oom_info(OomCause::kAddressSpace, nbytes), "the allocator's virtual range is exhausted");
 }
 
 // VirtualBacking.commit
@@ -959,6 +958,15 @@ std::uint64_t Engine::release_unmapped(std::int64_t count) {
     return released;
 }
 
+// VirtualBacking._forget_chunk_pages, for one page: no longer empty, mapped, fenced or dirty
+void Engine::forget_page(VSeg* seg, std::int64_t p) {
+    seg->empty_pop(p);
+    seg->chunks[p] = 0;
+    seg->noaccess_discard(p);
+    seg->page_fences.erase(p);
+    seg->dirty.pop(p);
+}
+
 // VirtualBacking._unmap_page
 ChunkHandle Engine::unmap_page(VSeg* seg, std::int64_t p) {
     ChunkHandle h = seg->chunks[p];
@@ -967,11 +975,7 @@ ChunkHandle Engine::unmap_page(VSeg* seg, std::int64_t p) {
     std::uint64_t va = seg->base + static_cast<std::uint64_t>(p) * g_;
     backend_.mem_unmap(va, g_);
     ++device_calls_;
-    seg->empty_pop(p);
-    seg->chunks[p] = 0;
-    seg->noaccess_discard(p);
-    seg->page_fences.erase(p);
-    seg->dirty.pop(p);
+    forget_page(seg, p);
     return h;
 }
 
@@ -1396,11 +1400,7 @@ ChunkHandle Engine::unmap_chunk(VSeg* seg, std::int64_t s) {
     backend_.mem_unmap(va, nbytes);
     ++device_calls_;
     for (std::int64_t q = s; q < s + n; ++q) {
-        seg->empty_pop(q);
-        seg->chunks[q] = 0;
-        seg->noaccess_discard(q);
-        seg->page_fences.erase(q);
-        seg->dirty.pop(q);
+        forget_page(seg, q);
     }
     return h;
 }
@@ -1430,11 +1430,7 @@ ChunkHandle Engine::defer_unmap(VSeg* seg, std::int64_t s, FenceMap pending) {
             throw EngineError(EngineErrorKind::kInternal, "chunk at page " + std::to_string(s) + " of range " +
                                                               hex(seg->base) + " is not idle");
     for (std::int64_t q = s; q < s + n; ++q) {
-        seg->empty_pop(q);
-        seg->chunks[q] = 0;
-        seg->noaccess_discard(q);
-        seg->page_fences.erase(q);
-        seg->dirty.pop(q);
+        forget_page(seg, q);
         if (!seg->deferred[q]) { seg->deferred[q] = 1; ++seg->n_deferred; }
     }
     deferred_.push_back(Deferred{seg, s, h, std::move(pending)});
@@ -2017,13 +2013,7 @@ std::uint64_t Engine::process_pending(bool wait) {
 
 // PythonEngine._oom_error (the numbers; the binding writes the message and the hint)
 EngineError Engine::oom_error(std::uint64_t nbytes, OomCause cause, void* cause_exc) {
-    std::uint64_t f, t;
-    backend_.mem_info(&f, &t);
-    OomInfo info;
-    info.cause = cause;
-    info.requested_nbytes = nbytes;
-    info.free_nbytes = f;
-    info.total_nbytes = t;
+    OomInfo info = device_oom_info(cause, nbytes);
     info.allocated_nbytes = st_.allocated_nbytes;
     info.cached_signed = static_cast<std::int64_t>(reserved_nbytes_) - static_cast<std::int64_t>(st_.allocated_nbytes);
     info.cached_nbytes = reserved_nbytes_ - st_.allocated_nbytes;
@@ -2032,7 +2022,7 @@ EngineError Engine::oom_error(std::uint64_t nbytes, OomCause cause, void* cause_
     info.va_nbytes = va_nbytes_;
     info.cause_py_exc = cause_exc;
     return EngineError(info, "out of memory: tried to allocate " + std::to_string(nbytes) + " bytes; the device has " +
-                                 std::to_string(f) + " bytes free of " + std::to_string(t));
+                                 std::to_string(info.free_nbytes) + " bytes free of " + std::to_string(info.total_nbytes));
 }
 
 // PythonEngine._inside_live

@@ -321,6 +321,7 @@ class Engine {
     detail::FreeList* free_list_make(bool small, std::uint64_t stream);
     std::uint64_t process_pending(bool wait);
     EngineError oom_error(std::uint64_t nbytes, OomCause cause, void* cause_exc);
+    OomInfo device_oom_info(OomCause cause, std::uint64_t requested);
     std::string inside_live(std::uint64_t ptr) const;
     std::vector<std::uint64_t> streams_in_use();
     void note_lost(const std::string& what);
@@ -368,6 +369,7 @@ class Engine {
                    std::uint64_t requested);
     std::uint64_t release_unmapped(std::int64_t count);        // count < 0: all
     ChunkHandle unmap_page(detail::VSeg* seg, std::int64_t p);
+    void forget_page(detail::VSeg* seg, std::int64_t p);
     void steal(detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t count, std::uint64_t requested);
     bool create_instead(std::uint64_t requested);
     std::uint64_t backing_release_cached(bool wait);            // VirtualBacking.release_cached

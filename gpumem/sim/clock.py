@@ -2,24 +2,25 @@
 
 Note [A lazy clock over SimPy]
 ------------------------------
-Every simulated call moves time, and ``env.run(until=...)`` schedules and processes an event of
-its own, which costs more than most calls do. When nothing is due before the new time
-(``env.peek() > until_s``) nothing can happen meanwhile, so the clock only notes the new time
-(``now_s``) and SimPy stays behind; it hands the time over (:meth:`SimClock.sync`) when an event
-is due or before anything is scheduled into SimPy (:meth:`SimClock.process`), since a timeout or
-process made relative to ``env.now`` must see the device's time. Outside SimPy's own processes only
-the clock schedules into a lazy clock's environment, so it knows when the next event is due. While SimPy lags, no event lies between ``env.now`` and
-``now_s``, so processing is as if SimPy had moved at every call (the test in
-``tests/sim/test_clock.py`` checks this against an eager clock).
+Every simulated call moves time, and moving SimPy costs more than most calls do. So the clock keeps
+the device's time itself (``now_s``) and SimPy may stay behind: while no event is due before the
+new time nothing can happen meanwhile; when one is, the clock ``step``s SimPy through the events due
+*before* it (what ``env.run(until=t)`` processes: its stop event is urgent). Before anything is
+scheduled into SimPy (:meth:`SimClock.process`) it hands its time over (:meth:`SimClock.sync`), as
+a timeout or process made relative to ``env.now`` must see the device's time. Outside SimPy's own
+processes only the clock schedules into a lazy clock's environment, so ``next_s`` (``env.peek()``
+after the clock last touched SimPy) says when the next event is due, without a call per move.
 
-The hand-over lands exactly: ``run(until=t)`` stops at ``now + (t - now)``, which in floating point
-is ``t`` only when the subtraction is exact (Sterbenz: ``now >= t / 2``) or ``now == 0``; otherwise
-the clock first hops to ``2 * now`` (exact) until it is. So every time is what moving SimPy at every
-call (the old code did that by writing SimPy's private ``_now``) gives, to the last bit.
+The times are the old device's to the last bit (it wrote SimPy's private ``_now`` on quiet
+stretches and ran ``env.run(until=t)`` otherwise, so after an event ``now + (t - now)``, which
+need not be ``t``). The hand-over must land exactly: ``run(until=t)`` stops at ``now + (t - now)``,
+which is ``t`` when the subtraction is exact (Sterbenz: ``now >= t / 2``) or ``now == 0``, so the
+clock first hops to ``2 * now`` until it is. ``tests/sim/test_clock.py`` checks all of it against
+the old code, with Hypothesis.
 
 An environment handed in by the caller may be shared (other devices, the caller's processes), so
-that clock is eager: it reads ``env.now`` first and hands every move over at once. Code given
-this device's own environment through :attr:`gpumem.sim.SimDevice.env` turns the clock eager too.
+that clock is eager: it reads ``env.now`` first and hands every move over at once. Code given the
+device's own environment through :attr:`gpumem.sim.SimDevice.env` turns the clock eager too.
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ from typing import Any, Generator
 
 import simpy
 
+from gpumem.errors import InternalError
+
 
 class SimClock:
     """The simulated time of the devices on one SimPy environment (Note [A lazy clock over SimPy]).
 
-    ``now_s`` is the device's time; ``env.now`` may lag behind it (``lazy``) while no event is due.
+    ``now_s`` is the device's time; ``env.now`` may lag behind it (``lazy``) while no event is due
+    before ``now_s``.
     """
 
     __slots__ = ("env", "now_s", "next_s", "lazy")
@@ -41,10 +45,10 @@ class SimClock:
         self.env = env
         self.now_s: float = env.now
         self.next_s: float = env.peek()
-        """``env.peek()`` when SimPy last ran or was scheduled into through the clock (lazy clocks
-        only: SimPy's ``peek`` raises and catches an exception when nothing is scheduled)."""
+        """``env.peek()`` when the clock last touched SimPy (read by lazy clocks only: on an empty
+        schedule SimPy's ``peek`` raises and catches an exception, dear for a call per move)."""
         self.lazy = lazy
-        """False: hand every move to SimPy at once and read its time first (a shared environment)."""
+        """False: read SimPy's time first and hand every move over at once (a shared environment)."""
 
     @property
     def now(self) -> float:
@@ -63,10 +67,43 @@ class SimClock:
             return
         if (self.next_s if self.lazy else self.env.peek()) > until_s:
             self.now_s = until_s
-            if not self.lazy:
-                self.sync()
         else:
-            self.run(until_s)
+            self.run_to(until_s)
+        if not self.lazy:
+            self.sync()
+
+    def run_to(self, until_s: float) -> None:
+        """Process the events ``env.run(until=until_s)`` would from ``now_s`` (those due before it,
+        which must be later than ``now_s``) and stand where it would stop."""
+        env = self.env
+        now = self.now_s
+        stop_s = now + (until_s - now)  # where run(until=) puts its stop event
+        try:
+            while env.peek() < stop_s:
+                env.step()
+        except BaseException:
+            if env.now > self.now_s:
+                self.now_s = env.now  # a process raised: the clock is where SimPy stopped
+            raise
+        finally:
+            self.next_s = env.peek()
+        self.now_s = stop_s
+
+    def wait(self, event: simpy.Event) -> None:
+        """Process events until ``event`` has been (as ``env.run(until=event)``); the clock is then
+        at its time (or stays, if it was processed already)."""
+        env = self.env
+        try:
+            while not event.processed:
+                env.step()
+        except simpy.core.EmptySchedule:
+            raise InternalError(f"nothing is scheduled, and {event!r} will never be processed") from None
+        finally:
+            if env.now > self.now_s:
+                self.now_s = env.now
+            self.next_s = env.peek()
+        if not self.lazy:
+            self.sync()
 
     def sync(self) -> simpy.Environment:
         """Hand the clock's time to SimPy (no event is due before it: nothing runs) and return the
@@ -78,6 +115,7 @@ class SimClock:
                 now = now + now if now > 0 else now / 2
                 env.run(until=now)
             env.run(until=until_s)
+            self.next_s = env.peek()
         return env
 
     def process(self, generator: Generator[simpy.Event, Any, Any]) -> simpy.Process:
@@ -85,14 +123,3 @@ class SimClock:
         process = self.sync().process(generator)
         self.next_s = self.env.peek()
         return process
-
-    def run(self, until: float | simpy.Event) -> Any:
-        """``env.run(until=until)`` from the clock's time (a time after it, or an event), then take
-        SimPy's time (also when a process raised)."""
-        env = self.sync()
-        try:
-            return env.run(until=until)
-        finally:
-            if env.now > self.now_s:
-                self.now_s = env.now
-            self.next_s = env.peek()

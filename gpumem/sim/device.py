@@ -367,7 +367,7 @@ class SimDevice(Device):
                 if clock.next_s > until_s:
                     clock.now_s = until_s
                 else:
-                    clock.run(until_s)
+                    clock.run_to(until_s)
         else:
             clock.advance(cost_us * 1e-6)
         calls = self._calls
@@ -649,7 +649,7 @@ class SimDevice(Device):
         """Run simulated time until ``work`` has finished (tenants and other streams act meanwhile)."""
         if work is None or work.state == DONE:
             return
-        self._clock.run(work.done_event)
+        self._clock.wait(work.done_event)
         if work.state != DONE:  # never seen: the event triggers only after the state moved
             raise InternalError(f"{self.spec}: {work!r} not done after its event")
         if self._lost:
@@ -786,7 +786,7 @@ class SimDevice(Device):
                 return
             for work in tails:
                 if work.state != DONE and not self._lost:
-                    self._clock.run(work.done_event)
+                    self._clock.wait(work.done_event)
 
     def _do_close(self) -> None:
         self._drain()

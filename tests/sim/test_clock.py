@@ -36,8 +36,8 @@ class _OldClock:
     def process(self, generator):
         return self.env.process(generator)
 
-    def run(self, until):
-        return self.env.run(until=until)
+    def wait(self, event):
+        self.env.run(until=event)
 
 
 _DURATIONS = st.one_of(
@@ -76,7 +76,7 @@ def _play(make_clock, start, ops) -> list[tuple]:
         elif procs:
             target = procs[arg % len(procs)]
             if not target.processed:
-                clock.run(target)
+                clock.wait(target)
         log.append(("now", op, clock.now))
     return log
 
@@ -121,10 +121,12 @@ def test_a_lazy_clock_runs_simpy_only_when_an_event_is_due():
     assert (env.now, clock.now) == (0, 0.25)  # nothing scheduled: SimPy stays behind
     clock.process(sleeper())  # hands the time over first: the process starts at 0.25
     assert (env.now, woke) == (0.25, [])
-    clock.advance(0.5)  # the start is due: SimPy runs to 0.75, the sleeper now waits for 1.25
-    assert (env.now, clock.now, woke) == (0.75, 0.75, [])
+    clock.advance(0.5)  # the start is due: SimPy steps it, and the sleeper waits for 1.25
+    assert (env.now, clock.now, woke) == (0.25, 0.75, [])
     clock.advance(0.75)
-    assert (env.now, clock.now, woke) == (1.5, 1.5, [1.25])
+    assert (env.now, clock.now, woke) == (1.25, 1.5, [1.25])
+    clock.advance(1.0)
+    assert (env.now, clock.now) == (1.25, 2.5)
 
 
 def _device_trace(env: simpy.Environment | None) -> tuple:

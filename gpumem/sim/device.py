@@ -5,7 +5,8 @@ Time
     ``simpy.Environment`` by that much, and whatever other tenants (SimPy
     processes, :mod:`gpumem.sim.pressure`) and scheduled faults do meanwhile happens
     before the call completes. ``advance(seconds)`` lets time pass without a
-    call, as a program computing between allocations would.
+    call, as a program computing between allocations would. The clock (:mod:`gpumem.sim.clock`)
+    uses SimPy's public API only and moves SimPy only when an event is due.
 
 Memory
     Physical memory is counted in the profile's granularity (2 MiB on CUDA), the
@@ -240,6 +241,9 @@ class SimDevice(Device):
     >>> p = dev.malloc(64 * 2**20); dev.write(p, b"hello"); dev.read(p, 5)
     b'hello'
 
+    ``env`` is a SimPy environment to share with other devices or your own processes (the device
+    then hands every move of its clock to it at once); without one the device makes its own and
+    moves it lazily (Note [A lazy clock over SimPy] in :mod:`gpumem.sim.clock`).
     ``pressure`` scenarios run as other tenants from time 0; ``faults`` injects
     failures (per call type too: :class:`~gpumem.sim.faults.FaultPlan`); ``seed`` makes
     every random choice repeatable; ``sanitizer`` is ``"raise"`` (the default),

@@ -153,3 +153,26 @@ def _device_trace(env: simpy.Environment | None) -> tuple:
 def test_a_device_on_its_own_environment_matches_one_on_a_given_environment():
     # own environment: a lazy clock; a given one: eager (it may be shared)
     assert _device_trace(None) == _device_trace(simpy.Environment())
+
+
+def test_the_environment_a_device_hands_out_is_at_the_devices_time():
+    dev = SimDevice(get_profile("t4-16gb"))
+    dev.advance(0.5)
+    dev.malloc(2 ** 20)
+    env = dev.env  # SimPy lagged behind on the quiet stretch: taking it hands the time over
+    assert env.now == dev.now_s > 0.5
+    woke: list[float] = []
+
+    def sleeper():
+        yield env.timeout(0.25)
+        woke.append(env.now)
+
+    start_s = dev.now_s
+    env.process(sleeper())  # the caller schedules into SimPy directly: the clock is eager from now on
+    dev.malloc(2 ** 20)
+    dev.advance(0.3)
+    assert woke == [start_s + 0.25] and env.now == dev.now_s
+    env.run(until=dev.now_s + 1.0)  # and the caller may run SimPy itself: the device goes on from there
+    ran_to_s = env.now
+    dev.malloc(2 ** 20)
+    assert dev.now_s > ran_to_s and env.now == dev.now_s

@@ -3,13 +3,14 @@ order and times as moving SimPy at every call, to the last bit."""
 
 from __future__ import annotations
 
+import pytest
 import simpy
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gpumem.sim import SimDevice, get_profile
 from gpumem.sim.clock import SimClock
-from gpumem.sim.pressure import PeriodicSpikes, RandomArrivals
+from gpumem.sim.pressure import PeriodicSpikes, RandomArrivals, Step
 
 
 class _OldClock:
@@ -176,3 +177,24 @@ def test_the_environment_a_device_hands_out_is_at_the_devices_time():
     ran_to_s = env.now
     dev.malloc(2 ** 20)
     assert dev.now_s > ran_to_s and env.now == dev.now_s
+
+
+def test_a_call_made_while_another_device_runs_the_shared_clock_takes_its_time():
+    # found by the soak: a subscriber reacting to device b's tenant calls b while device a's call runs the
+    # shared environment; the old device's nested env.run stopped at a's stop event, cutting b's call short
+    env = simpy.Environment()
+    a = SimDevice(get_profile("t4-16gb"), env=env)
+    b = SimDevice(get_profile("t4-16gb"), env=env, pressure=Step(nbytes=2 ** 30, at_s=0.001))
+    spans: list[tuple[float, float]] = []
+
+    def on_event(event) -> None:
+        start_s = b.now_s
+        b.mem_info()  # dearer than a's event_record below
+        spans.append((start_s, b.now_s))
+
+    b.subscribe(on_event)
+    a.advance(0.001 - 1e-7)
+    a.event_record(0)  # its 0.9 µs reach the tenant's step at 1 ms
+    (start_s, end_s), = spans
+    assert end_s - start_s == pytest.approx(b.latency.mem_get_info_us * 1e-6, rel=1e-9)
+    assert a.now_s >= end_s and env.now >= end_s

@@ -86,11 +86,11 @@ from gpumem.errors import (
 from gpumem.units import MiB, align_up
 
 from ..events import MemoryEvent, MemoryEventKind
+from .clock import SimClock
 from .faults import FaultInjector, FaultKind, FaultPlan
 from .pressure import Scenario, TenantContext
 from .profiles import DeviceProfile
 from .storage import SparseStore
-from .clock import SimClock
 from .streams import DONE, StreamEngine, Work
 
 log = logging.getLogger(__name__)

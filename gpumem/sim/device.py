@@ -5,7 +5,8 @@ Time
     ``simpy.Environment`` by that much, and whatever other tenants (SimPy
     processes, :mod:`gpumem.sim.pressure`) and scheduled faults do meanwhile happens
     before the call completes. ``advance(seconds)`` lets time pass without a
-    call, as a program computing between allocations would.
+    call, as a program computing between allocations would. The clock (:mod:`gpumem.sim.clock`)
+    uses SimPy's public API only and moves SimPy only when an event is due.
 
 Memory
     Physical memory is counted in the profile's granularity (2 MiB on CUDA), the
@@ -85,6 +86,7 @@ from gpumem.units import MiB, align_up
 from gpumem.validate import check_duration
 
 from ..events import MemoryEvent, MemoryEventKind
+from .clock import SimClock
 from .faults import FaultInjector, FaultKind, FaultPlan
 from .pressure import Scenario, TenantContext
 from .profiles import DeviceProfile
@@ -197,7 +199,7 @@ class SimCallStats:
 class _Tenant(TenantContext):
     def __init__(self, device: "SimDevice", name: str, rng: random.Random) -> None:
         self.device = device
-        self.env = device.env
+        self.env = device._clock.env  # scenarios use it inside SimPy processes, at SimPy's time
         self.name = name
         self.rng = rng
         self._held = 0
@@ -222,6 +224,9 @@ class SimDevice(Device):
     >>> p = dev.malloc(64 * 2**20); dev.write(p, b"hello"); dev.read(p, 5)
     b'hello'
 
+    ``env`` is a SimPy environment to share with other devices or your own processes (the device
+    then hands every move of its clock to it at once); without one the device makes its own and
+    moves it lazily (Note [A lazy clock over SimPy] in :mod:`gpumem.sim.clock`).
     ``pressure`` scenarios run as other tenants from time 0; ``faults`` injects
     failures (per call type too: :class:`~gpumem.sim.faults.FaultPlan`); ``seed`` makes
     every random choice repeatable; ``sanitizer`` is ``"raise"`` (the default),
@@ -258,7 +263,8 @@ class SimDevice(Device):
         super().__init__()
         self.profile = profile
         self.spec = spec or profile.spec
-        self.env = env if env is not None else simpy.Environment()
+        # Note [A lazy clock over SimPy] (gpumem.sim.clock): lazy on the device's own environment only
+        self._clock = SimClock(env if env is not None else simpy.Environment(), lazy=env is None)
         self.latency = profile.latency
         # Note [Size-dependent costs are cached]: mem_create and mem_release interpolate a curve; an
         # allocator asks for few distinct sizes, so each device remembers the cost of each size it saw.
@@ -275,7 +281,7 @@ class SimDevice(Device):
         """``"raise"``, ``"count"`` or ``"off"`` (see the module docstring)."""
         self.hazards: list[Hazard] = []
         """Hazards seen in ``count`` mode, oldest first."""
-        self.streams = StreamEngine(self.env)
+        self.streams = StreamEngine(self._clock)
         self._next_stream = 1
         self._closed = False
         self._lost = False
@@ -293,13 +299,24 @@ class SimDevice(Device):
         for i, scenario in enumerate(pressure or ()):
             self.add_tenant(scenario, name=f"tenant-{i}")
         if self.faults.plan.device_lost_at_s is not None:
-            self.env.process(self._lose_at(self.faults.plan.device_lost_at_s))
+            self._clock.process(self._lose_at(self.faults.plan.device_lost_at_s))
 
     # -- simulated time ------------------------------------------------------------------
     @property
+    def env(self) -> simpy.Environment:
+        """The SimPy environment the device lives in, its clock handed over (``env.now`` is the
+        device's time). Code given it may schedule into it or run it, so from then on the device
+        hands every move of its clock to SimPy at once (Note [A lazy clock over SimPy] in
+        :mod:`gpumem.sim.clock`)."""
+        with self._lock:
+            clock = self._clock
+            clock.lazy = False
+            return clock.sync()
+
+    @property
     def now_s(self) -> float:
         """Simulated seconds since the device was created."""
-        return float(self.env.now)
+        return float(self._clock.now)
 
     def advance(self, seconds: float) -> None:
         """Let ``seconds`` of simulated time pass (tenants, faults and queued work act meanwhile)."""
@@ -310,13 +327,14 @@ class SimDevice(Device):
         self._check_usable()
         self._check_finite_time("advance", seconds)
         if seconds:
-            self._advance_to(self.env.now + seconds)
+            self._clock.advance(seconds)
 
     def _check_finite_time(self, call: str, seconds: float) -> None:
         """Refuse a duration after which the clock would not be finite (Note [The clock stays finite])."""
-        end_s = self.env.now + self.streams.pending_s + seconds
+        now = self._clock.now
+        end_s = now + self.streams.pending_s + seconds
         if not math.isfinite(end_s):
-            raise InvalidArgumentError(f"{call}: {seconds!r} s from t={self.env.now!r} s (with "
+            raise InvalidArgumentError(f"{call}: {seconds!r} s from t={now!r} s (with "
                                        f"{self.streams.pending_s!r} s of queued work) would take the simulated "
                                        f"clock past the largest finite time")
 
@@ -327,16 +345,18 @@ class SimDevice(Device):
         """Start a call (the base class refused a closed or lost device already): let its cost in time
         pass, then decide a per-call-type injected fault (``nbytes``: what an allocating call asked for).
 
-        Note [Fast path for quiet clocks] applies, inlined: this runs once per simulated call."""
-        env = self.env
-        now = env._now  # noqa: SLF001 - see Note [Fast path for quiet clocks]
-        until_s = now + cost_us * 1e-6
-        if until_s > now:  # a cost > 0 that moves a clock this large
-            queue = env._queue  # noqa: SLF001 - what env.peek() looks at
-            if queue and queue[0][0] <= until_s:
-                env.run(until=until_s)
-            else:
-                env._now = until_s  # noqa: SLF001
+        This runs once per simulated call."""
+        clock = self._clock
+        if clock.lazy:  # SimClock.advance, inlined: Note [A lazy clock over SimPy] in gpumem.sim.clock
+            now = clock.now_s
+            until_s = now + cost_us * 1e-6
+            if until_s > now:  # a cost > 0 that moves a clock this large
+                if clock.next_s > until_s:
+                    clock.now_s = until_s
+                else:
+                    clock.run_to(until_s)
+        else:
+            clock.advance(cost_us * 1e-6)
         calls = self._calls
         calls[name] = calls.get(name, 0) + 1
         self.stats.busy_us += cost_us
@@ -355,23 +375,8 @@ class SimDevice(Device):
                 raise self._oom(nbytes, injected=True)
             raise CudaError(name, "CUDA_ERROR_UNKNOWN", "injected fault", injected=True)
 
-    def _advance_to(self, until_s: float) -> None:
-        """Move the clock to ``until_s``, running every SimPy event due before then.
-
-        Note [Fast path for quiet clocks]: ``env.run(until=...)`` schedules and processes an
-        event of its own, which costs more than most simulated calls do. When no event is due
-        before ``until_s`` nothing can happen meanwhile, so the clock is set directly.
-        """
-        env = self.env
-        if until_s <= env.now:
-            return  # a cost too small to move a clock this large (SimPy refuses run(until=now))
-        if env.peek() > until_s:
-            env._now = until_s  # noqa: SLF001 - see the note above
-        else:
-            env.run(until=until_s)
-
     def _lose_at(self, at_s: float):  # SimPy process
-        yield self.env.timeout(at_s)
+        yield self._clock.env.timeout(at_s)
         self._lost = True
         self.events.publish(MemoryEvent(self.now_s, MemoryEventKind.DEVICE_LOST, 0, self._free_nbytes(), "faults"))
 
@@ -397,7 +402,7 @@ class SimDevice(Device):
         self._check_usable()
         tenant = _Tenant(self, name or f"tenant-{len(self._tenants)}", random.Random(self._rng.getrandbits(64)))
         self._tenants.append(tenant)
-        self.env.process(scenario.process(tenant))
+        self._clock.process(scenario.process(tenant))
 
     @property
     def tenant_nbytes(self) -> int:
@@ -631,7 +636,7 @@ class SimDevice(Device):
         """Run simulated time until ``work`` has finished (tenants and other streams act meanwhile)."""
         if work is None or work.state == DONE:
             return
-        self.env.run(until=work.done_event)
+        self._clock.wait(work.done_event)
         if work.state != DONE:  # never seen: the event triggers only after the state moved
             raise InternalError(f"{self.spec}: {work!r} not done after its event")
         if self._lost:
@@ -768,7 +773,7 @@ class SimDevice(Device):
                 return
             for work in tails:
                 if work.state != DONE and not self._lost:
-                    self.env.run(until=work.done_event)
+                    self._clock.wait(work.done_event)
 
     def _do_close(self) -> None:
         self._drain()

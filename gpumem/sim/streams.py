@@ -31,6 +31,8 @@ from typing import Iterator, Sequence
 
 import simpy
 
+from .clock import SimClock
+
 QUEUED = 0
 RUNNING = 1
 DONE = 2
@@ -83,8 +85,9 @@ class _Stream:
 class StreamEngine:
     """The streams of one simulated device and the work in flight on them."""
 
-    def __init__(self, env: simpy.Environment) -> None:
-        self.env = env
+    def __init__(self, clock: SimClock) -> None:
+        self._clock = clock
+        self.env = clock.env
         self._streams: dict[int, _Stream] = {}
         self._inflight: dict[Work, None] = {}  # insertion-ordered set
         self._n_pending = 0
@@ -121,8 +124,8 @@ class StreamEngine:
         self.pending_s += duration_s
         if work.touches:
             self._inflight[work] = None
-        if st.process is None:
-            st.process = self.env.process(self._run(st))
+        if st.process is None:  # the process starts at env.now: hand SimPy the device's time first
+            st.process = self._clock.process(self._run(st))
         return work
 
     @property

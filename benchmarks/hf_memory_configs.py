@@ -45,6 +45,15 @@ PLANS: dict[str, tuple[str, dict[str, Any], list[tuple[int, int, int]], list[tup
                     [(2, 256, 16), (16, 1024, 32)], [(2, 512, False), (8, 1024, False), (8, 1024, True),
                                                      (16, 2048, True)]),
     "mistral-7b": ("mistral-7b-v0.1.json", {}, [(1, 1024, 16), (8, 2048, 16), (2, 4000, 64)], []),
+    "mixtral-small": ("mixtral-8x7b.json", {"hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 8,
+                                            "num_attention_heads": 16, "num_key_value_heads": 4},
+                      [(1, 512, 16), (8, 1024, 32), (32, 2048, 16)], []),
+    "qwen2-moe-small": ("qwen2-moe-a2.7b.json", {"hidden_size": 1024, "num_hidden_layers": 8,
+                                                 "num_attention_heads": 16, "num_key_value_heads": 16,
+                                                 "moe_intermediate_size": 704, "shared_expert_intermediate_size": 2816,
+                                                 "intermediate_size": 2816, "vocab_size": 32000, "bos_token_id": 1,
+                                                 "eos_token_id": 2},
+                        [(1, 512, 16), (8, 1024, 32), (16, 2048, 16)], []),
 }
 
 
@@ -76,7 +85,10 @@ def measure(name: str, out: Path) -> None:
         torch.set_default_dtype(old)
     model = model.to(torch.bfloat16).eval()
     torch.cuda.synchronize()
-    meta = {"weights_allocated": torch.cuda.memory_allocated(), "n_params": sum(p.numel() for p in model.parameters())}
+    meta = {"weights_allocated": torch.cuda.memory_allocated(), "n_params": sum(p.numel() for p in model.parameters()),
+            "experts_implementation": str(getattr(config, "experts_implementation", getattr(
+                config, "_experts_implementation", None))),
+            "param_shapes": [[n, list(p.shape)] for n, p in list(model.named_parameters())[:16]]}
     rows = []
     for b, p, n in gen:
         rows.append(guarded(torch, lambda r: run_generate(torch, model, r), Row("generate", name, cfg, b, p, n)))

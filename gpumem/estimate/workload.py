@@ -270,17 +270,89 @@ def _forward_block(e: _Emitter, s: ModelShape, tokens: int, d: int, cache: list[
     h1 = e.alloc(th)  # o_proj; the residual add reuses it (the recording shows no second hidden-sized tensor)
     e.free(flat)
     n2 = _norm(e, tokens * h * 4, th)
-    g = e.alloc(ti)
-    a = e.alloc(ti)
-    e.free(g)
-    u = e.alloc(ti)
-    m = e.alloc(ti)
-    e.free(a, u)
-    dn = e.alloc(th)
-    e.free(m, n2)
+    if s.n_experts:
+        dn = _moe(e, s, tokens, d)
+        e.free(n2)
+    else:
+        g = e.alloc(ti)
+        a = e.alloc(ti)
+        e.free(g)
+        u = e.alloc(ti)
+        m = e.alloc(ti)
+        e.free(a, u)
+        dn = e.alloc(th)
+        e.free(m, n2)
     h2 = e.alloc(th)
     e.free(dn, h1)
     return h2
+
+
+def _gated_mlp(e: _Emitter, tokens: int, width: int, h: int, d: int, fused: bool) -> int:
+    """A gated SiLU MLP of ``width`` on ``tokens`` tokens; returns its output (``tokens x h``). ``fused``: one
+    ``gate_up`` product whose halves are views (transformers 5's experts), else separate gate and up."""
+    if fused:
+        gu = e.alloc(tokens * 2 * width * d)
+        a = e.alloc(tokens * width * d)
+        m = e.alloc(tokens * width * d)
+        e.free(a, gu)
+    else:
+        g = e.alloc(tokens * width * d)
+        a = e.alloc(tokens * width * d)
+        e.free(g)
+        u = e.alloc(tokens * width * d)
+        m = e.alloc(tokens * width * d)
+        e.free(a, u)
+    out = e.alloc(tokens * h * d)
+    e.free(m)
+    return out
+
+
+def _moe(e: _Emitter, s: ModelShape, tokens: int, d: int) -> int:
+    """Note [Mixture of experts]: a sparse MoE block as transformers 5 runs it (eager experts) on ``tokens``
+    tokens; returns its output (``tokens x h``). The shared expert (Qwen2-MoE) runs first and its gated output
+    is held while the routed experts run. The router's temporaries: its logits, the fp32 softmax, the top-k
+    weights (fp32) and indices (int64), the weights normalised and cast, the int64 one-hot expert mask
+    (``tokens x k x E``). Then each expert hit gathers its tokens, runs its gated MLP (one ``gate_up`` product),
+    weights its output and adds it into the result. How many tokens an expert gets depends on the router, and
+    transformers 5 may also run all experts at once (grouped products over the ``tokens x k`` token-expert
+    pairs): the estimate runs one expert over all ``tokens x k`` pairs, which bounds both from above (an eager
+    expert gets each token once at most) at the cost of that much more of one expert's temporaries.
+    Training a MoE model is refused (not modelled)."""
+    h, k, n_exp = s.hidden_size, s.experts_per_token, s.n_experts
+    shared = -1
+    if s.shared_expert_intermediate_size:
+        sd = _gated_mlp(e, tokens, s.shared_expert_intermediate_size, h, d, fused=False)
+        gate = e.alloc(tokens * d)
+        sig = e.alloc(tokens * d)
+        e.free(gate)
+        shared = e.alloc(tokens * h * d)
+        e.free(sig, sd)
+    logits = e.alloc(tokens * n_exp * d)
+    probs = e.alloc(tokens * n_exp * 4)
+    e.free(logits)
+    top_w = e.alloc(tokens * k * 4)
+    top_i = e.alloc(tokens * k * 8)
+    e.free(probs)
+    total = e.alloc(tokens * 4)  # the weights' sum (normalised in place)
+    e.free(total)
+    w = e.alloc(tokens * k * d)
+    e.free(top_w)
+    out = e.alloc(tokens * h * d)  # zeros_like(hidden_states): the experts add into it
+    mask = e.alloc(tokens * k * n_exp * 8)  # one_hot(selected, E), int64
+    hit = e.alloc(n_exp * 8)
+    te = tokens * k  # Note [Mixture of experts]: the bound on the tokens an expert step holds
+    pos, idx = e.alloc(te * 8), e.alloc(te * 8)
+    cur = e.alloc(te * h * d)
+    dn = _gated_mlp(e, te, s.expert_intermediate_size, h, d, fused=True)
+    ws = e.alloc(te * d)  # routing_weights[token_idx, pos, None]
+    weighted = e.alloc(te * h * d)
+    e.free(dn, ws, weighted, cur, pos, idx)
+    e.free(hit, mask, w, top_i)
+    if shared >= 0:
+        summed = e.alloc(tokens * h * d)
+        e.free(out, shared)
+        out = summed
+    return out
 
 
 def _forward(e: _Emitter, s: ModelShape, batch: int, q_len: int, d: int, cache: list[int], cache_tokens_after: int,
@@ -366,6 +438,9 @@ def param_nbytes(shape: ModelShape, dtype_bytes: int, fmt: WeightFormat | None =
     formats] in :mod:`.formats`), the rest in ``dtype_bytes``."""
     if fmt is None:
         return [n * dtype_bytes for _, n in shape.param_shapes()]
+    if shape.n_experts:
+        raise InvalidArgumentError(f"weight format {fmt.name!r}: quantized experts of a mixture-of-experts model "
+                                   "are not modelled (its experts are 3-D tensors packed per expert)")
     dims = _projection_dims(shape)
     out = []
     for name, n in shape.param_shapes():
@@ -533,6 +608,9 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     """
     if not isinstance(optimizer_8bit, bool):
         raise InvalidArgumentError(f"optimizer_8bit must be True or False, got {optimizer_8bit!r}")
+    if shape.n_experts:
+        raise InvalidArgumentError("training a mixture-of-experts model is not modelled (what autograd keeps "
+                                   "per expert and the router's auxiliary loss); its generate() is")
     if lora is not None and not isinstance(lora, LoraConfig):
         raise InvalidArgumentError(f"lora must be a LoraConfig or None, got {type(lora).__name__}")
     if not isinstance(gradient_checkpointing, bool):

@@ -114,7 +114,7 @@ def estimate(row: dict[str, Any], device: str) -> dict[str, Any]:
             hf_config=f.name, hidden_size=None, intermediate_size=None, layers=None, vocab_size=None, heads=None,
             kv_heads=None, head_dim=0, tie_word_embeddings=False, weight_format=None, weight_bits=None,
             batch_size=row["batch_size"], prompt_len=row["prompt_len"], new_tokens=row["new_tokens"],
-            max_seq_len=None, training=row["kind"] == "train", dtype="bf16", policy="pytorch", device=device,
+            max_seq_len=None, training=row["kind"] == "train", dtype=["bf16"], policy=["pytorch"], device=device,
             no_reserved=False, json=True,
             gradient_checkpointing=bool(row.get("extra", {}).get("gradient_checkpointing")), optimizer_8bit=False,
             lora_rank=None, lora_targets="q_proj")
@@ -163,7 +163,12 @@ def main(argv: list[str] | None = None) -> int:
             log.info("%s measured in %.1f s", name, time.perf_counter() - t0)
             for r in doc["rows"]:
                 if r["status"] == "ok":
-                    est = estimate(r, args.device_spec)
+                    try:
+                        est = estimate(r, args.device_spec)
+                    except Exception as exc:  # recorded beside the measurement, which is kept
+                        r["status"], r["error"] = "estimate failed", f"{type(exc).__name__}: {exc}"
+                        rows.append(r)
+                        continue
                     r["estimated_peak_allocated_bytes"] = est["peak_allocated_bytes"]
                     r["estimated_peak_reserved_bytes"] = est.get("peak_reserved_bytes")
                     r["estimated_n_params"] = est["n_params"]

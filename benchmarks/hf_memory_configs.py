@@ -54,6 +54,12 @@ PLANS: dict[str, tuple[str, dict[str, Any], list[tuple[int, int, int]], list[tup
                                                  "intermediate_size": 2816, "vocab_size": 32000, "bos_token_id": 1,
                                                  "eos_token_id": 2},
                         [(1, 512, 16), (8, 1024, 32), (16, 2048, 16)], []),
+    # mixed precision: fp32 weights (the master copy), the forward under bf16 autocast, fp32 AdamW states
+    "qwen2-small-fp32-master": ("qwen2-7b.json", {"hidden_size": 1024, "intermediate_size": 2816,
+                                                  "num_hidden_layers": 8, "num_attention_heads": 16,
+                                                  "num_key_value_heads": 4, "vocab_size": 32000, "bos_token_id": 1,
+                                                  "eos_token_id": 2, "_fp32_master": True},
+                                [], [(2, 512, False), (8, 1024, False), (8, 1024, True)]),
 }
 
 
@@ -71,19 +77,20 @@ def measure(name: str, out: Path) -> None:
     from hf_memory import Row, _reset, guarded, run_generate, run_train
 
     cfg = _config(name)
+    master = bool(cfg.pop("_fp32_master", False))
     _, _, gen, train = PLANS[name]
     config = transformers.AutoConfig.for_model(
         cfg["model_type"], attn_implementation="sdpa",
         **{k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")})
     _reset(torch)
     old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(torch.float32 if master else torch.bfloat16)
     try:
         with torch.device("cuda"):
             model = transformers.AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(old)
-    model = model.to(torch.bfloat16).eval()
+    model = model.to(torch.float32 if master else torch.bfloat16).eval()
     torch.cuda.synchronize()
     meta = {"weights_allocated": torch.cuda.memory_allocated(), "n_params": sum(p.numel() for p in model.parameters()),
             "experts_implementation": str(getattr(config, "experts_implementation", getattr(
@@ -97,7 +104,8 @@ def measure(name: str, out: Path) -> None:
             model.gradient_checkpointing_enable()
         row = Row("train", name, cfg, b, s, 0)
         row.extra["gradient_checkpointing"] = ckpt
-        rows.append(guarded(torch, lambda r: run_train(torch, model, r), row))
+        row.extra["fp32_master"] = master
+        rows.append(guarded(torch, lambda r: run_train(torch, model, r, autocast=master), row))
         if ckpt:
             model.gradient_checkpointing_disable()
     out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}))
@@ -162,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             meta.setdefault("weights", {})[name] = doc["meta"]
             log.info("%s measured in %.1f s", name, time.perf_counter() - t0)
             for r in doc["rows"]:
+                if r["status"] == "ok" and r.get("extra", {}).get("fp32_master"):
+                    r["status"] = "measured only"  # the estimate is recomputed on the CPU machine
+                    rows.append(r)
+                    continue
                 if r["status"] == "ok":
                     try:
                         est = estimate(r, args.device_spec)
@@ -176,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                     r["reserved_error"] = (est["peak_reserved_bytes"] / r["peak_reserved_bytes"] - 1
                                            if est.get("peak_reserved_bytes") else None)
                 rows.append(r)
+            (args.out / "estimate-accuracy.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     doc = {"meta": meta, "rows": rows}
     (args.out / "estimate-accuracy.json").write_text(json.dumps(doc, indent=1))
     (args.out / "estimate-accuracy.md").write_text(to_markdown(doc))

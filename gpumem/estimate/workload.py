@@ -308,50 +308,75 @@ def _gated_mlp(e: _Emitter, tokens: int, width: int, h: int, d: int, fused: bool
 
 
 def _moe(e: _Emitter, s: ModelShape, tokens: int, d: int) -> int:
-    """Note [Mixture of experts]: a sparse MoE block as transformers 5 runs it (eager experts) on ``tokens``
-    tokens; returns its output (``tokens x h``). The shared expert (Qwen2-MoE) runs first and its gated output
-    is held while the routed experts run. The router's temporaries: its logits, the fp32 softmax, the top-k
-    weights (fp32) and indices (int64), the weights normalised and cast, the int64 one-hot expert mask
-    (``tokens x k x E``). Then each expert hit gathers its tokens, runs its gated MLP (one ``gate_up`` product),
-    weights its output and adds it into the result. How many tokens an expert gets depends on the router, and
-    transformers 5 may also run all experts at once (grouped products over the ``tokens x k`` token-expert
-    pairs): the estimate runs one expert over all ``tokens x k`` pairs, which bounds both from above (an eager
-    expert gets each token once at most) at the cost of that much more of one expert's temporaries.
-    Training a MoE model is refused (not modelled)."""
+    """Note [Mixture of experts]: a sparse MoE block as transformers 5.17 runs it on ``tokens`` tokens (its
+    default experts path on an H200, ``grouped_mm``, recorded in the run2 accuracy report); returns its output
+    (``tokens x h``). The router keeps its logits to the block's end (``_, weights, index = self.gate(x)``)
+    and takes the softmax in fp32; Mixtral's top-k weights stay fp32, Qwen2-MoE's are cast to the model dtype.
+    The experts sort the ``S = tokens x k`` token-expert pairs by expert (``sort``: ids and permutation),
+    gather the hidden states in that order, run one grouped ``gate_up`` product (its output masked into a new
+    tensor), ``act(gate) * up``, one grouped ``down`` product (masked again), weight it (fp32 with Mixtral's
+    fp32 weights), put it back in order and sum over the ``k`` experts of each token; the function's locals
+    live until it returns. None of these sizes depends on how the router spreads the tokens. Qwen2-MoE runs
+    its shared expert first and holds its output while the routed experts run, then gates it by a sigmoid
+    and adds it (a new tensor). Training a MoE model is refused (not modelled)."""
     h, k, n_exp = s.hidden_size, s.experts_per_token, s.n_experts
-    shared = -1
-    if s.shared_expert_intermediate_size:
-        sd = _gated_mlp(e, tokens, s.shared_expert_intermediate_size, h, d, fused=False)
+    ie, pairs = s.expert_intermediate_size, tokens * k
+    fp32_weights = not s.shared_expert_intermediate_size  # Mixtral keeps them fp32; Qwen2-MoE casts them
+    w_bytes = 4 if fp32_weights else d
+    shared = _gated_mlp(e, tokens, s.shared_expert_intermediate_size, h, d, fused=False) \
+        if s.shared_expert_intermediate_size else -1
+    logits = e.alloc(tokens * n_exp * d)  # router: held to the block's end
+    up = e.alloc(tokens * n_exp * 4)  # .float() (or softmax's dtype=float)
+    probs = e.alloc(tokens * n_exp * 4)
+    e.free(up)
+    top_w = e.alloc(tokens * k * 4)
+    top_i = e.alloc(tokens * k * 8)
+    if fp32_weights:
+        total = e.alloc(tokens * 4)  # top_w /= top_w.sum(-1): in place
+        e.free(total)
+    else:
+        cast_w = e.alloc(tokens * k * d)
+        e.free(top_w)
+        top_w = cast_w
+    e.free(probs)
+    ids_g, perm = e.alloc(pairs * 8), e.alloc(pairs * 8)  # torch.sort(expert_ids)
+    div = e.alloc(pairs * 8)  # perm // k
+    sel = e.alloc(pairs * h * d)  # hidden_states[perm // k]
+    e.free(div)
+    kept = [ids_g, perm, sel, e.alloc(pairs * w_bytes), e.alloc(pairs * 4)]  # weights by expert, ids .int()
+    kept += [e.alloc(n_exp * 4), e.alloc(n_exp * 4), e.alloc(pairs)]  # histc, offsets, sentinel mask
+    proj = e.alloc(pairs * 2 * ie * d)  # grouped gate_up
+    masked = e.alloc(pairs * 2 * ie * d)  # .masked_fill (not in place)
+    e.free(proj)
+    act = e.alloc(pairs * ie * d)
+    gated = e.alloc(pairs * ie * d)
+    e.free(act, masked)
+    proj = e.alloc(pairs * h * d)  # grouped down
+    e.free(gated)
+    masked = e.alloc(pairs * h * d)
+    e.free(proj)
+    weighted = e.alloc(pairs * h * w_bytes)
+    inv = e.alloc(pairs * 8)  # empty_like(perm), filled from an arange
+    ar = e.alloc(pairs * 8)
+    e.free(ar)
+    ordered = e.alloc(pairs * h * w_bytes)  # weighted[inv_perm]
+    e.free(weighted)
+    out = e.alloc(tokens * h * w_bytes)  # .view(T, k, h).sum(1)
+    if w_bytes != d:
+        cast = e.alloc(tokens * h * d)  # .to(hidden_states.dtype)
+        e.free(out)
+        out = cast
+    e.free(*kept, masked, inv, ordered)
+    if shared >= 0:
         gate = e.alloc(tokens * d)
         sig = e.alloc(tokens * d)
         e.free(gate)
-        shared = e.alloc(tokens * h * d)
-        e.free(sig, sd)
-    logits = e.alloc(tokens * n_exp * d)
-    probs = e.alloc(tokens * n_exp * 4)
-    e.free(logits)
-    top_w = e.alloc(tokens * k * 4)
-    top_i = e.alloc(tokens * k * 8)
-    e.free(probs)
-    total = e.alloc(tokens * 4)  # the weights' sum (normalised in place)
-    e.free(total)
-    w = e.alloc(tokens * k * d)
-    e.free(top_w)
-    out = e.alloc(tokens * h * d)  # zeros_like(hidden_states): the experts add into it
-    mask = e.alloc(tokens * k * n_exp * 8)  # one_hot(selected, E), int64
-    hit = e.alloc(n_exp * 8)
-    te = tokens * k  # Note [Mixture of experts]: the bound on the tokens an expert step holds
-    pos, idx = e.alloc(te * 8), e.alloc(te * 8)
-    cur = e.alloc(te * h * d)
-    dn = _gated_mlp(e, te, s.expert_intermediate_size, h, d, fused=True)
-    ws = e.alloc(te * d)  # routing_weights[token_idx, pos, None]
-    weighted = e.alloc(te * h * d)
-    e.free(dn, ws, weighted, cur, pos, idx)
-    e.free(hit, mask, w, top_i)
-    if shared >= 0:
+        g_out = e.alloc(tokens * h * d)
+        e.free(sig, shared)
         summed = e.alloc(tokens * h * d)
-        e.free(out, shared)
+        e.free(out, g_out)
         out = summed
+    e.free(top_w, top_i, logits)
     return out
 
 

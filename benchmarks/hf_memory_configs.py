@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--plan", default=",".join(PLANS))
     ap.add_argument("--one", help=argparse.SUPPRESS)  # child: measure one plan into --out
+    ap.add_argument("--recompute", type=Path,
+                    help="no measuring: an estimate-accuracy.json measured before, its estimates recomputed by this "
+                         "checkout's code (written under --out)")
     ap.add_argument("--device-spec", default="auto",
                     help="simulated device of the estimate's replays (auto: sim:h200-141gb on an H200, else "
                          "sim:h100-80gb)")
@@ -144,6 +147,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.one:
         measure(args.one, args.out)
+        return 0
+    if args.recompute:
+        old = json.loads(args.recompute.read_text())
+        measured = []
+        for r in old["rows"]:
+            r = {k: v for k, v in r.items() if not k.startswith("estimated_") and not k.endswith("_error")}
+            if r.get("status") in ("measured only", "estimate failed"):
+                r["status"] = "ok"
+            measured.append(r)
+        doc = {"meta": old["meta"], "rows": _estimated(measured, old["meta"]["estimate_device"])}
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "estimate-accuracy.json").write_text(json.dumps(doc, indent=1))
+        (args.out / "estimate-accuracy.md").write_text(to_markdown(doc))
+        print(to_markdown(doc))
         return 0
     import torch
     import transformers
@@ -169,31 +186,39 @@ def main(argv: list[str] | None = None) -> int:
             doc = json.loads(part.read_text())
             meta.setdefault("weights", {})[name] = doc["meta"]
             log.info("%s measured in %.1f s", name, time.perf_counter() - t0)
-            for r in doc["rows"]:
-                if r["status"] == "ok" and r.get("extra", {}).get("fp32_master"):
-                    r["status"] = "measured only"  # the estimate is recomputed on the CPU machine
-                    rows.append(r)
-                    continue
-                if r["status"] == "ok":
-                    try:
-                        est = estimate(r, args.device_spec)
-                    except Exception as exc:  # recorded beside the measurement, which is kept
-                        r["status"], r["error"] = "estimate failed", f"{type(exc).__name__}: {exc}"
-                        rows.append(r)
-                        continue
-                    r["estimated_peak_allocated_bytes"] = est["peak_allocated_bytes"]
-                    r["estimated_peak_reserved_bytes"] = est.get("peak_reserved_bytes")
-                    r["estimated_n_params"] = est["n_params"]
-                    r["alloc_error"] = est["peak_allocated_bytes"] / r["peak_allocated_bytes"] - 1
-                    r["reserved_error"] = (est["peak_reserved_bytes"] / r["peak_reserved_bytes"] - 1
-                                           if est.get("peak_reserved_bytes") else None)
-                rows.append(r)
+            rows += _estimated(doc["rows"], args.device_spec)
             (args.out / "estimate-accuracy.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     doc = {"meta": meta, "rows": rows}
     (args.out / "estimate-accuracy.json").write_text(json.dumps(doc, indent=1))
     (args.out / "estimate-accuracy.md").write_text(to_markdown(doc))
     print(to_markdown(doc))
     return 0
+
+
+def _estimated(measured: list[dict[str, Any]], device: str) -> list[dict[str, Any]]:
+    """The measured rows with gpumem's estimate beside each (rows that failed, or are measured only, as they
+    are)."""
+    rows: list[dict[str, Any]] = []
+    for r in measured:
+        if r["status"] == "ok" and r.get("extra", {}).get("fp32_master"):
+            r["status"] = "measured only"  # the estimate is recomputed on the CPU machine
+            rows.append(r)
+            continue
+        if r["status"] == "ok":
+            try:
+                est = estimate(r, device)
+            except Exception as exc:  # recorded beside the measurement, which is kept
+                r["status"], r["error"] = "estimate failed", f"{type(exc).__name__}: {exc}"
+                rows.append(r)
+                continue
+            r["estimated_peak_allocated_bytes"] = est["peak_allocated_bytes"]
+            r["estimated_peak_reserved_bytes"] = est.get("peak_reserved_bytes")
+            r["estimated_n_params"] = est["n_params"]
+            r["alloc_error"] = est["peak_allocated_bytes"] / r["peak_allocated_bytes"] - 1
+            r["reserved_error"] = (est["peak_reserved_bytes"] / r["peak_reserved_bytes"] - 1
+                                   if est.get("peak_reserved_bytes") else None)
+        rows.append(r)
+    return rows
 
 
 def to_markdown(doc: dict[str, Any]) -> str:
@@ -207,6 +232,12 @@ def to_markdown(doc: dict[str, Any]) -> str:
              " | estimate | error |", "|" + "---|" * 12]
     g = 2**30
     for r in doc["rows"]:
+        if r.get("status") == "measured only":
+            kind = r["kind"] + (" (grad. ckpt)" if r.get("extra", {}).get("gradient_checkpointing") else "")
+            lines.append(f"| {kind} | {r['model']} | | {r['batch_size']} | {r['prompt_len']} | {r['new_tokens']} | "
+                         f"{r['peak_allocated_bytes'] / 2**30:.3f} | not modelled | | "
+                         f"{r['peak_reserved_bytes'] / 2**30:.3f} | not modelled | |")
+            continue
         if r.get("status") != "ok":
             lines.append(f"| {r.get('kind')} | {r.get('model')} | | {r.get('batch_size', '')} | "
                          f"{r.get('prompt_len', '')} | {r.get('new_tokens', '')} | {r.get('status')}: "

@@ -164,13 +164,15 @@ def estimate_inference_memory(hidden_size: int, intermediate_size: int, n_layers
                               attention_bias: bool = False, weight_format: "WeightFormat | None" = None,
                               workspace_nbytes: int = 0, n_experts: int = 0, experts_per_token: int = 0,
                               expert_intermediate_size: int = 0,
-                              shared_expert_intermediate_size: int = 0) -> MemoryEstimate:
+                              shared_expert_intermediate_size: int = 0, sub_norms: bool = False,
+                              activation: str = "silu") -> MemoryEstimate:
     """The peak of allocated bytes of Hugging Face ``generate()`` on a Llama-style decoder.
 
     ``attention_bias``: biases on the q, k and v projections (Qwen2). ``weight_format``: the projections'
     format (:mod:`.formats`; ``dtype_bytes`` is then the activations' and the other weights'), with
     ``workspace_nbytes`` of dequantization workspace (:func:`dequant_workspace_nbytes`). ``n_experts`` and the
-    three after it: a mixture-of-experts MLP (:class:`~gpumem.estimate.shape.ModelShape`).
+    three after it: a mixture-of-experts MLP; ``sub_norms`` and ``activation``: BitNet's block
+    (:class:`~gpumem.estimate.shape.ModelShape`).
     ``prompt_len`` defaults to ``max_seq_len - new_tokens``; ``prompt_len + new_tokens`` may not exceed
     ``max_seq_len``. The estimate walks the allocations of :func:`~gpumem.estimate.workload.inference_trace`
     (weights, prefill, one decode step per new token after the first) and reports their peak.
@@ -179,7 +181,8 @@ def estimate_inference_memory(hidden_size: int, intermediate_size: int, n_layers
     shape = ModelShape(hidden_size, intermediate_size, n_layers, vocab_size, n_heads, n_kv_heads, head_dim,
                        tie_word_embeddings, attention_bias, n_experts=n_experts, experts_per_token=experts_per_token,
                        expert_intermediate_size=expert_intermediate_size,
-                       shared_expert_intermediate_size=shared_expert_intermediate_size)
+                       shared_expert_intermediate_size=shared_expert_intermediate_size, sub_norms=sub_norms,
+                       activation=activation)
     _cap("batch_size", batch_size)
     prompt = _prompt(max_seq_len, prompt_len, new_tokens)
     if isinstance(workspace_nbytes, bool) or not isinstance(workspace_nbytes, int) or workspace_nbytes < 0:
@@ -215,7 +218,8 @@ def estimate_training_memory(hidden_size: int, intermediate_size: int, n_layers:
                              gradient_checkpointing: bool = False, optimizer_8bit: bool = False,
                              lora: "LoraConfig | None" = None, n_experts: int = 0, experts_per_token: int = 0,
                              expert_intermediate_size: int = 0,
-                             shared_expert_intermediate_size: int = 0) -> TrainingEstimate:
+                             shared_expert_intermediate_size: int = 0, sub_norms: bool = False,
+                             activation: str = "silu") -> TrainingEstimate:
     """The peak of allocated bytes of full training steps (forward, backward, foreach AdamW with
     ``optimizer_states`` states per parameter in the weights' dtype, or 8-bit with ``optimizer_8bit``), steady
     state included (two steps); ``gradient_checkpointing`` recomputes each block in the backward pass;
@@ -226,7 +230,8 @@ def estimate_training_memory(hidden_size: int, intermediate_size: int, n_layers:
     shape = ModelShape(hidden_size, intermediate_size, n_layers, vocab_size, n_heads, n_kv_heads, head_dim,
                        tie_word_embeddings, attention_bias, n_experts=n_experts, experts_per_token=experts_per_token,
                        expert_intermediate_size=expert_intermediate_size,
-                       shared_expert_intermediate_size=shared_expert_intermediate_size)
+                       shared_expert_intermediate_size=shared_expert_intermediate_size, sub_norms=sub_norms,
+                       activation=activation)
     _cap("batch_size", batch_size)
     _cap("seq_len", seq_len)
     w = training_trace(shape, dtype_bytes, batch_size=batch_size, seq_len=seq_len, n_steps=2,

@@ -76,6 +76,11 @@ class ModelShape:
     """Intermediate width of one routed expert (0: ``intermediate_size``, as Mixtral)."""
     shared_expert_intermediate_size: int = 0
     """Width of the shared expert every token goes through, with its sigmoid gate (Qwen2-MoE; 0: none)."""
+    sub_norms: bool = False
+    """BitNet's block: an RMSNorm on the attention output before ``o_proj`` and one on the MLP's product before
+    ``down_proj`` (Note [BitNet block] in :mod:`.workload`)."""
+    activation: str = "silu"
+    """The gated MLP's activation: ``silu`` (Llama) or ``relu2`` (BitNet: ``relu(x)**2``, two temporaries)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "n_layers", "vocab_size", "n_heads", "n_kv_heads"):
@@ -94,6 +99,10 @@ class ModelShape:
             raise InvalidArgumentError(f"attention_bias must be true or false, got {self.attention_bias!r}")
         if self.n_heads % self.n_kv_heads:
             raise InvalidArgumentError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if not isinstance(self.sub_norms, bool):
+            raise InvalidArgumentError(f"sub_norms must be true or false, got {self.sub_norms!r:.40}")
+        if self.activation not in ("silu", "relu2"):
+            raise InvalidArgumentError(f"activation must be 'silu' or 'relu2', got {self.activation!r:.40}")
         moe = ("experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size")
         if self.n_experts == 0:
             given = [f"{k}={getattr(self, k)!r}" for k in moe if getattr(self, k) != 0]
@@ -142,6 +151,8 @@ class ModelShape:
                ("input_layernorm", h), ("post_attention_layernorm", h)]
         if self.attention_bias:
             out += [("q_proj.bias", self.q_dim), ("k_proj.bias", self.kv_dim), ("v_proj.bias", self.kv_dim)]
+        if self.sub_norms:
+            out += [("attn_sub_norm", self.q_dim), ("ffn_sub_norm", self.intermediate_size)]
         return out
 
     def mlp_param_shapes(self) -> list[tuple[str, int]]:
@@ -183,7 +194,7 @@ def _first(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
 
 #: ``model_type`` values whose decoder is the Llama-style block :class:`ModelShape` describes (gated SiLU MLP,
 #: RMSNorm, rotary attention; ``qwen2`` with its q/k/v biases). A config without ``model_type`` is taken as one.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "bitnet")
 
 #: Mixture-of-experts ``model_type`` -> the MoE keys it is read with (Note [Mixture of experts] in
 #: :mod:`.workload`); MoE keys of any other config, or beyond these, are refused (DeepSeek's routed and shared
@@ -283,7 +294,10 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str) -> None:
                                    f"(it reads {', '.join(SUPPORTED_MODEL_TYPES)}: Llama-style decoders); its "
                                    "layers may hold other weights and temporaries")
     act = cfg.get("hidden_act", cfg.get("hidden_activation"))
-    if act is not None and act not in ("silu", "swish"):
+    if model_type == "bitnet" and act != "relu2":
+        raise InvalidArgumentError(f"{origin}: a bitnet config with hidden_act {act!r:.40} is not modelled (BitNet's "
+                                   "MLP is relu2)")
+    if act is not None and act not in ("silu", "swish") and model_type != "bitnet":
         raise InvalidArgumentError(f"{origin}: hidden_act {act!r:.60} is not modelled (the estimate's MLP is "
                                    "the gated SiLU of Llama); its temporaries differ")
     layer_types = cfg.get("layer_types")
@@ -381,7 +395,9 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
             raise InvalidArgumentError(f"{origin}: a {cfg.get('model_type')} config needs a positive number of "
                                        "experts and of num_experts_per_tok")
     shape = ModelShape(fields["hidden_size"], fields["intermediate_size"], fields["n_layers"], fields["vocab_size"],
-                       fields["n_heads"], n_kv, head_dim, tie, bias, window, **moe)
+                       fields["n_heads"], n_kv, head_dim, tie, bias, window, **moe,
+                       sub_norms=cfg.get("model_type") == "bitnet",
+                       activation="relu2" if cfg.get("model_type") == "bitnet" else "silu")
     return shape, DTYPE_BYTES[dtype_name]
 
 

@@ -40,6 +40,14 @@ Note [Decode steps simulated]
     grows with the number of new tokens (the old trace took about 220 KB per token) and the reserved
     figures are those of the full trace.
 
+Note [BitNet block]
+    BitNet's decoder (``model_type`` ``bitnet``) is the Llama block with two more RMSNorms, each upcasting to
+    fp32 as the others do: ``attn_sub_norm`` on the attention output before ``o_proj`` and ``ffn_sub_norm``
+    on ``act(gate) * up`` before ``down_proj``; its activation is ``relu(x)**2`` (``relu`` then ``square``: one
+    more intermediate-sized temporary). Its ternary weights are a weight format (``i2s`` from the config's
+    ``quantization_config``, :mod:`.formats`) with its dequantization workspace. Modelled from transformers
+    5.17's source; unmeasured (no BitNet kernel on the GPU machine). Training it is refused.
+
 Note [Token bookkeeping]
     Beside the tensors of the model, ``generate()`` holds the int64 input ids and attention mask, and each
     forward computes ``position_ids`` from the mask by ``cumsum``: about 24 bytes per token, which the
@@ -266,6 +274,10 @@ def _forward_block(e: _Emitter, s: ModelShape, tokens: int, d: int, cache: list[
     out = e.alloc(tq)
     lse = e.alloc(batch * s.n_heads * q_len * 4)
     flat = e.alloc(tq)
+    if s.sub_norms:  # Note [BitNet block]: attn_sub_norm before o_proj
+        normed = _norm(e, tokens * s.q_dim * 4, tq)
+        e.free(flat)
+        flat = normed
     e.free(out, lse, qe, n1)  # the normed input goes before o_proj allocates
     h1 = e.alloc(th)  # o_proj; the residual add reuses it (the recording shows no second hidden-sized tensor)
     e.free(flat)
@@ -276,10 +288,18 @@ def _forward_block(e: _Emitter, s: ModelShape, tokens: int, d: int, cache: list[
     else:
         g = e.alloc(ti)
         a = e.alloc(ti)
+        if s.activation == "relu2":  # relu(x), then its square: relu's output goes when the square returns
+            sq = e.alloc(ti)
+            e.free(a)
+            a = sq
         e.free(g)
         u = e.alloc(ti)
         m = e.alloc(ti)
         e.free(a, u)
+        if s.sub_norms:  # ffn_sub_norm before down_proj
+            normed = _norm(e, tokens * i * 4, ti)
+            e.free(m)
+            m = normed
         dn = e.alloc(th)
         e.free(m, n2)
     h2 = e.alloc(th)
@@ -633,6 +653,9 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     """
     if not isinstance(optimizer_8bit, bool):
         raise InvalidArgumentError(f"optimizer_8bit must be True or False, got {optimizer_8bit!r}")
+    if shape.sub_norms or shape.activation != "silu":
+        raise InvalidArgumentError("training a BitNet model (quantization-aware training of its ternary weights) "
+                                   "is not modelled; its generate() is")
     if shape.n_experts:
         raise InvalidArgumentError("training a mixture-of-experts model is not modelled (what autograd keeps "
                                    "per expert and the router's auxiliary loss); its generate() is")

@@ -13,16 +13,6 @@ from gpumem.estimate import from_hf_config
 CONFIGS = Path(__file__).parent / "configs"
 
 
-@pytest.mark.parametrize("name,match", [
-    ("bitnet-b1.58-2b.json", r"model_type 'bitnet' is not one this estimate models"),
-])
-def test_unmodelled_configs_are_refused_naming_the_field(name, match, capsys):
-    with pytest.raises(InvalidArgumentError, match=match):
-        from_hf_config(CONFIGS / name)
-    assert main(["estimate", "--hf-config", str(CONFIGS / name), "--prompt-len", "128", "--no-reserved"]) == 2
-    assert name in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("extra,match", [
     ({"model_type": "gemma2"}, "model_type 'gemma2'"),
     ({"model_type": "gemma"}, "model_type 'gemma'"),
@@ -127,3 +117,34 @@ def test_moe_training_and_quantized_experts_are_refused(capsys):
     assert main(["estimate", "--hf-config", cfg, "--prompt-len", "128", "--weight-format", "int4",
                  "--no-reserved"]) == 2
     assert "quantized experts" in capsys.readouterr().err
+
+
+# -- BitNet's block (Note [BitNet block] in gpumem.estimate.workload) --------------------------------------------
+
+def test_bitnet_config_is_read_with_its_sub_norms_relu2_and_ternary_weights(capsys):
+    shape, _ = from_hf_config(CONFIGS / "bitnet-b1.58-2b.json")
+    assert (shape.sub_norms, shape.activation, shape.tie_word_embeddings) == (True, "relu2", True)
+    dense = from_hf_config({**json.loads((CONFIGS / "bitnet-b1.58-2b.json").read_text()), "model_type": "llama",
+                            "hidden_act": "silu"})[0]
+    assert shape.n_params - dense.n_params == 30 * (2560 + 6912)  # one attn_sub_norm and one ffn_sub_norm a block
+    assert main(["estimate", "--hf-config", str(CONFIGS / "bitnet-b1.58-2b.json"), "--prompt-len", "128",
+                 "--no-reserved", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["weight_format"] == "i2s" and row["dequant_workspace_bytes"] > 0
+    assert row["model_bytes"] < 2 * shape.n_params / 2  # packed ternary projections: far below bf16
+
+
+@pytest.mark.parametrize("extra,match", [({"hidden_act": "silu"}, "bitnet config with hidden_act"),
+                                         ({"model_type": "gemma"}, "model_type 'gemma'")])
+def test_bitnet_variants_not_modelled_are_refused(extra, match):
+    base = json.loads((CONFIGS / "bitnet-b1.58-2b.json").read_text())
+    with pytest.raises(InvalidArgumentError, match=match):
+        from_hf_config({**base, **extra})
+
+
+def test_bitnet_training_is_refused(capsys):
+    cfg = {**json.loads((CONFIGS / "bitnet-b1.58-2b.json").read_text())}
+    del cfg["quantization_config"]  # 16-bit weights: full training would be asked for
+    from gpumem.estimate.workload import training_trace
+    with pytest.raises(InvalidArgumentError, match="training a BitNet model"):
+        training_trace(from_hf_config(cfg)[0], 2, seq_len=16)

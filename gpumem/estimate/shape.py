@@ -76,6 +76,8 @@ class ModelShape:
     """Intermediate width of one routed expert (0: ``intermediate_size``, as Mixtral)."""
     shared_expert_intermediate_size: int = 0
     """Width of the shared expert every token goes through, with its sigmoid gate (Qwen2-MoE; 0: none)."""
+    router_weights_cast: bool = False
+    """The router's top-k weights cast to the model dtype (Qwen2-MoE) rather than kept fp32 (Mixtral)."""
     sub_norms: bool = False
     """BitNet's block: an RMSNorm on the attention output before ``o_proj`` and one on the MLP's product before
     ``down_proj`` (Note [BitNet block] in :mod:`.workload`)."""
@@ -99,11 +101,14 @@ class ModelShape:
             raise InvalidArgumentError(f"attention_bias must be true or false, got {self.attention_bias!r}")
         if self.n_heads % self.n_kv_heads:
             raise InvalidArgumentError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if not isinstance(self.router_weights_cast, bool):
+            raise InvalidArgumentError(f"router_weights_cast must be true or false, got {self.router_weights_cast!r:.40}")
         if not isinstance(self.sub_norms, bool):
             raise InvalidArgumentError(f"sub_norms must be true or false, got {self.sub_norms!r:.40}")
         if self.activation not in ("silu", "relu2"):
             raise InvalidArgumentError(f"activation must be 'silu' or 'relu2', got {self.activation!r:.40}")
-        moe = ("experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size")
+        moe = ("experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size",
+               "router_weights_cast")
         if self.n_experts == 0:
             given = [f"{k}={getattr(self, k)!r}" for k in moe if getattr(self, k) != 0]
             if given:
@@ -391,6 +396,7 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidArgumentError(f"{origin}: {name} must be a JSON integer, got {value!r:.40}")
             moe[field] = value
+        moe["router_weights_cast"] = cfg.get("model_type") == "qwen2_moe"
         if moe["n_experts"] <= 0 or moe["experts_per_token"] <= 0:
             raise InvalidArgumentError(f"{origin}: a {cfg.get('model_type')} config needs a positive number of "
                                        "experts and of num_experts_per_tok")

@@ -341,8 +341,7 @@ def _moe(e: _Emitter, s: ModelShape, tokens: int, d: int) -> int:
     and adds it (a new tensor). Training a MoE model is refused (not modelled)."""
     h, k, n_exp = s.hidden_size, s.experts_per_token, s.n_experts
     ie, pairs = s.expert_intermediate_size, tokens * k
-    fp32_weights = not s.shared_expert_intermediate_size  # Mixtral keeps them fp32; Qwen2-MoE casts them
-    w_bytes = 4 if fp32_weights else d
+    w_bytes = d if s.router_weights_cast else 4
     shared = _gated_mlp(e, tokens, s.shared_expert_intermediate_size, h, d, fused=False) \
         if s.shared_expert_intermediate_size else -1
     logits = e.alloc(tokens * n_exp * d)  # router: held to the block's end
@@ -351,7 +350,7 @@ def _moe(e: _Emitter, s: ModelShape, tokens: int, d: int) -> int:
     e.free(up)
     top_w = e.alloc(tokens * k * 4)
     top_i = e.alloc(tokens * k * 8)
-    if fp32_weights:
+    if not s.router_weights_cast:
         total = e.alloc(tokens * 4)  # top_w /= top_w.sum(-1): in place
         e.free(total)
     else:

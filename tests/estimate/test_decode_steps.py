@@ -18,7 +18,8 @@ SHAPES = {"mha": ModelShape(256, 688, 4, 1000, 4, 4), "gqa": ModelShape(512, 137
           "tied": ModelShape(384, 1024, 3, 5000, 6, 3, tie_word_embeddings=True),
           "moe": ModelShape(256, 512, 3, 1000, 4, 2, n_experts=4, experts_per_token=2),
           "moe-shared": ModelShape(256, 512, 2, 1000, 4, 4, attention_bias=True, n_experts=6, experts_per_token=3,
-                                   expert_intermediate_size=128, shared_expert_intermediate_size=384),
+                                   expert_intermediate_size=128, shared_expert_intermediate_size=384,
+                                   router_weights_cast=True),
           "bitnet": ModelShape(256, 512, 2, 1000, 4, 2, tie_word_embeddings=True, sub_norms=True,
                                activation="relu2")}
 LLAMA_7B = ["--hidden-size", "4096", "--intermediate-size", "11008", "--layers", "32", "--vocab-size", "32000",

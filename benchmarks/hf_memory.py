@@ -162,8 +162,9 @@ def run_generate(torch: Any, model: Any, row: Row) -> None:
     row.after_allocated_bytes = torch.cuda.memory_allocated()
 
 
-def run_train(torch: Any, model: Any, row: Row, n_steps: int = 2) -> None:
-    """Run ``n_steps`` AdamW training steps (bf16 weights, default foreach AdamW) and fill ``row``."""
+def run_train(torch: Any, model: Any, row: Row, n_steps: int = 2, autocast: bool = False) -> None:
+    """Run ``n_steps`` AdamW training steps (the model's weights, default foreach AdamW) and fill ``row``;
+    ``autocast``: the forward under ``torch.autocast`` in bf16 (mixed precision on fp32 master weights)."""
     model.train()
     model.config.use_cache = False
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -176,7 +177,8 @@ def run_train(torch: Any, model: Any, row: Row, n_steps: int = 2) -> None:
         t0 = time.perf_counter()
         for step in range(n_steps):
             ids = torch.randint(3, vocab, (row.batch_size, row.prompt_len), device="cuda", generator=gen)
-            out = model(input_ids=ids, labels=ids)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                out = model(input_ids=ids, labels=ids)
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -45,6 +45,21 @@ PLANS: dict[str, tuple[str, dict[str, Any], list[tuple[int, int, int]], list[tup
                     [(2, 256, 16), (16, 1024, 32)], [(2, 512, False), (8, 1024, False), (8, 1024, True),
                                                      (16, 2048, True)]),
     "mistral-7b": ("mistral-7b-v0.1.json", {}, [(1, 1024, 16), (8, 2048, 16), (2, 4000, 64)], []),
+    "mixtral-small": ("mixtral-8x7b.json", {"hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 8,
+                                            "num_attention_heads": 16, "num_key_value_heads": 4},
+                      [(1, 512, 16), (8, 1024, 32), (32, 2048, 16)], []),
+    "qwen2-moe-small": ("qwen2-moe-a2.7b.json", {"hidden_size": 1024, "num_hidden_layers": 8,
+                                                 "num_attention_heads": 16, "num_key_value_heads": 16,
+                                                 "moe_intermediate_size": 704, "shared_expert_intermediate_size": 2816,
+                                                 "intermediate_size": 2816, "vocab_size": 32000, "bos_token_id": 1,
+                                                 "eos_token_id": 2},
+                        [(1, 512, 16), (8, 1024, 32), (16, 2048, 16)], []),
+    # mixed precision: fp32 weights (the master copy), the forward under bf16 autocast, fp32 AdamW states
+    "qwen2-small-fp32-master": ("qwen2-7b.json", {"hidden_size": 1024, "intermediate_size": 2816,
+                                                  "num_hidden_layers": 8, "num_attention_heads": 16,
+                                                  "num_key_value_heads": 4, "vocab_size": 32000, "bos_token_id": 1,
+                                                  "eos_token_id": 2, "_fp32_master": True},
+                                [], [(2, 512, False), (8, 1024, False), (8, 1024, True)]),
 }
 
 
@@ -62,21 +77,25 @@ def measure(name: str, out: Path) -> None:
     from hf_memory import Row, _reset, guarded, run_generate, run_train
 
     cfg = _config(name)
+    master = bool(cfg.pop("_fp32_master", False))
     _, _, gen, train = PLANS[name]
     config = transformers.AutoConfig.for_model(
         cfg["model_type"], attn_implementation="sdpa",
         **{k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")})
     _reset(torch)
     old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(torch.float32 if master else torch.bfloat16)
     try:
         with torch.device("cuda"):
             model = transformers.AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(old)
-    model = model.to(torch.bfloat16).eval()
+    model = model.to(torch.float32 if master else torch.bfloat16).eval()
     torch.cuda.synchronize()
-    meta = {"weights_allocated": torch.cuda.memory_allocated(), "n_params": sum(p.numel() for p in model.parameters())}
+    meta = {"weights_allocated": torch.cuda.memory_allocated(), "n_params": sum(p.numel() for p in model.parameters()),
+            "experts_implementation": str(getattr(config, "experts_implementation", getattr(
+                config, "_experts_implementation", None))),
+            "param_shapes": [[n, list(p.shape)] for n, p in list(model.named_parameters())[:16]]}
     rows = []
     for b, p, n in gen:
         rows.append(guarded(torch, lambda r: run_generate(torch, model, r), Row("generate", name, cfg, b, p, n)))
@@ -85,7 +104,8 @@ def measure(name: str, out: Path) -> None:
             model.gradient_checkpointing_enable()
         row = Row("train", name, cfg, b, s, 0)
         row.extra["gradient_checkpointing"] = ckpt
-        rows.append(guarded(torch, lambda r: run_train(torch, model, r), row))
+        row.extra["fp32_master"] = master
+        rows.append(guarded(torch, lambda r: run_train(torch, model, r, autocast=master), row))
         if ckpt:
             model.gradient_checkpointing_disable()
     out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}))
@@ -102,7 +122,7 @@ def estimate(row: dict[str, Any], device: str) -> dict[str, Any]:
             hf_config=f.name, hidden_size=None, intermediate_size=None, layers=None, vocab_size=None, heads=None,
             kv_heads=None, head_dim=0, tie_word_embeddings=False, weight_format=None, weight_bits=None,
             batch_size=row["batch_size"], prompt_len=row["prompt_len"], new_tokens=row["new_tokens"],
-            max_seq_len=None, training=row["kind"] == "train", dtype="bf16", policy="pytorch", device=device,
+            max_seq_len=None, training=row["kind"] == "train", dtype=["bf16"], policy=["pytorch"], device=device,
             no_reserved=False, json=True,
             gradient_checkpointing=bool(row.get("extra", {}).get("gradient_checkpointing")), optimizer_8bit=False,
             lora_rank=None, lora_targets="q_proj")
@@ -117,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--plan", default=",".join(PLANS))
     ap.add_argument("--one", help=argparse.SUPPRESS)  # child: measure one plan into --out
+    ap.add_argument("--recompute", type=Path,
+                    help="no measuring: an estimate-accuracy.json measured before, its estimates recomputed by this "
+                         "checkout's code (written under --out)")
     ap.add_argument("--device-spec", default="auto",
                     help="simulated device of the estimate's replays (auto: sim:h200-141gb on an H200, else "
                          "sim:h100-80gb)")
@@ -124,6 +147,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.one:
         measure(args.one, args.out)
+        return 0
+    if args.recompute:
+        old = json.loads(args.recompute.read_text())
+        measured = []
+        for r in old["rows"]:
+            r = {k: v for k, v in r.items() if not k.startswith("estimated_") and not k.endswith("_error")}
+            if r.get("status") in ("measured only", "estimate failed"):
+                r["status"] = "ok"
+            measured.append(r)
+        doc = {"meta": old["meta"], "rows": _estimated(measured, old["meta"]["estimate_device"])}
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "estimate-accuracy.json").write_text(json.dumps(doc, indent=1))
+        (args.out / "estimate-accuracy.md").write_text(to_markdown(doc))
+        print(to_markdown(doc))
         return 0
     import torch
     import transformers
@@ -149,21 +186,39 @@ def main(argv: list[str] | None = None) -> int:
             doc = json.loads(part.read_text())
             meta.setdefault("weights", {})[name] = doc["meta"]
             log.info("%s measured in %.1f s", name, time.perf_counter() - t0)
-            for r in doc["rows"]:
-                if r["status"] == "ok":
-                    est = estimate(r, args.device_spec)
-                    r["estimated_peak_allocated_bytes"] = est["peak_allocated_bytes"]
-                    r["estimated_peak_reserved_bytes"] = est.get("peak_reserved_bytes")
-                    r["estimated_n_params"] = est["n_params"]
-                    r["alloc_error"] = est["peak_allocated_bytes"] / r["peak_allocated_bytes"] - 1
-                    r["reserved_error"] = (est["peak_reserved_bytes"] / r["peak_reserved_bytes"] - 1
-                                           if est.get("peak_reserved_bytes") else None)
-                rows.append(r)
+            rows += _estimated(doc["rows"], args.device_spec)
+            (args.out / "estimate-accuracy.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     doc = {"meta": meta, "rows": rows}
     (args.out / "estimate-accuracy.json").write_text(json.dumps(doc, indent=1))
     (args.out / "estimate-accuracy.md").write_text(to_markdown(doc))
     print(to_markdown(doc))
     return 0
+
+
+def _estimated(measured: list[dict[str, Any]], device: str) -> list[dict[str, Any]]:
+    """The measured rows with gpumem's estimate beside each (rows that failed, or are measured only, as they
+    are)."""
+    rows: list[dict[str, Any]] = []
+    for r in measured:
+        if r["status"] == "ok" and r.get("extra", {}).get("fp32_master"):
+            r["status"] = "measured only"  # the estimate is recomputed on the CPU machine
+            rows.append(r)
+            continue
+        if r["status"] == "ok":
+            try:
+                est = estimate(r, device)
+            except Exception as exc:  # recorded beside the measurement, which is kept
+                r["status"], r["error"] = "estimate failed", f"{type(exc).__name__}: {exc}"
+                rows.append(r)
+                continue
+            r["estimated_peak_allocated_bytes"] = est["peak_allocated_bytes"]
+            r["estimated_peak_reserved_bytes"] = est.get("peak_reserved_bytes")
+            r["estimated_n_params"] = est["n_params"]
+            r["alloc_error"] = est["peak_allocated_bytes"] / r["peak_allocated_bytes"] - 1
+            r["reserved_error"] = (est["peak_reserved_bytes"] / r["peak_reserved_bytes"] - 1
+                                   if est.get("peak_reserved_bytes") else None)
+        rows.append(r)
+    return rows
 
 
 def to_markdown(doc: dict[str, Any]) -> str:
@@ -177,6 +232,12 @@ def to_markdown(doc: dict[str, Any]) -> str:
              " | estimate | error |", "|" + "---|" * 12]
     g = 2**30
     for r in doc["rows"]:
+        if r.get("status") == "measured only":
+            kind = r["kind"] + (" (grad. ckpt)" if r.get("extra", {}).get("gradient_checkpointing") else "")
+            lines.append(f"| {kind} | {r['model']} | | {r['batch_size']} | {r['prompt_len']} | {r['new_tokens']} | "
+                         f"{r['peak_allocated_bytes'] / 2**30:.3f} | not modelled | | "
+                         f"{r['peak_reserved_bytes'] / 2**30:.3f} | not modelled | |")
+            continue
         if r.get("status") != "ok":
             lines.append(f"| {r.get('kind')} | {r.get('model')} | | {r.get('batch_size', '')} | "
                          f"{r.get('prompt_len', '')} | {r.get('new_tokens', '')} | {r.get('status')}: "

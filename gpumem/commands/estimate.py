@@ -162,18 +162,21 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
     from ..estimate.formulas import estimate_inference_memory, estimate_training_memory
     from ..estimate.workload import training_trace
 
+    moe = {k: getattr(shape, k) for k in ("n_experts", "experts_per_token", "expert_intermediate_size",
+                                          "shared_expert_intermediate_size", "router_weights_cast", "sub_norms",
+                                          "activation")}
     if args.training:
         est = estimate_training_memory(*dims, prompt, nbytes, batch_size=args.batch_size, head_dim=shape.head_dim,
                                        tie_word_embeddings=shape.tie_word_embeddings,
                                        attention_bias=shape.attention_bias,
                                        gradient_checkpointing=args.gradient_checkpointing,
-                                       optimizer_8bit=args.optimizer_8bit, lora=args.lora)
+                                       optimizer_8bit=args.optimizer_8bit, lora=args.lora, **moe)
     else:
         est = estimate_inference_memory(*dims, max_len, nbytes, batch_size=args.batch_size, prompt_len=prompt,
                                         new_tokens=new, head_dim=shape.head_dim,
                                         tie_word_embeddings=shape.tie_word_embeddings,
                                         attention_bias=shape.attention_bias, weight_format=fmt,
-                                        workspace_nbytes=workspace)
+                                        workspace_nbytes=workspace, **moe)
     row: dict[str, Any] = {
         "dtype": name, "dtype_bytes": nbytes, "workload": "training" if args.training else "generate",
         "batch_size": args.batch_size, "prompt_len": prompt, "new_tokens": 0 if args.training else new,

@@ -162,19 +162,27 @@ def estimate_inference_memory(hidden_size: int, intermediate_size: int, n_layers
                               batch_size: int = 1, prompt_len: int | None = None, new_tokens: int = 0,
                               head_dim: int = 0, tie_word_embeddings: bool = False,
                               attention_bias: bool = False, weight_format: "WeightFormat | None" = None,
-                              workspace_nbytes: int = 0) -> MemoryEstimate:
+                              workspace_nbytes: int = 0, n_experts: int = 0, experts_per_token: int = 0,
+                              expert_intermediate_size: int = 0,
+                              shared_expert_intermediate_size: int = 0, router_weights_cast: bool = False,
+                              sub_norms: bool = False, activation: str = "silu") -> MemoryEstimate:
     """The peak of allocated bytes of Hugging Face ``generate()`` on a Llama-style decoder.
 
     ``attention_bias``: biases on the q, k and v projections (Qwen2). ``weight_format``: the projections'
     format (:mod:`.formats`; ``dtype_bytes`` is then the activations' and the other weights'), with
-    ``workspace_nbytes`` of dequantization workspace (:func:`dequant_workspace_nbytes`).
+    ``workspace_nbytes`` of dequantization workspace (:func:`dequant_workspace_nbytes`). ``n_experts`` and the
+    three after it: a mixture-of-experts MLP; ``sub_norms`` and ``activation``: BitNet's block
+    (:class:`~gpumem.estimate.shape.ModelShape`).
     ``prompt_len`` defaults to ``max_seq_len - new_tokens``; ``prompt_len + new_tokens`` may not exceed
     ``max_seq_len``. The estimate walks the allocations of :func:`~gpumem.estimate.workload.inference_trace`
     (weights, prefill, one decode step per new token after the first) and reports their peak.
     """
     dtype_bytes = _check_dtype(dtype_bytes)
     shape = ModelShape(hidden_size, intermediate_size, n_layers, vocab_size, n_heads, n_kv_heads, head_dim,
-                       tie_word_embeddings, attention_bias)
+                       tie_word_embeddings, attention_bias, n_experts=n_experts, experts_per_token=experts_per_token,
+                       expert_intermediate_size=expert_intermediate_size,
+                       shared_expert_intermediate_size=shared_expert_intermediate_size,
+                       router_weights_cast=router_weights_cast, sub_norms=sub_norms, activation=activation)
     _cap("batch_size", batch_size)
     prompt = _prompt(max_seq_len, prompt_len, new_tokens)
     if isinstance(workspace_nbytes, bool) or not isinstance(workspace_nbytes, int) or workspace_nbytes < 0:
@@ -208,7 +216,10 @@ def estimate_training_memory(hidden_size: int, intermediate_size: int, n_layers:
                              optimizer_states: int = 2, head_dim: int = 0,
                              tie_word_embeddings: bool = False, attention_bias: bool = False,
                              gradient_checkpointing: bool = False, optimizer_8bit: bool = False,
-                             lora: "LoraConfig | None" = None) -> TrainingEstimate:
+                             lora: "LoraConfig | None" = None, n_experts: int = 0, experts_per_token: int = 0,
+                             expert_intermediate_size: int = 0,
+                             shared_expert_intermediate_size: int = 0, router_weights_cast: bool = False,
+                             sub_norms: bool = False, activation: str = "silu") -> TrainingEstimate:
     """The peak of allocated bytes of full training steps (forward, backward, foreach AdamW with
     ``optimizer_states`` states per parameter in the weights' dtype, or 8-bit with ``optimizer_8bit``), steady
     state included (two steps); ``gradient_checkpointing`` recomputes each block in the backward pass;
@@ -217,7 +228,10 @@ def estimate_training_memory(hidden_size: int, intermediate_size: int, n_layers:
     if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
         raise InvalidArgumentError(f"optimizer_states must be a whole number >= 0, got {optimizer_states!r}")
     shape = ModelShape(hidden_size, intermediate_size, n_layers, vocab_size, n_heads, n_kv_heads, head_dim,
-                       tie_word_embeddings, attention_bias)
+                       tie_word_embeddings, attention_bias, n_experts=n_experts, experts_per_token=experts_per_token,
+                       expert_intermediate_size=expert_intermediate_size,
+                       shared_expert_intermediate_size=shared_expert_intermediate_size,
+                       router_weights_cast=router_weights_cast, sub_norms=sub_norms, activation=activation)
     _cap("batch_size", batch_size)
     _cap("seq_len", seq_len)
     w = training_trace(shape, dtype_bytes, batch_size=batch_size, seq_len=seq_len, n_steps=2,

@@ -21,6 +21,8 @@ __all__ = ["ModelShape", "from_hf_config", "DTYPE_BYTES", "SHAPE_CAPS", "MAX_CON
 SHAPE_CAPS: Mapping[str, int] = {
     "hidden_size": 2**20, "intermediate_size": 2**20, "n_layers": 10_000, "vocab_size": 2**24,
     "n_heads": 2**14, "n_kv_heads": 2**14, "head_dim": 2**20, "sliding_window": 2**24,
+    "n_experts": 2**16, "experts_per_token": 2**16, "expert_intermediate_size": 2**20,
+    "shared_expert_intermediate_size": 2**20,
 }
 
 #: Largest ``config.json`` :func:`from_hf_config` reads (a real one is a few KB).
@@ -65,6 +67,22 @@ class ModelShape:
     sliding_window: int = 0
     """Tokens a sliding-window attention sees (0: none). Sequences within it are full attention; longer ones
     are refused by :meth:`check_tokens` (Note [Sliding window])."""
+    n_experts: int = 0
+    """Mixture-of-experts (Note [Mixture of experts] in :mod:`.workload`): routed experts per block (0: a dense
+    gated MLP of ``intermediate_size``)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k), 1 .. ``n_experts``."""
+    expert_intermediate_size: int = 0
+    """Intermediate width of one routed expert (0: ``intermediate_size``, as Mixtral)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the shared expert every token goes through, with its sigmoid gate (Qwen2-MoE; 0: none)."""
+    router_weights_cast: bool = False
+    """The router's top-k weights cast to the model dtype (Qwen2-MoE) rather than kept fp32 (Mixtral)."""
+    sub_norms: bool = False
+    """BitNet's block: an RMSNorm on the attention output before ``o_proj`` and one on the MLP's product before
+    ``down_proj`` (Note [BitNet block] in :mod:`.workload`)."""
+    activation: str = "silu"
+    """The gated MLP's activation: ``silu`` (Llama) or ``relu2`` (BitNet: ``relu(x)**2``, two temporaries)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "n_layers", "vocab_size", "n_heads", "n_kv_heads"):
@@ -83,6 +101,31 @@ class ModelShape:
             raise InvalidArgumentError(f"attention_bias must be true or false, got {self.attention_bias!r}")
         if self.n_heads % self.n_kv_heads:
             raise InvalidArgumentError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if not isinstance(self.router_weights_cast, bool):
+            raise InvalidArgumentError(f"router_weights_cast must be true or false, got {self.router_weights_cast!r:.40}")
+        if not isinstance(self.sub_norms, bool):
+            raise InvalidArgumentError(f"sub_norms must be true or false, got {self.sub_norms!r:.40}")
+        if self.activation not in ("silu", "relu2"):
+            raise InvalidArgumentError(f"activation must be 'silu' or 'relu2', got {self.activation!r:.40}")
+        moe = ("experts_per_token", "expert_intermediate_size", "shared_expert_intermediate_size",
+               "router_weights_cast")
+        if self.n_experts == 0:
+            given = [f"{k}={getattr(self, k)!r}" for k in moe if getattr(self, k) != 0]
+            if given:
+                raise InvalidArgumentError(f"{', '.join(given)} given without n_experts (a dense model has none)")
+            return
+        _positive_int("n_experts", self.n_experts, SHAPE_CAPS["n_experts"])
+        _positive_int("experts_per_token", self.experts_per_token, SHAPE_CAPS["experts_per_token"])
+        if self.experts_per_token > self.n_experts:
+            raise InvalidArgumentError(f"experts_per_token {self.experts_per_token} exceeds n_experts "
+                                       f"{self.n_experts}")
+        if self.expert_intermediate_size == 0:
+            object.__setattr__(self, "expert_intermediate_size", self.intermediate_size)
+        _positive_int("expert_intermediate_size", self.expert_intermediate_size,
+                      SHAPE_CAPS["expert_intermediate_size"])
+        if self.shared_expert_intermediate_size != 0:
+            _positive_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size,
+                          SHAPE_CAPS["shared_expert_intermediate_size"])
 
     def check_tokens(self, n_tokens: int) -> None:
         """Note [Sliding window]: a sequence of ``n_tokens`` within the window attends to every token, as full
@@ -107,12 +150,28 @@ class ModelShape:
     def layer_param_shapes(self) -> list[tuple[str, int]]:
         """Parameters of one block: (name, elements); the projections and norms in the order PyTorch creates
         them, the attention biases (if any) last (the training trace's gradient order reads them by index)."""
-        h, i = self.hidden_size, self.intermediate_size
+        h = self.hidden_size
         out = [("q_proj", h * self.q_dim), ("k_proj", h * self.kv_dim), ("v_proj", h * self.kv_dim),
-               ("o_proj", self.q_dim * h), ("gate_proj", h * i), ("up_proj", h * i), ("down_proj", i * h),
+               ("o_proj", self.q_dim * h), *self.mlp_param_shapes(),
                ("input_layernorm", h), ("post_attention_layernorm", h)]
         if self.attention_bias:
             out += [("q_proj.bias", self.q_dim), ("k_proj.bias", self.kv_dim), ("v_proj.bias", self.kv_dim)]
+        if self.sub_norms:
+            out += [("attn_sub_norm", self.q_dim), ("ffn_sub_norm", self.intermediate_size)]
+        return out
+
+    def mlp_param_shapes(self) -> list[tuple[str, int]]:
+        """The MLP's parameters of one block, in creation order: the gated MLP, or (Note [Mixture of experts]
+        in :mod:`.workload`) the router, the experts as transformers 5 holds them (one ``gate_up_proj`` and
+        one ``down_proj`` tensor for all experts) and the shared expert with its gate."""
+        h, i = self.hidden_size, self.intermediate_size
+        if not self.n_experts:
+            return [("gate_proj", h * i), ("up_proj", h * i), ("down_proj", i * h)]
+        e, ie, si = self.n_experts, self.expert_intermediate_size, self.shared_expert_intermediate_size
+        out = [("router", e * h), ("experts.gate_up_proj", e * 2 * ie * h), ("experts.down_proj", e * h * ie)]
+        if si:
+            out += [("shared_expert.gate_proj", h * si), ("shared_expert.up_proj", h * si),
+                    ("shared_expert.down_proj", si * h), ("shared_expert_gate", h)]
         return out
 
     def param_shapes(self) -> list[tuple[str, int]]:
@@ -140,7 +199,16 @@ def _first(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
 
 #: ``model_type`` values whose decoder is the Llama-style block :class:`ModelShape` describes (gated SiLU MLP,
 #: RMSNorm, rotary attention; ``qwen2`` with its q/k/v biases). A config without ``model_type`` is taken as one.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "bitnet")
+
+#: Mixture-of-experts ``model_type`` -> the MoE keys it is read with (Note [Mixture of experts] in
+#: :mod:`.workload`); MoE keys of any other config, or beyond these, are refused (DeepSeek's routed and shared
+#: experts with dense first layers, Qwen3-MoE's q/k norms, sparse steps).
+MOE_MODEL_KEYS: Mapping[str, tuple[str, ...]] = {
+    "mixtral": ("num_local_experts", "num_experts_per_tok"),
+    "qwen2_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                  "decoder_sparse_step"),
+}
 
 #: Config keys that make a model a mixture-of-experts (Note [Refuse what is not modelled]).
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
@@ -204,10 +272,20 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str) -> None:
     a BitNet config as bf16 weights four times their packed size, without a word. Better no answer than a
     wrong one: what is refused here is what this module does not read yet."""
     moe = {k: cfg[k] for k in MOE_KEYS if cfg.get(k) not in _NEUTRAL}
-    if moe:
-        fields = ", ".join(f"{k}={v!r}" for k, v in moe.items())
+    read = MOE_MODEL_KEYS.get(str(cfg.get("model_type")), ())
+    if moe and (not read or any(k not in read for k in moe)):
+        fields = ", ".join(f"{k}={v!r:.40}" for k, v in moe.items() if k not in read)
         raise InvalidArgumentError(f"{origin}: a mixture-of-experts model ({fields}) is not supported by this "
-                                   "estimate: read as a dense model it would count one expert's weights only")
+                                   "estimate (it reads Mixtral and Qwen2-MoE configs): read as a dense model it "
+                                   "would count one expert's weights only")
+    if read:
+        if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers") not in _NEUTRAL:
+            raise InvalidArgumentError(f"{origin}: dense MLP layers among the expert layers (decoder_sparse_step "
+                                       f"{cfg.get('decoder_sparse_step')!r:.20}, mlp_only_layers "
+                                       f"{cfg.get('mlp_only_layers')!r:.40}) are not modelled")
+        if cfg.get("output_router_logits") not in _NEUTRAL:
+            raise InvalidArgumentError(f"{origin}: output_router_logits keeps every layer's router logits for "
+                                       "the auxiliary loss, which this estimate does not model")
     config_weight_format(cfg, origin)  # a quantization_config it does not read raises
     for key, what in UNMODELLED_KEYS.items():
         value = cfg.get(key)
@@ -221,7 +299,10 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str) -> None:
                                    f"(it reads {', '.join(SUPPORTED_MODEL_TYPES)}: Llama-style decoders); its "
                                    "layers may hold other weights and temporaries")
     act = cfg.get("hidden_act", cfg.get("hidden_activation"))
-    if act is not None and act not in ("silu", "swish"):
+    if model_type == "bitnet" and act != "relu2":
+        raise InvalidArgumentError(f"{origin}: a bitnet config with hidden_act {act!r:.40} is not modelled (BitNet's "
+                                   "MLP is relu2)")
+    if act is not None and act not in ("silu", "swish") and model_type != "bitnet":
         raise InvalidArgumentError(f"{origin}: hidden_act {act!r:.60} is not modelled (the estimate's MLP is "
                                    "the gated SiLU of Llama); its temporaries differ")
     layer_types = cfg.get("layer_types")
@@ -295,7 +376,8 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
     dtype_name = str(_first(cfg, "torch_dtype", "dtype", default="bfloat16")).replace("torch.", "")
     if dtype_name not in DTYPE_BYTES:
         raise InvalidArgumentError(f"{origin}: unknown dtype {dtype_name!r}; known: {', '.join(DTYPE_BYTES)}")
-    bias = cfg.get("attention_bias", cfg.get("model_type") == "qwen2")  # Qwen2's q/k/v always have biases
+    # Qwen2's and Qwen2-MoE's q/k/v always have biases
+    bias = cfg.get("attention_bias", cfg.get("qkv_bias", cfg.get("model_type") in ("qwen2", "qwen2_moe")))
     if not isinstance(bias, bool):
         raise InvalidArgumentError(f"{origin}: attention_bias must be JSON true or false, got {bias!r:.40}")
     window = cfg.get("sliding_window")
@@ -303,8 +385,25 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
         window = 0
     elif isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise InvalidArgumentError(f"{origin}: sliding_window must be a JSON integer or null, got {window!r:.40}")
+    moe: dict[str, int] = {}
+    if cfg.get("model_type") in MOE_MODEL_KEYS:
+        keys = {"n_experts": ("num_local_experts", "num_experts"), "experts_per_token": ("num_experts_per_tok",),
+                "expert_intermediate_size": ("moe_intermediate_size",),
+                "shared_expert_intermediate_size": ("shared_expert_intermediate_size",)}
+        for field, names in keys.items():
+            name = next((k for k in names if cfg.get(k) is not None), names[0])
+            value = cfg.get(name, 0)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgumentError(f"{origin}: {name} must be a JSON integer, got {value!r:.40}")
+            moe[field] = value
+        moe["router_weights_cast"] = cfg.get("model_type") == "qwen2_moe"
+        if moe["n_experts"] <= 0 or moe["experts_per_token"] <= 0:
+            raise InvalidArgumentError(f"{origin}: a {cfg.get('model_type')} config needs a positive number of "
+                                       "experts and of num_experts_per_tok")
     shape = ModelShape(fields["hidden_size"], fields["intermediate_size"], fields["n_layers"], fields["vocab_size"],
-                       fields["n_heads"], n_kv, head_dim, tie, bias, window)
+                       fields["n_heads"], n_kv, head_dim, tie, bias, window, **moe,
+                       sub_norms=cfg.get("model_type") == "bitnet",
+                       activation="relu2" if cfg.get("model_type") == "bitnet" else "silu")
     return shape, DTYPE_BYTES[dtype_name]
 
 

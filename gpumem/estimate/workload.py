@@ -40,6 +40,14 @@ Note [Decode steps simulated]
     grows with the number of new tokens (the old trace took about 220 KB per token) and the reserved
     figures are those of the full trace.
 
+Note [BitNet block]
+    BitNet's decoder (``model_type`` ``bitnet``) is the Llama block with two more RMSNorms, each upcasting to
+    fp32 as the others do: ``attn_sub_norm`` on the attention output before ``o_proj`` and ``ffn_sub_norm``
+    on ``act(gate) * up`` before ``down_proj``; its activation is ``relu(x)**2`` (``relu`` then ``square``: one
+    more intermediate-sized temporary). Its ternary weights are a weight format (``i2s`` from the config's
+    ``quantization_config``, :mod:`.formats`) with its dequantization workspace. Modelled from transformers
+    5.17's source; unmeasured (no BitNet kernel on the GPU machine). Training it is refused.
+
 Note [Token bookkeeping]
     Beside the tensors of the model, ``generate()`` holds the int64 input ids and attention mask, and each
     forward computes ``position_ids`` from the mask by ``cumsum``: about 24 bytes per token, which the
@@ -266,21 +274,129 @@ def _forward_block(e: _Emitter, s: ModelShape, tokens: int, d: int, cache: list[
     out = e.alloc(tq)
     lse = e.alloc(batch * s.n_heads * q_len * 4)
     flat = e.alloc(tq)
+    if s.sub_norms:  # Note [BitNet block]: attn_sub_norm before o_proj
+        normed = _norm(e, tokens * s.q_dim * 4, tq)
+        e.free(flat)
+        flat = normed
     e.free(out, lse, qe, n1)  # the normed input goes before o_proj allocates
     h1 = e.alloc(th)  # o_proj; the residual add reuses it (the recording shows no second hidden-sized tensor)
     e.free(flat)
     n2 = _norm(e, tokens * h * 4, th)
-    g = e.alloc(ti)
-    a = e.alloc(ti)
-    e.free(g)
-    u = e.alloc(ti)
-    m = e.alloc(ti)
-    e.free(a, u)
-    dn = e.alloc(th)
-    e.free(m, n2)
+    if s.n_experts:
+        dn = _moe(e, s, tokens, d)
+        e.free(n2)
+    else:
+        g = e.alloc(ti)
+        a = e.alloc(ti)
+        if s.activation == "relu2":  # relu(x), then its square: relu's output goes when the square returns
+            sq = e.alloc(ti)
+            e.free(a)
+            a = sq
+        e.free(g)
+        u = e.alloc(ti)
+        m = e.alloc(ti)
+        e.free(a, u)
+        if s.sub_norms:  # ffn_sub_norm before down_proj
+            normed = _norm(e, tokens * i * 4, ti)
+            e.free(m)
+            m = normed
+        dn = e.alloc(th)
+        e.free(m, n2)
     h2 = e.alloc(th)
     e.free(dn, h1)
     return h2
+
+
+def _gated_mlp(e: _Emitter, tokens: int, width: int, h: int, d: int, fused: bool) -> int:
+    """A gated SiLU MLP of ``width`` on ``tokens`` tokens; returns its output (``tokens x h``). ``fused``: one
+    ``gate_up`` product whose halves are views (transformers 5's experts), else separate gate and up."""
+    if fused:
+        gu = e.alloc(tokens * 2 * width * d)
+        a = e.alloc(tokens * width * d)
+        m = e.alloc(tokens * width * d)
+        e.free(a, gu)
+    else:
+        g = e.alloc(tokens * width * d)
+        a = e.alloc(tokens * width * d)
+        e.free(g)
+        u = e.alloc(tokens * width * d)
+        m = e.alloc(tokens * width * d)
+        e.free(a, u)
+    out = e.alloc(tokens * h * d)
+    e.free(m)
+    return out
+
+
+def _moe(e: _Emitter, s: ModelShape, tokens: int, d: int) -> int:
+    """Note [Mixture of experts]: a sparse MoE block as transformers 5.17 runs it on ``tokens`` tokens (its
+    default experts path on an H200, ``grouped_mm``, recorded in the run2 accuracy report); returns its output
+    (``tokens x h``). The router keeps its logits to the block's end (``_, weights, index = self.gate(x)``)
+    and takes the softmax in fp32; Mixtral's top-k weights stay fp32, Qwen2-MoE's are cast to the model dtype.
+    The experts sort the ``S = tokens x k`` token-expert pairs by expert (``sort``: ids and permutation),
+    gather the hidden states in that order, run one grouped ``gate_up`` product (its output masked into a new
+    tensor), ``act(gate) * up``, one grouped ``down`` product (masked again), weight it (fp32 with Mixtral's
+    fp32 weights), put it back in order and sum over the ``k`` experts of each token; the function's locals
+    live until it returns. None of these sizes depends on how the router spreads the tokens. Qwen2-MoE runs
+    its shared expert first and holds its output while the routed experts run, then gates it by a sigmoid
+    and adds it (a new tensor). Training a MoE model is refused (not modelled)."""
+    h, k, n_exp = s.hidden_size, s.experts_per_token, s.n_experts
+    ie, pairs = s.expert_intermediate_size, tokens * k
+    w_bytes = d if s.router_weights_cast else 4
+    shared = _gated_mlp(e, tokens, s.shared_expert_intermediate_size, h, d, fused=False) \
+        if s.shared_expert_intermediate_size else -1
+    logits = e.alloc(tokens * n_exp * d)  # router: held to the block's end
+    up = e.alloc(tokens * n_exp * 4)  # .float() (or softmax's dtype=float)
+    probs = e.alloc(tokens * n_exp * 4)
+    e.free(up)
+    top_w = e.alloc(tokens * k * 4)
+    top_i = e.alloc(tokens * k * 8)
+    if not s.router_weights_cast:
+        total = e.alloc(tokens * 4)  # top_w /= top_w.sum(-1): in place
+        e.free(total)
+    else:
+        cast_w = e.alloc(tokens * k * d)
+        e.free(top_w)
+        top_w = cast_w
+    e.free(probs)
+    ids_g, perm = e.alloc(pairs * 8), e.alloc(pairs * 8)  # torch.sort(expert_ids)
+    div = e.alloc(pairs * 8)  # perm // k
+    sel = e.alloc(pairs * h * d)  # hidden_states[perm // k]
+    e.free(div)
+    kept = [ids_g, perm, sel, e.alloc(pairs * w_bytes), e.alloc(pairs * 4)]  # weights by expert, ids .int()
+    kept += [e.alloc(n_exp * 4), e.alloc(n_exp * 4), e.alloc(pairs)]  # histc, offsets, sentinel mask
+    proj = e.alloc(pairs * 2 * ie * d)  # grouped gate_up
+    masked = e.alloc(pairs * 2 * ie * d)  # .masked_fill (not in place)
+    e.free(proj)
+    act = e.alloc(pairs * ie * d)
+    gated = e.alloc(pairs * ie * d)
+    e.free(act, masked)
+    proj = e.alloc(pairs * h * d)  # grouped down
+    e.free(gated)
+    masked = e.alloc(pairs * h * d)
+    e.free(proj)
+    weighted = e.alloc(pairs * h * w_bytes)
+    inv = e.alloc(pairs * 8)  # empty_like(perm), filled from an arange
+    ar = e.alloc(pairs * 8)
+    e.free(ar)
+    ordered = e.alloc(pairs * h * w_bytes)  # weighted[inv_perm]
+    e.free(weighted)
+    out = e.alloc(tokens * h * w_bytes)  # .view(T, k, h).sum(1)
+    if w_bytes != d:
+        cast = e.alloc(tokens * h * d)  # .to(hidden_states.dtype)
+        e.free(out)
+        out = cast
+    e.free(*kept, masked, inv, ordered)
+    if shared >= 0:
+        gate = e.alloc(tokens * d)
+        sig = e.alloc(tokens * d)
+        e.free(gate)
+        g_out = e.alloc(tokens * h * d)
+        e.free(sig, shared)
+        summed = e.alloc(tokens * h * d)
+        e.free(out, g_out)
+        out = summed
+    e.free(top_w, top_i, logits)
+    return out
 
 
 def _forward(e: _Emitter, s: ModelShape, batch: int, q_len: int, d: int, cache: list[int], cache_tokens_after: int,
@@ -366,6 +482,9 @@ def param_nbytes(shape: ModelShape, dtype_bytes: int, fmt: WeightFormat | None =
     formats] in :mod:`.formats`), the rest in ``dtype_bytes``."""
     if fmt is None:
         return [n * dtype_bytes for _, n in shape.param_shapes()]
+    if shape.n_experts:
+        raise InvalidArgumentError(f"weight format {fmt.name!r}: quantized experts of a mixture-of-experts model "
+                                   "are not modelled (its experts are 3-D tensors packed per expert)")
     dims = _projection_dims(shape)
     out = []
     for name, n in shape.param_shapes():
@@ -533,6 +652,12 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     """
     if not isinstance(optimizer_8bit, bool):
         raise InvalidArgumentError(f"optimizer_8bit must be True or False, got {optimizer_8bit!r}")
+    if shape.sub_norms or shape.activation != "silu":
+        raise InvalidArgumentError("training a BitNet model (quantization-aware training of its ternary weights) "
+                                   "is not modelled; its generate() is")
+    if shape.n_experts:
+        raise InvalidArgumentError("training a mixture-of-experts model is not modelled (what autograd keeps "
+                                   "per expert and the router's auxiliary loss); its generate() is")
     if lora is not None and not isinstance(lora, LoraConfig):
         raise InvalidArgumentError(f"lora must be a LoraConfig or None, got {type(lora).__name__}")
     if not isinstance(gradient_checkpointing, bool):

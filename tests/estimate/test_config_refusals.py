@@ -13,20 +13,14 @@ from gpumem.estimate import from_hf_config
 CONFIGS = Path(__file__).parent / "configs"
 
 
-@pytest.mark.parametrize("name,match", [
-    ("mixtral-8x7b.json", r"mixture-of-experts model \(num_local_experts=8, num_experts_per_tok=2\)"),
-    ("qwen2-moe-a2.7b.json", r"mixture-of-experts model \(num_experts=60, num_experts_per_tok=4"),
-    ("bitnet-b1.58-2b.json", r"model_type 'bitnet' is not one this estimate models"),
-])
-def test_unmodelled_configs_are_refused_naming_the_field(name, match, capsys):
-    with pytest.raises(InvalidArgumentError, match=match):
-        from_hf_config(CONFIGS / name)
-    assert main(["estimate", "--hf-config", str(CONFIGS / name), "--prompt-len", "128", "--no-reserved"]) == 2
-    assert name in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("extra,match", [
     ({"model_type": "gemma2"}, "model_type 'gemma2'"),
+    ({"model_type": "gemma"}, "model_type 'gemma'"),
+    ({"model_type": "phi3"}, "model_type 'phi3'"),
+    ({"model_type": "phi"}, "model_type 'phi'"),
+    ({"n_routed_experts": 64, "num_experts_per_tok": 6}, r"mixture-of-experts model \(n_routed_experts=64, "
+                                                          r"num_experts_per_tok=6\)"),
+    ({"model_type": "qwen3_moe", "num_experts": 128}, "mixture-of-experts model"),
     ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
     ({"mlp_bias": True}, "MLP biases"),
     ({"kv_lora_rank": 512}, "latent attention"),
@@ -83,3 +77,74 @@ def test_a_sliding_window_holds_within_it_and_is_refused_past_it(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["simulated"] <= 4096 - 16
     assert from_hf_config({**base, "use_sliding_window": False})[0].sliding_window == 0
+
+
+# -- mixture-of-experts configs are read (Note [Mixture of experts] in gpumem.estimate.workload) --------------
+
+def test_mixtral_and_qwen2_moe_configs_count_every_expert(capsys):
+    mixtral, _ = from_hf_config(CONFIGS / "mixtral-8x7b.json")
+    assert (mixtral.n_experts, mixtral.experts_per_token, mixtral.expert_intermediate_size) == (8, 2, 14336)
+    assert mixtral.n_params == 46_702_792_704  # Mixtral-8x7B's 46.7B (read as dense before: 7.24B)
+    qwen, _ = from_hf_config(CONFIGS / "qwen2-moe-a2.7b.json")
+    assert (qwen.n_experts, qwen.experts_per_token, qwen.expert_intermediate_size,
+            qwen.shared_expert_intermediate_size, qwen.attention_bias) == (60, 4, 1408, 5632, True)
+    assert round(qwen.n_params / 1e9, 2) == 14.32  # Qwen1.5-MoE-A2.7B: 14.3B in all
+    assert main(["estimate", "--hf-config", str(CONFIGS / "mixtral-8x7b.json"), "--prompt-len", "128",
+                 "--no-reserved", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["n_params"] == 46_702_792_704 and row["model_bytes"] >= 2 * 46_702_792_704
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"decoder_sparse_step": 2}, "dense MLP layers"),
+    ({"mlp_only_layers": [0]}, "dense MLP layers"),
+    ({"output_router_logits": True}, "output_router_logits"),
+    ({"num_experts_per_tok": 61}, "exceeds n_experts"),
+    ({"num_experts": 0}, "positive number of experts"),
+    ({"moe_intermediate_size": "1408"}, "moe_intermediate_size must be a JSON integer"),
+    ({"first_k_dense_replace": 1}, "mixture-of-experts model"),
+])
+def test_moe_fields_not_modelled_are_refused(extra, match):
+    base = json.loads((CONFIGS / "qwen2-moe-a2.7b.json").read_text())
+    with pytest.raises(InvalidArgumentError, match=match):
+        from_hf_config({**base, **extra})
+
+
+def test_moe_training_and_quantized_experts_are_refused(capsys):
+    cfg = str(CONFIGS / "mixtral-8x7b.json")
+    assert main(["estimate", "--hf-config", cfg, "--prompt-len", "128", "--training", "--no-reserved"]) == 2
+    assert "training a mixture-of-experts model is not modelled" in capsys.readouterr().err
+    assert main(["estimate", "--hf-config", cfg, "--prompt-len", "128", "--weight-format", "int4",
+                 "--no-reserved"]) == 2
+    assert "quantized experts" in capsys.readouterr().err
+
+
+# -- BitNet's block (Note [BitNet block] in gpumem.estimate.workload) --------------------------------------------
+
+def test_bitnet_config_is_read_with_its_sub_norms_relu2_and_ternary_weights(capsys):
+    shape, _ = from_hf_config(CONFIGS / "bitnet-b1.58-2b.json")
+    assert (shape.sub_norms, shape.activation, shape.tie_word_embeddings) == (True, "relu2", True)
+    dense = from_hf_config({**json.loads((CONFIGS / "bitnet-b1.58-2b.json").read_text()), "model_type": "llama",
+                            "hidden_act": "silu"})[0]
+    assert shape.n_params - dense.n_params == 30 * (2560 + 6912)  # one attn_sub_norm and one ffn_sub_norm a block
+    assert main(["estimate", "--hf-config", str(CONFIGS / "bitnet-b1.58-2b.json"), "--prompt-len", "128",
+                 "--no-reserved", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["weight_format"] == "i2s" and row["dequant_workspace_bytes"] > 0
+    assert row["model_bytes"] < 2 * shape.n_params / 2  # packed ternary projections: far below bf16
+
+
+@pytest.mark.parametrize("extra,match", [({"hidden_act": "silu"}, "bitnet config with hidden_act"),
+                                         ({"model_type": "gemma"}, "model_type 'gemma'")])
+def test_bitnet_variants_not_modelled_are_refused(extra, match):
+    base = json.loads((CONFIGS / "bitnet-b1.58-2b.json").read_text())
+    with pytest.raises(InvalidArgumentError, match=match):
+        from_hf_config({**base, **extra})
+
+
+def test_bitnet_training_is_refused(capsys):
+    cfg = {**json.loads((CONFIGS / "bitnet-b1.58-2b.json").read_text())}
+    del cfg["quantization_config"]  # 16-bit weights: full training would be asked for
+    from gpumem.estimate.workload import training_trace
+    with pytest.raises(InvalidArgumentError, match="training a BitNet model"):
+        training_trace(from_hf_config(cfg)[0], 2, seq_len=16)

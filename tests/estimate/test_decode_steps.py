@@ -15,7 +15,13 @@ from gpumem.managers.reserve import default_usable_nbytes
 from gpumem.specs import open_device
 
 SHAPES = {"mha": ModelShape(256, 688, 4, 1000, 4, 4), "gqa": ModelShape(512, 1376, 6, 3000, 8, 2),
-          "tied": ModelShape(384, 1024, 3, 5000, 6, 3, tie_word_embeddings=True)}
+          "tied": ModelShape(384, 1024, 3, 5000, 6, 3, tie_word_embeddings=True),
+          "moe": ModelShape(256, 512, 3, 1000, 4, 2, n_experts=4, experts_per_token=2),
+          "moe-shared": ModelShape(256, 512, 2, 1000, 4, 4, attention_bias=True, n_experts=6, experts_per_token=3,
+                                   expert_intermediate_size=128, shared_expert_intermediate_size=384,
+                                   router_weights_cast=True),
+          "bitnet": ModelShape(256, 512, 2, 1000, 4, 2, tie_word_embeddings=True, sub_norms=True,
+                               activation="relu2")}
 LLAMA_7B = ["--hidden-size", "4096", "--intermediate-size", "11008", "--layers", "32", "--vocab-size", "32000",
             "--heads", "32"]
 #: LLAMA_7B's shape with 2 layers (a single-value option may be given once: Note [Options behave the same in
@@ -47,7 +53,8 @@ def test_peak_allocated_and_its_split_match_the_full_trace(name, batch, prompt, 
 
 @pytest.mark.parametrize("name,batch,prompt,new", [("mha", 1, 64, 50), ("mha", 8, 100, 120), ("gqa", 3, 77, 60),
                                                    ("gqa", 64, 16, 90), ("tied", 5, 200, 33), ("mha", 2, 9, 1),
-                                                   ("gqa", 4, 30, 4), ("gqa", 4, 30, 5)])
+                                                   ("gqa", 4, 30, 4), ("gqa", 4, 30, 5), ("moe", 6, 50, 40),
+                                                   ("moe-shared", 3, 70, 25), ("bitnet", 4, 33, 21)])
 def test_streamed_replay_reserves_what_the_full_trace_reserves(name, batch, prompt, new):
     s = SHAPES[name]
     full = inference_trace(s, 2, batch_size=batch, prompt_len=prompt, new_tokens=new, full_decode=True)

@@ -24,7 +24,7 @@ from gpumem.native import load_engine
 from gpumem.allocator.policy import AllocatorPolicy, GrowthRule, get_policy
 from gpumem.allocator.stats import AllocatorStats
 from gpumem.device import Event, MemInfo, PhysicalHandle
-from gpumem.errors import InvalidArgumentError
+from gpumem.errors import InvalidArgumentError, OutOfMemoryError
 from gpumem.units import KiB, MiB
 
 from allocator_helpers import small_profile
@@ -799,3 +799,29 @@ def test_a_policy_is_read_once_so_both_engines_run_the_same_values():
 def test_a_valid_policy_object_is_kept_as_given():
     policy = dataclasses.replace(_BASE, name="mine", page_slack=0.25)
     assert CachingAllocator(sim.SimDevice(small_profile(384)), policy).policy is policy
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_limit_past_64_bits_is_refused_alike(engine):
+    """Review rv21a: limit=2**64 (parse_limit's largest byte count) passed the binding's unchecked ``K``
+    conversion as 0, no limit, so the native engine's OOM error had limit_nbytes None and no "its limit
+    is" clause where the Python engine's had both. No allocator can reserve 2**64 bytes: both refuse it
+    by name; 2**64 - 1 is taken by both."""
+    dev = sim.SimDevice(small_profile(384))
+    with pytest.raises(InvalidArgumentError, match="limit"):
+        CachingAllocator(dev, limit=2**64, engine=engine)
+    with pytest.raises(InvalidArgumentError, match="limit"):
+        CachingAllocator(dev, limit=str(2**64), engine=engine)
+    alloc = CachingAllocator(dev, limit=2**64 - 1, engine=engine)
+    with pytest.raises(OutOfMemoryError) as err:
+        alloc.allocate(1 << 40)
+    assert err.value.limit_nbytes == 2**64 - 1 and "its limit is" in str(err.value)
+
+
+def test_the_binding_refuses_a_limit_it_cannot_hold():
+    """The binding read limit_nbytes without an overflow check: 2**64 + 5 became a limit of 5 bytes."""
+    from gpumem import _engine
+    from gpumem.allocator import native
+
+    with pytest.raises((InvalidArgumentError, OverflowError)):
+        _engine.Allocator(sim.SimDevice(small_profile(384)), native, _BASE, limit_nbytes=2**64 + 5)

@@ -243,6 +243,41 @@ def test_scenario_validation(make):
         make()
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Step(nbytes=GiB, at_s=NAN), lambda: Step(nbytes=GiB, at_s=INF), lambda: Step(nbytes=GiB, until_s=NAN),
+    lambda: Step(nbytes=GiB, at_s=1e308, until_s=INF), lambda: Step(nbytes=NAN), lambda: Step(nbytes=1.5),
+    lambda: Step(nbytes=True), lambda: Step(nbytes="1GiB"),
+    lambda: Ramp(nbytes=GiB, duration_s=NAN), lambda: Ramp(nbytes=GiB, duration_s=1, hold_s=NAN),
+    lambda: Ramp(nbytes=GiB, duration_s=1, hold_s=-1), lambda: Ramp(nbytes=GiB, duration_s=1, steps=2.5),
+    lambda: PeriodicSpikes(nbytes=GiB, period_s=INF, spike_s=0.001),
+    lambda: PeriodicSpikes(nbytes=GiB, period_s=0.01, spike_s=NAN),
+    lambda: PeriodicSpikes(nbytes=GiB, period_s=0.01, spike_s=0.001, count=1.5),
+    lambda: RandomArrivals(rate_per_s=NAN, mean_hold_s=1, min_nbytes=1, max_nbytes=2),
+    lambda: RandomArrivals(rate_per_s=1, mean_hold_s=INF, min_nbytes=1, max_nbytes=2),
+    lambda: RandomArrivals(rate_per_s=1, mean_hold_s=1, min_nbytes=1.5, max_nbytes=2),
+    lambda: RandomArrivals(rate_per_s=1, mean_hold_s=1, min_nbytes=1, max_nbytes=2, until_s=NAN),
+    lambda: TraceTenant(ops=(), time_scale=NAN), lambda: TraceTenant(ops=(), start_s=INF),
+])
+def test_scenario_times_and_sizes_are_finite_numbers(make):
+    """Review rv21a: the checks compared with ``<= 0``, which NaN passes: Step(nbytes=nan) made the device's
+    tenant_nbytes NaN, Step(nbytes=1.5) a float, at_s=nan queued a SimPy timeout at time NaN (the tenant
+    never ran, silently), and the unchecked fields (until_s, hold_s) took anything."""
+    with pytest.raises(InvalidArgumentError):
+        make()
+
+
+def test_scenario_numbers_are_kept_as_ints_and_floats():
+    import numpy as np
+
+    step = Step(nbytes=np.int64(GiB), at_s=np.float32(0.5))
+    assert type(step.nbytes) is int and type(step.at_s) is float
+    dev = SimDevice(T4, pressure=step)
+    assert _at(dev, 1.0) == BASE_FREE - GiB and type(dev.tenant_nbytes) is int
+
+
 def test_a_give_returns_the_pages_of_its_take():
     """Each take is rounded to pages on its own; giving one back frees exactly its pages."""
     ops = [(0.0, 0, 1 * MiB, True), (0.0, 1, 1 * MiB, True), (0.0, 2, 3 * MiB, True),

@@ -210,10 +210,11 @@ class _Tenant(TenantContext):
         return self._held
 
     def take(self, nbytes: int) -> bool:
-        return self.device._tenant_take(self, nbytes)
+        # a Scenario of the caller's own calls these: whole bytes only (take(-4 GiB) added free memory)
+        return self.device._tenant_take(self, check_nbytes(nbytes, what="take: nbytes", allow_zero=True))
 
     def give(self, nbytes: int) -> None:
-        self.device._tenant_give(self, nbytes)
+        self.device._tenant_give(self, check_nbytes(nbytes, what="give: nbytes", allow_zero=True))
 
 
 class SimDevice(Device):

@@ -19,7 +19,7 @@ from gpumem.sim import (
     get_profile,
     preset,
 )
-from gpumem.sim.pressure import PRESET_NAMES
+from gpumem.sim.pressure import PRESET_NAMES, Scenario
 
 K = MemoryEventKind
 T4 = get_profile("t4-16gb")
@@ -290,3 +290,30 @@ def test_a_give_returns_the_pages_of_its_take():
     ramp = SimDevice(T4, pressure=Ramp(nbytes=3 * MiB, duration_s=0.003, steps=3, hold_s=0.001))
     assert _at(ramp, 0.0029) == BASE_FREE - 6 * MiB  # three 1 MiB steps, a page each
     assert _at(ramp, 0.0045) == BASE_FREE             # given back all at once
+
+
+class _Takes(Scenario):
+    """A scenario of its own that takes (or gives) ``amount`` at 1 ms."""
+
+    def __init__(self, amount, give: bool = False) -> None:
+        self.amount, self.give = amount, give
+
+    def process(self, ctx):
+        yield ctx.env.timeout(0.001)
+        if self.give:
+            ctx.take(GiB)
+            ctx.give(self.amount)
+        else:
+            ctx.take(self.amount)
+
+
+@pytest.mark.parametrize("amount, give", [(-4 * GiB, False), (1.5, False), (float("nan"), False), (True, False),
+                                          ("1GiB", False), (-GiB, True), (float("nan"), True)])
+def test_a_tenant_takes_and_gives_whole_bytes(amount, give):
+    """Review rv21a: TenantContext.take/give (what a Scenario of one's own calls) took any value: take(-4 GiB)
+    left the device with more free memory than it has."""
+    dev = SimDevice(T4, pressure=_Takes(amount, give))
+    with pytest.raises(InvalidArgumentError, match="nbytes"):
+        dev.advance(0.01)
+    assert dev.tenant_nbytes == (GiB if give else 0)
+    assert dev.mem_info().free_nbytes == BASE_FREE - dev.tenant_nbytes

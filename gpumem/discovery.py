@@ -63,12 +63,11 @@ from typing import Any, Callable, Iterable, Sequence, TextIO
 
 from .device import Device
 from .errors import BackendUnavailableError, CudaError, GpumemError, InvalidArgumentError
+from .hostmem import MEMINFO_PATH, host_memory, parse_meminfo
 from .units import format_bytes
 
 log = logging.getLogger(__name__)
 
-MEMINFO_PATH = "/proc/meminfo"
-"""Where Linux says how much host memory is available."""
 
 
 class BackendKind(str, enum.Enum):
@@ -273,46 +272,6 @@ def _sim_backend() -> BackendInfo:
         devices.append(BackendDevice(profile.spec, props.name, info.total_nbytes, info.free_nbytes,
                                      tuple(props.compute_capability), props.unified_memory, props.vmm_supported))
     return BackendInfo(BackendKind.SIM, True, tuple(devices), real_compute=False)
-
-
-def parse_meminfo(text: str) -> tuple[int, int]:
-    """``(total, available)`` bytes from the text of ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``;
-    ``MemFree + Buffers + Cached`` on kernels before 3.14). Raises :class:`InvalidArgumentError` when the
-    text has no ``MemTotal``."""
-    fields: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            unit = parts[1].lower() if len(parts) > 1 else ""
-            fields[key.strip()] = int(parts[0]) * (1024 if unit == "kb" else 1)
-    if "MemTotal" not in fields:
-        raise InvalidArgumentError("meminfo text has no MemTotal line")
-    avail = fields.get("MemAvailable")
-    if avail is None:
-        avail = fields.get("MemFree", 0) + fields.get("Buffers", 0) + fields.get("Cached", 0)
-    return fields["MemTotal"], min(avail, fields["MemTotal"])
-
-
-def host_memory(meminfo_path: str = MEMINFO_PATH) -> tuple[int, int]:
-    """``(total, available)`` bytes of host memory: ``/proc/meminfo`` where it exists (available = what
-    can be allocated without swapping), else ``os.sysconf`` (available = free pages). Raises
-    :class:`~gpumem.errors.BackendUnavailableError` when neither can tell."""
-    try:
-        with open(meminfo_path, encoding="ascii", errors="replace") as f:
-            return parse_meminfo(f.read())
-    except (OSError, InvalidArgumentError) as exc:
-        log.debug("host memory from %s failed (%s); trying os.sysconf", meminfo_path, exc)
-    try:
-        page = os.sysconf("SC_PAGE_SIZE")
-        total = os.sysconf("SC_PHYS_PAGES") * page
-        free = os.sysconf("SC_AVPHYS_PAGES") * page
-    except (ValueError, OSError, AttributeError) as exc:
-        raise BackendUnavailableError(f"cannot read the host's memory ({meminfo_path} and os.sysconf both "
-                                      f"failed: {exc})") from None
-    if total <= 0:
-        raise BackendUnavailableError("os.sysconf reports no host memory")
-    return int(total), int(max(0, min(free, total)))
 
 
 def _cpu_name() -> str:

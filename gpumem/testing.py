@@ -208,8 +208,22 @@ def pytest_configure(config: pytest.Config) -> None:
     if source != "default" and not getattr(config.option, "help", False):
         _validate_specs(specs, source)
     record = config.getoption("gpumem_record", default=None)
-    config.stash[_STATE_KEY] = _HilState(specs=specs, source=source, record_dir=Path(record) if record else None)
+    config.stash[_STATE_KEY] = _HilState(specs=specs, source=source,
+                                         record_dir=None if record is None else _record_dir(record))
     config.pluginmanager.register(GpumemHil(), _ACTIVE_NAME)
+
+
+def _record_dir(value: str) -> Path:
+    """``--gpumem-record``'s directory, refused before any test runs when it cannot be one (empty, a file,
+    or below a file): the record is written at the end of the session, after a run that may take hours."""
+    if not value.strip():
+        raise pytest.UsageError("--gpumem-record: no directory given")
+    directory = Path(value)
+    for path in (directory, *directory.parents):
+        if path.exists() and not path.is_dir():
+            raise pytest.UsageError(f"--gpumem-record: {str(path)!r} is a file, not a directory: the record "
+                                    f"could not be written into {value!r}")
+    return directory
 
 
 def _state(config: pytest.Config) -> _HilState:

@@ -4,8 +4,9 @@ Every import counts: at module level, inside functions, under ``if TYPE_CHECKING
 ``importlib.import_module`` with a literal name (an f-string counts as importing every module its
 constant prefix names, as ``cli.py``'s loop over the commands). A cycle is broken by moving what both
 modules need to one that both can import, never by moving an import into a function, so the check
-reads the whole source of each module. ``from package import name`` depends on the package's
-``__init__`` only where ``name`` is not itself a module of the package.
+reads the whole source of each module. Importing a module runs the ``__init__`` of every package above
+it first, so each of those counts too, except the importing module's own packages (being imported
+already: a package importing its own submodule is no cycle).
 """
 
 from __future__ import annotations
@@ -66,11 +67,19 @@ def import_graph(root: Path) -> tuple[dict[str, dict[str, int]], dict[str, Path]
     mods = _modules(root)
     graph: dict[str, dict[str, int]] = {m: {} for m in mods}
     for module, path in mods.items():
+        own = _packages(module)
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
             for target in _targets(module, node, mods):
-                if target != module:
-                    graph[module].setdefault(target, node.lineno)
+                for loaded in [*_packages(target), target]:
+                    if loaded != module and loaded in mods and loaded not in own:
+                        graph[module].setdefault(loaded, node.lineno)
     return graph, mods
+
+
+def _packages(module: str) -> list[str]:
+    """The packages above ``module``, outermost first (whose ``__init__`` runs before it)."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
@@ -159,3 +168,17 @@ def test_a_package_importing_its_own_submodule_is_no_cycle(tmp_path: Path) -> No
     """``from . import a`` in the package names the submodule, not the package's ``__init__``."""
     root = _tree(tmp_path, {"__init__.py": "from . import a\n", "a.py": "from gpumem import b\n", "b.py": ""})
     assert cycles(import_graph(root)[0]) == []
+
+
+@pytest.mark.parametrize("a_text", ["def f():\n    from .pkg.c import x\n", "import gpumem.pkg.c\n",
+                                    "from gpumem.pkg import c\n"])
+def test_importing_a_submodule_counts_its_packages_init(tmp_path: Path, a_text: str) -> None:
+    """Review rv21a: ``from .pkg.c import x`` runs ``pkg/__init__.py`` first, and that may import back (it
+    hid discovery -> managers/__init__ -> managers.fallback -> discovery); a module's own packages are
+    being imported already and add nothing."""
+    root = _tree(tmp_path, {"__init__.py": "", "a.py": a_text, "pkg/__init__.py": "from . import d\n",
+                            "pkg/c.py": "", "pkg/d.py": "def g():\n    from ..a import y\n"})
+    assert cycles(import_graph(root)[0]) == [["gpumem.a", "gpumem.pkg", "gpumem.pkg.d"]]
+    inner = _tree(tmp_path / "inner", {"__init__.py": "", "pkg/__init__.py": "from . import c\n",
+                                       "pkg/c.py": "from gpumem.pkg.d import z\n", "pkg/d.py": ""})
+    assert cycles(import_graph(inner)[0]) == []

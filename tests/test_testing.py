@@ -184,6 +184,18 @@ def test_bad_device_is_a_usage_error(tmp_path, spec):
     assert "bad device spec" in res.stderr
 
 
+@pytest.mark.parametrize("where", ["a-file", "a-file/below", ""])
+def test_a_record_dir_that_cannot_be_one_is_a_usage_error_before_the_tests_run(tmp_path, where):
+    """Review rv21a: ``--gpumem-record`` naming a file (or a path under one) ran every test, then failed
+    at the end of the session with FileExistsError and no record (a whole HIL run lost); an empty value
+    recorded nothing, silently. Both are refused at once, before any test runs."""
+    (tmp_path / "a-file").write_text("not a directory\n")
+    res = _run(tmp_path, "-k", "opens", "--gpumem-record", str(tmp_path / where) if where else "")
+    assert res.returncode == 4, res.stdout + res.stderr  # pytest's usage error
+    assert "--gpumem-record" in res.stderr and "passed" not in res.stdout
+    assert (tmp_path / "a-file").read_text() == "not a directory\n"
+
+
 def test_help_texts(tmp_path):
     res = _run(tmp_path, "--help")
     assert res.returncode == 0

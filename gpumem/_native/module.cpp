@@ -385,13 +385,24 @@ bool read_policy_field(PyObject* helpers, PyObject* policy, const PolicyField& f
 // engine's defaults.
 PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
     static const char* kwlist[] = {"device", "helpers", "policy", "limit_nbytes", "gc_threshold", nullptr};
-    PyObject *device, *helpers, *policy = Py_None;
+    PyObject *device, *helpers, *policy = Py_None, *limit_obj = nullptr;
     EngineConfig cfg;
     unsigned long long limit = 0;
     double gc = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$Kd", const_cast<char**>(kwlist), &device, &helpers, &policy,
-                                     &limit, &gc))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$Od", const_cast<char**>(kwlist), &device, &helpers, &policy,
+                                     &limit_obj, &gc))
         return nullptr;
+    if (limit_obj != nullptr) {   // checked: the "K" format wrapped 2**64 + 5 to a limit of 5 bytes
+        if (PyLong_Check(limit_obj) && !PyBool_Check(limit_obj)) {
+            limit = PyLong_AsUnsignedLongLong(limit_obj);
+            if (limit == static_cast<unsigned long long>(-1) && PyErr_Occurred()) PyErr_Clear();
+            else limit_obj = nullptr;
+        }
+        if (limit_obj != nullptr) {
+            invalid_argument(helpers, "limit_nbytes must be an int in [0, 2**64) (0: no limit)");
+            return nullptr;
+        }
+    }
     if (policy != Py_None)
         for (const PolicyField& f : kPolicyFields)
             if (!read_policy_field(helpers, policy, f, cfg)) return nullptr;

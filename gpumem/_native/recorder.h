@@ -12,7 +12,10 @@
 // window's events lie together in the list: the history's are the first `taken` from its start (once
 // full it takes no more until restarted), the trace's those from its start to its stop (less the
 // out-of-memory events, which only the history takes). Restarting a window drops from the front of the
-// list the events that no window reads any more.
+// list the events that no window reads any more. A hook reads the clock before it takes the lock, so
+// an event's time may precede the one recorded ahead of it or a window's start (turned on by another
+// thread in between): it is raised to the latest of those, keeping times in list order and never before
+// their window (a trace time of 2**64 less a little, a negative history time).
 #pragma once
 
 #include <algorithm>
@@ -56,6 +59,7 @@ class Recorder {
         const bool to_trace = trace_.on && action != kOutOfMemory;
         if (history_.on && !to_history) ++dropped_;
         if (!to_history && !to_trace) return;
+        if (t_ns < last_ns_) t_ns = last_ns_;
         try {
             events_.push_back(Event{addr, nbytes, stream, t_ns, static_cast<std::int32_t>(device), action});
         } catch (const std::bad_alloc&) {   // recording never fails an allocation: the event is dropped
@@ -63,6 +67,7 @@ class Recorder {
             return;
         }
         if (to_history) ++taken_;
+        last_ns_ = t_ns;
     }
 
     // Turns the history on, emptied, for up to `max_entries` (> 0) events from `t0_ns`; throws
@@ -74,6 +79,7 @@ class Recorder {
         max_entries_ = max_entries;
         taken_ = 0;
         dropped_ = 0;
+        if (t0_ns > last_ns_) last_ns_ = t0_ns;
         compact();
         any_on_.store(true, std::memory_order_relaxed);
     }
@@ -105,6 +111,7 @@ class Recorder {
     void trace_start(std::int64_t t0_ns) {
         std::lock_guard<std::mutex> lock(mutex_);
         trace_ = Window{true, events_.size(), 0, t0_ns};
+        if (t0_ns > last_ns_) last_ns_ = t0_ns;
         compact();
         any_on_.store(true, std::memory_order_relaxed);
     }
@@ -174,6 +181,7 @@ class Recorder {
     std::uint64_t max_entries_ = 0;
     std::uint64_t taken_ = 0;
     std::uint64_t dropped_ = 0;
+    std::int64_t last_ns_ = INT64_MIN;   // the latest event's time or window start (Note above)
 };
 
 }  // namespace gpumem

@@ -488,7 +488,7 @@ class BucketAllocator(AllocatorContract):
         return OutOfMemoryError(nbytes, free, total, device=self.device.spec,
                                 allocated_nbytes=self._stats.allocated_nbytes, cached_nbytes=self._pooled_nbytes,
                                 limit_nbytes=self.limit_nbytes, hint=hint,
-                                injected=bool(cause is not None and cause.injected))
+                                injected=bool(cause is not None and cause.injected), rounded_nbytes=size)
 
     def _device_call(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:

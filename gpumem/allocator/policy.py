@@ -79,7 +79,7 @@ segments fill), so single ties may still go the other way.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ..errors import InvalidArgumentError
 from ..units import MiB, align_up
@@ -320,10 +320,33 @@ DEFAULT_POLICY = "gpumem"
 
 
 def get_policy(name: "str | AllocatorPolicy") -> AllocatorPolicy:
-    """The named policy (``gpumem``, ``bestfit``, ``pytorch``, ``cupy``, ``expandable``), or ``name`` if already a policy."""
+    """The named policy (``gpumem``, ``bestfit``, ``pytorch``, ``cupy``, ``expandable``), or ``name`` checked
+    if already a policy (:func:`checked_policy`)."""
     if isinstance(name, AllocatorPolicy):
-        return name
+        return checked_policy(name)
     try:
         return POLICIES[name]
     except (KeyError, TypeError):
         raise InvalidArgumentError(f"unknown allocator policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+
+
+def checked_policy(policy: AllocatorPolicy) -> AllocatorPolicy:
+    """``policy`` itself when its values are the ones its checks let through, else a plain checked copy.
+
+    Note [A policy is checked where it is used]: ``__post_init__`` checks a policy when it is made, but a
+    frozen dataclass can still be changed past it (``object.__setattr__``) and a subclass can answer a
+    field through a property, differently on each read. The Python engine reads the policy on every call
+    and the native one copies it once, so such a policy made them disagree (round_nbytes=0: the native
+    engine refused it, the Python one raised ZeroDivisionError at the first allocation). Every field is
+    read once here and the values checked again by building a plain :class:`AllocatorPolicy`; the
+    original is kept only where it is a plain policy holding exactly those values (same types).
+
+    Raises :class:`~gpumem.errors.InvalidArgumentError` naming the first field out of its range.
+    """
+    values = {f.name: getattr(policy, f.name) for f in fields(AllocatorPolicy)}
+    checked = AllocatorPolicy(**values)
+    if type(policy) is AllocatorPolicy and all(
+            type(value) is type(getattr(checked, name)) and value == getattr(checked, name)
+            for name, value in values.items()):
+        return policy
+    return checked

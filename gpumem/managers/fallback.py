@@ -119,7 +119,7 @@ class FallbackBuffer:
             except MemoryError:
                 # NumPy's bare MemoryError says neither where nor how much: name the CPU, and the GPU's
                 # refusal that sent the buffer there
-                from gpumem.discovery import host_memory
+                from gpumem.hostmem import host_memory
                 try:
                     host_total, host_free = host_memory()
                 except Exception:  # noqa: BLE001 - the figures only decorate the message

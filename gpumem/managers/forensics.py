@@ -204,7 +204,8 @@ def with_forensics(error: OutOfMemoryError, record: ForensicsRecord) -> OutOfMem
         f"report {record.report_path}.")
     new = OutOfMemoryError(error.requested_nbytes, error.free_nbytes, error.total_nbytes, device=error.device,
                            allocated_nbytes=error.allocated_nbytes, cached_nbytes=error.cached_nbytes,
-                           limit_nbytes=error.limit_nbytes, hint=hint, injected=error.injected)
+                           limit_nbytes=error.limit_nbytes, hint=hint, injected=error.injected,
+                           rounded_nbytes=error.rounded_nbytes)
     new.forensics = record  # type: ignore[attr-defined]
     return new
 

@@ -20,7 +20,9 @@ the old code, with Hypothesis.
 
 An environment handed in by the caller may be shared (other devices, the caller's processes), so
 that clock is eager: it reads ``env.now`` first and hands every move over at once. Code given the
-device's own environment through :attr:`gpumem.sim.SimDevice.env` turns the clock eager too.
+device's own environment through :attr:`gpumem.sim.SimDevice.env` turns the clock eager too. While
+a lazy clock steps SimPy it is eager as well (``lazy`` is None then): a process SimPy wakes (a
+tenant's scenario) may call the device, and that call starts at SimPy's time, not the stale ``now_s``.
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ class SimClock:
         self.next_s: float = env.peek()
         """``env.peek()`` when the clock last touched SimPy (read by lazy clocks only: on an empty
         schedule SimPy's ``peek`` raises and catches an exception, dear for a call per move)."""
-        self.lazy = lazy
-        """False: read SimPy's time first and hand every move over at once (a shared environment)."""
+        self.lazy: bool | None = lazy
+        """False: read SimPy's time first and hand every move over at once (a shared environment); None:
+        a lazy clock while it steps SimPy, eager meanwhile (a process may call the device)."""
 
     @property
     def now(self) -> float:
@@ -78,6 +81,7 @@ class SimClock:
         env = self.env
         now = self.now_s
         stop_s = now + (until_s - now)  # where run(until=) puts its stop event
+        lazy, self.lazy = self.lazy, (None if self.lazy else self.lazy)  # eager while SimPy runs
         try:
             while env.peek() < stop_s:
                 env.step()
@@ -86,13 +90,21 @@ class SimClock:
                 self.now_s = env.now  # a process raised: the clock is where SimPy stopped
             raise
         finally:
-            self.next_s = env.peek()
-        self.now_s = stop_s
+            self._after_steps(lazy)
+        # a call re-entered from a process may have moved SimPy past the stop
+        self.now_s = stop_s if stop_s >= env.now else env.now
+
+    def _after_steps(self, lazy: bool | None) -> None:
+        """Back from stepping SimPy: lazy again unless the environment was handed out meanwhile."""
+        if self.lazy is None:
+            self.lazy = lazy
+        self.next_s = self.env.peek()
 
     def wait(self, event: simpy.Event) -> None:
         """Process events until ``event`` has been (as ``env.run(until=event)``); the clock is then
         at its time (or stays, if it was processed already)."""
         env = self.env
+        lazy, self.lazy = self.lazy, (None if self.lazy else self.lazy)  # eager while SimPy runs
         try:
             while not event.processed:
                 env.step()
@@ -101,7 +113,7 @@ class SimClock:
         finally:
             if env.now > self.now_s:
                 self.now_s = env.now
-            self.next_s = env.peek()
+            self._after_steps(lazy)
         if not self.lazy:
             self.sync()
 

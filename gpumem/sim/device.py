@@ -210,10 +210,11 @@ class _Tenant(TenantContext):
         return self._held
 
     def take(self, nbytes: int) -> bool:
-        return self.device._tenant_take(self, nbytes)
+        # a Scenario of the caller's own calls these: whole bytes only (take(-4 GiB) added free memory)
+        return self.device._tenant_take(self, check_nbytes(nbytes, what="take: nbytes", allow_zero=True))
 
     def give(self, nbytes: int) -> None:
-        self.device._tenant_give(self, nbytes)
+        self.device._tenant_give(self, check_nbytes(nbytes, what="give: nbytes", allow_zero=True))
 
 
 class SimDevice(Device):
@@ -285,6 +286,7 @@ class SimDevice(Device):
         self._next_stream = 1
         self._closed = False
         self._lost = False
+        self._lost_at_s = 0.0
         self._total_pages = profile.total_nbytes // self._gran
         self._fixed_nbytes = profile.context_nbytes + profile.host_reserved_nbytes
         self._process_pages = 0
@@ -315,7 +317,8 @@ class SimDevice(Device):
 
     @property
     def now_s(self) -> float:
-        """Simulated seconds since the device was created."""
+        """The device's simulated time in seconds: 0 when it was created on its own environment, the given
+        environment's time otherwise."""
         return float(self._clock.now)
 
     def advance(self, seconds: float) -> None:
@@ -339,7 +342,9 @@ class SimDevice(Device):
                                        f"clock past the largest finite time")
 
     def _lost_message(self) -> str:
-        return f"{self.spec} was lost at t={self.faults.plan.device_lost_at_s}s"
+        # the time it was lost on the device's clock: device_lost_at_s counts from its creation, which on
+        # a given environment need not be t=0
+        return f"{self.spec} was lost at t={self._lost_at_s}s"
 
     def _call(self, name: str, cost_us: float, nbytes: int = 0) -> None:
         """Start a call (the base class refused a closed or lost device already): let its cost in time
@@ -378,6 +383,7 @@ class SimDevice(Device):
     def _lose_at(self, at_s: float):  # SimPy process
         yield self._clock.env.timeout(at_s)
         self._lost = True
+        self._lost_at_s = self._clock.env.now
         self.events.publish(MemoryEvent(self.now_s, MemoryEventKind.DEVICE_LOST, 0, self._free_nbytes(), "faults"))
 
     # -- events and tenants -----------------------------------------------------------------

@@ -8,8 +8,8 @@ seeded random generator, so the same plan and seed always fail the same calls.
 * ``fail_allocation_calls``: these allocation calls (1-based count) fail the same way;
 * ``transient_error_calls``: these allocation calls raise
   :class:`~gpumem.errors.TransientDeviceError` once (a retry succeeds);
-* ``device_lost_at_s``: from this simulated time on, every call raises
-  :class:`~gpumem.errors.DeviceLostError`;
+* ``device_lost_at_s``: this many simulated seconds after the device was created (its time, on its
+  own environment), and from then on, every call raises :class:`~gpumem.errors.DeviceLostError`;
 * ``fail_calls``: per call type (a :data:`CALL_NAMES` entry, the :class:`gpumem.Device`
   method's name), the 1-based indices of that type's calls to fail, e.g.
   ``{"mem_unmap": {3}}`` fails the third ``mem_unmap``;

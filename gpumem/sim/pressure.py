@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import abc
 import random
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generator, Sequence
 
 from gpumem.errors import InvalidArgumentError
+from gpumem.validate import check_int_in_range, check_real_in_range
 
 if TYPE_CHECKING:  # pragma: no cover
     import simpy
@@ -62,14 +64,27 @@ class Scenario(abc.ABC):
         """Yield SimPy timeouts between takes and gives."""
 
 
-def _check_positive(name: str, value: float) -> None:
-    if value <= 0:
-        raise InvalidArgumentError(f"{name} must be positive, got {value}")
+def _number(scenario: Scenario, name: str, *, positive: bool = False, optional: bool = False) -> None:
+    """Check ``scenario``'s field ``name`` (seconds, a rate, a scale): a finite number, > 0 where
+    ``positive``, else >= 0, kept as a float (None passes where ``optional``). A comparison alone let NaN
+    through: a SimPy timeout at time NaN, a tenant that silently never ran."""
+    value = getattr(scenario, name)
+    if value is None and optional:
+        return
+    what = f"{type(scenario).__name__}.{name}"
+    x = check_real_in_range(value, what, 0.0, sys.float_info.max)
+    if positive and x == 0:
+        raise InvalidArgumentError(f"{what} must be positive, got {value!r}")
+    object.__setattr__(scenario, name, x)
 
 
-def _check_nonneg(name: str, value: float) -> None:
-    if value < 0:
-        raise InvalidArgumentError(f"{name} must not be negative, got {value}")
+def _integer(scenario: Scenario, name: str, lo: int, *, optional: bool = False) -> None:
+    """Check ``scenario``'s field ``name`` (bytes, a count): an integer >= ``lo``, kept as an int (a float
+    or NaN size made the device's tenant_nbytes one)."""
+    value = getattr(scenario, name)
+    if value is None and optional:
+        return
+    object.__setattr__(scenario, name, check_int_in_range(value, f"{type(scenario).__name__}.{name}", lo))
 
 
 @dataclass(frozen=True)
@@ -81,8 +96,9 @@ class Step(Scenario):
     until_s: float | None = None
 
     def __post_init__(self) -> None:
-        _check_positive("nbytes", self.nbytes)
-        _check_nonneg("at_s", self.at_s)
+        _integer(self, "nbytes", 1)
+        _number(self, "at_s")
+        _number(self, "until_s", optional=True)
         if self.until_s is not None and self.until_s <= self.at_s:
             raise InvalidArgumentError("until_s must come after at_s")
 
@@ -106,10 +122,11 @@ class Ramp(Scenario):
     hold_s: float | None = None
 
     def __post_init__(self) -> None:
-        _check_positive("nbytes", self.nbytes)
-        _check_positive("duration_s", self.duration_s)
-        _check_positive("steps", self.steps)
-        _check_nonneg("start_s", self.start_s)
+        _integer(self, "nbytes", 1)
+        _number(self, "duration_s", positive=True)
+        _integer(self, "steps", 1)
+        _number(self, "start_s")
+        _number(self, "hold_s", optional=True)
 
     def process(self, ctx: TenantContext) -> ProcessGenerator:
         yield ctx.env.timeout(self.start_s)
@@ -134,12 +151,11 @@ class PeriodicSpikes(Scenario):
     count: int | None = None
 
     def __post_init__(self) -> None:
-        _check_positive("nbytes", self.nbytes)
-        _check_positive("period_s", self.period_s)
-        _check_positive("spike_s", self.spike_s)
-        _check_nonneg("start_s", self.start_s)
-        if self.count is not None:
-            _check_nonneg("count", self.count)
+        _integer(self, "nbytes", 1)
+        _number(self, "period_s", positive=True)
+        _number(self, "spike_s", positive=True)
+        _number(self, "start_s")
+        _integer(self, "count", 0, optional=True)
         if self.spike_s >= self.period_s:
             raise InvalidArgumentError("spike_s must be shorter than period_s")
 
@@ -167,9 +183,11 @@ class RandomArrivals(Scenario):
     until_s: float | None = None
 
     def __post_init__(self) -> None:
-        _check_positive("rate_per_s", self.rate_per_s)
-        _check_positive("mean_hold_s", self.mean_hold_s)
-        _check_positive("min_nbytes", self.min_nbytes)
+        _number(self, "rate_per_s", positive=True)
+        _number(self, "mean_hold_s", positive=True)
+        _integer(self, "min_nbytes", 1)
+        _integer(self, "max_nbytes", 1)
+        _number(self, "until_s", optional=True)
         if self.max_nbytes < self.min_nbytes:
             raise InvalidArgumentError("max_nbytes must be >= min_nbytes")
 
@@ -201,8 +219,8 @@ class TraceTenant(Scenario):
     time_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_positive("time_scale", self.time_scale)
-        _check_nonneg("start_s", self.start_s)
+        _number(self, "time_scale", positive=True)
+        _number(self, "start_s")
 
     @classmethod
     def from_trace(cls, trace: object, *, start_s: float = 0.0, time_scale: float = 1.0) -> "TraceTenant":

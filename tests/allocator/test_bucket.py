@@ -137,9 +137,11 @@ def test_oom_without_release_changes_nothing(dev):
 def test_a_request_larger_than_the_device_is_refused_at_once(dev):
     pool = BucketAllocator(dev)
     before = state(pool)
-    with pytest.raises(OutOfMemoryError, match="larger than the device"):
+    with pytest.raises(OutOfMemoryError, match="larger than the device") as info:
         pool.allocate(300 * MiB)  # a 512 MiB bucket on a 256 MiB card
     assert state(pool) == before and dev.n_allocations == 0
+    # the error's rounded size is the bucket's, as the caching allocator's is its policy's (review rv21a)
+    assert info.value.requested_nbytes == 300 * MiB and info.value.rounded_nbytes == 512 * MiB
 
 
 def test_limit(dev):

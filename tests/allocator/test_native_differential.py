@@ -24,6 +24,7 @@ from gpumem.native import load_engine
 from gpumem.allocator.policy import AllocatorPolicy, GrowthRule, get_policy
 from gpumem.allocator.stats import AllocatorStats
 from gpumem.device import Event, MemInfo, PhysicalHandle
+from gpumem.errors import InvalidArgumentError, OutOfMemoryError
 from gpumem.units import KiB, MiB
 
 from allocator_helpers import small_profile
@@ -733,3 +734,94 @@ def test_device_events_reach_subscribers_after_the_native_operation():
     alloc.free(p)
     alloc.check_consistency()
     alloc.close()
+
+
+# -- a policy whose values bypassed AllocatorPolicy.__post_init__ (review rv21a) --------------------------
+def _bypassed(**fields) -> AllocatorPolicy:
+    """The default policy with ``fields`` set after its checks ran (``object.__setattr__`` on the frozen
+    dataclass), as a caller that patches a policy in place would."""
+    policy = dataclasses.replace(_BASE)
+    for name, value in fields.items():
+        object.__setattr__(policy, name, value)
+    return policy
+
+
+@pytest.mark.parametrize("field, value", [
+    ("round_nbytes", 0), ("round_nbytes", 3), ("round_nbytes", -512), ("round_nbytes", True),
+    ("small_max_nbytes", -1), ("small_max_nbytes", 2**64), ("separate_small_pool", 1), ("steal_empty_pages", None),
+    ("va_reserve_factor", 0.5), ("va_reserve_factor", float("nan")), ("va_reserve_factor", "2"),
+    ("page_slack", 1.5), ("page_slack", float("nan")), ("chunk_max_fraction", float("inf")),
+    ("chunk_max_nbytes", 0), ("grow_ahead_fraction", -1.0), ("busy_slack", -1.0), ("busy_slack", float("nan")),
+    ("stream_ordered_steal", 1), ("growth", "bad"), ("small_page_nbytes", -1),
+])
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_policy_changed_past_its_checks_is_refused_alike_when_the_allocator_is_made(engine, field, value):
+    """Both engines refuse a policy whose field is out of its range (set past ``__post_init__``) with the
+    same InvalidArgumentError naming the field, before any device call; the Python engine took such a
+    policy and failed later (round_nbytes=0: ZeroDivisionError at the first allocation; NaN fractions:
+    ValueError; va_reserve_factor="2": a string of 400 million digits), or ran with it (round_nbytes=3)."""
+    policy = _bypassed(**{field: value})
+    before = [getattr(policy, f.name) for f in dataclasses.fields(policy)]
+    dev = sim.SimDevice(small_profile(384))
+    log = CallLog(dev)
+    with pytest.raises(InvalidArgumentError, match=f"AllocatorPolicy.{field}"):
+        CachingAllocator(dev, policy, engine=engine)
+    assert log.take() == []
+    after = [getattr(policy, f.name) for f in dataclasses.fields(policy)]
+    assert repr(after) == repr(before)  # the policy object is left as it was (repr: NaN != NaN)
+
+
+def test_a_policy_is_read_once_so_both_engines_run_the_same_values():
+    """A policy subclass whose field is a property answering differently on each read: the allocator
+    takes one checked copy of its values, so the Python engine (which reads the policy on every call)
+    and the native one (which copies it once) run the same rounding."""
+    reads = []
+
+    class Drifting(AllocatorPolicy):
+        @property
+        def round_nbytes(self):  # noqa: D401 - a field shadowed by a property
+            reads.append(1)
+            return 512 if len(reads) == 1 else 4096
+
+        @round_nbytes.setter
+        def round_nbytes(self, value):
+            pass
+
+    for engine in ("python", "native"):
+        reads.clear()
+        alloc = CachingAllocator(sim.SimDevice(small_profile(384)), Drifting("drift", "", vmm=_BASE.vmm),
+                                 engine=engine)
+        sizes = [alloc.block_size(alloc.allocate(1000)) for _ in range(3)]
+        assert sizes == [alloc.policy.round_nbytes] * 3, (engine, sizes)
+        assert type(alloc.policy) is AllocatorPolicy
+
+
+def test_a_valid_policy_object_is_kept_as_given():
+    policy = dataclasses.replace(_BASE, name="mine", page_slack=0.25)
+    assert CachingAllocator(sim.SimDevice(small_profile(384)), policy).policy is policy
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_limit_past_64_bits_is_refused_alike(engine):
+    """Review rv21a: limit=2**64 (parse_limit's largest byte count) passed the binding's unchecked ``K``
+    conversion as 0, no limit, so the native engine's OOM error had limit_nbytes None and no "its limit
+    is" clause where the Python engine's had both. No allocator can reserve 2**64 bytes: both refuse it
+    by name; 2**64 - 1 is taken by both."""
+    dev = sim.SimDevice(small_profile(384))
+    with pytest.raises(InvalidArgumentError, match="limit"):
+        CachingAllocator(dev, limit=2**64, engine=engine)
+    with pytest.raises(InvalidArgumentError, match="limit"):
+        CachingAllocator(dev, limit=str(2**64), engine=engine)
+    alloc = CachingAllocator(dev, limit=2**64 - 1, engine=engine)
+    with pytest.raises(OutOfMemoryError) as err:
+        alloc.allocate(1 << 40)
+    assert err.value.limit_nbytes == 2**64 - 1 and "its limit is" in str(err.value)
+
+
+def test_the_binding_refuses_a_limit_it_cannot_hold():
+    """The binding read limit_nbytes without an overflow check: 2**64 + 5 became a limit of 5 bytes."""
+    from gpumem import _engine
+    from gpumem.allocator import native
+
+    with pytest.raises((InvalidArgumentError, OverflowError)):
+        _engine.Allocator(sim.SimDevice(small_profile(384)), native, _BASE, limit_nbytes=2**64 + 5)

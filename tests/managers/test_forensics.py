@@ -188,3 +188,21 @@ def test_export_snapshot_to_a_folder_or_a_missing_folder_is_a_clear_error(tmp_pa
         assert sorted(tmp_path.iterdir()) == before and len(m.tracker) == len(held)
         assert read_pytorch_snapshot(m.export_snapshot(tmp_path / "ok.pickle")).n_allocs == len(held)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.pickle"]
+
+
+def test_the_error_with_forensics_keeps_every_figure_of_the_original(tmp_path):
+    """Review rv21a: with_forensics rebuilt the error without ``rounded_nbytes`` (added to
+    OutOfMemoryError by issue 21 step 3), so the raised error lost "rounded up to ..." from its
+    message and said the allocator needed the request as given."""
+    from gpumem.managers.forensics import with_forensics
+
+    original = OutOfMemoryError(1000, 5 * MiB, 16 * MiB, device="sim:t4-16gb", allocated_nbytes=2 * MiB,
+                                cached_nbytes=MiB, limit_nbytes=8 * MiB, hint="Try: less.", injected=True,
+                                rounded_nbytes=2 * MiB)
+    record = write_oom_forensics(tmp_path, original)
+    new = with_forensics(original, record)
+    for name in ("requested_nbytes", "rounded_nbytes", "free_nbytes", "total_nbytes", "device", "allocated_nbytes",
+                 "cached_nbytes", "limit_nbytes", "injected"):
+        assert getattr(new, name) == getattr(original, name), name
+    assert str(new).startswith(str(original)) and str(record.report_path) in str(new)
+    assert new.forensics is record

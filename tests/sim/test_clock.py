@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gpumem.sim import SimDevice, get_profile
 from gpumem.sim.clock import SimClock
-from gpumem.sim.pressure import PeriodicSpikes, RandomArrivals, Step
+from gpumem.sim.pressure import PeriodicSpikes, RandomArrivals, Scenario, Step
 
 
 class _OldClock:
@@ -198,3 +198,43 @@ def test_a_call_made_while_another_device_runs_the_shared_clock_takes_its_time()
     (start_s, end_s), = spans
     assert end_s - start_s == pytest.approx(b.latency.mem_get_info_us * 1e-6, rel=1e-9)
     assert a.now_s >= end_s and env.now >= end_s
+
+
+class _CallsTheDevice(Scenario):
+    """A tenant that, at 0.5 s, calls its own device from inside its SimPy process (re-entrant: the
+    device's clock is running SimPy when the process wakes), then sleeps 0.2 s."""
+
+    def __init__(self, box: list) -> None:
+        self.box = box
+        self.seen: list[tuple] = []
+
+    def process(self, ctx):
+        yield ctx.env.timeout(0.5)
+        dev = self.box[0]
+        start_s = dev.now_s
+        dev.advance(0.1)
+        after_advance_s = dev.now_s
+        dev.mem_info()
+        self.seen.append((start_s, after_advance_s, dev.now_s))
+        yield ctx.env.timeout(0.2)
+        self.seen.append(("woke", ctx.env.now))
+
+
+@pytest.mark.parametrize("own_env", [True, False])
+def test_a_call_from_a_process_the_clock_runs_takes_its_time(own_env):
+    """Review rv21a: on the device's own (lazy) environment, a call made from a tenant's process while the
+    clock ran SimPy started from the clock's stale time, so advance(0.1) and mem_info took no time at all
+    (0.5 -> 0.5); the eager clock (a given environment) and the old device took both."""
+    box: list = []
+    scenario = _CallsTheDevice(box)
+    dev = SimDevice(get_profile("t4-16gb"), env=None if own_env else simpy.Environment())
+    box.append(dev)
+    dev.add_tenant(scenario)
+    dev.advance(1.0)
+    (start_s, after_advance_s, end_s), (_, woke_s) = scenario.seen
+    assert start_s == 0.5 and after_advance_s == 0.6
+    assert end_s - after_advance_s == pytest.approx(dev.latency.mem_get_info_us * 1e-6, rel=1e-9)
+    assert woke_s == end_s + 0.2
+    assert dev.now_s == 1.0  # the outer advance still ends where it was asked to
+    dev.advance(0.5)
+    assert dev.now_s == 1.5 and dev.env.now == 1.5

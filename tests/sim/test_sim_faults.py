@@ -129,6 +129,22 @@ def test_device_lost_during_a_call():
     assert dev.accounting() == acc and dev.n_allocations == 0
 
 
+def test_device_lost_on_a_shared_environment_says_when_it_was():
+    """Review rv21a: device_lost_at_s counts from the device's creation (its SimPy timeout is relative), so
+    on an environment already at t=100 the device is lost at t=105; the error said "lost at t=5.0s",
+    a time the device never had."""
+    import simpy
+
+    dev = SimDevice(A100, env=simpy.Environment(initial_time=100.0), faults=FaultPlan(device_lost_at_s=5.0))
+    dev.advance(4.0)
+    dev.mem_info()
+    dev.advance(2.0)
+    with pytest.raises(DeviceLostError, match=r"lost at t=105\.0 ?s"):
+        dev.mem_info()
+    lost = [e for e in dev.events.history if e.kind is MemoryEventKind.DEVICE_LOST]
+    assert [e.time_s for e in lost] == [105.0]
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(malloc_failure_rate=-0.1), dict(malloc_failure_rate=1.5), dict(malloc_failure_rate=float("nan")),
     dict(malloc_failure_rate="0.5"), dict(malloc_failure_rate=True), dict(malloc_failure_rate=10**400),

@@ -19,7 +19,7 @@ from gpumem.sim import (
     get_profile,
     preset,
 )
-from gpumem.sim.pressure import PRESET_NAMES
+from gpumem.sim.pressure import PRESET_NAMES, Scenario
 
 K = MemoryEventKind
 T4 = get_profile("t4-16gb")
@@ -243,6 +243,41 @@ def test_scenario_validation(make):
         make()
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Step(nbytes=GiB, at_s=NAN), lambda: Step(nbytes=GiB, at_s=INF), lambda: Step(nbytes=GiB, until_s=NAN),
+    lambda: Step(nbytes=GiB, at_s=1e308, until_s=INF), lambda: Step(nbytes=NAN), lambda: Step(nbytes=1.5),
+    lambda: Step(nbytes=True), lambda: Step(nbytes="1GiB"),
+    lambda: Ramp(nbytes=GiB, duration_s=NAN), lambda: Ramp(nbytes=GiB, duration_s=1, hold_s=NAN),
+    lambda: Ramp(nbytes=GiB, duration_s=1, hold_s=-1), lambda: Ramp(nbytes=GiB, duration_s=1, steps=2.5),
+    lambda: PeriodicSpikes(nbytes=GiB, period_s=INF, spike_s=0.001),
+    lambda: PeriodicSpikes(nbytes=GiB, period_s=0.01, spike_s=NAN),
+    lambda: PeriodicSpikes(nbytes=GiB, period_s=0.01, spike_s=0.001, count=1.5),
+    lambda: RandomArrivals(rate_per_s=NAN, mean_hold_s=1, min_nbytes=1, max_nbytes=2),
+    lambda: RandomArrivals(rate_per_s=1, mean_hold_s=INF, min_nbytes=1, max_nbytes=2),
+    lambda: RandomArrivals(rate_per_s=1, mean_hold_s=1, min_nbytes=1.5, max_nbytes=2),
+    lambda: RandomArrivals(rate_per_s=1, mean_hold_s=1, min_nbytes=1, max_nbytes=2, until_s=NAN),
+    lambda: TraceTenant(ops=(), time_scale=NAN), lambda: TraceTenant(ops=(), start_s=INF),
+])
+def test_scenario_times_and_sizes_are_finite_numbers(make):
+    """Review rv21a: the checks compared with ``<= 0``, which NaN passes: Step(nbytes=nan) made the device's
+    tenant_nbytes NaN, Step(nbytes=1.5) a float, at_s=nan queued a SimPy timeout at time NaN (the tenant
+    never ran, silently), and the unchecked fields (until_s, hold_s) took anything."""
+    with pytest.raises(InvalidArgumentError):
+        make()
+
+
+def test_scenario_numbers_are_kept_as_ints_and_floats():
+    import numpy as np
+
+    step = Step(nbytes=np.int64(GiB), at_s=np.float32(0.5))
+    assert type(step.nbytes) is int and type(step.at_s) is float
+    dev = SimDevice(T4, pressure=step)
+    assert _at(dev, 1.0) == BASE_FREE - GiB and type(dev.tenant_nbytes) is int
+
+
 def test_a_give_returns_the_pages_of_its_take():
     """Each take is rounded to pages on its own; giving one back frees exactly its pages."""
     ops = [(0.0, 0, 1 * MiB, True), (0.0, 1, 1 * MiB, True), (0.0, 2, 3 * MiB, True),
@@ -255,3 +290,30 @@ def test_a_give_returns_the_pages_of_its_take():
     ramp = SimDevice(T4, pressure=Ramp(nbytes=3 * MiB, duration_s=0.003, steps=3, hold_s=0.001))
     assert _at(ramp, 0.0029) == BASE_FREE - 6 * MiB  # three 1 MiB steps, a page each
     assert _at(ramp, 0.0045) == BASE_FREE             # given back all at once
+
+
+class _Takes(Scenario):
+    """A scenario of its own that takes (or gives) ``amount`` at 1 ms."""
+
+    def __init__(self, amount, give: bool = False) -> None:
+        self.amount, self.give = amount, give
+
+    def process(self, ctx):
+        yield ctx.env.timeout(0.001)
+        if self.give:
+            ctx.take(GiB)
+            ctx.give(self.amount)
+        else:
+            ctx.take(self.amount)
+
+
+@pytest.mark.parametrize("amount, give", [(-4 * GiB, False), (1.5, False), (float("nan"), False), (True, False),
+                                          ("1GiB", False), (-GiB, True), (float("nan"), True)])
+def test_a_tenant_takes_and_gives_whole_bytes(amount, give):
+    """Review rv21a: TenantContext.take/give (what a Scenario of one's own calls) took any value: take(-4 GiB)
+    left the device with more free memory than it has."""
+    dev = SimDevice(T4, pressure=_Takes(amount, give))
+    with pytest.raises(InvalidArgumentError, match="nbytes"):
+        dev.advance(0.01)
+    assert dev.tenant_nbytes == (GiB if give else 0)
+    assert dev.mem_info().free_nbytes == BASE_FREE - dev.tenant_nbytes

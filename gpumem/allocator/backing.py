@@ -174,6 +174,7 @@ import abc
 import heapq
 import logging
 from array import array
+from dataclasses import dataclass
 from typing import Callable
 
 from ..device import Device, PhysicalHandle
@@ -402,6 +403,28 @@ class SegmentBacking(Backing):
 
     def describe(self) -> str:
         return f"segments ({self.n_segments} live, rule={self.policy.segment_rule.value})"
+
+
+@dataclass(frozen=True)
+class HeldBreakdown:
+    """Where the physical memory of a :class:`VirtualBacking` lies (:meth:`VirtualBacking.held_breakdown`);
+    the four sizes add up to its ``reserved_nbytes``.
+
+    What a placement rule can win lies in ``locked_nbytes``: empty pages of chunks that also hold live
+    pages can move only with their whole chunk (Note [Chunks of several pages]), so at a peak they are
+    held although no block lives there; ``idle_nbytes`` are whole idle chunks, held within the slack or
+    created while the idle ones were busy (Note [Wait, do not grow, behind the GPU])."""
+
+    live_nbytes: int
+    """Pages touched by at least one live block."""
+    locked_nbytes: int
+    """Empty pages of chunks that also hold live pages."""
+    locked_chunks: int
+    """How many chunks hold both live and empty pages."""
+    idle_nbytes: int
+    """Pages of mapped chunks with no live page (stealable)."""
+    cached_nbytes: int
+    """Chunks held but mapped nowhere."""
 
 
 def _page_array(n_pages: int) -> array:
@@ -1420,6 +1443,30 @@ class VirtualBacking(Backing):
         # any request up to the cached chunks can be stitched without new device memory
         cached = sum(h.nbytes for h in self.unmapped) + sum(len(s.empty) * s.page_nbytes for s in self.vsegments.values())
         return max(super().largest_free_nbytes(free_lists), cached)
+
+    def held_breakdown(self) -> HeldBreakdown:
+        """Split the memory held now into live pages, locked empty pages, idle chunks and cached chunks
+        (:class:`HeldBreakdown`); one pass over the empty pages."""
+        locked = idle = n_locked = live = 0
+        for seg in self.vsegments.values():
+            g, refs, chunks = seg.page_nbytes, seg.refs, seg.chunks
+            live += sum(1 for r in refs[:-(-seg.top // g)] if r) * g
+            seen: set[int] = set()
+            for p in seg.empty:
+                handle = chunks[p]
+                if handle is None or id(handle) in seen:
+                    continue
+                seen.add(id(handle))
+                start = self._chunk_start(seg, p)
+                n = handle.nbytes // g
+                empty = sum(1 for q in range(start, start + n) if not refs[q])
+                if empty == n:
+                    idle += n * g
+                else:
+                    locked += empty * g
+                    n_locked += 1
+        cached = sum(h.nbytes for h in self.unmapped)
+        return HeldBreakdown(live, locked, n_locked, idle, cached)
 
     def describe(self) -> str:
         return (f"virtual memory ({len(self.vsegments)} range(s) of {self.va_nbytes >> 30} GiB shared by all streams, "

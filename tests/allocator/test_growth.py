@@ -227,8 +227,35 @@ def test_bookkeeping_matches_the_device(engine, ops, cap, slack, ahead, limit):
         elif op == "empty":
             alloc.empty_cache()
         alloc.check_consistency()
+        if engine == "python":
+            held_breakdown_adds_up(alloc.backing)
         for ptr, tag in live.items():
             assert dev.read(ptr, 16) == tag
+    alloc.close()
+
+
+def held_breakdown_adds_up(backing) -> None:
+    """The breakdown's parts add up to the memory held, and its live part is the pages live blocks touch."""
+    b = backing.held_breakdown()
+    assert b.live_nbytes + b.locked_nbytes + b.idle_nbytes + b.cached_nbytes == backing.reserved_nbytes
+    assert b.live_nbytes == backing.live_pages * G
+    assert (b.locked_nbytes == 0) == (b.locked_chunks == 0)
+
+
+def test_held_breakdown_tells_locked_pages_from_idle_chunks():
+    """A 64 MiB block grows chunks of 1, 1, 2, 4, 8 and 16 pages (uncapped: each at most what is held);
+    a 10 MiB block in its place after it is freed keeps pages 0-4 live: pages 5-7 of the 4-page chunk are
+    locked, the 8- and 16-page chunks idle (what sim/peak_composition.py reports at the peak)."""
+    alloc = CachingAllocator(small_device(), policy(chunk_max_fraction=1.0), engine="python")
+    alloc.free(alloc.allocate(64 * MiB))
+    alloc.allocate(10 * MiB)
+    b = alloc.backing.held_breakdown()
+    assert (b.live_nbytes, b.locked_nbytes, b.locked_chunks, b.idle_nbytes, b.cached_nbytes) == \
+        (10 * MiB, 6 * MiB, 1, 48 * MiB, 0)
+    held_breakdown_adds_up(alloc.backing)
+    alloc.empty_cache()  # the idle chunks go back whole; the locked pages stay with their chunk
+    b = alloc.backing.held_breakdown()
+    assert (b.live_nbytes, b.locked_nbytes, b.idle_nbytes, b.cached_nbytes) == (10 * MiB, 6 * MiB, 0, 0)
     alloc.close()
 
 
@@ -319,3 +346,22 @@ def test_policy_integers_of_any_type_become_ints_and_every_field_is_checked():
     fields = {f.name for f in dataclasses.fields(policy_module.AllocatorPolicy)}
     assert fields == set(policy_module._FIELD_RANGES) | {"vmm", "segment_rule", "growth"}, \
         "a field without a range: add it to _FIELD_RANGES"
+
+
+def test_peak_composition_study_splits_the_overhead_and_refuses_a_policy_without_virtual_memory():
+    """sim/peak_composition.py: the parts at the peak add up to the overhead; a segment policy is refused."""
+    from gpumem.trace import Trace
+    from gpumem.trace.model import OpKind
+    from sim.peak_composition import peak_composition
+
+    A, F = OpKind.ALLOC, OpKind.FREE
+    trace = Trace.from_ops("t", "test", [(A, 0, 64 * MiB, 0, 0.0, 0), (F, 0, 64 * MiB, 0, 1.0, 0),
+                                         (A, 1, 10 * MiB, 0, 2.0, 0), (A, 2, 1 * MiB, 0, 3.0, 0),
+                                         (F, 1, 10 * MiB, 0, 4.0, 0), (F, 2, 1 * MiB, 0, 5.0, 0)])
+    r = peak_composition(trace, policy(chunk_max_fraction=1.0), "sim:h200-141gb", "idle")
+    a = r.at_peak
+    assert r.peak_reserved_nbytes == a.live_nbytes + a.locked_nbytes + a.idle_nbytes + a.cached_nbytes
+    assert r.overhead == pytest.approx(r.peak_reserved_nbytes / r.peak_allocated_nbytes - 1)
+    assert r.memory_calls > 0 and 0 <= r.memory_calls_second_half <= r.memory_calls
+    with pytest.raises(InvalidArgumentError, match="does not use virtual memory"):
+        peak_composition(trace, get_policy("bestfit"), "sim:h200-141gb", "idle")

@@ -212,6 +212,18 @@ def test_help_lists_every_suite(capsys: pytest.CaptureFixture) -> None:
     assert "exit status" in out
 
 
+def test_help_lists_the_exit_statuses_docs_hil_md_lists(capsys: pytest.CaptureFixture) -> None:
+    """``--help`` and docs/hil.md name the same exit statuses (the help once left out SIGTERM's and SIGHUP's)."""
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "hil.md").read_text(encoding="utf-8")
+    doc = " ".join(doc[doc.index("Exit status"):].split("\n\n")[0].split())
+    for code in ("0", "1", "2", "3", "130", "143", "129"):
+        assert f" {code} " in doc, code
+        assert f" {code} " in help_text, f"python -m hil run --help does not give exit status {code}"
+
+
 # -- overall status and exit codes --------------------------------------------------------------------------------
 def _record(suite_statuses: list[str], **parts: str) -> dict:
     """A record of these suite statuses; every other suite of SUITES passed."""

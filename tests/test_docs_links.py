@@ -88,3 +88,25 @@ def _resolves(name: str) -> bool:
 @pytest.mark.parametrize("doc, name", _commands(r"`[^`]*?\b(gpumem(?:\.[A-Za-z_]\w*)+)"))
 def test_quoted_gpumem_name_exists(doc, name):
     assert _resolves(name), f"{doc} names `{name}`, which gpumem does not have"
+
+
+def _architecture_paths() -> list[tuple[str, str]]:
+    """``(row, path)`` for every file or folder docs/architecture.md's tables name: a path as written, from the
+    checkout's root, ``gpumem/`` or ``tests/``, or (a bare file name) inside the folder its row is about."""
+    out = []
+    for row in (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8").splitlines():
+        if not row.startswith("| ") or row.startswith("|---"):
+            continue
+        cells = row.split(" | ")
+        for token in re.findall(r"`([\w./-]+)`", row):
+            if "/" in token or re.search(r"\.(py|cpp|h|md|toml)$", token):
+                out.append((cells[0].strip("| "), token))
+    return out
+
+
+@pytest.mark.parametrize("row, path", _architecture_paths())
+def test_architecture_names_paths_that_exist(row, path):
+    bases = [ROOT, ROOT / "gpumem", ROOT / "tests"]
+    bases += [ROOT / d.strip("`") for d in re.findall(r"`([\w/]+/)`", row)]
+    assert any((base / path).exists() for base in bases), \
+        f"docs/architecture.md (row {row}) names {path}, which is not in the checkout"

@@ -110,3 +110,19 @@ def test_architecture_names_paths_that_exist(row, path):
     bases += [ROOT / d.strip("`") for d in re.findall(r"`([\w/]+/)`", row)]
     assert any((base / path).exists() for base in bases), \
         f"docs/architecture.md (row {row}) names {path}, which is not in the checkout"
+
+
+SIM_STUDIES = sorted(p.stem for p in (ROOT / "sim").glob("*.py") if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("study", SIM_STUDIES)
+def test_sim_study_help_names_the_command_the_docs_give(study):
+    """docs/architecture.md: ``python -m sim.<study> --help``; its usage line says that command (it said
+    ``soak.py``, the file, before)."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", f"sim.{study}", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"usage: python -m sim.{study} "), res.stdout.splitlines()[:1]

@@ -112,17 +112,18 @@ def test_architecture_names_paths_that_exist(row, path):
         f"docs/architecture.md (row {row}) names {path}, which is not in the checkout"
 
 
-SIM_STUDIES = sorted(p.stem for p in (ROOT / "sim").glob("*.py") if p.stem != "__init__")
+TOOLS = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts) for folder in ("sim", "hil/probes")
+               for p in (ROOT / folder).glob("*.py") if "ArgumentParser(" in p.read_text(encoding="utf-8"))
 
 
-@pytest.mark.parametrize("study", SIM_STUDIES)
-def test_sim_study_help_names_the_command_the_docs_give(study):
-    """docs/architecture.md: ``python -m sim.<study> --help``; its usage line says that command (it said
-    ``soak.py``, the file, before)."""
+@pytest.mark.parametrize("module", TOOLS)
+def test_tool_help_names_the_command_the_docs_give(module):
+    """docs/architecture.md and docs/hil.md: ``python -m sim.<study>``, ``python -m hil.probes.<probe>``; the
+    usage line of ``--help`` says that command (it said the file, ``soak.py``, before)."""
     import subprocess
     import sys
 
-    res = subprocess.run([sys.executable, "-m", f"sim.{study}", "--help"], cwd=ROOT, capture_output=True,
+    res = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.startswith(f"usage: python -m sim.{study} "), res.stdout.splitlines()[:1]
+    assert res.stdout.startswith(f"usage: python -m {module} "), res.stdout.splitlines()[:1]

@@ -73,8 +73,20 @@ def test_every_suite_path_exists_and_suites_are_named_uniquely() -> None:
         suite_named("nope")
 
 
+# the fake suites lie outside the checkout, away from tests/conftest.py: where gpumem is not installed
+# (PYTHONPATH=. pytest), their conftest registers the plugin as that one does, or --gpumem-device is unknown
+_FAKE_CONFTEST = """
+def pytest_addoption(parser, pluginmanager):
+    import gpumem.testing
+
+    if not pluginmanager.is_registered(gpumem.testing) and not pluginmanager.is_blocked("gpumem_hil"):
+        pluginmanager.register(gpumem.testing, "gpumem_hil")
+"""
+
+
 def _write_tests(folder: Path, body: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / "conftest.py").write_text(_FAKE_CONFTEST)
     path = folder / "test_fake.py"
     path.write_text(textwrap.dedent(body))
     return path

@@ -39,8 +39,8 @@ examples:
   {prog} run --device sim:h200-141gb --out build/hil --suites contract,allocator   (no GPU: the simulator)
 
 exit status: 0 every part run passed, nothing skipped; 1 a suite or part failed; 2 bad input or no
-usable device; 3 nothing failed, but a suite or part was skipped; 130 interrupted (Ctrl-C): no record
-written, every child process killed.
+usable device; 3 nothing failed, but a suite or part was skipped; 130 interrupted (Ctrl-C), 143 or 129
+stopped by SIGTERM or SIGHUP: no record written, every child process killed.
 """
 
 

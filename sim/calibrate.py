@@ -251,7 +251,7 @@ def _table(costs: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sim.calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="write the JSON record there")
     parser.add_argument("--repeat", type=int, default=30, help="samples per call (default 30)")
     args = parser.parse_args()

@@ -53,7 +53,7 @@ def solve3(points: list[tuple[int, float, float]]) -> tuple[float, float, float]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sim.fit_latency", description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", type=Path, help="calibration records or HIL records")
     args = parser.parse_args(argv)
     try:

@@ -67,7 +67,8 @@ def table(rows: list[dict], part: str, timings: tuple[str, ...], slacks: tuple[f
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m sim.gpu_timing_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tuning", nargs="*", default=None, help="tuning traces (default: data/traces/*.gz)")
     p.add_argument("--check", nargs="*", default=[], help="held-out traces (no decision looks at them)")
     p.add_argument("--device", default="sim:h200-141gb")

@@ -60,7 +60,8 @@ def table(rows: list[dict], part: str, candidates: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m sim.gpu_timing_live", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", type=Path)
     p.add_argument("--check", nargs="*", default=[], help="workloads of the check part (no decision looks at them)")
     p.add_argument("--device", default="sim:h200-141gb")

@@ -265,7 +265,7 @@ def table(name: str, about: str, rows: dict[str, dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m sim.growth_sweep", description=__doc__.splitlines()[0])
     ap.add_argument("--traces", type=Path, default=REPO / "data" / "traces")
     ap.add_argument("--device", default="sim:h200-141gb")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of " + ", ".join(VARIANTS))

@@ -348,7 +348,7 @@ def render(result: SoakResult) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: run the soak, print the tables; exit 1 when a check failed."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m sim.soak", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", type=int, default=300_000, help="operations in all (default 300000)")
     ap.add_argument("--devices", default=",".join(DEFAULT_DEVICES),

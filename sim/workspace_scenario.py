@@ -95,7 +95,7 @@ def profile_table(prof: str, results: dict[tuple[str, str, Rule], ScenarioResult
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sim.workspace_scenario", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400, help="inference steps of 1 ms per run (default 400)")
     parser.add_argument("--profiles", default=None, help="comma-separated profile names (default: all 15)")
     parser.add_argument("--out", default="reports/workspace-scenario.md", help="Markdown report ('-': none)")

@@ -43,7 +43,10 @@ Note [Streams in the pool]
 Pools are kept per stream, as the caching allocator's free lists are: a block freed on stream A is only
 handed out again on stream A, whose later work is ordered after the work that used it. The pool does not
 track use on other streams (there is no ``record_stream``): a block used on another stream must outlive
-that use.
+that use. A block goes back to the device (a free over ``max_pooled_per_bucket``, :meth:`~BucketAllocator.shrink`,
+the release before an out-of-memory retry) only after its stream's queued work is done
+(``stream_synchronize``): ``Device.free`` of memory that queued work still touches is a hazard, as for
+``cudaFree``, and with the GPU running behind the CPU (replays' default) that work is often still queued.
 """
 
 from __future__ import annotations
@@ -242,6 +245,7 @@ class BucketAllocator(AllocatorContract):
             cap = self.policy.max_pooled_per_bucket
             pool = self._pools.get((size, stream))
             if cap is not None and (0 if pool is None else len(pool)) >= cap:
+                self._device_call(self.device.stream_synchronize, stream)  # Note [Streams in the pool]
                 self._device_free(ptr)  # device first: on failure the block stays live
                 self._returned_on_free += 1
             else:
@@ -510,6 +514,8 @@ class BucketAllocator(AllocatorContract):
         for key in sorted(self._pools, key=lambda k: (-k[0], k[1])):
             size = key[0]
             pool = self._pools[key]
+            if pool:
+                self._device_call(self.device.stream_synchronize, key[1])  # Note [Streams in the pool]
             while pool and self._pooled_nbytes > keep_nbytes:
                 self._device_free(pool[-1])
                 pool.pop()

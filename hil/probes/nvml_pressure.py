@@ -636,7 +636,7 @@ def write_record(rec: Record, out_dir: Path) -> tuple[Path, Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line (see the module docstring)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m hil.probes.nvml_pressure", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--device", default="cuda:0", help="cuda:N, or sim:<profile> (default cuda:0)")
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,

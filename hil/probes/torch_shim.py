@@ -153,7 +153,7 @@ PLAN = [("record_stream", "native"), ("record_stream", "ctypes"), ("record_strea
 
 
 def main(argv: "list[str] | None" = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m hil.probes.torch_shim", description=__doc__.splitlines()[0])
     ap.add_argument("--out-json", type=Path, required=True)
     ap.add_argument("--out-md", type=Path, required=True)
     ap.add_argument("--device-name", default="")

@@ -623,7 +623,8 @@ def _load_record(path: Path) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m hil.probes.workloads", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     live = sub.add_parser("live", help="run the workloads on the GPU under both allocators")
     live.add_argument("--workloads", default=",".join(WORKLOADS))

@@ -399,3 +399,46 @@ def test_a_failed_device_free_changes_nothing():
     keep.close()
     pool.close()
 
+
+
+def _kernel_on(dev, pool, stream):
+    """A block of the pool on ``stream`` and a kernel queued there that reads it; the block is freed at once."""
+    p = pool.allocate(3 * MiB, stream)
+    work = dev.launch(stream, 0.01, touches=[(p, 4 * MiB)], name="reads p")
+    return p, work
+
+
+@pytest.mark.parametrize("stream", [0, 7])
+@pytest.mark.parametrize("release", ["free over the cap", "shrink", "clear_pool", "limit retry"])
+def test_a_block_goes_back_to_the_device_only_after_the_kernel_reading_it(dev, stream, release):
+    """Note [Streams in the pool]: every path that frees a block on the device waits for its stream first
+    (``replay_trace(..., policy="bucket", max_pooled_per_bucket=4)``, docs/backends.md, raised
+    MemoryHazardError with the GPU running behind the CPU)."""
+    pool = BucketAllocator(dev, max_pooled_per_bucket=0 if release == "free over the cap" else None,
+                           limit=8 * MiB if release == "limit retry" else None)
+    p, work = _kernel_on(dev, pool, stream)
+    pool.free(p)
+    assert work.done is (release == "free over the cap")  # pooled: nothing waited yet
+    if release == "shrink":
+        assert pool.shrink(0) == 4 * MiB
+    elif release == "clear_pool":
+        assert pool.clear_pool() == 4 * MiB
+    elif release == "limit retry":
+        pool.free(pool.allocate(5 * MiB, stream))  # an 8 MiB bucket: within the limit once p went back
+    assert work.done and dev.now_s >= work.end_s, "the block went back before the kernel was done"
+    assert not dev.hazards and pool.pooled_nbytes == (8 * MiB if release == "limit retry" else 0)
+    pool.check_consistency()
+    pool.close()
+
+
+def test_replay_with_a_capped_pool_and_the_gpu_behind_the_cpu():
+    """docs/backends.md's example: a capped pool on a replay whose GPU work runs behind the CPU (the default)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "data" / "traces" / "resnet_train.snapshot.pickle.gz"
+    from gpumem.trace import load_trace
+
+    trace = load_trace(path).head(4000)
+    r = replay_trace(trace, "sim:h200-141gb", policy="bucket", max_pooled_per_bucket=0, gpu_timing="trace",
+                     progress=False)
+    assert r.completed_ops == trace.n_ops and r.ooms == 0

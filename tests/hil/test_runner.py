@@ -73,8 +73,20 @@ def test_every_suite_path_exists_and_suites_are_named_uniquely() -> None:
         suite_named("nope")
 
 
+# the fake suites lie outside the checkout, away from tests/conftest.py: where gpumem is not installed
+# (PYTHONPATH=. pytest), their conftest registers the plugin as that one does, or --gpumem-device is unknown
+_FAKE_CONFTEST = """
+def pytest_addoption(parser, pluginmanager):
+    import gpumem.testing
+
+    if not pluginmanager.is_registered(gpumem.testing) and not pluginmanager.is_blocked("gpumem_hil"):
+        pluginmanager.register(gpumem.testing, "gpumem_hil")
+"""
+
+
 def _write_tests(folder: Path, body: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / "conftest.py").write_text(_FAKE_CONFTEST)
     path = folder / "test_fake.py"
     path.write_text(textwrap.dedent(body))
     return path
@@ -210,6 +222,18 @@ def test_help_lists_every_suite(capsys: pytest.CaptureFixture) -> None:
     for suite in SUITES:
         assert suite.name in out
     assert "exit status" in out
+
+
+def test_help_lists_the_exit_statuses_docs_hil_md_lists(capsys: pytest.CaptureFixture) -> None:
+    """``--help`` and docs/hil.md name the same exit statuses (the help once left out SIGTERM's and SIGHUP's)."""
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "hil.md").read_text(encoding="utf-8")
+    doc = " ".join(doc[doc.index("Exit status"):].split("\n\n")[0].split())
+    for code in ("0", "1", "2", "3", "130", "143", "129"):
+        assert f" {code} " in doc, code
+        assert f" {code} " in help_text, f"python -m hil run --help does not give exit status {code}"
 
 
 # -- overall status and exit codes --------------------------------------------------------------------------------

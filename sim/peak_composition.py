@@ -147,7 +147,7 @@ def parse_knob(text: str) -> tuple[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m sim.peak_composition", description=__doc__.splitlines()[0])
     ap.add_argument("--part", choices=("tuning", "check"), default="tuning")
     ap.add_argument("--gpu-timing", default="idle,trace", help="comma-separated: idle, trace, model")
     ap.add_argument("--device", default="sim:h200-141gb")

@@ -21,7 +21,8 @@ from gpumem.allocator import CachingAllocator
 from gpumem.allocator.bucket import BucketAllocator
 from gpumem.native import load_engine
 from gpumem.errors import InvalidArgumentError
-from gpumem.managers.resource import AllocatorResource, DeviceResource
+from gpumem.allocator import make_allocator
+from gpumem.managers.resource import AlignmentLayer, DeviceResource
 from gpumem.units import MiB
 
 np = pytest.importorskip("numpy")
@@ -57,7 +58,7 @@ def _alloc_state(a) -> Any:
 
 
 def _res_state(r) -> Any:
-    # AllocatorResource is an AlignmentLayer over an allocator now (issue 21 step 2): its upstream's figures
+    # an AlignmentLayer over an allocator (issue 21 step 2): its upstream's figures
     inner = getattr(r, "upstream", None)
     held = r.outstanding() if hasattr(r, "outstanding") else _alloc_state(inner)
     return (held, r.device.mem_info())
@@ -72,7 +73,8 @@ def _allocators(prefix: str, call: Callable[[Any, Any], Any]) -> list[Entry]:
 
 def _resources(prefix: str, call: Callable[[Any, Any], Any]) -> list[Entry]:
     return [Entry(f"DeviceResource.{prefix}", lambda: DeviceResource(_device()), call, _res_state),
-            Entry(f"AllocatorResource.{prefix}", lambda: AllocatorResource(_device()), call, _res_state)]
+            Entry(f"AlignmentLayer(allocator).{prefix}", lambda: AlignmentLayer(make_allocator(_device())), call,
+                  _res_state)]
 
 
 def _dealloc(r, **kw):
@@ -187,7 +189,7 @@ def test_a_pointer_that_is_no_integer_is_refused_everywhere(entry, bad):
 @pytest.mark.parametrize("kind", INTEGER_TYPES, ids=lambda t: t.__name__)
 def test_an_alignment_of_any_integer_type_is_accepted(entry, kind):
     # a granularity multiple for address_reserve; a base resource honours up to 256 B and refuses more
-    # (Note [Alignment is a layer]), so the AllocatorResource alias (an AlignmentLayer) takes 2 MiB
+    # (Note [Alignment is a layer]), so an AlignmentLayer over an allocator takes 2 MiB
     value = 256 if entry.name.startswith("DeviceResource") else 2 * MiB
     entry.call(entry.make(), kind(value))
 

@@ -24,7 +24,7 @@ from .pressure import (MemoryPressure, PressureChange, PressureMonitor, Pressure
 from .manager import Allocation, GpuMemoryManager, MemoryStats, PoolStats
 from .regions import current_region, region
 from .reserve import Reserve, compute_reserve, usable_nbytes
-from .resource import AlignmentLayer, AllocatorResource, DeviceResource, MemoryResource, find_layer
+from .resource import AlignmentLayer, DeviceResource, MemoryResource, find_layer
 from .tracker import (AllocationInfo, AllocationTracker, BufferId, LeakReport, Location, RegionStats, TrackerStats,
                       UnknownBufferError)
 
@@ -32,7 +32,7 @@ __all__ = [
     "MemoryConfig", "ENV_VARIABLES", "FallbackBuffer", "ForensicsLayer", "ForensicsRecord", "write_oom_forensics",
     "FailureCallbackLayer", "LimitingLayer", "LoggingLayer", "ResourceLayer", "ResourceStatistics", "StatisticsLayer",
     "TrackingLayer", "Allocation", "GpuMemoryManager", "MemoryStats", "PoolStats", "current_region", "region",
-    "Reserve", "compute_reserve", "usable_nbytes", "AlignmentLayer", "AllocatorResource", "DeviceResource",
+    "Reserve", "compute_reserve", "usable_nbytes", "AlignmentLayer", "DeviceResource",
     "MemoryResource", "Counter",
     "find_layer", "AllocationInfo", "AllocationTracker", "BufferId", "LeakReport", "Location", "RegionStats",
     "TrackerStats", "UnknownBufferError",

@@ -10,9 +10,7 @@ memory straight from the device (pooling off). Alignments above 256 B come from
 from __future__ import annotations
 
 import threading
-import warnings
 from dataclasses import dataclass
-from typing import Any
 
 from gpumem.allocator.resource import (DEFAULT_ALIGNMENT, MAX_ALIGNMENT, AlignmentLayer, MemoryResource,
                                        check_alignment, check_base_alignment, check_ptr, check_size,
@@ -84,27 +82,7 @@ class DeviceResource(MemoryResource):
                 self.device.free(ptr)
 
 
-def AllocatorResource(allocator: Any, **allocator_kwargs: Any) -> AlignmentLayer:  # noqa: N802 - the old class name
-    """Deprecated: the allocators are resources now. Warns, and returns
-    ``AlignmentLayer(make_allocator(device, **allocator_kwargs))`` for a device, or
-    ``AlignmentLayer(allocator)`` for an allocator (which the caller still owns and closes)."""
-    from gpumem.allocator import make_allocator
-    from gpumem.allocator.resource import AllocatorContract
-
-    warnings.warn("AllocatorResource is deprecated: allocators are memory resources; use "
-                  "gpumem.allocator.make_allocator(device, policy) (and AlignmentLayer for alignments above 256 B)",
-                  DeprecationWarning, stacklevel=2)
-    if isinstance(allocator, AllocatorContract):
-        if allocator_kwargs:
-            raise InvalidArgumentError("allocator keyword arguments apply only when a device is given")
-        return AlignmentLayer(allocator)
-    if isinstance(allocator, Device):
-        return AlignmentLayer(make_allocator(allocator, **allocator_kwargs))
-    raise InvalidArgumentError(f"AllocatorResource needs a CachingAllocator, a BucketAllocator or a "
-                               f"Device, got {type(allocator).__name__}")
-
-
-__all__ = ["Allocation", "MemoryResource", "DeviceResource", "AllocatorResource", "AlignmentLayer", "DEFAULT_ALIGNMENT",
+__all__ = ["Allocation", "MemoryResource", "DeviceResource", "AlignmentLayer", "DEFAULT_ALIGNMENT",
            "MAX_ALIGNMENT", "check_alignment", "check_size", "check_stream_arg", "check_ptr", "stack_layers",
            "find_layer"]
 

@@ -99,17 +99,6 @@ def test_an_allocator_is_a_pooling_resource(dev, policy):
         r.allocate(1)
 
 
-def test_the_deprecated_allocator_resource_warns_and_stacks_the_same(dev):
-    from gpumem.managers.resource import AllocatorResource
-
-    with pytest.warns(DeprecationWarning, match="make_allocator"):
-        r = AllocatorResource(dev, policy="bestfit")
-    assert isinstance(r, AlignmentLayer) and r.upstream.policy.name == "bestfit"
-    r.close()
-    with pytest.warns(DeprecationWarning), pytest.raises(InvalidArgumentError, match="CachingAllocator, a BucketAllocator or a Device"):
-        AllocatorResource("sim:t4-16gb")
-
-
 def test_layers_refuse_a_source_that_is_no_resource(dev):
     with pytest.raises(InvalidArgumentError, match="MemoryResource"):
         StatisticsLayer(dev)

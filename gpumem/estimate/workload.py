@@ -614,10 +614,70 @@ def _optimizer_state_nbytes(n_elements: int, param_nbytes: int, eight_bit: bool)
     return n_elements + -(-n_elements // OPTIM_8BIT_BLOCK) * 4
 
 
+AUTOCAST_DTYPE_BYTES = {"bf16": 2, "fp16": 2}
+"""The compute dtypes of ``torch.autocast`` that mixed precision on fp32 master weights models (Note [Mixed
+precision])."""
+
+
+def check_mixed_precision(mixed_precision: object, dtype_bytes: int, *, lora: bool = False,
+                          optimizer_8bit: bool = False) -> None:
+    """Refuse a mixed-precision training the trace does not model (Note [Mixed precision])."""
+    if mixed_precision not in AUTOCAST_DTYPE_BYTES:
+        raise InvalidArgumentError(f"mixed_precision must be one of {', '.join(AUTOCAST_DTYPE_BYTES)} (the autocast "
+                                   f"dtype) or None, got {mixed_precision!r}")
+    if dtype_bytes != 4:
+        raise InvalidArgumentError(f"mixed precision ({mixed_precision} autocast) keeps fp32 master weights: the "
+                                   f"weights' dtype must be fp32 (4 bytes), got {dtype_bytes} bytes")
+    if lora:
+        raise InvalidArgumentError("mixed precision with LoRA is not modelled (PEFT's adapters under autocast on a "
+                                   "frozen base)")
+    if optimizer_8bit:
+        raise InvalidArgumentError("mixed precision with 8-bit optimizer states is not modelled")
+
+
+def _amp_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: list[int]) -> tuple[list[int], int]:
+    """One block's training forward under autocast on fp32 weights (Note [Mixed precision]): what autograd
+    keeps (autocast's weight copies first, ``len(cast_elements)`` of them) and the block's fp32 output. The
+    block input, which norm 1 saves, is the caller's."""
+    h, i, q, kv = s.hidden_size, s.intermediate_size, s.q_dim, s.kv_dim
+    keep = [e.alloc(n * d) for n in cast_elements]  # autocast's cached copies of the block's weights
+    keep.append(e.alloc(t * h * 4))  # norm 1: x * rsqrt(var) in fp32, saved by the weight multiply
+    n1 = e.alloc(t * h * 4)  # its fp32 output, live through the attention
+    keep += [e.alloc(t * h * d) for _ in range(3)]  # q_proj's, k_proj's and v_proj's own casts of it
+    qp, kp, v = e.alloc(t * q * d), e.alloc(t * kv * d), e.alloc(t * kv * d)
+    keep.append(v)
+    rotated = []
+    for width in (q, kv):  # x*cos + rotate_half(x)*sin with cos, sin in fp32: fp32 results
+        a = e.alloc(t * width * 4)
+        half = e.alloc(t * width * d // 2)
+        rh = e.alloc(t * width * d)
+        e.free(half)
+        b = e.alloc(t * width * 4)
+        e.free(rh)
+        rotated.append(e.alloc(t * width * 4))
+        e.free(a, b)
+    e.free(qp, kp)
+    keep += [e.alloc(t * q * d), e.alloc(t * kv * d)]  # SDPA's casts of the rotated q and k
+    keep += [e.alloc(t * q * d), e.alloc(t * s.n_heads * 4), e.alloc(t * q * d)]  # out, logsumexp, reshaped
+    o = e.alloc(t * h * d)
+    e.free(*rotated, n1)
+    h1 = e.alloc(t * h * 4)  # fp32 residual + bf16 o_proj output: fp32
+    e.free(o)
+    keep += [h1, e.alloc(t * h * 4)]  # norm 2's input (saved by its pow) and its normalized fp32
+    n2 = e.alloc(t * h * 4)
+    keep += [e.alloc(t * h * d) for _ in range(2)]  # gate_proj's and up_proj's casts of it
+    keep += [e.alloc(t * i * d) for _ in range(4)]  # gate, act, up, product
+    dn = e.alloc(t * h * d)
+    e.free(n2)
+    y = e.alloc(t * h * 4)
+    e.free(dn)
+    return keep, y
+
+
 def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, seq_len: int,
                    n_steps: int = 2, optimizer_states: int = 2,
                    gradient_checkpointing: bool = False, optimizer_8bit: bool = False,
-                   lora: LoraConfig | None = None) -> WorkloadTrace:
+                   lora: LoraConfig | None = None, mixed_precision: str | None = None) -> WorkloadTrace:
     """The allocations of ``n_steps`` training steps (forward with labels, backward, foreach AdamW step,
     ``zero_grad(set_to_none=True)``), weights, gradients and ``optimizer_states`` states per parameter in
     ``dtype_bytes``.
@@ -652,6 +712,9 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     """
     if not isinstance(optimizer_8bit, bool):
         raise InvalidArgumentError(f"optimizer_8bit must be True or False, got {optimizer_8bit!r}")
+    amp = mixed_precision is not None
+    if amp:
+        check_mixed_precision(mixed_precision, dtype_bytes, lora=lora is not None, optimizer_8bit=optimizer_8bit)
     if shape.sub_norms or shape.activation != "silu":
         raise InvalidArgumentError("training a BitNet model (quantization-aware training of its ternary weights) "
                                    "is not modelled; its generate() is")
@@ -666,9 +729,12 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     _check("seq_len", seq_len)
     _check("n_steps", n_steps)
     _check("dtype_bytes", dtype_bytes)
-    d = max(dtype_bytes, 2)
+    d = AUTOCAST_DTYPE_BYTES[mixed_precision] if amp else max(dtype_bytes, 2)
+    r = 4 if amp else d  # Note [Mixed precision]: the residual stream, the embeddings' output and cos/sin in fp32
     s = shape
     h, i, t = s.hidden_size, s.intermediate_size, batch_size * seq_len
+    per_layer = s.layer_param_shapes()
+    cast_elements = [n for name, n in per_layer if "norm" not in name]  # what autocast casts (no norm weights)
     e = _Emitter(f"train b={batch_size} s={seq_len}")
     e.phase = "weights"
     params = param_nbytes(s, dtype_bytes, lora.base_format if lora else None)
@@ -697,13 +763,16 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     for step in range(n_steps):
         e.phase = f"forward {step + 1}"
         ids = e.alloc(t * 8)
-        emb = e.alloc(t * h * d)
-        cos, sin = e.alloc(t * s.head_dim * d), e.alloc(t * s.head_dim * d)
+        emb = e.alloc(t * h * r)
+        cos, sin = e.alloc(t * s.head_dim * r), e.alloc(t * s.head_dim * r)
         saved: list[list[int]] = []
         inputs: list[int] = []  # gradient checkpointing: each block's input, kept for the recompute
+        cached: list[int] = []  # Note [Mixed precision]: autocast's weight copies of a no-grad forward
 
         def block() -> tuple[list[int], int]:
             """One block's forward: the tensors autograd keeps, and the block's output."""
+            if amp:
+                return _amp_block(e, s, t, d, cast_elements)
             keep = [e.alloc(t * h * 4), e.alloc(t * h * d)]  # norm 1
             keep += [e.alloc(t * s.q_dim * d), e.alloc(t * s.kv_dim * d), e.alloc(t * s.kv_dim * d)]  # q, k rotated, v
             tmp = e.alloc(t * s.q_dim * d)  # rope temporaries (one live at a time beyond the kept ones)
@@ -732,17 +801,31 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         for _ in range(s.n_layers):
             keep, y = block()
             if gradient_checkpointing:  # no_grad forward: what it would keep goes; the block input stays
+                if amp:  # the weight copies stay in autocast's cache until the forward ends
+                    cached += keep[:len(cast_elements)]
+                    keep = keep[len(cast_elements):]
                 e.free(*keep)
                 inputs.append(x)
+            elif amp and x != emb:
+                keep.append(x)  # the block input is norm 1's input, which it saves in fp32
             elif x != emb:
                 e.free(x)  # the block input: the norm saved its fp32 copy, the residual add saves nothing
             x = y
             saved.append([] if gradient_checkpointing else keep)
-        nf32, nf = e.alloc(t * h * 4), e.alloc(t * h * d)
+        if amp:  # final norm in fp32, its output cast for lm_head, whose weight is cast too
+            nf32 = e.alloc(t * h * 4)
+            out32 = e.alloc(t * h * 4)
+            lm_copy = e.alloc(s.vocab_size * h * d)
+            nf = e.alloc(t * h * d)
+            e.free(out32)
+        else:
+            nf32, nf = e.alloc(t * h * 4), e.alloc(t * h * d)
         logits = e.alloc(t * s.vocab_size * d)
         up = e.alloc(t * s.vocab_size * 4)
         lsm = e.alloc(t * s.vocab_size * 4)
         e.free(up)
+        if cached:  # autocast's exit clears its cache: the copies no saved tensor holds go
+            e.free(*cached)
         e.phase = f"backward {step + 1}"
         g1 = e.alloc(t * s.vocab_size * 4)
         g2 = e.alloc(t * s.vocab_size * 4)
@@ -750,12 +833,23 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         g3 = e.alloc(t * s.vocab_size * d)
         e.free(g2)
         grads: list[int] = []
+
+        def grad(n_elements: int, cast: bool = True) -> None:
+            """A weight's gradient in the weights' dtype; under autocast first in the compute dtype (the
+            matrix product's), then cast by the copy's backward (Note [Mixed precision])."""
+            tmp = e.alloc(n_elements * d) if amp and cast else -1
+            grads.append(e.alloc(n_elements * dtype_bytes, Category.GRADIENTS))
+            if tmp >= 0:
+                e.free(tmp)
         if not s.tie_word_embeddings and lora is None:
-            grads.append(e.alloc(params[-1], Category.GRADIENTS))
-        gx = e.alloc(t * h * d)
+            grad(s.vocab_size * h)
+        gx = e.alloc(t * h * r)
+        if amp:  # lm_head's input gradient in bf16, cast back to fp32 for the norm's backward
+            e.free(e.alloc(t * h * d))
+            e.free(lm_copy)
         e.free(g3, logits, nf32, nf, x)
         for layer in reversed(range(s.n_layers)):
-            per = s.layer_param_shapes()
+            per = per_layer
             if gradient_checkpointing:  # the block's forward again, with grad, from its saved input
                 saved[layer], y = block()
                 e.free(y)
@@ -764,14 +858,18 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             gi = e.alloc(t * i * d)
             gi2 = e.alloc(t * i * d)
             for _, n in per[4:7]:
-                grads.append(e.alloc(n * dtype_bytes, Category.GRADIENTS))
+                grad(n)
             e.free(gi, gi2)
+            if amp:  # gate's and up's input gradients, cast to fp32 and summed for norm 2's backward
+                e.free(e.alloc(t * h * 4))
             for _, n in per[:4]:
-                grads.append(e.alloc(n * dtype_bytes, Category.GRADIENTS))
+                grad(n)
             gq = e.alloc(t * s.q_dim * d)
             e.free(gq)
-            for _, n in per[7:]:
-                grads.append(e.alloc(n * dtype_bytes, Category.GRADIENTS))
+            for name, n in per[7:]:
+                grad(n, cast="norm" not in name)
+            if amp:  # q's, k's and v's input gradients in fp32 for norm 1's backward
+                e.free(e.alloc(t * h * 4))
             if lora is not None:
                 for target in lora.targets:
                     out_f, in_f = dims[target]

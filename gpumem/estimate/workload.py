@@ -674,6 +674,74 @@ def _amp_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: list[i
     return keep, y
 
 
+def _nograd_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: list[int] | None) -> tuple[list[int], int]:
+    """One block's forward without grad (the first pass of gradient checkpointing, Note [Gradient
+    checkpointing]): each tensor goes as soon as it is dead, as in the ``generate()`` prefill. ``cast_elements``:
+    under autocast (Note [Mixed precision]), the block's weights, whose copies autocast caches (returned, first)
+    while the residual stream and the norms are fp32; None: all in ``d`` bytes. Returns the cached copies and
+    the block's output; the block input is the caller's."""
+    h, i, q, kv = s.hidden_size, s.intermediate_size, s.q_dim, s.kv_dim
+    amp = cast_elements is not None
+    copies = [e.alloc(n * d) for n in cast_elements] if amp else []
+
+    def norm() -> int:
+        if not amp:
+            return _norm(e, t * h * 4, t * h * d)
+        normalized = e.alloc(t * h * 4)
+        out = e.alloc(t * h * 4)
+        e.free(normalized)
+        return out
+
+    def linear(width: int) -> int:
+        """A projection of the normed input: under autocast, the input's cast lives while it runs."""
+        cast = e.alloc(t * h * d) if amp else -1
+        out = e.alloc(t * width * d)
+        if cast >= 0:
+            e.free(cast)
+        return out
+
+    n1 = norm()
+    qp, kp, v = linear(q), linear(kv), linear(kv)
+    if amp:
+        rotated = []
+        for width in (q, kv):
+            a = e.alloc(t * width * 4)
+            half = e.alloc(t * width * d // 2)
+            rh = e.alloc(t * width * d)
+            e.free(half)
+            b = e.alloc(t * width * 4)
+            e.free(rh)
+            rotated.append(e.alloc(t * width * 4))
+            e.free(a, b)
+        e.free(qp, kp)
+        qe, ke = e.alloc(t * q * d), e.alloc(t * kv * d)  # SDPA's casts
+        e.free(*rotated)
+    else:
+        qe, ke = _rope(e, t * q * d), _rope(e, t * kv * d)
+        e.free(qp, kp)
+    out = e.alloc(t * q * d)
+    lse = e.alloc(t * s.n_heads * 4)
+    e.free(qe, ke, v, lse)
+    flat = e.alloc(t * q * d)
+    e.free(out)
+    o = e.alloc(t * h * d)
+    e.free(flat, n1)
+    h1 = e.alloc(t * h * (4 if amp else d))
+    e.free(o)
+    n2 = norm()
+    g = linear(i)
+    a = e.alloc(t * i * d)
+    e.free(g)
+    u = linear(i)
+    m = e.alloc(t * i * d)
+    e.free(a, u)
+    dn = e.alloc(t * h * d)
+    e.free(m, n2)
+    y = e.alloc(t * h * (4 if amp else d))
+    e.free(dn, h1)
+    return copies, y
+
+
 def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, seq_len: int,
                    n_steps: int = 2, optimizer_states: int = 2,
                    gradient_checkpointing: bool = False, optimizer_8bit: bool = False,
@@ -799,19 +867,26 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
 
         x = emb
         for _ in range(s.n_layers):
-            keep, y = block()
-            if gradient_checkpointing:  # no_grad forward: what it would keep goes; the block input stays
-                if amp:  # the weight copies stay in autocast's cache until the forward ends
-                    cached += keep[:len(cast_elements)]
-                    keep = keep[len(cast_elements):]
-                e.free(*keep)
+            if gradient_checkpointing:  # no_grad forward: nothing is kept but the block input
+                copies, y = _nograd_block(e, s, t, d, cast_elements if amp else None)
+                if lora is not None:  # the adapters' tensors, dead as soon as made
+                    for target in lora.targets:
+                        out_f, in_f = dims[target]
+                        if quantized_base:
+                            dequantized(out_f, in_f)
+                        e.free(*[e.alloc(t * n * lora.adapter_bytes) for n in (in_f, lora.rank, out_f)])
+                cached += copies  # under autocast the weight copies stay in its cache until the forward ends
                 inputs.append(x)
-            elif amp and x != emb:
+                x = y
+                saved.append([])
+                continue
+            keep, y = block()
+            if amp and x != emb:
                 keep.append(x)  # the block input is norm 1's input, which it saves in fp32
             elif x != emb:
                 e.free(x)  # the block input: the norm saved its fp32 copy, the residual add saves nothing
             x = y
-            saved.append([] if gradient_checkpointing else keep)
+            saved.append(keep)
         if amp:  # final norm in fp32, its output cast for lm_head, whose weight is cast too
             nf32 = e.alloc(t * h * 4)
             out32 = e.alloc(t * h * 4)

@@ -32,6 +32,7 @@ examples:
   gpumem estimate --hidden-size 4096 --intermediate-size 11008 --layers 32 --vocab-size 32000 \\
       --heads 32 --prompt-len 4096 --new-tokens 16 --dtype bf16,fp32 --json
   gpumem estimate --hf-config config.json --training --batch-size 4 --prompt-len 2048
+  gpumem estimate --hf-config config.json --training --mixed-precision bf16 --prompt-len 2048
 """
 
 #: ``estimate``'s own words for its exit statuses (the rest of :data:`gpumem.cli.GENERAL_EXIT_CODES` holds).

@@ -757,7 +757,8 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     the bf16 logits and the fp32 log-softmax; its backward holds two more fp32 logit-sized gradients.
     The foreach AdamW step holds one parameter-sized temporary (``sqrt(exp_avg_sq)``) and, measured on the
     H200, one more embedding-sized buffer; the recorded backward also held one more hidden-sized tensor
-    per block and token than the list above.
+    per block and token than the list above. Each block's backward makes the gradient of its input, which
+    replaces that of its output (one hidden-sized gradient at a time, a new tensor per block).
 
     Note [Gradient checkpointing]: with ``gradient_checkpointing`` each block's forward keeps only its input:
     the block runs without grad, each tensor freed as soon as it is dead (:func:`_nograd_block`; holding a
@@ -968,6 +969,9 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
                         dequantized(out_f, in_f)
                     grads.append(e.alloc(lora.rank * in_f * lora.adapter_bytes, Category.GRADIENTS))
                     grads.append(e.alloc(out_f * lora.rank * lora.adapter_bytes, Category.GRADIENTS))
+            grown = e.alloc(t * h * r)  # the gradient of the block's input replaces that of its output
+            e.free(gx)
+            gx = grown
             e.free(*saved[layer])
             if gradient_checkpointing and inputs[layer] != emb:
                 e.free(inputs[layer])

@@ -35,10 +35,11 @@ def test_gradient_checkpointing_reserved_is_at_or_above_and_within_3_percent(mod
 
 def test_mixed_precision_rows_reserved_within_bounds_where_the_replay_allows():
     """The fp32-master rows without checkpointing: batch 8 is within bounds; batch 2's replay reserves one
-    step-1 layout too many segments (+4.07 %, in the accuracy report), which this pins from growing."""
+    step-1 layout too many segments (+3.71 %, in the accuracy report; +4.07 % before each block's backward made
+    a new gradient of its input in place of its output's), which this pins from growing."""
     row = _row("qwen2-small-fp32-master", 8, 1024, False)
     est = harness.estimate(row, RUN2["meta"]["estimate_device"])
     assert 0 <= est["peak_reserved_bytes"] / row["peak_reserved_bytes"] - 1 <= 0.03
     small = _row("qwen2-small-fp32-master", 2, 512, False)
     est = harness.estimate(small, RUN2["meta"]["estimate_device"])
-    assert 0 <= est["peak_reserved_bytes"] / small["peak_reserved_bytes"] - 1 <= 0.045
+    assert 0 <= est["peak_reserved_bytes"] / small["peak_reserved_bytes"] - 1 <= 0.04

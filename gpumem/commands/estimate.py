@@ -154,11 +154,12 @@ def _check_mixed_args(args: argparse.Namespace) -> None:
     from ..estimate.workload import check_mixed_precision
 
     if args.weight_fmt is not None:
-        raise InvalidArgumentError("--mixed-precision with a weight format is not modelled: its master weights are fp32")
+        raise InvalidArgumentError("--mixed-precision with a weight format is not modelled: its master weights "
+                                   "are fp32")
     others = [d for d in ",".join(args.dtype or ()).split(",") if d.strip() and d.strip() != "fp32"]
     if others:
-        raise InvalidArgumentError(f"--mixed-precision {args.mixed_precision} keeps fp32 master weights: --dtype must be "
-                                   f"fp32 (or left out), got {','.join(args.dtype)}")
+        raise InvalidArgumentError(f"--mixed-precision {args.mixed_precision} keeps fp32 master weights: --dtype "
+                                   f"must be fp32 (or left out), got {','.join(args.dtype)}")
     check_mixed_precision(args.mixed_precision, 4, lora=args.lora is not None, optimizer_8bit=args.optimizer_8bit)
 
 

@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         name, nbytes = parse_dtypes(args.dtype, cfg_bytes, args.config_dtype)[0]
     if args.mixed_precision is not None and args.weight_fmt is not None:
-        raise InvalidArgumentError("--mixed-precision with a weight format is not modelled: its master weights are fp32")
+        raise InvalidArgumentError("--mixed-precision with a weight format is not modelled: its master weights "
+                                   "are fp32")
     check_device(args.device)
     note = (context_note(args.prompt_len + (0 if args.training else args.new_tokens), args.context_len)
             if args.search == "batch" else "")

@@ -72,7 +72,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Iterable, Protocol, Sequence
+from types import MappingProxyType
+from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -84,7 +85,7 @@ from .shape import ModelShape
 
 __all__ = ["Category", "WorkloadTrace", "inference_trace", "stream_inference", "decode_steps_simulated", "OpSink", "param_nbytes", "LoraConfig",
            "weights_nbytes", "training_trace", "CUBLAS_WORKSPACE_NBYTES",
-           "MISC_NBYTES", "DECODE_SLACK_PER_Q_NBYTES"]
+           "MISC_NBYTES", "DECODE_SLACK_PER_Q_NBYTES", "AUTOCAST_DTYPE_BYTES", "check_mixed_precision"]
 
 CUBLAS_WORKSPACE_NBYTES = 32 * MiB
 """cuBLAS workspace per handle (Note [Overhead])."""
@@ -614,7 +615,7 @@ def _optimizer_state_nbytes(n_elements: int, param_nbytes: int, eight_bit: bool)
     return n_elements + -(-n_elements // OPTIM_8BIT_BLOCK) * 4
 
 
-AUTOCAST_DTYPE_BYTES = {"bf16": 2, "fp16": 2}
+AUTOCAST_DTYPE_BYTES: Mapping[str, int] = MappingProxyType({"bf16": 2, "fp16": 2})
 """The compute dtypes of ``torch.autocast`` that mixed precision on fp32 master weights models (Note [Mixed
 precision])."""
 
@@ -635,6 +636,20 @@ def check_mixed_precision(mixed_precision: object, dtype_bytes: int, *, lora: bo
         raise InvalidArgumentError("mixed precision with 8-bit optimizer states is not modelled")
 
 
+def _rope_fp32(e: _Emitter, n: int, d: int) -> int:
+    """Under autocast (Note [Mixed precision]): ``x*cos + rotate_half(x)*sin`` of ``n`` 16-bit values against
+    fp32 cos and sin; the products and the result are fp32."""
+    a = e.alloc(n * 4)
+    half = e.alloc(n * d // 2)
+    rh = e.alloc(n * d)
+    e.free(half)
+    b = e.alloc(n * 4)
+    e.free(rh)
+    out = e.alloc(n * 4)
+    e.free(a, b)
+    return out
+
+
 def _amp_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: list[int]) -> tuple[list[int], int]:
     """One block's training forward under autocast on fp32 weights (Note [Mixed precision]): what autograd
     keeps (autocast's weight copies first, ``len(cast_elements)`` of them) and the block's fp32 output. The
@@ -646,16 +661,7 @@ def _amp_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: list[i
     keep += [e.alloc(t * h * d) for _ in range(3)]  # q_proj's, k_proj's and v_proj's own casts of it
     qp, kp, v = e.alloc(t * q * d), e.alloc(t * kv * d), e.alloc(t * kv * d)
     keep.append(v)
-    rotated = []
-    for width in (q, kv):  # x*cos + rotate_half(x)*sin with cos, sin in fp32: fp32 results
-        a = e.alloc(t * width * 4)
-        half = e.alloc(t * width * d // 2)
-        rh = e.alloc(t * width * d)
-        e.free(half)
-        b = e.alloc(t * width * 4)
-        e.free(rh)
-        rotated.append(e.alloc(t * width * 4))
-        e.free(a, b)
+    rotated = [_rope_fp32(e, t * width, d) for width in (q, kv)]
     e.free(qp, kp)
     keep += [e.alloc(t * q * d), e.alloc(t * kv * d)]  # SDPA's casts of the rotated q and k
     keep += [e.alloc(t * q * d), e.alloc(t * s.n_heads * 4), e.alloc(t * q * d)]  # out, logsumexp, reshaped
@@ -703,16 +709,7 @@ def _nograd_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: lis
     n1 = norm()
     qp, kp, v = linear(q), linear(kv), linear(kv)
     if amp:
-        rotated = []
-        for width in (q, kv):
-            a = e.alloc(t * width * 4)
-            half = e.alloc(t * width * d // 2)
-            rh = e.alloc(t * width * d)
-            e.free(half)
-            b = e.alloc(t * width * 4)
-            e.free(rh)
-            rotated.append(e.alloc(t * width * 4))
-            e.free(a, b)
+        rotated = [_rope_fp32(e, t * width, d) for width in (q, kv)]
         e.free(qp, kp)
         qe, ke = e.alloc(t * q * d), e.alloc(t * kv * d)  # SDPA's casts
         e.free(*rotated)

@@ -1,5 +1,5 @@
-"""Training's peak reserved against the H200 rows of run 2 (``reports/hil/estimate-accuracy-h200-2026-11-25-run2.json``),
-through the accuracy harness's own estimate (``gpumem estimate``'s code, the ``pytorch`` policy)."""
+"""Training's peak reserved against the H200 rows of run 2
+(``reports/hil/estimate-accuracy-h200-2026-11-25-run2.json``), through the accuracy harness's own estimate (``gpumem estimate``'s code, the ``pytorch`` policy)."""
 
 import json
 import sys

@@ -115,6 +115,7 @@ def estimate(row: dict[str, Any], device: str) -> dict[str, Any]:
     """gpumem's estimate of a measured row, through ``gpumem estimate``'s own code."""
     from gpumem.commands.estimate import estimate_rows
 
+    master = bool(row.get("extra", {}).get("fp32_master"))
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(row["config"], f)
     try:
@@ -122,10 +123,10 @@ def estimate(row: dict[str, Any], device: str) -> dict[str, Any]:
             hf_config=f.name, hidden_size=None, intermediate_size=None, layers=None, vocab_size=None, heads=None,
             kv_heads=None, head_dim=0, tie_word_embeddings=False, weight_format=None, weight_bits=None,
             batch_size=row["batch_size"], prompt_len=row["prompt_len"], new_tokens=row["new_tokens"],
-            max_seq_len=None, training=row["kind"] == "train", dtype=["bf16"], policy=["pytorch"], device=device,
+            max_seq_len=None, training=row["kind"] == "train", dtype=["fp32" if master else "bf16"], policy=["pytorch"], device=device,
             no_reserved=False, json=True,
             gradient_checkpointing=bool(row.get("extra", {}).get("gradient_checkpointing")), optimizer_8bit=False,
-            lora_rank=None, lora_targets="q_proj")
+            lora_rank=None, lora_targets="q_proj", mixed_precision="bf16" if master else None)
         (est,) = estimate_rows(ns)
     finally:
         os.unlink(f.name)
@@ -200,10 +201,6 @@ def _estimated(measured: list[dict[str, Any]], device: str) -> list[dict[str, An
     are)."""
     rows: list[dict[str, Any]] = []
     for r in measured:
-        if r["status"] == "ok" and r.get("extra", {}).get("fp32_master"):
-            r["status"] = "measured only"  # the estimate is recomputed on the CPU machine
-            rows.append(r)
-            continue
         if r["status"] == "ok":
             try:
                 est = estimate(r, device)

@@ -32,6 +32,7 @@ examples:
   gpumem estimate --hidden-size 4096 --intermediate-size 11008 --layers 32 --vocab-size 32000 \\
       --heads 32 --prompt-len 4096 --new-tokens 16 --dtype bf16,fp32 --json
   gpumem estimate --hf-config config.json --training --batch-size 4 --prompt-len 2048
+  gpumem estimate --hf-config config.json --training --mixed-precision bf16 --prompt-len 2048
 """
 
 #: ``estimate``'s own words for its exit statuses (the rest of :data:`gpumem.cli.GENERAL_EXIT_CODES` holds).
@@ -68,6 +69,10 @@ def register(sub: Any, formatter_class: type) -> None:
                    help="training: the projections LoRA adapts (default: all seven)")
     w.add_argument("--optimizer-8bit", action="store_true",
                    help="training: AdamW states in bitsandbytes' block-wise 8-bit layout (modelled, unmeasured)")
+    w.add_argument("--mixed-precision", choices=("bf16", "fp16"), metavar="DTYPE",
+                   help="training: mixed precision on fp32 master weights: fp32 weights, gradients and AdamW "
+                        "states, the forward under torch.autocast in DTYPE (bf16 or fp16; --dtype must be fp32, "
+                        "its default then)")
     w.add_argument("--dtype", **MANY, help="bf16, fp16, fp32, int8: one or more, comma-separated or repeatable "
                    "(default: the config's, else bf16)")
     r = p.add_argument_group("peak reserved")
@@ -111,8 +116,8 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         get_policy(pol)
     shape.check_tokens(prompt + (0 if args.training else new))
     check_device(args.device)
-    for flag in ("gradient_checkpointing", "optimizer_8bit", "lora_rank"):
-        if getattr(args, flag) and not args.training:
+    for flag in ("gradient_checkpointing", "optimizer_8bit", "lora_rank", "mixed_precision"):
+        if getattr(args, flag, None) and not args.training:
             raise InvalidArgumentError(f"--{flag.replace('_', '-')} is for --training")
     args.lora = None
     if args.lora_rank is not None:
@@ -123,11 +128,15 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     elif args.weight_fmt is not None and args.training:
         raise InvalidArgumentError("--training with a weight format is modelled only with --lora-rank (QLoRA): "
                                    "full training updates 16-bit weights")
+    mixed = getattr(args, "mixed_precision", None)
+    if mixed is not None:
+        _check_mixed_args(args)
     usable, workspace = _usable(args.device, shape, args.weight_fmt)
     rows = []
     dims = (shape.hidden_size, shape.intermediate_size, shape.n_layers, shape.vocab_size, shape.n_heads,
             shape.n_kv_heads)
-    dtypes = parse_dtypes(",".join(args.dtype) if args.dtype else None, cfg_bytes, args.config_dtype)
+    dtypes = ([("fp32", 4)] if mixed is not None and not args.dtype else
+              parse_dtypes(",".join(args.dtype) if args.dtype else None, cfg_bytes, args.config_dtype))
     replays = 0 if args.no_reserved else len(policies) * len(dtypes)
     bar = progress(replays * (1 if args.training else max(new, 1)) or None, "estimate: replays", "step",
                    enabled=False if args.json or not replays else None)
@@ -138,6 +147,20 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     finally:
         bar.close()
     return rows
+
+
+def _check_mixed_args(args: argparse.Namespace) -> None:
+    """Refuse --mixed-precision with what it does not model (Note [Mixed precision] in gpumem.estimate.workload)."""
+    from ..estimate.workload import check_mixed_precision
+
+    if args.weight_fmt is not None:
+        raise InvalidArgumentError("--mixed-precision with a weight format is not modelled: its master weights "
+                                   "are fp32")
+    others = [d for d in ",".join(args.dtype or ()).split(",") if d.strip() and d.strip() != "fp32"]
+    if others:
+        raise InvalidArgumentError(f"--mixed-precision {args.mixed_precision} keeps fp32 master weights: --dtype "
+                                   f"must be fp32 (or left out), got {','.join(args.dtype)}")
+    check_mixed_precision(args.mixed_precision, 4, lora=args.lora is not None, optimizer_8bit=args.optimizer_8bit)
 
 
 def _usable(spec: str, shape: Any, fmt: Any) -> tuple[int, int]:
@@ -170,7 +193,8 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
                                        tie_word_embeddings=shape.tie_word_embeddings,
                                        attention_bias=shape.attention_bias,
                                        gradient_checkpointing=args.gradient_checkpointing,
-                                       optimizer_8bit=args.optimizer_8bit, lora=args.lora, **moe)
+                                       optimizer_8bit=args.optimizer_8bit, lora=args.lora,
+                                       mixed_precision=getattr(args, "mixed_precision", None), **moe)
     else:
         est = estimate_inference_memory(*dims, max_len, nbytes, batch_size=args.batch_size, prompt_len=prompt,
                                         new_tokens=new, head_dim=shape.head_dim,
@@ -196,12 +220,13 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
         row["gradient_checkpointing"] = args.gradient_checkpointing
         row["optimizer_8bit"] = args.optimizer_8bit
         row["lora_rank"] = args.lora_rank
+        row["mixed_precision"] = getattr(args, "mixed_precision", None)
     judged = est.total_bytes
     if not args.no_reserved and policies:
         if args.training:
             w = training_trace(shape, nbytes, batch_size=args.batch_size, seq_len=prompt,
                                gradient_checkpointing=args.gradient_checkpointing, optimizer_8bit=args.optimizer_8bit,
-                               lora=args.lora)
+                               lora=args.lora, mixed_precision=getattr(args, "mixed_precision", None))
             res = estimate_peak_reserved(w, policies, device=args.device, limit=usable)
             bar.update(len(policies))
         else:

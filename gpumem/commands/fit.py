@@ -8,6 +8,7 @@ import logging
 import sys
 from typing import Any
 
+from ..errors import InvalidArgumentError
 from ._common import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
 from ..estimate.fit import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT_LEN
 from ._model_args import add_model_args, check_device, context_note, model_from_args, parse_dtypes
@@ -62,6 +63,9 @@ def register(sub: Any, formatter_class: type) -> None:
                    help="training: each block's activations recomputed in the backward pass (as estimate)")
     p.add_argument("--optimizer-8bit", action="store_true",
                    help="training: 8-bit AdamW states (modelled, unmeasured; as estimate)")
+    p.add_argument("--mixed-precision", choices=("bf16", "fp16"), metavar="DTYPE",
+                   help="training: fp32 master weights, gradients and AdamW states, the forward under "
+                        "torch.autocast in DTYPE (--dtype must be fp32, its default then; as estimate)")
     p.add_argument("--dtype", help="bf16, fp16, fp32 or int8 (default: the config's, else bf16)")
     p.add_argument("--max", type=int, default=4096, dest="max_value",
                    help="upper bound of the search (default: %(default)s)")
@@ -76,7 +80,13 @@ def run(args: argparse.Namespace) -> int:
     from ..estimate.fit import InjectedFaultError, find_max_batch
 
     shape, cfg_bytes = model_from_args(args)
-    name, nbytes = parse_dtypes(args.dtype, cfg_bytes, args.config_dtype)[0]
+    if args.mixed_precision is not None and args.dtype is None:
+        name, nbytes = "fp32", 4  # the master weights
+    else:
+        name, nbytes = parse_dtypes(args.dtype, cfg_bytes, args.config_dtype)[0]
+    if args.mixed_precision is not None and args.weight_fmt is not None:
+        raise InvalidArgumentError("--mixed-precision with a weight format is not modelled: its master weights "
+                                   "are fp32")
     check_device(args.device)
     note = (context_note(args.prompt_len + (0 if args.training else args.new_tokens), args.context_len)
             if args.search == "batch" else "")
@@ -86,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
                            training=args.training, policy=args.policy, margin=args.margin,
                            max_value=args.max_value, progress=False if args.json else None,
                            weight_format=args.weight_fmt, gradient_checkpointing=args.gradient_checkpointing,
-                           optimizer_8bit=args.optimizer_8bit)
+                           optimizer_8bit=args.optimizer_8bit, mixed_precision=args.mixed_precision)
     except InjectedFaultError as exc:  # Note: the injected fault is named, never read as a shortage
         print(f"gpumem fit: {exc}", file=sys.stderr)
         return EXIT_DEVICE_ERROR

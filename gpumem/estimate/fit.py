@@ -45,7 +45,7 @@ from ..units import format_bytes
 from .shape import ModelShape
 from .formats import WeightFormat
 from .formulas import dequant_workspace_nbytes
-from .workload import DECODE_HEAD_STEPS, weights_nbytes, WorkloadTrace, inference_trace, stream_inference, training_trace
+from .workload import DECODE_HEAD_STEPS, check_mixed_precision, weights_nbytes, WorkloadTrace, inference_trace, stream_inference, training_trace
 
 __all__ = ["ReservedEstimate", "FitResult", "FitTry", "estimate_peak_reserved", "find_max_batch",
            "DEFAULT_MARGINS", "DEFAULT_NEW_TOKENS", "training_reserved_nbytes", "TRAINING_RESERVED_MARGIN", "DEFAULT_PROMPT_LEN", "InjectedFaultError", "usable_memory",
@@ -292,7 +292,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                    search: str = "batch", training: bool = False, policy: str = "pytorch",
                    margin: float | None = None, max_value: int = 4096, start: int | None = None,
                    progress: bool | None = False, weight_format: WeightFormat | None = None,
-                   gradient_checkpointing: bool = False, optimizer_8bit: bool = False) -> FitResult:
+                   gradient_checkpointing: bool = False, optimizer_8bit: bool = False,
+                   mixed_precision: str | None = None) -> FitResult:
     """The largest batch (``search="batch"``) or prompt/sequence length (``search="seq_len"``, at
     ``batch_size``) that runs on ``device`` without out-of-memory, by replaying the workload's allocations
     under ``policy`` with ``margin`` of the memory beyond the weights held back (default
@@ -302,7 +303,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
     ``training=True`` fits training steps of ``prompt_len`` tokens (``new_tokens`` is ignored). Returns a
     :class:`FitResult`; its ``simulated`` is 0 when not even 1 fits. ``max_value`` bounds the search.
     ``weight_format``: the projections' format (:mod:`.formats`; generate() only), with its dequantization
-    workspace on ``device`` for the ternary ones. ``gradient_checkpointing`` and ``optimizer_8bit``: training
+    workspace on ``device`` for the ternary ones. ``gradient_checkpointing``, ``optimizer_8bit`` and
+    ``mixed_precision`` (the autocast dtype on fp32 master weights, ``dtype_bytes`` 4): training
     options (:func:`~gpumem.estimate.workload.training_trace`). ``progress``: a bar of the replays (None: on a terminal). Raises :class:`InjectedFaultError` when a
     replay fails on a fault the device spec injects.
     """
@@ -314,8 +316,11 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         margin = DEFAULT_MARGINS.get(policy, 0.20)
     if not (isinstance(margin, (int, float)) and 0.0 <= margin <= 10.0):
         raise InvalidArgumentError(f"margin must be a number in [0, 10], got {margin!r}")
-    if (gradient_checkpointing or optimizer_8bit) and not training:
-        raise InvalidArgumentError("find_max_batch: gradient_checkpointing and optimizer_8bit are for training=True")
+    if (gradient_checkpointing or optimizer_8bit or mixed_precision is not None) and not training:
+        raise InvalidArgumentError("find_max_batch: gradient_checkpointing, optimizer_8bit and mixed_precision are "
+                                   "for training=True")
+    if mixed_precision is not None:
+        check_mixed_precision(mixed_precision, dtype_bytes, optimizer_8bit=optimizer_8bit)
     if weight_format is not None and training:
         raise InvalidArgumentError("find_max_batch: a weight format with training is not modelled (full training "
                                    "updates 16-bit weights)")
@@ -344,7 +349,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
             b, p = sizes(v)
             if training:
                 return training_trace(shape, dtype_bytes, batch_size=b, seq_len=p,
-                                      gradient_checkpointing=gradient_checkpointing, optimizer_8bit=optimizer_8bit)
+                                      gradient_checkpointing=gradient_checkpointing, optimizer_8bit=optimizer_8bit,
+                                      mixed_precision=mixed_precision)
             return inference_trace(shape, dtype_bytes, batch_size=b, prompt_len=p, new_tokens=new_tokens,
                                    weight_format=weight_format, workspace_nbytes=workspace)
 

@@ -219,11 +219,14 @@ def estimate_training_memory(hidden_size: int, intermediate_size: int, n_layers:
                              lora: "LoraConfig | None" = None, n_experts: int = 0, experts_per_token: int = 0,
                              expert_intermediate_size: int = 0,
                              shared_expert_intermediate_size: int = 0, router_weights_cast: bool = False,
-                             sub_norms: bool = False, activation: str = "silu") -> TrainingEstimate:
+                             sub_norms: bool = False, activation: str = "silu",
+                             mixed_precision: str | None = None) -> TrainingEstimate:
     """The peak of allocated bytes of full training steps (forward, backward, foreach AdamW with
     ``optimizer_states`` states per parameter in the weights' dtype, or 8-bit with ``optimizer_8bit``), steady
     state included (two steps); ``gradient_checkpointing`` recomputes each block in the backward pass;
-    ``lora`` trains adapters on a frozen base (Note [LoRA] in :mod:`.workload`)."""
+    ``lora`` trains adapters on a frozen base (Note [LoRA] in :mod:`.workload`); ``mixed_precision``
+    (``"bf16"`` or ``"fp16"``) runs the forward under that ``torch.autocast`` on fp32 master weights, gradients
+    and states, ``dtype_bytes`` 4 (Note [Mixed precision] in :mod:`.workload`)."""
     dtype_bytes = _check_dtype(dtype_bytes)
     if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
         raise InvalidArgumentError(f"optimizer_states must be a whole number >= 0, got {optimizer_states!r}")
@@ -236,7 +239,7 @@ def estimate_training_memory(hidden_size: int, intermediate_size: int, n_layers:
     _cap("seq_len", seq_len)
     w = training_trace(shape, dtype_bytes, batch_size=batch_size, seq_len=seq_len, n_steps=2,
                        optimizer_states=optimizer_states, gradient_checkpointing=gradient_checkpointing,
-                       optimizer_8bit=optimizer_8bit, lora=lora)
+                       optimizer_8bit=optimizer_8bit, lora=lora, mixed_precision=mixed_precision)
     return _from_trace(shape.n_params * dtype_bytes, w, TrainingEstimate,
                        gradient_bytes=w.at_peak.get(Category.GRADIENTS, 0),
                        optimizer_bytes=w.at_peak.get(Category.OPTIMIZER, 0))

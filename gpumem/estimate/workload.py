@@ -72,7 +72,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Iterable, Protocol, Sequence
+from types import MappingProxyType
+from typing import Callable, Iterable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -84,7 +85,7 @@ from .shape import ModelShape
 
 __all__ = ["Category", "WorkloadTrace", "inference_trace", "stream_inference", "decode_steps_simulated", "OpSink", "param_nbytes", "LoraConfig",
            "weights_nbytes", "training_trace", "CUBLAS_WORKSPACE_NBYTES",
-           "MISC_NBYTES", "DECODE_SLACK_PER_Q_NBYTES"]
+           "MISC_NBYTES", "DECODE_SLACK_PER_Q_NBYTES", "AUTOCAST_DTYPE_BYTES", "check_mixed_precision"]
 
 CUBLAS_WORKSPACE_NBYTES = 32 * MiB
 """cuBLAS workspace per handle (Note [Overhead])."""
@@ -614,13 +615,138 @@ def _optimizer_state_nbytes(n_elements: int, param_nbytes: int, eight_bit: bool)
     return n_elements + -(-n_elements // OPTIM_8BIT_BLOCK) * 4
 
 
+AUTOCAST_DTYPE_BYTES: Mapping[str, int] = MappingProxyType({"bf16": 2, "fp16": 2})
+"""The compute dtypes of ``torch.autocast`` that mixed precision on fp32 master weights models (Note [Mixed
+precision])."""
+
+
+def check_mixed_precision(mixed_precision: object, dtype_bytes: int, *, lora: bool = False,
+                          optimizer_8bit: bool = False) -> None:
+    """Refuse a mixed-precision training the trace does not model (Note [Mixed precision])."""
+    if mixed_precision not in AUTOCAST_DTYPE_BYTES:
+        raise InvalidArgumentError(f"mixed_precision must be one of {', '.join(AUTOCAST_DTYPE_BYTES)} (the autocast "
+                                   f"dtype) or None, got {mixed_precision!r}")
+    if dtype_bytes != 4:
+        raise InvalidArgumentError(f"mixed precision ({mixed_precision} autocast) keeps fp32 master weights: the "
+                                   f"weights' dtype must be fp32 (4 bytes), got {dtype_bytes} bytes")
+    if lora:
+        raise InvalidArgumentError("mixed precision with LoRA is not modelled (PEFT's adapters under autocast on a "
+                                   "frozen base)")
+    if optimizer_8bit:
+        raise InvalidArgumentError("mixed precision with 8-bit optimizer states is not modelled")
+
+
+def _rope_fp32(e: _Emitter, n: int, d: int) -> int:
+    """Under autocast (Note [Mixed precision]): ``x*cos + rotate_half(x)*sin`` of ``n`` 16-bit values against
+    fp32 cos and sin; the products and the result are fp32."""
+    a = e.alloc(n * 4)
+    half = e.alloc(n * d // 2)
+    rh = e.alloc(n * d)
+    e.free(half)
+    b = e.alloc(n * 4)
+    e.free(rh)
+    out = e.alloc(n * 4)
+    e.free(a, b)
+    return out
+
+
+def _amp_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: list[int]) -> tuple[list[int], int]:
+    """One block's training forward under autocast on fp32 weights (Note [Mixed precision]): what autograd
+    keeps (autocast's weight copies first, ``len(cast_elements)`` of them) and the block's fp32 output. The
+    block input, which norm 1 saves, is the caller's."""
+    h, i, q, kv = s.hidden_size, s.intermediate_size, s.q_dim, s.kv_dim
+    keep = [e.alloc(n * d) for n in cast_elements]  # autocast's cached copies of the block's weights
+    keep.append(e.alloc(t * h * 4))  # norm 1: x * rsqrt(var) in fp32, saved by the weight multiply
+    n1 = e.alloc(t * h * 4)  # its fp32 output, live through the attention
+    keep += [e.alloc(t * h * d) for _ in range(3)]  # q_proj's, k_proj's and v_proj's own casts of it
+    qp, kp, v = e.alloc(t * q * d), e.alloc(t * kv * d), e.alloc(t * kv * d)
+    keep.append(v)
+    rotated = [_rope_fp32(e, t * width, d) for width in (q, kv)]
+    e.free(qp, kp)
+    keep += [e.alloc(t * q * d), e.alloc(t * kv * d)]  # SDPA's casts of the rotated q and k
+    keep += [e.alloc(t * q * d), e.alloc(t * s.n_heads * 4), e.alloc(t * q * d)]  # out, logsumexp, reshaped
+    o = e.alloc(t * h * d)
+    e.free(*rotated, n1)
+    h1 = e.alloc(t * h * 4)  # fp32 residual + bf16 o_proj output: fp32
+    e.free(o)
+    keep += [h1, e.alloc(t * h * 4)]  # norm 2's input (saved by its pow) and its normalized fp32
+    n2 = e.alloc(t * h * 4)
+    keep += [e.alloc(t * h * d) for _ in range(2)]  # gate_proj's and up_proj's casts of it
+    keep += [e.alloc(t * i * d) for _ in range(4)]  # gate, act, up, product
+    dn = e.alloc(t * h * d)
+    e.free(n2)
+    y = e.alloc(t * h * 4)
+    e.free(dn)
+    return keep, y
+
+
+def _nograd_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: list[int] | None) -> tuple[list[int], int]:
+    """One block's forward without grad (the first pass of gradient checkpointing, Note [Gradient
+    checkpointing]): each tensor goes as soon as it is dead, as in the ``generate()`` prefill. ``cast_elements``:
+    under autocast (Note [Mixed precision]), the block's weights, whose copies autocast caches (returned, first)
+    while the residual stream and the norms are fp32; None: all in ``d`` bytes. Returns the cached copies and
+    the block's output; the block input is the caller's."""
+    h, i, q, kv = s.hidden_size, s.intermediate_size, s.q_dim, s.kv_dim
+    amp = cast_elements is not None
+    copies = [e.alloc(n * d) for n in cast_elements] if amp else []
+
+    def norm() -> int:
+        if not amp:
+            return _norm(e, t * h * 4, t * h * d)
+        normalized = e.alloc(t * h * 4)
+        out = e.alloc(t * h * 4)
+        e.free(normalized)
+        return out
+
+    def linear(width: int) -> int:
+        """A projection of the normed input: under autocast, the input's cast lives while it runs."""
+        cast = e.alloc(t * h * d) if amp else -1
+        out = e.alloc(t * width * d)
+        if cast >= 0:
+            e.free(cast)
+        return out
+
+    n1 = norm()
+    qp, kp, v = linear(q), linear(kv), linear(kv)
+    if amp:
+        rotated = [_rope_fp32(e, t * width, d) for width in (q, kv)]
+        e.free(qp, kp)
+        qe, ke = e.alloc(t * q * d), e.alloc(t * kv * d)  # SDPA's casts
+        e.free(*rotated)
+    else:
+        qe, ke = _rope(e, t * q * d), _rope(e, t * kv * d)
+        e.free(qp, kp)
+    out = e.alloc(t * q * d)
+    lse = e.alloc(t * s.n_heads * 4)
+    e.free(qe, ke, v, lse)
+    flat = e.alloc(t * q * d)
+    e.free(out)
+    o = e.alloc(t * h * d)
+    e.free(flat, n1)
+    h1 = e.alloc(t * h * (4 if amp else d))
+    e.free(o)
+    n2 = norm()
+    g = linear(i)
+    a = e.alloc(t * i * d)
+    e.free(g)
+    u = linear(i)
+    m = e.alloc(t * i * d)
+    e.free(a, u)
+    dn = e.alloc(t * h * d)
+    e.free(m, n2)
+    y = e.alloc(t * h * (4 if amp else d))
+    e.free(dn, h1)
+    return copies, y
+
+
 def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, seq_len: int,
                    n_steps: int = 2, optimizer_states: int = 2,
                    gradient_checkpointing: bool = False, optimizer_8bit: bool = False,
-                   lora: LoraConfig | None = None) -> WorkloadTrace:
+                   lora: LoraConfig | None = None, mixed_precision: str | None = None) -> WorkloadTrace:
     """The allocations of ``n_steps`` training steps (forward with labels, backward, foreach AdamW step,
     ``zero_grad(set_to_none=True)``), weights, gradients and ``optimizer_states`` states per parameter in
-    ``dtype_bytes``.
+    ``dtype_bytes``; with ``mixed_precision`` (``"bf16"``/``"fp16"``) the forward runs under that autocast on
+    fp32 master weights (Note [Mixed precision]).
 
     Note [Training activations]: autograd keeps, per block and token, the fp32 input and the output of
     each RMSNorm (``4H + 2H`` twice), the rotated q and k, v, the SDPA output and its reshaped copy
@@ -628,12 +754,28 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     the bf16 logits and the fp32 log-softmax; its backward holds two more fp32 logit-sized gradients.
     The foreach AdamW step holds one parameter-sized temporary (``sqrt(exp_avg_sq)``) and, measured on the
     H200, one more embedding-sized buffer; the recorded backward also held one more hidden-sized tensor
-    per block and token than the list above.
+    per block and token than the list above. Each block's backward makes the gradient of its input, which
+    replaces that of its output (one hidden-sized gradient at a time, a new tensor per block).
 
-    Note [Gradient checkpointing]: with ``gradient_checkpointing`` each block's forward keeps only its input
-    (the block runs without grad: what it would keep is freed at its end), and the backward runs the block's
-    forward again with grad just before its gradients, holding that one block's tensors (the list above)
-    until they are done.
+    Note [Gradient checkpointing]: with ``gradient_checkpointing`` each block's forward keeps only its input:
+    the block runs without grad, each tensor freed as soon as it is dead (:func:`_nograd_block`; holding a
+    block's saved set to its end, as before, made the replay reserve 0.2-0.8 GiB too much in step 1 on the
+    H200 rows), and the backward runs the block's forward again with grad just before its gradients, holding
+    that one block's tensors (the list above) until they are done.
+
+    Note [Mixed precision]: with ``mixed_precision`` (``"bf16"`` or ``"fp16"``, ``dtype_bytes`` 4) the
+    weights, their gradients and AdamW's states are fp32 and the forward runs under ``torch.autocast``.
+    Autocast casts each projection's fp32 weight (and bias) to a 16-bit copy at its first use and caches it
+    until the autocast context ends; the linears save the copies for the backward, which frees a block's
+    copies with its other saved tensors (under gradient checkpointing the no-grad pass's copies stay cached
+    to the end of the forward, and the recompute makes new ones). The embeddings' output, the residual
+    stream, RMSNorm (its input and ``x * rsqrt`` saved, its output fp32) and cos/sin are fp32; every
+    projection casts its input to 16 bits itself (three copies of norm 1's output, two of norm 2's, all
+    saved); q and k rotated against fp32 cos/sin are fp32 until SDPA casts them (the casts saved); the
+    projections' outputs and the MLP are 16-bit. In the backward each weight's gradient is made in 16 bits
+    then cast to fp32 (both live at once), and the inputs' gradients are cast back to fp32 before each norm.
+    Modelled from torch 2.11's autocast and transformers 5.17's source; the H200 rows (run 2: Qwen2 0.16B,
+    with and without gradient checkpointing): peak allocated 0.4-1.3 % above the measurement.
 
     Note [8-bit optimizer states]: with ``optimizer_8bit`` each state of a tensor of ``m`` elements is
     bitsandbytes' block-wise 8-bit layout, ``m`` bytes and one fp32 absmax per block of
@@ -652,6 +794,9 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     """
     if not isinstance(optimizer_8bit, bool):
         raise InvalidArgumentError(f"optimizer_8bit must be True or False, got {optimizer_8bit!r}")
+    amp = mixed_precision is not None
+    if amp:
+        check_mixed_precision(mixed_precision, dtype_bytes, lora=lora is not None, optimizer_8bit=optimizer_8bit)
     if shape.sub_norms or shape.activation != "silu":
         raise InvalidArgumentError("training a BitNet model (quantization-aware training of its ternary weights) "
                                    "is not modelled; its generate() is")
@@ -666,9 +811,12 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     _check("seq_len", seq_len)
     _check("n_steps", n_steps)
     _check("dtype_bytes", dtype_bytes)
-    d = max(dtype_bytes, 2)
+    d = AUTOCAST_DTYPE_BYTES[mixed_precision] if amp else max(dtype_bytes, 2)
+    r = 4 if amp else d  # Note [Mixed precision]: the residual stream, the embeddings' output and cos/sin in fp32
     s = shape
     h, i, t = s.hidden_size, s.intermediate_size, batch_size * seq_len
+    per_layer = s.layer_param_shapes()
+    cast_elements = [n for name, n in per_layer if "norm" not in name]  # what autocast casts (no norm weights)
     e = _Emitter(f"train b={batch_size} s={seq_len}")
     e.phase = "weights"
     params = param_nbytes(s, dtype_bytes, lora.base_format if lora else None)
@@ -697,13 +845,16 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     for step in range(n_steps):
         e.phase = f"forward {step + 1}"
         ids = e.alloc(t * 8)
-        emb = e.alloc(t * h * d)
-        cos, sin = e.alloc(t * s.head_dim * d), e.alloc(t * s.head_dim * d)
+        emb = e.alloc(t * h * r)
+        cos, sin = e.alloc(t * s.head_dim * r), e.alloc(t * s.head_dim * r)
         saved: list[list[int]] = []
         inputs: list[int] = []  # gradient checkpointing: each block's input, kept for the recompute
+        cached: list[int] = []  # Note [Mixed precision]: autocast's weight copies of a no-grad forward
 
         def block() -> tuple[list[int], int]:
             """One block's forward: the tensors autograd keeps, and the block's output."""
+            if amp:
+                return _amp_block(e, s, t, d, cast_elements)
             keep = [e.alloc(t * h * 4), e.alloc(t * h * d)]  # norm 1
             keep += [e.alloc(t * s.q_dim * d), e.alloc(t * s.kv_dim * d), e.alloc(t * s.kv_dim * d)]  # q, k rotated, v
             tmp = e.alloc(t * s.q_dim * d)  # rope temporaries (one live at a time beyond the kept ones)
@@ -730,19 +881,40 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
 
         x = emb
         for _ in range(s.n_layers):
-            keep, y = block()
-            if gradient_checkpointing:  # no_grad forward: what it would keep goes; the block input stays
-                e.free(*keep)
+            if gradient_checkpointing:  # no_grad forward: nothing is kept but the block input
+                copies, y = _nograd_block(e, s, t, d, cast_elements if amp else None)
+                if lora is not None:  # the adapters' tensors, dead as soon as made
+                    for target in lora.targets:
+                        out_f, in_f = dims[target]
+                        if quantized_base:
+                            dequantized(out_f, in_f)
+                        e.free(*[e.alloc(t * n * lora.adapter_bytes) for n in (in_f, lora.rank, out_f)])
+                cached += copies  # under autocast the weight copies stay in its cache until the forward ends
                 inputs.append(x)
+                x = y
+                saved.append([])
+                continue
+            keep, y = block()
+            if amp and x != emb:
+                keep.append(x)  # the block input is norm 1's input, which it saves in fp32
             elif x != emb:
                 e.free(x)  # the block input: the norm saved its fp32 copy, the residual add saves nothing
             x = y
-            saved.append([] if gradient_checkpointing else keep)
-        nf32, nf = e.alloc(t * h * 4), e.alloc(t * h * d)
+            saved.append(keep)
+        if amp:  # final norm in fp32, its output cast for lm_head, whose weight is cast too
+            nf32 = e.alloc(t * h * 4)
+            out32 = e.alloc(t * h * 4)
+            lm_copy = e.alloc(s.vocab_size * h * d)
+            nf = e.alloc(t * h * d)
+            e.free(out32)
+        else:
+            nf32, nf = e.alloc(t * h * 4), e.alloc(t * h * d)
         logits = e.alloc(t * s.vocab_size * d)
         up = e.alloc(t * s.vocab_size * 4)
         lsm = e.alloc(t * s.vocab_size * 4)
         e.free(up)
+        if cached:  # autocast's exit clears its cache: the copies no saved tensor holds go
+            e.free(*cached)
         e.phase = f"backward {step + 1}"
         g1 = e.alloc(t * s.vocab_size * 4)
         g2 = e.alloc(t * s.vocab_size * 4)
@@ -750,12 +922,23 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         g3 = e.alloc(t * s.vocab_size * d)
         e.free(g2)
         grads: list[int] = []
+
+        def grad(n_elements: int, cast: bool = True) -> None:
+            """A weight's gradient in the weights' dtype; under autocast first in the compute dtype (the
+            matrix product's), then cast by the copy's backward (Note [Mixed precision])."""
+            tmp = e.alloc(n_elements * d) if amp and cast else -1
+            grads.append(e.alloc(n_elements * dtype_bytes, Category.GRADIENTS))
+            if tmp >= 0:
+                e.free(tmp)
         if not s.tie_word_embeddings and lora is None:
-            grads.append(e.alloc(params[-1], Category.GRADIENTS))
-        gx = e.alloc(t * h * d)
+            grad(s.vocab_size * h)
+        gx = e.alloc(t * h * r)
+        if amp:  # lm_head's input gradient in bf16, cast back to fp32 for the norm's backward
+            e.free(e.alloc(t * h * d))
+            e.free(lm_copy)
         e.free(g3, logits, nf32, nf, x)
         for layer in reversed(range(s.n_layers)):
-            per = s.layer_param_shapes()
+            per = per_layer
             if gradient_checkpointing:  # the block's forward again, with grad, from its saved input
                 saved[layer], y = block()
                 e.free(y)
@@ -764,14 +947,18 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             gi = e.alloc(t * i * d)
             gi2 = e.alloc(t * i * d)
             for _, n in per[4:7]:
-                grads.append(e.alloc(n * dtype_bytes, Category.GRADIENTS))
+                grad(n)
             e.free(gi, gi2)
+            if amp:  # gate's and up's input gradients, cast to fp32 and summed for norm 2's backward
+                e.free(e.alloc(t * h * 4))
             for _, n in per[:4]:
-                grads.append(e.alloc(n * dtype_bytes, Category.GRADIENTS))
+                grad(n)
             gq = e.alloc(t * s.q_dim * d)
             e.free(gq)
-            for _, n in per[7:]:
-                grads.append(e.alloc(n * dtype_bytes, Category.GRADIENTS))
+            for name, n in per[7:]:
+                grad(n, cast="norm" not in name)
+            if amp:  # q's, k's and v's input gradients in fp32 for norm 1's backward
+                e.free(e.alloc(t * h * 4))
             if lora is not None:
                 for target in lora.targets:
                     out_f, in_f = dims[target]
@@ -779,6 +966,9 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
                         dequantized(out_f, in_f)
                     grads.append(e.alloc(lora.rank * in_f * lora.adapter_bytes, Category.GRADIENTS))
                     grads.append(e.alloc(out_f * lora.rank * lora.adapter_bytes, Category.GRADIENTS))
+            grown = e.alloc(t * h * r)  # the gradient of the block's input replaces that of its output
+            e.free(gx)
+            gx = grown
             e.free(*saved[layer])
             if gradient_checkpointing and inputs[layer] != emb:
                 e.free(inputs[layer])

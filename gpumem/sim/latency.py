@@ -22,6 +22,9 @@ the figure whose largest ratio to any run is smallest.
   (``copy_launch_us``); copies then run at the profile's bandwidth.
 * The same driver costs serve every profile: they are host-side driver work, and no other card was
   measured (an H100 runs the same driver on the same kind of host).
+* The costs were measured on an idle device. Whether a VMM call also waits for the device's queued work
+  is :attr:`LatencyModel.waits_for_device` (Note [Does a VMM call wait for the GPU?] in
+  :mod:`gpumem.sim.device`); by default none does.
 
 Simulated time only moves the SimPy clock; nothing sleeps for real.
 """
@@ -32,7 +35,11 @@ import bisect
 from dataclasses import dataclass
 from typing import Sequence
 
+from gpumem.errors import InvalidArgumentError
 from gpumem.units import GiB, MiB
+
+#: The device calls :attr:`LatencyModel.waits_for_device` may name: the virtual-memory calls.
+VMM_CALLS = ("mem_map", "mem_set_access", "mem_unmap", "mem_release")
 
 Points = tuple[tuple[int, float], ...]
 
@@ -84,8 +91,24 @@ class LatencyModel:
     event_destroy_us: float = 0.4
     stream_wait_event_us: float = 0.8
     launch_us: float = 4.0  # an estimate (see the Note above)
+    waits_for_device: frozenset[str] = frozenset()
+    """The VMM calls (of :data:`VMM_CALLS`) that first wait until every stream's queued work is done, as a
+    ``cudaDeviceSynchronize`` would, then cost what they cost on an idle device (Note [Does a VMM call wait
+    for the GPU?] in :mod:`gpumem.sim.device`). Empty (the default): none waits. A tuple or list of names
+    is taken as a frozenset."""
 
     def __post_init__(self) -> None:
+        waits = self.waits_for_device
+        if isinstance(waits, (tuple, list)):
+            waits = frozenset(waits)
+        if not isinstance(waits, frozenset):
+            raise InvalidArgumentError(f"LatencyModel.waits_for_device must be a frozenset of call names "
+                                       f"({', '.join(VMM_CALLS)}), not {type(waits).__name__}")
+        unknown = sorted(repr(w) for w in waits if w not in VMM_CALLS)
+        if unknown:
+            raise InvalidArgumentError(f"LatencyModel.waits_for_device: {', '.join(unknown)} is not a VMM call; "
+                                       f"choose among {', '.join(VMM_CALLS)}")
+        object.__setattr__(self, "waits_for_device", waits)
         # the sizes of the malloc curve, kept: malloc and free interpolate it on every call
         object.__setattr__(self, "_malloc_sizes", tuple(p[0] for p in self.malloc_free_points))
 

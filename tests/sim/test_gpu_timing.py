@@ -208,3 +208,44 @@ def test_the_report_layout_replays_under_the_same_timing():
         run = replay_trace(trace, "sim:h200-141gb", progress=False, gpu_timing=timing)
         occ = occupancy_at(trace, "sim:h200-141gb", "gpumem", trace.n_ops, timing)
         assert occ.reserved_nbytes == run.stats.reserved_nbytes and not occ.stopped_by_oom
+
+
+def _replay_waiting(trace, policy, timing, waits):
+    import dataclasses
+
+    from gpumem.sim.latency import LatencyModel
+
+    profile = dataclasses.replace(get_profile("h200-141gb"), latency=LatencyModel(waits_for_device=waits))
+    dev = SimDevice(profile, spec="sim:h200-141gb")
+    try:
+        return replay_trace(trace, dev, policy, progress=False, gpu_timing=timing), dev.stats
+    finally:
+        dev.close()
+
+
+def test_vmm_calls_that_wait_for_the_gpu_cost_step_time_in_a_replay():
+    """Note [Does a VMM call wait for the GPU?]: on gpumem's live ResNet-50 trace under the memory-first
+    setting (stream-ordered steal, chunks of 1/1024), VMM calls that wait for queued work lengthen the
+    simulated run (live: +14 % over PyTorch's allocator; replayed +3 % without the wait, +13 % with it);
+    with no GPU work (idle) the option changes nothing."""
+    import dataclasses
+
+    from gpumem.allocator.policy import POLICIES
+
+    trace = load_trace(Path(__file__).resolve().parents[2] / "reports" / "hil" / "live-h200-2026-11-25-run2"
+                       / "resnet50.gmt.gz")
+    memory_first = dataclasses.replace(POLICIES["gpumem"], chunk_max_fraction=1 / 1024, stream_ordered_steal=True)
+    vmm = ("mem_unmap", "mem_map", "mem_set_access")
+    off, off_stats = _replay_waiting(trace, memory_first, "trace", ())
+    on, on_stats = _replay_waiting(trace, memory_first, "trace", vmm)
+    assert off_stats.device_waits == 0 and on_stats.device_waits > 1000
+    assert on.sim_time_s > off.sim_time_s * 1.08
+    # the waits themselves (1.8 s) overlap GPU work that had to run anyway: what a wait costs is the GPU
+    # idling after it, while the CPU refills the queue (0.3 s here)
+    assert on.sim_time_s - off.sim_time_s < on_stats.device_wait_s
+    idle_off, _ = _replay_waiting(trace, memory_first, "idle", ())
+    idle_on, idle_stats = _replay_waiting(trace, memory_first, "idle", vmm)
+    assert idle_stats.device_waits == 0
+    assert idle_on.peak_reserved_bytes == idle_off.peak_reserved_bytes
+    assert idle_on.stats.device_calls == idle_off.stats.device_calls
+    assert idle_on.sim_time_s == idle_off.sim_time_s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 import gpumem
 from gpumem import GiB, InvalidArgumentError, InvalidPointerError, MiB, OutOfMemoryError
 from gpumem.sim import LatencyModel, PeriodicSpikes, SimDevice, custom_profile, get_profile
+from gpumem.sim.streams import DONE
 
 US = 1e-6
 
@@ -196,3 +198,81 @@ def test_address_free_cost_grows_with_the_range():
     assert lat.address_free_cost_us(GiB) == pytest.approx(2.8)
     assert lat.address_free_cost_us(1024 * GiB) == pytest.approx(5.1)
     assert 2.8 < lat.address_free_cost_us(512 * GiB) < 5.1
+
+
+# -- Note [Does a VMM call wait for the GPU?] -----------------------------------------------------------------
+
+def _waiting_device(*waits: str) -> SimDevice:
+    prof = dataclasses.replace(get_profile("h200-141gb"), latency=LatencyModel(waits_for_device=waits))
+    return SimDevice(prof)
+
+
+@pytest.mark.parametrize("bad", [("cuMemUnmap",), ("mem_unmap", "malloc"), "mem_unmap", {"mem_unmap"}, (1,), None])
+def test_waits_for_device_refuses_what_is_not_a_vmm_call(bad):
+    with pytest.raises(InvalidArgumentError, match="waits_for_device"):
+        LatencyModel(waits_for_device=bad)
+
+
+def test_waits_for_device_takes_names_as_a_frozenset():
+    assert LatencyModel().waits_for_device == frozenset()
+    assert LatencyModel(waits_for_device=["mem_unmap", "mem_map"]).waits_for_device == {"mem_unmap", "mem_map"}
+    assert LatencyModel(waits_for_device=()) == LatencyModel()
+
+
+def _kernel_and_a_mapping(dev: SimDevice, kernel_s: float):
+    """A chunk mapped with access at ``va``, and a kernel of ``kernel_s`` queued on stream 0 over other memory."""
+    gran = dev.granularity_nbytes
+    other = dev.malloc(4 * MiB)
+    va = dev.address_reserve(gran)
+    h = dev.mem_create(gran)
+    dev.mem_map(va, gran, h)
+    dev.mem_set_access(va, gran)
+    work = dev.launch(0, kernel_s, [(other, 4 * MiB)])
+    return va, h, work
+
+
+def test_an_unmap_that_waits_for_the_device_costs_the_queued_work_first():
+    unmap_us = 19.4 + 0.10 * 2
+    idle = _waiting_device()
+    va, _, work = _kernel_and_a_mapping(idle, 0.010)
+    assert _cost_us(idle, lambda: idle.mem_unmap(va, idle.granularity_nbytes)) == pytest.approx(unmap_us)
+    assert work.state != DONE and idle.stats.device_waits == 0
+    dev = _waiting_device("mem_unmap")
+    va, h, work = _kernel_and_a_mapping(dev, 0.010)
+    t0 = dev.now_s
+    cost_us = _cost_us(dev, lambda: dev.mem_unmap(va, dev.granularity_nbytes))
+    assert work.state == DONE
+    left_s = work.end_s - t0
+    assert left_s == pytest.approx(0.010)
+    assert cost_us == pytest.approx(left_s / US + unmap_us)
+    assert cost_us > 9000
+    assert dev.stats.device_waits == 1 and dev.stats.device_wait_s == pytest.approx(left_s)
+    # with the device idle the call costs what it costs, and no wait is counted
+    dev.mem_map(va, dev.granularity_nbytes, h)
+    assert _cost_us(dev, lambda: dev.mem_unmap(va, dev.granularity_nbytes)) == pytest.approx(unmap_us)
+    assert dev.stats.device_waits == 1
+
+
+def test_only_the_named_calls_wait():
+    dev = _waiting_device("mem_map")
+    gran = dev.granularity_nbytes
+    va, h, _ = _kernel_and_a_mapping(dev, 0.0)  # mem_map happened before any work: no wait
+    assert dev.stats.device_waits == 0
+    work = dev.launch(0, 0.005)
+    assert _cost_us(dev, lambda: dev.mem_unmap(va, gran)) == pytest.approx(19.4 + 0.10 * 2)
+    t0 = dev.now_s
+    assert work.state != DONE
+    assert _cost_us(dev, lambda: dev.mem_map(va, gran, h)) == pytest.approx((work.end_s - t0) / US + 2.1)
+    assert dev.stats.device_waits == 1
+
+
+def test_a_waiting_unmap_of_memory_the_queued_work_uses_is_still_a_hazard():
+    """The sanitizer looks before the wait: CUDA promises no implicit synchronisation."""
+    dev = _waiting_device("mem_unmap")
+    gran = dev.granularity_nbytes
+    va, _, _ = _kernel_and_a_mapping(dev, 0.001)
+    dev.launch(0, 0.010, [(va, gran)])
+    t0 = dev.now_s
+    with pytest.raises(gpumem.errors.MemoryHazardError):
+        dev.mem_unmap(va, gran)
+    assert dev.now_s == t0 and dev.stats.device_waits == 0

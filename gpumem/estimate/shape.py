@@ -239,8 +239,8 @@ _NEUTRAL = (None, False, 0, [], {}, "")
 def config_weight_format(cfg: Mapping[str, Any], origin: str = "config") -> "WeightFormat | None":
     """The weight format a config's ``quantization_config`` names (Note [Weight formats] in :mod:`.formats`),
     ``None`` without one; one this estimate does not read raises ``InvalidArgumentError`` naming it:
-    bitsandbytes 8-bit is ``int8``, per-tensor ``fp8`` is ``fp8``, BitNet's offline (packed) mode is ``i2s``
-    storage; bitsandbytes 4-bit (NF4, 64-weight blocks), GPTQ/AWQ (zero points, GPTQ's ``g_idx``), block-wise
+    bitsandbytes 8-bit is ``int8``, per-tensor ``fp8`` is ``fp8``, BitNet's packed ``bitlinear`` offline mode
+    is ``i2s`` storage (``autobitlinear`` and online quantization are refused); bitsandbytes 4-bit (NF4, 64-weight blocks), GPTQ/AWQ (zero points, GPTQ's ``g_idx``), block-wise
     fp8 and the rest are refused."""
     q = cfg.get("quantization_config")
     if q in _NEUTRAL:
@@ -252,10 +252,17 @@ def config_weight_format(cfg: Mapping[str, Any], origin: str = "config") -> "Wei
         return WEIGHT_FORMATS["int8"]
     if method == "fp8" and q.get("weight_block_size") in _NEUTRAL:
         return WEIGHT_FORMATS["fp8"]
-    if method == "bitnet" and q.get("quantization_mode", "offline") == "offline":
-        return WEIGHT_FORMATS["i2s"]
-    if method == "bitnet" and q.get("quantization_mode") == "online":
-        return None  # 16-bit weights, quantized on the fly
+    if method == "bitnet":
+        # transformers' BitLinear (the default linear_class) holds the packed 2-bit weights and unpacks them
+        # at each forward; AutoBitLinear unpacks the checkpoint into 16-bit weights at load time (offline) or
+        # re-quantizes 16-bit weights at each forward (online): neither is the packed format, nor modelled
+        linear_class, mode = q.get("linear_class", "bitlinear"), q.get("quantization_mode", "offline")
+        if linear_class == "bitlinear" and mode == "offline":
+            return WEIGHT_FORMATS["i2s"]
+        raise InvalidArgumentError(f"{origin}: quantization_config (quant_method 'bitnet', linear_class "
+                                   f"{linear_class!r:.40}, quantization_mode {mode!r:.40}) is not modelled: only "
+                                   "BitLinear's packed offline weights are (AutoBitLinear holds 16-bit weights and "
+                                   "quantizes them at each forward)")
     detail = {"bitsandbytes": "4-bit NF4 (blocks of 64 with their absmax) is not modelled",
               "gptq": "GPTQ also stores zero points and g_idx, not modelled",
               "awq": "AWQ also stores zero points, not modelled",
@@ -306,6 +313,9 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str) -> None:
         raise InvalidArgumentError(f"{origin}: hidden_act {act!r:.60} is not modelled (the estimate's MLP is "
                                    "the gated SiLU of Llama); its temporaries differ")
     layer_types = cfg.get("layer_types")
+    if layer_types is not None and not isinstance(layer_types, list):
+        raise InvalidArgumentError(f"{origin}: layer_types must be a JSON list of each layer's attention, got "
+                                   f"{layer_types!r:.40}")
     if isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types):
         raise InvalidArgumentError(f"{origin}: layer_types names layers other than full attention "
                                    f"({sorted({str(t)[:40] for t in layer_types} - {'full_attention'})}), "
@@ -323,6 +333,9 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
     if isinstance(path_or_dict, Mapping):
         cfg: Mapping[str, Any] = path_or_dict
         origin = "config"
+    elif not isinstance(path_or_dict, (str, bytes, os.PathLike)):
+        raise InvalidArgumentError(f"from_hf_config takes a config.json path or its parsed dict, got "
+                                   f"{type(path_or_dict).__name__}")
     else:
         origin = str(path_or_dict)
         try:
@@ -337,6 +350,8 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
             raise InvalidArgumentError(f"{origin} is not a valid JSON config (nested too deeply or too large)") from None
         if not isinstance(cfg, dict):
             raise InvalidArgumentError(f"{origin}: expected a JSON object, got {type(cfg).__name__}")
+    if cfg.get("text_config") is not None and not isinstance(cfg.get("text_config"), Mapping):
+        raise InvalidArgumentError(f"{origin}: text_config must be a JSON object, got {cfg['text_config']!r:.40}")
     if isinstance(cfg.get("text_config"), Mapping):
         # the outer config's own fields are checked too: a vision tower, MoE keys or a quantization_config
         # there change memory as much as inside (they were silently dropped with the outer config)

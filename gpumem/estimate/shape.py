@@ -240,14 +240,16 @@ def config_weight_format(cfg: Mapping[str, Any], origin: str = "config") -> "Wei
     """The weight format a config's ``quantization_config`` names (Note [Weight formats] in :mod:`.formats`),
     ``None`` without one; one this estimate does not read raises ``InvalidArgumentError`` naming it:
     bitsandbytes 8-bit is ``int8``, per-tensor ``fp8`` is ``fp8``, BitNet's packed ``bitlinear`` offline mode
-    is ``i2s`` storage (``autobitlinear`` and online quantization are refused); bitsandbytes 4-bit (NF4, 64-weight blocks), GPTQ/AWQ (zero points, GPTQ's ``g_idx``), block-wise
-    fp8 and the rest are refused."""
+    is ``i2s`` storage (``autobitlinear`` and online quantization are refused); bitsandbytes 4-bit (NF4,
+    64-weight blocks), GPTQ/AWQ (zero points, GPTQ's ``g_idx``), block-wise fp8, projections kept out of the
+    format and the rest are refused."""
     q = cfg.get("quantization_config")
     if q in _NEUTRAL:
         return None
     if not isinstance(q, Mapping):
         raise InvalidArgumentError(f"{origin}: quantization_config must be a JSON object, got {q!r:.60}")
     method = q.get("quant_method")
+    _refuse_kept_16_bit(q, origin)
     if method == "bitsandbytes" and q.get("load_in_8bit") is True and not q.get("load_in_4bit"):
         return WEIGHT_FORMATS["int8"]
     if method == "fp8" and q.get("weight_block_size") in _NEUTRAL:
@@ -270,6 +272,23 @@ def config_weight_format(cfg: Mapping[str, Any], origin: str = "config") -> "Wei
                                                                                     "not a format this estimate reads")
     raise InvalidArgumentError(f"{origin}: quantization_config (quant_method {method!r:.40}): {detail}; give "
                                "--weight-format or --weight-bits for what its weights store")
+
+
+def _refuse_kept_16_bit(q: Mapping[str, Any], origin: str) -> None:
+    """A quantization_config that keeps projections out of its format (``modules_to_not_convert``,
+    bitsandbytes' ``llm_int8_skip_modules``: they stay 16-bit) or keeps 16-bit weights beside the quantized
+    ones (``llm_int8_has_fp16_weight``) is refused: counted in the format they were under-estimated. The
+    output projection (``lm_head``) is kept 16-bit by the estimate already and may be named."""
+    for key in ("modules_to_not_convert", "llm_int8_skip_modules"):
+        skip = q.get(key)
+        if skip in _NEUTRAL:
+            continue
+        if not isinstance(skip, list) or any(not isinstance(m, str) or m.rstrip("$") != "lm_head" for m in skip):
+            raise InvalidArgumentError(f"{origin}: quantization_config {key} ({skip!r:.60}) keeps modules other "
+                                       "than lm_head in 16 bits, which this estimate does not model")
+    if q.get("llm_int8_has_fp16_weight") not in _NEUTRAL:
+        raise InvalidArgumentError(f"{origin}: quantization_config llm_int8_has_fp16_weight keeps 16-bit weights "
+                                   "beside the int8 ones, which this estimate does not model")
 
 
 def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str) -> None:

@@ -131,3 +131,28 @@ def test_bitnet_linear_classes_not_packed_are_refused(qcfg, match):
 def test_bitnet_packed_bitlinear_is_i2s(qcfg):
     from gpumem.estimate.shape import config_weight_format
     assert config_weight_format({"quantization_config": qcfg}).name == "i2s"
+
+
+@pytest.mark.parametrize("qcfg,match", [
+    # projections kept out of the format stay 16-bit: counted in the format they were under-estimated
+    ({"quant_method": "bitnet", "modules_to_not_convert": ["down_proj"]}, "modules_to_not_convert"),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_skip_modules": ["o_proj"]},
+     "llm_int8_skip_modules"),
+    ({"quant_method": "fp8", "modules_to_not_convert": "mlp"}, "modules_to_not_convert"),
+    # bitsandbytes' fp16-weight mode keeps the 16-bit weights beside the int8 ones
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_has_fp16_weight": True},
+     "llm_int8_has_fp16_weight"),
+])
+def test_quantization_config_modules_kept_16_bit_refused(qcfg, match):
+    from gpumem.estimate.shape import config_weight_format
+    with pytest.raises(InvalidArgumentError, match=match):
+        config_weight_format({"quantization_config": qcfg})
+
+
+@pytest.mark.parametrize("skip", [None, [], ["lm_head"], ["lm_head$"]])
+def test_quantization_config_lm_head_kept_is_read(skip):
+    from gpumem.estimate.shape import config_weight_format
+    qcfg = {"quant_method": "bitnet", "modules_to_not_convert": skip}
+    assert config_weight_format({"quantization_config": qcfg}).name == "i2s"
+    qcfg = {"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_skip_modules": skip}
+    assert config_weight_format({"quantization_config": qcfg}).name == "int8"

@@ -51,7 +51,8 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
     if args.hf_config:
         if any(v is not None for v in numbers):
             raise InvalidArgumentError("give either --hf-config or the shape options, not both")
-        shape, nbytes = from_hf_config(args.hf_config)
+        # a --weight-format given stands for the config's quantization_config (which may be one not read)
+        shape, nbytes = from_hf_config(args.hf_config, read_quantization_config=args.weight_fmt is None)
         cfg = json.loads(read_config_text(args.hf_config))
         cfg = {**cfg.get("text_config", {}), **cfg} if isinstance(cfg.get("text_config"), dict) else cfg
         if args.weight_fmt is None:

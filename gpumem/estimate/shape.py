@@ -291,7 +291,7 @@ def _refuse_kept_16_bit(q: Mapping[str, Any], origin: str) -> None:
                                    "beside the int8 ones, which this estimate does not model")
 
 
-def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str) -> None:
+def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str, read_quantization_config: bool = True) -> None:
     """Note [Refuse what is not modelled]: a config field that changes memory and that this estimate does not
     model stops it with ``InvalidArgumentError`` naming the field: read as the dense Llama-style decoder it
     otherwise describes, a Mixtral-8x7B config came out as 7.24B parameters (13.49 GiB) instead of 46.7B, and
@@ -312,7 +312,8 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str) -> None:
         if cfg.get("output_router_logits") not in _NEUTRAL:
             raise InvalidArgumentError(f"{origin}: output_router_logits keeps every layer's router logits for "
                                        "the auxiliary loss, which this estimate does not model")
-    config_weight_format(cfg, origin)  # a quantization_config it does not read raises
+    if read_quantization_config:
+        config_weight_format(cfg, origin)  # a quantization_config it does not read raises
     for key, what in UNMODELLED_KEYS.items():
         value = cfg.get(key)
         if value not in _NEUTRAL:
@@ -341,12 +342,15 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str) -> None:
                                    "which this estimate does not model")
 
 
-def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -> tuple[ModelShape, int]:
+def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]", *,
+                   read_quantization_config: bool = True) -> tuple[ModelShape, int]:
     """Read a Hugging Face ``config.json`` (a path, or the parsed dict) of a Llama-style decoder.
 
     Returns ``(shape, dtype_bytes)``; ``dtype_bytes`` comes from ``torch_dtype`` / ``dtype`` (2 when
     absent). A multimodal config (a ``text_config`` beside a vision or audio tower) is refused: give its
-    ``text_config`` as a file of its own to estimate the language model alone. Raises
+    ``text_config`` as a file of its own to estimate the language model alone. A ``quantization_config``
+    this estimate does not read is refused (:func:`config_weight_format`) unless ``read_quantization_config``
+    is False: the caller then gives the projections' format itself (``--weight-format``). Raises
     ``InvalidArgumentError`` when the file cannot be read, is not JSON, or lacks a field the estimate needs.
     """
     if isinstance(path_or_dict, Mapping):
@@ -375,9 +379,9 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
         # the outer config's own fields are checked too: a vision tower, MoE keys or a quantization_config
         # there change memory as much as inside (they were silently dropped with the outer config)
         _refuse_unmodelled({k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "text_config")},
-                           origin)
+                           origin, read_quantization_config)
         cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k in ("torch_dtype", "dtype")}}
-    _refuse_unmodelled(cfg, origin)
+    _refuse_unmodelled(cfg, origin, read_quantization_config)
     fields = {
         "hidden_size": _first(cfg, "hidden_size", "n_embd", "d_model"),
         "intermediate_size": _first(cfg, "intermediate_size", "n_inner", "ffn_dim"),

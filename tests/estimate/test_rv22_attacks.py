@@ -156,3 +156,23 @@ def test_quantization_config_lm_head_kept_is_read(skip):
     assert config_weight_format({"quantization_config": qcfg}).name == "i2s"
     qcfg = {"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_skip_modules": skip}
     assert config_weight_format({"quantization_config": qcfg}).name == "int8"
+
+
+def test_a_given_weight_format_stands_for_an_unread_quantization_config(tmp_path, capsys):
+    # the refusal says "give --weight-format or --weight-bits for what its weights store": doing so was
+    # refused again with the same message
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIG, "quantization_config": {"quant_method": "gptq", "bits": 4,
+                                                                  "group_size": 128}}))
+    assert main(["estimate", "--hf-config", str(path), "--prompt-len", "64", "--no-reserved"]) == 2
+    assert "--weight-format" in capsys.readouterr().err
+    assert main(["estimate", "--hf-config", str(path), "--prompt-len", "64", "--no-reserved",
+                 "--weight-format", "int4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["weight_format"] == "int4"
+    assert main(["fit", "--hf-config", str(path), "--prompt-len", "64", "--weight-bits", "4.5", "--max", "2",
+                 "--json"]) == 0
+    capsys.readouterr()
+    shape, _ = from_hf_config(path, read_quantization_config=False)
+    assert shape.hidden_size == 512
+    with pytest.raises(InvalidArgumentError, match="gptq"):
+        from_hf_config(path)

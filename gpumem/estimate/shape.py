@@ -428,6 +428,11 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]", *
         keys = {"n_experts": ("num_local_experts", "num_experts"), "experts_per_token": ("num_experts_per_tok",),
                 "expert_intermediate_size": ("moe_intermediate_size",),
                 "shared_expert_intermediate_size": ("shared_expert_intermediate_size",)}
+        if cfg.get("model_type") == "qwen2_moe":  # its widths default to transformers' 1408 and 5632: never guessed
+            absent = [k for k in ("moe_intermediate_size", "shared_expert_intermediate_size") if k not in cfg]
+            if absent:
+                raise InvalidArgumentError(f"{origin}: a qwen2_moe config without {' and '.join(absent)} (transformers "
+                                           "then takes its defaults) is not read: give the widths")
         for field, names in keys.items():
             name = next((k for k in names if cfg.get(k) is not None), names[0])
             value = cfg.get(name, 0)

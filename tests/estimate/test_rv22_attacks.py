@@ -176,3 +176,17 @@ def test_a_given_weight_format_stands_for_an_unread_quantization_config(tmp_path
     assert shape.hidden_size == 512
     with pytest.raises(InvalidArgumentError, match="gptq"):
         from_hf_config(path)
+
+
+QWEN2_MOE = {**CONFIG, "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 256, "shared_expert_intermediate_size": 1376}
+
+
+@pytest.mark.parametrize("key", ["moe_intermediate_size", "shared_expert_intermediate_size"])
+def test_qwen2_moe_widths_left_out_are_refused(key):
+    # transformers' defaults (1408, 5632) apply when they are left out; the estimate read no shared expert
+    # (an under-estimate) and experts as wide as intermediate_size
+    cfg = {k: v for k, v in QWEN2_MOE.items() if k != key}
+    with pytest.raises(InvalidArgumentError, match=key):
+        from_hf_config(cfg)
+    assert from_hf_config(QWEN2_MOE)[0].shared_expert_intermediate_size == 1376

@@ -201,6 +201,9 @@ def _first(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
 #: RMSNorm, rotary attention; ``qwen2`` with its q/k/v biases). A config without ``model_type`` is taken as one.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "bitnet")
 
+#: The ``architectures`` a config without ``model_type`` may name (it is then read as a Llama-style decoder).
+_DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")  # Qwen2: its biases need model_type
+
 #: Mixture-of-experts ``model_type`` -> the MoE keys it is read with (Note [Mixture of experts] in
 #: :mod:`.workload`); MoE keys of any other config, or beyond these, are refused (DeepSeek's routed and shared
 #: experts with dense first layers, Qwen3-MoE's q/k norms, sparse steps).
@@ -321,6 +324,13 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str, read_quantization_co
             raise InvalidArgumentError(f"{origin}: {key} ({shown!r:.80}) means {what}, which this estimate does "
                                        "not model: it would be read as plain 16-bit dense weights")
     model_type = cfg.get("model_type")
+    archs = cfg.get("architectures")
+    if model_type is None and archs not in _NEUTRAL:  # taken as Llama-style: its architectures must agree
+        others = [a for a in archs if a not in _DENSE_ARCHITECTURES] if isinstance(archs, list) else [archs]
+        if others:
+            raise InvalidArgumentError(f"{origin}: a config without model_type naming architectures "
+                                       f"{others!r:.80} is not read (without model_type it is taken as the "
+                                       f"Llama-style {', '.join(_DENSE_ARCHITECTURES)})")
     if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
         raise InvalidArgumentError(f"{origin}: model_type {model_type!r:.60} is not one this estimate models "
                                    f"(it reads {', '.join(SUPPORTED_MODEL_TYPES)}: Llama-style decoders); its "

@@ -190,3 +190,16 @@ def test_qwen2_moe_widths_left_out_are_refused(key):
     with pytest.raises(InvalidArgumentError, match=key):
         from_hf_config(cfg)
     assert from_hf_config(QWEN2_MOE)[0].shared_expert_intermediate_size == 1376
+
+
+@pytest.mark.parametrize("arch", ["Phi3ForCausalLM", "Gemma2ForCausalLM", "Qwen2VLForConditionalGeneration",
+                                  "Qwen2ForCausalLM"])
+def test_a_config_without_model_type_naming_another_architecture_is_refused(arch):
+    # without model_type a config is taken as Llama-style; its architectures say otherwise
+    with pytest.raises(InvalidArgumentError, match=arch):
+        from_hf_config({**CONFIG, "architectures": [arch]})
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM"])
+def test_a_config_without_model_type_naming_a_llama_style_architecture_is_read(arch):
+    assert from_hf_config({**CONFIG, "architectures": [arch]})[0].hidden_size == 512

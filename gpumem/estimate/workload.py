@@ -85,7 +85,8 @@ from .shape import ModelShape
 
 __all__ = ["Category", "WorkloadTrace", "inference_trace", "stream_inference", "decode_steps_simulated", "OpSink", "param_nbytes", "LoraConfig",
            "weights_nbytes", "training_trace", "CUBLAS_WORKSPACE_NBYTES",
-           "MISC_NBYTES", "DECODE_SLACK_PER_Q_NBYTES", "AUTOCAST_DTYPE_BYTES", "check_mixed_precision"]
+           "MISC_NBYTES", "DECODE_SLACK_PER_Q_NBYTES", "AUTOCAST_DTYPE_BYTES", "check_mixed_precision",
+           "check_weight_format"]
 
 CUBLAS_WORKSPACE_NBYTES = 32 * MiB
 """cuBLAS workspace per handle (Note [Overhead])."""
@@ -218,7 +219,8 @@ def _check_dtype_bytes(dtype_bytes: object) -> None:
                                    f"got {dtype_bytes!r:.40}")
 
 
-def _check_weight_format(fmt: object) -> None:
+def check_weight_format(fmt: object) -> None:
+    """Refuse a ``weight_format`` that is not a :class:`WeightFormat` (a name given as a string, say)."""
     if fmt is not None and not isinstance(fmt, WeightFormat):
         raise InvalidArgumentError(f"weight_format must be a WeightFormat (gpumem.estimate.formats.weight_format"
                                    f"('int4'), custom_bits(4)) or None, got {fmt!r:.40}")
@@ -468,7 +470,7 @@ def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1,
     _check("prompt_len", prompt_len)
     _check("new_tokens", new_tokens, 0)
     _check_dtype_bytes(dtype_bytes)
-    _check_weight_format(weight_format)
+    check_weight_format(weight_format)
     e = _Emitter(f"generate b={batch_size} p={prompt_len} n={new_tokens}")
     steps = decode_steps_simulated(new_tokens, full=full_decode)
     _emit_inference(e, shape, dtype_bytes, batch_size, prompt_len, new_tokens, steps, None, weight_format,
@@ -488,7 +490,7 @@ def stream_inference(shape: ModelShape, dtype_bytes: int, sinks: Sequence[OpSink
     _check("prompt_len", prompt_len)
     _check("new_tokens", new_tokens, 0)
     _check_dtype_bytes(dtype_bytes)
-    _check_weight_format(weight_format)
+    check_weight_format(weight_format)
     e = _Emitter(f"generate b={batch_size} p={prompt_len} n={new_tokens}", record=False, sinks=tuple(sinks))
     _emit_inference(e, shape, dtype_bytes, batch_size, prompt_len, new_tokens,
                     range(1, max(new_tokens, 1)), on_step, weight_format, workspace_nbytes)
@@ -500,7 +502,7 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def param_nbytes(shape: ModelShape, dtype_bytes: int, fmt: WeightFormat | None = None) -> list[int]:
     """Bytes of every parameter tensor in creation order: the projections in ``fmt`` when given (Note [Weight
     formats] in :mod:`.formats`), the rest in ``dtype_bytes``."""
-    _check_weight_format(fmt)
+    check_weight_format(fmt)
     if fmt is None:
         return [n * dtype_bytes for _, n in shape.param_shapes()]
     if shape.n_experts:

@@ -203,3 +203,17 @@ def test_a_config_without_model_type_naming_another_architecture_is_refused(arch
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM"])
 def test_a_config_without_model_type_naming_a_llama_style_architecture_is_read(arch):
     assert from_hf_config({**CONFIG, "architectures": [arch]})[0].hidden_size == 512
+
+
+def test_find_max_batch_and_replays_refuse_wrong_types():
+    from gpumem.estimate import find_max_batch
+    from gpumem.estimate.fit import replay_inference
+    with pytest.raises(InvalidArgumentError, match="weight_format"):  # was AttributeError: no 'qtype'
+        find_max_batch(S, 2, device="sim:gtx-1050-2gb", prompt_len=64, new_tokens=2, max_value=4,
+                       weight_format="int4")
+    with pytest.raises(InvalidArgumentError, match="sequence of policy names"):  # was "unknown policy 'p'"
+        replay_inference(S, 2, "pytorch", "sim:gtx-1050-2gb", batch_size=1, prompt_len=64, new_tokens=2)
+    from gpumem.estimate.fit import estimate_peak_reserved
+    w = inference_trace(S, 2, prompt_len=8, new_tokens=2, full_decode=True)
+    with pytest.raises(InvalidArgumentError, match="sequence of policy names"):
+        estimate_peak_reserved(w, "pytorch", device="sim:gtx-1050-2gb")

@@ -73,7 +73,7 @@ def register(sub: Any, formatter_class: type) -> None:
                    help="training: mixed precision on fp32 master weights: fp32 weights, gradients and AdamW "
                         "states, the forward under torch.autocast in DTYPE (bf16 or fp16; --dtype must be fp32, "
                         "its default then)")
-    w.add_argument("--dtype", **MANY, help="bf16, fp16, fp32, int8: one or more, comma-separated or repeatable "
+    w.add_argument("--dtype", **MANY, help="bf16, fp16, fp32: one or more, comma-separated or repeatable "
                    "(default: the config's, else bf16)")
     r = p.add_argument_group("peak reserved")
     r.add_argument("--policy", **MANY, help="allocator policies to replay under: one or more, comma-separated or "

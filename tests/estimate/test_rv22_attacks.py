@@ -217,3 +217,17 @@ def test_find_max_batch_and_replays_refuse_wrong_types():
     w = inference_trace(S, 2, prompt_len=8, new_tokens=2, full_decode=True)
     with pytest.raises(InvalidArgumentError, match="sequence of policy names"):
         estimate_peak_reserved(w, "pytorch", device="sim:gtx-1050-2gb")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8", "float8"])
+def test_one_byte_dtype_on_the_command_line_points_to_the_weight_format(tmp_path, capsys, dtype):
+    # --dtype int8 stored the embeddings and lm_head in one byte and no scales: Llama-3-8B 7.48 GiB of weights
+    # where --weight-format int8 (what bitsandbytes holds) has 8.46 GiB, an 11 % under-estimate
+    assert main(["estimate", *SHAPE, "--dtype", dtype]) == 2
+    assert "--weight-format" in capsys.readouterr().err
+    assert main(["fit", *SHAPE[:-3], "--prompt-len", "64", "--dtype", dtype, "--max", "2"]) == 2
+    assert "--weight-format" in capsys.readouterr().err
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIG, "torch_dtype": dtype}))
+    assert main(["estimate", "--hf-config", str(path), "--prompt-len", "64", "--no-reserved"]) == 2
+    assert "--weight-format" in capsys.readouterr().err

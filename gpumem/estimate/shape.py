@@ -267,7 +267,8 @@ def config_weight_format(cfg: Mapping[str, Any], origin: str = "config") -> "Wei
         raise InvalidArgumentError(f"{origin}: quantization_config (quant_method 'bitnet', linear_class "
                                    f"{linear_class!r:.40}, quantization_mode {mode!r:.40}) is not modelled: only "
                                    "BitLinear's packed offline weights are (AutoBitLinear holds 16-bit weights and "
-                                   "quantizes them at each forward)")
+                                   "quantizes them at each forward); give --weight-format or --weight-bits for what "
+                                   "its weights store")
     detail = {"bitsandbytes": "4-bit NF4 (blocks of 64 with their absmax) is not modelled",
               "gptq": "GPTQ also stores zero points and g_idx, not modelled",
               "awq": "AWQ also stores zero points, not modelled",

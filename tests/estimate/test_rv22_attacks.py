@@ -231,3 +231,13 @@ def test_one_byte_dtype_on_the_command_line_points_to_the_weight_format(tmp_path
     path.write_text(json.dumps({**CONFIG, "torch_dtype": dtype}))
     assert main(["estimate", "--hf-config", str(path), "--prompt-len", "64", "--no-reserved"]) == 2
     assert "--weight-format" in capsys.readouterr().err
+
+
+def test_an_autobitlinear_bitnet_config_takes_a_given_format(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIG, "model_type": "bitnet", "hidden_act": "relu2", "quantization_config": {
+        "quant_method": "bitnet", "linear_class": "autobitlinear", "quantization_mode": "offline"}}))
+    assert main(["estimate", "--hf-config", str(path), "--prompt-len", "64", "--no-reserved"]) == 2
+    assert "--weight-format or --weight-bits" in capsys.readouterr().err
+    assert main(["estimate", "--hf-config", str(path), "--prompt-len", "64", "--no-reserved",
+                 "--weight-bits", "16"]) == 0

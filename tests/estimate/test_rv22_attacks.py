@@ -126,8 +126,8 @@ def test_bitnet_linear_classes_not_packed_are_refused(qcfg, match):
         from_hf_config(bitnet)
 
 
-@pytest.mark.parametrize("qcfg", [{"quant_method": "bitnet"},
-                                  {"quant_method": "bitnet", "linear_class": "bitlinear", "quantization_mode": "offline"}])
+@pytest.mark.parametrize("qcfg", [{"quant_method": "bitnet"}, {"quant_method": "bitnet", "linear_class": "bitlinear",
+                                                                 "quantization_mode": "offline"}])
 def test_bitnet_packed_bitlinear_is_i2s(qcfg):
     from gpumem.estimate.shape import config_weight_format
     assert config_weight_format({"quantization_config": qcfg}).name == "i2s"

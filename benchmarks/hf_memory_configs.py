@@ -126,7 +126,7 @@ def estimate(row: dict[str, Any], device: str) -> dict[str, Any]:
             max_seq_len=None, training=row["kind"] == "train", dtype=["fp32" if master else "bf16"], policy=["pytorch"], device=device,
             no_reserved=False, json=True,
             gradient_checkpointing=bool(row.get("extra", {}).get("gradient_checkpointing")), optimizer_8bit=False,
-            lora_rank=None, lora_targets="q_proj", mixed_precision="bf16" if master else None)
+            lora_rank=None, lora_targets=None, mixed_precision="bf16" if master else None)
         (est,) = estimate_rows(ns)
     finally:
         os.unlink(f.name)

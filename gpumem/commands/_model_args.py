@@ -51,7 +51,8 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
     if args.hf_config:
         if any(v is not None for v in numbers):
             raise InvalidArgumentError("give either --hf-config or the shape options, not both")
-        shape, nbytes = from_hf_config(args.hf_config)
+        # a --weight-format given stands for the config's quantization_config (which may be one not read)
+        shape, nbytes = from_hf_config(args.hf_config, read_quantization_config=args.weight_fmt is None)
         cfg = json.loads(read_config_text(args.hf_config))
         cfg = {**cfg.get("text_config", {}), **cfg} if isinstance(cfg.get("text_config"), dict) else cfg
         if args.weight_fmt is None:
@@ -99,16 +100,31 @@ def check_device(spec: str) -> None:
 _SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16"}
 
 
+_COMPUTE_DTYPES = tuple(n for n, b in DTYPE_BYTES.items() if b > 1)
+
+
+def _refuse_one_byte(name: str, nbytes: int, where: str) -> None:
+    """A 1-byte dtype would hold the embeddings and the output projection in one byte, without scales: no
+    int8/fp8 runtime does (Note [Weight formats] in gpumem.estimate.formats); the projections' format is
+    --weight-format's."""
+    if nbytes == 1:
+        raise InvalidArgumentError(f"{where} {name}: 1-byte weights are a weight format: give --weight-format "
+                                   f"{'fp8' if 'fp8' in name or 'float8' in name else 'int8'} (the projections in "
+                                   "it with their scales, the rest in --dtype bf16, fp16 or fp32)")
+
+
 def parse_dtypes(text: str | None, default_bytes: int, default_name: str = "") -> list[tuple[str, int]]:
     """``bf16,fp32`` -> ``[("bf16", 2), ("fp32", 4)]``; ``None`` -> the config's dtype."""
     if text is None:  # an empty --dtype is refused below, not taken for "the default"
         name = default_name or {4: "fp32", 2: "bf16", 1: "int8"}[default_bytes]
+        _refuse_one_byte(name, default_bytes, "the config's torch_dtype")
         return [(name, default_bytes)]
     out: list[tuple[str, int]] = []
     for name in text.split(","):
         name = name.strip()
         if name not in DTYPE_BYTES:
-            raise InvalidArgumentError(f"unknown dtype {name!r}; choose from {', '.join(DTYPE_BYTES)}")
+            raise InvalidArgumentError(f"unknown dtype {name!r}; choose from {', '.join(_COMPUTE_DTYPES)}")
+        _refuse_one_byte(name, DTYPE_BYTES[name], "--dtype")
         if name in (n for n, _ in out):
             raise InvalidArgumentError(f"--dtype gives {name} twice")
         out.append((name, DTYPE_BYTES[name]))

@@ -65,7 +65,7 @@ def register(sub: Any, formatter_class: type) -> None:
     w.add_argument("--lora-rank", type=int, metavar="R",
                    help="training: LoRA adapters of rank R on a frozen base (with --weight-format: QLoRA); "
                         "modelled, unmeasured")
-    w.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+    w.add_argument("--lora-targets", default=None,
                    help="training: the projections LoRA adapts (default: all seven)")
     w.add_argument("--optimizer-8bit", action="store_true",
                    help="training: AdamW states in bitsandbytes' block-wise 8-bit layout (modelled, unmeasured)")
@@ -73,7 +73,7 @@ def register(sub: Any, formatter_class: type) -> None:
                    help="training: mixed precision on fp32 master weights: fp32 weights, gradients and AdamW "
                         "states, the forward under torch.autocast in DTYPE (bf16 or fp16; --dtype must be fp32, "
                         "its default then)")
-    w.add_argument("--dtype", **MANY, help="bf16, fp16, fp32, int8: one or more, comma-separated or repeatable "
+    w.add_argument("--dtype", **MANY, help="bf16, fp16, fp32: one or more, comma-separated or repeatable "
                    "(default: the config's, else bf16)")
     r = p.add_argument_group("peak reserved")
     r.add_argument("--policy", **MANY, help="allocator policies to replay under: one or more, comma-separated or "
@@ -120,11 +120,14 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         if getattr(args, flag, None) and not args.training:
             raise InvalidArgumentError(f"--{flag.replace('_', '-')} is for --training")
     args.lora = None
+    if args.lora_rank is None and args.lora_targets is not None:
+        raise InvalidArgumentError("--lora-targets needs --lora-rank (without it the training is full, not LoRA)")
     if args.lora_rank is not None:
         from ..estimate.workload import LoraConfig
 
-        args.lora = LoraConfig(args.lora_rank, tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()),
-                               base_format=args.weight_fmt)
+        targets = {} if args.lora_targets is None else {
+            "targets": tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())}
+        args.lora = LoraConfig(args.lora_rank, **targets, base_format=args.weight_fmt)
     elif args.weight_fmt is not None and args.training:
         raise InvalidArgumentError("--training with a weight format is modelled only with --lora-rank (QLoRA): "
                                    "full training updates 16-bit weights")

@@ -66,7 +66,7 @@ def register(sub: Any, formatter_class: type) -> None:
     p.add_argument("--mixed-precision", choices=("bf16", "fp16"), metavar="DTYPE",
                    help="training: fp32 master weights, gradients and AdamW states, the forward under "
                         "torch.autocast in DTYPE (--dtype must be fp32, its default then; as estimate)")
-    p.add_argument("--dtype", help="bf16, fp16, fp32 or int8 (default: the config's, else bf16)")
+    p.add_argument("--dtype", help="bf16, fp16 or fp32 (default: the config's, else bf16)")
     p.add_argument("--max", type=int, default=4096, dest="max_value",
                    help="upper bound of the search (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="one JSON object (its fields include the workload: "

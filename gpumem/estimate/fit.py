@@ -142,6 +142,12 @@ class _AllocatorSink:
             self.allocator.free(p)
 
 
+def _check_policies(policies: object) -> None:
+    if isinstance(policies, str):  # iterated, "pytorch" was the policies "p", "y", ...
+        raise InvalidArgumentError(f"policies must be a sequence of policy names, e.g. ({policies!r:.40},), got a "
+                                   "string")
+
+
 def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, ...] | list[str]",
                      device: "str | Device", *, batch_size: int = 1, prompt_len: int,
                      new_tokens: int = DEFAULT_NEW_TOKENS, limit: int | None = None, peak_nbytes: int | None = None,
@@ -151,6 +157,7 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
     made (:func:`~gpumem.estimate.workload.stream_inference`), so memory stays bounded while the figures
     are those of replaying ``inference_trace(..., full_decode=True)``. ``bar`` (a progress bar) advances by
     one per step."""
+    _check_policies(policies)
     if peak_nbytes is None:
         peak_nbytes = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len,
                                       new_tokens=new_tokens, weight_format=weight_format,
@@ -204,6 +211,7 @@ def estimate_peak_reserved(w: WorkloadTrace, policies: "tuple[str, ...] | list[s
 
     An inference trace holds only some decode steps (Note [Decode steps simulated]); the reserved figures of
     ``generate()`` come from :func:`replay_inference`, which replays every step."""
+    _check_policies(policies)
     if not policies:
         raise InvalidArgumentError("estimate_peak_reserved: give at least one policy")
     if not w.complete:

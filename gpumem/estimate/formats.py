@@ -80,17 +80,19 @@ WEIGHT_FORMATS: Mapping[str, WeightFormat] = {
 
 def weight_format(name: str) -> WeightFormat:
     """The named format; raises ``InvalidArgumentError`` naming the known ones."""
-    key = name.strip().lower().replace("_", "") if isinstance(name, str) else name
+    key = name.strip().lower().replace("_", "") if isinstance(name, str) else None
     if key not in WEIGHT_FORMATS:
         raise InvalidArgumentError(f"unknown weight format {name!r:.40}; known: {', '.join(WEIGHT_FORMATS)}")
     return WEIGHT_FORMATS[key]
 
 
 def custom_bits(bits: float) -> WeightFormat:
-    """A format of ``bits`` per weight and no scales (``--weight-bits``): 1.58 and other fractions are kept as
-    hundredths of a bit."""
+    """A format of ``bits`` per weight and no scales (``--weight-bits``): 1.58 and other fractions are kept in
+    ten-thousandths of a bit, rounded up (never fewer bits than given: 1.5849 was 1.58 in hundredths)."""
     if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not math.isfinite(bits) \
             or not 1.0 <= bits <= 32.0:
         raise InvalidArgumentError(f"weight bits must be a number in [1, 32], got {bits!r:.40}")
-    num = round(bits * 100)
-    return WeightFormat(f"{bits:g}-bit", num, 100)
+    den = 10_000
+    num = math.ceil(round(bits * den, 6))  # round first: 1.58 * 10000 is 15800.000000000002 in binary
+    div = math.gcd(num, den)
+    return WeightFormat(f"{bits:g}-bit", num // div, den // div)

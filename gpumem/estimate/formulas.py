@@ -12,7 +12,7 @@ from ..errors import InvalidArgumentError
 from ..workspace.sizing import size_workspace
 from .formats import WeightFormat
 from .shape import ModelShape
-from .workload import Category, LoraConfig, WorkloadTrace, inference_trace, training_trace
+from .workload import Category, LoraConfig, WorkloadTrace, check_weight_format, inference_trace, training_trace
 
 __all__ = ["MemoryEstimate", "TrainingEstimate", "estimate_model_memory", "estimate_kv_cache_memory",
            "estimate_inference_memory", "estimate_training_memory", "dequant_workspace_nbytes"]
@@ -249,6 +249,7 @@ def dequant_workspace_nbytes(shape: ModelShape, fmt: WeightFormat | None, device
     """The dequantization workspace of a ternary format on ``device`` (0 for the others): what
     :func:`gpumem.workspace.size_workspace` gives the largest of the block's projections, from the device's
     memory now (Note [Weight formats] in :mod:`.formats`)."""
+    check_weight_format(fmt)
     if fmt is None or not fmt.qtype:
         return 0
     props, mem = device.properties(), device.mem_info()

@@ -201,6 +201,9 @@ def _first(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
 #: RMSNorm, rotary attention; ``qwen2`` with its q/k/v biases). A config without ``model_type`` is taken as one.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "bitnet")
 
+#: The ``architectures`` a config without ``model_type`` may name (it is then read as a Llama-style decoder).
+_DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")  # Qwen2: its biases need model_type
+
 #: Mixture-of-experts ``model_type`` -> the MoE keys it is read with (Note [Mixture of experts] in
 #: :mod:`.workload`); MoE keys of any other config, or beyond these, are refused (DeepSeek's routed and shared
 #: experts with dense first layers, Qwen3-MoE's q/k norms, sparse steps).
@@ -239,23 +242,33 @@ _NEUTRAL = (None, False, 0, [], {}, "")
 def config_weight_format(cfg: Mapping[str, Any], origin: str = "config") -> "WeightFormat | None":
     """The weight format a config's ``quantization_config`` names (Note [Weight formats] in :mod:`.formats`),
     ``None`` without one; one this estimate does not read raises ``InvalidArgumentError`` naming it:
-    bitsandbytes 8-bit is ``int8``, per-tensor ``fp8`` is ``fp8``, BitNet's offline (packed) mode is ``i2s``
-    storage; bitsandbytes 4-bit (NF4, 64-weight blocks), GPTQ/AWQ (zero points, GPTQ's ``g_idx``), block-wise
-    fp8 and the rest are refused."""
+    bitsandbytes 8-bit is ``int8``, per-tensor ``fp8`` is ``fp8``, BitNet's packed ``bitlinear`` offline mode
+    is ``i2s`` storage (``autobitlinear`` and online quantization are refused); bitsandbytes 4-bit (NF4,
+    64-weight blocks), GPTQ/AWQ (zero points, GPTQ's ``g_idx``), block-wise fp8, projections kept out of the
+    format and the rest are refused."""
     q = cfg.get("quantization_config")
     if q in _NEUTRAL:
         return None
     if not isinstance(q, Mapping):
         raise InvalidArgumentError(f"{origin}: quantization_config must be a JSON object, got {q!r:.60}")
     method = q.get("quant_method")
+    _refuse_kept_16_bit(q, origin)
     if method == "bitsandbytes" and q.get("load_in_8bit") is True and not q.get("load_in_4bit"):
         return WEIGHT_FORMATS["int8"]
     if method == "fp8" and q.get("weight_block_size") in _NEUTRAL:
         return WEIGHT_FORMATS["fp8"]
-    if method == "bitnet" and q.get("quantization_mode", "offline") == "offline":
-        return WEIGHT_FORMATS["i2s"]
-    if method == "bitnet" and q.get("quantization_mode") == "online":
-        return None  # 16-bit weights, quantized on the fly
+    if method == "bitnet":
+        # transformers' BitLinear (the default linear_class) holds the packed 2-bit weights and unpacks them
+        # at each forward; AutoBitLinear unpacks the checkpoint into 16-bit weights at load time (offline) or
+        # re-quantizes 16-bit weights at each forward (online): neither is the packed format, nor modelled
+        linear_class, mode = q.get("linear_class", "bitlinear"), q.get("quantization_mode", "offline")
+        if linear_class == "bitlinear" and mode == "offline":
+            return WEIGHT_FORMATS["i2s"]
+        raise InvalidArgumentError(f"{origin}: quantization_config (quant_method 'bitnet', linear_class "
+                                   f"{linear_class!r:.40}, quantization_mode {mode!r:.40}) is not modelled: only "
+                                   "BitLinear's packed offline weights are (AutoBitLinear holds 16-bit weights and "
+                                   "quantizes them at each forward); give --weight-format or --weight-bits for what "
+                                   "its weights store")
     detail = {"bitsandbytes": "4-bit NF4 (blocks of 64 with their absmax) is not modelled",
               "gptq": "GPTQ also stores zero points and g_idx, not modelled",
               "awq": "AWQ also stores zero points, not modelled",
@@ -265,7 +278,24 @@ def config_weight_format(cfg: Mapping[str, Any], origin: str = "config") -> "Wei
                                "--weight-format or --weight-bits for what its weights store")
 
 
-def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str) -> None:
+def _refuse_kept_16_bit(q: Mapping[str, Any], origin: str) -> None:
+    """A quantization_config that keeps projections out of its format (``modules_to_not_convert``,
+    bitsandbytes' ``llm_int8_skip_modules``: they stay 16-bit) or keeps 16-bit weights beside the quantized
+    ones (``llm_int8_has_fp16_weight``) is refused: counted in the format they were under-estimated. The
+    output projection (``lm_head``) is kept 16-bit by the estimate already and may be named."""
+    for key in ("modules_to_not_convert", "llm_int8_skip_modules"):
+        skip = q.get(key)
+        if skip in _NEUTRAL:
+            continue
+        if not isinstance(skip, list) or any(not isinstance(m, str) or m.rstrip("$") != "lm_head" for m in skip):
+            raise InvalidArgumentError(f"{origin}: quantization_config {key} ({skip!r:.60}) keeps modules other "
+                                       "than lm_head in 16 bits, which this estimate does not model")
+    if q.get("llm_int8_has_fp16_weight") not in _NEUTRAL:
+        raise InvalidArgumentError(f"{origin}: quantization_config llm_int8_has_fp16_weight keeps 16-bit weights "
+                                   "beside the int8 ones, which this estimate does not model")
+
+
+def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str, read_quantization_config: bool = True) -> None:
     """Note [Refuse what is not modelled]: a config field that changes memory and that this estimate does not
     model stops it with ``InvalidArgumentError`` naming the field: read as the dense Llama-style decoder it
     otherwise describes, a Mixtral-8x7B config came out as 7.24B parameters (13.49 GiB) instead of 46.7B, and
@@ -286,7 +316,8 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str) -> None:
         if cfg.get("output_router_logits") not in _NEUTRAL:
             raise InvalidArgumentError(f"{origin}: output_router_logits keeps every layer's router logits for "
                                        "the auxiliary loss, which this estimate does not model")
-    config_weight_format(cfg, origin)  # a quantization_config it does not read raises
+    if read_quantization_config:
+        config_weight_format(cfg, origin)  # a quantization_config it does not read raises
     for key, what in UNMODELLED_KEYS.items():
         value = cfg.get(key)
         if value not in _NEUTRAL:
@@ -294,6 +325,13 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str) -> None:
             raise InvalidArgumentError(f"{origin}: {key} ({shown!r:.80}) means {what}, which this estimate does "
                                        "not model: it would be read as plain 16-bit dense weights")
     model_type = cfg.get("model_type")
+    archs = cfg.get("architectures")
+    if model_type is None and archs not in _NEUTRAL:  # taken as Llama-style: its architectures must agree
+        others = [a for a in archs if a not in _DENSE_ARCHITECTURES] if isinstance(archs, list) else [archs]
+        if others:
+            raise InvalidArgumentError(f"{origin}: a config without model_type naming architectures "
+                                       f"{others!r:.80} is not read (without model_type it is taken as the "
+                                       f"Llama-style {', '.join(_DENSE_ARCHITECTURES)})")
     if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
         raise InvalidArgumentError(f"{origin}: model_type {model_type!r:.60} is not one this estimate models "
                                    f"(it reads {', '.join(SUPPORTED_MODEL_TYPES)}: Llama-style decoders); its "
@@ -306,23 +344,32 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str) -> None:
         raise InvalidArgumentError(f"{origin}: hidden_act {act!r:.60} is not modelled (the estimate's MLP is "
                                    "the gated SiLU of Llama); its temporaries differ")
     layer_types = cfg.get("layer_types")
+    if layer_types is not None and not isinstance(layer_types, list):
+        raise InvalidArgumentError(f"{origin}: layer_types must be a JSON list of each layer's attention, got "
+                                   f"{layer_types!r:.40}")
     if isinstance(layer_types, list) and any(t != "full_attention" for t in layer_types):
         raise InvalidArgumentError(f"{origin}: layer_types names layers other than full attention "
                                    f"({sorted({str(t)[:40] for t in layer_types} - {'full_attention'})}), "
                                    "which this estimate does not model")
 
 
-def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -> tuple[ModelShape, int]:
+def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]", *,
+                   read_quantization_config: bool = True) -> tuple[ModelShape, int]:
     """Read a Hugging Face ``config.json`` (a path, or the parsed dict) of a Llama-style decoder.
 
     Returns ``(shape, dtype_bytes)``; ``dtype_bytes`` comes from ``torch_dtype`` / ``dtype`` (2 when
     absent). A multimodal config (a ``text_config`` beside a vision or audio tower) is refused: give its
-    ``text_config`` as a file of its own to estimate the language model alone. Raises
+    ``text_config`` as a file of its own to estimate the language model alone. A ``quantization_config``
+    this estimate does not read is refused (:func:`config_weight_format`) unless ``read_quantization_config``
+    is False: the caller then gives the projections' format itself (``--weight-format``). Raises
     ``InvalidArgumentError`` when the file cannot be read, is not JSON, or lacks a field the estimate needs.
     """
     if isinstance(path_or_dict, Mapping):
         cfg: Mapping[str, Any] = path_or_dict
         origin = "config"
+    elif not isinstance(path_or_dict, (str, bytes, os.PathLike)):
+        raise InvalidArgumentError(f"from_hf_config takes a config.json path or its parsed dict, got "
+                                   f"{type(path_or_dict).__name__}")
     else:
         origin = str(path_or_dict)
         try:
@@ -337,13 +384,15 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
             raise InvalidArgumentError(f"{origin} is not a valid JSON config (nested too deeply or too large)") from None
         if not isinstance(cfg, dict):
             raise InvalidArgumentError(f"{origin}: expected a JSON object, got {type(cfg).__name__}")
+    if cfg.get("text_config") is not None and not isinstance(cfg.get("text_config"), Mapping):
+        raise InvalidArgumentError(f"{origin}: text_config must be a JSON object, got {cfg['text_config']!r:.40}")
     if isinstance(cfg.get("text_config"), Mapping):
         # the outer config's own fields are checked too: a vision tower, MoE keys or a quantization_config
         # there change memory as much as inside (they were silently dropped with the outer config)
         _refuse_unmodelled({k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "text_config")},
-                           origin)
+                           origin, read_quantization_config)
         cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k in ("torch_dtype", "dtype")}}
-    _refuse_unmodelled(cfg, origin)
+    _refuse_unmodelled(cfg, origin, read_quantization_config)
     fields = {
         "hidden_size": _first(cfg, "hidden_size", "n_embd", "d_model"),
         "intermediate_size": _first(cfg, "intermediate_size", "n_inner", "ffn_dim"),
@@ -390,6 +439,11 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]") -
         keys = {"n_experts": ("num_local_experts", "num_experts"), "experts_per_token": ("num_experts_per_tok",),
                 "expert_intermediate_size": ("moe_intermediate_size",),
                 "shared_expert_intermediate_size": ("shared_expert_intermediate_size",)}
+        if cfg.get("model_type") == "qwen2_moe":  # its widths default to transformers' 1408 and 5632: never guessed
+            absent = [k for k in ("moe_intermediate_size", "shared_expert_intermediate_size") if k not in cfg]
+            if absent:
+                raise InvalidArgumentError(f"{origin}: a qwen2_moe config without {' and '.join(absent)} (transformers "
+                                           "then takes its defaults) is not read: give the widths")
         for field, names in keys.items():
             name = next((k for k in names if cfg.get(k) is not None), names[0])
             value = cfg.get(name, 0)

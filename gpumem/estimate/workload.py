@@ -85,7 +85,8 @@ from .shape import ModelShape
 
 __all__ = ["Category", "WorkloadTrace", "inference_trace", "stream_inference", "decode_steps_simulated", "OpSink", "param_nbytes", "LoraConfig",
            "weights_nbytes", "training_trace", "CUBLAS_WORKSPACE_NBYTES",
-           "MISC_NBYTES", "DECODE_SLACK_PER_Q_NBYTES", "AUTOCAST_DTYPE_BYTES", "check_mixed_precision"]
+           "MISC_NBYTES", "DECODE_SLACK_PER_Q_NBYTES", "AUTOCAST_DTYPE_BYTES", "check_mixed_precision",
+           "check_weight_format"]
 
 CUBLAS_WORKSPACE_NBYTES = 32 * MiB
 """cuBLAS workspace per handle (Note [Overhead])."""
@@ -205,6 +206,24 @@ class _Emitter:
 def _check(name: str, value: int, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidArgumentError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+
+
+DTYPE_BYTES_MODELLED = (1, 2, 4)
+"""Bytes per element of the dtypes the traces model: int8/fp8 weights (16-bit compute), 16-bit and fp32."""
+
+
+def _check_dtype_bytes(dtype_bytes: object) -> None:
+    """Refuse a ``dtype_bytes`` no torch dtype the traces model has (3 or 100 bytes were traced as given)."""
+    if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, int) or dtype_bytes not in DTYPE_BYTES_MODELLED:
+        raise InvalidArgumentError(f"dtype_bytes must be 1 (int8/fp8 weights), 2 (bf16/fp16) or 4 (fp32), "
+                                   f"got {dtype_bytes!r:.40}")
+
+
+def check_weight_format(fmt: object) -> None:
+    """Refuse a ``weight_format`` that is not a :class:`WeightFormat` (a name given as a string, say)."""
+    if fmt is not None and not isinstance(fmt, WeightFormat):
+        raise InvalidArgumentError(f"weight_format must be a WeightFormat (gpumem.estimate.formats.weight_format"
+                                   f"('int4'), custom_bits(4)) or None, got {fmt!r:.40}")
 
 
 def _norm(e: _Emitter, x_nbytes_fp32: int, out_nbytes: int) -> int:
@@ -450,7 +469,8 @@ def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1,
     _check("batch_size", batch_size)
     _check("prompt_len", prompt_len)
     _check("new_tokens", new_tokens, 0)
-    _check("dtype_bytes", dtype_bytes)
+    _check_dtype_bytes(dtype_bytes)
+    check_weight_format(weight_format)
     e = _Emitter(f"generate b={batch_size} p={prompt_len} n={new_tokens}")
     steps = decode_steps_simulated(new_tokens, full=full_decode)
     _emit_inference(e, shape, dtype_bytes, batch_size, prompt_len, new_tokens, steps, None, weight_format,
@@ -469,7 +489,8 @@ def stream_inference(shape: ModelShape, dtype_bytes: int, sinks: Sequence[OpSink
     _check("batch_size", batch_size)
     _check("prompt_len", prompt_len)
     _check("new_tokens", new_tokens, 0)
-    _check("dtype_bytes", dtype_bytes)
+    _check_dtype_bytes(dtype_bytes)
+    check_weight_format(weight_format)
     e = _Emitter(f"generate b={batch_size} p={prompt_len} n={new_tokens}", record=False, sinks=tuple(sinks))
     _emit_inference(e, shape, dtype_bytes, batch_size, prompt_len, new_tokens,
                     range(1, max(new_tokens, 1)), on_step, weight_format, workspace_nbytes)
@@ -481,6 +502,7 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def param_nbytes(shape: ModelShape, dtype_bytes: int, fmt: WeightFormat | None = None) -> list[int]:
     """Bytes of every parameter tensor in creation order: the projections in ``fmt`` when given (Note [Weight
     formats] in :mod:`.formats`), the rest in ``dtype_bytes``."""
+    check_weight_format(fmt)
     if fmt is None:
         return [n * dtype_bytes for _, n in shape.param_shapes()]
     if shape.n_experts:
@@ -586,11 +608,21 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         _check("lora rank", self.rank)
-        if self.adapter_bytes not in (2, 4):
+        if isinstance(self.adapter_bytes, bool) or self.adapter_bytes not in (2, 4) \
+                or not isinstance(self.adapter_bytes, int):
             raise InvalidArgumentError(f"adapter_bytes must be 2 or 4, got {self.adapter_bytes!r}")
-        if not self.targets or any(t not in _PROJECTIONS for t in self.targets):
+        if isinstance(self.targets, list):  # the tuple it means (the dataclass is frozen and hashable)
+            object.__setattr__(self, "targets", tuple(self.targets))
+        if not isinstance(self.targets, tuple) or not self.targets \
+                or any(t not in _PROJECTIONS for t in self.targets):
             raise InvalidArgumentError(f"LoRA targets must be among {', '.join(_PROJECTIONS)}, got "
                                        f"{self.targets!r:.80}")
+        twice = sorted({t for t in self.targets if self.targets.count(t) > 1})
+        if twice:  # PEFT adapts a module once; counting it twice would double its adapter
+            raise InvalidArgumentError(f"LoRA targets name {', '.join(twice)} twice")
+        if self.base_format is not None and not isinstance(self.base_format, WeightFormat):
+            raise InvalidArgumentError(f"base_format must be a WeightFormat (gpumem.estimate.formats."
+                                       f"weight_format('int4')) or None, got {self.base_format!r:.40}")
 
 
 def _projection_dims(shape: ModelShape) -> dict[str, tuple[int, int]]:
@@ -623,7 +655,7 @@ precision])."""
 def check_mixed_precision(mixed_precision: object, dtype_bytes: int, *, lora: bool = False,
                           optimizer_8bit: bool = False) -> None:
     """Refuse a mixed-precision training the trace does not model (Note [Mixed precision])."""
-    if mixed_precision not in AUTOCAST_DTYPE_BYTES:
+    if not isinstance(mixed_precision, str) or mixed_precision not in AUTOCAST_DTYPE_BYTES:
         raise InvalidArgumentError(f"mixed_precision must be one of {', '.join(AUTOCAST_DTYPE_BYTES)} (the autocast "
                                    f"dtype) or None, got {mixed_precision!r}")
     if dtype_bytes != 4:
@@ -810,7 +842,11 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     _check("batch_size", batch_size)
     _check("seq_len", seq_len)
     _check("n_steps", n_steps)
-    _check("dtype_bytes", dtype_bytes)
+    _check_dtype_bytes(dtype_bytes)
+    if dtype_bytes == 1 and lora is None:
+        raise InvalidArgumentError("full training of 1-byte (int8/fp8) weights is not modelled: PyTorch has no "
+                                   "1-byte gradients or AdamW states for them; train 16-bit or fp32 weights, or "
+                                   "LoRA adapters on the frozen 1-byte base")
     d = AUTOCAST_DTYPE_BYTES[mixed_precision] if amp else max(dtype_bytes, 2)
     r = 4 if amp else d  # Note [Mixed precision]: the residual stream, the embeddings' output and cos/sin in fp32
     s = shape

@@ -80,7 +80,6 @@ def test_ternary_workspace_is_the_workspace_sizing_of_the_largest_projection():
     ({"quant_method": "bitsandbytes", "load_in_8bit": True, "load_in_4bit": False}, "int8"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8"),
     ({"quant_method": "bitnet", "linear_class": "bitlinear", "quantization_mode": "offline"}, "i2s"),
-    ({"quant_method": "bitnet", "quantization_mode": "online"}, None),
 ])
 def test_quantization_config_is_read(qcfg, expected):
     fmt = config_weight_format({"quantization_config": qcfg})

@@ -1590,6 +1590,8 @@ void Engine::backing_close(bool keep_all) {
     }
     std::vector<ChunkHandle> snapshot = unmapped_;
     for (ChunkHandle h : snapshot) {
+        // its old mapping could not be unmapped: still mapped there, kept and counted
+        if (!deferred_.empty() && has_deferred(h)) continue;
         try {
             backend_.mem_release(h);
         } catch (...) {

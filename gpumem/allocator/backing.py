@@ -1344,6 +1344,8 @@ class VirtualBacking(Backing):
             del self.vsegments[key]
             self.n_segments -= 1
         for handle in list(self.unmapped):
+            if self.deferred and any(e[2] is handle for e in self.deferred):
+                continue  # its old mapping could not be unmapped: still mapped there, kept and counted
             try:
                 self.device.mem_release(handle)
             except Exception as exc:  # noqa: BLE001

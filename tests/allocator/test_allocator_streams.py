@@ -248,6 +248,42 @@ def test_a_block_over_an_old_mapping_waits_for_it(dev, engine):
     assert dev.process_used_nbytes == 0
 
 
+def _fail_first_unmap(dev) -> list[int]:
+    """Make the device's next ``mem_unmap`` raise (once); returns the addresses every unmap was asked for."""
+    calls: list[int] = []
+    unmap = dev.mem_unmap
+
+    def failing(va, nbytes):
+        calls.append(va)
+        if len(calls) == 1:
+            raise RuntimeError("injected mem_unmap failure")
+        return unmap(va, nbytes)
+
+    dev.mem_unmap = failing
+    return calls
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_close_keeps_a_chunk_whose_old_mapping_it_could_not_unmap(dev, engine):
+    """close unmaps the old mapping of a stream-ordered steal first; when that unmap fails the chunk is still
+    mapped there, so it is not released (the device would keep the memory until an unmap that never comes)
+    and close reports it held. Before the fix: released, the allocator said 0 B held, the device 2 MiB."""
+    alloc = CachingAllocator(dev, ORDERED, engine=engine, limit=6 * MiB)
+    a = alloc.allocate(2 * MiB)
+    x = alloc.allocate(2 * MiB)
+    dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    b = alloc.allocate(4 * MiB)  # takes a's chunk, stream-ordered: a's old mapping is deferred
+    alloc.free(b)
+    alloc.free(x)
+    calls = _fail_first_unmap(dev)
+    alloc.close()
+    assert calls[0] == a  # the old mapping went first, and failed
+    assert dev.mapping_ranges() and [va for va, _, _ in dev.mapping_ranges()] == [a]
+    assert alloc.reserved_nbytes == dev.process_used_nbytes == 2 * MiB
+    assert not dev.hazards
+
+
 def test_memory_a_kernel_uses_is_not_given_back_early_by_gc(dev):
     """The gc threshold releases only memory whose work is done (it queries, never waits)."""
     alloc = CachingAllocator(dev, GROW_PAST_BUSY, gc_threshold=0.01)

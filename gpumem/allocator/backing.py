@@ -519,6 +519,9 @@ class VirtualBacking(Backing):
         self.peak_live_pages = 0
         self._created: list[PhysicalHandle] | None = None
         """The chunks the running :meth:`_map_runs` created (given back if it fails)."""
+        self._stolen_ordered: list[tuple[tuple[VirtualSegment, int, PhysicalHandle, dict[int, int]], list[int]]] | None = None
+        """The :attr:`deferred` entries the running :meth:`_map_runs` made, with their pages that were noaccess
+        (put back where they were if it fails)."""
         self.chunked = policy.growth is GrowthRule.CHUNKS
         """Chunks of several pages (Note [Chunks of several pages]); else every chunk is one page."""
         self.deferred: list[tuple[VirtualSegment, int, PhysicalHandle, dict[int, int]]] = []
@@ -947,6 +950,7 @@ class VirtualBacking(Backing):
         top_page = (seg.top - 1) // g
         mapped: list[int] = []  # first pages of the chunks this call mapped
         created = self._created = []
+        stolen = self._stolen_ordered = []
         self._busy_pages = touched * (1.0 + self.policy.page_slack + self.policy.busy_slack)
         try:
             i = 0
@@ -1014,9 +1018,12 @@ class VirtualBacking(Backing):
                 self.unmapped.remove(handle)
                 self.n_chunks -= 1
                 self.reserved_nbytes -= handle.nbytes
+            for entry, noaccess in stolen:
+                self._undefer(entry, noaccess)
             raise
         finally:
             self._created = None
+            self._stolen_ordered = None
 
     def _take_cached(self, max_pages: int) -> PhysicalHandle | None:
         """Take the largest cached (unmapped) chunk of at most ``max_pages`` out of the cache (None: none)."""
@@ -1225,11 +1232,36 @@ class VirtualBacking(Backing):
         g = self.granularity
         handle = self._idle_chunk_at(seg, s)
         n = handle.nbytes // g
+        noaccess = [q for q in range(s, s + n) if q in seg.noaccess] if seg.noaccess else []
         self._forget_chunk_pages(seg, s, n)
         seg.deferred.update(range(s, s + n))
-        self.deferred.append((seg, s, handle, pending))
+        entry = (seg, s, handle, pending)
+        self.deferred.append(entry)
+        if self._stolen_ordered is not None:
+            self._stolen_ordered.append((entry, noaccess))
         self._segment_event("segment_unmap", seg.base + s * g, handle.nbytes, 0)
         return handle
+
+    def _undefer(self, entry: tuple[VirtualSegment, int, PhysicalHandle, dict[int, int]], noaccess: list[int]) -> None:
+        """A failed :meth:`_map_runs` puts a chunk it stole stream-ordered back where it is still mapped: an
+        idle chunk again, its pages fenced by ``pending`` (Note [Failure atomicity]). Cached instead, it would
+        be mapped under the next block of any stream while its old work may still run, and given back only
+        after a wait. Nothing to do when the chunk is no longer cached (its new mapping could not be undone)."""
+        seg, s, handle, pending = entry
+        idx = next((i for i, h in enumerate(self.unmapped) if h is handle), None)
+        if idx is None or not any(e is entry for e in self.deferred):
+            return
+        del self.unmapped[idx]
+        self.deferred = [e for e in self.deferred if e is not entry]
+        g = self.granularity
+        for q in range(s, s + handle.nbytes // g):
+            seg.deferred.discard(q)
+            seg.chunks[q] = handle
+            seg.empty[q] = None
+            if pending:
+                seg.page_fences[q] = dict(pending)
+        seg.noaccess.update(noaccess)
+        self._segment_event("segment_map", seg.base + s * g, handle.nbytes, 0)
 
     def _drain_deferred(self, wait: bool, seg: VirtualSegment | None = None, pages: list[int] | None = None,
                         handles: list[PhysicalHandle] | None = None) -> None:

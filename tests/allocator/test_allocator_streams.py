@@ -284,6 +284,49 @@ def test_close_keeps_a_chunk_whose_old_mapping_it_could_not_unmap(dev, engine):
     assert not dev.hazards
 
 
+@pytest.mark.parametrize("engine", ["python", "native"])
+@pytest.mark.parametrize("fail", ["mem_map", "mem_set_access"])
+def test_a_failed_map_after_a_stream_ordered_steal_puts_the_chunk_back(dev, engine, fail):
+    """A chunk stolen stream-ordered is still mapped at its old address under work queued on its stream; when
+    the allocation fails after the steal (its map or access call), the chunk goes back where it was, with its
+    fences (Note [Failure atomicity]). Before the fix it went to the cache of unmapped chunks: the next block,
+    of any stream, took it at once (a kernel on stream 5 would run on memory stream 0's kernel still used),
+    and the gc, which never waits, waited for the kernel to give it back. (busy_slack=inf: a busy chunk
+    is not waited for while a new one can be made.)"""
+    policy = dataclasses.replace(ORDERED, busy_slack=float("inf"))
+    alloc = CachingAllocator(dev, policy, engine=engine, gc_threshold=0.01)
+    a = alloc.allocate(2 * MiB)
+    x = alloc.allocate(2 * MiB)
+    work = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    before = sorted(dev.mapping_ranges())
+    real = getattr(dev, fail)
+    calls = []
+
+    def failing(*args):
+        calls.append(args)
+        if len(calls) == (2 if fail == "mem_map" else 1):  # the stolen chunk's map, or the access of both
+            raise RuntimeError(f"injected {fail} failure")
+        return real(*args)
+
+    setattr(dev, fail, failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        alloc.allocate(4 * MiB)  # one page created, a's chunk stolen stream-ordered, then the failure
+    setattr(dev, fail, real)
+    alloc.check_consistency()
+    assert sorted(dev.mapping_ranges()) == before and alloc.reserved_nbytes == 4 * MiB
+    b = alloc.allocate(2 * MiB, 5)  # another stream: gc (no wait), then a chunk that no queued work uses
+    assert not work.done and not dev.hazards
+    a_chunk = next(h for va, _, h in before if va == a)
+    assert all(h != a_chunk for va, _, h in dev.mapping_ranges() if b <= va < b + 2 * MiB), \
+        "a block of stream 5 was given memory a kernel of stream 0 still uses"
+    alloc.check_consistency()
+    for p in (b, x):
+        alloc.free(p)
+    alloc.close()
+    assert work.done and not dev.hazards and dev.process_used_nbytes == 0
+
+
 def test_memory_a_kernel_uses_is_not_given_back_early_by_gc(dev):
     """The gc threshold releases only memory whose work is done (it queries, never waits)."""
     alloc = CachingAllocator(dev, GROW_PAST_BUSY, gc_threshold=0.01)

@@ -160,6 +160,10 @@ class OrderedSteal(RuleBasedStateMachine):
             assert r[0] == "ok" or r[1] != "InternalError", r  # a lost device may refuse; books never differ
             if self.healthy:
                 assert r[0] == "ok", r
+            py = self.pair.allocs[0]
+            b = py.backing.held_breakdown()  # the Python reference's (the engine has none)
+            assert b.live_nbytes + b.locked_nbytes + b.idle_nbytes + b.cached_nbytes == py.reserved_nbytes, b
+            assert b.live_nbytes == py.backing.live_pages * py.backing.granularity, b
 
     def teardown(self):
         if not hasattr(self, "pair"):
@@ -167,6 +171,10 @@ class OrderedSteal(RuleBasedStateMachine):
         for ptr in list(self.live):
             _no_hazard(self.pair.both("free", ptr))
         _no_hazard(self.pair.both("close"))
+        for d, alloc in zip(self.pair.devs, self.pair.allocs):
+            # what close could not give back is what it says it holds (lost device: nothing is held)
+            assert alloc.reserved_nbytes == d.process_used_nbytes or bool(d._lost), (  # noqa: SLF001
+                f"{alloc.engine}: close says {alloc.reserved_nbytes} B held, the device {d.process_used_nbytes} B")
         if self.healthy:
             for d in self.pair.devs:
                 assert not d.mapping_ranges(), "close left memory mapped"

@@ -1161,6 +1161,13 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
     } catch (...) {
         created_ = nullptr;
         stolen_ordered_ = nullptr;
+        // however the rollback ends: a chunk stolen stream-ordered and cached again goes back where it is
+        // still mapped (the finally of VirtualBacking._map_runs' rollback)
+        struct Undefer {
+            Engine* engine;
+            std::vector<StolenOrdered>* stolen;
+            ~Undefer() { for (const StolenOrdered& st : *stolen) engine->undefer(st); }
+        } undefer_guard{this, &stolen};
         // undo: unmap what this call mapped, keep the chunks cached; a chunk that cannot be unmapped
         // stays mapped with its pages empty (and noaccess if access was never set)
         for (std::int64_t start : mapped) {
@@ -1174,6 +1181,14 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
                 rethrow_if_fatal();   // Note [Only Exception is caught]
                 for (std::int64_t q = start; q < start + n; ++q)
                     if (!seg->refs[q]) seg->empty_add(q);
+                for (const StolenOrdered& st : stolen) {   // stolen stream-ordered: its old work fences it here too
+                    if (st.h != h) continue;
+                    for (const Deferred& e : deferred_) {
+                        if (e.seg != st.seg || e.s != st.s || e.h != st.h) continue;
+                        for (std::int64_t q = start; q < start + n; ++q)
+                            for (auto& f : e.fences) merge_into(seg->page_fences[q], f.first, f.second);
+                    }
+                }
                 continue;
             }
             ++device_calls_;
@@ -1201,7 +1216,6 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
             --n_chunks_;
             reserved_nbytes_ -= nbytes;
         }
-        for (const StolenOrdered& st : stolen) undefer(st);
         throw;
     }
     created_ = nullptr;

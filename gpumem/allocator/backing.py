@@ -985,41 +985,48 @@ class VirtualBacking(Backing):
         except BaseException:
             # undo: unmap what this call mapped, keep the chunks cached; a chunk that cannot be
             # unmapped stays mapped with its pages empty (and noaccess if access was never set)
-            for start in mapped:
-                handle = seg.chunks[start]
-                if handle is None:
-                    raise InternalError(f"page {start} was mapped with no chunk") from None
-                n = handle.nbytes // g
-                try:
-                    self.device.mem_unmap(seg.base + start * g, handle.nbytes)
-                except Exception as exc:  # noqa: BLE001 - the first error is the one raised
-                    log.debug("could not unmap chunk at page %d after a failed map: %s", start, exc)
+            try:
+                for start in mapped:
+                    handle = seg.chunks[start]
+                    if handle is None:
+                        raise InternalError(f"page {start} was mapped with no chunk") from None
+                    n = handle.nbytes // g
+                    try:
+                        self.device.mem_unmap(seg.base + start * g, handle.nbytes)
+                    except Exception as exc:  # noqa: BLE001 - the first error is the one raised
+                        log.debug("could not unmap chunk at page %d after a failed map: %s", start, exc)
+                        for q in range(start, start + n):
+                            if not seg.refs[q]:
+                                seg.empty[q] = None
+                        for entry, _ in stolen:  # stolen stream-ordered: its old work fences it here too
+                            if entry[2] is handle and any(e is entry for e in self.deferred):
+                                for q in range(start, start + n):
+                                    for st, number in entry[3].items():
+                                        seg.page_fences[q] = merge_fences(seg.page_fences.get(q), st, number)
+                        continue
+                    self.device_calls += 1
                     for q in range(start, start + n):
-                        if not seg.refs[q]:
-                            seg.empty[q] = None
-                    continue
-                self.device_calls += 1
-                for q in range(start, start + n):
-                    seg.chunks[q] = None
-                    seg.noaccess.discard(q)
-                    seg.empty.pop(q, None)
-                self.unmapped.append(handle)
-                self._segment_event("segment_unmap", seg.base + start * g, handle.nbytes, 0)
-            # and give back the chunks this call created: a failed allocation holds no more memory
-            for handle in created:
-                if handle not in self.unmapped:
-                    continue  # could not be unmapped: kept, counted
-                try:
-                    self.device.mem_release(handle)
-                except Exception as exc:  # noqa: BLE001 - kept cached and counted; the first error is raised
-                    log.debug("could not release a chunk after a failed map: %s", exc)
-                    continue
-                self.device_calls += 1
-                self.unmapped.remove(handle)
-                self.n_chunks -= 1
-                self.reserved_nbytes -= handle.nbytes
-            for entry, noaccess in stolen:
-                self._undefer(entry, noaccess)
+                        seg.chunks[q] = None
+                        seg.noaccess.discard(q)
+                        seg.empty.pop(q, None)
+                    self.unmapped.append(handle)
+                    self._segment_event("segment_unmap", seg.base + start * g, handle.nbytes, 0)
+                # and give back the chunks this call created: a failed allocation holds no more memory
+                for handle in created:
+                    if handle not in self.unmapped:
+                        continue  # could not be unmapped: kept, counted
+                    try:
+                        self.device.mem_release(handle)
+                    except Exception as exc:  # noqa: BLE001 - kept cached and counted; the first error is raised
+                        log.debug("could not release a chunk after a failed map: %s", exc)
+                        continue
+                    self.device_calls += 1
+                    self.unmapped.remove(handle)
+                    self.n_chunks -= 1
+                    self.reserved_nbytes -= handle.nbytes
+            finally:  # a chunk stolen stream-ordered and cached again goes back where it is still mapped
+                for entry, noaccess in stolen:
+                    self._undefer(entry, noaccess)
             raise
         finally:
             self._created = None

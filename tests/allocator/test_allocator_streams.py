@@ -327,6 +327,45 @@ def test_a_failed_map_after_a_stream_ordered_steal_puts_the_chunk_back(dev, engi
     assert work.done and not dev.hazards and dev.process_used_nbytes == 0
 
 
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_stolen_chunk_whose_new_mapping_cannot_be_undone_keeps_its_fences(dev, engine):
+    """The access call after a stream-ordered steal fails, and so does the unmap of the stolen chunk's new
+    mapping in the rollback: the chunk stays mapped at its new address too, idle there. Its pages there carry
+    the fences of its old work, so the next steal (for a block of stream 5) does not take it as done and map
+    it under that block while stream 0's kernel still uses it through the old mapping."""
+    policy = dataclasses.replace(ORDERED, busy_slack=float("inf"))
+    alloc = CachingAllocator(dev, policy, engine=engine)
+    a = alloc.allocate(2 * MiB)
+    x = alloc.allocate(2 * MiB)
+    work = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    a_chunk = next(h for va, _, h in dev.mapping_ranges() if va == a)
+    access, unmap = dev.mem_set_access, dev.mem_unmap
+
+    def failing_access(*args):
+        raise RuntimeError("injected mem_set_access failure")
+
+    def failing_unmap(va, nbytes):
+        if any(v == va and h == a_chunk for v, _, h in dev.mapping_ranges()) and va != a:
+            raise RuntimeError("injected mem_unmap failure")
+        return unmap(va, nbytes)
+
+    dev.mem_set_access, dev.mem_unmap = failing_access, failing_unmap
+    with pytest.raises(RuntimeError, match="injected mem_set_access"):
+        alloc.allocate(4 * MiB)  # one page created, a's chunk stolen stream-ordered, the access fails
+    dev.mem_set_access, dev.mem_unmap = access, unmap
+    alloc.check_consistency()
+    b = alloc.allocate(2 * MiB, 5)  # past the slack: a steal, for stream 5
+    assert not work.done and not dev.hazards
+    assert all(h != a_chunk for va, _, h in dev.mapping_ranges() if b <= va < b + 2 * MiB), \
+        "a block of stream 5 was given memory a kernel of stream 0 still uses"
+    alloc.check_consistency()
+    for p in (b, x):
+        alloc.free(p)
+    alloc.close()
+    assert work.done and not dev.hazards
+
+
 def test_memory_a_kernel_uses_is_not_given_back_early_by_gc(dev):
     """The gc threshold releases only memory whose work is done (it queries, never waits)."""
     alloc = CachingAllocator(dev, GROW_PAST_BUSY, gc_threshold=0.01)

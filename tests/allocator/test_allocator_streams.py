@@ -366,6 +366,50 @@ def test_a_stolen_chunk_whose_new_mapping_cannot_be_undone_keeps_its_fences(dev,
     assert work.done and not dev.hazards
 
 
+class _InjectedInterrupt(KeyboardInterrupt):
+    """Ctrl-C raised from inside a device call."""
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_ctrl_c_in_the_rollback_still_puts_the_stolen_chunk_back(dev, engine):
+    """The map of a chunk stolen stream-ordered fails, and a Ctrl-C ends the rollback (in the unmap of the
+    chunk created before it): the stolen chunk still goes back where it is mapped, not to the cache, from
+    which the next block of stream 5 would take it while stream 0's kernel still uses it."""
+    policy = dataclasses.replace(ORDERED, busy_slack=float("inf"))
+    alloc = CachingAllocator(dev, policy, engine=engine)
+    a = alloc.allocate(2 * MiB)
+    x = alloc.allocate(2 * MiB)
+    work = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    a_chunk = next(h for va, _, h in dev.mapping_ranges() if va == a)
+    mem_map, unmap = dev.mem_map, dev.mem_unmap
+    maps: list[int] = []
+
+    def failing_map(va, nbytes, handle, offset):
+        maps.append(va)
+        if len(maps) == 2:  # the stolen chunk's
+            raise RuntimeError("injected mem_map failure")
+        return mem_map(va, nbytes, handle, offset)
+
+    def interrupted_unmap(va, nbytes):
+        raise _InjectedInterrupt("injected into mem_unmap")
+
+    dev.mem_map, dev.mem_unmap = failing_map, interrupted_unmap
+    with pytest.raises(_InjectedInterrupt):
+        alloc.allocate(4 * MiB)
+    dev.mem_map, dev.mem_unmap = mem_map, unmap
+    alloc.check_consistency()
+    b = alloc.allocate(2 * MiB, 5)
+    assert not work.done and not dev.hazards
+    assert all(h != a_chunk for va, _, h in dev.mapping_ranges() if b <= va < b + 2 * MiB), \
+        "a block of stream 5 was given memory a kernel of stream 0 still uses"
+    alloc.check_consistency()
+    for p in (b, x):
+        alloc.free(p)
+    alloc.close()
+    assert work.done and not dev.hazards
+
+
 def test_memory_a_kernel_uses_is_not_given_back_early_by_gc(dev):
     """The gc threshold releases only memory whose work is done (it queries, never waits)."""
     alloc = CachingAllocator(dev, GROW_PAST_BUSY, gc_threshold=0.01)

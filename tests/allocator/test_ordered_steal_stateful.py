@@ -161,6 +161,9 @@ class OrderedSteal(RuleBasedStateMachine):
             if self.healthy:
                 assert r[0] == "ok", r
             py = self.pair.allocs[0]
+            if self.healthy:  # a cached chunk is mapped nowhere (else any stream's next block could take it)
+                cached = {id(h) for h in py.backing.unmapped}
+                assert not [e for e in py.backing.deferred if id(e[2]) in cached], "a cached chunk is still deferred"
             b = py.backing.held_breakdown()  # the Python reference's (the engine has none)
             assert b.live_nbytes + b.locked_nbytes + b.idle_nbytes + b.cached_nbytes == py.reserved_nbytes, b
             assert b.live_nbytes == py.backing.live_pages * py.backing.granularity, b

@@ -1124,6 +1124,8 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
     std::vector<std::int64_t> mapped;   // first pages of the chunks this call mapped
     std::vector<ChunkHandle> created;
     created_ = &created;
+    std::vector<StolenOrdered> stolen;
+    stolen_ordered_ = &stolen;
     try {
         std::size_t i = 0;
         while (i < need.size()) {
@@ -1158,6 +1160,14 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
         }
     } catch (...) {
         created_ = nullptr;
+        stolen_ordered_ = nullptr;
+        // however the rollback ends: a chunk stolen stream-ordered and cached again goes back where it is
+        // still mapped (the finally of VirtualBacking._map_runs' rollback)
+        struct Undefer {
+            Engine* engine;
+            std::vector<StolenOrdered>* stolen;
+            ~Undefer() { for (const StolenOrdered& st : *stolen) engine->undefer(st); }
+        } undefer_guard{this, &stolen};
         // undo: unmap what this call mapped, keep the chunks cached; a chunk that cannot be unmapped
         // stays mapped with its pages empty (and noaccess if access was never set)
         for (std::int64_t start : mapped) {
@@ -1171,6 +1181,14 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
                 rethrow_if_fatal();   // Note [Only Exception is caught]
                 for (std::int64_t q = start; q < start + n; ++q)
                     if (!seg->refs[q]) seg->empty_add(q);
+                for (const StolenOrdered& st : stolen) {   // stolen stream-ordered: its old work fences it here too
+                    if (st.h != h) continue;
+                    for (const Deferred& e : deferred_) {
+                        if (e.seg != st.seg || e.s != st.s || e.h != st.h) continue;
+                        for (std::int64_t q = start; q < start + n; ++q)
+                            for (auto& f : e.fences) merge_into(seg->page_fences[q], f.first, f.second);
+                    }
+                }
                 continue;
             }
             ++device_calls_;
@@ -1201,6 +1219,7 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
         throw;
     }
     created_ = nullptr;
+    stolen_ordered_ = nullptr;
 }
 
 // VirtualBacking._take_cached: the largest cached chunk of at most max_pages, out of the cache
@@ -1429,12 +1448,36 @@ ChunkHandle Engine::defer_unmap(VSeg* seg, std::int64_t s, FenceMap pending) {
         if (!seg->is_empty(q))
             throw EngineError(EngineErrorKind::kInternal, "chunk at page " + std::to_string(s) + " of range " +
                                                               hex(seg->base) + " is not idle");
+    std::vector<std::int64_t> noaccess;
+    if (seg->n_noaccess)
+        for (std::int64_t q = s; q < s + n; ++q) if (seg->noaccess[q]) noaccess.push_back(q);
     for (std::int64_t q = s; q < s + n; ++q) {
         forget_page(seg, q);
         if (!seg->deferred[q]) { seg->deferred[q] = 1; ++seg->n_deferred; }
     }
     deferred_.push_back(Deferred{seg, s, h, std::move(pending)});
+    if (stolen_ordered_) stolen_ordered_->push_back(StolenOrdered{seg, s, h, std::move(noaccess)});
     return h;
+}
+
+// VirtualBacking._undefer: a failed map_runs puts a chunk it stole stream-ordered back where it is still mapped
+void Engine::undefer(const StolenOrdered& st) {
+    auto cached = std::find(unmapped_.begin(), unmapped_.end(), st.h);
+    if (cached == unmapped_.end()) return;   // its new mapping could not be undone: it stays deferred
+    auto d = std::find_if(deferred_.begin(), deferred_.end(),
+                          [&](const Deferred& e) { return e.seg == st.seg && e.s == st.s && e.h == st.h; });
+    if (d == deferred_.end()) return;
+    unmapped_.erase(cached);
+    FenceMap pending = std::move(d->fences);
+    deferred_.erase(d);
+    VSeg* seg = st.seg;
+    for (std::int64_t q = st.s; q < st.s + chunk_pages(st.h); ++q) {
+        if (seg->deferred[q]) { seg->deferred[q] = 0; --seg->n_deferred; }
+        seg->chunks[q] = st.h;
+        seg->empty_add(q);
+        if (!pending.empty()) seg->page_fences[q] = pending;
+    }
+    for (std::int64_t q : st.noaccess) seg->noaccess_add(q);
 }
 
 // VirtualBacking._drain_deferred (pages: with seg; both null and handles null: every entry)
@@ -1590,6 +1633,8 @@ void Engine::backing_close(bool keep_all) {
     }
     std::vector<ChunkHandle> snapshot = unmapped_;
     for (ChunkHandle h : snapshot) {
+        // its old mapping could not be unmapped: still mapped there, kept and counted
+        if (!deferred_.empty() && has_deferred(h)) continue;
         try {
             backend_.mem_release(h);
         } catch (...) {

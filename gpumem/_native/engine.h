@@ -405,6 +405,13 @@ class Engine {
     // stream-ordered steal (Note [Stream-ordered steal] in backing.py; same names)
     detail::FenceMap chunk_fences(detail::VSeg* seg, std::int64_t s, std::unordered_map<std::uint64_t, std::uint64_t>& batch);
     ChunkHandle defer_unmap(detail::VSeg* seg, std::int64_t s, detail::FenceMap pending);
+    struct StolenOrdered {   // VirtualBacking._stolen_ordered's entries: a deferred entry and its noaccess pages
+        detail::VSeg* seg;
+        std::int64_t s;
+        ChunkHandle h;
+        std::vector<std::int64_t> noaccess;
+    };
+    void undefer(const StolenOrdered& st);
     void drain_deferred(bool wait, detail::VSeg* seg, const std::vector<std::int64_t>* pages,
                         const std::vector<ChunkHandle>* handles);
     bool has_deferred(ChunkHandle h) const;
@@ -468,6 +475,7 @@ class Engine {
     bool chunked_ = true;                                        // VirtualBacking.chunked
     std::unordered_map<ChunkHandle, std::uint64_t> chunk_nbytes_;   // every chunk held -> its size
     std::vector<ChunkHandle>* created_ = nullptr;               // VirtualBacking._created
+    std::vector<StolenOrdered>* stolen_ordered_ = nullptr;      // VirtualBacking._stolen_ordered
     bool have_first_stream_ = false, multi_stream_ = false;
     std::uint64_t first_stream_ = 0;
 };

@@ -519,6 +519,9 @@ class VirtualBacking(Backing):
         self.peak_live_pages = 0
         self._created: list[PhysicalHandle] | None = None
         """The chunks the running :meth:`_map_runs` created (given back if it fails)."""
+        self._stolen_ordered: list[tuple[tuple[VirtualSegment, int, PhysicalHandle, dict[int, int]], list[int]]] | None = None
+        """The :attr:`deferred` entries the running :meth:`_map_runs` made, with their pages that were noaccess
+        (put back where they were if it fails)."""
         self.chunked = policy.growth is GrowthRule.CHUNKS
         """Chunks of several pages (Note [Chunks of several pages]); else every chunk is one page."""
         self.deferred: list[tuple[VirtualSegment, int, PhysicalHandle, dict[int, int]]] = []
@@ -947,6 +950,7 @@ class VirtualBacking(Backing):
         top_page = (seg.top - 1) // g
         mapped: list[int] = []  # first pages of the chunks this call mapped
         created = self._created = []
+        stolen = self._stolen_ordered = []
         self._busy_pages = touched * (1.0 + self.policy.page_slack + self.policy.busy_slack)
         try:
             i = 0
@@ -981,42 +985,52 @@ class VirtualBacking(Backing):
         except BaseException:
             # undo: unmap what this call mapped, keep the chunks cached; a chunk that cannot be
             # unmapped stays mapped with its pages empty (and noaccess if access was never set)
-            for start in mapped:
-                handle = seg.chunks[start]
-                if handle is None:
-                    raise InternalError(f"page {start} was mapped with no chunk") from None
-                n = handle.nbytes // g
-                try:
-                    self.device.mem_unmap(seg.base + start * g, handle.nbytes)
-                except Exception as exc:  # noqa: BLE001 - the first error is the one raised
-                    log.debug("could not unmap chunk at page %d after a failed map: %s", start, exc)
+            try:
+                for start in mapped:
+                    handle = seg.chunks[start]
+                    if handle is None:
+                        raise InternalError(f"page {start} was mapped with no chunk") from None
+                    n = handle.nbytes // g
+                    try:
+                        self.device.mem_unmap(seg.base + start * g, handle.nbytes)
+                    except Exception as exc:  # noqa: BLE001 - the first error is the one raised
+                        log.debug("could not unmap chunk at page %d after a failed map: %s", start, exc)
+                        for q in range(start, start + n):
+                            if not seg.refs[q]:
+                                seg.empty[q] = None
+                        for entry, _ in stolen:  # stolen stream-ordered: its old work fences it here too
+                            if entry[2] is handle and any(e is entry for e in self.deferred):
+                                for q in range(start, start + n):
+                                    for st, number in entry[3].items():
+                                        seg.page_fences[q] = merge_fences(seg.page_fences.get(q), st, number)
+                        continue
+                    self.device_calls += 1
                     for q in range(start, start + n):
-                        if not seg.refs[q]:
-                            seg.empty[q] = None
-                    continue
-                self.device_calls += 1
-                for q in range(start, start + n):
-                    seg.chunks[q] = None
-                    seg.noaccess.discard(q)
-                    seg.empty.pop(q, None)
-                self.unmapped.append(handle)
-                self._segment_event("segment_unmap", seg.base + start * g, handle.nbytes, 0)
-            # and give back the chunks this call created: a failed allocation holds no more memory
-            for handle in created:
-                if handle not in self.unmapped:
-                    continue  # could not be unmapped: kept, counted
-                try:
-                    self.device.mem_release(handle)
-                except Exception as exc:  # noqa: BLE001 - kept cached and counted; the first error is raised
-                    log.debug("could not release a chunk after a failed map: %s", exc)
-                    continue
-                self.device_calls += 1
-                self.unmapped.remove(handle)
-                self.n_chunks -= 1
-                self.reserved_nbytes -= handle.nbytes
+                        seg.chunks[q] = None
+                        seg.noaccess.discard(q)
+                        seg.empty.pop(q, None)
+                    self.unmapped.append(handle)
+                    self._segment_event("segment_unmap", seg.base + start * g, handle.nbytes, 0)
+                # and give back the chunks this call created: a failed allocation holds no more memory
+                for handle in created:
+                    if handle not in self.unmapped:
+                        continue  # could not be unmapped: kept, counted
+                    try:
+                        self.device.mem_release(handle)
+                    except Exception as exc:  # noqa: BLE001 - kept cached and counted; the first error is raised
+                        log.debug("could not release a chunk after a failed map: %s", exc)
+                        continue
+                    self.device_calls += 1
+                    self.unmapped.remove(handle)
+                    self.n_chunks -= 1
+                    self.reserved_nbytes -= handle.nbytes
+            finally:  # a chunk stolen stream-ordered and cached again goes back where it is still mapped
+                for entry, noaccess in stolen:
+                    self._undefer(entry, noaccess)
             raise
         finally:
             self._created = None
+            self._stolen_ordered = None
 
     def _take_cached(self, max_pages: int) -> PhysicalHandle | None:
         """Take the largest cached (unmapped) chunk of at most ``max_pages`` out of the cache (None: none)."""
@@ -1225,11 +1239,36 @@ class VirtualBacking(Backing):
         g = self.granularity
         handle = self._idle_chunk_at(seg, s)
         n = handle.nbytes // g
+        noaccess = [q for q in range(s, s + n) if q in seg.noaccess] if seg.noaccess else []
         self._forget_chunk_pages(seg, s, n)
         seg.deferred.update(range(s, s + n))
-        self.deferred.append((seg, s, handle, pending))
+        entry = (seg, s, handle, pending)
+        self.deferred.append(entry)
+        if self._stolen_ordered is not None:
+            self._stolen_ordered.append((entry, noaccess))
         self._segment_event("segment_unmap", seg.base + s * g, handle.nbytes, 0)
         return handle
+
+    def _undefer(self, entry: tuple[VirtualSegment, int, PhysicalHandle, dict[int, int]], noaccess: list[int]) -> None:
+        """A failed :meth:`_map_runs` puts a chunk it stole stream-ordered back where it is still mapped: an
+        idle chunk again, its pages fenced by ``pending`` (Note [Failure atomicity]). Cached instead, it would
+        be mapped under the next block of any stream while its old work may still run, and given back only
+        after a wait. Nothing to do when the chunk is no longer cached (its new mapping could not be undone)."""
+        seg, s, handle, pending = entry
+        idx = next((i for i, h in enumerate(self.unmapped) if h is handle), None)
+        if idx is None or not any(e is entry for e in self.deferred):
+            return
+        del self.unmapped[idx]
+        self.deferred = [e for e in self.deferred if e is not entry]
+        g = self.granularity
+        for q in range(s, s + handle.nbytes // g):
+            seg.deferred.discard(q)
+            seg.chunks[q] = handle
+            seg.empty[q] = None
+            if pending:
+                seg.page_fences[q] = dict(pending)
+        seg.noaccess.update(noaccess)
+        self._segment_event("segment_map", seg.base + s * g, handle.nbytes, 0)
 
     def _drain_deferred(self, wait: bool, seg: VirtualSegment | None = None, pages: list[int] | None = None,
                         handles: list[PhysicalHandle] | None = None) -> None:
@@ -1344,6 +1383,8 @@ class VirtualBacking(Backing):
             del self.vsegments[key]
             self.n_segments -= 1
         for handle in list(self.unmapped):
+            if self.deferred and any(e[2] is handle for e in self.deferred):
+                continue  # its old mapping could not be unmapped: still mapped there, kept and counted
             try:
                 self.device.mem_release(handle)
             except Exception as exc:  # noqa: BLE001

@@ -248,6 +248,168 @@ def test_a_block_over_an_old_mapping_waits_for_it(dev, engine):
     assert dev.process_used_nbytes == 0
 
 
+def _fail_first_unmap(dev) -> list[int]:
+    """Make the device's next ``mem_unmap`` raise (once); returns the addresses every unmap was asked for."""
+    calls: list[int] = []
+    unmap = dev.mem_unmap
+
+    def failing(va, nbytes):
+        calls.append(va)
+        if len(calls) == 1:
+            raise RuntimeError("injected mem_unmap failure")
+        return unmap(va, nbytes)
+
+    dev.mem_unmap = failing
+    return calls
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_close_keeps_a_chunk_whose_old_mapping_it_could_not_unmap(dev, engine):
+    """close unmaps the old mapping of a stream-ordered steal first; when that unmap fails the chunk is still
+    mapped there, so it is not released (the device would keep the memory until an unmap that never comes)
+    and close reports it held. Before the fix: released, the allocator said 0 B held, the device 2 MiB."""
+    alloc = CachingAllocator(dev, ORDERED, engine=engine, limit=6 * MiB)
+    a = alloc.allocate(2 * MiB)
+    x = alloc.allocate(2 * MiB)
+    dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    b = alloc.allocate(4 * MiB)  # takes a's chunk, stream-ordered: a's old mapping is deferred
+    alloc.free(b)
+    alloc.free(x)
+    calls = _fail_first_unmap(dev)
+    alloc.close()
+    assert calls[0] == a  # the old mapping went first, and failed
+    assert dev.mapping_ranges() and [va for va, _, _ in dev.mapping_ranges()] == [a]
+    assert alloc.reserved_nbytes == dev.process_used_nbytes == 2 * MiB
+    assert not dev.hazards
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+@pytest.mark.parametrize("fail", ["mem_map", "mem_set_access"])
+def test_a_failed_map_after_a_stream_ordered_steal_puts_the_chunk_back(dev, engine, fail):
+    """A chunk stolen stream-ordered is still mapped at its old address under work queued on its stream; when
+    the allocation fails after the steal (its map or access call), the chunk goes back where it was, with its
+    fences (Note [Failure atomicity]). Before the fix it went to the cache of unmapped chunks: the next block,
+    of any stream, took it at once (a kernel on stream 5 would run on memory stream 0's kernel still used),
+    and the gc, which never waits, waited for the kernel to give it back. (busy_slack=inf: a busy chunk
+    is not waited for while a new one can be made.)"""
+    policy = dataclasses.replace(ORDERED, busy_slack=float("inf"))
+    alloc = CachingAllocator(dev, policy, engine=engine, gc_threshold=0.01)
+    a = alloc.allocate(2 * MiB)
+    x = alloc.allocate(2 * MiB)
+    work = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    before = sorted(dev.mapping_ranges())
+    real = getattr(dev, fail)
+    calls = []
+
+    def failing(*args):
+        calls.append(args)
+        if len(calls) == (2 if fail == "mem_map" else 1):  # the stolen chunk's map, or the access of both
+            raise RuntimeError(f"injected {fail} failure")
+        return real(*args)
+
+    setattr(dev, fail, failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        alloc.allocate(4 * MiB)  # one page created, a's chunk stolen stream-ordered, then the failure
+    setattr(dev, fail, real)
+    alloc.check_consistency()
+    assert sorted(dev.mapping_ranges()) == before and alloc.reserved_nbytes == 4 * MiB
+    b = alloc.allocate(2 * MiB, 5)  # another stream: gc (no wait), then a chunk that no queued work uses
+    assert not work.done and not dev.hazards
+    a_chunk = next(h for va, _, h in before if va == a)
+    assert all(h != a_chunk for va, _, h in dev.mapping_ranges() if b <= va < b + 2 * MiB), \
+        "a block of stream 5 was given memory a kernel of stream 0 still uses"
+    alloc.check_consistency()
+    for p in (b, x):
+        alloc.free(p)
+    alloc.close()
+    assert work.done and not dev.hazards and dev.process_used_nbytes == 0
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_stolen_chunk_whose_new_mapping_cannot_be_undone_keeps_its_fences(dev, engine):
+    """The access call after a stream-ordered steal fails, and so does the unmap of the stolen chunk's new
+    mapping in the rollback: the chunk stays mapped at its new address too, idle there. Its pages there carry
+    the fences of its old work, so the next steal (for a block of stream 5) does not take it as done and map
+    it under that block while stream 0's kernel still uses it through the old mapping."""
+    policy = dataclasses.replace(ORDERED, busy_slack=float("inf"))
+    alloc = CachingAllocator(dev, policy, engine=engine)
+    a = alloc.allocate(2 * MiB)
+    x = alloc.allocate(2 * MiB)
+    work = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    a_chunk = next(h for va, _, h in dev.mapping_ranges() if va == a)
+    access, unmap = dev.mem_set_access, dev.mem_unmap
+
+    def failing_access(*args):
+        raise RuntimeError("injected mem_set_access failure")
+
+    def failing_unmap(va, nbytes):
+        if any(v == va and h == a_chunk for v, _, h in dev.mapping_ranges()) and va != a:
+            raise RuntimeError("injected mem_unmap failure")
+        return unmap(va, nbytes)
+
+    dev.mem_set_access, dev.mem_unmap = failing_access, failing_unmap
+    with pytest.raises(RuntimeError, match="injected mem_set_access"):
+        alloc.allocate(4 * MiB)  # one page created, a's chunk stolen stream-ordered, the access fails
+    dev.mem_set_access, dev.mem_unmap = access, unmap
+    alloc.check_consistency()
+    b = alloc.allocate(2 * MiB, 5)  # past the slack: a steal, for stream 5
+    assert not work.done and not dev.hazards
+    assert all(h != a_chunk for va, _, h in dev.mapping_ranges() if b <= va < b + 2 * MiB), \
+        "a block of stream 5 was given memory a kernel of stream 0 still uses"
+    alloc.check_consistency()
+    for p in (b, x):
+        alloc.free(p)
+    alloc.close()
+    assert work.done and not dev.hazards
+
+
+class _InjectedInterrupt(KeyboardInterrupt):
+    """Ctrl-C raised from inside a device call."""
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_ctrl_c_in_the_rollback_still_puts_the_stolen_chunk_back(dev, engine):
+    """The map of a chunk stolen stream-ordered fails, and a Ctrl-C ends the rollback (in the unmap of the
+    chunk created before it): the stolen chunk still goes back where it is mapped, not to the cache, from
+    which the next block of stream 5 would take it while stream 0's kernel still uses it."""
+    policy = dataclasses.replace(ORDERED, busy_slack=float("inf"))
+    alloc = CachingAllocator(dev, policy, engine=engine)
+    a = alloc.allocate(2 * MiB)
+    x = alloc.allocate(2 * MiB)
+    work = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    a_chunk = next(h for va, _, h in dev.mapping_ranges() if va == a)
+    mem_map, unmap = dev.mem_map, dev.mem_unmap
+    maps: list[int] = []
+
+    def failing_map(va, nbytes, handle, offset):
+        maps.append(va)
+        if len(maps) == 2:  # the stolen chunk's
+            raise RuntimeError("injected mem_map failure")
+        return mem_map(va, nbytes, handle, offset)
+
+    def interrupted_unmap(va, nbytes):
+        raise _InjectedInterrupt("injected into mem_unmap")
+
+    dev.mem_map, dev.mem_unmap = failing_map, interrupted_unmap
+    with pytest.raises(_InjectedInterrupt):
+        alloc.allocate(4 * MiB)
+    dev.mem_map, dev.mem_unmap = mem_map, unmap
+    alloc.check_consistency()
+    b = alloc.allocate(2 * MiB, 5)
+    assert not work.done and not dev.hazards
+    assert all(h != a_chunk for va, _, h in dev.mapping_ranges() if b <= va < b + 2 * MiB), \
+        "a block of stream 5 was given memory a kernel of stream 0 still uses"
+    alloc.check_consistency()
+    for p in (b, x):
+        alloc.free(p)
+    alloc.close()
+    assert work.done and not dev.hazards
+
+
 def test_memory_a_kernel_uses_is_not_given_back_early_by_gc(dev):
     """The gc threshold releases only memory whose work is done (it queries, never waits)."""
     alloc = CachingAllocator(dev, GROW_PAST_BUSY, gc_threshold=0.01)

@@ -35,6 +35,11 @@ def _deprecated_alias(field: str, divisor: float, new: str) -> property:
 
     return property(get, doc=f"Deprecated: ``{field}`` in decimal units; use ``{new}`` (it warns).")
 
+def _in_units(field: str, unit_nbytes: float, unit: str) -> property:
+    """A read-only figure: ``field`` in ``unit``."""
+    return property(lambda self: getattr(self, field) / unit_nbytes, doc=f"``{field}`` in {unit}.")
+
+
 #: Sanity caps on the workload (far beyond any real run; see also ``shape.SHAPE_CAPS``): larger values
 #: raise ``InvalidArgumentError`` naming the field and the cap.
 WORKLOAD_CAPS = {"batch_size": 2**20, "seq_len": 2**24, "max_seq_len": 2**24, "prompt_len": 2**24,
@@ -63,30 +68,11 @@ class MemoryEstimate:
     total_bytes: int
     phase: str = ""
 
-    @property
-    def total_gib(self) -> float:
-        """``total_bytes`` in GiB (2**30 bytes, the unit of the command line)."""
-        return self.total_bytes / _GIB
-
-    @property
-    def total_mib(self) -> float:
-        """``total_bytes`` in MiB (2**20 bytes)."""
-        return self.total_bytes / _MIB
-
-    @property
-    def model_gib(self) -> float:
-        """``model_bytes`` in GiB."""
-        return self.model_bytes / _GIB
-
-    @property
-    def kv_cache_gib(self) -> float:
-        """``kv_cache_bytes`` in GiB."""
-        return self.kv_cache_bytes / _GIB
-
-    @property
-    def activation_gib(self) -> float:
-        """``activation_bytes`` in GiB."""
-        return self.activation_bytes / _GIB
+    total_gib = _in_units("total_bytes", _GIB, "GiB (2**30 bytes, the unit of the command line)")
+    total_mib = _in_units("total_bytes", _MIB, "MiB (2**20 bytes)")
+    model_gib = _in_units("model_bytes", _GIB, "GiB")
+    kv_cache_gib = _in_units("kv_cache_bytes", _GIB, "GiB")
+    activation_gib = _in_units("activation_bytes", _GIB, "GiB")
 
     # Note [GiB everywhere]: the command line prints GiB (2**30); the ``*_gb``/``*_mb`` helpers returned GB
     # (10**9), so one figure read differently in Python and in a terminal. The helpers are ``*_gib``/``*_mib``

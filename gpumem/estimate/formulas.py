@@ -164,6 +164,7 @@ def estimate_inference_memory(hidden_size: int, intermediate_size: int, n_layers
     (weights, prefill, one decode step per new token after the first) and reports their peak.
     """
     dtype_bytes = _check_dtype(dtype_bytes)
+    # the same in estimate_inference_memory and estimate_training_memory: both take the shape's fields one by one
     shape = ModelShape(hidden_size, intermediate_size, n_layers, vocab_size, n_heads, n_kv_heads, head_dim,
                        tie_word_embeddings, attention_bias, n_experts=n_experts, experts_per_token=experts_per_token,
                        expert_intermediate_size=expert_intermediate_size,
@@ -216,6 +217,7 @@ def estimate_training_memory(hidden_size: int, intermediate_size: int, n_layers:
     dtype_bytes = _check_dtype(dtype_bytes)
     if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
         raise InvalidArgumentError(f"optimizer_states must be a whole number >= 0, got {optimizer_states!r}")
+    # the same in estimate_inference_memory and estimate_training_memory: both take the shape's fields one by one
     shape = ModelShape(hidden_size, intermediate_size, n_layers, vocab_size, n_heads, n_kv_heads, head_dim,
                        tie_word_embeddings, attention_bias, n_experts=n_experts, experts_per_token=experts_per_token,
                        expert_intermediate_size=expert_intermediate_size,

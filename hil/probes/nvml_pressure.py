@@ -24,7 +24,7 @@ On a real GPU::
 The same check runs on a simulated device, with a simulated tenant in place of the second process
 (this is how the test suite exercises it)::
 
-    python -m hil.probes.nvml_pressure --device sim:a100-80gb --out /tmp/nvml-pressure
+    python -m hil.probes.nvml_pressure --device sim:a100-80gb --out build/nvml-pressure
 """
 
 from __future__ import annotations

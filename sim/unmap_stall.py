@@ -133,7 +133,7 @@ def table(recs: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m sim.unmap_stall", description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, help="write the measurements here")
     p.add_argument("--only", nargs="*", help="rows whose name starts with one of these")
     args = p.parse_args(argv)

@@ -15,8 +15,7 @@ with gca.using() as alloc:
         def controlled_allocator(size):
             memptr = original_allocator(size)
             base_size = memptr.mem.size
-            assert base_size % 512 == 0, base_size
-            sizes.append(base_size)
+            sizes.append(base_size)  # a size that is no multiple of 512 fails the check after the run
             item_size = dtype().itemsize
             shape = (base_size // item_size,)
             x = cupy.ndarray(memptr=memptr, shape=shape, dtype=dtype)

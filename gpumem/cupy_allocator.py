@@ -39,8 +39,9 @@ import threading
 from typing import Any, Callable, Iterator, Union
 
 from .allocator import CachingAllocator
-from .allocator.policy import DEFAULT_POLICY, AllocatorPolicy, get_policy
+from .allocator.policy import DEFAULT_POLICY, AllocatorPolicy
 from .errors import BackendUnavailableError, InternalError, OutOfMemoryError
+from .native import cuda_allocator
 
 log = logging.getLogger(__name__)
 
@@ -214,12 +215,10 @@ def install(allocator: CachingAllocator | None = None, *, policy: str | Allocato
         from .native import engine
 
         if engine() == "native":
-            if get_policy(policy).name != get_policy(DEFAULT_POLICY).name:
-                from .torch import configure
-
-                configure(policy)
-            cupy.cuda.set_allocator(native_hook())
-            return _engine_module().CudaAllocator(current)
+            hook = native_hook()
+            current_allocator = cuda_allocator(current, policy)
+            cupy.cuda.set_allocator(hook)
+            return current_allocator
         log.info("CuPy allocates through gpumem's Python CUDA adapter: the native engine is not built")
     from .specs import open_device
 
@@ -253,6 +252,21 @@ class DeviceCheck:
         return not self.problems
 
 
+def device_check(device: int, allocator: InstalledAllocator) -> DeviceCheck:
+    """The consistency check of ``allocator``, device ``device``'s allocator: a
+    :class:`~gpumem.allocator.CachingAllocator`, or the native engine over the driver
+    (``gpumem._engine.CudaAllocator``)."""
+    if isinstance(allocator, CachingAllocator):
+        try:
+            allocator.check_consistency()
+            problems: tuple[str, ...] = ()
+        except InternalError as exc:
+            problems = (str(exc),)
+        return DeviceCheck(device, "python", problems, allocator.allocated_nbytes, allocator.reserved_nbytes)
+    return DeviceCheck(device, "native", tuple(allocator.consistency_problems()), allocator.allocated_nbytes(),
+                       allocator.reserved_nbytes())
+
+
 def check_installed(raise_on_problem: bool = False) -> list[DeviceCheck]:
     """Run the consistency check of every device the gpumem hook installed in CuPy allocated on.
 
@@ -262,20 +276,10 @@ def check_installed(raise_on_problem: bool = False) -> list[DeviceCheck]:
     """
     cupy = _cupy()
     hook = cupy.cuda.get_allocator()
-    checks: list[DeviceCheck] = []
     if isinstance(hook, CupyMalloc):
-        for dev, alloc in sorted(hook.allocators.items()):
-            try:
-                alloc.check_consistency()
-                problems: tuple[str, ...] = ()
-            except InternalError as exc:
-                problems = (str(exc),)
-            checks.append(DeviceCheck(dev, "python", problems, alloc.allocated_nbytes, alloc.reserved_nbytes))
+        checks = [device_check(dev, alloc) for dev, alloc in sorted(hook.allocators.items())]
     elif _is_native_hook(hook):
-        for dev in hook.devices():
-            a = _engine_module().CudaAllocator(dev)
-            checks.append(DeviceCheck(dev, "native", tuple(a.consistency_problems()), a.allocated_nbytes(),
-                                      a.reserved_nbytes()))
+        checks = [device_check(dev, _engine_module().CudaAllocator(dev)) for dev in hook.devices()]
     else:
         raise BackendUnavailableError(f"CuPy's allocator is {hook!r}, not gpumem's: call gpumem.cupy_allocator.install()")
     bad = [c for c in checks if c.problems]

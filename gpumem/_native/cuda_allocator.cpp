@@ -214,6 +214,25 @@ PyObject* CudaAlloc_free(CudaAllocObject* self, PyObject* const* args, Py_ssize_
     Py_RETURN_NONE;
 }
 
+// record_stream(ptr, stream): the block is in use on `stream` too; free() then returns it for reuse only once
+// the work queued on `stream` by then has run (PythonEngine.record_stream; a no-op on the block's own
+// stream). gpumem.rmm_resource calls it when RMM frees a block on another stream than it was allocated on.
+PyObject* CudaAlloc_record_stream(CudaAllocObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        raise_as("InvalidArgumentError", "record_stream(ptr, stream) takes 2 arguments");
+        return nullptr;
+    }
+    std::uint64_t ptr = 0, stream = 0;
+    if (as_u64(args[0], "ptr", &ptr) < 0 || as_u64(args[1], "stream", &stream) < 0) return nullptr;
+    try {
+        self->engine->record_stream(ptr, stream);
+    } catch (...) {
+        set_error(self->device);
+        return nullptr;
+    }
+    Py_RETURN_NONE;
+}
+
 PyObject* CudaAlloc_empty_cache(CudaAllocObject* self, PyObject*) {
     std::uint64_t released = 0;
     if (!without_gil(self->device, [&] { released = self->engine->empty_cache(); })) return nullptr;
@@ -296,6 +315,8 @@ PyMethodDef CudaAlloc_methods[] = {
      "allocate(nbytes, stream=0) -> int: a device pointer from the device's engine."},
     {"free", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(CudaAlloc_free)), METH_FASTCALL,
      "free(ptr): give the allocation back to the engine's cache (stream-ordered)."},
+    {"record_stream", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(CudaAlloc_record_stream)),
+     METH_FASTCALL, "record_stream(ptr, stream): the block is used on stream too; its free waits for that work."},
     {"empty_cache", reinterpret_cast<PyCFunction>(CudaAlloc_empty_cache), METH_NOARGS,
      "empty_cache() -> int: give cached memory back to the device; returns the bytes released."},
     {"reserved_nbytes", reinterpret_cast<PyCFunction>(CudaAlloc_reserved), METH_NOARGS,

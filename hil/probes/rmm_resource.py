@@ -1,0 +1,223 @@
+"""gpumem as RMM's memory resource on a real GPU (issue 19, point 4): traces replayed as ``rmm.DeviceBuffer``
+allocations, and CuPy on RMM's allocator, checked against CuPy's own pool.
+
+Each case runs in its own process, so that every figure is that run's alone (the native engine is one per
+device and process):
+
+* ``replay TRACE gpumem`` - every allocation of the trace is an ``rmm.DeviceBuffer`` on gpumem's resource
+  (:func:`gpumem.rmm_resource.install`), freed when the trace frees it, on an RMM stream per trace
+  stream; then the same once more with every buffer stamped with its id on its stream and read back when
+  freed (the data check); then the engine's consistency check;
+* ``replay TRACE pool`` - the same replay on ``rmm.mr.PoolMemoryResource`` over ``CudaMemoryResource``
+  (initial size 0: it grows as needed, by at least its size so far, and never shrinks);
+* ``cupy`` - one CuPy computation (matmul, FFT, sort, reductions, shapes changing in a loop) under CuPy's
+  pool, then under ``rmm.allocators.cupy.rmm_cupy_allocator`` with gpumem the device's RMM resource: the
+  results must be bit-identical, and CuPy must have allocated through gpumem.
+
+Run on the GPU from the checkout's root: ``python -m hil.probes.rmm_resource --out DIR [--traces a,b]``;
+it writes ``DIR/rmm-resource.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TRACES_DIR = Path(__file__).resolve().parents[2] / "data" / "traces"
+DEFAULT_TRACES = ("resnet_train.rmm_log.csv.gz", "gpt2_fp32_train_h200.snapshot.pickle.gz",
+                  "multistream_infer_h200.snapshot.pickle.gz")
+RESOURCES = ("gpumem", "pool")
+
+
+class ProbeError(Exception):
+    """A case that did not give its figures (said in one line)."""
+
+
+def _replay(trace: Any, rmm: Any, mr: Any, stamp: bool) -> dict[str, Any]:
+    """Replay ``trace`` as DeviceBuffers on ``mr``; with ``stamp``, write each buffer's id into it on its
+    stream and check it when freed. Returns the wall time per op and the stamp mismatches."""
+    import cupy
+    import numpy as np
+
+    streams: dict[int, Any] = {}
+
+    def rmm_stream(s: int) -> Any:
+        if s not in streams:
+            streams[s] = rmm.pylibrmm.stream.DEFAULT_STREAM if s == 0 else rmm.pylibrmm.stream.Stream()
+        return streams[s]
+
+    live: dict[int, Any] = {}
+    mismatches = 0
+    kinds, ids, sizes, trace_streams = trace.as_lists()
+    t0 = time.perf_counter()
+    for kind, aid, nbytes, s in zip(kinds, ids, sizes, trace_streams):
+        if kind == 0:
+            buf = rmm.DeviceBuffer(size=nbytes, stream=rmm_stream(s), mr=mr)
+            if stamp and nbytes >= 8:
+                stream = cupy.cuda.ExternalStream(buf.stream.__cuda_stream__()[1])
+                view = cupy.ndarray((1,), np.int64, cupy.cuda.MemoryPointer(
+                    cupy.cuda.UnownedMemory(buf.ptr, 8, buf), 0))
+                with stream:
+                    view.fill(aid)
+                del view        # the view keeps the buffer alive: only the trace's free may end it
+            live[aid] = buf
+        else:
+            buf = live.pop(aid, None)
+            if buf is None:
+                continue
+            if stamp and buf.size >= 8:
+                stream = cupy.cuda.ExternalStream(buf.stream.__cuda_stream__()[1])
+                view = cupy.ndarray((1,), np.int64, cupy.cuda.MemoryPointer(
+                    cupy.cuda.UnownedMemory(buf.ptr, 8, buf), 0))
+                with stream:
+                    got = int(view.get(stream=stream)[0])
+                mismatches += got != aid
+                del view
+            del buf
+    elapsed_s = time.perf_counter() - t0
+    live.clear()
+    cupy.cuda.runtime.deviceSynchronize()
+    return {"us_per_op": 1e6 * elapsed_s / max(1, len(kinds)), "stamp_mismatches": mismatches}
+
+
+def child_replay(trace_name: str, resource: str) -> dict[str, Any]:
+    import rmm
+
+    from gpumem.trace import load_trace
+
+    trace = load_trace(TRACES_DIR / trace_name)
+    out: dict[str, Any] = {"trace": trace_name, "resource": resource, "ops": int(trace.n_ops),
+                           "peak_live_nbytes": int(trace.summary().peak_live_nbytes)}
+    if resource == "gpumem":
+        import gpumem.rmm_resource as grr
+
+        mr = grr.install(0)
+        out["resource_repr"] = repr(mr)
+        timed = _replay(trace, rmm, mr, stamp=False)
+        peaks = mr.allocator.peaks()
+        checked = _replay(trace, rmm, mr, stamp=True)
+        check = mr.check()
+        out.update(us_per_op=timed["us_per_op"], stamp_mismatches=checked["stamp_mismatches"],
+                   peak_reserved_nbytes=int(peaks["peak_reserved_nbytes"]),
+                   peak_allocated_nbytes=int(peaks["peak_allocated_nbytes"]), device_calls=int(peaks["device_calls"]),
+                   consistent=check.ok, problems=list(check.problems), allocated_nbytes_at_end=check.allocated_nbytes,
+                   reserved_nbytes_at_end=check.reserved_nbytes)
+    else:
+        mr = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(), initial_pool_size=0)
+        rmm.mr.set_per_device_resource(0, mr)
+        timed = _replay(trace, rmm, mr, stamp=False)
+        out.update(us_per_op=timed["us_per_op"], peak_reserved_nbytes=int(mr.pool_size()))
+    return out
+
+
+def _computation(cupy: Any) -> dict[str, Any]:
+    """One CuPy computation with shapes that change; returns its results as host arrays."""
+    import numpy as np
+
+    rng = np.random.default_rng(19)
+    a = cupy.asarray(rng.standard_normal((1024, 768), dtype=np.float32))
+    b = cupy.asarray(rng.standard_normal((768, 512), dtype=np.float32))
+    v = cupy.asarray(rng.standard_normal(1 << 22))
+    out = {"matmul": (a @ b).get(), "rfft": cupy.fft.rfft(v).get(), "sort": cupy.sort(v).get(),
+           "sum": float(cupy.sum(v * v)), "cumsum": cupy.cumsum(v[: 1 << 16]).get()}
+    churn = []
+    for i in range(200):
+        n = int(rng.integers(1, 1 << 20))
+        x = cupy.arange(n, dtype=cupy.float64) * (i + 1)
+        churn.append(float(x.sum()))
+    out["churn"] = np.asarray(churn)
+    return out
+
+
+def child_cupy() -> dict[str, Any]:
+    import cupy
+    import numpy as np
+    import rmm
+    from rmm.allocators.cupy import rmm_cupy_allocator
+
+    import gpumem.rmm_resource as grr
+
+    plans = cupy.fft.config.get_plan_cache()
+    plans.set_size(0)   # no cuFFT plan (a work area from the first allocator) outlives its call
+    reference = _computation(cupy)          # CuPy's own pool
+    cupy.get_default_memory_pool().free_all_blocks()
+    mr = grr.install(0)
+    before = mr.allocator.peaks()["num_allocs"]
+    cupy.cuda.set_allocator(rmm_cupy_allocator)
+    try:
+        ours = _computation(cupy)
+    finally:
+        cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)
+    cupy.cuda.runtime.deviceSynchronize()
+    allocations = mr.allocator.peaks()["num_allocs"] - before
+    identical = {k: bool(np.array_equal(np.asarray(reference[k]), np.asarray(ours[k]))) for k in reference}
+    check = mr.check()
+    return {"case": "cupy", "rmm": rmm.__version__, "cupy": cupy.__version__,
+            "allocations_through_gpumem": int(allocations), "identical": identical,
+            "consistent": check.ok, "problems": list(check.problems),
+            "allocated_nbytes_at_end": check.allocated_nbytes}
+
+
+def _run_child(args: list[str], timeout_s: float) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "hil.probes.rmm_resource", "--child", *args],
+                          capture_output=True, text=True, timeout=timeout_s)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise ProbeError(f"{' '.join(args)}: exit {proc.returncode}: {proc.stderr.strip()[-800:]}")
+    return json.loads(lines[-1])
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for dist in ("rmm-cu13", "librmm-cu13", "rapids-logger", "cuda-bindings", "cupy-cuda13x", "numpy"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = "absent"
+    return out
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hil.probes.rmm_resource", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="folder for rmm-resource.json")
+    ap.add_argument("--traces", default=",".join(DEFAULT_TRACES), help="trace files of data/traces, comma-separated")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per case")
+    ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    ns = ap.parse_args(argv)
+    if ns.child:
+        result = child_cupy() if ns.child[0] == "cupy" else child_replay(ns.child[1], ns.child[2])
+        print(json.dumps(result))
+        return 0
+    record: dict[str, Any] = {"versions": versions(), "replays": [], "cupy": None, "errors": []}
+    for name in [t for t in ns.traces.split(",") if t]:
+        for resource in RESOURCES:
+            try:
+                record["replays"].append(_run_child(["replay", name, resource], ns.timeout))
+            except (ProbeError, subprocess.TimeoutExpired) as exc:
+                record["errors"].append(str(exc))
+    try:
+        record["cupy"] = _run_child(["cupy"], ns.timeout)
+    except (ProbeError, subprocess.TimeoutExpired) as exc:
+        record["errors"].append(str(exc))
+    print(f"{'trace':44} {'resource':8} {'us/op':>7} {'peak held MiB':>14} {'peak live MiB':>14} consistent stamps")
+    for r in record["replays"]:
+        print(f"{r['trace']:44} {r['resource']:8} {r['us_per_op']:7.2f} {r['peak_reserved_nbytes'] / 2**20:14.1f} "
+              f"{r['peak_live_nbytes'] / 2**20:14.1f} {r.get('consistent', '-')!s:10} {r.get('stamp_mismatches', '-')}")
+    print("cupy:", json.dumps(record["cupy"]))
+    for e in record["errors"]:
+        print("ERROR:", e)
+    if ns.out:
+        ns.out.mkdir(parents=True, exist_ok=True)
+        (ns.out / "rmm-resource.json").write_text(json.dumps(record, indent=1))
+    return 1 if record["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -39,9 +39,8 @@ import threading
 from typing import Any, Callable, Iterator, Union
 
 from .allocator import CachingAllocator
-from .allocator.policy import DEFAULT_POLICY, AllocatorPolicy
+from .allocator.policy import DEFAULT_POLICY, AllocatorPolicy, get_policy
 from .errors import BackendUnavailableError, InternalError, OutOfMemoryError
-from .native import cuda_allocator
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +169,26 @@ def _engine_module() -> Any:
     from .native import native_module
 
     return native_module()
+
+
+def cuda_allocator(device: int, policy: Any = None) -> Any:
+    """The native engine of CUDA device ``device`` over the driver, ``gpumem._engine.CudaAllocator(device)``:
+    one per device and process, shared by :mod:`gpumem.torch`, the CuPy hook
+    (this module) and the RMM resource (:mod:`gpumem.rmm_resource`).
+
+    A ``policy`` (name or :class:`~gpumem.allocator.policy.AllocatorPolicy`) other than the default is given
+    to the engines made from now on (:func:`gpumem.torch.configure`): an engine already made keeps its policy.
+
+    Raises:
+        BackendUnavailableError: the native engine is not built.
+        InvalidArgumentError: a policy the engine refuses, or a bad device.
+    """
+    module = _engine_module()
+    if policy is not None and get_policy(policy).name != get_policy(DEFAULT_POLICY).name:
+        from .torch import configure
+
+        configure(policy)
+    return module.CudaAllocator(int(device))
 
 
 def native_hook() -> Any:

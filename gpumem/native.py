@@ -22,11 +22,10 @@ import logging
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 from .errors import BackendUnavailableError
 
-__all__ = ["engine", "load_engine", "native_module", "library_path", "cuda_allocator", "NativeEngineWarning"]
+__all__ = ["engine", "load_engine", "native_module", "library_path", "NativeEngineWarning"]
 
 log = logging.getLogger(__name__)
 
@@ -101,25 +100,3 @@ def library_path() -> str:
     if not path or not Path(path).is_file():
         raise BackendUnavailableError(f"gpumem's native engine has no library file ({path!r})")
     return str(Path(path).resolve())
-
-
-def cuda_allocator(device: int, policy: Any = None) -> Any:
-    """The native engine of CUDA device ``device`` over the driver, ``gpumem._engine.CudaAllocator(device)``:
-    one per device and process, shared by :mod:`gpumem.torch`, the CuPy hook
-    (:mod:`gpumem.cupy_allocator`) and the RMM resource (:mod:`gpumem.rmm_resource`).
-
-    A ``policy`` (name or :class:`~gpumem.allocator.policy.AllocatorPolicy`) other than the default is given
-    to the engines made from now on (:func:`gpumem.torch.configure`): an engine already made keeps its policy.
-
-    Raises:
-        BackendUnavailableError: the native engine is not built.
-        InvalidArgumentError: a policy the engine refuses, or a bad device.
-    """
-    from .allocator.policy import DEFAULT_POLICY, get_policy
-
-    module = native_module()
-    if policy is not None and get_policy(policy).name != get_policy(DEFAULT_POLICY).name:
-        from .torch import configure
-
-        configure(policy)
-    return module.CudaAllocator(int(device))

@@ -48,7 +48,7 @@ from typing import Any, Iterator
 
 from .allocator import CachingAllocator
 from .allocator.policy import DEFAULT_POLICY, AllocatorPolicy
-from .cupy_allocator import PER_THREAD_STREAM, DeviceCheck, device_check
+from .cupy_allocator import PER_THREAD_STREAM, DeviceCheck, cuda_allocator, device_check
 from .errors import BackendUnavailableError, CudaError, InternalError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ def make_resource(device: int | None = None, policy: str | AllocatorPolicy | Non
     (default: the current CUDA device).
 
     With no ``allocator``: the device's native engine over the driver where gpumem's engine is built
-    (:func:`gpumem.native.cuda_allocator`; a ``policy`` other than the default is given to the engines
+    (:func:`gpumem.cupy_allocator.cuda_allocator`; a ``policy`` other than the default is given to the engines
     made from now on), else a :class:`~gpumem.allocator.CachingAllocator` over gpumem's Python CUDA adapter
     with ``policy``. Given an ``allocator`` (any gpumem allocator: ``allocate(nbytes, stream)``, ``free``,
     ``record_stream``, ``block_size``), the resource allocates through it.
@@ -198,7 +198,7 @@ def make_resource(device: int | None = None, policy: str | AllocatorPolicy | Non
     if dev < 0:
         raise InvalidArgumentError(f"device must be a CUDA device index >= 0, got {dev}")
     if allocator is None:
-        from .native import cuda_allocator, engine
+        from .native import engine
 
         if engine() == "native":
             allocator = cuda_allocator(dev, policy)

@@ -85,12 +85,13 @@ def _replay(trace: Any, rmm: Any, mr: Any, stamp: bool) -> dict[str, Any]:
     return {"us_per_op": 1e6 * elapsed_s / max(1, len(kinds)), "stamp_mismatches": mismatches}
 
 
-def child_replay(trace_name: str, resource: str) -> dict[str, Any]:
+def child_replay(trace_path: str, resource: str) -> dict[str, Any]:
     import rmm
 
     from gpumem.trace import load_trace
 
-    trace = load_trace(TRACES_DIR / trace_name)
+    trace_name = Path(trace_path).name
+    trace = load_trace(trace_path)
     out: dict[str, Any] = {"trace": trace_name, "resource": resource, "ops": int(trace.n_ops),
                            "peak_live_nbytes": int(trace.summary().peak_live_nbytes)}
     if resource == "gpumem":
@@ -188,6 +189,7 @@ def main(argv: "list[str] | None" = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hil.probes.rmm_resource", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="folder for rmm-resource.json")
     ap.add_argument("--traces", default=",".join(DEFAULT_TRACES), help="trace files of data/traces, comma-separated")
+    ap.add_argument("--traces-dir", type=Path, default=TRACES_DIR, help="the folder of the traces (default: data/traces)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per case")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
@@ -199,7 +201,7 @@ def main(argv: "list[str] | None" = None) -> int:
     for name in [t for t in ns.traces.split(",") if t]:
         for resource in RESOURCES:
             try:
-                record["replays"].append(_run_child(["replay", name, resource], ns.timeout))
+                record["replays"].append(_run_child(["replay", str(ns.traces_dir / name), resource], ns.timeout))
             except (ProbeError, subprocess.TimeoutExpired) as exc:
                 record["errors"].append(str(exc))
     try:

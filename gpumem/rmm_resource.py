@@ -98,7 +98,7 @@ def _current_device() -> int:
 
     err, device = runtime.cudaGetDevice()
     if err != runtime.cudaError_t.cudaSuccess:
-        raise CudaError(f"cudaGetDevice failed: {err.name}")
+        raise CudaError("cudaGetDevice", err.name)
     return int(device)
 
 

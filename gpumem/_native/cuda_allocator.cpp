@@ -54,11 +54,26 @@ PyObject* error_class(const char* name) {
     return cls;
 }
 
+// Raises gpumem.errors.<name>(msg). CudaError takes (call, error_name): a message "<call> failed: <name>"
+// (CudaBackend's) is split there. PyErr_SetString would defer the construction to the handler, where
+// CudaError(msg) fails with a TypeError that hides the CUDA error (seen under RMM on the H200).
 void raise_as(const char* name, const std::string& msg) {
     PyObject* cls = error_class(name);
     if (!cls) return;
-    PyErr_SetString(cls, msg.c_str());
+    PyObject* err = nullptr;
+    if (std::strcmp(name, "CudaError") == 0) {
+        const std::string sep = " failed: ";
+        const std::size_t cut = msg.rfind(sep);
+        const std::string call = cut == std::string::npos ? msg : msg.substr(0, cut);
+        const std::string error_name = cut == std::string::npos ? "CUDA error" : msg.substr(cut + sep.size());
+        err = PyObject_CallFunction(cls, "ss", call.c_str(), error_name.c_str());
+    } else {
+        err = PyObject_CallFunction(cls, "s", msg.c_str());
+    }
     Py_DECREF(cls);
+    if (!err) return;   // the construction's own exception is set
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err)), err);
+    Py_DECREF(err);
 }
 
 // Turns the C++ exception being handled into a gpumem.errors exception.

@@ -12,7 +12,9 @@ device and process):
   (initial size 0: it grows as needed, by at least its size so far, and never shrinks);
 * ``cupy`` - one CuPy computation (matmul, FFT, sort, reductions, shapes changing in a loop) under CuPy's
   pool, then under ``rmm.allocators.cupy.rmm_cupy_allocator`` with gpumem the device's RMM resource: the
-  results must be bit-identical, and CuPy must have allocated through gpumem.
+  results must be bit-identical, and CuPy must have allocated through gpumem;
+* ``stream_lifetime`` - a block freed on a stream that is then destroyed, its memory needed by another
+  stream: what the engine does (Note [Streams outlive the engine's use of them] in gpumem/rmm_resource.py).
 
 Run on the GPU from the checkout's root: ``python -m hil.probes.rmm_resource --out DIR [--traces a,b]``;
 it writes ``DIR/rmm-resource.json`` and prints a table.
@@ -38,47 +40,43 @@ class ProbeError(Exception):
     """A case that did not give its figures (said in one line)."""
 
 
-def _replay(trace: Any, rmm: Any, mr: Any, stamp: bool) -> dict[str, Any]:
-    """Replay ``trace`` as DeviceBuffers on ``mr``; with ``stamp``, write each buffer's id into it on its
-    stream and check it when freed. Returns the wall time per op and the stamp mismatches."""
+def _replay(trace: Any, rmm: Any, mr: Any, stamp: bool, streams: dict[int, Any]) -> dict[str, Any]:
+    """Replay ``trace`` as DeviceBuffers on ``mr``, an RMM stream per trace stream (kept in ``streams``,
+    which the caller keeps alive: Note [Streams outlive the engine's use of them] in gpumem/rmm_resource.py);
+    with ``stamp``, write each buffer's id into it on its stream and check it when freed. Returns the wall
+    time per op and the stamp mismatches."""
     import cupy
     import numpy as np
-
-    streams: dict[int, Any] = {}
 
     def rmm_stream(s: int) -> Any:
         if s not in streams:
             streams[s] = rmm.pylibrmm.stream.DEFAULT_STREAM if s == 0 else rmm.pylibrmm.stream.Stream()
         return streams[s]
 
-    live: dict[int, Any] = {}
+    def first_word(buf: Any) -> Any:
+        return cupy.ndarray((1,), np.int64, cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(buf.ptr, 8, buf), 0))
+
+    live: dict[int, tuple[Any, Any]] = {}
     mismatches = 0
     kinds, ids, sizes, trace_streams = trace.as_lists()
     t0 = time.perf_counter()
     for kind, aid, nbytes, s in zip(kinds, ids, sizes, trace_streams):
         if kind == 0:
-            buf = rmm.DeviceBuffer(size=nbytes, stream=rmm_stream(s), mr=mr)
+            stream = rmm_stream(s)
+            buf = rmm.DeviceBuffer(size=nbytes, stream=stream, mr=mr)
             if stamp and nbytes >= 8:
-                stream = cupy.cuda.ExternalStream(buf.stream.__cuda_stream__()[1])
-                view = cupy.ndarray((1,), np.int64, cupy.cuda.MemoryPointer(
-                    cupy.cuda.UnownedMemory(buf.ptr, 8, buf), 0))
-                with stream:
-                    view.fill(aid)
-                del view        # the view keeps the buffer alive: only the trace's free may end it
-            live[aid] = buf
+                with cupy.cuda.ExternalStream(stream.__cuda_stream__()[1]):
+                    first_word(buf).fill(aid)
+            live[aid] = (buf, stream)
         else:
-            buf = live.pop(aid, None)
-            if buf is None:
+            entry = live.pop(aid, None)
+            if entry is None:
                 continue
+            buf, stream = entry
             if stamp and buf.size >= 8:
-                stream = cupy.cuda.ExternalStream(buf.stream.__cuda_stream__()[1])
-                view = cupy.ndarray((1,), np.int64, cupy.cuda.MemoryPointer(
-                    cupy.cuda.UnownedMemory(buf.ptr, 8, buf), 0))
-                with stream:
-                    got = int(view.get(stream=stream)[0])
-                mismatches += got != aid
-                del view
-            del buf
+                cs = cupy.cuda.ExternalStream(stream.__cuda_stream__()[1])
+                mismatches += int(first_word(buf).get(stream=cs)[0]) != aid
+            del buf, entry
     elapsed_s = time.perf_counter() - t0
     live.clear()
     cupy.cuda.runtime.deviceSynchronize()
@@ -99,9 +97,10 @@ def child_replay(trace_path: str, resource: str) -> dict[str, Any]:
 
         mr = grr.install(0)
         out["resource_repr"] = repr(mr)
-        timed = _replay(trace, rmm, mr, stamp=False)
+        streams: dict[int, Any] = {}
+        timed = _replay(trace, rmm, mr, False, streams)
         peaks = mr.allocator.peaks()
-        checked = _replay(trace, rmm, mr, stamp=True)
+        checked = _replay(trace, rmm, mr, True, streams)
         check = mr.check()
         out.update(us_per_op=timed["us_per_op"], stamp_mismatches=checked["stamp_mismatches"],
                    peak_reserved_nbytes=int(peaks["peak_reserved_nbytes"]),
@@ -111,7 +110,7 @@ def child_replay(trace_path: str, resource: str) -> dict[str, Any]:
     else:
         mr = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(), initial_pool_size=0)
         rmm.mr.set_per_device_resource(0, mr)
-        timed = _replay(trace, rmm, mr, stamp=False)
+        timed = _replay(trace, rmm, mr, False, {})
         out.update(us_per_op=timed["us_per_op"], peak_reserved_nbytes=int(mr.pool_size()))
     return out
 
@@ -164,6 +163,33 @@ def child_cupy() -> dict[str, Any]:
             "allocated_nbytes_at_end": check.allocated_nbytes}
 
 
+def child_stream_lifetime() -> dict[str, Any]:
+    """What happens when a stream that RMM freed a block on is destroyed while gpumem still caches the block,
+    and another stream then needs that memory (Note [Streams outlive the engine's use of them])."""
+    import gc
+
+    import rmm
+
+    import gpumem.rmm_resource as grr
+
+    mr = grr.install(0)
+    nbytes = 64 << 20
+    stream = rmm.pylibrmm.stream.Stream()
+    ptr = mr.allocate(nbytes, stream)
+    mr.deallocate(ptr, nbytes, stream)
+    del stream
+    gc.collect()                       # the CUDA stream is destroyed; gpumem caches the block freed on it
+    try:
+        again = mr.allocate(nbytes)    # on the default stream: the same memory, if the engine reuses it
+        mr.deallocate(again, nbytes)
+        released = mr.allocator.empty_cache()
+        outcome = f"no error (reused the block: {again == ptr}; empty_cache released {released} B)"
+    except Exception as exc:  # noqa: BLE001 - the outcome is the record
+        outcome = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+    check = mr.check()
+    return {"case": "stream_lifetime", "outcome": outcome, "consistent": check.ok, "problems": list(check.problems)}
+
+
 def _run_child(args: list[str], timeout_s: float) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, "-m", "hil.probes.rmm_resource", "--child", *args],
                           capture_output=True, text=True, timeout=timeout_s)
@@ -194,25 +220,33 @@ def main(argv: "list[str] | None" = None) -> int:
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
     if ns.child:
-        result = child_cupy() if ns.child[0] == "cupy" else child_replay(ns.child[1], ns.child[2])
+        if ns.child[0] == "cupy":
+            result = child_cupy()
+        elif ns.child[0] == "stream_lifetime":
+            result = child_stream_lifetime()
+        else:
+            result = child_replay(ns.child[1], ns.child[2])
         print(json.dumps(result))
         return 0
-    record: dict[str, Any] = {"versions": versions(), "replays": [], "cupy": None, "errors": []}
+    record: dict[str, Any] = {"versions": versions(), "replays": [], "cupy": None, "stream_lifetime": None,
+                              "errors": []}
     for name in [t for t in ns.traces.split(",") if t]:
         for resource in RESOURCES:
             try:
                 record["replays"].append(_run_child(["replay", str(ns.traces_dir / name), resource], ns.timeout))
             except (ProbeError, subprocess.TimeoutExpired) as exc:
                 record["errors"].append(str(exc))
-    try:
-        record["cupy"] = _run_child(["cupy"], ns.timeout)
-    except (ProbeError, subprocess.TimeoutExpired) as exc:
-        record["errors"].append(str(exc))
+    for case in ("cupy", "stream_lifetime"):
+        try:
+            record[case] = _run_child([case], ns.timeout)
+        except (ProbeError, subprocess.TimeoutExpired) as exc:
+            record["errors"].append(str(exc))
     print(f"{'trace':44} {'resource':8} {'us/op':>7} {'peak held MiB':>14} {'peak live MiB':>14} consistent stamps")
     for r in record["replays"]:
         print(f"{r['trace']:44} {r['resource']:8} {r['us_per_op']:7.2f} {r['peak_reserved_nbytes'] / 2**20:14.1f} "
               f"{r['peak_live_nbytes'] / 2**20:14.1f} {r.get('consistent', '-')!s:10} {r.get('stamp_mismatches', '-')}")
     print("cupy:", json.dumps(record["cupy"]))
+    print("stream_lifetime:", json.dumps(record["stream_lifetime"]))
     for e in record["errors"]:
         print("ERROR:", e)
     if ns.out:

@@ -36,6 +36,15 @@ surfaces as a ``SystemError`` of an unrelated later call. A deallocate gpumem re
 did not hand out, a size larger than the block) is therefore logged, counted, and kept in the
 resource's :attr:`~GpumemResource.problems`, which :meth:`GpumemResource.check` reports as
 inconsistencies; the allocator's state is left unchanged.
+
+Note [Streams outlive the engine's use of them]: the native engine fences pages lazily: a page a stream
+used is only marked, and the event on that stream is recorded when the page is needed by another stream
+or given back (``fence_page`` in ``gpumem/_native/engine.cpp``), which keeps frees cheap. So a stream on
+which RMM allocated or freed a block must stay alive while gpumem may still cache that block: RMM's
+default streams and RAPIDS's stream pools live as long as the process; a program that destroys a stream
+of its own calls ``resource.allocator.empty_cache()`` first (the pages go back to the device, fenced while
+the stream lives). On the H200, what a destroyed stream did is in the record
+(``reports/hil/rmm-resource-h200-2026-11-25.md``, case ``stream_lifetime``).
 """
 
 from __future__ import annotations

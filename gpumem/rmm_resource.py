@@ -66,7 +66,7 @@ __all__ = ["make_resource", "install", "using", "installed_resource", "resource_
 
 #: What to install when RMM is missing.
 RMM_MISSING = ("RMM is not installed: pip install rmm-cu13 (CUDA 13) or rmm-cu12 (CUDA 12); "
-               "gpumem.rmm_resource needs RMM 25.10 or later (its callbacks receive the stream)")
+               "gpumem.rmm_resource is tested with RMM 26.10, whose callbacks receive the stream")
 
 #: Refused deallocations a resource keeps the words of (their count is kept in full).
 MAX_PROBLEMS_KEPT = 20

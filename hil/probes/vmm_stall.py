@@ -17,7 +17,9 @@ the allocator's steal), ``create``, ``release``, ``reserve``, ``address_free``, 
 
 A second part asks whether the GPU pauses while page tables change: a kernel of fixed work (passes
 over a 1 GiB buffer) is timed by events alone and with steals made as fast as the CPU can while it
-runs (``pause`` in the JSON).
+runs (``pause`` in the JSON). A third (``--interleave N``) queues N short kernels with VMM calls made
+between their launches, as an allocator makes them, and compares the queue's GPU time with and without
+the calls (``interleave``): a pause between kernels would show there, not in the second part.
 
 Needs CuPy (the kernels, streams, events) and cuda-bindings (the driver calls)::
 
@@ -273,6 +275,66 @@ class Probe:
                 "kernel_alone_ms": [round(v, 3) for v in alone],
                 "kernel_with_steals_ms": [round(v, 3) for v in stormed], "steals_during_kernel": steals}
 
+    # -- do VMM calls between launches delay the queued kernels? -----------------------------------------
+    def interleave_test(self, n_kernels: int, every: int, repeats: int) -> dict[str, Any]:
+        """``n_kernels`` short fixed-work kernels (about 30 µs each) queued back to back on one stream, the CPU
+        making VMM calls on scratch pages after every ``every``-th launch, as an allocator does between a
+        program's launches. The GPU time of the whole queue (its first to its last event) against the same
+        queue with no calls tells whether the calls cost the GPU time (a pause between kernels) or only the
+        CPU's; the queue is longer than the CPU's launches and calls, so the CPU stays ahead."""
+        import numpy as np  # noqa: PLC0415
+
+        n = 16 * MiB // 4 * 4  # 64 MiB of floats
+        x = self.cupy.zeros(n, dtype=self.cupy.float32)
+        stream = self.streams[2]
+        vmm = self.vmm
+        handle = self.mapped_page(5)
+        state = {"at": 5}
+
+        def steal() -> None:
+            vmm.unmap(self.page(state["at"]), PAGE_NBYTES)
+            state["at"] = 11 - state["at"]  # pages 5 and 6 in turn
+            vmm.map(self.page(state["at"]), PAGE_NBYTES, handle)
+            vmm.set_access(self.page(state["at"]), PAGE_NBYTES)
+
+        def unmap_map() -> None:
+            vmm.unmap(self.page(state["at"]), PAGE_NBYTES)
+            vmm.map(self.page(state["at"]), PAGE_NBYTES, handle)
+
+        def set_access() -> None:
+            vmm.set_access(self.page(state["at"]), PAGE_NBYTES)
+
+        variants: dict[str, Callable[[], None] | None] = {"none": None, "steal": steal, "unmap_map": unmap_map,
+                                                          "set_access": set_access}
+        gpu_ms: dict[str, list[float]] = {k: [] for k in variants}
+        cpu_ms: dict[str, list[float]] = {k: [] for k in variants}
+        for rep in range(repeats + 1):
+            for name, call in variants.items():
+                self.cupy.cuda.runtime.deviceSynchronize()
+                start, end = self.cupy.cuda.Event(), self.cupy.cuda.Event()
+                start.record(stream)
+                t0 = time.perf_counter_ns()
+                for k in range(n_kernels):
+                    self.sweep((264,), (1024,), (x, np.int64(n), np.int32(1)), stream=stream)
+                    if call is not None and k % every == every - 1:
+                        call()
+                t1 = time.perf_counter_ns()
+                end.record(stream)
+                pending = not self.event_done(end)
+                end.synchronize()
+                if rep == 0:
+                    continue  # warm-up
+                if not pending:
+                    log.warning("interleave %s: the queue drained before the CPU finished launching", name)
+                gpu_ms[name].append(self.cupy.cuda.get_elapsed_time(start, end))
+                cpu_ms[name].append((t1 - t0) / 1e6)
+        self.drop(state["at"], handle)
+        del x
+        return {"n_kernels": n_kernels, "calls_every": every, "n_call_groups": n_kernels // every,
+                "gpu_median_ms": {k: round(statistics.median(v), 3) for k, v in gpu_ms.items()},
+                "cpu_launch_median_ms": {k: round(statistics.median(v), 3) for k, v in cpu_ms.items()},
+                "gpu_ms": gpu_ms, "cpu_launch_ms": cpu_ms}
+
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of the summaries."""
@@ -292,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queues", default=",".join(QUEUES), help=f"comma list of {', '.join(QUEUES)}")
     parser.add_argument("--calls", default=",".join(CALLS), help="comma list of the calls to time (default: all)")
     parser.add_argument("--no-pause-test", action="store_true", help="skip the fixed-work kernel test")
+    parser.add_argument("--interleave", type=int, default=0, metavar="N",
+                        help="also queue N short kernels with VMM calls between launches (0: skip)")
+    parser.add_argument("--interleave-every", type=int, default=10, metavar="K",
+                        help="the calls come after every K-th launch (default 10)")
     parser.add_argument("--device", type=int, default=0, help="CUDA ordinal (default 0)")
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args(argv)
@@ -325,12 +391,18 @@ def main(argv: list[str] | None = None) -> int:
                               "raw": [dataclasses.asdict(t) for t in timings]}
     if not args.no_pause_test:
         result["pause"] = probe.pause_test(max(5, args.repeats // 2))
+    if args.interleave:
+        result["interleave"] = probe.interleave_test(args.interleave, args.interleave_every, 5)
     probe.close()
     print(table(rows))
     if "pause" in result:
         p = result["pause"]
         print(f"\nfixed-work kernel: alone {p['kernel_alone_median_ms']} ms, with steals "
               f"{p['kernel_with_steals_median_ms']} ms ({p['steals_during_kernel_median']} steals during it)")
+    if "interleave" in result:
+        q = result["interleave"]
+        print(f"\n{q['n_kernels']} short kernels, calls after every {q['calls_every']}th launch: GPU ms "
+              f"{q['gpu_median_ms']}, CPU launch ms {q['cpu_launch_median_ms']}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)

@@ -24,6 +24,7 @@ the calls (``interleave``): a pause between kernels would show there, not in the
 Needs CuPy (the kernels, streams, events) and cuda-bindings (the driver calls)::
 
     python -m hil.probes.vmm_stall --repeats 25 --json build/vmm-stall.json
+    python -m hil.probes.vmm_stall --held-mappings 3000 --interleave 3000 --json build/vmm-stall-3000.json
 """
 
 from __future__ import annotations
@@ -120,11 +121,32 @@ class Probe:
         self.spin = module.get_function("spin")
         self.sweep = module.get_function("sweep")
         self.streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(3)]
+        self.held_va = 0
+        self.held_nbytes = 0
+
+    def hold_mappings(self, count: int) -> None:
+        """Map ``count`` more 2 MiB chunks, each its own mapping, in a reservation of their own, and keep them
+        for the probe's life: a training run under gpumem holds thousands (run 4: 2,500-3,200), and a call's
+        cost may grow with them."""
+        if count <= 0:
+            return
+        nbytes = count * PAGE_NBYTES
+        self.held_va = self.vmm.address_reserve(nbytes, PAGE_NBYTES)
+        self.held_nbytes = nbytes
+        for i in range(count):
+            handle = self.vmm.create(PAGE_NBYTES)
+            self.vmm.map(self.held_va + i * PAGE_NBYTES, PAGE_NBYTES, handle)
+            self.vmm.release(handle)  # the memory stays until it is unmapped
+        self.vmm.set_access(self.held_va, nbytes)
 
     def close(self) -> None:
-        """Give the scratch reservation back."""
+        """Give the scratch reservation (and the held mappings) back."""
         self.cupy.cuda.runtime.deviceSynchronize()
         self.vmm.address_free(self.va, self.range_nbytes)
+        if self.held_nbytes:
+            for i in range(self.held_nbytes // PAGE_NBYTES):
+                self.vmm.unmap(self.held_va + i * PAGE_NBYTES, PAGE_NBYTES)
+            self.vmm.address_free(self.held_va, self.held_nbytes)
 
     # -- pages -----------------------------------------------------------------------------------------
     def page(self, index: int) -> int:
@@ -358,15 +380,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="also queue N short kernels with VMM calls between launches (0: skip)")
     parser.add_argument("--interleave-every", type=int, default=10, metavar="K",
                         help="the calls come after every K-th launch (default 10)")
+    parser.add_argument("--held-mappings", type=int, default=0, metavar="N",
+                        help="map N more 2 MiB chunks (each its own mapping) before timing, as a training run "
+                             "holds thousands (default 0)")
     parser.add_argument("--device", type=int, default=0, help="CUDA ordinal (default 0)")
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args(argv)
     queues = [q for q in args.queues.split(",") if q]
     calls = [c for c in args.calls.split(",") if c]
     bad = [q for q in queues if q not in QUEUES] + [c for c in calls if c not in CALLS]
-    if bad or args.repeats < 1 or args.spin_ms <= 2.5:
-        parser.error(f"unknown queue or call {bad}, or --repeats < 1, or --spin-ms <= 2.5 (the probe waits "
-                     f"2 ms after the launch)" if bad else "--repeats must be >= 1 and --spin-ms > 2.5")
+    if bad:
+        parser.error(f"unknown queue or call: {', '.join(bad)} (queues: {', '.join(QUEUES)}; calls: {', '.join(CALLS)})")
+    if args.repeats < 1 or args.spin_ms <= 2.5:
+        parser.error("--repeats must be >= 1 and --spin-ms > 2.5 (the probe waits 2 ms after the launch)")
+    if args.held_mappings < 0 or args.interleave < 0 or args.interleave_every < 1:
+        parser.error("--held-mappings and --interleave must be >= 0, --interleave-every >= 1")
     try:
         import cupy  # noqa: PLC0415 - a real-GPU probe
         from cuda.bindings import driver  # noqa: PLC0415
@@ -375,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
               f"pip install \"gpumem[cuda13]\"", file=sys.stderr)
         return 2
     probe = Probe(cupy, driver, args.device, args.spin_ms)
+    probe.hold_mappings(args.held_mappings)
     timings: list[CallTiming] = []
     for queue in queues:
         for call in calls:
@@ -387,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [t.summary() for t in timings]
     result: dict[str, Any] = {"device": cupy.cuda.runtime.getDeviceProperties(args.device)["name"].decode(),
                               "driver_version": int(driver.cuDriverGetVersion()[1]), "spin_ms": args.spin_ms,
+                              "held_mappings": args.held_mappings,
                               "repeats": args.repeats, "rows": rows,
                               "raw": [dataclasses.asdict(t) for t in timings]}
     if not args.no_pause_test:

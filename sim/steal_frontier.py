@@ -12,7 +12,12 @@ driver memory and event calls per timed step (the calls of the whole trace less 
 fifth, the 20 warm-up steps of 100: growth is done by then), and the step time those calls cost at
 ``--us-per-call`` (default 40, the live figure) as a share of PyTorch's step time in run 2.
 
+With ``--corpus`` it replays instead every trace of ``data/traces`` (tuning part, then check part) under
+the default policy and the memory-first setting C, with the calls of each trace's second half (after
+growth, as steps repeat) per thousand operations there.
+
     python -m sim.steal_frontier [--traces gpt2 resnet50] [--json build/frontier.json]
+    python -m sim.steal_frontier --corpus [--json build/frontier-corpus.json]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from gpumem.allocator.policy import POLICIES, AllocatorPolicy
 from gpumem.progress import progress
 from gpumem.replay import replay_trace
 from gpumem.trace import load_trace
+from gpumem.trace.corpus import CorpusPart, corpus_traces
 
 RUN2 = Path("reports/hil/live-h200-2026-11-25-run2")
 #: the live traces of run 2 (20 warm-up + 80 timed steps each) and the step time of PyTorch's allocator there (ms)
@@ -47,12 +53,46 @@ def settings() -> list[AllocatorPolicy]:
     return out
 
 
+def corpus_rows() -> list[dict]:
+    """The default policy and setting C on every corpus trace: overhead, and driver and event calls per
+    thousand operations of the trace's second half."""
+    pols = [dataclasses.replace(POLICIES["gpumem"], name="default"),
+            dataclasses.replace(POLICIES["gpumem"], name="C", chunk_max_fraction=1 / 1024, stream_ordered_steal=True)]
+    paths = [(part, p) for part in CorpusPart for p in corpus_traces(part)]
+    rows = []
+    with progress(len(paths) * len(pols), "replays", "replay") as bar:
+        for part, path in paths:
+            trace = load_trace(path)
+            half = trace.head(trace.n_ops // 2)
+            for pol in pols:
+                r = replay_trace(trace, "sim:h200-141gb", pol, progress=False, gpu_timing="trace")
+                h = replay_trace(half, "sim:h200-141gb", pol, progress=False, gpu_timing="trace")
+                kops = (trace.n_ops - half.n_ops) / 1e3
+                rows.append({"part": part.value, "trace": path.name.removesuffix(".gz"), "setting": pol.name,
+                             "overhead": r.overhead, "ooms": r.ooms,
+                             "calls_per_kop": (r.stats.device_calls - h.stats.device_calls) / kops,
+                             "event_calls_per_kop": (r.stats.event_calls - h.stats.event_calls) / kops})
+                bar.update(1)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim.steal_frontier", description=__doc__.splitlines()[0])
     p.add_argument("--traces", nargs="*", default=list(LIVE), choices=list(LIVE), help="live traces to replay")
     p.add_argument("--us-per-call", type=float, default=40.0, help="live cost of one driver memory call (µs)")
     p.add_argument("--json", type=Path, help="write the rows here")
+    p.add_argument("--corpus", action="store_true", help="the corpus traces under the default policy and C instead")
     args = p.parse_args(argv)
+    if args.corpus:
+        rows = corpus_rows()
+        print("| part | trace | setting | overhead | driver calls / 1k ops, second half | event calls / 1k ops |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['part']} | {r['trace']} | {r['setting']} | {r['overhead']:.2%} | {r['calls_per_kop']:.2f} | "
+                  f"{r['event_calls_per_kop']:.2f} |")
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return 0
     grid = settings()
     rows = []
     with progress(len(grid) * len(args.traces), "replays", "replay") as bar:

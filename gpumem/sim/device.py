@@ -655,22 +655,20 @@ class SimDevice(Device):
     # Note [Does a VMM call wait for the GPU?]
     # -----------------------------------------
     # CUDA does not say whether cuMemUnmap, cuMemMap, cuMemSetAccess or cuMemRelease wait for work queued on
-    # the device; PyTorch's expandable segments synchronize the stream before unmapping, as "unlike cudaFree,
-    # MemUnmap and MemRelease do not appear to synchronize in all cases". Live on the H200 a steal cost
-    # 70-290 us of step time against ~65 us of driver calls timed on an idle device, and trace-timed replays
-    # predicted a fraction of it. LatencyModel.waits_for_device names the calls that first run simulated
-    # time until every stream is idle (as _do_synchronize), then cost their idle-device cost. What a wait
-    # costs is the GPU idling after it while the CPU refills the queue. The sanitizer looks before the
-    # wait: CUDA promises no implicit synchronisation, so the allocator must not lean on one.
-    # Tested against the live records (sim/unmap_stall.py, reports/sim-unmap-stall.md): with map,
-    # set-access and unmap waiting, GPT-2 / ResNet-50 under the steal-heavy settings A and C gain 3.9 / 10.1
-    # and 3.3 / 4.0 ms per step (live 7.0 / 19.9 and 5.1 / 5.0; without waits 0.7 / 3.7 and 0.3 / 0.8), and
-    # Llama varlen, UNet, bf16 GPT-2 come closer too; but MoE gains 7.6 (live 0.1), ViT 13.5 (live 4.5),
-    # and the few-steal setting B 1.7 and 0.6 (live 1.0 and -0.3). So a drain per VMM call explains part
-    # of the cost where steals are many, and is refuted as the rule: it predicts costs live did not show,
-    # and still misses half the cost on the worst rows. Off by default: a wait also completes fences early,
-    # which changes the memory a trace-timed replay holds (gpt2_train 5.68 -> 1.87 %, llama_generate
-    # 3.45 -> 0.98 %), the figures the policy was tuned on and the tests pin.
+    # the device (PyTorch's expandable segments synchronize the stream before unmapping, as "MemUnmap and
+    # MemRelease do not appear to synchronize in all cases"). LatencyModel.waits_for_device names calls that
+    # first run simulated time until every stream is idle (as _do_synchronize), then cost their idle cost;
+    # the sanitizer looks before the wait, as CUDA promises no implicit synchronisation.
+    # Measured on the H200 (hil/probes/vmm_stall.py, reports/hil/vmm-stall-h200-2026-11-25.md): none waits.
+    # With 20 ms of work queued (one stream, a deep queue, three streams) unmap (also of the page the running
+    # kernel wrote), map, set access, create, release, reserve and free all returned before the work ended
+    # (825 of 825), costing 0-47 us more than idle; a kernel of fixed work ran as long with 586 steals made
+    # under it, and 3,000 short kernels took 0.2 % longer with 1,000 steals made between their launches.
+    # So waits_for_device stays empty by default; it remains for what-if studies (sim/unmap_stall.py,
+    # reports/sim-unmap-stall.md: a drain per call over-predicted MoE and ViT and missed half of GPT-2 C).
+    # What the live cost of steal-heavy settings is made of is still open (reports/hil/
+    # live-h200-2026-11-25-run4.md: 68-89 us per call live against ~27 us in the probe, which held a
+    # handful of mappings where training holds thousands).
     def _wait_until_idle(self) -> None:
         """A VMM call of :attr:`LatencyModel.waits_for_device`: run simulated time until no stream has
         queued or running work (Note [Does a VMM call wait for the GPU?]); counted in :attr:`stats`."""

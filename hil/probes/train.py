@@ -90,8 +90,18 @@ def _build(model_name: str, torch: Any, batch: int, seq_len: int) -> tuple[Any, 
     raise SystemExit(f"unknown model {model_name!r}; choose from {', '.join(MODELS)}")
 
 
-def run_child(model_name: str, allocator: str, steps: int, warmup: int, batch: int, seq_len: int) -> dict[str, Any]:
-    """Trains one model under one allocator in this process; returns the record."""
+def _spin(seconds: float) -> None:
+    """Keep the CPU busy for ``seconds`` (a sleep would let the launch queue drain the same way, but a
+    busy CPU is what an allocator's driver calls are)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def run_child(model_name: str, allocator: str, steps: int, warmup: int, batch: int, seq_len: int,
+              cpu_spin_ms: float = 0.0) -> dict[str, Any]:
+    """Trains one model under one allocator in this process; returns the record. ``cpu_spin_ms``: CPU time
+    added to every step (busy), to measure how much CPU time a step absorbs before it slows down."""
     if allocator == "gpumem":
         import gpumem.torch as gt
 
@@ -122,11 +132,14 @@ def run_child(model_name: str, allocator: str, steps: int, warmup: int, batch: i
             loss.backward()
             opt.step()
             losses[i] = loss.detach()
+            if cpu_spin_ms:
+                _spin(cpu_spin_ms / 1e3)
         torch.cuda.synchronize()
     elapsed_s = time.perf_counter() - t_start
     free_b, total_b = torch.cuda.mem_get_info()
     record: dict[str, Any] = {
         "model": model_name, "description": description, "allocator": allocator, "steps": steps, "warmup": warmup,
+        "cpu_spin_ms": cpu_spin_ms,
         "batch": batch, "seq_len": seq_len if model_name == "gpt2" else None,
         "losses": [float(x) for x in losses.cpu().tolist()],
         "mean_step_ms": elapsed_s / (steps - warmup) * 1e3,
@@ -245,18 +258,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpt2-seq-len", type=int, default=512)
     parser.add_argument("--resnet-batch", type=int, default=64)
     parser.add_argument("--out", default=".")
+    parser.add_argument("--cpu-spin-ms", type=float, default=0.0,
+                        help="busy CPU time added to every step (ms): how much a step absorbs before it slows")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "ALLOCATOR"), help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not 0 < args.warmup < args.steps:
         parser.error("need 0 < --warmup < --steps")
+    if not 0.0 <= args.cpu_spin_ms < 10_000.0:
+        parser.error("--cpu-spin-ms must be in [0, 10000)")
 
     def sizes(model: str) -> tuple[int, int]:
         return (args.gpt2_batch, args.gpt2_seq_len) if model == "gpt2" else (args.resnet_batch, 0)
 
     if args.child:
         model, allocator = args.child
-        record = run_child(model, allocator, args.steps, args.warmup, *sizes(model))
+        record = run_child(model, allocator, args.steps, args.warmup, *sizes(model), cpu_spin_ms=args.cpu_spin_ms)
         Path(args.child_out).write_text(json.dumps(record))
         return 0
 
@@ -276,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, "-m", "hil.probes.train", "--child", model, allocator, "--steps",
                    str(args.steps), "--warmup", str(args.warmup), "--gpt2-batch", str(args.gpt2_batch),
                    "--gpt2-seq-len", str(args.gpt2_seq_len), "--resnet-batch", str(args.resnet_batch),
-                   "--child-out", str(child_out)]
+                   "--cpu-spin-ms", str(args.cpu_spin_ms), "--child-out", str(child_out)]
             t0 = time.perf_counter()
             done = subprocess.run(cmd, env=_child_env(allocator), capture_output=True, text=True)
             wall_s = time.perf_counter() - t0

@@ -239,3 +239,22 @@ def test_a_block_with_a_pending_use_waits_for_the_using_streams_fence(engine: st
         alloc.close()
     finally:
         dev.close()
+
+
+# -- an out-of-memory error in an idle replay (the loop the uses split) ---------------------------------------
+@pytest.mark.parametrize("with_use", [False, True])
+def test_an_idle_replay_reports_the_operation_that_ran_out_of_memory(with_use: bool) -> None:
+    """Before: UnboundLocalError (the plain loop did not say which operation failed), in replay() and in
+    the report's runs alike."""
+    from gpumem.report.runs import occupancy_at, run_policy
+
+    ops = [(0, 0, 80 << 30, S_ALLOC, 0.0, 0), (0, 1, MiB, S_ALLOC, 1.0, 0), (0, 2, 80 << 30, S_ALLOC, 2.0, 0),
+           (1, 1, MiB, S_ALLOC, 3.0, 0)]
+    t = _with_uses(Trace.from_ops("too big", "gpumem", ops), (StreamUse(2, 1, S_USE),) if with_use else ())
+    for stop in (True, False):
+        r = replay_trace(t, "sim:h200-141gb", "gpumem", gpu_timing="idle", progress=False, stop_on_oom=stop)
+        assert (r.oom_op, r.completed_ops, r.ooms) == ((2, 2, 1) if stop else (2, 4, 1))
+    run = run_policy(t, "sim:h200-141gb", "gpumem", gpu_timing="idle")
+    assert run.result is not None and run.result.oom_op == 2
+    occ = occupancy_at(t, "sim:h200-141gb", "gpumem", 4, gpu_timing="idle")
+    assert occ is not None and occ.stopped_by_oom and occ.op == 2

@@ -25,6 +25,7 @@ that failed in :attr:`ReplayResult.oom_op`.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import time
@@ -134,25 +135,97 @@ def program_gpu(trace: Trace, device: Device, gpu_timing: "str | GpuTiming | Non
     return ProgramGpu(trace, device, timing, gpu_model)
 
 
+class StreamUsePlan:
+    """A trace's stream uses (:attr:`Trace.stream_uses`) as a replay loop applies them: before op ``at_op``,
+    ``record_stream(ptr, stream)`` of the block allocation ``alloc_id`` got (none for a zero-byte one).
+
+    Note [Stream uses in a replay]: a program that uses a block on another stream than the one it was
+    allocated on tells the allocator so (``record_stream``); its free then records a fence on each such
+    stream and the block is reusable only once the work queued there until the free has run (Note
+    [Streams] in :mod:`gpumem.allocator.caching`: both engines). A replay makes the same call where the
+    trace has it, so the engine keeps the block back just as live; under ``idle`` timing every fence is
+    complete when recorded, so a use changes where a freed block waits (pending until the next miss), not
+    the figures of a trace without uses, which replays exactly as before (no call is made). A use after
+    the last op is not made: no later op can see it."""
+
+    __slots__ = ("positions", "by_op", "record_stream")
+
+    def __init__(self, trace: Trace, record_stream: Any) -> None:
+        by_op: dict[int, list[tuple[int, int]]] = {}
+        for u in trace.stream_uses:
+            if u.at_op < trace.n_ops:
+                by_op.setdefault(u.at_op, []).append((u.alloc_id, u.stream))
+        self.by_op = by_op
+        self.positions = sorted(by_op)
+        self.record_stream = record_stream
+
+    def apply(self, i: int, ptrs: list[int]) -> None:
+        """Make the uses recorded before op ``i``."""
+        record = self.record_stream
+        for aid, stream in self.by_op[i]:
+            p = ptrs[aid]
+            if p:
+                record(p, stream)
+
+    def segments(self, start: int, stop: int) -> list[int]:
+        """The positions in ``[start, stop)`` where uses are made."""
+        pos = self.positions
+        return pos[bisect.bisect_left(pos, start):bisect.bisect_left(pos, stop)]
+
+
+def stream_use_plan(trace: Trace, allocator: Any) -> StreamUsePlan | None:
+    """The plan of ``trace``'s stream uses on ``allocator`` (None: the trace has none to make).
+
+    Raises:
+        InvalidArgumentError: the trace has stream uses and the allocator has no ``record_stream``
+            (the size-bucket pool).
+    """
+    if not any(u.at_op < trace.n_ops for u in trace.stream_uses):
+        return None
+    record = getattr(allocator, "record_stream", None)
+    if record is None:
+        raise InvalidArgumentError(f"{trace.name} has {len(trace.stream_uses)} stream uses (record_stream); "
+                                   f"the {type(allocator).__name__} cannot take them")
+    return StreamUsePlan(trace, record)
+
+
 def run_ops(allocate: Any, free: Any, ops: tuple[list[int], list[int], list[int], list[int]], ptrs: list[int],
-            start: int, stop: int, gpu: ProgramGpu | None = None, at: list[int] | None = None) -> None:
+            start: int, stop: int, gpu: ProgramGpu | None = None, at: list[int] | None = None,
+            uses: StreamUsePlan | None = None) -> None:
     """Operations ``start .. stop-1`` of a replay: the one loop of :func:`replay` and of the report's runs
     (:mod:`gpumem.report.runs`, which samples between chunks); with ``gpu``, beside the program's GPU work
-    (:func:`run_ops_with_gpu`, ``at[0]``: the operation being done)."""
+    (:func:`run_ops_with_gpu`, ``at[0]``: the operation being done); with ``uses``, the trace's stream
+    uses made where it has them (Note [Stream uses in a replay])."""
+    if uses is not None:
+        a = start
+        for i in uses.segments(start, stop):
+            run_ops(allocate, free, ops, ptrs, a, i, gpu, at)
+            if at is not None:
+                at[0] = i
+            uses.apply(i, ptrs)
+            a = i
+        run_ops(allocate, free, ops, ptrs, a, stop, gpu, at)
+        return
     if gpu is not None:
         run_ops_with_gpu(gpu, allocate, free, ops, ptrs, start, stop, at if at is not None else [0])
         return
     kinds, ids, sizes, streams = ops
-    for i in range(start, stop):
-        if kinds[i] == 0:
-            # a zero-byte allocation (valid in a Trace) takes no memory, as in PyTorch and CUDA; the
-            # allocator rejects nbytes=0, so it gets no pointer and its free is skipped
-            ptrs[ids[i]] = allocate(sizes[i], streams[i]) if sizes[i] else 0
-        else:
-            p = ptrs[ids[i]]
-            if p:
-                free(p)
-                ptrs[ids[i]] = 0
+    i = start
+    try:
+        for i in range(start, stop):
+            if kinds[i] == 0:
+                # a zero-byte allocation (valid in a Trace) takes no memory, as in PyTorch and CUDA; the
+                # allocator rejects nbytes=0, so it gets no pointer and its free is skipped
+                ptrs[ids[i]] = allocate(sizes[i], streams[i]) if sizes[i] else 0
+            else:
+                p = ptrs[ids[i]]
+                if p:
+                    free(p)
+                    ptrs[ids[i]] = 0
+    except BaseException:
+        if at is not None:
+            at[0] = i   # the operation that failed, for the caller's out-of-memory report
+        raise
 
 
 def run_ops_with_gpu(gpu: ProgramGpu, allocate: Any, free: Any, ops: tuple[list[int], list[int], list[int], list[int]],
@@ -192,6 +265,7 @@ def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, sto
     kinds, ids, sizes, streams = trace.as_lists()
     n = len(kinds)
     ptrs = [0] * (max(ids) + 1 if ids else 0)
+    uses = stream_use_plan(trace, allocator)
     allocate = allocator.allocate
     free = allocator.free
     device = allocator.device
@@ -201,17 +275,16 @@ def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, sto
     oom_error: OutOfMemoryError | None = None
     oom_op: int | None = None
     done = 0
-    at = [0]  # the operation the GPU-timed loop is at (for an out-of-memory error)
+    at = [0]  # the operation that failed, set by run_ops (for an out-of-memory error)
     t0 = time.perf_counter()
     try:
         while done < n:
             stop = min(done + _CHUNK_OPS, n)
             try:
-                run_ops(allocate, free, (kinds, ids, sizes, streams), ptrs, done, stop, gpu, at)
+                run_ops(allocate, free, (kinds, ids, sizes, streams), ptrs, done, stop, gpu, at, uses)
                 done = stop
             except OutOfMemoryError as exc:
-                if gpu is not None:
-                    i = at[0]
+                i = at[0]
                 ooms += 1
                 if oom_error is None:
                     oom_error, oom_op = exc, i

@@ -374,29 +374,31 @@ def stop_trace() -> None:
     _lib().gpumem_torch_trace(0)
 
 
-#: The native trace buffer's words per event: kind (0 alloc, 1 free), address, bytes, stream, ns.
+#: The native trace buffer's words per event: kind (0 alloc, 1 free, 2 stream use), address, bytes, stream, ns.
 _TRACE_WORDS = 5
 
 
 def trace_from_words(words: Any, name: str = "gpumem.torch") -> Any:
     """A :class:`~gpumem.trace.Trace` from the native trace buffer's words (5 per event: kind, address,
-    bytes, stream, nanoseconds since tracing began). Frees of blocks allocated before tracing began are
-    skipped (logged)."""
+    bytes, stream, nanoseconds since tracing began; kind 2 is a :func:`record_stream`, kept as a
+    :class:`~gpumem.trace.StreamUse`). Frees and stream uses of blocks allocated before tracing began
+    are skipped (logged)."""
     import numpy as np
 
     from .errors import TraceFormatError
-    from .trace.builder import AddressReuseError, build_trace
+    from .trace.builder import USE_CODE, AddressReuseError, build_trace
 
     arr = np.asarray(words, dtype=np.uint64)
     if arr.ndim != 1 or arr.size % _TRACE_WORDS:
         raise TraceFormatError(f"<{name}>", f"{arr.size} words is not a whole number of {_TRACE_WORDS}-word events")
     ev = arr.reshape(-1, _TRACE_WORDS)
-    if ev.size and int(ev[:, 0].max()) > 1:
-        raise TraceFormatError(f"<{name}>", f"event kind {int(ev[:, 0].max())} is neither 0 (alloc) nor 1 (free)")
+    if ev.size and int(ev[:, 0].max()) > USE_CODE:
+        raise TraceFormatError(f"<{name}>", f"event kind {int(ev[:, 0].max())} is not 0 (alloc), 1 (free) or "
+                                            f"{USE_CODE} (stream use)")
     try:
         return build_trace(name, "recorded", ev[:, 0].astype(np.int8), ev[:, 1].astype(np.int64),
                            ev[:, 2].astype(np.int64), ev[:, 3].astype(np.int64), ev[:, 4].astype(np.float64) / 1e3,
-                           origin=f"<{name}>")
+                           origin=f"<{name}>", use_code=USE_CODE)
     except AddressReuseError as e:
         raise TraceFormatError(f"<{name}>", str(e), entry=e.index) from None
 

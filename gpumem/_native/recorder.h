@@ -15,7 +15,9 @@
 // list the events that no window reads any more. A hook reads the clock before it takes the lock, so
 // an event's time may precede the one recorded ahead of it or a window's start (turned on by another
 // thread in between): it is raised to the latest of those, keeping times in list order and never before
-// their window (a trace time of 2**64 less a little, a negative history time).
+// their window (a trace time of 2**64 less a little, a negative history time). Stream uses
+// (record_stream, kStreamUse) go to the trace only (kind 2 there: a gpumem trace's StreamUse); the
+// history, which PyTorch's snapshot format reads, neither takes nor counts them, and skips them when read.
 #pragma once
 
 #include <algorithm>
@@ -36,15 +38,17 @@ struct HistoryEvent {          // mirrored by gpumem/recording.py (_HistoryEvent
     std::uint64_t stream;
     double time_us;            // since the history was turned on
     std::int32_t device;
-    std::int32_t action;       // 0 alloc, 1 free, 2 out of memory (addr 0, nbytes requested)
+    std::int32_t action;       // 0 alloc, 1 free, 2 out of memory (addr 0, nbytes requested); never 3
 };
 
 class Recorder {
   public:
-    static constexpr std::int32_t kAlloc = 0, kFree = 1, kOutOfMemory = 2;
-    // Words per event gpumem_torch_trace_read writes: kind (0 alloc, 1 free), address, bytes, stream,
-    // nanoseconds since the trace was turned on.
+    static constexpr std::int32_t kAlloc = 0, kFree = 1, kOutOfMemory = 2, kStreamUse = 3;
+    // Words per event gpumem_torch_trace_read writes: kind (0 alloc, 1 free, 2 stream use: record_stream
+    // of the allocation at the address on the stream, bytes 0), address, bytes, stream, nanoseconds since
+    // the trace was turned on.
     static constexpr std::size_t kTraceWords = 5;
+    static constexpr std::uint64_t kTraceUseKind = 2;
 
     // Whether a window is on (the hooks' one check when both are off).
     bool on() const { return any_on_.load(std::memory_order_relaxed); }
@@ -55,9 +59,10 @@ class Recorder {
     void record(std::int32_t action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream,
                 std::int64_t t_ns) noexcept {
         std::lock_guard<std::mutex> lock(mutex_);
-        const bool to_history = history_.on && taken_ < max_entries_;
+        const bool history_kind = action != kStreamUse;
+        const bool to_history = history_.on && history_kind && taken_ < max_entries_;
         const bool to_trace = trace_.on && action != kOutOfMemory;
-        if (history_.on && !to_history) ++dropped_;
+        if (history_.on && history_kind && !to_history) ++dropped_;
         if (!to_history && !to_trace) return;
         if (t_ns < last_ns_) t_ns = last_ns_;
         try {
@@ -97,10 +102,12 @@ class Recorder {
         const std::int64_t held = static_cast<std::int64_t>(taken_);
         if (out != nullptr) {
             const std::int64_t k = std::min(n, held);
-            for (std::int64_t i = 0; i < k; ++i) {
-                const Event& e = events_[history_.start + static_cast<std::size_t>(i)];
-                out[i] = HistoryEvent{e.addr, e.nbytes, e.stream, static_cast<double>(e.t_ns - history_.t0_ns) / 1000.0,
-                                      e.device, e.action};
+            std::int64_t i = 0;
+            for (std::size_t j = history_.start; i < k && j < events_.size(); ++j) {
+                const Event& e = events_[j];
+                if (e.action == kStreamUse) continue;   // the trace's only
+                out[i++] = HistoryEvent{e.addr, e.nbytes, e.stream, static_cast<double>(e.t_ns - history_.t0_ns) / 1000.0,
+                                        e.device, e.action};
             }
         }
         if (dropped != nullptr) *dropped = dropped_;
@@ -134,7 +141,8 @@ class Recorder {
             if (e.device != device || e.action == kOutOfMemory) continue;
             if (out != nullptr && have < n) {
                 const std::uint64_t nbytes = static_cast<std::int64_t>(e.nbytes) < 0 ? 0 : e.nbytes;
-                const std::uint64_t words[kTraceWords] = {static_cast<std::uint64_t>(e.action), e.addr, nbytes, e.stream,
+                const std::uint64_t kind = e.action == kStreamUse ? kTraceUseKind : static_cast<std::uint64_t>(e.action);
+                const std::uint64_t words[kTraceWords] = {kind, e.addr, nbytes, e.stream,
                                                           static_cast<std::uint64_t>(e.t_ns - trace_.t0_ns)};
                 std::memcpy(out + static_cast<std::size_t>(have) * kTraceWords, words, sizeof words);
             }

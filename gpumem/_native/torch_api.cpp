@@ -412,6 +412,7 @@ GPUMEM_EXPORT int gpumem_torch_record_stream(void* ptr, void* stream) {
         if (d == nullptr) continue;
         try {
             d->engine->record_stream(p, s);
+            record_event(Recorder::kStreamUse, i, p, 0, s);   // a StreamUse of the trace (recorder.h)
             return 0;
         } catch (const EngineError& e) {
             if (e.kind != EngineErrorKind::kInvalidPointer) {

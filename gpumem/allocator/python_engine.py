@@ -460,6 +460,8 @@ class PythonEngine:
                 if block.pending_streams is None:
                     block.pending_streams = set()
                 block.pending_streams.add(stream)
+            if self._recorder is not None:
+                self._recorder.record_stream_use(ptr, stream)
 
     def _inside_live(self, ptr: int) -> str:
         """``"; it is inside the live block at 0x..."`` when ``ptr`` points into a live block (error path only)."""

@@ -24,7 +24,7 @@ from ..allocator.backing import VirtualBacking
 from ..device import Device
 from ..errors import GpumemError, OutOfMemoryError, UnsupportedOperationError
 from ..events import MemoryEventKind
-from ..replay import ReplayResult, program_gpu, run_ops, run_ops_with_gpu
+from ..replay import ReplayResult, program_gpu, run_ops, stream_use_plan
 from ..sim.gpu_work import GpuTiming, ProgramGpu
 from ..specs import open_device
 from ..trace import Trace
@@ -180,7 +180,8 @@ def _replay_sampled(trace: Trace, allocator: CachingAllocator, dev: Device, kind
     oom_op: int | None = None
     done = 0
     wall_s = 0.0
-    at = [0]  # the operation the GPU-timed loop is at (for an out-of-memory error)
+    at = [0]  # the operation that failed, set by run_ops (for an out-of-memory error)
+    uses = stream_use_plan(trace, allocator)
     sampler = _Sampler(run, allocator, trace.live_nbytes(), tenant)
     sampler.sample(0)
     while done < n:
@@ -189,13 +190,12 @@ def _replay_sampled(trace: Trace, allocator: CachingAllocator, dev: Device, kind
         start = done
         t0 = time.perf_counter()
         try:
-            run_ops(allocate, free, (kinds, ids, sizes, streams), ptrs, done, stop, gpu, at)
+            run_ops(allocate, free, (kinds, ids, sizes, streams), ptrs, done, stop, gpu, at, uses)
             done = stop
             wall_s += time.perf_counter() - t0
         except OutOfMemoryError as exc:
             wall_s += time.perf_counter() - t0
-            if gpu is not None:
-                i = at[0]
+            i = at[0]
             ooms += 1
             if oom_error is None:
                 oom_error, oom_op = exc, i
@@ -300,26 +300,12 @@ def occupancy_at(trace: Trace, device_spec: str, policy: str, stop_op: int,
             done = stop_op
             oom = False
             gpu = program_gpu(trace, dev, gpu_timing)
-            if gpu is not None:
-                at = [0]
-                try:
-                    run_ops_with_gpu(gpu, allocator.allocate, allocator.free, (kinds, ids, sizes, streams), ptrs,
-                                     0, stop_op, at)
-                except OutOfMemoryError:
-                    done, oom = at[0], True
-                return Occupancy(done, _layout(allocator), allocator.reserved_nbytes, oom)
-            for i in range(stop_op):
-                try:
-                    if kinds[i] == 0:
-                        ptrs[ids[i]] = allocator.allocate(sizes[i], streams[i]) if sizes[i] else 0
-                    else:
-                        p = ptrs[ids[i]]
-                        if p:
-                            allocator.free(p)
-                            ptrs[ids[i]] = 0
-                except OutOfMemoryError:
-                    done, oom = i, True
-                    break
+            at = [0]
+            try:
+                run_ops(allocator.allocate, allocator.free, (kinds, ids, sizes, streams), ptrs, 0, stop_op, gpu, at,
+                        stream_use_plan(trace, allocator))
+            except OutOfMemoryError:
+                done, oom = at[0], True
             return Occupancy(done, _layout(allocator), allocator.reserved_nbytes, oom)
         finally:
             allocator.close()

@@ -29,7 +29,10 @@ Why ``trace`` is the default: gpumem's own traces of live H200 runs replay under
 of the live overhead on 7 of 9 workloads, and the figure hardly depends on the constants (in a training
 step every steal meets busy pages once the GPU is behind at all); ``reports/gpu-timing-calibration.md``.
 Left out: kernels that touch no new block, and cross-stream waits (a trace has no events; each
-operation's work goes to its own stream: multi-stream inference is predicted 25 points low).
+operation's work goes to its own stream). A block used on other streams is kept back as live when the
+trace has its ``record_stream`` calls (:attr:`~gpumem.trace.Trace.stream_uses`: gpumem's ``.gmt``
+version 2; Note [Stream uses in a replay] in :mod:`gpumem.replay`): its free waits for those streams'
+queued work here.
 """
 
 from __future__ import annotations

@@ -8,7 +8,11 @@ Allocator logs name allocations by address: ``alloc 0x7f..00 (4096 B)`` and late
 * a free of an address with no live allocation (allocated before the trace
   window opened, or a foreign pointer) is skipped and counted as *unmatched*;
 * an alloc at an address that is still live means events were lost: the trace is
-  malformed and :class:`AddressReuseError` names the offending event.
+  malformed and :class:`AddressReuseError` names the offending event;
+* with ``use_code``, an event of that code is a stream use (``record_stream``) of the allocation
+  live at its address, kept as a :class:`~gpumem.trace.model.StreamUse` at its place among the ops;
+  a use of an address with no live allocation (allocated before the window opened) is skipped and
+  counted, as an unmatched free is.
 
 The loop touches only a dict and two list appends per event, so a million events
 take well under a second; all per-op columns are gathered afterwards with numpy.
@@ -25,15 +29,18 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from .model import OpKind, Trace
+from .model import OpKind, StreamUse, Trace
 
-__all__ = ["AddressReuseError", "build_ops", "build_trace", "replay_addresses"]
+__all__ = ["AddressReuseError", "build_ops", "build_trace", "replay_addresses", "USE_CODE"]
 
 log = logging.getLogger(__name__)
 
 #: Event codes understood by :func:`build_ops`; any other code is ignored.
 ALLOC_CODE = 0
 FREE_CODE = 1
+#: The code gpumem's recorders give a stream use (``record_stream``); :func:`build_trace` reads it as one
+#: only when asked (``use_code``): other sources give 2 another meaning (an RMM allocation failure).
+USE_CODE = 2
 
 
 class AddressReuseError(Exception):
@@ -45,14 +52,17 @@ class AddressReuseError(Exception):
         self.addr = addr
 
 
-def build_ops(codes: Sequence[int], addrs: Sequence[int]) -> tuple[array[int], array[int], int]:
+def build_ops(codes: Sequence[int], addrs: Sequence[int], use_code: int | None = None,
+              uses: list[tuple[int, int, int]] | None = None) -> tuple[array[int], array[int], int]:
     """Pair allocs and frees by address.
 
     ``codes[i]`` is 0 (alloc), 1 (free) or anything else (ignored), ``addrs[i]`` the
     event's address. Returns ``(kept, ids, n_unmatched)``: the indices of the
     events that become ops, the alloc id of each, and the number of frees skipped
     because their address held no live allocation. Raises
-    :class:`AddressReuseError` for an alloc at a live address.
+    :class:`AddressReuseError` for an alloc at a live address. With ``use_code`` (not 0 or 1), each
+    event of that code whose address is live is appended to ``uses`` as ``(at_op, alloc_id, index)``
+    (those of addresses not live are skipped, and not counted in ``n_unmatched``).
     """
     live: dict[int, int] = {}
     kept = array("q")  # compact: 8 bytes per event, where a list of ints takes ~40
@@ -77,6 +87,10 @@ def build_ops(codes: Sequence[int], addrs: Sequence[int]) -> tuple[array[int], a
                 continue
             keep(i)
             add_id(aid)
+        elif code == use_code and uses is not None:
+            aid = live.get(addr)
+            if aid is not None:   # else allocated before the window opened: skipped (build_trace logs it)
+                uses.append((len(kept), aid, i))
     return kept, ids, n_unmatched
 
 
@@ -91,21 +105,34 @@ def build_trace(
     *,
     origin: str = "",
     n_failed_allocs: int = 0,
+    use_code: int | None = None,
 ) -> Trace:
     """Turn parallel address-keyed event columns into a :class:`Trace`.
 
     ``sizes`` matter for allocs only: a free's size is taken from its allocation.
     ``origin`` (usually the file name) prefixes the warning logged once when frees
-    were skipped. Raises :class:`AddressReuseError` as :func:`build_ops` does.
+    were skipped. Raises :class:`AddressReuseError` as :func:`build_ops` does. Events
+    of ``use_code`` (gpumem's recorders: :data:`USE_CODE`) are stream uses
+    (:attr:`Trace.stream_uses`); a use of an address not live is skipped (logged, not counted in
+    ``n_unmatched_frees``).
     """
+    if use_code in (ALLOC_CODE, FREE_CODE):
+        raise InvalidArgumentError(f"build_trace: use_code {use_code} is the code of an alloc or a free")
     codes_list = codes.tolist() if isinstance(codes, np.ndarray) else codes
     addrs_list = addrs.tolist() if isinstance(addrs, np.ndarray) else addrs
-    kept, ids, n_unmatched = build_ops(codes_list, addrs_list)
+    raw_uses: list[tuple[int, int, int]] = []
+    kept, ids, n_unmatched = build_ops(codes_list, addrs_list, use_code, raw_uses if use_code is not None else None)
+    n_unmatched_uses = 0
+    if use_code is not None:
+        n_unmatched_uses = sum(1 for c in codes_list if c == use_code) - len(raw_uses)
     if n_unmatched:
         log.warning(
             "%s: skipped %d free(s) of addresses never allocated in the trace window",
             origin or name, n_unmatched,
         )
+    if n_unmatched_uses:
+        log.warning("%s: skipped %d stream use(s) of addresses not allocated in the trace window",
+                    origin or name, n_unmatched_uses)
     idx = np.asarray(kept, dtype=np.int64)
     alloc_ids = np.asarray(ids, dtype=np.int64)
     kinds = np.asarray(codes, dtype=np.int8)[idx] if len(idx) else np.zeros(0, np.int8)
@@ -129,7 +156,19 @@ def build_trace(
         pick(addrs, np.int64),
         n_unmatched_frees=n_unmatched,
         n_failed_allocs=n_failed_allocs,
+        stream_uses=_stream_uses(raw_uses, streams, times_us),
     )
+
+
+def _stream_uses(raw: list[tuple[int, int, int]], streams: Sequence[int] | np.ndarray,
+                 times_us: Sequence[float] | np.ndarray) -> tuple[StreamUse, ...]:
+    """:class:`StreamUse` objects of :func:`build_ops`' ``(at_op, alloc_id, event index)`` triples."""
+    if not raw:
+        return ()
+    idx = np.fromiter((r[2] for r in raw), dtype=np.int64, count=len(raw))
+    s = np.asarray(streams, dtype=np.int64)[idx].tolist()
+    t = np.asarray(times_us, dtype=np.float64)[idx].tolist()
+    return tuple(StreamUse(at, aid, si, ti) for (at, aid, _), si, ti in zip(raw, s, t))
 
 
 def replay_addresses(trace: Trace) -> np.ndarray:

@@ -17,6 +17,10 @@ single spaces::
 * ``time_us`` is written as an integer when integral, else as Python's shortest
   round-trip ``repr`` of the float (``nan``/``inf`` allowed), so times survive
   exactly. Streams and sizes are decimal integers.
+* ``u <alloc_id> <stream> <time_us>`` (version 2): a stream use, ``record_stream`` of the live
+  allocation ``alloc_id`` on ``stream``, made where the line stands among the ops
+  (:class:`~gpumem.trace.model.StreamUse`; ``at_op`` is the number of op lines before it). The
+  allocation must be live there (allocated on an earlier line, not yet freed).
 * ``n_ops`` in the header must match the number of op lines (this catches a
   truncated uncompressed file); ``name``, ``source`` and the counters restore the
   :class:`~gpumem.trace.Trace` fields, so ``read(write(t)) == t``.
@@ -28,7 +32,9 @@ length, a header of bounded nesting, at most ``max_entries`` ops and
 ``max_memory_nbytes // ENTRY_NBYTES`` (kept in compact array columns), an integer
 ``version`` (not ``true``), and every number in ASCII digits and in range (sizes,
 ids and addresses in ``[0, 2**63)``, streams in ``(-2**63, 2**63)``).
-Version 1 is the only version; a future incompatible change bumps it.
+Versions: 1 has ``a`` and ``f`` lines only; 2 adds ``u`` lines and the header's ``n_stream_uses`` (their
+count). The writer writes version 1 when a trace has no stream uses (so such files are byte for byte
+what they were), 2 otherwise; the reader reads both, and refuses ``u`` lines in a version 1 file.
 """
 
 from __future__ import annotations
@@ -44,12 +50,15 @@ import numpy as np
 from ..errors import InvalidArgumentError, TraceFormatError
 from ._fileio import PathLike, check_exists, iter_lines, open_binary, open_for_writing
 from .limits import DEFAULT_LIMITS, TraceLimits, max_entries_for, shorten
-from .model import OpKind, Trace
+from .model import OpKind, StreamUse, Trace
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "NATIVE_SUFFIXES", "read_gmt_trace", "write_gmt_trace"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSIONS", "NATIVE_SUFFIXES", "read_gmt_trace",
+           "write_gmt_trace"]
 
 FORMAT_NAME = "gpumem-trace"
-FORMAT_VERSION = 1
+#: The newest version (stream uses); a trace without them is written as version 1.
+FORMAT_VERSION = 2
+FORMAT_VERSIONS = (1, 2)
 NATIVE_SUFFIXES = (".gmt", ".gmt.gz")
 _HEADER_INTS = ("n_ops", "n_allocs", "n_unmatched_frees", "n_failed_allocs")
 _INT64_MAX = 2**63 - 1
@@ -68,9 +77,10 @@ def _fmt_time(t: float) -> str:
 
 def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
     """Write ``trace`` in the .gmt format (gzip when ``path`` ends in ``.gz``); returns the path."""
+    uses = trace.stream_uses
     header: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": FORMAT_VERSION if uses else 1,
         "name": trace.name,
         "source": trace.source,
         "n_ops": trace.n_ops,
@@ -79,14 +89,23 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
         "n_failed_allocs": trace.n_failed_allocs,
         "time_unit": "us",
     }
+    if uses:
+        header["n_stream_uses"] = len(uses)
+    use_at = [u.at_op for u in uses] + [-1]   # -1: no more uses
+    k = 0
     p = Path(path)
     fmt_time = _fmt_time
     with open_for_writing(p) as f:
         f.write(json.dumps(header) + "\n")
         lines: list[str] = []
         push = lines.append
-        for kind, aid, n, s, t, a in zip(trace.kinds.tolist(), trace.alloc_ids.tolist(), trace.nbytes.tolist(),
-                                         trace.streams.tolist(), trace.times_us.tolist(), trace.addrs.tolist()):
+        for i, (kind, aid, n, s, t, a) in enumerate(zip(trace.kinds.tolist(), trace.alloc_ids.tolist(),
+                                                        trace.nbytes.tolist(), trace.streams.tolist(),
+                                                        trace.times_us.tolist(), trace.addrs.tolist())):
+            while use_at[k] == i:
+                u = uses[k]
+                push(f"u {u.alloc_id} {u.stream} {fmt_time(float(u.time_us))}\n")
+                k += 1
             if kind == OpKind.ALLOC:
                 push(f"a {aid} {n} {s} {fmt_time(t)} {a:x}\n")
             else:
@@ -94,6 +113,8 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
             if len(lines) >= 65536:
                 f.write("".join(lines))
                 lines.clear()
+        for u in uses[k:]:   # after the last op
+            push(f"u {u.alloc_id} {u.stream} {fmt_time(float(u.time_us))}\n")
         f.write("".join(lines))
     return p
 
@@ -121,11 +142,12 @@ def _parse_header(line: str, where: str, limits: TraceLimits = DEFAULT_LIMITS) -
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
         raise TraceFormatError(where, f"line 1: not a {FORMAT_NAME} header")
-    if type(header.get("version")) is not int or header["version"] != FORMAT_VERSION:  # True == 1 in Python
+    if type(header.get("version")) is not int or header["version"] not in FORMAT_VERSIONS:  # True == 1 in Python
         raise TraceFormatError(
-            where, f"line 1: unsupported {FORMAT_NAME} version {shorten(header.get('version'))} (this reader knows 1)"
+            where, f"line 1: unsupported {FORMAT_NAME} version {shorten(header.get('version'))} "
+                   f"(this reader knows {', '.join(map(str, FORMAT_VERSIONS))})"
         )
-    for key in _HEADER_INTS:
+    for key in _HEADER_INTS + (("n_stream_uses",) if header["version"] >= 2 else ()):
         value = header.get(key)
         if type(value) is not int or not 0 <= value <= _INT64_MAX:
             raise TraceFormatError(where, f"line 1: header field {key!r} must be a non-negative 64-bit integer, "
@@ -173,10 +195,12 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
     alloc_nbytes = array("q")
     alloc_addrs = array("q")
     live = bytearray()
+    uses: list[StreamUse] = []
     with open_binary(path, limits=limits, progress=progress) as f:
         lines = iter_lines(f, where, limits)
         first = next(lines, None)
         header = _parse_header(first[1] if first else "", where, limits)
+        with_uses = header["version"] >= 2
         for lineno, line in lines:
             p = line.split()
             try:
@@ -202,12 +226,23 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                     live[aid] = 0
                     n, a = alloc_nbytes[aid], alloc_addrs[aid]
                     kinds.append(1)
+                elif tag == "u" and len(p) == 4 and with_uses:
+                    aid = _int(p[1], "alloc id", 0, _INT64_MAX)
+                    if not 0 <= aid < len(live) or not live[aid]:
+                        raise ValueError(f"stream use of id {aid}, which is not live")
+                    uses.append(StreamUse(len(kinds), aid, _int(p[2], "stream", -_INT64_MAX, _INT64_MAX), _time(p[3])))
+                    if len(kinds) + len(uses) > max_ops:
+                        raise TraceFormatError(where, f"line {lineno}: more than {max_ops:,} entries ({binding}); "
+                                                      "raise the limit if the file is genuine")
+                    continue
                 else:
                     raise ValueError(f"expected 'a <id> <nbytes> <stream> <time_us> <addr>' or "
-                                     f"'f <id> <stream> <time_us>', got {shorten(line.strip())}")
+                                     f"'f <id> <stream> <time_us>'" + (" or 'u <id> <stream> <time_us>'" if with_uses
+                                                                      else " (a version 1 file)")
+                                     + f", got {shorten(line.strip())}")
             except (ValueError, IndexError) as e:
                 raise TraceFormatError(where, f"line {lineno}: {e}") from None
-            if len(kinds) > max_ops:
+            if len(kinds) + len(uses) > max_ops:
                 raise TraceFormatError(where, f"line {lineno}: more than {max_ops:,} ops ({binding}); "
                                               "raise the limit if the file is genuine")
             ids.append(aid)
@@ -219,12 +254,15 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
         raise TraceFormatError(where, f"header says {header['n_ops']} ops, the file has {len(kinds)} (truncated?)")
     if len(alloc_nbytes) != header["n_allocs"]:
         raise TraceFormatError(where, f"header says {header['n_allocs']} allocations, the file has {len(alloc_nbytes)}")
+    if with_uses and len(uses) != header["n_stream_uses"]:
+        raise TraceFormatError(where, f"header says {header['n_stream_uses']} stream uses, the file has {len(uses)}")
     try:
         return Trace(
             header["name"], header["source"],
             np.array(kinds, dtype=np.int8), np.array(ids, dtype=np.int64), np.array(nbytes, dtype=np.int64),
             np.array(streams, dtype=np.int64), np.array(times, dtype=np.float64), np.array(addrs, dtype=np.int64),
             n_unmatched_frees=header["n_unmatched_frees"], n_failed_allocs=header["n_failed_allocs"],
+            stream_uses=tuple(uses),
         )
     except (InvalidArgumentError, OverflowError) as e:
         raise TraceFormatError(where, shorten(str(e), 200)[1:-1]) from None

@@ -24,6 +24,12 @@ Invariants (checked by :meth:`Trace.validate`, which the constructor calls):
 Allocations never freed are *live at the end* (``n_live_at_end``); frees whose
 allocation happened before the trace window began were dropped by the reader and
 counted in ``n_unmatched_frees``.
+
+Stream uses (``Tensor.record_stream``) are not ops: :attr:`Trace.stream_uses` lists them apart,
+each at the position in the op sequence where the program made it (:class:`StreamUse`), so that
+every reader of ops sees the same ops with or without them. A use names an allocation live at that
+point (allocated before it, not yet freed); one on the allocation's own stream is kept as the program
+made it and changes nothing in a replay (the allocator ignores it, as PyTorch's does).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from ..units import format_bytes
 
-__all__ = ["OpKind", "TraceOp", "TraceSummary", "Trace", "SOURCES"]
+__all__ = ["OpKind", "TraceOp", "TraceSummary", "Trace", "SOURCES", "StreamUse"]
 
 #: The values :attr:`Trace.source` takes for traces this package produced.
 SOURCES = ("pytorch-snapshot", "rmm-log", "gpumem", "recorded")
@@ -68,6 +74,22 @@ class TraceOp:
     stream: int
     time_us: float
     addr: int
+
+
+@dataclass(frozen=True, slots=True)
+class StreamUse:
+    """``record_stream``: allocation ``alloc_id`` is also used on ``stream`` from here on.
+
+    ``at_op`` is where in the op sequence the program made the call: after ops ``0 .. at_op - 1``,
+    before op ``at_op``. A replay calls the allocator's ``record_stream`` there, so that the block's
+    free waits for the work queued on ``stream`` until then (Note [Streams] in
+    :mod:`gpumem.allocator.caching`). ``time_us`` is the call's time (0.0 when unknown).
+    """
+
+    at_op: int
+    alloc_id: int
+    stream: int
+    time_us: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +157,8 @@ class Trace:
     n_unmatched_frees: int = 0
     n_live_at_end: int = 0
     n_failed_allocs: int = 0
+    stream_uses: tuple[StreamUse, ...] = ()
+    """The program's ``record_stream`` calls, in order (module docstring); empty for most sources."""
 
     __hash__ = None  # type: ignore[assignment]  # mutable container of arrays
 
@@ -152,6 +176,10 @@ class Trace:
                 raise InvalidArgumentError(
                     f"Trace.{field_name} has {len(getattr(self, field_name))} elements, kinds has {n}"
                 )
+        uses = tuple(self.stream_uses)
+        if not all(isinstance(u, StreamUse) for u in uses):
+            raise InvalidArgumentError("Trace.stream_uses must hold StreamUse objects")
+        self.stream_uses = uses
         self.validate()
         live = self.n_allocs - int(np.count_nonzero(self.kinds == OpKind.FREE))
         if self.n_live_at_end not in (0, live):
@@ -161,7 +189,38 @@ class Trace:
     # -- invariants -----------------------------------------------------------------
 
     def validate(self) -> None:
-        """Check the invariants of the module docstring; raise ``InvalidArgumentError`` naming the first bad op."""
+        """Check the invariants of the module docstring; raise ``InvalidArgumentError`` naming the first bad op
+        (or stream use)."""
+        self._validate_ops()
+        if self.stream_uses:
+            self._validate_uses()
+
+    def _validate_uses(self) -> None:
+        n_ops = self.n_ops
+        is_alloc = self.kinds == OpKind.ALLOC
+        alloc_pos = np.flatnonzero(is_alloc)
+        free_pos = np.full(len(alloc_pos), n_ops, dtype=np.int64)   # never freed: live to the end
+        frees = np.flatnonzero(~is_alloc)
+        free_pos[self.alloc_ids[frees]] = frees
+        last = 0
+        for k, u in enumerate(self.stream_uses):
+            where = f"stream use {k} (record_stream of id {u.alloc_id} on stream {u.stream} before op {u.at_op})"
+            for name in ("at_op", "alloc_id", "stream"):
+                v = getattr(u, name)
+                if type(v) is not int and not isinstance(v, np.integer):
+                    raise InvalidArgumentError(f"{where}: {name} must be an int, not {type(v).__name__}")
+            if not last <= u.at_op <= n_ops:
+                raise InvalidArgumentError(f"{where}: at_op out of order or outside [{last}, {n_ops}] "
+                                           "(uses are sorted by position)")
+            if not 0 <= u.alloc_id < len(alloc_pos) or alloc_pos[u.alloc_id] >= u.at_op:
+                raise InvalidArgumentError(f"{where}: the allocation is not made before it")
+            if free_pos[u.alloc_id] < u.at_op:
+                raise InvalidArgumentError(f"{where}: the allocation is freed (op {free_pos[u.alloc_id]}) before it")
+            if not -2**63 < u.stream < 2**63:
+                raise InvalidArgumentError(f"{where}: stream out of the 64-bit range")
+            last = u.at_op
+
+    def _validate_ops(self) -> None:
         kinds = self.kinds
         if len(kinds) == 0:
             return
@@ -312,6 +371,7 @@ class Trace:
             and self.n_live_at_end == other.n_live_at_end
             and self.n_failed_allocs == other.n_failed_allocs
             and self.ops_equal(other)
+            and self.stream_uses == other.stream_uses
         )
 
     def __repr__(self) -> str:
@@ -375,6 +435,9 @@ class Trace:
         new_id[ids[is_alloc]] = np.arange(int(is_alloc.sum()), dtype=np.int64)
         mapped = new_id[ids] if len(ids) else ids
         keep = mapped >= 0
+        kept_before = np.concatenate(([0], np.cumsum(keep)))   # ops kept before each position of the window
+        uses = tuple(StreamUse(int(kept_before[u.at_op - start]), int(new_id[u.alloc_id]), u.stream, u.time_us)
+                     for u in self.stream_uses if start < u.at_op <= stop and new_id[u.alloc_id] >= 0)
         return Trace(
             self.name,
             self.source,
@@ -385,6 +448,7 @@ class Trace:
             self.times_us[start:stop][keep],
             self.addrs[start:stop][keep],
             n_unmatched_frees=int(np.count_nonzero(~keep)),
+            stream_uses=uses,
         )
 
     def head(self, n_ops: int) -> Trace:
@@ -396,4 +460,5 @@ class Trace:
         return Trace(
             name, self.source, self.kinds, self.alloc_ids, self.nbytes, self.streams, self.times_us, self.addrs,
             n_unmatched_frees=self.n_unmatched_frees, n_failed_allocs=self.n_failed_allocs,
+            stream_uses=self.stream_uses,
         )

@@ -6,6 +6,7 @@ An allocator holds a :class:`TraceRecorder` and calls it on every operation::
     rec.record_segment("segment_alloc", base, 2 * MiB, stream)   # memory reserved from the device
     rec.record_alloc(ptr, nbytes, stream)                         # handed to the user
     rec.record_free(ptr, stream)                                  # given back by the user
+    rec.record_stream_use(ptr, other_stream)                      # record_stream (before the free)
     trace = rec.to_trace("my_run")                                # source == "recorded"
     snapshot = to_pytorch_snapshot(trace, segments_events=rec.segment_events)
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import time
 
 from ..errors import TraceFormatError
-from .builder import ALLOC_CODE, FREE_CODE, AddressReuseError, build_trace
+from .builder import ALLOC_CODE, FREE_CODE, USE_CODE, AddressReuseError, build_trace
 from .model import Trace
 
 __all__ = ["TraceRecorder", "SEGMENT_ACTIONS", "SegmentEvent"]
@@ -36,7 +37,7 @@ class TraceRecorder:
     """Collects allocator events cheaply; :meth:`to_trace` turns them into a :class:`Trace`.
 
     ``events`` holds ``(code, addr, nbytes, stream, time_us)`` tuples (code 0 =
-    alloc, 1 = free); ``segment_events`` holds :data:`SegmentEvent` tuples.
+    alloc, 1 = free, 2 = stream use); ``segment_events`` holds :data:`SegmentEvent` tuples.
     """
 
     __slots__ = ("events", "segment_events", "_t0_ns")
@@ -62,6 +63,13 @@ class TraceRecorder:
             time_us = (time.perf_counter_ns() - self._t0_ns) / 1000.0
         self.events.append((FREE_CODE, addr, 0, stream, time_us))
 
+    def record_stream_use(self, addr: int, stream: int, time_us: float | None = None) -> None:
+        """The live allocation at ``addr`` is also used on ``stream`` (``record_stream``): a
+        :class:`~gpumem.trace.model.StreamUse` of the trace."""
+        if time_us is None:
+            time_us = (time.perf_counter_ns() - self._t0_ns) / 1000.0
+        self.events.append((USE_CODE, addr, 0, stream, time_us))
+
     def record_segment(
         self, action: str, addr: int, nbytes: int, stream: int = 0, time_us: float | None = None
     ) -> None:
@@ -83,7 +91,8 @@ class TraceRecorder:
     def to_trace(self, name: str = "recorded") -> Trace:
         """The recorded allocs and frees as a trace with ``source == "recorded"``.
 
-        Frees of addresses never recorded as allocated are skipped and counted.
+        Frees of addresses never recorded as allocated are skipped and counted; stream uses of them
+        are skipped.
         An alloc at an address still live raises :class:`TraceFormatError`.
         """
         if self.events:
@@ -91,6 +100,7 @@ class TraceRecorder:
         else:
             codes = addrs = sizes = streams = times = ()
         try:
-            return build_trace(name, "recorded", codes, addrs, sizes, streams, times, origin=f"<recorder {name}>")
+            return build_trace(name, "recorded", codes, addrs, sizes, streams, times, origin=f"<recorder {name}>",
+                               use_code=USE_CODE)
         except AddressReuseError as e:
             raise TraceFormatError(f"<recorder {name}>", str(e), entry=e.index) from None

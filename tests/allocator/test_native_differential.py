@@ -825,3 +825,29 @@ def test_the_binding_refuses_a_limit_it_cannot_hold():
 
     with pytest.raises((InvalidArgumentError, OverflowError)):
         _engine.Allocator(sim.SimDevice(small_profile(384)), native, _BASE, limit_nbytes=2**64 + 5)
+
+
+def test_a_trace_with_stream_uses_replays_identically_behind_the_gpu():
+    """record_stream made by a replay (Note [Stream uses in a replay] in gpumem.replay), with the program's
+    GPU work running behind: both engines keep the same blocks back, make the same device calls and end
+    with the same stats. The live multistream trace of run 2, every block on a side stream also used on
+    stream 0 (as its results are)."""
+    from gpumem.replay import replay
+    from gpumem.trace import StreamUse, Trace, load_trace
+
+    t = load_trace(os.path.join(os.path.dirname(__file__), "..", "..", "reports", "hil", "live-h200-2026-11-25-run2",
+                                "workloads", "multistream_infer.gpumem.gmt.gz"))
+    uses = tuple(StreamUse(i + 1, aid, 0, 0.0) for i, (kind, aid, s) in
+                 enumerate(zip(t.kinds.tolist(), t.alloc_ids.tolist(), t.streams.tolist())) if kind == 0 and s != 0)
+    t = Trace(t.name, t.source, t.kinds, t.alloc_ids, t.nbytes, t.streams, t.times_us, t.addrs, stream_uses=uses)
+    assert len(uses) > 200
+    for policy in (_BASE, dataclasses.replace(_BASE, name="ordered", chunk_max_fraction=1 / 1024,
+                                              stream_ordered_steal=True)):
+        pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")), policy=policy)
+        runs = []
+        for alloc, log in zip(pair.allocs, pair.logs):
+            r = replay(t, alloc, gpu_timing="trace", progress=False)
+            runs.append((r.peak_reserved_bytes, stats_of(alloc), log.take()))
+        assert runs[0][0] == runs[1][0], "peaks differ"
+        assert runs[0][1] == runs[1][1], "stats differ"
+        assert runs[0][2] == runs[1][2], "device calls differ"

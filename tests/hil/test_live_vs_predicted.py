@@ -31,10 +31,20 @@ def test_trace_from_words_pairs_frees_and_skips_the_unknown_one() -> None:
     assert int(t.live_nbytes().max()) == 8 * MiB
 
 
-@pytest.mark.parametrize("words, why", [([0, 1, 2, 3], "whole number"), ([2, 1, 2, 3, 4], "neither")])
+@pytest.mark.parametrize("words, why", [([0, 1, 2, 3], "whole number"), ([3, 1, 2, 3, 4], "is not 0 .alloc.")])
 def test_trace_from_words_refuses_a_bad_buffer(words: list[int], why: str) -> None:
     with pytest.raises(TraceFormatError, match=why):
         trace_from_words(words)
+
+
+def test_trace_from_words_keeps_stream_uses_and_skips_the_unknown_one() -> None:
+    """Kind 2 is a record_stream (recorder.h): kept at its place among the ops; one of an address that
+    holds no allocation of the trace (allocated before tracing began) is skipped."""
+    a, b = 0x7F0000000000, 0x7F0000200000
+    words = [0, a, 4096, 1, 1000, 2, a, 0, 9, 1500, 2, b, 0, 9, 1600, 2, a, 0, 1, 1700, 1, a, 4096, 1, 2000]
+    t = trace_from_words(words, name="uses")
+    assert t.n_ops == 2
+    assert [(u.at_op, u.alloc_id, u.stream, u.time_us) for u in t.stream_uses] == [(1, 0, 9, 1.5), (1, 0, 1, 1.7)]
 
 
 def _fake_record(tmp_path: Path) -> dict:

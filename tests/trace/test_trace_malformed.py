@@ -216,8 +216,19 @@ HEADER = ('{"format": "gpumem-trace", "version": 1, "name": "n", "source": "gpum
           '"n_allocs": 1, "n_unmatched_frees": 0, "n_failed_allocs": 0, "time_unit": "us"}')
 
 
+HEADER2 = HEADER.replace('"version": 1', '"version": 2').replace("}", ', "n_stream_uses": 1}')
+
+
 @pytest.mark.parametrize("text, message", [
-    (HEADER.replace('"version": 1', '"version": 2') + "\na 0 8 0 0 10\nf 0 0 1\n", "line 1: unsupported .* version 2"),
+    (HEADER.replace('"version": 1', '"version": 3') + "\na 0 8 0 0 10\nf 0 0 1\n", "line 1: unsupported .* version 3"),
+    # stream uses (version 2): only there, of a live allocation, counted in the header
+    (HEADER + "\na 0 8 0 0 10\nu 0 5 1\nf 0 0 1\n", "line 3: expected .* \\(a version 1 file\\)"),
+    (HEADER.replace('"version": 1', '"version": 2') + "\na 0 8 0 0 10\nf 0 0 1\n", "line 1: header field 'n_stream_uses'"),
+    (HEADER2 + "\nu 0 5 1\na 0 8 0 0 10\nf 0 0 1\n", "line 2: stream use of id 0, which is not live"),
+    (HEADER2 + "\na 0 8 0 0 10\nf 0 0 1\nu 0 5 1\n", "line 4: stream use of id 0, which is not live"),
+    (HEADER2 + "\na 0 8 0 0 10\nu 0 five 1\nf 0 0 1\n", "line 3: stream 'five' is not an integer"),
+    (HEADER2 + "\na 0 8 0 0 10\nu 0 5\nf 0 0 1\n", "line 3: expected"),
+    (HEADER2 + "\na 0 8 0 0 10\nu 0 5 1\nu 0 6 1\nf 0 0 1\n", "header says 1 stream uses, the file has 2"),
     (HEADER.replace("gpumem-trace", "other") + "\n", "line 1: not a gpumem-trace header"),
     ("not json\n", "line 1"),
     (HEADER.replace('"n_ops": 2', '"n_ops": -2') + "\n", "line 1: header field 'n_ops'"),

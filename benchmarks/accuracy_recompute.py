@@ -46,6 +46,7 @@ CHECK_MODELS = frozenset({"llama-0.5b-gqa", "llama-1.1b-gqa", "llama-3b-gqa", "l
 
 def part(model: str) -> str:
     """``tuning``, ``check`` or ``new`` (Note [Tuning and check parts])."""
+    model = model.removesuffix(hf_memory_configs.RECHECK_SUFFIX)  # a row measured again: its model's part
     return "tuning" if model in TUNING_MODELS else "check" if model in CHECK_MODELS else "new"
 
 

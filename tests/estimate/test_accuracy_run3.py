@@ -33,3 +33,23 @@ def test_lora_peak_allocated_is_within_3_percent_above_the_h200(model):
     assert rows
     for row in rows:
         assert 0 <= _alloc_error(row) <= 0.03, (row["batch_size"], row["prompt_len"])
+
+
+def test_the_tied_gradient_is_made_by_lm_heads_backward_and_held_through_the_blocks():
+    """Note [Tied embeddings]: before, the tied matrix's gradient was made at the embedding's backward only."""
+    import numpy as np
+
+    from gpumem.estimate.shape import ModelShape
+    from gpumem.estimate.workload import training_trace
+
+    s = ModelShape(256, 688, 2, 1000, 4, 4, tie_word_embeddings=True)
+    tr = training_trace(s, 2, batch_size=2, seq_len=48, n_steps=1).trace
+    allocs = np.flatnonzero(tr.kinds == 0)
+    matrix = [i for i in allocs if tr.nbytes[i] == 1000 * 256 * 2]
+    block_grad = [i for i in allocs if tr.nbytes[i] == 2 * 48 * 688 * 2]  # an MLP-sized gradient of a block
+    # the weight, lm_head's gradient, the embedding's, two AdamW states, the update's temporary and foreach's extra
+    assert len(matrix) == 7
+    first_block_backward = [i for i in block_grad if i > matrix[1]]
+    assert first_block_backward and matrix[1] < first_block_backward[0]
+    grad_free = [i for i in np.flatnonzero(tr.kinds == 1) if tr.alloc_ids[i] == tr.alloc_ids[matrix[1]]]
+    assert grad_free and grad_free[0] > matrix[2]  # held until the embedding's gradient was added into it

@@ -66,7 +66,7 @@ class ModelShape:
     """Biases on the q, k and v projections (Qwen2; ``attention_bias`` in a Llama config)."""
     sliding_window: int = 0
     """Tokens a sliding-window attention sees (0: none). Sequences within it are full attention; longer ones
-    are refused by :meth:`check_tokens` (Note [Sliding window])."""
+    attend through a mask to a cache of the window (Note [Sliding window] in :mod:`.workload`)."""
     n_experts: int = 0
     """Mixture-of-experts (Note [Mixture of experts] in :mod:`.workload`): routed experts per block (0: a dense
     gated MLP of ``intermediate_size``)."""
@@ -128,14 +128,9 @@ class ModelShape:
                           SHAPE_CAPS["shared_expert_intermediate_size"])
 
     def check_tokens(self, n_tokens: int) -> None:
-        """Note [Sliding window]: a sequence of ``n_tokens`` within the window attends to every token, as full
-        attention does, so the estimate holds; a longer one is refused (``InvalidArgumentError``): what the
-        cache keeps past the window depends on the transformers version (a sliding cache layer, or the whole
-        sequence with a mask) and is not modelled."""
-        if self.sliding_window and n_tokens > self.sliding_window:
-            raise InvalidArgumentError(f"{n_tokens} tokens exceed the sliding window of {self.sliding_window}: "
-                                       "the cache of a sliding-window attention past its window is not modelled "
-                                       "(sequences within the window are)")
+        """Note [Sliding window]: sequences of any length are modelled (``workload.window_tokens``); kept for
+        the callers that check a length before estimating: ``n_tokens`` must be a positive int."""
+        _positive_int("n_tokens", n_tokens, 2**40)
 
     @property
     def q_dim(self) -> int:

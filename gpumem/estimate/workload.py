@@ -270,6 +270,40 @@ def _rotary(e: _Emitter, n: int, d: int) -> tuple[int, int]:
     return cos, sin
 
 
+def window_tokens(s: ModelShape, cache_tokens_after: int, q_len: int) -> tuple[int, bool]:
+    """The tokens of the key/value states a forward of ``q_len`` tokens attends to when the cache has seen
+    ``cache_tokens_after`` tokens after it, and whether attention takes a mask (else SDPA runs causal without).
+
+    Note [Sliding window]: transformers 5.17's ``DynamicSlidingWindowLayer.update`` concatenates the cached
+    states (at most ``window - 1`` tokens) with the new ones, keeps a view of the last ``window - 1`` tokens
+    and returns the whole concatenation: the prefill stores all ``prompt`` tokens (the view holds the whole
+    tensor), and each decode step makes a tensor of ``min(seen, window)`` tokens that replaces the previous one.
+    A forward whose key length reaches the window cannot skip the mask (``_ignore_causal_mask_sdpa``): the
+    model makes one boolean ``[batch, 1, q, kv]`` mask per forward, SDPA converts it to an additive mask in
+    the compute dtype per layer, and, with a mask, transformers repeats the keys and values to every query
+    head (``repeat_kv``: it uses SDPA's own GQA only without a mask). In training, SDPA's backward keeps the
+    repeated keys and values and the additive mask of each layer, and makes the repeated keys' and values'
+    gradients before summing them per group. Measured on the H200 (run 3: a Mistral-style 0.16B model with a
+    256-token window, prompts of 1024 and 2048 tokens, training on 1024); before, sequences past the window
+    were refused. Mixed precision past the window is refused (autocast's casts of the mask are not modelled)."""
+    if not s.sliding_window:
+        return cache_tokens_after, False
+    kv = min(cache_tokens_after - q_len, s.sliding_window - 1) + q_len
+    return kv, kv >= s.sliding_window
+
+
+def _masked_attention_inputs(e: _Emitter, s: ModelShape, batch: int, q_len: int, kv_tokens: int,
+                             d: int) -> list[int]:
+    """Note [Sliding window]: what SDPA is given beside q when a mask is: the keys and values repeated to every
+    query head (transformers uses SDPA's own GQA only without a mask) and the boolean mask converted to an
+    additive one in the compute dtype. The caller frees them (or keeps them for the backward)."""
+    out = []
+    if s.n_kv_heads != s.n_heads:
+        out += [e.alloc(batch * kv_tokens * s.q_dim * d), e.alloc(batch * kv_tokens * s.q_dim * d)]
+    out.append(e.alloc(batch * q_len * kv_tokens * d))
+    return out
+
+
 def _forward_block(e: _Emitter, s: ModelShape, tokens: int, d: int, cache: list[int], layer: int,
                    cache_tokens_after: int, batch: int, q_len: int) -> int:
     """One decoder block on ``tokens`` tokens; grows ``cache[2*layer:2*layer+2]``; returns the block output id
@@ -283,7 +317,8 @@ def _forward_block(e: _Emitter, s: ModelShape, tokens: int, d: int, cache: list[
     qe = _rope(e, tq)
     ke = _rope(e, tkv)
     e.free(q, k)  # the unrotated q and k go only once both are rotated (apply_rotary_pos_emb returns both)
-    layer_nbytes = batch * cache_tokens_after * s.kv_dim * d
+    kv_tokens, masked = window_tokens(s, cache_tokens_after, q_len)
+    layer_nbytes = batch * kv_tokens * s.kv_dim * d
     for j, src in enumerate((ke, v)):  # DynamicLayer.update: torch.cat([old, new]) allocates before freeing
         new = e.alloc(layer_nbytes, Category.KV_CACHE)
         old = cache[2 * layer + j]
@@ -291,8 +326,11 @@ def _forward_block(e: _Emitter, s: ModelShape, tokens: int, d: int, cache: list[
             e.free(old)
         cache[2 * layer + j] = new
     e.free(ke, v)
+    extra = _masked_attention_inputs(e, s, batch, q_len, kv_tokens, d) if masked else []
     out = e.alloc(tq)
     lse = e.alloc(batch * s.n_heads * q_len * 4)
+    if extra:
+        e.free(*extra)
     flat = e.alloc(tq)
     if s.sub_norms:  # Note [BitNet block]: attn_sub_norm before o_proj
         normed = _norm(e, tokens * s.q_dim * 4, tq)
@@ -428,12 +466,16 @@ def _forward(e: _Emitter, s: ModelShape, batch: int, q_len: int, d: int, cache: 
     emb = e.alloc(tokens * s.hidden_size * d)
     cos, sin = _rotary(e, tokens * s.head_dim, d)
     ws = e.alloc(slack, Category.OVERHEAD) if slack else -1
+    kv_tokens, masked = window_tokens(s, cache_tokens_after, q_len)
+    mask = e.alloc(batch * q_len * kv_tokens) if masked else -1  # Note [Sliding window]: the boolean mask
     x = emb
     for layer in range(s.n_layers):
         y = _forward_block(e, s, tokens, d, cache, layer, cache_tokens_after, batch, q_len)
         if x != emb:
             e.free(x)
         x = y
+    if mask >= 0:
+        e.free(mask)
     nf = _norm(e, tokens * s.hidden_size * 4, tokens * s.hidden_size * d)
     logits = e.alloc(batch * s.vocab_size * d)
     e.free(nf, x, emb, cos, sin, pos, cum)
@@ -712,12 +754,14 @@ def _amp_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: list[i
     return keep, y
 
 
-def _nograd_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: list[int] | None) -> tuple[list[int], int]:
+def _nograd_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: list[int] | None, *,
+                  batch: int = 1, masked: bool = False) -> tuple[list[int], int]:
     """One block's forward without grad (the first pass of gradient checkpointing, Note [Gradient
     checkpointing]): each tensor goes as soon as it is dead, as in the ``generate()`` prefill. ``cast_elements``:
     under autocast (Note [Mixed precision]), the block's weights, whose copies autocast caches (returned, first)
-    while the residual stream and the norms are fp32; None: all in ``d`` bytes. Returns the cached copies and
-    the block's output; the block input is the caller's."""
+    while the residual stream and the norms are fp32; None: all in ``d`` bytes. ``masked``: attention past a
+    sliding window, over ``batch`` sequences (Note [Sliding window]). Returns the cached copies and the block's
+    output; the block input is the caller's."""
     h, i, q, kv = s.hidden_size, s.intermediate_size, s.q_dim, s.kv_dim
     amp = cast_elements is not None
     copies = [e.alloc(n * d) for n in cast_elements] if amp else []
@@ -748,9 +792,10 @@ def _nograd_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: lis
     else:
         qe, ke = _rope(e, t * q * d), _rope(e, t * kv * d)
         e.free(qp, kp)
+    extra = _masked_attention_inputs(e, s, batch, t // batch, t // batch, d) if masked else []
     out = e.alloc(t * q * d)
     lse = e.alloc(t * s.n_heads * 4)
-    e.free(qe, ke, v, lse)
+    e.free(qe, ke, v, lse, *extra)
     flat = e.alloc(t * q * d)
     e.free(out)
     o = e.alloc(t * h * d)
@@ -870,6 +915,11 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         raise InvalidArgumentError("full training of 1-byte (int8/fp8) weights is not modelled: PyTorch has no "
                                    "1-byte gradients or AdamW states for them; train 16-bit or fp32 weights, or "
                                    "LoRA adapters on the frozen 1-byte base")
+    _, masked = window_tokens(shape, seq_len, seq_len)
+    if masked and amp:
+        raise InvalidArgumentError(f"mixed precision past the sliding window ({seq_len} tokens, window "
+                                   f"{shape.sliding_window}) is not modelled (autocast's casts of the repeated "
+                                   "keys and values and of the mask)")
     d = AUTOCAST_DTYPE_BYTES[mixed_precision] if amp else max(dtype_bytes, 2)
     r = 4 if amp else d  # Note [Mixed precision]: the residual stream, the embeddings' output and cos/sin in fp32
     s = shape
@@ -906,6 +956,7 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         ids = e.alloc(t * 8)
         emb = e.alloc(t * h * r)
         cos, sin = e.alloc(t * s.head_dim * r), e.alloc(t * s.head_dim * r)
+        mask = e.alloc(batch_size * seq_len * seq_len) if masked else -1  # Note [Sliding window]
         saved: list[list[int]] = []
         inputs: list[int] = []  # gradient checkpointing: each block's input, kept for the recompute
         cached: list[int] = []  # Note [Mixed precision]: autocast's weight copies of a no-grad forward
@@ -920,9 +971,19 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             weight_only = [] if lora is not None else keep
             keep.append(e.alloc(t * h * 4))  # norm 1's fp32 input
             weight_only.append(e.alloc(t * h * d))  # norm 1's output (q/k/v's input)
-            keep += [e.alloc(t * s.q_dim * d), e.alloc(t * s.kv_dim * d), e.alloc(t * s.kv_dim * d)]  # q, k rotated, v
+            keep.append(e.alloc(t * s.q_dim * d))  # q rotated
+            kv = [e.alloc(t * s.kv_dim * d), e.alloc(t * s.kv_dim * d)]  # k rotated, v
             tmp = e.alloc(t * s.q_dim * d)  # rope temporaries (one live at a time beyond the kept ones)
             e.free(tmp)
+            if masked:  # Note [Sliding window]: SDPA saves the repeated keys and values and the additive mask
+                extra = _masked_attention_inputs(e, s, batch_size, seq_len, seq_len, d)
+                keep += extra
+                if len(extra) == 3:  # repeated: the unrepeated ones are saved by nothing
+                    e.free(*kv)
+                else:
+                    keep += kv
+            else:
+                keep += kv
             keep.append(e.alloc(t * s.q_dim * d))  # sdpa out
             weight_only.append(e.alloc(t * s.q_dim * d))  # its reshaped copy (o_proj's input)
             keep.append(e.alloc(t * s.n_heads * 4))  # logsumexp
@@ -950,7 +1011,8 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         x = emb
         for _ in range(s.n_layers):
             if gradient_checkpointing:  # no_grad forward: nothing is kept but the block input
-                copies, y = _nograd_block(e, s, t, d, cast_elements if amp else None)
+                copies, y = _nograd_block(e, s, t, d, cast_elements if amp else None, batch=batch_size,
+                                          masked=masked)
                 if lora is not None:  # the adapters' tensors, dead as soon as made
                     for target in lora.targets:
                         out_f, in_f = dims[target]
@@ -970,6 +1032,8 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
                 e.free(x)  # the block input: the norm saved its fp32 copy, the residual add saves nothing
             x = y
             saved.append(keep)
+        if mask >= 0:  # the model's forward returns: its boolean mask goes
+            e.free(mask)
         if amp:  # final norm in fp32, its output cast for lm_head, whose weight is cast too
             nf32 = e.alloc(t * h * 4)
             out32 = e.alloc(t * h * 4)
@@ -1023,6 +1087,8 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             for _, n in per[:4]:
                 grad(n)
             gq = e.alloc(t * s.q_dim * d)
+            if masked and s.n_kv_heads != s.n_heads:  # the repeated keys' and values' gradients, summed per group
+                e.free(e.alloc(t * s.q_dim * d), e.alloc(t * s.q_dim * d))
             e.free(gq)
             for name, n in per[7:]:
                 grad(n, cast="norm" not in name)

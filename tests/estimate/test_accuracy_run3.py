@@ -53,3 +53,30 @@ def test_the_tied_gradient_is_made_by_lm_heads_backward_and_held_through_the_blo
     assert first_block_backward and matrix[1] < first_block_backward[0]
     grad_free = [i for i in np.flatnonzero(tr.kinds == 1) if tr.alloc_ids[i] == tr.alloc_ids[matrix[1]]]
     assert grad_free and grad_free[0] > matrix[2]  # held until the embedding's gradient was added into it
+
+
+def test_sliding_window_past_the_window_is_within_3_percent_above_the_h200():
+    """Note [Sliding window]: prompts of 4 and 8 windows and training on 4 windows; before, refused."""
+    rows = _rows("mistral-small-swa")
+    assert len(rows) == 3
+    for row in rows:
+        est = harness.estimate(row, "sim:h200-141gb")
+        for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
+            assert 0 <= est[key] / row[key] - 1 <= 0.03, (row["kind"], row["prompt_len"], key)
+
+
+def test_the_sliding_cache_holds_the_window_after_the_prefill():
+    """Note [Sliding window]: the prefill's cache is the whole prompt; each decode step's is the window."""
+    import dataclasses
+
+    from gpumem.estimate.shape import ModelShape
+    from gpumem.estimate.workload import Category, inference_trace, window_tokens
+
+    s = ModelShape(256, 688, 2, 1000, 4, 2, sliding_window=64)
+    assert window_tokens(s, 200, 200) == (200, True) and window_tokens(s, 201, 1) == (64, True)
+    assert window_tokens(s, 40, 40) == (40, False) and window_tokens(s, 41, 1) == (41, False)
+    full = dataclasses.replace(s, sliding_window=0)
+    short = inference_trace(s, 2, batch_size=1, prompt_len=32, new_tokens=200)
+    long = inference_trace(full, 2, batch_size=1, prompt_len=32, new_tokens=200)
+    assert short.peak_nbytes < long.peak_nbytes  # the full cache grows to 232 tokens, the sliding one stays at 64
+    assert short.at_peak[Category.KV_CACHE] <= 2 * 2 * 64 * s.kv_dim * 2 + 2 * s.kv_dim * 2 * 2

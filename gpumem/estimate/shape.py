@@ -83,8 +83,14 @@ class ModelShape:
     ``down_proj`` (Note [BitNet block] in :mod:`.workload`)."""
     activation: str = "silu"
     """The gated MLP's activation: ``silu`` (Llama) or ``relu2`` (BitNet: ``relu(x)**2``, two temporaries)."""
+    always_masked: bool = False
+    """Every forward builds a boolean attention mask, within any window (Note [Sliding window] in
+    :mod:`.workload`): transformers 5.17's Qwen2-MoE builds its sliding-window mask whenever its config has a
+    ``sliding_window``, ``use_sliding_window`` false included."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.always_masked, bool):
+            raise InvalidArgumentError(f"always_masked must be true or false, got {self.always_masked!r:.40}")
         for name in ("hidden_size", "intermediate_size", "n_layers", "vocab_size", "n_heads", "n_kv_heads"):
             _positive_int(name, getattr(self, name), SHAPE_CAPS[name])
         if self.head_dim == 0:
@@ -452,7 +458,8 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]", *
     shape = ModelShape(fields["hidden_size"], fields["intermediate_size"], fields["n_layers"], fields["vocab_size"],
                        fields["n_heads"], n_kv, head_dim, tie, bias, window, **moe,
                        sub_norms=cfg.get("model_type") == "bitnet",
-                       activation="relu2" if cfg.get("model_type") == "bitnet" else "silu")
+                       activation="relu2" if cfg.get("model_type") == "bitnet" else "silu",
+                       always_masked=cfg.get("model_type") == "qwen2_moe" and cfg.get("sliding_window") not in _NEUTRAL)
     return shape, DTYPE_BYTES[dtype_name]
 
 

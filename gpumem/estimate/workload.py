@@ -279,28 +279,50 @@ def window_tokens(s: ModelShape, cache_tokens_after: int, q_len: int) -> tuple[i
     and returns the whole concatenation: the prefill stores all ``prompt`` tokens (the view holds the whole
     tensor), and each decode step makes a tensor of ``min(seen, window)`` tokens that replaces the previous one.
     A forward whose key length reaches the window cannot skip the mask (``_ignore_causal_mask_sdpa``): the
-    model makes one boolean ``[batch, 1, q, kv]`` mask per forward, SDPA converts it to an additive mask in
-    the compute dtype per layer, and, with a mask, transformers repeats the keys and values to every query
-    head (``repeat_kv``: it uses SDPA's own GQA only without a mask). In training, SDPA's backward keeps the
-    repeated keys and values and the additive mask of each layer, and makes the repeated keys' and values'
-    gradients before summing them per group. Measured on the H200 (run 3: a Mistral-style 0.16B model with a
-    256-token window, prompts of 1024 and 2048 tokens, training on 1024); before, sequences past the window
-    were refused. Mixed precision past the window is refused (autocast's casts of the mask are not modelled)."""
+    model makes one boolean ``[batch, 1, q, kv]`` mask per forward (SDPA takes it as it is: the H200's
+    snapshot of Qwen2-MoE, run 3, shows no converted copy), and, with a mask, transformers repeats the keys and
+    values to every query head (``repeat_kv``: it uses SDPA's own GQA only without a mask). In training, SDPA's
+    backward keeps the repeated keys and values, and makes their gradients before summing them per group; the
+    measured row also holds one mask-sized tensor in the compute dtype per layer, kept here to the layer's
+    backward (not identified: no snapshot of that row). Qwen2-MoE builds its sliding mask within any window
+    (``ModelShape.always_masked``): run 2's batch 16 x 2048 row was 1.1 % below for want of its 64 MiB. Measured
+    on the H200 (run 3: a Mistral-style 0.16B model with a 256-token window, prompts of 1024 and 2048 tokens,
+    training on 1024); before, sequences past the window were refused. Mixed precision past the window is
+    refused (autocast's casts of the mask are not modelled)."""
     if not s.sliding_window:
-        return cache_tokens_after, False
+        return cache_tokens_after, s.always_masked
     kv = min(cache_tokens_after - q_len, s.sliding_window - 1) + q_len
     return kv, kv >= s.sliding_window
 
 
-def _masked_attention_inputs(e: _Emitter, s: ModelShape, batch: int, q_len: int, kv_tokens: int,
-                             d: int) -> list[int]:
-    """Note [Sliding window]: what SDPA is given beside q when a mask is: the keys and values repeated to every
-    query head (transformers uses SDPA's own GQA only without a mask) and the boolean mask converted to an
-    additive one in the compute dtype. The caller frees them (or keeps them for the backward)."""
+def _bool_mask(e: _Emitter, batch: int, q_len: int, kv_tokens: int) -> int:
+    """Note [Sliding window]: ``sdpa_mask`` of transformers 5.17 (as the H200's snapshot of Qwen2-MoE shows it):
+    the padding, causal and window conditions as ``[q, kv]`` booleans combined pairwise (two live at a time),
+    then the ``[batch, 1, q, kv]`` mask; returns the mask."""
+    n = q_len * kv_tokens
+    t1 = e.alloc(n)
+    t2 = e.alloc(n)
+    e.free(t1)
+    t3 = e.alloc(n)
+    t4 = e.alloc(n)
+    e.free(t3, t2)
+    t5 = e.alloc(n)
+    e.free(t4)
+    mask = e.alloc(batch * n)
+    e.free(t5)
+    return mask
+
+
+def _masked_attention_inputs(e: _Emitter, s: ModelShape, batch: int, q_len: int, kv_tokens: int, d: int, *,
+                             training: bool = False) -> list[int]:
+    """Note [Sliding window]: what a masked attention adds: the keys and values repeated to every query head
+    (transformers uses SDPA's own GQA only without a mask) and, in training, one mask-sized tensor in the
+    compute dtype per layer. The caller frees them (or keeps them for the backward)."""
     out = []
     if s.n_kv_heads != s.n_heads:
         out += [e.alloc(batch * kv_tokens * s.q_dim * d), e.alloc(batch * kv_tokens * s.q_dim * d)]
-    out.append(e.alloc(batch * q_len * kv_tokens * d))
+    if training:
+        out.append(e.alloc(batch * q_len * kv_tokens * d))
     return out
 
 
@@ -467,7 +489,7 @@ def _forward(e: _Emitter, s: ModelShape, batch: int, q_len: int, d: int, cache: 
     cos, sin = _rotary(e, tokens * s.head_dim, d)
     ws = e.alloc(slack, Category.OVERHEAD) if slack else -1
     kv_tokens, masked = window_tokens(s, cache_tokens_after, q_len)
-    mask = e.alloc(batch * q_len * kv_tokens) if masked else -1  # Note [Sliding window]: the boolean mask
+    mask = _bool_mask(e, batch, q_len, kv_tokens) if masked else -1  # Note [Sliding window]
     x = emb
     for layer in range(s.n_layers):
         y = _forward_block(e, s, tokens, d, cache, layer, cache_tokens_after, batch, q_len)
@@ -956,7 +978,7 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         ids = e.alloc(t * 8)
         emb = e.alloc(t * h * r)
         cos, sin = e.alloc(t * s.head_dim * r), e.alloc(t * s.head_dim * r)
-        mask = e.alloc(batch_size * seq_len * seq_len) if masked else -1  # Note [Sliding window]
+        mask = _bool_mask(e, batch_size, seq_len, seq_len) if masked else -1  # Note [Sliding window]
         saved: list[list[int]] = []
         inputs: list[int] = []  # gradient checkpointing: each block's input, kept for the recompute
         cached: list[int] = []  # Note [Mixed precision]: autocast's weight copies of a no-grad forward
@@ -976,7 +998,7 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             tmp = e.alloc(t * s.q_dim * d)  # rope temporaries (one live at a time beyond the kept ones)
             e.free(tmp)
             if masked:  # Note [Sliding window]: SDPA saves the repeated keys and values and the additive mask
-                extra = _masked_attention_inputs(e, s, batch_size, seq_len, seq_len, d)
+                extra = _masked_attention_inputs(e, s, batch_size, seq_len, seq_len, d, training=True)
                 keep += extra
                 if len(extra) == 3:  # repeated: the unrepeated ones are saved by nothing
                     e.free(*kv)

@@ -10,7 +10,8 @@ parts]).
     python benchmarks/accuracy_recompute.py --out DIR [RECORD.json ...]
 
 Without records it reads the records of ``DEFAULT_RECORDS`` (every measured accuracy record of reports/hil).
-Writes ``DIR/accuracy-recomputed.json`` and ``DIR/accuracy-recomputed.md``.
+Writes ``DIR/accuracy-recomputed.json`` and ``DIR/accuracy-recomputed.md``; with ``--before OTHER.json`` (this
+file as another checkout wrote it) also ``DIR/accuracy-compared.md``, each row before and after.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ DEFAULT_RECORDS = (
     "reports/hil/estimate-fit-check-3b-h200-2026-11-22.json",
     "reports/hil/estimate-accuracy-h200-2026-11-25.json",
     "reports/hil/estimate-accuracy-h200-2026-11-25-run2.json",
+    "reports/hil/estimate-accuracy-h200-2026-11-25-run3.json",
 )
 
 #: Note [Tuning and check parts]: the rows are split once, by model, before any fix of issue 22's accuracy
@@ -126,11 +128,45 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
+def _key(r: dict[str, Any]) -> tuple[Any, ...]:
+    return (r["record"], r["model"], r["kind"], r["batch_size"], r["prompt_len"], r["new_tokens"],
+            json.dumps(r.get("extra") or {}, sort_keys=True))
+
+
+def compare_markdown(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
+    """Each row's errors before and after (``before`` recomputed by another checkout's estimator), by part;
+    ``*`` marks a figure outside [0 %, +3 %]."""
+    old = {_key(r): r for r in before}
+
+    def fig(r: dict[str, Any] | None, key: str) -> str:
+        if r is None or "error" in r:
+            return "refused" if r is not None else "-"
+        return f"{r[key]:+.2%}" + ("*" if r[key] < 0 or r[key] > 0.03 else "")
+
+    lines: list[str] = []
+    for name in ("tuning", "check", "new"):
+        sel = [r for r in after if r["part"] == name]
+        if not sel:
+            continue
+        lines += ["", f"### {name} part ({len(sel)} rows)", "",
+                  "| record | row | batch x prompt + new | alloc before | alloc after | reserved before | reserved after |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in sel:
+            b = old.get(_key(r))
+            rec = r["record"].removeprefix("estimate-").removesuffix(".json").replace("-h200-2026-", " ")
+            lines.append(f"| {rec} | {_label(r)} {r['model']} | {r['batch_size']} x {r['prompt_len']} + "
+                         f"{r['new_tokens']} | {fig(b, 'alloc_error')} | {fig(r, 'alloc_error')} | "
+                         f"{fig(b, 'reserved_error')} | {fig(r, 'reserved_error')} |")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("records", nargs="*", type=Path)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--device-spec", default="sim:h200-141gb")
+    ap.add_argument("--before", type=Path, help="an accuracy-recomputed.json of another checkout: also write "
+                                                 "accuracy-compared.md, each row's errors before and after")
     args = ap.parse_args(argv)
     paths = args.records or [ROOT / p for p in DEFAULT_RECORDS]
     rows = recompute(paths, args.device_spec)
@@ -138,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "accuracy-recomputed.json").write_text(json.dumps(rows, indent=1))
     text = to_markdown(rows)
     (args.out / "accuracy-recomputed.md").write_text(text)
+    if args.before:
+        text = compare_markdown(json.loads(args.before.read_text()), rows)
+        (args.out / "accuracy-compared.md").write_text(text)
     print(text)
     return 0
 

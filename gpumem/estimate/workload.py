@@ -363,7 +363,7 @@ def _forward_block(e: _Emitter, s: ModelShape, tokens: int, d: int, cache: list[
     e.free(flat)
     n2 = _norm(e, tokens * h * 4, th)
     if s.n_experts:
-        dn = _moe(e, s, tokens, d)
+        dn = _moe(e, s, tokens, d, batched=q_len == 1)  # Note [Mixture of experts]: decode steps gather
         e.free(n2)
     else:
         g = e.alloc(ti)
@@ -407,7 +407,7 @@ def _gated_mlp(e: _Emitter, tokens: int, width: int, h: int, d: int, fused: bool
     return out
 
 
-def _moe(e: _Emitter, s: ModelShape, tokens: int, d: int) -> int:
+def _moe(e: _Emitter, s: ModelShape, tokens: int, d: int, batched: bool = False) -> int:
     """Note [Mixture of experts]: a sparse MoE block as transformers 5.17 runs it on ``tokens`` tokens (its
     default experts path on an H200, ``grouped_mm``, recorded in the run2 accuracy report); returns its output
     (``tokens x h``). The router keeps its logits to the block's end (``_, weights, index = self.gate(x)``)
@@ -416,11 +416,12 @@ def _moe(e: _Emitter, s: ModelShape, tokens: int, d: int) -> int:
     gather the hidden states in that order, run one grouped ``gate_up`` product (its output masked into a new
     tensor), ``act(gate) * up``, one grouped ``down`` product (masked again), weight it (fp32 with Mixtral's
     fp32 weights), put it back in order and sum over the ``k`` experts of each token; the function's locals
-    live until it returns. None of these sizes depends on how the router spreads the tokens. Qwen2-MoE runs
+    live until it returns. None of these sizes depends on how the router spreads the tokens. Decode steps
+    (``batched``) run the experts by ``batched_mm`` instead (:func:`_batched_experts`: the H200's snapshots of
+    run 3 show it in every decode step of both models, ``grouped_mm`` in the prefill). Qwen2-MoE runs
     its shared expert first and holds its output while the routed experts run, then gates it by a sigmoid
     and adds it (a new tensor). Training a MoE model is refused (not modelled)."""
     h, k, n_exp = s.hidden_size, s.experts_per_token, s.n_experts
-    ie, pairs = s.expert_intermediate_size, tokens * k
     w_bytes = d if s.router_weights_cast else 4
     shared = _gated_mlp(e, tokens, s.shared_expert_intermediate_size, h, d, fused=False) \
         if s.shared_expert_intermediate_size else -1
@@ -438,6 +439,23 @@ def _moe(e: _Emitter, s: ModelShape, tokens: int, d: int) -> int:
         e.free(top_w)
         top_w = cast_w
     e.free(probs)
+    out = (_batched_experts if batched else _grouped_experts)(e, s, tokens, d, w_bytes)
+    if shared >= 0:
+        gate = e.alloc(tokens * d)
+        sig = e.alloc(tokens * d)
+        e.free(gate)
+        g_out = e.alloc(tokens * h * d)
+        e.free(sig, shared)
+        summed = e.alloc(tokens * h * d)
+        e.free(out, g_out)
+        out = summed
+    e.free(top_w, top_i, logits)
+    return out
+
+
+def _grouped_experts(e: _Emitter, s: ModelShape, tokens: int, d: int, w_bytes: int) -> int:
+    """The routed experts of :func:`_moe` by ``grouped_mm`` (transformers 5.17's prefill); returns their sum."""
+    h, n_exp, ie, pairs = s.hidden_size, s.n_experts, s.expert_intermediate_size, tokens * s.experts_per_token
     ids_g, perm = e.alloc(pairs * 8), e.alloc(pairs * 8)  # torch.sort(expert_ids)
     div = e.alloc(pairs * 8)  # perm // k
     sel = e.alloc(pairs * h * d)  # hidden_states[perm // k]
@@ -466,18 +484,34 @@ def _moe(e: _Emitter, s: ModelShape, tokens: int, d: int) -> int:
         e.free(out)
         out = cast
     e.free(*kept, masked, inv, ordered)
-    if shared >= 0:
-        gate = e.alloc(tokens * d)
-        sig = e.alloc(tokens * d)
-        e.free(gate)
-        g_out = e.alloc(tokens * h * d)
-        e.free(sig, shared)
-        summed = e.alloc(tokens * h * d)
-        e.free(out, g_out)
-        out = summed
-    e.free(top_w, top_i, logits)
     return out
 
+
+def _batched_experts(e: _Emitter, s: ModelShape, tokens: int, d: int, w_bytes: int) -> int:
+    """The routed experts of :func:`_moe` by ``batched_mm`` (transformers 5.17's decode steps, in the H200's
+    snapshots of run 3): each token-expert pair's ``gate_up`` and ``down`` weights gathered into new tensors
+    (``gate_up_proj[expert_ids]``: ``S x 2I x H``, then ``S x H x I``, both live while the second is made), the
+    hidden states repeated ``k`` times, batched products, weighted (fp32 with Mixtral's fp32 weights) and summed
+    per token; returns the sum."""
+    h, ie, pairs = s.hidden_size, s.expert_intermediate_size, tokens * s.experts_per_token
+    sel, ids = e.alloc(pairs * h * d), e.alloc(pairs * 8)  # repeat_interleave, expert ids
+    w_gate_up = e.alloc(pairs * 2 * ie * h * d)
+    proj = e.alloc(pairs * 2 * ie * d)
+    act = e.alloc(pairs * ie * d)
+    gated = e.alloc(pairs * ie * d)
+    e.free(act, proj)
+    w_down = e.alloc(pairs * h * ie * d)
+    e.free(w_gate_up)
+    down = e.alloc(pairs * h * d)
+    e.free(gated)
+    weighted = e.alloc(pairs * h * w_bytes)
+    out = e.alloc(tokens * h * w_bytes)  # .view(T, k, h).sum(1)
+    if w_bytes != d:
+        cast = e.alloc(tokens * h * d)  # .to(hidden_states.dtype)
+        e.free(out)
+        out = cast
+    e.free(sel, ids, w_down, down, weighted)
+    return out
 
 def _forward(e: _Emitter, s: ModelShape, batch: int, q_len: int, d: int, cache: list[int], cache_tokens_after: int,
              slack: int) -> None:

@@ -162,9 +162,11 @@ def run_generate(torch: Any, model: Any, row: Row) -> None:
     row.after_allocated_bytes = torch.cuda.memory_allocated()
 
 
-def run_train(torch: Any, model: Any, row: Row, n_steps: int = 2, autocast: bool = False) -> None:
+def run_train(torch: Any, model: Any, row: Row, n_steps: int = 2, autocast: bool | str | None = False) -> None:
     """Run ``n_steps`` AdamW training steps (the model's weights, default foreach AdamW) and fill ``row``;
-    ``autocast``: the forward under ``torch.autocast`` in bf16 (mixed precision on fp32 master weights)."""
+    ``autocast``: the forward under ``torch.autocast`` in ``"bf16"`` (or ``True``) or ``"fp16"`` (mixed
+    precision on fp32 master weights)."""
+    amp_dtype = torch.float16 if autocast == "fp16" else torch.bfloat16
     model.train()
     model.config.use_cache = False
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -177,7 +179,7 @@ def run_train(torch: Any, model: Any, row: Row, n_steps: int = 2, autocast: bool
         t0 = time.perf_counter()
         for step in range(n_steps):
             ids = torch.randint(3, vocab, (row.batch_size, row.prompt_len), device="cuda", generator=gen)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            with torch.autocast("cuda", dtype=amp_dtype, enabled=bool(autocast)):
                 out = model(input_ids=ids, labels=ids)
             out.loss.backward()
             opt.step()

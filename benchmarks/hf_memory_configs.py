@@ -33,15 +33,20 @@ HERE = Path(__file__).resolve().parent
 CONFIGS = HERE.parent / "tests" / "estimate" / "configs"
 sys.path.insert(0, str(HERE))
 
+from hf_memory import MODELS as LLAMA_MODELS  # noqa: E402  (imports neither torch nor transformers)
+
 log = logging.getLogger("hf_memory_configs")
+
+#: The 0.16B shrink of Qwen2-7B's dimensions, and with the vocabulary and special tokens of its runs.
+QWEN2_SMALL_DIMS: dict[str, Any] = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+                                    "num_attention_heads": 16, "num_key_value_heads": 4}
+QWEN2_SMALL: dict[str, Any] = {**QWEN2_SMALL_DIMS, "vocab_size": 32000, "bos_token_id": 1, "eos_token_id": 2}
 
 #: name -> (config file, overrides, generate rows (batch, prompt, new), training rows (batch, seq, gradient
 #: checkpointing)).
 PLANS: dict[str, tuple[str, dict[str, Any], list[tuple[int, int, int]], list[tuple[int, int, bool]]]] = {
     "qwen2-7b": ("qwen2-7b.json", {}, [(1, 512, 16), (8, 1024, 16), (4, 2048, 64)], []),
-    "qwen2-small": ("qwen2-7b.json", {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
-                                      "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 32000,
-                                      "bos_token_id": 1, "eos_token_id": 2},
+    "qwen2-small": ("qwen2-7b.json", QWEN2_SMALL,
                     [(2, 256, 16), (16, 1024, 32)], [(2, 512, False), (8, 1024, False), (8, 1024, True),
                                                      (16, 2048, True)]),
     "mistral-7b": ("mistral-7b-v0.1.json", {}, [(1, 1024, 16), (8, 2048, 16), (2, 4000, 64)], []),
@@ -60,25 +65,121 @@ PLANS: dict[str, tuple[str, dict[str, Any], list[tuple[int, int, int]], list[tup
                                                   "num_key_value_heads": 4, "vocab_size": 32000, "bos_token_id": 1,
                                                   "eos_token_id": 2, "_fp32_master": True},
                                 [], [(2, 512, False), (8, 1024, False), (8, 1024, True)]),
+    # Note [Modes measured by hand]: LoRA adapters of rank 16 on all seven projections of a frozen bf16 base,
+    # added by hand as PEFT adds them (``_LoraLinear``); no PEFT on the device
+    "qwen2-small-lora": ("qwen2-7b.json", {**QWEN2_SMALL, "_lora_rank": 16}, [],
+                         [(4, 512, False), (8, 1024, False), (8, 1024, True)]),
+    "qwen2-small-lora-qv": ("qwen2-7b.json", {**QWEN2_SMALL, "_lora_rank": 16, "_lora_targets": ["q_proj", "v_proj"]},
+                            [], [(8, 1024, False)]),
+    # sliding-window attention past its window: a Mistral-style model with a 256-token window
+    "mistral-small-swa": ("mistral-7b-v0.1.json", {**QWEN2_SMALL_DIMS, "sliding_window": 256},
+                          [(4, 1024, 32), (1, 2048, 16)], [(4, 1024, False)]),
+    # tied input and output embeddings (one vocab x hidden matrix)
+    "qwen2-small-tied": ("qwen2-7b.json", {**QWEN2_SMALL, "tie_word_embeddings": True}, [(4, 512, 16)],
+                         [(4, 512, False)]),
+    # mixed precision under fp16 autocast on fp32 master weights
+    "qwen2-small-fp16-master": ("qwen2-7b.json", {**QWEN2_SMALL, "_fp32_master": True, "_autocast": "fp16"}, [],
+                                [(4, 512, False)]),
+    # benchmarks/hf_memory.py's Llama models (as its build_model makes them), for their training rows again
+    "llama-0.1b": ("llama-dims.json", LLAMA_MODELS["llama-0.1b"], [], [(1, 512, False)]),
+    "llama-3b-gqa": ("llama-dims.json", LLAMA_MODELS["llama-3b-gqa"], [], [(1, 2048, False)]),
 }
+
+#: Plans measured again, with a memory snapshot of each row: ``name-recheck`` is plan ``name`` with these rows.
+RECHECK: dict[str, tuple[list[tuple[int, int, int]], list[tuple[int, int, bool]]]] = {
+    "qwen2-small": ([(16, 1024, 32)], [(2, 512, False), (8, 1024, True)]),
+    "mixtral-small": ([(1, 512, 16)], []),
+    "qwen2-moe-small": ([(16, 2048, 16)], []),
+    "qwen2-7b": ([(1, 512, 16)], []),
+    "llama-0.1b": ([], [(1, 512, False)]),
+    "llama-3b-gqa": ([], [(1, 2048, False)]),
+}
+RECHECK_SUFFIX = "-recheck"
+
+
+def _plan(name: str) -> tuple[str, dict[str, Any], list[tuple[int, int, int]], list[tuple[int, int, bool]]]:
+    """Plan ``name``; ``X-recheck`` is plan ``X`` with the rows of ``RECHECK[X]``."""
+    if name.endswith(RECHECK_SUFFIX) and name[:-len(RECHECK_SUFFIX)] in RECHECK:
+        base = name[:-len(RECHECK_SUFFIX)]
+        return (PLANS[base][0], PLANS[base][1], *RECHECK[base])
+    return PLANS[name]
 
 
 def _config(name: str) -> dict[str, Any]:
-    file, over, _, _ = PLANS[name]
+    file, over, _, _ = _plan(name)
     cfg = json.loads((CONFIGS / file).read_text())
     cfg.update(over)
     return cfg
 
 
-def measure(name: str, out: Path) -> None:
-    """Build ``name`` and run its rows (in this process); write ``out``."""
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_ALPHA = 32
+
+
+def add_lora(torch: Any, model: Any, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
+    """Note [Modes measured by hand]: freeze ``model`` and wrap each projection of ``targets`` in a LoRA
+    layer as PEFT's ``lora.Linear`` makes it with its defaults (``autocast_adapter_dtype=True``: fp32 adapters
+    on a bf16 base; dropout 0: an identity; B zero, A Kaiming-uniform), whose forward is PEFT's: the base
+    output, the input cast to the adapters' dtype, ``result + B(A(x)) * scaling``, cast back to the base
+    output's dtype. Returns the number of trainable parameters."""
+    nn = torch.nn
+
+    class LoraLinear(nn.Module):
+        def __init__(self, base: Any) -> None:
+            super().__init__()
+            self.base_layer = base
+            self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=base.weight.device, dtype=torch.float32)
+            self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=base.weight.device,
+                                    dtype=torch.float32)
+            nn.init.zeros_(self.lora_B.weight)
+            self.scaling = LORA_ALPHA / rank
+
+        def forward(self, x: Any) -> Any:
+            result = self.base_layer(x)
+            dtype = result.dtype
+            x = x.to(self.lora_A.weight.dtype)
+            result = result + self.lora_B(self.lora_A(x)) * self.scaling
+            return result.to(dtype)
+
+    model.requires_grad_(False)
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if child_name in targets and isinstance(child, nn.Linear):
+                setattr(module, child_name, LoraLinear(child))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _snapshot_start(torch: Any) -> None:
+    torch.cuda.memory._record_memory_history(max_entries=400_000, stacks="python")
+
+
+def _snapshot_take(torch: Any) -> dict[str, Any]:
+    """The allocator's trace since ``_snapshot_start`` (actions, addresses, sizes, four innermost frames) and its
+    segments at the end; recording stops."""
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    trace = [[e["action"], e["addr"], e["size"], e.get("stream", 0),
+              [f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in e.get("frames", [])[:4]]]
+             for e in snap["device_traces"][0]]
+    segs = [[s["address"], s["total_size"], s["segment_type"], s.get("allocated_size", 0)] for s in snap["segments"]]
+    return {"trace": trace, "segments": segs}
+
+
+def measure(name: str, out: Path, snapshots: Path | None = None) -> None:
+    """Build ``name`` and run its rows (in this process); write ``out``; with ``snapshots``, a memory snapshot of
+    each row into that file (gzip JSON)."""
+    import gzip
+
     import torch
     import transformers
     from hf_memory import Row, _reset, guarded, run_generate, run_train
 
     cfg = _config(name)
     master = bool(cfg.pop("_fp32_master", False))
-    _, _, gen, train = PLANS[name]
+    autocast = cfg.pop("_autocast", "bf16" if master else None)
+    lora_rank = cfg.pop("_lora_rank", None)
+    lora_targets = tuple(cfg.pop("_lora_targets", LORA_TARGETS))
+    _, _, gen, train = _plan(name)
     config = transformers.AutoConfig.for_model(
         cfg["model_type"], attn_implementation="sdpa",
         **{k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")})
@@ -91,31 +192,58 @@ def measure(name: str, out: Path) -> None:
     finally:
         torch.set_default_dtype(old)
     model = model.to(torch.float32 if master else torch.bfloat16).eval()
+    trainable = add_lora(torch, model, lora_rank, lora_targets) if lora_rank else None
     torch.cuda.synchronize()
     meta = {"weights_allocated": torch.cuda.memory_allocated(), "n_params": sum(p.numel() for p in model.parameters()),
+            "trainable_params": trainable,
             "experts_implementation": str(getattr(config, "experts_implementation", getattr(
                 config, "_experts_implementation", None))),
             "param_shapes": [[n, list(p.shape)] for n, p in list(model.named_parameters())[:16]]}
     rows = []
+    snaps: dict[str, Any] = {}
+
+    def run(row: Any, fn: Any) -> None:
+        if snapshots is not None:
+            _snapshot_start(torch)
+        rows.append(guarded(torch, fn, row))
+        if snapshots is not None:
+            key = (f"{row.kind} b={row.batch_size} p={row.prompt_len} n={row.new_tokens} "
+                   f"ckpt={row.extra.get('gradient_checkpointing', False)}")
+            try:  # a snapshot that fails loses itself, not the row
+                snaps[key] = _snapshot_take(torch)
+            except Exception as exc:  # noqa: BLE001
+                snaps[key] = {"error": f"{type(exc).__name__}: {exc}"}
+                torch.cuda.memory._record_memory_history(enabled=None)
+
     for b, p, n in gen:
-        rows.append(guarded(torch, lambda r: run_generate(torch, model, r), Row("generate", name, cfg, b, p, n)))
+        run(Row("generate", name, cfg, b, p, n), lambda r: run_generate(torch, model, r))
     for b, s, ckpt in train:
+        hook = None
         if ckpt:
             model.gradient_checkpointing_enable()
+            if lora_rank:  # as PEFT does (enable_input_require_grads) under gradient checkpointing on a frozen base
+                hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: o.requires_grad_(True))
         row = Row("train", name, cfg, b, s, 0)
-        row.extra["gradient_checkpointing"] = ckpt
-        row.extra["fp32_master"] = master
-        rows.append(guarded(torch, lambda r: run_train(torch, model, r, autocast=master), row))
+        row.extra.update(gradient_checkpointing=ckpt, fp32_master=master, autocast=autocast, lora_rank=lora_rank,
+                         lora_targets=list(lora_targets) if lora_rank else None)
+        run(row, lambda r: run_train(torch, model, r, autocast=autocast))
         if ckpt:
             model.gradient_checkpointing_disable()
+        if hook is not None:
+            hook.remove()
     out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}))
+    if snapshots is not None:
+        with gzip.open(snapshots, "wt") as f:
+            json.dump(snaps, f)
 
 
 def estimate(row: dict[str, Any], device: str) -> dict[str, Any]:
     """gpumem's estimate of a measured row, through ``gpumem estimate``'s own code."""
     from gpumem.commands.estimate import estimate_rows
 
-    master = bool(row.get("extra", {}).get("fp32_master"))
+    extra = row.get("extra", {})
+    master = bool(extra.get("fp32_master"))
+    mixed = (extra.get("autocast") or "bf16") if master else None
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(row["config"], f)
     try:
@@ -126,7 +254,8 @@ def estimate(row: dict[str, Any], device: str) -> dict[str, Any]:
             max_seq_len=None, training=row["kind"] == "train", dtype=["fp32" if master else "bf16"], policy=["pytorch"], device=device,
             no_reserved=False, json=True,
             gradient_checkpointing=bool(row.get("extra", {}).get("gradient_checkpointing")), optimizer_8bit=False,
-            lora_rank=None, lora_targets=None, mixed_precision="bf16" if master else None)
+            lora_rank=extra.get("lora_rank"),
+            lora_targets=",".join(extra["lora_targets"]) if extra.get("lora_targets") else None, mixed_precision=mixed)
         (est,) = estimate_rows(ns)
     finally:
         os.unlink(f.name)
@@ -136,18 +265,24 @@ def estimate(row: dict[str, Any], device: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--plan", default=",".join(PLANS))
+    ap.add_argument("--plan", default=",".join(PLANS),
+                    help="comma-separated plans; NAME-recheck measures the rows of RECHECK[NAME] again, with a "
+                         "memory snapshot of each")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # child: measure one plan into --out
+    ap.add_argument("--snapshots", type=Path, help=argparse.SUPPRESS)  # child: its rows' memory snapshots
     ap.add_argument("--recompute", type=Path,
                     help="no measuring: an estimate-accuracy.json measured before, its estimates recomputed by this "
                          "checkout's code (written under --out)")
+    ap.add_argument("--no-estimate", action="store_true",
+                    help="measure only (rows 'measured only'); estimate later with --recompute")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no plan after this many seconds")
     ap.add_argument("--device-spec", default="auto",
                     help="simulated device of the estimate's replays (auto: sim:h200-141gb on an H200, else "
                          "sim:h100-80gb)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if args.one:
-        measure(args.one, args.out)
+        measure(args.one, args.out, args.snapshots)
         return 0
     if args.recompute:
         old = json.loads(args.recompute.read_text())
@@ -175,11 +310,17 @@ def main(argv: list[str] | None = None) -> int:
             "libraries": {m: importlib.util.find_spec(m) is not None for m in ("bitsandbytes", "bitnet")},
             "estimate_device": args.device_spec}
     rows: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
     for name in [p for p in args.plan.split(",") if p]:
+        if time.perf_counter() - t_start > args.budget_s:
+            log.warning("budget spent: %s not measured", name)
+            rows.append({"kind": "model", "model": name, "status": "skipped", "error": "budget spent"})
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             part = Path(tmp) / "part.json"
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, __file__, "--out", str(part), "--one", name], check=False)
+            snap = ["--snapshots", str(args.out / f"snapshots-{name}.json.gz")] if name.endswith(RECHECK_SUFFIX) else []
+            proc = subprocess.run([sys.executable, __file__, "--out", str(part), "--one", name, *snap], check=False)
             if not part.exists():
                 rows.append({"kind": "model", "model": name, "status": "error",
                              "error": f"child exited {proc.returncode}"})
@@ -187,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
             doc = json.loads(part.read_text())
             meta.setdefault("weights", {})[name] = doc["meta"]
             log.info("%s measured in %.1f s", name, time.perf_counter() - t0)
-            rows += _estimated(doc["rows"], args.device_spec)
+            if args.no_estimate:
+                rows += [{**r, "status": "measured only"} if r["status"] == "ok" else r for r in doc["rows"]]
+            else:
+                rows += _estimated(doc["rows"], args.device_spec)
             (args.out / "estimate-accuracy.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     doc = {"meta": meta, "rows": rows}
     (args.out / "estimate-accuracy.json").write_text(json.dumps(doc, indent=1))

@@ -190,7 +190,7 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
 
     moe = {k: getattr(shape, k) for k in ("n_experts", "experts_per_token", "expert_intermediate_size",
                                           "shared_expert_intermediate_size", "router_weights_cast", "sub_norms",
-                                          "activation")}
+                                          "activation", "sliding_window", "always_masked")}
     if args.training:
         est = estimate_training_memory(*dims, prompt, nbytes, batch_size=args.batch_size, head_dim=shape.head_dim,
                                        tie_word_embeddings=shape.tie_word_embeddings,

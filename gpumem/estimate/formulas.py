@@ -151,7 +151,8 @@ def estimate_inference_memory(hidden_size: int, intermediate_size: int, n_layers
                               workspace_nbytes: int = 0, n_experts: int = 0, experts_per_token: int = 0,
                               expert_intermediate_size: int = 0,
                               shared_expert_intermediate_size: int = 0, router_weights_cast: bool = False,
-                              sub_norms: bool = False, activation: str = "silu") -> MemoryEstimate:
+                              sub_norms: bool = False, activation: str = "silu",
+                              sliding_window: int = 0, always_masked: bool = False) -> MemoryEstimate:
     """The peak of allocated bytes of Hugging Face ``generate()`` on a Llama-style decoder.
 
     ``attention_bias``: biases on the q, k and v projections (Qwen2). ``weight_format``: the projections'
@@ -169,7 +170,8 @@ def estimate_inference_memory(hidden_size: int, intermediate_size: int, n_layers
                        tie_word_embeddings, attention_bias, n_experts=n_experts, experts_per_token=experts_per_token,
                        expert_intermediate_size=expert_intermediate_size,
                        shared_expert_intermediate_size=shared_expert_intermediate_size,
-                       router_weights_cast=router_weights_cast, sub_norms=sub_norms, activation=activation)
+                       router_weights_cast=router_weights_cast, sub_norms=sub_norms, activation=activation,
+                       sliding_window=sliding_window, always_masked=always_masked)
     _cap("batch_size", batch_size)
     prompt = _prompt(max_seq_len, prompt_len, new_tokens)
     if isinstance(workspace_nbytes, bool) or not isinstance(workspace_nbytes, int) or workspace_nbytes < 0:
@@ -206,8 +208,8 @@ def estimate_training_memory(hidden_size: int, intermediate_size: int, n_layers:
                              lora: "LoraConfig | None" = None, n_experts: int = 0, experts_per_token: int = 0,
                              expert_intermediate_size: int = 0,
                              shared_expert_intermediate_size: int = 0, router_weights_cast: bool = False,
-                             sub_norms: bool = False, activation: str = "silu",
-                             mixed_precision: str | None = None) -> TrainingEstimate:
+                             sub_norms: bool = False, activation: str = "silu", sliding_window: int = 0,
+                             always_masked: bool = False, mixed_precision: str | None = None) -> TrainingEstimate:
     """The peak of allocated bytes of full training steps (forward, backward, foreach AdamW with
     ``optimizer_states`` states per parameter in the weights' dtype, or 8-bit with ``optimizer_8bit``), steady
     state included (two steps); ``gradient_checkpointing`` recomputes each block in the backward pass;
@@ -222,7 +224,8 @@ def estimate_training_memory(hidden_size: int, intermediate_size: int, n_layers:
                        tie_word_embeddings, attention_bias, n_experts=n_experts, experts_per_token=experts_per_token,
                        expert_intermediate_size=expert_intermediate_size,
                        shared_expert_intermediate_size=shared_expert_intermediate_size,
-                       router_weights_cast=router_weights_cast, sub_norms=sub_norms, activation=activation)
+                       router_weights_cast=router_weights_cast, sub_norms=sub_norms, activation=activation,
+                       sliding_window=sliding_window, always_masked=always_masked)
     _cap("batch_size", batch_size)
     _cap("seq_len", seq_len)
     w = training_trace(shape, dtype_bytes, batch_size=batch_size, seq_len=seq_len, n_steps=2,

@@ -66,7 +66,7 @@ class ModelShape:
     """Biases on the q, k and v projections (Qwen2; ``attention_bias`` in a Llama config)."""
     sliding_window: int = 0
     """Tokens a sliding-window attention sees (0: none). Sequences within it are full attention; longer ones
-    are refused by :meth:`check_tokens` (Note [Sliding window])."""
+    attend through a mask to a cache of the window (Note [Sliding window] in :mod:`.workload`)."""
     n_experts: int = 0
     """Mixture-of-experts (Note [Mixture of experts] in :mod:`.workload`): routed experts per block (0: a dense
     gated MLP of ``intermediate_size``)."""
@@ -83,8 +83,14 @@ class ModelShape:
     ``down_proj`` (Note [BitNet block] in :mod:`.workload`)."""
     activation: str = "silu"
     """The gated MLP's activation: ``silu`` (Llama) or ``relu2`` (BitNet: ``relu(x)**2``, two temporaries)."""
+    always_masked: bool = False
+    """Every forward builds a boolean attention mask, within any window (Note [Sliding window] in
+    :mod:`.workload`): transformers 5.17's Qwen2-MoE builds its sliding-window mask whenever its config has a
+    ``sliding_window``, ``use_sliding_window`` false included."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.always_masked, bool):
+            raise InvalidArgumentError(f"always_masked must be true or false, got {self.always_masked!r:.40}")
         for name in ("hidden_size", "intermediate_size", "n_layers", "vocab_size", "n_heads", "n_kv_heads"):
             _positive_int(name, getattr(self, name), SHAPE_CAPS[name])
         if self.head_dim == 0:
@@ -128,14 +134,9 @@ class ModelShape:
                           SHAPE_CAPS["shared_expert_intermediate_size"])
 
     def check_tokens(self, n_tokens: int) -> None:
-        """Note [Sliding window]: a sequence of ``n_tokens`` within the window attends to every token, as full
-        attention does, so the estimate holds; a longer one is refused (``InvalidArgumentError``): what the
-        cache keeps past the window depends on the transformers version (a sliding cache layer, or the whole
-        sequence with a mask) and is not modelled."""
-        if self.sliding_window and n_tokens > self.sliding_window:
-            raise InvalidArgumentError(f"{n_tokens} tokens exceed the sliding window of {self.sliding_window}: "
-                                       "the cache of a sliding-window attention past its window is not modelled "
-                                       "(sequences within the window are)")
+        """Note [Sliding window]: sequences of any length are modelled (``workload.window_tokens``); kept for
+        the callers that check a length before estimating: ``n_tokens`` must be a positive int."""
+        _positive_int("n_tokens", n_tokens, 2**40)
 
     @property
     def q_dim(self) -> int:
@@ -457,7 +458,8 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]", *
     shape = ModelShape(fields["hidden_size"], fields["intermediate_size"], fields["n_layers"], fields["vocab_size"],
                        fields["n_heads"], n_kv, head_dim, tie, bias, window, **moe,
                        sub_norms=cfg.get("model_type") == "bitnet",
-                       activation="relu2" if cfg.get("model_type") == "bitnet" else "silu")
+                       activation="relu2" if cfg.get("model_type") == "bitnet" else "silu",
+                       always_masked=cfg.get("model_type") == "qwen2_moe" and cfg.get("sliding_window") not in _NEUTRAL)
     return shape, DTYPE_BYTES[dtype_name]
 
 

@@ -270,6 +270,62 @@ def _rotary(e: _Emitter, n: int, d: int) -> tuple[int, int]:
     return cos, sin
 
 
+def window_tokens(s: ModelShape, cache_tokens_after: int, q_len: int) -> tuple[int, bool]:
+    """The tokens of the key/value states a forward of ``q_len`` tokens attends to when the cache has seen
+    ``cache_tokens_after`` tokens after it, and whether attention takes a mask (else SDPA runs causal without).
+
+    Note [Sliding window]: transformers 5.17's ``DynamicSlidingWindowLayer.update`` concatenates the cached
+    states (at most ``window - 1`` tokens) with the new ones, keeps a view of the last ``window - 1`` tokens
+    and returns the whole concatenation: the prefill stores all ``prompt`` tokens (the view holds the whole
+    tensor), and each decode step makes a tensor of ``min(seen, window)`` tokens that replaces the previous one.
+    A forward whose key length reaches the window cannot skip the mask (``_ignore_causal_mask_sdpa``): the
+    model makes one boolean ``[batch, 1, q, kv]`` mask per forward (SDPA takes it as it is: the H200's
+    snapshot of Qwen2-MoE, run 3, shows no converted copy), and, with a mask, transformers repeats the keys and
+    values to every query head (``repeat_kv``: it uses SDPA's own GQA only without a mask). In training, SDPA's
+    backward keeps the repeated keys and values, and makes their gradients before summing them per group; the
+    measured row also holds one mask-sized tensor in the compute dtype per layer, kept here to the layer's
+    backward (not identified: no snapshot of that row). Qwen2-MoE builds its sliding mask within any window
+    (``ModelShape.always_masked``): run 2's batch 16 x 2048 row was 1.1 % below for want of its 64 MiB. Measured
+    on the H200 (run 3: a Mistral-style 0.16B model with a 256-token window, prompts of 1024 and 2048 tokens,
+    training on 1024); before, sequences past the window were refused. Mixed precision past the window is
+    refused (autocast's casts of the mask are not modelled)."""
+    if not s.sliding_window:
+        return cache_tokens_after, s.always_masked
+    kv = min(cache_tokens_after - q_len, s.sliding_window - 1) + q_len
+    return kv, kv >= s.sliding_window
+
+
+def _bool_mask(e: _Emitter, batch: int, q_len: int, kv_tokens: int) -> int:
+    """Note [Sliding window]: ``sdpa_mask`` of transformers 5.17 (as the H200's snapshot of Qwen2-MoE shows it):
+    the padding, causal and window conditions as ``[q, kv]`` booleans combined pairwise (two live at a time),
+    then the ``[batch, 1, q, kv]`` mask; returns the mask."""
+    n = q_len * kv_tokens
+    t1 = e.alloc(n)
+    t2 = e.alloc(n)
+    e.free(t1)
+    t3 = e.alloc(n)
+    t4 = e.alloc(n)
+    e.free(t3, t2)
+    t5 = e.alloc(n)
+    e.free(t4)
+    mask = e.alloc(batch * n)
+    e.free(t5)
+    return mask
+
+
+def _masked_attention_inputs(e: _Emitter, s: ModelShape, batch: int, q_len: int, kv_tokens: int, d: int, *,
+                             training: bool = False) -> list[int]:
+    """Note [Sliding window]: what a masked attention adds: the keys and values repeated to every query head
+    (transformers uses SDPA's own GQA only without a mask) and, in training, one mask-sized tensor in the
+    compute dtype per layer. The caller frees them (or keeps them for the backward)."""
+    out = []
+    if s.n_kv_heads != s.n_heads:
+        out += [e.alloc(batch * kv_tokens * s.q_dim * d), e.alloc(batch * kv_tokens * s.q_dim * d)]
+    if training:
+        out.append(e.alloc(batch * q_len * kv_tokens * d))
+    return out
+
+
 def _forward_block(e: _Emitter, s: ModelShape, tokens: int, d: int, cache: list[int], layer: int,
                    cache_tokens_after: int, batch: int, q_len: int) -> int:
     """One decoder block on ``tokens`` tokens; grows ``cache[2*layer:2*layer+2]``; returns the block output id
@@ -283,7 +339,8 @@ def _forward_block(e: _Emitter, s: ModelShape, tokens: int, d: int, cache: list[
     qe = _rope(e, tq)
     ke = _rope(e, tkv)
     e.free(q, k)  # the unrotated q and k go only once both are rotated (apply_rotary_pos_emb returns both)
-    layer_nbytes = batch * cache_tokens_after * s.kv_dim * d
+    kv_tokens, masked = window_tokens(s, cache_tokens_after, q_len)
+    layer_nbytes = batch * kv_tokens * s.kv_dim * d
     for j, src in enumerate((ke, v)):  # DynamicLayer.update: torch.cat([old, new]) allocates before freeing
         new = e.alloc(layer_nbytes, Category.KV_CACHE)
         old = cache[2 * layer + j]
@@ -291,8 +348,11 @@ def _forward_block(e: _Emitter, s: ModelShape, tokens: int, d: int, cache: list[
             e.free(old)
         cache[2 * layer + j] = new
     e.free(ke, v)
+    extra = _masked_attention_inputs(e, s, batch, q_len, kv_tokens, d) if masked else []
     out = e.alloc(tq)
     lse = e.alloc(batch * s.n_heads * q_len * 4)
+    if extra:
+        e.free(*extra)
     flat = e.alloc(tq)
     if s.sub_norms:  # Note [BitNet block]: attn_sub_norm before o_proj
         normed = _norm(e, tokens * s.q_dim * 4, tq)
@@ -303,7 +363,7 @@ def _forward_block(e: _Emitter, s: ModelShape, tokens: int, d: int, cache: list[
     e.free(flat)
     n2 = _norm(e, tokens * h * 4, th)
     if s.n_experts:
-        dn = _moe(e, s, tokens, d)
+        dn = _moe(e, s, tokens, d, batched=q_len == 1)  # Note [Mixture of experts]: decode steps gather
         e.free(n2)
     else:
         g = e.alloc(ti)
@@ -347,7 +407,7 @@ def _gated_mlp(e: _Emitter, tokens: int, width: int, h: int, d: int, fused: bool
     return out
 
 
-def _moe(e: _Emitter, s: ModelShape, tokens: int, d: int) -> int:
+def _moe(e: _Emitter, s: ModelShape, tokens: int, d: int, batched: bool = False) -> int:
     """Note [Mixture of experts]: a sparse MoE block as transformers 5.17 runs it on ``tokens`` tokens (its
     default experts path on an H200, ``grouped_mm``, recorded in the run2 accuracy report); returns its output
     (``tokens x h``). The router keeps its logits to the block's end (``_, weights, index = self.gate(x)``)
@@ -356,11 +416,12 @@ def _moe(e: _Emitter, s: ModelShape, tokens: int, d: int) -> int:
     gather the hidden states in that order, run one grouped ``gate_up`` product (its output masked into a new
     tensor), ``act(gate) * up``, one grouped ``down`` product (masked again), weight it (fp32 with Mixtral's
     fp32 weights), put it back in order and sum over the ``k`` experts of each token; the function's locals
-    live until it returns. None of these sizes depends on how the router spreads the tokens. Qwen2-MoE runs
+    live until it returns. None of these sizes depends on how the router spreads the tokens. Decode steps
+    (``batched``) run the experts by ``batched_mm`` instead (:func:`_batched_experts`: the H200's snapshots of
+    run 3 show it in every decode step of both models, ``grouped_mm`` in the prefill). Qwen2-MoE runs
     its shared expert first and holds its output while the routed experts run, then gates it by a sigmoid
     and adds it (a new tensor). Training a MoE model is refused (not modelled)."""
     h, k, n_exp = s.hidden_size, s.experts_per_token, s.n_experts
-    ie, pairs = s.expert_intermediate_size, tokens * k
     w_bytes = d if s.router_weights_cast else 4
     shared = _gated_mlp(e, tokens, s.shared_expert_intermediate_size, h, d, fused=False) \
         if s.shared_expert_intermediate_size else -1
@@ -378,6 +439,23 @@ def _moe(e: _Emitter, s: ModelShape, tokens: int, d: int) -> int:
         e.free(top_w)
         top_w = cast_w
     e.free(probs)
+    out = (_batched_experts if batched else _grouped_experts)(e, s, tokens, d, w_bytes)
+    if shared >= 0:
+        gate = e.alloc(tokens * d)
+        sig = e.alloc(tokens * d)
+        e.free(gate)
+        g_out = e.alloc(tokens * h * d)
+        e.free(sig, shared)
+        summed = e.alloc(tokens * h * d)
+        e.free(out, g_out)
+        out = summed
+    e.free(top_w, top_i, logits)
+    return out
+
+
+def _grouped_experts(e: _Emitter, s: ModelShape, tokens: int, d: int, w_bytes: int) -> int:
+    """The routed experts of :func:`_moe` by ``grouped_mm`` (transformers 5.17's prefill); returns their sum."""
+    h, n_exp, ie, pairs = s.hidden_size, s.n_experts, s.expert_intermediate_size, tokens * s.experts_per_token
     ids_g, perm = e.alloc(pairs * 8), e.alloc(pairs * 8)  # torch.sort(expert_ids)
     div = e.alloc(pairs * 8)  # perm // k
     sel = e.alloc(pairs * h * d)  # hidden_states[perm // k]
@@ -406,18 +484,34 @@ def _moe(e: _Emitter, s: ModelShape, tokens: int, d: int) -> int:
         e.free(out)
         out = cast
     e.free(*kept, masked, inv, ordered)
-    if shared >= 0:
-        gate = e.alloc(tokens * d)
-        sig = e.alloc(tokens * d)
-        e.free(gate)
-        g_out = e.alloc(tokens * h * d)
-        e.free(sig, shared)
-        summed = e.alloc(tokens * h * d)
-        e.free(out, g_out)
-        out = summed
-    e.free(top_w, top_i, logits)
     return out
 
+
+def _batched_experts(e: _Emitter, s: ModelShape, tokens: int, d: int, w_bytes: int) -> int:
+    """The routed experts of :func:`_moe` by ``batched_mm`` (transformers 5.17's decode steps, in the H200's
+    snapshots of run 3): each token-expert pair's ``gate_up`` and ``down`` weights gathered into new tensors
+    (``gate_up_proj[expert_ids]``: ``S x 2I x H``, then ``S x H x I``, both live while the second is made), the
+    hidden states repeated ``k`` times, batched products, weighted (fp32 with Mixtral's fp32 weights) and summed
+    per token; returns the sum."""
+    h, ie, pairs = s.hidden_size, s.expert_intermediate_size, tokens * s.experts_per_token
+    sel, ids = e.alloc(pairs * h * d), e.alloc(pairs * 8)  # repeat_interleave, expert ids
+    w_gate_up = e.alloc(pairs * 2 * ie * h * d)
+    proj = e.alloc(pairs * 2 * ie * d)
+    act = e.alloc(pairs * ie * d)
+    gated = e.alloc(pairs * ie * d)
+    e.free(act, proj)
+    w_down = e.alloc(pairs * h * ie * d)
+    e.free(w_gate_up)
+    down = e.alloc(pairs * h * d)
+    e.free(gated)
+    weighted = e.alloc(pairs * h * w_bytes)
+    out = e.alloc(tokens * h * w_bytes)  # .view(T, k, h).sum(1)
+    if w_bytes != d:
+        cast = e.alloc(tokens * h * d)  # .to(hidden_states.dtype)
+        e.free(out)
+        out = cast
+    e.free(sel, ids, w_down, down, weighted)
+    return out
 
 def _forward(e: _Emitter, s: ModelShape, batch: int, q_len: int, d: int, cache: list[int], cache_tokens_after: int,
              slack: int) -> None:
@@ -428,12 +522,16 @@ def _forward(e: _Emitter, s: ModelShape, batch: int, q_len: int, d: int, cache: 
     emb = e.alloc(tokens * s.hidden_size * d)
     cos, sin = _rotary(e, tokens * s.head_dim, d)
     ws = e.alloc(slack, Category.OVERHEAD) if slack else -1
+    kv_tokens, masked = window_tokens(s, cache_tokens_after, q_len)
+    mask = _bool_mask(e, batch, q_len, kv_tokens) if masked else -1  # Note [Sliding window]
     x = emb
     for layer in range(s.n_layers):
         y = _forward_block(e, s, tokens, d, cache, layer, cache_tokens_after, batch, q_len)
         if x != emb:
             e.free(x)
         x = y
+    if mask >= 0:
+        e.free(mask)
     nf = _norm(e, tokens * s.hidden_size * 4, tokens * s.hidden_size * d)
     logits = e.alloc(batch * s.vocab_size * d)
     e.free(nf, x, emb, cos, sin, pos, cum)
@@ -712,12 +810,14 @@ def _amp_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: list[i
     return keep, y
 
 
-def _nograd_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: list[int] | None) -> tuple[list[int], int]:
+def _nograd_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: list[int] | None, *,
+                  batch: int = 1, masked: bool = False) -> tuple[list[int], int]:
     """One block's forward without grad (the first pass of gradient checkpointing, Note [Gradient
     checkpointing]): each tensor goes as soon as it is dead, as in the ``generate()`` prefill. ``cast_elements``:
     under autocast (Note [Mixed precision]), the block's weights, whose copies autocast caches (returned, first)
-    while the residual stream and the norms are fp32; None: all in ``d`` bytes. Returns the cached copies and
-    the block's output; the block input is the caller's."""
+    while the residual stream and the norms are fp32; None: all in ``d`` bytes. ``masked``: attention past a
+    sliding window, over ``batch`` sequences (Note [Sliding window]). Returns the cached copies and the block's
+    output; the block input is the caller's."""
     h, i, q, kv = s.hidden_size, s.intermediate_size, s.q_dim, s.kv_dim
     amp = cast_elements is not None
     copies = [e.alloc(n * d) for n in cast_elements] if amp else []
@@ -748,9 +848,10 @@ def _nograd_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: lis
     else:
         qe, ke = _rope(e, t * q * d), _rope(e, t * kv * d)
         e.free(qp, kp)
+    extra = _masked_attention_inputs(e, s, batch, t // batch, t // batch, d) if masked else []
     out = e.alloc(t * q * d)
     lse = e.alloc(t * s.n_heads * 4)
-    e.free(qe, ke, v, lse)
+    e.free(qe, ke, v, lse, *extra)
     flat = e.alloc(t * q * d)
     e.free(out)
     o = e.alloc(t * h * d)
@@ -769,6 +870,18 @@ def _nograd_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: lis
     y = e.alloc(t * h * (4 if amp else d))
     e.free(dn, h1)
     return copies, y
+
+
+def _lora_output(e: _Emitter, n_out: int, adapter_bytes: int, d: int) -> None:
+    """PEFT's ``result + lora_B(lora_A(x)) * scaling`` then ``.to(result.dtype)`` (Note [LoRA]): B's output, its
+    scaled copy, the sum in the adapters' dtype and its cast back, each dying at the next (the cast replaces the
+    base output, which the caller counts)."""
+    b = e.alloc(n_out * adapter_bytes)
+    scaled = e.alloc(n_out * adapter_bytes)
+    e.free(b)
+    total = e.alloc(n_out * adapter_bytes)
+    e.free(scaled)
+    e.free(e.alloc(n_out * d), total)
 
 
 def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, seq_len: int,
@@ -809,6 +922,12 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     Modelled from torch 2.11's autocast and transformers 5.17's source; the H200 rows (run 2: Qwen2 0.16B,
     with and without gradient checkpointing): peak allocated 0.4-1.3 % above the measurement.
 
+    Note [Tied embeddings]: with ``tie_word_embeddings`` the embedding matrix is lm_head's weight. Its gradient
+    is first made by lm_head's backward (the first of the backward, as an untied lm_head's is) and held through
+    the whole backward; the embedding's backward then makes a second matrix-sized gradient, which autograd adds
+    into the first in place and frees (before, the tied gradient was made at the embedding's backward only). The
+    H200's tied training row (run 3) peaks at the loss's backward, before lm_head's: 0.3 % below, unexplained.
+
     Note [8-bit optimizer states]: with ``optimizer_8bit`` each state of a tensor of ``m`` elements is
     bitsandbytes' block-wise 8-bit layout, ``m`` bytes and one fp32 absmax per block of
     :data:`OPTIM_8BIT_BLOCK` elements, except tensors under :data:`OPTIM_8BIT_MIN_ELEMENTS` elements
@@ -819,10 +938,15 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     Note [LoRA]: with ``lora`` the base weights (in ``lora.base_format``, QLoRA) are frozen: no gradient,
     no optimizer state. Each targeted projection of each block gets A (``rank x in``) and B (``out x rank``)
     in ``lora.adapter_bytes``; its forward keeps the input cast to the adapters' dtype (``T x in``) and A's
-    output (``T x rank``), and holds B's output (``T x out``) while it is added; a quantized base is
-    dequantized to 16 bits for each matrix product, forward and backward (one ``out x in`` temporary at a
-    time). Gradients and AdamW states are the adapters'. Modelled only (PEFT and bitsandbytes are not on
-    the GPU machine): unmeasured.
+    output (``T x rank``), and makes B's output, its scaled copy, the sum and its cast back (PEFT's
+    ``lora.Linear.forward``); a quantized base is dequantized to 16 bits for each matrix product, forward and
+    backward (one ``out x in`` temporary at a time). Gradients and AdamW states are the adapters'. Autograd
+    saves a matrix product's input only for its weight's gradient (torch's derivative formulas save a tensor
+    only when the gradient that needs it is computed): with the weights frozen, the inputs of the base
+    projections (the norms' outputs, the attention output's reshaped copy, the MLP product) and the hidden-sized
+    tensor measured in full training are not kept. Measured on the H200 (run 3, adapters added by hand as
+    PEFT adds them; no PEFT, no bitsandbytes there: QLoRA stays unmeasured): before this, peak allocated was
+    12 % (all seven projections) and 15 % (q and v) above the measurement at batch 8 x 1024.
     """
     if not isinstance(optimizer_8bit, bool):
         raise InvalidArgumentError(f"optimizer_8bit must be True or False, got {optimizer_8bit!r}")
@@ -847,6 +971,11 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         raise InvalidArgumentError("full training of 1-byte (int8/fp8) weights is not modelled: PyTorch has no "
                                    "1-byte gradients or AdamW states for them; train 16-bit or fp32 weights, or "
                                    "LoRA adapters on the frozen 1-byte base")
+    _, masked = window_tokens(shape, seq_len, seq_len)
+    if masked and amp:
+        raise InvalidArgumentError(f"mixed precision past the sliding window ({seq_len} tokens, window "
+                                   f"{shape.sliding_window}) is not modelled (autocast's casts of the repeated "
+                                   "keys and values and of the mask)")
     d = AUTOCAST_DTYPE_BYTES[mixed_precision] if amp else max(dtype_bytes, 2)
     r = 4 if amp else d  # Note [Mixed precision]: the residual stream, the embeddings' output and cos/sin in fp32
     s = shape
@@ -883,6 +1012,7 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         ids = e.alloc(t * 8)
         emb = e.alloc(t * h * r)
         cos, sin = e.alloc(t * s.head_dim * r), e.alloc(t * s.head_dim * r)
+        mask = _bool_mask(e, batch_size, seq_len, seq_len) if masked else -1  # Note [Sliding window]
         saved: list[list[int]] = []
         inputs: list[int] = []  # gradient checkpointing: each block's input, kept for the recompute
         cached: list[int] = []  # Note [Mixed precision]: autocast's weight copies of a no-grad forward
@@ -891,18 +1021,36 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             """One block's forward: the tensors autograd keeps, and the block's output."""
             if amp:
                 return _amp_block(e, s, t, d, cast_elements)
-            keep = [e.alloc(t * h * 4), e.alloc(t * h * d)]  # norm 1
-            keep += [e.alloc(t * s.q_dim * d), e.alloc(t * s.kv_dim * d), e.alloc(t * s.kv_dim * d)]  # q, k rotated, v
+            keep: list[int] = []
+            # Note [LoRA]: tensors only the frozen weights' gradients would need are not saved: they die in the
+            # block (held to its end here, an upper bound), where full training keeps them
+            weight_only = [] if lora is not None else keep
+            keep.append(e.alloc(t * h * 4))  # norm 1's fp32 input
+            weight_only.append(e.alloc(t * h * d))  # norm 1's output (q/k/v's input)
+            keep.append(e.alloc(t * s.q_dim * d))  # q rotated
+            kv = [e.alloc(t * s.kv_dim * d), e.alloc(t * s.kv_dim * d)]  # k rotated, v
             tmp = e.alloc(t * s.q_dim * d)  # rope temporaries (one live at a time beyond the kept ones)
             e.free(tmp)
-            keep += [e.alloc(t * s.q_dim * d), e.alloc(t * s.q_dim * d)]  # sdpa out, reshaped copy
+            if masked:  # Note [Sliding window]: SDPA saves the repeated keys and values and the additive mask
+                extra = _masked_attention_inputs(e, s, batch_size, seq_len, seq_len, d, training=True)
+                keep += extra
+                if len(extra) == 3:  # repeated: the unrepeated ones are saved by nothing
+                    e.free(*kv)
+                else:
+                    keep += kv
+            else:
+                keep += kv
+            keep.append(e.alloc(t * s.q_dim * d))  # sdpa out
+            weight_only.append(e.alloc(t * s.q_dim * d))  # its reshaped copy (o_proj's input)
             keep.append(e.alloc(t * s.n_heads * 4))  # logsumexp
             o = e.alloc(t * h * d)
             h1 = e.alloc(t * h * d)
             e.free(o)
-            keep += [e.alloc(t * h * 4), e.alloc(t * h * d)]  # norm 2
-            keep += [e.alloc(t * i * d) for _ in range(4)]  # gate, act, up, product
-            keep.append(e.alloc(t * h * d))  # measured: one more hidden-sized tensor per block
+            keep.append(e.alloc(t * h * 4))  # norm 2's fp32 input
+            weight_only.append(e.alloc(t * h * d))  # norm 2's output (gate/up's input)
+            keep += [e.alloc(t * i * d) for _ in range(3)]  # gate, act, up
+            weight_only.append(e.alloc(t * i * d))  # their product (down's input)
+            weight_only.append(e.alloc(t * h * d))  # measured: one more hidden-sized tensor per block
             dn = e.alloc(t * h * d)
             y = e.alloc(t * h * d)
             e.free(dn, h1)
@@ -912,19 +1060,22 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
                     if quantized_base:
                         dequantized(out_f, in_f)
                     keep += [e.alloc(t * in_f * lora.adapter_bytes), e.alloc(t * lora.rank * lora.adapter_bytes)]
-                    e.free(e.alloc(t * out_f * lora.adapter_bytes))
+                    _lora_output(e, t * out_f, lora.adapter_bytes, d)
+                e.free(*weight_only)
             return keep, y
 
         x = emb
         for _ in range(s.n_layers):
             if gradient_checkpointing:  # no_grad forward: nothing is kept but the block input
-                copies, y = _nograd_block(e, s, t, d, cast_elements if amp else None)
+                copies, y = _nograd_block(e, s, t, d, cast_elements if amp else None, batch=batch_size,
+                                          masked=masked)
                 if lora is not None:  # the adapters' tensors, dead as soon as made
                     for target in lora.targets:
                         out_f, in_f = dims[target]
                         if quantized_base:
                             dequantized(out_f, in_f)
-                        e.free(*[e.alloc(t * n * lora.adapter_bytes) for n in (in_f, lora.rank, out_f)])
+                        e.free(*[e.alloc(t * n * lora.adapter_bytes) for n in (in_f, lora.rank)])
+                        _lora_output(e, t * out_f, lora.adapter_bytes, d)
                 cached += copies  # under autocast the weight copies stay in its cache until the forward ends
                 inputs.append(x)
                 x = y
@@ -937,6 +1088,8 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
                 e.free(x)  # the block input: the norm saved its fp32 copy, the residual add saves nothing
             x = y
             saved.append(keep)
+        if mask >= 0:  # the model's forward returns: its boolean mask goes
+            e.free(mask)
         if amp:  # final norm in fp32, its output cast for lm_head, whose weight is cast too
             nf32 = e.alloc(t * h * 4)
             out32 = e.alloc(t * h * 4)
@@ -966,7 +1119,7 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             grads.append(e.alloc(n_elements * dtype_bytes, Category.GRADIENTS))
             if tmp >= 0:
                 e.free(tmp)
-        if not s.tie_word_embeddings and lora is None:
+        if lora is None:  # lm_head's gradient; tied (Note [Tied embeddings]): the shared matrix's, made here
             grad(s.vocab_size * h)
         gx = e.alloc(t * h * r)
         if amp:  # lm_head's input gradient in bf16, cast back to fp32 for the norm's backward
@@ -990,6 +1143,8 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             for _, n in per[:4]:
                 grad(n)
             gq = e.alloc(t * s.q_dim * d)
+            if masked and s.n_kv_heads != s.n_heads:  # the repeated keys' and values' gradients, summed per group
+                e.free(e.alloc(t * s.q_dim * d), e.alloc(t * s.q_dim * d))
             e.free(gq)
             for name, n in per[7:]:
                 grad(n, cast="norm" not in name)
@@ -1009,7 +1164,10 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             if gradient_checkpointing and inputs[layer] != emb:
                 e.free(inputs[layer])
         if lora is None:
-            grads.append(e.alloc(params[0], Category.GRADIENTS))
+            if s.tie_word_embeddings:  # the embedding's gradient, added in place into the tied matrix's, then freed
+                e.free(e.alloc(params[0]))
+            else:
+                grads.append(e.alloc(params[0], Category.GRADIENTS))
             grads.append(e.alloc(h * dtype_bytes, Category.GRADIENTS))
         e.free(gx, emb, cos, sin, ids)
         e.phase = f"optimizer {step + 1}"

@@ -743,15 +743,27 @@ void Engine::commit(Block* b) {
     if (live_pages_ > peak_live_pages_) peak_live_pages_ = live_pages_;
 }
 
-// VirtualBacking.commit_quietly
+// VirtualBacking.commit_quietly (Note [A quiet commit] in backing.py)
 bool Engine::commit_quietly(Block* b, std::uint64_t nbytes) {
     VSeg* seg = b->seg;
-    std::uint64_t first = (b->addr - seg->base) / g_;
-    if ((b->addr + nbytes - 1 - seg->base) / g_ == first && seg->refs[first]) {
-        ++seg->refs[first];
+    const std::int64_t first = static_cast<std::int64_t>((b->addr - seg->base) / g_);
+    const std::int64_t last = static_cast<std::int64_t>((b->addr + nbytes - 1 - seg->base) / g_);
+    auto& refs = seg->refs;
+    if (last == first && refs[first]) {
+        ++refs[first];
         return true;
     }
-    return false;
+    for (std::int64_t p = first; p <= last; ++p)
+        if (seg->chunks[p] == 0 || (seg->n_noaccess && seg->noaccess[p])) return false;
+    for (std::int64_t p = first; p <= last; ++p) {
+        if (refs[p] == 0) {
+            seg->empty_pop(p);
+            ++live_pages_;
+        }
+        ++refs[p];
+    }
+    if (live_pages_ > peak_live_pages_) peak_live_pages_ = live_pages_;
+    return true;
 }
 
 // VirtualBacking.decommit
@@ -1682,7 +1694,7 @@ void Engine::check_usable_op() {
         throw;                                                        \
     }
 
-std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stream) {
+std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out) {
     if (nbytes == 0) return 0;
     const std::uint64_t r = cfg_.round_nbytes;
     if (nbytes > UINT64_MAX - r) return 0;
@@ -1696,7 +1708,9 @@ std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stre
     if (!b || !commit_quietly(b, kept_nbytes(b, size, small))) return 0;
     fl_remove(fl, b);
     ++st_.cache_hits;
-    return hand_out(split(b, size, small, fl), nbytes, stream);
+    b = split(b, size, small, fl);
+    if (size_out) *size_out = b->size;
+    return hand_out(b, nbytes, stream);
 }
 
 // PythonEngine.allocate

@@ -247,8 +247,10 @@ class Engine {
     // PythonEngine.allocate: a device pointer for `nbytes` (> 0) on `stream`.
     std::uint64_t allocate(std::uint64_t nbytes, std::uint64_t stream);
     // The hot path alone (Note [The hot path makes no device call]): the pointer, or 0 when the
-    // request needs the full allocate() (which then decides exactly as Python's slow path).
-    std::uint64_t try_allocate_fast(std::uint64_t nbytes, std::uint64_t stream);
+    // request needs the full allocate() (which then decides exactly as Python's slow path). With
+    // `size_out`, the block's size is written there too (what block_size(ptr) would say, under the
+    // same lock: CuPy's hook needs both, Note [CuPy's allocator in C]).
+    std::uint64_t try_allocate_fast(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out = nullptr);
     // What allocate() raises before it looks at the cache, when it cannot serve (kDeviceLost once the
     // device was lost, kClosed once close() ran); returns when neither.
     void check_open();

@@ -53,6 +53,7 @@ class Row:
     us_per_op: dict[str, float]          # allocator -> median µs per op of the timed passes
     passes_us: dict[str, list[float]]    # allocator -> every timed pass
     engine_calls: tuple[int, int]        # gpumem's device calls and event calls in its last timed pass
+    held_nbytes: dict[str, int] = dataclasses.field(default_factory=dict)   # allocator -> memory held after the passes
 
     def ratio(self) -> float:
         return self.us_per_op["gpumem"] / self.us_per_op["cupy-pool"]
@@ -135,10 +136,14 @@ def run_trace(cupy: Any, path: Path, allocators: dict[str, tuple[Alloc, Callable
                 calls = (after["device_calls"] - before["device_calls"], after["event_calls"] - before["event_calls"])
     cupy.cuda.set_allocator(None)
     cupy.cuda.Device().synchronize()
+    held = {"gpumem": engine.reserved_nbytes()}
+    pool = getattr(allocators.get("cupy-pool", (None,))[0], "__self__", None)   # pool.malloc's pool
+    if pool is not None:
+        held["cupy-pool"] = pool.total_bytes()
     for _fn, release in allocators.values():
         release()
     name = path.name.split(".")[0]
-    return Row(name, _part(path), len(kinds), {n: statistics.median(t) for n, t in times.items()}, times, calls)
+    return Row(name, _part(path), len(kinds), {n: statistics.median(t) for n, t in times.items()}, times, calls, held)
 
 
 def breakdown(cupy: Any, device: int, n: int = 200_000) -> list[tuple[str, float]]:
@@ -179,12 +184,13 @@ def breakdown(cupy: Any, device: int, n: int = 200_000) -> list[tuple[str, float
 
 def render(rows: list[Row], names: list[str]) -> str:
     head = ("| trace | part | ops | " + " | ".join(f"{n} µs/op" for n in names) +
-            " | gpumem / cupy-pool | gpumem device calls, event calls per pass |")
-    lines = [head, "|" + "---|" * (len(names) + 5)]
+            " | gpumem / cupy-pool | gpumem device calls, event calls per pass | held MiB: cupy-pool, gpumem |")
+    lines = [head, "|" + "---|" * (len(names) + 6)]
     for r in rows:
         cells = " | ".join(f"{r.us_per_op[n]:.2f}" for n in names)
+        held = ", ".join(f"{r.held_nbytes[n] / 2**20:.0f}" if n in r.held_nbytes else "-" for n in ("cupy-pool", "gpumem"))
         lines.append(f"| {r.trace} | {r.part} | {r.ops} | {cells} | {r.ratio():.2f} | {r.engine_calls[0]}, "
-                     f"{r.engine_calls[1]} |")
+                     f"{r.engine_calls[1]} | {held} |")
     worst = max(rows, key=Row.ratio)
     lines.append("")
     lines.append(f"gpumem at or below CuPy's pool on {sum(r.ratio() <= 1.0 for r in rows)}/{len(rows)} traces; "

@@ -56,7 +56,7 @@ def write_ops(trace_path: Path, out: Path) -> Path:
             continue
         slot = slots.setdefault(i, len(slots))
         rows.append(struct.pack("<BIQ", k, slot, n if k == 0 else 0))
-    path = out / (trace_path.name.split(".")[0] + ".ops")
+    path = out / (trace_path.name.removesuffix(".gz") + ".ops")
     path.write_bytes(struct.pack("<Q", len(rows)) + b"".join(rows))
     return path
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [str(exe), str(ops), str(args.passes)] + ([str(args.page_slack)] if args.page_slack is not None else [])
             ns, calls, peak, after = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()
             n_ops = struct.unpack("<Q", ops.read_bytes()[:8])[0]
-            print(f"| {ops.stem} | {n_ops} | {float(ns):.1f} | {calls} | {int(peak) / 2**20:.0f} | "
+            print(f"| {p.name.removesuffix('.gz')} | {n_ops} | {float(ns):.1f} | {calls} | {int(peak) / 2**20:.0f} | "
                   f"{int(after) / 2**20:.0f} |", flush=True)
             bar.update()
     return 0

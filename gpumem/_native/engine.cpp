@@ -751,15 +751,22 @@ bool Engine::commit_quietly(Block* b, std::uint64_t nbytes) {
         ++refs[first];
         return true;
     }
+    const ChunkHandle* chunks = seg->chunks.data();
     for (std::int64_t p = first; p <= last; ++p)
-        if (seg->chunks[p] == 0 || (seg->n_noaccess && seg->noaccess[p])) return false;
+        if (chunks[p] == 0) return false;
+    if (seg->n_noaccess)
+        for (std::int64_t p = first; p <= last; ++p)
+            if (seg->noaccess[p]) return false;
+    std::int64_t* r = refs.data();   // counted here, stored once: the stores to the pages do not reload them
+    std::int64_t newly_live = 0;
     for (std::int64_t p = first; p <= last; ++p) {
-        if (refs[p] == 0) {
+        if (r[p] == 0) {
             seg->empty_pop(p);
-            ++live_pages_;
+            ++newly_live;
         }
-        ++refs[p];
+        ++r[p];
     }
+    live_pages_ += newly_live;
     if (live_pages_ > peak_live_pages_) peak_live_pages_ = live_pages_;
     return true;
 }

@@ -4,16 +4,16 @@
 # $OUT a folder for the results, $T_START the call's start (seconds since the epoch):
 # 1. the device tests of the CuPy hook; 2. the per-op bench, default policy, with the breakdown; 3. the same
 # with page_slack 0.05 and 0.2 (each a process of its own: the engine's policy is fixed at its creation), for
-# what more slack costs in memory and saves in steals.
+# what more slack costs in memory and saves in steals ($SLACKS, when set, names other values; empty: none).
 set -u
 { echo "== native build (tail)"; tail -5 "${BUILD_LOG:-/dev/null}"; echo "== device tests"; } >"$OUT/pytest-cupy.log"
 timeout 60 python3 -m pytest -q -rs --gpumem-device cuda:0 tests/cuda_adapter/test_cupy_integration.py \
     tests/cuda_adapter/test_cupy_hook.py >>"$OUT/pytest-cupy.log" 2>&1
 echo "exit $? at $(( $(date +%s) - T_START )) s" >>"$OUT/pytest-cupy.log"
-timeout 60 python3 benchmarks/cupy_hook_bench.py --passes 3 --breakdown --json "$OUT/cupy-hook-bench.json" \
+timeout 60 python3 benchmarks/cupy_hook_bench.py --passes 5 --breakdown --json "$OUT/cupy-hook-bench.json" \
     >"$OUT/cupy-hook-bench.txt" 2>&1
 echo "exit $? at $(( $(date +%s) - T_START )) s" >>"$OUT/cupy-hook-bench.txt"
-for slack in 0.05 0.2; do
+for slack in ${SLACKS-0.05 0.2}; do
     timeout 35 python3 benchmarks/cupy_hook_bench.py --passes 3 --page-slack $slack >>"$OUT/cupy-hook-bench-slack.txt" 2>&1
     echo "exit $? at $(( $(date +%s) - T_START )) s" >>"$OUT/cupy-hook-bench-slack.txt"
 done

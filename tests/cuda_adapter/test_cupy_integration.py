@@ -124,11 +124,13 @@ def test_cupy_hook_cache_hits_have_the_blocks_size_and_usable_memory(device_spec
                 p = cupy.cuda.alloc(n)
                 assert p.mem.size == alloc.block_size(p.ptr) and p.mem.size % 512 == 0 and p.mem.size >= n
                 del p
-        calls = alloc.peaks()["device_calls"]
-        for _ in range(3):   # 64 MiB over pages mapped and empty: no device call, memory usable end to end
-            a = cupy.ones(64 << 18, dtype=cupy.float32)
+        calls = None
+        for _ in range(4):   # 64 MiB over pages mapped and empty: memory usable end to end, and once the
+            a = cupy.ones(64 << 18, dtype=cupy.float32)   # sum's own buffers are grown, no device call
             assert float(a.sum()) == float(64 << 18)
             del a
-        cupy.cuda.get_current_stream().synchronize()
+            cupy.cuda.get_current_stream().synchronize()
+            if calls is None:
+                calls = alloc.peaks()["device_calls"]
         assert alloc.peaks()["device_calls"] == calls
         gca.check_installed(raise_on_problem=True)

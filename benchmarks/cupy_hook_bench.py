@@ -206,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--python-adapter", action="store_true", help="also time the Python-adapter hook (slow)")
     ap.add_argument("--breakdown", action="store_true", help="also time the parts of one allocate+free")
-    ap.add_argument("--page-slack", type=float, help="the engine's page_slack (default: the default policy's); "
-                    "more slack, fewer steals of empty pages in steady state, more memory held")
+    ap.add_argument("--page-slack", type=float, help="the engine's page_slack (default: CuPy's hook's, "
+                    "gpumem.cupy_allocator.CUPY_PAGE_SLACK); more slack, fewer steals of empty pages in steady "
+                    "state, more memory held")
     ap.add_argument("--json", type=Path, help="write the figures there as JSON")
     args = ap.parse_args(argv)
     if args.passes < 1:
@@ -218,13 +219,14 @@ def main(argv: list[str] | None = None) -> int:
 
         import gpumem.cupy_allocator as gca
 
-        gca.native_hook()
-        if args.page_slack is not None:   # before the engine is made (at the first allocation)
-            import gpumem.torch as gtorch
-            from gpumem.allocator.policy import DEFAULT_POLICY, get_policy
+        import gpumem.torch as gtorch
 
-            gtorch.configure(dataclasses.replace(get_policy(DEFAULT_POLICY), name=f"page_slack={args.page_slack}",
-                                                 page_slack=args.page_slack))
+        gca.native_hook()
+        # the policy install() gives the engines, before one is made (at the first allocation)
+        policy = gca.cupy_policy()
+        if args.page_slack is not None:
+            policy = dataclasses.replace(policy, name=f"page_slack={args.page_slack}", page_slack=args.page_slack)
+        gtorch.configure(policy)
     except Exception as exc:  # noqa: BLE001 - reported as bad input
         print(f"cannot run: {exc}", file=sys.stderr)
         return 2
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     with cupy.cuda.Device(args.device):
         allocators = make_allocators(cupy, args.device, args.python_adapter)
         hook = allocators["gpumem"][0]
-        print(f"engine policy: {'default' if args.page_slack is None else f'default with page_slack={args.page_slack}'}; "
+        print(f"engine policy: the default with page_slack={policy.page_slack}; "
               f"CuPy {cupy.__version__}, device {args.device} ({cupy.cuda.runtime.getDeviceProperties(args.device)['name'].decode()}); "
               f"the hook reads CuPy's stream {'in C (capsule)' if hook.reads_stream_in_c() else 'through Python'}")
         rows = []

@@ -71,15 +71,16 @@ CUPY_PAGE_SLACK = 0.2
 # memory (steals an idle chunk: an unmap, a map and an access call, 65 us together on the H200) instead of
 # creating it. A training step that repeats touches, over the step, more pages than are live at its peak,
 # so at the default slack (0.5 %) the same chunks moved back and forth in every step: CuPy's hook made 298
-# device calls per pass of gpt2_train and 800 of llama_varlen, 1.5x and 2.5x the time per operation of
+# device calls per pass of gpt2_train and 800 of llama_varlen, 1.5x and 2.5-3x the time per operation of
 # CuPy's pool. A slack is a bound, not a reservation: memory is created only where a block needs it, so
-# the engine holds the pages the repeating step touches, and no more. A rule that created only where a
-# steal had taken memory before (hysteresis) held as much as the static slack for as many calls
-# (reports/hil/cupy-hook-bench-h200-2026-11-25-run3.md). CuPy's own pool never gives memory back and holds
-# more than that on 13 of the 15 traces, so CuPy's hook takes 0.2; gpumem.torch keeps the default, whose
-# memory issue 18 holds to 1 % above the live peak. The engines are shared per device with gpumem.torch
-# (Note [One engine per device, shared with PyTorch]): :func:`install` sets the policy of the engines made
-# from then on, as :func:`gpumem.torch.configure` does.
+# the engine holds the pages the repeating step touches, and no more (0.1 to 13.7 % more than at 0.5 % on
+# the corpus). A rule that created only where a steal had taken memory before (hysteresis) held as much
+# as a static slack for as many calls or more (reports/hil/cupy-hook-bench-h200-2026-11-25-run3.md).
+# CuPy's own pool never gives memory back and held more than gpumem at 0.2 on 13 of the 15 traces on the
+# H200, so CuPy's hook takes 0.2; gpumem.torch keeps the default, whose memory issue 18 holds to 1 % above
+# the live peak. The engines are shared per device with gpumem.torch (Note [One engine per device, shared
+# with PyTorch]): :func:`install` sets the policy of the engines made from then on, as
+# :func:`gpumem.torch.configure` does.
 
 
 def cupy_policy() -> AllocatorPolicy:

@@ -53,6 +53,7 @@ class Row:
     us_per_op: dict[str, float]          # allocator -> median µs per op of the timed passes
     passes_us: dict[str, list[float]]    # allocator -> every timed pass
     engine_calls: tuple[int, int]        # gpumem's device calls and event calls in its last timed pass
+    held_nbytes: dict[str, int] = dataclasses.field(default_factory=dict)   # allocator -> memory held after the passes
 
     def ratio(self) -> float:
         return self.us_per_op["gpumem"] / self.us_per_op["cupy-pool"]
@@ -135,10 +136,14 @@ def run_trace(cupy: Any, path: Path, allocators: dict[str, tuple[Alloc, Callable
                 calls = (after["device_calls"] - before["device_calls"], after["event_calls"] - before["event_calls"])
     cupy.cuda.set_allocator(None)
     cupy.cuda.Device().synchronize()
+    held = {"gpumem": engine.reserved_nbytes()}
+    pool = getattr(allocators.get("cupy-pool", (None,))[0], "__self__", None)   # pool.malloc's pool
+    if pool is not None:
+        held["cupy-pool"] = pool.total_bytes()
     for _fn, release in allocators.values():
         release()
     name = path.name.split(".")[0]
-    return Row(name, _part(path), len(kinds), {n: statistics.median(t) for n, t in times.items()}, times, calls)
+    return Row(name, _part(path), len(kinds), {n: statistics.median(t) for n, t in times.items()}, times, calls, held)
 
 
 def breakdown(cupy: Any, device: int, n: int = 200_000) -> list[tuple[str, float]]:
@@ -179,12 +184,13 @@ def breakdown(cupy: Any, device: int, n: int = 200_000) -> list[tuple[str, float
 
 def render(rows: list[Row], names: list[str]) -> str:
     head = ("| trace | part | ops | " + " | ".join(f"{n} µs/op" for n in names) +
-            " | gpumem / cupy-pool | gpumem device calls, event calls per pass |")
-    lines = [head, "|" + "---|" * (len(names) + 5)]
+            " | gpumem / cupy-pool | gpumem device calls, event calls per pass | held MiB: cupy-pool, gpumem |")
+    lines = [head, "|" + "---|" * (len(names) + 6)]
     for r in rows:
         cells = " | ".join(f"{r.us_per_op[n]:.2f}" for n in names)
+        held = ", ".join(f"{r.held_nbytes[n] / 2**20:.0f}" if n in r.held_nbytes else "-" for n in ("cupy-pool", "gpumem"))
         lines.append(f"| {r.trace} | {r.part} | {r.ops} | {cells} | {r.ratio():.2f} | {r.engine_calls[0]}, "
-                     f"{r.engine_calls[1]} |")
+                     f"{r.engine_calls[1]} | {held} |")
     worst = max(rows, key=Row.ratio)
     lines.append("")
     lines.append(f"gpumem at or below CuPy's pool on {sum(r.ratio() <= 1.0 for r in rows)}/{len(rows)} traces; "
@@ -200,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--python-adapter", action="store_true", help="also time the Python-adapter hook (slow)")
     ap.add_argument("--breakdown", action="store_true", help="also time the parts of one allocate+free")
-    ap.add_argument("--page-slack", type=float, help="the engine's page_slack (default: the default policy's); "
-                    "more slack, fewer steals of empty pages in steady state, more memory held")
+    ap.add_argument("--page-slack", type=float, help="the engine's page_slack (default: CuPy's hook's, "
+                    "gpumem.cupy_allocator.CUPY_PAGE_SLACK); more slack, fewer steals of empty pages in steady "
+                    "state, more memory held")
     ap.add_argument("--json", type=Path, help="write the figures there as JSON")
     args = ap.parse_args(argv)
     if args.passes < 1:
@@ -212,13 +219,14 @@ def main(argv: list[str] | None = None) -> int:
 
         import gpumem.cupy_allocator as gca
 
-        gca.native_hook()
-        if args.page_slack is not None:   # before the engine is made (at the first allocation)
-            import gpumem.torch as gtorch
-            from gpumem.allocator.policy import DEFAULT_POLICY, get_policy
+        import gpumem.torch as gtorch
 
-            gtorch.configure(dataclasses.replace(get_policy(DEFAULT_POLICY), name=f"page_slack={args.page_slack}",
-                                                 page_slack=args.page_slack))
+        gca.native_hook()
+        # the policy install() gives the engines, before one is made (at the first allocation)
+        policy = gca.cupy_policy()
+        if args.page_slack is not None:
+            policy = dataclasses.replace(policy, name=f"page_slack={args.page_slack}", page_slack=args.page_slack)
+        gtorch.configure(policy)
     except Exception as exc:  # noqa: BLE001 - reported as bad input
         print(f"cannot run: {exc}", file=sys.stderr)
         return 2
@@ -228,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     with cupy.cuda.Device(args.device):
         allocators = make_allocators(cupy, args.device, args.python_adapter)
         hook = allocators["gpumem"][0]
-        print(f"engine policy: {'default' if args.page_slack is None else f'default with page_slack={args.page_slack}'}; "
+        print(f"engine policy: the default with page_slack={policy.page_slack}; "
               f"CuPy {cupy.__version__}, device {args.device} ({cupy.cuda.runtime.getDeviceProperties(args.device)['name'].decode()}); "
               f"the hook reads CuPy's stream {'in C (capsule)' if hook.reads_stream_in_c() else 'through Python'}")
         rows = []

@@ -64,6 +64,33 @@ PER_THREAD_MESSAGE = ("gpumem's CuPy hook does not serve CuPy's per-thread defau
                       "use an explicit cupy.cuda.Stream per thread")
 
 
+#: The page slack of the engines CuPy's hook makes (Note [CuPy's page slack]).
+CUPY_PAGE_SLACK = 0.2
+
+# Note [CuPy's page slack]: past ``page_slack`` of the most pages live data touched, the engine moves
+# memory (steals an idle chunk: an unmap, a map and an access call, 65 us together on the H200) instead of
+# creating it. A training step that repeats touches, over the step, more pages than are live at its peak,
+# so at the default slack (0.5 %) the same chunks moved back and forth in every step: CuPy's hook made 298
+# device calls per pass of gpt2_train and 800 of llama_varlen, 1.5x and 2.5-3x the time per operation of
+# CuPy's pool. A slack is a bound, not a reservation: memory is created only where a block needs it, so
+# the engine holds the pages the repeating step touches, and no more (0.1 to 13.7 % more than at 0.5 % on
+# the corpus). A rule that created only where a steal had taken memory before (hysteresis) held as much
+# as a static slack for as many calls or more (reports/hil/cupy-hook-bench-h200-2026-11-25-run3.md).
+# CuPy's own pool never gives memory back and held more than gpumem at 0.2 on 13 of the 15 traces on the
+# H200, so CuPy's hook takes 0.2; gpumem.torch keeps the default, whose memory issue 18 holds to 1 % above
+# the live peak. The engines are shared per device with gpumem.torch (Note [One engine per device, shared
+# with PyTorch]): :func:`install` sets the policy of the engines made from then on, as
+# :func:`gpumem.torch.configure` does.
+
+
+def cupy_policy() -> AllocatorPolicy:
+    """The policy of the engines :func:`install` makes by default: the default policy with
+    :data:`CUPY_PAGE_SLACK` (Note [CuPy's page slack])."""
+    return dataclasses.replace(get_policy(DEFAULT_POLICY), name=f"{DEFAULT_POLICY}-cupy",
+                               description="the default policy with CuPy's page slack (Note [CuPy's page slack] "
+                                           "in gpumem.cupy_allocator)", page_slack=CUPY_PAGE_SLACK)
+
+
 class _BlockOwner:
     """Keeps a gpumem block alive while CuPy references it; frees it when CuPy lets go."""
 
@@ -215,14 +242,15 @@ def native_hook() -> Any:
                 on_oom)
 
 
-def install(allocator: CachingAllocator | None = None, *, policy: str | AllocatorPolicy = DEFAULT_POLICY,
+def install(allocator: CachingAllocator | None = None, *, policy: str | AllocatorPolicy | None = None,
             **allocator_options: Any) -> InstalledAllocator:
     """Route CuPy's allocations through gpumem, one allocator per device (Note [One allocator per device,
-    chosen at call time]); return the current device's allocator.
+    chosen at call time]); return the current device's allocator. ``policy`` None: :func:`cupy_policy`
+    (Note [CuPy's page slack]).
 
     With neither ``allocator`` nor ``allocator_options``, and gpumem's native engine built, CuPy gets the
     native hook (:func:`native_hook`) and this returns ``gpumem._engine.CudaAllocator(device)``; a
-    ``policy`` other than the default is given to the engines made from now on (as
+    ``policy`` other than the default (CuPy's, unless named) is given to the engines made from now on (as
     :func:`gpumem.torch.configure`: an engine already made keeps its policy). Otherwise each device gets a
     :class:`~gpumem.allocator.CachingAllocator` over gpumem's Python CUDA adapter (``allocator`` serves the
     current device; the others get new ones with ``policy`` and ``allocator_options``); where that is
@@ -230,6 +258,7 @@ def install(allocator: CachingAllocator | None = None, *, policy: str | Allocato
     """
     cupy = _cupy()
     current = cupy.cuda.Device().id
+    policy = cupy_policy() if policy is None else get_policy(policy)
     if allocator is None and not allocator_options:
         from .native import engine
 
@@ -308,7 +337,7 @@ def check_installed(raise_on_problem: bool = False) -> list[DeviceCheck]:
 
 
 @contextlib.contextmanager
-def using(allocator: CachingAllocator | None = None, *, policy: str | AllocatorPolicy = DEFAULT_POLICY,
+def using(allocator: CachingAllocator | None = None, *, policy: str | AllocatorPolicy | None = None,
           **allocator_options: Any) -> Iterator[InstalledAllocator]:
     """Like :func:`install` for the duration of a ``with`` block; the previous allocator comes back after."""
     cupy = _cupy()

@@ -540,7 +540,7 @@ PyObject* CupyAlloc_vectorcall(PyObject* callable, PyObject* const* args, size_t
     std::uint64_t p = 0, size = 0;
     std::exception_ptr failure;
     try {
-        p = engine->try_allocate_fast(nbytes, s);
+        p = engine->try_allocate_fast(nbytes, s, &size);   // the size under the same lock
     } catch (...) {
         failure = std::current_exception();
     }
@@ -553,7 +553,7 @@ PyObject* CupyAlloc_vectorcall(PyObject* callable, PyObject* const* args, size_t
         }
         Py_END_ALLOW_THREADS
     }
-    if (!failure) {
+    if (!failure && size == 0) {   // the slow path: the size asked for
         try {
             size = engine->block_size(p);
         } catch (...) {

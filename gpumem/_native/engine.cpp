@@ -120,7 +120,7 @@ bool BlockLess::operator()(const std::pair<std::uint64_t, std::uint64_t>& k, con
 }
 
 // -- PtrMap: open addressing, linear probing, backward-shift deletion -----------------------------
-PtrMap::PtrMap() : keys_(64, 0), vals_(64, nullptr), mask_(63) {}
+PtrMap::PtrMap() : slots_(64, Slot{0, nullptr}), mask_(63) {}
 
 static inline std::size_t hash64(std::uint64_t k) {
     k ^= k >> 33;
@@ -131,61 +131,56 @@ static inline std::size_t hash64(std::uint64_t k) {
 
 void* PtrMap::get(std::uint64_t key) const {
     for (std::size_t i = hash64(key) & mask_;; i = (i + 1) & mask_) {
-        std::uint64_t k = keys_[i];
-        if (k == key) return vals_[i];
-        if (k == 0) return nullptr;
+        const Slot& e = slots_[i];
+        if (e.key == key) return e.value;
+        if (e.key == 0) return nullptr;
     }
 }
 
 void PtrMap::put(std::uint64_t key, void* value) {
-    if ((n_ + 1) * 2 > keys_.size()) grow();
+    if ((n_ + 1) * 2 > slots_.size()) grow();
     for (std::size_t i = hash64(key) & mask_;; i = (i + 1) & mask_) {
-        if (keys_[i] == key) { vals_[i] = value; return; }
-        if (keys_[i] == 0) { keys_[i] = key; vals_[i] = value; ++n_; return; }
+        Slot& e = slots_[i];
+        if (e.key == key) { e.value = value; return; }
+        if (e.key == 0) { e.key = key; e.value = value; ++n_; return; }
     }
 }
 
 bool PtrMap::erase(std::uint64_t key) {
     std::size_t i = hash64(key) & mask_;
     for (;; i = (i + 1) & mask_) {
-        if (keys_[i] == key) break;
-        if (keys_[i] == 0) return false;
+        if (slots_[i].key == key) break;
+        if (slots_[i].key == 0) return false;
     }
     std::size_t j = i;
     for (;;) {
         j = (j + 1) & mask_;
-        if (keys_[j] == 0) break;
-        std::size_t h = hash64(keys_[j]) & mask_;
-        // move keys_[j] to the hole at i if its home is not in (i, j] (cyclically)
+        if (slots_[j].key == 0) break;
+        std::size_t h = hash64(slots_[j].key) & mask_;
+        // move slot j to the hole at i if its home is not in (i, j] (cyclically)
         bool stay = (i <= j) ? (i < h && h <= j) : (i < h || h <= j);
         if (!stay) {
-            keys_[i] = keys_[j];
-            vals_[i] = vals_[j];
+            slots_[i] = slots_[j];
             i = j;
         }
     }
-    keys_[i] = 0;
-    vals_[i] = nullptr;
+    slots_[i] = Slot{0, nullptr};
     --n_;
     return true;
 }
 
 void PtrMap::grow() {
-    std::vector<std::uint64_t> ok;
-    std::vector<void*> ov;
-    ok.swap(keys_);
-    ov.swap(vals_);
-    keys_.assign(ok.size() * 2, 0);
-    vals_.assign(ok.size() * 2, nullptr);
-    mask_ = keys_.size() - 1;
+    std::vector<Slot> old;
+    old.swap(slots_);
+    slots_.assign(old.size() * 2, Slot{0, nullptr});
+    mask_ = slots_.size() - 1;
     n_ = 0;
-    for (std::size_t i = 0; i < ok.size(); ++i)
-        if (ok[i]) put(ok[i], ov[i]);
+    for (const Slot& e : old)
+        if (e.key) put(e.key, e.value);
 }
 
 void PtrMap::clear() {
-    std::fill(keys_.begin(), keys_.end(), 0);
-    std::fill(vals_.begin(), vals_.end(), nullptr);
+    std::fill(slots_.begin(), slots_.end(), Slot{0, nullptr});
     n_ = 0;
 }
 
@@ -382,21 +377,21 @@ Block* Engine::drop_last_block(VSeg* seg) {
 // FreeList.add / remove / best_fit
 void Engine::fl_add(FreeList* fl, Block* b) {
     if (b->node.empty()) {
-        fl->blocks.insert(b);
+        b->where = fl->blocks.insert(b).first;
     } else {
         b->node.value() = b;
-        fl->blocks.insert(std::move(b->node));
+        b->where = fl->blocks.insert(std::move(b->node)).position;
     }
     b->in_list = fl;
     fl->nbytes += b->size;
 }
 
 void Engine::fl_remove(FreeList* fl, Block* b) {
-    if (b->in_list != fl) throw EngineError(EngineErrorKind::kInternal, "block " + hex(b->addr) + " is not in its free list");
-    auto it = fl->blocks.find(b);
-    if (it == fl->blocks.end() || *it != b)
+    // the place fl_add kept (no second descent of the set); a block is in at most one list, and its
+    // size and address do not change while it is in one
+    if (b->in_list != fl || *b->where != b)
         throw EngineError(EngineErrorKind::kInternal, "block " + hex(b->addr) + " is not in its free list");
-    b->node = fl->blocks.extract(it);
+    b->node = fl->blocks.extract(b->where);
     b->in_list = nullptr;
     fl->nbytes -= b->size;
 }
@@ -408,9 +403,12 @@ Block* Engine::fl_best_fit(FreeList* fl, std::uint64_t size) {
 
 // -- free lists (PythonEngine._free_lists, an insertion-ordered dict) ------------------------------
 FreeList* Engine::free_list_get(bool small, std::uint64_t stream) {
+    FreeList*& last = fl_last_[small ? 1 : 0];   // the list found last (most calls are on one stream)
+    if (last && last->stream == stream) return last;
     auto& idx = fl_index_[small ? 1 : 0];
     auto it = idx.find(stream);
-    return it == idx.end() ? nullptr : it->second;
+    if (it == idx.end()) return nullptr;
+    return last = it->second;
 }
 
 FreeList* Engine::free_list_make(bool small, std::uint64_t stream) {
@@ -743,15 +741,34 @@ void Engine::commit(Block* b) {
     if (live_pages_ > peak_live_pages_) peak_live_pages_ = live_pages_;
 }
 
-// VirtualBacking.commit_quietly
+// VirtualBacking.commit_quietly (Note [A quiet commit] in backing.py)
 bool Engine::commit_quietly(Block* b, std::uint64_t nbytes) {
     VSeg* seg = b->seg;
-    std::uint64_t first = (b->addr - seg->base) / g_;
-    if ((b->addr + nbytes - 1 - seg->base) / g_ == first && seg->refs[first]) {
-        ++seg->refs[first];
+    const std::int64_t first = static_cast<std::int64_t>((b->addr - seg->base) / g_);
+    const std::int64_t last = static_cast<std::int64_t>((b->addr + nbytes - 1 - seg->base) / g_);
+    auto& refs = seg->refs;
+    if (last == first && refs[first]) {
+        ++refs[first];
         return true;
     }
-    return false;
+    const ChunkHandle* chunks = seg->chunks.data();
+    for (std::int64_t p = first; p <= last; ++p)
+        if (chunks[p] == 0) return false;
+    if (seg->n_noaccess)
+        for (std::int64_t p = first; p <= last; ++p)
+            if (seg->noaccess[p]) return false;
+    std::int64_t* r = refs.data();   // counted here, stored once: the stores to the pages do not reload them
+    std::int64_t newly_live = 0;
+    for (std::int64_t p = first; p <= last; ++p) {
+        if (r[p] == 0) {
+            seg->empty_pop(p);
+            ++newly_live;
+        }
+        ++r[p];
+    }
+    live_pages_ += newly_live;
+    if (live_pages_ > peak_live_pages_) peak_live_pages_ = live_pages_;
+    return true;
 }
 
 // VirtualBacking.decommit
@@ -1682,7 +1699,7 @@ void Engine::check_usable_op() {
         throw;                                                        \
     }
 
-std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stream) {
+std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out) {
     if (nbytes == 0) return 0;
     const std::uint64_t r = cfg_.round_nbytes;
     if (nbytes > UINT64_MAX - r) return 0;
@@ -1696,7 +1713,9 @@ std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stre
     if (!b || !commit_quietly(b, kept_nbytes(b, size, small))) return 0;
     fl_remove(fl, b);
     ++st_.cache_hits;
-    return hand_out(split(b, size, small, fl), nbytes, stream);
+    b = split(b, size, small, fl);
+    if (size_out) *size_out = b->size;
+    return hand_out(b, nbytes, stream);
 }
 
 // PythonEngine.allocate
@@ -1833,12 +1852,13 @@ void Engine::free_booked(std::uint64_t ptr, Block* b) {
     live_.erase(ptr);
     if (!freed_.get(ptr)) {
         freed_.put(ptr, reinterpret_cast<void*>(1));
-        std::size_t cap = freed_ring_.size();
-        freed_ring_[(freed_head_ + freed_count_) % cap] = ptr;
+        const std::size_t cap = freed_ring_.size();   // head + count <= 2 * cap - 1: no division
+        std::size_t at = freed_head_ + freed_count_;
+        freed_ring_[at >= cap ? at - cap : at] = ptr;
         ++freed_count_;
         if (freed_count_ > kFreedMemory) {
             freed_.erase(freed_ring_[freed_head_]);
-            freed_head_ = (freed_head_ + 1) % cap;
+            freed_head_ = freed_head_ + 1 == cap ? 0 : freed_head_ + 1;
             --freed_count_;
         }
     }
@@ -2122,6 +2142,7 @@ std::uint64_t Engine::empty_cache() {
         for (auto it = fl_order_.begin(); it != fl_order_.end();) {
             if ((*it)->blocks.empty()) {   // idle streams cost nothing once their cache is gone
                 fl_index_[(*it)->small ? 1 : 0].erase((*it)->stream);
+                fl_last_[0] = fl_last_[1] = nullptr;
                 it = fl_order_.erase(it);
             } else {
                 ++it;
@@ -2188,6 +2209,7 @@ void Engine::close() {
     pending_.clear();
     fl_index_[0].clear();
     fl_index_[1].clear();
+    fl_last_[0] = fl_last_[1] = nullptr;
     fl_order_.clear();
     leaked_nbytes_ = reserved_nbytes_;
 }

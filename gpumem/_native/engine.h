@@ -200,6 +200,7 @@ struct Block {
     std::unique_ptr<std::vector<std::uint64_t>> pending_streams;   // record_stream (sorted set)
     std::unique_ptr<FenceMap> fences;                  // freed with pending streams
     BlockSet::node_type node;                          // reused set node: no allocation per add
+    BlockSet::iterator where;                          // its place in in_list's set (valid while in_list)
 };
 
 struct FreeList {
@@ -218,13 +219,16 @@ class PtrMap {
     bool erase(std::uint64_t key);
     std::size_t size() const { return n_; }
     template <class F> void for_each(F f) const {
-        for (std::size_t i = 0; i < keys_.size(); ++i) if (keys_[i]) f(keys_[i], vals_[i]);
+        for (const Slot& e : slots_) if (e.key) f(e.key, e.value);
     }
     void clear();
   private:
+    struct Slot {   // key and value side by side: one cache line per probe
+        std::uint64_t key;
+        void* value;
+    };
     void grow();
-    std::vector<std::uint64_t> keys_;
-    std::vector<void*> vals_;
+    std::vector<Slot> slots_;
     std::size_t n_ = 0, mask_ = 0;
 };
 }  // namespace detail
@@ -247,8 +251,10 @@ class Engine {
     // PythonEngine.allocate: a device pointer for `nbytes` (> 0) on `stream`.
     std::uint64_t allocate(std::uint64_t nbytes, std::uint64_t stream);
     // The hot path alone (Note [The hot path makes no device call]): the pointer, or 0 when the
-    // request needs the full allocate() (which then decides exactly as Python's slow path).
-    std::uint64_t try_allocate_fast(std::uint64_t nbytes, std::uint64_t stream);
+    // request needs the full allocate() (which then decides exactly as Python's slow path). With
+    // `size_out`, the block's size is written there too (what block_size(ptr) would say, under the
+    // same lock: CuPy's hook needs both, Note [CuPy's allocator in C]).
+    std::uint64_t try_allocate_fast(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out = nullptr);
     // What allocate() raises before it looks at the cache, when it cannot serve (kDeviceLost once the
     // device was lost, kClosed once close() ran); returns when neither.
     void check_open();
@@ -430,6 +436,7 @@ class Engine {
     // PythonEngine state
     std::unordered_map<std::uint64_t, detail::FreeList*> fl_index_[2];   // [small][stream]
     std::list<std::unique_ptr<detail::FreeList>> fl_order_;              // insertion order (dict order)
+    detail::FreeList* fl_last_[2] = {nullptr, nullptr};                  // [small]: free_list_get's last find
     detail::PtrMap live_;
     std::vector<std::uint64_t> live_order_;                               // unused slots: 0
     detail::PtrMap freed_;

@@ -634,13 +634,33 @@ class VirtualBacking(Backing):
             self.peak_live_pages = self.live_pages
 
     def commit_quietly(self, block: Block, nbytes: int) -> bool:
+        # Note [A quiet commit]: what commit() does when it makes no device call: every page the
+        # block's first ``nbytes`` touch is mapped (a chunk under it) and accessible. The common case,
+        # one page already holding live data, first; then a block over several pages, or over pages
+        # that fell empty, whose chunks stayed mapped (a steady state that repeats: CuPy's hook
+        # serves it without leaving the hot path, Note [CuPy's allocator in C]).
         seg: VirtualSegment = block.segment  # type: ignore[assignment]
         g = seg.page_nbytes
         first = (block.addr - seg.base) // g
-        if (block.addr + nbytes - 1 - seg.base) // g == first and seg.refs[first]:
-            seg.refs[first] += 1
+        last = (block.addr + nbytes - 1 - seg.base) // g
+        refs = seg.refs
+        if last == first and refs[first]:
+            refs[first] += 1
             return True
-        return False
+        chunks = seg.chunks
+        noaccess = seg.noaccess
+        for p in range(first, last + 1):
+            if chunks[p] is None or p in noaccess:
+                return False
+        empty = seg.empty
+        for p in range(first, last + 1):
+            if refs[p] == 0:
+                empty.pop(p, None)
+                self.live_pages += 1
+            refs[p] += 1
+        if self.live_pages > self.peak_live_pages:
+            self.peak_live_pages = self.live_pages
+        return True
 
     def decommit(self, block: Block) -> None:
         seg, first, last = self._pages(block)

@@ -165,6 +165,49 @@ def test_a_chunk_with_live_data_is_never_stolen(engine):
     alloc.check_consistency()
 
 
+def test_a_block_over_mapped_empty_pages_is_committed_without_a_device_call(engine, monkeypatch):
+    """Note [A quiet commit]: a block over several pages that fell empty, their chunks still mapped, is
+    served by the hot path (no device call, not through commit()), and the pages it covers are live
+    again: a later steal leaves them alone."""
+    dev = small_device(384)
+    calls = count_calls(dev)
+    alloc = CachingAllocator(dev, policy(chunk_max_fraction=1.0, page_slack=0.0, grow_ahead_fraction=0.0),
+                             engine=engine)
+    a = alloc.allocate(16 * MiB)
+    alloc.allocate(G)   # above it: a's block stays a free block of the range when freed
+    alloc.free(a)
+    before = dict(calls)
+    if engine == "python":
+        def no_commit(block):
+            raise AssertionError("the quiet commit should have served this block")
+        monkeypatch.setattr(alloc.backing, "commit", no_commit)
+    b = alloc.allocate(16 * MiB)
+    assert b == a and dict(calls) == before
+    dev.write(b + 16 * MiB - 64, b"y" * 64)
+    monkeypatch.undo()
+    alloc.allocate(16 * MiB, stream=1)   # past the slack: only idle chunks may move, and b's are live
+    assert dev.read(b + 16 * MiB - 64, 64) == b"y" * 64
+    alloc.check_consistency()
+
+
+def test_a_block_over_unmapped_pages_is_mapped_not_committed_quietly(engine):
+    """The quiet commit refuses a block whose pages lost their chunks (empty_cache unmapped them): the
+    allocation maps them, and the memory is usable."""
+    dev = small_device(384)
+    calls = count_calls(dev)
+    alloc = CachingAllocator(dev, policy(chunk_max_fraction=1.0, grow_ahead_fraction=0.0), engine=engine)
+    a = alloc.allocate(16 * MiB)
+    alloc.allocate(G)
+    alloc.free(a)
+    alloc.empty_cache()   # a's chunks are idle: unmapped and released; its free block stays
+    maps = calls["mem_map"]
+    b = alloc.allocate(16 * MiB)
+    assert b == a and calls["mem_map"] > maps
+    dev.write(b + 16 * MiB - 64, b"z" * 64)
+    assert dev.read(b + 16 * MiB - 64, 64) == b"z" * 64
+    alloc.check_consistency()
+
+
 def test_empty_cache_gives_back_idle_chunks_whole(engine):
     dev = small_device(384)
     calls = count_calls(dev)

@@ -488,6 +488,24 @@ def _freed_on_two_streams(pair) -> None:
     pair.both("free", q)
 
 
+def test_a_stream_whose_free_list_empty_cache_dropped_gets_a_new_one():
+    """The native engine keeps the free list it found last (one per pool); empty_cache drops the lists of
+    idle streams, and the next allocation on such a stream must make a new list, not reach the dropped one
+    (freed memory: the same state as Python's and a consistent engine here, an error under a sanitizer)."""
+    pair = Pair(lambda: sim.SimDevice(small_profile(384)))
+    for stream in (7, 0, 7):
+        pair.both("free", pair.both("allocate", 4 * KiB, stream)[1])
+        pair.both("free", pair.both("allocate", 3 * MiB, stream)[1])
+    pair.both("empty_cache")
+    for _ in range(2):
+        small = pair.both("allocate", 4 * KiB, 7)[1]
+        large = pair.both("allocate", 3 * MiB, 7)[1]
+        pair.both("free", small)
+        pair.both("free", large)
+    for alloc in pair.allocs:
+        alloc.check_consistency()
+
+
 @pytest.mark.parametrize("exc", [InjectedInterrupt, InjectedExit])
 def test_base_exceptions_in_empty_cache_propagate_the_same(exc):
     """Ctrl-C or SystemExit from any device call of empty_cache (waiting, releasing, forgetting idle

@@ -6,6 +6,7 @@ device at each call, and hand CuPy the block's size (a multiple of 512 B), as Cu
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 import threading
@@ -264,3 +265,50 @@ def test_the_per_thread_default_stream_is_refused_by_both_hooks(fake_cupy):
     with pytest.raises(BackendUnavailableError, match="per-thread default stream") as exc:
         hook(4096)
     assert str(exc.value) == PER_THREAD_MESSAGE and hook.devices() == []
+
+
+def test_install_gives_the_engines_cupys_page_slack_unless_a_policy_is_named(fake_cupy, monkeypatch):
+    """Note [CuPy's page slack]: install() gives the native engines made from then on the default policy with
+    CUPY_PAGE_SLACK; a policy named (the default's name too) is given as it is."""
+    import gpumem.cupy_allocator as gca
+    import gpumem.torch
+    from gpumem.allocator.policy import DEFAULT_POLICY, get_policy
+    from gpumem.native import engine
+
+    if engine() != "native":
+        pytest.skip("needs gpumem's native engine")
+    real = gca._engine_module()
+    fake_cupy.stream = types.SimpleNamespace()   # no C API: the hook reads the stream through Python
+    monkeypatch.setattr(gca, "_engine_module", lambda: types.SimpleNamespace(
+        CupyAllocator=real.CupyAllocator, CudaAllocator=lambda device: ("engine of", device)))
+    configured: list = []
+    monkeypatch.setattr(gpumem.torch, "configure", configured.append)
+    assert gca.install() == ("engine of", 0)
+    assert type(fake_cupy.installed) is real.CupyAllocator
+    assert [p.page_slack for p in configured] == [gca.CUPY_PAGE_SLACK] == [0.2]
+    cupy_pol = configured[0]
+    default = get_policy(DEFAULT_POLICY)
+    assert cupy_pol == dataclasses.replace(default, name=cupy_pol.name, description=cupy_pol.description,
+                                           page_slack=gca.CUPY_PAGE_SLACK)
+    configured.clear()
+    gca.install(policy=DEFAULT_POLICY)   # the default by name: the engines keep gpumem.torch's default
+    assert configured == []
+    gca.install(policy=dataclasses.replace(default, name="mine", page_slack=0.01))
+    assert [p.page_slack for p in configured] == [0.01]
+
+
+def test_install_python_adapter_uses_cupys_page_slack(fake_cupy, monkeypatch):
+    import gpumem.native as native
+    import gpumem.specs
+    from gpumem.cupy_allocator import CUPY_PAGE_SLACK, install
+
+    monkeypatch.setattr(native, "_load", lambda: (None, "not built in this test"))
+    native._warn_once.cache_clear()
+    monkeypatch.setattr(gpumem.specs, "open_device", lambda spec: gpumem.open_device("sim:t4-16gb"))
+    try:
+        with pytest.warns(native.NativeEngineWarning):
+            alloc = install()
+        assert alloc.policy.page_slack == CUPY_PAGE_SLACK
+        assert install(policy="gpumem").policy.page_slack == 0.005
+    finally:
+        native._warn_once.cache_clear()

@@ -105,3 +105,32 @@ def test_cupy_on_the_native_engine(device_spec):
         checks = gca.check_installed(raise_on_problem=True)
         assert [c.engine for c in checks] == ["native"] and checks[0].device == index
     plans.set_size(plan_cache_size)
+
+
+def test_cupy_hook_cache_hits_have_the_blocks_size_and_usable_memory(device_spec):
+    """The hot path of the native hook (issue 19): a cache hit hands CuPy the block's size read under the
+    allocation's lock, also for a block over several pages that fell empty and stayed mapped (Note [A quiet
+    commit] in gpumem.allocator.backing); the memory is usable and the engine consistent after."""
+    cupy = pytest.importorskip("cupy")
+    import gpumem.cupy_allocator as gca
+    from gpumem.native import engine
+
+    if not device_spec.startswith("cuda") or engine() != "native":
+        pytest.skip("needs a CUDA device and gpumem's native engine")
+    index = int(device_spec.partition(":")[2] or 0)
+    with cupy.cuda.Device(index), gca.using() as alloc:
+        for n in (1, 700, 4097, 3 << 20, 64 << 20):
+            for _ in range(3):   # the first may grow; the next ones are cache hits
+                p = cupy.cuda.alloc(n)
+                assert p.mem.size == alloc.block_size(p.ptr) and p.mem.size % 512 == 0 and p.mem.size >= n
+                del p
+        calls = None
+        for _ in range(4):   # 64 MiB over pages mapped and empty: memory usable end to end, and once the
+            a = cupy.ones(64 << 18, dtype=cupy.float32)   # sum's own buffers are grown, no device call
+            assert float(a.sum()) == float(64 << 18)
+            del a
+            cupy.cuda.get_current_stream().synchronize()
+            if calls is None:
+                calls = alloc.peaks()["device_calls"]
+        assert alloc.peaks()["device_calls"] == calls
+        gca.check_installed(raise_on_problem=True)

@@ -86,6 +86,7 @@ struct CudaDriver {
     CUresult (*cuDeviceGet)(CUdevice*, int) = nullptr;
     CUresult (*cuDeviceGetCount)(int*) = nullptr;
     CUresult (*cuDeviceGetAttribute)(int*, int, CUdevice) = nullptr;
+    CUresult (*cuDeviceCanAccessPeer)(int*, CUdevice, CUdevice) = nullptr;
     CUresult (*cuDeviceTotalMem)(size_t*, CUdevice) = nullptr;
     CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
     CUresult (*cuDevicePrimaryCtxRelease)(CUdevice) = nullptr;
@@ -170,6 +171,7 @@ struct LoadedDriver {
         load(lib, d.cuDeviceGet, "cuDeviceGet", missing);
         load(lib, d.cuDeviceGetCount, "cuDeviceGetCount", missing);
         load(lib, d.cuDeviceGetAttribute, "cuDeviceGetAttribute", missing);
+        load(lib, d.cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer", missing);
         load(lib, d.cuDeviceTotalMem, "cuDeviceTotalMem_v2", missing);
         load(lib, d.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", missing);
         load(lib, d.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", missing);
@@ -300,6 +302,14 @@ CudaBackend::CudaBackend(int ordinal) : drv_(cuda_driver()), ordinal_(ordinal) {
             drv_.check(drv_.cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
                        "cuMemGetAllocationGranularity");
             info_.granularity_nbytes = gran;
+            // Note [Peers read mapped memory]: every device that can reach this one gets access too.
+            for (int other = 0; other < count; ++other) {
+                CUdevice peer = 0;
+                int can = 0;
+                if (other != ordinal && drv_.cuDeviceGet(&peer, other) == CUDA_SUCCESS &&
+                    drv_.cuDeviceCanAccessPeer(&can, peer, device_) == CUDA_SUCCESS && can == 1)
+                    peers_.push_back(other);
+            }
         }
     } catch (...) {
         drv_.cuDevicePrimaryCtxRelease(device_);
@@ -359,13 +369,25 @@ void CudaBackend::mem_map(std::uint64_t va, std::uint64_t nbytes, ChunkHandle ha
     drv_.check(drv_.cuMemMap(va, nbytes, offset, handle, 0), "cuMemMap");
 }
 
+// Note [Peers read mapped memory]
+// cudaMalloc memory is readable by a peer GPU once peer access is enabled (and copies between devices
+// work even without it, staged by the driver). Memory mapped with cuMemMap is readable only by the
+// devices cuMemSetAccess names, whatever cudaDeviceEnablePeerAccess says: a copy from device 0's
+// gpumem block into device 1 (CuPy's `cupy.asarray` under Device(1), PyTorch's `.to("cuda:1")`, NCCL's
+// peer transfers) fails with cudaErrorInvalidValue, as the two-GPU HIL probe showed on two H200s. PyTorch's
+// expandable segments grant a peer access lazily, when its copy path enables peer access; gpumem cannot
+// see that call under CuPy, so it grants access at mapping time to every device that
+// cuDeviceCanAccessPeer says can reach this one (found once, at construction). One call names them all;
+// on a one-GPU machine the call is what it was.
 void CudaBackend::mem_set_access(std::uint64_t va, std::uint64_t nbytes) {
     ContextScope scope(*this);
-    CUmemAccessDesc access{};
-    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    access.location.id = device_;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    drv_.check(drv_.cuMemSetAccess(va, nbytes, &access, 1), "cuMemSetAccess");
+    std::vector<CUmemAccessDesc> access(1 + peers_.size());
+    for (std::size_t i = 0; i < access.size(); ++i) {
+        access[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        access[i].location.id = i == 0 ? ordinal_ : peers_[i - 1];
+        access[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    }
+    drv_.check(drv_.cuMemSetAccess(va, nbytes, access.data(), access.size()), "cuMemSetAccess");
 }
 
 void CudaBackend::mem_unmap(std::uint64_t va, std::uint64_t nbytes) {

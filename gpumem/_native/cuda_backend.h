@@ -87,6 +87,7 @@ class CudaBackend final : public Backend {
     const CudaDriver& drv_;
     int ordinal_;
     int device_ = 0;              // CUdevice
+    std::vector<int> peers_;      // ordinals of the devices that can reach this one (Note [Peers read mapped memory])
     void* primary_ = nullptr;     // CUcontext (retained)
     DeviceInfo info_;
 };

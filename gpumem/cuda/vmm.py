@@ -58,7 +58,28 @@ class VmmDriver:
         access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         access.location.id = ordinal
         access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self._access = [access]
+        self.peers = self._peers(driver, ordinal)
+        self._access = [access] + [self._access_desc(driver, peer) for peer in self.peers]
+
+    @staticmethod
+    def _access_desc(driver: Any, ordinal: int) -> Any:
+        access = driver.CUmemAccessDesc()
+        access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = ordinal
+        access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        return access
+
+    def _peers(self, driver: Any, ordinal: int) -> list[int]:
+        """The ordinals of the other devices that can reach this one's memory (Note [Peers read mapped
+        memory] in ``gpumem/_native/cuda_backend.cpp``: cuMemMap'd memory is readable only by the devices
+        ``cuMemSetAccess`` names, so a copy to another GPU needs that GPU named too)."""
+        peers = []
+        for other in range(int(driver_call(driver, "cuDeviceGetCount"))):
+            if other == ordinal:
+                continue
+            if driver_call(driver, "cuDeviceCanAccessPeer", driver_call(driver, "cuDeviceGet", other), self.cu_device):
+                peers.append(other)
+        return peers
 
     # -- what the device can do ----------------------------------------------------------------
     def supported(self) -> bool:
@@ -95,7 +116,7 @@ class VmmDriver:
         driver_call(self.driver, "cuMemMap", va, nbytes, offset, handle, 0)
 
     def set_access(self, va: int, nbytes: int) -> None:
-        """``cuMemSetAccess``: make a mapped range readable and writable by this device."""
+        """``cuMemSetAccess``: make a mapped range readable and writable by this device and its peers."""
         driver_call(self.driver, "cuMemSetAccess", va, nbytes, self._access, len(self._access))
 
     def unmap(self, va: int, nbytes: int) -> None:

@@ -286,6 +286,8 @@ class FakeDriver:
         self.reservations: dict[int, _Host] = {}
         self.handles: dict[int, list] = {}  # id -> [nbytes, released, n_mappings]
         self.mappings: dict[int, list] = {}  # va -> [nbytes, handle id, accessible]
+        self.no_peer_access: set[tuple[int, int]] = set()   # (dev, peer) pairs cuDeviceCanAccessPeer refuses
+        self.access_ids: list[tuple[int, ...]] = []          # the devices each cuMemSetAccess named
         self._next = 100
 
     def _enter(self, name: str, *args: Any) -> CUresult:
@@ -316,6 +318,14 @@ class FakeDriver:
 
     def cuDeviceGet(self, ordinal: int) -> tuple:  # noqa: N802
         return self._enter("cuDeviceGet", ordinal), _Ptr(ordinal)
+
+    def cuDeviceGetCount(self) -> tuple:  # noqa: N802
+        return self._enter("cuDeviceGetCount"), self.runtime.device_count
+
+    def cuDeviceCanAccessPeer(self, dev: _Ptr, peer: _Ptr) -> tuple:  # noqa: N802
+        """Whether ``dev`` can reach ``peer``'s memory: every pair but those in ``no_peer_access``."""
+        err = self._enter("cuDeviceCanAccessPeer", dev, peer)
+        return err, int((int(dev), int(peer)) not in self.no_peer_access)
 
     def cuDeviceGetAttribute(self, attr: int, dev: _Ptr) -> tuple:  # noqa: N802
         return self._enter("cuDeviceGetAttribute", attr, dev), int(self.vmm_supported)
@@ -388,7 +398,8 @@ class FakeDriver:
         err = self._enter("cuMemSetAccess", va, nbytes, descs, count)
         if err:
             return (err,)
-        assert count == len(descs) == 1 and descs[0].flags == 3 and descs[0].location.type == 1
+        assert count == len(descs) >= 1 and all(d.flags == 3 and d.location.type == 1 for d in descs)
+        self.access_ids.append(tuple(d.location.id for d in descs))
         # the driver accepts any fully mapped range, tiled by one or more whole mappings
         cursor, end = va, va + nbytes
         while cursor < end:

@@ -308,3 +308,29 @@ def test_other_granularity_is_respected():
     with pytest.raises(InvalidArgumentError):
         dev.mem_create(2 * G)
     dev.mem_create(4 * G)
+
+
+@pytest.mark.parametrize("ordinal", [0, 2])
+def test_set_access_names_every_device_that_can_reach_this_one(ordinal):
+    """cuMemMap'd memory is readable only by the devices cuMemSetAccess names: a copy to another GPU
+    failed with cudaErrorInvalidValue on two H200s until the peers were named too (Note [Peers read
+    mapped memory]). A device that cannot reach this one is left out."""
+    f = Fakes(device_count=3)
+    blocked = 1 if ordinal == 0 else 0
+    f.driver.no_peer_access.add((blocked, ordinal))
+    dev = f.open(ordinal)
+    va = dev.address_reserve(2 * G)
+    h = dev.mem_create(2 * G)
+    dev.mem_map(va, 2 * G, h)
+    dev.mem_set_access(va, 2 * G)
+    others = tuple(d for d in range(3) if d not in (ordinal, blocked))
+    assert f.driver.access_ids == [(ordinal, *others)]
+    dev.write(va, b"ok")
+    assert dev.read(va, 2) == b"ok"
+
+
+def test_one_gpu_set_access_names_only_itself(dev, fakes):
+    va = dev.address_reserve(2 * G)
+    dev.mem_map(va, 2 * G, dev.mem_create(2 * G))
+    dev.mem_set_access(va, 2 * G)
+    assert fakes.driver.access_ids == [(0,)]

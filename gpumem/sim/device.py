@@ -195,9 +195,15 @@ class SimCallStats:
     wait for the GPU?]); a call that found the device idle is not counted."""
     device_wait_s: float = 0.0
     """Simulated seconds those calls waited."""
+    cost_us: dict[str, float] = field(default_factory=dict)
+    """Simulated µs each kind of call cost in all (what :attr:`busy_us` sums)."""
+    busy_priced_calls: int = 0
+    """Calls of :data:`~gpumem.sim.latency.BUSY_PRICED_CALLS` made while the device had unfinished work,
+    priced higher for it (Note [A busy device prices VMM calls higher] in :mod:`gpumem.sim.latency`)."""
 
     def count(self, name: str, cost_us: float) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
+        self.cost_us[name] = self.cost_us.get(name, 0.0) + cost_us
         self.busy_us += cost_us
 
 
@@ -284,6 +290,9 @@ class SimDevice(Device):
         self.faults = FaultInjector(faults or FaultPlan(), random.Random(self._rng.getrandbits(64)))
         self.stats = SimCallStats()
         self._calls = self.stats.calls
+        self._costs = self.stats.cost_us
+        self._n_mappings = 0
+        """Live mappings (Note [A busy device prices VMM calls higher] in :mod:`gpumem.sim.latency`)."""
         self.sanitizer = sanitizer
         """``"raise"``, ``"count"`` or ``"off"`` (see the module docstring)."""
         self.hazards: list[Hazard] = []
@@ -352,6 +361,20 @@ class SimDevice(Device):
         # a given environment need not be t=0
         return f"{self.spec} was lost at t={self._lost_at_s}s"
 
+    def _priced(self, idle_cost_us: float) -> float:
+        """The cost of a call of :data:`~gpumem.sim.latency.BUSY_PRICED_CALLS` now: its idle cost, times the
+        busy factor at the mappings held while any stream has unfinished work (Note [A busy device prices
+        VMM calls higher] in :mod:`gpumem.sim.latency`)."""
+        if not self.streams._n_pending:  # noqa: SLF001 - the device is idle: a hot check
+            return idle_cost_us
+        self.stats.busy_priced_calls += 1
+        return idle_cost_us * self.latency.busy_factor(self._n_mappings)
+
+    @property
+    def n_mappings(self) -> int:
+        """Live mappings (``mem_map`` calls not yet unmapped)."""
+        return self._n_mappings
+
     def _call(self, name: str, cost_us: float, nbytes: int = 0) -> None:
         """Start a call (the base class refused a closed or lost device already): let its cost in time
         pass, then decide a per-call-type injected fault (``nbytes``: what an allocating call asked for).
@@ -370,6 +393,8 @@ class SimDevice(Device):
             clock.advance(cost_us * 1e-6)
         calls = self._calls
         calls[name] = calls.get(name, 0) + 1
+        costs = self._costs
+        costs[name] = costs.get(name, 0.0) + cost_us
         self.stats.busy_us += cost_us
         if self._lost or self.faults.per_call:
             self._call_fails(name, nbytes)
@@ -576,20 +601,20 @@ class SimDevice(Device):
 
     # -- Device: virtual memory management -----------------------------------------------------------
     def _do_address_reserve(self, nbytes: int, alignment: int) -> int:
-        self._call("address_reserve", self.latency.address_reserve_us)
+        self._call("address_reserve", self._priced(self.latency.address_reserve_us))
         start = self._va_alloc(nbytes, max(alignment, self._gran))
         self._space_add(start, nbytes, _RESERVED)
         return start
 
     def _do_address_free(self, va: int, nbytes: int) -> None:
-        self._call("address_free", self.latency.address_free_cost_us(nbytes))
+        self._call("address_free", self._priced(self.latency.address_free_cost_us(nbytes)))
         self._space.remove(va)
 
     def _do_mem_create(self, nbytes: int) -> SparseStore:
         cost_us = self._create_cost_us.get(nbytes)
         if cost_us is None:
             cost_us = self._create_cost_us[nbytes] = self.latency.mem_create_cost_us(nbytes)
-        self._call("mem_create", cost_us, nbytes)
+        self._call("mem_create", self._priced(cost_us), nbytes)
         self._decide_allocation_fault(nbytes)
         if nbytes > self._free_nbytes():
             raise self._oom(nbytes)
@@ -603,7 +628,7 @@ class SimDevice(Device):
             cost_us = self._release_cost_us[nbytes] = self.latency.mem_release_cost_us(nbytes)
         if "mem_release" in self._waits_for_device:
             self._wait_until_idle()
-        self._call("mem_release", cost_us)
+        self._call("mem_release", self._priced(cost_us))
 
     def _physical_gone(self, phys: Physical) -> None:
         self._give_pages(phys.handle.nbytes // self._gran)
@@ -611,14 +636,15 @@ class SimDevice(Device):
     def _do_mem_map(self, va: int, nbytes: int, phys: Physical, offset: int) -> None:
         if "mem_map" in self._waits_for_device:
             self._wait_until_idle()
-        self._call("mem_map", self.latency.mem_map_us)
+        self._call("mem_map", self._priced(self.latency.mem_map_us))
+        self._n_mappings += 1
 
     def _do_mem_set_access(self, va: int, nbytes: int, maps: list[Mapping]) -> None:
         if "mem_set_access" in self._waits_for_device:
             self._wait_until_idle()
         lat = self.latency
-        self._call("mem_set_access", lat.mem_set_access_us + lat.mem_set_access_mapping_us * len(maps)
-                   + lat.mem_set_access_mib_us * nbytes / MiB)
+        self._call("mem_set_access", self._priced(lat.mem_set_access_us + lat.mem_set_access_mapping_us * len(maps)
+                                                  + lat.mem_set_access_mib_us * nbytes / MiB))
 
     def _do_mem_unmap(self, r: Reservation, maps: list[Mapping]) -> None:
         va, end = maps[0].va, maps[-1].va + maps[-1].nbytes
@@ -627,12 +653,13 @@ class SimDevice(Device):
         if "mem_unmap" in self._waits_for_device:
             self._wait_until_idle()
         lat = self.latency
-        self._call("mem_unmap", lat.mem_unmap_us + lat.mem_unmap_mapping_us * len(maps)
-                   + lat.mem_unmap_mib_us * (end - va) / MiB)
+        self._call("mem_unmap", self._priced(lat.mem_unmap_us + lat.mem_unmap_mapping_us * len(maps)
+                                             + lat.mem_unmap_mib_us * (end - va) / MiB))
         if hazard is not None:
             self._record_hazards(hazard)
         for m in maps:  # one simulated call for the whole range: all or nothing
             self._unmapped(r, m)
+        self._n_mappings -= len(maps)
 
     # -- Device: data --------------------------------------------------------------------------------
     def _do_write(self, ptr: int, view: memoryview, pieces: list[tuple[Any, int, int]]) -> None:
@@ -829,6 +856,7 @@ class SimDevice(Device):
         self._small_pages.clear()
         self._space.clear()
         self._process_pages = 0
+        self._n_mappings = 0
 
     # -- introspection for tests and reports ----------------------------------------------------------------
     def accounting(self) -> tuple[int, int, int]:
@@ -867,6 +895,8 @@ class SimDevice(Device):
         pages += sum(p.handle.nbytes // self._gran for p in book.physicals.values())
         require(pages == self._process_pages, f"{pages} pages held, {self._process_pages} counted")
         require(self._free_nbytes() >= 0, f"negative free memory {self._free_nbytes()}")
+        mapped = sum(len(r.mappings) for r in book.reservations.values())
+        require(mapped == self._n_mappings, f"{mapped} mappings in the book, {self._n_mappings} counted")
         if self.sanitizer == "raise" and not self._closed:
             for work in self.streams.inflight:
                 for ptr, n in work.touches:

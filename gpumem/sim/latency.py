@@ -22,9 +22,35 @@ the figure whose largest ratio to any run is smallest.
   (``copy_launch_us``); copies then run at the profile's bandwidth.
 * The same driver costs serve every profile: they are host-side driver work, and no other card was
   measured (an H100 runs the same driver on the same kind of host).
-* The costs were measured on an idle device. Whether a VMM call also waits for the device's queued work
-  is :attr:`LatencyModel.waits_for_device` (Note [Does a VMM call wait for the GPU?] in
-  :mod:`gpumem.sim.device`); by default none does.
+* The costs above were measured on an idle device. A VMM call made while the device has queued or
+  running work costs more, the more so the more mappings the context holds: Note [A busy device
+  prices VMM calls higher] below. Whether a VMM call also *waits* for the device's queued work is
+  :attr:`LatencyModel.waits_for_device` (Note [Does a VMM call wait for the GPU?] in
+  :mod:`gpumem.sim.device`); by default none does, as measured.
+
+Note [A busy device prices VMM calls higher]
+--------------------------------------------
+The VMM probe (``hil/probes/vmm_stall.py``, ``reports/hil/vmm-stall-h200-2026-11-25.md``) timed each
+VMM call on an idle H200 and with 20 ms of work queued, holding a handful of mappings, 1,000 or 3,000.
+No call waits for the queue, but a busy device makes calls dearer, and more so with many mappings
+held: a steal (unmap + map + set access) 52-62 µs idle at every count, 79-85 µs busy with a handful,
+142-157 µs busy with 1,000-3,000. So a call of :data:`BUSY_PRICED_CALLS` made while any stream has
+unfinished work costs its idle cost times :meth:`LatencyModel.busy_factor`::
+
+    factor(n) = busy_factor_base + busy_factor_per_decade * log10(1 + n)      (n: mappings held)
+
+a factor of the idle cost (the probe's single calls idle are 1-4x the model's, as between calibrations,
+so its busy/idle *ratio* is what carries over; the model's idle steal, 53 µs, is the probe's 52-62).
+Fitted (``python -m sim.fit_busy_latency``, ``reports/sim-latency-model.md``) on the fit part: the
+one-kernel queue with a handful held (taken as n = 2) and with 3,000; at each, the geometric mean of
+the busy/idle ratios of the steal and the five calls an allocator makes (unmap, map, set access,
+create, release), 1.34x and 2.32x, and the line through the two. Checked on the rest: the 1,000-held
+run (geometric mean 2.18x, model 2.17x; its steal 3.03x, model 2.17x) and the deep and three-stream
+queues (1.22x and 1.24x, model 1.34x). Why a log: the cost grows with the mappings held, far less
+than in proportion (3,000 cost no more than 1,000); the data have no point between 2 and 1,000, and
+the steal cost more with 1,000 held than with 3,000, so the curve is a trend, not a law.
+Event and stream calls keep their idle price (the model's 0.35-0.9 µs; the probe: ~2x busy with
+1,000 held, a few µs). ``busy_factor_base=1, busy_factor_per_decade=0`` prices every call idle.
 
 Simulated time only moves the SimPy clock; nothing sleeps for real.
 """
@@ -32,6 +58,7 @@ Simulated time only moves the SimPy clock; nothing sleeps for real.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -40,6 +67,10 @@ from gpumem.units import GiB, MiB
 
 #: The device calls :attr:`LatencyModel.waits_for_device` may name: the virtual-memory calls.
 VMM_CALLS = ("mem_map", "mem_set_access", "mem_unmap", "mem_release")
+#: The calls that cost :meth:`LatencyModel.busy_factor` times their idle cost on a busy device
+#: (Note [A busy device prices VMM calls higher]).
+BUSY_PRICED_CALLS = ("mem_create", "mem_release", "mem_map", "mem_set_access", "mem_unmap", "address_reserve",
+                     "address_free")
 
 Points = tuple[tuple[int, float], ...]
 
@@ -96,8 +127,18 @@ class LatencyModel:
     ``cudaDeviceSynchronize`` would, then cost what they cost on an idle device (Note [Does a VMM call wait
     for the GPU?] in :mod:`gpumem.sim.device`). Empty (the default): none waits. A tuple or list of names
     is taken as a frozenset."""
+    busy_factor_base: float = 1.18
+    """A call of :data:`BUSY_PRICED_CALLS` on a busy device costs its idle cost times :meth:`busy_factor`:
+    this, plus :attr:`busy_factor_per_decade` per decade of mappings held (Note [A busy device prices VMM
+    calls higher]). At least 1."""
+    busy_factor_per_decade: float = 0.33
+    """Added to the busy factor per decade of ``1 + mappings held``; at least 0."""
 
     def __post_init__(self) -> None:
+        for knob, low in (("busy_factor_base", 1.0), ("busy_factor_per_decade", 0.0)):
+            value = getattr(self, knob)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < math.inf:
+                raise InvalidArgumentError(f"LatencyModel.{knob} must be a finite number >= {low:g}, not {value!r}")
         waits = self.waits_for_device
         if isinstance(waits, (tuple, list)):
             waits = frozenset(waits)
@@ -111,6 +152,14 @@ class LatencyModel:
         object.__setattr__(self, "waits_for_device", waits)
         # the sizes of the malloc curve, kept: malloc and free interpolate it on every call
         object.__setattr__(self, "_malloc_sizes", tuple(p[0] for p in self.malloc_free_points))
+
+    def busy_factor(self, n_mappings: int) -> float:
+        """What a call of :data:`BUSY_PRICED_CALLS` costs on a busy device with ``n_mappings`` mappings held,
+        as a multiple of its idle cost (Note [A busy device prices VMM calls higher]): at least 1, and never
+        lower with more mappings."""
+        if isinstance(n_mappings, bool) or not isinstance(n_mappings, int) or n_mappings < 0:
+            raise InvalidArgumentError(f"busy_factor: n_mappings must be an int >= 0, not {n_mappings!r}")
+        return self.busy_factor_base + self.busy_factor_per_decade * math.log10(1 + n_mappings)
 
     def malloc_free_us(self, nbytes: int) -> float:
         """Cost of a ``cudaMalloc`` + ``cudaFree`` pair of ``nbytes``."""

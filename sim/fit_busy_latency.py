@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the fit and every row here")
     args = p.parse_args(argv)
     base, per_decade = fit(args.dir, args.few_mappings)
-    lat = LatencyModel()
+    lat = LatencyModel.as_measured()
     print(f"fit: busy_factor_base {base:.3f}, busy_factor_per_decade {per_decade:.3f} "
-          f"(the model holds {lat.busy_factor_base}, {lat.busy_factor_per_decade})\n")
+          f"(LatencyModel.as_measured() holds {lat.busy_factor_base}, {lat.busy_factor_per_decade})\n")
     model = LatencyModel(busy_factor_base=round(base, 2), busy_factor_per_decade=round(per_decade, 2))
     out = {"busy_factor_base": base, "busy_factor_per_decade": per_decade, "rows": []}
     print("| part | run | queue | mappings held | call | idle µs | busy µs | measured busy/idle | model | model / measured |")

@@ -198,8 +198,9 @@ class SimCallStats:
     cost_us: dict[str, float] = field(default_factory=dict)
     """Simulated µs each kind of call cost in all (what :attr:`busy_us` sums)."""
     busy_priced_calls: int = 0
-    """Calls of :data:`~gpumem.sim.latency.BUSY_PRICED_CALLS` made while the device had unfinished work,
-    priced higher for it (Note [A busy device prices VMM calls higher] in :mod:`gpumem.sim.latency`)."""
+    """Calls of :data:`~gpumem.sim.latency.BUSY_PRICED_CALLS` made while the device had unfinished work:
+    priced higher where the latency model's busy terms are on (Note [A busy device prices VMM calls higher]
+    in :mod:`gpumem.sim.latency`)."""
 
     def count(self, name: str, cost_us: float) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
@@ -291,6 +292,7 @@ class SimDevice(Device):
         self.stats = SimCallStats()
         self._calls = self.stats.calls
         self._costs = self.stats.cost_us
+        self._prices_busy = profile.latency.busy_factor(0) != 1.0 or profile.latency.busy_factor_per_decade != 0.0
         self._n_mappings = 0
         """Live mappings (Note [A busy device prices VMM calls higher] in :mod:`gpumem.sim.latency`)."""
         self.sanitizer = sanitizer
@@ -368,6 +370,8 @@ class SimDevice(Device):
         if not self.streams._n_pending:  # noqa: SLF001 - the device is idle: a hot check
             return idle_cost_us
         self.stats.busy_priced_calls += 1
+        if not self._prices_busy:  # the default model: every call at its idle price
+            return idle_cost_us
         return idle_cost_us * self.latency.busy_factor(self._n_mappings)
 
     @property

@@ -9,7 +9,7 @@ traces with ``--gpu-timing trace`` on ``sim:h200-141gb`` (the replay that predic
 0.12 pp on GPT-2 and ResNet-50) over ``chunk_max_fraction``, ``stream_ordered_steal`` and
 ``page_slack``, and prints, per trace and setting, the overhead (peak reserved over peak allocated),
 driver memory and event calls per timed step (the calls of the whole trace less those of its first
-fifth, the 20 warm-up steps of 100: growth is done by then), and the step time those calls cost at
+quarter, the 20 warm-up steps of 80: growth is done by then), and the step time those calls cost at
 ``--us-per-call`` (default 40, the live figure) as a share of PyTorch's step time in run 2.
 
 With ``--corpus`` it replays instead every trace of ``data/traces`` (tuning part, then check part) under
@@ -36,9 +36,10 @@ from gpumem.trace import load_trace
 from gpumem.trace.corpus import CorpusPart, corpus_traces
 
 RUN2 = Path("reports/hil/live-h200-2026-11-25-run2")
-#: the live traces of run 2 (20 warm-up + 80 timed steps each) and the step time of PyTorch's allocator there (ms)
+#: the live traces of run 2 (80 steps each, 20 of them warm-up: the train probe's ``--steps`` counts the warm-up)
+#: and the step time of PyTorch's allocator there (ms)
 LIVE = {"gpt2": (RUN2 / "gpt2.gmt.gz", 98.16), "resnet50": (RUN2 / "resnet50.gmt.gz", 35.34)}
-WARMUP_STEPS, STEPS = 20, 100
+WARMUP_STEPS, STEPS = 20, 80
 FRACTIONS = (1 / 256, 1 / 512, 1 / 1024)
 SLACKS = (0.005, 0.01, 0.02)
 

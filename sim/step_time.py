@@ -3,7 +3,7 @@
 Issue 18. The live runs (``reports/hil/live-h200-2026-11-25-run4.md``, ``-run2.md``) measured GPT-2 and
 ResNet-50 training under PyTorch's allocator, gpumem's default policy and the memory-first setting C
 (chunks capped at 1/1024, stream-ordered steal). This replays the traces gpumem recorded live in run 2
-(``live-h200-2026-11-25-run2/{gpt2,resnet50}.gmt.gz``: 20 warm-up + 80 timed steps) on ``sim:h200-141gb``
+(``live-h200-2026-11-25-run2/{gpt2,resnet50}.gmt.gz``: 80 steps, the first 20 warm-up) on ``sim:h200-141gb``
 with ``--gpu-timing trace`` under each, and predicts what the allocator's calls add per steady step:
 
 * **calls**: the simulated cost of every device call the allocator made in the timed steps (everything
@@ -62,6 +62,7 @@ class Live:
     pytorch_ms: float
     gpumem_ms: float
     steps: int
+    """All steps, warm-up included (the train probe's ``--steps``)."""
     driver_calls: int
     event_calls: int
 
@@ -84,13 +85,13 @@ def live_runs() -> list[Live]:
         ref = next(r for r in run4 if r["model"] == model and r["allocator"] == "default")
         for setting, runs in (("default", run4), ("C", run4_c)):
             r = next(r for r in runs if r["model"] == model and r["allocator"] == "gpumem")
-            out.append(Live("run 4", model, setting, ref["mean_step_ms"], r["mean_step_ms"], r["steps"] + r["warmup"],
+            out.append(Live("run 4", model, setting, ref["mean_step_ms"], r["mean_step_ms"], r["steps"],
                             r["num_device_calls"], r["num_event_calls"]))
     for model in TRACES:
         ref = next(r for r in _runs(RUN2 / f"A-{model}.json") if r["allocator"] == "default")
         for setting, name in (("default", "B"), ("C", "C")):
             r = next(r for r in _runs(RUN2 / f"{name}.json") if r["model"] == model and r["allocator"] == "gpumem")
-            out.append(Live("run 2", model, setting, ref["mean_step_ms"], r["mean_step_ms"], r["steps"] + r["warmup"],
+            out.append(Live("run 2", model, setting, ref["mean_step_ms"], r["mean_step_ms"], r["steps"],
                             r["num_device_calls"], r["num_event_calls"]))
     return out
 
@@ -153,7 +154,7 @@ def predictions(latencies: dict[str, LatencyModel]) -> dict[tuple[str, str, str]
 
 def table(lives: list[Live], preds: dict[tuple[str, str, str], Replayed]) -> tuple[str, list[dict]]:
     lines = ["| live run | model | setting | live step ms (PyTorch / gpumem) | live step cost | live driver + event "
-             "calls / step | replayed driver + event calls / timed step | predicted, calls (measured prices) | "
+             "calls / step, warm-up included | replayed driver + event calls / timed step | predicted, calls (measured prices) | "
              "predicted, calls (idle prices) | predicted, sim time (measured / idle prices) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     rows = []

@@ -68,7 +68,7 @@ def live_rows() -> list[Row]:
              "resnet50": json.loads((RUN2 / "A-resnet50.json").read_text())}
     others = {s: json.loads((RUN2 / f"{s}.json").read_text()) for s in ("B", "C")}
     for model, rec in train.items():
-        steps = rec["steps"] + rec["warmup"]
+        steps = rec["steps"]  # the train probe's --steps counts the warm-up
         default = next(r for r in rec["runs"] if r["allocator"] == "default")
         for setting in ("A", "B", "C"):
             src = rec if setting == "A" else others[setting]

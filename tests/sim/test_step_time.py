@@ -1,0 +1,48 @@
+"""sim.step_time and sim.fit_busy_latency: the live figures they read, the fit they make, bad arguments
+refused (no replay runs here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpumem.sim.latency import MEASURED_BUSY_FACTOR_BASE, MEASURED_BUSY_FACTOR_PER_DECADE
+from sim import fit_busy_latency as fb
+from sim import step_time as stt
+
+
+def test_the_live_runs_are_run_4_and_run_2_under_both_settings() -> None:
+    lives = {(lv.run, lv.model, lv.setting): lv for lv in stt.live_runs()}
+    assert len(lives) == 8
+    # run 4's record: +0.67 %, +23.9 %, +0.01 %, +14.4 % against PyTorch's allocator
+    for key, want in ((("run 4", "gpt2", "default"), 0.0067), (("run 4", "gpt2", "C"), 0.2393),
+                      (("run 4", "resnet50", "default"), 0.0001), (("run 4", "resnet50", "C"), 0.1436)):
+        assert lives[key].overhead == pytest.approx(want, abs=6e-5)
+    assert lives[("run 2", "gpt2", "C")].overhead == pytest.approx(0.2030, abs=1e-4)
+    assert lives[("run 4", "gpt2", "C")].steps == 40 and lives[("run 2", "gpt2", "C")].steps == 80
+
+
+def test_the_trace_steps_are_the_records_steps() -> None:
+    """A bug fixed: the run-2 traces hold 80 steps (the train probe's --steps counts its 20 warm-up steps),
+    not 100, so calls per timed step were counted over 80 steps where 60 ran."""
+    import json
+
+    for model in stt.TRACES:
+        rec = json.loads((stt.RUN2 / f"A-{model}.json").read_text())
+        assert (rec["steps"], rec["warmup"]) == (stt.STEPS, stt.WARMUP_STEPS) == (80, 20)
+
+
+def test_the_shipped_constants_are_the_fit_of_the_shipped_probe_records() -> None:
+    base, per_decade = fb.fit(fb.DIR, 2)
+    assert round(base, 2) == MEASURED_BUSY_FACTOR_BASE
+    assert round(per_decade, 2) == MEASURED_BUSY_FACTOR_PER_DECADE
+    assert {lv.part for lv in fb.levels(2)} == {"fit", "check"}
+    assert not {(lv.file, lv.queue) for lv in fb.levels(2) if lv.part == "fit"} \
+        & {(lv.file, lv.queue) for lv in fb.levels(2) if lv.part == "check"}
+
+
+@pytest.mark.parametrize("args", [["--max-overhead", "-0.1"], ["--max-step-cost", "1.5"]])
+def test_bad_targets_are_refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        stt.main(args)
+    assert exc.value.code == 2
+    assert "fractions in [0, 1)" in capsys.readouterr().err

@@ -697,9 +697,9 @@ class SimDevice(Device):
     # under it, and 3,000 short kernels took 0.2 % longer with 1,000 steals made between their launches.
     # So waits_for_device stays empty by default; it remains for what-if studies (sim/unmap_stall.py,
     # reports/sim-unmap-stall.md: a drain per call over-predicted MoE and ViT and missed half of GPT-2 C).
-    # What the live cost of steal-heavy settings is made of is still open (reports/hil/
-    # live-h200-2026-11-25-run4.md: 68-89 us per call live against ~27 us in the probe, which held a
-    # handful of mappings where training holds thousands).
+    # What a call costs instead is its busy price: with 1,000-3,000 mappings held a busy device makes a steal
+    # 142-157 us against 52-62 idle (LatencyModel.as_measured(), Note [A busy device prices VMM calls higher]
+    # in gpumem.sim.latency; the step time that predicts: reports/sim-step-time.md).
     def _wait_until_idle(self) -> None:
         """A VMM call of :attr:`LatencyModel.waits_for_device`: run simulated time until no stream has
         queued or running work (Note [Does a VMM call wait for the GPU?]); counted in :attr:`stats`."""

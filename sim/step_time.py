@@ -21,6 +21,7 @@ to hold at most ``--max-overhead`` above peak live with at most ``--max-step-cos
 
     python -m sim.step_time [--json build/step-time.json]
     python -m sim.step_time --frontier [--json build/step-time-frontier.json]
+    python -m sim.step_time --workloads [--json build/step-time-workloads.json]
 """
 
 from __future__ import annotations
@@ -124,12 +125,14 @@ def _replay(trace: Trace, policy: "str | AllocatorPolicy", latency: LatencyModel
         dev.close()
 
 
-def replayed(trace: Trace, policy: "str | AllocatorPolicy", latency: LatencyModel) -> Replayed:
-    """``policy`` on ``trace``: the timed steps' cost, overhead of the whole trace."""
-    warm = trace.head(trace.n_ops * WARMUP_STEPS // STEPS)
+def replayed(trace: Trace, policy: "str | AllocatorPolicy", latency: LatencyModel, steps: int = STEPS,
+             warmup: int = WARMUP_STEPS) -> Replayed:
+    """``policy`` on ``trace`` of ``steps`` steps: the cost of the steps after ``warmup`` (the trace cut in
+    proportion to its operations), overhead of the whole trace."""
+    warm = trace.head(trace.n_ops * warmup // steps)
     full, f = _replay(trace, policy, latency)
     head, h = _replay(warm, policy, latency)
-    timed = STEPS - WARMUP_STEPS
+    timed = steps - warmup
     vmm = f["vmm"] - h["vmm"]
     return Replayed(full.overhead, (f["calls_us"] - h["calls_us"]) / timed / 1e3,
                     (full.sim_time_s - head.sim_time_s) / timed * 1e3,
@@ -209,9 +212,45 @@ def frontier(max_overhead: float, max_cost: float) -> tuple[str, list[dict]]:
     return "\n".join(lines), rows
 
 
+RUN1 = Path("reports/hil/live-h200-2026-11-25")
+
+
+def workloads() -> tuple[str, list[dict]]:
+    """Run 2's seven workloads under C (``live-h200-2026-11-25-run2/workloads/``: 10 steps, 3 warm-up), their
+    PyTorch step time from run 1 (``live-h200-2026-11-25/workloads.json``, same probe and machine type):
+    further rows no constant was chosen on."""
+    defaults = {r["workload"]: r["mean_step_ms"] for r in _runs(RUN1 / "workloads.json") if r["allocator"] == "default"}
+    runs = _runs(RUN2 / "workloads" / "workloads.json")
+    lines = ["| workload | live step ms (PyTorch, run 1 / C, run 2) | live step cost | replayed driver + event calls / "
+             "timed step | predicted: calls, as measured | predicted: calls, idle prices | replayed overhead |",
+             "|---|---|---|---|---|---|---|"]
+    rows: list[dict] = []
+    with progress(len(runs), "workloads", "workload") as bar:
+        for r in runs:
+            trace = load_trace(RUN2 / "workloads" / r["trace_file"])
+            pytorch_ms, c_ms = defaults[r["workload"]], r["mean_step_ms"]
+            cost = {}
+            for lat, model in LATENCIES.items():
+                p = replayed(trace, C, model, r["steps"], r["warmup"])
+                ref = replayed(trace, "pytorch", model, r["steps"], r["warmup"])
+                cost[lat] = (p.calls_ms - ref.calls_ms) / pytorch_ms
+                if lat == "measured":
+                    measured = p
+            rows.append({"workload": r["workload"], "live_pytorch_ms": pytorch_ms, "live_c_ms": c_ms,
+                         "live": c_ms / pytorch_ms - 1, "calls_measured": cost["measured"],
+                         "calls_idle-priced": cost["idle-priced"], "overhead": measured.overhead,
+                         "calls_per_step": measured.driver_calls, "event_calls_per_step": measured.event_calls})
+            lines.append(f"| {r['workload']} | {pytorch_ms:.2f} / {c_ms:.2f} | {c_ms / pytorch_ms - 1:+.1%} | "
+                         f"{measured.driver_calls:.0f} + {measured.event_calls:.0f} | {cost['measured']:+.1%} | "
+                         f"{cost['idle-priced']:+.1%} | {measured.overhead:.2%} |")
+            bar.update(1)
+    return "\n".join(lines), rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim.step_time", description=__doc__.splitlines()[0])
     p.add_argument("--frontier", action="store_true", help="the steal-frontier grid instead of default and C")
+    p.add_argument("--workloads", action="store_true", help="run 2's seven workloads under C instead")
     p.add_argument("--max-overhead", type=float, default=0.01, help="frontier: most memory above peak live (0.01: 1 %%)")
     p.add_argument("--max-step-cost", type=float, default=0.01, help="frontier: most step time added (0.01: 1 %%)")
     p.add_argument("--json", type=Path, help="write the rows here")
@@ -220,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-overhead and --max-step-cost are fractions in [0, 1)")
     if args.frontier:
         text, rows = frontier(args.max_overhead, args.max_step_cost)
+    elif args.workloads:
+        text, rows = workloads()
     else:
         text, rows = table(live_runs(), predictions(LATENCIES))
     print(text)

@@ -78,7 +78,7 @@ def live_rows() -> list[Row]:
     defaults = {r["workload"]: r["mean_step_ms"] for r in json.loads((RUN1 / "workloads.json").read_text())["runs"]
                 if r["allocator"] == "default"}
     for r in json.loads((RUN2 / "workloads" / "workloads.json").read_text())["runs"]:
-        rows.append(Row(f"{r['workload']} C", RUN2 / "workloads" / r["trace_file"], "C", r["steps"] + r["warmup"],
+        rows.append(Row(f"{r['workload']} C", RUN2 / "workloads" / r["trace_file"], "C", r["steps"],
                         defaults[r["workload"]], r["mean_step_ms"], r["n_steals"]))
     return rows
 

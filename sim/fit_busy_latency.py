@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(LatencyModel.as_measured() holds {lat.busy_factor_base}, {lat.busy_factor_per_decade})\n")
     model = LatencyModel(busy_factor_base=round(base, 2), busy_factor_per_decade=round(per_decade, 2))
     out = {"busy_factor_base": base, "busy_factor_per_decade": per_decade, "rows": []}
-    print("| part | run | queue | mappings held | call | idle µs | busy µs | measured busy/idle | model | model / measured |")
+    print("| part | run | queue | mappings held | call | idle µs | busy µs | measured busy/idle | model | "
+          "model / measured |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for lv in levels(args.few_mappings):
         rows = ratios(args.dir, lv)

@@ -157,7 +157,8 @@ def predictions(latencies: dict[str, LatencyModel]) -> dict[tuple[str, str, str]
 
 def table(lives: list[Live], preds: dict[tuple[str, str, str], Replayed]) -> tuple[str, list[dict]]:
     lines = ["| live run | model | setting | live step ms (PyTorch / gpumem) | live step cost | live driver + event "
-             "calls / step, warm-up included | replayed driver + event calls / timed step | predicted, calls (measured prices) | "
+             "calls / step, warm-up included | replayed driver + event calls / timed step | "
+             "predicted, calls (measured prices) | "
              "predicted, calls (idle prices) | predicted, sim time (measured / idle prices) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
@@ -206,8 +207,9 @@ def frontier(max_overhead: float, max_cost: float) -> tuple[str, list[dict]]:
     for pol in grid:
         g, r = by[("gpt2", pol.name)], by[("resnet50", pol.name)]
         ok = all(x["overhead"] <= max_overhead and x["cost"] <= max_cost for x in (g, r))
-        lines.append(f"| {pol.name} | {g['overhead']:.2%} | {g['calls_per_step']:.0f} + {g['event_calls_per_step']:.0f} | "
-                     f"{g['cost']:+.2%} | {r['overhead']:.2%} | {r['calls_per_step']:.0f} + {r['event_calls_per_step']:.0f} | "
+        lines.append(f"| {pol.name} | {g['overhead']:.2%} | "
+                     f"{g['calls_per_step']:.0f} + {g['event_calls_per_step']:.0f} | {g['cost']:+.2%} | "
+                     f"{r['overhead']:.2%} | {r['calls_per_step']:.0f} + {r['event_calls_per_step']:.0f} | "
                      f"{r['cost']:+.2%} | {'yes' if ok else 'no'} |")
     return "\n".join(lines), rows
 
@@ -251,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim.step_time", description=__doc__.splitlines()[0])
     p.add_argument("--frontier", action="store_true", help="the steal-frontier grid instead of default and C")
     p.add_argument("--workloads", action="store_true", help="run 2's seven workloads under C instead")
-    p.add_argument("--max-overhead", type=float, default=0.01, help="frontier: most memory above peak live (0.01: 1 %%)")
+    p.add_argument("--max-overhead", type=float, default=0.01,
+                   help="frontier: most memory above peak live (0.01: 1 %%)")
     p.add_argument("--max-step-cost", type=float, default=0.01, help="frontier: most step time added (0.01: 1 %%)")
     p.add_argument("--json", type=Path, help="write the rows here")
     args = p.parse_args(argv)

@@ -46,3 +46,22 @@ def test_bad_targets_are_refused(args: list[str], capsys: pytest.CaptureFixture[
         stt.main(args)
     assert exc.value.code == 2
     assert "fractions in [0, 1)" in capsys.readouterr().err
+
+
+def test_the_prediction_is_the_calls_cost_over_pytorchs_less_pytorchs_over_the_live_step() -> None:
+    """No replay: made-up replayed costs, the arithmetic of the table."""
+    def rep(calls_ms: float, sim_ms: float) -> stt.Replayed:
+        return stt.Replayed(0.01, calls_ms, sim_ms, 100.0, 50.0, 0.9)
+
+    preds = {}
+    for model in stt.TRACES:
+        for lat in stt.LATENCIES:
+            preds[(model, "pytorch", lat)] = rep(0.5, 60.0)
+            preds[(model, "default", lat)] = rep(0.6, 60.1)
+            preds[(model, "C", lat)] = rep(10.5 if lat == "measured" else 5.5, 62.0)
+    text, rows = stt.table(stt.live_runs(), preds)
+    row = next(r for r in rows if (r["run"], r["model"], r["setting"]) == ("run 4", "gpt2", "C"))
+    assert row["calls_measured"] == pytest.approx(10.0 / row["live_pytorch_ms"])
+    assert row["calls_idle-priced"] == pytest.approx(5.0 / row["live_pytorch_ms"])
+    assert row["sim_measured"] == pytest.approx(2.0 / row["live_pytorch_ms"])
+    assert text.count("\n") == 1 + len(rows)

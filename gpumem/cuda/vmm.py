@@ -73,12 +73,25 @@ class VmmDriver:
         """The ordinals of the other devices that can reach this one's memory (Note [Peers read mapped
         memory] in ``gpumem/_native/cuda_backend.cpp``: cuMemMap'd memory is readable only by the devices
         ``cuMemSetAccess`` names, so a copy to another GPU needs that GPU named too)."""
+        # A peer that cannot be queried is left out, with a warning, as the native backend does: the
+        # device itself keeps virtual memory (a failure here must not turn VMM off for it).
         peers = []
-        for other in range(int(driver_call(driver, "cuDeviceGetCount"))):
+        try:
+            count = int(driver_call(driver, "cuDeviceGetCount"))
+        except CudaError as exc:
+            log.warning("CUDA device %d: cannot count the devices (%s); no peer GPU gets access to its memory",
+                        ordinal, exc)
+            return peers
+        for other in range(count):
             if other == ordinal:
                 continue
-            if driver_call(driver, "cuDeviceCanAccessPeer", driver_call(driver, "cuDeviceGet", other), self.cu_device):
-                peers.append(other)
+            try:
+                peer = driver_call(driver, "cuDeviceGet", other)
+                if driver_call(driver, "cuDeviceCanAccessPeer", peer, self.cu_device):
+                    peers.append(other)
+            except CudaError as exc:
+                log.warning("CUDA device %d: cannot ask whether device %d reaches it (%s); device %d gets no "
+                            "access to its memory", ordinal, other, exc, other)
         return peers
 
     # -- what the device can do ----------------------------------------------------------------

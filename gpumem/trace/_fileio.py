@@ -246,27 +246,37 @@ def peek(path: PathLike, nbytes: int = 256) -> bytes:
 
 @contextmanager
 def open_for_writing(path: PathLike, *, text: bool = True) -> Iterator[IO]:  # type: ignore[type-arg]
-    """Open for writing; gzip-compressed when the name ends with ``.gz`` (mtime 0, so output is reproducible)."""
+    """Open for writing; gzip-compressed when the name ends with ``.gz`` (mtime 0, so output is reproducible).
+
+    The content goes to a temporary file beside ``path``, renamed over it only once the block has
+    finished without an exception: a writer that fails half-way (a bad value, Ctrl-C, a full disk)
+    leaves the file that was there untouched, and no partial trace under the final name.
+    """
     p = Path(path)
-    if p.name.endswith(".gz"):
-        raw = open(p, "wb")
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    try:
+        raw = open(tmp, "wb")
         try:
-            gz = gzip.GzipFile(filename="", fileobj=raw, mode="wb", compresslevel=6, mtime=0)
-            with gz:
-                if text:
-                    with io.TextIOWrapper(gz, encoding="utf-8", newline="\n") as t:
-                        yield t
-                else:
-                    yield gz
+            if p.name.endswith(".gz"):
+                with gzip.GzipFile(filename="", fileobj=raw, mode="wb", compresslevel=6, mtime=0) as gz:
+                    if text:
+                        with io.TextIOWrapper(gz, encoding="utf-8", newline="\n") as t:
+                            yield t
+                    else:
+                        yield gz
+            elif text:
+                t = io.TextIOWrapper(raw, encoding="utf-8", newline="\n")
+                yield t
+                t.flush()
+                t.detach()
+            else:
+                yield raw
         finally:
             raw.close()
-    else:
-        if text:
-            with open(p, "w", encoding="utf-8", newline="\n") as f:
-                yield f
-        else:
-            with open(p, "wb") as fb:
-                yield fb
+        os.replace(tmp, p)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def trace_name_from_path(path: PathLike) -> str:

@@ -155,6 +155,9 @@ def _parse_header(line: str, where: str, limits: TraceLimits = DEFAULT_LIMITS) -
     for key in ("name", "source"):
         if not isinstance(header.get(key), str):
             raise TraceFormatError(where, f"line 1: header field {key!r} must be a string")
+    if header.get("time_unit", "us") != "us":   # every time in the file is in microseconds
+        raise TraceFormatError(where, f"line 1: time_unit {shorten(header['time_unit'])} is not supported "
+                                      "(this reader knows 'us')")
     return header
 
 

@@ -35,6 +35,7 @@ made it and changes nothing in a replay (the allocator ignores it, as PyTorch's 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,8 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..units import format_bytes
+
+_INT64_MAX = 2**63 - 1
 
 __all__ = ["OpKind", "TraceOp", "TraceSummary", "Trace", "SOURCES", "StreamUse"]
 
@@ -218,6 +221,9 @@ class Trace:
                 raise InvalidArgumentError(f"{where}: the allocation is freed (op {free_pos[u.alloc_id]}) before it")
             if not -2**63 < u.stream < 2**63:
                 raise InvalidArgumentError(f"{where}: stream out of the 64-bit range")
+            t = u.time_us
+            if type(t) is bool or not isinstance(t, (int, float, np.integer, np.floating)) or not math.isfinite(t):
+                raise InvalidArgumentError(f"{where}: time_us must be a finite number, not {t!r:.40}")
             last = u.at_op
 
     def _validate_ops(self) -> None:
@@ -233,6 +239,10 @@ class Trace:
         is_alloc = kinds == OpKind.ALLOC
         alloc_pos = np.flatnonzero(is_alloc)
         n_allocs = len(alloc_pos)
+        # Live bytes, totals and peaks are computed in int64: refuse sizes whose sum would wrap.
+        if n_allocs and int(self.nbytes[alloc_pos].max()) * n_allocs > _INT64_MAX \
+                and sum(int(n) for n in self.nbytes[alloc_pos]) > _INT64_MAX:
+            raise InvalidArgumentError(f"the trace's {n_allocs} allocations add up to more than 2**63 - 1 bytes")
         bad = np.flatnonzero(self.alloc_ids[alloc_pos] != np.arange(n_allocs))
         if len(bad):
             i = alloc_pos[bad[0]]

@@ -334,3 +334,22 @@ def test_one_gpu_set_access_names_only_itself(dev, fakes):
     dev.mem_map(va, 2 * G, dev.mem_create(2 * G))
     dev.mem_set_access(va, 2 * G)
     assert fakes.driver.access_ids == [(0,)]
+
+
+@pytest.mark.parametrize("call", ["cuDeviceCanAccessPeer", "cuDeviceGetCount"])
+def test_a_peer_query_that_fails_leaves_the_peer_out_and_keeps_vmm(call, caplog):
+    """A failed peer query once turned virtual memory off for the whole device (the Python adapter
+    treated it as "VMM unavailable"); the native backend skips the peer. Both now keep VMM and warn."""
+    from gpumem.allocator import CachingAllocator
+
+    f = Fakes(device_count=2)
+    f.driver.fail[call] = "CUDA_ERROR_INVALID_VALUE"
+    with caplog.at_level("WARNING", logger="gpumem.cuda.vmm"):
+        dev = f.open(0)
+    assert dev.vmm_supported
+    assert CachingAllocator(dev).uses_vmm
+    assert any("no access" in r.getMessage() or "no peer" in r.getMessage() for r in caplog.records)
+    va = dev.address_reserve(2 * G)
+    dev.mem_map(va, 2 * G, dev.mem_create(2 * G))
+    dev.mem_set_access(va, 2 * G)
+    assert f.driver.access_ids == [(0,)]

@@ -915,11 +915,16 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     ``dtype_bytes``; with ``mixed_precision`` (``"bf16"``/``"fp16"``) the forward runs under that autocast on
     fp32 master weights (Note [Mixed precision]).
 
-    Note [Training activations]: autograd keeps, per block and token, the fp32 input and the output of
-    each RMSNorm (``4H + 2H`` twice), the rotated q and k, v, the SDPA output and its reshaped copy
-    (``3*2Q + 2*2KV``), and ``gate``, ``act(gate)``, ``up`` and their product (``4*2I``). The loss keeps
-    the bf16 logits and the fp32 log-softmax; its backward holds two more fp32 logit-sized gradients.
-    The recorded backward also held one more hidden-sized tensor per block and token than the list above.
+    Note [Training activations]: autograd keeps, per block and token, the fp32 input, the 16-bit cast and the
+    output of each RMSNorm (``4H + 2H + 2H`` twice), the rotated q and k, v, the SDPA output (``2*2Q +
+    2*2KV``), and ``gate``, ``act(gate)``, ``up`` and their product (``4*2I``). The loss keeps the bf16 logits
+    and the fp32 log-softmax; its backward holds two more fp32 logit-sized gradients.
+    Each RMSNorm keeps its fp32 input and the cast of ``x * rsqrt`` that the weight multiply saves (with pow's
+    and ``x * rsqrt``'s fp32 temporaries live while it runs), and SDPA's output is o_proj's input as it is (its
+    transpose is contiguous: no copy), as the H200 snapshot of Qwen2 0.16B training b2 (run 3) shows each layer;
+    before, the two casts were modelled as "the attention output's reshaped copy" and "one more hidden-sized
+    tensor measured" further on (the same bytes, other lifetimes), with no norm temporaries: the replay cut its
+    segments otherwise (LoRA b8 x 1024 reserved -9.0 % -> +1.4 %, tied training +11.0 % -> +1.3 %).
     q, k and v are projected and rotated as in the prefill (:func:`_rope`: three q-sized temporaries and a
     half-sized one, the unrotated q and k freed once both are rotated), as the H200 snapshot of Qwen2 0.16B
     training b2 (run 3) shows each layer; before, one q-sized temporary stood for all of them, and the replay cut
@@ -976,8 +981,8 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     backward (one ``out x in`` temporary at a time). Gradients and AdamW states are the adapters'. Autograd
     saves a matrix product's input only for its weight's gradient (torch's derivative formulas save a tensor
     only when the gradient that needs it is computed): with the weights frozen, the inputs of the base
-    projections (the norms' outputs, the attention output's reshaped copy, the MLP product) and the hidden-sized
-    tensor measured in full training are not kept. Measured on the H200 (run 3, adapters added by hand as
+    projections (the norms' outputs, the MLP product) and the norms' casts (saved for the norm weights'
+    gradients only) are not kept. Measured on the H200 (run 3, adapters added by hand as
     PEFT adds them; no PEFT, no bitsandbytes there: QLoRA stays unmeasured): before this, peak allocated was
     12 % (all seven projections) and 15 % (q and v) above the measurement at batch 8 x 1024.
     """
@@ -1055,7 +1060,7 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         inputs: list[int] = []  # gradient checkpointing: each block's input, kept for the recompute
         cached: list[int] = []  # Note [Mixed precision]: autocast's weight copies of a no-grad forward
 
-        def block() -> tuple[list[int], int]:
+        def block(input_needs_grad: bool = True) -> tuple[list[int], int]:
             """One block's forward: the tensors autograd keeps, and the block's output."""
             if amp:
                 return _amp_block(e, s, t, d, cast_elements)
@@ -1063,8 +1068,27 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             # Note [LoRA]: tensors only the frozen weights' gradients would need are not saved: they die in the
             # block (held to its end here, an upper bound), where full training keeps them
             weight_only = [] if lora is not None else keep
-            keep.append(e.alloc(t * h * 4))  # norm 1's fp32 input
-            weight_only.append(e.alloc(t * h * d))  # norm 1's output (q/k/v's input)
+
+            def norm(saved: bool = True) -> None:
+                """RMSNorm as the snapshot shows it: the fp32 input (saved by pow and the multiply), pow's
+                temporary, ``x * rsqrt`` (fp32), its cast (saved by the weight multiply: for the weight's
+                gradient only) and the output (the projections' input), then ``x * rsqrt`` goes. ``saved``
+                False: nothing before it needs a gradient, so it saves nothing (Note [LoRA])."""
+                fp32 = e.alloc(t * h * 4)
+                e.free(e.alloc(t * h * 4))
+                scaled = e.alloc(t * h * 4)
+                cast = e.alloc(t * h * d)
+                weight_only.append(e.alloc(t * h * d))
+                if lora is not None:  # a frozen norm weight: nothing saves the cast
+                    e.free(cast)
+                else:
+                    keep.append(cast)
+                e.free(scaled)
+                if saved:
+                    keep.append(fp32)
+                else:
+                    e.free(fp32)
+            norm(input_needs_grad)
             # q, k, v projected, then rotated as in generate's prefill (Note [Training activations]: the unrotated
             # q and k live through both rotations and their temporaries, H200 snapshot of run 3, ops 254-287)
             qp, kp, v = e.alloc(t * s.q_dim * d), e.alloc(t * s.kv_dim * d), e.alloc(t * s.kv_dim * d)
@@ -1080,17 +1104,14 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
                     keep += kv
             else:
                 keep += kv
-            keep.append(e.alloc(t * s.q_dim * d))  # sdpa out
-            weight_only.append(e.alloc(t * s.q_dim * d))  # its reshaped copy (o_proj's input)
+            keep.append(e.alloc(t * s.q_dim * d))  # sdpa out, o_proj's input (its transpose is contiguous)
             keep.append(e.alloc(t * s.n_heads * 4))  # logsumexp
             o = e.alloc(t * h * d)
             h1 = e.alloc(t * h * d)
             e.free(o)
-            keep.append(e.alloc(t * h * 4))  # norm 2's fp32 input
-            weight_only.append(e.alloc(t * h * d))  # norm 2's output (gate/up's input)
+            norm()  # norm 2 (gate/up's input)
             keep += [e.alloc(t * i * d) for _ in range(3)]  # gate, act, up
             weight_only.append(e.alloc(t * i * d))  # their product (down's input)
-            weight_only.append(e.alloc(t * h * d))  # measured: one more hidden-sized tensor per block
             dn = e.alloc(t * h * d)
             y = e.alloc(t * h * d)
             e.free(dn, h1)
@@ -1121,7 +1142,9 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
                 x = y
                 saved.append([])
                 continue
-            keep, y = block()
+            # Note [LoRA]: the frozen embedding's output needs no gradient (unless gradient checkpointing's hook
+            # asks for one), so the first block's norm saves nothing
+            keep, y = block(input_needs_grad=lora is None or x != emb)
             if amp and x != emb:
                 keep.append(x)  # the block input is norm 1's input, which it saves in fp32
             elif x != emb:

@@ -180,3 +180,42 @@ def test_qwen2_training_b8_is_within_bounds_alone():
               and not r["extra"].get("gradient_checkpointing")]
     alloc, reserved = _errors(row)
     assert 0 <= alloc <= 0.03 and 0 <= reserved <= 0.03, (alloc, reserved)
+
+
+def test_training_norms_keep_their_cast_and_have_their_temporaries():
+    """Note [Training activations]: RMSNorm's fp32 input, pow's and ``x * rsqrt``'s fp32 temporaries, the cast
+    (kept in full training for the norm weight's gradient) and the output; no copy of SDPA's output. Before, the
+    casts were an attention-output copy and "one more hidden-sized tensor" at other places, without temporaries."""
+    t, d, h = 2 * 48, 2, SHAPE.hidden_size
+    tr = training_trace(SHAPE, 2, batch_size=2, seq_len=48, n_steps=1).trace
+    ops = [(int(k), int(n)) for k, n in zip(tr.kinds, tr.nbytes)]
+    seq = [(0, t * h * 4), (0, t * h * 4), (1, t * h * 4), (0, t * h * 4), (0, t * h * d), (0, t * h * d),
+           (1, t * h * 4)]
+    starts = [i for i in range(len(ops)) if ops[i:i + len(seq)] == seq]
+    assert len(starts) == 2 * SHAPE.n_layers  # two per block (the final norm is not the training block's)
+
+
+def test_lora_first_block_saves_nothing_of_its_norm():
+    """Note [LoRA]: the frozen embedding's output needs no gradient, so the first block's norm 1 keeps no fp32
+    input (it does under gradient checkpointing, whose hook makes the embedding's output require grad)."""
+    lora = LoraConfig(4)
+    full = training_trace(SHAPE, 2, batch_size=2, seq_len=48, n_steps=1)
+    adapted = training_trace(SHAPE, 2, batch_size=2, seq_len=48, n_steps=1, lora=lora)
+    fp32 = 2 * 48 * SHAPE.hidden_size * 4
+
+    def first_fp32_lifetime(tr) -> int:
+        i = _ops(tr, fp32)[0]
+        aid = tr.alloc_ids[i]
+        j = [k for k in np.flatnonzero(tr.kinds == 1) if tr.alloc_ids[k] == aid][0]
+        return int(j - i)
+    assert first_fp32_lifetime(adapted.trace) < 10 < first_fp32_lifetime(full.trace)
+
+
+@pytest.mark.parametrize("model,batch,prompt", [
+    ("qwen2-small-lora", 8, 1024),  # reserved -8.66 % before (-9.00 % with the workspace moved alone)
+    ("qwen2-small-lora-qv", 8, 1024),
+    ("qwen2-small-tied", 4, 512),  # allocated -0.30 % before
+])
+def test_rows_fixed_by_the_norms_as_recorded(model, batch, prompt):
+    alloc, reserved = _errors(_row("run3", model, "train", batch, prompt))
+    assert 0 <= alloc <= 0.03 and 0 <= reserved <= 0.03, (alloc, reserved)

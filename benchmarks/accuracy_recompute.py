@@ -10,7 +10,9 @@ parts]).
     python benchmarks/accuracy_recompute.py --out DIR [RECORD.json ...]
 
 Without records it reads the records of ``DEFAULT_RECORDS`` (every measured accuracy record of reports/hil).
-Writes ``DIR/accuracy-recomputed.json`` and ``DIR/accuracy-recomputed.md``; with ``--before OTHER.json`` (this
+A row measured after other rows of its process is also compared with a replay of those rows in order (the "as
+run" column, Note [Rows measured after other rows]). Writes ``DIR/accuracy-recomputed.json`` and
+``DIR/accuracy-recomputed.md``; with ``--before OTHER.json`` (this
 file as another checkout wrote it) also ``DIR/accuracy-compared.md``, each row before and after.
 """
 
@@ -77,6 +79,16 @@ def _workload(row: dict[str, Any]) -> Any:
                               mixed_precision=(ex.get("autocast") or "bf16") if master else None)
     return inference_trace(shape, nbytes, batch_size=row["batch_size"], prompt_len=row["prompt_len"],
                            new_tokens=row["new_tokens"], full_decode=True)
+
+
+#: Note [Rows measured after other rows]: the records of runs 1-3 measured a model's rows one after the other
+#: in one process. ``empty_cache()`` cannot return a segment that holds the weights or a cuBLAS workspace (Note
+#: [What a process keeps] in gpumem/estimate/workload.py), so a row after the first started with the segments
+#: the rows before it left reserved (the Qwen2 0.16B gradient checkpointing b8 row with 93 MiB more free cache
+#: than its process's first row, the LoRA b8 rows with 219 MiB more), which ``gpumem estimate`` (a fresh
+#: process) does not count. Such a row is also compared with ``replay_sequence`` of its process's rows in order
+#: ("as run"); the harness now measures each row in a fresh process (Note [One process per row] in
+#: hf_memory_configs.py), and a row measured so is its process's first row.
 
 
 def _as_run(rows: list[dict[str, Any]], device: str) -> list[int | None]:

@@ -219,3 +219,17 @@ def test_lora_first_block_saves_nothing_of_its_norm():
 def test_rows_fixed_by_the_norms_as_recorded(model, batch, prompt):
     alloc, reserved = _errors(_row("run3", model, "train", batch, prompt))
     assert 0 <= alloc <= 0.03 and 0 <= reserved <= 0.03, (alloc, reserved)
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_lora_adapters_run_with_their_projection(ckpt):
+    """Note [LoRA]: each adapter's tensors come right after its base projection's output (q_proj's adapter
+    before k's output), with or without gradient checkpointing; before, all came after the block's output."""
+    t, d, r = 2 * 48, 2, 4
+    tr = training_trace(SHAPE, 2, batch_size=2, seq_len=48, n_steps=1, lora=LoraConfig(r),
+                        gradient_checkpointing=ckpt).trace
+    sizes = [int(n) for n in tr.nbytes[tr.kinds == 0]]
+    tq, tkv, h = t * SHAPE.q_dim * d, t * SHAPE.kv_dim * d, SHAPE.hidden_size
+    seq = [tq, t * h * 4, t * r * 4, t * SHAPE.q_dim * 4]  # q's output, x in fp32, A's output, B's output
+    assert any(sizes[i:i + len(seq)] == seq and tkv in sizes[i + len(seq):i + len(seq) + 6]
+               for i in range(len(sizes)))

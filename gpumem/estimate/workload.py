@@ -834,20 +834,19 @@ def _amp_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: list[i
 
 def _nograd_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: list[int] | None, *,
                   batch: int = 1, masked: bool = False,
-                  after_proj: Callable[[str], None] | None = None) -> tuple[list[int], int]:
+                  after_proj: Callable[[str, int], int] | None = None) -> tuple[list[int], int]:
     """One block's forward without grad (the first pass of gradient checkpointing, Note [Gradient
     checkpointing]): each tensor goes as soon as it is dead, as in the ``generate()`` prefill. ``cast_elements``:
     under autocast (Note [Mixed precision]), the block's weights, whose copies autocast caches (returned, first)
     while the residual stream and the norms are fp32; None: all in ``d`` bytes. ``masked``: attention past a
     sliding window, over ``batch`` sequences (Note [Sliding window]). Returns the cached copies and the block's
-    output; the block input is the caller's. ``after_proj(name)``: called as each projection's output is made
-    (LoRA's adapters run there, Note [LoRA])."""
+    output; the block input is the caller's. ``after_proj(name, out)``: called as each projection's output is
+    made, returns what stands for it from then on (LoRA's adapters run there, Note [LoRA])."""
     h, i, q, kv = s.hidden_size, s.intermediate_size, s.q_dim, s.kv_dim
     amp = cast_elements is not None
 
-    def proj(name: str) -> None:
-        if after_proj is not None:
-            after_proj(name)
+    def proj(name: str, out: int) -> int:
+        return out if after_proj is None else after_proj(name, out)
     copies = [e.alloc(n * d) for n in cast_elements] if amp else []
 
     def norm() -> int:
@@ -867,12 +866,9 @@ def _nograd_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: lis
         return out
 
     n1 = norm()
-    qp = linear(q)
-    proj("q_proj")
-    kp = linear(kv)
-    proj("k_proj")
-    v = linear(kv)
-    proj("v_proj")
+    qp = proj("q_proj", linear(q))
+    kp = proj("k_proj", linear(kv))
+    v = proj("v_proj", linear(kv))
     if amp:
         rotated = [_rope_fp32(e, t * width, d) for width in (q, kv)]
         e.free(qp, kp)
@@ -887,38 +883,37 @@ def _nograd_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: lis
     e.free(qe, ke, v, lse, *extra)
     flat = e.alloc(t * q * d)
     e.free(out)
-    o = e.alloc(t * h * d)
-    proj("o_proj")
+    o = proj("o_proj", e.alloc(t * h * d))
     e.free(flat, n1)
     h1 = e.alloc(t * h * (4 if amp else d))
     e.free(o)
     n2 = norm()
-    g = linear(i)
-    proj("gate_proj")
+    g = proj("gate_proj", linear(i))
     a = e.alloc(t * i * d)
     e.free(g)
-    u = linear(i)
-    proj("up_proj")
+    u = proj("up_proj", linear(i))
     m = e.alloc(t * i * d)
     e.free(a, u)
-    dn = e.alloc(t * h * d)
-    proj("down_proj")
+    dn = proj("down_proj", e.alloc(t * h * d))
     e.free(m, n2)
     y = e.alloc(t * h * (4 if amp else d))
     e.free(dn, h1)
     return copies, y
 
 
-def _lora_output(e: _Emitter, n_out: int, adapter_bytes: int, d: int) -> None:
-    """PEFT's ``result + lora_B(lora_A(x)) * scaling`` then ``.to(result.dtype)`` (Note [LoRA]): B's output, its
-    scaled copy, the sum in the adapters' dtype and its cast back, each dying at the next (the cast replaces the
-    base output, which the caller counts)."""
+def _lora_result(e: _Emitter, base_out: int, n_out: int, adapter_bytes: int, d: int) -> int:
+    """PEFT's ``result = result + lora_B(lora_A(x)) * scaling; return result.to(dtype)`` after the base
+    projection made ``base_out`` (Note [LoRA]): B's output, its scaled copy, the sum in the adapters' dtype (the
+    base output goes as ``result`` is rebound), and the cast back, which is the projection's output from then on.
+    Returns its id."""
     b = e.alloc(n_out * adapter_bytes)
     scaled = e.alloc(n_out * adapter_bytes)
     e.free(b)
     total = e.alloc(n_out * adapter_bytes)
-    e.free(scaled)
-    e.free(e.alloc(n_out * d), total)
+    e.free(scaled, base_out)
+    cast = e.alloc(n_out * d)
+    e.free(total)
+    return cast
 
 
 def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, seq_len: int,
@@ -1086,16 +1081,17 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             # block (held to its end here, an upper bound), where full training keeps them
             weight_only = [] if lora is not None else keep
 
-            def adapter(target: str) -> None:
-                """Note [LoRA]: PEFT's adapter of ``target`` as its base projection returns: the input cast to
-                the adapters' dtype and A's output, kept; B's output and the sum made and dropped."""
+            def adapter(target: str, out: int) -> int:
+                """Note [LoRA]: PEFT's adapter of ``target`` after its base projection made ``out``: the input cast
+                to the adapters' dtype and A's output, kept; then :func:`_lora_result`, whose cast replaces
+                ``out``."""
                 if lora is None or target not in lora.targets:
-                    return
+                    return out
                 out_f, in_f = dims[target]
                 if quantized_base:
                     dequantized(out_f, in_f)
                 keep.extend([e.alloc(t * in_f * lora.adapter_bytes), e.alloc(t * lora.rank * lora.adapter_bytes)])
-                _lora_output(e, t * out_f, lora.adapter_bytes, d)
+                return _lora_result(e, out, t * out_f, lora.adapter_bytes, d)
 
             def norm(saved: bool = True) -> None:
                 """RMSNorm as the snapshot shows it: the fp32 input (saved by pow and the multiply), pow's
@@ -1119,12 +1115,9 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             norm(input_needs_grad)
             # q, k, v projected, then rotated as in generate's prefill (Note [Training activations]: the unrotated
             # q and k live through both rotations and their temporaries, H200 snapshot of run 3, ops 254-287)
-            qp = e.alloc(t * s.q_dim * d)
-            adapter("q_proj")
-            kp = e.alloc(t * s.kv_dim * d)
-            adapter("k_proj")
-            v = e.alloc(t * s.kv_dim * d)
-            adapter("v_proj")
+            qp = adapter("q_proj", e.alloc(t * s.q_dim * d))
+            kp = adapter("k_proj", e.alloc(t * s.kv_dim * d))
+            v = adapter("v_proj", e.alloc(t * s.kv_dim * d))
             keep.append(_rope(e, t * s.q_dim * d))  # q rotated
             kv = [_rope(e, t * s.kv_dim * d), v]  # k rotated, v
             e.free(qp, kp)
@@ -1139,29 +1132,25 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
                 keep += kv
             keep.append(e.alloc(t * s.q_dim * d))  # sdpa out, o_proj's input (its transpose is contiguous)
             keep.append(e.alloc(t * s.n_heads * 4))  # logsumexp
-            o = e.alloc(t * h * d)
-            adapter("o_proj")
+            o = adapter("o_proj", e.alloc(t * h * d))
             h1 = e.alloc(t * h * d)
             e.free(o)
             norm()  # norm 2 (gate/up's input)
-            keep.append(e.alloc(t * i * d))  # gate
-            adapter("gate_proj")
+            keep.append(adapter("gate_proj", e.alloc(t * i * d)))  # gate
             keep.append(e.alloc(t * i * d))  # act
-            keep.append(e.alloc(t * i * d))  # up
-            adapter("up_proj")
+            keep.append(adapter("up_proj", e.alloc(t * i * d)))  # up
             weight_only.append(e.alloc(t * i * d))  # their product (down's input)
-            dn = e.alloc(t * h * d)
-            adapter("down_proj")
+            dn = adapter("down_proj", e.alloc(t * h * d))
             y = e.alloc(t * h * d)
             e.free(dn, h1)
             if lora is not None:
                 e.free(*weight_only)
             return keep, y
 
-        def nograd_adapter(target: str) -> None:
+        def nograd_adapter(target: str, out: int) -> int:
             """Note [LoRA]: an adapter without grad (checkpointing's first pass): its tensors die as made."""
             if lora is None or target not in lora.targets:
-                return
+                return out
             out_f, in_f = dims[target]
             if quantized_base:
                 dequantized(out_f, in_f)
@@ -1169,7 +1158,7 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             a_out = e.alloc(t * lora.rank * lora.adapter_bytes)
             e.free(cast)
             e.free(a_out)
-            _lora_output(e, t * out_f, lora.adapter_bytes, d)
+            return _lora_result(e, out, t * out_f, lora.adapter_bytes, d)
 
         x = emb
         for _ in range(s.n_layers):

@@ -110,6 +110,7 @@ def recompute(paths: list[Path], device: str = "sim:h200-141gb") -> list[dict[st
     for path in paths:
         doc = json.loads(path.read_text())
         process: list[dict[str, Any]] = []  # the rows of one model, in the order they ran (one process)
+        fresh = bool(doc.get("meta", {}).get("fresh_process_per_row"))
         first = len(out)
         for r in doc["rows"]:
             if r.get("status") not in ("ok", "measured only", "estimate failed") \
@@ -131,6 +132,8 @@ def recompute(paths: list[Path], device: str = "sim:h200-141gb") -> list[dict[st
                 res["alloc_error"] = est["peak_allocated_bytes"] / r["peak_allocated_bytes"] - 1
                 res["reserved_error"] = est["peak_reserved_bytes"] / r["peak_reserved_bytes"] - 1
             out.append(res)
+            if fresh:  # each row measured in a process of its own (Note [One process per row])
+                continue
             if process and process[0]["model"] != r["model"]:
                 _fill_as_run(out[first:first + len(process)], process, device)
                 first += len(process)

@@ -233,3 +233,16 @@ def test_lora_adapters_run_with_their_projection(ckpt):
     seq = [tq, t * h * 4, t * r * 4, t * SHAPE.q_dim * 4]  # q's output, x in fp32, A's output, B's output
     assert any(sizes[i:i + len(seq)] == seq and tkv in sizes[i + len(seq):i + len(seq) + 6]
                for i in range(len(sizes)))
+
+
+def test_a_record_measured_one_row_per_process_is_not_chained(tmp_path):
+    """Note [One process per row]: rows of a record whose meta says so are each their process's first row."""
+    rows = [r for r in RECORDS["run3"]["rows"] if r["model"] == "qwen2-small-lora-qv"]
+    rows = rows + rows  # two rows of one model, one after the other
+    chained, fresh = tmp_path / "chained.json", tmp_path / "fresh.json"
+    chained.write_text(json.dumps({"meta": {}, "rows": rows}))
+    fresh.write_text(json.dumps({"meta": {"fresh_process_per_row": True}, "rows": rows}))
+    a = accuracy_recompute.recompute([chained], H200)
+    b = accuracy_recompute.recompute([fresh], H200)
+    assert "as_run_reserved" in a[1] and "as_run_reserved" not in a[0]
+    assert not any("as_run_reserved" in r for r in b)

@@ -239,6 +239,11 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
         by_policy = {e.policy: e.peak_reserved_bytes for e in res}
         if args.training:  # Note [Training reserved margin] in gpumem.estimate.fit
             row["replayed_reserved_by_policy"] = dict(by_policy)
+            first = res[0]
+            if first.policy == "pytorch" and first.fits and first.peak_block_allocated_bytes is not None:
+                # Note [Allocated as PyTorch counts it] in gpumem.estimate.fit: the replay's blocks, not the requests
+                row["trace_peak_allocated_bytes"] = est.total_bytes
+                row["peak_allocated_bytes"] = first.peak_block_allocated_bytes
             by_policy.update({e.policy: training_reserved_nbytes(e.peak_reserved_bytes) for e in res
                               if e.policy == "pytorch" and e.fits})
         row["peak_reserved_bytes"] = by_policy[res[0].policy]

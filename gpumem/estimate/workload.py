@@ -53,6 +53,22 @@ Note [Token bookkeeping]
     forward computes ``position_ids`` from the mask by ``cumsum``: about 24 bytes per token, which the
     H200 runs showed at batch 135 x 4096 (0.55 M tokens: 12.6 MiB).
 
+Note [Backward cuBLAS workspace]
+    The backward runs on autograd's thread, whose cuBLAS handle takes its own 32 MiB workspace at its first
+    matrix product: lm_head's weight gradient (its input's gradient with LoRA), after the loss's backward has
+    freed two fp32 logit-sized tensors. The H200 snapshot of Qwen2 0.16B training b2 x 512 (run 3, op 834) shows
+    it cut from the 126 MiB segment the log-softmax gradient had just freed, where it stays for good: the
+    segment stays reserved with it, and a logit-sized tensor of step 2 no longer fits there. Made before step 1
+    (as before), it took a segment of its own and left every logit-sized segment whole: LoRA b4 x 512 reserved
+    5.3 % below the measurement (its step 2 opens one more 250 MiB segment), the fp32-master b2 row 3.7 % above.
+
+Note [What a process keeps]
+    The weights and the cuBLAS workspaces outlive a workload: ``empty_cache()`` cannot return a segment that
+    holds one of them, so a second workload in the same process starts with those segments (and their free
+    space) reserved. :attr:`WorkloadTrace.persistent` names these allocations; the accuracy records' rows that
+    ran after another row in the same process are compared with a replay of the process's rows in order
+    (``benchmarks/accuracy_recompute.py``, Note [Rows measured after other rows] there).
+
 Note [Weights as PyTorch counts them]
     ``max_memory_allocated`` counts a block's size, and PyTorch's allocator leaves a remainder of 1 MiB or
     less inside a large block rather than splitting it off. Loading the weights into an empty cache, a
@@ -63,14 +79,15 @@ Note [Weights as PyTorch counts them]
 
 Note [Overhead]
     cuBLAS takes a 32 MiB workspace through the caching allocator at the first matrix product of each
-    stream/handle (one for inference, a second one for the backward pass of training), and kernels and
+    stream/handle (one for inference, a second one for the backward pass of training: Note [Backward cuBLAS
+    workspace]), and kernels and
     generate's bookkeeping take a few more MiB (measured: 1-7 MiB beyond the parameters once the weights are
     loaded, and 19 MiB more in the decode steps of the multi-head 7B model only).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
 from typing import Callable, Iterable, Mapping, Protocol, Sequence
@@ -126,6 +143,10 @@ class WorkloadTrace:
     complete: bool = True
     """False when decode steps were left out (Note [Decode steps simulated]): the peak is exact, but a replay
     of this trace is not the workload's (:func:`gpumem.estimate.fit.estimate_peak_reserved` refuses it)."""
+    persistent: dict[int, str] = field(default_factory=dict)
+    """Note [What a process keeps]: the allocations that outlive the workload in its process (op id -> what it
+    is: ``weight N``, ``cublas forward``, ``cublas backward``); a later workload of the same process finds them
+    made."""
 
 
 class OpSink(Protocol):
@@ -157,6 +178,7 @@ class _Emitter:
         self.phase = ""
         self.phase_at_peak = ""
         self.next_id = 0
+        self.persistent: dict[int, str] = {}  # Note [What a process keeps]
 
     def alloc(self, nbytes: int, cat: Category = Category.ACTIVATIONS, counted: int | None = None) -> int:
         """Append an alloc of ``nbytes``; return its id. ``counted``: the bytes PyTorch counts as allocated
@@ -200,7 +222,7 @@ class _Emitter:
         trace = Trace(self.name, "gpumem.estimate", np.array(self.kinds, np.int8), np.array(self.ids, np.int64),
                       np.array(self.sizes, np.int64), np.zeros(n, np.int64), np.arange(n, dtype=np.float64),
                       np.zeros(n, np.int64))
-        return WorkloadTrace(trace, self.peak, self.at_peak, self.phase_at_peak)
+        return WorkloadTrace(trace, self.peak, self.at_peak, self.phase_at_peak, persistent=dict(self.persistent))
 
 
 def _check(name: str, value: int, minimum: int = 1) -> None:
@@ -657,15 +679,15 @@ def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size
     d_act = max(dtype_bytes, 2)  # int8/fp8 weights still compute in 16-bit
     e.phase = "weights"
     sizes = param_nbytes(shape, dtype_bytes, fmt)
-    for n, counted in zip(sizes, loaded_weight_nbytes(sizes)):
-        e.alloc(n, Category.WEIGHTS, counted)
+    for j, (n, counted) in enumerate(zip(sizes, loaded_weight_nbytes(sizes))):
+        e.persistent[e.alloc(n, Category.WEIGHTS, counted)] = f"weight {j}"
     e.alloc(MISC_NBYTES, Category.OVERHEAD)
     if workspace_nbytes:  # the ternary formats' dequantization workspace, one layer at a time (.formats)
         e.alloc(workspace_nbytes, Category.OVERHEAD)
     e.phase = "prefill"
     ids = e.alloc(batch_size * prompt_len * 8)  # the int64 input ids; each new token grows them by torch.cat
     mask = e.alloc(batch_size * prompt_len * 8)  # the int64 attention mask generate() is given
-    e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)
+    e.persistent[e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)] = "cublas forward"
     cache = [-1] * (2 * shape.n_layers)
     _forward(e, shape, batch_size, prompt_len, d_act, cache, prompt_len, 0)
     if on_step is not None:
@@ -811,15 +833,20 @@ def _amp_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: list[i
 
 
 def _nograd_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: list[int] | None, *,
-                  batch: int = 1, masked: bool = False) -> tuple[list[int], int]:
+                  batch: int = 1, masked: bool = False,
+                  after_proj: Callable[[str, int], int] | None = None) -> tuple[list[int], int]:
     """One block's forward without grad (the first pass of gradient checkpointing, Note [Gradient
     checkpointing]): each tensor goes as soon as it is dead, as in the ``generate()`` prefill. ``cast_elements``:
     under autocast (Note [Mixed precision]), the block's weights, whose copies autocast caches (returned, first)
     while the residual stream and the norms are fp32; None: all in ``d`` bytes. ``masked``: attention past a
     sliding window, over ``batch`` sequences (Note [Sliding window]). Returns the cached copies and the block's
-    output; the block input is the caller's."""
+    output; the block input is the caller's. ``after_proj(name, out)``: called as each projection's output is
+    made, returns what stands for it from then on (LoRA's adapters run there, Note [LoRA])."""
     h, i, q, kv = s.hidden_size, s.intermediate_size, s.q_dim, s.kv_dim
     amp = cast_elements is not None
+
+    def proj(name: str, out: int) -> int:
+        return out if after_proj is None else after_proj(name, out)
     copies = [e.alloc(n * d) for n in cast_elements] if amp else []
 
     def norm() -> int:
@@ -839,7 +866,9 @@ def _nograd_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: lis
         return out
 
     n1 = norm()
-    qp, kp, v = linear(q), linear(kv), linear(kv)
+    qp = proj("q_proj", linear(q))
+    kp = proj("k_proj", linear(kv))
+    v = proj("v_proj", linear(kv))
     if amp:
         rotated = [_rope_fp32(e, t * width, d) for width in (q, kv)]
         e.free(qp, kp)
@@ -854,34 +883,37 @@ def _nograd_block(e: _Emitter, s: ModelShape, t: int, d: int, cast_elements: lis
     e.free(qe, ke, v, lse, *extra)
     flat = e.alloc(t * q * d)
     e.free(out)
-    o = e.alloc(t * h * d)
+    o = proj("o_proj", e.alloc(t * h * d))
     e.free(flat, n1)
     h1 = e.alloc(t * h * (4 if amp else d))
     e.free(o)
     n2 = norm()
-    g = linear(i)
+    g = proj("gate_proj", linear(i))
     a = e.alloc(t * i * d)
     e.free(g)
-    u = linear(i)
+    u = proj("up_proj", linear(i))
     m = e.alloc(t * i * d)
     e.free(a, u)
-    dn = e.alloc(t * h * d)
+    dn = proj("down_proj", e.alloc(t * h * d))
     e.free(m, n2)
     y = e.alloc(t * h * (4 if amp else d))
     e.free(dn, h1)
     return copies, y
 
 
-def _lora_output(e: _Emitter, n_out: int, adapter_bytes: int, d: int) -> None:
-    """PEFT's ``result + lora_B(lora_A(x)) * scaling`` then ``.to(result.dtype)`` (Note [LoRA]): B's output, its
-    scaled copy, the sum in the adapters' dtype and its cast back, each dying at the next (the cast replaces the
-    base output, which the caller counts)."""
+def _lora_result(e: _Emitter, base_out: int, n_out: int, adapter_bytes: int, d: int) -> int:
+    """PEFT's ``result = result + lora_B(lora_A(x)) * scaling; return result.to(dtype)`` after the base
+    projection made ``base_out`` (Note [LoRA]): B's output, its scaled copy, the sum in the adapters' dtype (the
+    base output goes as ``result`` is rebound), and the cast back, which is the projection's output from then on.
+    Returns its id."""
     b = e.alloc(n_out * adapter_bytes)
     scaled = e.alloc(n_out * adapter_bytes)
     e.free(b)
     total = e.alloc(n_out * adapter_bytes)
-    e.free(scaled)
-    e.free(e.alloc(n_out * d), total)
+    e.free(scaled, base_out)
+    cast = e.alloc(n_out * d)
+    e.free(total)
+    return cast
 
 
 def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, seq_len: int,
@@ -893,13 +925,29 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     ``dtype_bytes``; with ``mixed_precision`` (``"bf16"``/``"fp16"``) the forward runs under that autocast on
     fp32 master weights (Note [Mixed precision]).
 
-    Note [Training activations]: autograd keeps, per block and token, the fp32 input and the output of
-    each RMSNorm (``4H + 2H`` twice), the rotated q and k, v, the SDPA output and its reshaped copy
-    (``3*2Q + 2*2KV``), and ``gate``, ``act(gate)``, ``up`` and their product (``4*2I``). The loss keeps
-    the bf16 logits and the fp32 log-softmax; its backward holds two more fp32 logit-sized gradients.
-    The foreach AdamW step holds one parameter-sized temporary (``sqrt(exp_avg_sq)``) and, measured on the
-    H200, one more embedding-sized buffer; the recorded backward also held one more hidden-sized tensor
-    per block and token than the list above. Each block's backward makes the gradient of its input, which
+    Note [Training activations]: autograd keeps, per block and token, the fp32 input, the 16-bit cast and the
+    output of each RMSNorm (``4H + 2H + 2H`` twice), the rotated q and k, v, the SDPA output (``2*2Q +
+    2*2KV``), and ``gate``, ``act(gate)``, ``up`` and their product (``4*2I``). The loss keeps the bf16 logits
+    and the fp32 log-softmax; its backward holds two more fp32 logit-sized gradients.
+    Each RMSNorm keeps its fp32 input and the cast of ``x * rsqrt`` that the weight multiply saves (with pow's
+    and ``x * rsqrt``'s fp32 temporaries live while it runs), and SDPA's output is o_proj's input as it is (its
+    transpose is contiguous: no copy), as the H200 snapshot of Qwen2 0.16B training b2 (run 3) shows each layer;
+    before, the two casts were modelled as "the attention output's reshaped copy" and "one more hidden-sized
+    tensor measured" further on (the same bytes, other lifetimes), with no norm temporaries: the replay cut its
+    segments otherwise (LoRA b8 x 1024 reserved -9.0 % -> +1.4 %, tied training +11.0 % -> +1.3 %).
+    q, k and v are projected and rotated as in the prefill (:func:`_rope`: three q-sized temporaries and a
+    half-sized one, the unrotated q and k freed once both are rotated), as the H200 snapshot of Qwen2 0.16B
+    training b2 (run 3) shows each layer; before, one q-sized temporary stood for all of them, and the replay cut
+    its 20 MiB segments differently (Qwen2 0.16B b8 reserved -0.13 % -> +0.03 %, Llama 3B b1 +2.77 % -> +1.49 %).
+
+    Note [Optimizer step]: the harness (as most training loops) runs ``loss.backward(); opt.step();
+    opt.zero_grad(); del out``: the model's output, and with it the bf16 logits, lives through the optimizer
+    step. Foreach AdamW makes its states at the first step (``exp_avg`` then ``exp_avg_sq``, parameter by
+    parameter) and, at every step, one ``sqrt(exp_avg_sq)`` per parameter in order, freed when the list goes
+    (Python frees a list's items last first). So the H200 snapshot of Qwen2 0.16B training b2 (run 3, ops
+    2883-3610) shows it; the "embedding-sized buffer" modelled before was those logits (the same 62.5 MiB in
+    that row, another size elsewhere): Llama 3B b1 reserved +3.45 % -> +2.77 %, Llama 0.1B b1
+    +3.52 % -> +2.79 %. Each block's backward makes the gradient of its input, which
     replaces that of its output (one hidden-sized gradient at a time, a new tensor per block).
 
     Note [Gradient checkpointing]: with ``gradient_checkpointing`` each block's forward keeps only its input:
@@ -939,12 +987,14 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     no optimizer state. Each targeted projection of each block gets A (``rank x in``) and B (``out x rank``)
     in ``lora.adapter_bytes``; its forward keeps the input cast to the adapters' dtype (``T x in``) and A's
     output (``T x rank``), and makes B's output, its scaled copy, the sum and its cast back (PEFT's
-    ``lora.Linear.forward``); a quantized base is dequantized to 16 bits for each matrix product, forward and
+    ``lora.Linear.forward``) as each projection runs, in the no-grad pass of gradient checkpointing too (before,
+    every adapter ran after the block's output: LoRA with gradient checkpointing b8 x 1024 reserved -4.84 % ->
+    -2.18 %, its other rows 0.4-0.7 points nearer); a quantized base is dequantized to 16 bits for each matrix product, forward and
     backward (one ``out x in`` temporary at a time). Gradients and AdamW states are the adapters'. Autograd
     saves a matrix product's input only for its weight's gradient (torch's derivative formulas save a tensor
     only when the gradient that needs it is computed): with the weights frozen, the inputs of the base
-    projections (the norms' outputs, the attention output's reshaped copy, the MLP product) and the hidden-sized
-    tensor measured in full training are not kept. Measured on the H200 (run 3, adapters added by hand as
+    projections (the norms' outputs, the MLP product) and the norms' casts (saved for the norm weights'
+    gradients only) are not kept. Measured on the H200 (run 3, adapters added by hand as
     PEFT adds them; no PEFT, no bitsandbytes there: QLoRA stays unmeasured): before this, peak allocated was
     12 % (all seven projections) and 15 % (q and v) above the measurement at batch 8 x 1024.
     """
@@ -985,8 +1035,8 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
     e = _Emitter(f"train b={batch_size} s={seq_len}")
     e.phase = "weights"
     params = param_nbytes(s, dtype_bytes, lora.base_format if lora else None)
-    for n, counted in zip(params, loaded_weight_nbytes(params)):
-        e.alloc(n, Category.WEIGHTS, counted)
+    for j, (n, counted) in enumerate(zip(params, loaded_weight_nbytes(params))):
+        e.persistent[e.alloc(n, Category.WEIGHTS, counted)] = f"weight {j}"
     dims = _projection_dims(s)
     adapters: list[tuple[int, int]] = []  # trainable tensors: (elements, bytes)
     if lora is not None:
@@ -995,18 +1045,23 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
                 out_f, in_f = dims[target]
                 adapters += [(lora.rank * in_f, lora.rank * in_f * lora.adapter_bytes),
                              (out_f * lora.rank, out_f * lora.rank * lora.adapter_bytes)]
-        for _, n in adapters:
-            e.alloc(n, Category.WEIGHTS)
+        for j, (_, n) in enumerate(adapters):
+            e.persistent[e.alloc(n, Category.WEIGHTS)] = f"adapter {j}"
     quantized_base = lora is not None and lora.base_format is not None
 
     def dequantized(out_f: int, in_f: int) -> None:
         """QLoRA: one projection's weights dequantized to 16 bits for a matrix product, then dropped."""
         e.free(e.alloc(out_f * in_f * 2))
     e.alloc(MISC_NBYTES, Category.OVERHEAD)
-    e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)  # forward
-    e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)  # the backward pass runs on autograd's thread: its own
+    e.persistent[e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)] = "cublas forward"
     e.alloc(BACKWARD_MISC_NBYTES, Category.OVERHEAD)
     states: list[int] = []
+    backward_workspace = [-1]  # Note [Backward cuBLAS workspace]: made at the backward's first matrix product
+
+    def first_backward_product() -> None:
+        if backward_workspace[0] < 0:
+            backward_workspace[0] = e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)
+            e.persistent[backward_workspace[0]] = "cublas backward"
     for step in range(n_steps):
         e.phase = f"forward {step + 1}"
         ids = e.alloc(t * 8)
@@ -1017,7 +1072,7 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         inputs: list[int] = []  # gradient checkpointing: each block's input, kept for the recompute
         cached: list[int] = []  # Note [Mixed precision]: autocast's weight copies of a no-grad forward
 
-        def block() -> tuple[list[int], int]:
+        def block(input_needs_grad: bool = True) -> tuple[list[int], int]:
             """One block's forward: the tensors autograd keeps, and the block's output."""
             if amp:
                 return _amp_block(e, s, t, d, cast_elements)
@@ -1025,12 +1080,47 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             # Note [LoRA]: tensors only the frozen weights' gradients would need are not saved: they die in the
             # block (held to its end here, an upper bound), where full training keeps them
             weight_only = [] if lora is not None else keep
-            keep.append(e.alloc(t * h * 4))  # norm 1's fp32 input
-            weight_only.append(e.alloc(t * h * d))  # norm 1's output (q/k/v's input)
-            keep.append(e.alloc(t * s.q_dim * d))  # q rotated
-            kv = [e.alloc(t * s.kv_dim * d), e.alloc(t * s.kv_dim * d)]  # k rotated, v
-            tmp = e.alloc(t * s.q_dim * d)  # rope temporaries (one live at a time beyond the kept ones)
-            e.free(tmp)
+
+            def adapter(target: str, out: int) -> int:
+                """Note [LoRA]: PEFT's adapter of ``target`` after its base projection made ``out``: the input cast
+                to the adapters' dtype and A's output, kept; then :func:`_lora_result`, whose cast replaces
+                ``out``."""
+                if lora is None or target not in lora.targets:
+                    return out
+                out_f, in_f = dims[target]
+                if quantized_base:
+                    dequantized(out_f, in_f)
+                keep.extend([e.alloc(t * in_f * lora.adapter_bytes), e.alloc(t * lora.rank * lora.adapter_bytes)])
+                return _lora_result(e, out, t * out_f, lora.adapter_bytes, d)
+
+            def norm(saved: bool = True) -> None:
+                """RMSNorm as the snapshot shows it: the fp32 input (saved by pow and the multiply), pow's
+                temporary, ``x * rsqrt`` (fp32), its cast (saved by the weight multiply: for the weight's
+                gradient only) and the output (the projections' input), then ``x * rsqrt`` goes. ``saved``
+                False: nothing before it needs a gradient, so it saves nothing (Note [LoRA])."""
+                fp32 = e.alloc(t * h * 4)
+                e.free(e.alloc(t * h * 4))
+                scaled = e.alloc(t * h * 4)
+                cast = e.alloc(t * h * d)
+                weight_only.append(e.alloc(t * h * d))
+                if lora is not None:  # a frozen norm weight: nothing saves the cast
+                    e.free(cast)
+                else:
+                    keep.append(cast)
+                e.free(scaled)
+                if saved:
+                    keep.append(fp32)
+                else:
+                    e.free(fp32)
+            norm(input_needs_grad)
+            # q, k, v projected, then rotated as in generate's prefill (Note [Training activations]: the unrotated
+            # q and k live through both rotations and their temporaries, H200 snapshot of run 3, ops 254-287)
+            qp = adapter("q_proj", e.alloc(t * s.q_dim * d))
+            kp = adapter("k_proj", e.alloc(t * s.kv_dim * d))
+            v = adapter("v_proj", e.alloc(t * s.kv_dim * d))
+            keep.append(_rope(e, t * s.q_dim * d))  # q rotated
+            kv = [_rope(e, t * s.kv_dim * d), v]  # k rotated, v
+            e.free(qp, kp)
             if masked:  # Note [Sliding window]: SDPA saves the repeated keys and values and the additive mask
                 extra = _masked_attention_inputs(e, s, batch_size, seq_len, seq_len, d, training=True)
                 keep += extra
@@ -1040,48 +1130,49 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
                     keep += kv
             else:
                 keep += kv
-            keep.append(e.alloc(t * s.q_dim * d))  # sdpa out
-            weight_only.append(e.alloc(t * s.q_dim * d))  # its reshaped copy (o_proj's input)
+            keep.append(e.alloc(t * s.q_dim * d))  # sdpa out, o_proj's input (its transpose is contiguous)
             keep.append(e.alloc(t * s.n_heads * 4))  # logsumexp
-            o = e.alloc(t * h * d)
+            o = adapter("o_proj", e.alloc(t * h * d))
             h1 = e.alloc(t * h * d)
             e.free(o)
-            keep.append(e.alloc(t * h * 4))  # norm 2's fp32 input
-            weight_only.append(e.alloc(t * h * d))  # norm 2's output (gate/up's input)
-            keep += [e.alloc(t * i * d) for _ in range(3)]  # gate, act, up
+            norm()  # norm 2 (gate/up's input)
+            keep.append(adapter("gate_proj", e.alloc(t * i * d)))  # gate
+            keep.append(e.alloc(t * i * d))  # act
+            keep.append(adapter("up_proj", e.alloc(t * i * d)))  # up
             weight_only.append(e.alloc(t * i * d))  # their product (down's input)
-            weight_only.append(e.alloc(t * h * d))  # measured: one more hidden-sized tensor per block
-            dn = e.alloc(t * h * d)
+            dn = adapter("down_proj", e.alloc(t * h * d))
             y = e.alloc(t * h * d)
             e.free(dn, h1)
-            if lora is not None:  # Note [LoRA]
-                for target in lora.targets:
-                    out_f, in_f = dims[target]
-                    if quantized_base:
-                        dequantized(out_f, in_f)
-                    keep += [e.alloc(t * in_f * lora.adapter_bytes), e.alloc(t * lora.rank * lora.adapter_bytes)]
-                    _lora_output(e, t * out_f, lora.adapter_bytes, d)
+            if lora is not None:
                 e.free(*weight_only)
             return keep, y
+
+        def nograd_adapter(target: str, out: int) -> int:
+            """Note [LoRA]: an adapter without grad (checkpointing's first pass): its tensors die as made."""
+            if lora is None or target not in lora.targets:
+                return out
+            out_f, in_f = dims[target]
+            if quantized_base:
+                dequantized(out_f, in_f)
+            cast = e.alloc(t * in_f * lora.adapter_bytes)
+            a_out = e.alloc(t * lora.rank * lora.adapter_bytes)
+            e.free(cast)
+            e.free(a_out)
+            return _lora_result(e, out, t * out_f, lora.adapter_bytes, d)
 
         x = emb
         for _ in range(s.n_layers):
             if gradient_checkpointing:  # no_grad forward: nothing is kept but the block input
                 copies, y = _nograd_block(e, s, t, d, cast_elements if amp else None, batch=batch_size,
-                                          masked=masked)
-                if lora is not None:  # the adapters' tensors, dead as soon as made
-                    for target in lora.targets:
-                        out_f, in_f = dims[target]
-                        if quantized_base:
-                            dequantized(out_f, in_f)
-                        e.free(*[e.alloc(t * n * lora.adapter_bytes) for n in (in_f, lora.rank)])
-                        _lora_output(e, t * out_f, lora.adapter_bytes, d)
+                                          masked=masked, after_proj=nograd_adapter if lora is not None else None)
                 cached += copies  # under autocast the weight copies stay in its cache until the forward ends
                 inputs.append(x)
                 x = y
                 saved.append([])
                 continue
-            keep, y = block()
+            # Note [LoRA]: the frozen embedding's output needs no gradient (unless gradient checkpointing's hook
+            # asks for one), so the first block's norm saves nothing
+            keep, y = block(input_needs_grad=lora is None or x != emb)
             if amp and x != emb:
                 keep.append(x)  # the block input is norm 1's input, which it saves in fp32
             elif x != emb:
@@ -1121,11 +1212,13 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
                 e.free(tmp)
         if lora is None:  # lm_head's gradient; tied (Note [Tied embeddings]): the shared matrix's, made here
             grad(s.vocab_size * h)
+            first_backward_product()
         gx = e.alloc(t * h * r)
+        first_backward_product()
         if amp:  # lm_head's input gradient in bf16, cast back to fp32 for the norm's backward
             e.free(e.alloc(t * h * d))
             e.free(lm_copy)
-        e.free(g3, logits, nf32, nf, x)
+        e.free(g3, nf32, nf, x)  # Note [Optimizer step]: the logits stay with the model's output
         for layer in reversed(range(s.n_layers)):
             per = per_layer
             if gradient_checkpointing:  # the block's forward again, with grad, from its saved input
@@ -1176,10 +1269,11 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
             for m, n in trainable:
                 for _ in range(optimizer_states):
                     states.append(e.alloc(_optimizer_state_nbytes(m, n, optimizer_8bit), Category.OPTIMIZER))
-        # measured: one buffer the size of the first (largest) trainable tensor beside the states (foreach grouping)
-        extra = e.alloc(max(n for _, n in trainable) if lora is not None else params[0])
-        tmp_ids = [e.alloc(n) for _, n in trainable] + [extra]
-        e.free(*tmp_ids)
+        # Note [Optimizer step]: foreach AdamW's sqrt(exp_avg_sq), one per trainable tensor in order, freed as
+        # Python frees a list (last first); zero_grad, then the model's output (its logits) goes
+        tmp_ids = [e.alloc(n) for _, n in trainable]
+        e.free(*reversed(tmp_ids))
         e.free(*grads)
+        e.free(logits)
     e.phase = "end"
     return e.build()

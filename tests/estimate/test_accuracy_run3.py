@@ -47,8 +47,9 @@ def test_the_tied_gradient_is_made_by_lm_heads_backward_and_held_through_the_blo
     allocs = np.flatnonzero(tr.kinds == 0)
     matrix = [i for i in allocs if tr.nbytes[i] == 1000 * 256 * 2]
     block_grad = [i for i in allocs if tr.nbytes[i] == 2 * 48 * 688 * 2]  # an MLP-sized gradient of a block
-    # the weight, lm_head's gradient, the embedding's, two AdamW states, the update's temporary and foreach's extra
-    assert len(matrix) == 7
+    # the weight, lm_head's gradient, the embedding's, two AdamW states and the update's temporary (Note
+    # [Optimizer step]: no embedding-sized buffer beside them)
+    assert len(matrix) == 6
     first_block_backward = [i for i in block_grad if i > matrix[1]]
     assert first_block_backward and matrix[1] < first_block_backward[0]
     grad_free = [i for i in np.flatnonzero(tr.kinds == 1) if tr.alloc_ids[i] == tr.alloc_ids[matrix[1]]]

@@ -211,7 +211,8 @@ def cuda_allocator(device: int, policy: Any = None) -> Any:
         InvalidArgumentError: a policy the engine refuses, or a bad device.
     """
     module = _engine_module()
-    if policy is not None and get_policy(policy).name != get_policy(DEFAULT_POLICY).name:
+    if policy is not None and dataclasses.replace(get_policy(policy), name="", description="") != \
+            dataclasses.replace(get_policy(DEFAULT_POLICY), name="", description=""):
         from .torch import configure
 
         configure(policy)

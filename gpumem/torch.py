@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import ctypes
 import atexit
+import dataclasses
 import functools
 import logging
 import os
@@ -339,6 +340,11 @@ def record_stream(tensor: Any, stream: Any) -> None:
         raise GpumemError(f"gpumem could not record the stream for the tensor at {ptr:#x}: {_last_error(lib)}")
 
 
+#: The policy fields the native engine takes from :func:`configure` (the others are the default policy's).
+_ENGINE_KNOBS = ("growth", "page_slack", "chunk_max_fraction", "grow_ahead_fraction", "steal_empty_pages",
+                 "busy_slack", "stream_ordered_steal")
+
+
 def configure(policy: Any) -> None:
     """Give the engines gpumem makes from now on ``policy``'s growth knobs (an
     :class:`~gpumem.allocator.policy.AllocatorPolicy` or a policy name).
@@ -350,11 +356,19 @@ def configure(policy: Any) -> None:
     policy's other fields must be the default policy's.
 
     Raises:
-        InvalidArgumentError: a value the engine refuses.
+        InvalidArgumentError: a value the engine refuses, or another field that differs from the default
+            policy's (the engine cannot run it; nothing is changed).
     """
-    from .allocator.policy import GrowthRule, get_policy
+    from .allocator.policy import DEFAULT_POLICY, GrowthRule, get_policy
 
     pol = get_policy(policy)
+    default = get_policy(DEFAULT_POLICY)
+    differ = [f.name for f in dataclasses.fields(pol)
+              if f.name not in _ENGINE_KNOBS + ("name", "description") and getattr(pol, f.name) != getattr(default, f.name)]
+    if differ:
+        raise InvalidArgumentError(
+            f"gpumem.torch.configure({pol.name!r}): the native engine runs the default policy's "
+            f"{', '.join(differ)}; it takes only {', '.join(_ENGINE_KNOBS)} (use a CachingAllocator for other policies)")
     lib = _lib()
     growth = 0 if GrowthRule(pol.growth) is GrowthRule.PAGES else 1
     if lib.gpumem_torch_configure(growth, float(pol.page_slack), float(pol.chunk_max_fraction),

@@ -312,3 +312,23 @@ def test_install_python_adapter_uses_cupys_page_slack(fake_cupy, monkeypatch):
         assert install(policy="gpumem").policy.page_slack == 0.005
     finally:
         native._warn_once.cache_clear()
+
+
+def test_cuda_allocator_configures_a_custom_policy_that_keeps_the_default_name():
+    """A policy made with dataclasses.replace(get_policy("gpumem"), page_slack=0.3) keeps the name
+    "gpumem": cuda_allocator once compared names and dropped its knobs without a word."""
+    import dataclasses
+    from unittest import mock
+
+    import gpumem.cupy_allocator as gca
+    import gpumem.torch as gt
+    from gpumem.allocator.policy import get_policy
+
+    calls: list = []
+    engine = mock.Mock()
+    engine.CudaAllocator = lambda d: f"engine {d}"
+    with mock.patch.object(gca, "_engine_module", lambda: engine), mock.patch.object(gt, "configure", calls.append):
+        custom = dataclasses.replace(get_policy("gpumem"), page_slack=0.3)
+        assert gca.cuda_allocator(0, custom) == "engine 0"
+        gca.cuda_allocator(0, "gpumem")            # the default itself: nothing to configure
+    assert calls == [custom]

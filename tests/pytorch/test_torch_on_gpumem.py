@@ -142,3 +142,17 @@ def test_pytorch_on_gpumem(scenario, device_spec):
     if gpumem.engine() != "native":
         pytest.fail("gpumem's native engine is not built: PyTorch cannot run on gpumem")
     _child(scenario)
+
+
+@pytest.mark.parametrize("policy, field", [("bestfit", "vmm"), ("pytorch", "segment_rule"),
+                                           ("expandable", "large_page_nbytes"), ("round", "round_nbytes")])
+def test_configure_refuses_a_policy_the_engine_cannot_run(policy, field):
+    """configure() once took any policy and passed on only the growth knobs: the engine then ran
+    something else than asked, silently. Now a field other than those knobs must be the default's."""
+    import dataclasses
+
+    from gpumem.allocator.policy import get_policy
+
+    pol = dataclasses.replace(get_policy("gpumem"), round_nbytes=1 << 20) if policy == "round" else policy
+    with pytest.raises(InvalidArgumentError, match=f"default policy's .*{field}"):
+        gt.configure(pol)

@@ -354,6 +354,45 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str, read_quantization_co
                                    "which this estimate does not model")
 
 
+def _sliding_window(cfg: dict, origin: str) -> int:
+    """The window every layer attends within (0: none), as transformers derives it (Note [Sliding window]).
+
+    Qwen2 and Qwen2-MoE window only some layers: Qwen2 the layers from ``max_window_layers`` on, Qwen2-MoE
+    the even layers below it (transformers' ``layer_types``). A config whose layers would mix windowed
+    and full attention is refused: the estimate models one kind for all layers, and never guesses.
+    """
+    use = cfg.get("use_sliding_window", True)
+    if not isinstance(use, bool):
+        raise InvalidArgumentError(f"{origin}: use_sliding_window must be JSON true or false, got {use!r:.40}")
+    window = cfg.get("sliding_window")
+    if window in _NEUTRAL or not use:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise InvalidArgumentError(f"{origin}: sliding_window must be a JSON integer or null, got {window!r:.40}")
+    model_type = cfg.get("model_type")
+    if model_type not in ("qwen2", "qwen2_moe") or window == 0:
+        return window
+    layers, first = cfg.get("num_hidden_layers"), cfg.get("max_window_layers")
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise InvalidArgumentError(f"{origin}: a {model_type} config with use_sliding_window true needs "
+                                   f"max_window_layers (a non-negative JSON integer), got {first!r:.40}")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        return window   # the layer count is checked, with its own error, where the shape is read
+    if model_type == "qwen2":
+        windowed = [i >= first for i in range(layers)]
+    else:
+        windowed = [i % 2 == 0 and i < first for i in range(layers)]
+    if all(windowed):
+        return window
+    if not any(windowed):
+        return 0
+    raise InvalidArgumentError(
+        f"{origin}: with use_sliding_window true and max_window_layers {first}, {sum(windowed)} of {layers} "
+        f"layers attend within a window of {window} and the others attend to everything; the estimate models one "
+        "kind of attention for every layer (not supported, not guessed)")
+
+
+
 def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]", *,
                    read_quantization_config: bool = True) -> tuple[ModelShape, int]:
     """Read a Hugging Face ``config.json`` (a path, or the parsed dict) of a Llama-style decoder.
@@ -430,11 +469,7 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]", *
     bias = cfg.get("attention_bias", cfg.get("qkv_bias", cfg.get("model_type") in ("qwen2", "qwen2_moe")))
     if not isinstance(bias, bool):
         raise InvalidArgumentError(f"{origin}: attention_bias must be JSON true or false, got {bias!r:.40}")
-    window = cfg.get("sliding_window")
-    if window in _NEUTRAL or cfg.get("use_sliding_window", True) is False:
-        window = 0
-    elif isinstance(window, bool) or not isinstance(window, int) or window < 0:
-        raise InvalidArgumentError(f"{origin}: sliding_window must be a JSON integer or null, got {window!r:.40}")
+    window = _sliding_window(cfg, origin)
     moe: dict[str, int] = {}
     if cfg.get("model_type") in MOE_MODEL_KEYS:
         keys = {"n_experts": ("num_local_experts", "num_experts"), "experts_per_token": ("num_experts_per_tok",),

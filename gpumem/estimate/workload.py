@@ -159,6 +159,14 @@ class OpSink(Protocol):
         """The free of allocation ``op_id``."""
 
 
+#: The largest LoRA rank: a rank above a projection's width adds nothing a smaller one does not.
+_MAX_LORA_RANK = 2**20
+
+#: The largest tensor a modelled workload may hold: the traces and replays count bytes in int64, and a
+#: shape inside every cap (batch, sequence, widths) can still ask for more than 2**63 bytes at once.
+_MAX_TENSOR_NBYTES = 2**62
+
+
 class _Emitter:
     """Builds the ops of a trace and tracks live bytes per category (no lock: one thread builds it)."""
 
@@ -184,6 +192,9 @@ class _Emitter:
         """Append an alloc of ``nbytes``; return its id. ``counted``: the bytes PyTorch counts as allocated
         for it, when not ``nbytes`` rounded to 512 (Note [Weights as PyTorch counts them])."""
         nbytes = int(nbytes)
+        if nbytes > _MAX_TENSOR_NBYTES:   # traces, peaks and replays count bytes in int64
+            raise InvalidArgumentError(f"the workload needs one tensor of {nbytes:,} bytes (more than 2**62): "
+                                       "the shape is too large to estimate")
         rounded = -(-max(nbytes, 1) // _ROUND) * _ROUND if counted is None else counted
         i = self.next_id
         self.next_id += 1
@@ -728,6 +739,9 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         _check("lora rank", self.rank)
+        if self.rank > _MAX_LORA_RANK:
+            raise InvalidArgumentError(f"lora rank must be at most {_MAX_LORA_RANK} (the widest projection the "
+                                       f"shapes admit), got {self.rank}")
         if isinstance(self.adapter_bytes, bool) or self.adapter_bytes not in (2, 4) \
                 or not isinstance(self.adapter_bytes, int):
             raise InvalidArgumentError(f"adapter_bytes must be 2 or 4, got {self.adapter_bytes!r}")

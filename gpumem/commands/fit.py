@@ -102,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_DEVICE_ERROR
     if args.json:
         out = r.as_dict()
+        if args.search == "seq_len":   # the prompt length is the answer, not --prompt-len (unused then)
+            out["prompt_len"] = r.simulated
         out.update(dtype=name, weight_format=None if args.weight_fmt is None else args.weight_fmt.name,
                    n_params=shape.n_params, context_len=args.context_len, warnings=[note] if note else [])
         print(json.dumps(out, indent=2))

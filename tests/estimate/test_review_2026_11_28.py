@@ -61,3 +61,27 @@ def test_qwen2_moe_windows_every_other_layer_below_max_window_layers(tmp_path):
 def test_use_sliding_window_must_be_a_bool(tmp_path, flag):
     with pytest.raises(InvalidArgumentError, match="use_sliding_window must be JSON true or false"):
         _qwen(tmp_path, "qwen2-7b.json", use_sliding_window=flag)
+
+
+@pytest.mark.parametrize("fmt", ["i2s", "tl1", "tl2"])
+def test_qlora_on_a_ternary_base_is_refused(fmt, capsys):
+    """A new user's review: --training --lora-rank 16 --weight-format i2s said its dequantization workspace
+    was in OVERHEAD, but the training peak did not hold it."""
+    from gpumem.cli import main
+
+    rc = main(["estimate", "--hf-config", str(CONFIGS / "mistral-7b-v0.1.json"), "--training", "--lora-rank", "16",
+               "--weight-format", fmt, "--prompt-len", "64", "--no-reserved"])
+    assert rc == 2
+    assert "is not modelled" in capsys.readouterr().err
+
+
+def test_fit_by_prompt_length_reports_the_answer_as_prompt_len(capsys):
+    """A new user's review: `gpumem fit --search seq_len --json` gave prompt_len 512 (the unused default)."""
+    from gpumem.cli import main
+
+    rc = main(["fit", "--hidden-size", "512", "--intermediate-size", "1376", "--layers", "4", "--vocab-size", "8000",
+               "--heads", "8", "--search", "seq_len", "--batch-size", "8", "--new-tokens", "2",
+               "--device", "sim:gtx-1050-2gb", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["simulated"] > 0
+    assert out["prompt_len"] == out["simulated"]

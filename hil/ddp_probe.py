@@ -154,7 +154,11 @@ def render(comparisons: list[Comparison], meta: dict[str, Any]) -> str:
 
 
 def run_main(args: argparse.Namespace) -> int:
-    import torch
+    try:
+        import torch
+    except ImportError:
+        print("the DDP probe needs PyTorch with CUDA (pip install torch); it is not installed", file=sys.stderr)
+        return 2
 
     if args.nproc < 1 or args.steps < 1:
         print("--nproc and --steps must be at least 1", file=sys.stderr)
@@ -189,18 +193,18 @@ def run_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python hil/ddp_probe.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("rank", help="one torchrun process")
-    r.add_argument("--allocator", choices=ALLOCATORS, required=True)
-    r.add_argument("--steps", type=int, default=20)
-    r.add_argument("--out-dir", type=Path, required=True)
+    r = sub.add_parser("rank", help="one torchrun process (torchrun starts it; not for direct use)")
+    r.add_argument("--allocator", choices=ALLOCATORS, required=True, help="PyTorch's own allocator or gpumem's")
+    r.add_argument("--steps", type=int, default=20, help="training steps")
+    r.add_argument("--out-dir", type=Path, required=True, help="where <allocator>-rank<r>.json is written")
     run = sub.add_parser("run", help="both allocators under torchrun, compared")
-    run.add_argument("--nproc", type=int, default=2)
-    run.add_argument("--steps", type=int, default=20)
-    run.add_argument("--timeout-s", type=float, default=240.0)
-    run.add_argument("--out-json")
-    run.add_argument("--out-md")
+    run.add_argument("--nproc", type=int, default=2, help="ranks, one GPU each (default 2)")
+    run.add_argument("--steps", type=int, default=20, help="training steps per rank (default 20)")
+    run.add_argument("--timeout-s", type=float, default=240.0, help="limit of each torchrun launch (default 240)")
+    run.add_argument("--out-json", help="write the losses, figures and comparison as JSON here")
+    run.add_argument("--out-md", help="write the comparison table as Markdown here")
     args = ap.parse_args(argv)
     if args.cmd == "rank":
         return rank_main(args.allocator, args.steps, args.out_dir)

@@ -186,15 +186,13 @@ def render(checks: list[Check], meta: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hil.probes.two_gpus", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out-json", type=Path)
-    ap.add_argument("--out-md", type=Path)
-    ap.add_argument("--iterations", type=int, default=2000, help="allocations per thread and device")
-    ap.add_argument("--torch-child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.torch_child:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--torch-child"]:   # the PyTorch part, in a fresh process (see the module docstring)
         return torch_child()
-    if args.out_json is None or args.out_md is None:
-        ap.error("--out-json and --out-md are required")
+    ap.add_argument("--out-json", type=Path, required=True, help="the checks and the machine, as JSON")
+    ap.add_argument("--out-md", type=Path, required=True, help="the table of checks, as Markdown")
+    ap.add_argument("--iterations", type=int, default=2000, help="allocations per thread and device")
+    args = ap.parse_args(argv)
     if args.iterations < 1:
         print("--iterations must be at least 1", file=sys.stderr)
         return 2

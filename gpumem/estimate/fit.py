@@ -45,6 +45,7 @@ from ..units import format_bytes
 from .shape import ModelShape
 from .formats import WeightFormat
 from .formulas import dequant_workspace_nbytes
+from .fastreplay import AllStopped, PlainSink, SinkGroup, SkippingSink, can_skip_small_pool
 from .workload import DECODE_HEAD_STEPS, check_mixed_precision, weights_nbytes, WorkloadTrace, inference_trace, stream_inference, training_trace
 
 __all__ = ["ReservedEstimate", "FitResult", "FitTry", "estimate_peak_reserved", "find_max_batch",
@@ -114,34 +115,6 @@ def _replay(w: WorkloadTrace, device: "str | Device", policy: str, limit: int | 
                             r.oom_message or "", bool(getattr(r.oom_error, "injected", False)))
 
 
-class _Stopped(Exception):
-    """A streamed replay ran out of memory: the rest of the workload is not made."""
-
-
-class _AllocatorSink:
-    """Replays ops as an emitter makes them (Note [Decode steps simulated] in :mod:`.workload`), stopping at the
-    first out-of-memory error as ``replay(stop_on_oom=True)`` does."""
-
-    def __init__(self, allocator: Any) -> None:
-        self.allocator = allocator
-        self.ptrs: dict[int, int] = {}
-        self.error: OutOfMemoryError | None = None
-
-    def alloc(self, op_id: int, nbytes: int) -> None:
-        if self.error is None:
-            try:
-                # a zero-byte allocation takes no memory (as in replay()): no pointer, its free is skipped
-                self.ptrs[op_id] = self.allocator.allocate(nbytes, 0) if nbytes else 0
-            except OutOfMemoryError as exc:
-                self.error = exc
-                raise _Stopped from None
-
-    def free(self, op_id: int) -> None:
-        p = self.ptrs.pop(op_id, 0)
-        if p and self.error is None:
-            self.allocator.free(p)
-
-
 def _check_policies(policies: object) -> None:
     if isinstance(policies, str):  # iterated, "pytorch" was the policies "p", "y", ...
         raise InvalidArgumentError(f"policies must be a sequence of policy names, e.g. ({policies!r:.40},), got a "
@@ -152,12 +125,19 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
                      device: "str | Device", *, batch_size: int = 1, prompt_len: int,
                      new_tokens: int = DEFAULT_NEW_TOKENS, limit: int | None = None, peak_nbytes: int | None = None,
                      bar: Any = None, weight_format: WeightFormat | None = None,
-                     workspace_nbytes: int = 0) -> list[ReservedEstimate]:
+                     workspace_nbytes: int = 0, full_replay: bool = False) -> list[ReservedEstimate]:
     """Peak reserved of ``generate()`` under each policy: every op of every decode step replayed as it is
     made (:func:`~gpumem.estimate.workload.stream_inference`), so memory stays bounded while the figures
     are those of replaying ``inference_trace(..., full_decode=True)``. ``bar`` (a progress bar) advances by
-    one per step."""
+    one per step and policy.
+
+    The default path makes the ops once for all policies and leaves out small-pool ops where they cannot
+    change anything (Notes [One stream, every policy] and [Small pool skipped at a fixed point] in
+    :mod:`.fastreplay`); ``full_replay=True`` is the reference, one stream per policy with every op sent,
+    and gives the same figures to the byte."""
     _check_policies(policies)
+    if not isinstance(full_replay, bool):
+        raise InvalidArgumentError(f"full_replay must be True or False, got {full_replay!r}")
     if peak_nbytes is None:
         peak_nbytes = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len,
                                       new_tokens=new_tokens, weight_format=weight_format,
@@ -170,36 +150,74 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
     head = min(new_tokens, DECODE_HEAD_STEPS + 1)
     prefix = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len, new_tokens=head,
                              weight_format=weight_format, workspace_nbytes=workspace_nbytes)
-    out = []
-    for policy in policies:
+    out: dict[int, ReservedEstimate] = {}
+    streamed: list[int] = []
+    for k, policy in enumerate(policies):
         first = _replay(prefix, device, policy, limit)
         if not first.fits or head == new_tokens:
             bar.update(max(new_tokens, 1))
-            out.append(ReservedEstimate(policy, first.device, peak_nbytes, first.peak_reserved_bytes, first.fits,
-                                        first.oom_message, first.injected_fault))
-            continue
+            out[k] = ReservedEstimate(policy, first.device, peak_nbytes, first.peak_reserved_bytes, first.fits,
+                                      first.oom_message, first.injected_fault)
+        else:
+            streamed.append(k)
+    if streamed:
         own = not isinstance(device, Device)
         dev = open_device(device) if own else device
         try:
-            allocator = make_allocator(dev, policy, **({} if limit is None else {"limit": limit}))
-            try:
-                sink = _AllocatorSink(allocator)
-                try:
-                    stream_inference(shape, dtype_bytes, (sink,), batch_size=batch_size, prompt_len=prompt_len,
-                                     new_tokens=new_tokens, on_step=lambda _step: bar.update(1),
-                                     weight_format=weight_format, workspace_nbytes=workspace_nbytes)
-                except _Stopped:
-                    pass
-                reserved = allocator.snapshot_stats().peak_reserved_nbytes
-            finally:
-                allocator.close()
+            kw = dict(batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
+                      weight_format=weight_format, workspace_nbytes=workspace_nbytes)
+            groups = [[k] for k in streamed] if full_replay else [streamed]
+            for group in groups:
+                redo = _stream_policies(shape, dtype_bytes, [policies[k] for k in group], dev, limit, peak_nbytes,
+                                        bar, full_replay, kw)
+                for k, est in zip(group, redo):
+                    out[k] = est
+            # a fast replay voided by an out-of-memory retry (Note [Small pool skipped at a fixed point]) is
+            # redone in full
+            for k in streamed:
+                if out[k] is None:
+                    out[k] = _stream_policies(shape, dtype_bytes, [policies[k]], dev, limit, peak_nbytes,
+                                              NoProgress(), True, kw)[0]
         finally:
             if own:
                 dev.close()
-        err = sink.error
-        out.append(ReservedEstimate(policy, dev.spec, peak_nbytes, reserved, err is None,
-                                    "" if err is None else str(err), bool(getattr(err, "injected", False))))
-    return out
+    return [out[k] for k in range(len(policies))]
+
+
+def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], dev: Device, limit: int | None,
+                     peak_nbytes: int, bar: Any, full_replay: bool, kw: dict[str, Any]) -> "list[ReservedEstimate | None]":
+    """Replay ``generate()``'s ops under each of ``policies`` from one stream (Note [One stream, every policy]);
+    ``None`` for a policy whose fast replay is void (to be redone with ``full_replay``)."""
+    allocators = [make_allocator(dev, p, **({} if limit is None else {"limit": limit})) for p in policies]
+    try:
+        sinks: list[PlainSink] = [SkippingSink(a) if not full_replay and can_skip_small_pool(a) else PlainSink(a)
+                                  for a in allocators]
+        group = SinkGroup(sinks)
+        n = len(policies)
+
+        def on_step(step: int) -> None:
+            group.end_step(step)
+            bar.update(n)
+        try:
+            stream_inference(shape, dtype_bytes, (group,), on_step=on_step, **kw)
+            for s in sinks:
+                if isinstance(s, SkippingSink):
+                    s.finish()
+        except AllStopped:
+            pass
+        out: list[ReservedEstimate | None] = []
+        for p, a, s in zip(policies, allocators, sinks):
+            if s.voided:
+                out.append(None)
+                continue
+            err = s.error
+            out.append(ReservedEstimate(p, dev.spec, peak_nbytes, a.snapshot_stats().peak_reserved_nbytes,
+                                        err is None, "" if err is None else str(err),
+                                        bool(getattr(err, "injected", False))))
+        return out
+    finally:
+        for a in allocators:
+            a.close()
 
 
 def estimate_peak_reserved(w: WorkloadTrace, policies: "tuple[str, ...] | list[str]" = ("pytorch", "gpumem"), *,

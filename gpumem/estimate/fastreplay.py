@@ -43,11 +43,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..allocator.backing import SegmentBacking
 from ..allocator.python_engine import PythonEngine
 from ..errors import InternalError, OutOfMemoryError
 
-__all__ = ["SinkGroup", "PlainSink", "SkippingSink", "can_skip_small_pool", "AllStopped"]
+__all__ = ["SinkGroup", "PlainSink", "SkippingSink", "can_skip_small_pool", "AllStopped", "StepTemplate",
+           "StepJumper", "build_template"]
 
 
 MAX_PERIOD = 4
@@ -98,6 +101,27 @@ class PlainSink:
     def end_step(self, step: int) -> None:
         """Called after the prefill (0) and each decode step."""
 
+    def run_step(self, t: int, tpl: "StepTemplate") -> None:
+        """Every op of decode step ``t`` made from ``tpl`` (Note [Decode step template])."""
+        self._run_ops(tpl.kinds.tolist(), tpl.op_ids(t).tolist(), tpl.sizes(t).tolist())
+
+    def _run_ops(self, kinds: list[int], ids: list[int], sizes: list[int]) -> None:
+        ptrs, allocate, free = self.ptrs, self._allocate, self._free
+        for k, i, n in zip(kinds, ids, sizes):
+            if k == 0:
+                if not n:
+                    ptrs[i] = 0
+                    continue
+                try:
+                    ptrs[i] = allocate(n, 0)
+                except OutOfMemoryError as exc:
+                    self.error = exc
+                    return
+            else:
+                p = ptrs.pop(i, 0)
+                if p:
+                    free(p)
+
     @property
     def voided(self) -> bool:
         """Whether the fast result must be replaced by the full replay."""
@@ -111,6 +135,9 @@ class _Step:
 
     sig: list[tuple[int, int, int, int]] = field(default_factory=list)
     addrs: list[int] = field(default_factory=list)
+    small: Any = None
+    """Made from a :class:`StepTemplate`: which of its ops are small allocations, and their rounded sizes."""
+    rounded: Any = None
 
 
 class SkippingSink(PlainSink):
@@ -135,6 +162,11 @@ class SkippingSink(PlainSink):
         self._k = 0  # position in the template
         self._skipping = False
         self._skipped_any = False
+        self._rnd = eng.policy.round_nbytes
+        self._plan: Any = None
+        self._pending_steps: list[int] = []  # steps skipped whole in this period (Note [Decode step template])
+        self._skip_start = 0
+        self._tpl: StepTemplate | None = None
 
     # -- the small pool's state ---------------------------------------------------------------------------
     def _small_state(self) -> tuple:
@@ -201,8 +233,99 @@ class SkippingSink(PlainSink):
         self._cur.sig.append(sig)
         super().free(op_id)
 
+    def run_step(self, t: int, tpl: "StepTemplate") -> None:
+        if self.error is not None:
+            return
+        self._tpl = tpl
+        sizes = tpl.sizes(t)
+        rounded = -(-sizes // self._rnd) * self._rnd
+        small = (tpl.kinds == 0) & (sizes > 0) & (rounded <= self._small_max)
+        if self._skipping and self._k == 0 and self._fast_ok(tpl, small, rounded):
+            self._skip_step(t, tpl)
+            return
+        kinds, ids, ns = tpl.kinds.tolist(), tpl.op_ids(t).tolist(), sizes.tolist()
+        for k, i, n in zip(kinds, ids, ns):
+            if self.error is not None:
+                return
+            if k == 0:
+                self.alloc(i, n)
+            else:
+                self.free(i)
+        if not self._skipping:
+            self._cur.small = small
+            self._cur.rounded = rounded
+
+    def _fast_ok(self, tpl: "StepTemplate", small: np.ndarray, rounded: np.ndarray) -> bool:
+        """Whether this step's small requests are the template step's (Note [Decode step template])."""
+        ts = self._template
+        if ts.small is None or self._plan is None or self._plan[0] is not tpl:
+            return False
+        return bool(np.array_equal(small, ts.small) and np.array_equal(rounded[small], ts.rounded[small]))
+
+    def _make_plan(self, tpl: "StepTemplate") -> None:
+        """What a skipped step does, when every step of the period has one small mask."""
+        self._plan = None
+        masks = [x.small for x in self._templates]
+        if any(m is None for m in masks) or any(not np.array_equal(m, masks[0]) for m in masks[1:]):
+            return
+        m = masks[0]
+        alloc_pos = np.flatnonzero(tpl.kinds == 0)
+        small_j = m[alloc_pos]  # by alloc index
+        smallpos = np.cumsum(small_j) - 1
+        is_free = tpl.kinds == 1
+        small_op = m | (is_free & small_j[tpl.index])
+        large = np.flatnonzero(~small_op).tolist()
+        freed_here = set(tpl.index[is_free & (tpl.back == 0)].tolist())
+        cross = [(j, int(smallpos[j])) for j in np.flatnonzero(small_j).tolist() if j not in freed_here]
+        old = [(int(b), int(j)) for b, j in zip(tpl.back[is_free & small_j[tpl.index] & (tpl.back > 0)].tolist(),
+                                                  tpl.index[is_free & small_j[tpl.index] & (tpl.back > 0)].tolist())]
+        order = [(int(k), int(j), int(b), int(smallpos[j]))
+                 for k, j, b in zip(tpl.kinds[small_op].tolist(), tpl.index[small_op].tolist(),
+                                    tpl.back[small_op].tolist())]
+        self._plan = (tpl, large, cross, old, order, int(small_op.sum()))
+
+    def _skip_step(self, t: int, tpl: "StepTemplate") -> None:
+        """Step ``t`` with its small ops left out (its large ones all sent, in order)."""
+        _, large, cross, old, _, n_small = self._plan
+        kinds, ids, sizes = tpl.kinds[large].tolist(), tpl.op_ids(t)[large].tolist(), tpl.sizes(t)[large].tolist()
+        self._run_ops(kinds, ids, sizes)
+        if self.error is not None:
+            return
+        ptrs, where = self.ptrs, self._small_pos
+        for back, j in old:
+            op = tpl.alloc_id(t - back, j)
+            ptrs.pop(op, None)
+            where.pop(op, None)
+        addrs = self._template.addrs
+        for j, pos in cross:
+            op = tpl.alloc_id(t, j)
+            ptrs[op] = addrs[pos]
+            where[op] = (t, pos)
+        self._pending_steps.append(t)
+        self._k = len(self._template.sig)
+        self.skipped_ops += n_small
+
+    def _addr_of(self, u: int, pos: int) -> int:
+        """The template address of the small allocation ``pos`` of step ``u`` (a skipped step or one of the
+        template's)."""
+        return self._templates[(u - self._skip_start) % len(self._templates)].addrs[pos]
+
     def _materialize(self) -> None:
-        """Send the small ops skipped in this step, in order, each where the template put it; stop skipping."""
+        """Send the small ops skipped in this period, in order, each where the template put it; stop skipping."""
+        for t in self._pending_steps:
+            tpl, _, _, _, order, _ = self._plan
+            sizes = tpl.sizes(t)
+            alloc_pos = np.flatnonzero(tpl.kinds == 0)
+            for kind, j, back, pos in order:
+                if kind == 0:
+                    addr = self._addr_of(t, pos)
+                    got = self._allocate(int(sizes[alloc_pos[j]]), 0)
+                    if got != addr:
+                        raise InternalError(f"fast replay: a small allocation replayed late landed at {got:#x}, not "
+                                            f"at its template's {addr:#x} (Note [Small pool skipped at a fixed point])")
+                else:
+                    self._free(self._addr_of(t - back, pos))
+        self._pending_steps.clear()
         for kind, op_id, nbytes, addr in self._pending:
             if kind == 0:
                 got = self._allocate(nbytes, 0)
@@ -230,6 +353,7 @@ class SkippingSink(PlainSink):
                 self._template = self._templates[self._phase]
                 if self._phase == 0:  # a whole period skipped: the small pool's state is the template's again
                     self._pending.clear()
+                    self._pending_steps.clear()
         if not self._skipping:
             state = self._small_state()
             if step >= 1:
@@ -254,6 +378,10 @@ class SkippingSink(PlainSink):
                     and a[0][1] == b[0][1] == b[-1][2]:
                 self._templates = [x[0] for x in b]
                 self._phase = 0
+                self._skip_start = self.step + 1
+                self._plan = None
+                if self._tpl is not None:
+                    self._make_plan(self._tpl)
                 self._template = self._templates[0]
                 self._skipping = True
                 self._skipped_any = True
@@ -297,3 +425,141 @@ class SinkGroup:
     def end_step(self, step: int) -> None:
         for s in self.sinks:
             s.end_step(step)
+
+
+# -- Note [Decode step template] -------------------------------------------------------------------------------
+
+TEMPLATE_STEPS = (2, 3, 4)
+"""The decode steps whose ops, made by the emitter, give the template (step 1 frees the prefill's tensors)."""
+
+
+@dataclass(frozen=True)
+class StepTemplate:
+    """The ops of decode step ``t`` as arrays (Note [Decode step template]): ``kinds`` (0 alloc, 1 free),
+    ``index`` (an alloc's place among the step's allocations; a free's alloc's), ``back`` (a free: how many
+    steps before it its allocation was made), sizes ``base + (t - s0) * slope``, op ids ``first_id +
+    (t - s0) * n_allocs + index`` (a free: of step ``t - back``)."""
+
+    kinds: np.ndarray
+    index: np.ndarray
+    back: np.ndarray
+    base: np.ndarray
+    slope: np.ndarray
+    s0: int
+    first_id: int
+    n_allocs: int
+
+    def sizes(self, t: int) -> np.ndarray:
+        """The bytes each op of step ``t`` asks for (0 for frees)."""
+        return self.base + (t - self.s0) * self.slope
+
+    def op_ids(self, t: int) -> np.ndarray:
+        """The op id each op of step ``t`` names."""
+        return self.first_id + (t - self.back - self.s0) * self.n_allocs + self.index
+
+    def alloc_id(self, t: int, j: int) -> int:
+        return self.first_id + (t - self.s0) * self.n_allocs + j
+
+
+def build_template(records: "dict[int, list[tuple[int, int, int]]]") -> "StepTemplate | None":
+    """The template from the ops of decode steps 1 .. 4 (``(kind, op id, nbytes)`` each), or None when steps 2,
+    3 and 4 are not one structure with sizes affine in the step (then nothing is jumped)."""
+    if any(s not in records for s in (1, *TEMPLATE_STEPS)):
+        return None
+    where: dict[int, tuple[int, int]] = {}
+    first: dict[int, int] = {}
+    for s in (1, *TEMPLATE_STEPS):
+        allocs = [op for k, op, _ in records[s] if k == 0]
+        if not allocs or allocs != list(range(allocs[0], allocs[0] + len(allocs))):
+            return None
+        first[s] = allocs[0]
+        for j, op in enumerate(allocs):
+            where[op] = (s, j)
+    rows = []
+    for s in TEMPLATE_STEPS:
+        kinds, index, back, sizes = [], [], [], []
+        for k, op, n in records[s]:
+            if k == 0:
+                kinds.append(0), index.append(op - first[s]), back.append(0), sizes.append(n)
+            else:
+                u = where.get(op)
+                if u is None or not 0 <= s - u[0] <= 1:
+                    return None  # a free of something older than the step before: no template
+                kinds.append(1), index.append(u[1]), back.append(s - u[0]), sizes.append(0)
+        rows.append((kinds, index, back, sizes))
+    (k2, i2, b2, n2), (k3, i3, b3, n3), (k4, i4, b4, n4) = rows
+    if not (k2 == k3 == k4 and i2 == i3 == i4 and b2 == b3 == b4):
+        return None
+    a2, a3, a4 = (np.array(n, np.int64) for n in (n2, n3, n4))
+    slope = a3 - a2
+    if not np.array_equal(a4 - a3, slope) or (slope < 0).any():
+        return None
+    n_allocs = first[3] - first[2]
+    if first[4] - first[3] != n_allocs or first[2] - first[1] != n_allocs:
+        return None
+    return StepTemplate(np.array(k2, np.int8), np.array(i2, np.int64), np.array(b2, np.int64), a2, slope, 2,
+                        first[2], n_allocs)
+
+
+class StepJumper:
+    """An op sink in front of a :class:`SinkGroup` that records decode steps 1 .. 4 and, after step 4, makes
+    the remaining decode steps from their template (Note [Decode step template])."""
+
+    def __init__(self, group: SinkGroup, on_step: Any, last_step: int) -> None:
+        self.group = group
+        self.on_step = on_step
+        self.last_step = last_step
+        self.step = 0
+        self.records: dict[int, list[tuple[int, int, int]]] = {}
+        self.template: StepTemplate | None = None
+
+    def alloc(self, op_id: int, nbytes: int) -> None:
+        if 1 <= self.step <= TEMPLATE_STEPS[-1]:
+            self.records.setdefault(self.step, []).append((0, op_id, nbytes))
+        self.group.alloc(op_id, nbytes)
+
+    def free(self, op_id: int) -> None:
+        if 1 <= self.step <= TEMPLATE_STEPS[-1]:
+            self.records.setdefault(self.step, []).append((1, op_id, 0))
+        self.group.free(op_id)
+
+    def end_step(self, step: int) -> None:
+        self.step = step + 1
+        self.on_step(step)
+
+    def jump(self, step: int, e: Any, live: list[int], cache: list[int]) -> int:
+        """After decode step ``step`` (the emitter's hook): make steps ``step + 1 .. last_step`` here."""
+        if step != TEMPLATE_STEPS[-1] or self.last_step <= step:
+            return step
+        tpl = build_template(self.records)
+        self.records.clear()
+        if tpl is None:
+            return step
+        lo, hi = tpl.alloc_id(step, 0), tpl.alloc_id(step, tpl.n_allocs)
+        carried = [op for op in e.live if op >= tpl.alloc_id(1, 0)]
+        if any(not lo <= op < hi for op in carried):
+            return step  # something made before this step is still live: the template does not carry it
+        self.template = tpl
+        for t in range(step + 1, self.last_step + 1):
+            for s in self.group.sinks:
+                if s.error is None:
+                    s.run_step(t, tpl)
+            self.end_step(t)
+            if all(s.error is not None for s in self.group.sinks):
+                raise AllStopped
+        last = self.last_step
+        # the emitter's state as the last step leaves it: its live tensors renamed and resized
+        shift = (last - step) * tpl.n_allocs
+        sizes = tpl.sizes(last)
+        alloc_pos = np.flatnonzero(tpl.kinds == 0)
+        for op in carried:
+            rounded, cat = e.live.pop(op)
+            n = int(sizes[alloc_pos[op - lo]])
+            new = -(-max(n, 1) // 512) * 512
+            e.live[op + shift] = (new, cat)
+            e.by_cat[cat] += new - rounded
+            e.cur += new - rounded
+        e.next_id += shift
+        live[:] = [op + shift for op in live]
+        cache[:] = [op + shift if op >= 0 else op for op in cache]
+        return last

@@ -45,7 +45,7 @@ from ..units import format_bytes
 from .shape import ModelShape
 from .formats import WeightFormat
 from .formulas import dequant_workspace_nbytes
-from .fastreplay import AllStopped, PlainSink, SinkGroup, SkippingSink, can_skip_small_pool
+from .fastreplay import AllStopped, PlainSink, SinkGroup, SkippingSink, StepJumper, can_skip_small_pool
 from .workload import DECODE_HEAD_STEPS, check_mixed_precision, weights_nbytes, WorkloadTrace, inference_trace, stream_inference, training_trace
 
 __all__ = ["ReservedEstimate", "FitResult", "FitTry", "estimate_peak_reserved", "find_max_batch",
@@ -199,7 +199,11 @@ def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], d
             group.end_step(step)
             bar.update(n)
         try:
-            stream_inference(shape, dtype_bytes, (group,), on_step=on_step, **kw)
+            if full_replay or shape.sliding_window:  # Note [Decode step template]: no window, sizes affine
+                stream_inference(shape, dtype_bytes, (group,), on_step=on_step, **kw)
+            else:
+                jumper = StepJumper(group, on_step, kw["new_tokens"] - 1)
+                stream_inference(shape, dtype_bytes, (jumper,), on_step=jumper.end_step, jump=jumper.jump, **kw)
             for s in sinks:
                 if isinstance(s, SkippingSink):
                     s.finish()

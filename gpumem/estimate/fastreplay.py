@@ -375,7 +375,7 @@ class SkippingSink(PlainSink):
                 break
             a, b = h[-2 * period:-period], h[-period:]
             if all(x[0].sig == y[0].sig and x[0].addrs == y[0].addrs for x, y in zip(a, b)) \
-                    and a[0][1] == b[0][1] == b[-1][2]:
+                    and b[0][1] == b[-1][2]:
                 self._templates = [x[0] for x in b]
                 self._phase = 0
                 self._skip_start = self.step + 1

@@ -147,12 +147,15 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
     # workload's ops (its end frees, and its one allocation is the next step's first op), so a replay that
     # runs out of memory there does so in the full replay too, at the same op with the same reserve; one
     # that does not and covers every token is the full replay. Only the rest is streamed.
-    head = min(new_tokens, DECODE_HEAD_STEPS + 1)
-    prefix = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len, new_tokens=head,
-                             weight_format=weight_format, workspace_nbytes=workspace_nbytes)
-    out: dict[int, ReservedEstimate] = {}
+    out: dict[int, ReservedEstimate | None] = {}
     streamed: list[int] = []
-    for k, policy in enumerate(policies):
+    head = min(new_tokens, DECODE_HEAD_STEPS + 1)
+    if not full_replay:  # the stream covers the prefix too (the streamed ops are the full trace's)
+        streamed = list(range(len(policies)))
+        head = -1
+    prefix = None if head < 0 else inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len, new_tokens=head,
+                             weight_format=weight_format, workspace_nbytes=workspace_nbytes)
+    for k, policy in enumerate(policies if prefix is not None else ()):
         first = _replay(prefix, device, policy, limit)
         if not first.fits or head == new_tokens:
             bar.update(max(new_tokens, 1))

@@ -48,10 +48,15 @@ import numpy as np
 from ..allocator.backing import SegmentBacking
 from ..allocator.python_engine import PythonEngine
 from ..errors import InternalError, OutOfMemoryError
+from .workload import DECODE_HEAD_STEPS
 
 __all__ = ["SinkGroup", "PlainSink", "SkippingSink", "can_skip_small_pool", "AllStopped", "StepTemplate",
            "StepJumper", "build_template"]
 
+
+PREFIX_STEP = DECODE_HEAD_STEPS + 1
+"""The last step (0: the prefill) whose ops ``replay_inference``'s full path replays as a trace first (Note [Prefix
+first] in :mod:`.fit`): an out-of-memory error or retry up to there sends a policy to the full path."""
 
 MAX_PERIOD = 4
 """The longest run of decode steps after which the small pool may repeat (Note [Small pool skipped at a fixed
@@ -84,6 +89,9 @@ class PlainSink:
         self.ptrs: dict[int, int] = {}
         self.error: OutOfMemoryError | None = None
         self.skipped_ops = 0
+        self.step = 0
+        self.early_trouble = False
+        """An out-of-memory error or retry within the prefix (Note [Prefix first] in :mod:`.fit`)."""
 
     def alloc(self, op_id: int, nbytes: int) -> None:
         if self.error is None:
@@ -92,6 +100,11 @@ class PlainSink:
                 self.ptrs[op_id] = self._allocate(nbytes, 0) if nbytes else 0
             except OutOfMemoryError as exc:
                 self.error = exc
+                self._note_trouble()
+
+    def _note_trouble(self) -> None:
+        if self.step <= PREFIX_STEP:
+            self.early_trouble = True
 
     def free(self, op_id: int) -> None:
         p = self.ptrs.pop(op_id, 0)
@@ -100,6 +113,13 @@ class PlainSink:
 
     def end_step(self, step: int) -> None:
         """Called after the prefill (0) and each decode step."""
+        self._check_prefix(step)
+        self.step = step + 1
+
+    def _check_prefix(self, step: int) -> None:
+        if step <= PREFIX_STEP and not self.early_trouble:
+            st = self.allocator.snapshot_stats()
+            self.early_trouble = bool(st.num_alloc_retries or st.num_ooms)
 
     def run_step(self, t: int, tpl: "StepTemplate") -> None:
         """Every op of decode step ``t`` made from ``tpl`` (Note [Decode step template])."""
@@ -116,6 +136,7 @@ class PlainSink:
                     ptrs[i] = allocate(n, 0)
                 except OutOfMemoryError as exc:
                     self.error = exc
+                    self._note_trouble()
                     return
             else:
                 p = ptrs.pop(i, 0)
@@ -124,8 +145,11 @@ class PlainSink:
 
     @property
     def voided(self) -> bool:
-        """Whether the fast result must be replaced by the full replay."""
-        return False
+        """Whether the fast result must be replaced by the full replay: an out-of-memory error or retry in the
+        prefix, which the full path replays as a trace (Note [Prefix first] in :mod:`.fit`)."""
+        if self.step <= PREFIX_STEP and not self.early_trouble:  # the stream stopped within the prefix
+            self._check_prefix(self.step)
+        return self.early_trouble
 
 
 @dataclass
@@ -164,6 +188,7 @@ class SkippingSink(PlainSink):
         self._skipped_any = False
         self._rnd = eng.policy.round_nbytes
         self._plan: Any = None
+        self._plan_small_op: list[bool] | None = None
         self._pending_steps: list[int] = []  # steps skipped whole in this period (Note [Decode step template])
         self._skip_start = 0
         self._tpl: StepTemplate | None = None
@@ -190,6 +215,8 @@ class SkippingSink(PlainSink):
         if self.error is not None:
             return
         if not self._is_small(nbytes):
+            if self._skipping and nbytes and self._would_grow(nbytes):
+                self._materialize()
             super().alloc(op_id, nbytes)
             return
         pos = len(self._cur.addrs)
@@ -283,14 +310,27 @@ class SkippingSink(PlainSink):
                  for k, j, b in zip(tpl.kinds[small_op].tolist(), tpl.index[small_op].tolist(),
                                     tpl.back[small_op].tolist())]
         self._plan = (tpl, large, cross, old, order, int(small_op.sum()))
+        self._plan_small_op = small_op.tolist()
 
     def _skip_step(self, t: int, tpl: "StepTemplate") -> None:
         """Step ``t`` with its small ops left out (its large ones all sent, in order)."""
         _, large, cross, old, _, n_small = self._plan
-        kinds, ids, sizes = tpl.kinds[large].tolist(), tpl.op_ids(t)[large].tolist(), tpl.sizes(t)[large].tolist()
-        self._run_ops(kinds, ids, sizes)
-        if self.error is not None:
-            return
+        all_ids, all_sizes = tpl.op_ids(t), tpl.sizes(t)
+        kinds, ids, sizes = tpl.kinds[large].tolist(), all_ids[large].tolist(), all_sizes[large].tolist()
+        ptrs, allocate, free = self.ptrs, self._allocate, self._free
+        for q, (k, i, n) in enumerate(zip(kinds, ids, sizes)):
+            if k == 0:
+                if not n:
+                    ptrs[i] = 0
+                elif self._would_grow(n):  # growth ahead: the rest of the step one op at a time
+                    self._leave_skip_mid_step(t, tpl, large[q], all_ids.tolist(), all_sizes.tolist())
+                    return
+                else:
+                    ptrs[i] = allocate(n, 0)
+            else:
+                p = ptrs.pop(i, 0)
+                if p:
+                    free(p)
         ptrs, where = self.ptrs, self._small_pos
         for back, j in old:
             op = tpl.alloc_id(t - back, j)
@@ -305,10 +345,34 @@ class SkippingSink(PlainSink):
         self._k = len(self._template.sig)
         self.skipped_ops += n_small
 
+    def _leave_skip_mid_step(self, t: int, tpl: "StepTemplate", at: int, ids: list[int], sizes: list[int]) -> None:
+        """Stop skipping in step ``t`` before its op ``at`` (a large allocation that grows): the steps skipped in
+        this period are sent, then this step's small ops before ``at`` (its large ones were sent), then every op
+        from ``at`` on, one by one."""
+        self._materialize()
+        kinds = tpl.kinds.tolist()
+        small_op = self._plan_small_op if self._plan_small_op is not None else None
+        for q in range(len(kinds)):
+            if self.error is not None:
+                return
+            if q < at and not small_op[q]:
+                continue
+            if kinds[q] == 0:
+                self.alloc(ids[q], sizes[q])
+            else:
+                self.free(ids[q])
+
     def _addr_of(self, u: int, pos: int) -> int:
         """The template address of the small allocation ``pos`` of step ``u`` (a skipped step or one of the
         template's)."""
         return self._templates[(u - self._skip_start) % len(self._templates)].addrs[pos]
+
+    def _would_grow(self, nbytes: int) -> bool:
+        """Whether a large request of ``nbytes`` finds no cached block: the allocator would grow (or run out of
+        memory and release cached segments of both pools), so the small pool must first be as the full replay
+        has it (Note [Small pool skipped at a fixed point])."""
+        fl = self._engine._free_lists.get((False, 0))
+        return fl is None or fl.best_fit(self._round(nbytes)) is None
 
     def _materialize(self) -> None:
         """Send the small ops skipped in this period, in order, each where the template put it; stop skipping."""
@@ -343,6 +407,7 @@ class SkippingSink(PlainSink):
     def end_step(self, step: int) -> None:
         if self.error is not None:
             return
+        self._check_prefix(step)
         cur = self._cur
         if self._skipping:
             if self._k != len(self._template.sig):  # the step made fewer small ops than the template
@@ -393,12 +458,6 @@ class SkippingSink(PlainSink):
         if self._skipping and self.error is None:
             self._materialize()
 
-    @property
-    def voided(self) -> bool:
-        if not self._skipped_any:
-            return False
-        st = self._engine.stats()
-        return self.error is not None or st.num_alloc_retries > 0 or st.num_ooms > 0
 
 
 class SinkGroup:

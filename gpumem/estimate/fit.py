@@ -143,56 +143,65 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
                                       new_tokens=new_tokens, weight_format=weight_format,
                                       workspace_nbytes=workspace_nbytes).peak_nbytes
     bar = bar if bar is not None else NoProgress()
+    out: dict[int, ReservedEstimate | None] = {}
+    head = min(new_tokens, DECODE_HEAD_STEPS + 1)
+    kw = dict(batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens, weight_format=weight_format,
+              workspace_nbytes=workspace_nbytes)
+    full = list(range(len(policies)))
+    if not full_replay and head < new_tokens:
+        # the fast path: one stream for all (Note [One stream, every policy]), each policy on a device of its own
+        # as in the full path (a Device given is one device: its policies take turns); a policy that ran out of
+        # memory (or retried) within the prefix goes to the full path, which replays the prefix as a trace
+        groups = [list(range(len(policies)))] if not isinstance(device, Device) else [[k] for k in full]
+        for group in groups:
+            got = _stream_policies(shape, dtype_bytes, [policies[k] for k in group], device, limit, peak_nbytes,
+                                   bar, False, kw)
+            out.update((k, est) for k, est in zip(group, got))
+        full = [k for k in full if out[k] is None]
+    if full:
+        _full_path(shape, dtype_bytes, [policies[k] for k in full], full, device, limit, peak_nbytes, bar, head,
+                   kw, out)
+    return [out[k] for k in range(len(policies))]  # type: ignore[misc]
+
+
+def _full_path(shape: ModelShape, dtype_bytes: int, policies: list[str], keys: list[int], device: "str | Device",
+               limit: int | None, peak_nbytes: int, bar: Any, head: int, kw: dict[str, Any],
+               out: "dict[int, ReservedEstimate | None]") -> None:
+    """The reference path: the prefix replayed as a trace per policy, then (if it fits and there is more) a
+    stream of every op per policy (Note [Prefix first])."""
     # Note [Prefix first]: the trace of the first DECODE_HEAD_STEPS + 1 tokens is a prefix of the full
     # workload's ops (its end frees, and its one allocation is the next step's first op), so a replay that
     # runs out of memory there does so in the full replay too, at the same op with the same reserve; one
     # that does not and covers every token is the full replay. Only the rest is streamed.
-    out: dict[int, ReservedEstimate | None] = {}
-    streamed: list[int] = []
-    head = min(new_tokens, DECODE_HEAD_STEPS + 1)
-    if not full_replay:  # the stream covers the prefix too (the streamed ops are the full trace's)
-        streamed = list(range(len(policies)))
-        head = -1
-    prefix = None if head < 0 else inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len, new_tokens=head,
-                             weight_format=weight_format, workspace_nbytes=workspace_nbytes)
-    for k, policy in enumerate(policies if prefix is not None else ()):
+    new_tokens = kw["new_tokens"]
+    prefix = inference_trace(shape, dtype_bytes, batch_size=kw["batch_size"], prompt_len=kw["prompt_len"],
+                             new_tokens=head, weight_format=kw["weight_format"],
+                             workspace_nbytes=kw["workspace_nbytes"])
+    for k, policy in zip(keys, policies):
         first = _replay(prefix, device, policy, limit)
         if not first.fits or head == new_tokens:
             bar.update(max(new_tokens, 1))
             out[k] = ReservedEstimate(policy, first.device, peak_nbytes, first.peak_reserved_bytes, first.fits,
                                       first.oom_message, first.injected_fault)
         else:
-            streamed.append(k)
-    if streamed:
-        own = not isinstance(device, Device)
-        dev = open_device(device) if own else device
-        try:
-            kw = dict(batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
-                      weight_format=weight_format, workspace_nbytes=workspace_nbytes)
-            groups = [[k] for k in streamed] if full_replay else [streamed]
-            for group in groups:
-                redo = _stream_policies(shape, dtype_bytes, [policies[k] for k in group], dev, limit, peak_nbytes,
-                                        bar, full_replay, kw)
-                for k, est in zip(group, redo):
-                    out[k] = est
-            # a fast replay voided by an out-of-memory retry (Note [Small pool skipped at a fixed point]) is
-            # redone in full
-            for k in streamed:
-                if out[k] is None:
-                    out[k] = _stream_policies(shape, dtype_bytes, [policies[k]], dev, limit, peak_nbytes,
-                                              NoProgress(), True, kw)[0]
-        finally:
-            if own:
-                dev.close()
-    return [out[k] for k in range(len(policies))]
+            out[k] = _stream_policies(shape, dtype_bytes, [policy], device, limit, peak_nbytes, bar, True, kw)[0]
 
 
-def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], dev: Device, limit: int | None,
-                     peak_nbytes: int, bar: Any, full_replay: bool, kw: dict[str, Any]) -> "list[ReservedEstimate | None]":
-    """Replay ``generate()``'s ops under each of ``policies`` from one stream (Note [One stream, every policy]);
-    ``None`` for a policy whose fast replay is void (to be redone with ``full_replay``)."""
-    allocators = [make_allocator(dev, p, **({} if limit is None else {"limit": limit})) for p in policies]
+def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], device: "str | Device",
+                     limit: int | None, peak_nbytes: int, bar: Any, full_replay: bool,
+                     kw: dict[str, Any]) -> "list[ReservedEstimate | None]":
+    """Replay ``generate()``'s ops under each of ``policies`` from one stream (Note [One stream, every policy]),
+    each on a device of its own (``device`` opened anew when a spec; a :class:`Device` takes one policy);
+    ``None`` for a policy whose fast replay is void (to be redone by the full path)."""
+    own = not isinstance(device, Device)
+    if not own and len(policies) > 1:
+        raise InvalidArgumentError("one Device replays one policy at a time")
+    devs: list[Device] = []
+    allocators: list[Any] = []
     try:
+        for p in policies:
+            devs.append(open_device(device) if own else device)  # type: ignore[arg-type]
+            allocators.append(make_allocator(devs[-1], p, **({} if limit is None else {"limit": limit})))
         sinks: list[PlainSink] = [SkippingSink(a) if not full_replay and can_skip_small_pool(a) else PlainSink(a)
                                   for a in allocators]
         group = SinkGroup(sinks)
@@ -213,18 +222,21 @@ def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], d
         except AllStopped:
             pass
         out: list[ReservedEstimate | None] = []
-        for p, a, s in zip(policies, allocators, sinks):
-            if s.voided:
+        for p, a, s, d in zip(policies, allocators, sinks, devs):
+            if not full_replay and s.voided:
                 out.append(None)
                 continue
             err = s.error
-            out.append(ReservedEstimate(p, dev.spec, peak_nbytes, a.snapshot_stats().peak_reserved_nbytes,
+            out.append(ReservedEstimate(p, d.spec, peak_nbytes, a.snapshot_stats().peak_reserved_nbytes,
                                         err is None, "" if err is None else str(err),
                                         bool(getattr(err, "injected", False))))
         return out
     finally:
         for a in allocators:
             a.close()
+        if own:
+            for d in devs:
+                d.close()
 
 
 def estimate_peak_reserved(w: WorkloadTrace, policies: "tuple[str, ...] | list[str]" = ("pytorch", "gpumem"), *,

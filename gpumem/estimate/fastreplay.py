@@ -583,7 +583,9 @@ class StepJumper:
         self.group.free(op_id)
 
     def end_step(self, step: int) -> None:
+        """After the prefill (0) and each decode step: the sinks', then ``on_step(step)``."""
         self.step = step + 1
+        self.group.end_step(step)
         self.on_step(step)
 
     def jump(self, step: int, e: Any, live: list[int], cache: list[int]) -> int:

@@ -214,7 +214,7 @@ def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], d
             if full_replay or shape.sliding_window:  # Note [Decode step template]: no window, sizes affine
                 stream_inference(shape, dtype_bytes, (group,), on_step=on_step, **kw)
             else:
-                jumper = StepJumper(group, on_step, kw["new_tokens"] - 1)
+                jumper = StepJumper(group, lambda _step: bar.update(n), kw["new_tokens"] - 1)
                 stream_inference(shape, dtype_bytes, (jumper,), on_step=jumper.end_step, jump=jumper.jump, **kw)
             for s in sinks:
                 if isinstance(s, SkippingSink):

@@ -192,6 +192,8 @@ class SkippingSink(PlainSink):
         self._pending_steps: list[int] = []  # steps skipped whole in this period (Note [Decode step template])
         self._skip_start = 0
         self._tpl: StepTemplate | None = None
+        self._trouble_at_skip = 0
+        self._void = False
 
     # -- the small pool's state ---------------------------------------------------------------------------
     def _small_state(self) -> tuple:
@@ -368,11 +370,22 @@ class SkippingSink(PlainSink):
         return self._templates[(u - self._skip_start) % len(self._templates)].addrs[pos]
 
     def _would_grow(self, nbytes: int) -> bool:
-        """Whether a large request of ``nbytes`` finds no cached block: the allocator would grow (or run out of
-        memory and release cached segments of both pools), so the small pool must first be as the full replay
-        has it (Note [Small pool skipped at a fixed point])."""
-        fl = self._engine._free_lists.get((False, 0))
-        return fl is None or fl.best_fit(self._round(nbytes)) is None
+        """Whether a large request of ``nbytes`` finds no cached block and its new segment would pass the limit:
+        the allocator would run out of memory and release cached segments of both pools, so the small pool must
+        first be as the full replay has it (Note [Small pool skipped at a fixed point])."""
+        size = self._round(nbytes)
+        eng = self._engine
+        fl = eng._free_lists.get((False, 0))
+        if fl is not None and fl.best_fit(size) is not None:
+            return False
+        if eng.limit_nbytes is None:
+            return False
+        backing = eng.backing
+        return backing.reserved_nbytes + eng.policy.segment_nbytes(False, size, backing.granularity) > eng.limit_nbytes
+
+    def _trouble(self) -> int:
+        st = self._engine._stats
+        return st.num_alloc_retries + st.num_ooms
 
     def _materialize(self) -> None:
         """Send the small ops skipped in this period, in order, each where the template put it; stop skipping."""
@@ -390,6 +403,8 @@ class SkippingSink(PlainSink):
                 else:
                     self._free(self._addr_of(t - back, pos))
         self._pending_steps.clear()
+        if self._trouble() != self._trouble_at_skip:
+            self._void = True  # a retry or an out-of-memory error while skipping (not foreseen)
         for kind, op_id, nbytes, addr in self._pending:
             if kind == 0:
                 got = self._allocate(nbytes, 0)
@@ -423,24 +438,26 @@ class SkippingSink(PlainSink):
             state = self._small_state()
             if step >= 1:
                 self._history.append((cur, self._state_before, state))
-                del self._history[:-2 * MAX_PERIOD]
+                del self._history[:-MAX_PERIOD - 1]
                 self._try_template()
             self._state_before = state
         self.step = step + 1
         self._cur = _Step()
 
     def _try_template(self) -> None:
-        """Start skipping when the last ``2P`` full steps are two equal runs of ``P`` steps that leave the small
-        pool as they found it (``P`` = 1 .. :data:`MAX_PERIOD`)."""
+        """Start skipping when the last ``P`` full steps leave the small pool as they found it and the step
+        before them made the small ops of the last and got its addresses (``P`` = 1 .. :data:`MAX_PERIOD`; no
+        free reaches further back than the step before): Note [Small pool skipped at a fixed point]."""
         h = self._history
         if self._engine._stats.num_alloc_retries:
             return
         for period in range(1, MAX_PERIOD + 1):
-            if len(h) < 2 * period:
+            if len(h) < period + 1:
                 break
-            a, b = h[-2 * period:-period], h[-period:]
-            if all(x[0].sig == y[0].sig and x[0].addrs == y[0].addrs for x, y in zip(a, b)) \
-                    and b[0][1] == b[-1][2]:
+            b = h[-period:]
+            before = h[-period - 1][0]  # the step before the period: its allocations are what b's first frees free
+            if b[0][1] == b[-1][2] and before.sig == b[-1][0].sig and before.addrs == b[-1][0].addrs \
+                    and all(sig[2] <= 1 for x in b for sig in x[0].sig):
                 self._templates = [x[0] for x in b]
                 self._phase = 0
                 self._skip_start = self.step + 1
@@ -450,6 +467,7 @@ class SkippingSink(PlainSink):
                 self._template = self._templates[0]
                 self._skipping = True
                 self._skipped_any = True
+                self._trouble_at_skip = self._trouble()
                 self._k = 0
                 return
 
@@ -457,6 +475,14 @@ class SkippingSink(PlainSink):
         """The stream is over (its last ops are the end of generate(), never skipped as a step)."""
         if self._skipping and self.error is None:
             self._materialize()
+
+    @property
+    def voided(self) -> bool:
+        """Also void: an out-of-memory error or retry while small ops were left out (the retry gives back cached
+        segments of the small pool, whose state mid-step is not the fixed point's)."""
+        if self._skipping and self._trouble() != self._trouble_at_skip:
+            self._void = True
+        return self._void or super().voided
 
 
 

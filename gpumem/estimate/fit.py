@@ -338,7 +338,7 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                    margin: float | None = None, max_value: int = 4096, start: int | None = None,
                    progress: bool | None = False, weight_format: WeightFormat | None = None,
                    gradient_checkpointing: bool = False, optimizer_8bit: bool = False,
-                   mixed_precision: str | None = None) -> FitResult:
+                   mixed_precision: str | None = None, full_replay: bool = False) -> FitResult:
     """The largest batch (``search="batch"``) or prompt/sequence length (``search="seq_len"``, at
     ``batch_size``) that runs on ``device`` without out-of-memory, by replaying the workload's allocations
     under ``policy`` with ``margin`` of the memory beyond the weights held back (default
@@ -351,8 +351,18 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
     workspace on ``device`` for the ternary ones. ``gradient_checkpointing``, ``optimizer_8bit`` and
     ``mixed_precision`` (the autocast dtype on fp32 master weights, ``dtype_bytes`` 4): training
     options (:func:`~gpumem.estimate.workload.training_trace`). ``progress``: a bar of the replays (None: on a terminal). Raises :class:`InjectedFaultError` when a
-    replay fails on a fault the device spec injects.
+    replay fails on a fault the device spec injects. ``full_replay=True``: every probe replayed in full, none
+    shared (the reference of Note [Probes share replays] and of :func:`replay_inference`'s fast path).
+
+    Note [Probes share replays]
+        The searches probe the same sizes under two limits: the margin's (``simulated``) and the usable memory
+        (``halving``, ``binary_search``). A replay that fitted under one limit with a peak reserve ``P`` is the
+        replay under any limit of at least ``P``: no growth it made passed ``P``, so none is refused, and the
+        allocator makes the same decisions op for op. Such a probe is answered "fits" without a replay; a
+        probe that did not fit is replayed (under a lower limit the out-of-memory retry may end otherwise).
     """
+    if not isinstance(full_replay, bool):
+        raise InvalidArgumentError(f"full_replay must be True or False, got {full_replay!r}")
     if search not in ("batch", "seq_len"):
         raise InvalidArgumentError(f"search must be 'batch' or 'seq_len', got {search!r}")
     if isinstance(max_value, bool) or not isinstance(max_value, int) or max_value < 1:
@@ -400,12 +410,15 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                                    weight_format=weight_format, workspace_nbytes=workspace)
 
         cache: dict[tuple[int, int | None], bool] = {}
+        fitted: dict[int, int] = {}  # Note [Probes share replays]: value -> the least peak reserved seen to fit
 
         def replay_fits(v: int, lim: int | None, rule: str) -> bool:
             key = (v, lim)
             if key not in cache:
-                w = workload(v)
-                if w.peak_nbytes > (lim or usable):
+                w = None if not full_replay and fitted.get(v, usable + 1) <= (lim or usable) else workload(v)
+                if w is None:
+                    cache[key] = True  # Note [Probes share replays]
+                elif w.peak_nbytes > (lim or usable):
                     cache[key] = False  # cannot fit: its live bytes alone exceed the room
                 else:
                     room = lim if lim else usable
@@ -415,13 +428,16 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                         b, p = sizes(v)
                         r = replay_inference(shape, dtype_bytes, (policy,), dev, batch_size=b, prompt_len=p,
                                              new_tokens=new_tokens, limit=room, peak_nbytes=w.peak_nbytes,
-                                             weight_format=weight_format, workspace_nbytes=workspace)[0]
+                                             weight_format=weight_format, workspace_nbytes=workspace,
+                                             full_replay=full_replay)[0]
                     if r.injected_fault:
                         raise InjectedFaultError(
                             f"an injected fault (the device spec's fault options) failed the replay of {search} "
                             f"{v} on {dev.spec}; nothing was out of memory, and no size can be judged on a "
                             f"device that injects faults (give the spec without them): {r.oom_message}")
                     cache[key] = r.fits
+                    if r.fits:
+                        fitted[v] = min(fitted.get(v, r.peak_reserved_bytes), r.peak_reserved_bytes)
                     bar.update(1)
                 tries.append(FitTry(v, cache[key], rule))
             return cache[key]

@@ -129,3 +129,15 @@ def test_fast_replay_that_skips_matches_the_full_one(batch, prompt, new, limit_m
     fast = replay_inference(shape, 2, POLICIES, DEVICE, **kw)
     full = replay_inference(shape, 2, POLICIES, DEVICE, full_replay=True, **kw)
     assert fast == full
+
+
+@pytest.mark.parametrize("kw", [dict(policy="pytorch", new_tokens=120, prompt_len=600),
+                                dict(policy="gpumem", new_tokens=40, prompt_len=300),
+                                dict(policy="bestfit", new_tokens=30, prompt_len=200),
+                                dict(policy="pytorch", search="seq_len", batch_size=3, new_tokens=50),
+                                dict(policy="pytorch", training=True, prompt_len=64)])
+def test_fit_with_shared_probes_and_fast_replays_answers_as_the_full_one(kw):
+    from gpumem.estimate import find_max_batch
+    shape = ModelShape(1024, 2048, 1, 1000, 8, 8)
+    args = dict(device="sim:t4-16gb", max_value=512, **kw)
+    assert find_max_batch(shape, 2, **args) == find_max_batch(shape, 2, full_replay=True, **args)

@@ -16,26 +16,48 @@ Note [Small pool skipped at a fixed point]
     same small requests as the step before it but for the ones whose rounded size grows (input ids, mask, a
     KV cache under 1 MiB): at batch 1 the int64 ids and mask round to a new 512 B multiple every 64 steps.
 
-    :class:`SkippingSink` replays every op of the first decode steps. At the end of each step it notes the
-    small pool's state (every small segment's blocks: address, size, allocated; its live count and flags) and
-    the step's small ops (kind, rounded size, and for a free which step and position allocated it) with the
-    address each small allocation got. Once two consecutive steps ``t-1`` and ``t`` made the same small ops,
-    got the same addresses, and the small pool's state was the same before ``t-1``, before ``t`` and after
-    ``t``, step ``t+1`` starts in that state and, as long as its small ops are the same again, the
-    deterministic allocator makes the same decisions for them (induction on the steps: the frees name the
-    addresses the step before got, which are those of the template), grows nothing in the small pool and
-    ends in the same state. So its small ops are not sent: each skipped allocation is booked at its template
-    address, each skipped free forgotten. Large ops are all sent, in order. The limit sees the same sum (the
-    small pool's reserve is constant over a fixed point), and the peak reserved is the same (the small pool's
-    reserve never changes while skipped, and the large pool's changes only at large allocations, all made).
+    :class:`SkippingSink` replays every op of the first decode steps. At the end of each it notes the small
+    pool's state (every small segment's blocks: address, size, allocated; its live count and flags) and the
+    step's small ops (kind, rounded size, and for a free which step and position allocated it) with the
+    address each small allocation got. The small pool repeats with a period ``P`` (1 to :data:`MAX_PERIOD`;
+    the 7B model's: 3). Once the last ``P`` steps left the state as they found it, no free among them reaches
+    further back than the step before, and the step before them made the small ops of the last one and got
+    its addresses, the next ``P`` steps start in that state and, as long as their small ops are those of the
+    period again, the deterministic allocator makes the same decisions for them: their frees name the
+    addresses the period before got (the first step's, those of the period's last step, equal to the step
+    before it), so the allocator sees the very same calls from the very same state, grows nothing in the
+    small pool and ends in the same state (induction on the periods). So their small ops are not sent: a
+    skipped allocation is booked at its template address, a skipped free forgotten. Large ops are all sent,
+    in order. The limit sees the same sum (the small pool's reserve is constant over a fixed point), and the
+    peak reserved is the same (the small pool's reserve never changes while skipped, the large pool's only at
+    large allocations, all made).
 
-    A small op that differs from the template (a size rounded to the next 512 B) ends the skip: the ops of the
-    step skipped so far are first sent, in order (the small pool is independent of the large ops sent in
-    between), and each must land at its template address, else :class:`~gpumem.errors.InternalError`. Any
-    out-of-memory error or retry in a replay that skipped something (the retry releases small segments, whose
-    state mid-step is not the fixed point's) voids the fast result: the caller replays that policy in full.
-    ``replay_inference(..., full_replay=True)`` keeps the reference path, and
-    ``tests/estimate/test_fast_replay.py`` checks the two to the byte on random shapes and lengths.
+    The skip ends (the small ops skipped since the period began are sent, in order, each checked to land at
+    its template address, else :class:`~gpumem.errors.InternalError`; the small pool is independent of the
+    large ops sent in between) at a small op that differs from the period's (a size rounded to the next 512 B),
+    and before a large allocation that finds no cached block and whose new segment would pass the limit: the
+    out-of-memory retry that follows releases small segments, so it must see the small pool as the full replay
+    has it mid-step. Any other out-of-memory error or retry while small ops were left out (a device that
+    refuses a segment within the limit) voids the fast result, and so does one within the prefix (Note [Prefix
+    first] in :mod:`.fit`: the full path replays that part as a trace): :func:`~gpumem.estimate.fit.
+    replay_inference` then replays that policy by the full path. ``replay_inference(..., full_replay=True)``
+    keeps the reference, and ``tests/estimate/test_fast_replay.py`` checks both to the byte on random shapes,
+    lengths, limits and policies. The virtual-memory policies (``expandable``, ``gpumem``) share page
+    accounting between their pools (physical chunks, the live-page peak), so nothing is skipped there.
+
+Note [Decode step template]
+    Without a sliding window, every size a decode step asks for is a shape constant or one times the cache
+    length, which grows by one token per step (Note [Decode] in :mod:`.workload`), and its order of ops does
+    not depend on the step: step ``t``'s ops are step 2's with each size ``base + (t - 2) * slope`` and each op
+    id shifted by ``t - 2`` steps' allocations. :class:`StepJumper` records the emitter's steps 1 to 4, builds
+    that template from steps 2 to 4 (:func:`build_template`: one structure, sizes exactly affine, no free of
+    anything older than the step before; else nothing is jumped) and makes steps 5 onwards from arrays, handing
+    each sink a whole step (``run_step``): a :class:`PlainSink` sends its ops in a tight loop, a
+    :class:`SkippingSink` in a skipped step compares the step's small requests with the period's at once and
+    sends only the large ops. The emitter then resumes for the end of ``generate()`` with its state moved to
+    the last step (``tests/estimate/test_fast_replay.py`` compares every op with the emitter's). What is left
+    is the large pool: a step's large ops are all replayed (the KV cache grows every step), so the time still
+    grows with the new tokens, about ten times slower than it would with nothing replayed.
 """
 
 from __future__ import annotations

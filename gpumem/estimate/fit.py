@@ -57,6 +57,7 @@ from ..units import format_bytes
 from .shape import ModelShape
 from .formats import WeightFormat
 from .formulas import dequant_workspace_nbytes
+from .fastreplay import AllStopped, PlainSink, SinkGroup, SkippingSink, StepJumper, can_skip_small_pool
 from .workload import DECODE_HEAD_STEPS, check_mixed_precision, weights_nbytes, WorkloadTrace, inference_trace, stream_inference, training_trace
 
 __all__ = ["ReservedEstimate", "FitResult", "FitTry", "estimate_peak_reserved", "find_max_batch",
@@ -131,34 +132,6 @@ def _replay(w: WorkloadTrace, device: "str | Device", policy: str, limit: int | 
                             r.stats.peak_allocated_nbytes)
 
 
-class _Stopped(Exception):
-    """A streamed replay ran out of memory: the rest of the workload is not made."""
-
-
-class _AllocatorSink:
-    """Replays ops as an emitter makes them (Note [Decode steps simulated] in :mod:`.workload`), stopping at the
-    first out-of-memory error as ``replay(stop_on_oom=True)`` does."""
-
-    def __init__(self, allocator: Any) -> None:
-        self.allocator = allocator
-        self.ptrs: dict[int, int] = {}
-        self.error: OutOfMemoryError | None = None
-
-    def alloc(self, op_id: int, nbytes: int) -> None:
-        if self.error is None:
-            try:
-                # a zero-byte allocation takes no memory (as in replay()): no pointer, its free is skipped
-                self.ptrs[op_id] = self.allocator.allocate(nbytes, 0) if nbytes else 0
-            except OutOfMemoryError as exc:
-                self.error = exc
-                raise _Stopped from None
-
-    def free(self, op_id: int) -> None:
-        p = self.ptrs.pop(op_id, 0)
-        if p and self.error is None:
-            self.allocator.free(p)
-
-
 def _check_policies(policies: object) -> None:
     if isinstance(policies, str):  # iterated, "pytorch" was the policies "p", "y", ...
         raise InvalidArgumentError(f"policies must be a sequence of policy names, e.g. ({policies!r:.40},), got a "
@@ -169,54 +142,118 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
                      device: "str | Device", *, batch_size: int = 1, prompt_len: int,
                      new_tokens: int = DEFAULT_NEW_TOKENS, limit: int | None = None, peak_nbytes: int | None = None,
                      bar: Any = None, weight_format: WeightFormat | None = None,
-                     workspace_nbytes: int = 0) -> list[ReservedEstimate]:
+                     workspace_nbytes: int = 0, full_replay: bool = False) -> list[ReservedEstimate]:
     """Peak reserved of ``generate()`` under each policy: every op of every decode step replayed as it is
     made (:func:`~gpumem.estimate.workload.stream_inference`), so memory stays bounded while the figures
     are those of replaying ``inference_trace(..., full_decode=True)``. ``bar`` (a progress bar) advances by
-    one per step."""
+    one per step and policy.
+
+    The default path makes the ops once for all policies and leaves out small-pool ops where they cannot
+    change anything (Notes [One stream, every policy] and [Small pool skipped at a fixed point] in
+    :mod:`.fastreplay`); ``full_replay=True`` is the reference, one stream per policy with every op sent,
+    and gives the same figures to the byte."""
     _check_policies(policies)
+    if not isinstance(full_replay, bool):
+        raise InvalidArgumentError(f"full_replay must be True or False, got {full_replay!r}")
     if peak_nbytes is None:
         peak_nbytes = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len,
                                       new_tokens=new_tokens, weight_format=weight_format,
                                       workspace_nbytes=workspace_nbytes).peak_nbytes
     bar = bar if bar is not None else NoProgress()
+    out: dict[int, ReservedEstimate | None] = {}
+    head = min(new_tokens, DECODE_HEAD_STEPS + 1)
+    kw = dict(batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens, weight_format=weight_format,
+              workspace_nbytes=workspace_nbytes)
+    full = list(range(len(policies)))
+    if not full_replay and head < new_tokens:
+        # the fast path: one stream for all (Note [One stream, every policy]), each policy on a device of its own
+        # as in the full path (a Device given is one device: its policies take turns); a policy that ran out of
+        # memory (or retried) within the prefix goes to the full path, which replays the prefix as a trace
+        groups = [list(range(len(policies)))] if not isinstance(device, Device) else [[k] for k in full]
+        for group in groups:
+            got = _stream_policies(shape, dtype_bytes, [policies[k] for k in group], device, limit, peak_nbytes,
+                                   bar, False, kw)
+            out.update((k, est) for k, est in zip(group, got))
+        full = [k for k in full if out[k] is None]
+    if full:
+        _full_path(shape, dtype_bytes, [policies[k] for k in full], full, device, limit, peak_nbytes, bar, head,
+                   kw, out)
+    return [out[k] for k in range(len(policies))]  # type: ignore[misc]
+
+
+def _full_path(shape: ModelShape, dtype_bytes: int, policies: list[str], keys: list[int], device: "str | Device",
+               limit: int | None, peak_nbytes: int, bar: Any, head: int, kw: dict[str, Any],
+               out: "dict[int, ReservedEstimate | None]") -> None:
+    """The reference path: the prefix replayed as a trace per policy, then (if it fits and there is more) a
+    stream of every op per policy (Note [Prefix first])."""
     # Note [Prefix first]: the trace of the first DECODE_HEAD_STEPS + 1 tokens is a prefix of the full
     # workload's ops (its end frees, and its one allocation is the next step's first op), so a replay that
     # runs out of memory there does so in the full replay too, at the same op with the same reserve; one
     # that does not and covers every token is the full replay. Only the rest is streamed.
-    head = min(new_tokens, DECODE_HEAD_STEPS + 1)
-    prefix = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len, new_tokens=head,
-                             weight_format=weight_format, workspace_nbytes=workspace_nbytes)
-    out = []
-    for policy in policies:
+    new_tokens = kw["new_tokens"]
+    prefix = inference_trace(shape, dtype_bytes, batch_size=kw["batch_size"], prompt_len=kw["prompt_len"],
+                             new_tokens=head, weight_format=kw["weight_format"],
+                             workspace_nbytes=kw["workspace_nbytes"])
+    for k, policy in zip(keys, policies):
         first = _replay(prefix, device, policy, limit)
         if not first.fits or head == new_tokens:
             bar.update(max(new_tokens, 1))
-            out.append(ReservedEstimate(policy, first.device, peak_nbytes, first.peak_reserved_bytes, first.fits,
-                                        first.oom_message, first.injected_fault))
-            continue
-        own = not isinstance(device, Device)
-        dev = open_device(device) if own else device
+            out[k] = ReservedEstimate(policy, first.device, peak_nbytes, first.peak_reserved_bytes, first.fits,
+                                      first.oom_message, first.injected_fault)
+        else:
+            out[k] = _stream_policies(shape, dtype_bytes, [policy], device, limit, peak_nbytes, bar, True, kw)[0]
+
+
+def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], device: "str | Device",
+                     limit: int | None, peak_nbytes: int, bar: Any, full_replay: bool,
+                     kw: dict[str, Any]) -> "list[ReservedEstimate | None]":
+    """Replay ``generate()``'s ops under each of ``policies`` from one stream (Note [One stream, every policy]),
+    each on a device of its own (``device`` opened anew when a spec; a :class:`Device` takes one policy);
+    ``None`` for a policy whose fast replay is void (to be redone by the full path)."""
+    own = not isinstance(device, Device)
+    if not own and len(policies) > 1:
+        raise InvalidArgumentError("one Device replays one policy at a time")
+    devs: list[Device] = []
+    allocators: list[Any] = []
+    try:
+        for p in policies:
+            devs.append(open_device(device) if own else device)  # type: ignore[arg-type]
+            allocators.append(make_allocator(devs[-1], p, **({} if limit is None else {"limit": limit})))
+        sinks: list[PlainSink] = [SkippingSink(a) if not full_replay and can_skip_small_pool(a) else PlainSink(a)
+                                  for a in allocators]
+        group = SinkGroup(sinks)
+        n = len(policies)
+
+        def on_step(step: int) -> None:
+            group.end_step(step)
+            bar.update(n)
         try:
-            allocator = make_allocator(dev, policy, **({} if limit is None else {"limit": limit}))
-            try:
-                sink = _AllocatorSink(allocator)
-                try:
-                    stream_inference(shape, dtype_bytes, (sink,), batch_size=batch_size, prompt_len=prompt_len,
-                                     new_tokens=new_tokens, on_step=lambda _step: bar.update(1),
-                                     weight_format=weight_format, workspace_nbytes=workspace_nbytes)
-                except _Stopped:
-                    pass
-                reserved = allocator.snapshot_stats().peak_reserved_nbytes
-            finally:
-                allocator.close()
-        finally:
-            if own:
-                dev.close()
-        err = sink.error
-        out.append(ReservedEstimate(policy, dev.spec, peak_nbytes, reserved, err is None,
-                                    "" if err is None else str(err), bool(getattr(err, "injected", False))))
-    return out
+            if full_replay or shape.sliding_window:  # Note [Decode step template]: no window, sizes affine
+                stream_inference(shape, dtype_bytes, (group,), on_step=on_step, **kw)
+            else:
+                jumper = StepJumper(group, lambda _step: bar.update(n), kw["new_tokens"] - 1)
+                stream_inference(shape, dtype_bytes, (jumper,), on_step=jumper.end_step, jump=jumper.jump, **kw)
+            for s in sinks:
+                if isinstance(s, SkippingSink):
+                    s.finish()
+        except AllStopped:
+            pass
+        out: list[ReservedEstimate | None] = []
+        for p, a, s, d in zip(policies, allocators, sinks, devs):
+            if not full_replay and s.voided:
+                out.append(None)
+                continue
+            err = s.error
+            out.append(ReservedEstimate(p, d.spec, peak_nbytes, a.snapshot_stats().peak_reserved_nbytes,
+                                        err is None, "" if err is None else str(err),
+                                        bool(getattr(err, "injected", False))))
+        return out
+    finally:
+        for a in allocators:
+            a.close()
+        if own:
+            for d in devs:
+                d.close()
 
 
 def replay_sequence(workloads: "list[WorkloadTrace] | tuple[WorkloadTrace, ...]", *,
@@ -380,7 +417,7 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                    margin: float | None = None, max_value: int = 4096, start: int | None = None,
                    progress: bool | None = False, weight_format: WeightFormat | None = None,
                    gradient_checkpointing: bool = False, optimizer_8bit: bool = False,
-                   mixed_precision: str | None = None) -> FitResult:
+                   mixed_precision: str | None = None, full_replay: bool = False) -> FitResult:
     """The largest batch (``search="batch"``) or prompt/sequence length (``search="seq_len"``, at
     ``batch_size``) that runs on ``device`` without out-of-memory, by replaying the workload's allocations
     under ``policy`` with ``margin`` of the memory beyond the weights held back (default
@@ -393,8 +430,18 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
     workspace on ``device`` for the ternary ones. ``gradient_checkpointing``, ``optimizer_8bit`` and
     ``mixed_precision`` (the autocast dtype on fp32 master weights, ``dtype_bytes`` 4): training
     options (:func:`~gpumem.estimate.workload.training_trace`). ``progress``: a bar of the replays (None: on a terminal). Raises :class:`InjectedFaultError` when a
-    replay fails on a fault the device spec injects.
+    replay fails on a fault the device spec injects. ``full_replay=True``: every probe replayed in full, none
+    shared (the reference of Note [Probes share replays] and of :func:`replay_inference`'s fast path).
+
+    Note [Probes share replays]
+        The searches probe the same sizes under two limits: the margin's (``simulated``) and the usable memory
+        (``halving``, ``binary_search``). A replay that fitted under one limit with a peak reserve ``P`` is the
+        replay under any limit of at least ``P``: no growth it made passed ``P``, so none is refused, and the
+        allocator makes the same decisions op for op. Such a probe is answered "fits" without a replay; a
+        probe that did not fit is replayed (under a lower limit the out-of-memory retry may end otherwise).
     """
+    if not isinstance(full_replay, bool):
+        raise InvalidArgumentError(f"full_replay must be True or False, got {full_replay!r}")
     if search not in ("batch", "seq_len"):
         raise InvalidArgumentError(f"search must be 'batch' or 'seq_len', got {search!r}")
     if isinstance(max_value, bool) or not isinstance(max_value, int) or max_value < 1:
@@ -442,12 +489,15 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                                    weight_format=weight_format, workspace_nbytes=workspace)
 
         cache: dict[tuple[int, int | None], bool] = {}
+        fitted: dict[int, int] = {}  # Note [Probes share replays]: value -> the least peak reserved seen to fit
 
         def replay_fits(v: int, lim: int | None, rule: str) -> bool:
             key = (v, lim)
             if key not in cache:
-                w = workload(v)
-                if w.peak_nbytes > (lim or usable):
+                w = None if not full_replay and fitted.get(v, usable + 1) <= (lim or usable) else workload(v)
+                if w is None:
+                    cache[key] = True  # Note [Probes share replays]
+                elif w.peak_nbytes > (lim or usable):
                     cache[key] = False  # cannot fit: its live bytes alone exceed the room
                 else:
                     room = lim if lim else usable
@@ -457,13 +507,16 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                         b, p = sizes(v)
                         r = replay_inference(shape, dtype_bytes, (policy,), dev, batch_size=b, prompt_len=p,
                                              new_tokens=new_tokens, limit=room, peak_nbytes=w.peak_nbytes,
-                                             weight_format=weight_format, workspace_nbytes=workspace)[0]
+                                             weight_format=weight_format, workspace_nbytes=workspace,
+                                             full_replay=full_replay)[0]
                     if r.injected_fault:
                         raise InjectedFaultError(
                             f"an injected fault (the device spec's fault options) failed the replay of {search} "
                             f"{v} on {dev.spec}; nothing was out of memory, and no size can be judged on a "
                             f"device that injects faults (give the spec without them): {r.oom_message}")
                     cache[key] = r.fits
+                    if r.fits:
+                        fitted[v] = min(fitted.get(v, r.peak_reserved_bytes), r.peak_reserved_bytes)
                     bar.update(1)
                 tries.append(FitTry(v, cache[key], rule))
             return cache[key]

@@ -613,10 +613,12 @@ def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1,
 
 def stream_inference(shape: ModelShape, dtype_bytes: int, sinks: Sequence[OpSink], *, batch_size: int = 1,
                      prompt_len: int, new_tokens: int = 0, on_step: Callable[[int], None] | None = None,
-                     weight_format: WeightFormat | None = None, workspace_nbytes: int = 0) -> None:
+                     weight_format: WeightFormat | None = None, workspace_nbytes: int = 0,
+                     jump: "Callable[[int, _Emitter, list[int], list[int]], int] | None" = None) -> None:
     """Send every op of ``generate()`` (every decode step, as ``inference_trace(..., full_decode=True)``
     makes them) to ``sinks`` as they are made, keeping none: memory does not grow with ``new_tokens``.
-    ``on_step(step)`` is called after the prefill (0) and each decode step."""
+    ``on_step(step)`` is called after the prefill (0) and each decode step; ``jump``: see
+    :func:`_emit_inference` (:mod:`.fastreplay` makes the decode steps from a template)."""
     _check("batch_size", batch_size)
     _check("prompt_len", prompt_len)
     _check("new_tokens", new_tokens, 0)
@@ -624,7 +626,7 @@ def stream_inference(shape: ModelShape, dtype_bytes: int, sinks: Sequence[OpSink
     check_weight_format(weight_format)
     e = _Emitter(f"generate b={batch_size} p={prompt_len} n={new_tokens}", record=False, sinks=tuple(sinks))
     _emit_inference(e, shape, dtype_bytes, batch_size, prompt_len, new_tokens,
-                    range(1, max(new_tokens, 1)), on_step, weight_format, workspace_nbytes)
+                    range(1, max(new_tokens, 1)), on_step, weight_format, workspace_nbytes, jump)
 
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -686,7 +688,11 @@ def weights_nbytes(shape: ModelShape, dtype_bytes: int, fmt: WeightFormat | None
 
 def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size: int, prompt_len: int,
                     new_tokens: int, steps: Iterable[int], on_step: Callable[[int], None] | None = None,
-                    fmt: WeightFormat | None = None, workspace_nbytes: int = 0) -> None:
+                    fmt: WeightFormat | None = None, workspace_nbytes: int = 0,
+                    jump: "Callable[[int, _Emitter, list[int], list[int]], int] | None" = None) -> None:
+    """The ops of loading the weights and ``generate()`` into ``e``. ``jump(step, e, [ids, mask], cache)``,
+    called after each decode step (``steps`` then contiguous), may make the ops of the steps after it itself
+    and return the last step it made, having updated ``e``, ids, mask and cache as those steps leave them."""
     d_act = max(dtype_bytes, 2)  # int8/fp8 weights still compute in 16-bit
     e.phase = "weights"
     sizes = param_nbytes(shape, dtype_bytes, fmt)
@@ -703,7 +709,10 @@ def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size
     _forward(e, shape, batch_size, prompt_len, d_act, cache, prompt_len, 0)
     if on_step is not None:
         on_step(0)
-    for step in steps:
+    steps = list(steps)
+    at = 0
+    while at < len(steps):
+        step = steps[at]
         e.phase = "decode"
         grown = e.alloc(batch_size * (prompt_len + step) * 8)  # generate() appends the token to the ids,
         e.free(ids)
@@ -715,6 +724,13 @@ def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size
         _forward(e, shape, batch_size, 1, d_act, cache, prompt_len + step, slack)
         if on_step is not None:
             on_step(step)
+        if jump is not None:  # Note [Decode step template] in .fastreplay: the steps after this one made at once
+            live = [ids, mask]
+            last = jump(step, e, live, cache)
+            if last != step:
+                ids, mask = live
+                at += last - step
+        at += 1
     e.phase = "end"
     if new_tokens:
         grown = e.alloc(batch_size * (prompt_len + new_tokens) * 8)  # the last token appended

@@ -1,0 +1,674 @@
+"""The streamed replay of ``generate()`` made faster without changing a byte of its figures.
+
+Note [One stream, every policy]
+    :func:`~gpumem.estimate.fit.replay_inference` used to make the ops of ``generate()`` once per policy
+    (``stream_inference`` with one sink). The ops do not depend on the policy, so the fast path makes them once
+    and hands each op to every policy's allocator in turn (:class:`SinkGroup`). A policy that runs out of memory
+    stops taking ops, as ``replay(stop_on_oom=True)`` does; the stream stops when all have. Each allocator sees
+    exactly the op sequence it saw alone: same figures, one emitter instead of three.
+
+Note [Small pool skipped at a fixed point]
+    In a ``malloc``'d-segment policy with a separate small pool (``pytorch``, ``bestfit``: the Python engine's
+    ``SegmentBacking``), requests of at most ``small_max_nbytes`` and larger ones never share a segment or a
+    free list: the small pool changes only by small ops, and the large pool only by large ones. The two meet in
+    three places: the limit (the sum of both reserves), the out-of-memory retry (which gives back the cached
+    segments of both) and the peak of reserved bytes (counted at each allocation). A decode step makes the
+    same small requests as the step before it but for the ones whose rounded size grows (input ids, mask, a
+    KV cache under 1 MiB): at batch 1 the int64 ids and mask round to a new 512 B multiple every 64 steps.
+
+    :class:`SkippingSink` replays every op of the first decode steps. At the end of each it notes the small
+    pool's state (every small segment's blocks: address, size, allocated; its live count and flags) and the
+    step's small ops (kind, rounded size, and for a free which step and position allocated it) with the
+    address each small allocation got. The small pool repeats with a period ``P`` (1 to :data:`MAX_PERIOD`;
+    the 7B model's: 3). Once the last ``P`` steps left the state as they found it, no free among them reaches
+    further back than the step before, and the step before them made the small ops of the last one and got
+    its addresses, the next ``P`` steps start in that state and, as long as their small ops are those of the
+    period again, the deterministic allocator makes the same decisions for them: their frees name the
+    addresses the period before got (the first step's, those of the period's last step, equal to the step
+    before it), so the allocator sees the very same calls from the very same state, grows nothing in the
+    small pool and ends in the same state (induction on the periods). So their small ops are not sent: a
+    skipped allocation is booked at its template address, a skipped free forgotten. Large ops are all sent,
+    in order. The limit sees the same sum (the small pool's reserve is constant over a fixed point), and the
+    peak reserved is the same (the small pool's reserve never changes while skipped, the large pool's only at
+    large allocations, all made).
+
+    The skip ends (the small ops skipped since the period began are sent, in order, each checked to land at
+    its template address, else :class:`~gpumem.errors.InternalError`; the small pool is independent of the
+    large ops sent in between) at a small op that differs from the period's (a size rounded to the next 512 B),
+    and before a large allocation that finds no cached block and whose new segment would pass the limit: the
+    out-of-memory retry that follows releases small segments, so it must see the small pool as the full replay
+    has it mid-step. Any other out-of-memory error or retry while small ops were left out (a device that
+    refuses a segment within the limit) voids the fast result, and so does one within the prefix (Note [Prefix
+    first] in :mod:`.fit`: the full path replays that part as a trace): :func:`~gpumem.estimate.fit.
+    replay_inference` then replays that policy by the full path. ``replay_inference(..., full_replay=True)``
+    keeps the reference, and ``tests/estimate/test_fast_replay.py`` checks both to the byte on random shapes,
+    lengths, limits and policies. The virtual-memory policies (``expandable``, ``gpumem``) share page
+    accounting between their pools (physical chunks, the live-page peak), so nothing is skipped there.
+
+Note [Decode step template]
+    Without a sliding window, every size a decode step asks for is a shape constant or one times the cache
+    length, which grows by one token per step (Note [Decode] in :mod:`.workload`), and its order of ops does
+    not depend on the step: step ``t``'s ops are step 2's with each size ``base + (t - 2) * slope`` and each op
+    id shifted by ``t - 2`` steps' allocations. :class:`StepJumper` records the emitter's steps 1 to 4, builds
+    that template from steps 2 to 4 (:func:`build_template`: one structure, sizes exactly affine, no free of
+    anything older than the step before; else nothing is jumped) and makes steps 5 onwards from arrays, handing
+    each sink a whole step (``run_step``): a :class:`PlainSink` sends its ops in a tight loop, a
+    :class:`SkippingSink` in a skipped step compares the step's small requests with the period's at once and
+    sends only the large ops. The emitter then resumes for the end of ``generate()`` with its state moved to
+    the last step (``tests/estimate/test_fast_replay.py`` compares every op with the emitter's). What is left
+    is the large pool: a step's large ops are all replayed (the KV cache grows every step), so the time still
+    grows with the new tokens, about ten times slower than it would with nothing replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..allocator.backing import SegmentBacking
+from ..allocator.python_engine import PythonEngine
+from ..errors import InternalError, OutOfMemoryError
+from .workload import DECODE_HEAD_STEPS
+
+__all__ = ["SinkGroup", "PlainSink", "SkippingSink", "can_skip_small_pool", "AllStopped", "StepTemplate",
+           "StepJumper", "build_template"]
+
+
+PREFIX_STEP = DECODE_HEAD_STEPS + 1
+"""The last step (0: the prefill) whose ops ``replay_inference``'s full path replays as a trace first (Note [Prefix
+first] in :mod:`.fit`): an out-of-memory error or retry up to there sends a policy to the full path."""
+
+MAX_PERIOD = 4
+"""The longest run of decode steps after which the small pool may repeat (Note [Small pool skipped at a fixed
+point]: the 7B model's repeats every 3 steps)."""
+
+
+class AllStopped(Exception):
+    """Every sink of a :class:`SinkGroup` has stopped (out of memory): the rest of the workload is not made."""
+
+
+def _engine_of(allocator: Any) -> Any:
+    return getattr(allocator, "_engine", None)
+
+
+def can_skip_small_pool(allocator: Any) -> bool:
+    """Whether Note [Small pool skipped at a fixed point] applies: the Python engine over ``malloc``'d
+    segments with a separate small pool, no history and no garbage-collection threshold."""
+    eng = _engine_of(allocator)
+    return (isinstance(eng, PythonEngine) and isinstance(eng.backing, SegmentBacking)
+            and eng.policy.separate_small_pool and eng.gc_threshold is None and eng._recorder is None)
+
+
+class PlainSink:
+    """Sends every op to ``allocator``; stops at its first out-of-memory error (Note [One stream, every policy])."""
+
+    def __init__(self, allocator: Any) -> None:
+        self.allocator = allocator
+        self._allocate = allocator.allocate
+        self._free = allocator.free
+        self.ptrs: dict[int, int] = {}
+        self.error: OutOfMemoryError | None = None
+        self.skipped_ops = 0
+        self.step = 0
+        self.early_trouble = False
+        """An out-of-memory error or retry within the prefix (Note [Prefix first] in :mod:`.fit`)."""
+
+    def alloc(self, op_id: int, nbytes: int) -> None:
+        if self.error is None:
+            try:
+                # a zero-byte allocation takes no memory (as in replay()): no pointer, its free is skipped
+                self.ptrs[op_id] = self._allocate(nbytes, 0) if nbytes else 0
+            except OutOfMemoryError as exc:
+                self.error = exc
+                self._note_trouble()
+
+    def _note_trouble(self) -> None:
+        if self.step <= PREFIX_STEP:
+            self.early_trouble = True
+
+    def free(self, op_id: int) -> None:
+        p = self.ptrs.pop(op_id, 0)
+        if p and self.error is None:
+            self._free(p)
+
+    def end_step(self, step: int) -> None:
+        """Called after the prefill (0) and each decode step."""
+        self._check_prefix(step)
+        self.step = step + 1
+
+    def _check_prefix(self, step: int) -> None:
+        if step <= PREFIX_STEP and not self.early_trouble:
+            st = self.allocator.snapshot_stats()
+            self.early_trouble = bool(st.num_alloc_retries or st.num_ooms)
+
+    def run_step(self, t: int, tpl: "StepTemplate") -> None:
+        """Every op of decode step ``t`` made from ``tpl`` (Note [Decode step template])."""
+        self._run_ops(tpl.kinds.tolist(), tpl.op_ids(t).tolist(), tpl.sizes(t).tolist())
+
+    def _run_ops(self, kinds: list[int], ids: list[int], sizes: list[int]) -> None:
+        ptrs, allocate, free = self.ptrs, self._allocate, self._free
+        for k, i, n in zip(kinds, ids, sizes):
+            if k == 0:
+                if not n:
+                    ptrs[i] = 0
+                    continue
+                try:
+                    ptrs[i] = allocate(n, 0)
+                except OutOfMemoryError as exc:
+                    self.error = exc
+                    self._note_trouble()
+                    return
+            else:
+                p = ptrs.pop(i, 0)
+                if p:
+                    free(p)
+
+    @property
+    def voided(self) -> bool:
+        """Whether the fast result must be replaced by the full replay: an out-of-memory error or retry in the
+        prefix, which the full path replays as a trace (Note [Prefix first] in :mod:`.fit`)."""
+        if self.step <= PREFIX_STEP and not self.early_trouble:  # the stream stopped within the prefix
+            self._check_prefix(self.step)
+        return self.early_trouble
+
+
+@dataclass
+class _Step:
+    """The small ops of one step: ``sig`` (kind, rounded size, for a free (steps back, position)) and the
+    addresses its small allocations got."""
+
+    sig: list[tuple[int, int, int, int]] = field(default_factory=list)
+    addrs: list[int] = field(default_factory=list)
+    small: Any = None
+    """Made from a :class:`StepTemplate`: which of its ops are small allocations, and their rounded sizes."""
+    rounded: Any = None
+
+
+class SkippingSink(PlainSink):
+    """A :class:`PlainSink` that leaves out a decode step's small ops at a fixed point of the small pool
+    (Note [Small pool skipped at a fixed point])."""
+
+    def __init__(self, allocator: Any) -> None:
+        super().__init__(allocator)
+        eng = _engine_of(allocator)
+        self._engine = eng
+        self._round = eng.policy.round
+        self._small_max = eng.policy.small_max_nbytes
+        self.step = 0
+        self._cur = _Step()
+        self._small_pos: dict[int, tuple[int, int]] = {}  # live small op id -> (step, position)
+        self._history: list[tuple[_Step, Any]] = []  # the last two full steps and the state after each
+        self._state_before: Any = None  # the small pool's state before the current step
+        self._template: _Step | None = None
+        self._templates: list[_Step] = []  # one period of steps
+        self._phase = 0
+        self._pending: list[tuple[int, int, int, int]] = []  # skipped in this step: (kind, op id, nbytes, addr)
+        self._k = 0  # position in the template
+        self._skipping = False
+        self._skipped_any = False
+        self._rnd = eng.policy.round_nbytes
+        self._plan: Any = None
+        self._plan_small_op: list[bool] | None = None
+        self._pending_steps: list[int] = []  # steps skipped whole in this period (Note [Decode step template])
+        self._skip_start = 0
+        self._tpl: StepTemplate | None = None
+        self._trouble_at_skip = 0
+        self._void = False
+
+    # -- the small pool's state ---------------------------------------------------------------------------
+    def _small_state(self) -> tuple:
+        segs = []
+        for seg in sorted(self._engine.backing.segments_list(), key=lambda s: s.base):
+            if not seg.small:
+                continue
+            blocks = []
+            b = seg.last
+            while b is not None:
+                blocks.append((b.addr, b.size, b.allocated, b.stream, b.fences is not None))
+                b = b.prev
+            segs.append((seg.base, seg.nbytes, seg.order, seg.live, seg.dirty, seg.fence, tuple(blocks)))
+        return tuple(segs)
+
+    # -- ops -------------------------------------------------------------------------------------------------
+    def _is_small(self, nbytes: int) -> bool:
+        return nbytes > 0 and self._round(nbytes) <= self._small_max
+
+    def alloc(self, op_id: int, nbytes: int) -> None:
+        if self.error is not None:
+            return
+        if not self._is_small(nbytes):
+            if self._skipping and nbytes and self._would_grow(nbytes):
+                self._materialize()
+            super().alloc(op_id, nbytes)
+            return
+        pos = len(self._cur.addrs)
+        sig = (0, self._round(nbytes), 0, 0)
+        if self._skipping:
+            t = self._template
+            if self._k < len(t.sig) and t.sig[self._k] == sig:
+                addr = t.addrs[pos]
+                self._k += 1
+                self.ptrs[op_id] = addr
+                self._pending.append((0, op_id, nbytes, addr))
+                self._cur.sig.append(sig)
+                self._cur.addrs.append(addr)
+                self._small_pos[op_id] = (self.step, pos)
+                self.skipped_ops += 1
+                return
+            self._materialize()
+        super().alloc(op_id, nbytes)
+        if self.error is None:
+            self._cur.sig.append(sig)
+            self._cur.addrs.append(self.ptrs[op_id])
+            self._small_pos[op_id] = (self.step, pos)
+
+    def free(self, op_id: int) -> None:
+        if self.error is not None:
+            return
+        where = self._small_pos.pop(op_id, None)
+        if where is None:  # a large block (or a zero-byte one)
+            super().free(op_id)
+            return
+        sig = (1, 0, self.step - where[0], where[1])
+        if self._skipping:
+            t = self._template
+            if self._k < len(t.sig) and t.sig[self._k] == sig:
+                self._k += 1
+                self._pending.append((1, op_id, 0, self.ptrs.pop(op_id)))
+                self._cur.sig.append(sig)
+                self.skipped_ops += 1
+                return
+            self._materialize()
+        self._cur.sig.append(sig)
+        super().free(op_id)
+
+    def run_step(self, t: int, tpl: "StepTemplate") -> None:
+        if self.error is not None:
+            return
+        self._tpl = tpl
+        sizes = tpl.sizes(t)
+        rounded = -(-sizes // self._rnd) * self._rnd
+        small = (tpl.kinds == 0) & (sizes > 0) & (rounded <= self._small_max)
+        if self._skipping and self._k == 0 and self._fast_ok(tpl, small, rounded):
+            self._skip_step(t, tpl)
+            return
+        kinds, ids, ns = tpl.kinds.tolist(), tpl.op_ids(t).tolist(), sizes.tolist()
+        for k, i, n in zip(kinds, ids, ns):
+            if self.error is not None:
+                return
+            if k == 0:
+                self.alloc(i, n)
+            else:
+                self.free(i)
+        if not self._skipping:
+            self._cur.small = small
+            self._cur.rounded = rounded
+
+    def _fast_ok(self, tpl: "StepTemplate", small: np.ndarray, rounded: np.ndarray) -> bool:
+        """Whether this step's small requests are the template step's (Note [Decode step template])."""
+        ts = self._template
+        if ts.small is None or self._plan is None or self._plan[0] is not tpl:
+            return False
+        return bool(np.array_equal(small, ts.small) and np.array_equal(rounded[small], ts.rounded[small]))
+
+    def _make_plan(self, tpl: "StepTemplate") -> None:
+        """What a skipped step does, when every step of the period has one small mask."""
+        self._plan = None
+        masks = [x.small for x in self._templates]
+        if any(m is None for m in masks) or any(not np.array_equal(m, masks[0]) for m in masks[1:]):
+            return
+        m = masks[0]
+        alloc_pos = np.flatnonzero(tpl.kinds == 0)
+        small_j = m[alloc_pos]  # by alloc index
+        smallpos = np.cumsum(small_j) - 1
+        is_free = tpl.kinds == 1
+        small_op = m | (is_free & small_j[tpl.index])
+        large = np.flatnonzero(~small_op).tolist()
+        freed_here = set(tpl.index[is_free & (tpl.back == 0)].tolist())
+        cross = [(j, int(smallpos[j])) for j in np.flatnonzero(small_j).tolist() if j not in freed_here]
+        old = [(int(b), int(j)) for b, j in zip(tpl.back[is_free & small_j[tpl.index] & (tpl.back > 0)].tolist(),
+                                                  tpl.index[is_free & small_j[tpl.index] & (tpl.back > 0)].tolist())]
+        order = [(int(k), int(j), int(b), int(smallpos[j]))
+                 for k, j, b in zip(tpl.kinds[small_op].tolist(), tpl.index[small_op].tolist(),
+                                    tpl.back[small_op].tolist())]
+        self._plan = (tpl, large, cross, old, order, int(small_op.sum()))
+        self._plan_small_op = small_op.tolist()
+
+    def _skip_step(self, t: int, tpl: "StepTemplate") -> None:
+        """Step ``t`` with its small ops left out (its large ones all sent, in order)."""
+        _, large, cross, old, _, n_small = self._plan
+        all_ids, all_sizes = tpl.op_ids(t), tpl.sizes(t)
+        kinds, ids, sizes = tpl.kinds[large].tolist(), all_ids[large].tolist(), all_sizes[large].tolist()
+        ptrs, allocate, free = self.ptrs, self._allocate, self._free
+        for q, (k, i, n) in enumerate(zip(kinds, ids, sizes)):
+            if k == 0:
+                if not n:
+                    ptrs[i] = 0
+                elif self._would_grow(n):  # growth ahead: the rest of the step one op at a time
+                    self._leave_skip_mid_step(t, tpl, large[q], all_ids.tolist(), all_sizes.tolist())
+                    return
+                else:
+                    ptrs[i] = allocate(n, 0)
+            else:
+                p = ptrs.pop(i, 0)
+                if p:
+                    free(p)
+        ptrs, where = self.ptrs, self._small_pos
+        for back, j in old:
+            op = tpl.alloc_id(t - back, j)
+            ptrs.pop(op, None)
+            where.pop(op, None)
+        addrs = self._template.addrs
+        for j, pos in cross:
+            op = tpl.alloc_id(t, j)
+            ptrs[op] = addrs[pos]
+            where[op] = (t, pos)
+        self._pending_steps.append(t)
+        self._k = len(self._template.sig)
+        self.skipped_ops += n_small
+
+    def _leave_skip_mid_step(self, t: int, tpl: "StepTemplate", at: int, ids: list[int], sizes: list[int]) -> None:
+        """Stop skipping in step ``t`` before its op ``at`` (a large allocation that grows): the steps skipped in
+        this period are sent, then this step's small ops before ``at`` (its large ones were sent), then every op
+        from ``at`` on, one by one."""
+        self._materialize()
+        kinds = tpl.kinds.tolist()
+        small_op = self._plan_small_op if self._plan_small_op is not None else None
+        for q in range(len(kinds)):
+            if self.error is not None:
+                return
+            if q < at and not small_op[q]:
+                continue
+            if kinds[q] == 0:
+                self.alloc(ids[q], sizes[q])
+            else:
+                self.free(ids[q])
+
+    def _addr_of(self, u: int, pos: int) -> int:
+        """The template address of the small allocation ``pos`` of step ``u`` (a skipped step or one of the
+        template's)."""
+        return self._templates[(u - self._skip_start) % len(self._templates)].addrs[pos]
+
+    def _would_grow(self, nbytes: int) -> bool:
+        """Whether a large request of ``nbytes`` finds no cached block and its new segment would pass the limit:
+        the allocator would run out of memory and release cached segments of both pools, so the small pool must
+        first be as the full replay has it (Note [Small pool skipped at a fixed point])."""
+        size = self._round(nbytes)
+        eng = self._engine
+        fl = eng._free_lists.get((False, 0))
+        if fl is not None and fl.best_fit(size) is not None:
+            return False
+        if eng.limit_nbytes is None:
+            return False
+        backing = eng.backing
+        return backing.reserved_nbytes + eng.policy.segment_nbytes(False, size, backing.granularity) > eng.limit_nbytes
+
+    def _trouble(self) -> int:
+        st = self._engine._stats
+        return st.num_alloc_retries + st.num_ooms
+
+    def _materialize(self) -> None:
+        """Send the small ops skipped in this period, in order, each where the template put it; stop skipping."""
+        for t in self._pending_steps:
+            tpl, _, _, _, order, _ = self._plan
+            sizes = tpl.sizes(t)
+            alloc_pos = np.flatnonzero(tpl.kinds == 0)
+            for kind, j, back, pos in order:
+                if kind == 0:
+                    addr = self._addr_of(t, pos)
+                    got = self._allocate(int(sizes[alloc_pos[j]]), 0)
+                    if got != addr:
+                        raise InternalError(f"fast replay: a small allocation replayed late landed at {got:#x}, not "
+                                            f"at its template's {addr:#x} (Note [Small pool skipped at a fixed point])")
+                else:
+                    self._free(self._addr_of(t - back, pos))
+        self._pending_steps.clear()
+        if self._trouble() != self._trouble_at_skip:
+            self._void = True  # a retry or an out-of-memory error while skipping (not foreseen)
+        for kind, op_id, nbytes, addr in self._pending:
+            if kind == 0:
+                got = self._allocate(nbytes, 0)
+                if got != addr:
+                    raise InternalError(f"fast replay: a small allocation of {nbytes} B replayed late landed at "
+                                        f"{got:#x}, not at its template's {addr:#x} (Note [Small pool skipped at a "
+                                        "fixed point])")
+            else:
+                self._free(addr)
+        self._pending.clear()
+        self._skipping = False
+        self._template = None
+        self._history.clear()
+
+    def end_step(self, step: int) -> None:
+        if self.error is not None:
+            return
+        self._check_prefix(step)
+        cur = self._cur
+        if self._skipping:
+            if self._k != len(self._template.sig):  # the step made fewer small ops than the template
+                self._materialize()
+            else:
+                self._k = 0
+                self._phase = (self._phase + 1) % len(self._templates)
+                self._template = self._templates[self._phase]
+                if self._phase == 0:  # a whole period skipped: the small pool's state is the template's again
+                    self._pending.clear()
+                    self._pending_steps.clear()
+        if not self._skipping:
+            state = self._small_state()
+            if step >= 1:
+                self._history.append((cur, self._state_before, state))
+                del self._history[:-MAX_PERIOD - 1]
+                self._try_template()
+            self._state_before = state
+        self.step = step + 1
+        self._cur = _Step()
+
+    def _try_template(self) -> None:
+        """Start skipping when the last ``P`` full steps leave the small pool as they found it and the step
+        before them made the small ops of the last and got its addresses (``P`` = 1 .. :data:`MAX_PERIOD`; no
+        free reaches further back than the step before): Note [Small pool skipped at a fixed point]."""
+        h = self._history
+        if self._engine._stats.num_alloc_retries:
+            return
+        for period in range(1, MAX_PERIOD + 1):
+            if len(h) < period + 1:
+                break
+            b = h[-period:]
+            before = h[-period - 1][0]  # the step before the period: its allocations are what b's first frees free
+            if b[0][1] == b[-1][2] and before.sig == b[-1][0].sig and before.addrs == b[-1][0].addrs \
+                    and all(sig[2] <= 1 for x in b for sig in x[0].sig):
+                self._templates = [x[0] for x in b]
+                self._phase = 0
+                self._skip_start = self.step + 1
+                self._plan = None
+                if self._tpl is not None:
+                    self._make_plan(self._tpl)
+                self._template = self._templates[0]
+                self._skipping = True
+                self._skipped_any = True
+                self._trouble_at_skip = self._trouble()
+                self._k = 0
+                return
+
+    def finish(self) -> None:
+        """The stream is over (its last ops are the end of generate(), never skipped as a step)."""
+        if self._skipping and self.error is None:
+            self._materialize()
+
+    @property
+    def voided(self) -> bool:
+        """Also void: an out-of-memory error or retry while small ops were left out (the retry gives back cached
+        segments of the small pool, whose state mid-step is not the fixed point's)."""
+        if self._skipping and self._trouble() != self._trouble_at_skip:
+            self._void = True
+        return self._void or super().voided
+
+
+
+class SinkGroup:
+    """Hands each op to every sink (Note [One stream, every policy]); raises :class:`AllStopped` once every
+    sink has stopped."""
+
+    def __init__(self, sinks: "list[PlainSink]") -> None:
+        self.sinks = sinks
+
+    def _check(self) -> None:
+        if all(s.error is not None for s in self.sinks):
+            raise AllStopped
+
+    def alloc(self, op_id: int, nbytes: int) -> None:
+        for s in self.sinks:
+            s.alloc(op_id, nbytes)
+        if nbytes and any(s.error is not None for s in self.sinks):
+            self._check()
+
+    def free(self, op_id: int) -> None:
+        for s in self.sinks:
+            s.free(op_id)
+
+    def end_step(self, step: int) -> None:
+        for s in self.sinks:
+            s.end_step(step)
+
+
+# -- Note [Decode step template] -------------------------------------------------------------------------------
+
+TEMPLATE_STEPS = (2, 3, 4)
+"""The decode steps whose ops, made by the emitter, give the template (step 1 frees the prefill's tensors)."""
+
+
+@dataclass(frozen=True)
+class StepTemplate:
+    """The ops of decode step ``t`` as arrays (Note [Decode step template]): ``kinds`` (0 alloc, 1 free),
+    ``index`` (an alloc's place among the step's allocations; a free's alloc's), ``back`` (a free: how many
+    steps before it its allocation was made), sizes ``base + (t - s0) * slope``, op ids ``first_id +
+    (t - s0) * n_allocs + index`` (a free: of step ``t - back``)."""
+
+    kinds: np.ndarray
+    index: np.ndarray
+    back: np.ndarray
+    base: np.ndarray
+    slope: np.ndarray
+    s0: int
+    first_id: int
+    n_allocs: int
+
+    def sizes(self, t: int) -> np.ndarray:
+        """The bytes each op of step ``t`` asks for (0 for frees)."""
+        return self.base + (t - self.s0) * self.slope
+
+    def op_ids(self, t: int) -> np.ndarray:
+        """The op id each op of step ``t`` names."""
+        return self.first_id + (t - self.back - self.s0) * self.n_allocs + self.index
+
+    def alloc_id(self, t: int, j: int) -> int:
+        return self.first_id + (t - self.s0) * self.n_allocs + j
+
+
+def build_template(records: "dict[int, list[tuple[int, int, int]]]") -> "StepTemplate | None":
+    """The template from the ops of decode steps 1 .. 4 (``(kind, op id, nbytes)`` each), or None when steps 2,
+    3 and 4 are not one structure with sizes affine in the step (then nothing is jumped)."""
+    if any(s not in records for s in (1, *TEMPLATE_STEPS)):
+        return None
+    where: dict[int, tuple[int, int]] = {}
+    first: dict[int, int] = {}
+    for s in (1, *TEMPLATE_STEPS):
+        allocs = [op for k, op, _ in records[s] if k == 0]
+        if not allocs or allocs != list(range(allocs[0], allocs[0] + len(allocs))):
+            return None
+        first[s] = allocs[0]
+        for j, op in enumerate(allocs):
+            where[op] = (s, j)
+    rows = []
+    for s in TEMPLATE_STEPS:
+        kinds, index, back, sizes = [], [], [], []
+        for k, op, n in records[s]:
+            if k == 0:
+                kinds.append(0), index.append(op - first[s]), back.append(0), sizes.append(n)
+            else:
+                u = where.get(op)
+                if u is None or not 0 <= s - u[0] <= 1:
+                    return None  # a free of something older than the step before: no template
+                kinds.append(1), index.append(u[1]), back.append(s - u[0]), sizes.append(0)
+        rows.append((kinds, index, back, sizes))
+    (k2, i2, b2, n2), (k3, i3, b3, n3), (k4, i4, b4, n4) = rows
+    if not (k2 == k3 == k4 and i2 == i3 == i4 and b2 == b3 == b4):
+        return None
+    a2, a3, a4 = (np.array(n, np.int64) for n in (n2, n3, n4))
+    slope = a3 - a2
+    if not np.array_equal(a4 - a3, slope) or (slope < 0).any():
+        return None
+    n_allocs = first[3] - first[2]
+    if first[4] - first[3] != n_allocs or first[2] - first[1] != n_allocs:
+        return None
+    return StepTemplate(np.array(k2, np.int8), np.array(i2, np.int64), np.array(b2, np.int64), a2, slope, 2,
+                        first[2], n_allocs)
+
+
+class StepJumper:
+    """An op sink in front of a :class:`SinkGroup` that records decode steps 1 .. 4 and, after step 4, makes
+    the remaining decode steps from their template (Note [Decode step template])."""
+
+    def __init__(self, group: SinkGroup, on_step: Any, last_step: int) -> None:
+        self.group = group
+        self.on_step = on_step
+        self.last_step = last_step
+        self.step = 0
+        self.records: dict[int, list[tuple[int, int, int]]] = {}
+        self.template: StepTemplate | None = None
+
+    def alloc(self, op_id: int, nbytes: int) -> None:
+        if 1 <= self.step <= TEMPLATE_STEPS[-1]:
+            self.records.setdefault(self.step, []).append((0, op_id, nbytes))
+        self.group.alloc(op_id, nbytes)
+
+    def free(self, op_id: int) -> None:
+        if 1 <= self.step <= TEMPLATE_STEPS[-1]:
+            self.records.setdefault(self.step, []).append((1, op_id, 0))
+        self.group.free(op_id)
+
+    def end_step(self, step: int) -> None:
+        """After the prefill (0) and each decode step: the sinks', then ``on_step(step)``."""
+        self.step = step + 1
+        self.group.end_step(step)
+        self.on_step(step)
+
+    def jump(self, step: int, e: Any, live: list[int], cache: list[int]) -> int:
+        """After decode step ``step`` (the emitter's hook): make steps ``step + 1 .. last_step`` here."""
+        if step != TEMPLATE_STEPS[-1] or self.last_step <= step:
+            return step
+        tpl = build_template(self.records)
+        self.records.clear()
+        if tpl is None:
+            return step
+        lo, hi = tpl.alloc_id(step, 0), tpl.alloc_id(step, tpl.n_allocs)
+        carried = [op for op in e.live if op >= tpl.alloc_id(1, 0)]
+        if any(not lo <= op < hi for op in carried):
+            return step  # something made before this step is still live: the template does not carry it
+        self.template = tpl
+        for t in range(step + 1, self.last_step + 1):
+            for s in self.group.sinks:
+                if s.error is None:
+                    s.run_step(t, tpl)
+            self.end_step(t)
+            if all(s.error is not None for s in self.group.sinks):
+                raise AllStopped
+        last = self.last_step
+        # the emitter's state as the last step leaves it: its live tensors renamed and resized
+        shift = (last - step) * tpl.n_allocs
+        sizes = tpl.sizes(last)
+        alloc_pos = np.flatnonzero(tpl.kinds == 0)
+        for op in carried:
+            rounded, cat = e.live.pop(op)
+            n = int(sizes[alloc_pos[op - lo]])
+            new = -(-max(n, 1) // 512) * 512
+            e.live[op + shift] = (new, cat)
+            e.by_cat[cat] += new - rounded
+            e.cur += new - rounded
+        e.next_id += shift
+        live[:] = [op + shift for op in live]
+        cache[:] = [op + shift if op >= 0 else op for op in cache]
+        return last

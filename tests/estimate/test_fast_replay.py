@@ -1,0 +1,143 @@
+"""Issue 22 point 5: the fast replay of generate() (one stream for every policy, decode steps made from a
+template, the small pool skipped at a fixed point) gives the full replay's figures to the byte."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from gpumem.allocator import make_allocator
+from gpumem.errors import InvalidArgumentError
+from gpumem.estimate import ModelShape, inference_trace
+from gpumem.estimate.fastreplay import (PlainSink, SinkGroup, SkippingSink, StepJumper, build_template,
+                                        can_skip_small_pool)
+from gpumem.estimate.fit import _replay, replay_inference
+from gpumem.estimate.workload import stream_inference
+from gpumem.specs import open_device
+
+POLICIES = ("pytorch", "expandable", "gpumem", "bestfit", "cupy")
+DEVICE = "sim:h200-141gb"
+
+
+@st.composite
+def shapes(draw):
+    heads = draw(st.sampled_from([2, 4, 8]))
+    head_dim = draw(st.sampled_from([16, 64, 128]))
+    kv_heads = draw(st.sampled_from([h for h in (1, 2, 4, 8) if heads % h == 0]))
+    window = draw(st.sampled_from([0, 0, 0, 40]))
+    return ModelShape(heads * head_dim, draw(st.sampled_from([96, 344, 1024])), draw(st.integers(1, 3)),
+                      draw(st.sampled_from([500, 1000, 32000])), heads, kv_heads, sliding_window=window)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shapes(), st.integers(1, 6), st.integers(1, 900), st.integers(0, 260), st.sampled_from([1, 2, 4]),
+       st.lists(st.sampled_from(POLICIES), min_size=1, max_size=3, unique=True), st.sampled_from([None, 0.6, 0.9, 1.0]))
+def test_fast_replay_gives_the_full_replays_figures_to_the_byte(shape, batch, prompt, new, dtype_bytes, policies,
+                                                                 limit_share):
+    peak = inference_trace(shape, dtype_bytes, batch_size=batch, prompt_len=prompt, new_tokens=new).peak_nbytes
+    # a limit near the peak makes some replays run out of memory, in the prefill or in a decode step
+    limit = None if limit_share is None else int(peak / limit_share) + 3 * 2**20
+    kw = dict(batch_size=batch, prompt_len=prompt, new_tokens=new, limit=limit)
+    fast = replay_inference(shape, dtype_bytes, policies, DEVICE, **kw)
+    full = replay_inference(shape, dtype_bytes, policies, DEVICE, full_replay=True, **kw)
+    assert fast == full
+
+
+def test_the_full_replay_is_the_full_traces_replay():
+    s = ModelShape(128, 344, 2, 1000, 4, 2)
+    w = inference_trace(s, 2, batch_size=2, prompt_len=40, new_tokens=150, full_decode=True)
+    fast = replay_inference(s, 2, POLICIES, DEVICE, batch_size=2, prompt_len=40, new_tokens=150)
+    for r in fast:
+        ref = _replay(w, DEVICE, r.policy)
+        assert (r.peak_reserved_bytes, r.fits, r.peak_allocated_bytes) == (ref.peak_reserved_bytes, ref.fits,
+                                                                           w.peak_nbytes), r.policy
+
+
+class _Recorder(PlainSink):
+    """Records every op it is given, one by one (no allocator)."""
+
+    def __init__(self):
+        self.ops, self.error, self.ptrs = [], None, {}
+
+    def alloc(self, op_id, nbytes):
+        self.ops.append((0, op_id, nbytes))
+
+    def free(self, op_id):
+        self.ops.append((1, op_id))
+
+    def end_step(self, step):
+        pass
+
+    def run_step(self, t, tpl):
+        for k, i, n in zip(tpl.kinds.tolist(), tpl.op_ids(t).tolist(), tpl.sizes(t).tolist()):
+            self.alloc(i, n) if k == 0 else self.free(i)
+
+
+@pytest.mark.parametrize("shape", [ModelShape(128, 344, 2, 1000, 4, 4), ModelShape(256, 688, 3, 3000, 8, 2),
+                                   ModelShape(256, 512, 2, 1000, 4, 2, n_experts=4, experts_per_token=2)])
+def test_the_template_makes_the_emitters_ops(shape):
+    made, ref = _Recorder(), _Recorder()
+    jumper = StepJumper(SinkGroup([made]), lambda step: None, 99)
+    stream_inference(shape, 2, (jumper,), batch_size=3, prompt_len=50, new_tokens=100, on_step=jumper.end_step,
+                     jump=jumper.jump)
+    stream_inference(shape, 2, (ref,), batch_size=3, prompt_len=50, new_tokens=100)
+    assert jumper.template is not None
+    assert made.ops == ref.ops
+
+
+def test_no_template_from_steps_that_differ():
+    assert build_template({}) is None
+    records = {s: [(0, 10 * s, 100), (0, 10 * s + 1, 8 * s), (1, 10 * s - 10, 0)] for s in range(1, 5)}
+    assert build_template(records) is not None
+    records[4] = [(0, 40, 100), (1, 30, 0), (0, 41, 32)]  # another order
+    assert build_template(records) is None
+    records[4] = [(0, 40, 100), (0, 41, 40), (1, 30, 0)]  # not affine in the step (8, 16, 24, 40)
+    assert build_template(records) is None
+
+
+def test_the_small_pool_is_skipped_and_the_figures_stay():
+    shape = ModelShape(1024, 2048, 1, 1000, 8, 8)  # KV cache tensors of over 1 MiB: in the large pool
+    devs = [open_device(DEVICE), open_device(DEVICE)]
+    try:
+        skipping, every = (make_allocator(d, "pytorch") for d in devs)
+        assert can_skip_small_pool(skipping) and not can_skip_small_pool(make_allocator(devs[0], "gpumem"))
+        sinks = [SkippingSink(skipping), PlainSink(every)]
+        jumper = StepJumper(SinkGroup(sinks), lambda step: None, 299)
+        stream_inference(shape, 2, (jumper,), prompt_len=600, new_tokens=300, on_step=jumper.end_step,
+                         jump=jumper.jump)
+        sinks[0].finish()
+        assert sinks[0].skipped_ops > 10_000 and sinks[1].skipped_ops == 0
+        assert not any(s.voided or s.error for s in sinks)
+        # the same peak, and the same blocks left (the weights...) at the same addresses: nothing skipped stays
+        assert skipping.snapshot_stats().peak_reserved_nbytes == every.snapshot_stats().peak_reserved_nbytes
+        assert skipping.live_blocks() == every.live_blocks()
+        assert skipping.stats.allocated_nbytes == every.stats.allocated_nbytes
+    finally:
+        for d in devs:
+            d.close()
+
+
+def test_full_replay_must_be_a_bool():
+    with pytest.raises(InvalidArgumentError, match="full_replay"):
+        replay_inference(ModelShape(128, 344, 1, 1000, 4, 4), 2, ("pytorch",), DEVICE, prompt_len=8,
+                         full_replay="yes")
+
+
+@pytest.mark.parametrize("batch,prompt,new,limit_mib", [(1, 600, 300, None), (1, 600, 300, 200), (1, 900, 200, 160),
+                                                        (2, 700, 150, None), (1, 2000, 260, 300)])
+def test_fast_replay_that_skips_matches_the_full_one(batch, prompt, new, limit_mib):
+    shape = ModelShape(1024, 2048, 1, 1000, 8, 8)  # the small pool is skipped here (test above)
+    kw = dict(batch_size=batch, prompt_len=prompt, new_tokens=new, limit=limit_mib and limit_mib * 2**20)
+    fast = replay_inference(shape, 2, POLICIES, DEVICE, **kw)
+    full = replay_inference(shape, 2, POLICIES, DEVICE, full_replay=True, **kw)
+    assert fast == full
+
+
+@pytest.mark.parametrize("kw", [dict(policy="pytorch", new_tokens=120, prompt_len=600),
+                                dict(policy="gpumem", new_tokens=40, prompt_len=300),
+                                dict(policy="bestfit", new_tokens=30, prompt_len=200),
+                                dict(policy="pytorch", search="seq_len", batch_size=3, new_tokens=50),
+                                dict(policy="pytorch", training=True, prompt_len=64)])
+def test_fit_with_shared_probes_and_fast_replays_answers_as_the_full_one(kw):
+    from gpumem.estimate import find_max_batch
+    shape = ModelShape(1024, 2048, 1, 1000, 8, 8)
+    args = dict(device="sim:t4-16gb", max_value=512, **kw)
+    assert find_max_batch(shape, 2, **args) == find_max_batch(shape, 2, full_replay=True, **args)

@@ -284,6 +284,10 @@ Engine::Engine(Backend& backend, const EngineConfig& config) : backend_(backend)
                           "va_reserve_factor times the device's total memory is 2**64 B or more of address space "
                           "per pool, more than 64-bit addresses hold; lower va_reserve_factor");
     va_nbytes_ = (va + g_ - 1) / g_ * g_;
+    if ((g_ & (g_ - 1)) == 0)
+        while ((std::uint64_t{1} << g_shift_) < g_) ++g_shift_;   // page_of shifts: no division on the hot path
+    else
+        g_shift_ = -1;
     small_max_ = cfg_.separate_small_pool ? static_cast<std::int64_t>(cfg_.small_max_nbytes) : -1;
     // AllocatorPolicy.__post_init__'s checks of the growth knobs
     if (!(cfg_.page_slack >= 0.0 && cfg_.page_slack <= 1.0) ||
@@ -710,8 +714,8 @@ void Engine::va_exhausted(std::uint64_t nbytes) {
 // VirtualBacking.commit
 void Engine::commit(Block* b) {
     VSeg* seg = b->seg;
-    std::int64_t first = static_cast<std::int64_t>((b->addr - seg->base) / g_);
-    std::int64_t last = static_cast<std::int64_t>((b->addr + b->size - 1 - seg->base) / g_);
+    std::int64_t first = page_of(b->addr - seg->base);
+    std::int64_t last = page_of(b->addr + b->size - 1 - seg->base);
     auto& refs = seg->refs;
     if (first == last && refs[first]) {
         ++refs[first];   // the common case: a page already holding live data
@@ -755,8 +759,8 @@ void Engine::commit(Block* b) {
 // a run is spliced out with two links, not two per page), the live counts counted in registers.
 bool Engine::commit_quietly(Block* b, std::uint64_t nbytes) {
     VSeg* seg = b->seg;
-    const std::int64_t first = static_cast<std::int64_t>((b->addr - seg->base) / g_);
-    const std::int64_t last = static_cast<std::int64_t>((b->addr + nbytes - 1 - seg->base) / g_);
+    const std::int64_t first = page_of(b->addr - seg->base);
+    const std::int64_t last = page_of(b->addr + nbytes - 1 - seg->base);
     std::int64_t* r = seg->refs.data();   // counted here, stored once: the stores to the pages do not reload them
     if (last == first && r[first]) {
         ++r[first];
@@ -804,8 +808,8 @@ bool Engine::commit_quietly(Block* b, std::uint64_t nbytes) {
 // VirtualBacking.decommit
 void Engine::decommit(Block* b) {
     VSeg* seg = b->seg;
-    std::int64_t first = static_cast<std::int64_t>((b->addr - seg->base) / g_);
-    std::int64_t last = static_cast<std::int64_t>((b->addr + b->size - 1 - seg->base) / g_);
+    std::int64_t first = page_of(b->addr - seg->base);
+    std::int64_t last = page_of(b->addr + b->size - 1 - seg->base);
     std::int64_t* r = seg->refs.data();
     std::uint64_t stream = b->stream;
     bool multi = multi_stream_;
@@ -1761,7 +1765,7 @@ std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stre
     if (nbytes == 0) return 0;
     const std::uint64_t r = cfg_.round_nbytes;
     if (nbytes > UINT64_MAX - r) return 0;
-    std::uint64_t size = (nbytes + r - 1) / r * r;
+    std::uint64_t size = (nbytes + r - 1) & ~(r - 1);   // r is a power of two (the constructor checks)
     bool small = static_cast<std::int64_t>(size) <= small_max_ && size <= (UINT64_MAX >> 1);
     Guard guard(*this);
     if (lost_ || closed_) return 0;
@@ -1780,7 +1784,7 @@ std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stre
 std::uint64_t Engine::allocate(std::uint64_t nbytes, std::uint64_t stream) {
     if (nbytes == 0) throw EngineError(EngineErrorKind::kInvalidArgument, "nbytes must be positive, got 0");
     const std::uint64_t r = cfg_.round_nbytes;
-    std::uint64_t size = nbytes > UINT64_MAX - r ? UINT64_MAX : (nbytes + r - 1) / r * r;
+    std::uint64_t size = nbytes > UINT64_MAX - r ? UINT64_MAX : (nbytes + r - 1) & ~(r - 1);
     bool small = size <= (UINT64_MAX >> 1) && static_cast<std::int64_t>(size) <= small_max_;
     Guard guard(*this);
     // Note [The hot path makes no device call]

@@ -159,6 +159,8 @@ def breakdown(cupy: Any, device: int, n: int = 200_000) -> list[tuple[str, float
         ("cupy-pool: pool.malloc(512), dropped", lambda: pool.malloc(512)),
         ("gpumem: hook(512), dropped", lambda: hook(512)),
         ("  CudaAllocator.allocate(512) + free", lambda: engine.free(engine.allocate(512))),
+        ("  hook.current_device() (the hook's device lookup)", hook.current_device),
+        ("  hook.current_stream() (the hook's stream lookup)", hook.current_stream),
         ("  cupy.cuda.runtime.getDevice()", cupy.cuda.runtime.getDevice),
         ("  cupy.cuda.get_current_stream().ptr", lambda: stream_ptr().ptr),
         ("  UnownedMemory + MemoryPointer (no owner)", lambda: mem.MemoryPointer(mem.UnownedMemory(1 << 40, 512, None, device), 0)),

@@ -497,6 +497,40 @@ PyObject* cupy_pointer(CupyAllocObject* self, std::uint64_t ptr, std::uint64_t s
     return out;
 }
 
+// The device an allocation goes to: the device of the current context is CuPy's current device once
+// CuPy has used it (cudaSetDevice makes its primary context current); before that (no context yet),
+// CuPy's own function says. False with an exception set.
+bool current_device(CupyAllocObject* self, int* out) {
+    long long dev = gpumem::current_context_device();
+    if ((dev < 0 || dev >= kMaxCupyDevices) &&
+        !call_int(self->get_device, "CuPy's current device", 0, kMaxCupyDevices, &dev))
+        return false;
+    *out = static_cast<int>(dev);
+    return true;
+}
+
+// CuPy's current stream (its handle), refused where it is the per-thread default stream. False with an
+// exception set.
+bool current_stream(CupyAllocObject* self, long long* out) {
+    long long stream = 0;
+    if (self->stream_fn) {
+        stream = static_cast<long long>(self->stream_fn());
+        if (stream == -1 && PyErr_Occurred()) return false;
+        if (stream < 0) {
+            raise_as("InvalidArgumentError", "CuPy's current stream is " + std::to_string(stream));
+            return false;
+        }
+    } else if (!call_int(self->get_stream, "CuPy's current stream", 0, LLONG_MAX, &stream)) {
+        return false;
+    }
+    if (stream == kPerThreadStream) {
+        raise_as("BackendUnavailableError", kPerThreadMessage);
+        return false;
+    }
+    *out = stream;
+    return true;
+}
+
 PyObject* CupyAlloc_vectorcall(PyObject* callable, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
     auto* self = reinterpret_cast<CupyAllocObject*>(callable);
     if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames && PyTuple_GET_SIZE(kwnames))) {
@@ -505,32 +539,14 @@ PyObject* CupyAlloc_vectorcall(PyObject* callable, PyObject* const* args, size_t
     }
     std::uint64_t nbytes = 0;
     if (as_u64(args[0], "nbytes", &nbytes) < 0) return nullptr;
-    // the device of the current context is CuPy's current device once CuPy has used it (cudaSetDevice
-    // makes its primary context current); before that (no context yet), CuPy's own function says
-    long long dev = gpumem::current_context_device();
-    if ((dev < 0 || dev >= kMaxCupyDevices) &&
-        !call_int(self->get_device, "CuPy's current device", 0, kMaxCupyDevices, &dev))
-        return nullptr;
-    const int device = static_cast<int>(dev);
+    int device = 0;
+    if (!current_device(self, &device)) return nullptr;
     if (nbytes == 0) {   // no memory, as CuPy's pool gives a size-0 array
         Py_INCREF(Py_None);
         return cupy_pointer(self, 0, 0, Py_None, device);
     }
     long long stream = 0;
-    if (self->stream_fn) {
-        stream = static_cast<long long>(self->stream_fn());
-        if (stream == -1 && PyErr_Occurred()) return nullptr;
-        if (stream < 0) {
-            raise_as("InvalidArgumentError", "CuPy's current stream is " + std::to_string(stream));
-            return nullptr;
-        }
-    } else if (!call_int(self->get_stream, "CuPy's current stream", 0, LLONG_MAX, &stream)) {
-        return nullptr;
-    }
-    if (stream == kPerThreadStream) {
-        raise_as("BackendUnavailableError", kPerThreadMessage);
-        return nullptr;
-    }
+    if (!current_stream(self, &stream)) return nullptr;
     Engine* engine = self->engines[device];
     if (engine == nullptr) {
         if (!without_gil(device, [&] { engine = &gpumem::cuda_engine(device); })) return nullptr;
@@ -663,9 +679,25 @@ PyObject* CupyAlloc_engine_devices(CupyAllocObject* self, PyObject*) {
 
 PyObject* CupyAlloc_stream_in_c(CupyAllocObject* self, PyObject*) { return PyBool_FromLong(self->stream_fn != nullptr); }
 
+PyObject* CupyAlloc_current_device(CupyAllocObject* self, PyObject*) {
+    int device = 0;
+    return current_device(self, &device) ? PyLong_FromLong(device) : nullptr;
+}
+
+PyObject* CupyAlloc_current_stream(CupyAllocObject* self, PyObject*) {
+    long long stream = 0;
+    return current_stream(self, &stream) ? PyLong_FromLongLong(stream) : nullptr;
+}
+
 PyMethodDef CupyAlloc_methods[] = {
     {"reads_stream_in_c", reinterpret_cast<PyCFunction>(CupyAlloc_stream_in_c), METH_NOARGS,
      "reads_stream_in_c() -> bool: whether CuPy's current stream is read through CuPy's C function (a capsule)."},
+    {"current_device", reinterpret_cast<PyCFunction>(CupyAlloc_current_device), METH_NOARGS,
+     "current_device() -> int: the device an allocation now goes to, found as each allocation finds it (the current "
+     "context's device, else CuPy's current device)."},
+    {"current_stream", reinterpret_cast<PyCFunction>(CupyAlloc_current_stream), METH_NOARGS,
+     "current_stream() -> int: CuPy's current stream, read as each allocation reads it (the per-thread default "
+     "stream refused)."},
     {"devices", reinterpret_cast<PyCFunction>(CupyAlloc_engine_devices), METH_NOARGS,
      "devices() -> list[int]: the devices this allocator has allocated on (CudaAllocator(d) reads each one)."},
     {nullptr, nullptr, 0, nullptr},

@@ -78,11 +78,12 @@ struct VSeg {
     std::unique_ptr<FenceMap> top_fences;
     std::vector<std::uint8_t> deferred;   // seg.deferred: old mappings of chunks stolen stream-ordered
     std::size_t n_deferred = 0;
+    std::vector<std::uint8_t> seen;       // idle_chunks' marks, all clear between calls (Note [Unmarking what was marked])
 
     VSeg(std::uint64_t b, std::uint64_t n, bool s, std::uint64_t g)
         : base(b), nbytes(n), small(s), n_pages(static_cast<std::int64_t>(n / g)), refs(n / g, 0),
           chunks(n / g, 0), eprev(n / g, -1), enext(n / g, -1), in_empty(n / g, 0), dirty(n / g),
-          users(n / g), noaccess(n / g, 0), deferred(n / g, 0) {}
+          users(n / g), noaccess(n / g, 0), deferred(n / g, 0), seen(n / g, 0) {}
 
     bool is_empty(std::int64_t p) const { return in_empty[p] != 0; }
     void empty_add(std::int64_t p) {   // seg.empty[p] = None (keeps its place if there)
@@ -190,6 +191,7 @@ using detail::Block;
 using detail::FenceMap;
 using detail::FreeList;
 using detail::VSeg;
+using detail::StreamTable;
 
 namespace {
 constexpr std::size_t kFreedMemory = 65536;   // python_engine.py _FREED_MEMORY
@@ -283,6 +285,10 @@ Engine::Engine(Backend& backend, const EngineConfig& config) : backend_(backend)
                           "va_reserve_factor times the device's total memory is 2**64 B or more of address space "
                           "per pool, more than 64-bit addresses hold; lower va_reserve_factor");
     va_nbytes_ = (va + g_ - 1) / g_ * g_;
+    if ((g_ & (g_ - 1)) == 0)
+        while ((std::uint64_t{1} << g_shift_) < g_) ++g_shift_;   // page_of shifts: no division on the hot path
+    else
+        g_shift_ = -1;
     small_max_ = cfg_.separate_small_pool ? static_cast<std::int64_t>(cfg_.small_max_nbytes) : -1;
     // AllocatorPolicy.__post_init__'s checks of the growth knobs
     if (!(cfg_.page_slack >= 0.0 && cfg_.page_slack <= 1.0) ||
@@ -709,8 +715,8 @@ void Engine::va_exhausted(std::uint64_t nbytes) {
 // VirtualBacking.commit
 void Engine::commit(Block* b) {
     VSeg* seg = b->seg;
-    std::int64_t first = static_cast<std::int64_t>((b->addr - seg->base) / g_);
-    std::int64_t last = static_cast<std::int64_t>((b->addr + b->size - 1 - seg->base) / g_);
+    std::int64_t first = page_of(b->addr - seg->base);
+    std::int64_t last = page_of(b->addr + b->size - 1 - seg->base);
     auto& refs = seg->refs;
     if (first == last && refs[first]) {
         ++refs[first];   // the common case: a page already holding live data
@@ -742,13 +748,23 @@ void Engine::commit(Block* b) {
 }
 
 // VirtualBacking.commit_quietly (Note [A quiet commit] in backing.py)
+//
+// Note [Pages of a block in one pass]: a block of several pages (most of the memory of a training
+// step: activations of MiBs to GiBs, 2 MiB pages) costs the hot path a loop over its pages on each
+// allocation and each free: the live count of every page, the insertion-ordered list of empty pages,
+// the stream each empty page is dirty with. On gpt2_bf16 those loops were two fifths of the engine's
+// instructions (reports/cupy-hook-cpu-profile.md). Same bookkeeping, cheaper: a free on one stream
+// skips the users table and notes a page dirty only when it is not dirty with that stream already
+// (in a steady state it is: the same step freed it last time); an allocation unlinks the pages it
+// takes from the empty list a run at a time (pages emptied by one free follow each other there, so
+// a run is spliced out with two links, not two per page), the live counts counted in registers.
 bool Engine::commit_quietly(Block* b, std::uint64_t nbytes) {
     VSeg* seg = b->seg;
-    const std::int64_t first = static_cast<std::int64_t>((b->addr - seg->base) / g_);
-    const std::int64_t last = static_cast<std::int64_t>((b->addr + nbytes - 1 - seg->base) / g_);
-    auto& refs = seg->refs;
-    if (last == first && refs[first]) {
-        ++refs[first];
+    const std::int64_t first = page_of(b->addr - seg->base);
+    const std::int64_t last = page_of(b->addr + nbytes - 1 - seg->base);
+    std::int64_t* r = seg->refs.data();   // counted here, stored once: the stores to the pages do not reload them
+    if (last == first && r[first]) {
+        ++r[first];
         return true;
     }
     const ChunkHandle* chunks = seg->chunks.data();
@@ -757,15 +773,34 @@ bool Engine::commit_quietly(Block* b, std::uint64_t nbytes) {
     if (seg->n_noaccess)
         for (std::int64_t p = first; p <= last; ++p)
             if (seg->noaccess[p]) return false;
-    std::int64_t* r = refs.data();   // counted here, stored once: the stores to the pages do not reload them
-    std::int64_t newly_live = 0;
+    std::uint8_t* in_empty = seg->in_empty.data();
+    std::int64_t* eprev = seg->eprev.data();
+    std::int64_t* enext = seg->enext.data();
+    std::int64_t newly_live = 0, unlinked = 0;
+    std::int64_t run_head = -1, run_tail = -1;   // pages leaving the empty list, linked there head to tail
+    auto splice_out = [&]() {
+        const std::int64_t before = eprev[run_head], after = enext[run_tail];
+        if (before >= 0) enext[before] = after; else seg->ehead = after;
+        if (after >= 0) eprev[after] = before; else seg->etail = before;
+    };
     for (std::int64_t p = first; p <= last; ++p) {
         if (r[p] == 0) {
-            seg->empty_pop(p);
             ++newly_live;
+            if (in_empty[p]) {   // seg->empty_pop(p), a run at a time
+                in_empty[p] = 0;
+                ++unlinked;
+                if (run_tail >= 0 && enext[run_tail] == p) {
+                    run_tail = p;
+                } else {
+                    if (run_tail >= 0) splice_out();
+                    run_head = run_tail = p;
+                }
+            }
         }
         ++r[p];
     }
+    if (run_tail >= 0) splice_out();
+    seg->n_empty -= static_cast<std::size_t>(unlinked);
     live_pages_ += newly_live;
     if (live_pages_ > peak_live_pages_) peak_live_pages_ = live_pages_;
     return true;
@@ -774,29 +809,57 @@ bool Engine::commit_quietly(Block* b, std::uint64_t nbytes) {
 // VirtualBacking.decommit
 void Engine::decommit(Block* b) {
     VSeg* seg = b->seg;
-    std::int64_t first = static_cast<std::int64_t>((b->addr - seg->base) / g_);
-    std::int64_t last = static_cast<std::int64_t>((b->addr + b->size - 1 - seg->base) / g_);
-    auto& refs = seg->refs;
+    std::int64_t first = page_of(b->addr - seg->base);
+    std::int64_t last = page_of(b->addr + b->size - 1 - seg->base);
+    std::int64_t* r = seg->refs.data();
     std::uint64_t stream = b->stream;
     bool multi = multi_stream_;
-    if (first == last && refs[first] > 1) {
-        --refs[first];   // the common case: the page keeps live data
+    if (first == last && r[first] > 1) {
+        --r[first];   // the common case: the page keeps live data
         if (multi && !seg->users.equals(first, stream)) seg->users.note(first, stream);
         return;
     }
+    if (!multi) {   // one stream (Note [Pages of a block in one pass]): no users to fold into dirty
+        StreamTable& dirty = seg->dirty;
+        const std::uint8_t* dirty_state = dirty.state.data();
+        const std::uint64_t* dirty_one = dirty.one.data();
+        std::uint8_t* in_empty = seg->in_empty.data();
+        std::int64_t* eprev = seg->eprev.data();
+        std::int64_t* enext = seg->enext.data();
+        std::int64_t emptied = 0, appended = 0, tail = seg->etail;
+        for (std::int64_t p = first; p <= last; ++p) {
+            if (--r[p] != 0) continue;
+            ++emptied;
+            if (!in_empty[p]) {   // seg->empty_add(p); the tail's next link is written once, after the loop
+                in_empty[p] = 1;
+                eprev[p] = tail;
+                if (tail >= 0) enext[tail] = p; else seg->ehead = p;
+                tail = p;
+                ++appended;
+            }
+            if (!(dirty_state[p] == 1 && dirty_one[p] == stream)) dirty.note(p, stream);   // mostly dirty with it already
+        }
+        if (appended) {
+            enext[tail] = -1;
+            seg->etail = tail;
+            seg->n_empty += static_cast<std::size_t>(appended);
+        }
+        live_pages_ -= emptied;
+        return;
+    }
     for (std::int64_t p = first; p <= last; ++p) {
-        --refs[p];
-        if (refs[p] == 0) {
+        --r[p];
+        if (r[p] == 0) {
             seg->empty_add(p);
             --live_pages_;
             seg->dirty.note(p, stream);
-            if (multi && seg->users.has(p)) {
+            if (seg->users.has(p)) {
                 std::vector<std::uint64_t> us;
                 seg->users.get(p, us);
                 seg->users.pop(p);
                 for (auto u : us) seg->dirty.note(p, u);
             }
-        } else if (multi && !seg->users.equals(p, stream)) {
+        } else if (!seg->users.equals(p, stream)) {
             seg->users.note(p, stream);
         }
     }
@@ -1322,17 +1385,33 @@ ChunkHandle Engine::create_chunk(std::int64_t n_pages, std::uint64_t requested) 
 }
 
 // VirtualBacking._idle_chunks (in no particular order: every caller sorts by (pages, address))
+//
+// Note [Unmarking what was marked]: the pages of every chunk looked at are marked in the range's `seen`
+// (each chunk is looked at once), and only those are unmarked after: clearing a mark per page of the range
+// on each call (its whole virtual range, twice the device's memory: 137k pages on an H200) was three
+// quarters of the engine's instructions on gpt2_bf16 at page slack 0.005, where it steals in every step
+// (reports/cupy-hook-cpu-profile.md).
 void Engine::idle_chunks(VSeg* seg, std::int64_t first, std::int64_t last, std::vector<IdleChunk>& found) {
     found.clear();
-    std::vector<std::uint8_t> seen;   // the pages of every chunk looked at (each chunk is looked at once)
+    struct Unmark {   // leaves every `seen` all clear, also when chunk_pages throws
+        std::uint8_t* seen = nullptr;
+        std::vector<std::pair<std::int64_t, std::int64_t>> marked;   // (first page, pages)
+        ~Unmark() { clear(); }
+        void clear() {
+            for (const auto& m : marked) std::fill(seen + m.first, seen + m.first + m.second, std::uint8_t{0});
+            marked.clear();
+        }
+    } unmark;
     for (auto& up : vsegs_) {
         VSeg* other = up.get();
-        seen.assign(static_cast<std::size_t>(other->n_pages), 0);
+        unmark.clear();
+        std::uint8_t* seen = unmark.seen = other->seen.data();
         for (std::int64_t p = other->ehead; p >= 0; p = other->enext[p]) {
             if (seen[p]) continue;
             std::int64_t s = chunk_start(other, p);
             std::int64_t n = chunk_pages(other->chunks[s]);
-            for (std::int64_t q = s; q < s + n; ++q) seen[q] = 1;
+            unmark.marked.emplace_back(s, n);
+            std::fill(seen + s, seen + s + n, std::uint8_t{1});
             if (other == seg && s <= last && s + n > first) continue;
             bool idle = true;
             for (std::int64_t q = s; q < s + n && idle; ++q) idle = other->is_empty(q);
@@ -1703,7 +1782,7 @@ std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stre
     if (nbytes == 0) return 0;
     const std::uint64_t r = cfg_.round_nbytes;
     if (nbytes > UINT64_MAX - r) return 0;
-    std::uint64_t size = (nbytes + r - 1) / r * r;
+    std::uint64_t size = (nbytes + r - 1) & ~(r - 1);   // r is a power of two (the constructor checks)
     bool small = static_cast<std::int64_t>(size) <= small_max_ && size <= (UINT64_MAX >> 1);
     Guard guard(*this);
     if (lost_ || closed_) return 0;
@@ -1722,7 +1801,7 @@ std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stre
 std::uint64_t Engine::allocate(std::uint64_t nbytes, std::uint64_t stream) {
     if (nbytes == 0) throw EngineError(EngineErrorKind::kInvalidArgument, "nbytes must be positive, got 0");
     const std::uint64_t r = cfg_.round_nbytes;
-    std::uint64_t size = nbytes > UINT64_MAX - r ? UINT64_MAX : (nbytes + r - 1) / r * r;
+    std::uint64_t size = nbytes > UINT64_MAX - r ? UINT64_MAX : (nbytes + r - 1) & ~(r - 1);
     bool small = size <= (UINT64_MAX >> 1) && static_cast<std::int64_t>(size) <= small_max_;
     Guard guard(*this);
     // Note [The hot path makes no device call]

@@ -183,6 +183,24 @@ def test_native_hook_refuses_a_negative_stream_and_a_bad_call():
         _hook()(nbytes=1)
 
 
+def test_native_hook_reads_the_device_and_the_stream_as_an_allocation_does():
+    from gpumem.errors import InvalidArgumentError
+
+    asked = []
+    hook = _native().CupyAllocator(lambda: asked.append(1) or 3, lambda: 7, _Mem, _Ptr, lambda *a: None)
+    device = hook.current_device()
+    # CuPy's function where no context is current (no driver here), else the current context's device
+    assert device == 3 if asked else 0 <= device < 64
+    assert hook.current_stream() == 7
+    with pytest.raises(BackendUnavailableError, match="per-thread default stream"):
+        _hook(stream=2).current_stream()
+    with pytest.raises(InvalidArgumentError, match=r"CuPy's current stream is -1, outside"):
+        _hook(stream=-1).current_stream()
+    with pytest.raises(InvalidArgumentError, match=r"CuPy's current stream is -1, outside"):
+        _hook(stream=-1)(512)
+    assert hook.devices() == []
+
+
 def test_native_hook_refuses_what_is_not_callable_and_a_foreign_capsule():
     import ctypes
 

@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -84,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the rows here")
     p.add_argument("--corpus", action="store_true", help="the corpus traces under the default policy and C instead")
     args = p.parse_args(argv)
+    if not math.isfinite(args.us_per_call) or args.us_per_call < 0:
+        p.error(f"--us-per-call must be a finite number >= 0, got {args.us_per_call}")
+    if args.json is not None and not args.json.parent.is_dir():   # checked before the long run, not after
+        p.error(f"--json: no folder {args.json.parent}")
     if args.corpus:
         rows = corpus_rows()
         print("| part | trace | setting | overhead | driver calls / 1k ops, second half | event calls / 1k ops |")

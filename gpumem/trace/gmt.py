@@ -216,7 +216,7 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                         raise ValueError(f"negative size {shorten(p[2])}")
                     n = _int(p[2], "size", 0, _INT64_MAX)
                     a = _int(p[5], "addr", 0, _INT64_MAX, 16)
-                    s, t = _int(p[3], "stream", -_INT64_MAX, _INT64_MAX), _time(p[4])
+                    s, t = _int(p[3], "stream", 0, _INT64_MAX), _time(p[4])
                     kinds.append(0)
                     alloc_nbytes.append(n)
                     alloc_addrs.append(a)
@@ -225,7 +225,7 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                     aid = _int(p[1], "alloc id", 0, _INT64_MAX)
                     if not 0 <= aid < len(live) or not live[aid]:
                         raise ValueError(f"free of id {aid}, which is not live")
-                    s, t = _int(p[2], "stream", -_INT64_MAX, _INT64_MAX), _time(p[3])
+                    s, t = _int(p[2], "stream", 0, _INT64_MAX), _time(p[3])
                     live[aid] = 0
                     n, a = alloc_nbytes[aid], alloc_addrs[aid]
                     kinds.append(1)
@@ -233,7 +233,7 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                     aid = _int(p[1], "alloc id", 0, _INT64_MAX)
                     if not 0 <= aid < len(live) or not live[aid]:
                         raise ValueError(f"stream use of id {aid}, which is not live")
-                    uses.append(StreamUse(len(kinds), aid, _int(p[2], "stream", -_INT64_MAX, _INT64_MAX), _time(p[3])))
+                    uses.append(StreamUse(len(kinds), aid, _int(p[2], "stream", 0, _INT64_MAX), _time(p[3])))
                     if len(kinds) + len(uses) > max_ops:
                         raise TraceFormatError(where, f"line {lineno}: more than {max_ops:,} entries ({binding}); "
                                                       "raise the limit if the file is genuine")

@@ -65,3 +65,13 @@ def test_the_prediction_is_the_calls_cost_over_pytorchs_less_pytorchs_over_the_l
     assert row["calls_idle-priced"] == pytest.approx(5.0 / row["live_pytorch_ms"])
     assert row["sim_measured"] == pytest.approx(2.0 / row["live_pytorch_ms"])
     assert text.count("\n") == 1 + len(rows)
+
+
+@pytest.mark.parametrize("argv, what", [(["--us-per-call", "nan"], "finite"), (["--us-per-call", "-5"], "finite"),
+                                        (["--json", "no-such-folder/x.json"], "no folder")])
+def test_steal_frontier_refuses_bad_options_before_the_long_run(argv, what, capsys):
+    from sim import steal_frontier
+
+    with pytest.raises(SystemExit) as exc:
+        steal_frontier.main(argv)
+    assert exc.value.code == 2 and what in capsys.readouterr().err

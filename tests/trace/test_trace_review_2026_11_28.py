@@ -69,3 +69,14 @@ def test_a_time_unit_other_than_us_is_refused(tmp_path: Path, unit):
     del header["time_unit"]        # older files without the field are microseconds
     path.write_text(json.dumps(header) + "\na 0 100 0 0 1000\nf 0 0 3\n")
     assert load_trace(path).n_ops == 2
+
+
+@pytest.mark.parametrize("lines", ["a 0 100 -5 0 1000\nf 0 -5 3\n", "a 0 100 0 0 1000\nf 0 -1 3\n"])
+def test_a_negative_stream_in_a_gmt_file_is_refused_naming_the_line(tmp_path: Path, lines):
+    # the replay stopped later with "stream must be an int in [0, 2**64)", naming neither file nor line
+    header = {"format": "gpumem-trace", "version": 1, "name": "x", "source": "gpumem", "n_ops": 2, "n_allocs": 1,
+              "n_unmatched_frees": 0, "n_failed_allocs": 0, "time_unit": "us"}
+    path = tmp_path / "neg.gmt"
+    path.write_text(json.dumps(header) + "\n" + lines)
+    with pytest.raises(TraceFormatError, match=r"line \d+.*stream -\d+ out of range"):
+        load_trace(path)

@@ -184,8 +184,10 @@ def stream_use_plan(trace: Trace, allocator: Any) -> StreamUsePlan | None:
         return None
     record = getattr(allocator, "record_stream", None)
     if record is None:
-        raise InvalidArgumentError(f"{trace.name} has {len(trace.stream_uses)} stream uses (record_stream); "
-                                   f"the {type(allocator).__name__} cannot take them")
+        n = len(trace.stream_uses)
+        raise InvalidArgumentError(f"{trace.name} has {n} stream use{'' if n == 1 else 's'} (record_stream); "
+                                   f"the {type(allocator).__name__} cannot take them: replay it under a policy "
+                                   "of the caching allocator (gpumem, pytorch, expandable, cupy, bestfit)")
     return StreamUsePlan(trace, record)
 
 
@@ -298,7 +300,9 @@ def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, sto
     finally:
         wall_s = time.perf_counter() - t0
         bar.close(done)
-    extra: dict[str, Any] = {"engine": getattr(allocator, "engine", "python")}
+    extra: dict[str, Any] = {"engine": getattr(allocator, "engine", "python"),
+                             # record_stream calls the replay made (those before the last op it completed)
+                             "n_stream_uses": sum(1 for u in trace.stream_uses if u.at_op <= done)}
     extra.update(gpu.finish() if gpu is not None else {"gpu_timing": GpuTiming.IDLE.value})
     stats = allocator.snapshot_stats()
     sim_end = getattr(device, "now_s", None)

@@ -311,6 +311,9 @@ def run(args: argparse.Namespace) -> int:
     footer = [f"peak in: {first['peak_phase']}; ACTIV. = activations and temporaries at the peak"]
     if not args.training:
         footer.append("KV @PEAK = the key/value cache at the peak (not after the last token)")
+    else:
+        footer.append("GRADIENTS, OPTIMIZER = what is live at the peak" +
+                      (" (0 B: the peak falls after the gradients were zeroed)" if not first.get("gradient_bytes") else ""))
     if pols:
         footer.append(f"RES = peak reserved by replay on {device} within the usable memory")
     footer.append(f"FITS, HEADROOM = whether {judged} fits the {format_bytes(first['usable_bytes'])} a "

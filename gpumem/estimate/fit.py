@@ -457,7 +457,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         check_mixed_precision(mixed_precision, dtype_bytes, optimizer_8bit=optimizer_8bit)
     if weight_format is not None and training:
         raise InvalidArgumentError("find_max_batch: a weight format with training is not modelled (full training "
-                                   "updates 16-bit weights)")
+                                   "updates 16-bit weights; `gpumem estimate --training --lora-rank R "
+                                   "--weight-format F` estimates QLoRA, `gpumem fit` has no LoRA search)")
     own = not isinstance(device, Device)
     dev = open_device(device) if own else device
     bar = progress_bar(None, f"fit {search}", " replays", enabled=progress)  # no total: tqdm writes "{n}{unit}"

@@ -31,7 +31,7 @@ streams the file under :class:`~gpumem.trace.limits.TraceLimits`: lines of bound
 length, a header of bounded nesting, at most ``max_entries`` ops and
 ``max_memory_nbytes // ENTRY_NBYTES`` (kept in compact array columns), an integer
 ``version`` (not ``true``), and every number in ASCII digits and in range (sizes,
-ids and addresses in ``[0, 2**63)``, streams in ``(-2**63, 2**63)``).
+ids, addresses and streams in ``[0, 2**63)``), and a header ``time_unit`` of ``"us"`` (or none).
 Versions: 1 has ``a`` and ``f`` lines only; 2 adds ``u`` lines and the header's ``n_stream_uses`` (their
 count). The writer writes version 1 when a trace has no stream uses (so such files are byte for byte
 what they were), 2 otherwise; the reader reads both, and refuses ``u`` lines in a version 1 file.
@@ -149,6 +149,8 @@ def _parse_header(line: str, where: str, limits: TraceLimits = DEFAULT_LIMITS) -
         )
     for key in _HEADER_INTS + (("n_stream_uses",) if header["version"] >= 2 else ()):
         value = header.get(key)
+        if key not in header:
+            raise TraceFormatError(where, f"line 1: header field {key!r} is missing")
         if type(value) is not int or not 0 <= value <= _INT64_MAX:
             raise TraceFormatError(where, f"line 1: header field {key!r} must be a non-negative 64-bit integer, "
                                           f"got {shorten(value)}")

@@ -93,7 +93,7 @@ def test_a_block_used_on_a_busy_stream_is_not_reused_at_once(engine: str) -> Non
 def test_the_bucket_pool_refuses_a_trace_with_uses() -> None:
     dev = open_device("sim:h200-141gb")
     try:
-        with pytest.raises(InvalidArgumentError, match="1 stream uses .* BucketAllocator cannot take them"):
+        with pytest.raises(InvalidArgumentError, match="1 stream use .* BucketAllocator cannot take them: replay it under"):
             stream_use_plan(_two_stream_trace(True), BucketAllocator(dev))
         assert stream_use_plan(_two_stream_trace(False), BucketAllocator(dev)) is None
     finally:

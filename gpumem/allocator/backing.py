@@ -624,6 +624,11 @@ class VirtualBacking(Backing):
                 self._map_runs(seg, need, first, last, block.size, block.stream)
             else:
                 self._map_pages(seg, need, first, last, block.size)
+        self._take_pages(seg, first, last)
+
+    def _take_pages(self, seg: VirtualSegment, first: int, last: int) -> None:
+        """One more live block on pages ``first .. last`` (mapped): a page that held none leaves the empty set."""
+        refs = seg.refs
         empty = seg.empty
         for p in range(first, last + 1):
             if refs[p] == 0:
@@ -652,14 +657,7 @@ class VirtualBacking(Backing):
         for p in range(first, last + 1):
             if chunks[p] is None or p in noaccess:
                 return False
-        empty = seg.empty
-        for p in range(first, last + 1):
-            if refs[p] == 0:
-                empty.pop(p, None)
-                self.live_pages += 1
-            refs[p] += 1
-        if self.live_pages > self.peak_live_pages:
-            self.peak_live_pages = self.live_pages
+        self._take_pages(seg, first, last)
         return True
 
     def decommit(self, block: Block) -> None:

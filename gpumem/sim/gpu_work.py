@@ -25,9 +25,13 @@ comes from is the timing:
   bytes at ``bandwidth_fraction`` of the profile's bandwidth; a free queues nothing.
 * ``idle``: no work; every fence is complete when recorded: the replay before issue 18, bit for bit.
 
-Why ``trace`` is the default: gpumem's own traces of live H200 runs replay under it to within 0.01 points
-of the live overhead on 7 of 9 workloads, and the figure hardly depends on the constants (in a training
-step every steal meets busy pages once the GPU is behind at all); ``reports/gpu-timing-calibration.md``.
+Why ``trace`` at 2 ms, priced idle, is the default: against every live H200 run whose trace gpumem recorded
+(24 rows, split by workload; ``python -m sim.predict_live``, ``reports/sim-predict-live.md``) it predicts the
+12 tuning rows within 0.77 pp (mean 0.088), and no other timing, threshold (1 ms to none) or latency model
+beats it there beyond the rows' noise (``model``: 0.079 pp, closer on 2 rows, farther on 3); on the 12
+check rows it is 2.55 pp mean (``model`` 5.05, ``idle`` 6.51). In a training step every steal meets busy
+pages once the GPU is behind at all, so the constants hardly matter there; the threshold does where a
+program synchronises often (several streams, ``generate()``), and gaps include the allocator's own time.
 Left out: kernels that touch no new block, and cross-stream waits (a trace has no events; each
 operation's work goes to its own stream). A block used on other streams is kept back as live when the
 trace has its ``record_stream`` calls (:attr:`~gpumem.trace.Trace.stream_uses`: gpumem's ``.gmt``
@@ -86,7 +90,8 @@ class GpuWorkModel:
     queue_depth: int = 1024
     """Work items the CPU may be ahead of the GPU before it blocks."""
     sync_gap_us: float = 2000.0
-    """``trace``: a gap in the trace's clock at least this long is a synchronisation, not GPU work."""
+    """``trace``: a gap in the trace's clock at least this long is a synchronisation, not GPU work (1 ms to
+    none swept against the live runs: ``reports/sim-predict-live.md``)."""
     kernel_min_us: float = 4.0
     """``model``: the shortest kernel."""
     touch_factor: float = 2.0

@@ -56,8 +56,9 @@ Off by default (``busy_factor_base=1, busy_factor_per_decade=0``: every call pri
 :meth:`LatencyModel.as_measured` turns it on. Why not the default: dearer calls move the CPU's clock,
 so fences complete at other points of a trace-timed replay and its memory figures move (GPT-2 under C
 1.62 -> 1.81 %, live 1.73 %; ResNet-50 under C 0.90 -> 1.04 %, live 0.87 %; the shared gpt2_train
-under the default policy 5.68 -> 5.64 %), and the default replays' figures, which the policy was
-chosen on, stay as they are. ``idle`` timing never sees a busy device: unchanged either way.
+under the default policy 5.68 -> 5.64 %), and against every traced live run they predict memory no
+better (``reports/sim-predict-live.md``: 0.101 pp mean error on the tuning rows at 2 ms against 0.088
+priced idle, 3.73 against 2.55 on the check rows). ``idle`` timing never sees a busy device: unchanged.
 
 Simulated time only moves the SimPy clock; nothing sleeps for real.
 """

@@ -14,7 +14,7 @@ import numpy as np
 from gpumem.allocator import CachingAllocator
 from gpumem.commands.estimate import model_from_args
 from gpumem.estimate.shape import ModelShape
-from gpumem.estimate.workload import MISC_NBYTES, BACKWARD_MISC_NBYTES, training_trace
+from gpumem.estimate.workload import BACKWARD_MISC_NBYTES, CUBLAS_WORKSPACE_NBYTES, MISC_NBYTES, training_trace
 from gpumem.specs import open_device
 from gpumem.units import MiB
 
@@ -74,7 +74,7 @@ def test_the_synthetic_steps_open_the_recorded_segments_one_for_one():
     made, peak = _segments_made(training_trace(shape, 2, batch_size=2, seq_len=512).trace)
     recorded = json.load(gzip.open(RUN3.parent / (RUN3.name + "-snapshots") / "snapshots-qwen2-small-recheck.json.gz"))
     real = [e[2] for e in recorded[KEY]["trace"] if e[0] == "segment_alloc" and e[2] > 2 * MiB]
-    after_weights = made[made.index(BACKWARD_MISC_NBYTES) + 1:]
+    after_weights = made[made.index(CUBLAS_WORKSPACE_NBYTES) + 1:]  # the weights, then the forward's workspace
     assert [n for n in after_weights if n > 2 * MiB] == real
     assert real.count(126 * MiB) == 5 and real[:19] == [20 * MiB] * 19
     assert peak == row["peak_reserved_bytes"] + MISC_NBYTES + BACKWARD_MISC_NBYTES

@@ -148,7 +148,8 @@ def test_synthetic_7b_generate_makes_the_recorded_segments():
                 a.free(ptrs.pop(i))
         large = [n for n in made if n > 2 * MiB]
         assert len(real) == 73 and large[-len(real):] == real
-        assert large[-len(real) - 3:-len(real)] == [250 * MiB, 12 * MiB, 32 * MiB]  # embedding, misc, cuBLAS
+        # embedding, cuBLAS; the misc buffers are small-pool blocks (Note [Overhead] in gpumem.estimate.workload)
+        assert large[-len(real) - 2:-len(real)] == [250 * MiB, 32 * MiB]
     finally:
         a.close()
         dev.close()

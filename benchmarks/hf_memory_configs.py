@@ -91,7 +91,7 @@ RECHECK: dict[str, tuple[list[tuple[int, int, int]], list[tuple[int, int, bool]]
     "mixtral-small": ([(1, 512, 16)], []),
     "qwen2-moe-small": ([(16, 2048, 16)], []),
     "qwen2-7b": ([(1, 512, 16)], []),
-    "llama-0.1b": ([], [(1, 512, False)]),
+    "llama-0.1b": ([(1, 128, 16)], [(1, 512, False)]),  # generate b1 x 128: out of bounds after round 3
     "llama-3b-gqa": ([], [(1, 2048, False)]),
     # issue 22 point 4: the rows out of bounds measured after other rows of their process, each alone now
     "qwen2-small-lora": ([], [(4, 512, False), (8, 1024, False), (8, 1024, True)]),

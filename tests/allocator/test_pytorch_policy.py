@@ -148,7 +148,91 @@ def test_synthetic_7b_generate_makes_the_recorded_segments():
                 a.free(ptrs.pop(i))
         large = [n for n in made if n > 2 * MiB]
         assert len(real) == 73 and large[-len(real):] == real
-        assert large[-len(real) - 3:-len(real)] == [250 * MiB, 12 * MiB, 32 * MiB]  # embedding, misc, cuBLAS
+        # embedding, cuBLAS; the misc buffers are small-pool blocks (Note [Overhead] in gpumem.estimate.workload)
+        assert large[-len(real) - 2:-len(real)] == [250 * MiB, 32 * MiB]
     finally:
         a.close()
         dev.close()
+
+
+RUN3 = "reports/hil/estimate-accuracy-h200-2026-11-25-run3"
+
+
+def _replay_recorded(path: str, key: str):
+    """Replay the recorded operations of one row of a run-3 snapshot file (``benchmarks/hf_memory_configs.py``'s
+    ``_snapshot_take``: the allocator's trace since the row began, and its segments at the end) under the
+    ``pytorch`` policy, from the segments PyTorch held when recording began (the weights'): each rebuilt with
+    its size and its live bytes at the start (its allocated bytes at the end less the trace's allocations still
+    live there) from its base, in top-down order. Returns the allocator (closed by the caller)."""
+    import gzip
+    import json
+
+    row = json.load(gzip.open(path))[key]
+    trace, segments = row["trace"], row["segments"]
+    made = {e[1] for e in trace if e[0] == "segment_alloc"}
+    live_at_end: dict[int, int] = {}
+    for action, addr, nbytes, *_ in trace:
+        if action == "alloc":
+            live_at_end[addr] = nbytes
+        elif action == "free_completed":
+            live_at_end.pop(addr, None)
+    a = CachingAllocator(open_device("sim:h200-141gb"), "pytorch", engine="python")
+    for base, nbytes, kind, allocated in sorted(segments, key=lambda s: -s[0]):
+        if base in made:
+            continue
+        held = allocated - sum(n for p, n in live_at_end.items() if base <= p < base + nbytes)
+        if kind == "small":
+            while held > 0:
+                a.allocate(min(held, MiB))
+                held -= MiB
+        else:  # a segment of exactly its size, its held bytes cut from its base and the rest left free
+            a.free(a.allocate(nbytes))
+            a.allocate(held)
+    ptrs = {}
+    for action, addr, nbytes, *_ in trace:
+        if action == "alloc":
+            ptrs[addr] = a.allocate(nbytes)
+        elif action == "free_completed" and addr in ptrs:
+            a.free(ptrs.pop(addr))
+        elif action == "segment_free":  # the harness's empty_cache() after the row
+            break
+    return a
+
+
+@pytest.mark.parametrize("model, key", [
+    ("qwen2-small", "train b=2 p=512 n=0 ckpt=False"),
+    ("qwen2-small", "train b=8 p=1024 n=0 ckpt=True"),
+    ("llama-0.1b", "train b=1 p=512 n=0 ckpt=False"),
+    ("mixtral-small", "generate b=1 p=512 n=16 ckpt=False"),
+])
+def test_recorded_ops_reserve_what_pytorch_reserved(model, key):
+    """Issue 22 point 4 (Note [Training backward] in ``gpumem/estimate/workload.py``): the H200 snapshots of run 3
+    (tuning part), their own operations replayed: the ``pytorch`` policy reserves exactly PyTorch's peak and makes
+    as many segments as its ``segment_alloc`` entries (Qwen2 0.16B b2: 56, of which 19 of 20 MiB in step 1's
+    forward), so that row's +8.6 % was not the allocator model's."""
+    import json
+
+    rows = json.loads(open(f"{RUN3}.json").read())["rows"]
+    (row,) = [r for r in rows if r["model"] == f"{model}-recheck" and
+              f'{r["kind"]} b={r["batch_size"]} p={r["prompt_len"]} n={r["new_tokens"]} '
+              f'ckpt={bool(r["extra"].get("gradient_checkpointing", False))}' == key]
+    a = _replay_recorded(f"{RUN3}-snapshots/snapshots-{model}-recheck.json.gz", key)
+    try:
+        assert a.stats.peak_reserved_nbytes == row["peak_reserved_bytes"]
+        assert 0 <= a.stats.peak_allocated_nbytes - row["peak_allocated_bytes"] < 4 * MiB  # small-pool remainders
+    finally:
+        a.close()
+
+
+def test_recorded_generate_ops_where_top_down_misses_a_tie():
+    """What the ``pytorch`` policy does not model (Note [Segments top-down]): in the Qwen2 0.16B generate b16 x 1024
+    snapshot of run 3, the driver put the 32 MiB segment of op 114 in a hole *above* the weights' segments (VA
+    freed before the row), so at op 167 PyTorch's lowest address is the 32 MiB remainder of an older 64 MiB
+    segment, where the newest-first order takes the new segment; the replay of the recorded operations then
+    reserves 24 MiB (2.4 %) more than PyTorch (which an exact replay, given the trace's addresses, does not)."""
+    a = _replay_recorded(f"{RUN3}-snapshots/snapshots-qwen2-small-recheck.json.gz",
+                         "generate b=16 p=1024 n=32 ckpt=False")
+    try:
+        assert a.stats.peak_reserved_nbytes - 1061158912 == 24 * MiB
+    finally:
+        a.close()

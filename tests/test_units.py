@@ -6,7 +6,7 @@ import math
 from fractions import Fraction
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gpumem.errors import InvalidArgumentError
@@ -102,13 +102,16 @@ def test_percentages_and_fractions_agree(basis_points, total):
 
 
 @given(st.integers(min_value=1, max_value=MAX_NBYTES))
+@example(8320)   # 8.125 KiB, exactly halfway: Hypothesis once found it beyond the bound by a float's error
 def test_format_bytes_round_trips_within_rounding(n):
     value, unit = format_bytes(n).split()
     back = parse_nbytes(f"{value}{unit}") if unit == "B" else None
     if back is not None:
         assert back == n
     else:
-        assert abs(float(value) * BYTE_UNITS[unit.lower()] - n) <= 0.005 * BYTE_UNITS[unit.lower()]
+        # at most half the last digit; a value exactly halfway (8320 B is 8.125 KiB, printed 8.12) is off by
+        # that half, and the product of floats may land a hair beyond it
+        assert abs(float(value) * BYTE_UNITS[unit.lower()] - n) <= 0.005 * BYTE_UNITS[unit.lower()] * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("limit", [64 * MiB, 8 * GiB, 0.5, 1.0, 0.001])

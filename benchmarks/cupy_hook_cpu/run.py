@@ -1,0 +1,190 @@
+"""gpumem's CuPy hook without a GPU or CuPy: the hook's own cost per allocate+free, in µs and instructions.
+
+The GPU benchmark (``benchmarks/cupy_hook_bench.py``) needs CuPy and a GPU. This one runs the native hook
+(``gpumem.cupy_allocator.native_hook()``, the engine over the CUDA driver) in a child process whose
+``libcuda.so.1`` is a stand-in (``fake_libcuda.c``: one device, calls of a few instructions) and whose
+``cupy`` and ``cupy_backends`` are stand-ins: ``UnownedMemory`` and ``MemoryPointer`` with CuPy 14.2's
+signatures, and the C functions CuPy exports for the current stream (``fake_cupy_stream.c``, the same
+thread-local reads as CuPy's). What it measures is the hook's work around the engine: the device and
+stream lookups, the owner, the integers and the two objects. A real driver's calls cost more
+(``cuCtxGetDevice`` about 20 ns on the H200), and CuPy's Cython classes less than these Python ones.
+
+Usage::
+
+    python -m benchmarks.cupy_hook_cpu.run [--calls 200000] [--callgrind]
+
+``--callgrind`` adds the instructions per hook call (``valgrind --tool=callgrind``, two runs of different
+lengths, the difference divided by the calls between them). Exit status: 0 done; 2 no C compiler or no
+native engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+
+
+def build(out: Path) -> None:
+    """Compiles the stand-in driver and CuPy stream functions into ``out``."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise SystemExit("no C compiler (cc) to build the stand-in libcuda")
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out / "libcuda.so.1"), str(HERE / "fake_libcuda.c")],
+                   check=True)
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", "-o",
+                    str(out / "fake_cupy_stream.so"), str(HERE / "fake_cupy_stream.c")], check=True)
+
+
+def _capsule(fn: Any, signature: bytes) -> Any:
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype = ctypes.py_object
+    new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return new(ctypes.cast(fn, ctypes.c_void_p), signature, None)
+
+
+def fake_cupy(lib_dir: Path) -> tuple[Any, Any]:
+    """Stand-in ``cupy`` and ``cupy_backends`` modules (what gpumem.cupy_allocator.native_hook reads)."""
+    lib = ctypes.PyDLL(str(lib_dir / "fake_cupy_stream.so"))
+    local_cupy, local_backends = threading.local(), threading.local()
+    local_cupy.tls = object()
+    local_backends.tls = [0]           # device 0's current stream: the null stream
+    lib.fake_set.argtypes = [ctypes.py_object, ctypes.py_object]
+    if lib.fake_set(local_cupy, local_backends) != 0:
+        raise SystemExit("fake_set failed")
+
+    class UnownedMemory:
+        __slots__ = ("ptr", "size", "device_id", "_owner")
+
+        def __init__(self, ptr: int, size: int, owner: Any, device_id: int = -1) -> None:
+            self.size, self.device_id, self.ptr, self._owner = size, device_id, ptr, owner
+
+    class MemoryPointer:
+        __slots__ = ("ptr", "device_id", "mem")
+
+        def __init__(self, mem: Any, offset: int) -> None:
+            self.ptr, self.device_id, self.mem = mem.ptr + offset, mem.device_id, mem
+
+    class OutOfMemoryError(MemoryError):
+        pass
+
+    memory = types.SimpleNamespace(UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer,
+                                   OutOfMemoryError=OutOfMemoryError)
+    stream = types.SimpleNamespace(__pyx_capi__={
+        "get_current_stream_ptr": _capsule(lib.fake_cupy_get_current_stream_ptr, b"intptr_t (void)")})
+    backends_stream = types.SimpleNamespace(__pyx_capi__={
+        "get_current_stream_ptr": _capsule(lib.fake_backends_get_current_stream_ptr, b"intptr_t (void)"),
+        "get_stream_ptr": _capsule(lib.fake_backends_get_stream_ptr, b"intptr_t (int)")})
+    cuda = types.SimpleNamespace(memory=memory, stream=stream, runtime=types.SimpleNamespace(getDevice=lambda: 0),
+                                 get_current_stream=lambda: types.SimpleNamespace(ptr=0))
+    cupy = types.SimpleNamespace(cuda=cuda)
+    backends = types.SimpleNamespace(cuda=types.SimpleNamespace(stream=backends_stream))
+    return cupy, backends
+
+
+def install_fakes(lib_dir: Path) -> Any:
+    cupy, backends = fake_cupy(lib_dir)
+    sys.modules["cupy"] = cupy   # type: ignore[assignment]
+    sys.modules["cupy_backends"] = backends   # type: ignore[assignment]
+    sys.modules["cupy_backends.cuda"] = backends.cuda   # type: ignore[assignment]
+    sys.modules["cupy_backends.cuda.stream"] = backends.cuda.stream   # type: ignore[assignment]
+    return cupy
+
+
+def best_us(fn: Callable[[], Any], n: int) -> float:
+    for _ in range(1000):
+        fn()
+    best = float("inf")
+    for _ in range(5):
+        gc.disable()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) * 1e6 / n)
+        gc.enable()
+    return best
+
+
+def child(lib_dir: Path, calls: int, loop_only: bool) -> None:
+    cupy = install_fakes(lib_dir)
+    import gpumem.cupy_allocator as gca
+
+    hook = gca.native_hook()
+    mem = cupy.cuda.memory
+    if loop_only:   # for callgrind: `calls` hook calls and nothing else
+        hook(512)
+        for _ in range(calls):
+            hook(512)
+        return
+    cases: list[tuple[str, Callable[[], Any]]] = [
+        ("hook(512), dropped", lambda: hook(512)),
+        ("  hook.current_device()", hook.current_device),
+        ("  hook.current_stream()", hook.current_stream),
+        ("  UnownedMemory + MemoryPointer (stand-ins, no owner)",
+         lambda: mem.MemoryPointer(mem.UnownedMemory(1 << 40, 512, None, 0), 0)),
+        ("python: empty lambda", lambda: None),
+    ]
+    print(f"stream read in C: {hook.reads_stream_in_c()}")
+    print("| one allocate + free, 512 B | µs |\n|---|---|")
+    for label, fn in cases:
+        print(f"| {label} | {best_us(fn, calls):.3f} |")
+
+
+def callgrind_instructions(lib_dir: Path, env: dict[str, str], calls: int) -> float:
+    def total(n: int) -> int:
+        with tempfile.TemporaryDirectory() as tmp:
+            r = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out", sys.executable,
+                                "-m", "benchmarks.cupy_hook_cpu.run", "--child", str(lib_dir), "--loop-only",
+                                "--calls", str(n)], env=env, capture_output=True, text=True, check=True)
+        m = re.search(r"Collected : (\d+)", r.stderr)
+        if not m:
+            raise SystemExit("callgrind gave no total:\n" + r.stderr[-2000:])
+        return int(m.group(1))
+
+    return (total(2 * calls) - total(calls)) / calls
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.cupy_hook_cpu.run", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=200_000, help="calls per timing (default 200000)")
+    ap.add_argument("--callgrind", action="store_true", help="also count instructions per hook call (valgrind)")
+    ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--loop-only", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.calls <= 0:
+        ap.error("--calls must be positive")
+    if args.child is not None:
+        child(args.child, args.calls, args.loop_only)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        lib_dir = Path(tmp)
+        build(lib_dir)
+        env = dict(os.environ, LD_LIBRARY_PATH=f"{lib_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+        cmd = [sys.executable, "-m", "benchmarks.cupy_hook_cpu.run", "--child", str(lib_dir), "--calls",
+               str(args.calls)]
+        subprocess.run(cmd, env=env, check=True)
+        if args.callgrind:
+            if shutil.which("valgrind") is None:
+                print("no valgrind: no instruction count")
+                return 0
+            ir = callgrind_instructions(lib_dir, env, min(args.calls, 20_000))
+            print(f"\ninstructions per hook(512) call (allocate + free), callgrind: {ir:.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

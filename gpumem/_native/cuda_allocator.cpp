@@ -402,10 +402,10 @@ PyMemberDef CupyBlock_members[] = {
 
 PyTypeObject CupyBlockType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
-// CuPy's own C function for its current stream (cupy.cuda.stream.__pyx_capi__["get_current_stream_ptr"]:
-// `cdef intptr_t get_current_stream_ptr() except? -1`), the name Cython gives its capsule, and the one
-// this allocator calls when it is given that capsule instead of a Python function (no Python call).
-using StreamPtrFn = std::intptr_t (*)();
+// CuPy's own C functions for its current stream, which this allocator calls when it is given their capsule
+// instead of a Python function (no Python call), Note [CuPy's stream in C].
+using StreamPtrFn = std::intptr_t (*)();                 // cupy.cuda.stream.get_current_stream_ptr
+using DeviceStreamPtrFn = std::intptr_t (*)(int device);  // cupy_backends.cuda.stream.get_stream_ptr
 
 // Note [CuPy's per-thread default stream]: with CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1 CuPy's current
 // stream is cudaStreamPerThread (handle 2) in every thread, a different stream in each. The engine keys
@@ -417,13 +417,27 @@ constexpr const char* kPerThreadMessage =
     "gpumem's CuPy hook does not serve CuPy's per-thread default stream (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1): "
     "one handle names a different stream in each thread; use an explicit cupy.cuda.Stream per thread";
 constexpr const char* kStreamPtrCapsule = "intptr_t (void)";
+constexpr const char* kDeviceStreamPtrCapsule = "intptr_t (int)";
+
+// Note [CuPy's stream in C]: CuPy 14's cupy.cuda.stream.get_current_stream_ptr() (`cdef intptr_t ...()
+// except? -1`, exported in its module's __pyx_capi__ under the signature "intptr_t (void)") reads its own
+// thread-local object and does not use it, then calls cupy_backends.cuda.stream.get_current_stream_ptr(),
+// which reads that module's thread-local object, asks the runtime for the current device (cudaGetDevice)
+// and returns current_stream[device]: two thread-local attribute reads and a runtime call. The hook has
+// found the device already (the current context's, which is what cudaGetDevice reports: the runtime uses
+// the context current on the thread), so given cupy_backends' get_stream_ptr(device) ("intptr_t (int)",
+// CuPy 14) it reads the same current_stream[device] with one thread-local read and no runtime call. CuPy
+// 13 has no get_stream_ptr: gpumem.cupy_allocator.native_hook then gives the first function, and where
+// neither capsule is there, a Python function (call_int). Either C function returns -1 with an exception
+// set when it fails (Cython's `except? -1`), which the hook raises.
 
 struct CupyAllocObject {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject* get_device;       // () -> int: CuPy's current device
     PyObject* get_stream;       // () -> int: CuPy's current stream (its pointer); or a capsule of the C function
-    StreamPtrFn stream_fn;      // from that capsule, or null
+    StreamPtrFn stream_fn;      // from that capsule ("intptr_t (void)"), or null
+    DeviceStreamPtrFn device_stream_fn;   // from that capsule ("intptr_t (int)": the device's stream), or null
     PyObject* unowned_memory;   // UnownedMemory(ptr, size, owner, device_id)
     PyObject* memory_pointer;   // MemoryPointer(mem, offset)
     PyObject* on_oom;           // (nbytes, device, gpumem error) -> the exception to raise
@@ -509,12 +523,12 @@ bool current_device(CupyAllocObject* self, int* out) {
     return true;
 }
 
-// CuPy's current stream (its handle), refused where it is the per-thread default stream. False with an
-// exception set.
-bool current_stream(CupyAllocObject* self, long long* out) {
+// CuPy's current stream (its handle) on `device` (the current device), refused where it is the per-thread
+// default stream. False with an exception set.
+bool current_stream(CupyAllocObject* self, int device, long long* out) {
     long long stream = 0;
-    if (self->stream_fn) {
-        stream = static_cast<long long>(self->stream_fn());
+    if (self->stream_fn || self->device_stream_fn) {
+        stream = static_cast<long long>(self->device_stream_fn ? self->device_stream_fn(device) : self->stream_fn());
         if (stream == -1 && PyErr_Occurred()) return false;
         if (stream < 0) {
             raise_as("InvalidArgumentError", "CuPy's current stream is " + std::to_string(stream));
@@ -546,7 +560,7 @@ PyObject* CupyAlloc_vectorcall(PyObject* callable, PyObject* const* args, size_t
         return cupy_pointer(self, 0, 0, Py_None, device);
     }
     long long stream = 0;
-    if (!current_stream(self, &stream)) return nullptr;
+    if (!current_stream(self, device, &stream)) return nullptr;
     Engine* engine = self->engines[device];
     if (engine == nullptr) {
         if (!without_gil(device, [&] { engine = &gpumem::cuda_engine(device); })) return nullptr;
@@ -600,19 +614,27 @@ PyObject* CupyAlloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
                                      &f[4]))
         return nullptr;
     StreamPtrFn stream_fn = nullptr;
+    DeviceStreamPtrFn device_stream_fn = nullptr;
     if (PyCapsule_CheckExact(f[1])) {
         const char* name = PyCapsule_GetName(f[1]);
-        if (!name || std::strcmp(name, kStreamPtrCapsule) != 0) {
+        const bool by_device = name && std::strcmp(name, kDeviceStreamPtrCapsule) == 0;
+        if (!name || (!by_device && std::strcmp(name, kStreamPtrCapsule) != 0)) {
             PyErr_Clear();
             raise_as("InvalidArgumentError", std::string("CupyAllocator: the stream capsule must hold a C function '") +
-                     kStreamPtrCapsule + "', it holds '" + (name ? name : "?") + "'");
+                     kStreamPtrCapsule + "' or '" + kDeviceStreamPtrCapsule + "', it holds '" + (name ? name : "?") +
+                     "'");
             return nullptr;
         }
-        stream_fn = reinterpret_cast<StreamPtrFn>(PyCapsule_GetPointer(f[1], name));
-        if (!stream_fn) return nullptr;
+        void* fn = PyCapsule_GetPointer(f[1], name);
+        if (!fn) return nullptr;
+        if (by_device)
+            device_stream_fn = reinterpret_cast<DeviceStreamPtrFn>(fn);
+        else
+            stream_fn = reinterpret_cast<StreamPtrFn>(fn);
     }
+    const bool stream_in_c = stream_fn || device_stream_fn;
     for (int i = 0; i < 5; ++i)
-        if (!(i == 1 && stream_fn) && !PyCallable_Check(f[i])) {
+        if (!(i == 1 && stream_in_c) && !PyCallable_Check(f[i])) {
             raise_as("InvalidArgumentError", std::string("CupyAllocator: ") + kwlist[i] + " must be callable, got " +
                      Py_TYPE(f[i])->tp_name);
             return nullptr;
@@ -621,6 +643,7 @@ PyObject* CupyAlloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
     if (!self) return nullptr;
     self->vectorcall = CupyAlloc_vectorcall;
     self->stream_fn = stream_fn;
+    self->device_stream_fn = device_stream_fn;
     PyObject** slots[5] = {&self->get_device, &self->get_stream, &self->unowned_memory, &self->memory_pointer,
                            &self->on_oom};
     for (int i = 0; i < 5; ++i) {
@@ -677,7 +700,13 @@ PyObject* CupyAlloc_engine_devices(CupyAllocObject* self, PyObject*) {
     return out;
 }
 
-PyObject* CupyAlloc_stream_in_c(CupyAllocObject* self, PyObject*) { return PyBool_FromLong(self->stream_fn != nullptr); }
+PyObject* CupyAlloc_stream_in_c(CupyAllocObject* self, PyObject*) {
+    return PyBool_FromLong(self->stream_fn != nullptr || self->device_stream_fn != nullptr);
+}
+
+PyObject* CupyAlloc_stream_by_device(CupyAllocObject* self, PyObject*) {
+    return PyBool_FromLong(self->device_stream_fn != nullptr);
+}
 
 PyObject* CupyAlloc_current_device(CupyAllocObject* self, PyObject*) {
     int device = 0;
@@ -685,13 +714,18 @@ PyObject* CupyAlloc_current_device(CupyAllocObject* self, PyObject*) {
 }
 
 PyObject* CupyAlloc_current_stream(CupyAllocObject* self, PyObject*) {
+    int device = 0;
     long long stream = 0;
-    return current_stream(self, &stream) ? PyLong_FromLongLong(stream) : nullptr;
+    if (self->device_stream_fn && !current_device(self, &device)) return nullptr;
+    return current_stream(self, device, &stream) ? PyLong_FromLongLong(stream) : nullptr;
 }
 
 PyMethodDef CupyAlloc_methods[] = {
     {"reads_stream_in_c", reinterpret_cast<PyCFunction>(CupyAlloc_stream_in_c), METH_NOARGS,
      "reads_stream_in_c() -> bool: whether CuPy's current stream is read through CuPy's C function (a capsule)."},
+    {"reads_stream_by_device", reinterpret_cast<PyCFunction>(CupyAlloc_stream_by_device), METH_NOARGS,
+     "reads_stream_by_device() -> bool: whether that C function is cupy_backends' get_stream_ptr(device), given the "
+     "device the hook found (Note [CuPy's stream in C])."},
     {"current_device", reinterpret_cast<PyCFunction>(CupyAlloc_current_device), METH_NOARGS,
      "current_device() -> int: the device an allocation now goes to, found as each allocation finds it (the current "
      "context's device, else CuPy's current device)."},

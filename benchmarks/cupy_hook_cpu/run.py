@@ -3,20 +3,19 @@
 The GPU benchmark (``benchmarks/cupy_hook_bench.py``) needs CuPy and a GPU. This one runs the native hook
 (``gpumem.cupy_allocator.native_hook()``, the engine over the CUDA driver) in a child process whose
 ``libcuda.so.1`` is a stand-in (``fake_libcuda.c``: one device, calls of a few instructions) and whose
-``cupy`` and ``cupy_backends`` are stand-ins: ``UnownedMemory`` and ``MemoryPointer`` with CuPy 14.2's
-signatures, and the C functions CuPy exports for the current stream (``fake_cupy_stream.c``, the same
-thread-local reads as CuPy's). What it measures is the hook's work around the engine: the device and
+``cupy`` and ``cupy_backends`` are stand-ins (``fake_cupy.c``): ``UnownedMemory`` and ``MemoryPointer`` as
+C types with CuPy 14.2's signatures, made and converted as Cython makes CuPy's, and the C functions CuPy
+exports for the current stream (the same thread-local reads as CuPy's). What it measures is the hook's work around the engine: the device and
 stream lookups, the owner, the integers and the two objects. A real driver's calls cost more than these
-(the hook's device lookup, two driver calls then, measured 0.045 µs with its Python call on the H200), and
-CuPy's Cython classes less than these Python ones.
+(the hook's device lookup, two driver calls then, measured 0.045 µs with its Python call on the H200).
 
 Usage::
 
-    python -m benchmarks.cupy_hook_cpu.run [--calls 200000] [--callgrind] [--no-backends-capsule]
+    python -m benchmarks.cupy_hook_cpu.run [--calls 200000] [--callgrind] [--no-backends-capsule] [--check]
 
 ``--callgrind`` adds the instructions per hook call (``valgrind --tool=callgrind``, two runs of different
-lengths, the difference divided by the calls between them). Exit status: 0 done; 2 no C compiler or no
-native engine.
+lengths, the difference divided by the calls between them). Exit status: 0 done; 1 no C compiler, or the
+child failed (no native engine, for one).
 """
 
 from __future__ import annotations
@@ -41,14 +40,14 @@ HERE = Path(__file__).resolve().parent
 
 
 def build(out: Path) -> None:
-    """Compiles the stand-in driver and CuPy stream functions into ``out``."""
+    """Compiles the stand-in driver and CuPy pieces into ``out``."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise SystemExit("no C compiler (cc) to build the stand-in libcuda")
     subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out / "libcuda.so.1"), str(HERE / "fake_libcuda.c")],
                    check=True)
     subprocess.run([cc, "-O2", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", "-o",
-                    str(out / "fake_cupy_stream.so"), str(HERE / "fake_cupy_stream.c")], check=True)
+                    str(out / "fake_cupy.so"), str(HERE / "fake_cupy.c")], check=True)
 
 
 def _capsule(fn: Any, signature: bytes) -> Any:
@@ -60,7 +59,7 @@ def _capsule(fn: Any, signature: bytes) -> Any:
 
 def fake_cupy(lib_dir: Path) -> tuple[Any, Any]:
     """Stand-in ``cupy`` and ``cupy_backends`` modules (what gpumem.cupy_allocator.native_hook reads)."""
-    lib = ctypes.PyDLL(str(lib_dir / "fake_cupy_stream.so"))
+    lib = ctypes.PyDLL(str(lib_dir / "fake_cupy.so"))
     local_cupy, local_backends = threading.local(), threading.local()
     local_cupy.tls = object()
     local_backends.tls = [0]           # device 0's current stream: the null stream
@@ -68,17 +67,8 @@ def fake_cupy(lib_dir: Path) -> tuple[Any, Any]:
     if lib.fake_set(local_cupy, local_backends) != 0:
         raise SystemExit("fake_set failed")
 
-    class UnownedMemory:
-        __slots__ = ("ptr", "size", "device_id", "_owner")
-
-        def __init__(self, ptr: int, size: int, owner: Any, device_id: int = -1) -> None:
-            self.size, self.device_id, self.ptr, self._owner = size, device_id, ptr, owner
-
-    class MemoryPointer:
-        __slots__ = ("ptr", "device_id", "mem")
-
-        def __init__(self, mem: Any, offset: int) -> None:
-            self.ptr, self.device_id, self.mem = mem.ptr + offset, mem.device_id, mem
+    lib.fake_make_types.restype = ctypes.py_object
+    UnownedMemory, MemoryPointer = lib.fake_make_types()   # C types, as Cython makes CuPy's
 
     class OutOfMemoryError(MemoryError):
         pass
@@ -137,7 +127,7 @@ def child(lib_dir: Path, calls: int, loop_only: bool, backends_capsule: bool) ->
         ("hook(512), dropped", lambda: hook(512)),
         ("  hook.current_device()", hook.current_device),
         ("  hook.current_stream()", hook.current_stream),
-        ("  UnownedMemory + MemoryPointer (stand-ins, no owner)",
+        ("  UnownedMemory + MemoryPointer (no owner)",
          lambda: mem.MemoryPointer(mem.UnownedMemory(1 << 40, 512, None, 0), 0)),
         ("python: empty lambda", lambda: None),
     ]
@@ -146,6 +136,76 @@ def child(lib_dir: Path, calls: int, loop_only: bool, backends_capsule: bool) ->
     print("| one allocate + free, 512 B | µs |\n|---|---|")
     for label, fn in cases:
         print(f"| {label} | {best_us(fn, calls):.3f} |")
+
+
+def check(lib_dir: Path) -> None:
+    """Behaviour through the stand-in driver: real blocks, CuPy's contract (raises AssertionError)."""
+    cupy = install_fakes(lib_dir, True)
+    import gpumem.cupy_allocator as gca
+
+    hook = gca.native_hook()
+    engine = gca._engine_module().CudaAllocator(0)
+    base = engine.allocated_nbytes()
+    assert hook.reads_stream_by_device()
+    # sizes whose ints share a cache slot ((size >> 9) % 64), repeated, and sizes off the 512 B grid
+    sizes = [512, 512 * 65, 512, 1, 513, 4096, 3 << 20, 512 * 65, 1000, 512 * 129, 4096]
+    live = [hook(n) for n in sizes]
+    for n, p in zip(sizes, live):
+        assert p.mem.size == engine.block_size(p.ptr) and p.mem.size >= n and p.mem.size % 512 == 0, (n, p.mem.size)
+        assert p.ptr == p.mem.ptr and p.device_id == p.mem.device_id == 0
+    assert len({p.ptr for p in live}) == len(live)
+    assert engine.allocated_nbytes() - base == sum(p.mem.size for p in live)
+    del live, p
+    assert engine.allocated_nbytes() == base
+
+    mem = cupy.cuda.memory
+    make = gca._engine_module().CupyAllocator
+    capsule = sys.modules["cupy_backends.cuda.stream"].__pyx_capi__["get_stream_ptr"]
+
+    class Refused:   # a MemoryPointer that fails: the block goes back
+        def __init__(self, m: Any, offset: int) -> None:
+            raise ValueError("refused")
+
+    bad = make(lambda: 0, capsule, mem.UnownedMemory, Refused, lambda *a: MemoryError())
+    for _ in range(3):
+        try:
+            bad(4096)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("the failing MemoryPointer's error was not raised")
+    assert engine.allocated_nbytes() == base
+
+    class Ptr:
+        def __init__(self, m: Any, offset: int) -> None:
+            self.mem, self.ptr, self.device_id = m, m.ptr + offset, m.device_id
+
+    class KeepsArgs(Exception):   # BaseException keeps the argument tuple it is made with
+        def __init__(self, ptr: int, size: int, owner: Any, device_id: int) -> None:
+            self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+    keep = make(lambda: 0, capsule, KeepsArgs, Ptr, lambda *a: MemoryError())
+    a, b = keep(512), keep(1024)
+    assert a.mem.args[:2] == (a.ptr, 512) and a.mem.args[2] is a.mem.owner and b.mem.args[1] == 1024
+    del a, b
+
+    depth: list[Any] = []
+
+    class Reenters:   # an UnownedMemory whose making allocates through the hook again
+        def __init__(self, ptr: int, size: int, owner: Any, device_id: int) -> None:
+            self.ptr, self.size, self._owner, self.device_id = ptr, size, owner, device_id
+            if not depth:
+                depth.append(None)
+                depth[0] = reenter(2048)
+
+    reenter = make(lambda: 0, capsule, Reenters, Ptr, lambda *a: MemoryError())
+    outer = reenter(512)
+    inner = depth.pop()
+    assert (outer.mem.size, inner.mem.size) == (512, 2048) and outer.ptr != inner.ptr
+    assert engine.allocated_nbytes() - base == 2560
+    del outer, inner
+    assert engine.allocated_nbytes() == base
+    print("checks passed")
 
 
 def callgrind_instructions(lib_dir: Path, env: dict[str, str], calls: int, extra: list[str]) -> float:
@@ -168,18 +228,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--callgrind", action="store_true", help="also count instructions per hook call (valgrind)")
     ap.add_argument("--no-backends-capsule", action="store_true",
                     help="hide cupy_backends' get_stream_ptr (as CuPy 13): the hook reads cupy.cuda.stream's function")
+    ap.add_argument("--check", action="store_true",
+                    help="instead of timing, check the hook's behaviour through the stand-ins (real blocks)")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--loop-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.calls <= 0:
         ap.error("--calls must be positive")
     if args.child is not None:
-        child(args.child, args.calls, args.loop_only, not args.no_backends_capsule)
+        if args.check:
+            check(args.child)
+        else:
+            child(args.child, args.calls, args.loop_only, not args.no_backends_capsule)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         lib_dir = Path(tmp)
         build(lib_dir)
         env = dict(os.environ, LD_LIBRARY_PATH=f"{lib_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+        if args.check:
+            subprocess.run([sys.executable, "-m", "benchmarks.cupy_hook_cpu.run", "--child", str(lib_dir), "--check"],
+                           env=env, check=True)
+            return 0
         extra = ["--no-backends-capsule"] if args.no_backends_capsule else []
         cmd = [sys.executable, "-m", "benchmarks.cupy_hook_cpu.run", "--child", str(lib_dir), "--calls",
                str(args.calls), *extra]

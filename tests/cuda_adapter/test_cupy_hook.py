@@ -425,3 +425,26 @@ def test_cuda_allocator_configures_a_custom_policy_that_keeps_the_default_name()
         assert gca.cuda_allocator(0, custom) == "engine 0"
         gca.cuda_allocator(0, "gpumem")            # the default itself: nothing to configure
     assert calls == [custom]
+
+
+def test_native_hook_through_a_stand_in_driver_keeps_cupys_contract():
+    """benchmarks/cupy_hook_cpu --check: the hook allocates real blocks through a stand-in libcuda and
+    stand-in CuPy types (Note [CuPy's objects, made for less]): mem.size is the block's size for sizes whose
+    ints share a cache slot, every block goes back when CuPy lets go, a MemoryPointer that fails frees its
+    block, an UnownedMemory that keeps its argument tuple keeps it intact, and a re-entrant allocation gets
+    its own tuple."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    _native()
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler for the stand-in libcuda")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    env["PYTHONPATH"] = str(root)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.cupy_hook_cpu.run", "--check"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "checks passed" in r.stdout

@@ -5,9 +5,10 @@ The GPU benchmark (``benchmarks/cupy_hook_bench.py``) needs CuPy and a GPU. This
 ``libcuda.so.1`` is a stand-in (``fake_libcuda.c``: one device, calls of a few instructions) and whose
 ``cupy`` and ``cupy_backends`` are stand-ins (``fake_cupy.c``): ``UnownedMemory`` and ``MemoryPointer`` as
 C types with CuPy 14.2's signatures, made and converted as Cython makes CuPy's, and the C functions CuPy
-exports for the current stream (the same thread-local reads as CuPy's). What it measures is the hook's work around the engine: the device and
-stream lookups, the owner, the integers and the two objects. A real driver's calls cost more than these
-(the hook's device lookup, two driver calls then, measured 0.045 µs with its Python call on the H200).
+exports for the current stream (the same thread-local reads as CuPy's). What it measures is the hook's
+work around the engine: the device and stream lookups, the owner, the integers and the two objects. A
+real driver's calls cost more than these (the hook's device lookup, two driver calls then, measured
+0.045 µs with its Python call on the H200).
 
 Usage::
 

@@ -496,17 +496,18 @@ void set_alloc_error(CupyAllocObject* self, std::exception_ptr failure, std::uin
 
 // Note [CuPy's objects, made for less]: CuPy's contract is a MemoryPointer(UnownedMemory(ptr, size, owner,
 // device), 0) per allocation; CuPy's classes are Cython types, which take their arguments as a tuple, so a
-// vectorcall of one built a tuple, called the type with it and freed it, twice per allocation. The hook keeps
-// the two tuples instead, between calls, filled with None while idle: a call takes its tuple out of the
-// object (a call made meanwhile, re-entrant through a finaliser or from a thread the call let run, finds
-// none and builds its own), fills it, calls the type with it (PyObject_Call: the type's tp_call, what the vectorcall came to) and puts
-// it back emptied only if nothing else kept a reference (a Python __init__(*args) gets a tuple of its own;
-// one that kept ours keeps it, intact, and the next call builds another). The tuples are not tracked by the
-// collector, so gc.get_objects() never hands one out while it is filled. The ints CuPy converts are the
-// pointer, the block's size and the device (a small int, cached by Python): the last kSizeInts sizes' ints
-// are kept by size (a block size, a multiple of 512 B, recurs: a training step asks for the same ones), so a
-// size seen before costs no int. Same objects, same values, same owner as before: 8 % fewer instructions per
-// allocate+free (reports/cupy-hook-outside-engine.md).
+// vectorcall of one built a tuple, called the type with it and freed it, twice per allocation. The hook
+// keeps the two tuples instead, between calls, filled with None while idle: a call takes its tuple out of
+// the object (a call made meanwhile, re-entrant through a finaliser or from a thread the call let run,
+// finds none and builds its own), fills it, calls the type with it (PyObject_Call: the type's tp_call,
+// what the vectorcall came to) and puts it back emptied only if nothing else kept a reference (a Python
+// __init__(*args) gets a tuple of its own; BaseException keeps the one it is given: a callee that kept ours
+// keeps it, intact, and the next call builds another). The tuples are not tracked by the collector, so
+// gc.get_objects() never hands one out while it is filled. The ints CuPy converts are the pointer, the
+// block's size and the device (a small int, cached by Python): kSizeInts sizes' ints are kept, one per
+// slot by size (a block size, a multiple of 512 B, recurs: a training step asks for the same ones), so a
+// size seen before costs no int. Same objects, same values, same owner as before: 8 % fewer instructions
+// per allocate+free on the CPU harness (reports/cupy-hook-outside-engine.md).
 
 // The int of `size` (a new reference), from the cache when it holds it; null with an exception set.
 PyObject* size_int(CupyAllocObject* self, std::uint64_t size) {

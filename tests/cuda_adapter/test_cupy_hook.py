@@ -213,8 +213,8 @@ def test_native_hook_refuses_what_is_not_callable_and_a_foreign_capsule():
     make_capsule.restype = ctypes.py_object
     make_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
     foreign = make_capsule(ctypes.cast(ctypes.pythonapi.Py_IsInitialized, ctypes.c_void_p), b"int (void)", None)
-    with pytest.raises(InvalidArgumentError,
-                       match=r"must hold a C function 'intptr_t \(void\)' or 'intptr_t \(int\)', it holds 'int \(void\)'"):
+    with pytest.raises(InvalidArgumentError, match=r"must hold a C function 'intptr_t \(void\)' or "
+                                                   r"'intptr_t \(int\)', it holds 'int \(void\)'"):
         mod.CupyAllocator(lambda: 0, foreign, _Mem, _Ptr, lambda *a: None)
 
 

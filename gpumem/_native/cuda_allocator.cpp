@@ -355,15 +355,16 @@ PyTypeObject CudaAllocType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 // MemoryPointer) and frees when the last reference to the memory object goes. Done in Python
 // (gpumem.cupy_allocator.CupyMalloc over a CachingAllocator), each call paid a Python frame, a dict
 // read for the device's allocator, the CachingAllocator's argument checks and a Python finaliser per
-// free: 2.6-4.8 us against CuPy's pool 1.4-2.6. CupyAllocator does the same in C: CuPy's current
-// device and stream come from CuPy's own functions (given at construction: nothing here imports
-// CuPy), the device's engine (the one CudaAllocator(device) and PyTorch use) is cached per device,
-// the engine's hot path runs without leaving C++, and CuPy's UnownedMemory and MemoryPointer are
-// built by vectorcall. The owner CuPy keeps is a CupyBlock, whose deallocator (C, no Python frame)
-// gives the block back to its engine, stream-ordered on the stream it was allocated on. The
-// memory's size is the block's (the request rounded, a multiple of 512 B), as CuPy's pool reports
-// it and as CuPy code reads it (test_percentile_memory_access). A block whose owner fails to be
-// made is freed at once; the owner is made before anything else can fail, so none leaks.
+// free: 2.6-4.8 us against CuPy's pool 1.4-2.6. CupyAllocator does the same in C: the current device
+// is the current context's (one driver call), the stream comes from CuPy's own C function (given at
+// construction: nothing here imports CuPy; Note [CuPy's stream in C]), the device's engine (the one
+// CudaAllocator(device) and PyTorch use) is cached per device, the engine's hot path runs without
+// leaving C++, and CuPy's UnownedMemory and MemoryPointer are called with argument tuples kept between
+// calls (Note [CuPy's objects, made for less]). The owner CuPy keeps is a CupyBlock, whose deallocator
+// (C, no Python frame) gives the block back to its engine, stream-ordered on the stream it was
+// allocated on. The memory's size is the block's (the request rounded, a multiple of 512 B), as CuPy's
+// pool reports it and as CuPy code reads it (test_percentile_memory_access). A block whose owner fails
+// to be made is freed at once; the owner is made before anything else can fail, so none leaks.
 constexpr int kMaxCupyDevices = 64;   // as torch_api.cpp's kMaxDevices
 constexpr std::size_t kSizeInts = 64;   // Note [CuPy's objects, made for less]
 

@@ -12,7 +12,8 @@ real driver's calls cost more than these (the hook's device lookup, two driver c
 
 Usage::
 
-    python -m benchmarks.cupy_hook_cpu.run [--calls 200000] [--callgrind] [--no-backends-capsule] [--check]
+    python -m benchmarks.cupy_hook_cpu.run [--calls 200000 | --trace FILE [--passes 3]] [--callgrind]
+                                           [--no-backends-capsule] [--check]
 
 ``--callgrind`` adds the instructions per hook call (``valgrind --tool=callgrind``, two runs of different
 lengths, the difference divided by the calls between them). Exit status: 0 done; 1 no C compiler, or the
@@ -113,11 +114,35 @@ def best_us(fn: Callable[[], Any], n: int) -> float:
     return best
 
 
-def child(lib_dir: Path, calls: int, loop_only: bool, backends_capsule: bool) -> None:
+def replay_trace(hook: Any, trace: Path, passes: int, quiet: bool) -> None:
+    """A growth pass of ``trace`` through ``hook``, then ``passes`` passes, as cupy_hook_bench replays it."""
+    import importlib.util
+
+    from gpumem.trace import load_trace
+
+    spec = importlib.util.spec_from_file_location("cupy_hook_bench", HERE.parent / "cupy_hook_bench.py")
+    if spec is None or spec.loader is None:
+        raise SystemExit("cannot load benchmarks/cupy_hook_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench   # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    kinds, ids, sizes, _ = load_trace(trace).as_lists()
+    bench.replay(kinds, ids, sizes, hook)
+    times = [bench.replay(kinds, ids, sizes, hook) for _ in range(passes)]
+    if not quiet:
+        print(f"{trace.name.split('.')[0]}: {len(kinds)} ops, µs per op of {passes} passes: "
+              + " / ".join(f"{t:.3f}" for t in times))
+
+
+def child(lib_dir: Path, calls: int, loop_only: bool, backends_capsule: bool, trace: Path | None,
+          passes: int) -> None:
     cupy = install_fakes(lib_dir, backends_capsule)
     import gpumem.cupy_allocator as gca
 
     hook = gca.native_hook()
+    if trace is not None:
+        replay_trace(hook, trace, passes, loop_only)
+        return
     mem = cupy.cuda.memory
     if loop_only:   # for callgrind: `calls` hook calls and nothing else
         hook(512)
@@ -209,18 +234,26 @@ def check(lib_dir: Path) -> None:
     print("checks passed")
 
 
-def callgrind_instructions(lib_dir: Path, env: dict[str, str], calls: int, extra: list[str]) -> float:
+def callgrind_instructions(lib_dir: Path, env: dict[str, str], calls: int, extra: list[str],
+                           trace: Path | None = None) -> float:
+    """Instructions per hook call, or per operation of ``trace`` (3 passes less 1, over 2 passes of its ops)."""
     def total(n: int) -> int:
+        what = ["--calls", str(n)] if trace is None else ["--trace", str(trace), "--passes", str(n)]
         with tempfile.TemporaryDirectory() as tmp:
             r = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out", sys.executable,
                                 "-m", "benchmarks.cupy_hook_cpu.run", "--child", str(lib_dir), "--loop-only",
-                                "--calls", str(n), *extra], env=env, capture_output=True, text=True, check=True)
+                                *what, *extra], env=env, capture_output=True, text=True, check=True)
         m = re.search(r"Collected : (\d+)", r.stderr)
         if not m:
             raise SystemExit("callgrind gave no total:\n" + r.stderr[-2000:])
         return int(m.group(1))
 
-    return (total(2 * calls) - total(calls)) / calls
+    if trace is None:
+        return (total(2 * calls) - total(calls)) / calls
+    from gpumem.trace import load_trace
+
+    ops = len(load_trace(trace).as_lists()[0])
+    return (total(3) - total(1)) / (2 * ops)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,18 +262,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--callgrind", action="store_true", help="also count instructions per hook call (valgrind)")
     ap.add_argument("--no-backends-capsule", action="store_true",
                     help="hide cupy_backends' get_stream_ptr (as CuPy 13): the hook reads cupy.cuda.stream's function")
+    ap.add_argument("--trace", type=Path, help="replay this trace through the hook instead of hook(512) "
+                    "(a growth pass, then --passes passes; its allocations and frees, as cupy_hook_bench replays it)")
+    ap.add_argument("--passes", type=int, default=3, help="timed passes of --trace (default 3)")
     ap.add_argument("--check", action="store_true",
                     help="instead of timing, check the hook's behaviour through the stand-ins (real blocks)")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--loop-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.calls <= 0:
-        ap.error("--calls must be positive")
+    if args.calls <= 0 or args.passes <= 0:
+        ap.error("--calls and --passes must be positive")
+    if args.trace is not None and not args.trace.is_file():
+        ap.error(f"--trace {args.trace}: no such file")
+    if args.trace is not None:
+        args.trace = args.trace.resolve()
     if args.child is not None:
         if args.check:
             check(args.child)
         else:
-            child(args.child, args.calls, args.loop_only, not args.no_backends_capsule)
+            child(args.child, args.calls, args.loop_only, not args.no_backends_capsule, args.trace, args.passes)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         lib_dir = Path(tmp)
@@ -251,15 +291,17 @@ def main(argv: list[str] | None = None) -> int:
                            env=env, check=True)
             return 0
         extra = ["--no-backends-capsule"] if args.no_backends_capsule else []
-        cmd = [sys.executable, "-m", "benchmarks.cupy_hook_cpu.run", "--child", str(lib_dir), "--calls",
-               str(args.calls), *extra]
+        what = ["--calls", str(args.calls)] if args.trace is None else ["--trace", str(args.trace), "--passes",
+                                                                         str(args.passes)]
+        cmd = [sys.executable, "-m", "benchmarks.cupy_hook_cpu.run", "--child", str(lib_dir), *what, *extra]
         subprocess.run(cmd, env=env, check=True)
         if args.callgrind:
             if shutil.which("valgrind") is None:
                 print("no valgrind: no instruction count")
                 return 0
-            ir = callgrind_instructions(lib_dir, env, min(args.calls, 20_000), extra)
-            print(f"\ninstructions per hook(512) call (allocate + free), callgrind: {ir:.0f}")
+            ir = callgrind_instructions(lib_dir, env, min(args.calls, 20_000), extra, args.trace)
+            what_ir = "hook(512) call (allocate + free)" if args.trace is None else "operation of the trace"
+            print(f"\ninstructions per {what_ir}, callgrind: {ir:.0f}")
     return 0
 
 

@@ -184,6 +184,13 @@ def breakdown(cupy: Any, device: int, n: int = 200_000) -> list[tuple[str, float
     return out
 
 
+def _stream_path(hook: Any) -> str:
+    """How the hook reads CuPy's current stream (Note [CuPy's stream in C])."""
+    if getattr(hook, "reads_stream_by_device", lambda: False)():
+        return "in C: cupy_backends' get_stream_ptr(device)"
+    return "in C: cupy.cuda.stream's get_current_stream_ptr()" if hook.reads_stream_in_c() else "through Python"
+
+
 def render(rows: list[Row], names: list[str]) -> str:
     head = ("| trace | part | ops | " + " | ".join(f"{n} µs/op" for n in names) +
             " | gpumem / cupy-pool | gpumem device calls, event calls per pass | held MiB: cupy-pool, gpumem |")
@@ -240,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         hook = allocators["gpumem"][0]
         print(f"engine policy: the default with page_slack={policy.page_slack}; "
               f"CuPy {cupy.__version__}, device {args.device} ({cupy.cuda.runtime.getDeviceProperties(args.device)['name'].decode()}); "
-              f"the hook reads CuPy's stream {'in C (capsule)' if hook.reads_stream_in_c() else 'through Python'}")
+              f"the hook reads CuPy's stream {_stream_path(hook)}")
         rows = []
         with progress(len(paths), desc="traces", unit="trace") as bar:
             for p in paths:
@@ -255,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {label} | {us:.3f} |")
     if args.json:
         args.json.write_text(json.dumps({"rows": [dataclasses.asdict(r) | {"ratio": r.ratio()} for r in rows],
-                                         "breakdown_us": dict(parts), "passes": args.passes}, indent=1))
+                                         "breakdown_us": dict(parts), "passes": args.passes,
+                                         "hook_stream": _stream_path(hook)}, indent=1))
     return 0
 
 

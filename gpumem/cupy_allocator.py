@@ -233,14 +233,28 @@ def native_hook() -> Any:
     make = engine.CupyAllocator
     get_device = cupy.cuda.runtime.getDevice
     on_oom = _on_out_of_memory(cupy)
-    capsule = getattr(cupy.cuda.stream, "__pyx_capi__", {}).get("get_current_stream_ptr")
-    if capsule is not None:
+    # Note [CuPy's stream in C] (gpumem/_native/cuda_allocator.cpp): cupy_backends' get_stream_ptr(device)
+    # (CuPy 14), else cupy.cuda.stream's get_current_stream_ptr(), else CuPy's Python function
+    for module, name in ((_backends_stream(), "get_stream_ptr"), (cupy.cuda.stream, "get_current_stream_ptr")):
+        capsule = getattr(module, "__pyx_capi__", {}).get(name)
+        if capsule is None:
+            continue
         try:
             return make(get_device, capsule, memory.UnownedMemory, memory.MemoryPointer, on_oom)
-        except Exception as exc:  # noqa: BLE001 - another CuPy build: its Python function below
-            log.debug("CuPy's get_current_stream_ptr capsule is not usable (%s); reading the stream from Python", exc)
+        except Exception as exc:  # noqa: BLE001 - another CuPy build: the next way below
+            log.debug("CuPy's %s capsule is not usable (%s)", name, exc)
+    log.debug("reading CuPy's current stream from Python")
     return make(get_device, lambda: cupy.cuda.get_current_stream().ptr, memory.UnownedMemory, memory.MemoryPointer,
                 on_oom)
+
+
+def _backends_stream() -> Any:
+    """``cupy_backends.cuda.stream`` (imported by CuPy), or None where it cannot be imported."""
+    try:
+        import cupy_backends.cuda.stream as backends_stream
+    except ImportError:
+        return None
+    return backends_stream
 
 
 def install(allocator: CachingAllocator | None = None, *, policy: str | AllocatorPolicy | None = None,

@@ -345,7 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     hook = gca.native_hook()
     meta = {"date": dt.date.today().isoformat(), "cupy": cupy.__version__, "tag": args.tag,
             "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "deadline_s": args.deadline_s,
-            "hook": "native engine, stream read " + ("in C" if hook.reads_stream_in_c() else "through Python")}
+            "hook": "native engine, stream read " + (
+                "in C by device (cupy_backends' get_stream_ptr)" if hook.reads_stream_by_device()
+                else "in C" if hook.reads_stream_in_c() else "through Python")}
     del hook
     xdist = _have_xdist()
     meta["mode"] = (f"pytest-xdist, {args.jobs} workers per allocator" if xdist else

@@ -355,16 +355,18 @@ PyTypeObject CudaAllocType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 // MemoryPointer) and frees when the last reference to the memory object goes. Done in Python
 // (gpumem.cupy_allocator.CupyMalloc over a CachingAllocator), each call paid a Python frame, a dict
 // read for the device's allocator, the CachingAllocator's argument checks and a Python finaliser per
-// free: 2.6-4.8 us against CuPy's pool 1.4-2.6. CupyAllocator does the same in C: CuPy's current
-// device and stream come from CuPy's own functions (given at construction: nothing here imports
-// CuPy), the device's engine (the one CudaAllocator(device) and PyTorch use) is cached per device,
-// the engine's hot path runs without leaving C++, and CuPy's UnownedMemory and MemoryPointer are
-// built by vectorcall. The owner CuPy keeps is a CupyBlock, whose deallocator (C, no Python frame)
-// gives the block back to its engine, stream-ordered on the stream it was allocated on. The
-// memory's size is the block's (the request rounded, a multiple of 512 B), as CuPy's pool reports
-// it and as CuPy code reads it (test_percentile_memory_access). A block whose owner fails to be
-// made is freed at once; the owner is made before anything else can fail, so none leaks.
+// free: 2.6-4.8 us against CuPy's pool 1.4-2.6. CupyAllocator does the same in C: the current device
+// is the current context's (one driver call), the stream comes from CuPy's own C function (given at
+// construction: nothing here imports CuPy; Note [CuPy's stream in C]), the device's engine (the one
+// CudaAllocator(device) and PyTorch use) is cached per device, the engine's hot path runs without
+// leaving C++, and CuPy's UnownedMemory and MemoryPointer are called with argument tuples kept between
+// calls (Note [CuPy's objects, made for less]). The owner CuPy keeps is a CupyBlock, whose deallocator
+// (C, no Python frame) gives the block back to its engine, stream-ordered on the stream it was
+// allocated on. The memory's size is the block's (the request rounded, a multiple of 512 B), as CuPy's
+// pool reports it and as CuPy code reads it (test_percentile_memory_access). A block whose owner fails
+// to be made is freed at once; the owner is made before anything else can fail, so none leaks.
 constexpr int kMaxCupyDevices = 64;   // as torch_api.cpp's kMaxDevices
+constexpr std::size_t kSizeInts = 64;   // Note [CuPy's objects, made for less]
 
 struct CupyBlockObject {
     PyObject_HEAD
@@ -402,10 +404,10 @@ PyMemberDef CupyBlock_members[] = {
 
 PyTypeObject CupyBlockType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
-// CuPy's own C function for its current stream (cupy.cuda.stream.__pyx_capi__["get_current_stream_ptr"]:
-// `cdef intptr_t get_current_stream_ptr() except? -1`), the name Cython gives its capsule, and the one
-// this allocator calls when it is given that capsule instead of a Python function (no Python call).
-using StreamPtrFn = std::intptr_t (*)();
+// CuPy's own C functions for its current stream, which this allocator calls when it is given their capsule
+// instead of a Python function (no Python call), Note [CuPy's stream in C].
+using StreamPtrFn = std::intptr_t (*)();                 // cupy.cuda.stream.get_current_stream_ptr
+using DeviceStreamPtrFn = std::intptr_t (*)(int device);  // cupy_backends.cuda.stream.get_stream_ptr
 
 // Note [CuPy's per-thread default stream]: with CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1 CuPy's current
 // stream is cudaStreamPerThread (handle 2) in every thread, a different stream in each. The engine keys
@@ -417,18 +419,35 @@ constexpr const char* kPerThreadMessage =
     "gpumem's CuPy hook does not serve CuPy's per-thread default stream (CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1): "
     "one handle names a different stream in each thread; use an explicit cupy.cuda.Stream per thread";
 constexpr const char* kStreamPtrCapsule = "intptr_t (void)";
+constexpr const char* kDeviceStreamPtrCapsule = "intptr_t (int)";
+
+// Note [CuPy's stream in C]: CuPy 14's cupy.cuda.stream.get_current_stream_ptr() (`cdef intptr_t ...()
+// except? -1`, exported in its module's __pyx_capi__ under the signature "intptr_t (void)") reads its own
+// thread-local object and does not use it, then calls cupy_backends.cuda.stream.get_current_stream_ptr(),
+// which reads that module's thread-local object, asks the runtime for the current device (cudaGetDevice)
+// and returns current_stream[device]: two thread-local attribute reads and a runtime call. The hook has
+// found the device already (the current context's, which is what cudaGetDevice reports: the runtime uses
+// the context current on the thread), so given cupy_backends' get_stream_ptr(device) ("intptr_t (int)",
+// CuPy 14) it reads the same current_stream[device] with one thread-local read and no runtime call. CuPy
+// 13 has no get_stream_ptr: gpumem.cupy_allocator.native_hook then gives the first function, and where
+// neither capsule is there, a Python function (call_int). Either C function returns -1 with an exception
+// set when it fails (Cython's `except? -1`), which the hook raises.
 
 struct CupyAllocObject {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject* get_device;       // () -> int: CuPy's current device
     PyObject* get_stream;       // () -> int: CuPy's current stream (its pointer); or a capsule of the C function
-    StreamPtrFn stream_fn;      // from that capsule, or null
+    StreamPtrFn stream_fn;      // from that capsule ("intptr_t (void)"), or null
+    DeviceStreamPtrFn device_stream_fn;   // from that capsule ("intptr_t (int)": the device's stream), or null
     PyObject* unowned_memory;   // UnownedMemory(ptr, size, owner, device_id)
     PyObject* memory_pointer;   // MemoryPointer(mem, offset)
     PyObject* on_oom;           // (nbytes, device, gpumem error) -> the exception to raise
     PyObject* zero;
     Engine* engines[kMaxCupyDevices];   // made on a device's first allocation; written with the GIL held
+    PyObject* mem_args;   // the argument tuples of UnownedMemory and MemoryPointer, kept between calls (Note
+    PyObject* ptr_args;   // [CuPy's objects, made for less]); null until the first call or while one is in use
+    PyObject* size_ints[kSizeInts];   // the block sizes' ints, by kSizeInts slots (null: none yet)
 };
 
 // Calls `fn()` and reads an int in [lo, hi) from it; false with an exception set otherwise.
@@ -476,25 +495,93 @@ void set_alloc_error(CupyAllocObject* self, std::exception_ptr failure, std::uin
     Py_DECREF(exc);
 }
 
+// Note [CuPy's objects, made for less]: CuPy's contract is a MemoryPointer(UnownedMemory(ptr, size, owner,
+// device), 0) per allocation; CuPy's classes are Cython types, which take their arguments as a tuple, so a
+// vectorcall of one built a tuple, called the type with it and freed it, twice per allocation. The hook
+// keeps the two tuples instead, between calls, filled with None while idle: a call takes its tuple out of
+// the object (a call made meanwhile, re-entrant through a finaliser or from a thread the call let run,
+// finds none and builds its own), fills it, calls the type with it (PyObject_Call: the type's tp_call,
+// what the vectorcall came to) and puts it back emptied only if nothing else kept a reference (a Python
+// __init__(*args) gets a tuple of its own; BaseException keeps the one it is given: a callee that kept ours
+// keeps it, intact, and the next call builds another). The tuples are not tracked by the collector, so
+// gc.get_objects() never hands one out while it is filled. The ints CuPy converts are the pointer, the
+// block's size and the device (a small int, cached by Python): kSizeInts sizes' ints are kept, one per
+// slot by size (a block size, a multiple of 512 B, recurs: a training step asks for the same ones), so a
+// size seen before costs no int. Same objects, same values, same owner as before: 8 % fewer instructions
+// per allocate+free on the CPU harness (reports/cupy-hook-outside-engine.md).
+
+// The int of `size` (a new reference), from the cache when it holds it; null with an exception set.
+PyObject* size_int(CupyAllocObject* self, std::uint64_t size) {
+    PyObject*& slot = self->size_ints[(size >> 9) % kSizeInts];
+    if (slot != nullptr && PyLong_AsUnsignedLongLong(slot) == size) {
+        Py_INCREF(slot);
+        return slot;
+    }
+    PyObject* o = PyLong_FromUnsignedLongLong(size);
+    if (!o) return nullptr;
+    Py_INCREF(o);
+    Py_XSETREF(slot, o);
+    return o;
+}
+
+// Calls `type(*items)` through the tuple kept in `slot` (stealing each item), or a new one where it is in use
+// or was kept by the callee; returns the result or null with an exception set.
+PyObject* call_with_kept_tuple(PyObject*& slot, PyObject* type, PyObject* const* items, Py_ssize_t n) {
+    PyObject* args = slot;
+    slot = nullptr;
+    if (args != nullptr && Py_REFCNT(args) != 1) {   // someone holds it: leave it to them
+        Py_DECREF(args);
+        args = nullptr;
+    }
+    if (args == nullptr) {
+        args = PyTuple_New(n);
+        if (!args) {
+            for (Py_ssize_t i = 0; i < n; ++i) Py_DECREF(items[i]);
+            return nullptr;
+        }
+        if (PyObject_GC_IsTracked(args)) PyObject_GC_UnTrack(args);
+        for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(args, i, items[i]);
+    } else {
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            PyObject* old = PyTuple_GET_ITEM(args, i);
+            PyTuple_SET_ITEM(args, i, items[i]);
+            Py_XDECREF(old);
+        }
+    }
+    PyObject* out = PyObject_Call(type, args, nullptr);   // a Cython type: its tp_call with this tuple
+    if (Py_REFCNT(args) == 1 && slot == nullptr) {   // ours alone: emptied (None) and kept for the next call
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            PyObject* old = PyTuple_GET_ITEM(args, i);
+            Py_INCREF(Py_None);
+            PyTuple_SET_ITEM(args, i, Py_None);
+            Py_DECREF(old);
+        }
+        if (slot == nullptr) {   // the decrefs above may have run a finaliser that filled it
+            slot = args;
+            return out;
+        }
+    }
+    Py_DECREF(args);
+    return out;
+}
+
 // MemoryPointer(UnownedMemory(ptr, size, owner, device), 0); `owner` is stolen.
 PyObject* cupy_pointer(CupyAllocObject* self, std::uint64_t ptr, std::uint64_t size, PyObject* owner, int device) {
     PyObject* ptr_o = PyLong_FromUnsignedLongLong(ptr);
-    PyObject* size_o = PyLong_FromUnsignedLongLong(size);
-    PyObject* dev_o = PyLong_FromLong(device);
-    PyObject* mem = nullptr;
-    if (ptr_o && size_o && dev_o) {
-        PyObject* args[4] = {ptr_o, size_o, owner, dev_o};
-        mem = PyObject_Vectorcall(self->unowned_memory, args, 4, nullptr);
+    PyObject* size_o = ptr_o ? size_int(self, size) : nullptr;
+    PyObject* dev_o = size_o ? PyLong_FromLong(device) : nullptr;
+    if (!dev_o) {
+        Py_XDECREF(ptr_o);
+        Py_XDECREF(size_o);
+        Py_DECREF(owner);   // without a memory object, the block goes back here
+        return nullptr;
     }
-    Py_XDECREF(ptr_o);
-    Py_XDECREF(size_o);
-    Py_XDECREF(dev_o);
-    Py_DECREF(owner);   // the memory object keeps it; without one, the block goes back here
+    PyObject* mem_items[4] = {ptr_o, size_o, owner, dev_o};   // stolen: the memory object keeps the owner
+    PyObject* mem = call_with_kept_tuple(self->mem_args, self->unowned_memory, mem_items, 4);
     if (!mem) return nullptr;
-    PyObject* args[2] = {mem, self->zero};
-    PyObject* out = PyObject_Vectorcall(self->memory_pointer, args, 2, nullptr);
-    Py_DECREF(mem);
-    return out;
+    Py_INCREF(self->zero);
+    PyObject* ptr_items[2] = {mem, self->zero};
+    return call_with_kept_tuple(self->ptr_args, self->memory_pointer, ptr_items, 2);
 }
 
 // The device an allocation goes to: the device of the current context is CuPy's current device once
@@ -509,12 +596,12 @@ bool current_device(CupyAllocObject* self, int* out) {
     return true;
 }
 
-// CuPy's current stream (its handle), refused where it is the per-thread default stream. False with an
-// exception set.
-bool current_stream(CupyAllocObject* self, long long* out) {
+// CuPy's current stream (its handle) on `device` (the current device), refused where it is the per-thread
+// default stream. False with an exception set.
+bool current_stream(CupyAllocObject* self, int device, long long* out) {
     long long stream = 0;
-    if (self->stream_fn) {
-        stream = static_cast<long long>(self->stream_fn());
+    if (self->stream_fn || self->device_stream_fn) {
+        stream = static_cast<long long>(self->device_stream_fn ? self->device_stream_fn(device) : self->stream_fn());
         if (stream == -1 && PyErr_Occurred()) return false;
         if (stream < 0) {
             raise_as("InvalidArgumentError", "CuPy's current stream is " + std::to_string(stream));
@@ -546,7 +633,7 @@ PyObject* CupyAlloc_vectorcall(PyObject* callable, PyObject* const* args, size_t
         return cupy_pointer(self, 0, 0, Py_None, device);
     }
     long long stream = 0;
-    if (!current_stream(self, &stream)) return nullptr;
+    if (!current_stream(self, device, &stream)) return nullptr;
     Engine* engine = self->engines[device];
     if (engine == nullptr) {
         if (!without_gil(device, [&] { engine = &gpumem::cuda_engine(device); })) return nullptr;
@@ -600,19 +687,27 @@ PyObject* CupyAlloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
                                      &f[4]))
         return nullptr;
     StreamPtrFn stream_fn = nullptr;
+    DeviceStreamPtrFn device_stream_fn = nullptr;
     if (PyCapsule_CheckExact(f[1])) {
         const char* name = PyCapsule_GetName(f[1]);
-        if (!name || std::strcmp(name, kStreamPtrCapsule) != 0) {
+        const bool by_device = name && std::strcmp(name, kDeviceStreamPtrCapsule) == 0;
+        if (!name || (!by_device && std::strcmp(name, kStreamPtrCapsule) != 0)) {
             PyErr_Clear();
             raise_as("InvalidArgumentError", std::string("CupyAllocator: the stream capsule must hold a C function '") +
-                     kStreamPtrCapsule + "', it holds '" + (name ? name : "?") + "'");
+                     kStreamPtrCapsule + "' or '" + kDeviceStreamPtrCapsule + "', it holds '" + (name ? name : "?") +
+                     "'");
             return nullptr;
         }
-        stream_fn = reinterpret_cast<StreamPtrFn>(PyCapsule_GetPointer(f[1], name));
-        if (!stream_fn) return nullptr;
+        void* fn = PyCapsule_GetPointer(f[1], name);
+        if (!fn) return nullptr;
+        if (by_device)
+            device_stream_fn = reinterpret_cast<DeviceStreamPtrFn>(fn);
+        else
+            stream_fn = reinterpret_cast<StreamPtrFn>(fn);
     }
+    const bool stream_in_c = stream_fn || device_stream_fn;
     for (int i = 0; i < 5; ++i)
-        if (!(i == 1 && stream_fn) && !PyCallable_Check(f[i])) {
+        if (!(i == 1 && stream_in_c) && !PyCallable_Check(f[i])) {
             raise_as("InvalidArgumentError", std::string("CupyAllocator: ") + kwlist[i] + " must be callable, got " +
                      Py_TYPE(f[i])->tp_name);
             return nullptr;
@@ -621,6 +716,7 @@ PyObject* CupyAlloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
     if (!self) return nullptr;
     self->vectorcall = CupyAlloc_vectorcall;
     self->stream_fn = stream_fn;
+    self->device_stream_fn = device_stream_fn;
     PyObject** slots[5] = {&self->get_device, &self->get_stream, &self->unowned_memory, &self->memory_pointer,
                            &self->on_oom};
     for (int i = 0; i < 5; ++i) {
@@ -629,6 +725,9 @@ PyObject* CupyAlloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
     }
     self->zero = PyLong_FromLong(0);
     for (auto& e : self->engines) e = nullptr;
+    self->mem_args = nullptr;
+    self->ptr_args = nullptr;
+    for (auto& o : self->size_ints) o = nullptr;
     if (!self->zero) {
         Py_DECREF(self);
         return nullptr;
@@ -642,6 +741,8 @@ int CupyAlloc_traverse(CupyAllocObject* self, visitproc visit, void* arg) {
     Py_VISIT(self->unowned_memory);
     Py_VISIT(self->memory_pointer);
     Py_VISIT(self->on_oom);
+    Py_VISIT(self->mem_args);
+    Py_VISIT(self->ptr_args);
     return 0;
 }
 
@@ -652,6 +753,9 @@ int CupyAlloc_clear(CupyAllocObject* self) {
     Py_CLEAR(self->memory_pointer);
     Py_CLEAR(self->on_oom);
     Py_CLEAR(self->zero);
+    Py_CLEAR(self->mem_args);
+    Py_CLEAR(self->ptr_args);
+    for (auto& o : self->size_ints) Py_CLEAR(o);
     return 0;
 }
 
@@ -677,7 +781,13 @@ PyObject* CupyAlloc_engine_devices(CupyAllocObject* self, PyObject*) {
     return out;
 }
 
-PyObject* CupyAlloc_stream_in_c(CupyAllocObject* self, PyObject*) { return PyBool_FromLong(self->stream_fn != nullptr); }
+PyObject* CupyAlloc_stream_in_c(CupyAllocObject* self, PyObject*) {
+    return PyBool_FromLong(self->stream_fn != nullptr || self->device_stream_fn != nullptr);
+}
+
+PyObject* CupyAlloc_stream_by_device(CupyAllocObject* self, PyObject*) {
+    return PyBool_FromLong(self->device_stream_fn != nullptr);
+}
 
 PyObject* CupyAlloc_current_device(CupyAllocObject* self, PyObject*) {
     int device = 0;
@@ -685,13 +795,18 @@ PyObject* CupyAlloc_current_device(CupyAllocObject* self, PyObject*) {
 }
 
 PyObject* CupyAlloc_current_stream(CupyAllocObject* self, PyObject*) {
+    int device = 0;
     long long stream = 0;
-    return current_stream(self, &stream) ? PyLong_FromLongLong(stream) : nullptr;
+    if (self->device_stream_fn && !current_device(self, &device)) return nullptr;
+    return current_stream(self, device, &stream) ? PyLong_FromLongLong(stream) : nullptr;
 }
 
 PyMethodDef CupyAlloc_methods[] = {
     {"reads_stream_in_c", reinterpret_cast<PyCFunction>(CupyAlloc_stream_in_c), METH_NOARGS,
      "reads_stream_in_c() -> bool: whether CuPy's current stream is read through CuPy's C function (a capsule)."},
+    {"reads_stream_by_device", reinterpret_cast<PyCFunction>(CupyAlloc_stream_by_device), METH_NOARGS,
+     "reads_stream_by_device() -> bool: whether that C function is cupy_backends' get_stream_ptr(device), given the "
+     "device the hook found (Note [CuPy's stream in C])."},
     {"current_device", reinterpret_cast<PyCFunction>(CupyAlloc_current_device), METH_NOARGS,
      "current_device() -> int: the device an allocation now goes to, found as each allocation finds it (the current "
      "context's device, else CuPy's current device)."},

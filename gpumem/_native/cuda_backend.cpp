@@ -226,10 +226,12 @@ int current_context_device() noexcept {
             }
             return h;
         }();
-        CUcontext current = nullptr;
-        if (d.cuCtxGetCurrent(&current) != CUDA_SUCCESS || current == nullptr) return -1;
+        // One driver call: cuCtxGetDevice reads the current context and fails (CUDA_ERROR_INVALID_CONTEXT)
+        // where none is current, as cuCtxGetCurrent's null did before it (CuPy's hook pays this per allocation)
         CUdevice dev = -1;
         if (d.cuCtxGetDevice(&dev) != CUDA_SUCCESS) return -1;
+        if (dev >= 0 && static_cast<std::size_t>(dev) < handles.size() && handles[static_cast<std::size_t>(dev)] == dev)
+            return static_cast<int>(dev);   // the handle is the ordinal, as in every driver so far
         for (std::size_t i = 0; i < handles.size(); ++i)
             if (handles[i] == dev) return static_cast<int>(i);
     } catch (...) {

@@ -42,7 +42,8 @@ const CudaDriver& cuda_driver();
 
 // The ordinal of the device of the calling thread's current context (what the CUDA runtime's
 // cudaGetDevice reports once a device is in use), or -1 when no context is current or the driver cannot
-// be loaded. Never throws; costs two driver calls (no Python: gpumem._engine.CupyAllocator's hot path).
+// be loaded. Never throws; costs one driver call, cuCtxGetDevice (no Python: gpumem._engine.CupyAllocator's
+// hot path).
 int current_context_device() noexcept;
 
 // How a CUresult maps onto the Backend's error kinds (exposed for tests).

@@ -213,8 +213,83 @@ def test_native_hook_refuses_what_is_not_callable_and_a_foreign_capsule():
     make_capsule.restype = ctypes.py_object
     make_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
     foreign = make_capsule(ctypes.cast(ctypes.pythonapi.Py_IsInitialized, ctypes.c_void_p), b"int (void)", None)
-    with pytest.raises(InvalidArgumentError, match=r"must hold a C function 'intptr_t \(void\)', it holds 'int \(void\)'"):
+    with pytest.raises(InvalidArgumentError, match=r"must hold a C function 'intptr_t \(void\)' or "
+                                                   r"'intptr_t \(int\)', it holds 'int \(void\)'"):
         mod.CupyAllocator(lambda: 0, foreign, _Mem, _Ptr, lambda *a: None)
+
+
+def _stream_capsule(fn, signature: bytes):
+    """A capsule of a C function calling `fn` (ctypes), as CuPy's __pyx_capi__ holds them; keep the pair alive."""
+    import ctypes
+
+    proto = ctypes.CFUNCTYPE(ctypes.c_ssize_t, ctypes.c_int) if b"int)" in signature else \
+        ctypes.CFUNCTYPE(ctypes.c_ssize_t)
+    c_fn = proto(fn)
+    make_capsule = ctypes.pythonapi.PyCapsule_New
+    make_capsule.restype = ctypes.py_object
+    make_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return make_capsule(ctypes.cast(c_fn, ctypes.c_void_p), signature, None), c_fn
+
+
+def test_native_hook_reads_the_stream_of_the_device_it_found_through_cupy_backends_function():
+    """Note [CuPy's stream in C]: given cupy_backends' get_stream_ptr(device) the hook passes the device it
+    found (here CuPy's, no context being current; on a GPU the current context's) and refuses the per-thread
+    default stream as before."""
+    asked: list[int] = []
+    streams = {3: 7, 4: 2}
+    capsule, keep = _stream_capsule(lambda d: asked.append(d) or streams[d], b"intptr_t (int)")
+    device = [3]
+    hook = _native().CupyAllocator(lambda: device[0], capsule, _Mem, _Ptr, lambda *a: None)
+    assert hook.reads_stream_in_c() and hook.reads_stream_by_device()
+    found = hook.current_device()
+    assert hook.current_stream() == streams.get(found, 7 if found == 3 else None) and asked == [found]
+    if found == 3:   # no CUDA context here: CuPy's device, whose stream is 2 once it is device 4
+        device[0] = 4
+        with pytest.raises(BackendUnavailableError, match="per-thread default stream"):
+            hook.current_stream()
+        with pytest.raises(BackendUnavailableError, match="per-thread default stream"):
+            hook(4096)
+        assert asked == [3, 4, 4] and hook.devices() == []
+    del keep
+
+
+def test_native_hook_reads_cupys_current_stream_function_without_a_device():
+    capsule, keep = _stream_capsule(lambda: 9, b"intptr_t (void)")
+    hook = _native().CupyAllocator(lambda: 0, capsule, _Mem, _Ptr, lambda *a: None)
+    assert hook.reads_stream_in_c() and not hook.reads_stream_by_device()
+    assert hook.current_stream() == 9
+    del keep
+
+
+def test_native_hook_prefers_cupy_backends_get_stream_ptr(fake_cupy, monkeypatch):
+    """gpumem.cupy_allocator.native_hook gives cupy_backends' get_stream_ptr where CuPy exports it (CuPy 14),
+    else cupy.cuda.stream's get_current_stream_ptr (CuPy 13), else CuPy's Python function."""
+    import gpumem.cupy_allocator as gca
+
+    _native()
+    by_device, keep_a = _stream_capsule(lambda d: 5, b"intptr_t (int)")
+    current, keep_b = _stream_capsule(lambda: 6, b"intptr_t (void)")
+    backends_stream = types.SimpleNamespace(__pyx_capi__={"get_stream_ptr": by_device})
+    backends = types.SimpleNamespace(cuda=types.SimpleNamespace(stream=backends_stream))
+    fake_cupy.stream = types.SimpleNamespace(__pyx_capi__={"get_current_stream_ptr": current})
+    fake_cupy.get_current_stream = lambda: types.SimpleNamespace(ptr=8)
+    for name, mod in (("cupy_backends", backends), ("cupy_backends.cuda", backends.cuda),
+                      ("cupy_backends.cuda.stream", backends_stream)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    hook = gca.native_hook()
+    assert hook.reads_stream_by_device() and hook.current_stream() == 5
+    backends_stream.__pyx_capi__ = {}   # CuPy 13
+    hook = gca.native_hook()
+    assert hook.reads_stream_in_c() and not hook.reads_stream_by_device() and hook.current_stream() == 6
+    fake_cupy.stream = types.SimpleNamespace()   # no C API at all
+    hook = gca.native_hook()
+    assert not hook.reads_stream_in_c() and hook.current_stream() == 8
+    foreign, keep_c = _stream_capsule(lambda: 4, b"int (void)")
+    backends_stream.__pyx_capi__ = {"get_stream_ptr": foreign}   # another CuPy build's signature: the next way
+    fake_cupy.stream = types.SimpleNamespace(__pyx_capi__={"get_current_stream_ptr": current})
+    hook = gca.native_hook()
+    assert hook.reads_stream_in_c() and not hook.reads_stream_by_device() and hook.current_stream() == 6
+    del keep_a, keep_b, keep_c
 
 
 def test_native_hook_without_a_driver_raises_and_keeps_no_engine():
@@ -350,3 +425,26 @@ def test_cuda_allocator_configures_a_custom_policy_that_keeps_the_default_name()
         assert gca.cuda_allocator(0, custom) == "engine 0"
         gca.cuda_allocator(0, "gpumem")            # the default itself: nothing to configure
     assert calls == [custom]
+
+
+def test_native_hook_through_a_stand_in_driver_keeps_cupys_contract():
+    """benchmarks/cupy_hook_cpu --check: the hook allocates real blocks through a stand-in libcuda and
+    stand-in CuPy types (Note [CuPy's objects, made for less]): mem.size is the block's size for sizes whose
+    ints share a cache slot, every block goes back when CuPy lets go, a MemoryPointer that fails frees its
+    block, an UnownedMemory that keeps its argument tuple keeps it intact, and a re-entrant allocation gets
+    its own tuple."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    _native()
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler for the stand-in libcuda")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    env["PYTHONPATH"] = str(root)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.cupy_hook_cpu.run", "--check"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "checks passed" in r.stdout

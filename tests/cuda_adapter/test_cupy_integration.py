@@ -134,3 +134,26 @@ def test_cupy_hook_cache_hits_have_the_blocks_size_and_usable_memory(device_spec
                 calls = alloc.peaks()["device_calls"]
         assert alloc.peaks()["device_calls"] == calls
         gca.check_installed(raise_on_problem=True)
+
+
+def test_cupy_hook_reads_cupys_current_stream_and_device(device_spec):
+    """Note [CuPy's stream in C]: on CuPy 14 the hook reads the stream through cupy_backends' get_stream_ptr
+    with the device it found (the current context's); both are what CuPy's own functions say, on the null
+    stream and in a side stream, on every device."""
+    cupy = pytest.importorskip("cupy")
+    import gpumem.cupy_allocator as gca
+    from gpumem.native import engine
+
+    if not device_spec.startswith("cuda") or engine() != "native":
+        pytest.skip("needs a CUDA device and gpumem's native engine")
+    hook = gca.native_hook()
+    if int(cupy.__version__.split(".")[0]) >= 14:
+        assert hook.reads_stream_by_device()
+    for d in range(cupy.cuda.runtime.getDeviceCount()):
+        with cupy.cuda.Device(d):
+            assert hook.current_device() == d == cupy.cuda.runtime.getDevice()
+            assert hook.current_stream() == cupy.cuda.get_current_stream().ptr
+            side = cupy.cuda.Stream(non_blocking=True)
+            with side:
+                assert hook.current_stream() == side.ptr == cupy.cuda.get_current_stream().ptr
+            assert hook.current_stream() == cupy.cuda.get_current_stream().ptr

@@ -42,8 +42,26 @@ Note [Small pool skipped at a fixed point]
     first] in :mod:`.fit`: the full path replays that part as a trace): :func:`~gpumem.estimate.fit.
     replay_inference` then replays that policy by the full path. ``replay_inference(..., full_replay=True)``
     keeps the reference, and ``tests/estimate/test_fast_replay.py`` checks both to the byte on random shapes,
-    lengths, limits and policies. The virtual-memory policies (``expandable``, ``gpumem``) share page
-    accounting between their pools (physical chunks, the live-page peak), so nothing is skipped there.
+    lengths, limits and policies. ``expandable`` is skipped too (Note [Expandable's small pool skipped]);
+    ``gpumem`` (the native engine, its chunks stolen across pools by the live-page peak) is not.
+
+Note [Expandable's small pool skipped]
+    ``expandable`` runs on the Python engine over a virtual range per pool (Note [Expandable segments] in
+    :mod:`gpumem.allocator.policy`): growth by whole pages of the pool's own size, no steal, no slack. Its
+    two pools share what the segment policies share (the limit, the out-of-memory retry that releases both,
+    the reserved bytes counted at each allocation) and three more things: the list of chunks held but mapped
+    nowhere, the count of pages holding live data and its peak. The count and its peak decide only steals
+    and chunk sizes (``steal_empty_pages`` or ``growth=CHUNKS``), which this policy never takes, and no
+    figure of the estimate reads them; mid-step they differ while small ops are left out, at step ends they
+    are the full replay's again once the skipped ops are sent. The unmapped chunks change only by a release
+    (an out-of-memory retry: the skip ends before one, or the fast result is void) or a map; a small-pool map
+    within a period would change its mapped pages, which only a release unmaps, so a period that leaves the
+    range as it found it maps nothing and takes no chunk. So the segment case's argument holds with the
+    small pool's state read off its range (:meth:`SkippingSink._small_range_state`: blocks, top, the pages'
+    references, chunks, empty order, fences) and the growth test made for pages: a large request of ``n``
+    rounded bytes touches at most ``n / page + 1`` pages; while those, all mapped anew, stay within the
+    limit, it cannot run out of memory by the limit; past it the skip ends first. The tests check it as the
+    segment case's, policy ``expandable`` included.
 
 Note [Decode step template]
     Without a sliding window, every size a decode step asks for is a shape constant or one times the cache
@@ -67,7 +85,8 @@ from typing import Any
 
 import numpy as np
 
-from ..allocator.backing import SegmentBacking
+from ..allocator.backing import SegmentBacking, VirtualBacking
+from ..allocator.policy import GrowthRule
 from ..allocator.python_engine import PythonEngine
 from ..errors import InternalError, OutOfMemoryError
 from .workload import DECODE_HEAD_STEPS
@@ -94,11 +113,18 @@ def _engine_of(allocator: Any) -> Any:
 
 
 def can_skip_small_pool(allocator: Any) -> bool:
-    """Whether Note [Small pool skipped at a fixed point] applies: the Python engine over ``malloc``'d
-    segments with a separate small pool, no history and no garbage-collection threshold."""
+    """Whether Note [Small pool skipped at a fixed point] applies: the Python engine with a separate small
+    pool, no history and no garbage-collection threshold, over ``malloc``'d segments or over virtual ranges
+    whose pages are never stolen (``expandable``: Note [Expandable's small pool skipped])."""
     eng = _engine_of(allocator)
-    return (isinstance(eng, PythonEngine) and isinstance(eng.backing, SegmentBacking)
-            and eng.policy.separate_small_pool and eng.gc_threshold is None and eng._recorder is None)
+    if not (isinstance(eng, PythonEngine) and eng.policy.separate_small_pool and eng.gc_threshold is None
+            and eng._recorder is None):
+        return False
+    if isinstance(eng.backing, SegmentBacking):
+        return True
+    pol = eng.policy
+    return (isinstance(eng.backing, VirtualBacking) and not pol.steal_empty_pages
+            and pol.growth is GrowthRule.PAGES and not pol.stream_ordered_steal)
 
 
 class PlainSink:
@@ -219,6 +245,9 @@ class SkippingSink(PlainSink):
 
     # -- the small pool's state ---------------------------------------------------------------------------
     def _small_state(self) -> tuple:
+        backing = self._engine.backing
+        if isinstance(backing, VirtualBacking):
+            return self._small_range_state(backing)
         segs = []
         for seg in sorted(self._engine.backing.segments_list(), key=lambda s: s.base):
             if not seg.small:
@@ -230,6 +259,26 @@ class SkippingSink(PlainSink):
                 b = b.prev
             segs.append((seg.base, seg.nbytes, seg.order, seg.live, seg.dirty, seg.fence, tuple(blocks)))
         return tuple(segs)
+
+    @staticmethod
+    def _small_range_state(backing: VirtualBacking) -> tuple:
+        """The small pool's virtual range as it matters to its next ops (Note [Expandable's small pool
+        skipped]): its blocks, top, pages (live references, chunks mapped, empty in their order, unfenced
+        streams, fences, ...); the chunks held but mapped nowhere, shared by both pools."""
+        seg = backing.vsegments.get(True)
+        unmapped = tuple(h.handle for h in backing.unmapped)
+        if seg is None:
+            return (None, unmapped)
+        blocks = []
+        b = seg.last
+        while b is not None:
+            blocks.append((b.addr, b.size, b.allocated, b.stream, b.fences is not None))
+            b = b.prev
+        n = -(-seg.top // seg.page_nbytes)
+        chunks = tuple(None if h is None else h.handle for h in seg.chunks[:n])
+        return (seg.top, tuple(blocks), seg.refs[:n].tobytes(), chunks, tuple(seg.empty), tuple(seg.dirty.items()),
+                repr(sorted(seg.page_fences.items())), tuple(sorted(seg.noaccess)), tuple(sorted(seg.deferred)),
+                repr(seg.users), repr(seg.top_fences), unmapped)
 
     # -- ops -------------------------------------------------------------------------------------------------
     def _is_small(self, nbytes: int) -> bool:
@@ -397,6 +446,14 @@ class SkippingSink(PlainSink):
         first be as the full replay has it (Note [Small pool skipped at a fixed point])."""
         size = self._round(nbytes)
         eng = self._engine
+        backing = eng.backing
+        if isinstance(backing, VirtualBacking):
+            # Note [Expandable's small pool skipped]: a large block touches at most size / page + 1 pages,
+            # each mapped anew at worst; past the limit (or the range's top), the rest one op at a time
+            if eng.limit_nbytes is None:
+                return False
+            page = backing.page_nbytes[False]
+            return backing.reserved_nbytes + (-(-size // page) + 1) * page > eng.limit_nbytes
         fl = eng._free_lists.get((False, 0))
         if fl is not None and fl.best_fit(size) is not None:
             return False

@@ -93,11 +93,12 @@ def test_no_template_from_steps_that_differ():
     assert build_template(records) is None
 
 
-def test_the_small_pool_is_skipped_and_the_figures_stay():
+@pytest.mark.parametrize("policy", ["pytorch", "expandable"])
+def test_the_small_pool_is_skipped_and_the_figures_stay(policy):
     shape = ModelShape(1024, 2048, 1, 1000, 8, 8)  # KV cache tensors of over 1 MiB: in the large pool
     devs = [open_device(DEVICE), open_device(DEVICE)]
     try:
-        skipping, every = (make_allocator(d, "pytorch") for d in devs)
+        skipping, every = (make_allocator(d, policy) for d in devs)
         assert can_skip_small_pool(skipping) and not can_skip_small_pool(make_allocator(devs[0], "gpumem"))
         sinks = [SkippingSink(skipping), PlainSink(every)]
         jumper = StepJumper(SinkGroup(sinks), lambda step: None, 299)

@@ -63,6 +63,18 @@ Note [Expandable's small pool skipped]
     limit, it cannot run out of memory by the limit; past it the skip ends first. The tests check it as the
     segment case's, policy ``expandable`` included.
 
+Note [Stopped where the prefix trace stops too]
+    The full path replays the first ``PREFIX_STEP`` tokens as a trace (Note [Prefix first] in :mod:`.fit`) and
+    reports that replay when it runs out of memory; so a stream with an out-of-memory error or retry up to
+    step ``PREFIX_STEP`` was voided and redone that way (``gpumem fit``'s probes that do not fit mostly stop in
+    the prefill: each was replayed twice). The trace's ops are the stream's, op for op, up to the end of step
+    ``PREFIX_STEP - 1`` (its ending differs: it frees the cache; ``tests/estimate/test_fast_replay.py`` checks the
+    shared part). A stream that stopped on an error at a step before ``PREFIX_STEP`` made the same calls on the
+    same allocator as the trace's replay up to that error, which stops the replay there too (``stop_on_oom``):
+    the same peak reserved and the same message, so the result is kept. A retry there without an error, or an
+    error at step ``PREFIX_STEP``, still sends the policy to the full path (the trace's ending may run out of
+    memory where the stream does not).
+
 Note [Decode step template]
     Without a sliding window, every size a decode step asks for is a shape constant or one times the cache
     length, which grows by one token per step (Note [Decode] in :mod:`.workload`), and its order of ops does
@@ -140,6 +152,8 @@ class PlainSink:
         self.step = 0
         self.early_trouble = False
         """An out-of-memory error or retry within the prefix (Note [Prefix first] in :mod:`.fit`)."""
+        self.error_step = -1
+        """The step (0: the prefill) whose op ran out of memory and stopped this sink."""
 
     def alloc(self, op_id: int, nbytes: int) -> None:
         if self.error is None:
@@ -151,6 +165,8 @@ class PlainSink:
                 self._note_trouble()
 
     def _note_trouble(self) -> None:
+        """After the out-of-memory error that stopped this sink (in decode step ``self.step``)."""
+        self.error_step = self.step
         if self.step <= PREFIX_STEP:
             self.early_trouble = True
 
@@ -197,6 +213,8 @@ class PlainSink:
         prefix, which the full path replays as a trace (Note [Prefix first] in :mod:`.fit`)."""
         if self.step <= PREFIX_STEP and not self.early_trouble:  # the stream stopped within the prefix
             self._check_prefix(self.step)
+        if self.error is not None and self.error_step < PREFIX_STEP:
+            return False  # Note [Stopped where the prefix trace stops too]
         return self.early_trouble
 
 

@@ -142,3 +142,53 @@ def test_fit_with_shared_probes_and_fast_replays_answers_as_the_full_one(kw):
     shape = ModelShape(1024, 2048, 1, 1000, 8, 8)
     args = dict(device="sim:t4-16gb", max_value=512, **kw)
     assert find_max_batch(shape, 2, **args) == find_max_batch(shape, 2, full_replay=True, **args)
+
+
+@pytest.mark.parametrize("shape,batch,prompt", [(ModelShape(128, 344, 2, 1000, 4, 2), 2, 40),
+                                                (ModelShape(256, 512, 2, 1000, 4, 2, n_experts=4, experts_per_token=2),
+                                                 1, 7),
+                                                (ModelShape(256, 512, 2, 1000, 4, 2, sliding_window=5), 3, 9)])
+def test_the_prefix_trace_makes_the_streams_ops_up_to_the_step_before_prefix_step(shape, batch, prompt):
+    """Note [Stopped where the prefix trace stops too]: the ops the trace and the stream share."""
+    from gpumem.estimate.fastreplay import PREFIX_STEP
+
+    class Ops(PlainSink):
+        def __init__(self):
+            self.ops, self.order, self.ends = [], {}, {}
+
+        def alloc(self, op_id, nbytes):
+            self.order[op_id] = len(self.order)
+            self.ops.append((0, nbytes))
+
+        def free(self, op_id):
+            self.ops.append((1, self.order[op_id]))
+
+        def end_step(self, step):
+            self.ends[step] = len(self.ops)
+
+    got = Ops()
+    stream_inference(shape, 2, (got,), batch_size=batch, prompt_len=prompt, new_tokens=40, on_step=got.end_step)
+    tr = inference_trace(shape, 2, batch_size=batch, prompt_len=prompt, new_tokens=PREFIX_STEP).trace
+    order, ops = {}, []
+    for k, n, a in zip(tr.kinds.tolist(), tr.nbytes.tolist(), tr.alloc_ids.tolist()):
+        if k == 0:
+            order[a] = len(order)
+            ops.append((0, n))
+        else:
+            ops.append((1, order[a]))
+    end = got.ends[PREFIX_STEP - 1]
+    assert ops[:end] == got.ops[:end]
+
+
+def test_a_stream_stopped_in_the_prefill_is_kept_and_matches_the_full_path():
+    from gpumem.estimate.fit import _stream_policies
+    from gpumem.progress import NoProgress
+    shape = ModelShape(1024, 2048, 1, 1000, 8, 8)
+    kw = dict(batch_size=4, prompt_len=2000, new_tokens=50, weight_format=None, workspace_nbytes=0)
+    peak = inference_trace(shape, 2, batch_size=4, prompt_len=2000, new_tokens=50).peak_nbytes
+    limit = peak // 2  # the prefill alone needs more
+    got = _stream_policies(shape, 2, list(POLICIES), DEVICE, limit, peak, NoProgress(), False, kw)
+    assert all(r is not None and not r.fits for r in got)  # none voided
+    full = replay_inference(shape, 2, POLICIES, DEVICE, full_replay=True, limit=limit,
+                            **{k: kw[k] for k in ("batch_size", "prompt_len", "new_tokens")})
+    assert got == full

@@ -73,7 +73,10 @@ Note [Stopped where the prefix trace stops too]
     same allocator as the trace's replay up to that error, which stops the replay there too (``stop_on_oom``):
     the same peak reserved and the same message, so the result is kept. A retry there without an error, or an
     error at step ``PREFIX_STEP``, still sends the policy to the full path (the trace's ending may run out of
-    memory where the stream does not).
+    memory where the stream does not). Those are not replayed in full either: the full path replays the
+    prefix trace and, when that fits, streams every op from the start, which is what the stream did; so only
+    the prefix trace is replayed (:func:`~gpumem.estimate.fit.replay_inference`), its result taken when it
+    does not fit, the stream's otherwise.
 
 Note [Decode step template]
     Without a sliding window, every size a decode step asks for is a shape constant or one times the cache
@@ -209,12 +212,18 @@ class PlainSink:
 
     @property
     def voided(self) -> bool:
-        """Whether the fast result must be replaced by the full replay: an out-of-memory error or retry in the
-        prefix, which the full path replays as a trace (Note [Prefix first] in :mod:`.fit`)."""
+        """Whether the fast result must be replaced by the full replay (never, here)."""
+        return False
+
+    @property
+    def needs_prefix_trace(self) -> bool:
+        """Whether the full path's replay of the prefix as a trace must be asked first: an out-of-memory error
+        or retry in the prefix, unless an error stopped this sink where the trace stops too (Note [Stopped
+        where the prefix trace stops too])."""
         if self.step <= PREFIX_STEP and not self.early_trouble:  # the stream stopped within the prefix
             self._check_prefix(self.step)
         if self.error is not None and self.error_step < PREFIX_STEP:
-            return False  # Note [Stopped where the prefix trace stops too]
+            return False
         return self.early_trouble
 
 
@@ -579,7 +588,7 @@ class SkippingSink(PlainSink):
         segments of the small pool, whose state mid-step is not the fixed point's)."""
         if self._skipping and self._trouble() != self._trouble_at_skip:
             self._void = True
-        return self._void or super().voided
+        return self._void
 
 
 

@@ -38,9 +38,9 @@ Note [Small pool skipped at a fixed point]
     and before a large allocation that finds no cached block and whose new segment would pass the limit: the
     out-of-memory retry that follows releases small segments, so it must see the small pool as the full replay
     has it mid-step. Any other out-of-memory error or retry while small ops were left out (a device that
-    refuses a segment within the limit) voids the fast result, and so does one within the prefix (Note [Prefix
-    first] in :mod:`.fit`: the full path replays that part as a trace): :func:`~gpumem.estimate.fit.
-    replay_inference` then replays that policy by the full path. ``replay_inference(..., full_replay=True)``
+    refuses a segment within the limit) voids the fast result: :func:`~gpumem.estimate.fit.replay_inference`
+    then replays that policy by the full path (one within the prefix: Note [Stopped where the prefix trace
+    stops too]). ``replay_inference(..., full_replay=True)``
     keeps the reference, and ``tests/estimate/test_fast_replay.py`` checks both to the byte on random shapes,
     lengths, limits and policies. ``expandable`` is skipped too (Note [Expandable's small pool skipped]);
     ``gpumem`` (the native engine, its chunks stolen across pools by the live-page peak) is not.

@@ -149,8 +149,9 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
     one per step and policy.
 
     The default path makes the ops once for all policies and leaves out small-pool ops where they cannot
-    change anything (Notes [One stream, every policy] and [Small pool skipped at a fixed point] in
-    :mod:`.fastreplay`); ``full_replay=True`` is the reference, one stream per policy with every op sent,
+    change anything (Notes [One stream, every policy], [Small pool skipped at a fixed point] and [Expandable's
+    small pool skipped] in :mod:`.fastreplay`), and replays only the prefix trace where the full path would
+    start with it (Note [Stopped where the prefix trace stops too]); ``full_replay=True`` is the reference, one stream per policy with every op sent,
     and gives the same figures to the byte."""
     _check_policies(policies)
     if not isinstance(full_replay, bool):

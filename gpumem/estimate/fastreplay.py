@@ -87,7 +87,9 @@ Note [Decode step template]
     anything older than the step before; else nothing is jumped) and makes steps 5 onwards from arrays, handing
     each sink a whole step (``run_step``): a :class:`PlainSink` sends its ops in a tight loop, a
     :class:`SkippingSink` in a skipped step compares the step's small requests with the period's at once and
-    sends only the large ops. The emitter then resumes for the end of ``generate()`` with its state moved to
+    sends only the large ops (a period's steps made by the emitter, steps 2 to 4, get their small requests from
+    the template too, as they are its steps: the first period, up to step 64 at batch 1, was skipped op by op).
+    The emitter then resumes for the end of ``generate()`` with its state moved to
     the last step (``tests/estimate/test_fast_replay.py`` compares every op with the emitter's). What is left
     is the large pool: a step's large ops are all replayed (the KV cache grows every step), so the time still
     grows with the new tokens, about ten times slower than it would with nothing replayed.
@@ -237,6 +239,8 @@ class _Step:
     small: Any = None
     """Made from a :class:`StepTemplate`: which of its ops are small allocations, and their rounded sizes."""
     rounded: Any = None
+    step: int = -1
+    """The decode step it is (set at its end)."""
 
 
 class SkippingSink(PlainSink):
@@ -269,6 +273,8 @@ class SkippingSink(PlainSink):
         self._tpl: StepTemplate | None = None
         self._trouble_at_skip = 0
         self._void = False
+        self.skipped_steps = 0
+        """Decode steps whose small ops were left out at once (from the template's arrays)."""
 
     # -- the small pool's state ---------------------------------------------------------------------------
     def _small_state(self) -> tuple:
@@ -363,10 +369,12 @@ class SkippingSink(PlainSink):
     def run_step(self, t: int, tpl: "StepTemplate") -> None:
         if self.error is not None:
             return
-        self._tpl = tpl
+        if self._tpl is not tpl:
+            self._tpl = tpl
+            if self._skipping:
+                self._make_plan(tpl)
         sizes = tpl.sizes(t)
-        rounded = -(-sizes // self._rnd) * self._rnd
-        small = (tpl.kinds == 0) & (sizes > 0) & (rounded <= self._small_max)
+        rounded, small = self._masks(tpl, t)
         if self._skipping and self._k == 0 and self._fast_ok(tpl, small, rounded):
             self._skip_step(t, tpl)
             return
@@ -382,6 +390,12 @@ class SkippingSink(PlainSink):
             self._cur.small = small
             self._cur.rounded = rounded
 
+    def _masks(self, tpl: "StepTemplate", t: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rounded size of each op of step ``t`` and which are small allocations."""
+        sizes = tpl.sizes(t)
+        rounded = -(-sizes // self._rnd) * self._rnd
+        return rounded, (tpl.kinds == 0) & (sizes > 0) & (rounded <= self._small_max)
+
     def _fast_ok(self, tpl: "StepTemplate", small: np.ndarray, rounded: np.ndarray) -> bool:
         """Whether this step's small requests are the template step's (Note [Decode step template])."""
         ts = self._template
@@ -392,6 +406,10 @@ class SkippingSink(PlainSink):
     def _make_plan(self, tpl: "StepTemplate") -> None:
         """What a skipped step does, when every step of the period has one small mask."""
         self._plan = None
+        for x in self._templates:
+            if x.small is None and x.step >= tpl.s0:
+                # a step the emitter made (Note [Decode step template]): its ops are the template's at that step
+                x.rounded, x.small = self._masks(tpl, x.step)
         masks = [x.small for x in self._templates]
         if any(m is None for m in masks) or any(not np.array_equal(m, masks[0]) for m in masks[1:]):
             return
@@ -444,6 +462,7 @@ class SkippingSink(PlainSink):
         self._pending_steps.append(t)
         self._k = len(self._template.sig)
         self.skipped_ops += n_small
+        self.skipped_steps += 1
 
     def _leave_skip_mid_step(self, t: int, tpl: "StepTemplate", at: int, ids: list[int], sizes: list[int]) -> None:
         """Stop skipping in step ``t`` before its op ``at`` (a large allocation that grows): the steps skipped in
@@ -530,6 +549,7 @@ class SkippingSink(PlainSink):
             return
         self._check_prefix(step)
         cur = self._cur
+        cur.step = step
         if self._skipping:
             if self._k != len(self._template.sig):  # the step made fewer small ops than the template
                 self._materialize()

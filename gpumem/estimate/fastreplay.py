@@ -38,12 +38,45 @@ Note [Small pool skipped at a fixed point]
     and before a large allocation that finds no cached block and whose new segment would pass the limit: the
     out-of-memory retry that follows releases small segments, so it must see the small pool as the full replay
     has it mid-step. Any other out-of-memory error or retry while small ops were left out (a device that
-    refuses a segment within the limit) voids the fast result, and so does one within the prefix (Note [Prefix
-    first] in :mod:`.fit`: the full path replays that part as a trace): :func:`~gpumem.estimate.fit.
-    replay_inference` then replays that policy by the full path. ``replay_inference(..., full_replay=True)``
+    refuses a segment within the limit) voids the fast result: :func:`~gpumem.estimate.fit.replay_inference`
+    then replays that policy by the full path (one within the prefix: Note [Stopped where the prefix trace
+    stops too]). ``replay_inference(..., full_replay=True)``
     keeps the reference, and ``tests/estimate/test_fast_replay.py`` checks both to the byte on random shapes,
-    lengths, limits and policies. The virtual-memory policies (``expandable``, ``gpumem``) share page
-    accounting between their pools (physical chunks, the live-page peak), so nothing is skipped there.
+    lengths, limits and policies. ``expandable`` is skipped too (Note [Expandable's small pool skipped]);
+    ``gpumem`` (the native engine, its chunks stolen across pools by the live-page peak) is not.
+
+Note [Expandable's small pool skipped]
+    ``expandable`` runs on the Python engine over a virtual range per pool (Note [Expandable segments] in
+    :mod:`gpumem.allocator.policy`): growth by whole pages of the pool's own size, no steal, no slack. Its
+    two pools share what the segment policies share (the limit, the out-of-memory retry that releases both,
+    the reserved bytes counted at each allocation) and three more things: the list of chunks held but mapped
+    nowhere, the count of pages holding live data and its peak. The count and its peak decide only steals
+    and chunk sizes (``steal_empty_pages`` or ``growth=CHUNKS``), which this policy never takes, and no
+    figure of the estimate reads them; mid-step they differ while small ops are left out, at step ends they
+    are the full replay's again once the skipped ops are sent. The unmapped chunks change only by a release
+    (an out-of-memory retry: the skip ends before one, or the fast result is void) or a map; a small-pool map
+    within a period would change its mapped pages, which only a release unmaps, so a period that leaves the
+    range as it found it maps nothing and takes no chunk. So the segment case's argument holds with the
+    small pool's state read off its range (:meth:`SkippingSink._small_range_state`: blocks, top, the pages'
+    references, chunks, empty order, fences) and the growth test made for pages: a large request of ``n``
+    rounded bytes touches at most ``n / page + 1`` pages; while those, all mapped anew, stay within the
+    limit, it cannot run out of memory by the limit; past it the skip ends first. The tests check it as the
+    segment case's, policy ``expandable`` included.
+
+Note [Stopped where the prefix trace stops too]
+    The full path replays the first ``PREFIX_STEP`` tokens as a trace (Note [Prefix first] in :mod:`.fit`) and
+    reports that replay when it runs out of memory; so a stream with an out-of-memory error or retry up to
+    step ``PREFIX_STEP`` was voided and redone that way (``gpumem fit``'s probes that do not fit mostly stop in
+    the prefill: each was replayed twice). The trace's ops are the stream's, op for op, up to the end of step
+    ``PREFIX_STEP - 1`` (its ending differs: it frees the cache; ``tests/estimate/test_fast_replay.py`` checks the
+    shared part). A stream that stopped on an error at a step before ``PREFIX_STEP`` made the same calls on the
+    same allocator as the trace's replay up to that error, which stops the replay there too (``stop_on_oom``):
+    the same peak reserved and the same message, so the result is kept. A retry there without an error, or an
+    error at step ``PREFIX_STEP``, still sends the policy to the full path (the trace's ending may run out of
+    memory where the stream does not). Those are not replayed in full either: the full path replays the
+    prefix trace and, when that fits, streams every op from the start, which is what the stream did; so only
+    the prefix trace is replayed (:func:`~gpumem.estimate.fit.replay_inference`), its result taken when it
+    does not fit, the stream's otherwise.
 
 Note [Decode step template]
     Without a sliding window, every size a decode step asks for is a shape constant or one times the cache
@@ -54,7 +87,9 @@ Note [Decode step template]
     anything older than the step before; else nothing is jumped) and makes steps 5 onwards from arrays, handing
     each sink a whole step (``run_step``): a :class:`PlainSink` sends its ops in a tight loop, a
     :class:`SkippingSink` in a skipped step compares the step's small requests with the period's at once and
-    sends only the large ops. The emitter then resumes for the end of ``generate()`` with its state moved to
+    sends only the large ops (a period's steps made by the emitter, steps 2 to 4, get their small requests from
+    the template too, as they are its steps: the first period, up to step 64 at batch 1, was skipped op by op).
+    The emitter then resumes for the end of ``generate()`` with its state moved to
     the last step (``tests/estimate/test_fast_replay.py`` compares every op with the emitter's). What is left
     is the large pool: a step's large ops are all replayed (the KV cache grows every step), so the time still
     grows with the new tokens, about ten times slower than it would with nothing replayed.
@@ -67,7 +102,8 @@ from typing import Any
 
 import numpy as np
 
-from ..allocator.backing import SegmentBacking
+from ..allocator.backing import SegmentBacking, VirtualBacking
+from ..allocator.policy import GrowthRule
 from ..allocator.python_engine import PythonEngine
 from ..errors import InternalError, OutOfMemoryError
 from .workload import DECODE_HEAD_STEPS
@@ -94,11 +130,18 @@ def _engine_of(allocator: Any) -> Any:
 
 
 def can_skip_small_pool(allocator: Any) -> bool:
-    """Whether Note [Small pool skipped at a fixed point] applies: the Python engine over ``malloc``'d
-    segments with a separate small pool, no history and no garbage-collection threshold."""
+    """Whether Note [Small pool skipped at a fixed point] applies: the Python engine with a separate small
+    pool, no history and no garbage-collection threshold, over ``malloc``'d segments or over virtual ranges
+    whose pages are never stolen (``expandable``: Note [Expandable's small pool skipped])."""
     eng = _engine_of(allocator)
-    return (isinstance(eng, PythonEngine) and isinstance(eng.backing, SegmentBacking)
-            and eng.policy.separate_small_pool and eng.gc_threshold is None and eng._recorder is None)
+    if not (isinstance(eng, PythonEngine) and eng.policy.separate_small_pool and eng.gc_threshold is None
+            and eng._recorder is None):
+        return False
+    if isinstance(eng.backing, SegmentBacking):
+        return True
+    pol = eng.policy
+    return (isinstance(eng.backing, VirtualBacking) and not pol.steal_empty_pages
+            and pol.growth is GrowthRule.PAGES and not pol.stream_ordered_steal)
 
 
 class PlainSink:
@@ -114,6 +157,8 @@ class PlainSink:
         self.step = 0
         self.early_trouble = False
         """An out-of-memory error or retry within the prefix (Note [Prefix first] in :mod:`.fit`)."""
+        self.error_step = -1
+        """The step (0: the prefill) whose op ran out of memory and stopped this sink."""
 
     def alloc(self, op_id: int, nbytes: int) -> None:
         if self.error is None:
@@ -125,6 +170,8 @@ class PlainSink:
                 self._note_trouble()
 
     def _note_trouble(self) -> None:
+        """After the out-of-memory error that stopped this sink (in decode step ``self.step``)."""
+        self.error_step = self.step
         if self.step <= PREFIX_STEP:
             self.early_trouble = True
 
@@ -167,10 +214,18 @@ class PlainSink:
 
     @property
     def voided(self) -> bool:
-        """Whether the fast result must be replaced by the full replay: an out-of-memory error or retry in the
-        prefix, which the full path replays as a trace (Note [Prefix first] in :mod:`.fit`)."""
+        """Whether the fast result must be replaced by the full replay (never, here)."""
+        return False
+
+    @property
+    def needs_prefix_trace(self) -> bool:
+        """Whether the full path's replay of the prefix as a trace must be asked first: an out-of-memory error
+        or retry in the prefix, unless an error stopped this sink where the trace stops too (Note [Stopped
+        where the prefix trace stops too])."""
         if self.step <= PREFIX_STEP and not self.early_trouble:  # the stream stopped within the prefix
             self._check_prefix(self.step)
+        if self.error is not None and self.error_step < PREFIX_STEP:
+            return False
         return self.early_trouble
 
 
@@ -184,6 +239,8 @@ class _Step:
     small: Any = None
     """Made from a :class:`StepTemplate`: which of its ops are small allocations, and their rounded sizes."""
     rounded: Any = None
+    step: int = -1
+    """The decode step it is (set at its end)."""
 
 
 class SkippingSink(PlainSink):
@@ -216,9 +273,14 @@ class SkippingSink(PlainSink):
         self._tpl: StepTemplate | None = None
         self._trouble_at_skip = 0
         self._void = False
+        self.skipped_steps = 0
+        """Decode steps whose small ops were left out at once (from the template's arrays)."""
 
     # -- the small pool's state ---------------------------------------------------------------------------
     def _small_state(self) -> tuple:
+        backing = self._engine.backing
+        if isinstance(backing, VirtualBacking):
+            return self._small_range_state(backing)
         segs = []
         for seg in sorted(self._engine.backing.segments_list(), key=lambda s: s.base):
             if not seg.small:
@@ -230,6 +292,26 @@ class SkippingSink(PlainSink):
                 b = b.prev
             segs.append((seg.base, seg.nbytes, seg.order, seg.live, seg.dirty, seg.fence, tuple(blocks)))
         return tuple(segs)
+
+    @staticmethod
+    def _small_range_state(backing: VirtualBacking) -> tuple:
+        """The small pool's virtual range as it matters to its next ops (Note [Expandable's small pool
+        skipped]): its blocks, top, pages (live references, chunks mapped, empty in their order, unfenced
+        streams, fences, ...); the chunks held but mapped nowhere, shared by both pools."""
+        seg = backing.vsegments.get(True)
+        unmapped = tuple(h.handle for h in backing.unmapped)
+        if seg is None:
+            return (None, unmapped)
+        blocks = []
+        b = seg.last
+        while b is not None:
+            blocks.append((b.addr, b.size, b.allocated, b.stream, b.fences is not None))
+            b = b.prev
+        n = -(-seg.top // seg.page_nbytes)
+        chunks = tuple(None if h is None else h.handle for h in seg.chunks[:n])
+        return (seg.top, tuple(blocks), seg.refs[:n].tobytes(), chunks, tuple(seg.empty), tuple(seg.dirty.items()),
+                repr(sorted(seg.page_fences.items())), tuple(sorted(seg.noaccess)), tuple(sorted(seg.deferred)),
+                repr(seg.users), repr(seg.top_fences), unmapped)
 
     # -- ops -------------------------------------------------------------------------------------------------
     def _is_small(self, nbytes: int) -> bool:
@@ -287,10 +369,12 @@ class SkippingSink(PlainSink):
     def run_step(self, t: int, tpl: "StepTemplate") -> None:
         if self.error is not None:
             return
-        self._tpl = tpl
+        if self._tpl is not tpl:
+            self._tpl = tpl
+            if self._skipping:
+                self._make_plan(tpl)
         sizes = tpl.sizes(t)
-        rounded = -(-sizes // self._rnd) * self._rnd
-        small = (tpl.kinds == 0) & (sizes > 0) & (rounded <= self._small_max)
+        rounded, small = self._masks(tpl, t)
         if self._skipping and self._k == 0 and self._fast_ok(tpl, small, rounded):
             self._skip_step(t, tpl)
             return
@@ -306,6 +390,12 @@ class SkippingSink(PlainSink):
             self._cur.small = small
             self._cur.rounded = rounded
 
+    def _masks(self, tpl: "StepTemplate", t: int) -> tuple[np.ndarray, np.ndarray]:
+        """The rounded size of each op of step ``t`` and which are small allocations."""
+        sizes = tpl.sizes(t)
+        rounded = -(-sizes // self._rnd) * self._rnd
+        return rounded, (tpl.kinds == 0) & (sizes > 0) & (rounded <= self._small_max)
+
     def _fast_ok(self, tpl: "StepTemplate", small: np.ndarray, rounded: np.ndarray) -> bool:
         """Whether this step's small requests are the template step's (Note [Decode step template])."""
         ts = self._template
@@ -316,6 +406,10 @@ class SkippingSink(PlainSink):
     def _make_plan(self, tpl: "StepTemplate") -> None:
         """What a skipped step does, when every step of the period has one small mask."""
         self._plan = None
+        for x in self._templates:
+            if x.small is None and x.step >= tpl.s0:
+                # a step the emitter made (Note [Decode step template]): its ops are the template's at that step
+                x.rounded, x.small = self._masks(tpl, x.step)
         masks = [x.small for x in self._templates]
         if any(m is None for m in masks) or any(not np.array_equal(m, masks[0]) for m in masks[1:]):
             return
@@ -368,6 +462,7 @@ class SkippingSink(PlainSink):
         self._pending_steps.append(t)
         self._k = len(self._template.sig)
         self.skipped_ops += n_small
+        self.skipped_steps += 1
 
     def _leave_skip_mid_step(self, t: int, tpl: "StepTemplate", at: int, ids: list[int], sizes: list[int]) -> None:
         """Stop skipping in step ``t`` before its op ``at`` (a large allocation that grows): the steps skipped in
@@ -397,6 +492,14 @@ class SkippingSink(PlainSink):
         first be as the full replay has it (Note [Small pool skipped at a fixed point])."""
         size = self._round(nbytes)
         eng = self._engine
+        backing = eng.backing
+        if isinstance(backing, VirtualBacking):
+            # Note [Expandable's small pool skipped]: a large block touches at most size / page + 1 pages,
+            # each mapped anew at worst; past the limit (or the range's top), the rest one op at a time
+            if eng.limit_nbytes is None:
+                return False
+            page = backing.page_nbytes[False]
+            return backing.reserved_nbytes + (-(-size // page) + 1) * page > eng.limit_nbytes
         fl = eng._free_lists.get((False, 0))
         if fl is not None and fl.best_fit(size) is not None:
             return False
@@ -446,6 +549,7 @@ class SkippingSink(PlainSink):
             return
         self._check_prefix(step)
         cur = self._cur
+        cur.step = step
         if self._skipping:
             if self._k != len(self._template.sig):  # the step made fewer small ops than the template
                 self._materialize()
@@ -504,7 +608,7 @@ class SkippingSink(PlainSink):
         segments of the small pool, whose state mid-step is not the fixed point's)."""
         if self._skipping and self._trouble() != self._trouble_at_skip:
             self._void = True
-        return self._void or super().voided
+        return self._void
 
 
 

@@ -149,8 +149,9 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
     one per step and policy.
 
     The default path makes the ops once for all policies and leaves out small-pool ops where they cannot
-    change anything (Notes [One stream, every policy] and [Small pool skipped at a fixed point] in
-    :mod:`.fastreplay`); ``full_replay=True`` is the reference, one stream per policy with every op sent,
+    change anything (Notes [One stream, every policy], [Small pool skipped at a fixed point] and [Expandable's
+    small pool skipped] in :mod:`.fastreplay`), and replays only the prefix trace where the full path would
+    start with it (Note [Stopped where the prefix trace stops too]); ``full_replay=True`` is the reference, one stream per policy with every op sent,
     and gives the same figures to the byte."""
     _check_policies(policies)
     if not isinstance(full_replay, bool):
@@ -191,17 +192,28 @@ def _full_path(shape: ModelShape, dtype_bytes: int, policies: list[str], keys: l
     # runs out of memory there does so in the full replay too, at the same op with the same reserve; one
     # that does not and covers every token is the full replay. Only the rest is streamed.
     new_tokens = kw["new_tokens"]
-    prefix = inference_trace(shape, dtype_bytes, batch_size=kw["batch_size"], prompt_len=kw["prompt_len"],
-                             new_tokens=head, weight_format=kw["weight_format"],
-                             workspace_nbytes=kw["workspace_nbytes"])
+    prefix = _prefix_trace(shape, dtype_bytes, head, kw)
     for k, policy in zip(keys, policies):
-        first = _replay(prefix, device, policy, limit)
+        first = _prefix_result(prefix, device, policy, limit, peak_nbytes)
         if not first.fits or head == new_tokens:
             bar.update(max(new_tokens, 1))
-            out[k] = ReservedEstimate(policy, first.device, peak_nbytes, first.peak_reserved_bytes, first.fits,
-                                      first.oom_message, first.injected_fault)
+            out[k] = first
         else:
             out[k] = _stream_policies(shape, dtype_bytes, [policy], device, limit, peak_nbytes, bar, True, kw)[0]
+
+
+def _prefix_trace(shape: ModelShape, dtype_bytes: int, head: int, kw: dict[str, Any]) -> WorkloadTrace:
+    """The trace of the first ``head`` tokens (Note [Prefix first])."""
+    return inference_trace(shape, dtype_bytes, batch_size=kw["batch_size"], prompt_len=kw["prompt_len"],
+                           new_tokens=head, weight_format=kw["weight_format"], workspace_nbytes=kw["workspace_nbytes"])
+
+
+def _prefix_result(prefix: WorkloadTrace, device: "str | Device", policy: str, limit: int | None,
+                   peak_nbytes: int) -> ReservedEstimate:
+    """The replay of the prefix trace as the full path reports it."""
+    first = _replay(prefix, device, policy, limit)
+    return ReservedEstimate(policy, first.device, peak_nbytes, first.peak_reserved_bytes, first.fits,
+                            first.oom_message, first.injected_fault)
 
 
 def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], device: "str | Device",
@@ -239,21 +251,32 @@ def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], d
         except AllStopped:
             pass
         out: list[ReservedEstimate | None] = []
+        check: list[int] = []
         for p, a, s, d in zip(policies, allocators, sinks, devs):
             if not full_replay and s.voided:
                 out.append(None)
                 continue
+            if not full_replay and s.needs_prefix_trace:
+                check.append(len(out))
             err = s.error
             out.append(ReservedEstimate(p, d.spec, peak_nbytes, a.snapshot_stats().peak_reserved_nbytes,
                                         err is None, "" if err is None else str(err),
                                         bool(getattr(err, "injected", False))))
-        return out
     finally:
         for a in allocators:
             a.close()
         if own:
             for d in devs:
                 d.close()
+    if check:
+        # Note [Stopped where the prefix trace stops too] in .fastreplay: the full path's first replay, on a device
+        # of its own as there (after this stream's allocators are closed)
+        prefix = _prefix_trace(shape, dtype_bytes, min(kw["new_tokens"], DECODE_HEAD_STEPS + 1), kw)
+        for k in check:
+            first = _prefix_result(prefix, device, policies[k], limit, peak_nbytes)
+            if not first.fits:
+                out[k] = first
+    return out
 
 
 def replay_sequence(workloads: "list[WorkloadTrace] | tuple[WorkloadTrace, ...]", *,

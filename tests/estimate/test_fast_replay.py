@@ -41,6 +41,23 @@ def test_fast_replay_gives_the_full_replays_figures_to_the_byte(shape, batch, pr
     assert fast == full
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 2), st.integers(500, 1500), st.integers(66, 200),
+       st.lists(st.sampled_from(["pytorch", "expandable", "bestfit"]), min_size=1, max_size=3, unique=True),
+       st.sampled_from([None, 0.8, 0.95, 1.0]), st.sampled_from([8, 4]))
+def test_fast_replay_that_skips_gives_the_full_replays_figures_to_the_byte(batch, prompt, new, policies, limit_share,
+                                                                          kv_heads):
+    """Shapes whose KV cache is in the large pool, so that the small pool is skipped (Notes [Small pool skipped at a
+    fixed point], [Expandable's small pool skipped]) over more than one period of 64 steps, near the limit too."""
+    shape = ModelShape(1024, 2048, 1, 1000, 8, kv_heads)
+    peak = inference_trace(shape, 2, batch_size=batch, prompt_len=prompt, new_tokens=new).peak_nbytes
+    limit = None if limit_share is None else int(peak / limit_share) + 3 * 2**20
+    kw = dict(batch_size=batch, prompt_len=prompt, new_tokens=new, limit=limit)
+    fast = replay_inference(shape, 2, policies, DEVICE, **kw)
+    full = replay_inference(shape, 2, policies, DEVICE, full_replay=True, **kw)
+    assert fast == full
+
+
 def test_the_full_replay_is_the_full_traces_replay():
     s = ModelShape(128, 344, 2, 1000, 4, 2)
     w = inference_trace(s, 2, batch_size=2, prompt_len=40, new_tokens=150, full_decode=True)
@@ -93,11 +110,12 @@ def test_no_template_from_steps_that_differ():
     assert build_template(records) is None
 
 
-def test_the_small_pool_is_skipped_and_the_figures_stay():
+@pytest.mark.parametrize("policy", ["pytorch", "expandable"])
+def test_the_small_pool_is_skipped_and_the_figures_stay(policy):
     shape = ModelShape(1024, 2048, 1, 1000, 8, 8)  # KV cache tensors of over 1 MiB: in the large pool
     devs = [open_device(DEVICE), open_device(DEVICE)]
     try:
-        skipping, every = (make_allocator(d, "pytorch") for d in devs)
+        skipping, every = (make_allocator(d, policy) for d in devs)
         assert can_skip_small_pool(skipping) and not can_skip_small_pool(make_allocator(devs[0], "gpumem"))
         sinks = [SkippingSink(skipping), PlainSink(every)]
         jumper = StepJumper(SinkGroup(sinks), lambda step: None, 299)
@@ -105,7 +123,9 @@ def test_the_small_pool_is_skipped_and_the_figures_stay():
                          jump=jumper.jump)
         sinks[0].finish()
         assert sinks[0].skipped_ops > 10_000 and sinks[1].skipped_ops == 0
-        assert not any(s.voided or s.error for s in sinks)
+        # from the first period on (its steps made by the emitter), steps are skipped whole, not op by op
+        assert sinks[0].skipped_steps > 250
+        assert not any(s.voided or s.needs_prefix_trace or s.error for s in sinks)
         # the same peak, and the same blocks left (the weights...) at the same addresses: nothing skipped stays
         assert skipping.snapshot_stats().peak_reserved_nbytes == every.snapshot_stats().peak_reserved_nbytes
         assert skipping.live_blocks() == every.live_blocks()
@@ -141,3 +161,53 @@ def test_fit_with_shared_probes_and_fast_replays_answers_as_the_full_one(kw):
     shape = ModelShape(1024, 2048, 1, 1000, 8, 8)
     args = dict(device="sim:t4-16gb", max_value=512, **kw)
     assert find_max_batch(shape, 2, **args) == find_max_batch(shape, 2, full_replay=True, **args)
+
+
+@pytest.mark.parametrize("shape,batch,prompt", [(ModelShape(128, 344, 2, 1000, 4, 2), 2, 40),
+                                                (ModelShape(256, 512, 2, 1000, 4, 2, n_experts=4, experts_per_token=2),
+                                                 1, 7),
+                                                (ModelShape(256, 512, 2, 1000, 4, 2, sliding_window=5), 3, 9)])
+def test_the_prefix_trace_makes_the_streams_ops_up_to_the_step_before_prefix_step(shape, batch, prompt):
+    """Note [Stopped where the prefix trace stops too]: the ops the trace and the stream share."""
+    from gpumem.estimate.fastreplay import PREFIX_STEP
+
+    class Ops(PlainSink):
+        def __init__(self):
+            self.ops, self.order, self.ends = [], {}, {}
+
+        def alloc(self, op_id, nbytes):
+            self.order[op_id] = len(self.order)
+            self.ops.append((0, nbytes))
+
+        def free(self, op_id):
+            self.ops.append((1, self.order[op_id]))
+
+        def end_step(self, step):
+            self.ends[step] = len(self.ops)
+
+    got = Ops()
+    stream_inference(shape, 2, (got,), batch_size=batch, prompt_len=prompt, new_tokens=40, on_step=got.end_step)
+    tr = inference_trace(shape, 2, batch_size=batch, prompt_len=prompt, new_tokens=PREFIX_STEP).trace
+    order, ops = {}, []
+    for k, n, a in zip(tr.kinds.tolist(), tr.nbytes.tolist(), tr.alloc_ids.tolist()):
+        if k == 0:
+            order[a] = len(order)
+            ops.append((0, n))
+        else:
+            ops.append((1, order[a]))
+    end = got.ends[PREFIX_STEP - 1]
+    assert ops[:end] == got.ops[:end]
+
+
+def test_a_stream_stopped_in_the_prefill_is_kept_and_matches_the_full_path():
+    from gpumem.estimate.fit import _stream_policies
+    from gpumem.progress import NoProgress
+    shape = ModelShape(1024, 2048, 1, 1000, 8, 8)
+    kw = dict(batch_size=4, prompt_len=2000, new_tokens=50, weight_format=None, workspace_nbytes=0)
+    peak = inference_trace(shape, 2, batch_size=4, prompt_len=2000, new_tokens=50).peak_nbytes
+    limit = peak // 2  # the prefill alone needs more
+    got = _stream_policies(shape, 2, list(POLICIES), DEVICE, limit, peak, NoProgress(), False, kw)
+    assert all(r is not None and not r.fits for r in got)  # none voided
+    full = replay_inference(shape, 2, POLICIES, DEVICE, full_replay=True, limit=limit,
+                            **{k: kw[k] for k in ("batch_size", "prompt_len", "new_tokens")})
+    assert got == full

@@ -105,9 +105,11 @@ static int mem_clear(PyObject* self) {
 }
 
 static void mem_dealloc(PyObject* self) {
+    PyTypeObject* type = Py_TYPE(self);   /* a heap type: each instance holds a reference to it */
     PyObject_GC_UnTrack(self);
     mem_clear(self);
-    Py_TYPE(self)->tp_free(self);
+    type->tp_free(self);
+    Py_DECREF(type);
 }
 
 static int ptr_init(PyObject* self, PyObject* args, PyObject* kwds) {
@@ -134,9 +136,11 @@ static int ptr_clear(PyObject* self) {
 }
 
 static void ptr_dealloc(PyObject* self) {
+    PyTypeObject* type = Py_TYPE(self);   /* a heap type: each instance holds a reference to it */
     PyObject_GC_UnTrack(self);
     ptr_clear(self);
-    Py_TYPE(self)->tp_free(self);
+    type->tp_free(self);
+    Py_DECREF(type);
 }
 
 static PyMemberDef mem_members[] = {

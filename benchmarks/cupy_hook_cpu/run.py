@@ -215,6 +215,22 @@ def check(lib_dir: Path) -> None:
     assert a.mem.args[:2] == (a.ptr, 512) and a.mem.args[2] is a.mem.owner and b.mem.args[1] == 1024
     del a, b
 
+    class PtrKeepsArgs(Exception):   # a MemoryPointer that keeps its tuple: a cycle through it is collected
+        def __init__(self, m: Any, offset: int) -> None:
+            self.ptr = m.ptr + offset
+
+    class Mem:   # a Python UnownedMemory, which a cycle can go through
+        def __init__(self, ptr: int, size: int, owner: Any, device_id: int) -> None:
+            self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+    cyc = make(lambda: 0, capsule, Mem, PtrKeepsArgs, lambda *a: MemoryError())
+    p = cyc(1 << 20)
+    assert gc.is_tracked(p.args), "a kept argument tuple must be tracked by the garbage collector again"
+    p.args[0].back = p               # p -> p.args -> its UnownedMemory -> p
+    del p
+    gc.collect()
+    assert engine.allocated_nbytes() == base, "the block of a collected cycle must be freed"
+
     depth: list[Any] = []
 
     class Reenters:   # an UnownedMemory whose making allocates through the hook again

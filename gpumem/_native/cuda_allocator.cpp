@@ -561,6 +561,9 @@ PyObject* call_with_kept_tuple(PyObject*& slot, PyObject* type, PyObject* const*
             return out;
         }
     }
+    // Someone kept the tuple (a class that stores its arguments, as BaseException's .args does): give it
+    // back to the garbage collector, or a reference cycle through it could never be collected.
+    if (Py_REFCNT(args) > 1 && !PyObject_GC_IsTracked(args)) PyObject_GC_Track(args);
     Py_DECREF(args);
     return out;
 }

@@ -238,9 +238,11 @@ def compare_markdown(before: list[dict[str, Any]], after: list[dict[str, Any]]) 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("records", nargs="*", type=Path)
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--device-spec", default="sim:h200-141gb")
+    ap.add_argument("records", nargs="*", type=Path,
+                    help="accuracy records (JSON) to recompute (default: every measured record)")
+    ap.add_argument("--out", required=True, type=Path, help="folder for accuracy-recomputed.json and .md")
+    ap.add_argument("--device-spec", default="sim:h200-141gb",
+                    help="simulated device of the reserved replays (default sim:h200-141gb)")
     ap.add_argument("--before", type=Path, help="an accuracy-recomputed.json of another checkout: also write "
                                                  "accuracy-compared.md, each row's errors before and after")
     args = ap.parse_args(argv)

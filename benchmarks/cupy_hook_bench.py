@@ -210,9 +210,10 @@ def render(rows: list[Row], names: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--traces", type=Path, default=Path(__file__).resolve().parents[1] / "data" / "traces")
+    ap.add_argument("--traces", type=Path, default=Path(__file__).resolve().parents[1] / "data" / "traces",
+                    help="folder of traces to replay (default: data/traces)")
     ap.add_argument("--passes", type=int, default=5, help="timed passes per allocator and trace (after one growth pass)")
-    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
     ap.add_argument("--python-adapter", action="store_true", help="also time the Python-adapter hook (slow)")
     ap.add_argument("--breakdown", action="store_true", help="also time the parts of one allocate+free")
     ap.add_argument("--page-slack", type=float, help="the engine's page_slack (default: CuPy's hook's, "

@@ -142,8 +142,10 @@ def write_ops(trace_path: Path, out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--traces", type=Path, default=ROOT / "data" / "traces")
-    ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--traces", type=Path, default=ROOT / "data" / "traces",
+                    help="folder of traces (default: data/traces)")
+    ap.add_argument("--passes", type=int, default=5,
+                    help="passes over each trace; the later ones are steady state (default 5)")
     ap.add_argument("--page-slack", type=float, help="the engine's page_slack (default: the engine's default)")
     ap.add_argument("--two-calls", action="store_true", help="read the size with block_size (the old hook)")
     ap.add_argument("--instructions", action="store_true", help="count instructions per op (callgrind) instead of time")

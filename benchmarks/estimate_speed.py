@@ -30,12 +30,12 @@ def _timed(fn):
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.estimate_speed", description=__doc__.splitlines()[0])
-    ap.add_argument("--prompt-len", type=int, default=2048)
-    ap.add_argument("--new-tokens", default="16,100,1000,4000")
-    ap.add_argument("--policies", default="pytorch,expandable,gpumem")
-    ap.add_argument("--device", default="sim:h200-141gb")
+    ap.add_argument("--prompt-len", type=int, default=2048, help="prompt tokens (default 2048)")
+    ap.add_argument("--new-tokens", default="16,100,1000,4000", help="comma-separated new-token counts to time")
+    ap.add_argument("--policies", default="pytorch,expandable,gpumem", help="comma-separated policies of the estimate")
+    ap.add_argument("--device", default="sim:h200-141gb", help="simulated device (default sim:h200-141gb)")
     ap.add_argument("--full-fit-up-to", type=int, default=100, help="no full fit above this many new tokens")
-    ap.add_argument("--no-fit", action="store_true")
+    ap.add_argument("--no-fit", action="store_true", help="time the estimate only, not gpumem fit")
     args = ap.parse_args()
     policies = tuple(p for p in args.policies.split(",") if p)
     print(f"7B (6.74B, bf16), batch 1 (fit: searched), prompt {args.prompt_len}, {args.device}; "

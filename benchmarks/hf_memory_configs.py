@@ -288,7 +288,7 @@ def estimate(row: dict[str, Any], device: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/hf_memory_configs.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--out", required=True, type=Path, help="folder for estimate-accuracy.json/.md and snapshots")
     ap.add_argument("--plan", default=",".join(PLANS),
                     help="comma-separated plans; NAME-recheck measures the rows of RECHECK[NAME] again, with a "
                          "memory snapshot of each")

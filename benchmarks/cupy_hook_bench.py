@@ -146,6 +146,22 @@ def run_trace(cupy: Any, path: Path, allocators: dict[str, tuple[Alloc, Callable
     return Row(name, _part(path), len(kinds), {n: statistics.median(t) for n, t in times.items()}, times, calls, held)
 
 
+def best_us(fn: Callable[[], Any], n: int, repeats: int = 3) -> float:
+    """µs per call of ``fn``: the best of ``repeats`` timings of ``n`` calls, after 1,000 warm-up calls, with the
+    garbage collector off while timing."""
+    for _ in range(1000):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        gc.disable()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) * 1e6 / n)
+        gc.enable()
+    return best
+
+
 def breakdown(cupy: Any, device: int, n: int = 200_000) -> list[tuple[str, float]]:
     """µs per call of the parts of one allocate+free (512 B, steady state)."""
     import gpumem.cupy_allocator as gca
@@ -166,19 +182,7 @@ def breakdown(cupy: Any, device: int, n: int = 200_000) -> list[tuple[str, float
         ("  UnownedMemory + MemoryPointer (no owner)", lambda: mem.MemoryPointer(mem.UnownedMemory(1 << 40, 512, None, device), 0)),
         ("python: empty lambda", lambda: None),
     ]
-    out = []
-    for label, fn in cases:
-        for _ in range(1000):
-            fn()
-        best = float("inf")
-        for _ in range(3):
-            gc.disable()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            best = min(best, (time.perf_counter() - t0) * 1e6 / n)
-            gc.enable()
-        out.append((label, best))
+    out = [(label, best_us(fn, n)) for label, fn in cases]
     pool.free_all_blocks()
     engine.empty_cache()
     return out

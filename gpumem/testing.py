@@ -628,3 +628,35 @@ class GpumemHil:
 
 __all__ = ["DEFAULT_DEVICE_SPECS", "ENV_VAR", "INI_KEY", "GpumemHil", "enabled", "split_specs", "live_objects", "build_record", "record_stem",
            "render_markdown", "write_record"]
+
+
+def segments_made(trace: Any, policy: str = "pytorch", device: str = "sim:h200-141gb") -> tuple[list[int], int]:
+    """Replay ``trace``'s allocations and frees on a Python-engine ``CachingAllocator`` under ``policy``: the
+    sizes of the segments it makes, in order, and its peak reserved bytes (for comparing with the
+    ``segment_alloc`` entries of a PyTorch snapshot)."""
+    from .allocator import CachingAllocator
+    from .specs import open_device
+
+    dev = open_device(device)
+    a = CachingAllocator(dev, policy, engine="python")
+    made: list[int] = []
+    new_segment = a.backing.new_segment
+
+    def spy(small: bool, stream: int, nbytes: int) -> Any:
+        seg = new_segment(small, stream, nbytes)
+        made.append(seg.nbytes)
+        return seg
+
+    a.backing.new_segment = spy
+    try:
+        ptrs = {}
+        for kind, i, n in zip(trace.kinds, trace.alloc_ids, trace.nbytes):
+            if kind == 0:
+                ptrs[i] = a.allocate(int(n))
+            else:
+                a.free(ptrs.pop(i))
+        return made, a.stats.peak_reserved_nbytes
+    finally:
+        a.close()
+        dev.close()
+

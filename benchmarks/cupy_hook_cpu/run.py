@@ -33,7 +33,6 @@ import sys
 import sysconfig
 import tempfile
 import threading
-import time
 import types
 from pathlib import Path
 from typing import Any, Callable
@@ -101,17 +100,10 @@ def install_fakes(lib_dir: Path, backends_capsule: bool) -> Any:
 
 
 def best_us(fn: Callable[[], Any], n: int) -> float:
-    for _ in range(1000):
-        fn()
-    best = float("inf")
-    for _ in range(5):
-        gc.disable()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t0) * 1e6 / n)
-        gc.enable()
-    return best
+    """µs per call: the best of 5 timings (``benchmarks/cupy_hook_bench.py``'s timer)."""
+    from benchmarks.cupy_hook_bench import best_us as timed
+
+    return timed(fn, n, repeats=5)
 
 
 def replay_trace(hook: Any, trace: Path, passes: int, quiet: bool) -> None:

@@ -7,6 +7,7 @@ from gpumem.allocator import CachingAllocator
 from gpumem.allocator.block import FreeList, TopDownFreeList
 from gpumem.allocator.policy import get_policy
 from gpumem.replay import replay_trace
+from gpumem.testing import segments_made
 from gpumem.units import MiB
 
 TRACES = "data/traces"
@@ -86,33 +87,12 @@ def test_replays_a_real_7b_generate_segment_for_segment():
 
     path = "tests/allocator/data/generate_7b_b16_p4096_n8.snapshot.pickle.gz"
     real = [e["size"] for e in load_snapshot_dict(path)["device_traces"][0] if e["action"] == "segment_alloc"]
-    trace = load_trace(path)
-    dev = open_device("sim:h200-141gb")
-    a = CachingAllocator(dev, "pytorch", engine="python")
-    made = []
-    new_segment = a.backing.new_segment
-
-    def spy(small, stream, nbytes):
-        seg = new_segment(small, stream, nbytes)
-        made.append(seg.nbytes)
-        return seg
-
-    a.backing.new_segment = spy
-    try:
-        ptrs = {}
-        for kind, i, n in zip(trace.kinds, trace.alloc_ids, trace.nbytes):
-            if kind == 0:
-                ptrs[i] = a.allocate(int(n))
-            else:
-                a.free(ptrs.pop(i))
-        # the large segments in the same order; one small (2 MiB) one earlier than PyTorch's, which had room
-        # left in a small segment made before recording began (not in the trace's operations)
-        assert [n for n in made if n > 2 * MiB] == [n for n in real if n > 2 * MiB]
-        assert sorted(made) == sorted(real) and len(real) == 76
-        assert a.stats.peak_reserved_nbytes == sum(real)  # 62.79 GiB, beside the 12.58 GiB held before recording
-    finally:
-        a.close()
-        dev.close()
+    made, peak_reserved_nbytes = segments_made(load_trace(path), "pytorch")
+    # the large segments in the same order; one small (2 MiB) one earlier than PyTorch's, which had room
+    # left in a small segment made before recording began (not in the trace's operations)
+    assert [n for n in made if n > 2 * MiB] == [n for n in real if n > 2 * MiB]
+    assert sorted(made) == sorted(real) and len(real) == 76
+    assert peak_reserved_nbytes == sum(real)  # 62.79 GiB, beside the 12.58 GiB held before recording
 
 
 def test_synthetic_7b_generate_makes_the_recorded_segments():
@@ -128,31 +108,11 @@ def test_synthetic_7b_generate_makes_the_recorded_segments():
             if e["action"] == "segment_alloc" and e["size"] > 2 * MiB]
     trace = inference_trace(ModelShape(4096, 11008, 32, 32000, 32, 32), 2, batch_size=16, prompt_len=4096,
                             new_tokens=8).trace
-    dev = open_device("sim:h200-141gb")
-    a = CachingAllocator(dev, "pytorch", engine="python")
-    made = []
-    new_segment = a.backing.new_segment
-
-    def spy(small, stream, nbytes):
-        seg = new_segment(small, stream, nbytes)
-        made.append(seg.nbytes)
-        return seg
-
-    a.backing.new_segment = spy
-    try:
-        ptrs = {}
-        for kind, i, n in zip(trace.kinds, trace.alloc_ids, trace.nbytes):
-            if kind == 0:
-                ptrs[i] = a.allocate(int(n))
-            else:
-                a.free(ptrs.pop(i))
-        large = [n for n in made if n > 2 * MiB]
-        assert len(real) == 73 and large[-len(real):] == real
-        # embedding, cuBLAS; the misc buffers are small-pool blocks (Note [Overhead] in gpumem.estimate.workload)
-        assert large[-len(real) - 2:-len(real)] == [250 * MiB, 32 * MiB]
-    finally:
-        a.close()
-        dev.close()
+    made, _ = segments_made(trace, "pytorch")
+    large = [n for n in made if n > 2 * MiB]
+    assert len(real) == 73 and large[-len(real):] == real
+    # embedding, cuBLAS; the misc buffers are small-pool blocks (Note [Overhead] in gpumem.estimate.workload)
+    assert large[-len(real) - 2:-len(real)] == [250 * MiB, 32 * MiB]
 
 
 RUN3 = "reports/hil/estimate-accuracy-h200-2026-11-25-run3"

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gpumem.allocator import CachingAllocator
 from gpumem.commands.estimate import model_from_args
 from gpumem.estimate.shape import ModelShape
 from gpumem.estimate.workload import BACKWARD_MISC_NBYTES, CUBLAS_WORKSPACE_NBYTES, MISC_NBYTES, training_trace
-from gpumem.specs import open_device
+from gpumem.testing import segments_made
 from gpumem.units import MiB
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,26 +35,7 @@ def _qwen2_row() -> dict:
 
 def _segments_made(trace) -> tuple[list[int], int]:
     """The segment sizes a ``pytorch`` replay of ``trace`` makes, in order, and its peak reserved."""
-    a = CachingAllocator(open_device("sim:h200-141gb"), "pytorch", engine="python")
-    made: list[int] = []
-    new_segment = a.backing.new_segment
-
-    def spy(small, stream, nbytes):
-        seg = new_segment(small, stream, nbytes)
-        made.append(seg.nbytes)
-        return seg
-
-    a.backing.new_segment = spy
-    try:
-        ptrs = {}
-        for kind, i, n in zip(trace.kinds, trace.alloc_ids, trace.nbytes):
-            if kind == 0:
-                ptrs[i] = a.allocate(int(n))
-            else:
-                a.free(ptrs.pop(i))
-        return made, a.stats.peak_reserved_nbytes
-    finally:
-        a.close()
+    return segments_made(trace, "pytorch")
 
 
 def test_the_synthetic_steps_open_the_recorded_segments_one_for_one():

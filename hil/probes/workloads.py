@@ -375,6 +375,12 @@ def trace_file_name(workload: str, allocator: str) -> str:
     return f"{workload}.{allocator}." + ("snapshot.pickle.gz" if allocator == "default" else "gmt.gz")
 
 
+def stream_log_file_name(workload: str) -> str:
+    """The ``record_stream`` log a run under PyTorch's allocator writes beside its snapshot
+    (:mod:`gpumem.trace.stream_log`)."""
+    return f"{workload}.default.record_stream.jsonl.gz"
+
+
 def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: Path, policy: str | None) -> dict:
     """Runs one workload under one allocator in this process, recording its trace into ``out_dir``."""
     if allocator == "gpumem":
@@ -386,9 +392,15 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
         gt.start_trace()
     import torch
 
+    rs_logger = None
     if allocator == "default":
+        from gpumem.trace.stream_log import RecordStreamLogger
+
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
                                                  max_entries=HISTORY_MAX_ENTRIES)
+        # every Tensor.record_stream from here on is logged beside the snapshot, which records none
+        # (Note [Placing a logged record_stream among a snapshot's ops] in gpumem/trace/stream_log.py)
+        rs_logger = RecordStreamLogger(torch).start()
         record_stream = lambda t, s: t.record_stream(s)  # noqa: E731
     else:
         record_stream = gt.record_stream
@@ -411,7 +423,10 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
                               "losses": [float(x) for x in torch.stack(losses).cpu().tolist()],
                               "mean_step_ms": elapsed_s / (steps - warmup) * 1e3,
                               "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
-                              "trace_file": trace_path.name}
+                              "trace_file": trace_path.name,
+                              # the trace knows every record_stream the program made: gpumem's recorder
+                              # records them, and PyTorch's runs log them beside the snapshot
+                              "stream_uses_recorded": True}
     if allocator == "gpumem":
         gt.stop_trace()
         st = gt.memory_stats(0)
@@ -431,6 +446,13 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
         raw = out_dir / (trace_path.name[:-3])
         torch.cuda.memory._dump_snapshot(str(raw))
         torch.cuda.memory._record_memory_history(enabled=None)
+        rs_logger.stop()   # type: ignore[union-attr]
+        from gpumem.trace.stream_log import write_record_stream_log
+
+        rs = rs_logger.log()   # type: ignore[union-attr]
+        write_record_stream_log(rs, out_dir / stream_log_file_name(workload))
+        record.update(stream_use_file=stream_log_file_name(workload), n_record_stream=len(rs.uses),
+                      n_record_stream_unlogged=rs.n_unlogged)
         with open(raw, "rb") as src, gzip.open(trace_path, "wb", compresslevel=9) as dst:
             shutil.copyfileobj(src, dst)
         raw.unlink()
@@ -505,6 +527,11 @@ class LivePredictedRow:
     mean_step_ms: float
     gpu_timing: str | None
     error: str | None = None
+    not_scored: str | None = None
+    """Why the row is shown but not scored (a trace of several streams without its record_stream calls:
+    :func:`gpumem.trace.stream_log.unknown_stream_uses`)."""
+    stream_uses: str | None = None
+    """What merging the run's record_stream log did (PyTorch runs that logged one)."""
 
     @property
     def diff_pp(self) -> float | None:
@@ -512,7 +539,24 @@ class LivePredictedRow:
         return None if self.predicted_overhead is None else (self.predicted_overhead - self.live_overhead) * 100
 
 
-def _replay(trace_path: Path, sim: str, model: str, gpu_timing: str | None) -> Any:
+def run_trace(run: dict, trace_dir: Path) -> tuple[Any, str | None, str | None]:
+    """A live run's trace, with its ``record_stream`` log merged when the run wrote one
+    (:func:`gpumem.trace.stream_log.merge_stream_uses`); what the merge did; and why the run cannot be
+    predicted (:func:`gpumem.trace.stream_log.unknown_stream_uses`; a record from before
+    ``stream_uses_recorded`` existed recorded none), or None."""
+    from gpumem.trace import load_trace
+    from gpumem.trace.stream_log import merge_stream_uses, read_record_stream_log, unknown_stream_uses
+
+    trace = load_trace(trace_dir / run["trace_file"], progress=False)
+    merged = None
+    if run.get("stream_use_file"):
+        log_path = trace_dir / run["stream_use_file"]
+        trace, report = merge_stream_uses(trace, read_record_stream_log(log_path), where=str(log_path))
+        merged = str(report)
+    return trace, merged, unknown_stream_uses(trace, bool(run.get("stream_uses_recorded")))
+
+
+def _replay(trace: Any, sim: str, model: str, gpu_timing: str | None) -> Any:
     from gpumem.replay import replay_trace
 
     options: dict[str, Any] = {}
@@ -523,7 +567,7 @@ def _replay(trace_path: Path, sim: str, model: str, gpu_timing: str | None) -> A
             raise WorkloadInputError(f"gpu timing {gpu_timing!r}: this gpumem's replay has no gpu_timing option "
                                      "(issue 18 point 1)")
         options["gpu_timing"] = gpu_timing
-    return replay_trace(str(trace_path), sim, parse_policy(model), progress=False, **options)
+    return replay_trace(trace, sim, parse_policy(model), progress=False, **options)
 
 
 def live_vs_predicted(record: dict, trace_dir: Path, sim: str = "sim:h200-141gb", gpu_timing: str | None = None,
@@ -549,8 +593,10 @@ def live_vs_predicted(record: dict, trace_dir: Path, sim: str = "sim:h200-141gb"
                                          gpu_timing, error="live run failed: " + error_line(run["error"])))
             continue
         live = overhead(run["peak_reserved_bytes"], run["peak_allocated_bytes"])
+        not_scored = merged = None
         try:
-            res = _replay(trace_dir / run["trace_file"], sim, model, gpu_timing)
+            trace, merged, not_scored = run_trace(run, trace_dir)
+            res = _replay(trace, sim, model, gpu_timing)
             predicted, error = res.overhead, None
             predicted_nbytes = res.peak_reserved_bytes
         except (GpumemError, OSError) as exc:
@@ -558,7 +604,7 @@ def live_vs_predicted(record: dict, trace_dir: Path, sim: str = "sim:h200-141gb"
             error = f"replay failed: {exc}"[:200]
         rows.append(LivePredictedRow(run["workload"], allocator, model, live if live is not None else float("nan"),
                                      predicted, run["peak_reserved_bytes"], predicted_nbytes, run["mean_step_ms"],
-                                     gpu_timing, error))
+                                     gpu_timing, error, not_scored, merged))
     return rows
 
 
@@ -578,10 +624,15 @@ def render_table(rows: Sequence[LivePredictedRow], sim: str) -> str:
             continue
         d = r.diff_pp
         target = ("" if r.allocator != "gpumem" else "met" if d is not None and abs(d) <= 1.0 else "NOT met")
+        if r.not_scored:
+            target = r.not_scored
         lines.append(f"| {r.workload} | {corpus_part_of(r.workload)} | {r.allocator} | {r.model} | "
                      f"{r.live_overhead * 100:.2f} % | "
                      f"{r.predicted_overhead * 100:.2f} % | {d:+.2f} | {r.live_peak_reserved_nbytes / 2**30:.3f} | "
                      f"{r.mean_step_ms:.2f} | {target} |")
+    notes = [f"- {r.workload}, {r.allocator}: {r.stream_uses}" for r in rows if r.stream_uses]
+    if notes:
+        lines += ["", "record_stream logs merged into PyTorch's snapshots (gpumem/trace/stream_log.py):", *notes]
     return "\n".join(lines) + "\n"
 
 

@@ -11,7 +11,7 @@ import pytest
 from gpumem.errors import TraceFormatError
 from hil.probes import workloads as wl
 from gpumem.torch import trace_from_words
-from gpumem.trace import load_trace, save_trace
+from gpumem.trace import Trace, load_trace, save_trace
 from gpumem.trace.pytorch_export import save_pytorch_snapshot
 
 MiB = 2**20
@@ -55,7 +55,7 @@ def _fake_record(tmp_path: Path) -> dict:
     return {"runs": [
         base | {"allocator": "default", "peak_reserved_bytes": 20 * MiB, "trace_file": wl.trace_file_name("fake", "default")},
         base | {"allocator": "gpumem", "policy": None, "peak_reserved_bytes": 10 * MiB,
-                "trace_file": wl.trace_file_name("fake", "gpumem")},
+                "trace_file": wl.trace_file_name("fake", "gpumem"), "stream_uses_recorded": True},
         {"workload": "broken", "allocator": "gpumem", "error": "Traceback ...\nRuntimeError: capture failed"},
     ]}
 
@@ -76,18 +76,22 @@ def test_live_vs_predicted_replays_each_run_with_its_allocators_model(tmp_path: 
     table = wl.render_table(rows, "sim:h200-141gb")
     assert "| fake | - | gpumem | gpumem |" in table and "live run failed" in table
     assert table.count("met") >= 1
+    # two streams: the PyTorch run logged no record_stream (a record from before the log existed), so its
+    # row is shown and not scored; gpumem's recorder records them, so its row is scored
+    assert default.not_scored and "2 streams" in default.not_scored and gpumem.not_scored is None
+    assert "| not scored: the program ran on 2 streams" in table
 
 
 def test_live_vs_predicted_passes_the_gpu_timing_and_policy_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = []
 
-    def fake_replay(path: Path, sim: str, model: str, gpu_timing: str | None) -> object:
-        seen.append((path.name, model, gpu_timing))
+    def fake_replay(trace: Trace, sim: str, model: str, gpu_timing: str | None) -> object:
+        seen.append((trace.source, model, gpu_timing))
         return type("R", (), {"overhead": 0.0, "peak_reserved_bytes": 1})()
 
     monkeypatch.setattr(wl, "_replay", fake_replay)
     rows = wl.live_vs_predicted(_fake_record(tmp_path), tmp_path, gpu_timing="model", policy="bestfit")
-    assert seen == [("fake.default.snapshot.pickle.gz", "pytorch", "model"), ("fake.gpumem.gmt.gz", "bestfit", "model")]
+    assert seen == [("pytorch-snapshot", "pytorch", "model"), ("recorded", "bestfit", "model")]
     assert all(r.gpu_timing == "model" for r in rows)
 
 

@@ -347,16 +347,15 @@ def merge_stream_uses(trace: Trace, rs: RecordStreamLog, *, device: int | None =
             a, f = u.n_allocs - base[0], u.n_frees - base[1]   # type: ignore[index,operator]
             if a >= 0 and f >= 0 and a + f <= n_ops and allocs_before[a + f] == a:
                 p = a + f
-        if p is not None:
+        by_count = p is not None
+        if by_count:   # the counts agree with the trace: they say exactly where the call was
             aid = _live_at(p, u.ptr, at_addr, alloc_pos, free_pos, addr, extent)
-            by_count = aid is not None
         else:
-            by_count, aid = False, None
-        if aid is None:
             p, aid = _by_time(u, times, at_addr, alloc_pos, free_pos, addr, extent)
         if aid is None:
-            raise TraceFormatError(where, f"record_stream of {u.ptr:#x} on stream {u.stream} (time {u.time_us:.0f} us): "
-                                          f"no allocation of {trace.name} holds that address then", entry=k)
+            at = f"after op {p - 1}" if by_count else f"time {u.time_us:.0f} us"
+            raise TraceFormatError(where, f"record_stream of {u.ptr:#x} on stream {u.stream} ({at}): no allocation "
+                                          f"of {trace.name} holds that address then", entry=k)
         n_by_count += by_count
         n_own += int(alloc_stream[aid]) == u.stream
         merged.append((p, k, StreamUse(int(p), int(aid), int(u.stream), float(u.time_us))))

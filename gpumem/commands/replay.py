@@ -29,7 +29,7 @@ def _load(args: argparse.Namespace):
             fmt = detect_format(args.trace) if args.format is None else args.format
             if fmt != "pytorch-snapshot":
                 raise _UsageError(f"--device-index applies to PyTorch snapshots only; {args.trace} is read as {fmt}")
-        return load_trace(args.trace, format=args.format, device=args.device_index)
+        trace = load_trace(args.trace, format=args.format, device=args.device_index)
     except FileNotFoundError:
         _check_trace_path(args.trace)
         raise _UsageError(f"no such trace file: {_shorten_path(args.trace)}") from None
@@ -41,6 +41,24 @@ def _load(args: argparse.Namespace):
         raise _UsageError(f"cannot read the trace: {_cli_names(str(exc))}") from None
     except OSError as exc:  # permission denied, an I/O error
         raise _UsageError(f"cannot read the trace {_shorten_path(args.trace)}: {exc.strerror or exc}") from None
+    return trace if args.stream_uses is None else _merge_stream_uses(args, trace)
+
+
+def _merge_stream_uses(args: argparse.Namespace, trace: Any) -> Any:
+    """``trace`` with the record_stream log of ``--stream-uses`` merged (gpumem.trace.stream_log)."""
+    from ..trace.stream_log import merge_stream_uses, read_record_stream_log
+
+    try:
+        rs = read_record_stream_log(args.stream_uses)
+        merged, report = merge_stream_uses(trace, rs, device=args.device_index, where=args.stream_uses)
+    except FileNotFoundError:
+        raise _UsageError(f"--stream-uses: no such file: {_shorten_path(args.stream_uses)}") from None
+    except (TraceFormatError, InvalidArgumentError) as exc:
+        raise _UsageError(f"--stream-uses: {_cli_names(str(exc))}") from None
+    except OSError as exc:
+        raise _UsageError(f"--stream-uses: cannot read {_shorten_path(args.stream_uses)}: {exc.strerror or exc}") from None
+    log.info("%s", report)
+    return merged
 
 
 _LABEL_WIDTH = 15  # the longest label ("peak reserved") and two spaces
@@ -66,6 +84,9 @@ def _print_result(result: Any, summary: str | None) -> None:
     _row("ext. frag.", f"{result.stats.external_fragmentation:.2%}  (external fragmentation at the end = 1 - "
                        "largest free cached block / all free cached bytes; 0% when the unused cache is one piece)")
     _row("ooms", str(result.ooms))
+    if result.extra.get("n_stream_uses"):
+        _row("stream uses", f"{result.extra['n_stream_uses']:,} record_stream calls made (a block used on another "
+                            "stream is reused once that stream's work is done)")
     _row("time", f"{result.wall_s:.2f} s wall, {result.ns_per_op:,.0f} ns per op")
     if summary is not None:
         print(summary)
@@ -222,6 +243,11 @@ def register(sub: Any, formatter_class: Any) -> None:
                         "that used it may still be queued: 'trace' (GPU time from the trace's clock), 'model' "
                         "(from the bytes each kernel touches), 'idle' (no GPU work, every fence done at once). "
                         f"Default: {DEFAULT_GPU_TIMING.value} on a simulated device, idle on a real one")
+    p.add_argument("--stream-uses", metavar="LOG", default=None,
+                   help="a record_stream log written beside a PyTorch snapshot (gpumem.trace.stream_log; the "
+                        "workloads probe writes NAME.default.record_stream.jsonl.gz): each logged "
+                        "Tensor.record_stream is made in the replay, so a block used on another stream waits "
+                        "for that stream's work when freed, as in PyTorch's allocator")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--summary", action="store_true", help="also print the allocator's memory summary table "
                                                           "(with --json: as the text of the \"summary\" key)")

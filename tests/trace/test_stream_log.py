@@ -253,3 +253,36 @@ def test_the_log_is_json_lines(tmp_path: Path) -> None:
     path = write_record_stream_log(_log(USE_A), tmp_path / "x.jsonl.gz")
     lines = gzip.decompress(path.read_bytes()).decode().splitlines()
     assert json.loads(lines[0])["n_uses"] == 1 and json.loads(lines[1]) == [0, A_ADDR, SIDE, 115.0, 2, 0]
+
+
+# -- gpumem replay --stream-uses ----------------------------------------------------------------------------
+def _cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    from gpumem.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_gpumem_replay_makes_the_logged_uses(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    snap, log = _busy_side_stream(tmp_path)
+    code, out, _ = _cli(capsys, "replay", str(snap), "--policy", "pytorch", "--gpu-timing", "trace", "--json")
+    plain = json.loads(out)
+    code2, out2, _ = _cli(capsys, "replay", str(snap), "--policy", "pytorch", "--gpu-timing", "trace", "--json",
+                          "--stream-uses", str(log))
+    used = json.loads(out2)
+    assert (code, code2) == (0, 0) and (plain["n_stream_uses"], used["n_stream_uses"]) == (0, 1)
+    assert used["peak_reserved_bytes"] >= plain["peak_reserved_bytes"] + 64 * MiB
+    code, out, _ = _cli(capsys, "replay", str(snap), "--policy", "pytorch", "--stream-uses", str(log))
+    assert code == 0 and "stream uses    1 record_stream calls made" in out
+
+
+def test_gpumem_replay_refuses_a_bad_log_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from gpumem.cli import EXIT_USAGE
+
+    snap, _ = _busy_side_stream(tmp_path)
+    bad = write_record_stream_log(_log(LoggedUse(0, 0xDEAD000, SIDE, 5.0, 1, 0)), tmp_path / "bad.jsonl")
+    code, _, err = _cli(capsys, "replay", str(snap), "--stream-uses", str(bad))
+    assert code == EXIT_USAGE and "--stream-uses" in err and "no allocation of busy holds that address" in err
+    code, _, err = _cli(capsys, "replay", str(snap), "--stream-uses", str(tmp_path / "missing.jsonl"))
+    assert code == EXIT_USAGE and "no such file" in err

@@ -43,6 +43,7 @@ from gpumem.sim.gpu_work import DEFAULT_GPU_TIMING, GpuTiming, GpuWorkModel
 from gpumem.sim.latency import LatencyModel
 from gpumem.specs import open_device
 from gpumem.trace import load_trace
+from gpumem.trace.stream_log import unknown_stream_uses
 
 PROFILE = "h200-141gb"
 HIL = Path("reports/hil")
@@ -84,20 +85,27 @@ class Record:
     """``train``: model -> trace file (in the record's folder)."""
     own_trace: bool = True
     """False: the runs recorded no trace; the trace of the same program under another policy is replayed."""
+    stream_uses_recorded: bool = True
+    """False: the traces were recorded before gpumem's traces carried ``record_stream`` (``.gmt`` version 2,
+    run 3): a trace of several streams cannot say which blocks were used across them, so its row is shown
+    and not scored (:func:`gpumem.trace.stream_log.unknown_stream_uses`)."""
 
 
 #: Every live record of gpumem.torch with a trace (runs 1-3). Run 4 (``live-h200-2026-11-25-run4``, 40 steps)
 #: recorded no trace; run 2's traces are of 80-step runs, another program length, so run 4 has no row.
 RECORDS: tuple[Record, ...] = (
-    Record("run 1", HIL / "live-h200-2026-11-25/workloads.json", "busy_slack=inf", "workloads"),
-    Record("run 2 A", HIL / "live-h200-2026-11-25-run2/A-gpt2.json", "A", "train", (("gpt2", "gpt2.gmt.gz"),)),
+    Record("run 1", HIL / "live-h200-2026-11-25/workloads.json", "busy_slack=inf", "workloads",
+           stream_uses_recorded=False),
+    Record("run 2 A", HIL / "live-h200-2026-11-25-run2/A-gpt2.json", "A", "train", (("gpt2", "gpt2.gmt.gz"),),
+           stream_uses_recorded=False),
     Record("run 2 A", HIL / "live-h200-2026-11-25-run2/A-resnet50.json", "A", "train",
-           (("resnet50", "resnet50.gmt.gz"),)),
+           (("resnet50", "resnet50.gmt.gz"),), stream_uses_recorded=False),
     Record("run 2 B", HIL / "live-h200-2026-11-25-run2/B.json", "default", "train",
-           (("gpt2", "gpt2.gmt.gz"), ("resnet50", "resnet50.gmt.gz")), own_trace=False),
+           (("gpt2", "gpt2.gmt.gz"), ("resnet50", "resnet50.gmt.gz")), own_trace=False, stream_uses_recorded=False),
     Record("run 2 C", HIL / "live-h200-2026-11-25-run2/C.json", "C", "train",
-           (("gpt2", "gpt2.gmt.gz"), ("resnet50", "resnet50.gmt.gz")), own_trace=False),
-    Record("run 2", HIL / "live-h200-2026-11-25-run2/workloads/workloads.json", "C", "workloads"),
+           (("gpt2", "gpt2.gmt.gz"), ("resnet50", "resnet50.gmt.gz")), own_trace=False, stream_uses_recorded=False),
+    Record("run 2", HIL / "live-h200-2026-11-25-run2/workloads/workloads.json", "C", "workloads",
+           stream_uses_recorded=False),
     Record("run 3", HIL / "live-h200-2026-11-25-run3/default/workloads.json", "default", "workloads"),
     Record("run 3", HIL / "live-h200-2026-11-25-run3/memfirst/workloads-memfirst.json", "C", "workloads"),
 )
@@ -119,6 +127,13 @@ class Row:
     """``tuning`` or ``check``."""
     live: float
     """Live peak reserved / peak allocated - 1."""
+    not_scored: str | None = None
+    """Why the row is shown and not scored: its trace of several streams was recorded without the program's
+    ``record_stream`` calls (:attr:`Record.stream_uses_recorded`); None for a scored row."""
+
+    @property
+    def scored(self) -> bool:
+        return self.not_scored is None
 
     @property
     def key(self) -> str:
@@ -175,13 +190,15 @@ def _part(workload: str) -> str:
 
 
 def live_rows(records: Iterable[Record] = RECORDS) -> list[Row]:
-    """Every gpumem.torch run of ``records`` with a live peak, as a :class:`Row`.
+    """Every gpumem.torch run of ``records`` with a live peak, as a :class:`Row` (each trace is read to
+    see whether the row can be scored: :attr:`Row.not_scored`).
 
     Raises:
         InvalidArgumentError: a record names a policy other than the one :data:`RECORDS` says it ran, or a
             trace file is missing.
     """
     rows = []
+    why: dict[str, str | None] = {}   # trace -> why its rows are not scored
     for rec in records:
         data = json.loads(rec.path.read_text())
         folder = rec.path.parent
@@ -197,8 +214,11 @@ def live_rows(records: Iterable[Record] = RECORDS) -> list[Row]:
                 workload, trace = TRAIN_WORKLOADS[r["model"]], folder / dict(rec.traces)[r["model"]]
             if not trace.is_file():
                 raise InvalidArgumentError(f"{rec.path}: trace {trace} is missing")
+            key = trace.as_posix()
+            if key not in why:
+                why[key] = unknown_stream_uses(load_trace(trace, progress=False), rec.stream_uses_recorded)
             rows.append(Row(rec.run, workload, rec.policy, trace.as_posix(), rec.own_trace, _part(workload),
-                            r["peak_reserved_bytes"] / r["peak_allocated_bytes"] - 1))
+                            r["peak_reserved_bytes"] / r["peak_allocated_bytes"] - 1, why[key]))
     return rows
 
 
@@ -353,7 +373,8 @@ def row_table(rows: Sequence[Row], preds: Sequence[dict[str, float]], cands: Seq
              "|---|---|---|---|---|" + "---|" * len(cols)]
     for r, p in zip(rows, preds):
         own = "" if r.own_trace else " (run 2 A's trace)"
-        lines.append(f"| {r.run} | {r.workload} | {r.policy}{own} | {r.part} | {_pct(r.live)} | "
+        part = r.part if r.scored else f"{r.part}, **not scored**"
+        lines.append(f"| {r.run} | {r.workload} | {r.policy}{own} | {part} | {_pct(r.live)} | "
                      + " | ".join(_pct(p[c.label]) for c in cols) + " |")
     return "\n".join(lines)
 
@@ -384,10 +405,10 @@ def error_table(cands: Sequence[Candidate], errs: dict[str, dict[str, Errors]], 
 def report(rows: list[Row], preds: list[dict[str, float]], cands: list[Candidate]) -> tuple[str, dict]:
     """The Markdown tables and the decision, and the same as a JSON-able dict."""
     default = default_candidate()
-    sets = {
-        "tuning": [i for i, r in enumerate(rows) if r.part == "tuning"],
-        "check": [i for i, r in enumerate(rows) if r.part == "check"],
-        "tuning, own traces": [i for i, r in enumerate(rows) if r.part == "tuning" and r.own_trace],
+    sets = {   # rows not scored (Row.not_scored) are in the row tables only
+        "tuning": [i for i, r in enumerate(rows) if r.part == "tuning" and r.scored],
+        "check": [i for i, r in enumerate(rows) if r.part == "check" and r.scored],
+        "tuning, own traces": [i for i, r in enumerate(rows) if r.part == "tuning" and r.own_trace and r.scored],
     }
     errs = {name: {c.label: errors([rows[i] for i in idx], [preds[i] for i in idx], c.label) for c in cands}
             for name, idx in sets.items()}
@@ -399,8 +420,12 @@ def report(rows: list[Row], preds: list[dict[str, float]], cands: list[Candidate
     marks = {default.label: " (today's default)"}
     marks[chosen.label] = marks.get(chosen.label, "") + " (least tuning error)"
     marks[adopted.label] = marks.get(adopted.label, "") + " **(default after this table)**"
-    out = [f"{len(rows)} live rows ({sum(r.part == 'tuning' for r in rows)} tuning, "
-           f"{sum(r.part == 'check' for r in rows)} check); device sim:{PROFILE}", ""]
+    unscored = [r for r in rows if not r.scored]
+    out = [f"{len(rows)} live rows ({len(sets['tuning'])} tuning, {len(sets['check'])} check scored, "
+           f"{len(unscored)} not scored); device sim:{PROFILE}", ""]
+    if unscored:
+        out += ["Not scored (shown in the row tables, left out of every error and of the choice):", ""]
+        out += [f"* {r.key}: {r.not_scored.removeprefix('not scored: ')}" for r in unscored] + [""]  # type: ignore[union-attr]
     for lat in LATENCIES:
         out += [f"### Rows, latency {lat}", "", row_table(rows, preds, cands, lat), ""]
     out += ["### Errors per candidate (predicted - live, percentage points)", "",
@@ -434,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(Path(args.from_json).read_text())
         rows = [Row(**{k: v for k, v in r.items() if k != "predicted"}) for r in data["rows"]]
         preds = [r["predicted"] for r in data["rows"]]
+        if any("not_scored" not in r for r in data["rows"]):   # written before rows could be left unscored
+            why = {r.key: r.not_scored for r in live_rows()}
+            rows = [dataclasses.replace(r, not_scored=why.get(r.key)) for r in rows]
     else:
         rows = live_rows()
         preds = measure(rows, cands, args.jobs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -111,3 +112,40 @@ def test_bad_jobs_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         pl.main(["--jobs", "0"])
     assert exc.value.code == 2 and "--jobs must be >= 1" in capsys.readouterr().err
+
+
+def test_rows_of_several_streams_without_recorded_uses_are_shown_and_not_scored() -> None:
+    """Run 1's and run 2's multistream traces were recorded before traces carried record_stream: the rows
+    are in the table and in no error; run 3's (50 stream uses) are scored."""
+    rows = pl.live_rows()
+    assert {r.key for r in rows if not r.scored} == {"run 1 multistream_infer busy_slack=inf",
+                                                     "run 2 multistream_infer C"}
+    assert all("4 streams" in r.not_scored for r in rows if not r.scored)
+    # a far-off prediction on an unscored row changes no error; on a scored one it does
+    cands = [pl.Candidate("idle", "idle-priced"), pl.default_candidate()]
+    preds = [{c.label: r.live for c in cands} for r in rows]
+    off = next(i for i, r in enumerate(rows) if not r.scored)
+    preds[off] = {c.label: rows[off].live + 0.25 for c in cands}
+    text, data = pl.report(rows, preds, cands)
+    assert data["errors"]["check"][cands[0].label]["mean_abs_pp"] == 0.0
+    assert data["errors"]["check"][cands[0].label]["n"] == 10
+    assert "10 check scored, 2 not scored" in text and "check, **not scored**" in text
+    scored = next(i for i, r in enumerate(rows) if r.scored and r.part == "check")
+    preds[scored] = {c.label: rows[scored].live + 0.25 for c in cands}
+    _, data = pl.report(rows, preds, cands)
+    assert data["errors"]["check"][cands[0].label]["worst_abs_pp"] == pytest.approx(25.0)
+
+
+def test_a_record_of_one_stream_is_scored_whatever_it_recorded(tmp_path) -> None:
+    from gpumem.trace import Trace, save_trace
+
+    ops = [(0, 0, 4096, 0, 0.0, 0x1000), (0, 1, 4096, 7, 1.0, 0x3000), (1, 0, 4096, 0, 2.0, 0x1000)]
+    save_trace(Trace.from_ops("two", "gpumem", ops), tmp_path / "two.gmt.gz")
+    save_trace(Trace.from_ops("one", "gpumem", [(0, 0, 4096, 0, 0.0, 0x1000)]), tmp_path / "one.gmt.gz")
+    run = {"allocator": "gpumem", "peak_allocated_bytes": 100, "peak_reserved_bytes": 101}
+    (tmp_path / "w.json").write_text(json.dumps({"runs": [
+        run | {"workload": "gpt2_train", "trace_file": "one.gmt.gz"},
+        run | {"workload": "multistream_infer", "trace_file": "two.gmt.gz"}]}))
+    old = pl.live_rows([pl.Record("run x", tmp_path / "w.json", "default", "workloads", stream_uses_recorded=False)])
+    new = pl.live_rows([pl.Record("run y", tmp_path / "w.json", "default", "workloads")])
+    assert [r.scored for r in old] == [True, False] and [r.scored for r in new] == [True, True]

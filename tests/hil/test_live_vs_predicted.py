@@ -216,3 +216,32 @@ def test_run_live_records_a_failed_child_and_goes_on(tmp_path: Path, monkeypatch
         ("moe_train", "gpumem", True)]
     assert all("--gpumem-policy" in c for c in calls) and record["gpumem_policy"] == "gpumem"
     assert wl.error_line(record["runs"][1]["error"]) == "RuntimeError: no GPU here"
+
+
+def test_a_pytorch_run_with_a_record_stream_log_is_replayed_with_its_uses(tmp_path: Path) -> None:
+    """The probe's PyTorch runs write a record_stream log beside the snapshot (stream_use_file): predict
+    merges it, so a block used on a busy stream is held as in PyTorch, and the row is scored."""
+    from gpumem.trace import Trace
+    from gpumem.trace.stream_log import LoggedUse, RecordStreamLog, write_record_stream_log
+
+    main, side, a, b = 0, 0x5A5A00, 0x7F0000000000, 0x7F0010000000
+    ops = [(0, 0, 64 * MiB, main, 0.0, a), (0, 1, 4 * MiB, side, 10.0, b), (0, 2, 4 * MiB, side, 1010.0, b + 4 * MiB),
+           (0, 3, 4 * MiB, side, 2010.0, b + 8 * MiB), (1, 0, 64 * MiB, main, 2020.0, a), (0, 4, 64 * MiB, main, 2030.0, a)]
+    save_pytorch_snapshot(Trace.from_ops("busy", "pytorch-snapshot", ops), tmp_path / wl.trace_file_name("busy", "default"))
+    write_record_stream_log(RecordStreamLog((LoggedUse(0, a, side, 5.0, 1, 0),), {0: (0, 0)}),
+                            tmp_path / wl.stream_log_file_name("busy"))
+    run = {"workload": "busy", "allocator": "default", "mean_step_ms": 1.0, "peak_allocated_bytes": 76 * MiB,
+           "peak_reserved_bytes": 160 * MiB, "num_allocs": 5, "losses": [0.0],
+           "trace_file": wl.trace_file_name("busy", "default"), "stream_uses_recorded": True}
+    with_log, without = wl.live_vs_predicted({"runs": [run | {"stream_use_file": wl.stream_log_file_name("busy")},
+                                                       run]}, tmp_path, gpu_timing="trace")
+    assert with_log.stream_uses.startswith("1 record_stream use(s) merged (1 placed by the allocator's counts")
+    assert with_log.not_scored is None and with_log.error is None
+    assert with_log.predicted_peak_reserved_nbytes >= without.predicted_peak_reserved_nbytes + 64 * MiB
+    table = wl.render_table([with_log], "sim:h200-141gb")
+    assert "- busy, default: 1 record_stream use(s) merged" in table
+    # a log that names a pointer the snapshot never held costs the row, in one line
+    write_record_stream_log(RecordStreamLog((LoggedUse(0, 0xDEAD000, side, 5.0, 1, 0),), {0: (0, 0)}),
+                            tmp_path / "bad.jsonl")
+    (bad,) = wl.live_vs_predicted({"runs": [run | {"stream_use_file": "bad.jsonl"}]}, tmp_path)
+    assert bad.predicted_overhead is None and "no allocation of busy holds that address" in bad.error

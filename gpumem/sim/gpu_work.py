@@ -28,8 +28,9 @@ comes from is the timing:
 Why ``trace`` at 2 ms, priced idle, is the default: against every live H200 run whose trace gpumem recorded
 (24 rows, split by workload; ``python -m sim.predict_live``, ``reports/sim-predict-live.md``) it predicts the
 12 tuning rows within 0.77 pp (mean 0.088), and no other timing, threshold (1 ms to none) or latency model
-beats it there beyond the rows' noise (``model``: 0.079 pp, closer on 2 rows, farther on 3); on the 12
-check rows it is 2.55 pp mean (``model`` 5.05, ``idle`` 6.51). In a training step every steal meets busy
+beats it there beyond the rows' noise (``model``: 0.079 pp, closer on 2 rows, farther on 3); on the 10
+scored check rows it is 0.064 pp mean (``model`` 0.89, ``idle`` 2.37; two multistream rows whose traces lack
+their ``record_stream`` calls are not scored). In a training step every steal meets busy
 pages once the GPU is behind at all, so the constants hardly matter there; the threshold does where a
 program synchronises often (several streams, ``generate()``), and gaps include the allocator's own time.
 Left out: kernels that touch no new block, and cross-stream waits (a trace has no events; each

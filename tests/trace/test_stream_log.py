@@ -11,6 +11,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpumem.errors import InvalidArgumentError, TraceFormatError
 from gpumem.replay import replay_trace
@@ -286,3 +288,56 @@ def test_gpumem_replay_refuses_a_bad_log_in_one_line(tmp_path: Path, capsys: pyt
     assert code == EXIT_USAGE and "--stream-uses" in err and "no allocation of busy holds that address" in err
     code, _, err = _cli(capsys, "replay", str(snap), "--stream-uses", str(tmp_path / "missing.jsonl"))
     assert code == EXIT_USAGE and "no such file" in err
+
+
+# -- property: a log of any program's calls merges back onto the allocations it named ------------------------
+@st.composite
+def _program(draw: Any) -> tuple[list[dict], list[LoggedUse], list[tuple[int, int]]]:
+    """Random allocs and frees with addresses reused at once, and record_stream calls between them on a
+    live allocation (at its start or inside it): the snapshot entries, the log (counts and times as the
+    logger takes them), and for each call the true (position, allocation id)."""
+    streams = [0, 7, 0x5A5A00]
+    entries: list[dict] = []
+    uses: list[LoggedUse] = []
+    truth: list[tuple[int, int]] = []
+    live: dict[int, tuple[int, int]] = {}   # addr -> (alloc id, size)
+    free_addrs: list[int] = []
+    n_allocs = n_frees = 0
+    for _ in range(draw(st.integers(1, 40))):
+        t = 10.0 * len(entries)
+        if live and draw(st.booleans()):
+            addr = draw(st.sampled_from(sorted(live)))
+            aid, size = live.pop(addr)
+            entries.append(dict(action="free_requested", addr=addr, size=size, stream=0, time_us=t))
+            free_addrs.append(addr)
+            n_frees += 1
+        else:
+            reuse = free_addrs and draw(st.booleans())
+            addr = free_addrs.pop() if reuse else 0x7F0000000000 + 0x100000 * (n_allocs + 1)
+            size = draw(st.sampled_from([512, 4096, 1 << 20]))
+            entries.append(dict(action="alloc", addr=addr, size=size, stream=draw(st.sampled_from(streams)), time_us=t))
+            live[addr] = (n_allocs, size)
+            n_allocs += 1
+        for _ in range(draw(st.integers(0, 2)) if live else 0):
+            addr = draw(st.sampled_from(sorted(live)))
+            aid, size = live[addr]
+            inside = draw(st.integers(0, size - 1))
+            uses.append(LoggedUse(0, addr + inside, draw(st.sampled_from(streams)), t + 5.0, n_allocs, n_frees))
+            truth.append((len(entries), aid))
+    # every stream runs an operation (the merge refuses a use on a stream that runs none)
+    entries += [dict(action="alloc", addr=0x10 + 64 * i, size=8, stream=s, time_us=1e9) for i, s in enumerate(streams)]
+    return entries, uses, truth
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_program(), st.booleans())
+def test_merged_uses_land_on_the_allocations_the_program_named(program: Any, with_counts: bool) -> None:
+    entries, uses, truth = program
+    t = snapshot_to_trace({"segments": [], "device_traces": [entries]}, name="random")
+    if not with_counts:
+        uses = [LoggedUse(u.device, u.ptr, u.stream, u.time_us) for u in uses]
+    merged, report = merge_stream_uses(t, _log(*uses))
+    assert report.n_uses == len(uses) and report.n_by_count == (len(uses) if with_counts else 0)
+    got = sorted((u.at_op, u.alloc_id) for u in merged.stream_uses)
+    assert got == sorted(truth)
+    merged.validate()

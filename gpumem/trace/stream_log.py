@@ -39,6 +39,12 @@ The pointer is the tensor's storage's (``untyped_storage().data_ptr()``), which 
 ``recordStream`` looks the block up by; an interior pointer is matched to the allocation holding it.
 Not seen: calls PyTorch makes from C++ (``ProcessGroupNCCL``'s ``recordStream`` on collective buffers),
 which never pass through ``torch.Tensor.record_stream``.
+
+The logger also logs ``torch.cuda.Stream.wait_stream`` (:class:`LoggedWait`, same sequence points): the
+order the program put between its streams. No replay reads them yet: the simulator runs each stream's work
+on its own (Note [The GPU runs behind the CPU] in :mod:`gpumem.sim.gpu_work`: cross-stream waits are left
+out), which is where a replay of a program that chains its streams (copy, towers, main) still runs its GPU
+ahead of the live one; the waits are kept so that a run logged now can feed that model later.
 """
 
 from __future__ import annotations
@@ -59,7 +65,8 @@ from ._fileio import PathLike, iter_lines, open_binary, open_for_writing
 from .limits import DEFAULT_LIMITS, TraceLimits, shorten
 from .model import OpKind, StreamUse, Trace
 
-__all__ = ["LOG_FORMAT", "LOG_VERSION", "TIME_TOLERANCE_US", "LoggedUse", "RecordStreamLog", "RecordStreamLogger",
+__all__ = ["LOG_FORMAT", "LOG_VERSION", "TIME_TOLERANCE_US", "LoggedUse", "LoggedWait", "RecordStreamLog",
+           "RecordStreamLogger",
            "MergeReport", "merge_stream_uses", "read_record_stream_log", "write_record_stream_log",
            "load_trace_with_stream_uses", "unknown_stream_uses"]
 
@@ -88,18 +95,33 @@ class LoggedUse:
     n_frees: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class LoggedWait:
+    """One ``torch.cuda.Stream.wait_stream`` call: work queued on ``stream`` from here on waits for the
+    work queued on ``waited`` until now. Fields as :class:`LoggedUse`'s."""
+
+    device: int
+    stream: int
+    waited: int
+    time_us: float
+    n_allocs: int | None = None
+    n_frees: int | None = None
+
+
 @dataclass(frozen=True)
 class RecordStreamLog:
     """A program's ``record_stream`` calls, in call order.
 
     ``base_counts``: device -> ``(allocations, frees)`` the allocator had counted when the log began (the
     counts of each use are taken relative to them); ``n_unlogged``: calls that went through but could not
-    be logged (no storage pointer or no ``cuda_stream`` on the arguments), which a merge refuses."""
+    be logged (no storage pointer or no ``cuda_stream`` on the arguments), which a merge refuses;
+    ``waits``: the ``wait_stream`` calls (kept, read by no replay yet: the module's docstring)."""
 
     uses: tuple[LoggedUse, ...] = ()
     base_counts: dict[int, tuple[int, int]] = field(default_factory=dict)
     n_unlogged: int = 0
     clock: str = "unix_us"
+    waits: tuple[LoggedWait, ...] = ()
 
     def devices(self) -> list[int]:
         """The devices the uses are on, sorted."""
@@ -115,16 +137,18 @@ class RecordStreamLogger:
     Start it right after ``torch.cuda.memory._record_memory_history``: the counts are taken relative to
     those at :meth:`start`, which must be the counts when the history began."""
 
-    def __init__(self, torch: Any, *, clock_ns: Callable[[], int] = time.time_ns, counts: bool = True) -> None:
+    def __init__(self, torch: Any, *, clock_ns: Callable[[], int] = time.time_ns, counts: bool = True,
+                 waits: bool = True) -> None:
         self._torch = torch
         self._clock_ns = clock_ns
         self._counts_on = counts
+        self._waits_on = waits
         self._uses: list[LoggedUse] = []
+        self._waits: list[LoggedWait] = []
+        self._patched: list[tuple[Any, str, bool, Any]] = []
+        """``(class, name, had its own attribute, original)`` of each wrapped method, to put back."""
         self._base: dict[int, tuple[int, int]] = {}
         self._n_unlogged = 0
-        self._original: Any = None
-        self._had_own = False
-        self._wrapper: Any = None
 
     # -- the allocator's counts ------------------------------------------------------------------------
     def _counts(self, device: int) -> tuple[int, int] | None:
@@ -146,31 +170,35 @@ class RecordStreamLogger:
         if self._counts_on:
             n = int(self._torch.cuda.device_count()) if self._torch.cuda.is_available() else 0
             self._base = {d: self._counts(d) or (0, 0) for d in range(n)}
-        self._had_own = "record_stream" in vars(tensor_cls)
-        self._original = current
-        original, note = current, self._note
-
-        def record_stream(tensor: Any, stream: Any) -> Any:
-            out = original(tensor, stream)
-            note(tensor, stream)
-            return out
-
-        record_stream.__doc__ = getattr(current, "__doc__", None)
-        record_stream._gpumem_record_stream_logger = self   # type: ignore[attr-defined]
-        self._wrapper = record_stream
-        tensor_cls.record_stream = record_stream
+        self._wrap(tensor_cls, "record_stream", self._note)
+        stream_cls = getattr(self._torch.cuda, "Stream", None)
+        if self._waits_on and stream_cls is not None and hasattr(stream_cls, "wait_stream"):
+            self._wrap(stream_cls, "wait_stream", self._note_wait)
         return self
 
+    def _wrap(self, cls: Any, name: str, note: Callable[[Any, Any], None]) -> None:
+        """``cls.name`` calls the original, then ``note(self, arg)`` (a call that raised is not noted)."""
+        original = getattr(cls, name)
+
+        def wrapper(obj: Any, arg: Any) -> Any:
+            out = original(obj, arg)
+            note(obj, arg)
+            return out
+
+        wrapper.__doc__ = getattr(original, "__doc__", None)
+        wrapper.__name__ = name
+        wrapper._gpumem_record_stream_logger = self   # type: ignore[attr-defined]
+        self._patched.append((cls, name, name in vars(cls), original))
+        setattr(cls, name, wrapper)
+
     def stop(self) -> None:
-        """Put ``torch.Tensor.record_stream`` back (nothing when not started)."""
-        if self._wrapper is None:
-            return
-        tensor_cls = self._torch.Tensor
-        if self._had_own:
-            tensor_cls.record_stream = self._original
-        else:
-            delattr(tensor_cls, "record_stream")
-        self._wrapper = None
+        """Put the wrapped methods back (nothing when not started)."""
+        while self._patched:
+            cls, name, had_own, original = self._patched.pop()
+            if had_own:
+                setattr(cls, name, original)
+            else:
+                delattr(cls, name)
 
     def __enter__(self) -> RecordStreamLogger:
         return self.start()
@@ -193,20 +221,35 @@ class RecordStreamLogger:
         counts = self._counts(device)
         self._uses.append(LoggedUse(device, ptr, handle, t_us, *(counts or (None, None))))
 
+    def _note_wait(self, stream: Any, waited: Any) -> None:
+        try:
+            handle, other = int(stream.cuda_stream), int(waited.cuda_stream)
+            device = getattr(getattr(stream, "device", None), "index", None) or 0
+        except (AttributeError, TypeError, ValueError) as exc:
+            log.info("wait_stream(%s) not logged: %s", type(waited).__name__, exc)   # waits feed no replay yet
+            return
+        t_us = self._clock_ns() / 1000.0
+        counts = self._counts(int(device))
+        self._waits.append(LoggedWait(int(device), handle, other, t_us, *(counts or (None, None))))
+
     def log(self) -> RecordStreamLog:
         """What was logged so far."""
-        return RecordStreamLog(tuple(self._uses), dict(self._base), self._n_unlogged)
+        return RecordStreamLog(tuple(self._uses), dict(self._base), self._n_unlogged, waits=tuple(self._waits))
 
 
 # -- the file ----------------------------------------------------------------------------------------------
 def write_record_stream_log(rs: RecordStreamLog, path: PathLike) -> Path:
     """Write ``rs`` (gzip when ``path`` ends in ``.gz``): a JSON header line, then one JSON array per use,
-    ``[device, ptr, stream, time_us, n_allocs, n_frees]``. Returns the path."""
+    ``[device, ptr, stream, time_us, n_allocs, n_frees]``, then one object per wait,
+    ``{"w": [device, stream, waited, time_us, n_allocs, n_frees]}``. Returns the path."""
     header = {"format": LOG_FORMAT, "version": LOG_VERSION, "clock": rs.clock, "n_uses": len(rs.uses),
-              "n_unlogged": rs.n_unlogged, "base_counts": {str(d): list(c) for d, c in sorted(rs.base_counts.items())}}
+              "n_waits": len(rs.waits), "n_unlogged": rs.n_unlogged,
+              "base_counts": {str(d): list(c) for d, c in sorted(rs.base_counts.items())}}
     with open_for_writing(path) as f:
         f.write(json.dumps(header) + "\n")
         f.writelines(json.dumps([u.device, u.ptr, u.stream, u.time_us, u.n_allocs, u.n_frees]) + "\n" for u in rs.uses)
+        f.writelines(json.dumps({"w": [w.device, w.stream, w.waited, w.time_us, w.n_allocs, w.n_frees]}) + "\n"
+                     for w in rs.waits)
     return Path(path)
 
 
@@ -222,6 +265,7 @@ def read_record_stream_log(path: PathLike, *, limits: TraceLimits | None = None)
     limits = limits or DEFAULT_LIMITS
     where = str(path)
     uses: list[LoggedUse] = []
+    waits: list[LoggedWait] = []
     header: dict[str, Any] | None = None
     with open_binary(path, limits=limits) as f:
         for lineno, text in iter_lines(f, where, limits, skip_blank=True):
@@ -232,15 +276,20 @@ def read_record_stream_log(path: PathLike, *, limits: TraceLimits | None = None)
             if header is None:
                 header = _check_header(value, where)
                 continue
-            if len(uses) >= limits.max_entries:
-                raise TraceFormatError(where, f"more than {limits.max_entries:,} uses (TraceLimits.max_entries)")
-            uses.append(_parse_use(value, where, lineno))
+            if len(uses) + len(waits) >= limits.max_entries:
+                raise TraceFormatError(where, f"more than {limits.max_entries:,} entries (TraceLimits.max_entries)")
+            if isinstance(value, dict) and list(value) == ["w"]:
+                waits.append(LoggedWait(*_parse_use(value["w"], where, lineno, "[device, stream, waited, "
+                                                    "time_us, n_allocs, n_frees]")))
+            else:
+                uses.append(LoggedUse(*_parse_use(value, where, lineno)))
     if header is None:
         raise TraceFormatError(where, "empty: no header line")
-    if len(uses) != header["n_uses"]:
-        raise TraceFormatError(where, f"header says {header['n_uses']} uses, the file has {len(uses)} (truncated?)")
+    if len(uses) != header["n_uses"] or len(waits) != header.get("n_waits", 0):
+        raise TraceFormatError(where, f"header says {header['n_uses']} uses and {header.get('n_waits', 0)} waits, "
+                                      f"the file has {len(uses)} and {len(waits)} (truncated?)")
     base = {int(d): (c[0], c[1]) for d, c in header["base_counts"].items()}
-    return RecordStreamLog(tuple(uses), base, header["n_unlogged"], header["clock"])
+    return RecordStreamLog(tuple(uses), base, header["n_unlogged"], header["clock"], tuple(waits))
 
 
 def _check_header(h: Any, where: str) -> dict[str, Any]:
@@ -250,8 +299,8 @@ def _check_header(h: Any, where: str) -> dict[str, Any]:
         raise TraceFormatError(where, f"line 1: version {shorten(h.get('version'))}, this gpumem reads {LOG_VERSION}")
     if h.get("clock") != "unix_us":
         raise TraceFormatError(where, f"line 1: clock {shorten(h.get('clock'))}, expected \"unix_us\"")
-    for key in ("n_uses", "n_unlogged"):
-        if not _is_int(h.get(key)):
+    for key, required in (("n_uses", True), ("n_unlogged", True), ("n_waits", False)):
+        if not _is_int(h.get(key, None if required else 0)):
             raise TraceFormatError(where, f"line 1: {key!r} must be an integer >= 0")
     base = h.get("base_counts", {})
     if not isinstance(base, dict) or not all(
@@ -261,17 +310,20 @@ def _check_header(h: Any, where: str) -> dict[str, Any]:
     return dict(h, base_counts=base)
 
 
-def _parse_use(v: Any, where: str, lineno: int) -> LoggedUse:
+def _parse_use(v: Any, where: str, lineno: int,
+               shape: str = "[device, ptr, stream, time_us, n_allocs, n_frees]") -> tuple[Any, ...]:
+    """The six fields of a use (or of a wait, whose second and third are its streams), checked."""
     if not isinstance(v, list) or len(v) != 6:
-        raise TraceFormatError(where, f"line {lineno}: expected [device, ptr, stream, time_us, n_allocs, n_frees]")
+        raise TraceFormatError(where, f"line {lineno}: expected {shape}")
     device, ptr, stream, t, n_allocs, n_frees = v
     if not (_is_int(device) and _is_int(ptr) and _is_int(stream)):
-        raise TraceFormatError(where, f"line {lineno}: device, ptr and stream must be integers in [0, 2**63)")
+        names = ", ".join(shape.strip("[]").split(", ")[:3])
+        raise TraceFormatError(where, f"line {lineno}: {names} must be integers in [0, 2**63)")
     if type(t) not in (int, float) or not math.isfinite(t):
         raise TraceFormatError(where, f"line {lineno}: time_us must be a finite number, not {shorten(t)}")
     if (n_allocs is None) != (n_frees is None) or not all(c is None or _is_int(c) for c in (n_allocs, n_frees)):
         raise TraceFormatError(where, f"line {lineno}: n_allocs and n_frees must both be integers >= 0, or both null")
-    return LoggedUse(device, ptr, stream, float(t), n_allocs, n_frees)
+    return device, ptr, stream, float(t), n_allocs, n_frees
 
 
 # -- the merge -------------------------------------------------------------------------------------------

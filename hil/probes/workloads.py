@@ -452,7 +452,7 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
         rs = rs_logger.log()   # type: ignore[union-attr]
         write_record_stream_log(rs, out_dir / stream_log_file_name(workload))
         record.update(stream_use_file=stream_log_file_name(workload), n_record_stream=len(rs.uses),
-                      n_record_stream_unlogged=rs.n_unlogged)
+                      n_record_stream_unlogged=rs.n_unlogged, n_wait_stream=len(rs.waits))
         with open(raw, "rb") as src, gzip.open(trace_path, "wb", compresslevel=9) as dst:
             shutil.copyfileobj(src, dst)
         raw.unlink()

@@ -18,7 +18,7 @@ from gpumem.errors import InvalidArgumentError, TraceFormatError
 from gpumem.replay import replay_trace
 from gpumem.trace import StreamUse, Trace, snapshot_to_trace
 from gpumem.trace.pytorch_export import save_pytorch_snapshot
-from gpumem.trace.stream_log import (LoggedUse, RecordStreamLog, RecordStreamLogger, load_trace_with_stream_uses,
+from gpumem.trace.stream_log import (LoggedUse, LoggedWait, RecordStreamLog, RecordStreamLogger, load_trace_with_stream_uses,
                                      merge_stream_uses, read_record_stream_log, unknown_stream_uses,
                                      write_record_stream_log)
 
@@ -61,11 +61,23 @@ class _Cuda:
         return {"allocation": {"all": {"allocated": self.allocs, "freed": self.frees, "current": 0, "peak": 0}}}
 
 
+class _Stream:
+    """Plays torch.cuda.Stream: wait_stream is a Python method of the class."""
+
+    def __init__(self, handle: int) -> None:
+        self.cuda_stream, self.device, self.waited = handle, SimpleNamespace(index=0), []
+
+    def wait_stream(self, other: Any) -> None:
+        self.waited.append(other)
+
+
 def _torch() -> Any:
     tensor = type("Tensor", (_TensorBase,), {})
     tensor.__init__ = _Tensor.__init__
     tensor.untyped_storage = _Tensor.untyped_storage
-    return SimpleNamespace(Tensor=tensor, cuda=_Cuda())
+    cuda = _Cuda()
+    cuda.Stream = type("Stream", (_Stream,), {})
+    return SimpleNamespace(Tensor=tensor, cuda=cuda)
 
 
 def test_the_logger_logs_each_call_after_passing_it_on_and_puts_the_method_back() -> None:
@@ -87,6 +99,21 @@ def test_the_logger_logs_each_call_after_passing_it_on_and_puts_the_method_back(
     assert log.uses == (LoggedUse(0, A_ADDR, SIDE, 1_000_000.0, 8, 3), LoggedUse(0, B_ADDR, MAIN, 1_000_500.0, 9, 3))
     torch.Tensor(A_ADDR).record_stream(SimpleNamespace(cuda_stream=SIDE))   # after stop: not logged
     assert len(rs.log().uses) == 2
+
+
+def test_the_logger_logs_wait_stream_too_and_puts_it_back() -> None:
+    torch = _torch()
+    main, copy = torch.cuda.Stream(MAIN), torch.cuda.Stream(SIDE)
+    original = vars(_Stream)["wait_stream"]
+    with RecordStreamLogger(torch, clock_ns=lambda: 7_000) as rs:
+        torch.cuda.allocs = 4
+        copy.wait_stream(main)
+        assert copy.waited == [main]                        # the call went through
+    assert "wait_stream" not in vars(torch.cuda.Stream) and torch.cuda.Stream.wait_stream is original
+    assert rs.log().waits == (LoggedWait(0, SIDE, MAIN, 7.0, 4, 0),)
+    with RecordStreamLogger(torch, waits=False) as rs:
+        copy.wait_stream(main)
+    assert rs.log().waits == ()
 
 
 def test_a_failing_call_is_not_logged_and_an_unloggable_one_is_counted() -> None:
@@ -189,7 +216,8 @@ def test_a_trace_with_uses_or_a_log_of_several_devices_is_refused() -> None:
 # -- the file ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["run.record_stream.jsonl", "run.record_stream.jsonl.gz"])
 def test_the_log_file_round_trips(tmp_path: Path, name: str) -> None:
-    log = RecordStreamLog((USE_A, LoggedUse(0, A_ADDR, SIDE, 135.5)), {0: (3, 1)}, 0)
+    log = RecordStreamLog((USE_A, LoggedUse(0, A_ADDR, SIDE, 135.5)), {0: (3, 1)}, 0,
+                          waits=(LoggedWait(0, SIDE, MAIN, 114.0, 2, 0),))
     assert read_record_stream_log(write_record_stream_log(log, tmp_path / name)) == log
 
 
@@ -197,9 +225,9 @@ def test_the_log_file_round_trips(tmp_path: Path, name: str) -> None:
     (['{"format": "other"}'], "not a record_stream log"),
     (['{"format": "gpumem-record-stream-log", "version": 9, "clock": "unix_us"}'], "version 9"),
     (['{"format": "gpumem-record-stream-log", "version": 1, "clock": "unix_us", "n_uses": 2, "n_unlogged": 0}',
-      '[0, 1, 2, 3.0, null, null]'], "header says 2 uses, the file has 1"),
+      '[0, 1, 2, 3.0, null, null]'], "header says 2 uses and 0 waits, the file has 1 and 0"),
     (['{"format": "gpumem-record-stream-log", "version": 1, "clock": "unix_us", "n_uses": 1, "n_unlogged": 0}',
-      '[0, -1, 2, 3.0, null, null]'], "line 2: device, ptr and stream"),
+      '[0, -1, 2, 3.0, null, null]'], "line 2: device, ptr, stream must be integers"),
     (['{"format": "gpumem-record-stream-log", "version": 1, "clock": "unix_us", "n_uses": 1, "n_unlogged": 0}',
       '[0, 1, 2, 3.0, 4, null]'], "line 2: n_allocs and n_frees"),
     (['{"format": "gpumem-record-stream-log", "version": 1, "clock": "unix_us", "n_uses": 1, "n_unlogged": 0}',
@@ -207,6 +235,8 @@ def test_the_log_file_round_trips(tmp_path: Path, name: str) -> None:
     (['{"format": "gpumem-record-stream-log", "version": 1, "clock": "unix_us", "n_uses": 0, "n_unlogged": 0}',
       '[[[[['], "line 2: not JSON"),
     ([], "empty"),
+    (['{"format": "gpumem-record-stream-log", "version": 1, "clock": "unix_us", "n_uses": 0, "n_waits": 1, '
+      '"n_unlogged": 0}', '{"w": [0, 1, 3.0, null, null]}'], "line 2: expected .device, stream, waited"),
 ])
 def test_a_bad_log_file_is_refused_naming_the_line(tmp_path: Path, lines: list[str], message: str) -> None:
     path = tmp_path / "bad.jsonl"

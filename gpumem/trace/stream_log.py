@@ -130,7 +130,8 @@ class RecordStreamLog:
 
 class RecordStreamLogger:
     """Logs every ``torch.Tensor.record_stream`` call between :meth:`start` and :meth:`stop` (or in a
-    ``with`` block); the call itself goes to PyTorch unchanged, first.
+    ``with`` block), and with ``waits`` every ``torch.cuda.Stream.wait_stream``; the call itself goes to
+    PyTorch unchanged, first.
 
     ``torch`` is the module (passed in, so that tests give a stand-in); ``clock_ns`` the clock (Unix
     nanoseconds: the snapshot's); ``counts`` False skips the allocator's counts (placing by time only).
@@ -162,7 +163,8 @@ class RecordStreamLogger:
             return None   # CUDA not initialised yet: nothing allocated, the base is 0 (see start)
 
     def start(self) -> RecordStreamLogger:
-        """Wrap ``torch.Tensor.record_stream``. Raises InvalidArgumentError when a logger already wraps it."""
+        """Wrap ``torch.Tensor.record_stream`` (and ``torch.cuda.Stream.wait_stream``). Raises
+        InvalidArgumentError when a logger already wraps them."""
         tensor_cls = self._torch.Tensor
         current = getattr(tensor_cls, "record_stream")
         if getattr(current, "_gpumem_record_stream_logger", None) is not None:

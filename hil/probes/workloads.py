@@ -3,7 +3,9 @@
 Each workload (random weights, synthetic data, fixed seeds, no download) runs in its own process under
 
 * ``default`` - PyTorch's CUDA caching allocator, recording its allocation history
-  (``torch.cuda.memory._record_memory_history``, no stack frames) into a PyTorch snapshot;
+  (``torch.cuda.memory._record_memory_history``, no stack frames) into a PyTorch snapshot, and every
+  ``Tensor.record_stream`` (which a snapshot does not record) into a log beside it
+  (:class:`gpumem.trace.stream_log.RecordStreamLogger`), which ``predict`` merges into the snapshot's trace;
 * ``gpumem``  - gpumem's native engine (:func:`gpumem.torch.install`), recording every allocation and
   free PyTorch asks it for (:func:`gpumem.torch.start_trace`) into a gpumem ``.gmt`` trace; with
   ``--gpumem-policy`` the engine takes that policy's growth knobs (:func:`gpumem.torch.configure`).

@@ -320,11 +320,15 @@ def _rope(e: _Emitter, nbytes: int) -> int:
     return out
 
 
-def _rotary(e: _Emitter, n: int, d: int) -> tuple[int, int]:
+def _rotary(e: _Emitter, n: int, d: int, first_product: Callable[[], None] | None = None) -> tuple[int, int]:
     """The rotary embedding's cos and sin (``n`` = tokens x head_dim values each), computed in fp32 as
     transformers writes it: ``freqs`` (half width), ``emb = cat(freqs, freqs)``, ``emb.cos() * scaling`` and
-    ``emb.sin() * scaling``, then cast to the activation dtype; the fp32 temporaries go only after the casts."""
+    ``emb.sin() * scaling``, then cast to the activation dtype; the fp32 temporaries go only after the casts.
+    ``freqs`` is the forward's first matrix product: ``first_product`` (when given) makes what cuBLAS allocates
+    there (Note [Forward cuBLAS workspace])."""
     freqs = e.alloc(n // 2 * 4)
+    if first_product is not None:
+        first_product()
     emb = e.alloc(n * 4)
     c = e.alloc(n * 4)
     cs = e.alloc(n * 4)
@@ -582,16 +586,18 @@ def _batched_experts(e: _Emitter, s: ModelShape, tokens: int, d: int, w_bytes: i
     return out
 
 def _forward(e: _Emitter, s: ModelShape, batch: int, q_len: int, d: int, cache: list[int], cache_tokens_after: int,
-             slack: int) -> None:
-    """One model forward of ``batch * q_len`` tokens that keeps only the last position's logits."""
+             slack: int, first_product: Callable[[], None] | None = None) -> None:
+    """One model forward of ``batch * q_len`` tokens that keeps only the last position's logits, in the order of
+    transformers 5.17's model forward: the embeddings, the mask, the rotary embedding (whose first matrix product
+    calls ``first_product``: Note [Forward cuBLAS workspace]), the blocks."""
     tokens = batch * q_len
     pos = e.alloc(tokens * 8)  # position_ids = attention_mask.cumsum(-1) - 1 (int64), and the cumsum
     cum = e.alloc(tokens * 8)
     emb = e.alloc(tokens * s.hidden_size * d)
-    cos, sin = _rotary(e, tokens * s.head_dim, d)
-    ws = e.alloc(slack, Category.OVERHEAD) if slack else -1
     kv_tokens, masked = window_tokens(s, cache_tokens_after, q_len)
     mask = _bool_mask(e, batch, q_len, kv_tokens) if masked else -1  # Note [Sliding window]
+    cos, sin = _rotary(e, tokens * s.head_dim, d, first_product)
+    ws = e.alloc(slack, Category.OVERHEAD) if slack else -1
     x = emb
     for layer in range(s.n_layers):
         y = _forward_block(e, s, tokens, d, cache, layer, cache_tokens_after, batch, q_len)
@@ -748,9 +754,10 @@ def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size
     e.phase = "prefill"
     ids = e.alloc(batch_size * prompt_len * 8)  # the int64 input ids; each new token grows them by torch.cat
     mask = e.alloc(batch_size * prompt_len * 8)  # the int64 attention mask generate() is given
-    e.persistent[e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)] = "cublas forward"
+    def first_product() -> None:  # Note [Forward cuBLAS workspace]
+        e.persistent[e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)] = "cublas forward"
     cache = [-1] * (2 * shape.n_layers)
-    _forward(e, shape, batch_size, prompt_len, d_act, cache, prompt_len, 0)
+    _forward(e, shape, batch_size, prompt_len, d_act, cache, prompt_len, 0, first_product)
     if on_step is not None:
         on_step(0)
     steps = list(steps)

@@ -62,6 +62,18 @@ Note [Backward cuBLAS workspace]
     (as before), it took a segment of its own and left every logit-sized segment whole: LoRA b4 x 512 reserved
     5.3 % below the measurement (its step 2 opens one more 250 MiB segment), the fp32-master b2 row 3.7 % above.
 
+Note [Forward cuBLAS workspace]
+    The forward's cuBLAS workspace is taken at the forward's first matrix product, which in transformers 5.17
+    is the rotary embedding's ``inv_freq @ position_ids`` (``freqs``): after the embeddings' output and the
+    attention mask, before the rest of cos and sin. Every H200 snapshot of a fresh process shows it there
+    (Qwen2-MoE generate b16 x 2048: embeddings 64 MiB, mask 64 MiB, ``freqs`` 4 MiB, workspace 32 MiB; the
+    Qwen2 0.16B LoRA and tied rows of run 4 likewise), and the model's forward builds the mask before the
+    rotary embedding. The trace made the workspace before the forward and the mask after cos and sin, so its
+    first segments came in another order than PyTorch's, and under the ``pytorch`` policy (ties to the newest
+    segment) Qwen2-MoE generate b8 x 1024 reserved 34 MiB (1.09 %) less than measured; in transformers' order
+    it is +0.06 %, and no other row of the records moves (``reports/hil/estimate-accuracy-h200-2026-11-28-run4.md``).
+    Training makes it at the first step's rotary embedding likewise (no row moves).
+
 Note [Training backward]
     Replayed under the ``pytorch`` policy from the weights' segments as PyTorch left them, the *recorded* ops of
     the H200 snapshot of Qwen2 0.16B training b2 x 512 (run 3) reserve exactly what PyTorch reserved (2,025,848,832
@@ -1220,7 +1232,6 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         """QLoRA: one projection's weights dequantized to 16 bits for a matrix product, then dropped."""
         e.free(e.alloc(out_f * in_f * 2))
     _small_buffers(e, MISC_NBYTES)
-    e.persistent[e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)] = "cublas forward"
     _small_buffers(e, BACKWARD_MISC_NBYTES)
     states: list[int] = []
     backward_workspace = [-1]  # Note [Backward cuBLAS workspace]: made at the backward's first matrix product
@@ -1233,8 +1244,10 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         e.phase = f"forward {step + 1}"
         ids = e.alloc(t * 8)
         emb = e.alloc(t * h * r)
-        cos, sin = e.alloc(t * s.head_dim * r), e.alloc(t * s.head_dim * r)
         mask = _bool_mask(e, batch_size, seq_len, seq_len) if masked else -1  # Note [Sliding window]
+        if step == 0:  # Note [Forward cuBLAS workspace]: at the rotary embedding's matrix product
+            e.persistent[e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)] = "cublas forward"
+        cos, sin = e.alloc(t * s.head_dim * r), e.alloc(t * s.head_dim * r)
         saved: list[list[int]] = []
         inputs: list[int] = []  # gradient checkpointing: each block's input, kept for the recompute
         cached: list[int] = []  # Note [Mixed precision]: autocast's weight copies of a no-grad forward

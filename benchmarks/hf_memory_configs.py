@@ -89,7 +89,8 @@ PLANS: dict[str, tuple[str, dict[str, Any], list[tuple[int, int, int]], list[tup
 RECHECK: dict[str, tuple[list[tuple[int, int, int]], list[tuple[int, int, bool]]]] = {
     "qwen2-small": ([(16, 1024, 32)], [(2, 512, False), (8, 1024, True)]),
     "mixtral-small": ([(1, 512, 16)], []),
-    "qwen2-moe-small": ([(16, 2048, 16)], []),
+    # b8 x 1024: its snapshot is missing (-1.09 % until Note [Forward cuBLAS workspace] in gpumem/estimate/workload.py)
+    "qwen2-moe-small": ([(8, 1024, 32), (16, 2048, 16)], []),
     "qwen2-7b": ([(1, 512, 16)], []),
     "llama-0.1b": ([(1, 128, 16)], [(1, 512, False)]),  # generate b1 x 128: out of bounds after round 3
     "llama-3b-gqa": ([], [(1, 2048, False)]),

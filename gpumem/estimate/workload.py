@@ -65,10 +65,11 @@ Note [Backward cuBLAS workspace]
 Note [Forward cuBLAS workspace]
     The forward's cuBLAS workspace is taken at the forward's first matrix product, which in transformers 5.17
     is the rotary embedding's ``inv_freq @ position_ids`` (``freqs``): after the embeddings' output and the
-    attention mask, before the rest of cos and sin. Every H200 snapshot of a fresh process shows it there
-    (Qwen2-MoE generate b16 x 2048: embeddings 64 MiB, mask 64 MiB, ``freqs`` 4 MiB, workspace 32 MiB; the
-    Qwen2 0.16B LoRA and tied rows of run 4 likewise), and the model's forward builds the mask before the
-    rotary embedding. The trace made the workspace before the forward and the mask after cos and sin, so its
+    attention mask, before the rest of cos and sin. The nine H200 snapshots of runs 3 and 4 whose row came
+    first in its process all show it there (Qwen2-MoE generate b16 x 2048: embeddings 64 MiB, mask 64 MiB,
+    ``freqs`` 4 MiB, workspace 32 MiB; Llama, Mixtral, and the Qwen2 0.16B generate, LoRA and tied rows
+    likewise; the other three ran after a row that had made it), and the model's forward builds the mask
+    before the rotary embedding. The trace made the workspace before the forward and the mask after cos and sin, so its
     first segments came in another order than PyTorch's, and under the ``pytorch`` policy (ties to the newest
     segment) Qwen2-MoE generate b8 x 1024 reserved 34 MiB (1.09 %) less than measured; in transformers' order
     it is +0.06 %, and no other row of the records moves (``reports/hil/estimate-accuracy-h200-2026-11-28-run4.md``).

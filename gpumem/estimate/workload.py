@@ -62,6 +62,19 @@ Note [Backward cuBLAS workspace]
     (as before), it took a segment of its own and left every logit-sized segment whole: LoRA b4 x 512 reserved
     5.3 % below the measurement (its step 2 opens one more 250 MiB segment), the fp32-master b2 row 3.7 % above.
 
+Note [Forward cuBLAS workspace]
+    The forward's cuBLAS workspace is taken at the forward's first matrix product, which in transformers 5.17
+    is the rotary embedding's ``inv_freq @ position_ids`` (``freqs``): after the embeddings' output and the
+    attention mask, before the rest of cos and sin. The nine H200 snapshots of runs 3 and 4 whose row came
+    first in its process all show it there (Qwen2-MoE generate b16 x 2048: embeddings 64 MiB, mask 64 MiB,
+    ``freqs`` 4 MiB, workspace 32 MiB; Llama, Mixtral, and the Qwen2 0.16B generate, LoRA and tied rows
+    likewise; the other three ran after a row that had made it), and the model's forward builds the mask
+    before the rotary embedding. The trace made the workspace before the forward and the mask after cos and sin, so its
+    first segments came in another order than PyTorch's, and under the ``pytorch`` policy (ties to the newest
+    segment) Qwen2-MoE generate b8 x 1024 reserved 34 MiB (1.09 %) less than measured; in transformers' order
+    it is +0.06 %, and no other row of the records moves (``reports/hil/estimate-accuracy-h200-2026-11-28-run4.md``).
+    Training makes it at the first step's rotary embedding likewise (no row moves).
+
 Note [Training backward]
     Replayed under the ``pytorch`` policy from the weights' segments as PyTorch left them, the *recorded* ops of
     the H200 snapshot of Qwen2 0.16B training b2 x 512 (run 3) reserve exactly what PyTorch reserved (2,025,848,832
@@ -320,11 +333,15 @@ def _rope(e: _Emitter, nbytes: int) -> int:
     return out
 
 
-def _rotary(e: _Emitter, n: int, d: int) -> tuple[int, int]:
+def _rotary(e: _Emitter, n: int, d: int, first_product: Callable[[], None] | None = None) -> tuple[int, int]:
     """The rotary embedding's cos and sin (``n`` = tokens x head_dim values each), computed in fp32 as
     transformers writes it: ``freqs`` (half width), ``emb = cat(freqs, freqs)``, ``emb.cos() * scaling`` and
-    ``emb.sin() * scaling``, then cast to the activation dtype; the fp32 temporaries go only after the casts."""
+    ``emb.sin() * scaling``, then cast to the activation dtype; the fp32 temporaries go only after the casts.
+    ``freqs`` is the forward's first matrix product: ``first_product`` (when given) makes what cuBLAS allocates
+    there (Note [Forward cuBLAS workspace])."""
     freqs = e.alloc(n // 2 * 4)
+    if first_product is not None:
+        first_product()
     emb = e.alloc(n * 4)
     c = e.alloc(n * 4)
     cs = e.alloc(n * 4)
@@ -582,16 +599,18 @@ def _batched_experts(e: _Emitter, s: ModelShape, tokens: int, d: int, w_bytes: i
     return out
 
 def _forward(e: _Emitter, s: ModelShape, batch: int, q_len: int, d: int, cache: list[int], cache_tokens_after: int,
-             slack: int) -> None:
-    """One model forward of ``batch * q_len`` tokens that keeps only the last position's logits."""
+             slack: int, first_product: Callable[[], None] | None = None) -> None:
+    """One model forward of ``batch * q_len`` tokens that keeps only the last position's logits, in the order of
+    transformers 5.17's model forward: the embeddings, the mask, the rotary embedding (whose first matrix product
+    calls ``first_product``: Note [Forward cuBLAS workspace]), the blocks."""
     tokens = batch * q_len
     pos = e.alloc(tokens * 8)  # position_ids = attention_mask.cumsum(-1) - 1 (int64), and the cumsum
     cum = e.alloc(tokens * 8)
     emb = e.alloc(tokens * s.hidden_size * d)
-    cos, sin = _rotary(e, tokens * s.head_dim, d)
-    ws = e.alloc(slack, Category.OVERHEAD) if slack else -1
     kv_tokens, masked = window_tokens(s, cache_tokens_after, q_len)
     mask = _bool_mask(e, batch, q_len, kv_tokens) if masked else -1  # Note [Sliding window]
+    cos, sin = _rotary(e, tokens * s.head_dim, d, first_product)
+    ws = e.alloc(slack, Category.OVERHEAD) if slack else -1
     x = emb
     for layer in range(s.n_layers):
         y = _forward_block(e, s, tokens, d, cache, layer, cache_tokens_after, batch, q_len)
@@ -748,9 +767,10 @@ def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size
     e.phase = "prefill"
     ids = e.alloc(batch_size * prompt_len * 8)  # the int64 input ids; each new token grows them by torch.cat
     mask = e.alloc(batch_size * prompt_len * 8)  # the int64 attention mask generate() is given
-    e.persistent[e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)] = "cublas forward"
+    def first_product() -> None:  # Note [Forward cuBLAS workspace]
+        e.persistent[e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)] = "cublas forward"
     cache = [-1] * (2 * shape.n_layers)
-    _forward(e, shape, batch_size, prompt_len, d_act, cache, prompt_len, 0)
+    _forward(e, shape, batch_size, prompt_len, d_act, cache, prompt_len, 0, first_product)
     if on_step is not None:
         on_step(0)
     steps = list(steps)
@@ -1213,7 +1233,6 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         """QLoRA: one projection's weights dequantized to 16 bits for a matrix product, then dropped."""
         e.free(e.alloc(out_f * in_f * 2))
     _small_buffers(e, MISC_NBYTES)
-    e.persistent[e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)] = "cublas forward"
     _small_buffers(e, BACKWARD_MISC_NBYTES)
     states: list[int] = []
     backward_workspace = [-1]  # Note [Backward cuBLAS workspace]: made at the backward's first matrix product
@@ -1226,8 +1245,10 @@ def training_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, 
         e.phase = f"forward {step + 1}"
         ids = e.alloc(t * 8)
         emb = e.alloc(t * h * r)
-        cos, sin = e.alloc(t * s.head_dim * r), e.alloc(t * s.head_dim * r)
         mask = _bool_mask(e, batch_size, seq_len, seq_len) if masked else -1  # Note [Sliding window]
+        if step == 0:  # Note [Forward cuBLAS workspace]: at the rotary embedding's matrix product
+            e.persistent[e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)] = "cublas forward"
+        cos, sin = e.alloc(t * s.head_dim * r), e.alloc(t * s.head_dim * r)
         saved: list[list[int]] = []
         inputs: list[int] = []  # gradient checkpointing: each block's input, kept for the recompute
         cached: list[int] = []  # Note [Mixed precision]: autocast's weight copies of a no-grad forward

@@ -38,6 +38,7 @@ DEFAULT_RECORDS = (
     "reports/hil/estimate-accuracy-h200-2026-11-25-run2.json",
     "reports/hil/estimate-accuracy-h200-2026-11-25-run3.json",
     "reports/hil/estimate-accuracy-h200-2026-11-28-run4.json",
+    "reports/hil/estimate-accuracy-h200-2026-11-28-run5.json",
 )
 
 #: Note [Tuning and check parts]: the rows are split once, by model, before any fix of issue 22's accuracy

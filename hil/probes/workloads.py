@@ -680,14 +680,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     live = sub.add_parser("live", help="run the workloads on the GPU under both allocators")
-    live.add_argument("--workloads", default=",".join(WORKLOADS))
-    live.add_argument("--allocators", default=",".join(ALLOCATORS))
-    live.add_argument("--steps", type=int, default=12)
-    live.add_argument("--warmup", type=int, default=4)
+    live.add_argument("--workloads", default=",".join(WORKLOADS),
+                      help="comma-separated workloads to run (default: all of %(default)s)")
+    live.add_argument("--allocators", default=",".join(ALLOCATORS),
+                      help="comma-separated allocators, each in its own process: 'default' (PyTorch's caching "
+                           "allocator, recording its snapshot) and 'gpumem' (gpumem.torch, recording gpumem's "
+                           "trace) (default: %(default)s)")
+    live.add_argument("--steps", type=int, default=12, help="steps per run, warm-up included (default: %(default)s)")
+    live.add_argument("--warmup", type=int, default=4,
+                      help="first steps left out of the step time (default: %(default)s)")
     live.add_argument("--gpumem-policy", default=None, help="the gpumem engine's policy (default: the engine's)")
-    live.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
+    live.add_argument("--timeout", type=float, default=120.0, help="seconds per run (default: %(default)s)")
     live.add_argument("--tag", default="", help="the record's name is workloads-TAG.json (default workloads.json)")
-    live.add_argument("--out", type=Path, required=True)
+    live.add_argument("--out", type=Path, required=True,
+                      help="folder for the record, the traces and the record_stream logs")
     child = sub.add_parser("child")
     child.add_argument("workload")
     child.add_argument("allocator")

@@ -1,0 +1,963 @@
+"""Plan a training or inference step offline: how much memory a step-plan allocator would hold (issue 18).
+
+Training and inference loops repeat the same allocation sequence every step. An allocator that has seen
+one step can plan the next offline: give every allocation of the step an offset in one arena (dynamic
+storage allocation with known lifetimes), map the arena's pages once, and serve each later step with no
+driver call. This study asks how close to the step's live bytes such a plan comes on every trace of
+``data/traces``, and what a prototype allocator that serves the trace with the plan (falling back to
+gpumem's caching allocator on a mismatch) holds over the whole trace, warm-up included.
+
+Per trace (tuning and check parts apart, as ``gpumem.trace.corpus`` splits them) it:
+
+1. finds the step: the period of the allocation sequence (by size and stream, ``exact``), or, for traces
+   whose shapes change every step, of its structure (stream and lifetime in allocations, ``shape``: a
+   plan per slot sized for the largest step, serving a step while its sizes fit);
+2. takes the allocations of one steady step as the plan's items (an allocation freed in the next step
+   before its slot comes round again wraps around the step boundary); everything else alive in the step
+   (weights, optimizer state, anything living longer than a step) is *fixed*;
+3. plans the step with two planners (``first-fit``: allocation order, lowest free offset; ``greedy-size``:
+   largest first, best-fitting gap, as TFLite's and XLA's planners do) and reports the plan's height over
+   the step's planned live bytes, and ``(pages(height) + pages(fixed)) / peak live - 1`` with 2 MiB pages;
+4. serves the whole trace with :class:`PlanResource` (arena slots in order, gpumem's default caching
+   allocator on ``sim:h200-141gb`` for the rest) and reports peak reserved over peak live and driver
+   calls per steady step, beside the default policy's replay of the same trace (``gpumem.replay``, GPU
+   timing ``idle`` and the default ``trace``).
+
+    python -m sim.step_plan [--traces NAME ...] [--json build/step-plan.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import dataclasses
+import enum
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpumem.allocator import CachingAllocator
+from gpumem.allocator.policy import DEFAULT_POLICY, POLICIES
+from gpumem.device import Device
+from gpumem.errors import InvalidArgumentError, InvalidPointerError
+from gpumem.replay import replay_trace
+from gpumem.specs import open_device
+from gpumem.trace import Trace, load_trace
+from gpumem.trace.corpus import CorpusPart, corpus_traces
+from gpumem.trace.model import OpKind
+from gpumem.units import MiB
+
+log = logging.getLogger(__name__)
+
+DEVICE_SPEC = "sim:h200-141gb"
+PAGE_NBYTES = 2 * MiB
+"""The page the engine maps (the H200's VMM granularity)."""
+ROUND_NBYTES = 512
+"""Plan offsets and sizes are multiples of the engine's request rounding."""
+PAGE_CHUNK_POLICY = dataclasses.replace(POLICIES[DEFAULT_POLICY], name="page-chunks", chunk_max_nbytes=PAGE_NBYTES)
+"""The default policy with every physical chunk one page: what a chunk locks when a long-lived block sits in
+it is one page, so the warm-up's cache goes back page by page when the plan takes over."""
+KGRAM = 24
+"""Allocations in a window that anchors period candidates and resyncs the served plan."""
+
+
+def round_up(n: int, to: int) -> int:
+    """``n`` rounded up to a multiple of ``to``."""
+    return -(-n // to) * to
+
+
+# -- lifetimes and signatures ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Lifetimes:
+    """Per allocation (in allocation order): requested size, stream, the op index of its alloc and of its
+    free (``n_ops`` when never freed)."""
+
+    nbytes: np.ndarray
+    streams: np.ndarray
+    alloc_op: np.ndarray
+    free_op: np.ndarray
+    n_ops: int
+
+    @classmethod
+    def of(cls, trace: Trace) -> "Lifetimes":
+        is_alloc = trace.kinds == OpKind.ALLOC
+        alloc_op = np.flatnonzero(is_alloc).astype(np.int64)
+        free_op = np.full(len(alloc_op), trace.n_ops, dtype=np.int64)
+        frees = np.flatnonzero(~is_alloc)
+        free_op[trace.alloc_ids[frees]] = frees
+        return cls(trace.nbytes[is_alloc].astype(np.int64), trace.streams[is_alloc].astype(np.int64),
+                   alloc_op, free_op, trace.n_ops)
+
+    @property
+    def n_allocs(self) -> int:
+        return len(self.nbytes)
+
+    def free_rank(self) -> np.ndarray:
+        """Per allocation: how many allocations were made before its free (``n_allocs`` when never freed)."""
+        return np.searchsorted(self.alloc_op, self.free_op).astype(np.int64)
+
+
+class Signature(str, enum.Enum):
+    """What two allocations must share to be the same slot of a step."""
+
+    EXACT = "exact"
+    """Same size and stream: the step repeats exactly."""
+    SHAPE = "shape"
+    """Same stream and lifetime in allocations (how many allocations later it is freed): the step's
+    structure repeats while its sizes change (variable sequence length). Known only once the allocation is
+    freed: serving such a plan needs step boundaries marked by the program."""
+
+
+def signatures(life: Lifetimes, kind: Signature) -> np.ndarray:
+    """One int64 per allocation; equal values mean the same slot (:class:`Signature`)."""
+    if kind is Signature.EXACT:
+        keys = np.stack([life.nbytes, life.streams], axis=1)
+    else:
+        span = life.free_rank() - np.arange(life.n_allocs)
+        span[life.free_op >= life.n_ops] = -1
+        keys = np.stack([span, life.streams], axis=1)
+    if len(keys) == 0:
+        return np.zeros(0, dtype=np.int64)
+    _, inv = np.unique(keys, axis=0, return_inverse=True)
+    return inv.reshape(-1).astype(np.int64) + 1
+
+
+# -- the period ------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Period:
+    """``sig[i] == sig[i + period]`` for every allocation rank ``i`` in ``[run_start, run_start + run_len)``:
+    the allocations of ranks ``[run_start, run_start + run_len + period)`` repeat with that period."""
+
+    period: int
+    run_start: int
+    run_len: int
+
+    @property
+    def repeats(self) -> float:
+        """How many periods the repeating stretch spans."""
+        return (self.run_len + self.period) / self.period
+
+
+def _kgram_hashes(sig: np.ndarray, k: int) -> np.ndarray:
+    n = len(sig) - k + 1
+    h = np.zeros(n, dtype=np.uint64)
+    mult = np.uint64(0x9E3779B97F4A7C15)
+    with np.errstate(over="ignore"):
+        for j in range(k):
+            h = h * mult + sig[j:j + n].astype(np.uint64)
+    return h
+
+
+def _longest_run(eq: np.ndarray) -> tuple[int, int]:
+    """``(start, length)`` of the longest stretch of True in ``eq`` ((0, 0) when none)."""
+    if not eq.any():
+        return 0, 0
+    padded = np.concatenate(([False], eq, [False])).astype(np.int8)
+    d = np.diff(padded)
+    starts, ends = np.flatnonzero(d == 1), np.flatnonzero(d == -1)
+    i = int(np.argmax(ends - starts))
+    return int(starts[i]), int(ends[i] - starts[i])
+
+
+def find_period(sig: np.ndarray, k: int = KGRAM, max_candidates: int = 400) -> Period | None:
+    """The period of the longest exactly repeating stretch of ``sig`` (None: nothing repeats twice).
+
+    Candidates are the distances between repeats of a few ``k``-allocation windows taken in the trace's
+    second half; each is scored by the longest stretch over which ``sig`` equals itself shifted by it. The
+    longest stretch wins, the shortest period among equals (a multiple of the step repeats over one step
+    less; a layer's period repeats only within a step).
+
+    Raises:
+        InvalidArgumentError: ``sig`` is not one-dimensional or ``k`` is under 1.
+    """
+    sig = np.asarray(sig)
+    if sig.ndim != 1:
+        raise InvalidArgumentError(f"find_period: sig must be one-dimensional, got shape {sig.shape}")
+    if k < 1:
+        raise InvalidArgumentError(f"find_period: k must be at least 1, got {k}")
+    n = len(sig)
+    if n < 2 * k:
+        return None
+    h = _kgram_hashes(sig, k)
+    cands: set[int] = set()
+    for frac in (0.5, 0.6, 0.7, 0.8, 0.9):
+        a = min(int(n * frac), len(h) - 1)
+        pos = np.flatnonzero(h == h[a])
+        d = np.abs(pos - a)
+        cands.update(int(x) for x in d[(d > 0) & (d <= n // 2)])
+    best: Period | None = None
+    for p in sorted(cands)[:max_candidates]:
+        start, length = _longest_run(sig[p:] == sig[:-p])
+        if length < p:  # not two whole periods
+            continue
+        if best is None or length > best.run_len:
+            best = Period(p, start, length)
+    return best
+
+
+# -- steps and the plan's items ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """The steady steps: step ``m`` holds the allocations of ranks ``[starts[m], starts[m] + period)``
+    (all of one repeating stretch)."""
+
+    period: int
+    starts: np.ndarray
+    phase: int
+    """``starts[0] - run_start``: where in the period the boundary falls (least live bytes there)."""
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.starts)
+
+
+def split_steps(life: Lifetimes, per: Period, live_nbytes: np.ndarray) -> Steps:
+    """The whole steps inside ``per``'s stretch, their boundary put where the fewest bytes are live (before
+    the step's first allocation), so the fewest allocations cross it."""
+    p = per.period
+    end = per.run_start + per.run_len + p  # one past the last rank of the stretch
+    first = np.arange(per.run_start, per.run_start + p)
+    before = life.alloc_op[first] - 1
+    live = np.where(before >= 0, live_nbytes[np.maximum(before, 0)], 0)
+    # the second period where the stretch holds two, so the step before the boundary is a steady one too
+    phase = int(np.argmin(live))
+    starts = np.arange(per.run_start + phase, end - p + 1, p, dtype=np.int64)
+    return Steps(p, starts, phase)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanItems:
+    """The allocations a plan places: sizes (rounded) and up to two time segments each, ``[s1, e1)`` and
+    ``[s2, e2)`` in op positions relative to the step's start (``s2 == e2 == 0``: one segment). A second
+    segment is an allocation that lives on into the next step: from its alloc to the step's end and from
+    the next step's start to its free there."""
+
+    nbytes: np.ndarray
+    s1: np.ndarray
+    e1: np.ndarray
+    s2: np.ndarray
+    e2: np.ndarray
+
+    def __post_init__(self) -> None:
+        arrs = [np.asarray(a, dtype=np.int64) for a in (self.nbytes, self.s1, self.e1, self.s2, self.e2)]
+        if any(a.ndim != 1 for a in arrs) or len({len(a) for a in arrs}) != 1:
+            raise InvalidArgumentError("PlanItems: nbytes, s1, e1, s2, e2 must be one-dimensional and of one length")
+        nb, s1, e1, s2, e2 = arrs
+        if (nb <= 0).any():
+            raise InvalidArgumentError(f"PlanItems: sizes must be positive, got {int(nb.min())}")
+        if (e1 <= s1).any() or (e2 < s2).any() or (s1 < 0).any() or (s2 < 0).any():
+            raise InvalidArgumentError("PlanItems: every item needs a first segment s1 < e1, a second s2 <= e2, starts >= 0")
+        for name, a in zip(("nbytes", "s1", "e1", "s2", "e2"), arrs):
+            object.__setattr__(self, name, a)
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    def overlapping(self, i: int, among: np.ndarray | None = None) -> np.ndarray:
+        """Indices (of ``among``, default all) of the items alive at some time item ``i`` is."""
+        idx = np.arange(len(self)) if among is None else among
+        s1, e1, s2, e2 = self.s1[idx], self.e1[idx], self.s2[idx], self.e2[idx]
+        a1, b1, a2, b2 = self.s1[i], self.e1[i], self.s2[i], self.e2[i]
+        hit = (s1 < b1) & (a1 < e1)
+        if b2 > a2:
+            hit |= (s1 < b2) & (a2 < e1)
+        has2 = e2 > s2
+        hit |= has2 & (s2 < b1) & (a1 < e2)
+        if b2 > a2:
+            hit |= has2 & (s2 < b2) & (a2 < e2)
+        return idx[hit]
+
+    def max_live_nbytes(self) -> int:
+        """The most bytes of these items alive at one time: no plan is lower."""
+        if len(self) == 0:
+            return 0
+        times = np.concatenate([self.s1, self.e1, self.s2, self.e2])
+        deltas = np.concatenate([self.nbytes, -self.nbytes, self.nbytes, -self.nbytes])
+        keep = np.concatenate([np.ones(2 * len(self), bool), np.repeat(self.e2 > self.s2, 1),
+                               np.repeat(self.e2 > self.s2, 1)])
+        times, deltas = times[keep], deltas[keep]
+        order = np.lexsort((deltas, times))  # frees (negative) before allocs at one time
+        return int(np.cumsum(deltas[order]).max())
+
+
+@dataclasses.dataclass(frozen=True)
+class Template:
+    """One steady step cut out for planning."""
+
+    step: int
+    """Index into :attr:`Steps.starts`."""
+    ranks: np.ndarray
+    """Allocation ranks of the planned items (a subset of the step's ``period`` allocations)."""
+    slots: np.ndarray
+    """Each planned item's position in the step (0 .. period-1)."""
+    items: PlanItems
+    step_ops: int
+    """Ops from the step's first allocation to the next step's first."""
+    peak_live_nbytes: int
+    """The most bytes live (requested, everything) at any op of the step."""
+    fixed_nbytes: int
+    """The most bytes live in the step that are not planned items (weights, state, long-lived ones)."""
+    planned_nbytes_max: int
+    """The most bytes of planned items (rounded) live at one time."""
+
+
+def cut_template(life: Lifetimes, steps: Steps, live_nbytes: np.ndarray, step: int,
+                 slot_nbytes: np.ndarray | None = None) -> Template:
+    """Step ``step``'s items: every allocation of the step freed before its slot comes round again in the
+    next step (else fixed). ``slot_nbytes`` (per slot, default the step's own sizes) sizes the items.
+
+    Raises:
+        InvalidArgumentError: ``step`` is not a step with a next one (the last step's crossing frees would
+            be unknown).
+    """
+    if not 0 <= step < steps.n_steps - 1:
+        raise InvalidArgumentError(f"cut_template: step must be in [0, {steps.n_steps - 1}), got {step}")
+    p = steps.period
+    r0 = int(steps.starts[step])
+    ranks = np.arange(r0, r0 + p)
+    t0 = int(life.alloc_op[r0])
+    t1 = int(life.alloc_op[r0 + p])
+    L = t1 - t0
+    a = life.alloc_op[ranks] - t0
+    f = life.free_op[ranks] - t0
+    inside = f <= L
+    wrap = (f > L) & (f - L <= a) & (life.free_op[ranks] < life.n_ops)
+    keep = inside | wrap
+    slots = np.flatnonzero(keep)
+    sizes = (slot_nbytes[slots] if slot_nbytes is not None else life.nbytes[ranks[slots]])
+    sizes = np.maximum(ROUND_NBYTES, (sizes + ROUND_NBYTES - 1) // ROUND_NBYTES * ROUND_NBYTES)
+    fk, ak, wk = f[slots], a[slots], wrap[slots]
+    items = PlanItems(sizes, ak, np.where(wk, L, fk), np.where(wk, 0, 0), np.where(wk, fk - L, 0))
+    # live bytes in the step (requested), and the part of it that is planned
+    seg = live_nbytes[t0:t1]
+    peak = int(seg.max()) if len(seg) else 0
+    planned = np.zeros(L + 1, dtype=np.int64)
+    req = life.nbytes[ranks[slots]]
+    np.add.at(planned, ak, req)
+    np.add.at(planned, np.where(wk, L, fk), -req)
+    np.add.at(planned, np.zeros(int(wk.sum()), dtype=np.int64), req[wk])
+    np.add.at(planned, (fk - L)[wk], -req[wk])
+    planned_live = np.cumsum(planned)[:L]
+    fixed = int((seg - planned_live).max()) if L else 0
+    return Template(step, ranks[slots], slots, items, L, peak, fixed, items.max_live_nbytes())
+
+
+# -- planners ---------------------------------------------------------------------------------------------
+
+class Planner(str, enum.Enum):
+    FIRST_FIT = "first-fit"
+    """Items in allocation order, each at the lowest offset free over its lifetime (the simple one)."""
+    GREEDY_SIZE = "greedy-size"
+    """Largest first, each into the smallest gap between items alive with it that fits, else on top
+    (TFLite's greedy-by-size; the better one)."""
+
+
+def _place(items: PlanItems, order: Sequence[int], best_gap: bool) -> np.ndarray:
+    n = len(items)
+    offsets = np.full(n, -1, dtype=np.int64)
+    placed = np.zeros(n, dtype=bool)
+    for i in order:
+        size = int(items.nbytes[i])
+        others = items.overlapping(int(i), np.flatnonzero(placed))
+        if len(others) == 0:
+            offsets[i] = 0
+            placed[i] = True
+            continue
+        lo = offsets[others]
+        hi = lo + items.nbytes[others]
+        o = np.argsort(lo, kind="stable")
+        lo, hi = lo[o], hi[o]
+        # gaps: [max end so far, next start)
+        reach = np.maximum.accumulate(hi)
+        gap_lo = np.concatenate(([0], reach[:-1]))
+        gap_len = lo - gap_lo
+        fits = np.flatnonzero(gap_len >= size)
+        if len(fits) == 0:
+            offsets[i] = int(reach[-1])
+        elif best_gap:
+            offsets[i] = int(gap_lo[fits[np.argmin(gap_len[fits])]])
+        else:
+            offsets[i] = int(gap_lo[fits[0]])
+        placed[i] = True
+    return offsets
+
+
+def plan(items: PlanItems, planner: Planner | str) -> np.ndarray:
+    """An offset (bytes, a multiple of :data:`ROUND_NBYTES` for rounded sizes) per item, such that no two
+    items alive at one time overlap.
+
+    Raises:
+        InvalidArgumentError: an unknown planner.
+    """
+    try:
+        planner = Planner(planner)
+    except ValueError:
+        raise InvalidArgumentError(f"unknown planner {planner!r}; choose one of "
+                                   f"{', '.join(p.value for p in Planner)}") from None
+    if planner is Planner.FIRST_FIT:
+        order = np.lexsort((np.arange(len(items)), items.s1))
+        return _place(items, order.tolist(), best_gap=False)
+    length = (items.e1 - items.s1) + (items.e2 - items.s2)
+    order = np.lexsort((items.s1, -length, -items.nbytes))
+    return _place(items, order.tolist(), best_gap=True)
+
+
+def plan_height(items: PlanItems, offsets: np.ndarray) -> int:
+    """The arena a plan needs: the highest end of an item (0 for no item)."""
+    return int((offsets + items.nbytes).max()) if len(items) else 0
+
+
+def check_plan(items: PlanItems, offsets: np.ndarray) -> None:
+    """Raise :class:`InvalidArgumentError` when two items alive at one time overlap in the arena (or an
+    offset is negative)."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    if offsets.shape != (len(items),):
+        raise InvalidArgumentError(f"check_plan: {len(items)} items but offsets of shape {offsets.shape}")
+    if (offsets < 0).any():
+        raise InvalidArgumentError("check_plan: a negative offset")
+    for i in range(len(items)):
+        o = items.overlapping(i)
+        o = o[o != i]
+        clash = (offsets[o] < offsets[i] + items.nbytes[i]) & (offsets[i] < offsets[o] + items.nbytes[o])
+        if clash.any():
+            j = int(o[np.flatnonzero(clash)[0]])
+            raise InvalidArgumentError(f"check_plan: items {i} and {j} are alive together and overlap in the arena")
+
+
+# -- serving a trace with a plan -------------------------------------------------------------------------
+
+class SyncMode(str, enum.Enum):
+    DETECT = "detect"
+    """The resource finds its place in the step itself: a mismatch loses it, and the last :data:`KGRAM`
+    (size, stream) pairs matching a unique window of the plan find it again."""
+    MARKED = "marked"
+    """The program marks every step's start (a call per step); inside a step, slot ``j`` is the ``j``-th
+    allocation."""
+
+
+@dataclasses.dataclass
+class ServeCounters:
+    planned: int = 0
+    planned_nbytes: int = 0
+    fallback: int = 0
+    fallback_nbytes: int = 0
+    mismatched: int = 0
+    """Allocations that did not fit their slot (size or stream), or came while the place was lost."""
+    occupied: int = 0
+    """Allocations whose slot's range still held a live allocation."""
+    resyncs: int = 0
+    arena_calls: int = 0
+
+
+class PlanResource:
+    """A prototype step-plan allocator: one arena mapped once, a slot per planned allocation of the step,
+    and gpumem's caching allocator (``fallback``) for everything else.
+
+    ``slot_nbytes`` and ``slot_offsets`` (per position in the step; offset -1: not planned) and
+    ``slot_streams`` describe the plan; ``arena_nbytes`` the arena, mapped on :meth:`activate` with four
+    device calls (reserve, create, map, set access). An allocation is served from its slot when the plan
+    is active, it is the allocation the plan expects next (:class:`SyncMode`), its stream is the slot's,
+    its size at most the slot's, and no live arena allocation overlaps the slot's range; otherwise the
+    fallback serves it. Frees go where the pointer came from.
+    """
+
+    def __init__(self, fallback: CachingAllocator, slot_nbytes: np.ndarray, slot_offsets: np.ndarray,
+                 slot_streams: np.ndarray, arena_nbytes: int, mode: SyncMode) -> None:
+        if not (len(slot_nbytes) == len(slot_offsets) == len(slot_streams)) or len(slot_nbytes) == 0:
+            raise InvalidArgumentError("PlanResource: slot sizes, offsets and streams must be of one non-zero length")
+        if arena_nbytes <= 0 or arena_nbytes % PAGE_NBYTES:
+            raise InvalidArgumentError(f"PlanResource: arena_nbytes must be a positive multiple of 2 MiB, got {arena_nbytes}")
+        ends = np.asarray(slot_offsets) + np.maximum(ROUND_NBYTES, (np.asarray(slot_nbytes) + ROUND_NBYTES - 1)
+                                                     // ROUND_NBYTES * ROUND_NBYTES)
+        if int(ends[np.asarray(slot_offsets) >= 0].max(initial=0)) > arena_nbytes:
+            raise InvalidArgumentError("PlanResource: a slot ends past the arena")
+        self.fallback = fallback
+        self.device: Device = fallback.device
+        self.slot_nbytes = [int(x) for x in slot_nbytes]
+        self.slot_offsets = [int(x) for x in slot_offsets]
+        self.slot_streams = [int(x) for x in slot_streams]
+        self.period = len(self.slot_nbytes)
+        self.arena_nbytes = arena_nbytes
+        self.mode = SyncMode(mode)
+        self.base = 0
+        self._active = False
+        self._runs: list[tuple[int, int, Any]] = []
+        self._mapped = bytearray(arena_nbytes // PAGE_NBYTES)
+        self.mapped_nbytes = 0
+        self.cursor: int | None = None
+        self.count = ServeCounters()
+        self._live_starts: list[int] = []   # arena offsets of live arena allocations, sorted
+        self._live_end: dict[int, int] = {}
+        self._window: list[tuple[int, int]] = []
+        self._kgram: dict[tuple[tuple[int, int], ...], int] = {}
+        if self.mode is SyncMode.DETECT:
+            keys = list(zip(self.slot_nbytes, self.slot_streams))
+            seen: dict[tuple[tuple[int, int], ...], int] = {}
+            for j in range(self.period):
+                w = tuple(keys[(j + t) % self.period] for t in range(KGRAM))
+                seen[w] = -1 if w in seen else (j + KGRAM) % self.period
+            self._kgram = {w: j for w, j in seen.items() if j >= 0}
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def activate(self) -> None:
+        """Reserve the arena's address range (one device call) and start serving slots. Its pages are mapped
+        as slots first touch them (:meth:`_map_pages`), so the first planned step maps them while the
+        warm-up's memory drains from the fallback."""
+        if self._active:
+            raise InvalidArgumentError("PlanResource.activate: already active")
+        self.base = self.device.address_reserve(self.arena_nbytes)
+        self.count.arena_calls += 1
+        self._active = True
+
+    def _map_pages(self, off: int, size: int) -> None:
+        """Map the unmapped pages under ``[off, off + size)`` of the arena, after giving the fallback's
+        cached memory back (Note [The arena takes over from the fallback]): three device calls per run of
+        pages (create, map, set access)."""
+        first, last = off // PAGE_NBYTES, (off + size - 1) // PAGE_NBYTES
+        todo = [pg for pg in range(first, last + 1) if not self._mapped[pg]]
+        if not todo:
+            return
+        self.fallback.empty_cache()
+        runs: list[list[int]] = []
+        for pg in todo:
+            if runs and runs[-1][1] == pg:
+                runs[-1][1] = pg + 1
+            else:
+                runs.append([pg, pg + 1])
+        dev = self.device
+        for a, b in runs:
+            nbytes = (b - a) * PAGE_NBYTES
+            handle = dev.mem_create(nbytes)
+            dev.mem_map(self.base + a * PAGE_NBYTES, nbytes, handle)
+            dev.mem_set_access(self.base + a * PAGE_NBYTES, nbytes)
+            self._runs.append((a * PAGE_NBYTES, nbytes, handle))
+            self.count.arena_calls += 3
+            self.mapped_nbytes += nbytes
+            for pg in range(a, b):
+                self._mapped[pg] = 1
+
+    def mark_step(self) -> None:
+        """The program says a step starts: the next allocation is slot 0."""
+        self.cursor = 0
+
+    @property
+    def reserved_nbytes(self) -> int:
+        """What the fallback holds plus the arena's mapped pages."""
+        return self.fallback.reserved_nbytes + self.mapped_nbytes
+
+    def _slot_free(self, off: int, size: int) -> bool:
+        starts = self._live_starts
+        i = bisect.bisect_left(starts, off + size)
+        return i == 0 or self._live_end[starts[i - 1]] <= off
+
+    def allocate(self, nbytes: int, stream: int = 0) -> int:
+        j = self.cursor
+        slot_ok = False
+        if self.active and j is not None:
+            off = self.slot_offsets[j]
+            if off >= 0 and nbytes <= self.slot_nbytes[j] and stream == self.slot_streams[j]:
+                size = max(ROUND_NBYTES, round_up(self.slot_nbytes[j], ROUND_NBYTES))
+                if self._slot_free(off, size):
+                    slot_ok = True
+                else:
+                    self.count.occupied += 1
+            elif self.mode is SyncMode.DETECT and (nbytes != self.slot_nbytes[j] or stream != self.slot_streams[j]):
+                self.count.mismatched += 1
+                self.cursor = j = None
+            elif off >= 0:
+                self.count.mismatched += 1
+        if j is not None:
+            self.cursor = (j + 1) % self.period
+        elif self.active and self.mode is SyncMode.DETECT:
+            self._window.append((nbytes, stream))
+            if len(self._window) > KGRAM:
+                del self._window[0]
+            found = self._kgram.get(tuple(self._window)) if len(self._window) == KGRAM else None
+            if found is not None:
+                self.cursor = found
+                self.count.resyncs += 1
+                self._window.clear()
+        if slot_ok:
+            self._map_pages(off, size)
+            ptr = self.base + off
+            bisect.insort(self._live_starts, off)
+            self._live_end[off] = off + size
+            self.count.planned += 1
+            self.count.planned_nbytes += nbytes
+            return ptr
+        self.count.fallback += 1
+        self.count.fallback_nbytes += nbytes
+        return self.fallback.allocate(nbytes, stream)
+
+    def free(self, ptr: int) -> None:
+        off = ptr - self.base
+        if self.active and 0 <= off < self.arena_nbytes:
+            if off not in self._live_end:
+                raise InvalidPointerError(f"PlanResource.free: no live arena allocation at offset {off}")
+            del self._live_end[off]
+            self._live_starts.pop(bisect.bisect_left(self._live_starts, off))
+            return
+        self.fallback.free(ptr)
+
+    def record_stream(self, ptr: int, stream: int) -> None:
+        off = ptr - self.base
+        if not (self.active and 0 <= off < self.arena_nbytes):
+            self.fallback.record_stream(ptr, stream)
+
+    def close(self) -> None:
+        """Unmap and release the arena, then close the fallback."""
+        if self._active:
+            for off, nbytes, handle in self._runs:
+                self.device.mem_unmap(self.base + off, nbytes)
+                self.device.mem_release(handle)
+            self.device.address_free(self.base, self.arena_nbytes)
+            self._runs.clear()
+            self._mapped[:] = bytes(len(self._mapped))
+            self.mapped_nbytes = 0
+            self._active = False
+        self.fallback.close()
+
+
+@dataclasses.dataclass
+class ServeResult:
+    peak_live_nbytes: int
+    peak_reserved_nbytes: int
+    counters: ServeCounters
+    calls_per_steady_step: float
+    """Fallback driver calls (and the arena's, if made then) per step, over the steady steps after the
+    plan became active."""
+    event_calls_per_steady_step: float
+    steady_steps: int
+    peak_op: int = 0
+    """The op at which peak reserved was reached."""
+    fallback_at_peak_nbytes: int = 0
+    """What the fallback held then (the rest is the arena)."""
+    live_at_peak_nbytes: int = 0
+
+    @property
+    def overhead(self) -> float:
+        return self.peak_reserved_nbytes / self.peak_live_nbytes - 1 if self.peak_live_nbytes else 0.0
+
+
+def serve(trace: Trace, resource: PlanResource | None, fallback: CachingAllocator, activate_op: int | None,
+          step_ops: Sequence[int], empty_cache_on_activate: bool = False) -> ServeResult:
+    """Replay ``trace`` through ``resource`` (None: the fallback alone), the plan activated before op
+    ``activate_op`` (None: never), steps marked before each op of ``step_ops`` (the steady steps' first
+    allocations; in marked mode they reset the cursor). Calls per steady step are counted between the
+    first step start at or after activation and the last one."""
+    kinds, ids, sizes, streams = trace.as_lists()
+    ptrs = [0] * (trace.n_allocs + 1)
+    uses: dict[int, list[tuple[int, int]]] = {}
+    for u in trace.stream_uses:
+        uses.setdefault(u.at_op, []).append((u.alloc_id, u.stream))
+    marks = set(int(x) for x in step_ops)
+    target = resource if resource is not None else fallback
+    allocate, free = target.allocate, target.free
+    marked = resource is not None and resource.mode is SyncMode.MARKED
+    live = peak_live = peak_reserved = peak_op = peak_fb = peak_at_live = 0
+    reserved = target.reserved_nbytes if resource is not None else fallback.reserved_nbytes
+    after = activate_op if activate_op is not None else 0
+    # the step in which the plan takes over is a transition: calls are counted from the next step's start
+    counted = [int(x) for x in step_ops if x >= after]
+    if activate_op is not None and resource is not None:
+        counted = counted[1:]
+    # Note [Two empty_cache calls]: at activation the fallback still holds what the last warm-up step left
+    # alive into the next one (gradients freed at zero_grad, a loss); a second empty_cache one step later
+    # returns their pages too, once (four driver calls per page-sized chunk, made once).
+    release_ops = {activate_op, counted[0]} if empty_cache_on_activate and counted and activate_op is not None else set()
+    first_mark, last_mark = (counted[0], counted[-1]) if len(counted) >= 2 else (None, None)
+    calls0 = events0 = 0
+    calls1 = events1 = 0
+    for i in range(len(kinds)):
+        if i in release_ops:
+            fallback.empty_cache()
+        if i == activate_op and resource is not None:
+            resource.activate()
+        if i in marks:
+            if marked:
+                resource.mark_step()  # type: ignore[union-attr]
+            if i == first_mark or i == last_mark:
+                st = fallback.stats
+                extra = resource.count.arena_calls if resource is not None else 0
+                if i == first_mark:
+                    calls0, events0 = st.device_calls + extra, st.event_calls
+                else:
+                    calls1, events1 = st.device_calls + extra, st.event_calls
+        if i in uses:
+            for aid, s in uses[i]:
+                if ptrs[aid]:
+                    target.record_stream(ptrs[aid], s)
+        n = sizes[i]
+        if kinds[i] == 0:
+            if n:
+                ptrs[ids[i]] = allocate(n, streams[i])
+                live += n
+                if live > peak_live:
+                    peak_live = live
+                fb_reserved = fallback.reserved_nbytes
+                reserved = fb_reserved + (resource.mapped_nbytes if resource is not None else 0)
+                if reserved > peak_reserved:
+                    peak_reserved, peak_op, peak_fb, peak_at_live = reserved, i, fb_reserved, live
+        else:
+            p = ptrs[ids[i]]
+            if p:
+                free(p)
+                ptrs[ids[i]] = 0
+                live -= n
+    # the arena's own mapping counts in peak reserved from activation on (already in `reserved` after it)
+    peak_reserved = max(peak_reserved, fallback.stats.peak_reserved_nbytes if resource is None else 0)
+    n_steady = len(counted) - 1 if first_mark is not None else 0
+    return ServeResult(peak_live, peak_reserved,
+                       resource.count if resource is not None else ServeCounters(),
+                       (calls1 - calls0) / n_steady if n_steady else math.nan,
+                       (events1 - events0) / n_steady if n_steady else math.nan, n_steady,
+                       peak_op, peak_fb, peak_at_live)
+
+
+# -- the study ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class PlanFigures:
+    planner: str
+    height_nbytes: int
+    height_over_planned: float
+    """``height / max planned live - 1``: the planner's own loss."""
+    paged_overhead: float
+    """``(pages(height) + pages(fixed)) / step peak live - 1``, 2 MiB pages."""
+    plan_s: float
+
+
+@dataclasses.dataclass
+class VariantRow:
+    """One trace under one signature: the step found, the plans, and the trace served."""
+
+    part: str
+    trace: str
+    signature: str
+    period: int = 0
+    steps: int = 0
+    coverage_allocs: float = 0.0
+    """Share of the trace's allocations that lie in a steady step."""
+    coverage_nbytes: float = 0.0
+    planned_items: int = 0
+    step_peak_live_nbytes: int = 0
+    fixed_nbytes: int = 0
+    planned_max_live_nbytes: int = 0
+    plans: list[PlanFigures] = dataclasses.field(default_factory=list)
+    serve: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    note: str = ""
+
+
+def _serve_row(res: ServeResult, n_allocs: int) -> dict[str, Any]:
+    c = res.counters
+    return {"overhead": res.overhead, "peak_live_nbytes": res.peak_live_nbytes,
+            "peak_reserved_nbytes": res.peak_reserved_nbytes,
+            "calls_per_steady_step": res.calls_per_steady_step,
+            "event_calls_per_steady_step": res.event_calls_per_steady_step, "steady_steps": res.steady_steps,
+            "planned_share": c.planned / n_allocs if n_allocs else 0.0, "mismatched": c.mismatched,
+            "occupied": c.occupied, "resyncs": c.resyncs, "arena_calls": c.arena_calls,
+            "peak_op": res.peak_op, "fallback_at_peak_nbytes": res.fallback_at_peak_nbytes,
+            "live_at_peak_nbytes": res.live_at_peak_nbytes}
+
+
+def study_variant(trace: Trace, life: Lifetimes, live: np.ndarray, kind: Signature, part: str,
+                  serve_it: bool = True) -> VariantRow:
+    """Find the step of ``trace`` under ``kind``, plan it with every planner, and serve the trace."""
+    row = VariantRow(part, trace.name, kind.value)
+    sig = signatures(life, kind)
+    per = find_period(sig)
+    if per is None:
+        row.note = "no stretch repeats twice"
+        return row
+    steps = split_steps(life, per, live)
+    row.period, row.steps = steps.period, steps.n_steps
+    if steps.n_steps < 2:
+        row.note = "fewer than two whole steps repeat"
+        return row
+    covered = (steps.starts[:, None] + np.arange(steps.period)[None, :]).reshape(-1)
+    row.coverage_allocs = len(covered) / life.n_allocs
+    row.coverage_nbytes = float(life.nbytes[covered].sum() / max(1, life.nbytes.sum()))
+    slot_nbytes = life.nbytes[covered].reshape(steps.n_steps, steps.period).max(axis=0)
+    tmpl = cut_template(life, steps, live, steps.n_steps - 2, slot_nbytes if kind is Signature.SHAPE else None)
+    if kind is Signature.SHAPE:
+        # the envelope plan is judged against the largest step's live bytes
+        peaks = [cut_template(life, steps, live, m).peak_live_nbytes for m in range(steps.n_steps - 1)]
+        fixeds = [cut_template(life, steps, live, m).fixed_nbytes for m in range(steps.n_steps - 1)]
+        step_peak, fixed = max(peaks), max(fixeds)
+    else:
+        step_peak, fixed = tmpl.peak_live_nbytes, tmpl.fixed_nbytes
+    row.planned_items = len(tmpl.items)
+    row.step_peak_live_nbytes, row.fixed_nbytes = step_peak, fixed
+    row.planned_max_live_nbytes = tmpl.planned_nbytes_max
+    best: tuple[int, np.ndarray] | None = None
+    for planner in Planner:
+        t0 = time.perf_counter()
+        offs = plan(tmpl.items, planner)
+        dt = time.perf_counter() - t0
+        check_plan(tmpl.items, offs)
+        h = plan_height(tmpl.items, offs)
+        paged = round_up(h, PAGE_NBYTES) + round_up(fixed, PAGE_NBYTES)
+        row.plans.append(PlanFigures(planner.value, h, h / tmpl.planned_nbytes_max - 1 if tmpl.planned_nbytes_max else 0.0,
+                                     paged / step_peak - 1 if step_peak else 0.0, dt))
+        if best is None or h < best[0]:
+            best = (h, offs)
+    if not serve_it or best is None or best[0] == 0:
+        return row
+    h, offs = best
+    p = steps.period
+    slot_off = np.full(p, -1, dtype=np.int64)
+    slot_off[tmpl.slots] = offs
+    # the request each slot expects (exact) or the most it takes (shape); the arena range is it rounded
+    slot_size = slot_nbytes if kind is Signature.SHAPE else life.nbytes[int(tmpl.ranks[0]) - int(tmpl.slots[0]):][:p]
+    slot_stream = life.streams[int(steps.starts[0]):int(steps.starts[0]) + p]
+    step_ops = life.alloc_op[steps.starts].tolist()
+    mode = SyncMode.DETECT if kind is Signature.EXACT else SyncMode.MARKED
+    variants: dict[str, tuple[int, bool, Any]] = {}
+    if steps.n_steps >= 4:
+        # learned online: the plan is known once two steady steps were seen; the warm-up cache goes back then
+        at = int(life.alloc_op[steps.starts[2]])
+        variants["after 2 steps, default fallback"] = (at, True, DEFAULT_POLICY)
+        variants["after 2 steps, page-chunk fallback"] = (at, True, PAGE_CHUNK_POLICY)
+    for name, (at, empty, policy) in variants.items():
+        with open_device(DEVICE_SPEC) as dev:
+            fb = CachingAllocator(dev, policy)
+            res = PlanResource(fb, slot_size, slot_off, slot_stream, round_up(h, PAGE_NBYTES), mode)
+            try:
+                out = serve(trace, res, fb, at, step_ops, empty_cache_on_activate=empty)
+            finally:
+                res.close()
+        row.serve[name] = _serve_row(out, life.n_allocs)
+    return row
+
+
+@dataclasses.dataclass
+class BaselineRow:
+    part: str
+    trace: str
+    peak_live_nbytes: int
+    overhead_idle: float
+    overhead_trace_timing: float
+    calls_per_steady_step: float
+    event_calls_per_steady_step: float
+
+
+def baseline(trace: Trace, life: Lifetimes, live: np.ndarray, part: str) -> BaselineRow:
+    """The default policy on the trace: ``gpumem.replay`` with GPU timing idle and trace (the default), and
+    its driver calls per steady step (exact steps) from the same loop :func:`serve` runs."""
+    idle = replay_trace(trace, DEVICE_SPEC, DEFAULT_POLICY, progress=False, gpu_timing="idle")
+    timed = replay_trace(trace, DEVICE_SPEC, DEFAULT_POLICY, progress=False)
+    calls = events = math.nan
+    per = find_period(signatures(life, Signature.EXACT))
+    if per is not None:
+        steps = split_steps(life, per, live)
+        with open_device(DEVICE_SPEC) as dev:
+            fb = CachingAllocator(dev, DEFAULT_POLICY)
+            try:
+                out = serve(trace, None, fb, None, life.alloc_op[steps.starts].tolist())
+            finally:
+                fb.close()
+        if abs(out.overhead - idle.overhead) > 1e-9:
+            log.warning("%s: the serve loop's default-policy overhead %.4f differs from replay's %.4f",
+                        trace.name, out.overhead, idle.overhead)
+        calls, events = out.calls_per_steady_step, out.event_calls_per_steady_step
+    return BaselineRow(part, trace.name, idle.peak_live_bytes, idle.overhead, timed.overhead, calls, events)
+
+
+def _pct(x: float) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2%}"
+
+
+def _num(x: float) -> str:
+    return "n/a" if isinstance(x, float) and math.isnan(x) else f"{x:.1f}"
+
+
+def print_tables(base: list[BaselineRow], rows: list[VariantRow]) -> None:
+    by = {(b.trace): b for b in base}
+    for part in CorpusPart:
+        print(f"\n### {part.value} part\n")
+        print("| trace | step | period (allocs) | steps | covered (allocs / bytes) | planned items | fixed | "
+              "first-fit: height over planned live / paged | greedy-size: height over planned live / paged | "
+              "default policy (idle / trace timing) | default calls per steady step (driver + event) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            if r.part != part.value:
+                continue
+            b = by[r.trace]
+            pl = {p.planner: p for p in r.plans}
+            ff, gs = pl.get("first-fit"), pl.get("greedy-size")
+            cells = [f"{_pct(ff.height_over_planned)} / {_pct(ff.paged_overhead)}" if ff else r.note or "n/a",
+                     f"{_pct(gs.height_over_planned)} / {_pct(gs.paged_overhead)}" if gs else "n/a"]
+            print(f"| {r.trace} | {r.signature} | {r.period} | {r.steps} | {r.coverage_allocs:.1%} / {r.coverage_nbytes:.1%} | "
+                  f"{r.planned_items} | {r.fixed_nbytes / MiB:.0f} MiB | {cells[0]} | {cells[1]} | "
+                  f"{_pct(b.overhead_idle)} / {_pct(b.overhead_trace_timing)} | "
+                  f"{_num(b.calls_per_steady_step)} + {_num(b.event_calls_per_steady_step)} |")
+        print(f"\n{part.value} part, the trace served with the greedy-size plan (PlanResource, fallback: default policy):\n")
+        print("| trace | step | variant | peak reserved over peak live | served from the plan | mismatched / occupied / resyncs | "
+              "driver + event calls per steady step |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            if r.part != part.value:
+                continue
+            for name, s in r.serve.items():
+                print(f"| {r.trace} | {r.signature} | {name} | {_pct(s['overhead'])} | {s['planned_share']:.1%} | "
+                      f"{s['mismatched']} / {s['occupied']} / {s['resyncs']} | "
+                      f"{_num(s['calls_per_steady_step'])} + {_num(s['event_calls_per_steady_step'])} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m sim.step_plan", description=__doc__.split("\n\n")[0],
+        epilog="Columns: 'height over planned live' is the plan's arena over the most planned bytes live at "
+               "once (the planner's own loss); 'paged' is (arena + fixed, each in whole 2 MiB pages) over the "
+               "step's peak live bytes, minus 1; the served rows are peak reserved over peak live over the "
+               "whole trace, warm-up included. Takes a few minutes on one core (the llama_generate trace most).",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--traces", nargs="*", metavar="NAME",
+                   help="corpus traces to study (file names in data/traces, or a prefix of one); default: all")
+    p.add_argument("--signatures", nargs="*", default=[s.value for s in Signature], choices=[s.value for s in Signature],
+                   help="how steps are matched: 'exact' (size and stream), 'shape' (stream and lifetime, sizes may change)")
+    p.add_argument("--no-serve", action="store_true", help="plan only: skip serving the trace with the plan")
+    p.add_argument("--json", type=Path, help="write every row here as JSON")
+    args = p.parse_args(argv)
+    if args.json is not None and not args.json.parent.is_dir():
+        p.error(f"--json: no folder {args.json.parent}")
+    paths = [(part, path) for part in CorpusPart for path in corpus_traces(part)]
+    if args.traces:
+        chosen = [(part, path) for part, path in paths if any(path.name.startswith(t) for t in args.traces)]
+        unknown = [t for t in args.traces if not any(path.name.startswith(t) for _, path in paths)]
+        if unknown:
+            p.error(f"--traces: no corpus trace starts with {', '.join(unknown)}")
+        paths = chosen
+    base: list[BaselineRow] = []
+    rows: list[VariantRow] = []
+    for part, path in paths:
+        t0 = time.perf_counter()
+        trace = load_trace(path)
+        life = Lifetimes.of(trace)
+        live = trace.live_nbytes()
+        base.append(baseline(trace, life, live, part.value))
+        for s in args.signatures:
+            rows.append(study_variant(trace, life, live, Signature(s), part.value, serve_it=not args.no_serve))
+        print(f"{path.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print_tables(base, rows)
+    if args.json:
+        args.json.write_text(json.dumps({"device": DEVICE_SPEC, "baseline": [dataclasses.asdict(b) for b in base],
+                                         "variants": [dataclasses.asdict(r) for r in rows]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

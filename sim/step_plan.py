@@ -358,8 +358,10 @@ class Planner(str, enum.Enum):
     FIRST_FIT = "first-fit"
     """Items in allocation order, each at the lowest offset free over its lifetime (the simple one)."""
     GREEDY_SIZE = "greedy-size"
-    """Largest first, each into the smallest gap between items alive with it that fits, else on top
-    (TFLite's greedy-by-size; the better one)."""
+    """Largest first (longest lifetime among equals), each at the lowest offset free over its lifetime."""
+    GREEDY_BEST = "greedy-best"
+    """The lowest of three greedy orders: largest first into the lowest free offset, largest first into
+    the smallest gap that fits (TFLite's greedy-by-size), longest-lived first into the lowest offset."""
 
 
 def _place(items: PlanItems, order: Sequence[int], best_gap: bool) -> np.ndarray:
@@ -408,8 +410,12 @@ def plan(items: PlanItems, planner: Planner | str) -> np.ndarray:
         order = np.lexsort((np.arange(len(items)), items.s1))
         return _place(items, order.tolist(), best_gap=False)
     length = (items.e1 - items.s1) + (items.e2 - items.s2)
-    order = np.lexsort((items.s1, -length, -items.nbytes))
-    return _place(items, order.tolist(), best_gap=True)
+    by_size = np.lexsort((items.s1, -length, -items.nbytes)).tolist()
+    if planner is Planner.GREEDY_SIZE:
+        return _place(items, by_size, best_gap=False)
+    tries = [_place(items, by_size, best_gap=False), _place(items, by_size, best_gap=True),
+             _place(items, np.lexsort((items.s1, -items.nbytes, -length)).tolist(), best_gap=False)]
+    return min(tries, key=lambda offs: plan_height(items, offs))
 
 
 def plan_height(items: PlanItems, offsets: np.ndarray) -> int:
@@ -566,21 +572,24 @@ class PlanResource:
     def allocate(self, nbytes: int, stream: int = 0) -> int:
         j = self.cursor
         slot_ok = False
-        if self.active and j is not None:
-            off = self.slot_offsets[j]
-            if off >= 0 and nbytes <= self.slot_nbytes[j] and stream == self.slot_streams[j]:
-                size = max(ROUND_NBYTES, round_up(self.slot_nbytes[j], ROUND_NBYTES))
-                if self._slot_free(off, size):
-                    slot_ok = True
-                else:
-                    self.count.occupied += 1
-            elif self.mode is SyncMode.DETECT and (nbytes != self.slot_nbytes[j] or stream != self.slot_streams[j]):
+        if self._active and j is not None:
+            want = self.slot_nbytes[j]
+            fits = (nbytes == want if self.mode is SyncMode.DETECT else nbytes <= want) and stream == self.slot_streams[j]
+            if not fits:
+                # detect: the place in the step is lost; marked: the rest of this step goes to the fallback
                 self.count.mismatched += 1
                 self.cursor = j = None
-            elif off >= 0:
-                self.count.mismatched += 1
+            else:
+                off = self.slot_offsets[j]
+                if off >= 0:
+                    size = max(ROUND_NBYTES, round_up(want, ROUND_NBYTES))
+                    if self._slot_free(off, size):
+                        slot_ok = True
+                    else:
+                        self.count.occupied += 1
         if j is not None:
-            self.cursor = (j + 1) % self.period
+            j += 1
+            self.cursor = j if j < self.period else (0 if self.mode is SyncMode.DETECT else None)
         elif self.active and self.mode is SyncMode.DETECT:
             self._window.append((nbytes, stream))
             if len(self._window) > KGRAM:
@@ -646,6 +655,16 @@ class ServeResult:
     fallback_at_peak_nbytes: int = 0
     """What the fallback held then (the rest is the arena)."""
     live_at_peak_nbytes: int = 0
+    fallback_allocated_at_peak_nbytes: int = 0
+    """The fallback's live blocks then (rounded sizes)."""
+    steady_peak_live_nbytes: int = 0
+    """Peak live from the first counted steady step on (after the step in which the plan took over)."""
+    steady_peak_reserved_nbytes: int = 0
+
+    @property
+    def steady_overhead(self) -> float:
+        """Peak reserved over peak live from the first counted steady step on, minus 1."""
+        return self.steady_peak_reserved_nbytes / self.steady_peak_live_nbytes - 1 if self.steady_peak_live_nbytes else math.nan
 
     @property
     def overhead(self) -> float:
@@ -653,7 +672,8 @@ class ServeResult:
 
 
 def serve(trace: Trace, resource: PlanResource | None, fallback: CachingAllocator, activate_op: int | None,
-          step_ops: Sequence[int], empty_cache_on_activate: bool = False) -> ServeResult:
+          step_ops: Sequence[int], empty_cache_on_activate: bool = False,
+          mark_ops: Sequence[int] | None = None) -> ServeResult:
     """Replay ``trace`` through ``resource`` (None: the fallback alone), the plan activated before op
     ``activate_op`` (None: never), steps marked before each op of ``step_ops`` (the steady steps' first
     allocations; in marked mode they reset the cursor). Calls per steady step are counted between the
@@ -663,11 +683,13 @@ def serve(trace: Trace, resource: PlanResource | None, fallback: CachingAllocato
     uses: dict[int, list[tuple[int, int]]] = {}
     for u in trace.stream_uses:
         uses.setdefault(u.at_op, []).append((u.alloc_id, u.stream))
-    marks = set(int(x) for x in step_ops)
+    steps_at = set(int(x) for x in step_ops)
+    marks = steps_at | set(int(x) for x in (mark_ops or ()))
     target = resource if resource is not None else fallback
     allocate, free = target.allocate, target.free
     marked = resource is not None and resource.mode is SyncMode.MARKED
-    live = peak_live = peak_reserved = peak_op = peak_fb = peak_at_live = 0
+    live = peak_live = peak_reserved = peak_op = peak_fb = peak_at_live = peak_fb_alloc = 0
+    steady_live = steady_reserved = 0
     reserved = target.reserved_nbytes if resource is not None else fallback.reserved_nbytes
     after = activate_op if activate_op is not None else 0
     # the step in which the plan takes over is a transition: calls are counted from the next step's start
@@ -679,6 +701,7 @@ def serve(trace: Trace, resource: PlanResource | None, fallback: CachingAllocato
     # returns their pages too, once (four driver calls per page-sized chunk, made once).
     release_ops = {activate_op, counted[0]} if empty_cache_on_activate and counted and activate_op is not None else set()
     first_mark, last_mark = (counted[0], counted[-1]) if len(counted) >= 2 else (None, None)
+    steady_from, steady_to = (counted[0], counted[-1]) if len(counted) >= 2 else (None, None)
     calls0 = events0 = 0
     calls1 = events1 = 0
     for i in range(len(kinds)):
@@ -689,7 +712,7 @@ def serve(trace: Trace, resource: PlanResource | None, fallback: CachingAllocato
         if i in marks:
             if marked:
                 resource.mark_step()  # type: ignore[union-attr]
-            if i == first_mark or i == last_mark:
+            if i in steps_at and (i == first_mark or i == last_mark):
                 st = fallback.stats
                 extra = resource.count.arena_calls if resource is not None else 0
                 if i == first_mark:
@@ -711,6 +734,10 @@ def serve(trace: Trace, resource: PlanResource | None, fallback: CachingAllocato
                 reserved = fb_reserved + (resource.mapped_nbytes if resource is not None else 0)
                 if reserved > peak_reserved:
                     peak_reserved, peak_op, peak_fb, peak_at_live = reserved, i, fb_reserved, live
+                    peak_fb_alloc = fallback.allocated_nbytes
+                if steady_from is not None and steady_from <= i < steady_to:
+                    steady_live = max(steady_live, live)
+                    steady_reserved = max(steady_reserved, reserved)
         else:
             p = ptrs[ids[i]]
             if p:
@@ -724,7 +751,7 @@ def serve(trace: Trace, resource: PlanResource | None, fallback: CachingAllocato
                        resource.count if resource is not None else ServeCounters(),
                        (calls1 - calls0) / n_steady if n_steady else math.nan,
                        (events1 - events0) / n_steady if n_steady else math.nan, n_steady,
-                       peak_op, peak_fb, peak_at_live)
+                       peak_op, peak_fb, peak_at_live, peak_fb_alloc, steady_live, steady_reserved)
 
 
 # -- the study ---------------------------------------------------------------------------------------------
@@ -763,20 +790,21 @@ class VariantRow:
 
 def _serve_row(res: ServeResult, n_allocs: int) -> dict[str, Any]:
     c = res.counters
-    return {"overhead": res.overhead, "peak_live_nbytes": res.peak_live_nbytes,
+    return {"overhead": res.overhead, "steady_overhead": res.steady_overhead, "peak_live_nbytes": res.peak_live_nbytes,
             "peak_reserved_nbytes": res.peak_reserved_nbytes,
             "calls_per_steady_step": res.calls_per_steady_step,
             "event_calls_per_steady_step": res.event_calls_per_steady_step, "steady_steps": res.steady_steps,
             "planned_share": c.planned / n_allocs if n_allocs else 0.0, "mismatched": c.mismatched,
             "occupied": c.occupied, "resyncs": c.resyncs, "arena_calls": c.arena_calls,
             "peak_op": res.peak_op, "fallback_at_peak_nbytes": res.fallback_at_peak_nbytes,
-            "live_at_peak_nbytes": res.live_at_peak_nbytes}
+            "live_at_peak_nbytes": res.live_at_peak_nbytes,
+            "fallback_allocated_at_peak_nbytes": res.fallback_allocated_at_peak_nbytes}
 
 
 def study_variant(trace: Trace, life: Lifetimes, live: np.ndarray, kind: Signature, part: str,
-                  serve_it: bool = True) -> VariantRow:
+                  serve_it: bool = True, label: str | None = None) -> VariantRow:
     """Find the step of ``trace`` under ``kind``, plan it with every planner, and serve the trace."""
-    row = VariantRow(part, trace.name, kind.value)
+    row = VariantRow(part, label or trace.name, kind.value)
     sig = signatures(life, kind)
     per = find_period(sig)
     if per is None:
@@ -824,19 +852,23 @@ def study_variant(trace: Trace, life: Lifetimes, live: np.ndarray, kind: Signatu
     slot_size = slot_nbytes if kind is Signature.SHAPE else life.nbytes[int(tmpl.ranks[0]) - int(tmpl.slots[0]):][:p]
     slot_stream = life.streams[int(steps.starts[0]):int(steps.starts[0]) + p]
     step_ops = life.alloc_op[steps.starts].tolist()
+    # marked mode: the program marks every step; past the steady stretch the steps are taken to keep the period
+    mark_ops = life.alloc_op[np.arange(int(steps.starts[-1]), life.n_allocs, p)].tolist()
     mode = SyncMode.DETECT if kind is Signature.EXACT else SyncMode.MARKED
     variants: dict[str, tuple[int, bool, Any]] = {}
-    if steps.n_steps >= 4:
-        # learned online: the plan is known once two steady steps were seen; the warm-up cache goes back then
-        at = int(life.alloc_op[steps.starts[2]])
-        variants["after 2 steps, default fallback"] = (at, True, DEFAULT_POLICY)
-        variants["after 2 steps, page-chunk fallback"] = (at, True, PAGE_CHUNK_POLICY)
+    # learned online: detected, the plan is known once a step was seen repeated (two steady steps); marked,
+    # once one marked step was seen. The fallback's cache goes back as the arena's pages are mapped.
+    seen = 2 if mode is SyncMode.DETECT else 1
+    if steps.n_steps >= seen + 2:
+        at = int(life.alloc_op[steps.starts[seen]])
+        variants[f"after {seen} step{'s' if seen > 1 else ''}, default fallback"] = (at, True, DEFAULT_POLICY)
+        variants[f"after {seen} step{'s' if seen > 1 else ''}, page-chunk fallback"] = (at, True, PAGE_CHUNK_POLICY)
     for name, (at, empty, policy) in variants.items():
         with open_device(DEVICE_SPEC) as dev:
             fb = CachingAllocator(dev, policy)
             res = PlanResource(fb, slot_size, slot_off, slot_stream, round_up(h, PAGE_NBYTES), mode)
             try:
-                out = serve(trace, res, fb, at, step_ops, empty_cache_on_activate=empty)
+                out = serve(trace, res, fb, at, step_ops, empty_cache_on_activate=empty, mark_ops=mark_ops)
             finally:
                 res.close()
         row.serve[name] = _serve_row(out, life.n_allocs)
@@ -845,35 +877,57 @@ def study_variant(trace: Trace, life: Lifetimes, live: np.ndarray, kind: Signatu
 
 @dataclasses.dataclass
 class BaselineRow:
+    """Today's allocator on the trace, for comparison."""
+
     part: str
     trace: str
     peak_live_nbytes: int
     overhead_idle: float
+    """The default policy, ``gpumem.replay`` with GPU timing ``idle``."""
     overhead_trace_timing: float
-    calls_per_steady_step: float
-    event_calls_per_steady_step: float
+    """The default policy, ``gpumem.replay`` with the default GPU timing (``trace``)."""
+    overhead_page_chunks_idle: float
+    """:data:`PAGE_CHUNK_POLICY` alone (no plan), idle: the served rows' fallback by itself."""
+    calls_per_steady_step_idle: float
+    event_calls_per_steady_step_idle: float
+    calls_per_steady_step_trace_timing: float
+    event_calls_per_steady_step_trace_timing: float
+    steady_steps: int
 
 
-def baseline(trace: Trace, life: Lifetimes, live: np.ndarray, part: str) -> BaselineRow:
+def baseline(trace: Trace, life: Lifetimes, live: np.ndarray, part: str, label: str | None = None) -> BaselineRow:
     """The default policy on the trace: ``gpumem.replay`` with GPU timing idle and trace (the default), and
-    its driver calls per steady step (exact steps) from the same loop :func:`serve` runs."""
+    its driver and event calls per steady step (the exact steps of :func:`find_period`; none found: NaN):
+    under idle timing from the loop :func:`serve` runs, under trace timing from replays of the trace cut
+    at the first and at the last steady step's start."""
     idle = replay_trace(trace, DEVICE_SPEC, DEFAULT_POLICY, progress=False, gpu_timing="idle")
     timed = replay_trace(trace, DEVICE_SPEC, DEFAULT_POLICY, progress=False)
-    calls = events = math.nan
+    paged = replay_trace(trace, DEVICE_SPEC, PAGE_CHUNK_POLICY, progress=False, gpu_timing="idle")
+    nan = math.nan
+    calls = events = tcalls = tevents = nan
+    n_steady = 0
     per = find_period(signatures(life, Signature.EXACT))
     if per is not None:
         steps = split_steps(life, per, live)
-        with open_device(DEVICE_SPEC) as dev:
-            fb = CachingAllocator(dev, DEFAULT_POLICY)
-            try:
-                out = serve(trace, None, fb, None, life.alloc_op[steps.starts].tolist())
-            finally:
-                fb.close()
-        if abs(out.overhead - idle.overhead) > 1e-9:
-            log.warning("%s: the serve loop's default-policy overhead %.4f differs from replay's %.4f",
-                        trace.name, out.overhead, idle.overhead)
-        calls, events = out.calls_per_steady_step, out.event_calls_per_steady_step
-    return BaselineRow(part, trace.name, idle.peak_live_bytes, idle.overhead, timed.overhead, calls, events)
+        ops = life.alloc_op[steps.starts].tolist()
+        n_steady = len(ops) - 1
+        if n_steady >= 1:
+            with open_device(DEVICE_SPEC) as dev:
+                fb = CachingAllocator(dev, DEFAULT_POLICY)
+                try:
+                    out = serve(trace, None, fb, None, ops)
+                finally:
+                    fb.close()
+            if abs(out.overhead - idle.overhead) > 1e-9:
+                log.warning("%s: the serve loop's default-policy overhead %.4f differs from replay's %.4f",
+                            trace.name, out.overhead, idle.overhead)
+            calls, events = out.calls_per_steady_step, out.event_calls_per_steady_step
+            h0 = replay_trace(trace.head(ops[0]), DEVICE_SPEC, DEFAULT_POLICY, progress=False)
+            h1 = replay_trace(trace.head(ops[-1]), DEVICE_SPEC, DEFAULT_POLICY, progress=False)
+            tcalls = (h1.stats.device_calls - h0.stats.device_calls) / n_steady
+            tevents = (h1.stats.event_calls - h0.stats.event_calls) / n_steady
+    return BaselineRow(part, label or trace.name, idle.peak_live_bytes, idle.overhead, timed.overhead, paged.overhead,
+                       calls, events, tcalls, tevents, max(0, n_steady))
 
 
 def _pct(x: float) -> str:
@@ -885,36 +939,44 @@ def _num(x: float) -> str:
 
 
 def print_tables(base: list[BaselineRow], rows: list[VariantRow]) -> None:
-    by = {(b.trace): b for b in base}
+    """The three tables of the record, each part apart: today's allocator, the plans, the trace served."""
     for part in CorpusPart:
-        print(f"\n### {part.value} part\n")
-        print("| trace | step | period (allocs) | steps | covered (allocs / bytes) | planned items | fixed | "
-              "first-fit: height over planned live / paged | greedy-size: height over planned live / paged | "
-              "default policy (idle / trace timing) | default calls per steady step (driver + event) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            if r.part != part.value:
-                continue
-            b = by[r.trace]
-            pl = {p.planner: p for p in r.plans}
-            ff, gs = pl.get("first-fit"), pl.get("greedy-size")
-            cells = [f"{_pct(ff.height_over_planned)} / {_pct(ff.paged_overhead)}" if ff else r.note or "n/a",
-                     f"{_pct(gs.height_over_planned)} / {_pct(gs.paged_overhead)}" if gs else "n/a"]
-            print(f"| {r.trace} | {r.signature} | {r.period} | {r.steps} | {r.coverage_allocs:.1%} / {r.coverage_nbytes:.1%} | "
-                  f"{r.planned_items} | {r.fixed_nbytes / MiB:.0f} MiB | {cells[0]} | {cells[1]} | "
-                  f"{_pct(b.overhead_idle)} / {_pct(b.overhead_trace_timing)} | "
-                  f"{_num(b.calls_per_steady_step)} + {_num(b.event_calls_per_steady_step)} |")
-        print(f"\n{part.value} part, the trace served with the greedy-size plan (PlanResource, fallback: default policy):\n")
-        print("| trace | step | variant | peak reserved over peak live | served from the plan | mismatched / occupied / resyncs | "
-              "driver + event calls per steady step |")
+        print(f"\n### {part.value} part: today's allocator\n")
+        print("| trace | default policy, idle | default policy, trace timing | page-chunk policy alone, idle | "
+              "default: driver + event calls per steady step, idle | same, trace timing | steady steps |")
         print("|---|---|---|---|---|---|---|")
+        for b in base:
+            if b.part == part.value:
+                print(f"| {b.trace} | {_pct(b.overhead_idle)} | {_pct(b.overhead_trace_timing)} | "
+                      f"{_pct(b.overhead_page_chunks_idle)} | {_num(b.calls_per_steady_step_idle)} + "
+                      f"{_num(b.event_calls_per_steady_step_idle)} | {_num(b.calls_per_steady_step_trace_timing)} + "
+                      f"{_num(b.event_calls_per_steady_step_trace_timing)} | {b.steady_steps} |")
+        print(f"\n### {part.value} part: the step and its plans (height over the most planned bytes live / "
+              f"(pages(height) + pages(fixed)) over the step's peak live)\n")
+        print("| trace | step | period (allocs) | steady steps | in a steady step (allocs / bytes) | planned items | "
+              "step peak live | fixed | " + " | ".join(p.value for p in Planner) + " |")
+        print("|---|---|---|---|---|---|---|---|" + "---|" * len(Planner))
         for r in rows:
             if r.part != part.value:
                 continue
-            for name, s in r.serve.items():
-                print(f"| {r.trace} | {r.signature} | {name} | {_pct(s['overhead'])} | {s['planned_share']:.1%} | "
-                      f"{s['mismatched']} / {s['occupied']} / {s['resyncs']} | "
-                      f"{_num(s['calls_per_steady_step'])} + {_num(s['event_calls_per_steady_step'])} |")
+            pl = {p.planner: p for p in r.plans}
+            cells = [f"{_pct(pl[p.value].height_over_planned)} / {_pct(pl[p.value].paged_overhead)}" if p.value in pl
+                     else (r.note or "n/a") for p in Planner]
+            print(f"| {r.trace} | {r.signature} | {r.period} | {r.steps} | {r.coverage_allocs:.1%} / {r.coverage_nbytes:.1%} | "
+                  f"{r.planned_items} | {r.step_peak_live_nbytes / MiB:,.0f} MiB | {r.fixed_nbytes / MiB:,.0f} MiB | "
+                  + " | ".join(cells) + " |")
+        print(f"\n### {part.value} part: the trace served with its lowest plan (PlanResource)\n")
+        print("| trace | step | plan known | peak reserved over peak live, whole trace | same, steady steps after the "
+              "take-over | allocations served from the plan | mismatched / occupied / resyncs | driver + event calls "
+              "per steady step | arena's calls (once) |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            if r.part != part.value:
+                continue
+            for name, sv in r.serve.items():
+                print(f"| {r.trace} | {r.signature} | {name} | {_pct(sv['overhead'])} | {_pct(sv['steady_overhead'])} | "
+                      f"{sv['planned_share']:.1%} | {sv['mismatched']} / {sv['occupied']} / {sv['resyncs']} | "
+                      f"{_num(sv['calls_per_steady_step'])} + {_num(sv['event_calls_per_steady_step'])} | {sv['arena_calls']} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -948,9 +1010,11 @@ def main(argv: list[str] | None = None) -> int:
         trace = load_trace(path)
         life = Lifetimes.of(trace)
         live = trace.live_nbytes()
-        base.append(baseline(trace, life, live, part.value))
+        label = path.name.removesuffix(".gz")
+        base.append(baseline(trace, life, live, part.value, label))
         for s in args.signatures:
-            rows.append(study_variant(trace, life, live, Signature(s), part.value, serve_it=not args.no_serve))
+            rows.append(study_variant(trace, life, live, Signature(s), part.value, serve_it=not args.no_serve,
+                                      label=label))
         print(f"{path.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     print_tables(base, rows)
     if args.json:

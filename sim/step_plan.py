@@ -506,12 +506,14 @@ class PlanResource:
         self._live_end: dict[int, int] = {}
         self._window: list[tuple[int, int]] = []
         self._kgram: dict[tuple[tuple[int, int], ...], int] = {}
+        self.window = min(KGRAM, self.period)
+        """Detect mode: allocations matched to a unique window of the plan before it serves again."""
         if self.mode is SyncMode.DETECT:
             keys = list(zip(self.slot_nbytes, self.slot_streams))
             seen: dict[tuple[tuple[int, int], ...], int] = {}
             for j in range(self.period):
-                w = tuple(keys[(j + t) % self.period] for t in range(KGRAM))
-                seen[w] = -1 if w in seen else (j + KGRAM) % self.period
+                w = tuple(keys[(j + t) % self.period] for t in range(self.window))
+                seen[w] = -1 if w in seen else (j + self.window) % self.period
             self._kgram = {w: j for w, j in seen.items() if j >= 0}
 
     @property
@@ -592,9 +594,9 @@ class PlanResource:
             self.cursor = j if j < self.period else (0 if self.mode is SyncMode.DETECT else None)
         elif self.active and self.mode is SyncMode.DETECT:
             self._window.append((nbytes, stream))
-            if len(self._window) > KGRAM:
+            if len(self._window) > self.window:
                 del self._window[0]
-            found = self._kgram.get(tuple(self._window)) if len(self._window) == KGRAM else None
+            found = self._kgram.get(tuple(self._window)) if len(self._window) == self.window else None
             if found is not None:
                 self.cursor = found
                 self.count.resyncs += 1
@@ -692,12 +694,13 @@ def serve(trace: Trace, resource: PlanResource | None, fallback: CachingAllocato
     steady_live = steady_reserved = 0
     reserved = target.reserved_nbytes if resource is not None else fallback.reserved_nbytes
     after = activate_op if activate_op is not None else 0
-    # the step in which the plan takes over is a transition: calls are counted from the next step's start
+    # the step in which the plan takes over is a transition, and so is the next (a detected plan finds its
+    # place in it, the arena maps its last pages): calls are counted from the step after those two
     counted = [int(x) for x in step_ops if x >= after]
     if activate_op is not None and resource is not None:
-        counted = counted[1:]
+        counted = counted[2:] if len(counted) >= 4 else counted[1:]
     # Note [Two empty_cache calls]: at activation the fallback still holds what the last warm-up step left
-    # alive into the next one (gradients freed at zero_grad, a loss); a second empty_cache one step later
+    # alive into the next one (gradients freed at zero_grad, a loss); a second empty_cache where calls start
     # returns their pages too, once (four driver calls per page-sized chunk, made once).
     release_ops = {activate_op, counted[0]} if empty_cache_on_activate and counted and activate_op is not None else set()
     first_mark, last_mark = (counted[0], counted[-1]) if len(counted) >= 2 else (None, None)

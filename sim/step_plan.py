@@ -9,9 +9,11 @@ gpumem's caching allocator on a mismatch) holds over the whole trace, warm-up in
 
 Per trace (tuning and check parts apart, as ``gpumem.trace.corpus`` splits them) it:
 
-1. finds the step: the period of the allocation sequence (by size and stream, ``exact``), or, for traces
-   whose shapes change every step, of its structure (stream and lifetime in allocations, ``shape``: a
-   plan per slot sized for the largest step, serving a step while its sizes fit);
+1. finds the step: the period of the allocation sequence (by size and stream, ``exact``), and, for traces
+   whose shapes change every step, by size class (``class``: a slot holds its class's largest size), and
+   of its structure (stream and lifetime in allocations, ``shape``: a plan per slot sized for the largest
+   step, serving each step, marked by the program, while its sizes fit); it reports how much of the
+   trace lies in the repeating steps;
 2. takes the allocations of one steady step as the plan's items (an allocation freed in the next step
    before its slot comes round again wraps around the step boundary); everything else alive in the step
    (weights, optimizer state, anything living longer than a step) is *fixed*;
@@ -114,12 +116,28 @@ class Signature(str, enum.Enum):
     """Same stream and lifetime in allocations (how many allocations later it is freed): the step's
     structure repeats while its sizes change (variable sequence length). Known only once the allocation is
     freed: serving such a plan needs step boundaries marked by the program."""
+    CLASS = "class"
+    """Same size class (quarter octaves: sizes rounded up to 1, 1.25, 1.5 or 1.75 times a power of two) and
+    stream: steps whose sizes move a little repeat by class; a slot holds the class's largest size."""
+
+
+def size_class(nbytes: np.ndarray | int) -> np.ndarray:
+    """The largest size of ``nbytes``' class (:attr:`Signature.CLASS`): at least 512, else rounded up to a
+    quarter of the power of two at or below it."""
+    n = np.maximum(np.asarray(nbytes, dtype=np.int64), 1)
+    top = np.ones_like(n)
+    nz = n > 1
+    top[nz] = np.left_shift(1, np.floor(np.log2(n[nz] - 1)).astype(np.int64))   # the power of two below n
+    step = np.maximum(top // 4, ROUND_NBYTES)
+    return np.maximum(ROUND_NBYTES, -(-n // step) * step)
 
 
 def signatures(life: Lifetimes, kind: Signature) -> np.ndarray:
     """One int64 per allocation; equal values mean the same slot (:class:`Signature`)."""
     if kind is Signature.EXACT:
         keys = np.stack([life.nbytes, life.streams], axis=1)
+    elif kind is Signature.CLASS:
+        keys = np.stack([size_class(life.nbytes), life.streams], axis=1)
     else:
         span = life.free_rank() - np.arange(life.n_allocs)
         span[life.free_op >= life.n_ops] = -1
@@ -478,7 +496,7 @@ class PlanResource:
     """
 
     def __init__(self, fallback: CachingAllocator, slot_nbytes: np.ndarray, slot_offsets: np.ndarray,
-                 slot_streams: np.ndarray, arena_nbytes: int, mode: SyncMode) -> None:
+                 slot_streams: np.ndarray, arena_nbytes: int, mode: SyncMode, classed: bool = False) -> None:
         if not (len(slot_nbytes) == len(slot_offsets) == len(slot_streams)) or len(slot_nbytes) == 0:
             raise InvalidArgumentError("PlanResource: slot sizes, offsets and streams must be of one non-zero length")
         if arena_nbytes <= 0 or arena_nbytes % PAGE_NBYTES:
@@ -495,6 +513,8 @@ class PlanResource:
         self.period = len(self.slot_nbytes)
         self.arena_nbytes = arena_nbytes
         self.mode = SyncMode(mode)
+        self.classed = classed
+        """Detect mode: a slot is matched by size class (its size is the class's largest) rather than size."""
         self.base = 0
         self._active = False
         self._runs: list[tuple[int, int, Any]] = []
@@ -576,7 +596,11 @@ class PlanResource:
         slot_ok = False
         if self._active and j is not None:
             want = self.slot_nbytes[j]
-            fits = (nbytes == want if self.mode is SyncMode.DETECT else nbytes <= want) and stream == self.slot_streams[j]
+            if self.mode is SyncMode.MARKED:
+                fits = nbytes <= want
+            else:
+                fits = nbytes == want if not self.classed else int(size_class(nbytes)) == want
+            fits = fits and stream == self.slot_streams[j]
             if not fits:
                 # detect: the place in the step is lost; marked: the rest of this step goes to the fallback
                 self.count.mismatched += 1
@@ -593,7 +617,7 @@ class PlanResource:
             j += 1
             self.cursor = j if j < self.period else (0 if self.mode is SyncMode.DETECT else None)
         elif self.active and self.mode is SyncMode.DETECT:
-            self._window.append((nbytes, stream))
+            self._window.append((int(size_class(nbytes)) if self.classed else nbytes, stream))
             if len(self._window) > self.window:
                 del self._window[0]
             found = self._kgram.get(tuple(self._window)) if len(self._window) == self.window else None
@@ -822,12 +846,13 @@ def study_variant(trace: Trace, life: Lifetimes, live: np.ndarray, kind: Signatu
     row.coverage_allocs = len(covered) / life.n_allocs
     row.coverage_nbytes = float(life.nbytes[covered].sum() / max(1, life.nbytes.sum()))
     slot_nbytes = life.nbytes[covered].reshape(steps.n_steps, steps.period).max(axis=0)
-    tmpl = cut_template(life, steps, live, steps.n_steps - 2, slot_nbytes if kind is Signature.SHAPE else None)
-    if kind is Signature.SHAPE:
+    if kind is Signature.CLASS:
+        slot_nbytes = size_class(slot_nbytes)
+    tmpl = cut_template(life, steps, live, steps.n_steps - 2, slot_nbytes if kind is not Signature.EXACT else None)
+    if kind is not Signature.EXACT:
         # the envelope plan is judged against the largest step's live bytes
-        peaks = [cut_template(life, steps, live, m).peak_live_nbytes for m in range(steps.n_steps - 1)]
-        fixeds = [cut_template(life, steps, live, m).fixed_nbytes for m in range(steps.n_steps - 1)]
-        step_peak, fixed = max(peaks), max(fixeds)
+        each = [cut_template(life, steps, live, m) for m in range(steps.n_steps - 1)]
+        step_peak, fixed = max(t.peak_live_nbytes for t in each), max(t.fixed_nbytes for t in each)
     else:
         step_peak, fixed = tmpl.peak_live_nbytes, tmpl.fixed_nbytes
     row.planned_items = len(tmpl.items)
@@ -852,12 +877,12 @@ def study_variant(trace: Trace, life: Lifetimes, live: np.ndarray, kind: Signatu
     slot_off = np.full(p, -1, dtype=np.int64)
     slot_off[tmpl.slots] = offs
     # the request each slot expects (exact) or the most it takes (shape); the arena range is it rounded
-    slot_size = slot_nbytes if kind is Signature.SHAPE else life.nbytes[int(tmpl.ranks[0]) - int(tmpl.slots[0]):][:p]
+    slot_size = slot_nbytes if kind is not Signature.EXACT else life.nbytes[int(tmpl.ranks[0]) - int(tmpl.slots[0]):][:p]
     slot_stream = life.streams[int(steps.starts[0]):int(steps.starts[0]) + p]
     step_ops = life.alloc_op[steps.starts].tolist()
     # marked mode: the program marks every step; past the steady stretch the steps are taken to keep the period
     mark_ops = life.alloc_op[np.arange(int(steps.starts[-1]), life.n_allocs, p)].tolist()
-    mode = SyncMode.DETECT if kind is Signature.EXACT else SyncMode.MARKED
+    mode = SyncMode.MARKED if kind is Signature.SHAPE else SyncMode.DETECT
     variants: dict[str, tuple[int, bool, Any]] = {}
     # learned online: detected, the plan is known once a step was seen repeated (two steady steps); marked,
     # once one marked step was seen. The fallback's cache goes back as the arena's pages are mapped.
@@ -869,7 +894,8 @@ def study_variant(trace: Trace, life: Lifetimes, live: np.ndarray, kind: Signatu
     for name, (at, empty, policy) in variants.items():
         with open_device(DEVICE_SPEC) as dev:
             fb = CachingAllocator(dev, policy)
-            res = PlanResource(fb, slot_size, slot_off, slot_stream, round_up(h, PAGE_NBYTES), mode)
+            res = PlanResource(fb, slot_size, slot_off, slot_stream, round_up(h, PAGE_NBYTES), mode,
+                               classed=kind is Signature.CLASS)
             try:
                 out = serve(trace, res, fb, at, step_ops, empty_cache_on_activate=empty, mark_ops=mark_ops)
             finally:
@@ -993,7 +1019,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--traces", nargs="*", metavar="NAME",
                    help="corpus traces to study (file names in data/traces, or a prefix of one); default: all")
     p.add_argument("--signatures", nargs="*", default=[s.value for s in Signature], choices=[s.value for s in Signature],
-                   help="how steps are matched: 'exact' (size and stream), 'shape' (stream and lifetime, sizes may change)")
+                   help="how steps are matched: 'exact' (size and stream), 'class' (size class and stream), "
+                        "'shape' (stream and lifetime, sizes may change; served with marked steps)")
     p.add_argument("--no-serve", action="store_true", help="plan only: skip serving the trace with the plan")
     p.add_argument("--json", type=Path, help="write every row here as JSON")
     args = p.parse_args(argv)

@@ -288,3 +288,42 @@ def test_the_cli_explains_itself_and_refuses_an_unknown_trace(capsys: pytest.Cap
         sp.main(["--traces", "no_such_trace"])
     assert exc.value.code == 2
     assert "no corpus trace starts with no_such_trace" in capsys.readouterr().err
+
+
+def test_size_classes_are_quarter_octaves_of_at_least_512_bytes() -> None:
+    got = sp.size_class(np.array([1, 512, 513, 1024, 1025, 2 * MiB, 2 * MiB + 1, 3 * MiB + 5]))
+    assert got.tolist() == [512, 512, 1024, 1024, 1536, 2 * MiB, 2 * MiB + MiB // 2, 3 * MiB + MiB // 2]
+    sizes = np.arange(1, 200_000, 37)
+    classes = sp.size_class(sizes)
+    assert (classes >= sizes).all() and (classes % 512 == 0).all()
+    big = sizes > 4096
+    assert (classes[big] <= sizes[big] * 1.25 + 512).all()
+
+
+def test_a_trace_whose_sizes_wobble_repeats_by_class_not_exactly() -> None:
+    """Every step's sizes move by a few hundred bytes (a sequence length varying a little): the exact
+    signature finds no whole-trace repeat, the class signature does and plans every step."""
+    rng = np.random.default_rng(3)
+    base = [int(x) + KiB for x in rng.integers(4, 60, 30) * 64 * KiB]   # inside a class, with room to wobble
+    ops: list[tuple] = []
+    aid = 0
+    for step in range(8):
+        ids = []
+        for j, b in enumerate(base):
+            n = b + int(rng.integers(0, 8)) * 512
+            ops.append((0, aid, n, 0, float(len(ops)), 0x1000 * (aid + 1)))
+            ids.append((aid, n))
+            aid += 1
+            if j % 3 == 2:   # free the oldest but one, so lifetimes overlap
+                a, m = ids.pop(0)
+                ops.append((1, a, m, 0, float(len(ops)), 0x1000 * (a + 1)))
+        for a, m in ids:
+            ops.append((1, a, m, 0, float(len(ops)), 0x1000 * (a + 1)))
+    trace = Trace.from_ops("wobble", "recorded", ops)
+    life = sp.Lifetimes.of(trace)
+    live = trace.live_nbytes()
+    exact = sp.find_period(sp.signatures(life, sp.Signature.EXACT))
+    assert exact is None or exact.repeats < 3
+    row = sp.study_variant(trace, life, live, sp.Signature.CLASS, "tuning")
+    assert row.period == 30 and row.steps >= 7
+    assert row.plans and all(p.height_over_planned >= 0 for p in row.plans)

@@ -20,10 +20,10 @@ Per trace (tuning and check parts apart, as ``gpumem.trace.corpus`` splits them)
 3. plans the step with two planners (``first-fit``: allocation order, lowest free offset; ``greedy-size``:
    largest first, best-fitting gap, as TFLite's and XLA's planners do) and reports the plan's height over
    the step's planned live bytes, and ``(pages(height) + pages(fixed)) / peak live - 1`` with 2 MiB pages;
-4. serves the whole trace with :class:`PlanResource` (arena slots in order, gpumem's default caching
-   allocator on ``sim:h200-141gb`` for the rest) and reports peak reserved over peak live and driver
-   calls per steady step, beside the default policy's replay of the same trace (``gpumem.replay``, GPU
-   timing ``idle`` and the default ``trace``).
+4. serves the whole trace with :class:`PlanResource` (arena slots in order, gpumem's caching allocator on
+   ``sim:h200-141gb`` for the rest: the default policy, or it with one-page chunks) through
+   ``gpumem.replay`` (GPU timing ``idle`` and the default ``trace``) and reports peak reserved over peak
+   live and driver calls per steady step, beside the default policy's replay of the same trace.
 
     python -m sim.step_plan [--traces NAME ...] [--json build/step-plan.json]
 """
@@ -49,7 +49,8 @@ from gpumem.allocator import CachingAllocator
 from gpumem.allocator.policy import DEFAULT_POLICY, POLICIES
 from gpumem.device import Device
 from gpumem.errors import InvalidArgumentError, InvalidPointerError
-from gpumem.replay import replay_trace
+from gpumem.allocator.stats import AllocatorStats
+from gpumem.replay import replay, replay_trace
 from gpumem.specs import open_device
 from gpumem.trace import Trace, load_trace
 from gpumem.trace.corpus import CorpusPart, corpus_traces
@@ -66,6 +67,10 @@ ROUND_NBYTES = 512
 PAGE_CHUNK_POLICY = dataclasses.replace(POLICIES[DEFAULT_POLICY], name="page-chunks", chunk_max_nbytes=PAGE_NBYTES)
 """The default policy with every physical chunk one page: what a chunk locks when a long-lived block sits in
 it is one page, so the warm-up's cache goes back page by page when the plan takes over."""
+MEMORY_FIRST_POLICY = dataclasses.replace(PAGE_CHUNK_POLICY, name="memory-first", stream_ordered_steal=True,
+                                          page_slack=0.0)
+"""One-page chunks, the stream-ordered steal and no page slack (the memory-first end of setting C's knobs):
+many calls per step, but only while the fallback serves the steps, which with a plan is the warm-up."""
 KGRAM = 24
 """Allocations in a window that anchors period candidates and resyncs the served plan."""
 
@@ -697,88 +702,115 @@ class ServeResult:
         return self.peak_reserved_nbytes / self.peak_live_nbytes - 1 if self.peak_live_nbytes else 0.0
 
 
+class _Served:
+    """What :func:`gpumem.replay.replay` drives: ``resource`` (or the fallback alone), with the schedule of
+    :func:`serve` applied by allocation rank, and the figures of :class:`ServeResult` kept as it goes."""
+
+    def __init__(self, resource: PlanResource | None, fallback: CachingAllocator, activate_rank: int | None,
+                 release_ranks: set[int], mark_ranks: set[int], counted: list[int]) -> None:
+        self.resource, self.fallback = resource, fallback
+        self.device = fallback.device
+        self.policy = dataclasses.replace(fallback.policy, name="step-plan" if resource is not None else fallback.policy.name)
+        self.engine = fallback.engine
+        target = resource if resource is not None else fallback
+        self._allocate, self._free, self.record_stream = target.allocate, target.free, target.record_stream
+        self.activate_rank, self.release_ranks, self.mark_ranks = activate_rank, release_ranks, mark_ranks
+        self.marked = resource is not None and resource.mode is SyncMode.MARKED
+        self.first, self.last = (counted[0], counted[-1]) if len(counted) >= 2 else (-1, -1)
+        self.n_steady = len(counted) - 1 if len(counted) >= 2 else 0
+        self.rank = 0
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak_live = self.peak_reserved = 0
+        self.peak_rank = self.peak_fb = self.peak_at_live = self.peak_fb_alloc = 0
+        self.steady_live = self.steady_reserved = 0
+        self.calls = [0, 0, 0, 0]   # driver and event calls at the first and the last counted step
+
+    def _calls(self) -> tuple[int, int]:
+        st = self.fallback.stats
+        return st.device_calls + (self.resource.count.arena_calls if self.resource is not None else 0), st.event_calls
+
+    def allocate(self, nbytes: int, stream: int = 0) -> int:
+        r = self.rank
+        self.rank = r + 1
+        if r in self.release_ranks:
+            self.fallback.empty_cache()
+        if r == self.activate_rank and self.resource is not None:
+            self.resource.activate()
+        if r in self.mark_ranks and self.marked:
+            self.resource.mark_step()  # type: ignore[union-attr]
+        if r == self.first:
+            self.calls[0], self.calls[1] = self._calls()
+        elif r == self.last:
+            self.calls[2], self.calls[3] = self._calls()
+        ptr = self._allocate(nbytes, stream)
+        self.sizes[ptr] = nbytes
+        live = self.live = self.live + nbytes
+        if live > self.peak_live:
+            self.peak_live = live
+        fb = self.fallback.reserved_nbytes
+        reserved = fb + (self.resource.mapped_nbytes if self.resource is not None else 0)
+        if reserved > self.peak_reserved:
+            self.peak_reserved, self.peak_rank, self.peak_fb, self.peak_at_live = reserved, r, fb, live
+            self.peak_fb_alloc = self.fallback.allocated_nbytes
+        if self.first <= r < self.last:
+            self.steady_live = max(self.steady_live, live)
+            self.steady_reserved = max(self.steady_reserved, reserved)
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        self._free(ptr)
+        self.live -= self.sizes.pop(ptr)
+
+    def snapshot_stats(self) -> AllocatorStats:
+        st = self.fallback.stats
+        st.peak_requested_nbytes = self.peak_live
+        st.peak_reserved_nbytes = max(self.peak_reserved, st.peak_reserved_nbytes if self.resource is None else 0)
+        st.device_calls, st.event_calls = self._calls()
+        return st
+
+    def result(self, life: Lifetimes) -> "ServeResult":
+        n = self.n_steady
+        c = self.calls
+        return ServeResult(self.peak_live, self.snapshot_stats().peak_reserved_nbytes,
+                           self.resource.count if self.resource is not None else ServeCounters(),
+                           (c[2] - c[0]) / n if n else math.nan, (c[3] - c[1]) / n if n else math.nan, n,
+                           int(life.alloc_op[self.peak_rank]) if life.n_allocs else 0, self.peak_fb,
+                           self.peak_at_live, self.peak_fb_alloc, self.steady_live, self.steady_reserved)
+
+
 def serve(trace: Trace, resource: PlanResource | None, fallback: CachingAllocator, activate_op: int | None,
           step_ops: Sequence[int], empty_cache_on_activate: bool = False,
-          mark_ops: Sequence[int] | None = None) -> ServeResult:
-    """Replay ``trace`` through ``resource`` (None: the fallback alone), the plan activated before op
-    ``activate_op`` (None: never), steps marked before each op of ``step_ops`` (the steady steps' first
-    allocations; in marked mode they reset the cursor). Calls per steady step are counted between the
-    first step start at or after activation and the last one."""
-    kinds, ids, sizes, streams = trace.as_lists()
-    ptrs = [0] * (trace.n_allocs + 1)
-    uses: dict[int, list[tuple[int, int]]] = {}
-    for u in trace.stream_uses:
-        uses.setdefault(u.at_op, []).append((u.alloc_id, u.stream))
-    steps_at = set(int(x) for x in step_ops)
-    marks = steps_at | set(int(x) for x in (mark_ops or ()))
-    target = resource if resource is not None else fallback
-    allocate, free = target.allocate, target.free
-    marked = resource is not None and resource.mode is SyncMode.MARKED
-    live = peak_live = peak_reserved = peak_op = peak_fb = peak_at_live = peak_fb_alloc = 0
-    steady_live = steady_reserved = 0
-    reserved = target.reserved_nbytes if resource is not None else fallback.reserved_nbytes
+          mark_ops: Sequence[int] | None = None, gpu_timing: str = "idle") -> ServeResult:
+    """Replay ``trace`` (:func:`gpumem.replay.replay`, ``gpu_timing`` beside it) through ``resource`` (None:
+    the fallback alone), the plan activated before op ``activate_op`` (None: never), steps marked before
+    each op of ``step_ops`` and ``mark_ops`` (in marked mode they reset the cursor). Every op named must be
+    an allocation. Calls per steady step are counted from the second step after the take-over (Note [Two
+    transition steps]) to the last of ``step_ops``.
+
+    Raises:
+        InvalidArgumentError: an op named is not an allocation of the trace.
+    """
+    life = Lifetimes.of(trace)
+    named = [x for x in (activate_op,) if x is not None] + [int(x) for x in step_ops] + [int(x) for x in (mark_ops or ())]
+    rank_of = {int(op): r for r, op in enumerate(life.alloc_op.tolist())}
+    bad = [x for x in named if x not in rank_of]
+    if bad:
+        raise InvalidArgumentError(f"serve: op {bad[0]} is not an allocation of {trace.name}")
     after = activate_op if activate_op is not None else 0
-    # the step in which the plan takes over is a transition, and so is the next (a detected plan finds its
-    # place in it, the arena maps its last pages): calls are counted from the step after those two
+    # Note [Two transition steps]: the step in which the plan takes over is a transition (the fallback still
+    # holds what the warm-up left alive into it), and so is the next (a detected plan finds its place in it,
+    # the arena maps its last pages): calls are counted from the step after those two. The fallback gives
+    # its cache back at the take-over, and again where counting starts, once the warm-up's leftovers (the
+    # gradients freed at zero_grad, a loss) are freed.
     counted = [int(x) for x in step_ops if x >= after]
     if activate_op is not None and resource is not None:
         counted = counted[2:] if len(counted) >= 4 else counted[1:]
-    # Note [Two empty_cache calls]: at activation the fallback still holds what the last warm-up step left
-    # alive into the next one (gradients freed at zero_grad, a loss); a second empty_cache where calls start
-    # returns their pages too, once (four driver calls per page-sized chunk, made once).
-    release_ops = {activate_op, counted[0]} if empty_cache_on_activate and counted and activate_op is not None else set()
-    first_mark, last_mark = (counted[0], counted[-1]) if len(counted) >= 2 else (None, None)
-    steady_from, steady_to = (counted[0], counted[-1]) if len(counted) >= 2 else (None, None)
-    calls0 = events0 = 0
-    calls1 = events1 = 0
-    for i in range(len(kinds)):
-        if i in release_ops:
-            fallback.empty_cache()
-        if i == activate_op and resource is not None:
-            resource.activate()
-        if i in marks:
-            if marked:
-                resource.mark_step()  # type: ignore[union-attr]
-            if i in steps_at and (i == first_mark or i == last_mark):
-                st = fallback.stats
-                extra = resource.count.arena_calls if resource is not None else 0
-                if i == first_mark:
-                    calls0, events0 = st.device_calls + extra, st.event_calls
-                else:
-                    calls1, events1 = st.device_calls + extra, st.event_calls
-        if i in uses:
-            for aid, s in uses[i]:
-                if ptrs[aid]:
-                    target.record_stream(ptrs[aid], s)
-        n = sizes[i]
-        if kinds[i] == 0:
-            if n:
-                ptrs[ids[i]] = allocate(n, streams[i])
-                live += n
-                if live > peak_live:
-                    peak_live = live
-                fb_reserved = fallback.reserved_nbytes
-                reserved = fb_reserved + (resource.mapped_nbytes if resource is not None else 0)
-                if reserved > peak_reserved:
-                    peak_reserved, peak_op, peak_fb, peak_at_live = reserved, i, fb_reserved, live
-                    peak_fb_alloc = fallback.allocated_nbytes
-                if steady_from is not None and steady_from <= i < steady_to:
-                    steady_live = max(steady_live, live)
-                    steady_reserved = max(steady_reserved, reserved)
-        else:
-            p = ptrs[ids[i]]
-            if p:
-                free(p)
-                ptrs[ids[i]] = 0
-                live -= n
-    # the arena's own mapping counts in peak reserved from activation on (already in `reserved` after it)
-    peak_reserved = max(peak_reserved, fallback.stats.peak_reserved_nbytes if resource is None else 0)
-    n_steady = len(counted) - 1 if first_mark is not None else 0
-    return ServeResult(peak_live, peak_reserved,
-                       resource.count if resource is not None else ServeCounters(),
-                       (calls1 - calls0) / n_steady if n_steady else math.nan,
-                       (events1 - events0) / n_steady if n_steady else math.nan, n_steady,
-                       peak_op, peak_fb, peak_at_live, peak_fb_alloc, steady_live, steady_reserved)
+    release = {activate_op, counted[0]} if empty_cache_on_activate and counted and activate_op is not None else set()
+    driver = _Served(resource, fallback, rank_of[activate_op] if activate_op is not None else None,
+                     {rank_of[x] for x in release}, {rank_of[int(x)] for x in list(step_ops) + list(mark_ops or ())},
+                     [rank_of[x] for x in counted])
+    replay(trace, driver, gpu_timing=gpu_timing, progress=False)  # type: ignore[arg-type]
+    return driver.result(life)
 
 
 # -- the study ---------------------------------------------------------------------------------------------
@@ -829,8 +861,10 @@ def _serve_row(res: ServeResult, n_allocs: int) -> dict[str, Any]:
 
 
 def study_variant(trace: Trace, life: Lifetimes, live: np.ndarray, kind: Signature, part: str,
-                  serve_it: bool = True, label: str | None = None) -> VariantRow:
-    """Find the step of ``trace`` under ``kind``, plan it with every planner, and serve the trace."""
+                  serve_it: bool = True, label: str | None = None,
+                  timings: Sequence[str] = ("idle", "trace")) -> VariantRow:
+    """Find the step of ``trace`` under ``kind``, plan it with every planner, and serve the trace (with the
+    default policy and :data:`PAGE_CHUNK_POLICY` as the fallback, under each GPU timing of ``timings``)."""
     row = VariantRow(part, label or trace.name, kind.value)
     sig = signatures(life, kind)
     per = find_period(sig)
@@ -883,21 +917,25 @@ def study_variant(trace: Trace, life: Lifetimes, live: np.ndarray, kind: Signatu
     # marked mode: the program marks every step; past the steady stretch the steps are taken to keep the period
     mark_ops = life.alloc_op[np.arange(int(steps.starts[-1]), life.n_allocs, p)].tolist()
     mode = SyncMode.MARKED if kind is Signature.SHAPE else SyncMode.DETECT
-    variants: dict[str, tuple[int, bool, Any]] = {}
+    variants: dict[str, tuple[int, bool, Any, str]] = {}
     # learned online: detected, the plan is known once a step was seen repeated (two steady steps); marked,
     # once one marked step was seen. The fallback's cache goes back as the arena's pages are mapped.
     seen = 2 if mode is SyncMode.DETECT else 1
     if steps.n_steps >= seen + 2:
         at = int(life.alloc_op[steps.starts[seen]])
-        variants[f"after {seen} step{'s' if seen > 1 else ''}, default fallback"] = (at, True, DEFAULT_POLICY)
-        variants[f"after {seen} step{'s' if seen > 1 else ''}, page-chunk fallback"] = (at, True, PAGE_CHUNK_POLICY)
-    for name, (at, empty, policy) in variants.items():
+        when = f"after {seen} step{'s' if seen > 1 else ''}"
+        for timing in timings:
+            variants[f"{when}, default fallback, {timing}"] = (at, True, DEFAULT_POLICY, timing)
+            variants[f"{when}, page-chunk fallback, {timing}"] = (at, True, PAGE_CHUNK_POLICY, timing)
+            variants[f"{when}, memory-first fallback, {timing}"] = (at, True, MEMORY_FIRST_POLICY, timing)
+    for name, (at, empty, policy, timing) in variants.items():
         with open_device(DEVICE_SPEC) as dev:
             fb = CachingAllocator(dev, policy)
             res = PlanResource(fb, slot_size, slot_off, slot_stream, round_up(h, PAGE_NBYTES), mode,
                                classed=kind is Signature.CLASS)
             try:
-                out = serve(trace, res, fb, at, step_ops, empty_cache_on_activate=empty, mark_ops=mark_ops)
+                out = serve(trace, res, fb, at, step_ops, empty_cache_on_activate=empty, mark_ops=mark_ops,
+                            gpu_timing=timing)
             finally:
                 res.close()
         row.serve[name] = _serve_row(out, life.n_allocs)
@@ -915,48 +953,45 @@ class BaselineRow:
     """The default policy, ``gpumem.replay`` with GPU timing ``idle``."""
     overhead_trace_timing: float
     """The default policy, ``gpumem.replay`` with the default GPU timing (``trace``)."""
-    overhead_page_chunks_idle: float
-    """:data:`PAGE_CHUNK_POLICY` alone (no plan), idle: the served rows' fallback by itself."""
-    calls_per_steady_step_idle: float
-    event_calls_per_steady_step_idle: float
     calls_per_steady_step_trace_timing: float
+    """The default policy's driver calls per steady step (exact steps), GPU timing ``trace``."""
     event_calls_per_steady_step_trace_timing: float
+    memory_first_overhead_trace_timing: float
+    """:data:`MEMORY_FIRST_POLICY` alone (no plan), GPU timing ``trace``: what the served rows' warm-up
+    fallback holds by itself."""
+    memory_first_calls_per_steady_step_trace_timing: float
+    memory_first_event_calls_per_steady_step_trace_timing: float
     steady_steps: int
 
 
+def _calls_per_step(trace: Trace, ops: list[int], policy: Any) -> tuple[float, float]:
+    """Driver and event calls per step between the first and the last of ``ops`` under ``policy``, GPU timing
+    ``trace``: from replays of the trace cut at those two ops."""
+    h0 = replay_trace(trace.head(ops[0]), DEVICE_SPEC, policy, progress=False)
+    h1 = replay_trace(trace.head(ops[-1]), DEVICE_SPEC, policy, progress=False)
+    n = len(ops) - 1
+    return (h1.stats.device_calls - h0.stats.device_calls) / n, (h1.stats.event_calls - h0.stats.event_calls) / n
+
+
 def baseline(trace: Trace, life: Lifetimes, live: np.ndarray, part: str, label: str | None = None) -> BaselineRow:
-    """The default policy on the trace: ``gpumem.replay`` with GPU timing idle and trace (the default), and
-    its driver and event calls per steady step (the exact steps of :func:`find_period`; none found: NaN):
-    under idle timing from the loop :func:`serve` runs, under trace timing from replays of the trace cut
-    at the first and at the last steady step's start."""
+    """The default policy on the trace (``gpumem.replay``, GPU timing idle and trace, the default) and
+    :data:`MEMORY_FIRST_POLICY` alone, with their driver and event calls per steady step (the exact steps of
+    :func:`find_period`; none found: NaN) under trace timing."""
     idle = replay_trace(trace, DEVICE_SPEC, DEFAULT_POLICY, progress=False, gpu_timing="idle")
     timed = replay_trace(trace, DEVICE_SPEC, DEFAULT_POLICY, progress=False)
-    paged = replay_trace(trace, DEVICE_SPEC, PAGE_CHUNK_POLICY, progress=False, gpu_timing="idle")
+    mem = replay_trace(trace, DEVICE_SPEC, MEMORY_FIRST_POLICY, progress=False)
     nan = math.nan
-    calls = events = tcalls = tevents = nan
+    calls = events = mcalls = mevents = nan
     n_steady = 0
     per = find_period(signatures(life, Signature.EXACT))
     if per is not None:
-        steps = split_steps(life, per, live)
-        ops = life.alloc_op[steps.starts].tolist()
+        ops = life.alloc_op[split_steps(life, per, live).starts].tolist()
         n_steady = len(ops) - 1
         if n_steady >= 1:
-            with open_device(DEVICE_SPEC) as dev:
-                fb = CachingAllocator(dev, DEFAULT_POLICY)
-                try:
-                    out = serve(trace, None, fb, None, ops)
-                finally:
-                    fb.close()
-            if abs(out.overhead - idle.overhead) > 1e-9:
-                log.warning("%s: the serve loop's default-policy overhead %.4f differs from replay's %.4f",
-                            trace.name, out.overhead, idle.overhead)
-            calls, events = out.calls_per_steady_step, out.event_calls_per_steady_step
-            h0 = replay_trace(trace.head(ops[0]), DEVICE_SPEC, DEFAULT_POLICY, progress=False)
-            h1 = replay_trace(trace.head(ops[-1]), DEVICE_SPEC, DEFAULT_POLICY, progress=False)
-            tcalls = (h1.stats.device_calls - h0.stats.device_calls) / n_steady
-            tevents = (h1.stats.event_calls - h0.stats.event_calls) / n_steady
-    return BaselineRow(part, label or trace.name, idle.peak_live_bytes, idle.overhead, timed.overhead, paged.overhead,
-                       calls, events, tcalls, tevents, max(0, n_steady))
+            calls, events = _calls_per_step(trace, ops, DEFAULT_POLICY)
+            mcalls, mevents = _calls_per_step(trace, ops, MEMORY_FIRST_POLICY)
+    return BaselineRow(part, label or trace.name, idle.peak_live_bytes, idle.overhead, timed.overhead, calls, events,
+                       mem.overhead, mcalls, mevents, max(0, n_steady))
 
 
 def _pct(x: float) -> str:
@@ -971,15 +1006,17 @@ def print_tables(base: list[BaselineRow], rows: list[VariantRow]) -> None:
     """The three tables of the record, each part apart: today's allocator, the plans, the trace served."""
     for part in CorpusPart:
         print(f"\n### {part.value} part: today's allocator\n")
-        print("| trace | default policy, idle | default policy, trace timing | page-chunk policy alone, idle | "
-              "default: driver + event calls per steady step, idle | same, trace timing | steady steps |")
+        print("| trace | default policy, idle | default policy, trace timing | default: driver + event calls per "
+              "steady step, trace timing | memory-first policy alone, trace timing | memory-first: calls per steady "
+              "step | steady steps |")
         print("|---|---|---|---|---|---|---|")
         for b in base:
             if b.part == part.value:
                 print(f"| {b.trace} | {_pct(b.overhead_idle)} | {_pct(b.overhead_trace_timing)} | "
-                      f"{_pct(b.overhead_page_chunks_idle)} | {_num(b.calls_per_steady_step_idle)} + "
-                      f"{_num(b.event_calls_per_steady_step_idle)} | {_num(b.calls_per_steady_step_trace_timing)} + "
-                      f"{_num(b.event_calls_per_steady_step_trace_timing)} | {b.steady_steps} |")
+                      f"{_num(b.calls_per_steady_step_trace_timing)} + {_num(b.event_calls_per_steady_step_trace_timing)} | "
+                      f"{_pct(b.memory_first_overhead_trace_timing)} | "
+                      f"{_num(b.memory_first_calls_per_steady_step_trace_timing)} + "
+                      f"{_num(b.memory_first_event_calls_per_steady_step_trace_timing)} | {b.steady_steps} |")
         print(f"\n### {part.value} part: the step and its plans (height over the most planned bytes live / "
               f"(pages(height) + pages(fixed)) over the step's peak live)\n")
         print("| trace | step | period (allocs) | steady steps | in a steady step (allocs / bytes) | planned items | "

@@ -488,6 +488,25 @@ class ServeCounters:
     arena_calls: int = 0
 
 
+# Note [The arena takes over from the fallback]
+# ----------------------------------------------
+# A plan is known only after the program ran a step (two, when the allocator finds the period itself), so
+# the first steps are served by an ordinary caching allocator, the fallback, and their peak counts in peak
+# reserved as any other. Mapping the whole arena at the take-over would hold the fallback's cache and the
+# arena at once (the first version of this study did: 67-77 % above peak live on GPT-2). So the arena's
+# address range is reserved at the take-over and each page is mapped when a slot first touches it, after
+# the fallback gave back every cached byte that holds no live data (``empty_cache``): the pages the
+# warm-up's activations held go back as the arena's pages come in. What the fallback keeps is what is
+# still live in it (weights, optimizer state, what the last warm-up step left alive into the first planned
+# one) and the pages those share with freed blocks: with the default policy's chunks (up to 1/256 of the
+# memory held) a chunk with one live block stays whole, hence the page-chunk fallbacks. These calls are
+# made once (in the two transition steps: Note [Two transition steps]); once every page of the arena is
+# mapped a step in the plan makes no device call: slots are reused in program order on their stream,
+# which orders the reuse after the previous occupant's work without an event. A trace on several streams
+# is planned the same way here, which is safe only under ``idle`` timing: a real engine would have to
+# record an event where a slot passes from one stream's allocation to another's (see the record).
+
+
 class PlanResource:
     """A prototype step-plan allocator: one arena mapped once, a slot per planned allocation of the step,
     and gpumem's caching allocator (``fallback``) for everything else.
@@ -1002,6 +1021,38 @@ def _num(x: float) -> str:
     return "n/a" if isinstance(x, float) and math.isnan(x) else f"{x:.1f}"
 
 
+def print_summary(base: list[BaselineRow], rows: list[VariantRow]) -> None:
+    """One row per trace: the exact step, its best plan, today's allocator, and the trace served with the
+    memory-first warm-up fallback under trace timing, detected (exact) and marked (shape)."""
+    by = {(r.trace, r.signature): r for r in rows}
+    for part in CorpusPart:
+        print(f"\n### {part.value} part: summary (served: memory-first warm-up fallback, GPU timing trace)\n")
+        print("| trace | period (allocs) / steady steps / in them (allocs) | greedy-best plan: paged | default policy, "
+              "idle / trace timing | default: calls per steady step | memory-first alone / its calls per steady step | "
+              "served, detected: whole trace / steady / calls per steady step | served, marked: whole trace / steady / "
+              "calls per steady step |")
+        print("|---|---|---|---|---|---|---|---|")
+        for b in base:
+            if b.part != part.value:
+                continue
+            ex, sh = by.get((b.trace, "exact")), by.get((b.trace, "shape"))
+            plan_cell = "n/a"
+            if ex is not None and ex.plans:
+                plan_cell = _pct(min(p.paged_overhead for p in ex.plans))
+            cells = []
+            for r, key in ((ex, "after 2 steps, memory-first fallback, trace"), (sh, "after 1 step, memory-first fallback, trace")):
+                sv = r.serve.get(key) if r is not None else None
+                cells.append("not served" if sv is None else
+                             f"{_pct(sv['overhead'])} / {_pct(sv['steady_overhead'])} / "
+                             f"{_num(sv['calls_per_steady_step'] + sv['event_calls_per_steady_step'])}")
+            step = f"{ex.period} / {ex.steps} / {ex.coverage_allocs:.0%}" if ex is not None and ex.period else "none"
+            print(f"| {b.trace} | {step} | {plan_cell} | {_pct(b.overhead_idle)} / {_pct(b.overhead_trace_timing)} | "
+                  f"{_num(b.calls_per_steady_step_trace_timing + b.event_calls_per_steady_step_trace_timing)} | "
+                  f"{_pct(b.memory_first_overhead_trace_timing)} / "
+                  f"{_num(b.memory_first_calls_per_steady_step_trace_timing + b.memory_first_event_calls_per_steady_step_trace_timing)} | "
+                  f"{cells[0]} | {cells[1]} |")
+
+
 def print_tables(base: list[BaselineRow], rows: list[VariantRow]) -> None:
     """The three tables of the record, each part apart: today's allocator, the plans, the trace served."""
     for part in CorpusPart:
@@ -1060,9 +1111,21 @@ def main(argv: list[str] | None = None) -> int:
                         "'shape' (stream and lifetime, sizes may change; served with marked steps)")
     p.add_argument("--no-serve", action="store_true", help="plan only: skip serving the trace with the plan")
     p.add_argument("--json", type=Path, help="write every row here as JSON")
+    p.add_argument("--from-json", type=Path, metavar="JSON",
+                   help="print the tables of a record written by --json, without replaying anything")
     args = p.parse_args(argv)
     if args.json is not None and not args.json.parent.is_dir():
         p.error(f"--json: no folder {args.json.parent}")
+    if args.from_json is not None:
+        try:
+            rec = json.loads(args.from_json.read_text())
+            base = [BaselineRow(**b) for b in rec["baseline"]]
+            rows = [VariantRow(**{**v, "plans": [PlanFigures(**pf) for pf in v["plans"]]}) for v in rec["variants"]]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            p.error(f"--from-json: cannot read {args.from_json} as a record of this study: {exc}")
+        print_summary(base, rows)
+        print_tables(base, rows)
+        return 0
     paths = [(part, path) for part in CorpusPart for path in corpus_traces(part)]
     if args.traces:
         chosen = [(part, path) for part, path in paths if any(path.name.startswith(t) for t in args.traces)]
@@ -1083,6 +1146,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(study_variant(trace, life, live, Signature(s), part.value, serve_it=not args.no_serve,
                                       label=label))
         print(f"{path.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print_summary(base, rows)
     print_tables(base, rows)
     if args.json:
         args.json.write_text(json.dumps({"device": DEVICE_SPEC, "baseline": [dataclasses.asdict(b) for b in base],

@@ -327,3 +327,19 @@ def test_a_trace_whose_sizes_wobble_repeats_by_class_not_exactly() -> None:
     row = sp.study_variant(trace, life, live, sp.Signature.CLASS, "tuning")
     assert row.period == 30 and row.steps >= 7
     assert row.plans and all(p.height_over_planned >= 0 for p in row.plans)
+
+
+def test_a_corpus_trace_round_trips_through_the_record(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The smallest served corpus trace, end to end: its record prints the same tables again."""
+    out = tmp_path / "rec.json"
+    assert sp.main(["--traces", "multistream_infer", "--signatures", "exact", "--json", str(out)]) == 0
+    first = capsys.readouterr().out
+    assert "multistream_infer_h200.snapshot.pickle | 31 / 9" in first
+    assert sp.main(["--from-json", str(out)]) == 0
+    assert capsys.readouterr().out == first
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        sp.main(["--from-json", str(bad)])
+    assert exc.value.code == 2
+    assert "cannot read" in capsys.readouterr().err

@@ -17,13 +17,15 @@ Per trace (tuning and check parts apart, as ``gpumem.trace.corpus`` splits them)
 2. takes the allocations of one steady step as the plan's items (an allocation freed in the next step
    before its slot comes round again wraps around the step boundary); everything else alive in the step
    (weights, optimizer state, anything living longer than a step) is *fixed*;
-3. plans the step with two planners (``first-fit``: allocation order, lowest free offset; ``greedy-size``:
-   largest first, best-fitting gap, as TFLite's and XLA's planners do) and reports the plan's height over
-   the step's planned live bytes, and ``(pages(height) + pages(fixed)) / peak live - 1`` with 2 MiB pages;
+3. plans the step with three planners (``first-fit``: allocation order, lowest free offset; ``greedy-size``:
+   largest first, lowest free offset; ``greedy-best``: the lowest of three greedy orders, TFLite's
+   greedy-by-size with the best-fitting gap among them) and reports the plan's height over the most
+   planned bytes live at once, and ``(pages(height) + pages(fixed)) / step peak live - 1`` with 2 MiB pages;
 4. serves the whole trace with :class:`PlanResource` (arena slots in order, gpumem's caching allocator on
-   ``sim:h200-141gb`` for the rest: the default policy, or it with one-page chunks) through
-   ``gpumem.replay`` (GPU timing ``idle`` and the default ``trace``) and reports peak reserved over peak
-   live and driver calls per steady step, beside the default policy's replay of the same trace.
+   ``sim:h200-141gb`` for the rest and for the warm-up steps before the plan is known: the default policy,
+   it with one-page chunks, or the memory-first :data:`MEMORY_FIRST_POLICY`) through ``gpumem.replay``
+   (GPU timing ``idle`` and the default ``trace``) and reports peak reserved over peak live and driver
+   calls per steady step, beside the default policy's and the memory-first policy's replays of the trace.
 
     python -m sim.step_plan [--traces NAME ...] [--json build/step-plan.json]
 """
@@ -1098,7 +1100,7 @@ def print_tables(base: list[BaselineRow], rows: list[VariantRow]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m sim.step_plan", description=__doc__.split("\n\n")[0],
+        prog="python -m sim.step_plan", description=(__doc__ or "").split("\n    python -m")[0],
         epilog="Columns: 'height over planned live' is the plan's arena over the most planned bytes live at "
                "once (the planner's own loss); 'paged' is (arena + fixed, each in whole 2 MiB pages) over the "
                "step's peak live bytes, minus 1; the served rows are peak reserved over peak live over the "

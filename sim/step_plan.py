@@ -37,7 +37,6 @@ import bisect
 import dataclasses
 import enum
 import json
-import logging
 import math
 import sys
 import time
@@ -59,7 +58,6 @@ from gpumem.trace.corpus import CorpusPart, corpus_traces
 from gpumem.trace.model import OpKind
 from gpumem.units import MiB
 
-log = logging.getLogger(__name__)
 
 DEVICE_SPEC = "sim:h200-141gb"
 PAGE_NBYTES = 2 * MiB

@@ -508,15 +508,16 @@ class ServeCounters:
 
 
 class PlanResource:
-    """A prototype step-plan allocator: one arena mapped once, a slot per planned allocation of the step,
-    and gpumem's caching allocator (``fallback``) for everything else.
+    """A prototype step-plan allocator: one arena whose pages are mapped once, a slot per planned allocation
+    of the step, and gpumem's caching allocator (``fallback``) for everything else.
 
-    ``slot_nbytes`` and ``slot_offsets`` (per position in the step; offset -1: not planned) and
-    ``slot_streams`` describe the plan; ``arena_nbytes`` the arena, mapped on :meth:`activate` with four
-    device calls (reserve, create, map, set access). An allocation is served from its slot when the plan
-    is active, it is the allocation the plan expects next (:class:`SyncMode`), its stream is the slot's,
-    its size at most the slot's, and no live arena allocation overlaps the slot's range; otherwise the
-    fallback serves it. Frees go where the pointer came from.
+    ``slot_nbytes`` (per position in the step: the size it expects, or takes at most), ``slot_offsets``
+    (-1: not planned) and ``slot_streams`` describe the plan; ``arena_nbytes`` the arena, whose address
+    range :meth:`activate` reserves and whose pages are mapped as slots first touch them (Note [The arena
+    takes over from the fallback]). An allocation is served from its slot when the plan is active, it is the
+    allocation the plan expects next (:class:`SyncMode`), its stream is the slot's, its size fits the slot
+    and no live arena allocation overlaps the slot's range; otherwise the fallback serves it. Frees go
+    where the pointer came from.
     """
 
     def __init__(self, fallback: CachingAllocator, slot_nbytes: np.ndarray, slot_offsets: np.ndarray,
@@ -616,6 +617,10 @@ class PlanResource:
         return i == 0 or self._live_end[starts[i - 1]] <= off
 
     def allocate(self, nbytes: int, stream: int = 0) -> int:
+        """``nbytes`` (> 0) on ``stream``: from the slot the plan expects next when it fits (module
+        docstring), else from the fallback."""
+        if type(nbytes) is not int or nbytes <= 0:
+            raise InvalidArgumentError(f"PlanResource.allocate: nbytes must be a positive int, got {nbytes!r}")
         j = self.cursor
         slot_ok = False
         if self._active and j is not None:
@@ -662,6 +667,8 @@ class PlanResource:
         return self.fallback.allocate(nbytes, stream)
 
     def free(self, ptr: int) -> None:
+        """Give back ``ptr`` (from :meth:`allocate`); an arena pointer that is not live raises
+        :class:`~gpumem.errors.InvalidPointerError`, changing nothing."""
         off = ptr - self.base
         if self.active and 0 <= off < self.arena_nbytes:
             if off not in self._live_end:

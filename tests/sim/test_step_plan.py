@@ -4,6 +4,8 @@ is refused with a specific error."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -250,6 +252,11 @@ def test_the_resource_refuses_bad_plans_and_unknown_pointers() -> None:
             res.free(a)
             with pytest.raises(InvalidPointerError):
                 res.free(a)
+            before = (dataclasses.replace(res.count), res.cursor, res.mapped_nbytes)
+            for bad in (0, -1, 1.5):
+                with pytest.raises(InvalidArgumentError, match="positive int"):
+                    res.allocate(bad)  # type: ignore[arg-type]
+            assert (res.count, res.cursor, res.mapped_nbytes) == before   # bad input changes nothing
             res.free(b)
             res.free(c)
         finally:
@@ -343,3 +350,44 @@ def test_a_corpus_trace_round_trips_through_the_record(tmp_path, capsys: pytest.
         sp.main(["--from-json", str(bad)])
     assert exc.value.code == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data(), st.sampled_from(list(sp.SyncMode)))
+def test_the_resource_never_hands_out_overlapping_live_ranges(data: st.DataObject, mode: sp.SyncMode) -> None:
+    """Whatever the program does (sizes off the plan, frees in any order, steps marked anywhere), no two live
+    allocations overlap and every arena allocation lies on mapped pages."""
+    n_slots = data.draw(st.integers(1, 12))
+    sizes = [data.draw(st.integers(1, 8)) * 256 * KiB for _ in range(n_slots)]
+    # a plan where every slot overlaps every other in time: offsets side by side
+    offs = np.cumsum([0] + [sp.round_up(s, 512) for s in sizes[:-1]])
+    arena = sp.round_up(int(offs[-1]) + sizes[-1], sp.PAGE_NBYTES)
+    with open_device("sim:h200-141gb") as dev:
+        fb = CachingAllocator(dev)
+        res = sp.PlanResource(fb, np.array(sizes), offs, np.zeros(n_slots, dtype=np.int64), arena, mode)
+        live: dict[int, int] = {}
+        try:
+            res.activate()
+            for _ in range(data.draw(st.integers(1, 60))):
+                op = data.draw(st.sampled_from(["plan", "other", "free", "mark"]))
+                if op == "mark":
+                    res.mark_step()
+                elif op == "free" and live:
+                    p = data.draw(st.sampled_from(sorted(live)))
+                    res.free(p)
+                    del live[p]
+                elif op in ("plan", "other"):
+                    j = res.cursor if res.cursor is not None else data.draw(st.integers(0, n_slots - 1))
+                    n = sizes[j] if op == "plan" else data.draw(st.integers(1, 3 * MiB))
+                    p = res.allocate(n)
+                    live[p] = sp.round_up(n, 512)
+                    if res.base <= p < res.base + arena:
+                        first, last = (p - res.base) // sp.PAGE_NBYTES, (p - res.base + n - 1) // sp.PAGE_NBYTES
+                        assert all(res._mapped[pg] for pg in range(first, last + 1))
+                spans = sorted(live.items())
+                for (a, na), (b, _) in zip(spans, spans[1:]):
+                    assert a + na <= b, "two live allocations overlap"
+            for p in list(live):
+                res.free(p)
+        finally:
+            res.close()

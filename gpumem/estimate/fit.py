@@ -434,79 +434,42 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
     return good
 
 
-PREFIX_TOKENS = DECODE_HEAD_STEPS + 1
-"""Tokens of the prefix trace that ``replay_inference``'s full path replays first (Note [Prefix first]) and that
-the guided search probes first (Note [Guided search])."""
-
-PREFIX_STAGE_MIN_NEW_TOKENS = 64
-"""The fewest new tokens at which the guided search first bounds its answer by prefix replays (Note [Guided
-search]): a prefill at the batches ``gpumem fit`` probes costs about what 30 decode steps do (7B, prompt 2048),
-so below this the prefix is most of a replay and probing it first saves nothing."""
-
-
-class _StepCount:
-    """A progress bar for one replay that counts its decode steps (Note [Guided search]); shows nothing."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-
-    def close(self) -> None:
-        """Nothing to close."""
-
-
 class _Probes:
-    """Whether a size fits under a limit, each replayed at most once (Note [Probes share replays]); every answer
-    is appended to ``tries``. Also the prefix trace's answers (Note [Guided search]) and the workload's peak
-    of allocated bytes."""
+    """Whether a size fits under a limit, each replayed at most once (Note [Probes share replays]), or taken as
+    fitting where Note [Gallop skipped] allows; every answer is appended to ``tries``."""
 
-    def __init__(self, workload: Callable[..., WorkloadTrace], prefix_workload: Callable[[int], WorkloadTrace],
-                 replay: Callable[[int, int, int, _StepCount], ReservedEstimate],
-                 replay_prefix: Callable[[WorkloadTrace, int], ReservedEstimate],
+    def __init__(self, workload: Callable[[int], WorkloadTrace],
+                 replay: Callable[[WorkloadTrace, int, int], ReservedEstimate],
                  fault: Callable[[int, ReservedEstimate], Exception], usable: int, full_replay: bool, bar: Any,
-                 tries: list[FitTry], new_tokens: int) -> None:
+                 tries: list[FitTry]) -> None:
         self._workload = workload
-        self._prefix_workload = prefix_workload
         self._replay = replay
-        self._replay_prefix = replay_prefix
         self._fault = fault
         self._usable = usable
         self._full_replay = full_replay
         self._bar = bar
         self.tries = tries
-        self._new_tokens = new_tokens
         self._cache: dict[tuple[int, int], bool] = {}
         self._fitted: dict[int, int] = {}  # value -> the least peak reserved seen to fit
-        self._prefix_cache: dict[tuple[int, int], bool] = {}
-        self._prefix_fitted: dict[int, int] = {}
-        self._peaks: dict[tuple[int, int | None], int] = {}
-        self.failed_at: dict[tuple[int, int], int] = {}
-        """(value, limit) -> decode steps a replay that did not fit made before its out-of-memory error, where
-        that was past the prefix and before the last step (the guided search's model reads it)."""
+        self._peaks: dict[int, int] = {}
+        self.assumed_below: dict[int, int] = {}
+        """limit -> the power of two below which the gallop's sizes are taken as fitting (Note [Gallop
+        skipped]); 0 (nothing taken) where absent."""
 
-    def peak(self, v: int, tokens: int | None = None) -> int:
-        """The workload's peak of allocated bytes at ``v`` (``tokens`` new tokens; default the search's)."""
-        key = (v, tokens)
-        if key not in self._peaks:
-            self._peaks[key] = self._workload(v, tokens).peak_nbytes
-        return self._peaks[key]
-
-    def prefix_peak(self, v: int) -> int:
-        """The prefix trace's peak of allocated bytes at ``v``."""
-        key = (v, -1)
-        if key not in self._peaks:
-            self._peaks[key] = self._prefix_workload(v).peak_nbytes
-        return self._peaks[key]
+    def peak(self, v: int) -> int:
+        """The workload's peak of allocated bytes at ``v``."""
+        if v not in self._peaks:
+            self._peaks[v] = self._workload(v).peak_nbytes
+        return self._peaks[v]
 
     def estimate_fits(self, v: int, room: int) -> bool:
         ok = self.peak(v) <= room
         self.tries.append(FitTry(v, ok, "estimate"))
         return ok
 
-    def fits(self, v: int, lim: int, rule: str) -> bool:
-        """Whether ``v``'s replay fits within ``lim`` bytes."""
+    def replayed(self, v: int, lim: int) -> bool:
+        """Whether ``v``'s replay fits within ``lim`` bytes (shared, bounded by the live bytes, or replayed),
+        appending no try."""
         key = (v, lim)
         if key not in self._cache:
             if not self._full_replay and self._fitted.get(v, self._usable + 1) <= (lim or self._usable):
@@ -514,100 +477,40 @@ class _Probes:
             elif self.peak(v) > (lim or self._usable):
                 self._cache[key] = False  # cannot fit: its live bytes alone exceed the room
             else:
-                steps = _StepCount()
-                r = self._replay(v, lim or self._usable, self.peak(v), steps)
+                r = self._replay(self._workload(v), v, lim or self._usable)
                 if r.injected_fault:
                     raise self._fault(v, r)
                 self._cache[key] = r.fits
                 if r.fits:
                     self._fitted[v] = min(self._fitted.get(v, r.peak_reserved_bytes), r.peak_reserved_bytes)
-                elif PREFIX_TOKENS < steps.n < self._new_tokens:
-                    self.failed_at[key] = steps.n
                 self._bar.update(1)
-        self.tries.append(FitTry(v, self._cache[key], rule))
         return self._cache[key]
 
-    def prefix_fits(self, v: int, lim: int, rule: str) -> bool:
-        """Whether the replay of ``v``'s prefix trace fits within ``lim`` bytes; when it does not, neither does
-        ``v``'s (Note [Prefix first])."""
-        key = (v, lim)
-        if key not in self._prefix_cache:
-            if not self._full_replay and self._prefix_fitted.get(v, self._usable + 1) <= lim:
-                self._prefix_cache[key] = True  # Note [Probes share replays], for the prefix trace
-            elif self.prefix_peak(v) > lim:
-                self._prefix_cache[key] = False
-            else:
-                r = self._replay_prefix(self._prefix_workload(v), lim)
-                if r.injected_fault:
-                    raise self._fault(v, r)
-                self._prefix_cache[key] = r.fits
-                if r.fits:
-                    self._prefix_fitted[v] = min(self._prefix_fitted.get(v, r.peak_reserved_bytes),
-                                                 r.peak_reserved_bytes)
-                self._bar.update(1)
-            if not self._prefix_cache[key]:
-                self._cache[key] = False  # Note [Prefix first]: the full replay stops there too
-        self.tries.append(FitTry(v, self._prefix_cache[key], rule + " prefix"))
-        return self._prefix_cache[key]
+    def fits(self, v: int, lim: int, rule: str) -> bool:
+        """The answer the search asks for: ``v`` within ``lim`` bytes, under ``rule``."""
+        below = self.assumed_below.get(lim, 0)
+        if v < below and v & (v - 1) == 0 and (v, lim) not in self._cache:
+            self.tries.append(FitTry(v, True, f"{rule}, assumed"))  # Note [Gallop skipped]
+            return True
+        ok = self.replayed(v, lim)
+        self.tries.append(FitTry(v, ok, rule))
+        return ok
 
-
-def _bracketed(fits: Callable[[int], bool], lo: int, hi: int, expected: "int | None" = None,
-               estimates: Callable[[], "list[int]"] = lambda: []) -> int:
-    """The largest ``v`` in ``[lo, hi)`` with ``fits(v)``, given ``fits`` is monotone, ``lo`` fits (or is 0)
-    and ``hi`` does not (or is past the range). Each probe is, in this order: ``expected`` (the answer a model
-    expects) while within the bracket, ``lo + 1`` once ``expected`` is ``lo`` (to confirm it), the first of
-    ``estimates()`` within the bracket, else the middle; after two probes at estimates in a row that each left
-    more than half the bracket, the middle (Note [Guided search])."""
-    wide = 0
-    while hi - lo > 1:
-        v = None
-        if expected is not None and lo <= expected < hi:
-            v = expected if expected > lo else lo + 1
-        elif wide < 2:
-            v = next((m for m in estimates() if lo < m < hi), None)
-        guessed = v is not None
-        if v is None:
-            v = (lo + hi) // 2
-        width = hi - lo
-        if fits(v):
-            lo = v
-        else:
-            hi = v
-        wide = wide + 1 if guessed and 2 * (hi - lo) > width else 0
-    return lo
-
-
-def _largest_within(ok: Callable[[int], bool], hi: int) -> int:
-    """The largest ``v`` in ``[1, hi]`` with ``ok(v)`` for a monotone ``ok`` (0 if none), probing no tries."""
-    return _largest(ok, 1, hi) if hi >= 1 else 0
-
-
-def _scaled_estimate(peak: Callable[[int], int], answer: int, lim: int, room: int, weights: int,
-                     max_value: int) -> "int | None":
-    """Note [Guided search]: the answer under ``room`` that the answer under ``lim`` implies when the memory a
-    size needs beyond the weights is a fixed multiple of its peak allocated beyond them."""
-    if answer < 1 or answer >= max_value or lim <= weights:
-        return None
-    at = (peak(answer) + peak(answer + 1)) / 2
-    if at <= weights:
-        return None
-    scaled = weights + (room - weights) * (at - weights) / (lim - weights)
-    return _largest_within(lambda u: peak(u) <= scaled, max_value)
-
-
-def _plain_search(probes: _Probes, limit: int, usable: int, max_value: int,
-                  start: int | None) -> tuple[int, int, int, int, int]:
-    """The searches as they were before Note [Guided search] (the reference: ``guided=False``): doubling and
-    bisection from 1 under the margin's limit, the estimate, the halving retry, doubling and bisection under
-    the usable memory. Returns (simulated, estimate, start, halving, binary_search)."""
-    simulated = _largest(lambda v: probes.fits(v, limit, "simulated"), 1, max_value)
-    estimate = _largest(lambda v: probes.estimate_fits(v, usable), 1, max_value)
-    first = _halving_start(start, estimate, max_value)
-    halving = first
-    while halving >= 1 and not probes.fits(halving, usable, "halving"):
-        halving //= 2
-    binary = _largest(lambda v: probes.fits(v, usable, "binary_search"), 1, max_value)
-    return simulated, estimate, first, halving, binary
+    def skip_gallop(self, lim: int, max_value: int, rule: str, known: int = 0) -> None:
+        """Note [Gallop skipped]: replay powers of two downwards from the largest whose live bytes fit ``lim``
+        to the first that fits, ``P``; the gallop's sizes below ``P`` are then taken as fitting. ``known``: a
+        power of two known to fit within ``lim`` (``P`` when none above it fits)."""
+        top = 1 << max(0, max_value.bit_length() - 1)
+        while top > known and self.peak(top) > lim:
+            top //= 2
+        p = top
+        while p > known:
+            ok = self.replayed(p, lim)
+            self.tries.append(FitTry(p, ok, rule))
+            if ok:
+                break
+            p //= 2
+        self.assumed_below[lim] = max(p, known)
 
 
 def _halving_start(start: int | None, estimate: int, max_value: int) -> int:
@@ -616,59 +519,24 @@ def _halving_start(start: int | None, estimate: int, max_value: int) -> int:
     return start if start is not None else min(max_value, 1 << max(0, (2 * max(estimate, 1) - 1).bit_length() - 1))
 
 
-def _guided_search(probes: _Probes, limit: int, usable: int, weights: int, max_value: int, start: int | None,
-                   prefix_first: bool) -> tuple[int, int, int, int, int]:
-    """Note [Guided search]: the answers of :func:`_plain_search` from fewer replays, given each rule's probe is
-    monotone in the size as that search assumes. Returns (simulated, estimate, start, halving,
-    binary_search)."""
+def _search(probes: _Probes, limit: int, usable: int, max_value: int, start: int | None,
+            skip_gallop: bool) -> tuple[int, int, int, int, int]:
+    """The four rules' searches: doubling and bisection from 1 under the margin's limit, the estimate, the
+    halving retry, doubling and bisection under the usable memory; with ``skip_gallop``, the gallop's sizes
+    below the largest power of two that fits are not replayed (Note [Gallop skipped]). Returns (simulated,
+    estimate, start, halving, binary_search)."""
+    if skip_gallop:
+        probes.skip_gallop(limit, max_value, "simulated")
+    simulated = _largest(lambda v: probes.fits(v, limit, "simulated"), 1, max_value)
     estimate = _largest(lambda v: probes.estimate_fits(v, usable), 1, max_value)
     first = _halving_start(start, estimate, max_value)
-
-    def below(peak: Callable[[int], int], room: int) -> int:
-        """One past the largest size whose peak allocated fits ``room``: that size cannot fit."""
-        return _largest_within(lambda u: peak(u) <= room, max_value) + 1
-
-    def search(lim: int, lo: int, prefix_lo: int, rule: str, prior: Callable[[Callable[[int], int]], "int | None"],
-               use_prefix: bool) -> tuple[int, int, bool]:
-        """(answer, the largest size whose prefix fits as found, whether the decode decided) under ``lim``."""
-        hi = below(probes.peak, lim)
-        top = prefix_lo
-        if use_prefix and hi - lo > 1:
-            top = _bracketed(lambda v: probes.prefix_fits(v, lim, rule), prefix_lo,
-                             min(hi, below(probes.prefix_peak, lim)), prior(probes.prefix_peak))
-            hi = min(hi, top + 1)  # top + 1's prefix does not fit, nor then does its replay (Note [Prefix first])
-            if top <= lo:
-                return lo, top, False
-            if probes.fits(top, lim, rule):
-                return top, top, False
-            hi = top
-
-        def estimates() -> list[int]:
-            out = []
-            failed = [(v, n) for (v, room), n in probes.failed_at.items() if room == lim]
-            if failed:  # the smallest size whose replay ran out of memory in the decode
-                v, n = min(failed)
-                at = probes.peak(v, n)
-                out.append(_largest_within(lambda u: probes.peak(u) <= at, max_value))
-            return out
-
-        return _bracketed(lambda v: probes.fits(v, lim, rule), lo, hi, prior(probes.peak), estimates), top, True
-
-    simulated, top, decoded = search(limit, 0, 0, "simulated", lambda peak: None, prefix_first)
-    binary, _, _ = search(usable, simulated, max(simulated, top), "binary_search",
-                          lambda peak: _scaled_estimate(peak, simulated, limit, usable, weights, max_value),
-                          prefix_first and not decoded)
-    # halving: under the binary search's monotone probe, v fits within the usable memory iff v <= binary
-    def fits_usable(v: int) -> bool:
-        # the binary search's probe is monotone (as it assumes): within its range v fits iff v <= binary, and past
-        # it nothing fits once binary + 1 does not
-        if v <= max_value:
-            return v <= binary
-        return False if binary < max_value else probes.fits(v, usable, "halving")
-
+    if skip_gallop:
+        # what fits under the margin's limit fits within the usable memory (Note [Probes share replays])
+        probes.skip_gallop(usable, max_value, "binary_search", probes.assumed_below.get(limit, 0))
     halving = first
-    while halving >= 1 and not fits_usable(halving):
+    while halving >= 1 and not probes.fits(halving, usable, "halving"):
         halving //= 2
+    binary = _largest(lambda v: probes.fits(v, usable, "binary_search"), 1, max_value)
     return simulated, estimate, first, halving, binary
 
 
@@ -679,7 +547,7 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                    progress: bool | None = False, weight_format: WeightFormat | None = None,
                    gradient_checkpointing: bool = False, optimizer_8bit: bool = False,
                    mixed_precision: str | None = None, full_replay: bool = False,
-                   guided: bool = True) -> FitResult:
+                   skip_gallop: bool = True) -> FitResult:
     """The largest batch (``search="batch"``) or prompt/sequence length (``search="seq_len"``, at
     ``batch_size``) that runs on ``device`` without out-of-memory, by replaying the workload's allocations
     under ``policy`` with ``margin`` of the memory beyond the weights held back (default
@@ -704,8 +572,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
     """
     if not isinstance(full_replay, bool):
         raise InvalidArgumentError(f"full_replay must be True or False, got {full_replay!r}")
-    if not isinstance(guided, bool):
-        raise InvalidArgumentError(f"guided must be True or False, got {guided!r}")
+    if not isinstance(skip_gallop, bool):
+        raise InvalidArgumentError(f"skip_gallop must be True or False, got {skip_gallop!r}")
     if search not in ("batch", "seq_len"):
         raise InvalidArgumentError(f"search must be 'batch' or 'seq_len', got {search!r}")
     if isinstance(max_value, bool) or not isinstance(max_value, int) or max_value < 1:
@@ -744,32 +612,23 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         def sizes(v: int) -> tuple[int, int]:
             return (v, prompt_len) if search == "batch" else (batch_size, v)
 
-        def workload(v: int, tokens: int | None = None) -> WorkloadTrace:
+        def workload(v: int) -> WorkloadTrace:
             b, p = sizes(v)
             if training:
                 return training_trace(shape, dtype_bytes, batch_size=b, seq_len=p,
                                       gradient_checkpointing=gradient_checkpointing, optimizer_8bit=optimizer_8bit,
                                       mixed_precision=mixed_precision)
-            return inference_trace(shape, dtype_bytes, batch_size=b, prompt_len=p,
-                                   new_tokens=new_tokens if tokens is None else tokens,
+            return inference_trace(shape, dtype_bytes, batch_size=b, prompt_len=p, new_tokens=new_tokens,
                                    weight_format=weight_format, workspace_nbytes=workspace)
 
-        def prefix_workload(v: int) -> WorkloadTrace:
-            b, p = sizes(v)
-            return _prefix_trace(shape, dtype_bytes, PREFIX_TOKENS, dict(batch_size=b, prompt_len=p,
-                                 weight_format=weight_format, workspace_nbytes=workspace))
-
-        def replay(v: int, room: int, peak_nbytes: int, steps: _StepCount) -> ReservedEstimate:
+        def replay(w: WorkloadTrace, v: int, room: int) -> ReservedEstimate:
             if training:
-                return _replay(workload(v), dev, policy, room)
+                return _replay(w, dev, policy, room)
             b, p = sizes(v)
             return replay_inference(shape, dtype_bytes, (policy,), dev, batch_size=b, prompt_len=p,
-                                    new_tokens=new_tokens, limit=room, peak_nbytes=peak_nbytes,
+                                    new_tokens=new_tokens, limit=room, peak_nbytes=w.peak_nbytes,
                                     weight_format=weight_format, workspace_nbytes=workspace,
-                                    full_replay=full_replay, bar=steps)[0]
-
-        def replay_prefix(w: WorkloadTrace, room: int) -> ReservedEstimate:
-            return _prefix_result(w, dev, policy, room, w.peak_nbytes)
+                                    full_replay=full_replay)[0]
 
         def fault(v: int, r: ReservedEstimate) -> InjectedFaultError:
             return InjectedFaultError(
@@ -777,14 +636,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                 f"{v} on {dev.spec}; nothing was out of memory, and no size can be judged on a "
                 f"device that injects faults (give the spec without them): {r.oom_message}")
 
-        probes = _Probes(workload, prefix_workload, replay, replay_prefix, fault, usable, full_replay, bar, tries,
-                         0 if training else new_tokens)
-        if guided:
-            prefix_first = not training and new_tokens >= PREFIX_STAGE_MIN_NEW_TOKENS
-            simulated, estimate, first, halving, binary = _guided_search(probes, limit, usable, weights, max_value,
-                                                                         start, prefix_first)
-        else:
-            simulated, estimate, first, halving, binary = _plain_search(probes, limit, usable, max_value, start)
+        probes = _Probes(workload, replay, fault, usable, full_replay, bar, tries)
+        simulated, estimate, first, halving, binary = _search(probes, limit, usable, max_value, start, skip_gallop)
         reason = ""
         if simulated < 1:
             what = "batch 1" if search == "batch" else f"a prompt of 1 token at batch {batch_size}"

@@ -363,8 +363,8 @@ def estimate_peak_reserved(w: WorkloadTrace, policies: "tuple[str, ...] | list[s
 @dataclass(frozen=True)
 class FitTry:
     """One size tried by a search: whether it fits, and by which rule (``"simulated"``, ``"estimate"``,
-    ``"halving"``, ``"binary_search"``; ``"..., assumed"``: answered "fits" without a replay, Note [Gallop
-    skipped])."""
+    ``"halving"``, ``"binary_search"``; ``"..., power of two"``: replayed to find the largest power of two that
+    fits, ``"..., assumed"``: answered "fits" without a replay, Note [Gallop skipped])."""
 
     value: int
     fits: bool
@@ -493,19 +493,49 @@ class _Probes:
         below = self.assumed_below.get(lim, 0)
         if v < below and v & (v - 1) == 0 and (v, lim) not in self._cache:
             self.tries.append(FitTry(v, True, f"{rule}, assumed"))  # Note [Gallop skipped]
+            return True
+        ok = self.replayed(v, lim)
+        self.tries.append(FitTry(v, ok, rule))
+        return ok
+
+    def skip_gallop(self, lim: int, max_value: int, rule: str, known: int = 0) -> None:
+        """Note [Gallop skipped]: replay powers of two downwards from the largest whose live bytes fit ``lim``
+        to the first that fits, ``P``; the gallop's sizes below ``P`` are then taken as fitting. ``known``: a
+        power of two known to fit within ``lim`` (``P`` when none above it fits)."""
+        top = 1 << max(0, max_value.bit_length() - 1)
+        while top > known and self.peak(top) > lim:
+            top //= 2
+        p = top
+        while p > known:
+            ok = self.replayed(p, lim)
+            self.tries.append(FitTry(p, ok, f"{rule}, power of two"))
+            if ok:
+                break
+            p //= 2
+        self.assumed_below[lim] = max(p, known)
+
+
+def _halving_start(start: int | None, estimate: int, max_value: int) -> int:
+    """Where the halving retry starts: ``start``, else the power of two nearest the estimate (at most
+    ``max_value``)."""
+    return start if start is not None else min(max_value, 1 << max(0, (2 * max(estimate, 1) - 1).bit_length() - 1))
+
+
+# Note [Gallop skipped]
 #     The searches of ``simulated`` and ``binary_search`` (:func:`_largest`) gallop up 1, 2, 4, ... to the first
 #     power of two that does not fit, then bisect between it and the last that did. Each answer was a replay
 #     of the whole ``generate()``, and the small sizes at the start of the gallop are a large share of a
 #     search's time (7B, prompt 2048, 1,000 new tokens: batches 1 to 16 were 5 of 16 replays, 17 s of 64 s).
 #     Now the largest power of two ``P`` that fits is found first, replaying downwards from the largest whose
-#     live bytes fit the limit (above it nothing can fit), and the powers of two below ``P`` are answered
-#     "fits" without a replay (``FitTry`` rule ``"..., assumed"``), for the gallop and for the halving retry;
-#     every other size the search asks is replayed (or shared: Note [Probes share replays]). Under the usable
-#     memory, ``P`` of the margin's limit fits too, so that search starts from it. The search then asks what it
-#     asked before, in the same order, and gets the same answers, hence the same result, whenever one
-#     assumption holds: *every power of two below a power of two that fits fits too*. That is the bisection's
-#     own assumption (the probe is monotone in the size), made only at half the largest power that fits and
-#     below; near the answer every size is replayed as before and keeps whatever the replay answers there.
+#     live bytes fit the limit (above it nothing can fit; ``FitTry`` rule ``"..., power of two"``), and the
+#     powers of two below ``P`` are answered "fits" without a replay (rule ``"..., assumed"``), for the gallop
+#     and the halving retry; every other size the search asks is replayed (or shared: Note [Probes share
+#     replays]). Under the usable memory ``P`` of the margin's limit fits too, so that search starts from it.
+#     The search then asks what it asked before, in the same order, and gets the same answers, hence the same
+#     result, whenever one assumption holds: *every power of two below a power of two that fits fits too*.
+#     That is the bisection's own assumption (the probe is monotone in the size), made only at half the
+#     largest power that fits and below; near the answer every size is replayed as before and keeps whatever
+#     the replay answers there.
 #
 #     A search that assumed the probe monotone everywhere (a model's guess of the answer, checked at the guess
 #     and one past it) replays fewer sizes but does not keep the answer: the replay is not monotone near the

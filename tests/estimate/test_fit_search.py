@@ -48,7 +48,7 @@ def fake_searches(draw):
     monotone near the answer)."""
     max_value = draw(st.integers(1, 300))
     per = 10
-    limit = draw(st.integers(0, 320)) * per
+    limit = draw(st.integers(1, 320)) * per  # 0 is read as the usable memory (only ever when both are 0)
     usable = limit + draw(st.integers(0, 80)) * per
     n = max_value + 1
     fit_l = [False] + [draw(st.booleans()) and v * per <= limit for v in range(1, n)]

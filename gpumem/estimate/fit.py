@@ -651,10 +651,15 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
             if training:
                 return _replay(w, dev, policy, room)
             b, p = sizes(v)
-            return replay_inference(shape, dtype_bytes, (policy,), dev, batch_size=b, prompt_len=p,
-                                    new_tokens=new_tokens, limit=room, peak_nbytes=w.peak_nbytes,
-                                    weight_format=weight_format, workspace_nbytes=workspace,
-                                    full_replay=full_replay)[0]
+            # a replay of many new tokens takes seconds: a bar of its steps under the bar of the replays
+            steps = progress_bar(max(new_tokens, 1), f"{search} {v}", " steps", enabled=progress)
+            try:
+                return replay_inference(shape, dtype_bytes, (policy,), dev, batch_size=b, prompt_len=p,
+                                        new_tokens=new_tokens, limit=room, peak_nbytes=w.peak_nbytes,
+                                        weight_format=weight_format, workspace_nbytes=workspace,
+                                        full_replay=full_replay, bar=steps)[0]
+            finally:
+                steps.close()
 
         def fault(v: int, r: ReservedEstimate) -> InjectedFaultError:
             return InjectedFaultError(

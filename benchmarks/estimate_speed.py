@@ -8,11 +8,19 @@ the fast one (``gpumem.estimate.fastreplay``), side by side in one run::
 "fit": ``find_max_batch`` under ``pytorch`` (full: ``full_replay=True``, no probe shared). Each row also
 checks that both give the same figures (estimate: every ``ReservedEstimate``; fit: the whole ``FitResult``).
 The full fit takes minutes past a few hundred tokens: ``--full-fit-up-to`` bounds the lengths it runs at.
+
+``--search`` times ``gpumem fit``'s search instead, both on the fast replay: the plain search that replays every
+size it asks (``skip_gallop=False``, the search before Note [Gallop skipped]) against the default, one after the
+other at each length, and checks that both give the same answers (the whole ``FitResult`` but its tries)::
+
+    python -m benchmarks.estimate_speed --search --new-tokens 16,100,1000
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import platform
 import time
 
@@ -36,7 +44,13 @@ def main() -> None:
     ap.add_argument("--device", default="sim:h200-141gb", help="simulated device (default sim:h200-141gb)")
     ap.add_argument("--full-fit-up-to", type=int, default=100, help="no full fit above this many new tokens")
     ap.add_argument("--no-fit", action="store_true", help="time the estimate only, not gpumem fit")
+    ap.add_argument("--search", action="store_true",
+                    help="time gpumem fit's search instead: every size replayed (skip_gallop=False) against the "
+                         "default (Note [Gallop skipped]), both on the fast replay")
     args = ap.parse_args()
+    if args.search:
+        _search_table(args)
+        return
     policies = tuple(p for p in args.policies.split(",") if p)
     print(f"7B (6.74B, bf16), batch 1 (fit: searched), prompt {args.prompt_len}, {args.device}; "
           f"{platform.python_implementation()} {platform.python_version()}")
@@ -64,6 +78,41 @@ def main() -> None:
                   f"{'yes' if fit_full == fit_fast else 'NO':>5}", flush=True)
         else:
             print(f"{n:>7} {what:<28} {'-':>8} {f_fast:>8.2f} {'-':>9} {'-':>5}", flush=True)
+
+
+def _search_table(args: argparse.Namespace) -> None:
+    """``find_max_batch`` under ``pytorch`` with the plain search and with the gallop skipped, side by side, with the
+    replays each made (counted at ``replay_inference``)."""
+    from gpumem.estimate import fit as fit_module
+
+    calls = [0]
+    real = fit_module.replay_inference
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    def run(skip: bool, kw: dict):
+        calls[0] = 0
+        r, t = _timed(lambda: find_max_batch(LLAMA_7B, 2, skip_gallop=skip, **kw))
+        return r, t, calls[0]
+
+    print(f"7B (6.74B, bf16), prompt {args.prompt_len}, {args.device}, fit under pytorch; "
+          f"{platform.python_implementation()} {platform.python_version()}; load average at start "
+          f"{os.getloadavg()[0]:.1f}")
+    print(f"{'new tok':>7} {'answer':>12} {'old s':>8} {'new s':>8} {'old/new':>8} {'replays':>9} {'same':>5}")
+    fit_module.replay_inference = counted
+    try:
+        for n in (int(x) for x in args.new_tokens.split(",")):
+            kw = dict(device=args.device, prompt_len=args.prompt_len, new_tokens=n)
+            old, t_old, n_old = run(False, kw)
+            new, t_new, n_new = run(True, kw)
+            same = dataclasses.replace(old, tries=[]) == dataclasses.replace(new, tries=[])
+            answer = f"{new.simulated}/{new.binary_search}/{new.halving}"
+            print(f"{n:>7} {answer:>12} {t_old:>8.2f} {t_new:>8.2f} {t_old / t_new:>7.2f}x "
+                  f"{f'{n_old}/{n_new}':>9} {'yes' if same else 'NO':>5}", flush=True)
+    finally:
+        fit_module.replay_inference = real
 
 
 if __name__ == "__main__":

@@ -362,7 +362,9 @@ def estimate_peak_reserved(w: WorkloadTrace, policies: "tuple[str, ...] | list[s
 
 @dataclass(frozen=True)
 class FitTry:
-    """One size tried by a search: whether it fits, and by which rule."""
+    """One size tried by a search: whether it fits, and by which rule (``"simulated"``, ``"estimate"``,
+    ``"halving"``, ``"binary_search"``; ``"..., power of two"``: replayed to find the largest power of two that
+    fits, ``"..., assumed"``: answered "fits" without a replay, Note [Gallop skipped])."""
 
     value: int
     fits: bool
@@ -434,13 +436,142 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
     return good
 
 
+class _Probes:
+    """Whether a size fits under a limit, each replayed at most once (Note [Probes share replays]), or taken as
+    fitting where Note [Gallop skipped] allows; every answer is appended to ``tries``."""
+
+    def __init__(self, workload: Callable[[int], WorkloadTrace],
+                 replay: Callable[[WorkloadTrace, int, int], ReservedEstimate],
+                 fault: Callable[[int, ReservedEstimate], Exception], usable: int, full_replay: bool, bar: Any,
+                 tries: list[FitTry]) -> None:
+        self._workload = workload
+        self._replay = replay
+        self._fault = fault
+        self._usable = usable
+        self._full_replay = full_replay
+        self._bar = bar
+        self.tries = tries
+        self._cache: dict[tuple[int, int], bool] = {}
+        self._fitted: dict[int, int] = {}  # value -> the least peak reserved seen to fit
+        self._peaks: dict[int, int] = {}
+        self.assumed_below: dict[int, int] = {}
+        """limit -> the power of two below which the gallop's sizes are taken as fitting (Note [Gallop
+        skipped]); 0 (nothing taken) where absent."""
+
+    def peak(self, v: int) -> int:
+        """The workload's peak of allocated bytes at ``v``."""
+        if v not in self._peaks:
+            self._peaks[v] = self._workload(v).peak_nbytes
+        return self._peaks[v]
+
+    def estimate_fits(self, v: int, room: int) -> bool:
+        ok = self.peak(v) <= room
+        self.tries.append(FitTry(v, ok, "estimate"))
+        return ok
+
+    def replayed(self, v: int, lim: int) -> bool:
+        """Whether ``v``'s replay fits within ``lim`` bytes (shared, bounded by the live bytes, or replayed),
+        appending no try."""
+        key = (v, lim)
+        if key not in self._cache:
+            if not self._full_replay and self._fitted.get(v, self._usable + 1) <= (lim or self._usable):
+                self._cache[key] = True  # Note [Probes share replays]
+            elif self.peak(v) > (lim or self._usable):
+                self._cache[key] = False  # cannot fit: its live bytes alone exceed the room
+            else:
+                r = self._replay(self._workload(v), v, lim or self._usable)
+                if r.injected_fault:
+                    raise self._fault(v, r)
+                self._cache[key] = r.fits
+                if r.fits:
+                    self._fitted[v] = min(self._fitted.get(v, r.peak_reserved_bytes), r.peak_reserved_bytes)
+                self._bar.update(1)
+        return self._cache[key]
+
+    def fits(self, v: int, lim: int, rule: str) -> bool:
+        """The answer the search asks for: ``v`` within ``lim`` bytes, under ``rule``."""
+        below = self.assumed_below.get(lim, 0)
+        if v < below and v & (v - 1) == 0 and (v, lim) not in self._cache:
+            self.tries.append(FitTry(v, True, f"{rule}, assumed"))  # Note [Gallop skipped]
+            return True
+        ok = self.replayed(v, lim)
+        self.tries.append(FitTry(v, ok, rule))
+        return ok
+
+    def skip_gallop(self, lim: int, max_value: int, rule: str, known: int = 0) -> None:
+        """Note [Gallop skipped]: replay powers of two downwards from the largest whose live bytes fit ``lim``
+        to the first that fits, ``P``; the gallop's sizes below ``P`` are then taken as fitting. ``known``: a
+        power of two known to fit within ``lim`` (``P`` when none above it fits)."""
+        top = 1 << max(0, max_value.bit_length() - 1)
+        while top > known and self.peak(top) > lim:
+            top //= 2
+        p = top
+        while p > known:
+            ok = self.replayed(p, lim)
+            self.tries.append(FitTry(p, ok, f"{rule}, power of two"))
+            if ok:
+                break
+            p //= 2
+        self.assumed_below[lim] = max(p, known)
+
+
+def _halving_start(start: int | None, estimate: int, max_value: int) -> int:
+    """Where the halving retry starts: ``start``, else the power of two nearest the estimate (at most
+    ``max_value``)."""
+    return start if start is not None else min(max_value, 1 << max(0, (2 * max(estimate, 1) - 1).bit_length() - 1))
+
+
+# Note [Gallop skipped]
+#     The searches of ``simulated`` and ``binary_search`` (:func:`_largest`) gallop up 1, 2, 4, ... to the first
+#     power of two that does not fit, then bisect between it and the last that did. Each answer was a replay
+#     of the whole ``generate()``, and the small sizes at the start of the gallop are a large share of a
+#     search's time (7B, prompt 2048, 1,000 new tokens: batches 1 to 16 were 5 of 16 replays, 17 s of 64 s).
+#     Now the largest power of two ``P`` that fits is found first, replaying downwards from the largest whose
+#     live bytes fit the limit (above it nothing can fit; ``FitTry`` rule ``"..., power of two"``), and the
+#     powers of two below ``P`` are answered "fits" without a replay (rule ``"..., assumed"``), for the gallop
+#     and the halving retry; every other size the search asks is replayed (or shared: Note [Probes share
+#     replays]). Under the usable memory ``P`` of the margin's limit fits too, so that search starts from it.
+#     The search then asks what it asked before, in the same order, and gets the same answers, hence the same
+#     result, whenever one assumption holds: *every power of two below a power of two that fits fits too*.
+#     That is the bisection's own assumption (the probe is monotone in the size), made only at half the
+#     largest power that fits and below; near the answer every size is replayed as before and keeps whatever
+#     the replay answers there.
+#
+#     A search that assumed the probe monotone everywhere (a model's guess of the answer, checked at the guess
+#     and one past it) replays fewer sizes but does not keep the answer: the replay is not monotone near the
+#     answer (``ModelShape(512, 1376, 4, 8000, 8, 8)`` on ``sim:gtx-1050-2gb``, prompt 64, 300 new tokens:
+#     batch 419 runs out of memory under the margin's limit where 446 fits), and the bisection lands on another
+#     edge. ``find_max_batch(..., skip_gallop=False)`` keeps the search that replays every size it asks, the
+#     reference of ``tests/estimate/test_fit_search.py``.
+def _search(probes: _Probes, limit: int, usable: int, max_value: int, start: int | None,
+            skip_gallop: bool) -> tuple[int, int, int, int, int]:
+    """The four rules' searches: doubling and bisection from 1 under the margin's limit, the estimate, the
+    halving retry, doubling and bisection under the usable memory; with ``skip_gallop``, the gallop's sizes
+    below the largest power of two that fits are not replayed (Note [Gallop skipped]). Returns (simulated,
+    estimate, start, halving, binary_search)."""
+    if skip_gallop:
+        probes.skip_gallop(limit, max_value, "simulated")
+    simulated = _largest(lambda v: probes.fits(v, limit, "simulated"), 1, max_value)
+    estimate = _largest(lambda v: probes.estimate_fits(v, usable), 1, max_value)
+    first = _halving_start(start, estimate, max_value)
+    if skip_gallop:
+        # what fits under the margin's limit fits within the usable memory (Note [Probes share replays])
+        probes.skip_gallop(usable, max_value, "binary_search", probes.assumed_below.get(limit, 0))
+    halving = first
+    while halving >= 1 and not probes.fits(halving, usable, "halving"):
+        halving //= 2
+    binary = _largest(lambda v: probes.fits(v, usable, "binary_search"), 1, max_value)
+    return simulated, estimate, first, halving, binary
+
+
 def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device" = "sim:h200-141gb",
                    prompt_len: int = DEFAULT_PROMPT_LEN, new_tokens: int = DEFAULT_NEW_TOKENS, batch_size: int = 1,
                    search: str = "batch", training: bool = False, policy: str = "pytorch",
                    margin: float | None = None, max_value: int = 4096, start: int | None = None,
                    progress: bool | None = False, weight_format: WeightFormat | None = None,
                    gradient_checkpointing: bool = False, optimizer_8bit: bool = False,
-                   mixed_precision: str | None = None, full_replay: bool = False) -> FitResult:
+                   mixed_precision: str | None = None, full_replay: bool = False,
+                   skip_gallop: bool = True) -> FitResult:
     """The largest batch (``search="batch"``) or prompt/sequence length (``search="seq_len"``, at
     ``batch_size``) that runs on ``device`` without out-of-memory, by replaying the workload's allocations
     under ``policy`` with ``margin`` of the memory beyond the weights held back (default
@@ -455,6 +586,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
     options (:func:`~gpumem.estimate.workload.training_trace`). ``progress``: a bar of the replays (None: on a terminal). Raises :class:`InjectedFaultError` when a
     replay fails on a fault the device spec injects. ``full_replay=True``: every probe replayed in full, none
     shared (the reference of Note [Probes share replays] and of :func:`replay_inference`'s fast path).
+    ``skip_gallop=False``: every size the search asks is replayed, the small ones of its gallop included (the
+    reference of Note [Gallop skipped]; the same result wherever that Note's assumption holds, the tries aside).
 
     Note [Probes share replays]
         The searches probe the same sizes under two limits: the margin's (``simulated``) and the usable memory
@@ -465,6 +598,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
     """
     if not isinstance(full_replay, bool):
         raise InvalidArgumentError(f"full_replay must be True or False, got {full_replay!r}")
+    if not isinstance(skip_gallop, bool):
+        raise InvalidArgumentError(f"skip_gallop must be True or False, got {skip_gallop!r}")
     if search not in ("batch", "seq_len"):
         raise InvalidArgumentError(f"search must be 'batch' or 'seq_len', got {search!r}")
     if isinstance(max_value, bool) or not isinstance(max_value, int) or max_value < 1:
@@ -512,51 +647,28 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
             return inference_trace(shape, dtype_bytes, batch_size=b, prompt_len=p, new_tokens=new_tokens,
                                    weight_format=weight_format, workspace_nbytes=workspace)
 
-        cache: dict[tuple[int, int | None], bool] = {}
-        fitted: dict[int, int] = {}  # Note [Probes share replays]: value -> the least peak reserved seen to fit
+        def replay(w: WorkloadTrace, v: int, room: int) -> ReservedEstimate:
+            if training:
+                return _replay(w, dev, policy, room)
+            b, p = sizes(v)
+            # a replay of many new tokens takes seconds: a bar of its steps under the bar of the replays
+            steps = progress_bar(max(new_tokens, 1), f"{search} {v}", " steps", enabled=progress)
+            try:
+                return replay_inference(shape, dtype_bytes, (policy,), dev, batch_size=b, prompt_len=p,
+                                        new_tokens=new_tokens, limit=room, peak_nbytes=w.peak_nbytes,
+                                        weight_format=weight_format, workspace_nbytes=workspace,
+                                        full_replay=full_replay, bar=steps)[0]
+            finally:
+                steps.close()
 
-        def replay_fits(v: int, lim: int | None, rule: str) -> bool:
-            key = (v, lim)
-            if key not in cache:
-                w = None if not full_replay and fitted.get(v, usable + 1) <= (lim or usable) else workload(v)
-                if w is None:
-                    cache[key] = True  # Note [Probes share replays]
-                elif w.peak_nbytes > (lim or usable):
-                    cache[key] = False  # cannot fit: its live bytes alone exceed the room
-                else:
-                    room = lim if lim else usable
-                    if training:
-                        r = _replay(w, dev, policy, room)
-                    else:
-                        b, p = sizes(v)
-                        r = replay_inference(shape, dtype_bytes, (policy,), dev, batch_size=b, prompt_len=p,
-                                             new_tokens=new_tokens, limit=room, peak_nbytes=w.peak_nbytes,
-                                             weight_format=weight_format, workspace_nbytes=workspace,
-                                             full_replay=full_replay)[0]
-                    if r.injected_fault:
-                        raise InjectedFaultError(
-                            f"an injected fault (the device spec's fault options) failed the replay of {search} "
-                            f"{v} on {dev.spec}; nothing was out of memory, and no size can be judged on a "
-                            f"device that injects faults (give the spec without them): {r.oom_message}")
-                    cache[key] = r.fits
-                    if r.fits:
-                        fitted[v] = min(fitted.get(v, r.peak_reserved_bytes), r.peak_reserved_bytes)
-                    bar.update(1)
-                tries.append(FitTry(v, cache[key], rule))
-            return cache[key]
+        def fault(v: int, r: ReservedEstimate) -> InjectedFaultError:
+            return InjectedFaultError(
+                f"an injected fault (the device spec's fault options) failed the replay of {search} "
+                f"{v} on {dev.spec}; nothing was out of memory, and no size can be judged on a "
+                f"device that injects faults (give the spec without them): {r.oom_message}")
 
-        def estimate_fits(v: int) -> bool:
-            ok = workload(v).peak_nbytes <= usable
-            tries.append(FitTry(v, ok, "estimate"))
-            return ok
-
-        simulated = _largest(lambda v: replay_fits(v, limit, "simulated"), 1, max_value)
-        estimate = _largest(estimate_fits, 1, max_value)
-        first = start if start is not None else min(max_value, 1 << max(0, (2 * max(estimate, 1) - 1).bit_length() - 1))
-        halving = first
-        while halving >= 1 and not replay_fits(halving, None, "halving"):
-            halving //= 2
-        binary = _largest(lambda v: replay_fits(v, None, "binary_search"), 1, max_value)
+        probes = _Probes(workload, replay, fault, usable, full_replay, bar, tries)
+        simulated, estimate, first, halving, binary = _search(probes, limit, usable, max_value, start, skip_gallop)
         reason = ""
         if simulated < 1:
             what = "batch 1" if search == "batch" else f"a prompt of 1 token at batch {batch_size}"

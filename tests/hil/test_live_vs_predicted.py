@@ -31,7 +31,7 @@ def test_trace_from_words_pairs_frees_and_skips_the_unknown_one() -> None:
     assert int(t.live_nbytes().max()) == 8 * MiB
 
 
-@pytest.mark.parametrize("words, why", [([0, 1, 2, 3], "whole number"), ([3, 1, 2, 3, 4], "is not 0 .alloc.")])
+@pytest.mark.parametrize("words, why", [([0, 1, 2, 3], "whole number"), ([4, 1, 2, 3, 4], "is not 0 .alloc.")])
 def test_trace_from_words_refuses_a_bad_buffer(words: list[int], why: str) -> None:
     with pytest.raises(TraceFormatError, match=why):
         trace_from_words(words)
@@ -45,6 +45,18 @@ def test_trace_from_words_keeps_stream_uses_and_skips_the_unknown_one() -> None:
     t = trace_from_words(words, name="uses")
     assert t.n_ops == 2
     assert [(u.at_op, u.alloc_id, u.stream, u.time_us) for u in t.stream_uses] == [(1, 0, 9, 1.5), (1, 0, 1, 1.7)]
+
+
+def test_trace_from_words_keeps_stream_waits() -> None:
+    """Kind 3 is a wait_stream (recorder.h, gpumem.torch.trace_wait_stream): the stream in the stream word
+    waits for the one in the address word, at its place among the ops (also before the first op and
+    after the last)."""
+    a = 0x7F0000000000
+    words = [3, 5, 0, 9, 500, 0, a, 4096, 1, 1000, 3, 1, 0, 9, 1500, 1, a, 4096, 1, 2000, 3, 9, 0, 1, 2500]
+    t = trace_from_words(words, name="waits")
+    assert t.n_ops == 2 and t.stream_uses == ()
+    assert [(w.at_op, w.stream, w.waited, w.time_us) for w in t.stream_waits] == [(0, 9, 5, 0.5), (1, 9, 1, 1.5),
+                                                                                  (2, 1, 9, 2.5)]
 
 
 def _fake_record(tmp_path: Path) -> dict:

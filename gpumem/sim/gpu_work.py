@@ -48,8 +48,8 @@ own queue from the moment it is queued, so the GPU of a replay is far less behin
 seven steps issued in 20 ms of CPU time, 138 ms to the final synchronize), frees' events complete sooner
 and blocks come back sooner: PyTorch's allocator replayed at 35.22 % where it held 50.20 % live. A trace's
 :attr:`~gpumem.trace.Trace.stream_waits` (:class:`~gpumem.trace.StreamWait`: gpumem's ``.gmt`` version 3;
-a PyTorch snapshot's merged from its run's log, :mod:`gpumem.trace.stream_log`) say where the program
-made them. Before operation ``i`` the replay makes the waits recorded there, after the work of operation
+a PyTorch snapshot's merged from its run's log, :mod:`gpumem.trace.stream_log`; gpumem's own trace where
+the program reports them, :func:`gpumem.torch.trace_wait_stream`) say where the program made them. Before operation ``i`` the replay makes the waits recorded there, after the work of operation
 ``i - 1`` was queued: each queues on the waiting stream a zero-length marker (``SimDevice.order_streams``)
 whose SimPy process yields on the ``done_event`` of the waited stream's last queued item, so everything
 queued behind the marker starts no earlier than the waited work ends; time still advances only through

@@ -480,6 +480,8 @@ class Trace:
         new trace's ``n_unmatched_frees`` (a reader would have done the same with a
         trace recorded from ``start`` on). Counters describing the whole source
         (``n_unmatched_frees``, ``n_failed_allocs`` of ``self``) are not carried over.
+        Stream uses inside the window of allocations made in it are kept, and stream waits made from just
+        before op ``start`` to just before op ``stop`` (a wait at either edge orders work of the window).
         """
         n = self.n_ops
         start, stop, _ = slice(start, stop).indices(n)

@@ -237,3 +237,38 @@ def test_a_log_of_waits_only_merges_and_one_of_foreign_streams_is_refused() -> N
                                              waits=(LoggedWait(0, 777, 778, 0.0, 3, 0),)), where="run.jsonl")
     with pytest.raises(InvalidArgumentError, match="0 stream uses and 1 stream waits already"):
         merge_stream_uses(merged, RecordStreamLog((), {0: (0, 0)}))
+
+
+@st.composite
+def _traces_with_waits(draw: st.DrawFn) -> Trace:
+    n_allocs = draw(st.integers(0, 12))
+    ops, live, size, stream, t_us = [], [], {}, {}, 0.0
+    for aid in range(n_allocs):
+        size[aid], stream[aid] = draw(st.integers(0, 4 * MiB)), draw(st.sampled_from([0, A, B]))
+        ops.append((0, aid, size[aid], stream[aid], t_us, 0))
+        live.append(aid)
+        t_us += draw(st.floats(0, 5000, allow_nan=False))
+        if draw(st.booleans()):
+            gone = live.pop(draw(st.integers(0, len(live) - 1)))
+            ops.append((1, gone, size[gone], stream[gone], t_us, 0))
+    t = Trace.from_ops("random", "gpumem", ops)
+    positions = sorted(draw(st.lists(st.integers(0, t.n_ops), max_size=8)))
+    waits = tuple(StreamWait(p, draw(st.sampled_from([0, A, B, 2**40])), draw(st.sampled_from([0, A, B])),
+                             draw(st.floats(-1e6, 1e18, allow_nan=False, allow_infinity=False))) for p in positions)
+    return _with(t, waits=waits)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_traces_with_waits(), st.integers(0, 30), st.integers(0, 30))
+def test_any_trace_s_waits_survive_its_file_and_windows(t: Trace, start: int, stop: int) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        for name in ("t.gmt", "t.gmt.gz"):
+            assert read_gmt_trace(save_trace(t, Path(folder) / name)) == t
+    w = t.slice(start, stop)
+    lo, hi, _ = slice(start, stop).indices(t.n_ops)
+    hi = max(lo, hi)
+    assert [(x.stream, x.waited, x.time_us) for x in w.stream_waits] == \
+        [(x.stream, x.waited, x.time_us) for x in t.stream_waits if lo <= x.at_op <= hi]
+    assert all(0 <= x.at_op <= w.n_ops for x in w.stream_waits)

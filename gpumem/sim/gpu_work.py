@@ -46,7 +46,8 @@ copy, then ``main`` for each tower: ``multistream_infer`` of ``hil/probes/worklo
 work start only after the work it waits for has run. Without that order each simulated stream runs its
 own queue from the moment it is queued, so the GPU of a replay is far less behind than the live one (run 3:
 seven steps issued in 20 ms of CPU time, 138 ms to the final synchronize), frees' events complete sooner
-and blocks come back sooner: PyTorch's allocator replayed at 35.22 % where it held 50.20 % live. A trace's
+and blocks come back sooner: PyTorch's allocator replayed at 35.22 % where it held 50.20 % live (45.21 %
+with the waits, reconstructed: ``reports/sim-stream-waits.md``). A trace's
 :attr:`~gpumem.trace.Trace.stream_waits` (:class:`~gpumem.trace.StreamWait`: gpumem's ``.gmt`` version 3;
 a PyTorch snapshot's merged from its run's log, :mod:`gpumem.trace.stream_log`; gpumem's own trace where
 the program reports them, :func:`gpumem.torch.trace_wait_stream`) say where the program made them. Before operation ``i`` the replay makes the waits recorded there, after the work of operation

@@ -56,7 +56,7 @@ from .native import library_path
 from .units import format_bytes
 
 __all__ = ["install", "installed", "memory_stats", "memory_summary", "empty_cache", "record_stream",
-           "TooLateError", "configure", "start_trace", "stop_trace", "recorded_trace", "trace_from_words",
+           "trace_wait_stream", "TooLateError", "configure", "start_trace", "stop_trace", "recorded_trace", "trace_from_words",
            "TRACE_OUT_ENV"]
 
 #: Environment variable: when set, :func:`install` starts tracing and the trace of device 0 is written
@@ -159,6 +159,8 @@ def _lib() -> ctypes.CDLL:
     lib.gpumem_torch_empty_cache.argtypes = [ctypes.c_int, u64p]
     lib.gpumem_torch_record_stream.restype = ctypes.c_int
     lib.gpumem_torch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.gpumem_torch_trace_wait_stream.restype = ctypes.c_int
+    lib.gpumem_torch_trace_wait_stream.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     lib.gpumem_torch_start.restype = ctypes.c_int
     lib.gpumem_torch_start.argtypes = [ctypes.c_int]
     lib.gpumem_torch_engine_state.restype = ctypes.c_int
@@ -340,6 +342,23 @@ def record_stream(tensor: Any, stream: Any) -> None:
         raise GpumemError(f"gpumem could not record the stream for the tensor at {ptr:#x}: {_last_error(lib)}")
 
 
+def trace_wait_stream(stream: Any, waited: Any, device: "int | str | Any | None" = None) -> None:
+    """Tell gpumem's trace (:func:`start_trace`) that ``stream`` waits for the work queued on ``waited`` so
+    far: call it beside ``stream.wait_stream(waited)``, which passes no allocator call and so is not seen
+    otherwise. Kept as a :class:`~gpumem.trace.StreamWait`, which a replay's simulated GPU honours (Note
+    [Cross-stream waits] in :mod:`gpumem.sim.gpu_work`). Nothing is recorded while tracing is off.
+    ``device`` defaults to ``stream``'s (else the current device)."""
+    _require_installed()
+    if device is None:
+        device = getattr(stream, "device", None)
+    index = _device_index(device)
+    lib = _lib()
+    s = int(getattr(stream, "cuda_stream", stream))
+    w = int(getattr(waited, "cuda_stream", waited))
+    if lib.gpumem_torch_trace_wait_stream(index, ctypes.c_void_p(s), ctypes.c_void_p(w)) != 0:
+        raise GpumemError(f"gpumem could not trace the wait of stream {s:#x} on {w:#x}: {_last_error(lib)}")
+
+
 #: The policy fields the native engine takes from :func:`configure` (the others are the default policy's).
 _ENGINE_KNOBS = ("growth", "page_slack", "chunk_max_fraction", "grow_ahead_fraction", "steal_empty_pages",
                  "busy_slack", "stream_ordered_steal")
@@ -388,31 +407,33 @@ def stop_trace() -> None:
     _lib().gpumem_torch_trace(0)
 
 
-#: The native trace buffer's words per event: kind (0 alloc, 1 free, 2 stream use), address, bytes, stream, ns.
+#: The native trace buffer's words per event: kind (0 alloc, 1 free, 2 stream use, 3 stream wait), address (of a
+#: wait: the awaited stream), bytes, stream, ns.
 _TRACE_WORDS = 5
 
 
 def trace_from_words(words: Any, name: str = "gpumem.torch") -> Any:
     """A :class:`~gpumem.trace.Trace` from the native trace buffer's words (5 per event: kind, address,
     bytes, stream, nanoseconds since tracing began; kind 2 is a :func:`record_stream`, kept as a
-    :class:`~gpumem.trace.StreamUse`). Frees and stream uses of blocks allocated before tracing began
-    are skipped (logged)."""
+    :class:`~gpumem.trace.StreamUse`, kind 3 a :func:`trace_wait_stream`, kept as a
+    :class:`~gpumem.trace.StreamWait`, the awaited stream in the address word). Frees and stream uses of
+    blocks allocated before tracing began are skipped (logged)."""
     import numpy as np
 
     from .errors import TraceFormatError
-    from .trace.builder import USE_CODE, AddressReuseError, build_trace
+    from .trace.builder import USE_CODE, WAIT_CODE, AddressReuseError, build_trace
 
     arr = np.asarray(words, dtype=np.uint64)
     if arr.ndim != 1 or arr.size % _TRACE_WORDS:
         raise TraceFormatError(f"<{name}>", f"{arr.size} words is not a whole number of {_TRACE_WORDS}-word events")
     ev = arr.reshape(-1, _TRACE_WORDS)
-    if ev.size and int(ev[:, 0].max()) > USE_CODE:
-        raise TraceFormatError(f"<{name}>", f"event kind {int(ev[:, 0].max())} is not 0 (alloc), 1 (free) or "
-                                            f"{USE_CODE} (stream use)")
+    if ev.size and int(ev[:, 0].max()) > WAIT_CODE:
+        raise TraceFormatError(f"<{name}>", f"event kind {int(ev[:, 0].max())} is not 0 (alloc), 1 (free), "
+                                            f"{USE_CODE} (stream use) or {WAIT_CODE} (stream wait)")
     try:
         return build_trace(name, "recorded", ev[:, 0].astype(np.int8), ev[:, 1].astype(np.int64),
                            ev[:, 2].astype(np.int64), ev[:, 3].astype(np.int64), ev[:, 4].astype(np.float64) / 1e3,
-                           origin=f"<{name}>", use_code=USE_CODE)
+                           origin=f"<{name}>", use_code=USE_CODE, wait_code=WAIT_CODE)
     except AddressReuseError as e:
         raise TraceFormatError(f"<{name}>", str(e), entry=e.index) from None
 

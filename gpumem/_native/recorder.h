@@ -16,8 +16,9 @@
 // an event's time may precede the one recorded ahead of it or a window's start (turned on by another
 // thread in between): it is raised to the latest of those, keeping times in list order and never before
 // their window (a trace time of 2**64 less a little, a negative history time). Stream uses
-// (record_stream, kStreamUse) go to the trace only (kind 2 there: a gpumem trace's StreamUse); the
-// history, which PyTorch's snapshot format reads, neither takes nor counts them, and skips them when read.
+// (record_stream, kStreamUse) and stream waits (wait_stream, kStreamWait) go to the trace only (kinds 2
+// and 3 there: a gpumem trace's StreamUse and StreamWait); the history, which PyTorch's snapshot format
+// reads, neither takes nor counts them, and skips them when read.
 #pragma once
 
 #include <algorithm>
@@ -43,12 +44,16 @@ struct HistoryEvent {          // mirrored by gpumem/recording.py (_HistoryEvent
 
 class Recorder {
   public:
-    static constexpr std::int32_t kAlloc = 0, kFree = 1, kOutOfMemory = 2, kStreamUse = 3;
+    static constexpr std::int32_t kAlloc = 0, kFree = 1, kOutOfMemory = 2, kStreamUse = 3, kStreamWait = 4;
     // Words per event gpumem_torch_trace_read writes: kind (0 alloc, 1 free, 2 stream use: record_stream
-    // of the allocation at the address on the stream, bytes 0), address, bytes, stream, nanoseconds since
-    // the trace was turned on.
+    // of the allocation at the address on the stream, bytes 0; 3 stream wait: the stream waits for the
+    // stream in the address word, bytes 0), address, bytes, stream, nanoseconds since the trace was
+    // turned on.
     static constexpr std::size_t kTraceWords = 5;
-    static constexpr std::uint64_t kTraceUseKind = 2;
+    static constexpr std::uint64_t kTraceUseKind = 2, kTraceWaitKind = 3;
+
+    // Whether `action` is the trace's only (the history neither takes nor counts it).
+    static bool trace_only(std::int32_t action) { return action == kStreamUse || action == kStreamWait; }
 
     // Whether a window is on (the hooks' one check when both are off).
     bool on() const { return any_on_.load(std::memory_order_relaxed); }
@@ -59,7 +64,7 @@ class Recorder {
     void record(std::int32_t action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream,
                 std::int64_t t_ns) noexcept {
         std::lock_guard<std::mutex> lock(mutex_);
-        const bool history_kind = action != kStreamUse;
+        const bool history_kind = !trace_only(action);
         const bool to_history = history_.on && history_kind && taken_ < max_entries_;
         const bool to_trace = trace_.on && action != kOutOfMemory;
         if (history_.on && history_kind && !to_history) ++dropped_;
@@ -105,7 +110,7 @@ class Recorder {
             std::int64_t i = 0;
             for (std::size_t j = history_.start; i < k && j < events_.size(); ++j) {
                 const Event& e = events_[j];
-                if (e.action == kStreamUse) continue;   // the trace's only
+                if (trace_only(e.action)) continue;
                 out[i++] = HistoryEvent{e.addr, e.nbytes, e.stream, static_cast<double>(e.t_ns - history_.t0_ns) / 1000.0,
                                         e.device, e.action};
             }
@@ -141,7 +146,9 @@ class Recorder {
             if (e.device != device || e.action == kOutOfMemory) continue;
             if (out != nullptr && have < n) {
                 const std::uint64_t nbytes = static_cast<std::int64_t>(e.nbytes) < 0 ? 0 : e.nbytes;
-                const std::uint64_t kind = e.action == kStreamUse ? kTraceUseKind : static_cast<std::uint64_t>(e.action);
+                const std::uint64_t kind = e.action == kStreamUse    ? kTraceUseKind
+                                           : e.action == kStreamWait ? kTraceWaitKind
+                                                                     : static_cast<std::uint64_t>(e.action);
                 const std::uint64_t words[kTraceWords] = {kind, e.addr, nbytes, e.stream,
                                                           static_cast<std::uint64_t>(e.t_ns - trace_.t0_ns)};
                 std::memcpy(out + static_cast<std::size_t>(have) * kTraceWords, words, sizeof words);

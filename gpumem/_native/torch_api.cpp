@@ -429,6 +429,20 @@ GPUMEM_EXPORT int gpumem_torch_record_stream(void* ptr, void* stream) {
     return -1;
 }
 
+// torch.cuda.Stream.wait_stream, for gpumem's trace: on `device`, `stream` waits for the work queued on
+// `waited` so far (a StreamWait of the trace: recorder.h). Nothing else: the wait itself is PyTorch's
+// (cudaStreamWaitEvent), which passes no allocator call, so the caller reports it (gpumem.torch
+// .trace_wait_stream). Returns 0, or -1 with gpumem_torch_last_error() for a device out of range.
+GPUMEM_EXPORT int gpumem_torch_trace_wait_stream(int device, void* stream, void* waited) {
+    if (device < 0 || device >= kMaxDevices) {
+        t_last_error = "gpumem_torch_trace_wait_stream: device " + std::to_string(device) + " out of range";
+        return -1;
+    }
+    record_event(Recorder::kStreamWait, device, reinterpret_cast<std::uintptr_t>(waited), 0,
+                 reinterpret_cast<std::uintptr_t>(stream));
+    return 0;
+}
+
 // Starts gpumem's engine on `device` now rather than at its first allocation (loads the driver,
 // checks virtual memory support; reserves no memory). Returns 0, or -1 with gpumem_torch_last_error().
 GPUMEM_EXPORT int gpumem_torch_start(int device) {

@@ -87,6 +87,9 @@ def _print_result(result: Any, summary: str | None) -> None:
     if result.extra.get("n_stream_uses"):
         _row("stream uses", f"{result.extra['n_stream_uses']:,} record_stream calls made (a block used on another "
                             "stream is reused once that stream's work is done)")
+    if result.extra.get("gpu_stream_waits"):
+        _row("stream waits", f"{result.extra['gpu_stream_waits']:,} cross-stream waits made (work queued after a "
+                             "wait starts once the awaited stream's work before it is done)")
     _row("time", f"{result.wall_s:.2f} s wall, {result.ns_per_op:,.0f} ns per op")
     if summary is not None:
         print(summary)
@@ -247,7 +250,8 @@ def register(sub: Any, formatter_class: Any) -> None:
                    help="a record_stream log written beside a PyTorch snapshot (gpumem.trace.stream_log; the "
                         "workloads probe writes NAME.default.record_stream.jsonl.gz): each logged "
                         "Tensor.record_stream is made in the replay, so a block used on another stream waits "
-                        "for that stream's work when freed, as in PyTorch's allocator")
+                        "for that stream's work when freed, as in PyTorch's allocator; its logged "
+                        "Stream.wait_stream calls order the streams' GPU work (not under --gpu-timing idle)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--summary", action="store_true", help="also print the allocator's memory summary table "
                                                           "(with --json: as the text of the \"summary\" key)")

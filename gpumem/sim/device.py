@@ -797,6 +797,24 @@ class SimDevice(Device):
             raise InvalidArgumentError(f"wait_work: expected a Work from launch(), got {type(work).__name__}")
         self._run(self._wait_for, work)
 
+    def order_streams(self, stream: int, waited: int) -> Work | None:
+        """Work queued on ``stream`` from now on starts only after the work queued on ``waited`` so far has
+        finished, as after ``cudaStreamWaitEvent(stream, event recorded on waited)``: a zero-length marker
+        on ``stream`` that waits for ``waited``'s last unfinished work (returned), or None when there is
+        nothing to wait for (``waited`` idle, or ``stream == waited``). No device call is counted, as in
+        :meth:`wait_work`: a replay's program ordering its own streams (Note [Cross-stream waits] in
+        :mod:`gpumem.sim.gpu_work`)."""
+        stream = check_stream(stream)
+        waited = check_stream(waited, what="waited")
+        return self._run(self._order_streams, stream, waited)
+
+    def _order_streams(self, stream: int, waited: int) -> Work | None:
+        self._check_usable()
+        tail = self.streams.tail(waited)
+        if tail is None or stream == waited:
+            return None
+        return self.streams.launch(stream, f"wait for stream {waited}", 0.0, (), tail)
+
     def _launch(self, stream: int, duration_s: float, ranges: list[tuple[int, int]], name: str | None) -> Work:
         self._check_usable()
         self._check_finite_time("launch", duration_s)

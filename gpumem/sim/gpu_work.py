@@ -33,11 +33,32 @@ scored check rows it is 0.064 pp mean (``model`` 0.89, ``idle`` 2.37; two multis
 their ``record_stream`` calls are not scored). In a training step every steal meets busy
 pages once the GPU is behind at all, so the constants hardly matter there; the threshold does where a
 program synchronises often (several streams, ``generate()``), and gaps include the allocator's own time.
-Left out: kernels that touch no new block, and cross-stream waits (a trace has no events; each
-operation's work goes to its own stream). A block used on other streams is kept back as live when the
-trace has its ``record_stream`` calls (:attr:`~gpumem.trace.Trace.stream_uses`: gpumem's ``.gmt``
-version 2; Note [Stream uses in a replay] in :mod:`gpumem.replay`): its free waits for those streams'
-queued work here.
+Left out: kernels that touch no new block; each operation's work goes to its own stream. A block used
+on other streams is kept back as live when the trace has its ``record_stream`` calls
+(:attr:`~gpumem.trace.Trace.stream_uses`: gpumem's ``.gmt`` version 2; Note [Stream uses in a replay] in
+:mod:`gpumem.replay`): its free waits for those streams' queued work here. Cross-stream order is kept
+when the trace has the program's waits (Note [Cross-stream waits]).
+
+Note [Cross-stream waits]
+-------------------------
+A program that chains its streams (``copy.wait_stream(main)``, then each tower's stream waits for the
+copy, then ``main`` for each tower: ``multistream_infer`` of ``hil/probes/workloads.py``) makes each stream's
+work start only after the work it waits for has run. Without that order each simulated stream runs its
+own queue from the moment it is queued, so the GPU of a replay is far less behind than the live one (run 3:
+seven steps issued in 20 ms of CPU time, 138 ms to the final synchronize), frees' events complete sooner
+and blocks come back sooner: PyTorch's allocator replayed at 35.22 % where it held 50.20 % live (45.21 %
+with the waits, reconstructed: ``reports/sim-stream-waits.md``). A trace's
+:attr:`~gpumem.trace.Trace.stream_waits` (:class:`~gpumem.trace.StreamWait`: gpumem's ``.gmt`` version 3;
+a PyTorch snapshot's merged from its run's log, :mod:`gpumem.trace.stream_log`; gpumem's own trace where
+the program reports them, :func:`gpumem.torch.trace_wait_stream`) say where the program made them. Before operation ``i`` the replay makes the waits recorded there, after the work of operation
+``i - 1`` was queued: each queues on the waiting stream a zero-length marker (``SimDevice.order_streams``)
+whose SimPy process yields on the ``done_event`` of the waited stream's last queued item, so everything
+queued behind the marker starts no earlier than the waited work ends; time still advances only through
+the event queue, and a chain (main -> copy -> tower -> main) carries through markers, since a later wait
+on a stream whose tail is a marker waits for that marker. The markers are not in the launch queue (they
+hold no launch slot) and touch no memory. A trace without waits queues none, so its figures are what they
+were bit for bit, and ``idle`` ignores waits (no GPU work to order). What the work between two ops is
+(one item on the first op's stream) is unchanged, so a wait made mid-gap is placed at the gap's end.
 """
 
 from __future__ import annotations
@@ -116,7 +137,7 @@ class ProgramGpu:
     operation ``i`` and :meth:`after` once it is done (with the block's pointer for an allocation)."""
 
     __slots__ = ("device", "timing", "model", "clock", "_work_s", "_sync", "_streams", "_sizes", "_queue",
-                 "n_launches", "n_blocked", "n_syncs", "max_lag_s", "_cpu_s")
+                 "n_launches", "n_blocked", "n_syncs", "max_lag_s", "_cpu_s", "_waits", "n_waits", "n_wait_markers")
 
     def __init__(self, trace: "Trace", device: Any, timing: "str | GpuTiming | None",
                  model: GpuWorkModel | None = None) -> None:
@@ -139,7 +160,9 @@ class ProgramGpu:
         n = len(kinds)
         m = self.model
         self._cpu_s = m.cpu_op_us * 1e-6
-        self._sync = [False] * n
+        self._sync = [0] * n
+        """Per operation: 1 where the program synchronised before it, 2 where it made cross-stream waits,
+        3 both (0 mostly: one test per operation in :meth:`before`)."""
         times = trace.times_us.tolist()
         self.clock = bool(times) and min(times) != max(times)
         """Whether the trace has a clock (``trace`` timing without one uses the model's kernel times)."""
@@ -148,7 +171,7 @@ class ProgramGpu:
             for i in range(n - 1):
                 gap = times[i + 1] - times[i]
                 if gap >= m.sync_gap_us:
-                    self._sync[i + 1] = True
+                    self._sync[i + 1] = 1
                 elif gap > 0:
                     work[i] = gap * 1e-6
         else:
@@ -156,6 +179,14 @@ class ProgramGpu:
             k_min, factor = m.kernel_min_us * 1e-6, m.touch_factor
             work = [k_min + factor * s / bw if kind == 0 and s else 0.0 for kind, s in zip(kinds, self._sizes)]
         self._work_s = work
+        self._waits: dict[int, list[tuple[int, int]]] = {}
+        """Operation -> the ``(stream, waited)`` waits made before it (Note [Cross-stream waits])."""
+        for w in trace.stream_waits:
+            if w.at_op < n:   # a wait after the last operation orders no work of the replay
+                self._waits.setdefault(w.at_op, []).append((int(w.stream), int(w.waited)))
+                self._sync[w.at_op] |= 2
+        self.n_waits = 0
+        self.n_wait_markers = 0
         self._queue: deque[Work] = deque()
         self.n_launches = 0
         self.n_blocked = 0
@@ -165,7 +196,13 @@ class ProgramGpu:
     def before(self, i: int) -> None:
         """The CPU reaches operation ``i``: its time passes, and it waits where the program synchronised."""
         dev = self.device
-        if self._sync[i]:
+        flags = self._sync[i]
+        if flags & 2:
+            for stream, waited in self._waits[i]:
+                self.n_waits += 1
+                if dev.order_streams(stream, waited) is not None:
+                    self.n_wait_markers += 1
+        if flags & 1:
             self.n_syncs += 1
             if self._queue:
                 dev.wait_work(self._queue[-1])
@@ -205,5 +242,8 @@ class ProgramGpu:
                 self.device.wait_work(w)
         self._queue.clear()
         timing = self.timing.value if self.clock or self.timing is GpuTiming.MODEL else "model (the trace has no clock)"
-        return {"gpu_timing": timing, "gpu_launches": self.n_launches,
-                "gpu_queue_full_waits": self.n_blocked, "gpu_syncs": self.n_syncs, "gpu_pending_at_end_s": lag_s}
+        out = {"gpu_timing": timing, "gpu_launches": self.n_launches,
+               "gpu_queue_full_waits": self.n_blocked, "gpu_syncs": self.n_syncs, "gpu_pending_at_end_s": lag_s}
+        if self._waits:   # only for a trace with waits: a replay of one without them reports what it did
+            out.update(gpu_stream_waits=self.n_waits, gpu_stream_wait_markers=self.n_wait_markers)
+        return out

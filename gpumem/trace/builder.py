@@ -12,7 +12,9 @@ Allocator logs name allocations by address: ``alloc 0x7f..00 (4096 B)`` and late
 * with ``use_code``, an event of that code is a stream use (``record_stream``) of the allocation
   live at its address, kept as a :class:`~gpumem.trace.model.StreamUse` at its place among the ops;
   a use of an address with no live allocation (allocated before the window opened) is skipped and
-  counted, as an unmatched free is.
+  counted, as an unmatched free is;
+* with ``wait_code``, an event of that code is a stream wait (``wait_stream``): its stream waits for the
+  stream in its address field, kept as a :class:`~gpumem.trace.model.StreamWait` at its place.
 
 The loop touches only a dict and two list appends per event, so a million events
 take well under a second; all per-op columns are gathered afterwards with numpy.
@@ -29,9 +31,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from .model import OpKind, StreamUse, Trace
+from .model import OpKind, StreamUse, StreamWait, Trace
 
-__all__ = ["AddressReuseError", "build_ops", "build_trace", "replay_addresses", "USE_CODE"]
+__all__ = ["AddressReuseError", "build_ops", "build_trace", "replay_addresses", "USE_CODE", "WAIT_CODE"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,9 @@ FREE_CODE = 1
 #: The code gpumem's recorders give a stream use (``record_stream``); :func:`build_trace` reads it as one
 #: only when asked (``use_code``): other sources give 2 another meaning (an RMM allocation failure).
 USE_CODE = 2
+#: The code gpumem's recorders give a stream wait (``wait_stream``; the awaited stream in the address
+#: field); read as one only when asked (``wait_code``).
+WAIT_CODE = 3
 
 
 class AddressReuseError(Exception):
@@ -53,7 +58,8 @@ class AddressReuseError(Exception):
 
 
 def build_ops(codes: Sequence[int], addrs: Sequence[int], use_code: int | None = None,
-              uses: list[tuple[int, int, int]] | None = None) -> tuple[array[int], array[int], int]:
+              uses: list[tuple[int, int, int]] | None = None, wait_code: int | None = None,
+              waits: list[tuple[int, int]] | None = None) -> tuple[array[int], array[int], int]:
     """Pair allocs and frees by address.
 
     ``codes[i]`` is 0 (alloc), 1 (free) or anything else (ignored), ``addrs[i]`` the
@@ -62,7 +68,8 @@ def build_ops(codes: Sequence[int], addrs: Sequence[int], use_code: int | None =
     because their address held no live allocation. Raises
     :class:`AddressReuseError` for an alloc at a live address. With ``use_code`` (not 0 or 1), each
     event of that code whose address is live is appended to ``uses`` as ``(at_op, alloc_id, index)``
-    (those of addresses not live are skipped, and not counted in ``n_unmatched``).
+    (those of addresses not live are skipped, and not counted in ``n_unmatched``). With ``wait_code``,
+    each event of that code is appended to ``waits`` as ``(at_op, index)``.
     """
     live: dict[int, int] = {}
     kept = array("q")  # compact: 8 bytes per event, where a list of ints takes ~40
@@ -91,6 +98,8 @@ def build_ops(codes: Sequence[int], addrs: Sequence[int], use_code: int | None =
             aid = live.get(addr)
             if aid is not None:   # else allocated before the window opened: skipped (build_trace logs it)
                 uses.append((len(kept), aid, i))
+        elif code == wait_code and waits is not None:
+            waits.append((len(kept), i))
     return kept, ids, n_unmatched
 
 
@@ -106,6 +115,7 @@ def build_trace(
     origin: str = "",
     n_failed_allocs: int = 0,
     use_code: int | None = None,
+    wait_code: int | None = None,
 ) -> Trace:
     """Turn parallel address-keyed event columns into a :class:`Trace`.
 
@@ -114,14 +124,19 @@ def build_trace(
     were skipped. Raises :class:`AddressReuseError` as :func:`build_ops` does. Events
     of ``use_code`` (gpumem's recorders: :data:`USE_CODE`) are stream uses
     (:attr:`Trace.stream_uses`); a use of an address not live is skipped (logged, not counted in
-    ``n_unmatched_frees``).
+    ``n_unmatched_frees``). Events of ``wait_code`` (:data:`WAIT_CODE`) are stream waits
+    (:attr:`Trace.stream_waits`): the event's stream waits for the stream in its ``addrs`` field.
     """
     if use_code in (ALLOC_CODE, FREE_CODE):
         raise InvalidArgumentError(f"build_trace: use_code {use_code} is the code of an alloc or a free")
+    if wait_code in (ALLOC_CODE, FREE_CODE) or (wait_code is not None and wait_code == use_code):
+        raise InvalidArgumentError(f"build_trace: wait_code {wait_code} is the code of an alloc, a free or a use")
     codes_list = codes.tolist() if isinstance(codes, np.ndarray) else codes
     addrs_list = addrs.tolist() if isinstance(addrs, np.ndarray) else addrs
     raw_uses: list[tuple[int, int, int]] = []
-    kept, ids, n_unmatched = build_ops(codes_list, addrs_list, use_code, raw_uses if use_code is not None else None)
+    raw_waits: list[tuple[int, int]] = []
+    kept, ids, n_unmatched = build_ops(codes_list, addrs_list, use_code, raw_uses if use_code is not None else None,
+                                       wait_code, raw_waits if wait_code is not None else None)
     n_unmatched_uses = 0
     if use_code is not None:
         n_unmatched_uses = sum(1 for c in codes_list if c == use_code) - len(raw_uses)
@@ -157,6 +172,7 @@ def build_trace(
         n_unmatched_frees=n_unmatched,
         n_failed_allocs=n_failed_allocs,
         stream_uses=_stream_uses(raw_uses, streams, times_us),
+        stream_waits=_stream_waits(raw_waits, addrs_list, streams, times_us),
     )
 
 
@@ -169,6 +185,18 @@ def _stream_uses(raw: list[tuple[int, int, int]], streams: Sequence[int] | np.nd
     s = np.asarray(streams, dtype=np.int64)[idx].tolist()
     t = np.asarray(times_us, dtype=np.float64)[idx].tolist()
     return tuple(StreamUse(at, aid, si, ti) for (at, aid, _), si, ti in zip(raw, s, t))
+
+
+def _stream_waits(raw: list[tuple[int, int]], addrs: Sequence[int], streams: Sequence[int] | np.ndarray,
+                  times_us: Sequence[float] | np.ndarray) -> tuple[StreamWait, ...]:
+    """:class:`StreamWait` objects of :func:`build_ops`' ``(at_op, event index)`` pairs (the awaited stream
+    in the event's address)."""
+    if not raw:
+        return ()
+    idx = np.fromiter((r[1] for r in raw), dtype=np.int64, count=len(raw))
+    s = np.asarray(streams, dtype=np.int64)[idx].tolist()
+    t = np.asarray(times_us, dtype=np.float64)[idx].tolist()
+    return tuple(StreamWait(at, si, int(addrs[i]), ti) for (at, i), si, ti in zip(raw, s, t))
 
 
 def replay_addresses(trace: Trace) -> np.ndarray:

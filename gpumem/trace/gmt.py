@@ -21,6 +21,9 @@ single spaces::
   allocation ``alloc_id`` on ``stream``, made where the line stands among the ops
   (:class:`~gpumem.trace.model.StreamUse`; ``at_op`` is the number of op lines before it). The
   allocation must be live there (allocated on an earlier line, not yet freed).
+* ``w <stream> <waited> <time_us>`` (version 3): a stream wait, work queued on ``stream`` from there on
+  waits for the work queued on ``waited`` before it (:class:`~gpumem.trace.model.StreamWait`; ``at_op``
+  as for ``u``).
 * ``n_ops`` in the header must match the number of op lines (this catches a
   truncated uncompressed file); ``name``, ``source`` and the counters restore the
   :class:`~gpumem.trace.Trace` fields, so ``read(write(t)) == t``.
@@ -33,8 +36,10 @@ length, a header of bounded nesting, at most ``max_entries`` ops and
 ``version`` (not ``true``), and every number in ASCII digits and in range (sizes,
 ids, addresses and streams in ``[0, 2**63)``), and a header ``time_unit`` of ``"us"`` (or none).
 Versions: 1 has ``a`` and ``f`` lines only; 2 adds ``u`` lines and the header's ``n_stream_uses`` (their
-count). The writer writes version 1 when a trace has no stream uses (so such files are byte for byte
-what they were), 2 otherwise; the reader reads both, and refuses ``u`` lines in a version 1 file.
+count); 3 adds ``w`` lines and the header's ``n_stream_waits``. The writer writes the oldest version that
+holds the trace: 1 when it has neither uses nor waits (so such files are byte for byte what they were), 2
+with uses only, 3 with waits; the reader reads all three, and refuses ``u`` lines before version 2 and
+``w`` lines before version 3.
 """
 
 from __future__ import annotations
@@ -50,15 +55,15 @@ import numpy as np
 from ..errors import InvalidArgumentError, TraceFormatError
 from ._fileio import PathLike, check_exists, iter_lines, open_binary, open_for_writing
 from .limits import DEFAULT_LIMITS, TraceLimits, max_entries_for, shorten
-from .model import OpKind, StreamUse, Trace
+from .model import OpKind, StreamUse, StreamWait, Trace
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSIONS", "NATIVE_SUFFIXES", "read_gmt_trace",
            "write_gmt_trace"]
 
 FORMAT_NAME = "gpumem-trace"
-#: The newest version (stream uses); a trace without them is written as version 1.
-FORMAT_VERSION = 2
-FORMAT_VERSIONS = (1, 2)
+#: The newest version (stream waits); a trace is written in the oldest version that holds it (module docstring).
+FORMAT_VERSION = 3
+FORMAT_VERSIONS = (1, 2, 3)
 NATIVE_SUFFIXES = (".gmt", ".gmt.gz")
 _HEADER_INTS = ("n_ops", "n_allocs", "n_unmatched_frees", "n_failed_allocs")
 _INT64_MAX = 2**63 - 1
@@ -78,9 +83,10 @@ def _fmt_time(t: float) -> str:
 def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
     """Write ``trace`` in the .gmt format (gzip when ``path`` ends in ``.gz``); returns the path."""
     uses = trace.stream_uses
+    waits = trace.stream_waits
     header: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION if uses else 1,
+        "version": 3 if waits else 2 if uses else 1,
         "name": trace.name,
         "source": trace.source,
         "n_ops": trace.n_ops,
@@ -89,10 +95,13 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
         "n_failed_allocs": trace.n_failed_allocs,
         "time_unit": "us",
     }
-    if uses:
+    if uses or waits:
         header["n_stream_uses"] = len(uses)
+    if waits:
+        header["n_stream_waits"] = len(waits)
     use_at = [u.at_op for u in uses] + [-1]   # -1: no more uses
-    k = 0
+    wait_at = [w.at_op for w in waits] + [-1]
+    k = j = 0
     p = Path(path)
     fmt_time = _fmt_time
     with open_for_writing(p) as f:
@@ -106,6 +115,10 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
                 u = uses[k]
                 push(f"u {u.alloc_id} {u.stream} {fmt_time(float(u.time_us))}\n")
                 k += 1
+            while wait_at[j] == i:
+                w = waits[j]
+                push(f"w {w.stream} {w.waited} {fmt_time(float(w.time_us))}\n")
+                j += 1
             if kind == OpKind.ALLOC:
                 push(f"a {aid} {n} {s} {fmt_time(t)} {a:x}\n")
             else:
@@ -115,6 +128,8 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
                 lines.clear()
         for u in uses[k:]:   # after the last op
             push(f"u {u.alloc_id} {u.stream} {fmt_time(float(u.time_us))}\n")
+        for w in waits[j:]:
+            push(f"w {w.stream} {w.waited} {fmt_time(float(w.time_us))}\n")
         f.write("".join(lines))
     return p
 
@@ -147,7 +162,8 @@ def _parse_header(line: str, where: str, limits: TraceLimits = DEFAULT_LIMITS) -
             where, f"line 1: unsupported {FORMAT_NAME} version {shorten(header.get('version'))} "
                    f"(this reader knows {', '.join(map(str, FORMAT_VERSIONS))})"
         )
-    for key in _HEADER_INTS + (("n_stream_uses",) if header["version"] >= 2 else ()):
+    for key in _HEADER_INTS + (("n_stream_uses",) if header["version"] >= 2 else ()) \
+            + (("n_stream_waits",) if header["version"] >= 3 else ()):
         value = header.get(key)
         if key not in header:
             raise TraceFormatError(where, f"line 1: header field {key!r} is missing")
@@ -201,11 +217,13 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
     alloc_addrs = array("q")
     live = bytearray()
     uses: list[StreamUse] = []
+    waits: list[StreamWait] = []
     with open_binary(path, limits=limits, progress=progress) as f:
         lines = iter_lines(f, where, limits)
         first = next(lines, None)
         header = _parse_header(first[1] if first else "", where, limits)
         with_uses = header["version"] >= 2
+        with_waits = header["version"] >= 3
         for lineno, line in lines:
             p = line.split()
             try:
@@ -236,7 +254,14 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                     if not 0 <= aid < len(live) or not live[aid]:
                         raise ValueError(f"stream use of id {aid}, which is not live")
                     uses.append(StreamUse(len(kinds), aid, _int(p[2], "stream", 0, _INT64_MAX), _time(p[3])))
-                    if len(kinds) + len(uses) > max_ops:
+                    if len(kinds) + len(uses) + len(waits) > max_ops:
+                        raise TraceFormatError(where, f"line {lineno}: more than {max_ops:,} entries ({binding}); "
+                                                      "raise the limit if the file is genuine")
+                    continue
+                elif tag == "w" and len(p) == 4 and with_waits:
+                    waits.append(StreamWait(len(kinds), _int(p[1], "stream", 0, _INT64_MAX),
+                                            _int(p[2], "waited stream", 0, _INT64_MAX), _time(p[3])))
+                    if len(kinds) + len(uses) + len(waits) > max_ops:
                         raise TraceFormatError(where, f"line {lineno}: more than {max_ops:,} entries ({binding}); "
                                                       "raise the limit if the file is genuine")
                     continue
@@ -244,10 +269,12 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                     raise ValueError(f"expected 'a <id> <nbytes> <stream> <time_us> <addr>' or "
                                      f"'f <id> <stream> <time_us>'" + (" or 'u <id> <stream> <time_us>'" if with_uses
                                                                       else " (a version 1 file)")
+                                     + (" or 'w <stream> <waited> <time_us>'" if with_waits
+                                        else " (a version 2 file)" if with_uses else "")
                                      + f", got {shorten(line.strip())}")
             except (ValueError, IndexError) as e:
                 raise TraceFormatError(where, f"line {lineno}: {e}") from None
-            if len(kinds) + len(uses) > max_ops:
+            if len(kinds) + len(uses) + len(waits) > max_ops:
                 raise TraceFormatError(where, f"line {lineno}: more than {max_ops:,} ops ({binding}); "
                                               "raise the limit if the file is genuine")
             ids.append(aid)
@@ -261,13 +288,15 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
         raise TraceFormatError(where, f"header says {header['n_allocs']} allocations, the file has {len(alloc_nbytes)}")
     if with_uses and len(uses) != header["n_stream_uses"]:
         raise TraceFormatError(where, f"header says {header['n_stream_uses']} stream uses, the file has {len(uses)}")
+    if with_waits and len(waits) != header["n_stream_waits"]:
+        raise TraceFormatError(where, f"header says {header['n_stream_waits']} stream waits, the file has {len(waits)}")
     try:
         return Trace(
             header["name"], header["source"],
             np.array(kinds, dtype=np.int8), np.array(ids, dtype=np.int64), np.array(nbytes, dtype=np.int64),
             np.array(streams, dtype=np.int64), np.array(times, dtype=np.float64), np.array(addrs, dtype=np.int64),
             n_unmatched_frees=header["n_unmatched_frees"], n_failed_allocs=header["n_failed_allocs"],
-            stream_uses=tuple(uses),
+            stream_uses=tuple(uses), stream_waits=tuple(waits),
         )
     except (InvalidArgumentError, OverflowError) as e:
         raise TraceFormatError(where, shorten(str(e), 200)[1:-1]) from None

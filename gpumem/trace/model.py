@@ -47,7 +47,7 @@ from ..units import format_bytes
 
 _INT64_MAX = 2**63 - 1
 
-__all__ = ["OpKind", "TraceOp", "TraceSummary", "Trace", "SOURCES", "StreamUse"]
+__all__ = ["OpKind", "TraceOp", "TraceSummary", "Trace", "SOURCES", "StreamUse", "StreamWait"]
 
 #: The values :attr:`Trace.source` takes for traces this package produced.
 SOURCES = ("pytorch-snapshot", "rmm-log", "gpumem", "recorded")
@@ -92,6 +92,24 @@ class StreamUse:
     at_op: int
     alloc_id: int
     stream: int
+    time_us: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StreamWait:
+    """``wait_stream``: work queued on ``stream`` from here on waits for the work queued on ``waited`` so far.
+
+    ``at_op`` is where in the op sequence the program made the call, as for :class:`StreamUse` (after ops
+    ``0 .. at_op - 1``, before op ``at_op``). A replay that runs the program's GPU work queues, there, a
+    marker on ``stream`` that completes when the work queued on ``waited`` until then has (Note
+    [Cross-stream waits] in :mod:`gpumem.sim.gpu_work`); a replay without GPU work (``idle``) ignores it.
+    A wait of a stream on itself orders nothing and is kept as the program made it. ``time_us`` is the
+    call's time (0.0 when unknown).
+    """
+
+    at_op: int
+    stream: int
+    waited: int
     time_us: float = 0.0
 
 
@@ -162,6 +180,8 @@ class Trace:
     n_failed_allocs: int = 0
     stream_uses: tuple[StreamUse, ...] = ()
     """The program's ``record_stream`` calls, in order (module docstring); empty for most sources."""
+    stream_waits: tuple[StreamWait, ...] = ()
+    """The program's cross-stream waits, in order (module docstring); empty for most sources."""
 
     __hash__ = None  # type: ignore[assignment]  # mutable container of arrays
 
@@ -183,6 +203,10 @@ class Trace:
         if not all(isinstance(u, StreamUse) for u in uses):
             raise InvalidArgumentError("Trace.stream_uses must hold StreamUse objects")
         self.stream_uses = uses
+        waits = tuple(self.stream_waits)
+        if not all(isinstance(w, StreamWait) for w in waits):
+            raise InvalidArgumentError("Trace.stream_waits must hold StreamWait objects")
+        self.stream_waits = waits
         self.validate()
         live = self.n_allocs - int(np.count_nonzero(self.kinds == OpKind.FREE))
         if self.n_live_at_end not in (0, live):
@@ -193,10 +217,31 @@ class Trace:
 
     def validate(self) -> None:
         """Check the invariants of the module docstring; raise ``InvalidArgumentError`` naming the first bad op
-        (or stream use)."""
+        (or stream use, or stream wait)."""
         self._validate_ops()
         if self.stream_uses:
             self._validate_uses()
+        if self.stream_waits:
+            self._validate_waits()
+
+    def _validate_waits(self) -> None:
+        n_ops = self.n_ops
+        last = 0
+        for k, w in enumerate(self.stream_waits):
+            where = f"stream wait {k} (stream {w.stream} waits for stream {w.waited} before op {w.at_op})"
+            for name in ("at_op", "stream", "waited"):
+                v = getattr(w, name)
+                if type(v) is not int and not isinstance(v, np.integer):
+                    raise InvalidArgumentError(f"{where}: {name} must be an int, not {type(v).__name__}")
+            if not last <= w.at_op <= n_ops:
+                raise InvalidArgumentError(f"{where}: at_op out of order or outside [{last}, {n_ops}] "
+                                           "(waits are sorted by position)")
+            if not (-2**63 < w.stream < 2**63 and -2**63 < w.waited < 2**63):
+                raise InvalidArgumentError(f"{where}: stream out of the 64-bit range")
+            t = w.time_us
+            if type(t) is bool or not isinstance(t, (int, float, np.integer, np.floating)) or not math.isfinite(t):
+                raise InvalidArgumentError(f"{where}: time_us must be a finite number, not {t!r:.40}")
+            last = w.at_op
 
     def _validate_uses(self) -> None:
         n_ops = self.n_ops
@@ -382,6 +427,7 @@ class Trace:
             and self.n_failed_allocs == other.n_failed_allocs
             and self.ops_equal(other)
             and self.stream_uses == other.stream_uses
+            and self.stream_waits == other.stream_waits
         )
 
     def __repr__(self) -> str:
@@ -434,6 +480,8 @@ class Trace:
         new trace's ``n_unmatched_frees`` (a reader would have done the same with a
         trace recorded from ``start`` on). Counters describing the whole source
         (``n_unmatched_frees``, ``n_failed_allocs`` of ``self``) are not carried over.
+        Stream uses inside the window of allocations made in it are kept, and stream waits made from just
+        before op ``start`` to just before op ``stop`` (a wait at either edge orders work of the window).
         """
         n = self.n_ops
         start, stop, _ = slice(start, stop).indices(n)
@@ -448,6 +496,8 @@ class Trace:
         kept_before = np.concatenate(([0], np.cumsum(keep)))   # ops kept before each position of the window
         uses = tuple(StreamUse(int(kept_before[u.at_op - start]), int(new_id[u.alloc_id]), u.stream, u.time_us)
                      for u in self.stream_uses if start < u.at_op <= stop and new_id[u.alloc_id] >= 0)
+        waits = tuple(StreamWait(int(kept_before[w.at_op - start]), w.stream, w.waited, w.time_us)
+                      for w in self.stream_waits if start <= w.at_op <= stop)
         return Trace(
             self.name,
             self.source,
@@ -459,6 +509,7 @@ class Trace:
             self.addrs[start:stop][keep],
             n_unmatched_frees=int(np.count_nonzero(~keep)),
             stream_uses=uses,
+            stream_waits=waits,
         )
 
     def head(self, n_ops: int) -> Trace:
@@ -470,5 +521,5 @@ class Trace:
         return Trace(
             name, self.source, self.kinds, self.alloc_ids, self.nbytes, self.streams, self.times_us, self.addrs,
             n_unmatched_frees=self.n_unmatched_frees, n_failed_allocs=self.n_failed_allocs,
-            stream_uses=self.stream_uses,
+            stream_uses=self.stream_uses, stream_waits=self.stream_waits,
         )

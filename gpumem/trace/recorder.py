@@ -7,6 +7,7 @@ An allocator holds a :class:`TraceRecorder` and calls it on every operation::
     rec.record_alloc(ptr, nbytes, stream)                         # handed to the user
     rec.record_free(ptr, stream)                                  # given back by the user
     rec.record_stream_use(ptr, other_stream)                      # record_stream (before the free)
+    rec.record_stream_wait(other_stream, stream)                  # wait_stream
     trace = rec.to_trace("my_run")                                # source == "recorded"
     snapshot = to_pytorch_snapshot(trace, segments_events=rec.segment_events)
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import time
 
 from ..errors import TraceFormatError
-from .builder import ALLOC_CODE, FREE_CODE, USE_CODE, AddressReuseError, build_trace
+from .builder import ALLOC_CODE, FREE_CODE, USE_CODE, WAIT_CODE, AddressReuseError, build_trace
 from .model import Trace
 
 __all__ = ["TraceRecorder", "SEGMENT_ACTIONS", "SegmentEvent"]
@@ -37,7 +38,8 @@ class TraceRecorder:
     """Collects allocator events cheaply; :meth:`to_trace` turns them into a :class:`Trace`.
 
     ``events`` holds ``(code, addr, nbytes, stream, time_us)`` tuples (code 0 =
-    alloc, 1 = free, 2 = stream use); ``segment_events`` holds :data:`SegmentEvent` tuples.
+    alloc, 1 = free, 2 = stream use, 3 = stream wait with the awaited stream in ``addr``);
+    ``segment_events`` holds :data:`SegmentEvent` tuples.
     """
 
     __slots__ = ("events", "segment_events", "_t0_ns")
@@ -70,6 +72,13 @@ class TraceRecorder:
             time_us = (time.perf_counter_ns() - self._t0_ns) / 1000.0
         self.events.append((USE_CODE, addr, 0, stream, time_us))
 
+    def record_stream_wait(self, stream: int, waited: int, time_us: float | None = None) -> None:
+        """``stream`` waits for the work queued on ``waited`` so far (``wait_stream``): a
+        :class:`~gpumem.trace.model.StreamWait` of the trace."""
+        if time_us is None:
+            time_us = (time.perf_counter_ns() - self._t0_ns) / 1000.0
+        self.events.append((WAIT_CODE, waited, 0, stream, time_us))
+
     def record_segment(
         self, action: str, addr: int, nbytes: int, stream: int = 0, time_us: float | None = None
     ) -> None:
@@ -101,6 +110,6 @@ class TraceRecorder:
             codes = addrs = sizes = streams = times = ()
         try:
             return build_trace(name, "recorded", codes, addrs, sizes, streams, times, origin=f"<recorder {name}>",
-                               use_code=USE_CODE)
+                               use_code=USE_CODE, wait_code=WAIT_CODE)
         except AddressReuseError as e:
             raise TraceFormatError(f"<recorder {name}>", str(e), entry=e.index) from None

@@ -41,10 +41,13 @@ Not seen: calls PyTorch makes from C++ (``ProcessGroupNCCL``'s ``recordStream`` 
 which never pass through ``torch.Tensor.record_stream``.
 
 The logger also logs ``torch.cuda.Stream.wait_stream`` (:class:`LoggedWait`, same sequence points): the
-order the program put between its streams. No replay reads them yet: the simulator runs each stream's work
-on its own (Note [The GPU runs behind the CPU] in :mod:`gpumem.sim.gpu_work`: cross-stream waits are left
-out), which is where a replay of a program that chains its streams (copy, towers, main) still runs its GPU
-ahead of the live one; the waits are kept so that a run logged now can feed that model later.
+order the program put between its streams. The merge places each the same way (by the counts when they
+agree with the trace, else after every op of time <= its own) as the trace's
+:attr:`~gpumem.trace.Trace.stream_waits`, which a replay's simulated GPU honours (Note [Cross-stream waits]
+in :mod:`gpumem.sim.gpu_work`): without them each simulated stream runs its work on its own, and a program
+that chains its streams (copy, towers, main) has its GPU far less behind in the replay than live. A wait
+is a wait wherever it lies in its gap (the work between two ops is one item on the first op's stream).
+Not seen: waits made from C++ or through ``torch.cuda.Event.wait`` / ``Stream.wait_event``.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ import numpy as np
 from ..errors import InvalidArgumentError, TraceFormatError
 from ._fileio import PathLike, iter_lines, open_binary, open_for_writing
 from .limits import DEFAULT_LIMITS, TraceLimits, shorten
-from .model import OpKind, StreamUse, Trace
+from .model import OpKind, StreamUse, StreamWait, Trace
 
 __all__ = ["LOG_FORMAT", "LOG_VERSION", "TIME_TOLERANCE_US", "LoggedUse", "LoggedWait", "RecordStreamLog",
            "RecordStreamLogger",
@@ -115,7 +118,7 @@ class RecordStreamLog:
     ``base_counts``: device -> ``(allocations, frees)`` the allocator had counted when the log began (the
     counts of each use are taken relative to them); ``n_unlogged``: calls that went through but could not
     be logged (no storage pointer or no ``cuda_stream`` on the arguments), which a merge refuses;
-    ``waits``: the ``wait_stream`` calls (kept, read by no replay yet: the module's docstring)."""
+    ``waits``: the ``wait_stream`` calls (merged as the trace's stream waits: the module's docstring)."""
 
     uses: tuple[LoggedUse, ...] = ()
     base_counts: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -124,8 +127,8 @@ class RecordStreamLog:
     waits: tuple[LoggedWait, ...] = ()
 
     def devices(self) -> list[int]:
-        """The devices the uses are on, sorted."""
-        return sorted({u.device for u in self.uses})
+        """The devices the uses and waits are on, sorted."""
+        return sorted({u.device for u in self.uses} | {w.device for w in self.waits})
 
 
 class RecordStreamLogger:
@@ -228,7 +231,9 @@ class RecordStreamLogger:
             handle, other = int(stream.cuda_stream), int(waited.cuda_stream)
             device = getattr(getattr(stream, "device", None), "index", None) or 0
         except (AttributeError, TypeError, ValueError) as exc:
-            log.info("wait_stream(%s) not logged: %s", type(waited).__name__, exc)   # waits feed no replay yet
+            # a missing wait makes a replay's GPU less behind than the program's, never frees anything early
+            log.warning("wait_stream(%s) went through but cannot be logged (%s): a replay of this log runs that "
+                        "stream's work without waiting", type(waited).__name__, exc)
             return
         t_us = self._clock_ns() / 1000.0
         counts = self._counts(int(device))
@@ -340,29 +345,41 @@ class MergeReport:
     n_by_time: int
     n_own_stream: int
     streams: tuple[int, ...]
+    n_waits: int = 0
+    """``wait_stream`` calls merged as stream waits (:attr:`~gpumem.trace.Trace.stream_waits`)."""
+    n_waits_by_count: int = 0
+    """Of :attr:`n_waits`, those placed by the allocator's counts (the others by time)."""
 
     def __str__(self) -> str:
-        return (f"{self.n_uses} record_stream use(s) merged ({self.n_by_count} placed by the allocator's counts, "
+        text = (f"{self.n_uses} record_stream use(s) merged ({self.n_by_count} placed by the allocator's counts, "
                 f"{self.n_by_time} by time; {self.n_own_stream} on the block's own stream)")
+        if self.n_waits:
+            text += (f", {self.n_waits} wait_stream call(s) merged ({self.n_waits_by_count} placed by the counts, "
+                     f"{self.n_waits - self.n_waits_by_count} by time)")
+        return text
 
 
 def merge_stream_uses(trace: Trace, rs: RecordStreamLog, *, device: int | None = None,
                       where: str = "<record_stream log>") -> tuple[Trace, MergeReport]:
     """``trace`` (a PyTorch snapshot's, one device) with the uses of ``rs`` on ``device`` as its
-    :attr:`~gpumem.trace.Trace.stream_uses`, and what was done. ``device`` None: the log's only device.
+    :attr:`~gpumem.trace.Trace.stream_uses` and the waits as its :attr:`~gpumem.trace.Trace.stream_waits`,
+    and what was done. ``device`` None: the log's only device.
 
     Raises:
-        InvalidArgumentError: ``trace`` has stream uses already, or the log holds several devices and
-            ``device`` is None.
+        InvalidArgumentError: ``trace`` has stream uses or waits already, or the log holds several devices
+            and ``device`` is None.
         TraceFormatError (naming ``where`` and the use's index): the log has calls it could not log, a use
             names a stream that runs none of the trace's operations (the replay has no work there to
             wait for: the log is of another program, or the stream handle is not the snapshot's), or no
-            allocation of the trace holds the pointer at that point.
+            allocation of the trace holds the pointer at that point; a wait names two streams of which neither
+            runs any of the trace's operations (a wait naming one such stream is kept: a chain of waits
+            runs through it).
     ``trace`` itself is never changed.
     """
-    if trace.stream_uses:
-        raise InvalidArgumentError(f"{trace.name} has {len(trace.stream_uses)} stream uses already: merging a "
-                                   "record_stream log would add them twice")
+    if trace.stream_uses or trace.stream_waits:
+        raise InvalidArgumentError(f"{trace.name} has {len(trace.stream_uses)} stream uses and "
+                                   f"{len(trace.stream_waits)} stream waits already: merging a record_stream log "
+                                   "would add them twice")
     if rs.n_unlogged:
         raise TraceFormatError(where, f"{rs.n_unlogged} record_stream call(s) could not be logged: the log is "
                                       "incomplete, a replay of it would free those blocks too early")
@@ -415,11 +432,30 @@ def merge_stream_uses(trace: Trace, rs: RecordStreamLog, *, device: int | None =
         merged.append((p, k, StreamUse(int(p), int(aid), int(u.stream), float(u.time_us))))
     merged.sort(key=lambda m: (m[0], m[1]))
     uses = tuple(m[2] for m in merged)
+    waits: list[tuple[int, int, StreamWait]] = []
+    n_waits_by_count = 0
+    for k, w in enumerate(rs.waits):
+        if w.device != device:
+            continue
+        if w.stream not in known and w.waited not in known:
+            raise TraceFormatError(where, f"wait_stream of stream {w.stream} on stream {w.waited}: no operation of "
+                                          f"{trace.name} runs on either (its streams: {sorted(known)})",
+                                   entry=len(rs.uses) + k)
+        p = None
+        if counts_usable and w.n_allocs is not None:
+            a, f = w.n_allocs - base[0], w.n_frees - base[1]   # type: ignore[index,operator]
+            if a >= 0 and f >= 0 and a + f <= n_ops and allocs_before[a + f] == a:
+                p = a + f
+                n_waits_by_count += 1
+        if p is None:
+            p = int(np.searchsorted(times, w.time_us, side="right"))
+        waits.append((p, k, StreamWait(int(p), int(w.stream), int(w.waited), float(w.time_us))))
+    waits.sort(key=lambda m: (m[0], m[1]))
     out = Trace(trace.name, trace.source, trace.kinds, trace.alloc_ids, trace.nbytes, trace.streams, trace.times_us,
                 trace.addrs, n_unmatched_frees=trace.n_unmatched_frees, n_failed_allocs=trace.n_failed_allocs,
-                stream_uses=uses)
+                stream_uses=uses, stream_waits=tuple(m[2] for m in waits))
     report = MergeReport(len(uses), n_by_count, len(uses) - n_by_count, n_own,
-                         tuple(sorted({u.stream for u in uses})))
+                         tuple(sorted({u.stream for u in uses})), len(waits), n_waits_by_count)
     return out, report
 
 

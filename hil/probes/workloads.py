@@ -4,10 +4,12 @@ Each workload (random weights, synthetic data, fixed seeds, no download) runs in
 
 * ``default`` - PyTorch's CUDA caching allocator, recording its allocation history
   (``torch.cuda.memory._record_memory_history``, no stack frames) into a PyTorch snapshot, and every
-  ``Tensor.record_stream`` (which a snapshot does not record) into a log beside it
-  (:class:`gpumem.trace.stream_log.RecordStreamLogger`), which ``predict`` merges into the snapshot's trace;
+  ``Tensor.record_stream`` and ``torch.cuda.Stream.wait_stream`` (which a snapshot does not record) into a
+  log beside it (:class:`gpumem.trace.stream_log.RecordStreamLogger`), which ``predict`` merges into the
+  snapshot's trace;
 * ``gpumem``  - gpumem's native engine (:func:`gpumem.torch.install`), recording every allocation and
-  free PyTorch asks it for (:func:`gpumem.torch.start_trace`) into a gpumem ``.gmt`` trace; with
+  free PyTorch asks it for (:func:`gpumem.torch.start_trace`), its ``record_stream`` calls, and every
+  ``torch.cuda.Stream.wait_stream`` (:func:`trace_wait_streams`) into a gpumem ``.gmt`` trace; with
   ``--gpumem-policy`` the engine takes that policy's growth knobs (:func:`gpumem.torch.configure`).
 
 Per run it records live peak allocated and peak reserved bytes, the mean step time after warm-up and
@@ -383,6 +385,32 @@ def stream_log_file_name(workload: str) -> str:
     return f"{workload}.default.record_stream.jsonl.gz"
 
 
+def trace_wait_streams(torch: Any, trace_wait: Callable[[Any, Any], None]) -> Callable[[], None]:
+    """Make every ``torch.cuda.Stream.wait_stream(other)`` also call ``trace_wait(stream, other)`` (after
+    the wait itself, which goes to PyTorch unchanged; a wait that raised is not traced): under gpumem,
+    :func:`gpumem.torch.trace_wait_stream`, since a wait passes no allocator call. Returns the function that
+    puts the method back."""
+    cls = torch.cuda.Stream
+    had_own = "wait_stream" in vars(cls)
+    original = cls.wait_stream
+
+    def wait_stream(self: Any, other: Any) -> Any:
+        out = original(self, other)
+        trace_wait(self, other)
+        return out
+
+    wait_stream.__doc__ = original.__doc__
+    cls.wait_stream = wait_stream
+
+    def undo() -> None:
+        if had_own:
+            cls.wait_stream = original
+        else:
+            del cls.wait_stream
+
+    return undo
+
+
 def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: Path, policy: str | None) -> dict:
     """Runs one workload under one allocator in this process, recording its trace into ``out_dir``."""
     if allocator == "gpumem":
@@ -406,6 +434,9 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
         record_stream = lambda t, s: t.record_stream(s)  # noqa: E731
     else:
         record_stream = gt.record_stream
+        # a wait_stream passes no allocator call: told to gpumem's trace here (Note [Cross-stream waits] in
+        # gpumem/sim/gpu_work.py), where PyTorch's runs log it beside the snapshot
+        trace_wait_streams(torch, gt.trace_wait_stream)
     torch.manual_seed(0)
     torch.cuda.manual_seed_all(0)
     torch.backends.cudnn.benchmark = False

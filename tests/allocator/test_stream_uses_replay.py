@@ -124,6 +124,17 @@ def test_recorded_uses_round_trip_and_replay_alike(tmp_path: Path) -> None:
     assert t.head(2).stream_uses == t.stream_uses       # a use before op 2 lies inside ops 0..1's window
 
 
+def test_the_recorder_keeps_stream_waits() -> None:
+    rec = TraceRecorder()
+    rec.record_stream_wait(9, 1, 0.5)          # before any op
+    rec.record_alloc(0x1000, 64, 1, 1.0)
+    rec.record_stream_wait(1, 9, 2.0)
+    rec.record_free(0x1000, 1, 3.0)
+    t = rec.to_trace("waits")
+    assert [(w.at_op, w.stream, w.waited, w.time_us) for w in t.stream_waits] == [(0, 9, 1, 0.5), (1, 1, 9, 2.0)]
+    assert t.stream_uses == () and t.n_ops == 2
+
+
 # -- bad input --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("engine", ENGINES)
 def test_record_stream_of_an_unknown_or_freed_block_raises_and_changes_nothing(engine: str) -> None:

@@ -31,7 +31,7 @@ def test_trace_from_words_pairs_frees_and_skips_the_unknown_one() -> None:
     assert int(t.live_nbytes().max()) == 8 * MiB
 
 
-@pytest.mark.parametrize("words, why", [([0, 1, 2, 3], "whole number"), ([3, 1, 2, 3, 4], "is not 0 .alloc.")])
+@pytest.mark.parametrize("words, why", [([0, 1, 2, 3], "whole number"), ([4, 1, 2, 3, 4], "is not 0 .alloc.")])
 def test_trace_from_words_refuses_a_bad_buffer(words: list[int], why: str) -> None:
     with pytest.raises(TraceFormatError, match=why):
         trace_from_words(words)
@@ -45,6 +45,18 @@ def test_trace_from_words_keeps_stream_uses_and_skips_the_unknown_one() -> None:
     t = trace_from_words(words, name="uses")
     assert t.n_ops == 2
     assert [(u.at_op, u.alloc_id, u.stream, u.time_us) for u in t.stream_uses] == [(1, 0, 9, 1.5), (1, 0, 1, 1.7)]
+
+
+def test_trace_from_words_keeps_stream_waits() -> None:
+    """Kind 3 is a wait_stream (recorder.h, gpumem.torch.trace_wait_stream): the stream in the stream word
+    waits for the one in the address word, at its place among the ops (also before the first op and
+    after the last)."""
+    a = 0x7F0000000000
+    words = [3, 5, 0, 9, 500, 0, a, 4096, 1, 1000, 3, 1, 0, 9, 1500, 1, a, 4096, 1, 2000, 3, 9, 0, 1, 2500]
+    t = trace_from_words(words, name="waits")
+    assert t.n_ops == 2 and t.stream_uses == ()
+    assert [(w.at_op, w.stream, w.waited, w.time_us) for w in t.stream_waits] == [(0, 9, 5, 0.5), (1, 9, 1, 1.5),
+                                                                                  (2, 1, 9, 2.5)]
 
 
 def _fake_record(tmp_path: Path) -> dict:
@@ -245,3 +257,57 @@ def test_a_pytorch_run_with_a_record_stream_log_is_replayed_with_its_uses(tmp_pa
                             tmp_path / "bad.jsonl")
     (bad,) = wl.live_vs_predicted({"runs": [run | {"stream_use_file": "bad.jsonl"}]}, tmp_path)
     assert bad.predicted_overhead is None and "no allocation of busy holds that address" in bad.error
+
+
+def test_a_pytorch_run_s_logged_waits_are_merged_and_delay_reuse(tmp_path: Path) -> None:
+    """A log's wait_stream calls merge as the trace's waits: the side stream's 1 us of work after a wait
+    on main's 40 ms holds a block used there until main's work has run (Note [Cross-stream waits])."""
+    from gpumem.trace import Trace
+    from gpumem.trace.stream_log import LoggedUse, LoggedWait, RecordStreamLog, write_record_stream_log
+
+    main, side, a = 0, 0x5A5A00, 0x7F0000000000
+    ops = [(0, 0, 64 * MiB, main, 0.0, a)]
+    t_us = 10.0
+    for k in range(1, 41):   # 40 ms of work on main, in 1 ms gaps
+        ops.append((0, k, MiB, main, t_us, a + (k + 40) * 2 * MiB))
+        t_us += 1000.0
+    ops.append((0, 41, MiB, side, t_us, a + 200 * MiB))
+    ops += [(1, 0, 64 * MiB, main, t_us + 1.0, a), (0, 42, 64 * MiB, main, t_us + 2.0, a)]
+    save_pytorch_snapshot(Trace.from_ops("chain", "pytorch-snapshot", ops), tmp_path / wl.trace_file_name("chain", "default"))
+    use = LoggedUse(0, a, side, 0.0, 41, 0)
+    write_record_stream_log(RecordStreamLog((use,), {0: (0, 0)}, waits=(LoggedWait(0, side, main, 0.0, 41, 0),)),
+                            tmp_path / "waits.jsonl")
+    write_record_stream_log(RecordStreamLog((use,), {0: (0, 0)}), tmp_path / "uses.jsonl")
+    run = {"workload": "chain", "allocator": "default", "mean_step_ms": 1.0, "peak_allocated_bytes": 105 * MiB,
+           "peak_reserved_bytes": 170 * MiB, "num_allocs": 43, "losses": [0.0],
+           "trace_file": wl.trace_file_name("chain", "default"), "stream_uses_recorded": True}
+    waits, uses = wl.live_vs_predicted({"runs": [run | {"stream_use_file": "waits.jsonl"},
+                                                 run | {"stream_use_file": "uses.jsonl"}]}, tmp_path, gpu_timing="trace")
+    assert waits.stream_uses.endswith("1 wait_stream call(s) merged (1 placed by the counts, 0 by time)")
+    assert waits.predicted_peak_reserved_nbytes >= uses.predicted_peak_reserved_nbytes + 64 * MiB
+
+
+def test_trace_wait_streams_tells_each_wait_after_making_it() -> None:
+    from types import SimpleNamespace
+
+    made, told = [], []
+
+    class Stream:
+        def __init__(self, handle: int) -> None:
+            self.cuda_stream = handle
+
+        def wait_stream(self, other: "Stream") -> None:
+            if other is None:
+                raise RuntimeError("not a stream")
+            made.append((self.cuda_stream, other.cuda_stream))
+
+    torch = SimpleNamespace(cuda=SimpleNamespace(Stream=Stream))
+    original = Stream.wait_stream
+    undo = wl.trace_wait_streams(torch, lambda s, o: told.append((s.cuda_stream, o.cuda_stream, list(made))))
+    s, o = Stream(1), Stream(2)
+    s.wait_stream(o)
+    with pytest.raises(RuntimeError):
+        s.wait_stream(None)   # type: ignore[arg-type]
+    assert made == [(1, 2)] and told == [(1, 2, [(1, 2)])]   # told after the wait was made; a failed one not
+    undo()
+    assert Stream.wait_stream is original

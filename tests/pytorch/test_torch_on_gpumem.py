@@ -65,7 +65,7 @@ def lib():
 @native_only
 def test_the_hooks_are_exported(lib):
     for name in (gt.ALLOC_FN, gt.FREE_FN, "gpumem_torch_stats", "gpumem_torch_empty_cache",
-                 "gpumem_torch_record_stream", "gpumem_torch_start"):
+                 "gpumem_torch_record_stream", "gpumem_torch_start", "gpumem_torch_trace_wait_stream"):
         assert hasattr(lib, name), name
 
 
@@ -98,6 +98,10 @@ def test_trace_and_configure_hooks_without_an_engine(lib):
     assert hasattr(lib, "gpumem_torch_trace") and hasattr(lib, "gpumem_torch_trace_read")
     lib.gpumem_torch_trace(1)
     lib.gpumem_torch_trace(0)
+    # a wait is traced for any device in range, engine or not (nothing is recorded while tracing is off)
+    assert lib.gpumem_torch_trace_wait_stream(0, ctypes.c_void_p(0x10), ctypes.c_void_p(0x20)) == 0
+    assert lib.gpumem_torch_trace_wait_stream(-1, None, None) == -1
+    assert b"device -1 out of range" in lib.gpumem_torch_last_error()
     assert lib.gpumem_torch_trace_read(7, None, 0) == -1
     assert b"no engine on CUDA device 7" in lib.gpumem_torch_last_error()
     with pytest.raises(GpumemError, match=r"call gpumem.torch.install\(\) first"):

@@ -205,7 +205,7 @@ def test_bad_uses_are_refused_naming_the_entry(use: LoggedUse, message: str) -> 
 
 def test_a_trace_with_uses_or_a_log_of_several_devices_is_refused() -> None:
     merged, _ = merge_stream_uses(_trace(), _log(USE_A))
-    with pytest.raises(InvalidArgumentError, match="stream uses already"):
+    with pytest.raises(InvalidArgumentError, match="1 stream uses and 0 stream waits already"):
         merge_stream_uses(merged, _log(USE_C))
     two = RecordStreamLog((USE_A, LoggedUse(1, A_ADDR, SIDE, 115.0)), {0: (0, 0), 1: (0, 0)})
     with pytest.raises(InvalidArgumentError, match=r"devices \[0, 1\]: pass device="):

@@ -217,10 +217,24 @@ HEADER = ('{"format": "gpumem-trace", "version": 1, "name": "n", "source": "gpum
 
 
 HEADER2 = HEADER.replace('"version": 1', '"version": 2').replace("}", ', "n_stream_uses": 1}')
+HEADER3 = HEADER.replace('"version": 1', '"version": 3').replace("}", ', "n_stream_uses": 0, "n_stream_waits": 1}')
 
 
 @pytest.mark.parametrize("text, message", [
-    (HEADER.replace('"version": 1', '"version": 3') + "\na 0 8 0 0 10\nf 0 0 1\n", "line 1: unsupported .* version 3"),
+    (HEADER.replace('"version": 1', '"version": 4') + "\na 0 8 0 0 10\nf 0 0 1\n", "line 1: unsupported .* version 4"),
+    # stream waits (version 3): only there, counted in the header, two streams in range
+    (HEADER2 + "\na 0 8 0 0 10\nu 0 5 1\nw 5 0 1\nf 0 0 1\n", "line 4: expected .* \\(a version 2 file\\)"),
+    (HEADER + "\na 0 8 0 0 10\nw 5 0 1\nf 0 0 1\n", "line 3: expected .* \\(a version 1 file\\)"),
+    (HEADER.replace('"version": 1', '"version": 3').replace("}", ', "n_stream_uses": 0}') + "\na 0 8 0 0 10\nf 0 0 1\n",
+     "line 1: header field 'n_stream_waits'"),
+    (HEADER3 + "\na 0 8 0 0 10\nw 5 0 1\nw 0 5 1\nf 0 0 1\n", "header says 1 stream waits, the file has 2"),
+    (HEADER3 + "\na 0 8 0 0 10\nf 0 0 1\n", "header says 1 stream waits, the file has 0"),
+    (HEADER3 + "\na 0 8 0 0 10\nw 5 x 1\nf 0 0 1\n", "line 3: waited stream 'x' is not an integer"),
+    (HEADER3 + "\na 0 8 0 0 10\nw -5 0 1\nf 0 0 1\n", "line 3: stream -5 out of range"),
+    (HEADER3 + "\na 0 8 0 0 10\nw 5 0\nf 0 0 1\n", "line 3: expected"),
+    (HEADER3 + "\na 0 8 0 0 10\nw 5 0 1 2\nf 0 0 1\n", "line 3: expected"),
+    (HEADER3 + "\na 0 8 0 0 10\nw 5 0 soon\nf 0 0 1\n", "line 3: time_us 'soon' is not a number"),
+    (HEADER3 + "\na 0 8 0 0 10\nw 5 99999999999999999999 1\nf 0 0 1\n", "line 3: waited stream"),
     # stream uses (version 2): only there, of a live allocation, counted in the header
     (HEADER + "\na 0 8 0 0 10\nu 0 5 1\nf 0 0 1\n", "line 3: expected .* \\(a version 1 file\\)"),
     (HEADER.replace('"version": 1', '"version": 2') + "\na 0 8 0 0 10\nf 0 0 1\n", "line 1: header field 'n_stream_uses'"),

@@ -40,9 +40,10 @@ _FREED_MEMORY = 65_536
 #     and forgets the oldest once there are more. That was ``del d[next(iter(d))]`` on a plain dict,
 #     which is not O(1): CPython leaves a deleted entry's slot in place until the table is rebuilt, and
 #     ``iter`` walks every such slot from the front, so each forget scanned up to tens of thousands of
-#     slots. A long replay frees millions of blocks (``gpumem estimate`` at 4,000 new tokens: about
-#     nine million ops), and the scans came to seconds (``reports/estimate-speed.md``). An OrderedDict
-#     forgets its oldest entry in O(1) with the same order, so the same errors are raised
+#     slots. A long replay frees millions of blocks, and a new address past the first 65,536 paid a
+#     scan: ``gpumem estimate``'s fast replay at 4,000 new tokens under ``expandable`` took 8.1 s of CPU
+#     with the scans, 5.3 s without (``reports/estimate-speed.md``). An OrderedDict forgets its oldest
+#     entry in O(1) with the same order, so the same errors are raised
 #     (``tests/allocator/test_allocator_units.py``: the oldest forgotten first, in both engines).
 
 

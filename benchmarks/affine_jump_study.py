@@ -18,8 +18,9 @@ on replaying and compares that prediction with the replayed state at ``T + m * p
 
 Best fit is decided two ways: by the engine's sorted free list (``--sorted-free-list``: insertion compares the
 blocks along its binary search, so two free blocks whose sizes cross end the range, whether or not a request lies
-between them), or by only the comparisons the choice needs (every free block's size against the request; the
-chosen block's (size, address) against every other that fits).
+between them), or by only what the choice needs: the chosen block fits throughout, and every other block either
+stays after it in (size, address) order throughout or keeps its answer to "do I fit?" (and, fitting, its place
+after the chosen one), whichever holds longer.
 """
 
 from __future__ import annotations
@@ -175,15 +176,82 @@ class MinimalFreeList:
         return b.size, b.addr
 
     def best_fit(self, size: Any) -> Block | None:
-        fits = [b for b in self.blocks.values() if b.size >= size]
+        """The block best fit takes at ``k = 0``, the range narrowed to where it takes that block: the block
+        fits throughout, and every other block either keeps its answer to "do I fit?" (and, fitting, stays
+        after the chosen one in (size, address) order) or stays after the chosen one throughout, whether it
+        fits or not (the larger of the two ranges)."""
+        blocks = list(self.blocks.values())
+        fits = [b for b in blocks if _lo(b.size) >= _lo(size)]
         if not fits:
+            rng = _range_of(size)
+            if rng is not None:  # nothing fits at k = 0: nothing may come to fit
+                for b in blocks:
+                    rng.kmax = min(rng.kmax, _keeps(b.size, size))
             return None
         best = min(fits, key=lambda b: tuple(map(_lo, self._key(b))))
         key = self._key(best)
-        for b in fits:
-            if b is not best and not key < self._key(b):
-                raise Refused("best fit")  # unreachable: the answers at k = 0 agree with min()
+        rng = _range_of(size) or _range_of(best.size)
+        if rng is None:
+            return best  # nothing affine: every answer holds at every k
+        rng.kmax = min(rng.kmax, _keeps(best.size, size))
+        for b in blocks:
+            if b is best:
+                continue
+            after = _keeps_lex(self._key(b), key)  # b stays after best in the order, fitting or not
+            fit_kept = _keeps(b.size, size)
+            if b in fits or _lo(b.size) >= _lo(size):
+                fit_kept = min(fit_kept, after)
+            rng.kmax = min(rng.kmax, max(after, fit_kept))
+            rng.comparisons += 1
         return best
+
+
+def _range_of(*xs: Any) -> Range | None:
+    for x in xs:
+        if type(x) is Aff:
+            return x.rng
+    return None
+
+
+def _parts(x: Any) -> tuple[int, int]:
+    return (x.lo, x.slope) if type(x) is Aff else (x, 0)
+
+
+def _sign_range(lo: int, s: int) -> int:
+    """The largest ``K`` such that ``lo + s * k`` has the sign it has at ``k = 0`` for ``k = 0 .. K``."""
+    if s == 0:
+        return 10**18
+    if lo == 0:
+        return 0
+    if lo > 0:
+        return 10**18 if s > 0 else (lo - 1) // -s
+    return 10**18 if s < 0 else (-lo - 1) // s
+
+
+def _keeps(a: Any, b: Any) -> int:
+    """The periods over which ``a - b`` keeps its sign at ``k = 0``."""
+    (al, as_), (bl, bs) = _parts(a), _parts(b)
+    return _sign_range(al - bl, as_ - bs)
+
+
+def _keeps_lex(a: tuple[Any, Any], b: tuple[Any, Any]) -> int:
+    """The periods over which the (size, address) key ``a`` stays after ``b`` (-1: it is not after it at
+    ``k = 0``)."""
+    (a0l, a0s), (b0l, b0s) = _parts(a[0]), _parts(b[0])
+    (a1l, a1s), (b1l, b1s) = _parts(a[1]), _parts(b[1])
+    d0l, d0s, d1l, d1s = a0l - b0l, a0s - b0s, a1l - b1l, a1s - b1s
+    if d0l < 0 or (d0l == 0 and d1l <= 0):
+        return -1
+    if d0l > 0:
+        # the sizes keep their order while the difference stays positive; at the first k where they are equal
+        # the addresses decide: one more period if a's address is then after b's
+        k = _sign_range(d0l, d0s)
+        if k < 10**18 and d0l + d0s * (k + 1) == 0 and d1l + d1s * (k + 1) > 0:
+            k += 1
+        return k
+    if d0s != 0:  # equal sizes at k = 0 only (a's address after b's): a grows past b, or falls before it
+        return 10**18 if d0s > 0 else 0
+    return _sign_range(d1l, d1s)  # equal sizes throughout: the addresses decide
 
 
 class _NoStats:

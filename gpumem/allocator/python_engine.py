@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections import OrderedDict
 from typing import Any, Callable, ContextManager, Iterator
 
 from ..device import Device
@@ -31,6 +32,19 @@ log = logging.getLogger(__name__)
 
 _FREED_MEMORY = 65_536
 """How many freed addresses are remembered, to tell a double free from a bad pointer."""
+
+# Note [Freed addresses, oldest first]
+#     A free that names no live block raises DoubleFreeError when the address is among the last
+#     _FREED_MEMORY addresses freed, InvalidPointerError otherwise. The engine keeps them in insertion
+#     order (an address freed again keeps its first place, as in the native engine's ring, engine.cpp)
+#     and forgets the oldest once there are more. That was ``del d[next(iter(d))]`` on a plain dict,
+#     which is not O(1): CPython leaves a deleted entry's slot in place until the table is rebuilt, and
+#     ``iter`` walks every such slot from the front, so each forget scanned up to tens of thousands of
+#     slots. A long replay frees millions of blocks, and a new address past the first 65,536 paid a
+#     scan: ``gpumem estimate``'s fast replay at 4,000 new tokens under ``expandable`` took 8.1 s of CPU
+#     with the scans, 5.3 s without (``reports/estimate-speed.md``). An OrderedDict forgets its oldest
+#     entry in O(1) with the same order, so the same errors are raised
+#     (``tests/allocator/test_allocator_units.py``: the oldest forgotten first, in both engines).
 
 
 class PythonEngine:
@@ -54,7 +68,8 @@ class PythonEngine:
         self._defer: Callable[[], ContextManager[Any]] = getattr(device, "deferred_events", contextlib.nullcontext)
         self._free_lists: dict[tuple[bool, int], FreeList] = {}
         self._live: dict[int, Block] = {}
-        self._freed: dict[int, None] = {}
+        self._freed: OrderedDict[int, None] = OrderedDict()
+        """The last :data:`_FREED_MEMORY` addresses freed, oldest first (Note [Freed addresses, oldest first])."""
         self._pending: list[Block] = []
         self._stats = AllocatorStats()
         self._recorder = None
@@ -194,7 +209,7 @@ class PythonEngine:
         del self._live[ptr]
         self._freed[ptr] = None
         if len(self._freed) > _FREED_MEMORY:
-            del self._freed[next(iter(self._freed))]
+            self._freed.popitem(last=False)
         st = self._stats
         st.allocated_nbytes -= block.size
         st.requested_nbytes -= block.requested

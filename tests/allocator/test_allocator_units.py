@@ -511,6 +511,36 @@ def test_bad_frees_raise_and_change_nothing(dev, policy):
         alloc.free(p)
 
 
+@pytest.mark.parametrize("engine,policy", [("python", "pytorch"), ("python", "gpumem"), ("native", "gpumem")])
+def test_the_oldest_freed_address_is_forgotten_first(engine, policy):
+    """Note [Freed addresses, oldest first] in gpumem/allocator/python_engine.py: the last 65,536 addresses freed
+    are remembered (a second free of one is a double free); the oldest is forgotten first, in both engines, also
+    when an address freed again keeps its first place."""
+    d = open_device("sim:h200-141gb")
+    try:
+        alloc = CachingAllocator(d, policy, engine=engine)
+        n = 65_536 + 2
+        ptrs = [alloc.allocate(512) for _ in range(n)]
+        for p in ptrs[:2]:
+            alloc.free(p)
+        again = alloc.allocate(512)  # one of the two, freed again below: it keeps its first place
+        assert again in ptrs[:2]
+        alloc.free(again)
+        for p in ptrs[2:]:
+            alloc.free(p)
+        with pytest.raises(InvalidPointerError) as info:  # forgotten: the first two of 65,538 addresses
+            alloc.free(ptrs[0])
+        assert not isinstance(info.value, DoubleFreeError)
+        with pytest.raises(InvalidPointerError) as info:
+            alloc.free(ptrs[1])
+        assert not isinstance(info.value, DoubleFreeError)
+        with pytest.raises(DoubleFreeError):  # the oldest one still remembered
+            alloc.free(ptrs[2])
+        alloc.close()
+    finally:
+        d.close()
+
+
 def test_unknown_policy_and_policies_by_name(dev):
     assert set(POLICIES) == {"gpumem", "bestfit", "pytorch", "cupy", "expandable"}
     for name in POLICIES:

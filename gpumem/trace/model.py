@@ -229,18 +229,10 @@ class Trace:
         last = 0
         for k, w in enumerate(self.stream_waits):
             where = f"stream wait {k} (stream {w.stream} waits for stream {w.waited} before op {w.at_op})"
-            for name in ("at_op", "stream", "waited"):
-                v = getattr(w, name)
-                if type(v) is not int and not isinstance(v, np.integer):
-                    raise InvalidArgumentError(f"{where}: {name} must be an int, not {type(v).__name__}")
-            if not last <= w.at_op <= n_ops:
-                raise InvalidArgumentError(f"{where}: at_op out of order or outside [{last}, {n_ops}] "
-                                           "(waits are sorted by position)")
+            _check_placed_event(where, w, ("at_op", "stream", "waited"), last, n_ops, "waits")
             if not (-2**63 < w.stream < 2**63 and -2**63 < w.waited < 2**63):
                 raise InvalidArgumentError(f"{where}: stream out of the 64-bit range")
-            t = w.time_us
-            if type(t) is bool or not isinstance(t, (int, float, np.integer, np.floating)) or not math.isfinite(t):
-                raise InvalidArgumentError(f"{where}: time_us must be a finite number, not {t!r:.40}")
+            _check_time_us(where, w.time_us)
             last = w.at_op
 
     def _validate_uses(self) -> None:
@@ -253,22 +245,14 @@ class Trace:
         last = 0
         for k, u in enumerate(self.stream_uses):
             where = f"stream use {k} (record_stream of id {u.alloc_id} on stream {u.stream} before op {u.at_op})"
-            for name in ("at_op", "alloc_id", "stream"):
-                v = getattr(u, name)
-                if type(v) is not int and not isinstance(v, np.integer):
-                    raise InvalidArgumentError(f"{where}: {name} must be an int, not {type(v).__name__}")
-            if not last <= u.at_op <= n_ops:
-                raise InvalidArgumentError(f"{where}: at_op out of order or outside [{last}, {n_ops}] "
-                                           "(uses are sorted by position)")
+            _check_placed_event(where, u, ("at_op", "alloc_id", "stream"), last, n_ops, "uses")
             if not 0 <= u.alloc_id < len(alloc_pos) or alloc_pos[u.alloc_id] >= u.at_op:
                 raise InvalidArgumentError(f"{where}: the allocation is not made before it")
             if free_pos[u.alloc_id] < u.at_op:
                 raise InvalidArgumentError(f"{where}: the allocation is freed (op {free_pos[u.alloc_id]}) before it")
             if not -2**63 < u.stream < 2**63:
                 raise InvalidArgumentError(f"{where}: stream out of the 64-bit range")
-            t = u.time_us
-            if type(t) is bool or not isinstance(t, (int, float, np.integer, np.floating)) or not math.isfinite(t):
-                raise InvalidArgumentError(f"{where}: time_us must be a finite number, not {t!r:.40}")
+            _check_time_us(where, u.time_us)
             last = u.at_op
 
     def _validate_ops(self) -> None:
@@ -523,3 +507,22 @@ class Trace:
             n_unmatched_frees=self.n_unmatched_frees, n_failed_allocs=self.n_failed_allocs,
             stream_uses=self.stream_uses, stream_waits=self.stream_waits,
         )
+
+
+def _check_placed_event(where: str, event: object, int_fields: tuple[str, ...], last: int, n_ops: int,
+                        plural: str) -> None:
+    """A stream use's or wait's integer fields, and its position: sorted, within the trace's ops."""
+    for name in int_fields:
+        v = getattr(event, name)
+        if type(v) is not int and not isinstance(v, np.integer):
+            raise InvalidArgumentError(f"{where}: {name} must be an int, not {type(v).__name__}")
+    at_op = getattr(event, "at_op")
+    if not last <= at_op <= n_ops:
+        raise InvalidArgumentError(f"{where}: at_op out of order or outside [{last}, {n_ops}] "
+                                   f"({plural} are sorted by position)")
+
+
+def _check_time_us(where: str, t: object) -> None:
+    """A finite time in microseconds (bool refused)."""
+    if type(t) is bool or not isinstance(t, (int, float, np.integer, np.floating)) or not math.isfinite(t):
+        raise InvalidArgumentError(f"{where}: time_us must be a finite number, not {t!r:.40}")

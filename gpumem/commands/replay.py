@@ -25,10 +25,12 @@ def _load(args: argparse.Namespace):
 
     _check_trace_path(args.trace)
     try:
-        if args.device_index is not None:
+        if args.device_index is not None or args.stream_uses is not None:
             fmt = detect_format(args.trace) if args.format is None else args.format
             if fmt != "pytorch-snapshot":
-                raise _UsageError(f"--device-index applies to PyTorch snapshots only; {args.trace} is read as {fmt}")
+                option = ("--device-index" if args.device_index is not None else
+                          "--stream-uses (a log of PyTorch's allocator; gpumem's own traces record their uses)")
+                raise _UsageError(f"{option} applies to PyTorch snapshots only; {args.trace} is read as {fmt}")
         trace = load_trace(args.trace, format=args.format, device=args.device_index)
     except FileNotFoundError:
         _check_trace_path(args.trace)
@@ -163,6 +165,10 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
                 gpu = program_gpu(trace, device, args.gpu_timing)
             except InvalidArgumentError as exc:
                 raise _UsageError(f"--gpu-timing: {exc}") from None
+            if gpu is None and (trace.stream_uses or trace.stream_waits):
+                log.warning("GPU timing idle: every fence is complete at once, so the trace's %d stream use(s) and "
+                            "%d cross-stream wait(s) change nothing in this replay (--gpu-timing trace or model "
+                            "honours them)", len(trace.stream_uses), len(trace.stream_waits))
             result = replay(trace, allocator, stop_on_oom=True, progress=None if not args.json else False,
                             gpu=gpu, gpu_timing=None if gpu is not None else (args.gpu_timing or "idle"))
             summary = allocator.memory_summary() if args.summary else None

@@ -20,8 +20,8 @@ predicted peak reserved overhead (:func:`live_vs_predicted`); the HIL fidelity p
 table (``python -m hil.fidelity --live-record``).
 
 Run on the GPU: ``python -m hil.probes.workloads live --out DIR [--workloads a,b] [--steps 12]``.
-Then anywhere: ``python -m hil.probes.workloads predict DIR/workloads-<gpu>.json [--sim sim:h200-141gb]
-[--gpu-timing MODE] [--out reports/hil]``.
+Then anywhere: ``python -m hil.probes.workloads predict DIR/workloads.json [--sim sim:h200-141gb]
+[--gpu-timing trace,model,idle] [--markdown FILE] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -643,7 +643,10 @@ def live_vs_predicted(record: dict, trace_dir: Path, sim: str = "sim:h200-141gb"
 
 def render_table(rows: Sequence[LivePredictedRow], sim: str) -> str:
     """A Markdown table of :func:`live_vs_predicted`'s rows, with the issue's target per gpumem row."""
-    timing = next((r.gpu_timing for r in rows if r.gpu_timing), None) or "idle (no GPU timing)"
+    from gpumem.sim.gpu_work import DEFAULT_GPU_TIMING
+
+    timing = next((r.gpu_timing for r in rows if r.gpu_timing), None) or \
+        f"{DEFAULT_GPU_TIMING.value} (the replay's default)"
     lines = [f"Replayed on `{sim}`, GPU timing: {timing}. Overhead = peak reserved / peak allocated - 1; "
              "difference = predicted - live, percentage points. Target (issue 18): gpumem rows within 1 pp "
              "(goal 0.2).", "",
@@ -735,7 +738,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     child.add_argument("--gpumem-policy", default=None)
     pred = sub.add_parser("predict", help="replay records' traces and tabulate live against predicted")
     pred.add_argument("records", type=Path, nargs="+", help="workloads records, each with its traces beside it")
-    pred.add_argument("--sim", default="sim:h200-141gb")
+    pred.add_argument("--sim", default="sim:h200-141gb", help="simulated device of the replays (default: %(default)s)")
     pred.add_argument("--gpu-timing", default=None,
                       help="the replays' GPU timing modes, comma-separated: one table each (default: the replay's)")
     pred.add_argument("--policy", default=None, help="gpumem model for gpumem rows (default: the run's policy)")

@@ -19,9 +19,11 @@ from gpumem.replay import replay_trace
 from gpumem.trace import StreamUse, Trace, snapshot_to_trace
 from gpumem.trace.pytorch_export import save_pytorch_snapshot
 from gpumem.trace.stream_log import (LoggedUse, LoggedWait, RecordStreamLog, RecordStreamLogger, load_trace_with_stream_uses,
+
                                      merge_stream_uses, read_record_stream_log, unknown_stream_uses,
                                      write_record_stream_log)
 
+ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 MAIN, SIDE = 0, 0x5A5A00
 A_ADDR, B_ADDR = 0x7F0000000000, 0x7F0010000000
@@ -371,3 +373,21 @@ def test_merged_uses_land_on_the_allocations_the_program_named(program: Any, wit
     got = sorted((u.at_op, u.alloc_id) for u in merged.stream_uses)
     assert got == sorted(truth)
     merged.validate()
+
+
+def test_gpumem_replay_refuses_a_log_for_a_trace_that_is_no_snapshot(capsys: pytest.CaptureFixture) -> None:
+    """New-user finding: an RMM log with --stream-uses failed on an 'unknown stream'; it is refused by format."""
+    from gpumem.cli import EXIT_USAGE
+
+    code, _, err = _cli(capsys, "replay", str(ROOT / "data/traces/resnet_train.rmm_log.csv.gz"),
+                        "--stream-uses", "whatever.jsonl")
+    assert code == EXIT_USAGE and "--stream-uses" in err and "PyTorch snapshots only" in err and "rmm-log" in err
+
+
+def test_gpumem_replay_says_idle_timing_ignores_the_uses(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    snap, log = _busy_side_stream(tmp_path)
+    with caplog.at_level("WARNING", logger="gpumem"):
+        code, _, _ = _cli(capsys, "replay", str(snap), "--policy", "pytorch", "--gpu-timing", "idle",
+                          "--stream-uses", str(log))
+    assert code == 0 and "change nothing in this replay" in caplog.text and "1 stream use(s)" in caplog.text

@@ -109,12 +109,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         what = "batch" if args.search == "batch" else "prompt length"
-        work = (f"training steps of {args.prompt_len} tokens" if args.training else
-                f"generate(), {args.new_tokens} new tokens")
-        at = f"prompt {args.prompt_len}" if args.search == "batch" else f"batch {args.batch_size}"
+        if args.training:   # a training step's length is its prompt: said once
+            work = f"training steps of {args.prompt_len} tokens" if args.search == "batch" else "training steps"
+        else:
+            work = f"generate(), {args.new_tokens} new tokens"
+        at = (f"batch {args.batch_size}" if args.search != "batch" else
+              None if args.training else f"prompt {args.prompt_len}")
         if args.weight_fmt is not None:
             name = f"{name}, projections in {args.weight_fmt.name}"
-        print(f"{shape.n_params / 1e9:.2f}B parameters, {name}, {work}, {at}; on {r.device} "
+        print(f"{shape.n_params / 1e9:.2f}B parameters, {name}, {work}{'' if at is None else ', ' + at}; on {r.device} "
               f"({r.usable_bytes / 2**30:.2f} GiB usable by a GpuMemoryManager), policy {r.policy}, "
               f"margin {r.margin:.0%} beyond the weights")
         lines = [(f"largest {what} (simulated, with margin):", r.simulated),

@@ -85,3 +85,15 @@ def test_fit_by_prompt_length_reports_the_answer_as_prompt_len(capsys):
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["simulated"] > 0
     assert out["prompt_len"] == out["simulated"]
+
+
+def test_fit_training_header_says_the_length_once(capsys) -> None:
+    """New-user finding (second review of 2026-11-28): 'training steps of 2048 tokens, prompt 2048'."""
+    from gpumem.cli import main
+
+    argv = ["fit", "--hidden-size", "512", "--intermediate-size", "1376", "--layers", "2", "--vocab-size", "8000",
+            "--heads", "8", "--kv-heads", "8", "--training", "--prompt-len", "256", "--device", "sim:gtx-1050-2gb",
+            "--max", "8"]
+    assert main(argv) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert "training steps of 256 tokens;" in head and "prompt 256" not in head

@@ -1,0 +1,188 @@
+"""Device calls per decode step of a long ``generate()``, per window of steps, under each allocator policy.
+
+Issue 18, point 3 (per-operation cost in steady state). The estimate's emitter
+(:func:`gpumem.estimate.workload.stream_inference`: loading the weights, the prefill, then every decode step
+with the DynamicCache grown by ``torch.cat``) drives one allocator per policy on ``sim:h200-141gb`` priced as
+measured (``LatencyModel.as_measured()``); after each decode step the allocator's device calls (memory calls)
+and event calls, the simulated cost of every device call (µs), and the memory held are read. Per window of
+``--window`` steps it prints the calls per step, the modelled µs per step, and the most memory held, for each
+policy side by side; a policy is ``NAME`` or ``NAME:key=value,...`` (``gpumem:page_slack=0.02``).
+
+    python -m sim.decode_calls --model 7b --prompt 2048 --new-tokens 3500
+    python -m sim.decode_calls --model small --prompt 512 --new-tokens 3000 --policies gpumem,pytorch
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpumem.allocator import make_allocator
+from gpumem.errors import OutOfMemoryError
+from gpumem.estimate.shape import ModelShape
+from gpumem.estimate.workload import stream_inference
+from gpumem.sim import get_profile
+from gpumem.sim.latency import LatencyModel
+from gpumem.specs import open_device
+from hil.probes.workloads import parse_policy
+
+PROFILE = "h200-141gb"
+#: The models: the 7B Llama-style shape of the estimate's benchmarks, and the small Llama of the live probe
+#: ``llama_long_decode`` (:data:`hil.probes.workloads.LONG_DECODE_CONFIG`), bf16.
+MODELS = {
+    "7b": ModelShape(4096, 11008, 32, 32000, 32, 32),
+    "small": ModelShape(1024, 2816, 8, 32000, 16, 16),
+}
+
+
+@dataclass
+class Window:
+    """Steps ``first`` .. ``last`` of one policy's decode: totals over the window."""
+
+    first: int
+    last: int
+    device_calls: int = 0
+    event_calls: int = 0
+    cost_us: float = 0.0
+    """Simulated µs of every device call made in the window (the program's kernel launches excluded)."""
+    max_reserved_nbytes: int = 0
+    max_allocated_nbytes: int = 0
+
+    @property
+    def steps(self) -> int:
+        return self.last - self.first + 1
+
+
+@dataclass
+class PolicyRun:
+    """One policy's decode, window by window."""
+
+    policy: str
+    windows: list[Window] = field(default_factory=list)
+    peak_reserved_nbytes: int = 0
+    peak_allocated_nbytes: int = 0
+    oom_step: int = -1
+
+
+class _Sink:
+    """Sends the emitter's ops to an allocator and reads its counters after each step."""
+
+    def __init__(self, allocator: Any, device: Any, window: int, run: PolicyRun) -> None:
+        self.a, self.dev, self.window, self.run = allocator, device, window, run
+        self.ptrs: dict[int, int] = {}
+        self.stopped = False
+        self._last = (0, 0, 0.0)
+        self.step = 0
+
+    def alloc(self, op_id: int, nbytes: int) -> None:
+        if self.stopped:
+            return
+        try:
+            self.ptrs[op_id] = self.a.allocate(nbytes, 0) if nbytes else 0
+        except OutOfMemoryError:
+            self.stopped = True
+            self.run.oom_step = self.step
+            return
+        self.run.peak_reserved_nbytes = max(self.run.peak_reserved_nbytes, self.a.reserved_nbytes)
+        self.run.peak_allocated_nbytes = max(self.run.peak_allocated_nbytes, self.a.allocated_nbytes)
+
+    def free(self, op_id: int) -> None:
+        p = self.ptrs.pop(op_id, 0)
+        if p and not self.stopped:
+            self.a.free(p)
+
+    def _counters(self) -> tuple[int, int, float]:
+        st = self.a.snapshot_stats()
+        cost = sum(c for k, c in self.dev.stats.cost_us.items() if k != "launch")
+        return st.device_calls, st.event_calls, cost
+
+    def end_step(self, step: int) -> None:
+        now = self._counters()
+        self.step = step + 1
+        if step == 0:  # the prefill: the decode's windows start after it
+            self._last = now
+            return
+        ws = self.run.windows
+        if not ws or ws[-1].last - ws[-1].first + 1 >= self.window:
+            ws.append(Window(step, step))
+        w = ws[-1]
+        w.last = step
+        w.device_calls += now[0] - self._last[0]
+        w.event_calls += now[1] - self._last[1]
+        w.cost_us += now[2] - self._last[2]
+        w.max_reserved_nbytes = max(w.max_reserved_nbytes, self.a.reserved_nbytes)
+        w.max_allocated_nbytes = max(w.max_allocated_nbytes, self.a.allocated_nbytes)
+        self._last = now
+
+
+def decode_run(shape: ModelShape, policy: str, *, prompt: int, new_tokens: int, window: int = 100,
+               dtype_bytes: int = 2, latency: LatencyModel | None = None) -> PolicyRun:
+    """``generate()`` of ``new_tokens`` after a ``prompt`` under ``policy`` (a name or ``NAME:key=value,...``),
+    one request of batch 1, on ``sim:h200-141gb`` (priced as measured unless ``latency`` is given)."""
+    profile = dataclasses.replace(get_profile(PROFILE), latency=latency or LatencyModel.as_measured())
+    dev = open_device(f"sim:{PROFILE}", profile=profile)
+    run = PolicyRun(policy)
+    try:
+        alloc = make_allocator(dev, parse_policy(policy))
+        sink = _Sink(alloc, dev, window, run)
+        stream_inference(shape, dtype_bytes, (sink,), prompt_len=prompt, new_tokens=new_tokens,
+                         on_step=sink.end_step)
+        alloc.close()
+    finally:
+        dev.close()
+    return run
+
+
+def table(runs: list[PolicyRun]) -> str:
+    """Per window: calls / step (memory + event), modelled µs / step, most held (GB), per policy."""
+    head = "| steps | " + " | ".join(f"{r.policy}: calls / step (mem + event), µs / step, held GB" for r in runs) + " |"
+    lines = [head, "|---|" + "---|" * len(runs)]
+    for i, w0 in enumerate(runs[0].windows):
+        cells = []
+        for r in runs:
+            if i >= len(r.windows):
+                cells.append("-")
+                continue
+            w = r.windows[i]
+            cells.append(f"{w.device_calls / w.steps:.1f} + {w.event_calls / w.steps:.1f}, "
+                         f"{w.cost_us / w.steps:.0f}, {w.max_reserved_nbytes / 1e9:.3f}")
+        lines.append(f"| {w0.first}-{w0.last} | " + " | ".join(cells) + " |")
+    lines.append("| peak held / peak allocated | " + " | ".join(
+        f"{r.peak_reserved_nbytes / 1e9:.3f} / {r.peak_allocated_nbytes / 1e9:.3f} GB "
+        f"({r.peak_reserved_nbytes / max(r.peak_allocated_nbytes, 1) - 1:+.2%})"
+        + (f", OOM at step {r.oom_step}" if r.oom_step >= 0 else "") for r in runs) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sim.decode_calls", description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="7b", help="the model shape (default 7b)")
+    p.add_argument("--prompt", type=int, default=2048, help="prompt tokens (default 2048)")
+    p.add_argument("--new-tokens", type=int, default=3500, help="tokens generated (default 3500)")
+    p.add_argument("--window", type=int, default=100, help="decode steps per row (default 100)")
+    p.add_argument("--policies", default="gpumem,pytorch,expandable",
+                   help="comma-separated policies; ';' separates when a policy has options (default "
+                        "gpumem,pytorch,expandable)")
+    p.add_argument("--json", type=Path, help="write the windows here")
+    args = p.parse_args(argv)
+    if args.prompt < 1 or args.new_tokens < 2 or args.window < 1:
+        p.error("--prompt and --window must be >= 1, --new-tokens >= 2")
+    sep = ";" if ";" in args.policies else ","
+    policies = [s for s in args.policies.split(sep) if s]
+    runs = [decode_run(MODELS[args.model], pol, prompt=args.prompt, new_tokens=args.new_tokens,
+                       window=args.window) for pol in policies]
+    print(f"model {args.model}, prompt {args.prompt}, {args.new_tokens} new tokens, batch 1, bf16, sim:{PROFILE} "
+          "priced as measured")
+    print(table(runs))
+    if args.json:
+        args.json.write_text(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,6 +10,11 @@ policy side by side; a policy is ``NAME`` or ``NAME:key=value,...`` (``gpumem:pa
 
     python -m sim.decode_calls --model 7b --prompt 2048 --new-tokens 3500
     python -m sim.decode_calls --model small --prompt 512 --new-tokens 3000 --policies gpumem,pytorch
+    python -m sim.decode_calls --corpus tuning --policies "gpumem;gpumem:page_slack=0.01"
+
+With ``--corpus PART`` it replays instead every trace of that corpus part (:mod:`gpumem.trace.corpus`) under
+each policy, with the GPU idle and behind (``gpu_timing="trace"``): overhead (peak reserved over peak
+allocated), and memory and event calls of the whole trace and of its second half (the steady state).
 """
 
 from __future__ import annotations
@@ -138,6 +143,38 @@ def decode_run(shape: ModelShape, policy: str, *, prompt: int, new_tokens: int, 
     return run
 
 
+def corpus_rows(part: str, policies: list[str]) -> list[dict]:
+    """Every trace of corpus ``part`` under each policy, GPU idle and behind: overhead and calls."""
+    from gpumem.replay import replay_trace
+    from gpumem.trace import load_trace
+    from gpumem.trace.corpus import corpus_traces
+
+    rows = []
+    for path in corpus_traces(part):
+        trace = load_trace(path)
+        half = trace.head(trace.n_ops // 2)
+        for timing in ("idle", "trace"):
+            for pol in policies:
+                r = replay_trace(trace, f"sim:{PROFILE}", parse_policy(pol), progress=False, gpu_timing=timing)
+                h = replay_trace(half, f"sim:{PROFILE}", parse_policy(pol), progress=False, gpu_timing=timing)
+                rows.append({"trace": path.name.removesuffix(".gz"), "timing": timing, "policy": pol,
+                             "overhead": r.overhead, "ooms": r.ooms, "calls": r.stats.device_calls,
+                             "event_calls": r.stats.event_calls,
+                             "calls_second_half": r.stats.device_calls - h.stats.device_calls,
+                             "event_calls_second_half": r.stats.event_calls - h.stats.event_calls})
+    return rows
+
+
+def corpus_table(rows: list[dict]) -> str:
+    lines = ["| trace | timing | policy | overhead | memory calls (second half) | event calls (second half) |",
+             "|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['trace']} | {r['timing']} | {r['policy']} | {r['overhead']:.3%} | "
+                     f"{r['calls']:,} ({r['calls_second_half']:,}) | "
+                     f"{r['event_calls']:,} ({r['event_calls_second_half']:,}) |")
+    return "\n".join(lines)
+
+
 def table(runs: list[PolicyRun]) -> str:
     """Per window: calls / step (memory + event), modelled µs / step, most held (GB), per policy."""
     head = "| steps | " + " | ".join(f"{r.policy}: calls / step (mem + event), µs / step, held GB" for r in runs) + " |"
@@ -168,12 +205,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default="gpumem,pytorch,expandable",
                    help="comma-separated policies; ';' separates when a policy has options (default "
                         "gpumem,pytorch,expandable)")
-    p.add_argument("--json", type=Path, help="write the windows here")
+    p.add_argument("--corpus", choices=("tuning", "check"), help="replay this corpus part's traces instead")
+    p.add_argument("--json", type=Path, help="write the windows (or the corpus rows) here")
     args = p.parse_args(argv)
     if args.prompt < 1 or args.new_tokens < 2 or args.window < 1:
         p.error("--prompt and --window must be >= 1, --new-tokens >= 2")
     sep = ";" if ";" in args.policies else ","
     policies = [s for s in args.policies.split(sep) if s]
+    if args.corpus:
+        rows = corpus_rows(args.corpus, policies)
+        print(f"corpus part {args.corpus}, sim:{PROFILE}")
+        print(corpus_table(rows))
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return 0
     runs = [decode_run(MODELS[args.model], pol, prompt=args.prompt, new_tokens=args.new_tokens,
                        window=args.window) for pol in policies]
     print(f"model {args.model}, prompt {args.prompt}, {args.new_tokens} new tokens, batch 1, bf16, sim:{PROFILE} "

@@ -12,6 +12,10 @@ policy side by side; a policy is ``NAME`` or ``NAME:key=value,...`` (``gpumem:pa
     python -m sim.decode_calls --model small --prompt 512 --new-tokens 3000 --policies gpumem,pytorch
     python -m sim.decode_calls --corpus tuning --policies "gpumem;gpumem:page_slack=0.01"
 
+With ``--ring BLOCKS`` it runs instead the storm's smallest form (:func:`ring_run`): ``BLOCKS`` tensors grown by
+``torch.cat`` every step (a new block one token larger, then the old one freed, a small activation around it)
+beside ``--weights-mib`` of weights, ``--ring-token-nbytes`` per token, from ``--prompt`` tokens.
+
 With ``--corpus PART`` it replays instead every trace of that corpus part (:mod:`gpumem.trace.corpus`) under
 each policy, with the GPU idle and behind (``gpu_timing="trace"``): overhead (peak reserved over peak
 allocated), and memory and event calls of the whole trace and of its second half (the steady state).
@@ -143,6 +147,35 @@ def decode_run(shape: ModelShape, policy: str, *, prompt: int, new_tokens: int, 
     return run
 
 
+def ring_run(policy: str, *, blocks: int, steps: int, prompt: int, token_nbytes: int, weights_nbytes: int,
+              activation_nbytes: int = 4096, window: int = 100) -> PolicyRun:
+    """The KV cache's pattern alone: ``blocks`` tensors of ``(prompt + t) * token_nbytes`` at step ``t``, each
+    allocated before the old one is freed, an activation of ``activation_nbytes`` allocated before and freed
+    after each; weights of ``weights_nbytes`` held throughout. No estimate emitter; calls priced idle (the default latency model)."""
+    dev = open_device(f"sim:{PROFILE}")
+    run = PolicyRun(policy)
+    try:
+        a = make_allocator(dev, parse_policy(policy))
+        a.allocate(weights_nbytes, 0)
+        cache = [a.allocate(prompt * token_nbytes, 0) for _ in range(blocks)]
+        sink = _Sink(a, dev, window, run)
+        sink.end_step(0)
+        for t in range(1, steps + 1):
+            for i in range(blocks):
+                x = a.allocate(activation_nbytes, 0)
+                new = a.allocate((prompt + t) * token_nbytes, 0)
+                a.free(cache[i])
+                cache[i] = new
+                a.free(x)
+                run.peak_reserved_nbytes = max(run.peak_reserved_nbytes, a.reserved_nbytes)
+                run.peak_allocated_nbytes = max(run.peak_allocated_nbytes, a.allocated_nbytes)
+            sink.end_step(t)
+        a.close()
+    finally:
+        dev.close()
+    return run
+
+
 def corpus_rows(part: str, policies: list[str]) -> list[dict]:
     """Every trace of corpus ``part`` under each policy, GPU idle and behind: overhead and calls."""
     from gpumem.replay import replay_trace
@@ -205,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default="gpumem,pytorch,expandable",
                    help="comma-separated policies; ';' separates when a policy has options (default "
                         "gpumem,pytorch,expandable)")
+    p.add_argument("--ring", type=int, metavar="BLOCKS", help="the ring of growing blocks instead (ring_run)")
+    p.add_argument("--weights-mib", type=int, default=1024, help="--ring: weights held (MiB, default 1024)")
+    p.add_argument("--ring-token-nbytes", type=int, default=4096, help="--ring: bytes per token (default 4096)")
     p.add_argument("--corpus", choices=("tuning", "check"), help="replay this corpus part's traces instead")
     p.add_argument("--json", type=Path, help="write the windows (or the corpus rows) here")
     args = p.parse_args(argv)
@@ -212,6 +248,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--prompt and --window must be >= 1, --new-tokens >= 2")
     sep = ";" if ";" in args.policies else ","
     policies = [s for s in args.policies.split(sep) if s]
+    if args.ring is not None:
+        if args.ring < 1 or args.weights_mib < 1 or args.ring_token_nbytes < 1:
+            p.error("--ring, --weights-mib and --ring-token-nbytes must be >= 1")
+        runs = [ring_run(pol, blocks=args.ring, steps=args.new_tokens - 1, prompt=args.prompt,
+                         token_nbytes=args.ring_token_nbytes, weights_nbytes=args.weights_mib << 20,
+                         window=args.window) for pol in policies]
+        print(f"ring of {args.ring} growing blocks, {args.ring_token_nbytes} bytes per token from {args.prompt}, "
+              f"{args.weights_mib} MiB of weights, sim:{PROFILE}")
+        print(table(runs))
+        return 0
     if args.corpus:
         rows = corpus_rows(args.corpus, policies)
         print(f"corpus part {args.corpus}, sim:{PROFILE}")

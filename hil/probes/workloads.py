@@ -210,6 +210,30 @@ def w_llama_generate(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
             "KV cache growing, batch 1-16, prompt 32-1500 per request", step)
 
 
+#: One long generate() per step (issue 18 point 3): the KV cache grows by torch.cat every token, thousands of
+#: times; ``python -m sim.decode_calls --model small`` replays the estimate's model of it (the same shape).
+LONG_DECODE_CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                          num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096)
+LONG_DECODE_PROMPT = 512
+LONG_DECODE_NEW_TOKENS = 3000
+
+
+def w_llama_long_decode(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    model = _hf_causal(torch, "llama", **LONG_DECODE_CONFIG).to(torch.bfloat16)
+    model.eval()
+
+    def step(i: int) -> Any:
+        ids = torch.randint(0, 32000, (1, LONG_DECODE_PROMPT), device="cuda", generator=_gen(torch, i))
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=LONG_DECODE_NEW_TOKENS, min_new_tokens=LONG_DECODE_NEW_TOKENS,
+                                 do_sample=False, use_cache=True, pad_token_id=0)
+        return out[:, LONG_DECODE_PROMPT:].sum().float()
+    return (f"Llama-style decoder (8 layers, d 1024, 16 heads, bf16) Hugging Face generate(): greedy, one request, "
+            f"prompt {LONG_DECODE_PROMPT}, {LONG_DECODE_NEW_TOKENS} new tokens (the KV cache grown by torch.cat every "
+            "token); a step is one whole request", step)
+
+
 def w_unet_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
     nn = torch.nn
 
@@ -315,7 +339,7 @@ WORKLOADS: dict[str, Callable[[Any, dict], tuple[str, Callable[[int], Any]]]] = 
     "gpt2_train": w_gpt2_train, "resnet50_train": w_resnet50_train, "llama_varlen_train": w_llama_varlen_train,
     "vit_train": w_vit_train, "moe_train": w_moe_train, "llama_generate": w_llama_generate,
     "unet_train": w_unet_train, "gpt2_train_bf16": w_gpt2_train_bf16, "multistream_infer": w_multistream_infer,
-    "cudagraph_train": w_cudagraph_train,
+    "cudagraph_train": w_cudagraph_train, "llama_long_decode": w_llama_long_decode,
 }
 
 

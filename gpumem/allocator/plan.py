@@ -292,6 +292,15 @@ class PlanInfo:
     def as_dict(self) -> dict[str, int]:
         return dict(zip(self.FIELDS, self.values))
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PlanInfo) and other.values == self.values
+
+    def __hash__(self) -> int:
+        return hash(self.values)
+
+    def __repr__(self) -> str:
+        return f"PlanInfo({self.as_dict()})"
+
     def __getattr__(self, name: str) -> int:
         try:
             return self.values[self.FIELDS.index(name)]

@@ -245,3 +245,21 @@ def test_a_pytorch_run_with_a_record_stream_log_is_replayed_with_its_uses(tmp_pa
                             tmp_path / "bad.jsonl")
     (bad,) = wl.live_vs_predicted({"runs": [run | {"stream_use_file": "bad.jsonl"}]}, tmp_path)
     assert bad.predicted_overhead is None and "no allocation of busy holds that address" in bad.error
+
+
+def test_plan_steps_reaches_the_gpumem_children_only_through_the_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--gpumem-plan-steps``: every child gets the flag (it marks steps only under gpumem), the record says so."""
+    import subprocess
+
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "RuntimeError: no GPU here\n")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    path = wl.run_live(["gpt2_train"], ["default", "gpumem"], 3, 1, tmp_path, None, 5.0, plan_steps=True)
+    assert all("--gpumem-plan-steps" in c for c in calls) and json.loads(path.read_text())["gpumem_plan_steps"]
+    calls.clear()
+    wl.run_live(["gpt2_train"], ["gpumem"], 3, 1, tmp_path, None, 5.0, tag="off")
+    assert calls and not any("--gpumem-plan-steps" in c for c in calls)

@@ -300,6 +300,8 @@ class Engine {
     bool held_by_this_thread() const { return owner_.load(std::memory_order_relaxed) == std::this_thread::get_id(); }
 
     // -- step plans: gpumem/allocator/plan.py's StepPlan (Note [Step plans] there) ---------------------------
+    // Off until mark_step(): while off, the hot paths pay one test (plan_active()); while on, the fast paths
+    // step aside (try_allocate_fast returns 0, try_free_fast false) and allocate()/free() run the plan layer.
     // A step boundary: returns MarkResult (0 nothing, 1 a recorded step waits for its plan, 2 the plan was
     // dropped). The READY step (requested bytes, streams, free rank in its step, in the next; -1: none),
     // and the plan's install (an offset per allocation, -1: the engine's). The layer's counters, in the

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -255,6 +255,13 @@ class PlanNeverOverlaps(RuleBasedStateMachine):
           keep=st.none() | st.integers(0, len(LOOP) - 1))
     def step(self, change, keep):
         self.loop.step(change=dict([change]) if change else None, keep=keep)
+
+    @rule()
+    def steady_steps(self):
+        """Unperturbed steps: enough for a plan to be recorded, installed and served."""
+        for _ in range(4):
+            self.loop.step()
+        event(f"plans installed: {min(self.alloc.step_plan_info().plans_installed, 2)}")
 
     @rule(size=st.integers(1, 8 * MiB))
     def stray_allocation(self, size):

@@ -40,14 +40,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .python_engine import PythonEngine
 
 __all__ = ["ROUND_NBYTES", "MISS_LIMIT", "StepState", "MarkResult", "PlanItems", "Planner", "plan", "plan_height",
            "check_plan", "StepTemplate", "template_items", "plan_step", "StepPlan", "PlanInfo"]
@@ -328,8 +325,9 @@ class StepPlan:
     """The plan layer of :class:`~.python_engine.PythonEngine` (Note [Step plans]); every method runs under
     the engine's lock (an RLock) and is the reference of ``Engine::plan_*`` in ``gpumem/_native/engine.cpp``."""
 
-    def __init__(self, engine: "PythonEngine") -> None:
+    def __init__(self, engine: Any) -> None:
         self.e = engine
+        """The :class:`~.python_engine.PythonEngine` it sits in front of (not imported here: no cycle)."""
         self.state = StepState.OFF
         self._reset_recording()
         self.arenas: list[_Arena] = []   # the current plan's last; dropped ones until their last free

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from gpumem.allocator import CachingAllocator
-from gpumem.allocator.plan import PlanItems, Planner, check_plan, plan, plan_height  # noqa: F401 - re-exported
+from gpumem.allocator.plan import PlanItems, Planner, check_plan, plan, plan_height
 from gpumem.allocator.policy import DEFAULT_POLICY, POLICIES
 from gpumem.device import Device
 from gpumem.errors import InvalidArgumentError, InvalidPointerError

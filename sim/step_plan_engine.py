@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from gpumem.allocator import CachingAllocator
 from gpumem.allocator.plan import MarkResult

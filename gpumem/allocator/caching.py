@@ -210,18 +210,18 @@ class CachingAllocator(AllocatorContract):
         Raises:
             InvalidArgumentError: the allocator is closed.
         """
-        result = MarkResult(self._engine.mark_step())  # type: ignore[attr-defined]
+        result = MarkResult(self._engine.mark_step())
         if result is MarkResult.READY:
-            offsets = plan_step(StepTemplate(*self._engine.step_template()))  # type: ignore[attr-defined]
+            offsets = plan_step(StepTemplate(*self._engine.step_template()))
             if (offsets >= 0).any():
-                self._engine.install_plan([int(x) for x in offsets])  # type: ignore[attr-defined]
+                self._engine.install_plan([int(x) for x in offsets])
         return result
 
     def step_plan_info(self) -> PlanInfo:
         """The step plan's state and counters (:class:`.plan.PlanInfo`): slots, arena bytes (reserved,
         mapped), allocations served from it and by the engine, steps hit and missed, plans installed and
         dropped, the arena's device calls."""
-        return PlanInfo(self._engine.step_plan_info())  # type: ignore[attr-defined]
+        return PlanInfo(self._engine.step_plan_info())
 
     # -- streams ---------------------------------------------------------------------------------------
     def record_stream(self, ptr: int, stream: int) -> None:

@@ -55,8 +55,9 @@ from .errors import BackendUnavailableError, GpumemError, InvalidArgumentError
 from .native import library_path
 from .units import format_bytes
 
-__all__ = ["install", "installed", "memory_stats", "memory_summary", "empty_cache", "record_stream",
-           "trace_wait_stream", "TooLateError", "configure", "start_trace", "stop_trace", "recorded_trace", "trace_from_words",
+__all__ = ["install", "installed", "memory_stats", "memory_summary", "empty_cache", "record_stream", "step",
+           "step_plan_info", "trace_wait_stream",
+           "TooLateError", "configure", "start_trace", "stop_trace", "recorded_trace", "trace_from_words",
            "TRACE_OUT_ENV"]
 
 #: Environment variable: when set, :func:`install` starts tracing and the trace of device 0 is written
@@ -171,6 +172,14 @@ def _lib() -> ctypes.CDLL:
     lib.gpumem_torch_trace.argtypes = [ctypes.c_int]
     lib.gpumem_torch_trace_read.restype = ctypes.c_int64
     lib.gpumem_torch_trace_read.argtypes = [ctypes.c_int, u64p, ctypes.c_int64]
+    lib.gpumem_torch_step_mark.restype = ctypes.c_int
+    lib.gpumem_torch_step_mark.argtypes = [ctypes.c_int]
+    lib.gpumem_torch_step_template.restype = ctypes.c_int64
+    lib.gpumem_torch_step_template.argtypes = [ctypes.c_int, u64p, ctypes.c_int64]
+    lib.gpumem_torch_step_install.restype = ctypes.c_int
+    lib.gpumem_torch_step_install.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
+    lib.gpumem_torch_step_info.restype = ctypes.c_int
+    lib.gpumem_torch_step_info.argtypes = [ctypes.c_int, u64p, ctypes.c_int]
     lib.gpumem_torch_configure.restype = ctypes.c_int
     lib.gpumem_torch_configure.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_double,
                                            ctypes.c_int, ctypes.c_double, ctypes.c_int]
@@ -357,6 +366,72 @@ def trace_wait_stream(stream: Any, waited: Any, device: "int | str | Any | None"
     w = int(getattr(waited, "cuda_stream", waited))
     if lib.gpumem_torch_trace_wait_stream(index, ctypes.c_void_p(s), ctypes.c_void_p(w)) != 0:
         raise GpumemError(f"gpumem could not trace the wait of stream {s:#x} on {w:#x}: {_last_error(lib)}")
+
+
+def step(device: "int | str | Any | None" = None) -> Any:
+    """Mark a step boundary of a repeating loop on ``device`` (default: the current device): opt in to
+    step plans (Note [Step plans] in :mod:`gpumem.allocator.plan`).
+
+    Call it at the same point of every step, where the fewest tensors are alive (the top of the training
+    loop). The first call starts recording the step's allocations; once two recorded steps allocate the
+    same sizes on the same streams, the first is planned here (a few hundredths of a second of numpy) and
+    every later step's allocations come from one arena at planned offsets, with no driver call; a step that
+    differs is served by gpumem's engine as without a plan, and three differing steps in a row drop the
+    plan and record again. Without calls to ``step()`` nothing changes. Returns what the call did
+    (:class:`gpumem.allocator.plan.MarkResult`).
+
+    Raises:
+        GpumemError: :func:`install` was not called in this process, or gpumem could not mark the step
+            (no engine could start on ``device``; a plan the engine refused).
+    """
+    import numpy as np
+
+    from .allocator.plan import MarkResult, StepTemplate, plan_step
+
+    _require_installed()
+    index = _device_index(device)
+    lib = _lib()
+    code = lib.gpumem_torch_step_mark(index)
+    if code < 0:
+        raise GpumemError(f"gpumem could not mark a step on cuda:{index}: {_last_error(lib)}")
+    result = MarkResult(code)
+    if result is MarkResult.READY:
+        u64p = ctypes.POINTER(ctypes.c_uint64)
+        n = int(lib.gpumem_torch_step_template(index, None, 0))
+        if n < 0:
+            raise GpumemError(f"gpumem could not read the recorded step on cuda:{index}: {_last_error(lib)}")
+        words = np.zeros(4 * n, dtype=np.uint64)
+        if int(lib.gpumem_torch_step_template(index, words.ctypes.data_as(u64p), n)) != n:
+            raise GpumemError(f"gpumem's recorded step on cuda:{index} changed while being read")
+        ranks = words.view(np.int64)
+        offsets = plan_step(StepTemplate(ranks[0::4], words[1::4], ranks[2::4], ranks[3::4]))
+        if (offsets >= 0).any():
+            offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+            if lib.gpumem_torch_step_install(index, offsets.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), n) != 0:
+                raise GpumemError(f"gpumem refused the step plan on cuda:{index}: {_last_error(lib)}")
+            log.info("gpumem.torch: a step plan of %d allocations is installed on cuda:%d", int((offsets >= 0).sum()),
+                     index)
+    return result
+
+
+def step_plan_info(device: "int | str | Any | None" = None) -> Any:
+    """The step plan's state and counters on ``device`` (:class:`gpumem.allocator.plan.PlanInfo`: slots,
+    arena bytes, allocations served from the plan and by the engine, steps hit and missed, plans installed
+    and dropped, the arena's driver calls); all 0 before gpumem's first allocation there.
+
+    Raises:
+        GpumemError: :func:`install` was not called in this process.
+    """
+    from .allocator.plan import PlanInfo
+
+    _require_installed()
+    index = _device_index(device)
+    lib = _lib()
+    values = (ctypes.c_uint64 * len(PlanInfo.FIELDS))()
+    n = lib.gpumem_torch_step_info(index, values, len(values))
+    if n < 0:
+        raise GpumemError(f"gpumem could not read its step plan on cuda:{index}: {_last_error(lib)}")
+    return PlanInfo([int(values[i]) if i < n else 0 for i in range(len(values))])
 
 
 #: The policy fields the native engine takes from :func:`configure` (the others are the default policy's).

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from gpumem.allocator import CachingAllocator
+from gpumem.allocator.plan import PlanItems, Planner, check_plan, plan, plan_height
 from gpumem.allocator.policy import DEFAULT_POLICY, POLICIES
 from gpumem.device import Device
 from gpumem.errors import InvalidArgumentError, InvalidPointerError
@@ -259,61 +260,6 @@ def split_steps(life: Lifetimes, per: Period, live_nbytes: np.ndarray) -> Steps:
 
 
 @dataclasses.dataclass(frozen=True)
-class PlanItems:
-    """The allocations a plan places: sizes (rounded) and up to two time segments each, ``[s1, e1)`` and
-    ``[s2, e2)`` in op positions relative to the step's start (``s2 == e2 == 0``: one segment). A second
-    segment is an allocation that lives on into the next step: from its alloc to the step's end and from
-    the next step's start to its free there."""
-
-    nbytes: np.ndarray
-    s1: np.ndarray
-    e1: np.ndarray
-    s2: np.ndarray
-    e2: np.ndarray
-
-    def __post_init__(self) -> None:
-        arrs = [np.asarray(a, dtype=np.int64) for a in (self.nbytes, self.s1, self.e1, self.s2, self.e2)]
-        if any(a.ndim != 1 for a in arrs) or len({len(a) for a in arrs}) != 1:
-            raise InvalidArgumentError("PlanItems: nbytes, s1, e1, s2, e2 must be one-dimensional and of one length")
-        nb, s1, e1, s2, e2 = arrs
-        if (nb <= 0).any():
-            raise InvalidArgumentError(f"PlanItems: sizes must be positive, got {int(nb.min())}")
-        if (e1 <= s1).any() or (e2 < s2).any() or (s1 < 0).any() or (s2 < 0).any():
-            raise InvalidArgumentError("PlanItems: every item needs a first segment s1 < e1, a second s2 <= e2, starts >= 0")
-        for name, a in zip(("nbytes", "s1", "e1", "s2", "e2"), arrs):
-            object.__setattr__(self, name, a)
-
-    def __len__(self) -> int:
-        return len(self.nbytes)
-
-    def overlapping(self, i: int, among: np.ndarray | None = None) -> np.ndarray:
-        """Indices (of ``among``, default all) of the items alive at some time item ``i`` is."""
-        idx = np.arange(len(self)) if among is None else among
-        s1, e1, s2, e2 = self.s1[idx], self.e1[idx], self.s2[idx], self.e2[idx]
-        a1, b1, a2, b2 = self.s1[i], self.e1[i], self.s2[i], self.e2[i]
-        hit = (s1 < b1) & (a1 < e1)
-        if b2 > a2:
-            hit |= (s1 < b2) & (a2 < e1)
-        has2 = e2 > s2
-        hit |= has2 & (s2 < b1) & (a1 < e2)
-        if b2 > a2:
-            hit |= has2 & (s2 < b2) & (a2 < e2)
-        return idx[hit]
-
-    def max_live_nbytes(self) -> int:
-        """The most bytes of these items alive at one time: no plan is lower."""
-        if len(self) == 0:
-            return 0
-        times = np.concatenate([self.s1, self.e1, self.s2, self.e2])
-        deltas = np.concatenate([self.nbytes, -self.nbytes, self.nbytes, -self.nbytes])
-        keep = np.concatenate([np.ones(2 * len(self), bool), np.repeat(self.e2 > self.s2, 1),
-                               np.repeat(self.e2 > self.s2, 1)])
-        times, deltas = times[keep], deltas[keep]
-        order = np.lexsort((deltas, times))  # frees (negative) before allocs at one time
-        return int(np.cumsum(deltas[order]).max())
-
-
-@dataclasses.dataclass(frozen=True)
 class Template:
     """One steady step cut out for planning."""
 
@@ -373,94 +319,6 @@ def cut_template(life: Lifetimes, steps: Steps, live_nbytes: np.ndarray, step: i
     planned_live = np.cumsum(planned)[:L]
     fixed = int((seg - planned_live).max()) if L else 0
     return Template(step, ranks[slots], slots, items, L, peak, fixed, items.max_live_nbytes())
-
-
-# -- planners ---------------------------------------------------------------------------------------------
-
-class Planner(str, enum.Enum):
-    FIRST_FIT = "first-fit"
-    """Items in allocation order, each at the lowest offset free over its lifetime (the simple one)."""
-    GREEDY_SIZE = "greedy-size"
-    """Largest first (longest lifetime among equals), each at the lowest offset free over its lifetime."""
-    GREEDY_BEST = "greedy-best"
-    """The lowest of three greedy orders: largest first into the lowest free offset, largest first into
-    the smallest gap that fits (TFLite's greedy-by-size), longest-lived first into the lowest offset."""
-
-
-def _place(items: PlanItems, order: Sequence[int], best_gap: bool) -> np.ndarray:
-    n = len(items)
-    offsets = np.full(n, -1, dtype=np.int64)
-    placed = np.zeros(n, dtype=bool)
-    for i in order:
-        size = int(items.nbytes[i])
-        others = items.overlapping(int(i), np.flatnonzero(placed))
-        if len(others) == 0:
-            offsets[i] = 0
-            placed[i] = True
-            continue
-        lo = offsets[others]
-        hi = lo + items.nbytes[others]
-        o = np.argsort(lo, kind="stable")
-        lo, hi = lo[o], hi[o]
-        # gaps: [max end so far, next start)
-        reach = np.maximum.accumulate(hi)
-        gap_lo = np.concatenate(([0], reach[:-1]))
-        gap_len = lo - gap_lo
-        fits = np.flatnonzero(gap_len >= size)
-        if len(fits) == 0:
-            offsets[i] = int(reach[-1])
-        elif best_gap:
-            offsets[i] = int(gap_lo[fits[np.argmin(gap_len[fits])]])
-        else:
-            offsets[i] = int(gap_lo[fits[0]])
-        placed[i] = True
-    return offsets
-
-
-def plan(items: PlanItems, planner: Planner | str) -> np.ndarray:
-    """An offset (bytes, a multiple of :data:`ROUND_NBYTES` for rounded sizes) per item, such that no two
-    items alive at one time overlap.
-
-    Raises:
-        InvalidArgumentError: an unknown planner.
-    """
-    try:
-        planner = Planner(planner)
-    except ValueError:
-        raise InvalidArgumentError(f"unknown planner {planner!r}; choose one of "
-                                   f"{', '.join(p.value for p in Planner)}") from None
-    if planner is Planner.FIRST_FIT:
-        order = np.lexsort((np.arange(len(items)), items.s1))
-        return _place(items, order.tolist(), best_gap=False)
-    length = (items.e1 - items.s1) + (items.e2 - items.s2)
-    by_size = np.lexsort((items.s1, -length, -items.nbytes)).tolist()
-    if planner is Planner.GREEDY_SIZE:
-        return _place(items, by_size, best_gap=False)
-    tries = [_place(items, by_size, best_gap=False), _place(items, by_size, best_gap=True),
-             _place(items, np.lexsort((items.s1, -items.nbytes, -length)).tolist(), best_gap=False)]
-    return min(tries, key=lambda offs: plan_height(items, offs))
-
-
-def plan_height(items: PlanItems, offsets: np.ndarray) -> int:
-    """The arena a plan needs: the highest end of an item (0 for no item)."""
-    return int((offsets + items.nbytes).max()) if len(items) else 0
-
-
-def check_plan(items: PlanItems, offsets: np.ndarray) -> None:
-    """Raise :class:`InvalidArgumentError` when two items alive at one time overlap in the arena (or an
-    offset is negative)."""
-    offsets = np.asarray(offsets, dtype=np.int64)
-    if offsets.shape != (len(items),):
-        raise InvalidArgumentError(f"check_plan: {len(items)} items but offsets of shape {offsets.shape}")
-    if (offsets < 0).any():
-        raise InvalidArgumentError("check_plan: a negative offset")
-    for i in range(len(items)):
-        o = items.overlapping(i)
-        o = o[o != i]
-        clash = (offsets[o] < offsets[i] + items.nbytes[i]) & (offsets[i] < offsets[o] + items.nbytes[o])
-        if clash.any():
-            j = int(o[np.flatnonzero(clash)[0]])
-            raise InvalidArgumentError(f"check_plan: items {i} and {j} are alive together and overlap in the arena")
 
 
 # -- serving a trace with a plan -------------------------------------------------------------------------

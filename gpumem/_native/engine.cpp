@@ -634,7 +634,7 @@ OomInfo Engine::device_oom_info(OomCause cause, std::uint64_t requested) {
 
 // Backing._check_limit
 void Engine::check_limit(std::uint64_t extra_nbytes, std::uint64_t requested) {
-    if (cfg_.limit_nbytes && reserved_nbytes_ + extra_nbytes > cfg_.limit_nbytes) {
+    if (cfg_.limit_nbytes && reserved_nbytes_ + plan_mapped_nbytes_ + extra_nbytes > cfg_.limit_nbytes) {
         OomInfo info = device_oom_info(OomCause::kLimit, requested);
         info.limit_nbytes = cfg_.limit_nbytes;
         throw EngineError(info, "the allocator's limit is reached");
@@ -1785,7 +1785,7 @@ std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stre
     std::uint64_t size = (nbytes + r - 1) & ~(r - 1);   // r is a power of two (the constructor checks)
     bool small = static_cast<std::int64_t>(size) <= small_max_ && size <= (UINT64_MAX >> 1);
     Guard guard(*this);
-    if (lost_ || closed_) return 0;
+    if (lost_ || closed_ || plan_active()) return 0;   // a step plan: allocate() runs it
     FreeList* fl = free_list_get(small, stream);
     if (!fl) return 0;
     Block* b = fl_best_fit(fl, size);
@@ -1800,10 +1800,19 @@ std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stre
 // PythonEngine.allocate
 std::uint64_t Engine::allocate(std::uint64_t nbytes, std::uint64_t stream) {
     if (nbytes == 0) throw EngineError(EngineErrorKind::kInvalidArgument, "nbytes must be positive, got 0");
+    Guard guard(*this);
+    if (plan_active()) {
+        check_usable_op();
+        return plan_allocate(nbytes, stream);
+    }
+    return allocate_engine(nbytes, stream);
+}
+
+// PythonEngine._allocate_engine: the engine's allocation, under the lock
+std::uint64_t Engine::allocate_engine(std::uint64_t nbytes, std::uint64_t stream) {
     const std::uint64_t r = cfg_.round_nbytes;
     std::uint64_t size = nbytes > UINT64_MAX - r ? UINT64_MAX : (nbytes + r - 1) & ~(r - 1);
     bool small = size <= (UINT64_MAX >> 1) && static_cast<std::int64_t>(size) <= small_max_;
-    Guard guard(*this);
     // Note [The hot path makes no device call]
     if (!lost_ && !closed_) {
         FreeList* fl = free_list_get(small, stream);
@@ -1879,13 +1888,14 @@ std::uint64_t Engine::hand_out(Block* b, std::uint64_t nbytes, std::uint64_t str
     ++st.num_allocs;
     if (st.allocated_nbytes > st.peak_allocated_nbytes) st.peak_allocated_nbytes = st.allocated_nbytes;
     if (st.requested_nbytes > st.peak_requested_nbytes) st.peak_requested_nbytes = st.requested_nbytes;
-    if (reserved_nbytes_ > st.peak_reserved_nbytes) st.peak_reserved_nbytes = reserved_nbytes_;
+    if (reserved_nbytes_ + plan_mapped_nbytes_ > st.peak_reserved_nbytes)
+        st.peak_reserved_nbytes = reserved_nbytes_ + plan_mapped_nbytes_;
     return addr;
 }
 
 bool Engine::try_free_fast(std::uint64_t ptr) {
     Guard guard(*this);
-    if (lost_) return false;
+    if (lost_ || plan_active()) return false;
     Block* b = static_cast<Block*>(live_.get(ptr));
     if (!b || b->pending_streams) return false;
     decommit(b);   // no device call: fences come when memory goes back
@@ -1896,6 +1906,20 @@ bool Engine::try_free_fast(std::uint64_t ptr) {
 // PythonEngine.free
 void Engine::free(std::uint64_t ptr) {
     Guard guard(*this);
+    if (plan_active()) {
+        check_usable_op();
+        bool done = false;
+        GPUMEM_OPERATION({ done = plan_free(ptr); })
+        if (done) return;
+        free_engine(ptr);
+        plan_record_free(ptr);
+        return;
+    }
+    free_engine(ptr);
+}
+
+// PythonEngine._free_engine, under the lock
+void Engine::free_engine(std::uint64_t ptr) {
     if (!lost_) {
         Block* b = static_cast<Block*>(live_.get(ptr));
         if (b && !b->pending_streams) {
@@ -2186,6 +2210,7 @@ void Engine::record_stream(std::uint64_t ptr, std::uint64_t stream) {
     Guard guard(*this);
     check_usable_op();
     if (closed_) throw EngineError(EngineErrorKind::kClosed, "record_stream of " + hex(ptr) + ": the allocator is closed");
+    if (!arenas_.empty() && plan_record_stream(ptr, stream)) return;
     Block* b = static_cast<Block*>(live_.get(ptr));
     if (!b)
         throw EngineError(EngineErrorKind::kInvalidPointer,
@@ -2212,6 +2237,10 @@ void Engine::synchronize() {
 std::uint64_t Engine::empty_cache() {
     Guard guard(*this);
     check_usable_op();
+    return empty_cache_locked();
+}
+
+std::uint64_t Engine::empty_cache_locked() {
     GPUMEM_OPERATION({
         if (closed_) return 0;
         std::uint64_t f, t;
@@ -2281,6 +2310,11 @@ void Engine::close() {
             }
         }
     }
+    try {
+        plan_close();
+    } catch (...) {   // the arena's pages stay counted as leaked
+        rethrow_if_fatal();   // Note [Only Exception is caught]
+    }
     // a range is shared by all streams: any of them may still use it
     backing_close(!failed.empty());
     fences_close();
@@ -2290,14 +2324,14 @@ void Engine::close() {
     fl_index_[1].clear();
     fl_last_[0] = fl_last_[1] = nullptr;
     fl_order_.clear();
-    leaked_nbytes_ = reserved_nbytes_;
+    leaked_nbytes_ = reserved_nbytes_ + plan_mapped_nbytes_;
 }
 
 // -- introspection --------------------------------------------------------------------------------------
 EngineStats Engine::stats() {
     Guard guard(*this, true);
     EngineStats st = st_;
-    st.reserved_nbytes = reserved_nbytes_;
+    st.reserved_nbytes = reserved_nbytes_ + plan_mapped_nbytes_;
     st.num_segments = n_segments_;
     std::uint64_t pend = 0;
     for (Block* b : pending_) pend += b->size;
@@ -2313,7 +2347,7 @@ EngineStats Engine::stats() {
     std::uint64_t largest = backing_largest_free_nbytes();
     std::uint64_t cap = total_free > 0 ? static_cast<std::uint64_t>(total_free) : 0;
     st.largest_free_nbytes = std::min(largest, cap);
-    st.device_calls = device_calls_;
+    st.device_calls = device_calls_ + plan_arena_calls_;
     st.event_calls = n_records_ + n_queries_ + f_n_waits_ + n_destroys_;
     st.n_chunks = n_chunks_;
     st.n_steals = n_steals_;
@@ -2344,7 +2378,7 @@ void Engine::reset_peak_stats() {
 
 std::uint64_t Engine::reserved_nbytes() {
     Guard guard(*this, true);
-    return reserved_nbytes_;
+    return reserved_nbytes_ + plan_mapped_nbytes_;
 }
 
 std::uint64_t Engine::allocated_nbytes() {
@@ -2354,6 +2388,10 @@ std::uint64_t Engine::allocated_nbytes() {
 
 std::uint64_t Engine::block_size(std::uint64_t ptr) {
     Guard guard(*this, true);
+    if (!arenas_.empty()) {
+        PlanLive e{};
+        if (plan_arena_entry(ptr, &e)) return e.size;
+    }
     Block* b = static_cast<Block*>(live_.get(ptr));
     if (!b) throw EngineError(EngineErrorKind::kInvalidPointer, std::to_string(ptr) + " is not a live allocation");
     return b->size;
@@ -2517,7 +2555,7 @@ std::vector<std::string> Engine::consistency_problems(const ListDevice& list_dev
             if (b->allocated || b->stream != fl->stream || b->fences)
                 problems.push_back("block " + hex(b->addr) + " is in the free list of stream " + std::to_string(fl->stream) +
                                    " but is not free there");
-    std::uint64_t live_nbytes = 0;
+    std::uint64_t live_nbytes = plan_live_nbytes();
     live_.for_each([&](std::uint64_t addr, void* v) {
         const Block* b = static_cast<const Block*>(v);
         live_nbytes += b->size;
@@ -2529,10 +2567,442 @@ std::vector<std::string> Engine::consistency_problems(const ListDevice& list_dev
     for (const Block* b : pending_)
         if (b->allocated || !b->fences || b->fences->empty())
             problems.push_back("pending block " + hex(b->addr) + " has no fences or is allocated");
-    if (st_.allocated_nbytes > reserved_nbytes_)
-        problems.push_back("reserved " + std::to_string(reserved_nbytes_) + " B < allocated " +
+    if (st_.allocated_nbytes > reserved_nbytes_ + plan_mapped_nbytes_)
+        problems.push_back("reserved " + std::to_string(reserved_nbytes_ + plan_mapped_nbytes_) + " B < allocated " +
                            std::to_string(st_.allocated_nbytes) + " B");
     return problems;
+}
+
+
+// -- plan.py: StepPlan (Note [Step plans] in gpumem/allocator/plan.py) ------------------------------------
+// The plan layer in front of the engine; every function mirrors the Python method of the same name and
+// runs under the engine's lock.
+namespace {
+constexpr int kMissLimit = 3;   // plan.py MISS_LIMIT
+// plan.py _alive_together: whether two slots' lifetimes ([k, e1) and [0, e2)) meet
+bool alive_together(std::int64_t ka, std::int64_t e1a, std::int64_t e2a, std::int64_t kb, std::int64_t e1b,
+                    std::int64_t e2b) {
+    if (ka < e1b && kb < e1a) return true;
+    if (e2a && kb < e2a) return true;
+    if (e2b && ka < e2b) return true;
+    return e2a && e2b;
+}
+}  // namespace
+
+void Engine::plan_reset_recording() {
+    rec_cur_.clear();
+    rec_prev_.clear();
+    rec_cur_map_.clear();
+    rec_prev_map_.clear();
+    since_mark_ = 0;
+}
+
+void Engine::plan_clear_slots() {
+    slot_off_.clear();
+    slot_size_.clear();
+    slot_stream_.clear();
+    slot_ov_begin_.clear();
+    slot_ov_.clear();
+    slot_refused_.clear();
+    slot_live_.clear();
+    slot_poisoned_.clear();
+    cursor_ = 0;
+    left_ = missed_ = false;
+    misses_ = 0;
+    planned_steps_ = 0;
+}
+
+void Engine::plan_slide() {
+    rec_prev_.swap(rec_cur_);
+    rec_prev_map_.swap(rec_cur_map_);
+    rec_cur_.clear();
+    rec_cur_map_.clear();
+}
+
+int Engine::mark_step() {
+    Guard guard(*this);
+    check_usable_op();
+    if (closed_) throw EngineError(EngineErrorKind::kInvalidArgument, "mark_step: the allocator is closed");
+    GPUMEM_OPERATION({
+        int s = plan_state_;
+        if (s == kPlanOff || s == kPlanReady) {
+            plan_reset_recording();
+            plan_state_ = kPlanRecording;
+            return 0;
+        }
+        if (s == kPlanRecording) {
+            plan_slide();
+            plan_state_ = kPlanRecordingNext;
+            return 0;
+        }
+        if (s == kPlanRecordingNext) {
+            bool same = !rec_prev_.empty() && rec_prev_.size() == rec_cur_.size();
+            for (std::size_t i = 0; same && i < rec_prev_.size(); ++i)
+                same = rec_prev_[i].nbytes == rec_cur_[i].nbytes && rec_prev_[i].stream == rec_cur_[i].stream;
+            if (same) {
+                plan_state_ = kPlanReady;
+                since_mark_ = 0;
+                return 1;
+            }
+            plan_slide();
+            return 0;
+        }
+        bool hit = !missed_ && !left_ && cursor_ == slot_off_.size();
+        if (hit) ++plan_steps_hit_;
+        else ++plan_steps_missed_;
+        misses_ = hit ? 0 : misses_ + 1;
+        if (planned_steps_ == 0) empty_cache_locked();   // the leftovers of the last step before the plan
+        ++planned_steps_;
+        if (misses_ >= kMissLimit) {
+            plan_drop();
+            plan_reset_recording();
+            plan_state_ = kPlanRecording;
+            return 2;
+        }
+        cursor_ = 0;
+        left_ = missed_ = false;
+        return 0;
+    })
+}
+
+std::vector<Engine::StepRecord> Engine::step_template() {
+    Guard guard(*this, true);
+    if (plan_state_ != kPlanReady)
+        throw EngineError(EngineErrorKind::kInvalidArgument,
+                          "step_template: no recorded step waits for a plan (mark_step returns READY when two "
+                          "recorded steps match)");
+    return rec_prev_;
+}
+
+void Engine::install_plan(const std::vector<std::int64_t>& offsets) {
+    Guard guard(*this);
+    check_usable_op();
+    if (closed_) throw EngineError(EngineErrorKind::kInvalidArgument, "install_plan: the allocator is closed");
+    if (plan_state_ != kPlanReady)
+        throw EngineError(EngineErrorKind::kInvalidArgument,
+                          "install_plan: no recorded step waits for a plan (mark_step returns READY when two "
+                          "recorded steps match)");
+    const std::vector<StepRecord>& rec = rec_prev_;
+    const std::size_t n = rec.size();
+    if (offsets.size() != n)
+        throw EngineError(EngineErrorKind::kInvalidArgument,
+                          "install_plan: the recorded step has " + std::to_string(n) + " allocations, got " +
+                              std::to_string(offsets.size()) + " offsets");
+    const std::uint64_t r = cfg_.round_nbytes;
+    std::vector<std::uint64_t> sizes(n);
+    std::vector<std::int64_t> e1(n, 0), e2(n, 0);
+    std::vector<std::pair<std::int64_t, std::size_t>> planned;
+    for (std::size_t k = 0; k < n; ++k) {
+        sizes[k] = (rec[k].nbytes + r - 1) / r * r;
+        std::int64_t o = offsets[k];
+        if (o == -1) continue;
+        if (o < 0 || static_cast<std::uint64_t>(o) % r || o > (std::int64_t{1} << 62))
+            throw EngineError(EngineErrorKind::kInvalidArgument,
+                              "install_plan: offset " + std::to_string(o) + " of slot " + std::to_string(k) +
+                                  " is not -1 or a multiple of " + std::to_string(r) + " B");
+        if (rec[k].free_own >= 0) {
+            e1[k] = rec[k].free_own;
+        } else if (rec[k].free_next >= 0 && rec[k].free_next <= static_cast<std::int64_t>(k)) {
+            e1[k] = static_cast<std::int64_t>(n);
+            e2[k] = rec[k].free_next;
+        } else {
+            throw EngineError(EngineErrorKind::kInvalidArgument,
+                              "install_plan: slot " + std::to_string(k) +
+                                  " is not freed within its step or early in the next: it cannot be planned (give "
+                                  "it offset -1)");
+        }
+        planned.emplace_back(o, k);
+    }
+    std::sort(planned.begin(), planned.end());
+    if (planned.empty()) throw EngineError(EngineErrorKind::kInvalidArgument, "install_plan: the plan places no allocation");
+    std::vector<std::vector<std::uint32_t>> ov(n);
+    std::vector<char> refused(n, 0);
+    for (std::size_t a = 0; a < planned.size(); ++a) {
+        const std::size_t ka = planned[a].second;
+        const std::uint64_t end = static_cast<std::uint64_t>(planned[a].first) + sizes[ka];
+        for (std::size_t b = a + 1; b < planned.size(); ++b) {
+            if (static_cast<std::uint64_t>(planned[b].first) >= end) break;
+            const std::size_t kb = planned[b].second;
+            if (alive_together(static_cast<std::int64_t>(ka), e1[ka], e2[ka], static_cast<std::int64_t>(kb), e1[kb], e2[kb]))
+                throw EngineError(EngineErrorKind::kInvalidArgument,
+                                  "install_plan: slots " + std::to_string(std::min(ka, kb)) + " and " +
+                                      std::to_string(std::max(ka, kb)) + " are alive together and overlap in the arena");
+            ov[ka].push_back(static_cast<std::uint32_t>(kb));
+            ov[kb].push_back(static_cast<std::uint32_t>(ka));
+            if (rec[ka].stream != rec[kb].stream) refused[ka] = refused[kb] = 1;
+        }
+    }
+    std::uint64_t height = 0;
+    for (auto& pk : planned)
+        if (!refused[pk.second]) height = std::max(height, static_cast<std::uint64_t>(pk.first) + sizes[pk.second]);
+    if (height == 0)
+        throw EngineError(EngineErrorKind::kInvalidArgument, "install_plan: every slot of the plan meets another stream's");
+    const std::uint64_t arena_nbytes = (height + g_ - 1) / g_ * g_;
+    std::unique_ptr<PlanArena> arena(new PlanArena());
+    GPUMEM_OPERATION({ arena->base = backend_.address_reserve(arena_nbytes, 0); })
+    ++plan_arena_calls_;
+    arena->nbytes = arena_nbytes;
+    arena->pages.assign(arena_nbytes / g_, 0);
+    for (auto& pk : planned)
+        if (!refused[pk.second]) arena->streams.insert(rec[pk.second].stream);
+    arenas_.push_back(std::move(arena));
+    slot_off_.assign(n, -1);
+    for (std::size_t k = 0; k < n; ++k)
+        if (offsets[k] >= 0 && !refused[k]) slot_off_[k] = offsets[k];
+    slot_size_ = sizes;
+    slot_stream_.resize(n);
+    for (std::size_t k = 0; k < n; ++k) slot_stream_[k] = rec[k].stream;
+    slot_ov_begin_.assign(n + 1, 0);
+    slot_ov_.clear();
+    for (std::size_t k = 0; k < n; ++k) {
+        slot_ov_begin_[k] = static_cast<std::uint32_t>(slot_ov_.size());
+        slot_ov_.insert(slot_ov_.end(), ov[k].begin(), ov[k].end());
+    }
+    slot_ov_begin_[n] = static_cast<std::uint32_t>(slot_ov_.size());
+    slot_refused_ = refused;
+    slot_live_.assign(n, 0);
+    slot_poisoned_.assign(n, 0);
+    cursor_ = 0;
+    misses_ = 0;
+    planned_steps_ = 0;
+    missed_ = false;
+    left_ = since_mark_ > 0;   // allocations came between the mark and the install: not this step
+    plan_state_ = kPlanPlanned;
+    ++plans_installed_;
+    rec_prev_.clear();
+    rec_prev_map_.clear();
+    rec_cur_.clear();
+    rec_cur_map_.clear();
+}
+
+std::uint64_t Engine::plan_allocate(std::uint64_t nbytes, std::uint64_t stream) {
+    if (plan_state_ == kPlanPlanned && !lost_ && !closed_) {
+        std::uint64_t p = 0;
+        GPUMEM_OPERATION({ p = plan_serve(nbytes, stream); })
+        if (p) return p;
+        ++plan_fallback_;
+    }
+    std::uint64_t p = allocate_engine(nbytes, stream);
+    ++since_mark_;
+    if (plan_state_ == kPlanRecording || plan_state_ == kPlanRecordingNext) {
+        rec_cur_map_[p] = rec_cur_.size();
+        rec_cur_.push_back(StepRecord{nbytes, stream, -1, -1});
+    }
+    return p;
+}
+
+std::uint64_t Engine::plan_serve(std::uint64_t nbytes, std::uint64_t stream) {
+    const std::size_t k = cursor_;
+    cursor_ = k + 1;
+    if (left_ || k >= slot_off_.size()) {
+        left_ = true;
+        return 0;
+    }
+    if (nbytes > slot_size_[k] || stream != slot_stream_[k]) {
+        left_ = true;
+        return 0;
+    }
+    const std::int64_t off = slot_off_[k];
+    if (off < 0) return 0;
+    bool taken = slot_live_[k] != 0;
+    for (std::uint32_t i = slot_ov_begin_[k]; !taken && i < slot_ov_begin_[k + 1]; ++i) taken = slot_live_[slot_ov_[i]] != 0;
+    if (taken) {
+        missed_ = true;
+        return 0;
+    }
+    PlanArena* arena = arenas_.back().get();
+    const std::uint64_t size = slot_size_[k];
+    if (!plan_map(arena, static_cast<std::uint64_t>(off), size)) {
+        missed_ = true;
+        return 0;
+    }
+    const std::uint64_t ptr = arena->base + static_cast<std::uint64_t>(off);
+    slot_live_[k] = 1;
+    arena->live[ptr] = PlanLive{k, size, nbytes};
+    EngineStats& st = st_;
+    st.allocated_nbytes += size;
+    st.requested_nbytes += nbytes;
+    ++st.num_allocs;
+    if (st.allocated_nbytes > st.peak_allocated_nbytes) st.peak_allocated_nbytes = st.allocated_nbytes;
+    if (st.requested_nbytes > st.peak_requested_nbytes) st.peak_requested_nbytes = st.requested_nbytes;
+    if (reserved_nbytes_ + plan_mapped_nbytes_ > st.peak_reserved_nbytes)
+        st.peak_reserved_nbytes = reserved_nbytes_ + plan_mapped_nbytes_;
+    ++plan_served_;
+    return ptr;
+}
+
+bool Engine::plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size) {
+    const std::uint64_t first = off / g_, last = (off + size - 1) / g_;
+    std::vector<std::uint64_t> todo;
+    for (std::uint64_t p = first; p <= last; ++p)
+        if (!arena->pages[p]) todo.push_back(p);
+    if (todo.empty()) return true;
+    if (cfg_.limit_nbytes && reserved_nbytes_ + plan_mapped_nbytes_ + todo.size() * g_ > cfg_.limit_nbytes) return false;
+    empty_cache_locked();
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> runs;
+    for (std::uint64_t p : todo) {
+        if (!runs.empty() && runs.back().second == p) runs.back().second = p + 1;
+        else runs.emplace_back(p, p + 1);
+    }
+    for (auto& ab : runs) {
+        const std::uint64_t va = arena->base + ab.first * g_, nb = (ab.second - ab.first) * g_;
+        ChunkHandle h = 0;
+        try {
+            h = backend_.mem_create(nb);
+        } catch (...) {
+            if (!classify_current().oom) throw;
+            return false;
+        }
+        try {
+            backend_.mem_map(va, nb, h, 0);
+        } catch (...) {
+            try {
+                backend_.mem_release(h);
+            } catch (...) {
+                rethrow_if_fatal();
+            }
+            throw;
+        }
+        try {
+            backend_.mem_set_access(va, nb);
+        } catch (...) {
+            try {
+                backend_.mem_unmap(va, nb);
+            } catch (...) {
+                rethrow_if_fatal();
+            }
+            try {
+                backend_.mem_release(h);
+            } catch (...) {
+                rethrow_if_fatal();
+            }
+            throw;
+        }
+        plan_arena_calls_ += 3;
+        arena->runs.push_back(PlanRun{va, nb, h});
+        for (std::uint64_t p = ab.first; p < ab.second; ++p) arena->pages[p] = h;
+        arena->mapped_nbytes += nb;
+        plan_mapped_nbytes_ += nb;
+        if (reserved_nbytes_ + plan_mapped_nbytes_ > st_.peak_reserved_nbytes)
+            st_.peak_reserved_nbytes = reserved_nbytes_ + plan_mapped_nbytes_;
+    }
+    return true;
+}
+
+bool Engine::plan_free(std::uint64_t ptr) {
+    for (std::size_t i = arenas_.size(); i-- > 0;) {
+        PlanArena* arena = arenas_[i].get();
+        if (!arena->holds(ptr)) continue;
+        auto it = arena->live.find(ptr);
+        if (it == arena->live.end())
+            throw EngineError(EngineErrorKind::kInvalidPointer,
+                              "free of " + hex(ptr) + ": no live allocation starts there in the step plan's arena");
+        PlanLive e = it->second;
+        arena->live.erase(it);
+        if (!arena->dropped) slot_live_[e.slot] = slot_poisoned_[e.slot];   // a slot used on another stream stays taken
+        st_.allocated_nbytes -= e.size;
+        st_.requested_nbytes -= e.requested;
+        ++st_.num_frees;
+        if (arena->dropped && arena->live.empty()) plan_release(arena);
+        return true;
+    }
+    return false;
+}
+
+void Engine::plan_record_free(std::uint64_t ptr) {
+    auto it = rec_cur_map_.find(ptr);
+    if (it != rec_cur_map_.end()) {
+        rec_cur_[it->second].free_own = static_cast<std::int64_t>(rec_cur_.size());
+        rec_cur_map_.erase(it);
+        return;
+    }
+    it = rec_prev_map_.find(ptr);
+    if (it != rec_prev_map_.end()) {
+        rec_prev_[it->second].free_next = static_cast<std::int64_t>(rec_cur_.size());
+        rec_prev_map_.erase(it);
+    }
+}
+
+Engine::PlanArena* Engine::plan_arena_entry(std::uint64_t ptr, PlanLive* out) {
+    for (std::size_t i = arenas_.size(); i-- > 0;) {
+        PlanArena* arena = arenas_[i].get();
+        if (!arena->holds(ptr)) continue;
+        auto it = arena->live.find(ptr);
+        if (it == arena->live.end())
+            throw EngineError(EngineErrorKind::kInvalidPointer,
+                              hex(ptr) + " is not a live allocation (inside the step plan's arena)");
+        if (out) *out = it->second;
+        return arena;
+    }
+    return nullptr;
+}
+
+bool Engine::plan_record_stream(std::uint64_t ptr, std::uint64_t stream) {
+    PlanLive e{};
+    PlanArena* arena = plan_arena_entry(ptr, &e);
+    if (!arena) return false;
+    if (arena->dropped) {
+        arena->streams.insert(stream);
+    } else if (stream != slot_stream_[e.slot]) {
+        arena->streams.insert(stream);
+        slot_poisoned_[e.slot] = 1;
+    }
+    return true;
+}
+
+void Engine::plan_drop() {
+    PlanArena* arena = arenas_.back().get();
+    arena->dropped = true;
+    ++plans_dropped_;
+    plan_clear_slots();
+    if (arena->live.empty()) plan_release(arena);
+}
+
+void Engine::plan_release(PlanArena* arena) {
+    for (std::uint64_t s : arena->streams) backend_.stream_synchronize(s);   // sorted (std::set)
+    while (!arena->runs.empty()) {
+        const PlanRun run = arena->runs.back();
+        backend_.mem_unmap(run.va, run.nbytes);
+        backend_.mem_release(run.h);
+        plan_arena_calls_ += 2;
+        arena->runs.pop_back();
+        arena->mapped_nbytes -= run.nbytes;
+        plan_mapped_nbytes_ -= run.nbytes;
+    }
+    backend_.address_free(arena->base, arena->nbytes);
+    ++plan_arena_calls_;
+    for (auto it = arenas_.begin(); it != arenas_.end(); ++it)
+        if (it->get() == arena) {
+            arenas_.erase(it);
+            break;
+        }
+}
+
+void Engine::plan_close() {
+    while (!arenas_.empty()) {
+        PlanArena* arena = arenas_.front().get();
+        arena->dropped = true;
+        arena->live.clear();
+        plan_release(arena);
+    }
+    plan_state_ = kPlanOff;
+    plan_reset_recording();
+    plan_clear_slots();
+}
+
+std::uint64_t Engine::plan_live_nbytes() const {
+    std::uint64_t n = 0;
+    for (auto& a : arenas_)
+        for (auto& kv : a->live) n += kv.second.size;
+    return n;
+}
+
+std::vector<std::uint64_t> Engine::step_plan_info() {
+    Guard guard(*this, true);
+    const PlanArena* cur = plan_state_ == kPlanPlanned && !arenas_.empty() ? arenas_.back().get() : nullptr;
+    return {static_cast<std::uint64_t>(plan_state_), slot_off_.size(), cur ? cur->nbytes : 0, plan_mapped_nbytes_,
+            plan_served_, plan_fallback_, plan_steps_hit_, plan_steps_missed_, plans_installed_, plans_dropped_,
+            plan_arena_calls_};
 }
 
 }  // namespace gpumem

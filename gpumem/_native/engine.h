@@ -299,8 +299,66 @@ class Engine {
     // operations (a device call ran Python that came back). Note [Re-entry from the lock's thread].
     bool held_by_this_thread() const { return owner_.load(std::memory_order_relaxed) == std::this_thread::get_id(); }
 
+    // -- step plans: gpumem/allocator/plan.py's StepPlan (Note [Step plans] there) ---------------------------
+    // Off until mark_step(): while off, the hot paths pay one test (plan_active()); while on, the fast paths
+    // step aside (try_allocate_fast returns 0, try_free_fast false) and allocate()/free() run the plan layer.
+    // A step boundary: returns MarkResult (0 nothing, 1 a recorded step waits for its plan, 2 the plan was
+    // dropped). The READY step (requested bytes, streams, free rank in its step, in the next; -1: none),
+    // and the plan's install (an offset per allocation, -1: the engine's). The layer's counters, in the
+    // order of PlanInfo.FIELDS.
+    int mark_step();
+    struct StepRecord {
+        std::uint64_t nbytes;
+        std::uint64_t stream;
+        std::int64_t free_own;
+        std::int64_t free_next;
+    };
+    std::vector<StepRecord> step_template();
+    void install_plan(const std::vector<std::int64_t>& offsets);
+    std::vector<std::uint64_t> step_plan_info();
+
   private:
     struct Guard;
+    // -- plan.py: StepPlan -----------------------------------------------------------------------------
+    enum PlanState : int { kPlanOff = 0, kPlanRecording = 1, kPlanRecordingNext = 2, kPlanReady = 3, kPlanPlanned = 4 };
+    struct PlanLive {
+        std::size_t slot;
+        std::uint64_t size, requested;
+    };
+    struct PlanRun {
+        std::uint64_t va, nbytes;
+        ChunkHandle h;
+    };
+    struct PlanArena {   // plan.py's _Arena
+        std::uint64_t base = 0, nbytes = 0;
+        std::vector<ChunkHandle> pages;   // 0: unmapped
+        std::vector<PlanRun> runs;
+        std::uint64_t mapped_nbytes = 0;
+        std::set<std::uint64_t> streams;
+        std::unordered_map<std::uint64_t, PlanLive> live;
+        bool dropped = false;
+        bool holds(std::uint64_t p) const { return p >= base && p < base + nbytes; }
+    };
+    bool plan_active() const { return plan_state_ != kPlanOff || !arenas_.empty(); }
+    void plan_reset_recording();
+    void plan_clear_slots();
+    void plan_slide();
+    std::uint64_t plan_allocate(std::uint64_t nbytes, std::uint64_t stream);
+    std::uint64_t plan_serve(std::uint64_t nbytes, std::uint64_t stream);
+    bool plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size);
+    bool plan_free(std::uint64_t ptr);
+    void plan_record_free(std::uint64_t ptr);
+    // the arena and live entry of a live arena pointer (nullptr: in no arena); throws kInvalidPointer inside one
+    PlanArena* plan_arena_entry(std::uint64_t ptr, PlanLive* out);
+    bool plan_record_stream(std::uint64_t ptr, std::uint64_t stream);
+    void plan_drop();
+    void plan_release(PlanArena* arena);
+    void plan_close();
+    std::uint64_t plan_live_nbytes() const;
+    std::uint64_t allocate_engine(std::uint64_t nbytes, std::uint64_t stream);   // PythonEngine._allocate_engine
+    void free_engine(std::uint64_t ptr);                                          // PythonEngine._free_engine
+    std::uint64_t empty_cache_locked();                                           // PythonEngine._empty_cache_locked
+
     // reentrant: the thread that holds the lock may take it again (reads); otherwise it throws
     // kInternal (Note [Re-entry from the lock's thread]).
     void lock(bool reentrant = false);
@@ -491,6 +549,24 @@ class Engine {
     std::vector<StolenOrdered>* stolen_ordered_ = nullptr;      // VirtualBacking._stolen_ordered
     bool have_first_stream_ = false, multi_stream_ = false;
     std::uint64_t first_stream_ = 0;
+
+    // StepPlan state
+    int plan_state_ = kPlanOff;
+    std::vector<StepRecord> rec_cur_, rec_prev_;
+    std::unordered_map<std::uint64_t, std::size_t> rec_cur_map_, rec_prev_map_;
+    std::uint64_t since_mark_ = 0;
+    std::vector<std::unique_ptr<PlanArena>> arenas_;   // the current plan's last; dropped ones until their last free
+    std::vector<std::int64_t> slot_off_;
+    std::vector<std::uint64_t> slot_size_, slot_stream_;
+    std::vector<std::uint32_t> slot_ov_begin_, slot_ov_;  // CSR: slot k overlaps slot_ov_[begin[k] .. begin[k+1])
+    std::vector<char> slot_refused_, slot_live_, slot_poisoned_;
+    std::size_t cursor_ = 0;
+    bool left_ = false, missed_ = false;
+    int misses_ = 0;
+    std::uint64_t planned_steps_ = 0;
+    std::uint64_t plan_mapped_nbytes_ = 0;
+    std::uint64_t plan_served_ = 0, plan_fallback_ = 0, plan_steps_hit_ = 0, plan_steps_missed_ = 0,
+                  plans_installed_ = 0, plans_dropped_ = 0, plan_arena_calls_ = 0;
 };
 
 }  // namespace gpumem

@@ -991,6 +991,79 @@ PyObject* Alloc_lost(AllocObject* self, PyObject*) {
     return PyBool_FromLong(self->engine->lost());
 }
 
+// -- step plans (Note [Step plans] in gpumem/allocator/plan.py) ------------------------------------------
+PyObject* Alloc_mark_step(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
+    return run_op(self, [&]() { return PyLong_FromLong(self->engine->mark_step()); });
+}
+
+PyObject* Alloc_step_template(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
+    return run_op(self, [&]() -> PyObject* {
+        std::vector<Engine::StepRecord> rec = self->engine->step_template();
+        PyObject* lists[4];
+        for (auto& l : lists) l = PyList_New(static_cast<Py_ssize_t>(rec.size()));
+        if (!lists[0] || !lists[1] || !lists[2] || !lists[3]) {
+            for (auto& l : lists) Py_XDECREF(l);
+            return nullptr;
+        }
+        for (std::size_t i = 0; i < rec.size(); ++i) {
+            const Py_ssize_t j = static_cast<Py_ssize_t>(i);
+            PyList_SET_ITEM(lists[0], j, PyLong_FromUnsignedLongLong(rec[i].nbytes));
+            PyList_SET_ITEM(lists[1], j, PyLong_FromUnsignedLongLong(rec[i].stream));
+            PyList_SET_ITEM(lists[2], j, PyLong_FromLongLong(rec[i].free_own));
+            PyList_SET_ITEM(lists[3], j, PyLong_FromLongLong(rec[i].free_next));
+        }
+        for (auto& l : lists)
+            for (Py_ssize_t j = 0; j < PyList_GET_SIZE(l); ++j)
+                if (!PyList_GET_ITEM(l, j)) {
+                    for (auto& m : lists) Py_DECREF(m);
+                    return nullptr;
+                }
+        return Py_BuildValue("(NNNN)", lists[0], lists[1], lists[2], lists[3]);
+    });
+}
+
+PyObject* Alloc_install_plan(AllocObject* self, PyObject* arg) {
+    CHECK_ALIVE(self);
+    PyObject* seq = PySequence_Fast(arg, "install_plan: offsets must be a sequence of ints");
+    if (!seq) return nullptr;
+    std::vector<std::int64_t> offsets(static_cast<std::size_t>(PySequence_Fast_GET_SIZE(seq)));
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+        PyObject* idx = PyNumber_Index(PySequence_Fast_GET_ITEM(seq, i));
+        long long v = idx ? PyLong_AsLongLong(idx) : -1;
+        Py_XDECREF(idx);
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return nullptr;
+        }
+        offsets[static_cast<std::size_t>(i)] = v;
+    }
+    Py_DECREF(seq);
+    return run_op(self, [&]() {
+        self->engine->install_plan(offsets);
+        Py_RETURN_NONE;
+    });
+}
+
+PyObject* Alloc_step_plan_info(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
+    return run_op(self, [&]() -> PyObject* {
+        std::vector<std::uint64_t> v = self->engine->step_plan_info();
+        PyObject* t = PyTuple_New(static_cast<Py_ssize_t>(v.size()));
+        if (!t) return nullptr;
+        for (std::size_t i = 0; i < v.size(); ++i) {
+            PyObject* x = PyLong_FromUnsignedLongLong(v[i]);
+            if (!x) {
+                Py_DECREF(t);
+                return nullptr;
+            }
+            PyTuple_SET_ITEM(t, static_cast<Py_ssize_t>(i), x);
+        }
+        return t;
+    });
+}
+
 PyMethodDef Alloc_methods[] = {
     {"allocate", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Alloc_allocate)),
      METH_FASTCALL | METH_KEYWORDS, "allocate(nbytes, stream=0) -> device pointer"},
@@ -1013,6 +1086,11 @@ PyMethodDef Alloc_methods[] = {
     {"describe", reinterpret_cast<PyCFunction>(Alloc_describe), METH_NOARGS, "the backing, in words"},
     {"closed", reinterpret_cast<PyCFunction>(Alloc_closed), METH_NOARGS, "whether close() ran"},
     {"lost", reinterpret_cast<PyCFunction>(Alloc_lost), METH_NOARGS, "whether the device was lost"},
+    {"mark_step", reinterpret_cast<PyCFunction>(Alloc_mark_step), METH_NOARGS, "a step boundary (step plans)"},
+    {"step_template", reinterpret_cast<PyCFunction>(Alloc_step_template), METH_NOARGS,
+     "the recorded step waiting for its plan: (nbytes, streams, free_own, free_next)"},
+    {"install_plan", reinterpret_cast<PyCFunction>(Alloc_install_plan), METH_O, "install_plan(offsets)"},
+    {"step_plan_info", reinterpret_cast<PyCFunction>(Alloc_step_plan_info), METH_NOARGS, "the plan layer's counters"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -592,3 +592,79 @@ GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double c
     s.config.stream_ordered_steal = stream_ordered_steal != 0;
     return 0;
 }
+
+// ---- step plans (Note [Step plans] in gpumem/allocator/plan.py), for gpumem.torch.step() -------------------
+// A step boundary on `device` (its engine made if need be): returns the MarkResult (0 nothing, 1 a recorded
+// step waits for its plan, 2 the plan was dropped), or -1 with gpumem_torch_last_error().
+GPUMEM_EXPORT int gpumem_torch_step_mark(int device) {
+    try {
+        return get_or_make(device)->engine->mark_step();
+    } catch (const std::exception& e) {
+        t_last_error = e.what();
+        return -1;
+    }
+}
+
+// The recorded step waiting for its plan: up to `n` allocations into `out`, 4 words each (requested bytes,
+// stream, free rank in its step, free rank in the next; -1 as 2**64 - 1). Returns how many the step holds
+// (call with n = 0 to size `out`), or -1 with gpumem_torch_last_error().
+GPUMEM_EXPORT std::int64_t gpumem_torch_step_template(int device, std::uint64_t* out, std::int64_t n) {
+    DeviceEngine* d = existing(device);
+    if (d == nullptr) {
+        t_last_error = "gpumem has no engine on CUDA device " + std::to_string(device);
+        return -1;
+    }
+    try {
+        std::vector<Engine::StepRecord> rec = d->engine->step_template();
+        const std::int64_t count = static_cast<std::int64_t>(rec.size());
+        for (std::int64_t i = 0; out != nullptr && i < count && i < n; ++i) {
+            const Engine::StepRecord& r = rec[static_cast<std::size_t>(i)];
+            out[4 * i] = r.nbytes;
+            out[4 * i + 1] = r.stream;
+            out[4 * i + 2] = static_cast<std::uint64_t>(r.free_own);
+            out[4 * i + 3] = static_cast<std::uint64_t>(r.free_next);
+        }
+        return count;
+    } catch (const std::exception& e) {
+        t_last_error = e.what();
+        return -1;
+    }
+}
+
+// Installs the plan of the waiting step: `n` offsets (-1: the engine's). Returns 0, or -1 with
+// gpumem_torch_last_error() (nothing changed for a bad plan).
+GPUMEM_EXPORT int gpumem_torch_step_install(int device, const std::int64_t* offsets, std::int64_t n) {
+    DeviceEngine* d = existing(device);
+    if (d == nullptr || offsets == nullptr || n < 0) {
+        t_last_error = d == nullptr ? "gpumem has no engine on CUDA device " + std::to_string(device)
+                                    : std::string("gpumem_torch_step_install: bad offsets");
+        return -1;
+    }
+    try {
+        d->engine->install_plan(std::vector<std::int64_t>(offsets, offsets + n));
+        return 0;
+    } catch (const std::exception& e) {
+        t_last_error = e.what();
+        return -1;
+    }
+}
+
+// The plan layer's counters (PlanInfo.FIELDS' order), up to `n` into `out`; returns how many were written,
+// 0 when gpumem has no engine on `device`, -1 on error.
+GPUMEM_EXPORT int gpumem_torch_step_info(int device, std::uint64_t* out, int n) {
+    DeviceEngine* d = existing(device);
+    if (d == nullptr) return 0;
+    if (out == nullptr || n < 0) {
+        t_last_error = "gpumem_torch_step_info: bad output buffer";
+        return -1;
+    }
+    try {
+        std::vector<std::uint64_t> v = d->engine->step_plan_info();
+        const int written = n < static_cast<int>(v.size()) ? n : static_cast<int>(v.size());
+        for (int i = 0; i < written; ++i) out[i] = v[static_cast<std::size_t>(i)];
+        return written;
+    } catch (const std::exception& e) {
+        t_last_error = e.what();
+        return -1;
+    }
+}

@@ -240,11 +240,13 @@ class Backing(abc.ABC):
         self.reserved_nbytes = 0
         self.n_segments = 0
         self.device_calls = 0
+        self.outside_nbytes = 0
+        """Memory held beside the backing that counts against the limit (a step plan's arena pages)."""
         self.on_segment: Callable[[str, int, int, int], None] | None = None
         """Called as ``on_segment(action, addr, nbytes, stream)`` for history recording."""
 
     def _check_limit(self, extra_nbytes: int, requested: int) -> None:
-        if self.limit_nbytes is not None and self.reserved_nbytes + extra_nbytes > self.limit_nbytes:
+        if self.limit_nbytes is not None and self.reserved_nbytes + self.outside_nbytes + extra_nbytes > self.limit_nbytes:
             info = self.device.mem_info()
             raise LimitExceeded(requested, info.free_nbytes, info.total_nbytes, device=self.device.spec,
                                 limit_nbytes=self.limit_nbytes)

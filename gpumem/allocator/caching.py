@@ -71,6 +71,7 @@ from ..validate import as_int, check_stream, parse_limit
 from .backing import Backing, pool_va_nbytes
 from .engine import Engine
 from .native import NativeEngine
+from .plan import MarkResult, PlanInfo, StepTemplate, plan_step
 from .policy import DEFAULT_POLICY, AllocatorPolicy, VmmMode, get_policy
 from .python_engine import PythonEngine
 from .resource import AllocatorContract
@@ -193,6 +194,34 @@ class CachingAllocator(AllocatorContract):
         (:meth:`record_stream`) once those streams' work up to now is done (Note [Streams]).
         """
         self._engine.free(ptr)
+
+    # -- step plans ------------------------------------------------------------------------------------
+    def mark_step(self) -> MarkResult:
+        """The program's step boundary: opt in to step plans (Note [Step plans] in :mod:`.plan`).
+
+        The first call starts recording the step's allocations; once two recorded steps in a row
+        allocate the same sizes on the same streams, the first is planned (:func:`.plan.plan_step`) and
+        every later step's allocations are served from one arena at their planned offsets, with no
+        device call; a step that leaves the plan is served by the engine as without a plan, and a plan
+        missed three steps in a row is dropped and recording starts again. Call it at the same point
+        of every step, where the fewest bytes are live (the top of a training loop). Returns what the
+        call did (:class:`.plan.MarkResult`).
+
+        Raises:
+            InvalidArgumentError: the allocator is closed.
+        """
+        result = MarkResult(self._engine.mark_step())
+        if result is MarkResult.READY:
+            offsets = plan_step(StepTemplate(*self._engine.step_template()))
+            if (offsets >= 0).any():
+                self._engine.install_plan([int(x) for x in offsets])
+        return result
+
+    def step_plan_info(self) -> PlanInfo:
+        """The step plan's state and counters (:class:`.plan.PlanInfo`): slots, arena bytes (reserved,
+        mapped), allocations served from it and by the engine, steps hit and missed, plans installed and
+        dropped, the arena's device calls."""
+        return PlanInfo(self._engine.step_plan_info())
 
     # -- streams ---------------------------------------------------------------------------------------
     def record_stream(self, ptr: int, stream: int) -> None:

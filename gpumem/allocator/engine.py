@@ -77,6 +77,21 @@ class Engine(Protocol):
         """Give everything back (idempotent); return the bytes that could not be (leaked)."""
         ...
 
+    # step plans (Note [Step plans] in gpumem.allocator.plan)
+    def mark_step(self) -> int:
+        """A step boundary; a :class:`~gpumem.allocator.plan.MarkResult` value."""
+        ...
+
+    def step_template(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The recorded step waiting for its plan: requested bytes, streams, free ranks (own step, next)."""
+        ...
+
+    def install_plan(self, offsets: list[int]) -> None: ...
+
+    def step_plan_info(self) -> tuple[int, ...]:
+        """The plan layer's counters, in the order of :attr:`~gpumem.allocator.plan.PlanInfo.FIELDS`."""
+        ...
+
 
 def no_history_error() -> InvalidArgumentError:
     """What :meth:`Engine.history` raises when the allocator was created without ``record_history``."""

@@ -66,6 +66,10 @@ class NativeEngine:
         self.live_blocks = ext.live_blocks
         self.block_size = ext.block_size
         self.describe = ext.describe
+        self.mark_step = ext.mark_step
+        self.step_template = ext.step_template
+        self.install_plan = ext.install_plan
+        self.step_plan_info = ext.step_plan_info
 
     @property
     def backing(self) -> NoReturn:

@@ -25,6 +25,7 @@ from .backing import AddressSpaceExhausted, Backing, LimitExceeded, Segment, Seg
 from .block import Block, FreeList, TopDownFreeList, append_block, drop_last_block, merge_blocks, split_block
 from .engine import OomCause, no_history_error, oom_error
 from .fences import StreamFences
+from .plan import StepPlan
 from .policy import AllocatorPolicy
 from .stats import AllocatorStats
 
@@ -83,6 +84,8 @@ class PythonEngine:
         self._committed = False
         """Set by :meth:`_grow` when its out-of-memory retry already committed the block."""
         self._lost: DeviceLostError | None = None
+        self._plan = StepPlan(self)
+        """The step plan layer (Note [Step plans] in :mod:`.plan`): off until the program marks a step."""
 
     @contextlib.contextmanager
     def _operation(self) -> Iterator[None]:
@@ -106,6 +109,13 @@ class PythonEngine:
         """Allocate ``nbytes`` on ``stream``; return the device pointer."""
         nbytes = check_nbytes(nbytes)
         stream = check_stream(stream)
+        if self._plan.active:
+            with self._operation():
+                return self._plan.allocate(nbytes, stream)
+        return self._allocate_engine(nbytes, stream)
+
+    def _allocate_engine(self, nbytes: int, stream: int) -> int:
+        """The engine's allocation, arguments checked (the plan layer's fallback)."""
         size = self.policy.round(nbytes)
         small = size <= self._small_max
         # Note [The hot path makes no device call]: a cache hit on a page that already holds live
@@ -169,7 +179,7 @@ class PythonEngine:
         addr = block.addr
         self._live[addr] = block
         # block.size, not the request: an unsplit block is larger, and free() subtracts block.size
-        self._stats.count_allocation(block.size, nbytes, self.backing.reserved_nbytes)
+        self._stats.count_allocation(block.size, nbytes, self.backing.reserved_nbytes + self._plan.mapped_nbytes)
         if self._recorder is not None:
             self._recorder.record_alloc(addr, nbytes, stream)
         return addr
@@ -181,6 +191,16 @@ class PythonEngine:
         (:meth:`record_stream`) once those streams' work up to now is done (Note [Streams]).
         """
         ptr = as_int(ptr, "ptr")
+        if self._plan.active:
+            with self._operation():
+                if not self._plan.free(ptr):
+                    self._free_engine(ptr)
+                    self._plan.record_free(ptr)
+            return
+        self._free_engine(ptr)
+
+    def _free_engine(self, ptr: int) -> None:
+        """The engine's free (the plan layer's, for pointers outside its arenas)."""
         with self._lock:  # see Note [The hot path makes no device call]
             block = self._live.get(ptr) if self._lost is None else None
             if block is not None and not block.pending_streams:
@@ -468,6 +488,8 @@ class PythonEngine:
         with self._operation():
             if self._closed:
                 raise InvalidArgumentError(f"record_stream of {ptr:#x}: the allocator is closed")
+            if self._plan.arenas and self._plan.record_stream(ptr, stream):
+                return
             block = self._live.get(ptr)
             if block is None:
                 raise InvalidPointerError(f"record_stream: {ptr:#x} is not a live allocation" + self._inside_live(ptr))
@@ -493,16 +515,20 @@ class PythonEngine:
     # -- cache control and introspection -----------------------------------------------------------------
     def empty_cache(self) -> int:
         with self._operation():
-            if self._closed:
-                return 0
-            self.device.mem_info()  # a lost device is noticed here (DeviceLostError), even with nothing cached
-            self._process_pending(wait=True)
-            released = self._release_cached(wait=True)
-            for key in [k for k, fl in self._free_lists.items() if not len(fl)]:
-                del self._free_lists[key]  # idle streams cost nothing once their cache is gone
-            self.fences.forget_idle()  # nor their events and fence entries
-            log.debug("empty_cache released %s", format_bytes(released))
-            return released
+            return self._empty_cache_locked()
+
+    def _empty_cache_locked(self) -> int:
+        """:meth:`empty_cache` inside an operation (the plan layer gives the cache back before it maps)."""
+        if self._closed:
+            return 0
+        self.device.mem_info()  # a lost device is noticed here (DeviceLostError), even with nothing cached
+        self._process_pending(wait=True)
+        released = self._release_cached(wait=True)
+        for key in [k for k, fl in self._free_lists.items() if not len(fl)]:
+            del self._free_lists[key]  # idle streams cost nothing once their cache is gone
+        self.fences.forget_idle()  # nor their events and fence entries
+        log.debug("empty_cache released %s", format_bytes(released))
+        return released
 
     def consistency_problems(self) -> list[str]:
         with self._operation():
@@ -519,7 +545,7 @@ class PythonEngine:
                 for b in fl:
                     if b.allocated or b.stream != stream or b.fences is not None:
                         problems.append(f"{b!r} is in the free list of stream {stream} but is not free there")
-            live_nbytes = 0
+            live_nbytes = self._plan.live_nbytes()
             for addr, b in self._live.items():
                 live_nbytes += b.size
                 if not b.allocated or b.addr != addr:
@@ -529,13 +555,14 @@ class PythonEngine:
             for b in self._pending:
                 if b.allocated or not b.fences:
                     problems.append(f"pending block {b!r} has no fences or is allocated")
-            if self.backing.reserved_nbytes < 0 or self._stats.allocated_nbytes > self.backing.reserved_nbytes:
-                problems.append(f"reserved {self.backing.reserved_nbytes} B < allocated "
+            reserved = self.backing.reserved_nbytes + self._plan.mapped_nbytes
+            if self.backing.reserved_nbytes < 0 or self._stats.allocated_nbytes > reserved:
+                problems.append(f"reserved {reserved} B < allocated "
                                 f"{self._stats.allocated_nbytes} B")
             return problems
 
     def reserved_nbytes(self) -> int:
-        return self.backing.reserved_nbytes
+        return self.backing.reserved_nbytes + self._plan.mapped_nbytes
 
     def allocated_nbytes(self) -> int:
         return self._stats.allocated_nbytes
@@ -545,6 +572,10 @@ class PythonEngine:
             return [(b.addr, b.size) for b in self._live.values()]
 
     def block_size(self, ptr: int) -> int:
+        if self._plan.arenas:
+            found = self._plan.arena_entry(ptr)
+            if found is not None:
+                return found[1][1]
         block = self._live.get(ptr)
         if block is None:
             raise InvalidPointerError(f"{ptr!r} is not a live allocation")
@@ -553,7 +584,7 @@ class PythonEngine:
     def stats(self) -> AllocatorStats:
         with self._lock:
             st = self._stats.copy()
-            st.reserved_nbytes = self.backing.reserved_nbytes
+            st.reserved_nbytes = self.backing.reserved_nbytes + self._plan.mapped_nbytes
             st.num_segments = self.backing.n_segments
             st.active_nbytes = st.allocated_nbytes + sum(b.size for b in self._pending)
             free_lists = list(self._free_lists.values())
@@ -565,12 +596,38 @@ class PythonEngine:
             st.num_free_blocks = sum(len(fl) for fl in free_lists)
             largest = min(self.backing.largest_free_nbytes(free_lists), max(total_free, 0))
             st.largest_free_nbytes = largest
-            st.device_calls = self.backing.device_calls
+            st.device_calls = self.backing.device_calls + self._plan.counts["arena_calls"]
             st.event_calls = self.fences.device_calls
             return st
 
     def describe(self) -> str:
         return self.backing.describe()
+
+    # -- step plans (Note [Step plans] in .plan) ---------------------------------------------------------
+    def mark_step(self) -> int:
+        """A step boundary; returns a :class:`~.plan.MarkResult` value."""
+        with self._operation():
+            if self._closed:
+                raise InvalidArgumentError("mark_step: the allocator is closed")
+            return int(self._plan.mark())
+
+    def step_template(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The READY step: (requested bytes, streams, free rank in its step, free rank in the next)."""
+        with self._lock:
+            t = self._plan.template()
+            return t.nbytes.tolist(), [int(x) for x in t.streams], t.free_own.tolist(), t.free_next.tolist()
+
+    def install_plan(self, offsets: list[int]) -> None:
+        """Install the plan of the READY step (:meth:`.plan.StepPlan.install`)."""
+        with self._operation():
+            if self._closed:
+                raise InvalidArgumentError("install_plan: the allocator is closed")
+            self._plan.install(offsets)
+
+    def step_plan_info(self) -> tuple[int, ...]:
+        """The plan layer's counters (:class:`~.plan.PlanInfo`)."""
+        with self._lock:
+            return self._plan.info().values
 
     def history(self, label: str):  # -> gpumem.trace.Trace
         if self._recorder is None:
@@ -584,7 +641,7 @@ class PythonEngine:
         """Note [Closing waits for the streams] in :mod:`.caching`."""
         with self._defer(), self._lock:
             if self._closed:
-                return self.backing.reserved_nbytes
+                return self.backing.reserved_nbytes + self._plan.mapped_nbytes
             self._closed = True
             if self._live:
                 log.info("closing an allocator with %d live block(s)", len(self._live))
@@ -605,6 +662,11 @@ class PythonEngine:
                     except Exception as exc:  # noqa: BLE001
                         log.warning("could not synchronize streams %s before closing: %s", sorted(failed), exc)
 
+            try:
+                self._plan.close()
+            except Exception as exc:  # noqa: BLE001 - the arena's pages stay counted as leaked
+                log.warning("could not give the step plan's arena back: %s", exc)
+
             def keep(seg: Segment) -> bool:
                 if not failed:
                     return False
@@ -619,7 +681,7 @@ class PythonEngine:
             self._live.clear()
             self._pending.clear()
             self._free_lists.clear()
-            leaked = self.backing.reserved_nbytes
+            leaked = self.backing.reserved_nbytes + self._plan.mapped_nbytes
             if leaked:
                 why = (f"work on streams {sorted(failed)} may still use it" if failed
                        else "giving it back failed")

@@ -435,8 +435,11 @@ def trace_wait_streams(torch: Any, trace_wait: Callable[[Any, Any], None]) -> Ca
     return undo
 
 
-def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: Path, policy: str | None) -> dict:
-    """Runs one workload under one allocator in this process, recording its trace into ``out_dir``."""
+def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: Path, policy: str | None,
+              plan_steps: bool = False) -> dict:
+    """Runs one workload under one allocator in this process, recording its trace into ``out_dir``;
+    ``plan_steps``: under gpumem, ``gpumem.torch.step()`` marks the top of every step (step plans, Note
+    [Step plans] in gpumem/allocator/plan.py)."""
     if allocator == "gpumem":
         import gpumem.torch as gt
 
@@ -467,10 +470,13 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
     description, step = WORKLOADS[workload](torch, {"record_stream": record_stream})
     losses = []
     t_start = time.perf_counter()
+    mark = gt.step if plan_steps and allocator == "gpumem" else None
     for i in range(steps):
         if i == warmup:
             torch.cuda.synchronize()
             t_start = time.perf_counter()
+        if mark is not None:
+            mark()   # the top of the loop: the step's boundary, where the fewest tensors are alive
         losses.append(step(i))
     torch.cuda.synchronize()
     elapsed_s = time.perf_counter() - t_start
@@ -490,7 +496,9 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
         record.update(peak_allocated_bytes=st["allocated_bytes.all.peak"],
                       peak_reserved_bytes=st["reserved_bytes.all.peak"], num_allocs=st["num_allocs"],
                       num_device_calls=st["num_device_calls"], n_steals=st["gpumem.n_steals"],
-                      n_waits=st["gpumem.n_waits"], n_chunks=st["gpumem.n_chunks"])
+                      n_waits=st["gpumem.n_waits"], n_chunks=st["gpumem.n_chunks"], plan_steps=plan_steps)
+        if plan_steps:
+            record["step_plan"] = gt.step_plan_info(0).as_dict()
         from gpumem.trace import save_trace
 
         save_trace(gt.recorded_trace(0, name=f"{workload} on gpumem.torch"), trace_path)
@@ -524,11 +532,12 @@ def overhead(peak_reserved: int, peak_allocated: int) -> float | None:
 
 
 def run_live(workloads: Sequence[str], allocators: Sequence[str], steps: int, warmup: int, out: Path,
-             policy: str | None, timeout_s: float, tag: str = "") -> Path:
+             policy: str | None, timeout_s: float, tag: str = "", plan_steps: bool = False) -> Path:
     """Every workload under every allocator, each its own process; the record is rewritten after each run."""
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"date": _dt.date.today().isoformat(), "steps": steps, "warmup": warmup,
-                              "gpumem_policy": policy, "runs": [], "gpu": "?", "torch": "?"}
+                              "gpumem_policy": policy, "gpumem_plan_steps": plan_steps, "runs": [], "gpu": "?",
+                              "torch": "?"}
     path = out / (f"workloads-{tag}.json" if tag else "workloads.json")
     for workload in workloads:
         for allocator in allocators:
@@ -537,6 +546,8 @@ def run_live(workloads: Sequence[str], allocators: Sequence[str], steps: int, wa
                    "--steps", str(steps), "--warmup", str(warmup), "--out", str(out), "--child-out", str(child_out)]
             if policy:
                 cmd += ["--gpumem-policy", policy]
+            if plan_steps:
+                cmd += ["--gpumem-plan-steps"]
             t0 = time.perf_counter()
             try:
                 done = subprocess.run(cmd, env=_child_env("default"), capture_output=True, text=True, timeout=timeout_s)
@@ -556,7 +567,8 @@ def run_live(workloads: Sequence[str], allocators: Sequence[str], steps: int, wa
                 ov = overhead(record["peak_reserved_bytes"], record["peak_allocated_bytes"])
                 print(f"{workload:<20} {allocator:<8} step {record['mean_step_ms']:8.2f} ms  peak alloc "
                       f"{record['peak_allocated_bytes'] / 2**30:7.3f} GiB  overhead {ov * 100:6.2f} %  "
-                      f"trace {record['trace_nbytes'] / 2**20:.2f} MiB ({wall_s:.0f} s)", flush=True)
+                      f"trace {record['trace_nbytes'] / 2**20:.2f} MiB ({wall_s:.0f} s)"
+                      + (f"  plan {record['step_plan']}" if "step_plan" in record else ""), flush=True)
             else:
                 print(f"{workload:<20} {allocator:<8} FAILED ({wall_s:.0f} s): {failure[-600:]}", flush=True)
             path.write_text(json.dumps(result, indent=1))
@@ -748,6 +760,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     live.add_argument("--warmup", type=int, default=4,
                       help="first steps left out of the step time (default: %(default)s)")
     live.add_argument("--gpumem-policy", default=None, help="the gpumem engine's policy (default: the engine's)")
+    live.add_argument("--gpumem-plan-steps", action="store_true",
+                      help="under gpumem, mark every step with gpumem.torch.step() (step plans)")
     live.add_argument("--timeout", type=float, default=120.0, help="seconds per run (default: %(default)s)")
     live.add_argument("--tag", default="", help="the record's name is workloads-TAG.json (default workloads.json)")
     live.add_argument("--out", type=Path, required=True,
@@ -760,6 +774,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     child.add_argument("--out", type=Path, required=True)
     child.add_argument("--child-out", type=Path, required=True)
     child.add_argument("--gpumem-policy", default=None)
+    child.add_argument("--gpumem-plan-steps", action="store_true")
     pred = sub.add_parser("predict", help="replay records' traces and tabulate live against predicted")
     pred.add_argument("records", type=Path, nargs="+", help="workloads records, each with its traces beside it")
     pred.add_argument("--sim", default="sim:h200-141gb", help="simulated device of the replays (default: %(default)s)")
@@ -770,7 +785,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pred.add_argument("--markdown", type=Path, default=None, help="write the live and predicted tables here")
     args = parser.parse_args(argv)
     if args.cmd == "child":
-        record = run_child(args.workload, args.allocator, args.steps, args.warmup, args.out, args.gpumem_policy)
+        record = run_child(args.workload, args.allocator, args.steps, args.warmup, args.out, args.gpumem_policy,
+                           args.gpumem_plan_steps)
         args.child_out.write_text(json.dumps(record))
         return 0
     if args.cmd == "live":
@@ -784,7 +800,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 0 < args.warmup < args.steps:
             parser.error("need 0 < --warmup < --steps")
         path = run_live(names, allocators, args.steps, args.warmup, args.out, args.gpumem_policy, args.timeout,
-                        args.tag)
+                        args.tag, args.gpumem_plan_steps)
         runs = json.loads(path.read_text())["runs"]
         return 0 if all("error" not in r for r in runs) else 1
     sections, rows_json = [], {}

@@ -210,6 +210,12 @@ SIZES = st.one_of(st.integers(1, 4 * KiB), st.integers(4 * KiB, 3 * MiB), st.int
 STREAMS = st.sampled_from([0, 0, 7, 9, 0x7F00_1234])
 SCHEDULES = st.dictionaries(st.integers(1, 24), st.sampled_from(INJECTED), min_size=1, max_size=2)
 """Which device calls of an operation raise what (:meth:`CallLog.arm`)."""
+STEP_PATTERNS = st.sampled_from([
+    [(3 * MiB, 0, 2), (1 * MiB + 5, 0, 1), (5 * MiB, 0, 4), (700, 0, 1), (2 * MiB, 0, 3), (9 * MiB, 0, 2)],
+    [(4 * MiB, 0, 3), (4 * MiB, 7, 1), (2 * MiB, 7, 2), (6 * MiB, 0, 1), (3000, 0, 2)],
+    [(8 * MiB, 0, 1), (1 * MiB, 0, 9), (2 * MiB, 0, 1), (2 * MiB, 0, 1)],
+])
+"""Steps of a loop: (size, stream, freed how many allocations later), the last ones freed in the next step."""
 FAULT_CALLS = ("mem_create", "mem_map", "mem_set_access", "mem_unmap", "mem_release", "event_record",
                "event_query", "event_synchronize", "event_destroy", "address_reserve")
 
@@ -291,7 +297,10 @@ class Differential(RuleBasedStateMachine):
     def free_inside(self, i):
         ptr = self.live[i % len(self.live)] + 512
         if self.pair.both("free", ptr)[0] == "ok":  # the next block started there
-            self.live.remove(ptr)
+            if ptr in self.live:
+                self.live.remove(ptr)
+            else:  # a step's allocation (planned_step)
+                self.step_live = [e for e in self.step_live if e[0] != ptr]
             self.freed.append(ptr)
 
     @rule(schedule=SCHEDULES, size=SIZES, stream=STREAMS)
@@ -342,6 +351,29 @@ class Differential(RuleBasedStateMachine):
     @rule(bad=st.sampled_from([0, 12345, -3]), stream=STREAMS)
     def bad_record_stream(self, bad, stream):
         self.pair.both("record_stream", bad, stream)
+
+    # -- step plans (Note [Step plans] in gpumem/allocator/plan.py): the same plans, slots and arena calls
+    @rule()
+    def mark_step(self):
+        self.pair.both("mark_step")
+
+    @rule(pattern=STEP_PATTERNS, jitter=st.sampled_from([None, None, None, 0, 3]))
+    def planned_step(self, pattern, jitter):
+        """A step of a repeating pattern (its allocations freed ``life`` allocations later, some in the
+        next step), marked at its start; ``jitter``: the allocation at that position is one byte larger
+        (a step that leaves the plan)."""
+        if not hasattr(self, "step_live"):
+            self.step_live, self.step_clock = [], 0
+        self.pair.both("mark_step")
+        for j, (size, stream, life) in enumerate(pattern):
+            for entry in [e for e in self.step_live if e[1] <= self.step_clock]:
+                self.pair.both("free", entry[0])
+                self.step_live.remove(entry)
+            self.step_clock += 1
+            r = self.pair.both("allocate", size + (1 if j == jitter else 0), stream)
+            if r[0] == "ok":
+                self.step_live.append([r[1], self.step_clock + life])
+        self.pair.both("step_plan_info")
 
     @invariant()
     def consistent(self):

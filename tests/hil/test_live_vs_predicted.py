@@ -311,3 +311,21 @@ def test_trace_wait_streams_tells_each_wait_after_making_it() -> None:
     assert made == [(1, 2)] and told == [(1, 2, [(1, 2)])]   # told after the wait was made; a failed one not
     undo()
     assert Stream.wait_stream is original
+
+
+def test_plan_steps_reaches_the_gpumem_children_only_through_the_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--gpumem-plan-steps``: every child gets the flag (it marks steps only under gpumem), the record says so."""
+    import subprocess
+
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "RuntimeError: no GPU here\n")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    path = wl.run_live(["gpt2_train"], ["default", "gpumem"], 3, 1, tmp_path, None, 5.0, plan_steps=True)
+    assert all("--gpumem-plan-steps" in c for c in calls) and json.loads(path.read_text())["gpumem_plan_steps"]
+    calls.clear()
+    wl.run_live(["gpt2_train"], ["gpumem"], 3, 1, tmp_path, None, 5.0, tag="off")
+    assert calls and not any("--gpumem-plan-steps" in c for c in calls)

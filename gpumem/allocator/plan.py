@@ -1,0 +1,706 @@
+"""Step plans: serve a repeating training or inference step from one arena planned offline (issue 18).
+
+A program that repeats one step (a training loop) marks its step boundaries
+(:meth:`~gpumem.allocator.caching.CachingAllocator.mark_step`, :func:`gpumem.torch.step`). The allocator
+records the steps' allocations; once two recorded steps allocate the same sizes on the same streams, the
+first of them is planned (:func:`plan_step`: every allocation freed within a step, or early in the next
+one, gets an offset in one arena, greedy-best) and the plan is installed in the engine, which serves the
+``k``-th allocation of every later step at ``arena + offset[k]`` when it fits (Note [Step plans]).
+
+This module holds the planner (numpy) and :class:`StepPlan`, the plan layer of the Python reference engine
+(:class:`~.python_engine.PythonEngine`); the native engine's (``gpumem/_native/engine.cpp``, ``Engine::plan_*``)
+is its port and makes the same decisions (``tests/allocator/test_native_differential.py``).
+
+Note [Step plans]
+-----------------
+Why: live GPT-2 training held 5.56 % above peak allocated on gpumem's online engine; the simulated
+study (``reports/sim-step-plan.md``) held 0.23-0.55 % in the steady steps of repeating traces with no
+driver call per step by planning a step offline. How: a plan layer in front of the engine (both engines),
+off until the program marks a step. ``mark_step`` 1 starts recording (per allocation: size, stream, and
+the allocation rank of its free, in its own step or in the next); 2 closes that step and records the
+next (whose frees finish the first step's lifetimes: gradients made in backward and freed at the next
+``zero_grad`` wrap round the boundary); 3 compares the two steps: the same (size, stream) sequence
+makes the first the template (READY), else the window slides. The planner gives each item (allocation
+freed in its step, or in the next before its own slot comes round again) an offset; others (weights,
+optimizer state, anything longer-lived) stay the engine's. Streams are planned apart (stacked), so no
+slot is reused across streams without an event; the engine still refuses a slot whose address range
+meets another stream's. Serving: the ``k``-th allocation of a step takes slot ``k`` when its size is
+at most the slot's, its stream the slot's, and no live arena allocation overlaps the slot (a list of
+the slots it overlaps in address, precomputed at install): a compare and an add under the engine's
+lock, no driver call. A mismatch sends the rest of the step to the engine; three missed steps in a row
+drop the plan (its arena goes back once its last allocation is freed) and recording starts again.
+The arena is an address reservation of its own whose pages are mapped when a slot first touches them,
+after the engine gave back its idle cache: the previous step's leftovers (the gradients above) still
+sit in the engine during the first planned step, and an arena mapped whole at install would hold their
+pages twice (475 MiB, 4.5 % of GPT-2 fp32's step, in the study's trace). Its pages count in reserved;
+freeing it waits for its streams (``stream_synchronize``), once per dropped plan.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
+
+__all__ = ["ROUND_NBYTES", "MISS_LIMIT", "StepState", "MarkResult", "PlanItems", "Planner", "plan", "plan_height",
+           "check_plan", "StepTemplate", "template_items", "plan_step", "StepPlan", "PlanInfo"]
+
+ROUND_NBYTES = 512
+"""Plan offsets and sizes are multiples of the engine's request rounding."""
+MISS_LIMIT = 3
+"""Steps in a row that leave the plan before it is dropped."""
+
+
+class StepState(enum.IntEnum):
+    """Where the plan layer is; the values of ``PlanState`` in ``gpumem/_native/engine.h``."""
+
+    OFF = 0
+    """No step marked yet: the engine alone."""
+    RECORDING = 1
+    """Recording the first step."""
+    RECORDING_NEXT = 2
+    """Recording the step after a recorded one (whose frees finish the first's lifetimes)."""
+    READY = 3
+    """Two recorded steps matched: the first waits for :meth:`StepPlan.install`."""
+    PLANNED = 4
+    """A plan serves the steps."""
+
+
+class MarkResult(enum.IntEnum):
+    """What :meth:`StepPlan.mark` did."""
+
+    NOTHING = 0
+    READY = 1
+    """A recorded step waits for its plan (:meth:`StepPlan.template`, :meth:`StepPlan.install`)."""
+    DROPPED = 2
+    """The plan missed :data:`MISS_LIMIT` steps in a row: dropped, recording again."""
+
+
+# -- the planner ------------------------------------------------------------------------------------------
+
+class PlanItems:
+    """The allocations a plan places: sizes (rounded) and up to two time segments each, ``[s1, e1)`` and
+    ``[s2, e2)`` (``s2 == e2``: one segment), in allocation ranks within the step. A second segment is an
+    allocation that lives on into the next step: from its alloc to the step's end, and from the next
+    step's start to its free there.
+
+    Raises:
+        InvalidArgumentError: arrays of different lengths or not one-dimensional, a size that is not
+            positive, a first segment that is empty, a negative start.
+    """
+
+    def __init__(self, nbytes: Any, s1: Any, e1: Any, s2: Any, e2: Any) -> None:
+        arrs = [np.asarray(a, dtype=np.int64) for a in (nbytes, s1, e1, s2, e2)]
+        if any(a.ndim != 1 for a in arrs) or len({len(a) for a in arrs}) != 1:
+            raise InvalidArgumentError("PlanItems: nbytes, s1, e1, s2, e2 must be one-dimensional and of one length")
+        nb, a1, b1, a2, b2 = arrs
+        if (nb <= 0).any():
+            raise InvalidArgumentError(f"PlanItems: sizes must be positive, got {int(nb.min())}")
+        if (b1 <= a1).any() or (b2 < a2).any() or (a1 < 0).any() or (a2 < 0).any():
+            raise InvalidArgumentError("PlanItems: every item needs a first segment s1 < e1, a second s2 <= e2, starts >= 0")
+        self.nbytes, self.s1, self.e1, self.s2, self.e2 = nb, a1, b1, a2, b2
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    def subset(self, idx: np.ndarray) -> "PlanItems":
+        """The items at ``idx``."""
+        return PlanItems(self.nbytes[idx], self.s1[idx], self.e1[idx], self.s2[idx], self.e2[idx])
+
+    def overlapping(self, i: int, among: np.ndarray | None = None) -> np.ndarray:
+        """Indices (of ``among``, default all) of the items alive at some time item ``i`` is."""
+        idx = np.arange(len(self)) if among is None else among
+        s1, e1, s2, e2 = self.s1[idx], self.e1[idx], self.s2[idx], self.e2[idx]
+        a1, b1, a2, b2 = self.s1[i], self.e1[i], self.s2[i], self.e2[i]
+        hit = (s1 < b1) & (a1 < e1)
+        if b2 > a2:
+            hit |= (s1 < b2) & (a2 < e1)
+        has2 = e2 > s2
+        hit |= has2 & (s2 < b1) & (a1 < e2)
+        if b2 > a2:
+            hit |= has2 & (s2 < b2) & (a2 < e2)
+        return idx[hit]
+
+    def max_live_nbytes(self) -> int:
+        """The most bytes of these items alive at one time: no plan is lower."""
+        if len(self) == 0:
+            return 0
+        two = self.e2 > self.s2
+        times = np.concatenate([self.s1, self.e1, self.s2[two], self.e2[two]])
+        deltas = np.concatenate([self.nbytes, -self.nbytes, self.nbytes[two], -self.nbytes[two]])
+        order = np.lexsort((deltas, times))  # frees (negative) before allocs at one time
+        return int(np.cumsum(deltas[order]).max())
+
+
+class Planner(str, enum.Enum):
+    FIRST_FIT = "first-fit"
+    """Items in allocation order, each at the lowest offset free over its lifetime (the simple one)."""
+    GREEDY_SIZE = "greedy-size"
+    """Largest first (longest lifetime among equals), each at the lowest offset free over its lifetime."""
+    GREEDY_BEST = "greedy-best"
+    """The lowest of three greedy orders: largest first into the lowest free offset, largest first into
+    the smallest gap that fits (TFLite's greedy-by-size), longest-lived first into the lowest offset."""
+
+
+def _place(items: PlanItems, order: Sequence[int], best_gap: bool) -> np.ndarray:
+    n = len(items)
+    offsets = np.full(n, -1, dtype=np.int64)
+    placed = np.zeros(n, dtype=bool)
+    for i in order:
+        size = int(items.nbytes[i])
+        others = items.overlapping(int(i), np.flatnonzero(placed))
+        if len(others) == 0:
+            offsets[i] = 0
+            placed[i] = True
+            continue
+        lo = offsets[others]
+        hi = lo + items.nbytes[others]
+        o = np.argsort(lo, kind="stable")
+        lo, hi = lo[o], hi[o]
+        # gaps: [max end so far, next start)
+        reach = np.maximum.accumulate(hi)
+        gap_lo = np.concatenate(([0], reach[:-1]))
+        gap_len = lo - gap_lo
+        fits = np.flatnonzero(gap_len >= size)
+        if len(fits) == 0:
+            offsets[i] = int(reach[-1])
+        elif best_gap:
+            offsets[i] = int(gap_lo[fits[np.argmin(gap_len[fits])]])
+        else:
+            offsets[i] = int(gap_lo[fits[0]])
+        placed[i] = True
+    return offsets
+
+
+def plan(items: PlanItems, planner: Planner | str = Planner.GREEDY_BEST) -> np.ndarray:
+    """An offset per item (bytes; multiples of :data:`ROUND_NBYTES` for rounded sizes) such that no two
+    items alive at one time overlap.
+
+    Raises:
+        InvalidArgumentError: an unknown planner.
+    """
+    try:
+        planner = Planner(planner)
+    except ValueError:
+        raise InvalidArgumentError(f"unknown planner {planner!r}; choose one of "
+                                   f"{', '.join(p.value for p in Planner)}") from None
+    if planner is Planner.FIRST_FIT:
+        order = np.lexsort((np.arange(len(items)), items.s1))
+        return _place(items, order.tolist(), best_gap=False)
+    length = (items.e1 - items.s1) + (items.e2 - items.s2)
+    by_size = np.lexsort((items.s1, -length, -items.nbytes)).tolist()
+    if planner is Planner.GREEDY_SIZE:
+        return _place(items, by_size, best_gap=False)
+    tries = [_place(items, by_size, best_gap=False), _place(items, by_size, best_gap=True),
+             _place(items, np.lexsort((items.s1, -items.nbytes, -length)).tolist(), best_gap=False)]
+    return min(tries, key=lambda offs: plan_height(items, offs))
+
+
+def plan_height(items: PlanItems, offsets: np.ndarray) -> int:
+    """The arena a plan needs: the highest end of an item (0 for no item)."""
+    return int((np.asarray(offsets) + items.nbytes).max()) if len(items) else 0
+
+
+def check_plan(items: PlanItems, offsets: np.ndarray) -> None:
+    """Raise :class:`InvalidArgumentError` when two items alive at one time overlap in the arena (or an
+    offset is negative)."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    if offsets.shape != (len(items),):
+        raise InvalidArgumentError(f"check_plan: {len(items)} items but offsets of shape {offsets.shape}")
+    if (offsets < 0).any():
+        raise InvalidArgumentError("check_plan: a negative offset")
+    for i in range(len(items)):
+        o = items.overlapping(i)
+        o = o[o != i]
+        clash = (offsets[o] < offsets[i] + items.nbytes[i]) & (offsets[i] < offsets[o] + items.nbytes[o])
+        if clash.any():
+            j = int(o[np.flatnonzero(clash)[0]])
+            raise InvalidArgumentError(f"check_plan: items {i} and {j} are alive together and overlap in the arena")
+
+
+# -- from a recorded step to a plan ------------------------------------------------------------------------
+
+class StepTemplate:
+    """A recorded step, per allocation in order: requested bytes, stream, and the allocation rank of its
+    free in its own step (``free_own``: how many of the step's allocations came before it; -1: not freed
+    there) or in the next step (``free_next``; -1: not freed there either)."""
+
+    def __init__(self, nbytes: Sequence[int], streams: Sequence[int], free_own: Sequence[int],
+                 free_next: Sequence[int]) -> None:
+        self.nbytes = np.asarray(nbytes, dtype=np.int64)
+        self.streams = np.asarray(streams, dtype=np.uint64)
+        self.free_own = np.asarray(free_own, dtype=np.int64)
+        self.free_next = np.asarray(free_next, dtype=np.int64)
+        if not (len(self.nbytes) == len(self.streams) == len(self.free_own) == len(self.free_next)):
+            raise InvalidArgumentError("StepTemplate: nbytes, streams, free_own and free_next must be of one length")
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+
+def template_items(t: StepTemplate) -> tuple[np.ndarray, PlanItems]:
+    """The plannable allocations of ``t`` (their positions in the step) and their :class:`PlanItems`:
+    freed in the step (``[k, free_own)``), or in the next step no later than their own slot comes round
+    again (``[k, n)`` and ``[0, free_next)``). The rest stays the engine's."""
+    n = len(t)
+    k = np.arange(n, dtype=np.int64)
+    own = t.free_own >= 0
+    wrap = ~own & (t.free_next >= 0) & (t.free_next <= k)
+    idx = np.flatnonzero(own | wrap)
+    sizes = np.maximum(ROUND_NBYTES, -(-t.nbytes[idx] // ROUND_NBYTES) * ROUND_NBYTES)
+    w = wrap[idx]
+    e1 = np.where(w, n, t.free_own[idx])
+    e2 = np.where(w, t.free_next[idx], 0)
+    return idx, PlanItems(sizes, k[idx], e1, np.zeros(len(idx), dtype=np.int64), e2)
+
+
+def plan_step(t: StepTemplate, planner: Planner | str = Planner.GREEDY_BEST) -> np.ndarray:
+    """An arena offset per allocation of ``t`` (-1: left to the engine): each stream's items planned apart
+    and stacked, so that no slot is shared between streams (Note [Step plans])."""
+    offsets = np.full(len(t), -1, dtype=np.int64)
+    idx, items = template_items(t)
+    base = 0
+    for s in np.unique(t.streams[idx]):
+        mine = np.flatnonzero(t.streams[idx] == s)
+        sub = items.subset(mine)
+        offs = plan(sub, planner)
+        offsets[idx[mine]] = offs + base
+        base += -(-plan_height(sub, offs) // ROUND_NBYTES) * ROUND_NBYTES
+    return offsets
+
+
+# -- the plan layer of the Python engine -------------------------------------------------------------------
+
+class PlanInfo:
+    """The plan layer's counters (``CachingAllocator.step_plan_info()``), the same in both engines."""
+
+    FIELDS = ("state", "slots", "arena_nbytes", "mapped_nbytes", "served", "fallback", "steps_hit",
+              "steps_missed", "plans_installed", "plans_dropped", "arena_calls")
+
+    def __init__(self, values: Sequence[int]) -> None:
+        if len(values) != len(self.FIELDS):
+            raise InvalidArgumentError(f"PlanInfo: {len(self.FIELDS)} values expected, got {len(values)}")
+        self.values = tuple(int(v) for v in values)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(zip(self.FIELDS, self.values))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PlanInfo) and other.values == self.values
+
+    def __hash__(self) -> int:
+        return hash(self.values)
+
+    def __repr__(self) -> str:
+        return f"PlanInfo({self.as_dict()})"
+
+    def __getattr__(self, name: str) -> int:
+        try:
+            return self.values[self.FIELDS.index(name)]
+        except ValueError:
+            raise AttributeError(name) from None
+
+
+class _Arena:
+    """An address reservation whose pages are mapped as slots first touch them."""
+
+    def __init__(self, base: int, nbytes: int, page_nbytes: int, streams: set[int]) -> None:
+        self.base, self.nbytes, self.g = base, nbytes, page_nbytes
+        self.pages: list[Any] = [None] * (nbytes // page_nbytes)
+        self.runs: list[tuple[int, int, Any]] = []   # (va, nbytes, handle), in mapping order
+        self.mapped_nbytes = 0
+        self.streams = set(streams)
+        self.live: dict[int, tuple[int, int, int]] = {}   # ptr -> (slot, size, requested)
+        self.dropped = False
+
+    def holds(self, ptr: int) -> bool:
+        return self.base <= ptr < self.base + self.nbytes
+
+
+class StepPlan:
+    """The plan layer of :class:`~.python_engine.PythonEngine` (Note [Step plans]); every method runs under
+    the engine's lock (an RLock) and is the reference of ``Engine::plan_*`` in ``gpumem/_native/engine.cpp``."""
+
+    def __init__(self, engine: Any) -> None:
+        self.e = engine
+        """The :class:`~.python_engine.PythonEngine` it sits in front of (not imported here: no cycle)."""
+        self.state = StepState.OFF
+        self._reset_recording()
+        self.arenas: list[_Arena] = []   # the current plan's last; dropped ones until their last free
+        self._clear_slots()
+        self.mapped_nbytes = 0
+        self.counts = dict.fromkeys(("served", "fallback", "steps_hit", "steps_missed", "plans_installed",
+                                     "plans_dropped", "arena_calls"), 0)
+
+    def _reset_recording(self) -> None:
+        self.cur: list[list[int]] = []     # [nbytes, stream, free_own, free_next]
+        self.prev: list[list[int]] = []
+        self.cur_map: dict[int, int] = {}
+        self.prev_map: dict[int, int] = {}
+        self.since_mark = 0
+
+    def _clear_slots(self) -> None:
+        self.off: list[int] = []
+        self.size: list[int] = []
+        self.stream: list[int] = []
+        self.ov: list[list[int]] = []
+        self.refused: list[bool] = []
+        self.live: list[bool] = []
+        self.poisoned: list[bool] = []
+        self.cursor = 0
+        self.left = False
+        self.missed = False
+        self.misses = 0
+        self.planned_steps = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether allocations and frees must pass through the plan layer."""
+        return self.state is not StepState.OFF or bool(self.arenas)
+
+    def _current(self) -> _Arena | None:
+        return self.arenas[-1] if self.state is StepState.PLANNED else None
+
+    # -- marks ------------------------------------------------------------------------------------------
+    def mark(self) -> MarkResult:
+        s = self.state
+        if s is StepState.OFF or s is StepState.READY:
+            self._reset_recording()
+            self.state = StepState.RECORDING
+            return MarkResult.NOTHING
+        if s is StepState.RECORDING:
+            self._slide()
+            self.state = StepState.RECORDING_NEXT
+            return MarkResult.NOTHING
+        if s is StepState.RECORDING_NEXT:
+            if self.prev and len(self.prev) == len(self.cur) and all(
+                    a[0] == b[0] and a[1] == b[1] for a, b in zip(self.prev, self.cur)):
+                self.state = StepState.READY
+                self.since_mark = 0
+                return MarkResult.READY
+            self._slide()
+            return MarkResult.NOTHING
+        # PLANNED
+        hit = not self.missed and not self.left and self.cursor == len(self.off)
+        self.counts["steps_hit" if hit else "steps_missed"] += 1
+        self.misses = 0 if hit else self.misses + 1
+        if self.planned_steps == 0:
+            self.e._empty_cache_locked()   # the leftovers of the last step before the plan
+        self.planned_steps += 1
+        if self.misses >= MISS_LIMIT:
+            self._drop()
+            self._reset_recording()
+            self.state = StepState.RECORDING
+            return MarkResult.DROPPED
+        self.cursor = 0
+        self.left = self.missed = False
+        return MarkResult.NOTHING
+
+    def _slide(self) -> None:
+        self.prev, self.prev_map = self.cur, self.cur_map
+        self.cur, self.cur_map = [], {}
+
+    def template(self) -> StepTemplate:
+        if self.state is not StepState.READY:
+            raise InvalidArgumentError("step_template: no recorded step waits for a plan (mark_step returns READY "
+                                       "when two recorded steps match)")
+        p = self.prev
+        return StepTemplate([r[0] for r in p], [r[1] for r in p], [r[2] for r in p], [r[3] for r in p])
+
+    # -- install -------------------------------------------------------------------------------------------
+    def install(self, offsets: Sequence[int]) -> None:
+        """Install a plan for the READY template: ``offsets[k]`` (-1: the engine's) per allocation.
+
+        Raises:
+            InvalidArgumentError: no template waits, a length or an offset that is wrong, an offset for an
+                allocation not freed within two steps, two slots alive together that overlap in the
+                arena, or a plan that places nothing; nothing changes then.
+        """
+        if self.state is not StepState.READY:
+            raise InvalidArgumentError("install_plan: no recorded step waits for a plan (mark_step returns READY "
+                                       "when two recorded steps match)")
+        rec = self.prev
+        n = len(rec)
+        offs = [int(o) for o in offsets]
+        if len(offs) != n:
+            raise InvalidArgumentError(f"install_plan: the recorded step has {n} allocations, got {len(offs)} offsets")
+        r = self.e.policy.round_nbytes
+        sizes, e1, e2 = [0] * n, [0] * n, [0] * n
+        for k, (nb, _, fo, fn) in enumerate(rec):
+            sizes[k] = -(-nb // r) * r
+            o = offs[k]
+            if o == -1:
+                continue
+            if o < 0 or o % r or o > (1 << 62):
+                raise InvalidArgumentError(f"install_plan: offset {o} of slot {k} is not -1 or a multiple of {r} B")
+            if fo >= 0:
+                e1[k] = fo
+            elif 0 <= fn <= k:
+                e1[k], e2[k] = n, fn
+            else:
+                raise InvalidArgumentError(f"install_plan: slot {k} is not freed within its step or early in the next: "
+                                           "it cannot be planned (give it offset -1)")
+        planned = sorted((offs[k], k) for k in range(n) if offs[k] >= 0)
+        if not planned:
+            raise InvalidArgumentError("install_plan: the plan places no allocation")
+        ov: list[list[int]] = [[] for _ in range(n)]
+        refused = [False] * n
+        streams = [rec[k][1] for k in range(n)]
+        for a, (oa, ka) in enumerate(planned):
+            end = oa + sizes[ka]
+            for ob, kb in planned[a + 1:]:
+                if ob >= end:
+                    break
+                if _alive_together(ka, e1[ka], e2[ka], kb, e1[kb], e2[kb]):
+                    i, j = min(ka, kb), max(ka, kb)
+                    raise InvalidArgumentError(f"install_plan: slots {i} and {j} are alive together and overlap "
+                                               "in the arena")
+                ov[ka].append(kb)
+                ov[kb].append(ka)
+                if streams[ka] != streams[kb]:
+                    refused[ka] = refused[kb] = True
+        height = max((o + sizes[k] for o, k in planned if not refused[k]), default=0)
+        if height == 0:
+            raise InvalidArgumentError("install_plan: every slot of the plan meets another stream's")
+        g = self.e.device.properties().granularity_nbytes
+        arena_nbytes = -(-height // g) * g
+        base = self.e.device.address_reserve(arena_nbytes)
+        self.counts["arena_calls"] += 1
+        self.arenas.append(_Arena(base, arena_nbytes, g, {streams[k] for _, k in planned if not refused[k]}))
+        self.off = [o if o >= 0 and not refused[k] else -1 for k, o in enumerate(offs)]
+        self.size, self.stream, self.ov, self.refused = sizes, streams, ov, refused
+        self.live = [False] * n
+        self.poisoned = [False] * n
+        self.cursor, self.misses, self.planned_steps = 0, 0, 0
+        self.missed = False
+        self.left = self.since_mark > 0   # allocations came between the mark and the install: not this step
+        self.state = StepState.PLANNED
+        self.counts["plans_installed"] += 1
+        self.prev, self.prev_map, self.cur, self.cur_map = [], {}, [], {}
+
+    # -- the hot path -------------------------------------------------------------------------------------
+    def allocate(self, nbytes: int, stream: int) -> int:
+        """Under the engine's lock, arguments checked; the engine serves what the plan does not."""
+        e = self.e
+        if self.state is StepState.PLANNED and e._lost is None and not e._closed and not e.device.closed:
+            ptr = self._serve(nbytes, stream)
+            if ptr:
+                return ptr
+            self.counts["fallback"] += 1
+        ptr = e._allocate_engine(nbytes, stream)
+        self.since_mark += 1
+        if self.state is StepState.RECORDING or self.state is StepState.RECORDING_NEXT:
+            self.cur_map[ptr] = len(self.cur)
+            self.cur.append([nbytes, stream, -1, -1])
+        return ptr
+
+    def _serve(self, nbytes: int, stream: int) -> int:
+        k = self.cursor
+        self.cursor = k + 1
+        if self.left or k >= len(self.off):
+            self.left = True
+            return 0
+        if nbytes > self.size[k] or stream != self.stream[k]:
+            self.left = True
+            return 0
+        off = self.off[k]
+        if off < 0:
+            return 0
+        live = self.live
+        if live[k] or any(live[j] for j in self.ov[k]):
+            self.missed = True
+            return 0
+        arena = self.arenas[-1]
+        size = self.size[k]
+        if not self._map(arena, off, size):
+            self.missed = True
+            return 0
+        ptr = arena.base + off
+        live[k] = True
+        arena.live[ptr] = (k, size, nbytes)
+        e = self.e
+        e._stats.count_allocation(size, nbytes, e.backing.reserved_nbytes + self.mapped_nbytes)
+        self.counts["served"] += 1
+        return ptr
+
+    def _map(self, arena: _Arena, off: int, size: int) -> bool:
+        """Map the unmapped pages under ``[off, off + size)``, after the engine gave its idle cache back;
+        False when the limit or the device refuses memory (the engine serves the request then)."""
+        g = arena.g
+        first, last = off // g, (off + size - 1) // g
+        todo = [p for p in range(first, last + 1) if arena.pages[p] is None]
+        if not todo:
+            return True
+        e = self.e
+        lim = e.limit_nbytes
+        if lim is not None and e.backing.reserved_nbytes + self.mapped_nbytes + len(todo) * g > lim:
+            return False
+        e._empty_cache_locked()
+        runs: list[list[int]] = []
+        for p in todo:
+            if runs and runs[-1][1] == p:
+                runs[-1][1] = p + 1
+            else:
+                runs.append([p, p + 1])
+        dev = e.device
+        for a, b in runs:
+            va, nb = arena.base + a * g, (b - a) * g
+            try:
+                handle = dev.mem_create(nb)
+            except OutOfMemoryError:
+                return False
+            try:
+                dev.mem_map(va, nb, handle, 0)
+            except BaseException:
+                _quietly(dev.mem_release, handle)
+                raise
+            try:
+                dev.mem_set_access(va, nb)
+            except BaseException:
+                _quietly(dev.mem_unmap, va, nb)
+                _quietly(dev.mem_release, handle)
+                raise
+            self.counts["arena_calls"] += 3
+            arena.runs.append((va, nb, handle))
+            for p in range(a, b):
+                arena.pages[p] = handle
+            arena.mapped_nbytes += nb
+            self.mapped_nbytes += nb
+            e.backing.outside_nbytes = self.mapped_nbytes
+            st = e._stats
+            total = e.backing.reserved_nbytes + self.mapped_nbytes
+            if total > st.peak_reserved_nbytes:
+                st.peak_reserved_nbytes = total
+        return True
+
+    def free(self, ptr: int) -> bool:
+        """A free of an arena pointer (True: done); False: the engine's pointer, recorded after the engine
+        freed it (:meth:`record_free`)."""
+        for arena in reversed(self.arenas):
+            if arena.holds(ptr):
+                entry = arena.live.pop(ptr, None)
+                if entry is None:
+                    raise InvalidPointerError(f"free of {ptr:#x}: no live allocation starts there in the step plan's arena")
+                k, size, nbytes = entry
+                if not arena.dropped:
+                    self.live[k] = self.poisoned[k]   # a slot used on another stream stays taken
+                st = self.e._stats
+                st.allocated_nbytes -= size
+                st.requested_nbytes -= nbytes
+                st.num_frees += 1
+                if arena.dropped and not arena.live:
+                    self._release(arena)
+                return True
+        return False
+
+    def record_free(self, ptr: int) -> None:
+        """Lifetimes: a recorded allocation freed (by the engine) now."""
+        i = self.cur_map.pop(ptr, None)
+        if i is not None:
+            self.cur[i][2] = len(self.cur)
+            return
+        i = self.prev_map.pop(ptr, None)
+        if i is not None:
+            self.prev[i][3] = len(self.cur)
+
+    def arena_entry(self, ptr: int) -> tuple[_Arena, tuple[int, int, int]] | None:
+        """``(arena, (slot, size, requested))`` of a live arena pointer; None outside every arena.
+
+        Raises:
+            InvalidPointerError: inside an arena, where no live allocation starts.
+        """
+        for arena in reversed(self.arenas):
+            if arena.holds(ptr):
+                entry = arena.live.get(ptr)
+                if entry is None:
+                    raise InvalidPointerError(f"{ptr:#x} is not a live allocation (inside the step plan's arena)")
+                return arena, entry
+        return None
+
+    def record_stream(self, ptr: int, stream: int) -> bool:
+        """True when ``ptr`` is the arena's: its slot stays taken after its free (no event orders its next
+        occupant after ``stream``'s work) until the plan is dropped, and the arena waits for ``stream``."""
+        found = self.arena_entry(ptr)
+        if found is None:
+            return False
+        arena, (k, _, _) = found
+        if arena.dropped:
+            arena.streams.add(stream)
+        elif stream != self.stream[k]:
+            arena.streams.add(stream)
+            self.poisoned[k] = True
+        return True
+
+    # -- dropping ----------------------------------------------------------------------------------------
+    def _drop(self) -> None:
+        arena = self.arenas[-1]
+        arena.dropped = True
+        self.counts["plans_dropped"] += 1
+        self._clear_slots()
+        if not arena.live:
+            self._release(arena)
+
+    def _release(self, arena: _Arena) -> None:
+        """Wait for the arena's streams, then unmap, release and free it; a failure keeps what is left
+        of it (``close`` tries again)."""
+        dev = self.e.device
+        for s in sorted(arena.streams):
+            dev.stream_synchronize(s)
+        while arena.runs:
+            va, nb, handle = arena.runs[-1]
+            dev.mem_unmap(va, nb)
+            dev.mem_release(handle)
+            self.counts["arena_calls"] += 2
+            arena.runs.pop()
+            arena.mapped_nbytes -= nb
+            self.mapped_nbytes -= nb
+            self.e.backing.outside_nbytes = self.mapped_nbytes
+        dev.address_free(arena.base, arena.nbytes)
+        self.counts["arena_calls"] += 1
+        self.arenas.remove(arena)
+
+    def close(self) -> None:
+        """Give every arena back (the engine's ``close``)."""
+        for arena in list(self.arenas):
+            arena.dropped = True
+            arena.live.clear()
+            self._release(arena)
+        self.state = StepState.OFF
+        self._reset_recording()
+        self._clear_slots()
+
+    def info(self) -> PlanInfo:
+        arena = self._current()
+        c = self.counts
+        return PlanInfo((int(self.state), len(self.off), arena.nbytes if arena else 0, self.mapped_nbytes,
+                         c["served"], c["fallback"], c["steps_hit"], c["steps_missed"], c["plans_installed"],
+                         c["plans_dropped"], c["arena_calls"]))
+
+    def live_nbytes(self) -> int:
+        """Bytes (rounded) of live arena allocations, for the consistency check."""
+        return sum(size for a in self.arenas for (_, size, _) in a.live.values())
+
+
+def _alive_together(ka: int, e1a: int, e2a: int, kb: int, e1b: int, e2b: int) -> bool:
+    """Whether two slots' lifetimes (``[k, e1)`` and ``[0, e2)``) meet."""
+    if ka < e1b and kb < e1a:
+        return True
+    if e2a and kb < e2a:          # a's [0, e2a) against b's [kb, e1b)
+        return True
+    if e2b and ka < e2b:
+        return True
+    return bool(e2a and e2b)      # both [0, ...): both alive at 0
+
+
+def _quietly(call: Any, *args: Any) -> None:
+    """Undo a step of a failed mapping: an ordinary failure of the undo is dropped (the first failure is
+    what propagates); a KeyboardInterrupt or SystemExit is not (Note [Only Exception is caught] in
+    ``gpumem/_native/engine.cpp``)."""
+    try:
+        call(*args)
+    except Exception:  # noqa: BLE001
+        pass

@@ -1,0 +1,325 @@
+"""Step plans (Note [Step plans] in gpumem/allocator/plan.py): the planner, the plan layer of both engines.
+
+Properties: the plan layer never hands out overlapping live ranges, whatever the program does between its
+marks; a step that leaves the plan is served by the engine; a plan missed three steps in a row is dropped
+and its arena given back; bad input raises a specific error and changes nothing; the native engine makes
+the Python reference's decisions with plans (addresses, device calls, stats).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from gpumem import sim
+from gpumem.allocator import CachingAllocator
+from gpumem.allocator.plan import (MISS_LIMIT, MarkResult, PlanItems, StepState, StepTemplate, check_plan, plan,
+                                   plan_height, plan_step, template_items)
+from gpumem.errors import InvalidArgumentError, InvalidPointerError
+from gpumem.native import load_engine
+from gpumem.units import MiB
+
+ENGINES = ["python"] + (["native"] if load_engine() is not None else [])
+
+
+def make(engine: str, **kw) -> CachingAllocator:
+    return CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine=engine, **kw)
+
+
+# A training-like step: (size, stream, freed how many allocations later); the last ones live into the next step.
+LOOP = [(3 * MiB, 0, 2), (1 * MiB + 5, 0, 1), (5 * MiB, 0, 4), (700, 0, 1), (2 * MiB, 0, 3), (9 * MiB, 0, 2),
+        (4 * MiB, 0, 3)]
+
+
+class Loop:
+    """Runs steps of a pattern on an allocator, marking each step's start; tracks the live pointers."""
+
+    def __init__(self, alloc: CachingAllocator) -> None:
+        self.alloc, self.clock, self.live = alloc, 0, []   # live: [ptr, size, free_at]
+
+    def step(self, pattern=LOOP, change: dict | None = None, keep: int | None = None) -> MarkResult:
+        """One step; ``change``: position -> size instead; ``keep``: that position is not freed (held on)."""
+        r = self.alloc.mark_step()
+        for j, (size, stream, life) in enumerate(pattern):
+            self.free_due()
+            self.clock += 1
+            size = (change or {}).get(j, size)
+            ptr = self.alloc.allocate(size, stream)
+            check_no_overlap(self.live, ptr, size)
+            self.live.append([ptr, size, self.clock + life if j != keep else 1 << 60])
+        return r
+
+    def free_due(self) -> None:
+        for e in [e for e in self.live if e[2] <= self.clock]:
+            self.alloc.free(e[0])
+            self.live.remove(e)
+
+
+def check_no_overlap(live: list, ptr: int, size: int) -> None:
+    for p, n, _ in live:
+        assert p + n <= ptr or ptr + size <= p, f"{ptr:#x}+{size} overlaps the live {p:#x}+{n}"
+
+
+# -- the planner ----------------------------------------------------------------------------------------------
+
+ITEMS = st.lists(st.tuples(st.integers(1, 64), st.integers(0, 30), st.integers(1, 20), st.integers(0, 8)),
+                 min_size=1, max_size=40)
+
+
+@given(ITEMS)
+@settings(max_examples=150, deadline=None)
+def test_no_planner_overlaps_live_items_and_none_is_below_the_most_live(raw):
+    nbytes = [n * 512 for n, *_ in raw]
+    s1 = [s for _, s, _, _ in raw]
+    e1 = [s + d for _, s, d, _ in raw]
+    e2 = [min(w, s) for _, s, _, w in raw]   # a wrap ends before its item starts again
+    items = PlanItems(nbytes, s1, e1, [0] * len(raw), e2)
+    for planner in ("first-fit", "greedy-size", "greedy-best"):
+        offs = plan(items, planner)
+        check_plan(items, offs)
+        assert plan_height(items, offs) >= items.max_live_nbytes()
+
+
+def test_the_template_plans_what_dies_within_two_steps_and_stacks_the_streams():
+    t = StepTemplate([1000, 2000, 3000, 4000, 500], [0, 0, 7, 0, 0], [2, -1, 4, -1, 5], [-1, 1, -1, -1, -1])
+    idx, items = template_items(t)
+    assert idx.tolist() == [0, 1, 2, 4]   # 3 lives on (fixed)
+    assert items.e2.tolist() == [0, 1, 0, 0] and items.e1.tolist() == [2, 5, 4, 5]
+    offs = plan_step(t)
+    assert offs[3] == -1
+    assert offs[2] >= max(offs[k] + 1024 * 2 for k in (0, 1)) or offs[2] >= 2048   # stream 7 sits above stream 0's
+
+
+def test_a_wrap_freed_after_its_own_slot_comes_round_again_is_not_planned():
+    t = StepTemplate([1000, 2000], [0, 0], [-1, -1], [2, 1])   # item 0 freed at rank 2 of the next step: after itself
+    idx, _ = template_items(t)
+    assert idx.tolist() == [1]
+
+
+# -- the plan layer ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_repeating_loop_is_served_from_the_plan_with_no_device_call(engine):
+    alloc = make(engine)
+    loop = Loop(alloc)
+    results = [loop.step() for _ in range(3)]
+    assert results == [MarkResult.NOTHING, MarkResult.NOTHING, MarkResult.READY]
+    info = alloc.step_plan_info()
+    assert info.state == StepState.PLANNED and info.slots == len(LOOP) and info.plans_installed == 1
+    loop.step()   # the transition step maps the arena's pages
+    calls = alloc.stats.device_calls + alloc.stats.event_calls
+    for _ in range(5):
+        loop.step()
+    assert alloc.stats.device_calls + alloc.stats.event_calls == calls
+    info = alloc.step_plan_info()
+    assert info.fallback == 0 and info.served >= 6 * len(LOOP) - 2 and info.steps_missed == 0
+    alloc.check_consistency()
+    assert alloc.stats.peak_allocated_nbytes <= alloc.stats.peak_reserved_nbytes
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_step_that_leaves_the_plan_is_served_by_the_engine(engine):
+    alloc = make(engine)
+    loop = Loop(alloc)
+    for _ in range(5):
+        loop.step()
+    served = alloc.step_plan_info().served
+    loop.step(change={2: 5 * MiB + 1})   # larger than its slot: the rest of the step goes to the engine
+    info = alloc.step_plan_info()
+    assert info.served == served + 2 and info.fallback == len(LOOP) - 2
+    loop.step()
+    assert alloc.step_plan_info().steps_missed == 1   # counted at the mark that closed it
+    loop.step()
+    info = alloc.step_plan_info()
+    assert info.steps_missed == 1 and info.served == served + 2 + 2 * len(LOOP) and info.state == StepState.PLANNED
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_slot_still_taken_is_refused_and_the_others_serve(engine):
+    alloc = make(engine)
+    loop = Loop(alloc)
+    for _ in range(5):
+        loop.step()
+    loop.step(keep=0)    # slot 0's allocation held on: next step, slot 0 (and what overlaps it) is taken
+    fb = alloc.step_plan_info().fallback
+    loop.step()
+    info = alloc.step_plan_info()
+    assert info.fallback > fb and info.state == StepState.PLANNED
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_missing_three_steps_drops_the_plan_and_gives_the_arena_back(engine):
+    alloc = make(engine)
+    loop = Loop(alloc)
+    for _ in range(5):
+        loop.step()
+    dev = alloc.device
+    reservations = len(list(dev.reservation_ranges()))
+    assert alloc.step_plan_info().mapped_nbytes > 0
+    other = [(2 * MiB, 0, 1)] * 3
+    results = [loop.step(pattern=other) for _ in range(MISS_LIMIT + 1)]
+    loop.clock += 10
+    loop.free_due()
+    assert MarkResult.DROPPED in results
+    info = alloc.step_plan_info()
+    assert info.plans_dropped == 1 and info.mapped_nbytes == 0 and info.state in (StepState.RECORDING,
+                                                                                  StepState.RECORDING_NEXT)
+    assert len(list(dev.reservation_ranges())) == reservations - 1
+    alloc.check_consistency()
+    # the new pattern is recorded and planned in its turn
+    for _ in range(3):
+        loop.step(pattern=other)
+    assert alloc.step_plan_info().plans_installed == 2
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_bad_input_raises_and_changes_nothing(engine):
+    alloc = make(engine)
+    eng = alloc._engine   # noqa: SLF001 - the engine's own plan calls, beneath mark_step
+    with pytest.raises(InvalidArgumentError, match="no recorded step waits"):
+        eng.install_plan([0])
+    with pytest.raises(InvalidArgumentError, match="no recorded step waits"):
+        eng.step_template()
+    loop = Loop(alloc)
+    eng.mark_step()
+    for _ in range(2):
+        for size, stream, life in LOOP:   # the same step twice, by hand, so READY waits for an install
+            loop.free_due()
+            loop.clock += 1
+            loop.live.append([alloc.allocate(size, stream), size, loop.clock + life])
+        r = eng.mark_step()
+    assert r == MarkResult.READY
+    before = alloc.step_plan_info()
+    t = StepTemplate(*eng.step_template())
+    good = plan_step(t)
+    bad = good.copy()
+    i, j = 0, 1   # alive together (0 is freed after 1 is allocated): the same offset overlaps in time
+    bad[j] = bad[i]
+    for offsets, match in ((bad, "slots 0 and 1 are alive together"), (good[:-1], "has 7 allocations"),
+                           (np.where(good >= 0, good + 1, good), "not -1 or a multiple"),
+                           (np.full(len(good), -1), "places no allocation")):
+        with pytest.raises(InvalidArgumentError, match=match):
+            eng.install_plan([int(x) for x in offsets])
+        assert alloc.step_plan_info() == before
+    eng.install_plan([int(x) for x in good])
+    assert alloc.step_plan_info().state == StepState.PLANNED
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_arena_pointers_are_checked_like_any_other(engine):
+    alloc = make(engine)
+    loop = Loop(alloc)
+    for _ in range(4):
+        loop.step()
+    info = alloc.step_plan_info()
+    assert info.served > 0
+    arena_ptr = next(p for p, n, _ in loop.live if alloc.block_size(p) == n - n % 512 + (512 if n % 512 else 0)
+                     and p not in dict(alloc.live_blocks()))
+    with pytest.raises(InvalidPointerError):
+        alloc.free(arena_ptr + 512)
+    with pytest.raises(InvalidPointerError):
+        alloc.record_stream(arena_ptr + 512, 3)
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_closing_gives_the_arena_back(engine):
+    alloc = make(engine)
+    loop = Loop(alloc)
+    for _ in range(5):
+        loop.step()
+    dev = alloc.device
+    alloc.close()
+    assert alloc.leaked_nbytes == 0
+    assert list(dev.mapping_ranges()) == [] and list(dev.reservation_ranges()) == []
+
+
+# -- a stateful property: no overlapping live ranges, whatever the program does ---------------------------
+
+class PlanNeverOverlaps(RuleBasedStateMachine):
+    """Repeating steps with perturbations (a size changed, an allocation held on, another stream's use,
+    stray allocations and frees, an extra mark): no two live allocations ever overlap, and the engine's
+    bookkeeping stays consistent."""
+
+    @initialize(engine=st.sampled_from(ENGINES))
+    def setup(self, engine):
+        self.alloc = make(engine)
+        self.loop = Loop(self.alloc)
+
+    @rule(change=st.none() | st.tuples(st.integers(0, len(LOOP) - 1), st.integers(1, 12 * MiB)),
+          keep=st.none() | st.integers(0, len(LOOP) - 1))
+    def step(self, change, keep):
+        self.loop.step(change=dict([change]) if change else None, keep=keep)
+
+    @rule()
+    def steady_steps(self):
+        """Unperturbed steps: enough for a plan to be recorded, installed and served."""
+        for _ in range(4):
+            self.loop.step()
+        event(f"plans installed: {min(self.alloc.step_plan_info().plans_installed, 2)}")
+
+    @rule(size=st.integers(1, 8 * MiB))
+    def stray_allocation(self, size):
+        ptr = self.alloc.allocate(size)
+        check_no_overlap(self.loop.live, ptr, size)
+        self.loop.live.append([ptr, size, self.loop.clock + 2])
+
+    @rule(i=st.integers(0, 100), stream=st.sampled_from([0, 5]))
+    def record_stream(self, i, stream):
+        if self.loop.live:
+            self.alloc.record_stream(self.loop.live[i % len(self.loop.live)][0], stream)
+
+    @rule(i=st.integers(0, 100))
+    def free_early(self, i):
+        if self.loop.live:
+            e = self.loop.live.pop(i % len(self.loop.live))
+            self.alloc.free(e[0])
+
+    @rule()
+    def extra_mark(self):
+        self.alloc.mark_step()
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "alloc"):
+            self.alloc.check_consistency()
+
+    def teardown(self):
+        if hasattr(self, "alloc"):
+            self.alloc.close()
+
+
+PlanNeverOverlaps.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestPlanNeverOverlaps = PlanNeverOverlaps.TestCase
+
+
+# -- the differential test with plans ----------------------------------------------------------------------
+
+@pytest.mark.skipif(len(ENGINES) < 2, reason="the native engine is not built")
+@given(changes=st.lists(st.none() | st.tuples(st.integers(0, len(LOOP) - 1), st.integers(1, 12 * MiB)),
+                        min_size=4, max_size=16))
+@settings(max_examples=40, deadline=None)
+def test_native_and_python_make_the_same_plans(changes):
+    from test_native_differential import Pair
+
+    pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")))
+    clock, live = 0, []
+    for change in [None, None, None] + changes:
+        pair.both("mark_step")
+        for j, (size, stream, life) in enumerate(LOOP):
+            for e in [e for e in live if e[1] <= clock]:
+                pair.both("free", e[0])
+                live.remove(e)
+            clock += 1
+            size = change[1] if change and change[0] == j else size
+            r = pair.both("allocate", size, stream)
+            live.append([r[1], clock + life])
+        pair.both("step_plan_info")
+        pair.both("check_consistency")
+    assert pair.allocs[0].step_plan_info().plans_installed >= 1
+    pair.both("close")

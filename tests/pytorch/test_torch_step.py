@@ -1,0 +1,103 @@
+"""gpumem.torch.step(): step plans for PyTorch programs (Note [Step plans] in gpumem/allocator/plan.py).
+
+Runs without PyTorch and without a GPU: the C functions are called where no CUDA driver is (they must
+fail cleanly, never crash), and the Python glue (the template's words, the offsets handed back) runs
+against a stand-in library whose functions call a native engine on the simulator.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+import gpumem.torch as gt
+from gpumem import sim
+from gpumem.allocator import CachingAllocator
+from gpumem.allocator.plan import MarkResult, PlanInfo, StepState
+from gpumem.errors import GpumemError, InvalidArgumentError
+from gpumem.native import load_engine
+from gpumem.units import MiB
+
+pytestmark = pytest.mark.skipif(load_engine() is None, reason="the native engine is not built")
+
+
+def test_step_before_install_says_to_install_first():
+    if gt.installed():  # pragma: no cover - only in a process that installed gpumem into PyTorch
+        pytest.skip("gpumem is installed here")
+    with pytest.raises(GpumemError, match=r"call gpumem.torch.install\(\) first"):
+        gt.step(0)
+    with pytest.raises(GpumemError, match=r"call gpumem.torch.install\(\) first"):
+        gt.step_plan_info(0)
+
+
+def test_the_c_functions_fail_cleanly_without_an_engine():
+    lib = gt._lib()   # noqa: SLF001
+    if lib.gpumem_torch_engine_state(63) == 1:  # pragma: no cover
+        pytest.skip("an engine runs on device 63")
+    assert lib.gpumem_torch_step_template(63, None, 0) == -1
+    assert b"no engine" in lib.gpumem_torch_last_error()
+    offs = (ctypes.c_int64 * 1)(0)
+    assert lib.gpumem_torch_step_install(63, offs, 1) == -1
+    assert lib.gpumem_torch_step_info(63, (ctypes.c_uint64 * 11)(), 11) == 0
+    assert lib.gpumem_torch_step_mark(-1) == -1   # out of range: an error, not a crash
+    assert lib.gpumem_torch_last_error()
+
+
+class StandIn:
+    """The four C functions of step plans, over a native engine on the simulator (what
+    ``torch_api.cpp`` does over a device's CUDA engine), for gpumem.torch's Python glue."""
+
+    def __init__(self, engine) -> None:
+        self.e = engine
+
+    def gpumem_torch_step_mark(self, index):
+        return self.e.mark_step()
+
+    def gpumem_torch_step_template(self, index, out, n):
+        cols = self.e.step_template()
+        count = len(cols[0])
+        words = ctypes.cast(out, ctypes.POINTER(ctypes.c_uint64)) if out else None
+        for i in range(min(count, n) if words else 0):
+            for w in range(4):
+                words[4 * i + w] = cols[w][i] % (1 << 64)
+        return count
+
+    def gpumem_torch_step_install(self, index, offsets, n):
+        try:
+            self.e.install_plan([offsets[i] for i in range(n)])
+        except InvalidArgumentError as exc:
+            self.error = str(exc).encode()
+            return -1
+        return 0
+
+    def gpumem_torch_step_info(self, index, out, n):
+        v = self.e.step_plan_info()
+        for i in range(min(n, len(v))):
+            out[i] = v[i]
+        return min(n, len(v))
+
+    def gpumem_torch_last_error(self):
+        return getattr(self, "error", b"")
+
+
+def test_step_plans_and_installs_through_the_c_api_glue(monkeypatch):
+    alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine="native")
+    stand_in = StandIn(alloc._engine)   # noqa: SLF001
+    monkeypatch.setattr(gt, "_lib", lambda: stand_in)
+    monkeypatch.setattr(gt, "_require_installed", lambda: None)
+    pattern = [(3 * MiB, 0, 2), (1 * MiB + 5, 0, 1), (5 * MiB, 0, 4), (700, 0, 1), (2 * MiB, 0, 3)]
+    clock, live, results = 0, [], []
+    for _ in range(6):
+        results.append(gt.step(0))
+        for size, stream, life in pattern:
+            for e in [e for e in live if e[1] <= clock]:
+                alloc.free(e[0])
+                live.remove(e)
+            clock += 1
+            live.append([alloc.allocate(size, stream), clock + life])
+    assert results[:3] == [MarkResult.NOTHING, MarkResult.NOTHING, MarkResult.READY]
+    info = gt.step_plan_info(0)
+    assert isinstance(info, PlanInfo) and info.state == StepState.PLANNED and info.served == 4 * len(pattern)   # the steps from the READY mark on
+    assert info.fallback == 0
+    alloc.check_consistency()

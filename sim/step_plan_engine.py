@@ -162,16 +162,16 @@ def main(argv: list[str] | None = None) -> int:
                                  description=(__doc__ or "").split("\n    python -m")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", nargs="*", default=list(DEFAULT_TRACES), metavar="NAME",
-                    help="corpus traces (a prefix of the file name); default: %(default)s")
+                    help="trace files, or corpus traces by a prefix of the file name; default: %(default)s")
     ap.add_argument("--timings", default="idle,trace", help="GPU timings, comma-separated (default: %(default)s)")
     ap.add_argument("--json", type=Path, help="write the rows here as JSON")
     args = ap.parse_args(argv)
     paths = {p.name: p for part in CorpusPart for p in corpus_traces(part)}
     rows: list[EngineRow] = []
     for name in args.traces:
-        match = [p for n, p in sorted(paths.items()) if n.startswith(name)]
+        match = [Path(name)] if Path(name).is_file() else [p for n, p in sorted(paths.items()) if n.startswith(name)]
         if not match:
-            ap.error(f"--traces: no corpus trace starts with {name}")
+            ap.error(f"--traces: {name} is no trace file, and no corpus trace starts with it")
         t0 = time.perf_counter()
         trace = load_trace(match[0])
         label = match[0].name.split(".")[0]

@@ -408,6 +408,9 @@ class FitResult:
     batch_size: int = 1
     """The batch of a ``seq_len`` search."""
     training: bool = False
+    bound: str = ""
+    """Why the search stopped below the ``max_value`` it was given (empty when it did not): a sliding window
+    bounds a ``seq_len`` search (Note [Sliding window])."""
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
@@ -641,11 +644,22 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         tries: list[FitTry] = []
 
         extra_tokens = 0 if training else new_tokens
+        bound = ""
         if search == "batch":
             shape.check_tokens(prompt_len + extra_tokens)
         elif shape.sliding_window:  # Note [Sliding window]: the search stays within the window
             shape.check_tokens(1 + extra_tokens)
-            max_value = min(max_value, shape.sliding_window - extra_tokens)
+            room = shape.sliding_window - extra_tokens
+            if room < 1:
+                raise InvalidArgumentError(
+                    f"find_max_batch: {extra_tokens} new tokens >= the sliding window of {shape.sliding_window} "
+                    f"tokens: no prompt length keeps the sequence within the window, where the seq_len search "
+                    f"stays (give fewer new tokens, or search the batch)")
+            if room < max_value:
+                seq = f"the sequence (prompt + {extra_tokens} new tokens)" if extra_tokens else "the sequence"
+                bound = (f"{'sequence' if training else 'prompt'} lengths searched up to {room}, not {max_value}: "
+                         f"{seq} stays within the sliding window of {shape.sliding_window} tokens")
+                max_value = room
 
         def sizes(v: int) -> tuple[int, int]:
             return (v, prompt_len) if search == "batch" else (batch_size, v)
@@ -692,7 +706,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                           f"{format_bytes(limit)} (the usable {format_bytes(usable)} less the margin)")
         return FitResult(search, policy, dev.spec, usable, limit, margin, simulated, estimate, halving, binary, first,
                          tries, weights_total, reason, prompt_len=prompt_len,
-                         new_tokens=0 if training else new_tokens, batch_size=batch_size, training=training)
+                         new_tokens=0 if training else new_tokens, batch_size=batch_size, training=training,
+                         bound=bound)
     except OutOfMemoryError as exc:  # the device itself could not be opened with room: report as no fit
         raise InvalidArgumentError(f"find_max_batch: {exc}") from exc
     finally:

@@ -13,4 +13,5 @@ folder holds what tunes and checks it, run from the checkout's root:
 * :mod:`sim.growth_sweep` - the growth/move policy swept over the bundled traces;
 * :mod:`sim.workspace_scenario` - the workspace scenario on every simulated profile;
 * :mod:`sim.soak` - a simulated multi-GPU host under pressure and injected faults.
+* :mod:`sim.cli_checks` - checks the studies' command lines share (a ``--json`` target, before the study).
 """

@@ -39,6 +39,7 @@ from gpumem.sim import get_profile
 from gpumem.sim.latency import LatencyModel
 from gpumem.specs import open_device
 from hil.probes.workloads import parse_policy
+from sim.cli_checks import json_target_problem
 
 PROFILE = "h200-141gb"
 #: The models: the 7B Llama-style shape of the estimate's benchmarks, and the small Llama of the live probe
@@ -246,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.prompt < 1 or args.new_tokens < 2 or args.window < 1:
         p.error("--prompt and --window must be >= 1, --new-tokens >= 2")
+    if args.json is not None and (why := json_target_problem(args.json)):
+        p.error(f"--json: {why}")
     sep = ";" if ";" in args.policies else ","
     policies = [s for s in args.policies.split(sep) if s]
     if args.ring is not None:

@@ -58,6 +58,7 @@ from gpumem.trace import Trace, load_trace
 from gpumem.trace.corpus import CorpusPart, corpus_traces
 from gpumem.trace.model import OpKind
 from gpumem.units import MiB
+from sim.cli_checks import json_target_problem
 
 
 DEVICE_SPEC = "sim:h200-141gb"
@@ -731,6 +732,13 @@ class VariantRow:
     note: str = ""
 
 
+_SERVE_FLOATS = ("overhead", "steady_overhead", "calls_per_steady_step", "event_calls_per_steady_step", "planned_share")
+"""The float figures of a served row (:func:`_serve_row`); its other figures are ints (:data:`_SERVE_INTS`)."""
+_SERVE_INTS = ("peak_live_nbytes", "peak_reserved_nbytes", "steady_steps", "mismatched", "occupied", "resyncs",
+               "arena_calls", "peak_op", "fallback_at_peak_nbytes", "live_at_peak_nbytes",
+               "fallback_allocated_at_peak_nbytes")
+
+
 def _serve_row(res: ServeResult, n_allocs: int) -> dict[str, Any]:
     c = res.counters
     return {"overhead": res.overhead, "steady_overhead": res.steady_overhead, "peak_live_nbytes": res.peak_live_nbytes,
@@ -961,6 +969,76 @@ def print_tables(base: list[BaselineRow], rows: list[VariantRow]) -> None:
                       f"{_num(sv['calls_per_steady_step'])} + {_num(sv['event_calls_per_steady_step'])} | {sv['arena_calls']} |")
 
 
+def _checked(value: Any, kind: str, where: str) -> Any:
+    """``value`` if it is of ``kind`` (``"str"``; ``"int"``: within 64 bits; ``"float"``: a float, or an int within
+    64 bits; bools refused), else ValueError naming ``where``."""
+    whole = isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63
+    ok = {"str": isinstance(value, str), "int": whole, "float": whole or isinstance(value, float)}[kind]
+    if not ok:
+        shown = repr(value) if not isinstance(value, int) or abs(value) < 10**40 else "an int of over 40 digits"
+        raise ValueError(f"{where}: {kind} expected, got {type(value).__name__} {shown:.40}")
+    return value
+
+
+def _fields(cls: type, rec: Any, where: str, nested: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a ``cls`` dataclass from the JSON object ``rec``, each checked against its annotation (those
+    in ``nested`` converted by the function given there); ValueError naming ``where`` otherwise."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: a JSON object expected, got {type(rec).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    required = [n for n, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [n for n in required if n not in rec]
+    unknown = [str(k) for k in rec if k not in fields]
+    if missing or unknown:
+        raise ValueError(f"{where}: " + "; ".join(
+            ([f"missing {', '.join(missing)}"] if missing else []) + ([f"unknown {', '.join(unknown)[:80]}"]
+                                                                     if unknown else [])))
+    return {k: nested[k](v, f"{where}.{k}") if k in nested else _checked(v, fields[k].type, f"{where}.{k}")
+            for k, v in rec.items()}
+
+
+def _serve_from_json(serve: Any, where: str) -> dict[str, dict[str, Any]]:
+    if not isinstance(serve, dict):
+        raise ValueError(f"{where}: a JSON object expected, got {type(serve).__name__}")
+    out: dict[str, dict[str, Any]] = {}
+    for name, sv in serve.items():
+        at = f"{where}[{name!r:.40}]"
+        if not isinstance(sv, dict):
+            raise ValueError(f"{at}: a JSON object expected, got {type(sv).__name__}")
+        missing = [k for k in (*_SERVE_FLOATS, *_SERVE_INTS) if k not in sv]
+        if missing:
+            raise ValueError(f"{at}: missing {', '.join(missing)}")
+        out[name] = {k: _checked(sv[k], "float" if k in _SERVE_FLOATS else "int", f"{at}.{k}")
+                     for k in (*_SERVE_FLOATS, *_SERVE_INTS)}
+    return out
+
+
+def _plans_from_json(plans: Any, where: str) -> list[PlanFigures]:
+    if not isinstance(plans, list):
+        raise ValueError(f"{where}: a JSON list expected, got {type(plans).__name__}")
+    return [PlanFigures(**_fields(PlanFigures, pf, f"{where}[{i}]", {})) for i, pf in enumerate(plans)]
+
+
+def load_record(path: Path) -> tuple[list[BaselineRow], list[VariantRow]]:
+    """The rows of a record written by ``--json``, every field's type checked. Raises ValueError (a malformed
+    record, nesting too deep for the JSON decoder included) or OSError."""
+    try:
+        rec = json.loads(path.read_text())
+    except RecursionError:
+        raise ValueError("nested too deep for a record of this study") from None
+    if not isinstance(rec, dict):
+        raise ValueError(f"a JSON object expected, got {type(rec).__name__}")
+    for key in ("baseline", "variants"):
+        if not isinstance(rec.get(key), list):
+            raise ValueError(f"{key}: a JSON list expected, got {type(rec.get(key)).__name__}")
+    base = [BaselineRow(**_fields(BaselineRow, b, f"baseline[{i}]", {})) for i, b in enumerate(rec["baseline"])]
+    rows = [VariantRow(**_fields(VariantRow, v, f"variants[{i}]", {"plans": _plans_from_json,
+                                                                   "serve": _serve_from_json}))
+            for i, v in enumerate(rec["variants"])]
+    return base, rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m sim.step_plan", description=(__doc__ or "").split("\n    python -m")[0],
@@ -979,14 +1057,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from-json", type=Path, metavar="JSON",
                    help="print the tables of a record written by --json, without replaying anything")
     args = p.parse_args(argv)
-    if args.json is not None and not args.json.parent.is_dir():
-        p.error(f"--json: no folder {args.json.parent}")
+    if args.json is not None and (why := json_target_problem(args.json)):
+        p.error(f"--json: {why}")
     if args.from_json is not None:
         try:
-            rec = json.loads(args.from_json.read_text())
-            base = [BaselineRow(**b) for b in rec["baseline"]]
-            rows = [VariantRow(**{**v, "plans": [PlanFigures(**pf) for pf in v["plans"]]}) for v in rec["variants"]]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            base, rows = load_record(args.from_json)
+        except (OSError, ValueError) as exc:
             p.error(f"--from-json: cannot read {args.from_json} as a record of this study: {exc}")
         print_summary(base, rows)
         print_tables(base, rows)

@@ -36,6 +36,7 @@ from gpumem.specs import open_device
 from gpumem.trace import Trace, load_trace
 from gpumem.trace.corpus import CorpusPart, corpus_traces
 
+from sim.cli_checks import json_target_problem
 from sim.step_plan import DEVICE_SPEC, MEMORY_FIRST_POLICY, Lifetimes, Signature, find_period, signatures, split_steps
 
 DEFAULT_TRACES = ("gpt2_fp32_train_h200", "resnet50_train_h200")
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timings", default="idle,trace", help="GPU timings, comma-separated (default: %(default)s)")
     ap.add_argument("--json", type=Path, help="write the rows here as JSON")
     args = ap.parse_args(argv)
+    if args.json is not None and (why := json_target_problem(args.json)):
+        ap.error(f"--json: {why}")
     paths = {p.name: p for part in CorpusPart for p in corpus_traces(part)}
     rows: list[EngineRow] = []
     for name in args.traces:

@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
         if args.search == "seq_len":   # the prompt length is the answer, not --prompt-len (unused then)
             out["prompt_len"] = r.simulated
         out.update(dtype=name, weight_format=None if args.weight_fmt is None else args.weight_fmt.name,
-                   n_params=shape.n_params, context_len=args.context_len, warnings=[note] if note else [])
+                   n_params=shape.n_params, context_len=args.context_len,
+                   warnings=[w for w in (note, r.bound) if w])
         print(json.dumps(out, indent=2))
     else:
         what = "batch" if args.search == "batch" else "prompt length"
@@ -131,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"does not fit: {r.reason}")
         if note:
             print(f"warning: {note}")
+        if r.bound:
+            print(f"warning: {r.bound}")
     if r.reason and args.json:  # the text says it on standard output
         log.warning("does not fit: %s", r.reason)
     return 0 if r.simulated >= 1 else EXIT_OOM

@@ -408,6 +408,9 @@ class FitResult:
     batch_size: int = 1
     """The batch of a ``seq_len`` search."""
     training: bool = False
+    bound: str = ""
+    """Why the search stopped below the ``max_value`` it was given (empty when it did not): a sliding window
+    bounds a ``seq_len`` search (Note [Sliding window])."""
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
@@ -500,11 +503,18 @@ class _Probes:
 
     def skip_gallop(self, lim: int, max_value: int, rule: str, known: int = 0) -> None:
         """Note [Gallop skipped]: replay powers of two downwards from the largest whose live bytes fit ``lim``
-        to the first that fits, ``P``; the gallop's sizes below ``P`` are then taken as fitting. ``known``: a
-        power of two known to fit within ``lim`` (``P`` when none above it fits)."""
-        top = 1 << max(0, max_value.bit_length() - 1)
-        while top > known and self.peak(top) > lim:
-            top //= 2
+        (reached by doubling from ``known`` or 1, at most ``max_value``) to the first that fits, ``P``; the
+        gallop's sizes below ``P`` are then taken as fitting. ``known``: a power of two known to fit within
+        ``lim`` (``P`` when none above it fits), its live bytes and those of the powers of two below it
+        within ``lim``."""
+        if max_value < 1:
+            raise InvalidArgumentError(f"max_value must be a positive whole number, got {max_value!r}")
+        top = max(known, 1)
+        if known < 1 and self.peak(1) > lim:
+            top = 0
+        else:  # doubling, not halving from max_value: Note [Gallop skipped], workloads built
+            while top * 2 <= max_value and self.peak(top * 2) <= lim:
+                top *= 2
         p = top
         while p > known:
             ok = self.replayed(p, lim)
@@ -531,6 +541,11 @@ def _halving_start(start: int | None, estimate: int, max_value: int) -> int:
 #     powers of two below ``P`` are answered "fits" without a replay (rule ``"..., assumed"``), for the gallop
 #     and the halving retry; every other size the search asks is replayed (or shared: Note [Probes share
 #     replays]). Under the usable memory ``P`` of the margin's limit fits too, so that search starts from it.
+#     The largest power whose live bytes fit is reached by doubling from 1 (a workload built per size, no
+#     replay): the estimate's own gallop builds those sizes (its limit, the usable memory, is at least the
+#     margin's), so no workload is built that the search without the skip does not build. Halving down from
+#     ``max_value`` built sizes far past any device, which the builder refuses (``--max 2**40``: "371
+#     allocations add up to more than 2**63 - 1 bytes") where the plain search answered.
 #     The search then asks what it asked before, in the same order, and gets the same answers, hence the same
 #     result, whenever one assumption holds: *every power of two below a power of two that fits fits too*.
 #     That is the bisection's own assumption (the probe is monotone in the size), made only at half the
@@ -629,11 +644,22 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         tries: list[FitTry] = []
 
         extra_tokens = 0 if training else new_tokens
+        bound = ""
         if search == "batch":
             shape.check_tokens(prompt_len + extra_tokens)
         elif shape.sliding_window:  # Note [Sliding window]: the search stays within the window
             shape.check_tokens(1 + extra_tokens)
-            max_value = min(max_value, shape.sliding_window - extra_tokens)
+            room = shape.sliding_window - extra_tokens
+            if room < 1:
+                raise InvalidArgumentError(
+                    f"find_max_batch: {extra_tokens} new tokens >= the sliding window of {shape.sliding_window} "
+                    f"tokens: no prompt length keeps the sequence within the window, where the seq_len search "
+                    f"stays (give fewer new tokens, or search the batch)")
+            if room < max_value:
+                seq = f"the sequence (prompt + {extra_tokens} new tokens)" if extra_tokens else "the sequence"
+                bound = (f"{'sequence' if training else 'prompt'} lengths searched up to {room}, not {max_value}: "
+                         f"{seq} stays within the sliding window of {shape.sliding_window} tokens")
+                max_value = room
 
         def sizes(v: int) -> tuple[int, int]:
             return (v, prompt_len) if search == "batch" else (batch_size, v)
@@ -680,7 +706,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                           f"{format_bytes(limit)} (the usable {format_bytes(usable)} less the margin)")
         return FitResult(search, policy, dev.spec, usable, limit, margin, simulated, estimate, halving, binary, first,
                          tries, weights_total, reason, prompt_len=prompt_len,
-                         new_tokens=0 if training else new_tokens, batch_size=batch_size, training=training)
+                         new_tokens=0 if training else new_tokens, batch_size=batch_size, training=training,
+                         bound=bound)
     except OutOfMemoryError as exc:  # the device itself could not be opened with room: report as no fit
         raise InvalidArgumentError(f"find_max_batch: {exc}") from exc
     finally:

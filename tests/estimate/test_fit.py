@@ -1,9 +1,12 @@
 """find_max_batch and peak reserved by replay, on small simulated profiles."""
 
+import dataclasses
+import json
 import re
 
 import pytest
 
+from gpumem.cli import main
 from gpumem.errors import InvalidArgumentError
 from gpumem.estimate import ModelShape, estimate_peak_reserved, find_max_batch, inference_trace
 from gpumem.estimate.fit import _replay
@@ -114,3 +117,38 @@ def test_progress_bar_names_its_unit_apart_from_the_count(monkeypatch: pytest.Mo
     text = out.getvalue()
     assert "fit batch" in text and " replay" in text
     assert not re.search(r"\dreplay", text), text
+
+
+WINDOWED = dataclasses.replace(TINY, sliding_window=8)
+
+
+@pytest.mark.parametrize("new_tokens", [8, 16])
+def test_seq_len_search_refuses_new_tokens_that_fill_the_window(new_tokens):
+    # once: max_value became 8 - new_tokens (0 or -8), the halving answer -8, and a prompt of 8 was replayed
+    with pytest.raises(InvalidArgumentError, match=f"{new_tokens} new tokens >= the sliding window of 8"):
+        find_max_batch(WINDOWED, 2, device=DEVICE, search="seq_len", new_tokens=new_tokens)
+
+
+def test_seq_len_search_says_when_the_window_bounds_it():
+    r = find_max_batch(WINDOWED, 2, device=DEVICE, search="seq_len", new_tokens=3, max_value=100)
+    assert r.simulated == r.binary_search == 5
+    assert r.bound.startswith("prompt lengths searched up to 5, not 100") and "sliding window of 8" in r.bound
+    assert max(t.value for t in r.tries) <= 5  # nothing replayed above the bound
+    assert find_max_batch(WINDOWED, 2, device=DEVICE, search="seq_len", new_tokens=3, max_value=4).bound == ""
+    assert find_max_batch(WINDOWED, 2, device=DEVICE, new_tokens=3, max_value=4).bound == ""
+
+
+def test_cli_fit_seq_len_names_the_window(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "mistral", "hidden_size": 512, "intermediate_size": 1376,
+                               "num_hidden_layers": 4, "vocab_size": 8000, "num_attention_heads": 8,
+                               "num_key_value_heads": 8, "sliding_window": 8, "torch_dtype": "bfloat16"}))
+    argv = ["fit", "--hf-config", str(cfg), "--device", DEVICE, "--search", "seq_len"]
+    assert main([*argv, "--new-tokens", "3"]) == 0
+    assert "warning: prompt lengths searched up to 5, not 4096" in capsys.readouterr().out
+    assert main([*argv, "--new-tokens", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["simulated"] == 5 and any("sliding window of 8" in w for w in out["warnings"])
+    assert main([*argv, "--new-tokens", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "16 new tokens >= the sliding window of 8" in err and len(err.strip().splitlines()) == 1

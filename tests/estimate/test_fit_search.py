@@ -29,6 +29,7 @@ class FakeReplays:
         self.fits = fits
         self.alloc_per_size = alloc_per_size
         self.replayed: list[tuple[int, int]] = []
+        self.built: set[int] = set()  # the sizes whose workload was built
 
     def probes(self, usable: int, tries: list[FitTry]) -> _Probes:
         def replay(w: _Trace, v: int, room: int) -> ReservedEstimate:
@@ -36,7 +37,11 @@ class FakeReplays:
             ok = self.fits[room][v]
             return ReservedEstimate("fake", "fake", w.peak_nbytes, room if ok else room + 1, ok)
 
-        return _Probes(lambda v: _Trace(v * self.alloc_per_size), replay, lambda v, r: AssertionError(v),
+        def workload(v: int) -> _Trace:
+            self.built.add(v)
+            return _Trace(v * self.alloc_per_size)
+
+        return _Probes(workload, replay, lambda v, r: AssertionError(v),
                        usable, False, NoProgress(), tries)
 
 
@@ -89,6 +94,9 @@ def test_skipping_the_gallop_keeps_every_answer_where_its_assumption_holds(case)
     assumed = {(t.value, limit if t.rule.startswith("simulated") else usable) for t in asked
                if t.rule.endswith("assumed")}
     assert not assumed & set(skip.replayed)
+    # and it built no workload the plain search did not build (a size past the device may be one the builder
+    # refuses: Note [Gallop skipped])
+    assert skip.built <= plain.built
 
 
 def test_an_assumed_size_is_a_power_of_two_below_one_replayed_to_fit():
@@ -176,3 +184,15 @@ def test_a_decode_limited_not_monotone_case_answers_as_the_plain_search():
 def test_skip_gallop_must_be_a_bool():
     with pytest.raises(InvalidArgumentError, match="skip_gallop"):
         find_max_batch(TINY, 2, device="sim:gtx-1050-2gb", prompt_len=16, skip_gallop="yes")
+
+
+@pytest.mark.parametrize("max_value", [2**40, 10**23])
+def test_a_huge_max_answers_as_the_plain_search(max_value):
+    # the powers of two were once found by halving from max_value: 2**40's workload has 371 allocations over
+    # 2**63 - 1 bytes, which the builder refuses, and the whole search failed where the plain search answers
+    kw = dict(device="sim:gtx-1050-2gb", prompt_len=64, new_tokens=2, max_value=max_value)
+    got, want = find_max_batch(TINY, 2, **kw), find_max_batch(TINY, 2, skip_gallop=False, **kw)
+    assert _answers(got) == _answers(want)
+    assert (want.simulated, want.estimate, want.halving, want.binary_search) == (1119, 1290, 1024, 1131)
+    assert _path(got.tries) == _path(want.tries)
+    assert max(t.value for t in got.tries) <= max(t.value for t in want.tries)

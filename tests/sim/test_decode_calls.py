@@ -55,3 +55,16 @@ def test_the_ring_counts_every_step() -> None:
     assert [(w.first, w.last) for w in run.windows] == [(1, 10), (11, 20), (21, 25)]
     assert run.peak_allocated_nbytes >= (64 << 20) + 4 * (64 + 25) * 4096
     assert run.peak_reserved_nbytes >= run.peak_allocated_nbytes
+
+
+def test_a_json_target_that_cannot_be_written_is_refused_before_the_runs(tmp_path, monkeypatch, capsys) -> None:
+    def no_run(*args: object, **kw: object) -> None:
+        raise AssertionError("the study ran")
+
+    monkeypatch.setattr(dc, "decode_run", no_run)
+    monkeypatch.setattr(dc, "corpus_rows", no_run)
+    for extra in ([], ["--corpus", "tuning"]):
+        for target, match in ((tmp_path, "is a folder"), (tmp_path / "no" / "r.json", "no folder")):
+            with pytest.raises(SystemExit) as exc:
+                dc.main([*extra, "--json", str(target)])
+            assert exc.value.code == 2 and match in capsys.readouterr().err

@@ -5,6 +5,8 @@ is refused with a specific error."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 
 import numpy as np
 import pytest
@@ -391,3 +393,79 @@ def test_the_resource_never_hands_out_overlapping_live_ranges(data: st.DataObjec
                 res.free(p)
         finally:
             res.close()
+
+
+def _record() -> dict:
+    sv = {k: 0.5 for k in sp._SERVE_FLOATS} | {k: 7 for k in sp._SERVE_INTS}
+    base = sp.BaselineRow("tuning", "t", 1 << 20, 0.1, 0.2, 0.0, 0.0, 0.05, 1.0, 0.0, 3)
+    row = sp.VariantRow("tuning", "t", "exact", 4, 3, 0.9, 0.9, 10, 1 << 20, 0, 1 << 19,
+                        [sp.PlanFigures("first-fit", 1 << 19, 0.0, 0.1, 0.001)], {"after 2 steps, idle": sv})
+    return {"device": "sim:h200-141gb", "baseline": [dataclasses.asdict(base)],
+            "variants": [dataclasses.asdict(row)]}
+
+
+def _bad(rec: dict, where: str, key: str, value: object) -> dict:
+    rec[where][0][key] = value
+    return rec
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda r: _bad(r, "baseline", "overhead_idle", "x"), r"baseline\[0\].overhead_idle: float expected, got str"),
+    (lambda r: _bad(r, "baseline", "steady_steps", 2.5), r"baseline\[0\].steady_steps: int expected"),
+    (lambda r: _bad(r, "baseline", "peak_live_nbytes", 10**30), "int of over 40 digits|int expected"),
+    (lambda r: _bad(r, "baseline", "steady_steps", True), "int expected, got bool"),
+    (lambda r: _bad(r, "variants", "serve", [1]), r"variants\[0\].serve: a JSON object expected, got list"),
+    (lambda r: _bad(r, "variants", "serve", {"x": {}}), r"serve\['x'\]: missing overhead"),
+    (lambda r: _bad(r, "variants", "serve", {"x": 1}), r"serve\['x'\]: a JSON object expected, got int"),
+    (lambda r: _bad(r, "variants", "plans", {"a": 1}), r"plans: a JSON list expected, got dict"),
+    (lambda r: _bad(r, "variants", "plans", [{"planner": "x"}]), r"plans\[0\]: missing height_nbytes"),
+    (lambda r: _bad(r, "variants", "nonsense", 1), r"variants\[0\]: unknown nonsense"),
+    (lambda r: {k: v for k, v in r.items() if k != "baseline"}, "baseline: a JSON list expected, got NoneType"),
+    (lambda r: [r], "a JSON object expected, got list"),
+])
+def test_a_hostile_record_is_refused_in_one_line(tmp_path, capsys: pytest.CaptureFixture[str], mutate,
+                                                 match: str) -> None:
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_record()))
+    assert sp.main(["--from-json", str(good)]) == 0
+    assert "| t |" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(mutate(_record())))
+    with pytest.raises(SystemExit) as exc:
+        sp.main(["--from-json", str(bad)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m sim.step_plan: error: --from-json: cannot read") and re.search(match, err)
+
+
+def test_a_record_nested_too_deep_is_refused_in_one_line(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(SystemExit) as exc:
+        sp.main(["--from-json", str(deep)])
+    assert exc.value.code == 2 and "nested too deep" in capsys.readouterr().err
+
+
+def test_a_json_target_that_cannot_be_written_is_refused_before_the_study(tmp_path, monkeypatch,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    def no_study(*args: object, **kw: object) -> None:
+        raise AssertionError("the study ran")
+
+    monkeypatch.setattr(sp, "load_trace", no_study)
+    for target, match in ((tmp_path, "is a folder"), (tmp_path / "no" / "r.json", "no folder")):
+        with pytest.raises(SystemExit) as exc:
+            sp.main(["--traces", "multistream_infer", "--json", str(target)])
+        assert exc.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_the_engine_study_refuses_a_json_target_before_it_runs(tmp_path, monkeypatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from sim import step_plan_engine
+
+    def no_study(*args: object, **kw: object) -> None:
+        raise AssertionError("the study ran")
+
+    monkeypatch.setattr(step_plan_engine, "load_trace", no_study)
+    with pytest.raises(SystemExit) as exc:
+        step_plan_engine.main(["--json", str(tmp_path)])
+    assert exc.value.code == 2 and f"--json: {tmp_path} is a folder" in capsys.readouterr().err

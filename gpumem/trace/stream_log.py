@@ -531,19 +531,28 @@ class _Blocks:
     overlap in a snapshot (its reader refuses an address reused while live), so the one live at ``p``
     can only be the last one made before ``p``: one bisection. An address whose lives overlap (a .gmt or
     a hand-built trace may have that) is walked as before, lowest id first, so the answer is the one the
-    walk gave. A pointer inside a block (not its start) takes one numpy pass over every allocation.
-    Placing by time (:func:`_by_time`) looks for the position nearest its first guess, within
-    :data:`TIME_TOLERANCE_US`, at which an allocation holds ``ptr``: each holder's life clipped to that
-    window, the point nearest the guess in each, the nearest of these (the earlier on a tie), all in
-    numpy over the holders, where trying every position of the window made one numpy pass per position.
+    walk gave. Blocks holding ``ptr`` inside (past their start) are found among the blocks sorted by
+    address: those below ``ptr`` and past the first whose running largest end passes it (usually none;
+    a large block low in a segment that small ones later reuse makes it more). Placing by time
+    (:func:`_by_time`) looks for the position nearest its first guess, within :data:`TIME_TOLERANCE_US`,
+    at which an allocation holds ``ptr``: each holder's life clipped to that window (at ``ptr`` itself
+    only the lives meeting the window, by bisection), the point nearest the guess in each, the nearest of
+    these (the earlier on a tie), in numpy; trying every position of the window made one numpy pass over
+    every allocation per position.
     """
 
     def __init__(self, alloc_pos: np.ndarray, free_pos: np.ndarray, addr: np.ndarray, extent: np.ndarray) -> None:
-        self.alloc_pos, self.free_pos, self.addr, self.extent = alloc_pos, free_pos, addr, extent
+        self.alloc_pos, self.free_pos = alloc_pos, free_pos
         order = np.argsort(addr, kind="stable")   # by address, then by id (= by position)
+        self._order = order
         self._ids = order.tolist()
         self._apos = alloc_pos[order].tolist()
-        sorted_addr = addr[order]
+        self._fpos = free_pos[order].tolist()
+        self._sorted_addr = sorted_addr = addr[order]
+        self._sorted_end = (addr + extent)[order]
+        # the largest end of the blocks at or below each address: those before the first that passes ptr
+        # cannot hold it
+        self._reach = np.maximum.accumulate(self._sorted_end) if len(order) else self._sorted_end
         starts = np.flatnonzero(np.r_[True, sorted_addr[1:] != sorted_addr[:-1]]) if len(order) else order
         ends = np.r_[starts[1:], len(order)]
         # lives overlap where the next allocation at the address is made before this one is freed
@@ -553,10 +562,13 @@ class _Blocks:
         self._at = {a: (s, e, bool(n_overlap[e - 1] - n_overlap[s]))
                     for a, s, e in zip(sorted_addr[starts].tolist(), starts.tolist(), ends.tolist())}
 
-    def exact_ids(self, ptr: int) -> list[int]:
-        """The allocations made at exactly ``ptr``, by id."""
-        s, e, _ = self._at.get(ptr, (0, 0, False))
-        return self._ids[s:e]
+    def _inside(self, ptr: int) -> np.ndarray:
+        """The allocations holding ``ptr`` past their start (whenever they lived), by address."""
+        below = int(np.searchsorted(self._sorted_addr, ptr, side="left"))
+        first = int(np.searchsorted(self._reach, ptr, side="right"))
+        if first >= below:
+            return self._order[:0]
+        return self._order[first:below][self._sorted_end[first:below] > ptr]
 
     def live_at(self, p: int, ptr: int) -> int | None:
         """The allocation live before op ``p`` (made before it, freed at it or later) that holds ``ptr``: one
@@ -566,20 +578,27 @@ class _Blocks:
             s, e, overlapping = found
             if overlapping:
                 for j in range(s, e):
-                    aid = self._ids[j]
-                    if self.alloc_pos[aid] < p <= self.free_pos[aid]:
-                        return aid
+                    if self._apos[j] < p <= self._fpos[j]:
+                        return self._ids[j]
             else:
                 j = bisect.bisect_left(self._apos, p, s, e) - 1
-                if j >= s and self.free_pos[self._ids[j]] >= p:
+                if j >= s and self._fpos[j] >= p:
                     return self._ids[j]
-        hit = np.flatnonzero((self.alloc_pos < p) & (self.free_pos >= p) & (self.addr <= ptr)
-                             & (ptr < self.addr + self.extent))
-        return int(hit[0]) if len(hit) else None
+        h = self._inside(ptr)
+        live = h[(self.alloc_pos[h] < p) & (self.free_pos[h] >= p)]
+        return int(live.min()) if len(live) else None
 
-    def holders(self, ptr: int) -> np.ndarray:
-        """Every allocation whose bytes hold ``ptr``, by id (whenever it lived)."""
-        return np.flatnonzero((self.addr <= ptr) & (ptr < self.addr + self.extent))
+    def holders_near(self, ptr: int, lo: int, hi: int) -> np.ndarray:
+        """The allocations holding ``ptr`` (at their start or inside), among them all whose life meets
+        positions ``lo .. hi`` (some others too)."""
+        parts = [self._inside(ptr)]
+        found = self._at.get(ptr)
+        if found is not None:
+            s, e, overlapping = found
+            if not overlapping:   # lives in order: those freed at lo or later and made before hi
+                s, e = bisect.bisect_left(self._fpos, lo, s, e), bisect.bisect_left(self._apos, hi, s, e)
+            parts.append(self._order[s:max(s, e)])
+        return np.concatenate(parts)
 
 
 def _by_time(u: LoggedUse, times: np.ndarray, blocks: _Blocks) -> tuple[int, int | None]:
@@ -593,7 +612,7 @@ def _by_time(u: LoggedUse, times: np.ndarray, blocks: _Blocks) -> tuple[int, int
         return p, aid
     lo = int(np.searchsorted(times, t - TIME_TOLERANCE_US, side="left"))
     hi = int(np.searchsorted(times, t + TIME_TOLERANCE_US, side="right"))
-    h = blocks.holders(u.ptr)
+    h = blocks.holders_near(u.ptr, lo, hi)
     first = np.maximum(blocks.alloc_pos[h] + 1, lo)    # each holder's life, (alloc, free], within [lo, hi]
     last = np.minimum(blocks.free_pos[h], hi)
     ok = first <= last

@@ -31,7 +31,11 @@ def _load(args: argparse.Namespace):
                 option = ("--device-index" if args.device_index is not None else
                           "--stream-uses (a log of PyTorch's allocator; gpumem's own traces record their uses)")
                 raise _UsageError(f"{option} applies to PyTorch snapshots only; {args.trace} is read as {fmt}")
-        trace = load_trace(args.trace, format=args.format, device=args.device_index)
+        rs = None if args.stream_uses is None else _read_stream_log(args)
+        # the log's device picks the snapshot's (a log of another device is then refused by the loader)
+        device = args.device_index if rs is None or args.device_index is not None else rs.only_device()
+        from_log = f" (device {device}, the --stream-uses log's)" if device != args.device_index else ""
+        trace = load_trace(args.trace, format=args.format, device=device)
     except FileNotFoundError:
         _check_trace_path(args.trace)
         raise _UsageError(f"no such trace file: {_shorten_path(args.trace)}") from None
@@ -40,19 +44,32 @@ def _load(args: argparse.Namespace):
     except TraceFormatError as exc:
         if "is a directory" in str(exc).lower():  # the readers' own check
             raise _UsageError(_folder_message(args.trace)) from None
-        raise _UsageError(f"cannot read the trace: {_cli_names(str(exc))}") from None
+        raise _UsageError(f"cannot read the trace{from_log}: {_cli_names(str(exc))}") from None
     except OSError as exc:  # permission denied, an I/O error
         raise _UsageError(f"cannot read the trace {_shorten_path(args.trace)}: {exc.strerror or exc}") from None
-    return trace if args.stream_uses is None else _merge_stream_uses(args, trace)
+    return trace if rs is None else _merge_stream_uses(args, trace, rs, device)
 
 
-def _merge_stream_uses(args: argparse.Namespace, trace: Any) -> Any:
-    """``trace`` with the record_stream log of ``--stream-uses`` merged (gpumem.trace.stream_log)."""
-    from ..trace.stream_log import merge_stream_uses, read_record_stream_log
+def _read_stream_log(args: argparse.Namespace) -> Any:
+    """The record_stream log of ``--stream-uses`` (gpumem.trace.stream_log)."""
+    from ..trace.stream_log import read_record_stream_log
 
     try:
-        rs = read_record_stream_log(args.stream_uses)
-        merged, report = merge_stream_uses(trace, rs, device=args.device_index, where=args.stream_uses)
+        return read_record_stream_log(args.stream_uses)
+    except FileNotFoundError:
+        raise _UsageError(f"--stream-uses: no such file: {_shorten_path(args.stream_uses)}") from None
+    except TraceFormatError as exc:
+        raise _UsageError(f"--stream-uses: {_cli_names(str(exc))}") from None
+    except OSError as exc:
+        raise _UsageError(f"--stream-uses: cannot read {_shorten_path(args.stream_uses)}: {exc.strerror or exc}") from None
+
+
+def _merge_stream_uses(args: argparse.Namespace, trace: Any, rs: Any, device: int | None) -> Any:
+    """``trace`` (of snapshot device ``device``) with the record_stream log ``rs`` merged."""
+    from ..trace.stream_log import merge_stream_uses
+
+    try:
+        merged, report = merge_stream_uses(trace, rs, device=device, where=args.stream_uses)
     except FileNotFoundError:
         raise _UsageError(f"--stream-uses: no such file: {_shorten_path(args.stream_uses)}") from None
     except (TraceFormatError, InvalidArgumentError) as exc:
@@ -246,7 +263,7 @@ def register(sub: Any, formatter_class: Any) -> None:
                         "and the file name")
     p.add_argument("--device-index", type=_device_index, default=None, metavar="N",
                    help="for a PyTorch snapshot of several GPUs: replay GPU N's trace (needed when more than one "
-                        "GPU has one)")
+                        "GPU has one; with --stream-uses, the device of the log's calls by default)")
     p.add_argument("--gpu-timing", choices=[t.value for t in GpuTiming], default=None,
                    help="how the program's GPU work runs beside the replay, so that memory is freed while work "
                         "that used it may still be queued: 'trace' (GPU time from the trace's clock), 'model' "

@@ -34,6 +34,7 @@ made it and changes nothing in a replay (the allocator ignores it, as PyTorch's 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -44,8 +45,10 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from ..units import format_bytes
+from .limits import shorten
 
 _INT64_MAX = 2**63 - 1
+_STREAM_RANGE = "stream must be in [0, 2**63) (a cudaStream_t, as a .gmt file stores it)"
 
 __all__ = ["OpKind", "TraceOp", "TraceSummary", "Trace", "SOURCES", "StreamUse", "StreamWait"]
 
@@ -208,6 +211,7 @@ class Trace:
             raise InvalidArgumentError("Trace.stream_waits must hold StreamWait objects")
         self.stream_waits = waits
         self.validate()
+        self.stream_uses, self.stream_waits = _float_times(self.stream_uses), _float_times(self.stream_waits)
         live = self.n_allocs - int(np.count_nonzero(self.kinds == OpKind.FREE))
         if self.n_live_at_end not in (0, live):
             raise InvalidArgumentError(f"n_live_at_end={self.n_live_at_end} but the ops leave {live} allocations live")
@@ -228,10 +232,11 @@ class Trace:
         n_ops = self.n_ops
         last = 0
         for k, w in enumerate(self.stream_waits):
-            where = f"stream wait {k} (stream {w.stream} waits for stream {w.waited} before op {w.at_op})"
+            where = (f"stream wait {k} (stream {_show(w.stream)} waits for stream {_show(w.waited)} before op "
+                     f"{_show(w.at_op)})")
             _check_placed_event(where, w, ("at_op", "stream", "waited"), last, n_ops, "waits")
-            if not (-2**63 < w.stream < 2**63 and -2**63 < w.waited < 2**63):
-                raise InvalidArgumentError(f"{where}: stream out of the 64-bit range")
+            if not (0 <= w.stream <= _INT64_MAX and 0 <= w.waited <= _INT64_MAX):
+                raise InvalidArgumentError(f"{where}: {_STREAM_RANGE}")
             _check_time_us(where, w.time_us)
             last = w.at_op
 
@@ -244,14 +249,15 @@ class Trace:
         free_pos[self.alloc_ids[frees]] = frees
         last = 0
         for k, u in enumerate(self.stream_uses):
-            where = f"stream use {k} (record_stream of id {u.alloc_id} on stream {u.stream} before op {u.at_op})"
+            where = (f"stream use {k} (record_stream of id {_show(u.alloc_id)} on stream {_show(u.stream)} before op "
+                     f"{_show(u.at_op)})")
             _check_placed_event(where, u, ("at_op", "alloc_id", "stream"), last, n_ops, "uses")
             if not 0 <= u.alloc_id < len(alloc_pos) or alloc_pos[u.alloc_id] >= u.at_op:
                 raise InvalidArgumentError(f"{where}: the allocation is not made before it")
             if free_pos[u.alloc_id] < u.at_op:
                 raise InvalidArgumentError(f"{where}: the allocation is freed (op {free_pos[u.alloc_id]}) before it")
-            if not -2**63 < u.stream < 2**63:
-                raise InvalidArgumentError(f"{where}: stream out of the 64-bit range")
+            if not 0 <= u.stream <= _INT64_MAX:
+                raise InvalidArgumentError(f"{where}: {_STREAM_RANGE}")
             _check_time_us(where, u.time_us)
             last = u.at_op
 
@@ -523,6 +529,26 @@ def _check_placed_event(where: str, event: object, int_fields: tuple[str, ...], 
 
 
 def _check_time_us(where: str, t: object) -> None:
-    """A finite time in microseconds (bool refused)."""
-    if type(t) is bool or not isinstance(t, (int, float, np.integer, np.floating)) or not math.isfinite(t):
-        raise InvalidArgumentError(f"{where}: time_us must be a finite number, not {t!r:.40}")
+    """A finite time in microseconds that a float holds (bool refused; an int too large for a float is refused
+    here, where ``math.isfinite`` raised OverflowError)."""
+    if type(t) is bool or not isinstance(t, (int, float, np.integer, np.floating)):
+        raise InvalidArgumentError(f"{where}: time_us must be a finite number, not {_show(t)}")
+    try:
+        finite = math.isfinite(float(t))
+    except OverflowError:
+        finite = False
+    if not finite:
+        raise InvalidArgumentError(f"{where}: time_us must be a finite number that a float holds, not {_show(t)}")
+
+
+def _float_times(events: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``events`` (stream uses or waits, checked) with each ``time_us`` a float, as a .gmt file stores it: an
+    int time of 10**30 would otherwise come back from a write and a read as another number."""
+    if all(type(e.time_us) is float for e in events):
+        return events
+    return tuple(e if type(e.time_us) is float else dataclasses.replace(e, time_us=float(e.time_us)) for e in events)
+
+
+def _show(v: object) -> str:
+    """``v`` for an error message, however large (``str`` of an int of over 4,300 digits raises)."""
+    return shorten(int(v)) if isinstance(v, np.integer) else shorten(v)

@@ -52,9 +52,11 @@ Not seen: waits made from C++ or through ``torch.cuda.Event.wait`` / ``Stream.wa
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,7 +70,7 @@ from ._fileio import PathLike, iter_lines, open_binary, open_for_writing
 from .limits import DEFAULT_LIMITS, TraceLimits, shorten
 from .model import OpKind, StreamUse, StreamWait, Trace
 
-__all__ = ["LOG_FORMAT", "LOG_VERSION", "TIME_TOLERANCE_US", "LoggedUse", "LoggedWait", "RecordStreamLog",
+__all__ = ["LOG_FORMAT", "LOG_VERSION", "TIME_TOLERANCE_US", "CLOCK_SLACK_US", "LoggedUse", "LoggedWait", "RecordStreamLog",
            "RecordStreamLogger",
            "MergeReport", "merge_stream_uses", "read_record_stream_log", "write_record_stream_log",
            "load_trace_with_stream_uses", "unknown_stream_uses"]
@@ -81,7 +83,13 @@ LOG_VERSION = 1
 #: (Note [Placing a logged record_stream among a snapshot's ops]): PyTorch's cycle-counter times are
 #: converted to Unix time by a linear fit, a few microseconds off.
 TIME_TOLERANCE_US = 100.0
+#: How far (microseconds) a PyTorch snapshot's log may have calls outside the snapshot's times before a merge
+#: warns that it may be another run's (both are Unix time).
+CLOCK_SLACK_US = 10e6
 _INT64_MAX = 2**63 - 1
+_DEVICE_KEY = re.compile(r"[0-9]{1,19}")
+"""A device number as a ``base_counts`` key: ASCII digits (``str.isdigit`` takes "²", which ``int`` refuses),
+few enough that ``int`` never meets Python's limit on digits."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +137,11 @@ class RecordStreamLog:
     def devices(self) -> list[int]:
         """The devices the uses and waits are on, sorted."""
         return sorted({u.device for u in self.uses} | {w.device for w in self.waits})
+
+    def only_device(self) -> int | None:
+        """The device all the calls are on; None when the log is empty or spans several devices."""
+        devices = self.devices()
+        return devices[0] if len(devices) == 1 else None
 
 
 class RecordStreamLogger:
@@ -311,7 +324,7 @@ def _check_header(h: Any, where: str) -> dict[str, Any]:
             raise TraceFormatError(where, f"line 1: {key!r} must be an integer >= 0")
     base = h.get("base_counts", {})
     if not isinstance(base, dict) or not all(
-            isinstance(d, str) and d.isdigit() and isinstance(c, list) and len(c) == 2 and all(map(_is_int, c))
+            isinstance(d, str) and _DEVICE_KEY.fullmatch(d) and isinstance(c, list) and len(c) == 2 and all(map(_is_int, c))
             for d, c in base.items()):
         raise TraceFormatError(where, "line 1: 'base_counts' must map device numbers to [allocations, frees]")
     return dict(h, base_counts=base)
@@ -326,11 +339,23 @@ def _parse_use(v: Any, where: str, lineno: int,
     if not (_is_int(device) and _is_int(ptr) and _is_int(stream)):
         names = ", ".join(shape.strip("[]").split(", ")[:3])
         raise TraceFormatError(where, f"line {lineno}: {names} must be integers in [0, 2**63)")
-    if type(t) not in (int, float) or not math.isfinite(t):
+    if _finite_time(t) is None:
         raise TraceFormatError(where, f"line {lineno}: time_us must be a finite number, not {shorten(t)}")
     if (n_allocs is None) != (n_frees is None) or not all(c is None or _is_int(c) for c in (n_allocs, n_frees)):
         raise TraceFormatError(where, f"line {lineno}: n_allocs and n_frees must both be integers >= 0, or both null")
-    return device, ptr, stream, float(t), n_allocs, n_frees
+    return device, ptr, stream, _finite_time(t), n_allocs, n_frees
+
+
+def _finite_time(t: Any) -> float | None:
+    """``t`` as a finite float, or None: not a number, NaN, infinite, or an integer too large for a float
+    (``math.isfinite`` raises OverflowError on one, where the reader must name the line)."""
+    if type(t) not in (int, float):
+        return None
+    try:
+        f = float(t)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
 
 
 # -- the merge -------------------------------------------------------------------------------------------
@@ -363,12 +388,17 @@ def merge_stream_uses(trace: Trace, rs: RecordStreamLog, *, device: int | None =
                       where: str = "<record_stream log>") -> tuple[Trace, MergeReport]:
     """``trace`` (a PyTorch snapshot's, one device) with the uses of ``rs`` on ``device`` as its
     :attr:`~gpumem.trace.Trace.stream_uses` and the waits as its :attr:`~gpumem.trace.Trace.stream_waits`,
-    and what was done. ``device`` None: the log's only device.
+    and what was done. ``device``: the snapshot's device the trace is of (its index in ``device_traces``);
+    None: the log's only device, which nothing can then check against the trace (callers that loaded the
+    snapshot pass it: :func:`load_trace_with_stream_uses` loads the log's device). A log whose calls lie far
+    outside a PyTorch snapshot's times (:data:`CLOCK_SLACK_US`) is merged with a warning. Ops of NaN time
+    take the time before them when calls are placed by time (:func:`_times_for_placing`).
 
     Raises:
         InvalidArgumentError: ``trace`` has stream uses or waits already, or the log holds several devices
             and ``device`` is None.
-        TraceFormatError (naming ``where`` and the use's index): the log has calls it could not log, a use
+        TraceFormatError (naming ``where`` and the use's index): the log is not empty and none of its calls
+            is on ``device`` (a log of another device: nothing would merge), the log has calls it could not log, a use
             names a stream that runs none of the trace's operations (the replay has no work there to
             wait for: the log is of another program, or the stream handle is not the snapshot's), or no
             allocation of the trace holds the pointer at that point; a wait names two streams of which neither
@@ -388,6 +418,9 @@ def merge_stream_uses(trace: Trace, rs: RecordStreamLog, *, device: int | None =
         if len(devices) > 1:
             raise InvalidArgumentError(f"{where}: uses on devices {devices}: pass device= to choose the trace's")
         device = devices[0] if devices else 0
+    elif devices and device not in devices:   # nothing of the log would merge: say so, never drop it silently
+        raise TraceFormatError(where, f"the log's calls are on device(s) {devices}, the trace is of device {device}: "
+                                      "a log of another device (or of another run)")
     picked = [(k, u) for k, u in enumerate(rs.uses) if u.device == device]
     n_ops = trace.n_ops
     kinds = trace.kinds
@@ -396,13 +429,11 @@ def merge_stream_uses(trace: Trace, rs: RecordStreamLog, *, device: int | None =
     free_pos = np.full(len(alloc_pos), n_ops, dtype=np.int64)
     frees = np.flatnonzero(~is_alloc)
     free_pos[trace.alloc_ids[frees]] = frees
-    addr = trace.addrs[alloc_pos]
-    extent = np.maximum(trace.nbytes[alloc_pos], 1)
+    blocks = _Blocks(alloc_pos, free_pos, trace.addrs[alloc_pos], np.maximum(trace.nbytes[alloc_pos], 1))
     allocs_before = np.concatenate(([0], np.cumsum(is_alloc, dtype=np.int64)))
-    times = np.maximum.accumulate(trace.times_us) if n_ops else trace.times_us
-    at_addr: dict[int, list[int]] = {}
-    for aid, a in enumerate(addr.tolist()):
-        at_addr.setdefault(a, []).append(aid)
+    times = _times_for_placing(trace.times_us)
+    _warn_if_clocks_differ(trace, [u.time_us for _, u in picked] + [w.time_us for w in rs.waits
+                                                                     if w.device == device], where)
     known = set(np.unique(trace.streams).tolist())
     base = rs.base_counts.get(device)
     counts_usable = trace.n_unmatched_frees == 0 and base is not None
@@ -420,9 +451,9 @@ def merge_stream_uses(trace: Trace, rs: RecordStreamLog, *, device: int | None =
                 p = a + f
         by_count = p is not None
         if by_count:   # the counts agree with the trace: they say exactly where the call was
-            aid = _live_at(p, u.ptr, at_addr, alloc_pos, free_pos, addr, extent)
+            aid = blocks.live_at(p, u.ptr)
         else:
-            p, aid = _by_time(u, times, at_addr, alloc_pos, free_pos, addr, extent)
+            p, aid = _by_time(u, times, blocks)
         if aid is None:
             at = f"after op {p - 1}" if by_count else f"time {u.time_us:.0f} us"
             raise TraceFormatError(where, f"record_stream of {u.ptr:#x} on stream {u.stream} ({at}): no allocation "
@@ -459,45 +490,153 @@ def merge_stream_uses(trace: Trace, rs: RecordStreamLog, *, device: int | None =
     return out, report
 
 
-def _live_at(p: int, ptr: int, at_addr: dict[int, list[int]], alloc_pos: np.ndarray, free_pos: np.ndarray,
-             addr: np.ndarray, extent: np.ndarray) -> int | None:
-    """The allocation live before op ``p`` (made before it, freed at it or later) that holds ``ptr``."""
-    for aid in at_addr.get(ptr, ()):
-        if alloc_pos[aid] < p <= free_pos[aid]:
-            return aid
-    hit = np.flatnonzero((alloc_pos < p) & (free_pos >= p) & (addr <= ptr) & (ptr < addr + extent))
-    return int(hit[0]) if len(hit) else None
+def _times_for_placing(times_us: np.ndarray) -> np.ndarray:
+    """The ops' times made non-decreasing for ``searchsorted`` (Note [Placing a logged record_stream among a
+    snapshot's ops]): each op at the latest time so far. A NaN time (a .gmt may hold one) is skipped: the op
+    takes the last finite time before it (-inf before the first), so that one NaN cannot carry to every later
+    op and send every call placed by time to the trace's start."""
+    if not len(times_us):
+        return times_us
+    return np.maximum.accumulate(np.where(np.isnan(times_us), -np.inf, times_us))
 
 
-def _by_time(u: LoggedUse, times: np.ndarray, at_addr: dict[int, list[int]], alloc_pos: np.ndarray,
-             free_pos: np.ndarray, addr: np.ndarray, extent: np.ndarray) -> tuple[int, int | None]:
+def _warn_if_clocks_differ(trace: Trace, times_us: list[float], where: str) -> None:
+    """Warn when a PyTorch snapshot's log has calls far (:data:`CLOCK_SLACK_US`) outside the snapshot's span:
+    both clocks are Unix microseconds, so the log is of another run (placing by the counts never looks at
+    the times, and would take it silently)."""
+    if trace.source != "pytorch-snapshot" or not times_us:
+        return
+    finite = trace.times_us[np.isfinite(trace.times_us)]
+    if not len(finite):
+        return
+    first, last = float(finite.min()), float(finite.max())
+    outside = [t for t in times_us if not first - CLOCK_SLACK_US <= t <= last + CLOCK_SLACK_US]
+    if outside:
+        log.warning("%s: %d of its %d call(s) on this device lie more than %.0f s outside the snapshot's times "
+                    "(%.0f .. %.0f us, Unix): is the log of another run?", where, len(outside), len(times_us),
+                    CLOCK_SLACK_US / 1e6, first, last)
+
+
+class _Blocks:
+    """The trace's allocations for looking up the one holding a pointer at a position (Note [Finding the
+    allocation live at a position]).
+
+    Note [Finding the allocation live at a position]
+    ------------------------------------------------
+    A merge asks, for each logged call, which allocation holds ``ptr`` at position ``p`` (made before
+    op ``p``, freed at op ``p`` or later). PyTorch reuses an address at once: a block used every step
+    comes back at the same address thousands of times, so walking every allocation ever made at the
+    address made a merge quadratic (about 35 s for 40,000 blocks at one address). The allocations are
+    grouped by address, in position order (ids are in position order); at one address lives do not
+    overlap in a snapshot (its reader refuses an address reused while live), so the one live at ``p``
+    can only be the last one made before ``p``: one bisection. An address whose lives overlap (a .gmt or
+    a hand-built trace may have that) is walked as before, lowest id first, so the answer is the one the
+    walk gave. Blocks holding ``ptr`` inside (past their start) are found among the blocks sorted by
+    address: those below ``ptr`` and past the first whose running largest end passes it (usually none;
+    a large block low in a segment that small ones later reuse makes it more). Placing by time
+    (:func:`_by_time`) looks for the position nearest its first guess, within :data:`TIME_TOLERANCE_US`,
+    at which an allocation holds ``ptr``: each holder's life clipped to that window (at ``ptr`` itself
+    only the lives meeting the window, by bisection), the point nearest the guess in each, the nearest of
+    these (the earlier on a tie), in numpy; trying every position of the window made one numpy pass over
+    every allocation per position.
+    """
+
+    def __init__(self, alloc_pos: np.ndarray, free_pos: np.ndarray, addr: np.ndarray, extent: np.ndarray) -> None:
+        self.alloc_pos, self.free_pos = alloc_pos, free_pos
+        order = np.argsort(addr, kind="stable")   # by address, then by id (= by position)
+        self._order = order
+        self._ids = order.tolist()
+        self._apos = alloc_pos[order].tolist()
+        self._fpos = free_pos[order].tolist()
+        self._sorted_addr = sorted_addr = addr[order]
+        self._sorted_end = (addr + extent)[order]
+        # the largest end of the blocks at or below each address: those before the first that passes ptr
+        # cannot hold it
+        self._reach = np.maximum.accumulate(self._sorted_end) if len(order) else self._sorted_end
+        starts = np.flatnonzero(np.r_[True, sorted_addr[1:] != sorted_addr[:-1]]) if len(order) else order
+        ends = np.r_[starts[1:], len(order)]
+        # lives overlap where the next allocation at the address is made before this one is freed
+        overlap = np.r_[(free_pos[order][:-1] >= alloc_pos[order][1:]) & (sorted_addr[:-1] == sorted_addr[1:]),
+                        False] if len(order) else np.zeros(0, bool)
+        n_overlap = np.r_[0, np.cumsum(overlap)]
+        self._at = {a: (s, e, bool(n_overlap[e - 1] - n_overlap[s]))
+                    for a, s, e in zip(sorted_addr[starts].tolist(), starts.tolist(), ends.tolist())}
+
+    def _inside(self, ptr: int) -> np.ndarray:
+        """The allocations holding ``ptr`` past their start (whenever they lived), by address."""
+        below = int(np.searchsorted(self._sorted_addr, ptr, side="left"))
+        first = int(np.searchsorted(self._reach, ptr, side="right"))
+        if first >= below:
+            return self._order[:0]
+        return self._order[first:below][self._sorted_end[first:below] > ptr]
+
+    def live_at(self, p: int, ptr: int) -> int | None:
+        """The allocation live before op ``p`` (made before it, freed at it or later) that holds ``ptr``: one
+        made at ``ptr`` first (the lowest id), else the lowest id of those holding it inside."""
+        found = self._at.get(ptr)
+        if found is not None:
+            s, e, overlapping = found
+            if overlapping:
+                for j in range(s, e):
+                    if self._apos[j] < p <= self._fpos[j]:
+                        return self._ids[j]
+            else:
+                j = bisect.bisect_left(self._apos, p, s, e) - 1
+                if j >= s and self._fpos[j] >= p:
+                    return self._ids[j]
+        h = self._inside(ptr)
+        live = h[(self.alloc_pos[h] < p) & (self.free_pos[h] >= p)]
+        return int(live.min()) if len(live) else None
+
+    def holders_near(self, ptr: int, lo: int, hi: int) -> np.ndarray:
+        """The allocations holding ``ptr`` (at their start or inside), among them all whose life meets
+        positions ``lo .. hi`` (some others too)."""
+        parts = [self._inside(ptr)]
+        found = self._at.get(ptr)
+        if found is not None:
+            s, e, overlapping = found
+            if not overlapping:   # lives in order: those freed at lo or later and made before hi
+                s, e = bisect.bisect_left(self._fpos, lo, s, e), bisect.bisect_left(self._apos, hi, s, e)
+            parts.append(self._order[s:max(s, e)])
+        return np.concatenate(parts)
+
+
+def _by_time(u: LoggedUse, times: np.ndarray, blocks: _Blocks) -> tuple[int, int | None]:
     """Place ``u`` after every op of time <= its own; else take the allocation holding ``ptr`` live within
-    :data:`TIME_TOLERANCE_US` and move the use inside its life (the Note)."""
+    :data:`TIME_TOLERANCE_US` and move the use inside its life, at the position nearest the first guess (the
+    earlier on a tie; the Notes)."""
     t = u.time_us
     p = int(np.searchsorted(times, t, side="right"))
-    aid = _live_at(p, u.ptr, at_addr, alloc_pos, free_pos, addr, extent)
+    aid = blocks.live_at(p, u.ptr)
     if aid is not None:
         return p, aid
     lo = int(np.searchsorted(times, t - TIME_TOLERANCE_US, side="left"))
     hi = int(np.searchsorted(times, t + TIME_TOLERANCE_US, side="right"))
-    best: tuple[int, int] | None = None
-    for q in range(lo, hi + 1):
-        aid = _live_at(q, u.ptr, at_addr, alloc_pos, free_pos, addr, extent)
-        if aid is not None and (best is None or abs(q - p) < abs(best[0] - p)):
-            best = (q, aid)
-    if best is None:
+    h = blocks.holders_near(u.ptr, lo, hi)
+    first = np.maximum(blocks.alloc_pos[h] + 1, lo)    # each holder's life, (alloc, free], within [lo, hi]
+    last = np.minimum(blocks.free_pos[h], hi)
+    ok = first <= last
+    if not ok.any():
         return p, None
-    return best
+    h, first, last = h[ok], first[ok], last[ok]
+    nearest = np.clip(p, first, last)
+    dist = np.abs(nearest - p)
+    q = int(nearest[dist == dist.min()].min())
+    return q, blocks.live_at(q, u.ptr)
 
 
 def load_trace_with_stream_uses(trace_path: PathLike, log_path: PathLike, *, device: int | None = None,
                                 limits: TraceLimits | None = None, **load_options: Any) -> tuple[Trace, MergeReport]:
     """:func:`~gpumem.trace.load_trace` of ``trace_path`` with the ``record_stream`` log at ``log_path``
-    merged (:func:`merge_stream_uses`). ``device`` picks the snapshot's device and the log's."""
+    merged (:func:`merge_stream_uses`). ``device`` picks the snapshot's device and the log's; None: the
+    device of the log's calls (the loader refuses a snapshot with no trace for it), or the snapshot's only
+    one when the log is empty or spans several devices (the merge then refuses the latter)."""
     from .io import load_trace
 
-    trace = load_trace(trace_path, device=device, limits=limits, **load_options)
     rs = read_record_stream_log(log_path, limits=limits)
+    if device is None:   # the log's device picks the snapshot's: a log of another device is refused
+        device = rs.only_device()
+    trace = load_trace(trace_path, device=device, limits=limits, **load_options)
     return merge_stream_uses(trace, rs, device=device, where=str(log_path))
 
 

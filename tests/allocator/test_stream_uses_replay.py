@@ -165,7 +165,8 @@ def test_record_stream_of_an_unknown_or_freed_block_raises_and_changes_nothing(e
     (StreamUse(3, 0, 5), "freed \\(op 1\\) before it"),
     (StreamUse(2, 7, 5), "not made before it"),
     (StreamUse(9, 1, 5), "outside"),
-    (StreamUse(1, 0, 2**63), "64-bit"),
+    (StreamUse(1, 0, 2**63), r"stream must be in \[0, 2\*\*63\)"),
+    (StreamUse(1, 0, -1), r"stream must be in \[0, 2\*\*63\)"),   # a .gmt file cannot hold it (review attacker 6)
     (StreamUse(1, 0, 1.5), "must be an int"),   # type: ignore[arg-type]
 ])
 def test_a_trace_refuses_a_bad_stream_use(use: StreamUse, why: str) -> None:

@@ -193,7 +193,11 @@ def test_a_window_keeps_the_waits_inside_it() -> None:
     ((StreamWait(-1, A, B),), "outside"),
     ((StreamWait(1, 1.5, B),), "stream must be an int"),          # type: ignore[arg-type]
     ((StreamWait(1, A, "22"),), "waited must be an int"),         # type: ignore[arg-type]
-    ((StreamWait(1, A, 2**63),), "64-bit"),
+    ((StreamWait(1, A, 2**63),), r"stream must be in \[0, 2\*\*63\)"),
+    ((StreamWait(1, -1, B),), r"stream must be in \[0, 2\*\*63\)"),   # review: written, then its reader refused it
+    ((StreamWait(1, A, -5),), r"stream must be in \[0, 2\*\*63\)"),
+    ((StreamWait(1, A, B, 10**400),), "time_us must be a finite number that a float holds, not an integer of"),
+    ((StreamWait(1, 10**5000, B),), "stream an integer of 16,610 bits"),   # str() of it raised ValueError
     ((StreamWait(1, A, B, float("nan")),), "time_us must be a finite number"),
     ((StreamWait(1, A, B, True),), "time_us must be a finite number"),   # type: ignore[arg-type]
     (((1, A, B, 0.0),), "must hold StreamWait objects"),
@@ -203,6 +207,24 @@ def test_a_trace_refuses_a_bad_stream_wait(waits: tuple, why: str) -> None:
     with pytest.raises(InvalidArgumentError, match=why):
         _with(t, t.stream_uses, waits)
     assert t.stream_waits == ()
+
+
+def test_a_trace_refuses_a_use_on_a_stream_a_gmt_file_cannot_hold() -> None:
+    t = _chained(False)
+    for stream in (-1, 2**63):
+        with pytest.raises(InvalidArgumentError, match=r"stream use 0 .*stream must be in \[0, 2\*\*63\)"):
+            _with(t, (StreamUse(3, 0, stream),))
+    with pytest.raises(InvalidArgumentError, match="time_us must be a finite number that a float holds"):
+        _with(t, (StreamUse(3, 0, B, 10**400),))
+
+
+def test_an_int_time_is_kept_as_the_float_a_file_stores(tmp_path: Path) -> None:
+    """Review finding: an int time_us of 10**30 came back from a write and a read as another number."""
+    t = _chained(False)
+    big = _with(t, (StreamUse(3, 0, B, 10**30),), (StreamWait(3, B, A, 10**30), StreamWait(4, B, A, 7)))
+    assert [type(e.time_us) for e in big.stream_uses + big.stream_waits] == [float] * 3
+    assert big.stream_waits[0].time_us == float(10**30)
+    assert read_gmt_trace(save_trace(big, tmp_path / "big.gmt")) == big
 
 
 # -- merged from a record_stream log ------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from gpumem.errors import InvalidArgumentError, TraceFormatError
 from gpumem.replay import replay_trace
 from gpumem.trace import StreamUse, Trace, snapshot_to_trace
 from gpumem.trace.pytorch_export import save_pytorch_snapshot
-from gpumem.trace.stream_log import (LoggedUse, LoggedWait, RecordStreamLog, RecordStreamLogger, load_trace_with_stream_uses,
+from gpumem.trace.stream_log import (TIME_TOLERANCE_US, LoggedUse, LoggedWait, RecordStreamLog, RecordStreamLogger, load_trace_with_stream_uses,
 
                                      merge_stream_uses, read_record_stream_log, unknown_stream_uses,
                                      write_record_stream_log)
@@ -391,3 +391,181 @@ def test_gpumem_replay_says_idle_timing_ignores_the_uses(tmp_path: Path, capsys:
         code, _, _ = _cli(capsys, "replay", str(snap), "--policy", "pytorch", "--gpu-timing", "idle",
                           "--stream-uses", str(log))
     assert code == 0 and "change nothing in this replay" in caplog.text and "1 stream use(s)" in caplog.text
+
+
+# -- review attacker 6 -----------------------------------------------------------------------------------------
+def _reference_placement(trace: Trace, u: LoggedUse, p_count: int | None) -> tuple[int, int | None]:
+    """The merge's placement as it was before the bisection (walk every allocation at the address, try each
+    position of the time window): kept here to show the faster one answers the same."""
+    import numpy as np
+
+    is_alloc = trace.kinds == 0
+    alloc_pos = np.flatnonzero(is_alloc)
+    free_pos = np.full(len(alloc_pos), trace.n_ops, dtype=np.int64)
+    free_pos[trace.alloc_ids[~is_alloc]] = np.flatnonzero(~is_alloc)
+    addr, extent = trace.addrs[alloc_pos], np.maximum(trace.nbytes[alloc_pos], 1)
+
+    def live_at(p: int) -> int | None:
+        for aid in np.flatnonzero(addr == u.ptr):
+            if alloc_pos[aid] < p <= free_pos[aid]:
+                return int(aid)
+        hit = np.flatnonzero((alloc_pos < p) & (free_pos >= p) & (addr <= u.ptr) & (u.ptr < addr + extent))
+        return int(hit[0]) if len(hit) else None
+
+    if p_count is not None:
+        return p_count, live_at(p_count)
+    times = np.maximum.accumulate(np.where(np.isnan(trace.times_us), -np.inf, trace.times_us))
+    p = int(np.searchsorted(times, u.time_us, side="right"))
+    if live_at(p) is not None:
+        return p, live_at(p)
+    lo = int(np.searchsorted(times, u.time_us - TIME_TOLERANCE_US, side="left"))
+    hi = int(np.searchsorted(times, u.time_us + TIME_TOLERANCE_US, side="right"))
+    best: tuple[int, int] | None = None
+    for q in range(lo, hi + 1):
+        aid = live_at(q)
+        if aid is not None and (best is None or abs(q - p) < abs(best[0] - p)):
+            best = (q, aid)
+    return best if best is not None else (p, None)
+
+
+@st.composite
+def _reused_addresses(draw: Any) -> tuple[Trace, list[LoggedUse]]:
+    """A trace whose few addresses are reused, sometimes while still live (a .gmt may do that), with
+    sizes that make some pointers interior, and uses anywhere (by counts or by time, near or far)."""
+    pool = [0x1000, 0x1000 + 256, 0x4000]
+    ops: list[tuple] = []
+    live: list[tuple[int, int, int]] = []
+    n = 0
+    for k in range(draw(st.integers(1, 30))):
+        t = draw(st.sampled_from([10.0 * k, 10.0 * k + 300.0, 5.0 * k]))
+        if live and draw(st.booleans()):
+            aid, size, a = live.pop(draw(st.integers(0, len(live) - 1)))
+            ops.append((1, aid, size, 0, t, a))
+        else:
+            size, a = draw(st.sampled_from([0, 256, 1024])), draw(st.sampled_from(pool))
+            ops.append((0, n, size, 0, t, a))
+            live.append((n, size, a))
+            n += 1
+    ops.append((0, n, 8, 1, 1e6, 0x9000))
+    trace = Trace.from_ops("reused", "gpumem", ops)
+    uses = []
+    for _ in range(draw(st.integers(1, 6))):
+        ptr = draw(st.sampled_from(pool)) + draw(st.sampled_from([0, 100, 300]))
+        at = draw(st.integers(0, len(ops)))
+        counts = (int((trace.kinds[:at] == 0).sum()), int((trace.kinds[:at] == 1).sum()))
+        uses.append(LoggedUse(0, ptr, 1, draw(st.floats(-50, 400)), *(counts if draw(st.booleans()) else (None, None))))
+    return trace, uses
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_reused_addresses())
+def test_the_bisecting_merge_places_each_use_where_walking_every_allocation_did(case: Any) -> None:
+    trace, uses = case
+    for u in uses:
+        p_count = None if u.n_allocs is None else u.n_allocs + u.n_frees
+        want = _reference_placement(trace, u, p_count)
+        if want[1] is None:
+            with pytest.raises(TraceFormatError, match="no allocation of reused holds that address"):
+                merge_stream_uses(trace, _log(u))
+        else:
+            got = merge_stream_uses(trace, _log(u))[0].stream_uses[0]
+            assert (got.at_op, got.alloc_id) == want
+
+
+@pytest.mark.parametrize("name, header, message", [
+    ("superscript", {"base_counts": {"²": [0, 0]}}, "line 1: 'base_counts' must map device numbers"),
+    ("long key", {"base_counts": {"9" * 5000: [0, 0]}}, "line 1: 'base_counts' must map device numbers"),
+    ("arabic digit", {"base_counts": {"\u0663": [0, 0]}}, "line 1: 'base_counts' must map device numbers"),
+])
+def test_a_hostile_base_counts_key_is_refused_naming_line_1(tmp_path: Path, name: str, header: dict,
+                                                            message: str) -> None:
+    h = {"format": "gpumem-record-stream-log", "version": 1, "clock": "unix_us", "n_uses": 0, "n_unlogged": 0,
+         **header}
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(h) + "\n")
+    with pytest.raises(TraceFormatError, match=message):
+        read_record_stream_log(path)
+
+
+def test_an_integer_time_too_large_for_a_float_is_refused_naming_line_2(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    from gpumem.cli import EXIT_USAGE
+
+    path = tmp_path / "bigtime.jsonl"
+    path.write_text('{"format": "gpumem-record-stream-log", "version": 1, "clock": "unix_us", "n_uses": 1, '
+                    '"n_unlogged": 0}\n[0, 1, 2, %s, null, null]\n' % ("9" * 400))
+    with pytest.raises(TraceFormatError, match="line 2: time_us must be a finite number"):
+        read_record_stream_log(path)
+    snap = save_pytorch_snapshot(_trace(), tmp_path / "t.snapshot.pickle")
+    code, _, err = _cli(capsys, "replay", str(snap), "--stream-uses", str(path))
+    assert code == EXIT_USAGE and "line 2: time_us" in err and "Traceback" not in err
+
+
+def test_a_log_of_another_device_is_refused() -> None:
+    on_1 = RecordStreamLog((LoggedUse(1, A_ADDR, SIDE, 115.0, 2, 0),), {1: (0, 0)})
+    t = _trace()
+    with pytest.raises(TraceFormatError, match=r"the log's calls are on device\(s\) \[1\], the trace is of device 0"):
+        merge_stream_uses(t, on_1, device=0)
+    assert t.stream_uses == ()
+
+
+def test_a_log_far_from_the_snapshots_times_is_merged_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="gpumem"):
+        merge_stream_uses(_trace(), _log(USE_A))
+    assert "outside the snapshot's times" not in caplog.text
+    with caplog.at_level("WARNING", logger="gpumem"):
+        merged, _ = merge_stream_uses(_trace(), _log(LoggedUse(0, A_ADDR, SIDE, 1.7e15, 2, 0)))
+    assert "1 of its 1 call(s) on this device lie more than 10 s outside the snapshot's times" in caplog.text
+    assert len(merged.stream_uses) == 1
+
+
+def test_a_nan_op_time_is_skipped_when_placing_by_time() -> None:
+    """Review finding: np.maximum.accumulate carried one NaN to every later op, and a wait placed by time
+    landed right after it. The NaN op takes the time before it."""
+    ops = [(0, 0, 1 << 20, 0, 1000.0, 0x7F0000000000), (0, 1, 1 << 20, 5, float("nan"), 0x7F0000100000),
+           (1, 0, 1 << 20, 0, 1020.0, 0x7F0000000000), (0, 2, 1 << 20, 0, 1030.0, 0x7F0000000000),
+           (1, 1, 1 << 20, 5, 1040.0, 0x7F0000100000), (1, 2, 1 << 20, 0, 1050.0, 0x7F0000000000)]
+    t = Trace.from_ops("nan", "gpumem", ops)
+    rs = RecordStreamLog((LoggedUse(0, 0x7F0000100000, 0, 1035.0),), {0: (0, 0)},
+                         waits=(LoggedWait(0, 5, 0, 1045.0),))
+    merged, _ = merge_stream_uses(t, rs)
+    assert [w.at_op for w in merged.stream_waits] == [5]
+    assert [(u.at_op, u.alloc_id) for u in merged.stream_uses] == [(4, 1)]
+
+
+def test_placed_by_time_between_two_lives_the_earlier_wins_a_tie() -> None:
+    """No block holds the address at the first guess (after op 1, before op 2); the op before and the op
+    after are equally near: the use goes into the earlier life (what trying each position in order did)."""
+    ops = [(0, 0, 512, 0, 0.0, 0x1000), (1, 0, 512, 0, 10.0, 0x1000), (0, 1, 512, 0, 20.0, 0x1000),
+           (1, 1, 512, 0, 30.0, 0x1000), (0, 2, 8, 1, 1e6, 0x9000)]
+    merged, _ = merge_stream_uses(Trace.from_ops("tie", "gpumem", ops), _log(LoggedUse(0, 0x1000, 1, 15.0)))
+    assert [(u.at_op, u.alloc_id) for u in merged.stream_uses] == [(1, 0)]
+
+
+def test_gpumem_replay_refuses_a_log_of_another_device_in_one_line(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """Review finding: a one-device snapshot took a log of device 1 (placed by time), and a two-device one
+    with --device-index 1 dropped every call of a device-0 log without a word."""
+    import pickle
+
+    from gpumem.cli import EXIT_USAGE
+
+    snap = save_pytorch_snapshot(_trace(), tmp_path / "t.snapshot.pickle")
+    on_1 = write_record_stream_log(RecordStreamLog((LoggedUse(1, A_ADDR, SIDE, 115.0, 2, 0),), {1: (0, 0)}),
+                                   tmp_path / "dev1.jsonl")
+    code, _, err = _cli(capsys, "replay", str(snap), "--stream-uses", str(on_1))
+    assert code == EXIT_USAGE and "device 1, the --stream-uses log's" in err and "no device 1" in err
+    data = pickle.loads(Path(snap).read_bytes())
+    data["device_traces"] = [data["device_traces"][0]] * 2
+    two = tmp_path / "t2.snapshot.pickle"
+    two.write_bytes(pickle.dumps(data))
+    on_0 = write_record_stream_log(_log(USE_A), tmp_path / "dev0.jsonl")
+    code, _, err = _cli(capsys, "replay", str(two), "--device-index", "1", "--stream-uses", str(on_0))
+    assert code == EXIT_USAGE and "the log's calls are on device(s) [0], the trace is of device 1" in err
+    assert len(err.strip().splitlines()) == 1
+    code, _, _ = _cli(capsys, "replay", str(two), "--stream-uses", str(on_0))   # the log's device picks device 0
+    assert code == 0
+    trace, report = load_trace_with_stream_uses(two, on_0)
+    assert report.n_uses == 1
+    with pytest.raises(TraceFormatError, match="no device 1"):
+        load_trace_with_stream_uses(snap, on_1)

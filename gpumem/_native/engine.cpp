@@ -2220,6 +2220,7 @@ void Engine::record_stream(std::uint64_t ptr, std::uint64_t stream) {
         auto& v = *b->pending_streams;
         auto it = std::lower_bound(v.begin(), v.end(), stream);
         if (it == v.end() || *it != stream) v.insert(it, stream);
+        plan_record_cross_stream(ptr);   // a recorded step that crosses streams is not planned
     }
 }
 
@@ -2594,6 +2595,7 @@ void Engine::plan_reset_recording() {
     rec_prev_.clear();
     rec_cur_map_.clear();
     rec_prev_map_.clear();
+    rec_cur_cross_ = rec_prev_cross_ = false;
     since_mark_ = 0;
 }
 
@@ -2617,6 +2619,8 @@ void Engine::plan_slide() {
     rec_prev_map_.swap(rec_cur_map_);
     rec_cur_.clear();
     rec_cur_map_.clear();
+    rec_prev_cross_ = rec_cur_cross_;
+    rec_cur_cross_ = false;
 }
 
 int Engine::mark_step() {
@@ -2636,7 +2640,7 @@ int Engine::mark_step() {
             return 0;
         }
         if (s == kPlanRecordingNext) {
-            bool same = !rec_prev_.empty() && rec_prev_.size() == rec_cur_.size();
+            bool same = !rec_prev_.empty() && !rec_prev_cross_ && !rec_cur_cross_ && rec_prev_.size() == rec_cur_.size();
             for (std::size_t i = 0; same && i < rec_prev_.size(); ++i)
                 same = rec_prev_[i].nbytes == rec_cur_[i].nbytes && rec_prev_[i].stream == rec_cur_[i].stream;
             if (same) {
@@ -2773,6 +2777,7 @@ void Engine::install_plan(const std::vector<std::int64_t>& offsets) {
     rec_prev_map_.clear();
     rec_cur_.clear();
     rec_cur_map_.clear();
+    rec_cur_cross_ = rec_prev_cross_ = false;
 }
 
 std::uint64_t Engine::plan_allocate(std::uint64_t nbytes, std::uint64_t stream) {
@@ -2921,6 +2926,12 @@ void Engine::plan_record_free(std::uint64_t ptr) {
         rec_prev_[it->second].free_next = static_cast<std::int64_t>(rec_cur_.size());
         rec_prev_map_.erase(it);
     }
+}
+
+// StepPlan.record_cross_stream (Note [Step plans and record_stream] in plan.py)
+void Engine::plan_record_cross_stream(std::uint64_t ptr) {
+    if (rec_cur_map_.count(ptr)) rec_cur_cross_ = true;
+    else if (rec_prev_map_.count(ptr)) rec_prev_cross_ = true;
 }
 
 Engine::PlanArena* Engine::plan_arena_entry(std::uint64_t ptr, PlanLive* out) {

@@ -348,6 +348,7 @@ class Engine {
     bool plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size);
     bool plan_free(std::uint64_t ptr);
     void plan_record_free(std::uint64_t ptr);
+    void plan_record_cross_stream(std::uint64_t ptr);
     // the arena and live entry of a live arena pointer (nullptr: in no arena); throws kInvalidPointer inside one
     PlanArena* plan_arena_entry(std::uint64_t ptr, PlanLive* out);
     bool plan_record_stream(std::uint64_t ptr, std::uint64_t stream);
@@ -554,6 +555,7 @@ class Engine {
     int plan_state_ = kPlanOff;
     std::vector<StepRecord> rec_cur_, rec_prev_;
     std::unordered_map<std::uint64_t, std::size_t> rec_cur_map_, rec_prev_map_;
+    bool rec_cur_cross_ = false, rec_prev_cross_ = false;   // a recorded step used record_stream on another stream
     std::uint64_t since_mark_ = 0;
     std::vector<std::unique_ptr<PlanArena>> arenas_;   // the current plan's last; dropped ones until their last free
     std::vector<std::int64_t> slot_off_;

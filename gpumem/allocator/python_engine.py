@@ -497,6 +497,7 @@ class PythonEngine:
                 if block.pending_streams is None:
                     block.pending_streams = set()
                 block.pending_streams.add(stream)
+                self._plan.record_cross_stream(ptr)
             if self._recorder is not None:
                 self._recorder.record_stream_use(ptr, stream)
 

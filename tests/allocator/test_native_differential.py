@@ -375,6 +375,13 @@ class Differential(RuleBasedStateMachine):
                 self.step_live.append([r[1], self.step_clock + life])
         self.pair.both("step_plan_info")
 
+    @precondition(lambda self: getattr(self, "step_live", None))
+    @rule(i=st.integers(0, 10**6), stream=STREAMS)
+    def step_record_stream(self, i, stream):
+        """A step's allocation used on another stream (Note [Step plans and record_stream]): the step is
+        not planned, or a served slot stays taken."""
+        self.pair.both("record_stream", self.step_live[i % len(self.step_live)][0], stream)
+
     @invariant()
     def consistent(self):
         if hasattr(self, "pair"):

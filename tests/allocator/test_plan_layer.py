@@ -239,6 +239,98 @@ def test_closing_gives_the_arena_back(engine):
     assert list(dev.mapping_ranges()) == [] and list(dev.reservation_ranges()) == []
 
 
+# -- record_stream: a step whose allocations cross streams is not planned (Note [Step plans and record_stream])
+
+# Multistream inference: an input copied on stream 9 and used on the towers' streams 3 and 4 (record_stream),
+# each tower's activations on its own stream. (size, stream, freed how many allocations later, used on)
+TOWERS = [(6 * MiB, 9, 5, 3), (4 * MiB, 3, 1, None), (3 * MiB, 3, 2, None), (6 * MiB, 9, 5, 4),
+          (4 * MiB, 4, 1, None), (3 * MiB, 4, 2, None), (2 * MiB, 0, 3, None)]
+
+
+def run_towers(alloc: CachingAllocator, steps: int, marked: bool, use_other_stream: bool = True) -> list:
+    """``steps`` steps of :data:`TOWERS` (marked at their starts when ``marked``); the marks' results."""
+    live, clock, results = [], 0, []
+    for _ in range(steps):
+        if marked:
+            results.append(alloc.mark_step())
+        for size, stream, life, used_on in TOWERS:
+            for e in [e for e in live if e[2] <= clock]:
+                alloc.free(e[0])
+                live.remove(e)
+            clock += 1
+            ptr = alloc.allocate(size, stream)
+            check_no_overlap(live, ptr, size)
+            if used_on is not None and use_other_stream:
+                alloc.record_stream(ptr, used_on)
+            live.append([ptr, size, clock + life])
+    for e in live:
+        alloc.free(e[0])
+    return results
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_steps_that_use_record_stream_are_not_planned_and_hold_what_they_hold_unmarked(engine):
+    unmarked = make(engine)
+    run_towers(unmarked, 12, marked=False)
+    alloc = make(engine)
+    results = run_towers(alloc, 12, marked=True)
+    info = alloc.step_plan_info()
+    assert MarkResult.READY not in results
+    assert info.plans_installed == 0 and info.arena_calls == 0 and info.mapped_nbytes == 0
+    assert info.state in (StepState.RECORDING, StepState.RECORDING_NEXT)   # it stays recording
+    for a, b in ((alloc.stats, unmarked.stats),):
+        assert a.peak_reserved_nbytes == b.peak_reserved_nbytes
+        assert a.device_calls == b.device_calls and a.event_calls == b.event_calls
+    assert alloc.reserved_nbytes == unmarked.reserved_nbytes
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_program_whose_cross_stream_use_stops_is_planned_then(engine):
+    alloc = make(engine)
+    run_towers(alloc, 6, marked=True)
+    assert alloc.step_plan_info().plans_installed == 0
+    results = run_towers(alloc, 4, marked=True, use_other_stream=False)
+    assert MarkResult.READY in results and alloc.step_plan_info().plans_installed == 1
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_record_stream_on_the_previous_steps_allocation_keeps_it_unplanned(engine):
+    """The template's allocation used on another stream during the next step (before its free there)."""
+    alloc = make(engine)
+    results = []
+    held = None
+    for _ in range(6):
+        results.append(alloc.mark_step())
+        if held is not None:
+            alloc.record_stream(held, 5)
+            alloc.free(held)
+        a = alloc.allocate(2 * MiB, 0)
+        alloc.free(a)
+        held = alloc.allocate(3 * MiB, 0)
+    assert MarkResult.READY not in results and alloc.step_plan_info().plans_installed == 0
+    alloc.free(held)
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_record_stream_on_its_own_stream_does_not_stop_a_plan(engine):
+    alloc = make(engine)
+    live, clock = [], 0
+    for _ in range(4):
+        alloc.mark_step()
+        for size, stream, life in LOOP:
+            for e in [e for e in live if e[1] <= clock]:
+                alloc.free(e[0])
+                live.remove(e)
+            clock += 1
+            ptr = alloc.allocate(size, stream)
+            alloc.record_stream(ptr, stream)
+            live.append([ptr, clock + life])
+    assert alloc.step_plan_info().plans_installed == 1
+
+
 # -- a stateful property: no overlapping live ranges, whatever the program does ---------------------------
 
 class PlanNeverOverlaps(RuleBasedStateMachine):
@@ -322,4 +414,29 @@ def test_native_and_python_make_the_same_plans(changes):
         pair.both("step_plan_info")
         pair.both("check_consistency")
     assert pair.allocs[0].step_plan_info().plans_installed >= 1
+    pair.both("close")
+
+
+@pytest.mark.skipif(len(ENGINES) < 2, reason="the native engine is not built")
+@given(use=st.lists(st.booleans(), min_size=4, max_size=12))
+@settings(max_examples=30, deadline=None)
+def test_native_and_python_refuse_the_same_cross_stream_steps(use):
+    """Steps of :data:`TOWERS`, each using record_stream or not: the same marks, plans and addresses."""
+    from test_native_differential import Pair
+
+    pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")))
+    clock, live = 0, []
+    for cross in use:
+        pair.both("mark_step")
+        for size, stream, life, used_on in TOWERS:
+            for e in [e for e in live if e[1] <= clock]:
+                pair.both("free", e[0])
+                live.remove(e)
+            clock += 1
+            r = pair.both("allocate", size, stream)
+            if cross and used_on is not None:
+                pair.both("record_stream", r[1], used_on)
+            live.append([r[1], clock + life])
+        pair.both("step_plan_info")
+        pair.both("check_consistency")
     pair.both("close")

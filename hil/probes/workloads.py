@@ -614,14 +614,15 @@ def run_trace(run: dict, trace_dir: Path) -> tuple[Any, str | None, str | None]:
     predicted (:func:`gpumem.trace.stream_log.unknown_stream_uses`; a record from before
     ``stream_uses_recorded`` existed recorded none), or None."""
     from gpumem.trace import load_trace
-    from gpumem.trace.stream_log import merge_stream_uses, read_record_stream_log, unknown_stream_uses
+    from gpumem.trace.stream_log import load_trace_with_stream_uses, unknown_stream_uses
 
-    trace = load_trace(trace_dir / run["trace_file"], progress=False)
     merged = None
-    if run.get("stream_use_file"):
+    if run.get("stream_use_file"):   # the log's device picks the snapshot's (a log of another device is refused)
         log_path = trace_dir / run["stream_use_file"]
-        trace, report = merge_stream_uses(trace, read_record_stream_log(log_path), where=str(log_path))
+        trace, report = load_trace_with_stream_uses(trace_dir / run["trace_file"], log_path, progress=False)
         merged = str(report)
+    else:
+        trace = load_trace(trace_dir / run["trace_file"], progress=False)
     return trace, merged, unknown_stream_uses(trace, bool(run.get("stream_uses_recorded")))
 
 

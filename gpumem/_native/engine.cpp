@@ -1882,15 +1882,21 @@ std::uint64_t Engine::hand_out(Block* b, std::uint64_t nbytes, std::uint64_t str
     b->requested = nbytes;
     std::uint64_t addr = b->addr;
     live_.put(addr, b);
+    count_alloc(b->size, nbytes);
+    return addr;
+}
+
+// One allocation handed out, `size` bytes (rounded) for `nbytes` requested: the counters and their peaks
+// (reserved counts the plan's mapped arena pages too). Caller holds mu_.
+void Engine::count_alloc(std::uint64_t size, std::uint64_t nbytes) {
     EngineStats& st = st_;
-    st.allocated_nbytes += b->size;
+    st.allocated_nbytes += size;
     st.requested_nbytes += nbytes;
     ++st.num_allocs;
     if (st.allocated_nbytes > st.peak_allocated_nbytes) st.peak_allocated_nbytes = st.allocated_nbytes;
     if (st.requested_nbytes > st.peak_requested_nbytes) st.peak_requested_nbytes = st.requested_nbytes;
     if (reserved_nbytes_ + plan_mapped_nbytes_ > st.peak_reserved_nbytes)
         st.peak_reserved_nbytes = reserved_nbytes_ + plan_mapped_nbytes_;
-    return addr;
 }
 
 bool Engine::try_free_fast(std::uint64_t ptr) {
@@ -2824,14 +2830,7 @@ std::uint64_t Engine::plan_serve(std::uint64_t nbytes, std::uint64_t stream) {
     const std::uint64_t ptr = arena->base + static_cast<std::uint64_t>(off);
     slot_live_[k] = 1;
     arena->live[ptr] = PlanLive{k, size, nbytes};
-    EngineStats& st = st_;
-    st.allocated_nbytes += size;
-    st.requested_nbytes += nbytes;
-    ++st.num_allocs;
-    if (st.allocated_nbytes > st.peak_allocated_nbytes) st.peak_allocated_nbytes = st.allocated_nbytes;
-    if (st.requested_nbytes > st.peak_requested_nbytes) st.peak_requested_nbytes = st.requested_nbytes;
-    if (reserved_nbytes_ + plan_mapped_nbytes_ > st.peak_reserved_nbytes)
-        st.peak_reserved_nbytes = reserved_nbytes_ + plan_mapped_nbytes_;
+    count_alloc(size, nbytes);
     ++plan_served_;
     return ptr;
 }

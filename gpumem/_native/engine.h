@@ -345,6 +345,7 @@ class Engine {
     void plan_slide();
     std::uint64_t plan_allocate(std::uint64_t nbytes, std::uint64_t stream);
     std::uint64_t plan_serve(std::uint64_t nbytes, std::uint64_t stream);
+    void count_alloc(std::uint64_t size, std::uint64_t nbytes);
     bool plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size);
     bool plan_free(std::uint64_t ptr);
     void plan_record_free(std::uint64_t ptr);

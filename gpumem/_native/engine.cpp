@@ -2634,6 +2634,18 @@ int Engine::mark_step() {
     check_usable_op();
     if (closed_) throw EngineError(EngineErrorKind::kInvalidArgument, "mark_step: the allocator is closed");
     GPUMEM_OPERATION({
+        const int result = plan_mark();
+        // plan.py StepPlan.mark: give back every dropped arena with nothing live (a drop's, or a failed one's)
+        std::vector<PlanArena*> idle;
+        for (auto& a : arenas_)
+            if (a->dropped && a->live.empty()) idle.push_back(a.get());
+        for (PlanArena* a : idle) plan_release(a);
+        return result;
+    })
+}
+
+int Engine::plan_mark() {
+    {
         int s = plan_state_;
         if (s == kPlanOff || s == kPlanReady) {
             plan_reset_recording();
@@ -2672,7 +2684,7 @@ int Engine::mark_step() {
         cursor_ = 0;
         left_ = missed_ = false;
         return 0;
-    })
+    }
 }
 
 std::vector<Engine::StepRecord> Engine::step_template() {
@@ -2883,7 +2895,7 @@ bool Engine::plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size) {
             throw;
         }
         plan_arena_calls_ += 3;
-        arena->runs.push_back(PlanRun{va, nb, h});
+        arena->runs.push_back(PlanRun{va, nb, h, false});
         for (std::uint64_t p = ab.first; p < ab.second; ++p) arena->pages[p] = h;
         arena->mapped_nbytes += nb;
         plan_mapped_nbytes_ += nb;
@@ -2965,16 +2977,19 @@ void Engine::plan_drop() {
     arena->dropped = true;
     ++plans_dropped_;
     plan_clear_slots();
-    if (arena->live.empty()) plan_release(arena);
 }
 
 void Engine::plan_release(PlanArena* arena) {
     for (std::uint64_t s : arena->streams) backend_.stream_synchronize(s);   // sorted (std::set)
     while (!arena->runs.empty()) {
-        const PlanRun run = arena->runs.back();
-        backend_.mem_unmap(run.va, run.nbytes);
+        PlanRun& run = arena->runs.back();
+        if (!run.unmapped) {
+            backend_.mem_unmap(run.va, run.nbytes);
+            run.unmapped = true;
+            ++plan_arena_calls_;
+        }
         backend_.mem_release(run.h);
-        plan_arena_calls_ += 2;
+        ++plan_arena_calls_;
         arena->runs.pop_back();
         arena->mapped_nbytes -= run.nbytes;
         plan_mapped_nbytes_ -= run.nbytes;

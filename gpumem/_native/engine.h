@@ -328,6 +328,7 @@ class Engine {
     struct PlanRun {
         std::uint64_t va, nbytes;
         ChunkHandle h;
+        bool unmapped = false;   // a failed release's retry only releases it (plan.py _Arena.runs)
     };
     struct PlanArena {   // plan.py's _Arena
         std::uint64_t base = 0, nbytes = 0;
@@ -354,6 +355,7 @@ class Engine {
     PlanArena* plan_arena_entry(std::uint64_t ptr, PlanLive* out);
     bool plan_record_stream(std::uint64_t ptr, std::uint64_t stream);
     void plan_drop();
+    int plan_mark();   // plan.py StepPlan._mark
     void plan_release(PlanArena* arena);
     void plan_close();
     std::uint64_t plan_live_nbytes() const;

@@ -325,7 +325,7 @@ class _Arena:
     def __init__(self, base: int, nbytes: int, page_nbytes: int, streams: set[int]) -> None:
         self.base, self.nbytes, self.g = base, nbytes, page_nbytes
         self.pages: list[Any] = [None] * (nbytes // page_nbytes)
-        self.runs: list[tuple[int, int, Any]] = []   # (va, nbytes, handle), in mapping order
+        self.runs: list[list[Any]] = []   # [va, nbytes, handle, unmapped], in mapping order
         self.mapped_nbytes = 0
         self.streams = set(streams)
         self.live: dict[int, tuple[int, int, int]] = {}   # ptr -> (slot, size, requested)
@@ -382,6 +382,14 @@ class StepPlan:
 
     # -- marks ------------------------------------------------------------------------------------------
     def mark(self) -> MarkResult:
+        """A step boundary; then gives back every dropped arena with nothing live (a drop's, or one whose
+        give-back failed before: Note [Step plans], a failed give-back)."""
+        result = self._mark()
+        for arena in [a for a in self.arenas if a.dropped and not a.live]:
+            self._release(arena)
+        return result
+
+    def _mark(self) -> MarkResult:
         s = self.state
         if s is StepState.OFF or s is StepState.READY:
             self._reset_recording()
@@ -581,7 +589,7 @@ class StepPlan:
                 _quietly(dev.mem_release, handle)
                 raise
             self.counts["arena_calls"] += 3
-            arena.runs.append((va, nb, handle))
+            arena.runs.append([va, nb, handle, False])
             for p in range(a, b):
                 arena.pages[p] = handle
             arena.mapped_nbytes += nb
@@ -665,20 +673,22 @@ class StepPlan:
         arena.dropped = True
         self.counts["plans_dropped"] += 1
         self._clear_slots()
-        if not arena.live:
-            self._release(arena)
 
     def _release(self, arena: _Arena) -> None:
         """Wait for the arena's streams, then unmap, release and free it; a failure keeps what is left
-        of it (``close`` tries again)."""
+        of it, each run marked unmapped once it is, so the next try (a mark, ``close``) goes on from there."""
         dev = self.e.device
         for s in sorted(arena.streams):
             dev.stream_synchronize(s)
         while arena.runs:
-            va, nb, handle = arena.runs[-1]
-            dev.mem_unmap(va, nb)
+            run = arena.runs[-1]
+            va, nb, handle, unmapped = run
+            if not unmapped:
+                dev.mem_unmap(va, nb)
+                run[3] = True
+                self.counts["arena_calls"] += 1
             dev.mem_release(handle)
-            self.counts["arena_calls"] += 2
+            self.counts["arena_calls"] += 1
             arena.runs.pop()
             arena.mapped_nbytes -= nb
             self.mapped_nbytes -= nb

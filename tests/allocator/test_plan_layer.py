@@ -228,6 +228,50 @@ def test_arena_pointers_are_checked_like_any_other(engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_a_failed_release_of_a_dropped_arena_is_retried_and_planning_goes_on(engine):
+    """One failed mem_release while a dropped plan's arena is given back: the mark raises, the layer records
+    again, the next mark finishes the give-back where it stopped (attacker 7, finding 2)."""
+    alloc = make(engine)
+    loop = Loop(alloc)
+    for _ in range(5):
+        loop.step()
+    dev = alloc.device
+    other = [(2 * MiB, 0, 1)] * 3
+    for _ in range(MISS_LIMIT):
+        loop.step(pattern=other)
+    loop.clock += 10
+    loop.free_due()
+    real, fired = dev.mem_release, []
+
+    def once(*args):
+        if not fired:
+            fired.append(1)
+            raise RuntimeError("injected mem_release failure")
+        return real(*args)
+
+    dev.mem_release = once
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            alloc.mark_step()   # the third miss: the drop, whose first mem_release fails
+    finally:
+        dev.mem_release = real
+    info = alloc.step_plan_info()
+    assert info.state == StepState.RECORDING and info.slots == 0 and info.plans_dropped == 1
+    assert info.mapped_nbytes > 0   # what is left of the arena, kept for the retry
+    alloc.check_consistency()
+    results = [loop.step(pattern=other) for _ in range(4)]   # no mark raises; the first gives the rest back
+    info = alloc.step_plan_info()
+    assert MarkResult.READY in results and info.plans_installed == 2 and info.plans_dropped == 1
+    assert info.state == StepState.PLANNED and info.served > 0
+    alloc.check_consistency()
+    loop.clock += 10
+    loop.free_due()
+    alloc.close()
+    assert alloc.leaked_nbytes == 0
+    assert list(dev.mapping_ranges()) == [] and list(dev.reservation_ranges()) == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_closing_gives_the_arena_back(engine):
     alloc = make(engine)
     loop = Loop(alloc)

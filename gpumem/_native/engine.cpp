@@ -2075,6 +2075,7 @@ bool Engine::reown_idle(std::uint64_t stream, FreeList* fl) {
 // PythonEngine._retry_after_release
 Block* Engine::retry_after_release(bool small, std::uint64_t stream, std::uint64_t size, FreeList* fl,
                                    std::uint64_t nbytes) {
+    plan_shrink();   // plan.py StepPlan.shrink: a step plan's arena gives back what no live allocation uses
     for (int w = 0; w < 2; ++w) {
         bool wait = w == 1;
         process_pending(wait);
@@ -2188,10 +2189,11 @@ std::uint64_t Engine::process_pending(bool wait) {
 // PythonEngine._oom_error (the numbers; the binding writes the message and the hint)
 EngineError Engine::oom_error(std::uint64_t nbytes, OomCause cause, void* cause_exc) {
     OomInfo info = device_oom_info(cause, nbytes);
+    const std::uint64_t reserved = reserved_nbytes_ + plan_mapped_nbytes_;   // a step plan's arena counts
     info.allocated_nbytes = st_.allocated_nbytes;
-    info.cached_signed = static_cast<std::int64_t>(reserved_nbytes_) - static_cast<std::int64_t>(st_.allocated_nbytes);
-    info.cached_nbytes = reserved_nbytes_ - st_.allocated_nbytes;
-    info.reserved_nbytes = reserved_nbytes_;
+    info.cached_signed = static_cast<std::int64_t>(reserved) - static_cast<std::int64_t>(st_.allocated_nbytes);
+    info.cached_nbytes = reserved - st_.allocated_nbytes;
+    info.reserved_nbytes = reserved;
     info.limit_nbytes = cfg_.limit_nbytes;
     info.va_nbytes = va_nbytes_;
     info.cause_py_exc = cause_exc;
@@ -2977,6 +2979,52 @@ void Engine::plan_drop() {
     arena->dropped = true;
     ++plans_dropped_;
     plan_clear_slots();
+}
+
+// plan.py StepPlan.shrink
+void Engine::plan_shrink() {
+    if (plan_state_ == kPlanPlanned) {
+        plan_drop();
+        plan_reset_recording();
+        plan_state_ = kPlanRecording;
+    }
+    std::vector<PlanArena*> dropped;
+    for (auto& a : arenas_)
+        if (a->dropped) dropped.push_back(a.get());
+    for (PlanArena* arena : dropped) {
+        if (arena->live.empty()) {
+            plan_release(arena);
+            continue;
+        }
+        std::vector<std::size_t> idle;
+        for (std::size_t i = 0; i < arena->runs.size(); ++i) {
+            const PlanRun& r = arena->runs[i];
+            bool used = false;
+            for (auto& kv : arena->live)
+                if (kv.first < r.va + r.nbytes && r.va < kv.first + kv.second.size) {
+                    used = true;
+                    break;
+                }
+            if (!used) idle.push_back(i);
+        }
+        if (idle.empty()) continue;
+        for (std::uint64_t s : arena->streams) backend_.stream_synchronize(s);   // sorted (std::set)
+        for (std::size_t j = idle.size(); j-- > 0;) {
+            PlanRun& run = arena->runs[idle[j]];
+            if (!run.unmapped) {
+                backend_.mem_unmap(run.va, run.nbytes);
+                run.unmapped = true;
+                ++plan_arena_calls_;
+            }
+            backend_.mem_release(run.h);
+            ++plan_arena_calls_;
+            const std::uint64_t va = run.va, nb = run.nbytes;
+            arena->runs.erase(arena->runs.begin() + static_cast<std::ptrdiff_t>(idle[j]));
+            for (std::uint64_t p = (va - arena->base) / g_; p < (va - arena->base + nb) / g_; ++p) arena->pages[p] = 0;
+            arena->mapped_nbytes -= nb;
+            plan_mapped_nbytes_ -= nb;
+        }
+    }
 }
 
 void Engine::plan_release(PlanArena* arena) {

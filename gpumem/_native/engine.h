@@ -355,6 +355,7 @@ class Engine {
     PlanArena* plan_arena_entry(std::uint64_t ptr, PlanLive* out);
     bool plan_record_stream(std::uint64_t ptr, std::uint64_t stream);
     void plan_drop();
+    void plan_shrink();   // plan.py StepPlan.shrink
     int plan_mark();   // plan.py StepPlan._mark
     void plan_release(PlanArena* arena);
     void plan_close();

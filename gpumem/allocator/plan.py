@@ -35,6 +35,19 @@ sit in the engine during the first planned step, and an arena mapped whole at in
 pages twice (475 MiB, 4.5 % of GPT-2 fp32's step, in the study's trace). Its pages count in reserved;
 freeing it waits for its streams (``stream_synchronize``), once per dropped plan.
 
+Note [Step plans under memory pressure]
+---------------------------------------
+A step that leaves the plan is served by the engine while the arena keeps its mapped pages, so both can
+hold a step's worth of memory; a program that fits unmarked under a limit ran out of memory marked.
+Rule: before the engine declares out of memory (its retry ladder), ``StepPlan.shrink`` drops the
+plan (state RECORDING) and gives back every run (a mapping made at once) of a dropped arena that no live
+allocation touches, after waiting for the arena's streams; a dropped arena with nothing live goes back
+whole. The engine then retries. The arena's mapped bytes count in the out-of-memory error's reserved.
+A failed give-back (``mem_unmap``, ``mem_release``, ``address_free`` or a wait) raises from the call
+that tried it (the mark of a drop, a free, ``close``) and leaves the layer recording: each run notes
+when it is unmapped, so the next try (every ``mark_step`` retries dropped arenas with nothing live)
+releases it without unmapping again, and ``close`` leaks nothing once the device answers.
+
 Note [Step plans and record_stream]
 -----------------------------------
 A recorded step in which one of its allocations is used on another stream (``record_stream`` on the
@@ -673,6 +686,42 @@ class StepPlan:
         arena.dropped = True
         self.counts["plans_dropped"] += 1
         self._clear_slots()
+
+    def shrink(self) -> None:
+        """The engine is out of memory (its retry ladder): drop the plan, give back every dropped arena with
+        nothing live and, of the others, every run no live allocation touches (Note [Step plans under memory
+        pressure])."""
+        if self.state is StepState.PLANNED:
+            self._drop()
+            self._reset_recording()
+            self.state = StepState.RECORDING
+        for arena in [a for a in self.arenas if a.dropped]:
+            if not arena.live:
+                self._release(arena)
+                continue
+            idle = [i for i, (va, nb, _, _) in enumerate(arena.runs)
+                    if not any(ptr < va + nb and va < ptr + size for ptr, (_, size, _) in arena.live.items())]
+            if not idle:
+                continue
+            dev = self.e.device
+            for st in sorted(arena.streams):
+                dev.stream_synchronize(st)
+            for i in reversed(idle):
+                run = arena.runs[i]
+                va, nb, handle, unmapped = run
+                if not unmapped:
+                    dev.mem_unmap(va, nb)
+                    run[3] = True
+                    self.counts["arena_calls"] += 1
+                dev.mem_release(handle)
+                self.counts["arena_calls"] += 1
+                del arena.runs[i]
+                g = arena.g
+                for p in range((va - arena.base) // g, (va - arena.base + nb) // g):
+                    arena.pages[p] = None
+                arena.mapped_nbytes -= nb
+                self.mapped_nbytes -= nb
+                self.e.backing.outside_nbytes = self.mapped_nbytes
 
     def _release(self, arena: _Arena) -> None:
         """Wait for the arena's streams, then unmap, release and free it; a failure keeps what is left

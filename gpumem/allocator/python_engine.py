@@ -353,6 +353,7 @@ class PythonEngine:
         """Make pending blocks reusable and give cached memory back, then try once more to find or grow,
         split and commit a block: first with what is free of work (no waiting), and only if that is
         still short, waiting for the work still using cached memory."""
+        self._plan.shrink()   # Note [Step plans under memory pressure]
         for wait in (False, True):
             self._process_pending(wait=wait)
             self._release_cached(wait=wait)
@@ -474,7 +475,7 @@ class PythonEngine:
             cause = (OomCause.ADDRESS_SPACE if isinstance(cause, AddressSpaceExhausted)
                      else OomCause.LIMIT if isinstance(cause, LimitExceeded) else OomCause.DEVICE)
         info = self.device.mem_info()
-        reserved = self.backing.reserved_nbytes
+        reserved = self.backing.reserved_nbytes + self._plan.mapped_nbytes   # a step plan's arena counts
         allocated = self._stats.allocated_nbytes
         return oom_error(cause, nbytes, self.policy.round(nbytes), free_nbytes=info.free_nbytes,
                          total_nbytes=info.total_nbytes, device=self.device.spec, allocated_nbytes=allocated,

@@ -18,7 +18,7 @@ from gpumem import sim
 from gpumem.allocator import CachingAllocator
 from gpumem.allocator.plan import (MISS_LIMIT, MarkResult, PlanItems, StepState, StepTemplate, check_plan, plan,
                                    plan_height, plan_step, template_items)
-from gpumem.errors import InvalidArgumentError, InvalidPointerError
+from gpumem.errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
 from gpumem.native import load_engine
 from gpumem.units import MiB
 
@@ -269,6 +269,39 @@ def test_a_failed_release_of_a_dropped_arena_is_retried_and_planning_goes_on(eng
     alloc.close()
     assert alloc.leaked_nbytes == 0
     assert list(dev.mapping_ranges()) == [] and list(dev.reservation_ranges()) == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_program_that_fits_unmarked_fits_marked_when_its_steps_leave_the_plan(engine):
+    """Under a limit the program fits unmarked: steps that leave the plan (allocation 0 one byte larger) do
+    not run out of memory, the engine's out-of-memory ladder drops the plan and takes the arena's idle runs
+    back; an out-of-memory error counts the arena in reserved (attacker 7, finding 1)."""
+    for marked in (False, True):
+        alloc = make(engine, limit=32 * MiB)
+        loop = Loop(alloc)
+        for i in range(12):
+            if marked:
+                loop.step(change={0: 3 * MiB + 1} if i >= 5 else None)
+            else:
+                # the same allocations without marks
+                for j, (size, stream, life) in enumerate(LOOP):
+                    loop.free_due()
+                    loop.clock += 1
+                    size = 3 * MiB + 1 if (i >= 5 and j == 0) else size
+                    loop.live.append([alloc.allocate(size, stream), size, loop.clock + life])
+        alloc.check_consistency()
+        assert alloc.stats.peak_reserved_nbytes <= 32 * MiB
+        if marked:
+            assert alloc.step_plan_info().plans_dropped >= 1
+    alloc = make(engine, limit=32 * MiB)
+    loop = Loop(alloc)
+    for _ in range(5):
+        loop.step()
+    mapped = alloc.step_plan_info().mapped_nbytes
+    assert mapped > 0
+    with pytest.raises(OutOfMemoryError) as info:
+        alloc.allocate(31 * MiB)
+    assert info.value.cached_nbytes >= 0   # the arena counts in reserved
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -3009,39 +3009,31 @@ void Engine::plan_shrink() {
         }
         if (idle.empty()) continue;
         for (std::uint64_t s : arena->streams) backend_.stream_synchronize(s);   // sorted (std::set)
-        for (std::size_t j = idle.size(); j-- > 0;) {
-            PlanRun& run = arena->runs[idle[j]];
-            if (!run.unmapped) {
-                backend_.mem_unmap(run.va, run.nbytes);
-                run.unmapped = true;
-                ++plan_arena_calls_;
-            }
-            backend_.mem_release(run.h);
-            ++plan_arena_calls_;
-            const std::uint64_t va = run.va, nb = run.nbytes;
-            arena->runs.erase(arena->runs.begin() + static_cast<std::ptrdiff_t>(idle[j]));
-            for (std::uint64_t p = (va - arena->base) / g_; p < (va - arena->base + nb) / g_; ++p) arena->pages[p] = 0;
-            arena->mapped_nbytes -= nb;
-            plan_mapped_nbytes_ -= nb;
-        }
+        for (std::size_t j = idle.size(); j-- > 0;) plan_give_back_run(arena, idle[j]);
     }
+}
+
+// Unmap (unless a failed try already did) and release run `i` of `arena`, then forget it: a failure leaves
+// the run with what was done marked, so the next try goes on from there. Caller holds mu_.
+void Engine::plan_give_back_run(PlanArena* arena, std::size_t i) {
+    PlanRun& run = arena->runs[i];
+    if (!run.unmapped) {
+        backend_.mem_unmap(run.va, run.nbytes);
+        run.unmapped = true;
+        ++plan_arena_calls_;
+    }
+    backend_.mem_release(run.h);
+    ++plan_arena_calls_;
+    const std::uint64_t va = run.va, nb = run.nbytes;
+    arena->runs.erase(arena->runs.begin() + static_cast<std::ptrdiff_t>(i));
+    for (std::uint64_t p = (va - arena->base) / g_; p < (va - arena->base + nb) / g_; ++p) arena->pages[p] = 0;
+    arena->mapped_nbytes -= nb;
+    plan_mapped_nbytes_ -= nb;
 }
 
 void Engine::plan_release(PlanArena* arena) {
     for (std::uint64_t s : arena->streams) backend_.stream_synchronize(s);   // sorted (std::set)
-    while (!arena->runs.empty()) {
-        PlanRun& run = arena->runs.back();
-        if (!run.unmapped) {
-            backend_.mem_unmap(run.va, run.nbytes);
-            run.unmapped = true;
-            ++plan_arena_calls_;
-        }
-        backend_.mem_release(run.h);
-        ++plan_arena_calls_;
-        arena->runs.pop_back();
-        arena->mapped_nbytes -= run.nbytes;
-        plan_mapped_nbytes_ -= run.nbytes;
-    }
+    while (!arena->runs.empty()) plan_give_back_run(arena, arena->runs.size() - 1);
     backend_.address_free(arena->base, arena->nbytes);
     ++plan_arena_calls_;
     for (auto it = arenas_.begin(); it != arenas_.end(); ++it)

@@ -358,6 +358,7 @@ class Engine {
     void plan_shrink();   // plan.py StepPlan.shrink
     int plan_mark();   // plan.py StepPlan._mark
     void plan_release(PlanArena* arena);
+    void plan_give_back_run(PlanArena* arena, std::size_t i);
     void plan_close();
     std::uint64_t plan_live_nbytes() const;
     std::uint64_t allocate_engine(std::uint64_t nbytes, std::uint64_t stream);   // PythonEngine._allocate_engine

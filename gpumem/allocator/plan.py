@@ -707,21 +707,27 @@ class StepPlan:
             for st in sorted(arena.streams):
                 dev.stream_synchronize(st)
             for i in reversed(idle):
-                run = arena.runs[i]
-                va, nb, handle, unmapped = run
-                if not unmapped:
-                    dev.mem_unmap(va, nb)
-                    run[3] = True
-                    self.counts["arena_calls"] += 1
-                dev.mem_release(handle)
-                self.counts["arena_calls"] += 1
-                del arena.runs[i]
-                g = arena.g
-                for p in range((va - arena.base) // g, (va - arena.base + nb) // g):
-                    arena.pages[p] = None
-                arena.mapped_nbytes -= nb
-                self.mapped_nbytes -= nb
-                self.e.backing.outside_nbytes = self.mapped_nbytes
+                self._give_back_run(arena, i)
+
+    def _give_back_run(self, arena: _Arena, i: int) -> None:
+        """Unmap (unless a failed try already did) and release run ``i`` of ``arena``, then forget it: a
+        failure leaves the run with what was done marked, so the next try goes on from there."""
+        dev = self.e.device
+        run = arena.runs[i]
+        va, nb, handle, unmapped = run
+        if not unmapped:
+            dev.mem_unmap(va, nb)
+            run[3] = True
+            self.counts["arena_calls"] += 1
+        dev.mem_release(handle)
+        self.counts["arena_calls"] += 1
+        del arena.runs[i]
+        g = arena.g
+        for p in range((va - arena.base) // g, (va - arena.base + nb) // g):
+            arena.pages[p] = None
+        arena.mapped_nbytes -= nb
+        self.mapped_nbytes -= nb
+        self.e.backing.outside_nbytes = self.mapped_nbytes
 
     def _release(self, arena: _Arena) -> None:
         """Wait for the arena's streams, then unmap, release and free it; a failure keeps what is left
@@ -730,18 +736,7 @@ class StepPlan:
         for s in sorted(arena.streams):
             dev.stream_synchronize(s)
         while arena.runs:
-            run = arena.runs[-1]
-            va, nb, handle, unmapped = run
-            if not unmapped:
-                dev.mem_unmap(va, nb)
-                run[3] = True
-                self.counts["arena_calls"] += 1
-            dev.mem_release(handle)
-            self.counts["arena_calls"] += 1
-            arena.runs.pop()
-            arena.mapped_nbytes -= nb
-            self.mapped_nbytes -= nb
-            self.e.backing.outside_nbytes = self.mapped_nbytes
+            self._give_back_run(arena, len(arena.runs) - 1)
         dev.address_free(arena.base, arena.nbytes)
         self.counts["arena_calls"] += 1
         self.arenas.remove(arena)

@@ -2908,23 +2908,16 @@ bool Engine::plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size) {
 }
 
 bool Engine::plan_free(std::uint64_t ptr) {
-    for (std::size_t i = arenas_.size(); i-- > 0;) {
-        PlanArena* arena = arenas_[i].get();
-        if (!arena->holds(ptr)) continue;
-        auto it = arena->live.find(ptr);
-        if (it == arena->live.end())
-            throw EngineError(EngineErrorKind::kInvalidPointer,
-                              "free of " + hex(ptr) + ": no live allocation starts there in the step plan's arena");
-        PlanLive e = it->second;
-        arena->live.erase(it);
-        if (!arena->dropped) slot_live_[e.slot] = slot_poisoned_[e.slot];   // a slot used on another stream stays taken
-        st_.allocated_nbytes -= e.size;
-        st_.requested_nbytes -= e.requested;
-        ++st_.num_frees;
-        if (arena->dropped && arena->live.empty()) plan_release(arena);
-        return true;
-    }
-    return false;
+    PlanLive e{};
+    PlanArena* arena = plan_arena_entry(ptr, &e, true);
+    if (arena == nullptr) return false;
+    arena->live.erase(ptr);
+    if (!arena->dropped) slot_live_[e.slot] = slot_poisoned_[e.slot];   // a slot used on another stream stays taken
+    st_.allocated_nbytes -= e.size;
+    st_.requested_nbytes -= e.requested;
+    ++st_.num_frees;
+    if (arena->dropped && arena->live.empty()) plan_release(arena);
+    return true;
 }
 
 void Engine::plan_record_free(std::uint64_t ptr) {
@@ -2947,14 +2940,15 @@ void Engine::plan_record_cross_stream(std::uint64_t ptr) {
     else if (rec_prev_map_.count(ptr)) rec_prev_cross_ = true;
 }
 
-Engine::PlanArena* Engine::plan_arena_entry(std::uint64_t ptr, PlanLive* out) {
+Engine::PlanArena* Engine::plan_arena_entry(std::uint64_t ptr, PlanLive* out, bool freeing) {
     for (std::size_t i = arenas_.size(); i-- > 0;) {
         PlanArena* arena = arenas_[i].get();
         if (!arena->holds(ptr)) continue;
         auto it = arena->live.find(ptr);
         if (it == arena->live.end())
             throw EngineError(EngineErrorKind::kInvalidPointer,
-                              hex(ptr) + " is not a live allocation (inside the step plan's arena)");
+                              freeing ? "free of " + hex(ptr) + ": no live allocation starts there in the step plan's arena"
+                                      : hex(ptr) + " is not a live allocation (inside the step plan's arena)");
         if (out) *out = it->second;
         return arena;
     }

@@ -352,7 +352,9 @@ class Engine {
     void plan_record_free(std::uint64_t ptr);
     void plan_record_cross_stream(std::uint64_t ptr);
     // the arena and live entry of a live arena pointer (nullptr: in no arena); throws kInvalidPointer inside one
-    PlanArena* plan_arena_entry(std::uint64_t ptr, PlanLive* out);
+    // The arena holding `ptr` with its live entry in `out`, or null when no arena holds it; an arena that
+    // holds it with no live allocation there raises (worded for a free when `freeing`).
+    PlanArena* plan_arena_entry(std::uint64_t ptr, PlanLive* out, bool freeing = false);
     bool plan_record_stream(std::uint64_t ptr, std::uint64_t stream);
     void plan_drop();
     void plan_shrink();   // plan.py StepPlan.shrink

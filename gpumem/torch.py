@@ -182,7 +182,7 @@ def _lib() -> ctypes.CDLL:
     lib.gpumem_torch_step_info.argtypes = [ctypes.c_int, u64p, ctypes.c_int]
     lib.gpumem_torch_configure.restype = ctypes.c_int
     lib.gpumem_torch_configure.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_double,
-                                           ctypes.c_int, ctypes.c_double, ctypes.c_int]
+                                           ctypes.c_int, ctypes.c_double, ctypes.c_int, ctypes.c_uint64]
     return lib
 
 
@@ -435,8 +435,8 @@ def step_plan_info(device: "int | str | Any | None" = None) -> Any:
 
 
 #: The policy fields the native engine takes from :func:`configure` (the others are the default policy's).
-_ENGINE_KNOBS = ("growth", "page_slack", "chunk_max_fraction", "grow_ahead_fraction", "steal_empty_pages",
-                 "busy_slack", "stream_ordered_steal")
+_ENGINE_KNOBS = ("growth", "page_slack", "page_slack_min_nbytes", "chunk_max_fraction", "grow_ahead_fraction",
+                 "steal_empty_pages", "busy_slack", "stream_ordered_steal")
 
 
 def configure(policy: Any) -> None:
@@ -444,7 +444,7 @@ def configure(policy: Any) -> None:
     :class:`~gpumem.allocator.policy.AllocatorPolicy` or a policy name).
 
     Call it before the first allocation on a device: an engine already made keeps its policy. The
-    native engine takes ``growth``, ``page_slack``, ``chunk_max_fraction``, ``grow_ahead_fraction``,
+    native engine takes ``growth``, ``page_slack``, ``page_slack_min_nbytes``, ``chunk_max_fraction``, ``grow_ahead_fraction``,
     ``steal_empty_pages``, ``busy_slack`` and ``stream_ordered_steal`` (``GPUMEM_BUSY_SLACK``,
     ``GPUMEM_CHUNK_MAX_FRACTION`` and ``GPUMEM_STREAM_ORDERED_STEAL=0|1``, when set, override those); the
     policy's other fields must be the default policy's.
@@ -467,7 +467,8 @@ def configure(policy: Any) -> None:
     growth = 0 if GrowthRule(pol.growth) is GrowthRule.PAGES else 1
     if lib.gpumem_torch_configure(growth, float(pol.page_slack), float(pol.chunk_max_fraction),
                                   float(pol.grow_ahead_fraction), int(bool(pol.steal_empty_pages)),
-                                  float(pol.busy_slack), int(bool(pol.stream_ordered_steal))) != 0:
+                                  float(pol.busy_slack), int(bool(pol.stream_ordered_steal)),
+                                  int(pol.page_slack_min_nbytes)) != 0:
         raise InvalidArgumentError(f"gpumem.torch.configure({pol.name!r}): {_last_error(lib)}")
 
 

@@ -1198,7 +1198,12 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
     }
     std::int64_t touched = std::max(peak_live_pages_, live_pages_ + static_cast<std::int64_t>(need.size()));
     // pages held may reach this before a steal
-    std::int64_t budget = static_cast<std::int64_t>(static_cast<double>(touched) * (1.0 + cfg_.page_slack));
+    // at least page_slack_min_nbytes more than touched, within the limit (Note [A slack of at least one page])
+    std::int64_t floor = touched + static_cast<std::int64_t>(cfg_.page_slack_min_nbytes / g);
+    if (cfg_.limit_nbytes)
+        floor = std::min(floor, (static_cast<std::int64_t>(cfg_.limit_nbytes) - static_cast<std::int64_t>(plan_mapped_nbytes_)) /
+                                    static_cast<std::int64_t>(g));
+    std::int64_t budget = std::max(static_cast<std::int64_t>(static_cast<double>(touched) * (1.0 + cfg_.page_slack)), floor);
     busy_pages_ = static_cast<double>(touched) * (1.0 + cfg_.page_slack + cfg_.busy_slack);
     std::int64_t top_page = static_cast<std::int64_t>((seg->top - 1) / g);
     std::vector<std::int64_t> mapped;   // first pages of the chunks this call mapped

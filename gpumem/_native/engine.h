@@ -54,6 +54,7 @@ struct EngineConfig {
     double va_reserve_factor = 2.0;
     bool steal_empty_pages = true;
     double page_slack = 0.005;
+    std::uint64_t page_slack_min_nbytes = std::uint64_t{4} << 20;   // growth=CHUNKS: the slack is at least this (whole pages)
     GrowthRule growth = GrowthRule::kChunks;
     double chunk_max_fraction = 1.0 / 256;              // growth=CHUNKS: cap relative to the memory held
     std::uint64_t chunk_max_nbytes = std::uint64_t{1} << 30;   // growth=CHUNKS: absolute cap

@@ -299,7 +299,8 @@ const PolicyField kPolicyFields[] = {
     CFG(round_nbytes, kU64), CFG(small_max_nbytes, kU64), CFG(separate_small_pool, kBool),
     NOT_READ(segment_rule), NOT_READ(small_segment_nbytes),   // segment mode only
     CFG(min_split_small_nbytes, kU64), CFG(min_split_large_nbytes, kU64), CFG(va_reserve_factor, kF64),
-    CFG(steal_empty_pages, kBool), CFG(page_slack, kF64), CFG(growth, kGrowth), CFG(chunk_max_fraction, kF64),
+    CFG(steal_empty_pages, kBool), CFG(page_slack, kF64), CFG(page_slack_min_nbytes, kU64),
+    CFG(growth, kGrowth), CFG(chunk_max_fraction, kF64),
     CFG(chunk_max_nbytes, kU64),
     {"small_page_nbytes", FieldKind::kMustBeNone, 0}, {"large_page_nbytes", FieldKind::kMustBeNone, 0},   // one page size
     NOT_READ(segments_top_down),   // segment mode only

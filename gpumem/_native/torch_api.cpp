@@ -568,11 +568,11 @@ GPUMEM_EXPORT std::int64_t gpumem_torch_trace_read(int device, std::uint64_t* ou
 }
 
 // The policy of the engines made from now on (devices whose engine exists keep theirs): growth 0
-// pages / 1 chunks, and the EngineConfig fields of the same names. Returns 0, or -1 with
+// pages / 1 chunks, and the EngineConfig fields of the same names (any page_slack_min_nbytes is valid). Returns 0, or -1 with
 // gpumem_torch_last_error() (a value out of range: nothing changed).
 GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double chunk_max_fraction,
                                          double grow_ahead_fraction, int steal_empty_pages, double busy_slack,
-                                         int stream_ordered_steal) {
+                                         int stream_ordered_steal, std::uint64_t page_slack_min_nbytes) {
     if ((growth != 0 && growth != 1) || !(page_slack >= 0.0 && page_slack < 1.0) ||
         !(chunk_max_fraction > 0.0 && chunk_max_fraction <= 1.0) ||
         !(grow_ahead_fraction >= 0.0 && grow_ahead_fraction < 1.0) || !(busy_slack >= 0.0) ||
@@ -590,6 +590,7 @@ GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double c
     s.config.steal_empty_pages = steal_empty_pages != 0;
     s.config.busy_slack = busy_slack;
     s.config.stream_ordered_steal = stream_ordered_steal != 0;
+    s.config.page_slack_min_nbytes = page_slack_min_nbytes;
     return 0;
 }
 

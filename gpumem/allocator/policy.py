@@ -147,6 +147,11 @@ class AllocatorPolicy:
     """Virtual memory mode: physical memory may exceed the most pages live data ever touched by this
     fraction before empty pages are stolen (fewer device calls for a little more memory; Note [Chunks
     of several pages] in :mod:`.backing`). The behaviour before issue 7: 0 with ``growth=PAGES``."""
+    page_slack_min_nbytes: int = 4 * MiB
+    """``growth=CHUNKS``: the slack is at least this many bytes (whole pages, rounded down), however little
+    live data touched: ``page_slack`` alone rounds to no page under 200 pages (400 MiB of 2 MiB pages), where
+    two pools taking turns at one page steal it back and forth at every allocation (Note [A slack of at
+    least one page] in :mod:`.backing`)."""
     growth: GrowthRule = GrowthRule.CHUNKS
     """Virtual memory mode: how physical chunks are sized and moved (:class:`GrowthRule`)."""
     chunk_max_fraction: float = 1 / 256
@@ -263,6 +268,7 @@ _FIELD_RANGES: dict[str, tuple[str, float, float]] = {
     "va_reserve_factor": ("float", 1.0, 4096.0),
     "steal_empty_pages": ("bool", 0, 0),
     "page_slack": ("float", 0.0, 1.0),
+    "page_slack_min_nbytes": ("int", 0, _SIZE_END),
     "chunk_max_fraction": ("float", 0.0, 1.0),
     "chunk_max_nbytes": ("int", 1, _SIZE_END),
     "small_page_nbytes": ("int?", 1, _SIZE_END),

@@ -43,10 +43,14 @@ def _old_behaviour(monkeypatch) -> None:
 
 
 #: the default policy with the stream-ordered steal on (off by default: Note [Stream-ordered steal])
-ORDERED_DEFAULT = dataclasses.replace(get_policy("gpumem"), name="ordered-default", stream_ordered_steal=True)
+ORDERED_DEFAULT = dataclasses.replace(get_policy("gpumem"), name="ordered-default", stream_ordered_steal=True,
+                                      page_slack_min_nbytes=0)
+#: the default policy without the slack's floor: on these few-page devices every page past the peak is stolen
+#: (Note [A slack of at least one page])
+STEAL_NOW = dataclasses.replace(get_policy("gpumem"), name="steal-now", page_slack_min_nbytes=0)
 
 
-def _steal_scenario(dev, stream: int, policy="gpumem") -> tuple[object, int, int, CachingAllocator]:
+def _steal_scenario(dev, stream: int, policy=STEAL_NOW) -> tuple[object, int, int, CachingAllocator]:
     """A kernel reads block A on ``stream``; A is freed; an allocation on ``stream`` then needs a
     page, and the only empty page to steal is A's; the limit leaves no room for a new chunk instead.
     Returns (work, A, the new block, the allocator)."""
@@ -65,7 +69,7 @@ def _steal_scenario(dev, stream: int, policy="gpumem") -> tuple[object, int, int
 
 @pytest.mark.parametrize("stream", [0, 7])
 def test_steal_waits_for_a_kernel_still_reading_the_page(dev, stream):
-    policy = dataclasses.replace(get_policy("gpumem"), name="no-ordered-steal", stream_ordered_steal=False)
+    policy = dataclasses.replace(STEAL_NOW, name="no-ordered-steal", stream_ordered_steal=False)
     work, a, _, _ = _steal_scenario(dev, stream, policy)
     # the steal waited (event_synchronize) until the kernel was done, then unmapped A's page
     assert work.done and dev.now_s >= work.end_s
@@ -140,7 +144,7 @@ def test_a_busy_page_is_not_waited_for_when_a_new_chunk_fits(dev):
 def test_a_busy_page_is_waited_for_past_the_busy_slack(dev, engine):
     """Note [Wait, do not grow, behind the GPU]: past page_slack + busy_slack the steal waits for the
     running kernel instead of creating a chunk (before issue 18 it grew: the test above)."""
-    policy = dataclasses.replace(get_policy("gpumem"), name="wait-busy", busy_slack=0.0, page_slack=0.0,
+    policy = dataclasses.replace(get_policy("gpumem"), name="wait-busy", busy_slack=0.0, page_slack=0.0, page_slack_min_nbytes=0,
                                  stream_ordered_steal=False)
     alloc = CachingAllocator(dev, policy, engine=engine)
     a = alloc.allocate(2 * MiB)
@@ -154,7 +158,7 @@ def test_a_busy_page_is_waited_for_past_the_busy_slack(dev, engine):
     alloc.check_consistency()
 
 
-ORDERED = dataclasses.replace(get_policy("gpumem"), name="ordered-steal", busy_slack=0.0, page_slack=0.0,
+ORDERED = dataclasses.replace(get_policy("gpumem"), name="ordered-steal", busy_slack=0.0, page_slack=0.0, page_slack_min_nbytes=0,
                               stream_ordered_steal=True)
 
 
@@ -647,7 +651,7 @@ def test_impossible_request_is_refused_at_once(policy, request_nbytes, kwargs):
 
 # -- a steal takes an idle empty page before waiting for busy ones (review finding F5) --------------------
 def test_steal_takes_any_idle_empty_page_before_waiting(dev):
-    alloc = CachingAllocator(dev, "gpumem", limit=10 * MiB)
+    alloc = CachingAllocator(dev, "gpumem", limit=10 * MiB)   # the slack's floor stops at the limit
     a0 = alloc.allocate(2 * MiB, 7)  # page 0: no work ever
     rest = [alloc.allocate(2 * MiB, 0) for _ in range(4)]  # pages 1-4
     for p in rest:

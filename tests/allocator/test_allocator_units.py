@@ -222,12 +222,13 @@ def test_virtual_memory_reuses_freed_pages_without_a_retry(dev):
     ptrs = [alloc.allocate(100 * MiB, stream=0) for _ in range(3)]
     for p in ptrs:
         alloc.free(p)
-    # another stream has its own range: the pages are stolen from stream 0's empty ones
+    # another stream has its own range: two pages are created (the slack's floor: Note [A slack of at least
+    # one page]) and the rest stolen from stream 0's empty ones
     q = alloc.allocate(200 * MiB, stream=1)
     st = alloc.snapshot_stats()
     assert st.num_alloc_retries == 0 and st.num_ooms == 0
-    assert st.reserved_nbytes == 300 * MiB  # no new chunk was created
-    assert alloc.backing.n_steals == 100
+    assert st.reserved_nbytes == 304 * MiB
+    assert alloc.backing.n_steals == 98
     check_allocator(alloc, {q: LiveBlock(q, 200 * MiB, 1, 0)})
     alloc.free(q)
     alloc.empty_cache()

@@ -110,7 +110,7 @@ def test_trace_and_configure_hooks_without_an_engine(lib):
     for bad in [(2, 0.0, 0.5, 0.0, 1, 0.05, 1), (1, 1.0, 0.5, 0.0, 1, 0.05, 1), (1, 0.0, 0.0, 0.0, 1, 0.05, 1),
                 (1, 0.0, 0.5, -0.1, 1, 0.05, 1), (1, float("nan"), 0.5, 0.0, 1, 0.05, 1),
                 (1, 0.0, 0.5, 0.0, 1, -1.0, 1), (1, 0.0, 0.5, 0.0, 1, float("nan"), 1), (1, 0.0, 0.5, 0.0, 1, 0.05, 2)]:
-        assert lib.gpumem_torch_configure(*bad) == -1, bad
+        assert lib.gpumem_torch_configure(*bad, 0) == -1, bad
         assert b"growth must be 0 or 1" in lib.gpumem_torch_last_error()
     gt.configure("gpumem")
     with pytest.raises(InvalidArgumentError, match="unknown allocator policy"):

@@ -113,7 +113,37 @@ def _decode(torch: Any, new_tokens: int) -> dict[str, float]:
     return out
 
 
-def run_child(config: str, n_pairs: int, decode_tokens: int) -> dict[str, Any]:
+def _profile_decode(torch: Any, new_tokens: int, top: int = 15) -> dict[str, Any]:
+    """A short decode under ``torch.profiler``: the ops of most self CPU and self CUDA time (µs, whole run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .workloads import LONG_DECODE_CONFIG, LONG_DECODE_PROMPT, _hf_causal
+
+    torch.manual_seed(0)
+    model = _hf_causal(torch, "llama", **LONG_DECODE_CONFIG).to(torch.bfloat16)
+    model.eval()
+    ids = torch.randint(0, 32000, (1, LONG_DECODE_PROMPT), device="cuda")
+
+    def run() -> None:
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, use_cache=True, pad_token_id=0)
+        torch.cuda.synchronize()
+
+    run()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+    events = prof.key_averages()
+    cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    gpu = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0), reverse=True)[:top]
+    return {"profile_tokens": new_tokens,
+            "profile_self_cpu_us": [[e.key, e.count, round(e.self_cpu_time_total, 1)] for e in cpu],
+            "profile_self_cuda_us": [[e.key, e.count, round(getattr(e, "self_device_time_total", 0), 1)] for e in gpu],
+            "profile_total_self_cpu_us": round(sum(e.self_cpu_time_total for e in events), 1),
+            "profile_total_self_cuda_us": round(sum(getattr(e, "self_device_time_total", 0) for e in events), 1)}
+
+
+def run_child(config: str, n_pairs: int, decode_tokens: int, profile_tokens: int = 0) -> dict[str, Any]:
     """Measures one configuration in this process (see the module's docstring)."""
     if config.startswith("gpumem"):
         import gpumem.torch as gt
@@ -135,6 +165,8 @@ def run_child(config: str, n_pairs: int, decode_tokens: int) -> dict[str, Any]:
         record.update(hook_pairs_ns=pair_ns, ctypes_two_calls_ns=call_ns, hook_engine_ns=pair_ns - call_ns)
     if decode_tokens:
         record.update(_decode(torch, decode_tokens))
+    if profile_tokens:
+        record.update(_profile_decode(torch, profile_tokens))
     if config.startswith("gpumem"):
         import gpumem.torch as gt
 
@@ -171,13 +203,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--pairs", type=int, default=60_000, help="allocations per timed loop (default 60000)")
     ap.add_argument("--decode-tokens", type=int, default=300, help="new tokens of the timed decode; 0: no decode")
+    ap.add_argument("--profile-tokens", type=int, default=0,
+                    help="also profile a decode of this many new tokens (torch.profiler; top ops in the JSON)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration (default 300)")
     ap.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.pairs < 1 or args.decode_tokens < 0:
-        ap.error("--pairs must be at least 1 and --decode-tokens at least 0")
+    if args.pairs < 1 or args.decode_tokens < 0 or args.profile_tokens < 0:
+        ap.error("--pairs must be at least 1, --decode-tokens and --profile-tokens at least 0")
     if args.child:
-        print(json.dumps(run_child(args.child, args.pairs, args.decode_tokens)))
+        print(json.dumps(run_child(args.child, args.pairs, args.decode_tokens, args.profile_tokens)))
         return 0
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
@@ -188,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = []
     for config in configs:
         cmd = [sys.executable, "-m", "hil.probes.op_cost", "--child", config, "--pairs", str(args.pairs),
-               "--decode-tokens", str(args.decode_tokens)]
+               "--decode-tokens", str(args.decode_tokens), "--profile-tokens", str(args.profile_tokens)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""

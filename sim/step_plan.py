@@ -70,8 +70,8 @@ PAGE_CHUNK_POLICY = dataclasses.replace(POLICIES[DEFAULT_POLICY], name="page-chu
 """The default policy with every physical chunk one page: what a chunk locks when a long-lived block sits in
 it is one page, so the warm-up's cache goes back page by page when the plan takes over."""
 MEMORY_FIRST_POLICY = dataclasses.replace(PAGE_CHUNK_POLICY, name="memory-first", stream_ordered_steal=True,
-                                          page_slack=0.0)
-"""One-page chunks, the stream-ordered steal and no page slack (the memory-first end of setting C's knobs):
+                                          page_slack=0.0, page_slack_min_nbytes=0)
+"""One-page chunks, the stream-ordered steal and no page slack, not even its floor (the memory-first end of setting C's knobs):
 many calls per step, but only while the fallback serves the steps, which with a plan is the warm-up."""
 KGRAM = 24
 """Allocations in a window that anchors period candidates and resyncs the served plan."""

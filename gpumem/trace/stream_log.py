@@ -115,9 +115,10 @@ TIME_TOLERANCE_US = 100.0
 #: warns that it may be another run's (both are Unix time).
 CLOCK_SLACK_US = 10e6
 #: Bytes the log reader counts per use or wait against ``TraceLimits.max_memory_nbytes``: a
-#: :class:`LoggedUse` with a 40-bit pointer, a float time and two counts, its list slot and the tuple's,
-#: measured at about 224 bytes each (a million uses: 214 MiB).
-LOG_ENTRY_NBYTES = 240
+#: :class:`LoggedUse` with its ints and float time, its list slot and the tuple's, measured by resident
+#: memory at about 224 bytes each with 40-bit pointers and 317 with every int past 2**62 (Python's ints
+#: grow with their value).
+LOG_ENTRY_NBYTES = 320
 _INT64_MAX = 2**63 - 1
 _DEVICE_KEY = re.compile(r"[0-9]{1,19}")
 """A device number as a ``base_counts`` key: ASCII digits (``str.isdigit`` takes "²", which ``int`` refuses),

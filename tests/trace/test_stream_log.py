@@ -715,3 +715,24 @@ def test_a_trace_name_with_escape_sequences_is_escaped_in_merge_messages() -> No
     with pytest.raises(TraceFormatError) as err:
         merge_stream_uses(t, _log(LoggedUse(0, 0x1000, 99, 1.5, 1, 0)))
     assert "\\x1b[2Jevil\\x0afake" in str(err.value) and "\x1b" not in str(err.value)
+
+
+def test_n_stream_uses_counts_no_use_after_the_last_op() -> None:
+    """Review attacker 8: uses at at_op == n_ops were counted as made; StreamUsePlan never makes them."""
+    import dataclasses as dc
+
+    t = dc.replace(Trace.from_ops("two", "gpumem", [(0, 0, 4096, 0, 1.0, 0x1000), (0, 1, 4096, 5, 2.0, 0x2000)]),
+                   stream_uses=(StreamUse(1, 0, 5, 1.5), StreamUse(2, 0, 5, 3.0), StreamUse(2, 1, 0, 3.0)))
+    result = replay_trace(t, "sim:h200-141gb", "pytorch", progress=False)
+    assert result.extra["n_stream_uses"] == 1
+
+
+def test_gpumem_replay_prints_a_trace_name_escaped(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Review attacker 8: a .gmt header's name reached the terminal with its escape sequences."""
+    h = {"format": "gpumem-trace", "version": 1, "name": "\x1b]0;pwned\x07\x1b[2J\x1b[31mEVIL\x1b[0m\nfake line",
+         "source": "gpumem", "n_ops": 2, "n_allocs": 1, "n_unmatched_frees": 0, "n_failed_allocs": 0, "time_unit": "us"}
+    path = tmp_path / "esc.gmt"
+    path.write_text(json.dumps(h) + "\na 0 512 0 1 10000\nf 0 0 2\n")
+    code, out, _ = _cli(capsys, "replay", str(path))
+    assert code == 0 and "\x1b" not in out and "\x07" not in out
+    assert out.splitlines()[0] == "trace          \\x1b]0;pwned\\x07\\x1b[2J\\x1b[31mEVIL\\x1b[0m\\x0afake line (2 ops, 1 allocations)"

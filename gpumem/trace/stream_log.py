@@ -525,7 +525,8 @@ def merge_stream_uses(trace: Trace, rs: RecordStreamLog, *, device: int | None =
     known = set(np.unique(trace.streams).tolist())
     base = rs.base_counts.get(device)
     counts_usable = trace.n_unmatched_frees == 0 and base is not None
-    disagreed: list[str] = []
+    n_disagreed = 0
+    first_disagreed = ""
 
     def by_counts(c: LoggedUse | LoggedWait, what: str) -> int | None:
         """The position the call's counts give, when they agree with the trace and, on one clock, with the
@@ -540,11 +541,11 @@ def merge_stream_uses(trace: Trace, rs: RecordStreamLog, *, device: int | None =
             before = float(times[p - 1]) if p else -math.inf   # the latest op time before p
             later = float(after[p]) if p < n_ops else math.inf   # the first op time from p on
             if before - TIME_TOLERANCE_US > c.time_us or c.time_us > max(later, before) + TIME_TOLERANCE_US:
-                if not disagreed:
+                nonlocal n_disagreed, first_disagreed
+                n_disagreed += 1
+                if not first_disagreed:
                     near = f"op {p - 1} at {before:.0f} us" if p else "the trace's start"
-                    disagreed.append(f"{what} at {c.time_us:.0f} us, which its counts put after {near}")
-                else:
-                    disagreed.append("")
+                    first_disagreed = f"{what} at {c.time_us:.0f} us, which its counts put after {near}"
                 return None
         return p
 
@@ -596,17 +597,17 @@ def merge_stream_uses(trace: Trace, rs: RecordStreamLog, *, device: int | None =
                     "address no allocation of %s ever holds (memory not from the caching allocator, or allocated "
                     "before the history began), which PyTorch's recordStream ignores too", where, len(skipped),
                     skipped[0], rs.uses[skipped[0]].ptr, printable(trace.name))
-    if disagreed:
+    if n_disagreed:
         log.warning("%s: %d call(s) placed by time, not by their allocator counts, which disagree with the "
                     "snapshot's times by more than %.0f us (first: %s): the log's base counts are not the "
                     "history's (a logger started before _record_memory_history, or a ring buffer that wrapped)",
-                    where, len(disagreed), TIME_TOLERANCE_US, disagreed[0])
+                    where, n_disagreed, TIME_TOLERANCE_US, first_disagreed)
     out = Trace(trace.name, trace.source, trace.kinds, trace.alloc_ids, trace.nbytes, trace.streams, trace.times_us,
                 trace.addrs, n_unmatched_frees=trace.n_unmatched_frees, n_failed_allocs=trace.n_failed_allocs,
                 stream_uses=uses, stream_waits=tuple(m[2] for m in waits))
     report = MergeReport(len(uses), n_by_count, len(uses) - n_by_count, n_own,
                          tuple(sorted({u.stream for u in uses})), len(waits), n_waits_by_count,
-                         n_skipped=len(skipped), n_count_disagreed=len(disagreed))
+                         n_skipped=len(skipped), n_count_disagreed=n_disagreed)
     return out, report
 
 

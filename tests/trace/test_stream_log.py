@@ -736,3 +736,20 @@ def test_gpumem_replay_prints_a_trace_name_escaped(tmp_path: Path, capsys: pytes
     code, out, _ = _cli(capsys, "replay", str(path))
     assert code == 0 and "\x1b" not in out and "\x07" not in out
     assert out.splitlines()[0] == "trace          \\x1b]0;pwned\\x07\\x1b[2J\\x1b[31mEVIL\\x1b[0m\\x0afake line (2 ops, 1 allocations)"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_program(), st.integers(1, 3))
+def test_counts_shifted_by_whole_steps_never_move_a_use_off_its_allocation(program: Any, k: int) -> None:
+    """Finding 1 as a property: ops 10 ms apart, each call 5 ms after the op before it, the counts offset by
+    k allocations and k frees (a logger started k steps before the history): every use lands on the
+    allocation the program named (the counts pass the trace's check or not; where they do, the time
+    disagrees, and the call is placed by time)."""
+    entries, uses, truth = program
+    entries = [dict(e, time_us=e["time_us"] * 1000.0) for e in entries]
+    t = snapshot_to_trace({"segments": [], "device_traces": [entries]}, name="random")
+    shifted = [LoggedUse(u.device, u.ptr, u.stream, (u.time_us - 5.0) * 1000.0 + 5000.0, u.n_allocs + k,
+                         u.n_frees + k) for u in uses]
+    merged, report = merge_stream_uses(t, _log(*shifted))
+    assert sorted((u.at_op, u.alloc_id) for u in merged.stream_uses) == sorted(truth)
+    assert report.n_by_count == 0

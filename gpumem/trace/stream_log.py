@@ -75,7 +75,8 @@ Falling back rather than refusing: the time placement is checked on its own (an 
 the pointer within the tolerance, else the merge refuses), so a log with a bad base stays usable, and the
 warning says its counts were not. The check needs one clock: when the log's calls lie outside the
 snapshot's times (the warning of :data:`CLOCK_SLACK_US`) or the trace is not a PyTorch snapshot's, the
-counts are taken as they are.
+counts are taken as they are. Not caught: an offset whose ops all lie within the tolerance of the call
+(a burst microseconds apart), which the time cannot tell apart either.
 """
 
 from __future__ import annotations

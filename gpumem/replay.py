@@ -301,8 +301,9 @@ def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, sto
         wall_s = time.perf_counter() - t0
         bar.close(done)
     extra: dict[str, Any] = {"engine": getattr(allocator, "engine", "python"),
-                             # record_stream calls the replay made (those before the last op it completed)
-                             "n_stream_uses": sum(1 for u in trace.stream_uses if u.at_op <= done)}
+                             # record_stream calls the replay made: those before an op it reached (none
+                             # after the last op: StreamUsePlan makes none there)
+                             "n_stream_uses": sum(1 for u in trace.stream_uses if u.at_op <= done and u.at_op < n)}
     extra.update(gpu.finish() if gpu is not None else {"gpu_timing": GpuTiming.IDLE.value})
     stats = allocator.snapshot_stats()
     sim_end = getattr(device, "now_s", None)

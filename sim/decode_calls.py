@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from gpumem.allocator import make_allocator
-from gpumem.errors import OutOfMemoryError
+from gpumem.errors import GpumemError, OutOfMemoryError
 from gpumem.estimate.shape import ModelShape
 from gpumem.estimate.workload import stream_inference
 from gpumem.sim import get_profile
 from gpumem.sim.latency import LatencyModel
 from gpumem.specs import open_device
-from hil.probes.workloads import parse_policy
+from hil.probes.workloads import WorkloadInputError, parse_policy
 from sim.cli_checks import json_target_problem
 
 PROFILE = "h200-141gb"
@@ -251,9 +251,24 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--json: {why}")
     sep = ";" if ";" in args.policies else ","
     policies = [s for s in args.policies.split(sep) if s]
+    if not policies:
+        p.error("--policies: no policy given")
+    for pol in policies:   # every policy checked before the first run
+        try:
+            parse_policy(pol)
+        except WorkloadInputError as exc:
+            p.error(f"--policies: {exc}")
+    if args.ring is not None and (args.ring < 1 or args.weights_mib < 1 or args.ring_token_nbytes < 1):
+        p.error("--ring, --weights-mib and --ring-token-nbytes must be >= 1")
+    try:
+        return _study(args, policies)
+    except GpumemError as exc:   # out of memory on the simulated device (weights larger than it), ...
+        p.error(f"{type(exc).__name__}: {exc}")
+
+
+def _study(args: argparse.Namespace, policies: list[str]) -> int:
+    """The rows :func:`main` asked for, printed (and written to ``--json``)."""
     if args.ring is not None:
-        if args.ring < 1 or args.weights_mib < 1 or args.ring_token_nbytes < 1:
-            p.error("--ring, --weights-mib and --ring-token-nbytes must be >= 1")
         runs = [ring_run(pol, blocks=args.ring, steps=args.new_tokens - 1, prompt=args.prompt,
                          token_nbytes=args.ring_token_nbytes, weights_nbytes=args.weights_mib << 20,
                          window=args.window) for pol in policies]

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from gpumem.allocator.policy import POLICIES, AllocatorPolicy
-from gpumem.errors import InvalidArgumentError
+from gpumem.errors import GpumemError, InvalidArgumentError
 from gpumem.progress import progress
 from gpumem.replay import replay_trace
 from gpumem.sim import get_profile
@@ -44,6 +44,7 @@ from gpumem.sim.latency import LatencyModel
 from gpumem.specs import open_device
 from gpumem.trace import load_trace
 from gpumem.trace.stream_log import unknown_stream_uses
+from sim.cli_checks import json_target_problem
 
 PROFILE = "h200-141gb"
 HIL = Path("reports/hil")
@@ -445,31 +446,85 @@ def report(rows: list[Row], preds: list[dict[str, float]], cands: list[Candidate
     return "\n".join(out), data
 
 
+_ROW_TYPES = {"run": str, "workload": str, "policy": str, "trace": str, "own_trace": bool, "part": str,
+              "live": float, "not_scored": (str, type(None))}
+
+
+def _number(value: object) -> bool:
+    """A JSON number (an int within 64 bits or a float; not a bool)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, float) or (isinstance(value, int) and -2**63 <= value < 2**63)
+
+
+def load_record(path: Path, cands: Sequence[Candidate]) -> tuple[list[Row], list[dict[str, float]]]:
+    """The rows and predictions of a record written by ``--json``, every field checked (a prediction for every
+    candidate of ``cands``). Raises ValueError naming the bad field (nesting too deep for the JSON decoder
+    included) or OSError."""
+    try:
+        data = json.loads(path.read_text())
+    except RecursionError:
+        raise ValueError("nested too deep for a record of this study") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ValueError("a JSON object with a list 'rows' expected")
+    labels = [c.label for c in cands]
+    rows: list[Row] = []
+    preds: list[dict[str, float]] = []
+    for i, r in enumerate(data["rows"]):
+        at = f"rows[{i}]"
+        if not isinstance(r, dict):
+            raise ValueError(f"{at}: a JSON object expected, got {type(r).__name__}")
+        unknown = [str(k)[:40] for k in r if k not in _ROW_TYPES and k != "predicted"]
+        missing = [k for k in (*_ROW_TYPES, "predicted") if k not in r and k != "not_scored"]
+        if unknown or missing:
+            raise ValueError(f"{at}: " + "; ".join(([f"missing {', '.join(missing)}"] if missing else [])
+                                                   + ([f"unknown {', '.join(unknown)[:80]}"] if unknown else [])))
+        for k, kind in _ROW_TYPES.items():
+            if k in r and not (_number(r[k]) if kind is float else isinstance(r[k], kind)):
+                raise ValueError(f"{at}.{k}: {getattr(kind, '__name__', 'str or null')} expected, got "
+                                 f"{type(r[k]).__name__}")
+        if r["part"] not in ("tuning", "check"):
+            raise ValueError(f"{at}.part: 'tuning' or 'check' expected, got {r['part']!r:.40}")
+        pred = r["predicted"]
+        if not isinstance(pred, dict) or any(not _number(pred.get(lab)) for lab in labels):
+            bad = next((lab for lab in labels if not isinstance(pred, dict) or not _number(pred.get(lab))), "")
+            raise ValueError(f"{at}.predicted: an object with a number for every candidate expected ({bad} "
+                             "missing or not a number)")
+        rows.append(Row(**{k: (float(v) if _ROW_TYPES[k] is float else v) for k, v in r.items() if k != "predicted"}))
+        preds.append({lab: float(pred[lab]) for lab in labels})
+    if not any(r.part == "tuning" for r in rows):
+        raise ValueError("no tuning row: nothing to choose a setting by")
+    if any("not_scored" not in r for r in data["rows"]):   # written before rows could be left unscored
+        why = {r.key: r.not_scored for r in live_rows()}
+        rows = [dataclasses.replace(r, not_scored=why.get(r.key)) for r in rows]
+    return rows, preds
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim.predict_live", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--jobs", type=int, default=1, help="processes replaying rows side by side (default 1)")
-    p.add_argument("--json", help="also write the rows, predictions and errors here")
-    p.add_argument("--from-json", help="print the tables of a --json file again instead of replaying")
+    p.add_argument("--json", type=Path, help="also write the rows, predictions and errors here")
+    p.add_argument("--from-json", type=Path, help="print the tables of a --json file again instead of replaying")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, not {args.jobs}")
+    if args.json is not None and (why := json_target_problem(args.json)):
+        p.error(f"--json: {why}")   # before the study, not after every row was replayed
     cands = candidates()
     if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        rows = [Row(**{k: v for k, v in r.items() if k != "predicted"}) for r in data["rows"]]
-        preds = [r["predicted"] for r in data["rows"]]
-        if any("not_scored" not in r for r in data["rows"]):   # written before rows could be left unscored
-            why = {r.key: r.not_scored for r in live_rows()}
-            rows = [dataclasses.replace(r, not_scored=why.get(r.key)) for r in rows]
+        try:
+            rows, preds = load_record(args.from_json, cands)
+        except (OSError, ValueError, GpumemError) as exc:
+            p.error(f"--from-json: cannot read {args.from_json} as a record of this study: "
+                    f"{getattr(exc, 'strerror', None) or exc}")
     else:
         rows = live_rows()
         preds = measure(rows, cands, args.jobs)
     text, data = report(rows, preds, cands)
     print(text)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(data, indent=1, default=lambda x: None))
+        args.json.write_text(json.dumps(data, indent=1, default=lambda x: None))
     return 0
 
 

@@ -30,11 +30,13 @@ from gpumem.allocator import CachingAllocator
 from gpumem.allocator.plan import MarkResult
 from gpumem.allocator.policy import DEFAULT_POLICY, get_policy
 from gpumem.allocator.stats import AllocatorStats
-from gpumem.errors import InvalidArgumentError
+from gpumem.errors import GpumemError, InvalidArgumentError
 from gpumem.replay import replay
+from gpumem.sim.gpu_work import gpu_timing
 from gpumem.specs import open_device
 from gpumem.trace import Trace, load_trace
 from gpumem.trace.corpus import CorpusPart, corpus_traces
+from gpumem.trace.limits import printable
 
 from sim.cli_checks import json_target_problem
 from sim.step_plan import DEVICE_SPEC, MEMORY_FIRST_POLICY, Lifetimes, Signature, find_period, signatures, split_steps
@@ -128,8 +130,11 @@ def step_marks(trace: Trace) -> tuple[int, list[int]]:
     return steps.period, ranks
 
 
-def run(trace: Trace, label: str, policy: Any, timing: str, marked: bool) -> EngineRow:
-    period, ranks = step_marks(trace)
+def run(trace: Trace, label: str, policy: Any, timing: str, marked: bool,
+        marks: tuple[int, list[int]] | None = None) -> EngineRow:
+    """One row: ``trace`` replayed under ``policy`` and ``timing``, its steps marked or not (``marks``: those of
+    :func:`step_marks`, found here when None)."""
+    period, ranks = step_marks(trace) if marks is None else marks
     with open_device(DEVICE_SPEC) as dev:
         alloc = CachingAllocator(dev, policy)
         driver = _Marked(alloc, ranks if marked else [])
@@ -169,20 +174,31 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.json is not None and (why := json_target_problem(args.json)):
         ap.error(f"--json: {why}")
+    try:   # every option checked before any replay
+        timings = [gpu_timing(t).value for t in args.timings.split(",")]
+    except InvalidArgumentError as exc:
+        ap.error(f"--timings: {exc}")
     paths = {p.name: p for part in CorpusPart for p in corpus_traces(part)}
-    rows: list[EngineRow] = []
+    studied: list[tuple[str, Trace, tuple[int, list[int]]]] = []
     for name in args.traces:
         match = [Path(name)] if Path(name).is_file() else [p for n, p in sorted(paths.items()) if n.startswith(name)]
         if not match:
             ap.error(f"--traces: {name} is no trace file, and no corpus trace starts with it")
+        try:   # a file that is no trace, or a trace with no step to mark: one line, before any replay
+            trace = load_trace(match[0])
+            studied.append((match[0].name.split(".")[0], trace, step_marks(trace)))
+        except GpumemError as exc:
+            ap.error(f"--traces: {printable(str(exc))}")
+        except OSError as exc:
+            ap.error(f"--traces: cannot read {match[0]}: {exc.strerror or exc}")
+    rows: list[EngineRow] = []
+    for label, trace, marks in studied:
         t0 = time.perf_counter()
-        trace = load_trace(match[0])
-        label = match[0].name.split(".")[0]
-        for timing in args.timings.split(","):
-            rows.append(run(trace, label, get_policy(DEFAULT_POLICY), timing, marked=False))
+        for timing in timings:
+            rows.append(run(trace, label, get_policy(DEFAULT_POLICY), timing, marked=False, marks=marks))
             for policy in (get_policy(DEFAULT_POLICY), MEMORY_FIRST_POLICY):
-                rows.append(run(trace, label, policy, timing, marked=True))
-        print(f"{label}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+                rows.append(run(trace, label, policy, timing, marked=True, marks=marks))
+        print(f"{printable(label)}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     print_rows(rows)
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))

@@ -13,6 +13,7 @@ from typing import Any
 from ..errors import DeviceLostError, GpumemError, InvalidArgumentError, TraceFormatError
 from ..managers.forensics import replay_oom_report
 from ..sim.gpu_work import DEFAULT_GPU_TIMING, GpuTiming
+from ..trace.limits import printable
 from ..units import format_bytes
 from ..validate import parse_limit
 from ._common import (EXIT_CODES, EXIT_USAGE, EXIT_OK, EXIT_OOM, OutputFile, _DEFAULT_DEVICE, _LIMIT_HELP,
@@ -88,7 +89,8 @@ def _row(label: str, value: str) -> None:
 
 
 def _print_result(result: Any, summary: str | None) -> None:
-    _row("trace", f"{result.trace} ({result.n_ops:,} ops, {result.n_allocs:,} allocations)")
+    # the name comes from the trace file: escape sequences in it must not reach the terminal
+    _row("trace", f"{printable(result.trace)} ({result.n_ops:,} ops, {result.n_allocs:,} allocations)")
     _row("device", result.device)
     _row("policy", result.policy)
     if "engine" in result.extra:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["DEFAULT_LIMITS", "ENTRY_NBYTES", "TraceLimits", "shorten"]
+__all__ = ["DEFAULT_LIMITS", "ENTRY_NBYTES", "TraceLimits", "printable", "shorten"]
 
 _GiB = 2**30
 _MiB = 2**20
@@ -87,14 +87,15 @@ class TraceLimits:
 ENTRY_NBYTES = 160
 
 
-def max_entries_for(limits: TraceLimits, used_nbytes: int = 0) -> tuple[int, str]:
+def max_entries_for(limits: TraceLimits, used_nbytes: int = 0, *, entry_nbytes: int = ENTRY_NBYTES) -> tuple[int, str]:
     """The most events a reader may keep under ``limits`` (``used_nbytes`` of the memory budget already
-    taken), and the limit that binds, as an error message names it."""
-    by_memory = max(0, limits.max_memory_nbytes - used_nbytes) // ENTRY_NBYTES
+    taken; ``entry_nbytes`` counted per event, :data:`ENTRY_NBYTES` for the array-backed columns), and the
+    limit that binds, as an error message names it."""
+    by_memory = max(0, limits.max_memory_nbytes - used_nbytes) // entry_nbytes
     if by_memory < limits.max_entries:
         taken = f", {used_nbytes:,} of them taken by unpickling" if used_nbytes else ""
         return by_memory, (f"TraceLimits.max_memory_nbytes: {limits.max_memory_nbytes:,} bytes{taken}, at "
-                           f"{ENTRY_NBYTES} bytes per event")
+                           f"{entry_nbytes} bytes per event")
     return limits.max_entries, "TraceLimits.max_entries"
 
 
@@ -120,3 +121,14 @@ def shorten(value: object, max_chars: int = QUOTE_CHARS) -> str:
         return repr(value)
     text = repr(value) if isinstance(value, (float, bool, type(None))) else f"a {type(value).__name__}"
     return text if len(text) <= max_chars else text[:max_chars] + "..."
+
+
+#: C0 and C1 control characters and DEL, each to its ``\\xNN`` (a ``str.translate`` table, read only).
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def printable(text: str) -> str:
+    """``text`` with its C0 and C1 control characters and DEL written ``\\xNN``: a trace's name comes from
+    its file, and an escape sequence in it must not reach a terminal (clear the screen, set the title,
+    forge an output line). Other characters are kept as they are."""
+    return text.translate(_CONTROLS)

@@ -29,7 +29,10 @@ Each call therefore logs two sequence points:
   trace entries, under the same lock), less the counts when the log began: exactly the number of
   allocations and frees before the call, so the call sits after op ``allocs + frees``. This is used when
   it is consistent with the trace (those first ops hold exactly that many allocations, and the trace
-  dropped no free: a history that began late or a ring buffer that wrapped fails this);
+  dropped no free) and, on a PyTorch snapshot, with the call's own time (Note [Counts checked against the
+  call's time]): a history that began late or a ring buffer that wrapped usually fails the first check,
+  but an offset of as many allocations as frees (the logger started a step before the history) passes
+  it and is caught only by the second;
 * the time, ``time.time_ns() / 1000``: the snapshot's ``time_us`` is Unix time in microseconds too
   (PyTorch converts its cycle counter to ``CLOCK_REALTIME``), to within the conversion's error. The
   fallback: the call sits after every op of time <= its own; an allocation holding ``ptr`` live within
@@ -48,6 +51,32 @@ in :mod:`gpumem.sim.gpu_work`): without them each simulated stream runs its work
 that chains its streams (copy, towers, main) has its GPU far less behind in the replay than live. A wait
 is a wait wherever it lies in its gap (the work between two ops is one item on the first op's stream).
 Not seen: waits made from C++ or through ``torch.cuda.Event.wait`` / ``Stream.wait_event``.
+
+Calls PyTorch itself ignores are skipped, counted (:attr:`MergeReport.n_skipped`) and warned about once:
+a null pointer (an empty tensor has none; ``recordStream`` returns at once, and the logger does not log
+it) and an address that no allocation of the trace ever holds (memory not from the caching allocator,
+or a block allocated before the history began): the replay has no such block to hold back, as the
+shim's ``record`` and :class:`~gpumem.trace.TraceRecorder` skip them too. An address the trace holds at
+other times but not at the call is still refused: that shows a misplaced log, not an ignored call.
+
+Note [Counts checked against the call's time]
+---------------------------------------------
+The counts say where a call was only if the log's base is the history's: a logger started before
+``_record_memory_history``, or a history that began at a point where everything alive is never freed,
+offsets them by k allocations and k frees, which passes the trace's own check (``allocs_before[a + f]
+== a``), and the call lands 2k ops away, on the next step's block at the same address. A PyTorch
+snapshot's times and the log's are one clock (Unix microseconds), so each placement by the counts is
+checked against the call's time: the ops around position ``p`` must not lie further than
+:data:`TIME_TOLERANCE_US` from it (the latest time before ``p`` at most that much after the call, the
+first time from ``p`` on at most that much before it). A placement that disagrees is dropped and the call
+placed by time, which finds the allocation holding the pointer within the tolerance or refuses; the
+merge warns once, naming the first disagreeing call and the count (:attr:`MergeReport.n_count_disagreed`).
+Falling back rather than refusing: the time placement is checked on its own (an allocation must hold
+the pointer within the tolerance, else the merge refuses), so a log with a bad base stays usable, and the
+warning says its counts were not. The check needs one clock: when the log's calls lie outside the
+snapshot's times (the warning of :data:`CLOCK_SLACK_US`) or the trace is not a PyTorch snapshot's, the
+counts are taken as they are. Not caught: an offset whose ops all lie within the tolerance of the call
+(a burst microseconds apart), which the time cannot tell apart either.
 """
 
 from __future__ import annotations
@@ -67,7 +96,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, TraceFormatError
 from ._fileio import PathLike, iter_lines, open_binary, open_for_writing
-from .limits import DEFAULT_LIMITS, TraceLimits, shorten
+from .limits import DEFAULT_LIMITS, TraceLimits, max_entries_for, printable, shorten
 from .model import OpKind, StreamUse, StreamWait, Trace
 
 __all__ = ["LOG_FORMAT", "LOG_VERSION", "TIME_TOLERANCE_US", "CLOCK_SLACK_US", "LoggedUse", "LoggedWait", "RecordStreamLog",
@@ -86,6 +115,11 @@ TIME_TOLERANCE_US = 100.0
 #: How far (microseconds) a PyTorch snapshot's log may have calls outside the snapshot's times before a merge
 #: warns that it may be another run's (both are Unix time).
 CLOCK_SLACK_US = 10e6
+#: Bytes the log reader counts per use or wait against ``TraceLimits.max_memory_nbytes``: a
+#: :class:`LoggedUse` with its ints and float time, its list slot and the tuple's, measured by resident
+#: memory at about 224 bytes each with 40-bit pointers and 317 with every int past 2**62 (Python's ints
+#: grow with their value).
+LOG_ENTRY_NBYTES = 320
 _INT64_MAX = 2**63 - 1
 _DEVICE_KEY = re.compile(r"[0-9]{1,19}")
 """A device number as a ``base_counts`` key: ASCII digits (``str.isdigit`` takes "²", which ``int`` refuses),
@@ -133,6 +167,29 @@ class RecordStreamLog:
     n_unlogged: int = 0
     clock: str = "unix_us"
     waits: tuple[LoggedWait, ...] = ()
+
+    def __post_init__(self) -> None:
+        """The reader's checks on a log built through the API (so that the merge never meets a bad field and
+        the writer never writes a file its reader refuses). Raises InvalidArgumentError naming the field."""
+        if self.clock != "unix_us":
+            raise InvalidArgumentError(f"RecordStreamLog.clock must be 'unix_us', not {shorten(self.clock)}")
+        if not _is_int(self.n_unlogged):
+            raise InvalidArgumentError(f"RecordStreamLog.n_unlogged must be an integer in [0, 2**63), not "
+                                       f"{shorten(self.n_unlogged)}")
+        base = self.base_counts
+        if not isinstance(base, dict) or not all(
+                _is_int(d) and isinstance(c, (tuple, list)) and len(c) == 2 and all(map(_is_int, c))
+                for d, c in base.items()):
+            raise InvalidArgumentError("RecordStreamLog.base_counts must map devices (integers >= 0) to "
+                                       "(allocations, frees) integer pairs")
+        object.__setattr__(self, "base_counts", {d: (c[0], c[1]) for d, c in base.items()})
+        for name, kind, items in (("uses", LoggedUse, self.uses), ("waits", LoggedWait, self.waits)):
+            if not isinstance(items, tuple):
+                raise InvalidArgumentError(f"RecordStreamLog.{name} must be a tuple of {kind.__name__}")
+            for k, item in enumerate(items):
+                problem = _entry_problem(item, kind)
+                if problem:
+                    raise InvalidArgumentError(f"RecordStreamLog.{name}[{k}]: {problem}")
 
     def devices(self) -> list[int]:
         """The devices the uses and waits are on, sorted."""
@@ -235,6 +292,8 @@ class RecordStreamLogger:
                 log.warning("record_stream(%s, %s) went through but cannot be logged (%s): a merge of this log "
                             "will refuse it", type(tensor).__name__, type(stream).__name__, exc)
             return
+        if ptr == 0:   # an empty tensor: PyTorch's recordStream returns at once, there is no block to hold
+            return
         t_us = self._clock_ns() / 1000.0
         counts = self._counts(device)
         self._uses.append(LoggedUse(device, ptr, handle, t_us, *(counts or (None, None))))
@@ -277,6 +336,23 @@ def _is_int(v: Any, lo: int = 0) -> bool:
     return type(v) is int and lo <= v <= _INT64_MAX
 
 
+def _entry_problem(item: Any, kind: type) -> str:
+    """Why ``item`` is not a valid :class:`LoggedUse` / :class:`LoggedWait` (``kind``) as the reader would
+    read it back, or ``""``."""
+    if type(item) is not kind:
+        return f"expected a {kind.__name__}, not a {type(item).__name__}"
+    ints = ("device", "ptr", "stream") if kind is LoggedUse else ("device", "stream", "waited")
+    for name in ints:
+        if not _is_int(getattr(item, name)):
+            return f"{name} must be an integer in [0, 2**63), not {shorten(getattr(item, name))}"
+    if _finite_time(item.time_us) is None:
+        return f"time_us must be a finite number, not {shorten(item.time_us)}"
+    n_allocs, n_frees = item.n_allocs, item.n_frees
+    if (n_allocs is None) != (n_frees is None) or not all(c is None or _is_int(c) for c in (n_allocs, n_frees)):
+        return "n_allocs and n_frees must both be integers in [0, 2**63), or both None"
+    return ""
+
+
 def read_record_stream_log(path: PathLike, *, limits: TraceLimits | None = None) -> RecordStreamLog:
     """Read a log written by :func:`write_record_stream_log` (gzipped or not), under ``limits``.
 
@@ -287,6 +363,7 @@ def read_record_stream_log(path: PathLike, *, limits: TraceLimits | None = None)
     uses: list[LoggedUse] = []
     waits: list[LoggedWait] = []
     header: dict[str, Any] | None = None
+    max_entries, binding = max_entries_for(limits, entry_nbytes=LOG_ENTRY_NBYTES)
     with open_binary(path, limits=limits) as f:
         for lineno, text in iter_lines(f, where, limits, skip_blank=True):
             try:
@@ -296,8 +373,9 @@ def read_record_stream_log(path: PathLike, *, limits: TraceLimits | None = None)
             if header is None:
                 header = _check_header(value, where)
                 continue
-            if len(uses) + len(waits) >= limits.max_entries:
-                raise TraceFormatError(where, f"more than {limits.max_entries:,} entries (TraceLimits.max_entries)")
+            if len(uses) + len(waits) >= max_entries:
+                raise TraceFormatError(where, f"line {lineno}: more than {max_entries:,} entries ({binding}); "
+                                              "raise the limit if the file is genuine")
             if isinstance(value, dict) and list(value) == ["w"]:
                 waits.append(LoggedWait(*_parse_use(value["w"], where, lineno, "[device, stream, waited, "
                                                     "time_us, n_allocs, n_frees]")))
@@ -324,7 +402,7 @@ def _check_header(h: Any, where: str) -> dict[str, Any]:
             raise TraceFormatError(where, f"line 1: {key!r} must be an integer >= 0")
     base = h.get("base_counts", {})
     if not isinstance(base, dict) or not all(
-            isinstance(d, str) and _DEVICE_KEY.fullmatch(d) and isinstance(c, list) and len(c) == 2 and all(map(_is_int, c))
+            isinstance(d, str) and _DEVICE_KEY.fullmatch(d) and int(d) <= _INT64_MAX and isinstance(c, list) and len(c) == 2 and all(map(_is_int, c))
             for d, c in base.items()):
         raise TraceFormatError(where, "line 1: 'base_counts' must map device numbers to [allocations, frees]")
     return dict(h, base_counts=base)
@@ -374,6 +452,12 @@ class MergeReport:
     """``wait_stream`` calls merged as stream waits (:attr:`~gpumem.trace.Trace.stream_waits`)."""
     n_waits_by_count: int = 0
     """Of :attr:`n_waits`, those placed by the allocator's counts (the others by time)."""
+    n_skipped: int = 0
+    """``record_stream`` calls skipped as PyTorch ignores them: a null pointer, or an address no allocation
+    of the trace ever holds (the module's docstring)."""
+    n_count_disagreed: int = 0
+    """Calls (uses and waits) whose counts put them where the snapshot's times disagree, placed by time
+    instead (Note [Counts checked against the call's time])."""
 
     def __str__(self) -> str:
         text = (f"{self.n_uses} record_stream use(s) merged ({self.n_by_count} placed by the allocator's counts, "
@@ -381,6 +465,10 @@ class MergeReport:
         if self.n_waits:
             text += (f", {self.n_waits} wait_stream call(s) merged ({self.n_waits_by_count} placed by the counts, "
                      f"{self.n_waits - self.n_waits_by_count} by time)")
+        if self.n_skipped:
+            text += f", {self.n_skipped} record_stream call(s) skipped (a null or foreign pointer)"
+        if self.n_count_disagreed:
+            text += f", {self.n_count_disagreed} call(s) whose counts disagreed with their times placed by time"
         return text
 
 
@@ -407,7 +495,7 @@ def merge_stream_uses(trace: Trace, rs: RecordStreamLog, *, device: int | None =
     ``trace`` itself is never changed.
     """
     if trace.stream_uses or trace.stream_waits:
-        raise InvalidArgumentError(f"{trace.name} has {len(trace.stream_uses)} stream uses and "
+        raise InvalidArgumentError(f"{printable(trace.name)} has {len(trace.stream_uses)} stream uses and "
                                    f"{len(trace.stream_waits)} stream waits already: merging a record_stream log "
                                    "would add them twice")
     if rs.n_unlogged:
@@ -432,23 +520,49 @@ def merge_stream_uses(trace: Trace, rs: RecordStreamLog, *, device: int | None =
     blocks = _Blocks(alloc_pos, free_pos, trace.addrs[alloc_pos], np.maximum(trace.nbytes[alloc_pos], 1))
     allocs_before = np.concatenate(([0], np.cumsum(is_alloc, dtype=np.int64)))
     times = _times_for_placing(trace.times_us)
-    _warn_if_clocks_differ(trace, [u.time_us for _, u in picked] + [w.time_us for w in rs.waits
-                                                                     if w.device == device], where)
+    on_device = [u.time_us for _, u in picked] + [w.time_us for w in rs.waits if w.device == device]
+    one_clock = not _warn_if_clocks_differ(trace, on_device, where) and trace.source == "pytorch-snapshot"
+    after = _next_times(trace.times_us) if one_clock else times
     known = set(np.unique(trace.streams).tolist())
     base = rs.base_counts.get(device)
     counts_usable = trace.n_unmatched_frees == 0 and base is not None
+    n_disagreed = 0
+    first_disagreed = ""
+
+    def by_counts(c: LoggedUse | LoggedWait, what: str) -> int | None:
+        """The position the call's counts give, when they agree with the trace and, on one clock, with the
+        call's time (Note [Counts checked against the call's time]); else None."""
+        if not counts_usable or c.n_allocs is None:
+            return None
+        a, f = c.n_allocs - base[0], c.n_frees - base[1]   # type: ignore[index,operator]
+        if not (a >= 0 and f >= 0 and a + f <= n_ops and allocs_before[a + f] == a):
+            return None
+        p = a + f
+        if one_clock:
+            before = float(times[p - 1]) if p else -math.inf   # the latest op time before p
+            later = float(after[p]) if p < n_ops else math.inf   # the first op time from p on
+            if before - TIME_TOLERANCE_US > c.time_us or c.time_us > max(later, before) + TIME_TOLERANCE_US:
+                nonlocal n_disagreed, first_disagreed
+                n_disagreed += 1
+                if not first_disagreed:
+                    near = f"op {p - 1} at {before:.0f} us" if p else "the trace's start"
+                    first_disagreed = f"{what} at {c.time_us:.0f} us, which its counts put after {near}"
+                return None
+        return p
+
     alloc_stream = trace.streams[alloc_pos]
     merged: list[tuple[int, int, StreamUse]] = []
     n_by_count = n_own = 0
+    skipped: list[int] = []
     for k, u in picked:
+        if u.ptr == 0 or not blocks.ever_holds(u.ptr):   # a call PyTorch ignores (the module's docstring)
+            skipped.append(k)
+            continue
         if u.stream not in known:
             raise TraceFormatError(where, f"record_stream of {u.ptr:#x} on stream {u.stream}: no operation of "
-                                          f"{trace.name} runs on that stream (its streams: {sorted(known)})", entry=k)
-        p = None
-        if counts_usable and u.n_allocs is not None:
-            a, f = u.n_allocs - base[0], u.n_frees - base[1]   # type: ignore[index,operator]
-            if a >= 0 and f >= 0 and a + f <= n_ops and allocs_before[a + f] == a:
-                p = a + f
+                                          f"{printable(trace.name)} runs on that stream (its streams: "
+                                          f"{sorted(known)})", entry=k)
+        p = by_counts(u, f"entry {k} (record_stream of {u.ptr:#x} on stream {u.stream})")
         by_count = p is not None
         if by_count:   # the counts agree with the trace: they say exactly where the call was
             aid = blocks.live_at(p, u.ptr)
@@ -457,7 +571,7 @@ def merge_stream_uses(trace: Trace, rs: RecordStreamLog, *, device: int | None =
         if aid is None:
             at = f"after op {p - 1}" if by_count else f"time {u.time_us:.0f} us"
             raise TraceFormatError(where, f"record_stream of {u.ptr:#x} on stream {u.stream} ({at}): no allocation "
-                                          f"of {trace.name} holds that address then", entry=k)
+                                          f"of {printable(trace.name)} holds that address then", entry=k)
         n_by_count += by_count
         n_own += int(alloc_stream[aid]) == u.stream
         merged.append((p, k, StreamUse(int(p), int(aid), int(u.stream), float(u.time_us))))
@@ -470,23 +584,31 @@ def merge_stream_uses(trace: Trace, rs: RecordStreamLog, *, device: int | None =
             continue
         if w.stream not in known and w.waited not in known:
             raise TraceFormatError(where, f"wait_stream of stream {w.stream} on stream {w.waited}: no operation of "
-                                          f"{trace.name} runs on either (its streams: {sorted(known)})",
+                                          f"{printable(trace.name)} runs on either (its streams: {sorted(known)})",
                                    entry=len(rs.uses) + k)
-        p = None
-        if counts_usable and w.n_allocs is not None:
-            a, f = w.n_allocs - base[0], w.n_frees - base[1]   # type: ignore[index,operator]
-            if a >= 0 and f >= 0 and a + f <= n_ops and allocs_before[a + f] == a:
-                p = a + f
-                n_waits_by_count += 1
+        p = by_counts(w, f"entry {len(rs.uses) + k} (wait_stream of stream {w.stream} on stream {w.waited})")
         if p is None:
             p = int(np.searchsorted(times, w.time_us, side="right"))
+        else:
+            n_waits_by_count += 1
         waits.append((p, k, StreamWait(int(p), int(w.stream), int(w.waited), float(w.time_us))))
     waits.sort(key=lambda m: (m[0], m[1]))
+    if skipped:
+        log.warning("%s: %d record_stream call(s) skipped (first: entry %d, pointer %#x): a null pointer or an "
+                    "address no allocation of %s ever holds (memory not from the caching allocator, or allocated "
+                    "before the history began), which PyTorch's recordStream ignores too", where, len(skipped),
+                    skipped[0], rs.uses[skipped[0]].ptr, printable(trace.name))
+    if n_disagreed:
+        log.warning("%s: %d call(s) placed by time, not by their allocator counts, which disagree with the "
+                    "snapshot's times by more than %.0f us (first: %s): the log's base counts are not the "
+                    "history's (a logger started before _record_memory_history, or a ring buffer that wrapped)",
+                    where, n_disagreed, TIME_TOLERANCE_US, first_disagreed)
     out = Trace(trace.name, trace.source, trace.kinds, trace.alloc_ids, trace.nbytes, trace.streams, trace.times_us,
                 trace.addrs, n_unmatched_frees=trace.n_unmatched_frees, n_failed_allocs=trace.n_failed_allocs,
                 stream_uses=uses, stream_waits=tuple(m[2] for m in waits))
     report = MergeReport(len(uses), n_by_count, len(uses) - n_by_count, n_own,
-                         tuple(sorted({u.stream for u in uses})), len(waits), n_waits_by_count)
+                         tuple(sorted({u.stream for u in uses})), len(waits), n_waits_by_count,
+                         n_skipped=len(skipped), n_count_disagreed=n_disagreed)
     return out, report
 
 
@@ -500,21 +622,30 @@ def _times_for_placing(times_us: np.ndarray) -> np.ndarray:
     return np.maximum.accumulate(np.where(np.isnan(times_us), -np.inf, times_us))
 
 
-def _warn_if_clocks_differ(trace: Trace, times_us: list[float], where: str) -> None:
+def _next_times(times_us: np.ndarray) -> np.ndarray:
+    """For each op, the earliest finite time at it or after it (+inf when none): the upper end of where a
+    call placed before that op may lie (Note [Counts checked against the call's time])."""
+    if not len(times_us):
+        return times_us
+    return np.minimum.accumulate(np.where(np.isnan(times_us), np.inf, times_us)[::-1])[::-1]
+
+
+def _warn_if_clocks_differ(trace: Trace, times_us: list[float], where: str) -> bool:
     """Warn when a PyTorch snapshot's log has calls far (:data:`CLOCK_SLACK_US`) outside the snapshot's span:
-    both clocks are Unix microseconds, so the log is of another run (placing by the counts never looks at
-    the times, and would take it silently)."""
+    both clocks are Unix microseconds, so the log is of another run (placing by the counts cannot check
+    such a call against its time, and would take it silently). Returns whether it warned."""
     if trace.source != "pytorch-snapshot" or not times_us:
-        return
+        return False
     finite = trace.times_us[np.isfinite(trace.times_us)]
     if not len(finite):
-        return
+        return False
     first, last = float(finite.min()), float(finite.max())
     outside = [t for t in times_us if not first - CLOCK_SLACK_US <= t <= last + CLOCK_SLACK_US]
     if outside:
         log.warning("%s: %d of its %d call(s) on this device lie more than %.0f s outside the snapshot's times "
                     "(%.0f .. %.0f us, Unix): is the log of another run?", where, len(outside), len(times_us),
                     CLOCK_SLACK_US / 1e6, first, last)
+    return bool(outside)
 
 
 class _Blocks:
@@ -549,7 +680,11 @@ class _Blocks:
         self._apos = alloc_pos[order].tolist()
         self._fpos = free_pos[order].tolist()
         self._sorted_addr = sorted_addr = addr[order]
-        self._sorted_end = (addr + extent)[order]
+        # ends in uint64: an address near 2**63 plus its size passes int64 (Trace admits it) and would wrap; a
+        # negative address (a hand-built trace) ends at its end, or at 0 when that is below 0 (holds no pointer)
+        end = np.where(addr >= 0, addr.astype(np.uint64) + extent.astype(np.uint64),
+                       np.maximum(np.minimum(addr, 0) + extent, 0).astype(np.uint64))
+        self._sorted_end = end[order]
         # the largest end of the blocks at or below each address: those before the first that passes ptr
         # cannot hold it
         self._reach = np.maximum.accumulate(self._sorted_end) if len(order) else self._sorted_end
@@ -569,6 +704,10 @@ class _Blocks:
         if first >= below:
             return self._order[:0]
         return self._order[first:below][self._sorted_end[first:below] > ptr]
+
+    def ever_holds(self, ptr: int) -> bool:
+        """Whether any allocation of the trace holds ``ptr`` (at its start or inside), at any time."""
+        return ptr in self._at or len(self._inside(ptr)) > 0
 
     def live_at(self, p: int, ptr: int) -> int | None:
         """The allocation live before op ``p`` (made before it, freed at it or later) that holds ``ptr``: one

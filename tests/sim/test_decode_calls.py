@@ -68,3 +68,23 @@ def test_a_json_target_that_cannot_be_written_is_refused_before_the_runs(tmp_pat
             with pytest.raises(SystemExit) as exc:
                 dc.main([*extra, "--json", str(target)])
             assert exc.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_an_unknown_policy_is_refused_before_the_runs(monkeypatch, capsys) -> None:
+    """Review attacker 8: a WorkloadInputError traceback after the first policy's run."""
+    def no_run(*args: object, **kw: object) -> None:
+        raise AssertionError("the study ran")
+
+    monkeypatch.setattr(dc, "decode_run", no_run)
+    monkeypatch.setattr(dc, "ring_run", no_run)
+    for extra in ([], ["--ring", "2"]):
+        with pytest.raises(SystemExit) as exc:
+            dc.main([*extra, "--new-tokens", "3", "--policies", "gpumem,nonexistent"])
+        assert exc.value.code == 2 and "--policies: policy 'nonexistent'" in capsys.readouterr().err
+
+
+def test_weights_larger_than_the_device_are_one_line(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        dc.main(["--ring", "2", "--weights-mib", "100000000", "--new-tokens", "3", "--policies", "gpumem"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "OutOfMemoryError: out of memory on sim:h200-141gb" in err

@@ -149,3 +149,58 @@ def test_a_record_of_one_stream_is_scored_whatever_it_recorded(tmp_path) -> None
     old = pl.live_rows([pl.Record("run x", tmp_path / "w.json", "default", "workloads", stream_uses_recorded=False)])
     new = pl.live_rows([pl.Record("run y", tmp_path / "w.json", "default", "workloads")])
     assert [r.scored for r in old] == [True, False] and [r.scored for r in new] == [True, True]
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"model_type": "llama"}', "a JSON object with a list 'rows' expected"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deep"),
+    ('{"rows": [{"run": "r"}]}', r"rows\[0\]: missing workload"),
+    ('{"rows": [7]}', r"rows\[0\]: a JSON object expected, got int"),
+])
+def test_a_bad_from_json_is_refused_in_one_line(tmp_path, capsys: pytest.CaptureFixture[str], content: str,
+                                                message: str) -> None:
+    """Review attacker 8: tracebacks (FileNotFoundError, KeyError, RecursionError, TypeError) before."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        pl.main(["--from-json", str(bad)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--from-json: cannot read" in err and "Traceback" not in err
+    assert __import__("re").search(message, err), err
+
+
+def test_a_record_with_a_bad_field_is_refused_naming_it(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = json.loads((pl.Path("reports/sim-predict-live.json")).read_text())
+    for change, message in (({"extra": 1}, "rows[0]: unknown extra"), ({"predicted": "x"}, "rows[0].predicted"),
+                            ({"live": "0.1"}, "rows[0].live: float expected"), ({"part": "other"}, "rows[0].part"),
+                            ({"own_trace": 1}, "rows[0].own_trace: bool expected")):
+        rec = dict(good, rows=[dict(good["rows"][0], **change)] + good["rows"][1:])
+        path = tmp_path / "r.json"
+        path.write_text(json.dumps(rec))
+        with pytest.raises(SystemExit) as exc:
+            pl.main(["--from-json", str(path)])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pl.main(["--from-json", str(tmp_path / "missing.json")])
+    assert "No such file" in capsys.readouterr().err
+
+
+def test_the_record_prints_again_and_round_trips(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "again.json"
+    assert pl.main(["--from-json", "reports/sim-predict-live.json", "--json", str(out)]) == 0
+    assert "Least mean absolute error on the tuning rows" in capsys.readouterr().out
+    assert json.loads(out.read_text()) == json.loads(pl.Path("reports/sim-predict-live.json").read_text())
+
+
+def test_a_json_target_that_cannot_be_written_is_refused_before_the_study(tmp_path, monkeypatch,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    def no_study(*args: object, **kw: object) -> None:
+        raise AssertionError("the study ran")
+
+    monkeypatch.setattr(pl, "measure", no_study)
+    monkeypatch.setattr(pl, "load_record", no_study)
+    for extra in ([], ["--from-json", "reports/sim-predict-live.json"]):
+        for target, match in ((tmp_path, "is a folder"), (tmp_path / "no" / "r.json", "no folder")):
+            with pytest.raises(SystemExit) as exc:
+                pl.main([*extra, "--json", str(target)])
+            assert exc.value.code == 2 and match in capsys.readouterr().err

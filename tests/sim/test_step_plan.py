@@ -469,3 +469,29 @@ def test_the_engine_study_refuses_a_json_target_before_it_runs(tmp_path, monkeyp
     with pytest.raises(SystemExit) as exc:
         step_plan_engine.main(["--json", str(tmp_path)])
     assert exc.value.code == 2 and f"--json: {tmp_path} is a folder" in capsys.readouterr().err
+
+
+def test_the_engine_study_checks_timings_and_traces_before_any_replay(tmp_path, monkeypatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Review attacker 8: a bad --timings failed after loading (or after the rows before it), a file that is no
+    trace or a trace with no step to mark gave a traceback."""
+    from sim import step_plan_engine
+
+    def no_study(*args: object, **kw: object) -> None:
+        raise AssertionError("the study ran")
+
+    monkeypatch.setattr(step_plan_engine, "run", no_study)
+    not_trace = tmp_path / "config.json"
+    not_trace.write_text('{"model_type": "llama"}')
+    no_steps = tmp_path / "t.gmt"
+    no_steps.write_text('{"format": "gpumem-trace", "version": 1, "name": "t", "source": "gpumem", "n_ops": 2, '
+                        '"n_allocs": 1, "n_unmatched_frees": 0, "n_failed_allocs": 0, "time_unit": "us"}\n'
+                        "a 0 512 0 1 1000\nf 0 0 2\n")
+    for argv, message in ((["--timings", "idle,,model"], "--timings: unknown gpu timing ''"),
+                          (["--timings", "foo"], "--timings: unknown gpu timing 'foo'"),
+                          (["--traces", str(not_trace)], "--traces: ") ,
+                          (["--traces", str(no_steps)], "--traces: t: no stretch repeats twice")):
+        with pytest.raises(SystemExit) as exc:
+            step_plan_engine.main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and message in err and "Traceback" not in err

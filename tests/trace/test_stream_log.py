@@ -4,6 +4,7 @@ it (a block used on a busy stream is held longer, under PyTorch's allocator mode
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 from pathlib import Path
@@ -173,9 +174,9 @@ def test_without_counts_or_with_counts_the_trace_contradicts_the_time_places_it(
     no_counts = [LoggedUse(0, u.ptr, u.stream, u.time_us) for u in (USE_A, USE_C)]
     merged, report = merge_stream_uses(_trace(), _log(*no_counts))
     assert [(u.at_op, u.alloc_id) for u in merged.stream_uses] == [(2, 0), (4, 2)] and report.n_by_time == 2
-    # counts from a history that began later than the log (base wrong): op 3 + 1 = 4 holds 3 allocations,
-    # not 4, so the counts are not used
-    merged, report = merge_stream_uses(_trace(), _log(USE_A, base=(-1, 0)))
+    # counts from a history that began later than the log (one allocation more than the trace's): the first
+    # 3 + 0 ops hold 2 allocations, not 3, so the counts are not used
+    merged, report = merge_stream_uses(_trace(), _log(LoggedUse(0, A_ADDR, SIDE, 115.0, 3, 0)))
     assert [(u.at_op, u.alloc_id) for u in merged.stream_uses] == [(2, 0)] and report.n_by_time == 1
 
 
@@ -194,7 +195,6 @@ def test_an_interior_pointer_and_a_use_on_the_own_stream() -> None:
 
 
 @pytest.mark.parametrize("use, message", [
-    (LoggedUse(0, 0xDEAD000, SIDE, 115.0, 2, 0), "no allocation of two streams holds that address"),
     (LoggedUse(0, A_ADDR, SIDE, 125.0, 2, 1), "after op 2.* no allocation"),   # between A's free and C's alloc
     (LoggedUse(0, A_ADDR, 999, 115.0, 2, 0), "no operation of two streams runs on that stream"),
 ])
@@ -315,7 +315,8 @@ def test_gpumem_replay_refuses_a_bad_log_in_one_line(tmp_path: Path, capsys: pyt
     from gpumem.cli import EXIT_USAGE
 
     snap, _ = _busy_side_stream(tmp_path)
-    bad = write_record_stream_log(_log(LoggedUse(0, 0xDEAD000, SIDE, 5.0, 1, 0)), tmp_path / "bad.jsonl")
+    # A_ADDR between its free (op 4) and its next allocation (op 5): held at other times, not then
+    bad = write_record_stream_log(_log(LoggedUse(0, A_ADDR, SIDE, 2025.0, 4, 1)), tmp_path / "bad.jsonl")
     code, _, err = _cli(capsys, "replay", str(snap), "--stream-uses", str(bad))
     assert code == EXIT_USAGE and "--stream-uses" in err and "no allocation of busy holds that address" in err
     code, _, err = _cli(capsys, "replay", str(snap), "--stream-uses", str(tmp_path / "missing.jsonl"))
@@ -405,6 +406,9 @@ def _reference_placement(trace: Trace, u: LoggedUse, p_count: int | None) -> tup
     free_pos[trace.alloc_ids[~is_alloc]] = np.flatnonzero(~is_alloc)
     addr, extent = trace.addrs[alloc_pos], np.maximum(trace.nbytes[alloc_pos], 1)
 
+    if not ((addr <= u.ptr) & (u.ptr < addr + extent)).any():
+        return -1, None   # never held: skipped as PyTorch skips it
+
     def live_at(p: int) -> int | None:
         for aid in np.flatnonzero(addr == u.ptr):
             if alloc_pos[aid] < p <= free_pos[aid]:
@@ -464,7 +468,10 @@ def test_the_bisecting_merge_places_each_use_where_walking_every_allocation_did(
     for u in uses:
         p_count = None if u.n_allocs is None else u.n_allocs + u.n_frees
         want = _reference_placement(trace, u, p_count)
-        if want[1] is None:
+        if want == (-1, None):
+            merged, report = merge_stream_uses(trace, _log(u))
+            assert merged.stream_uses == () and report.n_skipped == 1
+        elif want[1] is None:
             with pytest.raises(TraceFormatError, match="no allocation of reused holds that address"):
                 merge_stream_uses(trace, _log(u))
         else:
@@ -569,3 +576,180 @@ def test_gpumem_replay_refuses_a_log_of_another_device_in_one_line(tmp_path: Pat
     assert report.n_uses == 1
     with pytest.raises(TraceFormatError, match="no device 1"):
         load_trace_with_stream_uses(snap, on_1)
+
+
+# -- review attacker 8 -----------------------------------------------------------------------------------------
+T0 = 1_795_000_000_000_000
+X_ADDR, Y_ADDR = 0x7F0000000000, 0x7F0000100000
+
+
+def _steps(source: str = "pytorch-snapshot") -> Trace:
+    """Ops 1 s apart: a0@X (stream 0), a1@Y (stream 5), f0, a2@X (X reused: the next step's block), f1, f2."""
+    ops = [(0, 0, MiB, 0, T0, X_ADDR), (0, 1, MiB, 5, T0 + 1e6, Y_ADDR), (1, 0, MiB, 0, T0 + 2e6, X_ADDR),
+           (0, 2, MiB, 0, T0 + 3e6, X_ADDR), (1, 1, MiB, 5, T0 + 4e6, Y_ADDR), (1, 2, MiB, 0, T0 + 5e6, X_ADDR)]
+    return Trace.from_ops("s", source, ops)
+
+
+def test_counts_offset_by_a_whole_step_are_not_trusted_against_the_calls_time(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Finding 1: record_stream(a0) at T0 + 1.5 s logged counts (3, 1) over base (0, 0) (the logger began a
+    step before the history): they pass the trace's own check and put the call after op 3, on allocation 2,
+    made 1.5 s after the call. The times say otherwise: placed by time (allocation 0), with a warning."""
+    use = LoggedUse(0, X_ADDR, 5, float(T0 + 1_500_000), 3, 1)
+    wait = LoggedWait(0, 5, 0, float(T0 + 1_500_000), 3, 1)
+    with caplog.at_level("WARNING", logger="gpumem"):
+        merged, report = merge_stream_uses(_steps(), RecordStreamLog((use,), {0: (0, 0)}, waits=(wait,)))
+    assert [(u.at_op, u.alloc_id) for u in merged.stream_uses] == [(2, 0)]
+    assert [w.at_op for w in merged.stream_waits] == [2]
+    assert (report.n_by_count, report.n_by_time, report.n_waits_by_count, report.n_count_disagreed) == (0, 1, 0, 2)
+    assert "2 call(s) placed by time, not by their allocator counts" in caplog.text
+    assert "first: entry 0 (record_stream of 0x7f0000000000 on stream 5)" in caplog.text
+    assert "2 call(s) whose counts disagreed with their times placed by time" in str(report)
+    # the right counts agree with the time: placed by them, no warning
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gpumem"):
+        merged, report = merge_stream_uses(_steps(), RecordStreamLog((dataclasses.replace(use, n_allocs=2, n_frees=0),),
+                                                                     {0: (0, 0)}))
+    assert [(u.at_op, u.alloc_id) for u in merged.stream_uses] == [(2, 0)] and report.n_by_count == 1
+    assert report.n_count_disagreed == 0 and "allocator counts" not in caplog.text
+    # a trace of another clock (not a PyTorch snapshot's): the counts are all there is
+    merged, report = merge_stream_uses(_steps("gpumem"), RecordStreamLog((use,), {0: (0, 0)}))
+    assert [(u.at_op, u.alloc_id) for u in merged.stream_uses] == [(4, 2)] and report.n_by_count == 1
+
+
+def test_a_shifted_count_whose_time_finds_no_block_is_refused_naming_the_time() -> None:
+    """Placed by time, a call no allocation holds within TIME_TOLERANCE_US is refused as any other."""
+    use = LoggedUse(0, X_ADDR, 5, float(T0 + 2_500_000), 3, 1)   # X between f0 and a2 by time
+    with pytest.raises(TraceFormatError, match=r"entry 0: record_stream of 0x7f0000000000 on stream 5 \(time "):
+        merge_stream_uses(_steps(), RecordStreamLog((use,), {0: (0, 0)}), where="run.jsonl")
+
+
+@pytest.mark.parametrize("ptr", [0, 0x500000000000, Y_ADDR + MiB])
+def test_a_call_pytorch_ignores_is_skipped_counted_and_warned(ptr: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Finding 4: a null pointer, or an address no allocation ever holds (foreign memory, a block from
+    before the history): skipped, the other uses merged."""
+    ok = LoggedUse(0, Y_ADDR, 0, float(T0 + 1_500_000), 2, 0)
+    ignored = LoggedUse(0, ptr, 5, float(T0 + 1_600_000), 2, 0)
+    with caplog.at_level("WARNING", logger="gpumem"):
+        merged, report = merge_stream_uses(_steps(), RecordStreamLog((ok, ignored, ignored), {0: (0, 0)}))
+    assert [(u.at_op, u.alloc_id) for u in merged.stream_uses] == [(2, 1)]
+    assert report.n_skipped == 2 and "2 record_stream call(s) skipped (a null or foreign pointer)" in str(report)
+    assert caplog.text.count("record_stream call(s) skipped") == 1
+    assert f"first: entry 1, pointer {ptr:#x}" in caplog.text
+
+
+def test_the_logger_does_not_log_a_null_pointer() -> None:
+    torch = _torch()
+    with RecordStreamLogger(torch, clock_ns=lambda: 5_000) as rs:
+        empty = torch.Tensor(0)
+        empty.record_stream(SimpleNamespace(cuda_stream=SIDE))
+        torch.Tensor(A_ADDR).record_stream(SimpleNamespace(cuda_stream=SIDE))
+    assert len(empty.calls) == 1                            # PyTorch got the call (and ignores it)
+    assert [u.ptr for u in rs.log().uses] == [A_ADDR] and rs.log().n_unlogged == 0
+
+
+def test_gpumem_replay_merges_around_a_null_and_a_foreign_use(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    snap, _ = _busy_side_stream(tmp_path)
+    good = LoggedUse(0, A_ADDR, SIDE, 5.0, 1, 0)
+    for ptr in (0, 0x500000000000):
+        log = write_record_stream_log(_log(good, LoggedUse(0, ptr, SIDE, 6.0, 1, 0)), tmp_path / "l.jsonl")
+        code, out, err = _cli(capsys, "replay", str(snap), "--policy", "pytorch", "--stream-uses", str(log))
+        assert code == 0 and "stream uses    1 record_stream calls made" in out, err
+
+
+def test_the_log_reader_is_bounded_by_max_memory_nbytes(tmp_path: Path) -> None:
+    """Finding 5: uses counted at LOG_ENTRY_NBYTES each against TraceLimits.max_memory_nbytes."""
+    from gpumem.trace.limits import TraceLimits
+    from gpumem.trace.stream_log import LOG_ENTRY_NBYTES
+
+    n = 2000
+    path = write_record_stream_log(RecordStreamLog(tuple(LoggedUse(0, 0x1000 + k, 5, 1.0 + k, k, k) for k in range(n)),
+                                                   {0: (0, 0)}), tmp_path / "big.jsonl")
+    limits = TraceLimits(max_memory_nbytes=(n - 1) * LOG_ENTRY_NBYTES)
+    with pytest.raises(TraceFormatError, match=rf"line {n + 1}: more than {n - 1:,} entries \(TraceLimits.max_memory_nbytes"):
+        read_record_stream_log(path, limits=limits)
+    assert len(read_record_stream_log(path, limits=TraceLimits(max_memory_nbytes=n * LOG_ENTRY_NBYTES)).uses) == n
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"uses": (LoggedUse(0, Y_ADDR, 0, 1015.0, 2, None),)}, r"uses\[0\]: n_allocs and n_frees must both be"),
+    ({"uses": (LoggedUse(0, -5, 0, 1015.0),)}, r"uses\[0\]: ptr must be an integer in \[0, 2\*\*63\)"),
+    ({"uses": (LoggedUse(0, 5, 2**70, 1015.0),)}, r"uses\[0\]: stream must be"),
+    ({"uses": (LoggedUse(0, 5, 0, float("nan")),)}, r"uses\[0\]: time_us must be a finite number"),
+    ({"uses": (LoggedUse(True, 5, 0, 1.0),)}, r"uses\[0\]: device must be"),
+    ({"uses": [LoggedUse(0, 5, 0, 1.0)]}, r"uses must be a tuple"),
+    ({"uses": ((0, 5, 0, 1.0, None, None),)}, r"uses\[0\]: expected a LoggedUse, not a tuple"),
+    ({"waits": (LoggedWait(0, 5, -1, 1.0),)}, r"waits\[0\]: waited must be"),
+    ({"base_counts": {0: ("0", "0")}}, "base_counts must map devices"),
+    ({"base_counts": {-1: (0, 0)}}, "base_counts must map devices"),
+    ({"base_counts": {0: (0, 2**64)}}, "base_counts must map devices"),
+    ({"clock": "tsc"}, "clock must be 'unix_us'"),
+    ({"n_unlogged": -1}, "n_unlogged must be an integer"),
+])
+def test_a_log_built_through_the_api_is_checked_as_the_reader_checks(kwargs: dict, message: str) -> None:
+    """Finding 10: a bad field is InvalidArgumentError at construction (was a bare TypeError in the merge,
+    or a file the reader refuses)."""
+    with pytest.raises(InvalidArgumentError, match=message):
+        RecordStreamLog(**kwargs)
+    assert RecordStreamLog(base_counts={0: [1, 2]}).base_counts == {0: (1, 2)}
+
+
+def test_a_block_ending_past_2_63_holds_its_interior_pointers() -> None:
+    """Finding 11: the block's end was computed in int64 and wrapped negative."""
+    import numpy as np
+
+    a = 2**63 - 4096
+    t = Trace("o", "pytorch-snapshot", np.array([0, 0, 1, 1], np.int8), np.array([0, 1, 0, 1]),
+              np.array([8192, 512, 8192, 512]), np.array([0, 5, 0, 5]), np.array([1., 2, 3, 4]),
+              np.array([a, 0x1000, a, 0x1000]))
+    merged, _ = merge_stream_uses(t, RecordStreamLog((LoggedUse(0, a + 100, 5, 2.5, 2, 0),), {0: (0, 0)}))
+    assert [(u.at_op, u.alloc_id) for u in merged.stream_uses] == [(2, 0)]
+    # a negative address (a hand-built trace) whose block ends below 0 holds no pointer
+    n = Trace.from_ops("neg", "gpumem", [(0, 0, 16, 5, 1.0, -64), (0, 1, 512, 5, 2.0, 0x1000), (1, 0, 16, 5, 3.0, -64)])
+    assert merge_stream_uses(n, RecordStreamLog((LoggedUse(0, 0x1000, 5, 2.5, 2, 0),), {0: (0, 0)}))[1].n_uses == 1
+
+
+def test_a_trace_name_with_escape_sequences_is_escaped_in_merge_messages() -> None:
+    """Finding 12: a name from a file reaches the terminal escaped."""
+    t = Trace.from_ops("\x1b[2Jevil\nfake", "gpumem", [(0, 0, 512, 0, 1.0, 0x1000), (1, 0, 512, 0, 2.0, 0x1000)])
+    with pytest.raises(TraceFormatError) as err:
+        merge_stream_uses(t, _log(LoggedUse(0, 0x1000, 99, 1.5, 1, 0)))
+    assert "\\x1b[2Jevil\\x0afake" in str(err.value) and "\x1b" not in str(err.value)
+
+
+def test_n_stream_uses_counts_no_use_after_the_last_op() -> None:
+    """Review attacker 8: uses at at_op == n_ops were counted as made; StreamUsePlan never makes them."""
+    import dataclasses as dc
+
+    t = dc.replace(Trace.from_ops("two", "gpumem", [(0, 0, 4096, 0, 1.0, 0x1000), (0, 1, 4096, 5, 2.0, 0x2000)]),
+                   stream_uses=(StreamUse(1, 0, 5, 1.5), StreamUse(2, 0, 5, 3.0), StreamUse(2, 1, 0, 3.0)))
+    result = replay_trace(t, "sim:h200-141gb", "pytorch", progress=False)
+    assert result.extra["n_stream_uses"] == 1
+
+
+def test_gpumem_replay_prints_a_trace_name_escaped(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Review attacker 8: a .gmt header's name reached the terminal with its escape sequences."""
+    h = {"format": "gpumem-trace", "version": 1, "name": "\x1b]0;pwned\x07\x1b[2J\x1b[31mEVIL\x1b[0m\nfake line",
+         "source": "gpumem", "n_ops": 2, "n_allocs": 1, "n_unmatched_frees": 0, "n_failed_allocs": 0, "time_unit": "us"}
+    path = tmp_path / "esc.gmt"
+    path.write_text(json.dumps(h) + "\na 0 512 0 1 10000\nf 0 0 2\n")
+    code, out, _ = _cli(capsys, "replay", str(path))
+    assert code == 0 and "\x1b" not in out and "\x07" not in out
+    assert out.splitlines()[0] == "trace          \\x1b]0;pwned\\x07\\x1b[2J\\x1b[31mEVIL\\x1b[0m\\x0afake line (2 ops, 1 allocations)"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_program(), st.integers(1, 3))
+def test_counts_shifted_by_whole_steps_never_move_a_use_off_its_allocation(program: Any, k: int) -> None:
+    """Finding 1 as a property: ops 10 ms apart, each call 5 ms after the op before it, the counts offset by
+    k allocations and k frees (a logger started k steps before the history): every use lands on the
+    allocation the program named (the counts pass the trace's check or not; where they do, the time
+    disagrees, and the call is placed by time)."""
+    entries, uses, truth = program
+    entries = [dict(e, time_us=e["time_us"] * 1000.0) for e in entries]
+    t = snapshot_to_trace({"segments": [], "device_traces": [entries]}, name="random")
+    shifted = [LoggedUse(u.device, u.ptr, u.stream, (u.time_us - 5.0) * 1000.0 + 5000.0, u.n_allocs + k,
+                         u.n_frees + k) for u in uses]
+    merged, report = merge_stream_uses(t, _log(*shifted))
+    assert sorted((u.at_op, u.alloc_id) for u in merged.stream_uses) == sorted(truth)
+    assert report.n_by_count == 0

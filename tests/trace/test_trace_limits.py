@@ -448,3 +448,28 @@ def test_a_reader_bug_still_surfaces_as_a_format_error(monkeypatch: pytest.Monke
     with pytest.raises(TraceFormatError, match="unexpected reader failure \\(KeyError: ") as err:
         load_trace(data_dir / "resnet_head.rmm_log.csv.gz")
     assert len(str(err.value)) < 400 and isinstance(err.value.__cause__, KeyError)
+
+
+def test_gmt_stream_uses_and_waits_are_budgeted_at_their_own_size(tmp_path: Path) -> None:
+    """Review attacker 8: a ``w`` line with 63-bit stream ids takes about 209 bytes (resident), a ``u`` line
+    about 161; they were counted at ENTRY_NBYTES (160), so a file of waits reached 1.3 times the cap."""
+    import json
+
+    from gpumem.trace.gmt import STREAM_ENTRY_NBYTES, read_gmt_trace
+    from gpumem.trace.limits import ENTRY_NBYTES
+
+    n = 50
+    header = {"format": "gpumem-trace", "version": 3, "name": "w", "source": "gpumem", "n_ops": 1, "n_allocs": 1,
+              "n_unmatched_frees": 0, "n_failed_allocs": 0, "time_unit": "us", "n_stream_uses": 0,
+              "n_stream_waits": n}
+    path = tmp_path / "w.gmt"
+    path.write_text(json.dumps(header) + "\na 0 512 0 1 1000\n"
+                    + "".join(f"w {2**62 + k} {2**62 + k + 1} 1000.5\n" for k in range(n)))
+    fits = ENTRY_NBYTES + n * STREAM_ENTRY_NBYTES
+    assert len(read_gmt_trace(path, limits=TraceLimits(max_memory_nbytes=fits)).stream_waits) == n
+    with pytest.raises(TraceFormatError, match=rf"line {n + 2}: more entries than the limits admit "
+                                               r"\(TraceLimits.max_memory_nbytes: .* 50 stream uses and waits"):
+        read_gmt_trace(path, limits=TraceLimits(max_memory_nbytes=fits - 1))
+    with pytest.raises(TraceFormatError, match=r"w.gmt: line 3: more entries than the limits admit "
+                                               r"\(TraceLimits.max_entries\); raise"):
+        read_gmt_trace(path, limits=TraceLimits(max_entries=1))

@@ -39,6 +39,7 @@ from ..errors import InternalError, InvalidArgumentError
 from ..progress import ProgressBar
 from ..specs import open_device, parse_spec
 from ..trace import Trace, detect_format, load_trace
+from ..trace.limits import printable
 from ..units import GiB, format_bytes
 from . import figures
 from .runs import FitCell, Occupancy, PolicyRun, occupancy_at, peak_live_op, run_policy, smallest_limit
@@ -272,7 +273,7 @@ def _build(trace: Trace, trace_path: str, specs: list[str], options: ReportOptio
     peak_op = peak_live_op(trace)
     n_runs = len(specs) * len(options.policies)
     fit_steps = 8 * len(options.policies) if options.fit else 0
-    bar = ProgressBar(n * n_runs + peak_op * n_runs + n * fit_steps, f"report {trace.name}", enabled=progress)
+    bar = ProgressBar(n * n_runs + peak_op * n_runs + n * fit_steps, f"report {printable(trace.name)}", enabled=progress)
     done = [0]
 
     def advance(k: int) -> None:

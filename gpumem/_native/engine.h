@@ -269,10 +269,10 @@ class Engine {
     void close();
 
     EngineStats stats();                       // snapshot_stats(), under the lock
-    // PyTorch's C++ allocator interface (gpumem/_shim/torch_shim.cpp), beyond the Python reference:
-    // the limit on reserved memory from now on (0: none; memory already held beyond it is kept,
-    // as torch.cuda.set_per_process_memory_fraction keeps it), and peaks reset to the current values
-    // (torch.cuda.reset_peak_memory_stats).
+    // PyTorch's C++ allocator interface (gpumem/_shim/torch_shim.cpp): the limit on reserved memory from
+    // now on (0: none; memory already held beyond it is kept, as torch.cuda.set_per_process_memory_fraction
+    // keeps it), beyond the Python reference; and peaks reset to the current values, reserved with a step
+    // plan's arena (torch.cuda.reset_peak_memory_stats; PythonEngine.reset_peak_stats).
     void set_limit_nbytes(std::uint64_t nbytes);
     std::uint64_t limit_nbytes();
     void reset_peak_stats();

@@ -377,10 +377,11 @@ def step(device: "int | str | Any | None" = None) -> Any:
     loop). The first call starts recording the step's allocations; once two recorded steps allocate the
     same sizes on the same streams, the first is planned here (a few hundredths of a second of numpy) and
     every later step's allocations come from one arena at planned offsets, with no driver call; a step that
-    differs is served by gpumem's engine as without a plan, and three differing steps among the last eight
-    drop the plan and record again. Without calls to ``step()`` nothing changes. Returns what the call did
-    (:class:`gpumem.allocator.plan.MarkResult`). Threads may mark the same device: a READY step that
-    another thread's mark took while this call planned it is not installed (Note [Step plans and threads]).
+    differs is served by gpumem's engine as without a plan, and three differing steps in a row (or four of
+    the last eight) drop the plan and record again. Without calls to ``step()`` nothing changes. Returns
+    what the call did (:class:`gpumem.allocator.plan.MarkResult`). Threads may mark the same device: a
+    READY step that another thread's mark took while this call planned it is not installed (Note [Step
+    plans and threads]).
 
     Raises:
         GpumemError: :func:`install` was not called in this process, or gpumem could not mark the step

@@ -2588,8 +2588,9 @@ std::vector<std::string> Engine::consistency_problems(const ListDevice& list_dev
 // The plan layer in front of the engine; every function mirrors the Python method of the same name and
 // runs under the engine's lock.
 namespace {
-constexpr int kMissLimit = 3;    // plan.py MISS_LIMIT
-constexpr int kMissWindow = 8;   // plan.py MISS_WINDOW
+constexpr int kMissLimit = 3;         // plan.py MISS_LIMIT
+constexpr int kMissWindow = 8;        // plan.py MISS_WINDOW
+constexpr int kMissWindowLimit = 4;   // plan.py MISS_WINDOW_LIMIT
 
 // plan.py _Ranges over a std::map: disjoint ranges [start, end) with a slot each (install's sweep)
 struct Ranges {
@@ -2767,7 +2768,8 @@ int Engine::plan_mark() {
         miss_bits_ = ((miss_bits_ << 1) | (hit ? 0u : 1u)) & ((1u << kMissWindow) - 1);
         if (planned_steps_ == 0) empty_cache_locked();   // the leftovers of the last step before the plan
         ++planned_steps_;
-        if (__builtin_popcount(miss_bits_) >= kMissLimit) {
+        const std::uint32_t last = (1u << kMissLimit) - 1;
+        if ((miss_bits_ & last) == last || __builtin_popcount(miss_bits_) >= kMissWindowLimit) {
             plan_drop();
             plan_reset_recording();
             plan_state_ = kPlanRecording;

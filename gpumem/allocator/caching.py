@@ -203,11 +203,11 @@ class CachingAllocator(AllocatorContract):
         allocate the same sizes on the same streams, the first is planned (:func:`.plan.plan_step`) and
         every later step's allocations are served from one arena at their planned offsets, with no
         device call; a step that leaves the plan is served by the engine as without a plan, and a plan
-        missed in three of its last eight steps is dropped and recording starts again. Call it at the
-        same point of every step, where the fewest bytes are live (the top of a training loop). Returns
-        what the call did (:class:`.plan.MarkResult`). Marks from several threads are safe: a READY step
-        that another thread's mark took while this one planned it is not installed (Note [Step plans
-        and threads] in :mod:`.plan`).
+        missed three steps in a row, or four of its last eight, is dropped and recording starts again.
+        Call it at the same point of every step, where the fewest bytes are live (the top of a training
+        loop). Returns what the call did (:class:`.plan.MarkResult`). Marks from several threads are
+        safe: a READY step that another thread's mark took while this one planned it is not installed
+        (Note [Step plans and threads] in :mod:`.plan`).
 
         Raises:
             InvalidArgumentError: the allocator is closed.

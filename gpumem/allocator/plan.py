@@ -27,13 +27,14 @@ slot is reused across streams without an event; the engine still refuses a slot 
 meets another stream's. Serving: the ``k``-th allocation of a step takes slot ``k`` when its size is
 at most the slot's, its stream the slot's, and no live arena allocation overlaps the slot (a list of
 the live slots' address ranges, kept sorted: a search, no driver call). A mismatch sends the rest of the
-step to the engine; :data:`MISS_LIMIT` (3) missed steps among the last :data:`MISS_WINDOW` (8) planned
-ones drop the plan (its arena goes back once its last allocation is freed) and recording starts again.
-Why a window: a missed step costs a step's worth held twice (the arena and the engine's cache), a hit
-saves a few per cent; counted only in a row, steps that alternate hit and miss kept the plan for good
-(46 MiB against 22 MiB unmarked in the review's loop). Three in a row still drop (they are three of
-eight); one step in four missing (an evaluation every fourth step) keeps the plan, as dropping it
-would only record and plan the same steps again.
+step to the engine; the last :data:`MISS_LIMIT` (3) planned steps missed, or :data:`MISS_WINDOW_LIMIT`
+(4) of the last :data:`MISS_WINDOW` (8), drop the plan (its arena goes back once its last allocation is
+freed) and recording starts again. Why a window: a missed step holds a step's worth twice (the arena
+and the engine's cache); counted only in a row, steps that alternate hit and miss kept the plan for good
+(46 MiB against 22 MiB unmarked in the review's loop), and such steps are never planned again (no two in
+a row match). Why half: a plan whose steps repeat with a miss between hits (one step in three differs)
+is planned again right after a drop, with the same peak and a re-plan and re-map every nine steps (seen
+with a limit of 3 of 8); at half, the plan serves no more steps than it misses.
 The arena is an address reservation of its own whose pages are mapped when a slot first touches them,
 after the engine gave back its idle cache: the previous step's leftovers (the gradients above) still
 sit in the engine during the first planned step, and an arena mapped whole at install would hold their
@@ -90,16 +91,18 @@ import numpy as np
 from ..errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
 from ..validate import as_int
 
-__all__ = ["ROUND_NBYTES", "MISS_LIMIT", "MISS_WINDOW", "StepState", "MarkResult", "PlanItems", "Planner", "plan",
+__all__ = ["ROUND_NBYTES", "MISS_LIMIT", "MISS_WINDOW", "MISS_WINDOW_LIMIT", "StepState", "MarkResult", "PlanItems", "Planner", "plan",
            "plan_height", "check_plan", "StepTemplate", "template_items", "plan_step", "StepPlan", "PlanInfo",
            "check_generation"]
 
 ROUND_NBYTES = 512
 """Plan offsets and sizes are multiples of the engine's request rounding."""
 MISS_LIMIT = 3
-"""Missed steps among the last :data:`MISS_WINDOW` planned ones that drop the plan (Note [Step plans])."""
+"""Planned steps missed in a row that drop the plan (Note [Step plans])."""
 MISS_WINDOW = 8
-"""How many of the last planned steps :data:`MISS_LIMIT` counts over."""
+"""The last planned steps that :data:`MISS_WINDOW_LIMIT` counts misses over."""
+MISS_WINDOW_LIMIT = 4
+"""Missed steps among the last :data:`MISS_WINDOW` planned ones that drop the plan."""
 
 
 class StepState(enum.IntEnum):
@@ -124,7 +127,8 @@ class MarkResult(enum.IntEnum):
     READY = 1
     """A recorded step waits for its plan (:meth:`StepPlan.template`, :meth:`StepPlan.install`)."""
     DROPPED = 2
-    """The plan missed :data:`MISS_LIMIT` of the last :data:`MISS_WINDOW` steps: dropped, recording again."""
+    """The plan missed its last :data:`MISS_LIMIT` steps, or :data:`MISS_WINDOW_LIMIT` of its last
+    :data:`MISS_WINDOW`: dropped, recording again."""
 
 
 # -- the planner ------------------------------------------------------------------------------------------
@@ -475,7 +479,8 @@ class StepPlan:
         if self.planned_steps == 0:
             self.e._empty_cache_locked()   # the leftovers of the last step before the plan
         self.planned_steps += 1
-        if bin(self.miss_bits).count("1") >= MISS_LIMIT:
+        last = (1 << MISS_LIMIT) - 1
+        if self.miss_bits & last == last or bin(self.miss_bits).count("1") >= MISS_WINDOW_LIMIT:
             self._drop()
             self._reset_recording()
             self.state = StepState.RECORDING

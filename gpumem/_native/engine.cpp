@@ -1786,7 +1786,8 @@ std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stre
     std::uint64_t size = (nbytes + r - 1) & ~(r - 1);   // r is a power of two (the constructor checks)
     bool small = static_cast<std::int64_t>(size) <= small_max_ && size <= (UINT64_MAX >> 1);
     Guard guard(*this);
-    if (lost_ || closed_ || plan_active()) return 0;   // a step plan: allocate() runs it
+    if (lost_ || closed_) return 0;
+    if (plan_active()) return plan_serve_fast(nbytes, stream, size_out);   // else allocate() runs the plan layer
     FreeList* fl = free_list_get(small, stream);
     if (!fl) return 0;
     Block* b = fl_best_fit(fl, size);
@@ -1902,7 +1903,8 @@ void Engine::count_alloc(std::uint64_t size, std::uint64_t nbytes) {
 
 bool Engine::try_free_fast(std::uint64_t ptr) {
     Guard guard(*this);
-    if (lost_ || plan_active()) return false;
+    if (lost_) return false;
+    if (plan_active()) return plan_free_fast(ptr);   // else free() runs the plan layer
     Block* b = static_cast<Block*>(live_.get(ptr));
     if (!b || b->pending_streams) return false;
     decommit(b);   // no device call: fences come when memory goes back
@@ -2936,12 +2938,50 @@ std::uint64_t Engine::plan_serve(std::uint64_t nbytes, std::uint64_t stream) {
         missed_ = true;
         return 0;
     }
-    const std::uint64_t ptr = arena->base + static_cast<std::uint64_t>(off);
+    return plan_hand_out(arena, k, nbytes);
+}
+
+std::uint64_t Engine::plan_hand_out(PlanArena* arena, std::size_t k, std::uint64_t nbytes) {
+    const std::uint64_t size = slot_size_[k], ptr = arena->base + static_cast<std::uint64_t>(slot_off_[k]);
     plan_occupy(k, true);
     arena->live[ptr] = PlanLive{k, size, nbytes};
     count_alloc(size, nbytes);
     ++plan_served_;
     return ptr;
+}
+
+// plan_allocate when the plan serves the request with no device call (its slot's pages mapped), for the hot
+// path (try_allocate_fast); 0, nothing changed, otherwise: allocate() then decides as plan.py does.
+std::uint64_t Engine::plan_serve_fast(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out) {
+    const std::size_t k = cursor_;
+    if (plan_state_ != kPlanPlanned || left_ || k >= slot_off_.size() || slot_off_[k] < 0 || nbytes > slot_size_[k] ||
+        stream != slot_stream_[k])
+        return 0;
+    const std::uint64_t off = static_cast<std::uint64_t>(slot_off_[k]), size = slot_size_[k];
+    PlanArena* arena = arenas_.back().get();
+    for (std::uint64_t p = off / g_; p <= (off + size - 1) / g_; ++p)
+        if (!arena->pages[p]) return 0;
+    if (plan_slot_taken(off, size)) return 0;
+    cursor_ = k + 1;
+    if (size_out) *size_out = size;
+    return plan_hand_out(arena, k, nbytes);
+}
+
+// plan_free of a live allocation of the current plan's arena (no give-back follows), for the hot path
+// (try_free_fast); false, nothing changed, otherwise.
+bool Engine::plan_free_fast(std::uint64_t ptr) {
+    if (arenas_.empty()) return false;
+    PlanArena* arena = arenas_.back().get();
+    if (arena->dropped || !arena->holds(ptr)) return false;
+    auto it = arena->live.find(ptr);
+    if (it == arena->live.end()) return false;
+    const PlanLive e = it->second;
+    arena->live.erase(it);
+    if (!slot_poisoned_[e.slot]) plan_occupy(e.slot, false);   // a slot used on another stream stays taken
+    st_.allocated_nbytes -= e.size;
+    st_.requested_nbytes -= e.requested;
+    ++st_.num_frees;
+    return true;
 }
 
 // plan.py _Ranges.meeting over the Fenwick tree of live positions: the live slot starting last below

@@ -301,7 +301,8 @@ class Engine {
 
     // -- step plans: gpumem/allocator/plan.py's StepPlan (Note [Step plans] there) ---------------------------
     // Off until mark_step(): while off, the hot paths pay one test (plan_active()); while on, the fast paths
-    // step aside (try_allocate_fast returns 0, try_free_fast false) and allocate()/free() run the plan layer.
+    // serve what the plan serves with no device call (a slot whose pages are mapped, a free of the current
+    // arena's) and step aside for the rest (allocate()/free() run the plan layer).
     // A step boundary: returns MarkResult (0 nothing, 1 a recorded step waits for its plan, 2 the plan was
     // dropped). The READY step (requested bytes, streams, free rank in its step, in the next; -1: none),
     // and the plan's install (an offset per allocation, -1: the engine's). The layer's counters, in the
@@ -350,6 +351,9 @@ class Engine {
     std::uint64_t plan_allocate(std::uint64_t nbytes, std::uint64_t stream);
     std::uint64_t plan_serve(std::uint64_t nbytes, std::uint64_t stream);
     bool plan_slot_taken(std::uint64_t off, std::uint64_t size) const;   // a live slot meets [off, off + size)
+    std::uint64_t plan_hand_out(PlanArena* arena, std::size_t k, std::uint64_t nbytes);   // slot k served
+    std::uint64_t plan_serve_fast(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out);
+    bool plan_free_fast(std::uint64_t ptr);
     void plan_occupy(std::size_t k, bool live);
     void count_alloc(std::uint64_t size, std::uint64_t nbytes);
     bool plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size);

@@ -175,9 +175,10 @@ def _lib() -> ctypes.CDLL:
     lib.gpumem_torch_step_mark.restype = ctypes.c_int
     lib.gpumem_torch_step_mark.argtypes = [ctypes.c_int]
     lib.gpumem_torch_step_template.restype = ctypes.c_int64
-    lib.gpumem_torch_step_template.argtypes = [ctypes.c_int, u64p, ctypes.c_int64]
+    lib.gpumem_torch_step_template.argtypes = [ctypes.c_int, u64p, ctypes.c_int64, u64p]
     lib.gpumem_torch_step_install.restype = ctypes.c_int
-    lib.gpumem_torch_step_install.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
+    lib.gpumem_torch_step_install.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
+                                              ctypes.c_int64]
     lib.gpumem_torch_step_info.restype = ctypes.c_int
     lib.gpumem_torch_step_info.argtypes = [ctypes.c_int, u64p, ctypes.c_int]
     lib.gpumem_torch_configure.restype = ctypes.c_int
@@ -376,9 +377,11 @@ def step(device: "int | str | Any | None" = None) -> Any:
     loop). The first call starts recording the step's allocations; once two recorded steps allocate the
     same sizes on the same streams, the first is planned here (a few hundredths of a second of numpy) and
     every later step's allocations come from one arena at planned offsets, with no driver call; a step that
-    differs is served by gpumem's engine as without a plan, and three differing steps in a row drop the
-    plan and record again. Without calls to ``step()`` nothing changes. Returns what the call did
-    (:class:`gpumem.allocator.plan.MarkResult`).
+    differs is served by gpumem's engine as without a plan, and three differing steps in a row (or four of
+    the last eight) drop the plan and record again. Without calls to ``step()`` nothing changes. Returns
+    what the call did (:class:`gpumem.allocator.plan.MarkResult`). Threads may mark the same device: a
+    READY step that another thread's mark took while this call planned it is not installed (Note [Step
+    plans and threads]).
 
     Raises:
         GpumemError: :func:`install` was not called in this process, or gpumem could not mark the step
@@ -397,20 +400,25 @@ def step(device: "int | str | Any | None" = None) -> Any:
     result = MarkResult(code)
     if result is MarkResult.READY:
         u64p = ctypes.POINTER(ctypes.c_uint64)
-        n = int(lib.gpumem_torch_step_template(index, None, 0))
+        generation, again = ctypes.c_uint64(0), ctypes.c_uint64(0)
+        n = int(lib.gpumem_torch_step_template(index, None, 0, ctypes.byref(generation)))
         if n < 0:
             raise GpumemError(f"gpumem could not read the recorded step on cuda:{index}: {_last_error(lib)}")
         words = np.zeros(4 * n, dtype=np.uint64)
-        if int(lib.gpumem_torch_step_template(index, words.ctypes.data_as(u64p), n)) != n:
-            raise GpumemError(f"gpumem's recorded step on cuda:{index} changed while being read")
+        if n == 0 or int(lib.gpumem_torch_step_template(index, words.ctypes.data_as(u64p), n,
+                                                        ctypes.byref(again))) != n or again.value != generation.value:
+            return result   # another thread's mark took the step (Note [Step plans and threads])
         ranks = words.view(np.int64)
         offsets = plan_step(StepTemplate(ranks[0::4], words[1::4], ranks[2::4], ranks[3::4]))
         if (offsets >= 0).any():
             offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-            if lib.gpumem_torch_step_install(index, offsets.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), n) != 0:
+            code = lib.gpumem_torch_step_install(index, offsets.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), n,
+                                                 generation.value)
+            if code < 0:
                 raise GpumemError(f"gpumem refused the step plan on cuda:{index}: {_last_error(lib)}")
-            log.info("gpumem.torch: a step plan of %d allocations is installed on cuda:%d", int((offsets >= 0).sum()),
-                     index)
+            if code == 0:
+                log.info("gpumem.torch: a step plan of %d allocations is installed on cuda:%d",
+                         int((offsets >= 0).sum()), index)
     return result
 
 

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <deque>
 #include <functional>
+#include <map>
 
 namespace gpumem {
 namespace detail {
@@ -1790,7 +1791,8 @@ std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stre
     std::uint64_t size = (nbytes + r - 1) & ~(r - 1);   // r is a power of two (the constructor checks)
     bool small = static_cast<std::int64_t>(size) <= small_max_ && size <= (UINT64_MAX >> 1);
     Guard guard(*this);
-    if (lost_ || closed_ || plan_active()) return 0;   // a step plan: allocate() runs it
+    if (lost_ || closed_) return 0;
+    if (plan_active()) return plan_serve_fast(nbytes, stream, size_out);   // else allocate() runs the plan layer
     FreeList* fl = free_list_get(small, stream);
     if (!fl) return 0;
     Block* b = fl_best_fit(fl, size);
@@ -1906,7 +1908,8 @@ void Engine::count_alloc(std::uint64_t size, std::uint64_t nbytes) {
 
 bool Engine::try_free_fast(std::uint64_t ptr) {
     Guard guard(*this);
-    if (lost_ || plan_active()) return false;
+    if (lost_) return false;
+    if (plan_active()) return plan_free_fast(ptr);   // else free() runs the plan layer
     Block* b = static_cast<Block*>(live_.get(ptr));
     if (!b || b->pending_streams) return false;
     decommit(b);   // no device call: fences come when memory goes back
@@ -2387,7 +2390,7 @@ void Engine::reset_peak_stats() {
     Guard guard(*this);
     st_.peak_allocated_nbytes = st_.allocated_nbytes;
     st_.peak_requested_nbytes = st_.requested_nbytes;
-    st_.peak_reserved_nbytes = reserved_nbytes_;
+    st_.peak_reserved_nbytes = reserved_nbytes_ + plan_mapped_nbytes_;   // a step plan's arena counts
 }
 
 std::uint64_t Engine::reserved_nbytes() {
@@ -2592,14 +2595,103 @@ std::vector<std::string> Engine::consistency_problems(const ListDevice& list_dev
 // The plan layer in front of the engine; every function mirrors the Python method of the same name and
 // runs under the engine's lock.
 namespace {
-constexpr int kMissLimit = 3;   // plan.py MISS_LIMIT
-// plan.py _alive_together: whether two slots' lifetimes ([k, e1) and [0, e2)) meet
-bool alive_together(std::int64_t ka, std::int64_t e1a, std::int64_t e2a, std::int64_t kb, std::int64_t e1b,
-                    std::int64_t e2b) {
-    if (ka < e1b && kb < e1a) return true;
-    if (e2a && kb < e2a) return true;
-    if (e2b && ka < e2b) return true;
-    return e2a && e2b;
+constexpr int kMissLimit = 3;         // plan.py MISS_LIMIT
+constexpr int kMissWindow = 8;        // plan.py MISS_WINDOW
+constexpr int kMissWindowLimit = 4;   // plan.py MISS_WINDOW_LIMIT
+
+// plan.py _Ranges over a std::map: disjoint ranges [start, end) with a slot each (install's sweep)
+struct Ranges {
+    std::map<std::uint64_t, std::pair<std::uint64_t, std::size_t>> at;   // start -> (end, slot)
+    // the slot of the range meeting [lo, hi), or -1: only the one starting last below hi can
+    std::int64_t meeting(std::uint64_t lo, std::uint64_t hi) const {
+        auto it = at.lower_bound(hi);
+        if (it == at.begin()) return -1;
+        --it;
+        return it->second.first > lo ? static_cast<std::int64_t>(it->second.second) : -1;
+    }
+};
+
+// plan.py _check_slots: a sweep over the step's ranks; two slots alive together that overlap raise
+void check_slots(const std::vector<std::pair<std::int64_t, std::size_t>>& planned,
+                 const std::vector<std::uint64_t>& sizes, const std::vector<std::int64_t>& e1,
+                 const std::vector<std::int64_t>& e2) {
+    struct Event {
+        std::int64_t t;
+        int starts;
+        std::size_t k;
+        bool operator<(const Event& o) const {
+            return t != o.t ? t < o.t : starts != o.starts ? starts < o.starts : k < o.k;
+        }
+    };
+    std::vector<Event> events;
+    events.reserve(planned.size() * 2);
+    std::vector<std::uint64_t> offs(sizes.size(), 0);
+    for (auto& ok : planned) {
+        const std::size_t k = ok.second;
+        offs[k] = static_cast<std::uint64_t>(ok.first);
+        events.push_back(Event{static_cast<std::int64_t>(k), 1, k});
+        events.push_back(Event{e1[k], 0, k});
+        if (e2[k]) {
+            events.push_back(Event{0, 1, k});
+            events.push_back(Event{e2[k], 0, k});
+        }
+    }
+    std::sort(events.begin(), events.end());
+    Ranges alive;
+    for (const Event& ev : events) {
+        const std::uint64_t o = offs[ev.k];
+        if (!ev.starts) {
+            alive.at.erase(o);
+            continue;
+        }
+        const std::int64_t j = alive.meeting(o, o + sizes[ev.k]);
+        if (j >= 0) {
+            const std::size_t a = std::min(static_cast<std::size_t>(j), ev.k), b = std::max(static_cast<std::size_t>(j), ev.k);
+            throw EngineError(EngineErrorKind::kInvalidArgument, "install_plan: slots " + std::to_string(a) + " and " +
+                                                                     std::to_string(b) +
+                                                                     " are alive together and overlap in the arena");
+        }
+        alive.at.emplace(o, std::make_pair(o + sizes[ev.k], ev.k));
+    }
+}
+
+// plan.py _refused_slots: whether each slot's range meets a slot of another stream; `planned` sorted
+std::vector<char> refused_slots(const std::vector<std::pair<std::int64_t, std::size_t>>& planned,
+                                const std::vector<std::uint64_t>& sizes, const std::vector<std::uint64_t>& streams) {
+    std::vector<char> refused(sizes.size(), 0);
+    const std::size_t m = planned.size();
+    std::vector<std::uint64_t> starts(m), st(m);
+    for (std::size_t i = 0; i < m; ++i) {
+        starts[i] = static_cast<std::uint64_t>(planned[i].first);
+        st[i] = streams[planned[i].second];
+    }
+    bool have_best = false;
+    std::uint64_t best_stream = 0;
+    std::int64_t best_end = -1, other_end = -1;   // the largest end so far, its stream; the largest of others
+    for (std::size_t i = 0; i < m; ++i) {
+        const std::size_t k = planned[i].second;
+        const std::int64_t o = planned[i].first, end = o + static_cast<std::int64_t>(sizes[k]);
+        if ((have_best && best_stream != st[i] ? best_end : other_end) > o) refused[k] = 1;
+        if (have_best && st[i] == best_stream) {
+            best_end = std::max(best_end, end);
+        } else if (end > best_end) {
+            other_end = best_end;
+            best_end = end;
+            best_stream = st[i];
+            have_best = true;
+        } else {
+            other_end = std::max(other_end, end);
+        }
+    }
+    std::vector<std::size_t> next_other(m, m);   // the first position after i whose stream is not st[i]
+    for (std::size_t i = m; i-- > 1;) next_other[i - 1] = st[i] != st[i - 1] ? i : next_other[i];
+    for (std::size_t i = 0; i < m; ++i) {
+        const std::size_t k = planned[i].second;
+        const std::size_t hi = static_cast<std::size_t>(
+            std::lower_bound(starts.begin(), starts.end(), starts[i] + sizes[k]) - starts.begin());
+        if (next_other[i] < hi) refused[k] = 1;
+    }
+    return refused;
 }
 }  // namespace
 
@@ -2616,14 +2708,14 @@ void Engine::plan_clear_slots() {
     slot_off_.clear();
     slot_size_.clear();
     slot_stream_.clear();
-    slot_ov_begin_.clear();
-    slot_ov_.clear();
-    slot_refused_.clear();
-    slot_live_.clear();
+    occ_start_.clear();
+    occ_slot_.clear();
+    slot_pos_.clear();
+    occ_tree_.clear();
     slot_poisoned_.clear();
     cursor_ = 0;
     left_ = missed_ = false;
-    misses_ = 0;
+    miss_bits_ = 0;
     planned_steps_ = 0;
 }
 
@@ -2670,6 +2762,7 @@ int Engine::plan_mark() {
                 same = rec_prev_[i].nbytes == rec_cur_[i].nbytes && rec_prev_[i].stream == rec_cur_[i].stream;
             if (same) {
                 plan_state_ = kPlanReady;
+                ++plan_generation_;
                 since_mark_ = 0;
                 return 1;
             }
@@ -2679,10 +2772,11 @@ int Engine::plan_mark() {
         bool hit = !missed_ && !left_ && cursor_ == slot_off_.size();
         if (hit) ++plan_steps_hit_;
         else ++plan_steps_missed_;
-        misses_ = hit ? 0 : misses_ + 1;
+        miss_bits_ = ((miss_bits_ << 1) | (hit ? 0u : 1u)) & ((1u << kMissWindow) - 1);
         if (planned_steps_ == 0) empty_cache_locked();   // the leftovers of the last step before the plan
         ++planned_steps_;
-        if (misses_ >= kMissLimit) {
+        const std::uint32_t last = (1u << kMissLimit) - 1;
+        if ((miss_bits_ & last) == last || __builtin_popcount(miss_bits_) >= kMissWindowLimit) {
             plan_drop();
             plan_reset_recording();
             plan_state_ = kPlanRecording;
@@ -2703,10 +2797,20 @@ std::vector<Engine::StepRecord> Engine::step_template() {
     return rec_prev_;
 }
 
-void Engine::install_plan(const std::vector<std::int64_t>& offsets) {
+bool Engine::ready_step(std::vector<StepRecord>* out, std::uint64_t* generation) {
+    Guard guard(*this, true);
+    if (plan_state_ != kPlanReady) return false;
+    if (out) *out = rec_prev_;
+    if (generation) *generation = plan_generation_;
+    return true;
+}
+
+bool Engine::install_plan(const std::vector<std::int64_t>& offsets, std::int64_t generation) {
     Guard guard(*this);
     check_usable_op();
     if (closed_) throw EngineError(EngineErrorKind::kInvalidArgument, "install_plan: the allocator is closed");
+    if (generation >= 0 && (plan_state_ != kPlanReady || static_cast<std::uint64_t>(generation) != plan_generation_))
+        return false;   // Note [Step plans and threads]: another thread's mark took the READY step
     if (plan_state_ != kPlanReady)
         throw EngineError(EngineErrorKind::kInvalidArgument,
                           "install_plan: no recorded step waits for a plan (mark_step returns READY when two "
@@ -2744,23 +2848,10 @@ void Engine::install_plan(const std::vector<std::int64_t>& offsets) {
     }
     std::sort(planned.begin(), planned.end());
     if (planned.empty()) throw EngineError(EngineErrorKind::kInvalidArgument, "install_plan: the plan places no allocation");
-    std::vector<std::vector<std::uint32_t>> ov(n);
-    std::vector<char> refused(n, 0);
-    for (std::size_t a = 0; a < planned.size(); ++a) {
-        const std::size_t ka = planned[a].second;
-        const std::uint64_t end = static_cast<std::uint64_t>(planned[a].first) + sizes[ka];
-        for (std::size_t b = a + 1; b < planned.size(); ++b) {
-            if (static_cast<std::uint64_t>(planned[b].first) >= end) break;
-            const std::size_t kb = planned[b].second;
-            if (alive_together(static_cast<std::int64_t>(ka), e1[ka], e2[ka], static_cast<std::int64_t>(kb), e1[kb], e2[kb]))
-                throw EngineError(EngineErrorKind::kInvalidArgument,
-                                  "install_plan: slots " + std::to_string(std::min(ka, kb)) + " and " +
-                                      std::to_string(std::max(ka, kb)) + " are alive together and overlap in the arena");
-            ov[ka].push_back(static_cast<std::uint32_t>(kb));
-            ov[kb].push_back(static_cast<std::uint32_t>(ka));
-            if (rec[ka].stream != rec[kb].stream) refused[ka] = refused[kb] = 1;
-        }
-    }
+    check_slots(planned, sizes, e1, e2);
+    std::vector<std::uint64_t> streams(n);
+    for (std::size_t k = 0; k < n; ++k) streams[k] = rec[k].stream;
+    std::vector<char> refused = refused_slots(planned, sizes, streams);
     std::uint64_t height = 0;
     for (auto& pk : planned)
         if (!refused[pk.second]) height = std::max(height, static_cast<std::uint64_t>(pk.first) + sizes[pk.second]);
@@ -2779,20 +2870,20 @@ void Engine::install_plan(const std::vector<std::int64_t>& offsets) {
     for (std::size_t k = 0; k < n; ++k)
         if (offsets[k] >= 0 && !refused[k]) slot_off_[k] = offsets[k];
     slot_size_ = sizes;
-    slot_stream_.resize(n);
-    for (std::size_t k = 0; k < n; ++k) slot_stream_[k] = rec[k].stream;
-    slot_ov_begin_.assign(n + 1, 0);
-    slot_ov_.clear();
-    for (std::size_t k = 0; k < n; ++k) {
-        slot_ov_begin_[k] = static_cast<std::uint32_t>(slot_ov_.size());
-        slot_ov_.insert(slot_ov_.end(), ov[k].begin(), ov[k].end());
-    }
-    slot_ov_begin_[n] = static_cast<std::uint32_t>(slot_ov_.size());
-    slot_refused_ = refused;
-    slot_live_.assign(n, 0);
+    slot_stream_ = streams;
+    occ_start_.clear();
+    occ_slot_.clear();
+    slot_pos_.assign(n, 0);
+    for (auto& pk : planned)
+        if (!refused[pk.second]) {
+            slot_pos_[pk.second] = occ_slot_.size();
+            occ_start_.push_back(static_cast<std::uint64_t>(pk.first));
+            occ_slot_.push_back(pk.second);
+        }
+    occ_tree_.assign(occ_slot_.size() + 1, 0);
     slot_poisoned_.assign(n, 0);
     cursor_ = 0;
-    misses_ = 0;
+    miss_bits_ = 0;
     planned_steps_ = 0;
     missed_ = false;
     left_ = since_mark_ > 0;   // allocations came between the mark and the install: not this step
@@ -2803,6 +2894,7 @@ void Engine::install_plan(const std::vector<std::int64_t>& offsets) {
     rec_cur_.clear();
     rec_cur_map_.clear();
     rec_cur_cross_ = rec_prev_cross_ = false;
+    return true;
 }
 
 std::uint64_t Engine::plan_allocate(std::uint64_t nbytes, std::uint64_t stream) {
@@ -2834,24 +2926,95 @@ std::uint64_t Engine::plan_serve(std::uint64_t nbytes, std::uint64_t stream) {
     }
     const std::int64_t off = slot_off_[k];
     if (off < 0) return 0;
-    bool taken = slot_live_[k] != 0;
-    for (std::uint32_t i = slot_ov_begin_[k]; !taken && i < slot_ov_begin_[k + 1]; ++i) taken = slot_live_[slot_ov_[i]] != 0;
-    if (taken) {
+    const std::uint64_t size = slot_size_[k];
+    if (plan_slot_taken(static_cast<std::uint64_t>(off), size)) {   // a live slot: this one, still taken, or another
         missed_ = true;
         return 0;
     }
     PlanArena* arena = arenas_.back().get();
-    const std::uint64_t size = slot_size_[k];
-    if (!plan_map(arena, static_cast<std::uint64_t>(off), size)) {
+    bool mapped = false;
+    try {
+        mapped = plan_map(arena, static_cast<std::uint64_t>(off), size);
+    } catch (...) {
+        missed_ = true;   // the allocation fails: the step is not served by the plan
+        throw;
+    }
+    if (!mapped) {
         missed_ = true;
         return 0;
     }
-    const std::uint64_t ptr = arena->base + static_cast<std::uint64_t>(off);
-    slot_live_[k] = 1;
+    return plan_hand_out(arena, k, nbytes);
+}
+
+std::uint64_t Engine::plan_hand_out(PlanArena* arena, std::size_t k, std::uint64_t nbytes) {
+    const std::uint64_t size = slot_size_[k], ptr = arena->base + static_cast<std::uint64_t>(slot_off_[k]);
+    plan_occupy(k, true);
     arena->live[ptr] = PlanLive{k, size, nbytes};
     count_alloc(size, nbytes);
     ++plan_served_;
     return ptr;
+}
+
+// plan_allocate when the plan serves the request with no device call (its slot's pages mapped), for the hot
+// path (try_allocate_fast); 0, nothing changed, otherwise: allocate() then decides as plan.py does.
+std::uint64_t Engine::plan_serve_fast(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out) {
+    const std::size_t k = cursor_;
+    if (plan_state_ != kPlanPlanned || left_ || k >= slot_off_.size() || slot_off_[k] < 0 || nbytes > slot_size_[k] ||
+        stream != slot_stream_[k])
+        return 0;
+    const std::uint64_t off = static_cast<std::uint64_t>(slot_off_[k]), size = slot_size_[k];
+    PlanArena* arena = arenas_.back().get();
+    for (std::uint64_t p = off / g_; p <= (off + size - 1) / g_; ++p)
+        if (!arena->pages[p]) return 0;
+    if (plan_slot_taken(off, size)) return 0;
+    cursor_ = k + 1;
+    if (size_out) *size_out = size;
+    return plan_hand_out(arena, k, nbytes);
+}
+
+// plan_free of a live allocation of the current plan's arena (no give-back follows), for the hot path
+// (try_free_fast); false, nothing changed, otherwise.
+bool Engine::plan_free_fast(std::uint64_t ptr) {
+    if (arenas_.empty()) return false;
+    PlanArena* arena = arenas_.back().get();
+    if (arena->dropped || !arena->holds(ptr)) return false;
+    auto it = arena->live.find(ptr);
+    if (it == arena->live.end()) return false;
+    const PlanLive e = it->second;
+    arena->live.erase(it);
+    if (!slot_poisoned_[e.slot]) plan_occupy(e.slot, false);   // a slot used on another stream stays taken
+    st_.allocated_nbytes -= e.size;
+    st_.requested_nbytes -= e.requested;
+    ++st_.num_frees;
+    return true;
+}
+
+// plan.py _Ranges.meeting over the Fenwick tree of live positions: the live slot starting last below
+// off + size is the only one that can meet [off, off + size) (live slots are disjoint).
+bool Engine::plan_slot_taken(std::uint64_t off, std::uint64_t size) const {
+    const std::size_t m = occ_slot_.size();
+    const std::size_t hi =
+        static_cast<std::size_t>(std::lower_bound(occ_start_.begin(), occ_start_.end(), off + size) - occ_start_.begin());
+    std::size_t c = 0;   // live positions below hi
+    for (std::size_t i = hi; i > 0; i -= i & (~i + 1)) c += occ_tree_[i];
+    if (c == 0) return false;
+    std::size_t pos = 0;   // the c-th live position (0-based: pos after the loop)
+    std::size_t step = 1;
+    while (step * 2 <= m) step *= 2;
+    for (; step; step >>= 1)
+        if (pos + step <= m && occ_tree_[pos + step] < c) {
+            pos += step;
+            c -= occ_tree_[pos];
+        }
+    return occ_start_[pos] + slot_size_[occ_slot_[pos]] > off;
+}
+
+void Engine::plan_occupy(std::size_t k, bool live) {
+    const std::size_t m = occ_slot_.size();
+    for (std::size_t i = slot_pos_[k] + 1; i <= m; i += i & (~i + 1)) {
+        if (live) ++occ_tree_[i];
+        else --occ_tree_[i];
+    }
 }
 
 bool Engine::plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size) {
@@ -2917,7 +3080,7 @@ bool Engine::plan_free(std::uint64_t ptr) {
     PlanArena* arena = plan_arena_entry(ptr, &e, true);
     if (arena == nullptr) return false;
     arena->live.erase(ptr);
-    if (!arena->dropped) slot_live_[e.slot] = slot_poisoned_[e.slot];   // a slot used on another stream stays taken
+    if (!arena->dropped && !slot_poisoned_[e.slot]) plan_occupy(e.slot, false);   // a slot used on another stream stays taken
     st_.allocated_nbytes -= e.size;
     st_.requested_nbytes -= e.requested;
     ++st_.num_frees;

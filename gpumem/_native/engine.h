@@ -270,10 +270,10 @@ class Engine {
     void close();
 
     EngineStats stats();                       // snapshot_stats(), under the lock
-    // PyTorch's C++ allocator interface (gpumem/_shim/torch_shim.cpp), beyond the Python reference:
-    // the limit on reserved memory from now on (0: none; memory already held beyond it is kept,
-    // as torch.cuda.set_per_process_memory_fraction keeps it), and peaks reset to the current values
-    // (torch.cuda.reset_peak_memory_stats).
+    // PyTorch's C++ allocator interface (gpumem/_shim/torch_shim.cpp): the limit on reserved memory from
+    // now on (0: none; memory already held beyond it is kept, as torch.cuda.set_per_process_memory_fraction
+    // keeps it), beyond the Python reference; and peaks reset to the current values, reserved with a step
+    // plan's arena (torch.cuda.reset_peak_memory_stats; PythonEngine.reset_peak_stats).
     void set_limit_nbytes(std::uint64_t nbytes);
     std::uint64_t limit_nbytes();
     void reset_peak_stats();
@@ -302,11 +302,14 @@ class Engine {
 
     // -- step plans: gpumem/allocator/plan.py's StepPlan (Note [Step plans] there) ---------------------------
     // Off until mark_step(): while off, the hot paths pay one test (plan_active()); while on, the fast paths
-    // step aside (try_allocate_fast returns 0, try_free_fast false) and allocate()/free() run the plan layer.
+    // serve what the plan serves with no device call (a slot whose pages are mapped, a free of the current
+    // arena's) and step aside for the rest (allocate()/free() run the plan layer).
     // A step boundary: returns MarkResult (0 nothing, 1 a recorded step waits for its plan, 2 the plan was
     // dropped). The READY step (requested bytes, streams, free rank in its step, in the next; -1: none),
     // and the plan's install (an offset per allocation, -1: the engine's). The layer's counters, in the
-    // order of PlanInfo.FIELDS.
+    // order of PlanInfo.FIELDS. Note [Step plans and threads] (plan.py): ready_step gives the READY step and
+    // its generation (false: none waits); install_plan with a generation (>= 0) installs nothing and returns
+    // false when that READY step went away; without one (-1), no READY step raises.
     int mark_step();
     struct StepRecord {
         std::uint64_t nbytes;
@@ -315,7 +318,8 @@ class Engine {
         std::int64_t free_next;
     };
     std::vector<StepRecord> step_template();
-    void install_plan(const std::vector<std::int64_t>& offsets);
+    bool ready_step(std::vector<StepRecord>* out, std::uint64_t* generation);
+    bool install_plan(const std::vector<std::int64_t>& offsets, std::int64_t generation = -1);
     std::vector<std::uint64_t> step_plan_info();
 
   private:
@@ -347,6 +351,11 @@ class Engine {
     void plan_slide();
     std::uint64_t plan_allocate(std::uint64_t nbytes, std::uint64_t stream);
     std::uint64_t plan_serve(std::uint64_t nbytes, std::uint64_t stream);
+    bool plan_slot_taken(std::uint64_t off, std::uint64_t size) const;   // a live slot meets [off, off + size)
+    std::uint64_t plan_hand_out(PlanArena* arena, std::size_t k, std::uint64_t nbytes);   // slot k served
+    std::uint64_t plan_serve_fast(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out);
+    bool plan_free_fast(std::uint64_t ptr);
+    void plan_occupy(std::size_t k, bool live);
     void count_alloc(std::uint64_t size, std::uint64_t nbytes);
     bool plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size);
     bool plan_free(std::uint64_t ptr);
@@ -568,11 +577,15 @@ class Engine {
     std::vector<std::unique_ptr<PlanArena>> arenas_;   // the current plan's last; dropped ones until their last free
     std::vector<std::int64_t> slot_off_;
     std::vector<std::uint64_t> slot_size_, slot_stream_;
-    std::vector<std::uint32_t> slot_ov_begin_, slot_ov_;  // CSR: slot k overlaps slot_ov_[begin[k] .. begin[k+1])
-    std::vector<char> slot_refused_, slot_live_, slot_poisoned_;
+    // The live slots as a Fenwick tree over the planned slots sorted by (offset, slot): occ_start_[i] and
+    // occ_slot_[i] at position i, slot_pos_[k] the position of slot k; plan.py's _Ranges (plan_slot_taken).
+    std::vector<std::uint64_t> occ_start_;
+    std::vector<std::size_t> occ_slot_, slot_pos_, occ_tree_;
+    std::vector<char> slot_poisoned_;
     std::size_t cursor_ = 0;
     bool left_ = false, missed_ = false;
-    int misses_ = 0;
+    std::uint32_t miss_bits_ = 0;   // plan.py miss_bits: the last kMissWindow planned steps, 1 for a miss
+    std::uint64_t plan_generation_ = 0;   // plan.py StepPlan.generation
     std::uint64_t planned_steps_ = 0;
     std::uint64_t plan_mapped_nbytes_ = 0;
     std::uint64_t plan_served_ = 0, plan_fallback_ = 0, plan_steps_hit_ = 0, plan_steps_missed_ = 0,

@@ -831,11 +831,13 @@ PyObject* Alloc_block_size(AllocObject* self, PyObject* ptr) {
         found = true;
     }
     std::uint64_t size = 0;
+    std::string why;   // the engine's message (a pointer inside a step plan's arena says so)
     if (found) {
         try {
             size = self->engine->block_size(p);
-        } catch (const EngineError&) {
+        } catch (const EngineError& e) {
             found = false;
+            if (e.kind == EngineErrorKind::kInvalidPointer) why = e.what();
         } catch (...) {
             set_error(self);
             Py_XDECREF(as_int);
@@ -845,7 +847,8 @@ PyObject* Alloc_block_size(AllocObject* self, PyObject* ptr) {
     if (!found) {
         PyObject* cls = helper_attr(self, "INVALID_POINTER");
         if (cls) {
-            PyErr_Format(cls, "%R is not a live allocation", ptr);
+            if (why.empty()) PyErr_Format(cls, "%R is not a live allocation", ptr);
+            else PyErr_SetString(cls, why.c_str());
             Py_DECREF(cls);
         }
         Py_XDECREF(as_int);
@@ -998,10 +1001,19 @@ PyObject* Alloc_mark_step(AllocObject* self, PyObject*) {
     return run_op(self, [&]() { return PyLong_FromLong(self->engine->mark_step()); });
 }
 
-PyObject* Alloc_step_template(AllocObject* self, PyObject*) {
+// step_template(missing_ok=False): (nbytes, streams, free_own, free_next, generation); None with missing_ok
+// when no step waits (Note [Step plans and threads] in plan.py)
+PyObject* Alloc_step_template(AllocObject* self, PyObject* args) {
     CHECK_ALIVE(self);
+    int missing_ok = 0;
+    if (!PyArg_ParseTuple(args, "|p:step_template", &missing_ok)) return nullptr;
     return run_op(self, [&]() -> PyObject* {
-        std::vector<Engine::StepRecord> rec = self->engine->step_template();
+        std::vector<Engine::StepRecord> rec;
+        std::uint64_t generation = 0;
+        if (!self->engine->ready_step(&rec, &generation)) {
+            if (missing_ok) Py_RETURN_NONE;
+            rec = self->engine->step_template();   // raises: no step waits
+        }
         PyObject* lists[4];
         for (auto& l : lists) l = PyList_New(static_cast<Py_ssize_t>(rec.size()));
         if (!lists[0] || !lists[1] || !lists[2] || !lists[3]) {
@@ -1021,12 +1033,16 @@ PyObject* Alloc_step_template(AllocObject* self, PyObject*) {
                     for (auto& m : lists) Py_DECREF(m);
                     return nullptr;
                 }
-        return Py_BuildValue("(NNNN)", lists[0], lists[1], lists[2], lists[3]);
+        return Py_BuildValue("(NNNNK)", lists[0], lists[1], lists[2], lists[3], (unsigned long long)generation);
     });
 }
 
-PyObject* Alloc_install_plan(AllocObject* self, PyObject* arg) {
+// install_plan(offsets, generation): generation -1 for none (NativeEngine.install_plan checks it)
+PyObject* Alloc_install_plan(AllocObject* self, PyObject* args) {
     CHECK_ALIVE(self);
+    PyObject* arg = nullptr;
+    long long generation = -1;
+    if (!PyArg_ParseTuple(args, "O|L:install_plan", &arg, &generation)) return nullptr;
     PyObject* seq = PySequence_Fast(arg, "install_plan: offsets must be a sequence of ints");
     if (!seq) return nullptr;
     std::vector<std::int64_t> offsets(static_cast<std::size_t>(PySequence_Fast_GET_SIZE(seq)));
@@ -1041,8 +1057,13 @@ PyObject* Alloc_install_plan(AllocObject* self, PyObject* arg) {
         offsets[static_cast<std::size_t>(i)] = v;
     }
     Py_DECREF(seq);
+    return run_op(self, [&]() { return PyBool_FromLong(self->engine->install_plan(offsets, generation)); });
+}
+
+PyObject* Alloc_reset_peak_stats(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
     return run_op(self, [&]() {
-        self->engine->install_plan(offsets);
+        self->engine->reset_peak_stats();
         Py_RETURN_NONE;
     });
 }
@@ -1088,9 +1109,13 @@ PyMethodDef Alloc_methods[] = {
     {"closed", reinterpret_cast<PyCFunction>(Alloc_closed), METH_NOARGS, "whether close() ran"},
     {"lost", reinterpret_cast<PyCFunction>(Alloc_lost), METH_NOARGS, "whether the device was lost"},
     {"mark_step", reinterpret_cast<PyCFunction>(Alloc_mark_step), METH_NOARGS, "a step boundary (step plans)"},
-    {"step_template", reinterpret_cast<PyCFunction>(Alloc_step_template), METH_NOARGS,
-     "the recorded step waiting for its plan: (nbytes, streams, free_own, free_next)"},
-    {"install_plan", reinterpret_cast<PyCFunction>(Alloc_install_plan), METH_O, "install_plan(offsets)"},
+    {"step_template", reinterpret_cast<PyCFunction>(Alloc_step_template), METH_VARARGS,
+     "step_template(missing_ok=False): the recorded step waiting for its plan: (nbytes, streams, free_own, "
+     "free_next, generation); None with missing_ok when none waits"},
+    {"install_plan", reinterpret_cast<PyCFunction>(Alloc_install_plan), METH_VARARGS,
+     "install_plan(offsets, generation=-1) -> whether it was installed"},
+    {"reset_peak_stats", reinterpret_cast<PyCFunction>(Alloc_reset_peak_stats), METH_NOARGS,
+     "peaks down to the values now"},
     {"step_plan_info", reinterpret_cast<PyCFunction>(Alloc_step_plan_info), METH_NOARGS, "the plan layer's counters"},
     {nullptr, nullptr, 0, nullptr},
 };

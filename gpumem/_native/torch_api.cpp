@@ -607,16 +607,22 @@ GPUMEM_EXPORT int gpumem_torch_step_mark(int device) {
 }
 
 // The recorded step waiting for its plan: up to `n` allocations into `out`, 4 words each (requested bytes,
-// stream, free rank in its step, free rank in the next; -1 as 2**64 - 1). Returns how many the step holds
-// (call with n = 0 to size `out`), or -1 with gpumem_torch_last_error().
-GPUMEM_EXPORT std::int64_t gpumem_torch_step_template(int device, std::uint64_t* out, std::int64_t n) {
+// stream, free rank in its step, free rank in the next; -1 as 2**64 - 1), its generation into `*generation`
+// (for gpumem_torch_step_install). Returns how many the step holds (call with n = 0 to size `out`), 0 when
+// no step waits (another thread's mark took it: Note [Step plans and threads] in plan.py), or -1 with
+// gpumem_torch_last_error().
+GPUMEM_EXPORT std::int64_t gpumem_torch_step_template(int device, std::uint64_t* out, std::int64_t n,
+                                                      std::uint64_t* generation) {
     DeviceEngine* d = existing(device);
     if (d == nullptr) {
         t_last_error = "gpumem has no engine on CUDA device " + std::to_string(device);
         return -1;
     }
     try {
-        std::vector<Engine::StepRecord> rec = d->engine->step_template();
+        std::vector<Engine::StepRecord> rec;
+        std::uint64_t gen = 0;
+        if (!d->engine->ready_step(&rec, &gen)) return 0;
+        if (generation != nullptr) *generation = gen;
         const std::int64_t count = static_cast<std::int64_t>(rec.size());
         for (std::int64_t i = 0; out != nullptr && i < count && i < n; ++i) {
             const Engine::StepRecord& r = rec[static_cast<std::size_t>(i)];
@@ -632,9 +638,11 @@ GPUMEM_EXPORT std::int64_t gpumem_torch_step_template(int device, std::uint64_t*
     }
 }
 
-// Installs the plan of the waiting step: `n` offsets (-1: the engine's). Returns 0, or -1 with
-// gpumem_torch_last_error() (nothing changed for a bad plan).
-GPUMEM_EXPORT int gpumem_torch_step_install(int device, const std::int64_t* offsets, std::int64_t n) {
+// Installs the plan of the waiting step of `generation` (gpumem_torch_step_template's; -1: whichever waits):
+// `n` offsets (-1: the engine's). Returns 0, 1 when that step no longer waits (nothing installed), or -1
+// with gpumem_torch_last_error() (nothing changed for a bad plan).
+GPUMEM_EXPORT int gpumem_torch_step_install(int device, const std::int64_t* offsets, std::int64_t n,
+                                            std::int64_t generation) {
     DeviceEngine* d = existing(device);
     if (d == nullptr || offsets == nullptr || n < 0) {
         t_last_error = d == nullptr ? "gpumem has no engine on CUDA device " + std::to_string(device)
@@ -642,8 +650,7 @@ GPUMEM_EXPORT int gpumem_torch_step_install(int device, const std::int64_t* offs
         return -1;
     }
     try {
-        d->engine->install_plan(std::vector<std::int64_t>(offsets, offsets + n));
-        return 0;
+        return d->engine->install_plan(std::vector<std::int64_t>(offsets, offsets + n), generation) ? 0 : 1;
     } catch (const std::exception& e) {
         t_last_error = e.what();
         return -1;

@@ -203,19 +203,28 @@ class CachingAllocator(AllocatorContract):
         allocate the same sizes on the same streams, the first is planned (:func:`.plan.plan_step`) and
         every later step's allocations are served from one arena at their planned offsets, with no
         device call; a step that leaves the plan is served by the engine as without a plan, and a plan
-        missed three steps in a row is dropped and recording starts again. Call it at the same point
-        of every step, where the fewest bytes are live (the top of a training loop). Returns what the
-        call did (:class:`.plan.MarkResult`).
+        missed three steps in a row, or four of its last eight, is dropped and recording starts again.
+        Call it at the same point of every step, where the fewest bytes are live (the top of a training
+        loop). Returns what the call did (:class:`.plan.MarkResult`). Marks from several threads are
+        safe: a READY step that another thread's mark took while this one planned it is not installed
+        (Note [Step plans and threads] in :mod:`.plan`).
 
         Raises:
             InvalidArgumentError: the allocator is closed.
         """
         result = MarkResult(self._engine.mark_step())
         if result is MarkResult.READY:
-            offsets = plan_step(StepTemplate(*self._engine.step_template()))
-            if (offsets >= 0).any():
-                self._engine.install_plan([int(x) for x in offsets])
+            ready = self._engine.step_template(True)   # None: another thread's mark took the step
+            if ready is not None:
+                offsets = plan_step(StepTemplate(*ready[:4]))
+                if (offsets >= 0).any():
+                    self._engine.install_plan([int(x) for x in offsets], ready[4])
         return result
+
+    def reset_peak_stats(self) -> None:
+        """Set the peaks (allocated, requested, reserved) to the values now, as
+        ``torch.cuda.reset_peak_memory_stats`` does; reserved counts a step plan's arena."""
+        self._engine.reset_peak_stats()
 
     def step_plan_info(self) -> PlanInfo:
         """The step plan's state and counters (:class:`.plan.PlanInfo`): slots, arena bytes (reserved,

@@ -53,6 +53,10 @@ class Engine(Protocol):
         """A snapshot of the counters, derived fields (reserved, fragmentation...) filled in."""
         ...
 
+    def reset_peak_stats(self) -> None:
+        """Peaks (allocated, requested, reserved with a step plan's arena) down to the values now."""
+        ...
+
     def reserved_nbytes(self) -> int: ...
 
     def allocated_nbytes(self) -> int: ...
@@ -82,11 +86,15 @@ class Engine(Protocol):
         """A step boundary; a :class:`~gpumem.allocator.plan.MarkResult` value."""
         ...
 
-    def step_template(self) -> tuple[list[int], list[int], list[int], list[int]]:
-        """The recorded step waiting for its plan: requested bytes, streams, free ranks (own step, next)."""
+    def step_template(self, missing_ok: bool = False) -> tuple[list[int], list[int], list[int], list[int], int] | None:
+        """The recorded step waiting for its plan: requested bytes, streams, free ranks (own step, next), and
+        its generation (for :meth:`install_plan`); None with ``missing_ok`` when none waits."""
         ...
 
-    def install_plan(self, offsets: list[int]) -> None: ...
+    def install_plan(self, offsets: list[int], generation: int | None = None) -> bool:
+        """Install the READY step's plan; False (nothing installed) when ``generation`` is not the READY
+        step's (Note [Step plans and threads] in :mod:`gpumem.allocator.plan`)."""
+        ...
 
     def step_plan_info(self) -> tuple[int, ...]:
         """The plan layer's counters, in the order of :attr:`~gpumem.allocator.plan.PlanInfo.FIELDS`."""

@@ -24,6 +24,7 @@ from ..units import align_up, format_bytes
 from ..validate import as_int, check_nbytes, check_stream
 from .engine import OomCause, no_history_error
 from .engine import oom_error as build_oom_error
+from .plan import check_generation
 from .policy import AllocatorPolicy
 from .stats import AllocatorStats
 
@@ -68,8 +69,13 @@ class NativeEngine:
         self.describe = ext.describe
         self.mark_step = ext.mark_step
         self.step_template = ext.step_template
-        self.install_plan = ext.install_plan
         self.step_plan_info = ext.step_plan_info
+        self.reset_peak_stats = ext.reset_peak_stats
+
+    def install_plan(self, offsets: list[int], generation: int | None = None) -> bool:
+        """The engine's install; ``generation`` checked as the Python engine checks it (-1: none given)."""
+        generation = check_generation(generation)
+        return bool(self._ext.install_plan(offsets, -1 if generation is None else generation))
 
     @property
     def backing(self) -> NoReturn:

@@ -26,9 +26,15 @@ optimizer state, anything longer-lived) stay the engine's. Streams are planned a
 slot is reused across streams without an event; the engine still refuses a slot whose address range
 meets another stream's. Serving: the ``k``-th allocation of a step takes slot ``k`` when its size is
 at most the slot's, its stream the slot's, and no live arena allocation overlaps the slot (a list of
-the slots it overlaps in address, precomputed at install): a compare and an add under the engine's
-lock, no driver call. A mismatch sends the rest of the step to the engine; three missed steps in a row
-drop the plan (its arena goes back once its last allocation is freed) and recording starts again.
+the live slots' address ranges, kept sorted: a search, no driver call). A mismatch sends the rest of the
+step to the engine; the last :data:`MISS_LIMIT` (3) planned steps missed, or :data:`MISS_WINDOW_LIMIT`
+(4) of the last :data:`MISS_WINDOW` (8), drop the plan (its arena goes back once its last allocation is
+freed) and recording starts again. Why a window: a missed step holds a step's worth twice (the arena
+and the engine's cache); counted only in a row, steps that alternate hit and miss kept the plan for good
+(46 MiB against 22 MiB unmarked in the review's loop), and such steps are never planned again (no two in
+a row match). Why half: a plan whose steps repeat with a miss between hits (one step in three differs)
+is planned again right after a drop, with the same peak and a re-plan and re-map every nine steps (seen
+with a limit of 3 of 8); at half, the plan serves no more steps than it misses.
 The arena is an address reservation of its own whose pages are mapped when a slot first touches them,
 after the engine gave back its idle cache: the previous step's leftovers (the gradients above) still
 sit in the engine during the first planned step, and an arena mapped whole at install would hold their
@@ -61,10 +67,21 @@ taken per plan, plans dropped after three misses and made again); a dropped aren
 its drop. The layer stays recording rather than giving up: recording costs a dict entry per allocation,
 and a program whose cross-stream use stops (a warm-up) is planned once two clean steps match. A plan
 installed before the use starts still poisons its slot and is dropped after :data:`MISS_LIMIT` misses.
+
+Note [Step plans and threads]
+-----------------------------
+A mark that returns READY is followed by three calls: read the template, plan it (numpy, outside the
+engine's lock), install. Another thread's mark in between moves the layer on (READY to RECORDING), and the
+install then had no step to plan: ``mark_step`` raised in a program doing nothing wrong. Each READY gets a
+generation (:attr:`StepPlan.generation`), read with its template (``step_template``, which answers None
+when no step waits); ``install_plan(offsets, generation)`` of a step that went away or was replaced by a
+newer READY installs nothing and returns False, and the mark returns READY as it found it. The plan is
+never installed on another step than the one it was made for, and the next matching steps plan again.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections.abc import Sequence
 from typing import Any
@@ -72,14 +89,20 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
+from ..validate import as_int
 
-__all__ = ["ROUND_NBYTES", "MISS_LIMIT", "StepState", "MarkResult", "PlanItems", "Planner", "plan", "plan_height",
-           "check_plan", "StepTemplate", "template_items", "plan_step", "StepPlan", "PlanInfo"]
+__all__ = ["ROUND_NBYTES", "MISS_LIMIT", "MISS_WINDOW", "MISS_WINDOW_LIMIT", "StepState", "MarkResult", "PlanItems", "Planner", "plan",
+           "plan_height", "check_plan", "StepTemplate", "template_items", "plan_step", "StepPlan", "PlanInfo",
+           "check_generation"]
 
 ROUND_NBYTES = 512
 """Plan offsets and sizes are multiples of the engine's request rounding."""
 MISS_LIMIT = 3
-"""Steps in a row that leave the plan before it is dropped."""
+"""Planned steps missed in a row that drop the plan (Note [Step plans])."""
+MISS_WINDOW = 8
+"""The last planned steps that :data:`MISS_WINDOW_LIMIT` counts misses over."""
+MISS_WINDOW_LIMIT = 4
+"""Missed steps among the last :data:`MISS_WINDOW` planned ones that drop the plan."""
 
 
 class StepState(enum.IntEnum):
@@ -104,7 +127,8 @@ class MarkResult(enum.IntEnum):
     READY = 1
     """A recorded step waits for its plan (:meth:`StepPlan.template`, :meth:`StepPlan.install`)."""
     DROPPED = 2
-    """The plan missed :data:`MISS_LIMIT` steps in a row: dropped, recording again."""
+    """The plan missed its last :data:`MISS_LIMIT` steps, or :data:`MISS_WINDOW_LIMIT` of its last
+    :data:`MISS_WINDOW`: dropped, recording again."""
 
 
 # -- the planner ------------------------------------------------------------------------------------------
@@ -348,6 +372,33 @@ class _Arena:
         return self.base <= ptr < self.base + self.nbytes
 
 
+class _Ranges:
+    """Disjoint address ranges ``[start, end)`` with a slot each, sorted by start: whether a range meets one
+    of them is a binary search (the native engine keeps the live slots in a Fenwick tree over the slots'
+    starts, sorted at install: the same answers)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.at: dict[int, tuple[int, int]] = {}   # start -> (end, slot)
+
+    def meeting(self, lo: int, hi: int) -> int:
+        """The slot of the range that meets ``[lo, hi)``, -1 for none: only the range starting last below
+        ``hi`` can (disjoint ranges sorted by start end in that order too)."""
+        i = bisect.bisect_left(self.starts, hi) - 1
+        if i < 0:
+            return -1
+        end, slot = self.at[self.starts[i]]
+        return slot if end > lo else -1
+
+    def add(self, lo: int, hi: int, slot: int) -> None:
+        bisect.insort(self.starts, lo)
+        self.at[lo] = (hi, slot)
+
+    def remove(self, lo: int) -> None:
+        del self.starts[bisect.bisect_left(self.starts, lo)]
+        del self.at[lo]
+
+
 class StepPlan:
     """The plan layer of :class:`~.python_engine.PythonEngine` (Note [Step plans]); every method runs under
     the engine's lock (an RLock) and is the reference of ``Engine::plan_*`` in ``gpumem/_native/engine.cpp``."""
@@ -356,6 +407,8 @@ class StepPlan:
         self.e = engine
         """The :class:`~.python_engine.PythonEngine` it sits in front of (not imported here: no cycle)."""
         self.state = StepState.OFF
+        self.generation = 0
+        """Counts the marks that made a step READY: :meth:`install` of a stale one installs nothing."""
         self._reset_recording()
         self.arenas: list[_Arena] = []   # the current plan's last; dropped ones until their last free
         self._clear_slots()
@@ -375,14 +428,12 @@ class StepPlan:
         self.off: list[int] = []
         self.size: list[int] = []
         self.stream: list[int] = []
-        self.ov: list[list[int]] = []
-        self.refused: list[bool] = []
-        self.live: list[bool] = []
+        self.occupied = _Ranges()   # the live slots' ranges in the arena (offsets)
         self.poisoned: list[bool] = []
         self.cursor = 0
         self.left = False
         self.missed = False
-        self.misses = 0
+        self.miss_bits = 0   # the last MISS_WINDOW planned steps, 1 for a miss (the newest lowest)
         self.planned_steps = 0
 
     @property
@@ -416,6 +467,7 @@ class StepPlan:
             if self.prev and not self.prev_cross and not self.cur_cross and len(self.prev) == len(self.cur) and all(
                     a[0] == b[0] and a[1] == b[1] for a, b in zip(self.prev, self.cur)):
                 self.state = StepState.READY
+                self.generation += 1
                 self.since_mark = 0
                 return MarkResult.READY
             self._slide()
@@ -423,11 +475,12 @@ class StepPlan:
         # PLANNED
         hit = not self.missed and not self.left and self.cursor == len(self.off)
         self.counts["steps_hit" if hit else "steps_missed"] += 1
-        self.misses = 0 if hit else self.misses + 1
+        self.miss_bits = ((self.miss_bits << 1) | (not hit)) & ((1 << MISS_WINDOW) - 1)
         if self.planned_steps == 0:
             self.e._empty_cache_locked()   # the leftovers of the last step before the plan
         self.planned_steps += 1
-        if self.misses >= MISS_LIMIT:
+        last = (1 << MISS_LIMIT) - 1
+        if self.miss_bits & last == last or bin(self.miss_bits).count("1") >= MISS_WINDOW_LIMIT:
             self._drop()
             self._reset_recording()
             self.state = StepState.RECORDING
@@ -440,22 +493,30 @@ class StepPlan:
         self.prev, self.prev_map, self.prev_cross = self.cur, self.cur_map, self.cur_cross
         self.cur, self.cur_map, self.cur_cross = [], {}, False
 
-    def template(self) -> StepTemplate:
+    def template(self, missing_ok: bool = False) -> StepTemplate | None:
+        """The READY step (its generation is :attr:`generation`); None with ``missing_ok`` when no step waits
+        (another thread's mark took it: Note [Step plans and threads])."""
         if self.state is not StepState.READY:
+            if missing_ok:
+                return None
             raise InvalidArgumentError("step_template: no recorded step waits for a plan (mark_step returns READY "
                                        "when two recorded steps match)")
         p = self.prev
         return StepTemplate([r[0] for r in p], [r[1] for r in p], [r[2] for r in p], [r[3] for r in p])
 
     # -- install -------------------------------------------------------------------------------------------
-    def install(self, offsets: Sequence[int]) -> None:
-        """Install a plan for the READY template: ``offsets[k]`` (-1: the engine's) per allocation.
+    def install(self, offsets: Sequence[int], generation: int | None = None) -> bool:
+        """Install a plan for the READY template: ``offsets[k]`` (-1: the engine's) per allocation. With
+        ``generation`` (:attr:`generation` when the template was read), a READY step that went away or was
+        replaced (another thread's mark) installs nothing and returns False (Note [Step plans and threads]).
 
         Raises:
-            InvalidArgumentError: no template waits, a length or an offset that is wrong, an offset for an
-                allocation not freed within two steps, two slots alive together that overlap in the
-                arena, or a plan that places nothing; nothing changes then.
+            InvalidArgumentError: no template waits (without ``generation``), a length or an offset that is
+                wrong, an offset for an allocation not freed within two steps, two slots alive together that
+                overlap in the arena, or a plan that places nothing; nothing changes then.
         """
+        if generation is not None and (self.state is not StepState.READY or generation != self.generation):
+            return False
         if self.state is not StepState.READY:
             raise InvalidArgumentError("install_plan: no recorded step waits for a plan (mark_step returns READY "
                                        "when two recorded steps match)")
@@ -483,22 +544,9 @@ class StepPlan:
         planned = sorted((offs[k], k) for k in range(n) if offs[k] >= 0)
         if not planned:
             raise InvalidArgumentError("install_plan: the plan places no allocation")
-        ov: list[list[int]] = [[] for _ in range(n)]
-        refused = [False] * n
+        _check_slots(planned, sizes, e1, e2)
         streams = [rec[k][1] for k in range(n)]
-        for a, (oa, ka) in enumerate(planned):
-            end = oa + sizes[ka]
-            for ob, kb in planned[a + 1:]:
-                if ob >= end:
-                    break
-                if _alive_together(ka, e1[ka], e2[ka], kb, e1[kb], e2[kb]):
-                    i, j = min(ka, kb), max(ka, kb)
-                    raise InvalidArgumentError(f"install_plan: slots {i} and {j} are alive together and overlap "
-                                               "in the arena")
-                ov[ka].append(kb)
-                ov[kb].append(ka)
-                if streams[ka] != streams[kb]:
-                    refused[ka] = refused[kb] = True
+        refused = _refused_slots(planned, sizes, streams, n)
         height = max((o + sizes[k] for o, k in planned if not refused[k]), default=0)
         if height == 0:
             raise InvalidArgumentError("install_plan: every slot of the plan meets another stream's")
@@ -508,16 +556,17 @@ class StepPlan:
         self.counts["arena_calls"] += 1
         self.arenas.append(_Arena(base, arena_nbytes, g, {streams[k] for _, k in planned if not refused[k]}))
         self.off = [o if o >= 0 and not refused[k] else -1 for k, o in enumerate(offs)]
-        self.size, self.stream, self.ov, self.refused = sizes, streams, ov, refused
-        self.live = [False] * n
+        self.size, self.stream = sizes, streams
+        self.occupied = _Ranges()
         self.poisoned = [False] * n
-        self.cursor, self.misses, self.planned_steps = 0, 0, 0
+        self.cursor, self.miss_bits, self.planned_steps = 0, 0, 0
         self.missed = False
         self.left = self.since_mark > 0   # allocations came between the mark and the install: not this step
         self.state = StepState.PLANNED
         self.counts["plans_installed"] += 1
         self.prev, self.prev_map, self.cur, self.cur_map = [], {}, [], {}
         self.cur_cross = self.prev_cross = False
+        return True
 
     # -- the hot path -------------------------------------------------------------------------------------
     def allocate(self, nbytes: int, stream: int) -> int:
@@ -547,17 +596,21 @@ class StepPlan:
         off = self.off[k]
         if off < 0:
             return 0
-        live = self.live
-        if live[k] or any(live[j] for j in self.ov[k]):
+        size = self.size[k]
+        if self.occupied.meeting(off, off + size) >= 0:   # a live slot (this one, still taken, or another)
             self.missed = True
             return 0
         arena = self.arenas[-1]
-        size = self.size[k]
-        if not self._map(arena, off, size):
+        try:
+            mapped = self._map(arena, off, size)
+        except BaseException:
+            self.missed = True   # the allocation fails: the step is not served by the plan
+            raise
+        if not mapped:
             self.missed = True
             return 0
         ptr = arena.base + off
-        live[k] = True
+        self.occupied.add(off, off + size, k)
         arena.live[ptr] = (k, size, nbytes)
         e = self.e
         e._stats.count_allocation(size, nbytes, e.backing.reserved_nbytes + self.mapped_nbytes)
@@ -623,8 +676,8 @@ class StepPlan:
                 if entry is None:
                     raise InvalidPointerError(f"free of {ptr:#x}: no live allocation starts there in the step plan's arena")
                 k, size, nbytes = entry
-                if not arena.dropped:
-                    self.live[k] = self.poisoned[k]   # a slot used on another stream stays taken
+                if not arena.dropped and not self.poisoned[k]:   # a slot used on another stream stays taken
+                    self.occupied.remove(self.off[k])
                 st = self.e._stats
                 st.allocated_nbytes -= size
                 st.requested_nbytes -= nbytes
@@ -763,15 +816,71 @@ class StepPlan:
         return sum(size for a in self.arenas for (_, size, _) in a.live.values())
 
 
-def _alive_together(ka: int, e1a: int, e2a: int, kb: int, e1b: int, e2b: int) -> bool:
-    """Whether two slots' lifetimes (``[k, e1)`` and ``[0, e2)``) meet."""
-    if ka < e1b and kb < e1a:
-        return True
-    if e2a and kb < e2a:          # a's [0, e2a) against b's [kb, e1b)
-        return True
-    if e2b and ka < e2b:
-        return True
-    return bool(e2a and e2b)      # both [0, ...): both alive at 0
+def _check_slots(planned: list[tuple[int, int]], sizes: list[int], e1: list[int], e2: list[int]) -> None:
+    """Raise :class:`InvalidArgumentError` when two planned slots alive together overlap in the arena: a sweep
+    over the step's ranks (a slot lives over ``[k, e1)`` and, when ``e2``, ``[0, e2)``; frees before
+    allocations at one rank) keeps the live slots' ranges, which must stay disjoint: O(n log n), where a
+    check of every pair was quadratic for slots that share an offset. The native engine's install runs the
+    same sweep (the same pair named)."""
+    events = []
+    for o, k in planned:
+        events.append((k, 1, k))
+        events.append((e1[k], 0, k))
+        if e2[k]:
+            events.append((0, 1, k))
+            events.append((e2[k], 0, k))
+    events.sort()
+    offs = dict((k, o) for o, k in planned)
+    alive = _Ranges()
+    for _, starts, k in events:
+        o = offs[k]
+        if not starts:
+            alive.remove(o)
+            continue
+        j = alive.meeting(o, o + sizes[k])
+        if j >= 0:
+            raise InvalidArgumentError(f"install_plan: slots {min(j, k)} and {max(j, k)} are alive together and "
+                                       "overlap in the arena")
+        alive.add(o, o + sizes[k], k)
+
+
+def _refused_slots(planned: list[tuple[int, int]], sizes: list[int], streams: list[int], n: int) -> list[bool]:
+    """Per slot, whether its range in the arena meets a slot of another stream (refused: no event orders one
+    stream's use after the other's). ``planned``: (offset, slot) sorted. A slot meets an earlier-sorted one
+    of another stream when that one ends past its start (the two largest ends of distinct streams so far),
+    a later-sorted one when that one starts before its end (the next position of another stream)."""
+    refused = [False] * n
+    m = len(planned)
+    starts = [o for o, _ in planned]
+    st = [streams[k] for _, k in planned]
+    best_end, best_stream, other_end = -1, None, -1   # the largest end so far, its stream; the largest of others
+    for i, (o, k) in enumerate(planned):
+        s, end = st[i], o + sizes[k]
+        if (best_end if best_stream != s else other_end) > o:
+            refused[k] = True
+        if s == best_stream:
+            best_end = max(best_end, end)
+        elif end > best_end:
+            best_end, best_stream, other_end = end, s, best_end
+        else:
+            other_end = max(other_end, end)
+    next_other = [m] * m   # the first position after i whose stream is not st[i]
+    for i in range(m - 2, -1, -1):
+        next_other[i] = i + 1 if st[i + 1] != st[i] else next_other[i + 1]
+    for i, (o, k) in enumerate(planned):
+        if next_other[i] < bisect.bisect_left(starts, o + sizes[k]):
+            refused[k] = True
+    return refused
+
+
+def check_generation(generation: Any) -> int | None:
+    """``install_plan``'s ``generation``: None or an int in [0, 2**63) (:class:`InvalidArgumentError`)."""
+    if generation is None:
+        return None
+    g = as_int(generation, "generation")
+    if not 0 <= g < 1 << 63:
+        raise InvalidArgumentError(f"install_plan: generation must be in [0, 2**63), got {g}")
+    return g
 
 
 def _quietly(call: Any, *args: Any) -> None:

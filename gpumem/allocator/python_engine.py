@@ -25,7 +25,7 @@ from .backing import AddressSpaceExhausted, Backing, LimitExceeded, Segment, Seg
 from .block import Block, FreeList, TopDownFreeList, append_block, drop_last_block, merge_blocks, split_block
 from .engine import OomCause, no_history_error, oom_error
 from .fences import StreamFences
-from .plan import StepPlan
+from .plan import StepPlan, check_generation
 from .policy import AllocatorPolicy
 from .stats import AllocatorStats
 
@@ -583,6 +583,14 @@ class PythonEngine:
             raise InvalidPointerError(f"{ptr!r} is not a live allocation")
         return block.size
 
+    def reset_peak_stats(self) -> None:
+        """Peaks down to the values now; reserved counts a step plan's arena (``Engine::reset_peak_stats``)."""
+        with self._lock:
+            st = self._stats
+            st.peak_allocated_nbytes = st.allocated_nbytes
+            st.peak_requested_nbytes = st.requested_nbytes
+            st.peak_reserved_nbytes = self.backing.reserved_nbytes + self._plan.mapped_nbytes
+
     def stats(self) -> AllocatorStats:
         with self._lock:
             st = self._stats.copy()
@@ -613,18 +621,23 @@ class PythonEngine:
                 raise InvalidArgumentError("mark_step: the allocator is closed")
             return int(self._plan.mark())
 
-    def step_template(self) -> tuple[list[int], list[int], list[int], list[int]]:
-        """The READY step: (requested bytes, streams, free rank in its step, free rank in the next)."""
+    def step_template(self, missing_ok: bool = False) -> tuple[list[int], list[int], list[int], list[int], int] | None:
+        """The READY step: (requested bytes, streams, free rank in its step, free rank in the next, generation);
+        None with ``missing_ok`` when no step waits."""
         with self._lock:
-            t = self._plan.template()
-            return t.nbytes.tolist(), [int(x) for x in t.streams], t.free_own.tolist(), t.free_next.tolist()
+            t = self._plan.template(missing_ok)
+            if t is None:
+                return None
+            return (t.nbytes.tolist(), [int(x) for x in t.streams], t.free_own.tolist(), t.free_next.tolist(),
+                    self._plan.generation)
 
-    def install_plan(self, offsets: list[int]) -> None:
-        """Install the plan of the READY step (:meth:`.plan.StepPlan.install`)."""
+    def install_plan(self, offsets: list[int], generation: int | None = None) -> bool:
+        """Install the plan of the READY step (:meth:`.plan.StepPlan.install`); False: ``generation`` is stale."""
+        generation = check_generation(generation)
         with self._operation():
             if self._closed:
                 raise InvalidArgumentError("install_plan: the allocator is closed")
-            self._plan.install(offsets)
+            return self._plan.install(offsets, generation)
 
     def step_plan_info(self) -> tuple[int, ...]:
         """The plan layer's counters (:class:`~.plan.PlanInfo`)."""

@@ -382,6 +382,18 @@ class Differential(RuleBasedStateMachine):
         not planned, or a served slot stays taken."""
         self.pair.both("record_stream", self.step_live[i % len(self.step_live)][0], stream)
 
+    @precondition(lambda self: getattr(self, "step_live", None))
+    @rule(i=st.integers(0, 10**6))
+    def step_block_size_inside(self, i):
+        """block_size inside a step's allocation (inside the plan's arena when the plan served it): the same
+        error and message (review attacker 7, finding 6)."""
+        self.pair.both("block_size", self.step_live[i % len(self.step_live)][0] + 512)
+
+    @rule()
+    def reset_peak_stats(self):
+        """Peaks down to now, a step plan's arena counted in reserved (both engines)."""
+        self.pair.both("reset_peak_stats")
+
     @invariant()
     def consistent(self):
         if hasattr(self, "pair"):

@@ -35,10 +35,10 @@ def test_the_c_functions_fail_cleanly_without_an_engine():
     lib = gt._lib()   # noqa: SLF001
     if lib.gpumem_torch_engine_state(63) == 1:  # pragma: no cover
         pytest.skip("an engine runs on device 63")
-    assert lib.gpumem_torch_step_template(63, None, 0) == -1
+    assert lib.gpumem_torch_step_template(63, None, 0, None) == -1
     assert b"no engine" in lib.gpumem_torch_last_error()
     offs = (ctypes.c_int64 * 1)(0)
-    assert lib.gpumem_torch_step_install(63, offs, 1) == -1
+    assert lib.gpumem_torch_step_install(63, offs, 1, -1) == -1
     assert lib.gpumem_torch_step_info(63, (ctypes.c_uint64 * 11)(), 11) == 0
     assert lib.gpumem_torch_step_mark(-1) == -1   # out of range: an error, not a crash
     assert lib.gpumem_torch_last_error()
@@ -54,8 +54,11 @@ class StandIn:
     def gpumem_torch_step_mark(self, index):
         return self.e.mark_step()
 
-    def gpumem_torch_step_template(self, index, out, n):
-        cols = self.e.step_template()
+    def gpumem_torch_step_template(self, index, out, n, generation):
+        cols = self.e.step_template(True)
+        if cols is None:
+            return 0
+        generation._obj.value = cols[4]
         count = len(cols[0])
         words = ctypes.cast(out, ctypes.POINTER(ctypes.c_uint64)) if out else None
         for i in range(min(count, n) if words else 0):
@@ -63,13 +66,13 @@ class StandIn:
                 words[4 * i + w] = cols[w][i] % (1 << 64)
         return count
 
-    def gpumem_torch_step_install(self, index, offsets, n):
+    def gpumem_torch_step_install(self, index, offsets, n, generation):
         try:
-            self.e.install_plan([offsets[i] for i in range(n)])
+            installed = self.e.install_plan([offsets[i] for i in range(n)], None if generation < 0 else generation)
         except InvalidArgumentError as exc:
             self.error = str(exc).encode()
             return -1
-        return 0
+        return 0 if installed else 1
 
     def gpumem_torch_step_info(self, index, out, n):
         v = self.e.step_plan_info()
@@ -100,4 +103,45 @@ def test_step_plans_and_installs_through_the_c_api_glue(monkeypatch):
     info = gt.step_plan_info(0)
     assert isinstance(info, PlanInfo) and info.state == StepState.PLANNED and info.served == 4 * len(pattern)   # the steps from the READY mark on
     assert info.fallback == 0
+    alloc.check_consistency()
+
+
+def test_a_mark_from_another_thread_while_step_plans_installs_nothing(monkeypatch):
+    """gpumem.torch.step() reads the template, plans and installs in three calls: another thread's mark in
+    between made the install fail (a GpumemError in the training loop). The template's generation goes
+    with the install now: nothing is installed, nothing raised, and later steps plan again."""
+    import threading
+
+    import gpumem.allocator.plan as plan_module
+
+    alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine="native")
+    stand_in = StandIn(alloc._engine)   # noqa: SLF001
+    monkeypatch.setattr(gt, "_lib", lambda: stand_in)
+    monkeypatch.setattr(gt, "_require_installed", lambda: None)
+    real, interrupted = plan_module.plan_step, []
+
+    def planning_while_another_thread_marks(t, *args):
+        if not interrupted:
+            interrupted.append(1)
+            worker = threading.Thread(target=gt.step, args=(0,))
+            worker.start()
+            worker.join()
+        return real(t, *args)
+
+    monkeypatch.setattr(plan_module, "plan_step", planning_while_another_thread_marks)
+    pattern = [(3 * MiB, 0, 2), (1 * MiB + 5, 0, 1), (5 * MiB, 0, 4), (700, 0, 1), (2 * MiB, 0, 3)]
+    clock, live, results = 0, [], []
+    for _ in range(8):
+        results.append(gt.step(0))
+        for size, stream, life in pattern:
+            for e in [e for e in live if e[1] <= clock]:
+                alloc.free(e[0])
+                live.remove(e)
+            clock += 1
+            live.append([alloc.allocate(size, stream), clock + life])
+        if len(results) == 3:
+            assert results[2] is MarkResult.READY and interrupted
+            assert gt.step_plan_info(0).plans_installed == 0
+    info = gt.step_plan_info(0)
+    assert info.plans_installed == 1 and info.state == StepState.PLANNED and info.served > 0
     alloc.check_consistency()

@@ -12,7 +12,7 @@ from ..estimate.fit import DEFAULT_NEW_TOKENS
 from ..progress import progress
 from ..units import format_bytes
 from ._args import MANY
-from ._model_args import add_model_args, check_device, context_note, model_from_args, parse_dtypes
+from ._model_args import add_model_args, check_device, context_note, model_from_args, params_text, parse_dtypes
 
 #: The policies estimate replays under unless --policy says otherwise.
 DEFAULT_POLICIES = ("pytorch", "expandable", "gpumem")
@@ -55,8 +55,9 @@ def register(sub: Any, formatter_class: type) -> None:
     w.add_argument("--batch-size", type=int, default=1, help="default: %(default)s")
     w.add_argument("--prompt-len", type=int, help="prompt tokens (training: sequence length); "
                                                    "default: --max-seq-len minus --new-tokens")
-    w.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
-                   help="tokens generated per sequence (default: %(default)s, as gpumem fit)")
+    w.add_argument("--new-tokens", type=int, default=None,  # None: not given (refused with --training)
+                   help=f"tokens generated per sequence (default: {DEFAULT_NEW_TOKENS}, as gpumem fit; "
+                        "not with --training)")
     w.add_argument("--max-seq-len", type=int, help="default: prompt + new tokens; without --prompt-len, the --hf-config's "
                                                  "max_position_embeddings")
     w.add_argument("--training", action="store_true", help="full training steps instead of generate()")
@@ -284,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     fmt = "" if first["weight_format"] is None else f"; projections in {first['weight_format']}"
     if first["dequant_workspace_bytes"]:
         fmt += f" (dequantization workspace {format_bytes(first['dequant_workspace_bytes'])} in OVERHEAD)"
-    print(f"{first['n_params'] / 1e9:.2f}B parameters{fmt}; {kind}; sizes in GiB (2^30 bytes)")
+    print(f"{params_text(first['n_params'])} parameters{fmt}; {kind}; sizes in GiB (2^30 bytes)")
     pols = list(first.get("peak_reserved_by_policy", {}))
     middle = ("GRADIENTS", "OPTIMIZER") if args.training else ("KV @PEAK",)
     keys = ("gradient_bytes", "optimizer_bytes") if args.training else ("kv_cache_bytes",)

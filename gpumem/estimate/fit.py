@@ -411,6 +411,20 @@ class FitResult:
     bound: str = ""
     """Why the search stopped below the ``max_value`` it was given (empty when it did not): a sliding window
     bounds a ``seq_len`` search (Note [Sliding window])."""
+    max_value: int = 0
+    """The largest value the search tried: the ``max_value`` given, or the sliding window's bound."""
+    at_max: bool = False
+    """Whether the answer (``simulated``) is ``max_value`` itself, the one the caller gave: larger values were
+    never tried, so it is a lower bound ("at least"), not the largest that fits (Note [An answer at the
+    search's upper bound])."""
+
+    def at_max_note(self) -> str:
+        """The warning for :attr:`at_max` (``""`` when the answer is below the search's upper bound)."""
+        if not self.at_max:
+            return ""
+        what = "batch" if self.search == "batch" else ("sequence length" if self.training else "prompt length")
+        return (f"the answer {self.simulated} is the search's upper bound (--max {self.max_value}): the {what} "
+                f"that fits is at least {self.simulated}, larger ones were not tried; raise --max to search further")
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
@@ -704,10 +718,13 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
             else:
                 reason = (f"not even {what} fits: its replay under {policy} needs more than "
                           f"{format_bytes(limit)} (the usable {format_bytes(usable)} less the margin)")
+        # Note [An answer at the search's upper bound]: the search never tries past max_value, so an answer
+        # equal to it says only "at least this much"; `gpumem fit --search seq_len` answered 4096 (--max's
+        # default) on an H200 where 5046 fits, with no word. A window's bound is a real one (``bound``).
         return FitResult(search, policy, dev.spec, usable, limit, margin, simulated, estimate, halving, binary, first,
                          tries, weights_total, reason, prompt_len=prompt_len,
                          new_tokens=0 if training else new_tokens, batch_size=batch_size, training=training,
-                         bound=bound)
+                         bound=bound, max_value=max_value, at_max=not bound and simulated == max_value)
     except OutOfMemoryError as exc:  # the device itself could not be opened with room: report as no fit
         raise InvalidArgumentError(f"find_max_batch: {exc}") from exc
     finally:

@@ -89,12 +89,12 @@ _SHAPE_OPTIONS = ("--hidden-size", "--intermediate-size", "--layers", "--vocab-s
 
 
 def _resolve_new_tokens(args: argparse.Namespace) -> None:
-    """``--new-tokens`` left out (None) -> its default; given with ``--training`` -> refused: a training
-    step generates nothing, and the option would be dropped without a word (as ``--lora-rank`` without
+    """``--new-tokens`` left out (None) -> its default; given with ``--training`` (other than 0) -> refused:
+    a training step generates nothing, and the option would be dropped without a word (as ``--lora-rank`` without
     ``--training`` is refused the other way round)."""
     if not hasattr(args, "new_tokens"):
         return
-    if args.new_tokens is not None and getattr(args, "training", False):
+    if args.new_tokens not in (None, 0) and getattr(args, "training", False):  # 0 agrees with training
         raise InvalidArgumentError(f"--new-tokens {args.new_tokens} is for generate(): a --training step generates "
                                    "no tokens (its length is --prompt-len)")
     if args.new_tokens is None:

@@ -112,9 +112,11 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     policies = [x.strip() for x in ",".join(args.policy or DEFAULT_POLICIES).split(",") if x.strip()]
     if not policies:
         raise InvalidArgumentError(f"--policy {' '.join(args.policy)!r} names no allocator policy")
+    from ..allocator.bucket import is_bucket_policy
     from ..allocator.policy import get_policy
     for pol in policies:
-        get_policy(pol)
+        if not is_bucket_policy(pol):  # the size-bucket pool, as gpumem replay, fit and sweep take it
+            get_policy(pol)
     shape.check_tokens(prompt + (0 if args.training else new))
     check_device(args.device)
     for flag in ("gradient_checkpointing", "optimizer_8bit", "lora_rank", "mixed_precision"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import logging
 
@@ -101,6 +102,36 @@ def _resolve_new_tokens(args: argparse.Namespace) -> None:
         from ..estimate.fit import DEFAULT_NEW_TOKENS
 
         args.new_tokens = DEFAULT_NEW_TOKENS
+
+
+def add_lora_args(p: "argparse._ActionsContainer") -> None:
+    """Add ``--lora-rank`` and ``--lora-targets`` (``gpumem estimate`` and ``gpumem fit`` alike)."""
+    p.add_argument("--lora-rank", type=int, metavar="R",
+                   help="training: LoRA adapters of rank R on a frozen base (with --weight-format: QLoRA); "
+                        "modelled, unmeasured")
+    p.add_argument("--lora-targets", default=None,
+                   help="training: the projections LoRA adapts, comma-separated (default: all seven)")
+
+
+def lora_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`~gpumem.estimate.workload.LoraConfig` that ``--lora-rank`` / ``--lora-targets`` ask for
+    (``None`` without ``--lora-rank``), on the base format ``args.weight_fmt`` (QLoRA); raises
+    ``InvalidArgumentError`` for LoRA without ``--training``, targets without a rank, and a weight format
+    with full training (it updates 16-bit weights)."""
+    if args.lora_rank is not None and not args.training:
+        raise InvalidArgumentError("--lora-rank is for --training")
+    if args.lora_rank is None and args.lora_targets is not None:
+        raise InvalidArgumentError("--lora-targets needs --lora-rank (without it the training is full, not LoRA)")
+    if args.lora_rank is None:
+        if args.weight_fmt is not None and args.training:
+            raise InvalidArgumentError("--training with a weight format is modelled only with --lora-rank (QLoRA): "
+                                       "full training updates 16-bit weights")
+        return None
+    from ..estimate.workload import LoraConfig
+
+    targets = {} if args.lora_targets is None else {
+        "targets": tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())}
+    return LoraConfig(args.lora_rank, **targets, base_format=args.weight_fmt)
 
 
 def params_text(n_params: int) -> str:

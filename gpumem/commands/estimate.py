@@ -12,7 +12,8 @@ from ..estimate.fit import DEFAULT_NEW_TOKENS
 from ..progress import progress
 from ..units import format_bytes
 from ._args import MANY
-from ._model_args import add_model_args, check_device, context_note, model_from_args, params_text, parse_dtypes
+from ._model_args import (add_lora_args, add_model_args, check_device, context_note, lora_from_args, model_from_args,
+                          params_text, parse_dtypes)
 
 #: The policies estimate replays under unless --policy says otherwise.
 DEFAULT_POLICIES = ("pytorch", "expandable", "gpumem")
@@ -63,11 +64,7 @@ def register(sub: Any, formatter_class: type) -> None:
     w.add_argument("--training", action="store_true", help="full training steps instead of generate()")
     w.add_argument("--gradient-checkpointing", action="store_true",
                    help="training: each block's activations recomputed in the backward pass")
-    w.add_argument("--lora-rank", type=int, metavar="R",
-                   help="training: LoRA adapters of rank R on a frozen base (with --weight-format: QLoRA); "
-                        "modelled, unmeasured")
-    w.add_argument("--lora-targets", default=None,
-                   help="training: the projections LoRA adapts (default: all seven)")
+    add_lora_args(w)
     w.add_argument("--optimizer-8bit", action="store_true",
                    help="training: AdamW states in bitsandbytes' block-wise 8-bit layout (modelled, unmeasured)")
     w.add_argument("--mixed-precision", choices=("bf16", "fp16"), metavar="DTYPE",
@@ -122,18 +119,7 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     for flag in ("gradient_checkpointing", "optimizer_8bit", "lora_rank", "mixed_precision"):
         if getattr(args, flag, None) and not args.training:
             raise InvalidArgumentError(f"--{flag.replace('_', '-')} is for --training")
-    args.lora = None
-    if args.lora_rank is None and args.lora_targets is not None:
-        raise InvalidArgumentError("--lora-targets needs --lora-rank (without it the training is full, not LoRA)")
-    if args.lora_rank is not None:
-        from ..estimate.workload import LoraConfig
-
-        targets = {} if args.lora_targets is None else {
-            "targets": tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())}
-        args.lora = LoraConfig(args.lora_rank, **targets, base_format=args.weight_fmt)
-    elif args.weight_fmt is not None and args.training:
-        raise InvalidArgumentError("--training with a weight format is modelled only with --lora-rank (QLoRA): "
-                                   "full training updates 16-bit weights")
+    args.lora = lora_from_args(args)
     mixed = getattr(args, "mixed_precision", None)
     if mixed is not None:
         _check_mixed_args(args)

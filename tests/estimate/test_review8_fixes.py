@@ -128,3 +128,52 @@ def test_params_text_fits_small_models():
     assert params_text(6_738_415_616) == "6.74B"
     assert params_text(2_094_336) == "2.09M"
     assert params_text(950) == "950"
+
+
+# -- gpumem fit takes LoRA as gpumem estimate does (new-user review F4) ----------------------------------
+def test_fit_lora_answer_is_the_largest_batch_whose_replay_fits():
+    from gpumem.estimate.fit import estimate_peak_reserved
+    from gpumem.estimate.formats import weight_format
+    from gpumem.estimate.workload import LoraConfig, training_trace, weights_nbytes
+
+    lora = LoraConfig(8, base_format=weight_format("int4"))
+    r = find_max_batch(TINY, 2, device="sim:gtx-1050-2gb", prompt_len=256, training=True, lora=lora, max_value=4096)
+    assert 1 <= r.simulated < 4096 and r.lora_rank == 8
+    assert r.weights_bytes == weights_nbytes(TINY, 2, lora.base_format)  # the frozen base, in int4
+    for batch, fits in ((r.simulated, True), (r.simulated + 1, False)):
+        w = training_trace(TINY, 2, batch_size=batch, seq_len=256, lora=lora)
+        assert estimate_peak_reserved(w, ["pytorch"], device="sim:gtx-1050-2gb", limit=r.limit_bytes)[0].fits is fits
+    full = find_max_batch(TINY, 2, device="sim:gtx-1050-2gb", prompt_len=256, training=True, max_value=4096)
+    assert full.lora_rank is None and full.simulated != r.simulated  # the adapters' workload, not full training's
+
+
+def test_fit_lora_cli(capsys):
+    argv = ["fit", *SHAPE, "--device", "sim:gtx-1050-2gb", "--training", "--prompt-len", "64", "--max", "4"]
+    assert main([*argv, "--lora-rank", "8", "--lora-targets", "q_proj,v_proj", "--weight-format", "int8",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["lora_rank"] == 8 and doc["weight_format"] == "int8" and doc["training"] is True
+    assert main([*argv, "--lora-rank", "8"]) == 0
+    assert "LoRA (rank 8) training steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--lora-rank", "8"], "--lora-rank is for --training"),
+    (["--training", "--lora-targets", "q_proj"], "--lora-targets needs --lora-rank"),
+    (["--training", "--weight-format", "int4"], "only with --lora-rank"),
+    (["--training", "--lora-rank", "8", "--lora-targets", "nope"], "LoRA targets must be among"),
+    (["--training", "--lora-rank", "8", "--weight-format", "i2s"], "not modelled"),
+])
+def test_fit_lora_refusals(capsys, extra, match):
+    assert main(["fit", *SHAPE, "--device", "sim:gtx-1050-2gb", "--prompt-len", "64", "--max", "2", *extra]) == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1
+
+
+def test_find_max_batch_lora_argument_checks():
+    from gpumem.estimate.workload import LoraConfig
+
+    with pytest.raises(InvalidArgumentError, match="LoraConfig"):
+        find_max_batch(TINY, 2, training=True, lora=8)
+    with pytest.raises(InvalidArgumentError, match="for training=True"):
+        find_max_batch(TINY, 2, lora=LoraConfig(8))

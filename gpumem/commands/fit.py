@@ -72,7 +72,8 @@ def register(sub: Any, formatter_class: type) -> None:
                         "torch.autocast in DTYPE (--dtype must be fp32, its default then; as estimate)")
     p.add_argument("--dtype", help="bf16, fp16 or fp32, one (default: the config's, else bf16)")
     p.add_argument("--max", type=int, default=4096, dest="max_value",
-                   help="upper bound of the search (default: %(default)s)")
+                   help="upper bound of the search (default: %(default)s); an answer equal to it is shown as '>= N' "
+                        "with a warning (JSON: at_max): larger values were not tried")
     p.add_argument("--json", action="store_true", help="one JSON object (its fields include the workload: "
                                                        "prompt_len, new_tokens, batch_size, training)")
     _add_verbose(p)

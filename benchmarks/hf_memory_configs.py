@@ -275,7 +275,7 @@ def estimate(row: dict[str, Any], device: str) -> dict[str, Any]:
     try:
         ns = argparse.Namespace(
             hf_config=f.name, hidden_size=None, intermediate_size=None, layers=None, vocab_size=None, heads=None,
-            kv_heads=None, head_dim=0, tie_word_embeddings=False, weight_format=None, weight_bits=None,
+            kv_heads=None, head_dim=None, tie_word_embeddings=False, weight_format=None, weight_bits=None,
             batch_size=row["batch_size"], prompt_len=row["prompt_len"], new_tokens=row["new_tokens"],
             max_seq_len=None, training=row["kind"] == "train", dtype=["fp32" if master else "bf16"], policy=["pytorch"], device=device,
             no_reserved=False, json=True,

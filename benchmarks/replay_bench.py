@@ -6,8 +6,12 @@ so only ratios within a run mean anything):
 1. **Overhead** (peak reserved / peak live - 1) of every policy on every trace on a
    simulated device (default ``sim:h200-141gb``), beside the best peer measured on the
    real H200 (:data:`BEST_PEER`). Target: gpumem at most the best peer on every trace;
-   goal: at most 1 %.
-2. **Time per operation** of the gpumem allocator on the simulated device, as a ratio to
+   goal: at most 1 %. Replayed with the GPU idle (``gpu_timing="idle"``: no GPU work runs
+   beside the replay, every freed block is reusable at once), so its figures are those of
+   ``gpumem replay TRACE --gpu-timing idle``; ``gpumem replay``'s default on a simulated
+   device, ``--gpu-timing trace`` (GPU time from the trace's clock), gives higher overheads
+   on traces whose frees wait for queued work (docs/allocator.md has both columns).
+2. **Time per operation** of the gpumem allocator on the simulated device (GPU idle too), as a ratio to
    a bare Python loop over the same operations (a dict insert per alloc, a dict pop per
    free). Goal: at most 10x.
 3. With ``--cuda``: on a real GPU, wall time per operation of gpumem on ``cuda:0``

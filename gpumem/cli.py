@@ -44,7 +44,7 @@ log = logging.getLogger("gpumem")
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``gpumem`` argument parser (``devices`` and ``replay``, and the commands of :mod:`gpumem.commands`)."""
-    from .commands._args import refuse_repeated_options
+    from .commands._args import hint_swallowed_positionals, refuse_repeated_options
 
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMAND_MODULES:
         importlib.import_module(f".commands.{name}", __package__).register(sub, raw)
     refuse_repeated_options(parser)  # Note [Options behave the same in every command]
+    hint_swallowed_positionals(parser)
     return parser
 
 
@@ -104,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser()
         from .commands._args import strip_bookkeeping
 
-        args = strip_bookkeeping(parser.parse_args(argv))
+        args = strip_bookkeeping(_parse(parser, argv))
         command = f" {args.command}"
         return _main(args)
     except KeyboardInterrupt:
@@ -119,6 +120,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if sys.stderr is not None:
         print(f"gpumem{command}: interrupted", file=sys.stderr)
     return EXIT_INTERRUPTED
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, except that words no option takes are refused by the subcommand's parser:
+    ``gpumem replay t.gmt --foo`` prints replay's usage and ``gpumem replay: error: unrecognized arguments:
+    --foo``, not the top-level usage (argparse hands them up to the top-level parser, which knows nothing of
+    the subcommand's options)."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub = subs.choices.get(getattr(args, "command", None) or "", parser)
+        sub.error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
 
 
 class _SigintFlag:

@@ -9,6 +9,8 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
+
 from gpumem.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,3 +62,53 @@ def test_out_of_memory_guide_never_reports_into_a_folder_already_written():
             assert out not in written or "--force" in argv, \
                 f"`{shlex.join(argv)}` is refused: an earlier command of the guide wrote {out}"
             written.add(out)
+
+
+def _table_rows(text: str, header_start: str) -> list[list[str]]:
+    """The cells of the markdown table whose header line starts with ``header_start``."""
+    lines = text[text.index(header_start):].splitlines()
+    rows = []
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def _pct(cell: str) -> float:
+    return float(re.search(r"([\d.]+) %", cell).group(1))
+
+
+#: Traces of the docs' tables cheap enough to replay in a test (the others take up to a minute each).
+_FAST = ("gpt2_train", "gpt2_bf16_train_h200", "cudagraph_train_h200", "multistream_infer_h200",
+         "resnet_train")
+
+
+
+@pytest.mark.slow
+def test_allocator_and_backends_tables_match_what_gpumem_replay_prints():
+    """docs/allocator.md's table of every trace (GPU idle and behind) and docs/backends.md's gpumem rows say
+    their GPU timing and give what `gpumem replay` prints under it: two rows were stale (llama_generate 2.16 %
+    where it prints 3.45 %), and backends.md gave GPU-idle figures under the default command."""
+    from gpumem.replay import replay_trace
+
+    def overhead(trace: str, timing: str) -> float:
+        path = next((ROOT / "data" / "traces").glob(f"{trace}.*"))
+        return round(replay_trace(str(path), "sim:h200-141gb", "gpumem", progress=False,
+                                  gpu_timing=timing).overhead * 100, 2)
+
+    allocator = (ROOT / "docs" / "allocator.md").read_text(encoding="utf-8")
+    rows = _table_rows(allocator, "| trace | part | GPU idle (`--gpu-timing idle`) | GPU behind (`--gpu-timing trace`")
+    checked = 0
+    for name, _, idle, behind in rows:
+        trace = name.split(" ")[0]
+        if trace in _FAST:
+            assert (_pct(idle), _pct(behind)) == (overhead(trace, "idle"), overhead(trace, "trace")), name
+            checked += 1
+    assert checked >= 4
+    backends = (ROOT / "docs" / "backends.md").read_text(encoding="utf-8")
+    header = "| trace | allocator | peak live | peak reserved | overhead, GPU idle |"
+    assert "GPU behind (default) |" in backends[backends.index(header):].splitlines()[0]
+    for cells in _table_rows(backends, header):
+        if cells[1] == "gpumem" and cells[0] in _FAST:
+            assert (_pct(cells[4]), _pct(cells[8])) == (overhead(cells[0], "idle"), overhead(cells[0], "trace"))

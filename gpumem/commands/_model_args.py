@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import logging
 
@@ -38,6 +39,7 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
     Sets ``args.config_dtype`` to the config's dtype name (``bf16`` without one) and ``args.context_len`` to
     its ``max_position_embeddings`` (``None`` without one)."""
     args.config_dtype = "bf16"
+    _resolve_new_tokens(args)
     check_workload_args(args)
     from ..estimate.formats import custom_bits, weight_format
 
@@ -49,8 +51,16 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
     args.context_len = None
     numbers = (args.hidden_size, args.intermediate_size, args.layers, args.vocab_size, args.heads)
     if args.hf_config:
-        if any(v is not None for v in numbers):
-            raise InvalidArgumentError("give either --hf-config or the shape options, not both")
+        # Note [Shape options beside --hf-config]: every shape option changes memory (--kv-heads the KV cache,
+        # --head-dim the projections, --tie-word-embeddings the output matrix); beside a config none is read,
+        # so each is refused rather than dropped without a word
+        given = [n for n, v in zip(_SHAPE_OPTIONS, (*numbers, args.kv_heads, args.head_dim)) if v is not None]
+        if args.tie_word_embeddings:
+            given.append("--tie-word-embeddings")
+        if given:
+            raise InvalidArgumentError(f"give either --hf-config or the shape options, not both (got "
+                                       f"{', '.join(given)} beside --hf-config; the config's values are used: "
+                                       "edit a copy of it to change them)")
         # a --weight-format given stands for the config's quantization_config (which may be one not read)
         shape, nbytes = from_hf_config(args.hf_config, read_quantization_config=args.weight_fmt is None)
         cfg = json.loads(read_config_text(args.hf_config))
@@ -63,8 +73,7 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
         if isinstance(ctx, int) and not isinstance(ctx, bool) and ctx > 0:
             args.context_len = ctx
         return shape, nbytes
-    names = ("--hidden-size", "--intermediate-size", "--layers", "--vocab-size", "--heads")
-    missing = [n for n, v in zip(names, numbers) if v is None]
+    missing = [n for n, v in zip(_SHAPE_OPTIONS, numbers) if v is None]
     if missing:
         raise InvalidArgumentError(f"missing {', '.join(missing)} (or give --hf-config)")
     if args.head_dim is not None and args.head_dim <= 0:  # 0 is ModelShape's "default": never from the user
@@ -73,6 +82,64 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
                        args.heads if args.kv_heads is None else args.kv_heads, args.head_dim or 0,
                        args.tie_word_embeddings)
     return shape, 2
+
+
+#: The shape options, in the order of :func:`model_from_args`'s numbers (the five required ones first).
+_SHAPE_OPTIONS = ("--hidden-size", "--intermediate-size", "--layers", "--vocab-size", "--heads", "--kv-heads",
+                  "--head-dim")
+
+
+def _resolve_new_tokens(args: argparse.Namespace) -> None:
+    """``--new-tokens`` left out (None) -> its default; given with ``--training`` (other than 0) -> refused:
+    a training step generates nothing, and the option would be dropped without a word (as ``--lora-rank`` without
+    ``--training`` is refused the other way round)."""
+    if not hasattr(args, "new_tokens"):
+        return
+    if args.new_tokens not in (None, 0) and getattr(args, "training", False):  # 0 agrees with training
+        raise InvalidArgumentError(f"--new-tokens {args.new_tokens} is for generate(): a --training step generates "
+                                   "no tokens (its length is --prompt-len)")
+    if args.new_tokens is None:
+        from ..estimate.fit import DEFAULT_NEW_TOKENS
+
+        args.new_tokens = DEFAULT_NEW_TOKENS
+
+
+def add_lora_args(p: "argparse._ActionsContainer") -> None:
+    """Add ``--lora-rank`` and ``--lora-targets`` (``gpumem estimate`` and ``gpumem fit`` alike)."""
+    p.add_argument("--lora-rank", type=int, metavar="R",
+                   help="training: LoRA adapters of rank R on a frozen base (with --weight-format: QLoRA); "
+                        "modelled, unmeasured")
+    p.add_argument("--lora-targets", default=None,
+                   help="training: the projections LoRA adapts, comma-separated (default: all seven)")
+
+
+def lora_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`~gpumem.estimate.workload.LoraConfig` that ``--lora-rank`` / ``--lora-targets`` ask for
+    (``None`` without ``--lora-rank``), on the base format ``args.weight_fmt`` (QLoRA); raises
+    ``InvalidArgumentError`` for LoRA without ``--training``, targets without a rank, and a weight format
+    with full training (it updates 16-bit weights)."""
+    if args.lora_rank is not None and not args.training:
+        raise InvalidArgumentError("--lora-rank is for --training")
+    if args.lora_rank is None and args.lora_targets is not None:
+        raise InvalidArgumentError("--lora-targets needs --lora-rank (without it the training is full, not LoRA)")
+    if args.lora_rank is None:
+        if args.weight_fmt is not None and args.training:
+            raise InvalidArgumentError("--training with a weight format is modelled only with --lora-rank (QLoRA): "
+                                       "full training updates 16-bit weights")
+        return None
+    from ..estimate.workload import LoraConfig
+
+    targets = {} if args.lora_targets is None else {
+        "targets": tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())}
+    return LoraConfig(args.lora_rank, **targets, base_format=args.weight_fmt)
+
+
+def params_text(n_params: int) -> str:
+    """``n_params`` for a header: ``7.24B``, ``2.09M``, ``950`` (a small model read ``0.00B``)."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n_params >= scale:
+            return f"{n_params / scale:.2f}{suffix}"
+    return str(n_params)
 
 
 def context_note(tokens: int, context_len: int | None) -> str:

@@ -12,7 +12,8 @@ from ..estimate.fit import DEFAULT_NEW_TOKENS
 from ..progress import progress
 from ..units import format_bytes
 from ._args import MANY
-from ._model_args import add_model_args, check_device, context_note, model_from_args, parse_dtypes
+from ._model_args import (add_lora_args, add_model_args, check_device, context_note, lora_from_args, model_from_args,
+                          params_text, parse_dtypes)
 
 #: The policies estimate replays under unless --policy says otherwise.
 DEFAULT_POLICIES = ("pytorch", "expandable", "gpumem")
@@ -55,18 +56,15 @@ def register(sub: Any, formatter_class: type) -> None:
     w.add_argument("--batch-size", type=int, default=1, help="default: %(default)s")
     w.add_argument("--prompt-len", type=int, help="prompt tokens (training: sequence length); "
                                                    "default: --max-seq-len minus --new-tokens")
-    w.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
-                   help="tokens generated per sequence (default: %(default)s, as gpumem fit)")
+    w.add_argument("--new-tokens", type=int, default=None,  # None: not given (refused with --training)
+                   help=f"tokens generated per sequence (default: {DEFAULT_NEW_TOKENS}, as gpumem fit; "
+                        "not with --training)")
     w.add_argument("--max-seq-len", type=int, help="default: prompt + new tokens; without --prompt-len, the --hf-config's "
                                                  "max_position_embeddings")
     w.add_argument("--training", action="store_true", help="full training steps instead of generate()")
     w.add_argument("--gradient-checkpointing", action="store_true",
                    help="training: each block's activations recomputed in the backward pass")
-    w.add_argument("--lora-rank", type=int, metavar="R",
-                   help="training: LoRA adapters of rank R on a frozen base (with --weight-format: QLoRA); "
-                        "modelled, unmeasured")
-    w.add_argument("--lora-targets", default=None,
-                   help="training: the projections LoRA adapts (default: all seven)")
+    add_lora_args(w)
     w.add_argument("--optimizer-8bit", action="store_true",
                    help="training: AdamW states in bitsandbytes' block-wise 8-bit layout (modelled, unmeasured)")
     w.add_argument("--mixed-precision", choices=("bf16", "fp16"), metavar="DTYPE",
@@ -111,26 +109,17 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     policies = [x.strip() for x in ",".join(args.policy or DEFAULT_POLICIES).split(",") if x.strip()]
     if not policies:
         raise InvalidArgumentError(f"--policy {' '.join(args.policy)!r} names no allocator policy")
+    from ..allocator.bucket import is_bucket_policy
     from ..allocator.policy import get_policy
     for pol in policies:
-        get_policy(pol)
+        if not is_bucket_policy(pol):  # the size-bucket pool, as gpumem replay, fit and sweep take it
+            get_policy(pol)
     shape.check_tokens(prompt + (0 if args.training else new))
     check_device(args.device)
     for flag in ("gradient_checkpointing", "optimizer_8bit", "lora_rank", "mixed_precision"):
         if getattr(args, flag, None) and not args.training:
             raise InvalidArgumentError(f"--{flag.replace('_', '-')} is for --training")
-    args.lora = None
-    if args.lora_rank is None and args.lora_targets is not None:
-        raise InvalidArgumentError("--lora-targets needs --lora-rank (without it the training is full, not LoRA)")
-    if args.lora_rank is not None:
-        from ..estimate.workload import LoraConfig
-
-        targets = {} if args.lora_targets is None else {
-            "targets": tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())}
-        args.lora = LoraConfig(args.lora_rank, **targets, base_format=args.weight_fmt)
-    elif args.weight_fmt is not None and args.training:
-        raise InvalidArgumentError("--training with a weight format is modelled only with --lora-rank (QLoRA): "
-                                   "full training updates 16-bit weights")
+    args.lora = lora_from_args(args)
     mixed = getattr(args, "mixed_precision", None)
     if mixed is not None:
         _check_mixed_args(args)
@@ -284,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     fmt = "" if first["weight_format"] is None else f"; projections in {first['weight_format']}"
     if first["dequant_workspace_bytes"]:
         fmt += f" (dequantization workspace {format_bytes(first['dequant_workspace_bytes'])} in OVERHEAD)"
-    print(f"{first['n_params'] / 1e9:.2f}B parameters{fmt}; {kind}; sizes in GiB (2^30 bytes)")
+    print(f"{params_text(first['n_params'])} parameters{fmt}; {kind}; sizes in GiB (2^30 bytes)")
     pols = list(first.get("peak_reserved_by_policy", {}))
     middle = ("GRADIENTS", "OPTIMIZER") if args.training else ("KV @PEAK",)
     keys = ("gradient_bytes", "optimizer_bytes") if args.training else ("kv_cache_bytes",)

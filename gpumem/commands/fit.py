@@ -11,7 +11,8 @@ from typing import Any
 from ..errors import InvalidArgumentError
 from ._common import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
 from ..estimate.fit import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT_LEN
-from ._model_args import add_model_args, check_device, context_note, model_from_args, parse_dtypes
+from ._model_args import (add_lora_args, add_model_args, check_device, context_note, lora_from_args, model_from_args,
+                          params_text, parse_dtypes)
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ halve on each out-of-memory) settles, and where a binary search on the same repl
 examples:
   gpumem fit --hf-config config.json --device sim:a100-80gb --prompt-len 4096 --new-tokens 16
   gpumem fit --hf-config config.json --search seq_len --batch-size 8 --new-tokens 64 --json
+  gpumem fit --hf-config config.json --training --lora-rank 16 --weight-format int4 --prompt-len 512
 """
 
 #: ``fit``'s own words for its exit statuses (the rest of :data:`gpumem.cli.GENERAL_EXIT_CODES` holds).
@@ -56,19 +58,22 @@ def register(sub: Any, formatter_class: type) -> None:
                                                                "(default: %(default)s)")
     p.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN, help="prompt (training: sequence) length when "
                                                                "searching the batch (default: %(default)s)")
-    p.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
-                   help="tokens generated per sequence (default: %(default)s, as gpumem estimate)")
+    p.add_argument("--new-tokens", type=int, default=None,  # None: not given (refused with --training)
+                   help=f"tokens generated per sequence (default: {DEFAULT_NEW_TOKENS}, as gpumem estimate; "
+                        "not with --training)")
     p.add_argument("--training", action="store_true", help="training steps instead of generate()")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="training: each block's activations recomputed in the backward pass (as estimate)")
     p.add_argument("--optimizer-8bit", action="store_true",
                    help="training: 8-bit AdamW states (modelled, unmeasured; as estimate)")
+    add_lora_args(p)
     p.add_argument("--mixed-precision", choices=("bf16", "fp16"), metavar="DTYPE",
                    help="training: fp32 master weights, gradients and AdamW states, the forward under "
                         "torch.autocast in DTYPE (--dtype must be fp32, its default then; as estimate)")
-    p.add_argument("--dtype", help="bf16, fp16 or fp32 (default: the config's, else bf16)")
+    p.add_argument("--dtype", help="bf16, fp16 or fp32, one (default: the config's, else bf16)")
     p.add_argument("--max", type=int, default=4096, dest="max_value",
-                   help="upper bound of the search (default: %(default)s)")
+                   help="upper bound of the search (default: %(default)s); an answer equal to it is shown as '>= N' "
+                        "with a warning (JSON: at_max): larger values were not tried")
     p.add_argument("--json", action="store_true", help="one JSON object (its fields include the workload: "
                                                        "prompt_len, new_tokens, batch_size, training)")
     _add_verbose(p)
@@ -83,7 +88,15 @@ def run(args: argparse.Namespace) -> int:
     if args.mixed_precision is not None and args.dtype is None:
         name, nbytes = "fp32", 4  # the master weights
     else:
-        name, nbytes = parse_dtypes(args.dtype, cfg_bytes, args.config_dtype)[0]
+        dtypes = parse_dtypes(args.dtype, cfg_bytes, args.config_dtype)
+        if len(dtypes) > 1:  # one search per run: the others were dropped without a word
+            raise InvalidArgumentError(f"--dtype {args.dtype}: gpumem fit searches one dtype per run; run it once "
+                                       f"per dtype (gpumem estimate takes a list)")
+        name, nbytes = dtypes[0]
+    for flag in ("gradient_checkpointing", "optimizer_8bit", "mixed_precision"):
+        if getattr(args, flag) and not args.training:
+            raise InvalidArgumentError(f"--{flag.replace('_', '-')} is for --training")
+    lora = lora_from_args(args)
     if args.mixed_precision is not None and args.weight_fmt is not None:
         raise InvalidArgumentError("--mixed-precision with a weight format is not modelled: its master weights "
                                    "are fp32")
@@ -95,8 +108,9 @@ def run(args: argparse.Namespace) -> int:
                            new_tokens=args.new_tokens, batch_size=args.batch_size, search=args.search,
                            training=args.training, policy=args.policy, margin=args.margin,
                            max_value=args.max_value, progress=False if args.json else None,
-                           weight_format=args.weight_fmt, gradient_checkpointing=args.gradient_checkpointing,
-                           optimizer_8bit=args.optimizer_8bit, mixed_precision=args.mixed_precision)
+                           weight_format=None if lora is not None else args.weight_fmt,
+                           gradient_checkpointing=args.gradient_checkpointing, optimizer_8bit=args.optimizer_8bit,
+                           mixed_precision=args.mixed_precision, lora=lora)
     except InjectedFaultError as exc:  # Note: the injected fault is named, never read as a shortage
         print(f"gpumem fit: {exc}", file=sys.stderr)
         return EXIT_DEVICE_ERROR
@@ -106,19 +120,21 @@ def run(args: argparse.Namespace) -> int:
             out["prompt_len"] = r.simulated
         out.update(dtype=name, weight_format=None if args.weight_fmt is None else args.weight_fmt.name,
                    n_params=shape.n_params, context_len=args.context_len,
-                   warnings=[w for w in (note, r.bound) if w])
+                   warnings=[w for w in (note, r.bound, r.at_max_note()) if w])
         print(json.dumps(out, indent=2))
     else:
         what = "batch" if args.search == "batch" else "prompt length"
         if args.training:   # a training step's length is its prompt: said once
             work = f"training steps of {args.prompt_len} tokens" if args.search == "batch" else "training steps"
+            if lora is not None:
+                work = f"LoRA (rank {lora.rank}) {work}"
         else:
             work = f"generate(), {args.new_tokens} new tokens"
         at = (f"batch {args.batch_size}" if args.search != "batch" else
               None if args.training else f"prompt {args.prompt_len}")
         if args.weight_fmt is not None:
-            name = f"{name}, projections in {args.weight_fmt.name}"
-        print(f"{shape.n_params / 1e9:.2f}B parameters, {name}, {work}{'' if at is None else ', ' + at}; on {r.device} "
+            name = f"{name}, {'frozen base' if lora is not None else 'projections'} in {args.weight_fmt.name}"
+        print(f"{params_text(shape.n_params)} parameters, {name}, {work}{'' if at is None else ', ' + at}; on {r.device} "
               f"({r.usable_bytes / 2**30:.2f} GiB usable by a GpuMemoryManager), policy {r.policy}, "
               f"margin {r.margin:.0%} beyond the weights")
         lines = [(f"largest {what} (simulated, with margin):", r.simulated),
@@ -127,13 +143,17 @@ def run(args: argparse.Namespace) -> int:
                  ("  binary search, no margin:", r.binary_search)]
         width = max(len(label) for label, _ in lines)
         for label, value in lines:
-            print(f"{label:<{width}} {value:>6}")
+            # a value at the search's upper bound is a lower bound: larger ones were not tried
+            shown = f">= {value}" if value == r.max_value and not r.bound else str(value)
+            print(f"{label:<{width}} {shown:>6}")
         if r.reason:
             print(f"does not fit: {r.reason}")
         if note:
             print(f"warning: {note}")
         if r.bound:
             print(f"warning: {r.bound}")
+        if r.at_max:
+            print(f"warning: {r.at_max_note()}")
     if r.reason and args.json:  # the text says it on standard output
         log.warning("does not fit: %s", r.reason)
     return 0 if r.simulated >= 1 else EXIT_OOM

@@ -139,16 +139,19 @@ def _command_line(args: argparse.Namespace, options: Any) -> str:
 
 
 def _print_summary(rows: list[dict[str, Any]]) -> None:
-    gib = 1 << 30
+    """The summary table; sizes in the unit that fits each (a 1 MiB trace read "0.00 GiB" in every column)."""
+    from ..units import format_bytes
+
     w = max([len("device")] + [len(str(r["device"])) for r in rows]) + 2
-    print(f"{'device':<{w}}{'policy':<12}{'peak live':>11}{'reserved':>11}{'overhead':>10}{'OOMs':>6}{'needs':>11}")
+    print(f"{'device':<{w}}{'policy':<12}{'peak live':>12}{'reserved':>12}{'overhead':>10}{'OOMs':>6}{'needs':>12}")
     for r in rows:
         if r.get("status") == "unsupported":
             print(f"{r['device']:<{w}}{r['policy']:<12}  unsupported: {r.get('reason')}")
             continue
         needs = r.get("smallest_limit_bytes")
-        print(f"{r['device']:<{w}}{r['policy']:<12}{r['peak_live_bytes'] / gib:>7.2f} GiB{r['peak_reserved_bytes'] / gib:>7.2f}"
-              f" GiB{r['overhead']:>10.2%}{r['ooms']:>6}" + (f"{needs / gib:>7.2f} GiB" if needs else f"{'-':>11}"))
+        print(f"{r['device']:<{w}}{r['policy']:<12}{format_bytes(r['peak_live_bytes']):>12}"
+              f"{format_bytes(r['peak_reserved_bytes']):>12}{r['overhead']:>10.2%}{r['ooms']:>6}"
+              + (f"{format_bytes(needs):>12}" if needs else f"{'-':>12}"))
     sys.stdout.flush()
 
 
@@ -166,7 +169,9 @@ def register(sub: Any, formatter_class: type) -> None:
     p.add_argument("--device", **MANY, metavar="SPEC",
                    help=f"device specs, one or more, repeatable (default: {_DEFAULT_DEVICE}); see `gpumem devices`")
     p.add_argument("--policy", **MANY, metavar="NAME", choices=sorted(POLICIES) + ["all"],
-                   help="allocator policies, one or more, repeatable, or 'all' (default: all): " + ", ".join(POLICIES))
+                   help="allocator policies, one or more, repeatable, or 'all' (default: all): " + ", ".join(POLICIES)
+                   + " (the size-bucket pool, 'bucket', has no segments to draw: gpumem replay, sweep, estimate "
+                     "and fit take it)")
     p.add_argument("--pressure", choices=PRESET_NAMES, default=None,
                    help="run the simulated devices with this pressure scenario (other tenants taking memory): "
                         + ", ".join(PRESET_NAMES))

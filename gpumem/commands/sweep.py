@@ -30,15 +30,17 @@ Replay every combination of the traces (PyTorch snapshot .pickle[.gz], RMM log .
 Cases run on local processes (--jobs N, default: one per CPU) or, with --scheduler, on the workers of a
 running Dask cluster (pip install 'gpumem[dask]'; every worker must read the trace files at the same
 absolute paths). Rows come in argument order and every number except the wall-clock columns (wall_s,
-ns_per_op) is the same whichever runs them. A case that fails (a bad trace file) is a row with its error;
-the others still run. DIR must be new, empty, or an earlier sweep's folder (replaced); the files are
+ns_per_op) is the same whichever runs them. A trace path that does not exist is refused before any case runs
+(on local processes); a case that fails (a trace file that cannot be read) is a row with its error; the
+others still run. DIR must be new, empty, or an earlier sweep's folder (replaced); the files are
 written into a temporary folder beside it and renamed at the end, so a failed sweep leaves nothing."""
 
 _EPILOG = """\
 exit status:
   0   every case ran to a result (it fits, or an out-of-memory error: both are rows of the table)
-  2   bad input: a bad option, device spec, policy, limit or output folder (nothing is run); or some
-      case could not run (a bad trace file): the table is written, with the error in its rows
+  2   bad input: a bad option, device spec, policy, limit, missing trace file or output folder (nothing
+      is run); or some case could not run (a trace file that cannot be read): the table is written, with
+      the error in its rows
   130 interrupted (Ctrl-C)
 
 example:
@@ -71,7 +73,8 @@ def register(sub: Any, formatter_class: Any) -> None:
     p.add_argument("--device", **MANY, required=True, metavar="SPEC",
                    help="device specs, one or more, repeatable ('sim:<profile>', see `gpumem devices`; 'cuda:N')")
     p.add_argument("--policy", **MANY, required=True, metavar="NAME",
-                   help="allocator policies, one or more, repeatable (see `gpumem replay --help`), or 'all'")
+                   help="allocator policies, one or more, repeatable (see `gpumem replay --help`; 'bucket' "
+                        "too), or 'all' (every caching-allocator policy)")
     p.add_argument("--limit", **MANY, type=_limit, default=None, metavar="LIMIT",
                    help="caps on the memory the allocator reserves, as `gpumem replay --limit` takes them "
                         "(8GiB, 90%%, 0.5), or 'none' for no cap (default: none)")
@@ -155,6 +158,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             require_matplotlib()
     except BackendUnavailableError as exc:
         raise _UsageError(str(exc)) from None
+    if args.scheduler is None:  # local workers read these very paths: a typo is bad input, found before any case
+        _check_traces(args.traces)
     try:
         check_out_dir(args.out, args.traces)
         make_cases(args.traces, args.device, policies, args.limit or [None], args.gpu_timing)  # bad arguments: fail before any work
@@ -188,6 +193,22 @@ def cmd_sweep(args: argparse.Namespace) -> int:
               f"(sweep.csv, column error)", file=sys.stderr)
         return EXIT_USAGE
     return EXIT_OK
+
+
+def _check_traces(traces: list[str]) -> None:
+    """A usage error (exit 2, nothing run) for a trace path that does not exist or is not a regular file: the
+    whole sweep ran before such a typo showed as an error row. (On a Dask cluster the workers read the
+    paths, which this machine may not hold: their errors stay rows.)"""
+    import os
+
+    from ._common import _check_trace_path, _shorten_path
+
+    missing = [t for t in traces if not os.path.lexists(t) or (os.path.islink(t) and not os.path.exists(t))]
+    if missing:
+        raise _UsageError(f"no such trace file: {', '.join(_shorten_path(t) for t in missing[:5])}"
+                          f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}; nothing was run")
+    for t in traces:
+        _check_trace_path(t)
 
 
 def _print_table(result: Any) -> None:

@@ -58,7 +58,7 @@ from .shape import ModelShape
 from .formats import WeightFormat
 from .formulas import dequant_workspace_nbytes
 from .fastreplay import AllStopped, PlainSink, SinkGroup, SkippingSink, StepJumper, can_skip_small_pool
-from .workload import DECODE_HEAD_STEPS, check_mixed_precision, weights_nbytes, WorkloadTrace, inference_trace, stream_inference, training_trace
+from .workload import DECODE_HEAD_STEPS, LoraConfig, check_mixed_precision, weights_nbytes, WorkloadTrace, inference_trace, stream_inference, training_trace
 
 __all__ = ["ReservedEstimate", "FitResult", "FitTry", "estimate_peak_reserved", "find_max_batch",
            "DEFAULT_MARGINS", "DEFAULT_NEW_TOKENS", "training_reserved_nbytes", "TRAINING_RESERVED_MARGIN", "DEFAULT_PROMPT_LEN", "InjectedFaultError", "usable_memory",
@@ -411,6 +411,22 @@ class FitResult:
     bound: str = ""
     """Why the search stopped below the ``max_value`` it was given (empty when it did not): a sliding window
     bounds a ``seq_len`` search (Note [Sliding window])."""
+    max_value: int = 0
+    """The largest value the search tried: the ``max_value`` given, or the sliding window's bound."""
+    lora_rank: int | None = None
+    """The LoRA adapters' rank of a LoRA training search (``None``: full training, or generate())."""
+    at_max: bool = False
+    """Whether the answer (``simulated``) is ``max_value`` itself, the one the caller gave: larger values were
+    never tried, so it is a lower bound ("at least"), not the largest that fits (Note [An answer at the
+    search's upper bound])."""
+
+    def at_max_note(self) -> str:
+        """The warning for :attr:`at_max` (``""`` when the answer is below the search's upper bound)."""
+        if not self.at_max:
+            return ""
+        what = "batch" if self.search == "batch" else ("sequence length" if self.training else "prompt length")
+        return (f"the answer {self.simulated} is the search's upper bound (--max {self.max_value}): the {what} "
+                f"that fits is at least {self.simulated}, larger ones were not tried; raise --max to search further")
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
@@ -586,7 +602,7 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                    progress: bool | None = False, weight_format: WeightFormat | None = None,
                    gradient_checkpointing: bool = False, optimizer_8bit: bool = False,
                    mixed_precision: str | None = None, full_replay: bool = False,
-                   skip_gallop: bool = True) -> FitResult:
+                   skip_gallop: bool = True, lora: LoraConfig | None = None) -> FitResult:
     """The largest batch (``search="batch"``) or prompt/sequence length (``search="seq_len"``, at
     ``batch_size``) that runs on ``device`` without out-of-memory, by replaying the workload's allocations
     under ``policy`` with ``margin`` of the memory beyond the weights held back (default
@@ -598,7 +614,9 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
     ``weight_format``: the projections' format (:mod:`.formats`; generate() only), with its dequantization
     workspace on ``device`` for the ternary ones. ``gradient_checkpointing``, ``optimizer_8bit`` and
     ``mixed_precision`` (the autocast dtype on fp32 master weights, ``dtype_bytes`` 4): training
-    options (:func:`~gpumem.estimate.workload.training_trace`). ``progress``: a bar of the replays (None: on a terminal). Raises :class:`InjectedFaultError` when a
+    options (:func:`~gpumem.estimate.workload.training_trace`); ``lora``: LoRA adapters on the frozen base
+    (training only; its ``base_format`` is QLoRA's quantized base, which then counts as the weights the margin
+    leaves out). ``progress``: a bar of the replays (None: on a terminal). Raises :class:`InjectedFaultError` when a
     replay fails on a fault the device spec injects. ``full_replay=True``: every probe replayed in full, none
     shared (the reference of Note [Probes share replays] and of :func:`replay_inference`'s fast path).
     ``skip_gallop=False``: every size the search asks is replayed, the small ones of its gallop included (the
@@ -623,22 +641,24 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         margin = DEFAULT_MARGINS.get(policy, 0.20)
     if not (isinstance(margin, (int, float)) and 0.0 <= margin <= 10.0):
         raise InvalidArgumentError(f"margin must be a number in [0, 10], got {margin!r}")
-    if (gradient_checkpointing or optimizer_8bit or mixed_precision is not None) and not training:
-        raise InvalidArgumentError("find_max_batch: gradient_checkpointing, optimizer_8bit and mixed_precision are "
-                                   "for training=True")
+    if lora is not None and not isinstance(lora, LoraConfig):
+        raise InvalidArgumentError(f"lora must be a LoraConfig or None, got {type(lora).__name__}")
+    if (gradient_checkpointing or optimizer_8bit or mixed_precision is not None or lora is not None) and not training:
+        raise InvalidArgumentError("find_max_batch: gradient_checkpointing, optimizer_8bit, mixed_precision and lora "
+                                   "are for training=True")
     if mixed_precision is not None:
-        check_mixed_precision(mixed_precision, dtype_bytes, optimizer_8bit=optimizer_8bit)
+        check_mixed_precision(mixed_precision, dtype_bytes, lora=lora is not None, optimizer_8bit=optimizer_8bit)
     if weight_format is not None and training:
         raise InvalidArgumentError("find_max_batch: a weight format with training is not modelled (full training "
-                                   "updates 16-bit weights; `gpumem estimate --training --lora-rank R "
-                                   "--weight-format F` estimates QLoRA, `gpumem fit` has no LoRA search)")
+                                   "updates 16-bit weights); QLoRA's frozen base is lora=LoraConfig(rank, "
+                                   "base_format=...) (`gpumem fit --training --lora-rank R --weight-format F`)")
     own = not isinstance(device, Device)
     dev = open_device(device) if own else device
     bar = progress_bar(None, f"fit {search}", " replays", enabled=progress)  # no total: tqdm writes "{n}{unit}"
     try:
         usable = max(0, usable_memory(dev))
         workspace = dequant_workspace_nbytes(shape, weight_format, dev)
-        weights_total = weights_nbytes(shape, dtype_bytes, weight_format)
+        weights_total = weights_nbytes(shape, dtype_bytes, weight_format if lora is None else lora.base_format)
         weights = min(usable, weights_total)
         limit = int(weights + (usable - weights) / (1.0 + margin))
         tries: list[FitTry] = []
@@ -669,7 +689,7 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
             if training:
                 return training_trace(shape, dtype_bytes, batch_size=b, seq_len=p,
                                       gradient_checkpointing=gradient_checkpointing, optimizer_8bit=optimizer_8bit,
-                                      mixed_precision=mixed_precision)
+                                      mixed_precision=mixed_precision, lora=lora)
             return inference_trace(shape, dtype_bytes, batch_size=b, prompt_len=p, new_tokens=new_tokens,
                                    weight_format=weight_format, workspace_nbytes=workspace)
 
@@ -704,10 +724,14 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
             else:
                 reason = (f"not even {what} fits: its replay under {policy} needs more than "
                           f"{format_bytes(limit)} (the usable {format_bytes(usable)} less the margin)")
+        # Note [An answer at the search's upper bound]: the search never tries past max_value, so an answer
+        # equal to it says only "at least this much"; `gpumem fit --search seq_len` answered 4096 (--max's
+        # default) on an H200 where 5046 fits, with no word. A window's bound is a real one (``bound``).
         return FitResult(search, policy, dev.spec, usable, limit, margin, simulated, estimate, halving, binary, first,
                          tries, weights_total, reason, prompt_len=prompt_len,
                          new_tokens=0 if training else new_tokens, batch_size=batch_size, training=training,
-                         bound=bound)
+                         bound=bound, max_value=max_value, lora_rank=None if lora is None else lora.rank,
+                         at_max=not bound and simulated == max_value)
     except OutOfMemoryError as exc:  # the device itself could not be opened with room: report as no fit
         raise InvalidArgumentError(f"find_max_batch: {exc}") from exc
     finally:

@@ -14,7 +14,7 @@ from .formats import WEIGHT_FORMATS, WeightFormat
 
 
 __all__ = ["ModelShape", "from_hf_config", "DTYPE_BYTES", "SHAPE_CAPS", "MAX_CONFIG_BYTES", "SUPPORTED_MODEL_TYPES",
-           "config_weight_format"]
+           "config_weight_format", "check_quantization_config"]
 
 #: Sanity caps on the shape (far beyond any real model): larger values are refused, since the estimate's
 #: cost grows with them (``n_layers``) and the figures would be meaningless.
@@ -279,6 +279,25 @@ def config_weight_format(cfg: Mapping[str, Any], origin: str = "config") -> "Wei
                                "--weight-format or --weight-bits for what its weights store")
 
 
+def check_quantization_config(cfg: Mapping[str, Any], origin: str = "config") -> None:
+    """The checks of a config's ``quantization_config`` that hold whatever format the caller gives for its
+    weights (``--weight-format`` / ``--weight-bits``): it must be a JSON object, and it must not keep
+    projections out of the format or 16-bit weights beside the quantized ones (:func:`_refuse_kept_16_bit`).
+
+    Note [A given weight format replaces only the format]: a format given by the caller stands for the one
+    ``quant_method`` names (a GPTQ or AWQ config is refused with "give --weight-format"), not for the rest
+    of the config: ``modules_to_not_convert`` still keeps those modules 16-bit, and
+    ``llm_int8_has_fp16_weight`` still keeps 16-bit copies, whatever the projections' format. Skipping
+    these checks with the flag counted those modules in the given format, an under-estimate without a word.
+    Raises ``InvalidArgumentError`` naming the field."""
+    q = cfg.get("quantization_config")
+    if q in _NEUTRAL:
+        return
+    if not isinstance(q, Mapping):
+        raise InvalidArgumentError(f"{origin}: quantization_config must be a JSON object, got {q!r:.60}")
+    _refuse_kept_16_bit(q, origin)
+
+
 def _refuse_kept_16_bit(q: Mapping[str, Any], origin: str) -> None:
     """A quantization_config that keeps projections out of its format (``modules_to_not_convert``,
     bitsandbytes' ``llm_int8_skip_modules``: they stay 16-bit) or keeps 16-bit weights beside the quantized
@@ -319,6 +338,8 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str, read_quantization_co
                                        "the auxiliary loss, which this estimate does not model")
     if read_quantization_config:
         config_weight_format(cfg, origin)  # a quantization_config it does not read raises
+    else:
+        check_quantization_config(cfg, origin)
     for key, what in UNMODELLED_KEYS.items():
         value = cfg.get(key)
         if value not in _NEUTRAL:
@@ -401,7 +422,8 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]", *
     absent). A multimodal config (a ``text_config`` beside a vision or audio tower) is refused: give its
     ``text_config`` as a file of its own to estimate the language model alone. A ``quantization_config``
     this estimate does not read is refused (:func:`config_weight_format`) unless ``read_quantization_config``
-    is False: the caller then gives the projections' format itself (``--weight-format``). Raises
+    is False: the caller then gives the projections' format itself (``--weight-format``); one that keeps
+    modules or copies in 16 bits is refused either way (:func:`check_quantization_config`). Raises
     ``InvalidArgumentError`` when the file cannot be read, is not JSON, or lacks a field the estimate needs.
     """
     if isinstance(path_or_dict, Mapping):

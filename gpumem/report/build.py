@@ -40,7 +40,7 @@ from ..progress import ProgressBar
 from ..specs import open_device, parse_spec
 from ..trace import Trace, detect_format, load_trace
 from ..trace.limits import printable
-from ..units import GiB, format_bytes
+from ..units import format_bytes
 from . import figures
 from .runs import FitCell, Occupancy, PolicyRun, occupancy_at, peak_live_op, run_policy, smallest_limit
 from .sites import SiteTable, live_by_site, snapshot_sites
@@ -554,7 +554,8 @@ th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}th{background:#f4f4
 
 
 def _fmt_gib(v: Any) -> str:
-    return "" if v is None else f"{v / GiB:.2f}"
+    """A size in the unit that fits it (a 1 MiB trace read 0.00 in a GiB column)."""
+    return "" if v is None else format_bytes(v)
 
 
 def _html(meta: dict[str, Any], summary: list[dict[str, Any]], per_device: list[dict[str, Any]],
@@ -574,8 +575,8 @@ def _html(meta: dict[str, Any], summary: list[dict[str, Any]], per_device: list[
            "from the device. Overhead: peak reserved / peak live &minus; 1. Needs: the smallest memory limit the "
            "trace runs under (bisected to 1&nbsp;% of peak live). Time per operation is measured on this machine "
            "(the only figure that changes between runs).</p>",
-           "<table><tr><th class=l>device</th><th class=l>policy</th><th>peak live (GiB)</th>"
-           "<th>peak reserved (GiB)</th><th>overhead</th><th>OOMs</th><th>needs (GiB)</th><th>time/op (µs)</th>"
+           "<table><tr><th class=l>device</th><th class=l>policy</th><th>peak live</th>"
+           "<th>peak reserved</th><th>overhead</th><th>OOMs</th><th>needs</th><th>time/op (µs)</th>"
            "<th>device calls</th></tr>"]
     for r in summary:
         if r.get("status") == "unsupported":
@@ -614,7 +615,7 @@ def _html(meta: dict[str, Any], summary: list[dict[str, Any]], per_device: list[
            else "requested size (this trace has no stack frames)")
     out.append(f"<p>Live bytes after operation {sites.op:,}, grouped by {how}.</p>"
                "<img src='fig4-sites.png' alt='live memory by allocation site'>"
-               "<table><tr><th class=l>site</th><th>live (GiB)</th><th>share</th><th>tensors</th></tr>")
+               "<table><tr><th class=l>site</th><th>live</th><th>share</th><th>tensors</th></tr>")
     for s in sites.sites:
         share = s.live_nbytes / sites.total_live_nbytes if sites.total_live_nbytes else 0.0
         out.append(f"<tr><td class=l>{e(s.site)}</td><td>{_fmt_gib(s.live_nbytes)}</td><td>{share:.1%}</td>"

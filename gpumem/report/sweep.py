@@ -241,6 +241,7 @@ def make_cases(traces: Sequence[Any], devices: Sequence[str], policies: Sequence
     device spec or limit, an unknown simulated profile or policy. A trace file that is missing or
     unreadable is *not* an argument error: its cases become error rows.
     """
+    from ..allocator.bucket import is_bucket_policy
     from ..allocator.policy import get_policy
 
     for t in traces if isinstance(traces, (list, tuple)) else ():
@@ -261,6 +262,8 @@ def make_cases(traces: Sequence[Any], devices: Sequence[str], policies: Sequence
     for p in policy_list:
         if not isinstance(p, str):
             raise SweepError(f"a policy is given by its name, got {type(p).__name__}")
+        if is_bucket_policy(p):  # the size-bucket pool, as gpumem replay and gpumem fit take it
+            continue
         try:
             get_policy(p)
         except InvalidArgumentError as exc:

@@ -215,4 +215,4 @@ def test_fit_takes_the_training_options_estimate_takes(capsys):
     assert main(["fit", *base, "--training", "--gradient-checkpointing", "--optimizer-8bit", "--max", "64"]) == 0
     assert json.loads(capsys.readouterr().out)["simulated"] >= plain
     assert main(["fit", *base, "--gradient-checkpointing"]) == 2
-    assert "for training" in capsys.readouterr().err
+    assert "--gradient-checkpointing is for --training" in capsys.readouterr().err

@@ -117,7 +117,9 @@ def test_cli_fit_mixed_precision(capsys):
      "8-bit optimizer states is not modelled"),
     (["estimate", *SHAPE, "--prompt-len", "8", "--training", "--mixed-precision", "bf16", "--lora-rank", "4"],
      "LoRA is not modelled"),
-    (["fit", *SHAPE, "--device", "sim:gtx-1050-2gb", "--mixed-precision", "bf16"], "for training=True"),
+    (["fit", *SHAPE, "--device", "sim:gtx-1050-2gb", "--mixed-precision", "bf16"], "--mixed-precision is for --training"),
+    (["fit", *SHAPE, "--device", "sim:gtx-1050-2gb", "--training", "--mixed-precision", "bf16", "--lora-rank", "4"],
+     "LoRA is not modelled"),
     (["fit", *SHAPE, "--device", "sim:gtx-1050-2gb", "--training", "--mixed-precision", "bf16", "--dtype", "bf16"],
      "weights' dtype must be fp32"),
 ])

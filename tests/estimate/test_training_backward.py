@@ -48,7 +48,7 @@ def test_the_synthetic_steps_open_the_recorded_segments_one_for_one():
     try:
         shape, _ = model_from_args(argparse.Namespace(
             hf_config=f.name, hidden_size=None, intermediate_size=None, layers=None, vocab_size=None, heads=None,
-            kv_heads=None, head_dim=0, tie_word_embeddings=False, weight_format=None, weight_bits=None))
+            kv_heads=None, head_dim=None, tie_word_embeddings=False, weight_format=None, weight_bits=None))
     finally:
         os.unlink(f.name)
     made, peak = _segments_made(training_trace(shape, 2, batch_size=2, seq_len=512).trace)

@@ -324,7 +324,10 @@ def test_cli_end_to_end(traces, inline_result, tmp_path, capsys):
 
 
 def test_cli_json_and_a_bad_trace(traces, tmp_path, capsys):
+    # a file that exists but is no trace is an error row (a missing path is refused before any case runs:
+    # tests/commands/test_review_cli_fixes.py)
     out = tmp_path / "out"
+    (tmp_path / "nope.gmt").write_text("not a trace\n")
     code = main(["sweep", traces[0], str(tmp_path / "nope.gmt"), "--device", DEVICES[1], "--policy", "all",
                  "--out", str(out), "--jobs", "1", "--json", "--no-plots"])
     captured = capsys.readouterr()

@@ -84,24 +84,36 @@ class StandIn:
         return getattr(self, "error", b"")
 
 
+class PatternLoop:
+    """A training loop's allocations, one pattern per step: (bytes, stream, freed that many allocations later)."""
+
+    PATTERN = [(3 * MiB, 0, 2), (1 * MiB + 5, 0, 1), (5 * MiB, 0, 4), (700, 0, 1), (2 * MiB, 0, 3)]
+
+    def __init__(self, alloc: CachingAllocator) -> None:
+        self.alloc, self.clock, self.live = alloc, 0, []
+
+    def marked_step(self) -> MarkResult:
+        """``gpumem.torch.step()`` at the top of the step, then the step's allocations; the mark's result."""
+        result = gt.step(0)
+        for size, stream, life in self.PATTERN:
+            for e in [e for e in self.live if e[1] <= self.clock]:
+                self.alloc.free(e[0])
+                self.live.remove(e)
+            self.clock += 1
+            self.live.append([self.alloc.allocate(size, stream), self.clock + life])
+        return result
+
+
 def test_step_plans_and_installs_through_the_c_api_glue(monkeypatch):
     alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine="native")
     stand_in = StandIn(alloc._engine)   # noqa: SLF001
     monkeypatch.setattr(gt, "_lib", lambda: stand_in)
     monkeypatch.setattr(gt, "_require_installed", lambda: None)
-    pattern = [(3 * MiB, 0, 2), (1 * MiB + 5, 0, 1), (5 * MiB, 0, 4), (700, 0, 1), (2 * MiB, 0, 3)]
-    clock, live, results = 0, [], []
-    for _ in range(6):
-        results.append(gt.step(0))
-        for size, stream, life in pattern:
-            for e in [e for e in live if e[1] <= clock]:
-                alloc.free(e[0])
-                live.remove(e)
-            clock += 1
-            live.append([alloc.allocate(size, stream), clock + life])
+    loop = PatternLoop(alloc)
+    results = [loop.marked_step() for _ in range(6)]
     assert results[:3] == [MarkResult.NOTHING, MarkResult.NOTHING, MarkResult.READY]
     info = gt.step_plan_info(0)
-    assert isinstance(info, PlanInfo) and info.state == StepState.PLANNED and info.served == 4 * len(pattern)   # the steps from the READY mark on
+    assert isinstance(info, PlanInfo) and info.state == StepState.PLANNED and info.served == 4 * len(PatternLoop.PATTERN)   # the steps from the READY mark on
     assert info.fallback == 0
     alloc.check_consistency()
 
@@ -129,16 +141,9 @@ def test_a_mark_from_another_thread_while_step_plans_installs_nothing(monkeypatc
         return real(t, *args)
 
     monkeypatch.setattr(plan_module, "plan_step", planning_while_another_thread_marks)
-    pattern = [(3 * MiB, 0, 2), (1 * MiB + 5, 0, 1), (5 * MiB, 0, 4), (700, 0, 1), (2 * MiB, 0, 3)]
-    clock, live, results = 0, [], []
+    loop, results = PatternLoop(alloc), []
     for _ in range(8):
-        results.append(gt.step(0))
-        for size, stream, life in pattern:
-            for e in [e for e in live if e[1] <= clock]:
-                alloc.free(e[0])
-                live.remove(e)
-            clock += 1
-            live.append([alloc.allocate(size, stream), clock + life])
+        results.append(loop.marked_step())
         if len(results) == 3:
             assert results[2] is MarkResult.READY and interrupted
             assert gt.step_plan_info(0).plans_installed == 0

@@ -2713,6 +2713,7 @@ void Engine::plan_clear_slots() {
     slot_pos_.clear();
     occ_tree_.clear();
     slot_poisoned_.clear();
+    slot_served_in_.clear();
     cursor_ = 0;
     left_ = missed_ = false;
     miss_bits_ = 0;
@@ -2882,6 +2883,7 @@ bool Engine::install_plan(const std::vector<std::int64_t>& offsets, std::int64_t
         }
     occ_tree_.assign(occ_slot_.size() + 1, 0);
     slot_poisoned_.assign(n, 0);
+    slot_served_in_.assign(n, 0);
     cursor_ = 0;
     miss_bits_ = 0;
     planned_steps_ = 0;
@@ -2927,8 +2929,12 @@ std::uint64_t Engine::plan_serve(std::uint64_t nbytes, std::uint64_t stream) {
     const std::int64_t off = slot_off_[k];
     if (off < 0) return 0;
     const std::uint64_t size = slot_size_[k];
-    if (plan_slot_taken(static_cast<std::uint64_t>(off), size)) {   // a live slot: this one, still taken, or another
-        missed_ = true;
+    const std::int64_t j = plan_slot_taken(static_cast<std::uint64_t>(off), size);
+    if (j >= 0) {   // a live slot: this one, still taken, or another
+        // one kept past every planned lifetime is served by the engine, not a miss (plan.py, Note [Allocations
+        // kept past their step])
+        if (slot_poisoned_[static_cast<std::size_t>(j)] || planned_steps_ - slot_served_in_[static_cast<std::size_t>(j)] < 2)
+            missed_ = true;
         return 0;
     }
     PlanArena* arena = arenas_.back().get();
@@ -2949,6 +2955,7 @@ std::uint64_t Engine::plan_serve(std::uint64_t nbytes, std::uint64_t stream) {
 std::uint64_t Engine::plan_hand_out(PlanArena* arena, std::size_t k, std::uint64_t nbytes) {
     const std::uint64_t size = slot_size_[k], ptr = arena->base + static_cast<std::uint64_t>(slot_off_[k]);
     plan_occupy(k, true);
+    slot_served_in_[k] = planned_steps_;
     arena->live[ptr] = PlanLive{k, size, nbytes};
     count_alloc(size, nbytes);
     ++plan_served_;
@@ -2966,7 +2973,7 @@ std::uint64_t Engine::plan_serve_fast(std::uint64_t nbytes, std::uint64_t stream
     PlanArena* arena = arenas_.back().get();
     for (std::uint64_t p = off / g_; p <= (off + size - 1) / g_; ++p)
         if (!arena->pages[p]) return 0;
-    if (plan_slot_taken(off, size)) return 0;
+    if (plan_slot_taken(off, size) >= 0) return 0;
     cursor_ = k + 1;
     if (size_out) *size_out = size;
     return plan_hand_out(arena, k, nbytes);
@@ -2990,14 +2997,14 @@ bool Engine::plan_free_fast(std::uint64_t ptr) {
 }
 
 // plan.py _Ranges.meeting over the Fenwick tree of live positions: the live slot starting last below
-// off + size is the only one that can meet [off, off + size) (live slots are disjoint).
-bool Engine::plan_slot_taken(std::uint64_t off, std::uint64_t size) const {
+// off + size is the only one that can meet [off, off + size) (live slots are disjoint); -1 for none.
+std::int64_t Engine::plan_slot_taken(std::uint64_t off, std::uint64_t size) const {
     const std::size_t m = occ_slot_.size();
     const std::size_t hi =
         static_cast<std::size_t>(std::lower_bound(occ_start_.begin(), occ_start_.end(), off + size) - occ_start_.begin());
     std::size_t c = 0;   // live positions below hi
     for (std::size_t i = hi; i > 0; i -= i & (~i + 1)) c += occ_tree_[i];
-    if (c == 0) return false;
+    if (c == 0) return -1;
     std::size_t pos = 0;   // the c-th live position (0-based: pos after the loop)
     std::size_t step = 1;
     while (step * 2 <= m) step *= 2;
@@ -3006,7 +3013,7 @@ bool Engine::plan_slot_taken(std::uint64_t off, std::uint64_t size) const {
             pos += step;
             c -= occ_tree_[pos];
         }
-    return occ_start_[pos] + slot_size_[occ_slot_[pos]] > off;
+    return occ_start_[pos] + slot_size_[occ_slot_[pos]] > off ? static_cast<std::int64_t>(occ_slot_[pos]) : -1;
 }
 
 void Engine::plan_occupy(std::size_t k, bool live) {

@@ -351,7 +351,7 @@ class Engine {
     void plan_slide();
     std::uint64_t plan_allocate(std::uint64_t nbytes, std::uint64_t stream);
     std::uint64_t plan_serve(std::uint64_t nbytes, std::uint64_t stream);
-    bool plan_slot_taken(std::uint64_t off, std::uint64_t size) const;   // a live slot meets [off, off + size)
+    std::int64_t plan_slot_taken(std::uint64_t off, std::uint64_t size) const;   // the live slot meeting [off, off + size), -1: none
     std::uint64_t plan_hand_out(PlanArena* arena, std::size_t k, std::uint64_t nbytes);   // slot k served
     std::uint64_t plan_serve_fast(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out);
     bool plan_free_fast(std::uint64_t ptr);
@@ -582,6 +582,7 @@ class Engine {
     std::vector<std::uint64_t> occ_start_;
     std::vector<std::size_t> occ_slot_, slot_pos_, occ_tree_;
     std::vector<char> slot_poisoned_;
+    std::vector<std::uint64_t> slot_served_in_;   // plan.py served_in: the planned step each slot was last served in
     std::size_t cursor_ = 0;
     bool left_ = false, missed_ = false;
     std::uint32_t miss_bits_ = 0;   // plan.py miss_bits: the last kMissWindow planned steps, 1 for a miss

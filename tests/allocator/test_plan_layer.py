@@ -158,6 +158,34 @@ def test_a_slot_still_taken_is_refused_and_the_others_serve(engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_a_small_allocation_kept_every_tenth_step_does_not_grow_memory(engine):
+    """Note [Allocations kept past their step] (attacker 9): a 512 B allocation planned where a 100 MiB
+    temporary was, kept every tenth step, dropped the plan and pinned a 100 MiB run per re-plan: 2,000 MiB
+    after 200 steps, out of memory under a 600 MiB limit. Now the plan stays and memory is bounded."""
+    def run(marks: bool) -> CachingAllocator:
+        alloc = CachingAllocator(sim.SimDevice(sim.custom_profile("t", 16384 * MiB, context_nbytes=32 * MiB)),
+                                 engine=engine, limit=600 * MiB)
+        kept = []
+        for i in range(200):
+            if marks:
+                alloc.mark_step()
+            alloc.free(alloc.allocate(100 * MiB))
+            s = alloc.allocate(512)
+            if i % 10 == 9:
+                kept.append(s)
+            else:
+                alloc.free(s)
+        alloc.check_consistency()
+        return alloc
+
+    unmarked, marked = run(False), run(True)
+    info = marked.step_plan_info()
+    assert info.plans_installed == 1 and info.plans_dropped == 0 and info.steps_missed <= 1
+    assert marked.stats.peak_reserved_nbytes <= unmarked.stats.peak_reserved_nbytes + 100 * MiB
+    assert marked.stats.allocated_nbytes == unmarked.stats.allocated_nbytes == 20 * 512
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_missing_three_steps_drops_the_plan_and_gives_the_arena_back(engine):
     alloc = make(engine)
     loop = Loop(alloc)

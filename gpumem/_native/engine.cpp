@@ -2715,7 +2715,7 @@ void Engine::plan_clear_slots() {
     slot_poisoned_.clear();
     slot_served_in_.clear();
     cursor_ = 0;
-    left_ = missed_ = false;
+    left_ = missed_ = plan_broken_ = false;
     miss_bits_ = 0;
     planned_steps_ = 0;
 }
@@ -2777,7 +2777,7 @@ int Engine::plan_mark() {
         if (planned_steps_ == 0) empty_cache_locked();   // the leftovers of the last step before the plan
         ++planned_steps_;
         const std::uint32_t last = (1u << kMissLimit) - 1;
-        if ((miss_bits_ & last) == last || __builtin_popcount(miss_bits_) >= kMissWindowLimit) {
+        if (plan_broken_ || (miss_bits_ & last) == last || __builtin_popcount(miss_bits_) >= kMissWindowLimit) {
             plan_drop();
             plan_reset_recording();
             plan_state_ = kPlanRecording;
@@ -2887,7 +2887,7 @@ bool Engine::install_plan(const std::vector<std::int64_t>& offsets, std::int64_t
     cursor_ = 0;
     miss_bits_ = 0;
     planned_steps_ = 0;
-    missed_ = false;
+    missed_ = plan_broken_ = false;
     left_ = since_mark_ > 0;   // allocations came between the mark and the install: not this step
     plan_state_ = kPlanPlanned;
     ++plans_installed_;
@@ -2918,6 +2918,10 @@ std::uint64_t Engine::plan_allocate(std::uint64_t nbytes, std::uint64_t stream) 
 std::uint64_t Engine::plan_serve(std::uint64_t nbytes, std::uint64_t stream) {
     const std::size_t k = cursor_;
     cursor_ = k + 1;
+    if (plan_broken_) {
+        missed_ = true;
+        return 0;
+    }
     if (left_ || k >= slot_off_.size()) {
         left_ = true;
         return 0;
@@ -2966,7 +2970,7 @@ std::uint64_t Engine::plan_hand_out(PlanArena* arena, std::size_t k, std::uint64
 // path (try_allocate_fast); 0, nothing changed, otherwise: allocate() then decides as plan.py does.
 std::uint64_t Engine::plan_serve_fast(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out) {
     const std::size_t k = cursor_;
-    if (plan_state_ != kPlanPlanned || left_ || k >= slot_off_.size() || slot_off_[k] < 0 || nbytes > slot_size_[k] ||
+    if (plan_state_ != kPlanPlanned || left_ || plan_broken_ || k >= slot_off_.size() || slot_off_[k] < 0 || nbytes > slot_size_[k] ||
         stream != slot_stream_[k])
         return 0;
     const std::uint64_t off = static_cast<std::uint64_t>(slot_off_[k]), size = slot_size_[k];
@@ -3059,10 +3063,19 @@ bool Engine::plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size) {
         try {
             backend_.mem_set_access(va, nb);
         } catch (...) {
+            bool unmapped = true;
             try {
                 backend_.mem_unmap(va, nb);
             } catch (...) {
                 rethrow_if_fatal();
+                unmapped = false;
+            }
+            if (!unmapped) {
+                // plan.py: the mapping stays, kept as a run for the give-back to retry; the plan is dropped at
+                // the next mark (Note [A mapping the arena could not undo])
+                plan_book_run(arena, va, nb, h);
+                plan_broken_ = true;
+                throw;
             }
             try {
                 backend_.mem_release(h);
@@ -3072,14 +3085,19 @@ bool Engine::plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size) {
             throw;
         }
         plan_arena_calls_ += 3;
-        arena->runs.push_back(PlanRun{va, nb, h, false});
+        plan_book_run(arena, va, nb, h);
         for (std::uint64_t p = ab.first; p < ab.second; ++p) arena->pages[p] = h;
-        arena->mapped_nbytes += nb;
-        plan_mapped_nbytes_ += nb;
-        if (reserved_nbytes_ + plan_mapped_nbytes_ > st_.peak_reserved_nbytes)
-            st_.peak_reserved_nbytes = reserved_nbytes_ + plan_mapped_nbytes_;
     }
     return true;
+}
+
+// plan.py _book_run
+void Engine::plan_book_run(PlanArena* arena, std::uint64_t va, std::uint64_t nb, ChunkHandle h) {
+    arena->runs.push_back(PlanRun{va, nb, h, false});
+    arena->mapped_nbytes += nb;
+    plan_mapped_nbytes_ += nb;
+    if (reserved_nbytes_ + plan_mapped_nbytes_ > st_.peak_reserved_nbytes)
+        st_.peak_reserved_nbytes = reserved_nbytes_ + plan_mapped_nbytes_;
 }
 
 bool Engine::plan_free(std::uint64_t ptr) {

@@ -358,6 +358,7 @@ class Engine {
     void plan_occupy(std::size_t k, bool live);
     void count_alloc(std::uint64_t size, std::uint64_t nbytes);
     bool plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size);
+    void plan_book_run(PlanArena* arena, std::uint64_t va, std::uint64_t nb, ChunkHandle h);
     bool plan_free(std::uint64_t ptr);
     void plan_record_free(std::uint64_t ptr);
     void plan_record_cross_stream(std::uint64_t ptr);
@@ -585,6 +586,7 @@ class Engine {
     std::vector<std::uint64_t> slot_served_in_;   // plan.py served_in: the planned step each slot was last served in
     std::size_t cursor_ = 0;
     bool left_ = false, missed_ = false;
+    bool plan_broken_ = false;   // plan.py broken: a mapping of the arena could not be undone; drop at the next mark
     std::uint32_t miss_bits_ = 0;   // plan.py miss_bits: the last kMissWindow planned steps, 1 for a miss
     std::uint64_t plan_generation_ = 0;   // plan.py StepPlan.generation
     std::uint64_t planned_steps_ = 0;

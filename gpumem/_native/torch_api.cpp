@@ -573,12 +573,13 @@ GPUMEM_EXPORT std::int64_t gpumem_torch_trace_read(int device, std::uint64_t* ou
 GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double chunk_max_fraction,
                                          double grow_ahead_fraction, int steal_empty_pages, double busy_slack,
                                          int stream_ordered_steal, std::uint64_t page_slack_min_nbytes) {
-    if ((growth != 0 && growth != 1) || !(page_slack >= 0.0 && page_slack < 1.0) ||
-        !(chunk_max_fraction > 0.0 && chunk_max_fraction <= 1.0) ||
-        !(grow_ahead_fraction >= 0.0 && grow_ahead_fraction < 1.0) || !(busy_slack >= 0.0) ||
+    // the ranges of AllocatorPolicy (Note [Every knob has a range] in policy.py)
+    if ((growth != 0 && growth != 1) || !(page_slack >= 0.0 && page_slack <= 1.0) ||
+        !(chunk_max_fraction >= 0.0 && chunk_max_fraction <= 1.0) ||
+        !(grow_ahead_fraction >= 0.0 && grow_ahead_fraction <= 1.0) || !(busy_slack >= 0.0) ||
         (stream_ordered_steal != 0 && stream_ordered_steal != 1)) {
-        t_last_error = "gpumem_torch_configure: growth must be 0 or 1, page_slack and grow_ahead_fraction in [0, 1), "
-                       "chunk_max_fraction in (0, 1], busy_slack >= 0, stream_ordered_steal 0 or 1";
+        t_last_error = "gpumem_torch_configure: growth must be 0 or 1, page_slack, grow_ahead_fraction and "
+                       "chunk_max_fraction in [0, 1], busy_slack >= 0, stream_ordered_steal 0 or 1";
         return -1;
     }
     TorchState& s = state();

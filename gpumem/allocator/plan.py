@@ -91,6 +91,16 @@ gave it, which ends in the next step at the latest) is served by the engine and 
 as missed; a slot taken by the step before, or by one used on another stream, still counts. The plan
 stays, and the slots under the kept bytes are served by the engine from then on (that loop: 202 MiB,
 bounded; the arena's pages under the kept allocation stay mapped until it is freed).
+
+Note [A mapping the arena could not undo]
+-----------------------------------------
+Mapping a run takes three calls (create, map, set access); a failure undoes the earlier ones. When the
+undo fails too (set access, then its unmap), the run stays mapped on the device with no access. It was
+forgotten: the next slot over those pages mapped them again (``MappingOverlapError``), and once dropped
+the arena's reservation could never be freed, so every later mark raised and the layer never planned
+again, while ``close()`` reported nothing leaked (attacker 9). Now such a run is booked like any other
+(counted in reserved, given back with the arena, the unmap retried then) but no page of it serves: the
+layer is *broken*, every allocation goes to the engine, and the next mark drops the plan.
 """
 
 from __future__ import annotations
@@ -450,6 +460,7 @@ class StepPlan:
         self.missed = False
         self.miss_bits = 0   # the last MISS_WINDOW planned steps, 1 for a miss (the newest lowest)
         self.planned_steps = 0
+        self.broken = False   # a mapping of the arena could not be undone: drop at the next mark
 
     @property
     def active(self) -> bool:
@@ -495,7 +506,7 @@ class StepPlan:
             self.e._empty_cache_locked()   # the leftovers of the last step before the plan
         self.planned_steps += 1
         last = (1 << MISS_LIMIT) - 1
-        if self.miss_bits & last == last or bin(self.miss_bits).count("1") >= MISS_WINDOW_LIMIT:
+        if self.broken or self.miss_bits & last == last or bin(self.miss_bits).count("1") >= MISS_WINDOW_LIMIT:
             self._drop()
             self._reset_recording()
             self.state = StepState.RECORDING
@@ -576,7 +587,7 @@ class StepPlan:
         self.poisoned = [False] * n
         self.served_in = [0] * n
         self.cursor, self.miss_bits, self.planned_steps = 0, 0, 0
-        self.missed = False
+        self.missed = self.broken = False
         self.left = self.since_mark > 0   # allocations came between the mark and the install: not this step
         self.state = StepState.PLANNED
         self.counts["plans_installed"] += 1
@@ -603,6 +614,9 @@ class StepPlan:
     def _serve(self, nbytes: int, stream: int) -> int:
         k = self.cursor
         self.cursor = k + 1
+        if self.broken:
+            self.missed = True
+            return 0
         if self.left or k >= len(self.off):
             self.left = True
             return 0
@@ -672,21 +686,33 @@ class StepPlan:
             try:
                 dev.mem_set_access(va, nb)
             except BaseException:
-                _quietly(dev.mem_unmap, va, nb)
-                _quietly(dev.mem_release, handle)
+                try:
+                    dev.mem_unmap(va, nb)
+                except Exception:  # noqa: BLE001 - the first failure is what propagates
+                    # the mapping stays: kept as a run (no page of it serves) for the give-back to retry, and
+                    # the plan is dropped at the next mark (Note [A mapping the arena could not undo])
+                    self._book_run(arena, va, nb, handle)
+                    self.broken = True
+                else:
+                    _quietly(dev.mem_release, handle)
                 raise
             self.counts["arena_calls"] += 3
-            arena.runs.append([va, nb, handle, False])
+            self._book_run(arena, va, nb, handle)
             for p in range(a, b):
                 arena.pages[p] = handle
-            arena.mapped_nbytes += nb
-            self.mapped_nbytes += nb
-            e.backing.outside_nbytes = self.mapped_nbytes
-            st = e._stats
-            total = e.backing.reserved_nbytes + self.mapped_nbytes
-            if total > st.peak_reserved_nbytes:
-                st.peak_reserved_nbytes = total
         return True
+
+    def _book_run(self, arena: _Arena, va: int, nb: int, handle: Any) -> None:
+        """A run mapped in ``arena``: held (counted in reserved, its peak, and against the limit) until given back."""
+        arena.runs.append([va, nb, handle, False])
+        arena.mapped_nbytes += nb
+        self.mapped_nbytes += nb
+        e = self.e
+        e.backing.outside_nbytes = self.mapped_nbytes
+        st = e._stats
+        total = e.backing.reserved_nbytes + self.mapped_nbytes
+        if total > st.peak_reserved_nbytes:
+            st.peak_reserved_nbytes = total
 
     def free(self, ptr: int) -> bool:
         """A free of an arena pointer (True: done); False: the engine's pointer, recorded after the engine

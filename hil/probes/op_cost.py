@@ -179,6 +179,12 @@ def run_child(config: str, n_pairs: int, decode_tokens: int, profile_tokens: int
     return record
 
 
+def _last_line(text: str) -> str:
+    """The last non-empty line of a child's output: the exception of a traceback."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no output"
+
+
 def table(records: Sequence[dict[str, Any]]) -> str:
     """A markdown table of the records, ratios against ``default`` where it ran."""
     base = next((r for r in records if r["config"] == "default"), None)
@@ -186,7 +192,8 @@ def table(records: Sequence[dict[str, Any]]) -> str:
             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in records:
         if "error" in r:
-            rows.append(f"| {r['config']} | failed: {r['error'][:80]} | | | | | | |")
+            reason = r["error"].replace("|", "/").replace("\n", " ")[:120]
+            rows.append(f"| {r['config']} | failed: {reason} | | | | | | |")
             continue
         ratio = (f"{r['decode_ms_per_token'] / base['decode_ms_per_token'] - 1:+.1%}"
                  if base and "decode_ms_per_token" in r and "decode_ms_per_token" in base else "")
@@ -198,8 +205,9 @@ def table(records: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hil.probes.op_cost", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, help="folder for op-cost.json (the parent run)")
+    ap = argparse.ArgumentParser(prog="python -m hil.probes.op_cost", description=__doc__.split("\n\n")[0] +
+                                 " Needs PyTorch with a CUDA GPU (and transformers for the decode).")
+    ap.add_argument("--out", type=Path, help="folder for op-cost.json (required)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--pairs", type=int, default=60_000, help="allocations per timed loop (default 60000)")
     ap.add_argument("--decode-tokens", type=int, default=300, help="new tokens of the timed decode; 0: no decode")
@@ -219,6 +227,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
     if args.out is None:
         ap.error("--out is required")
+    try:
+        import torch
+    except ImportError:
+        ap.error("needs PyTorch (and a CUDA GPU): import torch failed")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU: torch.cuda.is_available() is False")
     records = []
     for config in configs:
         cmd = [sys.executable, "-m", "hil.probes.op_cost", "--child", config, "--pairs", str(args.pairs),
@@ -227,10 +241,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
             records.append(json.loads(last) if done.returncode == 0 and last.startswith("{")
-                           else {"config": config, "error": (done.stderr or done.stdout).strip()[-400:]})
+                           else {"config": config, "error": _last_line(done.stderr or done.stdout)})
         except subprocess.TimeoutExpired:
             records.append({"config": config, "error": f"timed out after {args.timeout:.0f} s"})
-        log.info("%s done", config)
+        log.info("%s %s", config, "failed: " + records[-1]["error"] if "error" in records[-1] else "done")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "op-cost.json").write_text(json.dumps(records, indent=1))
     print(table(records))

@@ -59,7 +59,7 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
             given.append("--tie-word-embeddings")
         if given:
             raise InvalidArgumentError(f"give either --hf-config or the shape options, not both (got "
-                                       f"{', '.join(given)} beside --hf-config; the config's values are used: "
+                                       f"{', '.join(given)} beside --hf-config; the config decides them: "
                                        "edit a copy of it to change them)")
         # a --weight-format given stands for the config's quantization_config (which may be one not read)
         shape, nbytes = from_hf_config(args.hf_config, read_quantization_config=args.weight_fmt is None)

@@ -2746,10 +2746,8 @@ int Engine::mark_step() {
     GPUMEM_OPERATION({
         const int result = plan_mark();
         // plan.py StepPlan.mark: give back every dropped arena with nothing live (a drop's, or a failed one's)
-        std::vector<PlanArena*> idle;
-        for (auto& a : arenas_)
-            if (a->dropped && a->live.empty()) idle.push_back(a.get());
-        for (PlanArena* a : idle) plan_release(a);
+        // and the runs of the others that nothing live touches
+        plan_give_back_dropped();
         return result;
     })
 }
@@ -3051,9 +3049,14 @@ bool Engine::plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size) {
     if (todo.empty()) return true;
     if (cfg_.limit_nbytes && reserved_nbytes_ + plan_mapped_nbytes_ + todo.size() * g_ > cfg_.limit_nbytes) return false;
     empty_cache_locked();
+    // runs of at most the engine's chunk cap (plan.py, Note [Arena runs of at most a chunk])
+    const std::uint64_t held = (reserved_nbytes_ + plan_mapped_nbytes_) / g_;
+    const std::uint64_t cap = std::max<std::uint64_t>(
+        1, std::min<std::uint64_t>(static_cast<std::uint64_t>(static_cast<double>(held) * cfg_.chunk_max_fraction),
+                                   cfg_.chunk_max_nbytes / g_));
     std::vector<std::pair<std::uint64_t, std::uint64_t>> runs;
     for (std::uint64_t p : todo) {
-        if (!runs.empty() && runs.back().second == p) runs.back().second = p + 1;
+        if (!runs.empty() && runs.back().second == p && p - runs.back().first < cap) runs.back().second = p + 1;
         else runs.emplace_back(p, p + 1);
     }
     for (auto& ab : runs) {
@@ -3190,6 +3193,11 @@ void Engine::plan_shrink() {
         plan_reset_recording();
         plan_state_ = kPlanRecording;
     }
+    plan_give_back_dropped();
+}
+
+// plan.py _give_back_dropped
+void Engine::plan_give_back_dropped() {
     std::vector<PlanArena*> dropped;
     for (auto& a : arenas_)
         if (a->dropped) dropped.push_back(a.get());

@@ -369,6 +369,7 @@ class Engine {
     bool plan_record_stream(std::uint64_t ptr, std::uint64_t stream);
     void plan_drop();
     void plan_shrink();   // plan.py StepPlan.shrink
+    void plan_give_back_dropped();
     int plan_mark();   // plan.py StepPlan._mark
     void plan_release(PlanArena* arena);
     void plan_give_back_run(PlanArena* arena, std::size_t i);

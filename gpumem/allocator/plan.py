@@ -92,6 +92,18 @@ as missed; a slot taken by the step before, or by one used on another stream, st
 stays, and the slots under the kept bytes are served by the engine from then on (that loop: 202 MiB,
 bounded; the arena's pages under the kept allocation stay mapped until it is freed).
 
+Note [Arena runs of at most a chunk]
+------------------------------------
+The arena's pages are mapped as slots first touch them, a run of new pages at a time, and a run goes back
+only whole (CUDA unmaps a mapping only whole). A run as long as a 100 MiB temporary was kept whole by one
+byte of a block live in it: after a drop, a kept allocation pinned its whole run (attacker 9), and under
+memory pressure the ladder's shrink could give back only runs nothing live touches. So runs are cut at the
+engine's chunk cap (``chunk_max_fraction`` of the memory held, ``chunk_max_nbytes``, at least a page: Note
+[Chunks of several pages] in :mod:`.backing`), as the engine's own chunks are: a live block pins at most a
+chunk. The cost is calls, once per plan: GPT-2 fp32's 9.5 GB arena took 829 calls uncut, 1,681 at the
+default cap and 13,621 at the memory-first policy's one page (about 0.25 s of driver calls at the H200's
+prices, in the first planned step); the memory figures do not move (``reports/sim-step-plan-engine.md``).
+
 Note [A mapping the arena could not undo]
 -----------------------------------------
 Mapping a run takes three calls (create, map, set access); a failure undoes the earlier ones. When the
@@ -505,10 +517,10 @@ class StepPlan:
     # -- marks ------------------------------------------------------------------------------------------
     def mark(self) -> MarkResult:
         """A step boundary; then gives back every dropped arena with nothing live (a drop's, or one whose
-        give-back failed before: Note [Step plans], a failed give-back)."""
+        give-back failed before: Note [Step plans], a failed give-back) and, of the others, every run no live
+        allocation touches (Note [Arena runs of at most a chunk])."""
         result = self._mark()
-        for arena in [a for a in self.arenas if a.dropped and not a.live]:
-            self._release(arena)
+        self._give_back_dropped()
         return result
 
     def _mark(self) -> MarkResult:
@@ -701,9 +713,13 @@ class StepPlan:
         if lim is not None and e.backing.reserved_nbytes + self.mapped_nbytes + len(todo) * g > lim:
             return False
         e._empty_cache_locked()
+        # runs of at most the engine's chunk cap (Note [Arena runs of at most a chunk])
+        pol = e.policy
+        held = (e.backing.reserved_nbytes + self.mapped_nbytes) // g
+        cap = max(1, min(int(held * pol.chunk_max_fraction), pol.chunk_max_nbytes // g))
         runs: list[list[int]] = []
         for p in todo:
-            if runs and runs[-1][1] == p:
+            if runs and runs[-1][1] == p and p - runs[-1][0] < cap:
                 runs[-1][1] = p + 1
             else:
                 runs.append([p, p + 1])
@@ -831,6 +847,11 @@ class StepPlan:
             self._drop()
             self._reset_recording()
             self.state = StepState.RECORDING
+        self._give_back_dropped()
+
+    def _give_back_dropped(self) -> None:
+        """Gives back every dropped arena with nothing live and, of the others, every run no live allocation
+        touches (after the arena's streams are done)."""
         for arena in [a for a in self.arenas if a.dropped]:
             if not arena.live:
                 self._release(arena)

@@ -196,6 +196,7 @@ using detail::StreamTable;
 
 namespace {
 constexpr std::size_t kFreedMemory = 65536;   // python_engine.py _FREED_MEMORY
+constexpr std::size_t kReleasedArenas = 8;   // plan.py RELEASED_ARENAS
 
 std::string hex(std::uint64_t v) {
     char buf[32];
@@ -1950,6 +1951,15 @@ void Engine::free_engine(std::uint64_t ptr) {
             if (ptr == 0) throw EngineError(EngineErrorKind::kInvalidArgument, "ptr must be a positive address, got 0");
             if (freed_.get(ptr))
                 throw EngineError(EngineErrorKind::kDoubleFree, "double free of " + hex(ptr) + " in the caching allocator");
+            const std::pair<std::uint64_t, std::uint64_t>* released = plan_released_arena(ptr);
+            bool in_range = false;
+            for (auto& seg : vsegs_) in_range = in_range || (seg->base <= ptr && ptr - seg->base < seg->nbytes);
+            if (released && !in_range)
+                throw EngineError(EngineErrorKind::kInvalidPointer,
+                                  "free of " + hex(ptr) + ", which lies in a step plan's arena (at " +
+                                      hex(released->first) + ", " + std::to_string(released->second) +
+                                      " B) given back when nothing in it was live: a double free? (Note [Frees into a "
+                                      "given-back arena])");
             throw EngineError(EngineErrorKind::kInvalidPointer,
                               "free of " + hex(ptr) + ", which this allocator did not allocate" + inside_live(ptr));
         }
@@ -2410,7 +2420,7 @@ std::uint64_t Engine::block_size(std::uint64_t ptr) {
         if (plan_arena_entry(ptr, &e)) return e.size;
     }
     Block* b = static_cast<Block*>(live_.get(ptr));
-    if (!b) throw EngineError(EngineErrorKind::kInvalidPointer, std::to_string(ptr) + " is not a live allocation");
+    if (!b) throw EngineError(EngineErrorKind::kInvalidPointer, hex(ptr) + " is not a live allocation");
     return b->size;
 }
 
@@ -2832,6 +2842,11 @@ bool Engine::install_plan(const std::vector<std::int64_t>& offsets, std::int64_t
             throw EngineError(EngineErrorKind::kInvalidArgument,
                               "install_plan: offset " + std::to_string(o) + " of slot " + std::to_string(k) +
                                   " is not -1 or a multiple of " + std::to_string(r) + " B");
+        if (static_cast<std::uint64_t>(o) + sizes[k] > total_nbytes_)   // never mapped: refused before reserving
+            throw EngineError(EngineErrorKind::kInvalidArgument,
+                              "install_plan: offset " + std::to_string(o) + " of slot " + std::to_string(k) + " (" +
+                                  std::to_string(sizes[k]) + " B) ends past the device's " +
+                                  std::to_string(total_nbytes_) + " B: no arena that large can be mapped");
         if (rec[k].free_own >= 0) {
             e1[k] = rec[k].free_own;
         } else if (rec[k].free_next >= 0 && rec[k].free_next <= static_cast<std::int64_t>(k)) {
@@ -3231,11 +3246,20 @@ void Engine::plan_release(PlanArena* arena) {
     while (!arena->runs.empty()) plan_give_back_run(arena, arena->runs.size() - 1);
     backend_.address_free(arena->base, arena->nbytes);
     ++plan_arena_calls_;
+    released_arenas_.emplace_back(arena->base, arena->nbytes);
+    if (released_arenas_.size() > kReleasedArenas) released_arenas_.erase(released_arenas_.begin());
     for (auto it = arenas_.begin(); it != arenas_.end(); ++it)
         if (it->get() == arena) {
             arenas_.erase(it);
             break;
         }
+}
+
+// StepPlan.released_arena (Note [Frees into a given-back arena] in plan.py): error path only
+const std::pair<std::uint64_t, std::uint64_t>* Engine::plan_released_arena(std::uint64_t ptr) const {
+    for (auto it = released_arenas_.rbegin(); it != released_arenas_.rend(); ++it)
+        if (it->first <= ptr && ptr - it->first < it->second) return &*it;
+    return nullptr;
 }
 
 void Engine::plan_close() {
@@ -3262,7 +3286,7 @@ std::vector<std::uint64_t> Engine::step_plan_info() {
     const PlanArena* cur = plan_state_ == kPlanPlanned && !arenas_.empty() ? arenas_.back().get() : nullptr;
     return {static_cast<std::uint64_t>(plan_state_), slot_off_.size(), cur ? cur->nbytes : 0, plan_mapped_nbytes_,
             plan_served_, plan_fallback_, plan_steps_hit_, plan_steps_missed_, plans_installed_, plans_dropped_,
-            plan_arena_calls_};
+            plan_arena_calls_, plan_live_nbytes()};
 }
 
 }  // namespace gpumem

@@ -375,6 +375,7 @@ class Engine {
     void plan_give_back_run(PlanArena* arena, std::size_t i);
     void plan_close();
     std::uint64_t plan_live_nbytes() const;
+    const std::pair<std::uint64_t, std::uint64_t>* plan_released_arena(std::uint64_t ptr) const;
     std::uint64_t allocate_engine(std::uint64_t nbytes, std::uint64_t stream);   // PythonEngine._allocate_engine
     void free_engine(std::uint64_t ptr);                                          // PythonEngine._free_engine
     std::uint64_t empty_cache_locked();                                           // PythonEngine._empty_cache_locked
@@ -577,6 +578,7 @@ class Engine {
     bool rec_cur_cross_ = false, rec_prev_cross_ = false;   // a recorded step used record_stream on another stream
     std::uint64_t since_mark_ = 0;
     std::vector<std::unique_ptr<PlanArena>> arenas_;   // the current plan's last; dropped ones until their last free
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> released_arenas_;   // (base, nbytes) of the last ones given back
     std::vector<std::int64_t> slot_off_;
     std::vector<std::uint64_t> slot_size_, slot_stream_;
     // The live slots as a Fenwick tree over the planned slots sorted by (offset, slot): occ_start_[i] and

@@ -847,8 +847,15 @@ PyObject* Alloc_block_size(AllocObject* self, PyObject* ptr) {
     if (!found) {
         PyObject* cls = helper_attr(self, "INVALID_POINTER");
         if (cls) {
-            if (why.empty()) PyErr_Format(cls, "%R is not a live allocation", ptr);
-            else PyErr_SetString(cls, why.c_str());
+            if (why.empty()) {   // outside [0, 2**64): in hex, as the engine's and plan.py's messages
+                PyObject* hexed = PyNumber_ToBase(ptr, 16);
+                if (hexed) {
+                    PyErr_Format(cls, "%U is not a live allocation", hexed);
+                    Py_DECREF(hexed);
+                }
+            } else {
+                PyErr_SetString(cls, why.c_str());
+            }
             Py_DECREF(cls);
         }
         Py_XDECREF(as_int);

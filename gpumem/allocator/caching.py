@@ -308,9 +308,12 @@ class CachingAllocator(AllocatorContract):
         return self._engine.stats()
 
     def memory_summary(self) -> str:
-        """A text table of the stats, for people."""
+        """A text table of the stats, for people. A step plan's arena has a line of its own; the cache's
+        rows (cached free, largest free block, fragmentation) leave it out (Note [The step plan's arena in
+        the summary] in :mod:`.stats`)."""
+        plan = PlanInfo(self._engine.step_plan_info())
         return format_summary(self._engine.stats(), self.policy, self.device.spec,
-                              f"{self._engine.describe()}; {self.engine} engine")
+                              f"{self._engine.describe()}; {self.engine} engine", plan=plan, vmm=self.uses_vmm)
 
     def history(self) -> Any:  # -> gpumem.trace.Trace
         """The recorded allocation history as a :class:`gpumem.trace.Trace` (``record_history=True``).

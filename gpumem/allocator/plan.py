@@ -127,7 +127,7 @@ import numpy as np
 from ..errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
 from ..validate import as_int
 
-__all__ = ["ROUND_NBYTES", "MISS_LIMIT", "MISS_WINDOW", "MISS_WINDOW_LIMIT", "StepState", "MarkResult", "PlanItems", "Planner", "plan",
+__all__ = ["ROUND_NBYTES", "MISS_LIMIT", "MISS_WINDOW", "MISS_WINDOW_LIMIT", "RELEASED_ARENAS", "StepState", "MarkResult", "PlanItems", "Planner", "plan",
            "plan_height", "check_plan", "StepTemplate", "template_items", "plan_step", "StepPlan", "PlanInfo",
            "check_generation"]
 
@@ -139,9 +139,23 @@ MISS_WINDOW = 8
 """The last planned steps that :data:`MISS_WINDOW_LIMIT` counts misses over."""
 MISS_WINDOW_LIMIT = 4
 """Missed steps among the last :data:`MISS_WINDOW` planned ones that drop the plan."""
+RELEASED_ARENAS = 8
+"""Arenas given back whose address ranges are kept for error messages (Note [Frees into a given-back arena])."""
 
 
-class StepState(enum.IntEnum):
+class _NamedIntEnum(enum.IntEnum):
+    """An :class:`enum.IntEnum` whose ``str()`` (what ``print`` shows) is its name, ``MarkResult.READY``:
+    Python 3.11's ``IntEnum`` prints the bare value (``1``). Comparisons, ``int()``, JSON and ``format()``
+    with a spec (``f"{r:d}"``) keep the value."""
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+    def __format__(self, spec: str) -> str:
+        return str(self) if not spec else int.__format__(int(self), spec)
+
+
+class StepState(_NamedIntEnum):
     """Where the plan layer is; the values of ``PlanState`` in ``gpumem/_native/engine.h``."""
 
     OFF = 0
@@ -156,7 +170,7 @@ class StepState(enum.IntEnum):
     """A plan serves the steps."""
 
 
-class MarkResult(enum.IntEnum):
+class MarkResult(_NamedIntEnum):
     """What :meth:`StepPlan.mark` did."""
 
     NOTHING = 0
@@ -363,10 +377,15 @@ def plan_step(t: StepTemplate, planner: Planner | str = Planner.GREEDY_BEST) -> 
 # -- the plan layer of the Python engine -------------------------------------------------------------------
 
 class PlanInfo:
-    """The plan layer's counters (``CachingAllocator.step_plan_info()``), the same in both engines."""
+    """The plan layer's counters (``CachingAllocator.step_plan_info()``), the same in both engines.
+
+    Each field reads as an attribute (``info.served``); ``info.state`` is a :class:`StepState`, and
+    :meth:`as_dict` keeps plain ints (the JSON records of ``hil/probes`` store it). ``live_nbytes``: bytes
+    of live allocations in the step plan's arenas (the current one and dropped ones not yet given back),
+    which ``mapped_nbytes`` holds beside the engine's cache."""
 
     FIELDS = ("state", "slots", "arena_nbytes", "mapped_nbytes", "served", "fallback", "steps_hit",
-              "steps_missed", "plans_installed", "plans_dropped", "arena_calls")
+              "steps_missed", "plans_installed", "plans_dropped", "arena_calls", "live_nbytes")
 
     def __init__(self, values: Sequence[int]) -> None:
         if len(values) != len(self.FIELDS):
@@ -374,7 +393,17 @@ class PlanInfo:
         self.values = tuple(int(v) for v in values)
 
     def as_dict(self) -> dict[str, int]:
+        """The fields by name, every value a plain int (``state`` too: see :attr:`state_name`)."""
         return dict(zip(self.FIELDS, self.values))
+
+    @property
+    def state(self) -> StepState:
+        return StepState(self.values[0])
+
+    @property
+    def state_name(self) -> str:
+        """The state's name, ``"PLANNED"``."""
+        return self.state.name
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PlanInfo) and other.values == self.values
@@ -383,7 +412,8 @@ class PlanInfo:
         return hash(self.values)
 
     def __repr__(self) -> str:
-        return f"PlanInfo({self.as_dict()})"
+        fields = ", ".join(f"{k}={v}" for k, v in zip(self.FIELDS[1:], self.values[1:]))
+        return f"PlanInfo(state={self.state_name}, {fields})"
 
     def __getattr__(self, name: str) -> int:
         try:
@@ -449,6 +479,8 @@ class StepPlan:
         self.arenas: list[_Arena] = []   # the current plan's last; dropped ones until their last free
         self._clear_slots()
         self.mapped_nbytes = 0
+        self.released: list[tuple[int, int]] = []
+        """``(base, nbytes)`` of the last :data:`RELEASED_ARENAS` arenas given back, oldest first."""
         self.counts = dict.fromkeys(("served", "fallback", "steps_hit", "steps_missed", "plans_installed",
                                      "plans_dropped", "arena_calls"), 0)
 
@@ -565,6 +597,7 @@ class StepPlan:
             raise InvalidArgumentError(f"install_plan: the recorded step has {n} allocations, got {len(offs)} offsets")
         r = self.e.policy.round_nbytes
         sizes, e1, e2 = [0] * n, [0] * n, [0] * n
+        total = self.e.device.properties().total_nbytes
         for k, (nb, _, fo, fn) in enumerate(rec):
             sizes[k] = -(-nb // r) * r
             o = offs[k]
@@ -572,6 +605,9 @@ class StepPlan:
                 continue
             if o < 0 or o % r or o > (1 << 62):
                 raise InvalidArgumentError(f"install_plan: offset {o} of slot {k} is not -1 or a multiple of {r} B")
+            if o + sizes[k] > total:   # the arena could never be mapped: refused before reserving it
+                raise InvalidArgumentError(f"install_plan: offset {o} of slot {k} ({sizes[k]} B) ends past the "
+                                           f"device's {total} B: no arena that large can be mapped")
             if fo >= 0:
                 e1[k] = fo
             elif 0 <= fn <= k:
@@ -861,6 +897,26 @@ class StepPlan:
         dev.address_free(arena.base, arena.nbytes)
         self.counts["arena_calls"] += 1
         self.arenas.remove(arena)
+        self.released.append((arena.base, arena.nbytes))
+        if len(self.released) > RELEASED_ARENAS:
+            del self.released[0]
+
+    def released_arena(self, ptr: int) -> tuple[int, int] | None:
+        """``(base, nbytes)`` of the newest arena given back that held ``ptr``, of the last
+        :data:`RELEASED_ARENAS` (error path only).
+
+        Note [Frees into a given-back arena]: a dropped arena goes back once nothing in it is live, so a
+        later free of a pointer inside it is a second free of an arena allocation (or a pointer into one)
+        that the engine's bookkeeping never held: it said "which this allocator did not allocate", hiding
+        that the pointer came from the step plan. The last few arenas' ranges (a bounded list: bytes, no
+        growth over a run) let the free name the arena. The range may have been reserved again since: a
+        new arena's pointers go through the plan layer first, and the engine (``_free_engine``) asks only
+        for pointers outside its own ranges, so the message never names an arena for memory that is the
+        engine's now; an arena older than the list gets the plain message."""
+        for base, nbytes in reversed(self.released):
+            if base <= ptr < base + nbytes:
+                return base, nbytes
+        return None
 
     def close(self) -> None:
         """Give every arena back (the engine's ``close``)."""
@@ -877,7 +933,7 @@ class StepPlan:
         c = self.counts
         return PlanInfo((int(self.state), len(self.off), arena.nbytes if arena else 0, self.mapped_nbytes,
                          c["served"], c["fallback"], c["steps_hit"], c["steps_missed"], c["plans_installed"],
-                         c["plans_dropped"], c["arena_calls"]))
+                         c["plans_dropped"], c["arena_calls"], self.live_nbytes()))
 
     def live_nbytes(self) -> int:
         """Bytes (rounded) of live arena allocations, for the consistency check."""

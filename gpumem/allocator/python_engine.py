@@ -215,6 +215,12 @@ class PythonEngine:
                 check_pointer(ptr)
                 if ptr in self._freed:
                     raise DoubleFreeError(f"double free of {ptr:#x} in the caching allocator")
+                released = self._plan.released_arena(ptr)
+                if released is not None and not any(s.base <= ptr < s.base + s.nbytes
+                                                    for s in self.backing.segments_list()):
+                    raise InvalidPointerError(
+                        f"free of {ptr:#x}, which lies in a step plan's arena (at {released[0]:#x}, {released[1]} B) "
+                        "given back when nothing in it was live: a double free? (Note [Frees into a given-back arena])")
                 raise InvalidPointerError(f"free of {ptr:#x}, which this allocator did not allocate"
                                           + self._inside_live(ptr))
             if block.pending_streams:
@@ -580,7 +586,7 @@ class PythonEngine:
                 return found[1][1]
         block = self._live.get(ptr)
         if block is None:
-            raise InvalidPointerError(f"{ptr!r} is not a live allocation")
+            raise InvalidPointerError(f"{ptr:#x} is not a live allocation")
         return block.size
 
     def reset_peak_stats(self) -> None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from ..units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .plan import PlanInfo
     from .policy import AllocatorPolicy
 
 
@@ -95,22 +96,49 @@ class AllocatorStats:
         return d
 
 
-def format_summary(st: AllocatorStats, policy: "AllocatorPolicy", device_spec: str, backing: str) -> str:
-    """The text table behind ``memory_summary()``."""
+def format_summary(st: AllocatorStats, policy: "AllocatorPolicy", device_spec: str, backing: str,
+                   plan: "PlanInfo | None" = None, vmm: bool = True) -> str:
+    """The text table behind ``memory_summary()``.
+
+    Note [The step plan's arena in the summary]: a step plan's arena (``plan``, Note [Step plans] in
+    :mod:`.plan`) is device memory the engine's cache does not own: its mapped bytes count in *Reserved*
+    and its live allocations in *Allocated* (as ``memory_stats()`` and the peaks count them), but its free
+    bytes are no cached block any request of the engine could take, and the backing line (the engine's
+    chunks) does not hold it. Counted as cache, a planned step's arena read as ``Cached, free`` with
+    ``Largest free block 0 B``: 100 % fragmentation of a cache that has none. So the table names the arena
+    on a line of its own (state, slots, mapped, live), and *Cached, free*, *Inactive split*, *Largest free
+    block* and *External fragmentation* are the engine's cache alone: the arena's free bytes
+    (``mapped - live``) taken out. ``vmm``: whether ``st.inactive_split_nbytes`` is the virtual-memory
+    engines' ``free - mapped empty - unmapped``, which counts the arena's free bytes (the segment backing's
+    free lists never do).
+    """
+    arena_free = 0
+    if plan is not None:
+        arena_free = max(0, plan.mapped_nbytes - plan.live_nbytes)
+    free = max(0, st.free_nbytes - arena_free)
+    inactive = max(0, st.inactive_split_nbytes - arena_free) if vmm else st.inactive_split_nbytes
+    largest = min(st.largest_free_nbytes, free)
+    fragmentation = 0.0 if free <= 0 else max(0.0, 1.0 - largest / free)
     rows = [
         ("Allocated", st.allocated_nbytes, st.peak_allocated_nbytes),
         ("Requested", st.requested_nbytes, st.peak_requested_nbytes),
         ("Reserved", st.reserved_nbytes, st.peak_reserved_nbytes),
         ("Active", st.active_nbytes, None),
-        ("Cached, free", st.free_nbytes, None),
-        ("Inactive split", st.inactive_split_nbytes, None),
-        ("Largest free block", st.largest_free_nbytes, None),
+        ("Cached, free", free, None),
+        ("Inactive split", inactive, None),
+        ("Largest free block", largest, None),
     ]
     width = 66
     lines = [
         "=" * width,
         f" gpumem memory summary: {device_spec}, policy '{policy.name}'",
         f" backing: {backing}",
+    ]
+    if plan is not None and (plan.state != 0 or plan.mapped_nbytes):
+        lines.append(f" step plan: {plan.state_name}, {plan.slots} slots, arena {format_bytes(plan.mapped_nbytes)} "
+                     f"mapped, {format_bytes(plan.live_nbytes)} live (in Reserved and Allocated, not in the "
+                     f"cache's rows)")
+    lines += [
         "-" * width,
         f" {'Metric':<22}{'Current':>21}{'Peak':>21}",
         "-" * width,
@@ -127,7 +155,7 @@ def format_summary(st: AllocatorStats, policy: "AllocatorPolicy", device_spec: s
     for name, value in counts:
         lines.append(f" {name:<22}{value:>21,}")
     lines.append("-" * width)
-    lines.append(f" {'External fragmentation':<22}{st.external_fragmentation:>21.2%}")
+    lines.append(f" {'External fragmentation':<22}{fragmentation:>21.2%}")
     lines.append(f" {'Peak overhead':<22}{st.overhead:>21.2%}")
     lines.append("=" * width)
     return "\n".join(lines)

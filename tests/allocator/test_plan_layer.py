@@ -9,6 +9,8 @@ calls, stats, messages).
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 
 import numpy as np
@@ -20,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from gpumem import sim
 from gpumem.allocator import CachingAllocator
 import gpumem.allocator.caching as caching
-from gpumem.allocator.plan import (MISS_LIMIT, MISS_WINDOW, MISS_WINDOW_LIMIT, MarkResult, PlanItems, StepState,
+from gpumem.allocator.plan import (MISS_LIMIT, MISS_WINDOW, MISS_WINDOW_LIMIT, RELEASED_ARENAS, MarkResult, PlanItems, StepState,
                                    StepTemplate, _check_slots, _refused_slots, check_plan, plan, plan_height, plan_step,
                                    template_items)
 from gpumem.errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
@@ -802,8 +804,8 @@ def test_block_size_inside_the_arena_says_so_in_hex(engine):
     with pytest.raises(InvalidPointerError) as info:
         alloc.block_size(ptr + 512)
     assert str(info.value) == f"{ptr + 512:#x} is not a live allocation (inside the step plan's arena)"
-    with pytest.raises(InvalidPointerError, match=f"^{ptr + 10**12} is not a live allocation$"):
-        alloc.block_size(ptr + 10**12)   # outside every arena: the engine's message, as before
+    with pytest.raises(InvalidPointerError, match=f"^{ptr + 10**12:#x} is not a live allocation$"):
+        alloc.block_size(ptr + 10**12)   # outside every arena: the engine's message, in hex too (attacker 9, F4)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -940,3 +942,179 @@ def test_a_dropped_arena_keeps_only_the_chunks_its_live_allocations_touch(engine
     alloc.mark_step()
     assert alloc.step_plan_info().mapped_nbytes == 0
     alloc.check_consistency()
+
+
+# -- what the plan layer says (new user 7, F7; attacker 9, F4) --------------------------------------------------
+
+def summary_row(text: str, name: str) -> str:
+    return re.search(rf"^ {re.escape(name)}\s+(\S+ \S+|\S+)", text, re.M).group(1)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_summary_names_the_arena_and_leaves_it_out_of_the_cache_rows(engine):
+    """New user 7, F7: with a plan installed the summary read `Cached, free` = the arena's free bytes,
+    `Largest free block 0 B`, `External fragmentation 100.00%`, and named no arena. Now a line names it, and
+    the cache's rows are the engine's cache: reserved without the arena minus allocated without its live."""
+    from gpumem.units import format_bytes
+
+    alloc = make(engine)
+    assert "step plan" not in alloc.memory_summary()   # no mark: the table as before
+    loop = Loop(alloc)
+    for _ in range(6):
+        loop.step()
+    loop.clock += 100
+    loop.free_due()   # nothing live: the arena is all free, as at the reviewer's last mark
+    info, stats = alloc.step_plan_info(), alloc.stats
+    assert info.state == StepState.PLANNED and info.mapped_nbytes > 0 and info.live_nbytes == 0
+    text = alloc.memory_summary()
+    assert (f" step plan: PLANNED, {info.slots} slots, arena {format_bytes(info.mapped_nbytes)} mapped, "
+            f"{format_bytes(0)} live") in text
+    engine_free = (stats.reserved_nbytes - info.mapped_nbytes) - (stats.allocated_nbytes - info.live_nbytes)
+    assert summary_row(text, "Cached, free") == format_bytes(engine_free)
+    assert summary_row(text, "Largest free block") == format_bytes(min(stats.largest_free_nbytes, engine_free))
+    assert summary_row(text, "Reserved") == format_bytes(stats.reserved_nbytes)   # the totals keep the arena
+    frag = 0.0 if engine_free == 0 else 1 - min(stats.largest_free_nbytes, engine_free) / engine_free
+    assert summary_row(text, "External fragmentation") == f"{frag:.2%}"
+    assert summary_row(text, "External fragmentation") != "100.00%"
+    # mid-step, arena blocks live: the live bytes are the arena's, and the cache's rows still leave it out
+    loop.step()
+    info, stats = alloc.step_plan_info(), alloc.stats
+    arena_live = sum(n for p, n in ((p, alloc.block_size(p)) for p, _, _ in loop.live)
+                     if p not in dict(alloc.live_blocks()))
+    assert info.live_nbytes == arena_live > 0
+    text = alloc.memory_summary()
+    assert f"{format_bytes(arena_live)} live" in text
+    engine_free = (stats.reserved_nbytes - info.mapped_nbytes) - (stats.allocated_nbytes - info.live_nbytes)
+    assert summary_row(text, "Cached, free") == format_bytes(engine_free)
+
+
+def test_the_summary_of_a_segment_backed_plan_keeps_its_inactive_split():
+    """Without virtual memory (Python engine) inactive split is the free lists' bytes, which never held the
+    arena: the summary takes the arena's free bytes out of `Cached, free` only."""
+    import dataclasses
+
+    from gpumem.allocator.policy import VmmMode, get_policy
+    from gpumem.units import format_bytes
+
+    alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")),
+                             dataclasses.replace(get_policy("gpumem"), vmm=VmmMode.NEVER), engine="python")
+    loop = Loop(alloc)
+    for _ in range(6):
+        loop.step()
+    loop.clock += 100
+    loop.free_due()
+    info, stats = alloc.step_plan_info(), alloc.stats
+    assert info.state == StepState.PLANNED and info.mapped_nbytes > 0
+    text = alloc.memory_summary()
+    assert " step plan: PLANNED" in text
+    engine_free = (stats.reserved_nbytes - info.mapped_nbytes) - (stats.allocated_nbytes - info.live_nbytes)
+    assert summary_row(text, "Cached, free") == format_bytes(engine_free)
+    assert summary_row(text, "Inactive split") == format_bytes(stats.inactive_split_nbytes)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_plan_info_and_mark_results_print_their_names(engine):
+    """New user 7, F7: `PlanInfo({'state': 4, ...})` and `print(mark_step())` printing 0/1. The names now;
+    comparisons, ints and JSON (hil/probes/workloads.py stores as_dict()) as before."""
+    alloc = make(engine)
+    loop = Loop(alloc)
+    results = [loop.step() for _ in range(4)]
+    assert results[2] is MarkResult.READY and results[2] == 1 and int(results[2]) == 1
+    assert str(results[2]) == f"{results[2]}" == "MarkResult.READY" and f"{results[2]:d}" == "1"
+    assert str(MarkResult.NOTHING) == "MarkResult.NOTHING" and str(StepState.PLANNED) == "StepState.PLANNED"
+    info = alloc.step_plan_info()
+    assert info.state is StepState.PLANNED and info.state == 4 and info.state_name == "PLANNED"
+    assert repr(info).startswith("PlanInfo(state=PLANNED, slots=7, ")
+    d = info.as_dict()
+    assert type(d["state"]) is int and d["state"] == 4 and json.loads(json.dumps(d)) == d
+    assert list(d) == list(info.FIELDS) and d["live_nbytes"] == info.live_nbytes
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_second_free_into_a_given_back_arena_names_it(engine):
+    """Attacker 9, F4: plan a step, keep one arena allocation, drop the plan; its free gives the old arena
+    back, and a second free said "which this allocator did not allocate". Now it names the given-back arena,
+    and changes nothing."""
+    alloc = make(engine)
+
+    def step(sizes) -> None:
+        ptrs = [alloc.allocate(n) for n in sizes]
+        for ptr in ptrs:
+            alloc.free(ptr)
+
+    for _ in range(4):
+        alloc.mark_step()
+        step([3 * MiB, 5 * MiB])
+    alloc.mark_step()
+    kept = alloc.allocate(3 * MiB)   # the step's first allocation, served from the arena, kept
+    alloc.free(alloc.allocate(5 * MiB))
+    assert kept not in dict(alloc.live_blocks())
+    for _ in range(5):
+        alloc.mark_step()
+        step([7 * MiB])
+    assert alloc.step_plan_info().plans_dropped == 1
+    alloc.free(kept)   # the dropped arena's last live allocation: it goes back
+    assert alloc.step_plan_info().live_nbytes == 0
+    before = (alloc.stats, alloc.step_plan_info(), alloc.live_blocks())
+    with pytest.raises(InvalidPointerError, match=rf"^free of {kept:#x}, which lies in a step plan's arena \(at "
+                                                  r"0x[0-9a-f]+, [0-9]+ B\) given back when nothing in it was live: "
+                                                  r"a double free\?"):
+        alloc.free(kept)
+    assert (alloc.stats, alloc.step_plan_info(), alloc.live_blocks()) == before
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_only_the_last_given_back_arenas_are_remembered(engine):
+    """The list of given-back arenas is bounded (RELEASED_ARENAS): a pointer of an older one gets the plain
+    message; so does a pointer in none."""
+    alloc = make(engine)
+    eng = alloc._engine   # noqa: SLF001
+    first = None
+    patterns = [[(1 + i) * MiB, (2 + i) * MiB] for i in range(RELEASED_ARENAS + 2)]
+    for sizes in patterns:   # each pattern planned, then dropped by the next: one arena given back each
+        for _ in range(4 + MISS_LIMIT):
+            alloc.mark_step()
+            ptrs = [alloc.allocate(n) for n in sizes]
+            if first is None and alloc.step_plan_info().state == StepState.PLANNED:
+                first = ptrs[0]
+            for ptr in ptrs:
+                alloc.free(ptr)
+    assert alloc.step_plan_info().plans_dropped >= RELEASED_ARENAS + 1
+    if engine == "python":
+        assert len(eng._plan.released) == RELEASED_ARENAS   # noqa: SLF001
+    with pytest.raises(InvalidPointerError, match=f"^free of {first:#x}, which this allocator did not allocate$"):
+        alloc.free(first)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_block_size_of_a_pointer_past_64_bits_is_in_hex(engine):
+    """Attacker 9, F4: block_size printed a pointer in decimal where the arena's message prints hex."""
+    alloc = make(engine)
+    for ptr in (-5, 1 << 64, 12345):
+        with pytest.raises(InvalidPointerError, match=f"^{ptr:#x} is not a live allocation$"):
+            alloc.block_size(ptr)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("offset", [1 << 62, 1 << 40, None])
+def test_an_absurd_arena_offset_is_refused_before_reserving(engine, offset):
+    """Attacker 9, F4: an offset near 2**62 reached the arena's reservation and came back as
+    OutOfMemoryError ("tried to allocate 4194304.00 TiB"). An offset whose slot ends past the device's
+    memory is an InvalidArgumentError naming it, and nothing is reserved. None: the last offset so."""
+    alloc = make(engine)
+    eng = alloc._engine   # noqa: SLF001 - the engine's own plan calls, beneath mark_step
+    total = alloc.device.properties().total_nbytes
+    for _ in range(2):
+        eng.mark_step()
+        ptrs = [alloc.allocate(n) for n in (3 * MiB, 5 * MiB)]
+        for ptr in ptrs:
+            alloc.free(ptr)
+    assert eng.mark_step() == MarkResult.READY
+    before = (alloc.step_plan_info(), alloc.stats, list(alloc.device.reservation_ranges()))
+    offsets = [int(x) for x in plan_step(StepTemplate(*eng.step_template()[:4]))]
+    offset = (total - 5 * MiB) // 512 * 512 + 512 if offset is None else offset
+    offsets[1] = offset
+    with pytest.raises(InvalidArgumentError, match=f"^install_plan: offset {offset} of slot 1 .*ends past the device's"):
+        eng.install_plan(offsets)
+    assert (alloc.step_plan_info(), alloc.stats, list(alloc.device.reservation_ranges())) == before

@@ -291,9 +291,14 @@ def memory_summary(device: "int | str | Any | None" = None) -> str:
     """
     st = memory_stats(device)
     index = _device_index(device)
+    plan = step_plan_info(index)
+    # Note [The step plan's arena in the summary] (gpumem/allocator/stats.py): the arena's free bytes are no
+    # split block of the engine's cache
+    arena_free = max(0, plan.mapped_nbytes - plan.live_nbytes)
 
-    def row(label: str, key: str) -> str:
+    def row(label: str, key: str, less: int = 0) -> str:
         cur, peak = st[f"{key}.all.current"], st[f"{key}.all.peak"] if f"{key}.all.peak" in st else None
+        cur = max(0, cur - less)
         return f"| {label:<22} | {format_bytes(cur):>12} | {format_bytes(peak) if peak is not None else '':>12} |"
 
     peak_alloc, peak_res = st["allocated_bytes.all.peak"], st["reserved_bytes.all.peak"]
@@ -306,7 +311,7 @@ def memory_summary(device: "int | str | Any | None" = None) -> str:
         row("requested", "requested_bytes"),
         row("reserved (mapped)", "reserved_bytes"),
         row("active", "active_bytes"),
-        row("inactive split", "inactive_split_bytes"),
+        row("inactive split", "inactive_split_bytes", arena_free),
         "",
         f"overhead (peak reserved / peak allocated - 1): {overhead}",
         f"allocations {st['num_allocs']:,}, frees {st['num_frees']:,}, out of memory {st['num_ooms']:,}, "
@@ -315,6 +320,9 @@ def memory_summary(device: "int | str | Any | None" = None) -> str:
         f"chunks {st['gpumem.n_chunks']:,}, steals {st['gpumem.n_steals']:,}, waits {st['gpumem.n_waits']:,}",
         f"address space reserved {format_bytes(st['gpumem.va_nbytes'])}, page {format_bytes(st['gpumem.granularity_nbytes'])}",
     ]
+    if plan.mapped_nbytes or plan.state_name != "OFF":
+        lines.append(f"step plan: {plan.state_name}, {plan.slots} slots, arena {format_bytes(plan.mapped_nbytes)} mapped, "
+                     f"{format_bytes(plan.live_nbytes)} live (in reserved and allocated, not in inactive split)")
     if st["gpumem.free_errors"] or st["gpumem.torch_errors"]:
         lines.append(f"errors: {st['gpumem.torch_errors']} failed allocations, {st['gpumem.free_errors']} failed frees "
                      "(see stderr)")

@@ -150,3 +150,28 @@ def test_a_mark_from_another_thread_while_step_plans_installs_nothing(monkeypatc
     info = gt.step_plan_info(0)
     assert info.plans_installed == 1 and info.state == StepState.PLANNED and info.served > 0
     alloc.check_consistency()
+
+
+def test_memory_summary_names_the_arena_and_leaves_it_out_of_inactive_split(monkeypatch):
+    """Note [The step plan's arena in the summary]: the arena's free bytes were counted as inactive split."""
+    alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine="native")
+    stand_in = StandIn(alloc._engine)   # noqa: SLF001
+    monkeypatch.setattr(gt, "_lib", lambda: stand_in)
+    monkeypatch.setattr(gt, "_require_installed", lambda: None)
+    loop = PatternLoop(alloc)
+    for _ in range(5):
+        loop.marked_step()
+    gt.step(0)   # the top of a step: nothing of the plan live
+    info = gt.step_plan_info(0)
+    assert info.mapped_nbytes > 0 and info.live_nbytes < info.mapped_nbytes
+    inactive = info.mapped_nbytes - info.live_nbytes + 2 * MiB   # the arena's free bytes, and 2 MiB of the engine's
+    stats = {f"{k}.all.{w}": 0 for k in ("allocated_bytes", "requested_bytes", "reserved_bytes", "active_bytes")
+             for w in ("current", "peak")}
+    stats.update({"inactive_split_bytes.all.current": inactive, "num_allocs": 0, "num_frees": 0, "num_ooms": 0,
+                  "num_alloc_retries": 0, "num_device_calls": 0, "num_event_calls": 0, "gpumem.n_chunks": 0,
+                  "gpumem.n_steals": 0, "gpumem.n_waits": 0, "gpumem.va_nbytes": 0, "gpumem.granularity_nbytes": 2 * MiB,
+                  "gpumem.free_errors": 0, "gpumem.torch_errors": 0})
+    monkeypatch.setattr(gt, "memory_stats", lambda device=None: stats)
+    text = gt.memory_summary(0)
+    assert "step plan: PLANNED" in text
+    assert next(line for line in text.splitlines() if "inactive split" in line).split("|")[2].strip() == "2.00 MiB"

@@ -84,6 +84,15 @@ class StandIn:
         return getattr(self, "error", b"")
 
 
+def glued_allocator(monkeypatch) -> CachingAllocator:
+    """A native engine on the simulator behind gpumem.torch's C functions (:class:`StandIn`)."""
+    alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine="native")
+    stand_in = StandIn(alloc._engine)   # noqa: SLF001
+    monkeypatch.setattr(gt, "_lib", lambda: stand_in)
+    monkeypatch.setattr(gt, "_require_installed", lambda: None)
+    return alloc
+
+
 class PatternLoop:
     """A training loop's allocations, one pattern per step: (bytes, stream, freed that many allocations later)."""
 
@@ -105,10 +114,7 @@ class PatternLoop:
 
 
 def test_step_plans_and_installs_through_the_c_api_glue(monkeypatch):
-    alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine="native")
-    stand_in = StandIn(alloc._engine)   # noqa: SLF001
-    monkeypatch.setattr(gt, "_lib", lambda: stand_in)
-    monkeypatch.setattr(gt, "_require_installed", lambda: None)
+    alloc = glued_allocator(monkeypatch)
     loop = PatternLoop(alloc)
     results = [loop.marked_step() for _ in range(6)]
     assert results[:3] == [MarkResult.NOTHING, MarkResult.NOTHING, MarkResult.READY]
@@ -126,10 +132,7 @@ def test_a_mark_from_another_thread_while_step_plans_installs_nothing(monkeypatc
 
     import gpumem.allocator.plan as plan_module
 
-    alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine="native")
-    stand_in = StandIn(alloc._engine)   # noqa: SLF001
-    monkeypatch.setattr(gt, "_lib", lambda: stand_in)
-    monkeypatch.setattr(gt, "_require_installed", lambda: None)
+    alloc = glued_allocator(monkeypatch)
     real, interrupted = plan_module.plan_step, []
 
     def planning_while_another_thread_marks(t, *args):
@@ -154,10 +157,7 @@ def test_a_mark_from_another_thread_while_step_plans_installs_nothing(monkeypatc
 
 def test_memory_summary_names_the_arena_and_leaves_it_out_of_inactive_split(monkeypatch):
     """Note [The step plan's arena in the summary]: the arena's free bytes were counted as inactive split."""
-    alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine="native")
-    stand_in = StandIn(alloc._engine)   # noqa: SLF001
-    monkeypatch.setattr(gt, "_lib", lambda: stand_in)
-    monkeypatch.setattr(gt, "_require_installed", lambda: None)
+    alloc = glued_allocator(monkeypatch)
     loop = PatternLoop(alloc)
     for _ in range(5):
         loop.marked_step()

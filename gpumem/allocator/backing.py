@@ -142,7 +142,7 @@ calls per step, held exactly at a one-page budget). So the slack is at least ``p
 (4 MiB: two pages, one per pool), capped by the limit so that a program near its limit steals rather than
 retries. On the corpus it changes no figure (the peak lies where the relative slack is many pages): every
 trace of both parts held the same peak with 0, 2 and 4 MiB, and memory calls moved by at most 16 of
-1,100-5,200 (``reports/slack-floor.md``). It costs at most two pages on programs under 800 MiB.
+1,066-5,170 (``reports/slack-floor.md``). It costs at most two pages on programs under 800 MiB.
 
 Note [Wait, do not grow, behind the GPU]
 ---------------------------------------

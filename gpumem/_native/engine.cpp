@@ -2950,8 +2950,8 @@ std::uint64_t Engine::plan_serve(std::uint64_t nbytes, std::uint64_t stream) {
     if (j >= 0) {   // a live slot: this one, still taken, or another
         // one kept past every planned lifetime is served by the engine, not a miss (plan.py, Note [Allocations
         // kept past their step])
-        if (slot_poisoned_[static_cast<std::size_t>(j)] || planned_steps_ - slot_served_in_[static_cast<std::size_t>(j)] < 2)
-            missed_ = true;
+        const std::size_t js = static_cast<std::size_t>(j);
+        if (planned_steps_ - slot_served_in_[js] < 2 || (slot_poisoned_[js] && !plan_slot_live(js))) missed_ = true;
         return 0;
     }
     PlanArena* arena = arenas_.back().get();
@@ -3011,6 +3011,13 @@ bool Engine::plan_free_fast(std::uint64_t ptr) {
     st_.requested_nbytes -= e.requested;
     ++st_.num_frees;
     return true;
+}
+
+// plan.py _slot_live: slot k's allocation in the current arena is live (a poisoned slot stays taken after its free)
+bool Engine::plan_slot_live(std::size_t k) const {
+    const PlanArena* arena = arenas_.back().get();
+    auto it = arena->live.find(arena->base + static_cast<std::uint64_t>(slot_off_[k]));
+    return it != arena->live.end() && it->second.slot == k;
 }
 
 // plan.py _Ranges.meeting over the Fenwick tree of live positions: the live slot starting last below
@@ -3085,16 +3092,14 @@ bool Engine::plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size) {
             try {
                 backend_.mem_unmap(va, nb);
             } catch (...) {
+                // plan.py: the mapping stays, kept as a run for the give-back to retry; the plan is dropped at
+                // the next mark (Note [A mapping the arena could not undo]); a fatal error goes on, once booked
+                plan_book_run(arena, va, nb, h);
+                plan_broken_ = true;
                 rethrow_if_fatal();
                 unmapped = false;
             }
-            if (!unmapped) {
-                // plan.py: the mapping stays, kept as a run for the give-back to retry; the plan is dropped at
-                // the next mark (Note [A mapping the arena could not undo])
-                plan_book_run(arena, va, nb, h);
-                plan_broken_ = true;
-                throw;
-            }
+            if (!unmapped) throw;
             try {
                 backend_.mem_release(h);
             } catch (...) {

@@ -351,6 +351,7 @@ class Engine {
     void plan_slide();
     std::uint64_t plan_allocate(std::uint64_t nbytes, std::uint64_t stream);
     std::uint64_t plan_serve(std::uint64_t nbytes, std::uint64_t stream);
+    bool plan_slot_live(std::size_t k) const;
     std::int64_t plan_slot_taken(std::uint64_t off, std::uint64_t size) const;   // the live slot meeting [off, off + size), -1: none
     std::uint64_t plan_hand_out(PlanArena* arena, std::size_t k, std::uint64_t nbytes);   // slot k served
     std::uint64_t plan_serve_fast(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out);

@@ -88,9 +88,12 @@ memory grew by a run per kept allocation, without bound (attacker 9: a 512 B ten
 held 2,000 MiB after 200 steps against 102 MiB unmarked, and ran out of memory under a 600 MiB limit).
 So a slot that meets a live allocation served two or more planned steps ago (past any lifetime the plan
 gave it, which ends in the next step at the latest) is served by the engine and the step is not counted
-as missed; a slot taken by the step before, or by one used on another stream, still counts. The plan
-stays, and the slots under the kept bytes are served by the engine from then on (that loop: 202 MiB,
-bounded; the arena's pages under the kept allocation stay mapped until it is freed).
+as missed, whether or not it was used on another stream (attacker 10: a kept block also used on a side stream
+pinned a page per re-plan); a slot taken by the step before, or left taken by a freed block that was used on
+another stream (no event orders its next occupant), still counts. The plan stays, and the slots under the
+kept bytes are served by the engine from then on (that loop: 202 MiB, bounded). The cost: the arena's pages
+under the blocked slots stay mapped while the engine serves them, up to the slot's size again (a kept block
+in a 4 GiB temporary's place: 8 GiB against 4 GiB unmarked, until it is freed or memory runs short).
 
 Note [Arena runs of at most a chunk]
 ------------------------------------
@@ -112,7 +115,8 @@ forgotten: the next slot over those pages mapped them again (``MappingOverlapErr
 the arena's reservation could never be freed, so every later mark raised and the layer never planned
 again, while ``close()`` reported nothing leaked (attacker 9). Now such a run is booked like any other
 (counted in reserved, given back with the arena, the unmap retried then) but no page of it serves: the
-layer is *broken*, every allocation goes to the engine, and the next mark drops the plan.
+layer is *broken*, every allocation goes to the engine, and the next mark drops the plan. A KeyboardInterrupt
+or SystemExit of the undo goes on, once the run is booked (attacker 10).
 """
 
 from __future__ import annotations
@@ -677,7 +681,7 @@ class StepPlan:
         size = self.size[k]
         j = self.occupied.meeting(off, off + size)
         if j >= 0:   # a live slot (this one, still taken, or another)
-            if self.poisoned[j] or self.planned_steps - self.served_in[j] < 2:
+            if self.planned_steps - self.served_in[j] < 2 or (self.poisoned[j] and not self._slot_live(j)):
                 self.missed = True
             # else kept past every planned lifetime: served by the engine, not a miss (Note [Allocations
             # kept past their step])
@@ -699,6 +703,11 @@ class StepPlan:
         e._stats.count_allocation(size, nbytes, e.backing.reserved_nbytes + self.mapped_nbytes)
         self.counts["served"] += 1
         return ptr
+
+    def _slot_live(self, k: int) -> bool:
+        """Whether slot ``k``'s allocation in the current arena is live (a poisoned slot stays taken after its free)."""
+        entry = self.arenas[-1].live.get(self.arenas[-1].base + self.off[k])
+        return entry is not None and entry[0] == k
 
     def _map(self, arena: _Arena, off: int, size: int) -> bool:
         """Map the unmapped pages under ``[off, off + size)``, after the engine gave its idle cache back;
@@ -740,11 +749,14 @@ class StepPlan:
             except BaseException:
                 try:
                     dev.mem_unmap(va, nb)
-                except Exception:  # noqa: BLE001 - the first failure is what propagates
+                except BaseException as undo:
                     # the mapping stays: kept as a run (no page of it serves) for the give-back to retry, and
-                    # the plan is dropped at the next mark (Note [A mapping the arena could not undo])
+                    # the plan is dropped at the next mark (Note [A mapping the arena could not undo]); a
+                    # KeyboardInterrupt or SystemExit of the undo goes on, once booked
                     self._book_run(arena, va, nb, handle)
                     self.broken = True
+                    if not isinstance(undo, Exception):
+                        raise
                 else:
                     _quietly(dev.mem_release, handle)
                 raise

@@ -1118,3 +1118,68 @@ def test_an_absurd_arena_offset_is_refused_before_reserving(engine, offset):
     with pytest.raises(InvalidArgumentError, match=f"^install_plan: offset {offset} of slot 1 .*ends past the device's"):
         eng.install_plan(offsets)
     assert (alloc.step_plan_info(), alloc.stats, list(alloc.device.reservation_ranges())) == before
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_kept_allocation_used_on_another_stream_does_not_grow_memory(engine):
+    """Note [Allocations kept past their step] (attacker 10, F1): a kept block also used on another stream
+    poisoned its slot, every later step missed, and each re-plan pinned a page: +2 MiB per kept block without
+    bound, out of memory under a 400 MiB limit where unmarked holds 102 MiB."""
+    def run(marks: bool) -> CachingAllocator:
+        alloc = CachingAllocator(sim.SimDevice(sim.custom_profile("t", 65536 * MiB, context_nbytes=32 * MiB)),
+                                 engine=engine, limit=400 * MiB)
+        for i in range(300):
+            if marks:
+                alloc.mark_step()
+            alloc.free(alloc.allocate(100 * MiB))
+            s = alloc.allocate(512)
+            if i % 10 == 9:
+                alloc.record_stream(s, 9)   # kept, and used on a side stream
+            else:
+                alloc.free(s)
+        alloc.check_consistency()
+        return alloc
+
+    unmarked, marked = run(False), run(True)
+    info = marked.step_plan_info()
+    assert info.plans_installed == 1 and info.plans_dropped == 0
+    assert marked.stats.peak_reserved_nbytes <= unmarked.stats.peak_reserved_nbytes + 100 * MiB
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_interrupt_in_the_undo_of_a_mapping_books_it_first(engine):
+    """Note [A mapping the arena could not undo] (attacker 10, F2): a KeyboardInterrupt in the unmap that undoes
+    a failed set-access escaped before the run was booked: the mapping was forgotten and the layer wedged."""
+    dev = sim.SimDevice(sim.custom_profile("t", 16384 * MiB, context_nbytes=32 * MiB))
+    alloc = CachingAllocator(dev, engine=engine)
+    real_set_access, real_unmap, armed = dev.mem_set_access, dev.mem_unmap, []
+
+    def set_access(*args):
+        if armed:
+            armed.append(2)
+            raise RuntimeError("injected set_access")
+        return real_set_access(*args)
+
+    def unmap(*args):
+        if len(armed) > 1:
+            armed.clear()
+            raise KeyboardInterrupt("Ctrl-C in the undo's unmap")
+        return real_unmap(*args)
+
+    dev.mem_set_access, dev.mem_unmap = set_access, unmap
+    outcomes = []
+    for step in range(8):
+        alloc.mark_step()
+        for n in (100 * MiB, 512):
+            if step == 2 and n == 100 * MiB:
+                armed.append(1)   # the first planned step maps the arena
+            try:
+                alloc.free(alloc.allocate(n))
+                outcomes.append("ok")
+            except KeyboardInterrupt:
+                outcomes.append("interrupted")
+    assert outcomes.count("interrupted") == 1 and outcomes.count("ok") == 15
+    alloc.check_consistency()
+    alloc.close()
+    assert alloc.leaked_nbytes == 0
+    assert not list(dev.mapping_ranges()) and not list(dev.reservation_ranges())

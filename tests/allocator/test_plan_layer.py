@@ -65,6 +65,34 @@ class Loop:
             self.live.remove(e)
 
 
+def planned(engine: str, steps: int, **kw) -> tuple[CachingAllocator, "Loop"]:
+    """An allocator that ran ``steps`` marked steps of :data:`LOOP` (a plan installs at the third mark)."""
+    alloc = make(engine, **kw)
+    loop = Loop(alloc)
+    for _ in range(steps):
+        loop.step()
+    return alloc, loop
+
+
+def kept_every_tenth(engine: str, marks: bool, steps: int, limit: int, device_mib: int,
+                     side_stream: int | None = None) -> CachingAllocator:
+    """Each step a 100 MiB temporary, then a 512 B block planned in its place, kept every tenth step (used on
+    ``side_stream`` too when given): Note [Allocations kept past their step]."""
+    alloc = CachingAllocator(sim.SimDevice(sim.custom_profile("t", device_mib * MiB, context_nbytes=32 * MiB)),
+                             engine=engine, limit=limit)
+    for i in range(steps):
+        if marks:
+            alloc.mark_step()
+        alloc.free(alloc.allocate(100 * MiB))
+        s = alloc.allocate(512)
+        if i % 10 != 9:
+            alloc.free(s)
+        elif side_stream is not None:
+            alloc.record_stream(s, side_stream)
+    alloc.check_consistency()
+    return alloc
+
+
 def check_no_overlap(live: list, ptr: int, size: int) -> None:
     for p, n, _ in live:
         assert p + n <= ptr or ptr + size <= p, f"{ptr:#x}+{size} overlaps the live {p:#x}+{n}"
@@ -129,10 +157,7 @@ def test_a_repeating_loop_is_served_from_the_plan_with_no_device_call(engine):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_step_that_leaves_the_plan_is_served_by_the_engine(engine):
-    alloc = make(engine)
-    loop = Loop(alloc)
-    for _ in range(5):
-        loop.step()
+    alloc, loop = planned(engine, 5)
     served = alloc.step_plan_info().served
     loop.step(change={2: 5 * MiB + 1})   # larger than its slot: the rest of the step goes to the engine
     info = alloc.step_plan_info()
@@ -147,10 +172,7 @@ def test_a_step_that_leaves_the_plan_is_served_by_the_engine(engine):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_slot_still_taken_is_refused_and_the_others_serve(engine):
-    alloc = make(engine)
-    loop = Loop(alloc)
-    for _ in range(5):
-        loop.step()
+    alloc, loop = planned(engine, 5)
     loop.step(keep=0)    # slot 0's allocation held on: next step, slot 0 (and what overlaps it) is taken
     fb = alloc.step_plan_info().fallback
     loop.step()
@@ -164,23 +186,7 @@ def test_a_small_allocation_kept_every_tenth_step_does_not_grow_memory(engine):
     """Note [Allocations kept past their step] (attacker 9): a 512 B allocation planned where a 100 MiB
     temporary was, kept every tenth step, dropped the plan and pinned a 100 MiB run per re-plan: 2,000 MiB
     after 200 steps, out of memory under a 600 MiB limit. Now the plan stays and memory is bounded."""
-    def run(marks: bool) -> CachingAllocator:
-        alloc = CachingAllocator(sim.SimDevice(sim.custom_profile("t", 16384 * MiB, context_nbytes=32 * MiB)),
-                                 engine=engine, limit=600 * MiB)
-        kept = []
-        for i in range(200):
-            if marks:
-                alloc.mark_step()
-            alloc.free(alloc.allocate(100 * MiB))
-            s = alloc.allocate(512)
-            if i % 10 == 9:
-                kept.append(s)
-            else:
-                alloc.free(s)
-        alloc.check_consistency()
-        return alloc
-
-    unmarked, marked = run(False), run(True)
+    unmarked, marked = (kept_every_tenth(engine, marks, 200, 600 * MiB, 16384) for marks in (False, True))
     info = marked.step_plan_info()
     assert info.plans_installed == 1 and info.plans_dropped == 0 and info.steps_missed <= 1
     assert marked.stats.peak_reserved_nbytes <= unmarked.stats.peak_reserved_nbytes + 100 * MiB
@@ -189,10 +195,7 @@ def test_a_small_allocation_kept_every_tenth_step_does_not_grow_memory(engine):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_missing_three_steps_drops_the_plan_and_gives_the_arena_back(engine):
-    alloc = make(engine)
-    loop = Loop(alloc)
-    for _ in range(5):
-        loop.step()
+    alloc, loop = planned(engine, 5)
     dev = alloc.device
     reservations = len(list(dev.reservation_ranges()))
     assert alloc.step_plan_info().mapped_nbytes > 0
@@ -247,10 +250,7 @@ def test_bad_input_raises_and_changes_nothing(engine):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_arena_pointers_are_checked_like_any_other(engine):
-    alloc = make(engine)
-    loop = Loop(alloc)
-    for _ in range(4):
-        loop.step()
+    alloc, loop = planned(engine, 4)
     info = alloc.step_plan_info()
     assert info.served > 0
     arena_ptr = next(p for p, n, _ in loop.live if alloc.block_size(p) == n - n % 512 + (512 if n % 512 else 0)
@@ -266,10 +266,7 @@ def test_arena_pointers_are_checked_like_any_other(engine):
 def test_a_failed_release_of_a_dropped_arena_is_retried_and_planning_goes_on(engine):
     """One failed mem_release while a dropped plan's arena is given back: the mark raises, the layer records
     again, the next mark finishes the give-back where it stopped (attacker 7, finding 2)."""
-    alloc = make(engine)
-    loop = Loop(alloc)
-    for _ in range(5):
-        loop.step()
+    alloc, loop = planned(engine, 5)
     dev = alloc.device
     other = [(2 * MiB, 0, 1)] * 3
     for _ in range(MISS_LIMIT):
@@ -341,10 +338,7 @@ def test_a_program_that_fits_unmarked_fits_marked_when_its_steps_leave_the_plan(
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_closing_gives_the_arena_back(engine):
-    alloc = make(engine)
-    loop = Loop(alloc)
-    for _ in range(5):
-        loop.step()
+    alloc, loop = planned(engine, 5)
     dev = alloc.device
     alloc.close()
     assert alloc.leaked_nbytes == 0
@@ -796,10 +790,7 @@ def test_a_device_fault_while_the_arena_maps_counts_the_step_as_missed(engine, c
 @pytest.mark.parametrize("engine", ENGINES)
 def test_block_size_inside_the_arena_says_so_in_hex(engine):
     """Finding 6: the native binding replaced the engine's message with its own, the pointer in decimal."""
-    alloc = make(engine)
-    loop = Loop(alloc)
-    for _ in range(4):
-        loop.step()
+    alloc, loop = planned(engine, 4)
     ptr = next(p for p, _, _ in loop.live if p not in dict(alloc.live_blocks()))   # an arena pointer
     with pytest.raises(InvalidPointerError) as info:
         alloc.block_size(ptr + 512)
@@ -812,10 +803,7 @@ def test_block_size_inside_the_arena_says_so_in_hex(engine):
 def test_the_peak_after_a_reset_counts_the_arena(engine):
     """Not reproduced in the review, found by reading: the native reset_peak_stats (PyTorch's
     reset_peak_memory_stats) set peak reserved without the step plan's arena, below reserved."""
-    alloc = make(engine)
-    loop = Loop(alloc)
-    for _ in range(5):
-        loop.step()
+    alloc, loop = planned(engine, 5)
     assert alloc.step_plan_info().mapped_nbytes > 0
     alloc.reset_peak_stats()
     st = alloc.stats
@@ -1125,22 +1113,7 @@ def test_a_kept_allocation_used_on_another_stream_does_not_grow_memory(engine):
     """Note [Allocations kept past their step] (attacker 10, F1): a kept block also used on another stream
     poisoned its slot, every later step missed, and each re-plan pinned a page: +2 MiB per kept block without
     bound, out of memory under a 400 MiB limit where unmarked holds 102 MiB."""
-    def run(marks: bool) -> CachingAllocator:
-        alloc = CachingAllocator(sim.SimDevice(sim.custom_profile("t", 65536 * MiB, context_nbytes=32 * MiB)),
-                                 engine=engine, limit=400 * MiB)
-        for i in range(300):
-            if marks:
-                alloc.mark_step()
-            alloc.free(alloc.allocate(100 * MiB))
-            s = alloc.allocate(512)
-            if i % 10 == 9:
-                alloc.record_stream(s, 9)   # kept, and used on a side stream
-            else:
-                alloc.free(s)
-        alloc.check_consistency()
-        return alloc
-
-    unmarked, marked = run(False), run(True)
+    unmarked, marked = (kept_every_tenth(engine, marks, 300, 400 * MiB, 65536, side_stream=9) for marks in (False, True))
     info = marked.step_plan_info()
     assert info.plans_installed == 1 and info.plans_dropped == 0
     assert marked.stats.peak_reserved_nbytes <= unmarked.stats.peak_reserved_nbytes + 100 * MiB

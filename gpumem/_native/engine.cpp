@@ -1181,8 +1181,10 @@ std::int64_t Engine::chunk_start(VSeg* seg, std::int64_t p) const {
 }
 
 // VirtualBacking._chunk_cap_pages
-std::int64_t Engine::chunk_cap_pages() const {
-    std::int64_t held = static_cast<std::int64_t>(reserved_nbytes_ / g_);
+std::int64_t Engine::chunk_cap_pages() const { return chunk_cap_pages_of(static_cast<std::int64_t>(reserved_nbytes_ / g_)); }
+
+// AllocatorPolicy.chunk_cap_pages
+std::int64_t Engine::chunk_cap_pages_of(std::int64_t held) const {
     std::int64_t by_fraction = static_cast<std::int64_t>(static_cast<double>(held) * cfg_.chunk_max_fraction);
     return std::max<std::int64_t>(1, std::min(by_fraction, static_cast<std::int64_t>(cfg_.chunk_max_nbytes / g_)));
 }
@@ -3057,10 +3059,8 @@ bool Engine::plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size) {
     if (cfg_.limit_nbytes && reserved_nbytes_ + plan_mapped_nbytes_ + todo.size() * g_ > cfg_.limit_nbytes) return false;
     empty_cache_locked();
     // runs of at most the engine's chunk cap (plan.py, Note [Arena runs of at most a chunk])
-    const std::uint64_t held = (reserved_nbytes_ + plan_mapped_nbytes_) / g_;
-    const std::uint64_t cap = std::max<std::uint64_t>(
-        1, std::min<std::uint64_t>(static_cast<std::uint64_t>(static_cast<double>(held) * cfg_.chunk_max_fraction),
-                                   cfg_.chunk_max_nbytes / g_));
+    const std::uint64_t cap =
+        static_cast<std::uint64_t>(chunk_cap_pages_of(static_cast<std::int64_t>((reserved_nbytes_ + plan_mapped_nbytes_) / g_)));
     std::vector<std::pair<std::uint64_t, std::uint64_t>> runs;
     for (std::uint64_t p : todo) {
         if (!runs.empty() && runs.back().second == p && p - runs.back().first < cap) runs.back().second = p + 1;

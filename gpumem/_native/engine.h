@@ -469,6 +469,7 @@ class Engine {
     void note_chunk(ChunkHandle h, std::uint64_t nbytes);     // a chunk mem_create'd: counted as held
     std::int64_t chunk_start(detail::VSeg* seg, std::int64_t p) const;
     std::int64_t chunk_cap_pages() const;
+    std::int64_t chunk_cap_pages_of(std::int64_t held_pages) const;   // AllocatorPolicy.chunk_cap_pages
     void map_runs(detail::VSeg* seg, const std::vector<std::int64_t>& need, std::int64_t first, std::int64_t last,
                   std::uint64_t requested, std::uint64_t stream);
     bool take_cached(std::int64_t max_pages, ChunkHandle* out);

@@ -961,9 +961,7 @@ class VirtualBacking(Backing):
     def _chunk_cap_pages(self) -> int:
         """The most pages a new chunk may hold now: ``chunk_max_fraction`` of the memory held and
         ``chunk_max_nbytes``, at least one page."""
-        g = self.granularity
-        held = self.reserved_nbytes // g
-        return max(1, min(int(held * self.policy.chunk_max_fraction), self.policy.chunk_max_nbytes // g))
+        return self.policy.chunk_cap_pages(self.reserved_nbytes // self.granularity, self.granularity)
 
     def _map_runs(self, seg: VirtualSegment, need: list[int], first: int, last: int, requested: int,
                   stream: int) -> None:

@@ -723,9 +723,7 @@ class StepPlan:
             return False
         e._empty_cache_locked()
         # runs of at most the engine's chunk cap (Note [Arena runs of at most a chunk])
-        pol = e.policy
-        held = (e.backing.reserved_nbytes + self.mapped_nbytes) // g
-        cap = max(1, min(int(held * pol.chunk_max_fraction), pol.chunk_max_nbytes // g))
+        cap = e.policy.chunk_cap_pages((e.backing.reserved_nbytes + self.mapped_nbytes) // g, g)
         runs: list[list[int]] = []
         for p in todo:
             if runs and runs[-1][1] == p and p - runs[-1][0] < cap:

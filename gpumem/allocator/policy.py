@@ -189,6 +189,11 @@ class AllocatorPolicy:
     [Stream-ordered steal] in :mod:`.backing`). Off (the default: it costs step time live): the ``busy_slack``
     rule alone."""
 
+    def chunk_cap_pages(self, held_pages: int, page_nbytes: int) -> int:
+        """The most pages a new chunk may hold when ``held_pages`` are held: ``chunk_max_fraction`` of them and
+        ``chunk_max_nbytes``, at least one page (Note [Chunks of several pages] in :mod:`.backing`)."""
+        return max(1, min(int(held_pages * self.chunk_max_fraction), self.chunk_max_nbytes // page_nbytes))
+
     def __post_init__(self) -> None:
         # Note [Every knob has a range]: each field is checked against the range the allocators can
         # honour (table below; the native engine's arithmetic is 64-bit), and the error names the

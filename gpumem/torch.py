@@ -34,7 +34,9 @@ gives a pluggable allocator] in ``gpumem/_native/torch_api.cpp``):
 * ``torch.cuda.memory._record_memory_history`` records nothing either: :func:`start_trace` records
   every allocation and free PyTorch asks gpumem for, :func:`recorded_trace` gives them as a gpumem
   trace (replay it with ``gpumem replay``); ``GPUMEM_TRACE_OUT=run.gmt.gz`` does both for a whole
-  program (the trace is written at exit). :func:`configure` gives the engine a policy's growth knobs.
+  program (the trace is written at exit). :func:`configure` gives the engine a policy's growth knobs,
+  and ``configure(step_marks="optimizer")`` (or ``GPUMEM_STEP_MARKS=optimizer``) marks a step plan's
+  steps at every optimizer step, with no :func:`step` call in the loop.
 * CUDA graph capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) has not been
   tried on gpumem: PyTorch gives a pluggable allocator no private graph pools, and the events the
   engine records and queries when memory goes back behave differently on a capturing stream
@@ -49,6 +51,8 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
+import weakref
 from typing import Any
 
 from .errors import BackendUnavailableError, GpumemError, InvalidArgumentError
@@ -58,11 +62,17 @@ from .units import format_bytes
 __all__ = ["install", "installed", "memory_stats", "memory_summary", "empty_cache", "record_stream", "step",
            "step_plan_info", "trace_wait_stream",
            "TooLateError", "configure", "start_trace", "stop_trace", "recorded_trace", "trace_from_words",
-           "TRACE_OUT_ENV"]
+           "TRACE_OUT_ENV", "STEP_MARKS_ENV", "STEP_MARKS"]
 
 #: Environment variable: when set, :func:`install` starts tracing and the trace of device 0 is written
 #: to this path (a gpumem ``.gmt`` trace, gzipped when the name ends in ``.gz``) when the process exits.
 TRACE_OUT_ENV = "GPUMEM_TRACE_OUT"
+#: Environment variable: when set (to one of :data:`STEP_MARKS`), :func:`install` turns on automatic step
+#: marks, as ``configure(step_marks=...)`` does (Note [Automatic step marks]).
+STEP_MARKS_ENV = "GPUMEM_STEP_MARKS"
+#: What ``configure(step_marks=...)`` takes besides ``None`` (off): ``"optimizer"``, every step of a PyTorch
+#: optimizer marks a step (Note [Automatic step marks]).
+STEP_MARKS = ("optimizer",)
 
 log = logging.getLogger(__name__)
 
@@ -119,17 +129,27 @@ def install(device: "int | str | Any | None" = None) -> None:
             device gpumem cannot run on (no virtual memory management) fails here rather than at the
             first allocation. No memory is taken.
 
+    ``GPUMEM_TRACE_OUT`` (:data:`TRACE_OUT_ENV`) traces the whole program; ``GPUMEM_STEP_MARKS=optimizer``
+    (:data:`STEP_MARKS_ENV`) marks a step plan's step at every optimizer step, as
+    ``configure(step_marks="optimizer")`` does; both are read at the first call that installs them.
+
     Raises:
         TooLateError: PyTorch had already initialised CUDA.
         BackendUnavailableError: PyTorch, a CUDA device or gpumem's native engine is missing
             (see :func:`gpumem.engine`).
+        InvalidArgumentError: ``GPUMEM_STEP_MARKS`` holds a value not in :data:`STEP_MARKS` (nothing installed).
         GpumemError: gpumem could not start on ``device``.
     """
     index = None if device is None else _device_index(device, default_current=False)
+    marks = os.environ.get(STEP_MARKS_ENV)
+    if marks:   # checked before anything is installed: a bad value changes nothing
+        _check_step_marks(marks, STEP_MARKS_ENV)
     _installed_allocator()
     out = os.environ.get(TRACE_OUT_ENV)
     if out and not _trace_at_exit.cache_info().currsize:
         _trace_at_exit(out)
+    if marks and not _step_marks_from_env.cache_info().currsize:
+        _step_marks_from_env(marks)
     if index is not None:
         lib = _lib()
         if lib.gpumem_torch_start(index) != 0:
@@ -389,18 +409,26 @@ def step(device: "int | str | Any | None" = None) -> Any:
     the last eight) drop the plan and record again. Without calls to ``step()`` nothing changes. Returns
     what the call did (:class:`gpumem.allocator.plan.MarkResult`). Threads may mark the same device: a
     READY step that another thread's mark took while this call planned it is not installed (Note [Step
-    plans and threads]).
+    plans and threads]). With ``configure(step_marks="optimizer")`` every optimizer step marks instead;
+    a program that calls ``step()`` as well keeps its own marks and the optimizer's stop (Note [Automatic
+    step marks]).
 
     Raises:
         GpumemError: :func:`install` was not called in this process, or gpumem could not mark the step
             (no engine could start on ``device``; a plan the engine refused).
     """
+    _require_installed()
+    index = _device_index(device)
+    _auto_marks().marked_by_hand()
+    return _mark_step(index)
+
+
+def _mark_step(index: int) -> Any:
+    """The mark of :func:`step` on device ``index`` (also the optimizer hook's: Note [Automatic step marks])."""
     import numpy as np
 
     from .allocator.plan import MarkResult, StepTemplate, plan_step
 
-    _require_installed()
-    index = _device_index(device)
     lib = _lib()
     code = lib.gpumem_torch_step_mark(index)
     if code < 0:
@@ -450,42 +478,187 @@ def step_plan_info(device: "int | str | Any | None" = None) -> Any:
     return PlanInfo([int(values[i]) if i < n else 0 for i in range(len(values))])
 
 
+# Note [Automatic step marks]
+# Why: step plans need a mark at the same point of every step (Note [Step plans] in gpumem/allocator/plan.py),
+# and a program that does not call step() got none. Every training loop calls optimizer.step() once per step,
+# and PyTorch (2.0 on) shows every optimizer's step to one global post-hook
+# (torch.optim.optimizer.register_optimizer_step_post_hook): configure(step_marks="optimizer"), or
+# GPUMEM_STEP_MARKS=optimizer at install(), registers one that makes step()'s mark right after the update. The
+# gradients still live there are freed by the next zero_grad, which the plan's lifetimes wrapping into the
+# next step cover; what a loop allocates between there and its top joins the next step, as repeating.
+# * One marker: the first optimizer instance that steps marks; others' steps do not (a GAN's two optimizers,
+#   ZeroRedundancyOptimizer around its inner one). Two marks per iteration cut it into two halves that never
+#   match each other, so nothing would ever plan. It is held by weak reference: once collected, the next
+#   optimizer that steps takes over. It marks the CUDA devices its parameters were on at its first step
+#   (the current device when none is: an optimizer on the host).
+# * A skipped step (GradScaler finding inf or NaN does not call optimizer.step) makes no mark: the next mark
+#   closes two iterations as one step. Recording, that step does not match and the window slides; planned,
+#   the second iteration runs past the plan's slots, the engine serves it and the step counts one miss (three
+#   in a row or four of the last eight drop the plan), so rare skips keep the plan, but the engine holds that
+#   iteration's temporaries beside the arena: peak reserved can grow by up to a step's temporaries.
+# * A program that calls step() as well keeps its own marks: the hook stands down (a warning, once) until
+#   marks are turned off and on again. Not an error: GPUMEM_STEP_MARKS may be set on a program that marks
+#   itself, and both marks together would cut each step in two.
+# * No mark while the current stream captures a CUDA graph: a mark could install a plan mid-capture, and a
+#   graph's replays call no optimizer.step anyway.
+# * configure(step_marks=None) removes the hook; a plan already installed stays (no call turns one off),
+#   as when a program stops calling step(). The state is one per process, as PyTorch's hook is.
+@dataclasses.dataclass
+class _AutoMarks:
+    """The optimizer hook's state (Note [Automatic step marks]); one per process (:func:`_auto_marks`)."""
+
+    mode: str | None = None
+    handle: Any = None                     # PyTorch's handle of the registered hook (its .remove())
+    marker: Any = None                     # weakref.ref to the optimizer whose steps mark
+    devices: tuple[int | None, ...] = ()   # the devices it marks (None: the current device)
+    by_hand: bool = False                  # step() was called while on: the hook stands down
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def turn(self, mode: str | None, register: Any) -> None:
+        """Turn marks to ``mode`` (checked); ``register`` is PyTorch's hook registrar when ``mode`` is on."""
+        with self.lock:
+            if mode == self.mode:
+                return
+            if self.handle is not None:
+                self.handle.remove()
+            self.mode, self.handle, self.marker, self.devices, self.by_hand = None, None, None, (), False
+            if mode is not None:
+                self.handle = register(_optimizer_stepped)
+                self.mode = mode
+        log.info("gpumem.torch: automatic step marks %s", mode or "off")
+
+    def marked_by_hand(self) -> None:
+        if self.mode is not None and not self.by_hand:
+            self.by_hand = True
+            log.warning("gpumem.torch: step() was called while step marks are automatic (step_marks=%r): the "
+                        "program's own marks are kept and the optimizer's stop", self.mode)
+
+    def marking_devices(self, optimizer: Any) -> tuple[int | None, ...]:
+        """The devices ``optimizer``'s step marks: none unless it is the marker (the first one that stepped,
+        while it lives)."""
+        with self.lock:
+            if self.mode is None or self.by_hand:
+                return ()
+            owner = self.marker() if self.marker is not None else None
+            if owner is None:
+                self.marker, owner = weakref.ref(optimizer), optimizer
+                self.devices = _optimizer_devices(optimizer)
+                log.info("gpumem.torch: the steps of %s (%#x) mark step plans on %s", type(optimizer).__name__,
+                         id(optimizer), ", ".join("the current device" if d is None else f"cuda:{d}" for d in self.devices))
+            return self.devices if owner is optimizer else ()
+
+
+@functools.cache
+def _auto_marks() -> _AutoMarks:
+    return _AutoMarks()
+
+
+def _check_step_marks(value: Any, name: str) -> None:
+    if not isinstance(value, str) or value not in STEP_MARKS:
+        accepted = ", ".join(repr(v) for v in STEP_MARKS)
+        raise InvalidArgumentError(f"{name} must be {accepted} or None (off), not {value!r}" if name == "step_marks"
+                                   else f"{name} must be {accepted} (or unset), not {value!r}")
+
+
+@functools.cache
+def _step_marks_from_env(value: str) -> None:
+    """``GPUMEM_STEP_MARKS``, once per process: a later ``configure(step_marks=None)`` is not undone by install()."""
+    configure(step_marks=value)
+
+
+def _optimizer_hook_registrar() -> Any:
+    """PyTorch's ``register_optimizer_step_post_hook``, or :class:`BackendUnavailableError`."""
+    torch = _torch("gpumem.torch.configure(step_marks=...)")
+    register = getattr(getattr(getattr(torch, "optim", None), "optimizer", None), "register_optimizer_step_post_hook", None)
+    if register is None:
+        raise BackendUnavailableError(f"PyTorch {getattr(torch, '__version__', '?')} has no global optimizer step hook "
+                                      "(torch.optim.optimizer.register_optimizer_step_post_hook, PyTorch 2.0 or later); "
+                                      "call gpumem.torch.step() in the loop instead")
+    return register
+
+
+def _optimizer_devices(optimizer: Any) -> tuple[int | None, ...]:
+    """The CUDA device indices of ``optimizer``'s parameters, sorted; ``(None,)`` (the current device) when none."""
+    found = {int(p.device.index or 0) for group in getattr(optimizer, "param_groups", ())
+             for p in group.get("params", ()) if getattr(p, "is_cuda", False)}
+    return tuple(sorted(found)) or (None,)
+
+
+def _optimizer_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """PyTorch's global optimizer step post-hook while step marks are automatic (Note [Automatic step marks])."""
+    devices = _auto_marks().marking_devices(optimizer)
+    if not devices:
+        return
+    import torch
+
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        return
+    for device in devices:
+        _mark_step(_device_index(device))
+
+
 #: The policy fields the native engine takes from :func:`configure` (the others are the default policy's).
 _ENGINE_KNOBS = ("growth", "page_slack", "page_slack_min_nbytes", "chunk_max_fraction", "grow_ahead_fraction",
                  "steal_empty_pages", "busy_slack", "stream_ordered_steal")
 
 
-def configure(policy: Any) -> None:
-    """Give the engines gpumem makes from now on ``policy``'s growth knobs (an
-    :class:`~gpumem.allocator.policy.AllocatorPolicy` or a policy name).
+#: ``configure``'s default for ``step_marks``: leave the step marks as they are.
+_KEEP: Any = object()
 
-    Call it before the first allocation on a device: an engine already made keeps its policy. The
+
+def configure(policy: Any = None, *, step_marks: "str | None" = _KEEP) -> None:
+    """Give the engines gpumem makes from now on ``policy``'s growth knobs (an
+    :class:`~gpumem.allocator.policy.AllocatorPolicy` or a policy name), and/or turn automatic step marks
+    on or off.
+
+    Call it with a policy before the first allocation on a device: an engine already made keeps its policy. The
     native engine takes ``growth``, ``page_slack``, ``page_slack_min_nbytes``, ``chunk_max_fraction``, ``grow_ahead_fraction``,
     ``steal_empty_pages``, ``busy_slack`` and ``stream_ordered_steal`` (``GPUMEM_BUSY_SLACK``,
     ``GPUMEM_CHUNK_MAX_FRACTION`` and ``GPUMEM_STREAM_ORDERED_STEAL=0|1``, when set, override those); the
     policy's other fields must be the default policy's.
 
+    ``step_marks="optimizer"`` (after :func:`install`; ``GPUMEM_STEP_MARKS=optimizer`` does the same at
+    install) marks a step plan's step (as :func:`step` does) each time the first PyTorch optimizer that steps
+    from now on finishes ``optimizer.step()``, on the CUDA devices of its parameters: a training loop gets step
+    plans with no call to :func:`step`. ``step_marks=None`` removes the hook (a plan already installed stays).
+    Turning on what is on changes nothing. Several optimizers, ``GradScaler``'s skipped steps, programs that
+    call :func:`step` too: Note [Automatic step marks].
+
     Raises:
         InvalidArgumentError: a value the engine refuses, or another field that differs from the default
-            policy's (the engine cannot run it; nothing is changed).
+            policy's (the engine cannot run it); ``step_marks`` not ``None`` or one of :data:`STEP_MARKS`;
+            neither argument given. Nothing is changed.
+        GpumemError: ``step_marks`` turned on before :func:`install` (nothing is changed).
+        BackendUnavailableError: PyTorch is missing, or too old for a global optimizer hook (2.0 or later).
     """
     from .allocator.policy import DEFAULT_POLICY, GrowthRule, get_policy
 
-    pol = get_policy(policy)
-    default = get_policy(DEFAULT_POLICY)
-    differ = [f.name for f in dataclasses.fields(pol)
-              if f.name not in _ENGINE_KNOBS + ("name", "description") and getattr(pol, f.name) != getattr(default, f.name)]
-    if differ:
-        raise InvalidArgumentError(
-            f"gpumem.torch.configure({pol.name!r}): the native engine runs the default policy's "
-            f"{', '.join(differ)}; it takes only {', '.join(_ENGINE_KNOBS)} (use a CachingAllocator for other policies)")
-    lib = _lib()
-    growth = 0 if GrowthRule(pol.growth) is GrowthRule.PAGES else 1
-    if lib.gpumem_torch_configure(growth, float(pol.page_slack), float(pol.chunk_max_fraction),
-                                  float(pol.grow_ahead_fraction), int(bool(pol.steal_empty_pages)),
-                                  float(pol.busy_slack), int(bool(pol.stream_ordered_steal)),
-                                  int(pol.page_slack_min_nbytes)) != 0:
-        raise InvalidArgumentError(f"gpumem.torch.configure({pol.name!r}): {_last_error(lib)}")
+    if policy is None and step_marks is _KEEP:
+        raise InvalidArgumentError("gpumem.torch.configure() needs a policy, step_marks, or both")
+    register = None
+    if step_marks is not _KEEP:   # checked first: a bad value leaves the policy unchanged too
+        if step_marks is not None:
+            _check_step_marks(step_marks, "step_marks")
+            _require_installed()
+            register = _optimizer_hook_registrar()
+    if policy is not None:
+        pol = get_policy(policy)
+        default = get_policy(DEFAULT_POLICY)
+        differ = [f.name for f in dataclasses.fields(pol)
+                  if f.name not in _ENGINE_KNOBS + ("name", "description") and getattr(pol, f.name) != getattr(default, f.name)]
+        if differ:
+            raise InvalidArgumentError(
+                f"gpumem.torch.configure({pol.name!r}): the native engine runs the default policy's "
+                f"{', '.join(differ)}; it takes only {', '.join(_ENGINE_KNOBS)} (use a CachingAllocator for other policies)")
+        lib = _lib()
+        growth = 0 if GrowthRule(pol.growth) is GrowthRule.PAGES else 1
+        if lib.gpumem_torch_configure(growth, float(pol.page_slack), float(pol.chunk_max_fraction),
+                                      float(pol.grow_ahead_fraction), int(bool(pol.steal_empty_pages)),
+                                      float(pol.busy_slack), int(bool(pol.stream_ordered_steal)),
+                                      int(pol.page_slack_min_nbytes)) != 0:
+            raise InvalidArgumentError(f"gpumem.torch.configure({pol.name!r}): {_last_error(lib)}")
+    if step_marks is not _KEEP:
+        _auto_marks().turn(step_marks, register)
 
 
 def start_trace() -> None:

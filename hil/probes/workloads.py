@@ -10,7 +10,10 @@ Each workload (random weights, synthetic data, fixed seeds, no download) runs in
 * ``gpumem``  - gpumem's native engine (:func:`gpumem.torch.install`), recording every allocation and
   free PyTorch asks it for (:func:`gpumem.torch.start_trace`), its ``record_stream`` calls, and every
   ``torch.cuda.Stream.wait_stream`` (:func:`trace_wait_streams`) into a gpumem ``.gmt`` trace; with
-  ``--gpumem-policy`` the engine takes that policy's growth knobs (:func:`gpumem.torch.configure`).
+  ``--gpumem-policy`` the engine takes that policy's growth knobs (:func:`gpumem.torch.configure`); with
+  ``--gpumem-plan-steps`` ``gpumem.torch.step()`` marks the top of every step, with
+  ``--gpumem-step-marks optimizer`` the optimizer's steps mark (``configure(step_marks=...)``, no call in
+  the loop).
 
 Per run it records live peak allocated and peak reserved bytes, the mean step time after warm-up and
 every step's loss (or the generated tokens' checksum), and the trace file (gzipped) beside the JSON
@@ -39,6 +42,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from gpumem.torch import STEP_MARKS
 
 from .train import _child_env   # PyTorch's allocator as shipped, cuBLAS configured alike
 
@@ -436,16 +441,20 @@ def trace_wait_streams(torch: Any, trace_wait: Callable[[Any, Any], None]) -> Ca
 
 
 def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: Path, policy: str | None,
-              plan_steps: bool = False) -> dict:
+              plan_steps: bool = False, step_marks: str | None = None) -> dict:
     """Runs one workload under one allocator in this process, recording its trace into ``out_dir``;
     ``plan_steps``: under gpumem, ``gpumem.torch.step()`` marks the top of every step (step plans, Note
-    [Step plans] in gpumem/allocator/plan.py)."""
+    [Step plans] in gpumem/allocator/plan.py); ``step_marks``: under gpumem, ``configure(step_marks=...)``
+    marks them with no call in the loop (``"optimizer"``: every optimizer step; Note [Automatic step marks]
+    in gpumem/torch.py)."""
     if allocator == "gpumem":
         import gpumem.torch as gt
 
         gt.install()
         if policy:
             gt.configure(parse_policy(policy))
+        if step_marks:
+            gt.configure(step_marks=step_marks)
         gt.start_trace()
     import torch
 
@@ -496,8 +505,9 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
         record.update(peak_allocated_bytes=st["allocated_bytes.all.peak"],
                       peak_reserved_bytes=st["reserved_bytes.all.peak"], num_allocs=st["num_allocs"],
                       num_device_calls=st["num_device_calls"], n_steals=st["gpumem.n_steals"],
-                      n_waits=st["gpumem.n_waits"], n_chunks=st["gpumem.n_chunks"], plan_steps=plan_steps)
-        if plan_steps:
+                      n_waits=st["gpumem.n_waits"], n_chunks=st["gpumem.n_chunks"], plan_steps=plan_steps,
+                      step_marks=step_marks)
+        if plan_steps or step_marks:
             record["step_plan"] = gt.step_plan_info(0).as_dict()
         from gpumem.trace import save_trace
 
@@ -532,11 +542,13 @@ def overhead(peak_reserved: int, peak_allocated: int) -> float | None:
 
 
 def run_live(workloads: Sequence[str], allocators: Sequence[str], steps: int, warmup: int, out: Path,
-             policy: str | None, timeout_s: float, tag: str = "", plan_steps: bool = False) -> Path:
+             policy: str | None, timeout_s: float, tag: str = "", plan_steps: bool = False,
+             step_marks: str | None = None) -> Path:
     """Every workload under every allocator, each its own process; the record is rewritten after each run."""
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"date": _dt.date.today().isoformat(), "steps": steps, "warmup": warmup,
-                              "gpumem_policy": policy, "gpumem_plan_steps": plan_steps, "runs": [], "gpu": "?",
+                              "gpumem_policy": policy, "gpumem_plan_steps": plan_steps,
+                              "gpumem_step_marks": step_marks, "runs": [], "gpu": "?",
                               "torch": "?"}
     path = out / (f"workloads-{tag}.json" if tag else "workloads.json")
     for workload in workloads:
@@ -548,6 +560,8 @@ def run_live(workloads: Sequence[str], allocators: Sequence[str], steps: int, wa
                 cmd += ["--gpumem-policy", policy]
             if plan_steps:
                 cmd += ["--gpumem-plan-steps"]
+            if step_marks:
+                cmd += ["--gpumem-step-marks", step_marks]
             t0 = time.perf_counter()
             try:
                 done = subprocess.run(cmd, env=_child_env("default"), capture_output=True, text=True, timeout=timeout_s)
@@ -722,7 +736,10 @@ def render_live(record: dict) -> str:
     losses equal PyTorch's allocator's run of the same workload."""
     base = {r["workload"]: r for r in record["runs"] if r.get("allocator") == "default" and "error" not in r}
     lines = [f"{record.get('gpu', '?')}, PyTorch {record.get('torch', '?')}, {record.get('steps')} steps "
-             f"({record.get('warmup')} warm-up) per run, gpumem policy: {record.get('gpumem_policy') or 'the default'}",
+             f"({record.get('warmup')} warm-up) per run, gpumem policy: {record.get('gpumem_policy') or 'the default'}"
+             + (", steps marked by gpumem.torch.step()" if record.get("gpumem_plan_steps") else "")
+             + (f", steps marked automatically (step_marks={record['gpumem_step_marks']!r})"
+                if record.get("gpumem_step_marks") else ""),
              "", "| workload | allocator | peak allocated GiB | peak reserved GiB | overhead | step ms | vs default "
              "| losses equal to default | allocations |", "|---|---|---|---|---|---|---|---|---|"]
     for r in record["runs"]:
@@ -763,6 +780,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     live.add_argument("--gpumem-policy", default=None, help="the gpumem engine's policy (default: the engine's)")
     live.add_argument("--gpumem-plan-steps", action="store_true",
                       help="under gpumem, mark every step with gpumem.torch.step() (step plans)")
+    live.add_argument("--gpumem-step-marks", choices=STEP_MARKS, default=None,
+                      help="under gpumem, automatic step marks (gpumem.torch.configure(step_marks=...)): "
+                           "'optimizer' marks at every optimizer step, no gpumem.torch.step() in the loop")
     live.add_argument("--timeout", type=float, default=120.0, help="seconds per run (default: %(default)s)")
     live.add_argument("--tag", default="", help="the record's name is workloads-TAG.json (default workloads.json)")
     live.add_argument("--out", type=Path, required=True,
@@ -776,6 +796,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     child.add_argument("--child-out", type=Path, required=True)
     child.add_argument("--gpumem-policy", default=None)
     child.add_argument("--gpumem-plan-steps", action="store_true")
+    child.add_argument("--gpumem-step-marks", choices=STEP_MARKS, default=None)
     pred = sub.add_parser("predict", help="replay records' traces and tabulate live against predicted")
     pred.add_argument("records", type=Path, nargs="+", help="workloads records, each with its traces beside it")
     pred.add_argument("--sim", default="sim:h200-141gb", help="simulated device of the replays (default: %(default)s)")
@@ -787,7 +808,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "child":
         record = run_child(args.workload, args.allocator, args.steps, args.warmup, args.out, args.gpumem_policy,
-                           args.gpumem_plan_steps)
+                           args.gpumem_plan_steps, args.gpumem_step_marks)
         args.child_out.write_text(json.dumps(record))
         return 0
     if args.cmd == "live":
@@ -800,8 +821,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unknown workload or allocator: {', '.join(bad)}")
         if not 0 < args.warmup < args.steps:
             parser.error("need 0 < --warmup < --steps")
+        if args.gpumem_plan_steps and args.gpumem_step_marks:
+            parser.error("--gpumem-plan-steps and --gpumem-step-marks mark the same steps twice: choose one")
         path = run_live(names, allocators, args.steps, args.warmup, args.out, args.gpumem_policy, args.timeout,
-                        args.tag, args.gpumem_plan_steps)
+                        args.tag, args.gpumem_plan_steps, args.gpumem_step_marks)
         runs = json.loads(path.read_text())["runs"]
         return 0 if all("error" not in r for r in runs) else 1
     sections, rows_json = [], {}

@@ -330,3 +330,29 @@ def test_plan_steps_reaches_the_gpumem_children_only_through_the_flag(tmp_path: 
     calls.clear()
     wl.run_live(["gpt2_train"], ["gpumem"], 3, 1, tmp_path, None, 5.0, tag="off")
     assert calls and not any("--gpumem-plan-steps" in c for c in calls)
+
+
+def test_step_marks_reach_the_gpumem_children_and_the_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--gpumem-step-marks optimizer``: every child gets it (it configures marks only under gpumem), the record
+    and its live table say so; with ``--gpumem-plan-steps`` as well the command line is refused."""
+    import subprocess
+
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "RuntimeError: no GPU here\n")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    path = wl.run_live(["gpt2_train"], ["default", "gpumem"], 3, 1, tmp_path, None, 5.0, step_marks="optimizer")
+    assert calls and all(c[-2:] == ["--gpumem-step-marks", "optimizer"] for c in calls)
+    record = json.loads(path.read_text())
+    assert record["gpumem_step_marks"] == "optimizer" and not record["gpumem_plan_steps"]
+    assert "steps marked automatically (step_marks='optimizer')" in wl.render_live(record)
+    calls.clear()
+    wl.run_live(["gpt2_train"], ["gpumem"], 3, 1, tmp_path, None, 5.0, tag="off")
+    assert calls and not any("--gpumem-step-marks" in c for c in calls)
+    with pytest.raises(SystemExit):
+        wl.main(["live", "--out", str(tmp_path), "--gpumem-plan-steps", "--gpumem-step-marks", "optimizer"])
+    with pytest.raises(SystemExit):
+        wl.main(["live", "--out", str(tmp_path), "--gpumem-step-marks", "adam"])

@@ -159,6 +159,39 @@ def scenario_trace_out_env() -> None:
         assert t.n_allocs == 2 and t.n_unmatched_frees == 0, t
 
 
+def scenario_step_marks_env() -> None:
+    """GPUMEM_STEP_MARKS=optimizer: a training loop with no gpumem.torch.step() gets a step plan from its
+    optimizer's steps (Note [Automatic step marks] in gpumem/torch.py); a second optimizer does not mark."""
+    import os
+
+    os.environ["GPUMEM_STEP_MARKS"] = "optimizer"
+    import gpumem.torch as gt
+
+    gt.install()
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
+    head = torch.nn.Linear(256, 1).cuda()
+    opt, opt_head = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.SGD(head.parameters(), lr=1e-3)
+    x = torch.randn(512, 256, device="cuda")
+    for _ in range(12):
+        loss = head(model(x)).square().mean()
+        opt.zero_grad(set_to_none=True)
+        opt_head.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        opt_head.step()
+    torch.cuda.synchronize()
+    info = gt.step_plan_info(0)
+    assert info.plans_installed == 1 and info.steps_hit + info.steps_missed == 12 - 3, info   # 12 marks, not 24
+    assert info.plans_dropped == 0 and info.steps_hit >= 6 and info.served > 0, info   # kept: at most 3 of 9 missed
+    gt.configure(step_marks=None)
+    for _ in range(3):
+        opt.step()
+    assert gt.step_plan_info(0).steps_hit + gt.step_plan_info(0).steps_missed == 12 - 3   # no more marks
+
+
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 if __name__ == "__main__":

@@ -1,0 +1,362 @@
+"""gpumem.torch's automatic step marks: ``configure(step_marks="optimizer")`` and ``GPUMEM_STEP_MARKS``
+(Note [Automatic step marks] in gpumem/torch.py).
+
+Runs without PyTorch and without a GPU, as ``test_torch_step.py`` does: the marks reach a native engine on
+the simulator through the same stand-in of the C functions (:class:`StandIn`), and a stand-in ``torch``
+module gives the global optimizer hook as PyTorch does (hooks called as ``hook(optimizer, args, kwargs)``
+after every ``optimizer.step()``). Where PyTorch is installed, one test runs its real optimizers on the host.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import logging
+import sys
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+import gpumem.torch as gt
+from gpumem.allocator import CachingAllocator
+from gpumem.allocator.plan import StepState
+from gpumem.errors import BackendUnavailableError, GpumemError, InvalidArgumentError
+from gpumem.native import load_engine
+from gpumem.units import MiB
+from tests.pytorch.test_torch_step import PatternLoop, glued_allocator
+
+pytestmark = pytest.mark.skipif(load_engine() is None, reason="the native engine is not built")
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+class FakeTorch(ModuleType):
+    """What gpumem.torch's step marks use of PyTorch: the global optimizer step post-hook, and whether the
+    current stream captures a CUDA graph."""
+
+    def __init__(self, with_hook: bool = True) -> None:
+        super().__init__("torch")
+        self.__version__ = "2.fake"
+        self.hooks: list = []
+        self.capturing = False
+        optimizer = SimpleNamespace(register_optimizer_step_post_hook=self._register) if with_hook else SimpleNamespace()
+        self.optim = SimpleNamespace(optimizer=optimizer)
+        self.cuda = SimpleNamespace(is_initialized=lambda: True, is_current_stream_capturing=lambda: self.capturing,
+                                    current_device=lambda: 0)
+
+    def _register(self, hook):
+        self.hooks.append(hook)
+        hooks = self.hooks
+        return SimpleNamespace(remove=lambda: hooks.remove(hook) if hook in hooks else None)
+
+
+class FakeOptimizer:
+    """A PyTorch optimizer as the hook sees it: ``param_groups``, and ``step()`` calling the global hooks."""
+
+    def __init__(self, torch: FakeTorch, devices=(0,)) -> None:
+        self.torch = torch
+        self.param_groups = [{"params": [SimpleNamespace(is_cuda=d is not None, device=SimpleNamespace(index=d))
+                                         for d in devices]}]
+
+    def step(self) -> None:
+        for hook in list(self.torch.hooks):
+            hook(self, (), {})
+
+
+class TrainLoop(PatternLoop):
+    """:class:`PatternLoop`'s allocations, one step each, with no ``gpumem.torch.step()``: the optimizer marks."""
+
+    def allocations(self) -> None:
+        for size, stream, life in self.PATTERN:
+            for e in [e for e in self.live if e[1] <= self.clock]:
+                self.alloc.free(e[0])
+                self.live.remove(e)
+            self.clock += 1
+            self.live.append([self.alloc.allocate(size, stream), self.clock + life])
+
+    def train_step(self, *optimizers: FakeOptimizer) -> None:
+        self.allocations()
+        for opt in optimizers:
+            opt.step()
+
+
+@pytest.fixture
+def fake_torch(monkeypatch):
+    """A stand-in ``torch`` module; automatic marks off before and after."""
+    torch = FakeTorch()
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    gt._auto_marks.cache_clear()          # noqa: SLF001
+    gt._step_marks_from_env.cache_clear()  # noqa: SLF001
+    yield torch
+    gt._auto_marks().turn(None, None)     # noqa: SLF001
+    gt._auto_marks.cache_clear()          # noqa: SLF001
+    gt._step_marks_from_env.cache_clear()  # noqa: SLF001
+
+
+@pytest.fixture
+def glued(monkeypatch, fake_torch):
+    """The simulator's native engine behind gpumem.torch, with every mark's device counted."""
+    alloc = glued_allocator(monkeypatch)
+    stand_in = gt._lib()   # noqa: SLF001
+    marked = []
+    real_mark = stand_in.gpumem_torch_step_mark
+
+    def mark(index):
+        marked.append(index)
+        return real_mark(index)
+
+    stand_in.gpumem_torch_step_mark = mark
+    return alloc, marked
+
+
+def test_optimizer_steps_plan_a_loop_that_never_calls_step(fake_torch, glued):
+    alloc, marked = glued
+    gt.configure(step_marks="optimizer")
+    assert len(fake_torch.hooks) == 1
+    loop, opt = TrainLoop(alloc), FakeOptimizer(fake_torch)
+    for _ in range(7):
+        loop.train_step(opt)
+    assert marked == [0] * 7   # one mark per optimizer step, on its parameters' device
+    info = gt.step_plan_info(0)
+    # marks 1 and 2 record, 3 plans (READY, installed): the four steps after it are served from the arena
+    assert info.state == StepState.PLANNED and info.plans_installed == 1
+    assert info.served == 4 * len(PatternLoop.PATTERN) and info.fallback == 0 and info.steps_missed == 0
+    alloc.check_consistency()
+
+
+def test_only_the_first_optimizer_that_steps_marks(fake_torch, glued):
+    """A GAN's two optimizers: one mark per iteration, from the first one that stepped."""
+    alloc, marked = glued
+    gt.configure(step_marks="optimizer")
+    loop, first, second = TrainLoop(alloc), FakeOptimizer(fake_torch), FakeOptimizer(fake_torch, devices=(0,))
+    for _ in range(7):
+        loop.train_step(first, second)
+    assert len(marked) == 7
+    info = gt.step_plan_info(0)
+    assert info.state == StepState.PLANNED and info.served == 4 * len(PatternLoop.PATTERN)
+
+
+def test_two_marks_per_iteration_would_never_plan(glued):
+    """Why one marker: marks after each of two optimizers cut every iteration into two halves that differ
+    (here: the generator's step allocates, the discriminator's does not), and no two steps in a row match."""
+    alloc, _ = glued
+    loop = TrainLoop(alloc)
+    for _ in range(10):
+        loop.allocations()
+        gt.step(0)                          # after the first optimizer's step
+        alloc.free(alloc.allocate(7 * MiB))  # the second one's half of the iteration
+        gt.step(0)                          # after the second's
+    info = gt.step_plan_info(0)
+    assert info.plans_installed == 0 and info.state != StepState.PLANNED
+
+
+def test_a_collected_marker_hands_over_to_the_next_optimizer(fake_torch, glued):
+    alloc, marked = glued
+    gt.configure(step_marks="optimizer")
+    loop, first = TrainLoop(alloc), FakeOptimizer(fake_torch, devices=(2,))
+    loop.train_step(first)
+    second = FakeOptimizer(fake_torch, devices=(0,))
+    loop.train_step(second)   # the first one still lives: the second's step does not mark
+    assert marked == [2]
+    del first
+    gc.collect()
+    loop.train_step(second)
+    assert marked == [2, 0]
+
+
+def test_the_marker_marks_its_parameters_devices_or_the_current_one(fake_torch, glued):
+    _, marked = glued
+    gt.configure(step_marks="optimizer")
+    FakeOptimizer(fake_torch, devices=(3, 1, 3)).step()
+    assert marked == [1, 3]
+    gt.configure(step_marks=None)
+    gt.configure(step_marks="optimizer")   # off and on: a new marker
+    marked.clear()
+    FakeOptimizer(fake_torch, devices=(None, None)).step()   # parameters on the host: the current device
+    assert marked == [0]
+
+
+def test_no_mark_while_a_cuda_graph_is_captured(fake_torch, glued):
+    _, marked = glued
+    gt.configure(step_marks="optimizer")
+    opt = FakeOptimizer(fake_torch)
+    fake_torch.capturing = True
+    opt.step()
+    fake_torch.capturing = False
+    opt.step()
+    assert marked == [0]
+
+
+def run_skipping(alloc: CachingAllocator, fake_torch: FakeTorch, skipped: set[int], steps: int = 16):
+    loop, opt = TrainLoop(alloc), FakeOptimizer(fake_torch)
+    for i in range(steps):
+        loop.allocations()
+        if i not in skipped:   # GradScaler found inf or NaN: no optimizer.step(), no hook
+            opt.step()
+    return gt.step_plan_info(0), alloc.stats.peak_reserved_nbytes
+
+
+def test_a_skipped_optimizer_step_is_one_missed_step_and_the_plan_stays(fake_torch, glued, monkeypatch):
+    """GradScaler skipping ``optimizer.step()`` makes no mark: the next mark closes two iterations as one
+    step. Planned, its second iteration runs past the plan's slots, is served by the engine, and the step
+    counts one miss; the plan stays and serves the steps after. The cost: the engine held that iteration's
+    temporaries beside the arena (peak reserved up by at most a step's temporaries)."""
+    alloc, _ = glued
+    gt.configure(step_marks="optimizer")
+    info, peak = run_skipping(alloc, fake_torch, skipped={8})
+    assert info.state == StepState.PLANNED and info.plans_installed == 1 and info.plans_dropped == 0
+    assert info.steps_missed == 1 and info.steps_hit == 16 - 3 - 1 - 1   # 3 marks before the plan, the last unclosed
+    assert info.fallback == len(PatternLoop.PATTERN)   # the second iteration of the long step
+    alloc.check_consistency()
+    # the same loop with no skip, on a fresh engine
+    gt._auto_marks().turn(None, None)   # noqa: SLF001
+    clean = glued_allocator(monkeypatch)
+    gt.configure(step_marks="optimizer")
+    clean_info, clean_peak = run_skipping(clean, fake_torch, skipped=set())
+    assert clean_info.steps_missed == 0 and clean_info.fallback == 0
+    step_temporaries = sum(-(-size // (2 * MiB)) * 2 * MiB for size, _, _ in PatternLoop.PATTERN)
+    assert clean_peak <= peak <= clean_peak + step_temporaries
+
+
+def test_skips_in_three_steps_in_a_row_drop_the_plan_and_record_again(fake_torch, glued):
+    alloc, _ = glued
+    gt.configure(step_marks="optimizer")
+    info, _ = run_skipping(alloc, fake_torch, skipped={6, 8, 10}, steps=24)
+    assert info.plans_dropped == 1 and info.plans_installed == 2 and info.state == StepState.PLANNED
+    alloc.check_consistency()
+
+
+def test_a_program_that_calls_step_keeps_its_own_marks(fake_torch, glued, caplog):
+    """step() by hand with marks automatic: the hook stands down (one warning); the plan comes from the
+    program's marks alone, as without automatic marks."""
+    alloc, marked = glued
+    gt.configure(step_marks="optimizer")
+    loop, opt = TrainLoop(alloc), FakeOptimizer(fake_torch)
+    with caplog.at_level(logging.WARNING, logger="gpumem.torch"):
+        for _ in range(7):
+            gt.step(0)
+            loop.train_step(opt)
+    assert marked == [0] * 7   # the program's seven, none from the optimizer
+    assert sum("program's own marks are kept" in r.message for r in caplog.records) == 1
+    info = gt.step_plan_info(0)   # marks at the top: the third mark's step is served too
+    assert info.state == StepState.PLANNED and info.served == 5 * len(PatternLoop.PATTERN) and info.steps_missed == 0
+    gt.configure(step_marks="optimizer")   # on already: nothing changes, the hook still stands down
+    opt.step()
+    assert len(marked) == 7 and len(fake_torch.hooks) == 1
+
+
+def test_step_marks_none_removes_the_hook(fake_torch, glued):
+    _, marked = glued
+    gt.configure(step_marks="optimizer")
+    gt.configure(step_marks="optimizer")   # on twice: one hook
+    assert len(fake_torch.hooks) == 1
+    opt = FakeOptimizer(fake_torch)
+    opt.step()
+    gt.configure(step_marks=None)
+    assert fake_torch.hooks == []
+    opt.step()
+    assert marked == [0]
+    gt.configure(step_marks=None)   # off twice: nothing to remove
+    gt.step(0)                      # by hand, marks off: no warning state kept
+    assert not gt._auto_marks().by_hand   # noqa: SLF001
+
+
+@pytest.mark.parametrize("bad", ["adam", "Optimizer", "", " optimizer", 1, True, ["optimizer"]])
+def test_an_unknown_step_marks_value_names_the_accepted_ones_and_changes_nothing(fake_torch, glued, bad):
+    gt.configure(step_marks="optimizer")
+    hooks = list(fake_torch.hooks)
+    with pytest.raises(InvalidArgumentError, match=r"step_marks must be 'optimizer' or None \(off\), not "):
+        gt.configure(step_marks=bad)
+    # the policy is not configured either: the stand-in library has no gpumem_torch_configure to reach
+    with pytest.raises(InvalidArgumentError, match="step_marks must be"):
+        gt.configure("gpumem", step_marks=bad)
+    assert fake_torch.hooks == hooks and gt._auto_marks().mode == "optimizer"   # noqa: SLF001
+
+
+def test_a_bad_policy_with_step_marks_turns_nothing_on(fake_torch, glued):
+    with pytest.raises(InvalidArgumentError, match="unknown allocator policy"):
+        gt.configure("nope", step_marks="optimizer")
+    assert fake_torch.hooks == [] and gt._auto_marks().mode is None   # noqa: SLF001
+
+
+def test_configure_needs_an_argument(fake_torch):
+    with pytest.raises(InvalidArgumentError, match="needs a policy, step_marks, or both"):
+        gt.configure()
+
+
+def test_step_marks_before_install_say_to_install_first(fake_torch, monkeypatch):
+    monkeypatch.setattr(gt, "installed", lambda: False)   # another test of this process may have installed the shim
+    with pytest.raises(GpumemError, match=r"call gpumem.torch.install\(\) first"):
+        gt.configure(step_marks="optimizer")
+    assert fake_torch.hooks == []
+    gt.configure(step_marks=None)   # turning off needs nothing
+
+
+def test_a_torch_without_the_global_hook_is_a_clear_error(monkeypatch, glued):
+    old = FakeTorch(with_hook=False)
+    monkeypatch.setitem(sys.modules, "torch", old)
+    with pytest.raises(BackendUnavailableError, match="register_optimizer_step_post_hook, PyTorch 2.0"):
+        gt.configure(step_marks="optimizer")
+    assert gt._auto_marks().mode is None   # noqa: SLF001
+
+
+def test_the_environment_variable_turns_marks_on_at_install_once(fake_torch, glued, monkeypatch):
+    installs = []
+    monkeypatch.setattr(gt, "_installed_allocator", lambda: installs.append(1))
+    monkeypatch.setenv(gt.STEP_MARKS_ENV, "optimizer")
+    monkeypatch.delenv(gt.TRACE_OUT_ENV, raising=False)
+    gt.install()
+    assert installs == [1] and len(fake_torch.hooks) == 1
+    gt.configure(step_marks=None)
+    gt.install()   # again: the variable was read once; the program's configure stands
+    assert installs == [1, 1] and fake_torch.hooks == []
+
+
+@pytest.mark.parametrize("bad", ["0", "none", "Optimizer", "adam"])
+def test_a_bad_environment_variable_installs_nothing(fake_torch, glued, monkeypatch, bad):
+    installs = []
+    monkeypatch.setattr(gt, "_installed_allocator", lambda: installs.append(1))
+    monkeypatch.setenv(gt.STEP_MARKS_ENV, bad)
+    with pytest.raises(InvalidArgumentError, match=rf"GPUMEM_STEP_MARKS must be 'optimizer' \(or unset\), not '{bad}'"):
+        gt.install()
+    assert installs == [] and fake_torch.hooks == []
+
+
+def test_an_empty_environment_variable_is_unset(fake_torch, glued, monkeypatch):
+    monkeypatch.setattr(gt, "_installed_allocator", lambda: None)
+    monkeypatch.setenv(gt.STEP_MARKS_ENV, "")
+    monkeypatch.delenv(gt.TRACE_OUT_ENV, raising=False)
+    gt.install()
+    assert fake_torch.hooks == []
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed")
+def test_real_pytorch_optimizers_mark_through_the_global_hook(monkeypatch):  # pragma: no cover - needs PyTorch
+    """PyTorch's own hook, with its optimizers on the host: one mark per step of the first optimizer."""
+    import torch
+
+    gt._auto_marks.cache_clear()   # noqa: SLF001
+    alloc = glued_allocator(monkeypatch)
+    stand_in, marked = gt._lib(), []   # noqa: SLF001
+    real_mark = stand_in.gpumem_torch_step_mark
+    stand_in.gpumem_torch_step_mark = lambda index: (marked.append(index), real_mark(index))[1]
+    real_index = gt._device_index   # noqa: SLF001
+    monkeypatch.setattr(gt, "_device_index", lambda d, default_current=True: 0 if d is None else real_index(d))
+    w1, w2 = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    first, second = torch.optim.SGD([w1], lr=0.1), torch.optim.AdamW([w2], lr=0.1)
+    try:
+        gt.configure(step_marks="optimizer")
+        loop = TrainLoop(alloc)
+        for _ in range(6):
+            loop.allocations()
+            for opt, w in ((first, w1), (second, w2)):
+                opt.zero_grad()
+                (w * w).sum().backward()
+                opt.step()
+        assert marked == [0] * 6 and gt.step_plan_info(0).state == StepState.PLANNED
+        gt.configure(step_marks=None)
+        first.step()
+        assert len(marked) == 6
+    finally:
+        gt._auto_marks().turn(None, None)   # noqa: SLF001
+        gt._auto_marks.cache_clear()        # noqa: SLF001

@@ -49,6 +49,7 @@ import ctypes
 import atexit
 import dataclasses
 import functools
+import importlib
 import logging
 import os
 import threading
@@ -570,6 +571,11 @@ def _optimizer_hook_registrar() -> Any:
     """PyTorch's ``register_optimizer_step_post_hook``, or :class:`BackendUnavailableError`."""
     torch = _torch("gpumem.torch.configure(step_marks=...)")
     register = getattr(getattr(getattr(torch, "optim", None), "optimizer", None), "register_optimizer_step_post_hook", None)
+    if register is None:  # torch.optim deletes its submodules' names (PyTorch 2.11): import the module itself
+        try:
+            register = getattr(importlib.import_module("torch.optim.optimizer"), "register_optimizer_step_post_hook", None)
+        except ImportError:
+            register = None
     if register is None:
         raise BackendUnavailableError(f"PyTorch {getattr(torch, '__version__', '?')} has no global optimizer step hook "
                                       "(torch.optim.optimizer.register_optimizer_step_post_hook, PyTorch 2.0 or later); "

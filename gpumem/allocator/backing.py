@@ -88,7 +88,8 @@ On the H200 a driver call costs more than a whole allocation from CuPy's pool
 (``cuMemCreate`` 14.6 µs, ``cuMemMap`` 3.0, ``cuMemSetAccess`` 38, ``cuMemUnmap``
 23.6, ``cuMemRelease`` 15.6), and with one-page chunks growing to 15 GiB takes
 7,000 creates and maps. CUDA maps a chunk only whole and at offset 0, and unmaps
-a mapping only whole, so a chunk of several pages lies on contiguous pages and
+a mapping only whole (the H200's driver refuses offsets, partial mappings and partial
+unmaps: ``python -m hil.probes.map_offset``), so a chunk of several pages lies on contiguous pages and
 moves whole. ``growth=CHUNKS`` (the default; ``growth=PAGES`` with
 ``page_slack=0`` is the behaviour before, kept for comparison) therefore:
 

@@ -2216,6 +2216,10 @@ EngineError Engine::oom_error(std::uint64_t nbytes, OomCause cause, void* cause_
     info.reserved_nbytes = reserved;
     info.limit_nbytes = cfg_.limit_nbytes;
     info.va_nbytes = va_nbytes_;
+    info.plan_mapped_nbytes = plan_mapped_nbytes_;
+    for (auto& a : arenas_)
+        if (a->dropped) info.plan_dropped_nbytes += a->mapped_nbytes;
+    info.plan_live_nbytes = plan_live_nbytes();
     info.cause_py_exc = cause_exc;
     return EngineError(info, "out of memory: tried to allocate " + std::to_string(nbytes) + " bytes; the device has " +
                                  std::to_string(info.free_nbytes) + " bytes free of " + std::to_string(info.total_nbytes));
@@ -2370,6 +2374,7 @@ EngineStats Engine::stats() {
                             - static_cast<std::int64_t>(unmapped_nbytes());
     st.inactive_split_nbytes = inactive > 0 ? static_cast<std::uint64_t>(inactive) : 0;
     st.num_live_blocks = live_.size();
+    for (auto& a : arenas_) st.num_live_blocks += a->live.size();   // plan.py live_count: every arena's, dropped ones' too
     std::uint64_t nfree = 0;
     for (auto& fl : fl_order_) nfree += fl->blocks.size();
     st.num_free_blocks = nfree;

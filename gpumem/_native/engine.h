@@ -154,6 +154,11 @@ struct OomInfo {
     std::uint64_t reserved_nbytes = 0;
     std::uint64_t limit_nbytes = 0;       // 0: none
     std::uint64_t va_nbytes = 0;
+    // step plans' arenas (in reserved): mapped, of it the dropped plans' arenas', and their live bytes
+    // (engine.py oom_error's plan_*; Note [A step plan in the out-of-memory error] there)
+    std::uint64_t plan_mapped_nbytes = 0;
+    std::uint64_t plan_dropped_nbytes = 0;
+    std::uint64_t plan_live_nbytes = 0;
     void* cause_py_exc = nullptr;         // the device's exception (Python backend), borrowed
 };
 

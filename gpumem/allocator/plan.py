@@ -949,6 +949,11 @@ class StepPlan:
         """Bytes (rounded) of live arena allocations, for the consistency check."""
         return sum(size for a in self.arenas for (_, size, _) in a.live.values())
 
+    def live_count(self) -> int:
+        """Live allocations in every arena, the current plan's and dropped ones' (``num_live_blocks``: Note
+        [The step plan's arena in the summary] in :mod:`.stats`)."""
+        return sum(len(a.live) for a in self.arenas)
+
 
 def _check_slots(planned: list[tuple[int, int]], sizes: list[int], e1: list[int], e2: list[int]) -> None:
     """Raise :class:`InvalidArgumentError` when two planned slots alive together overlap in the arena: a sweep

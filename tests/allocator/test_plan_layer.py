@@ -1156,3 +1156,77 @@ def test_an_interrupt_in_the_undo_of_a_mapping_books_it_first(engine):
     alloc.close()
     assert alloc.leaked_nbytes == 0
     assert not list(dev.mapping_ranges()) and not list(dev.reservation_ranges())
+
+
+def dropped_with_a_kept_block(engine: str, limit: int | None = None) -> tuple[CachingAllocator, int]:
+    """A plan whose step (a 100 MiB temporary, a 512 B block in its place) is dropped while a 512 B block made
+    in a planned step is kept: the dropped arena stays, pinned by it (Note [Arena runs of at most a chunk])."""
+    alloc = CachingAllocator(sim.SimDevice(sim.custom_profile("t", 16384 * MiB, context_nbytes=32 * MiB)),
+                             engine=engine, limit=limit)
+    kept = None
+    for i in range(6):
+        alloc.mark_step()
+        alloc.free(alloc.allocate(100 * MiB))
+        s = alloc.allocate(512)
+        if i == 5:
+            kept = s
+        else:
+            alloc.free(s)
+    for _ in range(MISS_LIMIT + 1):   # the steps change: the plan is dropped
+        alloc.mark_step()
+        for n in (3 * MiB, 5 * MiB):
+            alloc.free(alloc.allocate(n))
+    info = alloc.step_plan_info()
+    assert info.plans_dropped == 1 and info.state != StepState.PLANNED and info.live_nbytes == 512
+    return alloc, kept
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_summary_counts_live_blocks_of_the_plan_and_of_dropped_arenas(engine):
+    """Note [The step plan's arena in the summary]: `Live blocks` counted the engine's blocks only: a planned
+    step's live tensors and a kept block pinning a dropped arena were in `Allocated` but not in the count."""
+    alloc, loop = planned(engine, 6)
+    assert alloc.stats.num_live_blocks == len(loop.live) == 4   # all four served from the arena
+    assert summary_row(alloc.memory_summary(), "Live blocks") == "4"
+    alloc, kept = dropped_with_a_kept_block(engine)
+    assert alloc.stats.num_live_blocks == 1 and not alloc.live_blocks()   # the engine holds none
+    assert summary_row(alloc.memory_summary(), "Live blocks") == "1"
+    alloc.free(kept)
+    assert alloc.stats.num_live_blocks == 0
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_out_of_memory_error_names_what_the_step_plans_hold(engine):
+    """Note [A step plan in the out-of-memory error]: the error counted the arenas' pages in reserved but named
+    no step plan, so the memory a dropped arena kept looked like the engine's cache."""
+    from gpumem.units import format_bytes
+
+    alloc, kept = dropped_with_a_kept_block(engine, limit=200 * MiB)
+    info = alloc.step_plan_info()
+    assert info.mapped_nbytes > 0
+    with pytest.raises(OutOfMemoryError) as exc:
+        alloc.allocate(199 * MiB)
+    text = str(exc.value)
+    assert (f"{format_bytes(info.mapped_nbytes)} is held by the arenas of dropped step plans, until the allocations "
+            "still live in them are freed") in text
+    assert f"({format_bytes(512)} of the step plans' arenas in live allocations" in text
+    assert "current step plan's arena" not in text
+    alloc.free(kept)
+    alloc.mark_step()
+    with pytest.raises(OutOfMemoryError) as exc:
+        alloc.allocate(250 * MiB)
+    assert "step plan" not in str(exc.value)   # nothing held by a plan any more
+    # a request over the limit is refused at once, the plan in place: its arena is named
+    alloc, loop = planned(engine, 6, limit=400 * MiB)
+    info = alloc.step_plan_info()
+    assert info.state == StepState.PLANNED
+    with pytest.raises(OutOfMemoryError) as exc:
+        alloc.allocate(401 * MiB)
+    assert (f"Of the memory this allocator holds, {format_bytes(info.mapped_nbytes)} is the current step plan's "
+            f"arena ({format_bytes(info.live_nbytes)} of the step plans' arenas in live allocations") in str(exc.value)
+    # past the ladder, the plan is dropped: its arena's pinned runs are named as a dropped plan's
+    with pytest.raises(OutOfMemoryError) as exc:
+        alloc.allocate(399 * MiB)
+    assert "held by the arenas of dropped step plans" in str(exc.value)
+    assert alloc.step_plan_info().plans_dropped == 1

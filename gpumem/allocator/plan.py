@@ -109,7 +109,8 @@ back (after the arena's streams), and the engine's idle cache (its copies of the
 kept block sits at the moved slots' bottom, so kept blocks pack as the engine would pack them, the slots
 above. The arena reserves :data:`ARENA_VA_FACTOR` times its extent of addresses (addresses cost nothing;
 pages do); a move past that, or one whose slots are taken by this step's blocks or a poisoned range, is not
-made (the engine keeps serving those slots). Figures (``benchmarks/step_plan_kept``, no limit, held at the
+made (the engine keeps serving those slots). A fixed block's pages, once it is freed, go back at the next
+move or the plan's drop. Figures (``benchmarks/step_plan_kept``, no limit, held at the
 end): 4 GiB, kept once or every tenth step: 8,194 -> 4,098 MiB (unmarked 4,098); 100 MiB, every tenth
 (the 202 MiB loop): 202 -> 102 MiB. The cost: each kept block misses the step after it (met before it is
 known kept: the slot is held twice then, so the peak stays 8 GiB), where before only the first one did;

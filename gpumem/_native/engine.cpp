@@ -2216,6 +2216,10 @@ EngineError Engine::oom_error(std::uint64_t nbytes, OomCause cause, void* cause_
     info.reserved_nbytes = reserved;
     info.limit_nbytes = cfg_.limit_nbytes;
     info.va_nbytes = va_nbytes_;
+    info.plan_mapped_nbytes = plan_mapped_nbytes_;
+    for (auto& a : arenas_)
+        if (a->dropped) info.plan_dropped_nbytes += a->mapped_nbytes;
+    info.plan_live_nbytes = plan_live_nbytes();
     info.cause_py_exc = cause_exc;
     return EngineError(info, "out of memory: tried to allocate " + std::to_string(nbytes) + " bytes; the device has " +
                                  std::to_string(info.free_nbytes) + " bytes free of " + std::to_string(info.total_nbytes));
@@ -2370,6 +2374,7 @@ EngineStats Engine::stats() {
                             - static_cast<std::int64_t>(unmapped_nbytes());
     st.inactive_split_nbytes = inactive > 0 ? static_cast<std::uint64_t>(inactive) : 0;
     st.num_live_blocks = live_.size();
+    for (auto& a : arenas_) st.num_live_blocks += a->live.size();   // plan.py live_count: every arena's, dropped ones' too
     std::uint64_t nfree = 0;
     for (auto& fl : fl_order_) nfree += fl->blocks.size();
     st.num_free_blocks = nfree;
@@ -2610,6 +2615,7 @@ namespace {
 constexpr int kMissLimit = 3;         // plan.py MISS_LIMIT
 constexpr int kMissWindow = 8;        // plan.py MISS_WINDOW
 constexpr int kMissWindowLimit = 4;   // plan.py MISS_WINDOW_LIMIT
+constexpr std::uint64_t kArenaVaFactor = 2;   // plan.py ARENA_VA_FACTOR
 
 // plan.py _Ranges over a std::map: disjoint ranges [start, end) with a slot each (install's sweep)
 struct Ranges {
@@ -2726,6 +2732,10 @@ void Engine::plan_clear_slots() {
     occ_tree_.clear();
     slot_poisoned_.clear();
     slot_served_in_.clear();
+    slot_e1_.clear();
+    slot_e2_.clear();
+    blocked_nbytes_ = 0;
+    moved_at_ = -1;
     cursor_ = 0;
     left_ = missed_ = plan_broken_ = false;
     miss_bits_ = 0;
@@ -2795,8 +2805,157 @@ int Engine::plan_mark() {
         }
         cursor_ = 0;
         left_ = missed_ = false;
+        const std::uint64_t blocked = blocked_nbytes_;
+        blocked_nbytes_ = 0;
+        if (blocked >= g_ && (moved_at_ < 0 || planned_steps_ - static_cast<std::uint64_t>(moved_at_) >= kMissWindow))
+            plan_move_off_kept();
         return 0;
     }
+}
+
+// plan.py _move_off_kept (Note [Moving slots off kept blocks]): the slots that meet a kept block move elsewhere
+// in the arena, the kept blocks fixed where they are; the runs nothing uses then go back, and the engine's idle
+// cache.
+void Engine::plan_move_off_kept() {
+    PlanArena* arena = arenas_.back().get();
+    const std::uint64_t base = arena->base, ps = planned_steps_;
+    const std::size_t n = slot_off_.size();
+    struct Kept {
+        std::uint64_t off, size;
+        std::size_t k;
+        bool operator<(const Kept& o) const { return off != o.off ? off < o.off : size != o.size ? size < o.size : k < o.k; }
+    };
+    std::vector<Kept> kept;
+    for (auto& kv : arena->live)
+        if (kv.second.slot != kFixedSlot && ps - slot_served_in_[kv.second.slot] >= 2)
+            kept.push_back(Kept{kv.first - base, kv.second.size, kv.second.slot});
+    if (kept.empty()) return;
+    std::sort(kept.begin(), kept.end());
+    std::vector<char> is_kept(n, 0), moving(n, 0);
+    for (const Kept& kb : kept) is_kept[kb.k] = 1;
+    std::vector<std::size_t> move;
+    for (std::size_t k = 0; k < n; ++k) {
+        if (slot_off_[k] < 0) continue;
+        const std::uint64_t o = static_cast<std::uint64_t>(slot_off_[k]);
+        for (const Kept& kb : kept)
+            if (kb.off < o + slot_size_[k] && o < kb.off + kb.size) {
+                move.push_back(k);
+                moving[k] = 1;
+                break;
+            }
+    }
+    auto prefix = [&](std::size_t i) {
+        std::size_t c = 0;
+        for (; i > 0; i -= i & (~i + 1)) c += occ_tree_[i];
+        return c;
+    };
+    auto taken = [&](std::size_t k) { return prefix(slot_pos_[k] + 1) != prefix(slot_pos_[k]); };
+    for (std::size_t k : move)   // a slot taken by anything but its kept block (live in this step, or poisoned) stays
+        if (taken(k) && !is_kept[k]) return;
+    // always in the way: kept blocks (this move's and earlier ones'), ranges poisoned and freed
+    typedef std::pair<std::uint64_t, std::uint64_t> Range;
+    std::vector<Range> always;
+    for (const Kept& kb : kept) always.emplace_back(kb.off, kb.off + kb.size);
+    for (auto& kv : arena->live)
+        if (kv.second.slot == kFixedSlot) always.emplace_back(kv.first - base, kv.first - base + kv.second.size);
+    for (std::size_t i = 0; i < occ_slot_.size(); ++i) {
+        const std::size_t k = occ_slot_[i];
+        if (taken(k) && !plan_slot_live(k))
+            always.emplace_back(static_cast<std::uint64_t>(slot_off_[k]), static_cast<std::uint64_t>(slot_off_[k]) + slot_size_[k]);
+    }
+    auto meets = [&](std::size_t i, std::size_t j) {   // other streams, or alive together
+        if (slot_stream_[i] != slot_stream_[j]) return true;
+        const std::int64_t si[2][2] = {{static_cast<std::int64_t>(i), slot_e1_[i]}, {0, slot_e2_[i]}};
+        const std::int64_t sj[2][2] = {{static_cast<std::int64_t>(j), slot_e1_[j]}, {0, slot_e2_[j]}};
+        const int ni = slot_e2_[i] ? 2 : 1, nj = slot_e2_[j] ? 2 : 1;
+        for (int a = 0; a < ni; ++a)
+            for (int b = 0; b < nj; ++b)
+                if (si[a][0] < sj[b][1] && sj[b][0] < si[a][1]) return true;
+        return false;
+    };
+    std::vector<std::size_t> order(move);
+    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+        if (slot_size_[a] != slot_size_[b]) return slot_size_[a] > slot_size_[b];
+        const std::int64_t la = (slot_e1_[a] - static_cast<std::int64_t>(a)) + slot_e2_[a];
+        const std::int64_t lb = (slot_e1_[b] - static_cast<std::int64_t>(b)) + slot_e2_[b];
+        if (la != lb) return la > lb;
+        return a < b;
+    });
+    std::vector<std::uint64_t> placed_off(n, 0);
+    std::vector<std::size_t> placed;
+    for (std::size_t i : order) {
+        std::vector<Range> ranges(always);
+        for (std::size_t j = 0; j < n; ++j)
+            if (slot_off_[j] >= 0 && !moving[j] && meets(i, j))
+                ranges.emplace_back(static_cast<std::uint64_t>(slot_off_[j]), static_cast<std::uint64_t>(slot_off_[j]) + slot_size_[j]);
+        for (std::size_t j : placed)
+            if (meets(i, j)) ranges.emplace_back(placed_off[j], placed_off[j] + slot_size_[j]);
+        std::sort(ranges.begin(), ranges.end());
+        std::uint64_t reach = 0;
+        for (const Range& r : ranges) {
+            if (r.first >= reach + slot_size_[i]) break;
+            reach = std::max(reach, r.second);
+        }
+        placed_off[i] = reach;
+        placed.push_back(i);
+    }
+    std::uint64_t top = 0;
+    for (std::size_t j = 0; j < n; ++j)
+        if (slot_off_[j] >= 0 && !moving[j]) top = std::max(top, static_cast<std::uint64_t>(slot_off_[j]) + slot_size_[j]);
+    for (std::size_t i : placed) top = std::max(top, placed_off[i] + slot_size_[i]);
+    for (const Range& r : always) top = std::max(top, r.second);
+    const std::uint64_t extent = (top + g_ - 1) / g_ * g_;
+    if (extent > arena->nbytes) return;   // no room left in the reservation: the engine keeps serving those slots
+    for (const Kept& kb : kept) {
+        plan_occupy(kb.k, false);
+        arena->live[base + kb.off].slot = kFixedSlot;
+    }
+    std::vector<char> was_taken(n, 0);
+    for (std::size_t i = 0; i < occ_slot_.size(); ++i) was_taken[occ_slot_[i]] = taken(occ_slot_[i]) ? 1 : 0;
+    for (std::size_t i : placed) {
+        slot_off_[i] = static_cast<std::int64_t>(placed_off[i]);
+        slot_poisoned_[i] = 0;
+    }
+    std::vector<std::pair<std::int64_t, std::size_t>> sorted_slots;
+    for (std::size_t k = 0; k < n; ++k)
+        if (slot_off_[k] >= 0) sorted_slots.emplace_back(slot_off_[k], k);
+    std::sort(sorted_slots.begin(), sorted_slots.end());
+    occ_start_.clear();
+    occ_slot_.clear();
+    for (auto& ok : sorted_slots) {
+        slot_pos_[ok.second] = occ_slot_.size();
+        occ_start_.push_back(static_cast<std::uint64_t>(ok.first));
+        occ_slot_.push_back(ok.second);
+    }
+    occ_tree_.assign(occ_slot_.size() + 1, 0);
+    for (std::size_t k = 0; k < n; ++k)
+        if (slot_off_[k] >= 0 && was_taken[k]) plan_occupy(k, true);
+    arena->extent_nbytes = extent;
+    moved_at_ = static_cast<std::int64_t>(ps);
+    ++plan_moves_;
+    // the runs no slot and no live block touches go back (after the arena's streams), then the engine's idle cache
+    std::vector<Range> used;
+    for (std::size_t k = 0; k < n; ++k)
+        if (slot_off_[k] >= 0)
+            used.emplace_back(static_cast<std::uint64_t>(slot_off_[k]), static_cast<std::uint64_t>(slot_off_[k]) + slot_size_[k]);
+    for (auto& kv : arena->live) used.emplace_back(kv.first - base, kv.first - base + kv.second.size);
+    std::sort(used.begin(), used.end());
+    std::vector<std::uint64_t> starts(used.size()), reach_at(used.size());
+    for (std::size_t i = 0; i < used.size(); ++i) {
+        starts[i] = used[i].first;
+        reach_at[i] = i ? std::max(reach_at[i - 1], used[i].second) : used[i].second;
+    }
+    std::vector<std::size_t> idle;
+    for (std::size_t i = 0; i < arena->runs.size(); ++i) {
+        const std::uint64_t lo = arena->runs[i].va - base, hi = lo + arena->runs[i].nbytes;
+        const std::size_t j = static_cast<std::size_t>(std::lower_bound(starts.begin(), starts.end(), hi) - starts.begin());
+        if (j == 0 || reach_at[j - 1] <= lo) idle.push_back(i);
+    }
+    if (!idle.empty()) {
+        for (std::uint64_t s : arena->streams) backend_.stream_synchronize(s);   // sorted (std::set)
+        for (std::size_t j = idle.size(); j-- > 0;) plan_give_back_run(arena, idle[j]);
+    }
+    empty_cache_locked();
 }
 
 std::vector<Engine::StepRecord> Engine::step_template() {
@@ -2875,10 +3034,11 @@ bool Engine::install_plan(const std::vector<std::int64_t>& offsets, std::int64_t
         throw EngineError(EngineErrorKind::kInvalidArgument, "install_plan: every slot of the plan meets another stream's");
     const std::uint64_t arena_nbytes = (height + g_ - 1) / g_ * g_;
     std::unique_ptr<PlanArena> arena(new PlanArena());
-    GPUMEM_OPERATION({ arena->base = backend_.address_reserve(arena_nbytes, 0); })
+    GPUMEM_OPERATION({ arena->base = backend_.address_reserve(arena_nbytes * kArenaVaFactor, 0); })
     ++plan_arena_calls_;
-    arena->nbytes = arena_nbytes;
-    arena->pages.assign(arena_nbytes / g_, 0);
+    arena->nbytes = arena_nbytes * kArenaVaFactor;
+    arena->extent_nbytes = arena_nbytes;
+    arena->pages.assign(arena->nbytes / g_, 0);
     for (auto& pk : planned)
         if (!refused[pk.second]) arena->streams.insert(rec[pk.second].stream);
     arenas_.push_back(std::move(arena));
@@ -2887,6 +3047,10 @@ bool Engine::install_plan(const std::vector<std::int64_t>& offsets, std::int64_t
         if (offsets[k] >= 0 && !refused[k]) slot_off_[k] = offsets[k];
     slot_size_ = sizes;
     slot_stream_ = streams;
+    slot_e1_ = e1;
+    slot_e2_ = e2;
+    blocked_nbytes_ = 0;
+    moved_at_ = -1;
     occ_start_.clear();
     occ_slot_.clear();
     slot_pos_.assign(n, 0);
@@ -2954,6 +3118,7 @@ std::uint64_t Engine::plan_serve(std::uint64_t nbytes, std::uint64_t stream) {
         // kept past their step])
         const std::size_t js = static_cast<std::size_t>(j);
         if (planned_steps_ - slot_served_in_[js] < 2 || (slot_poisoned_[js] && !plan_slot_live(js))) missed_ = true;
+        else blocked_nbytes_ += size;   // the slot may move (plan.py, Note [Moving slots off kept blocks])
         return 0;
     }
     PlanArena* arena = arenas_.back().get();
@@ -3008,7 +3173,7 @@ bool Engine::plan_free_fast(std::uint64_t ptr) {
     if (it == arena->live.end()) return false;
     const PlanLive e = it->second;
     arena->live.erase(it);
-    if (!slot_poisoned_[e.slot]) plan_occupy(e.slot, false);   // a slot used on another stream stays taken
+    if (e.slot != kFixedSlot && !slot_poisoned_[e.slot]) plan_occupy(e.slot, false);   // a slot used on another stream stays taken
     st_.allocated_nbytes -= e.size;
     st_.requested_nbytes -= e.requested;
     ++st_.num_frees;
@@ -3128,7 +3293,8 @@ bool Engine::plan_free(std::uint64_t ptr) {
     PlanArena* arena = plan_arena_entry(ptr, &e, true);
     if (arena == nullptr) return false;
     arena->live.erase(ptr);
-    if (!arena->dropped && !slot_poisoned_[e.slot]) plan_occupy(e.slot, false);   // a slot used on another stream stays taken
+    if (!arena->dropped && e.slot != kFixedSlot && !slot_poisoned_[e.slot])
+        plan_occupy(e.slot, false);   // a slot used on another stream stays taken
     st_.allocated_nbytes -= e.size;
     st_.requested_nbytes -= e.requested;
     ++st_.num_frees;
@@ -3175,7 +3341,7 @@ bool Engine::plan_record_stream(std::uint64_t ptr, std::uint64_t stream) {
     PlanLive e{};
     PlanArena* arena = plan_arena_entry(ptr, &e);
     if (!arena) return false;
-    if (arena->dropped) {
+    if (arena->dropped || e.slot == kFixedSlot) {   // a dropped arena's, or a kept block no slot meets any more
         arena->streams.insert(stream);
     } else if (stream != slot_stream_[e.slot]) {
         arena->streams.insert(stream);
@@ -3289,7 +3455,7 @@ std::uint64_t Engine::plan_live_nbytes() const {
 std::vector<std::uint64_t> Engine::step_plan_info() {
     Guard guard(*this, true);
     const PlanArena* cur = plan_state_ == kPlanPlanned && !arenas_.empty() ? arenas_.back().get() : nullptr;
-    return {static_cast<std::uint64_t>(plan_state_), slot_off_.size(), cur ? cur->nbytes : 0, plan_mapped_nbytes_,
+    return {static_cast<std::uint64_t>(plan_state_), slot_off_.size(), cur ? cur->extent_nbytes : 0, plan_mapped_nbytes_,
             plan_served_, plan_fallback_, plan_steps_hit_, plan_steps_missed_, plans_installed_, plans_dropped_,
             plan_arena_calls_, plan_live_nbytes()};
 }

@@ -154,6 +154,11 @@ struct OomInfo {
     std::uint64_t reserved_nbytes = 0;
     std::uint64_t limit_nbytes = 0;       // 0: none
     std::uint64_t va_nbytes = 0;
+    // step plans' arenas (in reserved): mapped, of it the dropped plans' arenas', and their live bytes
+    // (engine.py oom_error's plan_*; Note [A step plan in the out-of-memory error] there)
+    std::uint64_t plan_mapped_nbytes = 0;
+    std::uint64_t plan_dropped_nbytes = 0;
+    std::uint64_t plan_live_nbytes = 0;
     void* cause_py_exc = nullptr;         // the device's exception (Python backend), borrowed
 };
 
@@ -326,8 +331,9 @@ class Engine {
     struct Guard;
     // -- plan.py: StepPlan -----------------------------------------------------------------------------
     enum PlanState : int { kPlanOff = 0, kPlanRecording = 1, kPlanRecordingNext = 2, kPlanReady = 3, kPlanPlanned = 4 };
+    static constexpr std::size_t kFixedSlot = static_cast<std::size_t>(-1);   // plan.py slot -1: a kept block fixed
     struct PlanLive {
-        std::size_t slot;
+        std::size_t slot;   // kFixedSlot: kept, no slot meets it any more (Note [Moving slots off kept blocks])
         std::uint64_t size, requested;
     };
     struct PlanRun {
@@ -337,6 +343,7 @@ class Engine {
     };
     struct PlanArena {   // plan.py's _Arena
         std::uint64_t base = 0, nbytes = 0;
+        std::uint64_t extent_nbytes = 0;   // the plan's extent in the reservation, pages rounded (PlanInfo.arena_nbytes)
         std::vector<ChunkHandle> pages;   // 0: unmapped
         std::vector<PlanRun> runs;
         std::uint64_t mapped_nbytes = 0;
@@ -357,6 +364,7 @@ class Engine {
     std::uint64_t plan_serve_fast(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out);
     bool plan_free_fast(std::uint64_t ptr);
     void plan_occupy(std::size_t k, bool live);
+    void plan_move_off_kept();   // plan.py _move_off_kept
     void count_alloc(std::uint64_t size, std::uint64_t nbytes);
     bool plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size);
     void plan_book_run(PlanArena* arena, std::uint64_t va, std::uint64_t nb, ChunkHandle h);
@@ -589,6 +597,10 @@ class Engine {
     std::vector<std::size_t> occ_slot_, slot_pos_, occ_tree_;
     std::vector<char> slot_poisoned_;
     std::vector<std::uint64_t> slot_served_in_;   // plan.py served_in: the planned step each slot was last served in
+    std::vector<std::int64_t> slot_e1_, slot_e2_;   // plan.py e1, e2: each slot's lifetime in ranks
+    std::uint64_t blocked_nbytes_ = 0;   // plan.py blocked_nbytes: served by the engine because of kept blocks
+    std::int64_t moved_at_ = -1;   // plan.py moved_at: the planned step of the last move off kept blocks
+    std::uint64_t plan_moves_ = 0;   // plan.py counts["moves"]
     std::size_t cursor_ = 0;
     bool left_ = false, missed_ = false;
     bool plan_broken_ = false;   // plan.py broken: a mapping of the arena could not be undone; drop at the next mark

@@ -140,7 +140,7 @@ void set_error(AllocObject* self, PyObject* huge_nbytes = nullptr) {
                 PyObject* cause = o.cause_py_exc ? static_cast<PyObject*>(o.cause_py_exc) : Py_None;
                 PyObject* req = huge_nbytes ? (Py_INCREF(huge_nbytes), huge_nbytes)
                                                   : PyLong_FromUnsignedLongLong(o.requested_nbytes);
-                PyObject* err = PyObject_CallFunction(fn, "iNKKKLKKKOOK", static_cast<int>(o.cause), req,
+                PyObject* err = PyObject_CallFunction(fn, "iNKKKLKKKOOKKKK", static_cast<int>(o.cause), req,
                                                       (unsigned long long)o.free_nbytes,
                                                       (unsigned long long)o.total_nbytes,
                                                       (unsigned long long)o.allocated_nbytes,
@@ -148,7 +148,10 @@ void set_error(AllocObject* self, PyObject* huge_nbytes = nullptr) {
                                                       (unsigned long long)o.reserved_nbytes,
                                                       (unsigned long long)o.limit_nbytes,
                                                       (unsigned long long)o.va_nbytes, cause,
-                                                      self->spec ? self->spec : Py_None, self->round_nbytes);
+                                                      self->spec ? self->spec : Py_None, self->round_nbytes,
+                                                      (unsigned long long)o.plan_mapped_nbytes,
+                                                      (unsigned long long)o.plan_dropped_nbytes,
+                                                      (unsigned long long)o.plan_live_nbytes);
                 Py_DECREF(fn);
                 if (!err) break;
                 if (PyExceptionInstance_Check(err))   // Note [Helpers' results are checked]

@@ -235,8 +235,13 @@ std::string oom_message(const EngineError& e, std::uint64_t nbytes, int device) 
     return "CUDA out of memory. Tried to allocate " + format_mib(nbytes) + " on GPU " + std::to_string(device) +
            " through gpumem. GPU " + std::to_string(device) + " has a total capacity of " +
            format_mib(o.total_nbytes) + " of which " + format_mib(o.free_nbytes) + " is free. gpumem holds " +
-           format_mib(o.reserved_nbytes) + " (" + format_mib(o.allocated_nbytes) + " allocated by PyTorch). " +
-           e.what();
+           format_mib(o.reserved_nbytes) + " (" + format_mib(o.allocated_nbytes) + " allocated by PyTorch" +
+           // Note [A step plan in the out-of-memory error] (gpumem/allocator/engine.py)
+           (o.plan_mapped_nbytes ? "; " + format_mib(o.plan_mapped_nbytes) + " of it in step plans' arenas, " +
+                                       format_mib(o.plan_dropped_nbytes) + " of that in dropped plans' arenas, " +
+                                       format_mib(o.plan_live_nbytes) + " of the arenas live"
+                                 : std::string()) +
+           "). " + e.what();
 }
 
 // Note [Allocation history for gpumem record]: PyTorch refuses _record_memory_history and snapshots

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..trace import Trace
     from .stats import AllocatorStats
 
-__all__ = ["Engine", "OomCause", "oom_error", "too_large_hint", "no_history_error"]
+__all__ = ["Engine", "OomCause", "oom_error", "plan_hint", "too_large_hint", "no_history_error"]
 
 
 @runtime_checkable
@@ -127,16 +127,42 @@ def too_large_hint(nbytes: int, size: int, total_nbytes: int) -> str:
             "refused at once. Try: use smaller batches or shorter sequences, or split the tensor.")
 
 
+def plan_hint(mapped_nbytes: int, dropped_nbytes: int, live_nbytes: int) -> str:
+    """The sentence of an out-of-memory error on what the step plans' arenas hold (Note [A step plan in the
+    out-of-memory error])."""
+    parts = []
+    if mapped_nbytes > dropped_nbytes:
+        parts.append(f"{format_bytes(mapped_nbytes - dropped_nbytes)} is the current step plan's arena")
+    if dropped_nbytes:
+        parts.append(f"{format_bytes(dropped_nbytes)} is held by the arenas of dropped step plans, until the "
+                     "allocations still live in them are freed")
+    return (f"Of the memory this allocator holds, {' and '.join(parts)} ({format_bytes(live_nbytes)} of the step "
+            "plans' arenas in live allocations; see memory_summary()'s step plan line).")
+
+
 def oom_error(cause: OomCause, nbytes: int, rounded_nbytes: int, *, free_nbytes: int, total_nbytes: int,
               device: str, allocated_nbytes: int, cached_nbytes: int, reserved_nbytes: int,
               limit_nbytes: int | None, va_nbytes: int = 0, injected: bool = False,
-              segment_mode_vmm: bool | None = None) -> OutOfMemoryError:
+              segment_mode_vmm: bool | None = None, plan_mapped_nbytes: int = 0, plan_dropped_nbytes: int = 0,
+              plan_live_nbytes: int = 0) -> OutOfMemoryError:
     """The :class:`~gpumem.errors.OutOfMemoryError` of a failed request, with its hint.
 
     The numbers are the engine's at the moment of the failure (``free_nbytes``/``total_nbytes`` from
     the device's ``mem_info()``). ``segment_mode_vmm``: None in virtual-memory mode; in segment mode,
     whether the device has virtual memory management (the hint on fragmented cached memory says
-    what to try then)."""
+    what to try then). ``plan_*``: the step plans' arenas (Note [A step plan in the out-of-memory error]).
+
+    Note [A step plan in the out-of-memory error]
+    ---------------------------------------------
+    A step plan's arena (Note [Step plans] in :mod:`.plan`) is device memory outside the engine's cache:
+    its mapped pages count in *reserved* (the error's cached bytes), and those of a dropped plan stay mapped
+    while a block made in a planned step and kept past it lives in them. The error named none of it, so a
+    user reading it could not tell where the memory went. It now says how much the arenas hold (the current
+    plan's and dropped plans'), and how much of that is live allocations; what a dropped arena holds goes
+    back once those allocations are freed (at the next ``mark_step``). By the time a request fails the
+    retry ladder has dropped the plan and given back every run nothing live touches (Note [Step plans
+    under memory pressure]), so what is left is usually the dropped arenas' pinned runs. The figures are
+    gathered by each engine (``PythonEngine._oom_error``, ``Engine::oom_error`` in ``engine.cpp``)."""
     if cause is OomCause.TOO_LARGE:
         hint = too_large_hint(nbytes, rounded_nbytes, total_nbytes)
     elif injected:
@@ -161,6 +187,8 @@ def oom_error(cause: OomCause, nbytes: int, rounded_nbytes: int, *, free_nbytes:
             else:
                 hint += "; the cached memory is fragmented (this device has no virtual memory management)"
         hint += "."
+    if plan_mapped_nbytes and cause is not OomCause.TOO_LARGE:
+        hint += " " + plan_hint(plan_mapped_nbytes, plan_dropped_nbytes, plan_live_nbytes)
     return OutOfMemoryError(nbytes, free_nbytes, total_nbytes, device=device, allocated_nbytes=allocated_nbytes,
                             cached_nbytes=cached_nbytes, limit_nbytes=limit_nbytes, hint=hint, injected=injected,
                             rounded_nbytes=rounded_nbytes)

@@ -136,7 +136,8 @@ def bad_pointer(op: str, ptr: int, closed: bool, lost: str | None) -> None:
 
 def oom_error(cause: int, nbytes: int, free_nbytes: int, total_nbytes: int, allocated_nbytes: int,
               cached_nbytes: int, reserved_nbytes: int, limit_nbytes: int, va_nbytes: int, cause_exc: object,
-              device: str, round_nbytes: int) -> OutOfMemoryError:
+              device: str, round_nbytes: int, plan_mapped_nbytes: int = 0, plan_dropped_nbytes: int = 0,
+              plan_live_nbytes: int = 0) -> OutOfMemoryError:
     """:func:`gpumem.allocator.engine.oom_error` from the numbers the engine passes (``OomInfo`` in
     ``engine.h``; ``limit_nbytes`` 0: none; ``cause_exc``: the device's error, for ``DEVICE``)."""
     why = OomCause(cause)
@@ -144,4 +145,6 @@ def oom_error(cause: int, nbytes: int, free_nbytes: int, total_nbytes: int, allo
     return build_oom_error(why, nbytes, align_up(nbytes, round_nbytes), free_nbytes=free_nbytes,
                            total_nbytes=total_nbytes, device=device, allocated_nbytes=allocated_nbytes,
                            cached_nbytes=cached_nbytes, reserved_nbytes=reserved_nbytes,
-                           limit_nbytes=limit_nbytes or None, va_nbytes=va_nbytes, injected=injected)
+                           limit_nbytes=limit_nbytes or None, va_nbytes=va_nbytes, injected=injected,
+                           plan_mapped_nbytes=plan_mapped_nbytes, plan_dropped_nbytes=plan_dropped_nbytes,
+                           plan_live_nbytes=plan_live_nbytes)

@@ -487,7 +487,10 @@ class PythonEngine:
                          total_nbytes=info.total_nbytes, device=self.device.spec, allocated_nbytes=allocated,
                          cached_nbytes=reserved - allocated, reserved_nbytes=reserved,
                          limit_nbytes=self.limit_nbytes, va_nbytes=getattr(self.backing, "va_nbytes", 0),
-                         injected=injected, segment_mode_vmm=None if self.uses_vmm else self.device.vmm_supported)
+                         injected=injected, segment_mode_vmm=None if self.uses_vmm else self.device.vmm_supported,
+                         plan_mapped_nbytes=self._plan.mapped_nbytes,
+                         plan_dropped_nbytes=sum(a.mapped_nbytes for a in self._plan.arenas if a.dropped),
+                         plan_live_nbytes=self._plan.live_nbytes())
 
     # -- streams ---------------------------------------------------------------------------------------
     def record_stream(self, ptr: int, stream: int) -> None:
@@ -608,7 +611,7 @@ class PythonEngine:
             st.inactive_split_nbytes = sum(fl.nbytes for fl in free_lists) if not self.uses_vmm else max(
                 0, total_free - getattr(self.backing, "mapped_empty_nbytes", lambda: 0)()
                 - sum(h.nbytes for h in getattr(self.backing, "unmapped", ())))
-            st.num_live_blocks = len(self._live)
+            st.num_live_blocks = len(self._live) + self._plan.live_count()   # arena blocks too, dropped ones' as well
             st.num_free_blocks = sum(len(fl) for fl in free_lists)
             largest = min(self.backing.largest_free_nbytes(free_lists), max(total_free, 0))
             st.largest_free_nbytes = largest

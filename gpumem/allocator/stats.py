@@ -110,7 +110,12 @@ def format_summary(st: AllocatorStats, policy: "AllocatorPolicy", device_spec: s
     block* and *External fragmentation* are the engine's cache alone: the arena's free bytes
     (``mapped - live``) taken out. ``vmm``: whether ``st.inactive_split_nbytes`` is the virtual-memory
     engines' ``free - mapped empty - unmapped``, which counts the arena's free bytes (the segment backing's
-    free lists never do).
+    free lists never do). *Live blocks* counts the arenas' live allocations, the current plan's and those
+    still live in the arenas of dropped plans (a dropped arena stays until its last one is freed), as
+    *Allocated* counts their bytes: the engines' ``num_live_blocks`` counted the engine's blocks only, so a
+    planned step's live tensors (and a kept one pinning a dropped arena) were missing from the count while
+    their bytes were in *Allocated*, and ``gpumem_torch_pool_delete`` (which refuses a pool with live
+    blocks) did not see them.
     """
     arena_free = 0
     if plan is not None:

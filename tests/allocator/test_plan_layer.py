@@ -185,11 +185,15 @@ def test_a_slot_still_taken_is_refused_and_the_others_serve(engine):
 def test_a_small_allocation_kept_every_tenth_step_does_not_grow_memory(engine):
     """Note [Allocations kept past their step] (attacker 9): a 512 B allocation planned where a 100 MiB
     temporary was, kept every tenth step, dropped the plan and pinned a 100 MiB run per re-plan: 2,000 MiB
-    after 200 steps, out of memory under a 600 MiB limit. Now the plan stays and memory is bounded."""
+    after 200 steps, out of memory under a 600 MiB limit. Now the plan stays and memory is bounded; and since
+    the slots move off the kept blocks (Note [Moving slots off kept blocks]), what it holds is unmarked's, a
+    page more: the step after each kept block misses (it is met before it is known to be kept), and holds the
+    temporary twice for that step (the peak)."""
     unmarked, marked = (kept_every_tenth(engine, marks, 200, 600 * MiB, 16384) for marks in (False, True))
     info = marked.step_plan_info()
-    assert info.plans_installed == 1 and info.plans_dropped == 0 and info.steps_missed <= 1
-    assert marked.stats.peak_reserved_nbytes <= unmarked.stats.peak_reserved_nbytes + 100 * MiB
+    assert info.plans_installed == 1 and info.plans_dropped == 0 and info.steps_missed <= 20
+    assert marked.stats.peak_reserved_nbytes <= unmarked.stats.peak_reserved_nbytes + 102 * MiB
+    assert marked.stats.reserved_nbytes <= unmarked.stats.reserved_nbytes + 2 * MiB
     assert marked.stats.allocated_nbytes == unmarked.stats.allocated_nbytes == 20 * 512
 
 
@@ -1116,7 +1120,9 @@ def test_a_kept_allocation_used_on_another_stream_does_not_grow_memory(engine):
     unmarked, marked = (kept_every_tenth(engine, marks, 300, 400 * MiB, 65536, side_stream=9) for marks in (False, True))
     info = marked.step_plan_info()
     assert info.plans_installed == 1 and info.plans_dropped == 0
-    assert marked.stats.peak_reserved_nbytes <= unmarked.stats.peak_reserved_nbytes + 100 * MiB
+    # the arena grows by a page once its slots move off the kept blocks (Note [Moving slots off kept blocks])
+    assert marked.stats.peak_reserved_nbytes <= unmarked.stats.peak_reserved_nbytes + 102 * MiB
+    assert marked.stats.reserved_nbytes <= unmarked.stats.reserved_nbytes + 2 * MiB
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -1156,3 +1162,217 @@ def test_an_interrupt_in_the_undo_of_a_mapping_books_it_first(engine):
     alloc.close()
     assert alloc.leaked_nbytes == 0
     assert not list(dev.mapping_ranges()) and not list(dev.reservation_ranges())
+
+
+def dropped_with_a_kept_block(engine: str, limit: int | None = None) -> tuple[CachingAllocator, int]:
+    """A plan whose step (a 100 MiB temporary, a 512 B block in its place) is dropped while a 512 B block made
+    in a planned step is kept: the dropped arena stays, pinned by it (Note [Arena runs of at most a chunk])."""
+    alloc = CachingAllocator(sim.SimDevice(sim.custom_profile("t", 16384 * MiB, context_nbytes=32 * MiB)),
+                             engine=engine, limit=limit)
+    kept = None
+    for i in range(6):
+        alloc.mark_step()
+        alloc.free(alloc.allocate(100 * MiB))
+        s = alloc.allocate(512)
+        if i == 5:
+            kept = s
+        else:
+            alloc.free(s)
+    for _ in range(MISS_LIMIT + 1):   # the steps change: the plan is dropped
+        alloc.mark_step()
+        for n in (3 * MiB, 5 * MiB):
+            alloc.free(alloc.allocate(n))
+    info = alloc.step_plan_info()
+    assert info.plans_dropped == 1 and info.state != StepState.PLANNED and info.live_nbytes == 512
+    return alloc, kept
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_summary_counts_live_blocks_of_the_plan_and_of_dropped_arenas(engine):
+    """Note [The step plan's arena in the summary]: `Live blocks` counted the engine's blocks only: a planned
+    step's live tensors and a kept block pinning a dropped arena were in `Allocated` but not in the count."""
+    alloc, loop = planned(engine, 6)
+    assert alloc.stats.num_live_blocks == len(loop.live) == 4   # all four served from the arena
+    assert summary_row(alloc.memory_summary(), "Live blocks") == "4"
+    alloc, kept = dropped_with_a_kept_block(engine)
+    assert alloc.stats.num_live_blocks == 1 and not alloc.live_blocks()   # the engine holds none
+    assert summary_row(alloc.memory_summary(), "Live blocks") == "1"
+    alloc.free(kept)
+    assert alloc.stats.num_live_blocks == 0
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_out_of_memory_error_names_what_the_step_plans_hold(engine):
+    """Note [A step plan in the out-of-memory error]: the error counted the arenas' pages in reserved but named
+    no step plan, so the memory a dropped arena kept looked like the engine's cache."""
+    from gpumem.units import format_bytes
+
+    alloc, kept = dropped_with_a_kept_block(engine, limit=200 * MiB)
+    info = alloc.step_plan_info()
+    assert info.mapped_nbytes > 0
+    with pytest.raises(OutOfMemoryError) as exc:
+        alloc.allocate(199 * MiB)
+    text = str(exc.value)
+    assert (f"{format_bytes(info.mapped_nbytes)} is held by the arenas of dropped step plans, until the allocations "
+            "still live in them are freed") in text
+    assert f"({format_bytes(512)} of the step plans' arenas in live allocations" in text
+    assert "current step plan's arena" not in text
+    alloc.free(kept)
+    alloc.mark_step()
+    with pytest.raises(OutOfMemoryError) as exc:
+        alloc.allocate(250 * MiB)
+    assert "step plan" not in str(exc.value)   # nothing held by a plan any more
+    # a request over the limit is refused at once, the plan in place: its arena is named
+    alloc, loop = planned(engine, 6, limit=400 * MiB)
+    info = alloc.step_plan_info()
+    assert info.state == StepState.PLANNED
+    with pytest.raises(OutOfMemoryError) as exc:
+        alloc.allocate(401 * MiB)
+    assert (f"Of the memory this allocator holds, {format_bytes(info.mapped_nbytes)} is the current step plan's "
+            f"arena ({format_bytes(info.live_nbytes)} of the step plans' arenas in live allocations") in str(exc.value)
+    # past the ladder, the plan is dropped: its arena's pinned runs are named as a dropped plan's
+    with pytest.raises(OutOfMemoryError) as exc:
+        alloc.allocate(399 * MiB)
+    assert "held by the arenas of dropped step plans" in str(exc.value)
+    assert alloc.step_plan_info().plans_dropped == 1
+
+
+# -- Note [Moving slots off kept blocks] (attacker 10's left-over 1) -------------------------------------------
+
+def kept_in_a_temporarys_place(engine: str, temp_nbytes: int, steps: int, keep_at: set[int]) -> CachingAllocator:
+    """Each step a temporary of ``temp_nbytes``, then a 512 B block the plan places where it was, kept on the
+    steps ``keep_at``; no memory limit."""
+    alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine=engine)
+    for i in range(steps):
+        alloc.mark_step()
+        alloc.free(alloc.allocate(temp_nbytes))
+        s = alloc.allocate(512)
+        if i not in keep_at:
+            alloc.free(s)
+    alloc.check_consistency()
+    return alloc
+
+
+def unmarked_reserved(temp_nbytes: int) -> int:
+    """What the program of :func:`kept_in_a_temporarys_place` holds without marks: the temporary's segment and
+    a small one."""
+    return temp_nbytes + 2 * MiB
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_kept_block_in_a_huge_temporarys_slot_does_not_hold_the_slot_twice(engine):
+    """Attacker 10's left-over: with no limit, a 512 B block kept in a 4 GiB temporary's slot sent that slot
+    to the engine every step while the arena kept its pages: 8 GiB held for good against 4 GiB unmarked. Now
+    the slots that meet the kept block move off it (two steps after it was made), the arena's pages nothing
+    uses go back, and so does the engine's copy: 4 GiB and two pages."""
+    temp = 4096 * MiB
+    alloc = kept_in_a_temporarys_place(engine, temp, 12, {5})
+    info = alloc.step_plan_info()
+    assert info.plans_installed == 1 and info.plans_dropped == 0 and info.steps_missed == 1
+    assert alloc.stats.reserved_nbytes <= unmarked_reserved(temp) + 2 * MiB
+    assert info.arena_nbytes == temp + 2 * MiB   # the temporary sits above the kept block now
+    assert info.live_nbytes == 512
+    served = info.served
+    for _ in range(3):   # steady: both slots served from the arena again, nothing held twice
+        alloc.mark_step()
+        alloc.free(alloc.allocate(temp))
+        alloc.free(alloc.allocate(512))
+    info = alloc.step_plan_info()
+    assert info.served == served + 6 and alloc.stats.reserved_nbytes <= unmarked_reserved(temp) + 2 * MiB
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_kept_blocks_pack_below_the_moved_slots(engine):
+    """A block kept every tenth step: each moves the slots up by its 512 B, the kept blocks packed below, and
+    the arena grows by a page, not by a temporary per kept block; the plan stays."""
+    temp = 100 * MiB
+    alloc = kept_in_a_temporarys_place(engine, temp, 300, {i for i in range(300) if i % 10 == 9})
+    info = alloc.step_plan_info()
+    assert info.plans_installed == 1 and info.plans_dropped == 0
+    assert info.steps_missed == 29   # the step after each kept block but the last (step 299's)
+    assert info.arena_nbytes == temp + 2 * MiB and info.live_nbytes == 30 * 512
+    assert alloc.stats.reserved_nbytes <= unmarked_reserved(temp) + 2 * MiB
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_small_kept_block_moves_nothing(engine):
+    """Slots that meet kept blocks for less than a page a step stay (no page could go back): a loss kept every
+    step keeps the plan as it was, one miss."""
+    alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine=engine)
+    for i in range(40):
+        alloc.mark_step()
+        alloc.free(alloc.allocate(MiB))
+        s = alloc.allocate(512)
+        if i not in (10, 11):
+            alloc.free(s)
+    info = alloc.step_plan_info()
+    assert info.plans_dropped == 0 and info.steps_missed == 1
+    assert info.arena_nbytes == 2 * MiB   # not moved
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_moved_plan_gives_back_the_pages_nothing_uses(engine):
+    """A block kept at 16 MiB, inside a 48 MiB temporary's slot [0, 48 MiB) and above a 16 MiB one's: the 48 MiB
+    slot moves above the 16 MiB one alive with it (to [64, 112) MiB: 16 MiB below the kept block is too little),
+    and the pages between the kept block's and that slot's, [18, 48) MiB, go back: nothing uses them."""
+    alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine=engine)
+    kept = []
+    for i in range(12):
+        alloc.mark_step()
+        a = alloc.allocate(48 * MiB)
+        b = alloc.allocate(16 * MiB)   # above a
+        alloc.free(a)
+        alloc.free(b)
+        s = alloc.allocate(16 * MiB)   # planned where a was (the lowest offset)
+        c = alloc.allocate(512)   # above s: at 16 MiB
+        alloc.free(s)
+        if i == 5:
+            kept.append(c)
+        else:
+            alloc.free(c)
+    info = alloc.step_plan_info()
+    assert info.plans_dropped == 0
+    assert info.arena_nbytes == 112 * MiB
+    assert info.mapped_nbytes == (18 + 16 + 48) * MiB   # [0, 18), [48, 64), [64, 112) MiB; before: 64 + 48 MiB
+    assert alloc.stats.reserved_nbytes <= info.mapped_nbytes + 2 * MiB   # the engine's copy went back
+    alloc.free(kept[0])
+    alloc.check_consistency()
+
+
+def _kept_program():
+    """A step: (size, stream, freed how many allocations later); the last lives into the next step."""
+    return [(24 * MiB, 0, 1), (512, 0, 1), (3 * MiB, 0, 2), (8 * MiB, 7, 1), (MiB + 5, 0, 3), (6 * MiB, 0, 8)]
+
+
+@pytest.mark.skipif(len(ENGINES) < 2, reason="the native engine is not built")
+@given(steps=st.lists(st.tuples(st.none() | st.integers(0, 5), st.booleans(), st.booleans()), min_size=6, max_size=40))
+@settings(max_examples=40, deadline=None)
+def test_native_and_python_move_the_same_slots_off_kept_blocks(steps):
+    """Steps that keep one of their allocations now and then (used on a side stream or not), and free an old
+    kept one now and then: the same moves, addresses, device calls and counters in both engines."""
+    from test_native_differential import Pair
+
+    pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")))
+    clock, live, kept = 0, [], []
+    for keep, side, release in [(None, False, False)] * 3 + steps:
+        pair.both("mark_step")
+        if release and kept:
+            pair.both("free", kept.pop(0))
+        for j, (size, stream, life) in enumerate(_kept_program()):
+            for e in [e for e in live if e[1] <= clock]:
+                pair.both("free", e[0])
+                live.remove(e)
+            clock += 1
+            r = pair.both("allocate", size, stream)
+            if j == keep:
+                kept.append(r[1])
+                if side:
+                    pair.both("record_stream", r[1], 9)
+            else:
+                live.append([r[1], clock + life])
+        pair.both("step_plan_info")
+        pair.both("stats")
+        pair.both("check_consistency")
+    event(f"moves: {min(pair.allocs[0]._engine._plan.counts['moves'], 3)}")
+    pair.both("close")

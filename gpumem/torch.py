@@ -139,12 +139,12 @@ def install(device: "int | str | Any | None" = None) -> None:
         BackendUnavailableError: PyTorch, a CUDA device or gpumem's native engine is missing
             (see :func:`gpumem.engine`).
         InvalidArgumentError: ``GPUMEM_STEP_MARKS`` holds a value not in :data:`STEP_MARKS` (nothing installed).
+        BackendUnavailableError: ``GPUMEM_STEP_MARKS`` is set and PyTorch has no global optimizer hook
+            (nothing installed).
         GpumemError: gpumem could not start on ``device``.
     """
     index = None if device is None else _device_index(device, default_current=False)
-    marks = os.environ.get(STEP_MARKS_ENV)
-    if marks:   # checked before anything is installed: a bad value changes nothing
-        _check_step_marks(marks, STEP_MARKS_ENV)
+    marks = _env_step_marks()   # checked before anything is installed: a bad value changes nothing
     _installed_allocator()
     out = os.environ.get(TRACE_OUT_ENV)
     if out and not _trace_at_exit.cache_info().currsize:
@@ -420,7 +420,7 @@ def step(device: "int | str | Any | None" = None) -> Any:
     """
     _require_installed()
     index = _device_index(device)
-    _auto_marks().marked_by_hand()
+    _auto_marks().marked_by_hand(index)
     return _mark_step(index)
 
 
@@ -484,69 +484,123 @@ def step_plan_info(device: "int | str | Any | None" = None) -> Any:
 # and a program that does not call step() got none. Every training loop calls optimizer.step() once per step,
 # and PyTorch (2.0 on) shows every optimizer's step to one global post-hook
 # (torch.optim.optimizer.register_optimizer_step_post_hook): configure(step_marks="optimizer"), or
-# GPUMEM_STEP_MARKS=optimizer at install(), registers one that makes step()'s mark right after the update. The
-# gradients still live there are freed by the next zero_grad, which the plan's lifetimes wrapping into the
-# next step cover; what a loop allocates between there and its top joins the next step, as repeating.
-# * One marker: the first optimizer instance that steps marks; others' steps do not (a GAN's two optimizers,
-#   ZeroRedundancyOptimizer around its inner one). Two marks per iteration cut it into two halves that never
-#   match each other, so nothing would ever plan. It is held by weak reference: once collected, the next
-#   optimizer that steps takes over. It marks the CUDA devices its parameters were on at its first step
-#   (the current device when none is: an optimizer on the host).
+# GPUMEM_STEP_MARKS=optimizer at install() (either install), registers one that makes step()'s mark right
+# after the update. The gradients still live there are freed by the next zero_grad, which the plan's
+# lifetimes wrapping into the next step cover; what a loop allocates between there and its top joins the next
+# step, as repeating.
+# * One marker per device: the first optimizer with parameters on a CUDA device marks that device; others'
+#   steps do not (a GAN's two optimizers, ZeroRedundancyOptimizer around its inner one): two marks per
+#   iteration cut it into two halves that never match, so nothing would plan. An optimizer with no parameter
+#   on a GPU marks nothing (and never initialises CUDA). The marker hands over to another optimizer of its
+#   device once that one has stepped HANDOVER_MIN_STEPS (16) times, or twice the most steps others ever made
+#   between two of the marker's plus two if more, with no step of the marker between: a warm-up or LR-finder
+#   optimizer still referenced stops marking after 16 steps of the real one (the plan forms that much
+#   later), a GAN's pair (one step each) or a critic stepping five or ten times per generator step never
+#   swaps (the first gap cannot tell a critic from a successor: hence a floor, not only the learnt gap).
+#   Held by weak reference: a collected marker hands over at once.
 # * A skipped step (GradScaler finding inf or NaN does not call optimizer.step) makes no mark: the next mark
-#   closes two iterations as one step. Recording, that step does not match and the window slides; planned,
-#   the second iteration runs past the plan's slots, the engine serves it and the step counts one miss (three
-#   in a row or four of the last eight drop the plan), so rare skips keep the plan, but the engine holds that
-#   iteration's temporaries beside the arena: peak reserved can grow by up to a step's temporaries.
-# * A program that calls step() as well keeps its own marks: the hook stands down (a warning, once) until
-#   marks are turned off and on again. Not an error: GPUMEM_STEP_MARKS may be set on a program that marks
-#   itself, and both marks together would cut each step in two.
-# * No mark while the current stream captures a CUDA graph: a mark could install a plan mid-capture, and a
-#   graph's replays call no optimizer.step anyway.
-# * configure(step_marks=None) removes the hook; a plan already installed stays (no call turns one off),
-#   as when a program stops calling step(). The state is one per process, as PyTorch's hook is.
+#   closes two iterations as one step, a miss (three in a row or four of the last eight drop the plan); the
+#   engine serves that iteration beside the arena, so peak reserved can grow by up to a step's temporaries.
+# * A program that calls step(device) as well keeps its own marks on that device: the hook stands down there
+#   (a warning, once per device) until marks are turned off and on again; other devices keep theirs.
+# * A mark that fails in the hook (a device error, a plan the engine refused) is logged and turns automatic
+#   marks off, not raised: the hook runs after the optimizer updated the weights, so a raise would fail a
+#   step that happened (and a retry would update twice), for a memory optimisation the loop never asked for.
+#   step() called by hand still raises.
+# * No mark while the current stream captures a CUDA graph: a mark could install a plan mid-capture.
+# * configure(step_marks=None) removes the hook (and, called before install, keeps GPUMEM_STEP_MARKS from
+#   turning marks on). A plan already installed stays until the plan layer's own bounds drop it.
+#: Fewest steps of another optimizer, with none of the marker's between, that hand a device's marks over.
+HANDOVER_MIN_STEPS = 16
+
+
+@dataclasses.dataclass
+class _DeviceMarks:
+    """One device's marker (Note [Automatic step marks])."""
+
+    marker: Any = None    # weakref.ref to the optimizer whose steps mark this device
+    others: int = 0       # steps of other optimizers on this device since the marker's last
+    others_max: int = 0   # the most such steps seen between two of the marker's
+    by_hand: bool = False  # step() was called for this device: the hook stands down here
+
+
 @dataclasses.dataclass
 class _AutoMarks:
-    """The optimizer hook's state (Note [Automatic step marks]); one per process (:func:`_auto_marks`)."""
+    """The optimizer hook's state (Note [Automatic step marks]); one per process (:func:`_auto_marks`).
+    Every field is guarded by ``lock``."""
 
     mode: str | None = None
-    handle: Any = None                     # PyTorch's handle of the registered hook (its .remove())
-    marker: Any = None                     # weakref.ref to the optimizer whose steps mark
-    devices: tuple[int | None, ...] = ()   # the devices it marks (None: the current device)
-    by_hand: bool = False                  # step() was called while on: the hook stands down
+    handle: Any = None                  # PyTorch's handle of the registered hook (its .remove())
+    devices: dict[int, _DeviceMarks] = dataclasses.field(default_factory=dict)
+    failed: str | None = None           # why a failed mark turned the hook off
+    explicit: bool = False              # configure(step_marks=...) was called: GPUMEM_STEP_MARKS is not read
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def turn(self, mode: str | None, register: Any) -> None:
         """Turn marks to ``mode`` (checked); ``register`` is PyTorch's hook registrar when ``mode`` is on."""
         with self.lock:
-            if mode == self.mode:
+            self.explicit = True
+            if mode == self.mode and self.failed is None:
                 return
-            if self.handle is not None:
+            handle = self.handle
+            if mode is not None and mode != self.mode:
+                handle = register(_optimizer_stepped)   # first: a registrar that raises changes nothing
+                if self.handle is not None:
+                    self.handle.remove()
+            elif mode is None and self.handle is not None:
                 self.handle.remove()
-            self.mode, self.handle, self.marker, self.devices, self.by_hand = None, None, None, (), False
-            if mode is not None:
-                self.handle = register(_optimizer_stepped)
-                self.mode = mode
+                handle = None
+            self.mode, self.handle, self.devices, self.failed = mode, handle, {}, None
         log.info("gpumem.torch: automatic step marks %s", mode or "off")
 
-    def marked_by_hand(self) -> None:
-        if self.mode is not None and not self.by_hand:
-            self.by_hand = True
-            log.warning("gpumem.torch: step() was called while step marks are automatic (step_marks=%r): the "
-                        "program's own marks are kept and the optimizer's stop", self.mode)
-
-    def marking_devices(self, optimizer: Any) -> tuple[int | None, ...]:
-        """The devices ``optimizer``'s step marks: none unless it is the marker (the first one that stepped,
-        while it lives)."""
+    def marked_by_hand(self, index: int) -> None:
         with self.lock:
-            if self.mode is None or self.by_hand:
+            if self.mode is None:
+                return
+            dm = self.devices.setdefault(index, _DeviceMarks())
+            if dm.by_hand:
+                return
+            dm.by_hand = True
+        log.warning("gpumem.torch: step() was called for cuda:%d while step marks are automatic (step_marks=%r): "
+                    "the program's own marks are kept there and the optimizer's stop on that device", index, self.mode)
+
+    def fail(self, exc: BaseException) -> None:
+        with self.lock:
+            if self.failed is not None:
+                return
+            self.failed = str(exc)
+        log.warning("gpumem.torch: an automatic step mark failed (%s); automatic step marks are off for this process "
+                    "(configure(step_marks=None), then 'optimizer', turns them on again)", exc)
+
+    def marking_devices(self, optimizer: Any) -> tuple[int, ...]:
+        """The CUDA devices ``optimizer``'s step marks now: those it is the marker of, after the hand-over rule."""
+        found = _optimizer_devices(optimizer)
+        out: list[int] = []
+        with self.lock:
+            if self.mode is None or self.failed is not None:
                 return ()
-            owner = self.marker() if self.marker is not None else None
-            if owner is None:
-                self.marker, owner = weakref.ref(optimizer), optimizer
-                self.devices = _optimizer_devices(optimizer)
-                log.info("gpumem.torch: the steps of %s (%#x) mark step plans on %s", type(optimizer).__name__,
-                         id(optimizer), ", ".join("the current device" if d is None else f"cuda:{d}" for d in self.devices))
-            return self.devices if owner is optimizer else ()
+            for d in found:
+                dm = self.devices.setdefault(d, _DeviceMarks())
+                if dm.by_hand:
+                    continue
+                owner = dm.marker() if dm.marker is not None else None
+                if owner is optimizer:
+                    dm.others_max, dm.others = max(dm.others_max, dm.others), 0
+                    out.append(d)
+                    continue
+                if owner is not None:
+                    dm.others += 1
+                    if dm.others < max(HANDOVER_MIN_STEPS, 2 * dm.others_max + 2):
+                        continue
+                    log.warning("gpumem.torch: %s (%#x) stepped %d times on cuda:%d with no step of the optimizer "
+                                "that marked it; its steps mark cuda:%d from now on", type(optimizer).__name__,
+                                id(optimizer), dm.others, d, d)
+                else:
+                    log.info("gpumem.torch: the steps of %s (%#x) mark step plans on cuda:%d",
+                             type(optimizer).__name__, id(optimizer), d)
+                dm.marker, dm.others, dm.others_max = weakref.ref(optimizer), 0, 0
+                out.append(d)
+        return tuple(out)
 
 
 @functools.cache
@@ -561,10 +615,22 @@ def _check_step_marks(value: Any, name: str) -> None:
                                    else f"{name} must be {accepted} (or unset), not {value!r}")
 
 
+def _env_step_marks() -> str | None:
+    """``GPUMEM_STEP_MARKS``, checked (its value, and that PyTorch has the hook) before anything is installed:
+    a bad value or an old PyTorch raises and installs nothing. None when unset or empty."""
+    marks = os.environ.get(STEP_MARKS_ENV)
+    if not marks:
+        return None
+    _check_step_marks(marks, STEP_MARKS_ENV)
+    _optimizer_hook_registrar()
+    return marks
+
+
 @functools.cache
 def _step_marks_from_env(value: str) -> None:
-    """``GPUMEM_STEP_MARKS``, once per process: a later ``configure(step_marks=None)`` is not undone by install()."""
-    configure(step_marks=value)
+    """``GPUMEM_STEP_MARKS``, once per process, unless ``configure(step_marks=...)`` was called first."""
+    if not _auto_marks().explicit:
+        configure(step_marks=value)
 
 
 def _optimizer_hook_registrar() -> Any:
@@ -583,24 +649,28 @@ def _optimizer_hook_registrar() -> Any:
     return register
 
 
-def _optimizer_devices(optimizer: Any) -> tuple[int | None, ...]:
-    """The CUDA device indices of ``optimizer``'s parameters, sorted; ``(None,)`` (the current device) when none."""
+def _optimizer_devices(optimizer: Any) -> tuple[int, ...]:
+    """The CUDA device indices of ``optimizer``'s parameters, sorted (none for an optimizer on the host)."""
     found = {int(p.device.index or 0) for group in getattr(optimizer, "param_groups", ())
              for p in group.get("params", ()) if getattr(p, "is_cuda", False)}
-    return tuple(sorted(found)) or (None,)
+    return tuple(sorted(found))
 
 
 def _optimizer_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
     """PyTorch's global optimizer step post-hook while step marks are automatic (Note [Automatic step marks])."""
-    devices = _auto_marks().marking_devices(optimizer)
+    marks = _auto_marks()
+    devices = marks.marking_devices(optimizer)
     if not devices:
         return
     import torch
 
     if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
         return
-    for device in devices:
-        _mark_step(_device_index(device))
+    try:
+        for device in devices:
+            _mark_step(device)
+    except GpumemError as exc:
+        marks.fail(exc)
 
 
 #: The policy fields the native engine takes from :func:`configure` (the others are the default policy's).

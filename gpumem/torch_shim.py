@@ -99,6 +99,7 @@ def _installed() -> InstallPath:
         raise TooLateError(
             "gpumem.torch_shim.install() was called after PyTorch initialised CUDA, when its allocator can no "
             "longer be replaced; call it at the start of the program, before the first CUDA tensor")
+    marks = gtorch._env_step_marks()  # GPUMEM_STEP_MARKS checked before anything is installed
     try:
         module = build()
     except ShimBuildError as exc:
@@ -112,6 +113,8 @@ def _installed() -> InstallPath:
         raise TooLateError(f"PyTorch refused gpumem's allocator ({exc}); call gpumem.torch_shim.install() before "
                            "PyTorch first uses the GPU") from None
     gtorch._installed_through_shim()
+    if marks:
+        gtorch._step_marks_from_env(marks)
     log.info("PyTorch allocates through gpumem's C++ shim (%s)", library_path())
     return InstallPath.SHIM
 

@@ -153,27 +153,121 @@ def test_two_marks_per_iteration_would_never_plan(glued):
 def test_a_collected_marker_hands_over_to_the_next_optimizer(fake_torch, glued):
     alloc, marked = glued
     gt.configure(step_marks="optimizer")
-    loop, first = TrainLoop(alloc), FakeOptimizer(fake_torch, devices=(2,))
+    loop, first = TrainLoop(alloc), FakeOptimizer(fake_torch)
     loop.train_step(first)
-    second = FakeOptimizer(fake_torch, devices=(0,))
-    loop.train_step(second)   # the first one still lives: the second's step does not mark
-    assert marked == [2]
+    second = FakeOptimizer(fake_torch)
+    loop.train_step(second)   # the first one still lives and stepped last: the second's step does not mark
+    assert marked == [0]
     del first
     gc.collect()
     loop.train_step(second)
-    assert marked == [2, 0]
+    assert marked == [0, 0]
 
 
-def test_the_marker_marks_its_parameters_devices_or_the_current_one(fake_torch, glued):
+def test_an_idle_marker_hands_over_after_a_floor_of_steps_of_another(fake_torch, glued):
+    """A warm-up (or LR-finder) optimizer still referenced: the real one marks from its 16th step (review
+    attacker 11, F4: it never did while the first lived)."""
+    alloc, marked = glued
+    gt.configure(step_marks="optimizer")
+    loop, warmup = TrainLoop(alloc), FakeOptimizer(fake_torch)
+    for _ in range(3):
+        loop.train_step(warmup)
+    real = FakeOptimizer(fake_torch)
+    for _ in range(gt.HANDOVER_MIN_STEPS + 4):
+        loop.train_step(real)
+    assert marked == [0] * 3 + [0] * 5   # its first 15 steps do not mark, the 16th takes over
+    loop.train_step(warmup)              # the warm-up one steps once more: it is no longer the marker
+    assert len(marked) == 8
+
+
+def test_a_critic_stepping_ten_times_per_generator_step_does_not_take_over(fake_torch, glued):
+    alloc, marked = glued
+    gt.configure(step_marks="optimizer")
+    loop, gen, critic = TrainLoop(alloc), FakeOptimizer(fake_torch), FakeOptimizer(fake_torch)
+    loop.train_step(gen)
+    for _ in range(8):
+        for _ in range(10):
+            critic.step()
+        loop.train_step(gen)
+    assert marked == [0] * 9
+
+
+def test_each_device_has_its_own_marker(fake_torch, glued):
+    """Two optimizers on two devices both mark (F4: the second device never got a mark)."""
+    _, marked = glued
+    gt.configure(step_marks="optimizer")
+    on0, on1 = FakeOptimizer(fake_torch, devices=(0,)), FakeOptimizer(fake_torch, devices=(1,))
+    for _ in range(3):
+        on0.step()
+        on1.step()
+    assert marked == [0, 1] * 3
+
+
+def test_the_marker_marks_its_parameters_devices_and_a_host_optimizer_none(fake_torch, glued):
     _, marked = glued
     gt.configure(step_marks="optimizer")
     FakeOptimizer(fake_torch, devices=(3, 1, 3)).step()
     assert marked == [1, 3]
-    gt.configure(step_marks=None)
-    gt.configure(step_marks="optimizer")   # off and on: a new marker
     marked.clear()
-    FakeOptimizer(fake_torch, devices=(None, None)).step()   # parameters on the host: the current device
+    asked = []
+    fake_torch.cuda.current_device = lambda: asked.append(1) or 0   # PyTorch would initialise CUDA here
+    FakeOptimizer(fake_torch, devices=(None, None)).step()   # parameters on the host: nothing to mark
+    assert marked == [] and asked == []
+
+
+def test_a_failing_mark_is_logged_and_turns_marks_off_without_failing_the_step(fake_torch, glued, caplog):
+    """The hook runs after the update: a raise would fail a step that happened (F3). step() by hand raises."""
+    _, marked = glued
+    gt.configure(step_marks="optimizer")
+    stand_in = gt._lib()   # noqa: SLF001
+    working = stand_in.gpumem_torch_step_mark
+    stand_in.gpumem_torch_step_mark = lambda index: (marked.append(index), -1)[1]
+    stand_in.error = b"the device was lost (simulated)"
+    opt = FakeOptimizer(fake_torch)
+    with caplog.at_level("WARNING", logger="gpumem.torch"):
+        opt.step()   # no raise
+        opt.step()   # off now: no second try
+    assert marked == [0] and "automatic step marks are off" in caplog.text
+    with pytest.raises(GpumemError, match="the device was lost"):
+        gt.step(0)
+    stand_in.gpumem_torch_step_mark = working
+    gt.configure(step_marks=None)
+    gt.configure(step_marks="optimizer")   # off and on: marks again
+    marked.clear()
+    opt.step()
     assert marked == [0]
+
+
+def test_marking_one_device_by_hand_stands_the_hook_down_there_only(fake_torch, glued, caplog):
+    _, marked = glued
+    gt.configure(step_marks="optimizer")
+    opt = FakeOptimizer(fake_torch, devices=(0, 1))
+    with caplog.at_level("WARNING", logger="gpumem.torch"):
+        gt.step(1)
+    assert "for cuda:1" in caplog.text
+    marked.clear()
+    opt.step()
+    opt.step()
+    assert marked == [0, 0]
+
+
+def test_step_marks_off_before_install_keep_the_environment_variable_off(fake_torch, glued, monkeypatch):
+    monkeypatch.setattr(gt, "_installed_allocator", lambda: None)
+    monkeypatch.setenv(gt.STEP_MARKS_ENV, "optimizer")
+    monkeypatch.delenv(gt.TRACE_OUT_ENV, raising=False)
+    gt.configure(step_marks=None)   # the program said no before install
+    gt.install()
+    assert fake_torch.hooks == [] and gt._auto_marks().mode is None   # noqa: SLF001
+
+
+def test_the_environment_variable_on_a_torch_without_the_hook_installs_nothing(monkeypatch, glued):
+    monkeypatch.setitem(sys.modules, "torch", FakeTorch(with_hook=False))
+    installs = []
+    monkeypatch.setattr(gt, "_installed_allocator", lambda: installs.append(1))
+    monkeypatch.setenv(gt.STEP_MARKS_ENV, "optimizer")
+    with pytest.raises(BackendUnavailableError, match="register_optimizer_step_post_hook"):
+        gt.install()
+    assert installs == []
 
 
 def test_no_mark_while_a_cuda_graph_is_captured(fake_torch, glued):
@@ -258,7 +352,7 @@ def test_step_marks_none_removes_the_hook(fake_torch, glued):
     assert marked == [0]
     gt.configure(step_marks=None)   # off twice: nothing to remove
     gt.step(0)                      # by hand, marks off: no warning state kept
-    assert not gt._auto_marks().by_hand   # noqa: SLF001
+    assert gt._auto_marks().devices == {}   # noqa: SLF001
 
 
 @pytest.mark.parametrize("bad", ["adam", "Optimizer", "", " optimizer", 1, True, ["optimizer"]])
@@ -340,8 +434,7 @@ def test_real_pytorch_optimizers_mark_through_the_global_hook(monkeypatch):  # p
     stand_in, marked = gt._lib(), []   # noqa: SLF001
     real_mark = stand_in.gpumem_torch_step_mark
     stand_in.gpumem_torch_step_mark = lambda index: (marked.append(index), real_mark(index))[1]
-    real_index = gt._device_index   # noqa: SLF001
-    monkeypatch.setattr(gt, "_device_index", lambda d, default_current=True: 0 if d is None else real_index(d))
+    monkeypatch.setattr(gt, "_optimizer_devices", lambda opt: (0,))   # host optimizers stand for ones on cuda:0
     w1, w2 = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
     first, second = torch.optim.SGD([w1], lr=0.1), torch.optim.AdamW([w2], lr=0.1)
     try:

@@ -38,9 +38,9 @@ def _parse_sizes(text: str) -> list[int]:
     try:
         sizes = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--sizes-mib must be whole MiB separated by commas, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be whole MiB separated by commas, got {text!r}") from None
     if not sizes or any(s < 12 or s % 2 for s in sizes):
-        raise argparse.ArgumentTypeError("--sizes-mib: each size an even number of MiB >= 12 (a request over "
+        raise argparse.ArgumentTypeError("each size an even number of MiB >= 12 (a request over "
                                          "10 MiB opens a segment of its own size)")
     return sizes
 
@@ -153,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
            "weights_allocated": torch.cuda.memory_allocated() if model is not None else 0,
            "first_pass": first, "after_release": second}
     text = json.dumps(doc)
+    print(text)  # first: a bad --out must not lose a GPU run's figures
     if args.out:
         args.out.write_text(text)
-    print(text)
     return 0
 
 

@@ -12,12 +12,35 @@ from hil.probes import map_offset as probe
 PAGE = 2 << 20
 
 
-def test_refuses_a_chunk_of_one_page(capsys):
+@pytest.mark.parametrize("argv, why", [(["--pages", "1"], "--pages must be in [2, 64]"),
+                                       (["--pages", "100000000"], "--pages must be in [2, 64]"),
+                                       (["--device", "-1"], "--device must be a CUDA device ordinal >= 0")])
+def test_refuses_bad_arguments(argv, why, capsys):
     with pytest.raises(SystemExit) as exc:
-        probe.main(["--pages", "1"])
+        probe.main(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: python -m hil.probes.map_offset") and "--pages must be at least 2" in err
+    assert err.startswith("usage: python -m hil.probes.map_offset") and why in err
+
+
+def test_a_failed_create_or_data_check_is_the_try_s_verdict_and_gives_back_the_reservation():
+    chunk, vmm = _chunk(2)
+
+    def no_memory(nbytes):
+        raise CudaError("cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY")
+
+    vmm.create = no_memory
+    a = chunk.attempt("whole")
+    assert (a.ok, a.failed_call) == (False, "cuMemCreate") and vmm.reserved == {}
+    chunk, vmm = _chunk(2)
+
+    def cupy_fails(va, nbytes, value):
+        raise RuntimeError("cudaErrorIllegalAddress")
+
+    chunk._check_data = cupy_fails
+    a = chunk.attempt("whole")
+    assert (a.ok, a.failed_call, a.error) == (False, "data", "RuntimeError: cudaErrorIllegalAddress")
+    assert (vmm.mappings, vmm.handles, vmm.reserved) == ({}, set(), {})
 
 
 class _StrictVmm:

@@ -240,6 +240,56 @@ def compare_markdown(before: list[dict[str, Any]], after: list[dict[str, Any]]) 
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
+def replay_recorded_row(row: dict[str, Any], policy: Any = "pytorch", *, device: str = "sim:h200-141gb",
+                        skip_segment: Any = None, before_ops: Any = None, after_free: Any = None) -> Any:
+    """Replay one recorded row of an H200 snapshot file (``hf_memory_configs``' ``_snapshot_take``: the
+    allocator's trace since the row began, and its segments at the end) under ``policy`` on the Python engine,
+    from the segments PyTorch held when the row began: each rebuilt with its size and its live bytes at the
+    start (its allocated bytes at the end less the trace's allocations still live there) from its base, in
+    top-down order, then the row's operations up to the harness's ``empty_cache()``. Hooks (tests' what-ifs):
+    ``skip_segment(base, nbytes, kind)`` leaves a held segment out, ``before_ops(alloc)`` runs before the first
+    operation, ``after_free(alloc, nbytes)`` after each free. Returns the allocator (closed by the caller)."""
+    from gpumem import open_device
+    from gpumem.allocator import CachingAllocator
+    from gpumem.units import MiB
+
+    trace, segments = row["trace"], row["segments"]
+    while trace and trace[0][0] == "segment_free":  # run 4: the row's own empty_cache(), recorded before its ops
+        trace = trace[1:]
+    made = {e[1] for e in trace if e[0] == "segment_alloc"}
+    live_at_end: dict[int, int] = {}
+    for action, addr, nbytes, *_ in trace:
+        if action == "alloc":
+            live_at_end[addr] = nbytes
+        elif action == "free_completed":
+            live_at_end.pop(addr, None)
+    a = CachingAllocator(open_device(device), policy, engine="python")
+    for base, nbytes, kind, allocated in sorted(segments, key=lambda s: -s[0]):
+        if base in made or (skip_segment is not None and skip_segment(base, nbytes, kind)):
+            continue
+        held = allocated - sum(n for p, n in live_at_end.items() if base <= p < base + nbytes)
+        if kind == "small":
+            while held > 0:
+                a.allocate(min(held, MiB))
+                held -= MiB
+        else:  # a segment of exactly its size, its held bytes cut from its base and the rest left free
+            a.free(a.allocate(nbytes))
+            a.allocate(held)
+    if before_ops is not None:
+        before_ops(a)
+    ptrs = {}
+    for action, addr, nbytes, *_ in trace:
+        if action == "alloc":
+            ptrs[addr] = a.allocate(nbytes)
+        elif action == "free_completed" and addr in ptrs:
+            a.free(ptrs.pop(addr))
+            if after_free is not None:
+                after_free(a, nbytes)
+        elif action == "segment_free":  # the harness's empty_cache() after the row
+            break
+    return a
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("records", nargs="*", type=Path,

@@ -125,46 +125,17 @@ RUN3 = "reports/hil/estimate-accuracy-h200-2026-11-25-run3"
 
 
 def _replay_recorded(path: str, key: str, policy="pytorch"):
-    """Replay the recorded operations of one row of a run-3 snapshot file (``benchmarks/hf_memory_configs.py``'s
-    ``_snapshot_take``: the allocator's trace since the row began, and its segments at the end) under the
-    ``pytorch`` policy, from the segments PyTorch held when recording began (the weights'): each rebuilt with
-    its size and its live bytes at the start (its allocated bytes at the end less the trace's allocations still
-    live there) from its base, in top-down order. Returns the allocator (closed by the caller)."""
+    """Replay the recorded operations of one row of a run-3 snapshot file from the segments PyTorch held when
+    the row began (``accuracy_recompute.replay_recorded_row``). Returns the allocator (closed by the caller)."""
     import gzip
     import json
+    import sys
+    from pathlib import Path
 
-    row = json.load(gzip.open(path))[key]
-    trace, segments = row["trace"], row["segments"]
-    while trace and trace[0][0] == "segment_free":  # run 4: the row's own empty_cache(), recorded before its ops
-        trace = trace[1:]
-    made = {e[1] for e in trace if e[0] == "segment_alloc"}
-    live_at_end: dict[int, int] = {}
-    for action, addr, nbytes, *_ in trace:
-        if action == "alloc":
-            live_at_end[addr] = nbytes
-        elif action == "free_completed":
-            live_at_end.pop(addr, None)
-    a = CachingAllocator(open_device("sim:h200-141gb"), policy, engine="python")
-    for base, nbytes, kind, allocated in sorted(segments, key=lambda s: -s[0]):
-        if base in made:
-            continue
-        held = allocated - sum(n for p, n in live_at_end.items() if base <= p < base + nbytes)
-        if kind == "small":
-            while held > 0:
-                a.allocate(min(held, MiB))
-                held -= MiB
-        else:  # a segment of exactly its size, its held bytes cut from its base and the rest left free
-            a.free(a.allocate(nbytes))
-            a.allocate(held)
-    ptrs = {}
-    for action, addr, nbytes, *_ in trace:
-        if action == "alloc":
-            ptrs[addr] = a.allocate(nbytes)
-        elif action == "free_completed" and addr in ptrs:
-            a.free(ptrs.pop(addr))
-        elif action == "segment_free":  # the harness's empty_cache() after the row
-            break
-    return a
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import accuracy_recompute
+
+    return accuracy_recompute.replay_recorded_row(json.load(gzip.open(path))[key], policy)
 
 
 @pytest.mark.parametrize("model, key", [

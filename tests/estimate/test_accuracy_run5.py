@@ -149,44 +149,20 @@ def _replay_recorded_ckpt(fresh: bool) -> int:
     after the loss's backward has freed the two fp32 logit-sized tensors: Note [Backward cuBLAS workspace])."""
     row = json.load(gzip.open(RUN3.parent / f"{RUN3.name}-snapshots" /
                               "snapshots-qwen2-small-recheck.json.gz"))[CKPT_KEY]
-    trace, segments = row["trace"], row["segments"]
-    made = {e[1] for e in trace if e[0] == "segment_alloc"}
-    live_at_end: dict[int, int] = {}
-    for action, addr, nbytes, *_ in trace:
-        if action == "alloc":
-            live_at_end[addr] = nbytes
-        elif action == "free_completed":
-            live_at_end.pop(addr, None)
     workspaces = {126 * MiB, 32 * MiB}
-    a = CachingAllocator(open_device(H200), "pytorch", engine="python")
-    try:
-        for base, nbytes, kind, allocated in sorted(segments, key=lambda s: -s[0]):
-            if base in made or (fresh and kind == "large" and nbytes in workspaces):
-                continue
-            held = allocated - sum(n for p, n in live_at_end.items() if base <= p < base + nbytes)
-            if kind == "small":
-                while held > 0:
-                    a.allocate(min(held, MiB))
-                    held -= MiB
-            else:
-                a.free(a.allocate(nbytes))
-                a.allocate(held)
-        if fresh:
+    backward = {"made": not fresh, "logits_freed": 0}
+
+    def after_free(a, nbytes: int) -> None:
+        backward["logits_freed"] += nbytes == 1000 * MiB
+        if not backward["made"] and backward["logits_freed"] == 3:  # the forward's and the loss backward's two
             a.allocate(32 * MiB)
-        logits_freed = 0
-        backward_made = not fresh
-        ptrs = {}
-        for action, addr, nbytes, *_ in trace:
-            if action == "alloc":
-                ptrs[addr] = a.allocate(nbytes)
-            elif action == "free_completed" and addr in ptrs:
-                a.free(ptrs.pop(addr))
-                logits_freed += nbytes == 1000 * MiB
-                if not backward_made and logits_freed == 3:  # the forward's and the loss backward's two
-                    a.allocate(32 * MiB)
-                    backward_made = True
-            elif action == "segment_free":  # the harness's empty_cache() after the row
-                break
+            backward["made"] = True
+
+    a = accuracy_recompute.replay_recorded_row(
+        row, "pytorch", device=H200, after_free=after_free,
+        skip_segment=lambda base, nbytes, kind: fresh and kind == "large" and nbytes in workspaces,
+        before_ops=lambda a: a.allocate(32 * MiB) if fresh else None)
+    try:
         return a.stats.peak_reserved_nbytes
     finally:
         a.close()

@@ -187,6 +187,22 @@ def n_rows(name: str) -> int:
     return len(gen) + len(train)
 
 
+def build_model(torch: Any, transformers: Any, cfg: dict[str, Any], master: bool) -> Any:
+    """The model of a plan's config (its ``_`` keys taken out) on the GPU, random weights, in eval mode: fp32
+    with ``master`` (fp32 master weights), else bf16; built in that dtype, so no copy in another is made."""
+    config = transformers.AutoConfig.for_model(
+        cfg["model_type"], attn_implementation="sdpa",
+        **{k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")})
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32 if master else torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(old)
+    return model.to(torch.float32 if master else torch.bfloat16).eval()
+
+
 def measure(name: str, out: Path, snapshots: Path | None = None, only_row: int | None = None) -> None:
     """Build ``name`` and run its rows (in this process); write ``out``; with ``snapshots``, a memory snapshot of
     each row into that file (gzip JSON). ``only_row``: run that row alone (its index among the plan's rows,
@@ -203,18 +219,8 @@ def measure(name: str, out: Path, snapshots: Path | None = None, only_row: int |
     lora_rank = cfg.pop("_lora_rank", None)
     lora_targets = tuple(cfg.pop("_lora_targets", LORA_TARGETS))
     _, _, gen, train = _plan(name)
-    config = transformers.AutoConfig.for_model(
-        cfg["model_type"], attn_implementation="sdpa",
-        **{k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")})
     _reset(torch)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32 if master else torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.set_default_dtype(old)
-    model = model.to(torch.float32 if master else torch.bfloat16).eval()
+    model = build_model(torch, transformers, cfg, master)
     trainable = add_lora(torch, model, lora_rank, lora_targets) if lora_rank else None
     torch.cuda.synchronize()
     meta = {"weights_allocated": torch.cuda.memory_allocated(), "n_params": sum(p.numel() for p in model.parameters()),

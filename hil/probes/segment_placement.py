@@ -70,17 +70,7 @@ def _build(torch: Any, plan: str) -> Any:
     master = bool(cfg.pop("_fp32_master", False))
     for key in [k for k in cfg if k.startswith("_")]:
         cfg.pop(key)
-    config = transformers.AutoConfig.for_model(
-        cfg["model_type"], attn_implementation="sdpa",
-        **{k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")})
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32 if master else torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.set_default_dtype(old)
-    return model.to(torch.float32 if master else torch.bfloat16).eval()
+    return hf_memory_configs.build_model(torch, transformers, cfg, master)
 
 
 def _reset(torch: Any) -> None:

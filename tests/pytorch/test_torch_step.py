@@ -104,13 +104,17 @@ class PatternLoop:
     def marked_step(self) -> MarkResult:
         """``gpumem.torch.step()`` at the top of the step, then the step's allocations; the mark's result."""
         result = gt.step(0)
+        self.allocations()
+        return result
+
+    def allocations(self) -> None:
+        """One step's allocations, each freed ``life`` allocations after it was made."""
         for size, stream, life in self.PATTERN:
             for e in [e for e in self.live if e[1] <= self.clock]:
                 self.alloc.free(e[0])
                 self.live.remove(e)
             self.clock += 1
             self.live.append([self.alloc.allocate(size, stream), self.clock + life])
-        return result
 
 
 def test_step_plans_and_installs_through_the_c_api_glue(monkeypatch):

@@ -66,14 +66,6 @@ class FakeOptimizer:
 class TrainLoop(PatternLoop):
     """:class:`PatternLoop`'s allocations, one step each, with no ``gpumem.torch.step()``: the optimizer marks."""
 
-    def allocations(self) -> None:
-        for size, stream, life in self.PATTERN:
-            for e in [e for e in self.live if e[1] <= self.clock]:
-                self.alloc.free(e[0])
-                self.live.remove(e)
-            self.clock += 1
-            self.live.append([self.alloc.allocate(size, stream), self.clock + life])
-
     def train_step(self, *optimizers: FakeOptimizer) -> None:
         self.allocations()
         for opt in optimizers:

@@ -496,11 +496,12 @@ class SkippingSink(PlainSink):
         ids = (large_id0 + t * tpl.n_allocs).tolist()  # tpl.op_ids(t)[large], tpl.sizes(t)[large]
         sizes = (large_base + (t - tpl.s0) * large_slope).tolist()
         ptrs, allocate, free = self.ptrs, self._allocate, self._free
+        would_grow = self._would_grow if self._engine.limit_nbytes is not None else None  # None: never grows
         for q, (k, i, n) in enumerate(zip(kinds, ids, sizes)):
             if k == 0:
                 if not n:
                     ptrs[i] = 0
-                elif self._would_grow(n):  # growth ahead: the rest of the step one op at a time
+                elif would_grow is not None and would_grow(n):  # growth ahead: the rest of the step one op at a time
                     self._leave_skip_mid_step(t, tpl, large[q], tpl.op_ids(t).tolist(), tpl.sizes(t).tolist())
                     return
                 else:
@@ -550,22 +551,19 @@ class SkippingSink(PlainSink):
         """Whether a large request of ``nbytes`` finds no cached block and its new segment would pass the limit:
         the allocator would run out of memory and release cached segments of both pools, so the small pool must
         first be as the full replay has it (Note [Small pool skipped at a fixed point])."""
-        size = self._round(nbytes)
         eng = self._engine
+        if eng.limit_nbytes is None:
+            return False  # no limit: growth runs out of memory only where the device refuses (the result is void)
+        size = self._round(nbytes)
         backing = eng.backing
         if isinstance(backing, VirtualBacking):
             # Note [Expandable's small pool skipped]: a large block touches at most size / page + 1 pages,
             # each mapped anew at worst; past the limit (or the range's top), the rest one op at a time
-            if eng.limit_nbytes is None:
-                return False
             page = backing.page_nbytes[False]
             return backing.reserved_nbytes + (-(-size // page) + 1) * page > eng.limit_nbytes
         fl = eng._free_lists.get((False, 0))
         if fl is not None and fl.best_fit(size) is not None:
             return False
-        if eng.limit_nbytes is None:
-            return False
-        backing = eng.backing
         return backing.reserved_nbytes + eng.policy.segment_nbytes(False, size, backing.granularity) > eng.limit_nbytes
 
     def _trouble(self) -> int:

@@ -253,6 +253,12 @@ class SkippingSink(PlainSink):
         super().__init__(allocator)
         eng = _engine_of(allocator)
         self._engine = eng
+        # the steps made from the template send Python ints > 0 (``tolist()``), and nothing here marks a step, so
+        # the engine's public methods would only check them and find the step-plan layer off: their loops call
+        # what those methods call (Note [A full step in one loop])
+        direct = not eng._plan.active
+        self._engine_allocate = eng._allocate_engine if direct else self._allocate
+        self._engine_free = eng._free_engine if direct else self._free
         self._round = eng.policy.round
         self._small_max = eng.policy.small_max_nbytes
         self.step = 0
@@ -412,7 +418,7 @@ class SkippingSink(PlainSink):
                        small: list[bool]) -> None:
         """A whole step made from the template, with nothing skipped: every op sent, the small ones noted as
         :meth:`alloc` and :meth:`free` note them (Note [A full step in one loop])."""
-        ptrs, allocate, free = self.ptrs, self._allocate, self._free
+        ptrs, allocate, free = self.ptrs, self._engine_allocate, self._engine_free
         cur, where, step = self._cur, self._small_pos, self.step
         sig, addrs = cur.sig, cur.addrs
         for k, i, n, r, s in zip(kinds, ids, sizes, rounded, small):
@@ -495,7 +501,7 @@ class SkippingSink(PlainSink):
         _, large, cross, old, _, n_small, (kinds, large_id0, large_base, large_slope) = self._plan
         ids = (large_id0 + t * tpl.n_allocs).tolist()  # tpl.op_ids(t)[large], tpl.sizes(t)[large]
         sizes = (large_base + (t - tpl.s0) * large_slope).tolist()
-        ptrs, allocate, free = self.ptrs, self._allocate, self._free
+        ptrs, allocate, free = self.ptrs, self._engine_allocate, self._engine_free
         would_grow = self._would_grow if self._engine.limit_nbytes is not None else None  # None: never grows
         for q, (k, i, n) in enumerate(zip(kinds, ids, sizes)):
             if k == 0:

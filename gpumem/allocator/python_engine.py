@@ -118,11 +118,12 @@ class PythonEngine:
     #     checked frozen copy: Note [A policy is checked where it is used] in .policy; the native engine
     #     copies it once too), a plain positive ``int`` skips the argument checks (they would return it
     #     unchanged; anything else still goes through them and raises the same errors), a cache hit
-    #     decides its split once (:meth:`_kept_nbytes` and :meth:`_split` keep the rule for the other
-    #     paths), and a freed block's neighbours are taken out of the free list in one look-up
-    #     (:meth:`.block.FreeList.discard`). The decisions are the same, call for call: the
-    #     differential test (``tests/allocator/test_native_differential.py``) and
-    #     ``tests/estimate/test_fast_replay.py`` check them. What it saves: ``reports/estimate-speed.md``.
+    #     applies the split rule once (:meth:`_kept_nbytes`, then the split it decided; :meth:`_split`
+    #     applied it again, and the other paths still call it), and a freed block's free neighbours are
+    #     taken out of the free list in one look-up (:meth:`.block.FreeList.discard`: ``in`` then
+    #     ``remove`` searched twice). The decisions are the same, call for call: the differential test
+    #     (``tests/allocator/test_native_differential.py``) and ``tests/estimate/test_fast_replay.py``
+    #     check them. What it saves: ``reports/estimate-speed.md``.
     def allocate(self, nbytes: int, stream: int = 0) -> int:
         """Allocate ``nbytes`` on ``stream``; return the device pointer."""
         if nbytes.__class__ is not int or nbytes <= 0:
@@ -149,12 +150,11 @@ class PythonEngine:
                 if free_list is not None:
                     block = free_list.best_fit(size)
                     if block is not None:
-                        rest = block.size - size  # _kept_nbytes and _split, decided once
-                        split = rest >= self._min_split[small] and rest > 0
-                        if self.backing.commit_quietly(block, size if split else block.size):
+                        kept = self._kept_nbytes(block, size, small)
+                        if self.backing.commit_quietly(block, kept):
                             free_list.remove(block)
                             self._stats.cache_hits += 1
-                            if split:
+                            if kept < block.size:  # _split, its rule applied once (by _kept_nbytes)
                                 free_list.add(split_block(block, size))
                                 self._stats.num_splits += 1
                             return self._hand_out(block, nbytes, stream)

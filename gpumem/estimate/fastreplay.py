@@ -413,7 +413,10 @@ class SkippingSink(PlainSink):
     #     :meth:`_run_full_step` sends its ops in one loop and notes the small ones (signature, address, where
     #     each live one was made) exactly as :meth:`alloc` and :meth:`free` do: no skipping can start or end
     #     within the step (:meth:`end_step` decides that), so those two reduce to their not-skipping branches.
-    #     ``tests/estimate/test_fast_replay.py`` checks the figures against the full replay.
+    #     This loop and :meth:`_skip_step`'s call the engine's own allocation and free (``_allocate_engine``,
+    #     ``_free_engine``): the public methods would find Python ints above 0 (``tolist()``) and the step-plan
+    #     layer off (nothing marks a step here), and call those. ``tests/estimate/test_fast_replay.py`` checks
+    #     the figures against the full replay.
     def _run_full_step(self, kinds: list[int], ids: list[int], sizes: list[int], rounded: list[int],
                        small: list[bool]) -> None:
         """A whole step made from the template, with nothing skipped: every op sent, the small ones noted as

@@ -581,19 +581,26 @@ class SkippingSink(PlainSink):
 
     def _materialize(self) -> None:
         """Send the small ops skipped in this period, in order, each where the template put it; stop skipping."""
-        for t in self._pending_steps:
+        if self._pending_steps:
             tpl, _, _, _, order, _, _ = self._plan
-            sizes = tpl.sizes(t)
             alloc_pos = np.flatnonzero(tpl.kinds == 0)
-            for kind, j, back, pos in order:
-                if kind == 0:
-                    addr = self._addr_of(t, pos)
-                    got = self._allocate(int(sizes[alloc_pos[j]]), 0)
-                    if got != addr:
-                        raise InternalError(f"fast replay: a small allocation replayed late landed at {got:#x}, not "
-                                            f"at its template's {addr:#x} (Note [Small pool skipped at a fixed point])")
-                else:
-                    self._free(self._addr_of(t - back, pos))
+            allocate, free = self._engine_allocate, self._engine_free  # Python ints > 0 (Note [A full step in one loop])
+            for t in self._pending_steps:
+                sizes = tpl.sizes(t)[alloc_pos].tolist()  # by allocation index
+                # the template addresses of step t's allocations and of the step before's (a free reaches back
+                # one step at most: build_template); _addr_of(t - back, pos) is addrs[back][pos]
+                addrs = (self._templates[(t - self._skip_start) % len(self._templates)].addrs,
+                         self._templates[(t - 1 - self._skip_start) % len(self._templates)].addrs)
+                for kind, j, back, pos in order:
+                    if kind == 0:
+                        addr = addrs[0][pos]
+                        got = allocate(sizes[j], 0)
+                        if got != addr:
+                            raise InternalError(f"fast replay: a small allocation replayed late landed at {got:#x}, "
+                                                f"not at its template's {addr:#x} (Note [Small pool skipped at a "
+                                                "fixed point])")
+                    else:
+                        free(addrs[back][pos])
         self._pending_steps.clear()
         if self._trouble() != self._trouble_at_skip:
             self._void = True  # a retry or an out-of-memory error while skipping (not foreseen)

@@ -9,6 +9,12 @@ the fast one (``gpumem.estimate.fastreplay``), side by side in one run::
 checks that both give the same figures (estimate: every ``ReservedEstimate``; fit: the whole ``FitResult``).
 The full fit takes minutes past a few hundred tokens: ``--full-fit-up-to`` bounds the lengths it runs at.
 
+``--fast-only`` times the fast path alone in CPU seconds of the process (``time.process_time``, which other jobs
+on a shared machine disturb far less than wall time): the estimate, each policy alone, and ``gpumem fit``. To
+compare two checkouts, run this file once with each on ``PYTHONPATH``, alternating::
+
+    PYTHONPATH=<checkout> python benchmarks/estimate_speed.py --fast-only --new-tokens 1000
+
 ``--search`` times ``gpumem fit``'s search instead, both on the fast replay: the plain search that replays every
 size it asks (``skip_gallop=False``, the search before Note [Gallop skipped]) against the default, one after the
 other at each length, and checks that both give the same answers (the whole ``FitResult`` but its tries)::

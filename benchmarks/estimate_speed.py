@@ -9,6 +9,12 @@ the fast one (``gpumem.estimate.fastreplay``), side by side in one run::
 checks that both give the same figures (estimate: every ``ReservedEstimate``; fit: the whole ``FitResult``).
 The full fit takes minutes past a few hundred tokens: ``--full-fit-up-to`` bounds the lengths it runs at.
 
+``--fast-only`` times the fast path alone in CPU seconds of the process (``time.process_time``, which other jobs
+on a shared machine disturb far less than wall time): the estimate, each policy alone, and ``gpumem fit``. To
+compare two checkouts, run this file once with each on ``PYTHONPATH``, alternating::
+
+    PYTHONPATH=<checkout> python benchmarks/estimate_speed.py --fast-only --new-tokens 1000
+
 ``--search`` times ``gpumem fit``'s search instead, both on the fast replay: the plain search that replays every
 size it asks (``skip_gallop=False``, the search before Note [Gallop skipped]) against the default, one after the
 other at each length, and checks that both give the same answers (the whole ``FitResult`` but its tries)::
@@ -36,6 +42,14 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
+def _cpu_timed(fn):
+    """``fn()`` and the CPU seconds of this process it took (``time.process_time``: other jobs on a shared
+    machine disturb it far less than wall time)."""
+    t0 = time.process_time()
+    out = fn()
+    return out, time.process_time() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.estimate_speed", description=__doc__.splitlines()[0])
     ap.add_argument("--prompt-len", type=int, default=2048, help="prompt tokens (default 2048)")
@@ -44,12 +58,18 @@ def main() -> None:
     ap.add_argument("--device", default="sim:h200-141gb", help="simulated device (default sim:h200-141gb)")
     ap.add_argument("--full-fit-up-to", type=int, default=100, help="no full fit above this many new tokens")
     ap.add_argument("--no-fit", action="store_true", help="time the estimate only, not gpumem fit")
+    ap.add_argument("--fast-only", action="store_true",
+                    help="time the fast path only, in CPU seconds (time.process_time), per policy too: to compare "
+                         "two checkouts, run this file with each on PYTHONPATH")
     ap.add_argument("--search", action="store_true",
                     help="time gpumem fit's search instead: every size replayed (skip_gallop=False) against the "
                          "default (Note [Gallop skipped]), both on the fast replay")
     args = ap.parse_args()
     if args.search:
         _search_table(args)
+        return
+    if args.fast_only:
+        _fast_table(args)
         return
     policies = tuple(p for p in args.policies.split(",") if p)
     print(f"7B (6.74B, bf16), batch 1 (fit: searched), prompt {args.prompt_len}, {args.device}; "
@@ -78,6 +98,35 @@ def main() -> None:
                   f"{'yes' if fit_full == fit_fast else 'NO':>5}", flush=True)
         else:
             print(f"{n:>7} {what:<28} {'-':>8} {f_fast:>8.2f} {'-':>9} {'-':>5}", flush=True)
+
+
+def _fast_table(args: argparse.Namespace) -> None:
+    """The fast path alone in CPU seconds: the estimate (all ``--policies``), each policy alone, and ``gpumem fit``
+    (unless ``--no-fit``); with the load average, since the machine may be shared."""
+    policies = tuple(p for p in args.policies.split(",") if p)
+    print(f"7B (6.74B, bf16), batch 1 (fit: searched), prompt {args.prompt_len}, {args.device}; "
+          f"{platform.python_implementation()} {platform.python_version()}; load average at start "
+          f"{os.getloadavg()[0]:.1f}; CPU seconds")
+    print(f"{'new tok':>7} {'what':<28} {'cpu s':>8} {'wall s':>8} {'load':>5}")
+    for n in (int(x) for x in args.new_tokens.split(",")):
+        kw = dict(prompt_len=args.prompt_len, new_tokens=n)
+        peak = inference_trace(LLAMA_7B, 2, **kw)
+        rows = [("estimate", policies)] + ([(f"  {p} alone", (p,)) for p in policies] if len(policies) > 1 else [])
+        for what, pols in rows:
+            def estimate(pols=pols):
+                if what == "estimate":
+                    inference_trace(LLAMA_7B, 2, **kw)  # the estimate's short trace, as the full row counts it
+                return replay_inference(LLAMA_7B, 2, pols, args.device, peak_nbytes=peak.peak_nbytes, **kw)
+            t0 = time.perf_counter()
+            _, cpu = _cpu_timed(estimate)
+            print(f"{n:>7} {what:<28} {cpu:>8.2f} {time.perf_counter() - t0:>8.2f} {os.getloadavg()[0]:>5.1f}",
+                  flush=True)
+        if not args.no_fit:
+            t0 = time.perf_counter()
+            fit, cpu = _cpu_timed(lambda: find_max_batch(LLAMA_7B, 2, device=args.device, **kw))
+            what = f"fit (batch {fit.simulated}/{fit.binary_search}/{fit.halving})"
+            print(f"{n:>7} {what:<28} {cpu:>8.2f} {time.perf_counter() - t0:>8.2f} {os.getloadavg()[0]:>5.1f}",
+                  flush=True)
 
 
 def _search_table(args: argparse.Namespace) -> None:

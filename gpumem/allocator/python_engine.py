@@ -20,7 +20,7 @@ from ..device import Device
 from ..errors import (DeviceClosedError, DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError,
                       InvalidPointerError, OutOfMemoryError)
 from ..units import format_bytes
-from ..validate import as_int, check_nbytes, check_pointer, check_stream
+from ..validate import STREAM_END, as_int, check_nbytes, check_pointer, check_stream
 from .backing import AddressSpaceExhausted, Backing, LimitExceeded, Segment, SegmentBacking, VirtualBacking, VirtualSegment
 from .block import Block, FreeList, TopDownFreeList, append_block, drop_last_block, merge_blocks, split_block
 from .engine import OomCause, no_history_error, oom_error
@@ -80,6 +80,11 @@ class PythonEngine:
             self._recorder = TraceRecorder()
             self.backing.on_segment = self._recorder.record_segment
         self._small_max = policy.small_max_nbytes if policy.separate_small_pool else -1
+        # the policy's values the hot path reads, read once (Note [The hot path, read once])
+        self._round_nbytes = policy.round_nbytes
+        self._min_split = {True: policy.min_split_small_nbytes, False: policy.min_split_large_nbytes}
+        """The least rest a split leaves, by pool (``True``: small)."""
+        self._separate_small = policy.separate_small_pool
         self._closed = False
         self._committed = False
         """Set by :meth:`_grow` when its out-of-memory retry already committed the block."""
@@ -105,10 +110,26 @@ class PythonEngine:
                         self.backing.sync_export()  # Note [Exporting cached chunks] in .backing
 
     # -- the hot path ---------------------------------------------------------------------------------
+    # Note [The hot path, read once]
+    #     ``gpumem estimate`` and ``gpumem fit`` replay millions of allocations and frees through this
+    #     engine (``gpumem/estimate/fastreplay.py``), where each call's fixed costs add up: at 1,000 new
+    #     tokens of a 7B model, 372,000 calls per policy. So the hot path does each thing once: the
+    #     policy's rounding, split rule and pool split are read when the engine is made (the policy is a
+    #     checked frozen copy: Note [A policy is checked where it is used] in .policy; the native engine
+    #     copies it once too), a plain positive ``int`` skips the argument checks (they would return it
+    #     unchanged; anything else still goes through them and raises the same errors), a cache hit
+    #     applies the split rule once (:meth:`_kept_nbytes`, then the split it decided; :meth:`_split`
+    #     applied it again, and the other paths still call it), and a freed block's free neighbours are
+    #     taken out of the free list in one look-up (:meth:`.block.FreeList.discard`: ``in`` then
+    #     ``remove`` searched twice). The decisions are the same, call for call: the differential test
+    #     (``tests/allocator/test_native_differential.py``) and ``tests/estimate/test_fast_replay.py``
+    #     check them. What it saves: ``reports/estimate-speed.md``.
     def allocate(self, nbytes: int, stream: int = 0) -> int:
         """Allocate ``nbytes`` on ``stream``; return the device pointer."""
-        nbytes = check_nbytes(nbytes)
-        stream = check_stream(stream)
+        if nbytes.__class__ is not int or nbytes <= 0:
+            nbytes = check_nbytes(nbytes)
+        if stream.__class__ is not int or not 0 <= stream < STREAM_END:
+            stream = check_stream(stream)
         if self._plan.active:
             with self._operation():
                 return self._plan.allocate(nbytes, stream)
@@ -116,7 +137,8 @@ class PythonEngine:
 
     def _allocate_engine(self, nbytes: int, stream: int) -> int:
         """The engine's allocation, arguments checked (the plan layer's fallback)."""
-        size = self.policy.round(nbytes)
+        r = self._round_nbytes
+        size = -(-nbytes // r) * r  # policy.round(nbytes)
         small = size <= self._small_max
         # Note [The hot path makes no device call]: a cache hit on a page that already holds live
         # data needs neither the device nor deferred events; everything else runs as an operation.
@@ -127,10 +149,15 @@ class PythonEngine:
                 free_list = self._free_lists.get((small, stream))
                 if free_list is not None:
                     block = free_list.best_fit(size)
-                    if block is not None and self.backing.commit_quietly(block, self._kept_nbytes(block, size, small)):
-                        free_list.remove(block)
-                        self._stats.cache_hits += 1
-                        return self._hand_out(self._split(block, size, small, free_list), nbytes, stream)
+                    if block is not None:
+                        kept = self._kept_nbytes(block, size, small)
+                        if self.backing.commit_quietly(block, kept):
+                            free_list.remove(block)
+                            self._stats.cache_hits += 1
+                            if kept < block.size:  # _split, its rule applied once (by _kept_nbytes)
+                                free_list.add(split_block(block, size))
+                                self._stats.num_splits += 1
+                            return self._hand_out(block, nbytes, stream)
         with self._operation():
             if self._closed:
                 raise InvalidArgumentError("allocator is closed")
@@ -190,7 +217,8 @@ class PythonEngine:
         The block is reusable at once on its own stream; blocks used on other streams
         (:meth:`record_stream`) once those streams' work up to now is done (Note [Streams]).
         """
-        ptr = as_int(ptr, "ptr")
+        if ptr.__class__ is not int:
+            ptr = as_int(ptr, "ptr")
         if self._plan.active:
             with self._operation():
                 if not self._plan.free(ptr):
@@ -391,12 +419,12 @@ class PythonEngine:
     def _kept_nbytes(self, block: Block, size: int, small: bool) -> int:
         """The size ``block`` will have once :meth:`_split` has served ``size`` from it."""
         remaining = block.size - size
-        min_rest = self.policy.min_split_small_nbytes if small else self.policy.min_split_large_nbytes
+        min_rest = self._min_split[small]
         return size if remaining >= min_rest and remaining > 0 else block.size
 
     def _split(self, block: Block, size: int, small: bool, free_list: FreeList) -> Block:
         remaining = block.size - size
-        min_rest = self.policy.min_split_small_nbytes if small else self.policy.min_split_large_nbytes
+        min_rest = self._min_split[small]
         if remaining >= min_rest and remaining > 0:
             free_list.add(split_block(block, size))
             self._stats.num_splits += 1
@@ -409,12 +437,10 @@ class PythonEngine:
         """Put a free block in its free list, merged with free neighbours of the same segment and stream."""
         free_list = self._free_list_of(block)
         prev = block.prev
-        if prev is not None and not prev.allocated and prev.fences is None and prev in free_list:
-            free_list.remove(prev)
+        if prev is not None and not prev.allocated and prev.fences is None and free_list.discard(prev):
             block = merge_blocks(prev, block)
         nxt = block.next
-        if nxt is not None and not nxt.allocated and nxt.fences is None and nxt in free_list:
-            free_list.remove(nxt)
+        if nxt is not None and not nxt.allocated and nxt.fences is None and free_list.discard(nxt):
             merge_blocks(block, nxt)
         free_list.add(block)
 
@@ -427,7 +453,7 @@ class PythonEngine:
 
     def _free_list_of(self, block: Block) -> FreeList:
         seg = block.segment
-        key = (bool(getattr(seg, "small", False)) and self.policy.separate_small_pool, block.stream)
+        key = (bool(getattr(seg, "small", False)) and self._separate_small, block.stream)
         fl = self._free_lists.get(key)
         if fl is None:
             fl = self._free_lists[key] = self._new_free_list()

@@ -239,6 +239,8 @@ class _Step:
     small: Any = None
     """Made from a :class:`StepTemplate`: which of its ops are small allocations, and their rounded sizes."""
     rounded: Any = None
+    made_from: Any = None
+    """The :class:`StepTemplate` that ``small`` and ``rounded`` were computed from."""
     step: int = -1
     """The decode step it is (set at its end)."""
 
@@ -251,6 +253,12 @@ class SkippingSink(PlainSink):
         super().__init__(allocator)
         eng = _engine_of(allocator)
         self._engine = eng
+        # the steps made from the template send Python ints > 0 (``tolist()``), and nothing here marks a step, so
+        # the engine's public methods would only check them and find the step-plan layer off: their loops call
+        # what those methods call (Note [A full step in one loop])
+        direct = not eng._plan.active
+        self._engine_allocate = eng._allocate_engine if direct else self._allocate
+        self._engine_free = eng._free_engine if direct else self._free
         self._round = eng.policy.round
         self._small_max = eng.policy.small_max_nbytes
         self.step = 0
@@ -373,22 +381,71 @@ class SkippingSink(PlainSink):
             self._tpl = tpl
             if self._skipping:
                 self._make_plan(tpl)
-        sizes = tpl.sizes(t)
-        rounded, small = self._masks(tpl, t)
-        if self._skipping and self._k == 0 and self._fast_ok(tpl, small, rounded):
+        if self._skipping and self._k == 0 and self._fast_ok(tpl, t):
             self._skip_step(t, tpl)
             return
+        sizes = tpl.sizes(t)
+        rounded, small = self._masks(tpl, t)
         kinds, ids, ns = tpl.kinds.tolist(), tpl.op_ids(t).tolist(), sizes.tolist()
-        for k, i, n in zip(kinds, ids, ns):
+        q = 0
+        while self._skipping and q < len(kinds):  # a step that leaves the period: one op at a time while skipping
             if self.error is not None:
                 return
-            if k == 0:
-                self.alloc(i, n)
+            if kinds[q] == 0:
+                self.alloc(ids[q], ns[q])
             else:
-                self.free(i)
-        if not self._skipping:
+                self.free(ids[q])
+            q += 1
+        if self._skipping or self.error is not None:
+            return
+        self._run_full_step(kinds[q:], ids[q:], ns[q:], rounded[q:].tolist(), small[q:].tolist())
+        if self.error is None:
             self._cur.small = small
             self._cur.rounded = rounded
+            self._cur.made_from = tpl
+
+    # Note [A full step in one loop]
+    #     A step the small pool is not skipped in (the steps that look for a fixed point, about one in ten at
+    #     batch 1, and every step at the batches ``gpumem fit`` probes, whose small requests never repeat) sent
+    #     each op through :meth:`alloc` and :meth:`free`, which round the size again, ask whether the step is
+    #     skipped and go through :class:`PlainSink`'s methods: a third of the op's time. A step made from the
+    #     template has its rounded sizes and small-allocation mask as arrays already (:meth:`_masks`), so
+    #     :meth:`_run_full_step` sends its ops in one loop and notes the small ones (signature, address, where
+    #     each live one was made) exactly as :meth:`alloc` and :meth:`free` do: no skipping can start or end
+    #     within the step (:meth:`end_step` decides that), so those two reduce to their not-skipping branches.
+    #     This loop and :meth:`_skip_step`'s call the engine's own allocation and free (``_allocate_engine``,
+    #     ``_free_engine``): the public methods would find Python ints above 0 (``tolist()``) and the step-plan
+    #     layer off (nothing marks a step here), and call those. ``tests/estimate/test_fast_replay.py`` checks
+    #     the figures against the full replay.
+    def _run_full_step(self, kinds: list[int], ids: list[int], sizes: list[int], rounded: list[int],
+                       small: list[bool]) -> None:
+        """A whole step made from the template, with nothing skipped: every op sent, the small ones noted as
+        :meth:`alloc` and :meth:`free` note them (Note [A full step in one loop])."""
+        ptrs, allocate, free = self.ptrs, self._engine_allocate, self._engine_free
+        cur, where, step = self._cur, self._small_pos, self.step
+        sig, addrs = cur.sig, cur.addrs
+        for k, i, n, r, s in zip(kinds, ids, sizes, rounded, small):
+            if k == 0:
+                if not n:
+                    ptrs[i] = 0
+                    continue
+                try:
+                    p = ptrs[i] = allocate(n, 0)
+                except OutOfMemoryError as exc:
+                    self.error = exc
+                    self._note_trouble()
+                    return
+                if s:
+                    where[i] = (step, len(addrs))
+                    sig.append((0, r, 0, 0))
+                    addrs.append(p)
+            else:
+                w = where.pop(i, None)
+                if w is not None:
+                    sig.append((1, 0, step - w[0], w[1]))
+                p = ptrs.pop(i, 0)
+                if p:
+                    free(p)
 
     def _masks(self, tpl: "StepTemplate", t: int) -> tuple[np.ndarray, np.ndarray]:
         """The rounded size of each op of step ``t`` and which are small allocations."""
@@ -396,12 +453,19 @@ class SkippingSink(PlainSink):
         rounded = -(-sizes // self._rnd) * self._rnd
         return rounded, (tpl.kinds == 0) & (sizes > 0) & (rounded <= self._small_max)
 
-    def _fast_ok(self, tpl: "StepTemplate", small: np.ndarray, rounded: np.ndarray) -> bool:
-        """Whether this step's small requests are the template step's (Note [Decode step template])."""
+    def _fast_ok(self, tpl: "StepTemplate", t: int) -> bool:
+        """Whether step ``t``'s small requests are the template step's (Note [Decode step template]): the same
+        small-allocation mask and the same rounded sizes under it. Only the ops whose size grows are compared
+        (:attr:`StepTemplate.growing`): the others ask for the same bytes at every step of the template, so
+        their rounded sizes and masks are the template step's whenever those were computed from ``tpl``."""
         ts = self._template
-        if ts.small is None or self._plan is None or self._plan[0] is not tpl:
+        if ts.small is None or ts.made_from is not tpl or self._plan is None or self._plan[0] is not tpl:
             return False
-        return bool(np.array_equal(small, ts.small) and np.array_equal(rounded[small], ts.rounded[small]))
+        g = tpl.growing
+        sizes = tpl.base[g] + (t - tpl.s0) * tpl.slope[g]
+        rounded = -(-sizes // self._rnd) * self._rnd
+        small = (tpl.kinds[g] == 0) & (sizes > 0) & (rounded <= self._small_max)
+        return bool(np.array_equal(small, ts.small[g]) and np.array_equal(rounded[small], ts.rounded[g][small]))
 
     def _make_plan(self, tpl: "StepTemplate") -> None:
         """What a skipped step does, when every step of the period has one small mask."""
@@ -410,6 +474,7 @@ class SkippingSink(PlainSink):
             if x.small is None and x.step >= tpl.s0:
                 # a step the emitter made (Note [Decode step template]): its ops are the template's at that step
                 x.rounded, x.small = self._masks(tpl, x.step)
+                x.made_from = tpl
         masks = [x.small for x in self._templates]
         if any(m is None for m in masks) or any(not np.array_equal(m, masks[0]) for m in masks[1:]):
             return
@@ -427,21 +492,26 @@ class SkippingSink(PlainSink):
         order = [(int(k), int(j), int(b), int(smallpos[j]))
                  for k, j, b in zip(tpl.kinds[small_op].tolist(), tpl.index[small_op].tolist(),
                                     tpl.back[small_op].tolist())]
-        self._plan = (tpl, large, cross, old, order, int(small_op.sum()))
+        lg = np.array(large, np.int64)
+        # the large ops' ids and sizes at step t: large_id0 + t * n_allocs, large_base + (t - s0) * large_slope
+        large_id0 = tpl.first_id - (tpl.back[lg] + tpl.s0) * tpl.n_allocs + tpl.index[lg]
+        self._plan = (tpl, large, cross, old, order, int(small_op.sum()),
+                      (tpl.kinds[lg].tolist(), large_id0, tpl.base[lg], tpl.slope[lg]))
         self._plan_small_op = small_op.tolist()
 
     def _skip_step(self, t: int, tpl: "StepTemplate") -> None:
         """Step ``t`` with its small ops left out (its large ones all sent, in order)."""
-        _, large, cross, old, _, n_small = self._plan
-        all_ids, all_sizes = tpl.op_ids(t), tpl.sizes(t)
-        kinds, ids, sizes = tpl.kinds[large].tolist(), all_ids[large].tolist(), all_sizes[large].tolist()
-        ptrs, allocate, free = self.ptrs, self._allocate, self._free
+        _, large, cross, old, _, n_small, (kinds, large_id0, large_base, large_slope) = self._plan
+        ids = (large_id0 + t * tpl.n_allocs).tolist()  # tpl.op_ids(t)[large], tpl.sizes(t)[large]
+        sizes = (large_base + (t - tpl.s0) * large_slope).tolist()
+        ptrs, allocate, free = self.ptrs, self._engine_allocate, self._engine_free
+        would_grow = self._would_grow if self._engine.limit_nbytes is not None else None  # None: never grows
         for q, (k, i, n) in enumerate(zip(kinds, ids, sizes)):
             if k == 0:
                 if not n:
                     ptrs[i] = 0
-                elif self._would_grow(n):  # growth ahead: the rest of the step one op at a time
-                    self._leave_skip_mid_step(t, tpl, large[q], all_ids.tolist(), all_sizes.tolist())
+                elif would_grow is not None and would_grow(n):  # growth ahead: the rest of the step one op at a time
+                    self._leave_skip_mid_step(t, tpl, large[q], tpl.op_ids(t).tolist(), tpl.sizes(t).tolist())
                     return
                 else:
                     ptrs[i] = allocate(n, 0)
@@ -490,22 +560,19 @@ class SkippingSink(PlainSink):
         """Whether a large request of ``nbytes`` finds no cached block and its new segment would pass the limit:
         the allocator would run out of memory and release cached segments of both pools, so the small pool must
         first be as the full replay has it (Note [Small pool skipped at a fixed point])."""
-        size = self._round(nbytes)
         eng = self._engine
+        if eng.limit_nbytes is None:
+            return False  # no limit: growth runs out of memory only where the device refuses (the result is void)
+        size = self._round(nbytes)
         backing = eng.backing
         if isinstance(backing, VirtualBacking):
             # Note [Expandable's small pool skipped]: a large block touches at most size / page + 1 pages,
             # each mapped anew at worst; past the limit (or the range's top), the rest one op at a time
-            if eng.limit_nbytes is None:
-                return False
             page = backing.page_nbytes[False]
             return backing.reserved_nbytes + (-(-size // page) + 1) * page > eng.limit_nbytes
         fl = eng._free_lists.get((False, 0))
         if fl is not None and fl.best_fit(size) is not None:
             return False
-        if eng.limit_nbytes is None:
-            return False
-        backing = eng.backing
         return backing.reserved_nbytes + eng.policy.segment_nbytes(False, size, backing.granularity) > eng.limit_nbytes
 
     def _trouble(self) -> int:
@@ -514,19 +581,26 @@ class SkippingSink(PlainSink):
 
     def _materialize(self) -> None:
         """Send the small ops skipped in this period, in order, each where the template put it; stop skipping."""
-        for t in self._pending_steps:
-            tpl, _, _, _, order, _ = self._plan
-            sizes = tpl.sizes(t)
+        if self._pending_steps:
+            tpl, _, _, _, order, _, _ = self._plan
             alloc_pos = np.flatnonzero(tpl.kinds == 0)
-            for kind, j, back, pos in order:
-                if kind == 0:
-                    addr = self._addr_of(t, pos)
-                    got = self._allocate(int(sizes[alloc_pos[j]]), 0)
-                    if got != addr:
-                        raise InternalError(f"fast replay: a small allocation replayed late landed at {got:#x}, not "
-                                            f"at its template's {addr:#x} (Note [Small pool skipped at a fixed point])")
-                else:
-                    self._free(self._addr_of(t - back, pos))
+            allocate, free = self._engine_allocate, self._engine_free  # Python ints > 0 (Note [A full step in one loop])
+            for t in self._pending_steps:
+                sizes = tpl.sizes(t)[alloc_pos].tolist()  # by allocation index
+                # the template addresses of step t's allocations and of the step before's (a free reaches back
+                # one step at most: build_template); _addr_of(t - back, pos) is addrs[back][pos]
+                addrs = (self._templates[(t - self._skip_start) % len(self._templates)].addrs,
+                         self._templates[(t - 1 - self._skip_start) % len(self._templates)].addrs)
+                for kind, j, back, pos in order:
+                    if kind == 0:
+                        addr = addrs[0][pos]
+                        got = allocate(sizes[j], 0)
+                        if got != addr:
+                            raise InternalError(f"fast replay: a small allocation replayed late landed at {got:#x}, "
+                                                f"not at its template's {addr:#x} (Note [Small pool skipped at a "
+                                                "fixed point])")
+                    else:
+                        free(addrs[back][pos])
         self._pending_steps.clear()
         if self._trouble() != self._trouble_at_skip:
             self._void = True  # a retry or an out-of-memory error while skipping (not foreseen)
@@ -659,6 +733,11 @@ class StepTemplate:
     s0: int
     first_id: int
     n_allocs: int
+    growing: np.ndarray = field(init=False, repr=False, compare=False)
+    """The positions of the ops whose size grows from step to step (``slope > 0``)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "growing", np.flatnonzero(self.slope != 0))
 
     def sizes(self, t: int) -> np.ndarray:
         """The bytes each op of step ``t`` asks for (0 for frees)."""

@@ -690,7 +690,8 @@ def configure(policy: Any = None, *, step_marks: "str | None" = _KEEP) -> None:
     Call it with a policy before the first allocation on a device: an engine already made keeps its policy. The
     native engine takes ``growth``, ``page_slack``, ``page_slack_min_nbytes``, ``chunk_max_fraction``, ``grow_ahead_fraction``,
     ``steal_empty_pages``, ``busy_slack`` and ``stream_ordered_steal`` (``GPUMEM_BUSY_SLACK``,
-    ``GPUMEM_CHUNK_MAX_FRACTION`` and ``GPUMEM_STREAM_ORDERED_STEAL=0|1``, when set, override those); the
+    ``GPUMEM_CHUNK_MAX_FRACTION``, ``GPUMEM_PAGE_SLACK``, ``GPUMEM_PAGE_SLACK_MIN_NBYTES`` and
+    ``GPUMEM_STREAM_ORDERED_STEAL=0|1``, when set, override those); the
     policy's other fields must be the default policy's.
 
     ``step_marks="optimizer"`` (after :func:`install`; ``GPUMEM_STEP_MARKS=optimizer`` does the same at

@@ -55,8 +55,9 @@
 
 namespace {
 // The engine's policy for PyTorch: the defaults, where GPUMEM_BUSY_SLACK (a number >= 0, or inf) sets
-// AllocatorPolicy.busy_slack, GPUMEM_CHUNK_MAX_FRACTION chunk_max_fraction and GPUMEM_STREAM_ORDERED_STEAL
-// stream_ordered_steal (issue 18 measures several live).
+// AllocatorPolicy.busy_slack, GPUMEM_CHUNK_MAX_FRACTION chunk_max_fraction, GPUMEM_PAGE_SLACK page_slack,
+// GPUMEM_PAGE_SLACK_MIN_NBYTES page_slack_min_nbytes and GPUMEM_STREAM_ORDERED_STEAL stream_ordered_steal
+// (issue 18 measures several live).
 // `base` (gpumem_torch_configure's policy, the default policy otherwise) with GPUMEM_BUSY_SLACK applied.
 gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
     gpumem::EngineConfig cfg = base;
@@ -74,6 +75,23 @@ gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
         if (end == v || *end != '\0' || !(value > 0.0 && value <= 1.0))
             throw std::runtime_error(std::string("GPUMEM_CHUNK_MAX_FRACTION must be a number in (0, 1], not '") + v + "'");
         cfg.chunk_max_fraction = value;
+    }
+    // AllocatorPolicy.page_slack: GPUMEM_PAGE_SLACK, a number in [0, 1]; page_slack_min_nbytes:
+    // GPUMEM_PAGE_SLACK_MIN_NBYTES, a whole number of bytes >= 0 (with GPUMEM_CHUNK_MAX_FRACTION and
+    // GPUMEM_STREAM_ORDERED_STEAL, the memory-first policy step plans want, set with no code change)
+    if (const char* v = std::getenv("GPUMEM_PAGE_SLACK")) {
+        char* end = nullptr;
+        double value = std::strtod(v, &end);
+        if (end == v || *end != '\0' || !(value >= 0.0 && value <= 1.0))
+            throw std::runtime_error(std::string("GPUMEM_PAGE_SLACK must be a number in [0, 1], not '") + v + "'");
+        cfg.page_slack = value;
+    }
+    if (const char* v = std::getenv("GPUMEM_PAGE_SLACK_MIN_NBYTES")) {
+        std::string s(v);
+        bool digits = !s.empty() && s.size() <= 19 && s.find_first_not_of("0123456789") == std::string::npos;
+        if (!digits)
+            throw std::runtime_error("GPUMEM_PAGE_SLACK_MIN_NBYTES must be a whole number of bytes >= 0, not '" + s + "'");
+        cfg.page_slack_min_nbytes = std::stoull(s);
     }
     // AllocatorPolicy.stream_ordered_steal: GPUMEM_STREAM_ORDERED_STEAL=0 or 1 (issue 18 measures both live)
     if (const char* v = std::getenv("GPUMEM_STREAM_ORDERED_STEAL")) {

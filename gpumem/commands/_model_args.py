@@ -152,16 +152,29 @@ def context_note(tokens: int, context_len: int | None) -> str:
     return note
 
 
-def check_device(spec: str) -> None:
+def check_device(spec: str) -> bool:
     """Open and close ``spec`` once, so that a bad device spec is bad input (exit 2) found before any work;
-    raises ``InvalidArgumentError`` naming ``--device``."""
+    raises ``InvalidArgumentError`` naming ``--device``. Returns whether the device has virtual memory
+    management (:func:`needs_vmm` policies run only there)."""
     from ..errors import GpumemError
     from ..specs import open_device
 
     try:
-        open_device(spec).close()
+        dev = open_device(spec)
     except GpumemError as exc:
         raise InvalidArgumentError(f"--device {spec}: {exc}") from None
+    try:
+        return bool(dev.vmm_supported)
+    finally:
+        dev.close()
+
+
+def needs_vmm(policy: str) -> bool:
+    """Whether ``policy`` (a checked name) backs memory with virtual memory management or fails (``expandable``)."""
+    from ..allocator.bucket import is_bucket_policy
+    from ..allocator.policy import VmmMode, get_policy
+
+    return not is_bucket_policy(policy) and get_policy(policy).vmm is VmmMode.ALWAYS
 
 
 _SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "half": "fp16"}

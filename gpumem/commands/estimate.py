@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from ._common import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
@@ -13,6 +14,7 @@ from ..progress import progress
 from ..units import format_bytes
 from ._args import MANY
 from ._model_args import (add_lora_args, add_model_args, check_device, context_note, lora_from_args, model_from_args,
+                          needs_vmm,
                           params_text, parse_dtypes)
 
 #: The policies estimate replays under unless --policy says otherwise.
@@ -115,7 +117,8 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         if not is_bucket_policy(pol):  # the size-bucket pool, as gpumem replay, fit and sweep take it
             get_policy(pol)
     shape.check_tokens(prompt + (0 if args.training else new))
-    check_device(args.device)
+    if not check_device(args.device):
+        policies = _policies_without_vmm(policies, args.device, given=bool(args.policy))
     for flag in ("gradient_checkpointing", "optimizer_8bit", "lora_rank", "mixed_precision"):
         if getattr(args, flag, None) and not args.training:
             raise InvalidArgumentError(f"--{flag.replace('_', '-')} is for --training")
@@ -153,6 +156,19 @@ def _check_mixed_args(args: argparse.Namespace) -> None:
         raise InvalidArgumentError(f"--mixed-precision {args.mixed_precision} keeps fp32 master weights: --dtype "
                                    f"must be fp32 (or left out), got {','.join(args.dtype)}")
     check_mixed_precision(args.mixed_precision, 4, lora=args.lora is not None, optimizer_8bit=args.optimizer_8bit)
+
+
+def _policies_without_vmm(policies: list[str], device: str, given: bool) -> list[str]:
+    """``policies`` on a device without virtual memory management: one that needs it (``expandable``) is bad
+    input when ``--policy`` named it, and left out of the default ones with a line on stderr saying so."""
+    needing = [p for p in policies if needs_vmm(p)]
+    if needing and given:
+        raise InvalidArgumentError(f"--policy {needing[0]}: it needs virtual memory management, which {device} "
+                                   "does not support; choose another policy")
+    for p in needing:
+        print(f"gpumem estimate: policy {p!r} left out: it needs virtual memory management, which {device} "
+              "does not support", file=sys.stderr)
+    return [p for p in policies if p not in needing]
 
 
 def _usable(spec: str, shape: Any, fmt: Any) -> tuple[int, int]:

@@ -448,9 +448,11 @@ class PlanNeverOverlaps(RuleBasedStateMachine):
     stray allocations and frees, an extra mark): no two live allocations ever overlap, and the engine's
     bookkeeping stays consistent."""
 
-    @initialize(engine=st.sampled_from(ENGINES))
-    def setup(self, engine):
+    @initialize(engine=st.sampled_from(ENGINES), record_limit=st.sampled_from([None, 10]))
+    def setup(self, engine, record_limit):
         self.alloc = make(engine)
+        if record_limit is not None:   # recordings abandoned (Note [When marks stop])
+            self.alloc._engine.set_step_record_limit(record_limit)   # noqa: SLF001
         self.loop = Loop(self.alloc)
 
     @rule(change=st.none() | st.tuples(st.integers(0, len(LOOP) - 1), st.integers(1, 12 * MiB)),
@@ -485,6 +487,21 @@ class PlanNeverOverlaps(RuleBasedStateMachine):
     @rule()
     def extra_mark(self):
         self.alloc.mark_step()
+
+    @rule(n=st.integers(1, 6))
+    def unmarked_steps(self, n):
+        """Steps with no mark (marks stopped): a plan past four templates is dropped (Note [When marks stop])."""
+        for _ in range(n):
+            for size, stream, life in LOOP:
+                self.loop.free_due()
+                self.loop.clock += 1
+                ptr = self.alloc.allocate(size, stream)
+                check_no_overlap(self.loop.live, ptr, size)
+                self.loop.live.append([ptr, size, self.loop.clock + life])
+
+    @rule()
+    def empty_cache(self):
+        self.alloc.empty_cache()
 
     @invariant()
     def consistent(self):

@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from gpumem import sim
 from gpumem.allocator import CachingAllocator
 import gpumem.allocator.caching as caching
-from gpumem.allocator.plan import (MISS_LIMIT, MISS_WINDOW, MISS_WINDOW_LIMIT, RELEASED_ARENAS, MarkResult, PlanItems, StepState,
+from gpumem.allocator.plan import (MISS_LIMIT, MISS_WINDOW, MISS_WINDOW_LIMIT, RECORD_LIMIT, RELEASED_ARENAS, MarkResult, PlanItems, StepState,
                                    StepTemplate, _check_slots, _refused_slots, check_plan, plan, plan_height, plan_step,
                                    template_items)
 from gpumem.errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
@@ -453,6 +453,7 @@ class PlanNeverOverlaps(RuleBasedStateMachine):
         self.alloc = make(engine)
         if record_limit is not None:   # recordings abandoned (Note [When marks stop])
             self.alloc._engine.set_step_record_limit(record_limit)   # noqa: SLF001
+        self.record_limit = record_limit or RECORD_LIMIT
         self.loop = Loop(self.alloc)
 
     @rule(change=st.none() | st.tuples(st.integers(0, len(LOOP) - 1), st.integers(1, 12 * MiB)),
@@ -507,6 +508,7 @@ class PlanNeverOverlaps(RuleBasedStateMachine):
     def consistent(self):
         if hasattr(self, "alloc"):
             self.alloc.check_consistency()
+            assert self.alloc.step_plan_info().records <= 2 * self.record_limit
 
     def teardown(self):
         if hasattr(self, "alloc"):

@@ -2270,7 +2270,10 @@ void Engine::synchronize() {
 std::uint64_t Engine::empty_cache() {
     Guard guard(*this);
     check_usable_op();
-    return empty_cache_locked();
+    std::uint64_t released = empty_cache_locked();
+    // the step plans' arena runs no live allocation touches (plan.py give_back_idle, Note [When marks stop])
+    if (!closed_) GPUMEM_OPERATION({ released += plan_give_back_idle(); })
+    return released;
 }
 
 std::uint64_t Engine::empty_cache_locked() {
@@ -2616,6 +2619,7 @@ constexpr int kMissLimit = 3;         // plan.py MISS_LIMIT
 constexpr int kMissWindow = 8;        // plan.py MISS_WINDOW
 constexpr int kMissWindowLimit = 4;   // plan.py MISS_WINDOW_LIMIT
 constexpr std::uint64_t kArenaVaFactor = 2;   // plan.py ARENA_VA_FACTOR
+constexpr std::uint64_t kOverrunFactor = 4;   // plan.py OVERRUN_FACTOR
 
 // plan.py _Ranges over a std::map: disjoint ranges [start, end) with a slot each (install's sweep)
 struct Ranges {
@@ -2714,10 +2718,11 @@ std::vector<char> refused_slots(const std::vector<std::pair<std::int64_t, std::s
 }  // namespace
 
 void Engine::plan_reset_recording() {
-    rec_cur_.clear();
-    rec_prev_.clear();
-    rec_cur_map_.clear();
-    rec_prev_map_.clear();
+    // swapped with empty ones, not cleared: an abandoned recording's memory goes back (Note [When marks stop])
+    std::vector<StepRecord>().swap(rec_cur_);
+    std::vector<StepRecord>().swap(rec_prev_);
+    std::unordered_map<std::uint64_t, std::size_t>().swap(rec_cur_map_);
+    std::unordered_map<std::uint64_t, std::size_t>().swap(rec_prev_map_);
     rec_cur_cross_ = rec_prev_cross_ = false;
     since_mark_ = 0;
 }
@@ -3084,12 +3089,24 @@ std::uint64_t Engine::plan_allocate(std::uint64_t nbytes, std::uint64_t stream) 
         GPUMEM_OPERATION({ p = plan_serve(nbytes, stream); })
         if (p) return p;
         ++plan_fallback_;
+        if (cursor_ > kOverrunFactor * slot_off_.size()) {   // marks stopped? (plan.py, Note [When marks stop])
+            plan_drop();
+            plan_reset_recording();
+            plan_state_ = kPlanOff;
+            GPUMEM_OPERATION({ plan_give_back_dropped(); })
+        }
     }
     std::uint64_t p = allocate_engine(nbytes, stream);
     ++since_mark_;
     if (plan_state_ == kPlanRecording || plan_state_ == kPlanRecordingNext) {
-        rec_cur_map_[p] = rec_cur_.size();
-        rec_cur_.push_back(StepRecord{nbytes, stream, -1, -1});
+        if (rec_cur_.size() >= record_limit_) {   // marks stopped? (plan.py, Note [When marks stop])
+            plan_reset_recording();
+            plan_state_ = kPlanOff;
+            ++plan_recordings_abandoned_;
+        } else {
+            rec_cur_map_[p] = rec_cur_.size();
+            rec_cur_.push_back(StepRecord{nbytes, stream, -1, -1});
+        }
     }
     return p;
 }
@@ -3377,21 +3394,40 @@ void Engine::plan_give_back_dropped() {
             plan_release(arena);
             continue;
         }
-        std::vector<std::size_t> idle;
-        for (std::size_t i = 0; i < arena->runs.size(); ++i) {
-            const PlanRun& r = arena->runs[i];
-            bool used = false;
-            for (auto& kv : arena->live)
-                if (kv.first < r.va + r.nbytes && r.va < kv.first + kv.second.size) {
-                    used = true;
-                    break;
-                }
-            if (!used) idle.push_back(i);
-        }
-        if (idle.empty()) continue;
-        for (std::uint64_t s : arena->streams) backend_.stream_synchronize(s);   // sorted (std::set)
-        for (std::size_t j = idle.size(); j-- > 0;) plan_give_back_run(arena, idle[j]);
+        plan_give_back_idle_runs(arena);
     }
+}
+
+// plan.py _give_back_idle_runs: the runs of `arena` that no live allocation touches, after the arena's streams
+void Engine::plan_give_back_idle_runs(PlanArena* arena) {
+    std::vector<std::size_t> idle;
+    for (std::size_t i = 0; i < arena->runs.size(); ++i) {
+        const PlanRun& r = arena->runs[i];
+        bool used = false;
+        for (auto& kv : arena->live)
+            if (kv.first < r.va + r.nbytes && r.va < kv.first + kv.second.size) {
+                used = true;
+                break;
+            }
+        if (!used) idle.push_back(i);
+    }
+    if (idle.empty()) return;
+    for (std::uint64_t s : arena->streams) backend_.stream_synchronize(s);   // sorted (std::set)
+    for (std::size_t j = idle.size(); j-- > 0;) plan_give_back_run(arena, idle[j]);
+}
+
+// plan.py give_back_idle (empty_cache): every dropped arena with nothing live, and the runs of every arena,
+// the current plan's too, that no live allocation touches; the bytes given back
+std::uint64_t Engine::plan_give_back_idle() {
+    const std::uint64_t before = plan_mapped_nbytes_;
+    plan_give_back_dropped();
+    if (plan_state_ == kPlanPlanned) plan_give_back_idle_runs(arenas_.back().get());
+    return before - plan_mapped_nbytes_;
+}
+
+void Engine::set_step_record_limit(std::uint64_t records) {
+    Guard guard(*this);
+    record_limit_ = records;
 }
 
 // Unmap (unless a failed try already did) and release run `i` of `arena`, then forget it: a failure leaves
@@ -3457,7 +3493,7 @@ std::vector<std::uint64_t> Engine::step_plan_info() {
     const PlanArena* cur = plan_state_ == kPlanPlanned && !arenas_.empty() ? arenas_.back().get() : nullptr;
     return {static_cast<std::uint64_t>(plan_state_), slot_off_.size(), cur ? cur->extent_nbytes : 0, plan_mapped_nbytes_,
             plan_served_, plan_fallback_, plan_steps_hit_, plan_steps_missed_, plans_installed_, plans_dropped_,
-            plan_arena_calls_, plan_live_nbytes()};
+            plan_arena_calls_, plan_live_nbytes(), rec_cur_.size() + rec_prev_.size(), plan_recordings_abandoned_};
 }
 
 }  // namespace gpumem

@@ -326,6 +326,9 @@ class Engine {
     bool ready_step(std::vector<StepRecord>* out, std::uint64_t* generation);
     bool install_plan(const std::vector<std::int64_t>& offsets, std::int64_t generation = -1);
     std::vector<std::uint64_t> step_plan_info();
+    // Records a recorded step may hold before it is abandoned (plan.py StepPlan.set_record_limit, Note [When
+    // marks stop]); the caller checked it is in [1, 2**40].
+    void set_step_record_limit(std::uint64_t records);
 
   private:
     struct Guard;
@@ -379,6 +382,8 @@ class Engine {
     void plan_drop();
     void plan_shrink();   // plan.py StepPlan.shrink
     void plan_give_back_dropped();
+    void plan_give_back_idle_runs(PlanArena* arena);   // plan.py _give_back_idle_runs
+    std::uint64_t plan_give_back_idle();   // plan.py give_back_idle (empty_cache)
     int plan_mark();   // plan.py StepPlan._mark
     void plan_release(PlanArena* arena);
     void plan_give_back_run(PlanArena* arena, std::size_t i);
@@ -610,6 +615,8 @@ class Engine {
     std::uint64_t plan_mapped_nbytes_ = 0;
     std::uint64_t plan_served_ = 0, plan_fallback_ = 0, plan_steps_hit_ = 0, plan_steps_missed_ = 0,
                   plans_installed_ = 0, plans_dropped_ = 0, plan_arena_calls_ = 0;
+    std::uint64_t plan_recordings_abandoned_ = 0;   // plan.py counts["recordings_abandoned"]
+    std::uint64_t record_limit_ = std::uint64_t{1} << 18;   // plan.py record_limit (RECORD_LIMIT)
 };
 
 }  // namespace gpumem

@@ -1096,6 +1096,19 @@ PyObject* Alloc_step_plan_info(AllocObject* self, PyObject*) {
     });
 }
 
+// set_step_record_limit(records): NativeEngine.set_step_record_limit checked it (plan.py check_record_limit)
+PyObject* Alloc_set_step_record_limit(AllocObject* self, PyObject* args) {
+    CHECK_ALIVE(self);
+    unsigned long long records = 0;
+    if (!PyArg_ParseTuple(args, "K:set_step_record_limit", &records)) return nullptr;
+    if (records < 1 || records > (1ULL << 40)) {
+        PyErr_SetString(PyExc_ValueError, "set_step_record_limit: records must be in [1, 2**40]");
+        return nullptr;
+    }
+    self->engine->set_step_record_limit(records);
+    Py_RETURN_NONE;
+}
+
 PyMethodDef Alloc_methods[] = {
     {"allocate", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Alloc_allocate)),
      METH_FASTCALL | METH_KEYWORDS, "allocate(nbytes, stream=0) -> device pointer"},
@@ -1127,6 +1140,8 @@ PyMethodDef Alloc_methods[] = {
     {"reset_peak_stats", reinterpret_cast<PyCFunction>(Alloc_reset_peak_stats), METH_NOARGS,
      "peaks down to the values now"},
     {"step_plan_info", reinterpret_cast<PyCFunction>(Alloc_step_plan_info), METH_NOARGS, "the plan layer's counters"},
+    {"set_step_record_limit", reinterpret_cast<PyCFunction>(Alloc_set_step_record_limit), METH_VARARGS,
+     "set_step_record_limit(records): records a recorded step may hold before it is abandoned"},
     {nullptr, nullptr, 0, nullptr},
 };
 

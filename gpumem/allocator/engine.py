@@ -100,6 +100,11 @@ class Engine(Protocol):
         """The plan layer's counters, in the order of :attr:`~gpumem.allocator.plan.PlanInfo.FIELDS`."""
         ...
 
+    def set_step_record_limit(self, records: int) -> None:
+        """Records a recorded step may hold before it is abandoned (Note [When marks stop] in
+        :mod:`gpumem.allocator.plan`; default :data:`~gpumem.allocator.plan.RECORD_LIMIT`)."""
+        ...
+
 
 def no_history_error() -> InvalidArgumentError:
     """What :meth:`Engine.history` raises when the allocator was created without ``record_history``."""

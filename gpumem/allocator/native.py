@@ -24,7 +24,7 @@ from ..units import align_up, format_bytes
 from ..validate import as_int, check_nbytes, check_stream
 from .engine import OomCause, no_history_error
 from .engine import oom_error as build_oom_error
-from .plan import check_generation
+from .plan import check_generation, check_record_limit
 from .policy import AllocatorPolicy
 from .stats import AllocatorStats
 
@@ -71,6 +71,10 @@ class NativeEngine:
         self.step_template = ext.step_template
         self.step_plan_info = ext.step_plan_info
         self.reset_peak_stats = ext.reset_peak_stats
+
+    def set_step_record_limit(self, records: int) -> None:
+        """The engine's limit on a recorded step's records, checked as the Python engine checks it."""
+        self._ext.set_step_record_limit(check_record_limit(records))
 
     def install_plan(self, offsets: list[int], generation: int | None = None) -> bool:
         """The engine's install; ``generation`` checked as the Python engine checks it (-1: none given)."""

@@ -54,6 +54,30 @@ that tried it (the mark of a drop, a free, ``close``) and leaves the layer recor
 when it is unmapped, so the next try (every ``mark_step`` retries dropped arenas with nothing live)
 releases it without unmapping again, and ``close`` leaks nothing once the device answers.
 
+Note [When marks stop]
+----------------------
+A program may stop marking (automatic marks off, a stray ``step()``, the marking optimizer idle, an eval or
+CUDA-graph phase). Before: while recording, each allocation appended a record that only a mark cleared,
++30.9 MiB of host memory per million allocations (native; about 150 B each in the Python engine), without
+bound (attacker 11, F1); with a plan installed, its arena stayed mapped with nothing in it for good, beside
+the engine's cache of the same temporaries, and ``empty_cache`` did not give it back (F2). Rules:
+- a recorded step holds at most :data:`RECORD_LIMIT` (2**18) records; the next allocation abandons the
+  recording (both steps' records freed, ``recordings_abandoned``) and the layer goes OFF: the engine alone,
+  no record kept; the next mark starts over. So records stay under 2 x 2**18 (16 MiB native). Why absolute:
+  the first step has no history to be a multiple of, and a step that long is no plan to wait for (the
+  planner is quadratic: 0.9 s at 10,000 allocations, ``reports/step-plan-scale-2026-11-28.md``).
+- a planned step whose allocations pass :data:`OVERRUN_FACTOR` (4) times its template's drops the plan as a
+  miss does (its arena's runs with nothing live go back at once, the rest at their last free) and goes OFF.
+  Such a step left the plan at its template's end, so the plan serves none of it and would count it missed;
+  four templates bound the time an idle arena is held to a few steps' worth of allocations. A long eval pass
+  between two marks drops the plan; it is planned again three marks after training resumes.
+- ``empty_cache`` also gives back every arena run no live allocation touches, the current plan's too (after
+  the arena's streams), and keeps the plan: its slots map their pages again when they next serve, as the
+  engine maps chunks again after its own ``empty_cache``. Dropping the plan there instead would re-plan
+  every few steps a program that calls ``empty_cache`` each step.
+What is left: a plan whose program stops marking and allocating (CUDA-graph replay) keeps its pages until
+``empty_cache`` or memory pressure (the ladder's shrink). Each rule counts allocations, not time.
+
 Note [Step plans and record_stream]
 -----------------------------------
 A recorded step in which one of its allocations is used on another stream (``record_stream`` on the
@@ -153,7 +177,8 @@ import numpy as np
 from ..errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
 from ..validate import as_int
 
-__all__ = ["ROUND_NBYTES", "MISS_LIMIT", "MISS_WINDOW", "MISS_WINDOW_LIMIT", "RELEASED_ARENAS", "ARENA_VA_FACTOR", "StepState", "MarkResult", "PlanItems", "Planner", "plan",
+__all__ = ["ROUND_NBYTES", "MISS_LIMIT", "MISS_WINDOW", "MISS_WINDOW_LIMIT", "RELEASED_ARENAS", "ARENA_VA_FACTOR",
+           "RECORD_LIMIT", "OVERRUN_FACTOR", "check_record_limit", "StepState", "MarkResult", "PlanItems", "Planner", "plan",
            "plan_height", "check_plan", "StepTemplate", "template_items", "plan_step", "StepPlan", "PlanInfo",
            "check_generation"]
 
@@ -170,6 +195,11 @@ RELEASED_ARENAS = 8
 ARENA_VA_FACTOR = 2
 """An arena reserves this many times its plan's extent of addresses: room to move slots off kept blocks
 (Note [Moving slots off kept blocks])."""
+RECORD_LIMIT = 1 << 18
+"""Allocations a recorded step may hold records of; the next one abandons the recording (Note [When marks
+stop]). Per engine: ``set_step_record_limit``."""
+OVERRUN_FACTOR = 4
+"""A planned step whose allocations pass this many times its template's drops the plan (Note [When marks stop])."""
 
 
 class _NamedIntEnum(enum.IntEnum):
@@ -188,7 +218,8 @@ class StepState(_NamedIntEnum):
     """Where the plan layer is; the values of ``PlanState`` in ``gpumem/_native/engine.h``."""
 
     OFF = 0
-    """No step marked yet: the engine alone."""
+    """No step marked yet, or marks stopped (a step ran past its bound: Note [When marks stop]): the engine
+    alone; the next mark starts recording."""
     RECORDING = 1
     """Recording the first step."""
     RECORDING_NEXT = 2
@@ -411,10 +442,13 @@ class PlanInfo:
     Each field reads as an attribute (``info.served``); ``info.state`` is a :class:`StepState`, and
     :meth:`as_dict` keeps plain ints (the JSON records of ``hil/probes`` store it). ``live_nbytes``: bytes
     of live allocations in the step plan's arenas (the current one and dropped ones not yet given back),
-    which ``mapped_nbytes`` holds beside the engine's cache."""
+    which ``mapped_nbytes`` holds beside the engine's cache. ``records``: allocations of the recorded steps
+    held (host memory, at most twice :data:`RECORD_LIMIT`); ``recordings_abandoned``: recorded steps that ran
+    past that limit (Note [When marks stop])."""
 
     FIELDS = ("state", "slots", "arena_nbytes", "mapped_nbytes", "served", "fallback", "steps_hit",
-              "steps_missed", "plans_installed", "plans_dropped", "arena_calls", "live_nbytes")
+              "steps_missed", "plans_installed", "plans_dropped", "arena_calls", "live_nbytes", "records",
+              "recordings_abandoned")
 
     def __init__(self, values: Sequence[int]) -> None:
         if len(values) != len(self.FIELDS):
@@ -513,7 +547,9 @@ class StepPlan:
         self.released: list[tuple[int, int]] = []
         """``(base, nbytes)`` of the last :data:`RELEASED_ARENAS` arenas given back, oldest first."""
         self.counts = dict.fromkeys(("served", "fallback", "steps_hit", "steps_missed", "plans_installed",
-                                     "plans_dropped", "arena_calls", "moves"), 0)
+                                     "plans_dropped", "arena_calls", "moves", "recordings_abandoned"), 0)
+        self.record_limit = RECORD_LIMIT
+        """Records a recorded step may hold (Note [When marks stop]): :meth:`set_record_limit`."""
 
     def _reset_recording(self) -> None:
         self.cur: list[list[int]] = []     # [nbytes, stream, free_own, free_next]
@@ -540,6 +576,11 @@ class StepPlan:
         self.e2: list[int] = []
         self.blocked_nbytes = 0   # this step's requests served by the engine because their slot met a kept block
         self.moved_at = -1   # the planned step of the last move off kept blocks (-1: none)
+
+    def set_record_limit(self, records: Any) -> None:
+        """Records a recorded step may hold before it is abandoned (default :data:`RECORD_LIMIT`); a step
+        recording now that already holds more is abandoned at its next allocation."""
+        self.record_limit = check_record_limit(records)
 
     @property
     def active(self) -> bool:
@@ -769,11 +810,21 @@ class StepPlan:
             if ptr:
                 return ptr
             self.counts["fallback"] += 1
+            if self.cursor > OVERRUN_FACTOR * len(self.off):   # marks stopped? (Note [When marks stop])
+                self._drop()
+                self._reset_recording()
+                self.state = StepState.OFF
+                self._give_back_dropped()
         ptr = e._allocate_engine(nbytes, stream)
         self.since_mark += 1
         if self.state is StepState.RECORDING or self.state is StepState.RECORDING_NEXT:
-            self.cur_map[ptr] = len(self.cur)
-            self.cur.append([nbytes, stream, -1, -1])
+            if len(self.cur) >= self.record_limit:   # marks stopped? (Note [When marks stop])
+                self._reset_recording()
+                self.state = StepState.OFF
+                self.counts["recordings_abandoned"] += 1
+            else:
+                self.cur_map[ptr] = len(self.cur)
+                self.cur.append([nbytes, stream, -1, -1])
         return ptr
 
     def _serve(self, nbytes: int, stream: int) -> int:
@@ -972,6 +1023,28 @@ class StepPlan:
             self.state = StepState.RECORDING
         self._give_back_dropped()
 
+    def give_back_idle(self) -> int:
+        """``empty_cache``: give back every run of every arena, the current plan's too, that no live allocation
+        touches (after the arena's streams), and every dropped arena with nothing live; the bytes given back
+        (Note [When marks stop]). The plan stays: its slots map their pages again when they next serve."""
+        before = self.mapped_nbytes
+        self._give_back_dropped()
+        if self.state is StepState.PLANNED:
+            self._give_back_idle_runs(self.arenas[-1])
+        return before - self.mapped_nbytes
+
+    def _give_back_idle_runs(self, arena: _Arena) -> None:
+        """Give back the runs of ``arena`` that no live allocation touches, after the arena's streams."""
+        idle = [i for i, (va, nb, _, _) in enumerate(arena.runs)
+                if not any(ptr < va + nb and va < ptr + size for ptr, (_, size, _) in arena.live.items())]
+        if not idle:
+            return
+        dev = self.e.device
+        for st in sorted(arena.streams):
+            dev.stream_synchronize(st)
+        for i in reversed(idle):
+            self._give_back_run(arena, i)
+
     def _give_back_dropped(self) -> None:
         """Gives back every dropped arena with nothing live and, of the others, every run no live allocation
         touches (after the arena's streams are done)."""
@@ -979,15 +1052,7 @@ class StepPlan:
             if not arena.live:
                 self._release(arena)
                 continue
-            idle = [i for i, (va, nb, _, _) in enumerate(arena.runs)
-                    if not any(ptr < va + nb and va < ptr + size for ptr, (_, size, _) in arena.live.items())]
-            if not idle:
-                continue
-            dev = self.e.device
-            for st in sorted(arena.streams):
-                dev.stream_synchronize(st)
-            for i in reversed(idle):
-                self._give_back_run(arena, i)
+            self._give_back_idle_runs(arena)
 
     def _give_back_run(self, arena: _Arena, i: int) -> None:
         """Unmap (unless a failed try already did) and release run ``i`` of ``arena``, then forget it: a
@@ -1056,7 +1121,8 @@ class StepPlan:
         c = self.counts
         return PlanInfo((int(self.state), len(self.off), arena.extent_nbytes if arena else 0, self.mapped_nbytes,
                          c["served"], c["fallback"], c["steps_hit"], c["steps_missed"], c["plans_installed"],
-                         c["plans_dropped"], c["arena_calls"], self.live_nbytes()))
+                         c["plans_dropped"], c["arena_calls"], self.live_nbytes(), len(self.cur) + len(self.prev),
+                         c["recordings_abandoned"]))
 
     def live_nbytes(self) -> int:
         """Bytes (rounded) of live arena allocations, for the consistency check."""
@@ -1123,6 +1189,14 @@ def _refused_slots(planned: list[tuple[int, int]], sizes: list[int], streams: li
         if next_other[i] < bisect.bisect_left(starts, o + sizes[k]):
             refused[k] = True
     return refused
+
+
+def check_record_limit(records: Any) -> int:
+    """``set_step_record_limit``'s ``records``: an int in [1, 2**40] (:class:`InvalidArgumentError`)."""
+    n = as_int(records, "records")
+    if not 1 <= n <= 1 << 40:
+        raise InvalidArgumentError(f"set_step_record_limit: records must be in [1, 2**40], got {n}")
+    return n
 
 
 def check_generation(generation: Any) -> int | None:

@@ -25,7 +25,7 @@ from .backing import AddressSpaceExhausted, Backing, LimitExceeded, Segment, Seg
 from .block import Block, FreeList, TopDownFreeList, append_block, drop_last_block, merge_blocks, split_block
 from .engine import OomCause, no_history_error, oom_error
 from .fences import StreamFences
-from .plan import StepPlan, check_generation
+from .plan import StepPlan, check_generation, check_record_limit
 from .policy import AllocatorPolicy
 from .stats import AllocatorStats
 
@@ -551,8 +551,13 @@ class PythonEngine:
 
     # -- cache control and introspection -----------------------------------------------------------------
     def empty_cache(self) -> int:
+        """Give back the engine's cache and the step plans' arena runs no live allocation touches (Note [When
+        marks stop] in :mod:`.plan`); the bytes given back."""
         with self._operation():
-            return self._empty_cache_locked()
+            released = self._empty_cache_locked()
+            if not self._closed:
+                released += self._plan.give_back_idle()
+            return released
 
     def _empty_cache_locked(self) -> int:
         """:meth:`empty_cache` inside an operation (the plan layer gives the cache back before it maps)."""
@@ -678,6 +683,12 @@ class PythonEngine:
         """The plan layer's counters (:class:`~.plan.PlanInfo`)."""
         with self._lock:
             return self._plan.info().values
+
+    def set_step_record_limit(self, records: int) -> None:
+        """Records a recorded step may hold before it is abandoned (Note [When marks stop] in :mod:`.plan`)."""
+        records = check_record_limit(records)
+        with self._lock:
+            self._plan.set_record_limit(records)
 
     def history(self, label: str):  # -> gpumem.trace.Trace
         if self._recorder is None:

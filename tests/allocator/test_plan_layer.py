@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from gpumem import sim
 from gpumem.allocator import CachingAllocator
 import gpumem.allocator.caching as caching
-from gpumem.allocator.plan import (MISS_LIMIT, MISS_WINDOW, MISS_WINDOW_LIMIT, RELEASED_ARENAS, MarkResult, PlanItems, StepState,
+from gpumem.allocator.plan import (MISS_LIMIT, MISS_WINDOW, MISS_WINDOW_LIMIT, RECORD_LIMIT, RELEASED_ARENAS, MarkResult, PlanItems, StepState,
                                    StepTemplate, _check_slots, _refused_slots, check_plan, plan, plan_height, plan_step,
                                    template_items)
 from gpumem.errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
@@ -448,9 +448,12 @@ class PlanNeverOverlaps(RuleBasedStateMachine):
     stray allocations and frees, an extra mark): no two live allocations ever overlap, and the engine's
     bookkeeping stays consistent."""
 
-    @initialize(engine=st.sampled_from(ENGINES))
-    def setup(self, engine):
+    @initialize(engine=st.sampled_from(ENGINES), record_limit=st.sampled_from([None, 10]))
+    def setup(self, engine, record_limit):
         self.alloc = make(engine)
+        if record_limit is not None:   # recordings abandoned (Note [When marks stop])
+            self.alloc._engine.set_step_record_limit(record_limit)   # noqa: SLF001
+        self.record_limit = record_limit or RECORD_LIMIT
         self.loop = Loop(self.alloc)
 
     @rule(change=st.none() | st.tuples(st.integers(0, len(LOOP) - 1), st.integers(1, 12 * MiB)),
@@ -486,10 +489,26 @@ class PlanNeverOverlaps(RuleBasedStateMachine):
     def extra_mark(self):
         self.alloc.mark_step()
 
+    @rule(n=st.integers(1, 6))
+    def unmarked_steps(self, n):
+        """Steps with no mark (marks stopped): a plan past four templates is dropped (Note [When marks stop])."""
+        for _ in range(n):
+            for size, stream, life in LOOP:
+                self.loop.free_due()
+                self.loop.clock += 1
+                ptr = self.alloc.allocate(size, stream)
+                check_no_overlap(self.loop.live, ptr, size)
+                self.loop.live.append([ptr, size, self.loop.clock + life])
+
+    @rule()
+    def empty_cache(self):
+        self.alloc.empty_cache()
+
     @invariant()
     def consistent(self):
         if hasattr(self, "alloc"):
             self.alloc.check_consistency()
+            assert self.alloc.step_plan_info().records <= 2 * self.record_limit
 
     def teardown(self):
         if hasattr(self, "alloc"):

@@ -167,3 +167,19 @@ def test_estimate_takes_several_policies_and_dtypes_in_every_spelling(capsys, sp
     rows = json.loads(capsys.readouterr().out)
     assert [r["dtype"] for r in rows] == ["bf16", "fp32"]
     assert all(list(r["peak_reserved_by_policy"]) == ["pytorch", "gpumem"] for r in rows), rows[0]
+
+
+def test_a_device_without_virtual_memory_leaves_expandable_out_and_refuses_it_by_name(capsys):
+    """New user 9, F3: on a Jetson profile (no VMM) estimate printed no answer and exited 4 (expandable is one
+    of its default policies), and fit --policy expandable exited 4 where its help says 2."""
+    args = [*SHAPE, "--prompt-len", "64", "--new-tokens", "2", "--device", "sim:jetson-nano-2gb"]
+    assert main(["estimate", *args, "--json"]) == 0
+    captured = capsys.readouterr()
+    (row,) = json.loads(captured.out)
+    assert set(row["peak_reserved_by_policy"]) == {"pytorch", "gpumem"}
+    assert "policy 'expandable' left out: it needs virtual memory management" in captured.err
+    for cmd in ("estimate", "fit"):
+        assert main([cmd, *args, "--policy", "expandable"]) == 2
+        err = capsys.readouterr().err
+        assert f"gpumem {cmd}: --policy expandable: it needs virtual memory management, which " \
+               "sim:jetson-nano-2gb does not support" in err

@@ -34,6 +34,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+import sys
 from typing import Any
 
 from .errors import BackendUnavailableError, GpumemError, InvalidArgumentError, OutOfMemoryError
@@ -99,7 +100,7 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError as exc:
-        raise BackendUnavailableError(f"PyTorch is not installed ({exc})") from None
+        raise BackendUnavailableError(f"PyTorch is not installed for {sys.executable} ({exc})") from None
     if not torch.cuda.is_available():
         raise BackendUnavailableError("PyTorch sees no CUDA device (torch.cuda.is_available() is False: no GPU, "
                                       "no driver, a CPU-only PyTorch or CUDA_VISIBLE_DEVICES hiding them)")

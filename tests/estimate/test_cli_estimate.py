@@ -183,3 +183,12 @@ def test_a_device_without_virtual_memory_leaves_expandable_out_and_refuses_it_by
         err = capsys.readouterr().err
         assert f"gpumem {cmd}: --policy expandable: it needs virtual memory management, which " \
                "sim:jetson-nano-2gb does not support" in err
+
+
+@pytest.mark.parametrize("cmd", ["estimate", "fit"])
+def test_no_new_tokens_is_bad_input_for_generate(cmd, capsys):
+    """New user 9, F8: --new-tokens 0 was estimated, though generate() refuses max_new_tokens=0."""
+    assert main([cmd, *SHAPE, "--prompt-len", "64", "--new-tokens", "0"]) == 2
+    assert "--new-tokens 0: generate() makes at least one token" in capsys.readouterr().err
+    assert main([cmd, *SHAPE, "--prompt-len", "64", "--new-tokens", "0", "--training", "--no-reserved"]
+                if cmd == "estimate" else [cmd, *SHAPE, "--prompt-len", "64", "--new-tokens", "0", "--training"]) == 0

@@ -30,11 +30,11 @@ import functools
 import itertools
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-import sys
 from typing import Any
 
 from .errors import BackendUnavailableError, GpumemError, InvalidArgumentError, OutOfMemoryError

@@ -77,8 +77,9 @@ class AllocatorStats:
 
     @property
     def external_fragmentation(self) -> float:
-        """``1 - largest free block / total free`` (0 when nothing is free)."""
-        free = self.free_nbytes
+        """``1 - largest free block / total free`` (0 when nothing is free). Free here is reserved less
+        *active*: a block freed but waiting for its stream's work (``record_stream``) is not free yet."""
+        free = self.reserved_nbytes - max(self.active_nbytes, self.allocated_nbytes)
         return 0.0 if free <= 0 else max(0.0, 1.0 - self.largest_free_nbytes / free)
 
     @property
@@ -108,7 +109,8 @@ def format_summary(st: AllocatorStats, policy: "AllocatorPolicy", device_spec: s
     ``Largest free block 0 B``: 100 % fragmentation of a cache that has none. So the table names the arena
     on a line of its own (state, slots, mapped, live), and *Cached, free*, *Inactive split*, *Largest free
     block* and *External fragmentation* are the engine's cache alone: the arena's free bytes
-    (``mapped - live``) taken out. ``vmm``: whether ``st.inactive_split_nbytes`` is the virtual-memory
+    (``mapped - live``) taken out, and so are blocks freed but still waiting for their streams' work
+    (*Active* less *Allocated*), which no request can take yet. ``vmm``: whether ``st.inactive_split_nbytes`` is the virtual-memory
     engines' ``free - mapped empty - unmapped``, which counts the arena's free bytes (the segment backing's
     free lists never do). *Live blocks* counts the arenas' live allocations, the current plan's and those
     still live in the arenas of dropped plans (a dropped arena stays until its last one is freed), as
@@ -120,7 +122,8 @@ def format_summary(st: AllocatorStats, policy: "AllocatorPolicy", device_spec: s
     arena_free = 0
     if plan is not None:
         arena_free = max(0, plan.mapped_nbytes - plan.live_nbytes)
-    free = max(0, st.free_nbytes - arena_free)
+    pending = max(0, st.active_nbytes - st.allocated_nbytes)   # freed, waiting for their streams: not cached yet
+    free = max(0, st.free_nbytes - pending - arena_free)
     inactive = max(0, st.inactive_split_nbytes - arena_free) if vmm else st.inactive_split_nbytes
     largest = min(st.largest_free_nbytes, free)
     fragmentation = 0.0 if free <= 0 else max(0.0, 1.0 - largest / free)

@@ -186,8 +186,9 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
                 raise _UsageError(f"--gpu-timing: {exc}") from None
             if gpu is None and (trace.stream_uses or trace.stream_waits):
                 log.warning("GPU timing idle: every fence is complete at once, so the trace's %d stream use(s) and "
-                            "%d cross-stream wait(s) change nothing in this replay (--gpu-timing trace or model "
-                            "honours them)", len(trace.stream_uses), len(trace.stream_waits))
+                            "%d cross-stream wait(s) change no decision of this replay: a block freed after a stream use waits "
+                            "for its fence only until the next allocation, so only one freed last can stay pending "
+                            "(Active) at its end (--gpu-timing trace or model honours them)", len(trace.stream_uses), len(trace.stream_waits))
             result = replay(trace, allocator, stop_on_oom=True, progress=None if not args.json else False,
                             gpu=gpu, gpu_timing=None if gpu is not None else (args.gpu_timing or "idle"))
             summary = allocator.memory_summary() if args.summary else None

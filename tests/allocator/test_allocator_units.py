@@ -7,6 +7,8 @@ import itertools
 import random
 import threading
 
+import re
+
 import pytest
 
 from gpumem import sim
@@ -744,3 +746,26 @@ def test_pointer_and_stream_validation_is_consistent_and_clear():
     with pytest.raises(InvalidArgumentError, match="allocator is closed"):
         alloc.record_stream(r, 1)
     dev.close()
+
+
+def test_a_block_waiting_for_its_streams_is_active_not_cached_free():
+    """New user 9, F5: a block freed after a use on another stream, still waiting for that stream's work, was
+    counted in Active and in Cached, free (more than Reserved), and in the external fragmentation's free bytes."""
+    from gpumem.units import format_bytes
+
+    for engine in ("python", "native"):
+        alloc = CachingAllocator(open_device("sim:h200-141gb"), engine=engine)
+        a = alloc.allocate(1 << 20, 7)
+        b = alloc.allocate(4096, 7)
+        alloc.record_stream(a, 9)
+        alloc.free(a)
+        alloc.free(b)
+        st = alloc.stats
+        pending = st.active_nbytes - st.allocated_nbytes
+        assert pending == 1 << 20
+        free = st.reserved_nbytes - st.active_nbytes
+        assert st.external_fragmentation == (0.0 if free <= 0 else max(0.0, 1 - st.largest_free_nbytes / free))
+        summary = alloc.memory_summary()
+        cached = re.search(r"Cached, free\s+(\S+ \S+)", summary).group(1)
+        assert cached == format_bytes(free), engine
+        alloc.close()

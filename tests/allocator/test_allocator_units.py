@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import itertools
 import random
-import threading
-
 import re
+import threading
 
 import pytest
 

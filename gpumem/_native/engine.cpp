@@ -2438,6 +2438,8 @@ std::vector<std::pair<std::uint64_t, std::uint64_t>> Engine::live_blocks() {
     Guard guard(*this, true);
     std::vector<std::pair<std::uint64_t, std::uint64_t>> out;
     live_.for_each([&](std::uint64_t addr, void* v) { out.emplace_back(addr, static_cast<Block*>(v)->size); });
+    for (auto& a : arenas_)   // the step plan's arenas' live allocations too (plan.py: review attacker 12, F4)
+        for (auto& kv : a->live) out.emplace_back(kv.first, kv.second.size);
     std::sort(out.begin(), out.end());
     return out;
 }
@@ -2911,6 +2913,9 @@ void Engine::plan_move_off_kept() {
     for (const Range& r : always) top = std::max(top, r.second);
     const std::uint64_t extent = (top + g_ - 1) / g_ * g_;
     if (extent > arena->nbytes) return;   // no room left in the reservation: the engine keeps serving those slots
+    // the new offsets may lie on bytes other streams' work (or this stream's, still queued) touched: wait
+    // for the arena's streams first (Note [Moving slots off kept blocks]; review attacker 12, F1)
+    for (std::uint64_t s : arena->streams) backend_.stream_synchronize(s);   // sorted (std::set)
     for (const Kept& kb : kept) {
         plan_occupy(kb.k, false);
         arena->live[base + kb.off].slot = kFixedSlot;
@@ -2956,10 +2961,7 @@ void Engine::plan_move_off_kept() {
         const std::size_t j = static_cast<std::size_t>(std::lower_bound(starts.begin(), starts.end(), hi) - starts.begin());
         if (j == 0 || reach_at[j - 1] <= lo) idle.push_back(i);
     }
-    if (!idle.empty()) {
-        for (std::uint64_t s : arena->streams) backend_.stream_synchronize(s);   // sorted (std::set)
-        for (std::size_t j = idle.size(); j-- > 0;) plan_give_back_run(arena, idle[j]);
-    }
+    for (std::size_t j = idle.size(); j-- > 0;) plan_give_back_run(arena, idle[j]);   // its streams waited for above
     empty_cache_locked();
 }
 
@@ -3438,12 +3440,16 @@ void Engine::plan_give_back_run(PlanArena* arena, std::size_t i) {
         backend_.mem_unmap(run.va, run.nbytes);
         run.unmapped = true;
         ++plan_arena_calls_;
+        // unmapped now: a slot that touches these pages maps them again, even if the release below fails
+        // (its pages read as mapped served unmapped memory: review attacker 12, F2); the bytes stay held
+        // (mapped_nbytes) until the release
+        for (std::uint64_t p = (run.va - arena->base) / g_; p < (run.va - arena->base + run.nbytes) / g_; ++p)
+            arena->pages[p] = 0;
     }
     backend_.mem_release(run.h);
     ++plan_arena_calls_;
-    const std::uint64_t va = run.va, nb = run.nbytes;
+    const std::uint64_t nb = run.nbytes;
     arena->runs.erase(arena->runs.begin() + static_cast<std::ptrdiff_t>(i));
-    for (std::uint64_t p = (va - arena->base) / g_; p < (va - arena->base + nb) / g_; ++p) arena->pages[p] = 0;
     arena->mapped_nbytes -= nb;
     plan_mapped_nbytes_ -= nb;
 }

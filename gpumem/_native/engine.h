@@ -616,7 +616,7 @@ class Engine {
     std::uint64_t plan_served_ = 0, plan_fallback_ = 0, plan_steps_hit_ = 0, plan_steps_missed_ = 0,
                   plans_installed_ = 0, plans_dropped_ = 0, plan_arena_calls_ = 0;
     std::uint64_t plan_recordings_abandoned_ = 0;   // plan.py counts["recordings_abandoned"]
-    std::uint64_t record_limit_ = std::uint64_t{1} << 18;   // plan.py record_limit (RECORD_LIMIT)
+    std::uint64_t record_limit_ = std::uint64_t{1} << 14;   // plan.py record_limit (RECORD_LIMIT)
 };
 
 }  // namespace gpumem

@@ -61,11 +61,13 @@ CUDA-graph phase). Before: while recording, each allocation appended a record th
 +30.9 MiB of host memory per million allocations (native; about 150 B each in the Python engine), without
 bound (attacker 11, F1); with a plan installed, its arena stayed mapped with nothing in it for good, beside
 the engine's cache of the same temporaries, and ``empty_cache`` did not give it back (F2). Rules:
-- a recorded step holds at most :data:`RECORD_LIMIT` (2**18) records; the next allocation abandons the
+- a recorded step holds at most :data:`RECORD_LIMIT` (2**14) records; the next allocation abandons the
   recording (both steps' records freed, ``recordings_abandoned``) and the layer goes OFF: the engine alone,
-  no record kept; the next mark starts over. So records stay under 2 x 2**18 (16 MiB native). Why absolute:
-  the first step has no history to be a multiple of, and a step that long is no plan to wait for (the
-  planner is quadratic: 0.9 s at 10,000 allocations, ``reports/step-plan-scale-2026-11-28.md``).
+  no record kept; the next mark starts over. So records stay under 2 x 2**14 (1 MiB native). Why absolute:
+  the first step has no history to be a multiple of. Why 2**14: the planner runs inside the mark and grows
+  faster than quadratically (CPU seconds on a loaded 2-core machine: 0.32 at 5,000 allocations, 0.92 at
+  10,000, 7.3 at 20,000, 44 at 40,000: attacker 12, F3), and a drop pays it again at the re-plan; the
+  training steps measured live make 493-1,587 allocations.
 - a planned step whose allocations pass :data:`OVERRUN_FACTOR` (4) times its template's drops the plan as a
   miss does (its arena's runs with nothing live go back at once, the rest at their last free) and goes OFF.
   Such a step left the plan at its template's end, so the plan serves none of it and would count it missed;
@@ -128,8 +130,10 @@ to the engine because their slots met kept blocks (less, and no page could go ba
 moves nothing), the slots that meet a kept block are placed again in the same arena, largest first at the
 lowest offset free over their lifetime (as ``greedy-size``), around the slots that stay (another stream's:
 at all times), the kept blocks (this move's and earlier ones', now *fixed*: no slot, their frees free no
-slot) and the ranges poisoned by another stream's use. Then the runs that no slot and no live block touch go
-back (after the arena's streams), and the engine's idle cache (its copies of the moved slots). The next
+slot) and the ranges poisoned by another stream's use. A move first waits for the arena's streams: new offsets
+may lie on bytes a freed fixed block's streams still touch, or this stream's queued work (a slot put there
+with no wait was a silent race on a GPU: attacker 12). Then the runs that no slot and no live block touch go
+back, and the engine's idle cache (its copies of the moved slots). The next
 kept block sits at the moved slots' bottom, so kept blocks pack as the engine would pack them, the slots
 above. The arena reserves :data:`ARENA_VA_FACTOR` times its extent of addresses (addresses cost nothing;
 pages do); a move past that, or one whose slots are taken by this step's blocks or a poisoned range, is not
@@ -195,7 +199,7 @@ RELEASED_ARENAS = 8
 ARENA_VA_FACTOR = 2
 """An arena reserves this many times its plan's extent of addresses: room to move slots off kept blocks
 (Note [Moving slots off kept blocks])."""
-RECORD_LIMIT = 1 << 18
+RECORD_LIMIT = 1 << 14
 """Allocations a recorded step may hold records of; the next one abandons the recording (Note [When marks
 stop]). Per engine: ``set_step_record_limit``."""
 OVERRUN_FACTOR = 4
@@ -685,6 +689,11 @@ class StepPlan:
         extent = -(-top // g) * g
         if extent > arena.nbytes:   # no room left in the reservation: the engine keeps serving those slots
             return
+        # the new offsets may lie on bytes other streams' work (or this stream's, still queued) touched: wait
+        # for the arena's streams first (review attacker 12, F1)
+        dev = self.e.device
+        for st in sorted(arena.streams):
+            dev.stream_synchronize(st)
         for o, sz, k in kept:
             _, _, nbytes = arena.live[base + o]
             arena.live[base + o] = (-1, sz, nbytes)
@@ -706,12 +715,8 @@ class StepPlan:
             j = bisect.bisect_left(starts, hi) - 1   # the ranges starting below hi: one reaching past lo meets it
             if j < 0 or reach_at[j] <= lo:
                 idle.append(i)
-        if idle:
-            dev = self.e.device
-            for st in sorted(arena.streams):
-                dev.stream_synchronize(st)
-            for i in reversed(idle):
-                self._give_back_run(arena, i)
+        for i in reversed(idle):   # the arena's streams were waited for above
+            self._give_back_run(arena, i)
         self.e._empty_cache_locked()
 
     def _slide(self) -> None:
@@ -1064,12 +1069,15 @@ class StepPlan:
             dev.mem_unmap(va, nb)
             run[3] = True
             self.counts["arena_calls"] += 1
+            # unmapped now: a slot that touches these pages maps them again, even if the release below fails
+            # (its pages read as mapped served unmapped memory: review attacker 12, F2); the bytes stay held
+            # (mapped_nbytes) until the release
+            g = arena.g
+            for p in range((va - arena.base) // g, (va - arena.base + nb) // g):
+                arena.pages[p] = None
         dev.mem_release(handle)
         self.counts["arena_calls"] += 1
         del arena.runs[i]
-        g = arena.g
-        for p in range((va - arena.base) // g, (va - arena.base + nb) // g):
-            arena.pages[p] = None
         arena.mapped_nbytes -= nb
         self.mapped_nbytes -= nb
         self.e.backing.outside_nbytes = self.mapped_nbytes

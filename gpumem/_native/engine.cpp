@@ -2797,27 +2797,51 @@ int Engine::plan_mark() {
             plan_slide();
             return 0;
         }
-        bool hit = !missed_ && !left_ && cursor_ == slot_off_.size();
-        if (hit) ++plan_steps_hit_;
-        else ++plan_steps_missed_;
-        miss_bits_ = ((miss_bits_ << 1) | (hit ? 0u : 1u)) & ((1u << kMissWindow) - 1);
-        if (planned_steps_ == 0) empty_cache_locked();   // the leftovers of the last step before the plan
-        ++planned_steps_;
-        const std::uint32_t last = (1u << kMissLimit) - 1;
-        if (plan_broken_ || (miss_bits_ & last) == last || __builtin_popcount(miss_bits_) >= kMissWindowLimit) {
+        if (plan_end_step()) {
             plan_drop();
             plan_reset_recording();
             plan_state_ = kPlanRecording;
             return 2;
         }
-        cursor_ = 0;
-        left_ = missed_ = false;
-        const std::uint64_t blocked = blocked_nbytes_;
-        blocked_nbytes_ = 0;
-        if (blocked >= g_ && (moved_at_ < 0 || planned_steps_ - static_cast<std::uint64_t>(moved_at_) >= kMissWindow))
-            plan_move_off_kept();
         return 0;
     }
+}
+
+// plan.py _drops: whether a step end leaving these miss bits drops the plan
+bool Engine::plan_drops(std::uint32_t bits) const {
+    const std::uint32_t last = (1u << kMissLimit) - 1;
+    return plan_broken_ || (bits & last) == last || __builtin_popcount(bits) >= kMissWindowLimit;
+}
+
+// plan.py _end_step: end the planned step (a mark, or an implicit restart: Note [An implicit step restart] in
+// plan.py), counted hit or missed; true when that drops the plan (the caller drops it).
+bool Engine::plan_end_step() {
+    const bool hit = plan_step_hit();
+    if (hit) ++plan_steps_hit_;
+    else ++plan_steps_missed_;
+    miss_bits_ = ((miss_bits_ << 1) | (hit ? 0u : 1u)) & ((1u << kMissWindow) - 1);
+    if (planned_steps_ == 0) empty_cache_locked();   // the leftovers of the last step before the plan
+    ++planned_steps_;
+    if (plan_drops(miss_bits_)) return true;
+    cursor_ = 0;
+    left_ = missed_ = false;
+    const std::uint64_t blocked = blocked_nbytes_;
+    blocked_nbytes_ = 0;
+    if (blocked >= g_ && (moved_at_ < 0 || planned_steps_ - static_cast<std::uint64_t>(moved_at_) >= kMissWindow))
+        plan_move_off_kept();
+    return false;
+}
+
+// plan.py _restarts (Note [An implicit step restart]): the allocation after the step's last slot starts a new
+// planned step when the step kept to the template, it fits slot 0 as a marked step's first allocation must,
+// and ending the step here would not drop the plan.
+bool Engine::plan_restarts(std::uint64_t nbytes, std::uint64_t stream) const {
+    if (left_ || plan_broken_) return false;
+    if (nbytes > slot_size_[0] || stream != slot_stream_[0]) return false;
+    const std::int64_t off = slot_off_[0];
+    if (off >= 0 && plan_slot_taken(static_cast<std::uint64_t>(off), slot_size_[0]) >= 0) return false;
+    const std::uint32_t bits = ((miss_bits_ << 1) | (plan_step_hit() ? 0u : 1u)) & ((1u << kMissWindow) - 1);
+    return !plan_drops(bits);
 }
 
 // plan.py _move_off_kept (Note [Moving slots off kept blocks]): the slots that meet a kept block move elsewhere
@@ -3114,7 +3138,12 @@ std::uint64_t Engine::plan_allocate(std::uint64_t nbytes, std::uint64_t stream) 
 }
 
 std::uint64_t Engine::plan_serve(std::uint64_t nbytes, std::uint64_t stream) {
-    const std::size_t k = cursor_;
+    std::size_t k = cursor_;
+    if (k == slot_off_.size() && plan_restarts(nbytes, stream)) {
+        ++plan_implicit_steps_;
+        plan_end_step();   // no drop: plan_restarts checked it
+        k = 0;
+    }
     cursor_ = k + 1;
     if (plan_broken_) {
         missed_ = true;
@@ -3499,7 +3528,8 @@ std::vector<std::uint64_t> Engine::step_plan_info() {
     const PlanArena* cur = plan_state_ == kPlanPlanned && !arenas_.empty() ? arenas_.back().get() : nullptr;
     return {static_cast<std::uint64_t>(plan_state_), slot_off_.size(), cur ? cur->extent_nbytes : 0, plan_mapped_nbytes_,
             plan_served_, plan_fallback_, plan_steps_hit_, plan_steps_missed_, plans_installed_, plans_dropped_,
-            plan_arena_calls_, plan_live_nbytes(), rec_cur_.size() + rec_prev_.size(), plan_recordings_abandoned_};
+            plan_arena_calls_, plan_live_nbytes(), rec_cur_.size() + rec_prev_.size(), plan_recordings_abandoned_,
+            plan_implicit_steps_};
 }
 
 }  // namespace gpumem

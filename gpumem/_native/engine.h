@@ -385,6 +385,10 @@ class Engine {
     void plan_give_back_idle_runs(PlanArena* arena);   // plan.py _give_back_idle_runs
     std::uint64_t plan_give_back_idle();   // plan.py give_back_idle (empty_cache)
     int plan_mark();   // plan.py StepPlan._mark
+    bool plan_step_hit() const { return !missed_ && !left_ && cursor_ == slot_off_.size(); }   // plan.py _step_hit
+    bool plan_drops(std::uint32_t bits) const;   // plan.py _drops
+    bool plan_end_step();   // plan.py _end_step
+    bool plan_restarts(std::uint64_t nbytes, std::uint64_t stream) const;   // plan.py _restarts
     void plan_release(PlanArena* arena);
     void plan_give_back_run(PlanArena* arena, std::size_t i);
     void plan_close();
@@ -616,6 +620,7 @@ class Engine {
     std::uint64_t plan_served_ = 0, plan_fallback_ = 0, plan_steps_hit_ = 0, plan_steps_missed_ = 0,
                   plans_installed_ = 0, plans_dropped_ = 0, plan_arena_calls_ = 0;
     std::uint64_t plan_recordings_abandoned_ = 0;   // plan.py counts["recordings_abandoned"]
+    std::uint64_t plan_implicit_steps_ = 0;   // plan.py counts["implicit_steps"] (Note [An implicit step restart])
     std::uint64_t record_limit_ = std::uint64_t{1} << 14;   // plan.py record_limit (RECORD_LIMIT)
 };
 

@@ -68,7 +68,8 @@ the engine's cache of the same temporaries, and ``empty_cache`` did not give it 
   faster than quadratically (CPU seconds on a loaded 2-core machine: 0.32 at 5,000 allocations, 0.92 at
   10,000, 7.3 at 20,000, 44 at 40,000: attacker 12, F3), and a drop pays it again at the re-plan; the
   training steps measured live make 493-1,587 allocations.
-- a planned step whose allocations pass :data:`OVERRUN_FACTOR` (4) times its template's drops the plan as a
+- a planned step whose allocations pass :data:`OVERRUN_FACTOR` (4) times its template's (counted from its mark
+  or its implicit restart: Note [An implicit step restart]; steps that repeat keep the plan) drops the plan as a
   miss does (its arena's runs with nothing live go back at once, the rest at their last free) and goes OFF.
   Such a step left the plan at its template's end, so the plan serves none of it and would count it missed;
   four templates bound the time an idle arena is held to a few steps' worth of allocations. A long eval pass
@@ -79,6 +80,34 @@ the engine's cache of the same temporaries, and ``empty_cache`` did not give it 
   every few steps a program that calls ``empty_cache`` each step.
 What is left: a plan whose program stops marking and allocating (CUDA-graph replay) keeps its pages until
 ``empty_cache`` or memory pressure (the ladder's shrink). Each rule counts allocations, not time.
+
+Note [An implicit step restart]
+-------------------------------
+Why: with automatic marks (one after each ``optimizer.step()``), a step that GradScaler skips (inf or NaN
+gradients: no ``optimizer.step()``, no mark) made the next "step" two iterations long. Its second iteration
+ran past the plan's last slot and was served by the engine beside the arena: peak reserved grew by a step's
+temporaries (16 -> 24 MiB in ``tests/pytorch/test_torch_step_marks.py``'s loop) and the step counted as a
+miss. AMP training skips several steps while its scale calibrates, so this is common; a program whose marks
+stop while its steps go on repeating (Note [When marks stop]) lost its plan the same way.
+Rule: when a planned step has used its last slot (the next allocation is its ``n``-th, ``n`` the slots) and
+stayed on the template's sequence (not left: every allocation fit its slot's size and stream; the layer not
+broken), an allocation that fits slot 0 by the rule of a marked step's first one (size at most the slot's,
+the slot's stream, no live arena allocation over the slot) ends the step as a mark would (counted hit or
+missed, ``_end_step``: the first step's cache give-back, a move off kept blocks) and starts a new one that
+slot 0 serves; the next allocation takes slot 1. ``implicit_steps`` counts them. A restart that would drop
+the plan (a miss making three in a row or four of eight) is not made: the step runs on past its slots and
+the next mark counts and drops it, as before. The overrun bound counts from the restart (the cursor goes back
+to 0), so a program whose marks stop but whose steps repeat keeps its plan, while one doing something else
+runs past four templates and drops it. What it cannot do: a skipped iteration whose allocations differ from
+the template's (a real optimizer allocates in ``step()``: the skipped iteration has fewer allocations, so the
+next one's first allocation meets a later slot) leaves the plan there and is served by the engine as before;
+so is an iteration whose allocation after the last slot does not fit slot 0, or comes while a live allocation
+of the step sits over slot 0. The cost: a marked step with one allocation too many at its end, slot 0 free
+and the request fitting it (a value logged every tenth step), restarts there and the mark after it closes a
+one-allocation step: a miss, as before; but that allocation is the arena's, and when it is kept past the next
+step, slot 0 stays taken (Note [Allocations kept past their step]): the next step misses too and its slot 0 is
+held twice until a move (a 512 B value kept every tenth step of a 16 MiB loop: peak reserved 16 -> 20 MiB,
+misses 2 -> 4 in 30 steps; freed before the next step, nothing changes but the fallbacks, 3 -> 0).
 
 Note [Step plans and record_stream]
 -----------------------------------
@@ -448,11 +477,12 @@ class PlanInfo:
     of live allocations in the step plan's arenas (the current one and dropped ones not yet given back),
     which ``mapped_nbytes`` holds beside the engine's cache. ``records``: allocations of the recorded steps
     held (host memory, at most twice :data:`RECORD_LIMIT`); ``recordings_abandoned``: recorded steps that ran
-    past that limit (Note [When marks stop])."""
+    past that limit (Note [When marks stop]); ``implicit_steps``: planned steps started with no mark, by an
+    allocation after the last slot that fits slot 0 (Note [An implicit step restart])."""
 
     FIELDS = ("state", "slots", "arena_nbytes", "mapped_nbytes", "served", "fallback", "steps_hit",
               "steps_missed", "plans_installed", "plans_dropped", "arena_calls", "live_nbytes", "records",
-              "recordings_abandoned")
+              "recordings_abandoned", "implicit_steps")
 
     def __init__(self, values: Sequence[int]) -> None:
         if len(values) != len(self.FIELDS):
@@ -551,7 +581,8 @@ class StepPlan:
         self.released: list[tuple[int, int]] = []
         """``(base, nbytes)`` of the last :data:`RELEASED_ARENAS` arenas given back, oldest first."""
         self.counts = dict.fromkeys(("served", "fallback", "steps_hit", "steps_missed", "plans_installed",
-                                     "plans_dropped", "arena_calls", "moves", "recordings_abandoned"), 0)
+                                     "plans_dropped", "arena_calls", "moves", "recordings_abandoned",
+                                     "implicit_steps"), 0)
         self.record_limit = RECORD_LIMIT
         """Records a recorded step may hold (Note [When marks stop]): :meth:`set_record_limit`."""
 
@@ -623,24 +654,40 @@ class StepPlan:
             self._slide()
             return MarkResult.NOTHING
         # PLANNED
-        hit = not self.missed and not self.left and self.cursor == len(self.off)
+        if self._end_step():
+            self._drop()
+            self._reset_recording()
+            self.state = StepState.RECORDING
+            return MarkResult.DROPPED
+        return MarkResult.NOTHING
+
+    def _step_hit(self) -> bool:
+        """Whether the planned step now ending stayed on the plan."""
+        return not self.missed and not self.left and self.cursor == len(self.off)
+
+    def _drops(self, miss_bits: int) -> bool:
+        """Whether a step end leaving ``miss_bits`` drops the plan (Note [Step plans])."""
+        last = (1 << MISS_LIMIT) - 1
+        return self.broken or miss_bits & last == last or bin(miss_bits).count("1") >= MISS_WINDOW_LIMIT
+
+    def _end_step(self) -> bool:
+        """End the planned step (a mark, or an implicit restart: Note [An implicit step restart]): count it hit
+        or missed; True when that drops the plan (the caller drops it), else the next step starts at slot 0
+        and the slots under kept blocks may move (Note [Moving slots off kept blocks])."""
+        hit = self._step_hit()
         self.counts["steps_hit" if hit else "steps_missed"] += 1
         self.miss_bits = ((self.miss_bits << 1) | (not hit)) & ((1 << MISS_WINDOW) - 1)
         if self.planned_steps == 0:
             self.e._empty_cache_locked()   # the leftovers of the last step before the plan
         self.planned_steps += 1
-        last = (1 << MISS_LIMIT) - 1
-        if self.broken or self.miss_bits & last == last or bin(self.miss_bits).count("1") >= MISS_WINDOW_LIMIT:
-            self._drop()
-            self._reset_recording()
-            self.state = StepState.RECORDING
-            return MarkResult.DROPPED
+        if self._drops(self.miss_bits):
+            return True
         self.cursor = 0
         self.left = self.missed = False
         blocked, self.blocked_nbytes = self.blocked_nbytes, 0
         if blocked >= self.arenas[-1].g and (self.moved_at < 0 or self.planned_steps - self.moved_at >= MISS_WINDOW):
             self._move_off_kept()
-        return MarkResult.NOTHING
+        return False
 
     def _move_off_kept(self) -> None:
         """Move the slots that meet a kept block elsewhere in the arena, the kept blocks fixed where they are;
@@ -834,6 +881,10 @@ class StepPlan:
 
     def _serve(self, nbytes: int, stream: int) -> int:
         k = self.cursor
+        if k == len(self.off) and self._restarts(nbytes, stream):
+            self.counts["implicit_steps"] += 1
+            self._end_step()   # no drop: _restarts checked it
+            k = 0
         self.cursor = k + 1
         if self.broken:
             self.missed = True
@@ -872,6 +923,20 @@ class StepPlan:
         e._stats.count_allocation(size, nbytes, e.backing.reserved_nbytes + self.mapped_nbytes)
         self.counts["served"] += 1
         return ptr
+
+    def _restarts(self, nbytes: int, stream: int) -> bool:
+        """Whether the allocation after the planned step's last slot starts a new planned step (Note [An
+        implicit step restart]): the step stayed on the template's sequence (not left, not broken), the
+        request fits slot 0 as a marked step's first one must (size at most the slot's, its stream, no live
+        arena allocation over the slot), and ending the step here would not drop the plan."""
+        if self.left or self.broken:
+            return False
+        if nbytes > self.size[0] or stream != self.stream[0]:
+            return False
+        off = self.off[0]
+        if off >= 0 and self.occupied.meeting(off, off + self.size[0]) >= 0:
+            return False
+        return not self._drops(((self.miss_bits << 1) | (not self._step_hit())) & ((1 << MISS_WINDOW) - 1))
 
     def _slot_live(self, k: int) -> bool:
         """Whether slot ``k``'s allocation in the current arena is live (a poisoned slot stays taken after its free)."""
@@ -1130,7 +1195,7 @@ class StepPlan:
         return PlanInfo((int(self.state), len(self.off), arena.extent_nbytes if arena else 0, self.mapped_nbytes,
                          c["served"], c["fallback"], c["steps_hit"], c["steps_missed"], c["plans_installed"],
                          c["plans_dropped"], c["arena_calls"], self.live_nbytes(), len(self.cur) + len(self.prev),
-                         c["recordings_abandoned"]))
+                         c["recordings_abandoned"], c["implicit_steps"]))
 
     def live_nbytes(self) -> int:
         """Bytes (rounded) of live arena allocations, for the consistency check."""

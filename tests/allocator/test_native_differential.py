@@ -14,7 +14,7 @@ import dataclasses
 import os
 
 import pytest
-from hypothesis import Phase, assume, settings
+from hypothesis import Phase, assume, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -362,9 +362,19 @@ class Differential(RuleBasedStateMachine):
         """A step of a repeating pattern (its allocations freed ``life`` allocations later, some in the
         next step), marked at its start; ``jitter``: the allocation at that position is one byte larger
         (a step that leaves the plan)."""
+        self._step(pattern, jitter, mark=True)
+
+    @rule(pattern=STEP_PATTERNS, jitter=st.sampled_from([None, None, None, 0, 3]))
+    def unmarked_step(self, pattern, jitter):
+        """:meth:`planned_step` with no mark: a planned step past its last slot may restart implicitly (Note
+        [An implicit step restart] in gpumem/allocator/plan.py)."""
+        self._step(pattern, jitter, mark=False)
+
+    def _step(self, pattern, jitter, mark: bool) -> None:
         if not hasattr(self, "step_live"):
             self.step_live, self.step_clock = [], 0
-        self.pair.both("mark_step")
+        if mark:
+            self.pair.both("mark_step")
         for j, (size, stream, life) in enumerate(pattern):
             for entry in [e for e in self.step_live if e[1] <= self.step_clock]:
                 self.pair.both("free", entry[0])
@@ -410,6 +420,55 @@ Differential.TestCase.settings = settings(max_examples=int(os.environ.get("GPUME
                                           stateful_step_count=60, deadline=None,
                                           phases=[Phase.explicit, Phase.reuse, Phase.generate])
 TestDifferential = Differential.TestCase
+
+
+IMPLICIT_LOOP = [(3 * MiB, 0, 2), (1 * MiB + 5, 0, 1), (5 * MiB, 0, 4), (700, 0, 1), (2 * MiB, 0, 3), (9 * MiB, 0, 2),
+                 (4 * MiB, 0, 3), (1 * MiB, 7, 1)]
+"""A training-like step (size, stream, freed how many allocations later), a side stream's allocation last."""
+IMPLICIT_STEPS = st.lists(st.tuples(
+    st.booleans(),   # marked at its end
+    st.sampled_from([None, None, None, "jitter", "keep", "short", "extra", "rotated", "empty_cache"]),
+    st.integers(0, len(IMPLICIT_LOOP) - 1)), min_size=4, max_size=24)
+
+
+@given(steps=IMPLICIT_STEPS, limit=st.sampled_from([None, None, 40 * MiB]), rate=st.sampled_from([0.0, 0.0, 0.05]),
+       seed=st.integers(0, 2**16))
+@settings(max_examples=int(os.environ.get("GPUMEM_DIFF_EXAMPLES", "60")), deadline=None)
+def test_native_and_python_decide_the_same_when_marks_go_missing(steps, limit, rate, seed):
+    """Random programs of repeating steps, marked at their end or not (GradScaler skipping a step, marks
+    that stop), some differing (a size one byte larger, an allocation kept, a step cut short, one more
+    allocation, the step begun elsewhere), under a limit or device faults: the same restarts (Note [An
+    implicit step restart] in gpumem/allocator/plan.py), plans, addresses, device calls and counters."""
+    faults = sim.FaultPlan(call_failure_rates={c: rate for c in ("mem_create", "mem_map", "mem_unmap")}) if rate \
+        else sim.FaultPlan()
+    pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb"), faults=faults, seed=seed), limit=limit)
+    clock, live = 0, []
+    for mark, what, j in [(True, None, 0)] * 4 + steps:
+        if what == "empty_cache":
+            pair.both("empty_cache")
+        pattern = list(IMPLICIT_LOOP)
+        if what == "short":
+            pattern = pattern[:j + 1]
+        elif what == "extra":
+            pattern.append((512, 0, 1))
+        elif what == "rotated":
+            pattern = pattern[j:] + pattern[:j]
+        for i, (size, stream, life) in enumerate(pattern):
+            for e in [e for e in live if e[1] <= clock]:
+                pair.both("free", e[0])
+                live.remove(e)
+            clock += 1
+            r = pair.both("allocate", size + (what == "jitter" and i == j), stream)
+            if r[0] == "ok":
+                live.append([r[1], clock + life if not (what == "keep" and i == j) else clock + 3 * len(IMPLICIT_LOOP)])
+        if mark:
+            pair.both("mark_step")
+        pair.both("step_plan_info")
+        pair.both("check_consistency")
+    info = pair.allocs[0].step_plan_info()
+    event(f"implicit steps: {min(info.implicit_steps, 3)}")
+    event(f"plans dropped: {min(info.plans_dropped, 2)}")
+    pair.both("close")
 
 
 def test_engine_attribute_and_forcing():

@@ -2833,11 +2833,12 @@ bool Engine::plan_end_step() {
 }
 
 // plan.py _restarts (Note [An implicit step restart]): the allocation after the step's last slot starts a new
-// planned step when the step kept to the template, it fits slot 0 as a marked step's first allocation must,
-// and ending the step here would not drop the plan.
+// planned step when the step kept to the template, it is slot 0's (its rounded size exactly, its stream, slot 0
+// free), and ending the step here would not drop the plan.
 bool Engine::plan_restarts(std::uint64_t nbytes, std::uint64_t stream) const {
     if (left_ || plan_broken_) return false;
-    if (nbytes > slot_size_[0] || stream != slot_stream_[0]) return false;
+    const std::uint64_t r = cfg_.round_nbytes;   // slot 0's own size, not any that fits (plan.py)
+    if ((nbytes + r - 1) / r * r != slot_size_[0] || stream != slot_stream_[0]) return false;
     const std::int64_t off = slot_off_[0];
     if (off >= 0 && plan_slot_taken(static_cast<std::uint64_t>(off), slot_size_[0]) >= 0) return false;
     const std::uint32_t bits = ((miss_bits_ << 1) | (plan_step_hit() ? 0u : 1u)) & ((1u << kMissWindow) - 1);

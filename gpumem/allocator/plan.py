@@ -91,8 +91,9 @@ miss. AMP training skips several steps while its scale calibrates, so this is co
 stop while its steps go on repeating (Note [When marks stop]) lost its plan the same way.
 Rule: when a planned step has used its last slot (the next allocation is its ``n``-th, ``n`` the slots) and
 stayed on the template's sequence (not left: every allocation fit its slot's size and stream; the layer not
-broken), an allocation that fits slot 0 by the rule of a marked step's first one (size at most the slot's,
-the slot's stream, no live arena allocation over the slot) ends the step as a mark would (counted hit or
+broken), an allocation that is slot 0's (its rounded size exactly, where a marked step's first allocation
+may be smaller: with no mark, only the template's own first request is evidence of a new step; the slot's
+stream; no live arena allocation over the slot) ends the step as a mark would (counted hit or
 missed, ``_end_step``: the first step's cache give-back, a move off kept blocks) and starts a new one that
 slot 0 serves; the next allocation takes slot 1. ``implicit_steps`` counts them. A restart that would drop
 the plan (a miss making three in a row or four of eight) is not made: the step runs on past its slots and
@@ -101,13 +102,10 @@ to 0), so a program whose marks stop but whose steps repeat keeps its plan, whil
 runs past four templates and drops it. What it cannot do: a skipped iteration whose allocations differ from
 the template's (a real optimizer allocates in ``step()``: the skipped iteration has fewer allocations, so the
 next one's first allocation meets a later slot) leaves the plan there and is served by the engine as before;
-so is an iteration whose allocation after the last slot does not fit slot 0, or comes while a live allocation
-of the step sits over slot 0. The cost: a marked step with one allocation too many at its end, slot 0 free
-and the request fitting it (a value logged every tenth step), restarts there and the mark after it closes a
-one-allocation step: a miss, as before; but that allocation is the arena's, and when it is kept past the next
-step, slot 0 stays taken (Note [Allocations kept past their step]): the next step misses too and its slot 0 is
-held twice until a move (a 512 B value kept every tenth step of a 16 MiB loop: peak reserved 16 -> 20 MiB,
-misses 2 -> 4 in 30 steps; freed before the next step, nothing changes but the fallbacks, 3 -> 0).
+so is an iteration whose allocation after the last slot is not slot 0's, or comes while a live allocation
+of the step sits over slot 0. Why the exact size: with "at most the slot's", a marked step with one small
+allocation too many at its end (a value logged every tenth step) restarted there and, that value kept past the
+next step, held slot 0 twice until a move (peak 16 -> 20 MiB in the helper's loop).
 
 Note [Step plans and record_stream]
 -----------------------------------
@@ -927,11 +925,12 @@ class StepPlan:
     def _restarts(self, nbytes: int, stream: int) -> bool:
         """Whether the allocation after the planned step's last slot starts a new planned step (Note [An
         implicit step restart]): the step stayed on the template's sequence (not left, not broken), the
-        request fits slot 0 as a marked step's first one must (size at most the slot's, its stream, no live
-        arena allocation over the slot), and ending the step here would not drop the plan."""
+        request is slot 0's (its rounded size exactly, its stream, no live arena allocation over the slot), and
+        ending the step here would not drop the plan."""
         if self.left or self.broken:
             return False
-        if nbytes > self.size[0] or stream != self.stream[0]:
+        r = self.e.policy.round_nbytes   # slot 0's own size, not any that fits: no mark to go by (Note)
+        if -(-nbytes // r) * r != self.size[0] or stream != self.stream[0]:
             return False
         off = self.off[0]
         if off >= 0 and self.occupied.meeting(off, off + self.size[0]) >= 0:

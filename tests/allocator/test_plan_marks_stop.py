@@ -19,6 +19,7 @@ from gpumem.allocator.plan import OVERRUN_FACTOR, RECORD_LIMIT, MarkResult, Step
 from gpumem.errors import InvalidArgumentError
 from gpumem.native import load_engine
 from gpumem.units import MiB
+from test_native_differential import Pair
 
 from test_plan_layer import LOOP, Loop, check_no_overlap
 
@@ -264,8 +265,6 @@ def test_a_plan_whose_marks_stop_with_no_allocation_goes_back_at_empty_cache(eng
                        min_size=2, max_size=10))
 @settings(max_examples=40, deadline=None)
 def test_native_and_python_decide_the_same_when_marks_stop(phases):
-    from test_native_differential import Pair
-
     pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")))
     for alloc in pair.allocs:
         alloc._engine.set_step_record_limit(20)   # noqa: SLF001

@@ -19,7 +19,7 @@ from gpumem.allocator.plan import OVERRUN_FACTOR, MarkResult, StepState
 from gpumem.native import load_engine
 from gpumem.units import MiB
 
-from test_plan_layer import LOOP, check_no_overlap
+from test_plan_layer import LOOP, Loop
 
 ENGINES = ["python"] + (["native"] if load_engine() is not None else [])
 
@@ -31,28 +31,14 @@ def make(engine: str) -> CachingAllocator:
     return CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine=engine)
 
 
-class MarksAfter:
+class MarksAfter(Loop):
     """Steps of a pattern, each marked at its end as the optimizer hook marks (unless told not to); tracks
     the live pointers (``[ptr, size, free_at]``)."""
 
-    def __init__(self, alloc: CachingAllocator) -> None:
-        self.alloc, self.clock, self.live = alloc, 0, []
-
     def step(self, mark: bool = True, pattern=LOOP, change: dict | None = None, keep: int | None = None) -> MarkResult:
         """One step; ``change``: position -> size instead; ``keep``: that position is not freed (held on)."""
-        for j, (size, stream, life) in enumerate(pattern):
-            self.free_due()
-            self.clock += 1
-            size = (change or {}).get(j, size)
-            ptr = self.alloc.allocate(size, stream)
-            check_no_overlap(self.live, ptr, size)
-            self.live.append([ptr, size, self.clock + life if j != keep else 1 << 60])
+        self.allocations(pattern, change, keep)
         return self.alloc.mark_step() if mark else MarkResult.NOTHING
-
-    def free_due(self) -> None:
-        for e in [e for e in self.live if e[2] <= self.clock]:
-            self.alloc.free(e[0])
-            self.live.remove(e)
 
 
 def skip_loop(engine: str, skipped: set[int], steps: int = 16) -> CachingAllocator:

@@ -28,6 +28,7 @@ from gpumem.allocator.plan import (MISS_LIMIT, MISS_WINDOW, MISS_WINDOW_LIMIT, R
 from gpumem.errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
 from gpumem.native import load_engine
 from gpumem.units import MiB
+from test_native_differential import Pair
 
 ENGINES = ["python"] + (["native"] if load_engine() is not None else [])
 
@@ -50,6 +51,11 @@ class Loop:
     def step(self, pattern=LOOP, change: dict | None = None, keep: int | None = None) -> MarkResult:
         """One step; ``change``: position -> size instead; ``keep``: that position is not freed (held on)."""
         r = self.alloc.mark_step()
+        self.allocations(pattern, change, keep)
+        return r
+
+    def allocations(self, pattern=LOOP, change: dict | None = None, keep: int | None = None) -> None:
+        """One step's allocations, each freed ``life`` allocations after it was made (``keep``: never)."""
         for j, (size, stream, life) in enumerate(pattern):
             self.free_due()
             self.clock += 1
@@ -57,7 +63,6 @@ class Loop:
             ptr = self.alloc.allocate(size, stream)
             check_no_overlap(self.live, ptr, size)
             self.live.append([ptr, size, self.clock + life if j != keep else 1 << 60])
-        return r
 
     def free_due(self) -> None:
         for e in [e for e in self.live if e[2] <= self.clock]:
@@ -538,8 +543,6 @@ TestPlanNeverOverlaps = PlanNeverOverlaps.TestCase
                         min_size=4, max_size=16))
 @settings(max_examples=40, deadline=None)
 def test_native_and_python_make_the_same_plans(changes):
-    from test_native_differential import Pair
-
     pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")))
     clock, live = 0, []
     for change in [None, None, None] + changes:
@@ -563,8 +566,6 @@ def test_native_and_python_make_the_same_plans(changes):
 @settings(max_examples=30, deadline=None)
 def test_native_and_python_refuse_the_same_cross_stream_steps(use):
     """Steps of :data:`TOWERS`, each using record_stream or not: the same marks, plans and addresses."""
-    from test_native_differential import Pair
-
     pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")))
     clock, live = 0, []
     for cross in use:
@@ -855,8 +856,6 @@ def test_the_peak_after_a_reset_counts_the_arena(engine):
 def test_native_and_python_check_and_refuse_the_same_offsets(offsets):
     """Offsets handed to install by hand (streams mixed, slots overlapping): the same error, or the same
     slots refused and the same arena."""
-    from test_native_differential import Pair
-
     pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")))
     clock, live = 0, []
     for _ in range(2):
@@ -1364,8 +1363,6 @@ def _kept_program():
 def test_native_and_python_move_the_same_slots_off_kept_blocks(steps):
     """Steps that keep one of their allocations now and then (used on a side stream or not), and free an old
     kept one now and then: the same moves, addresses, device calls and counters in both engines."""
-    from test_native_differential import Pair
-
     pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")))
     clock, live, kept = 0, [], []
     for keep, side, release in [(None, False, False)] * 3 + steps:

@@ -149,17 +149,20 @@ class FreeList:
     def discard(self, block: Block) -> bool:
         """Take ``block`` out if it is in this list; return whether it was (``in`` and :meth:`remove` in one
         look-up: Note [The hot path, read once] in :mod:`.python_engine`)."""
-        addr = block.addr
+        return self._take(block, block.addr)
+
+    def _take(self, block: Block, place: int) -> bool:
+        """:meth:`discard` of ``block`` filed at ``place`` (the second half of its key)."""
         blocks = self._blocks
-        if blocks.get(addr) is not block:
+        if blocks.get(place) is not block:
             return False
         keys = self._keys
-        key = (block.size, addr)
+        key = (block.size, place)
         i = bisect.bisect_left(keys, key)
         if i == len(keys) or keys[i] != key:
             raise InternalError(f"{block!r} is in its free list under another size")
         del keys[i]
-        del blocks[addr]
+        del blocks[place]
         self.nbytes -= block.size
         return True
 
@@ -199,16 +202,4 @@ class TopDownFreeList(FreeList):
 
     def discard(self, block: Block) -> bool:
         seg = block.segment
-        place = seg.order + block.addr - seg.base  # type: ignore[attr-defined] # _key(block)[1]
-        blocks = self._blocks
-        if blocks.get(place) is not block:
-            return False
-        keys = self._keys
-        key = (block.size, place)
-        i = bisect.bisect_left(keys, key)
-        if i == len(keys) or keys[i] != key:
-            raise InternalError(f"{block!r} is in its free list under another size")
-        del keys[i]
-        del blocks[place]
-        self.nbytes -= block.size
-        return True
+        return self._take(block, seg.order + block.addr - seg.base)  # type: ignore[attr-defined] # _key(block)[1]

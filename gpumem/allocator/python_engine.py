@@ -154,10 +154,7 @@ class PythonEngine:
                         if self.backing.commit_quietly(block, kept):
                             free_list.remove(block)
                             self._stats.cache_hits += 1
-                            if kept < block.size:  # _split, its rule applied once (by _kept_nbytes)
-                                free_list.add(split_block(block, size))
-                                self._stats.num_splits += 1
-                            return self._hand_out(block, nbytes, stream)
+                            return self._hand_out(self._split_kept(block, size, kept, free_list), nbytes, stream)
         with self._operation():
             if self._closed:
                 raise InvalidArgumentError("allocator is closed")
@@ -423,9 +420,11 @@ class PythonEngine:
         return size if remaining >= min_rest and remaining > 0 else block.size
 
     def _split(self, block: Block, size: int, small: bool, free_list: FreeList) -> Block:
-        remaining = block.size - size
-        min_rest = self._min_split[small]
-        if remaining >= min_rest and remaining > 0:
+        return self._split_kept(block, size, self._kept_nbytes(block, size, small), free_list)
+
+    def _split_kept(self, block: Block, size: int, kept: int, free_list: FreeList) -> Block:
+        """Split ``block`` as :meth:`_kept_nbytes` decided (``kept``: its size after), the rest into ``free_list``."""
+        if kept < block.size:
             free_list.add(split_block(block, size))
             self._stats.num_splits += 1
         return block

@@ -172,6 +172,12 @@ def check_device(spec: str) -> bool:
         dev.close()
 
 
+def vmm_policy_error(policy: str, device: str) -> InvalidArgumentError:
+    """The bad-input error of ``--policy`` naming a :func:`needs_vmm` policy on a device without virtual memory."""
+    return InvalidArgumentError(f"--policy {policy}: it needs virtual memory management, which {device} does not "
+                                "support; choose another policy")
+
+
 def needs_vmm(policy: str) -> bool:
     """Whether ``policy`` (a checked name) backs memory with virtual memory management or fails (``expandable``)."""
     from ..allocator.bucket import is_bucket_policy

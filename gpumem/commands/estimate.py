@@ -14,7 +14,7 @@ from ..progress import progress
 from ..units import format_bytes
 from ._args import MANY
 from ._model_args import (add_lora_args, add_model_args, check_device, context_note, lora_from_args, model_from_args,
-                          needs_vmm,
+                          needs_vmm, vmm_policy_error,
                           params_text, parse_dtypes)
 
 #: The policies estimate replays under unless --policy says otherwise.
@@ -163,8 +163,7 @@ def _policies_without_vmm(policies: list[str], device: str, given: bool) -> list
     input when ``--policy`` named it, and left out of the default ones with a line on stderr saying so."""
     needing = [p for p in policies if needs_vmm(p)]
     if needing and given:
-        raise InvalidArgumentError(f"--policy {needing[0]}: it needs virtual memory management, which {device} "
-                                   "does not support; choose another policy")
+        raise vmm_policy_error(needing[0], device)
     for p in needing:
         print(f"gpumem estimate: policy {p!r} left out: it needs virtual memory management, which {device} "
               "does not support", file=sys.stderr)

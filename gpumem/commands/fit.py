@@ -12,7 +12,7 @@ from ..errors import InvalidArgumentError
 from ._common import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
 from ..estimate.fit import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT_LEN
 from ._model_args import (add_lora_args, add_model_args, check_device, context_note, lora_from_args, model_from_args,
-                          needs_vmm,
+                          needs_vmm, vmm_policy_error,
                           params_text, parse_dtypes)
 
 log = logging.getLogger(__name__)
@@ -102,8 +102,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("--mixed-precision with a weight format is not modelled: its master weights "
                                    "are fp32")
     if not check_device(args.device) and needs_vmm(args.policy):
-        raise InvalidArgumentError(f"--policy {args.policy}: it needs virtual memory management, which {args.device} "
-                                   "does not support; choose another policy")
+        raise vmm_policy_error(args.policy, args.device)
     note = (context_note(args.prompt_len + (0 if args.training else args.new_tokens), args.context_len)
             if args.search == "batch" else "")
     try:

@@ -385,7 +385,7 @@ class Engine {
     void plan_give_back_idle_runs(PlanArena* arena);   // plan.py _give_back_idle_runs
     std::uint64_t plan_give_back_idle();   // plan.py give_back_idle (empty_cache)
     int plan_mark();   // plan.py StepPlan._mark
-    bool plan_step_hit() const { return !missed_ && !left_ && cursor_ == slot_off_.size(); }   // plan.py _step_hit
+    bool plan_step_hit() const { return !missed_ && !left_; }   // plan.py _step_hit (Note [A step that ends early])
     bool plan_drops(std::uint32_t bits) const;   // plan.py _drops
     bool plan_end_step();   // plan.py _end_step
     bool plan_restarts(std::uint64_t nbytes, std::uint64_t stream) const;   // plan.py _restarts

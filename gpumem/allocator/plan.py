@@ -107,6 +107,18 @@ of the step sits over slot 0. Why the exact size: with "at most the slot's", a m
 allocation too many at its end (a value logged every tenth step) restarted there and, that value kept past the
 next step, held slot 0 twice until a move (peak 16 -> 20 MiB in the helper's loop).
 
+Note [A step that ends early]
+-----------------------------
+A marked step that ends before its last slot, every allocation on its slot (``cursor < n``, not left, not
+missed), counts as a hit. Why: such a step is the template's prefix; nothing in it went to the engine, so
+the plan held what it plans and no driver call was made. The common case is GradScaler skipping
+``optimizer.step()`` (inf or NaN gradients), which automatic marks now mark (Note [Automatic step marks] in
+gpumem/torch.py): the skipped iteration ends where the optimizer's allocations would have come. Counted a
+miss (before), an AMP loop skipping every other step (a scale that grows every step) dropped its plan every
+few steps and served the misses' neighbours beside the arena: live GPT-2 fp16, +81.9 % above peak allocated
+at twice PyTorch's step time (`reports/hil/gradscaler-skips-h200-2026-11-29.md`). A program whose steps
+alternate between the template and a shorter sequence that is not its prefix still leaves the plan (``left``).
+
 Note [Step plans and record_stream]
 -----------------------------------
 A recorded step in which one of its allocations is used on another stream (``record_stream`` on the
@@ -660,8 +672,9 @@ class StepPlan:
         return MarkResult.NOTHING
 
     def _step_hit(self) -> bool:
-        """Whether the planned step now ending stayed on the plan."""
-        return not self.missed and not self.left and self.cursor == len(self.off)
+        """Whether the planned step now ending stayed on the plan: every allocation on its slot, none served by
+        the engine; a step that ends before its last slot is a hit too (Note [A step that ends early])."""
+        return not self.missed and not self.left
 
     def _drops(self, miss_bits: int) -> bool:
         """Whether a step end leaving ``miss_bits`` drops the plan (Note [Step plans])."""

@@ -329,6 +329,11 @@ class Engine {
     // Records a recorded step may hold before it is abandoned (plan.py StepPlan.set_record_limit, Note [When
     // marks stop]); the caller checked it is in [1, 2**40].
     void set_step_record_limit(std::uint64_t records);
+    // Note [One lock for a run of fast paths] (engine.cpp): the lock taken once for a run of try_allocate_fast
+    // and try_free_fast calls (the binding's run_ops, Note [A step's ops in one call] in op_table.h), which nest
+    // in it; the holder calls nothing else and runs no Python until release_for_fast_run().
+    void hold_for_fast_run();
+    void release_for_fast_run();
 
   private:
     struct Guard;
@@ -622,6 +627,7 @@ class Engine {
     std::uint64_t plan_recordings_abandoned_ = 0;   // plan.py counts["recordings_abandoned"]
     std::uint64_t plan_implicit_steps_ = 0;   // plan.py counts["implicit_steps"] (Note [An implicit step restart])
     std::uint64_t record_limit_ = std::uint64_t{1} << 14;   // plan.py record_limit (RECORD_LIMIT)
+    bool fast_run_held_ = false;   // hold_for_fast_run() holds the lock (Note [One lock for a run of fast paths])
 };
 
 }  // namespace gpumem

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
+#include <exception>
 #include <new>
 #include <string>
 #include <tuple>
@@ -1155,13 +1156,14 @@ bool ops_buffer(AllocObject* self, PyObject* o, const char* name, Py_ssize_t ite
 //         else:
 //             p = table.pop(i, 0)
 //             if p: free(p)
-// does with allocate() and free(): the same engine calls in the same order, each under the engine's
-// lock taken for it alone (other threads interleave between ops as they would between the loop's
-// calls), the same slow paths (run_op: device.deferred_events(), the deferred frees), the same errors.
-// allocate()'s check that the device is not closed (Note [No memory from a closed device]) is made
-// before the first allocation and again after any op that may have run Python (a slow path, or a wait
-// for the engine's lock that let other threads run): only Python code closes a device, so the check
-// sees what the loop's check before each allocation would. The first error stops the run and is raised
+// does with allocate() and free(): the same engine calls in the same order (the fast paths, then the
+// full operation where they step aside), the same slow paths (run_op: device.deferred_events(), the
+// deferred frees), the same errors. The fast paths run in runs under one lock (Note [One lock for a
+// run of fast paths] in engine.cpp), each slow path under a lock of its own, as allocate() and free()
+// run it. allocate()'s check that the device is not closed (Note [No memory from a closed device]) is
+// made before a run and again after any op that may have run Python (a slow path, or a wait for the
+// engine's lock that let other threads run: then the run stops after its first op): only Python code
+// closes a device, so the check sees what the loop's check before each allocation would. The first error stops the run and is raised
 // as allocate() or free() raises it; table.last_ops_done says how many ops completed before it (the
 // failed allocation keeps nothing in the table, the failed free's entry is gone: as in the loop). Bad
 // input (arrays of another type, length or shape, a kind not 0 or 1, the reserved id -2**63; called
@@ -1241,91 +1243,142 @@ PyObject* Alloc_run_ops(AllocObject* self, PyObject* args, PyObject* kwds) {
         return PyErr_NoMemory();
     }
     table->last_ops_done = 0;
+    Engine& engine = *self->engine;
     std::uint64_t waits = run_ops_gil_waits;
-    bool check_device = true;
+    bool check_device = true;   // allocate()'s device check is due before the next allocation
     Py_ssize_t q = 0;
-    for (; q < n; ++q) {
-        if (!self->engine) break;   // cleared by the collector during a slow path (CHECK_ALIVE below)
-        if (run_ops_gil_waits != waits) {
-            waits = run_ops_gil_waits;
-            check_device = true;
+    bool failed = false;
+    while (q < n && !failed) {
+        if (!self->engine) {   // cleared by the collector during a slow path
+            alive(self);
+            failed = true;
+            break;
         }
-        const std::int64_t id = ids[q];
-        if (kinds[q] == 0) {
-            const std::int64_t nb = sizes[q];
-            std::uint64_t p = 0;
-            if (nb > 0) {
-                if (check_device) {
-                    if (device_closed(self)) {
-                        closed_device_error(self);
+        // the device check, made now for the run below (no Python runs in it: the device cannot close there)
+        waits = run_ops_gil_waits;
+        bool closed = false;
+        if (check_device) {
+            closed = device_closed(self);
+            check_device = false;
+        }
+        // a run of fast paths under one lock (Note [One lock for a run of fast paths] in engine.cpp), up to the
+        // first op that needs more: a slow path, an error, allocate()'s argument checks
+        try {
+            engine.hold_for_fast_run();
+        } catch (...) {
+            set_error(self);
+            self->backend->clear_errors();
+            failed = true;
+            break;
+        }
+        // a wait for the lock let other threads run Python (the device may have closed since the check): one op
+        // in this run, as the loop's op that waited, then the check again
+        const Py_ssize_t run_end = run_ops_gil_waits != waits ? q + 1 : n;
+        if (run_end != n) check_device = true;
+        enum class Stop { kNone, kSlowAlloc, kSlowFree, kArgs, kClosed, kError, kNoMemory } stop = Stop::kNone;
+        std::uint64_t p = 0;
+        std::exception_ptr err;
+        try {
+            for (; q < run_end; ++q) {
+                const std::int64_t id = ids[q];
+                if (kinds[q] == 0) {
+                    const std::int64_t nb = sizes[q];
+                    p = 0;
+                    if (nb < 0) {
+                        stop = Stop::kArgs;
                         break;
                     }
-                    check_device = false;
+                    if (nb > 0) {
+                        if (closed) {
+                            stop = Stop::kClosed;
+                            break;
+                        }
+                        p = engine.try_allocate_fast(static_cast<std::uint64_t>(nb), stream);
+                        if (!p) {
+                            stop = Stop::kSlowAlloc;
+                            break;
+                        }
+                    }
+                    map.put(id, p);   // room reserved above: no allocation
+                } else {
+                    if (!map.pop(id, &p) || !p) continue;
+                    if (!engine.try_free_fast(p)) {
+                        stop = Stop::kSlowFree;
+                        break;
+                    }
                 }
-                try {
-                    p = self->engine->try_allocate_fast(static_cast<std::uint64_t>(nb), stream);
-                } catch (...) {
-                    set_error(self);
-                    self->backend->clear_errors();
-                    break;
-                }
-                if (!p) {
-                    PyObject* r = run_op(self, [&]() {
-                        return PyLong_FromUnsignedLongLong(self->engine->allocate(static_cast<std::uint64_t>(nb), stream));
-                    });
-                    check_device = true;
-                    if (!r) break;
-                    p = PyLong_AsUnsignedLongLong(r);
-                    Py_DECREF(r);
-                }
-            } else if (nb < 0) {   // allocate() raises its argument error (or takes what its checks return)
-                PyObject* o_nb = PyLong_FromLongLong(nb);
-                if (!o_nb) break;
-                PyObject* st = PyLong_FromUnsignedLongLong(stream);
-                PyObject* call_args[2] = {o_nb, st};
-                PyObject* r = st ? Alloc_allocate(self, call_args, 2, nullptr) : nullptr;
-                Py_DECREF(o_nb);
-                Py_XDECREF(st);
-                check_device = true;
-                if (!r) break;
-                p = PyLong_AsUnsignedLongLong(r);
-                Py_DECREF(r);
-                if (p == static_cast<std::uint64_t>(-1) && PyErr_Occurred()) break;
             }
-            try {
-                map.put(id, p);
-            } catch (const std::bad_alloc&) {
+        } catch (const std::bad_alloc&) {   // as set_error() turns it (or map.put's growth: a table filled meanwhile)
+            stop = Stop::kNoMemory;
+        } catch (...) {
+            stop = Stop::kError;
+            err = std::current_exception();
+        }
+        engine.release_for_fast_run();
+        switch (stop) {
+            case Stop::kNone:
+                continue;
+            case Stop::kNoMemory:
                 PyErr_NoMemory();
-                break;
-            }
-        } else {
-            std::uint64_t p = 0;
-            if (!map.pop(id, &p) || !p) continue;
-            if (!self->engine->held_by_this_thread()) {
-                bool done = false;
+                failed = true;
+                continue;
+            case Stop::kClosed:
+                closed_device_error(self);
+                failed = true;
+                continue;
+            case Stop::kError:   // the fast path's exception, raised as allocate() or free() raises it
                 try {
-                    done = self->engine->try_free_fast(p);
+                    std::rethrow_exception(err);
                 } catch (...) {
                     set_error(self);
                     self->backend->clear_errors();
-                    break;
                 }
-                if (done) continue;
-            }
+                failed = true;
+                continue;
+            default:
+                break;
+        }
+        failed = true;   // until the op below completes
+        check_device = true;
+        const std::int64_t id = ids[q];
+        if (stop == Stop::kSlowAlloc) {
+            const std::uint64_t nb = static_cast<std::uint64_t>(sizes[q]);
+            PyObject* r = run_op(self, [&]() { return PyLong_FromUnsignedLongLong(self->engine->allocate(nb, stream)); });
+            if (!r) continue;
+            p = PyLong_AsUnsignedLongLong(r);
+            Py_DECREF(r);
+        } else if (stop == Stop::kArgs) {   // allocate() raises its argument error (or takes what its checks return)
+            PyObject* o_nb = PyLong_FromLongLong(sizes[q]);
+            PyObject* st = o_nb ? PyLong_FromUnsignedLongLong(stream) : nullptr;
+            PyObject* call_args[2] = {o_nb, st};
+            PyObject* r = st ? Alloc_allocate(self, call_args, 2, nullptr) : nullptr;
+            Py_XDECREF(o_nb);
+            Py_XDECREF(st);
+            if (!r) continue;
+            p = PyLong_AsUnsignedLongLong(r);
+            Py_DECREF(r);
+            if (p == static_cast<std::uint64_t>(-1) && PyErr_Occurred()) continue;
+        } else if (stop == Stop::kSlowFree) {
             PyObject* r = run_op(self, [&]() {
                 self->engine->free(p);
                 Py_RETURN_NONE;
             });
-            check_device = true;
-            if (!r) break;
+            if (!r) continue;
             Py_DECREF(r);
         }
+        if (stop != Stop::kSlowFree) {
+            try {
+                map.put(id, p);
+            } catch (const std::bad_alloc&) {
+                PyErr_NoMemory();
+                continue;
+            }
+        }
+        failed = false;
+        ++q;
     }
     table->last_ops_done = q;
-    if (q < n) {
-        if (!self->engine && !PyErr_Occurred()) alive(self);
-        return nullptr;
-    }
+    if (failed) return nullptr;
     return PyLong_FromSsize_t(n);
 }
 

@@ -288,3 +288,77 @@ def test_run_ops_from_inside_a_device_call_is_refused():
     alloc.device.mem_create = mem_create
     p = alloc.allocate(4 * MiB)
     assert seen and p and len(table) == 0
+
+
+# -- what runs between ops -------------------------------------------------------------------------------------
+
+def test_a_subscriber_that_calls_back_or_closes_the_device_sees_what_it_sees_with_the_loop():
+    """Memory events reach subscribers after each slow path (device.deferred_events()), in the middle of a batch;
+    a subscriber that allocates there, then closes the device, meets the same ops as with the loop, and the batch
+    meets the closed device where the loop meets it."""
+    ops = [(0, i, (i % 3 + 1) * 3 * MiB) for i in range(12)] + [(1, i, 0) for i in range(0, 12, 2)] + \
+        [(0, 100 + i, 512 * (i + 1)) for i in range(8)]
+
+    def watched():
+        alloc = _allocator()
+        seen, kept = [], []
+
+        def on_event(event):
+            seen.append((event.kind, event.nbytes, event.free_nbytes))
+            if len(seen) == 4:
+                kept.append(alloc.allocate(64 * KiB))  # re-enters the allocator between two ops
+            if len(seen) == 9:
+                alloc.device.close()
+
+        for level in range(4 * MiB, 256 * MiB, 2 * MiB):  # an event at every 2 MiB the allocator takes or gives
+            alloc.device.watch_free_level(level)
+        alloc.device.subscribe(on_event)
+        return alloc, seen, kept
+
+    ref, ref_seen, ref_kept = watched()
+    got, got_seen, got_kept = watched()
+    ref_ptrs, table = {}, PtrTable()
+    ref_done, ref_err = _loop(ref, ref_ptrs, *zip(*ops))
+    with pytest.raises(DeviceClosedError) as info:
+        got._engine.run_ops(*_arrays(ops), table)
+    assert isinstance(ref_err, DeviceClosedError) and str(info.value) == str(ref_err) and 0 < ref_done < len(ops)
+    assert table.last_ops_done == ref_done and got_seen == ref_seen and got_kept == ref_kept
+    assert _state(got, table) == _state(ref, ref_ptrs)
+
+
+def test_other_threads_may_use_the_allocator_while_batches_run():
+    """No deadlock with a thread that allocates and frees meanwhile (each waits for the lock with the GIL given
+    back, Note [Waiting for the engine's lock]); everything adds up at the end."""
+    import threading
+
+    alloc = _allocator(1024)
+    table = PtrTable()
+    stop, errors, other = threading.Event(), [], []
+
+    def hammer():
+        try:
+            while not stop.is_set():
+                p = alloc.allocate(3 * MiB if len(other) % 2 else 2 * KiB)
+                other.append(p)
+                alloc.free(p)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=hammer)
+    t.start()
+    try:
+        rng = np.random.default_rng(3)
+        for step in range(200):
+            base = step * 50
+            sizes = rng.choice([512, 8 * KiB, 1 * MiB + 512, 5 * MiB], 50).astype(np.int64)
+            allocs = _arrays([(0, base + j, int(n)) for j, n in enumerate(sizes)])
+            frees = _arrays([(1, base + j, 0) for j in range(50)])
+            assert alloc._engine.run_ops(*allocs, table) == 50
+            assert alloc._engine.run_ops(*frees, table) == 50
+    finally:
+        stop.set()
+        t.join()
+    assert not errors and other
+    st = alloc.snapshot_stats()
+    assert st.num_allocs == 200 * 50 + len(other) and st.allocated_nbytes == 0 and len(table) == 0
+    assert not alloc._engine.consistency_problems()

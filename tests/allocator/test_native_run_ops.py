@@ -362,3 +362,41 @@ def test_other_threads_may_use_the_allocator_while_batches_run():
     st = alloc.snapshot_stats()
     assert st.num_allocs == 200 * 50 + len(other) and st.allocated_nbytes == 0 and len(table) == 0
     assert not alloc._engine.consistency_problems()
+
+
+def test_a_device_closed_by_another_thread_while_the_batch_waited_for_the_lock_stops_it_at_the_next_allocation():
+    """The loop checks the device before each allocation; run_ops checks it before a run of fast paths, and when
+    taking the lock for that run made it wait (other threads ran meanwhile) it runs one op only, then checks
+    again: the allocation after the wait meets the closed device, as the loop's would."""
+    import threading
+    import time
+
+    alloc = _allocator()
+    for p in [alloc.allocate(512), alloc.allocate(512)]:
+        alloc.free(p)  # two cached small blocks: the batch's allocations are cache hits (no device call)
+    inside, outcome = threading.Event(), []
+    real = alloc.device.mem_create
+
+    def slow_mem_create(*a, **kw):  # called under the engine's lock by the other thread's allocation
+        inside.set()
+        time.sleep(0.3)  # the GIL is free: the batch takes its device check, then waits for the engine's lock
+        alloc.device.close()
+        return real(*a, **kw)
+
+    alloc.device.mem_create = slow_mem_create
+
+    def other():
+        try:
+            alloc.allocate(64 * MiB)
+        except GpumemError as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert inside.wait(5)
+    table = PtrTable()
+    with pytest.raises(DeviceClosedError):
+        alloc._engine.run_ops(*_arrays([(0, 0, 512), (0, 1, 512)]), table)
+    t.join()
+    assert outcome  # the other thread's allocation met the closed device
+    assert table.last_ops_done == 1 and table[0] != 0 and 1 not in table

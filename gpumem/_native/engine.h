@@ -533,6 +533,7 @@ class Engine {
     std::mutex mutex_;
     std::atomic<std::thread::id> owner_{};   // the thread that holds mutex_, or none
     int depth_ = 0;                          // how many times owner_ took it (under mutex_)
+    bool fast_run_held_ = false;             // hold_for_fast_run() holds it (Note [One lock for a run of fast paths])
     std::uint64_t total_nbytes_ = 0, g_ = 0, va_nbytes_ = 0;
     int g_shift_ = 0;   // log2(g_) where g_ is a power of two (every CUDA granularity), else -1
     // The page of an offset in a range: a shift where the granularity is a power of two (a 64-bit division
@@ -627,7 +628,6 @@ class Engine {
     std::uint64_t plan_recordings_abandoned_ = 0;   // plan.py counts["recordings_abandoned"]
     std::uint64_t plan_implicit_steps_ = 0;   // plan.py counts["implicit_steps"] (Note [An implicit step restart])
     std::uint64_t record_limit_ = std::uint64_t{1} << 14;   // plan.py record_limit (RECORD_LIMIT)
-    bool fast_run_held_ = false;   // hold_for_fast_run() holds the lock (Note [One lock for a run of fast paths])
 };
 
 }  // namespace gpumem

@@ -245,7 +245,7 @@ void rethrow_if_fatal() {
 // deadlock. The binding defers a re-entrant free() to the end of the outer operation (module.cpp).
 void Engine::lock(bool reentrant) {
     if (held_by_this_thread()) {
-        if (!reentrant)
+        if (!reentrant && !fast_run_held_)   // Note [One lock for a run of fast paths]
             throw EngineError(EngineErrorKind::kInternal,
                               "the allocator was re-entered from a device call of one of its own operations "
                               "(only free() and reads may re-enter)");
@@ -271,6 +271,26 @@ struct Engine::Guard {
     explicit Guard(Engine& en, bool reentrant = false) : e(en) { e.lock(reentrant); }
     ~Guard() { e.unlock(); }
 };
+
+// Note [One lock for a run of fast paths]: the binding's run_ops (module.cpp; Note [A step's ops in one call]
+// in op_table.h) sends a decode step's ops, a thousand or more, most of them cache hits and frees that need no
+// device call. Taken and given back per op, the lock (a mutex try_lock and unlock) was a fifth of the engine's
+// time there. hold_for_fast_run() takes it once (waiting as every operation waits: Note [Waiting for the
+// engine's lock]); while it is held, the fast paths' own Guard nests in it instead of throwing kInternal
+// (Note [Re-entry from the lock's thread]). That check is kept for what it guards: the holder runs no Python
+// and makes no device call while it holds the lock (only try_allocate_fast and try_free_fast, which make
+// none), so nothing can re-enter through it; it gives the lock back before any slow path (run with the
+// lock taken for that op alone, inside device.deferred_events()), error or Python call. Other threads wait
+// for the run of fast ops as they wait for one slow operation; what they see between runs is what the
+// per-op loop could have let them see (the GIL held all along, no device call in between).
+void Engine::hold_for_fast_run() {
+    lock(false);
+    fast_run_held_ = true;
+}
+void Engine::release_for_fast_run() {
+    fast_run_held_ = false;
+    unlock();
+}
 
 Engine::Engine(Backend& backend, const EngineConfig& config) : backend_(backend), cfg_(config) {
     DeviceInfo info = backend_.info();

@@ -329,6 +329,11 @@ class Engine {
     // Records a recorded step may hold before it is abandoned (plan.py StepPlan.set_record_limit, Note [When
     // marks stop]); the caller checked it is in [1, 2**40].
     void set_step_record_limit(std::uint64_t records);
+    // Note [One lock for a run of fast paths] (engine.cpp): the lock taken once for a run of try_allocate_fast
+    // and try_free_fast calls (the binding's run_ops, Note [A step's ops in one call] in op_table.h), which nest
+    // in it; the holder calls nothing else and runs no Python until release_for_fast_run().
+    void hold_for_fast_run();
+    void release_for_fast_run();
 
   private:
     struct Guard;
@@ -528,6 +533,7 @@ class Engine {
     std::mutex mutex_;
     std::atomic<std::thread::id> owner_{};   // the thread that holds mutex_, or none
     int depth_ = 0;                          // how many times owner_ took it (under mutex_)
+    bool fast_run_held_ = false;             // hold_for_fast_run() holds it (Note [One lock for a run of fast paths])
     std::uint64_t total_nbytes_ = 0, g_ = 0, va_nbytes_ = 0;
     int g_shift_ = 0;   // log2(g_) where g_ is a power of two (every CUDA granularity), else -1
     // The page of an offset in a range: a shift where the granularity is a power of two (a 64-bit division

@@ -71,6 +71,7 @@ class NativeEngine:
         self.step_template = ext.step_template
         self.step_plan_info = ext.step_plan_info
         self.reset_peak_stats = ext.reset_peak_stats
+        self.run_ops = ext.run_ops   # Note [A step's ops in one call] (gpumem/_native/op_table.h)
 
     def set_step_record_limit(self, records: int) -> None:
         """The engine's limit on a recorded step's records, checked as the Python engine checks it."""

@@ -84,6 +84,14 @@ On: the native engine makes the reference's decisions (tests/allocator/test_nati
 white-box tests that read the Python engine's internals pin the reference (tests/allocator/conftest.py)."""
 
 
+NATIVE_SEGMENTS_BY_DEFAULT = False
+"""Whether ``engine=None`` picks the native engine in segment mode too (Note [Choosing the engine]).
+
+Off: the native engine runs ``malloc``'d segments exactly as the reference (Note [Segment mode] in
+``gpumem/_native/engine.cpp``), but reports and the replay read a segment allocator's Python backing
+(:attr:`CachingAllocator.backing`), which the native engine does not have; ``engine="native"`` asks for it."""
+
+
 class CachingAllocator(AllocatorContract):
     """A caching allocator over ``device`` under a named or custom :class:`AllocatorPolicy`.
 
@@ -151,15 +159,13 @@ class CachingAllocator(AllocatorContract):
         if engine != "python":
             if load_engine(warn=True) is None:
                 why = "the native engine (gpumem._engine) is not built"
-            elif not self.uses_vmm:
-                why = f"the native engine runs virtual-memory mode only, and {self.device.spec} runs without it"
             elif record_history:
                 why = "the native engine does not record history"
             elif self.policy.custom_pages:
                 why = f"the native engine has one page size, and policy {self.policy.name!r} has its own per pool"
-            if why is None and (engine == "native" or NATIVE_BY_DEFAULT):
+            if why is None and (engine == "native" or (NATIVE_BY_DEFAULT and (self.uses_vmm or NATIVE_SEGMENTS_BY_DEFAULT))):
                 return NativeEngine(self.device, self.policy, limit_nbytes=self.limit_nbytes,
-                                    gc_threshold=self.gc_threshold)
+                                    gc_threshold=self.gc_threshold, uses_vmm=self.uses_vmm)
             if engine == "native":
                 raise UnsupportedOperationError(f"engine='native' is unavailable: {why}")
         return PythonEngine(self.device, self.policy, uses_vmm=self.uses_vmm, limit_nbytes=self.limit_nbytes,

@@ -1,6 +1,7 @@
 // The native allocator engine: an exact C++ port of gpumem's pure-Python caching allocator in
 // virtual-memory mode (gpumem/allocator/python_engine.py over VirtualBacking of backing.py, with the
-// StreamFences of fences.py and the blocks and free lists of block.py).
+// StreamFences of fences.py and the blocks and free lists of block.py), and in segment mode (over
+// SegmentBacking: Note [Segment mode] in engine.cpp).
 //
 // Note [An exact port]: the engine makes the same decisions as the Python reference: the same
 // pointers, the same device calls with the same arguments in the same order, the same stats and
@@ -52,7 +53,7 @@ enum class SegmentRule : int {
     kExact = 2,      // exactly the (rounded) request
 };
 
-// Policy knobs mirrored from gpumem.allocator.policy.AllocatorPolicy (virtual-memory mode only).
+// Policy knobs mirrored from gpumem.allocator.policy.AllocatorPolicy (the segment-mode ones at the end).
 struct EngineConfig {
     std::uint64_t round_nbytes = 512;
     std::uint64_t small_max_nbytes = 1u << 20;

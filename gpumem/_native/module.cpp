@@ -310,9 +310,9 @@ struct PolicyField {
 #define NOT_READ(name) {#name, FieldKind::kNotRead, 0}
 const PolicyField kPolicyFields[] = {
     NOT_READ(name), NOT_READ(description),
-    NOT_READ(vmm),   // CachingAllocator runs the native engine only in virtual-memory mode
+    NOT_READ(vmm),   // CachingAllocator decides the mode (Allocator(..., segments=True): malloc'd segments)
     CFG(round_nbytes, kU64), CFG(small_max_nbytes, kU64), CFG(separate_small_pool, kBool),
-    NOT_READ(segment_rule), NOT_READ(small_segment_nbytes),   // segment mode only
+    NOT_READ(segment_rule), NOT_READ(small_segment_nbytes),   // segment mode only: read_segment_fields
     CFG(min_split_small_nbytes, kU64), CFG(min_split_large_nbytes, kU64), CFG(va_reserve_factor, kF64),
     CFG(steal_empty_pages, kBool), CFG(page_slack, kF64), CFG(page_slack_min_nbytes, kU64),
     CFG(growth, kGrowth), CFG(chunk_max_fraction, kF64),

@@ -43,7 +43,7 @@ def _workloads(args: argparse.Namespace) -> list[tuple[str, list[int], list[int]
 
         names = sorted(f for f in os.listdir(tdir) if not f.endswith(".md"))
         for name in names[:args.limit] if args.limit is not None else names:
-            out.append((name.split(".")[0], *load_trace(tdir / name).as_lists()))
+            out.append((name.removesuffix(".gz").removesuffix(".pickle"), *load_trace(tdir / name).as_lists()))
     return out
 
 
@@ -89,7 +89,7 @@ def main() -> None:
     policies = [p for p in args.policies.split(",") if p]
     print(f"segment mode, Python vs native engine, sim:h200-141gb; {platform.python_implementation()} "
           f"{platform.python_version()}; us per allocate/free call (CPU time, best of {args.repeat})")
-    print(f"{'workload':<34} {'policy':<8} {'calls':>9} {'python us':>10} {'native us':>10} {'speedup':>8} {'same':>5}")
+    print(f"{'workload':<40} {'policy':<8} {'calls':>9} {'python us':>10} {'native us':>10} {'speedup':>8} {'same':>5}")
     for name, *ops in _workloads(args):
         for policy in policies:
             best: dict[str, float] = {}
@@ -101,7 +101,7 @@ def main() -> None:
                     results[engine] = (returned, stats)
             same = results["python"] == results["native"]
             py_us, nat_us = best["python"] / calls * 1e6, best["native"] / calls * 1e6
-            print(f"{name[:34]:<34} {policy:<8} {calls:>9} {py_us:>10.3f} {nat_us:>10.3f} "
+            print(f"{name[:40]:<40} {policy:<8} {calls:>9} {py_us:>10.3f} {nat_us:>10.3f} "
                   f"{py_us / nat_us if nat_us else float('inf'):>7.1f}x {'yes' if same else 'NO':>5}", flush=True)
 
 

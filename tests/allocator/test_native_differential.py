@@ -671,15 +671,17 @@ def test_device_lost_met_by_check_consistency_is_remembered_the_same():
     pair.both("close")
 
 
+@pytest.mark.parametrize("policy", ["gpumem", "pytorch"])
 @pytest.mark.parametrize("engine", ["python", "native"])
-def test_check_consistency_while_other_threads_allocate(engine):
-    """check_consistency lists the device's mappings under the allocator's lock: another thread's
-    growth or release between the engine's view and the device's is never a disagreement."""
+def test_check_consistency_while_other_threads_allocate(engine, policy):
+    """check_consistency lists the device's mappings (segment mode: its allocations) under the allocator's
+    lock: another thread's growth or release between the engine's view and the device's is never a
+    disagreement."""
     import sys
     import threading
 
     dev = sim.SimDevice(small_profile(384))
-    alloc = CachingAllocator(dev, engine=engine)
+    alloc = CachingAllocator(dev, policy, engine=engine)
     stop = threading.Event()
     errors: list[BaseException] = []
     rounds = [0, 0]

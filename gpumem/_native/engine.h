@@ -1,6 +1,7 @@
 // The native allocator engine: an exact C++ port of gpumem's pure-Python caching allocator in
 // virtual-memory mode (gpumem/allocator/python_engine.py over VirtualBacking of backing.py, with the
-// StreamFences of fences.py and the blocks and free lists of block.py).
+// StreamFences of fences.py and the blocks and free lists of block.py), and in segment mode (over
+// SegmentBacking: Note [Segment mode] in engine.cpp).
 //
 // Note [An exact port]: the engine makes the same decisions as the Python reference: the same
 // pointers, the same device calls with the same arguments in the same order, the same stats and
@@ -44,7 +45,15 @@ enum class GrowthRule : int {
     kChunks = 1,   // chunks of several pages, created within page_slack, moved whole (_map_runs)
 };
 
-// Policy knobs mirrored from gpumem.allocator.policy.AllocatorPolicy (virtual-memory mode only).
+// gpumem.allocator.policy.SegmentRule: how large a new malloc'd segment is (segment mode only;
+// AllocatorPolicy.segment_nbytes).
+enum class SegmentRule : int {
+    kGranular = 0,   // the request rounded up to the granularity
+    kPytorch = 1,    // small pool: small_segment_nbytes; large: 20 MiB under 10 MiB, else rounded to 2 MiB
+    kExact = 2,      // exactly the (rounded) request
+};
+
+// Policy knobs mirrored from gpumem.allocator.policy.AllocatorPolicy (the segment-mode ones at the end).
 struct EngineConfig {
     std::uint64_t round_nbytes = 512;
     std::uint64_t small_max_nbytes = 1u << 20;
@@ -63,6 +72,12 @@ struct EngineConfig {
     bool stream_ordered_steal = false;                  // growth=CHUNKS: steal a chunk busy on the same stream at once
     std::uint64_t limit_nbytes = 0;   // 0: no limit (Python: limit_nbytes None)
     double gc_threshold = 0.0;        // 0: none (Python: gc_threshold None)
+    // Segment mode (Note [Segment mode] in engine.cpp): malloc'd segments (SegmentBacking) instead of
+    // a virtual range per pool; the knobs below are read in that mode only.
+    bool segments = false;
+    SegmentRule segment_rule = SegmentRule::kGranular;
+    std::uint64_t small_segment_nbytes = std::uint64_t{2} << 20;
+    bool segments_top_down = false;
 };
 
 // The fields of gpumem.allocator.stats.AllocatorStats, as snapshot_stats() fills them in.
@@ -160,6 +175,7 @@ struct OomInfo {
     std::uint64_t plan_dropped_nbytes = 0;
     std::uint64_t plan_live_nbytes = 0;
     void* cause_py_exc = nullptr;         // the device's exception (Python backend), borrowed
+    bool segment_mode = false;            // raised in segment mode (_oom_error's segment_mode_vmm is not None)
 };
 
 class EngineError : public std::runtime_error {
@@ -207,6 +223,7 @@ struct Block {
     std::unique_ptr<FenceMap> fences;                  // freed with pending streams
     BlockSet::node_type node;                          // reused set node: no allocation per add
     BlockSet::iterator where;                          // its place in in_list's set (valid while in_list)
+    std::uint64_t place = 0;   // the second half of its free-list key: addr, or its top-down place (fl_add)
 };
 
 struct FreeList {
@@ -628,6 +645,21 @@ class Engine {
     std::uint64_t plan_recordings_abandoned_ = 0;   // plan.py counts["recordings_abandoned"]
     std::uint64_t plan_implicit_steps_ = 0;   // plan.py counts["implicit_steps"] (Note [An implicit step restart])
     std::uint64_t record_limit_ = std::uint64_t{1} << 14;   // plan.py record_limit (RECORD_LIMIT)
+
+    // -- segment mode: backing.py SegmentBacking (Note [Segment mode] in engine.cpp; same names) -----------
+    std::uint64_t segment_nbytes(bool small, std::uint64_t nbytes) const;   // AllocatorPolicy.segment_nbytes
+    detail::VSeg* new_segment(bool small, std::uint64_t stream, std::uint64_t nbytes);
+    detail::Block* grow_segment(bool small, std::uint64_t stream, std::uint64_t size);   // _grow_once, segments
+    std::uint64_t segments_release_cached(bool wait);   // SegmentBacking.release_cached
+    void drop_blocks(detail::VSeg* seg);                // PythonEngine._drop_blocks
+    void segments_close(const std::vector<std::uint64_t>& failed);   // SegmentBacking.close with close()'s keep
+    void segment_streams(const detail::VSeg* seg, std::set<std::uint64_t>& out) const;   // _segment_streams
+    bool in_some_segment(std::uint64_t ptr) const;     // any segment of segments_list() holds ptr
+    void segments_consistency_problems(const Reservations* allocations, std::vector<std::string>& problems);
+    std::vector<std::unique_ptr<detail::VSeg>> msegs_;          // SegmentBacking.segments, creation order
+    std::vector<std::unique_ptr<detail::VSeg>> closed_msegs_;   // given back by close(): kept for the blocks naming them
+    std::uint64_t order_low_ = std::uint64_t{1} << 62;          // SegmentBacking._order_low (_TOP_DOWN_START)
+    bool top_down_ = false;                                     // segments_top_down in segment mode
 };
 
 }  // namespace gpumem

@@ -148,7 +148,19 @@ void set_error(AllocObject* self, PyObject* huge_nbytes = nullptr) {
                 PyObject* cause = o.cause_py_exc ? static_cast<PyObject*>(o.cause_py_exc) : Py_None;
                 PyObject* req = huge_nbytes ? (Py_INCREF(huge_nbytes), huge_nbytes)
                                                   : PyLong_FromUnsignedLongLong(o.requested_nbytes);
-                PyObject* err = PyObject_CallFunction(fn, "iNKKKLKKKOOKKKK", static_cast<int>(o.cause), req,
+                // _oom_error's segment_mode_vmm: None in virtual memory, else the device's vmm_supported now
+                PyObject* seg_vmm = Py_None;
+                if (o.segment_mode) {
+                    seg_vmm = PyObject_GetAttrString(self->device, "vmm_supported");
+                    if (!seg_vmm) {
+                        Py_DECREF(fn);
+                        Py_DECREF(req);
+                        break;
+                    }
+                } else {
+                    Py_INCREF(seg_vmm);
+                }
+                PyObject* err = PyObject_CallFunction(fn, "iNKKKLKKKOOKKKKN", static_cast<int>(o.cause), req,
                                                       (unsigned long long)o.free_nbytes,
                                                       (unsigned long long)o.total_nbytes,
                                                       (unsigned long long)o.allocated_nbytes,
@@ -159,7 +171,7 @@ void set_error(AllocObject* self, PyObject* huge_nbytes = nullptr) {
                                                       self->spec ? self->spec : Py_None, self->round_nbytes,
                                                       (unsigned long long)o.plan_mapped_nbytes,
                                                       (unsigned long long)o.plan_dropped_nbytes,
-                                                      (unsigned long long)o.plan_live_nbytes);
+                                                      (unsigned long long)o.plan_live_nbytes, seg_vmm);
                 Py_DECREF(fn);
                 if (!err) break;
                 if (PyExceptionInstance_Check(err))   // Note [Helpers' results are checked]
@@ -306,9 +318,9 @@ struct PolicyField {
 #define NOT_READ(name) {#name, FieldKind::kNotRead, 0}
 const PolicyField kPolicyFields[] = {
     NOT_READ(name), NOT_READ(description),
-    NOT_READ(vmm),   // CachingAllocator runs the native engine only in virtual-memory mode
+    NOT_READ(vmm),   // CachingAllocator decides the mode (Allocator(..., segments=True): malloc'd segments)
     CFG(round_nbytes, kU64), CFG(small_max_nbytes, kU64), CFG(separate_small_pool, kBool),
-    NOT_READ(segment_rule), NOT_READ(small_segment_nbytes),   // segment mode only
+    NOT_READ(segment_rule), NOT_READ(small_segment_nbytes),   // segment mode only: read_segment_fields
     CFG(min_split_small_nbytes, kU64), CFG(min_split_large_nbytes, kU64), CFG(va_reserve_factor, kF64),
     CFG(steal_empty_pages, kBool), CFG(page_slack, kF64), CFG(page_slack_min_nbytes, kU64),
     CFG(growth, kGrowth), CFG(chunk_max_fraction, kF64),
@@ -392,17 +404,45 @@ bool read_policy_field(PyObject* helpers, PyObject* policy, const PolicyField& f
     return expected == nullptr;
 }
 
-// Allocator(device, helpers, policy=None, *, limit_nbytes=0, gc_threshold=0.0): `policy` has the
+// Segment mode's knobs (segment_rule, small_segment_nbytes, segments_top_down), which kPolicyFields marks
+// NOT_READ (the virtual-memory engine ignores them): read here when the allocator runs malloc'd segments.
+bool read_segment_fields(PyObject* helpers, PyObject* policy, EngineConfig& cfg) {
+    static const PolicyField size_field = {"small_segment_nbytes", FieldKind::kU64, offsetof(EngineConfig, small_segment_nbytes)};
+    static const PolicyField top_down_field = {"segments_top_down", FieldKind::kBool, offsetof(EngineConfig, segments_top_down)};
+    if (!read_policy_field(helpers, policy, size_field, cfg) || !read_policy_field(helpers, policy, top_down_field, cfg))
+        return false;
+    PyObject* v = PyObject_GetAttrString(policy, "segment_rule");   // SegmentRule, a str enum
+    if (!v) return false;
+    PyObject* value = PyObject_GetAttrString(v, "value");
+    if (!value) {
+        PyErr_Clear();
+        value = (Py_INCREF(v), v);
+    }
+    Py_DECREF(v);
+    static const char* const names[] = {"granular", "pytorch", "exact"};
+    bool found = false;
+    for (int i = 0; i < 3 && !found; ++i)
+        if (PyUnicode_Check(value) && PyUnicode_CompareWithASCIIString(value, names[i]) == 0) {
+            cfg.segment_rule = static_cast<gpumem::SegmentRule>(i);
+            found = true;
+        }
+    Py_DECREF(value);
+    if (!found) invalid_argument(helpers, "policy.segment_rule must be 'granular', 'pytorch' or 'exact'");
+    return found;
+}
+
+// Allocator(device, helpers, policy=None, *, limit_nbytes=0, gc_threshold=0.0, segments=False): `policy` has the
 // fields of AllocatorPolicy (Note [The policy and the stats from one table each]); None: the
 // engine's defaults.
 PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
-    static const char* kwlist[] = {"device", "helpers", "policy", "limit_nbytes", "gc_threshold", nullptr};
+    static const char* kwlist[] = {"device", "helpers", "policy", "limit_nbytes", "gc_threshold", "segments", nullptr};
     PyObject *device, *helpers, *policy = Py_None, *limit_obj = nullptr;
     EngineConfig cfg;
     unsigned long long limit = 0;
     double gc = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$Od", const_cast<char**>(kwlist), &device, &helpers, &policy,
-                                     &limit_obj, &gc))
+    int segments = 0;   // segment mode (Note [Segment mode] in engine.cpp)
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$Odp", const_cast<char**>(kwlist), &device, &helpers, &policy,
+                                     &limit_obj, &gc, &segments))
         return nullptr;
     if (limit_obj != nullptr) {   // checked: the "K" format wrapped 2**64 + 5 to a limit of 5 bytes
         if (PyLong_Check(limit_obj) && !PyBool_Check(limit_obj)) {
@@ -418,6 +458,8 @@ PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
     if (policy != Py_None)
         for (const PolicyField& f : kPolicyFields)
             if (!read_policy_field(helpers, policy, f, cfg)) return nullptr;
+    cfg.segments = segments != 0;
+    if (cfg.segments && policy != Py_None && !read_segment_fields(helpers, policy, cfg)) return nullptr;
     // the floats go into the engine's arithmetic as they are: a NaN or an infinity (or a factor whose
     // reservation cannot be counted in 64 bits) would be undefined behaviour there
     const double factor = cfg.va_reserve_factor, slack = cfg.page_slack;

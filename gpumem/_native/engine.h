@@ -63,6 +63,10 @@ struct EngineConfig {
     bool stream_ordered_steal = false;                  // growth=CHUNKS: steal a chunk busy on the same stream at once
     std::uint64_t limit_nbytes = 0;   // 0: no limit (Python: limit_nbytes None)
     double gc_threshold = 0.0;        // 0: none (Python: gc_threshold None)
+    // growth=PAGES, no steal: the page size of the small / large pool's range (Note [Pages of a pool's own
+    // size] in engine.cpp); 0: the device granularity (Python: small_page_nbytes / large_page_nbytes None)
+    std::uint64_t small_page_nbytes = 0;
+    std::uint64_t large_page_nbytes = 0;
 };
 
 // The fields of gpumem.allocator.stats.AllocatorStats, as snapshot_stats() fills them in.
@@ -622,6 +626,11 @@ class Engine {
     std::uint64_t plan_recordings_abandoned_ = 0;   // plan.py counts["recordings_abandoned"]
     std::uint64_t plan_implicit_steps_ = 0;   // plan.py counts["implicit_steps"] (Note [An implicit step restart])
     std::uint64_t record_limit_ = std::uint64_t{1} << 14;   // plan.py record_limit (RECORD_LIMIT)
+
+    // Pages of a pool's own size (Note [Pages of a pool's own size] in engine.cpp)
+    bool custom_pages_ = false;                // VirtualBacking.custom_pages
+    std::uint64_t page_nbytes_[2] = {0, 0};    // VirtualBacking.page_nbytes: [large, small] (the range's key)
+    std::int64_t seg_chunk_pages(const detail::VSeg* seg, ChunkHandle h) const;   // h.nbytes // seg.page_nbytes
 };
 
 }  // namespace gpumem

@@ -155,8 +155,6 @@ class CachingAllocator(AllocatorContract):
                 why = f"the native engine runs virtual-memory mode only, and {self.device.spec} runs without it"
             elif record_history:
                 why = "the native engine does not record history"
-            elif self.policy.custom_pages:
-                why = f"the native engine has one page size, and policy {self.policy.name!r} has its own per pool"
             if why is None and (engine == "native" or NATIVE_BY_DEFAULT):
                 return NativeEngine(self.device, self.policy, limit_nbytes=self.limit_nbytes,
                                     gc_threshold=self.gc_threshold)

@@ -22,6 +22,7 @@ from ..errors import (DeviceClosedError, DeviceLostError, DoubleFreeError, Inter
 from ..native import native_module
 from ..units import align_up, format_bytes
 from ..validate import as_int, check_nbytes, check_stream
+from .backing import pool_page_nbytes
 from .engine import OomCause, no_history_error
 from .engine import oom_error as build_oom_error
 from .plan import check_generation, check_record_limit
@@ -55,6 +56,7 @@ class NativeEngine:
     def __init__(self, device: Device, policy: AllocatorPolicy, *, limit_nbytes: int | None,
                  gc_threshold: float | None) -> None:
         self.device = device
+        pool_page_nbytes(device, policy)  # a page that is not a multiple of the granularity: refused as in Python
         self._ext = ext = native_module().Allocator(device, sys.modules[__name__], policy,
                                                     limit_nbytes=limit_nbytes or 0, gc_threshold=gc_threshold or 0.0)
         self.allocate = ext.allocate

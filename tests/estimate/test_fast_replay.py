@@ -115,8 +115,11 @@ def test_the_small_pool_is_skipped_and_the_figures_stay(policy):
     shape = ModelShape(1024, 2048, 1, 1000, 8, 8)  # KV cache tensors of over 1 MiB: in the large pool
     devs = [open_device(DEVICE), open_device(DEVICE)]
     try:
-        skipping, every = (make_allocator(d, policy) for d in devs)
+        # the skip needs the Python engine (expandable runs natively by default: every op sent, Note
+        # [Expandable's small pool skipped]); the allocator that takes every op runs on the default engine
+        skipping, every = make_allocator(devs[0], policy, engine="python"), make_allocator(devs[1], policy)
         assert can_skip_small_pool(skipping) and not can_skip_small_pool(make_allocator(devs[0], "gpumem"))
+        assert can_skip_small_pool(every) == (every.engine == "python")
         sinks = [SkippingSink(skipping), PlainSink(every)]
         jumper = StepJumper(SinkGroup(sinks), lambda step: None, 299)
         stream_inference(shape, 2, (jumper,), prompt_len=600, new_tokens=300, on_step=jumper.end_step,

@@ -355,10 +355,6 @@ Engine::Engine(Backend& backend, const EngineConfig& config) : backend_(backend)
                           "va_reserve_factor times the device's total memory is 2**64 B or more of address space "
                           "per pool, more than 64-bit addresses hold; lower va_reserve_factor");
     va_nbytes_ = (va + unit - 1) / unit * unit;
-    if ((g_ & (g_ - 1)) == 0)
-        while ((std::uint64_t{1} << g_shift_) < g_) ++g_shift_;   // page_of shifts: no division on the hot path
-    else
-        g_shift_ = -1;
     small_max_ = cfg_.separate_small_pool ? static_cast<std::int64_t>(cfg_.small_max_nbytes) : -1;
     // AllocatorPolicy.__post_init__'s checks of the growth knobs
     if (!(cfg_.page_slack >= 0.0 && cfg_.page_slack <= 1.0) ||

@@ -533,12 +533,6 @@ class Engine {
     std::atomic<std::thread::id> owner_{};   // the thread that holds mutex_, or none
     int depth_ = 0;                          // how many times owner_ took it (under mutex_)
     std::uint64_t total_nbytes_ = 0, g_ = 0, va_nbytes_ = 0;
-    int g_shift_ = 0;   // log2(g_) where g_ is a power of two (every CUDA granularity), else -1
-    // The page of an offset in a range: a shift where the granularity is a power of two (a 64-bit division
-    // costs tens of cycles, four per allocate + free on the hot path).
-    std::int64_t page_of(std::uint64_t offset) const {
-        return static_cast<std::int64_t>(g_shift_ >= 0 ? offset >> g_shift_ : offset / g_);
-    }
     std::int64_t small_max_ = -1;
 
     // PythonEngine state

@@ -96,7 +96,7 @@ class CachingAllocator(AllocatorContract):
 
     ``engine``: which implementation runs it. ``None`` (the default) takes the native C++ engine
     (``gpumem._engine``, built at install time where a C++ compiler exists) where it can run, that
-    is in virtual-memory mode (the ``gpumem`` policy on a device with VMM) without
+    is in virtual-memory mode (the ``gpumem`` and ``expandable`` policies on a device with VMM) without
     ``record_history``, and the pure-Python reference engine otherwise (the ``bestfit``,
     ``pytorch`` and ``cupy`` policies, devices without VMM, history recording). ``"python"``
     forces the reference; ``"native"`` raises

@@ -138,6 +138,19 @@ def test_the_small_pool_is_skipped_and_the_figures_stay(policy):
             d.close()
 
 
+@pytest.mark.parametrize("batch,prompt,new,limit_mib", [(1, 600, 300, None), (1, 900, 200, 160), (2, 700, 150, 300)])
+def test_expandable_on_the_native_engine_gives_the_python_engines_figures(monkeypatch, batch, prompt, new, limit_mib):
+    """``expandable`` runs natively by default (every op sent); on the Python engine its small pool is skipped
+    (Note [Expandable's small pool skipped]): the same estimate to the byte, also under a limit."""
+    from gpumem.allocator import caching
+
+    shape = ModelShape(1024, 2048, 1, 1000, 8, 8)
+    kw = dict(batch_size=batch, prompt_len=prompt, new_tokens=new, limit=limit_mib and limit_mib * 2**20)
+    native = replay_inference(shape, 2, ("expandable",), DEVICE, **kw)
+    monkeypatch.setattr(caching, "NATIVE_BY_DEFAULT", False)
+    assert replay_inference(shape, 2, ("expandable",), DEVICE, **kw) == native
+
+
 def test_full_replay_must_be_a_bool():
     with pytest.raises(InvalidArgumentError, match="full_replay"):
         replay_inference(ModelShape(128, 344, 1, 1000, 4, 4), 2, ("pytorch",), DEVICE, prompt_len=8,

@@ -76,7 +76,7 @@ def main() -> None:
         names = [f for f in names if any(s in f for s in args.only.split(","))]
     print(f"CPython {platform.python_version()}; sim:h200-141gb; load average at start "
           f"{os.getloadavg()[0]:.1f}; best of {args.repeat}; CPU µs per op (allocate or free)")
-    print(f"{'trace':<44} {'policy':<11} {'ops':>9} {'python':>8} {'native':>8} {'ratio':>6}  same")
+    print(f"{'trace':<48} {'policy':<11} {'ops':>9} {'python':>8} {'native':>8} {'ratio':>6}  same")
     for name in names:
         ops = load_trace(os.path.join(args.traces, name)).as_lists()
         for policy in args.policies.split(","):
@@ -89,7 +89,7 @@ def main() -> None:
                     best[engine] = min(best.get(engine, cpu_s), cpu_s)
             us = {e: best[e] / max(n, 1) * 1e6 for e in best}
             same = "yes" if decided["python"] == decided["native"] else "NO"
-            print(f"{name:<44} {policy:<11} {n:>9} {us['python']:>8.3f} {us['native']:>8.3f} "
+            print(f"{name:<48} {policy:<11} {n:>9} {us['python']:>8.3f} {us['native']:>8.3f} "
                   f"{us['python'] / us['native']:>5.1f}x  {same}", flush=True)
 
 

@@ -29,7 +29,8 @@ from gpumem.trace import load_trace
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(trace_ops: tuple[list[int], list[int], list[int], list[int]], policy: str, engine: str) -> tuple[float, int, tuple]:
+def run(trace_ops: tuple[list[int], list[int], list[int], list[int]], policy: str,
+        engine: str) -> tuple[float, int, tuple]:
     """Replays the ops once; returns (CPU seconds of the op loop, ops made, what the engine decided)."""
     kinds, ids, sizes, streams = trace_ops
     dev = sim.SimDevice(sim.get_profile("h200-141gb"))

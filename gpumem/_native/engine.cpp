@@ -339,7 +339,8 @@ Engine::Engine(Backend& backend, const EngineConfig& config) : backend_(backend)
     page_nbytes_[0] = cfg_.large_page_nbytes ? cfg_.large_page_nbytes : g_;
     custom_pages_ = cfg_.small_page_nbytes || cfg_.large_page_nbytes;
     if (page_nbytes_[0] % g_ || page_nbytes_[1] % g_)
-        throw EngineError(EngineErrorKind::kInvalidArgument, "a page size is not a multiple of the device's granularity");
+        throw EngineError(EngineErrorKind::kInvalidArgument,
+                          "a page size is not a multiple of the device's granularity");
     if (custom_pages_ && (cfg_.growth != GrowthRule::kPages || cfg_.steal_empty_pages))
         throw EngineError(EngineErrorKind::kInvalidArgument,
                           "small_page_nbytes / large_page_nbytes need growth='pages' and steal_empty_pages=False");

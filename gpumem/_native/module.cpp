@@ -305,7 +305,8 @@ const PolicyField kPolicyFields[] = {
     CFG(steal_empty_pages, kBool), CFG(page_slack, kF64), CFG(page_slack_min_nbytes, kU64),
     CFG(growth, kGrowth), CFG(chunk_max_fraction, kF64),
     CFG(chunk_max_nbytes, kU64),
-    {"small_page_nbytes", FieldKind::kU64OrNone, offsetof(EngineConfig, small_page_nbytes)},   // None: 0, the granularity
+    // None: 0, the granularity (Note [Pages of a pool's own size] in engine.cpp)
+    {"small_page_nbytes", FieldKind::kU64OrNone, offsetof(EngineConfig, small_page_nbytes)},
     {"large_page_nbytes", FieldKind::kU64OrNone, offsetof(EngineConfig, large_page_nbytes)},
     NOT_READ(segments_top_down),   // segment mode only
     CFG(grow_ahead_fraction, kF64), CFG(busy_slack, kF64), CFG(stream_ordered_steal, kBool),

@@ -123,7 +123,7 @@ def test_devices_names_the_engine(capsys):
     assert out.splitlines()[-1].startswith(f"engine: {gpumem.engine()}")
     assert main(["devices", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    # the native engine runs virtual-memory mode only: devices without VMM say "python"; a real GPU's row
+    # the native engine is the default in virtual-memory mode only: devices without VMM say "python"; a real GPU's row
     # (VMM unknown, None, until a context exists) names the engine the allocator tries (a KeyError on the H200 once)
     assert rows and all(r["engine"] == ("python" if r["vmm_supported"] is False else gpumem.engine()) for r in rows)
     assert any(r["vmm_supported"] is False for r in rows)  # the Jetson profiles

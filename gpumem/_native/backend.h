@@ -70,6 +70,20 @@ class Backend {
     virtual void event_destroy(EventHandle event) = 0;
     virtual void stream_synchronize(StreamHandle stream) = 0;
     virtual void synchronize() = 0;
+
+    // Segment mode (SegmentBacking): Device.malloc / Device.free. Only the Python backend has them: the
+    // engine runs malloc'd segments over the simulator (and any Python Device) only; CudaBackend keeps
+    // these defaults, and the engines it serves (torch_api.cpp) are always in virtual-memory mode.
+    virtual std::uint64_t segment_malloc(std::uint64_t nbytes) {
+        (void)nbytes;
+        throw BackendError(ErrorKind::kOther, 0, "segment mode (malloc'd segments) is simulator-only in the native "
+                                                 "engine: this backend has no malloc");
+    }
+    virtual void segment_free(std::uint64_t ptr) {
+        (void)ptr;
+        throw BackendError(ErrorKind::kOther, 0, "segment mode (malloc'd segments) is simulator-only in the native "
+                                                 "engine: this backend has no free");
+    }
 };
 
 }  // namespace gpumem

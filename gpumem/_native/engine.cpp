@@ -85,6 +85,11 @@ struct VSeg {
         : base(b), nbytes(n), small(s), n_pages(static_cast<std::int64_t>(n / g)), refs(n / g, 0),
           chunks(n / g, 0), eprev(n / g, -1), enext(n / g, -1), in_empty(n / g, 0), dirty(n / g),
           users(n / g), noaccess(n / g, 0), deferred(n / g, 0), seen(n / g, 0) { set_page(g); }
+    // A malloc'd segment (segment mode: backing.py's Segment): no pages, the fields at the end.
+    struct Malloced {};
+    VSeg(std::uint64_t b, std::uint64_t n, bool s, std::uint64_t stream, Malloced)
+        : base(b), nbytes(n), small(s), top(n), n_pages(0), dirty(0), users(0), malloced(true), mstream(stream),
+          order(b) {}
 
     bool is_empty(std::int64_t p) const { return in_empty[p] != 0; }
     void empty_add(std::int64_t p) {   // seg.empty[p] = None (keeps its place if there)
@@ -109,6 +114,14 @@ struct VSeg {
     }
     void noaccess_add(std::int64_t p) { if (!noaccess[p]) { noaccess[p] = 1; ++n_noaccess; } }
     void noaccess_discard(std::int64_t p) { if (noaccess[p]) { noaccess[p] = 0; --n_noaccess; } }
+
+    // segment mode (Segment's live, dirty, fence, order, stream)
+    bool malloced = false;
+    std::uint64_t mstream = 0;     // Segment.stream
+    std::uint64_t live = 0;        // Segment.live: allocated blocks, and freed ones waiting for other streams
+    bool mdirty = false;           // Segment.dirty: fell empty, its last users' work has no fence yet
+    std::uint64_t fence = 0;       // Segment.fence: recorded on mstream since (0: none)
+    std::uint64_t order = 0;       // Segment.order: where it sorts among equal sizes (TopDownFreeList)
 
     // The range's pages (VirtualSegment.page_nbytes; Note [Pages of a pool's own size] in engine.cpp)
     std::uint64_t page_nbytes = 0;
@@ -163,14 +176,16 @@ void VSeg::set_page(std::uint64_t g) {
 #endif
 }
 
+// keyed (size, place): place is the address, or with segments_top_down in segment mode the block's
+// TopDownFreeList key (fl_add)
 bool BlockLess::operator()(const Block* a, const Block* b) const {
-    return a->size != b->size ? a->size < b->size : a->addr < b->addr;
+    return a->size != b->size ? a->size < b->size : a->place < b->place;
 }
 bool BlockLess::operator()(const Block* a, const std::pair<std::uint64_t, std::uint64_t>& k) const {
-    return a->size != k.first ? a->size < k.first : a->addr < k.second;
+    return a->size != k.first ? a->size < k.first : a->place < k.second;
 }
 bool BlockLess::operator()(const std::pair<std::uint64_t, std::uint64_t>& k, const Block* b) const {
-    return k.first != b->size ? k.first < b->size : k.second < b->addr;
+    return k.first != b->size ? k.first < b->size : k.second < b->place;
 }
 
 // -- PtrMap: open addressing, linear probing, backward-shift deletion -----------------------------
@@ -297,7 +312,7 @@ void rethrow_if_fatal() {
 // deadlock. The binding defers a re-entrant free() to the end of the outer operation (module.cpp).
 void Engine::lock(bool reentrant) {
     if (held_by_this_thread()) {
-        if (!reentrant)
+        if (!reentrant && !fast_run_held_)   // Note [One lock for a run of fast paths]
             throw EngineError(EngineErrorKind::kInternal,
                               "the allocator was re-entered from a device call of one of its own operations "
                               "(only free() and reads may re-enter)");
@@ -324,6 +339,26 @@ struct Engine::Guard {
     ~Guard() { e.unlock(); }
 };
 
+// Note [One lock for a run of fast paths]: the binding's run_ops (module.cpp; Note [A step's ops in one call]
+// in op_table.h) sends a decode step's ops, a thousand or more, most of them cache hits and frees that need no
+// device call. Taken and given back per op, the lock (a mutex try_lock and unlock) was a fifth of the engine's
+// time there. hold_for_fast_run() takes it once (waiting as every operation waits: Note [Waiting for the
+// engine's lock]); while it is held, the fast paths' own Guard nests in it instead of throwing kInternal
+// (Note [Re-entry from the lock's thread]). That check is kept for what it guards: the holder runs no Python
+// and makes no device call while it holds the lock (only try_allocate_fast and try_free_fast, which make
+// none), so nothing can re-enter through it; it gives the lock back before any slow path (run with the
+// lock taken for that op alone, inside device.deferred_events()), error or Python call. Other threads wait
+// for the run of fast ops as they wait for one slow operation; what they see between runs is what the
+// per-op loop could have let them see (the GIL held all along, no device call in between).
+void Engine::hold_for_fast_run() {
+    lock(false);
+    fast_run_held_ = true;
+}
+void Engine::release_for_fast_run() {
+    fast_run_held_ = false;
+    unlock();
+}
+
 Engine::Engine(Backend& backend, const EngineConfig& config) : backend_(backend), cfg_(config) {
     DeviceInfo info = backend_.info();
     total_nbytes_ = info.total_nbytes;
@@ -334,11 +369,12 @@ Engine::Engine(Backend& backend, const EngineConfig& config) : backend_(backend)
     // the product is checked as a double before it is converted (a conversion out of range is undefined)
     const double va_exact = static_cast<double>(total_nbytes_) * cfg_.va_reserve_factor;
     const std::uint64_t va = va_exact < 18446744073709551616.0 ? static_cast<std::uint64_t>(va_exact) : UINT64_MAX;
-    // pool_va_nbytes: a whole number of pages of either pool (Note [Pages of a pool's own size])
+    // pool_va_nbytes: a whole number of pages of either pool (Note [Pages of a pool's own size]); segment
+    // mode reserves no range (va_nbytes 0 there) and has no pages
     page_nbytes_[1] = cfg_.small_page_nbytes ? cfg_.small_page_nbytes : g_;
     page_nbytes_[0] = cfg_.large_page_nbytes ? cfg_.large_page_nbytes : g_;
-    custom_pages_ = cfg_.small_page_nbytes || cfg_.large_page_nbytes;
-    if (page_nbytes_[0] % g_ || page_nbytes_[1] % g_)
+    custom_pages_ = !cfg_.segments && (cfg_.small_page_nbytes || cfg_.large_page_nbytes);
+    if (!cfg_.segments && (page_nbytes_[0] % g_ || page_nbytes_[1] % g_))
         throw EngineError(EngineErrorKind::kInvalidArgument,
                           "a page size is not a multiple of the device's granularity");
     if (custom_pages_ && (cfg_.growth != GrowthRule::kPages || cfg_.steal_empty_pages))
@@ -351,11 +387,15 @@ Engine::Engine(Backend& backend, const EngineConfig& config) : backend_(backend)
         const std::uint64_t k = page_nbytes_[1] / a;
         unit = k && unit > UINT64_MAX / k ? 0 : unit * k;
     }
-    if (!unit || va > UINT64_MAX - unit + 1)
+    if ((!unit || va > UINT64_MAX - unit + 1) && !cfg_.segments)
         throw EngineError(EngineErrorKind::kInvalidArgument,
                           "va_reserve_factor times the device's total memory is 2**64 B or more of address space "
                           "per pool, more than 64-bit addresses hold; lower va_reserve_factor");
-    va_nbytes_ = (va + unit - 1) / unit * unit;
+    va_nbytes_ = cfg_.segments ? 0 : (va + unit - 1) / unit * unit;
+    top_down_ = cfg_.segments && cfg_.segments_top_down;
+    if (cfg_.segments && (static_cast<int>(cfg_.segment_rule) < 0 || static_cast<int>(cfg_.segment_rule) > 2 ||
+                          !cfg_.small_segment_nbytes))
+        throw EngineError(EngineErrorKind::kInvalidArgument, "bad segment rule or small_segment_nbytes");
     small_max_ = cfg_.separate_small_pool ? static_cast<std::int64_t>(cfg_.small_max_nbytes) : -1;
     // AllocatorPolicy.__post_init__'s checks of the growth knobs
     if (!(cfg_.page_slack >= 0.0 && cfg_.page_slack <= 1.0) ||
@@ -449,6 +489,8 @@ Block* Engine::drop_last_block(VSeg* seg) {
 
 // FreeList.add / remove / best_fit
 void Engine::fl_add(FreeList* fl, Block* b) {
+    // FreeList keys by address; TopDownFreeList by the segment's order plus the offset in it
+    b->place = top_down_ ? b->seg->order + (b->addr - b->seg->base) : b->addr;
     if (b->node.empty()) {
         b->where = fl->blocks.insert(b).first;
     } else {
@@ -782,6 +824,10 @@ void Engine::va_exhausted(std::uint64_t nbytes) {
 // VirtualBacking.commit
 void Engine::commit(Block* b) {
     VSeg* seg = b->seg;
+    if (seg->malloced) {   // SegmentBacking.commit
+        ++seg->live;
+        return;
+    }
     std::int64_t first = seg->page_of(b->addr - seg->base);
     std::int64_t last = seg->page_of(b->addr + b->size - 1 - seg->base);
     auto& refs = seg->refs;
@@ -827,6 +873,10 @@ void Engine::commit(Block* b) {
 // a run is spliced out with two links, not two per page), the live counts counted in registers.
 bool Engine::commit_quietly(Block* b, std::uint64_t nbytes) {
     VSeg* seg = b->seg;
+    if (seg->malloced) {   // SegmentBacking.commit_quietly
+        ++seg->live;
+        return true;
+    }
     const std::int64_t first = seg->page_of(b->addr - seg->base);
     const std::int64_t last = seg->page_of(b->addr + nbytes - 1 - seg->base);
     std::int64_t* r = seg->refs.data();   // counted here, stored once: the stores to the pages do not reload them
@@ -876,6 +926,10 @@ bool Engine::commit_quietly(Block* b, std::uint64_t nbytes) {
 // VirtualBacking.decommit
 void Engine::decommit(Block* b) {
     VSeg* seg = b->seg;
+    if (seg->malloced) {   // SegmentBacking.decommit
+        if (!--seg->live) seg->mdirty = true;
+        return;
+    }
     std::int64_t first = seg->page_of(b->addr - seg->base);
     std::int64_t last = seg->page_of(b->addr + b->size - 1 - seg->base);
     std::int64_t* r = seg->refs.data();
@@ -1845,6 +1899,231 @@ std::uint64_t Engine::backing_largest_free_nbytes() const {
     return std::max(largest, cached);
 }
 
+// -- backing.py: SegmentBacking (segment mode) -----------------------------------------------------------
+// Note [Segment mode]: the Python engine runs malloc'd segments (SegmentBacking: the bestfit, pytorch and
+// cupy policies, and any policy on a device without virtual memory) as well as a virtual range per pool;
+// the native engine ports both. A segment is a VSeg marked `malloced`, with no page tables: Segment's
+// fields (live, dirty, fence, order, stream) are at the end of the struct; blocks tile it from `base` to
+// `base + nbytes`, so the block code (split, merge, free lists) is the virtual path's. What differs, each in
+// a function of this section or a branch at the top of the shared one, as in Python's isinstance tests:
+// commit/decommit count live blocks per segment (no device call: a segment is all memory), growing
+// mallocs a segment (_grow_once), the cache is given back by freeing segments that hold no live block
+// once their fence has completed (release_cached; no range top to lower and no idle stream's blocks to
+// re-own), the out-of-memory error says whether the device has virtual memory (segment_mode_vmm),
+// stats count the free lists' bytes as inactive, close keeps only the segments of streams it could not
+// wait for, and with segments_top_down the free lists order equal sizes by segment age
+// (TopDownFreeList: Block::place, set in fl_add). The device calls are Device.malloc and Device.free
+// (Backend::segment_malloc / segment_free): the Python backend has them, CudaBackend does not, and the
+// engines over CUDA (torch_api.cpp) always run virtual memory. tests/allocator/test_native_differential.py
+// runs the segment policies through the same random programs as the virtual-memory ones.
+namespace {
+// Block.__repr__: "<Block 0x...+size allocated|free stream=s>" (consistency problems quote it)
+std::string block_repr(const Block* b) {
+    return "<Block " + hex(b->addr) + "+" + std::to_string(b->size) + (b->allocated ? " allocated" : " free") +
+           " stream=" + std::to_string(b->stream) + ">";
+}
+}  // namespace
+
+// AllocatorPolicy.segment_nbytes (nbytes: the rounded request, at most the device's total)
+std::uint64_t Engine::segment_nbytes(bool small, std::uint64_t nbytes) const {
+    constexpr std::uint64_t kMiB = std::uint64_t{1} << 20;
+    if (cfg_.segment_rule == SegmentRule::kExact) return nbytes;
+    if (small && cfg_.separate_small_pool && nbytes <= cfg_.small_segment_nbytes) return cfg_.small_segment_nbytes;
+    if (cfg_.segment_rule == SegmentRule::kPytorch) return nbytes < 10 * kMiB ? 20 * kMiB : (nbytes + 2 * kMiB - 1) / (2 * kMiB) * (2 * kMiB);
+    return (nbytes + g_ - 1) / g_ * g_;
+}
+
+// SegmentBacking.new_segment
+VSeg* Engine::new_segment(bool small, std::uint64_t stream, std::uint64_t nbytes) {
+    const std::uint64_t seg_nbytes = segment_nbytes(small, nbytes);
+    check_limit(seg_nbytes, nbytes);
+    const std::uint64_t step = (seg_nbytes + g_ - 1) / g_ * g_;   // align_up(seg_nbytes, granularity)
+    if (cfg_.segments_top_down && step > order_low_)   // Python's int goes below 0; the engine's key would wrap
+        throw EngineError(EngineErrorKind::kInternal, "segments_top_down: 2**62 B of segments made, the order keys ran out");
+    const std::uint64_t ptr = backend_.segment_malloc(seg_nbytes);
+    ++device_calls_;
+    std::unique_ptr<VSeg> seg(new VSeg(ptr, seg_nbytes, small, stream, VSeg::Malloced{}));
+    if (cfg_.segments_top_down) {   // Note [Segments top-down] in policy.py
+        order_low_ -= step;
+        seg->order = order_low_;
+    }
+    msegs_.push_back(std::move(seg));
+    reserved_nbytes_ += seg_nbytes;
+    ++n_segments_;
+    return msegs_.back().get();
+}
+
+// PythonEngine._grow_once, segment mode: a new malloc'd segment tiled by one block
+Block* Engine::grow_segment(bool small, std::uint64_t stream, std::uint64_t size) {
+    VSeg* seg = new_segment(small, stream, size);
+    Block* b = new_block(seg->base, seg->nbytes, stream, seg);
+    append_block(seg, b);
+    return b;
+}
+
+// SegmentBacking.release_cached (with PythonEngine._drop_blocks)
+std::uint64_t Engine::segments_release_cached(bool wait) {
+    std::uint64_t released = 0;
+    std::vector<VSeg*> order;   // list(self.segments.items())
+    order.reserve(msegs_.size());
+    for (auto& up : msegs_) order.push_back(up.get());
+    for (VSeg* seg : order) {
+        if (seg->live) continue;   // holds live data, or blocks freed but waiting for other streams' events
+        if (seg->mdirty) {
+            seg->fence = fences_record(seg->mstream);   // covers the work of every block it held
+            seg->mdirty = false;
+        }
+        if (seg->fence && !fences_done(seg->mstream, seg->fence)) {
+            if (!wait) continue;
+            fences_wait(seg->mstream, seg->fence);
+        }
+        const std::uint64_t base = seg->base, nbytes = seg->nbytes;
+        backend_.segment_free(base);
+        ++device_calls_;
+        drop_blocks(seg);
+        for (auto it = msegs_.begin(); it != msegs_.end(); ++it)
+            if (it->get() == seg) {
+                msegs_.erase(it);   // no block names it any more
+                break;
+            }
+        reserved_nbytes_ -= nbytes;
+        --n_segments_;
+        released += nbytes;
+    }
+    return released;
+}
+
+// PythonEngine._drop_blocks: forget the blocks of a segment given back (all free, merged into one)
+void Engine::drop_blocks(VSeg* seg) {
+    Block* b = seg->last;
+    while (b) {
+        if (b->allocated || b->fences)
+            throw EngineError(EngineErrorKind::kInternal,
+                              "segment " + hex(seg->base) + " was given back with " + block_repr(b) + " in use");
+        Block* prev = b->prev;
+        fl_remove(free_list_of(b), b);
+        if (prev) prev->next = nullptr;
+        seg->last = prev;
+        recycle_block(b);
+        b = prev;
+    }
+    seg->last = nullptr;
+}
+
+// PythonEngine._segment_streams: the streams of the blocks tiling `seg` (and of their other-stream uses)
+void Engine::segment_streams(const VSeg* seg, std::set<std::uint64_t>& out) const {
+    out.insert(seg->mstream);
+    for (const Block* b = seg->last; b; b = b->prev) {
+        out.insert(b->stream);
+        if (b->pending_streams) out.insert(b->pending_streams->begin(), b->pending_streams->end());
+        if (b->fences)
+            for (auto& sn : *b->fences) out.insert(sn.first);
+    }
+}
+
+// SegmentBacking.close with PythonEngine.close's keep(): a segment a failed stream may still use is kept
+void Engine::segments_close(const std::vector<std::uint64_t>& failed) {
+    std::vector<VSeg*> order;
+    for (auto& up : msegs_) order.push_back(up.get());
+    for (VSeg* seg : order) {
+        if (!failed.empty()) {
+            std::set<std::uint64_t> streams;
+            segment_streams(seg, streams);
+            bool keep = false;
+            for (auto s : failed) keep = keep || streams.count(s) != 0;
+            if (keep) continue;
+        }
+        try {   // the allocator waited for the streams that used it
+            backend_.segment_free(seg->base);
+        } catch (...) {   // closing gives back what it can, keeps the rest
+            rethrow_if_fatal();   // Note [Only Exception is caught]
+            continue;
+        }
+        for (auto it = msegs_.begin(); it != msegs_.end(); ++it)
+            if (it->get() == seg) {
+                closed_msegs_.push_back(std::move(*it));
+                msegs_.erase(it);
+                break;
+            }
+        reserved_nbytes_ -= seg->nbytes;
+        --n_segments_;
+    }
+}
+
+bool Engine::in_some_segment(std::uint64_t ptr) const {
+    for (auto& up : msegs_)
+        if (up->base <= ptr && ptr - up->base < up->nbytes) return true;
+    return false;
+}
+
+// PythonEngine.consistency_problems in segment mode: SegmentBacking.consistency_problems (against the
+// device's allocations, when listed), _chain_problems per segment, then the engine's own checks
+void Engine::segments_consistency_problems(const Reservations* allocations, std::vector<std::string>& problems) {
+    std::uint64_t total = 0;
+    for (auto& up : msegs_) {
+        const VSeg* seg = up.get();
+        total += seg->nbytes;
+        if (!allocations) continue;
+        const std::pair<std::uint64_t, std::uint64_t>* found = nullptr;
+        for (auto& a : *allocations)
+            if (a.first == seg->base) found = &a;   // dict(): the last listed wins
+        if (!found || found->second != seg->nbytes)
+            problems.push_back("segment " + hex(seg->base) + "+" + std::to_string(seg->nbytes) +
+                               " is not a live device allocation of that size (device: " +
+                               (found ? std::to_string(found->second) : std::string("None")) + ")");
+    }
+    if (total != reserved_nbytes_)
+        problems.push_back("segments hold " + std::to_string(total) + " B but reserved_nbytes is " +
+                           std::to_string(reserved_nbytes_));
+    for (auto& up : msegs_) {   // _chain_problems
+        const VSeg* seg = up.get();
+        const Block* head = seg->last;
+        while (head && head->prev) head = head->prev;
+        std::uint64_t cursor = seg->base, live = 0;
+        const Block* prev = nullptr;
+        for (const Block* b = head; b; b = b->next) {
+            if (b->prev != prev || b->addr != cursor || b->size == 0 || b->seg != seg) {
+                problems.push_back("block chain broken at " + block_repr(b) + " (expected " + hex(cursor) + ")");
+                break;
+            }
+            if (b->allocated) ++live;
+            else if (b->fences || b->pending_streams) ++live;   // freed, waiting for other streams
+            else if (!b->in_list || b->in_list != free_list_get(seg->small && cfg_.separate_small_pool, b->stream))
+                problems.push_back("free block " + block_repr(b) + " is in no free list");
+            cursor = b->addr + b->size;
+            prev = b;
+        }
+        if (prev != seg->last) problems.push_back("segment " + hex(seg->base) + ": last block is not the end of the chain");
+        if (cursor != seg->base + seg->nbytes)
+            problems.push_back("blocks of segment " + hex(seg->base) + " end at " + hex(cursor) + ", expected " +
+                               hex(seg->base + seg->nbytes));
+        if (live != seg->live)
+            problems.push_back("segment " + hex(seg->base) + " counts " + std::to_string(seg->live) +
+                               " live blocks, its chain has " + std::to_string(live));
+    }
+    for (auto& fl : fl_order_)
+        for (const Block* b : fl->blocks)
+            if (b->allocated || b->stream != fl->stream || b->fences)
+                problems.push_back(block_repr(b) + " is in the free list of stream " + std::to_string(fl->stream) +
+                                   " but is not free there");
+    std::uint64_t live_nbytes = plan_live_nbytes();
+    live_.for_each([&](std::uint64_t addr, void* v) {
+        const Block* b = static_cast<const Block*>(v);
+        live_nbytes += b->size;
+        if (!b->allocated || b->addr != addr)
+            problems.push_back("live block " + block_repr(b) + " is not marked allocated at " + hex(addr));
+    });
+    if (live_nbytes != st_.allocated_nbytes)
+        problems.push_back("live blocks hold " + std::to_string(live_nbytes) + " B, allocated_nbytes is " +
+                           std::to_string(st_.allocated_nbytes));
+    for (const Block* b : pending_)
+        if (b->allocated || !b->fences || b->fences->empty())
+            problems.push_back("pending block " + block_repr(b) + " has no fences or is allocated");
+    if (st_.allocated_nbytes > reserved_nbytes_ + plan_mapped_nbytes_)
+        problems.push_back("reserved " + std::to_string(reserved_nbytes_ + plan_mapped_nbytes_) + " B < allocated " +
+                           std::to_string(st_.allocated_nbytes) + " B");
+}
+
 // -- python_engine.py: PythonEngine -------------------------------------------------------------------------
 void Engine::note_lost(const std::string& what) {
     lost_ = true;
@@ -2033,6 +2312,7 @@ void Engine::free_engine(std::uint64_t ptr) {
             const std::pair<std::uint64_t, std::uint64_t>* released = plan_released_arena(ptr);
             bool in_range = false;
             for (auto& seg : vsegs_) in_range = in_range || (seg->base <= ptr && ptr - seg->base < seg->nbytes);
+            in_range = in_range || in_some_segment(ptr);   // segment mode: the malloc'd segments
             if (released && !in_range)
                 throw EngineError(EngineErrorKind::kInvalidPointer,
                                   "free of " + hex(ptr) + ", which lies in a step plan's arena (at " +
@@ -2102,6 +2382,7 @@ Block* Engine::grow(bool small, std::uint64_t stream, std::uint64_t size, FreeLi
 
 // PythonEngine._grow_once (virtual memory)
 Block* Engine::grow_once(bool small, std::uint64_t stream, std::uint64_t size, FreeList* fl) {
+    if (cfg_.segments) return grow_segment(small, stream, size);
     VSeg* vseg = range_of(small);
     Block* tail = vseg->last;
     if (tail && tail->stream == stream && !tail->allocated && !tail->fences && tail->in_list == fl) {
@@ -2118,6 +2399,7 @@ Block* Engine::grow_once(bool small, std::uint64_t stream, std::uint64_t size, F
 
 // PythonEngine._release_cached
 std::uint64_t Engine::release_cached_all(bool wait) {
+    if (cfg_.segments) return segments_release_cached(wait);   // no range tops to lower
     std::uint64_t released = backing_release_cached(wait);
     for (auto& up : vsegs_) {
         VSeg* seg = up.get();
@@ -2135,6 +2417,11 @@ std::uint64_t Engine::release_cached_all(bool wait) {
 // PythonEngine._anything_to_wait_for
 bool Engine::anything_to_wait_for() {
     if (!pending_.empty()) return true;
+    if (cfg_.segments) {   // any(not seg.live for seg in backing.segments_list())
+        for (auto& up : msegs_)
+            if (!up->live) return true;
+        return false;
+    }
     if (!unmapped_.empty()) return true;
     for (auto& up : vsegs_) {
         Block* last = up->last;
@@ -2182,7 +2469,7 @@ Block* Engine::retry_after_release(bool small, std::uint64_t stream, std::uint64
         Caught caught;
         try {
             b = fl_best_fit(fl, size);
-            if (!b && reown_idle(stream, fl)) b = fl_best_fit(fl, size);
+            if (!b && !cfg_.segments && reown_idle(stream, fl)) b = fl_best_fit(fl, size);   // virtual memory only
             if (b) fl_remove(fl, b);
             else b = grow_once(small, stream, size, fl);
             b = split(b, size, small, fl);
@@ -2293,6 +2580,7 @@ EngineError Engine::oom_error(std::uint64_t nbytes, OomCause cause, void* cause_
     info.reserved_nbytes = reserved;
     info.limit_nbytes = cfg_.limit_nbytes;
     info.va_nbytes = va_nbytes_;
+    info.segment_mode = cfg_.segments;   // the binding adds segment_mode_vmm (the device's vmm_supported, now)
     info.plan_mapped_nbytes = plan_mapped_nbytes_;
     for (auto& a : arenas_)
         if (a->dropped) info.plan_dropped_nbytes += a->mapped_nbytes;
@@ -2395,6 +2683,7 @@ std::vector<std::uint64_t> Engine::streams_in_use() {
         if (up->top_fences)
             for (auto& sn : *up->top_fences) streams.insert(sn.first);
     }
+    for (auto& up : msegs_) segment_streams(up.get(), streams);
     for (auto& q : fq_order_) streams.insert(q.stream);
     return std::vector<std::uint64_t>(streams.begin(), streams.end());
 }
@@ -2429,7 +2718,8 @@ void Engine::close() {
         rethrow_if_fatal();   // Note [Only Exception is caught]
     }
     // a range is shared by all streams: any of them may still use it
-    backing_close(!failed.empty());
+    if (cfg_.segments) segments_close(failed);
+    else backing_close(!failed.empty());
     fences_close();
     live_.clear();
     pending_.clear();
@@ -2461,6 +2751,15 @@ EngineStats Engine::stats() {
     std::uint64_t largest = backing_largest_free_nbytes();
     std::uint64_t cap = total_free > 0 ? static_cast<std::uint64_t>(total_free) : 0;
     st.largest_free_nbytes = std::min(largest, cap);
+    if (cfg_.segments) {   // segment mode: the free lists' bytes; Backing.largest_free_nbytes (the largest free block)
+        std::uint64_t in_lists = 0, largest_block = 0;
+        for (auto& fl : fl_order_) {
+            in_lists += fl->nbytes;
+            if (!fl->blocks.empty()) largest_block = std::max(largest_block, (*fl->blocks.rbegin())->size);
+        }
+        st.inactive_split_nbytes = in_lists;
+        st.largest_free_nbytes = std::min(largest_block, cap);
+    }
     st.device_calls = device_calls_ + plan_arena_calls_;
     st.event_calls = n_records_ + n_queries_ + f_n_waits_ + n_destroys_;
     st.n_chunks = n_chunks_;
@@ -2533,6 +2832,11 @@ bool Engine::lost() {
 
 std::string Engine::describe() {
     Guard guard(*this, true);
+    if (cfg_.segments) {   // SegmentBacking.describe
+        static const char* const rules[] = {"granular", "pytorch", "exact"};
+        return "segments (" + std::to_string(n_segments_) + " live, rule=" +
+               rules[static_cast<int>(cfg_.segment_rule)] + ")";
+    }
     return "virtual memory (" + std::to_string(vsegs_.size()) + " range(s) of " + std::to_string(va_nbytes_ >> 30) +
            " GiB shared by all streams, " + std::to_string(n_chunks_) + " chunks (growth=" +
            (chunked_ ? "chunks" : "pages") + ") over " + std::to_string(reserved_nbytes_ >> 20) + " MiB, " +
@@ -2556,6 +2860,10 @@ std::vector<std::string> Engine::consistency_problems(const ListDevice& list_dev
     })
     const DeviceMaps* device_maps = list_device ? &maps : nullptr;
     const Reservations* reservations = have_res ? &res : nullptr;
+    if (cfg_.segments) {   // the second listing is the device's allocations (NativeEngine.consistency_problems)
+        segments_consistency_problems(reservations, problems);
+        return problems;
+    }
     std::uint64_t mapped = 0, mapped_nbytes = 0;
     std::int64_t live_pages = 0;
     for (auto& up : vsegs_) {

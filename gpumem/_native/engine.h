@@ -1,6 +1,7 @@
 // The native allocator engine: an exact C++ port of gpumem's pure-Python caching allocator in
 // virtual-memory mode (gpumem/allocator/python_engine.py over VirtualBacking of backing.py, with the
-// StreamFences of fences.py and the blocks and free lists of block.py).
+// StreamFences of fences.py and the blocks and free lists of block.py), and in segment mode (over
+// SegmentBacking: Note [Segment mode] in engine.cpp).
 //
 // Note [An exact port]: the engine makes the same decisions as the Python reference: the same
 // pointers, the same device calls with the same arguments in the same order, the same stats and
@@ -44,7 +45,15 @@ enum class GrowthRule : int {
     kChunks = 1,   // chunks of several pages, created within page_slack, moved whole (_map_runs)
 };
 
-// Policy knobs mirrored from gpumem.allocator.policy.AllocatorPolicy (virtual-memory mode only).
+// gpumem.allocator.policy.SegmentRule: how large a new malloc'd segment is (segment mode only;
+// AllocatorPolicy.segment_nbytes).
+enum class SegmentRule : int {
+    kGranular = 0,   // the request rounded up to the granularity
+    kPytorch = 1,    // small pool: small_segment_nbytes; large: 20 MiB under 10 MiB, else rounded to 2 MiB
+    kExact = 2,      // exactly the (rounded) request
+};
+
+// Policy knobs mirrored from gpumem.allocator.policy.AllocatorPolicy (the segment-mode ones at the end).
 struct EngineConfig {
     std::uint64_t round_nbytes = 512;
     std::uint64_t small_max_nbytes = 1u << 20;
@@ -63,6 +72,12 @@ struct EngineConfig {
     bool stream_ordered_steal = false;                  // growth=CHUNKS: steal a chunk busy on the same stream at once
     std::uint64_t limit_nbytes = 0;   // 0: no limit (Python: limit_nbytes None)
     double gc_threshold = 0.0;        // 0: none (Python: gc_threshold None)
+    // Segment mode (Note [Segment mode] in engine.cpp): malloc'd segments (SegmentBacking) instead of
+    // a virtual range per pool; the knobs below are read in that mode only.
+    bool segments = false;
+    SegmentRule segment_rule = SegmentRule::kGranular;
+    std::uint64_t small_segment_nbytes = std::uint64_t{2} << 20;
+    bool segments_top_down = false;
     // growth=PAGES, no steal: the page size of the small / large pool's range (Note [Pages of a pool's own
     // size] in engine.cpp); 0: the device granularity (Python: small_page_nbytes / large_page_nbytes None)
     std::uint64_t small_page_nbytes = 0;
@@ -164,6 +179,7 @@ struct OomInfo {
     std::uint64_t plan_dropped_nbytes = 0;
     std::uint64_t plan_live_nbytes = 0;
     void* cause_py_exc = nullptr;         // the device's exception (Python backend), borrowed
+    bool segment_mode = false;            // raised in segment mode (_oom_error's segment_mode_vmm is not None)
 };
 
 class EngineError : public std::runtime_error {
@@ -211,6 +227,7 @@ struct Block {
     std::unique_ptr<FenceMap> fences;                  // freed with pending streams
     BlockSet::node_type node;                          // reused set node: no allocation per add
     BlockSet::iterator where;                          // its place in in_list's set (valid while in_list)
+    std::uint64_t place = 0;   // the second half of its free-list key: addr, or its top-down place (fl_add)
 };
 
 struct FreeList {
@@ -333,6 +350,11 @@ class Engine {
     // Records a recorded step may hold before it is abandoned (plan.py StepPlan.set_record_limit, Note [When
     // marks stop]); the caller checked it is in [1, 2**40].
     void set_step_record_limit(std::uint64_t records);
+    // Note [One lock for a run of fast paths] (engine.cpp): the lock taken once for a run of try_allocate_fast
+    // and try_free_fast calls (the binding's run_ops, Note [A step's ops in one call] in op_table.h), which nest
+    // in it; the holder calls nothing else and runs no Python until release_for_fast_run().
+    void hold_for_fast_run();
+    void release_for_fast_run();
 
   private:
     struct Guard;
@@ -389,7 +411,7 @@ class Engine {
     void plan_give_back_idle_runs(PlanArena* arena);   // plan.py _give_back_idle_runs
     std::uint64_t plan_give_back_idle();   // plan.py give_back_idle (empty_cache)
     int plan_mark();   // plan.py StepPlan._mark
-    bool plan_step_hit() const { return !missed_ && !left_ && cursor_ == slot_off_.size(); }   // plan.py _step_hit
+    bool plan_step_hit() const { return !missed_ && !left_; }   // plan.py _step_hit (Note [A step that ends early])
     bool plan_drops(std::uint32_t bits) const;   // plan.py _drops
     bool plan_end_step();   // plan.py _end_step
     bool plan_restarts(std::uint64_t nbytes, std::uint64_t stream) const;   // plan.py _restarts
@@ -532,6 +554,7 @@ class Engine {
     std::mutex mutex_;
     std::atomic<std::thread::id> owner_{};   // the thread that holds mutex_, or none
     int depth_ = 0;                          // how many times owner_ took it (under mutex_)
+    bool fast_run_held_ = false;             // hold_for_fast_run() holds it (Note [One lock for a run of fast paths])
     std::uint64_t total_nbytes_ = 0, g_ = 0, va_nbytes_ = 0;
     std::int64_t small_max_ = -1;
 
@@ -621,6 +644,20 @@ class Engine {
     std::uint64_t plan_implicit_steps_ = 0;   // plan.py counts["implicit_steps"] (Note [An implicit step restart])
     std::uint64_t record_limit_ = std::uint64_t{1} << 14;   // plan.py record_limit (RECORD_LIMIT)
 
+    // -- segment mode: backing.py SegmentBacking (Note [Segment mode] in engine.cpp; same names) -----------
+    std::uint64_t segment_nbytes(bool small, std::uint64_t nbytes) const;   // AllocatorPolicy.segment_nbytes
+    detail::VSeg* new_segment(bool small, std::uint64_t stream, std::uint64_t nbytes);
+    detail::Block* grow_segment(bool small, std::uint64_t stream, std::uint64_t size);   // _grow_once, segments
+    std::uint64_t segments_release_cached(bool wait);   // SegmentBacking.release_cached
+    void drop_blocks(detail::VSeg* seg);                // PythonEngine._drop_blocks
+    void segments_close(const std::vector<std::uint64_t>& failed);   // SegmentBacking.close with close()'s keep
+    void segment_streams(const detail::VSeg* seg, std::set<std::uint64_t>& out) const;   // _segment_streams
+    bool in_some_segment(std::uint64_t ptr) const;     // any segment of segments_list() holds ptr
+    void segments_consistency_problems(const Reservations* allocations, std::vector<std::string>& problems);
+    std::vector<std::unique_ptr<detail::VSeg>> msegs_;          // SegmentBacking.segments, creation order
+    std::vector<std::unique_ptr<detail::VSeg>> closed_msegs_;   // given back by close(): kept for the blocks naming them
+    std::uint64_t order_low_ = std::uint64_t{1} << 62;          // SegmentBacking._order_low (_TOP_DOWN_START)
+    bool top_down_ = false;                                     // segments_top_down in segment mode
     // Pages of a pool's own size (Note [Pages of a pool's own size] in engine.cpp)
     bool custom_pages_ = false;                // VirtualBacking.custom_pages
     std::uint64_t page_nbytes_[2] = {0, 0};    // VirtualBacking.page_nbytes: [large, small] (the range's key)

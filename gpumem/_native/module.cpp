@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
+#include <exception>
 #include <new>
 #include <string>
 #include <tuple>
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "engine.h"
+#include "op_table.h"
 #include "pybackend.h"
 
 using gpumem::BackendError;
@@ -75,7 +77,13 @@ bool alive(AllocObject* self) {
     if (!alive(self)) return nullptr
 
 void* release_gil() { return PyEval_SaveThread(); }
-void reacquire_gil(void* token) { PyEval_RestoreThread(static_cast<PyThreadState*>(token)); }
+// Counts the waits for an engine's lock this thread made with the GIL released (reacquire_gil): other
+// threads may have run Python meanwhile (run_ops' device check).
+thread_local std::uint64_t run_ops_gil_waits = 0;
+void reacquire_gil(void* token) {
+    PyEval_RestoreThread(static_cast<PyThreadState*>(token));
+    ++run_ops_gil_waits;
+}
 
 PyObject* helper_attr(AllocObject* self, const char* name) {
     if (!self->helpers) {
@@ -140,7 +148,19 @@ void set_error(AllocObject* self, PyObject* huge_nbytes = nullptr) {
                 PyObject* cause = o.cause_py_exc ? static_cast<PyObject*>(o.cause_py_exc) : Py_None;
                 PyObject* req = huge_nbytes ? (Py_INCREF(huge_nbytes), huge_nbytes)
                                                   : PyLong_FromUnsignedLongLong(o.requested_nbytes);
-                PyObject* err = PyObject_CallFunction(fn, "iNKKKLKKKOOKKKK", static_cast<int>(o.cause), req,
+                // _oom_error's segment_mode_vmm: None in virtual memory, else the device's vmm_supported now
+                PyObject* seg_vmm = Py_None;
+                if (o.segment_mode) {
+                    seg_vmm = PyObject_GetAttrString(self->device, "vmm_supported");
+                    if (!seg_vmm) {
+                        Py_DECREF(fn);
+                        Py_DECREF(req);
+                        break;
+                    }
+                } else {
+                    Py_INCREF(seg_vmm);
+                }
+                PyObject* err = PyObject_CallFunction(fn, "iNKKKLKKKOOKKKKN", static_cast<int>(o.cause), req,
                                                       (unsigned long long)o.free_nbytes,
                                                       (unsigned long long)o.total_nbytes,
                                                       (unsigned long long)o.allocated_nbytes,
@@ -151,7 +171,7 @@ void set_error(AllocObject* self, PyObject* huge_nbytes = nullptr) {
                                                       self->spec ? self->spec : Py_None, self->round_nbytes,
                                                       (unsigned long long)o.plan_mapped_nbytes,
                                                       (unsigned long long)o.plan_dropped_nbytes,
-                                                      (unsigned long long)o.plan_live_nbytes);
+                                                      (unsigned long long)o.plan_live_nbytes, seg_vmm);
                 Py_DECREF(fn);
                 if (!err) break;
                 if (PyExceptionInstance_Check(err))   // Note [Helpers' results are checked]
@@ -298,9 +318,9 @@ struct PolicyField {
 #define NOT_READ(name) {#name, FieldKind::kNotRead, 0}
 const PolicyField kPolicyFields[] = {
     NOT_READ(name), NOT_READ(description),
-    NOT_READ(vmm),   // CachingAllocator runs the native engine only in virtual-memory mode
+    NOT_READ(vmm),   // CachingAllocator decides the mode (Allocator(..., segments=True): malloc'd segments)
     CFG(round_nbytes, kU64), CFG(small_max_nbytes, kU64), CFG(separate_small_pool, kBool),
-    NOT_READ(segment_rule), NOT_READ(small_segment_nbytes),   // segment mode only
+    NOT_READ(segment_rule), NOT_READ(small_segment_nbytes),   // segment mode only: read_segment_fields
     CFG(min_split_small_nbytes, kU64), CFG(min_split_large_nbytes, kU64), CFG(va_reserve_factor, kF64),
     CFG(steal_empty_pages, kBool), CFG(page_slack, kF64), CFG(page_slack_min_nbytes, kU64),
     CFG(growth, kGrowth), CFG(chunk_max_fraction, kF64),
@@ -401,17 +421,45 @@ bool read_policy_field(PyObject* helpers, PyObject* policy, const PolicyField& f
     return expected == nullptr;
 }
 
-// Allocator(device, helpers, policy=None, *, limit_nbytes=0, gc_threshold=0.0): `policy` has the
+// Segment mode's knobs (segment_rule, small_segment_nbytes, segments_top_down), which kPolicyFields marks
+// NOT_READ (the virtual-memory engine ignores them): read here when the allocator runs malloc'd segments.
+bool read_segment_fields(PyObject* helpers, PyObject* policy, EngineConfig& cfg) {
+    static const PolicyField size_field = {"small_segment_nbytes", FieldKind::kU64, offsetof(EngineConfig, small_segment_nbytes)};
+    static const PolicyField top_down_field = {"segments_top_down", FieldKind::kBool, offsetof(EngineConfig, segments_top_down)};
+    if (!read_policy_field(helpers, policy, size_field, cfg) || !read_policy_field(helpers, policy, top_down_field, cfg))
+        return false;
+    PyObject* v = PyObject_GetAttrString(policy, "segment_rule");   // SegmentRule, a str enum
+    if (!v) return false;
+    PyObject* value = PyObject_GetAttrString(v, "value");
+    if (!value) {
+        PyErr_Clear();
+        value = (Py_INCREF(v), v);
+    }
+    Py_DECREF(v);
+    static const char* const names[] = {"granular", "pytorch", "exact"};
+    bool found = false;
+    for (int i = 0; i < 3 && !found; ++i)
+        if (PyUnicode_Check(value) && PyUnicode_CompareWithASCIIString(value, names[i]) == 0) {
+            cfg.segment_rule = static_cast<gpumem::SegmentRule>(i);
+            found = true;
+        }
+    Py_DECREF(value);
+    if (!found) invalid_argument(helpers, "policy.segment_rule must be 'granular', 'pytorch' or 'exact'");
+    return found;
+}
+
+// Allocator(device, helpers, policy=None, *, limit_nbytes=0, gc_threshold=0.0, segments=False): `policy` has the
 // fields of AllocatorPolicy (Note [The policy and the stats from one table each]); None: the
 // engine's defaults.
 PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
-    static const char* kwlist[] = {"device", "helpers", "policy", "limit_nbytes", "gc_threshold", nullptr};
+    static const char* kwlist[] = {"device", "helpers", "policy", "limit_nbytes", "gc_threshold", "segments", nullptr};
     PyObject *device, *helpers, *policy = Py_None, *limit_obj = nullptr;
     EngineConfig cfg;
     unsigned long long limit = 0;
     double gc = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$Od", const_cast<char**>(kwlist), &device, &helpers, &policy,
-                                     &limit_obj, &gc))
+    int segments = 0;   // segment mode (Note [Segment mode] in engine.cpp)
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$Odp", const_cast<char**>(kwlist), &device, &helpers, &policy,
+                                     &limit_obj, &gc, &segments))
         return nullptr;
     if (limit_obj != nullptr) {   // checked: the "K" format wrapped 2**64 + 5 to a limit of 5 bytes
         if (PyLong_Check(limit_obj) && !PyBool_Check(limit_obj)) {
@@ -427,6 +475,8 @@ PyObject* Alloc_new(PyTypeObject* type, PyObject* args, PyObject* kwds) {
     if (policy != Py_None)
         for (const PolicyField& f : kPolicyFields)
             if (!read_policy_field(helpers, policy, f, cfg)) return nullptr;
+    cfg.segments = segments != 0;
+    if (cfg.segments && policy != Py_None && !read_segment_fields(helpers, policy, cfg)) return nullptr;
     // the floats go into the engine's arithmetic as they are: a NaN or an infinity (or a factor whose
     // reservation cannot be counted in 64 bits) would be undefined behaviour there
     const double factor = cfg.va_reserve_factor, slack = cfg.page_slack;
@@ -1126,6 +1176,271 @@ PyObject* Alloc_set_step_record_limit(AllocObject* self, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+// -- run_ops: a step's ops in one call (Note [A step's ops in one call] in op_table.h) ----------------------
+
+// A 1-D C-contiguous buffer of `itemsize`-byte signed ints (int8 also as uint8): true with `view` held;
+// false with InvalidArgumentError set and nothing held.
+bool ops_buffer(AllocObject* self, PyObject* o, const char* name, Py_ssize_t itemsize, Py_buffer* view) {
+    const char* want = itemsize == 1 ? "int8" : "int64";
+    if (PyObject_GetBuffer(o, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        char msg[200];
+        std::snprintf(msg, sizeof msg, "run_ops: %s must be a 1-D contiguous %s array, got a %.60s", name, want,
+                      Py_TYPE(o)->tp_name);
+        raise_kind(self, "INVALID_ARGUMENT", msg);
+        return false;
+    }
+    const char* f = view->format ? view->format : "B";
+    if (*f == '@' || *f == '=' || (PY_LITTLE_ENDIAN && *f == '<')) ++f;
+    bool ok = view->ndim == 1 && view->itemsize == itemsize && f[0] && !f[1] &&
+              (itemsize == 1 ? (f[0] == 'b' || f[0] == 'B') : (f[0] == 'q' || f[0] == 'l'));
+    if (!ok) {
+        char msg[200];
+        std::snprintf(msg, sizeof msg, "run_ops: %s must be a 1-D contiguous %s array, got format '%.20s', %zd-byte "
+                      "items, %d dimensions", name, want, view->format ? view->format : "B", view->itemsize,
+                      view->ndim);
+        PyBuffer_Release(view);
+        raise_kind(self, "INVALID_ARGUMENT", msg);
+        return false;
+    }
+    return true;
+}
+
+// run_ops(kinds, ids, nbytes, table, stream=0) -> number of ops (Note [A step's ops in one call] in
+// op_table.h): op q allocates nbytes[q] on `stream` and keeps the pointer under table[ids[q]] when
+// kinds[q] == 0 (a zero-byte request keeps 0 and calls nothing), and pops table[ids[q]] and frees it
+// when kinds[q] == 1 (nothing when it pops 0 or no entry), exactly as the Python loop
+//     for k, i, n in zip(kinds, ids, nbytes):
+//         if k == 0: table[i] = allocate(n, stream) if n else 0
+//         else:
+//             p = table.pop(i, 0)
+//             if p: free(p)
+// does with allocate() and free(): the same engine calls in the same order (the fast paths, then the
+// full operation where they step aside), the same slow paths (run_op: device.deferred_events(), the
+// deferred frees), the same errors. The fast paths run in runs under one lock (Note [One lock for a
+// run of fast paths] in engine.cpp), each slow path under a lock of its own, as allocate() and free()
+// run it. allocate()'s check that the device is not closed (Note [No memory from a closed device]) is
+// made before a run and again after any op that may have run Python (a slow path, or a wait for the
+// engine's lock that let other threads run: then the run stops after its first op): only Python code
+// closes a device, so the check sees what the loop's check before each allocation would. The first error stops the run and is raised
+// as allocate() or free() raises it; table.last_ops_done says how many ops completed before it (the
+// failed allocation keeps nothing in the table, the failed free's entry is gone: as in the loop). Bad
+// input (arrays of another type, length or shape, a kind not 0 or 1, the reserved id -2**63; called
+// from inside a device call) is an InvalidArgumentError (InternalError for the last) before any op runs.
+PyObject* Alloc_run_ops(AllocObject* self, PyObject* args, PyObject* kwds) {
+    CHECK_ALIVE(self);
+    static const char* kwlist[] = {"kinds", "ids", "nbytes", "table", "stream", nullptr};
+    PyObject *o_kinds, *o_ids, *o_nbytes, *o_table, *o_stream = nullptr;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|O:run_ops", const_cast<char**>(kwlist), &o_kinds, &o_ids,
+                                     &o_nbytes, &o_table, &o_stream))
+        return nullptr;
+    if (!gpumem_is_ptr_table(o_table)) {
+        char msg[160];
+        std::snprintf(msg, sizeof msg, "run_ops: table must be a gpumem._engine.PtrTable, got a %.60s",
+                      Py_TYPE(o_table)->tp_name);
+        raise_kind(self, "INVALID_ARGUMENT", msg);
+        return nullptr;
+    }
+    gpumem::PtrTableObject* table = reinterpret_cast<gpumem::PtrTableObject*>(o_table);
+    std::uint64_t stream = 0;
+    if (o_stream && !exact_u64(o_stream, &stream)) {
+        PyObject* s = call_int_helper(self, "check_stream", o_stream);
+        if (!s) return nullptr;
+        stream = PyLong_AsUnsignedLongLong(s);
+        bool bad = stream == static_cast<std::uint64_t>(-1) && PyErr_Occurred();
+        Py_DECREF(s);
+        if (bad) return nullptr;
+    }
+    Py_buffer vk, vi, vn;
+    if (!ops_buffer(self, o_kinds, "kinds", 1, &vk)) return nullptr;
+    if (!ops_buffer(self, o_ids, "ids", 8, &vi)) {
+        PyBuffer_Release(&vk);
+        return nullptr;
+    }
+    if (!ops_buffer(self, o_nbytes, "nbytes", 8, &vn)) {
+        PyBuffer_Release(&vk);
+        PyBuffer_Release(&vi);
+        return nullptr;
+    }
+    struct Release {
+        Py_buffer* v[3];
+        ~Release() {
+            for (Py_buffer* b : v) PyBuffer_Release(b);
+        }
+    } release{{&vk, &vi, &vn}};
+    const Py_ssize_t n = vk.shape[0];
+    const std::int8_t* kinds = static_cast<const std::int8_t*>(vk.buf);
+    const std::int64_t* ids = static_cast<const std::int64_t*>(vi.buf);
+    const std::int64_t* sizes = static_cast<const std::int64_t*>(vn.buf);
+    char msg[200];
+    if (vi.shape[0] != n || vn.shape[0] != n) {
+        std::snprintf(msg, sizeof msg, "run_ops: kinds, ids and nbytes must have one length, got %zd, %zd and %zd",
+                      n, vi.shape[0], vn.shape[0]);
+        raise_kind(self, "INVALID_ARGUMENT", msg);
+        return nullptr;
+    }
+    std::size_t n_allocs = 0;
+    for (Py_ssize_t q = 0; q < n; ++q) {
+        if ((kinds[q] != 0 && kinds[q] != 1) || ids[q] == gpumem::OpPtrMap::kEmpty) {
+            if (ids[q] == gpumem::OpPtrMap::kEmpty)
+                std::snprintf(msg, sizeof msg, "run_ops: op %zd names the id -2**63, which a PtrTable cannot hold", q);
+            else
+                std::snprintf(msg, sizeof msg, "run_ops: op %zd has kind %d (0: allocate, 1: free)", q, kinds[q]);
+            raise_kind(self, "INVALID_ARGUMENT", msg);
+            return nullptr;
+        }
+        n_allocs += kinds[q] == 0;
+    }
+    if (self->engine->held_by_this_thread()) {   // Note [A free from inside a device call is deferred]
+        raise_kind(self, "INTERNAL", "run_ops from inside one of this allocator's device calls");
+        return nullptr;
+    }
+    gpumem::OpPtrMap& map = *table->map;
+    try {
+        map.reserve_more(n_allocs);   // the allocations' entries need no growth below (may still: another thread)
+    } catch (const std::bad_alloc&) {
+        return PyErr_NoMemory();
+    }
+    table->last_ops_done = 0;
+    Engine& engine = *self->engine;
+    std::uint64_t waits = run_ops_gil_waits;
+    bool check_device = true;   // allocate()'s device check is due before the next allocation
+    Py_ssize_t q = 0;
+    bool failed = false;
+    while (q < n && !failed) {
+        if (!self->engine) {   // cleared by the collector during a slow path
+            alive(self);
+            failed = true;
+            break;
+        }
+        // the device check, made now for the run below (no Python runs in it: the device cannot close there)
+        waits = run_ops_gil_waits;
+        bool closed = false;
+        if (check_device) {
+            closed = device_closed(self);
+            check_device = false;
+        }
+        // a run of fast paths under one lock (Note [One lock for a run of fast paths] in engine.cpp), up to the
+        // first op that needs more: a slow path, an error, allocate()'s argument checks
+        try {
+            engine.hold_for_fast_run();
+        } catch (...) {
+            set_error(self);
+            self->backend->clear_errors();
+            failed = true;
+            break;
+        }
+        // a wait for the lock let other threads run Python (the device may have closed since the check): one op
+        // in this run, as the loop's op that waited, then the check again
+        const Py_ssize_t run_end = run_ops_gil_waits != waits ? q + 1 : n;
+        if (run_end != n) check_device = true;
+        enum class Stop { kNone, kSlowAlloc, kSlowFree, kArgs, kClosed, kError, kNoMemory } stop = Stop::kNone;
+        std::uint64_t p = 0;
+        std::exception_ptr err;
+        try {
+            for (; q < run_end; ++q) {
+                const std::int64_t id = ids[q];
+                if (kinds[q] == 0) {
+                    const std::int64_t nb = sizes[q];
+                    p = 0;
+                    if (nb < 0) {
+                        stop = Stop::kArgs;
+                        break;
+                    }
+                    if (nb > 0) {
+                        if (closed) {
+                            stop = Stop::kClosed;
+                            break;
+                        }
+                        p = engine.try_allocate_fast(static_cast<std::uint64_t>(nb), stream);
+                        if (!p) {
+                            stop = Stop::kSlowAlloc;
+                            break;
+                        }
+                    }
+                    map.put(id, p);   // room reserved above: no allocation
+                } else {
+                    if (!map.pop(id, &p) || !p) continue;
+                    if (!engine.try_free_fast(p)) {
+                        stop = Stop::kSlowFree;
+                        break;
+                    }
+                }
+            }
+        } catch (const std::bad_alloc&) {   // as set_error() turns it (or map.put's growth: a table filled meanwhile)
+            stop = Stop::kNoMemory;
+        } catch (...) {
+            stop = Stop::kError;
+            err = std::current_exception();
+        }
+        engine.release_for_fast_run();
+        switch (stop) {
+            case Stop::kNone:
+                continue;
+            case Stop::kNoMemory:
+                PyErr_NoMemory();
+                failed = true;
+                continue;
+            case Stop::kClosed:
+                closed_device_error(self);
+                failed = true;
+                continue;
+            case Stop::kError:   // the fast path's exception, raised as allocate() or free() raises it
+                try {
+                    std::rethrow_exception(err);
+                } catch (...) {
+                    set_error(self);
+                    self->backend->clear_errors();
+                }
+                failed = true;
+                continue;
+            default:
+                break;
+        }
+        failed = true;   // until the op below completes
+        check_device = true;
+        const std::int64_t id = ids[q];
+        if (stop == Stop::kSlowAlloc) {
+            const std::uint64_t nb = static_cast<std::uint64_t>(sizes[q]);
+            PyObject* r = run_op(self, [&]() { return PyLong_FromUnsignedLongLong(self->engine->allocate(nb, stream)); });
+            if (!r) continue;
+            p = PyLong_AsUnsignedLongLong(r);
+            Py_DECREF(r);
+        } else if (stop == Stop::kArgs) {   // allocate() raises its argument error (or takes what its checks return)
+            PyObject* o_nb = PyLong_FromLongLong(sizes[q]);
+            PyObject* st = o_nb ? PyLong_FromUnsignedLongLong(stream) : nullptr;
+            PyObject* call_args[2] = {o_nb, st};
+            PyObject* r = st ? Alloc_allocate(self, call_args, 2, nullptr) : nullptr;
+            Py_XDECREF(o_nb);
+            Py_XDECREF(st);
+            if (!r) continue;
+            p = PyLong_AsUnsignedLongLong(r);
+            Py_DECREF(r);
+            if (p == static_cast<std::uint64_t>(-1) && PyErr_Occurred()) continue;
+        } else if (stop == Stop::kSlowFree) {
+            PyObject* r = run_op(self, [&]() {
+                self->engine->free(p);
+                Py_RETURN_NONE;
+            });
+            if (!r) continue;
+            Py_DECREF(r);
+        }
+        if (stop != Stop::kSlowFree) {
+            try {
+                map.put(id, p);
+            } catch (const std::bad_alloc&) {
+                PyErr_NoMemory();
+                continue;
+            }
+        }
+        failed = false;
+        ++q;
+    }
+    table->last_ops_done = q;
+    if (failed) return nullptr;
+    return PyLong_FromSsize_t(n);
+}
+
 PyMethodDef Alloc_methods[] = {
     {"allocate", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Alloc_allocate)),
      METH_FASTCALL | METH_KEYWORDS, "allocate(nbytes, stream=0) -> device pointer"},
@@ -1159,6 +1474,8 @@ PyMethodDef Alloc_methods[] = {
     {"step_plan_info", reinterpret_cast<PyCFunction>(Alloc_step_plan_info), METH_NOARGS, "the plan layer's counters"},
     {"set_step_record_limit", reinterpret_cast<PyCFunction>(Alloc_set_step_record_limit), METH_VARARGS,
      "set_step_record_limit(records): records a recorded step may hold before it is abandoned"},
+    {"run_ops", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Alloc_run_ops)),
+     METH_VARARGS | METH_KEYWORDS, "run_ops(kinds, ids, nbytes, table, stream=0) -> ops run: a step's ops in one call"},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -1211,6 +1528,10 @@ PyMODINIT_FUNC PyInit__engine(void) {
         return nullptr;
     }
     if (gpumem_add_cuda_allocator(m) < 0) {
+        Py_DECREF(m);
+        return nullptr;
+    }
+    if (gpumem_add_ptr_table(m) < 0) {   // Note [A step's ops in one call] (op_table.h)
         Py_DECREF(m);
         return nullptr;
     }

@@ -42,7 +42,9 @@ PyDeviceBackend::PyDeviceBackend(PyObject* device, PyObject* oom_error_cls, PyOb
     n_total_nbytes_ = intern("total_nbytes");
     n_granularity_nbytes_ = intern("granularity_nbytes");
     n_vmm_supported_ = intern("vmm_supported");
-    ok_ = n_vmm_supported_ != nullptr;
+    n_malloc_ = intern("malloc");
+    n_free_ = intern("free");
+    ok_ = n_vmm_supported_ != nullptr && n_malloc_ != nullptr && n_free_ != nullptr;
 }
 
 PyDeviceBackend::~PyDeviceBackend() {
@@ -260,5 +262,17 @@ void PyDeviceBackend::stream_synchronize(StreamHandle stream) {
 }
 
 void PyDeviceBackend::synchronize() { call_void(n_synchronize_); }
+
+std::uint64_t PyDeviceBackend::segment_malloc(std::uint64_t nbytes) {
+    // as SegmentBacking.new_segment calls it: device.malloc(seg_nbytes)
+    PyObject* r = call(n_malloc_, u64(nbytes));
+    bool ok;
+    std::uint64_t ptr = as_u64(r, &ok);
+    Py_DECREF(r);
+    if (!ok) raise_current();
+    return ptr;
+}
+
+void PyDeviceBackend::segment_free(std::uint64_t ptr) { call_void(n_free_, u64(ptr)); }
 
 }  // namespace gpumem

@@ -47,6 +47,8 @@ class PyDeviceBackend : public Backend {
     void event_destroy(EventHandle event) override;
     void stream_synchronize(StreamHandle stream) override;
     void synchronize() override;
+    std::uint64_t segment_malloc(std::uint64_t nbytes) override;   // device.malloc(nbytes)
+    void segment_free(std::uint64_t ptr) override;                 // device.free(ptr)
 
     // Drops the exceptions kept for the calling thread's operation (GIL held).
     void clear_errors();
@@ -79,6 +81,7 @@ class PyDeviceBackend : public Backend {
         *n_mem_map_, *n_mem_set_access_, *n_mem_unmap_, *n_event_record_, *n_event_query_, *n_event_synchronize_,
         *n_event_destroy_, *n_stream_synchronize_, *n_synchronize_, *n_free_nbytes_, *n_total_nbytes_,
         *n_granularity_nbytes_, *n_vmm_supported_;
+    PyObject *n_malloc_ = nullptr, *n_free_ = nullptr;   // segment mode
 };
 
 }  // namespace gpumem

@@ -84,6 +84,14 @@ On: the native engine makes the reference's decisions (tests/allocator/test_nati
 white-box tests that read the Python engine's internals pin the reference (tests/allocator/conftest.py)."""
 
 
+NATIVE_SEGMENTS_BY_DEFAULT = False
+"""Whether ``engine=None`` picks the native engine in segment mode too (Note [Choosing the engine]).
+
+Off: the native engine runs ``malloc``'d segments exactly as the reference (Note [Segment mode] in
+``gpumem/_native/engine.cpp``), but reports and the replay read a segment allocator's Python backing
+(:attr:`CachingAllocator.backing`), which the native engine does not have; ``engine="native"`` asks for it."""
+
+
 class CachingAllocator(AllocatorContract):
     """A caching allocator over ``device`` under a named or custom :class:`AllocatorPolicy`.
 
@@ -95,12 +103,13 @@ class CachingAllocator(AllocatorContract):
     event for export as a trace or a PyTorch snapshot (:meth:`history`).
 
     ``engine``: which implementation runs it. ``None`` (the default) takes the native C++ engine
-    (``gpumem._engine``, built at install time where a C++ compiler exists) where it can run, that
-    is in virtual-memory mode (the ``gpumem`` and ``expandable`` policies on a device with VMM) without
-    ``record_history``, and the pure-Python reference engine otherwise (the ``bestfit``,
-    ``pytorch`` and ``cupy`` policies, devices without VMM, history recording). ``"python"``
-    forces the reference; ``"native"`` raises
-    :class:`~gpumem.errors.UnsupportedOperationError` where the native engine cannot run. Both make
+    (``gpumem._engine``, built at install time where a C++ compiler exists) in virtual-memory mode
+    (the ``gpumem`` and ``expandable`` policies on a device with VMM) without ``record_history``, and the
+    pure-Python reference engine otherwise (the ``bestfit``, ``pytorch`` and ``cupy`` policies, devices
+    without VMM, history recording). ``"python"`` forces the reference; ``"native"`` runs the native engine
+    in either mode (``malloc``'d segments too) and raises
+    :class:`~gpumem.errors.UnsupportedOperationError` where it cannot run (not built, history
+    recorded). Both make
     the same decisions (``tests/allocator/test_native_differential.py``); :attr:`engine` says
     which one runs.
     """
@@ -141,23 +150,23 @@ class CachingAllocator(AllocatorContract):
             self.free = self._engine.free  # type: ignore[method-assign]
 
     def _make_engine(self, engine: str | None, record_history: bool) -> Engine:
-        """Note [Choosing the engine]: the native engine is an exact port of the virtual-memory path
-        (``gpumem/_native/engine.h``), so it runs where that path runs and history is not recorded (the
-        recorder lives in Python); ``engine="python"`` forces the reference, ``engine="native"`` refuses
-        to fall back. The choice is made once, here: the allocator then only delegates to it."""
+        """Note [Choosing the engine]: the native engine is an exact port of both backings
+        (``gpumem/_native/engine.h``; segment mode: Note [Segment mode] in ``engine.cpp``), so it runs
+        where history is not recorded (the recorder lives in Python) and pages have one size;
+        ``engine="python"`` forces the reference, ``engine="native"`` refuses to fall back. ``None``
+        takes it in virtual-memory mode, and in segment mode only with :data:`NATIVE_SEGMENTS_BY_DEFAULT`.
+        The choice is made once, here: the allocator then only delegates to it."""
         if engine not in (None, "python", "native"):
             raise InvalidArgumentError(f"engine must be None, 'python' or 'native', got {engine!r}")
         why = None
         if engine != "python":
             if load_engine(warn=True) is None:
                 why = "the native engine (gpumem._engine) is not built"
-            elif not self.uses_vmm:
-                why = f"the native engine runs virtual-memory mode only, and {self.device.spec} runs without it"
             elif record_history:
                 why = "the native engine does not record history"
-            if why is None and (engine == "native" or NATIVE_BY_DEFAULT):
+            if why is None and (engine == "native" or (NATIVE_BY_DEFAULT and (self.uses_vmm or NATIVE_SEGMENTS_BY_DEFAULT))):
                 return NativeEngine(self.device, self.policy, limit_nbytes=self.limit_nbytes,
-                                    gc_threshold=self.gc_threshold)
+                                    gc_threshold=self.gc_threshold, uses_vmm=self.uses_vmm)
             if engine == "native":
                 raise UnsupportedOperationError(f"engine='native' is unavailable: {why}")
         return PythonEngine(self.device, self.policy, uses_vmm=self.uses_vmm, limit_nbytes=self.limit_nbytes,

@@ -44,7 +44,8 @@ OUT_OF_MEMORY = OutOfMemoryError
 
 
 class NativeEngine:
-    """The C++ engine (:class:`~.engine.Engine`) over ``device`` under ``policy``, virtual-memory mode.
+    """The C++ engine (:class:`~.engine.Engine`) over ``device`` under ``policy``: virtual-memory mode, or
+    ``malloc``'d segments when not ``uses_vmm`` (Note [Segment mode] in ``gpumem/_native/engine.cpp``).
 
     A thin shell: the extension object's methods are this engine's methods (bound here, so that
     ``allocate`` and ``free`` run with no Python frame); only the results that need Python objects
@@ -54,11 +55,14 @@ class NativeEngine:
     name = "native"
 
     def __init__(self, device: Device, policy: AllocatorPolicy, *, limit_nbytes: int | None,
-                 gc_threshold: float | None) -> None:
+                 gc_threshold: float | None, uses_vmm: bool = True) -> None:
         self.device = device
-        pool_page_nbytes(device, policy)  # a page that is not a multiple of the granularity: refused as in Python
+        self.uses_vmm = uses_vmm
+        if uses_vmm:  # a page that is not a multiple of the granularity: refused as in Python (VirtualBacking)
+            pool_page_nbytes(device, policy)
         self._ext = ext = native_module().Allocator(device, sys.modules[__name__], policy,
-                                                    limit_nbytes=limit_nbytes or 0, gc_threshold=gc_threshold or 0.0)
+                                                    limit_nbytes=limit_nbytes or 0, gc_threshold=gc_threshold or 0.0,
+                                                    segments=not uses_vmm)
         self.allocate = ext.allocate
         self.free = ext.free
         self.record_stream = ext.record_stream
@@ -73,6 +77,7 @@ class NativeEngine:
         self.step_template = ext.step_template
         self.step_plan_info = ext.step_plan_info
         self.reset_peak_stats = ext.reset_peak_stats
+        self.run_ops = ext.run_ops   # Note [A step's ops in one call] (gpumem/_native/op_table.h)
 
     def set_step_record_limit(self, records: int) -> None:
         """The engine's limit on a recorded step's records, checked as the Python engine checks it."""
@@ -98,6 +103,8 @@ class NativeEngine:
         def list_device() -> tuple[list[tuple[int, int, int]], list[tuple[int, int]] | None]:
             # called by the engine under its lock (Engine::consistency_problems), so that another
             # thread's allocation cannot change the mappings between the two views
+            if not self.uses_vmm:  # segment mode: the device's allocations (SegmentBacking.consistency_problems)
+                return [], list(device.allocation_ranges())
             reservations = list(device.reservation_ranges()) if hasattr(device, "reservation_ranges") else None
             return list(device.mapping_ranges()), reservations
 
@@ -143,9 +150,10 @@ def bad_pointer(op: str, ptr: int, closed: bool, lost: str | None) -> None:
 def oom_error(cause: int, nbytes: int, free_nbytes: int, total_nbytes: int, allocated_nbytes: int,
               cached_nbytes: int, reserved_nbytes: int, limit_nbytes: int, va_nbytes: int, cause_exc: object,
               device: str, round_nbytes: int, plan_mapped_nbytes: int = 0, plan_dropped_nbytes: int = 0,
-              plan_live_nbytes: int = 0) -> OutOfMemoryError:
+              plan_live_nbytes: int = 0, segment_mode_vmm: bool | None = None) -> OutOfMemoryError:
     """:func:`gpumem.allocator.engine.oom_error` from the numbers the engine passes (``OomInfo`` in
-    ``engine.h``; ``limit_nbytes`` 0: none; ``cause_exc``: the device's error, for ``DEVICE``)."""
+    ``engine.h``; ``limit_nbytes`` 0: none; ``cause_exc``: the device's error, for ``DEVICE``;
+    ``segment_mode_vmm``: None in virtual-memory mode, else the device's ``vmm_supported``)."""
     why = OomCause(cause)
     injected = why is OomCause.DEVICE and bool(getattr(cause_exc, "injected", False))
     return build_oom_error(why, nbytes, align_up(nbytes, round_nbytes), free_nbytes=free_nbytes,
@@ -153,4 +161,4 @@ def oom_error(cause: int, nbytes: int, free_nbytes: int, total_nbytes: int, allo
                            cached_nbytes=cached_nbytes, reserved_nbytes=reserved_nbytes,
                            limit_nbytes=limit_nbytes or None, va_nbytes=va_nbytes, injected=injected,
                            plan_mapped_nbytes=plan_mapped_nbytes, plan_dropped_nbytes=plan_dropped_nbytes,
-                           plan_live_nbytes=plan_live_nbytes)
+                           plan_live_nbytes=plan_live_nbytes, segment_mode_vmm=segment_mode_vmm)

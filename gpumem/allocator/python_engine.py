@@ -3,7 +3,7 @@
 It runs every policy: ``malloc``'d segments (:class:`~.backing.SegmentBacking`) or a virtual range
 per pool (:class:`~.backing.VirtualBacking`), history recording, pages of any size. The algorithm and
 the Notes that explain it are in :mod:`.caching`; the native engine (``gpumem/_native/engine.h``) is
-a port of this one's virtual-memory path and makes the same decisions
+a port of this one (both backings; history and pages of their own size per pool stay here) and makes the same decisions
 (``tests/allocator/test_native_differential.py``). Speed is the native engine's job: this one is
 written to be read.
 """

@@ -56,7 +56,7 @@ def cmd_devices(args: argparse.Namespace) -> int:
     if args.json:
         # Note [The engine in the JSON list]: the list stays a list of devices (what scripts parse);
         # each row says which engine gpumem's default policy would allocate on it with: the native
-        # engine runs virtual-memory mode only, so devices without VMM run on the Python engine. A CUDA row
+        # engine is the default in virtual-memory mode only, so devices without VMM run on the Python engine. A CUDA row
         # (vmm_supported None: unknown until a context exists) names the engine the allocator will try.
         print(json.dumps([{**r, "engine": "python" if r.get("vmm_supported") is False else which} for r in rows],
                          indent=2))

@@ -107,12 +107,14 @@ from typing import Any
 import numpy as np
 
 from ..allocator.backing import SegmentBacking, VirtualBacking
+from ..allocator.native import NativeEngine
 from ..allocator.policy import GrowthRule
 from ..allocator.python_engine import PythonEngine
 from ..errors import InternalError, OutOfMemoryError
+from ..native import native_module
 from .workload import DECODE_HEAD_STEPS
 
-__all__ = ["SinkGroup", "PlainSink", "SkippingSink", "can_skip_small_pool", "AllStopped", "StepTemplate",
+__all__ = ["SinkGroup", "PlainSink", "native_run_ops", "SkippingSink", "can_skip_small_pool", "AllStopped", "StepTemplate",
            "StepJumper", "build_template"]
 
 
@@ -148,14 +150,28 @@ def can_skip_small_pool(allocator: Any) -> bool:
             and pol.growth is GrowthRule.PAGES and not pol.stream_ordered_steal)
 
 
+def native_run_ops(allocator: Any) -> Any:
+    """The native engine's ``run_ops`` when ``allocator``'s ``allocate`` and ``free`` are the engine's own (no
+    override between them), else None (Note [A step's ops in one call] in ``gpumem/_native/op_table.h``)."""
+    eng = _engine_of(allocator)
+    if (isinstance(eng, NativeEngine) and getattr(allocator, "allocate", None) is eng.allocate
+            and getattr(allocator, "free", None) is eng.free):
+        return eng.run_ops
+    return None
+
+
 class PlainSink:
-    """Sends every op to ``allocator``; stops at its first out-of-memory error (Note [One stream, every policy])."""
+    """Sends every op to ``allocator``; stops at its first out-of-memory error (Note [One stream, every policy]).
+    Over the native engine, a step made from the template goes to the engine in one call (:meth:`run_step`)."""
 
     def __init__(self, allocator: Any) -> None:
         self.allocator = allocator
         self._allocate = allocator.allocate
         self._free = allocator.free
-        self.ptrs: dict[int, int] = {}
+        self._run_ops_native = native_run_ops(allocator)
+        self.ptrs: Any = native_module().PtrTable() if self._run_ops_native is not None else {}
+        """Op id -> the pointer its allocation got (0: a zero-byte one): a dict, or over the native engine the
+        engine's ``PtrTable`` (a dict of ints held in C++, which ``run_ops`` reads and writes)."""
         self.error: OutOfMemoryError | None = None
         self.skipped_ops = 0
         self.step = 0
@@ -195,7 +211,16 @@ class PlainSink:
             self.early_trouble = bool(st.num_alloc_retries or st.num_ooms)
 
     def run_step(self, t: int, tpl: "StepTemplate") -> None:
-        """Every op of decode step ``t`` made from ``tpl`` (Note [Decode step template])."""
+        """Every op of decode step ``t`` made from ``tpl`` (Note [Decode step template]); over the native engine in
+        one call, which makes the loop's calls and stops at the same error (Note [A step's ops in one call] in
+        ``gpumem/_native/op_table.h``)."""
+        if self._run_ops_native is not None:
+            try:
+                self._run_ops_native(tpl.kinds, tpl.op_ids(t), tpl.sizes(t), self.ptrs)
+            except OutOfMemoryError as exc:
+                self.error = exc
+                self._note_trouble()
+            return
         self._run_ops(tpl.kinds.tolist(), tpl.op_ids(t).tolist(), tpl.sizes(t).tolist())
 
     def _run_ops(self, kinds: list[int], ids: list[int], sizes: list[int]) -> None:

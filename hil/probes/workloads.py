@@ -119,6 +119,35 @@ def w_gpt2_train_bf16(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]
     return "GPT-2 small training, autocast bf16, AdamW, batch 8 x 512", _train_step(torch, model, loss_of, amp=True)
 
 
+def w_gpt2_train_fp16_scaler(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    """GPT-2 small under fp16 autocast with a ``GradScaler`` that doubles its scale after every good step
+    (``growth_interval=1``): every few steps the gradients overflow and ``scaler.step`` skips
+    ``optimizer.step()``, so an optimizer-marked step plan sees an iteration with no mark (Note [An implicit
+    step restart] in gpumem/allocator/plan.py). ``ctx["extra"]`` reports the skipped steps."""
+    model = _hf_causal(torch, "gpt2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
+                                  growth_interval=1)
+    model.train()
+    skipped: list[int] = []
+
+    def step(i: int) -> Any:
+        ids = torch.randint(0, 50257, (8, 512), device="cuda", generator=_gen(torch, i))
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()   # a sync per step, alike under both allocators
+        scaler.step(opt)
+        scaler.update()
+        if scaler.get_scale() < before:   # backed off: this step's optimizer.step() was skipped
+            skipped.append(i)
+        return loss.detach().float()
+    ctx["extra"] = lambda: {"scaler_skipped_steps": list(skipped)}
+    return ("GPT-2 small training, fp16 autocast, GradScaler growing every step (periodic skipped steps), "
+            "AdamW, batch 8 x 512", step)
+
+
 def w_resnet50_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
     import torchvision
 
@@ -345,6 +374,7 @@ WORKLOADS: dict[str, Callable[[Any, dict], tuple[str, Callable[[int], Any]]]] = 
     "vit_train": w_vit_train, "moe_train": w_moe_train, "llama_generate": w_llama_generate,
     "unet_train": w_unet_train, "gpt2_train_bf16": w_gpt2_train_bf16, "multistream_infer": w_multistream_infer,
     "cudagraph_train": w_cudagraph_train, "llama_long_decode": w_llama_long_decode,
+    "gpt2_train_fp16_scaler": w_gpt2_train_fp16_scaler,
 }
 
 
@@ -476,7 +506,8 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
     torch.manual_seed(0)
     torch.cuda.manual_seed_all(0)
     torch.backends.cudnn.benchmark = False
-    description, step = WORKLOADS[workload](torch, {"record_stream": record_stream})
+    ctx: dict[str, Any] = {"record_stream": record_stream}
+    description, step = WORKLOADS[workload](torch, ctx)
     losses = []
     t_start = time.perf_counter()
     mark = gt.step if plan_steps and allocator == "gpumem" else None
@@ -499,6 +530,8 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
                               # the trace knows every record_stream the program made: gpumem's recorder
                               # records them, and PyTorch's runs log them beside the snapshot
                               "stream_uses_recorded": True}
+    if "extra" in ctx:   # what the workload itself reports (e.g. the steps a GradScaler skipped)
+        record.update(ctx["extra"]())
     if allocator == "gpumem":
         gt.stop_trace()
         st = gt.memory_stats(0)

@@ -34,8 +34,9 @@ if load_engine() is None:  # pragma: no cover - the engine is optional
 
 RECORDED = ("mem_info", "address_reserve", "address_free", "mem_create", "mem_release", "mem_map",
             "mem_set_access", "mem_unmap", "event_record", "event_query", "event_synchronize", "event_destroy",
-            "stream_synchronize", "synchronize")
-"""The device calls an allocator makes in virtual-memory mode (``properties()`` is static, not recorded)."""
+            "stream_synchronize", "synchronize", "malloc", "free")
+"""The device calls an allocator makes in virtual-memory mode, and ``malloc``/``free`` in segment mode
+(``properties()`` is static, not recorded)."""
 
 _BASE = get_policy("gpumem")
 POLICIES = [
@@ -75,6 +76,20 @@ EXPANDABLE = get_policy("expandable")
 PAGE_SIZES = st.sampled_from([None, 2 * MiB, 4 * MiB, 6 * MiB, 10 * MiB, 14 * MiB, 20 * MiB, 64 * MiB])
 """Page sizes of a pool (multiples of the 2 MiB granularity; None: the granularity) for the ``custom-pages``
 policies."""
+
+SEGMENT_POLICIES = [
+    get_policy("pytorch"),
+    get_policy("bestfit"),
+    get_policy("cupy"),
+    dataclasses.replace(get_policy("pytorch"), name="pytorch-address-order", segments_top_down=False),
+    dataclasses.replace(get_policy("bestfit"), name="bestfit-top-down", segments_top_down=True, round_nbytes=4096),
+    dataclasses.replace(get_policy("pytorch"), name="pytorch-one-pool", separate_small_pool=False),
+    dataclasses.replace(get_policy("pytorch"), name="pytorch-small-segments", small_segment_nbytes=1 * MiB,
+                        small_max_nbytes=256 * KiB, min_split_small_nbytes=4096),
+    dataclasses.replace(get_policy("cupy"), name="cupy-top-down", segments_top_down=True),
+]
+"""Segment-mode policies (``malloc``'d segments, Note [Segment mode] in ``gpumem/_native/engine.cpp``): the
+named ones and variants of every segment knob (rule, small segments, top-down order, one pool)."""
 
 TRACES_DIR = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "data", "traces")
 
@@ -303,7 +318,9 @@ class Differential(RuleBasedStateMachine):
     @rule()
     def double_free(self):
         ptr = self.freed[-1]
-        assume(ptr not in self.live)
+        # a step's allocation may have taken the address again: freeing it would succeed and leave its
+        # entry in step_live, which a later step frees while the address is someone else's
+        assume(ptr not in self.live and all(e[0] != ptr for e in getattr(self, "step_live", ())))
         self.pair.both("free", ptr)
 
     @precondition(lambda self: self.live)
@@ -490,11 +507,14 @@ def test_engine_attribute_and_forcing():
     assert CachingAllocator(dev, engine="python").engine == "python"
     assert CachingAllocator(dev, engine="native").engine == "native"
     nano = sim.SimDevice(small_profile(384, vmm=False))
-    assert CachingAllocator(nano).engine == "python"  # no virtual memory: the reference runs
+    assert CachingAllocator(nano).engine == "python"  # segment mode: the reference by default (NATIVE_SEGMENTS_BY_DEFAULT)
+    assert CachingAllocator(dev, "pytorch").engine == "python"
+    assert CachingAllocator(nano, engine="native").engine == "native"  # segment mode runs natively when asked
+    assert CachingAllocator(dev, "pytorch", engine="native").engine == "native"
     from gpumem.errors import InvalidArgumentError, UnsupportedOperationError
 
-    with pytest.raises(UnsupportedOperationError):
-        CachingAllocator(nano, engine="native")
+    with pytest.raises(UnsupportedOperationError, match="does not record history"):
+        CachingAllocator(nano, engine="native", record_history=True)
     with pytest.raises(InvalidArgumentError):
         CachingAllocator(dev, engine="fast")
 
@@ -666,15 +686,17 @@ def test_device_lost_met_by_check_consistency_is_remembered_the_same():
     pair.both("close")
 
 
+@pytest.mark.parametrize("policy", ["gpumem", "pytorch"])
 @pytest.mark.parametrize("engine", ["python", "native"])
-def test_check_consistency_while_other_threads_allocate(engine):
-    """check_consistency lists the device's mappings under the allocator's lock: another thread's
-    growth or release between the engine's view and the device's is never a disagreement."""
+def test_check_consistency_while_other_threads_allocate(engine, policy):
+    """check_consistency lists the device's mappings (segment mode: its allocations) under the allocator's
+    lock: another thread's growth or release between the engine's view and the device's is never a
+    disagreement."""
     import sys
     import threading
 
     dev = sim.SimDevice(small_profile(384))
-    alloc = CachingAllocator(dev, engine=engine)
+    alloc = CachingAllocator(dev, policy, engine=engine)
     stop = threading.Event()
     errors: list[BaseException] = []
     rounds = [0, 0]
@@ -1068,3 +1090,127 @@ def test_a_trace_with_stream_uses_replays_identically_behind_the_gpu():
         assert runs[0][0] == runs[1][0], "peaks differ"
         assert runs[0][1] == runs[1][1], "stats differ"
         assert runs[0][2] == runs[1][2], "device calls differ"
+
+
+# -- segment mode (Note [Segment mode] in gpumem/_native/engine.cpp) ---------------------------------------
+SEGMENT_FAULT_CALLS = ("malloc", "free", "event_record", "event_query", "event_synchronize", "event_destroy",
+                       "mem_create", "mem_map", "address_reserve")
+"""Segment mode's own device calls, and the step plans' (their arenas are virtual memory in both modes)."""
+
+
+class SegmentDifferential(Differential):
+    """:class:`Differential`'s random programs (every rule: streams, record_stream, faults, step plans...)
+    under the segment policies, on a card with virtual memory and on one without."""
+
+    @initialize(big=st.booleans(), vmm=st.booleans(), seed=st.integers(0, 2**16),
+                rate=st.sampled_from([0.0, 0.0, 0.05, 0.2]),
+                calls=st.sets(st.sampled_from(SEGMENT_FAULT_CALLS), min_size=1, max_size=4),
+                limit=st.sampled_from([None, None, 200 * MiB]), gc=st.sampled_from([None, None, 0.5]),
+                policy=st.sampled_from(SEGMENT_POLICIES))
+    def setup(self, big, vmm, seed, rate, calls, limit, gc, policy):
+        plan = sim.FaultPlan(call_failure_rates={c: rate for c in calls}) if rate else sim.FaultPlan()
+        if big:
+            def make():
+                return sim.SimDevice(sim.get_profile("h200-141gb"), faults=plan, seed=seed)
+        else:
+            def make():
+                return sim.SimDevice(small_profile(384, vmm=vmm), faults=plan, seed=seed)
+        self.pair = Pair(make, policy=policy, limit=limit if not big else None, gc_threshold=gc)
+        self.live: list[int] = []
+        self.freed: list[int] = []
+        event(f"policy {policy.name}")
+
+
+SegmentDifferential.TestCase.settings = settings(max_examples=int(os.environ.get("GPUMEM_DIFF_EXAMPLES", "60")),
+                                                 stateful_step_count=60, deadline=None,
+                                                 phases=[Phase.explicit, Phase.reuse, Phase.generate])
+TestSegmentDifferential = SegmentDifferential.TestCase
+
+
+@pytest.mark.parametrize("policy", SEGMENT_POLICIES, ids=[p.name for p in SEGMENT_POLICIES])
+def test_segment_mode_runs_natively_and_decides_the_same(policy):
+    """A fixed program over two streams with a limit: growth, splits, cross-stream frees, the
+    out-of-memory retry that frees cached segments, and the final OOM with its segment-mode hint."""
+    pair = Pair(lambda: sim.SimDevice(small_profile(384)), policy=policy, limit=120 * MiB)
+    assert pair.allocs[1].engine == "native" and not pair.allocs[1].uses_vmm
+    live = []
+    for i, size in enumerate([1000, 700 * KiB, 3 * MiB, 5 * MiB + 3, 2 * MiB, 30 * MiB, 600, 9 * MiB, 1 * MiB + 1]):
+        live.append(pair.both("allocate", size, 7 if i % 3 == 2 else 0)[1])
+    pair.both("record_stream", live[2], 0)
+    pair.on_devices(lambda d: d.launch(0, 1e-2, touches=[(live[2], 4096)]))
+    for p in live[::2]:
+        pair.both("free", p)
+    pair.both("check_consistency")
+    r = pair.both("allocate", 100 * MiB, 0)  # past the limit with cached segments: release, retry, maybe OOM
+    if r[0] == "raised":
+        assert r[1] == "OutOfMemoryError"
+    pair.both("allocate", 500 * MiB, 0)  # larger than the limit: refused at once
+    pair.both("check_consistency")
+    pair.both("empty_cache")
+    summaries = [a.memory_summary().replace(f"; {a.engine} engine", "") for a in pair.allocs]
+    assert summaries[0] == summaries[1] and f"rule={policy.segment_rule.value})" in summaries[0]
+    pair.both("close")
+
+
+def test_segments_top_down_orders_equal_sizes_newest_segment_first():
+    """Note [Segments top-down]: among free blocks of one size, best fit takes the newest segment's, in
+    both engines (the native free lists key blocks by their top-down place)."""
+    for policy in (get_policy("pytorch"), dataclasses.replace(get_policy("pytorch"), segments_top_down=False)):
+        pair = Pair(lambda: sim.SimDevice(small_profile(384)), policy=policy)
+        a = pair.both("allocate", 12 * MiB, 0)[1]
+        b = pair.both("allocate", 12 * MiB, 0)[1]
+        pair.both("free", a)
+        pair.both("free", b)
+        again = pair.both("allocate", 12 * MiB, 0)[1]
+        assert again == (b if policy.segments_top_down else a)
+        pair.both("close")
+
+
+@pytest.mark.parametrize("exc", [InjectedError, InjectedInterrupt, InjectedExit])
+def test_failing_malloc_and_free_in_segment_mode_leave_the_same_state(exc):
+    """Every device call of a growth that releases cached segments first (gc_threshold) and of
+    empty_cache raises in turn: the same outcome and state in both engines."""
+
+    def setup(pair):
+        a = pair.both("allocate", 5 * MiB, 0)[1]
+        pair.both("allocate", 1 * MiB, 7)
+        pair.both("free", a)
+
+    for op, args in (("allocate", (40 * MiB, 0)), ("empty_cache", ())):
+        complete = 0
+        for k in range(1, 20):
+            pair = Pair(lambda: sim.SimDevice(small_profile(384)), policy=get_policy("pytorch"), gc_threshold=0.01)
+            setup(pair)
+            pair.both_failing({k: exc}, op, *args)
+            fired = pair.logs[0].fired
+            assert fired == pair.logs[1].fired
+            pair.both("check_consistency")
+            pair.both("allocate", 3 * MiB, 0)
+            pair.both("empty_cache")
+            pair.both("close")
+            if not fired:
+                break
+            complete += 1
+        assert complete >= 2, (op, complete)
+
+
+@pytest.mark.parametrize("policy", [get_policy("pytorch"), get_policy("bestfit")], ids=["pytorch", "bestfit"])
+def test_segment_mode_oom_messages_are_the_same(policy):
+    """The out-of-memory error of segment mode says whether the device has virtual memory (the hint to
+    use a policy with it), in both engines, on a card with it and on one without."""
+    for vmm in (True, False):
+        pair = Pair(lambda: sim.SimDevice(small_profile(384, vmm=vmm)), policy=policy)
+        kept = [pair.both("allocate", 60 * MiB, 0)[1] for _ in range(4)]
+        pair.both("free", kept[1])
+        r = pair.both("allocate", 200 * MiB, 0)
+        assert r[:2] == ("raised", "OutOfMemoryError"), r
+        pair.both("close")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", [get_policy("pytorch"), get_policy("bestfit")], ids=["pytorch", "bestfit"])
+@pytest.mark.parametrize("limit_fraction", [None, 0.5])
+@pytest.mark.parametrize("name", _traces())
+def test_trace_replays_identically_in_segment_mode(name, limit_fraction, policy):
+    """Whole real traces under the segment policies, with and without a limit of half the peak."""
+    test_trace_replays_identically(name, limit_fraction, policy)

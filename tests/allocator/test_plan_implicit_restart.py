@@ -139,3 +139,46 @@ def test_a_restart_that_would_drop_the_plan_is_not_made(engine, first_missed):
         assert info.implicit_steps == 1 and r == MarkResult.NOTHING and info.plans_dropped == 0
         assert info.steps_missed == missed + 1   # the restarted one's predecessor; the restarted step hit
     alloc.check_consistency()
+
+
+class ShortSteps(MarksAfter):
+    """Steps that may stop after their first ``made`` allocations (GradScaler skipping the update: none of the
+    optimizer's temporaries) while every block made is freed where a full step frees it: the clock ticks on."""
+
+    def short_step(self, made: int) -> MarkResult:
+        for j, (size, stream, life) in enumerate(LOOP):
+            self.free_due()
+            self.clock += 1
+            if j < made:
+                ptr = self.alloc.allocate(size, stream)
+                self.live.append([ptr, size, self.clock + life])
+        return self.alloc.mark_step()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_marked_step_that_ends_early_on_its_slots_is_a_hit_and_keeps_the_plan(engine):
+    """Note [A step that ends early]: every other step stops after 3 of LOOP's 7 allocations, each on its slot.
+    Counted missed (before), four of eight dropped the plan and its neighbours were served beside the arena."""
+    alloc, full = make(engine), make(engine)
+    loop, ref = ShortSteps(alloc), ShortSteps(full)
+    for i in range(24):
+        loop.short_step(3) if i >= 6 and i % 2 else loop.step()
+        ref.step()
+    info = alloc.step_plan_info()
+    assert info.state == StepState.PLANNED and info.plans_installed == 1 and info.plans_dropped == 0
+    assert info.steps_missed == 0 and info.fallback == 0 and info.implicit_steps == 0
+    assert alloc.stats.peak_reserved_nbytes == full.stats.peak_reserved_nbytes
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_short_step_that_is_not_the_templates_prefix_still_leaves_the_plan(engine):
+    """A step whose third allocation is not its slot's size leaves the plan (a miss) however short it is."""
+    alloc = make(engine)
+    loop = MarksAfter(alloc)
+    for _ in range(4):
+        loop.step()
+    before = alloc.step_plan_info()
+    loop.step(pattern=LOOP[:2] + [(64 * MiB, 0, 1)])
+    info = alloc.step_plan_info()
+    assert info.steps_missed == before.steps_missed + 1 and info.steps_hit == before.steps_hit

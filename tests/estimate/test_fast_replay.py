@@ -227,3 +227,45 @@ def test_a_stream_stopped_in_the_prefill_is_kept_and_matches_the_full_path():
     full = replay_inference(shape, 2, POLICIES, DEVICE, full_replay=True, limit=limit,
                             **{k: kw[k] for k in ("batch_size", "prompt_len", "new_tokens")})
     assert got == full
+
+
+def test_a_plain_sink_over_the_native_engine_sends_template_steps_in_one_call_with_the_loops_figures():
+    """Note [A step's ops in one call] (``gpumem/_native/op_table.h``): a :class:`PlainSink` over the native engine
+    sends each step made from the template through ``run_ops``; the same sink with its Python loop ends with the
+    same stats, live blocks, pointers and error, also when it runs out of memory in the middle of a step."""
+    from gpumem.estimate.fastreplay import AllStopped, native_run_ops
+    from gpumem.native import load_engine
+
+    if load_engine() is None:  # pragma: no cover - the engine is optional
+        pytest.skip("the native engine (gpumem._engine) is not built")
+    shape = ModelShape(256, 344, 2, 500, 4, 4)  # batch 8, a 10-token prompt: the decode steps make the peak
+
+    def run(limit):
+        devs = [open_device(DEVICE), open_device(DEVICE)]
+        allocs = [make_allocator(d, "gpumem", limit=limit) for d in devs]
+        batched, looped = PlainSink(allocs[0]), PlainSink(allocs[1])
+        assert native_run_ops(allocs[0]) is not None and batched._run_ops_native is not None
+        looped._run_ops_native, looped.ptrs = None, {}  # the Python loop
+        jumper = StepJumper(SinkGroup([batched, looped]), lambda step: None, 299)
+        try:
+            stream_inference(shape, 2, (jumper,), batch_size=8, prompt_len=10, new_tokens=300,
+                             on_step=jumper.end_step, jump=jumper.jump)
+        except AllStopped:
+            pass
+        assert jumper.template is not None or 0 <= batched.error_step <= 4
+        assert type(batched.error) is type(looped.error) and str(batched.error) == str(looped.error)
+        assert (batched.error_step, batched.early_trouble, batched.needs_prefix_trace) == \
+            (looped.error_step, looped.early_trouble, looped.needs_prefix_trace)
+        assert allocs[0].snapshot_stats() == allocs[1].snapshot_stats()
+        assert sorted(allocs[0].live_blocks()) == sorted(allocs[1].live_blocks())
+        assert sorted(batched.ptrs.items()) == sorted(looped.ptrs.items())
+        for d in devs:
+            d.close()
+        return batched, allocs[0].snapshot_stats().peak_reserved_nbytes
+
+    full, peak = run(None)
+    assert full.error is None
+    steps = [run(int(peak * share))[0].error_step for share in (0.8, 0.9, 0.5)]
+    assert any(s > 4 for s in steps), steps  # one ran out of memory in a step made from the template
+    assert all(s != -1 for s in steps[::2])
+    assert isinstance(full.ptrs, load_engine().PtrTable)

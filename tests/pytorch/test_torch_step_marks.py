@@ -43,11 +43,25 @@ class FakeTorch(ModuleType):
         self.optim = SimpleNamespace(optimizer=optimizer)
         self.cuda = SimpleNamespace(is_initialized=lambda: True, is_current_stream_capturing=lambda: self.capturing,
                                     current_device=lambda: 0)
+        self.amp = SimpleNamespace(GradScaler=FakeGradScaler)
 
     def _register(self, hook):
         self.hooks.append(hook)
         hooks = self.hooks
         return SimpleNamespace(remove=lambda: hooks.remove(hook) if hook in hooks else None)
+
+
+class FakeGradScaler:
+    """``torch.amp.GradScaler`` as the marks see it: ``step(optimizer)`` calls ``optimizer.step()`` unless the
+    gradients held inf or NaN (``found_inf``), as PyTorch's does."""
+
+    def __init__(self) -> None:
+        self.found_inf = False
+
+    def step(self, optimizer, *args, **kwargs):
+        if not self.found_inf:
+            return optimizer.step(*args, **kwargs)
+        return None
 
 
 class FakeOptimizer:
@@ -331,6 +345,116 @@ def test_skipped_steps_that_allocate_less_miss_and_three_in_a_row_drop_the_plan(
     alloc.check_consistency()
 
 
+class ScaledLoop(TrainLoop):
+    """:class:`TrainLoop` whose iterations may skip their last allocations (the optimizer's temporaries: a step
+    GradScaler skips makes none) while every other block is freed where it is in a full iteration: the clock
+    still ticks at a skipped allocation, as a real program frees at the same places whether the update ran."""
+
+    def allocations(self, made: int | None = None) -> None:
+        for pos, (size, stream, life) in enumerate(self.PATTERN):
+            for e in [e for e in self.live if e[1] <= self.clock]:
+                self.alloc.free(e[0])
+                self.live.remove(e)
+            self.clock += 1
+            if made is None or pos < made:
+                self.live.append([self.alloc.allocate(size, stream), self.clock + life])
+
+
+def run_scaled(alloc: CachingAllocator, fake_torch: FakeTorch, skipped: set[int], steps: int = 24,
+               skipped_allocations: int = 2):
+    """``scaler.step(opt)`` every iteration, the optimizer's step skipped in ``skipped``, which make only their
+    first ``skipped_allocations`` allocations (:class:`ScaledLoop`)."""
+    loop, opt, scaler = ScaledLoop(alloc), FakeOptimizer(fake_torch), fake_torch.amp.GradScaler()
+    for i in range(steps):
+        loop.allocations(skipped_allocations if i in skipped else None)
+        scaler.found_inf = i in skipped
+        scaler.step(opt)
+    return gt.step_plan_info(0), alloc.stats.peak_reserved_nbytes
+
+
+def test_a_step_gradscaler_skips_is_marked_and_its_short_iteration_stays_on_the_plan(fake_torch, glued, monkeypatch):
+    """GradScaler skipping ``optimizer.step()``: the wrapped ``GradScaler.step`` marks where the optimizer's hook
+    would have (Note [Automatic step marks]); the skipped iteration, short of the optimizer's allocations, is the
+    template's prefix and a hit (Note [A step that ends early]). Before: no mark, the next iteration met a later
+    slot, three such in a row dropped the plan (the test above, which has no GradScaler)."""
+    alloc, marked = glued
+    gt.configure(step_marks="optimizer")
+    info, peak = run_scaled(alloc, fake_torch, skipped={6, 8, 10, 12, 14, 16})
+    assert marked == [0] * 24   # one mark per iteration, skipped or not
+    assert info.state == StepState.PLANNED and info.plans_installed == 1 and info.plans_dropped == 0
+    assert info.steps_missed == 0 and info.fallback == 0 and info.implicit_steps == 0
+    alloc.check_consistency()
+    gt._auto_marks().turn(None, None)   # noqa: SLF001
+    clean = glued_allocator(monkeypatch)
+    gt.configure(step_marks="optimizer")
+    clean_info, clean_peak = run_scaled(clean, fake_torch, skipped=set())
+    assert clean_info.steps_missed == 0 and peak == clean_peak
+
+
+def test_a_step_gradscaler_makes_is_marked_once(fake_torch, glued):
+    alloc, marked = glued
+    gt.configure(step_marks="optimizer")
+    scaler, opt = fake_torch.amp.GradScaler(), FakeOptimizer(fake_torch)
+    scaler.step(opt)
+    assert marked == [0]
+    scaler.found_inf = True
+    scaler.step(opt)
+    assert marked == [0, 0]
+
+
+def test_gradscaler_is_put_back_when_marks_go_off_and_marks_nothing_then(fake_torch, glued):
+    _, marked = glued
+    original = FakeGradScaler.__dict__["step"]
+    gt.configure(step_marks="optimizer")
+    assert FakeGradScaler.__dict__["step"] is not original
+    gt.configure(step_marks=None)
+    assert FakeGradScaler.__dict__["step"] is original
+    scaler, opt = FakeGradScaler(), FakeOptimizer(fake_torch)
+    scaler.found_inf = True
+    scaler.step(opt)
+    assert marked == []
+
+
+def test_a_wrapper_put_on_gradscaler_after_ours_is_kept_when_marks_go_off(fake_torch, glued):
+    _, marked = glued
+    original = FakeGradScaler.__dict__["step"]
+    try:
+        gt.configure(step_marks="optimizer")
+        ours = FakeGradScaler.__dict__["step"]
+        theirs = lambda self, optimizer: ours(self, optimizer)   # noqa: E731 - another library's wrapper
+        FakeGradScaler.step = theirs
+        gt.configure(step_marks=None)
+        assert FakeGradScaler.__dict__["step"] is theirs
+        scaler = FakeGradScaler()
+        scaler.found_inf = True
+        scaler.step(FakeOptimizer(fake_torch))   # ours, still called, marks nothing while marks are off
+        assert marked == []
+    finally:
+        FakeGradScaler.step = original
+
+
+def test_a_skip_in_one_thread_is_not_hidden_by_another_threads_optimizer_step(fake_torch, glued):
+    """The optimizer steps seen are counted per thread: another thread's step during a skipped
+    ``scaler.step`` does not make the skip look like a step."""
+    import threading
+
+    _, marked = glued
+    gt.configure(step_marks="optimizer")
+    opt, other = FakeOptimizer(fake_torch), FakeOptimizer(fake_torch, devices=(1,))
+
+    class Interleaved(FakeGradScaler):
+        def step(self, optimizer, *args, **kwargs):   # another thread steps while this one is inside step
+            t = threading.Thread(target=other.step)
+            t.start()
+            t.join()
+            return super().step(optimizer, *args, **kwargs)
+
+    scaler = Interleaved()
+    scaler.found_inf = True
+    scaler.step(opt)
+    assert marked.count(0) == 1
+
+
 def test_a_program_that_calls_step_keeps_its_own_marks(fake_torch, glued, caplog):
     """step() by hand with marks automatic: the hook stands down (one warning); the plan comes from the
     program's marks alone, as without automatic marks."""
@@ -461,6 +585,41 @@ def test_real_pytorch_optimizers_mark_through_the_global_hook(monkeypatch):  # p
         gt.configure(step_marks=None)
         first.step()
         assert len(marked) == 6
+    finally:
+        gt._auto_marks().turn(None, None)   # noqa: SLF001
+        gt._auto_marks.cache_clear()        # noqa: SLF001
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed")
+def test_real_gradscaler_skipped_steps_mark_too(monkeypatch):  # pragma: no cover - needs PyTorch
+    """PyTorch's own GradScaler (on the host): a step whose gradients hold inf is skipped (no optimizer.step,
+    no hook) and still marks once, as a step it makes does (Note [Automatic step marks])."""
+    import torch
+
+    gt._auto_marks.cache_clear()   # noqa: SLF001
+    glued_allocator(monkeypatch)
+    stand_in, marked = gt._lib(), []   # noqa: SLF001
+    real_mark = stand_in.gpumem_torch_step_mark
+    stand_in.gpumem_torch_step_mark = lambda index: (marked.append(index), real_mark(index))[1]
+    monkeypatch.setattr(gt, "_optimizer_devices", lambda opt: (0,))   # host optimizers stand for ones on cuda:0
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    original = torch.amp.GradScaler.__dict__["step"]
+    try:
+        gt.configure(step_marks="optimizer")
+        skipped = 0
+        for i in range(6):
+            opt.zero_grad()
+            scale = float("inf") if i in (2, 4) else 1.0
+            scaler.scale((w * w).sum() * scale).backward()
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped += scaler.get_scale() < before
+        assert skipped == 2 and marked == [0] * 6
+        gt.configure(step_marks=None)
+        assert torch.amp.GradScaler.__dict__["step"] is original
     finally:
         gt._auto_marks().turn(None, None)   # noqa: SLF001
         gt._auto_marks.cache_clear()        # noqa: SLF001

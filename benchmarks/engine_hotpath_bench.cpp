@@ -119,6 +119,15 @@ int main(int argc, char** argv) {
     const int passes = std::atoi(argv[2]);
     gpumem::EngineConfig cfg;
     if (argc > 3) cfg.page_slack = std::atof(argv[3]);
+#ifdef GPUMEM_BENCH_EXPANDABLE
+    // AllocatorPolicy "expandable" (Note [Expandable segments] in gpumem/allocator/policy.py): pages of 2 / 20 MiB
+    cfg.va_reserve_factor = 1.125;
+    cfg.steal_empty_pages = false;
+    cfg.page_slack = 0.0;
+    cfg.growth = gpumem::GrowthRule::kPages;
+    cfg.small_page_nbytes = std::uint64_t{2} << 20;
+    cfg.large_page_nbytes = std::uint64_t{20} << 20;
+#endif
     FakeDevice dev;
     gpumem::Engine e(dev, cfg);
     std::vector<std::uint64_t> live(max_slot + 1, 0);

@@ -10,14 +10,15 @@ steady state that repeats) and the memory held (peak reserved).
 Usage::
 
     python benchmarks/engine_hotpath_bench.py [--traces DIR] [--passes 5] [--page-slack F] [--two-calls]
-                                              [--instructions [--against REV]]
+                                              [--instructions [--against REV]] [--expandable]
 
 ``--two-calls``: the size read by a second engine call (``block_size``), as the hook did before it came
 with the pointer. ``--instructions``: instructions per op in a steady state instead of time, counted by
 callgrind (valgrind), the same on a loaded machine as on an idle one: a run of one growth pass and one
 timed pass, and a run with three timed passes; the difference over two passes. ``--against REV``: the
 engine of git revision REV (``engine.cpp``/``engine.h``/``backend.h`` from ``git show``) counted too,
-side by side, with its device calls and memory (same decisions: they must match). Exit status: 0 done;
+side by side, with its device calls and memory (same decisions: they must match). ``--expandable``: the
+engine under the ``expandable`` policy (pages of 2 / 20 MiB, growth by pages, no steal). Exit status: 0 done;
 2 bad input (no traces, no C++ compiler, no valgrind or git where asked).
 """
 
@@ -40,17 +41,20 @@ SOURCE = ROOT / "benchmarks" / "engine_hotpath_bench.cpp"
 ENGINE = ROOT / "gpumem" / "_native" / "engine.cpp"
 
 
-def build(out: Path, two_calls: bool, root: Path = ROOT, name: str = "engine_hotpath_bench") -> Path:
-    """Compiles the benchmark (``-O2``, as setup.py builds the engine) against the engine under ``root``;
-    returns the executable."""
+def build(out: Path, two_calls: bool, root: Path = ROOT, name: str = "engine_hotpath_bench",
+          expandable: bool = False) -> Path:
+    """Compiles the benchmark (``-O2``, as setup.py builds the engine) against the engine under ``root``
+    (``expandable``: under that policy, pages of 2 / 20 MiB); returns the executable."""
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
-    exe = out / (name + ("_two_calls" if two_calls else ""))
+    exe = out / (name + ("_two_calls" if two_calls else "") + ("_expandable" if expandable else ""))
     cmd = [cxx, "-std=c++17", "-O2", "-o", str(exe), str(root / SOURCE.relative_to(ROOT)),
            str(root / ENGINE.relative_to(ROOT)), "-pthread"]
     if two_calls:
         cmd.insert(1, "-DGPUMEM_BENCH_TWO_CALLS")
+    if expandable:
+        cmd.insert(1, "-DGPUMEM_BENCH_EXPANDABLE")
     subprocess.run(cmd, check=True)
     return exe
 
@@ -150,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--two-calls", action="store_true", help="read the size with block_size (the old hook)")
     ap.add_argument("--instructions", action="store_true", help="count instructions per op (callgrind) instead of time")
     ap.add_argument("--against", metavar="REV", help="with --instructions: also the engine of git revision REV")
+    ap.add_argument("--expandable", action="store_true",
+                    help="the expandable policy (pages of 2 / 20 MiB) instead of the engine's defaults")
     args = ap.parse_args(argv)
     paths = sorted(p for p in args.traces.glob("*.gz")) if args.traces.is_dir() else []
     if not paths or args.passes < 1:
@@ -164,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     out = ROOT / "build" / "engine_hotpath_bench"
     out.mkdir(parents=True, exist_ok=True)
     try:
-        exe = build(out, args.two_calls)
-        base = build(out, args.two_calls, checkout_engine(args.against, out), "engine_hotpath_bench_base") \
-            if args.against else None
+        exe = build(out, args.two_calls, expandable=args.expandable)
+        base = build(out, args.two_calls, checkout_engine(args.against, out), "engine_hotpath_bench_base",
+                     args.expandable) if args.against else None
     except (RuntimeError, subprocess.CalledProcessError) as exc:
         print(f"cannot build the benchmark: {exc}", file=sys.stderr)
         return 2

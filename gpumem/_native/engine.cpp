@@ -84,7 +84,7 @@ struct VSeg {
     VSeg(std::uint64_t b, std::uint64_t n, bool s, std::uint64_t g)
         : base(b), nbytes(n), small(s), n_pages(static_cast<std::int64_t>(n / g)), refs(n / g, 0),
           chunks(n / g, 0), eprev(n / g, -1), enext(n / g, -1), in_empty(n / g, 0), dirty(n / g),
-          users(n / g), noaccess(n / g, 0), deferred(n / g, 0), seen(n / g, 0) {}
+          users(n / g), noaccess(n / g, 0), deferred(n / g, 0), seen(n / g, 0) { set_page(g); }
     // A malloc'd segment (segment mode: backing.py's Segment): no pages, the fields at the end.
     struct Malloced {};
     VSeg(std::uint64_t b, std::uint64_t n, bool s, std::uint64_t stream, Malloced)
@@ -122,7 +122,59 @@ struct VSeg {
     bool mdirty = false;           // Segment.dirty: fell empty, its last users' work has no fence yet
     std::uint64_t fence = 0;       // Segment.fence: recorded on mstream since (0: none)
     std::uint64_t order = 0;       // Segment.order: where it sorts among equal sizes (TopDownFreeList)
+
+    // The range's pages (VirtualSegment.page_nbytes; Note [Pages of a pool's own size] in engine.cpp)
+    std::uint64_t page_nbytes = 0;
+    int page_shift = -1;             // log2(page_nbytes) where it is a power of two, else -1
+    std::uint64_t page_magic = 0;    // else floor(offset / page_nbytes) = offset * page_magic >> page_magic_shift
+    int page_magic_shift = 0;        //   for every offset in the range (0: divide)
+    void set_page(std::uint64_t g);
+    std::uint64_t page_va(std::int64_t p) const { return base + static_cast<std::uint64_t>(p) * page_nbytes; }
+    // the page of an offset in the range: a shift, a multiplication, or (not on the hot path's devices) a division
+    std::int64_t page_of(std::uint64_t offset) const {
+        if (page_shift >= 0) return static_cast<std::int64_t>(offset >> page_shift);
+#ifdef __SIZEOF_INT128__
+        if (page_magic)
+            return static_cast<std::int64_t>(
+                static_cast<std::uint64_t>((static_cast<unsigned __int128>(offset) * page_magic) >> page_magic_shift));
+#endif
+        return static_cast<std::int64_t>(offset / page_nbytes);
+    }
 };
+
+// Note [Pages of a pool's own size]: PyTorch's expandable segments map 2 MiB pages under the small pool and
+// 20 MiB pages under the large one (Note [Expandable segments] in policy.py), so each range has its page size
+// (VirtualSegment.page_nbytes): the engine reads it where the Python reference reads `seg.page_nbytes` (a
+// block's pages, the addresses and sizes of maps, unmaps and access calls, the consistency check, the empty
+// bytes), and the granularity where it reads `self.granularity` (steals, chunks of several pages: a policy
+// with pages of its own has growth=PAGES and no steal, AllocatorPolicy refuses the rest, and so does the
+// engine). A chunk cached unmapped fits only a page of its size: _map_pages moves the cached chunks of the
+// range's size last, stably, and counts those alone. 20 MiB is no power of two: where a range's page is not,
+// its page_of multiplies by a magic number instead of dividing (a 64-bit division costs tens of cycles, four
+// per allocate + free on the hot path): q = floor(x * m / 2**(N + l)) with l = ceil(log2 d), m = ceil(2**(N
+// + l) / d), exact for every x < 2**N (Granlund and Montgomery 1994, theorem 4.2; N: the range's bits, at
+// most 62, so that m <= 2**63 and x * m < 2**125).
+void VSeg::set_page(std::uint64_t g) {
+    page_nbytes = g;
+    page_shift = -1;
+    page_magic = 0;
+    if ((g & (g - 1)) == 0) {
+        page_shift = 0;
+        while ((std::uint64_t{1} << page_shift) < g) ++page_shift;
+        return;
+    }
+#ifdef __SIZEOF_INT128__
+    int n = 0;   // offsets are < nbytes <= 2**n
+    while (n < 64 && (std::uint64_t{1} << n) < nbytes) ++n;
+    int l = 0;   // 2**(l - 1) < g < 2**l
+    while (l < 64 && (std::uint64_t{1} << l) < g) ++l;
+    if (n > 62 || l >= 64) return;
+    const unsigned __int128 one = 1;
+    const unsigned __int128 m = ((one << (n + l)) + g - 1) / g;
+    page_magic = static_cast<std::uint64_t>(m);
+    page_magic_shift = n + l;
+#endif
+}
 
 // keyed (size, place): place is the address, or with segments_top_down in segment mode the block's
 // TopDownFreeList key (fl_add)
@@ -317,19 +369,33 @@ Engine::Engine(Backend& backend, const EngineConfig& config) : backend_(backend)
     // the product is checked as a double before it is converted (a conversion out of range is undefined)
     const double va_exact = static_cast<double>(total_nbytes_) * cfg_.va_reserve_factor;
     const std::uint64_t va = va_exact < 18446744073709551616.0 ? static_cast<std::uint64_t>(va_exact) : UINT64_MAX;
-    if (va > UINT64_MAX - g_ + 1 && !cfg_.segments)   // segment mode reserves no range (va_nbytes 0 there)
+    // pool_va_nbytes: a whole number of pages of either pool (Note [Pages of a pool's own size]); segment
+    // mode reserves no range (va_nbytes 0 there) and has no pages
+    page_nbytes_[1] = cfg_.small_page_nbytes ? cfg_.small_page_nbytes : g_;
+    page_nbytes_[0] = cfg_.large_page_nbytes ? cfg_.large_page_nbytes : g_;
+    custom_pages_ = !cfg_.segments && (cfg_.small_page_nbytes || cfg_.large_page_nbytes);
+    if (!cfg_.segments && (page_nbytes_[0] % g_ || page_nbytes_[1] % g_))
+        throw EngineError(EngineErrorKind::kInvalidArgument,
+                          "a page size is not a multiple of the device's granularity");
+    if (custom_pages_ && (cfg_.growth != GrowthRule::kPages || cfg_.steal_empty_pages))
+        throw EngineError(EngineErrorKind::kInvalidArgument,
+                          "small_page_nbytes / large_page_nbytes need growth='pages' and steal_empty_pages=False");
+    std::uint64_t unit = page_nbytes_[0];   // lcm of the two page sizes, refused past 64 bits
+    {
+        std::uint64_t a = page_nbytes_[0], b = page_nbytes_[1];
+        while (b) { std::uint64_t t = a % b; a = b; b = t; }
+        const std::uint64_t k = page_nbytes_[1] / a;
+        unit = k && unit > UINT64_MAX / k ? 0 : unit * k;
+    }
+    if ((!unit || va > UINT64_MAX - unit + 1) && !cfg_.segments)
         throw EngineError(EngineErrorKind::kInvalidArgument,
                           "va_reserve_factor times the device's total memory is 2**64 B or more of address space "
                           "per pool, more than 64-bit addresses hold; lower va_reserve_factor");
-    va_nbytes_ = cfg_.segments ? 0 : (va + g_ - 1) / g_ * g_;
+    va_nbytes_ = cfg_.segments ? 0 : (va + unit - 1) / unit * unit;
     top_down_ = cfg_.segments && cfg_.segments_top_down;
     if (cfg_.segments && (static_cast<int>(cfg_.segment_rule) < 0 || static_cast<int>(cfg_.segment_rule) > 2 ||
                           !cfg_.small_segment_nbytes))
         throw EngineError(EngineErrorKind::kInvalidArgument, "bad segment rule or small_segment_nbytes");
-    if ((g_ & (g_ - 1)) == 0)
-        while ((std::uint64_t{1} << g_shift_) < g_) ++g_shift_;   // page_of shifts: no division on the hot path
-    else
-        g_shift_ = -1;
     small_max_ = cfg_.separate_small_pool ? static_cast<std::int64_t>(cfg_.small_max_nbytes) : -1;
     // AllocatorPolicy.__post_init__'s checks of the growth knobs
     if (!(cfg_.page_slack >= 0.0 && cfg_.page_slack <= 1.0) ||
@@ -691,7 +757,7 @@ VSeg* Engine::segment(bool small) {
     if (!seg) {
         std::uint64_t base = backend_.address_reserve(va_nbytes_, 0);
         ++device_calls_;
-        vsegs_.emplace_back(new VSeg(base, va_nbytes_, key, g_));
+        vsegs_.emplace_back(new VSeg(base, va_nbytes_, key, page_nbytes_[key]));
         seg = vsegs_.back().get();
         vseg_by_key_[key] = seg;
         ++n_segments_;
@@ -762,8 +828,8 @@ void Engine::commit(Block* b) {
         ++seg->live;
         return;
     }
-    std::int64_t first = page_of(b->addr - seg->base);
-    std::int64_t last = page_of(b->addr + b->size - 1 - seg->base);
+    std::int64_t first = seg->page_of(b->addr - seg->base);
+    std::int64_t last = seg->page_of(b->addr + b->size - 1 - seg->base);
     auto& refs = seg->refs;
     if (first == last && refs[first]) {
         ++refs[first];   // the common case: a page already holding live data
@@ -772,7 +838,7 @@ void Engine::commit(Block* b) {
     if (seg->n_noaccess) {
         for (std::int64_t p = first; p <= last; ++p) {
             if (!seg->noaccess[p]) continue;
-            backend_.mem_set_access(seg->base + static_cast<std::uint64_t>(p) * g_, g_);
+            backend_.mem_set_access(seg->page_va(p), seg->page_nbytes);
             ++device_calls_;
             seg->noaccess_discard(p);
         }
@@ -811,8 +877,8 @@ bool Engine::commit_quietly(Block* b, std::uint64_t nbytes) {
         ++seg->live;
         return true;
     }
-    const std::int64_t first = page_of(b->addr - seg->base);
-    const std::int64_t last = page_of(b->addr + nbytes - 1 - seg->base);
+    const std::int64_t first = seg->page_of(b->addr - seg->base);
+    const std::int64_t last = seg->page_of(b->addr + nbytes - 1 - seg->base);
     std::int64_t* r = seg->refs.data();   // counted here, stored once: the stores to the pages do not reload them
     if (last == first && r[first]) {
         ++r[first];
@@ -864,8 +930,8 @@ void Engine::decommit(Block* b) {
         if (!--seg->live) seg->mdirty = true;
         return;
     }
-    std::int64_t first = page_of(b->addr - seg->base);
-    std::int64_t last = page_of(b->addr + b->size - 1 - seg->base);
+    std::int64_t first = seg->page_of(b->addr - seg->base);
+    std::int64_t last = seg->page_of(b->addr + b->size - 1 - seg->base);
     std::int64_t* r = seg->refs.data();
     std::uint64_t stream = b->stream;
     bool multi = multi_stream_;
@@ -988,9 +1054,15 @@ std::uint64_t Engine::stealable(VSeg* seg, std::int64_t first, std::int64_t last
 // VirtualBacking._map_pages
 void Engine::map_pages(VSeg* seg, const std::vector<std::int64_t>& need, std::int64_t first, std::int64_t last,
                        std::uint64_t requested) {
-    const std::uint64_t g = g_;
+    const std::uint64_t g = seg->page_nbytes;
     std::int64_t n_need = static_cast<std::int64_t>(need.size());
     std::int64_t shortfall = n_need - static_cast<std::int64_t>(unmapped_.size());
+    if (custom_pages_) {
+        // pages of two sizes: only a cached chunk of this range's page size fits; those go last (popped first)
+        std::stable_partition(unmapped_.begin(), unmapped_.end(), [&](ChunkHandle h) { return chunk_nbytes(h) != g; });
+        shortfall = n_need;
+        for (ChunkHandle h : unmapped_) shortfall -= chunk_nbytes(h) == g ? 1 : 0;
+    }
     if (shortfall > 0 && cfg_.steal_empty_pages) {
         // Create freely up to the slack above the most pages live data ever touched; past it, steal.
         std::int64_t touched = std::max(peak_live_pages_, live_pages_ + n_need);
@@ -1107,8 +1179,8 @@ ChunkHandle Engine::unmap_page(VSeg* seg, std::int64_t p) {
     ChunkHandle h = seg->chunks[p];
     if (!h || !seg->is_empty(p))
         throw EngineError(EngineErrorKind::kInternal, "page is not a mapped empty page in range " + hex(seg->base));
-    std::uint64_t va = seg->base + static_cast<std::uint64_t>(p) * g_;
-    backend_.mem_unmap(va, g_);
+    std::uint64_t va = seg->page_va(p);
+    backend_.mem_unmap(va, seg->page_nbytes);
     ++device_calls_;
     forget_page(seg, p);
     return h;
@@ -1743,21 +1815,21 @@ void Engine::backing_close(bool keep_all) {
             if (e.seg != seg) { ++k; continue; }
             std::uint64_t nbytes = chunk_nbytes(e.h);
             try {   // the allocator waited for the streams that used it
-                backend_.mem_unmap(seg->base + static_cast<std::uint64_t>(e.s) * g_, nbytes);
+                backend_.mem_unmap(seg->page_va(e.s), nbytes);
             } catch (...) {   // kept, still counted
                 rethrow_if_fatal();   // Note [Only Exception is caught]
                 whole = false;
                 ++k;
                 continue;
             }
-            for (std::int64_t q = e.s; q < e.s + static_cast<std::int64_t>(nbytes / g_); ++q)
+            for (std::int64_t q = e.s; q < e.s + static_cast<std::int64_t>(nbytes / seg->page_nbytes); ++q)
                 if (seg->deferred[q]) { seg->deferred[q] = 0; --seg->n_deferred; }
             deferred_.erase(deferred_.begin() + static_cast<std::ptrdiff_t>(k));
         }
         for (std::int64_t p = 0; p < seg->n_pages; ++p) {
             ChunkHandle h = seg->chunks[p];
             if (!h || (p && seg->chunks[p - 1] == h)) continue;   // unmapped, or not the first page of its chunk
-            std::uint64_t va = seg->base + static_cast<std::uint64_t>(p) * g_;
+            std::uint64_t va = seg->page_va(p);
             std::uint64_t nbytes = chunk_nbytes(h);
             try {   // the allocator waited for the streams that used it
                 backend_.mem_unmap(va, nbytes);
@@ -1766,7 +1838,7 @@ void Engine::backing_close(bool keep_all) {
                 whole = false;
                 continue;
             }
-            for (std::int64_t q = p; q < p + static_cast<std::int64_t>(nbytes / g_); ++q) {
+            for (std::int64_t q = p; q < p + static_cast<std::int64_t>(nbytes / seg->page_nbytes); ++q) {
                 seg->chunks[q] = 0;
                 seg->empty_pop(q);
                 seg->noaccess_discard(q);
@@ -1806,10 +1878,16 @@ void Engine::backing_close(bool keep_all) {
     }
 }
 
+// h.nbytes // seg.page_nbytes: the pages of `seg` a chunk covers (chunk_pages, in the granularity, is
+// for the chunked paths, which run with the granularity's pages only: Note [Pages of a pool's own size])
+std::int64_t Engine::seg_chunk_pages(const VSeg* seg, ChunkHandle h) const {
+    return static_cast<std::int64_t>(chunk_nbytes(h) / seg->page_nbytes);
+}
+
 std::uint64_t Engine::mapped_empty_nbytes() const {
     std::uint64_t n = 0;
-    for (auto& s : vsegs_) n += s->n_empty;
-    return n * g_;
+    for (auto& s : vsegs_) n += s->n_empty * s->page_nbytes;
+    return n;
 }
 
 // VirtualBacking.largest_free_nbytes
@@ -2799,11 +2877,11 @@ std::vector<std::string> Engine::consistency_problems(const ListDevice& list_dev
         std::size_t deferred_pages = 0;
         for (auto& e : deferred_) {
             if (e.seg != seg) continue;
-            std::int64_t n = chunk_pages(e.h);
+            std::int64_t n = seg_chunk_pages(seg, e.h);
             deferred_pages += static_cast<std::size_t>(n);
             for (std::int64_t q = e.s; q < e.s + n; ++q)
                 if (!seg->deferred[q] || seg->chunks[q]) {
-                    problems.push_back("the pages of the old mapping at " + hex(seg->base + static_cast<std::uint64_t>(e.s) * g_) +
+                    problems.push_back("the pages of the old mapping at " + hex(seg->page_va(e.s)) +
                                        " are not marked deferred and unmapped");
                     break;
                 }
@@ -2815,10 +2893,10 @@ std::vector<std::string> Engine::consistency_problems(const ListDevice& list_dev
             std::unordered_map<std::uint64_t, ChunkHandle> ours;
             std::unordered_map<std::uint64_t, ChunkHandle> old;   // old mappings of stream-ordered steals
             for (auto& e : deferred_)
-                if (e.seg == seg) old[seg->base + static_cast<std::uint64_t>(e.s) * g_] = e.h;
+                if (e.seg == seg) old[seg->page_va(e.s)] = e.h;
             for (std::int64_t p = 0; p < seg->n_pages; ++p)
                 if (seg->chunks[p] && !(p && seg->chunks[p - 1] == seg->chunks[p]))
-                    ours[seg->base + static_cast<std::uint64_t>(p) * g_] = seg->chunks[p];
+                    ours[seg->page_va(p)] = seg->chunks[p];
             for (auto& m : *device_maps) {
                 std::uint64_t va = std::get<0>(m);
                 if (va < seg->base || va >= seg->base + seg->nbytes) continue;
@@ -2852,7 +2930,7 @@ std::vector<std::string> Engine::consistency_problems(const ListDevice& list_dev
         for (std::int64_t p = 0; p < seg->n_pages; ++p) {
             ChunkHandle h = seg->chunks[p];
             if (!h || (p && seg->chunks[p - 1] == h)) continue;
-            std::int64_t n = chunk_pages(h);
+            std::int64_t n = seg_chunk_pages(seg, h);
             bool exact = p + n <= seg->n_pages && (p + n == seg->n_pages || seg->chunks[p + n] != h);
             for (std::int64_t q = p; q < p + n && exact; ++q) exact = seg->chunks[q] == h;
             if (!exact)

@@ -78,6 +78,10 @@ struct EngineConfig {
     SegmentRule segment_rule = SegmentRule::kGranular;
     std::uint64_t small_segment_nbytes = std::uint64_t{2} << 20;
     bool segments_top_down = false;
+    // growth=PAGES, no steal: the page size of the small / large pool's range (Note [Pages of a pool's own
+    // size] in engine.cpp); 0: the device granularity (Python: small_page_nbytes / large_page_nbytes None)
+    std::uint64_t small_page_nbytes = 0;
+    std::uint64_t large_page_nbytes = 0;
 };
 
 // The fields of gpumem.allocator.stats.AllocatorStats, as snapshot_stats() fills them in.
@@ -552,12 +556,6 @@ class Engine {
     int depth_ = 0;                          // how many times owner_ took it (under mutex_)
     bool fast_run_held_ = false;             // hold_for_fast_run() holds it (Note [One lock for a run of fast paths])
     std::uint64_t total_nbytes_ = 0, g_ = 0, va_nbytes_ = 0;
-    int g_shift_ = 0;   // log2(g_) where g_ is a power of two (every CUDA granularity), else -1
-    // The page of an offset in a range: a shift where the granularity is a power of two (a 64-bit division
-    // costs tens of cycles, four per allocate + free on the hot path).
-    std::int64_t page_of(std::uint64_t offset) const {
-        return static_cast<std::int64_t>(g_shift_ >= 0 ? offset >> g_shift_ : offset / g_);
-    }
     std::int64_t small_max_ = -1;
 
     // PythonEngine state
@@ -660,6 +658,10 @@ class Engine {
     std::vector<std::unique_ptr<detail::VSeg>> closed_msegs_;   // given back by close(): kept for the blocks naming them
     std::uint64_t order_low_ = std::uint64_t{1} << 62;          // SegmentBacking._order_low (_TOP_DOWN_START)
     bool top_down_ = false;                                     // segments_top_down in segment mode
+    // Pages of a pool's own size (Note [Pages of a pool's own size] in engine.cpp)
+    bool custom_pages_ = false;                // VirtualBacking.custom_pages
+    std::uint64_t page_nbytes_[2] = {0, 0};    // VirtualBacking.page_nbytes: [large, small] (the range's key)
+    std::int64_t seg_chunk_pages(const detail::VSeg* seg, ChunkHandle h) const;   // h.nbytes // seg.page_nbytes
 };
 
 }  // namespace gpumem

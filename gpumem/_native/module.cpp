@@ -302,13 +302,13 @@ bool to_u64_clamped(PyObject* o, std::uint64_t* out) {
 // AllocatorPolicy object itself, by walking kPolicyFields, which has one row per field of the
 // dataclass: how the engine takes it (a u64, a double, a bool, the growth rule) and where it goes in
 // EngineConfig, or why the engine does not read it (a label, a segment-mode knob, the choice of
-// engine made in Python) or needs it None (pages of their own size). The stats dict is built by
+// engine made in Python); a page size of a pool's own is a u64 or None (0: the granularity). The stats dict is built by
 // walking kStatFields (engine.h: one row per EngineStats member, the AllocatorStats counters, then
 // the backing's own; torch_api.cpp walks it too). Both tables are exported (POLICY_FIELDS, STATS_FIELDS, BACKING_STATS_FIELDS) and
 // tests/allocator/test_native_differential.py holds them to dataclasses.fields(): a field added to
 // AllocatorPolicy or AllocatorStats that the engine does not know fails a test, where a hand-written
 // list of keyword arguments let it be dropped silently.
-enum class FieldKind { kU64, kF64, kBool, kGrowth, kMustBeNone, kNotRead };
+enum class FieldKind { kU64, kF64, kBool, kGrowth, kMustBeNone, kNotRead, kU64OrNone };
 struct PolicyField {
     const char* name;
     FieldKind kind;
@@ -325,7 +325,9 @@ const PolicyField kPolicyFields[] = {
     CFG(steal_empty_pages, kBool), CFG(page_slack, kF64), CFG(page_slack_min_nbytes, kU64),
     CFG(growth, kGrowth), CFG(chunk_max_fraction, kF64),
     CFG(chunk_max_nbytes, kU64),
-    {"small_page_nbytes", FieldKind::kMustBeNone, 0}, {"large_page_nbytes", FieldKind::kMustBeNone, 0},   // one page size
+    // None: 0, the granularity (Note [Pages of a pool's own size] in engine.cpp)
+    {"small_page_nbytes", FieldKind::kU64OrNone, offsetof(EngineConfig, small_page_nbytes)},
+    {"large_page_nbytes", FieldKind::kU64OrNone, offsetof(EngineConfig, large_page_nbytes)},
     NOT_READ(segments_top_down),   // segment mode only
     CFG(grow_ahead_fraction, kF64), CFG(busy_slack, kF64), CFG(stream_ordered_steal, kBool),
 };
@@ -393,6 +395,21 @@ bool read_policy_field(PyObject* helpers, PyObject* policy, const PolicyField& f
             if (v != Py_None) expected = "None (the native engine has one page size, the device granularity)";
             break;
         case FieldKind::kNotRead:
+            break;
+        case FieldKind::kU64OrNone:   // a page size (> 0) or None (0: the device granularity)
+            if (v == Py_None) {
+                *reinterpret_cast<std::uint64_t*>(at) = 0;
+                break;
+            }
+            if (PyLong_Check(v) && !PyBool_Check(v)) {
+                unsigned long long x = PyLong_AsUnsignedLongLong(v);
+                if (!(x == static_cast<unsigned long long>(-1) && PyErr_Occurred()) && x > 0) {
+                    *reinterpret_cast<std::uint64_t*>(at) = x;
+                    break;
+                }
+                PyErr_Clear();
+            }
+            expected = "None or an int in [1, 2**64)";
             break;
     }
     if (expected) {

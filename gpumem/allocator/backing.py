@@ -189,6 +189,7 @@ from __future__ import annotations
 import abc
 import heapq
 import logging
+import math
 from array import array
 from dataclasses import dataclass
 from typing import Callable
@@ -484,12 +485,26 @@ class VirtualSegment(Segment):
         (Note [Stream-ordered steal]): counted as unmapped, mapped again only once drained."""
 
 
+def pool_page_nbytes(device: Device, policy: AllocatorPolicy) -> dict[bool, int]:
+    """The page size of the small (``True``) and the large pool's range (Note [Expandable segments] in
+    :mod:`.policy`); :class:`~gpumem.errors.InvalidArgumentError` when one is not a multiple of the device's
+    granularity (both engines check it when they are made)."""
+    g = device.granularity_nbytes
+    pages = {True: policy.small_page_nbytes or g, False: policy.large_page_nbytes or g}
+    for nbytes in pages.values():
+        if nbytes % g:
+            raise InvalidArgumentError(f"policy {policy.name!r}: a page of {nbytes} B is not a multiple of "
+                                       f"{device.spec}'s granularity ({g} B)")
+    return pages
+
+
 def pool_va_nbytes(device: Device, policy: AllocatorPolicy) -> int:
     """The address space of each pool's virtual range; :class:`~gpumem.errors.InvalidArgumentError` when
     it is 2**64 B or more (the allocator checks this before it picks an engine: both refuse it alike)."""
     total = device.properties().total_nbytes
     g = device.granularity_nbytes
-    g = max(policy.small_page_nbytes or g, policy.large_page_nbytes or g)
+    # a whole number of pages of either pool: a range ending inside a page had a last page out of its tables
+    g = math.lcm(policy.small_page_nbytes or g, policy.large_page_nbytes or g)
     va_nbytes = -(-int(total * policy.va_reserve_factor) // g) * g
     if va_nbytes >= 1 << 64:  # the native engine's arithmetic is 64-bit, and so are addresses
         raise InvalidArgumentError(
@@ -506,15 +521,10 @@ class VirtualBacking(Backing):
     def __init__(self, device: Device, policy: AllocatorPolicy, limit_nbytes: int | None,
                  fences: StreamFences | None = None) -> None:
         super().__init__(device, policy, limit_nbytes, fences)
-        g = self.granularity
         self.custom_pages = policy.custom_pages
         """Whether a pool's pages differ from the granularity (Note [Expandable segments] in :mod:`.policy`)."""
-        self.page_nbytes = {True: policy.small_page_nbytes or g, False: policy.large_page_nbytes or g}
+        self.page_nbytes = pool_page_nbytes(device, policy)
         """The page size of the small (``True``) and large pool's range."""
-        for nbytes in self.page_nbytes.values():
-            if nbytes % g:
-                raise InvalidArgumentError(f"policy {policy.name!r}: a page of {nbytes} B is not a multiple of "
-                                           f"{device.spec}'s granularity ({g} B)")
         self.va_nbytes = pool_va_nbytes(device, policy)
         self.vsegments: dict[bool, VirtualSegment] = {}
         """One range per pool (``True``: the small pool)."""

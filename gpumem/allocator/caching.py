@@ -104,12 +104,12 @@ class CachingAllocator(AllocatorContract):
 
     ``engine``: which implementation runs it. ``None`` (the default) takes the native C++ engine
     (``gpumem._engine``, built at install time where a C++ compiler exists) in virtual-memory mode
-    (the ``gpumem`` policy on a device with VMM) without ``record_history``, and the pure-Python
-    reference engine otherwise (the ``bestfit``, ``pytorch`` and ``cupy`` policies, devices without
-    VMM, history recording). ``"python"`` forces the reference; ``"native"`` runs the native engine
+    (the ``gpumem`` and ``expandable`` policies on a device with VMM) without ``record_history``, and the
+    pure-Python reference engine otherwise (the ``bestfit``, ``pytorch`` and ``cupy`` policies, devices
+    without VMM, history recording). ``"python"`` forces the reference; ``"native"`` runs the native engine
     in either mode (``malloc``'d segments too) and raises
     :class:`~gpumem.errors.UnsupportedOperationError` where it cannot run (not built, history
-    recorded, pages of their own size per pool). Both make
+    recorded). Both make
     the same decisions (``tests/allocator/test_native_differential.py``); :attr:`engine` says
     which one runs.
     """
@@ -164,8 +164,6 @@ class CachingAllocator(AllocatorContract):
                 why = "the native engine (gpumem._engine) is not built"
             elif record_history:
                 why = "the native engine does not record history"
-            elif self.policy.custom_pages:
-                why = f"the native engine has one page size, and policy {self.policy.name!r} has its own per pool"
             if why is None and (engine == "native" or (NATIVE_BY_DEFAULT and (self.uses_vmm or NATIVE_SEGMENTS_BY_DEFAULT))):
                 return NativeEngine(self.device, self.policy, limit_nbytes=self.limit_nbytes,
                                     gc_threshold=self.gc_threshold, uses_vmm=self.uses_vmm)

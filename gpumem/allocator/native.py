@@ -22,6 +22,7 @@ from ..errors import (DeviceClosedError, DeviceLostError, DoubleFreeError, Inter
 from ..native import native_module
 from ..units import align_up, format_bytes
 from ..validate import as_int, check_nbytes, check_stream
+from .backing import pool_page_nbytes
 from .engine import OomCause, no_history_error
 from .engine import oom_error as build_oom_error
 from .plan import check_generation, check_record_limit
@@ -57,6 +58,8 @@ class NativeEngine:
                  gc_threshold: float | None, uses_vmm: bool = True) -> None:
         self.device = device
         self.uses_vmm = uses_vmm
+        if uses_vmm:  # a page that is not a multiple of the granularity: refused as in Python (VirtualBacking)
+            pool_page_nbytes(device, policy)
         self._ext = ext = native_module().Allocator(device, sys.modules[__name__], policy,
                                                     limit_nbytes=limit_nbytes or 0, gc_threshold=gc_threshold or 0.0,
                                                     segments=not uses_vmm)

@@ -45,7 +45,7 @@ differs: gpumem shares one range per pool among streams (PyTorch: one segment pe
 stream and pool; free lists are per stream in both, so a single-stream trace is
 replayed identically), and after a release gpumem's best fit may place a block
 over any unmapped hole where PyTorch takes the lowest one large enough. It runs
-on the Python engine (the native engine has one page size).
+on either engine (the native one: Note [Pages of a pool's own size] in ``gpumem/_native/engine.cpp``).
 
 Note [Segments top-down]
 ------------------------

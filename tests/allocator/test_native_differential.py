@@ -60,11 +60,22 @@ POLICIES = [
     dataclasses.replace(_BASE, name="pages-no-steal", growth=GrowthRule.PAGES, page_slack=0.0,
                         steal_empty_pages=False),
     dataclasses.replace(_BASE, name="pages-slack", growth=GrowthRule.PAGES, page_slack=0.25, round_nbytes=4096),
+    # pages of a pool's own size (Note [Pages of a pool's own size] in gpumem/_native/engine.cpp): PyTorch's
+    # expandable segments, and random page sizes (drawn in Differential.setup), one pool or two
+    get_policy("expandable"),
+    dataclasses.replace(get_policy("expandable"), name="custom-pages"),
+    dataclasses.replace(get_policy("expandable"), name="custom-pages-one-pool", separate_small_pool=False,
+                        va_reserve_factor=2.0),
 ]
 """Virtual-memory policies: the default (``growth=CHUNKS``) and variants of every knob the engine
-mirrors, and ``growth=PAGES`` (Note [Chunks of several pages] in ``gpumem/allocator/backing.py``)."""
+mirrors, ``growth=PAGES`` (Note [Chunks of several pages] in ``gpumem/allocator/backing.py``), and pages of
+each pool's own size."""
 
-PAGES_POLICY = POLICIES[-3]
+PAGES_POLICY = next(p for p in POLICIES if p.name == "pages")
+EXPANDABLE = get_policy("expandable")
+PAGE_SIZES = st.sampled_from([None, 2 * MiB, 4 * MiB, 6 * MiB, 10 * MiB, 14 * MiB, 20 * MiB, 64 * MiB])
+"""Page sizes of a pool (multiples of the 2 MiB granularity; None: the granularity) for the ``custom-pages``
+policies."""
 
 SEGMENT_POLICIES = [
     get_policy("pytorch"),
@@ -242,8 +253,11 @@ class Differential(RuleBasedStateMachine):
                 rate=st.sampled_from([0.0, 0.0, 0.05, 0.2]),
                 calls=st.sets(st.sampled_from(FAULT_CALLS), min_size=1, max_size=4),
                 limit=st.sampled_from([None, None, 200 * MiB]), gc=st.sampled_from([None, None, 0.5]),
-                policy=st.sampled_from(POLICIES))
-    def setup(self, big, seed, rate, calls, limit, gc, policy):
+                policy=st.sampled_from(POLICIES), small_page=PAGE_SIZES, large_page=PAGE_SIZES)
+    def setup(self, big, seed, rate, calls, limit, gc, policy, small_page, large_page):
+        if policy.name.startswith("custom-pages"):
+            policy = dataclasses.replace(policy, small_page_nbytes=small_page, large_page_nbytes=large_page)
+        event(f"policy {policy.name}")
         plan = sim.FaultPlan(call_failure_rates={c: rate for c in calls}) if rate else sim.FaultPlan()
         if big:
             def make():
@@ -644,7 +658,7 @@ def test_base_exceptions_in_empty_cache_propagate_the_same(exc):
     assert _sweep(_freed_on_two_streams, "empty_cache", (), exc) > 3
 
 
-@pytest.mark.parametrize("policy", [_BASE, PAGES_POLICY], ids=["chunks", "pages"])
+@pytest.mark.parametrize("policy", [_BASE, PAGES_POLICY, EXPANDABLE], ids=["chunks", "pages", "expandable"])
 @pytest.mark.parametrize("exc", [InjectedInterrupt, InjectedExit])
 def test_base_exceptions_in_the_rollback_of_a_failed_growth_propagate_the_same(exc, policy):
     """A growth fails (an ordinary device error), and a device call of its rollback (unmap, release)
@@ -655,7 +669,8 @@ def test_base_exceptions_in_the_rollback_of_a_failed_growth_propagate_the_same(e
         pair.both("allocate", 1 * MiB, 0)
         pair.both("free", a)
 
-    assert _sweep(setup, "allocate", (12 * MiB, 0), InjectedError, exc, policy=policy, max_calls=30) > 5
+    size = 85 * MiB if policy.custom_pages else 12 * MiB  # past the mapped 20 MiB page: four new pages
+    assert _sweep(setup, "allocate", (size, 0), InjectedError, exc, policy=policy, max_calls=30) > 5
 
 
 def test_device_lost_met_by_check_consistency_is_remembered_the_same():
@@ -769,7 +784,7 @@ def test_oom_messages_are_the_same():
         pair.both("free", p)
 
 
-@pytest.mark.parametrize("policy", [_BASE, PAGES_POLICY], ids=["chunks", "pages"])
+@pytest.mark.parametrize("policy", [_BASE, PAGES_POLICY, EXPANDABLE], ids=["chunks", "pages", "expandable"])
 def test_memory_summary_is_the_same(policy):
     """The summary names the growth rule, the chunks and the bytes they hold, the same in both engines."""
     pair = Pair(lambda: sim.SimDevice(small_profile(384)), policy=policy)
@@ -783,6 +798,80 @@ def test_memory_summary_is_the_same(policy):
     assert f"(growth={policy.growth.value})" in summaries[0]
 
 
+@pytest.mark.parametrize("small_page, large_page", [(2 * MiB, 20 * MiB), (6 * MiB, 14 * MiB), (None, 10 * MiB),
+                                                    (4 * MiB, None), (64 * MiB, 6 * MiB)])
+def test_blocks_ending_at_page_boundaries_touch_the_same_pages(small_page, large_page):
+    """Pages of a pool's own size, 20 MiB and others no power of two (Note [Pages of a pool's own size] in
+    gpumem/_native/engine.cpp: the native engine finds a block's pages by a multiplication there): blocks
+    that end one byte before, at and one byte past page boundaries, on the H200's range (2**37 B), far up
+    the range too, map and unmap the same pages as the reference."""
+    policy = dataclasses.replace(EXPANDABLE, name="pages", small_page_nbytes=small_page, large_page_nbytes=large_page)
+    pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")), policy=policy)
+    page = large_page or 2 * MiB
+    live = []
+    for k in (1, 2, 3, 7, 50, 1000):
+        for delta in (-512, 0, 512):
+            r = pair.both("allocate", k * page + delta, 0)
+            live.append(r[1])
+            live.append(pair.both("allocate", 512, 0)[1])  # the next block starts where this one ended
+    for size in (1, 512, 1 * MiB - 512, 1 * MiB):  # the small pool
+        live.append(pair.both("allocate", size, 3)[1])
+    for p in live[::2]:
+        pair.both("free", p)
+    pair.both("empty_cache")
+    pair.both("check_consistency")
+    far = pair.both("allocate", 40 * 2**30 + 512, 0)  # a block far up the range (pages past 2**35 B)
+    pair.both("free", far[1])
+    for p in live[1::2]:
+        pair.both("free", p)
+    pair.both("empty_cache")
+    pair.both("check_consistency")
+    pair.both("close")
+
+
+def test_a_range_ends_on_a_whole_page_of_either_pool():
+    """Pages of 4 and 6 MiB on a 390 MiB device: each range is a whole number of pages of either size (their
+    least common multiple, 396 MiB; with the larger page's, 390 MiB, the large pool's last page lay past the
+    end of its page tables: IndexError in the reference). A block that reaches the very top of the range,
+    over address space whose memory empty_cache gave back, maps its last page alike in both engines."""
+    policy = dataclasses.replace(EXPANDABLE, name="4-6", small_page_nbytes=6 * MiB, large_page_nbytes=4 * MiB,
+                                 va_reserve_factor=1.0)
+    pair = Pair(lambda: sim.SimDevice(small_profile(390)), policy=policy)
+    va_nbytes = pair.allocs[0].backing.va_nbytes
+    assert va_nbytes == 396 * MiB
+    low = pair.both("allocate", va_nbytes - 90 * MiB, 0)[1]
+    pair.both("allocate", 2 * MiB, 0)  # keeps the address space below it
+    pair.both("free", low)
+    pair.both("empty_cache")
+    assert pair.both("allocate", 88 * MiB, 1)[0] == "ok"  # another stream: grows to the top of the range
+    pair.both("check_consistency")
+    r = pair.both("allocate", 4 * MiB, 2)
+    assert r[:2] == ("raised", "OutOfMemoryError") or r[0] == "ok", r
+    pair.both("check_consistency")
+    pair.both("close")
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_page_that_is_not_a_multiple_of_the_granularity_is_refused_alike(engine):
+    """Both engines refuse pages that are not a multiple of the device's granularity, with the same message
+    and before any device call."""
+    policy = dataclasses.replace(EXPANDABLE, name="odd", large_page_nbytes=3 * MiB)
+    dev = sim.SimDevice(small_profile(384))
+    log = CallLog(dev)
+    with pytest.raises(InvalidArgumentError, match=r"policy 'odd': a page of 3145728 B is not a multiple of "
+                                                   r"sim:test-384mb's granularity \(2097152 B\)"):
+        CachingAllocator(dev, policy, engine=engine)
+    assert log.take() == []
+
+
+def test_expandable_runs_on_the_native_engine_by_default():
+    """Note [Choosing the engine]: pages of a pool's own size run natively, so ``engine=None`` picks the
+    native engine for ``expandable`` too (where it is built and history is not recorded)."""
+    dev = sim.SimDevice(small_profile(384))
+    assert CachingAllocator(dev, "expandable").engine == "native"
+    assert CachingAllocator(dev, "expandable", record_history=True).engine == "python"
+
+
 def _traces():
     if not os.path.isdir(TRACES_DIR):
         return []
@@ -790,7 +879,7 @@ def _traces():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", [_BASE, PAGES_POLICY], ids=["chunks", "pages"])
+@pytest.mark.parametrize("policy", [_BASE, PAGES_POLICY, EXPANDABLE], ids=["chunks", "pages", "expandable"])
 @pytest.mark.parametrize("limit_fraction", [None, 0.5])
 @pytest.mark.parametrize("name", _traces())
 def test_trace_replays_identically(name, limit_fraction, policy):

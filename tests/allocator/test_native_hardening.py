@@ -326,7 +326,8 @@ def test_nan_page_slack_is_invalid_argument():
 @pytest.mark.parametrize("field, value, expected", [
     ("round_nbytes", -1, "an int"), ("round_nbytes", 1.5, "an int"), ("round_nbytes", True, "an int"),
     ("page_slack", "0.1", "a number"), ("separate_small_pool", 1, "a bool"), ("growth", "fast", "'pages' or"),
-    ("small_page_nbytes", 4 << 20, "None"),
+    ("small_page_nbytes", "4", "None or an int"), ("large_page_nbytes", 0, "None or an int"),
+    ("large_page_nbytes", 2**64, "None or an int"),
 ])
 def test_a_policy_field_of_the_wrong_type_is_refused_by_name(field, value, expected):
     """The binding reads the policy through its table (Note [The policy and the stats from one table each]):

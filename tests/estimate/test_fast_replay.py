@@ -115,8 +115,11 @@ def test_the_small_pool_is_skipped_and_the_figures_stay(policy):
     shape = ModelShape(1024, 2048, 1, 1000, 8, 8)  # KV cache tensors of over 1 MiB: in the large pool
     devs = [open_device(DEVICE), open_device(DEVICE)]
     try:
-        skipping, every = (make_allocator(d, policy) for d in devs)
+        # the skip needs the Python engine (expandable runs natively by default: every op sent, Note
+        # [Expandable's small pool skipped]); the allocator that takes every op runs on the default engine
+        skipping, every = make_allocator(devs[0], policy, engine="python"), make_allocator(devs[1], policy)
         assert can_skip_small_pool(skipping) and not can_skip_small_pool(make_allocator(devs[0], "gpumem"))
+        assert can_skip_small_pool(every) == (every.engine == "python")
         sinks = [SkippingSink(skipping), PlainSink(every)]
         jumper = StepJumper(SinkGroup(sinks), lambda step: None, 299)
         stream_inference(shape, 2, (jumper,), prompt_len=600, new_tokens=300, on_step=jumper.end_step,
@@ -133,6 +136,19 @@ def test_the_small_pool_is_skipped_and_the_figures_stay(policy):
     finally:
         for d in devs:
             d.close()
+
+
+@pytest.mark.parametrize("batch,prompt,new,limit_mib", [(1, 600, 300, None), (1, 900, 200, 160), (2, 700, 150, 300)])
+def test_expandable_on_the_native_engine_gives_the_python_engines_figures(monkeypatch, batch, prompt, new, limit_mib):
+    """``expandable`` runs natively by default (every op sent); on the Python engine its small pool is skipped
+    (Note [Expandable's small pool skipped]): the same estimate to the byte, also under a limit."""
+    from gpumem.allocator import caching
+
+    shape = ModelShape(1024, 2048, 1, 1000, 8, 8)
+    kw = dict(batch_size=batch, prompt_len=prompt, new_tokens=new, limit=limit_mib and limit_mib * 2**20)
+    native = replay_inference(shape, 2, ("expandable",), DEVICE, **kw)
+    monkeypatch.setattr(caching, "NATIVE_BY_DEFAULT", False)
+    assert replay_inference(shape, 2, ("expandable",), DEVICE, **kw) == native
 
 
 def test_full_replay_must_be_a_bool():

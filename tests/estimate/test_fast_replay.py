@@ -1,6 +1,8 @@
 """Issue 22 point 5: the fast replay of generate() (one stream for every policy, decode steps made from a
 template, the small pool skipped at a fixed point) gives the full replay's figures to the byte."""
 
+import contextlib
+
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -15,6 +17,21 @@ from gpumem.specs import open_device
 
 POLICIES = ("pytorch", "expandable", "gpumem", "bestfit", "cupy")
 DEVICE = "sim:h200-141gb"
+
+
+@contextlib.contextmanager
+def fast_path_on(engine: str):
+    """The fast path on the native engine (its default where built: Note [The fast path on the native engine]) or
+    on the Python engine, where the small pool is skipped (Notes [Small pool skipped at a fixed point],
+    [Expandable's small pool skipped])."""
+    from gpumem.allocator import caching
+    from gpumem.estimate import fit
+
+    with pytest.MonkeyPatch.context() as mp:
+        if engine == "python":
+            mp.setattr(fit, "load_engine", lambda *a, **k: None)
+            mp.setattr(caching, "NATIVE_BY_DEFAULT", False)
+        yield
 
 
 @st.composite
@@ -44,16 +61,17 @@ def test_fast_replay_gives_the_full_replays_figures_to_the_byte(shape, batch, pr
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 2), st.integers(500, 1500), st.integers(66, 200),
        st.lists(st.sampled_from(["pytorch", "expandable", "bestfit"]), min_size=1, max_size=3, unique=True),
-       st.sampled_from([None, 0.8, 0.95, 1.0]), st.sampled_from([8, 4]))
+       st.sampled_from([None, 0.8, 0.95, 1.0]), st.sampled_from([8, 4]), st.sampled_from(["python", "native"]))
 def test_fast_replay_that_skips_gives_the_full_replays_figures_to_the_byte(batch, prompt, new, policies, limit_share,
-                                                                          kv_heads):
+                                                                          kv_heads, engine):
     """Shapes whose KV cache is in the large pool, so that the small pool is skipped (Notes [Small pool skipped at a
     fixed point], [Expandable's small pool skipped]) over more than one period of 64 steps, near the limit too."""
     shape = ModelShape(1024, 2048, 1, 1000, 8, kv_heads)
     peak = inference_trace(shape, 2, batch_size=batch, prompt_len=prompt, new_tokens=new).peak_nbytes
     limit = None if limit_share is None else int(peak / limit_share) + 3 * 2**20
     kw = dict(batch_size=batch, prompt_len=prompt, new_tokens=new, limit=limit)
-    fast = replay_inference(shape, 2, policies, DEVICE, **kw)
+    with fast_path_on(engine):
+        fast = replay_inference(shape, 2, policies, DEVICE, **kw)
     full = replay_inference(shape, 2, policies, DEVICE, full_replay=True, **kw)
     assert fast == full
 
@@ -159,10 +177,12 @@ def test_full_replay_must_be_a_bool():
 
 @pytest.mark.parametrize("batch,prompt,new,limit_mib", [(1, 600, 300, None), (1, 600, 300, 200), (1, 900, 200, 160),
                                                         (2, 700, 150, None), (1, 2000, 260, 300)])
-def test_fast_replay_that_skips_matches_the_full_one(batch, prompt, new, limit_mib):
-    shape = ModelShape(1024, 2048, 1, 1000, 8, 8)  # the small pool is skipped here (test above)
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_fast_replay_that_skips_matches_the_full_one(batch, prompt, new, limit_mib, engine):
+    shape = ModelShape(1024, 2048, 1, 1000, 8, 8)  # the small pool is skipped here on the Python engine (test above)
     kw = dict(batch_size=batch, prompt_len=prompt, new_tokens=new, limit=limit_mib and limit_mib * 2**20)
-    fast = replay_inference(shape, 2, POLICIES, DEVICE, **kw)
+    with fast_path_on(engine):
+        fast = replay_inference(shape, 2, POLICIES, DEVICE, **kw)
     full = replay_inference(shape, 2, POLICIES, DEVICE, full_replay=True, **kw)
     assert fast == full
 
@@ -269,3 +289,23 @@ def test_a_plain_sink_over_the_native_engine_sends_template_steps_in_one_call_wi
     assert any(s > 4 for s in steps), steps  # one ran out of memory in a step made from the template
     assert all(s != -1 for s in steps[::2])
     assert isinstance(full.ptrs, load_engine().PtrTable)
+
+
+def test_the_fast_path_runs_caching_policies_on_the_native_engine_and_the_python_one_without_it(monkeypatch):
+    """Note [The fast path on the native engine]: ``engine="native"`` for every caching policy where the engine is
+    built (no small-pool skip then), the default engine where it is not (the skip taken on the Python engine)."""
+    from gpumem.estimate import fit
+    from gpumem.native import load_engine
+
+    if load_engine() is None:
+        pytest.skip("the native engine is not built")
+    made = []
+    real = fit._fast_allocator
+    monkeypatch.setattr(fit, "_fast_allocator", lambda *a: made.append(real(*a)) or made[-1])
+    shape = ModelShape(1024, 2048, 1, 1000, 8, 8)
+    replay_inference(shape, 2, ("pytorch", "expandable", "gpumem", "bucket"), DEVICE, prompt_len=300, new_tokens=20)
+    assert [a.engine for a in made[:3]] == ["native", "native", "native"] and type(made[3]).__name__ == "BucketAllocator"
+    made.clear()
+    with fast_path_on("python"):
+        replay_inference(shape, 2, ("pytorch", "expandable"), DEVICE, prompt_len=300, new_tokens=20)
+    assert [a.engine for a in made] == ["python", "python"] and all(can_skip_small_pool(a) for a in made)

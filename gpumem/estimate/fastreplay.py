@@ -48,7 +48,7 @@ Note [Small pool skipped at a fixed point]
 Note [Expandable's small pool skipped]
     Where the native engine is built, ``expandable`` runs on it (Note [Pages of a pool's own size] in
     ``gpumem/_native/engine.cpp``) and its sink sends every op: on the 7B model at 1,000 new tokens that took
-    0.46 CPU s against 1.1 on the Python engine with its small pool skipped
+    0.16 CPU s (0.46 before ``run_ops``) against 1.1 on the Python engine with its small pool skipped
     (``reports/expandable-native-2026-11-29.md``). What follows holds on the Python engine (no native engine,
     or ``engine="python"``), over a virtual range per pool (Note [Expandable segments] in
     :mod:`gpumem.allocator.policy`): growth by whole pages of the pool's own size, no steal, no slack. Its two

@@ -54,7 +54,9 @@ def register(sub: Any, formatter_class: type) -> None:
     p.add_argument("--policy", default="pytorch", help="allocator policy (default: %(default)s)")
     p.add_argument("--margin", type=float, help="extra share of the memory beyond the weights held back (0.25: "
                                                 "the rest must fit in usable/1.25)")
-    p.add_argument("--search", choices=("batch", "seq_len"), default="batch")
+    p.add_argument("--search", choices=("batch", "seq_len"), default="batch",
+                   help="what to find: batch, the largest --batch-size at --prompt-len (the default), or seq_len, "
+                        "the longest --prompt-len at --batch-size")
     p.add_argument("--batch-size", type=int, default=1, help="the batch when searching the sequence length "
                                                                "(default: %(default)s)")
     p.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN, help="prompt (training: sequence) length when "

@@ -192,3 +192,12 @@ def test_no_new_tokens_is_bad_input_for_generate(cmd, capsys):
     assert "--new-tokens 0: generate() makes at least one token" in capsys.readouterr().err
     assert main([cmd, *SHAPE, "--prompt-len", "64", "--new-tokens", "0", "--training", "--no-reserved"]
                 if cmd == "estimate" else [cmd, *SHAPE, "--prompt-len", "64", "--new-tokens", "0", "--training"]) == 0
+
+
+def test_fit_help_says_what_search_finds(capsys):
+    """New user 10: ``gpumem fit --help`` listed ``--search {batch,seq_len}`` with no word on what either finds."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--search {batch,seq_len} what to find: batch, the largest --batch-size at --prompt-len" in out
+    assert "seq_len, the longest --prompt-len at --batch-size" in out

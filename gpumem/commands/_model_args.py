@@ -98,9 +98,10 @@ def _resolve_new_tokens(args: argparse.Namespace) -> None:
     if args.new_tokens not in (None, 0) and getattr(args, "training", False):  # 0 agrees with training
         raise InvalidArgumentError(f"--new-tokens {args.new_tokens} is for generate(): a --training step generates "
                                    "no tokens (its length is --prompt-len)")
-    if args.new_tokens == 0 and not getattr(args, "training", False):
-        raise InvalidArgumentError("--new-tokens 0: generate() makes at least one token (transformers refuses "
-                                   "max_new_tokens=0); give --new-tokens 1 or more, or --training for a step")
+    if args.new_tokens is not None and args.new_tokens <= 0 and not getattr(args, "training", False):
+        raise InvalidArgumentError(f"--new-tokens {args.new_tokens}: generate() makes at least one token "
+                                   "(transformers refuses max_new_tokens=0); give --new-tokens 1 or more, or "
+                                   "--training for a step")
     if args.new_tokens is None:
         from ..estimate.fit import DEFAULT_NEW_TOKENS
 

@@ -190,6 +190,15 @@ def test_no_new_tokens_is_bad_input_for_generate(cmd, capsys):
     """New user 9, F8: --new-tokens 0 was estimated, though generate() refuses max_new_tokens=0."""
     assert main([cmd, *SHAPE, "--prompt-len", "64", "--new-tokens", "0"]) == 2
     assert "--new-tokens 0: generate() makes at least one token" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cmd", ["estimate", "fit"])
+def test_negative_new_tokens_is_refused_by_its_option_name(cmd, capsys):
+    """New user 10: --new-tokens -5 said "new_tokens must be a whole number >= 0", though 0 is refused too."""
+    assert main([cmd, *SHAPE, "--prompt-len", "64", "--new-tokens", "-5"]) == 2
+    err = capsys.readouterr().err
+    assert f"gpumem {cmd}: --new-tokens -5: generate() makes at least one token" in err
+    assert ">= 0" not in err
     assert main([cmd, *SHAPE, "--prompt-len", "64", "--new-tokens", "0", "--training", "--no-reserved"]
                 if cmd == "estimate" else [cmd, *SHAPE, "--prompt-len", "64", "--new-tokens", "0", "--training"]) == 0
 

@@ -105,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
                                    "are fp32")
     if not check_device(args.device) and needs_vmm(args.policy):
         raise vmm_policy_error(args.policy, args.device)
+    if args.max_value < 1:  # find_max_batch would name its parameter (max_value), not the option
+        raise InvalidArgumentError(f"--max {args.max_value}: the search's upper bound must be 1 or more")
     note = (context_note(args.prompt_len + (0 if args.training else args.new_tokens), args.context_len)
             if args.search == "batch" else "")
     try:

@@ -210,3 +210,12 @@ def test_fit_help_says_what_search_finds(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "--search {batch,seq_len} what to find: batch, the largest --batch-size at --prompt-len" in out
     assert "seq_len, the longest --prompt-len at --batch-size" in out
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_fit_max_below_one_is_refused_by_its_option_name(value, capsys):
+    """New user 10: --max 0 said "max_value must be a positive whole number", a name the command line has not."""
+    assert main(["fit", *SHAPE, "--prompt-len", "64", "--max", value]) == 2
+    err = capsys.readouterr().err
+    assert f"gpumem fit: --max {value}: the search's upper bound must be 1 or more" in err
+    assert "max_value" not in err

@@ -127,6 +127,11 @@ def lora_from_args(args: argparse.Namespace) -> Any:
     if args.lora_rank is None and args.lora_targets is not None:
         raise InvalidArgumentError("--lora-targets needs --lora-rank (without it the training is full, not LoRA)")
     if args.lora_rank is None:
+        if args.weight_fmt is not None and args.training and args.weight_fmt.qtype:
+            # a ternary base (BitNet's i2s) takes no LoRA either (LoraConfig): do not send the user there
+            raise InvalidArgumentError(f"--training with {args.weight_fmt.name} weights is not modelled: the ternary "
+                                       "formats' kernels are for inference (generate() only), and full training "
+                                       "updates 16-bit weights")
         if args.weight_fmt is not None and args.training:
             raise InvalidArgumentError("--training with a weight format is modelled only with --lora-rank (QLoRA): "
                                        "full training updates 16-bit weights")

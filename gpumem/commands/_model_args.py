@@ -184,6 +184,17 @@ def vmm_policy_error(policy: str, device: str) -> InvalidArgumentError:
                                 "support; choose another policy")
 
 
+def check_policy_name(policy: str) -> None:
+    """Refuse an unknown ``--policy`` name, listing every name the command takes: the caching policies and the
+    size-bucket pool (``get_policy``'s own message leaves ``bucket`` out: it builds caching policies only)."""
+    from ..allocator.bucket import BUCKET_POLICY_NAME, is_bucket_policy
+    from ..allocator.policy import POLICIES
+
+    if not is_bucket_policy(policy) and policy not in POLICIES:
+        raise InvalidArgumentError(f"unknown allocator policy {policy!r}; choose one of "
+                                   f"{', '.join([*POLICIES, BUCKET_POLICY_NAME])}")
+
+
 def needs_vmm(policy: str) -> bool:
     """Whether ``policy`` (a checked name) backs memory with virtual memory management or fails (``expandable``)."""
     from ..allocator.bucket import is_bucket_policy

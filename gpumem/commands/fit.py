@@ -12,7 +12,7 @@ from ..errors import InvalidArgumentError
 from ._common import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
 from ..estimate.fit import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT_LEN
 from ._model_args import (add_lora_args, add_model_args, check_device, context_note, lora_from_args, model_from_args,
-                          needs_vmm, vmm_policy_error,
+                          check_policy_name, needs_vmm, vmm_policy_error,
                           params_text, parse_dtypes)
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mixed_precision is not None and args.weight_fmt is not None:
         raise InvalidArgumentError("--mixed-precision with a weight format is not modelled: its master weights "
                                    "are fp32")
+    check_policy_name(args.policy)
     if not check_device(args.device) and needs_vmm(args.policy):
         raise vmm_policy_error(args.policy, args.device)
     if args.max_value < 1:  # find_max_batch would name its parameter (max_value), not the option

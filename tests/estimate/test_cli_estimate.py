@@ -219,3 +219,13 @@ def test_fit_max_below_one_is_refused_by_its_option_name(value, capsys):
     err = capsys.readouterr().err
     assert f"gpumem fit: --max {value}: the search's upper bound must be 1 or more" in err
     assert "max_value" not in err
+
+
+@pytest.mark.parametrize("cmd", ["estimate", "fit"])
+def test_unknown_policy_lists_every_name_the_command_takes(cmd, capsys):
+    """New user 10: --policy foo listed "gpumem, bestfit, pytorch, cupy, expandable", though --policy bucket runs."""
+    assert main([cmd, *SHAPE, "--prompt-len", "64", "--policy", "foo"]) == 2
+    err = capsys.readouterr().err
+    assert f"gpumem {cmd}: unknown allocator policy 'foo'; choose one of gpumem, bestfit, pytorch, cupy, " \
+           "expandable, bucket" in err
+    assert main([cmd, *SHAPE, "--prompt-len", "64", "--policy", "bucket", "--json", "--device", "sim:t4-16gb"]) == 0

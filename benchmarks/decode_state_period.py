@@ -57,7 +57,8 @@ def pool_state(engine, sink: PlainSink, tpl, step: int, small: bool) -> tuple[tu
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_state_period", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_state_period",
+                                 description=" ".join(__doc__.split("\n\n")[0].split()).rstrip(":.") + ".")
     ap.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     ap.add_argument("--prompt-len", type=int, default=2048, help="prompt tokens (default 2048)")
     ap.add_argument("--new-tokens", type=int, default=800, help="new tokens (default 800)")

@@ -51,7 +51,8 @@ def _cpu_timed(fn):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.estimate_speed", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.estimate_speed",
+                                 description=" ".join(__doc__.split("\n\n")[0].split()).rstrip(":.") + ".")
     ap.add_argument("--prompt-len", type=int, default=2048, help="prompt tokens (default 2048)")
     ap.add_argument("--new-tokens", default="16,100,1000,4000", help="comma-separated new-token counts to time")
     ap.add_argument("--policies", default="pytorch,expandable,gpumem", help="comma-separated policies of the estimate")

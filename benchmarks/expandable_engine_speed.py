@@ -66,7 +66,7 @@ def run(trace_ops: tuple[list[int], list[int], list[int], list[int]], policy: st
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.expandable_engine_speed",
-                                 description=__doc__.splitlines()[0])
+                                 description=" ".join(__doc__.split("\n\n")[0].split()).rstrip(":.") + ".")
     ap.add_argument("--traces", default=str(ROOT / "data" / "traces"), help="directory of traces (default data/traces)")
     ap.add_argument("--policies", default="expandable", help="comma-separated policies (default expandable)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per engine; the fastest counts (default 3)")

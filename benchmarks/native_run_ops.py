@@ -49,7 +49,8 @@ def _stream(policy: str, device: str, batched: bool, limit: int | None, **kw) ->
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.native_run_ops", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.native_run_ops",
+                                 description=" ".join(__doc__.split("\n\n")[0].split()).rstrip(":.") + ".")
     ap.add_argument("--new-tokens", default="100,1000,4000", help="comma-separated new-token counts")
     ap.add_argument("--prompt-len", type=int, default=2048, help="prompt tokens (default 2048)")
     ap.add_argument("--batch-size", type=int, default=1, help="sequences (default 1)")

@@ -79,7 +79,8 @@ def _replay(policy: str, engine: str, ops: tuple[list[int], list[int], list[int]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.segment_engine_bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.segment_engine_bench",
+                                 description=" ".join(__doc__.split("\n\n")[0].split()).rstrip(":.") + ".")
     ap.add_argument("--traces", default=str(ROOT / "data" / "traces"), help="folder of traces (default data/traces)")
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N traces")
     ap.add_argument("--policies", default="pytorch,bestfit", help="comma-separated segment policies")

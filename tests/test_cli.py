@@ -936,6 +936,18 @@ def test_replay_oom_does_not_offer_the_device_that_just_failed(capsys, tmp_path)
     assert "--device sim:gtx-1050-2gb" not in err
 
 
+def test_replay_oom_says_what_the_policy_needed_when_it_failed(capsys):
+    """New user 10: README's gpt2-on-a-T4 example printed peak reserved 13.23 GiB, then "the 14.12 GiB this
+    policy had reached when it failed": it never held 14.12 GiB; that is what it held plus the failed request."""
+    trace = Path(__file__).resolve().parents[1] / "data" / "traces" / "gpt2_train.snapshot.pickle.gz"
+    code, out, err = run(capsys, "replay", str(trace), "--device", "sim:t4-16gb", "--limit", "90%")
+    assert code == EXIT_OOM, err
+    flat = " ".join(err.split())
+    assert "had reached" not in flat
+    assert ("this policy needed when it failed (what it held, live and cached, plus the failed request)"
+            in flat)
+
+
 def test_sigint_ignored_by_the_caller_stays_ignored(capsys, trace_file):
     """Started with SIGINT ignored (``nohup``, a background job of a script), main() keeps it ignored, as Python
     does, instead of installing a handler that would make the job interruptible."""

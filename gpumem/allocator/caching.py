@@ -152,7 +152,8 @@ class CachingAllocator(AllocatorContract):
     def _make_engine(self, engine: str | None, record_history: bool) -> Engine:
         """Note [Choosing the engine]: the native engine is an exact port of both backings
         (``gpumem/_native/engine.h``; segment mode: Note [Segment mode] in ``engine.cpp``), so it runs
-        where history is not recorded (the recorder lives in Python) and pages have one size;
+        where history is not recorded (the recorder lives in Python), pools with pages of their own size
+        (``expandable``) included;
         ``engine="python"`` forces the reference, ``engine="native"`` refuses to fall back. ``None``
         takes it in virtual-memory mode, and in segment mode only with :data:`NATIVE_SEGMENTS_BY_DEFAULT`.
         The choice is made once, here: the allocator then only delegates to it."""

@@ -98,9 +98,10 @@ def _resolve_new_tokens(args: argparse.Namespace) -> None:
     if args.new_tokens not in (None, 0) and getattr(args, "training", False):  # 0 agrees with training
         raise InvalidArgumentError(f"--new-tokens {args.new_tokens} is for generate(): a --training step generates "
                                    "no tokens (its length is --prompt-len)")
-    if args.new_tokens == 0 and not getattr(args, "training", False):
-        raise InvalidArgumentError("--new-tokens 0: generate() makes at least one token (transformers refuses "
-                                   "max_new_tokens=0); give --new-tokens 1 or more, or --training for a step")
+    if args.new_tokens is not None and args.new_tokens <= 0 and not getattr(args, "training", False):
+        raise InvalidArgumentError(f"--new-tokens {args.new_tokens}: generate() makes at least one token "
+                                   "(transformers refuses max_new_tokens=0); give --new-tokens 1 or more, or "
+                                   "--training for a step")
     if args.new_tokens is None:
         from ..estimate.fit import DEFAULT_NEW_TOKENS
 
@@ -126,6 +127,11 @@ def lora_from_args(args: argparse.Namespace) -> Any:
     if args.lora_rank is None and args.lora_targets is not None:
         raise InvalidArgumentError("--lora-targets needs --lora-rank (without it the training is full, not LoRA)")
     if args.lora_rank is None:
+        if args.weight_fmt is not None and args.training and args.weight_fmt.qtype:
+            # a ternary base (BitNet's i2s) takes no LoRA either (LoraConfig): do not send the user there
+            raise InvalidArgumentError(f"--training with {args.weight_fmt.name} weights is not modelled: the ternary "
+                                       "formats' kernels are for inference (generate() only), and full training "
+                                       "updates 16-bit weights")
         if args.weight_fmt is not None and args.training:
             raise InvalidArgumentError("--training with a weight format is modelled only with --lora-rank (QLoRA): "
                                        "full training updates 16-bit weights")
@@ -176,6 +182,17 @@ def vmm_policy_error(policy: str, device: str) -> InvalidArgumentError:
     """The bad-input error of ``--policy`` naming a :func:`needs_vmm` policy on a device without virtual memory."""
     return InvalidArgumentError(f"--policy {policy}: it needs virtual memory management, which {device} does not "
                                 "support; choose another policy")
+
+
+def check_policy_name(policy: str) -> None:
+    """Refuse an unknown ``--policy`` name, listing every name the command takes: the caching policies and the
+    size-bucket pool (``get_policy``'s own message leaves ``bucket`` out: it builds caching policies only)."""
+    from ..allocator.bucket import BUCKET_POLICY_NAME, is_bucket_policy
+    from ..allocator.policy import POLICIES
+
+    if not is_bucket_policy(policy) and policy not in POLICIES:
+        raise InvalidArgumentError(f"unknown allocator policy {policy!r}; choose one of "
+                                   f"{', '.join([*POLICIES, BUCKET_POLICY_NAME])}")
 
 
 def needs_vmm(policy: str) -> bool:

@@ -14,7 +14,7 @@ from ..progress import progress
 from ..units import format_bytes
 from ._args import MANY
 from ._model_args import (add_lora_args, add_model_args, check_device, context_note, lora_from_args, model_from_args,
-                          needs_vmm, vmm_policy_error,
+                          check_policy_name, needs_vmm, vmm_policy_error,
                           params_text, parse_dtypes)
 
 #: The policies estimate replays under unless --policy says otherwise.
@@ -111,11 +111,8 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     policies = [x.strip() for x in ",".join(args.policy or DEFAULT_POLICIES).split(",") if x.strip()]
     if not policies:
         raise InvalidArgumentError(f"--policy {' '.join(args.policy)!r} names no allocator policy")
-    from ..allocator.bucket import is_bucket_policy
-    from ..allocator.policy import get_policy
-    for pol in policies:
-        if not is_bucket_policy(pol):  # the size-bucket pool, as gpumem replay, fit and sweep take it
-            get_policy(pol)
+    for pol in policies:  # the size-bucket pool too, as gpumem replay, fit and sweep take it
+        check_policy_name(pol)
     shape.check_tokens(prompt + (0 if args.training else new))
     if not check_device(args.device):
         policies = _policies_without_vmm(policies, args.device, given=bool(args.policy))

@@ -12,7 +12,7 @@ from ..errors import InvalidArgumentError
 from ._common import EXIT_DEVICE_ERROR, EXIT_DEVICE_LOST, EXIT_OK, EXIT_OOM, EXIT_USAGE, _add_verbose, _exit_codes_text
 from ..estimate.fit import DEFAULT_NEW_TOKENS, DEFAULT_PROMPT_LEN
 from ._model_args import (add_lora_args, add_model_args, check_device, context_note, lora_from_args, model_from_args,
-                          needs_vmm, vmm_policy_error,
+                          check_policy_name, needs_vmm, vmm_policy_error,
                           params_text, parse_dtypes)
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,9 @@ def register(sub: Any, formatter_class: type) -> None:
     p.add_argument("--policy", default="pytorch", help="allocator policy (default: %(default)s)")
     p.add_argument("--margin", type=float, help="extra share of the memory beyond the weights held back (0.25: "
                                                 "the rest must fit in usable/1.25)")
-    p.add_argument("--search", choices=("batch", "seq_len"), default="batch")
+    p.add_argument("--search", choices=("batch", "seq_len"), default="batch",
+                   help="what to find: batch, the largest --batch-size at --prompt-len (the default), or seq_len, "
+                        "the longest --prompt-len at --batch-size")
     p.add_argument("--batch-size", type=int, default=1, help="the batch when searching the sequence length "
                                                                "(default: %(default)s)")
     p.add_argument("--prompt-len", type=int, default=DEFAULT_PROMPT_LEN, help="prompt (training: sequence) length when "
@@ -101,8 +103,11 @@ def run(args: argparse.Namespace) -> int:
     if args.mixed_precision is not None and args.weight_fmt is not None:
         raise InvalidArgumentError("--mixed-precision with a weight format is not modelled: its master weights "
                                    "are fp32")
+    check_policy_name(args.policy)
     if not check_device(args.device) and needs_vmm(args.policy):
         raise vmm_policy_error(args.policy, args.device)
+    if args.max_value < 1:  # find_max_batch would name its parameter (max_value), not the option
+        raise InvalidArgumentError(f"--max {args.max_value}: the search's upper bound must be 1 or more")
     note = (context_note(args.prompt_len + (0 if args.training else args.new_tokens), args.context_len)
             if args.search == "batch" else "")
     try:

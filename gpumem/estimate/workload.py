@@ -839,8 +839,8 @@ class LoraConfig:
                                        f"weight_format('int4')) or None, got {self.base_format!r:.40}")
         if self.base_format is not None and self.base_format.qtype:
             # its forward would dequantize into a workspace the training trace does not hold: refused, not guessed
-            raise InvalidArgumentError(f"LoRA on a {self.base_format.name} base is not modelled: the ternary formats' "
-                                       "kernels are for inference (use int8, int4 or fp8 for QLoRA)")
+            raise InvalidArgumentError(f"LoRA on a base in {self.base_format.name} is not modelled: the ternary "
+                                       "formats' kernels are for inference (use int8, int4 or fp8 for QLoRA)")
 
 
 def _projection_dims(shape: ModelShape) -> dict[str, tuple[int, int]]:

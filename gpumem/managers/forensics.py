@@ -373,12 +373,14 @@ def replay_oom_report(result: Any, allocator: Any, device: Any) -> str:
         shown = ", ".join(fits[:_FITS_SHOWN]) + (f" and {len(fits) - _FITS_SHOWN} larger" if len(fits) > _FITS_SHOWN
                                                   else "")
         what = ("that peak" if need == peak else
-                f"that peak and for the {format_bytes(needed_at_failure)} this policy had reached when it failed")
+                f"that peak and for the {format_bytes(needed_at_failure)} this policy needed when it failed (what it "
+                "held, live and cached, plus the failed request)")
         lines.append(f"  these larger simulated profiles have room for {what}: {shown} (see `gpumem devices`; "
                      "under this policy it may need more).")
     else:
         lines.append("  no larger simulated profile has room for that peak"
-                     + ("" if need == peak else " and for what this policy had reached when it failed") + ".")
+                     + ("" if need == peak else " and for what this policy needed when it failed (what it held "
+                                                "plus the failed request)") + ".")
     advice = []
     if limit_hit:
         advice.append(f"raise --limit (it is {format_bytes(limit)}; the peak is {format_bytes(peak)})")

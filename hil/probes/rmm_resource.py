@@ -212,7 +212,8 @@ def versions() -> dict[str, str]:
 
 
 def main(argv: "list[str] | None" = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hil.probes.rmm_resource", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m hil.probes.rmm_resource",
+                                 description=" ".join(__doc__.split("\n\n")[0].split()).rstrip(":.") + ".")
     ap.add_argument("--out", type=Path, help="folder for rmm-resource.json")
     ap.add_argument("--traces", default=",".join(DEFAULT_TRACES), help="trace files of data/traces, comma-separated")
     ap.add_argument("--traces-dir", type=Path, default=TRACES_DIR, help="the folder of the traces (default: data/traces)")

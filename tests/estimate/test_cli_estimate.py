@@ -190,5 +190,42 @@ def test_no_new_tokens_is_bad_input_for_generate(cmd, capsys):
     """New user 9, F8: --new-tokens 0 was estimated, though generate() refuses max_new_tokens=0."""
     assert main([cmd, *SHAPE, "--prompt-len", "64", "--new-tokens", "0"]) == 2
     assert "--new-tokens 0: generate() makes at least one token" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cmd", ["estimate", "fit"])
+def test_negative_new_tokens_is_refused_by_its_option_name(cmd, capsys):
+    """New user 10: --new-tokens -5 said "new_tokens must be a whole number >= 0", though 0 is refused too."""
+    assert main([cmd, *SHAPE, "--prompt-len", "64", "--new-tokens", "-5"]) == 2
+    err = capsys.readouterr().err
+    assert f"gpumem {cmd}: --new-tokens -5: generate() makes at least one token" in err
+    assert ">= 0" not in err
     assert main([cmd, *SHAPE, "--prompt-len", "64", "--new-tokens", "0", "--training", "--no-reserved"]
                 if cmd == "estimate" else [cmd, *SHAPE, "--prompt-len", "64", "--new-tokens", "0", "--training"]) == 0
+
+
+def test_fit_help_says_what_search_finds(capsys):
+    """New user 10: ``gpumem fit --help`` listed ``--search {batch,seq_len}`` with no word on what either finds."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--search {batch,seq_len} what to find: batch, the largest --batch-size at --prompt-len" in out
+    assert "seq_len, the longest --prompt-len at --batch-size" in out
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_fit_max_below_one_is_refused_by_its_option_name(value, capsys):
+    """New user 10: --max 0 said "max_value must be a positive whole number", a name the command line has not."""
+    assert main(["fit", *SHAPE, "--prompt-len", "64", "--max", value]) == 2
+    err = capsys.readouterr().err
+    assert f"gpumem fit: --max {value}: the search's upper bound must be 1 or more" in err
+    assert "max_value" not in err
+
+
+@pytest.mark.parametrize("cmd", ["estimate", "fit"])
+def test_unknown_policy_lists_every_name_the_command_takes(cmd, capsys):
+    """New user 10: --policy foo listed "gpumem, bestfit, pytorch, cupy, expandable", though --policy bucket runs."""
+    assert main([cmd, *SHAPE, "--prompt-len", "64", "--policy", "foo"]) == 2
+    err = capsys.readouterr().err
+    assert f"gpumem {cmd}: unknown allocator policy 'foo'; choose one of gpumem, bestfit, pytorch, cupy, " \
+           "expandable, bucket" in err
+    assert main([cmd, *SHAPE, "--prompt-len", "64", "--policy", "bucket", "--json", "--device", "sim:t4-16gb"]) == 0

@@ -124,3 +124,17 @@ def test_cli_weight_format_from_option_and_config(tmp_path, capsys):
     assert main(["fit", "--hf-config", str(path), "--device", "sim:t4-16gb", "--max", "16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["weight_format"] == "int8" and out["weights_bytes"] < from_hf_config(path)[0].n_params * 2
+
+
+@pytest.mark.parametrize("cmd", ["estimate", "fit"])
+def test_training_a_ternary_base_is_refused_without_sending_the_user_to_lora(cmd, capsys):
+    """New user 10: --training on a BitNet config (i2s) said "modelled only with --lora-rank (QLoRA)", and with
+    --lora-rank "LoRA on a i2s base is not modelled": two refusals in a row. Now the first says it."""
+    path = str(CONFIGS / "bitnet-b1.58-2b.json")
+    assert main([cmd, "--hf-config", path, "--prompt-len", "128", "--training"]) == 2
+    err = capsys.readouterr().err
+    assert f"gpumem {cmd}: --training with i2s weights is not modelled: the ternary formats' kernels are for " \
+           "inference (generate() only)" in err
+    assert "--lora-rank" not in err
+    assert main([cmd, "--hf-config", path, "--prompt-len", "128", "--training", "--lora-rank", "8"]) == 2
+    assert "LoRA on a base in i2s is not modelled" in capsys.readouterr().err

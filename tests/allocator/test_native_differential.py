@@ -258,13 +258,18 @@ class Differential(RuleBasedStateMachine):
         if policy.name.startswith("custom-pages"):
             policy = dataclasses.replace(policy, small_page_nbytes=small_page, large_page_nbytes=large_page)
         event(f"policy {policy.name}")
+        self._start(big, True, seed, rate, calls, limit, gc, policy)
+
+    def _start(self, big, vmm, seed, rate, calls, limit, gc, policy) -> None:
+        """The pair of engines on the H200's profile (``big``) or a small card (with or without virtual memory),
+        failing ``calls`` at ``rate``."""
         plan = sim.FaultPlan(call_failure_rates={c: rate for c in calls}) if rate else sim.FaultPlan()
         if big:
             def make():
                 return sim.SimDevice(sim.get_profile("h200-141gb"), faults=plan, seed=seed)
         else:
             def make():
-                return sim.SimDevice(small_profile(384), faults=plan, seed=seed)
+                return sim.SimDevice(small_profile(384, vmm=vmm), faults=plan, seed=seed)
         self.pair = Pair(make, policy=policy, limit=limit if not big else None, gc_threshold=gc)
         self.live: list[int] = []
         self.freed: list[int] = []
@@ -1108,16 +1113,7 @@ class SegmentDifferential(Differential):
                 limit=st.sampled_from([None, None, 200 * MiB]), gc=st.sampled_from([None, None, 0.5]),
                 policy=st.sampled_from(SEGMENT_POLICIES))
     def setup(self, big, vmm, seed, rate, calls, limit, gc, policy):
-        plan = sim.FaultPlan(call_failure_rates={c: rate for c in calls}) if rate else sim.FaultPlan()
-        if big:
-            def make():
-                return sim.SimDevice(sim.get_profile("h200-141gb"), faults=plan, seed=seed)
-        else:
-            def make():
-                return sim.SimDevice(small_profile(384, vmm=vmm), faults=plan, seed=seed)
-        self.pair = Pair(make, policy=policy, limit=limit if not big else None, gc_threshold=gc)
-        self.live: list[int] = []
-        self.freed: list[int] = []
+        self._start(big, vmm, seed, rate, calls, limit, gc, policy)
         event(f"policy {policy.name}")
 
 

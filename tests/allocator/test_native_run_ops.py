@@ -264,6 +264,7 @@ def test_bad_input_is_refused_and_changes_nothing(what, args):
     with pytest.raises(InvalidArgumentError, match=what):
         alloc._engine.run_ops(*args, table)
     assert _state(alloc, table) == before
+    assert table.last_ops_done == 2   # the last batch that ran (the refused call ran none: as documented)
 
 
 def test_a_table_that_is_not_a_ptr_table_is_refused():

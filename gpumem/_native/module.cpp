@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
@@ -1294,12 +1295,14 @@ PyObject* Alloc_run_ops(AllocObject* self, PyObject* args, PyObject* kwds) {
     const std::int64_t* ids = ids_copy.data();
     const std::int64_t* sizes = sizes_copy.data();
     std::size_t n_allocs = 0;
+    const bool kinds_unsigned = vk.format && std::strchr(vk.format, 'B');   // uint8 kinds: say 255, not -1
     for (Py_ssize_t q = 0; q < n; ++q) {
         if ((kinds[q] != 0 && kinds[q] != 1) || ids[q] == gpumem::OpPtrMap::kEmpty) {
             if (ids[q] == gpumem::OpPtrMap::kEmpty)
                 std::snprintf(msg, sizeof msg, "run_ops: op %zd names the id -2**63, which a PtrTable cannot hold", q);
             else
-                std::snprintf(msg, sizeof msg, "run_ops: op %zd has kind %d (0: allocate, 1: free)", q, kinds[q]);
+                std::snprintf(msg, sizeof msg, "run_ops: op %zd has kind %d (0: allocate, 1: free)", q,
+                              kinds_unsigned ? static_cast<int>(static_cast<std::uint8_t>(kinds[q])) : kinds[q]);
             raise_kind(self, "INVALID_ARGUMENT", msg);
             return nullptr;
         }

@@ -251,6 +251,7 @@ def _bad_inputs():
         ("one length", (k, i[:2], n)),
         ("one length", (k[:2], i[:2], n)),
         ("kind 2", (np.array([0, 2, 1], np.int8), i, n)),
+        ("kind 255 ", (np.array([0, 255, 1], np.uint8), i, n)),   # uint8 kinds: the value given, not -1
         ("-2\\*\\*63", (k, np.array([0, -2**63, 0], np.int64), n)),
     ]
 

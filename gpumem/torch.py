@@ -676,11 +676,15 @@ def _optimizer_devices(optimizer: Any) -> tuple[int, ...]:
 
 
 def _grad_scaler_class() -> Any:
-    """PyTorch's ``GradScaler`` class (``torch.amp.GradScaler``, which ``torch.cuda.amp.GradScaler`` subclasses),
-    or None where this PyTorch has none."""
+    """PyTorch's ``GradScaler`` class (``torch.amp.GradScaler``, which ``torch.cuda.amp.GradScaler`` subclasses,
+    from PyTorch 2.3; before, ``torch.cuda.amp.GradScaler`` itself: the step hook the marks need is there from
+    2.0), or None where this PyTorch has none."""
     torch = sys.modules.get("torch")
-    cls = getattr(getattr(torch, "amp", None), "GradScaler", None)
-    return cls if isinstance(cls, type) and callable(cls.__dict__.get("step")) else None
+    for owner in (getattr(torch, "amp", None), getattr(getattr(torch, "cuda", None), "amp", None)):
+        cls = getattr(owner, "GradScaler", None)
+        if isinstance(cls, type) and callable(cls.__dict__.get("step")):
+            return cls
+    return None
 
 
 @dataclasses.dataclass

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <new>
 #include <string>
@@ -1226,7 +1227,8 @@ bool ops_buffer(AllocObject* self, PyObject* o, const char* name, Py_ssize_t ite
 // as allocate() or free() raises it; table.last_ops_done says how many ops completed before it (the
 // failed allocation keeps nothing in the table, the failed free's entry is gone: as in the loop). Bad
 // input (arrays of another type, length or shape, a kind not 0 or 1, the reserved id -2**63; called
-// from inside a device call) is an InvalidArgumentError (InternalError for the last) before any op runs.
+// from inside a device call) is an InvalidArgumentError (InternalError for the last) before any op runs. The
+// arrays are read once, at the call: what Python writes into them mid-batch does not change the batch.
 PyObject* Alloc_run_ops(AllocObject* self, PyObject* args, PyObject* kwds) {
     CHECK_ALIVE(self);
     static const char* kwlist[] = {"kinds", "ids", "nbytes", "table", "stream", nullptr};
@@ -1269,9 +1271,6 @@ PyObject* Alloc_run_ops(AllocObject* self, PyObject* args, PyObject* kwds) {
         }
     } release{{&vk, &vi, &vn}};
     const Py_ssize_t n = vk.shape[0];
-    const std::int8_t* kinds = static_cast<const std::int8_t*>(vk.buf);
-    const std::int64_t* ids = static_cast<const std::int64_t*>(vi.buf);
-    const std::int64_t* sizes = static_cast<const std::int64_t*>(vn.buf);
     char msg[200];
     if (vi.shape[0] != n || vn.shape[0] != n) {
         std::snprintf(msg, sizeof msg, "run_ops: kinds, ids and nbytes must have one length, got %zd, %zd and %zd",
@@ -1279,13 +1278,31 @@ PyObject* Alloc_run_ops(AllocObject* self, PyObject* args, PyObject* kwds) {
         raise_kind(self, "INVALID_ARGUMENT", msg);
         return nullptr;
     }
+    // The ops are copied before they are checked: a slow path runs Python (a device call, a subscriber) that
+    // may write into the caller's arrays, and an id or kind changed after the check (the reserved id -2**63
+    // put into the table as its empty marker, popped from an empty slot's stale pointer: a free of another
+    // block) would break the table. The batch is the arrays as they were at the call.
+    std::vector<std::int8_t> kinds_copy;
+    std::vector<std::int64_t> ids_copy, sizes_copy;
+    try {
+        kinds_copy.assign(static_cast<const std::int8_t*>(vk.buf), static_cast<const std::int8_t*>(vk.buf) + n);
+        ids_copy.assign(static_cast<const std::int64_t*>(vi.buf), static_cast<const std::int64_t*>(vi.buf) + n);
+        sizes_copy.assign(static_cast<const std::int64_t*>(vn.buf), static_cast<const std::int64_t*>(vn.buf) + n);
+    } catch (const std::bad_alloc&) {
+        return PyErr_NoMemory();
+    }
+    const std::int8_t* kinds = kinds_copy.data();
+    const std::int64_t* ids = ids_copy.data();
+    const std::int64_t* sizes = sizes_copy.data();
     std::size_t n_allocs = 0;
+    const bool kinds_unsigned = vk.format && std::strchr(vk.format, 'B');   // uint8 kinds: say 255, not -1
     for (Py_ssize_t q = 0; q < n; ++q) {
         if ((kinds[q] != 0 && kinds[q] != 1) || ids[q] == gpumem::OpPtrMap::kEmpty) {
             if (ids[q] == gpumem::OpPtrMap::kEmpty)
                 std::snprintf(msg, sizeof msg, "run_ops: op %zd names the id -2**63, which a PtrTable cannot hold", q);
             else
-                std::snprintf(msg, sizeof msg, "run_ops: op %zd has kind %d (0: allocate, 1: free)", q, kinds[q]);
+                std::snprintf(msg, sizeof msg, "run_ops: op %zd has kind %d (0: allocate, 1: free)", q,
+                              kinds_unsigned ? static_cast<int>(static_cast<std::uint8_t>(kinds[q])) : kinds[q]);
             raise_kind(self, "INVALID_ARGUMENT", msg);
             return nullptr;
         }

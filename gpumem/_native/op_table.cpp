@@ -192,7 +192,8 @@ PyMethodDef Table_methods[] = {
 
 PyGetSetDef Table_getset[] = {
     {"last_ops_done", reinterpret_cast<getter>(Table_last_ops_done), nullptr,
-     "ops the last Allocator.run_ops over this table completed (all of them, or those before the one that raised)",
+     "ops the last Allocator.run_ops over this table completed (all of them, or those before the one that raised); "
+     "a call refused for bad input (before any op runs) leaves it as it was",
      nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };

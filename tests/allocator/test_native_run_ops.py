@@ -251,6 +251,7 @@ def _bad_inputs():
         ("one length", (k, i[:2], n)),
         ("one length", (k[:2], i[:2], n)),
         ("kind 2", (np.array([0, 2, 1], np.int8), i, n)),
+        ("kind 255 ", (np.array([0, 255, 1], np.uint8), i, n)),   # uint8 kinds: the value given, not -1
         ("-2\\*\\*63", (k, np.array([0, -2**63, 0], np.int64), n)),
     ]
 
@@ -264,6 +265,7 @@ def test_bad_input_is_refused_and_changes_nothing(what, args):
     with pytest.raises(InvalidArgumentError, match=what):
         alloc._engine.run_ops(*args, table)
     assert _state(alloc, table) == before
+    assert table.last_ops_done == 2   # the last batch that ran (the refused call ran none: as documented)
 
 
 def test_a_table_that_is_not_a_ptr_table_is_refused():
@@ -400,3 +402,29 @@ def test_a_device_closed_by_another_thread_while_the_batch_waited_for_the_lock_s
     t.join()
     assert outcome  # the other thread's allocation met the closed device
     assert table.last_ops_done == 1 and table[0] != 0 and 1 not in table
+
+
+def test_arrays_written_by_python_mid_batch_do_not_change_the_batch():
+    """A subscriber (Python run by a slow path, mid-batch) that writes the reserved id -2**63 and a bad kind into
+    the caller's arrays: the batch runs the ops as they were at the call (before: the reserved id went into the
+    table as its empty marker, len() lost count, and a free popped an empty slot's stale pointer, a double free)."""
+    ops = [(0, i, 3 * MiB) for i in range(8)] + [(1, i, 0) for i in range(8)] + [(1, -5, 0), (1, -5, 0)]
+    alloc = _allocator()
+    kinds, ids, sizes = _arrays(ops)
+    fired = []
+
+    def on_event(event):
+        if not fired:
+            fired.append(event)
+            ids[:] = -2**63
+            kinds[-1] = 7
+            sizes[:] = -1
+
+    for level in range(4 * MiB, 256 * MiB, 2 * MiB):
+        alloc.device.watch_free_level(level)
+    alloc.device.subscribe(on_event)
+    table = PtrTable()
+    assert alloc._engine.run_ops(kinds, ids, sizes, table) == len(ops)
+    assert fired and len(table) == 0 and table.items() == [] and alloc.live_blocks() == []
+    assert table.last_ops_done == len(ops)
+    alloc.check_consistency()

@@ -623,3 +623,24 @@ def test_real_gradscaler_skipped_steps_mark_too(monkeypatch):  # pragma: no cove
     finally:
         gt._auto_marks().turn(None, None)   # noqa: SLF001
         gt._auto_marks.cache_clear()        # noqa: SLF001
+
+
+def test_a_pytorch_before_2_3_has_its_gradscaler_in_torch_cuda_amp_and_its_skips_are_marked(fake_torch, glued):
+    """PyTorch 2.0 to 2.2 (the optimizer hook, no ``torch.amp.GradScaler``): ``torch.cuda.amp.GradScaler`` is wrapped
+    (before: nothing was, and a skipped step made no mark there)."""
+    _, marked = glued
+
+    class OldGradScaler(FakeGradScaler):
+        step = FakeGradScaler.step   # the class's own step, as torch.cuda.amp.GradScaler's before 2.3
+
+    fake_torch.amp = SimpleNamespace()
+    fake_torch.cuda.amp = SimpleNamespace(GradScaler=OldGradScaler)
+    original = OldGradScaler.__dict__["step"]
+    gt.configure(step_marks="optimizer")
+    assert OldGradScaler.__dict__["step"] is not original
+    scaler, opt = OldGradScaler(), FakeOptimizer(fake_torch)
+    scaler.found_inf = True
+    scaler.step(opt)
+    assert marked == [0]
+    gt.configure(step_marks=None)
+    assert OldGradScaler.__dict__["step"] is original

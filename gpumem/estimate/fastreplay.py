@@ -186,11 +186,11 @@ class PlainSink:
                 # a zero-byte allocation takes no memory (as in replay()): no pointer, its free is skipped
                 self.ptrs[op_id] = self._allocate(nbytes, 0) if nbytes else 0
             except OutOfMemoryError as exc:
-                self.error = exc
-                self._note_trouble()
+                self._stop(exc)
 
-    def _note_trouble(self) -> None:
-        """After the out-of-memory error that stopped this sink (in decode step ``self.step``)."""
+    def _stop(self, exc: OutOfMemoryError) -> None:
+        """The out-of-memory error ``exc`` stops this sink (in decode step ``self.step``)."""
+        self.error = exc
         self.error_step = self.step
         if self.step <= PREFIX_STEP:
             self.early_trouble = True
@@ -218,8 +218,7 @@ class PlainSink:
             try:
                 self._run_ops_native(tpl.kinds, tpl.op_ids(t), tpl.sizes(t), self.ptrs)
             except OutOfMemoryError as exc:
-                self.error = exc
-                self._note_trouble()
+                self._stop(exc)
             return
         self._run_ops(tpl.kinds.tolist(), tpl.op_ids(t).tolist(), tpl.sizes(t).tolist())
 
@@ -233,8 +232,7 @@ class PlainSink:
                 try:
                     ptrs[i] = allocate(n, 0)
                 except OutOfMemoryError as exc:
-                    self.error = exc
-                    self._note_trouble()
+                    self._stop(exc)
                     return
             else:
                 p = ptrs.pop(i, 0)
@@ -461,8 +459,7 @@ class SkippingSink(PlainSink):
                 try:
                     p = ptrs[i] = allocate(n, 0)
                 except OutOfMemoryError as exc:
-                    self.error = exc
-                    self._note_trouble()
+                    self._stop(exc)
                     return
                 if s:
                     where[i] = (step, len(addrs))

@@ -230,10 +230,11 @@ def _prefix_result(prefix: WorkloadTrace, device: "str | Device", policy: str, l
 #   (``tests/allocator/test_native_differential.py``), and the full path (``full_replay=True``) keeps the default
 #   engine (Python in segment mode), so ``tests/estimate/test_fast_replay.py``, which holds the two paths equal
 #   to the byte, compares the engines too. Without the native engine the fast path is the Python one as before.
-def _fast_allocator(device: Device, policy: Any, limit: int | None) -> Any:
-    """The allocator of one policy on the fast path (Note [The fast path on the native engine])."""
+def _replay_allocator(device: Device, policy: Any, limit: int | None, fast: bool) -> Any:
+    """The allocator of one policy: on the fast path the native engine where it is built (Note [The fast path on
+    the native engine]), on the full path the default engine."""
     opts: dict[str, Any] = {} if limit is None else {"limit": limit}
-    if not is_bucket_policy(policy) and load_engine() is not None:
+    if fast and not is_bucket_policy(policy) and load_engine() is not None:
         opts["engine"] = "native"
     return make_allocator(device, policy, **opts)
 
@@ -252,8 +253,7 @@ def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], d
     try:
         for p in policies:
             devs.append(open_device(device) if own else device)  # type: ignore[arg-type]
-            allocators.append(make_allocator(devs[-1], p, **({} if limit is None else {"limit": limit})) if full_replay
-                              else _fast_allocator(devs[-1], p, limit))
+            allocators.append(_replay_allocator(devs[-1], p, limit, fast=not full_replay))
         sinks: list[PlainSink] = [SkippingSink(a) if not full_replay and can_skip_small_pool(a) else PlainSink(a)
                                   for a in allocators]
         group = SinkGroup(sinks)

@@ -300,8 +300,8 @@ def test_the_fast_path_runs_caching_policies_on_the_native_engine_and_the_python
     if load_engine() is None:
         pytest.skip("the native engine is not built")
     made = []
-    real = fit._fast_allocator
-    monkeypatch.setattr(fit, "_fast_allocator", lambda *a: made.append(real(*a)) or made[-1])
+    real = fit._replay_allocator
+    monkeypatch.setattr(fit, "_replay_allocator", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     shape = ModelShape(1024, 2048, 1, 1000, 8, 8)
     replay_inference(shape, 2, ("pytorch", "expandable", "gpumem", "bucket"), DEVICE, prompt_len=300, new_tokens=20)
     assert [a.engine for a in made[:3]] == ["native", "native", "native"] and type(made[3]).__name__ == "BucketAllocator"

@@ -84,14 +84,6 @@ On: the native engine makes the reference's decisions (tests/allocator/test_nati
 white-box tests that read the Python engine's internals pin the reference (tests/allocator/conftest.py)."""
 
 
-NATIVE_SEGMENTS_BY_DEFAULT = False
-"""Whether ``engine=None`` picks the native engine in segment mode too (Note [Choosing the engine]).
-
-Off: the native engine runs ``malloc``'d segments exactly as the reference (Note [Segment mode] in
-``gpumem/_native/engine.cpp``), but reports and the replay read a segment allocator's Python backing
-(:attr:`CachingAllocator.backing`), which the native engine does not have; ``engine="native"`` asks for it."""
-
-
 class CachingAllocator(AllocatorContract):
     """A caching allocator over ``device`` under a named or custom :class:`AllocatorPolicy`.
 
@@ -155,7 +147,9 @@ class CachingAllocator(AllocatorContract):
         where history is not recorded (the recorder lives in Python), pools with pages of their own size
         (``expandable``) included;
         ``engine="python"`` forces the reference, ``engine="native"`` refuses to fall back. ``None``
-        takes it in virtual-memory mode, and in segment mode only with :data:`NATIVE_SEGMENTS_BY_DEFAULT`.
+        takes it in virtual-memory mode only: in segment mode it runs ``malloc``'d segments exactly as the
+        reference, but reports and benchmarks read a segment allocator's Python backing (:attr:`backing`),
+        which the native engine does not have, so ``engine="native"`` asks for it (the estimate's fast path).
         The choice is made once, here: the allocator then only delegates to it."""
         if engine not in (None, "python", "native"):
             raise InvalidArgumentError(f"engine must be None, 'python' or 'native', got {engine!r}")
@@ -165,7 +159,7 @@ class CachingAllocator(AllocatorContract):
                 why = "the native engine (gpumem._engine) is not built"
             elif record_history:
                 why = "the native engine does not record history"
-            if why is None and (engine == "native" or (NATIVE_BY_DEFAULT and (self.uses_vmm or NATIVE_SEGMENTS_BY_DEFAULT))):
+            if why is None and (engine == "native" or (NATIVE_BY_DEFAULT and self.uses_vmm)):
                 return NativeEngine(self.device, self.policy, limit_nbytes=self.limit_nbytes,
                                     gc_threshold=self.gc_threshold, uses_vmm=self.uses_vmm)
             if engine == "native":

@@ -512,7 +512,7 @@ def test_engine_attribute_and_forcing():
     assert CachingAllocator(dev, engine="python").engine == "python"
     assert CachingAllocator(dev, engine="native").engine == "native"
     nano = sim.SimDevice(small_profile(384, vmm=False))
-    assert CachingAllocator(nano).engine == "python"  # segment mode: the reference by default (NATIVE_SEGMENTS_BY_DEFAULT)
+    assert CachingAllocator(nano).engine == "python"  # segment mode: the reference by default (Note [Choosing the engine])
     assert CachingAllocator(dev, "pytorch").engine == "python"
     assert CachingAllocator(nano, engine="native").engine == "native"  # segment mode runs natively when asked
     assert CachingAllocator(dev, "pytorch", engine="native").engine == "native"

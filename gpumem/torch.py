@@ -205,7 +205,9 @@ def _lib() -> ctypes.CDLL:
     lib.gpumem_torch_step_info.argtypes = [ctypes.c_int, u64p, ctypes.c_int]
     lib.gpumem_torch_configure.restype = ctypes.c_int
     lib.gpumem_torch_configure.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_double,
-                                           ctypes.c_int, ctypes.c_double, ctypes.c_int, ctypes.c_uint64]
+                                           ctypes.c_int, ctypes.c_double, ctypes.c_int, ctypes.c_uint64, ctypes.c_int]
+    lib.gpumem_torch_plan_warmup.restype = ctypes.c_int
+    lib.gpumem_torch_plan_warmup.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -564,7 +566,12 @@ class _AutoMarks:
             elif mode is None and self.handle is not None:
                 self.handle.remove()
                 handle = None
+            was = self.mode
             self.mode, self.handle, self.devices, self.failed = mode, handle, {}, None
+            if (mode is None) != (was is None):
+                # Note [A memory-first warm-up] in gpumem/allocator/plan.py: the first automatic mark comes after
+                # the first step, so the engines begin the warm-up now (and engines made from now on, at once)
+                _lib().gpumem_torch_plan_warmup(int(mode is not None))
             if mode is not None and self.scaler is None:
                 self.scaler = _ScalerPatch.install(self)
             elif mode is None and self.scaler is not None:
@@ -740,7 +747,7 @@ def _optimizer_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 #: The policy fields the native engine takes from :func:`configure` (the others are the default policy's).
 _ENGINE_KNOBS = ("growth", "page_slack", "page_slack_min_nbytes", "chunk_max_fraction", "grow_ahead_fraction",
-                 "steal_empty_pages", "busy_slack", "stream_ordered_steal")
+                 "steal_empty_pages", "busy_slack", "stream_ordered_steal", "plan_warmup")
 
 
 #: ``configure``'s default for ``step_marks``: leave the step marks as they are.
@@ -797,7 +804,7 @@ def configure(policy: Any = None, *, step_marks: "str | None" = _KEEP) -> None:
         if lib.gpumem_torch_configure(growth, float(pol.page_slack), float(pol.chunk_max_fraction),
                                       float(pol.grow_ahead_fraction), int(bool(pol.steal_empty_pages)),
                                       float(pol.busy_slack), int(bool(pol.stream_ordered_steal)),
-                                      int(pol.page_slack_min_nbytes)) != 0:
+                                      int(pol.page_slack_min_nbytes), int(bool(pol.plan_warmup))) != 0:
             raise InvalidArgumentError(f"gpumem.torch.configure({pol.name!r}): {_last_error(lib)}")
     if step_marks is not _KEEP:
         _auto_marks().turn(step_marks, register)

@@ -52,6 +52,9 @@ class EngineRow:
     policy: str
     gpu_timing: str
     marked: bool
+    warmup_at_start: bool
+    """``start_plan_warmup()`` before the first allocation, as automatic marks call it (Note [A memory-first
+    warm-up] in :mod:`gpumem.allocator.plan`); else the warm-up begins at the first mark (where the policy has it)."""
     period: int
     marks: int
     overhead: float
@@ -131,12 +134,14 @@ def step_marks(trace: Trace) -> tuple[int, list[int]]:
 
 
 def run(trace: Trace, label: str, policy: Any, timing: str, marked: bool,
-        marks: tuple[int, list[int]] | None = None) -> EngineRow:
+        marks: tuple[int, list[int]] | None = None, warmup_at_start: bool = False) -> EngineRow:
     """One row: ``trace`` replayed under ``policy`` and ``timing``, its steps marked or not (``marks``: those of
-    :func:`step_marks`, found here when None)."""
+    :func:`step_marks`, found here when None); ``warmup_at_start``: see :attr:`EngineRow.warmup_at_start`."""
     period, ranks = step_marks(trace) if marks is None else marks
     with open_device(DEVICE_SPEC) as dev:
         alloc = CachingAllocator(dev, policy)
+        if warmup_at_start:
+            alloc.start_plan_warmup()
         driver = _Marked(alloc, ranks if marked else [])
         replay(trace, driver, gpu_timing=timing, progress=False)  # type: ignore[arg-type]
         plan = alloc.step_plan_info().as_dict()
@@ -145,7 +150,7 @@ def run(trace: Trace, label: str, policy: Any, timing: str, marked: bool,
     steady = len(c) - 2   # calls[i]: at the mark closing planned step i; steps 1 .. len-1 counted from the second
     calls = (c[-1] - c[1]) / (len(c) - 2) if len(c) >= 3 else math.nan
     st_over = driver.steady_reserved / driver.steady_live - 1 if driver.steady_live and steady >= 1 else math.nan
-    return EngineRow(label, policy.name, timing, marked, period, driver.n_marks,
+    return EngineRow(label, policy.name, timing, marked, warmup_at_start, period, driver.n_marks,
                      driver.peak_reserved / driver.peak_live - 1, st_over, calls, plan, driver.peak_live,
                      driver.peak_reserved)
 
@@ -157,7 +162,8 @@ def print_rows(rows: list[EngineRow]) -> None:
     for r in rows:
         p = r.plan
         pct = (lambda x: "n/a" if math.isnan(x) else f"{x:.2%}")
-        print(f"| {r.trace} | {r.policy} | {r.gpu_timing} | {'yes' if r.marked else 'no'} | {pct(r.overhead)} | "
+        warm = "no" if not r.marked else "yes, warm-up begun at the start" if r.warmup_at_start else "yes"
+        print(f"| {r.trace} | {r.policy} | {r.gpu_timing} | {warm} | {pct(r.overhead)} | "
               f"{pct(r.steady_overhead)} | {'n/a' if math.isnan(r.calls_per_steady_step) else f'{r.calls_per_steady_step:.1f}'} | "
               f"{p['served']:,} / {p['fallback']:,} | {p['steps_hit']} / {p['steps_missed']} | "
               f"{p['plans_installed']} installed, {p['plans_dropped']} dropped | {p['arena_calls']} |")
@@ -195,9 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     for label, trace, marks in studied:
         t0 = time.perf_counter()
         for timing in timings:
-            rows.append(run(trace, label, get_policy(DEFAULT_POLICY), timing, marked=False, marks=marks))
-            for policy in (get_policy(DEFAULT_POLICY), MEMORY_FIRST_POLICY):
-                rows.append(run(trace, label, policy, timing, marked=True, marks=marks))
+            default = get_policy(DEFAULT_POLICY)
+            rows.append(run(trace, label, default, timing, marked=False, marks=marks))
+            # the default before its warm-up, with it from the first mark, and from the start (automatic marks)
+            rows.append(run(trace, label, dataclasses.replace(default, name=f"{default.name} (no warm-up)",
+                                                              plan_warmup=False), timing, marked=True, marks=marks))
+            rows.append(run(trace, label, default, timing, marked=True, marks=marks))
+            rows.append(run(trace, label, default, timing, marked=True, marks=marks, warmup_at_start=True))
+            rows.append(run(trace, label, MEMORY_FIRST_POLICY, timing, marked=True, marks=marks))
         print(f"{printable(label)}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     print_rows(rows)
     if args.json:

@@ -1306,7 +1306,10 @@ std::int64_t Engine::chunk_start(VSeg* seg, std::int64_t p) const {
 }
 
 // VirtualBacking._chunk_cap_pages
-std::int64_t Engine::chunk_cap_pages() const { return chunk_cap_pages_of(static_cast<std::int64_t>(reserved_nbytes_ / g_)); }
+std::int64_t Engine::chunk_cap_pages() const {
+    if (warmup_) return 1;   // Note [A memory-first warm-up] in plan.py
+    return chunk_cap_pages_of(static_cast<std::int64_t>(reserved_nbytes_ / g_));
+}
 
 // AllocatorPolicy.chunk_cap_pages
 std::int64_t Engine::chunk_cap_pages_of(std::int64_t held) const {
@@ -1328,12 +1331,14 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
     std::int64_t touched = std::max(peak_live_pages_, live_pages_ + static_cast<std::int64_t>(need.size()));
     // pages held may reach this before a steal
     // at least page_slack_min_nbytes more than touched, within the limit (Note [A slack of at least one page])
-    std::int64_t floor = touched + static_cast<std::int64_t>(cfg_.page_slack_min_nbytes / g);
+    const double slack = warmup_ ? 0.0 : cfg_.page_slack;   // Note [A memory-first warm-up] in plan.py
+    const std::uint64_t slack_min = warmup_ ? 0 : cfg_.page_slack_min_nbytes;
+    std::int64_t floor = touched + static_cast<std::int64_t>(slack_min / g);
     if (cfg_.limit_nbytes)
         floor = std::min(floor, (static_cast<std::int64_t>(cfg_.limit_nbytes) - static_cast<std::int64_t>(plan_mapped_nbytes_)) /
                                     static_cast<std::int64_t>(g));
-    std::int64_t budget = std::max(static_cast<std::int64_t>(static_cast<double>(touched) * (1.0 + cfg_.page_slack)), floor);
-    busy_pages_ = static_cast<double>(touched) * (1.0 + cfg_.page_slack + cfg_.busy_slack);
+    std::int64_t budget = std::max(static_cast<std::int64_t>(static_cast<double>(touched) * (1.0 + slack)), floor);
+    busy_pages_ = static_cast<double>(touched) * (1.0 + slack + cfg_.busy_slack);
     std::int64_t top_page = static_cast<std::int64_t>((seg->top - 1) / g);
     std::vector<std::int64_t> mapped;   // first pages of the chunks this call mapped
     std::vector<ChunkHandle> created;
@@ -1581,7 +1586,7 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
             return true;
         }
     }
-    if (cfg_.stream_ordered_steal) {   // Note [Stream-ordered steal] in backing.py
+    if (cfg_.stream_ordered_steal || warmup_) {   // Note [Stream-ordered steal] in backing.py
         for (auto& c : fits) {
             FenceMap pending = chunk_fences(c.seg, c.s, batch);
             bool ours = true;
@@ -2212,6 +2217,7 @@ std::uint64_t Engine::allocate_slow(std::uint64_t nbytes, std::uint64_t size, bo
         backend_.mem_info(&f, &t);
         throw oom_error(nbytes, size > total ? OomCause::kTooLarge : OomCause::kLimit, nullptr);
     }
+    plan_check_warmup();   // Note [A memory-first warm-up] in plan.py
     FreeList* fl = free_list_make(small, stream);
     Block* b = fl_best_fit(fl, size);
     if (!b && !pending_.empty()) {
@@ -3007,6 +3013,8 @@ constexpr int kMissWindow = 8;        // plan.py MISS_WINDOW
 constexpr int kMissWindowLimit = 4;   // plan.py MISS_WINDOW_LIMIT
 constexpr std::uint64_t kArenaVaFactor = 2;   // plan.py ARENA_VA_FACTOR
 constexpr std::uint64_t kOverrunFactor = 4;   // plan.py OVERRUN_FACTOR
+constexpr std::uint64_t kWarmupMarks = 8;   // plan.py WARMUP_MARKS
+constexpr std::uint64_t kWarmupAllocs = std::uint64_t{1} << 14;   // plan.py WARMUP_ALLOCS
 
 // plan.py _Ranges over a std::map: disjoint ranges [start, end) with a slot each (install's sweep)
 struct Ranges {
@@ -3156,7 +3164,41 @@ int Engine::mark_step() {
     })
 }
 
+// StepPlan.start_warmup .. check_warmup (Note [A memory-first warm-up] in plan.py)
+bool Engine::plan_start_warmup() {
+    plan_check_warmup();
+    if (!warmup_ && !warmup_done_ && plan_state_ != kPlanPlanned && cfg_.plan_warmup && chunked_ && !cfg_.segments) {
+        warmup_ = true;
+        warmup_marks_ = 0;
+        warmup_since_ = st_.num_allocs;
+    }
+    return warmup_;
+}
+
+void Engine::plan_end_warmup() {
+    if (warmup_) {
+        warmup_ = false;
+        warmup_done_ = true;
+    }
+}
+
+void Engine::plan_check_warmup() {
+    if (warmup_ && st_.num_allocs - warmup_since_ >= kWarmupAllocs) plan_end_warmup();
+}
+
+bool Engine::start_plan_warmup() {
+    Guard guard(*this);
+    check_usable_op();
+    if (closed_) throw EngineError(EngineErrorKind::kInvalidArgument, "start_plan_warmup: the allocator is closed");
+    return plan_start_warmup();
+}
+
 int Engine::plan_mark() {
+    if (plan_start_warmup()) {   // the first mark begins it; each counts
+        ++warmup_marks_;
+        warmup_since_ = st_.num_allocs;
+        if (warmup_marks_ >= kWarmupMarks) plan_end_warmup();
+    }
     {
         int s = plan_state_;
         if (s == kPlanOff || s == kPlanReady) {
@@ -3487,6 +3529,7 @@ bool Engine::install_plan(const std::vector<std::int64_t>& offsets, std::int64_t
     left_ = since_mark_ > 0;   // allocations came between the mark and the install: not this step
     plan_state_ = kPlanPlanned;
     ++plans_installed_;
+    plan_end_warmup();
     rec_prev_.clear();
     rec_prev_map_.clear();
     rec_cur_.clear();
@@ -3915,7 +3958,7 @@ std::vector<std::uint64_t> Engine::step_plan_info() {
     return {static_cast<std::uint64_t>(plan_state_), slot_off_.size(), cur ? cur->extent_nbytes : 0, plan_mapped_nbytes_,
             plan_served_, plan_fallback_, plan_steps_hit_, plan_steps_missed_, plans_installed_, plans_dropped_,
             plan_arena_calls_, plan_live_nbytes(), rec_cur_.size() + rec_prev_.size(), plan_recordings_abandoned_,
-            plan_implicit_steps_};
+            plan_implicit_steps_, warmup_ && st_.num_allocs - warmup_since_ < kWarmupAllocs ? 1u : 0u};
 }
 
 }  // namespace gpumem

@@ -78,6 +78,9 @@ struct EngineConfig {
     SegmentRule segment_rule = SegmentRule::kGranular;
     std::uint64_t small_segment_nbytes = std::uint64_t{2} << 20;
     bool segments_top_down = false;
+    // growth=CHUNKS with step plans: grow memory-first until a plan is installed (Note [A memory-first warm-up]
+    // in plan.py; Engine::warmup_)
+    bool plan_warmup = true;
     // growth=PAGES, no steal: the page size of the small / large pool's range (Note [Pages of a pool's own
     // size] in engine.cpp); 0: the device granularity (Python: small_page_nbytes / large_page_nbytes None)
     std::uint64_t small_page_nbytes = 0;
@@ -337,6 +340,7 @@ class Engine {
     // its generation (false: none waits); install_plan with a generation (>= 0) installs nothing and returns
     // false when that READY step went away; without one (-1), no READY step raises.
     int mark_step();
+    bool start_plan_warmup();   // PythonEngine.start_plan_warmup (Note [A memory-first warm-up] in plan.py)
     struct StepRecord {
         std::uint64_t nbytes;
         std::uint64_t stream;
@@ -643,6 +647,12 @@ class Engine {
     std::uint64_t plan_recordings_abandoned_ = 0;   // plan.py counts["recordings_abandoned"]
     std::uint64_t plan_implicit_steps_ = 0;   // plan.py counts["implicit_steps"] (Note [An implicit step restart])
     std::uint64_t record_limit_ = std::uint64_t{1} << 14;   // plan.py record_limit (RECORD_LIMIT)
+    // Note [A memory-first warm-up] in plan.py: VirtualBacking.warmup and StepPlan's warmup_* (same names)
+    bool warmup_ = false, warmup_done_ = false;
+    std::uint64_t warmup_marks_ = 0, warmup_since_ = 0;
+    bool plan_start_warmup();   // StepPlan.start_warmup (caller holds mu_)
+    void plan_end_warmup();     // StepPlan.end_warmup
+    void plan_check_warmup();   // StepPlan.check_warmup
 
     // -- segment mode: backing.py SegmentBacking (Note [Segment mode] in engine.cpp; same names) -----------
     std::uint64_t segment_nbytes(bool small, std::uint64_t nbytes) const;   // AllocatorPolicy.segment_nbytes

@@ -331,6 +331,7 @@ const PolicyField kPolicyFields[] = {
     {"large_page_nbytes", FieldKind::kU64OrNone, offsetof(EngineConfig, large_page_nbytes)},
     NOT_READ(segments_top_down),   // segment mode only
     CFG(grow_ahead_fraction, kF64), CFG(busy_slack, kF64), CFG(stream_ordered_steal, kBool),
+    CFG(plan_warmup, kBool),
 };
 #undef CFG
 #undef NOT_READ
@@ -1078,6 +1079,10 @@ PyObject* Alloc_mark_step(AllocObject* self, PyObject*) {
     CHECK_ALIVE(self);
     return run_op(self, [&]() { return PyLong_FromLong(self->engine->mark_step()); });
 }
+PyObject* Alloc_start_plan_warmup(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
+    return run_op(self, [&]() { return PyBool_FromLong(self->engine->start_plan_warmup()); });
+}
 
 // step_template(missing_ok=False): (nbytes, streams, free_own, free_next, generation); None with missing_ok
 // when no step waits (Note [Step plans and threads] in plan.py)
@@ -1481,6 +1486,8 @@ PyMethodDef Alloc_methods[] = {
     {"closed", reinterpret_cast<PyCFunction>(Alloc_closed), METH_NOARGS, "whether close() ran"},
     {"lost", reinterpret_cast<PyCFunction>(Alloc_lost), METH_NOARGS, "whether the device was lost"},
     {"mark_step", reinterpret_cast<PyCFunction>(Alloc_mark_step), METH_NOARGS, "a step boundary (step plans)"},
+    {"start_plan_warmup", reinterpret_cast<PyCFunction>(Alloc_start_plan_warmup), METH_NOARGS,
+     "grow memory-first until a step plan is installed (Note [A memory-first warm-up] in plan.py)"},
     {"step_template", reinterpret_cast<PyCFunction>(Alloc_step_template), METH_VARARGS,
      "step_template(missing_ok=False): the recorded step waiting for its plan: (nbytes, streams, free_own, "
      "free_next, generation); None with missing_ok when none waits"},

@@ -100,6 +100,13 @@ gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
             throw std::runtime_error("GPUMEM_STREAM_ORDERED_STEAL must be 0 or 1, not '" + s + "'");
         cfg.stream_ordered_steal = s == "1";
     }
+    // AllocatorPolicy.plan_warmup: GPUMEM_PLAN_WARMUP=0 or 1 (Note [A memory-first warm-up] in plan.py)
+    if (const char* v = std::getenv("GPUMEM_PLAN_WARMUP")) {
+        std::string s(v);
+        if (s != "0" && s != "1")
+            throw std::runtime_error("GPUMEM_PLAN_WARMUP must be 0 or 1, not '" + s + "'");
+        cfg.plan_warmup = s == "1";
+    }
     return cfg;
 }
 }  // namespace
@@ -144,6 +151,7 @@ struct TorchState {
     std::atomic<DeviceEngine*> devices[kMaxDevices] = {};
     std::string make_error[kMaxDevices];   // why a device's engine could not be made (under make_mutex)
     EngineConfig config;                   // the policy of engines made from now on (under make_mutex)
+    bool warmup_at_start = false;          // engines made from now on begin the plan warm-up (under make_mutex)
 };
 
 TorchState& state() {
@@ -175,6 +183,7 @@ DeviceEngine* get_or_make(int device) {
                                      " does not support virtual memory management (cuMemCreate/cuMemMap), "
                                      "which gpumem's native engine needs");
         made->engine = std::make_unique<Engine>(*made->backend, torch_engine_config(s.config));
+        if (s.warmup_at_start) made->engine->start_plan_warmup();   // Note [A memory-first warm-up] in plan.py
     } catch (const std::exception& e) {
         s.make_error[device] = e.what();
         throw std::runtime_error(std::string("gpumem could not start on CUDA device ") + std::to_string(device) +
@@ -595,14 +604,15 @@ GPUMEM_EXPORT std::int64_t gpumem_torch_trace_read(int device, std::uint64_t* ou
 // gpumem_torch_last_error() (a value out of range: nothing changed).
 GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double chunk_max_fraction,
                                          double grow_ahead_fraction, int steal_empty_pages, double busy_slack,
-                                         int stream_ordered_steal, std::uint64_t page_slack_min_nbytes) {
+                                         int stream_ordered_steal, std::uint64_t page_slack_min_nbytes,
+                                         int plan_warmup) {
     // the ranges of AllocatorPolicy (Note [Every knob has a range] in policy.py)
     if ((growth != 0 && growth != 1) || !(page_slack >= 0.0 && page_slack <= 1.0) ||
         !(chunk_max_fraction >= 0.0 && chunk_max_fraction <= 1.0) ||
         !(grow_ahead_fraction >= 0.0 && grow_ahead_fraction <= 1.0) || !(busy_slack >= 0.0) ||
-        (stream_ordered_steal != 0 && stream_ordered_steal != 1)) {
+        (stream_ordered_steal != 0 && stream_ordered_steal != 1) || (plan_warmup != 0 && plan_warmup != 1)) {
         t_last_error = "gpumem_torch_configure: growth must be 0 or 1, page_slack, grow_ahead_fraction and "
-                       "chunk_max_fraction in [0, 1], busy_slack >= 0, stream_ordered_steal 0 or 1";
+                       "chunk_max_fraction in [0, 1], busy_slack >= 0, stream_ordered_steal and plan_warmup 0 or 1";
         return -1;
     }
     TorchState& s = state();
@@ -615,6 +625,28 @@ GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double c
     s.config.busy_slack = busy_slack;
     s.config.stream_ordered_steal = stream_ordered_steal != 0;
     s.config.page_slack_min_nbytes = page_slack_min_nbytes;
+    s.config.plan_warmup = plan_warmup != 0;
+    return 0;
+}
+
+// Automatic step marks turned on (on = 1) or off (0): engines made from now on begin the memory-first warm-up
+// at once, and so does every engine that exists (where its policy has one, none ran, no plan is installed:
+// Note [A memory-first warm-up] in plan.py), since the first automatic mark comes after the first step.
+// Returns 0 (an engine whose device was lost is left as it is).
+GPUMEM_EXPORT int gpumem_torch_plan_warmup(int on) {
+    TorchState& s = state();
+    std::lock_guard<std::mutex> lock(s.make_mutex);
+    s.warmup_at_start = on != 0;
+    if (!on) return 0;
+    for (auto& slot : s.devices) {
+        DeviceEngine* d = slot.load(std::memory_order_acquire);
+        if (d == nullptr) continue;
+        try {
+            d->engine->start_plan_warmup();
+        } catch (const std::exception&) {
+            // a lost device's engine refuses every operation: it has nothing to warm up; the others go on
+        }
+    }
     return 0;
 }
 

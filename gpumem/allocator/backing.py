@@ -259,6 +259,9 @@ class Backing(abc.ABC):
         self.device_calls = 0
         self.outside_nbytes = 0
         """Memory held beside the backing that counts against the limit (a step plan's arena pages)."""
+        self.warmup = False
+        """``growth=CHUNKS``: grow memory-first (one-page chunks, no page slack, stream-ordered steal) whatever the
+        policy's knobs say; the engine turns it on and off (Note [A memory-first warm-up] in :mod:`.plan`)."""
         self.on_segment: Callable[[str, int, int, int], None] | None = None
         """Called as ``on_segment(action, addr, nbytes, stream)`` for history recording."""
 
@@ -972,6 +975,8 @@ class VirtualBacking(Backing):
     def _chunk_cap_pages(self) -> int:
         """The most pages a new chunk may hold now: ``chunk_max_fraction`` of the memory held and
         ``chunk_max_nbytes``, at least one page."""
+        if self.warmup:  # Note [A memory-first warm-up] in .plan
+            return 1
         return self.policy.chunk_cap_pages(self.reserved_nbytes // self.granularity, self.granularity)
 
     def _map_runs(self, seg: VirtualSegment, need: list[int], first: int, last: int, requested: int,
@@ -992,15 +997,16 @@ class VirtualBacking(Backing):
         touched = max(self.peak_live_pages, self.live_pages + len(need))
         # pages held may reach this before a steal; at least page_slack_min_nbytes more than touched, within
         # the limit (Note [A slack of at least one page])
-        floor = touched + self.policy.page_slack_min_nbytes // g
+        slack, slack_min = (0.0, 0) if self.warmup else (self.policy.page_slack, self.policy.page_slack_min_nbytes)
+        floor = touched + slack_min // g
         if self.limit_nbytes is not None:
             floor = min(floor, (self.limit_nbytes - self.outside_nbytes) // g)
-        budget = max(int(touched * (1.0 + self.policy.page_slack)), floor)
+        budget = max(int(touched * (1.0 + slack)), floor)
         top_page = (seg.top - 1) // g
         mapped: list[int] = []  # first pages of the chunks this call mapped
         created = self._created = []
         stolen = self._stolen_ordered = []
-        self._busy_pages = touched * (1.0 + self.policy.page_slack + self.policy.busy_slack)
+        self._busy_pages = touched * (1.0 + slack + self.policy.busy_slack)
         try:
             i = 0
             while i < len(need):
@@ -1209,7 +1215,7 @@ class VirtualBacking(Backing):
             if self._chunk_ready(other, s, False, batch, busy):
                 self.n_steals += 1
                 return self._unmap_chunk(other, s)
-        if self.policy.stream_ordered_steal:
+        if self.policy.stream_ordered_steal or self.warmup:
             for n, _, s, other in fits:
                 pending = self._chunk_fences(other, s, batch)
                 if all(st == stream or self.fences.done(st, number) for st, number in pending.items()):

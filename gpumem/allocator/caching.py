@@ -223,6 +223,18 @@ class CachingAllocator(AllocatorContract):
                     self._engine.install_plan([int(x) for x in offsets], ready[4])
         return result
 
+    def start_plan_warmup(self) -> bool:
+        """Grow memory-first from now until a step plan is installed, as the first :meth:`mark_step` would begin
+        it: for a program whose first mark comes after its first step (automatic marks after
+        ``optimizer.step()``), so that the steps before the plan, which decide the run's peak, hold little
+        (Note [A memory-first warm-up] in :mod:`.plan`). Returns whether the warm-up is on: not where the policy
+        has no ``plan_warmup`` or grows otherwise than by chunks, a warm-up already ran, or a plan is installed.
+
+        Raises:
+            InvalidArgumentError: the allocator is closed.
+        """
+        return bool(self._engine.start_plan_warmup())
+
     def reset_peak_stats(self) -> None:
         """Set the peaks (allocated, requested, reserved) to the values now, as
         ``torch.cuda.reset_peak_memory_stats`` does; reserved counts a step plan's arena."""

@@ -86,6 +86,11 @@ class Engine(Protocol):
         """A step boundary; a :class:`~gpumem.allocator.plan.MarkResult` value."""
         ...
 
+    def start_plan_warmup(self) -> bool:
+        """Begin the memory-first warm-up before the first mark; whether it is on (Note [A memory-first
+        warm-up] in :mod:`gpumem.allocator.plan`)."""
+        ...
+
     def step_template(self, missing_ok: bool = False) -> tuple[list[int], list[int], list[int], list[int], int] | None:
         """The recorded step waiting for its plan: requested bytes, streams, free ranks (own step, next), and
         its generation (for :meth:`install_plan`); None with ``missing_ok`` when none waits."""

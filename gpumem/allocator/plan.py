@@ -121,6 +121,25 @@ would miss four steps in eight and drop its plan every few steps (the test loop 
 37 planned steps hit; before them (no mark at a skip) 81.9 % (`reports/hil/gradscaler-skips-h200-2026-11-29.md`).
 A step that is not its template's prefix (a slot's size or stream differs) still leaves the plan (``left``).
 
+Note [A memory-first warm-up]
+-----------------------------
+Why: a plan serves the steps after it forms; the steps before it (setup, the first steps, which create the
+optimizer state) are the engine's, and they decide the run's peak. Under the default policy they held 5.37 %
+above peak allocated in the replay of live GPT-2 (`reports/sim-step-plan-engine.md`: 0.98 % in the planned
+steps), and live programs had to set the memory-first policy (one-page chunks, no page slack,
+stream-ordered steal) by hand for the run's peak to follow the plan (0.56 %), paying +7 to +50 % step time
+wherever no plan formed (variable lengths, generate()). Rule (``AllocatorPolicy.plan_warmup``, on in the
+default policy; ``growth=CHUNKS`` only): the first ``mark_step()`` (or ``start_plan_warmup()``, which automatic
+marks call when turned on, since their first mark comes after the first step) turns the warm-up on; while on,
+the engine grows as the memory-first setting does whatever its knobs say; it ends for good when a plan is
+installed, at the :data:`WARMUP_MARKS` (8th) mark with none (a repeating loop is planned at its third), or
+once :data:`WARMUP_ALLOCS` allocations pass with no mark (a program that stopped marking, or never marks
+after ``start_plan_warmup()``; checked where the engine grows, the only place the knobs are read). So the
+memory-first cost is paid for a few steps at most, and a program that never marks is not touched. After
+it, what the warm-up grew stays (weights, optimizer state packed in one-page chunks); misses and kept
+blocks grow by the policy's knobs. Both engines count the same marks and allocations (``num_allocs``), so the
+differential test holds them identical; ``PlanInfo.warmup`` says whether it is on.
+
 Note [Step plans and record_stream]
 -----------------------------------
 A recorded step in which one of its allocations is used on another stream (``record_stream`` on the
@@ -245,6 +264,10 @@ RECORD_LIMIT = 1 << 14
 stop]). Per engine: ``set_step_record_limit``."""
 OVERRUN_FACTOR = 4
 """A planned step whose allocations pass this many times its template's drops the plan (Note [When marks stop])."""
+WARMUP_MARKS = 8
+"""Marks of a memory-first warm-up after which it ends with no plan installed (Note [A memory-first warm-up])."""
+WARMUP_ALLOCS = RECORD_LIMIT
+"""Allocations with no mark (since the warm-up began, or its last mark) that end a memory-first warm-up."""
 
 
 class _NamedIntEnum(enum.IntEnum):
@@ -490,11 +513,12 @@ class PlanInfo:
     which ``mapped_nbytes`` holds beside the engine's cache. ``records``: allocations of the recorded steps
     held (host memory, at most twice :data:`RECORD_LIMIT`); ``recordings_abandoned``: recorded steps that ran
     past that limit (Note [When marks stop]); ``implicit_steps``: planned steps started with no mark, by an
-    allocation after the last slot that fits slot 0 (Note [An implicit step restart])."""
+    allocation after the last slot that fits slot 0 (Note [An implicit step restart]); ``warmup``: 1 while the
+    engine grows memory-first until a plan forms (Note [A memory-first warm-up]), else 0."""
 
     FIELDS = ("state", "slots", "arena_nbytes", "mapped_nbytes", "served", "fallback", "steps_hit",
               "steps_missed", "plans_installed", "plans_dropped", "arena_calls", "live_nbytes", "records",
-              "recordings_abandoned", "implicit_steps")
+              "recordings_abandoned", "implicit_steps", "warmup")
 
     def __init__(self, values: Sequence[int]) -> None:
         if len(values) != len(self.FIELDS):
@@ -597,6 +621,12 @@ class StepPlan:
                                      "implicit_steps"), 0)
         self.record_limit = RECORD_LIMIT
         """Records a recorded step may hold (Note [When marks stop]): :meth:`set_record_limit`."""
+        self.warmup_marks = 0
+        """Marks since the memory-first warm-up began (Note [A memory-first warm-up])."""
+        self.warmup_since = 0
+        """The engine's ``num_allocs`` when the warm-up began or last saw a mark."""
+        self.warmup_done = False
+        """A warm-up ran and ended: none begins again."""
 
     def _reset_recording(self) -> None:
         self.cur: list[list[int]] = []     # [nbytes, stream, free_own, free_next]
@@ -646,7 +676,36 @@ class StepPlan:
         self._give_back_dropped()
         return result
 
+    # -- Note [A memory-first warm-up] ----------------------------------------------------------------------
+    def start_warmup(self) -> bool:
+        """Begin the memory-first warm-up where the policy asks for one (``plan_warmup``, ``growth=CHUNKS``) and
+        none ran before and no plan is installed; whether it is on now."""
+        self.check_warmup()
+        b = self.e.backing
+        if (not b.warmup and not self.warmup_done and self.state is not StepState.PLANNED
+                and self.e.policy.plan_warmup and getattr(b, "chunked", False)):
+            b.warmup = True
+            self.warmup_marks = 0
+            self.warmup_since = self.e._stats.num_allocs
+        return b.warmup
+
+    def end_warmup(self) -> None:
+        if self.e.backing.warmup:
+            self.e.backing.warmup = False
+            self.warmup_done = True
+
+    def check_warmup(self) -> None:
+        """Before the engine grows (its slow path): past :data:`WARMUP_ALLOCS` allocations with no mark, the
+        warm-up ends."""
+        if self.e.backing.warmup and self.e._stats.num_allocs - self.warmup_since >= WARMUP_ALLOCS:
+            self.end_warmup()
+
     def _mark(self) -> MarkResult:
+        if self.start_warmup():  # the first mark begins it; each counts
+            self.warmup_marks += 1
+            self.warmup_since = self.e._stats.num_allocs
+            if self.warmup_marks >= WARMUP_MARKS:
+                self.end_warmup()
         s = self.state
         if s is StepState.OFF or s is StepState.READY:
             self._reset_recording()
@@ -862,6 +921,7 @@ class StepPlan:
         self.left = self.since_mark > 0   # allocations came between the mark and the install: not this step
         self.state = StepState.PLANNED
         self.counts["plans_installed"] += 1
+        self.end_warmup()
         self.prev, self.prev_map, self.cur, self.cur_map = [], {}, [], {}
         self.cur_cross = self.prev_cross = False
         return True
@@ -1209,7 +1269,8 @@ class StepPlan:
         return PlanInfo((int(self.state), len(self.off), arena.extent_nbytes if arena else 0, self.mapped_nbytes,
                          c["served"], c["fallback"], c["steps_hit"], c["steps_missed"], c["plans_installed"],
                          c["plans_dropped"], c["arena_calls"], self.live_nbytes(), len(self.cur) + len(self.prev),
-                         c["recordings_abandoned"], c["implicit_steps"]))
+                         c["recordings_abandoned"], c["implicit_steps"],
+                         int(self.e.backing.warmup and self.e._stats.num_allocs - self.warmup_since < WARMUP_ALLOCS)))
 
     def live_nbytes(self) -> int:
         """Bytes (rounded) of live arena allocations, for the consistency check."""

@@ -189,6 +189,13 @@ class AllocatorPolicy:
     [Stream-ordered steal] in :mod:`.backing`). Off (the default: it costs step time live): the ``busy_slack``
     rule alone."""
 
+    plan_warmup: bool = True
+    """``growth=CHUNKS`` with step plans: from the first ``mark_step()`` (or from ``start_plan_warmup()``, which
+    automatic marks call before the first step) until a plan is installed, grow as the memory-first setting does
+    (one-page chunks, no page slack, stream-ordered steal), then by this policy's own knobs again; it ends too at
+    the 8th mark with no plan, and after 2**14 allocations with no mark (Note [A memory-first warm-up] in
+    :mod:`.plan`). No effect on a program that never marks a step, nor under another growth rule."""
+
     def chunk_cap_pages(self, held_pages: int, page_nbytes: int) -> int:
         """The most pages a new chunk may hold when ``held_pages`` are held: ``chunk_max_fraction`` of them and
         ``chunk_max_nbytes``, at least one page (Note [Chunks of several pages] in :mod:`.backing`)."""
@@ -282,6 +289,7 @@ _FIELD_RANGES: dict[str, tuple[str, float, float]] = {
     "grow_ahead_fraction": ("float", 0.0, 1.0),
     "busy_slack": ("float+inf", 0.0, float("inf")),
     "stream_ordered_steal": ("bool", 0, 0),
+    "plan_warmup": ("bool", 0, 0),
 }
 """Each field of :class:`AllocatorPolicy`: its kind and its inclusive range (Note [Every knob has a range])."""
 

@@ -169,6 +169,7 @@ class PythonEngine:
             self._stats.num_ooms += 1
             self.device.mem_info()  # the native engine asks twice here too (the differential test compares calls)
             raise self._oom_error(nbytes, OomCause.TOO_LARGE if size > total else OomCause.LIMIT)
+        self._plan.check_warmup()  # Note [A memory-first warm-up] in .plan
         free_list = self._free_lists.get((small, stream))
         if free_list is None:
             free_list = self._free_lists[(small, stream)] = self._new_free_list()
@@ -663,6 +664,14 @@ class PythonEngine:
             if self._closed:
                 raise InvalidArgumentError("mark_step: the allocator is closed")
             return int(self._plan.mark())
+
+    def start_plan_warmup(self) -> bool:
+        """Begin the memory-first warm-up before the first mark (Note [A memory-first warm-up] in :mod:`.plan`);
+        whether it is on."""
+        with self._operation():
+            if self._closed:
+                raise InvalidArgumentError("start_plan_warmup: the allocator is closed")
+            return self._plan.start_warmup()
 
     def step_template(self, missing_ok: bool = False) -> tuple[list[int], list[int], list[int], list[int], int] | None:
         """The READY step: (requested bytes, streams, free rank in its step, free rank in the next, generation);

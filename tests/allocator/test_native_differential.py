@@ -51,6 +51,7 @@ POLICIES = [
     dataclasses.replace(_BASE, name="chunks-no-slack", page_slack=0.0, chunk_max_fraction=1.0),
     dataclasses.replace(_BASE, name="chunks-busy-slack", page_slack=0.0, busy_slack=0.05),
     dataclasses.replace(_BASE, name="chunks-wait-busy", busy_slack=0.0),
+    dataclasses.replace(_BASE, name="chunks-no-warmup", plan_warmup=False),
     # stream-ordered steal (off by default) on, and on with small chunks that are stolen often
     dataclasses.replace(_BASE, name="chunks-ordered-steal", stream_ordered_steal=True, chunk_max_fraction=1 / 1024),
     dataclasses.replace(_BASE, name="chunks-ordered-small", page_slack=0.0, busy_slack=0.0, stream_ordered_steal=True,
@@ -392,6 +393,11 @@ class Differential(RuleBasedStateMachine):
     @rule()
     def mark_step(self):
         self.pair.both("mark_step")
+
+    @rule()
+    def start_plan_warmup(self):
+        """Note [A memory-first warm-up] in gpumem/allocator/plan.py: begun before any mark, or refused."""
+        self.pair.both("start_plan_warmup")
 
     @rule(pattern=STEP_PATTERNS, jitter=st.sampled_from([None, None, None, 0, 3]))
     def planned_step(self, pattern, jitter):

@@ -1,0 +1,150 @@
+"""The memory-first warm-up before a step plan forms (Note [A memory-first warm-up] in gpumem/allocator/plan.py),
+on both engines: what begins it, what ends it, and that while it is on the engine decides as the memory-first
+policy does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpumem import sim
+from gpumem.allocator import CachingAllocator
+from gpumem.allocator.plan import WARMUP_ALLOCS, WARMUP_MARKS, MarkResult, PlanInfo
+from gpumem.allocator.policy import get_policy
+from gpumem.errors import InvalidArgumentError
+from gpumem.native import load_engine
+from gpumem.units import MiB
+
+from test_plan_layer import LOOP, Loop
+
+ENGINES = ["python"] + (["native"] if load_engine() is not None else [])
+DEFAULT = get_policy("gpumem")
+MEMORY_FIRST = dataclasses.replace(DEFAULT, name="memory-first", chunk_max_fraction=0.0, page_slack=0.0,
+                                   page_slack_min_nbytes=0, stream_ordered_steal=True, plan_warmup=False)
+"""What the warm-up grows as: one-page chunks, no page slack, the stream-ordered steal."""
+
+
+def make(engine: str, policy=DEFAULT, **kw) -> CachingAllocator:
+    return CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), policy, engine=engine, **kw)
+
+
+def warmup(alloc: CachingAllocator) -> bool:
+    return bool(alloc.step_plan_info().warmup)
+
+
+# A program: (size, stream) allocations, each freed some allocations later; enough growth to move chunks.
+PROGRAMS = st.lists(st.tuples(st.sampled_from([512, 700, 1 * MiB + 5, 2 * MiB, 3 * MiB, 5 * MiB, 9 * MiB, 40 * MiB]),
+                              st.sampled_from([0, 0, 0, 7]), st.integers(1, 12)), min_size=1, max_size=300)
+
+
+def run_program(alloc: CachingAllocator, program) -> None:
+    live: list[tuple[int, int]] = []   # (ptr, free at)
+    for clock, (size, stream, life) in enumerate(program):
+        for e in [e for e in live if e[1] <= clock]:
+            alloc.free(e[0])
+            live.remove(e)
+        live.append((alloc.allocate(size, stream), clock + life))
+    for ptr, _ in live:
+        alloc.free(ptr)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@settings(max_examples=40, deadline=None)
+@given(program=PROGRAMS)
+def test_while_warm_the_engine_decides_as_the_memory_first_policy(engine, program):
+    warm, first = make(engine), make(engine, MEMORY_FIRST)
+    assert warm.start_plan_warmup() and warmup(warm)
+    run_program(warm, program)
+    run_program(first, program)
+    a, b = warm.stats, first.stats
+    assert (a.peak_reserved_nbytes, a.device_calls, a.event_calls, a.reserved_nbytes) == \
+        (b.peak_reserved_nbytes, b.device_calls, b.event_calls, b.reserved_nbytes)
+    assert warmup(warm)   # no mark, under WARMUP_ALLOCS allocations: still on
+    warm.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_first_mark_begins_it_and_the_plan_ends_it(engine):
+    alloc = make(engine)
+    loop = Loop(alloc)
+    loop.allocations()   # unmarked: the default policy's decisions
+    assert not warmup(alloc)
+    results = []
+    for _ in range(5):
+        results.append(loop.step())
+        if alloc.step_plan_info().plans_installed == 0:
+            assert warmup(alloc)
+    assert MarkResult.READY in results and alloc.step_plan_info().plans_installed == 1
+    assert not warmup(alloc)
+    assert not alloc.start_plan_warmup()   # one warm-up per allocator: it ran
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_it_ends_at_the_eighth_mark_when_no_plan_forms(engine):
+    alloc = make(engine)
+    loop = Loop(alloc)
+    for i in range(WARMUP_MARKS + 2):
+        loop.step(change={0: (3 + i) * MiB})   # every step differs: never READY
+        assert warmup(alloc) == (i + 1 < WARMUP_MARKS), i
+    assert alloc.step_plan_info().plans_installed == 0
+    assert not alloc.start_plan_warmup()
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_it_ends_after_many_allocations_with_no_mark(engine):
+    """A program that turned the warm-up on (automatic marks) but never marks goes back to its policy."""
+    wide = dataclasses.replace(DEFAULT, chunk_max_fraction=1.0)   # a chunk may hold all that is held
+    alloc, warm = make(engine, wide), make(engine, wide)
+    assert alloc.start_plan_warmup() and warm.start_plan_warmup()
+    loop = Loop(alloc)
+    for _ in range(WARMUP_ALLOCS // len(LOOP) + 1):   # cache hits after the first steps
+        loop.allocations()
+    assert warmup(alloc) is False   # past WARMUP_ALLOCS with no mark: over (PlanInfo says so at once)
+    assert not alloc.start_plan_warmup()
+    assert warmup(warm)
+    # from here on it grows by its policy's knobs: chunks of several pages, where the warm-up maps one a page
+    calls = []
+    for a in (alloc, warm):
+        before = a.stats.device_calls
+        a.free(a.allocate(900 * MiB))
+        calls.append(a.stats.device_calls - before)
+    assert calls[0] < 900 // 2 <= calls[1], calls
+    for e in loop.live:
+        alloc.free(e[0])
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("policy", [dataclasses.replace(DEFAULT, plan_warmup=False), get_policy("pytorch"),
+                                    get_policy("expandable"), dataclasses.replace(DEFAULT, growth="pages")],
+                         ids=["off", "segments", "expandable", "pages"])
+def test_policies_without_it_never_begin_it(engine, policy):
+    alloc = make(engine, policy)
+    assert not alloc.start_plan_warmup()
+    loop = Loop(alloc)
+    for _ in range(3):
+        loop.step()
+        assert not warmup(alloc)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_closed_allocator_refuses_it(engine):
+    alloc = make(engine)
+    alloc.close()
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        alloc.start_plan_warmup()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_plan_info_names_it(engine):
+    alloc = make(engine)
+    info = alloc.step_plan_info()
+    assert isinstance(info, PlanInfo) and info.as_dict()["warmup"] == 0
+    alloc.start_plan_warmup()
+    assert alloc.step_plan_info().as_dict()["warmup"] == 1
+    assert "warmup=1" in repr(alloc.step_plan_info())

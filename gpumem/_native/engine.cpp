@@ -3175,15 +3175,16 @@ bool Engine::plan_start_warmup() {
     return warmup_;
 }
 
-void Engine::plan_end_warmup() {
+void Engine::plan_end_warmup(bool planned) {
     if (warmup_) {
         warmup_ = false;
         warmup_done_ = true;
+        if (!planned) empty_cache_locked();   // its one-page chunks do not outlive it
     }
 }
 
 void Engine::plan_check_warmup() {
-    if (warmup_ && st_.num_allocs - warmup_since_ >= kWarmupAllocs) plan_end_warmup();
+    if (warmup_ && st_.num_allocs - warmup_since_ >= kWarmupAllocs) plan_end_warmup(false);
 }
 
 bool Engine::start_plan_warmup() {
@@ -3197,7 +3198,7 @@ int Engine::plan_mark() {
     if (plan_start_warmup()) {   // the first mark begins it; each counts
         ++warmup_marks_;
         warmup_since_ = st_.num_allocs;
-        if (warmup_marks_ >= kWarmupMarks) plan_end_warmup();
+        if (warmup_marks_ >= kWarmupMarks) plan_end_warmup(false);
     }
     {
         int s = plan_state_;
@@ -3529,7 +3530,7 @@ bool Engine::install_plan(const std::vector<std::int64_t>& offsets, std::int64_t
     left_ = since_mark_ > 0;   // allocations came between the mark and the install: not this step
     plan_state_ = kPlanPlanned;
     ++plans_installed_;
-    plan_end_warmup();
+    plan_end_warmup(true);
     rec_prev_.clear();
     rec_prev_map_.clear();
     rec_cur_.clear();

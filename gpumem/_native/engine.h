@@ -651,7 +651,7 @@ class Engine {
     bool warmup_ = false, warmup_done_ = false;
     std::uint64_t warmup_marks_ = 0, warmup_since_ = 0;
     bool plan_start_warmup();   // StepPlan.start_warmup (caller holds mu_)
-    void plan_end_warmup();     // StepPlan.end_warmup
+    void plan_end_warmup(bool planned);   // StepPlan.end_warmup
     void plan_check_warmup();   // StepPlan.check_warmup
 
     // -- segment mode: backing.py SegmentBacking (Note [Segment mode] in engine.cpp; same names) -----------

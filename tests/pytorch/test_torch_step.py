@@ -45,7 +45,7 @@ def test_the_c_functions_fail_cleanly_without_an_engine():
 
 
 class StandIn:
-    """The four C functions of step plans, over a native engine on the simulator (what
+    """The C functions of step plans, over a native engine on the simulator (what
     ``torch_api.cpp`` does over a device's CUDA engine), for gpumem.torch's Python glue."""
 
     def __init__(self, engine) -> None:
@@ -79,6 +79,13 @@ class StandIn:
         for i in range(min(n, len(v))):
             out[i] = v[i]
         return min(n, len(v))
+
+    def gpumem_torch_plan_warmup(self, on):
+        """Automatic marks turned on begin the engine's warm-up (Note [A memory-first warm-up])."""
+        self.warmup_calls = getattr(self, "warmup_calls", []) + [on]
+        if on:
+            self.e.start_plan_warmup()
+        return 0
 
     def gpumem_torch_last_error(self):
         return getattr(self, "error", b"")

@@ -130,6 +130,26 @@ def test_optimizer_steps_plan_a_loop_that_never_calls_step(fake_torch, glued):
     alloc.check_consistency()
 
 
+def test_turning_marks_on_begins_the_memory_first_warm_up_before_the_first_step(fake_torch, glued):
+    """Note [A memory-first warm-up]: the first automatic mark comes after the first step, which decides the
+    run's peak, so turning marks on begins the warm-up at once; the plan ends it; off asks for no more."""
+    alloc, _ = glued
+    stand_in = gt._lib()   # noqa: SLF001
+    assert gt.step_plan_info(0).warmup == 0
+    gt.configure(step_marks="optimizer")
+    assert stand_in.warmup_calls == [1] and gt.step_plan_info(0).warmup == 1
+    gt.configure(step_marks="optimizer")   # on again: nothing asked
+    assert stand_in.warmup_calls == [1]
+    loop, opt = TrainLoop(alloc), FakeOptimizer(fake_torch)
+    for _ in range(4):
+        loop.train_step(opt)
+    info = gt.step_plan_info(0)
+    assert info.plans_installed == 1 and info.warmup == 0
+    gt.configure(step_marks=None)
+    assert stand_in.warmup_calls == [1, 0]
+    alloc.check_consistency()
+
+
 def test_only_the_first_optimizer_that_steps_marks(fake_torch, glued):
     """A GAN's two optimizers: one mark per iteration, from the first one that stepped."""
     alloc, marked = glued

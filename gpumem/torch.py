@@ -517,6 +517,9 @@ def step_plan_info(device: "int | str | Any | None" = None) -> Any:
 #   step that happened (and a retry would update twice), for a memory optimisation the loop never asked for.
 #   step() called by hand still raises.
 # * No mark while the current stream captures a CUDA graph: a mark could install a plan mid-capture.
+# * Turning marks on begins the engines' memory-first warm-up at once (gpumem_torch_plan_warmup; engines made
+#   later begin it when made): the first automatic mark comes after the first step, whose peak the plan cannot
+#   lower (Note [A memory-first warm-up] in gpumem/allocator/plan.py).
 # * configure(step_marks=None) removes the hook (and, called before install, keeps GPUMEM_STEP_MARKS from
 #   turning marks on). A plan already installed stays until the plan layer's own bounds drop it.
 #: Fewest steps of another optimizer, with none of the marker's between, that hand a device's marks over.
@@ -769,7 +772,9 @@ def configure(policy: Any = None, *, step_marks: "str | None" = _KEEP) -> None:
     ``step_marks="optimizer"`` (after :func:`install`; ``GPUMEM_STEP_MARKS=optimizer`` does the same at
     install) marks a step plan's step (as :func:`step` does) each time the first PyTorch optimizer that steps
     from now on finishes ``optimizer.step()``, on the CUDA devices of its parameters: a training loop gets step
-    plans with no call to :func:`step`. ``step_marks=None`` removes the hook (a plan already installed stays).
+    plans with no call to :func:`step`, and the engines grow memory-first until their plan forms (Note [A
+    memory-first warm-up] in :mod:`gpumem.allocator.plan`). ``step_marks=None`` removes the hook (a plan already
+    installed stays).
     Turning on what is on changes nothing. Several optimizers, ``GradScaler``'s skipped steps, programs that
     call :func:`step` too: Note [Automatic step marks].
 

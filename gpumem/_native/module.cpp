@@ -1458,6 +1458,15 @@ PyObject* Alloc_run_ops(AllocObject* self, PyObject* args, PyObject* kwds) {
     return PyLong_FromSsize_t(n);
 }
 
+// small_pool_state() -> bytes: Note [The small pool's state as bytes] in engine.cpp (the estimate's fast replay).
+PyObject* Alloc_small_pool_state(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
+    return run_op(self, [&]() -> PyObject* {
+        std::string s = self->engine->small_pool_state();
+        return PyBytes_FromStringAndSize(s.data(), static_cast<Py_ssize_t>(s.size()));
+    });
+}
+
 PyMethodDef Alloc_methods[] = {
     {"allocate", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Alloc_allocate)),
      METH_FASTCALL | METH_KEYWORDS, "allocate(nbytes, stream=0) -> device pointer"},
@@ -1493,6 +1502,8 @@ PyMethodDef Alloc_methods[] = {
      "set_step_record_limit(records): records a recorded step may hold before it is abandoned"},
     {"run_ops", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Alloc_run_ops)),
      METH_VARARGS | METH_KEYWORDS, "run_ops(kinds, ids, nbytes, table, stream=0) -> ops run: a step's ops in one call"},
+    {"small_pool_state", reinterpret_cast<PyCFunction>(Alloc_small_pool_state), METH_NOARGS,
+     "small_pool_state() -> bytes: the small pool's state, exactly (the estimate's fast replay compares it)"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -140,6 +140,7 @@ struct VSeg {
 #endif
         return static_cast<std::int64_t>(offset / page_nbytes);
     }
+    std::uint64_t top_max = 0;   // the highest top the range had (Note [The small pool's state as bytes])
 };
 
 // Note [Pages of a pool's own size]: PyTorch's expandable segments map 2 MiB pages under the small pool and
@@ -783,6 +784,7 @@ std::uint64_t Engine::extend(VSeg* seg, std::uint64_t stream, std::uint64_t extr
     }
     std::uint64_t addr = seg->base + seg->top;
     seg->top += extra_nbytes;
+    if (seg->top > seg->top_max) seg->top_max = seg->top;   // Note [The small pool's state as bytes]
     return addr;
 }
 
@@ -3927,7 +3929,10 @@ std::vector<std::uint64_t> Engine::step_plan_info() {
 // streams of a freed block waiting for other streams, in full). Virtual memory: the small range (base, size,
 // top, page size, its blocks as above, the empty pages in their order, the fences at its top) and every page
 // with anything on it (live references, chunk mapped, dirty and user streams, fences, no access, deferred),
-// then the chunks held mapped nowhere (shared by the pools) and the deferred unmaps. Not in it: a block's
+// then the chunks held mapped nowhere (shared by the pools) and the deferred unmaps. The pages are read up to
+// the highest top the range had (VSeg::top_max, kept by extend): with one page a chunk, nothing maps, references
+// or fences a page past it, so the other pages of the range's address space (hundreds of thousands: twice the
+// device's memory) are not walked at every call. Not in it: a block's
 // requested bytes (stats only), and the counts of live pages that decide steals and chunk sizes only (a policy
 // the fast replay skips takes neither: can_skip_small_pool). Where there is no separate small pool, empty.
 std::string Engine::small_pool_state() {
@@ -4005,7 +4010,12 @@ std::string Engine::small_pool_state() {
         for (std::int64_t p = seg->ehead; p >= 0; p = seg->enext[p]) put(static_cast<std::uint64_t>(p));
         put_fences(seg->top_fences.get());
         const bool any_fences = !seg->page_fences.empty();
-        for (std::int64_t p = 0; p < seg->n_pages; ++p) {
+        // pages past the highest top are untouched where every chunk is one page: a page is mapped, referenced or
+        // fenced for a block, and blocks lie below the top (chunks of several pages may reach past it: all read)
+        const std::int64_t n_scan = cfg_.growth == GrowthRule::kPages && seg->top_max < seg->nbytes
+                                        ? seg->page_of(seg->top_max + seg->page_nbytes - 1)
+                                        : seg->n_pages;
+        for (std::int64_t p = 0; p < std::min(n_scan, seg->n_pages); ++p) {
             if (!seg->refs[p] && !seg->chunks[p] && !seg->dirty.state[p] && !seg->users.state[p] && !seg->noaccess[p] &&
                 !seg->deferred[p] && !seg->in_empty[p] && !(any_fences && seg->page_fences.count(p)))
                 continue;

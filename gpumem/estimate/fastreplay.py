@@ -106,16 +106,16 @@ from typing import Any
 
 import numpy as np
 
-from ..allocator.backing import SegmentBacking, VirtualBacking
+from ..allocator.backing import SegmentBacking, VirtualBacking, pool_page_nbytes
 from ..allocator.native import NativeEngine
-from ..allocator.policy import GrowthRule
+from ..allocator.policy import GrowthRule, SegmentRule
 from ..allocator.python_engine import PythonEngine
 from ..errors import InternalError, OutOfMemoryError
 from ..native import native_module
 from .workload import DECODE_HEAD_STEPS
 
-__all__ = ["SinkGroup", "PlainSink", "native_run_ops", "SkippingSink", "can_skip_small_pool", "AllStopped", "StepTemplate",
-           "StepJumper", "build_template"]
+__all__ = ["SinkGroup", "PlainSink", "native_run_ops", "SkippingSink", "NativeSkippingSink", "can_skip_small_pool",
+           "make_sink", "AllStopped", "StepTemplate", "StepJumper", "build_template"]
 
 
 PREFIX_STEP = DECODE_HEAD_STEPS + 1
@@ -136,10 +136,22 @@ def _engine_of(allocator: Any) -> Any:
 
 
 def can_skip_small_pool(allocator: Any) -> bool:
-    """Whether Note [Small pool skipped at a fixed point] applies: the Python engine with a separate small
-    pool, no history and no garbage-collection threshold, over ``malloc``'d segments or over virtual ranges
-    whose pages are never stolen (``expandable``: Note [Expandable's small pool skipped])."""
+    """Whether Note [Small pool skipped at a fixed point] applies: a separate small pool, no history, no
+    garbage-collection threshold, over ``malloc``'d segments or over virtual ranges whose pages are never stolen
+    (``expandable``: Note [Expandable's small pool skipped]); on the Python engine, or on the native one with its
+    own ``allocate`` and ``free`` and no step plan (Note [The small pool skipped on the native engine])."""
     eng = _engine_of(allocator)
+    if isinstance(eng, NativeEngine):
+        pol = getattr(allocator, "policy", None)
+        if (pol is None or not pol.separate_small_pool or getattr(allocator, "gc_threshold", 0) is not None
+                or native_run_ops(allocator) is None or not hasattr(eng._ext, "small_pool_state")):
+            return False
+        info = eng.step_plan_info()
+        if info[0] or info[3]:  # a step plan recording or installed, or its arena still mapped
+            return False
+        if not eng.uses_vmm:
+            return True
+        return not pol.steal_empty_pages and pol.growth is GrowthRule.PAGES and not pol.stream_ordered_steal
     if not (isinstance(eng, PythonEngine) and eng.policy.separate_small_pool and eng.gc_threshold is None
             and eng._recorder is None):
         return False
@@ -148,6 +160,17 @@ def can_skip_small_pool(allocator: Any) -> bool:
     pol = eng.policy
     return (isinstance(eng.backing, VirtualBacking) and not pol.steal_empty_pages
             and pol.growth is GrowthRule.PAGES and not pol.stream_ordered_steal)
+
+
+def make_sink(allocator: Any, skip: bool = True) -> "PlainSink":
+    """The sink for ``allocator`` on the fast path: one that skips the small pool where it can be skipped
+    (:func:`can_skip_small_pool`; ``skip`` False: never), on the Python engine (:class:`SkippingSink`) or the
+    native one (:class:`NativeSkippingSink`), else a :class:`PlainSink`."""
+    if not skip or not can_skip_small_pool(allocator):
+        return PlainSink(allocator)
+    if isinstance(_engine_of(allocator), NativeEngine):
+        return NativeSkippingSink(allocator)
+    return SkippingSink(allocator)
 
 
 def native_run_ops(allocator: Any) -> Any:
@@ -710,6 +733,337 @@ class SkippingSink(PlainSink):
             self._void = True
         return self._void
 
+
+
+# Note [The small pool skipped on the native engine]
+#     On the native engine (Note [The fast path on the native engine] in :mod:`.fit`) the skip of Note [Small pool
+#     skipped at a fixed point] is made step by step, over steps made from the template (Note [Decode step
+#     template]): :class:`NativeSkippingSink` sends a step it does not skip in one ``run_ops`` call, reads the
+#     address each allocation got from its ``PtrTable``'s log (Note [The pointers a run got] in
+#     ``gpumem/_native/op_table.h``) and the small pool's state at the step's end from the engine, packed as
+#     bytes (``small_pool_state``: Note [The small pool's state as bytes] in ``gpumem/_native/engine.cpp``), and
+#     compares them exactly. It starts skipping when the last ``P`` full steps (1 to :data:`MAX_PERIOD`) left
+#     that state as they found it, and they and the step before them ask for small blocks at the same ops (one
+#     small-allocation mask; so the same small frees too, the template's frees reaching one step back at most)
+#     and the step before made the last one's small requests (rounded) and got its addresses: the Note's
+#     conditions. A skipped step sends its large ops in one ``run_ops`` call and books its small allocations
+#     that outlive it at the period's addresses; leaving the skip sends the skipped small ops in one call and
+#     checks every address against the period's (:class:`~gpumem.errors.InternalError` otherwise). The argument
+#     holds on this engine because it is a port of the Python one that makes the same decisions from the same
+#     state (``tests/allocator/test_native_differential.py`` runs both on the same random programs, segment
+#     policies and ``expandable``'s pages of a pool's own size included): its small and large pools share what
+#     the Python engine's share and nothing more, and its state compared holds all the small pool's next ops
+#     read. Where the Python sink checks, before each large allocation of a skipped step, whether that one could
+#     grow past the limit, this one bounds the whole step at its start: reserved bytes plus, for each large
+#     allocation, the most a growth can add (a new segment of ``segment_nbytes``; a block's pages, all mapped
+#     anew) within the limit, no out-of-memory retry can come in the step; else the skip ends before the step,
+#     sent whole. Any other retry or error while skipping voids the fast result as there. Steps the emitter makes
+#     (the first ones, the end of ``generate()``, every step of a shape with a sliding window) are sent op by op
+#     and end a skip first; ``tests/estimate/test_fast_replay.py`` holds the figures to the full replay's.
+@dataclass
+class _FullStep:
+    """A step made from a template and sent whole (Note [The small pool skipped on the native engine])."""
+
+    step: int
+    tpl: "StepTemplate"
+    small: np.ndarray
+    """By op: whether it is an allocation of the small pool."""
+    rounded: np.ndarray
+    """By op: the rounded bytes it asks for (0 for frees)."""
+    addrs: np.ndarray
+    """The addresses the step's small allocations got, in order (uint64)."""
+
+
+@dataclass(frozen=True)
+class _NativePlan:
+    """What a skipped step sends and books, from one template and small-allocation mask."""
+
+    tpl: "StepTemplate"
+    large_kinds: np.ndarray  # the large ops (and zero-byte allocations): kinds, ids at step 0, bytes as base + slope
+    large_id0: np.ndarray
+    large_base: np.ndarray
+    large_slope: np.ndarray
+    grow_base: np.ndarray  # the large allocations' bytes (base + slope)
+    grow_slope: np.ndarray
+    cross_j: list          # small allocations not freed in their step: alloc index, small position
+    cross_pos: list
+    old_j: list            # small allocations of the step before freed in this one: alloc index
+    order: np.ndarray      # the small ops' positions, in order
+    n_small: int
+
+
+class NativeSkippingSink(PlainSink):
+    """A :class:`PlainSink` over the native engine that leaves out whole decode steps' small ops at a fixed point of
+    the small pool (Note [The small pool skipped on the native engine])."""
+
+    def __init__(self, allocator: Any) -> None:
+        super().__init__(allocator)
+        if self._run_ops_native is None:
+            raise InternalError("NativeSkippingSink needs the native engine's run_ops (can_skip_small_pool)")
+        eng = _engine_of(allocator)
+        self._ext = eng._ext
+        pol = allocator.policy
+        self._rnd = pol.round_nbytes
+        self._small_max = pol.small_max_nbytes
+        self._limit = allocator.limit_nbytes
+        self._segments = not eng.uses_vmm
+        self._rule = pol.segment_rule
+        self._granularity = allocator.device.granularity_nbytes
+        self._page = None if self._segments else pool_page_nbytes(allocator.device, pol)[False]
+        self._hist: list[tuple[_FullStep, bytes | None, bytes]] = []  # consecutive full steps, state before, after
+        self._state_before: bytes | None = None
+        self._cur: _FullStep | None = None
+        self._skipping = False
+        self._period: list[_FullStep] = []
+        self._phase = 0
+        self._skip_start = 0
+        self._skipped_in_skip = False
+        self._pending_steps: list[int] = []  # steps skipped in this period
+        self._plan: _NativePlan | None = None
+        self._plan_mask: np.ndarray | None = None
+        self._alloc_pos: tuple[Any, np.ndarray] | None = None
+        self._trouble_at_skip = 0
+        self._void = False
+        self.skipped_steps = 0
+        """Decode steps whose small ops were left out."""
+
+    def _trouble(self) -> int:
+        st = self._ext.stats()
+        return st["num_alloc_retries"] + st["num_ooms"]
+
+    # -- ops the emitter makes: sent one by one, after a skip ends ---------------------------------------------
+    def alloc(self, op_id: int, nbytes: int) -> None:
+        if self._skipping and self.error is None:
+            self._materialize()
+        self._cur = None
+        super().alloc(op_id, nbytes)
+
+    def free(self, op_id: int) -> None:
+        if self._skipping and self.error is None:
+            self._materialize()
+        self._cur = None
+        super().free(op_id)
+
+    # -- steps made from the template ---------------------------------------------------------------------------
+    def run_step(self, t: int, tpl: "StepTemplate") -> None:
+        if self.error is not None:
+            return
+        if self._skipping:
+            if self._skip_ok(t, tpl):
+                self._skip_step(t, tpl)
+                return
+            self._materialize()
+        self._full_step(t, tpl)
+
+    def _masks(self, tpl: "StepTemplate", sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rounded = -(-sizes // self._rnd) * self._rnd
+        return rounded, (tpl.kinds == 0) & (sizes > 0) & (rounded <= self._small_max)
+
+    def _full_step(self, t: int, tpl: "StepTemplate") -> None:
+        """Every op of step ``t`` in one call, the addresses its allocations got read from the table's log."""
+        sizes = tpl.sizes(t)
+        ptrs = self.ptrs
+        ptrs.log_puts(True)
+        try:
+            self._run_ops_native(tpl.kinds, tpl.op_ids(t), sizes, ptrs)
+        except OutOfMemoryError as exc:
+            self._stop(exc)
+        finally:
+            log = ptrs.take_log()
+            ptrs.log_puts(False)
+        self._cur = None
+        if self.error is not None:
+            return
+        if self._alloc_pos is None or self._alloc_pos[0] is not tpl:
+            self._alloc_pos = (tpl, np.flatnonzero(tpl.kinds == 0))
+        alloc_pos = self._alloc_pos[1]
+        got = np.frombuffer(log, np.uint64)
+        if len(got) != len(alloc_pos):
+            raise InternalError(f"fast replay: run_ops logged {len(got)} pointers for {len(alloc_pos)} allocations")
+        rounded, small = self._masks(tpl, sizes)
+        self._cur = _FullStep(t, tpl, small, rounded, got[small[alloc_pos]])
+
+    def end_step(self, step: int) -> None:
+        if self.error is not None:
+            return
+        self._check_prefix(step)
+        if self._skipping:  # the step was skipped whole
+            self._phase = (self._phase + 1) % len(self._period)
+            if self._phase == 0:  # a whole period: the small pool's state is the fixed point's again
+                self._pending_steps.clear()
+        else:
+            state = self._ext.small_pool_state()
+            cur = self._cur
+            if cur is not None and cur.step == step:
+                self._hist.append((cur, self._state_before, state))
+                del self._hist[:-MAX_PERIOD - 1]
+                self._try_template()
+            else:
+                self._hist.clear()
+            self._state_before = state
+        self.step = step + 1
+        self._cur = None
+
+    def _try_template(self) -> None:
+        """Start skipping when the last ``P`` full steps left the small pool's state as they found it, they and the
+        step before them have one small-allocation mask, and the step before made the last one's small requests
+        and got its addresses (Note [The small pool skipped on the native engine])."""
+        h = self._hist
+        last = h[-1][0]
+        for period in range(1, MAX_PERIOD + 1):
+            if len(h) < period + 1:
+                break
+            b = h[-period:]
+            before = h[-period - 1][0]
+            if b[0][1] != b[-1][2]:
+                continue
+            if any(x.tpl is not last.tpl or not np.array_equal(x.small, last.small)
+                   for x in (before, *(y[0] for y in b))):
+                continue
+            if not (np.array_equal(before.rounded[before.small], last.rounded[last.small])
+                    and np.array_equal(before.addrs, last.addrs)):
+                continue
+            if self._ext.stats()["num_alloc_retries"]:
+                return
+            self._period = [x[0] for x in b]
+            self._phase = 0
+            self._skip_start = self.step + 1
+            self._skipping = True
+            self._skipped_in_skip = False
+            self._pending_steps.clear()
+            self._trouble_at_skip = self._trouble()
+            if self._plan is None or self._plan.tpl is not last.tpl or not np.array_equal(self._plan_mask, last.small):
+                self._make_plan(last.tpl, last.small)
+            return
+
+    def _make_plan(self, tpl: "StepTemplate", small: np.ndarray) -> None:
+        alloc_pos = np.flatnonzero(tpl.kinds == 0)
+        small_j = small[alloc_pos]  # by allocation index
+        smallpos = np.cumsum(small_j) - 1
+        small_op = small_j[tpl.index]  # an allocation, or a free of one (of this step or the one before: same mask)
+        is_free = tpl.kinds == 1
+        lg = np.flatnonzero(~small_op)
+        large_alloc = lg[tpl.kinds[lg] == 0]
+        freed_here = set(tpl.index[is_free & (tpl.back == 0)].tolist())
+        cross_j = [j for j in np.flatnonzero(small_j).tolist() if j not in freed_here]
+        old_j = tpl.index[is_free & small_op & (tpl.back == 1)].tolist()
+        self._plan = _NativePlan(
+            tpl, np.ascontiguousarray(tpl.kinds[lg]),
+            tpl.first_id - (tpl.back[lg] + tpl.s0) * tpl.n_allocs + tpl.index[lg], tpl.base[lg], tpl.slope[lg],
+            tpl.base[large_alloc], tpl.slope[large_alloc], cross_j, [int(smallpos[j]) for j in cross_j], old_j,
+            np.flatnonzero(small_op), int(small_op.sum()))
+        self._plan_mask = small
+
+    def _growth_bound(self, t: int) -> int:
+        """The most the large allocations of step ``t`` can add to the reserved bytes, growing each time."""
+        plan = self._plan
+        sizes = plan.grow_base + (t - plan.tpl.s0) * plan.grow_slope
+        r = -(-sizes[sizes > 0] // self._rnd) * self._rnd
+        if self._page is not None:  # a block's pages, each mapped anew (Note [Expandable's small pool skipped])
+            page = self._page
+            return int(((-(-r // page) + 1) * page).sum())
+        if self._rule is SegmentRule.EXACT:
+            return int(r.sum())
+        if self._rule is SegmentRule.PYTORCH:
+            two = 2 * 2**20
+            return int(np.where(r < 10 * 2**20, 20 * 2**20, -(-r // two) * two).sum())
+        g = self._granularity
+        return int((-(-r // g) * g).sum())
+
+    def _skip_ok(self, t: int, tpl: "StepTemplate") -> bool:
+        """Whether step ``t`` makes the small requests of the period's step it stands for (only the ops whose size
+        grows can differ: :attr:`StepTemplate.growing`), and no large allocation of it can grow past the limit."""
+        plan = self._plan
+        ts = self._period[self._phase]
+        if plan is None or plan.tpl is not tpl or ts.tpl is not tpl:
+            return False
+        g = tpl.growing
+        sizes = tpl.base[g] + (t - tpl.s0) * tpl.slope[g]
+        rounded = -(-sizes // self._rnd) * self._rnd
+        small = (tpl.kinds[g] == 0) & (sizes > 0) & (rounded <= self._small_max)
+        if not (np.array_equal(small, ts.small[g]) and np.array_equal(rounded[small], ts.rounded[g][small])):
+            return False
+        if self._limit is not None and self._ext.reserved_nbytes() + self._growth_bound(t) > self._limit:
+            return False
+        return True
+
+    def _skip_step(self, t: int, tpl: "StepTemplate") -> None:
+        """Step ``t`` with its small ops left out: its large ones sent in one call, its small allocations that
+        outlive it booked at the period's addresses."""
+        plan = self._plan
+        ptrs = self.ptrs
+        try:
+            self._run_ops_native(plan.large_kinds, plan.large_id0 + t * tpl.n_allocs,
+                                 plan.large_base + (t - tpl.s0) * plan.large_slope, ptrs)
+        except OutOfMemoryError as exc:
+            self._stop(exc)  # not foreseen by the bound: the fast result is void (voided)
+            return
+        addrs = self._period[self._phase].addrs.tolist()
+        first = tpl.first_id + (t - tpl.s0) * tpl.n_allocs
+        for j, pos in zip(plan.cross_j, plan.cross_pos):
+            ptrs[first + j] = addrs[pos]
+        before = first - tpl.n_allocs
+        for j in plan.old_j:
+            ptrs.pop(before + j, 0)
+        self._pending_steps.append(t)
+        self._skipped_in_skip = True
+        self.skipped_ops += plan.n_small
+        self.skipped_steps += 1
+
+    def _materialize(self) -> None:
+        """Send the small ops skipped in this period, in order, each checked to land where the period put it; stop
+        skipping."""
+        if self._pending_steps:
+            plan = self._plan
+            tpl = plan.tpl
+            P = len(self._period)
+            order = plan.order
+            kinds = np.ascontiguousarray(tpl.kinds[order])
+            ids = np.concatenate([tpl.op_ids(t)[order] for t in self._pending_steps])
+            sizes = np.concatenate([tpl.sizes(t)[order] for t in self._pending_steps])
+            want = np.concatenate([self._period[(t - self._skip_start) % P].addrs for t in self._pending_steps])
+            table = native_module().PtrTable()
+            t0 = self._pending_steps[0]
+            prev = self._period[(t0 - 1 - self._skip_start) % P].addrs.tolist()
+            smallpos = np.cumsum(self._plan_mask[np.flatnonzero(tpl.kinds == 0)]) - 1
+            first_prev = tpl.first_id + (t0 - 1 - tpl.s0) * tpl.n_allocs
+            for j in plan.old_j:  # what the first step frees of the step before it: at the period's addresses
+                table[first_prev + j] = prev[int(smallpos[j])]
+            table.log_puts(True)
+            try:
+                self._run_ops_native(np.tile(kinds, len(self._pending_steps)), ids, sizes, table)
+            except OutOfMemoryError as exc:
+                raise InternalError("fast replay: the small ops of a skipped step ran out of memory when sent late "
+                                    "(Note [Small pool skipped at a fixed point])") from exc
+            got = np.frombuffer(table.take_log(), np.uint64)
+            if len(table) != len(plan.cross_j):  # a free found nothing to free: the ops were not the period's
+                raise InternalError(f"fast replay: {len(table)} small blocks left by the steps sent late, not "
+                                    f"{len(plan.cross_j)} (Note [Small pool skipped at a fixed point])")
+            if not np.array_equal(got, want):
+                bad = int(np.flatnonzero(got != want)[0]) if len(got) == len(want) else 0
+                raise InternalError(f"fast replay: a small allocation replayed late landed at {int(got[bad]):#x}, "
+                                    f"not at its template's {int(want[bad]):#x} (Note [Small pool skipped at a "
+                                    "fixed point])")
+        self._pending_steps.clear()
+        if self._trouble() != self._trouble_at_skip:
+            self._void = True  # a retry or an out-of-memory error while skipping (not foreseen)
+        self._skipping = False
+        if self._skipped_in_skip:  # the steps noted are no longer the last full ones
+            self._hist.clear()
+            self._state_before = self._ext.small_pool_state()
+        self._skipped_in_skip = False
+
+    def finish(self) -> None:
+        """The stream is over."""
+        if self._skipping and self.error is None:
+            self._materialize()
+
+    @property
+    def voided(self) -> bool:
+        """Void: an out-of-memory error or retry while small ops were left out."""
+        if self._skipping and self._trouble() != self._trouble_at_skip:
+            self._void = True
+        return self._void
 
 
 class SinkGroup:

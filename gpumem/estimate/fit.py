@@ -59,7 +59,7 @@ from ..units import format_bytes
 from .shape import ModelShape
 from .formats import WeightFormat
 from .formulas import dequant_workspace_nbytes
-from .fastreplay import AllStopped, PlainSink, SinkGroup, SkippingSink, StepJumper, can_skip_small_pool
+from .fastreplay import AllStopped, NativeSkippingSink, PlainSink, SinkGroup, SkippingSink, StepJumper, make_sink
 from .workload import DECODE_HEAD_STEPS, LoraConfig, check_mixed_precision, weights_nbytes, WorkloadTrace, inference_trace, stream_inference, training_trace
 
 __all__ = ["ReservedEstimate", "FitResult", "FitTry", "estimate_peak_reserved", "find_max_batch",
@@ -254,8 +254,7 @@ def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], d
         for p in policies:
             devs.append(open_device(device) if own else device)  # type: ignore[arg-type]
             allocators.append(_replay_allocator(devs[-1], p, limit, fast=not full_replay))
-        sinks: list[PlainSink] = [SkippingSink(a) if not full_replay and can_skip_small_pool(a) else PlainSink(a)
-                                  for a in allocators]
+        sinks: list[PlainSink] = [make_sink(a, skip=not full_replay) for a in allocators]
         group = SinkGroup(sinks)
         n = len(policies)
 
@@ -269,7 +268,7 @@ def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], d
                 jumper = StepJumper(group, lambda _step: bar.update(n), kw["new_tokens"] - 1)
                 stream_inference(shape, dtype_bytes, (jumper,), on_step=jumper.end_step, jump=jumper.jump, **kw)
             for s in sinks:
-                if isinstance(s, SkippingSink):
+                if isinstance(s, (SkippingSink, NativeSkippingSink)):
                     s.finish()
         except AllStopped:
             pass

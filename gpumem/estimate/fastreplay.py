@@ -826,6 +826,10 @@ class NativeSkippingSink(PlainSink):
         self._void = False
         self.skipped_steps = 0
         """Decode steps whose small ops were left out."""
+        self.skips_started = 0
+        """Fixed points found (skips started)."""
+        self.limit_stops = 0
+        """Skips ended before a step whose large allocations might have grown past the limit."""
 
     def _trouble(self) -> int:
         st = self._ext.stats()
@@ -925,15 +929,19 @@ class NativeSkippingSink(PlainSink):
                 continue
             if self._ext.stats()["num_alloc_retries"]:
                 return
+            if self._plan is None or self._plan.tpl is not last.tpl or not np.array_equal(self._plan_mask, last.small):
+                self._make_plan(last.tpl, last.small)
+            if self._limit is not None and self._ext.reserved_nbytes() + self._growth_bound(self.step + 1) > self._limit:
+                self.limit_stops += 1  # the next step could grow past the limit: it would end the skip at once
+                return
             self._period = [x[0] for x in b]
             self._phase = 0
             self._skip_start = self.step + 1
             self._skipping = True
+            self.skips_started += 1
             self._skipped_in_skip = False
             self._pending_steps.clear()
             self._trouble_at_skip = self._trouble()
-            if self._plan is None or self._plan.tpl is not last.tpl or not np.array_equal(self._plan_mask, last.small):
-                self._make_plan(last.tpl, last.small)
             return
 
     def _make_plan(self, tpl: "StepTemplate", small: np.ndarray) -> None:
@@ -984,6 +992,7 @@ class NativeSkippingSink(PlainSink):
         if not (np.array_equal(small, ts.small[g]) and np.array_equal(rounded[small], ts.rounded[g][small])):
             return False
         if self._limit is not None and self._ext.reserved_nbytes() + self._growth_bound(t) > self._limit:
+            self.limit_stops += 1
             return False
         return True
 

@@ -186,6 +186,44 @@ def test_run_ops_makes_the_loops_calls(batch, limit, stream, policy):
     assert not got._engine.consistency_problems()
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(op_batches(), st.sampled_from([None, 96 * MiB]), st.sampled_from(["gpumem", "pytorch", "expandable"]))
+def test_the_tables_log_is_the_pointer_each_allocation_got_in_order(batch, limit, policy):
+    """Note [The pointers a run got] (op_table.h): while the table logs, run_ops leaves there the pointer of each
+    allocation it completed, in order (0 for a zero-byte one), also up to an out-of-memory error; ``take_log``
+    empties it, ``log_puts(False)`` stops and drops it."""
+    ops, cuts = batch
+    ref = _allocator(limit=limit, policy=policy)
+    got = _allocator(limit=limit, policy=policy)
+    want, ptrs = [], {}
+    for k, i, n in ops:  # the loop's pointers, one per allocation completed
+        try:
+            if k == 0:
+                ptrs[i] = ref.allocate(n, 0) if n else 0
+                want.append(ptrs[i])
+            elif p := ptrs.pop(i, 0):
+                ref.free(p)
+        except GpumemError:
+            break
+    table = PtrTable()
+    table.log_puts(True)
+    logged = []
+    for lo, hi in zip([0, *cuts], [*cuts, len(ops)]):
+        if hi <= lo:
+            continue
+        try:
+            got._engine.run_ops(*_arrays(ops[lo:hi]), table)
+        except GpumemError:
+            break
+        finally:
+            logged += np.frombuffer(table.take_log(), np.uint64).tolist()
+    assert logged == want
+    assert table.take_log() == b""
+    table.log_puts(False)
+    table[10**9] = 1
+    assert table.take_log() == b""
+
+
 def test_an_out_of_memory_error_mid_batch_stops_where_the_loop_stops():
     ops = [(0, i, 40 * MiB) for i in range(10)]  # a 256 MiB card, 32 MiB of it the context: the 6th fails
     ref, got = _allocator(), _allocator()

@@ -821,6 +821,9 @@ class NativeSkippingSink(PlainSink):
         self._pending_steps: list[int] = []  # steps skipped in this period
         self._plan: _NativePlan | None = None
         self._plan_mask: np.ndarray | None = None
+        self._bounds: tuple[int, list[int]] | None = None  # (first step, growth bound of each step from it)
+        self._last_alike: list[int] = []  # by phase: the last step _skip_ok may skip (_last_step_alike)
+        self._cross_addrs: list[list[int]] = []  # by phase: the addresses its small blocks that outlive it got
         self._alloc_pos: tuple[Any, np.ndarray] | None = None
         self._trouble_at_skip = 0
         self._void = False
@@ -931,10 +934,14 @@ class NativeSkippingSink(PlainSink):
                 return
             if self._plan is None or self._plan.tpl is not last.tpl or not np.array_equal(self._plan_mask, last.small):
                 self._make_plan(last.tpl, last.small)
+            self._bounds = None
             if self._limit is not None and self._ext.reserved_nbytes() + self._growth_bound(self.step + 1) > self._limit:
                 self.limit_stops += 1  # the next step could grow past the limit: it would end the skip at once
                 return
             self._period = [x[0] for x in b]
+            self._last_alike = [self._last_step_alike(x) for x in self._period]
+            plan = self._plan
+            self._cross_addrs = [[int(x.addrs[pos]) for pos in plan.cross_pos] for x in self._period]
             self._phase = 0
             self._skip_start = self.step + 1
             self._skipping = True
@@ -962,38 +969,61 @@ class NativeSkippingSink(PlainSink):
             np.flatnonzero(small_op), int(small_op.sum()))
         self._plan_mask = small
 
-    def _growth_bound(self, t: int) -> int:
-        """The most the large allocations of step ``t`` can add to the reserved bytes, growing each time."""
+    BOUND_STEPS = 256
+    """Steps whose growth bounds :meth:`_skip_ok` computes at once."""
+
+    def _growth_bounds(self, t: int, n: int) -> np.ndarray:
+        """For steps ``t .. t + n - 1``: the most their large allocations can add to the reserved bytes, each
+        growing (a new segment of ``segment_nbytes``; a block's pages, all mapped anew)."""
         plan = self._plan
-        sizes = plan.grow_base + (t - plan.tpl.s0) * plan.grow_slope
-        r = -(-sizes[sizes > 0] // self._rnd) * self._rnd
+        steps = np.arange(t, t + n, dtype=np.int64)[:, None] - plan.tpl.s0
+        sizes = plan.grow_base[None, :] + steps * plan.grow_slope[None, :]
+        r = -(-sizes // self._rnd) * self._rnd
         if self._page is not None:  # a block's pages, each mapped anew (Note [Expandable's small pool skipped])
             page = self._page
-            return int(((-(-r // page) + 1) * page).sum())
-        if self._rule is SegmentRule.EXACT:
-            return int(r.sum())
-        if self._rule is SegmentRule.PYTORCH:
+            grow = (-(-r // page) + 1) * page
+        elif self._rule is SegmentRule.EXACT:
+            grow = r
+        elif self._rule is SegmentRule.PYTORCH:
             two = 2 * 2**20
-            return int(np.where(r < 10 * 2**20, 20 * 2**20, -(-r // two) * two).sum())
-        g = self._granularity
-        return int((-(-r // g) * g).sum())
+            grow = np.where(r < 10 * 2**20, 20 * 2**20, -(-r // two) * two)
+        else:
+            g = self._granularity
+            grow = -(-r // g) * g
+        return np.where(sizes > 0, grow, 0).sum(axis=1)  # a zero-byte request takes nothing
+
+    def _growth_bound(self, t: int) -> int:
+        return int(self._growth_bounds(t, 1)[0])
+
+    def _last_step_alike(self, ts: _FullStep) -> int:
+        """The last step whose small requests are those of ``ts`` (a step of the period), given that the steps
+        after ``ts`` ask for at least its bytes at each op (a template's slopes are not negative): an op whose size
+        grows and that is small in ``ts`` keeps its rounded size while its bytes stay within it; a large one stays
+        large (Note [Decode step template])."""
+        tpl = ts.tpl
+        g = tpl.growing
+        r = ts.rounded[g]
+        watch = (tpl.kinds[g] == 0) & (r <= self._small_max)
+        if not watch.any():
+            return 1 << 62
+        return int((tpl.s0 + (r[watch] - tpl.base[g][watch]) // tpl.slope[g][watch]).min())
 
     def _skip_ok(self, t: int, tpl: "StepTemplate") -> bool:
-        """Whether step ``t`` makes the small requests of the period's step it stands for (only the ops whose size
-        grows can differ: :attr:`StepTemplate.growing`), and no large allocation of it can grow past the limit."""
+        """Whether step ``t`` makes the small requests of the period's step it stands for (:meth:`_last_step_alike`:
+        only the ops whose size grows can differ, :attr:`StepTemplate.growing`), and no large allocation of it can
+        grow past the limit."""
         plan = self._plan
         ts = self._period[self._phase]
-        if plan is None or plan.tpl is not tpl or ts.tpl is not tpl:
+        if plan is None or plan.tpl is not tpl or ts.tpl is not tpl or t <= ts.step \
+                or t > self._last_alike[self._phase]:
             return False
-        g = tpl.growing
-        sizes = tpl.base[g] + (t - tpl.s0) * tpl.slope[g]
-        rounded = -(-sizes // self._rnd) * self._rnd
-        small = (tpl.kinds[g] == 0) & (sizes > 0) & (rounded <= self._small_max)
-        if not (np.array_equal(small, ts.small[g]) and np.array_equal(rounded[small], ts.rounded[g][small])):
-            return False
-        if self._limit is not None and self._ext.reserved_nbytes() + self._growth_bound(t) > self._limit:
-            self.limit_stops += 1
-            return False
+        if self._limit is not None:
+            b = self._bounds
+            if b is None or not b[0] <= t < b[0] + len(b[1]):
+                b = self._bounds = (t, self._growth_bounds(t, self.BOUND_STEPS).tolist())
+            if self._ext.reserved_nbytes() + b[1][t - b[0]] > self._limit:
+                self.limit_stops += 1
+                return False
         return True
 
     def _skip_step(self, t: int, tpl: "StepTemplate") -> None:
@@ -1007,10 +1037,9 @@ class NativeSkippingSink(PlainSink):
         except OutOfMemoryError as exc:
             self._stop(exc)  # not foreseen by the bound: the fast result is void (voided)
             return
-        addrs = self._period[self._phase].addrs.tolist()
         first = tpl.first_id + (t - tpl.s0) * tpl.n_allocs
-        for j, pos in zip(plan.cross_j, plan.cross_pos):
-            ptrs[first + j] = addrs[pos]
+        for j, addr in zip(plan.cross_j, self._cross_addrs[self._phase]):
+            ptrs[first + j] = addr
         before = first - tpl.n_allocs
         for j in plan.old_j:
             ptrs.pop(before + j, 0)

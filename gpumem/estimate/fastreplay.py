@@ -42,15 +42,15 @@ Note [Small pool skipped at a fixed point]
     then replays that policy by the full path (one within the prefix: Note [Stopped where the prefix trace
     stops too]). ``replay_inference(..., full_replay=True)``
     keeps the reference, and ``tests/estimate/test_fast_replay.py`` checks both to the byte on random shapes,
-    lengths, limits and policies. ``expandable`` on the Python engine is skipped too (Note [Expandable's small pool
-    skipped]); ``gpumem`` (the native engine, its chunks stolen across pools by the live-page peak) is not.
+    lengths, limits and policies. ``expandable`` is skipped too (Note [Expandable's small pool skipped]); ``gpumem``
+    (its chunks stolen across pools by the live-page peak) is not. On the native engine the skip is made step by
+    step (Note [The small pool skipped on the native engine]).
 
 Note [Expandable's small pool skipped]
     Where the native engine is built, ``expandable`` runs on it (Note [Pages of a pool's own size] in
-    ``gpumem/_native/engine.cpp``) and its sink sends every op: on the 7B model at 1,000 new tokens that took
-    0.16 CPU s (0.46 before ``run_ops``) against 1.1 on the Python engine with its small pool skipped
-    (``reports/expandable-native-2026-11-29.md``). What follows holds on the Python engine (no native engine,
-    or ``engine="python"``), over a virtual range per pool (Note [Expandable segments] in
+    ``gpumem/_native/engine.cpp``), its small pool skipped as below (Note [The small pool skipped on the native
+    engine]: the engine is the Python one's port, with the same state). What follows is said of the Python
+    engine, over a virtual range per pool (Note [Expandable segments] in
     :mod:`gpumem.allocator.policy`): growth by whole pages of the pool's own size, no steal, no slack. Its two
     pools share what the segment policies share (the limit, the out-of-memory retry that releases both, the
     reserved bytes counted at each allocation) and three more things: the list of chunks held but mapped
@@ -737,29 +737,30 @@ class SkippingSink(PlainSink):
 
 # Note [The small pool skipped on the native engine]
 #     On the native engine (Note [The fast path on the native engine] in :mod:`.fit`) the skip of Note [Small pool
-#     skipped at a fixed point] is made step by step, over steps made from the template (Note [Decode step
-#     template]): :class:`NativeSkippingSink` sends a step it does not skip in one ``run_ops`` call, reads the
-#     address each allocation got from its ``PtrTable``'s log (Note [The pointers a run got] in
-#     ``gpumem/_native/op_table.h``) and the small pool's state at the step's end from the engine, packed as
-#     bytes (``small_pool_state``: Note [The small pool's state as bytes] in ``gpumem/_native/engine.cpp``), and
-#     compares them exactly. It starts skipping when the last ``P`` full steps (1 to :data:`MAX_PERIOD`) left
-#     that state as they found it, and they and the step before them ask for small blocks at the same ops (one
-#     small-allocation mask; so the same small frees too, the template's frees reaching one step back at most)
-#     and the step before made the last one's small requests (rounded) and got its addresses: the Note's
-#     conditions. A skipped step sends its large ops in one ``run_ops`` call and books its small allocations
-#     that outlive it at the period's addresses; leaving the skip sends the skipped small ops in one call and
-#     checks every address against the period's (:class:`~gpumem.errors.InternalError` otherwise). The argument
-#     holds on this engine because it is a port of the Python one that makes the same decisions from the same
-#     state (``tests/allocator/test_native_differential.py`` runs both on the same random programs, segment
-#     policies and ``expandable``'s pages of a pool's own size included): its small and large pools share what
-#     the Python engine's share and nothing more, and its state compared holds all the small pool's next ops
-#     read. Where the Python sink checks, before each large allocation of a skipped step, whether that one could
-#     grow past the limit, this one bounds the whole step at its start: reserved bytes plus, for each large
-#     allocation, the most a growth can add (a new segment of ``segment_nbytes``; a block's pages, all mapped
-#     anew) within the limit, no out-of-memory retry can come in the step; else the skip ends before the step,
-#     sent whole. Any other retry or error while skipping voids the fast result as there. Steps the emitter makes
-#     (the first ones, the end of ``generate()``, every step of a shape with a sliding window) are sent op by op
-#     and end a skip first; ``tests/estimate/test_fast_replay.py`` holds the figures to the full replay's.
+#     skipped at a fixed point] is made over whole steps made from the template (Note [Decode step template]):
+#     :class:`NativeSkippingSink` sends a step it does not skip in one ``run_ops`` call, reads the address each
+#     allocation got from its ``PtrTable``'s log (Note [The pointers a run got] in ``gpumem/_native/op_table.h``)
+#     and the small pool's state at the step's end from the engine as bytes (Note [The small pool's state as
+#     bytes] in ``gpumem/_native/engine.cpp``), compared exactly. It starts skipping under the Note's conditions:
+#     the last ``P`` full steps (1 to :data:`MAX_PERIOD`) left that state as they found it; they and the step
+#     before them have one small-allocation mask (so the same small frees too: a template's free reaches one step
+#     back at most); the step before made the last one's small requests and got its addresses. A step ``t`` then
+#     stands for the period's step ``s`` of its phase while its small requests are ``s``'s: sizes only grow, so
+#     that holds up to the last step at which every growing small op still fits its rounded size in ``s``
+#     (:meth:`NativeSkippingSink._last_step_alike`, computed when the skip starts). A skipped step sends its large
+#     ops in one call and books its small blocks that outlive it at the period's addresses; leaving the skip sends
+#     the small ops skipped in the current period in one call and checks every address against the period's
+#     (:class:`~gpumem.errors.InternalError` otherwise). The argument holds on this engine because it is a port of
+#     the Python one that makes the same decisions from the same state (``tests/allocator/test_native_differential.py``,
+#     segment policies and ``expandable``'s pages of a pool's own size included): its pools share what the Python
+#     engine's share and nothing more, and the bytes compared hold everything the small pool's next ops read
+#     (``tests/allocator/test_native_small_pool_state.py`` holds two states it calls equal equal for the Python
+#     reading too). Where the Python sink asks before each large allocation whether it could grow past the limit,
+#     this one bounds a whole step at its start: reserved bytes plus, for each large allocation, the most a growth
+#     adds (a new segment of ``segment_nbytes``; a block's pages, all mapped anew); within the limit no
+#     out-of-memory retry can come in the step, else the skip ends before it (or does not start), the step sent
+#     whole. Any other retry or error while skipping voids the fast result, as there. Ops the emitter makes (the
+#     first steps, the end of ``generate()``, a shape with a sliding window) are sent one by one, a skip ended first.
 @dataclass
 class _FullStep:
     """A step made from a template and sent whole (Note [The small pool skipped on the native engine])."""
@@ -935,7 +936,8 @@ class NativeSkippingSink(PlainSink):
             if self._plan is None or self._plan.tpl is not last.tpl or not np.array_equal(self._plan_mask, last.small):
                 self._make_plan(last.tpl, last.small)
             self._bounds = None
-            if self._limit is not None and self._ext.reserved_nbytes() + self._growth_bound(self.step + 1) > self._limit:
+            limit = self._limit
+            if limit is not None and self._ext.reserved_nbytes() + self._growth_bound(self.step + 1) > limit:
                 self.limit_stops += 1  # the next step could grow past the limit: it would end the skip at once
                 return
             self._period = [x[0] for x in b]

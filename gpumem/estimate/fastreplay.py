@@ -747,7 +747,9 @@ class SkippingSink(PlainSink):
 #     back at most); the step before made the last one's small requests and got its addresses. A step ``t`` then
 #     stands for the period's step ``s`` of its phase while its small requests are ``s``'s: sizes only grow, so
 #     that holds up to the last step at which every growing small op still fits its rounded size in ``s``
-#     (:meth:`NativeSkippingSink._last_step_alike`, computed when the skip starts). A skipped step sends its large
+#     (:meth:`NativeSkippingSink._last_step_alike`, computed when the skip starts); a step whose next one asks for
+#     other small sizes cannot end a period worth skipping and is sent as a plain sink sends it, nothing noted (at
+#     the batches ``gpumem fit`` probes, nearly every step). A skipped step sends its large
 #     ops in one call and books its small blocks that outlive it at the period's addresses; leaving the skip sends
 #     the small ops skipped in the current period in one call and checks every address against the period's
 #     (:class:`~gpumem.errors.InternalError` otherwise). The argument holds on this engine because it is a port of
@@ -825,6 +827,7 @@ class NativeSkippingSink(PlainSink):
         self._bounds: tuple[int, list[int]] | None = None  # (first step, growth bound of each step from it)
         self._last_alike: list[int] = []  # by phase: the last step _skip_ok may skip (_last_step_alike)
         self._cross_addrs: list[list[int]] = []  # by phase: the addresses its small blocks that outlive it got
+        self._alike: tuple[Any, int, int] | None = None  # (template, from step, through step): _alike_through
         self._alloc_pos: tuple[Any, np.ndarray] | None = None
         self._trouble_at_skip = 0
         self._void = False
@@ -861,7 +864,22 @@ class NativeSkippingSink(PlainSink):
                 self._skip_step(t, tpl)
                 return
             self._materialize()
+        if t + 1 > self._alike_through(t, tpl):
+            # the next step asks for other small sizes: no period can end here and be skipped after (a skip would
+            # end at once), so nothing of this step is noted (at the batches gpumem fit probes, most steps)
+            PlainSink.run_step(self, t, tpl)
+            self._cur = None
+            return
         self._full_step(t, tpl)
+
+    def _alike_through(self, t: int, tpl: "StepTemplate") -> int:
+        """The last step whose small requests are step ``t``'s (:meth:`_last_step_alike`), kept while it holds."""
+        a = self._alike
+        if a is not None and a[0] is tpl and a[1] <= t <= a[2]:
+            return a[2]
+        last = self._last_step_alike(t, tpl)
+        self._alike = (tpl, t, last)
+        return last
 
     def _masks(self, tpl: "StepTemplate", sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         rounded = -(-sizes // self._rnd) * self._rnd
@@ -900,15 +918,16 @@ class NativeSkippingSink(PlainSink):
             if self._phase == 0:  # a whole period: the small pool's state is the fixed point's again
                 self._pending_steps.clear()
         else:
-            state = self._ext.small_pool_state()
             cur = self._cur
-            if cur is not None and cur.step == step:
+            if cur is not None and cur.step == step:  # a step made from the template and noted (_full_step)
+                state = self._ext.small_pool_state()
                 self._hist.append((cur, self._state_before, state))
                 del self._hist[:-MAX_PERIOD - 1]
                 self._try_template()
-            else:
-                self._hist.clear()
-            self._state_before = state
+                self._state_before = state
+            else:  # made by the emitter, or not noted: the next step starts the history (read only as the
+                self._hist.clear()  # step before a period, whose own state before is not compared)
+                self._state_before = None
         self.step = step + 1
         self._cur = None
 
@@ -941,7 +960,7 @@ class NativeSkippingSink(PlainSink):
                 self.limit_stops += 1  # the next step could grow past the limit: it would end the skip at once
                 return
             self._period = [x[0] for x in b]
-            self._last_alike = [self._last_step_alike(x) for x in self._period]
+            self._last_alike = [self._last_step_alike(x.step, x.tpl) for x in self._period]
             plan = self._plan
             self._cross_addrs = [[int(x.addrs[pos]) for pos in plan.cross_pos] for x in self._period]
             self._phase = 0
@@ -997,23 +1016,22 @@ class NativeSkippingSink(PlainSink):
     def _growth_bound(self, t: int) -> int:
         return int(self._growth_bounds(t, 1)[0])
 
-    def _last_step_alike(self, ts: _FullStep) -> int:
-        """The last step whose small requests are those of ``ts`` (a step of the period), given that the steps
-        after ``ts`` ask for at least its bytes at each op (a template's slopes are not negative): an op whose size
-        grows and that is small in ``ts`` keeps its rounded size while its bytes stay within it; a large one stays
-        large (Note [Decode step template])."""
-        tpl = ts.tpl
+    def _last_step_alike(self, t: int, tpl: "StepTemplate") -> int:
+        """The last step whose small requests are those of step ``t``, given that later steps ask for at least its
+        bytes at each op (a template's slopes are not negative): an op whose size grows and that is small at ``t``
+        keeps its rounded size while its bytes stay within it; a large one stays large (Note [Decode step
+        template]). Only the ops whose size grows can differ (:attr:`StepTemplate.growing`)."""
         g = tpl.growing
-        r = ts.rounded[g]
+        sizes = tpl.base[g] + (t - tpl.s0) * tpl.slope[g]
+        r = -(-sizes // self._rnd) * self._rnd
         watch = (tpl.kinds[g] == 0) & (r <= self._small_max)
         if not watch.any():
             return 1 << 62
         return int((tpl.s0 + (r[watch] - tpl.base[g][watch]) // tpl.slope[g][watch]).min())
 
     def _skip_ok(self, t: int, tpl: "StepTemplate") -> bool:
-        """Whether step ``t`` makes the small requests of the period's step it stands for (:meth:`_last_step_alike`:
-        only the ops whose size grows can differ, :attr:`StepTemplate.growing`), and no large allocation of it can
-        grow past the limit."""
+        """Whether step ``t`` makes the small requests of the period's step it stands for (:meth:`_last_step_alike`),
+        and no large allocation of it can grow past the limit."""
         plan = self._plan
         ts = self._period[self._phase]
         if plan is None or plan.tpl is not tpl or ts.tpl is not tpl or t <= ts.step \
@@ -1090,7 +1108,7 @@ class NativeSkippingSink(PlainSink):
         self._skipping = False
         if self._skipped_in_skip:  # the steps noted are no longer the last full ones
             self._hist.clear()
-            self._state_before = self._ext.small_pool_state()
+            self._state_before = None
         self._skipped_in_skip = False
 
     def finish(self) -> None:

@@ -747,9 +747,10 @@ class SkippingSink(PlainSink):
 #     back at most); the step before made the last one's small requests and got its addresses. A step ``t`` then
 #     stands for the period's step ``s`` of its phase while its small requests are ``s``'s: sizes only grow, so
 #     that holds up to the last step at which every growing small op still fits its rounded size in ``s``
-#     (:meth:`NativeSkippingSink._last_step_alike`, computed when the skip starts); a step whose next one asks for
-#     other small sizes cannot end a period worth skipping and is sent as a plain sink sends it, nothing noted (at
-#     the batches ``gpumem fit`` probes, nearly every step). A skipped step sends its large
+#     (:meth:`NativeSkippingSink._last_step_alike`, computed when the skip starts); a step whose next one asks for other
+#     small sizes, or among fewer than three that ask for the same, cannot end a period worth skipping and is sent
+#     as a plain sink sends it, nothing noted (at the batches ``gpumem fit`` probes, nearly every step). A skipped
+#     step sends its large
 #     ops in one call and books its small blocks that outlive it at the period's addresses; leaving the skip sends
 #     the small ops skipped in the current period in one call and checks every address against the period's
 #     (:class:`~gpumem.errors.InternalError` otherwise). The argument holds on this engine because it is a port of
@@ -827,7 +828,8 @@ class NativeSkippingSink(PlainSink):
         self._bounds: tuple[int, list[int]] | None = None  # (first step, growth bound of each step from it)
         self._last_alike: list[int] = []  # by phase: the last step _skip_ok may skip (_last_step_alike)
         self._cross_addrs: list[list[int]] = []  # by phase: the addresses its small blocks that outlive it got
-        self._alike: tuple[Any, int, int] | None = None  # (template, from step, through step): _alike_through
+        self._blk: tuple[Any, int, list[bool]] | None = None  # (template, first step, changes): _worth_noting
+        self._retried = False  # an out-of-memory retry was seen: no skip starts any more
         self._alloc_pos: tuple[Any, np.ndarray] | None = None
         self._trouble_at_skip = 0
         self._void = False
@@ -864,24 +866,36 @@ class NativeSkippingSink(PlainSink):
                 self._skip_step(t, tpl)
                 return
             self._materialize()
-        if t + 1 > self._alike_through(t, tpl):
-            # the next step asks for other small sizes: no period can end here and be skipped after (a skip would
-            # end at once), so nothing of this step is noted (at the batches gpumem fit probes, most steps)
+        if self._retried or not self._worth_noting(t, tpl):
+            # the next step asks for other small sizes, or too few steps ask for these, or a retry was seen: no
+            # period can end here and be skipped after, so nothing of this step is noted (at the batches gpumem
+            # fit probes, nearly every step)
             PlainSink.run_step(self, t, tpl)
             self._cur = None
             return
         self._full_step(t, tpl)
 
-    def _alike_through(self, t: int, tpl: "StepTemplate") -> int:
-        """The last step whose small requests are step ``t``'s (:meth:`_last_step_alike`), kept while it holds."""
-        a = self._alike
-        if a is not None and a[0] is tpl and a[1] <= t <= a[2]:
-            return a[2]
-        last = self._last_step_alike(t, tpl)
-        self._alike = (tpl, t, last)
-        return last
+    NOTE_BLOCK = 64
+    """Steps whose small sizes :meth:`_worth_noting` compares at once."""
+
+    def _worth_noting(self, t: int, tpl: "StepTemplate") -> bool:
+        """Whether step ``t`` could end a period worth skipping: it asks for the small sizes of the step after it
+        and of the one before it or the one after that (the fewest for a skip: the step before a period of one
+        step, the period, one step skipped). Made from the sizes of :data:`NOTE_BLOCK` steps at once: a step's
+        small sizes change where an op's that is small (or asks for nothing) changes its rounded size."""
+        blk = self._blk
+        if blk is None or blk[0] is not tpl or not 1 <= t - blk[1] <= len(blk[2]) - 2:
+            t0 = max(tpl.s0, t - 1)
+            steps = np.arange(t0, t0 + self.NOTE_BLOCK + 1, dtype=np.int64)[:, None] - tpl.s0
+            g = tpl.growing[tpl.kinds[tpl.growing] == 0]
+            r = -(-(tpl.base[g][None, :] + steps * tpl.slope[g][None, :]) // self._rnd) * self._rnd
+            changes = ((r[1:] != r[:-1]) & (r[:-1] <= self._small_max)).any(axis=1).tolist()
+            blk = self._blk = (tpl, t0, changes)
+        c, i = blk[2], t - blk[1]  # c[k]: step blk[1] + k + 1 asks for other small sizes than step blk[1] + k
+        return not c[i] and ((i >= 1 and not c[i - 1]) or not c[i + 1])
 
     def _masks(self, tpl: "StepTemplate", sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rounded bytes of each op of a step asking for ``sizes``, and which are small allocations."""
         rounded = -(-sizes // self._rnd) * self._rnd
         return rounded, (tpl.kinds == 0) & (sizes > 0) & (rounded <= self._small_max)
 
@@ -951,16 +965,20 @@ class NativeSkippingSink(PlainSink):
                     and np.array_equal(before.addrs, last.addrs)):
                 continue
             if self._ext.stats()["num_alloc_retries"]:
+                self._retried = True  # as the Python sink: no skip after an out-of-memory retry (it only grows)
                 return
             if self._plan is None or self._plan.tpl is not last.tpl or not np.array_equal(self._plan_mask, last.small):
                 self._make_plan(last.tpl, last.small)
+            # the steps of the period and the one before ask for the same small sizes: one last step alike
+            last_alike = [self._last_step_alike(x[0].step, x[0].tpl) for x in b]
             self._bounds = None
-            limit = self._limit
-            if limit is not None and self._ext.reserved_nbytes() + self._growth_bound(self.step + 1) > limit:
-                self.limit_stops += 1  # the next step could grow past the limit: it would end the skip at once
-                return
+            if self._limit is not None:  # the next step's growth bound (_skip_ok makes the rest's)
+                self._bounds = (self.step + 1, self._growth_bounds(self.step + 1, 1).tolist())
+                if self._ext.reserved_nbytes() + self._bounds[1][0] > self._limit:
+                    self.limit_stops += 1  # the next step could grow past the limit: it would end the skip at once
+                    return
             self._period = [x[0] for x in b]
-            self._last_alike = [self._last_step_alike(x.step, x.tpl) for x in self._period]
+            self._last_alike = last_alike
             plan = self._plan
             self._cross_addrs = [[int(x.addrs[pos]) for pos in plan.cross_pos] for x in self._period]
             self._phase = 0
@@ -991,7 +1009,7 @@ class NativeSkippingSink(PlainSink):
         self._plan_mask = small
 
     BOUND_STEPS = 256
-    """Steps whose growth bounds :meth:`_skip_ok` computes at once."""
+    """Steps whose growth bounds :meth:`_skip_ok` computes at once, at most (no further than the skip may go)."""
 
     def _growth_bounds(self, t: int, n: int) -> np.ndarray:
         """For steps ``t .. t + n - 1``: the most their large allocations can add to the reserved bytes, each
@@ -1013,13 +1031,10 @@ class NativeSkippingSink(PlainSink):
             grow = -(-r // g) * g
         return np.where(sizes > 0, grow, 0).sum(axis=1)  # a zero-byte request takes nothing
 
-    def _growth_bound(self, t: int) -> int:
-        return int(self._growth_bounds(t, 1)[0])
-
     def _last_step_alike(self, t: int, tpl: "StepTemplate") -> int:
-        """The last step whose small requests are those of step ``t``, given that later steps ask for at least its
-        bytes at each op (a template's slopes are not negative): an op whose size grows and that is small at ``t``
-        keeps its rounded size while its bytes stay within it; a large one stays large (Note [Decode step
+        """The last step whose small requests are those of step ``t``, given that each op asks for more bytes from
+        step to step or the same (a template's slopes are not negative): an op whose size grows and that is small
+        at ``t`` keeps its rounded size while its bytes stay within it; a large one stays large (Note [Decode step
         template]). Only the ops whose size grows can differ (:attr:`StepTemplate.growing`)."""
         g = tpl.growing
         sizes = tpl.base[g] + (t - tpl.s0) * tpl.slope[g]
@@ -1039,8 +1054,9 @@ class NativeSkippingSink(PlainSink):
             return False
         if self._limit is not None:
             b = self._bounds
-            if b is None or not b[0] <= t < b[0] + len(b[1]):
-                b = self._bounds = (t, self._growth_bounds(t, self.BOUND_STEPS).tolist())
+            if b is None or not b[0] <= t < b[0] + len(b[1]):  # up to the last step this skip may skip
+                n = max(1, min(self.BOUND_STEPS, max(self._last_alike) - t + 1))
+                b = self._bounds = (t, self._growth_bounds(t, n).tolist())
             if self._ext.reserved_nbytes() + b[1][t - b[0]] > self._limit:
                 self.limit_stops += 1
                 return False

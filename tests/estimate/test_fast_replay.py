@@ -4,7 +4,7 @@ template, the small pool skipped at a fixed point) gives the full replay's figur
 import contextlib
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from gpumem.allocator import make_allocator
 from gpumem.errors import InternalError, InvalidArgumentError
@@ -212,6 +212,43 @@ def test_a_native_skip_near_the_limit_ends_before_a_step_that_could_grow_past_it
             d.close()
     assert replay_inference(shape, 2, (policy,), DEVICE, limit=limit, **kw) == \
         replay_inference(shape, 2, (policy,), DEVICE, limit=limit, full_replay=True, **kw)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([(1024, 8, 8), (1024, 8, 4), (2048, 16, 8), (2048, 16, 16)]), st.integers(1, 3),
+       st.integers(1, 3), st.integers(300, 1500), st.integers(66, 400), st.sampled_from(["pytorch", "expandable",
+                                                                                      "bestfit"]),
+       st.sampled_from([None, None, 0.8, 1.0, 1.05, 1.1]))
+def test_the_native_skip_leaves_the_figures_of_every_op_sent(dims, layers, batch, prompt, new, policy, limit_share):
+    """Note [The small pool skipped on the native engine] on random shapes whose KV cache reaches the large pool,
+    batches 1 to 3 (the small requests change every 64, 32 or 21 steps; a KV cache may pass from the small pool to
+    the large one on the way), lengths and limits near the peak: the
+    skipping sink ends with the peak, the error (and its step), the live blocks and the allocated bytes of an
+    allocator on the Python engine that took every op."""
+    _native_or_skip()
+    hidden, heads, kv_heads = dims
+    shape = ModelShape(hidden, 2 * hidden, layers, 1000, heads, kv_heads)
+    peak = inference_trace(shape, 2, batch_size=batch, prompt_len=prompt, new_tokens=new).peak_nbytes
+    limit = None if limit_share is None else int(peak / limit_share) + 3 * 2**20
+    devs = [open_device(DEVICE), open_device(DEVICE)]
+    try:
+        skipping = make_allocator(devs[0], policy, engine="native", limit=limit)
+        every = make_allocator(devs[1], policy, engine="python", limit=limit)
+        sinks = [make_sink(skipping), PlainSink(every)]
+        with contextlib.suppress(AllStopped):
+            _stream(sinks, shape, new - 1, batch_size=batch, prompt_len=prompt)
+        s = sinks[0]
+        event("skipped" if s.skipped_steps else "not skipped")
+        event("ended or kept off by the limit" if s.limit_stops else "limit never in the way")
+        assert not s.voided
+        assert str(s.error) == str(sinks[1].error) and s.error_step == sinks[1].error_step
+        assert skipping.snapshot_stats().peak_reserved_nbytes == every.snapshot_stats().peak_reserved_nbytes
+        if s.error is None:
+            assert sorted(skipping.live_blocks()) == sorted(every.live_blocks())
+            assert skipping.stats.allocated_nbytes == every.stats.allocated_nbytes
+    finally:
+        for d in devs:
+            d.close()
 
 
 @pytest.mark.parametrize("policy", ["pytorch", "expandable"])

@@ -783,12 +783,11 @@ class _NativePlan:
     """What a skipped step sends and books, from one template and small-allocation mask."""
 
     tpl: "StepTemplate"
-    large_kinds: np.ndarray  # the large ops (and zero-byte allocations): kinds, ids at step 0, bytes as base + slope
+    large_pos: np.ndarray    # the large ops (and zero-byte allocations): their places in the step, kinds, ids at
+    large_kinds: np.ndarray  # step 0, bytes as base + slope
     large_id0: np.ndarray
     large_base: np.ndarray
     large_slope: np.ndarray
-    grow_base: np.ndarray  # the large allocations' bytes (base + slope)
-    grow_slope: np.ndarray
     cross_j: list          # small allocations not freed in their step: alloc index, small position
     cross_pos: list
     old_j: list            # small allocations of the step before freed in this one: alloc index
@@ -825,7 +824,6 @@ class NativeSkippingSink(PlainSink):
         self._pending_steps: list[int] = []  # steps skipped in this period
         self._plan: _NativePlan | None = None
         self._plan_mask: np.ndarray | None = None
-        self._bounds: tuple[int, list[int]] | None = None  # (first step, growth bound of each step from it)
         self._last_alike: list[int] = []  # by phase: the last step _skip_ok may skip (_last_step_alike)
         self._cross_addrs: list[list[int]] = []  # by phase: the addresses its small blocks that outlive it got
         self._blk: tuple[Any, int, list[bool]] | None = None  # (template, first step, changes): _worth_noting
@@ -838,7 +836,7 @@ class NativeSkippingSink(PlainSink):
         self.skips_started = 0
         """Fixed points found (skips started)."""
         self.limit_stops = 0
-        """Skips ended before a step whose large allocations might have grown past the limit."""
+        """Skips ended before a large allocation that could have grown past the limit."""
 
     def _trouble(self) -> int:
         st = self._ext.stats()
@@ -971,12 +969,6 @@ class NativeSkippingSink(PlainSink):
                 self._make_plan(last.tpl, last.small)
             # the steps of the period and the one before ask for the same small sizes: one last step alike
             last_alike = [self._last_step_alike(x[0].step, x[0].tpl) for x in b]
-            self._bounds = None
-            if self._limit is not None:  # the next step's growth bound (_skip_ok makes the rest's)
-                self._bounds = (self.step + 1, self._growth_bounds(self.step + 1, 1).tolist())
-                if self._ext.reserved_nbytes() + self._bounds[1][0] > self._limit:
-                    self.limit_stops += 1  # the next step could grow past the limit: it would end the skip at once
-                    return
             self._period = [x[0] for x in b]
             self._last_alike = last_alike
             plan = self._plan
@@ -997,39 +989,31 @@ class NativeSkippingSink(PlainSink):
         small_op = small_j[tpl.index]  # an allocation, or a free of one (of this step or the one before: same mask)
         is_free = tpl.kinds == 1
         lg = np.flatnonzero(~small_op)
-        large_alloc = lg[tpl.kinds[lg] == 0]
         freed_here = set(tpl.index[is_free & (tpl.back == 0)].tolist())
         cross_j = [j for j in np.flatnonzero(small_j).tolist() if j not in freed_here]
         old_j = tpl.index[is_free & small_op & (tpl.back == 1)].tolist()
         self._plan = _NativePlan(
-            tpl, np.ascontiguousarray(tpl.kinds[lg]),
+            tpl, lg, np.ascontiguousarray(tpl.kinds[lg]),
             tpl.first_id - (tpl.back[lg] + tpl.s0) * tpl.n_allocs + tpl.index[lg], tpl.base[lg], tpl.slope[lg],
-            tpl.base[large_alloc], tpl.slope[large_alloc], cross_j, [int(smallpos[j]) for j in cross_j], old_j,
-            np.flatnonzero(small_op), int(small_op.sum()))
+            cross_j, [int(smallpos[j]) for j in cross_j], old_j, np.flatnonzero(small_op), int(small_op.sum()))
         self._plan_mask = small
 
-    BOUND_STEPS = 256
-    """Steps whose growth bounds :meth:`_skip_ok` computes at once, at most (no further than the skip may go)."""
-
-    def _growth_bounds(self, t: int, n: int) -> np.ndarray:
-        """For steps ``t .. t + n - 1``: the most their large allocations can add to the reserved bytes, each
-        growing (a new segment of ``segment_nbytes``; a block's pages, all mapped anew)."""
-        plan = self._plan
-        steps = np.arange(t, t + n, dtype=np.int64)[:, None] - plan.tpl.s0
-        sizes = plan.grow_base[None, :] + steps * plan.grow_slope[None, :]
-        r = -(-sizes // self._rnd) * self._rnd
-        if self._page is not None:  # a block's pages, each mapped anew (Note [Expandable's small pool skipped])
-            page = self._page
-            grow = (-(-r // page) + 1) * page
+    def _could_grow_past_limit(self, nbytes: int) -> bool:
+        """Whether a large request of ``nbytes`` that the cache does not serve could grow past the limit: a new
+        segment of ``segment_nbytes``, or its block's pages all mapped anew (Note [Expandable's small pool
+        skipped]); the out-of-memory retry that would follow releases cached small segments too."""
+        if self._limit is None:
+            return False  # growth runs out of memory only where the device refuses (the result is void then)
+        r = -(-nbytes // self._rnd) * self._rnd
+        if self._page is not None:
+            grow = (-(-r // self._page) + 1) * self._page
         elif self._rule is SegmentRule.EXACT:
             grow = r
         elif self._rule is SegmentRule.PYTORCH:
-            two = 2 * 2**20
-            grow = np.where(r < 10 * 2**20, 20 * 2**20, -(-r // two) * two)
+            grow = 20 * 2**20 if r < 10 * 2**20 else -(-r // (2 * 2**20)) * (2 * 2**20)
         else:
-            g = self._granularity
-            grow = -(-r // g) * g
-        return np.where(sizes > 0, grow, 0).sum(axis=1)  # a zero-byte request takes nothing
+            grow = -(-r // self._granularity) * self._granularity
+        return self._ext.reserved_nbytes() + grow > self._limit
 
     def _last_step_alike(self, t: int, tpl: "StepTemplate") -> int:
         """The last step whose small requests are those of step ``t``, given that each op asks for more bytes from
@@ -1045,33 +1029,35 @@ class NativeSkippingSink(PlainSink):
         return int((tpl.s0 + (r[watch] - tpl.base[g][watch]) // tpl.slope[g][watch]).min())
 
     def _skip_ok(self, t: int, tpl: "StepTemplate") -> bool:
-        """Whether step ``t`` makes the small requests of the period's step it stands for (:meth:`_last_step_alike`),
-        and no large allocation of it can grow past the limit."""
+        """Whether step ``t`` makes the small requests of the period's step it stands for (:meth:`_last_step_alike`)."""
         plan = self._plan
         ts = self._period[self._phase]
-        if plan is None or plan.tpl is not tpl or ts.tpl is not tpl or t <= ts.step \
-                or t > self._last_alike[self._phase]:
-            return False
-        if self._limit is not None:
-            b = self._bounds
-            if b is None or not b[0] <= t < b[0] + len(b[1]):  # up to the last step this skip may skip
-                n = max(1, min(self.BOUND_STEPS, max(self._last_alike) - t + 1))
-                b = self._bounds = (t, self._growth_bounds(t, n).tolist())
-            if self._ext.reserved_nbytes() + b[1][t - b[0]] > self._limit:
-                self.limit_stops += 1
-                return False
-        return True
+        return not (plan is None or plan.tpl is not tpl or ts.tpl is not tpl or t <= ts.step
+                    or t > self._last_alike[self._phase])
 
     def _skip_step(self, t: int, tpl: "StepTemplate") -> None:
-        """Step ``t`` with its small ops left out: its large ones sent in one call, its small allocations that
-        outlive it booked at the period's addresses."""
+        """Step ``t`` with its small ops left out: its large ones sent in one call, stopped before each that the cache
+        does not serve (Note [Stopping before a slow allocation] in ``gpumem/_native/module.cpp``) to ask whether it
+        could grow past the limit (then the skip ends there: :meth:`_leave_skip_mid_step`); its small allocations
+        that outlive it booked at the period's addresses."""
         plan = self._plan
-        ptrs = self.ptrs
+        ptrs, run_ops = self.ptrs, self._run_ops_native
+        kinds = plan.large_kinds
+        ids = plan.large_id0 + t * tpl.n_allocs
+        sizes = plan.large_base + (t - tpl.s0) * plan.large_slope
+        q, n = 0, len(kinds)
         try:
-            self._run_ops_native(plan.large_kinds, plan.large_id0 + t * tpl.n_allocs,
-                                 plan.large_base + (t - tpl.s0) * plan.large_slope, ptrs)
+            while q < n:
+                q += run_ops(kinds[q:], ids[q:], sizes[q:], ptrs, stop_at_slow=True)
+                if q == n:
+                    break
+                if self._could_grow_past_limit(int(sizes[q])):
+                    self.limit_stops += 1
+                    self._leave_skip_mid_step(t, tpl, int(plan.large_pos[q]))
+                    return
+                q += run_ops(kinds[q:q + 1], ids[q:q + 1], sizes[q:q + 1], ptrs)
         except OutOfMemoryError as exc:
-            self._stop(exc)  # not foreseen by the bound: the fast result is void (voided)
+            self._stop(exc)  # not foreseen (a device that refused within the limit): the fast result is void
             return
         first = tpl.first_id + (t - tpl.s0) * tpl.n_allocs
         for j, addr in zip(plan.cross_j, self._cross_addrs[self._phase]):
@@ -1083,6 +1069,20 @@ class NativeSkippingSink(PlainSink):
         self._skipped_in_skip = True
         self.skipped_ops += plan.n_small
         self.skipped_steps += 1
+
+    def _leave_skip_mid_step(self, t: int, tpl: "StepTemplate", at: int) -> None:
+        """End the skip in step ``t`` before its op ``at`` (a large allocation that could grow past the limit; the
+        large ops before it were sent): the small ops skipped in this period are sent, then this step's small ops
+        before ``at`` (they and the large ones sent meet in no pool), then every op from ``at`` on, in order."""
+        self._materialize()
+        plan = self._plan
+        sel = np.concatenate([plan.order[plan.order < at], np.arange(at, len(tpl.kinds))])
+        self._cur = None
+        try:
+            self._run_ops_native(np.ascontiguousarray(tpl.kinds[sel]), tpl.op_ids(t)[sel], tpl.sizes(t)[sel],
+                                 self.ptrs)
+        except OutOfMemoryError as exc:
+            self._stop(exc)
 
     def _materialize(self) -> None:
         """Send the small ops skipped in this period, in order, each checked to land where the period put it; stop

@@ -1231,12 +1231,13 @@ bool ops_buffer(AllocObject* self, PyObject* o, const char* name, Py_ssize_t ite
 // arrays are read once, at the call: what Python writes into them mid-batch does not change the batch.
 //
 // Note [Stopping before a slow allocation]: with stop_at_slow=True, run_ops returns before the first
-// allocation its fast path cannot serve (one that needs allocate()'s full operation: a new segment or pages
-// to map, or anything else the fast path leaves to it), that op not run and nothing of it changed (the fast
-// path changes nothing when it steps aside), with the number of ops completed (table.last_ops_done too).
-// The estimate's fast replay skipping the small pool (NativeSkippingSink in gpumem/estimate/fastreplay.py)
-// decides there, as the Python sink does before a large allocation that finds no cached block, whether that
-// one could grow past the limit; every allocation served from the cache goes on in the same call.
+// allocation its fast path cannot serve (one that needs allocate()'s full operation: a new segment, pages to
+// map under a cached block, or anything else the fast path leaves to it), that op not run and nothing of it
+// changed (the fast path changes nothing when it steps aside), with the number of ops completed
+// (table.last_ops_done too). The estimate's fast replay skipping the small pool (NativeSkippingSink in
+// gpumem/estimate/fastreplay.py) decides there, as the Python sink does before a large allocation that finds
+// no cached block, whether that one could grow past the limit; every allocation the fast path serves (a
+// cached block, its pages mapped: no device call, no growth) goes on in the same call.
 PyObject* Alloc_run_ops(AllocObject* self, PyObject* args, PyObject* kwds) {
     CHECK_ALIVE(self);
     static const char* kwlist[] = {"kinds", "ids", "nbytes", "table", "stream", "stop_at_slow", nullptr};

@@ -228,9 +228,9 @@ def test_the_tables_log_is_the_pointer_each_allocation_got_in_order(batch, limit
 @given(op_batches(), st.sampled_from([None, 96 * MiB]), st.sampled_from(["gpumem", "pytorch", "expandable"]))
 def test_stop_at_slow_stops_before_each_slow_allocation_and_changes_nothing_of_it(batch, limit, policy):
     """Note [Stopping before a slow allocation] (module.cpp): run_ops(..., stop_at_slow=True) returns the ops it
-    completed, stopping only before an allocation that needs the full operation (one that is not a cache hit:
-    the allocator's state then is the loop's after those ops); that op sent on its own and the rest again with
-    stop_at_slow end where the loop ends."""
+    completed, stopping only before an allocation that needs the full operation (a cache miss, or pages to map
+    under a cached block; the allocator's state then is the loop's after those ops); that op sent on its own and
+    the rest again with stop_at_slow end where the loop ends."""
     ops, _ = batch
     ref, got = _allocator(limit=limit, policy=policy), _allocator(limit=limit, policy=policy)
     ref_ptrs, table = {}, PtrTable()
@@ -250,9 +250,11 @@ def test_stop_at_slow_stops_before_each_slow_allocation_and_changes_nothing_of_i
             break
         stops += 1
         assert kinds[q] == 0 and sizes[q] > 0  # only an allocation stops it
-        hits = ref.snapshot_stats().cache_hits
+        before = ref.snapshot_stats()
         n, e = _loop(ref, ref_ptrs, [0], [int(ids[q])], [int(sizes[q])])
-        assert ref.snapshot_stats().cache_hits == hits  # not one the cache served
+        after = ref.snapshot_stats()
+        # one the fast path could not serve: a cache miss, or a cached block whose pages had to be mapped
+        assert after.cache_misses > before.cache_misses or after.device_calls > before.device_calls or e is not None
         try:
             got._engine.run_ops(kinds[q:q + 1], ids[q:q + 1], sizes[q:q + 1], table)
         except GpumemError as exc:

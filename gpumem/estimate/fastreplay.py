@@ -758,11 +758,12 @@ class SkippingSink(PlainSink):
 #     segment policies and ``expandable``'s pages of a pool's own size included): its pools share what the Python
 #     engine's share and nothing more, and the bytes compared hold everything the small pool's next ops read
 #     (``tests/allocator/test_native_small_pool_state.py`` holds two states it calls equal equal for the Python
-#     reading too). Where the Python sink asks before each large allocation whether it could grow past the limit,
-#     this one bounds a whole step at its start: reserved bytes plus, for each large allocation, the most a growth
-#     adds (a new segment of ``segment_nbytes``; a block's pages, all mapped anew); within the limit no
-#     out-of-memory retry can come in the step, else the skip ends before it (or does not start), the step sent
-#     whole. Any other retry or error while skipping voids the fast result, as there. Ops the emitter makes (the
+#     reading too). The large ops of a skipped step go in one call that stops before each allocation its fast path
+#     cannot serve (Note [Stopping before a slow allocation] in ``gpumem/_native/module.cpp``): there, as the Python
+#     sink asks before a large allocation that finds no cached block, the sink asks whether it could grow past the
+#     limit (reserved bytes plus a new segment of ``segment_nbytes``, or its block's pages all mapped anew); if so
+#     the skip ends there (:meth:`NativeSkippingSink._leave_skip_mid_step`), else that one op is sent and the call
+#     goes on. Any other retry or error while skipping voids the fast result, as there. Ops the emitter makes (the
 #     first steps, the end of ``generate()``, a shape with a sliding window) are sent one by one, a skip ended first.
 @dataclass
 class _FullStep:

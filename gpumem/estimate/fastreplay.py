@@ -1000,7 +1000,7 @@ class NativeSkippingSink(PlainSink):
         self._plan_mask = small
 
     def _could_grow_past_limit(self, nbytes: int) -> bool:
-        """Whether a large request of ``nbytes`` that the cache does not serve could grow past the limit: a new
+        """Whether a large request of ``nbytes`` that the fast path does not serve could grow past the limit: a new
         segment of ``segment_nbytes``, or its block's pages all mapped anew (Note [Expandable's small pool
         skipped]); the out-of-memory retry that would follow releases cached small segments too."""
         if self._limit is None:
@@ -1037,10 +1037,10 @@ class NativeSkippingSink(PlainSink):
                     or t > self._last_alike[self._phase])
 
     def _skip_step(self, t: int, tpl: "StepTemplate") -> None:
-        """Step ``t`` with its small ops left out: its large ones sent in one call, stopped before each that the cache
-        does not serve (Note [Stopping before a slow allocation] in ``gpumem/_native/module.cpp``) to ask whether it
-        could grow past the limit (then the skip ends there: :meth:`_leave_skip_mid_step`); its small allocations
-        that outlive it booked at the period's addresses."""
+        """Step ``t`` with its small ops left out: its large ones sent in one call, stopped before each that the fast
+        path does not serve (Note [Stopping before a slow allocation] in ``gpumem/_native/module.cpp``) to ask
+        whether it could grow past the limit (then the skip ends there: :meth:`_leave_skip_mid_step`); its small
+        allocations that outlive it booked at the period's addresses."""
         plan = self._plan
         ptrs, run_ops = self.ptrs, self._run_ops_native
         kinds = plan.large_kinds
@@ -1114,8 +1114,11 @@ class NativeSkippingSink(PlainSink):
             if len(table) != len(plan.cross_j):  # a free found nothing to free: the ops were not the period's
                 raise InternalError(f"fast replay: {len(table)} small blocks left by the steps sent late, not "
                                     f"{len(plan.cross_j)} (Note [Small pool skipped at a fixed point])")
+            if len(got) != len(want):
+                raise InternalError(f"fast replay: {len(got)} small allocations replayed late, not {len(want)} (Note "
+                                    "[Small pool skipped at a fixed point])")
             if not np.array_equal(got, want):
-                bad = int(np.flatnonzero(got != want)[0]) if len(got) == len(want) else 0
+                bad = int(np.flatnonzero(got != want)[0])
                 raise InternalError(f"fast replay: a small allocation replayed late landed at {int(got[bad]):#x}, "
                                     f"not at its template's {int(want[bad]):#x} (Note [Small pool skipped at a "
                                     "fixed point])")

@@ -140,6 +140,7 @@ struct VSeg {
 #endif
         return static_cast<std::int64_t>(offset / page_nbytes);
     }
+    std::uint64_t top_max = 0;   // the highest top the range had (Note [The small pool's state as bytes])
 };
 
 // Note [Pages of a pool's own size]: PyTorch's expandable segments map 2 MiB pages under the small pool and
@@ -783,6 +784,7 @@ std::uint64_t Engine::extend(VSeg* seg, std::uint64_t stream, std::uint64_t extr
     }
     std::uint64_t addr = seg->base + seg->top;
     seg->top += extra_nbytes;
+    if (seg->top > seg->top_max) seg->top_max = seg->top;   // Note [The small pool's state as bytes]
     return addr;
 }
 
@@ -3960,6 +3962,129 @@ std::vector<std::uint64_t> Engine::step_plan_info() {
             plan_served_, plan_fallback_, plan_steps_hit_, plan_steps_missed_, plans_installed_, plans_dropped_,
             plan_arena_calls_, plan_live_nbytes(), rec_cur_.size() + rec_prev_.size(), plan_recordings_abandoned_,
             plan_implicit_steps_, warmup_ && st_.num_allocs - warmup_since_ < kWarmupAllocs ? 1u : 0u};
+}
+
+// Note [The small pool's state as bytes]: the estimate's fast replay leaves a decode step's small-pool ops out
+// once the small pool is at a fixed point (Note [Small pool skipped at a fixed point] in
+// gpumem/estimate/fastreplay.py). It finds the fixed point by comparing the small pool's state at step ends,
+// exactly: this packs, as 64-bit little-endian words, everything of it that the engine's next small-pool
+// operations read. Segment mode: every small segment (by address): base, size, order, live count, dirty,
+// fence, stream, and its blocks from the last (address, size, allocated, stream, the fences and pending
+// streams of a freed block waiting for other streams, in full). Virtual memory: the small range (base, size,
+// top, page size, its blocks as above, the empty pages in their order, the fences at its top) and every page
+// with anything on it (live references, chunk mapped, dirty and user streams, fences, no access, deferred),
+// then the chunks held mapped nowhere (shared by the pools) and the deferred unmaps. The pages are read up to
+// the highest top the range had (VSeg::top_max, kept by extend): with one page a chunk, nothing maps, references
+// or fences a page past it, so the other pages of the range's address space (hundreds of thousands: twice the
+// device's memory) are not walked at every call. Not in it: a block's
+// requested bytes (stats only), and the counts of live pages that decide steals and chunk sizes only (a policy
+// the fast replay skips takes neither: can_skip_small_pool). Where there is no separate small pool, empty.
+std::string Engine::small_pool_state() {
+    Guard guard(*this, true);
+    std::string out;
+    auto put = [&out](std::uint64_t v) {
+        char w[8];
+        for (int i = 0; i < 8; ++i) w[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+        out.append(w, 8);
+    };
+    auto put_fences = [&put](const FenceMap* f) {
+        if (!f) {
+            put(~std::uint64_t{0});
+            return;
+        }
+        put(f->size());
+        for (auto& sn : *f) {
+            put(sn.first);
+            put(sn.second);
+        }
+    };
+    auto put_blocks = [&](const VSeg* seg) {
+        for (const Block* b = seg->last; b; b = b->prev) {
+            put(b->addr);
+            put(b->size);
+            put(b->allocated ? 1 : 0);
+            put(b->stream);
+            put_fences(b->fences.get());
+            if (!b->pending_streams) {
+                put(~std::uint64_t{0});
+            } else {
+                put(b->pending_streams->size());
+                for (auto st : *b->pending_streams) put(st);
+            }
+        }
+        put(~std::uint64_t{0} - 1);   // end of the blocks
+    };
+    auto put_streams = [&put](const StreamTable& t, std::int64_t p) {
+        put(t.state[p]);
+        if (t.state[p] == 1) put(t.one[p]);
+        else if (t.state[p] == 2) {
+            const auto& v = t.many.at(p);
+            put(v.size());
+            for (auto st : v) put(st);
+        }
+    };
+    if (!cfg_.separate_small_pool) return out;
+    if (cfg_.segments) {
+        put(1);
+        std::vector<const VSeg*> small;
+        for (auto& up : msegs_)
+            if (up->small) small.push_back(up.get());
+        std::sort(small.begin(), small.end(), [](const VSeg* a, const VSeg* b) { return a->base < b->base; });
+        for (const VSeg* seg : small) {
+            put(seg->base);
+            put(seg->nbytes);
+            put(seg->order);
+            put(seg->live);
+            put(seg->mdirty ? 1 : 0);
+            put(seg->fence);
+            put(seg->mstream);
+            put_blocks(seg);
+        }
+        return out;
+    }
+    put(2);
+    const VSeg* seg = vseg_by_key_[1];
+    if (seg) {
+        put(seg->base);
+        put(seg->nbytes);
+        put(seg->top);
+        put(seg->page_nbytes);
+        put_blocks(seg);
+        put(seg->n_empty);
+        for (std::int64_t p = seg->ehead; p >= 0; p = seg->enext[p]) put(static_cast<std::uint64_t>(p));
+        put_fences(seg->top_fences.get());
+        const bool any_fences = !seg->page_fences.empty();
+        // pages past the highest top are untouched where every chunk is one page: a page is mapped, referenced or
+        // fenced for a block, and blocks lie below the top (chunks of several pages may reach past it: all read)
+        const std::int64_t n_scan = cfg_.growth == GrowthRule::kPages && seg->top_max < seg->nbytes
+                                        ? seg->page_of(seg->top_max + seg->page_nbytes - 1)
+                                        : seg->n_pages;
+        for (std::int64_t p = 0; p < std::min(n_scan, seg->n_pages); ++p) {
+            if (!seg->refs[p] && !seg->chunks[p] && !seg->dirty.state[p] && !seg->users.state[p] && !seg->noaccess[p] &&
+                !seg->deferred[p] && !seg->in_empty[p] && !(any_fences && seg->page_fences.count(p)))
+                continue;
+            put(static_cast<std::uint64_t>(p));
+            put(static_cast<std::uint64_t>(seg->refs[p]));
+            put(static_cast<std::uint64_t>(seg->chunks[p]));
+            put_streams(seg->dirty, p);
+            put_streams(seg->users, p);
+            put(seg->noaccess[p]);
+            put(seg->deferred[p]);
+            auto it = any_fences ? seg->page_fences.find(p) : seg->page_fences.end();
+            put_fences(it == seg->page_fences.end() ? nullptr : &it->second);
+        }
+    }
+    put(~std::uint64_t{0} - 2);   // end of the range
+    put(unmapped_.size());
+    for (ChunkHandle h : unmapped_) put(static_cast<std::uint64_t>(h));
+    put(deferred_.size());
+    for (const Deferred& d : deferred_) {
+        put(d.seg == seg ? 1 : 0);
+        put(static_cast<std::uint64_t>(d.s));
+        put(static_cast<std::uint64_t>(d.h));
+        put_fences(&d.fences);
+    }
+    return out;
 }
 
 }  // namespace gpumem

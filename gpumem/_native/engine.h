@@ -359,6 +359,9 @@ class Engine {
     // in it; the holder calls nothing else and runs no Python until release_for_fast_run().
     void hold_for_fast_run();
     void release_for_fast_run();
+    // Note [The small pool's state as bytes] (engine.cpp): everything the small pool's next ops depend on, packed
+    // as little-endian 64-bit words, for the estimate's fast replay to compare exactly (gpumem/estimate/fastreplay.py).
+    std::string small_pool_state();
 
   private:
     struct Guard;

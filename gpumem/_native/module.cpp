@@ -1234,12 +1234,22 @@ bool ops_buffer(AllocObject* self, PyObject* o, const char* name, Py_ssize_t ite
 // input (arrays of another type, length or shape, a kind not 0 or 1, the reserved id -2**63; called
 // from inside a device call) is an InvalidArgumentError (InternalError for the last) before any op runs. The
 // arrays are read once, at the call: what Python writes into them mid-batch does not change the batch.
+//
+// Note [Stopping before a slow allocation]: with stop_at_slow=True, run_ops returns before the first
+// allocation its fast path cannot serve (one that needs allocate()'s full operation: a new segment, pages to
+// map under a cached block, or anything else the fast path leaves to it), that op not run and nothing of it
+// changed (the fast path changes nothing when it steps aside), with the number of ops completed
+// (table.last_ops_done too). The estimate's fast replay skipping the small pool (NativeSkippingSink in
+// gpumem/estimate/fastreplay.py) decides there, as the Python sink does before a large allocation that finds
+// no cached block, whether that one could grow past the limit; every allocation the fast path serves (a
+// cached block, its pages mapped: no device call, no growth) goes on in the same call.
 PyObject* Alloc_run_ops(AllocObject* self, PyObject* args, PyObject* kwds) {
     CHECK_ALIVE(self);
-    static const char* kwlist[] = {"kinds", "ids", "nbytes", "table", "stream", nullptr};
+    static const char* kwlist[] = {"kinds", "ids", "nbytes", "table", "stream", "stop_at_slow", nullptr};
     PyObject *o_kinds, *o_ids, *o_nbytes, *o_table, *o_stream = nullptr;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|O:run_ops", const_cast<char**>(kwlist), &o_kinds, &o_ids,
-                                     &o_nbytes, &o_table, &o_stream))
+    int stop_at_slow = 0;   // Note [Stopping before a slow allocation]
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|O$p:run_ops", const_cast<char**>(kwlist), &o_kinds, &o_ids,
+                                     &o_nbytes, &o_table, &o_stream, &stop_at_slow))
         return nullptr;
     if (!gpumem_is_ptr_table(o_table)) {
         char msg[160];
@@ -1419,6 +1429,10 @@ PyObject* Alloc_run_ops(AllocObject* self, PyObject* args, PyObject* kwds) {
             default:
                 break;
         }
+        if (stop == Stop::kSlowAlloc && stop_at_slow) {   // Note [Stopping before a slow allocation]: op q not run
+            table->last_ops_done = q;
+            return PyLong_FromSsize_t(q);
+        }
         failed = true;   // until the op below completes
         check_device = true;
         const std::int64_t id = ids[q];
@@ -1463,6 +1477,15 @@ PyObject* Alloc_run_ops(AllocObject* self, PyObject* args, PyObject* kwds) {
     return PyLong_FromSsize_t(n);
 }
 
+// small_pool_state() -> bytes: Note [The small pool's state as bytes] in engine.cpp (the estimate's fast replay).
+PyObject* Alloc_small_pool_state(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
+    return run_op(self, [&]() -> PyObject* {
+        std::string s = self->engine->small_pool_state();
+        return PyBytes_FromStringAndSize(s.data(), static_cast<Py_ssize_t>(s.size()));
+    });
+}
+
 PyMethodDef Alloc_methods[] = {
     {"allocate", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Alloc_allocate)),
      METH_FASTCALL | METH_KEYWORDS, "allocate(nbytes, stream=0) -> device pointer"},
@@ -1499,7 +1522,10 @@ PyMethodDef Alloc_methods[] = {
     {"set_step_record_limit", reinterpret_cast<PyCFunction>(Alloc_set_step_record_limit), METH_VARARGS,
      "set_step_record_limit(records): records a recorded step may hold before it is abandoned"},
     {"run_ops", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Alloc_run_ops)),
-     METH_VARARGS | METH_KEYWORDS, "run_ops(kinds, ids, nbytes, table, stream=0) -> ops run: a step's ops in one call"},
+     METH_VARARGS | METH_KEYWORDS,
+     "run_ops(kinds, ids, nbytes, table, stream=0, *, stop_at_slow=False) -> ops run: a step's ops in one call"},
+    {"small_pool_state", reinterpret_cast<PyCFunction>(Alloc_small_pool_state), METH_NOARGS,
+     "small_pool_state() -> bytes: the small pool's state, exactly (the estimate's fast replay compares it)"},
     {nullptr, nullptr, 0, nullptr},
 };
 

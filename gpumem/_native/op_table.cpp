@@ -170,6 +170,24 @@ PyObject* Table_clear(PtrTableObject* self, PyObject*) {
     Py_RETURN_NONE;
 }
 
+// log_puts(on): start (True) or stop (False, the log dropped) logging the values put (Note [The pointers a run
+// got] in op_table.h)
+PyObject* Table_log_puts(PtrTableObject* self, PyObject* on) {
+    int v = PyObject_IsTrue(on);
+    if (v < 0) return nullptr;
+    self->map->set_logging(v != 0);
+    Py_RETURN_NONE;
+}
+
+// take_log() -> bytes: the values put since the last take (native-endian uint64 each), the log emptied
+PyObject* Table_take_log(PtrTableObject* self, PyObject*) {
+    std::vector<std::uint64_t>& log = self->map->log();
+    PyObject* out = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(log.data()),
+                                              static_cast<Py_ssize_t>(log.size() * sizeof(std::uint64_t)));
+    if (out) log.clear();
+    return out;
+}
+
 PyObject* Table_last_ops_done(PtrTableObject* self, void*) { return PyLong_FromSsize_t(self->last_ops_done); }
 
 PyMappingMethods Table_mapping = {
@@ -187,6 +205,10 @@ PyMethodDef Table_methods[] = {
      "get(id, default=None) -> the pointer kept under id"},
     {"items", reinterpret_cast<PyCFunction>(Table_items), METH_NOARGS, "items() -> list of (id, pointer)"},
     {"clear", reinterpret_cast<PyCFunction>(Table_clear), METH_NOARGS, "forget every id"},
+    {"log_puts", reinterpret_cast<PyCFunction>(Table_log_puts), METH_O,
+     "log_puts(on): log every pointer put from now on (True), or stop and drop the log (False)"},
+    {"take_log", reinterpret_cast<PyCFunction>(Table_take_log), METH_NOARGS,
+     "take_log() -> bytes: the pointers put since the last take, as native uint64s; the log emptied"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -47,6 +47,7 @@ class OpPtrMap {
     // Inserts or overwrites; may throw std::bad_alloc (growing), the map unchanged then.
     void put(std::int64_t key, std::uint64_t value) {
         if ((n_ + 1) * 2 > slots_.size()) grow_to(slots_.size() * 2);
+        if (logging_) log_.push_back(value);   // before the insert: a throw leaves the map unchanged
         std::size_t i = home(key);
         for (; slots_[i].key != kEmpty; i = (i + 1) & mask_)
             if (slots_[i].key == key) { slots_[i].value = value; return; }
@@ -91,6 +92,15 @@ class OpPtrMap {
     template <class F> void for_each(F f) const {
         for (const Slot& s : slots_) if (s.key != kEmpty) f(s.key, s.value);
     }
+    // Note [The pointers a run got]: while logging, every value put is also appended to a log, in order; run_ops
+    // puts each allocation's pointer once, in op order (0 for a zero-byte one), so the log of a run is the
+    // pointer of each of its allocations: the estimate's fast replay reads the small allocations' addresses of a
+    // step sent whole (gpumem/estimate/fastreplay.py, NativeSkippingSink).
+    void set_logging(bool on) {
+        logging_ = on;
+        if (!on) log_.clear();
+    }
+    std::vector<std::uint64_t>& log() { return log_; }
 
   private:
     struct Slot {
@@ -116,6 +126,8 @@ class OpPtrMap {
     std::vector<Slot> slots_;
     std::size_t n_ = 0, mask_ = 0;
     int shift_ = 60;
+    bool logging_ = false;
+    std::vector<std::uint64_t> log_;
 };
 
 struct PtrTableObject {

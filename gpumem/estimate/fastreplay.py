@@ -42,15 +42,15 @@ Note [Small pool skipped at a fixed point]
     then replays that policy by the full path (one within the prefix: Note [Stopped where the prefix trace
     stops too]). ``replay_inference(..., full_replay=True)``
     keeps the reference, and ``tests/estimate/test_fast_replay.py`` checks both to the byte on random shapes,
-    lengths, limits and policies. ``expandable`` on the Python engine is skipped too (Note [Expandable's small pool
-    skipped]); ``gpumem`` (the native engine, its chunks stolen across pools by the live-page peak) is not.
+    lengths, limits and policies. ``expandable`` is skipped too (Note [Expandable's small pool skipped]); ``gpumem``
+    (its chunks stolen across pools by the live-page peak) is not. On the native engine the skip is made step by
+    step (Note [The small pool skipped on the native engine]).
 
 Note [Expandable's small pool skipped]
     Where the native engine is built, ``expandable`` runs on it (Note [Pages of a pool's own size] in
-    ``gpumem/_native/engine.cpp``) and its sink sends every op: on the 7B model at 1,000 new tokens that took
-    0.16 CPU s (0.46 before ``run_ops``) against 1.1 on the Python engine with its small pool skipped
-    (``reports/expandable-native-2026-11-29.md``). What follows holds on the Python engine (no native engine,
-    or ``engine="python"``), over a virtual range per pool (Note [Expandable segments] in
+    ``gpumem/_native/engine.cpp``), its small pool skipped as below (Note [The small pool skipped on the native
+    engine]: the engine is the Python one's port, with the same state). What follows is said of the Python
+    engine, over a virtual range per pool (Note [Expandable segments] in
     :mod:`gpumem.allocator.policy`): growth by whole pages of the pool's own size, no steal, no slack. Its two
     pools share what the segment policies share (the limit, the out-of-memory retry that releases both, the
     reserved bytes counted at each allocation) and three more things: the list of chunks held but mapped
@@ -106,16 +106,16 @@ from typing import Any
 
 import numpy as np
 
-from ..allocator.backing import SegmentBacking, VirtualBacking
+from ..allocator.backing import SegmentBacking, VirtualBacking, pool_page_nbytes
 from ..allocator.native import NativeEngine
-from ..allocator.policy import GrowthRule
+from ..allocator.policy import GrowthRule, SegmentRule
 from ..allocator.python_engine import PythonEngine
 from ..errors import InternalError, OutOfMemoryError
 from ..native import native_module
 from .workload import DECODE_HEAD_STEPS
 
-__all__ = ["SinkGroup", "PlainSink", "native_run_ops", "SkippingSink", "can_skip_small_pool", "AllStopped", "StepTemplate",
-           "StepJumper", "build_template"]
+__all__ = ["SinkGroup", "PlainSink", "native_run_ops", "SkippingSink", "NativeSkippingSink", "can_skip_small_pool",
+           "make_sink", "AllStopped", "StepTemplate", "StepJumper", "build_template"]
 
 
 PREFIX_STEP = DECODE_HEAD_STEPS + 1
@@ -136,10 +136,22 @@ def _engine_of(allocator: Any) -> Any:
 
 
 def can_skip_small_pool(allocator: Any) -> bool:
-    """Whether Note [Small pool skipped at a fixed point] applies: the Python engine with a separate small
-    pool, no history and no garbage-collection threshold, over ``malloc``'d segments or over virtual ranges
-    whose pages are never stolen (``expandable``: Note [Expandable's small pool skipped])."""
+    """Whether Note [Small pool skipped at a fixed point] applies: a separate small pool, no history, no
+    garbage-collection threshold, over ``malloc``'d segments or over virtual ranges whose pages are never stolen
+    (``expandable``: Note [Expandable's small pool skipped]); on the Python engine, or on the native one with its
+    own ``allocate`` and ``free`` and no step plan (Note [The small pool skipped on the native engine])."""
     eng = _engine_of(allocator)
+    if isinstance(eng, NativeEngine):
+        pol = getattr(allocator, "policy", None)
+        if (pol is None or not pol.separate_small_pool or getattr(allocator, "gc_threshold", 0) is not None
+                or native_run_ops(allocator) is None or not hasattr(eng._ext, "small_pool_state")):
+            return False
+        info = eng.step_plan_info()
+        if info[0] or info[3]:  # a step plan recording or installed, or its arena still mapped
+            return False
+        if not eng.uses_vmm:
+            return True
+        return not pol.steal_empty_pages and pol.growth is GrowthRule.PAGES and not pol.stream_ordered_steal
     if not (isinstance(eng, PythonEngine) and eng.policy.separate_small_pool and eng.gc_threshold is None
             and eng._recorder is None):
         return False
@@ -148,6 +160,17 @@ def can_skip_small_pool(allocator: Any) -> bool:
     pol = eng.policy
     return (isinstance(eng.backing, VirtualBacking) and not pol.steal_empty_pages
             and pol.growth is GrowthRule.PAGES and not pol.stream_ordered_steal)
+
+
+def make_sink(allocator: Any, skip: bool = True) -> "PlainSink":
+    """The sink for ``allocator`` on the fast path: one that skips the small pool where it can be skipped
+    (:func:`can_skip_small_pool`; ``skip`` False: never), on the Python engine (:class:`SkippingSink`) or the
+    native one (:class:`NativeSkippingSink`), else a :class:`PlainSink`."""
+    if not skip or not can_skip_small_pool(allocator):
+        return PlainSink(allocator)
+    if isinstance(_engine_of(allocator), NativeEngine):
+        return NativeSkippingSink(allocator)
+    return SkippingSink(allocator)
 
 
 def native_run_ops(allocator: Any) -> Any:
@@ -710,6 +733,415 @@ class SkippingSink(PlainSink):
             self._void = True
         return self._void
 
+
+
+# Note [The small pool skipped on the native engine]
+#     On the native engine (Note [The fast path on the native engine] in :mod:`.fit`) the skip of Note [Small pool
+#     skipped at a fixed point] is made over whole steps made from the template (Note [Decode step template]):
+#     :class:`NativeSkippingSink` sends a step it does not skip in one ``run_ops`` call, reads the address each
+#     allocation got from its ``PtrTable``'s log (Note [The pointers a run got] in ``gpumem/_native/op_table.h``)
+#     and the small pool's state at the step's end from the engine as bytes (Note [The small pool's state as
+#     bytes] in ``gpumem/_native/engine.cpp``), compared exactly. It starts skipping under the Note's conditions:
+#     the last ``P`` full steps (1 to :data:`MAX_PERIOD`) left that state as they found it; they and the step
+#     before them have one small-allocation mask (so the same small frees too: a template's free reaches one step
+#     back at most); the step before made the last one's small requests and got its addresses. A step ``t`` then
+#     stands for the period's step ``s`` of its phase while its small requests are ``s``'s: sizes only grow, so
+#     that holds up to the last step at which every growing small op still fits its rounded size in ``s``
+#     (:meth:`NativeSkippingSink._last_step_alike`, computed when the skip starts); a step whose next one asks for other
+#     small sizes, or among fewer than three that ask for the same, cannot end a period worth skipping and is sent
+#     as a plain sink sends it, nothing noted (at the batches ``gpumem fit`` probes, nearly every step). A skipped
+#     step sends its large
+#     ops in one call and books its small blocks that outlive it at the period's addresses; leaving the skip sends
+#     the small ops skipped in the current period in one call and checks every address against the period's
+#     (:class:`~gpumem.errors.InternalError` otherwise). The argument holds on this engine because it is a port of
+#     the Python one that makes the same decisions from the same state (``tests/allocator/test_native_differential.py``,
+#     segment policies and ``expandable``'s pages of a pool's own size included): its pools share what the Python
+#     engine's share and nothing more, and the bytes compared hold everything the small pool's next ops read
+#     (``tests/allocator/test_native_small_pool_state.py`` holds two states it calls equal equal for the Python
+#     reading too). The large ops of a skipped step go in one call that stops before each allocation its fast path
+#     cannot serve (Note [Stopping before a slow allocation] in ``gpumem/_native/module.cpp``): there, as the Python
+#     sink asks before a large allocation that finds no cached block, the sink asks whether it could grow past the
+#     limit (reserved bytes plus a new segment of ``segment_nbytes``, or its block's pages all mapped anew); if so
+#     the skip ends there (:meth:`NativeSkippingSink._leave_skip_mid_step`), else that one op is sent and the call
+#     goes on. Any other retry or error while skipping voids the fast result, as there. Ops the emitter makes (the
+#     first steps, the end of ``generate()``, a shape with a sliding window) are sent one by one, a skip ended first.
+@dataclass
+class _FullStep:
+    """A step made from a template and sent whole (Note [The small pool skipped on the native engine])."""
+
+    step: int
+    tpl: "StepTemplate"
+    small: np.ndarray
+    """By op: whether it is an allocation of the small pool."""
+    rounded: np.ndarray
+    """By op: the rounded bytes it asks for (0 for frees)."""
+    addrs: np.ndarray
+    """The addresses the step's small allocations got, in order (uint64)."""
+
+
+@dataclass(frozen=True)
+class _NativePlan:
+    """What a skipped step sends and books, from one template and small-allocation mask."""
+
+    tpl: "StepTemplate"
+    large_pos: np.ndarray    # the large ops (and zero-byte allocations): their places in the step, kinds, ids at
+    large_kinds: np.ndarray  # step 0, bytes as base + slope
+    large_id0: np.ndarray
+    large_base: np.ndarray
+    large_slope: np.ndarray
+    cross_j: list          # small allocations not freed in their step: alloc index, small position
+    cross_pos: list
+    old_j: list            # small allocations of the step before freed in this one: alloc index
+    order: np.ndarray      # the small ops' positions, in order
+    n_small: int
+
+
+class NativeSkippingSink(PlainSink):
+    """A :class:`PlainSink` over the native engine that leaves out whole decode steps' small ops at a fixed point of
+    the small pool (Note [The small pool skipped on the native engine])."""
+
+    def __init__(self, allocator: Any) -> None:
+        super().__init__(allocator)
+        if self._run_ops_native is None:
+            raise InternalError("NativeSkippingSink needs the native engine's run_ops (can_skip_small_pool)")
+        eng = _engine_of(allocator)
+        self._ext = eng._ext
+        pol = allocator.policy
+        self._rnd = pol.round_nbytes
+        self._small_max = pol.small_max_nbytes
+        self._limit = allocator.limit_nbytes
+        self._segments = not eng.uses_vmm
+        self._rule = pol.segment_rule
+        self._granularity = allocator.device.granularity_nbytes
+        self._page = None if self._segments else pool_page_nbytes(allocator.device, pol)[False]
+        self._hist: list[tuple[_FullStep, bytes | None, bytes]] = []  # consecutive full steps, state before, after
+        self._state_before: bytes | None = None
+        self._cur: _FullStep | None = None
+        self._skipping = False
+        self._period: list[_FullStep] = []
+        self._phase = 0
+        self._skip_start = 0
+        self._skipped_in_skip = False
+        self._pending_steps: list[int] = []  # steps skipped in this period
+        self._plan: _NativePlan | None = None
+        self._plan_mask: np.ndarray | None = None
+        self._last_alike: list[int] = []  # by phase: the last step _skip_ok may skip (_last_step_alike)
+        self._cross_addrs: list[list[int]] = []  # by phase: the addresses its small blocks that outlive it got
+        self._blk: tuple[Any, int, list[bool]] | None = None  # (template, first step, changes): _worth_noting
+        self._retried = False  # an out-of-memory retry was seen: no skip starts any more
+        self._alloc_pos: tuple[Any, np.ndarray] | None = None
+        self._trouble_at_skip = 0
+        self._void = False
+        self.skipped_steps = 0
+        """Decode steps whose small ops were left out."""
+        self.skips_started = 0
+        """Fixed points found (skips started)."""
+        self.limit_stops = 0
+        """Skips ended before a large allocation that could have grown past the limit."""
+
+    def _trouble(self) -> int:
+        st = self._ext.stats()
+        return st["num_alloc_retries"] + st["num_ooms"]
+
+    # -- ops the emitter makes: sent one by one, after a skip ends ---------------------------------------------
+    def alloc(self, op_id: int, nbytes: int) -> None:
+        if self._skipping and self.error is None:
+            self._materialize()
+        self._cur = None
+        super().alloc(op_id, nbytes)
+
+    def free(self, op_id: int) -> None:
+        if self._skipping and self.error is None:
+            self._materialize()
+        self._cur = None
+        super().free(op_id)
+
+    # -- steps made from the template ---------------------------------------------------------------------------
+    def run_step(self, t: int, tpl: "StepTemplate") -> None:
+        if self.error is not None:
+            return
+        if self._skipping:
+            if self._skip_ok(t, tpl):
+                self._skip_step(t, tpl)
+                return
+            self._materialize()
+        if self._retried or not self._worth_noting(t, tpl):
+            # the next step asks for other small sizes, or too few steps ask for these, or a retry was seen: no
+            # period can end here and be skipped after, so nothing of this step is noted (at the batches gpumem
+            # fit probes, nearly every step)
+            PlainSink.run_step(self, t, tpl)
+            self._cur = None
+            return
+        self._full_step(t, tpl)
+
+    NOTE_BLOCK = 64
+    """Steps whose small sizes :meth:`_worth_noting` compares at once."""
+
+    def _worth_noting(self, t: int, tpl: "StepTemplate") -> bool:
+        """Whether step ``t`` could end a period worth skipping: it asks for the small sizes of the step after it
+        and of the one before it or the one after that (the fewest for a skip: the step before a period of one
+        step, the period, one step skipped). Made from the sizes of :data:`NOTE_BLOCK` steps at once: a step's
+        small sizes change where an op's that is small (or asks for nothing) changes its rounded size."""
+        blk = self._blk
+        if blk is None or blk[0] is not tpl or not 1 <= t - blk[1] <= len(blk[2]) - 2:
+            t0 = max(tpl.s0, t - 1)
+            steps = np.arange(t0, t0 + self.NOTE_BLOCK + 1, dtype=np.int64)[:, None] - tpl.s0
+            g = tpl.growing[tpl.kinds[tpl.growing] == 0]
+            r = -(-(tpl.base[g][None, :] + steps * tpl.slope[g][None, :]) // self._rnd) * self._rnd
+            changes = ((r[1:] != r[:-1]) & (r[:-1] <= self._small_max)).any(axis=1).tolist()
+            blk = self._blk = (tpl, t0, changes)
+        c, i = blk[2], t - blk[1]  # c[k]: step blk[1] + k + 1 asks for other small sizes than step blk[1] + k
+        return not c[i] and ((i >= 1 and not c[i - 1]) or not c[i + 1])
+
+    def _masks(self, tpl: "StepTemplate", sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rounded bytes of each op of a step asking for ``sizes``, and which are small allocations."""
+        rounded = -(-sizes // self._rnd) * self._rnd
+        return rounded, (tpl.kinds == 0) & (sizes > 0) & (rounded <= self._small_max)
+
+    def _full_step(self, t: int, tpl: "StepTemplate") -> None:
+        """Every op of step ``t`` in one call, the addresses its allocations got read from the table's log."""
+        sizes = tpl.sizes(t)
+        ptrs = self.ptrs
+        ptrs.log_puts(True)
+        try:
+            self._run_ops_native(tpl.kinds, tpl.op_ids(t), sizes, ptrs)
+        except OutOfMemoryError as exc:
+            self._stop(exc)
+        finally:
+            log = ptrs.take_log()
+            ptrs.log_puts(False)
+        self._cur = None
+        if self.error is not None:
+            return
+        if self._alloc_pos is None or self._alloc_pos[0] is not tpl:
+            self._alloc_pos = (tpl, np.flatnonzero(tpl.kinds == 0))
+        alloc_pos = self._alloc_pos[1]
+        got = np.frombuffer(log, np.uint64)
+        if len(got) != len(alloc_pos):
+            raise InternalError(f"fast replay: run_ops logged {len(got)} pointers for {len(alloc_pos)} allocations")
+        rounded, small = self._masks(tpl, sizes)
+        self._cur = _FullStep(t, tpl, small, rounded, got[small[alloc_pos]])
+
+    def end_step(self, step: int) -> None:
+        if self.error is not None:
+            return
+        self._check_prefix(step)
+        if self._skipping:  # the step was skipped whole
+            self._phase = (self._phase + 1) % len(self._period)
+            if self._phase == 0:  # a whole period: the small pool's state is the fixed point's again
+                self._pending_steps.clear()
+        else:
+            cur = self._cur
+            if cur is not None and cur.step == step:  # a step made from the template and noted (_full_step)
+                state = self._ext.small_pool_state()
+                self._hist.append((cur, self._state_before, state))
+                del self._hist[:-MAX_PERIOD - 1]
+                self._try_template()
+                self._state_before = state
+            else:  # made by the emitter, or not noted: the next step starts the history (read only as the
+                self._hist.clear()  # step before a period, whose own state before is not compared)
+                self._state_before = None
+        self.step = step + 1
+        self._cur = None
+
+    def _try_template(self) -> None:
+        """Start skipping when the last ``P`` full steps left the small pool's state as they found it, they and the
+        step before them have one small-allocation mask, and the step before made the last one's small requests
+        and got its addresses (Note [The small pool skipped on the native engine])."""
+        h = self._hist
+        last = h[-1][0]
+        for period in range(1, MAX_PERIOD + 1):
+            if len(h) < period + 1:
+                break
+            b = h[-period:]
+            before = h[-period - 1][0]
+            if b[0][1] != b[-1][2]:
+                continue
+            if any(x.tpl is not last.tpl or not np.array_equal(x.small, last.small)
+                   for x in (before, *(y[0] for y in b))):
+                continue
+            if not (np.array_equal(before.rounded[before.small], last.rounded[last.small])
+                    and np.array_equal(before.addrs, last.addrs)):
+                continue
+            if self._ext.stats()["num_alloc_retries"]:
+                self._retried = True  # as the Python sink: no skip after an out-of-memory retry (it only grows)
+                return
+            if self._plan is None or self._plan.tpl is not last.tpl or not np.array_equal(self._plan_mask, last.small):
+                self._make_plan(last.tpl, last.small)
+            # the steps of the period and the one before ask for the same small sizes: one last step alike
+            last_alike = [self._last_step_alike(x[0].step, x[0].tpl) for x in b]
+            self._period = [x[0] for x in b]
+            self._last_alike = last_alike
+            plan = self._plan
+            self._cross_addrs = [[int(x.addrs[pos]) for pos in plan.cross_pos] for x in self._period]
+            self._phase = 0
+            self._skip_start = self.step + 1
+            self._skipping = True
+            self.skips_started += 1
+            self._skipped_in_skip = False
+            self._pending_steps.clear()
+            self._trouble_at_skip = self._trouble()
+            return
+
+    def _make_plan(self, tpl: "StepTemplate", small: np.ndarray) -> None:
+        alloc_pos = np.flatnonzero(tpl.kinds == 0)
+        small_j = small[alloc_pos]  # by allocation index
+        smallpos = np.cumsum(small_j) - 1
+        small_op = small_j[tpl.index]  # an allocation, or a free of one (of this step or the one before: same mask)
+        is_free = tpl.kinds == 1
+        lg = np.flatnonzero(~small_op)
+        freed_here = set(tpl.index[is_free & (tpl.back == 0)].tolist())
+        cross_j = [j for j in np.flatnonzero(small_j).tolist() if j not in freed_here]
+        old_j = tpl.index[is_free & small_op & (tpl.back == 1)].tolist()
+        self._plan = _NativePlan(
+            tpl, lg, np.ascontiguousarray(tpl.kinds[lg]),
+            tpl.first_id - (tpl.back[lg] + tpl.s0) * tpl.n_allocs + tpl.index[lg], tpl.base[lg], tpl.slope[lg],
+            cross_j, [int(smallpos[j]) for j in cross_j], old_j, np.flatnonzero(small_op), int(small_op.sum()))
+        self._plan_mask = small
+
+    def _could_grow_past_limit(self, nbytes: int) -> bool:
+        """Whether a large request of ``nbytes`` that the fast path does not serve could grow past the limit: a new
+        segment of ``segment_nbytes``, or its block's pages all mapped anew (Note [Expandable's small pool
+        skipped]); the out-of-memory retry that would follow releases cached small segments too."""
+        if self._limit is None:
+            return False  # growth runs out of memory only where the device refuses (the result is void then)
+        r = -(-nbytes // self._rnd) * self._rnd
+        if self._page is not None:
+            grow = (-(-r // self._page) + 1) * self._page
+        elif self._rule is SegmentRule.EXACT:
+            grow = r
+        elif self._rule is SegmentRule.PYTORCH:
+            grow = 20 * 2**20 if r < 10 * 2**20 else -(-r // (2 * 2**20)) * (2 * 2**20)
+        else:
+            grow = -(-r // self._granularity) * self._granularity
+        return self._ext.reserved_nbytes() + grow > self._limit
+
+    def _last_step_alike(self, t: int, tpl: "StepTemplate") -> int:
+        """The last step whose small requests are those of step ``t``, given that each op asks for more bytes from
+        step to step or the same (a template's slopes are not negative): an op whose size grows and that is small
+        at ``t`` keeps its rounded size while its bytes stay within it; a large one stays large (Note [Decode step
+        template]). Only the ops whose size grows can differ (:attr:`StepTemplate.growing`)."""
+        g = tpl.growing
+        sizes = tpl.base[g] + (t - tpl.s0) * tpl.slope[g]
+        r = -(-sizes // self._rnd) * self._rnd
+        watch = (tpl.kinds[g] == 0) & (r <= self._small_max)
+        if not watch.any():
+            return 1 << 62
+        return int((tpl.s0 + (r[watch] - tpl.base[g][watch]) // tpl.slope[g][watch]).min())
+
+    def _skip_ok(self, t: int, tpl: "StepTemplate") -> bool:
+        """Whether step ``t`` makes the small requests of the period's step it stands for (:meth:`_last_step_alike`)."""
+        plan = self._plan
+        ts = self._period[self._phase]
+        return not (plan is None or plan.tpl is not tpl or ts.tpl is not tpl or t <= ts.step
+                    or t > self._last_alike[self._phase])
+
+    def _skip_step(self, t: int, tpl: "StepTemplate") -> None:
+        """Step ``t`` with its small ops left out: its large ones sent in one call, stopped before each that the fast
+        path does not serve (Note [Stopping before a slow allocation] in ``gpumem/_native/module.cpp``) to ask
+        whether it could grow past the limit (then the skip ends there: :meth:`_leave_skip_mid_step`); its small
+        allocations that outlive it booked at the period's addresses."""
+        plan = self._plan
+        ptrs, run_ops = self.ptrs, self._run_ops_native
+        kinds = plan.large_kinds
+        ids = plan.large_id0 + t * tpl.n_allocs
+        sizes = plan.large_base + (t - tpl.s0) * plan.large_slope
+        q, n = 0, len(kinds)
+        try:
+            while q < n:
+                q += run_ops(kinds[q:], ids[q:], sizes[q:], ptrs, stop_at_slow=True)
+                if q == n:
+                    break
+                if self._could_grow_past_limit(int(sizes[q])):
+                    self.limit_stops += 1
+                    self._leave_skip_mid_step(t, tpl, int(plan.large_pos[q]))
+                    return
+                q += run_ops(kinds[q:q + 1], ids[q:q + 1], sizes[q:q + 1], ptrs)
+        except OutOfMemoryError as exc:
+            self._stop(exc)  # not foreseen (a device that refused within the limit): the fast result is void
+            return
+        first = tpl.first_id + (t - tpl.s0) * tpl.n_allocs
+        for j, addr in zip(plan.cross_j, self._cross_addrs[self._phase]):
+            ptrs[first + j] = addr
+        before = first - tpl.n_allocs
+        for j in plan.old_j:
+            ptrs.pop(before + j, 0)
+        self._pending_steps.append(t)
+        self._skipped_in_skip = True
+        self.skipped_ops += plan.n_small
+        self.skipped_steps += 1
+
+    def _leave_skip_mid_step(self, t: int, tpl: "StepTemplate", at: int) -> None:
+        """End the skip in step ``t`` before its op ``at`` (a large allocation that could grow past the limit; the
+        large ops before it were sent): the small ops skipped in this period are sent, then this step's small ops
+        before ``at`` (they and the large ones sent meet in no pool), then every op from ``at`` on, in order."""
+        self._materialize()
+        plan = self._plan
+        sel = np.concatenate([plan.order[plan.order < at], np.arange(at, len(tpl.kinds))])
+        self._cur = None
+        try:
+            self._run_ops_native(np.ascontiguousarray(tpl.kinds[sel]), tpl.op_ids(t)[sel], tpl.sizes(t)[sel],
+                                 self.ptrs)
+        except OutOfMemoryError as exc:
+            self._stop(exc)
+
+    def _materialize(self) -> None:
+        """Send the small ops skipped in this period, in order, each checked to land where the period put it; stop
+        skipping."""
+        if self._pending_steps:
+            plan = self._plan
+            tpl = plan.tpl
+            P = len(self._period)
+            order = plan.order
+            kinds = np.ascontiguousarray(tpl.kinds[order])
+            ids = np.concatenate([tpl.op_ids(t)[order] for t in self._pending_steps])
+            sizes = np.concatenate([tpl.sizes(t)[order] for t in self._pending_steps])
+            want = np.concatenate([self._period[(t - self._skip_start) % P].addrs for t in self._pending_steps])
+            table = native_module().PtrTable()
+            t0 = self._pending_steps[0]
+            prev = self._period[(t0 - 1 - self._skip_start) % P].addrs.tolist()
+            smallpos = np.cumsum(self._plan_mask[np.flatnonzero(tpl.kinds == 0)]) - 1
+            first_prev = tpl.first_id + (t0 - 1 - tpl.s0) * tpl.n_allocs
+            for j in plan.old_j:  # what the first step frees of the step before it: at the period's addresses
+                table[first_prev + j] = prev[int(smallpos[j])]
+            table.log_puts(True)
+            try:
+                self._run_ops_native(np.tile(kinds, len(self._pending_steps)), ids, sizes, table)
+            except OutOfMemoryError as exc:
+                raise InternalError("fast replay: the small ops of a skipped step ran out of memory when sent late "
+                                    "(Note [Small pool skipped at a fixed point])") from exc
+            got = np.frombuffer(table.take_log(), np.uint64)
+            if len(table) != len(plan.cross_j):  # a free found nothing to free: the ops were not the period's
+                raise InternalError(f"fast replay: {len(table)} small blocks left by the steps sent late, not "
+                                    f"{len(plan.cross_j)} (Note [Small pool skipped at a fixed point])")
+            if len(got) != len(want):
+                raise InternalError(f"fast replay: {len(got)} small allocations replayed late, not {len(want)} (Note "
+                                    "[Small pool skipped at a fixed point])")
+            if not np.array_equal(got, want):
+                bad = int(np.flatnonzero(got != want)[0])
+                raise InternalError(f"fast replay: a small allocation replayed late landed at {int(got[bad]):#x}, "
+                                    f"not at its template's {int(want[bad]):#x} (Note [Small pool skipped at a "
+                                    "fixed point])")
+        self._pending_steps.clear()
+        if self._trouble() != self._trouble_at_skip:
+            self._void = True  # a retry or an out-of-memory error while skipping (not foreseen)
+        self._skipping = False
+        if self._skipped_in_skip:  # the steps noted are no longer the last full ones
+            self._hist.clear()
+            self._state_before = None
+        self._skipped_in_skip = False
+
+    def finish(self) -> None:
+        """The stream is over."""
+        if self._skipping and self.error is None:
+            self._materialize()
+
+    @property
+    def voided(self) -> bool:
+        """Void: an out-of-memory error or retry while small ops were left out."""
+        if self._skipping and self._trouble() != self._trouble_at_skip:
+            self._void = True
+        return self._void
 
 
 class SinkGroup:

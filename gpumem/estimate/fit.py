@@ -59,7 +59,7 @@ from ..units import format_bytes
 from .shape import ModelShape
 from .formats import WeightFormat
 from .formulas import dequant_workspace_nbytes
-from .fastreplay import AllStopped, PlainSink, SinkGroup, SkippingSink, StepJumper, can_skip_small_pool
+from .fastreplay import AllStopped, NativeSkippingSink, PlainSink, SinkGroup, SkippingSink, StepJumper, make_sink
 from .workload import DECODE_HEAD_STEPS, LoraConfig, check_mixed_precision, weights_nbytes, WorkloadTrace, inference_trace, stream_inference, training_trace
 
 __all__ = ["ReservedEstimate", "FitResult", "FitTry", "estimate_peak_reserved", "find_max_batch",
@@ -223,10 +223,10 @@ def _prefix_result(prefix: WorkloadTrace, device: "str | Device", policy: str, l
 #   (``engine="native"``: virtual ranges, malloc'd segments and pools with their own page size alike), and sends
 #   each step made from the template in one ``run_ops`` call (Note [A step's ops in one call]). Why: the Python
 #   engine costs about 2 us an op, the native one 0.16 us called op by op from Python and about 0.05 us inside
-#   ``run_ops`` (``reports/segment-engine.md``, ``reports/estimate-native-batch-2026-11-28.md``). The small pool's
-#   skip (Note [Small pool skipped at a fixed point]) reads the Python engine's state, so it is not taken on the
-#   native engine: sending every op natively is faster than skipping half of them in Python (7B, 1,000 new
-#   tokens: ``pytorch`` 0.96 -> 0.2 s). The figures do not change: both engines make the same decisions
+#   ``run_ops`` (``reports/segment-engine.md``, ``reports/estimate-native-batch-2026-11-28.md``). The small pool is
+#   skipped there too, whole steps at a time (Note [The small pool skipped on the native engine] in
+#   :mod:`.fastreplay`): a skipped step sends only its large ops, in one call. The figures do not change: both
+#   engines make the same decisions
 #   (``tests/allocator/test_native_differential.py``), and the full path (``full_replay=True``) keeps the default
 #   engine (Python in segment mode), so ``tests/estimate/test_fast_replay.py``, which holds the two paths equal
 #   to the byte, compares the engines too. Without the native engine the fast path is the Python one as before.
@@ -254,8 +254,7 @@ def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], d
         for p in policies:
             devs.append(open_device(device) if own else device)  # type: ignore[arg-type]
             allocators.append(_replay_allocator(devs[-1], p, limit, fast=not full_replay))
-        sinks: list[PlainSink] = [SkippingSink(a) if not full_replay and can_skip_small_pool(a) else PlainSink(a)
-                                  for a in allocators]
+        sinks: list[PlainSink] = [make_sink(a, skip=not full_replay) for a in allocators]
         group = SinkGroup(sinks)
         n = len(policies)
 
@@ -269,7 +268,7 @@ def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], d
                 jumper = StepJumper(group, lambda _step: bar.update(n), kw["new_tokens"] - 1)
                 stream_inference(shape, dtype_bytes, (jumper,), on_step=jumper.end_step, jump=jumper.jump, **kw)
             for s in sinks:
-                if isinstance(s, SkippingSink):
+                if isinstance(s, (SkippingSink, NativeSkippingSink)):
                     s.finish()
         except AllStopped:
             pass

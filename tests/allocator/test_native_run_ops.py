@@ -186,6 +186,87 @@ def test_run_ops_makes_the_loops_calls(batch, limit, stream, policy):
     assert not got._engine.consistency_problems()
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(op_batches(), st.sampled_from([None, 96 * MiB]), st.sampled_from(["gpumem", "pytorch", "expandable"]))
+def test_the_tables_log_is_the_pointer_each_allocation_got_in_order(batch, limit, policy):
+    """Note [The pointers a run got] (op_table.h): while the table logs, run_ops leaves there the pointer of each
+    allocation it completed, in order (0 for a zero-byte one), also up to an out-of-memory error; ``take_log``
+    empties it, ``log_puts(False)`` stops and drops it."""
+    ops, cuts = batch
+    ref = _allocator(limit=limit, policy=policy)
+    got = _allocator(limit=limit, policy=policy)
+    want, ptrs = [], {}
+    for k, i, n in ops:  # the loop's pointers, one per allocation completed
+        try:
+            if k == 0:
+                ptrs[i] = ref.allocate(n, 0) if n else 0
+                want.append(ptrs[i])
+            elif p := ptrs.pop(i, 0):
+                ref.free(p)
+        except GpumemError:
+            break
+    table = PtrTable()
+    table.log_puts(True)
+    logged = []
+    for lo, hi in zip([0, *cuts], [*cuts, len(ops)]):
+        if hi <= lo:
+            continue
+        try:
+            got._engine.run_ops(*_arrays(ops[lo:hi]), table)
+        except GpumemError:
+            break
+        finally:
+            logged += np.frombuffer(table.take_log(), np.uint64).tolist()
+    assert logged == want
+    assert table.take_log() == b""
+    table.log_puts(False)
+    table[10**9] = 1
+    assert table.take_log() == b""
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(op_batches(), st.sampled_from([None, 96 * MiB]), st.sampled_from(["gpumem", "pytorch", "expandable"]))
+def test_stop_at_slow_stops_before_each_slow_allocation_and_changes_nothing_of_it(batch, limit, policy):
+    """Note [Stopping before a slow allocation] (module.cpp): run_ops(..., stop_at_slow=True) returns the ops it
+    completed, stopping only before an allocation that needs the full operation (a cache miss, or pages to map
+    under a cached block; the allocator's state then is the loop's after those ops); that op sent on its own and
+    the rest again with stop_at_slow end where the loop ends."""
+    ops, _ = batch
+    ref, got = _allocator(limit=limit, policy=policy), _allocator(limit=limit, policy=policy)
+    ref_ptrs, table = {}, PtrTable()
+    kinds, ids, sizes = _arrays(ops) if ops else (np.zeros(0, np.int8), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    q, stops, err = 0, 0, None
+    while q < len(ops) and err is None:
+        try:
+            done = got._engine.run_ops(kinds[q:], ids[q:], sizes[q:], table, stop_at_slow=True)
+        except GpumemError as exc:
+            err, q = exc, q + table.last_ops_done + 1  # (not expected: errors come from the slow paths, not run here)
+            break
+        assert done == table.last_ops_done
+        _loop(ref, ref_ptrs, kinds[q:q + done].tolist(), ids[q:q + done].tolist(), sizes[q:q + done].tolist())
+        q += done
+        assert _state(got, table) == _state(ref, ref_ptrs)
+        if q == len(ops):
+            break
+        stops += 1
+        assert kinds[q] == 0 and sizes[q] > 0  # only an allocation stops it
+        before = ref.snapshot_stats()
+        n, e = _loop(ref, ref_ptrs, [0], [int(ids[q])], [int(sizes[q])])
+        after = ref.snapshot_stats()
+        # one the fast path could not serve: a cache miss, or a cached block whose pages had to be mapped
+        assert after.cache_misses > before.cache_misses or after.device_calls > before.device_calls or e is not None
+        try:
+            got._engine.run_ops(kinds[q:q + 1], ids[q:q + 1], sizes[q:q + 1], table)
+        except GpumemError as exc:
+            err = exc
+        assert (err is None) == (e is None) and str(err) == str(e)
+        q += 1
+    event(f"stopped {stops if stops < 3 else '3 or more'} times")
+    ref_done, ref_err = _loop(_allocator(limit=limit, policy=policy), {}, *zip(*ops)) if ops else (0, None)
+    assert str(err) == str(ref_err) and (q if err is None else q - 1) == ref_done
+    assert _state(got, table) == _state(ref, ref_ptrs)
+
+
 def test_an_out_of_memory_error_mid_batch_stops_where_the_loop_stops():
     ops = [(0, i, 40 * MiB) for i in range(10)]  # a 256 MiB card, 32 MiB of it the context: the 6th fails
     ref, got = _allocator(), _allocator()

@@ -4,13 +4,13 @@ template, the small pool skipped at a fixed point) gives the full replay's figur
 import contextlib
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from gpumem.allocator import make_allocator
-from gpumem.errors import InvalidArgumentError
+from gpumem.errors import InternalError, InvalidArgumentError
 from gpumem.estimate import ModelShape, inference_trace
-from gpumem.estimate.fastreplay import (PlainSink, SinkGroup, SkippingSink, StepJumper, build_template,
-                                        can_skip_small_pool)
+from gpumem.estimate.fastreplay import (AllStopped, NativeSkippingSink, PlainSink, SinkGroup, SkippingSink, StepJumper,
+                                        build_template, can_skip_small_pool, make_sink)
 from gpumem.estimate.fit import _replay, replay_inference
 from gpumem.estimate.workload import stream_inference
 from gpumem.specs import open_device
@@ -128,32 +128,180 @@ def test_no_template_from_steps_that_differ():
     assert build_template(records) is None
 
 
-@pytest.mark.parametrize("policy", ["pytorch", "expandable"])
-def test_the_small_pool_is_skipped_and_the_figures_stay(policy):
+def _native_or_skip():
+    from gpumem.native import load_engine
+
+    if load_engine() is None:  # pragma: no cover - the engine is optional
+        pytest.skip("the native engine (gpumem._engine) is not built")
+
+
+def _stream(sinks, shape, last_step, **kw):
+    """Stream ``generate()``'s ops to ``sinks`` with the decode steps from the template (as the fast path does)."""
+    jumper = StepJumper(SinkGroup(sinks), lambda step: None, last_step)
+    stream_inference(shape, 2, (jumper,), new_tokens=last_step + 1, on_step=jumper.end_step, jump=jumper.jump, **kw)
+    for s in sinks:
+        if hasattr(s, "finish"):
+            s.finish()
+    return jumper
+
+
+@pytest.mark.parametrize("engine,policy", [("python", "pytorch"), ("python", "expandable"), ("native", "pytorch"),
+                                           ("native", "expandable"), ("native", "bestfit")])
+def test_the_small_pool_is_skipped_and_the_figures_stay(engine, policy):
+    """Notes [Small pool skipped at a fixed point], [Expandable's small pool skipped] and [The small pool skipped on
+    the native engine]: the sink skips on either engine; the allocator that takes every op runs on the Python
+    engine."""
+    if engine == "native":
+        _native_or_skip()
     shape = ModelShape(1024, 2048, 1, 1000, 8, 8)  # KV cache tensors of over 1 MiB: in the large pool
     devs = [open_device(DEVICE), open_device(DEVICE)]
     try:
-        # the skip needs the Python engine (expandable runs natively by default: every op sent, Note
-        # [Expandable's small pool skipped]); the allocator that takes every op runs on the default engine
-        skipping, every = make_allocator(devs[0], policy, engine="python"), make_allocator(devs[1], policy)
+        skipping, every = make_allocator(devs[0], policy, engine=engine), make_allocator(devs[1], policy,
+                                                                                       engine="python")
         assert can_skip_small_pool(skipping) and not can_skip_small_pool(make_allocator(devs[0], "gpumem"))
-        assert can_skip_small_pool(every) == (every.engine == "python")
-        sinks = [SkippingSink(skipping), PlainSink(every)]
-        jumper = StepJumper(SinkGroup(sinks), lambda step: None, 299)
-        stream_inference(shape, 2, (jumper,), prompt_len=600, new_tokens=300, on_step=jumper.end_step,
-                         jump=jumper.jump)
-        sinks[0].finish()
+        sinks = [make_sink(skipping), PlainSink(every)]
+        assert type(sinks[0]) is (NativeSkippingSink if engine == "native" else SkippingSink)
+        _stream(sinks, shape, 299, prompt_len=600)
         assert sinks[0].skipped_ops > 10_000 and sinks[1].skipped_ops == 0
-        # from the first period on (its steps made by the emitter), steps are skipped whole, not op by op
+        # from the first period on, steps are skipped whole, not op by op; at batch 1 the ids and mask round to a
+        # new 512 B every 64 steps: the skip ends there and starts again
         assert sinks[0].skipped_steps > 250
+        if engine == "native":
+            assert sinks[0].skips_started >= 4 and sinks[0].limit_stops == 0
         assert not any(s.voided or s.needs_prefix_trace or s.error for s in sinks)
         # the same peak, and the same blocks left (the weights...) at the same addresses: nothing skipped stays
         assert skipping.snapshot_stats().peak_reserved_nbytes == every.snapshot_stats().peak_reserved_nbytes
-        assert skipping.live_blocks() == every.live_blocks()
+        assert sorted(skipping.live_blocks()) == sorted(every.live_blocks())
         assert skipping.stats.allocated_nbytes == every.stats.allocated_nbytes
     finally:
         for d in devs:
             d.close()
+
+
+@pytest.mark.parametrize("policy,layers,batch,new,margin_mib,stops", [
+    ("pytorch", 2, 1, 1500, -12, True), ("pytorch", 2, 1, 1500, -1, True), ("pytorch", 1, 1, 1500, 40, False),
+    ("bestfit", 1, 2, 1200, -3, False), ("expandable", 1, 2, 1200, 20, True), ("expandable", 1, 1, 1500, 5, True)])
+def test_a_native_skip_near_the_limit_ends_before_an_allocation_that_could_grow_past_it(policy, layers, batch, new,
+                                                                                         margin_mib, stops):
+    """Note [The small pool skipped on the native engine]: a skipped step's large ops go in one call that stops
+    before each allocation the cache does not serve; one that could grow past the limit ends the skip there, the
+    rest of the step sent whole (``stops``). Here the KV cache, in the large pool, brings the reserved bytes near
+    the limit during the decode, after the skip ran; the figures are the full replay's, also where the limit is
+    under the peak without it (an out-of-memory retry, and then an error or not)."""
+    _native_or_skip()
+    shape = ModelShape(1024, 2048, layers, 1000, 8, 8)
+    kw = dict(batch_size=batch, prompt_len=50, new_tokens=new)
+    peak = replay_inference(shape, 2, (policy,), DEVICE, **kw)[0].peak_reserved_bytes
+    limit = peak + margin_mib * 2**20
+    devs = [open_device(DEVICE), open_device(DEVICE)]
+    try:
+        skipping = make_allocator(devs[0], policy, engine="native", limit=limit)
+        every = make_allocator(devs[1], policy, engine="python", limit=limit)
+        sinks = [make_sink(skipping), PlainSink(every)]
+        assert isinstance(sinks[0], NativeSkippingSink)
+        with contextlib.suppress(AllStopped):
+            _stream(sinks, shape, new - 1, batch_size=batch, prompt_len=50)
+        assert sinks[0].skipped_steps > 100
+        assert (sinks[0].limit_stops > 0) == stops and not sinks[0].voided
+        assert str(sinks[0].error) == str(sinks[1].error) and sinks[0].error_step == sinks[1].error_step
+        assert skipping.snapshot_stats().peak_reserved_nbytes == every.snapshot_stats().peak_reserved_nbytes
+    finally:
+        for d in devs:
+            d.close()
+    assert replay_inference(shape, 2, (policy,), DEVICE, limit=limit, **kw) == \
+        replay_inference(shape, 2, (policy,), DEVICE, limit=limit, full_replay=True, **kw)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([(1024, 8, 8), (1024, 8, 4), (2048, 16, 8), (2048, 16, 16)]), st.integers(1, 3),
+       st.integers(1, 3), st.integers(300, 1500), st.integers(66, 400), st.sampled_from(["pytorch", "expandable",
+                                                                                      "bestfit"]),
+       st.sampled_from([None, None, 0.8, 1.0, 1.05, 1.1]))
+def test_the_native_skip_leaves_the_figures_of_every_op_sent(dims, layers, batch, prompt, new, policy, limit_share):
+    """Note [The small pool skipped on the native engine] on random shapes whose KV cache reaches the large pool,
+    batches 1 to 3 (the small requests change every 64, 32 or 21 steps; a KV cache may pass from the small pool to
+    the large one on the way), lengths and limits near the peak: the
+    skipping sink ends with the peak, the error (and its step), the live blocks and the allocated bytes of an
+    allocator on the Python engine that took every op."""
+    _native_or_skip()
+    hidden, heads, kv_heads = dims
+    shape = ModelShape(hidden, 2 * hidden, layers, 1000, heads, kv_heads)
+    peak = inference_trace(shape, 2, batch_size=batch, prompt_len=prompt, new_tokens=new).peak_nbytes
+    limit = None if limit_share is None else int(peak / limit_share) + 3 * 2**20
+    devs = [open_device(DEVICE), open_device(DEVICE)]
+    try:
+        skipping = make_allocator(devs[0], policy, engine="native", limit=limit)
+        every = make_allocator(devs[1], policy, engine="python", limit=limit)
+        sinks = [make_sink(skipping), PlainSink(every)]
+        with contextlib.suppress(AllStopped):
+            _stream(sinks, shape, new - 1, batch_size=batch, prompt_len=prompt)
+        s = sinks[0]
+        event("skipped" if s.skipped_steps else "not skipped")
+        event("ended or kept off by the limit" if s.limit_stops else "limit never in the way")
+        assert not s.voided
+        assert str(s.error) == str(sinks[1].error) and s.error_step == sinks[1].error_step
+        assert skipping.snapshot_stats().peak_reserved_nbytes == every.snapshot_stats().peak_reserved_nbytes
+        if s.error is None:
+            assert sorted(skipping.live_blocks()) == sorted(every.live_blocks())
+            assert skipping.stats.allocated_nbytes == every.stats.allocated_nbytes
+    finally:
+        for d in devs:
+            d.close()
+
+
+@pytest.mark.parametrize("policy", ["pytorch", "expandable"])
+def test_a_wrong_template_address_is_caught_when_the_skipped_ops_are_sent(policy):
+    """The check that makes a wrong skip loud: the small ops skipped are sent when the skip ends, each where the
+    period's step put it; a period whose addresses were wrong raises InternalError there."""
+    _native_or_skip()
+
+    class Wrong(NativeSkippingSink):
+        def _try_template(self):
+            super()._try_template()
+            if self._skipping:  # a period whose last small allocation is said to have landed elsewhere
+                for x in self._period:
+                    x.addrs = x.addrs.copy()
+                    x.addrs[-1] += 512
+
+    shape = ModelShape(1024, 2048, 1, 1000, 8, 8)
+    dev = open_device(DEVICE)
+    try:
+        sink = Wrong(make_allocator(dev, policy, engine="native"))
+        with pytest.raises(InternalError, match="template"):
+            _stream([sink], shape, 299, prompt_len=600)
+        assert sink.skipped_steps > 0
+    finally:
+        dev.close()
+
+
+@pytest.mark.parametrize("policy", ["pytorch", "expandable", "bestfit"])
+def test_the_native_small_pool_state_changes_with_small_ops_only(policy):
+    """``small_pool_state`` (Note [The small pool's state as bytes] in ``gpumem/_native/engine.cpp``): large ops
+    leave it as it was, a small allocation changes it, and the same small allocation and free made again from the
+    state they left leave it as they found it (a fixed point: the block at the same address)."""
+    _native_or_skip()
+    dev = open_device(DEVICE)
+    try:
+        a = make_allocator(dev, policy, engine="native")
+        state = a._engine._ext.small_pool_state
+        keep = [a.allocate(n, 0) for n in (512, 4096, 1000)]
+        s0 = state()
+        big = a.allocate(50 * 2**20, 0)
+        assert state() == s0
+        p = a.allocate(3000, 0)
+        s1 = state()
+        assert s1 != s0
+        a.free(big)
+        assert state() == s1
+        a.free(p)
+        s2 = state()
+        q = a.allocate(3000, 0)
+        assert state() == s1 and q == p
+        a.free(q)
+        assert state() == s2
+        assert len(keep) == 3
+    finally:
+        dev.close()
 
 
 @pytest.mark.parametrize("batch,prompt,new,limit_mib", [(1, 600, 300, None), (1, 900, 200, 160), (2, 700, 150, 300)])
@@ -293,7 +441,8 @@ def test_a_plain_sink_over_the_native_engine_sends_template_steps_in_one_call_wi
 
 def test_the_fast_path_runs_caching_policies_on_the_native_engine_and_the_python_one_without_it(monkeypatch):
     """Note [The fast path on the native engine]: ``engine="native"`` for every caching policy where the engine is
-    built (no small-pool skip then), the default engine where it is not (the skip taken on the Python engine)."""
+    built, the default engine where it is not; the small pool skipped on either (Notes [Small pool skipped at a
+    fixed point], [The small pool skipped on the native engine]), but under ``gpumem``."""
     from gpumem.estimate import fit
     from gpumem.native import load_engine
 
@@ -305,6 +454,7 @@ def test_the_fast_path_runs_caching_policies_on_the_native_engine_and_the_python
     shape = ModelShape(1024, 2048, 1, 1000, 8, 8)
     replay_inference(shape, 2, ("pytorch", "expandable", "gpumem", "bucket"), DEVICE, prompt_len=300, new_tokens=20)
     assert [a.engine for a in made[:3]] == ["native", "native", "native"] and type(made[3]).__name__ == "BucketAllocator"
+    assert [can_skip_small_pool(a) for a in made[:3]] == [True, True, False]
     made.clear()
     with fast_path_on("python"):
         replay_inference(shape, 2, ("pytorch", "expandable"), DEVICE, prompt_len=300, new_tokens=20)

@@ -410,7 +410,10 @@ def step(device: "int | str | Any | None" = None) -> Any:
     same sizes on the same streams, the first is planned here (a few hundredths of a second of numpy) and
     every later step's allocations come from one arena at planned offsets, with no driver call; a step that
     differs is served by gpumem's engine as without a plan, and three differing steps in a row (or four of
-    the last eight) drop the plan and record again. Without calls to ``step()`` nothing changes. Returns
+    the last eight) drop the plan and record again. The first call also begins the memory-first warm-up: the
+    engine grows in one-page chunks until the plan is installed (at most eight marks; Note [A memory-first
+    warm-up] in :mod:`gpumem.allocator.plan`), so call it from the first step on. Without calls to ``step()``
+    nothing changes. Returns
     what the call did (:class:`gpumem.allocator.plan.MarkResult`). Threads may mark the same device: a
     READY step that another thread's mark took while this call planned it is not installed (Note [Step
     plans and threads]). With ``configure(step_marks="optimizer")`` every optimizer step marks instead;
@@ -764,9 +767,10 @@ def configure(policy: Any = None, *, step_marks: "str | None" = _KEEP) -> None:
 
     Call it with a policy before the first allocation on a device: an engine already made keeps its policy. The
     native engine takes ``growth``, ``page_slack``, ``page_slack_min_nbytes``, ``chunk_max_fraction``, ``grow_ahead_fraction``,
-    ``steal_empty_pages``, ``busy_slack`` and ``stream_ordered_steal`` (``GPUMEM_BUSY_SLACK``,
-    ``GPUMEM_CHUNK_MAX_FRACTION``, ``GPUMEM_PAGE_SLACK``, ``GPUMEM_PAGE_SLACK_MIN_NBYTES`` and
-    ``GPUMEM_STREAM_ORDERED_STEAL=0|1``, when set, override those); the
+    ``steal_empty_pages``, ``busy_slack``, ``stream_ordered_steal`` and ``plan_warmup`` (``GPUMEM_BUSY_SLACK``,
+    ``GPUMEM_CHUNK_MAX_FRACTION``, ``GPUMEM_PAGE_SLACK``, ``GPUMEM_PAGE_SLACK_MIN_NBYTES``,
+    ``GPUMEM_STREAM_ORDERED_STEAL=0|1`` and ``GPUMEM_PLAN_WARMUP=0|1``, when set, override those; only
+    gpumem.torch reads them, a ``CachingAllocator`` takes its policy as given); the
     policy's other fields must be the default policy's.
 
     ``step_marks="optimizer"`` (after :func:`install`; ``GPUMEM_STEP_MARKS=optimizer`` does the same at

@@ -6,10 +6,16 @@ Note [Step plans] in :mod:`gpumem.allocator.plan`) and calls ``mark_step()`` whe
 ``gpumem.torch.step()``. The recorded traces carry no step marks, so the marks are put where
 :func:`sim.step_plan.find_period` finds the steps (exact signature, the boundary where the fewest bytes are
 live, :func:`sim.step_plan.split_steps`), from the first steady step on, and at every period after the
-repeating stretch. Per trace, engine policy (the default, and the study's memory-first warm-up policy for
-the whole run) and GPU timing (``idle``, ``trace``) it reports peak reserved over peak live (requested bytes)
-over the whole trace and over the steady steps after the plan took over (from the second planned step), the
-driver + event calls per such step, and the plan's counters; beside it, the same engine without marks.
+repeating stretch: later than a program calling ``step()`` from its first step would (the setup and the
+first training steps are not marked). Per trace and GPU timing (``idle``, ``trace``) five replays: the default
+policy unmarked; marked under the default policy without its warm-up (``plan_warmup=False``); marked under
+the default policy, whose memory-first warm-up (Note [A memory-first warm-up] in
+:mod:`gpumem.allocator.plan`) begins at the first mark; the same with the warm-up begun before the first
+allocation (``start_plan_warmup()``, what automatic marks do); and marked under the memory-first policy for
+the whole run. Each reports peak reserved over peak live (requested bytes) over the whole trace and over the
+steady steps after the plan took over (from the second planned step), the driver + event calls per such step,
+and the plan's counters. A trace whose period is not a training step (a layer's: a few dozen allocations,
+see the period and marks columns) plans that instead, which says little about step plans.
 
     python -m sim.step_plan_engine [--traces gpt2_fp32_train_h200 resnet50_train_h200] [--json FILE]
 """
@@ -156,14 +162,14 @@ def run(trace: Trace, label: str, policy: Any, timing: str, marked: bool,
 
 
 def print_rows(rows: list[EngineRow]) -> None:
-    print("| trace | engine policy | GPU timing | steps marked | whole trace | steady planned steps | driver + event "
+    print("| trace | period / marks | engine policy | GPU timing | steps marked | whole trace | steady planned steps | driver + event "
           "calls per steady step | served / by the engine | steps hit / missed | plans | arena calls |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p = r.plan
         pct = (lambda x: "n/a" if math.isnan(x) else f"{x:.2%}")
         warm = "no" if not r.marked else "yes, warm-up begun at the start" if r.warmup_at_start else "yes"
-        print(f"| {r.trace} | {r.policy} | {r.gpu_timing} | {warm} | {pct(r.overhead)} | "
+        print(f"| {r.trace} | {r.period} / {r.marks} | {r.policy} | {r.gpu_timing} | {warm} | {pct(r.overhead)} | "
               f"{pct(r.steady_overhead)} | {'n/a' if math.isnan(r.calls_per_steady_step) else f'{r.calls_per_steady_step:.1f}'} | "
               f"{p['served']:,} / {p['fallback']:,} | {p['steps_hit']} / {p['steps_missed']} | "
               f"{p['plans_installed']} installed, {p['plans_dropped']} dropped | {p['arena_calls']} |")
@@ -178,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timings", default="idle,trace", help="GPU timings, comma-separated (default: %(default)s)")
     ap.add_argument("--json", type=Path, help="write the rows here as JSON")
     args = ap.parse_args(argv)
+    if not args.traces:
+        ap.error("--traces: name at least one trace (or leave the option out for the default two)")
     if args.json is not None and (why := json_target_problem(args.json)):
         ap.error(f"--json: {why}")
     try:   # every option checked before any replay

@@ -211,9 +211,19 @@ class CachingAllocator(AllocatorContract):
         safe: a READY step that another thread's mark took while this one planned it is not installed
         (Note [Step plans and threads] in :mod:`.plan`).
 
+        The first mark also begins the memory-first warm-up where the policy has one (``plan_warmup``): the
+        engine grows in one-page chunks until the plan is installed, or for at most eight marks (Note [A
+        memory-first warm-up] in :mod:`.plan`; :meth:`start_plan_warmup` begins it before the first mark).
+
         Raises:
             InvalidArgumentError: the allocator is closed.
+            UnsupportedOperationError: the device has no virtual memory management, which a plan's arena
+                needs (an address range of its own): nothing is recorded.
         """
+        if not self.device.vmm_supported:
+            raise UnsupportedOperationError(
+                f"mark_step: step plans need virtual memory management (an arena is an address range of its own), "
+                f"which {self.device.spec} does not support; do not mark steps on it")
         result = MarkResult(self._engine.mark_step())
         if result is MarkResult.READY:
             ready = self._engine.step_template(True)   # None: another thread's mark took the step

@@ -139,7 +139,7 @@ with a plan, what it grew stays (weights, optimizer state packed in one-page chu
 blocks grow by the policy's knobs). Ended with none, the engine's idle cache goes back at once: else its
 one-page chunks outlived it and were moved page by page, live llama_varlen_train at 106.9 ms a step
 against 56.2 unmarked (replayed with a mark every 350 allocations: 1,938 calls per 4,096 allocations
-against 320; with the give-back 166, the peak as unmarked). So the memory-first cost is paid for a few
+against 320; with the give-back 172, the peak as unmarked). So the memory-first cost is paid for a few
 steps at most, and a program that never marks is not touched. Both engines count the same marks and allocations (``num_allocs``), so the
 differential test holds them identical; ``PlanInfo.warmup`` says whether it is on.
 

@@ -3169,7 +3169,8 @@ int Engine::mark_step() {
 // StepPlan.start_warmup .. check_warmup (Note [A memory-first warm-up] in plan.py)
 bool Engine::plan_start_warmup() {
     plan_check_warmup();
-    if (!warmup_ && !warmup_done_ && plan_state_ != kPlanPlanned && cfg_.plan_warmup && chunked_ && !cfg_.segments) {
+    if (!warmup_ && !warmup_done_ && plan_state_ != kPlanPlanned && cfg_.plan_warmup && cfg_.steal_empty_pages &&
+        chunked_ && !cfg_.segments) {
         warmup_ = true;
         warmup_marks_ = 0;
         warmup_since_ = st_.num_allocs;

@@ -632,8 +632,13 @@ GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double c
 // Automatic step marks turned on (on = 1) or off (0): engines made from now on begin the memory-first warm-up
 // at once, and so does every engine that exists (where its policy has one, none ran, no plan is installed:
 // Note [A memory-first warm-up] in plan.py), since the first automatic mark comes after the first step.
-// Returns 0 (an engine whose device was lost is left as it is).
+// Returns 0 (an engine whose device was lost is left as it is), -1 with gpumem_torch_last_error() when `on` is
+// not 0 or 1 (nothing changes).
 GPUMEM_EXPORT int gpumem_torch_plan_warmup(int on) {
+    if (on != 0 && on != 1) {
+        t_last_error = "gpumem_torch_plan_warmup: on must be 0 or 1";
+        return -1;
+    }
     TorchState& s = state();
     std::lock_guard<std::mutex> lock(s.make_mutex);
     s.warmup_at_start = on != 0;

@@ -142,6 +142,8 @@ against 56.2 unmarked (replayed with a mark every 350 allocations: 1,938 calls p
 against 320; with the give-back 172, the peak as unmarked). So the memory-first cost is paid for a few
 steps at most, and a program that never marks is not touched. Both engines count the same marks and allocations (``num_allocs``), so the
 differential test holds them identical; ``PlanInfo.warmup`` says whether it is on.
+A policy that does not steal (``steal_empty_pages=False``) never begins it: one-page chunks that are never
+stolen cost device calls and hold as much.
 
 Note [Step plans and record_stream]
 -----------------------------------
@@ -681,12 +683,13 @@ class StepPlan:
 
     # -- Note [A memory-first warm-up] ----------------------------------------------------------------------
     def start_warmup(self) -> bool:
-        """Begin the memory-first warm-up where the policy asks for one (``plan_warmup``, ``growth=CHUNKS``) and
-        none ran before and no plan is installed; whether it is on now."""
+        """Begin the memory-first warm-up where the policy asks for one (``plan_warmup``, ``growth=CHUNKS``,
+        ``steal_empty_pages``: without steals one-page chunks cost calls and hold as much) and none ran before and
+        no plan is installed; whether it is on now."""
         self.check_warmup()
         b = self.e.backing
         if (not b.warmup and not self.warmup_done and self.state is not StepState.PLANNED
-                and self.e.policy.plan_warmup and getattr(b, "chunked", False)):
+                and self.e.policy.plan_warmup and self.e.policy.steal_empty_pages and getattr(b, "chunked", False)):
             b.warmup = True
             self.warmup_marks = 0
             self.warmup_since = self.e._stats.num_allocs

@@ -194,7 +194,8 @@ class AllocatorPolicy:
     automatic marks call before the first step) until a plan is installed, grow as the memory-first setting does
     (one-page chunks, no page slack, stream-ordered steal), then by this policy's own knobs again; it ends too at
     the 8th mark with no plan, and after 2**14 allocations with no mark (Note [A memory-first warm-up] in
-    :mod:`.plan`). No effect on a program that never marks a step, nor under another growth rule."""
+    :mod:`.plan`). No effect on a program that never marks a step, nor under another growth rule, nor
+    without ``steal_empty_pages`` (one-page chunks that are never stolen cost calls and save nothing)."""
 
     def chunk_cap_pages(self, held_pages: int, page_nbytes: int) -> int:
         """The most pages a new chunk may hold when ``held_pages`` are held: ``chunk_max_fraction`` of them and

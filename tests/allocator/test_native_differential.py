@@ -1216,3 +1216,76 @@ def test_segment_mode_oom_messages_are_the_same(policy):
 def test_trace_replays_identically_in_segment_mode(name, limit_fraction, policy):
     """Whole real traces under the segment policies, with and without a limit of half the peak."""
     test_trace_replays_identically(name, limit_fraction, policy)
+
+
+def _warm_pair_past_warmup_allocs() -> Pair:
+    """A pair under a limit in the memory-first warm-up (Note [A memory-first warm-up] in gpumem/allocator/plan.py) with an idle
+    cache on three streams, fences pending on one, and WARMUP_ALLOCS cache hits since it began: the next
+    allocation that reaches the slow path ends it and gives the idle cache back."""
+    from gpumem.allocator.plan import WARMUP_ALLOCS
+
+    pair = Pair(lambda: sim.SimDevice(small_profile(384)), limit=100 * MiB)
+    assert pair.both("start_plan_warmup") == ("ok", True)
+    blocks = [pair.both("allocate", nbytes, stream)[1] for nbytes, stream in
+              [(3 * MiB, 0), (5 * MiB, 7), (9 * MiB, 0), (1 * MiB + 5, 7), (20 * MiB, 0), (700, 0), (2 * MiB, 9)]]
+    for ptr in blocks[:5]:
+        pair.both("record_stream", ptr, 9)
+        pair.on_devices(lambda d, ptr=ptr: d.launch(9, 1e-2, touches=[(ptr, 4096)]))
+    pair.both("allocate", 512, 0)   # kept live
+    for ptr in blocks:
+        pair.both("free", ptr)
+    py, nat = pair.allocs
+    while py.stats.num_allocs <= WARMUP_ALLOCS:   # cache hits: no device call, compared once after
+        for alloc in (py, nat):
+            alloc.free(alloc.allocate(512, 0))
+    pair.compare("cache hits")
+    assert py.step_plan_info().warmup == 0   # over, though no allocation has reached the slow path yet
+    return pair
+
+
+def test_a_warmup_that_ends_inside_a_failing_allocation_leaves_the_same_consistent_state():
+    """The warm-up's end past WARMUP_ALLOCS allocations runs inside an allocation's slow path and gives the idle
+    cache back there (waiting for fences, unmapping chunks): each device call of that allocation raising in turn
+    (Ctrl-C, SystemExit, an error), under a limit or not, gives the same outcome in both engines, a consistent
+    allocator after, and a retry that succeeds (review attacker 14). The first 16 calls: the give-back's (fences,
+    unmaps) and the growth's first."""
+    for k in range(17):
+        pair = _warm_pair_past_warmup_allocs()
+        r = pair.both_failing({k: INJECTED[k % 3]} if k else {}, "allocate", 60 * MiB, 0)
+        fired = pair.logs[0].fired
+        assert pair.both("step_plan_info")[1].warmup == 0
+        pair.both("check_consistency")
+        if r[0] == "ok":
+            pair.both("free", r[1])
+        retry = pair.both("allocate", 60 * MiB, 0)
+        assert retry[0] == "ok", (k, r, retry)
+        pair.both("check_consistency")
+        assert pair.both("start_plan_warmup") == ("ok", False)   # one warm-up per allocator, even a failed end
+        pair.both("close")
+        assert fired == (k > 0), k
+
+
+@pytest.mark.parametrize("exc", INJECTED)
+def test_the_eighth_mark_failing_in_its_give_back_leaves_the_same_consistent_state(exc):
+    """The 8th mark of a warm-up with no plan gives the idle cache back inside mark_step: a device call there
+    raising gives the same outcome in both engines and a consistent allocator; the warm-up is over either way
+    (review attacker 14)."""
+    k = 1
+    while True:
+        pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")))
+        for i in range(7):
+            pair.both("mark_step")
+            for ptr in [pair.both("allocate", (3 + i) * MiB + j, j % 2 * 7)[1] for j in range(3)]:
+                pair.both("free", ptr)
+        pair.on_devices(lambda d: d.launch(7, 1e-2, touches=[]))
+        pair.both_failing({k: exc}, "mark_step")
+        fired = pair.logs[0].fired
+        assert pair.both("step_plan_info")[1].warmup == 0
+        pair.both("check_consistency")
+        pair.both("mark_step")
+        pair.both("check_consistency")
+        pair.both("close")
+        if not fired:
+            break
+        k += 1
+    assert k > 2

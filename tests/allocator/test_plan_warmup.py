@@ -130,8 +130,9 @@ def test_it_ends_after_many_allocations_with_no_mark(engine):
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("policy", [dataclasses.replace(DEFAULT, plan_warmup=False), get_policy("pytorch"),
-                                    get_policy("expandable"), dataclasses.replace(DEFAULT, growth="pages")],
-                         ids=["off", "segments", "expandable", "pages"])
+                                    get_policy("expandable"), dataclasses.replace(DEFAULT, growth="pages"),
+                                    dataclasses.replace(DEFAULT, steal_empty_pages=False)],
+                         ids=["off", "segments", "expandable", "pages", "no-steal"])
 def test_policies_without_it_never_begin_it(engine, policy):
     alloc = make(engine, policy)
     assert not alloc.start_plan_warmup()

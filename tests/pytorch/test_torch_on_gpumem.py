@@ -117,6 +117,9 @@ def test_trace_and_configure_hooks_without_an_engine(lib):
     # AllocatorPolicy's ranges are the engine's: the ends are taken (attacker 9, F3)
     assert lib.gpumem_torch_configure(1, 1.0, 0.0, 1.0, 1, 0.05, 1, 0, 0) == 0
     assert lib.gpumem_torch_plan_warmup(1) == 0 and lib.gpumem_torch_plan_warmup(0) == 0   # no engine: nothing to do
+    for bad in (2, -1, 7):   # 0 or 1, as configure's plan_warmup (review attacker 14, F4)
+        assert lib.gpumem_torch_plan_warmup(bad) == -1, bad
+        assert b"on must be 0 or 1" in lib.gpumem_torch_last_error()
     gt.configure("gpumem")
     with pytest.raises(InvalidArgumentError, match="unknown allocator policy"):
         gt.configure("nope")

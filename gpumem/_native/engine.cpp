@@ -1309,7 +1309,10 @@ std::int64_t Engine::chunk_start(VSeg* seg, std::int64_t p) const {
 
 // VirtualBacking._chunk_cap_pages
 std::int64_t Engine::chunk_cap_pages() const {
-    if (warmup_) return 1;   // Note [A memory-first warm-up] in plan.py
+    if (warmup_) {   // Note [A memory-first warm-up] in plan.py: 1/4096 of what is held (backing.py WARMUP_CHUNKS)
+        const std::int64_t held = static_cast<std::int64_t>(reserved_nbytes_ / g_);
+        return std::max<std::int64_t>(1, std::min(held / 4096, static_cast<std::int64_t>(cfg_.chunk_max_nbytes / g_)));
+    }
     return chunk_cap_pages_of(static_cast<std::int64_t>(reserved_nbytes_ / g_));
 }
 

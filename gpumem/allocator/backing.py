@@ -244,6 +244,12 @@ class AddressSpaceExhausted(OutOfMemoryError):
     """The pool's virtual range has no address space left at its top (not a shortage of memory)."""
 
 
+WARMUP_CHUNKS = 4096
+"""While warm (Note [A memory-first warm-up] in :mod:`.plan`) a new chunk holds ``1 / WARMUP_CHUNKS`` of the memory
+held, at least one page: about this many chunks at most, where one-page chunks made every steal scan tens of
+thousands (attacker 14, F1)."""
+
+
 class Backing(abc.ABC):
     """Supplies segments and physical memory to a caching allocator."""
 
@@ -975,8 +981,9 @@ class VirtualBacking(Backing):
     def _chunk_cap_pages(self) -> int:
         """The most pages a new chunk may hold now: ``chunk_max_fraction`` of the memory held and
         ``chunk_max_nbytes``, at least one page."""
-        if self.warmup:  # Note [A memory-first warm-up] in .plan
-            return 1
+        if self.warmup:  # Note [A memory-first warm-up] in .plan: a 1/4096 share of what is held, at least a page
+            held = self.reserved_nbytes // self.granularity
+            return max(1, min(held // WARMUP_CHUNKS, self.policy.chunk_max_nbytes // self.granularity))
         return self.policy.chunk_cap_pages(self.reserved_nbytes // self.granularity, self.granularity)
 
     def _map_runs(self, seg: VirtualSegment, need: list[int], first: int, last: int, requested: int,

@@ -123,27 +123,26 @@ A step that is not its template's prefix (a slot's size or stream differs) still
 
 Note [A memory-first warm-up]
 -----------------------------
-Why: a plan serves the steps after it forms; the steps before it (setup, the first steps, which create the
-optimizer state) are the engine's, and they decide the run's peak. Under the default policy they held 5.37 %
-above peak allocated in the replay of live GPT-2 (`reports/sim-step-plan-engine.md`: 0.98 % in the planned
-steps), and live programs had to set the memory-first policy (one-page chunks, no page slack,
-stream-ordered steal) by hand for the run's peak to follow the plan (0.56 %), paying +7 to +50 % step time
-wherever no plan formed (variable lengths, generate()). Rule (``AllocatorPolicy.plan_warmup``, on in the
-default policy; ``growth=CHUNKS`` only): the first ``mark_step()`` (or ``start_plan_warmup()``, which automatic
-marks call when turned on, since their first mark comes after the first step) turns the warm-up on; while on,
-the engine grows as the memory-first setting does whatever its knobs say; it ends for good when a plan is
+Why: a plan serves the steps after it forms; the steps before it (setup, the first steps, which make the
+optimizer state) are the engine's and decide the run's peak: 5.37 % above peak allocated in the replay of
+live GPT-2 under the default policy (0.98 % in its planned steps), so live programs set the memory-first
+policy by hand for the whole run (0.56 %), paying +7 to +50 % step time wherever no plan formed.
+Rule (``AllocatorPolicy.plan_warmup``, on in the default policy; ``growth=CHUNKS`` with stealing): the first
+``mark_step()``, or ``start_plan_warmup()`` (automatic marks call it when turned on: their first mark comes
+after the first step), turns it on; while on, the engine grows as the memory-first setting does whatever its
+knobs say: no page slack, the stream-ordered steal, chunks of one page up to 8 GiB held and 1/4096 of what is
+held past it (:data:`~.backing.WARMUP_CHUNKS`: every steal scans the chunks, and one-page chunks made that
+quadratic, 33 s for 200 multi-GB operations at 27 GB held, attacker 14). It ends for good when a plan is
 installed, at the :data:`WARMUP_MARKS` (8th) mark with none (a repeating loop is planned at its third), or
-once :data:`WARMUP_ALLOCS` allocations pass with no mark (a program that stopped marking, or never marks
-after ``start_plan_warmup()``; checked where the engine grows, the only place the knobs are read). Ended
-with a plan, what it grew stays (weights, optimizer state packed in one-page chunks; misses and kept
-blocks grow by the policy's knobs). Ended with none, the engine's idle cache goes back at once: else its
-one-page chunks outlived it and were moved page by page, live llama_varlen_train at 106.9 ms a step
-against 56.2 unmarked (replayed with a mark every 350 allocations: 1,938 calls per 4,096 allocations
-against 320; with the give-back 172, the peak as unmarked). So the memory-first cost is paid for a few
-steps at most, and a program that never marks is not touched. Both engines count the same marks and allocations (``num_allocs``), so the
-differential test holds them identical; ``PlanInfo.warmup`` says whether it is on.
-A policy that does not steal (``steal_empty_pages=False``) never begins it: one-page chunks that are never
-stolen cost device calls and hold as much.
+after :data:`WARMUP_ALLOCS` allocations with no mark (checked where the engine grows, the only place the
+knobs are read). Ended with a plan, what it grew stays. Ended with none, the engine's idle cache goes back at
+once (waiting for the GPU, as ``empty_cache``): else its small chunks outlived it and were moved page by
+page, live llama_varlen_train at 106.9 ms a step against 56.2 unmarked (replayed with a mark every 350
+allocations: 1,938 calls per 4,096 allocations against 320; with the give-back 172, the peak as unmarked).
+So the cost is paid for a few steps; a program that neither marks nor turns automatic marks on is not
+touched (with them on, a device no optimizer steps runs warm for its first WARMUP_ALLOCS allocations). A
+policy that does not steal (``steal_empty_pages=False``) never begins it. Both engines count the same marks
+and ``num_allocs`` (the differential test); ``PlanInfo.warmup`` says whether it is on.
 
 Note [Step plans and record_stream]
 -----------------------------------

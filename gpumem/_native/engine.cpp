@@ -360,7 +360,11 @@ void Engine::release_for_fast_run() {
     unlock();
 }
 
-Engine::Engine(Backend& backend, const EngineConfig& config) : backend_(backend), cfg_(config) {
+Engine::Engine(Backend& backend, const EngineConfig& config) : backend_(backend), cfg_(config), memory_first_(config) {
+    memory_first_.page_slack = 0.0;   // AllocatorPolicy.memory_first (Note [A memory-first warm-up] in plan.py)
+    memory_first_.page_slack_min_nbytes = 0;
+    memory_first_.stream_ordered_steal = true;
+    memory_first_.chunk_max_fraction = 1.0 / 4096;   // policy.py WARMUP_CHUNKS
     DeviceInfo info = backend_.info();
     total_nbytes_ = info.total_nbytes;
     g_ = info.granularity_nbytes;
@@ -1309,17 +1313,13 @@ std::int64_t Engine::chunk_start(VSeg* seg, std::int64_t p) const {
 
 // VirtualBacking._chunk_cap_pages
 std::int64_t Engine::chunk_cap_pages() const {
-    if (warmup_) {   // Note [A memory-first warm-up] in plan.py: 1/4096 of what is held (backing.py WARMUP_CHUNKS)
-        const std::int64_t held = static_cast<std::int64_t>(reserved_nbytes_ / g_);
-        return std::max<std::int64_t>(1, std::min(held / 4096, static_cast<std::int64_t>(cfg_.chunk_max_nbytes / g_)));
-    }
-    return chunk_cap_pages_of(static_cast<std::int64_t>(reserved_nbytes_ / g_));
+    return chunk_cap_pages_of(static_cast<std::int64_t>(reserved_nbytes_ / g_), knobs());
 }
 
 // AllocatorPolicy.chunk_cap_pages
-std::int64_t Engine::chunk_cap_pages_of(std::int64_t held) const {
-    std::int64_t by_fraction = static_cast<std::int64_t>(static_cast<double>(held) * cfg_.chunk_max_fraction);
-    return std::max<std::int64_t>(1, std::min(by_fraction, static_cast<std::int64_t>(cfg_.chunk_max_nbytes / g_)));
+std::int64_t Engine::chunk_cap_pages_of(std::int64_t held, const EngineConfig& k) const {
+    std::int64_t by_fraction = static_cast<std::int64_t>(static_cast<double>(held) * k.chunk_max_fraction);
+    return std::max<std::int64_t>(1, std::min(by_fraction, static_cast<std::int64_t>(k.chunk_max_nbytes / g_)));
 }
 
 // VirtualBacking._map_runs
@@ -1336,14 +1336,13 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
     std::int64_t touched = std::max(peak_live_pages_, live_pages_ + static_cast<std::int64_t>(need.size()));
     // pages held may reach this before a steal
     // at least page_slack_min_nbytes more than touched, within the limit (Note [A slack of at least one page])
-    const double slack = warmup_ ? 0.0 : cfg_.page_slack;   // Note [A memory-first warm-up] in plan.py
-    const std::uint64_t slack_min = warmup_ ? 0 : cfg_.page_slack_min_nbytes;
-    std::int64_t floor = touched + static_cast<std::int64_t>(slack_min / g);
+    const EngineConfig& k = knobs();   // Note [A memory-first warm-up] in plan.py
+    std::int64_t floor = touched + static_cast<std::int64_t>(k.page_slack_min_nbytes / g);
     if (cfg_.limit_nbytes)
         floor = std::min(floor, (static_cast<std::int64_t>(cfg_.limit_nbytes) - static_cast<std::int64_t>(plan_mapped_nbytes_)) /
                                     static_cast<std::int64_t>(g));
-    std::int64_t budget = std::max(static_cast<std::int64_t>(static_cast<double>(touched) * (1.0 + slack)), floor);
-    busy_pages_ = static_cast<double>(touched) * (1.0 + slack + cfg_.busy_slack);
+    std::int64_t budget = std::max(static_cast<std::int64_t>(static_cast<double>(touched) * (1.0 + k.page_slack)), floor);
+    busy_pages_ = static_cast<double>(touched) * (1.0 + k.page_slack + k.busy_slack);
     std::int64_t top_page = static_cast<std::int64_t>((seg->top - 1) / g);
     std::vector<std::int64_t> mapped;   // first pages of the chunks this call mapped
     std::vector<ChunkHandle> created;
@@ -1591,7 +1590,7 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
             return true;
         }
     }
-    if (cfg_.stream_ordered_steal || warmup_) {   // Note [Stream-ordered steal] in backing.py
+    if (knobs().stream_ordered_steal) {   // Note [Stream-ordered steal] in backing.py
         for (auto& c : fits) {
             FenceMap pending = chunk_fences(c.seg, c.s, batch);
             bool ours = true;
@@ -3709,7 +3708,7 @@ bool Engine::plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size) {
     empty_cache_locked();
     // runs of at most the engine's chunk cap (plan.py, Note [Arena runs of at most a chunk])
     const std::uint64_t cap =
-        static_cast<std::uint64_t>(chunk_cap_pages_of(static_cast<std::int64_t>((reserved_nbytes_ + plan_mapped_nbytes_) / g_)));
+        static_cast<std::uint64_t>(chunk_cap_pages_of(static_cast<std::int64_t>((reserved_nbytes_ + plan_mapped_nbytes_) / g_), cfg_));
     std::vector<std::pair<std::uint64_t, std::uint64_t>> runs;
     for (std::uint64_t p : todo) {
         if (!runs.empty() && runs.back().second == p && p - runs.back().first < cap) runs.back().second = p + 1;

@@ -519,7 +519,7 @@ class Engine {
     void note_chunk(ChunkHandle h, std::uint64_t nbytes);     // a chunk mem_create'd: counted as held
     std::int64_t chunk_start(detail::VSeg* seg, std::int64_t p) const;
     std::int64_t chunk_cap_pages() const;
-    std::int64_t chunk_cap_pages_of(std::int64_t held_pages) const;   // AllocatorPolicy.chunk_cap_pages
+    std::int64_t chunk_cap_pages_of(std::int64_t held_pages, const EngineConfig& k) const;   // AllocatorPolicy.chunk_cap_pages
     void map_runs(detail::VSeg* seg, const std::vector<std::int64_t>& need, std::int64_t first, std::int64_t last,
                   std::uint64_t requested, std::uint64_t stream);
     bool take_cached(std::int64_t max_pages, ChunkHandle* out);
@@ -652,6 +652,8 @@ class Engine {
     std::uint64_t record_limit_ = std::uint64_t{1} << 14;   // plan.py record_limit (RECORD_LIMIT)
     // Note [A memory-first warm-up] in plan.py: VirtualBacking.warmup and StepPlan's warmup_* (same names)
     bool warmup_ = false, warmup_done_ = false;
+    EngineConfig memory_first_;   // AllocatorPolicy.memory_first(): the growth knobs while warm
+    const EngineConfig& knobs() const { return warmup_ ? memory_first_ : cfg_; }   // VirtualBacking.knobs
     std::uint64_t warmup_marks_ = 0, warmup_since_ = 0;
     bool plan_start_warmup();   // StepPlan.start_warmup (caller holds mu_)
     void plan_end_warmup(bool planned);   // StepPlan.end_warmup

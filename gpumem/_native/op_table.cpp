@@ -111,14 +111,19 @@ int Table_contains(PtrTableObject* self, PyObject* key) {
     return self->map->get(k, &v) ? 1 : 0;
 }
 
+// pop() and get(): (id[, default]), the id as table_key reads it (-1: an error is set, wrong arguments too)
+int table_key_args(const char* name, PyObject* const* args, Py_ssize_t nargs, std::int64_t* k) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "%s() takes an op id and an optional default", name);
+        return -1;
+    }
+    return table_key(args[0], k);
+}
+
 // pop(id[, default])
 PyObject* Table_pop(PtrTableObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "pop() takes an op id and an optional default");
-        return nullptr;
-    }
     std::int64_t k;
-    int r = table_key(args[0], &k);
+    int r = table_key_args("pop", args, nargs, &k);
     if (r < 0) return nullptr;
     std::uint64_t v;
     if (r == 1 && self->map->pop(k, &v)) return PyLong_FromUnsignedLongLong(v);
@@ -132,12 +137,8 @@ PyObject* Table_pop(PtrTableObject* self, PyObject* const* args, Py_ssize_t narg
 
 // get(id, default=None)
 PyObject* Table_get(PtrTableObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "get() takes an op id and an optional default");
-        return nullptr;
-    }
     std::int64_t k;
-    int r = table_key(args[0], &k);
+    int r = table_key_args("get", args, nargs, &k);
     if (r < 0) return nullptr;
     std::uint64_t v;
     if (r == 1 && self->map->get(k, &v)) return PyLong_FromUnsignedLongLong(v);

@@ -244,12 +244,6 @@ class AddressSpaceExhausted(OutOfMemoryError):
     """The pool's virtual range has no address space left at its top (not a shortage of memory)."""
 
 
-WARMUP_CHUNKS = 4096
-"""While warm (Note [A memory-first warm-up] in :mod:`.plan`) a new chunk holds ``1 / WARMUP_CHUNKS`` of the memory
-held, at least one page: about this many chunks at most, where one-page chunks made every steal scan tens of
-thousands (attacker 14, F1)."""
-
-
 class Backing(abc.ABC):
     """Supplies segments and physical memory to a caching allocator."""
 
@@ -266,10 +260,17 @@ class Backing(abc.ABC):
         self.outside_nbytes = 0
         """Memory held beside the backing that counts against the limit (a step plan's arena pages)."""
         self.warmup = False
-        """``growth=CHUNKS``: grow memory-first (one-page chunks, no page slack, stream-ordered steal) whatever the
-        policy's knobs say; the engine turns it on and off (Note [A memory-first warm-up] in :mod:`.plan`)."""
+        """``growth=CHUNKS``: grow by :attr:`knobs`' memory-first setting whatever the policy's knobs say; the
+        engine turns it on and off (Note [A memory-first warm-up] in :mod:`.plan`)."""
+        self._memory_first = policy.memory_first()
         self.on_segment: Callable[[str, int, int, int], None] | None = None
         """Called as ``on_segment(action, addr, nbytes, stream)`` for history recording."""
+
+    @property
+    def knobs(self) -> AllocatorPolicy:
+        """The growth knobs in force: the policy's, or their memory-first setting while a step plan's warm-up
+        is on (:meth:`~.policy.AllocatorPolicy.memory_first`)."""
+        return self._memory_first if self.warmup else self.policy
 
     def _check_limit(self, extra_nbytes: int, requested: int) -> None:
         if self.limit_nbytes is not None and self.reserved_nbytes + self.outside_nbytes + extra_nbytes > self.limit_nbytes:
@@ -981,10 +982,7 @@ class VirtualBacking(Backing):
     def _chunk_cap_pages(self) -> int:
         """The most pages a new chunk may hold now: ``chunk_max_fraction`` of the memory held and
         ``chunk_max_nbytes``, at least one page."""
-        if self.warmup:  # Note [A memory-first warm-up] in .plan: a 1/4096 share of what is held, at least a page
-            held = self.reserved_nbytes // self.granularity
-            return max(1, min(held // WARMUP_CHUNKS, self.policy.chunk_max_nbytes // self.granularity))
-        return self.policy.chunk_cap_pages(self.reserved_nbytes // self.granularity, self.granularity)
+        return self.knobs.chunk_cap_pages(self.reserved_nbytes // self.granularity, self.granularity)
 
     def _map_runs(self, seg: VirtualSegment, need: list[int], first: int, last: int, requested: int,
                   stream: int) -> None:
@@ -1004,16 +1002,16 @@ class VirtualBacking(Backing):
         touched = max(self.peak_live_pages, self.live_pages + len(need))
         # pages held may reach this before a steal; at least page_slack_min_nbytes more than touched, within
         # the limit (Note [A slack of at least one page])
-        slack, slack_min = (0.0, 0) if self.warmup else (self.policy.page_slack, self.policy.page_slack_min_nbytes)
-        floor = touched + slack_min // g
+        knobs = self.knobs
+        floor = touched + knobs.page_slack_min_nbytes // g
         if self.limit_nbytes is not None:
             floor = min(floor, (self.limit_nbytes - self.outside_nbytes) // g)
-        budget = max(int(touched * (1.0 + slack)), floor)
+        budget = max(int(touched * (1.0 + knobs.page_slack)), floor)
         top_page = (seg.top - 1) // g
         mapped: list[int] = []  # first pages of the chunks this call mapped
         created = self._created = []
         stolen = self._stolen_ordered = []
-        self._busy_pages = touched * (1.0 + slack + self.policy.busy_slack)
+        self._busy_pages = touched * (1.0 + knobs.page_slack + knobs.busy_slack)
         try:
             i = 0
             while i < len(need):
@@ -1222,7 +1220,7 @@ class VirtualBacking(Backing):
             if self._chunk_ready(other, s, False, batch, busy):
                 self.n_steals += 1
                 return self._unmap_chunk(other, s)
-        if self.policy.stream_ordered_steal or self.warmup:
+        if self.knobs.stream_ordered_steal:
             for n, _, s, other in fits:
                 pending = self._chunk_fences(other, s, batch)
                 if all(st == stream or self.fences.done(st, number) for st, number in pending.items()):

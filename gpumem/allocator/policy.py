@@ -79,7 +79,7 @@ segments fill), so single ties may still go the other way.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from ..errors import InvalidArgumentError
 from ..units import MiB, align_up
@@ -119,6 +119,12 @@ class SegmentRule(str, enum.Enum):
     """Small pool: 2 MiB. Large: 20 MiB under 10 MiB, else ``n`` rounded up to 2 MiB."""
     EXACT = "exact"
     """Exactly ``n`` (already rounded to ``round_nbytes``), as CuPy's pool does."""
+
+
+WARMUP_CHUNKS = 4096
+"""While a step plan's warm-up grows memory-first (:meth:`AllocatorPolicy.memory_first`), a new chunk holds
+``1 / WARMUP_CHUNKS`` of the memory held, at least one page: about this many chunks at most, where one-page
+chunks made every steal scan tens of thousands (attacker 14, F1)."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +202,13 @@ class AllocatorPolicy:
     the 8th mark with no plan, and after 2**14 allocations with no mark (Note [A memory-first warm-up] in
     :mod:`.plan`). No effect on a program that never marks a step, nor under another growth rule, nor
     without ``steal_empty_pages`` (one-page chunks that are never stolen cost calls and save nothing)."""
+
+    def memory_first(self) -> "AllocatorPolicy":
+        """This policy with the memory-first setting of its growth knobs: no page slack (nor its floor), the
+        stream-ordered steal, chunks of 1 / :data:`WARMUP_CHUNKS` of the memory held (one page under 8 GiB of
+        2 MiB pages). What a step plan's warm-up grows by (Note [A memory-first warm-up] in :mod:`.plan`)."""
+        return replace(self, page_slack=0.0, page_slack_min_nbytes=0, stream_ordered_steal=True,
+                                   chunk_max_fraction=1 / WARMUP_CHUNKS)
 
     def chunk_cap_pages(self, held_pages: int, page_nbytes: int) -> int:
         """The most pages a new chunk may hold when ``held_pages`` are held: ``chunk_max_fraction`` of them and

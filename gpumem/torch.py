@@ -34,9 +34,9 @@ gives a pluggable allocator] in ``gpumem/_native/torch_api.cpp``):
 * ``torch.cuda.memory._record_memory_history`` records nothing either: :func:`start_trace` records
   every allocation and free PyTorch asks gpumem for, :func:`recorded_trace` gives them as a gpumem
   trace (replay it with ``gpumem replay``); ``GPUMEM_TRACE_OUT=run.gmt.gz`` does both for a whole
-  program (the trace is written at exit). :func:`configure` gives the engine a policy's growth knobs,
-  and ``configure(step_marks="optimizer")`` (or ``GPUMEM_STEP_MARKS=optimizer``) marks a step plan's
-  steps at every optimizer step, with no :func:`step` call in the loop.
+  program (the trace is written at exit). :func:`configure` gives the engine a policy's growth knobs.
+  Every optimizer step marks a step plan's step, with no :func:`step` call in the loop (automatic step
+  marks, on by default; ``GPUMEM_STEP_MARKS=off`` or ``configure(step_marks=None)`` turns them off).
 * CUDA graph capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) has not been
   tried on gpumem: PyTorch gives a pluggable allocator no private graph pools, and the events the
   engine records and queries when memory goes back behave differently on a capturing stream
@@ -64,17 +64,22 @@ from .units import format_bytes
 __all__ = ["install", "installed", "memory_stats", "memory_summary", "empty_cache", "record_stream", "step",
            "step_plan_info", "trace_wait_stream",
            "TooLateError", "configure", "start_trace", "stop_trace", "recorded_trace", "trace_from_words",
-           "TRACE_OUT_ENV", "STEP_MARKS_ENV", "STEP_MARKS"]
+           "automatic_step_marks", "TRACE_OUT_ENV", "STEP_MARKS_ENV", "STEP_MARKS", "DEFAULT_STEP_MARKS", "STEP_MARKS_OFF"]
 
 #: Environment variable: when set, :func:`install` starts tracing and the trace of device 0 is written
 #: to this path (a gpumem ``.gmt`` trace, gzipped when the name ends in ``.gz``) when the process exits.
 TRACE_OUT_ENV = "GPUMEM_TRACE_OUT"
-#: Environment variable: when set (to one of :data:`STEP_MARKS`), :func:`install` turns on automatic step
-#: marks, as ``configure(step_marks=...)`` does (Note [Automatic step marks]).
+#: Environment variable read by :func:`install`: one of :data:`STEP_MARKS` turns automatic step marks on, as
+#: ``configure(step_marks=...)`` does, ``off`` (:data:`STEP_MARKS_OFF`) leaves them off; unset or empty,
+#: :data:`DEFAULT_STEP_MARKS` where PyTorch has the global optimizer hook (Note [Automatic step marks]).
 STEP_MARKS_ENV = "GPUMEM_STEP_MARKS"
 #: What ``configure(step_marks=...)`` takes besides ``None`` (off): ``"optimizer"``, every step of a PyTorch
 #: optimizer marks a step (Note [Automatic step marks]).
 STEP_MARKS = ("optimizer",)
+#: The automatic step marks :func:`install` turns on when ``GPUMEM_STEP_MARKS`` is unset.
+DEFAULT_STEP_MARKS = "optimizer"
+#: ``GPUMEM_STEP_MARKS=off``: no automatic step marks.
+STEP_MARKS_OFF = "off"
 
 log = logging.getLogger(__name__)
 
@@ -131,16 +136,19 @@ def install(device: "int | str | Any | None" = None) -> None:
             device gpumem cannot run on (no virtual memory management) fails here rather than at the
             first allocation. No memory is taken.
 
-    ``GPUMEM_TRACE_OUT`` (:data:`TRACE_OUT_ENV`) traces the whole program; ``GPUMEM_STEP_MARKS=optimizer``
-    (:data:`STEP_MARKS_ENV`) marks a step plan's step at every optimizer step, as
-    ``configure(step_marks="optimizer")`` does; both are read at the first call that installs them.
+    ``GPUMEM_TRACE_OUT`` (:data:`TRACE_OUT_ENV`) traces the whole program. Automatic step marks are turned
+    on (every optimizer step marks a step plan's step, as ``configure(step_marks="optimizer")`` does) unless
+    ``GPUMEM_STEP_MARKS`` (:data:`STEP_MARKS_ENV`) is ``off``, ``configure(step_marks=None)`` came first, or
+    PyTorch has no global optimizer hook (before 2.0). Both variables are read at the first call that
+    installs them.
 
     Raises:
         TooLateError: PyTorch had already initialised CUDA.
         BackendUnavailableError: PyTorch, a CUDA device or gpumem's native engine is missing
             (see :func:`gpumem.engine`).
-        InvalidArgumentError: ``GPUMEM_STEP_MARKS`` holds a value not in :data:`STEP_MARKS` (nothing installed).
-        BackendUnavailableError: ``GPUMEM_STEP_MARKS`` is set and PyTorch has no global optimizer hook
+        InvalidArgumentError: ``GPUMEM_STEP_MARKS`` holds a value not in :data:`STEP_MARKS` and not ``off``
+            (nothing installed).
+        BackendUnavailableError: ``GPUMEM_STEP_MARKS=optimizer`` and PyTorch has no global optimizer hook
             (nothing installed).
         GpumemError: gpumem could not start on ``device``.
     """
@@ -462,7 +470,33 @@ def _mark_step(index: int) -> Any:
             if code == 0:
                 log.info("gpumem.torch: a step plan of %d allocations is installed on cuda:%d",
                          int((offsets >= 0).sum()), index)
+    _warmups().after_mark(index)
     return result
+
+
+@dataclasses.dataclass
+class _Warmups:
+    """Whether each device's engine was in its memory-first warm-up at the last mark, to log when it ends (Note
+    [A memory-first warm-up] in gpumem/allocator/plan.py); one per process (:func:`_warmups`)."""
+
+    warm: dict[int, bool] = dataclasses.field(default_factory=dict)   # guarded by lock
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def after_mark(self, index: int) -> None:
+        from .allocator.plan import StepState
+
+        info = step_plan_info(index)
+        with self.lock:
+            was, self.warm[index] = self.warm.get(index, False), bool(info.warmup)
+        if was and not info.warmup:
+            log.info("gpumem.torch: the memory-first warm-up on cuda:%d ended: %s", index,
+                     "a step plan is installed" if info.state is StepState.PLANNED
+                     else "no step plan formed, the idle cache went back and the engine grows as without marks")
+
+
+@functools.cache
+def _warmups() -> _Warmups:
+    return _Warmups()
 
 
 def step_plan_info(device: "int | str | Any | None" = None) -> Any:
@@ -490,8 +524,8 @@ def step_plan_info(device: "int | str | Any | None" = None) -> Any:
 # and a program that does not call step() got none. Every training loop calls optimizer.step() once per step,
 # and PyTorch (2.0 on) shows every optimizer's step to one global post-hook
 # (torch.optim.optimizer.register_optimizer_step_post_hook): configure(step_marks="optimizer"), or
-# GPUMEM_STEP_MARKS=optimizer at install() (either install), registers one that makes step()'s mark right
-# after the update. The gradients still live there are freed by the next zero_grad, which the plan's
+# install() (either install; on by default, GPUMEM_STEP_MARKS=off keeps it off), registers one that makes
+# step()'s mark right after the update. The gradients still live there are freed by the next zero_grad, which the plan's
 # lifetimes wrapping into the next step cover; what a loop allocates between there and its top joins the next
 # step, as repeating.
 # * One marker per device: the first optimizer with parameters on a CUDA device marks that device; others'
@@ -523,8 +557,12 @@ def step_plan_info(device: "int | str | Any | None" = None) -> Any:
 # * Turning marks on begins the engines' memory-first warm-up at once (gpumem_torch_plan_warmup; engines made
 #   later begin it when made): the first automatic mark comes after the first step, whose peak the plan cannot
 #   lower (Note [A memory-first warm-up] in gpumem/allocator/plan.py).
-# * configure(step_marks=None) removes the hook (and, called before install, keeps GPUMEM_STEP_MARKS from
-#   turning marks on). A plan already installed stays until the plan layer's own bounds drop it.
+# * configure(step_marks=None) removes the hook (and, called before install, keeps install from turning marks
+#   on). A plan already installed stays until the plan layer's own bounds drop it.
+# * On by default (where PyTorch has the hook): a training loop meets the memory target with no setting
+#   (live GPT-2 and ResNet-50, reports/hil/); a program that never steps an optimizer pays the warm-up's first
+#   WARMUP_ALLOCS allocations grown memory-first, then its idle cache goes back and the engine grows as
+#   without marks.
 #: Fewest steps of another optimizer, with none of the marker's between, that hand a device's marks over.
 HANDOVER_MIN_STEPS = 16
 
@@ -644,15 +682,24 @@ def _check_step_marks(value: Any, name: str) -> None:
     if not isinstance(value, str) or value not in STEP_MARKS:
         accepted = ", ".join(repr(v) for v in STEP_MARKS)
         raise InvalidArgumentError(f"{name} must be {accepted} or None (off), not {value!r}" if name == "step_marks"
-                                   else f"{name} must be {accepted} (or unset), not {value!r}")
+                                   else f"{name} must be {accepted} or {STEP_MARKS_OFF!r} (unset: "
+                                        f"{DEFAULT_STEP_MARKS!r}), not {value!r}")
 
 
 def _env_step_marks() -> str | None:
-    """``GPUMEM_STEP_MARKS``, checked (its value, and that PyTorch has the hook) before anything is installed:
-    a bad value or an old PyTorch raises and installs nothing. None when unset or empty."""
+    """The step marks :func:`install` turns on: ``GPUMEM_STEP_MARKS``, checked (its value, and that PyTorch has
+    the hook) before anything is installed, so a bad value or an old PyTorch raises and installs nothing; None
+    for ``off``. Unset or empty: :data:`DEFAULT_STEP_MARKS`, or None (logged) where PyTorch has no hook."""
     marks = os.environ.get(STEP_MARKS_ENV)
-    if not marks:
+    if marks == STEP_MARKS_OFF:
         return None
+    if not marks:
+        try:
+            _optimizer_hook_registrar()
+        except BackendUnavailableError as exc:
+            log.info("gpumem.torch: no automatic step marks by default: %s", exc)
+            return None
+        return DEFAULT_STEP_MARKS
     _check_step_marks(marks, STEP_MARKS_ENV)
     _optimizer_hook_registrar()
     return marks
@@ -773,8 +820,8 @@ def configure(policy: Any = None, *, step_marks: "str | None" = _KEEP) -> None:
     gpumem.torch reads them, a ``CachingAllocator`` takes its policy as given); the
     policy's other fields must be the default policy's.
 
-    ``step_marks="optimizer"`` (after :func:`install`; ``GPUMEM_STEP_MARKS=optimizer`` does the same at
-    install) marks a step plan's step (as :func:`step` does) each time the first PyTorch optimizer that steps
+    ``step_marks="optimizer"`` (after :func:`install`, which turns it on by default: ``GPUMEM_STEP_MARKS``)
+    marks a step plan's step (as :func:`step` does) each time the first PyTorch optimizer that steps
     from now on finishes ``optimizer.step()``, on the CUDA devices of its parameters: a training loop gets step
     plans with no call to :func:`step`, and the engines grow memory-first until their plan forms (Note [A
     memory-first warm-up] in :mod:`gpumem.allocator.plan`). ``step_marks=None`` removes the hook (a plan already
@@ -817,6 +864,14 @@ def configure(policy: Any = None, *, step_marks: "str | None" = _KEEP) -> None:
             raise InvalidArgumentError(f"gpumem.torch.configure({pol.name!r}): {_last_error(lib)}")
     if step_marks is not _KEEP:
         _auto_marks().turn(step_marks, register)
+
+
+def automatic_step_marks() -> "str | None":
+    """What marks step plans' steps automatically now (one of :data:`STEP_MARKS`), or None: off, or turned off
+    by a mark that failed (Note [Automatic step marks])."""
+    marks = _auto_marks()
+    with marks.lock:
+        return None if marks.failed is not None else marks.mode
 
 
 def start_trace() -> None:

@@ -3199,6 +3199,16 @@ bool Engine::start_plan_warmup() {
     return plan_start_warmup();
 }
 
+bool Engine::stop_plan_warmup() {   // StepPlan.stop_warmup
+    Guard guard(*this);
+    check_usable_op();
+    if (closed_) throw EngineError(EngineErrorKind::kInvalidArgument, "stop_plan_warmup: the allocator is closed");
+    if (!warmup_) return false;
+    warmup_ = false;
+    empty_cache_locked();
+    return true;
+}
+
 int Engine::plan_mark() {
     if (plan_start_warmup()) {   // the first mark begins it; each counts
         ++warmup_marks_;

@@ -341,6 +341,7 @@ class Engine {
     // false when that READY step went away; without one (-1), no READY step raises.
     int mark_step();
     bool start_plan_warmup();   // PythonEngine.start_plan_warmup (Note [A memory-first warm-up] in plan.py)
+    bool stop_plan_warmup();    // PythonEngine.stop_plan_warmup
     struct StepRecord {
         std::uint64_t nbytes;
         std::uint64_t stream;

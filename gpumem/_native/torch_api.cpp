@@ -631,7 +631,8 @@ GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double c
 
 // Automatic step marks turned on (on = 1) or off (0): engines made from now on begin the memory-first warm-up
 // at once, and so does every engine that exists (where its policy has one, none ran, no plan is installed:
-// Note [A memory-first warm-up] in plan.py), since the first automatic mark comes after the first step.
+// Note [A memory-first warm-up] in plan.py), since the first automatic mark comes after the first step. Off:
+// every engine's warm-up stops as if it had not begun (its idle cache goes back; a mark by hand begins it again).
 // Returns 0 (an engine whose device was lost is left as it is), -1 with gpumem_torch_last_error() when `on` is
 // not 0 or 1 (nothing changes).
 GPUMEM_EXPORT int gpumem_torch_plan_warmup(int on) {
@@ -642,12 +643,12 @@ GPUMEM_EXPORT int gpumem_torch_plan_warmup(int on) {
     TorchState& s = state();
     std::lock_guard<std::mutex> lock(s.make_mutex);
     s.warmup_at_start = on != 0;
-    if (!on) return 0;
     for (auto& slot : s.devices) {
         DeviceEngine* d = slot.load(std::memory_order_acquire);
         if (d == nullptr) continue;
         try {
-            d->engine->start_plan_warmup();
+            if (on) d->engine->start_plan_warmup();
+            else d->engine->stop_plan_warmup();
         } catch (const std::exception&) {
             // a lost device's engine refuses every operation: it has nothing to warm up; the others go on
         }

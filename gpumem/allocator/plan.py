@@ -703,6 +703,15 @@ class StepPlan:
             if not planned:
                 self.e._empty_cache_locked()
 
+    def stop_warmup(self) -> bool:
+        """Stop the warm-up as if it had not begun (automatic marks turned off): the idle cache goes back, and a
+        later mark or ``start_plan_warmup()`` may begin it again. Whether it was on."""
+        if not self.e.backing.warmup:
+            return False
+        self.e.backing.warmup = False
+        self.e._empty_cache_locked()
+        return True
+
     def check_warmup(self) -> None:
         """Before the engine grows (its slow path): past :data:`WARMUP_ALLOCS` allocations with no mark, the
         warm-up ends."""

@@ -399,6 +399,11 @@ class Differential(RuleBasedStateMachine):
         """Note [A memory-first warm-up] in gpumem/allocator/plan.py: begun before any mark, or refused."""
         self.pair.both("start_plan_warmup")
 
+    @rule()
+    def stop_plan_warmup(self):
+        """Automatic marks turned off: the warm-up stops as if it had not begun (its idle cache goes back)."""
+        self.pair.both("stop_plan_warmup")
+
     @rule(pattern=STEP_PATTERNS, jitter=st.sampled_from([None, None, None, 0, 3]))
     def planned_step(self, pattern, jitter):
         """A step of a repeating pattern (its allocations freed ``life`` allocations later, some in the

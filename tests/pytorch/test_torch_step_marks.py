@@ -150,6 +150,30 @@ def test_turning_marks_on_begins_the_memory_first_warm_up_before_the_first_step(
     alloc.check_consistency()
 
 
+def test_the_end_of_the_warm_up_is_logged(fake_torch, glued, caplog):
+    alloc, _ = glued
+    gt.configure(step_marks="optimizer")
+    loop, opt = TrainLoop(alloc), FakeOptimizer(fake_torch)
+    with caplog.at_level(logging.INFO, logger="gpumem.torch"):
+        for _ in range(4):
+            loop.train_step(opt)
+    assert caplog.text.count("memory-first warm-up on cuda:0 ended: a step plan is installed") == 1
+
+
+def test_turning_marks_off_stops_a_warm_up_under_way(fake_torch, glued):
+    """An attacker's finding: with marks off the engine went on growing memory-first for WARMUP_ALLOCS
+    allocations; now it stops at once, and its idle cache goes back."""
+    alloc, _ = glued
+    gt.configure(step_marks="optimizer")
+    for p in [alloc.allocate(3 * MiB) for _ in range(6)]:
+        alloc.free(p)
+    held = alloc.memory_stats()["reserved_nbytes"]
+    assert gt.step_plan_info(0).warmup == 1
+    gt.configure(step_marks=None)
+    assert gt.step_plan_info(0).warmup == 0 and alloc.memory_stats()["reserved_nbytes"] < held
+    alloc.check_consistency()
+
+
 def test_only_the_first_optimizer_that_steps_marks(fake_torch, glued):
     """A GAN's two optimizers: one mark per iteration, from the first one that stepped."""
     alloc, marked = glued
@@ -561,22 +585,49 @@ def test_the_environment_variable_turns_marks_on_at_install_once(fake_torch, glu
     assert installs == [1, 1] and fake_torch.hooks == []
 
 
-@pytest.mark.parametrize("bad", ["0", "none", "Optimizer", "adam"])
+@pytest.mark.parametrize("bad", ["0", "none", "OFF", "Optimizer", "adam"])
 def test_a_bad_environment_variable_installs_nothing(fake_torch, glued, monkeypatch, bad):
     installs = []
     monkeypatch.setattr(gt, "_installed_allocator", lambda: installs.append(1))
     monkeypatch.setenv(gt.STEP_MARKS_ENV, bad)
-    with pytest.raises(InvalidArgumentError, match=rf"GPUMEM_STEP_MARKS must be 'optimizer' \(or unset\), not '{bad}'"):
+    with pytest.raises(InvalidArgumentError,
+                       match=rf"GPUMEM_STEP_MARKS must be 'optimizer' or 'off' \(unset: 'optimizer'\), not '{bad}'"):
         gt.install()
-    assert installs == [] and fake_torch.hooks == []
+    assert installs == [] and fake_torch.hooks == [] and gt.automatic_step_marks() is None
 
 
-def test_an_empty_environment_variable_is_unset(fake_torch, glued, monkeypatch):
+@pytest.mark.parametrize("value", [None, ""])
+def test_marks_are_on_by_default(fake_torch, glued, monkeypatch, value):
+    """Unset or empty: install turns the optimizer's marks on, and the engines begin the warm-up."""
     monkeypatch.setattr(gt, "_installed_allocator", lambda: None)
-    monkeypatch.setenv(gt.STEP_MARKS_ENV, "")
+    if value is None:
+        monkeypatch.delenv(gt.STEP_MARKS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(gt.STEP_MARKS_ENV, value)
     monkeypatch.delenv(gt.TRACE_OUT_ENV, raising=False)
     gt.install()
-    assert fake_torch.hooks == []
+    assert len(fake_torch.hooks) == 1 and gt.automatic_step_marks() == gt.DEFAULT_STEP_MARKS == "optimizer"
+
+
+def test_off_in_the_environment_keeps_marks_off(fake_torch, glued, monkeypatch):
+    monkeypatch.setattr(gt, "_installed_allocator", lambda: None)
+    monkeypatch.setenv(gt.STEP_MARKS_ENV, gt.STEP_MARKS_OFF)
+    monkeypatch.delenv(gt.TRACE_OUT_ENV, raising=False)
+    gt.install()
+    assert fake_torch.hooks == [] and gt.automatic_step_marks() is None
+
+
+def test_by_default_a_torch_without_the_hook_installs_with_marks_off(monkeypatch, glued, caplog):
+    """Only an explicit GPUMEM_STEP_MARKS=optimizer needs the hook; the default does without (logged)."""
+    monkeypatch.setitem(sys.modules, "torch", FakeTorch(with_hook=False))
+    installs = []
+    monkeypatch.setattr(gt, "_installed_allocator", lambda: installs.append(1))
+    monkeypatch.delenv(gt.STEP_MARKS_ENV, raising=False)
+    monkeypatch.delenv(gt.TRACE_OUT_ENV, raising=False)
+    with caplog.at_level(logging.INFO, logger="gpumem.torch"):
+        gt.install()
+    assert installs == [1] and gt.automatic_step_marks() is None
+    assert "no automatic step marks by default" in caplog.text
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed")

@@ -554,15 +554,17 @@ def step_plan_info(device: "int | str | Any | None" = None) -> Any:
 #   step that happened (and a retry would update twice), for a memory optimisation the loop never asked for.
 #   step() called by hand still raises.
 # * No mark while the current stream captures a CUDA graph: a mark could install a plan mid-capture.
-# * Turning marks on begins the engines' memory-first warm-up at once (gpumem_torch_plan_warmup; engines made
-#   later begin it when made): the first automatic mark comes after the first step, whose peak the plan cannot
-#   lower (Note [A memory-first warm-up] in gpumem/allocator/plan.py).
+# * The engines' memory-first warm-up begins before the first step (gpumem_torch_plan_warmup; engines made later
+#   begin it when made), since the first automatic mark comes after it and the plan cannot lower its peak (Note
+#   [A memory-first warm-up] in gpumem/allocator/plan.py): when install() turns marks on, at the making of the
+#   first optimizer with parameters on a GPU (Optimizer.__init__ is wrapped until then), so a program that
+#   never trains (inference) never grows memory-first (live multistream inference, warm for its whole run when
+#   the warm-up began at install: +7.6 % and +23 % step time); when the program turns them on
+#   (configure(step_marks=...)), at once, as an optimizer may exist already.
 # * configure(step_marks=None) removes the hook (and, called before install, keeps install from turning marks
 #   on). A plan already installed stays until the plan layer's own bounds drop it.
 # * On by default (where PyTorch has the hook): a training loop meets the memory target with no setting
-#   (live GPT-2 and ResNet-50, reports/hil/); a program that never steps an optimizer pays the warm-up's first
-#   WARMUP_ALLOCS allocations grown memory-first, then its idle cache goes back and the engine grows as
-#   without marks.
+#   (live GPT-2, ResNet-50, ViT and UNet, reports/hil/default-marks-h200-2026-11-29.md).
 #: Fewest steps of another optimizer, with none of the marker's between, that hand a device's marks over.
 HANDOVER_MIN_STEPS = 16
 
@@ -588,6 +590,9 @@ class _AutoMarks:
     failed: str | None = None           # why a failed mark turned the hook off
     explicit: bool = False              # configure(step_marks=...) was called: GPUMEM_STEP_MARKS is not read
     scaler: "_ScalerPatch | None" = None  # GradScaler.step wrapped while marks are on
+    # Optimizer.__init__ wrapped while marks turned on at install wait for the first optimizer on a GPU to begin
+    # the warm-up (None once begun, or when it began at once)
+    made: "_OptimizerInitPatch | None" = None
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     # optimizer steps the hook saw in each thread (not guarded: each thread reads and writes its own)
     stepped: threading.local = dataclasses.field(default_factory=threading.local)
@@ -596,8 +601,10 @@ class _AutoMarks:
         """Optimizer steps the hook saw in the calling thread."""
         return getattr(self.stepped, "n", 0)
 
-    def turn(self, mode: str | None, register: Any) -> None:
-        """Turn marks to ``mode`` (checked); ``register`` is PyTorch's hook registrar when ``mode`` is on."""
+    def turn(self, mode: str | None, register: Any, warm_now: bool = True) -> None:
+        """Turn marks to ``mode`` (checked); ``register`` is PyTorch's hook registrar when ``mode`` is on.
+        Turned on, the engines' warm-up begins at once (``warm_now``, a program's ``configure``: an optimizer
+        may exist already), else when the first optimizer with parameters on a GPU is made (install)."""
         with self.lock:
             self.explicit = True
             if mode == self.mode and self.failed is None:
@@ -614,14 +621,37 @@ class _AutoMarks:
             self.mode, self.handle, self.devices, self.failed = mode, handle, {}, None
             if (mode is None) != (was is None):
                 # Note [A memory-first warm-up] in gpumem/allocator/plan.py: the first automatic mark comes after
-                # the first step, so the engines begin the warm-up now (and engines made from now on, at once)
-                _lib().gpumem_torch_plan_warmup(int(mode is not None))
+                # the first step, so the engines begin the warm-up before it (and engines made from then on, at
+                # once): now, or when the first optimizer on a GPU is made (Note [Automatic step marks])
+                if self.made is not None:
+                    self.made.remove()
+                    self.made = None
+                if mode is None or warm_now:
+                    _lib().gpumem_torch_plan_warmup(int(mode is not None))
+                else:
+                    self.made = _OptimizerInitPatch.install(self)
+                    if self.made is None:   # no Optimizer class to wrap: at once, as before
+                        _lib().gpumem_torch_plan_warmup(1)
             if mode is not None and self.scaler is None:
                 self.scaler = _ScalerPatch.install(self)
             elif mode is None and self.scaler is not None:
                 self.scaler.remove()
                 self.scaler = None
         log.info("gpumem.torch: automatic step marks %s", mode or "off")
+
+    def optimizer_made(self, optimizer: Any) -> None:
+        """An optimizer was made (:class:`_OptimizerInitPatch`): the first with parameters on a GPU begins the
+        warm-up."""
+        if not _optimizer_devices(optimizer):
+            return
+        with self.lock:
+            if self.made is None or self.mode is None:
+                return
+            self.made.remove()
+            self.made = None
+            _lib().gpumem_torch_plan_warmup(1)
+        log.info("gpumem.torch: %s (%#x) on a GPU: the memory-first warm-up begins", type(optimizer).__name__,
+                 id(optimizer))
 
     def marked_by_hand(self, index: int) -> None:
         with self.lock:
@@ -707,9 +737,13 @@ def _env_step_marks() -> str | None:
 
 @functools.cache
 def _step_marks_from_env(value: str) -> None:
-    """``GPUMEM_STEP_MARKS``, once per process, unless ``configure(step_marks=...)`` was called first."""
-    if not _auto_marks().explicit:
-        configure(step_marks=value)
+    """``GPUMEM_STEP_MARKS`` (or its default), once per process, unless ``configure(step_marks=...)`` was called
+    first; the warm-up waits for the first optimizer on a GPU (Note [Automatic step marks])."""
+    marks = _auto_marks()
+    if not marks.explicit:
+        _check_step_marks(value, STEP_MARKS_ENV)
+        _require_installed()
+        marks.turn(value, _optimizer_hook_registrar(), warm_now=False)
 
 
 def _optimizer_hook_registrar() -> Any:
@@ -745,6 +779,44 @@ def _grad_scaler_class() -> Any:
         if isinstance(cls, type) and callable(cls.__dict__.get("step")):
             return cls
     return None
+
+
+def _optimizer_base_class() -> Any:
+    """PyTorch's ``torch.optim.Optimizer`` (every optimizer's base class), or None."""
+    cls = getattr(getattr(sys.modules.get("torch"), "optim", None), "Optimizer", None)
+    return cls if isinstance(cls, type) and "__init__" in cls.__dict__ else None
+
+
+@dataclasses.dataclass
+class _OptimizerInitPatch:
+    """``Optimizer.__init__`` wrapped until the first optimizer on a GPU is made (Note [Automatic step marks])."""
+
+    cls: Any
+    original: Any
+    wrapper: Any
+
+    @classmethod
+    def install(cls, marks: _AutoMarks) -> "_OptimizerInitPatch | None":
+        opt_cls = _optimizer_base_class()
+        if opt_cls is None:
+            return None
+        original = opt_cls.__dict__["__init__"]
+
+        @functools.wraps(original)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            try:
+                marks.optimizer_made(self)
+            except Exception as exc:  # noqa: BLE001 - a memory optimisation must not fail the optimizer's making
+                log.warning("gpumem.torch: could not begin the memory-first warm-up for %s: %s", type(self).__name__, exc)
+
+        opt_cls.__init__ = __init__
+        return cls(opt_cls, original, __init__)
+
+    def remove(self) -> None:
+        """Put ``Optimizer.__init__`` back, unless something wrapped it after us."""
+        if self.cls.__dict__.get("__init__") is self.wrapper:
+            self.cls.__init__ = self.original
 
 
 @dataclasses.dataclass

@@ -957,8 +957,8 @@ def stop_trace() -> None:
     _lib().gpumem_torch_trace(0)
 
 
-#: The native trace buffer's words per event: kind (0 alloc, 1 free, 2 stream use, 3 stream wait), address (of a
-#: wait: the awaited stream), bytes, stream, ns.
+#: The native trace buffer's words per event: kind (0 alloc, 1 free, 2 stream use, 3 stream wait, 4 step-plan
+#: event), address (of a wait: the awaited stream), bytes (of a plan event: its PlanEventKind), stream, ns.
 _TRACE_WORDS = 5
 
 
@@ -966,26 +966,30 @@ def trace_from_words(words: Any, name: str = "gpumem.torch") -> Any:
     """A :class:`~gpumem.trace.Trace` from the native trace buffer's words (5 per event: kind, address,
     bytes, stream, nanoseconds since tracing began; kind 2 is a :func:`record_stream`, kept as a
     :class:`~gpumem.trace.StreamUse`, kind 3 a :func:`trace_wait_stream`, kept as a
-    :class:`~gpumem.trace.StreamWait`, the awaited stream in the address word). Frees and stream uses of
-    blocks allocated before tracing began are skipped (logged)."""
+    :class:`~gpumem.trace.StreamWait`, the awaited stream in the address word; kind 4 a step mark or a
+    warm-up begun or stopped, kept as a :class:`~gpumem.trace.PlanEvent`, its kind in the bytes word). Frees
+    and stream uses of blocks allocated before tracing began are skipped (logged)."""
     import numpy as np
 
-    from .errors import TraceFormatError
-    from .trace.builder import USE_CODE, WAIT_CODE, AddressReuseError, build_trace
+    from .errors import InvalidArgumentError, TraceFormatError
+    from .trace.builder import PLAN_CODE, USE_CODE, WAIT_CODE, AddressReuseError, build_trace
 
     arr = np.asarray(words, dtype=np.uint64)
     if arr.ndim != 1 or arr.size % _TRACE_WORDS:
         raise TraceFormatError(f"<{name}>", f"{arr.size} words is not a whole number of {_TRACE_WORDS}-word events")
     ev = arr.reshape(-1, _TRACE_WORDS)
-    if ev.size and int(ev[:, 0].max()) > WAIT_CODE:
+    if ev.size and int(ev[:, 0].max()) > PLAN_CODE:
         raise TraceFormatError(f"<{name}>", f"event kind {int(ev[:, 0].max())} is not 0 (alloc), 1 (free), "
-                                            f"{USE_CODE} (stream use) or {WAIT_CODE} (stream wait)")
+                                            f"{USE_CODE} (stream use), {WAIT_CODE} (stream wait) or {PLAN_CODE} "
+                                            "(step-plan event)")
     try:
         return build_trace(name, "recorded", ev[:, 0].astype(np.int8), ev[:, 1].astype(np.int64),
                            ev[:, 2].astype(np.int64), ev[:, 3].astype(np.int64), ev[:, 4].astype(np.float64) / 1e3,
-                           origin=f"<{name}>", use_code=USE_CODE, wait_code=WAIT_CODE)
+                           origin=f"<{name}>", use_code=USE_CODE, wait_code=WAIT_CODE, plan_code=PLAN_CODE)
     except AddressReuseError as e:
         raise TraceFormatError(f"<{name}>", str(e), entry=e.index) from None
+    except InvalidArgumentError as e:   # a plan event of an unknown kind
+        raise TraceFormatError(f"<{name}>", str(e)) from None
 
 
 def recorded_trace(device: "int | str | Any | None" = None, name: str | None = None) -> Any:

@@ -156,7 +156,9 @@ class StreamUsePlan:
     allocated where the live run held 0.56 %). So a replay makes them where the trace has them, under the
     policies gpumem.torch can run (``vmm`` AUTO: gpumem's own); the models of other allocators (``pytorch``,
     ``expandable``, ``cupy``, ``bestfit``: ``vmm`` NEVER or ALWAYS) have no step plans and replay the ops
-    alone, as their allocator would have served the program. An event after the last op is not made."""
+    alone, as their allocator would have served the program; so does a device without virtual memory management
+    (a plan's arena is an address range of its own), as gpumem.torch cannot run there. An event after the last
+    op is not made."""
 
     __slots__ = ("positions", "by_op", "record_stream", "plans_by_op", "plan_calls")
 
@@ -197,10 +199,10 @@ class StreamUsePlan:
 
 def plan_events_apply(allocator: Any) -> bool:
     """Whether a replay on ``allocator`` makes a trace's step-plan events (Note [Plan events in a replay]): a
-    caching allocator under a policy gpumem.torch can run."""
+    caching allocator under a policy gpumem.torch can run, on a device with virtual memory management."""
     policy = getattr(allocator, "policy", None)
     return (isinstance(allocator, CachingAllocator) and isinstance(policy, AllocatorPolicy)
-            and policy.vmm is VmmMode.AUTO)
+            and policy.vmm is VmmMode.AUTO and bool(getattr(allocator.device, "vmm_supported", False)))
 
 
 def stream_use_plan(trace: Trace, allocator: Any) -> StreamUsePlan | None:

@@ -160,3 +160,11 @@ def test_any_events_round_trip_through_a_gmt_file(tmp_path_factory, kinds, data)
     with gzip.open(path, "rt") as f:
         assert sum(1 for line in f if line.startswith("p ")) == len(kinds)
     assert load_trace(path) == t
+
+
+def test_a_device_without_virtual_memory_replays_the_ops_alone():
+    """A plan's arena needs VMM: mark_step() raises there, so a replay on such a device must not make the
+    events (gpumem.torch cannot run there either), rather than fail."""
+    a = replay_trace(loop_trace(), "sim:jetson-nano-2gb", "gpumem", progress=False)
+    b = replay_trace(loop_trace(events=False), "sim:jetson-nano-2gb", "gpumem", progress=False)
+    assert a.extra["n_plan_events"] == 0 and a.peak_reserved_bytes == b.peak_reserved_bytes

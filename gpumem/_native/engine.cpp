@@ -1711,8 +1711,15 @@ const Engine::IdleChunk* Engine::idle_at(IdleWalk& w, std::size_t i) {
             w.pos = idle_index_.erase(w.pos);   // descending: the next step goes below it
             continue;
         }
-        if (!w.descending) ++w.pos;
-        if (!(c.seg == w.seg && c.s <= w.last && c.s + c.n > w.first)) w.got.push_back(c);
+        if (!(c.seg == w.seg && c.s <= w.last && c.s + c.n > w.first)) {
+            if (!w.descending) ++w.pos;
+            w.got.push_back(c);
+        } else if (w.descending) {   // every chunk of this size that meets [first, last] is passed over
+            std::int64_t lo = std::max<std::int64_t>(0, w.first - c.n + 1);
+            w.pos = idle_index_.lower_bound({c.n, c.seg->base + static_cast<std::uint64_t>(lo) * g_});
+        } else {
+            w.pos = idle_index_.upper_bound({c.n, c.seg->base + static_cast<std::uint64_t>(w.last) * g_});
+        }
     }
     return i < w.got.size() ? &w.got[i] : nullptr;
 }

@@ -1271,6 +1271,7 @@ class VirtualBacking(Backing):
         The caller changes no page's emptiness while it walks."""
         self._idle_refresh()
         keys, known = self._idle_keys, self._idle_known
+        g = self.granularity
         if max_pages is not None:
             i = bisect.bisect_right(keys, (max_pages, math.inf))
             while i > 0:
@@ -1282,6 +1283,8 @@ class VirtualBacking(Backing):
                     known.discard(key)
                 elif not (c[3] is seg and c[2] <= last and c[2] + c[0] > first):
                     yield c
+                else:  # every chunk of this size that meets [first, last] is passed over: go below them
+                    i = bisect.bisect_left(keys, (c[0], seg.base + max(0, first - c[0] + 1) * g), 0, i)
             return
         i = 0
         while i < len(keys):
@@ -1294,6 +1297,8 @@ class VirtualBacking(Backing):
             i += 1
             if not (c[3] is seg and c[2] <= last and c[2] + c[0] > first):
                 yield c
+            else:  # ... go above them
+                i = bisect.bisect_right(keys, (c[0], seg.base + last * g), i)
 
     def _idle_index_problems(self) -> list[str]:
         """Idle chunks the index would miss: neither indexed nor with a page put in ``empty`` since it was

@@ -5,18 +5,20 @@ While a step plan's warm-up is on (Note [A memory-first warm-up] in ``gpumem/all
 engine grows in small chunks (one page up to 8 GiB held, 1/4096 of what is held past it) and, past the
 peak touched, steals idle chunks stream-ordered. Each steal used to list every idle chunk (a scan of every
 empty page) and sort them: with thousands of small chunks, large operations got slow (attacker 14, F1:
-200 multi-GB operations at ~35 GB held, 12.0 s warm against 0.39 s not warm). The program here is that
-kind: on a simulated H200, allocations of 0.5, 1, 2 or 4 GiB (plus one under 1 MiB in four) on streams
-0/7/9, a random live one freed when the live bytes would pass the target held, or with probability 1/2
-once half of it is live; after
-each allocation optionally a kernel of ``--lag-ms`` on its stream (the GPU behind, so fences are pending).
-The warm-up begins with ``start_plan_warmup()`` before the first allocation and, with no mark, stays on
-for the run (fewer than ``WARMUP_ALLOCS`` allocations).
+200 multi-GB operations at ~35 GB held, 12.0 s warm against 0.39 s not warm; Note [An index of idle
+chunks] in ``gpumem/allocator/backing.py``). The program here is that kind: on a simulated H200,
+allocations of 0.5, 1, 2 or 4 GiB (plus one under 1 MiB in four) on streams 0/7/9, a random live one
+freed when the live bytes would pass the target held, or with probability 1/2 once half of it is live;
+after each allocation optionally a kernel of ``--lag-ms`` on its stream (the GPU behind, so fences are
+pending). The warm-up begins with ``start_plan_warmup()`` before the first allocation and, with no mark,
+stays on for the run (fewer than ``WARMUP_ALLOCS`` allocations).
 
-Columns: the engine's CPU seconds over the op loop (``time.process_time``: other jobs on a shared machine
-disturb it less than wall time), its device calls and event calls (the stats), peak reserved, and the
-ratio warm / not warm of the time. Both warm and not warm rows of one engine run the same operations; the
-Python and native engines must decide the same (the ``same`` column compares pointers and stats).
+Columns: the CPU seconds of the op loop (``time.process_time``: other jobs on a shared machine disturb it
+less than wall time; it includes the simulated device, which runs in Python), the ratio warm / not warm
+(``cold``), the device calls and event calls (the stats), peak reserved, and the CPU µs per call: the
+warm-up makes several times the calls (its one-page chunks), which its time cannot go below. Warm and
+not warm rows run the same operations; the Python and native engines must decide the same (the ``same``
+column compares pointers and stats with the first engine's).
 
 Usage::
 
@@ -116,6 +118,12 @@ def run(ops: list[Op], engine: str, warm: bool, lag_s: float) -> Result:
     return result
 
 
+def per_call_us(result: Result) -> float:
+    """CPU µs of the run per device and event call: what is left once the calls themselves (the simulated
+    device runs in Python) are what the time is spent on."""
+    return result.cpu_s * 1e6 / max(1, result.device_calls + result.event_calls)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.warmup_steal_bench",
                                  description=" ".join(__doc__.split("\n\n")[0].split()) + ".")
@@ -133,7 +141,7 @@ def main() -> None:
           f"load average at start {os.getloadavg()[0]:.1f}; CPU s of the op loop")
     print(f"{'engine':<7} {'held GiB':>8} {'lag ms':>6} {'warm s':>8} {'cold s':>8} {'ratio':>6} "
           f"{'warm calls':>10} {'cold calls':>10} {'warm events':>11} {'cold events':>11} "
-          f"{'warm peak MiB':>13} {'cold peak MiB':>13}  same")
+          f"{'warm peak MiB':>13} {'cold peak MiB':>13} {'µs/call warm':>12} {'cold':>5}  same")
     for held in helds:
         ops = program(int(held * GIB), args.ops, args.seed)
         for lag_ms in lags:
@@ -149,7 +157,8 @@ def main() -> None:
                 print(f"{engine:<7} {held:>8g} {lag_ms:>6g} {warm.cpu_s:>8.3f} {cold.cpu_s:>8.3f} "
                       f"{warm.cpu_s / max(cold.cpu_s, 1e-9):>6.1f} {warm.device_calls:>10,} {cold.device_calls:>10,} "
                       f"{warm.event_calls:>11,} {cold.event_calls:>11,} {warm.peak_reserved_nbytes >> 20:>13,} "
-                      f"{cold.peak_reserved_nbytes >> 20:>13,}  {same}", flush=True)
+                      f"{cold.peak_reserved_nbytes >> 20:>13,} {per_call_us(warm):>12.1f} {per_call_us(cold):>5.1f}  {same}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ struct VSeg {
     VSeg(std::uint64_t b, std::uint64_t n, bool s, std::uint64_t g)
         : base(b), nbytes(n), small(s), n_pages(static_cast<std::int64_t>(n / g)), refs(n / g, 0),
           chunks(n / g, 0), eprev(n / g, -1), enext(n / g, -1), in_empty(n / g, 0), dirty(n / g),
-          users(n / g), noaccess(n / g, 0), deferred(n / g, 0), seen(n / g, 0) { set_page(g); }
+          users(n / g), noaccess(n / g, 0), deferred(n / g, 0), seen(n / g, 0), in_fresh(n / g, 0) { set_page(g); }
     // A malloc'd segment (segment mode: backing.py's Segment): no pages, the fields at the end.
     struct Malloced {};
     VSeg(std::uint64_t b, std::uint64_t n, bool s, std::uint64_t stream, Malloced)
@@ -143,11 +143,10 @@ struct VSeg {
     }
     std::uint64_t top_max = 0;   // the highest top the range had (Note [The small pool's state as bytes])
     // seg.fresh: pages put in `empty` since the engine last looked for idle chunks (Note [An index of idle
-    // chunks] in backing.py), each once (in_fresh sized on first use)
+    // chunks] in backing.py), each once
     std::vector<std::int64_t> fresh;
     std::vector<std::uint8_t> in_fresh;
     void add_fresh(std::int64_t p) {
-        if (static_cast<std::size_t>(p) >= in_fresh.size()) in_fresh.resize(static_cast<std::size_t>(n_pages), 0);
         if (!in_fresh[p]) {
             in_fresh[p] = 1;
             fresh.push_back(p);
@@ -1658,7 +1657,7 @@ void Engine::idle_refresh() {
             other->in_fresh[p] = 0;
             if (!other->is_empty(p) || !other->chunks[p]) continue;   // taken again (or unmapped) since
             std::int64_t s = chunk_start(other, p);
-            idle_index_.emplace(chunk_pages(other->chunks[s]), other->base + static_cast<std::uint64_t>(s) * g_);
+            idle_index_.insert({chunk_pages(other->chunks[s]), other->base + static_cast<std::uint64_t>(s) * g_});
         }
         other->fresh.clear();
     }
@@ -1732,7 +1731,7 @@ void Engine::idle_index_problems(std::vector<std::string>& problems) {
         if (idle_index_.count({c.n, c.addr})) continue;
         bool fresh = false;
         for (std::int64_t q = c.s; q < c.s + c.n && !fresh; ++q)
-            fresh = static_cast<std::size_t>(q) < c.seg->in_fresh.size() && c.seg->in_fresh[q];
+            fresh = c.seg->in_fresh[q] != 0;
         if (!fresh)
             problems.push_back("the idle chunk at page " + std::to_string(c.s) + " of " + hex(c.seg->base) + " (" +
                                std::to_string(static_cast<std::uint64_t>(c.n) * g_) + " B) is not indexed");

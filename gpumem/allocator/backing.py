@@ -191,9 +191,11 @@ empty. Memory-first growth (the warm-up: one-page chunks up to 8 GiB held) makes
 and steals one page at a time, so a multi-GB allocation past the peak made thousands of such walks: 200 ops
 of 0.5-4 GiB at ~35 GiB held took 12.0 s warm against 0.39 s not (attacker 14, F1). Now the backing keeps the
 chunks that were idle, as ``(pages, address)``, in a sorted index; a steal walks it from its largest fitting
-entry down (or from the smallest up) and stops where the walk before stopped, so it looks at exactly the
+entry down (or from the smallest up) as far as the loop over the sorted list went, so it looks at exactly the
 chunks, in exactly the order, that the sorted list gave: the same fences recorded and queried, the same chunk
-chosen, the same calls. Kept up to date lazily, with no work where chunks go busy: every page put in
+chosen, the same calls. The chunks that meet the block being committed are passed over, one bisection per size
+(its own new chunks are idle until it takes its pages: a walk met them all, on every steal of a multi-GB
+block). Kept up to date lazily, with no work where chunks go busy: every page put in
 ``empty`` is also put in ``fresh`` (``decommit``, a chunk mapped, the undo paths), and a walk first indexes
 the chunks of the fresh pages, then drops on its way every entry that is no longer an idle chunk of that size
 there (taken, unmapped, a different chunk). A chunk becomes idle only when a page of it goes into ``empty``,
@@ -1252,13 +1254,14 @@ class VirtualBacking(Backing):
         n, addr = key
         g = self.granularity
         for other in self.vsegments.values():
-            if other.base <= addr < other.base + other.nbytes:
-                s = (addr - other.base) // g
+            offset = addr - other.base
+            if 0 <= offset < other.nbytes:
+                s = offset // g
                 chunks, empty = other.chunks, other.empty
                 handle = chunks[s]
                 if handle is None or (s and chunks[s - 1] is handle) or handle.nbytes // g != n:
                     return None
-                if all(q in empty for q in range(s, s + n)):
+                if s in empty if n == 1 else all(q in empty for q in range(s, s + n)):
                     return (n, addr, s, other)
                 return None
         return None

@@ -345,6 +345,32 @@ def _layout(allocator: CachingAllocator) -> list[SegmentLayout]:
             extent = seg.nbytes
             mapped = [(0, seg.nbytes)]
         out.append(SegmentLayout(seg.base, extent, bool(seg.small), virtual, _merge(live), mapped))
+    out += _arena_layouts(allocator)
+    return out
+
+
+def _arena_layouts(allocator: CachingAllocator) -> list[SegmentLayout]:
+    """The step plan's arenas (Note [Step plans] in :mod:`gpumem.allocator.plan`) as virtual ranges: a replay
+    that makes a trace's plan events (Note [Plan events in a replay] in :mod:`gpumem.replay`) serves a planned
+    step's allocations there, outside the backing's segments, so a layout without them showed the peak of a
+    planned run as empty memory (its reserved bytes all in the arena)."""
+    plan = getattr(allocator._engine, "_plan", None)
+    out: list[SegmentLayout] = []
+    for arena in sorted(plan.arenas if plan is not None else (), key=lambda a: a.base):
+        g = arena.g
+        mapped: list[tuple[int, int]] = []
+        last_page = -1
+        for p, handle in enumerate(arena.pages):
+            if handle is None:
+                continue
+            last_page = p
+            if mapped and mapped[-1][1] == p * g:
+                mapped[-1] = (mapped[-1][0], (p + 1) * g)
+            else:
+                mapped.append((p * g, (p + 1) * g))
+        live = sorted((ptr - arena.base, ptr - arena.base + size) for ptr, (_, size, _) in arena.live.items())
+        extent = max((last_page + 1) * g, arena.extent_nbytes)
+        out.append(SegmentLayout(arena.base, extent, False, True, _merge(live), mapped))
     return out
 
 

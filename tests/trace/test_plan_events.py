@@ -168,3 +168,18 @@ def test_a_device_without_virtual_memory_replays_the_ops_alone():
     a = replay_trace(loop_trace(), "sim:jetson-nano-2gb", "gpumem", progress=False)
     b = replay_trace(loop_trace(events=False), "sim:jetson-nano-2gb", "gpumem", progress=False)
     assert a.extra["n_plan_events"] == 0 and a.peak_reserved_bytes == b.peak_reserved_bytes
+
+
+def test_the_layout_at_an_op_of_a_planned_run_shows_the_plan_arena():
+    """occupancy_at (the report's layout at the peak) showed a planned step's memory nowhere: its allocations
+    are in the step plan's arena, outside the backing's segments, so the layout of gpumem on a trace with plan
+    events held 0 bytes live while the run reserved 224 MiB. The arena is a virtual range of the layout now."""
+    from gpumem.report.runs import occupancy_at
+
+    t = loop_trace()
+    live = t.live_nbytes()
+    for stop in (5, t.n_ops // 2 + 3, t.n_ops - 3):
+        o = occupancy_at(t, "sim:h200-141gb", "gpumem", stop, gpu_timing="idle")
+        assert sum(s.mapped_nbytes for s in o.segments) == o.reserved_nbytes
+        shown = sum(s.live_nbytes for s in o.segments)
+        assert live[stop - 1] <= shown < live[stop - 1] + 4096   # rounded up to 512-byte blocks

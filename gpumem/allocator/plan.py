@@ -705,7 +705,10 @@ class StepPlan:
 
     def stop_warmup(self) -> bool:
         """Stop the warm-up as if it had not begun (automatic marks turned off): the idle cache goes back, and a
-        later mark or ``start_plan_warmup()`` may begin it again. Whether it was on."""
+        later mark or ``start_plan_warmup()`` may begin it again. Whether it was on. A warm-up already past
+        :data:`WARMUP_ALLOCS` allocations with no mark has ended (:meth:`check_warmup`, which only the slow path
+        ran): it is ended here, not stopped, so that none begins again (as ``PlanInfo.warmup`` already said)."""
+        self.check_warmup()
         if not self.e.backing.warmup:
             return False
         self.e.backing.warmup = False

@@ -183,3 +183,13 @@ def test_the_layout_at_an_op_of_a_planned_run_shows_the_plan_arena():
         assert sum(s.mapped_nbytes for s in o.segments) == o.reserved_nbytes
         shown = sum(s.live_nbytes for s in o.segments)
         assert live[stop - 1] <= shown < live[stop - 1] + 4096   # rounded up to 512-byte blocks
+
+
+def test_merging_a_record_stream_log_keeps_the_plan_events():
+    """merge_stream_uses (``gpumem replay --stream-uses LOG``) made its trace without the plan events: a trace
+    of gpumem.torch with no stream use of its own, merged with a log, replayed as an unplanned run."""
+    from gpumem.trace.stream_log import RecordStreamLog, merge_stream_uses
+
+    t = loop_trace()
+    merged, _ = merge_stream_uses(t, RecordStreamLog())
+    assert merged.plan_events == t.plan_events and merged.ops_equal(t)

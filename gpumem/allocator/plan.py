@@ -631,6 +631,8 @@ class StepPlan:
         """The engine's ``num_allocs`` when the warm-up began or last saw a mark."""
         self.warmup_done = False
         """A warm-up ran and ended: none begins again."""
+        self.history_streams: dict[int, int] = {}
+        """With the engine's history recorded (``record_history``): the stream of each live arena pointer, for its free."""
 
     def _reset_recording(self) -> None:
         self.cur: list[list[int]] = []     # [nbytes, stream, free_own, free_next]
@@ -1016,6 +1018,9 @@ class StepPlan:
         e = self.e
         e._stats.count_allocation(size, nbytes, e.backing.reserved_nbytes + self.mapped_nbytes)
         self.counts["served"] += 1
+        if e._recorder is not None:   # the history holds the plan's allocations too (record_history)
+            e._recorder.record_alloc(ptr, nbytes, stream)
+            self.history_streams[ptr] = stream
         return ptr
 
     def _restarts(self, nbytes: int, stream: int) -> bool:
@@ -1114,6 +1119,8 @@ class StepPlan:
                 if entry is None:
                     raise InvalidPointerError(f"free of {ptr:#x}: no live allocation starts there in the step plan's arena")
                 k, size, nbytes = entry
+                if self.e._recorder is not None:   # the history holds the plan's frees too (record_history)
+                    self.e._recorder.record_free(ptr, self.history_streams.pop(ptr, 0))
                 if not arena.dropped and k >= 0 and not self.poisoned[k]:   # a slot used on another stream stays taken
                     self.occupied.remove(self.off[k])
                 st = self.e._stats

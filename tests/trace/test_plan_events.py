@@ -193,3 +193,19 @@ def test_merging_a_record_stream_log_keeps_the_plan_events():
     t = loop_trace()
     merged, _ = merge_stream_uses(t, RecordStreamLog())
     assert merged.plan_events == t.plan_events and merged.ops_equal(t)
+
+
+def test_the_history_of_a_planned_replay_holds_the_plan_allocations():
+    """record_history (``gpumem replay --export-snapshot``) left out every allocation the step plan's arena
+    served: the history of the loop held 14 of its 56 allocations, and so did the exported snapshot."""
+    from gpumem import sim
+    from gpumem.allocator import make_allocator
+    from gpumem.replay import replay
+
+    t = loop_trace()
+    alloc = make_allocator(sim.SimDevice(sim.get_profile("h200-141gb")), "gpumem", record_history=True)
+    replay(t, alloc, progress=False, gpu_timing="idle")
+    assert alloc.step_plan_info().served > 0
+    h = alloc.history()
+    alloc.close()
+    assert h.ops_equal(t, times=False, addrs=False)

@@ -24,7 +24,7 @@ from ..allocator.backing import VirtualBacking
 from ..device import Device
 from ..errors import GpumemError, OutOfMemoryError, UnsupportedOperationError
 from ..events import MemoryEventKind
-from ..replay import ReplayResult, program_gpu, run_ops, stream_use_plan
+from ..replay import ReplayResult, plan_events_apply, program_gpu, run_ops, stream_use_plan
 from ..sim.gpu_work import GpuTiming, ProgramGpu
 from ..specs import open_device
 from ..trace import Trace
@@ -212,7 +212,11 @@ def _replay_sampled(trace: Trace, allocator: CachingAllocator, dev: Device, kind
         sampler.sample(done)
         if on_progress is not None:
             on_progress(done - start)
-    extra: dict[str, Any] = {"engine": getattr(allocator, "engine", "python")}
+    # the calls the replay made, as gpumem.replay.replay counts them (none after the last op)
+    extra: dict[str, Any] = {"engine": getattr(allocator, "engine", "python"),
+                             "n_stream_uses": sum(1 for u in trace.stream_uses if u.at_op <= done and u.at_op < n),
+                             "n_plan_events": (sum(1 for e in trace.plan_events if e.at_op <= done and e.at_op < n)
+                                               if plan_events_apply(allocator) else 0)}
     extra.update(gpu.finish() if gpu is not None else {"gpu_timing": GpuTiming.IDLE.value})
     stats = allocator.snapshot_stats()
     sim_end = getattr(dev, "now_s", None)

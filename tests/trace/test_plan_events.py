@@ -209,3 +209,14 @@ def test_the_history_of_a_planned_replay_holds_the_plan_allocations():
     h = alloc.history()
     alloc.close()
     assert h.ops_equal(t, times=False, addrs=False)
+
+
+def test_the_report_run_counts_the_calls_as_a_replay_does():
+    """run_policy's result lacked the replay's n_plan_events and n_stream_uses."""
+    from gpumem.report.runs import run_policy
+
+    t = loop_trace()
+    for policy in ("gpumem", "pytorch"):
+        run = run_policy(t, "sim:h200-141gb", policy, samples=7, gpu_timing="idle")
+        plain = replay_trace(t, "sim:h200-141gb", policy, gpu_timing="idle", progress=False)
+        assert run.result.extra == plain.extra

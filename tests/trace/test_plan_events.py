@@ -17,7 +17,7 @@ from gpumem.errors import InvalidArgumentError, TraceFormatError
 from gpumem.native import load_engine
 from gpumem.replay import replay_trace
 from gpumem.torch import trace_from_words
-from gpumem.trace import OpKind, PlanEvent, PlanEventKind, Trace, load_trace, save_trace
+from gpumem.trace import OpKind, PlanEvent, PlanEventKind, StreamUse, Trace, load_trace, save_trace
 from gpumem.trace.builder import PLAN_CODE, build_trace
 from gpumem.units import MiB
 
@@ -220,3 +220,64 @@ def test_the_report_run_counts_the_calls_as_a_replay_does():
         run = run_policy(t, "sim:h200-141gb", policy, samples=7, gpu_timing="idle")
         plain = replay_trace(t, "sim:h200-141gb", policy, gpu_timing="idle", progress=False)
         assert run.result.extra == plain.extra
+
+
+def _step_trace(use_time_us: float, mark_time_us: float) -> Trace:
+    """Six steps of (8 MiB, 3 MiB, 1 MiB), the first two freed in the step and the last after its mark; at the end
+    of step 1 a record_stream of the 1 MiB block on stream 7 and the mark, at one place (no op between)."""
+    ops, uses, plans, aid = [], [], [PlanEvent(0, MARK)], 0
+    for step in range(6):
+        first = aid
+        for size in (8 * MiB, 3 * MiB, 1 * MiB):
+            ops.append((OpKind.ALLOC, aid, size))
+            aid += 1
+        ops += [(OpKind.FREE, first, 8 * MiB), (OpKind.FREE, first + 1, 3 * MiB)]
+        if step == 1:
+            uses.append(StreamUse(len(ops), first + 2, 7, use_time_us))
+        plans.append(PlanEvent(len(ops), MARK, mark_time_us if step == 1 else 0.0))
+        ops.append((OpKind.FREE, first + 2, 1 * MiB))
+    kinds = np.array([k for k, _, _ in ops], np.int8)
+    ids = np.array([a for _, a, _ in ops], np.int64)
+    sizes = np.array([n for _, _, n in ops], np.int64)
+    z = np.zeros(len(ops), np.int64)
+    return Trace("uses", "recorded", kinds, ids, sizes, z, z.astype(np.float64), (ids + 1) * 2**32,
+                 stream_uses=tuple(uses), plan_events=tuple(plans))
+
+
+@pytest.mark.parametrize("engine", ["python"] + (["native"] if load_engine() is not None else []))
+def test_a_use_and_a_mark_at_one_place_replay_in_the_order_of_their_times(engine):
+    """The replay made plan events before stream uses at one place whatever the program did: a use then a mark
+    (the step used another stream: not planned at that mark) replayed as a mark then a use (planned a step early:
+    12 allocations served from the arena where the program's order gives 6)."""
+    from gpumem import sim
+    from gpumem.allocator import CachingAllocator
+
+    def by_hand(use_first: bool) -> int:
+        alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), "gpumem", engine=engine)
+        alloc.mark_step()
+        for step in range(6):
+            ptrs = [alloc.allocate(n) for n in (8 * MiB, 3 * MiB, 1 * MiB)]
+            alloc.free(ptrs[0])
+            alloc.free(ptrs[1])
+            if step == 1 and use_first:
+                alloc.record_stream(ptrs[2], 7)
+            alloc.mark_step()
+            if step == 1 and not use_first:
+                alloc.record_stream(ptrs[2], 7)
+            alloc.free(ptrs[2])
+        served = alloc.step_plan_info().served
+        alloc.close()
+        return served
+
+    def replayed(t: Trace) -> int:
+        alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), "gpumem", engine=engine)
+        from gpumem.replay import replay
+        replay(t, alloc, progress=False, gpu_timing="idle")
+        served = alloc.step_plan_info().served
+        alloc.close()
+        return served
+
+    assert by_hand(True) != by_hand(False)
+    assert replayed(_step_trace(use_time_us=10.0, mark_time_us=20.0)) == by_hand(True)
+    assert replayed(_step_trace(use_time_us=20.0, mark_time_us=10.0)) == by_hand(False)
+    assert replayed(_step_trace(use_time_us=0.0, mark_time_us=0.0)) == by_hand(False)   # unknown: as before

@@ -281,3 +281,13 @@ def test_a_use_and_a_mark_at_one_place_replay_in_the_order_of_their_times(engine
     assert replayed(_step_trace(use_time_us=10.0, mark_time_us=20.0)) == by_hand(True)
     assert replayed(_step_trace(use_time_us=20.0, mark_time_us=10.0)) == by_hand(False)
     assert replayed(_step_trace(use_time_us=0.0, mark_time_us=0.0)) == by_hand(False)   # unknown: as before
+
+
+def test_gpumem_replay_says_how_many_plan_events_it_made(tmp_path, capsys):
+    from gpumem.cli import main
+
+    path = save_trace(loop_trace(), tmp_path / "loop.gmt")
+    assert main(["replay", str(path), "--gpu-timing", "idle"]) == 0
+    assert "plan events    9 step marks and warm-up switches made" in capsys.readouterr().out
+    assert main(["replay", str(path), "--policy", "pytorch", "--gpu-timing", "idle"]) == 0
+    assert "plan events" not in capsys.readouterr().out   # PyTorch's allocator has no step plans

@@ -203,12 +203,16 @@ def test_the_history_of_a_planned_replay_holds_the_plan_allocations():
     from gpumem.replay import replay
 
     t = loop_trace()
+    step_ops = 2 * len(PATTERN)
+    # and a record_stream of a planned allocation (step 6's first, live until the step's end)
+    t = dataclasses.replace(t, stream_uses=(StreamUse(6 * step_ops + 1, 6 * len(PATTERN), 9),))
     alloc = make_allocator(sim.SimDevice(sim.get_profile("h200-141gb")), "gpumem", record_history=True)
     replay(t, alloc, progress=False, gpu_timing="idle")
     assert alloc.step_plan_info().served > 0
     h = alloc.history()
     alloc.close()
     assert h.ops_equal(t, times=False, addrs=False)
+    assert [(u.at_op, u.alloc_id, u.stream) for u in h.stream_uses] == [(6 * step_ops + 1, 6 * len(PATTERN), 9)]
 
 
 def test_the_report_run_counts_the_calls_as_a_replay_does():

@@ -632,7 +632,7 @@ class StepPlan:
         self.warmup_done = False
         """A warm-up ran and ended: none begins again."""
         self.history_streams: dict[int, int] = {}
-        """With the engine's history recorded (``record_history``): the stream of each live arena pointer, for its free."""
+        """With the engine's history recorded (``record_history``): each live arena pointer's stream, for its free."""
 
     def _reset_recording(self) -> None:
         self.cur: list[list[int]] = []     # [nbytes, stream, free_own, free_next]

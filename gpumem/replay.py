@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -160,7 +161,7 @@ class StreamUsePlan:
     (a plan's arena is an address range of its own), as gpumem.torch cannot run there. An event after the last
     op is not made."""
 
-    __slots__ = ("positions", "by_op", "record_stream", "plans_by_op", "plan_calls")
+    __slots__ = ("positions", "by_op", "record_stream", "plans_by_op", "plan_calls", "uses_first")
 
     def __init__(self, trace: Trace, record_stream: Any, allocator: Any = None) -> None:
         by_op: dict[int, list[tuple[int, int]]] = {}
@@ -180,16 +181,36 @@ class StreamUsePlan:
         self.plans_by_op = plans_by_op
         self.positions = sorted(set(by_op) | set(plans_by_op))
         self.record_stream = record_stream
+        # Note [Plan events and stream uses at one place]: a trace keeps its uses and its plan events apart, each
+        # at an op; where both lie before one op their order is lost, and it decides (a mark after a use sees
+        # the step used on another stream and does not plan it; one before it may). Their times keep it (one
+        # clock, gpumem.torch's recorder): where every use there came before every plan event, the uses are
+        # made first; else (times unknown or equal, or interleaved) the plan events, as before.
+        self.uses_first: set[int] = set()
+        if plans_by_op and by_op:
+            use_last: dict[int, float] = {}
+            for u in trace.stream_uses:
+                if u.at_op in plans_by_op and u.at_op < trace.n_ops:
+                    use_last[u.at_op] = max(use_last.get(u.at_op, -math.inf), u.time_us)
+            plan_first: dict[int, float] = {}
+            for e in trace.plan_events:
+                if e.at_op in use_last:
+                    plan_first[e.at_op] = min(plan_first.get(e.at_op, math.inf), e.time_us)
+            self.uses_first = {i for i, t in use_last.items() if t < plan_first[i]}
 
     def apply(self, i: int, ptrs: list[int]) -> None:
         """Make the calls recorded before op ``i``."""
-        for kind in self.plans_by_op.get(i, ()):
-            self.plan_calls[kind]()
+        if i not in self.uses_first:
+            for kind in self.plans_by_op.get(i, ()):
+                self.plan_calls[kind]()
         record = self.record_stream
         for aid, stream in self.by_op.get(i, ()):
             p = ptrs[aid]
             if p:
                 record(p, stream)
+        if i in self.uses_first:
+            for kind in self.plans_by_op[i]:
+                self.plan_calls[kind]()
 
     def segments(self, start: int, stop: int) -> list[int]:
         """The positions in ``[start, stop)`` where calls are made."""

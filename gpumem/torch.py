@@ -669,6 +669,15 @@ class _AutoMarks:
             if self.failed is not None:
                 return
             self.failed = str(exc)
+            # marks off, as configure(step_marks=None) turns them: no mark will end a warm-up under way, which
+            # grew memory-first for WARMUP_ALLOCS more allocations (review attacker 15)
+            if self.made is not None:
+                self.made.remove()
+                self.made = None
+            try:
+                _lib().gpumem_torch_plan_warmup(0)
+            except Exception as stop_exc:  # noqa: BLE001 - the warning below is what the program learns
+                log.debug("gpumem.torch: could not stop the warm-up: %s", stop_exc)
         log.warning("gpumem.torch: an automatic step mark failed (%s); automatic step marks are off for this process "
                     "(configure(step_marks=None), then 'optimizer', turns them on again)", exc)
 

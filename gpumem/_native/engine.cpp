@@ -3300,6 +3300,7 @@ bool Engine::stop_plan_warmup() {   // StepPlan.stop_warmup
     Guard guard(*this);
     check_usable_op();
     if (closed_) throw EngineError(EngineErrorKind::kInvalidArgument, "stop_plan_warmup: the allocator is closed");
+    plan_check_warmup();   // one past kWarmupAllocs has ended: none begins again (StepPlan.stop_warmup)
     if (!warmup_) return false;
     warmup_ = false;
     empty_cache_locked();

@@ -632,6 +632,8 @@ class StepPlan:
         """The engine's ``num_allocs`` when the warm-up began or last saw a mark."""
         self.warmup_done = False
         """A warm-up ran and ended: none begins again."""
+        self.history_streams: dict[int, int] = {}
+        """With the engine's history recorded (``record_history``): each live arena pointer's stream, for its free."""
 
     def _reset_recording(self) -> None:
         self.cur: list[list[int]] = []     # [nbytes, stream, free_own, free_next]
@@ -706,7 +708,10 @@ class StepPlan:
 
     def stop_warmup(self) -> bool:
         """Stop the warm-up as if it had not begun (automatic marks turned off): the idle cache goes back, and a
-        later mark or ``start_plan_warmup()`` may begin it again. Whether it was on."""
+        later mark or ``start_plan_warmup()`` may begin it again. Whether it was on. A warm-up already past
+        :data:`WARMUP_ALLOCS` allocations with no mark has ended (:meth:`check_warmup`, which only the slow path
+        ran): it is ended here, not stopped, so that none begins again (as ``PlanInfo.warmup`` already said)."""
+        self.check_warmup()
         if not self.e.backing.warmup:
             return False
         self.e.backing.warmup = False
@@ -1014,6 +1019,9 @@ class StepPlan:
         e = self.e
         e._stats.count_allocation(size, nbytes, e.backing.reserved_nbytes + self.mapped_nbytes)
         self.counts["served"] += 1
+        if e._recorder is not None:   # the history holds the plan's allocations too (record_history)
+            e._recorder.record_alloc(ptr, nbytes, stream)
+            self.history_streams[ptr] = stream
         return ptr
 
     def _restarts(self, nbytes: int, stream: int) -> bool:
@@ -1112,6 +1120,8 @@ class StepPlan:
                 if entry is None:
                     raise InvalidPointerError(f"free of {ptr:#x}: no live allocation starts there in the step plan's arena")
                 k, size, nbytes = entry
+                if self.e._recorder is not None:   # the history holds the plan's frees too (record_history)
+                    self.e._recorder.record_free(ptr, self.history_streams.pop(ptr, 0))
                 if not arena.dropped and k >= 0 and not self.poisoned[k]:   # a slot used on another stream stays taken
                     self.occupied.remove(self.off[k])
                 st = self.e._stats

@@ -525,6 +525,8 @@ class PythonEngine:
             if self._closed:
                 raise InvalidArgumentError(f"record_stream of {ptr:#x}: the allocator is closed")
             if self._plan.arenas and self._plan.record_stream(ptr, stream):
+                if self._recorder is not None:   # a use of the plan's allocation is in the history too
+                    self._recorder.record_stream_use(ptr, stream)
                 return
             block = self._live.get(ptr)
             if block is None:

@@ -111,6 +111,9 @@ def _print_result(result: Any, summary: str | None) -> None:
     if result.extra.get("gpu_stream_waits"):
         _row("stream waits", f"{result.extra['gpu_stream_waits']:,} cross-stream waits made (work queued after a "
                              "wait starts once the awaited stream's work before it is done)")
+    if result.extra.get("n_plan_events"):
+        _row("plan events", f"{result.extra['n_plan_events']:,} step marks and warm-up switches made, as "
+                            "gpumem.torch made them (Note [Plan events in a replay])")
     _row("time", f"{result.wall_s:.2f} s wall, {result.ns_per_op:,.0f} ns per op")
     if summary is not None:
         print(summary)

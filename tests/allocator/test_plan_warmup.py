@@ -221,3 +221,18 @@ def test_a_closed_allocator_refuses_to_stop_it(engine):
     alloc.close()
     with pytest.raises(InvalidArgumentError, match="stop_plan_warmup: the allocator is closed"):
         alloc.stop_plan_warmup()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_stopping_a_warm_up_that_ran_out_of_allocations_ends_it_and_none_begins_again(engine):
+    """Past WARMUP_ALLOCS allocations with no mark the warm-up has ended (PlanInfo.warmup says 0), but only the
+    slow path ended it: served from the cache, stop_plan_warmup() said it had stopped one under way and a later
+    start_plan_warmup() (automatic marks turned off and on again) began a second warm-up."""
+    alloc = make(engine)
+    assert alloc.start_plan_warmup()
+    for _ in range(WARMUP_ALLOCS + 5):
+        alloc.free(alloc.allocate(4096))   # cache hits after the first: no slow path
+    assert not warmup(alloc)
+    assert alloc.stop_plan_warmup() is False
+    assert alloc.start_plan_warmup() is False and not warmup(alloc)
+    alloc.close()

@@ -293,6 +293,25 @@ def test_a_failing_mark_is_logged_and_turns_marks_off_without_failing_the_step(f
     assert marked == [0]
 
 
+def test_a_failing_mark_stops_the_warm_up_as_turning_marks_off_does(fake_torch, glued):
+    """Review attacker 15: after a failed automatic mark the marks were off but the engine's warm-up went on,
+    growing memory-first with no mark to end it (as configure(step_marks=None) did before it stopped it)."""
+    alloc, _ = glued
+    gt.configure(step_marks="optimizer")
+    assert gt.step_plan_info(0).warmup == 1
+    stand_in = gt._lib()   # noqa: SLF001
+    working = stand_in.gpumem_torch_step_mark
+    stand_in.gpumem_torch_step_mark = lambda index: -1
+    TrainLoop(alloc).train_step(FakeOptimizer(fake_torch))
+    assert gt.automatic_step_marks() is None and gt.step_plan_info(0).warmup == 0
+    assert stand_in.warmup_calls == [1, 0]
+    stand_in.gpumem_torch_step_mark = working
+    gt.configure(step_marks=None)
+    gt.configure(step_marks="optimizer")   # off and on: the warm-up begins again
+    assert gt.step_plan_info(0).warmup == 1
+    alloc.check_consistency()
+
+
 def test_marking_one_device_by_hand_stands_the_hook_down_there_only(fake_torch, glued, caplog):
     _, marked = glued
     gt.configure(step_marks="optimizer")

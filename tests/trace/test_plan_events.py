@@ -17,7 +17,7 @@ from gpumem.errors import InvalidArgumentError, TraceFormatError
 from gpumem.native import load_engine
 from gpumem.replay import replay_trace
 from gpumem.torch import trace_from_words
-from gpumem.trace import OpKind, PlanEvent, PlanEventKind, Trace, load_trace, save_trace
+from gpumem.trace import OpKind, PlanEvent, PlanEventKind, StreamUse, Trace, load_trace, save_trace
 from gpumem.trace.builder import PLAN_CODE, build_trace
 from gpumem.units import MiB
 
@@ -168,3 +168,130 @@ def test_a_device_without_virtual_memory_replays_the_ops_alone():
     a = replay_trace(loop_trace(), "sim:jetson-nano-2gb", "gpumem", progress=False)
     b = replay_trace(loop_trace(events=False), "sim:jetson-nano-2gb", "gpumem", progress=False)
     assert a.extra["n_plan_events"] == 0 and a.peak_reserved_bytes == b.peak_reserved_bytes
+
+
+def test_the_layout_at_an_op_of_a_planned_run_shows_the_plan_arena():
+    """occupancy_at (the report's layout at the peak) showed a planned step's memory nowhere: its allocations
+    are in the step plan's arena, outside the backing's segments, so the layout of gpumem on a trace with plan
+    events held 0 bytes live while the run reserved 224 MiB. The arena is a virtual range of the layout now."""
+    from gpumem.report.runs import occupancy_at
+
+    t = loop_trace()
+    live = t.live_nbytes()
+    for stop in (5, t.n_ops // 2 + 3, t.n_ops - 3):
+        o = occupancy_at(t, "sim:h200-141gb", "gpumem", stop, gpu_timing="idle")
+        assert sum(s.mapped_nbytes for s in o.segments) == o.reserved_nbytes
+        shown = sum(s.live_nbytes for s in o.segments)
+        assert live[stop - 1] <= shown < live[stop - 1] + 4096   # rounded up to 512-byte blocks
+
+
+def test_merging_a_record_stream_log_keeps_the_plan_events():
+    """merge_stream_uses (``gpumem replay --stream-uses LOG``) made its trace without the plan events: a trace
+    of gpumem.torch with no stream use of its own, merged with a log, replayed as an unplanned run."""
+    from gpumem.trace.stream_log import RecordStreamLog, merge_stream_uses
+
+    t = loop_trace()
+    merged, _ = merge_stream_uses(t, RecordStreamLog())
+    assert merged.plan_events == t.plan_events and merged.ops_equal(t)
+
+
+def test_the_history_of_a_planned_replay_holds_the_plan_allocations():
+    """record_history (``gpumem replay --export-snapshot``) left out every allocation the step plan's arena
+    served: the history of the loop held 14 of its 56 allocations, and so did the exported snapshot."""
+    from gpumem import sim
+    from gpumem.allocator import make_allocator
+    from gpumem.replay import replay
+
+    t = loop_trace()
+    step_ops = 2 * len(PATTERN)
+    # and a record_stream of a planned allocation (step 6's first, live until the step's end)
+    t = dataclasses.replace(t, stream_uses=(StreamUse(6 * step_ops + 1, 6 * len(PATTERN), 9),))
+    alloc = make_allocator(sim.SimDevice(sim.get_profile("h200-141gb")), "gpumem", record_history=True)
+    replay(t, alloc, progress=False, gpu_timing="idle")
+    assert alloc.step_plan_info().served > 0
+    h = alloc.history()
+    alloc.close()
+    assert h.ops_equal(t, times=False, addrs=False)
+    assert [(u.at_op, u.alloc_id, u.stream) for u in h.stream_uses] == [(6 * step_ops + 1, 6 * len(PATTERN), 9)]
+
+
+def test_the_report_run_counts_the_calls_as_a_replay_does():
+    """run_policy's result lacked the replay's n_plan_events and n_stream_uses."""
+    from gpumem.report.runs import run_policy
+
+    t = loop_trace()
+    for policy in ("gpumem", "pytorch"):
+        run = run_policy(t, "sim:h200-141gb", policy, samples=7, gpu_timing="idle")
+        plain = replay_trace(t, "sim:h200-141gb", policy, gpu_timing="idle", progress=False)
+        assert run.result.extra == plain.extra
+
+
+def _step_trace(use_time_us: float, mark_time_us: float) -> Trace:
+    """Six steps of (8 MiB, 3 MiB, 1 MiB), the first two freed in the step and the last after its mark; at the end
+    of step 1 a record_stream of the 1 MiB block on stream 7 and the mark, at one place (no op between)."""
+    ops, uses, plans, aid = [], [], [PlanEvent(0, MARK)], 0
+    for step in range(6):
+        first = aid
+        for size in (8 * MiB, 3 * MiB, 1 * MiB):
+            ops.append((OpKind.ALLOC, aid, size))
+            aid += 1
+        ops += [(OpKind.FREE, first, 8 * MiB), (OpKind.FREE, first + 1, 3 * MiB)]
+        if step == 1:
+            uses.append(StreamUse(len(ops), first + 2, 7, use_time_us))
+        plans.append(PlanEvent(len(ops), MARK, mark_time_us if step == 1 else 0.0))
+        ops.append((OpKind.FREE, first + 2, 1 * MiB))
+    kinds = np.array([k for k, _, _ in ops], np.int8)
+    ids = np.array([a for _, a, _ in ops], np.int64)
+    sizes = np.array([n for _, _, n in ops], np.int64)
+    z = np.zeros(len(ops), np.int64)
+    return Trace("uses", "recorded", kinds, ids, sizes, z, z.astype(np.float64), (ids + 1) * 2**32,
+                 stream_uses=tuple(uses), plan_events=tuple(plans))
+
+
+@pytest.mark.parametrize("engine", ["python"] + (["native"] if load_engine() is not None else []))
+def test_a_use_and_a_mark_at_one_place_replay_in_the_order_of_their_times(engine):
+    """The replay made plan events before stream uses at one place whatever the program did: a use then a mark
+    (the step used another stream: not planned at that mark) replayed as a mark then a use (planned a step early:
+    12 allocations served from the arena where the program's order gives 6)."""
+    from gpumem import sim
+    from gpumem.allocator import CachingAllocator
+
+    def by_hand(use_first: bool) -> int:
+        alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), "gpumem", engine=engine)
+        alloc.mark_step()
+        for step in range(6):
+            ptrs = [alloc.allocate(n) for n in (8 * MiB, 3 * MiB, 1 * MiB)]
+            alloc.free(ptrs[0])
+            alloc.free(ptrs[1])
+            if step == 1 and use_first:
+                alloc.record_stream(ptrs[2], 7)
+            alloc.mark_step()
+            if step == 1 and not use_first:
+                alloc.record_stream(ptrs[2], 7)
+            alloc.free(ptrs[2])
+        served = alloc.step_plan_info().served
+        alloc.close()
+        return served
+
+    def replayed(t: Trace) -> int:
+        alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), "gpumem", engine=engine)
+        from gpumem.replay import replay
+        replay(t, alloc, progress=False, gpu_timing="idle")
+        served = alloc.step_plan_info().served
+        alloc.close()
+        return served
+
+    assert by_hand(True) != by_hand(False)
+    assert replayed(_step_trace(use_time_us=10.0, mark_time_us=20.0)) == by_hand(True)
+    assert replayed(_step_trace(use_time_us=20.0, mark_time_us=10.0)) == by_hand(False)
+    assert replayed(_step_trace(use_time_us=0.0, mark_time_us=0.0)) == by_hand(False)   # unknown: as before
+
+
+def test_gpumem_replay_says_how_many_plan_events_it_made(tmp_path, capsys):
+    from gpumem.cli import main
+
+    path = save_trace(loop_trace(), tmp_path / "loop.gmt")
+    assert main(["replay", str(path), "--gpu-timing", "idle"]) == 0
+    assert "plan events    9 step marks and warm-up switches made" in capsys.readouterr().out
+    assert main(["replay", str(path), "--policy", "pytorch", "--gpu-timing", "idle"]) == 0
+    assert "plan events" not in capsys.readouterr().out   # PyTorch's allocator has no step plans

@@ -3812,8 +3812,8 @@ bool Engine::plan_map(PlanArena* arena, std::uint64_t off, std::uint64_t size) {
     for (std::uint64_t p = first; p <= last; ++p)
         if (!arena->pages[p]) todo.push_back(p);
     if (todo.empty()) return true;
+    empty_cache_locked();   // first: under a limit, the idle cache is what makes room (plan.py _map)
     if (cfg_.limit_nbytes && reserved_nbytes_ + plan_mapped_nbytes_ + todo.size() * g_ > cfg_.limit_nbytes) return false;
-    empty_cache_locked();
     // runs of at most the engine's chunk cap (plan.py, Note [Arena runs of at most a chunk])
     const std::uint64_t cap =
         static_cast<std::uint64_t>(chunk_cap_pages_of(static_cast<std::int64_t>((reserved_nbytes_ + plan_mapped_nbytes_) / g_), cfg_));

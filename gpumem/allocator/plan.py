@@ -1053,10 +1053,13 @@ class StepPlan:
         if not todo:
             return True
         e = self.e
+        # the idle cache first: under a limit it is what makes room (checked before it, a plan installed where
+        # the warm-up's cache sat was refused its pages, served beside the arena and dropped, and a replay that
+        # fits unmarked under its own peak ran out of memory: new user 12)
+        e._empty_cache_locked()
         lim = e.limit_nbytes
         if lim is not None and e.backing.reserved_nbytes + self.mapped_nbytes + len(todo) * g > lim:
             return False
-        e._empty_cache_locked()
         # runs of at most the engine's chunk cap (Note [Arena runs of at most a chunk])
         cap = e.policy.chunk_cap_pages((e.backing.reserved_nbytes + self.mapped_nbytes) // g, g)
         runs: list[list[int]] = []

@@ -295,3 +295,25 @@ def test_gpumem_replay_says_how_many_plan_events_it_made(tmp_path, capsys):
     assert "plan events    9 step marks and warm-up switches made" in capsys.readouterr().out
     assert main(["replay", str(path), "--policy", "pytorch", "--gpu-timing", "idle"]) == 0
     assert "plan events" not in capsys.readouterr().out   # PyTorch's allocator has no step plans
+
+
+@pytest.mark.parametrize("engine", ["python"] + (["native"] if load_engine() is not None else []))
+@pytest.mark.parametrize("steps", [6, 12])
+def test_a_planned_replay_keeps_its_plan_under_a_limit_of_its_own_peak(engine, steps):
+    """New user 12: the arena checked the limit before the engine gave its idle cache back, so under a limit of
+    the run's own unlimited peak a plan was refused its pages, missed, and was dropped (the live UNet trace
+    then ran out of memory at op 6,236 of 39,513, where it fits unlimited)."""
+    from gpumem import sim
+    from gpumem.allocator import CachingAllocator
+    from gpumem.replay import replay
+
+    t = loop_trace(steps)
+    free = replay_trace(t, "sim:h200-141gb", "gpumem", engine=engine, progress=False)
+    alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), "gpumem", engine=engine,
+                             limit=free.peak_reserved_bytes)
+    capped = replay(t, alloc, progress=False)
+    info = alloc.step_plan_info()
+    alloc.close()
+    assert capped.oom_op is None and capped.completed_ops == t.n_ops
+    assert info.plans_installed == 1 and info.plans_dropped == 0 and info.steps_missed == 0, info
+    assert capped.peak_reserved_bytes <= free.peak_reserved_bytes

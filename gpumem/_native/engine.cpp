@@ -2428,7 +2428,18 @@ void Engine::free_engine(std::uint64_t ptr) {
 // PythonEngine._free_booked
 void Engine::free_booked(std::uint64_t ptr, Block* b) {
     live_.erase(ptr);
-    if (!freed_has(ptr)) freed_note(ptr);   // Note [Freed addresses remembered by number]
+    if (!freed_.get(ptr)) {
+        freed_.put(ptr, reinterpret_cast<void*>(1));
+        const std::size_t cap = freed_ring_.size();   // head + count <= 2 * cap - 1: no division
+        std::size_t at = freed_head_ + freed_count_;
+        freed_ring_[at >= cap ? at - cap : at] = ptr;
+        ++freed_count_;
+        if (freed_count_ > kFreedMemory) {
+            freed_.erase(freed_ring_[freed_head_]);
+            freed_head_ = freed_head_ + 1 == cap ? 0 : freed_head_ + 1;
+            --freed_count_;
+        }
+    }
     st_.allocated_nbytes -= b->size;
     st_.requested_nbytes -= b->requested;
     ++st_.num_frees;
@@ -2439,44 +2450,6 @@ void Engine::free_booked(std::uint64_t ptr, Block* b) {
         return;
     }
     insert_free(b);
-}
-
-// Note [Freed addresses remembered by number]: every free asks whether its address is among the last
-// kFreedMemory addresses freed (freed_, python_engine.py _freed: what tells a double free from a bad pointer), and
-// puts it in when not. In a decode step almost every free is of an address freed before (4.4 M of the 7B's
-// 4.6 M frees at 4,000 new tokens), so the question is asked of a table of 65,536 addresses (4 MiB, out of the
-// core's caches): one cache miss a free, the largest single cost of free_booked. So each address put into freed_
-// gets a number (freed_seq_, counted up; kept as its value there, plus one so that it is never null) and a hint
-// (address, number) in a small direct-mapped table (freed_hints_, 64 KiB). Only the ring takes an address out of
-// freed_, oldest first, so the address numbered s is still there exactly while fewer than kFreedMemory addresses
-// were put in after it (freed_seq_ - s <= kFreedMemory): a hint for the address, checked that way, answers
-// without freed_; a missing or stale hint asks freed_ and is refreshed. Same answers, same order of the ring.
-bool Engine::freed_has(std::uint64_t ptr) {
-    if (freed_hints_.empty()) freed_hints_.resize(4096);
-    FreedHint& h = freed_hints_[detail::hash64(ptr) & (freed_hints_.size() - 1)];
-    if (h.ptr == ptr && freed_seq_ - h.seq <= kFreedMemory) return true;
-    void* v = freed_.get(ptr);
-    if (!v) return false;
-    h.ptr = ptr;
-    h.seq = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(v)) - 1;
-    return true;
-}
-
-// Puts ptr, not in freed_, into it (freed_has ran first: the hints exist), the oldest out past kFreedMemory.
-void Engine::freed_note(std::uint64_t ptr) {
-    freed_.put(ptr, reinterpret_cast<void*>(static_cast<std::uintptr_t>(freed_seq_ + 1)));
-    FreedHint& h = freed_hints_[detail::hash64(ptr) & (freed_hints_.size() - 1)];
-    h.ptr = ptr;
-    h.seq = freed_seq_++;
-    const std::size_t cap = freed_ring_.size();   // head + count <= 2 * cap - 1: no division
-    std::size_t at = freed_head_ + freed_count_;
-    freed_ring_[at >= cap ? at - cap : at] = ptr;
-    ++freed_count_;
-    if (freed_count_ > kFreedMemory) {
-        freed_.erase(freed_ring_[freed_head_]);
-        freed_head_ = freed_head_ + 1 == cap ? 0 : freed_head_ + 1;
-        --freed_count_;
-    }
 }
 
 // PythonEngine._grow

@@ -733,15 +733,6 @@ class Engine {
     bool custom_pages_ = false;                // VirtualBacking.custom_pages
     std::uint64_t page_nbytes_[2] = {0, 0};    // VirtualBacking.page_nbytes: [large, small] (the range's key)
     std::int64_t seg_chunk_pages(const detail::VSeg* seg, ChunkHandle h) const;   // h.nbytes // seg.page_nbytes
-    // The freed addresses' hints (Note [Freed addresses remembered by number] in engine.cpp)
-    struct FreedHint {
-        std::uint64_t ptr = 0;   // 0: none
-        std::uint64_t seq = 0;   // the number ptr got when it went into freed_
-    };
-    std::vector<FreedHint> freed_hints_;
-    std::uint64_t freed_seq_ = 0;   // addresses put into freed_ so far
-    bool freed_has(std::uint64_t ptr);   // ptr in freed_, the hint asked first
-    void freed_note(std::uint64_t ptr);   // puts ptr (not in freed_) in, the oldest out past kFreedMemory
 };
 
 }  // namespace gpumem

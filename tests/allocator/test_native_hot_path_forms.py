@@ -1,10 +1,9 @@
-"""The native engine's hot-path state in its two forms, decided exactly as the Python reference decides.
-
-- Free lists (Note [A few free blocks in an array] in ``gpumem/_native/engine.cpp``): a sorted array of keys
-  while a list holds few blocks, an ordered set past that, and the moves between the two: the same pointers (the
-  same best fit), device calls, stats and live blocks after every operation, whichever form a list is in.
-- Freed addresses (Note [Freed addresses remembered by number] there): the hints that answer "freed before?"
-  say what the last 65,536 freed addresses say, also at the edge where the oldest is forgotten.
+"""The native engine's free lists in both of their forms (Note [A few free blocks in an array] in
+``gpumem/_native/engine.cpp``): a sorted array of keys while a list holds few blocks, an ordered set past that,
+and the moves between the two. The engine must decide exactly as the Python reference whichever form a list is
+in: the same pointers (the same best fit), device calls, stats and live blocks after every operation. And the
+freed addresses the hot path's frees remember (Note [Freed addresses, oldest first] in
+``gpumem/allocator/python_engine.py``) at the edge where the oldest is forgotten, in both engines alike.
 """
 
 from __future__ import annotations
@@ -125,8 +124,8 @@ def _second_free(engine: str) -> list[str]:
 
 
 def test_freed_addresses_at_the_edge_of_memory_are_told_the_same():
-    """A freed address answered from its hint, then forgotten: double free while remembered, invalid pointer
-    after, in both engines alike."""
+    """An address freed again through the hot path while remembered keeps its first place; forgotten, it is an
+    invalid pointer; freed once more, it is remembered anew: in both engines alike."""
     native = _second_free("native")
     assert native == _second_free("python")
     assert native == ["True", "DoubleFreeError", "DoubleFreeError", "InvalidPointerError", "DoubleFreeError",

@@ -2237,12 +2237,33 @@ void Engine::check_usable_op() {
     }
 
 std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out) {
+    Guard guard(*this);
+    return fast_allocate_locked(nbytes, stream, size_out);
+}
+
+// Note [Fast paths under a held run]: run_ops (module.cpp) holds the engine's lock through a run of fast paths
+// (Note [One lock for a run of fast paths]); try_allocate_fast and try_free_fast took it again per op all the
+// same, nested: a look at the owning thread (an atomic load and pthread_self) and the depth counted up and down,
+// some 3 ns of the 28 an op cost the engine on the 7B's decode (engine-only bench, reports/estimate-speed.md round
+// 8). The _held variants are the same fast paths without that nesting; they check only that a run is held (a
+// plain flag: the binding calls them between hold_for_fast_run() and release_for_fast_run() on its own thread).
+std::uint64_t Engine::try_allocate_fast_held(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out) {
+    if (!fast_run_held_) throw EngineError(EngineErrorKind::kInternal, "try_allocate_fast_held outside a held run");
+    return fast_allocate_locked(nbytes, stream, size_out);
+}
+
+bool Engine::try_free_fast_held(std::uint64_t ptr) {
+    if (!fast_run_held_) throw EngineError(EngineErrorKind::kInternal, "try_free_fast_held outside a held run");
+    return fast_free_locked(ptr);
+}
+
+// try_allocate_fast under the lock
+std::uint64_t Engine::fast_allocate_locked(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out) {
     if (nbytes == 0) return 0;
     const std::uint64_t r = cfg_.round_nbytes;
     if (nbytes > UINT64_MAX - r) return 0;
     std::uint64_t size = (nbytes + r - 1) & ~(r - 1);   // r is a power of two (the constructor checks)
     bool small = static_cast<std::int64_t>(size) <= small_max_ && size <= (UINT64_MAX >> 1);
-    Guard guard(*this);
     if (lost_ || closed_) return 0;
     if (plan_active()) return plan_serve_fast(nbytes, stream, size_out);   // else allocate() runs the plan layer
     FreeList* fl = free_list_get(small, stream);
@@ -2361,6 +2382,11 @@ void Engine::count_alloc(std::uint64_t size, std::uint64_t nbytes) {
 
 bool Engine::try_free_fast(std::uint64_t ptr) {
     Guard guard(*this);
+    return fast_free_locked(ptr);
+}
+
+// try_free_fast under the lock
+bool Engine::fast_free_locked(std::uint64_t ptr) {
     if (lost_) return false;
     if (plan_active()) return plan_free_fast(ptr);   // else free() runs the plan layer
     Block* b = static_cast<Block*>(live_.get(ptr));

@@ -415,6 +415,10 @@ class Engine {
     // in it; the holder calls nothing else and runs no Python until release_for_fast_run().
     void hold_for_fast_run();
     void release_for_fast_run();
+    // try_allocate_fast and try_free_fast for the thread that holds the lock through hold_for_fast_run(), which
+    // they do not take again (Note [Fast paths under a held run] in engine.cpp); kInternal when it is not held.
+    std::uint64_t try_allocate_fast_held(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out = nullptr);
+    bool try_free_fast_held(std::uint64_t ptr);
     // Note [The small pool's state as bytes] (engine.cpp): everything the small pool's next ops depend on, packed
     // as little-endian 64-bit words, for the estimate's fast replay to compare exactly (gpumem/estimate/fastreplay.py).
     std::string small_pool_state();
@@ -733,6 +737,9 @@ class Engine {
     bool custom_pages_ = false;                // VirtualBacking.custom_pages
     std::uint64_t page_nbytes_[2] = {0, 0};    // VirtualBacking.page_nbytes: [large, small] (the range's key)
     std::int64_t seg_chunk_pages(const detail::VSeg* seg, ChunkHandle h) const;   // h.nbytes // seg.page_nbytes
+    // the fast paths' bodies, under the lock (Note [Fast paths under a held run] in engine.cpp)
+    std::uint64_t fast_allocate_locked(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out);
+    bool fast_free_locked(std::uint64_t ptr);
 };
 
 }  // namespace gpumem

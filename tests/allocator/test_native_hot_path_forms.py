@@ -32,7 +32,9 @@ ARRAY_MAX = 32
 """engine.cpp kArrayMax: a list past this many blocks becomes a set (it goes back at 8)."""
 
 POLICIES = [get_policy("gpumem"),
-            dataclasses.replace(get_policy("gpumem"), name="one-pool", separate_small_pool=False)]
+            dataclasses.replace(get_policy("gpumem"), name="one-pool", separate_small_pool=False),
+            get_policy("pytorch"),  # segment mode, free lists keyed top-down (the block's place, not its address)
+            get_policy("bestfit")]
 
 
 def _holes(pair: Pair, n: int, sizes: list[int]) -> list[int]:
@@ -66,10 +68,9 @@ def test_free_lists_past_the_array_and_back_decide_the_same(policy, n):
 @given(n=st.integers(4, 5 * ARRAY_MAX),
        sizes=st.lists(st.integers(1, 24 * KiB), min_size=1, max_size=6),
        ops=st.lists(st.tuples(st.booleans(), st.integers(1, 24 * KiB), st.integers(0, 10**6)), max_size=120),
-       one_pool=st.booleans())
-def test_random_ops_over_many_holes_decide_the_same(n, sizes, ops, one_pool):
+       policy=st.sampled_from(POLICIES))
+def test_random_ops_over_many_holes_decide_the_same(n, sizes, ops, policy):
     """Random allocations and frees over a list of up to 80 holes: whatever form it is in, the same decisions."""
-    policy = POLICIES[1] if one_pool else POLICIES[0]
     pair = Pair(lambda: sim.SimDevice(small_profile(384)), policy=policy)
     live = _holes(pair, n, sizes)
     for is_alloc, nbytes, pick in ops:

@@ -322,16 +322,22 @@ Block* FreeBlocks::best_fit(std::uint64_t size) const {
 }
 
 void FreeBlocks::to_set() {
-    set_mode_ = true;
-    for (const Entry& e : arr_) {
-        Block* b = e.b;
-        if (b->node.empty()) {
-            b->where = set_.insert(set_.end(), b);
-        } else {
-            b->node.value() = b;
-            b->where = set_.insert(set_.end(), std::move(b->node));
+    std::size_t moved = 0;
+    try {   // a node that cannot be allocated leaves the list as it was (in the array)
+        for (; moved < arr_.size(); ++moved) {
+            Block* b = arr_[moved].b;
+            if (b->node.empty()) {
+                b->where = set_.insert(set_.end(), b);
+            } else {
+                b->node.value() = b;
+                b->where = set_.insert(set_.end(), std::move(b->node));
+            }
         }
+    } catch (...) {
+        for (std::size_t i = 0; i < moved; ++i) arr_[i].b->node = set_.extract(arr_[i].b->where);
+        throw;
     }
+    set_mode_ = true;
     arr_.clear();
 }
 

@@ -34,9 +34,9 @@ gives a pluggable allocator] in ``gpumem/_native/torch_api.cpp``):
 * ``torch.cuda.memory._record_memory_history`` records nothing either: :func:`start_trace` records
   every allocation and free PyTorch asks gpumem for, :func:`recorded_trace` gives them as a gpumem
   trace (replay it with ``gpumem replay``); ``GPUMEM_TRACE_OUT=run.gmt.gz`` does both for a whole
-  program (the trace is written at exit). :func:`configure` gives the engine a policy's growth knobs,
-  and ``configure(step_marks="optimizer")`` (or ``GPUMEM_STEP_MARKS=optimizer``) marks a step plan's
-  steps at every optimizer step, with no :func:`step` call in the loop.
+  program (the trace is written at exit). :func:`configure` gives the engine a policy's growth knobs.
+  Every optimizer step marks a step plan's step, with no :func:`step` call in the loop (automatic step
+  marks, on by default; ``GPUMEM_STEP_MARKS=off`` or ``configure(step_marks=None)`` turns them off).
 * CUDA graph capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) has not been
   tried on gpumem: PyTorch gives a pluggable allocator no private graph pools, and the events the
   engine records and queries when memory goes back behave differently on a capturing stream
@@ -64,17 +64,22 @@ from .units import format_bytes
 __all__ = ["install", "installed", "memory_stats", "memory_summary", "empty_cache", "record_stream", "step",
            "step_plan_info", "trace_wait_stream",
            "TooLateError", "configure", "start_trace", "stop_trace", "recorded_trace", "trace_from_words",
-           "TRACE_OUT_ENV", "STEP_MARKS_ENV", "STEP_MARKS"]
+           "automatic_step_marks", "TRACE_OUT_ENV", "STEP_MARKS_ENV", "STEP_MARKS", "DEFAULT_STEP_MARKS", "STEP_MARKS_OFF"]
 
 #: Environment variable: when set, :func:`install` starts tracing and the trace of device 0 is written
 #: to this path (a gpumem ``.gmt`` trace, gzipped when the name ends in ``.gz``) when the process exits.
 TRACE_OUT_ENV = "GPUMEM_TRACE_OUT"
-#: Environment variable: when set (to one of :data:`STEP_MARKS`), :func:`install` turns on automatic step
-#: marks, as ``configure(step_marks=...)`` does (Note [Automatic step marks]).
+#: Environment variable read by :func:`install`: one of :data:`STEP_MARKS` turns automatic step marks on, as
+#: ``configure(step_marks=...)`` does, ``off`` (:data:`STEP_MARKS_OFF`) leaves them off; unset or empty,
+#: :data:`DEFAULT_STEP_MARKS` where PyTorch has the global optimizer hook (Note [Automatic step marks]).
 STEP_MARKS_ENV = "GPUMEM_STEP_MARKS"
 #: What ``configure(step_marks=...)`` takes besides ``None`` (off): ``"optimizer"``, every step of a PyTorch
 #: optimizer marks a step (Note [Automatic step marks]).
 STEP_MARKS = ("optimizer",)
+#: The automatic step marks :func:`install` turns on when ``GPUMEM_STEP_MARKS`` is unset.
+DEFAULT_STEP_MARKS = "optimizer"
+#: ``GPUMEM_STEP_MARKS=off``: no automatic step marks.
+STEP_MARKS_OFF = "off"
 
 log = logging.getLogger(__name__)
 
@@ -131,16 +136,19 @@ def install(device: "int | str | Any | None" = None) -> None:
             device gpumem cannot run on (no virtual memory management) fails here rather than at the
             first allocation. No memory is taken.
 
-    ``GPUMEM_TRACE_OUT`` (:data:`TRACE_OUT_ENV`) traces the whole program; ``GPUMEM_STEP_MARKS=optimizer``
-    (:data:`STEP_MARKS_ENV`) marks a step plan's step at every optimizer step, as
-    ``configure(step_marks="optimizer")`` does; both are read at the first call that installs them.
+    ``GPUMEM_TRACE_OUT`` (:data:`TRACE_OUT_ENV`) traces the whole program. Automatic step marks are turned
+    on (every optimizer step marks a step plan's step, as ``configure(step_marks="optimizer")`` does) unless
+    ``GPUMEM_STEP_MARKS`` (:data:`STEP_MARKS_ENV`) is ``off``, ``configure(step_marks=None)`` came first, or
+    PyTorch has no global optimizer hook (before 2.0). Both variables are read at the first call that
+    installs them.
 
     Raises:
         TooLateError: PyTorch had already initialised CUDA.
         BackendUnavailableError: PyTorch, a CUDA device or gpumem's native engine is missing
             (see :func:`gpumem.engine`).
-        InvalidArgumentError: ``GPUMEM_STEP_MARKS`` holds a value not in :data:`STEP_MARKS` (nothing installed).
-        BackendUnavailableError: ``GPUMEM_STEP_MARKS`` is set and PyTorch has no global optimizer hook
+        InvalidArgumentError: ``GPUMEM_STEP_MARKS`` holds a value not in :data:`STEP_MARKS` and not ``off``
+            (nothing installed).
+        BackendUnavailableError: ``GPUMEM_STEP_MARKS=optimizer`` and PyTorch has no global optimizer hook
             (nothing installed).
         GpumemError: gpumem could not start on ``device``.
     """
@@ -462,7 +470,33 @@ def _mark_step(index: int) -> Any:
             if code == 0:
                 log.info("gpumem.torch: a step plan of %d allocations is installed on cuda:%d",
                          int((offsets >= 0).sum()), index)
+    _warmups().after_mark(index)
     return result
+
+
+@dataclasses.dataclass
+class _Warmups:
+    """Whether each device's engine was in its memory-first warm-up at the last mark, to log when it ends (Note
+    [A memory-first warm-up] in gpumem/allocator/plan.py); one per process (:func:`_warmups`)."""
+
+    warm: dict[int, bool] = dataclasses.field(default_factory=dict)   # guarded by lock
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def after_mark(self, index: int) -> None:
+        from .allocator.plan import StepState
+
+        info = step_plan_info(index)
+        with self.lock:
+            was, self.warm[index] = self.warm.get(index, False), bool(info.warmup)
+        if was and not info.warmup:
+            log.info("gpumem.torch: the memory-first warm-up on cuda:%d ended: %s", index,
+                     "a step plan is installed" if info.state is StepState.PLANNED
+                     else "no step plan formed, the idle cache went back and the engine grows as without marks")
+
+
+@functools.cache
+def _warmups() -> _Warmups:
+    return _Warmups()
 
 
 def step_plan_info(device: "int | str | Any | None" = None) -> Any:
@@ -490,8 +524,8 @@ def step_plan_info(device: "int | str | Any | None" = None) -> Any:
 # and a program that does not call step() got none. Every training loop calls optimizer.step() once per step,
 # and PyTorch (2.0 on) shows every optimizer's step to one global post-hook
 # (torch.optim.optimizer.register_optimizer_step_post_hook): configure(step_marks="optimizer"), or
-# GPUMEM_STEP_MARKS=optimizer at install() (either install), registers one that makes step()'s mark right
-# after the update. The gradients still live there are freed by the next zero_grad, which the plan's
+# install() (either install; on by default, GPUMEM_STEP_MARKS=off keeps it off), registers one that makes
+# step()'s mark right after the update. The gradients still live there are freed by the next zero_grad, which the plan's
 # lifetimes wrapping into the next step cover; what a loop allocates between there and its top joins the next
 # step, as repeating.
 # * One marker per device: the first optimizer with parameters on a CUDA device marks that device; others'
@@ -520,11 +554,17 @@ def step_plan_info(device: "int | str | Any | None" = None) -> Any:
 #   step that happened (and a retry would update twice), for a memory optimisation the loop never asked for.
 #   step() called by hand still raises.
 # * No mark while the current stream captures a CUDA graph: a mark could install a plan mid-capture.
-# * Turning marks on begins the engines' memory-first warm-up at once (gpumem_torch_plan_warmup; engines made
-#   later begin it when made): the first automatic mark comes after the first step, whose peak the plan cannot
-#   lower (Note [A memory-first warm-up] in gpumem/allocator/plan.py).
-# * configure(step_marks=None) removes the hook (and, called before install, keeps GPUMEM_STEP_MARKS from
-#   turning marks on). A plan already installed stays until the plan layer's own bounds drop it.
+# * The engines' memory-first warm-up begins before the first step (gpumem_torch_plan_warmup; engines made later
+#   begin it when made), since the first automatic mark comes after it and the plan cannot lower its peak (Note
+#   [A memory-first warm-up] in gpumem/allocator/plan.py): when install() turns marks on, at the making of the
+#   first optimizer with parameters on a GPU (Optimizer.__init__ is wrapped until then), so a program that
+#   never trains (inference) never grows memory-first (live multistream inference, warm for its whole run when
+#   the warm-up began at install: +7.6 % and +23 % step time); when the program turns them on
+#   (configure(step_marks=...)), at once, as an optimizer may exist already.
+# * configure(step_marks=None) removes the hook (and, called before install, keeps install from turning marks
+#   on). A plan already installed stays until the plan layer's own bounds drop it.
+# * On by default (where PyTorch has the hook): a training loop meets the memory target with no setting
+#   (live GPT-2, ResNet-50, ViT and UNet, reports/hil/default-marks-h200-2026-11-29.md).
 #: Fewest steps of another optimizer, with none of the marker's between, that hand a device's marks over.
 HANDOVER_MIN_STEPS = 16
 
@@ -550,6 +590,9 @@ class _AutoMarks:
     failed: str | None = None           # why a failed mark turned the hook off
     explicit: bool = False              # configure(step_marks=...) was called: GPUMEM_STEP_MARKS is not read
     scaler: "_ScalerPatch | None" = None  # GradScaler.step wrapped while marks are on
+    # Optimizer.__init__ wrapped while marks turned on at install wait for the first optimizer on a GPU to begin
+    # the warm-up (None once begun, or when it began at once)
+    made: "_OptimizerInitPatch | None" = None
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     # optimizer steps the hook saw in each thread (not guarded: each thread reads and writes its own)
     stepped: threading.local = dataclasses.field(default_factory=threading.local)
@@ -558,8 +601,10 @@ class _AutoMarks:
         """Optimizer steps the hook saw in the calling thread."""
         return getattr(self.stepped, "n", 0)
 
-    def turn(self, mode: str | None, register: Any) -> None:
-        """Turn marks to ``mode`` (checked); ``register`` is PyTorch's hook registrar when ``mode`` is on."""
+    def turn(self, mode: str | None, register: Any, warm_now: bool = True) -> None:
+        """Turn marks to ``mode`` (checked); ``register`` is PyTorch's hook registrar when ``mode`` is on.
+        Turned on, the engines' warm-up begins at once (``warm_now``, a program's ``configure``: an optimizer
+        may exist already), else when the first optimizer with parameters on a GPU is made (install)."""
         with self.lock:
             self.explicit = True
             if mode == self.mode and self.failed is None:
@@ -576,14 +621,37 @@ class _AutoMarks:
             self.mode, self.handle, self.devices, self.failed = mode, handle, {}, None
             if (mode is None) != (was is None):
                 # Note [A memory-first warm-up] in gpumem/allocator/plan.py: the first automatic mark comes after
-                # the first step, so the engines begin the warm-up now (and engines made from now on, at once)
-                _lib().gpumem_torch_plan_warmup(int(mode is not None))
+                # the first step, so the engines begin the warm-up before it (and engines made from then on, at
+                # once): now, or when the first optimizer on a GPU is made (Note [Automatic step marks])
+                if self.made is not None:
+                    self.made.remove()
+                    self.made = None
+                if mode is None or warm_now:
+                    _lib().gpumem_torch_plan_warmup(int(mode is not None))
+                else:
+                    self.made = _OptimizerInitPatch.install(self)
+                    if self.made is None:   # no Optimizer class to wrap: at once, as before
+                        _lib().gpumem_torch_plan_warmup(1)
             if mode is not None and self.scaler is None:
                 self.scaler = _ScalerPatch.install(self)
             elif mode is None and self.scaler is not None:
                 self.scaler.remove()
                 self.scaler = None
         log.info("gpumem.torch: automatic step marks %s", mode or "off")
+
+    def optimizer_made(self, optimizer: Any) -> None:
+        """An optimizer was made (:class:`_OptimizerInitPatch`): the first with parameters on a GPU begins the
+        warm-up."""
+        if not _optimizer_devices(optimizer):
+            return
+        with self.lock:
+            if self.made is None or self.mode is None:
+                return
+            self.made.remove()
+            self.made = None
+            _lib().gpumem_torch_plan_warmup(1)
+        log.info("gpumem.torch: %s (%#x) on a GPU: the memory-first warm-up begins", type(optimizer).__name__,
+                 id(optimizer))
 
     def marked_by_hand(self, index: int) -> None:
         with self.lock:
@@ -644,15 +712,24 @@ def _check_step_marks(value: Any, name: str) -> None:
     if not isinstance(value, str) or value not in STEP_MARKS:
         accepted = ", ".join(repr(v) for v in STEP_MARKS)
         raise InvalidArgumentError(f"{name} must be {accepted} or None (off), not {value!r}" if name == "step_marks"
-                                   else f"{name} must be {accepted} (or unset), not {value!r}")
+                                   else f"{name} must be {accepted} or {STEP_MARKS_OFF!r} (unset: "
+                                        f"{DEFAULT_STEP_MARKS!r}), not {value!r}")
 
 
 def _env_step_marks() -> str | None:
-    """``GPUMEM_STEP_MARKS``, checked (its value, and that PyTorch has the hook) before anything is installed:
-    a bad value or an old PyTorch raises and installs nothing. None when unset or empty."""
+    """The step marks :func:`install` turns on: ``GPUMEM_STEP_MARKS``, checked (its value, and that PyTorch has
+    the hook) before anything is installed, so a bad value or an old PyTorch raises and installs nothing; None
+    for ``off``. Unset or empty: :data:`DEFAULT_STEP_MARKS`, or None (logged) where PyTorch has no hook."""
     marks = os.environ.get(STEP_MARKS_ENV)
-    if not marks:
+    if marks == STEP_MARKS_OFF:
         return None
+    if not marks:
+        try:
+            _optimizer_hook_registrar()
+        except BackendUnavailableError as exc:
+            log.info("gpumem.torch: no automatic step marks by default: %s", exc)
+            return None
+        return DEFAULT_STEP_MARKS
     _check_step_marks(marks, STEP_MARKS_ENV)
     _optimizer_hook_registrar()
     return marks
@@ -660,9 +737,13 @@ def _env_step_marks() -> str | None:
 
 @functools.cache
 def _step_marks_from_env(value: str) -> None:
-    """``GPUMEM_STEP_MARKS``, once per process, unless ``configure(step_marks=...)`` was called first."""
-    if not _auto_marks().explicit:
-        configure(step_marks=value)
+    """``GPUMEM_STEP_MARKS`` (or its default), once per process, unless ``configure(step_marks=...)`` was called
+    first; the warm-up waits for the first optimizer on a GPU (Note [Automatic step marks])."""
+    marks = _auto_marks()
+    if not marks.explicit:
+        _check_step_marks(value, STEP_MARKS_ENV)
+        _require_installed()
+        marks.turn(value, _optimizer_hook_registrar(), warm_now=False)
 
 
 def _optimizer_hook_registrar() -> Any:
@@ -698,6 +779,44 @@ def _grad_scaler_class() -> Any:
         if isinstance(cls, type) and callable(cls.__dict__.get("step")):
             return cls
     return None
+
+
+def _optimizer_base_class() -> Any:
+    """PyTorch's ``torch.optim.Optimizer`` (every optimizer's base class), or None."""
+    cls = getattr(getattr(sys.modules.get("torch"), "optim", None), "Optimizer", None)
+    return cls if isinstance(cls, type) and "__init__" in cls.__dict__ else None
+
+
+@dataclasses.dataclass
+class _OptimizerInitPatch:
+    """``Optimizer.__init__`` wrapped until the first optimizer on a GPU is made (Note [Automatic step marks])."""
+
+    cls: Any
+    original: Any
+    wrapper: Any
+
+    @classmethod
+    def install(cls, marks: _AutoMarks) -> "_OptimizerInitPatch | None":
+        opt_cls = _optimizer_base_class()
+        if opt_cls is None:
+            return None
+        original = opt_cls.__dict__["__init__"]
+
+        @functools.wraps(original)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            try:
+                marks.optimizer_made(self)
+            except Exception as exc:  # noqa: BLE001 - a memory optimisation must not fail the optimizer's making
+                log.warning("gpumem.torch: could not begin the memory-first warm-up for %s: %s", type(self).__name__, exc)
+
+        opt_cls.__init__ = __init__
+        return cls(opt_cls, original, __init__)
+
+    def remove(self) -> None:
+        """Put ``Optimizer.__init__`` back, unless something wrapped it after us."""
+        if self.cls.__dict__.get("__init__") is self.wrapper:
+            self.cls.__init__ = self.original
 
 
 @dataclasses.dataclass
@@ -773,8 +892,8 @@ def configure(policy: Any = None, *, step_marks: "str | None" = _KEEP) -> None:
     gpumem.torch reads them, a ``CachingAllocator`` takes its policy as given); the
     policy's other fields must be the default policy's.
 
-    ``step_marks="optimizer"`` (after :func:`install`; ``GPUMEM_STEP_MARKS=optimizer`` does the same at
-    install) marks a step plan's step (as :func:`step` does) each time the first PyTorch optimizer that steps
+    ``step_marks="optimizer"`` (after :func:`install`, which turns it on by default: ``GPUMEM_STEP_MARKS``)
+    marks a step plan's step (as :func:`step` does) each time the first PyTorch optimizer that steps
     from now on finishes ``optimizer.step()``, on the CUDA devices of its parameters: a training loop gets step
     plans with no call to :func:`step`, and the engines grow memory-first until their plan forms (Note [A
     memory-first warm-up] in :mod:`gpumem.allocator.plan`). ``step_marks=None`` removes the hook (a plan already
@@ -819,6 +938,14 @@ def configure(policy: Any = None, *, step_marks: "str | None" = _KEEP) -> None:
         _auto_marks().turn(step_marks, register)
 
 
+def automatic_step_marks() -> "str | None":
+    """What marks step plans' steps automatically now (one of :data:`STEP_MARKS`), or None: off, or turned off
+    by a mark that failed (Note [Automatic step marks])."""
+    marks = _auto_marks()
+    with marks.lock:
+        return None if marks.failed is not None else marks.mode
+
+
 def start_trace() -> None:
     """Record every allocation and free PyTorch asks gpumem for, on every device, from now on (what an
     earlier trace recorded is forgotten). Read it with :func:`recorded_trace`."""
@@ -830,8 +957,8 @@ def stop_trace() -> None:
     _lib().gpumem_torch_trace(0)
 
 
-#: The native trace buffer's words per event: kind (0 alloc, 1 free, 2 stream use, 3 stream wait), address (of a
-#: wait: the awaited stream), bytes, stream, ns.
+#: The native trace buffer's words per event: kind (0 alloc, 1 free, 2 stream use, 3 stream wait, 4 step-plan
+#: event), address (of a wait: the awaited stream), bytes (of a plan event: its PlanEventKind), stream, ns.
 _TRACE_WORDS = 5
 
 
@@ -839,26 +966,30 @@ def trace_from_words(words: Any, name: str = "gpumem.torch") -> Any:
     """A :class:`~gpumem.trace.Trace` from the native trace buffer's words (5 per event: kind, address,
     bytes, stream, nanoseconds since tracing began; kind 2 is a :func:`record_stream`, kept as a
     :class:`~gpumem.trace.StreamUse`, kind 3 a :func:`trace_wait_stream`, kept as a
-    :class:`~gpumem.trace.StreamWait`, the awaited stream in the address word). Frees and stream uses of
-    blocks allocated before tracing began are skipped (logged)."""
+    :class:`~gpumem.trace.StreamWait`, the awaited stream in the address word; kind 4 a step mark or a
+    warm-up begun or stopped, kept as a :class:`~gpumem.trace.PlanEvent`, its kind in the bytes word). Frees
+    and stream uses of blocks allocated before tracing began are skipped (logged)."""
     import numpy as np
 
-    from .errors import TraceFormatError
-    from .trace.builder import USE_CODE, WAIT_CODE, AddressReuseError, build_trace
+    from .errors import InvalidArgumentError, TraceFormatError
+    from .trace.builder import PLAN_CODE, USE_CODE, WAIT_CODE, AddressReuseError, build_trace
 
     arr = np.asarray(words, dtype=np.uint64)
     if arr.ndim != 1 or arr.size % _TRACE_WORDS:
         raise TraceFormatError(f"<{name}>", f"{arr.size} words is not a whole number of {_TRACE_WORDS}-word events")
     ev = arr.reshape(-1, _TRACE_WORDS)
-    if ev.size and int(ev[:, 0].max()) > WAIT_CODE:
+    if ev.size and int(ev[:, 0].max()) > PLAN_CODE:
         raise TraceFormatError(f"<{name}>", f"event kind {int(ev[:, 0].max())} is not 0 (alloc), 1 (free), "
-                                            f"{USE_CODE} (stream use) or {WAIT_CODE} (stream wait)")
+                                            f"{USE_CODE} (stream use), {WAIT_CODE} (stream wait) or {PLAN_CODE} "
+                                            "(step-plan event)")
     try:
         return build_trace(name, "recorded", ev[:, 0].astype(np.int8), ev[:, 1].astype(np.int64),
                            ev[:, 2].astype(np.int64), ev[:, 3].astype(np.int64), ev[:, 4].astype(np.float64) / 1e3,
-                           origin=f"<{name}>", use_code=USE_CODE, wait_code=WAIT_CODE)
+                           origin=f"<{name}>", use_code=USE_CODE, wait_code=WAIT_CODE, plan_code=PLAN_CODE)
     except AddressReuseError as e:
         raise TraceFormatError(f"<{name}>", str(e), entry=e.index) from None
+    except InvalidArgumentError as e:   # a plan event of an unknown kind
+        raise TraceFormatError(f"<{name}>", str(e)) from None
 
 
 def recorded_trace(device: "int | str | Any | None" = None, name: str | None = None) -> Any:

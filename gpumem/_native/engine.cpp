@@ -84,7 +84,7 @@ struct VSeg {
     VSeg(std::uint64_t b, std::uint64_t n, bool s, std::uint64_t g)
         : base(b), nbytes(n), small(s), n_pages(static_cast<std::int64_t>(n / g)), refs(n / g, 0),
           chunks(n / g, 0), eprev(n / g, -1), enext(n / g, -1), in_empty(n / g, 0), dirty(n / g),
-          users(n / g), noaccess(n / g, 0), deferred(n / g, 0), seen(n / g, 0) { set_page(g); }
+          users(n / g), noaccess(n / g, 0), deferred(n / g, 0), seen(n / g, 0), in_fresh(n / g, 0) { set_page(g); }
     // A malloc'd segment (segment mode: backing.py's Segment): no pages, the fields at the end.
     struct Malloced {};
     VSeg(std::uint64_t b, std::uint64_t n, bool s, std::uint64_t stream, Malloced)
@@ -93,6 +93,7 @@ struct VSeg {
 
     bool is_empty(std::int64_t p) const { return in_empty[p] != 0; }
     void empty_add(std::int64_t p) {   // seg.empty[p] = None (keeps its place if there)
+        add_fresh(p);
         if (in_empty[p]) return;
         in_empty[p] = 1;
         eprev[p] = etail;
@@ -141,6 +142,16 @@ struct VSeg {
         return static_cast<std::int64_t>(offset / page_nbytes);
     }
     std::uint64_t top_max = 0;   // the highest top the range had (Note [The small pool's state as bytes])
+    // seg.fresh: pages put in `empty` since the engine last looked for idle chunks (Note [An index of idle
+    // chunks] in backing.py), each once
+    std::vector<std::int64_t> fresh;
+    std::vector<std::uint8_t> in_fresh;
+    void add_fresh(std::int64_t p) {
+        if (!in_fresh[p]) {
+            in_fresh[p] = 1;
+            fresh.push_back(p);
+        }
+    }
 };
 
 // Note [Pages of a pool's own size]: PyTorch's expandable segments map 2 MiB pages under the small pool and
@@ -1047,6 +1058,7 @@ void Engine::decommit(Block* b) {
         for (std::int64_t p = first; p <= last; ++p) {
             if (--r[p] != 0) continue;
             ++emptied;
+            seg->add_fresh(p);
             if (!in_empty[p]) {   // seg->empty_add(p); the tail's next link is written once, after the loop
                 in_empty[p] = 1;
                 eprev[p] = tail;
@@ -1665,15 +1677,11 @@ bool Engine::chunk_ready(VSeg* seg, std::int64_t s, bool wait, std::unordered_ma
 // VirtualBacking._steal_chunk (false: None)
 bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages,
                          std::uint64_t requested, std::uint64_t stream, ChunkHandle* out) {
-    std::vector<IdleChunk> fits;
-    idle_chunks(seg, first, last, fits);
-    fits.erase(std::remove_if(fits.begin(), fits.end(), [&](const IdleChunk& c) { return c.n > max_pages; }), fits.end());
-    if (fits.empty()) return false;
-    std::sort(fits.begin(), fits.end(), [](const IdleChunk& a, const IdleChunk& b) {   // sorted(..., reverse=True)
-        return a.n != b.n ? a.n > b.n : a.addr > b.addr;
-    });
+    IdleWalk fits = idle_walk(seg, first, last, max_pages);   // Note [An index of idle chunks] in backing.py
+    if (!idle_at(fits, 0)) return false;
     std::unordered_map<std::uint64_t, std::uint64_t> batch, busy;
-    for (auto& c : fits) {
+    for (std::size_t i = 0; idle_at(fits, i); ++i) {
+        IdleChunk c = fits.got[i];
         if (chunk_ready(c.seg, c.s, false, batch, &busy)) {
             ++n_steals_;
             *out = unmap_chunk(c.seg, c.s);
@@ -1681,7 +1689,8 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
         }
     }
     if (knobs().stream_ordered_steal) {   // Note [Stream-ordered steal] in backing.py
-        for (auto& c : fits) {
+        for (std::size_t i = 0; idle_at(fits, i); ++i) {
+            IdleChunk c = fits.got[i];
             FenceMap pending = chunk_fences(c.seg, c.s, batch);
             bool ours = true;
             for (auto& f : pending)
@@ -1693,7 +1702,7 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
             }
         }
     }
-    const IdleChunk& c = fits[0];
+    const IdleChunk c = fits.got[0];
     if (static_cast<double>(reserved_nbytes_ / g_) + static_cast<double>(c.n) <= busy_pages_) {
         try {
             *out = create_chunk(c.n, requested);
@@ -1710,26 +1719,113 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
 
 // VirtualBacking._release_idle_chunk
 bool Engine::release_idle_chunk(VSeg* seg, std::int64_t first, std::int64_t last, bool wait) {
-    std::vector<IdleChunk> idle;
-    idle_chunks(seg, first, last, idle);
-    std::sort(idle.begin(), idle.end(), [](const IdleChunk& a, const IdleChunk& b) {   // sorted(...)
-        return a.n != b.n ? a.n < b.n : a.addr < b.addr;
-    });
+    IdleWalk idle = idle_walk(seg, first, last, -1);   // Note [An index of idle chunks] in backing.py
     std::unordered_map<std::uint64_t, std::uint64_t> batch, busy;
-    const IdleChunk* pick = nullptr;
-    for (auto& c : idle)
-        if (chunk_ready(c.seg, c.s, false, batch, &busy)) {
-            pick = &c;
+    bool found = false;
+    IdleChunk pick{};
+    for (std::size_t i = 0; idle_at(idle, i); ++i)
+        if (chunk_ready(idle.got[i].seg, idle.got[i].s, false, batch, &busy)) {
+            pick = idle.got[i];
+            found = true;
             break;
         }
-    if (!pick) {
-        if (!wait || idle.empty()) return false;
-        pick = &idle[0];
-        chunk_ready(pick->seg, pick->s, true, batch);
+    if (!found) {
+        if (!wait || !idle_at(idle, 0)) return false;
+        pick = idle.got[0];
+        chunk_ready(pick.seg, pick.s, true, batch);
     }
-    unmapped_.push_back(unmap_chunk(pick->seg, pick->s));
+    unmapped_.push_back(unmap_chunk(pick.seg, pick.s));
     release_unmapped(1);
     return true;
+}
+
+// VirtualBacking._idle_refresh (Note [An index of idle chunks] in backing.py)
+void Engine::idle_refresh() {
+    for (auto& up : vsegs_) {
+        VSeg* other = up.get();
+        for (std::int64_t p : other->fresh) {
+            other->in_fresh[p] = 0;
+            if (!other->is_empty(p) || !other->chunks[p]) continue;   // taken again (or unmapped) since
+            std::int64_t s = chunk_start(other, p);
+            idle_index_.insert({chunk_pages(other->chunks[s]), other->base + static_cast<std::uint64_t>(s) * g_});
+        }
+        other->fresh.clear();
+    }
+}
+
+// VirtualBacking._idle_entry (false: None)
+bool Engine::idle_entry(const std::pair<std::int64_t, std::uint64_t>& key, IdleChunk& out) const {
+    for (auto& up : vsegs_) {
+        VSeg* other = up.get();
+        if (key.second < other->base || key.second - other->base >= other->nbytes) continue;
+        std::int64_t s = static_cast<std::int64_t>((key.second - other->base) / g_);
+        ChunkHandle h = other->chunks[s];
+        if (!h || (s && other->chunks[s - 1] == h) || chunk_pages(h) != key.first) return false;
+        for (std::int64_t q = s; q < s + key.first; ++q)
+            if (!other->is_empty(q)) return false;
+        out = {key.first, key.second, s, other};
+        return true;
+    }
+    return false;
+}
+
+// VirtualBacking._idle_walk: max_pages < 0 walks every idle chunk, smallest first
+Engine::IdleWalk Engine::idle_walk(VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages) {
+    idle_refresh();
+    IdleWalk w;
+    w.seg = seg;
+    w.first = first;
+    w.last = last;
+    w.descending = max_pages >= 0;
+    w.pos = w.descending ? idle_index_.upper_bound({max_pages, ~std::uint64_t{0}}) : idle_index_.begin();
+    return w;
+}
+
+// The i-th chunk of the walk, looked up in the index as far as needed (nullptr: fewer); entries no longer idle
+// leave the index on the way. The caller changes no page's emptiness while it walks.
+const Engine::IdleChunk* Engine::idle_at(IdleWalk& w, std::size_t i) {
+    while (w.got.size() <= i && !w.done) {
+        if (w.descending) {
+            if (w.pos == idle_index_.begin()) {
+                w.done = true;
+                break;
+            }
+            --w.pos;
+        } else if (w.pos == idle_index_.end()) {
+            w.done = true;
+            break;
+        }
+        IdleChunk c;
+        if (!idle_entry(*w.pos, c)) {
+            w.pos = idle_index_.erase(w.pos);   // descending: the next step goes below it
+            continue;
+        }
+        if (!(c.seg == w.seg && c.s <= w.last && c.s + c.n > w.first)) {
+            if (!w.descending) ++w.pos;
+            w.got.push_back(c);
+        } else if (w.descending) {   // every chunk of this size that meets [first, last] is passed over
+            std::int64_t lo = std::max<std::int64_t>(0, w.first - c.n + 1);
+            w.pos = idle_index_.lower_bound({c.n, c.seg->base + static_cast<std::uint64_t>(lo) * g_});
+        } else {
+            w.pos = idle_index_.upper_bound({c.n, c.seg->base + static_cast<std::uint64_t>(w.last) * g_});
+        }
+    }
+    return i < w.got.size() ? &w.got[i] : nullptr;
+}
+
+// VirtualBacking._idle_index_problems
+void Engine::idle_index_problems(std::vector<std::string>& problems) {
+    std::vector<IdleChunk> all;
+    idle_chunks(nullptr, 0, -1, all);
+    for (const IdleChunk& c : all) {
+        if (idle_index_.count({c.n, c.addr})) continue;
+        bool fresh = false;
+        for (std::int64_t q = c.s; q < c.s + c.n && !fresh; ++q)
+            fresh = c.seg->in_fresh[q] != 0;
+        if (!fresh)
+            problems.push_back("the idle chunk at page " + std::to_string(c.s) + " of " + hex(c.seg->base) + " (" +
+                               std::to_string(static_cast<std::uint64_t>(c.n) * g_) + " B) is not indexed");
+    }
 }
 
 // VirtualBacking._unmap_chunk
@@ -3096,6 +3192,7 @@ std::vector<std::string> Engine::consistency_problems(const ListDevice& list_dev
     }
     if (live_pages != live_pages_)
         problems.push_back(std::to_string(live_pages) + " pages hold live data, live_pages is " + std::to_string(live_pages_));
+    if (chunked_) idle_index_problems(problems);
     if (mapped + unmapped_.size() != n_chunks_ || mapped_nbytes + unmapped_nbytes() != reserved_nbytes_)
         problems.push_back(std::to_string(mapped) + " mapped + " + std::to_string(unmapped_.size()) +
                            " unmapped chunks, n_chunks " + std::to_string(n_chunks_) + ", reserved " +
@@ -3313,6 +3410,16 @@ bool Engine::start_plan_warmup() {
     check_usable_op();
     if (closed_) throw EngineError(EngineErrorKind::kInvalidArgument, "start_plan_warmup: the allocator is closed");
     return plan_start_warmup();
+}
+
+bool Engine::stop_plan_warmup() {   // StepPlan.stop_warmup
+    Guard guard(*this);
+    check_usable_op();
+    if (closed_) throw EngineError(EngineErrorKind::kInvalidArgument, "stop_plan_warmup: the allocator is closed");
+    if (!warmup_) return false;
+    warmup_ = false;
+    empty_cache_locked();
+    return true;
 }
 
 int Engine::plan_mark() {

@@ -397,6 +397,7 @@ class Engine {
     // false when that READY step went away; without one (-1), no READY step raises.
     int mark_step();
     bool start_plan_warmup();   // PythonEngine.start_plan_warmup (Note [A memory-first warm-up] in plan.py)
+    bool stop_plan_warmup();    // PythonEngine.stop_plan_warmup
     struct StepRecord {
         std::uint64_t nbytes;
         std::uint64_t stream;
@@ -737,6 +738,21 @@ class Engine {
     bool custom_pages_ = false;                // VirtualBacking.custom_pages
     std::uint64_t page_nbytes_[2] = {0, 0};    // VirtualBacking.page_nbytes: [large, small] (the range's key)
     std::int64_t seg_chunk_pages(const detail::VSeg* seg, ChunkHandle h) const;   // h.nbytes // seg.page_nbytes
+    // Note [An index of idle chunks] in backing.py: VirtualBacking._idle_keys (same names)
+    using IdleKey = std::pair<std::int64_t, std::uint64_t>;   // (pages, address)
+    std::set<IdleKey> idle_index_;
+    struct IdleWalk {   // _idle_walk's generator: the chunks found so far, and where it is in the index
+        detail::VSeg* seg = nullptr;
+        std::int64_t first = 0, last = -1;
+        bool descending = true, done = false;
+        std::set<IdleKey>::iterator pos;
+        std::vector<IdleChunk> got;
+    };
+    void idle_refresh();
+    bool idle_entry(const IdleKey& key, IdleChunk& out) const;
+    IdleWalk idle_walk(detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages);
+    const IdleChunk* idle_at(IdleWalk& w, std::size_t i);
+    void idle_index_problems(std::vector<std::string>& problems);
     // the fast paths' bodies, under the lock (Note [Fast paths under a held run] in engine.cpp)
     std::uint64_t fast_allocate_locked(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out);
     bool fast_free_locked(std::uint64_t ptr);

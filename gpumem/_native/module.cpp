@@ -1083,6 +1083,10 @@ PyObject* Alloc_start_plan_warmup(AllocObject* self, PyObject*) {
     CHECK_ALIVE(self);
     return run_op(self, [&]() { return PyBool_FromLong(self->engine->start_plan_warmup()); });
 }
+PyObject* Alloc_stop_plan_warmup(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
+    return run_op(self, [&]() { return PyBool_FromLong(self->engine->stop_plan_warmup()); });
+}
 
 // step_template(missing_ok=False): (nbytes, streams, free_own, free_next, generation); None with missing_ok
 // when no step waits (Note [Step plans and threads] in plan.py)
@@ -1511,6 +1515,8 @@ PyMethodDef Alloc_methods[] = {
     {"mark_step", reinterpret_cast<PyCFunction>(Alloc_mark_step), METH_NOARGS, "a step boundary (step plans)"},
     {"start_plan_warmup", reinterpret_cast<PyCFunction>(Alloc_start_plan_warmup), METH_NOARGS,
      "grow memory-first until a step plan is installed (Note [A memory-first warm-up] in plan.py)"},
+    {"stop_plan_warmup", reinterpret_cast<PyCFunction>(Alloc_stop_plan_warmup), METH_NOARGS,
+     "stop the memory-first warm-up as if it had not begun (its idle cache goes back); whether it was on"},
     {"step_template", reinterpret_cast<PyCFunction>(Alloc_step_template), METH_VARARGS,
      "step_template(missing_ok=False): the recorded step waiting for its plan: (nbytes, streams, free_own, "
      "free_next, generation); None with missing_ok when none waits"},

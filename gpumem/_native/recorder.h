@@ -17,8 +17,9 @@
 // thread in between): it is raised to the latest of those, keeping times in list order and never before
 // their window (a trace time of 2**64 less a little, a negative history time). Stream uses
 // (record_stream, kStreamUse) and stream waits (wait_stream, kStreamWait) go to the trace only (kinds 2
-// and 3 there: a gpumem trace's StreamUse and StreamWait); the history, which PyTorch's snapshot format
-// reads, neither takes nor counts them, and skips them when read.
+// and 3 there: a gpumem trace's StreamUse and StreamWait), and so do step-plan events (kPlanEvent: a step
+// mark, the warm-up begun or stopped, its PlanEventKind in the bytes word; kind 4 there: a PlanEvent); the
+// history, which PyTorch's snapshot format reads, neither takes nor counts them, and skips them when read.
 #pragma once
 
 #include <algorithm>
@@ -44,16 +45,19 @@ struct HistoryEvent {          // mirrored by gpumem/recording.py (_HistoryEvent
 
 class Recorder {
   public:
-    static constexpr std::int32_t kAlloc = 0, kFree = 1, kOutOfMemory = 2, kStreamUse = 3, kStreamWait = 4;
+    static constexpr std::int32_t kAlloc = 0, kFree = 1, kOutOfMemory = 2, kStreamUse = 3, kStreamWait = 4,
+                                  kPlanEvent = 5;
     // Words per event gpumem_torch_trace_read writes: kind (0 alloc, 1 free, 2 stream use: record_stream
     // of the allocation at the address on the stream, bytes 0; 3 stream wait: the stream waits for the
-    // stream in the address word, bytes 0), address, bytes, stream, nanoseconds since the trace was
-    // turned on.
+    // stream in the address word, bytes 0; 4 a step-plan event, its PlanEventKind in the bytes word), address,
+    // bytes, stream, nanoseconds since the trace was turned on.
     static constexpr std::size_t kTraceWords = 5;
-    static constexpr std::uint64_t kTraceUseKind = 2, kTraceWaitKind = 3;
+    static constexpr std::uint64_t kTraceUseKind = 2, kTraceWaitKind = 3, kTracePlanKind = 4;
 
     // Whether `action` is the trace's only (the history neither takes nor counts it).
-    static bool trace_only(std::int32_t action) { return action == kStreamUse || action == kStreamWait; }
+    static bool trace_only(std::int32_t action) {
+        return action == kStreamUse || action == kStreamWait || action == kPlanEvent;
+    }
 
     // Whether a window is on (the hooks' one check when both are off).
     bool on() const { return any_on_.load(std::memory_order_relaxed); }
@@ -148,6 +152,7 @@ class Recorder {
                 const std::uint64_t nbytes = static_cast<std::int64_t>(e.nbytes) < 0 ? 0 : e.nbytes;
                 const std::uint64_t kind = e.action == kStreamUse    ? kTraceUseKind
                                            : e.action == kStreamWait ? kTraceWaitKind
+                                           : e.action == kPlanEvent  ? kTracePlanKind
                                                                      : static_cast<std::uint64_t>(e.action);
                 const std::uint64_t words[kTraceWords] = {kind, e.addr, nbytes, e.stream,
                                                           static_cast<std::uint64_t>(e.t_ns - trace_.t0_ns)};

@@ -166,6 +166,11 @@ DeviceEngine* existing(int device) {
     return state().devices[device].load(std::memory_order_acquire);
 }
 
+void record_event(std::int32_t action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream);
+
+// PlanEventKind (gpumem/trace/model.py): what a step-plan event of the trace says (Recorder::kPlanEvent)
+constexpr std::uint64_t kPlanMark = 0, kPlanWarmupStart = 1, kPlanWarmupStop = 2;
+
 DeviceEngine* get_or_make(int device) {
     if (device < 0 || device >= kMaxDevices)
         throw std::runtime_error("gpumem: CUDA device index " + std::to_string(device) + " out of range");
@@ -183,7 +188,9 @@ DeviceEngine* get_or_make(int device) {
                                      " does not support virtual memory management (cuMemCreate/cuMemMap), "
                                      "which gpumem's native engine needs");
         made->engine = std::make_unique<Engine>(*made->backend, torch_engine_config(s.config));
-        if (s.warmup_at_start) made->engine->start_plan_warmup();   // Note [A memory-first warm-up] in plan.py
+        // Note [A memory-first warm-up] in plan.py; the trace says so, for a replay to begin it there too
+        if (s.warmup_at_start && made->engine->start_plan_warmup())
+            record_event(Recorder::kPlanEvent, device, 0, kPlanWarmupStart, 0);
     } catch (const std::exception& e) {
         s.make_error[device] = e.what();
         throw std::runtime_error(std::string("gpumem could not start on CUDA device ") + std::to_string(device) +
@@ -631,7 +638,8 @@ GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double c
 
 // Automatic step marks turned on (on = 1) or off (0): engines made from now on begin the memory-first warm-up
 // at once, and so does every engine that exists (where its policy has one, none ran, no plan is installed:
-// Note [A memory-first warm-up] in plan.py), since the first automatic mark comes after the first step.
+// Note [A memory-first warm-up] in plan.py), since the first automatic mark comes after the first step. Off:
+// every engine's warm-up stops as if it had not begun (its idle cache goes back; a mark by hand begins it again).
 // Returns 0 (an engine whose device was lost is left as it is), -1 with gpumem_torch_last_error() when `on` is
 // not 0 or 1 (nothing changes).
 GPUMEM_EXPORT int gpumem_torch_plan_warmup(int on) {
@@ -642,12 +650,13 @@ GPUMEM_EXPORT int gpumem_torch_plan_warmup(int on) {
     TorchState& s = state();
     std::lock_guard<std::mutex> lock(s.make_mutex);
     s.warmup_at_start = on != 0;
-    if (!on) return 0;
     for (auto& slot : s.devices) {
         DeviceEngine* d = slot.load(std::memory_order_acquire);
         if (d == nullptr) continue;
         try {
-            d->engine->start_plan_warmup();
+            const int device = static_cast<int>(&slot - &s.devices[0]);
+            if (on ? d->engine->start_plan_warmup() : d->engine->stop_plan_warmup())
+                record_event(Recorder::kPlanEvent, device, 0, on ? kPlanWarmupStart : kPlanWarmupStop, 0);
         } catch (const std::exception&) {
             // a lost device's engine refuses every operation: it has nothing to warm up; the others go on
         }
@@ -660,7 +669,9 @@ GPUMEM_EXPORT int gpumem_torch_plan_warmup(int on) {
 // step waits for its plan, 2 the plan was dropped), or -1 with gpumem_torch_last_error().
 GPUMEM_EXPORT int gpumem_torch_step_mark(int device) {
     try {
-        return get_or_make(device)->engine->mark_step();
+        const int result = get_or_make(device)->engine->mark_step();
+        record_event(Recorder::kPlanEvent, device, 0, kPlanMark, 0);   // a replay marks there too
+        return result;
     } catch (const std::exception& e) {
         t_last_error = e.what();
         return -1;

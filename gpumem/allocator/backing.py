@@ -182,17 +182,39 @@ mapped nowhere. The memory is that of ``busy_slack=0`` without its waits: on the
 the ``busy_slack`` rule. Off by default: live on the H200 every steal cost 70-290 µs, more than its
 driver calls, and at cap 1/256 it cost +7 % step time on GPT-2 and +14 % on ResNet-50 for 0.9 and 1.0
 points of memory; the step-time target (within 1 %) comes first until a steal is cheaper.
+Note [An index of idle chunks]
+------------------------------
+A steal takes the largest idle chunk that fits, then the highest address (:meth:`VirtualBacking._steal_chunk`;
+the give-back of :meth:`~VirtualBacking._release_idle_chunk` the smallest, then the lowest). It listed the idle
+chunks by walking every empty page to its chunk's start, then sorted them: per steal, work in the pages held
+empty. Memory-first growth (the warm-up: one-page chunks up to 8 GiB held) makes thousands of one-page chunks
+and steals one page at a time, so a multi-GB allocation past the peak made thousands of such walks: 200 ops
+of 0.5-4 GiB at ~35 GiB held took 12.0 s warm against 0.39 s not (attacker 14, F1). Now the backing keeps the
+chunks that were idle, as ``(pages, address)``, in a sorted index; a steal walks it from its largest fitting
+entry down (or from the smallest up) as far as the loop over the sorted list went, so it looks at exactly the
+chunks, in exactly the order, that the sorted list gave: the same fences recorded and queried, the same chunk
+chosen, the same calls. The chunks that meet the block being committed are passed over, one bisection per size
+(its own new chunks are idle until it takes its pages: a walk met them all, on every steal of a multi-GB
+block). Kept up to date lazily, with no work where chunks go busy: every page put in
+``empty`` is also put in ``fresh`` (``decommit``, a chunk mapped, the undo paths), and a walk first indexes
+the chunks of the fresh pages, then drops on its way every entry that is no longer an idle chunk of that size
+there (taken, unmapped, a different chunk). A chunk becomes idle only when a page of it goes into ``empty``,
+so an idle chunk is always indexed or has a fresh page (``check_consistency`` checks it, both engines). The
+cost: a set insertion per page that falls empty, and an entry per chunk that was once idle. Figures:
+``python -m benchmarks.warmup_steal_bench`` (``reports/warmup-steal-index.md``).
 """
 
 from __future__ import annotations
 
 import abc
+import bisect
 import heapq
+import itertools
 import logging
 import math
 from array import array
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..device import Device, PhysicalHandle
 from ..errors import InternalError, InvalidArgumentError, OutOfMemoryError
@@ -464,7 +486,7 @@ class VirtualSegment(Segment):
     """A reserved virtual range that grows at its top, mapped page by page; shared by all streams."""
 
     __slots__ = ("top", "refs", "chunks", "empty", "dirty", "page_fences", "users", "noaccess", "top_fences",
-                 "page_nbytes", "deferred")
+                 "page_nbytes", "deferred", "fresh")
 
     def __init__(self, base: int, nbytes: int, small: bool, granularity: int) -> None:
         super().__init__(base, nbytes, small, 0)
@@ -493,6 +515,9 @@ class VirtualSegment(Segment):
         self.deferred: set[int] = set()
         """Pages whose chunk was stolen stream-ordered and is still mapped there until its fence completes
         (Note [Stream-ordered steal]): counted as unmapped, mapped again only once drained."""
+        self.fresh: set[int] = set()
+        """Pages put in :attr:`empty` since the backing last looked for idle chunks (Note [An index of idle
+        chunks])."""
 
 
 def pool_page_nbytes(device: Device, policy: AllocatorPolicy) -> dict[bool, int]:
@@ -568,6 +593,10 @@ class VirtualBacking(Backing):
         self._first_stream: int | None = None
         self.multi_stream = False
         """Whether blocks of more than one stream ever existed (then pages track their streams)."""
+        self._idle_keys: list[tuple[int, int]] = []
+        """``(pages, address)`` of chunks that were idle when indexed, sorted (Note [An index of idle chunks])."""
+        self._idle_known: set[tuple[int, int]] = set()
+        """The entries of :attr:`_idle_keys`."""
 
     def _segment(self, small: bool) -> VirtualSegment:
         key = small and self.policy.separate_small_pool
@@ -712,6 +741,7 @@ class VirtualBacking(Backing):
             refs[p] -= 1
             if refs[p] == 0:
                 seg.empty[p] = None
+                seg.fresh.add(p)
                 self.live_pages -= 1
                 dirty = seg.dirty
                 d = dirty.get(p)
@@ -850,6 +880,7 @@ class VirtualBacking(Backing):
                 except Exception as exc:  # noqa: BLE001 - the first error is the one raised
                     log.debug("could not unmap page %d after a failed map: %s", p, exc)
                     seg.empty[p] = None
+                    seg.fresh.add(p)
                     continue
                 self.device_calls += 1
                 seg.chunks[p] = None
@@ -1058,6 +1089,7 @@ class VirtualBacking(Backing):
                         for q in range(start, start + n):
                             if not seg.refs[q]:
                                 seg.empty[q] = None
+                                seg.fresh.add(q)
                         for entry, _ in stolen:  # stolen stream-ordered: its old work fences it here too
                             if entry[2] is handle and any(e is entry for e in self.deferred):
                                 for q in range(start, start + n):
@@ -1118,6 +1150,7 @@ class VirtualBacking(Backing):
             seg.noaccess.add(q)
             if not refs[q]:
                 seg.empty[q] = None  # pages of the chunk past the block (grown ahead): mapped, empty
+                seg.fresh.add(q)
         self._segment_event("segment_map", va, handle.nbytes, 0)
 
     def _growth_pages(self, seg: VirtualSegment, pos: int, rem: int, at_top: bool, budget: int) -> int:
@@ -1195,6 +1228,93 @@ class VirtualBacking(Backing):
                     found.append((n, other.base + s * g, s, other))
         return found
 
+    # -- Note [An index of idle chunks] ------------------------------------------------------------------
+    def _idle_refresh(self) -> None:
+        """Index the chunks of the pages put in ``empty`` since the last look (idle or not: checked when read)."""
+        g = self.granularity
+        keys, known = self._idle_keys, self._idle_known
+        for other in self.vsegments.values():
+            fresh = other.fresh
+            if not fresh:
+                continue
+            empty, chunks = other.empty, other.chunks
+            for p in fresh:
+                if p not in empty or chunks[p] is None:
+                    continue  # taken again (or unmapped) since: its chunk is not idle
+                s = self._chunk_start(other, p)
+                key = (chunks[s].nbytes // g, other.base + s * g)  # type: ignore[union-attr]
+                if key not in known:
+                    known.add(key)
+                    bisect.insort(keys, key)
+            fresh.clear()
+
+    def _idle_entry(self, key: tuple[int, int]) -> tuple[int, int, int, VirtualSegment] | None:
+        """The index entry ``(pages, address)`` as :meth:`_idle_chunks` lists it, or None when no idle chunk of
+        that size starts there now."""
+        n, addr = key
+        g = self.granularity
+        for other in self.vsegments.values():
+            offset = addr - other.base
+            if 0 <= offset < other.nbytes:
+                s = offset // g
+                chunks, empty = other.chunks, other.empty
+                handle = chunks[s]
+                if handle is None or (s and chunks[s - 1] is handle) or handle.nbytes // g != n:
+                    return None
+                if s in empty if n == 1 else all(q in empty for q in range(s, s + n)):
+                    return (n, addr, s, other)
+                return None
+        return None
+
+    def _idle_walk(self, seg: VirtualSegment, first: int, last: int,
+                   max_pages: int | None) -> Iterator[tuple[int, int, int, VirtualSegment]]:
+        """The idle chunks outside ``[first, last]`` of ``seg`` in the order its callers sorted
+        :meth:`_idle_chunks` in: with ``max_pages``, those of at most ``max_pages``, largest first then highest
+        address; without, all, smallest first then lowest address. Entries found not idle leave the index.
+        The caller changes no page's emptiness while it walks."""
+        self._idle_refresh()
+        keys, known = self._idle_keys, self._idle_known
+        g = self.granularity
+        if max_pages is not None:
+            i = bisect.bisect_right(keys, (max_pages, math.inf))
+            while i > 0:
+                i -= 1
+                key = keys[i]
+                c = self._idle_entry(key)
+                if c is None:
+                    del keys[i]  # the ones below keep their places
+                    known.discard(key)
+                elif not (c[3] is seg and c[2] <= last and c[2] + c[0] > first):
+                    yield c
+                else:  # every chunk of this size that meets [first, last] is passed over: go below them
+                    i = bisect.bisect_left(keys, (c[0], seg.base + max(0, first - c[0] + 1) * g), 0, i)
+            return
+        i = 0
+        while i < len(keys):
+            key = keys[i]
+            c = self._idle_entry(key)
+            if c is None:
+                del keys[i]
+                known.discard(key)
+                continue
+            i += 1
+            if not (c[3] is seg and c[2] <= last and c[2] + c[0] > first):
+                yield c
+            else:  # ... go above them
+                i = bisect.bisect_right(keys, (c[0], seg.base + last * g), i)
+
+    def _idle_index_problems(self) -> list[str]:
+        """Idle chunks the index would miss: neither indexed nor with a page put in ``empty`` since it was
+        refreshed (Note [An index of idle chunks])."""
+        g = self.granularity
+        problems = []
+        for n, addr, s, other in self._idle_chunks(None, 0, -1):  # type: ignore[arg-type]
+            if (n, addr) not in self._idle_known and not any(q in other.fresh for q in range(s, s + n)):
+                problems.append(f"the idle chunk at page {s} of {other.base:#x} ({n * g} B) is not indexed")
+        if len(self._idle_known) != len(self._idle_keys) or sorted(self._idle_known) != self._idle_keys:
+            problems.append("the index of idle chunks is not sorted or not its set")
+        return problems
+
     def _chunk_ready(self, seg: VirtualSegment, s: int, wait: bool, batch: dict[int, int],
                      busy: dict[int, int] | None = None) -> bool:
         """Whether the work on every page of the idle chunk at ``s`` is done (fences recorded and
@@ -1211,22 +1331,23 @@ class VirtualBacking(Backing):
         device allow and the memory held stays within ``busy_slack`` (Note [Wait, do not grow, behind the
         GPU]), and which is waited for otherwise. With ``stream_ordered_steal``, before either, the first
         busy chunk whose pending work is all on ``stream`` is stolen at once (Note [Stream-ordered steal])."""
-        fits = sorted((c for c in self._idle_chunks(seg, first, last) if c[0] <= max_pages), reverse=True)
-        if not fits:
+        fits = self._idle_walk(seg, first, last, max_pages)  # Note [An index of idle chunks]
+        top = next(fits, None)
+        if top is None:
             return None
         batch: dict[int, int] = {}
         busy: dict[int, int] = {}
-        for n, _, s, other in fits:
+        for n, _, s, other in itertools.chain((top,), fits):
             if self._chunk_ready(other, s, False, batch, busy):
                 self.n_steals += 1
                 return self._unmap_chunk(other, s)
         if self.knobs.stream_ordered_steal:
-            for n, _, s, other in fits:
+            for n, _, s, other in self._idle_walk(seg, first, last, max_pages):
                 pending = self._chunk_fences(other, s, batch)
                 if all(st == stream or self.fences.done(st, number) for st, number in pending.items()):
                     self.n_steals += 1
                     return self._defer_unmap(other, s, pending)
-        n, _, s, other = fits[0]
+        n, _, s, other = top
         if self.reserved_nbytes // self.granularity + n <= self._busy_pages:
             try:
                 return self._create_chunk(n, requested)
@@ -1239,16 +1360,19 @@ class VirtualBacking(Backing):
     def _release_idle_chunk(self, seg: VirtualSegment, first: int, last: int, wait: bool) -> bool:
         """Give back the smallest idle chunk whose work is done (with ``wait``: else the smallest,
         waiting for its work); False when there is none."""
-        idle = sorted(self._idle_chunks(seg, first, last))
+        smallest: tuple[int, int, int, VirtualSegment] | None = None
         batch: dict[int, int] = {}
         busy: dict[int, int] = {}
-        for _, _, s, other in idle:
+        for c in self._idle_walk(seg, first, last, None):  # Note [An index of idle chunks]
+            if smallest is None:
+                smallest = c
+            _, _, s, other = c
             if self._chunk_ready(other, s, False, batch, busy):
                 break
         else:
-            if not wait or not idle:
+            if not wait or smallest is None:
                 return False
-            _, _, s, other = idle[0]
+            _, _, s, other = smallest
             self._chunk_ready(other, s, True, batch)
         self.unmapped.append(self._unmap_chunk(other, s))
         self._release_unmapped(1)
@@ -1325,6 +1449,7 @@ class VirtualBacking(Backing):
             seg.deferred.discard(q)
             seg.chunks[q] = handle
             seg.empty[q] = None
+            seg.fresh.add(q)
             if pending:
                 seg.page_fences[q] = dict(pending)
         seg.noaccess.update(noaccess)
@@ -1510,6 +1635,8 @@ class VirtualBacking(Backing):
                     problems.append(f"page {p} of {seg.base:#x} is mapped, empty and not stealable")
         if live_pages != self.live_pages:
             problems.append(f"{live_pages} pages hold live data, live_pages is {self.live_pages}")
+        if self.chunked:
+            problems += self._idle_index_problems()
         held_nbytes = mapped_nbytes + sum(h.nbytes for h in self.unmapped)
         if (mapped + len(self.unmapped)) != self.n_chunks or held_nbytes != self.reserved_nbytes:
             problems.append(f"{mapped} mapped + {len(self.unmapped)} unmapped chunks, n_chunks {self.n_chunks}, "

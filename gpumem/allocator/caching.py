@@ -245,6 +245,17 @@ class CachingAllocator(AllocatorContract):
         """
         return bool(self._engine.start_plan_warmup())
 
+    def stop_plan_warmup(self) -> bool:
+        """Stop the memory-first warm-up as if it had not begun, for a program that turns its automatic marks
+        off: the idle cache goes back (the warm-up's small chunks do not outlive it), the engine grows by its
+        policy again, and a later :meth:`mark_step` or :meth:`start_plan_warmup` may begin it again. Returns
+        whether it was on.
+
+        Raises:
+            InvalidArgumentError: the allocator is closed.
+        """
+        return bool(self._engine.stop_plan_warmup())
+
     def reset_peak_stats(self) -> None:
         """Set the peaks (allocated, requested, reserved) to the values now, as
         ``torch.cuda.reset_peak_memory_stats`` does; reserved counts a step plan's arena."""

@@ -91,6 +91,10 @@ class Engine(Protocol):
         warm-up] in :mod:`gpumem.allocator.plan`)."""
         ...
 
+    def stop_plan_warmup(self) -> bool:
+        """Stop the memory-first warm-up as if it had not begun (its idle cache goes back); whether it was on."""
+        ...
+
     def step_template(self, missing_ok: bool = False) -> tuple[list[int], list[int], list[int], list[int], int] | None:
         """The recorded step waiting for its plan: requested bytes, streams, free ranks (own step, next), and
         its generation (for :meth:`install_plan`); None with ``missing_ok`` when none waits."""

@@ -77,6 +77,7 @@ class NativeEngine:
         self.step_template = ext.step_template
         self.step_plan_info = ext.step_plan_info
         self.start_plan_warmup = ext.start_plan_warmup
+        self.stop_plan_warmup = ext.stop_plan_warmup
         self.reset_peak_stats = ext.reset_peak_stats
         self.run_ops = ext.run_ops   # Note [A step's ops in one call] (gpumem/_native/op_table.h)
 

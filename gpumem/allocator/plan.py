@@ -131,8 +131,9 @@ Rule (``AllocatorPolicy.plan_warmup``, on in the default policy; ``growth=CHUNKS
 ``mark_step()``, or ``start_plan_warmup()`` (automatic marks call it when turned on: their first mark comes
 after the first step), turns it on; while on, the engine grows as the memory-first setting does whatever its
 knobs say: no page slack, the stream-ordered steal, chunks of one page up to 8 GiB held and 1/4096 of what is
-held past it (:meth:`~.policy.AllocatorPolicy.memory_first`: every steal scans the chunks, and one-page chunks made that
-quadratic, 33 s for 200 multi-GB operations at 27 GB held, attacker 14). It ends for good when a plan is
+held past it (:meth:`~.policy.AllocatorPolicy.memory_first`: every steal scanned the chunks, and one-page chunks made that
+quadratic, 33 s for 200 multi-GB operations at 27 GB held, attacker 14; the steal now walks an index, Note [An
+index of idle chunks] in :mod:`.backing`). It ends for good when a plan is
 installed, at the :data:`WARMUP_MARKS` (8th) mark with none (a repeating loop is planned at its third), or
 after :data:`WARMUP_ALLOCS` allocations with no mark (checked where the engine grows, the only place the
 knobs are read). Ended with a plan, what it grew stays. Ended with none, the engine's idle cache goes back at
@@ -702,6 +703,15 @@ class StepPlan:
             self.warmup_done = True
             if not planned:
                 self.e._empty_cache_locked()
+
+    def stop_warmup(self) -> bool:
+        """Stop the warm-up as if it had not begun (automatic marks turned off): the idle cache goes back, and a
+        later mark or ``start_plan_warmup()`` may begin it again. Whether it was on."""
+        if not self.e.backing.warmup:
+            return False
+        self.e.backing.warmup = False
+        self.e._empty_cache_locked()
+        return True
 
     def check_warmup(self) -> None:
         """Before the engine grows (its slow path): past :data:`WARMUP_ALLOCS` allocations with no mark, the

@@ -673,6 +673,14 @@ class PythonEngine:
                 raise InvalidArgumentError("start_plan_warmup: the allocator is closed")
             return self._plan.start_warmup()
 
+    def stop_plan_warmup(self) -> bool:
+        """Stop the memory-first warm-up as if it had not begun (Note [A memory-first warm-up] in :mod:`.plan`);
+        whether it was on."""
+        with self._operation():
+            if self._closed:
+                raise InvalidArgumentError("stop_plan_warmup: the allocator is closed")
+            return self._plan.stop_warmup()
+
     def step_template(self, missing_ok: bool = False) -> tuple[list[int], list[int], list[int], list[int], int] | None:
         """The READY step: (requested bytes, streams, free rank in its step, free rank in the next, generation);
         None with ``missing_ok`` when no step waits."""

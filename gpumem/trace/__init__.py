@@ -29,7 +29,7 @@ from __future__ import annotations
 from .builder import build_trace, replay_addresses
 from .io import FORMATS, detect_format, load_trace, save_trace
 from .limits import DEFAULT_LIMITS, TraceLimits
-from .model import OpKind, StreamUse, StreamWait, Trace, TraceOp, TraceSummary
+from .model import OpKind, PlanEvent, PlanEventKind, StreamUse, StreamWait, Trace, TraceOp, TraceSummary
 from .gmt import read_gmt_trace, write_gmt_trace
 from .pytorch import load_snapshot_dict, read_pytorch_snapshot, snapshot_to_trace
 from .pytorch_export import save_pytorch_snapshot, to_pytorch_snapshot
@@ -43,6 +43,8 @@ __all__ = [
     "OpKind",
     "OpcodeScanner",
     "PlainUnpickler",
+    "PlanEvent",
+    "PlanEventKind",
     "SEGMENT_ACTIONS",
     "SegmentEvent",
     "StreamUse",

@@ -14,7 +14,10 @@ Allocator logs name allocations by address: ``alloc 0x7f..00 (4096 B)`` and late
   a use of an address with no live allocation (allocated before the window opened) is skipped and
   counted, as an unmatched free is;
 * with ``wait_code``, an event of that code is a stream wait (``wait_stream``): its stream waits for the
-  stream in its address field, kept as a :class:`~gpumem.trace.model.StreamWait` at its place.
+  stream in its address field, kept as a :class:`~gpumem.trace.model.StreamWait` at its place;
+* with ``plan_code``, an event of that code is a step-plan event, its kind (a
+  :class:`~gpumem.trace.model.PlanEventKind` value) in its size field, kept as a
+  :class:`~gpumem.trace.model.PlanEvent` at its place.
 
 The loop touches only a dict and two list appends per event, so a million events
 take well under a second; all per-op columns are gathered afterwards with numpy.
@@ -31,9 +34,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import InvalidArgumentError
-from .model import OpKind, StreamUse, StreamWait, Trace
+from .model import OpKind, PlanEvent, PlanEventKind, StreamUse, StreamWait, Trace
 
-__all__ = ["AddressReuseError", "build_ops", "build_trace", "replay_addresses", "USE_CODE", "WAIT_CODE"]
+__all__ = ["AddressReuseError", "build_ops", "build_trace", "replay_addresses", "USE_CODE", "WAIT_CODE", "PLAN_CODE"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,9 @@ USE_CODE = 2
 #: The code gpumem's recorders give a stream wait (``wait_stream``; the awaited stream in the address
 #: field); read as one only when asked (``wait_code``).
 WAIT_CODE = 3
+#: The code gpumem.torch's recorder gives a step-plan event (a mark, the warm-up begun or stopped; its kind in
+#: the size field); read as one only when asked (``plan_code``).
+PLAN_CODE = 4
 
 
 class AddressReuseError(Exception):
@@ -59,7 +65,8 @@ class AddressReuseError(Exception):
 
 def build_ops(codes: Sequence[int], addrs: Sequence[int], use_code: int | None = None,
               uses: list[tuple[int, int, int]] | None = None, wait_code: int | None = None,
-              waits: list[tuple[int, int]] | None = None) -> tuple[array[int], array[int], int]:
+              waits: list[tuple[int, int]] | None = None, plan_code: int | None = None,
+              plans: list[tuple[int, int]] | None = None) -> tuple[array[int], array[int], int]:
     """Pair allocs and frees by address.
 
     ``codes[i]`` is 0 (alloc), 1 (free) or anything else (ignored), ``addrs[i]`` the
@@ -69,7 +76,8 @@ def build_ops(codes: Sequence[int], addrs: Sequence[int], use_code: int | None =
     :class:`AddressReuseError` for an alloc at a live address. With ``use_code`` (not 0 or 1), each
     event of that code whose address is live is appended to ``uses`` as ``(at_op, alloc_id, index)``
     (those of addresses not live are skipped, and not counted in ``n_unmatched``). With ``wait_code``,
-    each event of that code is appended to ``waits`` as ``(at_op, index)``.
+    each event of that code is appended to ``waits`` as ``(at_op, index)``, and with ``plan_code`` to
+    ``plans``.
     """
     live: dict[int, int] = {}
     kept = array("q")  # compact: 8 bytes per event, where a list of ints takes ~40
@@ -100,6 +108,8 @@ def build_ops(codes: Sequence[int], addrs: Sequence[int], use_code: int | None =
                 uses.append((len(kept), aid, i))
         elif code == wait_code and waits is not None:
             waits.append((len(kept), i))
+        elif code == plan_code and plans is not None:
+            plans.append((len(kept), i))
     return kept, ids, n_unmatched
 
 
@@ -116,6 +126,7 @@ def build_trace(
     n_failed_allocs: int = 0,
     use_code: int | None = None,
     wait_code: int | None = None,
+    plan_code: int | None = None,
 ) -> Trace:
     """Turn parallel address-keyed event columns into a :class:`Trace`.
 
@@ -125,18 +136,24 @@ def build_trace(
     of ``use_code`` (gpumem's recorders: :data:`USE_CODE`) are stream uses
     (:attr:`Trace.stream_uses`); a use of an address not live is skipped (logged, not counted in
     ``n_unmatched_frees``). Events of ``wait_code`` (:data:`WAIT_CODE`) are stream waits
-    (:attr:`Trace.stream_waits`): the event's stream waits for the stream in its ``addrs`` field.
+    (:attr:`Trace.stream_waits`): the event's stream waits for the stream in its ``addrs`` field. Events of
+    ``plan_code`` (:data:`PLAN_CODE`) are step-plan events (:attr:`Trace.plan_events`), their
+    :class:`PlanEventKind` in ``sizes``; another kind raises :class:`InvalidArgumentError`.
     """
     if use_code in (ALLOC_CODE, FREE_CODE):
         raise InvalidArgumentError(f"build_trace: use_code {use_code} is the code of an alloc or a free")
     if wait_code in (ALLOC_CODE, FREE_CODE) or (wait_code is not None and wait_code == use_code):
         raise InvalidArgumentError(f"build_trace: wait_code {wait_code} is the code of an alloc, a free or a use")
+    if plan_code in (ALLOC_CODE, FREE_CODE) or (plan_code is not None and plan_code in (use_code, wait_code)):
+        raise InvalidArgumentError(f"build_trace: plan_code {plan_code} is the code of an alloc, a free, a use or a wait")
     codes_list = codes.tolist() if isinstance(codes, np.ndarray) else codes
     addrs_list = addrs.tolist() if isinstance(addrs, np.ndarray) else addrs
     raw_uses: list[tuple[int, int, int]] = []
     raw_waits: list[tuple[int, int]] = []
+    raw_plans: list[tuple[int, int]] = []
     kept, ids, n_unmatched = build_ops(codes_list, addrs_list, use_code, raw_uses if use_code is not None else None,
-                                       wait_code, raw_waits if wait_code is not None else None)
+                                       wait_code, raw_waits if wait_code is not None else None,
+                                       plan_code, raw_plans if plan_code is not None else None)
     n_unmatched_uses = 0
     if use_code is not None:
         n_unmatched_uses = sum(1 for c in codes_list if c == use_code) - len(raw_uses)
@@ -173,6 +190,7 @@ def build_trace(
         n_failed_allocs=n_failed_allocs,
         stream_uses=_stream_uses(raw_uses, streams, times_us),
         stream_waits=_stream_waits(raw_waits, addrs_list, streams, times_us),
+        plan_events=_plan_events(raw_plans, sizes, times_us),
     )
 
 
@@ -197,6 +215,21 @@ def _stream_waits(raw: list[tuple[int, int]], addrs: Sequence[int], streams: Seq
     s = np.asarray(streams, dtype=np.int64)[idx].tolist()
     t = np.asarray(times_us, dtype=np.float64)[idx].tolist()
     return tuple(StreamWait(at, si, int(addrs[i]), ti) for (at, i), si, ti in zip(raw, s, t))
+
+
+def _plan_events(raw: list[tuple[int, int]], sizes: Sequence[int] | np.ndarray,
+                 times_us: Sequence[float] | np.ndarray) -> tuple[PlanEvent, ...]:
+    """:class:`PlanEvent` objects of :func:`build_ops`' ``(at_op, event index)`` pairs (the kind in the size)."""
+    if not raw:
+        return ()
+    idx = np.fromiter((r[1] for r in raw), dtype=np.int64, count=len(raw))
+    kinds = np.asarray(sizes, dtype=np.int64)[idx].tolist()
+    t = np.asarray(times_us, dtype=np.float64)[idx].tolist()
+    bad = [k for k in kinds if k not in PlanEventKind._value2member_map_]
+    if bad:
+        raise InvalidArgumentError(f"plan event kind {bad[0]} is not one of "
+                                   f"{', '.join(f'{int(k)} ({k.name})' for k in PlanEventKind)}")
+    return tuple(PlanEvent(at, PlanEventKind(k), ti) for (at, _), k, ti in zip(raw, kinds, t))
 
 
 def replay_addresses(trace: Trace) -> np.ndarray:

@@ -24,6 +24,8 @@ single spaces::
 * ``w <stream> <waited> <time_us>`` (version 3): a stream wait, work queued on ``stream`` from there on
   waits for the work queued on ``waited`` before it (:class:`~gpumem.trace.model.StreamWait`; ``at_op``
   as for ``u``).
+* ``p <kind> <time_us>`` (version 4): a step-plan event of the program, ``kind`` 0 a step mark, 1 the
+  memory-first warm-up begun, 2 stopped (:class:`~gpumem.trace.model.PlanEvent`; ``at_op`` as for ``u``).
 * ``n_ops`` in the header must match the number of op lines (this catches a
   truncated uncompressed file); ``name``, ``source`` and the counters restore the
   :class:`~gpumem.trace.Trace` fields, so ``read(write(t)) == t``.
@@ -37,10 +39,11 @@ object, counts :data:`STREAM_ENTRY_NBYTES`), an integer
 ``version`` (not ``true``), and every number in ASCII digits and in range (sizes,
 ids, addresses and streams in ``[0, 2**63)``), and a header ``time_unit`` of ``"us"`` (or none).
 Versions: 1 has ``a`` and ``f`` lines only; 2 adds ``u`` lines and the header's ``n_stream_uses`` (their
-count); 3 adds ``w`` lines and the header's ``n_stream_waits``. The writer writes the oldest version that
-holds the trace: 1 when it has neither uses nor waits (so such files are byte for byte what they were), 2
-with uses only, 3 with waits; the reader reads all three, and refuses ``u`` lines before version 2 and
-``w`` lines before version 3.
+count); 3 adds ``w`` lines and the header's ``n_stream_waits``; 4 adds ``p`` lines and the header's
+``n_plan_events``. The writer writes the oldest version that holds the trace: 1 when it has neither uses
+nor waits nor plan events (so such files are byte for byte what they were), 2 with uses only, 3 with waits,
+4 with plan events; the reader reads all four, and refuses ``u`` lines before version 2, ``w`` lines before
+version 3 and ``p`` lines before version 4.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ import numpy as np
 from ..errors import InvalidArgumentError, TraceFormatError
 from ._fileio import PathLike, check_exists, iter_lines, open_binary, open_for_writing
 from .limits import DEFAULT_LIMITS, ENTRY_NBYTES, TraceLimits, shorten
-from .model import OpKind, StreamUse, StreamWait, Trace
+from .model import OpKind, PlanEvent, PlanEventKind, StreamUse, StreamWait, Trace
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSIONS", "NATIVE_SUFFIXES", "read_gmt_trace",
            "write_gmt_trace"]
@@ -80,9 +83,9 @@ def _op_cap(limits: TraceLimits, n_stream: int) -> tuple[int, str]:
     return by_count, "TraceLimits.max_entries"
 
 
-#: The newest version (stream waits); a trace is written in the oldest version that holds it (module docstring).
-FORMAT_VERSION = 3
-FORMAT_VERSIONS = (1, 2, 3)
+#: The newest version (plan events); a trace is written in the oldest version that holds it (module docstring).
+FORMAT_VERSION = 4
+FORMAT_VERSIONS = (1, 2, 3, 4)
 NATIVE_SUFFIXES = (".gmt", ".gmt.gz")
 _HEADER_INTS = ("n_ops", "n_allocs", "n_unmatched_frees", "n_failed_allocs")
 _INT64_MAX = 2**63 - 1
@@ -103,9 +106,10 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
     """Write ``trace`` in the .gmt format (gzip when ``path`` ends in ``.gz``); returns the path."""
     uses = trace.stream_uses
     waits = trace.stream_waits
+    plans = trace.plan_events
     header: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": 3 if waits else 2 if uses else 1,
+        "version": 4 if plans else 3 if waits else 2 if uses else 1,
         "name": trace.name,
         "source": trace.source,
         "n_ops": trace.n_ops,
@@ -114,13 +118,16 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
         "n_failed_allocs": trace.n_failed_allocs,
         "time_unit": "us",
     }
-    if uses or waits:
+    if uses or waits or plans:
         header["n_stream_uses"] = len(uses)
-    if waits:
+    if waits or plans:
         header["n_stream_waits"] = len(waits)
+    if plans:
+        header["n_plan_events"] = len(plans)
     use_at = [u.at_op for u in uses] + [-1]   # -1: no more uses
     wait_at = [w.at_op for w in waits] + [-1]
-    k = j = 0
+    plan_at = [e.at_op for e in plans] + [-1]
+    k = j = m = 0
     p = Path(path)
     fmt_time = _fmt_time
     with open_for_writing(p) as f:
@@ -138,6 +145,10 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
                 w = waits[j]
                 push(f"w {w.stream} {w.waited} {fmt_time(float(w.time_us))}\n")
                 j += 1
+            while plan_at[m] == i:
+                e = plans[m]
+                push(f"p {int(e.kind)} {fmt_time(float(e.time_us))}\n")
+                m += 1
             if kind == OpKind.ALLOC:
                 push(f"a {aid} {n} {s} {fmt_time(t)} {a:x}\n")
             else:
@@ -149,6 +160,8 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
             push(f"u {u.alloc_id} {u.stream} {fmt_time(float(u.time_us))}\n")
         for w in waits[j:]:
             push(f"w {w.stream} {w.waited} {fmt_time(float(w.time_us))}\n")
+        for e in plans[m:]:
+            push(f"p {int(e.kind)} {fmt_time(float(e.time_us))}\n")
         f.write("".join(lines))
     return p
 
@@ -182,7 +195,8 @@ def _parse_header(line: str, where: str, limits: TraceLimits = DEFAULT_LIMITS) -
                    f"(this reader knows {', '.join(map(str, FORMAT_VERSIONS))})"
         )
     for key in _HEADER_INTS + (("n_stream_uses",) if header["version"] >= 2 else ()) \
-            + (("n_stream_waits",) if header["version"] >= 3 else ()):
+            + (("n_stream_waits",) if header["version"] >= 3 else ()) \
+            + (("n_plan_events",) if header["version"] >= 4 else ()):
         value = header.get(key)
         if key not in header:
             raise TraceFormatError(where, f"line 1: header field {key!r} is missing")
@@ -237,12 +251,14 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
     live = bytearray()
     uses: list[StreamUse] = []
     waits: list[StreamWait] = []
+    plans: list[PlanEvent] = []
     with open_binary(path, limits=limits, progress=progress) as f:
         lines = iter_lines(f, where, limits)
         first = next(lines, None)
         header = _parse_header(first[1] if first else "", where, limits)
         with_uses = header["version"] >= 2
         with_waits = header["version"] >= 3
+        with_plans = header["version"] >= 4
         for lineno, line in lines:
             p = line.split()
             try:
@@ -273,7 +289,7 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                     if not 0 <= aid < len(live) or not live[aid]:
                         raise ValueError(f"stream use of id {aid}, which is not live")
                     uses.append(StreamUse(len(kinds), aid, _int(p[2], "stream", 0, _INT64_MAX), _time(p[3])))
-                    max_ops, binding = _op_cap(limits, len(uses) + len(waits))
+                    max_ops, binding = _op_cap(limits, len(uses) + len(waits) + len(plans))
                     if len(kinds) > max_ops:   # the except below names the file and line
                         raise ValueError(f"more entries than the limits admit ({binding}); raise the limit if "
                                          "the file is genuine")
@@ -281,7 +297,15 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                 elif tag == "w" and len(p) == 4 and with_waits:
                     waits.append(StreamWait(len(kinds), _int(p[1], "stream", 0, _INT64_MAX),
                                             _int(p[2], "waited stream", 0, _INT64_MAX), _time(p[3])))
-                    max_ops, binding = _op_cap(limits, len(uses) + len(waits))
+                    max_ops, binding = _op_cap(limits, len(uses) + len(waits) + len(plans))
+                    if len(kinds) > max_ops:   # the except below names the file and line
+                        raise ValueError(f"more entries than the limits admit ({binding}); raise the limit if "
+                                         "the file is genuine")
+                    continue
+                elif tag == "p" and len(p) == 3 and with_plans:
+                    kind = _int(p[1], "plan event kind", 0, max(PlanEventKind))
+                    plans.append(PlanEvent(len(kinds), PlanEventKind(kind), _time(p[2])))
+                    max_ops, binding = _op_cap(limits, len(uses) + len(waits) + len(plans))
                     if len(kinds) > max_ops:   # the except below names the file and line
                         raise ValueError(f"more entries than the limits admit ({binding}); raise the limit if "
                                          "the file is genuine")
@@ -292,6 +316,8 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                                                                       else " (a version 1 file)")
                                      + (" or 'w <stream> <waited> <time_us>'" if with_waits
                                         else " (a version 2 file)" if with_uses else "")
+                                     + (" or 'p <kind> <time_us>'" if with_plans
+                                        else " (a version 3 file)" if with_waits else "")
                                      + f", got {shorten(line.strip())}")
             except (ValueError, IndexError) as e:
                 raise TraceFormatError(where, f"line {lineno}: {e}") from None
@@ -311,13 +337,15 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
         raise TraceFormatError(where, f"header says {header['n_stream_uses']} stream uses, the file has {len(uses)}")
     if with_waits and len(waits) != header["n_stream_waits"]:
         raise TraceFormatError(where, f"header says {header['n_stream_waits']} stream waits, the file has {len(waits)}")
+    if with_plans and len(plans) != header["n_plan_events"]:
+        raise TraceFormatError(where, f"header says {header['n_plan_events']} plan events, the file has {len(plans)}")
     try:
         return Trace(
             header["name"], header["source"],
             np.array(kinds, dtype=np.int8), np.array(ids, dtype=np.int64), np.array(nbytes, dtype=np.int64),
             np.array(streams, dtype=np.int64), np.array(times, dtype=np.float64), np.array(addrs, dtype=np.int64),
             n_unmatched_frees=header["n_unmatched_frees"], n_failed_allocs=header["n_failed_allocs"],
-            stream_uses=tuple(uses), stream_waits=tuple(waits),
+            stream_uses=tuple(uses), stream_waits=tuple(waits), plan_events=tuple(plans),
         )
     except (InvalidArgumentError, OverflowError) as e:
         raise TraceFormatError(where, shorten(str(e), 200)[1:-1]) from None

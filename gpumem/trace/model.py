@@ -50,7 +50,8 @@ from .limits import shorten
 _INT64_MAX = 2**63 - 1
 _STREAM_RANGE = "stream must be in [0, 2**63) (a cudaStream_t, as a .gmt file stores it)"
 
-__all__ = ["OpKind", "TraceOp", "TraceSummary", "Trace", "SOURCES", "StreamUse", "StreamWait"]
+__all__ = ["OpKind", "TraceOp", "TraceSummary", "Trace", "SOURCES", "StreamUse", "StreamWait", "PlanEvent",
+           "PlanEventKind"]
 
 #: The values :attr:`Trace.source` takes for traces this package produced.
 SOURCES = ("pytorch-snapshot", "rmm-log", "gpumem", "recorded")
@@ -113,6 +114,29 @@ class StreamWait:
     at_op: int
     stream: int
     waited: int
+    time_us: float = 0.0
+
+
+class PlanEventKind(enum.IntEnum):
+    """What a program told gpumem's step plans (Note [Step plans] in :mod:`gpumem.allocator.plan`): a step mark
+    (``gpumem.torch.step()``, or an optimizer step with automatic marks), or the memory-first warm-up begun or
+    stopped (automatic marks turned on or off, the first optimizer on a GPU made)."""
+
+    MARK = 0
+    WARMUP_START = 1
+    WARMUP_STOP = 2
+
+
+@dataclass(frozen=True, slots=True)
+class PlanEvent:
+    """A step-plan event of the program (:class:`PlanEventKind`), at ``at_op`` as for :class:`StreamWait` (after
+    ops ``0 .. at_op - 1``, before op ``at_op``). A replay under a policy gpumem.torch can run makes the same
+    call to its allocator there (``mark_step``, ``start_plan_warmup``, ``stop_plan_warmup``: Note [Plan events in
+    a replay] in :mod:`gpumem.replay`), so that it predicts a run with step plans. ``time_us`` is the call's
+    time (0.0 when unknown)."""
+
+    at_op: int
+    kind: PlanEventKind
     time_us: float = 0.0
 
 
@@ -185,6 +209,8 @@ class Trace:
     """The program's ``record_stream`` calls, in order (module docstring); empty for most sources."""
     stream_waits: tuple[StreamWait, ...] = ()
     """The program's cross-stream waits, in order (module docstring); empty for most sources."""
+    plan_events: tuple[PlanEvent, ...] = ()
+    """The program's step marks and warm-up switches (gpumem.torch traces), in order; empty for other sources."""
 
     __hash__ = None  # type: ignore[assignment]  # mutable container of arrays
 
@@ -210,8 +236,13 @@ class Trace:
         if not all(isinstance(w, StreamWait) for w in waits):
             raise InvalidArgumentError("Trace.stream_waits must hold StreamWait objects")
         self.stream_waits = waits
+        plans = tuple(self.plan_events)
+        if not all(isinstance(e, PlanEvent) for e in plans):
+            raise InvalidArgumentError("Trace.plan_events must hold PlanEvent objects")
+        self.plan_events = plans
         self.validate()
         self.stream_uses, self.stream_waits = _float_times(self.stream_uses), _float_times(self.stream_waits)
+        self.plan_events = _float_times(self.plan_events)
         live = self.n_allocs - int(np.count_nonzero(self.kinds == OpKind.FREE))
         if self.n_live_at_end not in (0, live):
             raise InvalidArgumentError(f"n_live_at_end={self.n_live_at_end} but the ops leave {live} allocations live")
@@ -227,6 +258,18 @@ class Trace:
             self._validate_uses()
         if self.stream_waits:
             self._validate_waits()
+        if self.plan_events:
+            self._validate_plan_events()
+
+    def _validate_plan_events(self) -> None:
+        last = 0
+        for k, e in enumerate(self.plan_events):
+            where = f"plan event {k} ({_show(e.kind)} before op {_show(e.at_op)})"
+            _check_placed_event(where, e, ("at_op",), last, self.n_ops, "plan events")
+            if not isinstance(e.kind, PlanEventKind):
+                raise InvalidArgumentError(f"{where}: kind must be a PlanEventKind")
+            _check_time_us(where, e.time_us)
+            last = e.at_op
 
     def _validate_waits(self) -> None:
         n_ops = self.n_ops
@@ -418,6 +461,7 @@ class Trace:
             and self.ops_equal(other)
             and self.stream_uses == other.stream_uses
             and self.stream_waits == other.stream_waits
+            and self.plan_events == other.plan_events
         )
 
     def __repr__(self) -> str:
@@ -470,8 +514,8 @@ class Trace:
         new trace's ``n_unmatched_frees`` (a reader would have done the same with a
         trace recorded from ``start`` on). Counters describing the whole source
         (``n_unmatched_frees``, ``n_failed_allocs`` of ``self``) are not carried over.
-        Stream uses inside the window of allocations made in it are kept, and stream waits made from just
-        before op ``start`` to just before op ``stop`` (a wait at either edge orders work of the window).
+        Stream uses inside the window of allocations made in it are kept, and stream waits and plan events made
+        from just before op ``start`` to just before op ``stop`` (a wait at either edge orders work of the window).
         """
         n = self.n_ops
         start, stop, _ = slice(start, stop).indices(n)
@@ -488,6 +532,8 @@ class Trace:
                      for u in self.stream_uses if start < u.at_op <= stop and new_id[u.alloc_id] >= 0)
         waits = tuple(StreamWait(int(kept_before[w.at_op - start]), w.stream, w.waited, w.time_us)
                       for w in self.stream_waits if start <= w.at_op <= stop)
+        plans = tuple(PlanEvent(int(kept_before[e.at_op - start]), e.kind, e.time_us)
+                      for e in self.plan_events if start <= e.at_op <= stop)
         return Trace(
             self.name,
             self.source,
@@ -500,6 +546,7 @@ class Trace:
             n_unmatched_frees=int(np.count_nonzero(~keep)),
             stream_uses=uses,
             stream_waits=waits,
+            plan_events=plans,
         )
 
     def head(self, n_ops: int) -> Trace:
@@ -511,7 +558,7 @@ class Trace:
         return Trace(
             name, self.source, self.kinds, self.alloc_ids, self.nbytes, self.streams, self.times_us, self.addrs,
             n_unmatched_frees=self.n_unmatched_frees, n_failed_allocs=self.n_failed_allocs,
-            stream_uses=self.stream_uses, stream_waits=self.stream_waits,
+            stream_uses=self.stream_uses, stream_waits=self.stream_waits, plan_events=self.plan_events,
         )
 
 

@@ -11,9 +11,8 @@ Each workload (random weights, synthetic data, fixed seeds, no download) runs in
   free PyTorch asks it for (:func:`gpumem.torch.start_trace`), its ``record_stream`` calls, and every
   ``torch.cuda.Stream.wait_stream`` (:func:`trace_wait_streams`) into a gpumem ``.gmt`` trace; with
   ``--gpumem-policy`` the engine takes that policy's growth knobs (:func:`gpumem.torch.configure`); with
-  ``--gpumem-plan-steps`` ``gpumem.torch.step()`` marks the top of every step, with
-  ``--gpumem-step-marks optimizer`` the optimizer's steps mark (``configure(step_marks=...)``, no call in
-  the loop).
+  ``--gpumem-plan-steps`` ``gpumem.torch.step()`` marks the top of every step (automatic marks off); else
+  the optimizer's steps mark as gpumem.torch does by default (``--gpumem-step-marks off`` turns that off).
 
 Per run it records live peak allocated and peak reserved bytes, the mean step time after warm-up and
 every step's loss (or the generated tokens' checksum), and the trace file (gzipped) beside the JSON
@@ -43,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from gpumem.torch import STEP_MARKS
+from gpumem.torch import DEFAULT_STEP_MARKS, STEP_MARKS, STEP_MARKS_OFF
 
 from .train import _child_env   # PyTorch's allocator as shipped, cuBLAS configured alike
 
@@ -474,17 +473,19 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
               plan_steps: bool = False, step_marks: str | None = None) -> dict:
     """Runs one workload under one allocator in this process, recording its trace into ``out_dir``;
     ``plan_steps``: under gpumem, ``gpumem.torch.step()`` marks the top of every step (step plans, Note
-    [Step plans] in gpumem/allocator/plan.py); ``step_marks``: under gpumem, ``configure(step_marks=...)``
-    marks them with no call in the loop (``"optimizer"``: every optimizer step; Note [Automatic step marks]
-    in gpumem/torch.py)."""
+    [Step plans] in gpumem/allocator/plan.py), automatic marks off; ``step_marks``: under gpumem,
+    ``configure(step_marks=...)`` marks them with no call in the loop (``"optimizer"``: every optimizer step;
+    Note [Automatic step marks] in gpumem/torch.py), ``"off"`` turns those off, None leaves gpumem.torch's
+    default."""
     if allocator == "gpumem":
         import gpumem.torch as gt
 
         gt.install()
         if policy:
             gt.configure(parse_policy(policy))
-        if step_marks:
-            gt.configure(step_marks=step_marks)
+        if step_marks or plan_steps:
+            gt.configure(step_marks=None if plan_steps or step_marks == STEP_MARKS_OFF else step_marks)
+        step_marks = gt.automatic_step_marks()
         gt.start_trace()
     import torch
 
@@ -539,9 +540,7 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
                       peak_reserved_bytes=st["reserved_bytes.all.peak"], num_allocs=st["num_allocs"],
                       num_device_calls=st["num_device_calls"], n_steals=st["gpumem.n_steals"],
                       n_waits=st["gpumem.n_waits"], n_chunks=st["gpumem.n_chunks"], plan_steps=plan_steps,
-                      step_marks=step_marks)
-        if plan_steps or step_marks:
-            record["step_plan"] = gt.step_plan_info(0).as_dict()
+                      step_marks=step_marks, step_plan=gt.step_plan_info(0).as_dict())
         from gpumem.trace import save_trace
 
         save_trace(gt.recorded_trace(0, name=f"{workload} on gpumem.torch"), trace_path)
@@ -579,9 +578,10 @@ def run_live(workloads: Sequence[str], allocators: Sequence[str], steps: int, wa
              step_marks: str | None = None) -> Path:
     """Every workload under every allocator, each its own process; the record is rewritten after each run."""
     out.mkdir(parents=True, exist_ok=True)
+    marks_label = None if plan_steps or step_marks == STEP_MARKS_OFF else step_marks or DEFAULT_STEP_MARKS
     result: dict[str, Any] = {"date": _dt.date.today().isoformat(), "steps": steps, "warmup": warmup,
                               "gpumem_policy": policy, "gpumem_plan_steps": plan_steps,
-                              "gpumem_step_marks": step_marks, "runs": [], "gpu": "?",
+                              "gpumem_step_marks": marks_label, "runs": [], "gpu": "?",
                               "torch": "?"}
     path = out / (f"workloads-{tag}.json" if tag else "workloads.json")
     for workload in workloads:
@@ -813,9 +813,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     live.add_argument("--gpumem-policy", default=None, help="the gpumem engine's policy (default: the engine's)")
     live.add_argument("--gpumem-plan-steps", action="store_true",
                       help="under gpumem, mark every step with gpumem.torch.step() (step plans)")
-    live.add_argument("--gpumem-step-marks", choices=STEP_MARKS, default=None,
+    live.add_argument("--gpumem-step-marks", choices=STEP_MARKS + (STEP_MARKS_OFF,), default=None,
                       help="under gpumem, automatic step marks (gpumem.torch.configure(step_marks=...)): "
-                           "'optimizer' marks at every optimizer step, no gpumem.torch.step() in the loop")
+                           "'optimizer' marks at every optimizer step, no gpumem.torch.step() in the loop; "
+                           f"'off' none (default: gpumem.torch's, {DEFAULT_STEP_MARKS!r})")
     live.add_argument("--timeout", type=float, default=120.0, help="seconds per run (default: %(default)s)")
     live.add_argument("--tag", default="", help="the record's name is workloads-TAG.json (default workloads.json)")
     live.add_argument("--out", type=Path, required=True,
@@ -829,7 +830,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     child.add_argument("--child-out", type=Path, required=True)
     child.add_argument("--gpumem-policy", default=None)
     child.add_argument("--gpumem-plan-steps", action="store_true")
-    child.add_argument("--gpumem-step-marks", choices=STEP_MARKS, default=None)
+    child.add_argument("--gpumem-step-marks", choices=STEP_MARKS + (STEP_MARKS_OFF,), default=None)
     pred = sub.add_parser("predict", help="replay records' traces and tabulate live against predicted")
     pred.add_argument("records", type=Path, nargs="+", help="workloads records, each with its traces beside it")
     pred.add_argument("--sim", default="sim:h200-141gb", help="simulated device of the replays (default: %(default)s)")
@@ -854,7 +855,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unknown workload or allocator: {', '.join(bad)}")
         if not 0 < args.warmup < args.steps:
             parser.error("need 0 < --warmup < --steps")
-        if args.gpumem_plan_steps and args.gpumem_step_marks:
+        if args.gpumem_plan_steps and args.gpumem_step_marks not in (None, STEP_MARKS_OFF):
             parser.error("--gpumem-plan-steps and --gpumem-step-marks mark the same steps twice: choose one")
         path = run_live(names, allocators, args.steps, args.warmup, args.out, args.gpumem_policy, args.timeout,
                         args.tag, args.gpumem_plan_steps, args.gpumem_step_marks)

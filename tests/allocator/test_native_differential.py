@@ -399,6 +399,11 @@ class Differential(RuleBasedStateMachine):
         """Note [A memory-first warm-up] in gpumem/allocator/plan.py: begun before any mark, or refused."""
         self.pair.both("start_plan_warmup")
 
+    @rule()
+    def stop_plan_warmup(self):
+        """Automatic marks turned off: the warm-up stops as if it had not begun (its idle cache goes back)."""
+        self.pair.both("stop_plan_warmup")
+
     @rule(pattern=STEP_PATTERNS, jitter=st.sampled_from([None, None, None, 0, 3]))
     def planned_step(self, pattern, jitter):
         """A step of a repeating pattern (its allocations freed ``life`` allocations later, some in the
@@ -510,6 +515,59 @@ def test_native_and_python_decide_the_same_when_marks_go_missing(steps, limit, r
     info = pair.allocs[0].step_plan_info()
     event(f"implicit steps: {min(info.implicit_steps, 3)}")
     event(f"plans dropped: {min(info.plans_dropped, 2)}")
+    pair.both("close")
+
+
+WARM_OPS = st.lists(st.tuples(
+    st.booleans(),   # allocate (else free a live one)
+    st.one_of(st.sampled_from([64 * MiB, 256 * MiB, 700 * MiB, 1500 * MiB]), st.integers(1, 1 * MiB)),
+    st.sampled_from([0, 0, 7, 9]),
+    st.integers(0, 10**6),   # which live allocation a free frees
+    st.sampled_from([0.0, 0.0, 1e-3, 1e-2])),   # a kernel on the allocation's stream after it (fences pending)
+    min_size=8, max_size=40)
+
+
+@given(ops=WARM_OPS, warm=st.sampled_from([True, True, False]), one_stream=st.booleans(),
+       policy=st.sampled_from([_BASE, dataclasses.replace(_BASE, name="wait-busy", busy_slack=0.0)]))
+@settings(max_examples=int(os.environ.get("GPUMEM_DIFF_EXAMPLES", "60")) // 3, deadline=None)
+def test_many_one_page_chunks_while_warm_are_stolen_the_same(ops, warm, one_stream, policy):
+    """Note [An index of idle chunks] in gpumem/allocator/backing.py: the warm-up's one-page chunks by the
+    thousand (5.5 GiB freed on a side stream first, then allocations of up to 1.5 GiB on the H200), stolen
+    stream-ordered or waited for with kernels pending on three streams, and freed in random order: both engines walk their indexes to the same chunks
+    (the same device calls after every operation) and neither index misses an idle chunk (check_consistency)."""
+    pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")), policy=policy)
+    if warm:
+        assert pair.both("start_plan_warmup") == ("ok", True)
+    # 5.5 GiB of one-page chunks while warm, freed on a stream the ops do not use: they grow by stealing them
+    # (one stream: every other block of 700 MiB freed, between blocks kept: a larger one grows at the top)
+    side = 0 if one_stream else 5
+    prelude = [pair.both("allocate", 700 * MiB, side)[1] for _ in range(8)]
+    pair.on_devices(lambda d: d.launch(side, 1e-3))
+    pair.compare("launch")
+    live: list[int] = []
+    for j, ptr in enumerate(prelude):
+        if one_stream and j % 2:
+            live.append(ptr)
+        else:
+            pair.both("free", ptr)
+    for k, (allocate, size, stream, i, lag_s) in enumerate(ops):
+        stream = 0 if one_stream else stream
+        if allocate or not live:
+            r = pair.both("allocate", size, stream)
+            if r[0] == "ok":
+                live.append(r[1])
+            if lag_s:
+                pair.on_devices(lambda d: d.launch(stream, lag_s))
+                pair.compare("launch")
+        else:
+            pair.both("free", live.pop(i % len(live)))
+        if k % 8 == 7:
+            pair.both("check_consistency")
+    pair.both("check_consistency")
+    steals = pair.allocs[0].backing.n_steals
+    event("steals: " + ("0" if not steals else "1-99" if steals < 100 else "100-999" if steals < 1000 else "1000+"))
+    pair.both("empty_cache")
+    pair.both("check_consistency")
     pair.both("close")
 
 

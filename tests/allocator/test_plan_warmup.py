@@ -192,3 +192,32 @@ def test_marks_on_a_device_without_virtual_memory_are_refused_and_change_nothing
     assert alloc.step_plan_info() == before and not alloc.start_plan_warmup()
     alloc.free(ptr)
     alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_stopping_it_gives_the_idle_cache_back_and_a_later_mark_begins_it_again(engine):
+    """Automatic marks turned off (an attacker's finding: the warm-up went on for WARMUP_ALLOCS allocations):
+    the warm-up stops as if it had not begun, its small chunks go back, and marks by hand may begin it again."""
+    alloc = make(engine)
+    assert not alloc.stop_plan_warmup()   # not on: nothing to stop
+    assert alloc.start_plan_warmup()
+    ptrs = [alloc.allocate(3 * MiB) for _ in range(8)]
+    keep = ptrs.pop()
+    for p in ptrs:
+        alloc.free(p)
+    held = alloc.memory_stats()["reserved_nbytes"]
+    assert alloc.stop_plan_warmup() and not warmup(alloc)
+    assert alloc.memory_stats()["reserved_nbytes"] < held   # the idle chunks went back
+    assert not alloc.stop_plan_warmup()
+    alloc.mark_step()
+    assert warmup(alloc)   # not "one warm-up per allocator": this one never ended
+    alloc.free(keep)
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_closed_allocator_refuses_to_stop_it(engine):
+    alloc = make(engine)
+    alloc.close()
+    with pytest.raises(InvalidArgumentError, match="stop_plan_warmup: the allocator is closed"):
+        alloc.stop_plan_warmup()

@@ -31,7 +31,7 @@ def test_trace_from_words_pairs_frees_and_skips_the_unknown_one() -> None:
     assert int(t.live_nbytes().max()) == 8 * MiB
 
 
-@pytest.mark.parametrize("words, why", [([0, 1, 2, 3], "whole number"), ([4, 1, 2, 3, 4], "is not 0 .alloc.")])
+@pytest.mark.parametrize("words, why", [([0, 1, 2, 3], "whole number"), ([5, 1, 2, 3, 4], "is not 0 .alloc."), ([4, 1, 7, 3, 4], "plan event kind 7")])
 def test_trace_from_words_refuses_a_bad_buffer(words: list[int], why: str) -> None:
     with pytest.raises(TraceFormatError, match=why):
         trace_from_words(words)

@@ -39,15 +39,18 @@ struct TwoRecorders {
 
     void record(std::int32_t action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream,
                 std::int64_t t) {
-        if (history_on && action != Recorder::kStreamUse && action != Recorder::kStreamWait) {   // the trace's only
+        if (history_on && action != Recorder::kStreamUse && action != Recorder::kStreamWait &&
+            action != Recorder::kPlanEvent) {   // the trace's only
             if (history.size() >= max_entries) ++dropped;
             else history.push_back(HistoryEvent{addr, nbytes, stream, static_cast<double>(t - history_t0) / 1000.0,
                                                 device, action});
         }
         if (trace_on && action != Recorder::kOutOfMemory) {
             const std::uint64_t n = static_cast<std::int64_t>(nbytes) < 0 ? 0 : nbytes;
-            const std::uint64_t kind = action == Recorder::kStreamUse ? 2 : action == Recorder::kStreamWait ? 3
-                                                                                                            : static_cast<std::uint64_t>(action);
+            const std::uint64_t kind = action == Recorder::kStreamUse    ? 2
+                                       : action == Recorder::kStreamWait ? 3
+                                       : action == Recorder::kPlanEvent  ? 4
+                                                                         : static_cast<std::uint64_t>(action);
             trace[device].insert(trace[device].end(), {kind, addr, n, stream,
                                                        static_cast<std::uint64_t>(t - trace_t0)});
         }
@@ -136,14 +139,16 @@ int main() {
                 one.trace_stop();
                 two.trace_on = false;
             } else {
-                const unsigned pick = static_cast<unsigned>(rng() % 10);
+                const unsigned pick = static_cast<unsigned>(rng() % 11);
                 const std::int32_t action = pick == 0 ? Recorder::kOutOfMemory
                                             : pick == 1 ? Recorder::kStreamUse
-                                            : pick == 2 ? Recorder::kStreamWait : static_cast<std::int32_t>(rng() % 2);
+                                            : pick == 2 ? Recorder::kStreamWait
+                                            : pick == 3 ? Recorder::kPlanEvent : static_cast<std::int32_t>(rng() % 2);
                 const int device = static_cast<int>(rng() % 3);
                 std::uint64_t nbytes = 1 + rng() % (1u << 30);
                 if (action == Recorder::kFree && rng() % 8 == 0) nbytes = static_cast<std::uint64_t>(-1);   // size < 0
                 if (action == Recorder::kStreamUse || action == Recorder::kStreamWait) nbytes = 0;
+                if (action == Recorder::kPlanEvent) nbytes = rng() % 3;   // a PlanEventKind
                 const std::uint64_t addr = action == Recorder::kOutOfMemory ? 0 : (rng() % 4096) << 21;
                 const std::uint64_t stream = rng() % 3;
                 CHECK(one.on() == (two.history_on || two.trace_on), "seed %d step %d: on() is wrong", seed, step);

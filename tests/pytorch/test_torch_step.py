@@ -85,6 +85,8 @@ class StandIn:
         self.warmup_calls = getattr(self, "warmup_calls", []) + [on]
         if on:
             self.e.start_plan_warmup()
+        else:
+            self.e.stop_plan_warmup()
         return 0
 
     def gpumem_torch_last_error(self):

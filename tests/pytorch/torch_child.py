@@ -159,15 +159,49 @@ def scenario_trace_out_env() -> None:
         assert t.n_allocs == 2 and t.n_unmatched_frees == 0, t
 
 
-def scenario_step_marks_env() -> None:
-    """GPUMEM_STEP_MARKS=optimizer: a training loop with no gpumem.torch.step() gets a step plan from its
-    optimizer's steps (Note [Automatic step marks] in gpumem/torch.py); a second optimizer does not mark."""
+def _two_optimizer_loop(torch, steps: int = 12):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
+    head = torch.nn.Linear(256, 1).cuda()
+    opt, opt_head = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.SGD(head.parameters(), lr=1e-3)
+    x = torch.randn(512, 256, device="cuda")
+    for _ in range(steps):
+        loss = head(model(x)).square().mean()
+        opt.zero_grad(set_to_none=True)
+        opt_head.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        opt_head.step()
+    torch.cuda.synchronize()
+    return opt
+
+
+def scenario_step_marks_off_env() -> None:
+    """GPUMEM_STEP_MARKS=off: no automatic marks, no warm-up, no plan."""
     import os
 
-    os.environ["GPUMEM_STEP_MARKS"] = "optimizer"
+    os.environ["GPUMEM_STEP_MARKS"] = "off"
     import gpumem.torch as gt
 
     gt.install()
+    import torch
+
+    _two_optimizer_loop(torch)
+    info = gt.step_plan_info(0)
+    assert gt.automatic_step_marks() is None and info.plans_installed == 0 and info.warmup == 0, info
+    assert info.steps_hit + info.steps_missed == 0, info
+
+
+def scenario_step_marks_env() -> None:
+    """GPUMEM_STEP_MARKS unset (the default): a training loop with no gpumem.torch.step() gets a step plan from
+    its optimizer's steps (Note [Automatic step marks] in gpumem/torch.py); a second optimizer does not mark."""
+    import os
+
+    os.environ.pop("GPUMEM_STEP_MARKS", None)
+    import gpumem.torch as gt
+
+    gt.install()
+    assert gt.automatic_step_marks() == "optimizer"
     import torch
 
     torch.manual_seed(0)

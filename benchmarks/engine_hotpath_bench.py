@@ -43,13 +43,13 @@ ENGINE = ROOT / "gpumem" / "_native" / "engine.cpp"
 
 def build(out: Path, two_calls: bool, root: Path = ROOT, name: str = "engine_hotpath_bench",
           expandable: bool = False) -> Path:
-    """Compiles the benchmark (``-O2``, as setup.py builds the engine) against the engine under ``root``
+    """Compiles the benchmark (``-O3``, as setup.py builds the engine) against the engine under ``root``
     (``expandable``: under that policy, pages of 2 / 20 MiB); returns the executable."""
     cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
     exe = out / (name + ("_two_calls" if two_calls else "") + ("_expandable" if expandable else ""))
-    cmd = [cxx, "-std=c++17", "-O2", "-o", str(exe), str(root / SOURCE.relative_to(ROOT)),
+    cmd = [cxx, "-std=c++17", "-O3", "-o", str(exe), str(root / SOURCE.relative_to(ROOT)),
            str(root / ENGINE.relative_to(ROOT)), "-pthread"]
     if two_calls:
         cmd.insert(1, "-DGPUMEM_BENCH_TWO_CALLS")

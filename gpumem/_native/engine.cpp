@@ -265,6 +265,103 @@ void PtrMap::clear() {
     n_ = 0;
 }
 
+// Note [A few free blocks in an array]: a free list often holds few blocks (the 7B's decode under the `gpumem`
+// policy, 4,000 new tokens: 5 or 6 free blocks in all, 2 to 7 in the list each time one is added), and every
+// allocation and free changes it two or three times (the best fit out, the split's rest in; the neighbours out,
+// the merged block in). In a red-black tree of Block* each of those walks nodes and blocks and rebalances: some
+// 15 % of the samples of that replay (perf). So while a list holds at most kArrayMax blocks, FreeBlocks keeps
+// their keys (size, place) sorted in an array, each block beside its key: a search reads the array only, an
+// insert or removal moves a few entries. Past kArrayMax it moves them into the set of Block* (each block's node,
+// as fl_add kept it) and keeps the set until the list is down to kArrayMin (no back and forth at the edge). Same
+// order either way, so the same best fit and the same walks: what the engine decides does not depend on the
+// form (tests/allocator/test_native_hot_path_forms.py). The engine alone on that decode's 9.1 M ops: 35 to 37 ns
+// an op before, 30 to 32 after (reports/estimate-speed.md, round 8).
+namespace {
+constexpr std::size_t kArrayMax = 32;
+constexpr std::size_t kArrayMin = 8;
+inline bool entry_less(std::uint64_t size, std::uint64_t place, const FreeBlocks::Entry& e) {
+    return size != e.size ? size < e.size : place < e.place;
+}
+}  // namespace
+
+void FreeBlocks::add(Block* b) {
+    if (!set_mode_ && arr_.size() >= kArrayMax) to_set();
+    if (set_mode_) {
+        if (b->node.empty()) {
+            b->where = set_.insert(b).first;
+        } else {
+            b->node.value() = b;
+            b->where = set_.insert(std::move(b->node)).position;
+        }
+        return;
+    }
+    if (arr_.capacity() < kArrayMax) arr_.reserve(kArrayMax);   // once: no allocation on the hot path after
+    const std::uint64_t size = b->size, place = b->place;
+    std::size_t i = arr_.size();
+    arr_.emplace_back();
+    Entry* a = arr_.data();
+    for (; i > 0 && entry_less(size, place, a[i - 1]); --i) a[i] = a[i - 1];   // one insertion sort step
+    a[i] = Entry{size, place, b};
+}
+
+bool FreeBlocks::remove(Block* b) {
+    if (set_mode_) {
+        if (*b->where != b) return false;
+        b->node = set_.extract(b->where);
+        if (set_.size() <= kArrayMin) to_array();
+        return true;
+    }
+    Entry* a = arr_.data();
+    const std::size_t n = arr_.size();
+    for (std::size_t i = 0; i < n; ++i)
+        if (a[i].b == b) {
+            for (; i + 1 < n; ++i) a[i] = a[i + 1];
+            arr_.pop_back();
+            return true;
+        }
+    return false;
+}
+
+Block* FreeBlocks::best_fit(std::uint64_t size) const {
+    if (set_mode_) {
+        auto it = set_.lower_bound(std::make_pair(size, std::uint64_t(0)));
+        return it == set_.end() ? nullptr : *it;
+    }
+    for (const Entry& e : arr_)
+        if (e.size >= size) return e.b;
+    return nullptr;
+}
+
+void FreeBlocks::to_set() {
+    std::size_t moved = 0;
+    try {   // a node that cannot be allocated leaves the list as it was (in the array)
+        for (; moved < arr_.size(); ++moved) {
+            Block* b = arr_[moved].b;
+            if (b->node.empty()) {
+                b->where = set_.insert(set_.end(), b);
+            } else {
+                b->node.value() = b;
+                b->where = set_.insert(set_.end(), std::move(b->node));
+            }
+        }
+    } catch (...) {
+        for (std::size_t i = 0; i < moved; ++i) arr_[i].b->node = set_.extract(arr_[i].b->where);
+        throw;
+    }
+    set_mode_ = true;
+    arr_.clear();
+}
+
+void FreeBlocks::to_array() {
+    set_mode_ = false;
+    arr_.reserve(kArrayMax);
+    while (!set_.empty()) {
+        Block* b = *set_.begin();
+        arr_.push_back(Entry{b->size, b->place, b});
+        b->node = set_.extract(set_.begin());
+    }
+}
+
 }  // namespace detail
 
 using detail::Block;
@@ -507,12 +604,7 @@ Block* Engine::drop_last_block(VSeg* seg) {
 void Engine::fl_add(FreeList* fl, Block* b) {
     // FreeList keys by address; TopDownFreeList by the segment's order plus the offset in it
     b->place = top_down_ ? b->seg->order + (b->addr - b->seg->base) : b->addr;
-    if (b->node.empty()) {
-        b->where = fl->blocks.insert(b).first;
-    } else {
-        b->node.value() = b;
-        b->where = fl->blocks.insert(std::move(b->node)).position;
-    }
+    fl->blocks.add(b);   // Note [A few free blocks in an array]
     b->in_list = fl;
     fl->nbytes += b->size;
 }
@@ -520,16 +612,14 @@ void Engine::fl_add(FreeList* fl, Block* b) {
 void Engine::fl_remove(FreeList* fl, Block* b) {
     // the place fl_add kept (no second descent of the set); a block is in at most one list, and its
     // size and address do not change while it is in one
-    if (b->in_list != fl || *b->where != b)
+    if (b->in_list != fl || !fl->blocks.remove(b))
         throw EngineError(EngineErrorKind::kInternal, "block " + hex(b->addr) + " is not in its free list");
-    b->node = fl->blocks.extract(b->where);
     b->in_list = nullptr;
     fl->nbytes -= b->size;
 }
 
 Block* Engine::fl_best_fit(FreeList* fl, std::uint64_t size) {
-    auto it = fl->blocks.lower_bound(std::make_pair(size, std::uint64_t(0)));
-    return it == fl->blocks.end() ? nullptr : *it;
+    return fl->blocks.best_fit(size);
 }
 
 // -- free lists (PythonEngine._free_lists, an insertion-ordered dict) ------------------------------
@@ -2249,12 +2339,33 @@ void Engine::check_usable_op() {
     }
 
 std::uint64_t Engine::try_allocate_fast(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out) {
+    Guard guard(*this);
+    return fast_allocate_locked(nbytes, stream, size_out);
+}
+
+// Note [Fast paths under a held run]: run_ops (module.cpp) holds the engine's lock through a run of fast paths
+// (Note [One lock for a run of fast paths]); try_allocate_fast and try_free_fast took it again per op all the
+// same, nested: a look at the owning thread (an atomic load and pthread_self) and the depth counted up and down,
+// some 3 ns of the 28 an op cost the engine on the 7B's decode (engine-only bench, reports/estimate-speed.md round
+// 8). The _held variants are the same fast paths without that nesting; they check only that a run is held (a
+// plain flag: the binding calls them between hold_for_fast_run() and release_for_fast_run() on its own thread).
+std::uint64_t Engine::try_allocate_fast_held(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out) {
+    if (!fast_run_held_) throw EngineError(EngineErrorKind::kInternal, "try_allocate_fast_held outside a held run");
+    return fast_allocate_locked(nbytes, stream, size_out);
+}
+
+bool Engine::try_free_fast_held(std::uint64_t ptr) {
+    if (!fast_run_held_) throw EngineError(EngineErrorKind::kInternal, "try_free_fast_held outside a held run");
+    return fast_free_locked(ptr);
+}
+
+// try_allocate_fast under the lock
+std::uint64_t Engine::fast_allocate_locked(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out) {
     if (nbytes == 0) return 0;
     const std::uint64_t r = cfg_.round_nbytes;
     if (nbytes > UINT64_MAX - r) return 0;
     std::uint64_t size = (nbytes + r - 1) & ~(r - 1);   // r is a power of two (the constructor checks)
     bool small = static_cast<std::int64_t>(size) <= small_max_ && size <= (UINT64_MAX >> 1);
-    Guard guard(*this);
     if (lost_ || closed_) return 0;
     if (plan_active()) return plan_serve_fast(nbytes, stream, size_out);   // else allocate() runs the plan layer
     FreeList* fl = free_list_get(small, stream);
@@ -2373,6 +2484,11 @@ void Engine::count_alloc(std::uint64_t size, std::uint64_t nbytes) {
 
 bool Engine::try_free_fast(std::uint64_t ptr) {
     Guard guard(*this);
+    return fast_free_locked(ptr);
+}
+
+// try_free_fast under the lock
+bool Engine::fast_free_locked(std::uint64_t ptr) {
     if (lost_) return false;
     if (plan_active()) return plan_free_fast(ptr);   // else free() runs the plan layer
     Block* b = static_cast<Block*>(live_.get(ptr));

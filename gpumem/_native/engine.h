@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <iterator>
 #include <list>
 #include <memory>
 #include <atomic>
@@ -233,10 +234,65 @@ struct Block {
     std::uint64_t place = 0;   // the second half of its free-list key: addr, or its top-down place (fl_add)
 };
 
+// A free list's blocks in (size, place) order (Note [A few free blocks in an array] in engine.cpp): a sorted
+// array of their keys while they are few, the ordered set of Block::node / Block::where past that. Iterated
+// (begin/end, rbegin) as the set would be.
+class FreeBlocks {
+  public:
+    struct Entry {   // a block's key kept beside it: the array's search reads no block
+        std::uint64_t size, place;
+        Block* b;
+    };
+    class iterator {
+      public:
+        using iterator_category = std::bidirectional_iterator_tag;
+        using value_type = Block*;
+        using difference_type = std::ptrdiff_t;
+        using pointer = Block* const*;
+        using reference = Block* const&;
+        iterator() = default;
+        iterator(const Entry* e, BlockSet::const_iterator it) : e_(e), it_(it) {}
+        reference operator*() const { return e_ ? e_->b : *it_; }
+        iterator& operator++() {
+            if (e_) ++e_; else ++it_;
+            return *this;
+        }
+        iterator& operator--() {
+            if (e_) --e_; else --it_;
+            return *this;
+        }
+        iterator operator++(int) { iterator t = *this; ++*this; return t; }
+        iterator operator--(int) { iterator t = *this; --*this; return t; }
+        bool operator==(const iterator& o) const { return e_ == o.e_ && it_ == o.it_; }
+        bool operator!=(const iterator& o) const { return !(*this == o); }
+      private:
+        const Entry* e_ = nullptr;   // the array's entry (array mode), else null
+        BlockSet::const_iterator it_{};
+    };
+    using reverse_iterator = std::reverse_iterator<iterator>;
+    void add(Block* b);            // b's size and place set, b in no list
+    bool remove(Block* b);         // false (nothing changed) when b is not here
+    Block* best_fit(std::uint64_t size) const;   // the first block of size >= size, or null
+    bool empty() const { return set_mode_ ? set_.empty() : arr_.empty(); }
+    std::size_t size() const { return set_mode_ ? set_.size() : arr_.size(); }
+    iterator begin() const { return set_mode_ ? iterator(nullptr, set_.begin()) : iterator(arr_.data(), {}); }
+    iterator end() const {
+        return set_mode_ ? iterator(nullptr, set_.end()) : iterator(arr_.data() + arr_.size(), {});
+    }
+    reverse_iterator rbegin() const { return reverse_iterator(end()); }
+    reverse_iterator rend() const { return reverse_iterator(begin()); }
+  private:
+    void to_set();
+    void to_array();
+    bool set_mode_ = false;
+    std::vector<Entry> arr_;
+    BlockSet set_;
+};
+
 struct FreeList {
     bool small = false;
     std::uint64_t stream = 0;
-    BlockSet blocks;
+    FreeBlocks blocks;
     std::uint64_t nbytes = 0;
 };
 
@@ -360,6 +416,10 @@ class Engine {
     // in it; the holder calls nothing else and runs no Python until release_for_fast_run().
     void hold_for_fast_run();
     void release_for_fast_run();
+    // try_allocate_fast and try_free_fast for the thread that holds the lock through hold_for_fast_run(), which
+    // they do not take again (Note [Fast paths under a held run] in engine.cpp); kInternal when it is not held.
+    std::uint64_t try_allocate_fast_held(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out = nullptr);
+    bool try_free_fast_held(std::uint64_t ptr);
     // Note [The small pool's state as bytes] (engine.cpp): everything the small pool's next ops depend on, packed
     // as little-endian 64-bit words, for the estimate's fast replay to compare exactly (gpumem/estimate/fastreplay.py).
     std::string small_pool_state();
@@ -693,6 +753,9 @@ class Engine {
     IdleWalk idle_walk(detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages);
     const IdleChunk* idle_at(IdleWalk& w, std::size_t i);
     void idle_index_problems(std::vector<std::string>& problems);
+    // the fast paths' bodies, under the lock (Note [Fast paths under a held run] in engine.cpp)
+    std::uint64_t fast_allocate_locked(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out);
+    bool fast_free_locked(std::uint64_t ptr);
 };
 
 }  // namespace gpumem

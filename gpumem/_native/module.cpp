@@ -1388,7 +1388,7 @@ PyObject* Alloc_run_ops(AllocObject* self, PyObject* args, PyObject* kwds) {
                             stop = Stop::kClosed;
                             break;
                         }
-                        p = engine.try_allocate_fast(static_cast<std::uint64_t>(nb), stream);
+                        p = engine.try_allocate_fast_held(static_cast<std::uint64_t>(nb), stream);
                         if (!p) {
                             stop = Stop::kSlowAlloc;
                             break;
@@ -1397,7 +1397,7 @@ PyObject* Alloc_run_ops(AllocObject* self, PyObject* args, PyObject* kwds) {
                     map.put(id, p);   // room reserved above: no allocation
                 } else {
                     if (!map.pop(id, &p) || !p) continue;
-                    if (!engine.try_free_fast(p)) {
+                    if (!engine.try_free_fast_held(p)) {
                         stop = Stop::kSlowFree;
                         break;
                     }

@@ -2984,6 +2984,8 @@ EngineStats Engine::stats() {
     }
     st.device_calls = device_calls_ + plan_arena_calls_;
     st.event_calls = n_records_ + n_queries_ + f_n_waits_ + n_destroys_;
+    const std::uint64_t plan_live = plan_live_nbytes();
+    st.plan_free_nbytes = plan_mapped_nbytes_ > plan_live ? plan_mapped_nbytes_ - plan_live : 0;
     st.n_chunks = n_chunks_;
     st.n_steals = n_steals_;
     st.n_waits = n_waits_;

@@ -112,6 +112,7 @@ struct EngineStats {
     std::uint64_t num_gc_releases = 0;
     std::uint64_t device_calls = 0;
     std::uint64_t event_calls = 0;
+    std::uint64_t plan_free_nbytes = 0;   // a step plan's arenas' mapped bytes no live allocation holds
     // backing details (VirtualBacking's describe() and counters)
     std::uint64_t n_chunks = 0;
     std::uint64_t n_steals = 0;
@@ -140,6 +141,7 @@ inline constexpr StatField kStatFields[] = {
     GPUMEM_STAT(num_segments, true), GPUMEM_STAT(num_splits, true), GPUMEM_STAT(cache_hits, true),
     GPUMEM_STAT(cache_misses, true), GPUMEM_STAT(num_alloc_retries, true), GPUMEM_STAT(num_ooms, true),
     GPUMEM_STAT(num_gc_releases, true), GPUMEM_STAT(device_calls, true), GPUMEM_STAT(event_calls, true),
+    GPUMEM_STAT(plan_free_nbytes, true),
     GPUMEM_STAT(n_chunks, false), GPUMEM_STAT(n_steals, false), GPUMEM_STAT(n_waits, false),
     GPUMEM_STAT(n_ranges, false), GPUMEM_STAT(va_nbytes, false), GPUMEM_STAT(granularity_nbytes, false),
     GPUMEM_STAT(leaked_nbytes, false),

@@ -654,6 +654,7 @@ class PythonEngine:
             st.largest_free_nbytes = largest
             st.device_calls = self.backing.device_calls + self._plan.counts["arena_calls"]
             st.event_calls = self.fences.device_calls
+            st.plan_free_nbytes = max(0, self._plan.mapped_nbytes - self._plan.live_nbytes())
             return st
 
     def describe(self) -> str:

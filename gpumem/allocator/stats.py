@@ -53,6 +53,9 @@ class AllocatorStats:
     """Memory calls made (malloc, free, reserve, create, map, set access, unmap, release)."""
     event_calls: int = 0
     """Event calls made for stream-ordered frees (record, query, synchronize, destroy)."""
+    plan_free_nbytes: int = 0
+    """A step plan's arenas' mapped bytes no live allocation holds: reserved, but no cache any request of the
+    engine can take (Note [The step plan's arena in the summary])."""
 
     def copy(self) -> "AllocatorStats":
         return replace(self)
@@ -78,8 +81,9 @@ class AllocatorStats:
     @property
     def external_fragmentation(self) -> float:
         """``1 - largest free block / total free`` (0 when nothing is free). Free here is reserved less
-        *active*: a block freed but waiting for its stream's work (``record_stream``) is not free yet."""
-        free = self.reserved_nbytes - max(self.active_nbytes, self.allocated_nbytes)
+        *active*: a block freed but waiting for its stream's work (``record_stream``) is not free yet; nor is
+        a step plan's arena's free space, which is no cache (``plan_free_nbytes``)."""
+        free = self.reserved_nbytes - max(self.active_nbytes, self.allocated_nbytes) - self.plan_free_nbytes
         return 0.0 if free <= 0 else max(0.0, 1.0 - self.largest_free_nbytes / free)
 
     @property

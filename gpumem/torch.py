@@ -983,7 +983,10 @@ def trace_from_words(words: Any, name: str = "gpumem.torch") -> Any:
     from .errors import InvalidArgumentError, TraceFormatError
     from .trace.builder import PLAN_CODE, USE_CODE, WAIT_CODE, AddressReuseError, build_trace
 
-    arr = np.asarray(words, dtype=np.uint64)
+    try:
+        arr = np.asarray(words, dtype=np.uint64)
+    except (OverflowError, ValueError, TypeError) as exc:   # -1 in a list, a float, a string
+        raise TraceFormatError(f"<{name}>", f"the words are not unsigned 64-bit integers ({exc})") from None
     if arr.ndim != 1 or arr.size % _TRACE_WORDS:
         raise TraceFormatError(f"<{name}>", f"{arr.size} words is not a whole number of {_TRACE_WORDS}-word events")
     ev = arr.reshape(-1, _TRACE_WORDS)

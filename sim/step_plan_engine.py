@@ -11,8 +11,9 @@ first training steps are not marked). Per trace and GPU timing (``idle``, ``trac
 policy unmarked; marked under the default policy without its warm-up (``plan_warmup=False``); marked under
 the default policy, whose memory-first warm-up (Note [A memory-first warm-up] in
 :mod:`gpumem.allocator.plan`) begins at the first mark; the same with the warm-up begun before the first
-allocation (``start_plan_warmup()``, what automatic marks do); and marked under the memory-first policy for
-the whole run. Each reports peak reserved over peak live (requested bytes) over the whole trace and over the
+allocation (``start_plan_warmup()``: what gpumem.torch's automatic marks, on by default, do when the first
+optimizer on a GPU is made, before the first step; the row to read for a gpumem.torch program); and marked
+under the memory-first policy for the whole run. Each reports peak reserved over peak live (requested bytes) over the whole trace and over the
 steady steps after the plan took over (from the second planned step), the driver + event calls per such step,
 and the plan's counters. A trace whose period is not a training step (a layer's: a few dozen allocations,
 see the period and marks columns) plans that instead, which says little about step plans.
@@ -59,7 +60,8 @@ class EngineRow:
     gpu_timing: str
     marked: bool
     warmup_at_start: bool
-    """``start_plan_warmup()`` before the first allocation, as automatic marks call it (Note [A memory-first
+    """``start_plan_warmup()`` before the first allocation, as automatic marks call it when the first optimizer on
+    a GPU is made, before the first step (Note [A memory-first
     warm-up] in :mod:`gpumem.allocator.plan`); else the warm-up begins at the first mark (where the policy has it)."""
     period: int
     marks: int

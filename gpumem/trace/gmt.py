@@ -77,7 +77,8 @@ def _op_cap(limits: TraceLimits, n_stream: int) -> tuple[int, str]:
     by_count = limits.max_entries - n_stream
     by_memory = max(0, limits.max_memory_nbytes - n_stream * STREAM_ENTRY_NBYTES) // ENTRY_NBYTES
     if by_memory < by_count:
-        taken = f", {n_stream:,} stream uses and waits at {STREAM_ENTRY_NBYTES} bytes each" if n_stream else ""
+        taken = (f", {n_stream:,} stream uses, waits and plan events at {STREAM_ENTRY_NBYTES} bytes each"
+                 if n_stream else "")
         return by_memory, (f"TraceLimits.max_memory_nbytes: {limits.max_memory_nbytes:,} bytes{taken}, at "
                            f"{ENTRY_NBYTES} bytes per op")
     return by_count, "TraceLimits.max_entries"

@@ -578,7 +578,9 @@ def run_live(workloads: Sequence[str], allocators: Sequence[str], steps: int, wa
              step_marks: str | None = None) -> Path:
     """Every workload under every allocator, each its own process; the record is rewritten after each run."""
     out.mkdir(parents=True, exist_ok=True)
-    marks_label = None if plan_steps or step_marks == STEP_MARKS_OFF else step_marks or DEFAULT_STEP_MARKS
+    # the default's warm-up begins at the first optimizer made, configure(step_marks=...)'s at once: told apart
+    marks_label = (None if plan_steps or step_marks == STEP_MARKS_OFF
+                   else f"{step_marks} (configure)" if step_marks else f"{DEFAULT_STEP_MARKS} (default)")
     result: dict[str, Any] = {"date": _dt.date.today().isoformat(), "steps": steps, "warmup": warmup,
                               "gpumem_policy": policy, "gpumem_plan_steps": plan_steps,
                               "gpumem_step_marks": marks_label, "runs": [], "gpu": "?",
@@ -831,7 +833,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     child.add_argument("--gpumem-policy", default=None)
     child.add_argument("--gpumem-plan-steps", action="store_true")
     child.add_argument("--gpumem-step-marks", choices=STEP_MARKS + (STEP_MARKS_OFF,), default=None)
-    pred = sub.add_parser("predict", help="replay records' traces and tabulate live against predicted")
+    pred = sub.add_parser("predict", help="replay records' traces and tabulate live against predicted",
+                          description="Replay every trace of each live record in the simulator with the model of "
+                                      "the allocator that ran it (gpumem.torch's traces with their step marks and "
+                                      "warm-up: Note [Plan events in a replay] in gpumem/replay.py) and tabulate "
+                                      "live against predicted peak reserved over peak allocated.")
     pred.add_argument("records", type=Path, nargs="+", help="workloads records, each with its traces beside it")
     pred.add_argument("--sim", default="sim:h200-141gb", help="simulated device of the replays (default: %(default)s)")
     pred.add_argument("--gpu-timing", default=None,

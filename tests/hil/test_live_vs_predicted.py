@@ -347,8 +347,10 @@ def test_step_marks_reach_the_gpumem_children_and_the_record(tmp_path: Path, mon
     path = wl.run_live(["gpt2_train"], ["default", "gpumem"], 3, 1, tmp_path, None, 5.0, step_marks="optimizer")
     assert calls and all(c[-2:] == ["--gpumem-step-marks", "optimizer"] for c in calls)
     record = json.loads(path.read_text())
-    assert record["gpumem_step_marks"] == "optimizer" and not record["gpumem_plan_steps"]
-    assert "steps marked automatically (step_marks='optimizer')" in wl.render_live(record)
+    assert record["gpumem_step_marks"] == "optimizer (configure)" and not record["gpumem_plan_steps"]
+    assert "steps marked automatically (step_marks='optimizer (configure)')" in wl.render_live(record)
+    default = json.loads(wl.run_live(["gpt2_train"], ["gpumem"], 3, 1, tmp_path, None, 5.0, tag="d").read_text())
+    assert default["gpumem_step_marks"] == "optimizer (default)"
     calls.clear()
     wl.run_live(["gpt2_train"], ["gpumem"], 3, 1, tmp_path, None, 5.0, tag="off")
     assert calls and not any("--gpumem-step-marks" in c for c in calls)

@@ -329,3 +329,8 @@ def test_the_arena_is_no_free_cache_in_the_fragmentation_figure(engine):
     cache_free = st.reserved_nbytes - max(st.active_nbytes, st.allocated_nbytes) - st.plan_free_nbytes
     assert st.external_fragmentation == (0.0 if cache_free <= 0 else max(0.0, 1 - st.largest_free_nbytes / cache_free))
     assert st.external_fragmentation < 1.0
+
+
+def test_words_that_are_no_unsigned_integers_are_a_format_error():
+    with pytest.raises(TraceFormatError, match="unsigned 64-bit"):
+        trace_from_words([0, -1, 512, 0, 0])

@@ -72,7 +72,10 @@ def fake_torch(monkeypatch):
         monkeypatch.setitem(sys.modules, "torch.utils", utils)
         monkeypatch.setitem(sys.modules, "torch.utils.cpp_extension", ext)
         return torch, ext
-    return make
+    yield make
+    # what an install through the stand-in left: later tests (gpumem.torch's "before install") see none
+    ts._installed.cache_clear()          # noqa: SLF001
+    gt._installed_through_shim.cache_clear()  # noqa: SLF001
 
 
 @pytest.mark.skipif(HAVE_TORCH, reason="PyTorch is installed")

@@ -55,7 +55,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from .errors import BackendUnavailableError, GpumemError, InvalidArgumentError
 from .native import library_path
@@ -589,10 +589,10 @@ class _AutoMarks:
     devices: dict[int, _DeviceMarks] = dataclasses.field(default_factory=dict)
     failed: str | None = None           # why a failed mark turned the hook off
     explicit: bool = False              # configure(step_marks=...) was called: GPUMEM_STEP_MARKS is not read
-    scaler: "_ScalerPatch | None" = None  # GradScaler.step wrapped while marks are on
+    scaler: "_MethodPatch | None" = None  # GradScaler.step wrapped while marks are on
     # Optimizer.__init__ wrapped while marks turned on at install wait for the first optimizer on a GPU to begin
     # the warm-up (None once begun, or when it began at once)
-    made: "_OptimizerInitPatch | None" = None
+    made: "_MethodPatch | None" = None
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     # optimizer steps the hook saw in each thread (not guarded: each thread reads and writes its own)
     stepped: threading.local = dataclasses.field(default_factory=threading.local)
@@ -629,18 +629,18 @@ class _AutoMarks:
                 if mode is None or warm_now:
                     _lib().gpumem_torch_plan_warmup(int(mode is not None))
                 else:
-                    self.made = _OptimizerInitPatch.install(self)
+                    self.made = _patch_optimizer_init(self)
                     if self.made is None:   # no Optimizer class to wrap: at once, as before
                         _lib().gpumem_torch_plan_warmup(1)
             if mode is not None and self.scaler is None:
-                self.scaler = _ScalerPatch.install(self)
+                self.scaler = _patch_scaler_step(self)
             elif mode is None and self.scaler is not None:
                 self.scaler.remove()
                 self.scaler = None
         log.info("gpumem.torch: automatic step marks %s", mode or "off")
 
     def optimizer_made(self, optimizer: Any) -> None:
-        """An optimizer was made (:class:`_OptimizerInitPatch`): the first with parameters on a GPU begins the
+        """An optimizer was made (:func:`_patch_optimizer_init`): the first with parameters on a GPU begins the
         warm-up."""
         if not _optimizer_devices(optimizer):
             return
@@ -797,68 +797,61 @@ def _optimizer_base_class() -> Any:
 
 
 @dataclasses.dataclass
-class _OptimizerInitPatch:
-    """``Optimizer.__init__`` wrapped until the first optimizer on a GPU is made (Note [Automatic step marks])."""
+class _MethodPatch:
+    """A class's method wrapped while automatic marks need it (Note [Automatic step marks]): ``GradScaler.step``
+    (a skipped optimizer step still marks), ``Optimizer.__init__`` (the first optimizer on a GPU begins the
+    warm-up)."""
 
     cls: Any
+    name: str
     original: Any
     wrapper: Any
 
     @classmethod
-    def install(cls, marks: _AutoMarks) -> "_OptimizerInitPatch | None":
-        opt_cls = _optimizer_base_class()
-        if opt_cls is None:
+    def install(cls, owner: Any, name: str, wrap: Callable[[Any], Any]) -> "_MethodPatch | None":
+        """``owner.name`` replaced by ``wrap(original)``; None when there is no such class (``owner`` None)."""
+        if owner is None:
             return None
-        original = opt_cls.__dict__["__init__"]
+        original = owner.__dict__[name]
+        wrapper = functools.wraps(original)(wrap(original))
+        setattr(owner, name, wrapper)
+        return cls(owner, name, original, wrapper)
 
-        @functools.wraps(original)
+    def remove(self) -> None:
+        """Put the method back, unless something wrapped it after us (then ours stays, and does nothing while
+        marks are off)."""
+        if self.cls.__dict__.get(self.name) is self.wrapper:
+            setattr(self.cls, self.name, self.original)
+
+
+def _patch_optimizer_init(marks: _AutoMarks) -> "_MethodPatch | None":
+    """``Optimizer.__init__`` wrapped until the first optimizer on a GPU is made."""
+
+    def wrap(original: Any) -> Any:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             original(self, *args, **kwargs)
             try:
                 marks.optimizer_made(self)
             except Exception as exc:  # noqa: BLE001 - a memory optimisation must not fail the optimizer's making
                 log.warning("gpumem.torch: could not begin the memory-first warm-up for %s: %s", type(self).__name__, exc)
+        return __init__
 
-        opt_cls.__init__ = __init__
-        return cls(opt_cls, original, __init__)
-
-    def remove(self) -> None:
-        """Put ``Optimizer.__init__`` back, unless something wrapped it after us."""
-        if self.cls.__dict__.get("__init__") is self.wrapper:
-            self.cls.__init__ = self.original
+    return _MethodPatch.install(_optimizer_base_class(), "__init__", wrap)
 
 
-@dataclasses.dataclass
-class _ScalerPatch:
-    """``GradScaler.step`` wrapped so that a skipped optimizer step still marks (Note [Automatic step marks])."""
+def _patch_scaler_step(marks: _AutoMarks) -> "_MethodPatch | None":
+    """``GradScaler.step`` wrapped so that a skipped optimizer step still marks."""
 
-    cls: Any
-    original: Any
-    wrapper: Any
-
-    @classmethod
-    def install(cls, marks: _AutoMarks) -> "_ScalerPatch | None":
-        scaler_cls = _grad_scaler_class()
-        if scaler_cls is None:
-            return None
-        original = scaler_cls.__dict__["step"]
-
-        @functools.wraps(original)
+    def wrap(original: Any) -> Any:
         def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             seen = marks.steps_seen()
             out = original(self, optimizer, *args, **kwargs)
             if marks.steps_seen() == seen:   # skipped (inf or NaN): mark where the optimizer's hook would have
                 _optimizer_stepped(optimizer, args, kwargs)
             return out
+        return step
 
-        scaler_cls.step = step
-        return cls(scaler_cls, original, step)
-
-    def remove(self) -> None:
-        """Put ``GradScaler.step`` back, unless something wrapped it after us (then ours stays, and marks
-        nothing while marks are off)."""
-        if self.cls.__dict__.get("step") is self.wrapper:
-            self.cls.step = self.original
+    return _MethodPatch.install(_grad_scaler_class(), "step", wrap)
 
 
 def _optimizer_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:

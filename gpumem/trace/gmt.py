@@ -290,27 +290,12 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                     if not 0 <= aid < len(live) or not live[aid]:
                         raise ValueError(f"stream use of id {aid}, which is not live")
                     uses.append(StreamUse(len(kinds), aid, _int(p[2], "stream", 0, _INT64_MAX), _time(p[3])))
-                    max_ops, binding = _op_cap(limits, len(uses) + len(waits) + len(plans))
-                    if len(kinds) > max_ops:   # the except below names the file and line
-                        raise ValueError(f"more entries than the limits admit ({binding}); raise the limit if "
-                                         "the file is genuine")
-                    continue
                 elif tag == "w" and len(p) == 4 and with_waits:
                     waits.append(StreamWait(len(kinds), _int(p[1], "stream", 0, _INT64_MAX),
                                             _int(p[2], "waited stream", 0, _INT64_MAX), _time(p[3])))
-                    max_ops, binding = _op_cap(limits, len(uses) + len(waits) + len(plans))
-                    if len(kinds) > max_ops:   # the except below names the file and line
-                        raise ValueError(f"more entries than the limits admit ({binding}); raise the limit if "
-                                         "the file is genuine")
-                    continue
                 elif tag == "p" and len(p) == 3 and with_plans:
                     kind = _int(p[1], "plan event kind", 0, max(PlanEventKind))
                     plans.append(PlanEvent(len(kinds), PlanEventKind(kind), _time(p[2])))
-                    max_ops, binding = _op_cap(limits, len(uses) + len(waits) + len(plans))
-                    if len(kinds) > max_ops:   # the except below names the file and line
-                        raise ValueError(f"more entries than the limits admit ({binding}); raise the limit if "
-                                         "the file is genuine")
-                    continue
                 else:
                     raise ValueError(f"expected 'a <id> <nbytes> <stream> <time_us> <addr>' or "
                                      f"'f <id> <stream> <time_us>'" + (" or 'u <id> <stream> <time_us>'" if with_uses
@@ -320,6 +305,12 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                                      + (" or 'p <kind> <time_us>'" if with_plans
                                         else " (a version 3 file)" if with_waits else "")
                                      + f", got {shorten(line.strip())}")
+                if tag in ("u", "w", "p"):   # a placed event, kept as an object: it counts against the limits
+                    max_ops, binding = _op_cap(limits, len(uses) + len(waits) + len(plans))
+                    if len(kinds) > max_ops:   # the except below names the file and line
+                        raise ValueError(f"more entries than the limits admit ({binding}); raise the limit if "
+                                         "the file is genuine")
+                    continue
             except (ValueError, IndexError) as e:
                 raise TraceFormatError(where, f"line {lineno}: {e}") from None
             if len(kinds) > max_ops:

@@ -204,19 +204,7 @@ def scenario_step_marks_env() -> None:
     assert gt.automatic_step_marks() == "optimizer"
     import torch
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
-    head = torch.nn.Linear(256, 1).cuda()
-    opt, opt_head = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.SGD(head.parameters(), lr=1e-3)
-    x = torch.randn(512, 256, device="cuda")
-    for _ in range(12):
-        loss = head(model(x)).square().mean()
-        opt.zero_grad(set_to_none=True)
-        opt_head.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        opt_head.step()
-    torch.cuda.synchronize()
+    opt = _two_optimizer_loop(torch)
     info = gt.step_plan_info(0)
     assert info.plans_installed == 1 and info.steps_hit + info.steps_missed == 12 - 3, info   # 12 marks, not 24
     assert info.plans_dropped == 0 and info.steps_hit >= 6 and info.served > 0, info   # kept: at most 3 of 9 missed

@@ -468,7 +468,7 @@ def test_gmt_stream_uses_and_waits_are_budgeted_at_their_own_size(tmp_path: Path
     fits = ENTRY_NBYTES + n * STREAM_ENTRY_NBYTES
     assert len(read_gmt_trace(path, limits=TraceLimits(max_memory_nbytes=fits)).stream_waits) == n
     with pytest.raises(TraceFormatError, match=rf"line {n + 2}: more entries than the limits admit "
-                                               r"\(TraceLimits.max_memory_nbytes: .* 50 stream uses and waits"):
+                                               r"\(TraceLimits.max_memory_nbytes: .* 50 stream uses, waits and plan events"):
         read_gmt_trace(path, limits=TraceLimits(max_memory_nbytes=fits - 1))
     with pytest.raises(TraceFormatError, match=r"w.gmt: line 3: more entries than the limits admit "
                                                r"\(TraceLimits.max_entries\); raise"):

@@ -619,6 +619,7 @@ class _AutoMarks:
                 handle = None
             was = self.mode
             self.mode, self.handle, self.devices, self.failed = mode, handle, {}, None
+            warm = ""
             if (mode is None) != (was is None):
                 # Note [A memory-first warm-up] in gpumem/allocator/plan.py: the first automatic mark comes after
                 # the first step, so the engines begin the warm-up before it (and engines made from then on, at
@@ -628,16 +629,19 @@ class _AutoMarks:
                     self.made = None
                 if mode is None or warm_now:
                     _lib().gpumem_torch_plan_warmup(int(mode is not None))
+                    warm = "" if mode is None else "; the memory-first warm-up begins"
                 else:
                     self.made = _patch_optimizer_init(self)
                     if self.made is None:   # no Optimizer class to wrap: at once, as before
                         _lib().gpumem_torch_plan_warmup(1)
+                    warm = ("; the memory-first warm-up begins" if self.made is None
+                            else "; the memory-first warm-up begins with the first optimizer on a GPU")
             if mode is not None and self.scaler is None:
                 self.scaler = _patch_scaler_step(self)
             elif mode is None and self.scaler is not None:
                 self.scaler.remove()
                 self.scaler = None
-        log.info("gpumem.torch: automatic step marks %s", mode or "off")
+        log.info("gpumem.torch: automatic step marks %s%s", mode or "off", warm)
 
     def optimizer_made(self, optimizer: Any) -> None:
         """An optimizer was made (:func:`_patch_optimizer_init`): the first with parameters on a GPU begins the

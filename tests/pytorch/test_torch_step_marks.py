@@ -794,3 +794,21 @@ def test_a_failure_to_begin_the_warm_up_does_not_fail_making_the_optimizer(fake_
     with caplog.at_level(logging.WARNING, logger="gpumem.torch"):
         opt = fake_torch.optim.Optimizer([_cuda_param(0)])
     assert opt.param_groups and "could not begin the memory-first warm-up" in caplog.text
+
+
+def test_the_log_says_when_the_warm_up_begins(fake_torch, glued, monkeypatch, caplog):
+    """New user 12: configure(step_marks=...) began the warm-up without a word; install says it waits for the
+    first optimizer on a GPU."""
+    with caplog.at_level(logging.INFO, logger="gpumem.torch"):
+        gt.configure(step_marks="optimizer")
+    assert "automatic step marks optimizer; the memory-first warm-up begins" in caplog.text
+    gt.configure(step_marks=None)
+    gt._auto_marks.cache_clear()           # noqa: SLF001
+    gt._step_marks_from_env.cache_clear()  # noqa: SLF001
+    monkeypatch.setattr(gt, "_installed_allocator", lambda: None)
+    monkeypatch.delenv(gt.STEP_MARKS_ENV, raising=False)
+    monkeypatch.delenv(gt.TRACE_OUT_ENV, raising=False)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="gpumem.torch"):
+        gt.install()
+    assert "the memory-first warm-up begins with the first optimizer on a GPU" in caplog.text

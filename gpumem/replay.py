@@ -226,6 +226,16 @@ def plan_events_apply(allocator: Any) -> bool:
             and policy.vmm is VmmMode.AUTO and bool(getattr(allocator.device, "vmm_supported", False)))
 
 
+def calls_made(trace: Trace, allocator: Any, done: int) -> dict[str, int]:
+    """The calls a replay of ``trace`` on ``allocator`` made between its ops, having done ops ``0 .. done - 1``:
+    ``n_stream_uses`` (``record_stream``) and ``n_plan_events``, those before an op it reached (none after the
+    last op: :class:`StreamUsePlan` makes none there; plan events only where they apply)."""
+    n = trace.n_ops
+    return {"n_stream_uses": sum(1 for u in trace.stream_uses if u.at_op <= done and u.at_op < n),
+            "n_plan_events": (sum(1 for e in trace.plan_events if e.at_op <= done and e.at_op < n)
+                              if plan_events_apply(allocator) else 0)}
+
+
 def stream_use_plan(trace: Trace, allocator: Any) -> StreamUsePlan | None:
     """The plan of ``trace``'s stream uses and step-plan events on ``allocator`` (None: the trace has none to
     make there).
@@ -356,12 +366,7 @@ def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, sto
     finally:
         wall_s = time.perf_counter() - t0
         bar.close(done)
-    extra: dict[str, Any] = {"engine": getattr(allocator, "engine", "python"),
-                             # record_stream calls the replay made: those before an op it reached (none
-                             # after the last op: StreamUsePlan makes none there)
-                             "n_stream_uses": sum(1 for u in trace.stream_uses if u.at_op <= done and u.at_op < n),
-                             "n_plan_events": (sum(1 for e in trace.plan_events if e.at_op <= done and e.at_op < n)
-                                               if plan_events_apply(allocator) else 0)}
+    extra: dict[str, Any] = {"engine": getattr(allocator, "engine", "python"), **calls_made(trace, allocator, done)}
     extra.update(gpu.finish() if gpu is not None else {"gpu_timing": GpuTiming.IDLE.value})
     stats = allocator.snapshot_stats()
     sim_end = getattr(device, "now_s", None)

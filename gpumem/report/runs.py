@@ -24,7 +24,7 @@ from ..allocator.backing import VirtualBacking
 from ..device import Device
 from ..errors import GpumemError, OutOfMemoryError, UnsupportedOperationError
 from ..events import MemoryEventKind
-from ..replay import ReplayResult, plan_events_apply, program_gpu, run_ops, stream_use_plan
+from ..replay import ReplayResult, calls_made, program_gpu, run_ops, stream_use_plan
 from ..sim.gpu_work import GpuTiming, ProgramGpu
 from ..specs import open_device
 from ..trace import Trace
@@ -212,11 +212,8 @@ def _replay_sampled(trace: Trace, allocator: CachingAllocator, dev: Device, kind
         sampler.sample(done)
         if on_progress is not None:
             on_progress(done - start)
-    # the calls the replay made, as gpumem.replay.replay counts them (none after the last op)
-    extra: dict[str, Any] = {"engine": getattr(allocator, "engine", "python"),
-                             "n_stream_uses": sum(1 for u in trace.stream_uses if u.at_op <= done and u.at_op < n),
-                             "n_plan_events": (sum(1 for e in trace.plan_events if e.at_op <= done and e.at_op < n)
-                                               if plan_events_apply(allocator) else 0)}
+    # the calls the replay made, as gpumem.replay.replay counts them
+    extra: dict[str, Any] = {"engine": getattr(allocator, "engine", "python"), **calls_made(trace, allocator, done)}
     extra.update(gpu.finish() if gpu is not None else {"gpu_timing": GpuTiming.IDLE.value})
     stats = allocator.snapshot_stats()
     sim_end = getattr(dev, "now_s", None)
@@ -362,18 +359,9 @@ def _arena_layouts(allocator: CachingAllocator) -> list[SegmentLayout]:
     out: list[SegmentLayout] = []
     for arena in sorted(plan.arenas if plan is not None else (), key=lambda a: a.base):
         g = arena.g
-        mapped: list[tuple[int, int]] = []
-        last_page = -1
-        for p, handle in enumerate(arena.pages):
-            if handle is None:
-                continue
-            last_page = p
-            if mapped and mapped[-1][1] == p * g:
-                mapped[-1] = (mapped[-1][0], (p + 1) * g)
-            else:
-                mapped.append((p * g, (p + 1) * g))
+        mapped = _merge([(p * g, (p + 1) * g) for p, handle in enumerate(arena.pages) if handle is not None])
         live = sorted((ptr - arena.base, ptr - arena.base + size) for ptr, (_, size, _) in arena.live.items())
-        extent = max((last_page + 1) * g, arena.extent_nbytes)
+        extent = max(mapped[-1][1] if mapped else 0, arena.extent_nbytes)
         out.append(SegmentLayout(arena.base, extent, False, True, _merge(live), mapped))
     return out
 

@@ -161,11 +161,12 @@ def test_policies_without_it_never_begin_it(engine, policy):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_a_closed_allocator_refuses_it(engine):
+@pytest.mark.parametrize("method", ["start_plan_warmup", "stop_plan_warmup"])
+def test_a_closed_allocator_refuses_to_start_or_stop_it(engine, method):
     alloc = make(engine)
     alloc.close()
-    with pytest.raises(InvalidArgumentError, match="closed"):
-        alloc.start_plan_warmup()
+    with pytest.raises(InvalidArgumentError, match=f"{method}: the allocator is closed"):
+        getattr(alloc, method)()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -213,14 +214,6 @@ def test_stopping_it_gives_the_idle_cache_back_and_a_later_mark_begins_it_again(
     assert warmup(alloc)   # not "one warm-up per allocator": this one never ended
     alloc.free(keep)
     alloc.check_consistency()
-
-
-@pytest.mark.parametrize("engine", ENGINES)
-def test_a_closed_allocator_refuses_to_stop_it(engine):
-    alloc = make(engine)
-    alloc.close()
-    with pytest.raises(InvalidArgumentError, match="stop_plan_warmup: the allocator is closed"):
-        alloc.stop_plan_warmup()
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -620,23 +620,27 @@ def test_a_bad_environment_variable_installs_nothing(fake_torch, glued, monkeypa
     assert installs == [] and fake_torch.hooks == [] and gt.automatic_step_marks() is None
 
 
+def default_install(monkeypatch) -> None:
+    """gpumem.torch.install() as a program with nothing set calls it: GPUMEM_STEP_MARKS and GPUMEM_TRACE_OUT
+    unset, PyTorch's allocator left alone (nothing to install it in here)."""
+    monkeypatch.setattr(gt, "_installed_allocator", lambda: None)
+    monkeypatch.delenv(gt.STEP_MARKS_ENV, raising=False)
+    monkeypatch.delenv(gt.TRACE_OUT_ENV, raising=False)
+
+
 @pytest.mark.parametrize("value", [None, ""])
 def test_marks_are_on_by_default(fake_torch, glued, monkeypatch, value):
     """Unset or empty: install turns the optimizer's marks on, and the engines begin the warm-up."""
-    monkeypatch.setattr(gt, "_installed_allocator", lambda: None)
-    if value is None:
-        monkeypatch.delenv(gt.STEP_MARKS_ENV, raising=False)
-    else:
+    default_install(monkeypatch)
+    if value is not None:
         monkeypatch.setenv(gt.STEP_MARKS_ENV, value)
-    monkeypatch.delenv(gt.TRACE_OUT_ENV, raising=False)
     gt.install()
     assert len(fake_torch.hooks) == 1 and gt.automatic_step_marks() == gt.DEFAULT_STEP_MARKS == "optimizer"
 
 
 def test_off_in_the_environment_keeps_marks_off(fake_torch, glued, monkeypatch):
-    monkeypatch.setattr(gt, "_installed_allocator", lambda: None)
+    default_install(monkeypatch)
     monkeypatch.setenv(gt.STEP_MARKS_ENV, gt.STEP_MARKS_OFF)
-    monkeypatch.delenv(gt.TRACE_OUT_ENV, raising=False)
     gt.install()
     assert fake_torch.hooks == [] and gt.automatic_step_marks() is None
 
@@ -749,9 +753,7 @@ def test_marks_turned_on_at_install_begin_the_warm_up_at_the_first_optimizer_on_
                                                                                          caplog):
     """A program that never trains never grows memory-first (live multistream inference: +7.6 % and +23 % step time
     when the warm-up began at install); a training loop's warm-up still begins before its first step."""
-    monkeypatch.setattr(gt, "_installed_allocator", lambda: None)
-    monkeypatch.delenv(gt.STEP_MARKS_ENV, raising=False)
-    monkeypatch.delenv(gt.TRACE_OUT_ENV, raising=False)
+    default_install(monkeypatch)
     stand_in, opt_cls = gt._lib(), fake_torch.optim.Optimizer   # noqa: SLF001
     original = opt_cls.__dict__["__init__"]
     gt.install()
@@ -769,9 +771,7 @@ def test_marks_turned_on_at_install_begin_the_warm_up_at_the_first_optimizer_on_
 
 
 def test_marks_turned_off_before_an_optimizer_put_the_class_back_and_begin_nothing(fake_torch, glued, monkeypatch):
-    monkeypatch.setattr(gt, "_installed_allocator", lambda: None)
-    monkeypatch.delenv(gt.STEP_MARKS_ENV, raising=False)
-    monkeypatch.delenv(gt.TRACE_OUT_ENV, raising=False)
+    default_install(monkeypatch)
     stand_in, opt_cls = gt._lib(), fake_torch.optim.Optimizer   # noqa: SLF001
     original = opt_cls.__dict__["__init__"]
     gt.install()
@@ -782,9 +782,7 @@ def test_marks_turned_off_before_an_optimizer_put_the_class_back_and_begin_nothi
 
 
 def test_a_failure_to_begin_the_warm_up_does_not_fail_making_the_optimizer(fake_torch, glued, monkeypatch, caplog):
-    monkeypatch.setattr(gt, "_installed_allocator", lambda: None)
-    monkeypatch.delenv(gt.STEP_MARKS_ENV, raising=False)
-    monkeypatch.delenv(gt.TRACE_OUT_ENV, raising=False)
+    default_install(monkeypatch)
     gt.install()
 
     def boom(optimizer):
@@ -805,9 +803,7 @@ def test_the_log_says_when_the_warm_up_begins(fake_torch, glued, monkeypatch, ca
     gt.configure(step_marks=None)
     gt._auto_marks.cache_clear()           # noqa: SLF001
     gt._step_marks_from_env.cache_clear()  # noqa: SLF001
-    monkeypatch.setattr(gt, "_installed_allocator", lambda: None)
-    monkeypatch.delenv(gt.STEP_MARKS_ENV, raising=False)
-    monkeypatch.delenv(gt.TRACE_OUT_ENV, raising=False)
+    default_install(monkeypatch)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="gpumem.torch"):
         gt.install()

@@ -358,3 +358,113 @@ def test_step_marks_reach_the_gpumem_children_and_the_record(tmp_path: Path, mon
         wl.main(["live", "--out", str(tmp_path), "--gpumem-plan-steps", "--gpumem-step-marks", "optimizer"])
     with pytest.raises(SystemExit):
         wl.main(["live", "--out", str(tmp_path), "--gpumem-step-marks", "adam"])
+
+
+def _fake_child(calls: list) -> object:
+    """A stand-in for the child process: records the command, writes a run whose step time is 100 ms under
+    PyTorch's allocator and 101 ms under gpumem."""
+    import subprocess
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        workload, allocator = cmd[4], cmd[5]
+        out = Path(cmd[cmd.index("--child-out") + 1])
+        out.write_text(json.dumps({"workload": workload, "allocator": allocator, "gpu": "G", "torch": "T",
+                                   "mean_step_ms": 101.0 if allocator == "gpumem" else 100.0,
+                                   "peak_allocated_bytes": 10, "peak_reserved_bytes": 11, "trace_file": None,
+                                   "trace_nbytes": 0, "losses": [1.0], "num_allocs": 1}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    return fake_run
+
+
+def test_rounds_alternate_the_order_and_record_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Step time in rounds]: each workload's rounds run back to back, the allocators' order reversed in
+    every second round, every child told to record nothing; each run says its round."""
+    import subprocess
+
+    calls: list = []
+    monkeypatch.setattr(subprocess, "run", _fake_child(calls))
+    path = wl.run_live(["gpt2_train", "moe_train"], ["default", "gpumem"], 3, 1, tmp_path, None, 5.0, rounds=3,
+                       record_trace=False)
+    record = json.loads(path.read_text())
+    assert [(c[4], c[5]) for c in calls] == [
+        ("gpt2_train", "default"), ("gpt2_train", "gpumem"), ("gpt2_train", "gpumem"), ("gpt2_train", "default"),
+        ("gpt2_train", "default"), ("gpt2_train", "gpumem"),
+        ("moe_train", "default"), ("moe_train", "gpumem"), ("moe_train", "gpumem"), ("moe_train", "default"),
+        ("moe_train", "default"), ("moe_train", "gpumem")]
+    assert all("--no-record" in c for c in calls)
+    assert [r["round"] for r in record["runs"]] == [1, 1, 2, 2, 3, 3] * 2
+    assert record["rounds"] == 3 and record["recorded"] is False
+    rows = wl.step_times(record)
+    assert [r.workload for r in rows] == ["gpt2_train", "moe_train"]
+    assert rows[0].ratios == pytest.approx((0.01, 0.01, 0.01)) and rows[0].median == pytest.approx(0.01)
+    assert "+1.00 … +1.00 %" in wl.render_step_times(record)
+    # each gpumem run is compared with PyTorch's run of its own round
+    assert wl.render_live(record).count("+1.00 %") == 6
+
+
+def test_several_rounds_that_would_record_are_refused_before_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    import subprocess
+
+    calls: list = []
+    monkeypatch.setattr(subprocess, "run", _fake_child(calls))
+    with pytest.raises(wl.WorkloadInputError, match="record no trace"):
+        wl.run_live(["gpt2_train"], ["default", "gpumem"], 3, 1, tmp_path / "a", None, 5.0, rounds=2)
+    with pytest.raises(wl.WorkloadInputError, match="at least one"):
+        wl.run_live(["gpt2_train"], ["default", "gpumem"], 3, 1, tmp_path / "a", None, 5.0, rounds=0,
+                    record_trace=False)
+    for argv, why in ((["--rounds", "2"], "needs --no-record"), (["--rounds", "0", "--no-record"], "at least 1")):
+        with pytest.raises(SystemExit) as exc:
+            wl.main(["live", "--out", str(tmp_path / "b"), *argv])
+        assert exc.value.code == 2 and why in capsys.readouterr().err
+    assert not calls and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_step_times_pair_runs_by_round_and_leave_out_failed_rounds() -> None:
+    def run(alloc: str, rnd: int | None, ms: float | None) -> dict:
+        r: dict = {"workload": "w", "allocator": alloc}
+        if rnd is not None:
+            r["round"] = rnd
+        if ms is None:
+            r["error"] = "RuntimeError: x"
+        else:
+            r["mean_step_ms"] = ms
+        return r
+
+    record = {"steps": 40, "warmup": 10, "runs": [
+        run("default", 1, 100.0), run("gpumem", 1, 102.0), run("gpumem", 2, 99.0), run("default", 2, None),
+        run("default", 3, 100.0), run("gpumem", 3, 100.0), run("default", 4, 100.0), run("gpumem", 4, 101.0)]}
+    (row,) = wl.step_times(record)
+    assert row.ratios == pytest.approx((0.02, 0.0, 0.01))
+    assert row.median == pytest.approx(0.01) and row.mean == pytest.approx(0.01)
+    lo, hi = row.interval()
+    assert 0.0 <= lo <= row.mean <= hi <= 0.02 and row.interval() == (lo, hi)   # a fixed seed
+    # a record of one round (or from before rounds existed) pairs its runs as round 1, with no interval
+    one = {"runs": [run("default", None, 100.0), run("gpumem", None, 103.0)]}
+    assert wl.step_times(one)[0].ratios == pytest.approx((0.03,))
+    assert "fewer than 3 rounds" in wl.render_step_times(one)
+    assert wl.step_times({"runs": [run("gpumem", 1, 1.0)]}) == []
+
+
+def test_steptime_cli_prints_and_refuses_what_is_not_a_record(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    good = tmp_path / "r.json"
+    good.write_text(json.dumps({"steps": 4, "warmup": 1, "runs": [
+        {"workload": "w", "allocator": "default", "mean_step_ms": 10.0},
+        {"workload": "w", "allocator": "gpumem", "mean_step_ms": 10.1}]}))
+    md = tmp_path / "t.md"
+    assert wl.main(["steptime", str(good), "--markdown", str(md)]) == 0
+    assert "+1.00 %" in capsys.readouterr().out and "+1.00 %" in md.read_text()
+    for text in ("[1, 2]", "{", '{"runs": 3}'):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        assert wl.main(["steptime", str(bad)]) == 2
+        assert "error:" in capsys.readouterr().err
+
+
+def test_a_run_that_recorded_no_trace_is_shown_not_predicted(tmp_path: Path) -> None:
+    record = {"runs": [{"workload": "gpt2_train", "allocator": "gpumem", "mean_step_ms": 1.0, "trace_file": None,
+                        "peak_allocated_bytes": 100, "peak_reserved_bytes": 101, "losses": [1.0], "num_allocs": 1}]}
+    (row,) = wl.live_vs_predicted(record, tmp_path)
+    assert row.predicted_overhead is None and "recorded none" in row.error
+    assert "recorded none" in wl.render_table([row], "sim:h200-141gb")

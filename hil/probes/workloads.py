@@ -24,6 +24,10 @@ table (``python -m hil.fidelity --live-record``).
 Run on the GPU: ``python -m hil.probes.workloads live --out DIR [--workloads a,b] [--steps 12]``.
 Then anywhere: ``python -m hil.probes.workloads predict DIR/workloads.json [--sim sim:h200-141gb]
 [--gpu-timing trace,model,idle] [--markdown FILE] [--json FILE]``.
+
+For step time, ``live --rounds 8 --no-record`` runs every allocator once per round, the order reversed every
+second round, recording nothing; ``steptime RECORD... [--pool]`` tabulates each round's ratio, their median and
+mean, and a bootstrap interval of the mean (Note [Step time in rounds]).
 """
 
 from __future__ import annotations
@@ -887,6 +891,20 @@ def step_times(record: dict) -> list[StepTimeRow]:
     return rows
 
 
+def pool_rounds(records: Sequence[dict]) -> dict:
+    """The records as one: every record's runs with its rounds numbered after the previous records' (a run
+    with no round is round 1 of its record); steps, warm-up and recording as the first record says."""
+    runs: list[dict] = []
+    offset = 0
+    for record in records:
+        rounds = [int(r.get("round") or 1) for r in record.get("runs", []) if isinstance(r, dict)]
+        runs += [dict(r, round=offset + int(r.get("round") or 1)) for r in record.get("runs", []) if isinstance(r, dict)]
+        offset += max(rounds, default=0)
+    first = records[0] if records else {}
+    return {"steps": first.get("steps"), "warmup": first.get("warmup"), "recorded": first.get("recorded", True),
+            "rounds": offset, "runs": runs}
+
+
 def render_step_times(record: dict) -> str:
     """A Markdown table of :func:`step_times`: every round's ratio, their median, mean and interval."""
     lines = [f"Step time, gpumem.torch against PyTorch's allocator, {record.get('steps')} steps "
@@ -960,6 +978,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           "the rounds of each record (live --rounds N --no-record): every round's "
                                           "ratio, their median and mean, and a bootstrap interval of the mean.")
     steptime.add_argument("records", type=Path, nargs="+", help="workloads records")
+    steptime.add_argument("--pool", action="store_true",
+                          help="one table of the records' rounds together (each record's rounds numbered after the "
+                               "last record's; the first record's header)")
     steptime.add_argument("--markdown", type=Path, default=None, help="write the tables here")
     pred = sub.add_parser("predict", help="replay records' traces and tabulate live against predicted",
                           description="Replay every trace of each live record in the simulator with the model of "
@@ -1002,7 +1023,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(render_step_times(record))
         return 0 if all("error" not in r for r in record["runs"]) else 1
     if args.cmd == "steptime":
-        sections = []
+        sections, records = [], []
         for path in args.records:
             try:
                 record = _load_record(path)
@@ -1012,7 +1033,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not isinstance(record, dict) or not isinstance(record.get("runs"), list):
                 print(f"error: {path}: not a workloads record: no 'runs' list", file=sys.stderr)
                 return 2
-            sections.append(f"## {path.parent.name}/{path.name}\n\n{render_step_times(record)}")
+            records.append(record)
+            if not args.pool:
+                sections.append(f"## {path.parent.name}/{path.name}\n\n{render_step_times(record)}")
+        if args.pool:
+            sections.append(f"## {len(records)} records pooled\n\n{render_step_times(pool_rounds(records))}")
         text = "\n".join(sections)
         print(text)
         if args.markdown:

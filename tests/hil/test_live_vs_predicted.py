@@ -468,3 +468,20 @@ def test_a_run_that_recorded_no_trace_is_shown_not_predicted(tmp_path: Path) -> 
     (row,) = wl.live_vs_predicted(record, tmp_path)
     assert row.predicted_overhead is None and "recorded none" in row.error
     assert "recorded none" in wl.render_table([row], "sim:h200-141gb")
+
+
+def test_steptime_pools_the_rounds_of_several_records(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    paths = []
+    for i, ms in enumerate((101.0, 99.0)):
+        path = tmp_path / f"r{i}.json"
+        path.write_text(json.dumps({"steps": 4, "warmup": 1, "recorded": False, "runs": [
+            {"workload": "w", "allocator": a, "round": rnd, "mean_step_ms": ms if a == "gpumem" else 100.0}
+            for rnd in (1, 2) for a in ("default", "gpumem")]}))
+        paths.append(str(path))
+    pooled = wl.pool_rounds([json.loads(Path(p).read_text()) for p in paths])
+    assert pooled["rounds"] == 4 and [r["round"] for r in pooled["runs"]] == [1, 1, 2, 2, 3, 3, 4, 4]
+    (row,) = wl.step_times(pooled)
+    assert row.ratios == pytest.approx((0.01, 0.01, -0.01, -0.01)) and row.mean == pytest.approx(0.0)
+    assert wl.main(["steptime", *paths, "--pool"]) == 0
+    out = capsys.readouterr().out
+    assert "2 records pooled" in out and "| w | 4 |" in out and "not recorded" in out

@@ -643,7 +643,8 @@ def run_live(workloads: Sequence[str], allocators: Sequence[str], steps: int, wa
             print(f"{workload:<20} {allocator:<8} " + (f"round {round_} " if rounds > 1 else "")
                   + f"step {record['mean_step_ms']:8.2f} ms  peak alloc "
                   f"{record['peak_allocated_bytes'] / 2**30:7.3f} GiB  overhead {ov * 100:6.2f} %  "
-                  f"trace {record['trace_nbytes'] / 2**20:.2f} MiB ({wall_s:.0f} s)"
+                  + (f"trace {record['trace_nbytes'] / 2**20:.2f} MiB" if record_trace else "not recorded")
+                  + f" ({wall_s:.0f} s)"
                   + (f"  plan {record['step_plan']}" if "step_plan" in record else ""), flush=True)
         else:
             print(f"{workload:<20} {allocator:<8} FAILED ({wall_s:.0f} s): {failure[-600:]}", flush=True)
@@ -728,6 +729,9 @@ def live_vs_predicted(record: dict, trace_dir: Path, sim: str = "sim:h200-141gb"
 
     if not isinstance(record, dict) or not isinstance(record.get("runs"), list):
         raise WorkloadInputError("not a workloads record: no 'runs' list")
+    if record.get("recorded") is False:
+        raise WorkloadInputError("nothing to predict: the record was made with --no-record (its runs recorded no "
+                                 "trace; `steptime` reads such records)")
     rows = []
     for run in record["runs"]:
         allocator = run.get("allocator")
@@ -811,14 +815,15 @@ def render_live(record: dict) -> str:
              "", "| workload | allocator | peak allocated GiB | peak reserved GiB | overhead | step ms | vs default "
              "| losses equal to default | allocations |", "|---|---|---|---|---|---|---|---|---|"]
     for r in record["runs"]:
+        name = f"{r['workload']}, round {r['round']}" if r.get("round") is not None else r["workload"]
         if "error" in r:
-            lines.append(f"| {r['workload']} | {r['allocator']} | failed: {error_line(r['error'])} | | | | | | |")
+            lines.append(f"| {name} | {r['allocator']} | failed: {error_line(r['error'])} | | | | | | |")
             continue
         b = base.get((r["workload"], r.get("round")))
         vs = f"{(r['mean_step_ms'] / b['mean_step_ms'] - 1) * 100:+.2f} %" if b and r is not b else ""
         eq = "" if b is None or r is b else ("yes" if r["losses"] == b["losses"] else "no")
         ov = overhead(r["peak_reserved_bytes"], r["peak_allocated_bytes"])
-        lines.append(f"| {r['workload']} | {r['allocator']} | {r['peak_allocated_bytes'] / 2**30:.3f} | "
+        lines.append(f"| {name} | {r['allocator']} | {r['peak_allocated_bytes'] / 2**30:.3f} | "
                      f"{r['peak_reserved_bytes'] / 2**30:.3f} | {ov * 100:.2f} % | {r['mean_step_ms']:.2f} | {vs} | {eq} "
                      f"| {r['num_allocs']:,} |")
     return "\n".join(lines) + "\n"
@@ -827,9 +832,9 @@ def render_live(record: dict) -> str:
 # Note [Step time in rounds]: one process of PyTorch's own allocator runs GPT-2's step 2-3 % faster or
 # slower than the next (96.0-98.5 ms on the H200, reports/hil/step-time-interleaved-h200-2026-11-28.md), more
 # than the 1 % that issue 18 asks of gpumem. So step time is measured in rounds: each round runs every
-# allocator once, back to back, the order reversed every second round (drift of the machine falls on both
-# sides alike), with nothing recorded (PyTorch's memory history alone costs it about half a microsecond per
-# allocation: reports/hil/op-cost-h200-2026-11-28.md). Each round gives one ratio, gpumem's step over
+# allocator once, back to back, the order alternating from round to round (drift of the machine falls on both
+# sides alike), with nothing recorded (what a program runs; PyTorch's memory history added 1.0 us to an
+# allocation pair in one run of reports/hil/op-cost-h200-2026-11-28.md). Each round gives one ratio, gpumem's step over
 # PyTorch's in that round; the table gives their median and mean and a bootstrap interval of the mean
 # (resampling rounds, a fixed seed), so a claim "within 1 %" rests on the interval, not on one pair.
 
@@ -891,9 +896,23 @@ def step_times(record: dict) -> list[StepTimeRow]:
     return rows
 
 
+#: What records pooled by :func:`pool_rounds` must agree on: a step time measured otherwise is another quantity.
+POOL_KEYS = ("steps", "warmup", "recorded", "gpumem_policy", "gpumem_plan_steps", "gpumem_step_marks")
+
+
 def pool_rounds(records: Sequence[dict]) -> dict:
     """The records as one: every record's runs with its rounds numbered after the previous records' (a run
-    with no round is round 1 of its record); steps, warm-up and recording as the first record says."""
+    with no round is round 1 of its record). The records must agree on :data:`POOL_KEYS` (a record from before
+    ``recorded`` existed recorded its traces); else :class:`WorkloadInputError` names the first that differs."""
+    def setting(record: dict, key: str) -> Any:
+        return record.get(key, True) if key == "recorded" else record.get(key)
+
+    for i, record in enumerate(records[1:], 2):
+        for key in POOL_KEYS:
+            if setting(record, key) != setting(records[0], key):
+                raise WorkloadInputError(f"record {i} differs from record 1 in {key!r} ({setting(record, key)!r} "
+                                         f"against {setting(records[0], key)!r}): step times measured otherwise "
+                                         "are not pooled")
     runs: list[dict] = []
     offset = 0
     for record in records:
@@ -935,13 +954,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hil.probes.workloads", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    live = sub.add_parser("live", help="run the workloads on the GPU under both allocators")
+    live = sub.add_parser("live", help="run the workloads on the GPU under both allocators",
+                          description="Run each workload under each allocator, each in its own process, on the GPU: "
+                                      "peaks, step time, losses, and (unless --no-record) each run's allocation "
+                                      "trace for `predict`. For step time: --rounds N --no-record, then `steptime`.")
     live.add_argument("--workloads", default=",".join(WORKLOADS),
                       help="comma-separated workloads to run (default: all of %(default)s)")
     live.add_argument("--allocators", default=",".join(ALLOCATORS),
                       help="comma-separated allocators, each in its own process: 'default' (PyTorch's caching "
-                           "allocator, recording its snapshot) and 'gpumem' (gpumem.torch, recording gpumem's "
-                           "trace) (default: %(default)s)")
+                           "allocator, recording its snapshot unless --no-record) and 'gpumem' (gpumem.torch, "
+                           "recording gpumem's trace unless --no-record) (default: %(default)s)")
     live.add_argument("--steps", type=int, default=12, help="steps per run, warm-up included (default: %(default)s)")
     live.add_argument("--warmup", type=int, default=4,
                       help="first steps left out of the step time (default: %(default)s)")
@@ -953,8 +975,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "'optimizer' marks at every optimizer step, no gpumem.torch.step() in the loop; "
                            f"'off' none (default: gpumem.torch's, {DEFAULT_STEP_MARKS!r})")
     live.add_argument("--rounds", type=int, default=1,
-                      help="rounds of every allocator per workload, the order reversed every second round, for "
-                           "step time (Note [Step time in rounds]); above 1 needs --no-record (default: %(default)s)")
+                      help="rounds of every allocator per workload, back to back, the allocators' order alternating "
+                           "from round to round, for step time (Note [Step time in rounds]); above 1 needs "
+                           "--no-record (default: %(default)s)")
     live.add_argument("--no-record", action="store_true",
                       help="record no trace, memory history or record_stream log: the allocators run as a program "
                            "runs them (step time); such runs cannot be predicted")
@@ -975,18 +998,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     child.add_argument("--no-record", action="store_true")
     steptime = sub.add_parser("steptime", help="tabulate gpumem's step time against PyTorch's over a record's rounds",
                               description="gpumem.torch's step time against PyTorch's allocator per workload, over "
-                                          "the rounds of each record (live --rounds N --no-record): every round's "
-                                          "ratio, their median and mean, and a bootstrap interval of the mean.")
-    steptime.add_argument("records", type=Path, nargs="+", help="workloads records")
+                                          "the rounds of each record (live --rounds N --no-record; a record of one "
+                                          "round, recorded or not, gives one ratio): every round's ratio (gpumem's "
+                                          "mean step over PyTorch's in that round, minus one, in %), their median and "
+                                          f"mean, and a bootstrap {BOOTSTRAP_COVERAGE:.0%} interval of the mean "
+                                          f"({BOOTSTRAP_RESAMPLES:,} resamples of the rounds, a fixed seed; none under "
+                                          f"{MIN_ROUNDS_FOR_INTERVAL} rounds). A round where either run failed is "
+                                          "left out. Exit status 1 when no round has both.")
+    steptime.add_argument("records", type=Path, nargs="+", help="workloads records written by `live`")
     steptime.add_argument("--pool", action="store_true",
-                          help="one table of the records' rounds together (each record's rounds numbered after the "
-                               "last record's; the first record's header)")
+                          help="one table of all the records' rounds together (each record's rounds numbered after "
+                               "the previous record's); refused when the records differ in steps, warm-up, "
+                               "recording or gpumem settings")
     steptime.add_argument("--markdown", type=Path, default=None, help="write the tables here")
     pred = sub.add_parser("predict", help="replay records' traces and tabulate live against predicted",
                           description="Replay every trace of each live record in the simulator with the model of "
                                       "the allocator that ran it (gpumem.torch's traces with their step marks and "
                                       "warm-up: Note [Plan events in a replay] in gpumem/replay.py) and tabulate "
-                                      "live against predicted peak reserved over peak allocated.")
+                                      "live against predicted peak reserved over peak allocated. A record made "
+                                      "with --no-record is refused (no traces); a run of a recorded record without "
+                                      "its trace is shown as a row not predicted.")
     pred.add_argument("records", type=Path, nargs="+", help="workloads records, each with its traces beside it")
     pred.add_argument("--sim", default="sim:h200-141gb", help="simulated device of the replays (default: %(default)s)")
     pred.add_argument("--gpu-timing", default=None,
@@ -1037,7 +1068,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.pool:
                 sections.append(f"## {path.parent.name}/{path.name}\n\n{render_step_times(record)}")
         if args.pool:
-            sections.append(f"## {len(records)} records pooled\n\n{render_step_times(pool_rounds(records))}")
+            try:
+                pooled = pool_rounds(records)
+            except WorkloadInputError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            records = [pooled]
+            sections.append(f"## {len(args.records)} records pooled\n\n{render_step_times(pooled)}")
+        if not any(step_times(r) for r in records):
+            print("error: no workload has a gpumem and a PyTorch run that both finished in one round",
+                  file=sys.stderr)
+            return 1
         text = "\n".join(sections)
         print(text)
         if args.markdown:

@@ -485,3 +485,35 @@ def test_steptime_pools_the_rounds_of_several_records(tmp_path: Path, capsys: py
     assert wl.main(["steptime", *paths, "--pool"]) == 0
     out = capsys.readouterr().out
     assert "2 records pooled" in out and "| w | 4 |" in out and "not recorded" in out
+
+
+def test_pooling_refuses_records_measured_otherwise_and_an_empty_table_says_so(tmp_path: Path,
+                                                                                capsys: pytest.CaptureFixture) -> None:
+    """New user 13: --pool mixed a recorded one-pair record into unrecorded rounds under the first one's
+    header; a record with no complete round printed an empty table and exited 0."""
+    runs = [{"workload": "w", "allocator": a, "mean_step_ms": 10.0} for a in ("default", "gpumem")]
+    base = {"steps": 40, "warmup": 10, "recorded": False, "runs": runs}
+    for key, value in (("recorded", True), ("steps", 12), ("warmup", 4), ("gpumem_policy", "gpumem:page_slack=0")):
+        other = dict(base)
+        other.pop("recorded") if key == "recorded" else other.update({key: value})   # a record from before: recorded
+        with pytest.raises(wl.WorkloadInputError, match=repr(key)):
+            wl.pool_rounds([base, other])
+        a, b = tmp_path / "a.json", tmp_path / "b.json"
+        a.write_text(json.dumps(base))
+        b.write_text(json.dumps(other))
+        assert wl.main(["steptime", str(a), str(b), "--pool"]) == 2
+        assert "are not pooled" in capsys.readouterr().err
+    lonely = tmp_path / "l.json"
+    lonely.write_text(json.dumps({"runs": [runs[1], {"workload": "w", "allocator": "default", "error": "x"}]}))
+    assert wl.main(["steptime", str(lonely)]) == 1
+    assert "no workload has a gpumem and a PyTorch run" in capsys.readouterr().err
+
+
+def test_predict_refuses_a_record_made_without_traces(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"recorded": False, "rounds": 2, "runs": [
+        {"workload": "gpt2_train", "allocator": "gpumem", "mean_step_ms": 1.0, "trace_file": None, "round": 1,
+         "peak_allocated_bytes": 100, "peak_reserved_bytes": 101, "losses": [1.0], "num_allocs": 1}]}))
+    assert wl.main(["predict", str(path)]) == 2
+    assert "nothing to predict" in capsys.readouterr().err
+    assert "gpt2_train, round 1" in wl.render_live(json.loads(path.read_text()))

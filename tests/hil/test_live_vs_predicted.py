@@ -411,10 +411,10 @@ def test_several_rounds_that_would_record_are_refused_before_running(tmp_path: P
     monkeypatch.setattr(subprocess, "run", _fake_child(calls))
     with pytest.raises(wl.WorkloadInputError, match="record no trace"):
         wl.run_live(["gpt2_train"], ["default", "gpumem"], 3, 1, tmp_path / "a", None, 5.0, rounds=2)
-    with pytest.raises(wl.WorkloadInputError, match="at least one"):
+    with pytest.raises(wl.WorkloadInputError, match="a whole number from 1"):
         wl.run_live(["gpt2_train"], ["default", "gpumem"], 3, 1, tmp_path / "a", None, 5.0, rounds=0,
                     record_trace=False)
-    for argv, why in ((["--rounds", "2"], "needs --no-record"), (["--rounds", "0", "--no-record"], "at least 1")):
+    for argv, why in ((["--rounds", "2"], "needs --no-record"), (["--rounds", "0", "--no-record"], "1 to 1000")):
         with pytest.raises(SystemExit) as exc:
             wl.main(["live", "--out", str(tmp_path / "b"), *argv])
         assert exc.value.code == 2 and why in capsys.readouterr().err
@@ -436,10 +436,11 @@ def test_step_times_pair_runs_by_round_and_leave_out_failed_rounds() -> None:
         run("default", 1, 100.0), run("gpumem", 1, 102.0), run("gpumem", 2, 99.0), run("default", 2, None),
         run("default", 3, 100.0), run("gpumem", 3, 100.0), run("default", 4, 100.0), run("gpumem", 4, 101.0)]}
     (row,) = wl.step_times(record)
-    assert row.ratios == pytest.approx((0.02, 0.0, 0.01))
+    assert row.ratios == pytest.approx((0.02, 0.0, 0.01)) and row.failed_rounds == 1
     assert row.median == pytest.approx(0.01) and row.mean == pytest.approx(0.01)
-    lo, hi = row.interval()
-    assert 0.0 <= lo <= row.mean <= hi <= 0.02 and row.interval() == (lo, hi)   # a fixed seed
+    # Student's t, 2 degrees of freedom: 0.01 +- 2.920 * 0.01 / sqrt(3)
+    assert row.interval() == pytest.approx((0.01 - 0.0168586, 0.01 + 0.0168586), abs=1e-6)
+    assert "| w | 3 | 1 |" in wl.render_step_times(record)
     # a record of one round (or from before rounds existed) pairs its runs as round 1, with no interval
     one = {"runs": [run("default", None, 100.0), run("gpumem", None, 103.0)]}
     assert wl.step_times(one)[0].ratios == pytest.approx((0.03,))
@@ -517,3 +518,76 @@ def test_predict_refuses_a_record_made_without_traces(tmp_path: Path, capsys: py
     assert wl.main(["predict", str(path)]) == 2
     assert "nothing to predict" in capsys.readouterr().err
     assert "gpt2_train, round 1" in wl.render_live(json.loads(path.read_text()))
+
+
+def test_t_quantiles_are_conservative_between_tabled_degrees() -> None:
+    assert wl.t_quantile_95(1) == 6.314 and wl.t_quantile_95(15) == 1.753
+    assert wl.t_quantile_95(35) == wl.t_quantile_95(30) and wl.t_quantile_95(10_000) == 1.658
+    with pytest.raises(wl.WorkloadInputError):
+        wl.t_quantile_95(0)
+
+
+@pytest.mark.parametrize("run, why", [
+    (7, "not an object"), ({"allocator": "gpumem", "mean_step_ms": 1.0}, "not an object"),
+    ({"workload": ["w"], "allocator": "gpumem", "mean_step_ms": 1.0}, "not an object"),
+    ({"workload": "w", "allocator": "gpumem"}, "not a positive finite number"),
+    ({"workload": "w", "allocator": "gpumem", "mean_step_ms": None}, "not a positive finite number"),
+    ({"workload": "w", "allocator": "gpumem", "mean_step_ms": "100"}, "not a positive finite number"),
+    ({"workload": "w", "allocator": "gpumem", "mean_step_ms": True}, "not a positive finite number"),
+    ({"workload": "w", "allocator": "gpumem", "mean_step_ms": 0.0}, "not a positive finite number"),
+    ({"workload": "w", "allocator": "gpumem", "mean_step_ms": -100.0}, "not a positive finite number"),
+    ({"workload": "w", "allocator": "gpumem", "mean_step_ms": float("nan")}, "not a positive finite number"),
+    ({"workload": "w", "allocator": "gpumem", "mean_step_ms": float("inf")}, "not a positive finite number"),
+    ({"workload": "w", "allocator": "gpumem", "mean_step_ms": 1.0, "round": 0}, "not a whole number"),
+    ({"workload": "w", "allocator": "gpumem", "mean_step_ms": 1.0, "round": 1.5}, "not a whole number"),
+    ({"workload": "w", "allocator": "gpumem", "mean_step_ms": 1.0, "round": "1"}, "not a whole number"),
+    ({"workload": "w", "allocator": "gpumem", "mean_step_ms": 1.0, "round": False}, "not a whole number"),
+    ({"workload": "w", "allocator": "gpumem", "mean_step_ms": 1.0, "round": [1]}, "not a whole number"),
+    ({"workload": "w", "allocator": "default", "mean_step_ms": 1.0}, "two runs"),
+])
+def test_steptime_refuses_bad_runs_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture, run: object,
+                                               why: str) -> None:
+    """Attacker 16: bad runs gave tracebacks (KeyError, ZeroDivisionError...) or numbers shown as right
+    (-201 % from a negative step, NaN means); colliding rounds kept the later run."""
+    record = {"runs": [{"workload": "w", "allocator": "default", "mean_step_ms": 1.0}, run]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(record))
+    assert wl.main(["steptime", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and why in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(wl.WorkloadInputError, match=why):
+        wl.step_times(json.loads(path.read_text()))
+
+
+def test_steptime_refuses_a_record_pooled_twice_and_a_markdown_target_it_cannot_use(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Attacker 16: the same record given twice to --pool counted its rounds twice and narrowed the interval;
+    --markdown into a folder, a missing folder, or over a record read."""
+    runs = [{"workload": "w", "allocator": a, "round": r, "mean_step_ms": 10.0 + (a == "gpumem") * r / 10}
+            for r in (1, 2, 3) for a in ("default", "gpumem")]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"recorded": False, "runs": runs}))
+    copy = tmp_path / "copy.json"
+    copy.write_text(path.read_text())
+    for argv, why in (([str(path), str(path), "--pool"], "given twice"), ([str(path), str(copy), "--pool"], "given twice"),
+                      ([str(path), "--markdown", str(tmp_path)], "is a folder"),
+                      ([str(path), "--markdown", str(tmp_path / "no" / "t.md")], "does not exist"),
+                      ([str(path), "--markdown", str(path)], "would be overwritten")):
+        assert wl.main(["steptime", *argv]) == 2
+        assert why in capsys.readouterr().err
+    assert json.loads(path.read_text())["runs"] == runs
+
+
+def test_live_refuses_names_given_twice_and_rounds_out_of_range(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Attacker 16: a workload named twice ran twice and its rounds replaced each other; --rounds had no bound."""
+    for argv, why in ((["--workloads", "gpt2_train,gpt2_train"], "named twice"),
+                      (["--allocators", "default,gpumem,gpumem"], "named twice"),
+                      (["--rounds", str(wl.MAX_ROUNDS + 1), "--no-record"], f"1 to {wl.MAX_ROUNDS}")):
+        with pytest.raises(SystemExit) as exc:
+            wl.main(["live", "--out", str(tmp_path / "o"), *argv])
+        assert exc.value.code == 2 and why in capsys.readouterr().err
+    for rounds in (1.5, 2.0, True, 0):
+        with pytest.raises(wl.WorkloadInputError, match="whole number"):
+            wl.run_live(["gpt2_train"], ["default", "gpumem"], 3, 1, tmp_path / "o", None, 5.0, rounds=rounds,
+                        record_trace=False)
+    assert not (tmp_path / "o").exists()

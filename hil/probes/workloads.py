@@ -272,6 +272,66 @@ def w_llama_long_decode(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any
             "token); a step is one whole request", step)
 
 
+#: The estimate's 7B decode past the prefill's holes (reports/sim-decode-calls.md, addendum): Llama-7B's shape with
+#: random bf16 weights made on the GPU, a 2,048-token prompt and 4,500 new tokens in step 1 (step 0 is a short
+#: request that warms up); every token's time is kept, for windows of LONG7B_WINDOW tokens.
+LONG7B_CONFIG = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=8192)
+LONG7B_PROMPT = 2048
+LONG7B_NEW_TOKENS = 4500
+LONG7B_WARMUP_TOKENS = 32
+LONG7B_WINDOW = 500
+
+
+class _TokenClock:
+    """A ``generate()`` streamer that keeps the time of every token it is handed (the prompt's put first)."""
+
+    def __init__(self) -> None:
+        self.times_s: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times_s.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def w_llama7b_long_decode(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**LONG7B_CONFIG)
+    config._attn_implementation = "eager"
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.eval()
+    clock = _TokenClock()
+
+    def step(i: int) -> Any:
+        ids = torch.randint(0, 32000, (1, LONG7B_PROMPT), device="cuda", generator=_gen(torch, i))
+        n = LONG7B_NEW_TOKENS if i else LONG7B_WARMUP_TOKENS
+        clock.times_s.clear()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0, streamer=clock)
+        return out[:, LONG7B_PROMPT:].sum().float()
+
+    def extra() -> dict:
+        t = clock.times_s[1:]   # the last request's tokens (its first put is the prompt)
+        gaps = [b - a for a, b in zip(t, t[1:])]
+        return {"token_ms_by_window": [round(sum(gaps[k:k + LONG7B_WINDOW]) / len(gaps[k:k + LONG7B_WINDOW]) * 1e3, 3)
+                                       for k in range(0, len(gaps), LONG7B_WINDOW)],
+                "token_window": LONG7B_WINDOW}
+    ctx["extra"] = extra
+    return (f"Llama-7B shape (32 layers, d 4096, 32 heads, bf16, random weights) Hugging Face generate(): greedy, "
+            f"prompt {LONG7B_PROMPT}, step 0 {LONG7B_WARMUP_TOKENS} new tokens, then {LONG7B_NEW_TOKENS} (the KV cache "
+            "grown by torch.cat every token); a step is one whole request", step)
+
+
 def w_unet_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
     nn = torch.nn
 
@@ -378,7 +438,7 @@ WORKLOADS: dict[str, Callable[[Any, dict], tuple[str, Callable[[int], Any]]]] = 
     "vit_train": w_vit_train, "moe_train": w_moe_train, "llama_generate": w_llama_generate,
     "unet_train": w_unet_train, "gpt2_train_bf16": w_gpt2_train_bf16, "multistream_infer": w_multistream_infer,
     "cudagraph_train": w_cudagraph_train, "llama_long_decode": w_llama_long_decode,
-    "gpt2_train_fp16_scaler": w_gpt2_train_fp16_scaler,
+    "gpt2_train_fp16_scaler": w_gpt2_train_fp16_scaler, "llama7b_long_decode": w_llama7b_long_decode,
 }
 
 

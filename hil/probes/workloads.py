@@ -296,11 +296,11 @@ class _TokenClock:
         pass
 
 
-def w_llama7b_long_decode(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+def w_llama7b_long_decode(torch: Any, ctx: dict, attention: str = "eager") -> tuple[str, Callable[[int], Any]]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**LONG7B_CONFIG)
-    config._attn_implementation = "eager"
+    config._attn_implementation = attention
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -327,7 +327,8 @@ def w_llama7b_long_decode(torch: Any, ctx: dict) -> tuple[str, Callable[[int], A
                                        for k in range(0, len(gaps), LONG7B_WINDOW)],
                 "token_window": LONG7B_WINDOW}
     ctx["extra"] = extra
-    return (f"Llama-7B shape (32 layers, d 4096, 32 heads, bf16, random weights) Hugging Face generate(): greedy, "
+    return (f"Llama-7B shape (32 layers, d 4096, 32 heads, bf16, random weights, {attention} attention) Hugging Face "
+            "generate(): greedy, "
             f"prompt {LONG7B_PROMPT}, step 0 {LONG7B_WARMUP_TOKENS} new tokens, then {LONG7B_NEW_TOKENS} (the KV cache "
             "grown by torch.cat every token); a step is one whole request", step)
 
@@ -439,6 +440,8 @@ WORKLOADS: dict[str, Callable[[Any, dict], tuple[str, Callable[[int], Any]]]] = 
     "unet_train": w_unet_train, "gpt2_train_bf16": w_gpt2_train_bf16, "multistream_infer": w_multistream_infer,
     "cudagraph_train": w_cudagraph_train, "llama_long_decode": w_llama_long_decode,
     "gpt2_train_fp16_scaler": w_gpt2_train_fp16_scaler, "llama7b_long_decode": w_llama7b_long_decode,
+    # the estimate models SDPA (no attention scores kept): its prefill leaves no 512 MiB holes as eager's does
+    "llama7b_long_decode_sdpa": lambda torch, ctx: w_llama7b_long_decode(torch, ctx, "sdpa"),
 }
 
 

@@ -25,8 +25,8 @@ Run on the GPU: ``python -m hil.probes.workloads live --out DIR [--workloads a,b
 Then anywhere: ``python -m hil.probes.workloads predict DIR/workloads.json [--sim sim:h200-141gb]
 [--gpu-timing trace,model,idle] [--markdown FILE] [--json FILE]``.
 
-For step time, ``live --rounds 8 --no-record`` runs every allocator once per round, the order reversed every
-second round, recording nothing; ``steptime RECORD... [--pool]`` tabulates each round's ratio, their median and
+For step time, ``live --rounds 8 --no-record`` runs every allocator once per round, the order alternating
+from round to round, recording nothing; ``steptime RECORD... [--pool]`` tabulates each round's ratio, their median and
 mean, and Student's t interval of the mean (Note [Step time in rounds]).
 """
 
@@ -443,6 +443,10 @@ WORKLOADS: dict[str, Callable[[Any, dict], tuple[str, Callable[[int], Any]]]] = 
     # the estimate models SDPA (no attention scores kept): its prefill leaves no 512 MiB holes as eager's does
     "llama7b_long_decode_sdpa": lambda torch, ctx: w_llama7b_long_decode(torch, ctx, "sdpa"),
 }
+
+
+#: Workloads that run only when named (a 7B model's 4,500-token decode: minutes per run).
+NAMED_ONLY = ("llama7b_long_decode", "llama7b_long_decode_sdpa")
 
 
 def parse_policy(spec: str) -> Any:
@@ -1095,8 +1099,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                           description="Run each workload under each allocator, each in its own process, on the GPU: "
                                       "peaks, step time, losses, and (unless --no-record) each run's allocation "
                                       "trace for `predict`. For step time: --rounds N --no-record, then `steptime`.")
-    live.add_argument("--workloads", default=",".join(WORKLOADS),
-                      help="comma-separated workloads to run (default: all of %(default)s)")
+    live.add_argument("--workloads", default=",".join(w for w in WORKLOADS if w not in NAMED_ONLY),
+                      help="comma-separated workloads to run (default: all of %(default)s; "
+                           f"{' and '.join(NAMED_ONLY)} only when named: minutes each, give --timeout 600)")
     live.add_argument("--allocators", default=",".join(ALLOCATORS),
                       help="comma-separated allocators, each in its own process: 'default' (PyTorch's caching "
                            "allocator, recording its snapshot unless --no-record) and 'gpumem' (gpumem.torch, "

@@ -591,3 +591,18 @@ def test_live_refuses_names_given_twice_and_rounds_out_of_range(tmp_path: Path, 
             wl.run_live(["gpt2_train"], ["default", "gpumem"], 3, 1, tmp_path / "o", None, 5.0, rounds=rounds,
                         record_trace=False)
     assert not (tmp_path / "o").exists()
+
+
+def test_the_7b_decodes_run_only_when_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain `live` runs every workload but the two 7B decodes (minutes each: they would time out at the
+    default --timeout); named, they run."""
+    import subprocess
+
+    calls: list = []
+    monkeypatch.setattr(subprocess, "run", _fake_child(calls))
+    wl.main(["live", "--out", str(tmp_path / "a"), "--allocators", "gpumem"])
+    ran = {c[4] for c in calls}
+    assert ran == set(wl.WORKLOADS) - set(wl.NAMED_ONLY) and set(wl.NAMED_ONLY) <= set(wl.WORKLOADS)
+    calls.clear()
+    wl.main(["live", "--out", str(tmp_path / "b"), "--allocators", "gpumem", "--workloads", "llama7b_long_decode_sdpa"])
+    assert [c[4] for c in calls] == ["llama7b_long_decode_sdpa"]

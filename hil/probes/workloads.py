@@ -658,7 +658,7 @@ def run_live(workloads: Sequence[str], allocators: Sequence[str], steps: int, wa
     """Every workload under every allocator, each its own process; the record is rewritten after each run.
 
     With ``rounds`` above one each workload runs that many rounds of every allocator back to back, the order
-    reversed in every second round (Note [Step time in rounds]); that needs ``record_trace`` False (each
+    alternating from round to round (Note [Step time in rounds]); that needs ``record_trace`` False (each
     round's traces would replace the last one's)."""
     if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= MAX_ROUNDS:
         raise WorkloadInputError(f"rounds {rounds!r}: a whole number from 1 to {MAX_ROUNDS}")
@@ -901,7 +901,7 @@ def render_live(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-# Note [Step time in rounds]: one process of PyTorch's own allocator runs GPT-2's step up to 3 % faster or
+# Note [Step time in rounds]: one process of PyTorch's own allocator runs GPT-2's step up to 3.2 % faster or
 # slower than another (95.5-98.6 ms on the H200, reports/hil/step-time-rounds-h200-2026-11-29.md), more than
 # the 1 % that issue 18 asks of gpumem. So step time is measured in rounds: each round runs every allocator
 # once, back to back, the order alternating from round to round (drift of the machine falls on both sides

@@ -272,7 +272,7 @@ def w_llama_long_decode(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any
             "token); a step is one whole request", step)
 
 
-#: The estimate's 7B decode past the prefill's holes (reports/sim-decode-calls.md, addendum): Llama-7B's shape with
+#: The estimate's 7B decode where the simulator shows a storm of calls (reports/sim-decode-calls.md, addendum): Llama-7B's shape with
 #: random bf16 weights made on the GPU, a 2,048-token prompt and 4,500 new tokens in step 1 (step 0 is a short
 #: request that warms up); every token's time is kept, for windows of LONG7B_WINDOW tokens.
 LONG7B_CONFIG = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -440,7 +440,7 @@ WORKLOADS: dict[str, Callable[[Any, dict], tuple[str, Callable[[int], Any]]]] = 
     "unet_train": w_unet_train, "gpt2_train_bf16": w_gpt2_train_bf16, "multistream_infer": w_multistream_infer,
     "cudagraph_train": w_cudagraph_train, "llama_long_decode": w_llama_long_decode,
     "gpt2_train_fp16_scaler": w_gpt2_train_fp16_scaler, "llama7b_long_decode": w_llama7b_long_decode,
-    # the estimate models SDPA (no attention scores kept): its prefill leaves no 512 MiB holes as eager's does
+    # the attention the estimate models (SDPA keeps no score matrices; eager's prefill holds 512 MiB ones per layer)
     "llama7b_long_decode_sdpa": lambda torch, ctx: w_llama7b_long_decode(torch, ctx, "sdpa"),
 }
 

@@ -802,6 +802,7 @@ def live_vs_predicted(record: dict, trace_dir: Path, sim: str = "sim:h200-141gb"
     if record.get("recorded") is False:
         raise WorkloadInputError("nothing to predict: the record was made with --no-record (its runs recorded no "
                                  "trace; `steptime` reads such records)")
+    checked_runs(record, complete=True, unique=False)   # each run is replayed on its own
     rows = []
     for run in record["runs"]:
         allocator = run.get("allocator")
@@ -877,7 +878,7 @@ def error_line(text: str) -> str:
 def render_live(record: dict) -> str:
     """A Markdown table of a record's live runs: peaks, overhead, step time, and whether each gpumem run's
     losses equal PyTorch's allocator's run of the same workload."""
-    runs = checked_runs(record)
+    runs = checked_runs(record, complete=True, unique=False)   # a second run of a round is compared with the last
     base = {(r["workload"], _round_of(r)): r for r in runs if r.get("allocator") == "default" and "error" not in r}
     lines = [f"{record.get('gpu', '?')}, PyTorch {record.get('torch', '?')}, {record.get('steps')} steps "
              f"({record.get('warmup')} warm-up) per run, gpumem policy: {record.get('gpumem_policy') or 'the default'}"
@@ -976,17 +977,33 @@ def _round_of(run: dict) -> int:
     return r
 
 
-def _step_ms_of(run: dict) -> float:
-    ms = run.get("mean_step_ms")
-    if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
+#: The longest step time a record may give (ms): a day; longer is a broken record, and ratios of such
+#: numbers overflow.
+MAX_STEP_MS = 86_400_000.0
+
+
+def _number(run: dict, key: str, low: float, high: float) -> float:
+    """``run[key]`` as a float in ``(low, high]``; a :class:`WorkloadInputError` in one line else."""
+    value = run.get(key)
+    try:
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and low < float(value) <= high
+    except OverflowError:
+        ok = False
+    if not ok:
         raise WorkloadInputError(f"run {run.get('workload')!r} ({run.get('allocator')!r}, round {_round_of(run)}): "
-                                 f"mean_step_ms {ms!r} is not a positive finite number")
-    return float(ms)
+                                 f"{key} {str(value)[:40]} is not a number in ({low:g}, {high:g}]")
+    return float(value)  # type: ignore[arg-type]
 
 
-def checked_runs(record: Any) -> list[dict]:
-    """The record's runs, each a dict naming a workload (a string) and an allocator, with a valid round; a
-    :class:`WorkloadInputError` in one line for anything else, or for two runs of one allocator in one round."""
+def _step_ms_of(run: dict) -> float:
+    return _number(run, "mean_step_ms", 0.0, MAX_STEP_MS)
+
+
+def checked_runs(record: Any, complete: bool = False, unique: bool = True) -> list[dict]:
+    """The record's runs, each a dict naming a workload (a string) and an allocator, with a valid round; with
+    ``complete`` (what a live table and a prediction read) each also of a known allocator, its error a string
+    or its peaks, step time, allocations and losses present and sound. A :class:`WorkloadInputError` in one line
+    for anything else, or (``unique``: where runs are paired by round) for two runs of one allocator in one round."""
     if not isinstance(record, dict) or not isinstance(record.get("runs"), list):
         raise WorkloadInputError("not a workloads record: no 'runs' list")
     seen = set()
@@ -994,9 +1011,22 @@ def checked_runs(record: Any) -> list[dict]:
         if not isinstance(r, dict) or not isinstance(r.get("workload"), str) or not isinstance(r.get("allocator"), str):
             raise WorkloadInputError(f"a run that is not an object with a workload and an allocator: {str(r)[:80]}")
         key = (r["workload"], r["allocator"], _round_of(r))
-        if key in seen:
+        if unique and key in seen:
             raise WorkloadInputError(f"two runs of {key[0]!r} under {key[1]!r} in round {key[2]}")
         seen.add(key)
+        if not complete:
+            continue
+        if r["allocator"] not in ALLOCATORS:
+            raise WorkloadInputError(f"run {r['workload']!r}: unknown allocator {r['allocator']!r}")
+        if "error" in r:
+            if not isinstance(r["error"], str):
+                raise WorkloadInputError(f"run {r['workload']!r} ({r['allocator']!r}): its error is not text")
+            continue
+        _step_ms_of(r)
+        for k in ("peak_allocated_bytes", "peak_reserved_bytes", "num_allocs"):
+            _number(r, k, 0.0, float(1 << 62))
+        if not isinstance(r.get("losses"), list):
+            raise WorkloadInputError(f"run {r['workload']!r} ({r['allocator']!r}): no list of losses")
     return record["runs"]
 
 
@@ -1016,7 +1046,11 @@ def step_times(record: dict) -> list[StepTimeRow]:
         rounds = [runs[k] for k in sorted(k for k in runs if k[0] == workload)]
         pairs = [p for p in rounds if all(p.get(a) is not None for a in ALLOCATORS)]
         if pairs:
-            rows.append(StepTimeRow(workload, tuple(p["gpumem"] / p["default"] - 1 for p in pairs),  # type: ignore[operator]
+            ratios = tuple(p["gpumem"] / p["default"] - 1 for p in pairs)  # type: ignore[operator]
+            if not all(abs(x) < 1e6 for x in ratios):
+                raise WorkloadInputError(f"workload {workload!r}: a round's step times differ a millionfold or more: "
+                                         "not step times of one workload")
+            rows.append(StepTimeRow(workload, ratios,
                                     statistics.median(p["gpumem"] for p in pairs),  # type: ignore[type-var]
                                     statistics.median(p["default"] for p in pairs),  # type: ignore[type-var]
                                     len(rounds) - len(pairs)))
@@ -1033,12 +1067,19 @@ def pool_rounds(records: Sequence[dict]) -> dict:
     ``recorded`` existed recorded its traces) and no record may be given twice; else :class:`WorkloadInputError`
     says which."""
     def setting(record: dict, key: str) -> Any:
-        return record.get(key, True) if key == "recorded" else record.get(key)
+        return record.get(key, True) if key == "recorded" else record.get(key, "(missing)")
 
+    def same_run(r: dict) -> tuple:   # a step time to full precision does not come twice from two processes
+        return r["workload"], r["allocator"], r.get("mean_step_ms")
+
+    seen: dict[tuple, int] = {}
     for i, record in enumerate(records):
-        checked_runs(record)
-        if any(record == other for other in records[:i]):
-            raise WorkloadInputError(f"record {i + 1} is given twice: its rounds would count twice")
+        for r in checked_runs(record):
+            if "error" not in r:
+                if seen.get(same_run(r), i + 1) != i + 1:
+                    raise WorkloadInputError(f"record {i + 1} holds a run of record {seen[same_run(r)]} "
+                                             f"({r['workload']!r} under {r['allocator']!r}): its rounds would count twice")
+                seen[same_run(r)] = i + 1
         for key in POOL_KEYS:
             if setting(record, key) != setting(records[0], key):
                 raise WorkloadInputError(f"record {i + 1} differs from record 1 in {key!r} ({setting(record, key)!r} "
@@ -1054,6 +1095,11 @@ def pool_rounds(records: Sequence[dict]) -> dict:
             "rounds": offset, "runs": runs}
 
 
+def _cell(text: str) -> str:
+    """``text`` as one Markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", " ").replace("\r", " ") or "(no name)"
+
+
 def render_step_times(record: dict) -> str:
     """A Markdown table of :func:`step_times`: every round's ratio, their median, mean and interval."""
     lines = [f"Step time, gpumem.torch against PyTorch's allocator, {record.get('steps', '?')} steps "
@@ -1067,20 +1113,37 @@ def render_step_times(record: dict) -> str:
         iv = row.interval()
         interval = (f"{iv[0] * 100:+.2f} … {iv[1] * 100:+.2f} %" if iv is not None
                     else f"- (fewer than {MIN_ROUNDS_FOR_INTERVAL} rounds)")
-        lines.append(f"| {row.workload} | {len(row.ratios)} | {row.failed_rounds} | {row.gpumem_median_ms:.2f} | "
+        lines.append(f"| {_cell(row.workload)} | {len(row.ratios)} | {row.failed_rounds} | {row.gpumem_median_ms:.2f} | "
                      f"{row.default_median_ms:.2f} | " + ", ".join(f"{x * 100:+.2f}" for x in row.ratios)
                      + f" | {row.median * 100:+.2f} % | {row.mean * 100:+.2f} % | {interval} |")
     return "\n".join(lines) + "\n"
 
 
 def _markdown_target_problem(target: Path, inputs: Sequence[Path]) -> str | None:
-    """Why ``target`` cannot take a Markdown table (a folder, a missing folder, one of the ``inputs``), or None."""
+    """Why ``target`` cannot take an output (a folder, a missing folder, one of the ``inputs`` under any name), or
+    None."""
+    import os
+
     if target.is_dir():
         return "is a folder"
-    if not target.parent.is_dir():
-        return f"its folder {target.parent} does not exist"
-    if any(target.resolve() == p.resolve() for p in inputs):
-        return "is one of the records read (it would be overwritten)"
+    if not target.resolve().parent.is_dir():
+        return f"its folder {target.resolve().parent} does not exist"
+    for p in inputs:
+        try:
+            same = target.resolve() == p.resolve() or (target.exists() and p.exists() and os.path.samefile(target, p))
+        except OSError:
+            same = False
+        if same:
+            return "is one of the records read (it would be overwritten)"
+    return None
+
+
+def _write_output(target: Path, text: str) -> str | None:
+    """Write ``text`` to ``target``; what went wrong in one line, or None."""
+    try:
+        target.write_text(text)
+    except OSError as exc:
+        return f"cannot write {target}: {exc.strerror or exc}"
     return None
 
 
@@ -1151,7 +1214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     steptime.add_argument("--pool", action="store_true",
                           help="one table of all the records' rounds together (each record's rounds numbered after "
                                "the previous record's); refused when the records differ in steps, warm-up, "
-                               "recording or gpumem settings")
+                               "recording, GPU, PyTorch or gpumem settings, or share a run. Records of one round "
+                               "each keep their own order (the allocators do not alternate between them)")
     steptime.add_argument("--markdown", type=Path, default=None, help="write the tables here (not over a record)")
     pred = sub.add_parser("predict", help="replay records' traces and tabulate live against predicted",
                           description="Replay every trace of each live record in the simulator with the model of "
@@ -1225,11 +1289,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         text = "\n".join(sections)
         print(text)
-        if args.markdown:
-            args.markdown.write_text(text)
+        if args.markdown and (why := _write_output(args.markdown, text)):
+            print(f"error: --markdown: {why}", file=sys.stderr)
+            return 2
         return 0
     sections, rows_json = [], {}
     try:
+        for flag, target in (("--markdown", args.markdown), ("--json", args.json)):
+            if target is not None and (why := _markdown_target_problem(target, args.records)):
+                raise WorkloadInputError(f"{flag} {target}: {why}")
         for path in args.records:
             record = _load_record(path)
             sections.append(f"## {path.parent.name}/{path.name}\n\n### Live\n\n{render_live(record)}")
@@ -1244,10 +1312,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     text = "\n".join(sections)
     print(text)
-    if args.markdown:
-        args.markdown.write_text(text)
-    if args.json:
-        args.json.write_text(json.dumps(rows_json, indent=1))
+    for flag, target, out in (("--markdown", args.markdown, text), ("--json", args.json, json.dumps(rows_json, indent=1))):
+        if target is not None and (why := _write_output(target, out)):
+            print(f"error: {flag}: {why}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -40,6 +40,7 @@ import gzip
 import json
 import logging
 import math
+import pickle
 import shutil
 import subprocess
 import sys
@@ -58,6 +59,11 @@ ALLOCATORS = ("default", "gpumem")
 MODEL_OF = {"default": "pytorch", "gpumem": "gpumem"}
 #: Entries PyTorch's memory history keeps at most (a ring buffer: more would drop the oldest).
 HISTORY_MAX_ENTRIES = 4_000_000
+# Note [A full history ring]: PyTorch's memory history is a ring of HISTORY_MAX_ENTRIES entries (an allocation
+# makes one, a free two or three); a run that makes more loses its oldest, and its snapshot replays from the
+# middle of the run with blocks freed that it never saw allocated. A long run (the 7B decode makes about 7 million
+# allocations) fills it. The run's record says how many entries the snapshot holds and whether the ring was full
+# (``history_truncated``); ``predict`` shows such a run without a prediction rather than a wrong one.
 
 
 class WorkloadInputError(Exception):
@@ -630,7 +636,14 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
                       num_device_calls=int(st.get("num_device_alloc", 0)) + int(st.get("num_device_free", 0)))
     if allocator == "default" and trace_path:
         raw = out_dir / (trace_path.name[:-3])
-        torch.cuda.memory._dump_snapshot(str(raw))
+        snapshot = torch.cuda.memory._snapshot()   # what _dump_snapshot pickles, counted first
+        per_device = [len(t) for t in snapshot.get("device_traces", [])]   # one ring per device
+        # a full ring has dropped its oldest entries: such a snapshot starts mid-run (Note [A full history ring])
+        record.update(history_entries=sum(per_device),
+                      history_truncated=max(per_device, default=0) >= HISTORY_MAX_ENTRIES)
+        with open(raw, "wb") as f:
+            pickle.dump(snapshot, f)
+        del snapshot
         torch.cuda.memory._record_memory_history(enabled=None)
         rs_logger.stop()   # type: ignore[union-attr]
         from gpumem.trace.stream_log import write_record_stream_log
@@ -814,6 +827,13 @@ def live_vs_predicted(record: dict, trace_dir: Path, sim: str = "sim:h200-141gb"
                                          gpu_timing, error="live run failed: " + error_line(run["error"])))
             continue
         live = overhead(run["peak_reserved_bytes"], run["peak_allocated_bytes"])
+        if run.get("history_truncated"):
+            rows.append(LivePredictedRow(run["workload"], allocator, model, live if live is not None else float("nan"),
+                                         None, run["peak_reserved_bytes"], None, run["mean_step_ms"], gpu_timing,
+                                         error=f"not predicted: PyTorch's memory history filled its ring of "
+                                               f"{HISTORY_MAX_ENTRIES:,} entries and dropped the oldest "
+                                               "(Note [A full history ring])"))
+            continue
         if not run.get("trace_file"):
             why = ("the run recorded none (--no-record)" if "trace_file" in run and run["trace_file"] is None
                    else "the run names no trace file")

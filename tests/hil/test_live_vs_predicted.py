@@ -645,3 +645,15 @@ def test_re_attack_17_hostile_numbers_shared_runs_and_outputs(tmp_path: Path, ca
                      for a in ("default", "gpumem")]}
     table = wl.render_step_times(pipe)
     assert "| a\\|b c |" in table and len(table.strip().splitlines()) == 5   # heading, blank line, head, rule, row
+
+
+def test_a_run_whose_history_ring_was_full_is_shown_not_predicted(tmp_path: Path) -> None:
+    """Note [A full history ring]: a PyTorch snapshot that lost its oldest entries replays from mid-run; its row
+    says so instead of giving a prediction (the trace is not even read)."""
+    record = {"runs": [{"workload": "llama7b_long_decode", "allocator": "default", "mean_step_ms": 1.0,
+                        "trace_file": "missing.pickle.gz", "history_entries": wl.HISTORY_MAX_ENTRIES,
+                        "history_truncated": True, "peak_allocated_bytes": 100, "peak_reserved_bytes": 121,
+                        "losses": [1.0], "num_allocs": 7_000_000}]}
+    (row,) = wl.live_vs_predicted(record, tmp_path)
+    assert row.predicted_overhead is None and "dropped the oldest" in row.error
+    assert "dropped the oldest" in wl.render_table([row], "sim:h200-141gb")

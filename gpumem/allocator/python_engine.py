@@ -661,28 +661,26 @@ class PythonEngine:
         return self.backing.describe()
 
     # -- step plans (Note [Step plans] in .plan) ---------------------------------------------------------
-    def mark_step(self) -> int:
-        """A step boundary; returns a :class:`~.plan.MarkResult` value."""
+    def _plan_operation(self, name: str, call: Callable[[], Any]) -> Any:
+        """``call()`` (a step plan's method) as one operation of an open allocator; ``name`` says who refused."""
         with self._operation():
             if self._closed:
-                raise InvalidArgumentError("mark_step: the allocator is closed")
-            return int(self._plan.mark())
+                raise InvalidArgumentError(f"{name}: the allocator is closed")
+            return call()
+
+    def mark_step(self) -> int:
+        """A step boundary; returns a :class:`~.plan.MarkResult` value."""
+        return int(self._plan_operation("mark_step", self._plan.mark))
 
     def start_plan_warmup(self) -> bool:
         """Begin the memory-first warm-up before the first mark (Note [A memory-first warm-up] in :mod:`.plan`);
         whether it is on."""
-        with self._operation():
-            if self._closed:
-                raise InvalidArgumentError("start_plan_warmup: the allocator is closed")
-            return self._plan.start_warmup()
+        return self._plan_operation("start_plan_warmup", self._plan.start_warmup)
 
     def stop_plan_warmup(self) -> bool:
         """Stop the memory-first warm-up as if it had not begun (Note [A memory-first warm-up] in :mod:`.plan`);
         whether it was on."""
-        with self._operation():
-            if self._closed:
-                raise InvalidArgumentError("stop_plan_warmup: the allocator is closed")
-            return self._plan.stop_warmup()
+        return self._plan_operation("stop_plan_warmup", self._plan.stop_warmup)
 
     def step_template(self, missing_ok: bool = False) -> tuple[list[int], list[int], list[int], list[int], int] | None:
         """The READY step: (requested bytes, streams, free rank in its step, free rank in the next, generation);

@@ -194,14 +194,19 @@ def build_trace(
     )
 
 
+def _at_events(events: list[int], ints: Sequence[int] | np.ndarray,
+               times_us: Sequence[float] | np.ndarray) -> tuple[list[int], list[float]]:
+    """``ints`` and ``times_us`` at the event indices ``events``, as lists."""
+    idx = np.asarray(events, dtype=np.int64)
+    return np.asarray(ints, dtype=np.int64)[idx].tolist(), np.asarray(times_us, dtype=np.float64)[idx].tolist()
+
+
 def _stream_uses(raw: list[tuple[int, int, int]], streams: Sequence[int] | np.ndarray,
                  times_us: Sequence[float] | np.ndarray) -> tuple[StreamUse, ...]:
     """:class:`StreamUse` objects of :func:`build_ops`' ``(at_op, alloc_id, event index)`` triples."""
     if not raw:
         return ()
-    idx = np.fromiter((r[2] for r in raw), dtype=np.int64, count=len(raw))
-    s = np.asarray(streams, dtype=np.int64)[idx].tolist()
-    t = np.asarray(times_us, dtype=np.float64)[idx].tolist()
+    s, t = _at_events([r[2] for r in raw], streams, times_us)
     return tuple(StreamUse(at, aid, si, ti) for (at, aid, _), si, ti in zip(raw, s, t))
 
 
@@ -211,9 +216,7 @@ def _stream_waits(raw: list[tuple[int, int]], addrs: Sequence[int], streams: Seq
     in the event's address)."""
     if not raw:
         return ()
-    idx = np.fromiter((r[1] for r in raw), dtype=np.int64, count=len(raw))
-    s = np.asarray(streams, dtype=np.int64)[idx].tolist()
-    t = np.asarray(times_us, dtype=np.float64)[idx].tolist()
+    s, t = _at_events([r[1] for r in raw], streams, times_us)
     return tuple(StreamWait(at, si, int(addrs[i]), ti) for (at, i), si, ti in zip(raw, s, t))
 
 
@@ -222,9 +225,7 @@ def _plan_events(raw: list[tuple[int, int]], sizes: Sequence[int] | np.ndarray,
     """:class:`PlanEvent` objects of :func:`build_ops`' ``(at_op, event index)`` pairs (the kind in the size)."""
     if not raw:
         return ()
-    idx = np.fromiter((r[1] for r in raw), dtype=np.int64, count=len(raw))
-    kinds = np.asarray(sizes, dtype=np.int64)[idx].tolist()
-    t = np.asarray(times_us, dtype=np.float64)[idx].tolist()
+    kinds, t = _at_events([r[1] for r in raw], sizes, times_us)
     bad = [k for k in kinds if k not in PlanEventKind._value2member_map_]
     if bad:
         raise InvalidArgumentError(f"plan event kind {bad[0]} is not one of "

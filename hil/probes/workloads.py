@@ -42,6 +42,7 @@ import logging
 import math
 import pickle
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -570,9 +571,8 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
     import torch
 
     rs_logger = None
-    if not record_trace:
-        record_stream = gt.record_stream if allocator == "gpumem" else (lambda t, s: t.record_stream(s))
-    elif allocator == "default":
+    record_stream = gt.record_stream if allocator == "gpumem" else (lambda t, s: t.record_stream(s))
+    if record_trace and allocator == "default":
         from gpumem.trace.stream_log import RecordStreamLogger
 
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
@@ -580,9 +580,7 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
         # every Tensor.record_stream from here on is logged beside the snapshot, which records none
         # (Note [Placing a logged record_stream among a snapshot's ops] in gpumem/trace/stream_log.py)
         rs_logger = RecordStreamLogger(torch).start()
-        record_stream = lambda t, s: t.record_stream(s)  # noqa: E731
-    else:
-        record_stream = gt.record_stream
+    elif record_trace:
         # a wait_stream passes no allocator call: told to gpumem's trace here (Note [Cross-stream waits] in
         # gpumem/sim/gpu_work.py), where PyTorch's runs log it beside the snapshot
         trace_wait_streams(torch, gt.trace_wait_stream)
@@ -967,8 +965,6 @@ class StepTimeRow:
 
     @property
     def median(self) -> float:
-        import statistics
-
         return statistics.median(self.ratios)
 
     @property
@@ -978,8 +974,6 @@ class StepTimeRow:
     def interval(self) -> tuple[float, float] | None:
         """Student's t interval (:data:`INTERVAL_COVERAGE`) of the mean ratio; None under
         :data:`MIN_ROUNDS_FOR_INTERVAL` rounds."""
-        import statistics
-
         n = len(self.ratios)
         if n < MIN_ROUNDS_FOR_INTERVAL:
             return None
@@ -1054,8 +1048,6 @@ def step_times(record: dict) -> list[StepTimeRow]:
     """One row per workload with a gpumem and a PyTorch run that both finished in at least one round (a record of
     one round, or one from before rounds existed, counts as round 1); rounds where either failed are left out and
     counted. Bad runs: :class:`WorkloadInputError` (:func:`checked_runs`, a step time that is no positive number)."""
-    import statistics
-
     runs: dict[tuple[str, int], dict[str, float | None]] = {}
     for r in checked_runs(record):
         if r["allocator"] in ALLOCATORS:
@@ -1139,7 +1131,7 @@ def render_step_times(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _markdown_target_problem(target: Path, inputs: Sequence[Path]) -> str | None:
+def _output_target_problem(target: Path, inputs: Sequence[Path]) -> str | None:
     """Why ``target`` cannot take an output (a folder, a missing folder, one of the ``inputs`` under any name), or
     None."""
     import os
@@ -1284,7 +1276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "steptime":
         sections, records = [], []
         try:
-            if args.markdown is not None and (why := _markdown_target_problem(args.markdown, args.records)):
+            if args.markdown is not None and (why := _output_target_problem(args.markdown, args.records)):
                 raise WorkloadInputError(f"--markdown {args.markdown}: {why}")
             if args.pool and len({p.resolve() for p in args.records}) < len(args.records):
                 raise WorkloadInputError("--pool: a record is given twice (its rounds would count twice)")
@@ -1316,7 +1308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sections, rows_json = [], {}
     try:
         for flag, target in (("--markdown", args.markdown), ("--json", args.json)):
-            if target is not None and (why := _markdown_target_problem(target, args.records)):
+            if target is not None and (why := _output_target_problem(target, args.records)):
                 raise WorkloadInputError(f"{flag} {target}: {why}")
         for path in args.records:
             record = _load_record(path)

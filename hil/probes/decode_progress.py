@@ -13,9 +13,12 @@ The model is ``llama7b_long_decode``'s (``hil/probes/workloads.py``: Llama-7B's 
 the GPU, greedy ``generate()`` with the ``DynamicCache`` grown by ``torch.cat``), with eager or SDPA attention.
 PyTorch's default dtype is bf16 for the whole run (``workloads`` sets it while building
 only). Two requests run: a 32-token one (warm-up), then one of ``--new-tokens``. Lines go to stdout; ``--json`` also
-writes them as a list of objects when the run ends::
+writes them as a list of objects when the run ends. ``--record FILE`` (gpumem only) also records gpumem's trace of
+the whole process and saves it at the end: a short decode recorded so is what ``python -m sim.extend_decode``
+extends to thousands of tokens for a replay::
 
     python -m hil.probes.decode_progress --allocator gpumem --attention sdpa --new-tokens 4500
+    python -m hil.probes.decode_progress --allocator gpumem --attention sdpa --new-tokens 96 --record short.gmt.gz
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", type=_positive, default=2048, help="prompt tokens of both requests (2048)")
     p.add_argument("--window", type=_positive, default=250, help="tokens per printed line (250)")
     p.add_argument("--json", type=Path, help="also write every line, as JSON, to this file at the end")
+    p.add_argument("--record", type=Path,
+                   help="under gpumem, record every allocation from before the model is built and save the trace "
+                        "here at the end (e.g. short.gmt.gz; a few dozen tokens are enough for "
+                        "python -m sim.extend_decode, and a 4,500-token trace takes minutes to write)")
     return p
 
 
@@ -106,6 +113,10 @@ class _WindowClock:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.record is not None and args.allocator != "gpumem":
+        print("decode_progress: --record needs --allocator gpumem (PyTorch's allocator: "
+              "hil.probes.workloads records its memory history)", file=sys.stderr)
+        return 2
     import torch
     if not torch.cuda.is_available():
         print("decode_progress: no CUDA device", file=sys.stderr)
@@ -113,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.allocator == "gpumem":
         import gpumem.torch as gt
         gt.install()
+        if args.record is not None:
+            gt.start_trace()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hil.probes.workloads import LONG7B_CONFIG
@@ -141,6 +154,13 @@ def main(argv: list[str] | None = None) -> int:
         end = stats()
         print(f"[{label}] request {n} tokens {request_s:.1f}s {json.dumps(end)}", flush=True)
         lines.append({"request_tokens": n, "request_s": round(request_s, 3), **end})
+    if args.record is not None:
+        from gpumem.trace import save_trace
+
+        gt.stop_trace()
+        save_trace(gt.recorded_trace(0, name=f"7B {args.attention} decode of {args.new_tokens} tokens on gpumem.torch"),
+                   args.record)
+        print(f"[{label}] trace saved to {args.record}", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps({"allocator": args.allocator, "attention": args.attention,
                                          "prompt": args.prompt, "new_tokens": args.new_tokens,

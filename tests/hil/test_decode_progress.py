@@ -40,3 +40,8 @@ def test_help_explains(capsys):
         dp.main(["--help"])
     out = capsys.readouterr().out
     assert "window" in out and "steals" in out
+
+
+def test_record_needs_gpumem(capsys):
+    assert dp.main(["--allocator", "default", "--record", "x.gmt.gz"]) == 2
+    assert "--record needs --allocator gpumem" in capsys.readouterr().err

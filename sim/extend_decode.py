@@ -1,0 +1,339 @@
+"""Extend a recorded short ``generate()`` decode to thousands of tokens, for replays of a decode too long to record.
+
+A 7B decode of 4,500 tokens makes 13 million allocator operations; recording them on the GPU machine outlasts the
+device tool's time for one call (``reports/hil/long-decode-sdpa-h200-2026-11-29.md``). But every decode token of a
+Hugging Face ``generate()`` with a ``DynamicCache`` makes the same operations, in the same order, freeing the same
+blocks, with sizes that grow by a fixed number of bytes per token (the KV cache's ``torch.cat`` results by one
+token's row, an attention mask or score row by a few bytes). So a short recording (a few dozen tokens) holds the
+whole decode:
+
+1. the decode's tokens are found in the trace's last request: token ``j`` starts at the first allocation of
+   ``--first-nbytes + j * --growth-nbytes`` after the last allocation of ``--first-nbytes`` (the cache tensor
+   the prefill made; e.g. Llama-7B, prompt 2048: ``16777216`` and ``8192``);
+2. every recorded token from 2 to the second-to-last is checked against a template token (the middle one):
+   the same kinds of operations, each free of a block made in the same token or the one before at the same
+   place, and each size the template's plus a fixed growth per token (learnt from the template and the token
+   before it). One difference anywhere stops the tool with the first op that differs: the model is exact on
+   the recording or not used;
+3. the trace is kept up to the start of token 2 and continued with tokens 2 to ``--tokens - 1`` made from the
+   template, each op's clock advanced by the template's gap (so ``--gpu-timing trace`` paces it as recorded).
+   The last recorded token's tail (``generate()``'s end) is not kept.
+
+Then ``--out`` saves it (any trace format :func:`gpumem.trace.save_trace` writes; 13 million operations take about
+two minutes) and ``--replay`` replays it at once under each listed GPU timing, one line each::
+
+    python -m sim.extend_decode short.gmt.gz --first-nbytes 16777216 --growth-nbytes 8192 --tokens 4500 \\
+        --replay idle,trace
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gpumem.errors import GpumemError, InvalidArgumentError
+from gpumem.trace import Trace, load_trace, save_trace
+
+log = logging.getLogger(__name__)
+
+ALLOC, FREE = 0, 1
+MAX_TOKENS = 1_000_000
+"""Tokens ``--tokens`` may ask for (a 7B decode makes about 2,900 operations per token)."""
+
+
+@dataclass(frozen=True)
+class DecodeTemplate:
+    """One decode token's operations, with what changes from one token to the next."""
+
+    kinds: tuple[int, ...]
+    nbytes: tuple[int, ...]
+    """Each op's size at :attr:`token` (a free's: its block's)."""
+    growth_nbytes: tuple[int, ...]
+    """Each allocation's growth per token (0 for frees)."""
+    free_refs: tuple[tuple[bool, int], ...]
+    """Per op: for a free, ``(made in the token before, offset of its allocation there or in this token)``;
+    ``(False, -1)`` for an allocation."""
+    streams: tuple[int, ...]
+    gaps_us: tuple[float, ...]
+    """Each op's clock less the op before it."""
+    token: int
+
+
+@dataclass(frozen=True)
+class DecodeRecording:
+    """Where the tokens of a trace's last decode start (op indices), and the checked template."""
+
+    starts: dict[int, int]
+    template: DecodeTemplate
+    checked_tokens: int
+
+
+def _token_starts(kinds: np.ndarray, nbytes: np.ndarray, first_nbytes: int, growth_nbytes: int) -> dict[int, int]:
+    allocs = np.nonzero((kinds == ALLOC) & (nbytes == first_nbytes))[0]
+    if not len(allocs):
+        raise InvalidArgumentError(f"no allocation of --first-nbytes {first_nbytes} in the trace: give the size "
+                                   "of one cache tensor right after the prefill (e.g. Llama-7B, prompt 2048, bf16: "
+                                   "2048 * 4096 * 2 = 16777216)")
+    starts: dict[int, int] = {}
+    j = 1
+    for i in range(int(allocs[-1]) + 1, len(kinds)):
+        if kinds[i] == ALLOC and nbytes[i] == first_nbytes + j * growth_nbytes:
+            starts[j] = i
+            j += 1
+    return starts
+
+
+def _template(kinds: np.ndarray, nbytes: np.ndarray, ids: np.ndarray, times_us: np.ndarray, streams: np.ndarray,
+              starts: dict[int, int], token: int) -> DecodeTemplate:
+    a, b, prev = starts[token], starts[token + 1], starts[token - 1]
+    made: dict[int, int] = {}
+    for i in range(prev, b):
+        if kinds[i] == ALLOC:
+            made[int(ids[i])] = i
+    refs: list[tuple[bool, int]] = []
+    growth: list[int] = []
+    sizes: list[int] = []
+    for i in range(a, b):
+        if kinds[i] == ALLOC:
+            refs.append((False, -1))
+            growth.append(int(nbytes[i]) - int(nbytes[prev + i - a]) if kinds[prev + i - a] == ALLOC else 0)
+        else:
+            w = made.get(int(ids[i]))
+            if w is None:
+                raise InvalidArgumentError(f"op {i} (token {token}) frees a block made before token {token - 1}: "
+                                           "not a decode this tool can extend")
+            refs.append((w < a, w - (prev if w < a else a)))
+            growth.append(0)
+        sizes.append(int(nbytes[i]))
+    gaps = [float(times_us[i]) - float(times_us[i - 1]) for i in range(a, b)]
+    return DecodeTemplate(tuple(int(k) for k in kinds[a:b]), tuple(sizes), tuple(growth), tuple(refs),
+                          tuple(int(x) for x in streams[a:b]), tuple(gaps), token)
+
+
+def _mismatch(kinds: np.ndarray, nbytes: np.ndarray, ids: np.ndarray, streams: np.ndarray, starts: dict[int, int],
+              template: DecodeTemplate, token: int) -> str:
+    """Why ``token`` of the recording is not the template moved to ``token``, or ``""``."""
+    a, b, prev = starts[token], starts[token + 1], starts[token - 1]
+    if b - a != len(template.kinds):
+        return f"token {token} has {b - a} ops, token {template.token} {len(template.kinds)}"
+    shift = token - template.token
+    for off in range(b - a):
+        i = a + off
+        if int(kinds[i]) != template.kinds[off] or int(streams[i]) != template.streams[off]:
+            return f"op {i} (token {token}, op {off} of it): not the template's kind or stream"
+        if kinds[i] == ALLOC:
+            want = template.nbytes[off] + template.growth_nbytes[off] * shift
+            if int(nbytes[i]) != want:
+                return f"op {i} (token {token}, op {off} of it): {int(nbytes[i])} bytes, the template grown gives {want}"
+        else:
+            before, where = template.free_refs[off]
+            j = (prev if before else a) + where
+            if not (0 <= where and j < b and kinds[j] == ALLOC and ids[j] == ids[i]):
+                return f"op {i} (token {token}, op {off} of it): frees another block than the template's"
+    return ""
+
+
+def read_decode(trace: Trace, first_nbytes: int, growth_nbytes: int) -> DecodeRecording:
+    """Find and check the decode of ``trace``'s last request (module docstring, points 1 and 2).
+
+    Raises:
+        InvalidArgumentError: too few tokens found (at least 5 are needed), or a token that is not the template's.
+    """
+    kinds, nbytes, ids = np.asarray(trace.kinds), np.asarray(trace.nbytes), np.asarray(trace.alloc_ids)
+    streams = np.asarray(trace.streams)
+    starts = _token_starts(kinds, nbytes, first_nbytes, growth_nbytes)
+    if len(starts) < 5:
+        raise InvalidArgumentError(f"found {len(starts)} decode tokens after the last allocation of "
+                                   f"{first_nbytes} bytes, need at least 5: record more tokens, or check "
+                                   f"--growth-nbytes ({growth_nbytes})")
+    last = max(starts)   # its end is not known: tokens 2 .. last - 1 are whole
+    token = (2 + last) // 2
+    template = _template(kinds, nbytes, ids, np.asarray(trace.times_us), streams, starts, token)
+    for j in range(2, last):
+        why = _mismatch(kinds, nbytes, ids, streams, starts, template, j)
+        if why:
+            raise InvalidArgumentError(f"the recorded decode is not one template grown per token: {why}")
+    return DecodeRecording(starts, template, last - 2)
+
+
+def extend_decode(trace: Trace, tokens: int, first_nbytes: int, growth_nbytes: int) -> Trace:
+    """``trace`` up to its decode's token 2, then tokens 2 .. ``tokens - 1`` from the checked template
+    (module docstring, point 3): a trace of a ``generate()`` of ``tokens`` new tokens.
+
+    Raises:
+        InvalidArgumentError: bad numbers, or a recording :func:`read_decode` refuses.
+    """
+    for name, value in (("first_nbytes", first_nbytes), ("growth_nbytes", growth_nbytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"{name} must be a whole number of bytes >= 1, got {value!r}")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 3 <= tokens <= MAX_TOKENS:
+        raise InvalidArgumentError(f"tokens must be a whole number from 3 to {MAX_TOKENS:,}, got {tokens!r}")
+    rec = read_decode(trace, first_nbytes, growth_nbytes)
+    t = rec.template
+    head = rec.starts[2]
+    late = [name for name, events in (("record_stream calls", trace.stream_uses), ("stream waits", trace.stream_waits),
+                                      ("step-plan events", trace.plan_events)) if any(e.at_op > head for e in events)]
+    if late:
+        raise InvalidArgumentError(f"the trace has {' and '.join(late)} inside its decode: not extended (a decode "
+                                   "token of generate() makes none)")
+    kinds = np.asarray(trace.kinds)[:head]
+    ids = np.asarray(trace.alloc_ids)[:head]
+    n_head_allocs = int(np.count_nonzero(kinds == ALLOC))
+    if n_head_allocs and int(ids[kinds == ALLOC].max()) != n_head_allocs - 1:
+        raise InvalidArgumentError("the trace's allocation ids are not dense from 0")
+    period, n_new = len(t.kinds), tokens - 2
+    total = head + period * n_new
+    out_kinds = np.empty(total, dtype=np.asarray(trace.kinds).dtype)
+    out_ids = np.empty(total, dtype=np.asarray(trace.alloc_ids).dtype)
+    out_nbytes = np.empty(total, dtype=np.asarray(trace.nbytes).dtype)
+    out_times = np.empty(total, dtype=np.asarray(trace.times_us).dtype)
+    out_streams = np.empty(total, dtype=np.asarray(trace.streams).dtype)
+    out_streams[:head] = np.asarray(trace.streams)[:head]
+    out_kinds[:head], out_ids[:head] = kinds, ids
+    out_nbytes[:head] = np.asarray(trace.nbytes)[:head]
+    out_times[:head] = np.asarray(trace.times_us)[:head]
+    # the ids of the ops of the token before (the recording's token 1 for the first one made)
+    # the ids and start of the token before (the recording's token 1 for the first one made)
+    prev_ids = np.asarray(trace.alloc_ids)[rec.starts[1]:head].astype(np.int64)
+    prev_lo = rec.starts[1]
+    t_kinds = np.asarray(t.kinds)
+    is_alloc = t_kinds == ALLOC
+    n_allocs = int(np.count_nonzero(is_alloc))
+    alloc_rank = np.cumsum(is_alloc) - 1          # an allocation's rank among the token's allocations
+    base_nbytes = np.asarray(t.nbytes, dtype=np.int64)
+    growth = np.asarray(t.growth_nbytes, dtype=np.int64)
+    free_offs = [off for off in range(period) if not is_alloc[off]]
+    gaps = np.cumsum(np.asarray(t.gaps_us, dtype=np.float64))
+    clock = float(out_times[head - 1])
+    next_id = n_head_allocs
+    for j in range(2, tokens):
+        lo = head + (j - 2) * period
+        cur = np.full(period, -1, dtype=np.int64)
+        cur[is_alloc] = next_id + alloc_rank[is_alloc]
+        sizes = base_nbytes + growth * (j - t.token)
+        if (sizes[is_alloc] < 1).any():
+            raise InvalidArgumentError(f"token {j}: an allocation's size falls below 1 byte (a size that shrinks "
+                                       "per token cannot be extended this far)")
+        for off in free_offs:   # a free's size is its block's
+            before, where = t.free_refs[off]
+            cur[off] = prev_ids[where] if before else cur[where]
+            sizes[off] = out_nbytes[prev_lo + where] if before else sizes[where]
+        out_kinds[lo:lo + period] = t_kinds
+        out_ids[lo:lo + period] = cur
+        out_nbytes[lo:lo + period] = sizes
+        out_streams[lo:lo + period] = t.streams
+        out_times[lo:lo + period] = clock + gaps
+        clock += float(gaps[-1])
+        prev_ids, prev_lo = cur, lo
+        next_id += n_allocs
+    keep = lambda events: tuple(e for e in events if e.at_op <= head)  # noqa: E731
+    return Trace(f"{trace.name}, decode extended to {tokens} tokens", "extend_decode", out_kinds, out_ids,
+                 out_nbytes, out_streams, out_times, np.zeros(total, dtype=np.asarray(trace.addrs).dtype),
+                 stream_uses=keep(trace.stream_uses), stream_waits=keep(trace.stream_waits),
+                 plan_events=keep(trace.plan_events))
+
+
+
+TIMINGS = ("idle", "model", "trace")
+
+
+def _timings(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in names if t not in TIMINGS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"GPU timings from {', '.join(TIMINGS)}, comma-separated; got {text!r}")
+    return names
+
+
+def _whole(low: int, high: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be from {low:,}" + (f" to {high:,}" if high else "")
+                                             + f", got {value:,}")
+        return value
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sim.extend_decode", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", type=Path, help="a recorded trace whose last request is a short generate() decode")
+    p.add_argument("--first-nbytes", type=_whole(1), required=True,
+                   help="bytes of one KV-cache tensor right after the prefill (batch * prompt * kv heads * head dim "
+                        "* element bytes)")
+    p.add_argument("--growth-nbytes", type=_whole(1), required=True,
+                   help="bytes that tensor grows by per token (batch * kv heads * head dim * element bytes)")
+    p.add_argument("--tokens", type=_whole(3, MAX_TOKENS), required=True,
+                   help="new tokens of the extended decode (the request's max_new_tokens)")
+    p.add_argument("--out", type=Path, help="save the extended trace here (format from the name, e.g. .gmt.gz)")
+    p.add_argument("--replay", type=_timings, default=(),
+                   help="replay the extended trace under these GPU timings (comma-separated: idle, model, trace)")
+    p.add_argument("--policy", default="gpumem", help="allocator policy of the replays (default gpumem)")
+    p.add_argument("--device", default="sim:h200-141gb", help="simulated device of the replays (sim:h200-141gb)")
+    p.add_argument("--json", type=Path, help="also write the replays' rows here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from sim.cli_checks import json_target_problem
+
+    for target in (args.out, args.json):
+        if target is not None and (why := json_target_problem(target)):
+            print(f"extend_decode: {why}", file=sys.stderr)
+            return 2
+    if args.out is not None and args.json is not None and args.out.resolve() == args.json.resolve():
+        print("extend_decode: --out and --json name the same file", file=sys.stderr)
+        return 2
+    if args.out is not None and args.trace.exists() and args.out.resolve() == args.trace.resolve():
+        print("extend_decode: --out would overwrite the input trace", file=sys.stderr)
+        return 2
+    try:
+        trace = load_trace(args.trace)
+        rec = read_decode(trace, args.first_nbytes, args.growth_nbytes)
+        print(f"{args.trace.name}: {len(rec.starts)} decode tokens found, {rec.checked_tokens} checked against token "
+              f"{rec.template.token} ({len(rec.template.kinds):,} ops per token): exact", flush=True)
+        extended = extend_decode(trace, args.tokens, args.first_nbytes, args.growth_nbytes)
+        print(extended.summary(), flush=True)
+        if args.out is not None:
+            save_trace(extended, args.out)
+            print(f"saved {args.out}", flush=True)
+        rows = []
+        if args.replay:
+            from gpumem.replay import replay_trace
+
+            print(f"{'timing':<7} {'peak allocated':>15} {'peak reserved':>15} {'overhead':>9} {'device calls':>13} "
+                  f"{'event calls':>12} {'wall s':>7}")
+            for timing in args.replay:
+                r = replay_trace(extended, args.device, args.policy, gpu_timing=timing)
+                row = {"timing": timing, "policy": args.policy, "device": args.device, "tokens": args.tokens,
+                       "peak_allocated_bytes": r.stats.peak_allocated_nbytes,
+                       "peak_reserved_bytes": r.peak_reserved_bytes, "overhead": r.overhead,
+                       "device_calls": r.stats.device_calls, "event_calls": r.stats.event_calls,
+                       "ooms": r.ooms, "wall_s": round(r.wall_s, 3)}
+                rows.append(row)
+                print(f"{timing:<7} {row['peak_allocated_bytes']:>15,} {row['peak_reserved_bytes']:>15,} "
+                      f"{r.overhead:>9.3%} {row['device_calls']:>13,} {row['event_calls']:>12,} {r.wall_s:>7.1f}"
+                      + (f"  ({r.ooms} allocations failed)" if r.ooms else ""), flush=True)
+        if args.json is not None:
+            args.json.write_text(json.dumps({"trace": args.trace.name, "first_nbytes": args.first_nbytes,
+                                             "growth_nbytes": args.growth_nbytes, "rows": rows}, indent=1) + "\n")
+    except (GpumemError, OSError) as exc:
+        print(f"extend_decode: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""sim.extend_decode: a short recorded decode extended to N tokens is the N-token decode, op for op; what is not
+one template grown per token is refused with the op that differs."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpumem.errors import InvalidArgumentError
+from gpumem.trace import Trace, load_trace, save_trace
+from gpumem.trace.model import StreamUse
+from sim import extend_decode as ed
+
+FIRST, GROWTH = 1 << 20, 256
+
+
+def decode_ops(tokens: int, layers: int = 2, first: int = FIRST, growth: int = GROWTH, mask_growth: int = 8,
+               bad_token: int | None = None, old_free_token: int | None = None) -> list[tuple]:
+    """A generate()-like trace: weights, a prefill making one cache tensor per layer, then tokens 1 .. tokens - 1
+    (each cache tensor replaced by one ``growth`` larger, a mask growing by ``mask_growth``, a temporary, and
+    logits freed in the next token), then the end (everything freed)."""
+    ops: list[tuple] = []
+    clock = [0.0]
+
+    def alloc(nbytes: int) -> int:
+        aid = sum(1 for o in ops if o[0] == 0)
+        clock[0] += 3.0
+        ops.append((0, aid, nbytes, 0, clock[0], 0))
+        return aid
+
+    def free(aid: int) -> None:
+        clock[0] += 2.0
+        ops.append((1, aid, sizes[aid], 0, clock[0], 0))
+
+    sizes: dict[int, int] = {}
+
+    def a(nbytes: int) -> int:
+        aid = alloc(nbytes)
+        sizes[aid] = nbytes
+        return aid
+
+    weights = a(64 << 20)
+    scratch = a(3 << 20)
+    free(scratch)
+    cache = [a(first) for _ in range(layers)]
+    logits = a(4000)
+    kept_from = {}
+    for j in range(1, tokens):
+        free(logits)
+        for layer in range(layers):
+            new = a(first + growth * j + (1 if j == bad_token and layer == layers - 1 else 0))
+            free(cache[layer])
+            cache[layer] = new
+            tmp = a(4096)
+            mask = a(100 + mask_growth * j)
+            free(tmp)
+            free(mask)
+        if old_free_token is not None and j == old_free_token:
+            kept_from[j] = a(512)
+        if old_free_token is not None and j == old_free_token + 2:
+            free(kept_from[old_free_token])
+        logits = a(4000)
+    free(logits)
+    for c in cache:
+        free(c)
+    free(weights)
+    return ops
+
+
+def trace_of(ops: list[tuple], name: str = "decode") -> Trace:
+    return Trace.from_ops(name, "test", ops)
+
+
+def same_ops(a: Trace, b: Trace, n: int) -> bool:
+    return all(np.array_equal(np.asarray(getattr(a, f))[:n], np.asarray(getattr(b, f))[:n])
+               for f in ("kinds", "alloc_ids", "nbytes", "streams"))
+
+
+def test_extended_is_the_long_decode_op_for_op():
+    short, full = trace_of(decode_ops(12)), trace_of(decode_ops(60))
+    ext = ed.extend_decode(short, 60, FIRST, GROWTH)
+    assert 0 < ext.n_ops < full.n_ops
+    assert same_ops(ext, full, ext.n_ops)
+    assert np.all(np.diff(np.asarray(ext.times_us)) >= 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers=st.integers(1, 3), recorded=st.integers(6, 14), tokens=st.integers(3, 70),
+       growth=st.sampled_from([8, 256, 8192]), mask_growth=st.integers(0, 16))
+def test_extension_matches_for_any_shape(layers, recorded, tokens, growth, mask_growth):
+    short = trace_of(decode_ops(recorded, layers, growth=growth, mask_growth=mask_growth))
+    full = trace_of(decode_ops(max(tokens, recorded), layers, growth=growth, mask_growth=mask_growth))
+    ext = ed.extend_decode(short, tokens, FIRST, growth)
+    assert same_ops(ext, full, ext.n_ops)
+    assert ext.peak_live_nbytes <= full.peak_live_nbytes
+
+
+def test_reading_the_recording():
+    rec = ed.read_decode(trace_of(decode_ops(12)), FIRST, GROWTH)
+    assert sorted(rec.starts) == list(range(1, 12)) and rec.template.token == 6 and rec.checked_tokens == 9
+
+
+@pytest.mark.parametrize("kwargs, tokens, message", [
+    (dict(first_nbytes=FIRST + 1, growth_nbytes=GROWTH), 50, "no allocation of --first-nbytes"),
+    (dict(first_nbytes=FIRST, growth_nbytes=GROWTH + 8), 50, "need at least 5"),
+    (dict(first_nbytes=0, growth_nbytes=GROWTH), 50, "first_nbytes must be"),
+    (dict(first_nbytes=FIRST, growth_nbytes=True), 50, "growth_nbytes must be"),
+    (dict(first_nbytes=FIRST, growth_nbytes=GROWTH), 2, "tokens must be"),
+    (dict(first_nbytes=FIRST, growth_nbytes=GROWTH), ed.MAX_TOKENS + 1, "tokens must be"),
+])
+def test_bad_numbers_are_refused(kwargs, tokens, message):
+    trace = trace_of(decode_ops(12))
+    before = np.asarray(trace.nbytes).copy()
+    with pytest.raises(InvalidArgumentError, match=message):
+        ed.extend_decode(trace, tokens, **kwargs)
+    assert np.array_equal(np.asarray(trace.nbytes), before)
+
+
+def test_too_few_tokens_recorded():
+    with pytest.raises(InvalidArgumentError, match="found 3 decode tokens"):
+        ed.extend_decode(trace_of(decode_ops(4)), 50, FIRST, GROWTH)
+
+
+def test_a_size_off_the_line_is_refused_with_its_op():
+    with pytest.raises(InvalidArgumentError, match=r"not one template grown per token: op \d+ \(token 9"):
+        ed.extend_decode(trace_of(decode_ops(12, bad_token=9)), 50, FIRST, GROWTH)
+
+
+def test_a_free_of_an_older_token_is_refused():
+    with pytest.raises(InvalidArgumentError, match="frees a block made before token|not the template's|ops, token"):
+        ed.extend_decode(trace_of(decode_ops(14, old_free_token=4)), 50, FIRST, GROWTH)
+
+
+def test_a_size_that_would_shrink_below_one_byte_is_refused():
+    with pytest.raises(InvalidArgumentError, match="falls below 1 byte"):
+        ed.extend_decode(trace_of(decode_ops(12, mask_growth=-8)), 50, FIRST, GROWTH)
+
+
+def test_stream_uses_inside_the_decode_are_refused():
+    t = trace_of(decode_ops(12))
+    late = Trace(t.name, t.source, t.kinds, t.alloc_ids, t.nbytes, t.streams, t.times_us, t.addrs,
+                 stream_uses=(StreamUse(at_op=t.n_ops - 20, alloc_id=0, stream=7),))
+    with pytest.raises(InvalidArgumentError, match="record_stream calls inside its decode"):
+        ed.extend_decode(late, 50, FIRST, GROWTH)
+    early = Trace(t.name, t.source, t.kinds, t.alloc_ids, t.nbytes, t.streams, t.times_us, t.addrs,
+                  stream_uses=(StreamUse(at_op=3, alloc_id=0, stream=7),))
+    assert ed.extend_decode(early, 50, FIRST, GROWTH).stream_uses == early.stream_uses
+
+
+# -- the command line ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def short_file(tmp_path):
+    path = tmp_path / "short.gmt.gz"
+    save_trace(trace_of(decode_ops(12)), path)
+    return path
+
+
+def test_cli_extends_saves_and_replays(short_file, tmp_path, capsys):
+    out, rows = tmp_path / "long.gmt.gz", tmp_path / "rows.json"
+    argv = [str(short_file), "--first-nbytes", str(FIRST), "--growth-nbytes", str(GROWTH), "--tokens", "40",
+            "--out", str(out), "--replay", "idle,trace", "--json", str(rows)]
+    assert ed.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "11 decode tokens found, 9 checked against token 6" in text and "exact" in text
+    saved = load_trace(out)
+    assert same_ops(saved, trace_of(decode_ops(40)), saved.n_ops)
+    data = json.loads(rows.read_text())
+    assert [r["timing"] for r in data["rows"]] == ["idle", "trace"]
+    assert all(r["peak_reserved_bytes"] >= r["peak_allocated_bytes"] > 0 and r["ooms"] == 0 for r in data["rows"])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--replay", "fast"], "GPU timings from"),
+    (["--tokens", "2"], "must be from 3"),
+    (["--first-nbytes", "x"], "whole number"),
+])
+def test_cli_bad_arguments(short_file, extra, message, capsys):
+    argv = [str(short_file), "--first-nbytes", str(FIRST), "--growth-nbytes", str(GROWTH), "--tokens", "40"]
+    with pytest.raises(SystemExit) as exc:
+        ed.main(argv + extra)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_refusals_in_one_line(short_file, tmp_path, capsys):
+    base = ["--first-nbytes", str(FIRST), "--growth-nbytes", str(GROWTH), "--tokens", "40"]
+    before = short_file.read_bytes()
+    cases = [
+        ([str(tmp_path / "missing.gmt.gz")] + base, "missing.gmt.gz"),
+        ([str(short_file)] + base + ["--out", str(short_file)], "overwrite the input"),
+        ([str(short_file)] + base + ["--json", str(tmp_path)], "is a folder"),
+        ([str(short_file)] + base + ["--out", str(tmp_path / "a.gmt.gz"), "--json", str(tmp_path / "a.gmt.gz")],
+         "same file"),
+        ([str(short_file), "--first-nbytes", "12345", "--growth-nbytes", str(GROWTH), "--tokens", "40"],
+         "no allocation of --first-nbytes"),
+    ]
+    for argv, message in cases:
+        assert ed.main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert short_file.read_bytes() == before

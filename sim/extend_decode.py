@@ -17,7 +17,15 @@ whole decode:
    the recording or not used;
 3. the trace is kept up to the start of token 2 and continued with tokens 2 to ``--tokens - 1`` made from the
    template, each op's clock advanced by the template's gap (so ``--gpu-timing trace`` paces it as recorded).
-   The last recorded token's tail (``generate()``'s end) is not kept.
+   The last recorded token's tail (``generate()``'s end) is not kept. Every made token takes the template's
+   time: a recording whose pace drifts (the 7B SDPA decode's tokens took 39-112 ms) is paced at its middle
+   token's.
+
+What is refused, each in one line: a token that is not the template grown (the first op that differs is named), a
+token made of identical parts (``--growth-nbytes`` a multiple of the real growth), a ``--first-nbytes`` that is a
+decode token's size rather than the prefill's, a free of a block older than the token before, ``record_stream``,
+wait or step-plan events inside the decode, sizes that would shrink below 1 byte or pass 2**62, and more than
+:data:`MAX_OPS` operations.
 
 Then ``--out`` saves it (any trace format :func:`gpumem.trace.save_trace` writes; 13 million operations take about
 two minutes) and ``--replay`` replays it at once under each listed GPU timing, one line each::
@@ -31,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import operator
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +54,8 @@ log = logging.getLogger(__name__)
 ALLOC, FREE = 0, 1
 MAX_TOKENS = 1_000_000
 """Tokens ``--tokens`` may ask for (a 7B decode makes about 2,900 operations per token)."""
+MAX_OPS = 200_000_000
+"""Operations an extended trace may have: building one takes about 60 bytes per operation (12 GB here)."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +93,8 @@ def _token_starts(kinds: np.ndarray, nbytes: np.ndarray, first_nbytes: int, grow
                                    "2048 * 4096 * 2 = 16777216)")
     starts: dict[int, int] = {}
     j = 1
-    for i in range(int(allocs[-1]) + 1, len(kinds)):
+    anchor = int(allocs[-1])
+    for i in range(anchor + 1, len(kinds)):
         if kinds[i] == ALLOC and nbytes[i] == first_nbytes + j * growth_nbytes:
             starts[j] = i
             j += 1
@@ -105,7 +117,7 @@ def _template(kinds: np.ndarray, nbytes: np.ndarray, ids: np.ndarray, times_us: 
             growth.append(int(nbytes[i]) - int(nbytes[prev + i - a]) if kinds[prev + i - a] == ALLOC else 0)
         else:
             w = made.get(int(ids[i]))
-            if w is None:
+            if w is None or w >= i:
                 raise InvalidArgumentError(f"op {i} (token {token}) frees a block made before token {token - 1}: "
                                            "not a decode this tool can extend")
             refs.append((w < a, w - (prev if w < a else a)))
@@ -134,9 +146,22 @@ def _mismatch(kinds: np.ndarray, nbytes: np.ndarray, ids: np.ndarray, streams: n
         else:
             before, where = template.free_refs[off]
             j = (prev if before else a) + where
-            if not (0 <= where and j < b and kinds[j] == ALLOC and ids[j] == ids[i]):
+            if not (0 <= where and j < (a if before else i) and kinds[j] == ALLOC and ids[j] == ids[i]):
                 return f"op {i} (token {token}, op {off} of it): frees another block than the template's"
     return ""
+
+
+def _repeats(t: DecodeTemplate) -> int:
+    """Into how many identical parts ``t`` splits (1: none): parts of ``d`` ops are identical when every op has the
+    kind and stream of the op ``d`` before it and, for a free, frees the block made as far back."""
+    n = len(t.kinds)
+    back = [0 if k == ALLOC else (i + n - w if before else i - w)
+            for i, (k, (before, w)) in enumerate(zip(t.kinds, t.free_refs))]
+    for d in range(1, n // 2 + 1):
+        if n % d == 0 and all(t.kinds[i] == t.kinds[i - d] and t.streams[i] == t.streams[i - d]
+                              and back[i] == back[i - d] for i in range(d, n)):
+            return n // d
+    return 1
 
 
 def read_decode(trace: Trace, first_nbytes: int, growth_nbytes: int) -> DecodeRecording:
@@ -149,17 +174,43 @@ def read_decode(trace: Trace, first_nbytes: int, growth_nbytes: int) -> DecodeRe
     streams = np.asarray(trace.streams)
     starts = _token_starts(kinds, nbytes, first_nbytes, growth_nbytes)
     if len(starts) < 5:
+        anchor = int(np.nonzero((kinds == ALLOC) & (nbytes == first_nbytes))[0][-1])
         raise InvalidArgumentError(f"found {len(starts)} decode tokens after the last allocation of "
-                                   f"{first_nbytes} bytes, need at least 5: record more tokens, or check "
-                                   f"--growth-nbytes ({growth_nbytes})")
+                                   f"{first_nbytes} bytes (op {anchor:,} of {len(kinds):,}), need at least 5: record "
+                                   f"more tokens, or check --first-nbytes and --growth-nbytes ({growth_nbytes})")
+    anchor = int(np.nonzero((kinds == ALLOC) & (nbytes == first_nbytes))[0][-1])
+    period = starts[2] - starts[1]
+    if first_nbytes > growth_nbytes:
+        lo = max(0, anchor - 2 * period)
+        if np.any((kinds[lo:anchor] == ALLOC) & (nbytes[lo:anchor] == first_nbytes - growth_nbytes)):
+            raise InvalidArgumentError(
+                f"an allocation of {first_nbytes - growth_nbytes} bytes (--first-nbytes less one --growth-nbytes) "
+                "comes within two tokens before the last one of --first-nbytes: --first-nbytes looks like a decode "
+                "token's size, not the size the prefill made")
     last = max(starts)   # its end is not known: tokens 2 .. last - 1 are whole
     token = (2 + last) // 2
     template = _template(kinds, nbytes, ids, np.asarray(trace.times_us), streams, starts, token)
+    parts = _repeats(template)
+    if parts > 1:
+        raise InvalidArgumentError(f"each token found is {parts} identical parts ({len(template.kinds) // parts:,} ops "
+                                   f"each): is --growth-nbytes {parts} times the growth of one token?")
     for j in range(2, last):
         why = _mismatch(kinds, nbytes, ids, streams, starts, template, j)
         if why:
             raise InvalidArgumentError(f"the recorded decode is not one template grown per token: {why}")
     return DecodeRecording(starts, template, last - 2)
+
+
+def _whole_number(name: str, value: object, low: int, high: int | None = None) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(f"{name} must be a whole number, got {value!r}") from None
+    if number < low or (high is not None and number > high):
+        raise InvalidArgumentError(f"{name} must be from {low:,}" + (f" to {high:,}" if high else "") + f", got {number:,}")
+    return number
 
 
 def extend_decode(trace: Trace, tokens: int, first_nbytes: int, growth_nbytes: int) -> Trace:
@@ -169,19 +220,22 @@ def extend_decode(trace: Trace, tokens: int, first_nbytes: int, growth_nbytes: i
     Raises:
         InvalidArgumentError: bad numbers, or a recording :func:`read_decode` refuses.
     """
-    for name, value in (("first_nbytes", first_nbytes), ("growth_nbytes", growth_nbytes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidArgumentError(f"{name} must be a whole number of bytes >= 1, got {value!r}")
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 3 <= tokens <= MAX_TOKENS:
-        raise InvalidArgumentError(f"tokens must be a whole number from 3 to {MAX_TOKENS:,}, got {tokens!r}")
+    first_nbytes = _whole_number("first_nbytes", first_nbytes, 1)
+    growth_nbytes = _whole_number("growth_nbytes", growth_nbytes, 1)
+    tokens = _whole_number("tokens", tokens, 3, MAX_TOKENS)
     rec = read_decode(trace, first_nbytes, growth_nbytes)
     t = rec.template
     head = rec.starts[2]
-    late = [name for name, events in (("record_stream calls", trace.stream_uses), ("stream waits", trace.stream_waits),
-                                      ("step-plan events", trace.plan_events)) if any(e.at_op > head for e in events)]
-    if late:
-        raise InvalidArgumentError(f"the trace has {' and '.join(late)} inside its decode: not extended (a decode "
+    tail = rec.starts[max(rec.starts)]   # the last recorded token's start: from there on, not kept
+    named = (("record_stream calls", trace.stream_uses), ("stream waits", trace.stream_waits),
+             ("step-plan events", trace.plan_events))
+    inside = [name for name, events in named if any(head < e.at_op <= tail for e in events)]
+    if inside:
+        raise InvalidArgumentError(f"the trace has {' and '.join(inside)} inside its decode: not extended (a decode "
                                    "token of generate() makes none)")
+    dropped = sum(e.at_op > tail for _, events in named for e in events)
+    if dropped:
+        log.info("%d record_stream, wait or step-plan events after the last recorded token are left out with it", dropped)
     kinds = np.asarray(trace.kinds)[:head]
     ids = np.asarray(trace.alloc_ids)[:head]
     n_head_allocs = int(np.count_nonzero(kinds == ALLOC))
@@ -189,6 +243,19 @@ def extend_decode(trace: Trace, tokens: int, first_nbytes: int, growth_nbytes: i
         raise InvalidArgumentError("the trace's allocation ids are not dense from 0")
     period, n_new = len(t.kinds), tokens - 2
     total = head + period * n_new
+    if total > MAX_OPS:
+        raise InvalidArgumentError(f"{tokens:,} tokens make {total:,} operations ({period:,} per token), more than "
+                                   f"{MAX_OPS:,} (about {MAX_OPS * 60 // 10**9} GB to build): ask for fewer tokens")
+    for off, (kind, base, grow) in enumerate(zip(t.kinds, t.nbytes, t.growth_nbytes)):
+        if kind != ALLOC or not grow:
+            continue
+        for j in (2, tokens - 1):   # sizes are linear in j: the ends bound them
+            size = base + grow * (j - t.token)
+            if size < 1:
+                raise InvalidArgumentError(f"token {j}: op {off} of the token would allocate {size} bytes (it shrinks "
+                                           f"by {-grow} per token): the decode cannot be extended this far")
+            if size >= 1 << 62:
+                raise InvalidArgumentError(f"token {j}: op {off} of the token would allocate {size:,} bytes: too large")
     out_kinds = np.empty(total, dtype=np.asarray(trace.kinds).dtype)
     out_ids = np.empty(total, dtype=np.asarray(trace.alloc_ids).dtype)
     out_nbytes = np.empty(total, dtype=np.asarray(trace.nbytes).dtype)
@@ -217,9 +284,6 @@ def extend_decode(trace: Trace, tokens: int, first_nbytes: int, growth_nbytes: i
         cur = np.full(period, -1, dtype=np.int64)
         cur[is_alloc] = next_id + alloc_rank[is_alloc]
         sizes = base_nbytes + growth * (j - t.token)
-        if (sizes[is_alloc] < 1).any():
-            raise InvalidArgumentError(f"token {j}: an allocation's size falls below 1 byte (a size that shrinks "
-                                       "per token cannot be extended this far)")
         for off in free_offs:   # a free's size is its block's
             before, where = t.free_refs[off]
             cur[off] = prev_ids[where] if before else cur[where]
@@ -237,7 +301,6 @@ def extend_decode(trace: Trace, tokens: int, first_nbytes: int, growth_nbytes: i
                  out_nbytes, out_streams, out_times, np.zeros(total, dtype=np.asarray(trace.addrs).dtype),
                  stream_uses=keep(trace.stream_uses), stream_waits=keep(trace.stream_waits),
                  plan_events=keep(trace.plan_events))
-
 
 
 TIMINGS = ("idle", "model", "trace")
@@ -275,7 +338,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="bytes that tensor grows by per token (batch * kv heads * head dim * element bytes)")
     p.add_argument("--tokens", type=_whole(3, MAX_TOKENS), required=True,
                    help="new tokens of the extended decode (the request's max_new_tokens)")
-    p.add_argument("--out", type=Path, help="save the extended trace here (format from the name, e.g. .gmt.gz)")
+    p.add_argument("--format", help="force the input's trace format (a name gpumem.trace.load_trace knows; default: "
+                                    "from the file)")
+    p.add_argument("--out", type=Path, help="save the extended trace here, in gpumem's trace format (a name ending in "
+                                            ".gmt, or .gmt.gz for gzip)")
     p.add_argument("--replay", type=_timings, default=(),
                    help="replay the extended trace under these GPU timings (comma-separated: idle, model, trace)")
     p.add_argument("--policy", default="gpumem", help="allocator policy of the replays (default gpumem)")
@@ -287,20 +353,18 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from sim.cli_checks import json_target_problem
-
-    for target in (args.out, args.json):
-        if target is not None and (why := json_target_problem(target)):
-            print(f"extend_decode: {why}", file=sys.stderr)
-            return 2
-    if args.out is not None and args.json is not None and args.out.resolve() == args.json.resolve():
-        print("extend_decode: --out and --json name the same file", file=sys.stderr)
-        return 2
-    if args.out is not None and args.trace.exists() and args.out.resolve() == args.trace.resolve():
-        print("extend_decode: --out would overwrite the input trace", file=sys.stderr)
+    problem = _output_problem(args)
+    if problem:
+        print(f"extend_decode: {problem}", file=sys.stderr)
         return 2
     try:
-        trace = load_trace(args.trace)
+        if args.replay:   # a bad policy or device is refused before minutes of work, not after
+            from gpumem.allocator import make_allocator
+            from gpumem.specs import open_device
+
+            with open_device(args.device) as dev:
+                make_allocator(dev, args.policy).close()
+        trace = load_trace(args.trace, args.format)
         rec = read_decode(trace, args.first_nbytes, args.growth_nbytes)
         print(f"{args.trace.name}: {len(rec.starts)} decode tokens found, {rec.checked_tokens} checked against token "
               f"{rec.template.token} ({len(rec.template.kinds):,} ops per token): exact", flush=True)
@@ -329,10 +393,40 @@ def main(argv: list[str] | None = None) -> int:
         if args.json is not None:
             args.json.write_text(json.dumps({"trace": args.trace.name, "first_nbytes": args.first_nbytes,
                                              "growth_nbytes": args.growth_nbytes, "rows": rows}, indent=1) + "\n")
-    except (GpumemError, OSError) as exc:
+    except (GpumemError, OSError, ValueError) as exc:
         print(f"extend_decode: {exc}", file=sys.stderr)
         return 2
+    except MemoryError:
+        print("extend_decode: out of host memory building the trace: ask for fewer --tokens", file=sys.stderr)
+        return 2
     return 0
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and a.samefile(b)
+    except OSError:
+        return False
+
+
+def _output_problem(args: argparse.Namespace) -> str:
+    """Why ``--out``/``--json`` cannot be written, or ``""``; checked before any work (links and hard links too)."""
+    from sim.cli_checks import json_target_problem
+
+    if args.out is not None and not (args.out.name.endswith(".gmt") or args.out.name.endswith(".gmt.gz")):
+        return f"--out {args.out}: the extended trace is saved in gpumem's format: name it .gmt or .gmt.gz"
+    for flag, target in (("--out", args.out), ("--json", args.json)):
+        if target is None:
+            continue
+        if _same_file(target, args.trace) or target.resolve() == args.trace.resolve():
+            return f"{flag} {target} would overwrite the input trace"
+        why = json_target_problem(target)
+        if why:
+            return why
+    if args.out is not None and args.json is not None and (args.out.resolve() == args.json.resolve()
+                                                            or _same_file(args.out, args.json)):
+        return "--out and --json name the same file"
+    return ""
 
 
 if __name__ == "__main__":

@@ -4,16 +4,24 @@
 can outlive the device tool's time for one call; then nothing of it comes back. This probe prints one line per
 window of tokens while the request runs, so a run cut short still says where it was and what the allocator did:
 
-* the time per token over the window;
-* under gpumem.torch: the driver memory calls (create, map, set access, unmap, release), event calls and page
-  steals made in the window (:func:`gpumem.torch.memory_stats`), and the bytes held and allocated;
-* under PyTorch's allocator: the bytes held and allocated.
+* the time per token over the window (the first window's includes the prefill of the prompt);
+* under gpumem.torch, made in the window: ``dev`` driver memory calls (create, map, set access, unmap,
+  release), ``ev`` event calls, ``steals`` pages moved from an idle place to a needed one, ``nallocs``
+  allocations (:func:`gpumem.torch.memory_stats`);
+* at the window's end: ``res`` bytes held, ``alloc`` bytes allocated, ``peak_res``/``peak_alloc`` their peaks
+  (under PyTorch's allocator: ``torch.cuda.memory_reserved()`` and the like; ``nallocs`` there is PyTorch's
+  count since the start).
+
+After each request one ``request`` line gives its seconds and the counters since the process started.
+
+Needs a CUDA GPU with torch and transformers (about 17 GB of GPU memory; about 5 minutes for 4,500 SDPA tokens on
+an H200).
 
 The model is ``llama7b_long_decode``'s (``hil/probes/workloads.py``: Llama-7B's shape, random bf16 weights made on
 the GPU, greedy ``generate()`` with the ``DynamicCache`` grown by ``torch.cat``), with eager or SDPA attention.
-PyTorch's default dtype is bf16 for the whole run (``workloads`` sets it while building
-only). Two requests run: a 32-token one (warm-up), then one of ``--new-tokens``. Lines go to stdout; ``--json`` also
-writes them as a list of objects when the run ends. ``--record FILE`` (gpumem only) also records gpumem's trace of
+PyTorch's default dtype is bf16 for the whole run, as the records' runs were made
+(``hil.probes.workloads`` sets it only while building the model). Two requests run: a 32-token one (warm-up), then one of ``--new-tokens``. Lines go to stdout; ``--json`` also
+writes them as a list of objects, rewritten after every window (a run cut short keeps what it printed). ``--record FILE`` (gpumem only) also records gpumem's trace of
 the whole process and saves it at the end: a short decode recorded so is what ``python -m sim.extend_decode``
 extends to thousands of tokens for a replay::
 
@@ -64,6 +72,31 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _arguments_problem(args: argparse.Namespace) -> str:
+    """Why the arguments cannot work, or ``""``: checked before minutes on the GPU."""
+    from sim.cli_checks import json_target_problem
+
+    if args.record is not None:
+        if args.allocator != "gpumem":
+            return ("--record needs --allocator gpumem (PyTorch's allocator: hil.probes.workloads records its memory "
+                    "history)")
+        if not (args.record.name.endswith(".gmt") or args.record.name.endswith(".gmt.gz")):
+            return f"--record {args.record}: gpumem's trace format: name it .gmt or .gmt.gz"
+    for target in (args.json, args.record):
+        if target is not None and (why := json_target_problem(target)):
+            return why
+    if args.json is not None and args.record is not None and args.json.resolve() == args.record.resolve():
+        return "--json and --record name the same file"
+    return ""
+
+
+def _write_json(args: argparse.Namespace, lines: list[dict]) -> None:
+    if args.json is not None:
+        args.json.write_text(json.dumps({"allocator": args.allocator, "attention": args.attention,
+                                         "prompt": args.prompt, "new_tokens": args.new_tokens,
+                                         "window": args.window, "lines": lines}, indent=1) + "\n")
+
+
 def window_line(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     """A window's figures: counts made in it (:data:`COUNTED`), levels (bytes held, allocated...) at its end."""
     return {k: after[k] - before.get(k, 0) if k in COUNTED else after[k] for k in after}
@@ -91,8 +124,9 @@ def _stats_reader(torch: Any, allocator: str) -> Callable[[], dict[str, int]]:
 class _WindowClock:
     """A ``generate()`` streamer: every ``window`` tokens, one line of time per token and allocator figures."""
 
-    def __init__(self, label: str, window: int, stats: Callable[[], dict[str, int]], lines: list[dict]) -> None:
-        self.label, self.window, self.stats, self.lines = label, window, stats, lines
+    def __init__(self, label: str, window: int, stats: Callable[[], dict[str, int]], lines: list[dict],
+                 written: Callable[[], None]) -> None:
+        self.label, self.window, self.stats, self.lines, self.written = label, window, stats, lines, written
         self.n = -1  # the first put is the prompt
         self.t_s = time.perf_counter()
         self.last = stats()
@@ -105,6 +139,7 @@ class _WindowClock:
             ms = (now_s - self.t_s) / self.window * 1e3
             print(f"[{self.label}] tok {self.n} {ms:.2f} ms/tok {json.dumps(line)}", flush=True)
             self.lines.append({"token": self.n, "ms_per_token": round(ms, 3), **line})
+            self.written()
             self.t_s, self.last = now_s, now
 
     def end(self) -> None:
@@ -113,11 +148,16 @@ class _WindowClock:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.record is not None and args.allocator != "gpumem":
-        print("decode_progress: --record needs --allocator gpumem (PyTorch's allocator: "
-              "hil.probes.workloads records its memory history)", file=sys.stderr)
+    problem = _arguments_problem(args)
+    if problem:
+        print(f"decode_progress: {problem}", file=sys.stderr)
         return 2
-    import torch
+    try:
+        import torch
+        import transformers  # noqa: F401 - checked here, used below
+    except ImportError as exc:
+        print(f"decode_progress: needs torch and transformers: {exc}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("decode_progress: no CUDA device", file=sys.stderr)
         return 2
@@ -144,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     lines: list[dict] = []
     for n in (WARMUP_TOKENS, args.new_tokens):
         ids = torch.randint(0, config.vocab_size, (1, args.prompt), device="cuda")
-        clock = _WindowClock(label, args.window, stats, lines)
+        clock = _WindowClock(label, args.window, stats, lines, lambda: _write_json(args, lines))
         t_s = time.perf_counter()
         with torch.no_grad():
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
@@ -161,10 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         save_trace(gt.recorded_trace(0, name=f"7B {args.attention} decode of {args.new_tokens} tokens on gpumem.torch"),
                    args.record)
         print(f"[{label}] trace saved to {args.record}", flush=True)
-    if args.json is not None:
-        args.json.write_text(json.dumps({"allocator": args.allocator, "attention": args.attention,
-                                         "prompt": args.prompt, "new_tokens": args.new_tokens,
-                                         "window": args.window, "lines": lines}, indent=1) + "\n")
+    _write_json(args, lines)
     return 0
 
 

@@ -45,3 +45,46 @@ def test_help_explains(capsys):
 def test_record_needs_gpumem(capsys):
     assert dp.main(["--allocator", "default", "--record", "x.gmt.gz"]) == 2
     assert "--record needs --allocator gpumem" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--record", "x.csv"], "name it .gmt or .gmt.gz"),
+    (["--json", "/nonexistent-folder/x.json"], "no folder"),
+    (["--record", "same.gmt", "--json", "same.gmt"], "same file"),
+])
+def test_outputs_checked_before_the_run(extra, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert dp.main(["--allocator", "gpumem"] + extra) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_a_folder_as_json_is_refused(tmp_path, capsys):
+    assert dp.main(["--allocator", "gpumem", "--json", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+
+
+def test_without_torch_one_line(monkeypatch, capsys):
+    import builtins
+    real = builtins.__import__
+
+    def no_torch(name, *a, **k):
+        if name == "torch":
+            raise ImportError("No module named 'torch'")
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    assert dp.main(["--allocator", "gpumem"]) == 2
+    err = capsys.readouterr().err
+    assert "needs torch and transformers" in err and err.count("\n") == 1
+
+
+def test_json_is_rewritten_after_each_window(tmp_path):
+    args = dp._parser().parse_args(["--allocator", "default", "--json", str(tmp_path / "p.json"), "--window", "2"])
+    lines = []
+    counts = iter(range(100))
+    clock = dp._WindowClock("t", 2, lambda: {"dev": next(counts), "res": 1}, lines, lambda: dp._write_json(args, lines))
+    for _ in range(5):   # the prompt, then 4 tokens: two windows
+        clock.put(None)
+    import json
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert [line["token"] for line in data["lines"]] == [2, 4] and data["window"] == 2

@@ -134,7 +134,7 @@ def test_a_free_of_an_older_token_is_refused():
 
 
 def test_a_size_that_would_shrink_below_one_byte_is_refused():
-    with pytest.raises(InvalidArgumentError, match="falls below 1 byte"):
+    with pytest.raises(InvalidArgumentError, match="cannot be extended this far"):
         ed.extend_decode(trace_of(decode_ops(12, mask_growth=-8)), 50, FIRST, GROWTH)
 
 
@@ -201,3 +201,100 @@ def test_cli_refusals_in_one_line(short_file, tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1 and "Traceback" not in err
     assert short_file.read_bytes() == before
+
+
+# -- found by review (attacker 18) ------------------------------------------------------------------------------
+
+def _token_one_short_ops() -> list[tuple]:
+    """Token 1 is one allocation; tokens 2.. make x and y and free the token before's y (x at token 2)."""
+    F, G = 1 << 20, 256
+    ops, ids = [], {}
+
+    def a(key, nbytes):
+        aid = len(ids)
+        ids[key] = (aid, nbytes)
+        ops.append((0, aid, nbytes, 0, float(len(ops)), 0))
+
+    def f(key):
+        aid, nbytes = ids[key]
+        ops.append((1, aid, nbytes, 0, float(len(ops)), 0))
+
+    a("w", 1 << 26)
+    a("c0", F)
+    a(("c", 1), F + G)
+    for j in range(2, 12):
+        a(("c", j), F + j * G)
+        a(("x", j), 100)
+        a(("y", j), 200)
+        f(("x", j) if j == 2 else ("y", j - 1))
+    return ops
+
+
+def test_a_token_one_shorter_than_the_template_is_refused_not_crashed():
+    with pytest.raises(InvalidArgumentError):
+        ed.extend_decode(trace_of(_token_one_short_ops()), 20, 1 << 20, 256)
+
+
+def test_a_growth_twice_the_real_one_is_refused():
+    with pytest.raises(InvalidArgumentError, match="is --growth-nbytes 2 times"):
+        ed.extend_decode(trace_of(decode_ops(24)), 40, FIRST, 2 * GROWTH)
+
+
+def test_a_first_size_of_a_decode_token_is_refused():
+    with pytest.raises(InvalidArgumentError, match="looks like a decode token's size"):
+        ed.extend_decode(trace_of(decode_ops(24)), 40, FIRST + 3 * GROWTH, GROWTH)
+
+
+def test_too_many_operations_are_refused_before_building(monkeypatch):
+    monkeypatch.setattr(ed, "MAX_OPS", 1000)
+    with pytest.raises(InvalidArgumentError, match="more than"):
+        ed.extend_decode(trace_of(decode_ops(12)), 100, FIRST, GROWTH)
+
+
+def test_sizes_that_would_pass_2_62_are_refused():
+    with pytest.raises(InvalidArgumentError, match="too large"):
+        ed.extend_decode(trace_of(decode_ops(12, growth=1 << 45)), 300_000, FIRST, 1 << 45)
+
+
+def test_zero_byte_allocations_are_kept():
+    ops = decode_ops(12, mask_growth=0)
+    ops = [(k, i, 0 if n == 100 else n, s, t, a) for k, i, n, s, t, a in ops]   # the mask: 0 bytes each token
+    ext = ed.extend_decode(trace_of(ops), 30, FIRST, GROWTH)
+    assert int(np.count_nonzero(np.asarray(ext.nbytes) == 0)) > 0
+
+
+def test_numpy_integers_are_accepted():
+    ext = ed.extend_decode(trace_of(decode_ops(12)), np.int64(30), np.int64(FIRST), np.int32(GROWTH))
+    assert same_ops(ext, trace_of(decode_ops(30)), ext.n_ops)
+
+
+def test_events_after_the_last_token_are_left_out_with_it():
+    t = trace_of(decode_ops(12))
+    from gpumem.trace.model import PlanEvent, PlanEventKind
+    tail = Trace(t.name, t.source, t.kinds, t.alloc_ids, t.nbytes, t.streams, t.times_us, t.addrs,
+                 plan_events=(PlanEvent(at_op=t.n_ops, kind=PlanEventKind.MARK),))
+    assert ed.extend_decode(tail, 30, FIRST, GROWTH).plan_events == ()
+
+
+def test_cli_never_writes_over_its_input(short_file, tmp_path, capsys):
+    base = [str(short_file), "--first-nbytes", str(FIRST), "--growth-nbytes", str(GROWTH), "--tokens", "40"]
+    before = short_file.read_bytes()
+    sym, hard = tmp_path / "sym.json", tmp_path / "hard.json"
+    sym.symlink_to(short_file)
+    import os
+    os.link(short_file, hard)
+    for argv in (base + ["--json", str(short_file)], base + ["--json", str(sym)], base + ["--json", str(hard)],
+                 base + ["--out", str(sym.with_name("x.gmt.gz")), "--json", str(hard)]):
+        assert ed.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "overwrite the input" in err and err.count("\n") == 1
+    assert short_file.read_bytes() == before
+
+
+def test_cli_refuses_bad_policy_and_out_name_before_work(short_file, tmp_path, capsys):
+    base = [str(short_file), "--first-nbytes", str(FIRST), "--growth-nbytes", str(GROWTH), "--tokens", "40"]
+    out = tmp_path / "x.gmt.gz"
+    assert ed.main(base + ["--out", str(out), "--replay", "idle", "--policy", "nosuch"]) == 2
+    assert "nosuch" in capsys.readouterr().err and not out.exists()
+    assert ed.main(base + ["--out", str(tmp_path / "x.csv")]) == 2
+    assert "name it .gmt or .gmt.gz" in capsys.readouterr().err

@@ -173,12 +173,11 @@ def read_decode(trace: Trace, first_nbytes: int, growth_nbytes: int) -> DecodeRe
     kinds, nbytes, ids = np.asarray(trace.kinds), np.asarray(trace.nbytes), np.asarray(trace.alloc_ids)
     streams = np.asarray(trace.streams)
     starts = _token_starts(kinds, nbytes, first_nbytes, growth_nbytes)
+    anchor = int(np.nonzero((kinds == ALLOC) & (nbytes == first_nbytes))[0][-1])   # there is one: starts found it
     if len(starts) < 5:
-        anchor = int(np.nonzero((kinds == ALLOC) & (nbytes == first_nbytes))[0][-1])
         raise InvalidArgumentError(f"found {len(starts)} decode tokens after the last allocation of "
                                    f"{first_nbytes} bytes (op {anchor:,} of {len(kinds):,}), need at least 5: record "
                                    f"more tokens, or check --first-nbytes and --growth-nbytes ({growth_nbytes})")
-    anchor = int(np.nonzero((kinds == ALLOC) & (nbytes == first_nbytes))[0][-1])
     period = starts[2] - starts[1]
     if first_nbytes > growth_nbytes:
         lo = max(0, anchor - 2 * period)

@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from gpumem.errors import GpumemError, InvalidArgumentError
+from gpumem.sim.gpu_work import GpuWorkModel
 from gpumem.trace import Trace, load_trace, save_trace
 
 log = logging.getLogger(__name__)
@@ -343,6 +344,9 @@ def _parser() -> argparse.ArgumentParser:
                                             ".gmt, or .gmt.gz for gzip)")
     p.add_argument("--replay", type=_timings, default=(),
                    help="replay the extended trace under these GPU timings (comma-separated: idle, model, trace)")
+    p.add_argument("--cpu-op-us", type=float, default=None,
+                   help="the simulated CPU's time per operation under the model and trace timings "
+                        "(GpuWorkModel.cpu_op_us; default: the model's own, 4)")
     p.add_argument("--policy", default="gpumem", help="allocator policy of the replays (default gpumem)")
     p.add_argument("--device", default="sim:h200-141gb", help="simulated device of the replays (sim:h200-141gb)")
     p.add_argument("--json", type=Path, help="also write the replays' rows here")
@@ -357,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"extend_decode: {problem}", file=sys.stderr)
         return 2
     try:
+        gpu_model = None if args.cpu_op_us is None else GpuWorkModel(cpu_op_us=args.cpu_op_us)
         if args.replay:   # a bad policy or device is refused before minutes of work, not after
             from gpumem.allocator import make_allocator
             from gpumem.specs import open_device
@@ -379,8 +384,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'timing':<7} {'peak allocated':>15} {'peak reserved':>15} {'overhead':>9} {'device calls':>13} "
                   f"{'event calls':>12} {'wall s':>7}")
             for timing in args.replay:
-                r = replay_trace(extended, args.device, args.policy, gpu_timing=timing)
+                r = replay_trace(extended, args.device, args.policy, gpu_timing=timing, gpu_model=gpu_model)
                 row = {"timing": timing, "policy": args.policy, "device": args.device, "tokens": args.tokens,
+                       "cpu_op_us": (gpu_model or GpuWorkModel()).cpu_op_us,
                        "peak_allocated_bytes": r.stats.peak_allocated_nbytes,
                        "peak_reserved_bytes": r.peak_reserved_bytes, "overhead": r.overhead,
                        "device_calls": r.stats.device_calls, "event_calls": r.stats.event_calls,

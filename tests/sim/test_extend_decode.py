@@ -298,3 +298,13 @@ def test_cli_refuses_bad_policy_and_out_name_before_work(short_file, tmp_path, c
     assert "nosuch" in capsys.readouterr().err and not out.exists()
     assert ed.main(base + ["--out", str(tmp_path / "x.csv")]) == 2
     assert "name it .gmt or .gmt.gz" in capsys.readouterr().err
+
+
+def test_cli_cpu_op_us(short_file, tmp_path, capsys):
+    rows = tmp_path / "rows.json"
+    base = [str(short_file), "--first-nbytes", str(FIRST), "--growth-nbytes", str(GROWTH), "--tokens", "30",
+            "--replay", "trace", "--json", str(rows)]
+    assert ed.main(base + ["--cpu-op-us", "10"]) == 0
+    assert json.loads(rows.read_text())["rows"][0]["cpu_op_us"] == 10.0
+    assert ed.main(base + ["--cpu-op-us", "-1"]) == 2
+    assert "cpu_op_us" in capsys.readouterr().err

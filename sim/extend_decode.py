@@ -10,14 +10,17 @@ whole decode:
 1. the decode's tokens are found in the trace's last request: token ``j`` starts at the first allocation of
    ``--first-nbytes + j * --growth-nbytes`` after the last allocation of ``--first-nbytes`` (the cache tensor
    the prefill made; e.g. Llama-7B, prompt 2048: ``16777216`` and ``8192``);
-2. every recorded token from 2 to the second-to-last is checked against a template token (the middle one):
+2. every recorded token from 3 to the second-to-last is checked against a template token (the middle one):
    the same kinds of operations, each free of a block made in the same token or the one before at the same
    place, and each size the template's plus a fixed growth per token (learnt from the template and the token
    before it). One difference anywhere stops the tool with the first op that differs: the model is exact on
    the recording or not used;
-3. the trace is kept up to the start of token 2 and continued with tokens 2 to ``--tokens - 1`` made from the
-   template, each op's clock advanced by the template's gap (so ``--gpu-timing trace`` paces it as recorded).
-   The last recorded token's tail (``generate()``'s end) is not kept. Every made token takes the template's
+3. the trace is kept up to the start of token 3 (so tokens 1 and 2, which may differ, are as recorded) and
+   continued with tokens 3 to ``--tokens - 1`` made from the template, each op's clock advanced by the
+   template's gap (so ``--gpu-timing trace`` paces it as recorded). A token runs from one cache update of the
+   first layer to the next, so the last one made ends with the few operations that begin a next forward pass
+   (the embedding, masks), which ``generate()`` does not run; they come after the last token's peak. The last
+   recorded token's tail (``generate()``'s end) is not kept. Every made token takes the template's
    time: a recording whose pace drifts (the 7B SDPA decode's tokens took 39-112 ms) is paced at its middle
    token's.
 
@@ -55,6 +58,9 @@ log = logging.getLogger(__name__)
 ALLOC, FREE = 0, 1
 MAX_TOKENS = 1_000_000
 """Tokens ``--tokens`` may ask for (a 7B decode makes about 2,900 operations per token)."""
+FIRST_MADE = 3
+"""The first decode token made from the template: tokens 1 and 2 are kept as recorded (the first decode steps may
+make what later ones do not, e.g. a workspace)."""
 MAX_OPS = 200_000_000
 """Operations an extended trace may have: building one takes about 60 bytes per operation (12 GB here)."""
 
@@ -153,52 +159,71 @@ def _mismatch(kinds: np.ndarray, nbytes: np.ndarray, ids: np.ndarray, streams: n
 
 
 def _repeats(t: DecodeTemplate) -> int:
-    """Into how many identical parts ``t`` splits (1: none): parts of ``d`` ops are identical when every op has the
-    kind and stream of the op ``d`` before it and, for a free, frees the block made as far back."""
+    """How many decode tokens ``t`` holds (1: one): ``k`` tokens of ``d`` ops when every op has the kind and stream of
+    the op ``d`` before it, a free frees the block made as far back, and every allocation is larger than the one
+    ``d`` before by ``1/k`` of its growth (a model's identical layers are as large as each other: not tokens)."""
     n = len(t.kinds)
     back = [0 if k == ALLOC else (i + n - w if before else i - w)
             for i, (k, (before, w)) in enumerate(zip(t.kinds, t.free_refs))]
     for d in range(1, n // 2 + 1):
-        if n % d == 0 and all(t.kinds[i] == t.kinds[i - d] and t.streams[i] == t.streams[i - d]
-                              and back[i] == back[i - d] for i in range(d, n)):
-            return n // d
+        if n % d:
+            continue
+        k = n // d
+        if all(t.kinds[i] == t.kinds[i - d] and t.streams[i] == t.streams[i - d] and back[i] == back[i - d]
+               and (t.kinds[i] != ALLOC or (t.growth_nbytes[i] % k == 0
+                                            and t.nbytes[i] - t.nbytes[i - d] == t.growth_nbytes[i] // k))
+               for i in range(d, n)):
+            return k
     return 1
+
+
+def _token_before(kinds: np.ndarray, nbytes: np.ndarray, streams: np.ndarray, first: int, t: DecodeTemplate) -> bool:
+    """Whether the ops just before token 1 (at ``first``) are the template grown back to token 0: the kinds, streams
+    and allocation sizes of a decode token (then the size given as the prefill's is a decode token's)."""
+    lo = first - len(t.kinds)
+    if lo < 0:
+        return False
+    shift = -t.token
+    for off in range(len(t.kinds)):
+        i = lo + off
+        if int(kinds[i]) != t.kinds[off] or int(streams[i]) != t.streams[off]:
+            return False
+        if kinds[i] == ALLOC and int(nbytes[i]) != t.nbytes[off] + t.growth_nbytes[off] * shift:
+            return False
+    return True
 
 
 def read_decode(trace: Trace, first_nbytes: int, growth_nbytes: int) -> DecodeRecording:
     """Find and check the decode of ``trace``'s last request (module docstring, points 1 and 2).
 
     Raises:
-        InvalidArgumentError: too few tokens found (at least 5 are needed), or a token that is not the template's.
+        InvalidArgumentError: too few tokens found (at least 6 are needed), or a token that is not the template's.
     """
     kinds, nbytes, ids = np.asarray(trace.kinds), np.asarray(trace.nbytes), np.asarray(trace.alloc_ids)
     streams = np.asarray(trace.streams)
     starts = _token_starts(kinds, nbytes, first_nbytes, growth_nbytes)
     anchor = int(np.nonzero((kinds == ALLOC) & (nbytes == first_nbytes))[0][-1])   # there is one: starts found it
-    if len(starts) < 5:
+    if len(starts) < 6:
         raise InvalidArgumentError(f"found {len(starts)} decode tokens after the last allocation of "
-                                   f"{first_nbytes} bytes (op {anchor:,} of {len(kinds):,}), need at least 5: record "
+                                   f"{first_nbytes} bytes (op {anchor:,} of {len(kinds):,}), need at least 6: record "
                                    f"more tokens, or check --first-nbytes and --growth-nbytes ({growth_nbytes})")
-    period = starts[2] - starts[1]
-    if first_nbytes > growth_nbytes:
-        lo = max(0, anchor - 2 * period)
-        if np.any((kinds[lo:anchor] == ALLOC) & (nbytes[lo:anchor] == first_nbytes - growth_nbytes)):
-            raise InvalidArgumentError(
-                f"an allocation of {first_nbytes - growth_nbytes} bytes (--first-nbytes less one --growth-nbytes) "
-                "comes within two tokens before the last one of --first-nbytes: --first-nbytes looks like a decode "
-                "token's size, not the size the prefill made")
-    last = max(starts)   # its end is not known: tokens 2 .. last - 1 are whole
+    last = max(starts)   # its end is not known: tokens 3 .. last - 1 are whole (1 and 2 may differ)
     token = (2 + last) // 2
     template = _template(kinds, nbytes, ids, np.asarray(trace.times_us), streams, starts, token)
     parts = _repeats(template)
     if parts > 1:
-        raise InvalidArgumentError(f"each token found is {parts} identical parts ({len(template.kinds) // parts:,} ops "
-                                   f"each): is --growth-nbytes {parts} times the growth of one token?")
-    for j in range(2, last):
+        raise InvalidArgumentError(f"each token found is {parts} decode tokens ({len(template.kinds) // parts:,} ops "
+                                   f"each, sizes growing by 1/{parts} of the growth): is --growth-nbytes {parts} times "
+                                   "the growth of one token?")
+    if _token_before(kinds, nbytes, streams, starts[1], template):
+        raise InvalidArgumentError(
+            f"the {len(template.kinds):,} ops before the first token found are a decode token too (the template "
+            "grown back one token): --first-nbytes looks like a decode token's size, not the size the prefill made")
+    for j in range(FIRST_MADE, last):
         why = _mismatch(kinds, nbytes, ids, streams, starts, template, j)
         if why:
             raise InvalidArgumentError(f"the recorded decode is not one template grown per token: {why}")
-    return DecodeRecording(starts, template, last - 2)
+    return DecodeRecording(starts, template, last - FIRST_MADE)
 
 
 def _whole_number(name: str, value: object, low: int, high: int | None = None) -> int:
@@ -214,7 +239,7 @@ def _whole_number(name: str, value: object, low: int, high: int | None = None) -
 
 
 def extend_decode(trace: Trace, tokens: int, first_nbytes: int, growth_nbytes: int) -> Trace:
-    """``trace`` up to its decode's token 2, then tokens 2 .. ``tokens - 1`` from the checked template
+    """``trace`` up to its decode's token 3, then tokens 3 .. ``tokens - 1`` from the checked template
     (module docstring, point 3): a trace of a ``generate()`` of ``tokens`` new tokens.
 
     Raises:
@@ -225,7 +250,7 @@ def extend_decode(trace: Trace, tokens: int, first_nbytes: int, growth_nbytes: i
     tokens = _whole_number("tokens", tokens, 3, MAX_TOKENS)
     rec = read_decode(trace, first_nbytes, growth_nbytes)
     t = rec.template
-    head = rec.starts[2]
+    head = rec.starts[FIRST_MADE]
     tail = rec.starts[max(rec.starts)]   # the last recorded token's start: from there on, not kept
     named = (("record_stream calls", trace.stream_uses), ("stream waits", trace.stream_waits),
              ("step-plan events", trace.plan_events))
@@ -241,7 +266,7 @@ def extend_decode(trace: Trace, tokens: int, first_nbytes: int, growth_nbytes: i
     n_head_allocs = int(np.count_nonzero(kinds == ALLOC))
     if n_head_allocs and int(ids[kinds == ALLOC].max()) != n_head_allocs - 1:
         raise InvalidArgumentError("the trace's allocation ids are not dense from 0")
-    period, n_new = len(t.kinds), tokens - 2
+    period, n_new = len(t.kinds), max(0, tokens - FIRST_MADE)
     total = head + period * n_new
     if total > MAX_OPS:
         raise InvalidArgumentError(f"{tokens:,} tokens make {total:,} operations ({period:,} per token), more than "
@@ -249,7 +274,7 @@ def extend_decode(trace: Trace, tokens: int, first_nbytes: int, growth_nbytes: i
     for off, (kind, base, grow) in enumerate(zip(t.kinds, t.nbytes, t.growth_nbytes)):
         if kind != ALLOC or not grow:
             continue
-        for j in (2, tokens - 1):   # sizes are linear in j: the ends bound them
+        for j in (FIRST_MADE, max(FIRST_MADE, tokens - 1)):   # sizes are linear in j: the ends bound them
             size = base + grow * (j - t.token)
             if size < 1:
                 raise InvalidArgumentError(f"token {j}: op {off} of the token would allocate {size} bytes (it shrinks "
@@ -265,10 +290,9 @@ def extend_decode(trace: Trace, tokens: int, first_nbytes: int, growth_nbytes: i
     out_kinds[:head], out_ids[:head] = kinds, ids
     out_nbytes[:head] = np.asarray(trace.nbytes)[:head]
     out_times[:head] = np.asarray(trace.times_us)[:head]
-    # the ids of the ops of the token before (the recording's token 1 for the first one made)
-    # the ids and start of the token before (the recording's token 1 for the first one made)
-    prev_ids = np.asarray(trace.alloc_ids)[rec.starts[1]:head].astype(np.int64)
-    prev_lo = rec.starts[1]
+    # the ids and start of the token before (the recording's token 2 for the first one made)
+    prev_ids = np.asarray(trace.alloc_ids)[rec.starts[FIRST_MADE - 1]:head].astype(np.int64)
+    prev_lo = rec.starts[FIRST_MADE - 1]
     t_kinds = np.asarray(t.kinds)
     is_alloc = t_kinds == ALLOC
     n_allocs = int(np.count_nonzero(is_alloc))
@@ -279,8 +303,8 @@ def extend_decode(trace: Trace, tokens: int, first_nbytes: int, growth_nbytes: i
     gaps = np.cumsum(np.asarray(t.gaps_us, dtype=np.float64))
     clock = float(out_times[head - 1])
     next_id = n_head_allocs
-    for j in range(2, tokens):
-        lo = head + (j - 2) * period
+    for j in range(FIRST_MADE, tokens):
+        lo = head + (j - FIRST_MADE) * period
         cur = np.full(period, -1, dtype=np.int64)
         cur[is_alloc] = next_id + alloc_rank[is_alloc]
         sizes = base_nbytes + growth * (j - t.token)

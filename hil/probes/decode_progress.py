@@ -33,12 +33,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 WARMUP_TOKENS = 32
+MAX_POSITIONS = 8192
+"""``LONG7B_CONFIG``'s ``max_position_embeddings``: prompt and new tokens together at most this."""
 STEAL_KEY = "gpumem.n_steals"
 COUNTED = ("dev", "ev", "steals", "nallocs")
 """Keys of a window's line that are counts made in the window (the others are levels at its end)."""
@@ -76,6 +79,9 @@ def _arguments_problem(args: argparse.Namespace) -> str:
     """Why the arguments cannot work, or ``""``: checked before minutes on the GPU."""
     from sim.cli_checks import json_target_problem
 
+    if args.prompt + args.new_tokens > MAX_POSITIONS:
+        return (f"--prompt {args.prompt:,} + --new-tokens {args.new_tokens:,} is more than the model's "
+                f"{MAX_POSITIONS:,} positions (max_position_embeddings)")
     if args.record is not None:
         if args.allocator != "gpumem":
             return ("--record needs --allocator gpumem (PyTorch's allocator: hil.probes.workloads records its memory "
@@ -91,10 +97,14 @@ def _arguments_problem(args: argparse.Namespace) -> str:
 
 
 def _write_json(args: argparse.Namespace, lines: list[dict]) -> None:
-    if args.json is not None:
-        args.json.write_text(json.dumps({"allocator": args.allocator, "attention": args.attention,
-                                         "prompt": args.prompt, "new_tokens": args.new_tokens,
-                                         "window": args.window, "lines": lines}, indent=1) + "\n")
+    """Write the lines so far: to a temporary file beside ``--json``, then renamed over it (a run killed while
+    writing leaves the previous whole file)."""
+    if args.json is None:
+        return
+    tmp = args.json.with_name(f".{args.json.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"allocator": args.allocator, "attention": args.attention, "prompt": args.prompt,
+                               "new_tokens": args.new_tokens, "window": args.window, "lines": lines}, indent=1) + "\n")
+    os.replace(tmp, args.json)
 
 
 def window_line(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:

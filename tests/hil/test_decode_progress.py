@@ -88,3 +88,20 @@ def test_json_is_rewritten_after_each_window(tmp_path):
     import json
     data = json.loads((tmp_path / "p.json").read_text())
     assert [line["token"] for line in data["lines"]] == [2, 4] and data["window"] == 2
+
+
+def test_positions_past_the_model_refused(capsys):
+    assert dp.main(["--allocator", "gpumem", "--prompt", "8000", "--new-tokens", "500"]) == 2
+    assert "positions" in capsys.readouterr().err
+
+
+def test_max_positions_is_the_model_config():
+    from hil.probes.workloads import LONG7B_CONFIG
+    assert dp.MAX_POSITIONS == LONG7B_CONFIG["max_position_embeddings"]
+
+
+def test_json_write_leaves_no_temporary(tmp_path):
+    args = dp._parser().parse_args(["--allocator", "default", "--json", str(tmp_path / "p.json")])
+    dp._write_json(args, [{"token": 1}])
+    dp._write_json(args, [{"token": 1}, {"token": 2}])
+    assert [p.name for p in tmp_path.iterdir()] == ["p.json"]

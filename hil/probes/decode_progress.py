@@ -19,11 +19,12 @@ an H200).
 
 The model is ``llama7b_long_decode``'s (``hil/probes/workloads.py``: Llama-7B's shape, random bf16 weights made on
 the GPU, greedy ``generate()`` with the ``DynamicCache`` grown by ``torch.cat``), with eager or SDPA attention.
-PyTorch's default dtype is bf16 for the whole run, as the records' runs were made
-(``hil.probes.workloads`` sets it only while building the model). Two requests run: a 32-token one (warm-up), then one of ``--new-tokens``. Lines go to stdout; ``--json`` also
-writes them as a list of objects, rewritten after every window (a run cut short keeps what it printed). ``--record FILE`` (gpumem only) also records gpumem's trace of
-the whole process and saves it at the end: a short decode recorded so is what ``python -m sim.extend_decode``
-extends to thousands of tokens for a replay::
+PyTorch's default dtype is bf16 for the whole run, as the records' runs were made (``hil.probes.workloads`` sets it
+only while building the model). Two requests run: a 32-token one (warm-up), then one of ``--new-tokens``. Lines go
+to stdout; ``--json`` also writes them as a list of objects, rewritten after every window (a run cut short keeps
+what it printed). ``--record FILE`` (gpumem only) also records gpumem's trace of the whole process and saves it at
+the end: a short decode recorded so is what ``python -m sim.extend_decode`` extends to thousands of tokens for a
+replay::
 
     python -m hil.probes.decode_progress --allocator gpumem --attention sdpa --new-tokens 4500
     python -m hil.probes.decode_progress --allocator gpumem --attention sdpa --new-tokens 96 --record short.gmt.gz
@@ -67,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=_positive, default=4500, help="new tokens of the second request (4500)")
     p.add_argument("--prompt", type=_positive, default=2048, help="prompt tokens of both requests (2048)")
     p.add_argument("--window", type=_positive, default=250, help="tokens per printed line (250)")
-    p.add_argument("--json", type=Path, help="also write every line, as JSON, to this file at the end")
+    p.add_argument("--json", type=Path, help="also write every line, as JSON, to this file (rewritten after every "
+                                             "window)")
     p.add_argument("--record", type=Path,
                    help="under gpumem, record every allocation from before the model is built and save the trace "
                         "here at the end (e.g. short.gmt.gz; a few dozen tokens are enough for "

@@ -46,3 +46,14 @@ def json_target_problem(path: Path) -> str:
     except OSError as exc:
         return f"cannot write {path}: {exc.strerror or exc}"
     return ""
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file: the same path once resolved (links followed), or, both existing, one
+    file under two names (a hard link)."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False

@@ -92,7 +92,9 @@ class DecodeRecording:
     checked_tokens: int
 
 
-def _token_starts(kinds: np.ndarray, nbytes: np.ndarray, first_nbytes: int, growth_nbytes: int) -> dict[int, int]:
+def _token_starts(kinds: np.ndarray, nbytes: np.ndarray, first_nbytes: int,
+                  growth_nbytes: int) -> tuple[int, dict[int, int]]:
+    """The op of the last allocation of ``first_nbytes`` (the prefill's cache tensor), and each token's first op."""
     allocs = np.nonzero((kinds == ALLOC) & (nbytes == first_nbytes))[0]
     if not len(allocs):
         raise InvalidArgumentError(f"no allocation of --first-nbytes {first_nbytes} in the trace: give the size "
@@ -105,7 +107,7 @@ def _token_starts(kinds: np.ndarray, nbytes: np.ndarray, first_nbytes: int, grow
         if kinds[i] == ALLOC and nbytes[i] == first_nbytes + j * growth_nbytes:
             starts[j] = i
             j += 1
-    return starts
+    return anchor, starts
 
 
 def _template(kinds: np.ndarray, nbytes: np.ndarray, ids: np.ndarray, times_us: np.ndarray, streams: np.ndarray,
@@ -201,8 +203,7 @@ def read_decode(trace: Trace, first_nbytes: int, growth_nbytes: int) -> DecodeRe
     """
     kinds, nbytes, ids = np.asarray(trace.kinds), np.asarray(trace.nbytes), np.asarray(trace.alloc_ids)
     streams = np.asarray(trace.streams)
-    starts = _token_starts(kinds, nbytes, first_nbytes, growth_nbytes)
-    anchor = int(np.nonzero((kinds == ALLOC) & (nbytes == first_nbytes))[0][-1])   # there is one: starts found it
+    anchor, starts = _token_starts(kinds, nbytes, first_nbytes, growth_nbytes)
     if len(starts) < 6:
         raise InvalidArgumentError(f"found {len(starts)} decode tokens after the last allocation of "
                                    f"{first_nbytes} bytes (op {anchor:,} of {len(kinds):,}), need at least 6: record "
@@ -248,7 +249,12 @@ def extend_decode(trace: Trace, tokens: int, first_nbytes: int, growth_nbytes: i
     first_nbytes = _whole_number("first_nbytes", first_nbytes, 1)
     growth_nbytes = _whole_number("growth_nbytes", growth_nbytes, 1)
     tokens = _whole_number("tokens", tokens, 3, MAX_TOKENS)
-    rec = read_decode(trace, first_nbytes, growth_nbytes)
+    return extend_recording(trace, read_decode(trace, first_nbytes, growth_nbytes), tokens)
+
+
+def extend_recording(trace: Trace, rec: DecodeRecording, tokens: int) -> Trace:
+    """:func:`extend_decode` of a decode :func:`read_decode` has already read from ``trace``."""
+    tokens = _whole_number("tokens", tokens, 3, MAX_TOKENS)
     t = rec.template
     head = rec.starts[FIRST_MADE]
     tail = rec.starts[max(rec.starts)]   # the last recorded token's start: from there on, not kept
@@ -396,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         rec = read_decode(trace, args.first_nbytes, args.growth_nbytes)
         print(f"{args.trace.name}: {len(rec.starts)} decode tokens found, {rec.checked_tokens} checked against token "
               f"{rec.template.token} ({len(rec.template.kinds):,} ops per token): exact", flush=True)
-        extended = extend_decode(trace, args.tokens, args.first_nbytes, args.growth_nbytes)
+        extended = extend_recording(trace, rec, args.tokens)
         print(extended.summary(), flush=True)
         if args.out is not None:
             save_trace(extended, args.out)
@@ -431,29 +437,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return a.exists() and b.exists() and a.samefile(b)
-    except OSError:
-        return False
-
-
 def _output_problem(args: argparse.Namespace) -> str:
     """Why ``--out``/``--json`` cannot be written, or ``""``; checked before any work (links and hard links too)."""
-    from sim.cli_checks import json_target_problem
+    from sim.cli_checks import json_target_problem, same_file
 
     if args.out is not None and not (args.out.name.endswith(".gmt") or args.out.name.endswith(".gmt.gz")):
         return f"--out {args.out}: the extended trace is saved in gpumem's format: name it .gmt or .gmt.gz"
     for flag, target in (("--out", args.out), ("--json", args.json)):
         if target is None:
             continue
-        if _same_file(target, args.trace) or target.resolve() == args.trace.resolve():
+        if same_file(target, args.trace):
             return f"{flag} {target} would overwrite the input trace"
         why = json_target_problem(target)
         if why:
             return why
-    if args.out is not None and args.json is not None and (args.out.resolve() == args.json.resolve()
-                                                            or _same_file(args.out, args.json)):
+    if args.out is not None and args.json is not None and same_file(args.out, args.json):
         return "--out and --json name the same file"
     return ""
 

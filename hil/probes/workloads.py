@@ -1134,19 +1134,14 @@ def render_step_times(record: dict) -> str:
 def _output_target_problem(target: Path, inputs: Sequence[Path]) -> str | None:
     """Why ``target`` cannot take an output (a folder, a missing folder, one of the ``inputs`` under any name), or
     None."""
-    import os
+    from sim.cli_checks import same_file
 
     if target.is_dir():
         return "is a folder"
     if not target.resolve().parent.is_dir():
         return f"its folder {target.resolve().parent} does not exist"
-    for p in inputs:
-        try:
-            same = target.resolve() == p.resolve() or (target.exists() and p.exists() and os.path.samefile(target, p))
-        except OSError:
-            same = False
-        if same:
-            return "is one of the records read (it would be overwritten)"
+    if any(same_file(target, p) for p in inputs):
+        return "is one of the records read (it would be overwritten)"
     return None
 
 

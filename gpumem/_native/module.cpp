@@ -1065,6 +1065,31 @@ PyObject* Alloc_describe(AllocObject* self, PyObject*) {
     return PyUnicode_FromString(self->engine->describe().c_str());
 }
 
+// Note [An idle device's bookkeeping calls made here] in pybackend.cpp: on before the first device call that
+// makes a chunk or an event; `granularity` is the device's.
+PyObject* Alloc_use_idle_twin(AllocObject* self, PyObject* granularity) {
+    CHECK_ALIVE(self);
+    unsigned long long g = PyLong_AsUnsignedLongLong(granularity);
+    if (g == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return nullptr;
+    if (g == 0) {
+        PyErr_SetString(PyExc_ValueError, "granularity must be positive");
+        return nullptr;
+    }
+    if (self->engine->closed()) {
+        PyErr_SetString(PyExc_RuntimeError, "the allocator is closed");
+        return nullptr;
+    }
+    if (!self->backend->use_idle_twin(g)) return nullptr;
+    Py_RETURN_NONE;
+}
+
+// The twin's mappings as Device.mapping_ranges() lists them; None when the twin is off.
+PyObject* Alloc_twin_mapping_ranges(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
+    if (!self->backend->idle_twin()) Py_RETURN_NONE;
+    return self->backend->twin_mapping_ranges();
+}
+
 PyObject* Alloc_closed(AllocObject* self, PyObject*) {
     CHECK_ALIVE(self);
     return PyBool_FromLong(self->engine->closed());
@@ -1511,6 +1536,10 @@ PyMethodDef Alloc_methods[] = {
      "consistency_problems(list_device) -> list of problems; list_device() -> (mappings, reservations)"},
     {"describe", reinterpret_cast<PyCFunction>(Alloc_describe), METH_NOARGS, "the backing, in words"},
     {"closed", reinterpret_cast<PyCFunction>(Alloc_closed), METH_NOARGS, "whether close() ran"},
+    {"use_idle_twin", reinterpret_cast<PyCFunction>(Alloc_use_idle_twin), METH_O,
+     "make an idle device's map, access, unmap and event calls in C++ (before any chunk or event exists)"},
+    {"twin_mapping_ranges", reinterpret_cast<PyCFunction>(Alloc_twin_mapping_ranges), METH_NOARGS,
+     "(va, nbytes, handle) of the idle twin's mappings; None when it is off"},
     {"lost", reinterpret_cast<PyCFunction>(Alloc_lost), METH_NOARGS, "whether the device was lost"},
     {"mark_step", reinterpret_cast<PyCFunction>(Alloc_mark_step), METH_NOARGS, "a step boundary (step plans)"},
     {"start_plan_warmup", reinterpret_cast<PyCFunction>(Alloc_start_plan_warmup), METH_NOARGS,

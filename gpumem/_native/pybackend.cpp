@@ -4,6 +4,8 @@
 // events behave the same under both engines. See pybackend.h.
 #include "pybackend.h"
 
+#include <algorithm>
+#include <iterator>
 #include <string>
 
 namespace gpumem {
@@ -193,47 +195,199 @@ std::uint64_t PyDeviceBackend::address_reserve(std::uint64_t nbytes, std::uint64
     std::uint64_t va = as_u64(r, &ok);
     Py_DECREF(r);
     if (!ok) raise_current();
+    if (twin_) twin_->reservations.emplace_back(va, nbytes);
     return va;
 }
 
 void PyDeviceBackend::address_free(std::uint64_t va, std::uint64_t nbytes) {
+    if (twin_) {   // the device refuses to free a range with mappings in it: so does the twin, before the device frees it
+        auto& rs = twin_->reservations;
+        auto it = std::find(rs.begin(), rs.end(), std::make_pair(va, nbytes));
+        if (it == rs.end()) twin_refuses("address_free of a range that is not a reservation");
+        auto m = twin_->maps.lower_bound(va);
+        if (m != twin_->maps.end() && m->first < va + nbytes) twin_refuses("address_free of a range still mapped");
+        call_void(n_address_free_, u64(va), u64(nbytes));
+        rs.erase(it);
+        return;
+    }
     call_void(n_address_free_, u64(va), u64(nbytes));
 }
 
 ChunkHandle PyDeviceBackend::mem_create(std::uint64_t nbytes) {
     PyObject* h = call(n_mem_create_, u64(nbytes));
-    return put(chunks_, free_chunk_ids_, h);
+    ChunkHandle id = put(chunks_, free_chunk_ids_, h);
+    if (twin_) {
+        if (twin_->chunk_nbytes.size() < chunks_.size()) {
+            twin_->chunk_nbytes.resize(chunks_.size(), 0);
+            twin_->chunk_maps.resize(chunks_.size(), 0);
+        }
+        twin_->chunk_nbytes[id - 1] = nbytes;
+    }
+    return id;
 }
 
 void PyDeviceBackend::mem_release(ChunkHandle handle) {
     PyObject* h = get(chunks_, handle, "chunk");
+    // the device would keep a released chunk's memory until its last mapping goes, which it never sees here
+    if (twin_ && twin_->chunk_maps[handle - 1]) twin_refuses("mem_release of a chunk still mapped");
     Py_INCREF(h);
     call_void(n_mem_release_, h);
     Py_DECREF(chunks_[handle - 1]);
     chunks_[handle - 1] = nullptr;
     free_chunk_ids_.push_back(handle);
+    if (twin_) twin_->chunk_nbytes[handle - 1] = 0;
+}
+
+// Note [An idle device's bookkeeping calls made here]
+//     A long decode under the gpumem policy moves pages every step, a million mem_map/mem_unmap pairs and as
+//     many event calls in a 6,000-token estimate, and the simulated device's Python methods were 75 % of its
+//     time (reports/estimate-speed.md). On a device where nothing else can happen (SimDevice.runs_alone: no
+//     tenants, no planned faults, no GPU work, no call that waits for the device) those calls change only the
+//     device's books of mappings and events and its clock; every event is complete when recorded. The twin keeps
+//     the same books in C++ and makes those calls itself: mem_map, mem_set_access and mem_unmap with the
+//     device's checks (granular arguments, inside a reservation, not over a mapping, a chunk large enough,
+//     whole mappings unmapped, a mapped range given access), event_record/query/synchronize/destroy (complete
+//     at once). Memory itself (mem_create, mem_release, mem_info), reservations and synchronisation still go to
+//     the device, so its free memory, out-of-memory errors and allocation faults are the device's own; a chunk
+//     released while the twin still maps it is refused (the device would keep its memory until the unmap). So
+//     the engine sees the same results, call for call (tests/estimate/test_idle_twin.py compares whole
+//     estimates and the engine's calls); the device's call counts and clock then leave these calls out. Only
+//     gpumem.estimate turns it on, on devices it opened itself.
+void PyDeviceBackend::twin_refuses(const std::string& what) {
+    throw BackendError(ErrorKind::kOther, 0, "idle device twin: " + what);
+}
+
+void PyDeviceBackend::twin_check_range(const char* call, std::uint64_t va, std::uint64_t nbytes) const {
+    const std::uint64_t g = twin_->gran;
+    if (va == 0 || nbytes == 0 || va % g || nbytes % g || va + nbytes < va)
+        twin_refuses(std::string(call) + ": va and nbytes must be positive multiples of the granularity");
+    for (const auto& r : twin_->reservations)
+        if (va >= r.first && va + nbytes <= r.first + r.second) return;
+    twin_refuses(std::string(call) + ": the range is not inside one reservation");
+}
+
+bool PyDeviceBackend::use_idle_twin(std::uint64_t granularity_nbytes) {
+    for (PyObject* o : chunks_)
+        if (o) {
+            PyErr_SetString(PyExc_RuntimeError, "the idle device twin must be turned on before the first mem_create");
+            return false;
+        }
+    for (PyObject* o : events_)
+        if (o) {
+            PyErr_SetString(PyExc_RuntimeError, "the idle device twin must be turned on before the first event");
+            return false;
+        }
+    auto twin = std::make_unique<IdleTwin>();
+    twin->gran = granularity_nbytes;
+    PyObject* maps = PyObject_CallMethod(device_, "mapping_ranges", nullptr);
+    if (!maps) return false;
+    Py_ssize_t n_maps = PyObject_Length(maps);
+    Py_DECREF(maps);
+    if (n_maps != 0) {
+        if (n_maps > 0) PyErr_SetString(PyExc_RuntimeError, "the idle device twin needs a device with no mapping");
+        return false;
+    }
+    PyObject* rs = PyObject_CallMethod(device_, "reservation_ranges", nullptr);
+    PyObject* seq = rs ? PySequence_Fast(rs, "reservation_ranges() must return a sequence") : nullptr;
+    Py_XDECREF(rs);
+    if (!seq) return false;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+        unsigned long long va = 0, nb = 0;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KK", &va, &nb)) {
+            Py_DECREF(seq);
+            return false;
+        }
+        twin->reservations.emplace_back(va, nb);
+    }
+    Py_DECREF(seq);
+    twin_ = std::move(twin);
+    return true;
+}
+
+PyObject* PyDeviceBackend::twin_mapping_ranges() {
+    PyObject* out = PyList_New(0);
+    if (!out || !twin_) return out;
+    for (const auto& m : twin_->maps) {
+        PyObject* h = chunks_[m.second.second - 1];
+        PyObject* handle = PyObject_GetAttrString(h, "handle");
+        PyObject* t = handle ? Py_BuildValue("(KKN)", static_cast<unsigned long long>(m.first),
+                                             static_cast<unsigned long long>(m.second.first), handle) : nullptr;
+        if (!t || PyList_Append(out, t) < 0) {
+            Py_XDECREF(t);
+            Py_DECREF(out);
+            return nullptr;
+        }
+        Py_DECREF(t);
+    }
+    return out;
 }
 
 void PyDeviceBackend::mem_map(std::uint64_t va, std::uint64_t nbytes, ChunkHandle handle, std::uint64_t offset) {
     PyObject* h = get(chunks_, handle, "chunk");
+    if (twin_) {
+        twin_check_range("mem_map", va, nbytes);
+        if (offset % twin_->gran || offset + nbytes > twin_->chunk_nbytes[handle - 1] || offset + nbytes < offset)
+            twin_refuses("mem_map: offset + nbytes exceeds the chunk");
+        auto& maps = twin_->maps;
+        auto next = maps.lower_bound(va);
+        if ((next != maps.end() && next->first < va + nbytes) ||
+            (next != maps.begin() && std::prev(next)->first + std::prev(next)->second.first > va))
+            twin_refuses("mem_map: the range is already mapped");
+        maps.emplace_hint(next, va, std::make_pair(nbytes, handle));
+        ++twin_->chunk_maps[handle - 1];
+        return;
+    }
     Py_INCREF(h);
     call_void(n_mem_map_, u64(va), u64(nbytes), h, u64(offset));
 }
 
 void PyDeviceBackend::mem_set_access(std::uint64_t va, std::uint64_t nbytes) {
+    if (twin_) {
+        twin_check_range("mem_set_access", va, nbytes);
+        auto& maps = twin_->maps;
+        auto it = maps.upper_bound(va);
+        if (it == maps.begin()) twin_refuses("mem_set_access: the range is not mapped");
+        --it;
+        std::uint64_t pos = va;
+        while (pos < va + nbytes) {   // mappings that cover [va, va + nbytes) without a gap
+            if (it == maps.end() || it->first > pos || it->first + it->second.first <= pos)
+                twin_refuses("mem_set_access: the range is not mapped");
+            pos = it->first + it->second.first;
+            ++it;
+        }
+        return;
+    }
     call_void(n_mem_set_access_, u64(va), u64(nbytes));
 }
 
 void PyDeviceBackend::mem_unmap(std::uint64_t va, std::uint64_t nbytes) {
+    if (twin_) {
+        twin_check_range("mem_unmap", va, nbytes);
+        auto& maps = twin_->maps;
+        auto first = maps.find(va);
+        auto it = first;
+        std::uint64_t pos = va;
+        while (pos < va + nbytes) {   // whole mappings, end to end, exactly the range: checked before any goes
+            if (it == maps.end() || it->first != pos) twin_refuses("mem_unmap: the range is not whole mappings");
+            pos += it->second.first;
+            ++it;
+        }
+        if (pos != va + nbytes) twin_refuses("mem_unmap: the range is not whole mappings");
+        for (auto m = first; m != it; ++m) --twin_->chunk_maps[m->second.second - 1];
+        maps.erase(first, it);
+        return;
+    }
     call_void(n_mem_unmap_, u64(va), u64(nbytes));
 }
 
 EventHandle PyDeviceBackend::event_record(StreamHandle stream) {
+    if (twin_) return kTwinEvent | ++twin_->events;   // complete at once: no work is ever queued
     PyObject* ev = call(n_event_record_, u64(stream));
     return put(events_, free_event_ids_, ev);
 }
 
 bool PyDeviceBackend::event_query(EventHandle event) {
+    if (event & kTwinEvent) return true;
     PyObject* ev = get(events_, event, "event");
     Py_INCREF(ev);
     PyObject* r = call(n_event_query_, ev);
@@ -244,12 +398,14 @@ bool PyDeviceBackend::event_query(EventHandle event) {
 }
 
 void PyDeviceBackend::event_synchronize(EventHandle event) {
+    if (event & kTwinEvent) return;
     PyObject* ev = get(events_, event, "event");
     Py_INCREF(ev);
     call_void(n_event_synchronize_, ev);
 }
 
 void PyDeviceBackend::event_destroy(EventHandle event) {
+    if (event & kTwinEvent) return;
     PyObject* ev = get(events_, event, "event");
     // the engine never uses an event again once it tried to destroy it (StreamFences._retire)
     events_[event - 1] = nullptr;

@@ -4,6 +4,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <map>
+#include <memory>
 #include <unordered_map>
 #include <vector>
 
@@ -57,6 +59,12 @@ class PyDeviceBackend : public Backend {
     std::size_t chunk_table_size() const { return chunks_.size(); }
     // Visits the Python objects it holds (the allocator's tp_traverse).
     int traverse(visitproc visit, void* arg);
+    // Note [An idle device's bookkeeping calls made here] (pybackend.cpp). Turns it on: false, with a
+    // Python error set, once a chunk, an event or a mapping exists; the device's reservations are read.
+    bool use_idle_twin(std::uint64_t granularity_nbytes);
+    bool idle_twin() const { return twin_ != nullptr; }
+    // Device.mapping_ranges() of the twin's mappings (a new list), for the consistency check.
+    PyObject* twin_mapping_ranges();
     // Throws the Python exception being raised as a BackendError, classified and kept as a device
     // call's (Note [Device exceptions live for one operation]): for Python code the binding runs
     // on the engine's behalf inside an operation (the device listings of consistency_problems).
@@ -82,6 +90,21 @@ class PyDeviceBackend : public Backend {
         *n_event_destroy_, *n_stream_synchronize_, *n_synchronize_, *n_free_nbytes_, *n_total_nbytes_,
         *n_granularity_nbytes_, *n_vmm_supported_;
     PyObject *n_malloc_ = nullptr, *n_free_ = nullptr;   // segment mode
+
+    // What the device's books would hold for the calls the twin makes (Note [An idle device's bookkeeping
+    // calls made here]); its events are ids with kTwinEvent set.
+    struct IdleTwin {
+        std::uint64_t gran = 0;
+        std::map<std::uint64_t, std::pair<std::uint64_t, ChunkHandle>> maps;   // va -> (nbytes, chunk id)
+        std::vector<std::pair<std::uint64_t, std::uint64_t>> reservations;     // (va, nbytes)
+        std::vector<std::uint64_t> chunk_nbytes;   // by chunk id - 1; 0: no such chunk
+        std::vector<std::uint32_t> chunk_maps;     // mappings of each chunk
+        std::uint64_t events = 0;                  // recorded so far
+    };
+    static constexpr EventHandle kTwinEvent = EventHandle{1} << 63;
+    std::unique_ptr<IdleTwin> twin_;
+    [[noreturn]] static void twin_refuses(const std::string& what);
+    void twin_check_range(const char* call, std::uint64_t va, std::uint64_t nbytes) const;
 };
 
 }  // namespace gpumem

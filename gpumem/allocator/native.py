@@ -81,6 +81,23 @@ class NativeEngine:
         self.reset_peak_stats = ext.reset_peak_stats
         self.run_ops = ext.run_ops   # Note [A step's ops in one call] (gpumem/_native/op_table.h)
 
+    def use_idle_twin(self) -> None:
+        """Make the device's ``mem_map``, ``mem_set_access``, ``mem_unmap`` and event calls in C++ from now on,
+        keeping the device's books of them there (Note [An idle device's bookkeeping calls made here] in
+        ``gpumem/_native/pybackend.cpp``). Only for a simulated device that :meth:`~gpumem.sim.SimDevice.runs_alone`
+        and that nothing else uses while this engine lives; before the engine has created a chunk or an event.
+
+        Raises:
+            UnsupportedOperationError: the device is not such a device (nothing changed).
+            RuntimeError: the engine already holds a chunk or an event.
+        """
+        runs_alone = getattr(self.device, "runs_alone", None)
+        if not self.uses_vmm or runs_alone is None or not runs_alone():
+            raise UnsupportedOperationError(
+                f"the idle device twin needs a simulated device in virtual-memory mode with nothing else on it "
+                f"(no tenants, faults per call or GPU work): {self.device.spec} is not one")
+        self._ext.use_idle_twin(self.device.properties().granularity_nbytes)
+
     def set_step_record_limit(self, records: int) -> None:
         """The engine's limit on a recorded step's records, checked as the Python engine checks it."""
         self._ext.set_step_record_limit(check_record_limit(records))
@@ -108,7 +125,8 @@ class NativeEngine:
             if not self.uses_vmm:  # segment mode: the device's allocations (SegmentBacking.consistency_problems)
                 return [], list(device.allocation_ranges())
             reservations = list(device.reservation_ranges()) if hasattr(device, "reservation_ranges") else None
-            return list(device.mapping_ranges()), reservations
+            twin = self._ext.twin_mapping_ranges()  # the idle twin keeps the device's mappings itself
+            return list(device.mapping_ranges()) if twin is None else twin, reservations
 
         return self._ext.consistency_problems(list_device)
 

@@ -52,8 +52,10 @@ from ..managers.reserve import default_usable_nbytes
 from ..progress import NoProgress, progress as progress_bar
 from ..allocator import make_allocator
 from ..allocator.bucket import is_bucket_policy
+from ..allocator.native import NativeEngine
 from ..native import load_engine
 from ..replay import replay_trace
+from ..sim import SimDevice
 from ..specs import open_device
 from ..units import format_bytes
 from .shape import ModelShape
@@ -230,13 +232,27 @@ def _prefix_result(prefix: WorkloadTrace, device: "str | Device", policy: str, l
 #   (``tests/allocator/test_native_differential.py``), and the full path (``full_replay=True``) keeps the default
 #   engine (Python in segment mode), so ``tests/estimate/test_fast_replay.py``, which holds the two paths equal
 #   to the byte, compares the engines too. Without the native engine the fast path is the Python one as before.
-def _replay_allocator(device: Device, policy: Any, limit: int | None, fast: bool) -> Any:
+#   On a device the estimate opened itself and that runs alone, a virtual-memory engine also makes the device's
+#   map, access, unmap and event calls in C++ (Note [An idle device's bookkeeping calls made here] in
+#   ``gpumem/_native/pybackend.cpp``): the calls of a long decode's page moves, the same results
+#   (``tests/estimate/test_idle_twin.py``).
+def _replay_allocator(device: Device, policy: Any, limit: int | None, fast: bool, own: bool = False) -> Any:
     """The allocator of one policy: on the fast path the native engine where it is built (Note [The fast path on
-    the native engine]), on the full path the default engine."""
+    the native engine]), on the full path the default engine. ``own``: ``device`` was opened for this allocator
+    alone."""
     opts: dict[str, Any] = {} if limit is None else {"limit": limit}
     if fast and not is_bucket_policy(policy) and load_engine() is not None:
         opts["engine"] = "native"
-    return make_allocator(device, policy, **opts)
+    allocator = make_allocator(device, policy, **opts)
+    engine = getattr(allocator, "_engine", None)
+    if own and isinstance(engine, NativeEngine) and engine.uses_vmm and isinstance(device, SimDevice) \
+            and device.runs_alone():
+        try:
+            engine.use_idle_twin()
+        except BaseException:
+            allocator.close()
+            raise
+    return allocator
 
 
 def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], device: "str | Device",
@@ -253,7 +269,7 @@ def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], d
     try:
         for p in policies:
             devs.append(open_device(device) if own else device)  # type: ignore[arg-type]
-            allocators.append(_replay_allocator(devs[-1], p, limit, fast=not full_replay))
+            allocators.append(_replay_allocator(devs[-1], p, limit, fast=not full_replay, own=own))
         sinks: list[PlainSink] = [make_sink(a, skip=not full_replay) for a in allocators]
         group = SinkGroup(sinks)
         n = len(policies)

@@ -374,6 +374,18 @@ class SimDevice(Device):
             return idle_cost_us
         return idle_cost_us * self.latency.busy_factor(self._n_mappings)
 
+    def runs_alone(self) -> bool:
+        """Whether nothing but its caller's own calls can happen on this device now: no tenants, no planned
+        faults (per call or a device loss), no GPU work queued, no VMM call that waits for the device, its
+        clock its own (:attr:`env` never handed out), neither lost nor closed. Then its ``mem_map``,
+        ``mem_set_access``, ``mem_unmap`` and event calls change nothing but its books of mappings and events
+        and its clock, and every event completes when recorded (Note [An idle device's bookkeeping calls made
+        here] in ``gpumem/_native/pybackend.cpp``)."""
+        with self._lock:
+            return (not self._tenants and not self.faults.per_call and self.faults.plan.device_lost_at_s is None
+                    and not self._waits_for_device and self._clock.lazy and not self.streams._n_pending  # noqa: SLF001
+                    and not self._lost and not self._closed)
+
     @property
     def n_mappings(self) -> int:
         """Live mappings (``mem_map`` calls not yet unmapped)."""

@@ -1,0 +1,181 @@
+"""The idle device twin (Note [An idle device's bookkeeping calls made here] in gpumem/_native/pybackend.cpp): the
+native engine makes an idle simulated device's map, access, unmap and event calls in C++, with the same results
+as the device's own methods, call for call."""
+
+import dataclasses
+
+import pytest
+
+from gpumem.allocator import make_allocator
+from gpumem.errors import UnsupportedOperationError
+from gpumem.estimate import ModelShape
+from gpumem.estimate.fit import _replay_allocator, replay_inference
+from gpumem.estimate.workload import stream_inference
+from gpumem.native import load_engine
+from gpumem.sim import FaultPlan, SimDevice
+from gpumem.sim.pressure import Step
+from gpumem.specs import open_device
+
+pytestmark = pytest.mark.skipif(load_engine() is None, reason="the native engine is not built")
+
+DEVICE = "sim:h200-141gb"
+#: Llama-7B's shape: after a 4,096-token prompt its decode moves pages from about step 500 under the gpumem
+#: policy (reports/estimate-speed.md), so that the twin makes thousands of map, unmap and event calls.
+LLAMA_7B = ModelShape(4096, 11008, 32, 32000, 32, 32)
+#: A small one, for the errors.
+SMALL = ModelShape(1024, 2816, 8, 32000, 16, 16)
+
+
+class _Sink:
+    def __init__(self, allocator):
+        self.a, self.ids = allocator, {}
+        self.problems: list[str] = []
+
+    def alloc(self, op_id, nbytes):
+        self.ids[op_id] = self.a.allocate(nbytes, 0)
+
+    def free(self, op_id):
+        self.a.free(self.ids.pop(op_id))
+
+    def end_step(self, step):
+        if step % 97 == 0:  # the device's books against the engine's, now and then
+            self.problems += self.a._engine.consistency_problems()
+
+
+def _run(policy: str, twin: bool, prompt: int = 4096, new_tokens: int = 650):
+    dev = open_device(DEVICE)
+    a = make_allocator(dev, policy, engine="native")
+    try:
+        if twin:
+            a._engine.use_idle_twin()
+        sink = _Sink(a)
+        stream_inference(LLAMA_7B, 2, (sink,), prompt_len=prompt, new_tokens=new_tokens, on_step=sink.end_step)
+        sink.problems += a._engine.consistency_problems()
+        return dataclasses.asdict(a.snapshot_stats()), sink.problems, dict(dev.stats.calls)
+    finally:
+        a.close()
+        dev.close()
+
+
+@pytest.mark.parametrize("policy", ["gpumem", "expandable"])
+def test_same_decisions_and_calls_as_the_device(policy):
+    on, problems_on, dev_calls_on = _run(policy, twin=True)
+    off, problems_off, dev_calls_off = _run(policy, twin=False)
+    assert problems_on == [] and problems_off == []
+    assert on == off  # every counter: device and event calls, steals, peaks
+    # the twin made the page moves itself: the device saw none of them, only memory and reservations
+    assert dev_calls_off.get("mem_map", 0) > (4000 if policy == "gpumem" else 500)
+    assert dev_calls_off.get("event_record", 0) > (2000 if policy == "gpumem" else -1)
+    for call in ("mem_map", "mem_unmap", "mem_set_access", "event_record", "event_query", "event_destroy"):
+        assert dev_calls_on.get(call, 0) == 0
+    for call in ("mem_create", "mem_release", "address_reserve"):
+        assert dev_calls_on.get(call, 0) == dev_calls_off.get(call, 0)
+
+
+def test_estimate_the_same_with_and_without_the_twin(monkeypatch):
+    kw = dict(prompt_len=4096, new_tokens=700)
+    with_twin = replay_inference(LLAMA_7B, 2, ("pytorch", "expandable", "gpumem"), DEVICE, **kw)
+    monkeypatch.setattr(SimDevice, "runs_alone", lambda self: False)
+    without = replay_inference(LLAMA_7B, 2, ("pytorch", "expandable", "gpumem"), DEVICE, **kw)
+    assert with_twin == without
+
+
+def test_out_of_memory_is_the_same(monkeypatch):
+    # a limit the decode outgrows: the estimate stops at the same error, with the same message
+    def estimate():
+        return replay_inference(SMALL, 2, ("gpumem", "expandable"), DEVICE, prompt_len=1024, new_tokens=300,
+                                limit=400 * 2**20)
+    on = estimate()
+    monkeypatch.setattr(SimDevice, "runs_alone", lambda self: False)
+    off = estimate()
+    assert on == off and not any(r.fits for r in on) and on[0].oom_message
+
+
+def test_the_twin_only_on_devices_the_estimate_opened():
+    dev = open_device(DEVICE)
+    try:
+        a = _replay_allocator(dev, "gpumem", None, fast=True, own=False)
+        try:
+            assert a._engine._ext.twin_mapping_ranges() is None
+        finally:
+            a.close()
+        a = _replay_allocator(dev, "gpumem", None, fast=True, own=True)
+        try:
+            assert a._engine._ext.twin_mapping_ranges() == []
+            p = a.allocate(64 << 20, 0)
+            maps = a._engine._ext.twin_mapping_ranges()
+            assert any(va <= p < va + n for va, n, _ in maps)
+            assert dev.mapping_ranges() == []  # the device keeps none of them: the twin does
+            a.free(p)
+            a.check_consistency()
+        finally:
+            a.close()
+    finally:
+        dev.close()
+
+
+def _device(**kw) -> SimDevice:
+    return open_device(DEVICE, **kw)
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda: _device(pressure=Step(1 << 30)), "a tenant"),
+    (lambda: _device(faults=FaultPlan(fail_calls={"event_destroy": frozenset({10**6})})), "faults per call"),
+    (lambda: _device(faults=FaultPlan(device_lost_at_s=10.0)), "a planned loss"),
+])
+def test_refused_where_something_else_can_happen(make, why):
+    dev = make()
+    try:
+        assert not dev.runs_alone(), why
+        a = make_allocator(dev, "gpumem", engine="native")
+        try:
+            with pytest.raises(UnsupportedOperationError, match="idle device twin"):
+                a._engine.use_idle_twin()
+            assert a._engine._ext.twin_mapping_ranges() is None  # nothing changed
+            a.free(a.allocate(8 << 20, 0))
+            a.check_consistency()
+        finally:
+            a.close()
+    finally:
+        dev.close()
+
+
+def test_runs_alone_follows_the_device():
+    dev = _device()
+    assert dev.runs_alone()
+    dev.env  # handed out: code may now schedule on the device's clock
+    assert not dev.runs_alone()
+    dev.close()
+    assert not dev.runs_alone()
+    dev = _device()
+    dev.launch(0, 1.0)
+    assert not dev.runs_alone()  # work queued
+    dev.synchronize()
+    assert dev.runs_alone()
+    dev.close()
+
+
+def test_refused_once_the_engine_holds_memory():
+    dev = _device()
+    a = make_allocator(dev, "gpumem", engine="native")
+    try:
+        p = a.allocate(8 << 20, 0)
+        with pytest.raises(RuntimeError, match="before the first mem_create"):
+            a._engine.use_idle_twin()
+        assert a._engine._ext.twin_mapping_ranges() is None
+        a.free(p)
+        a.check_consistency()
+    finally:
+        a.close()
+        dev.close()
+
+
+def test_refused_on_segment_mode():
+    dev = _device()
+    a = make_allocator(dev, "pytorch", engine="native")
+    try:
+        with pytest.raises(UnsupportedOperationError):
+            a._engine.use_idle_twin()
+    finally:
+        a.close()
+        dev.close()

@@ -1065,21 +1065,27 @@ PyObject* Alloc_describe(AllocObject* self, PyObject*) {
     return PyUnicode_FromString(self->engine->describe().c_str());
 }
 
-// Note [An idle device's bookkeeping calls made here] in pybackend.cpp: on before the first device call that
-// makes a chunk or an event; `granularity` is the device's.
-PyObject* Alloc_use_idle_twin(AllocObject* self, PyObject* granularity) {
+// Note [An idle device's bookkeeping calls made here] in pybackend.cpp: on while the engine holds no chunk, no
+// event and the device no mapping. Refusals are InvalidArgumentError.
+PyObject* Alloc_use_idle_twin(AllocObject* self, PyObject*) {
     CHECK_ALIVE(self);
-    unsigned long long g = PyLong_AsUnsignedLongLong(granularity);
-    if (g == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return nullptr;
-    if (g == 0) {
-        PyErr_SetString(PyExc_ValueError, "granularity must be positive");
-        return nullptr;
-    }
     if (self->engine->closed()) {
-        PyErr_SetString(PyExc_RuntimeError, "the allocator is closed");
+        invalid_argument(self->helpers, "allocator is closed");
         return nullptr;
     }
-    if (!self->backend->use_idle_twin(g)) return nullptr;
+    std::string why = self->backend->use_idle_twin();
+    if (PyErr_Occurred()) return nullptr;
+    if (!why.empty()) {
+        invalid_argument(self->helpers, why.c_str());
+        return nullptr;
+    }
+    Py_RETURN_NONE;
+}
+
+// The device closed under the twin (SimDevice calls it): the device's calls go to the device again.
+PyObject* Alloc_twin_device_closed(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
+    self->backend->twin_device_closed();
     Py_RETURN_NONE;
 }
 
@@ -1536,8 +1542,10 @@ PyMethodDef Alloc_methods[] = {
      "consistency_problems(list_device) -> list of problems; list_device() -> (mappings, reservations)"},
     {"describe", reinterpret_cast<PyCFunction>(Alloc_describe), METH_NOARGS, "the backing, in words"},
     {"closed", reinterpret_cast<PyCFunction>(Alloc_closed), METH_NOARGS, "whether close() ran"},
-    {"use_idle_twin", reinterpret_cast<PyCFunction>(Alloc_use_idle_twin), METH_O,
-     "make an idle device's map, access, unmap and event calls in C++ (before any chunk or event exists)"},
+    {"use_idle_twin", reinterpret_cast<PyCFunction>(Alloc_use_idle_twin), METH_NOARGS,
+     "make an idle device's map, access, unmap and event calls in C++ (while no chunk or event is held)"},
+    {"twin_device_closed", reinterpret_cast<PyCFunction>(Alloc_twin_device_closed), METH_NOARGS,
+     "the device closed: its calls go to it again"},
     {"twin_mapping_ranges", reinterpret_cast<PyCFunction>(Alloc_twin_mapping_ranges), METH_NOARGS,
      "(va, nbytes, handle) of the idle twin's mappings; None when it is off"},
     {"lost", reinterpret_cast<PyCFunction>(Alloc_lost), METH_NOARGS, "whether the device was lost"},

@@ -195,12 +195,12 @@ std::uint64_t PyDeviceBackend::address_reserve(std::uint64_t nbytes, std::uint64
     std::uint64_t va = as_u64(r, &ok);
     Py_DECREF(r);
     if (!ok) raise_current();
-    if (twin_) twin_->reservations.emplace_back(va, nbytes);
+    if (twin_) twin_->reservations.emplace_back(va, nbytes);   // kept after a close too: frees still check
     return va;
 }
 
 void PyDeviceBackend::address_free(std::uint64_t va, std::uint64_t nbytes) {
-    if (twin_) {   // the device refuses to free a range with mappings in it: so does the twin, before the device frees it
+    if (twin_makes_calls()) {   // the device refuses to free a range with mappings in it: so does the twin, first
         auto& rs = twin_->reservations;
         auto it = std::find(rs.begin(), rs.end(), std::make_pair(va, nbytes));
         if (it == rs.end()) twin_refuses("address_free of a range that is not a reservation");
@@ -229,7 +229,7 @@ ChunkHandle PyDeviceBackend::mem_create(std::uint64_t nbytes) {
 void PyDeviceBackend::mem_release(ChunkHandle handle) {
     PyObject* h = get(chunks_, handle, "chunk");
     // the device would keep a released chunk's memory until its last mapping goes, which it never sees here
-    if (twin_ && twin_->chunk_maps[handle - 1]) twin_refuses("mem_release of a chunk still mapped");
+    if (twin_makes_calls() && twin_->chunk_maps[handle - 1]) twin_refuses("mem_release of a chunk still mapped");
     Py_INCREF(h);
     call_void(n_mem_release_, h);
     Py_DECREF(chunks_[handle - 1]);
@@ -266,42 +266,47 @@ void PyDeviceBackend::twin_check_range(const char* call, std::uint64_t va, std::
     twin_refuses(std::string(call) + ": the range is not inside one reservation");
 }
 
-bool PyDeviceBackend::use_idle_twin(std::uint64_t granularity_nbytes) {
+std::string PyDeviceBackend::use_idle_twin() {
+    if (twin_) return "the idle device twin is on already";
     for (PyObject* o : chunks_)
-        if (o) {
-            PyErr_SetString(PyExc_RuntimeError, "the idle device twin must be turned on before the first mem_create");
-            return false;
-        }
+        if (o) return "the idle device twin must be turned on while the engine holds no chunk";
     for (PyObject* o : events_)
-        if (o) {
-            PyErr_SetString(PyExc_RuntimeError, "the idle device twin must be turned on before the first event");
-            return false;
-        }
+        if (o) return "the idle device twin must be turned on while the engine holds no event";
     auto twin = std::make_unique<IdleTwin>();
-    twin->gran = granularity_nbytes;
+    try {
+        twin->gran = info().granularity_nbytes;
+    } catch (const BackendError& e) {
+        clear_errors();
+        return std::string("the device's granularity: ") + e.what();
+    }
+    if (twin->gran == 0) return "the device's granularity is 0";
     PyObject* maps = PyObject_CallMethod(device_, "mapping_ranges", nullptr);
-    if (!maps) return false;
+    if (!maps) return "";
     Py_ssize_t n_maps = PyObject_Length(maps);
     Py_DECREF(maps);
-    if (n_maps != 0) {
-        if (n_maps > 0) PyErr_SetString(PyExc_RuntimeError, "the idle device twin needs a device with no mapping");
-        return false;
-    }
+    if (n_maps < 0) return "";
+    if (n_maps != 0) return "the idle device twin needs a device with no mapping";
     PyObject* rs = PyObject_CallMethod(device_, "reservation_ranges", nullptr);
     PyObject* seq = rs ? PySequence_Fast(rs, "reservation_ranges() must return a sequence") : nullptr;
     Py_XDECREF(rs);
-    if (!seq) return false;
+    if (!seq) return "";
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
         unsigned long long va = 0, nb = 0;
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KK", &va, &nb)) {
             Py_DECREF(seq);
-            return false;
+            return "";
         }
         twin->reservations.emplace_back(va, nb);
     }
     Py_DECREF(seq);
     twin_ = std::move(twin);
-    return true;
+    return {};
+}
+
+void PyDeviceBackend::twin_event_after_close() {
+    PyObject* r = PyObject_CallMethod(device_, "_check_usable", nullptr);
+    if (!r) raise_current();
+    Py_DECREF(r);
 }
 
 PyObject* PyDeviceBackend::twin_mapping_ranges() {
@@ -324,7 +329,7 @@ PyObject* PyDeviceBackend::twin_mapping_ranges() {
 
 void PyDeviceBackend::mem_map(std::uint64_t va, std::uint64_t nbytes, ChunkHandle handle, std::uint64_t offset) {
     PyObject* h = get(chunks_, handle, "chunk");
-    if (twin_) {
+    if (twin_makes_calls()) {
         twin_check_range("mem_map", va, nbytes);
         if (offset % twin_->gran || offset + nbytes > twin_->chunk_nbytes[handle - 1] || offset + nbytes < offset)
             twin_refuses("mem_map: offset + nbytes exceeds the chunk");
@@ -342,7 +347,7 @@ void PyDeviceBackend::mem_map(std::uint64_t va, std::uint64_t nbytes, ChunkHandl
 }
 
 void PyDeviceBackend::mem_set_access(std::uint64_t va, std::uint64_t nbytes) {
-    if (twin_) {
+    if (twin_makes_calls()) {
         twin_check_range("mem_set_access", va, nbytes);
         auto& maps = twin_->maps;
         auto it = maps.upper_bound(va);
@@ -361,7 +366,7 @@ void PyDeviceBackend::mem_set_access(std::uint64_t va, std::uint64_t nbytes) {
 }
 
 void PyDeviceBackend::mem_unmap(std::uint64_t va, std::uint64_t nbytes) {
-    if (twin_) {
+    if (twin_makes_calls()) {
         twin_check_range("mem_unmap", va, nbytes);
         auto& maps = twin_->maps;
         auto first = maps.find(va);
@@ -381,13 +386,16 @@ void PyDeviceBackend::mem_unmap(std::uint64_t va, std::uint64_t nbytes) {
 }
 
 EventHandle PyDeviceBackend::event_record(StreamHandle stream) {
-    if (twin_) return kTwinEvent | ++twin_->events;   // complete at once: no work is ever queued
+    if (twin_makes_calls()) return kTwinEvent | ++twin_->events;   // complete at once: no work is ever queued
     PyObject* ev = call(n_event_record_, u64(stream));
     return put(events_, free_event_ids_, ev);
 }
 
 bool PyDeviceBackend::event_query(EventHandle event) {
-    if (event & kTwinEvent) return true;
+    if (event & kTwinEvent) {
+        if (!twin_makes_calls()) twin_event_after_close();
+        return true;
+    }
     PyObject* ev = get(events_, event, "event");
     Py_INCREF(ev);
     PyObject* r = call(n_event_query_, ev);
@@ -398,14 +406,20 @@ bool PyDeviceBackend::event_query(EventHandle event) {
 }
 
 void PyDeviceBackend::event_synchronize(EventHandle event) {
-    if (event & kTwinEvent) return;
+    if (event & kTwinEvent) {
+        if (!twin_makes_calls()) twin_event_after_close();
+        return;
+    }
     PyObject* ev = get(events_, event, "event");
     Py_INCREF(ev);
     call_void(n_event_synchronize_, ev);
 }
 
 void PyDeviceBackend::event_destroy(EventHandle event) {
-    if (event & kTwinEvent) return;
+    if (event & kTwinEvent) {
+        if (!twin_makes_calls()) twin_event_after_close();
+        return;
+    }
     PyObject* ev = get(events_, event, "event");
     // the engine never uses an event again once it tried to destroy it (StreamFences._retire)
     events_[event - 1] = nullptr;

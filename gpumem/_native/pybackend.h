@@ -59,10 +59,15 @@ class PyDeviceBackend : public Backend {
     std::size_t chunk_table_size() const { return chunks_.size(); }
     // Visits the Python objects it holds (the allocator's tp_traverse).
     int traverse(visitproc visit, void* arg);
-    // Note [An idle device's bookkeeping calls made here] (pybackend.cpp). Turns it on: false, with a
-    // Python error set, once a chunk, an event or a mapping exists; the device's reservations are read.
-    bool use_idle_twin(std::uint64_t granularity_nbytes);
+    // Note [An idle device's bookkeeping calls made here] (pybackend.cpp). Turns it on: "" when done, else why
+    // not (a Python error may be set: then the text is empty too, check PyErr_Occurred). Refused while a chunk, an
+    // event or a mapping exists or the twin is on; the device's granularity and reservations are read.
+    std::string use_idle_twin();
     bool idle_twin() const { return twin_ != nullptr; }
+    // The device closed: from now on the twin sends every call to the device, which raises as it does when closed.
+    void twin_device_closed() {
+        if (twin_) twin_->device_closed = true;
+    }
     // Device.mapping_ranges() of the twin's mappings (a new list), for the consistency check.
     PyObject* twin_mapping_ranges();
     // Throws the Python exception being raised as a BackendError, classified and kept as a device
@@ -100,11 +105,16 @@ class PyDeviceBackend : public Backend {
         std::vector<std::uint64_t> chunk_nbytes;   // by chunk id - 1; 0: no such chunk
         std::vector<std::uint32_t> chunk_maps;     // mappings of each chunk
         std::uint64_t events = 0;                  // recorded so far
+        bool device_closed = false;                // twin_device_closed() was called
     };
     static constexpr EventHandle kTwinEvent = EventHandle{1} << 63;
     std::unique_ptr<IdleTwin> twin_;
     [[noreturn]] static void twin_refuses(const std::string& what);
     void twin_check_range(const char* call, std::uint64_t va, std::uint64_t nbytes) const;
+    // Whether the twin makes the calls now (on, and the device not closed under it).
+    bool twin_makes_calls() const { return twin_ && !twin_->device_closed; }
+    // A call on one of the twin's events once the device is closed: the device's own refusal (_check_usable).
+    void twin_event_after_close();
 };
 
 }  // namespace gpumem

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from ..device import Device
 from ..errors import (DeviceClosedError, DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError,
@@ -80,23 +80,33 @@ class NativeEngine:
         self.stop_plan_warmup = ext.stop_plan_warmup
         self.reset_peak_stats = ext.reset_peak_stats
         self.run_ops = ext.run_ops   # Note [A step's ops in one call] (gpumem/_native/op_table.h)
+        self._twin_on_close: Callable[[], None] | None = None  # use_idle_twin's callback, attached to the device
 
     def use_idle_twin(self) -> None:
         """Make the device's ``mem_map``, ``mem_set_access``, ``mem_unmap`` and event calls in C++ from now on,
         keeping the device's books of them there (Note [An idle device's bookkeeping calls made here] in
-        ``gpumem/_native/pybackend.cpp``). Only for a simulated device that :meth:`~gpumem.sim.SimDevice.runs_alone`
-        and that nothing else uses while this engine lives; before the engine has created a chunk or an event.
+        ``gpumem/_native/pybackend.cpp``), until :meth:`close`. Only for a simulated device that
+        :meth:`~gpumem.sim.SimDevice.runs_alone`, while the engine holds no chunk and no event; meanwhile the device
+        refuses ``launch``, ``read``, ``write``, ``add_tenant`` and ``env`` (:meth:`~gpumem.sim.SimDevice.attach_idle_twin`).
 
         Raises:
             UnsupportedOperationError: the device is not such a device (nothing changed).
-            RuntimeError: the engine already holds a chunk or an event.
+            InvalidArgumentError: the allocator is closed, the twin is on already, or the engine holds a chunk or
+                an event (nothing changed).
         """
-        runs_alone = getattr(self.device, "runs_alone", None)
-        if not self.uses_vmm or runs_alone is None or not runs_alone():
+        attach = getattr(self.device, "attach_idle_twin", None)
+        if not self.uses_vmm or attach is None:
             raise UnsupportedOperationError(
-                f"the idle device twin needs a simulated device in virtual-memory mode with nothing else on it "
-                f"(no tenants, faults per call or GPU work): {self.device.spec} is not one")
-        self._ext.use_idle_twin(self.device.properties().granularity_nbytes)
+                f"the idle device twin needs a simulated device in virtual-memory mode: {self.device.spec} "
+                f"{'is not simulated' if attach is None else 'runs malloc segments'}")
+        on_close = self._ext.twin_device_closed
+        attach(on_close)  # raises when the device does not run alone
+        try:
+            self._ext.use_idle_twin()
+        except BaseException:
+            self.device.detach_idle_twin(on_close)
+            raise
+        self._twin_on_close = on_close
 
     def set_step_record_limit(self, records: int) -> None:
         """The engine's limit on a recorded step's records, checked as the Python engine checks it."""
@@ -134,7 +144,13 @@ class NativeEngine:
         raise no_history_error()
 
     def close(self) -> int:
-        self._ext.close()
+        try:
+            self._ext.close()
+        finally:
+            on_close = self._twin_on_close
+            if on_close is not None:
+                self.device.detach_idle_twin(on_close)
+                self._twin_on_close = None
         leaked = self._ext.backing_stats()["leaked_nbytes"]
         if leaked:
             log.warning("closed with %s still held on %s and not given back: work on some streams may "

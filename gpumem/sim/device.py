@@ -56,7 +56,7 @@ import logging
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import simpy
 
@@ -81,6 +81,7 @@ from gpumem.errors import (
     MemoryHazardError,
     OutOfMemoryError,
     TransientDeviceError,
+    UnsupportedOperationError,
 )
 from gpumem.units import MiB, align_up
 from gpumem.validate import check_duration
@@ -313,6 +314,9 @@ class SimDevice(Device):
         self._va_cursor = _VA_BASE
         self._small_pages: list[_SmallPage] = []  # in creation order: small mallocs fit first there
         self._tenants: list[_Tenant] = []
+        self._twins: list[Callable[[], None]] = []
+        """Guarded by ``_lock``: what to call when this device closes, one per native engine whose idle twin keeps
+        its books of mappings and events (:meth:`attach_idle_twin`)."""
         if isinstance(pressure, Scenario):
             pressure = [pressure]
         for i, scenario in enumerate(pressure or ()):
@@ -328,6 +332,7 @@ class SimDevice(Device):
         hands every move of its clock to SimPy at once (Note [A lazy clock over SimPy] in
         :mod:`gpumem.sim.clock`)."""
         with self._lock:
+            self._refuse_under_twin("env")
             clock = self._clock
             clock.lazy = False
             return clock.sync()
@@ -384,7 +389,36 @@ class SimDevice(Device):
         with self._lock:
             return (not self._tenants and not self.faults.per_call and self.faults.plan.device_lost_at_s is None
                     and not self._waits_for_device and self._clock.lazy and not self.streams._n_pending  # noqa: SLF001
-                    and not self._lost and not self._closed)
+                    and not self._lost and not self._closed and not self._twins)
+
+    def attach_idle_twin(self, on_close: Callable[[], None]) -> None:
+        """Let a native engine's idle twin keep this device's books of mappings and events (Note [An idle device's
+        bookkeeping calls made here] in ``gpumem/_native/pybackend.cpp``) until :meth:`detach_idle_twin`;
+        ``on_close()`` is called when the device closes. Meanwhile the calls that would need those books or break
+        :meth:`runs_alone` (``launch``, ``read``, ``write``, ``add_tenant``, ``env``) raise
+        :class:`~gpumem.errors.UnsupportedOperationError`.
+
+        Raises:
+            UnsupportedOperationError: the device does not run alone (:meth:`runs_alone`); nothing attached.
+        """
+        with self._lock:
+            if not self.runs_alone():
+                raise UnsupportedOperationError(
+                    f"the idle device twin needs a simulated device with nothing else on it (no tenants, faults per "
+                    f"call, GPU work or other twin): {self.spec} is not one")
+            self._twins.append(on_close)
+
+    def detach_idle_twin(self, on_close: Callable[[], None]) -> None:
+        """Undo :meth:`attach_idle_twin` (no error if ``on_close`` is not attached)."""
+        with self._lock:
+            if on_close in self._twins:
+                self._twins.remove(on_close)
+
+    def _refuse_under_twin(self, what: str) -> None:
+        if self._twins:
+            raise UnsupportedOperationError(
+                f"{what} on {self.spec}: an allocator's idle device twin keeps this device's mappings and events "
+                "(Note [An idle device's bookkeeping calls made here]); close that allocator first")
 
     @property
     def n_mappings(self) -> int:
@@ -445,6 +479,7 @@ class SimDevice(Device):
 
     def add_tenant(self, scenario: Scenario, name: str | None = None) -> None:
         """Start another tenant running ``scenario`` now."""
+        self._refuse_under_twin("add_tenant")
         if not isinstance(scenario, Scenario):
             raise InvalidArgumentError(f"scenario must be a gpumem.sim.pressure.Scenario, got {type(scenario).__name__}")
         if name is not None and not isinstance(name, str):
@@ -786,6 +821,7 @@ class SimDevice(Device):
         access set; otherwise the sanitizer raises :class:`~gpumem.errors.MemoryHazardError`
         (``sanitizer="raise"``). Returns the :class:`~gpumem.sim.streams.Work` (its ``state``, ``end_s``).
         """
+        self._refuse_under_twin("launch")
         stream = check_stream(stream)
         duration_s = check_duration(duration_s, what="launch: duration_s")
         if name is not None and not isinstance(name, str):
@@ -885,7 +921,18 @@ class SimDevice(Device):
                 if work.state != DONE and not self._lost:
                     self._clock.wait(work.done_event)
 
+    def _read(self, ptr: int, nbytes: int) -> bytes:
+        self._refuse_under_twin("read")
+        return super()._read(ptr, nbytes)
+
+    def _write(self, ptr: int, view: memoryview) -> None:
+        self._refuse_under_twin("write")
+        super()._write(ptr, view)
+
     def _do_close(self) -> None:
+        twins, self._twins = self._twins, []
+        for on_close in twins:  # C++ only (the twin's flag): safe under the device's lock
+            on_close()
         self._drain()
         self._small_pages.clear()
         self._space.clear()

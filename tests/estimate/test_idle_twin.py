@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from gpumem.allocator import make_allocator
-from gpumem.errors import UnsupportedOperationError
+from gpumem.errors import DeviceClosedError, InvalidArgumentError, UnsupportedOperationError
 from gpumem.estimate import ModelShape
 from gpumem.estimate.fit import _replay_allocator, replay_inference
 from gpumem.estimate.workload import stream_inference
@@ -160,8 +160,9 @@ def test_refused_once_the_engine_holds_memory():
     a = make_allocator(dev, "gpumem", engine="native")
     try:
         p = a.allocate(8 << 20, 0)
-        with pytest.raises(RuntimeError, match="before the first mem_create"):
+        with pytest.raises(InvalidArgumentError, match="holds no chunk"):
             a._engine.use_idle_twin()
+        assert dev.runs_alone()  # nothing attached
         assert a._engine._ext.twin_mapping_ranges() is None
         a.free(p)
         a.check_consistency()
@@ -179,3 +180,58 @@ def test_refused_on_segment_mode():
     finally:
         a.close()
         dev.close()
+
+
+def test_the_device_refuses_what_needs_its_books_while_a_twin_keeps_them():
+    dev = _device()
+    a = make_allocator(dev, "gpumem", engine="native")
+    a._engine.use_idle_twin()
+    p = a.allocate(8 << 20, 0)
+    assert not dev.runs_alone()
+    with pytest.raises(UnsupportedOperationError, match="idle device twin"):  # a second twin, too
+        make_allocator(dev, "gpumem", engine="native")._engine.use_idle_twin()
+    for call in (lambda: dev.write(p, b"x"), lambda: dev.read(p, 1), lambda: dev.launch(0, 1e-3, [(p, 4096)]),
+                 lambda: dev.add_tenant(Step(1 << 20)), lambda: dev.env):
+        with pytest.raises(UnsupportedOperationError, match="idle device twin keeps"):
+            call()
+    a.free(p)
+    a.close()
+    assert dev.runs_alone()  # detached at close: the device is whole again
+    q = dev.malloc(4096)
+    dev.write(q, b"x")
+    dev.close()
+
+
+@pytest.mark.parametrize("twin", [True, False])
+def test_a_closed_device_refuses_as_without_the_twin(twin):
+    # the attack's finding: with the twin on, a free that needs an event succeeded on a closed device
+    dev = _device()
+    a = make_allocator(dev, "gpumem", engine="native")
+    if twin:
+        a._engine.use_idle_twin()
+    p = a.allocate(8 << 20, 0)
+    q = a.allocate(8 << 20, 0)
+    a.record_stream(p, 1)
+    a.free(q)  # cached: its pages hold a fence for later
+    before = a.snapshot_stats()
+    dev.close()
+    with pytest.raises(DeviceClosedError, match="is closed"):
+        a.free(p)
+    with pytest.raises(DeviceClosedError):
+        a.allocate(64 << 20, 0)
+    assert a.snapshot_stats().allocated_nbytes == before.allocated_nbytes
+    a.close()
+
+
+def test_use_idle_twin_twice_and_after_close():
+    dev = _device()
+    a = make_allocator(dev, "gpumem", engine="native")
+    a._engine.use_idle_twin()
+    with pytest.raises(InvalidArgumentError, match="on already"):
+        a._engine._ext.use_idle_twin()
+    with pytest.raises(TypeError):
+        a._engine._ext.use_idle_twin(4096)  # the granularity is the device's, read by the twin itself
+    a.close()
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        a._engine.use_idle_twin()
+    dev.close()

@@ -1016,7 +1016,8 @@ void Engine::commit(Block* b) {
             seg->noaccess_discard(p);
         }
     }
-    std::vector<std::int64_t> need;
+    std::vector<std::int64_t>& need = commit_need_;
+    need.clear();
     for (std::int64_t p = first; p <= last; ++p)
         if (refs[p] == 0 && seg->chunks[p] == 0) need.push_back(p);
     if (!need.empty()) {
@@ -1546,7 +1547,8 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
     std::int64_t budget = std::max(static_cast<std::int64_t>(static_cast<double>(touched) * (1.0 + k.page_slack)), floor);
     busy_pages_ = static_cast<double>(touched) * (1.0 + k.page_slack + k.busy_slack);
     std::int64_t top_page = static_cast<std::int64_t>((seg->top - 1) / g);
-    std::vector<std::int64_t> mapped;   // first pages of the chunks this call mapped
+    std::vector<std::int64_t>& mapped = map_runs_mapped_;   // first pages of the chunks this call mapped
+    mapped.clear();
     std::vector<ChunkHandle> created;
     created_ = &created;
     std::vector<StolenOrdered> stolen;
@@ -1777,7 +1779,8 @@ bool Engine::chunk_ready(VSeg* seg, std::int64_t s, bool wait, StreamNumbers& ba
 // VirtualBacking._steal_chunk (false: None)
 bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages,
                          std::uint64_t requested, std::uint64_t stream, ChunkHandle* out) {
-    IdleWalk fits = idle_walk(seg, first, last, max_pages);   // Note [An index of idle chunks] in backing.py
+    IdleWalk fits(idle_walk_spare_);
+    idle_walk(fits, seg, first, last, max_pages);   // Note [An index of idle chunks] in backing.py
     if (!idle_at(fits, 0)) return false;
     StreamNumbers batch, busy;
     for (std::size_t i = 0; idle_at(fits, i); ++i) {
@@ -1819,7 +1822,8 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
 
 // VirtualBacking._release_idle_chunk
 bool Engine::release_idle_chunk(VSeg* seg, std::int64_t first, std::int64_t last, bool wait) {
-    IdleWalk idle = idle_walk(seg, first, last, -1);   // Note [An index of idle chunks] in backing.py
+    IdleWalk idle(idle_walk_spare_);
+    idle_walk(idle, seg, first, last, -1);   // Note [An index of idle chunks] in backing.py
     StreamNumbers batch, busy;
     bool found = false;
     IdleChunk pick{};
@@ -1907,15 +1911,15 @@ bool Engine::idle_entry(const std::pair<std::int64_t, std::uint64_t>& key, IdleC
 }
 
 // VirtualBacking._idle_walk: max_pages < 0 walks every idle chunk, smallest first
-Engine::IdleWalk Engine::idle_walk(VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages) {
+void Engine::idle_walk(IdleWalk& w, VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages) {
     idle_refresh();
-    IdleWalk w;
     w.seg = seg;
     w.first = first;
     w.last = last;
     w.descending = max_pages >= 0;
+    w.done = false;
+    w.got.clear();
     w.pos = w.descending ? idle_index_.upper_bound({max_pages, ~std::uint64_t{0}}) : idle_index_.begin();
-    return w;
 }
 
 // The i-th chunk of the walk, looked up in the index as far as needed (nullptr: fewer); entries no longer idle

@@ -707,6 +707,8 @@ class Engine {
     std::uint64_t reserved_nbytes_ = 0, n_segments_ = 0, device_calls_ = 0;
     std::uint64_t n_chunks_ = 0, n_steals_ = 0, n_waits_ = 0;
     double busy_pages_ = 0.0;   // VirtualBacking._busy_pages
+    // commit's `need` and map_runs' `mapped`, kept between calls for their capacity (neither runs inside itself)
+    std::vector<std::int64_t> commit_need_, map_runs_mapped_;
     std::int64_t live_pages_ = 0, peak_live_pages_ = 0;
     bool chunked_ = true;                                        // VirtualBacking.chunked
     std::unordered_map<ChunkHandle, std::uint64_t> chunk_nbytes_;   // every chunk held -> its size
@@ -783,13 +785,29 @@ class Engine {
         std::int64_t first = 0, last = -1;
         bool descending = true, done = false;
         std::set<IdleKey>::iterator pos;
-        std::vector<IdleChunk> got;
+        std::vector<IdleChunk> got;   // borrowed from `spare` (no allocation per steal), given back at the end
+        std::vector<std::vector<IdleChunk>>& spare;
+        explicit IdleWalk(std::vector<std::vector<IdleChunk>>& from) : spare(from) {
+            if (spare.empty()) return;
+            got = std::move(spare.back());
+            spare.pop_back();
+        }
+        ~IdleWalk() {
+            got.clear();
+            try {
+                spare.push_back(std::move(got));
+            } catch (...) {   // out of memory: the buffer is freed instead
+            }
+        }
+        IdleWalk(const IdleWalk&) = delete;
+        IdleWalk& operator=(const IdleWalk&) = delete;
     };
+    std::vector<std::vector<IdleChunk>> idle_walk_spare_;   // IdleWalk::got's buffers between walks
     void idle_refresh();
     void idle_index_add(detail::VSeg* seg, std::int64_t s, const IdleKey& key);
     std::set<IdleKey>::iterator idle_index_drop(std::set<IdleKey>::iterator at);
     bool idle_entry(const IdleKey& key, IdleChunk& out) const;
-    IdleWalk idle_walk(detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages);
+    void idle_walk(IdleWalk& w, detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages);
     const IdleChunk* idle_at(IdleWalk& w, std::size_t i);
     void idle_index_problems(std::vector<std::string>& problems);
     // the fast paths' bodies, under the lock (Note [Fast paths under a held run] in engine.cpp)

@@ -804,7 +804,7 @@ class Engine {
     };
     std::vector<std::vector<IdleChunk>> idle_walk_spare_;   // IdleWalk::got's buffers between walks
     void idle_refresh();
-    void idle_index_add(detail::VSeg* seg, std::int64_t s, const IdleKey& key);
+    void idle_index_add(detail::VSeg* seg, std::int64_t s, const IdleKey& key, std::set<IdleKey>::iterator& last);
     std::set<IdleKey>::iterator idle_index_drop(std::set<IdleKey>::iterator at);
     bool idle_entry(const IdleKey& key, IdleChunk& out) const;
     void idle_walk(IdleWalk& w, detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages);

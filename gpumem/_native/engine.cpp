@@ -93,8 +93,9 @@ struct VSeg {
 
     VSeg(std::uint64_t b, std::uint64_t n, bool s, std::uint64_t g)
         : base(b), nbytes(n), small(s), n_pages(static_cast<std::int64_t>(n / g)), refs(n / g, 0),
-          chunks(n / g, 0), chunk_first(n / g, 0), chunk_nbytes(n / g, 0), eprev(n / g, -1), enext(n / g, -1), in_empty(n / g, 0), dirty(n / g),
-          users(n / g), noaccess(n / g, 0), deferred(n / g, 0), seen(n / g, 0), in_fresh(n / g, 0), indexed(n / g, 0) { set_page(g); }
+          chunks(n / g, 0), chunk_first(n / g, 0), chunk_nbytes(n / g, 0), eprev(n / g, -1), enext(n / g, -1),
+          in_empty(n / g, 0), dirty(n / g), users(n / g), noaccess(n / g, 0), deferred(n / g, 0), seen(n / g, 0),
+          in_fresh(n / g, 0), indexed(n / g, 0) { set_page(g); }
     // A malloc'd segment (segment mode: backing.py's Segment): no pages, the fields at the end.
     struct Malloced {};
     VSeg(std::uint64_t b, std::uint64_t n, bool s, std::uint64_t stream, Malloced)

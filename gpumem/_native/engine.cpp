@@ -67,13 +67,23 @@ struct VSeg {
     std::int64_t n_pages;
     std::vector<std::int64_t> refs;
     std::vector<ChunkHandle> chunks;   // 0: no chunk mapped
+    // Beside `chunks`, for each mapped page: the first page and the size of its chunk (what _chunk_start's walk
+    // and h.nbytes would give, read in O(1) on the steal path: Note [The chunk of a page at hand]). Written
+    // only by set_chunk and clear_chunk, with `chunks`; meaningless where chunks[p] is 0.
+    std::vector<std::int64_t> chunk_first;
+    std::vector<std::uint64_t> chunk_nbytes;
     // `empty`: insertion-ordered set of pages (a dict in Python): a linked list over pages
     std::vector<std::int64_t> eprev, enext;
     std::vector<std::uint8_t> in_empty;
     std::int64_t ehead = -1, etail = -1;
     std::size_t n_empty = 0;
     StreamTable dirty, users;
-    std::unordered_map<std::int64_t, FenceMap> page_fences;
+    using PageFences = std::unordered_map<std::int64_t, FenceMap>;
+    PageFences page_fences;
+    // page_fences' nodes taken out by fences_erase, their maps cleared: fences_node hands them out again (a steal
+    // fences each page it takes and drops the entry once the work is done: two allocations a page, without)
+    std::vector<PageFences::node_type> spare_fences;
+    PageFences node_maker;   // where fences_node makes a node when none is spare (always empty between calls)
     std::vector<std::uint8_t> noaccess;
     std::size_t n_noaccess = 0;
     std::unique_ptr<FenceMap> top_fences;
@@ -83,15 +93,47 @@ struct VSeg {
 
     VSeg(std::uint64_t b, std::uint64_t n, bool s, std::uint64_t g)
         : base(b), nbytes(n), small(s), n_pages(static_cast<std::int64_t>(n / g)), refs(n / g, 0),
-          chunks(n / g, 0), eprev(n / g, -1), enext(n / g, -1), in_empty(n / g, 0), dirty(n / g),
-          users(n / g), noaccess(n / g, 0), deferred(n / g, 0), seen(n / g, 0), in_fresh(n / g, 0) { set_page(g); }
+          chunks(n / g, 0), chunk_first(n / g, 0), chunk_nbytes(n / g, 0), eprev(n / g, -1), enext(n / g, -1),
+          in_empty(n / g, 0), dirty(n / g), users(n / g), noaccess(n / g, 0), deferred(n / g, 0), seen(n / g, 0),
+          in_fresh(n / g, 0), indexed(n / g, 0) { set_page(g); }
     // A malloc'd segment (segment mode: backing.py's Segment): no pages, the fields at the end.
     struct Malloced {};
     VSeg(std::uint64_t b, std::uint64_t n, bool s, std::uint64_t stream, Malloced)
         : base(b), nbytes(n), small(s), top(n), n_pages(0), dirty(0), users(0), malloced(true), mstream(stream),
           order(b) {}
 
+    // chunks[p] = h, h being the chunk of `nbytes` mapped from page `first` on
+    void set_chunk(std::int64_t p, ChunkHandle h, std::int64_t first, std::uint64_t nbytes) {
+        chunks[p] = h;
+        chunk_first[p] = first;
+        chunk_nbytes[p] = nbytes;
+    }
+    void clear_chunk(std::int64_t p) {   // chunks[p] = None
+        chunks[p] = 0;
+        chunk_first[p] = 0;
+        chunk_nbytes[p] = 0;
+    }
     bool is_empty(std::int64_t p) const { return in_empty[p] != 0; }
+    // a node for page_fences[p], in no map, its fences empty
+    PageFences::node_type fences_node(std::int64_t p) {
+        if (spare_fences.empty()) {
+            node_maker.emplace(p, FenceMap{});
+            return node_maker.extract(p);
+        }
+        PageFences::node_type node = std::move(spare_fences.back());
+        spare_fences.pop_back();
+        node.key() = p;
+        return node;
+    }
+    void fences_spare(PageFences::node_type node) {
+        node.mapped().clear();   // keeps its capacity
+        spare_fences.push_back(std::move(node));
+    }
+    void fences_erase(PageFences::iterator it) { fences_spare(page_fences.extract(it)); }   // page_fences.erase(it)
+    void fences_erase(std::int64_t p) {   // page_fences.pop(p, None)
+        auto it = page_fences.find(p);
+        if (it != page_fences.end()) fences_erase(it);
+    }
     void empty_add(std::int64_t p) {   // seg.empty[p] = None (keeps its place if there)
         add_fresh(p);
         if (in_empty[p]) return;
@@ -146,6 +188,9 @@ struct VSeg {
     // chunks] in backing.py), each once
     std::vector<std::int64_t> fresh;
     std::vector<std::uint8_t> in_fresh;
+    // indexed[s] = n (> 0): the idle index holds (n pages, the address of page s); 0: unknown. Set by
+    // Engine::idle_index_add, cleared by Engine::idle_index_drop when it drops that entry.
+    std::vector<std::int64_t> indexed;
     void add_fresh(std::int64_t p) {
         if (!in_fresh[p]) {
             in_fresh[p] = 1;
@@ -369,6 +414,7 @@ using detail::FenceMap;
 using detail::FreeList;
 using detail::VSeg;
 using detail::StreamTable;
+using detail::StreamNumbers;
 
 namespace {
 constexpr std::size_t kFreedMemory = 65536;   // python_engine.py _FREED_MEMORY
@@ -661,10 +707,7 @@ std::uint64_t Engine::fences_record(std::uint64_t stream) {
     ++n_records_;
     std::uint64_t number = fnext_++;
     auto it = fq_index_.find(stream);
-    if (it == fq_index_.end()) {
-        fq_order_.push_back(StreamQueue{stream, {}, 0});
-        it = fq_index_.emplace(stream, std::prev(fq_order_.end())).first;
-    }
+    if (it == fq_index_.end()) it = fences_new_queue(stream);
     StreamQueue& q = *it->second;
     q.q.emplace_back(number, ev);
     // StreamFences._retire_front: retire the completed events at the front except the newest
@@ -681,6 +724,33 @@ std::uint64_t Engine::fences_record(std::uint64_t stream) {
         q.head = 0;
     }
     return number;
+}
+
+// A stream's queue of fences at the end of fq_order_ (StreamFences: self._queues[stream] = deque()), in the nodes
+// of one fences_drop_queue kept where there are: a stream whose fences all completed loses its queue (as in
+// Python), and a steal's next record on it made it again, three allocations a steal.
+Engine::FenceQueueIndex::iterator Engine::fences_new_queue(std::uint64_t stream) {
+    if (fq_spare_.empty()) {
+        fq_order_.push_back(StreamQueue{stream, {}, 0});
+    } else {
+        fq_order_.splice(fq_order_.end(), fq_spare_, fq_spare_.begin());
+        StreamQueue& q = fq_order_.back();
+        q.stream = stream;
+        q.q.clear();   // keeps its capacity
+        q.head = 0;
+    }
+    if (fq_index_spare_.empty()) return fq_index_.emplace(stream, std::prev(fq_order_.end())).first;
+    FenceQueueIndex::node_type node = std::move(fq_index_spare_.back());
+    fq_index_spare_.pop_back();
+    node.key() = stream;
+    node.mapped() = std::prev(fq_order_.end());
+    return fq_index_.insert(std::move(node)).position;
+}
+
+// del self._queues[stream]: the queue's nodes kept for fences_new_queue
+void Engine::fences_drop_queue(FenceQueueIndex::iterator it) {
+    fq_spare_.splice(fq_spare_.end(), fq_order_, it->second);
+    fq_index_spare_.push_back(fq_index_.extract(it));
 }
 
 // A retired fence's event is destroyed; a failure is not fatal (a lost event handle holds no memory).
@@ -708,8 +778,7 @@ bool Engine::fences_done(std::uint64_t stream, std::uint64_t number) {
         ++q.head;
         fdone_[stream] = front.first;
         if (!q.size()) {
-            fq_order_.erase(it->second);
-            fq_index_.erase(it);
+            fences_drop_queue(it);
             has_q = false;
         }
         destroy_retired_event(front.second);
@@ -739,8 +808,7 @@ void Engine::fences_wait(std::uint64_t stream, std::uint64_t number) {
         auto front = q->q[q->head++];
         fdone_[stream] = front.first;
         if (!q->size()) {
-            fq_order_.erase(it->second);
-            fq_index_.erase(it);
+            fences_drop_queue(it);
             q = nullptr;
         }
         destroy_retired_event(front.second);
@@ -775,8 +843,7 @@ void Engine::fences_forget_idle() {
                     auto front = q.q[q.head++];
                     fdone_[s] = front.first;
                     if (!q.size()) {
-                        fq_order_.erase(it->second);
-                        fq_index_.erase(it);
+                        fences_drop_queue(it);
                         destroy_retired_event(front.second);
                         break;
                     }
@@ -950,7 +1017,8 @@ void Engine::commit(Block* b) {
             seg->noaccess_discard(p);
         }
     }
-    std::vector<std::int64_t> need;
+    std::vector<std::int64_t>& need = commit_need_;
+    need.clear();
     for (std::int64_t p = first; p <= last; ++p)
         if (refs[p] == 0 && seg->chunks[p] == 0) need.push_back(p);
     if (!need.empty()) {
@@ -1095,49 +1163,65 @@ void Engine::decommit(Block* b) {
 }
 
 // VirtualBacking._fence_page
-void Engine::fence_page(VSeg* seg, std::int64_t page, std::unordered_map<std::uint64_t, std::uint64_t>& batch) {
+void Engine::fence_page(VSeg* seg, std::int64_t page, StreamNumbers& batch) {
     if (!seg->dirty.has(page)) return;
-    std::vector<std::uint64_t> streams;
-    seg->dirty.get(page, streams);
-    auto existing = seg->page_fences.find(page);
-    FenceMap local;
-    FenceMap& pf = existing != seg->page_fences.end() ? existing->second : local;   // mutated in place, as in Python
-    for (auto s : streams) {
-        auto bit = batch.find(s);
-        std::uint64_t number;
-        if (bit == batch.end()) {
-            number = fences_record(s);
-            batch[s] = number;
-        } else {
-            number = bit->second;
-        }
-        merge_into(pf, s, number);
+    std::uint64_t one_stream = 0;
+    std::vector<std::uint64_t> several;   // dirty with several streams (sorted); one is read in place
+    const std::uint64_t* streams = &one_stream;
+    std::size_t n_streams = 1;
+    if (seg->dirty.state[page] == 1) {
+        one_stream = seg->dirty.one[page];
+    } else {
+        seg->dirty.get(page, several);
+        streams = several.data();
+        n_streams = several.size();
     }
-    if (existing == seg->page_fences.end()) seg->page_fences.emplace(page, std::move(local));
+    auto existing = seg->page_fences.find(page);
+    VSeg::PageFences::node_type local;   // the page's new entry, when it has none: in the map once all are merged
+    if (existing == seg->page_fences.end()) local = seg->fences_node(page);
+    FenceMap& pf = local ? local.mapped() : existing->second;   // mutated in place, as in Python
+    try {
+        for (std::size_t i = 0; i < n_streams; ++i) {
+            const std::uint64_t s = streams[i];
+            const std::uint64_t* known = batch.find(s);
+            std::uint64_t number;
+            if (!known) {
+                number = fences_record(s);
+                batch.set(s, number);
+            } else {
+                number = *known;
+            }
+            merge_into(pf, s, number);
+        }
+    } catch (...) {
+        if (local) seg->fences_spare(std::move(local));
+        throw;
+    }
+    if (local) seg->page_fences.insert(std::move(local));
     seg->dirty.pop(page);
 }
 
 // VirtualBacking._page_ready
-bool Engine::page_ready(VSeg* seg, std::int64_t page, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch,
-                        std::unordered_map<std::uint64_t, std::uint64_t>* busy) {
+bool Engine::page_ready(VSeg* seg, std::int64_t page, bool wait, StreamNumbers& batch,
+                        StreamNumbers* busy) {
     if (seg->dirty.has(page)) fence_page(seg, page, batch);
     auto it = seg->page_fences.find(page);
     if (it == seg->page_fences.end() || it->second.empty()) return true;
     bool known = false;   // a fence at or after one found pending in this pass
     if (busy)
         for (auto& f : it->second) {
-            auto b = busy->find(f.first);
-            if (b != busy->end() && f.second >= b->second) { known = true; break; }
+            const std::uint64_t* b = busy->find(f.first);
+            if (b && f.second >= *b) { known = true; break; }
         }
     if (!known) {
         if (fences_all_done(&it->second)) {
-            seg->page_fences.erase(page);
+            seg->fences_erase(it);
             return true;
         }
         if (busy && it->second.size() == 1) {
             auto& f = it->second.front();
-            auto b = busy->find(f.first);
-            if (b == busy->end() || f.second < b->second) (*busy)[f.first] = f.second;
+            const std::uint64_t* b = busy->find(f.first);
+            if (!b || f.second < *b) busy->set(f.first, f.second);
         }
     }
     if (!wait) return false;
@@ -1145,7 +1229,7 @@ bool Engine::page_ready(VSeg* seg, std::int64_t page, bool wait, std::unordered_
     FenceMap copy = it->second;
     fences_wait_all(&copy);
     ++n_waits_;
-    seg->page_fences.erase(page);
+    seg->fences_erase(page);
     return true;
 }
 
@@ -1210,7 +1294,7 @@ void Engine::map_pages(VSeg* seg, const std::vector<std::int64_t>& need, std::in
             backend_.mem_map(va, g, h, 0);
             ++device_calls_;
             unmapped_.pop_back();
-            seg->chunks[p] = h;
+            seg->set_chunk(p, h, p, chunk_nbytes(h));
             seg->noaccess_add(p);
             mapped.push_back(p);
         }
@@ -1242,7 +1326,7 @@ void Engine::map_pages(VSeg* seg, const std::vector<std::int64_t>& need, std::in
                 continue;
             }
             ++device_calls_;
-            seg->chunks[p] = 0;
+            seg->clear_chunk(p);
             seg->noaccess_discard(p);
             unmapped_.push_back(h);
         }
@@ -1276,9 +1360,9 @@ std::uint64_t Engine::release_unmapped(std::int64_t count) {
 // VirtualBacking._forget_chunk_pages, for one page: no longer empty, mapped, fenced or dirty
 void Engine::forget_page(VSeg* seg, std::int64_t p) {
     seg->empty_pop(p);
-    seg->chunks[p] = 0;
+    seg->clear_chunk(p);
     seg->noaccess_discard(p);
-    seg->page_fences.erase(p);
+    seg->fences_erase(p);
     seg->dirty.pop(p);
 }
 
@@ -1319,7 +1403,7 @@ void Engine::steal(VSeg* seg, std::int64_t first, std::int64_t last, std::int64_
     if (static_cast<std::int64_t>(candidates.size()) < count)
         throw EngineError(EngineErrorKind::kInternal, "fewer stealable pages than counted");
     std::vector<Cand> busy;
-    std::unordered_map<std::uint64_t, std::uint64_t> batch;
+    StreamNumbers batch;
     std::int64_t stolen = 0;
     for (auto& c : candidates) {
         if (stolen == count) break;
@@ -1405,12 +1489,31 @@ void Engine::note_chunk(ChunkHandle h, std::uint64_t nbytes) {
     reserved_nbytes_ += nbytes;
 }
 
-// VirtualBacking._chunk_start
+// Note [The chunk of a page at hand]: a steal reads, for each page it looks at, the first page of its chunk
+// (_chunk_start walks back page by page) and the chunk's size (h.nbytes: a hash lookup here, ChunkHandle being
+// an opaque id): a walk back per fresh page in idle_refresh, a lookup per chunk read in idle_entry, chunk_ready,
+// unmap_chunk. On a 7B model's generate() replay (prompt 2048, 6,000 new tokens: 950k steals), with the device's
+// methods doing nothing, idle_refresh and the lookups were an eighth of the CPU time. So each range keeps,
+// beside `chunks`, the first page (chunk_first) and the size (chunk_nbytes) of the chunk mapped at each page,
+// written where `chunks` is (VSeg::set_chunk, clear_chunk: every mapping and unmapping goes through them) and
+// read where Python walks or asks the handle. The values are the same (a chunk is mapped whole, contiguous, in
+// one place), so are the decisions; check_consistency compares them.
+//
+// VirtualBacking._chunk_start: read from the range's chunk_first where a chunk is mapped (Note [The chunk of a
+// page at hand]); the walk where none is (a run of unmapped pages, as Python walks it)
 std::int64_t Engine::chunk_start(VSeg* seg, std::int64_t p) const {
     const auto& chunks = seg->chunks;
     ChunkHandle h = chunks[p];
+    if (h) return seg->chunk_first[p];
     while (p && chunks[p - 1] == h) --p;
     return p;
+}
+
+// chunk_pages(seg->chunks[p]) for a mapped page p, from the range's chunk_nbytes (Note [The chunk of a page at
+// hand]); an unmapped page raises as chunk_pages(None) would
+std::int64_t Engine::mapped_chunk_pages(const VSeg* seg, std::int64_t p) const {
+    if (!seg->chunks[p]) return chunk_pages(0);
+    return static_cast<std::int64_t>(seg->chunk_nbytes[p] / g_);
 }
 
 // VirtualBacking._chunk_cap_pages
@@ -1446,7 +1549,8 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
     std::int64_t budget = std::max(static_cast<std::int64_t>(static_cast<double>(touched) * (1.0 + k.page_slack)), floor);
     busy_pages_ = static_cast<double>(touched) * (1.0 + k.page_slack + k.busy_slack);
     std::int64_t top_page = static_cast<std::int64_t>((seg->top - 1) / g);
-    std::vector<std::int64_t> mapped;   // first pages of the chunks this call mapped
+    std::vector<std::int64_t>& mapped = map_runs_mapped_;   // first pages of the chunks this call mapped
+    mapped.clear();
     std::vector<ChunkHandle> created;
     created_ = &created;
     std::vector<StolenOrdered> stolen;
@@ -1465,17 +1569,17 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
                     h = chunk_for(seg, pos, rem, end - 1 == top_page, first, last, budget, requested, stream);
                 map_chunk(seg, pos, h);
                 mapped.push_back(pos);
-                pos += chunk_pages(h);
+                pos += mapped_chunk_pages(seg, pos);
             }
         }
         // one access call per contiguous run of newly mapped pages
         std::size_t k = 0;
         while (k < mapped.size()) {
             std::int64_t start = mapped[k];
-            std::int64_t stop = start + chunk_pages(seg->chunks[start]);
+            std::int64_t stop = start + mapped_chunk_pages(seg, start);
             while (k + 1 < mapped.size() && mapped[k + 1] == stop) {
                 ++k;
-                stop += chunk_pages(seg->chunks[stop]);
+                stop += mapped_chunk_pages(seg, stop);
             }
             ++k;
             backend_.mem_set_access(seg->base + static_cast<std::uint64_t>(start) * g,
@@ -1518,7 +1622,7 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
             }
             ++device_calls_;
             for (std::int64_t q = start; q < start + n; ++q) {
-                seg->chunks[q] = 0;
+                seg->clear_chunk(q);
                 seg->noaccess_discard(q);
                 seg->empty_pop(q);
             }
@@ -1576,7 +1680,7 @@ void Engine::map_chunk(VSeg* seg, std::int64_t pos, ChunkHandle h) {
     }
     ++device_calls_;
     for (std::int64_t q = pos; q < pos + static_cast<std::int64_t>(nbytes / g_); ++q) {
-        seg->chunks[q] = h;
+        seg->set_chunk(q, h, pos, nbytes);
         seg->noaccess_add(q);
         if (!seg->refs[q]) seg->empty_add(q);   // pages of the chunk past the block (grown ahead): mapped, empty
     }
@@ -1654,7 +1758,7 @@ void Engine::idle_chunks(VSeg* seg, std::int64_t first, std::int64_t last, std::
         for (std::int64_t p = other->ehead; p >= 0; p = other->enext[p]) {
             if (seen[p]) continue;
             std::int64_t s = chunk_start(other, p);
-            std::int64_t n = chunk_pages(other->chunks[s]);
+            std::int64_t n = mapped_chunk_pages(other, s);
             unmark.marked.emplace_back(s, n);
             std::fill(seen + s, seen + s + n, std::uint8_t{1});
             if (other == seg && s <= last && s + n > first) continue;
@@ -1666,9 +1770,9 @@ void Engine::idle_chunks(VSeg* seg, std::int64_t first, std::int64_t last, std::
 }
 
 // VirtualBacking._chunk_ready (all(...): stops at the first page whose work is not done)
-bool Engine::chunk_ready(VSeg* seg, std::int64_t s, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch,
-                         std::unordered_map<std::uint64_t, std::uint64_t>* busy) {
-    std::int64_t n = chunk_pages(seg->chunks[s]);
+bool Engine::chunk_ready(VSeg* seg, std::int64_t s, bool wait, StreamNumbers& batch,
+                         StreamNumbers* busy) {
+    std::int64_t n = mapped_chunk_pages(seg, s);
     for (std::int64_t q = s; q < s + n; ++q)
         if (!page_ready(seg, q, wait, batch, busy)) return false;
     return true;
@@ -1677,9 +1781,10 @@ bool Engine::chunk_ready(VSeg* seg, std::int64_t s, bool wait, std::unordered_ma
 // VirtualBacking._steal_chunk (false: None)
 bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages,
                          std::uint64_t requested, std::uint64_t stream, ChunkHandle* out) {
-    IdleWalk fits = idle_walk(seg, first, last, max_pages);   // Note [An index of idle chunks] in backing.py
+    IdleWalk fits(idle_walk_spare_);
+    idle_walk(fits, seg, first, last, max_pages);   // Note [An index of idle chunks] in backing.py
     if (!idle_at(fits, 0)) return false;
-    std::unordered_map<std::uint64_t, std::uint64_t> batch, busy;
+    StreamNumbers batch, busy;
     for (std::size_t i = 0; idle_at(fits, i); ++i) {
         IdleChunk c = fits.got[i];
         if (chunk_ready(c.seg, c.s, false, batch, &busy)) {
@@ -1719,8 +1824,9 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
 
 // VirtualBacking._release_idle_chunk
 bool Engine::release_idle_chunk(VSeg* seg, std::int64_t first, std::int64_t last, bool wait) {
-    IdleWalk idle = idle_walk(seg, first, last, -1);   // Note [An index of idle chunks] in backing.py
-    std::unordered_map<std::uint64_t, std::uint64_t> batch, busy;
+    IdleWalk idle(idle_walk_spare_);
+    idle_walk(idle, seg, first, last, -1);   // Note [An index of idle chunks] in backing.py
+    StreamNumbers batch, busy;
     bool found = false;
     IdleChunk pick{};
     for (std::size_t i = 0; idle_at(idle, i); ++i)
@@ -1743,14 +1849,63 @@ bool Engine::release_idle_chunk(VSeg* seg, std::int64_t first, std::int64_t last
 void Engine::idle_refresh() {
     for (auto& up : vsegs_) {
         VSeg* other = up.get();
+        IdleKey last_key{-1, 0};
+        auto last_at = idle_index_.end();   // the entry of last_key
         for (std::int64_t p : other->fresh) {
             other->in_fresh[p] = 0;
             if (!other->is_empty(p) || !other->chunks[p]) continue;   // taken again (or unmapped) since
             std::int64_t s = chunk_start(other, p);
-            idle_index_.insert({chunk_pages(other->chunks[s]), other->base + static_cast<std::uint64_t>(s) * g_});
+            IdleKey key{mapped_chunk_pages(other, s), other->base + static_cast<std::uint64_t>(s) * g_};
+            if (key == last_key) continue;   // the page before was of the same chunk: in the index already
+            last_key = key;
+            idle_index_add(other, s, key, last_at);
         }
         other->fresh.clear();
     }
+}
+
+// idle_index_.insert(key) (key: the chunk of seg at page s), cheaply: a chunk indexed before, as most are, is
+// found in the range's `indexed`; a key that goes just after `last` (the entry the caller added or found last:
+// chunks fall idle in address order, over half the time on the 7B's decode) needs no search; the node is one
+// idle_index_drop gave back, where there is one. `last` is left on key's entry.
+void Engine::idle_index_add(VSeg* seg, std::int64_t s, const IdleKey& key, std::set<IdleKey>::iterator& last) {
+    if (seg->indexed[s] == key.first) return;
+    seg->indexed[s] = key.first;
+    const auto end = idle_index_.end();
+    std::set<IdleKey>::iterator at;   // the first entry above key
+    if (last != end && *last < key && (std::next(last) == end || key < *std::next(last))) {
+        at = std::next(last);
+    } else {
+        at = idle_index_.lower_bound(key);
+        if (at != end && *at == key) {
+            last = at;
+            return;
+        }
+    }
+    if (idle_nodes_.empty()) {
+        last = idle_index_.emplace_hint(at, key);
+        return;
+    }
+    std::set<IdleKey>::node_type node = std::move(idle_nodes_.back());
+    idle_nodes_.pop_back();
+    node.value() = key;
+    last = idle_index_.insert(at, std::move(node));
+}
+
+// idle_index_.erase(at), its node kept for idle_index_add, and its range's `indexed` mark cleared where it
+// named this entry; the entry after it
+std::set<Engine::IdleKey>::iterator Engine::idle_index_drop(std::set<IdleKey>::iterator at) {
+    const IdleKey key = *at;
+    for (auto& up : vsegs_) {
+        VSeg* other = up.get();
+        if (key.second < other->base || key.second - other->base >= other->nbytes) continue;
+        std::int64_t s = static_cast<std::int64_t>((key.second - other->base) / g_);
+        if (other->indexed[s] == key.first) other->indexed[s] = 0;
+        break;
+    }
+    auto next = std::next(at);
+    idle_nodes_.push_back(idle_index_.extract(at));
+    return next;
 }
 
 // VirtualBacking._idle_entry (false: None)
@@ -1760,7 +1915,7 @@ bool Engine::idle_entry(const std::pair<std::int64_t, std::uint64_t>& key, IdleC
         if (key.second < other->base || key.second - other->base >= other->nbytes) continue;
         std::int64_t s = static_cast<std::int64_t>((key.second - other->base) / g_);
         ChunkHandle h = other->chunks[s];
-        if (!h || (s && other->chunks[s - 1] == h) || chunk_pages(h) != key.first) return false;
+        if (!h || (s && other->chunks[s - 1] == h) || mapped_chunk_pages(other, s) != key.first) return false;
         for (std::int64_t q = s; q < s + key.first; ++q)
             if (!other->is_empty(q)) return false;
         out = {key.first, key.second, s, other};
@@ -1770,15 +1925,15 @@ bool Engine::idle_entry(const std::pair<std::int64_t, std::uint64_t>& key, IdleC
 }
 
 // VirtualBacking._idle_walk: max_pages < 0 walks every idle chunk, smallest first
-Engine::IdleWalk Engine::idle_walk(VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages) {
+void Engine::idle_walk(IdleWalk& w, VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages) {
     idle_refresh();
-    IdleWalk w;
     w.seg = seg;
     w.first = first;
     w.last = last;
     w.descending = max_pages >= 0;
+    w.done = false;
+    w.got.clear();
     w.pos = w.descending ? idle_index_.upper_bound({max_pages, ~std::uint64_t{0}}) : idle_index_.begin();
-    return w;
 }
 
 // The i-th chunk of the walk, looked up in the index as far as needed (nullptr: fewer); entries no longer idle
@@ -1797,7 +1952,7 @@ const Engine::IdleChunk* Engine::idle_at(IdleWalk& w, std::size_t i) {
         }
         IdleChunk c;
         if (!idle_entry(*w.pos, c)) {
-            w.pos = idle_index_.erase(w.pos);   // descending: the next step goes below it
+            w.pos = idle_index_drop(w.pos);   // descending: the next step goes below it
             continue;
         }
         if (!(c.seg == w.seg && c.s <= w.last && c.s + c.n > w.first)) {
@@ -1815,6 +1970,11 @@ const Engine::IdleChunk* Engine::idle_at(IdleWalk& w, std::size_t i) {
 
 // VirtualBacking._idle_index_problems
 void Engine::idle_index_problems(std::vector<std::string>& problems) {
+    for (auto& up : vsegs_)   // what idle_index_add takes as indexed is (Note [The chunk of a page at hand])
+        for (std::int64_t s = 0; s < up->n_pages; ++s)
+            if (up->indexed[s] && !idle_index_.count({up->indexed[s], up->page_va(s)}))
+                problems.push_back("page " + std::to_string(s) + " of " + hex(up->base) +
+                                   " is marked indexed, its entry is not in the index");
     std::vector<IdleChunk> all;
     idle_chunks(nullptr, 0, -1, all);
     for (const IdleChunk& c : all) {
@@ -1834,7 +1994,7 @@ ChunkHandle Engine::unmap_chunk(VSeg* seg, std::int64_t s) {
     if (!h || (s && seg->chunks[s - 1] == h))
         throw EngineError(EngineErrorKind::kInternal, "page " + std::to_string(s) + " of range " + hex(seg->base) +
                                                           " is not the first page of a chunk");
-    std::uint64_t nbytes = chunk_nbytes(h);
+    std::uint64_t nbytes = seg->chunk_nbytes[s];   // chunk_nbytes(h) (Note [The chunk of a page at hand])
     std::int64_t n = static_cast<std::int64_t>(nbytes / g_);
     for (std::int64_t q = s; q < s + n; ++q)
         if (!seg->is_empty(q))
@@ -1850,9 +2010,9 @@ ChunkHandle Engine::unmap_chunk(VSeg* seg, std::int64_t s) {
 }
 
 // VirtualBacking._chunk_fences
-FenceMap Engine::chunk_fences(VSeg* seg, std::int64_t s, std::unordered_map<std::uint64_t, std::uint64_t>& batch) {
+FenceMap Engine::chunk_fences(VSeg* seg, std::int64_t s, StreamNumbers& batch) {
     FenceMap merged;
-    std::int64_t n = chunk_pages(seg->chunks[s]);
+    std::int64_t n = mapped_chunk_pages(seg, s);
     for (std::int64_t q = s; q < s + n; ++q) {
         if (seg->dirty.has(q)) fence_page(seg, q, batch);
         auto it = seg->page_fences.find(q);
@@ -1868,7 +2028,7 @@ ChunkHandle Engine::defer_unmap(VSeg* seg, std::int64_t s, FenceMap pending) {
     if (!h || (s && seg->chunks[s - 1] == h))
         throw EngineError(EngineErrorKind::kInternal, "page " + std::to_string(s) + " of range " + hex(seg->base) +
                                                           " is not the first page of a chunk");
-    std::int64_t n = chunk_pages(h);
+    std::int64_t n = mapped_chunk_pages(seg, s);
     for (std::int64_t q = s; q < s + n; ++q)
         if (!seg->is_empty(q))
             throw EngineError(EngineErrorKind::kInternal, "chunk at page " + std::to_string(s) + " of range " +
@@ -1898,7 +2058,7 @@ void Engine::undefer(const StolenOrdered& st) {
     VSeg* seg = st.seg;
     for (std::int64_t q = st.s; q < st.s + chunk_pages(st.h); ++q) {
         if (seg->deferred[q]) { seg->deferred[q] = 0; --seg->n_deferred; }
-        seg->chunks[q] = st.h;
+        seg->set_chunk(q, st.h, st.s, chunk_nbytes(st.h));
         seg->empty_add(q);
         if (!pending.empty()) seg->page_fences[q] = pending;
     }
@@ -1971,7 +2131,7 @@ bool Engine::has_deferred(ChunkHandle h) const {
 // VirtualBacking.release_cached
 std::uint64_t Engine::backing_release_cached(bool wait) {
     std::uint64_t released = 0;
-    std::unordered_map<std::uint64_t, std::uint64_t> batch;
+    StreamNumbers batch;
     std::vector<std::int64_t> pages;
     if (!deferred_.empty()) drain_deferred(wait, nullptr, nullptr, nullptr);
     for (auto& up : vsegs_) {
@@ -1980,7 +2140,7 @@ std::uint64_t Engine::backing_release_cached(bool wait) {
         if (chunked_) {   // whole idle chunks
             for (auto p : pages) {
                 if (!seg->is_empty(p)) continue;   // unmapped with its chunk
-                std::int64_t s = chunk_start(seg, p), n = chunk_pages(seg->chunks[s]);
+                std::int64_t s = chunk_start(seg, p), n = mapped_chunk_pages(seg, s);
                 bool idle = true;
                 for (std::int64_t q = s; q < s + n && idle; ++q) idle = seg->is_empty(q);
                 if (!idle || !chunk_ready(seg, s, wait, batch)) continue;   // live data on it, or its work not done
@@ -2034,7 +2194,7 @@ void Engine::backing_close(bool keep_all) {
                 continue;
             }
             for (std::int64_t q = p; q < p + static_cast<std::int64_t>(nbytes / seg->page_nbytes); ++q) {
-                seg->chunks[q] = 0;
+                seg->clear_chunk(q);
                 seg->empty_pop(q);
                 seg->noaccess_discard(q);
             }
@@ -3160,6 +3320,12 @@ std::vector<std::string> Engine::consistency_problems(const ListDevice& list_dev
             if (!exact)
                 problems.push_back("chunk at page " + std::to_string(p) + " of " + hex(seg->base) +
                                    " is not on exactly its " + std::to_string(n) + " pages");
+            bool at_hand = true;   // Note [The chunk of a page at hand]
+            for (std::int64_t q = p; q < seg->n_pages && seg->chunks[q] == h && at_hand; ++q)
+                at_hand = seg->chunk_first[q] == p && seg->chunk_nbytes[q] == chunk_nbytes(h);
+            if (!at_hand)
+                problems.push_back("chunk at page " + std::to_string(p) + " of " + hex(seg->base) +
+                                   " has pages that name another first page or size");
         }
         for (std::int64_t p = 0; p < seg->n_pages; ++p) {
             std::int64_t r = seg->refs[p];

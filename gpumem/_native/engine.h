@@ -298,6 +298,33 @@ struct FreeList {
     std::uint64_t nbytes = 0;
 };
 
+// A few stream -> number pairs: the `batch` (the fence recorded on each stream in this pass) and `busy` (the
+// oldest fence found pending on each) dicts of one steal or give-back in backing.py. A steal made two hash maps
+// and up to three allocations for one or two streams; these hold kInline pairs in place, more in a vector.
+class StreamNumbers {
+  public:
+    const std::uint64_t* find(std::uint64_t stream) const {   // nullptr: absent
+        for (std::size_t i = 0; i < n_inline_; ++i)
+            if (inline_[i].first == stream) return &inline_[i].second;
+        for (const auto& e : more_)
+            if (e.first == stream) return &e.second;
+        return nullptr;
+    }
+    void set(std::uint64_t stream, std::uint64_t number) {   // d[stream] = number
+        for (std::size_t i = 0; i < n_inline_; ++i)
+            if (inline_[i].first == stream) { inline_[i].second = number; return; }
+        for (auto& e : more_)
+            if (e.first == stream) { e.second = number; return; }
+        if (n_inline_ < kInline) inline_[n_inline_++] = {stream, number};
+        else more_.emplace_back(stream, number);
+    }
+  private:
+    static constexpr std::size_t kInline = 4;
+    std::pair<std::uint64_t, std::uint64_t> inline_[kInline];
+    std::size_t n_inline_ = 0;
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> more_;
+};
+
 // A hash map uint64 (nonzero) -> pointer, open addressing: no allocation per insert.
 class PtrMap {
   public:
@@ -538,6 +565,10 @@ class Engine {
 
     // -- fences.py: StreamFences -----------------------------------------------------------------
     std::uint64_t fences_record(std::uint64_t stream);
+    struct StreamQueue;
+    using FenceQueueIndex = std::unordered_map<std::uint64_t, std::list<StreamQueue>::iterator>;
+    FenceQueueIndex::iterator fences_new_queue(std::uint64_t stream);
+    void fences_drop_queue(FenceQueueIndex::iterator it);
     bool fences_done(std::uint64_t stream, std::uint64_t number);
     void fences_wait(std::uint64_t stream, std::uint64_t number);
     void destroy_retired_event(EventHandle event);
@@ -559,10 +590,10 @@ class Engine {
     void commit(detail::Block* b);
     bool commit_quietly(detail::Block* b, std::uint64_t nbytes);
     void decommit(detail::Block* b);
-    void fence_page(detail::VSeg* seg, std::int64_t page, std::unordered_map<std::uint64_t, std::uint64_t>& batch);
+    void fence_page(detail::VSeg* seg, std::int64_t page, detail::StreamNumbers& batch);
     bool page_ready(detail::VSeg* seg, std::int64_t page, bool wait,
-                    std::unordered_map<std::uint64_t, std::uint64_t>& batch,
-                    std::unordered_map<std::uint64_t, std::uint64_t>* busy = nullptr);
+                    detail::StreamNumbers& batch,
+                    detail::StreamNumbers* busy = nullptr);
     std::uint64_t stealable(detail::VSeg* seg, std::int64_t first, std::int64_t last);
     void map_pages(detail::VSeg* seg, const std::vector<std::int64_t>& need, std::int64_t first, std::int64_t last,
                    std::uint64_t requested);
@@ -581,6 +612,7 @@ class Engine {
     std::uint64_t unmapped_nbytes() const;                     // sum(h.nbytes for h in unmapped)
     void note_chunk(ChunkHandle h, std::uint64_t nbytes);     // a chunk mem_create'd: counted as held
     std::int64_t chunk_start(detail::VSeg* seg, std::int64_t p) const;
+    std::int64_t mapped_chunk_pages(const detail::VSeg* seg, std::int64_t p) const;   // chunk_pages(seg->chunks[p])
     std::int64_t chunk_cap_pages() const;
     std::int64_t chunk_cap_pages_of(std::int64_t held_pages, const EngineConfig& k) const;   // AllocatorPolicy.chunk_cap_pages
     void map_runs(detail::VSeg* seg, const std::vector<std::int64_t>& need, std::int64_t first, std::int64_t last,
@@ -598,12 +630,12 @@ class Engine {
         detail::VSeg* seg;
     };
     void idle_chunks(detail::VSeg* seg, std::int64_t first, std::int64_t last, std::vector<IdleChunk>& found);
-    bool chunk_ready(detail::VSeg* seg, std::int64_t s, bool wait, std::unordered_map<std::uint64_t, std::uint64_t>& batch,
-                     std::unordered_map<std::uint64_t, std::uint64_t>* busy = nullptr);
+    bool chunk_ready(detail::VSeg* seg, std::int64_t s, bool wait, detail::StreamNumbers& batch,
+                     detail::StreamNumbers* busy = nullptr);
     bool steal_chunk(detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages,
                      std::uint64_t requested, std::uint64_t stream, ChunkHandle* out);
     // stream-ordered steal (Note [Stream-ordered steal] in backing.py; same names)
-    detail::FenceMap chunk_fences(detail::VSeg* seg, std::int64_t s, std::unordered_map<std::uint64_t, std::uint64_t>& batch);
+    detail::FenceMap chunk_fences(detail::VSeg* seg, std::int64_t s, detail::StreamNumbers& batch);
     ChunkHandle defer_unmap(detail::VSeg* seg, std::int64_t s, detail::FenceMap pending);
     struct StolenOrdered {   // VirtualBacking._stolen_ordered's entries: a deferred entry and its noaccess pages
         detail::VSeg* seg;
@@ -653,7 +685,9 @@ class Engine {
         std::size_t size() const { return q.size() - head; }
     };
     std::list<StreamQueue> fq_order_;
-    std::unordered_map<std::uint64_t, std::list<StreamQueue>::iterator> fq_index_;
+    FenceQueueIndex fq_index_;
+    std::list<StreamQueue> fq_spare_;                          // nodes of dropped queues, for fences_new_queue
+    std::vector<FenceQueueIndex::node_type> fq_index_spare_;   // fq_index_'s, likewise
     std::unordered_map<std::uint64_t, std::uint64_t> fdone_;
     std::uint64_t fnext_ = 1;
     std::uint64_t n_records_ = 0, n_queries_ = 0, f_n_waits_ = 0, n_destroys_ = 0;
@@ -673,6 +707,8 @@ class Engine {
     std::uint64_t reserved_nbytes_ = 0, n_segments_ = 0, device_calls_ = 0;
     std::uint64_t n_chunks_ = 0, n_steals_ = 0, n_waits_ = 0;
     double busy_pages_ = 0.0;   // VirtualBacking._busy_pages
+    // commit's `need` and map_runs' `mapped`, kept between calls for their capacity (neither runs inside itself)
+    std::vector<std::int64_t> commit_need_, map_runs_mapped_;
     std::int64_t live_pages_ = 0, peak_live_pages_ = 0;
     bool chunked_ = true;                                        // VirtualBacking.chunked
     std::unordered_map<ChunkHandle, std::uint64_t> chunk_nbytes_;   // every chunk held -> its size
@@ -743,16 +779,35 @@ class Engine {
     // Note [An index of idle chunks] in backing.py: VirtualBacking._idle_keys (same names)
     using IdleKey = std::pair<std::int64_t, std::uint64_t>;   // (pages, address)
     std::set<IdleKey> idle_index_;
+    std::vector<std::set<IdleKey>::node_type> idle_nodes_;   // nodes of entries idle_at dropped, for idle_index_add
     struct IdleWalk {   // _idle_walk's generator: the chunks found so far, and where it is in the index
         detail::VSeg* seg = nullptr;
         std::int64_t first = 0, last = -1;
         bool descending = true, done = false;
         std::set<IdleKey>::iterator pos;
-        std::vector<IdleChunk> got;
+        std::vector<IdleChunk> got;   // borrowed from `spare` (no allocation per steal), given back at the end
+        std::vector<std::vector<IdleChunk>>& spare;
+        explicit IdleWalk(std::vector<std::vector<IdleChunk>>& from) : spare(from) {
+            if (spare.empty()) return;
+            got = std::move(spare.back());
+            spare.pop_back();
+        }
+        ~IdleWalk() {
+            got.clear();
+            try {
+                spare.push_back(std::move(got));
+            } catch (...) {   // out of memory: the buffer is freed instead
+            }
+        }
+        IdleWalk(const IdleWalk&) = delete;
+        IdleWalk& operator=(const IdleWalk&) = delete;
     };
+    std::vector<std::vector<IdleChunk>> idle_walk_spare_;   // IdleWalk::got's buffers between walks
     void idle_refresh();
+    void idle_index_add(detail::VSeg* seg, std::int64_t s, const IdleKey& key, std::set<IdleKey>::iterator& last);
+    std::set<IdleKey>::iterator idle_index_drop(std::set<IdleKey>::iterator at);
     bool idle_entry(const IdleKey& key, IdleChunk& out) const;
-    IdleWalk idle_walk(detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages);
+    void idle_walk(IdleWalk& w, detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages);
     const IdleChunk* idle_at(IdleWalk& w, std::size_t i);
     void idle_index_problems(std::vector<std::string>& problems);
     // the fast paths' bodies, under the lock (Note [Fast paths under a held run] in engine.cpp)

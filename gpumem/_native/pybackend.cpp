@@ -240,8 +240,8 @@ void PyDeviceBackend::mem_release(ChunkHandle handle) {
 
 // Note [An idle device's bookkeeping calls made here]
 //     A long decode under the gpumem policy moves pages every step, a million mem_map/mem_unmap pairs and as
-//     many event calls in a 6,000-token estimate, and the simulated device's Python methods were 75 % of its
-//     time (reports/estimate-speed.md). On a device where nothing else can happen (SimDevice.runs_alone: no
+//     many event calls in a 6,000-token estimate, and the simulated device's Python methods were about 77 % of
+//     its time (reports/estimate-speed.md, round 9). On a device where nothing else can happen (SimDevice.runs_alone: no
 //     tenants, no planned faults, no GPU work, no call that waits for the device) those calls change only the
 //     device's books of mappings and events and its clock; every event is complete when recorded. The twin keeps
 //     the same books in C++ and makes those calls itself: mem_map, mem_set_access and mem_unmap with the

@@ -73,7 +73,7 @@ def main() -> None:
         _fast_table(args)
         return
     policies = tuple(p for p in args.policies.split(",") if p)
-    print(f"7B (6.74B, bf16), batch 1{"" if args.no_fit else " (fit: searched)"}, prompt {args.prompt_len}, {args.device}; "
+    print(f"7B (6.74B, bf16), batch 1{'' if args.no_fit else ' (fit: searched)'}, prompt {args.prompt_len}, {args.device}; "
           f"{platform.python_implementation()} {platform.python_version()}")
     print(f"estimate: peak allocated + peak reserved under {','.join(policies)}; fit: find_max_batch, pytorch")
     print(f"{'new tok':>7} {'what':<28} {'full s':>8} {'fast s':>8} {'full/fast':>9} {'same':>5}")
@@ -105,7 +105,7 @@ def _fast_table(args: argparse.Namespace) -> None:
     """The fast path alone in CPU seconds: the estimate (all ``--policies``), each policy alone, and ``gpumem fit``
     (unless ``--no-fit``); with the load average, since the machine may be shared."""
     policies = tuple(p for p in args.policies.split(",") if p)
-    print(f"7B (6.74B, bf16), batch 1{"" if args.no_fit else " (fit: searched)"}, prompt {args.prompt_len}, {args.device}; "
+    print(f"7B (6.74B, bf16), batch 1{'' if args.no_fit else ' (fit: searched)'}, prompt {args.prompt_len}, {args.device}; "
           f"{platform.python_implementation()} {platform.python_version()}; load average at start "
           f"{os.getloadavg()[0]:.1f}; CPU seconds")
     print(f"{'new tok':>7} {'what':<28} {'cpu s':>8} {'wall s':>8} {'load':>5}")

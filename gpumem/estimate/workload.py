@@ -129,19 +129,6 @@ Note [Overhead]
     1-7 MiB above hold it too. Chosen on the tuning part alone; the check part, recomputed afterwards, has no
     new figure out, but its margin below drops to 0.00-0.01 % on eight figures of the 3B and 7B models, and
     Qwen2-MoE b8 goes from -0.84 % to -1.09 % (``reports/hil/estimate-accuracy-h200-2026-11-25-run3-recomputed3.md``).
-
-Note [Decode workspace held]
-    The multi-head 7B rows hold 19 MiB more in their decode steps than the model makes (Note [Overhead]), seen in
-    peak allocated only: no recorded decode token has such a block (7B, prompts of 2,048 and 4,096 tokens, SDPA
-    and eager: ``reports/hil/long-decode-p4096-h200-2026-11-29.md``). It was made at the start of every decode
-    forward and freed at its end; placed anew each step, it moved the KV cache's layout so that the ``gpumem``
-    policy moved pages every decode step (a million ``mem_map`` at 6,000 new tokens) where the live program moves
-    none, and the replay took seconds. It is now taken once after the prefill and given back after the last step:
-    a decode step still holds it at its peak, so peak allocated is unchanged on every accuracy row but one
-    (Llama 0.1B b1 x 128: +2.68 -> +2.73 %), and no peak reserved of the table changes. The 7B decode's ``gpumem``
-    figure against live: +0.05 % (prompt 4,096, SDPA), +0.10 % (2,048, eager), -0.025 % (2,048, SDPA; the
-    simulator on that program's own ops, the GPU idle, is 16 MiB (0.10 %) under live there too), against +0.24, +0.44
-    and +0.32 % before (``emitter_variants.py`` in that record's folder).
 """
 
 from __future__ import annotations
@@ -612,7 +599,7 @@ def _batched_experts(e: _Emitter, s: ModelShape, tokens: int, d: int, w_bytes: i
     return out
 
 def _forward(e: _Emitter, s: ModelShape, batch: int, q_len: int, d: int, cache: list[int], cache_tokens_after: int,
-             first_product: Callable[[], None] | None = None) -> None:
+             slack: int, first_product: Callable[[], None] | None = None) -> None:
     """One model forward of ``batch * q_len`` tokens that keeps only the last position's logits, in the order of
     transformers 5.17's model forward: the embeddings, the mask, the rotary embedding (whose first matrix product
     calls ``first_product``: Note [Forward cuBLAS workspace]), the blocks."""
@@ -623,6 +610,7 @@ def _forward(e: _Emitter, s: ModelShape, batch: int, q_len: int, d: int, cache: 
     kv_tokens, masked = window_tokens(s, cache_tokens_after, q_len)
     mask = _bool_mask(e, batch, q_len, kv_tokens) if masked else -1  # Note [Sliding window]
     cos, sin = _rotary(e, tokens * s.head_dim, d, first_product)
+    ws = e.alloc(slack, Category.OVERHEAD) if slack else -1
     x = emb
     for layer in range(s.n_layers):
         y = _forward_block(e, s, tokens, d, cache, layer, cache_tokens_after, batch, q_len)
@@ -634,6 +622,8 @@ def _forward(e: _Emitter, s: ModelShape, batch: int, q_len: int, d: int, cache: 
     nf = _norm(e, tokens * s.hidden_size * 4, tokens * s.hidden_size * d)
     logits = e.alloc(batch * s.vocab_size * d)
     e.free(nf, x, emb, cos, sin, pos, cum)
+    if ws >= 0:
+        e.free(ws)
     # generate: next-token logits copied to fp32, logits processors work on copies, then argmax
     f32 = e.alloc(batch * s.vocab_size * 4)
     e.free(logits)
@@ -780,13 +770,10 @@ def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size
     def first_product() -> None:  # Note [Forward cuBLAS workspace]
         e.persistent[e.alloc(CUBLAS_WORKSPACE_NBYTES, Category.OVERHEAD)] = "cublas forward"
     cache = [-1] * (2 * shape.n_layers)
-    _forward(e, shape, batch_size, prompt_len, d_act, cache, prompt_len, first_product)
-    steps = list(steps)
-    # Note [Decode workspace held]: taken once before the first decode step, given back at the end
-    slack = DECODE_SLACK_PER_Q_NBYTES * shape.q_dim if shape.n_kv_heads == shape.n_heads and steps else 0
-    ws = e.alloc(slack, Category.OVERHEAD) if slack else -1
+    _forward(e, shape, batch_size, prompt_len, d_act, cache, prompt_len, 0, first_product)
     if on_step is not None:
         on_step(0)
+    steps = list(steps)
     at = 0
     while at < len(steps):
         step = steps[at]
@@ -797,7 +784,8 @@ def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size
         grown = e.alloc(batch_size * (prompt_len + step) * 8)  # then grows the mask, both by torch.cat
         e.free(mask)
         mask = grown
-        _forward(e, shape, batch_size, 1, d_act, cache, prompt_len + step)
+        slack = DECODE_SLACK_PER_Q_NBYTES * shape.q_dim if shape.n_kv_heads == shape.n_heads else 0
+        _forward(e, shape, batch_size, 1, d_act, cache, prompt_len + step, slack)
         if on_step is not None:
             on_step(step)
         if jump is not None:  # Note [Decode step template] in .fastreplay: the steps after this one made at once
@@ -813,8 +801,6 @@ def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size
         e.free(ids)
         ids = grown
     e.free(ids, mask)
-    if ws >= 0:
-        e.free(ws)
     for c in cache:
         if c >= 0:
             e.free(c)

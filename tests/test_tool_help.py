@@ -8,7 +8,8 @@ import pytest
 #: Tools whose docstring's first sentence runs over more than one line: ``--help`` once cut it mid-sentence
 #: ("... the full replay against").
 TOOLS = ["benchmarks.native_run_ops", "benchmarks.expandable_engine_speed", "benchmarks.estimate_speed",
-         "benchmarks.decode_state_period", "benchmarks.segment_engine_bench", "hil.probes.rmm_resource"]
+         "benchmarks.decode_state_period", "benchmarks.segment_engine_bench", "hil.probes.rmm_resource",
+         "benchmarks.estimate_null_device"]
 
 
 @pytest.mark.parametrize("name", TOOLS)

@@ -1316,12 +1316,18 @@ void Engine::map_pages(VSeg* seg, const std::vector<std::int64_t>& need, std::in
     } catch (...) {
         // undo: unmap what this call mapped, keep the chunks cached; a page that cannot be unmapped
         // stays mapped and empty (and marked noaccess if its access was never set)
-        for (auto p : mapped) {
+        for (std::size_t i = 0; i < mapped.size(); ++i) {
+            const std::int64_t p = mapped[i];
             ChunkHandle h = seg->chunks[p];
             try {
                 backend_.mem_unmap(seg->base + static_cast<std::uint64_t>(p) * g, g);
             } catch (...) {
-                rethrow_if_fatal();   // Note [Only Exception is caught]
+                try {
+                    rethrow_if_fatal();   // Note [Only Exception is caught]
+                } catch (...) {           // Ctrl-C in the undo: the pages not undone stay mapped, empty and stealable
+                    for (std::size_t j = i; j < mapped.size(); ++j) seg->empty_add(mapped[j]);
+                    throw;
+                }
                 seg->empty_add(p);
                 continue;
             }

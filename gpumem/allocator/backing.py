@@ -873,7 +873,7 @@ class VirtualBacking(Backing):
         except BaseException:
             # undo: unmap what this call mapped, keep the chunks cached; a page that cannot be
             # unmapped stays mapped and empty (and marked noaccess if its access was never set)
-            for p in mapped:
+            for i, p in enumerate(mapped):
                 handle = seg.chunks[p]
                 try:
                     self.device.mem_unmap(seg.base + p * g, g)
@@ -882,6 +882,11 @@ class VirtualBacking(Backing):
                     seg.empty[p] = None
                     seg.fresh.add(p)
                     continue
+                except BaseException:  # Ctrl-C in the undo: the pages not undone stay mapped, empty and stealable
+                    for q in mapped[i:]:
+                        seg.empty[q] = None
+                        seg.fresh.add(q)
+                    raise
                 self.device_calls += 1
                 seg.chunks[p] = None
                 seg.noaccess.discard(p)

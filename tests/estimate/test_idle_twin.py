@@ -2,6 +2,7 @@
 native engine makes an idle simulated device's map, access, unmap and event calls in C++, with the same results
 as the device's own methods, call for call."""
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -120,26 +121,34 @@ def _device(**kw) -> SimDevice:
     return open_device(DEVICE, **kw)
 
 
+@contextlib.contextmanager
+def _allocator(policy="gpumem", dev=None):
+    """A native-engine allocator on ``dev`` (a fresh device when None); both closed at the end."""
+    own = dev is None
+    dev = _device() if own else dev
+    a = make_allocator(dev, policy, engine="native")
+    try:
+        yield dev, a
+    finally:
+        a.close()
+        if own:
+            dev.close()
+
+
 @pytest.mark.parametrize("make, why", [
     (lambda: _device(pressure=Step(1 << 30)), "a tenant"),
     (lambda: _device(faults=FaultPlan(fail_calls={"event_destroy": frozenset({10**6})})), "faults per call"),
     (lambda: _device(faults=FaultPlan(device_lost_at_s=10.0)), "a planned loss"),
 ])
 def test_refused_where_something_else_can_happen(make, why):
-    dev = make()
-    try:
+    with _allocator(dev=make()) as (dev, a):
         assert not dev.runs_alone(), why
-        a = make_allocator(dev, "gpumem", engine="native")
-        try:
-            with pytest.raises(UnsupportedOperationError, match="idle device twin"):
-                a._engine.use_idle_twin()
-            assert a._engine._ext.twin_mapping_ranges() is None  # nothing changed
-            a.free(a.allocate(8 << 20, 0))
-            a.check_consistency()
-        finally:
-            a.close()
-    finally:
-        dev.close()
+        with pytest.raises(UnsupportedOperationError, match="idle device twin"):
+            a._engine.use_idle_twin()
+        assert a._engine._ext.twin_mapping_ranges() is None  # nothing changed
+        a.free(a.allocate(8 << 20, 0))
+        a.check_consistency()
+    dev.close()
 
 
 def test_runs_alone_follows_the_device():
@@ -158,9 +167,7 @@ def test_runs_alone_follows_the_device():
 
 
 def test_refused_once_the_engine_holds_memory():
-    dev = _device()
-    a = make_allocator(dev, "gpumem", engine="native")
-    try:
+    with _allocator() as (dev, a):
         p = a.allocate(8 << 20, 0)
         with pytest.raises(InvalidArgumentError, match="holds no chunk"):
             a._engine.use_idle_twin()
@@ -168,20 +175,12 @@ def test_refused_once_the_engine_holds_memory():
         assert a._engine._ext.twin_mapping_ranges() is None
         a.free(p)
         a.check_consistency()
-    finally:
-        a.close()
-        dev.close()
 
 
 def test_refused_on_segment_mode():
-    dev = _device()
-    a = make_allocator(dev, "pytorch", engine="native")
-    try:
+    with _allocator("pytorch") as (_, a):
         with pytest.raises(UnsupportedOperationError):
             a._engine.use_idle_twin()
-    finally:
-        a.close()
-        dev.close()
 
 
 def test_the_device_refuses_what_needs_its_books_while_a_twin_keeps_them():
@@ -190,8 +189,8 @@ def test_the_device_refuses_what_needs_its_books_while_a_twin_keeps_them():
     a._engine.use_idle_twin()
     p = a.allocate(8 << 20, 0)
     assert not dev.runs_alone()
-    with pytest.raises(UnsupportedOperationError, match="idle device twin"):  # a second twin, too
-        make_allocator(dev, "gpumem", engine="native")._engine.use_idle_twin()
+    with _allocator(dev=dev) as (_, second), pytest.raises(UnsupportedOperationError, match="idle device twin"):
+        second._engine.use_idle_twin()  # a second twin, too
     for call in (lambda: dev.write(p, b"x"), lambda: dev.read(p, 1), lambda: dev.launch(0, 1e-3, [(p, 4096)]),
                  lambda: dev.add_tenant(Step(1 << 20)), lambda: dev.env):
         with pytest.raises(UnsupportedOperationError, match="idle device twin keeps"):

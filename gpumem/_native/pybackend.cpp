@@ -303,10 +303,14 @@ std::string PyDeviceBackend::use_idle_twin() {
     return {};
 }
 
-void PyDeviceBackend::twin_event_after_close() {
-    PyObject* r = PyObject_CallMethod(device_, "_check_usable", nullptr);
-    if (!r) raise_current();
-    Py_DECREF(r);
+bool PyDeviceBackend::twin_event(EventHandle event) {
+    if (!(event & kTwinEvent)) return false;
+    if (!twin_makes_calls()) {   // the device closed under the twin: its own refusal, as its event calls make it
+        PyObject* r = PyObject_CallMethod(device_, "_check_usable", nullptr);
+        if (!r) raise_current();
+        Py_DECREF(r);
+    }
+    return true;
 }
 
 PyObject* PyDeviceBackend::twin_mapping_ranges() {
@@ -392,10 +396,7 @@ EventHandle PyDeviceBackend::event_record(StreamHandle stream) {
 }
 
 bool PyDeviceBackend::event_query(EventHandle event) {
-    if (event & kTwinEvent) {
-        if (!twin_makes_calls()) twin_event_after_close();
-        return true;
-    }
+    if (twin_event(event)) return true;
     PyObject* ev = get(events_, event, "event");
     Py_INCREF(ev);
     PyObject* r = call(n_event_query_, ev);
@@ -406,20 +407,14 @@ bool PyDeviceBackend::event_query(EventHandle event) {
 }
 
 void PyDeviceBackend::event_synchronize(EventHandle event) {
-    if (event & kTwinEvent) {
-        if (!twin_makes_calls()) twin_event_after_close();
-        return;
-    }
+    if (twin_event(event)) return;
     PyObject* ev = get(events_, event, "event");
     Py_INCREF(ev);
     call_void(n_event_synchronize_, ev);
 }
 
 void PyDeviceBackend::event_destroy(EventHandle event) {
-    if (event & kTwinEvent) {
-        if (!twin_makes_calls()) twin_event_after_close();
-        return;
-    }
+    if (twin_event(event)) return;
     PyObject* ev = get(events_, event, "event");
     // the engine never uses an event again once it tried to destroy it (StreamFences._retire)
     events_[event - 1] = nullptr;

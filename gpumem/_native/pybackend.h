@@ -113,8 +113,8 @@ class PyDeviceBackend : public Backend {
     void twin_check_range(const char* call, std::uint64_t va, std::uint64_t nbytes) const;
     // Whether the twin makes the calls now (on, and the device not closed under it).
     bool twin_makes_calls() const { return twin_ && !twin_->device_closed; }
-    // A call on one of the twin's events once the device is closed: the device's own refusal (_check_usable).
-    void twin_event_after_close();
+    // Whether `event` is one of the twin's (complete); once the device is closed, the device's own refusal.
+    bool twin_event(EventHandle event);
 };
 
 }  // namespace gpumem

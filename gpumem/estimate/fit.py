@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from ..device import Device
-from ..errors import GpumemError, InvalidArgumentError, OutOfMemoryError
+from ..errors import GpumemError, InvalidArgumentError, OutOfMemoryError, UnsupportedOperationError
 from ..managers.reserve import default_usable_nbytes
 from ..progress import NoProgress, progress as progress_bar
 from ..allocator import make_allocator
@@ -55,7 +55,6 @@ from ..allocator.bucket import is_bucket_policy
 from ..allocator.native import NativeEngine
 from ..native import load_engine
 from ..replay import replay_trace
-from ..sim import SimDevice
 from ..specs import open_device
 from ..units import format_bytes
 from .shape import ModelShape
@@ -245,10 +244,11 @@ def _replay_allocator(device: Device, policy: Any, limit: int | None, fast: bool
         opts["engine"] = "native"
     allocator = make_allocator(device, policy, **opts)
     engine = getattr(allocator, "_engine", None)
-    if own and isinstance(engine, NativeEngine) and engine.uses_vmm and isinstance(device, SimDevice) \
-            and device.runs_alone():
+    if own and isinstance(engine, NativeEngine):
         try:
             engine.use_idle_twin()
+        except UnsupportedOperationError:
+            pass  # not a simulated device in virtual-memory mode that runs alone: its own calls, as before
         except BaseException:
             allocator.close()
             raise

@@ -238,13 +238,14 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
                                    prompt_len=prompt, new_tokens=new, limit=usable, peak_nbytes=est.total_bytes,
                                    bar=bar, weight_format=fmt, workspace_nbytes=workspace)
         by_policy = {e.policy: e.peak_reserved_bytes for e in res}
+        first = res[0]
+        if first.policy == "pytorch" and first.fits and first.peak_block_allocated_bytes is not None:
+            # Note [Allocated as PyTorch counts it] in gpumem.estimate.fit: the replay's blocks, not the requests
+            # (training and generate() alike)
+            row["trace_peak_allocated_bytes"] = est.total_bytes
+            row["peak_allocated_bytes"] = max(est.total_bytes, first.peak_block_allocated_bytes)
         if args.training:  # Note [Training reserved margin] in gpumem.estimate.fit
             row["replayed_reserved_by_policy"] = dict(by_policy)
-            first = res[0]
-            if first.policy == "pytorch" and first.fits and first.peak_block_allocated_bytes is not None:
-                # Note [Allocated as PyTorch counts it] in gpumem.estimate.fit: the replay's blocks, not the requests
-                row["trace_peak_allocated_bytes"] = est.total_bytes
-                row["peak_allocated_bytes"] = first.peak_block_allocated_bytes
             by_policy.update({e.policy: training_reserved_nbytes(e.peak_reserved_bytes) for e in res
                               if e.policy == "pytorch" and e.fits})
         row["peak_reserved_bytes"] = by_policy[res[0].policy]

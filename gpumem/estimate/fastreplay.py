@@ -202,6 +202,9 @@ class PlainSink:
         """An out-of-memory error or retry within the prefix (Note [Prefix first] in :mod:`.fit`)."""
         self.error_step = -1
         """The step (0: the prefill) whose op ran out of memory and stopped this sink."""
+        self.small_skip_bound_nbytes = 0
+        """An upper bound of the small pool's allocated bytes at any moment of a step whose small ops were left
+        out, 0 where none were (Note [The peak of blocks on the fast path])."""
 
     def alloc(self, op_id: int, nbytes: int) -> None:
         if self.error is None:
@@ -261,6 +264,11 @@ class PlainSink:
                 p = ptrs.pop(i, 0)
                 if p:
                     free(p)
+
+    def peak_block_allocated_nbytes(self) -> int:
+        """The peak of allocated blocks (Note [Allocated as PyTorch counts it] in :mod:`.fit`): exact where every
+        op was sent, else at most the small pool's bound above it (Note [The peak of blocks on the fast path])."""
+        return self.allocator.snapshot_stats().peak_allocated_nbytes + self.small_skip_bound_nbytes
 
     @property
     def voided(self) -> bool:
@@ -708,6 +716,11 @@ class SkippingSink(PlainSink):
             if b[0][1] == b[-1][2] and before.sig == b[-1][0].sig and before.addrs == b[-1][0].addrs \
                     and all(sig[2] <= 1 for x in b for sig in x[0].sig):
                 self._templates = [x[0] for x in b]
+                extra = max(0, self._engine.policy.min_split_small_nbytes - self._rnd)
+                self.small_skip_bound_nbytes = max(
+                    self.small_skip_bound_nbytes,
+                    *(_sig_small_bound_nbytes(x.sig, self._templates[i - 1].sig, extra)
+                      for i, x in enumerate(self._templates)))
                 self._phase = 0
                 self._skip_start = self.step + 1
                 self._plan = None
@@ -971,6 +984,10 @@ class NativeSkippingSink(PlainSink):
             # the steps of the period and the one before ask for the same small sizes: one last step alike
             last_alike = [self._last_step_alike(x[0].step, x[0].tpl) for x in b]
             self._period = [x[0] for x in b]
+            extra = max(0, self.allocator.policy.min_split_small_nbytes - self._rnd)
+            self.small_skip_bound_nbytes = max(
+                self.small_skip_bound_nbytes,
+                *(_native_small_bound_nbytes(x, self._period[i - 1], extra) for i, x in enumerate(self._period)))
             self._last_alike = last_alike
             plan = self._plan
             self._cross_addrs = [[int(x.addrs[pos]) for pos in plan.cross_pos] for x in self._period]
@@ -1142,6 +1159,53 @@ class NativeSkippingSink(PlainSink):
         if self._skipping and self._trouble() != self._trouble_at_skip:
             self._void = True
         return self._void
+
+
+# Note [The peak of blocks on the fast path]
+#     ``torch.cuda.max_memory_allocated`` counts blocks (Note [Allocated as PyTorch counts it] in :mod:`.fit`), and a
+#     long decode under PyTorch's allocator went 0.16 % above the trace's peak of requests
+#     (``reports/hil/long-decode-p4096-h200-2026-11-29.md``, run 4): the KV caches' large blocks keep remainders
+#     of up to 1 MiB. The replay's allocator counts blocks, but a sink that leaves out small ops (Notes [Small pool
+#     skipped at a fixed point], [The small pool skipped on the native engine]) leaves their blocks out of its
+#     count. Its large ops are all sent and land as in the full replay, so at any moment of a skipped step the
+#     allocator counts at least the large blocks the full replay holds, and the small blocks that replay holds
+#     there are at most those of the step before the skipped one that it frees, plus the highest running sum of
+#     the step's own small allocations less its own small frees: the period's steps give both, since a skipped
+#     step asks for its phase's small sizes (a block at most ``min_split_small_nbytes - round_nbytes`` larger than
+#     its rounded request, 0 under ``pytorch``). The allocator's peak plus the largest such bound is therefore at
+#     or above the full replay's peak of blocks, and equal to it where nothing was skipped; small ops sent late
+#     only count more. What it may add is a few of the step's small temporaries (kilobytes at batch 1).
+def _sig_small_bound_nbytes(sig: "list[tuple[int, int, int, int]]", prev: "list[tuple[int, int, int, int]]",
+                            extra: int) -> int:
+    """Note [The peak of blocks on the fast path] for a step of the Python sink: ``sig`` its small ops (kind,
+    rounded bytes, steps back, position), ``prev`` those of the step before it."""
+    prev_alloc = [r for k, r, _, _ in prev if k == 0]
+    own = [r for k, r, _, _ in sig if k == 0]
+    held = sum(prev_alloc[pos] + extra for k, _, back, pos in sig if k == 1 and back == 1)
+    run = peak = 0
+    for k, r, back, pos in sig:
+        if k == 0:
+            run += r + extra
+            peak = max(peak, run)
+        elif back == 0:
+            run -= own[pos] + extra
+    return held + peak
+
+
+def _native_small_bound_nbytes(step: "_FullStep", prev: "_FullStep", extra: int) -> int:
+    """Note [The peak of blocks on the fast path] for a step of the native sink (``prev``: the step before it)."""
+    tpl = step.tpl
+    alloc_pos = np.flatnonzero(tpl.kinds == 0)
+    small_j, rounded_j = step.small[alloc_pos], step.rounded[alloc_pos] + extra
+    is_free = tpl.kinds == 1
+    delta = np.where(step.small, step.rounded + extra, 0).astype(np.int64)
+    own = is_free & (tpl.back == 0) & small_j[tpl.index]
+    delta[own] = -rounded_j[tpl.index[own]]
+    prev_pos = np.flatnonzero(prev.tpl.kinds == 0)
+    prev_small, prev_rounded = prev.small[prev_pos], prev.rounded[prev_pos] + extra
+    old = is_free & (tpl.back == 1) & prev_small[tpl.index]
+    held = int(prev_rounded[tpl.index[old]].sum())
+    return held + max(0, int(np.cumsum(delta).max(initial=0)))
 
 
 class SinkGroup:

@@ -40,7 +40,8 @@ Note [Allocated as PyTorch counts it]
     every training row of the records is then 0.1-2.6 % above its measurement. ``generate()`` does the same
     (the larger of the two) since a 4,500-token decode on the H200 measured 0.16 % above the requests, its KV
     caches' large blocks keeping their remainders (``reports/hil/long-decode-p4096-h200-2026-11-29.md``); on the
-    accuracy rows that moved the allocated figure by 0.00-0.75 points, every row still within [0, +3 %].
+    accuracy rows that moved the allocated figure by 0.00-0.75 points (up to 0.45 of them the fast path's bound,
+    Note [The peak of blocks on the fast path] in :mod:`.fastreplay`), every row still within [0, +3 %].
 """
 
 from __future__ import annotations

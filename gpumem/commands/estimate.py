@@ -25,8 +25,8 @@ Estimate the GPU memory of Hugging Face generate() (greedy, DynamicCache, SDPA) 
 (AdamW) for a Llama-style decoder, from a config.json or the numbers.
 
 Two figures per dtype: the peak of ALLOCATED bytes (what torch.cuda.max_memory_allocated reports: with
-pytorch the first --policy, the blocks of its replay, a block keeping a remainder of up to 1 MiB, else the
-requests; on an H200 never below the measurement on the rows not tuned on, +0.01 % to +0.50 %, for 0.1B-7B
+pytorch the first --policy and its replay fitting, the blocks of that replay, a block keeping a remainder of up
+to 1 MiB; else, and with --no-reserved, the requests; on an H200 never below the measurement on the rows not tuned on, +0.01 % to +0.50 %, for 0.1B-7B
 models, batch 1-32, prompts up to 4096: docs/estimation.md), and the peak of RESERVED bytes under each --policy (what nvidia-smi shows and what decides out of
 memory), from replaying the workload's allocations through gpumem's model of that allocator on the
 simulated --device.
@@ -317,9 +317,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         footer.append("GRADIENTS, OPTIMIZER = what is live at the peak" +
                       (" (0 B: the peak falls after the gradients were zeroed)" if not first.get("gradient_bytes") else ""))
-    if any("trace_peak_allocated_bytes" in r for r in rows):
+    blocks = ["trace_peak_allocated_bytes" in r for r in rows]
+    if all(blocks):
         footer.append("PEAK ALLOC = allocated blocks as PyTorch counts them (the pytorch replay; a block keeps a "
-                      "remainder of up to 1 MiB), so above MODEL + ... + OVERHEAD, the requests")
+                      "remainder of up to 1 MiB), at or above MODEL + ... + OVERHEAD, the requests")
+    elif any(blocks):
+        footer.append("PEAK ALLOC = allocated blocks as PyTorch counts them where the pytorch replay fit (at or "
+                      "above the requests, MODEL + ... + OVERHEAD), the requests where it ran out of memory")
     else:
         footer.append("PEAK ALLOC = the requests at the peak (MODEL + ... + OVERHEAD)")
     if pols:

@@ -203,8 +203,9 @@ class PlainSink:
         self.error_step = -1
         """The step (0: the prefill) whose op ran out of memory and stopped this sink."""
         self.small_skip_bound_nbytes = 0
-        """An upper bound of the small pool's allocated bytes at any moment of a step whose small ops were left
-        out, 0 where none were (Note [The peak of blocks on the fast path])."""
+        """An upper bound of the bytes of the small blocks a step whose small ops were left out holds at any moment
+        and the allocator does not count, 0 where no step was left out (Note [The peak of blocks on the fast
+        path])."""
 
     def alloc(self, op_id: int, nbytes: int) -> None:
         if self.error is None:

@@ -101,6 +101,36 @@ SMALL_MALLOC_MAX_NBYTES = 1 * MiB
 SMALL_MALLOC_ALIGNMENT = 512
 _VA_BASE = 0x7F00_0000_0000
 _VA_LIMIT = 1 << 48
+#: ``cudaMalloc`` puts a segment of more than :data:`SMALL_MALLOC_MAX_NBYTES` in slots of this size (Note [Where the
+#: driver places a segment]).
+SEGMENT_SLOT_NBYTES = 32 * MiB
+
+
+# Note [Where the driver places a segment]
+# ----------------------------------------
+# Among equal free blocks PyTorch's caching allocator takes the one at the lowest address (``get_free_block``'s
+# ``lower_bound`` over ``(stream, size, address)``), so where ``cudaMalloc`` puts segments decides which block a
+# request gets. On the H200 (driver 580, CUDA 13) a 7B decode's segments, read with ``torch.cuda.memory_snapshot()``
+# at eight tokens (``reports/hil/long-decode-check-h200-2026-11-29.md``), lie in 32 MiB-aligned slots handed out
+# downwards, each new slot below all earlier ones; a segment that fits the room left in a slot goes there, right
+# above what the slot holds (12 + 12, 14 + 14, 16 + 16, 20 + 12 MiB); a segment over 32 MiB takes whole slots (86
+# MiB in 96, 250 in 256). This device places segments so: the newest slot with room first, the lowest gap in it;
+# else a new slot, from the highest range that slots emptied and gave back, else below every slot. Replayed on
+# it with ties by address, the ``pytorch`` model gives the recorded decode's peak reserved to the byte where the
+# earlier model (addresses upwards, each new segment sorted below the earlier ones) was 0.21 % under, and the
+# corpus's ``llama_varlen_train_h200`` exactly (-2.49 % before); ``moe_train_h200`` goes +0.96 % over (exact
+# before): that process's driver filled holes left before its recording began and let a segment straddle slots,
+# which this model does not know. Reservations for virtual memory and small mallocs keep their own range, upwards
+# from ``_VA_BASE``.
+class _Slot:
+    """A slot of address space holding ``malloc``'d segments (Note [Where the driver places a segment])."""
+
+    __slots__ = ("base", "nbytes", "n_live")
+
+    def __init__(self, base: int, nbytes: int) -> None:
+        self.base = base
+        self.nbytes = nbytes
+        self.n_live = 0
 #: What the sanitizer does about a hazard (Note [What the sanitizer looks at] in :mod:`gpumem.sim.streams`).
 SANITIZER_MODES = ("raise", "count", "off")
 
@@ -312,6 +342,12 @@ class SimDevice(Device):
         # one address space of top-level ranges: large allocations, small pages and reservations
         self._space: IntervalMap[_Allocation | _SmallPage | str] = IntervalMap()
         self._va_cursor = _VA_BASE
+        # Note [Where the driver places a segment]: slots with room, newest last; where each segment lies; the
+        # lowest slot's base; ranges emptied slots gave back, as (low, high)
+        self._slots: list[_Slot] = []
+        self._slot_of: dict[int, _Slot] = {}
+        self._slot_low = _VA_LIMIT
+        self._slot_ranges: list[tuple[int, int]] = []
         self._small_pages: list[_SmallPage] = []  # in creation order: small mallocs fit first there
         self._tenants: list[_Tenant] = []
         self._twins: list[Callable[[], None]] = []
@@ -578,7 +614,7 @@ class SimDevice(Device):
         """A free, aligned range of the address space: above everything so far, or (once the top is
         reached) the lowest gap that fits."""
         start = align_up(self._va_cursor, alignment)
-        if start + nbytes <= _VA_LIMIT:
+        if start + nbytes <= self._slot_low:
             return start
         at = self._space.find_gap(_VA_BASE, _VA_LIMIT, nbytes, alignment)
         if at is not None:
@@ -609,11 +645,60 @@ class SimDevice(Device):
         span = align_up(nbytes, self._gran)
         if span > self._free_nbytes():
             raise self._oom(nbytes)
-        start = self._va_alloc(span, self._gran)
+        start, slot = self._place_segment(span)
         alloc = _Allocation(start, nbytes, span, None)
-        self._space_add(start, span, alloc)
+        self._space.add(start, start + span, alloc)
+        slot.n_live += 1
+        self._slot_of[start] = slot
         self._take_pages(span // self._gran)
         return alloc
+
+    def _place_segment(self, span: int) -> "tuple[int, _Slot]":
+        """Where a segment of ``span`` bytes goes, and its slot (Note [Where the driver places a segment])."""
+        for slot in reversed(self._slots):
+            at = self._space.find_gap(slot.base, slot.base + slot.nbytes, span, self._gran)
+            if at is not None:
+                return at, slot
+        size = align_up(span, SEGMENT_SLOT_NBYTES)
+        ranges = self._slot_ranges
+        best = max((i for i, (lo, hi) in enumerate(ranges) if hi - lo >= size), key=lambda i: ranges[i][1],
+                   default=None)
+        if best is not None:
+            lo, hi = ranges.pop(best)
+            base = hi - size
+            if base > lo:
+                ranges.append((lo, base))
+        else:
+            base = self._slot_low - size
+            if base < self._va_cursor or self._space.find_gap(base, base + size, size) is None:
+                raise OutOfMemoryError(span, self._free_nbytes(), self.profile.total_nbytes, device=self.spec,
+                                       hint="(virtual address space exhausted)")
+            self._slot_low = base
+        slot = _Slot(base, size)
+        self._slots.append(slot)
+        return base, slot
+
+    def _segment_freed(self, start: int) -> None:
+        """A segment at ``start`` was freed: its slot gives its range back once it holds none."""
+        slot = self._slot_of.pop(start)
+        slot.n_live -= 1
+        if slot.n_live:
+            return
+        self._slots.remove(slot)
+        lo, hi = slot.base, slot.base + slot.nbytes
+        kept = []
+        for r in self._slot_ranges:  # merge with the ranges it touches
+            if r[1] == lo:
+                lo = r[0]
+            elif r[0] == hi:
+                hi = r[1]
+            else:
+                kept.append(r)
+        if lo == self._slot_low:
+            self._slot_low = hi
+        else:
+            kept.append((lo, hi))
+        self._slot_ranges = kept
 
     def _malloc_small(self, nbytes: int) -> _Allocation:
         span = align_up(nbytes, SMALL_MALLOC_ALIGNMENT)
@@ -642,6 +727,7 @@ class SimDevice(Device):
         page = alloc.page
         if page is None:
             self._space.remove(alloc.start)
+            self._segment_freed(alloc.start)
             self._give_pages(alloc.span_nbytes // self._gran)
             return
         page.subs.remove(alloc.start)
@@ -936,6 +1022,10 @@ class SimDevice(Device):
         self._drain()
         self._small_pages.clear()
         self._space.clear()
+        self._slots.clear()
+        self._slot_of.clear()
+        self._slot_ranges.clear()
+        self._slot_low = _VA_LIMIT
         self._process_pages = 0
         self._n_mappings = 0
 

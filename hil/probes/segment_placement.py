@@ -2,8 +2,8 @@
 
 PyTorch gives a request the smallest free block that fits and, among blocks of one size, the one at the lowest
 address; so which of two equal free blocks a workload reuses depends on where ``cudaMalloc`` put their segments.
-The ``pytorch`` policy assumes each new segment goes below the ones before it (Note [Segments top-down] in
-gpumem/allocator/policy.py). The H200 snapshots of the accuracy harness's fresh processes show another phase
+The simulated device places segments in 32 MiB slots handed out downwards, a slot's room filled upwards (Note
+[Where the driver places a segment] in gpumem/sim/device.py), and the ``pytorch`` policy orders ties by address. The H200 snapshots of the accuracy harness's fresh processes show another phase
 first: with a small model, the row's segments went *up*, one above the other, in the free address range above
 the weights, and only once that range was used up below everything (``reports/estimate-accuracy-run5-misses.md``;
 the tied Qwen2 0.16B generate row is +4.32 % for it). This probe measures that rule:

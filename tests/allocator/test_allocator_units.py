@@ -152,10 +152,7 @@ def test_best_fit_breaks_ties_towards_the_lowest_address(dev, policy):
     a, s1, b, s2 = (alloc.allocate(n) for n in (12 * MiB, 2 * MiB, 12 * MiB, 2 * MiB))
     alloc.free(b)
     alloc.free(a)
-    if policy == "pytorch":  # the lowest address on CUDA, which places new segments below old ones:
-        assert alloc.allocate(12 * MiB) == b  # the newest segment (Note [Segments top-down])
-    else:
-        assert alloc.allocate(12 * MiB) == min(a, b)
+    assert alloc.allocate(12 * MiB) == min(a, b)  # pytorch too (Note [Segments top-down])
 
 
 @pytest.mark.parametrize("policy", ALL_POLICIES)

@@ -255,3 +255,17 @@ def test_generate_peak_allocated_counts_blocks_as_pytorch_does(capsys):
                  "--new-tokens", "300", "--policy", "gpumem", "--device", "sim:h200-141gb", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["peak_allocated_bytes"] == requests and "trace_peak_allocated_bytes" not in row
+
+
+def test_the_footer_says_which_rows_count_blocks(capsys):
+    """A table whose pytorch replay fits for one dtype and runs out of memory for another: PEAK ALLOC counts blocks
+    in the one, requests in the other, and the footer says so (attacker 24)."""
+    args = ["estimate", "--hidden-size", "1024", "--intermediate-size", "2816", "--layers", "24", "--vocab-size",
+            "32000", "--heads", "16", "--batch-size", "1", "--prompt-len", "1024", "--new-tokens", "16", "--device",
+            "sim:gtx-1050-2gb", "--dtype", "fp32", "bf16"]
+    assert main([*args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert ["trace_peak_allocated_bytes" in r for r in rows] == [False, True]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "blocks as PyTorch counts them where the pytorch replay fit" in out and "ran out of memory" in out

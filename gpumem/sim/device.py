@@ -1058,6 +1058,19 @@ class SimDevice(Device):
             else:
                 require(start in book.reservations and book.reservations.end_of(start) == end,
                         f"reservation at {start:#x} not in the book")
+        # Note [Where the driver places a segment]: each segment in its slot, each slot counting its segments
+        live_in: dict[int, int] = {}
+        for start, end, what in self._space.items():
+            if isinstance(what, _Allocation):
+                slot = self._slot_of.get(start)
+                require(slot is not None and slot.base <= start and end <= slot.base + slot.nbytes,
+                        f"segment at {start:#x} outside its slot")
+                live_in[id(slot)] = live_in.get(id(slot), 0) + 1
+        require(len(self._slot_of) == sum(live_in.values()), "segments the address space lacks have slots")
+        require(all(slot.n_live == live_in.get(id(slot), 0) > 0 for slot in self._slots),
+                "a slot counts other segments than it holds, or none")
+        require(all(self._slot_low <= lo < hi <= _VA_LIMIT for lo, hi in self._slot_ranges)
+                and all(slot.base >= self._slot_low for slot in self._slots), "a slot below the lowest slot")
         require(len(book.reservations) == sum(1 for *_, w in self._space.items() if w == _RESERVED),
                 "the book has reservations the address space lacks")
         require(len(book.allocations) == sum(len(p.subs) for p in self._small_pages)

@@ -616,7 +616,7 @@ class SimDevice(Device):
         start = align_up(self._va_cursor, alignment)
         if start + nbytes <= self._slot_low:
             return start
-        at = self._space.find_gap(_VA_BASE, _VA_LIMIT, nbytes, alignment)
+        at = self._space.find_gap(_VA_BASE, self._slot_low, nbytes, alignment)  # never among the slots
         if at is not None:
             return at
         raise OutOfMemoryError(nbytes, self._free_nbytes(), self.profile.total_nbytes, device=self.spec,
@@ -663,14 +663,15 @@ class SimDevice(Device):
         ranges = self._slot_ranges
         best = max((i for i, (lo, hi) in enumerate(ranges) if hi - lo >= size), key=lambda i: ranges[i][1],
                    default=None)
-        if best is not None:
+        if best is not None:  # above the lowest slot: nothing but segments is ever placed there
             lo, hi = ranges.pop(best)
             base = hi - size
             if base > lo:
                 ranges.append((lo, base))
         else:
+            # below every slot, where reservations and small pages may have come up to: the range must be free
             base = self._slot_low - size
-            if base < self._va_cursor or self._space.find_gap(base, base + size, size) is None:
+            if base < _VA_BASE or self._space.find_gap(base, base + size, size) is None:
                 raise OutOfMemoryError(span, self._free_nbytes(), self.profile.total_nbytes, device=self.spec,
                                        hint="(virtual address space exhausted)")
             self._slot_low = base
@@ -1071,6 +1072,10 @@ class SimDevice(Device):
                 "a slot counts other segments than it holds, or none")
         require(all(self._slot_low <= lo < hi <= _VA_LIMIT for lo, hi in self._slot_ranges)
                 and all(slot.base >= self._slot_low for slot in self._slots), "a slot below the lowest slot")
+        require(all(isinstance(what, _Allocation) or end <= self._slot_low for _, end, what in self._space.items()),
+                "a reservation or small page among the slots")
+        require(all(self._space.find_gap(lo, hi, hi - lo) == lo for lo, hi in self._slot_ranges),
+                "a range given back by a slot is not free")
         require(len(book.reservations) == sum(1 for *_, w in self._space.items() if w == _RESERVED),
                 "the book has reservations the address space lacks")
         require(len(book.allocations) == sum(len(p.subs) for p in self._small_pages)

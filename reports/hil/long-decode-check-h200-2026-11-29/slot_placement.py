@@ -10,35 +10,19 @@ from gpumem.trace import load_trace
 from gpumem.replay import replay_trace
 from sim.extend_decode import extend_decode
 
-SLOT = 32 << 20
-TOP = 0x7F50_0000_0000
 mode = sys.argv[1]  # "slots" or "plain"
-fill = sys.argv[2] if len(sys.argv) > 2 else "newest"
+fill = sys.argv[2] if len(sys.argv) > 2 else "newest"  # which slot with room is tried first: newest or lowest
+
 
 def patch():
-    orig = D.SimDevice._do_malloc
-    def _do_malloc(self, nbytes):
-        if nbytes <= D.SMALL_MALLOC_MAX_NBYTES:
-            return orig(self, nbytes)
-        st = self.__dict__.setdefault("_slots", {"low": TOP, "chunks": []})
-        span = D.align_up(nbytes, self._gran)
-        self._call("malloc", 0.0, nbytes)
-        if span > self._free_nbytes():
-            raise self._oom(nbytes)
-        chunks = st["chunks"] if fill == "newest" else sorted(st["chunks"], key=lambda c: c[0])
-        order = reversed(chunks) if fill == "newest" else chunks
-        for c in order:
-            if c[1] - c[2] >= span:
-                start = c[0] + c[2]; c[2] += span; break
-        else:
-            size = -(-span // SLOT) * SLOT
-            st["low"] -= size
-            c = [st["low"], size, span]; st["chunks"].append(c); start = c[0]
-        alloc = D._Allocation(start, nbytes, span, None)
-        self._space_add(start, span, alloc)
-        self._take_pages(span // self._gran)
-        return alloc
-    D.SimDevice._do_malloc = _do_malloc
+    """The slot placement of ``slots_patch.py`` (beside this file) on the device of commit b4dd6bc."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("slots_patch", Path(__file__).with_name("slots_patch.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.patch(D, fill)
+
 
 if mode == "slots":
     patch()

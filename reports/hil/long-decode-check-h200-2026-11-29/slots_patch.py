@@ -1,6 +1,7 @@
 SLOT = 32 << 20
 TOP = 0x7F50_0000_0000
-def patch(D):
+def patch(D, fill="newest"):
+    """Slots for the device of commit b4dd6bc; ``fill``: the slot with room tried first, the newest or the lowest."""
     orig = D.SimDevice._do_malloc
     def _do_malloc(self, nbytes):
         if nbytes <= D.SMALL_MALLOC_MAX_NBYTES:
@@ -10,7 +11,8 @@ def patch(D):
         self._call("malloc", 0.0, nbytes)
         if span > self._free_nbytes():
             raise self._oom(nbytes)
-        for c in reversed(st["chunks"]):
+        chunks = reversed(st["chunks"]) if fill == "newest" else sorted(st["chunks"], key=lambda c: c[0])
+        for c in chunks:
             if c[1] - c[2] >= span:
                 start = c[0] + c[2]; c[2] += span; break
         else:

@@ -125,12 +125,14 @@ SEGMENT_SLOT_NBYTES = 32 * MiB
 class _Slot:
     """A slot of address space holding ``malloc``'d segments (Note [Where the driver places a segment])."""
 
-    __slots__ = ("base", "nbytes", "n_live")
+    __slots__ = ("base", "nbytes", "n_live", "room_nbytes")
 
     def __init__(self, base: int, nbytes: int) -> None:
         self.base = base
         self.nbytes = nbytes
         self.n_live = 0
+        self.room_nbytes = nbytes
+        """Bytes no segment holds (a gap that fits is looked for only where this is enough)."""
 #: What the sanitizer does about a hazard (Note [What the sanitizer looks at] in :mod:`gpumem.sim.streams`).
 SANITIZER_MODES = ("raise", "count", "off")
 
@@ -348,6 +350,7 @@ class SimDevice(Device):
         self._slot_of: dict[int, _Slot] = {}
         self._slot_low = _VA_LIMIT
         self._slot_ranges: list[tuple[int, int]] = []
+        self._slot_room_max = 0  # at least the largest room of any slot
         self._small_pages: list[_SmallPage] = []  # in creation order: small mallocs fit first there
         self._tenants: list[_Tenant] = []
         self._twins: list[Callable[[], None]] = []
@@ -649,16 +652,24 @@ class SimDevice(Device):
         alloc = _Allocation(start, nbytes, span, None)
         self._space.add(start, start + span, alloc)
         slot.n_live += 1
+        slot.room_nbytes -= span
+        self._slot_room_max = max(self._slot_room_max, slot.room_nbytes)
         self._slot_of[start] = slot
         self._take_pages(span // self._gran)
         return alloc
 
     def _place_segment(self, span: int) -> "tuple[int, _Slot]":
         """Where a segment of ``span`` bytes goes, and its slot (Note [Where the driver places a segment])."""
-        for slot in reversed(self._slots):
-            at = self._space.find_gap(slot.base, slot.base + slot.nbytes, span, self._gran)
-            if at is not None:
-                return at, slot
+        if span <= self._slot_room_max:  # else no slot has the room: no walk (a growing tensor's segments)
+            largest = 0
+            for slot in reversed(self._slots):
+                room = slot.room_nbytes
+                if room >= span:  # most slots are full: no search there
+                    at = self._space.find_gap(slot.base, slot.base + slot.nbytes, span, self._gran)
+                    if at is not None:
+                        return at, slot
+                largest = max(largest, room)
+            self._slot_room_max = largest  # every slot was seen
         size = align_up(span, SEGMENT_SLOT_NBYTES)
         ranges = self._slot_ranges
         best = max((i for i, (lo, hi) in enumerate(ranges) if hi - lo >= size), key=lambda i: ranges[i][1],
@@ -679,10 +690,12 @@ class SimDevice(Device):
         self._slots.append(slot)
         return base, slot
 
-    def _segment_freed(self, start: int) -> None:
-        """A segment at ``start`` was freed: its slot gives its range back once it holds none."""
+    def _segment_freed(self, start: int, span: int) -> None:
+        """A segment of ``span`` bytes at ``start`` was freed: its slot gives its range back once it holds none."""
         slot = self._slot_of.pop(start)
         slot.n_live -= 1
+        slot.room_nbytes += span
+        self._slot_room_max = max(self._slot_room_max, slot.room_nbytes)
         if slot.n_live:
             return
         self._slots.remove(slot)
@@ -728,7 +741,7 @@ class SimDevice(Device):
         page = alloc.page
         if page is None:
             self._space.remove(alloc.start)
-            self._segment_freed(alloc.start)
+            self._segment_freed(alloc.start, alloc.span_nbytes)
             self._give_pages(alloc.span_nbytes // self._gran)
             return
         page.subs.remove(alloc.start)
@@ -1027,6 +1040,7 @@ class SimDevice(Device):
         self._slot_of.clear()
         self._slot_ranges.clear()
         self._slot_low = _VA_LIMIT
+        self._slot_room_max = 0
         self._process_pages = 0
         self._n_mappings = 0
 
@@ -1070,6 +1084,12 @@ class SimDevice(Device):
         require(len(self._slot_of) == sum(live_in.values()), "segments the address space lacks have slots")
         require(all(slot.n_live == live_in.get(id(slot), 0) > 0 for slot in self._slots),
                 "a slot counts other segments than it holds, or none")
+        held_in: dict[int, int] = {}
+        for start, end, what in self._space.items():
+            if isinstance(what, _Allocation):
+                held_in[id(self._slot_of[start])] = held_in.get(id(self._slot_of[start]), 0) + end - start
+        require(all(slot.room_nbytes == slot.nbytes - held_in.get(id(slot), 0) <= self._slot_room_max
+                    for slot in self._slots), "a slot's room is not what its segments leave")
         require(all(self._slot_low <= lo < hi <= _VA_LIMIT for lo, hi in self._slot_ranges)
                 and all(slot.base >= self._slot_low for slot in self._slots), "a slot below the lowest slot")
         require(all(isinstance(what, _Allocation) or end <= self._slot_low for _, end, what in self._space.items()),

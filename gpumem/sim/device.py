@@ -1073,29 +1073,26 @@ class SimDevice(Device):
             else:
                 require(start in book.reservations and book.reservations.end_of(start) == end,
                         f"reservation at {start:#x} not in the book")
-        # Note [Where the driver places a segment]: each segment in its slot, each slot counting its segments
-        live_in: dict[int, int] = {}
+        # Note [Where the driver places a segment]: each segment in its slot, each slot counting its segments and
+        # its room; nothing else among the slots; the ranges slots gave back free (one walk of the address space)
+        live_in: dict[int, list[int]] = {}
         for start, end, what in self._space.items():
             if isinstance(what, _Allocation):
                 slot = self._slot_of.get(start)
                 require(slot is not None and slot.base <= start and end <= slot.base + slot.nbytes,
                         f"segment at {start:#x} outside its slot")
-                live_in[id(slot)] = live_in.get(id(slot), 0) + 1
-        require(len(self._slot_of) == sum(live_in.values()), "segments the address space lacks have slots")
-        require(all(slot.n_live == live_in.get(id(slot), 0) > 0 for slot in self._slots),
-                "a slot counts other segments than it holds, or none")
-        held_in: dict[int, int] = {}
-        for start, end, what in self._space.items():
-            if isinstance(what, _Allocation):
-                held_in[id(self._slot_of[start])] = held_in.get(id(self._slot_of[start]), 0) + end - start
-        require(all(slot.room_nbytes == slot.nbytes - held_in.get(id(slot), 0) <= self._slot_room_max
-                    for slot in self._slots), "a slot's room is not what its segments leave")
-        require(all(self._slot_low <= lo < hi <= _VA_LIMIT for lo, hi in self._slot_ranges)
-                and all(slot.base >= self._slot_low for slot in self._slots), "a slot below the lowest slot")
-        require(all(isinstance(what, _Allocation) or end <= self._slot_low for _, end, what in self._space.items()),
-                "a reservation or small page among the slots")
-        require(all(self._space.find_gap(lo, hi, hi - lo) == lo for lo, hi in self._slot_ranges),
-                "a range given back by a slot is not free")
+                count = live_in.setdefault(id(slot), [0, 0])
+                count[0] += 1
+                count[1] += end - start
+            else:
+                require(end <= self._slot_low, f"a reservation or small page among the slots at {start:#x}")
+        require(len(self._slot_of) == sum(c[0] for c in live_in.values()), "segments the address space lacks have slots")
+        for slot in self._slots:
+            count = live_in.get(id(slot), [0, 0])
+            require(slot.n_live == count[0] > 0 and slot.room_nbytes == slot.nbytes - count[1] <= self._slot_room_max
+                    and slot.base >= self._slot_low, f"slot at {slot.base:#x}: its count or room is wrong")
+        require(all(self._slot_low <= lo < hi <= _VA_LIMIT and self._space.find_gap(lo, hi, hi - lo) == lo
+                    for lo, hi in self._slot_ranges), "a range given back by a slot is not free")
         require(len(book.reservations) == sum(1 for *_, w in self._space.items() if w == _RESERVED),
                 "the book has reservations the address space lacks")
         require(len(book.allocations) == sum(len(p.subs) for p in self._small_pages)

@@ -614,7 +614,7 @@ def _halving_start(start: int | None, estimate: int, max_value: int) -> int:
 #     A search that assumed the probe monotone everywhere (a model's guess of the answer, checked at the guess
 #     and one past it) replays fewer sizes but does not keep the answer: the replay is not monotone near the
 #     answer (``ModelShape(512, 1376, 4, 8000, 8, 8)`` on ``sim:gtx-1050-2gb``, prompt 64, 300 new tokens:
-#     batch 419 runs out of memory under the margin's limit where 446 fits), and the bisection lands on another
+#     batch 419 ran out of memory under the margin's limit where 446 fit, on the device of before 2026-11-29), and the bisection lands on another
 #     edge. ``find_max_batch(..., skip_gallop=False)`` keeps the search that replays every size it asks, the
 #     reference of ``tests/estimate/test_fit_search.py``.
 def _search(probes: _Probes, limit: int, usable: int, max_value: int, start: int | None,

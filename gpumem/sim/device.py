@@ -188,12 +188,15 @@ class _Allocation(Allocation):
     """A ``malloc``'d range (``native``: its :class:`SparseStore`); ``page`` is the shared small page
     it lives in, if any, and ``span_nbytes`` what it occupies there (512-byte aligned) or in pages."""
 
-    __slots__ = ("page", "span_nbytes")
+    __slots__ = ("page", "span_nbytes", "slot")
 
-    def __init__(self, start: int, nbytes: int, span_nbytes: int, page: "_SmallPage | None") -> None:
+    def __init__(self, start: int, nbytes: int, span_nbytes: int, page: "_SmallPage | None",
+                 slot: "_Slot | None" = None) -> None:
         super().__init__(start, nbytes, SparseStore(nbytes))
         self.span_nbytes = span_nbytes
         self.page = page
+        self.slot = slot
+        """A segment's slot (Note [Where the driver places a segment]); None for a small malloc."""
 
 
 class _SmallPage:
@@ -344,10 +347,9 @@ class SimDevice(Device):
         # one address space of top-level ranges: large allocations, small pages and reservations
         self._space: IntervalMap[_Allocation | _SmallPage | str] = IntervalMap()
         self._va_cursor = _VA_BASE
-        # Note [Where the driver places a segment]: slots with room, newest last; where each segment lies; the
-        # lowest slot's base; ranges emptied slots gave back, as (low, high)
+        # Note [Where the driver places a segment]: slots with room, newest last (each segment names its own);
+        # the lowest slot's base; ranges emptied slots gave back, as (low, high)
         self._slots: list[_Slot] = []
-        self._slot_of: dict[int, _Slot] = {}
         self._slot_low = _VA_LIMIT
         self._slot_ranges: list[tuple[int, int]] = []
         self._slot_room_max = 0  # at least the largest room of any slot
@@ -649,12 +651,11 @@ class SimDevice(Device):
         if span > self._free_nbytes():
             raise self._oom(nbytes)
         start, slot = self._place_segment(span)
-        alloc = _Allocation(start, nbytes, span, None)
+        alloc = _Allocation(start, nbytes, span, None, slot)
         self._space.add(start, start + span, alloc)
         slot.n_live += 1
         slot.room_nbytes -= span
         self._slot_room_max = max(self._slot_room_max, slot.room_nbytes)
-        self._slot_of[start] = slot
         self._take_pages(span // self._gran)
         return alloc
 
@@ -690,11 +691,12 @@ class SimDevice(Device):
         self._slots.append(slot)
         return base, slot
 
-    def _segment_freed(self, start: int, span: int) -> None:
-        """A segment of ``span`` bytes at ``start`` was freed: its slot gives its range back once it holds none."""
-        slot = self._slot_of.pop(start)
+    def _segment_freed(self, alloc: _Allocation) -> None:
+        """The segment ``alloc`` was freed: its slot gives its range back once it holds none."""
+        slot = alloc.slot
+        assert slot is not None
         slot.n_live -= 1
-        slot.room_nbytes += span
+        slot.room_nbytes += alloc.span_nbytes
         self._slot_room_max = max(self._slot_room_max, slot.room_nbytes)
         if slot.n_live:
             return
@@ -741,7 +743,7 @@ class SimDevice(Device):
         page = alloc.page
         if page is None:
             self._space.remove(alloc.start)
-            self._segment_freed(alloc.start, alloc.span_nbytes)
+            self._segment_freed(alloc)
             self._give_pages(alloc.span_nbytes // self._gran)
             return
         page.subs.remove(alloc.start)
@@ -1037,7 +1039,6 @@ class SimDevice(Device):
         self._small_pages.clear()
         self._space.clear()
         self._slots.clear()
-        self._slot_of.clear()
         self._slot_ranges.clear()
         self._slot_low = _VA_LIMIT
         self._slot_room_max = 0
@@ -1076,17 +1077,17 @@ class SimDevice(Device):
         # Note [Where the driver places a segment]: each segment in its slot, each slot counting its segments and
         # its room; nothing else among the slots; the ranges slots gave back free (one walk of the address space)
         live_in: dict[int, list[int]] = {}
+        slot_ids = {id(s) for s in self._slots}
         for start, end, what in self._space.items():
             if isinstance(what, _Allocation):
-                slot = self._slot_of.get(start)
-                require(slot is not None and slot.base <= start and end <= slot.base + slot.nbytes,
-                        f"segment at {start:#x} outside its slot")
+                slot = what.slot
+                require(slot is not None and slot.base <= start and end <= slot.base + slot.nbytes
+                        and id(slot) in slot_ids, f"segment at {start:#x} outside its slot")
                 count = live_in.setdefault(id(slot), [0, 0])
                 count[0] += 1
                 count[1] += end - start
             else:
                 require(end <= self._slot_low, f"a reservation or small page among the slots at {start:#x}")
-        require(len(self._slot_of) == sum(c[0] for c in live_in.values()), "segments the address space lacks have slots")
         for slot in self._slots:
             count = live_in.get(id(slot), [0, 0])
             require(slot.n_live == count[0] > 0 and slot.room_nbytes == slot.nbytes - count[1] <= self._slot_room_max

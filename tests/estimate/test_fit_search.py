@@ -178,7 +178,8 @@ def test_the_not_monotone_case_keeps_the_plain_searchs_edge():
 def test_a_decode_limited_not_monotone_case_answers_as_the_plain_search():
     kw = dict(device="sim:gtx-1050-2gb", prompt_len=64, new_tokens=300, max_value=4096)
     got, want = find_max_batch(TINY, 2, **kw), find_max_batch(TINY, 2, skip_gallop=False, **kw)
-    assert _answers(got) == _answers(want) and got.simulated == 446
+    # 446 before the device placed segments as the driver does (2026-11-29); the search still agrees with the plain one
+    assert _answers(got) == _answers(want) and got.simulated == 407
 
 
 def test_skip_gallop_must_be_a_bool():

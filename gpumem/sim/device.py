@@ -694,7 +694,8 @@ class SimDevice(Device):
     def _segment_freed(self, alloc: _Allocation) -> None:
         """The segment ``alloc`` was freed: its slot gives its range back once it holds none."""
         slot = alloc.slot
-        assert slot is not None
+        if slot is None:
+            raise InternalError(f"{self.spec}: segment at {alloc.start:#x} has no slot")
         slot.n_live -= 1
         slot.room_nbytes += alloc.span_nbytes
         self._slot_room_max = max(self._slot_room_max, slot.room_nbytes)

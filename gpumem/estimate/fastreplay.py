@@ -1174,8 +1174,8 @@ class NativeSkippingSink(PlainSink):
 #     the step's own small allocations less its own small frees: the period's steps give both, since a skipped
 #     step asks for its phase's small sizes (a block larger than its rounded request by at most the largest
 #     multiple of ``round_nbytes`` below ``min_split_small_nbytes``, 0 under ``pytorch``). The allocator's peak
-#     plus the largest such bound is therefore at or above the full replay's peak of blocks, and equal to it where nothing was skipped; small ops sent late
-#     only count more. The bound is loose: the step's small running peak comes at its end (the logits' float
+#     plus the largest such bound is therefore at or above the full replay's peak of blocks, and equal to it where
+#     nothing was skipped; small ops sent late only count more. The bound is loose: the step's small running peak comes at its end (the logits' float
 #     temporaries, up to 1 MiB each at large vocabularies) while the full replay's peak of blocks comes mid-step, so
 #     it adds up to that running peak: 0.6 MB on the 7B decode at batch 1, 1.5 MiB on a Llama-3.2-1B shape, 6.4
 #     MiB on the 3B accuracy row at batch 135 (the accuracy rows' allocated errors rise by up to 0.45 points, none

@@ -141,8 +141,9 @@ class IntervalMap(Generic[V]):
             return -(-x // alignment) * alignment
 
         cursor = lo
-        i = max(bisect.bisect_right(self._starts, lo) - 1, 0)
-        for s in self._starts[i:]:
+        starts = self._starts
+        for k in range(max(bisect.bisect_right(starts, lo) - 1, 0), len(starts)):  # no copy of the list's tail
+            s = starts[k]
             if s >= hi:
                 break
             cand = up(cursor)
@@ -151,6 +152,19 @@ class IntervalMap(Generic[V]):
             cursor = max(cursor, self._items[s][0])
         cand = up(cursor)
         return cand if cand + nbytes <= hi else None
+
+    def largest_gap(self, lo: int, hi: int) -> int:
+        """The length of the longest free run within ``[lo, hi)`` (0 where none is free)."""
+        cursor, best = lo, 0
+        starts = self._starts
+        for k in range(max(bisect.bisect_right(starts, lo) - 1, 0), len(starts)):
+            s = starts[k]
+            if s >= hi:
+                break
+            if s > cursor:
+                best = max(best, s - cursor)
+            cursor = max(cursor, self._items[s][0])
+        return max(best, hi - cursor)
 
     def items(self) -> Iterator[tuple[int, int, V]]:
         """``(start, end, value)`` of every interval, by address."""

@@ -91,6 +91,7 @@ from .clock import SimClock
 from .faults import FaultInjector, FaultKind, FaultPlan
 from .pressure import Scenario, TenantContext
 from .profiles import DeviceProfile
+from .slots import Slot as _Slot, SlotIndex
 from .storage import SparseStore
 from .streams import DONE, StreamEngine, Work
 
@@ -121,18 +122,10 @@ SEGMENT_SLOT_NBYTES = 32 * MiB
 # corpus's ``llama_varlen_train_h200`` exactly (-2.49 % before); ``moe_train_h200`` goes +0.96 % over (exact
 # before): that process's driver filled holes left before its recording began and let a segment straddle slots,
 # which this model does not know. Reservations for virtual memory and small mallocs keep their own range, upwards
-# from ``_VA_BASE``.
-class _Slot:
-    """A slot of address space holding ``malloc``'d segments (Note [Where the driver places a segment])."""
+# from ``_VA_BASE``. The slots are found by their largest gaps (:mod:`.slots`, Note [Finding the newest slot with
+# room]).
 
-    __slots__ = ("base", "nbytes", "n_live", "room_nbytes")
 
-    def __init__(self, base: int, nbytes: int) -> None:
-        self.base = base
-        self.nbytes = nbytes
-        self.n_live = 0
-        self.room_nbytes = nbytes
-        """Bytes no segment holds (a gap that fits is looked for only where this is enough)."""
 #: What the sanitizer does about a hazard (Note [What the sanitizer looks at] in :mod:`gpumem.sim.streams`).
 SANITIZER_MODES = ("raise", "count", "off")
 
@@ -347,12 +340,12 @@ class SimDevice(Device):
         # one address space of top-level ranges: large allocations, small pages and reservations
         self._space: IntervalMap[_Allocation | _SmallPage | str] = IntervalMap()
         self._va_cursor = _VA_BASE
-        # Note [Where the driver places a segment]: slots with room, newest last (each segment names its own);
-        # the lowest slot's base; ranges emptied slots gave back, as (low, high)
-        self._slots: list[_Slot] = []
+        # Note [Where the driver places a segment]: the slots holding segments, in creation order (each segment
+        # names its own; Note [Finding the newest slot with room]); the lowest slot's base; ranges emptied slots
+        # gave back, as (low, high)
+        self._slots = SlotIndex()
         self._slot_low = _VA_LIMIT
         self._slot_ranges: list[tuple[int, int]] = []
-        self._slot_room_max = 0  # at least the largest room of any slot
         self._small_pages: list[_SmallPage] = []  # in creation order: small mallocs fit first there
         self._tenants: list[_Tenant] = []
         self._twins: list[Callable[[], None]] = []
@@ -655,27 +648,27 @@ class SimDevice(Device):
         self._space.add(start, start + span, alloc)
         slot.n_live += 1
         slot.room_nbytes -= span
-        self._slot_room_max = max(self._slot_room_max, slot.room_nbytes)
+        if slot.n_live > 1:  # a new slot's gap was set where it was made
+            self._slot_changed(slot)
         self._take_pages(span // self._gran)
         return alloc
 
     def _place_segment(self, span: int) -> "tuple[int, _Slot]":
         """Where a segment of ``span`` bytes goes, and its slot (Note [Where the driver places a segment])."""
-        if span <= self._slot_room_max:  # else no slot has the room: no walk (a growing tensor's segments)
-            largest = 0
-            for slot in reversed(self._slots):
-                room = slot.room_nbytes
-                if room >= span:  # most slots are full: no search there
-                    at = self._space.find_gap(slot.base, slot.base + slot.nbytes, span, self._gran)
-                    if at is not None:
-                        return at, slot
-                largest = max(largest, room)
-            self._slot_room_max = largest  # every slot was seen
+        slot = self._slots.newest_with_gap(span)
+        if slot is not None:  # Note [Finding the newest slot with room]
+            at = self._space.find_gap(slot.base, slot.base + slot.nbytes, span, self._gran)
+            if at is None:
+                raise InternalError(f"{self.spec}: slot at {slot.base:#x} has no gap of {span} bytes, its books say "
+                                    f"{slot.gap_nbytes}")
+            return at, slot
         size = align_up(span, SEGMENT_SLOT_NBYTES)
         ranges = self._slot_ranges
-        best = max((i for i, (lo, hi) in enumerate(ranges) if hi - lo >= size), key=lambda i: ranges[i][1],
-                   default=None)
-        if best is not None:  # above the lowest slot: nothing but segments is ever placed there
+        best, best_hi = -1, 0
+        for i, (lo, hi) in enumerate(ranges):  # the highest range that can take it
+            if hi - lo >= size and hi > best_hi:
+                best, best_hi = i, hi
+        if best >= 0:  # above the lowest slot: nothing but segments is ever placed there
             lo, hi = ranges.pop(best)
             base = hi - size
             if base > lo:
@@ -683,13 +676,19 @@ class SimDevice(Device):
         else:
             # below every slot, where reservations and small pages may have come up to: the range must be free
             base = self._slot_low - size
-            if base < _VA_BASE or self._space.find_gap(base, base + size, size) is None:
+            if base < _VA_BASE or self._space.first_overlap(base, base + size) is not None:
                 raise OutOfMemoryError(span, self._free_nbytes(), self.profile.total_nbytes, device=self.spec,
                                        hint="(virtual address space exhausted)")
             self._slot_low = base
         slot = _Slot(base, size)
-        self._slots.append(slot)
+        slot.gap_nbytes = size - span  # the segment goes at its base, the rest one gap
+        self._slots.add(slot)
         return base, slot
+
+    def _slot_changed(self, slot: _Slot) -> None:
+        """A segment came into ``slot`` or left it (still holding some): its largest gap read again."""
+        slot.gap_nbytes = self._space.largest_gap(slot.base, slot.base + slot.nbytes)
+        self._slots.update(slot)
 
     def _segment_freed(self, alloc: _Allocation) -> None:
         """The segment ``alloc`` was freed: its slot gives its range back once it holds none."""
@@ -698,8 +697,8 @@ class SimDevice(Device):
             raise InternalError(f"{self.spec}: segment at {alloc.start:#x} has no slot")
         slot.n_live -= 1
         slot.room_nbytes += alloc.span_nbytes
-        self._slot_room_max = max(self._slot_room_max, slot.room_nbytes)
         if slot.n_live:
+            self._slot_changed(slot)
             return
         self._slots.remove(slot)
         lo, hi = slot.base, slot.base + slot.nbytes
@@ -1042,7 +1041,6 @@ class SimDevice(Device):
         self._slots.clear()
         self._slot_ranges.clear()
         self._slot_low = _VA_LIMIT
-        self._slot_room_max = 0
         self._process_pages = 0
         self._n_mappings = 0
 
@@ -1089,10 +1087,12 @@ class SimDevice(Device):
                 count[1] += end - start
             else:
                 require(end <= self._slot_low, f"a reservation or small page among the slots at {start:#x}")
+        self._slots.check()
         for slot in self._slots:
             count = live_in.get(id(slot), [0, 0])
-            require(slot.n_live == count[0] > 0 and slot.room_nbytes == slot.nbytes - count[1] <= self._slot_room_max
-                    and slot.base >= self._slot_low, f"slot at {slot.base:#x}: its count or room is wrong")
+            require(slot.n_live == count[0] > 0 and slot.room_nbytes == slot.nbytes - count[1]
+                    and slot.gap_nbytes == self._space.largest_gap(slot.base, slot.base + slot.nbytes)
+                    and slot.base >= self._slot_low, f"slot at {slot.base:#x}: its count, room or gap is wrong")
         require(all(self._slot_low <= lo < hi <= _VA_LIMIT and self._space.find_gap(lo, hi, hi - lo) == lo
                     for lo, hi in self._slot_ranges), "a range given back by a slot is not free")
         require(len(book.reservations) == sum(1 for *_, w in self._space.items() if w == _RESERVED),

@@ -68,6 +68,13 @@ def test_interval_map_matches_a_naive_model(ops, probes):
             candidates = [a for a in range(0, SPAN + 50 - n + 1, align)
                           if not _model_overlaps(model, a, a + n)]
             assert gap == (candidates[0] if candidates else None)
+        # the longest free run within [point, end): the largest n such that some [a, a + n) there is free
+        free = [not _model_overlaps(model, a, a + 1) for a in range(point, end)]
+        run = best = 0
+        for f in free:
+            run = run + 1 if f else 0
+            best = max(best, run)
+        assert m.largest_gap(point, end) == best
 
 
 def test_interval_map_refuses_bad_intervals():

@@ -141,9 +141,8 @@ class IntervalMap(Generic[V]):
             return -(-x // alignment) * alignment
 
         cursor = lo
-        starts = self._starts
-        for k in range(max(bisect.bisect_right(starts, lo) - 1, 0), len(starts)):  # no copy of the list's tail
-            s = starts[k]
+        i = max(bisect.bisect_right(self._starts, lo) - 1, 0)
+        for s in self._starts[i:]:
             if s >= hi:
                 break
             cand = up(cursor)
@@ -156,9 +155,8 @@ class IntervalMap(Generic[V]):
     def largest_gap(self, lo: int, hi: int) -> int:
         """The length of the longest free run within ``[lo, hi)`` (0 where none is free)."""
         cursor, best = lo, 0
-        starts = self._starts
-        for k in range(max(bisect.bisect_right(starts, lo) - 1, 0), len(starts)):
-            s = starts[k]
+        i = max(bisect.bisect_right(self._starts, lo) - 1, 0)
+        for s in self._starts[i:]:
             if s >= hi:
                 break
             if s > cursor:

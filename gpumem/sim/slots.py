@@ -64,7 +64,6 @@ class SlotIndex:
         """The slots, oldest first."""
         return (s for s in self._slots if s is not None)
 
-
     def add(self, slot: Slot) -> None:
         """Add ``slot`` as the newest."""
         if slot.pos >= 0:
@@ -79,10 +78,14 @@ class SlotIndex:
 
     def update(self, slot: Slot) -> None:
         """``slot.gap_nbytes`` changed."""
+        if slot.pos < 0:
+            raise InternalError("the slot is in no index")
         self._gaps[slot.pos] = slot.gap_nbytes
         self._gap_bound = max(self._gap_bound, slot.gap_nbytes)
 
     def remove(self, slot: Slot) -> None:
+        if slot.pos < 0:
+            raise InternalError("the slot is in no index")
         self._gaps[slot.pos] = -1
         self._slots[slot.pos] = None
         slot.pos = -1

@@ -71,6 +71,10 @@ def test_a_slot_added_twice_or_broken_books_are_an_internal_error():
     index._gaps[0] = 99  # noqa: SLF001 (the books broken on purpose)
     with pytest.raises(InternalError):
         index.check()
+    gone = Slot(32, 32)
+    for call in (index.update, index.remove):  # a slot in no index: refused, not written at position -1
+        with pytest.raises(InternalError):
+            call(gone)
 
 
 def _walking_place_segment(self, span):

@@ -152,6 +152,23 @@ class IntervalMap(Generic[V]):
         cand = up(cursor)
         return cand if cand + nbytes <= hi else None
 
+    def free_run(self, lo: int, hi: int, at: int) -> tuple[int, int]:
+        """``(start, end)``: the free run within ``[lo, hi)`` that holds ``at`` (``lo <= at < hi``, not inside an
+        interval: else :class:`~gpumem.errors.InternalError`)."""
+        if not lo <= at < hi:
+            raise InternalError(f"free_run: {at:#x} is not in [{lo:#x}, {hi:#x})")
+        starts = self._starts
+        i = bisect.bisect_right(starts, at) - 1
+        start, end = lo, hi
+        if i >= 0:
+            e = self._items[starts[i]][0]
+            if e > at:
+                raise InternalError(f"free_run: {at:#x} is inside the interval at {starts[i]:#x}")
+            start = max(lo, e)
+        if i + 1 < len(starts):
+            end = min(hi, starts[i + 1])
+        return start, end
+
     def largest_gap(self, lo: int, hi: int) -> int:
         """The length of the longest free run within ``[lo, hi)`` (0 where none is free)."""
         cursor, best = lo, 0

@@ -100,6 +100,9 @@ log = logging.getLogger(__name__)
 #: ``cudaMalloc`` requests up to this size are packed into shared pages (measured on the H200).
 SMALL_MALLOC_MAX_NBYTES = 1 * MiB
 SMALL_MALLOC_ALIGNMENT = 512
+#: A shared page of small ``malloc``'s is this large, or one granularity page where that is larger (a page of a
+#: granularity under 1 MiB could not hold a small request: attacker 26).
+SMALL_PAGE_NBYTES = 2 * MiB
 _VA_BASE = 0x7F00_0000_0000
 _VA_LIMIT = 1 << 48
 #: ``cudaMalloc`` puts a segment of more than :data:`SMALL_MALLOC_MAX_NBYTES` in slots of this size (Note [Where the
@@ -193,7 +196,8 @@ class _Allocation(Allocation):
 
 
 class _SmallPage:
-    """A granularity page that packs small ``malloc``'s, like the CUDA driver does."""
+    """A page (:data:`SMALL_PAGE_NBYTES`, at least one granularity page) that packs small ``malloc``'s, like the
+    CUDA driver does."""
 
     __slots__ = ("start", "nbytes", "subs")
 
@@ -644,11 +648,14 @@ class SimDevice(Device):
         if span > self._free_nbytes():
             raise self._oom(nbytes)
         start, slot = self._place_segment(span)
+        # the gap it goes into: only where that was the slot's largest can the largest change (a new slot's gap
+        # was set where it was made)
+        lo, hi = self._space.free_run(slot.base, slot.base + slot.nbytes, start)
         alloc = _Allocation(start, nbytes, span, None, slot)
         self._space.add(start, start + span, alloc)
         slot.n_live += 1
         slot.room_nbytes -= span
-        if slot.n_live > 1:  # a new slot's gap was set where it was made
+        if slot.n_live > 1 and hi - lo == slot.gap_nbytes:
             self._slot_changed(slot)
         self._take_pages(span // self._gran)
         return alloc
@@ -697,8 +704,11 @@ class SimDevice(Device):
             raise InternalError(f"{self.spec}: segment at {alloc.start:#x} has no slot")
         slot.n_live -= 1
         slot.room_nbytes += alloc.span_nbytes
-        if slot.n_live:
-            self._slot_changed(slot)
+        if slot.n_live:  # the gap it leaves, merged with its neighbours', may be the new largest
+            lo, hi = self._space.free_run(slot.base, slot.base + slot.nbytes, alloc.start)
+            if hi - lo > slot.gap_nbytes:
+                slot.gap_nbytes = hi - lo
+                self._slots.update(slot)
             return
         self._slots.remove(slot)
         lo, hi = slot.base, slot.base + slot.nbytes
@@ -723,13 +733,14 @@ class SimDevice(Device):
             if at is not None:
                 break
         else:
-            if self._gran > self._free_nbytes():
+            page_nbytes = align_up(SMALL_PAGE_NBYTES, self._gran)
+            if page_nbytes > self._free_nbytes():
                 raise self._oom(nbytes)
-            start = self._va_alloc(self._gran, self._gran)
-            page = _SmallPage(start, self._gran)
-            self._space_add(start, self._gran, page)
+            start = self._va_alloc(page_nbytes, self._gran)
+            page = _SmallPage(start, page_nbytes)
+            self._space_add(start, page_nbytes, page)
             self._small_pages.append(page)
-            self._take_pages(1)
+            self._take_pages(page_nbytes // self._gran)
             at = start
         alloc = _Allocation(at, nbytes, span, page)
         page.subs.add(at, at + span, alloc)
@@ -750,7 +761,7 @@ class SimDevice(Device):
         if not page.subs:
             self._small_pages.remove(page)
             self._space.remove(page.start)
-            self._give_pages(1)
+            self._give_pages(page.nbytes // self._gran)
 
     # -- Device: virtual memory management -----------------------------------------------------------
     def _do_address_reserve(self, nbytes: int, alignment: int) -> int:
@@ -1069,7 +1080,7 @@ class SimDevice(Device):
                 what.subs.check()
                 for s, _, sub in what.subs.items():
                     require(book.allocations.get(s) is sub, f"small allocation at {s:#x} not in the book")
-                pages += 1
+                pages += what.nbytes // self._gran
             else:
                 require(start in book.reservations and book.reservations.end_of(start) == end,
                         f"reservation at {start:#x} not in the book")

@@ -75,6 +75,18 @@ def test_interval_map_matches_a_naive_model(ops, probes):
             run = run + 1 if f else 0
             best = max(best, run)
         assert m.largest_gap(point, end) == best
+        # the free run that holds a free address, within [point, end)
+        if not _model_overlaps(model, point, point + 1):
+            lo = point
+            while lo > 0 and not _model_overlaps(model, lo - 1, lo):
+                lo -= 1
+            hi = point + 1
+            while hi < end and not _model_overlaps(model, hi, hi + 1):
+                hi += 1
+            assert m.free_run(0, end, point) == (lo, hi)
+        else:
+            with pytest.raises(InternalError):
+                m.free_run(0, end, point)
 
 
 def test_interval_map_refuses_bad_intervals():

@@ -132,3 +132,49 @@ def test_a_slot_with_the_room_split_in_two_is_passed_over():
         dev.check_invariants()
     finally:
         dev.close()
+
+
+def test_a_slot_holding_many_segments_keeps_its_gap_as_segments_come_and_go():
+    """A slot whose large segment was freed while a segment in its leftover room stayed (attacker 26): it takes
+    every later segment; each malloc and free keeps its largest gap right (the device's invariants compare it with
+    a walk of the slot) without reading the whole slot each time."""
+    dev = open_device("sim:h200-141gb")
+    try:
+        big = dev.malloc(400 * 2 * MiB)  # a 800 MiB segment in a slot of 800 MiB: no room
+        kept = dev.malloc(20 * MiB)  # a slot of its own, below
+        big2 = dev.malloc(700 * MiB)  # a 704 MiB slot, 4 MiB left above it
+        small = dev.malloc(4 * MiB)  # in that leftover
+        dev.free(big2)  # the slot keeps 700 MiB of gap below `small`
+        ptrs = [dev.malloc(4 * MiB) for _ in range(150)]
+        assert all(small - 700 * MiB <= p < small for p in ptrs)  # all in the emptied slot's gap
+        dev.check_invariants()
+        for p in ptrs[::3]:
+            dev.free(p)
+        dev.check_invariants()
+        ptrs = [p for k, p in enumerate(ptrs) if k % 3] + [dev.malloc(6 * MiB) for _ in range(20)]
+        dev.check_invariants()
+        for p in ptrs + [small, kept, big]:
+            dev.free(p)
+        dev.check_invariants()
+    finally:
+        dev.close()
+
+
+def test_small_mallocs_on_a_device_of_small_pages_share_pages_of_2_mib():
+    """A granularity under 1 MiB (a custom profile) once made small pages of one granularity page, which a small
+    request overflowed, breaking the books (attacker 26): small pages are 2 MiB there."""
+    from gpumem.sim.device import SimDevice
+    from gpumem.sim.profiles import custom_profile
+
+    dev = SimDevice(custom_profile("g4k", 1 << 30, granularity_nbytes=4096))
+    try:
+        before = dev.accounting()
+        a, b = dev.malloc(1 << 20), dev.malloc(1 << 20)
+        assert b == a + (1 << 20)  # the second in the first one's page
+        dev.check_invariants()
+        dev.free(a)
+        dev.free(b)
+        dev.check_invariants()
+        assert dev.accounting() == before
+    finally:
+        dev.close()

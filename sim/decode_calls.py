@@ -2,7 +2,8 @@
 
 Issue 18, point 3 (per-operation cost in steady state). The estimate's emitter
 (:func:`gpumem.estimate.workload.stream_inference`: loading the weights, the prefill, then every decode step
-with the DynamicCache grown by ``torch.cat``) drives one allocator per policy on ``sim:h200-141gb`` priced as
+with the DynamicCache grown by ``torch.cat``; the decode slack where the estimate gives it, Note [The decode slack
+for stolen pages] in ``gpumem/estimate/fit.py``) drives one allocator per policy on ``sim:h200-141gb`` priced as
 measured (``LatencyModel.as_measured()``); after each decode step the allocator's device calls (memory calls)
 and event calls, the simulated cost of every device call (µs), and the memory held are read. Per window of
 ``--window`` steps it prints the calls per step, the modelled µs per step, and the most memory held, for each
@@ -33,6 +34,7 @@ from typing import Any
 
 from gpumem.allocator import make_allocator
 from gpumem.errors import GpumemError, OutOfMemoryError
+from gpumem.estimate.fit import decode_slack_for
 from gpumem.estimate.shape import ModelShape
 from gpumem.estimate.workload import stream_inference
 from gpumem.sim import get_profile
@@ -138,10 +140,12 @@ def decode_run(shape: ModelShape, policy: str, *, prompt: int, new_tokens: int, 
     dev = open_device(f"sim:{PROFILE}", profile=profile)
     run = PolicyRun(policy)
     try:
-        alloc = make_allocator(dev, parse_policy(policy))
+        pol = parse_policy(policy)
+        alloc = make_allocator(dev, pol)
         sink = _Sink(alloc, dev, window, run)
+        # the ops the estimate replays under this policy (Note [The decode slack for stolen pages])
         stream_inference(shape, dtype_bytes, (sink,), prompt_len=prompt, new_tokens=new_tokens,
-                         on_step=sink.end_step)
+                         on_step=sink.end_step, decode_slack=decode_slack_for(pol))
         alloc.close()
     finally:
         dev.close()

@@ -116,11 +116,11 @@ Note [Overhead]
 
     Those 19 MiB turned out to be PyTorch's blocks, not requests: a KV-cache ``torch.cat`` gets a cached block
     up to 1 MiB larger than it asks for, which the estimate now reads from the ``pytorch`` replay's peak of
-    blocks (Note [Allocated as PyTorch counts it] in :mod:`.fit`); no recorded decode makes such a block. The
-    decode slack (``DECODE_SLACK_PER_Q_NBYTES``) is kept for the ``gpumem`` figure of long decodes, where it
-    stands in for the GPU's lag that an idle replay does not model: without it that figure falls under
-    gpumem.torch's live peak reserved (-0.07 % and -0.19 % on the 2,048-token SDPA decodes to 4,500 and 6,000
-    tokens), while no row of the accuracy table goes under (``reports/decode-slack-2026-11-29.md``).
+    blocks (Note [Allocated as PyTorch counts it] in :mod:`.fit`); no recorded decode makes such a block. So
+    the program's ops are made without it; the decode slack (``DECODE_SLACK_PER_Q_NBYTES``, ``decode_slack=True``)
+    is given only to the replay of policies whose pages are stolen (``gpumem``), where it stands in for the GPU's
+    lag that an idle replay does not model (Note [The decode slack for stolen pages] in :mod:`.fit`,
+    ``reports/decode-slack-2026-11-29.md``).
 
     Those small buffers (``MISC_NBYTES``, and ``BACKWARD_MISC_NBYTES`` in training) are requests of 1 MiB or
     less, which PyTorch serves from its small pool of 2 MiB segments; the trace makes them as 1 MiB blocks
@@ -168,9 +168,10 @@ INFERENCE_MISC_NBYTES = 5 * MiB
 BACKWARD_MISC_NBYTES = 16 * MiB
 """Training: small buffers of autograd and the optimizer beyond the two cuBLAS workspaces (Note [Overhead])."""
 DECODE_SLACK_PER_Q_NBYTES = 6 * 1024
-"""Multi-head (not grouped) attention: a block held through each decode forward, per query width (Note [Overhead]:
-19 MiB measured on the 7B model, q width 4096, none on the grouped-query models; since found to be PyTorch's block
-rounding, and kept for the ``gpumem`` figure of long decodes)."""
+"""Multi-head (not grouped) attention: a block held through each decode forward, per query width, in the replay of
+policies whose pages are stolen only (Note [Overhead]: 19 MiB measured on the 7B model, q width 4096, none on the
+grouped-query models; since found to be PyTorch's block rounding, and kept as the ``gpumem`` replay's stand-in for
+the GPU's lag)."""
 
 DECODE_HEAD_STEPS = 2
 """Decode steps simulated one by one before the jump to the last (Note [Decode steps simulated])."""
@@ -652,13 +653,15 @@ def decode_steps_simulated(new_tokens: int, *, full: bool = False) -> list[int]:
 
 def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1, prompt_len: int,
                     new_tokens: int = 0, full_decode: bool = False, weight_format: WeightFormat | None = None,
-                    workspace_nbytes: int = 0) -> WorkloadTrace:
+                    workspace_nbytes: int = 0, decode_slack: bool = False) -> WorkloadTrace:
     """The allocations of loading the weights and running ``generate()`` (greedy, DynamicCache, SDPA).
 
     Only the decode steps of :func:`decode_steps_simulated` are in the trace (all of them with
     ``full_decode=True``, the reference: Note [Decode steps simulated]); its size does not grow with
     ``new_tokens``. ``weight_format``: the projections' format (:mod:`.formats`; ``dtype_bytes`` is then the
     rest's and the activations'), ``workspace_nbytes`` a dequantization workspace held from the start.
+    ``decode_slack``: the decode slack of Note [Overhead] in every decode forward (what the replay of a policy
+    whose pages are stolen is given; not the program's own requests).
     """
     _check("batch_size", batch_size)
     _check("prompt_len", prompt_len)
@@ -668,7 +671,7 @@ def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1,
     e = _Emitter(f"generate b={batch_size} p={prompt_len} n={new_tokens}")
     steps = decode_steps_simulated(new_tokens, full=full_decode)
     _emit_inference(e, shape, dtype_bytes, batch_size, prompt_len, new_tokens, steps, None, weight_format,
-                    workspace_nbytes)
+                    workspace_nbytes, decode_slack=decode_slack)
     w = e.build()
     w.complete = len(steps) == max(new_tokens - 1, 0)
     return w
@@ -677,11 +680,13 @@ def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1,
 def stream_inference(shape: ModelShape, dtype_bytes: int, sinks: Sequence[OpSink], *, batch_size: int = 1,
                      prompt_len: int, new_tokens: int = 0, on_step: Callable[[int], None] | None = None,
                      weight_format: WeightFormat | None = None, workspace_nbytes: int = 0,
-                     jump: "Callable[[int, _Emitter, list[int], list[int]], int] | None" = None) -> None:
+                     jump: "Callable[[int, _Emitter, list[int], list[int]], int] | None" = None,
+                     decode_slack: bool = False) -> None:
     """Send every op of ``generate()`` (every decode step, as ``inference_trace(..., full_decode=True)``
     makes them) to ``sinks`` as they are made, keeping none: memory does not grow with ``new_tokens``.
     ``on_step(step)`` is called after the prefill (0) and each decode step; ``jump``: see
-    :func:`_emit_inference` (:mod:`.fastreplay` makes the decode steps from a template)."""
+    :func:`_emit_inference` (:mod:`.fastreplay` makes the decode steps from a template); ``decode_slack``: as in
+    :func:`inference_trace`."""
     _check("batch_size", batch_size)
     _check("prompt_len", prompt_len)
     _check("new_tokens", new_tokens, 0)
@@ -689,7 +694,8 @@ def stream_inference(shape: ModelShape, dtype_bytes: int, sinks: Sequence[OpSink
     check_weight_format(weight_format)
     e = _Emitter(f"generate b={batch_size} p={prompt_len} n={new_tokens}", record=False, sinks=tuple(sinks))
     _emit_inference(e, shape, dtype_bytes, batch_size, prompt_len, new_tokens,
-                    range(1, max(new_tokens, 1)), on_step, weight_format, workspace_nbytes, jump)
+                    range(1, max(new_tokens, 1)), on_step, weight_format, workspace_nbytes, jump,
+                    decode_slack=decode_slack)
 
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -761,7 +767,8 @@ def weights_nbytes(shape: ModelShape, dtype_bytes: int, fmt: WeightFormat | None
 def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size: int, prompt_len: int,
                     new_tokens: int, steps: Iterable[int], on_step: Callable[[int], None] | None = None,
                     fmt: WeightFormat | None = None, workspace_nbytes: int = 0,
-                    jump: "Callable[[int, _Emitter, list[int], list[int]], int] | None" = None) -> None:
+                    jump: "Callable[[int, _Emitter, list[int], list[int]], int] | None" = None, *,
+                    decode_slack: bool = False) -> None:
     """The ops of loading the weights and ``generate()`` into ``e``. ``jump(step, e, [ids, mask], cache)``,
     called after each decode step (``steps`` then contiguous), may make the ops of the steps after it itself
     and return the last step it made, having updated ``e``, ids, mask and cache as those steps leave them."""
@@ -793,7 +800,7 @@ def _emit_inference(e: _Emitter, shape: ModelShape, dtype_bytes: int, batch_size
         grown = e.alloc(batch_size * (prompt_len + step) * 8)  # then grows the mask, both by torch.cat
         e.free(mask)
         mask = grown
-        slack = DECODE_SLACK_PER_Q_NBYTES * shape.q_dim if shape.n_kv_heads == shape.n_heads else 0
+        slack = DECODE_SLACK_PER_Q_NBYTES * shape.q_dim if decode_slack and shape.n_kv_heads == shape.n_heads else 0
         _forward(e, shape, batch_size, 1, d_act, cache, prompt_len + step, slack)
         if on_step is not None:
             on_step(step)

@@ -162,7 +162,9 @@ def decode_slack_for(policy: Any) -> bool:
 #   made without it. The ``gpumem`` replay keeps it: there it stands in for the GPU's lag (pages freed while
 #   queued work still reads them are not stolen live), without which that figure falls under gpumem.torch's live
 #   peak reserved on the 2,048-token decodes (-0.07 %, -0.19 %). ``reports/decode-slack-2026-11-29.md``.
-#   Policies with and without it take two op streams (Note [One stream, every policy] holds within each).
+#   Policies with and without it take two op streams (Note [One stream, every policy] holds within each). The
+#   choice reads the policy, not the device: ``gpumem`` on a device without virtual memory runs on segments,
+#   steals nothing, and still gets the slack (its figure as before, a little high there: attacker 27).
 
 
 def _check_policies(policies: object) -> None:
@@ -178,8 +180,9 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
                      workspace_nbytes: int = 0, full_replay: bool = False) -> list[ReservedEstimate]:
     """Peak reserved of ``generate()`` under each policy: every op of every decode step replayed as it is
     made (:func:`~gpumem.estimate.workload.stream_inference`), so memory stays bounded while the figures
-    are those of replaying ``inference_trace(..., full_decode=True)``. ``bar`` (a progress bar) advances by
-    one per step and policy.
+    are those of replaying ``inference_trace(..., full_decode=True, decode_slack=decode_slack_for(policy))``
+    (Note [The decode slack for stolen pages]); ``peak_allocated_bytes`` is the program's requests' peak, without
+    the slack. ``bar`` (a progress bar) advances by one per step and policy.
 
     The default path makes the ops once for all policies and leaves out small-pool ops where they cannot
     change anything (Notes [One stream, every policy], [Small pool skipped at a fixed point] and [Expandable's
@@ -427,7 +430,9 @@ def estimate_peak_reserved(w: WorkloadTrace, policies: "tuple[str, ...] | list[s
     replay that runs out of memory is reported with ``fits=False`` and the peak it reached.
 
     An inference trace holds only some decode steps (Note [Decode steps simulated]); the reserved figures of
-    ``generate()`` come from :func:`replay_inference`, which replays every step."""
+    ``generate()`` come from :func:`replay_inference`, which replays every step, and gives a policy whose pages
+    are stolen the decode slack (Note [The decode slack for stolen pages]): a trace replayed here has only what
+    it was built with."""
     _check_policies(policies)
     if not policies:
         raise InvalidArgumentError("estimate_peak_reserved: give at least one policy")

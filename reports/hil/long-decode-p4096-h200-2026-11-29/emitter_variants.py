@@ -4,7 +4,10 @@ prefill's end to the last step: peak reserved and the device's calls (twin off, 
 
     PYTHONPATH=. python reports/hil/long-decode-p4096-h200-2026-11-29/emitter_variants.py
 
-Prints one row per variant and length; the record's figures come from it (this machine's CPU, a few minutes)."""
+Prints one row per variant and length; the record's figures come from it (this machine's CPU, a few minutes).
+Since the twelfth session (Note [The decode slack for stolen pages] in gpumem/estimate/fit.py) the printed peak
+allocated is the program's requests without the slack (the record's column had it), and the held variant patches
+the emitter's line as it now reads; peak reserved and the calls are the record's."""
 
 import inspect
 import time
@@ -18,19 +21,28 @@ LLAMA_7B = ModelShape(4096, 11008, 32, 32000, 32, 32)
 SHIPPED = W._emit_inference
 
 
+def _replace(src: str, old: str, new: str) -> str:
+    if src.count(old) != 1:  # the emitter's source moved on: say so rather than replay another variant
+        raise SystemExit(f"emitter_variants.py: the emitter's source no longer has the line to patch: {old.strip()[:70]!r}")
+    return src.replace(old, new)
+
+
 def _held_variant():
-    """_emit_inference with the workspace allocated once after the prefill and freed at the end."""
+    """_emit_inference with the workspace allocated once after the prefill (where the slack is given: the gpumem
+    replay, Note [The decode slack for stolen pages] since the twelfth session) and freed at the end."""
     src = inspect.getsource(SHIPPED)
-    src = src.replace("""    if on_step is not None:
+    src = _replace(src, """    if on_step is not None:
         on_step(0)
     steps = list(steps)
 """, """    steps = list(steps)
     ws = e.alloc(DECODE_SLACK_PER_Q_NBYTES * shape.q_dim, Category.OVERHEAD) \\
-        if shape.n_kv_heads == shape.n_heads and steps else -1
+        if decode_slack and shape.n_kv_heads == shape.n_heads and steps else -1
     if on_step is not None:
         on_step(0)
-""").replace("""        slack = DECODE_SLACK_PER_Q_NBYTES * shape.q_dim if shape.n_kv_heads == shape.n_heads else 0
-        _forward(e, shape, batch_size, 1, d_act, cache, prompt_len + step, slack)""", """        _forward(e, shape, batch_size, 1, d_act, cache, prompt_len + step, 0)""").replace("""    e.free(ids, mask)
+""")
+    src = _replace(src, """        slack = DECODE_SLACK_PER_Q_NBYTES * shape.q_dim if decode_slack and shape.n_kv_heads == shape.n_heads else 0
+        _forward(e, shape, batch_size, 1, d_act, cache, prompt_len + step, slack)""", """        _forward(e, shape, batch_size, 1, d_act, cache, prompt_len + step, 0)""")
+    src = _replace(src, """    e.free(ids, mask)
 """, """    e.free(ids, mask)
     if ws >= 0:
         e.free(ws)

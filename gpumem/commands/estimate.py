@@ -313,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     device = first["device"]
     judged = f"RES {pols[0]}" if pols else "PEAK ALLOC"
-    footer = [f"peak in: {first['peak_phase']}; ACTIV. = activations and temporaries at the peak"]
+    footer = [f"peak in: {first['peak_phase']} (where the requests peak; MODEL ... OVERHEAD split that peak); "
+              "ACTIV. = activations and temporaries at the peak"]
     if not args.training:
         footer.append("KV @PEAK = the key/value cache at the peak (not after the last token)")
     else:
@@ -322,10 +323,12 @@ def run(args: argparse.Namespace) -> int:
     blocks = ["trace_peak_allocated_bytes" in r for r in rows]
     if all(blocks):
         footer.append("PEAK ALLOC = allocated blocks as PyTorch counts them (the pytorch replay; a block keeps a "
-                      "remainder of up to 1 MiB), at or above MODEL + ... + OVERHEAD, the requests")
+                      "remainder of up to 1 MiB), at or above MODEL + ... + OVERHEAD, the requests, which is what "
+                      "gpumem.torch counts (--json: trace_peak_allocated_bytes)")
     elif any(blocks):
         footer.append("PEAK ALLOC = allocated blocks as PyTorch counts them where the pytorch replay fit (at or "
-                      "above the requests, MODEL + ... + OVERHEAD), the requests where it ran out of memory")
+                      "above the requests, MODEL + ... + OVERHEAD, what gpumem.torch counts), the requests where it "
+                      "ran out of memory")
     else:
         footer.append("PEAK ALLOC = the requests at the peak (MODEL + ... + OVERHEAD)")
     if pols:

@@ -130,6 +130,10 @@ class ReservedEstimate:
     remainder the allocator does not split off), what ``torch.cuda.max_memory_allocated`` reports. A replay that
     left out small ops gives a bound at or above it (Note [The peak of blocks on the fast path] in
     :mod:`.fastreplay`), so it is not compared with ``==``."""
+    alloc_retries: int = field(default=0, compare=False)
+    """Out-of-memory retries the replay made (the allocator gave cached memory back to stay within the limit). A
+    replay that made none is the replay under any limit at or above its peak reserved (Note [Probes share
+    replays])."""
 
 
 def _replay(w: WorkloadTrace, device: "str | Device", policy: str, limit: int | None = None) -> ReservedEstimate:
@@ -138,7 +142,7 @@ def _replay(w: WorkloadTrace, device: "str | Device", policy: str, limit: int | 
     spec = device if isinstance(device, str) else device.spec
     return ReservedEstimate(policy, spec, w.peak_nbytes, r.peak_reserved_bytes, r.oom_message is None,
                             r.oom_message or "", bool(getattr(r.oom_error, "injected", False)),
-                            r.stats.peak_allocated_nbytes)
+                            r.stats.peak_allocated_nbytes, r.stats.num_alloc_retries)
 
 
 def decode_slack_for(policy: Any) -> bool:
@@ -259,7 +263,8 @@ def _prefix_result(prefix: WorkloadTrace, device: "str | Device", policy: str, l
     """The replay of the prefix trace as the full path reports it."""
     first = _replay(prefix, device, policy, limit)
     return ReservedEstimate(policy, first.device, peak_nbytes, first.peak_reserved_bytes, first.fits,
-                            first.oom_message, first.injected_fault, first.peak_block_allocated_bytes)
+                            first.oom_message, first.injected_fault, first.peak_block_allocated_bytes,
+                            first.alloc_retries)
 
 
 # Note [The fast path on the native engine]
@@ -340,9 +345,11 @@ def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], d
             if not full_replay and s.needs_prefix_trace:
                 check.append(len(out))
             err = s.error
-            out.append(ReservedEstimate(p, d.spec, peak_nbytes, a.snapshot_stats().peak_reserved_nbytes,
+            st = a.snapshot_stats()
+            out.append(ReservedEstimate(p, d.spec, peak_nbytes, st.peak_reserved_nbytes,
                                         err is None, "" if err is None else str(err),
-                                        bool(getattr(err, "injected", False)), s.peak_block_allocated_nbytes()))
+                                        bool(getattr(err, "injected", False)), s.peak_block_allocated_nbytes(),
+                                        st.num_alloc_retries))
     finally:
         for a in allocators:
             a.close()
@@ -585,7 +592,7 @@ class _Probes:
                 if r.injected_fault:
                     raise self._fault(v, r)
                 self._cache[key] = r.fits
-                if r.fits:
+                if r.fits and not r.alloc_retries:  # Note [Probes share replays]
                     self._fitted[v] = min(self._fitted.get(v, r.peak_reserved_bytes), r.peak_reserved_bytes)
                 self._bar.update(1)
         return self._cache[key]
@@ -622,6 +629,15 @@ class _Probes:
                 break
             p //= 2
         self.assumed_below[lim] = max(p, known)
+
+
+def _alone_without_faults(dev: Device) -> bool:
+    """Note [Each probe on a device of its own]: a simulated device that runs alone and injects no fault of any
+    kind (so a fresh one behaves as this one would)."""
+    runs_alone = getattr(dev, "runs_alone", None)
+    faults = getattr(dev, "faults", None)
+    return (callable(runs_alone) and runs_alone() and faults is not None
+            and not faults.plan.injects_anything)
 
 
 def _halving_start(start: int | None, estimate: int, max_value: int) -> int:
@@ -707,10 +723,14 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
 
     Note [Probes share replays]
         The searches probe the same sizes under two limits: the margin's (``simulated``) and the usable memory
-        (``halving``, ``binary_search``). A replay that fitted under one limit with a peak reserve ``P`` is the
-        replay under any limit of at least ``P``: no growth it made passed ``P``, so none is refused, and the
-        allocator makes the same decisions op for op. Such a probe is answered "fits" without a replay; a
-        probe that did not fit is replayed (under a lower limit the out-of-memory retry may end otherwise).
+        (``halving``, ``binary_search``). A replay that fitted under one limit with a peak reserve ``P`` and made
+        no out-of-memory retry is the replay under any limit of at least ``P``: no growth it made passed ``P`` or
+        was refused, so none is refused there either, and the allocator makes the same decisions op for op. Such
+        a probe is answered "fits" without a replay; any other is replayed. A replay that fitted only through
+        retries is not shared: under a higher limit those retries do not happen, the cached memory they gave back
+        stays, and the replay can run out of memory later where the lower limit's did not (a GQA model on
+        ``sim:rtx-3060-12gb``, batch 1152: fit under the margin's limit, out of memory under the usable memory;
+        shared, ``binary_search`` answered 1212 where every size replayed answered 1144, until 2026-11-29).
     """
     if not isinstance(full_replay, bool):
         raise InvalidArgumentError(f"full_replay must be True or False, got {full_replay!r}")
@@ -776,6 +796,16 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
             return inference_trace(shape, dtype_bytes, batch_size=b, prompt_len=p, new_tokens=new_tokens,
                                    weight_format=weight_format, workspace_nbytes=workspace)
 
+        # Note [Each probe on a device of its own]: a device spec opened here that runs alone (no tenants, no
+        # faults) is opened anew for each generate() replay, as gpumem estimate does, so that a virtual-memory
+        # engine makes its page moves in C++ (Note [An idle device's bookkeeping calls made here]); a device
+        # shared by the probes kept them in Python (gpumem fit --policy gpumem of a 7B model: each probe 5x
+        # slower than gpumem estimate's replay of the same size: new user 27). The probes' figures are the same:
+        # each probe's allocator is closed and gives everything back before the next, and a fresh device places
+        # what an emptied one places. A Device given, or one with faults or tenants, is shared as before (a
+        # fault plan runs on across the probes).
+        probe_dev: "str | Device" = device if own and _alone_without_faults(dev) else dev
+
         def replay(w: WorkloadTrace, v: int, room: int) -> ReservedEstimate:
             if training:
                 return _replay(w, dev, policy, room)
@@ -783,7 +813,7 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
             # a replay of many new tokens takes seconds: a bar of its steps under the bar of the replays
             steps = progress_bar(max(new_tokens, 1), f"{search} {v}", " steps", enabled=progress)
             try:
-                return replay_inference(shape, dtype_bytes, (policy,), dev, batch_size=b, prompt_len=p,
+                return replay_inference(shape, dtype_bytes, (policy,), probe_dev, batch_size=b, prompt_len=p,
                                         new_tokens=new_tokens, limit=room, peak_nbytes=w.peak_nbytes,
                                         weight_format=weight_format, workspace_nbytes=workspace,
                                         full_replay=full_replay, bar=steps)[0]

@@ -1,5 +1,5 @@
 """The estimate (this checkout) against every live 7B SDPA long decode recorded under PyTorch's allocator and under
-gpumem.torch (H200, reports/hil/long-decode-*-2026-11-29/). From the repository root (about a minute):
+gpumem.torch (H200, reports/hil/long-decode-*-2026-11-29/). From the repository root (10-60 s):
 
     PYTHONPATH=. python reports/decode-slack-2026-11-29/long_decodes.py
 

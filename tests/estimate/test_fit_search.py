@@ -157,6 +157,43 @@ def test_fit_answers_as_the_reference_every_probe_replayed_in_full(shape, kw):
                                                                                skip_gallop=False, **kw))
 
 
+def test_a_replay_that_fit_only_through_retries_is_not_shared_with_a_higher_limit():
+    """Note [Probes share replays]: batch 1152 of this GQA model fits under the margin's limit through out-of-memory
+    retries and runs out of memory under the (higher) usable memory. Shared, binary_search answered 1212 where
+    the reference, every probe replayed in full, answers 1144."""
+    shape = ModelShape(1024, 2816, 4, 32000, 16, 4)
+    kw = dict(device="sim:rtx-3060-12gb", prompt_len=256, new_tokens=100)
+    got = find_max_batch(shape, 2, **kw)
+    assert got.binary_search == 1144
+    assert _answers(got) == _answers(find_max_batch(shape, 2, full_replay=True, **kw))
+
+
+def test_each_probe_of_a_plain_device_spec_runs_on_a_device_of_its_own(monkeypatch):
+    """Note [Each probe on a device of its own]: a spec opened by the fit and running alone is given to each
+    replay (which opens it anew, so a virtual-memory engine makes its page moves in C++); a spec with faults,
+    or a Device given, is shared; the answers are those of the shared device."""
+    from gpumem.estimate import fit as fit_module
+    from gpumem.specs import open_device
+
+    seen = []
+    real = fit_module.replay_inference
+    monkeypatch.setattr(fit_module, "replay_inference", lambda *a, **k: seen.append(a[3]) or real(*a, **k))
+    kw = dict(prompt_len=256, new_tokens=20, max_value=512, policy="gpumem")
+    fresh = find_max_batch(TINY, 2, device="sim:gtx-1050-2gb", **kw)
+    assert seen and all(d == "sim:gtx-1050-2gb" for d in seen)
+    seen.clear()
+    dev = open_device("sim:gtx-1050-2gb")
+    try:
+        shared = find_max_batch(TINY, 2, device=dev, **kw)
+    finally:
+        dev.close()
+    assert seen and all(d is dev for d in seen)
+    assert _answers(fresh) == dataclasses.replace(_answers(shared), device=fresh.device)
+    seen.clear()
+    find_max_batch(TINY, 2, device="sim:gtx-1050-2gb?lost_at_s=1e9", **{**kw, "max_value": 8})  # a fault planned
+    assert seen and all(not isinstance(d, str) for d in seen)
+
+
 def test_the_not_monotone_case_keeps_the_plain_searchs_edge():
     # under the usable memory batch 108 runs out of memory where 112 runs: the binary search's answer is the
     # edge its bisection meets (112), which a search assuming a monotone probe near the answer misses

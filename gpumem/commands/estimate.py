@@ -188,7 +188,8 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
     """One dtype's estimate as a JSON-ready dict; ``room`` is (usable bytes, dequantization workspace bytes)."""
     usable, workspace = room
     fmt = args.weight_fmt
-    from ..estimate.fit import estimate_peak_reserved, replay_inference, training_reserved_nbytes
+    from ..estimate.fit import (allocated_as_pytorch_counts, estimate_peak_reserved, replay_inference,
+                                 training_reserved_nbytes)
     from ..estimate.formulas import estimate_inference_memory, estimate_training_memory
     from ..estimate.workload import training_trace
 
@@ -242,11 +243,12 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
                                    bar=bar, weight_format=fmt, workspace_nbytes=workspace)
         by_policy = {e.policy: e.peak_reserved_bytes for e in res}
         first = res[0]
-        if first.policy == "pytorch" and first.fits and first.peak_block_allocated_bytes is not None:
-            # Note [Allocated as PyTorch counts it] in gpumem.estimate.fit: the replay's blocks, not the requests
-            # (training and generate() alike)
+        # Note [Allocated as PyTorch counts it] in gpumem.estimate.fit: with pytorch first, the replay's blocks,
+        # not the requests (training and generate() alike)
+        counted = allocated_as_pytorch_counts(est.total_bytes, first)
+        if counted is not None:
             row["trace_peak_allocated_bytes"] = est.total_bytes
-            row["peak_allocated_bytes"] = max(est.total_bytes, first.peak_block_allocated_bytes)
+            row["peak_allocated_bytes"] = counted
         if args.training:  # Note [Training reserved margin] in gpumem.estimate.fit
             row["replayed_reserved_by_policy"] = dict(by_policy)
             by_policy.update({e.policy: training_reserved_nbytes(e.peak_reserved_bytes) for e in res

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidArgumentError
-from .fit import estimate_peak_reserved, replay_inference, training_reserved_nbytes
+from .fit import allocated_as_pytorch_counts, estimate_peak_reserved, replay_inference, training_reserved_nbytes
 from .formulas import estimate_inference_memory, estimate_training_memory
 from .shape import ModelShape
 from .workload import training_trace
@@ -82,10 +82,8 @@ def compare(doc: dict[str, Any], *, expandable: dict[str, Any] | None = None, re
                                    peak_nbytes=est.total_bytes) if reserved else []
         sim = {e.policy: e.peak_reserved_bytes for e in res}
         estimated = est.total_bytes
-        blocks = [e.peak_block_allocated_bytes for e in res if e.policy == "pytorch" and e.fits]
-        if r["kind"] != "train" and blocks and blocks[0] is not None:
-            # as gpumem estimate reports generate()'s peak allocated (Note [Allocated as PyTorch counts it] in .fit)
-            estimated = max(estimated, blocks[0])
+        if r["kind"] != "train" and res:  # as gpumem estimate reports generate()'s peak allocated (pytorch first)
+            estimated = allocated_as_pytorch_counts(estimated, res[0]) or estimated
         if r["kind"] == "train" and "pytorch" in sim:  # Note [Training reserved margin] in .fit
             sim["pytorch"] = training_reserved_nbytes(sim["pytorch"])
         m = r["peak_allocated_bytes"]

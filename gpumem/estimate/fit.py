@@ -69,7 +69,7 @@ from .fastreplay import AllStopped, NativeSkippingSink, PlainSink, SinkGroup, Sk
 from .workload import DECODE_HEAD_STEPS, LoraConfig, check_mixed_precision, weights_nbytes, WorkloadTrace, inference_trace, stream_inference, training_trace
 
 __all__ = ["ReservedEstimate", "FitResult", "FitTry", "estimate_peak_reserved", "find_max_batch",
-           "DEFAULT_MARGINS", "DEFAULT_NEW_TOKENS", "training_reserved_nbytes", "TRAINING_RESERVED_MARGIN", "DEFAULT_PROMPT_LEN", "InjectedFaultError", "usable_memory",
+           "DEFAULT_MARGINS", "DEFAULT_NEW_TOKENS", "training_reserved_nbytes", "allocated_as_pytorch_counts", "TRAINING_RESERVED_MARGIN", "DEFAULT_PROMPT_LEN", "InjectedFaultError", "usable_memory",
            "replay_inference", "replay_sequence"]
 
 DEFAULT_NEW_TOKENS = 16
@@ -93,6 +93,15 @@ def training_reserved_nbytes(replayed_nbytes: int) -> int:
     margin])."""
     grain = 2 * 2**20
     return -(-int(replayed_nbytes * (1 + TRAINING_RESERVED_MARGIN)) // grain) * grain
+
+
+def allocated_as_pytorch_counts(requests_nbytes: int, replay: "ReservedEstimate") -> int | None:
+    """The peak allocated as ``torch.cuda.max_memory_allocated`` counts it (Note [Allocated as PyTorch counts
+    it]): the larger of the requests' peak and the ``pytorch`` ``replay``'s peak of blocks; None where ``replay``
+    is not a ``pytorch`` replay that fitted (then only the requests are known)."""
+    if replay.policy != "pytorch" or not replay.fits or replay.peak_block_allocated_bytes is None:
+        return None
+    return max(requests_nbytes, replay.peak_block_allocated_bytes)
 
 
 class InjectedFaultError(GpumemError, RuntimeError):

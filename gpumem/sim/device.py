@@ -654,7 +654,6 @@ class SimDevice(Device):
         alloc = _Allocation(start, nbytes, span, None, slot)
         self._space.add(start, start + span, alloc)
         slot.n_live += 1
-        slot.room_nbytes -= span
         if slot.n_live > 1 and hi - lo == slot.gap_nbytes:
             self._slot_changed(slot)
         self._take_pages(span // self._gran)
@@ -703,7 +702,6 @@ class SimDevice(Device):
         if slot is None:
             raise InternalError(f"{self.spec}: segment at {alloc.start:#x} has no slot")
         slot.n_live -= 1
-        slot.room_nbytes += alloc.span_nbytes
         if slot.n_live:  # the gap it leaves, merged with its neighbours', may be the new largest
             lo, hi = self._space.free_run(slot.base, slot.base + slot.nbytes, alloc.start)
             if hi - lo > slot.gap_nbytes:
@@ -1085,25 +1083,23 @@ class SimDevice(Device):
                 require(start in book.reservations and book.reservations.end_of(start) == end,
                         f"reservation at {start:#x} not in the book")
         # Note [Where the driver places a segment]: each segment in its slot, each slot counting its segments and
-        # its room; nothing else among the slots; the ranges slots gave back free (one walk of the address space)
-        live_in: dict[int, list[int]] = {}
+        # knowing its largest gap; nothing else among the slots; the ranges slots gave back free (one walk of the
+        # address space)
+        live_in: dict[int, int] = {}
         slot_ids = {id(s) for s in self._slots}
         for start, end, what in self._space.items():
             if isinstance(what, _Allocation):
                 slot = what.slot
                 require(slot is not None and slot.base <= start and end <= slot.base + slot.nbytes
                         and id(slot) in slot_ids, f"segment at {start:#x} outside its slot")
-                count = live_in.setdefault(id(slot), [0, 0])
-                count[0] += 1
-                count[1] += end - start
+                live_in[id(slot)] = live_in.get(id(slot), 0) + 1
             else:
                 require(end <= self._slot_low, f"a reservation or small page among the slots at {start:#x}")
         self._slots.check()
         for slot in self._slots:
-            count = live_in.get(id(slot), [0, 0])
-            require(slot.n_live == count[0] > 0 and slot.room_nbytes == slot.nbytes - count[1]
+            require(slot.n_live == live_in.get(id(slot), 0) > 0
                     and slot.gap_nbytes == self._space.largest_gap(slot.base, slot.base + slot.nbytes)
-                    and slot.base >= self._slot_low, f"slot at {slot.base:#x}: its count, room or gap is wrong")
+                    and slot.base >= self._slot_low, f"slot at {slot.base:#x}: its count or gap is wrong")
         require(all(self._slot_low <= lo < hi <= _VA_LIMIT and self._space.find_gap(lo, hi, hi - lo) == lo
                     for lo, hi in self._slot_ranges), "a range given back by a slot is not free")
         require(len(book.reservations) == sum(1 for *_, w in self._space.items() if w == _RESERVED),

@@ -29,14 +29,12 @@ class Slot:
     """A slot of address space holding ``malloc``'d segments (Note [Where the driver places a segment] in
     :mod:`gpumem.sim.device`)."""
 
-    __slots__ = ("base", "nbytes", "n_live", "room_nbytes", "gap_nbytes", "pos")
+    __slots__ = ("base", "nbytes", "n_live", "gap_nbytes", "pos")
 
     def __init__(self, base: int, nbytes: int) -> None:
         self.base = base
         self.nbytes = nbytes
         self.n_live = 0
-        self.room_nbytes = nbytes
-        """Bytes no segment holds."""
         self.gap_nbytes = nbytes
         """The longest run of bytes within it that no segment holds (what :class:`SlotIndex` searches by)."""
         self.pos = -1

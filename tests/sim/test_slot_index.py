@@ -78,12 +78,12 @@ def test_a_slot_added_twice_or_broken_books_are_an_internal_error():
 
 
 def _walking_place_segment(self, span):
-    """The device's placement before the index: a walk over every slot, newest first (the reference)."""
+    """The device's placement before the index: a walk over every slot, newest first, a gap searched in each
+    (the reference)."""
     for slot in reversed(list(self._slots)):  # noqa: SLF001
-        if slot.room_nbytes >= span:
-            at = self._space.find_gap(slot.base, slot.base + slot.nbytes, span, self._gran)  # noqa: SLF001
-            if at is not None:
-                return at, slot
+        at = self._space.find_gap(slot.base, slot.base + slot.nbytes, span, self._gran)  # noqa: SLF001
+        if at is not None:
+            return at, slot
     real = self._slots.newest_with_gap  # noqa: SLF001
     self._slots.newest_with_gap = lambda *a, **k: None  # noqa: SLF001 (a new slot, as the device makes it)
     try:

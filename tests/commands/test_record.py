@@ -179,11 +179,16 @@ def test_oom_dir_from_the_environment(tmp_path: Path) -> None:
 @pytest.mark.parametrize("sig, ended_by", [(signal.SIGTERM, "Terminated"), (signal.SIGINT, "KeyboardInterrupt")])
 def test_a_signal_writes_the_snapshot_and_ends_by_the_signal(tmp_path: Path, sig: int, ended_by: str) -> None:
     """SIGTERM to gpumem record goes on to the program; SIGINT goes to the whole process group, as Ctrl-C in a
-    terminal does (gpumem record itself waits for the program to write its snapshot)."""
+    terminal does (gpumem record itself waits for the program to write its snapshot).
+
+    SIGINT starts at its default in the command, as in a terminal: a test run started with SIGINT ignored (a
+    background job of a shell without job control) passes the ignoring on, and a program that ignores SIGINT
+    ignores it under gpumem record too, as Python itself would (found failing a README check by sleeping 60 s)."""
     (tmp_path / "prog.py").write_text(PROGRAM)
     proc = subprocess.Popen([sys.executable, "-m", "gpumem", "record", "--out", "run", "--", "python", "prog.py",
                              "sleep"], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         if sig == signal.SIGINT:

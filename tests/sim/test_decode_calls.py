@@ -29,6 +29,29 @@ def test_gpumem_calls_counted_per_window() -> None:
     assert "| 1-7 |" in text and "peak held / peak allocated" in text
 
 
+def test_the_decode_slack_follows_the_estimate_unless_set() -> None:
+    """None replays what the estimate replays under the policy (the slack in gpumem's only); True and False set it
+    for any policy (--no-decode-slack: reports/decode-lag-2026-11-29.md)."""
+    def peak(policy: str, slack: "bool | None") -> int:
+        return dc.decode_run(TINY, policy, prompt=16, new_tokens=30, window=7,
+                             decode_slack=slack).peak_allocated_nbytes
+
+    with_slack, without = peak("gpumem", True), peak("gpumem", False)
+    assert with_slack > without
+    assert peak("gpumem", None) == with_slack and peak("pytorch", None) == without == peak("pytorch", False)
+    assert peak("pytorch", True) == with_slack
+
+
+def test_no_decode_slack_on_the_command_line(capsys) -> None:
+    assert dc.main(["--model", "small", "--prompt", "8", "--new-tokens", "3", "--policies", "gpumem",
+                    "--no-decode-slack"]) == 0
+    assert "no decode slack" in capsys.readouterr().out
+    for other in (["--ring", "2"], ["--corpus", "check"]):
+        with pytest.raises(SystemExit):
+            dc.main(["--no-decode-slack", *other])
+        assert "--no-decode-slack is for the model's decode" in capsys.readouterr().err
+
+
 def test_a_policy_with_options_is_read() -> None:
     run = dc.decode_run(TINY, "gpumem:page_slack=0.01", prompt=8, new_tokens=4, window=100)
     assert run.policy == "gpumem:page_slack=0.01" and len(run.windows) == 1

@@ -265,14 +265,20 @@ class _DeferredEvents:
     """The context manager :meth:`Device.deferred_events` returns: a class, not ``contextlib.contextmanager``,
     because the native engine enters one around every operation that leaves its fast path (a long decode's
     replay under the ``gpumem`` policy: a quarter of a million, where the generator's machinery cost about a
-    tenth of the replay's time)."""
+    tenth of the replay's time). Like the generator's, each object is entered once, and must be exited on the
+    thread that entered it (``with``, ``ExitStack``): a second entry raises (it would lose the depth saved by the
+    first, and events on that thread would queue for good: attacker 28); it is not a decorator."""
 
     __slots__ = ("_device", "_tls", "_depth")
 
     def __init__(self, device: "Device") -> None:
         self._device = device
+        self._tls: "_CallState | None" = None
 
     def __enter__(self) -> None:
+        if self._tls is not None:
+            raise RuntimeError("deferred_events(): this block was entered already; call deferred_events() for "
+                               "each with-block")
         tls = self._tls = self._device._tls
         depth = self._depth = tls.depth
         tls.depth = depth + 1

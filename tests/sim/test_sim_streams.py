@@ -379,6 +379,26 @@ def test_deferred_events_deliver_when_the_outermost_block_exits():
     assert [ev.kind.value for ev in seen] == ["tenant_took"]
 
 
+def test_a_deferred_events_block_is_entered_once():
+    """Entering one deferred_events() object twice lost the first entry's depth, and events on that thread queued
+    for good (attacker 28, once it was a class): the second entry raises, the depth and delivery unchanged."""
+    dev = SimDevice(A100, pressure=Step(nbytes=4 * G, at_s=0.001, until_s=1.0))
+    seen = []
+    dev.subscribe(seen.append)
+    block = dev.deferred_events()
+    with block:
+        with pytest.raises(RuntimeError, match="entered already"):
+            block.__enter__()
+        dev.advance(0.002)
+        assert seen == []
+    assert [ev.kind.value for ev in seen] == ["tenant_took"]
+    assert dev._tls.depth == 0
+    with pytest.raises(RuntimeError, match="entered already"):
+        with block:
+            pass
+    assert dev._tls.depth == 0
+
+
 def test_event_calls_cost_little_simulated_time():
     dev = SimDevice(A100)
     t0 = dev.now_s

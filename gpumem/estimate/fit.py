@@ -179,7 +179,7 @@ def decode_slack_for(policy: Any) -> bool:
 #   choice reads the policy, not the device: ``gpumem`` on a device without virtual memory runs on segments,
 #   steals nothing, and still gets the slack (its figure as before, a little high there: attacker 27).
 #   The stand-in is crude: replayed with the lag itself (the simulator's ``model`` timing, no slack) the decode
-#   comes 4-6 MiB above live on seven live decodes, two predicted before they ran, where the slack is up to 56 MiB
+#   comes 4-6 MiB above live on seven live decodes, two predicted before they ran, where the slack is up to 54 MiB
 #   above, and the slack's block makes the idle replay steal pages every step where the GPU would not
 #   (``reports/decode-lag-2026-11-29.md``, ``reports/hil/lag-check-h200-2026-11-29.md``). It stays until the
 #   idle twin keeps that timing's clock (the ``model`` replay runs in SimPy, minutes for a long decode).

@@ -16,23 +16,25 @@ import json
 import sys
 import time
 
-from gpumem.estimate import ModelShape, inference_trace
+from benchmarks.estimate_speed import LLAMA_7B
+from gpumem.estimate import inference_trace
 from gpumem.replay import replay_trace
 
-LLAMA_7B = ModelShape(4096, 11008, 32, 32000, 32, 32)  # as benchmarks/estimate_speed.py
 
-
-def main() -> None:
-    prompt, new_tokens, timings = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
+def print_rows(prompt: int, new_tokens: int, timings: "list[str]", device: object = "sim:h200-141gb",
+               label: str = "") -> None:
+    """One JSON line per timing (``device``: a spec, opened anew for each, or an open device for one timing;
+    ``label`` added to the timing's name). Also used by ``zero_latency.py`` here and by
+    ``reports/hil/lag-check-h200-2026-11-29/predict.py``."""
     trace = inference_trace(LLAMA_7B, 2, prompt_len=prompt, new_tokens=new_tokens, full_decode=True).trace
     for timing in timings:
         t0 = time.perf_counter()
-        r = replay_trace(trace, "sim:h200-141gb", "gpumem", gpu_timing=timing, progress=False)
-        print(json.dumps({"prompt": prompt, "new_tokens": new_tokens, "timing": timing,
+        r = replay_trace(trace, device, "gpumem", gpu_timing=timing, progress=False)
+        print(json.dumps({"prompt": prompt, "new_tokens": new_tokens, "timing": timing + label,
                           "peak_requested": r.trace_peak_live_bytes, "peak_reserved": r.peak_reserved_bytes,
                           "device_calls": r.stats.device_calls, "event_calls": r.stats.event_calls,
                           "wall_s": round(time.perf_counter() - t0, 1)}), flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    print_rows(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(","))

@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 def main() -> None:
     prompt, new_tokens = int(sys.argv[1]), int(sys.argv[2])
     timings = runpy.run_path(str(HERE.parent.parent / "decode-lag-2026-11-29" / "replay_timings.py"))
-    shape = timings["LLAMA_7B"]
+    shape = timings["LLAMA_7B"]  # benchmarks/estimate_speed.py's
     t0 = time.perf_counter()
     peak = inference_trace(shape, 2, prompt_len=prompt, new_tokens=new_tokens).peak_nbytes
     est = replay_inference(shape, 2, ("gpumem",), "sim:h200-141gb", prompt_len=prompt, new_tokens=new_tokens,
@@ -35,8 +35,7 @@ def main() -> None:
     print(json.dumps({"prompt": prompt, "new_tokens": new_tokens, "figure": "estimate", "peak_requested": peak,
                       "peak_reserved": est.peak_reserved_bytes, "wall_s": round(time.perf_counter() - t0, 1)}),
           flush=True)
-    sys.argv = [sys.argv[0], str(prompt), str(new_tokens), "idle,model"]
-    timings["main"]()
+    timings["print_rows"](prompt, new_tokens, ["idle", "model"])
 
 
 if __name__ == "__main__":

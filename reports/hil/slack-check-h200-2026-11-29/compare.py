@@ -16,7 +16,7 @@ from pathlib import Path
 import gpumem.estimate.fit as fit
 import gpumem.estimate.workload as workload
 from gpumem.estimate import inference_trace
-from gpumem.estimate.fit import replay_inference
+from gpumem.estimate.fit import allocated_as_pytorch_counts, replay_inference
 from benchmarks.estimate_speed import LLAMA_7B
 
 HERE = Path(__file__).parent
@@ -32,7 +32,7 @@ def estimate(policy, b, p, n):
     kw = dict(batch_size=b, prompt_len=p, new_tokens=n)
     requests = inference_trace(LLAMA_7B, 2, **kw).peak_nbytes
     (r,) = replay_inference(LLAMA_7B, 2, (policy,), "sim:h200-141gb", peak_nbytes=requests, **kw)
-    alloc = max(requests, r.peak_block_allocated_bytes) if policy == "pytorch" else requests
+    alloc = allocated_as_pytorch_counts(requests, r) or requests  # as gpumem estimate reports it
     return alloc, r.peak_reserved_bytes
 
 

@@ -1082,6 +1082,69 @@ PyObject* Alloc_use_idle_twin(AllocObject* self, PyObject*) {
     Py_RETURN_NONE;
 }
 
+// Note [A twin that runs the program's GPU work] in pybackend.cpp: use_gpu_lag(constants, clock) after
+// use_idle_twin, before the twin's first call; constants = (cpu_op_s, kernel_min_s, touch_factor, bandwidth_bps,
+// queue_depth, then the latencies in us of launch, event_record, event_query, event_destroy, synchronize, mem_map,
+// mem_set_access (per call, per mapping, per MiB), mem_unmap (the same three)). Refusals are InvalidArgumentError.
+PyObject* Alloc_use_gpu_lag(AllocObject* self, PyObject* args) {
+    CHECK_ALIVE(self);
+    PyDeviceBackend::GpuLag m;
+    Py_ssize_t depth = 0;
+    PyObject* clock = nullptr;
+    if (!PyArg_ParseTuple(args, "(ddddndddddddddddd)O:use_gpu_lag", &m.cpu_op_s, &m.kernel_min_s, &m.touch_factor,
+                          &m.bandwidth_bps, &depth, &m.launch_us, &m.event_record_us, &m.event_query_us,
+                          &m.event_destroy_us, &m.synchronize_us, &m.mem_map_us, &m.set_access_us,
+                          &m.set_access_mapping_us, &m.set_access_mib_us, &m.unmap_us, &m.unmap_mapping_us,
+                          &m.unmap_mib_us, &clock))
+        return nullptr;
+    if (self->engine->closed()) {
+        invalid_argument(self->helpers, "allocator is closed");
+        return nullptr;
+    }
+    m.queue_depth = depth > 0 ? static_cast<std::size_t>(depth) : 0;
+    std::string why = self->backend->use_gpu_lag(m, clock);
+    if (PyErr_Occurred()) return nullptr;
+    if (!why.empty()) {
+        invalid_argument(self->helpers, why.c_str());
+        return nullptr;
+    }
+    Py_RETURN_NONE;
+}
+
+// A backend call of the lagged twin outside an engine operation, its BackendError raised as set_error does.
+template <class F>
+bool lag_call(AllocObject* self, F f) {
+    try {
+        f();
+        return true;
+    } catch (...) {
+        set_error(self);
+        self->backend->clear_errors();
+        return false;
+    }
+}
+
+// lag_before(): the CPU reaches the program's next op (ProgramGpu.before); nothing when the lag is off.
+PyObject* Alloc_lag_before(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
+    if (!lag_call(self, [&]() { self->backend->lag_before(); })) return nullptr;
+    Py_RETURN_NONE;
+}
+
+// lag_after(stream, ptr, nbytes): the kernel after an allocation (ProgramGpu.after); nothing when the lag is off.
+PyObject* Alloc_lag_after(AllocObject* self, PyObject* args) {
+    CHECK_ALIVE(self);
+    unsigned long long stream = 0, ptr = 0, nbytes = 0;
+    if (!PyArg_ParseTuple(args, "KKK:lag_after", &stream, &ptr, &nbytes)) return nullptr;
+    if (!lag_call(self, [&]() { self->backend->lag_after(stream, ptr, nbytes); })) return nullptr;
+    Py_RETURN_NONE;
+}
+
+PyObject* Alloc_lag_stats(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
+    return self->backend->lag_stats();
+}
+
 // The device closed under the twin (SimDevice calls it): the device's calls go to the device again.
 PyObject* Alloc_twin_device_closed(AllocObject* self, PyObject*) {
     CHECK_ALIVE(self);
@@ -1362,6 +1425,14 @@ PyObject* Alloc_run_ops(AllocObject* self, PyObject* args, PyObject* kwds) {
         raise_kind(self, "INTERNAL", "run_ops from inside one of this allocator's device calls");
         return nullptr;
     }
+    // Note [A twin that runs the program's GPU work] in pybackend.cpp: each op's CPU time, each allocation's kernel
+    PyDeviceBackend& backend = *self->backend;
+    const bool lag = backend.gpu_lag();
+    if (lag && stop_at_slow) {   // an op it stops before has had its CPU time: it cannot be sent again
+        raise_kind(self, "INVALID_ARGUMENT", "run_ops: stop_at_slow with the twin's GPU lag on (an op it stops before "
+                                        "has had its CPU time)");
+        return nullptr;
+    }
     gpumem::OpPtrMap& map = *table->map;
     try {
         map.reserve_more(n_allocs);   // the allocations' entries need no growth below (may still: another thread)
@@ -1407,6 +1478,7 @@ PyObject* Alloc_run_ops(AllocObject* self, PyObject* args, PyObject* kwds) {
         try {
             for (; q < run_end; ++q) {
                 const std::int64_t id = ids[q];
+                if (lag) backend.lag_before();
                 if (kinds[q] == 0) {
                     const std::int64_t nb = sizes[q];
                     p = 0;
@@ -1426,6 +1498,7 @@ PyObject* Alloc_run_ops(AllocObject* self, PyObject* args, PyObject* kwds) {
                         }
                     }
                     map.put(id, p);   // room reserved above: no allocation
+                    if (lag && p) backend.lag_after(stream, p, static_cast<std::uint64_t>(nb));
                 } else {
                     if (!map.pop(id, &p) || !p) continue;
                     if (!engine.try_free_fast_held(p)) {
@@ -1503,6 +1576,8 @@ PyObject* Alloc_run_ops(AllocObject* self, PyObject* args, PyObject* kwds) {
                 PyErr_NoMemory();
                 continue;
             }
+            if (lag && p && !lag_call(self, [&]() { backend.lag_after(stream, p, static_cast<std::uint64_t>(sizes[q])); }))
+                continue;
         }
         failed = false;
         ++q;
@@ -1542,6 +1617,15 @@ PyMethodDef Alloc_methods[] = {
      "consistency_problems(list_device) -> list of problems; list_device() -> (mappings, reservations)"},
     {"describe", reinterpret_cast<PyCFunction>(Alloc_describe), METH_NOARGS, "the backing, in words"},
     {"closed", reinterpret_cast<PyCFunction>(Alloc_closed), METH_NOARGS, "whether close() ran"},
+    {"use_gpu_lag", reinterpret_cast<PyCFunction>(Alloc_use_gpu_lag), METH_VARARGS,
+     "use_gpu_lag(constants, clock): the twin runs the program's GPU work (Note [A twin that runs the program's GPU "
+     "work])"},
+    {"lag_before", reinterpret_cast<PyCFunction>(Alloc_lag_before), METH_NOARGS,
+     "lag_before(): the CPU reaches the program's next op"},
+    {"lag_after", reinterpret_cast<PyCFunction>(Alloc_lag_after), METH_VARARGS,
+     "lag_after(stream, ptr, nbytes): the kernel after an allocation"},
+    {"lag_stats", reinterpret_cast<PyCFunction>(Alloc_lag_stats), METH_NOARGS,
+     "lag_stats() -> dict or None: what the lagged twin did"},
     {"use_idle_twin", reinterpret_cast<PyCFunction>(Alloc_use_idle_twin), METH_NOARGS,
      "make an idle device's map, access, unmap and event calls in C++ (while no chunk or event is held)"},
     {"twin_device_closed", reinterpret_cast<PyCFunction>(Alloc_twin_device_closed), METH_NOARGS,

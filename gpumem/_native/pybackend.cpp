@@ -46,6 +46,7 @@ PyDeviceBackend::PyDeviceBackend(PyObject* device, PyObject* oom_error_cls, PyOb
     n_vmm_supported_ = intern("vmm_supported");
     n_malloc_ = intern("malloc");
     n_free_ = intern("free");
+    n_now_s_ = intern("now_s");
     ok_ = n_vmm_supported_ != nullptr && n_malloc_ != nullptr && n_free_ != nullptr;
 }
 
@@ -97,6 +98,20 @@ void PyDeviceBackend::raise_current() {
 }
 
 PyObject* PyDeviceBackend::call(PyObject* name, PyObject* a, PyObject* b, PyObject* c, PyObject* d) {
+    // Note [A twin that runs the program's GPU work]: the device's clock is the twin's at each call made there
+    Lag* lag = twin_ && twin_->lag && !twin_->device_closed ? twin_->lag.get() : nullptr;
+    if (lag) {
+        PyObject* now = PyFloat_FromDouble(lag->now_s);
+        int bad = now ? PyObject_SetAttr(lag->clock, n_now_s_, now) : -1;
+        Py_XDECREF(now);
+        if (bad < 0) {
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            Py_XDECREF(c);
+            Py_XDECREF(d);
+            raise_current();
+        }
+    }
     PyObject* args[5] = {device_, a, b, c, d};
     std::size_t n = 1;
     if (a) ++n;
@@ -108,6 +123,26 @@ PyObject* PyDeviceBackend::call(PyObject* name, PyObject* a, PyObject* b, PyObje
     Py_XDECREF(b);
     Py_XDECREF(c);
     Py_XDECREF(d);
+    if (lag) {   // the call's time, read back (an exception raised by the call kept across the read)
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject* now = PyObject_GetAttr(lag->clock, n_now_s_);
+        double t = now ? PyFloat_AsDouble(now) : -1.0;
+        Py_XDECREF(now);
+        if (!now || (t == -1.0 && PyErr_Occurred())) {
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            Py_XDECREF(r);
+            raise_current();
+        }
+        PyErr_Restore(type, value, tb);
+        if (t != lag->now_s) {
+            lag->now_s = t;
+            lag->through_now = false;
+            lag->fresh_start = false;
+        }
+    }
     if (!r) raise_current();
     return r;
 }
@@ -144,6 +179,7 @@ int PyDeviceBackend::traverse(visitproc visit, void* arg) {
     Py_VISIT(lost_cls_);
     for (PyObject* o : chunks_) Py_VISIT(o);
     for (PyObject* o : events_) Py_VISIT(o);
+    if (twin_ && twin_->lag) Py_VISIT(twin_->lag->clock);
     for (auto& kv : errors_)
         for (PyObject* o : kv.second) Py_VISIT(o);
     return 0;
@@ -317,10 +353,10 @@ PyObject* PyDeviceBackend::twin_mapping_ranges() {
     PyObject* out = PyList_New(0);
     if (!out || !twin_) return out;
     for (const auto& m : twin_->maps) {
-        PyObject* h = chunks_[m.second.second - 1];
+        PyObject* h = chunks_[m.second.chunk - 1];
         PyObject* handle = PyObject_GetAttrString(h, "handle");
         PyObject* t = handle ? Py_BuildValue("(KKN)", static_cast<unsigned long long>(m.first),
-                                             static_cast<unsigned long long>(m.second.first), handle) : nullptr;
+                                             static_cast<unsigned long long>(m.second.nbytes), handle) : nullptr;
         if (!t || PyList_Append(out, t) < 0) {
             Py_XDECREF(t);
             Py_DECREF(out);
@@ -329,6 +365,153 @@ PyObject* PyDeviceBackend::twin_mapping_ranges() {
         Py_DECREF(t);
     }
     return out;
+}
+
+// Note [A twin that runs the program's GPU work]
+//     The idle twin completes every event when recorded, so the estimate's replay of a long decode steals pages
+//     the GPU would still be reading: its gpumem figure fell under live runs until a stand-in (a 24 MiB "decode
+//     slack") was added, which overshoots by up to 54 MiB and sets off a storm of page moves
+//     (reports/decode-lag-2026-11-29.md). The simulator's `model` GPU timing (Note [The GPU runs behind the CPU]
+//     in gpumem/sim/gpu_work.py) predicts seven live decodes 4-6 MiB from above, but runs in SimPy. With
+//     use_gpu_lag the twin keeps that timing's clock itself, as SimPy would keep it for a program alone on the
+//     device: lag_before() is ProgramGpu.before (the CPU's time per op), lag_after() ProgramGpu.after (the
+//     kernel after an allocation, FIFO per stream, the launch queue bounded, a launch touching memory not mapped
+//     with access refused), every call the twin makes costs the device's latency for it, an event is the end of
+//     its stream's last unfinished work when recorded, a synchronisation waits for it, and mem_unmap of memory
+//     that unfinished work touches is refused (the simulator's sanitizer). The calls that still go to the device
+//     (memory, reservations, synchronisation) run at the twin's time: its clock is set before each and read
+//     after, so the device's latency model prices them. Done means what SimPy's clock does: an end before now, or
+//     at now once the clock waited for it. The same arithmetic in the same order gives the same times to the
+//     bit; tests/estimate/test_gpu_lag_twin.py holds the estimate to replay_trace(..., gpu_timing="model").
+//     Only a device whose latency model prices every call idle (no busy factor) takes it.
+std::string PyDeviceBackend::use_gpu_lag(const GpuLag& m, PyObject* clock) {
+    if (!twin_) return "the GPU lag needs the idle device twin on";
+    if (twin_->lag) return "the twin's GPU lag is on already";
+    if (!twin_->maps.empty() || twin_->events) return "the GPU lag must be turned on before the twin's first call";
+    if (!(m.bandwidth_bps > 0) || m.queue_depth < 1 || !(m.cpu_op_s >= 0) || !(m.kernel_min_s >= 0) ||
+        !(m.touch_factor >= 0))
+        return "the GPU lag's constants are out of range";
+    PyObject* now = PyObject_GetAttr(clock, n_now_s_);
+    if (!now) return "";
+    double t = PyFloat_AsDouble(now);
+    Py_DECREF(now);
+    if (t == -1.0 && PyErr_Occurred()) return "";
+    auto lag = std::make_unique<Lag>();
+    lag->m = m;
+    lag->now_s = t;
+    Py_INCREF(clock);
+    lag->clock = clock;
+    twin_->lag = std::move(lag);
+    return {};
+}
+
+void PyDeviceBackend::lag_prune() {
+    Lag& lag = *twin_->lag;
+    for (auto it = lag.streams.begin(); it != lag.streams.end();) {
+        auto& q = it->second;
+        while (!q.empty() && lag_done(q.front().end_s)) q.pop_front();
+        it = q.empty() ? lag.streams.erase(it) : std::next(it);   // an idle stream keeps nothing (StreamEngine)
+    }
+}
+
+bool PyDeviceBackend::lag_done(double end_s) const {
+    const Lag& lag = *twin_->lag;
+    return end_s < lag.now_s || (end_s == lag.now_s && lag.through_now);
+}
+
+// SimClock.advance of cost_us * 1e-6 s: the events due before the new time run (run_to stops at
+// now + (until - now)), else the clock just moves.
+void PyDeviceBackend::lag_advance(double cost_us) { lag_advance_s(cost_us * 1e-6); }
+
+void PyDeviceBackend::lag_advance_s(double seconds) {
+    Lag& lag = *twin_->lag;
+    const double until = lag.now_s + seconds;
+    if (!(until > lag.now_s)) return;
+    bool due = lag.fresh_start;
+    if (!due) {
+        lag_prune();
+        for (const auto& kv : lag.streams) due = due || kv.second.front().end_s <= until;
+    }
+    lag.now_s = due ? lag.now_s + (until - lag.now_s) : until;
+    lag.through_now = false;
+    lag.fresh_start = false;
+}
+
+// SimClock.wait for the work ending at end_s: the clock at its end, that work (and all before it) done.
+void PyDeviceBackend::lag_wait(double end_s) {
+    Lag& lag = *twin_->lag;
+    if (lag_done(end_s)) return;
+    if (end_s > lag.now_s) lag.now_s = end_s;
+    lag.through_now = true;
+    lag.fresh_start = false;
+}
+
+void PyDeviceBackend::lag_wait_stream(const std::deque<LagWork>& q) {
+    if (!q.empty()) lag_wait(q.back().end_s);
+}
+
+void PyDeviceBackend::lag_before() {
+    if (!gpu_lag()) return;
+    if (!twin_makes_calls()) twin_event(kTwinEvent);   // a closed device: its own refusal
+    Lag& lag = *twin_->lag;
+    if (lag.m.cpu_op_s) lag_advance_s(lag.m.cpu_op_s);   // SimDevice.advance(cpu_op_us * 1e-6)
+}
+
+void PyDeviceBackend::lag_after(StreamHandle stream, std::uint64_t ptr, std::uint64_t nbytes) {
+    if (!gpu_lag()) return;
+    if (!twin_makes_calls()) twin_event(kTwinEvent);
+    Lag& lag = *twin_->lag;
+    const double duration_s = lag.m.kernel_min_s + lag.m.touch_factor * static_cast<double>(nbytes) / lag.m.bandwidth_bps;
+    if (!duration_s) return;
+    auto& launched = lag.launched;
+    while (!launched.empty() && lag_done(launched.front())) launched.pop_front();
+    if (launched.size() >= lag.m.queue_depth) {   // the launch queue is full: the CPU waits for its oldest
+        ++lag.queue_full_waits;
+        lag_wait(launched.front());
+        while (!launched.empty() && lag_done(launched.front())) launched.pop_front();
+    }
+    if (ptr && nbytes && !(ptr >= lag.ok_lo && ptr + nbytes <= lag.ok_hi)) {   // the sanitizer's launch check
+        auto& maps = twin_->maps;
+        auto it = maps.upper_bound(ptr);
+        bool ok = it != maps.begin();
+        std::uint64_t lo = 0, pos = ptr;
+        if (ok) {
+            --it;
+            lo = it->first;
+            while (pos < ptr + nbytes) {
+                if (it == maps.end() || it->first > pos || it->first + it->second.nbytes <= pos || !it->second.access) {
+                    ok = false;
+                    break;
+                }
+                pos = it->first + it->second.nbytes;
+                ++it;
+            }
+        }
+        if (!ok) twin_refuses("launch: the kernel after an allocation touches memory not mapped with access");
+        lag.ok_lo = lo;
+        lag.ok_hi = pos;
+    }
+    lag_advance(lag.m.launch_us);
+    auto& q = lag.streams[stream];
+    while (!q.empty() && lag_done(q.front().end_s)) q.pop_front();
+    double start = lag.now_s;
+    if (!q.empty()) start = q.back().end_s;   // runs when the work before it has
+    else lag.fresh_start = true;              // a new stream process, started now
+    q.push_back(LagWork{start + duration_s, ptr, nbytes});
+    launched.push_back(start + duration_s);
+    ++lag.launches;
+}
+
+PyObject* PyDeviceBackend::lag_stats() {
+    if (!gpu_lag()) Py_RETURN_NONE;
+    Lag& lag = *twin_->lag;
+    std::size_t pending = 0;
+    for (const auto& kv : lag.streams)
+        for (const LagWork& w : kv.second) pending += !lag_done(w.end_s);
+    return Py_BuildValue("{s:d,s:K,s:K,s:n}", "now_s", lag.now_s, "launches",
+                         static_cast<unsigned long long>(lag.launches), "queue_full_waits",
+                         static_cast<unsigned long long>(lag.queue_full_waits), "pending",
+                         static_cast<Py_ssize_t>(pending));
 }
 
 void PyDeviceBackend::mem_map(std::uint64_t va, std::uint64_t nbytes, ChunkHandle handle, std::uint64_t offset) {
@@ -340,9 +523,10 @@ void PyDeviceBackend::mem_map(std::uint64_t va, std::uint64_t nbytes, ChunkHandl
         auto& maps = twin_->maps;
         auto next = maps.lower_bound(va);
         if ((next != maps.end() && next->first < va + nbytes) ||
-            (next != maps.begin() && std::prev(next)->first + std::prev(next)->second.first > va))
+            (next != maps.begin() && std::prev(next)->first + std::prev(next)->second.nbytes > va))
             twin_refuses("mem_map: the range is already mapped");
-        maps.emplace_hint(next, va, std::make_pair(nbytes, handle));
+        if (twin_->lag) lag_advance(twin_->lag->m.mem_map_us);
+        maps.emplace_hint(next, va, TwinMap{nbytes, handle, false});
         ++twin_->chunk_maps[handle - 1];
         return;
     }
@@ -357,13 +541,21 @@ void PyDeviceBackend::mem_set_access(std::uint64_t va, std::uint64_t nbytes) {
         auto it = maps.upper_bound(va);
         if (it == maps.begin()) twin_refuses("mem_set_access: the range is not mapped");
         --it;
-        std::uint64_t pos = va;
+        auto first = it;
+        std::uint64_t pos = va, n_maps = 0;
         while (pos < va + nbytes) {   // mappings that cover [va, va + nbytes) without a gap
-            if (it == maps.end() || it->first > pos || it->first + it->second.first <= pos)
+            if (it == maps.end() || it->first > pos || it->first + it->second.nbytes <= pos)
                 twin_refuses("mem_set_access: the range is not mapped");
-            pos = it->first + it->second.first;
+            pos = it->first + it->second.nbytes;
             ++it;
+            ++n_maps;
         }
+        if (twin_->lag) {   // SimDevice._do_mem_set_access's cost, in its order of operations
+            const GpuLag& m = twin_->lag->m;
+            lag_advance(m.set_access_us + m.set_access_mapping_us * static_cast<double>(n_maps) +
+                        m.set_access_mib_us * static_cast<double>(nbytes) / 1048576.0);
+        }
+        for (; first != it; ++first) first->second.access = true;
         return;
     }
     call_void(n_mem_set_access_, u64(va), u64(nbytes));
@@ -378,11 +570,24 @@ void PyDeviceBackend::mem_unmap(std::uint64_t va, std::uint64_t nbytes) {
         std::uint64_t pos = va;
         while (pos < va + nbytes) {   // whole mappings, end to end, exactly the range: checked before any goes
             if (it == maps.end() || it->first != pos) twin_refuses("mem_unmap: the range is not whole mappings");
-            pos += it->second.first;
+            pos += it->second.nbytes;
             ++it;
         }
         if (pos != va + nbytes) twin_refuses("mem_unmap: the range is not whole mappings");
-        for (auto m = first; m != it; ++m) --twin_->chunk_maps[m->second.second - 1];
+        if (twin_->lag) {   // the sanitizer looks first (SimDevice._do_mem_unmap), then the call's cost
+            Lag& lag = *twin_->lag;
+            lag_prune();
+            for (const auto& kv : lag.streams)
+                for (const LagWork& w : kv.second)
+                    if (w.ptr < va + nbytes && va < w.ptr + w.nbytes)
+                        twin_refuses("mem_unmap of memory that queued GPU work still touches (wait for its event first)");
+            std::uint64_t n_maps = 0;
+            for (auto m = first; m != it; ++m) ++n_maps;
+            lag_advance(lag.m.unmap_us + lag.m.unmap_mapping_us * static_cast<double>(n_maps) +
+                        lag.m.unmap_mib_us * static_cast<double>(nbytes) / 1048576.0);
+            lag.ok_lo = lag.ok_hi = 0;
+        }
+        for (auto m = first; m != it; ++m) --twin_->chunk_maps[m->second.chunk - 1];
         maps.erase(first, it);
         return;
     }
@@ -390,13 +595,28 @@ void PyDeviceBackend::mem_unmap(std::uint64_t va, std::uint64_t nbytes) {
 }
 
 EventHandle PyDeviceBackend::event_record(StreamHandle stream) {
-    if (twin_makes_calls()) return kTwinEvent | ++twin_->events;   // complete at once: no work is ever queued
+    if (twin_makes_calls()) {
+        const EventHandle id = kTwinEvent | ++twin_->events;   // idle: complete at once, no work is ever queued
+        if (Lag* lag = twin_->lag.get()) {   // the stream's last unfinished work (SimDevice._do_event_record)
+            lag_advance(lag->m.event_record_us);
+            auto it = lag->streams.find(stream);
+            if (it != lag->streams.end() && !it->second.empty() && !lag_done(it->second.back().end_s))
+                lag->events.emplace(id, it->second.back().end_s);
+        }
+        return id;
+    }
     PyObject* ev = call(n_event_record_, u64(stream));
     return put(events_, free_event_ids_, ev);
 }
 
 bool PyDeviceBackend::event_query(EventHandle event) {
-    if (twin_event(event)) return true;
+    if (twin_event(event)) {
+        Lag* lag = twin_makes_calls() ? twin_->lag.get() : nullptr;
+        if (!lag) return true;
+        lag_advance(lag->m.event_query_us);
+        auto it = lag->events.find(event);
+        return it == lag->events.end() || lag_done(it->second);
+    }
     PyObject* ev = get(events_, event, "event");
     Py_INCREF(ev);
     PyObject* r = call(n_event_query_, ev);
@@ -407,14 +627,27 @@ bool PyDeviceBackend::event_query(EventHandle event) {
 }
 
 void PyDeviceBackend::event_synchronize(EventHandle event) {
-    if (twin_event(event)) return;
+    if (twin_event(event)) {
+        Lag* lag = twin_makes_calls() ? twin_->lag.get() : nullptr;
+        if (!lag) return;
+        lag_advance(lag->m.synchronize_us);
+        auto it = lag->events.find(event);
+        if (it != lag->events.end()) lag_wait(it->second);
+        return;
+    }
     PyObject* ev = get(events_, event, "event");
     Py_INCREF(ev);
     call_void(n_event_synchronize_, ev);
 }
 
 void PyDeviceBackend::event_destroy(EventHandle event) {
-    if (twin_event(event)) return;
+    if (twin_event(event)) {
+        Lag* lag = twin_makes_calls() ? twin_->lag.get() : nullptr;
+        if (!lag) return;
+        lag_advance(lag->m.event_destroy_us);
+        lag->events.erase(event);
+        return;
+    }
     PyObject* ev = get(events_, event, "event");
     // the engine never uses an event again once it tried to destroy it (StreamFences._retire)
     events_[event - 1] = nullptr;
@@ -423,10 +656,18 @@ void PyDeviceBackend::event_destroy(EventHandle event) {
 }
 
 void PyDeviceBackend::stream_synchronize(StreamHandle stream) {
-    call_void(n_stream_synchronize_, u64(stream));
+    call_void(n_stream_synchronize_, u64(stream));   // its cost on the device; then the twin's work, if any
+    if (Lag* lag = twin_makes_calls() ? twin_->lag.get() : nullptr) {
+        auto it = lag->streams.find(stream);
+        if (it != lag->streams.end()) lag_wait_stream(it->second);
+    }
 }
 
-void PyDeviceBackend::synchronize() { call_void(n_synchronize_); }
+void PyDeviceBackend::synchronize() {
+    call_void(n_synchronize_);
+    if (Lag* lag = twin_makes_calls() ? twin_->lag.get() : nullptr)
+        for (const auto& kv : lag->streams) lag_wait_stream(kv.second);   // SimDevice._do_synchronize: every tail
+}
 
 std::uint64_t PyDeviceBackend::segment_malloc(std::uint64_t nbytes) {
     // as SegmentBacking.new_segment calls it: device.malloc(seg_nbytes)

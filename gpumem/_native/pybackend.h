@@ -4,6 +4,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <deque>
 #include <map>
 #include <memory>
 #include <unordered_map>
@@ -70,6 +71,25 @@ class PyDeviceBackend : public Backend {
     }
     // Device.mapping_ranges() of the twin's mappings (a new list), for the consistency check.
     PyObject* twin_mapping_ranges();
+
+    // Note [A twin that runs the program's GPU work] (pybackend.cpp): the `model` GPU timing's constants, the
+    // device's latencies (us) of the calls the twin makes, and the device's clock (a gpumem.sim.clock.SimClock).
+    struct GpuLag {
+        double cpu_op_s = 0, kernel_min_s = 0, touch_factor = 0, bandwidth_bps = 1;
+        std::size_t queue_depth = 1;
+        double launch_us = 0, event_record_us = 0, event_query_us = 0, event_destroy_us = 0, synchronize_us = 0,
+               mem_map_us = 0, set_access_us = 0, set_access_mapping_us = 0, set_access_mib_us = 0, unmap_us = 0,
+               unmap_mapping_us = 0, unmap_mib_us = 0;
+    };
+    // Turns on the twin's GPU lag (after use_idle_twin): "" when done, else why not (a Python error may be set).
+    std::string use_gpu_lag(const GpuLag& lag, PyObject* clock);
+    bool gpu_lag() const { return twin_ && twin_->lag; }
+    // The CPU reaches the program's next op (ProgramGpu.before); after an allocation of `nbytes` at `ptr` on
+    // `stream`, the kernel that follows it is queued (ProgramGpu.after). Throw BackendError on a refusal.
+    void lag_before();
+    void lag_after(StreamHandle stream, std::uint64_t ptr, std::uint64_t nbytes);
+    // What the lagged twin did: a new dict (now_s, launches, queue_full_waits, pending), or None when off.
+    PyObject* lag_stats();
     // Throws the Python exception being raised as a BackendError, classified and kept as a device
     // call's (Note [Device exceptions live for one operation]): for Python code the binding runs
     // on the engine's behalf inside an operation (the device listings of consistency_problems).
@@ -95,17 +115,42 @@ class PyDeviceBackend : public Backend {
         *n_event_destroy_, *n_stream_synchronize_, *n_synchronize_, *n_free_nbytes_, *n_total_nbytes_,
         *n_granularity_nbytes_, *n_vmm_supported_;
     PyObject *n_malloc_ = nullptr, *n_free_ = nullptr;   // segment mode
+    PyObject* n_now_s_ = nullptr;                         // SimClock.now_s (the twin's GPU lag)
 
     // What the device's books would hold for the calls the twin makes (Note [An idle device's bookkeeping
     // calls made here]); its events are ids with kTwinEvent set.
+    struct TwinMap {
+        std::uint64_t nbytes;
+        ChunkHandle chunk;
+        bool access;   // mem_set_access covered it (a launch touches only such memory)
+    };
+    // The program's GPU work (Note [A twin that runs the program's GPU work]).
+    struct LagWork {
+        double end_s;
+        std::uint64_t ptr, nbytes;
+    };
+    struct Lag {
+        GpuLag m;
+        PyObject* clock = nullptr;   // owned: the device's SimClock, its now_s kept equal to now_s at device calls
+        double now_s = 0;
+        bool through_now = false;    // work ending at exactly now_s is done (the clock waited for it)
+        bool fresh_start = false;    // a stream started since the clock last moved (SimPy's Initialize is due)
+        std::map<StreamHandle, std::deque<LagWork>> streams;   // unfinished work, FIFO per stream
+        std::deque<double> launched;   // ProgramGpu's launch queue: the ends of the work launched, oldest first
+        std::unordered_map<EventHandle, double> events;   // twin event -> the end of the work it waits for
+        std::uint64_t launches = 0, queue_full_waits = 0;
+        std::uint64_t ok_lo = 0, ok_hi = 0;   // a range a launch found mapped with access (cleared by unmaps)
+        ~Lag() { Py_XDECREF(clock); }
+    };
     struct IdleTwin {
         std::uint64_t gran = 0;
-        std::map<std::uint64_t, std::pair<std::uint64_t, ChunkHandle>> maps;   // va -> (nbytes, chunk id)
+        std::map<std::uint64_t, TwinMap> maps;   // va -> mapping
         std::vector<std::pair<std::uint64_t, std::uint64_t>> reservations;     // (va, nbytes)
         std::vector<std::uint64_t> chunk_nbytes;   // by chunk id - 1; 0: no such chunk
         std::vector<std::uint32_t> chunk_maps;     // mappings of each chunk
         std::uint64_t events = 0;                  // recorded so far
         bool device_closed = false;                // twin_device_closed() was called
+        std::unique_ptr<Lag> lag;                  // use_gpu_lag(): the program's GPU runs behind
     };
     static constexpr EventHandle kTwinEvent = EventHandle{1} << 63;
     std::unique_ptr<IdleTwin> twin_;
@@ -115,6 +160,13 @@ class PyDeviceBackend : public Backend {
     bool twin_makes_calls() const { return twin_ && !twin_->device_closed; }
     // Whether `event` is one of the twin's (complete); once the device is closed, the device's own refusal.
     bool twin_event(EventHandle event);
+    // The lag's clock (Note [A twin that runs the program's GPU work]).
+    void lag_advance(double cost_us);
+    void lag_advance_s(double seconds);
+    bool lag_done(double end_s) const;
+    void lag_wait(double end_s);
+    void lag_prune();
+    void lag_wait_stream(const std::deque<LagWork>& q);
 };
 
 }  // namespace gpumem

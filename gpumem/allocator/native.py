@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Callable, NoReturn
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 from ..device import Device
 from ..errors import (DeviceClosedError, DeviceLostError, DoubleFreeError, InternalError, InvalidArgumentError,
@@ -22,6 +22,9 @@ from ..errors import (DeviceClosedError, DeviceLostError, DoubleFreeError, Inter
 from ..native import native_module
 from ..units import align_up, format_bytes
 from ..validate import as_int, check_nbytes, check_stream
+
+if TYPE_CHECKING:
+    from ..sim.gpu_work import GpuWorkModel
 from .backing import pool_page_nbytes
 from .engine import OomCause, no_history_error
 from .engine import oom_error as build_oom_error
@@ -80,17 +83,26 @@ class NativeEngine:
         self.stop_plan_warmup = ext.stop_plan_warmup
         self.reset_peak_stats = ext.reset_peak_stats
         self.run_ops = ext.run_ops   # Note [A step's ops in one call] (gpumem/_native/op_table.h)
+        self.lag_before = ext.lag_before   # Note [A twin that runs the program's GPU work] (gpumem/_native/pybackend.cpp)
+        self.lag_after = ext.lag_after
+        self.lag_stats = ext.lag_stats
         self._twin_on_close: Callable[[], None] | None = None  # use_idle_twin's callback, attached to the device
 
-    def use_idle_twin(self) -> None:
+    def use_idle_twin(self, gpu_model: "GpuWorkModel | None" = None) -> None:
         """Make the device's ``mem_map``, ``mem_set_access``, ``mem_unmap`` and event calls in C++ from now on,
         keeping the device's books of them there (Note [An idle device's bookkeeping calls made here] in
         ``gpumem/_native/pybackend.cpp``), until :meth:`close`. Only for a simulated device that
         :meth:`~gpumem.sim.SimDevice.runs_alone`, while the engine holds no chunk and no event; meanwhile the device
         refuses ``launch``, ``read``, ``write``, ``add_tenant`` and ``env`` (:meth:`~gpumem.sim.SimDevice.attach_idle_twin`).
 
+        With ``gpu_model`` the twin also runs the program's GPU work of the ``model`` timing (Note [A twin that runs
+        the program's GPU work] in ``gpumem/_native/pybackend.cpp``): every op sent through :meth:`run_ops` costs the
+        CPU's time and each allocation queues its kernel; an op sent through :meth:`allocate` or :meth:`free` takes
+        :meth:`lag_before` before it and, for an allocation, :meth:`lag_after` after it.
+
         Raises:
-            UnsupportedOperationError: the device is not such a device (nothing changed).
+            UnsupportedOperationError: the device is not such a device, or (``gpu_model``) its latency model prices
+                calls on a busy device higher (nothing changed).
             InvalidArgumentError: the allocator is closed, the twin is on already, or the engine holds a chunk or
                 an event (nothing changed).
         """
@@ -99,14 +111,35 @@ class NativeEngine:
             raise UnsupportedOperationError(
                 f"the idle device twin needs a simulated device in virtual-memory mode: {self.device.spec} "
                 f"{'is not simulated' if attach is None else 'runs malloc segments'}")
+        lag = None if gpu_model is None else self._gpu_lag_constants(gpu_model)
         on_close = self._ext.twin_device_closed
         attach(on_close)  # raises when the device does not run alone
         try:
             self._ext.use_idle_twin()
+            if lag is not None:
+                self._ext.use_gpu_lag(lag, self.device._clock)  # noqa: SLF001 - the twin keeps the device's clock
         except BaseException:
             self.device.detach_idle_twin(on_close)
             raise
         self._twin_on_close = on_close
+
+    def _gpu_lag_constants(self, m: "GpuWorkModel") -> tuple[float | int, ...]:
+        """``use_gpu_lag``'s constants: the model's and the device's latencies, computed as ProgramGpu computes them."""
+        from ..sim.gpu_work import GpuWorkModel
+
+        if not isinstance(m, GpuWorkModel):
+            raise InvalidArgumentError(f"gpu_model must be a GpuWorkModel, not {type(m).__name__}")
+        dev = self.device
+        lat = dev.latency
+        if lat.busy_factor(0) != 1.0 or lat.busy_factor_per_decade != 0.0 or lat.waits_for_device:
+            raise UnsupportedOperationError(
+                f"the twin's GPU lag prices every call idle: {dev.spec}'s latency model prices a busy device higher "
+                "or makes calls wait for it")
+        bandwidth_bps = dev.profile.memory_bandwidth_gbps * 1e9 * m.bandwidth_fraction
+        return (m.cpu_op_us * 1e-6, m.kernel_min_us * 1e-6, m.touch_factor, bandwidth_bps, m.queue_depth,
+                lat.launch_us, lat.event_record_us, lat.event_query_us, lat.event_destroy_us, lat.synchronize_us,
+                lat.mem_map_us, lat.mem_set_access_us, lat.mem_set_access_mapping_us, lat.mem_set_access_mib_us,
+                lat.mem_unmap_us, lat.mem_unmap_mapping_us, lat.mem_unmap_mib_us)
 
     def set_step_record_limit(self, records: int) -> None:
         """The engine's limit on a recorded step's records, checked as the Python engine checks it."""

@@ -114,7 +114,7 @@ from ..errors import InternalError, OutOfMemoryError
 from ..native import native_module
 from .workload import DECODE_HEAD_STEPS
 
-__all__ = ["SinkGroup", "PlainSink", "native_run_ops", "SkippingSink", "NativeSkippingSink", "can_skip_small_pool",
+__all__ = ["SinkGroup", "PlainSink", "TwinLag", "native_run_ops", "SkippingSink", "NativeSkippingSink", "can_skip_small_pool",
            "make_sink", "AllStopped", "StepTemplate", "StepJumper", "build_template"]
 
 
@@ -162,10 +162,14 @@ def can_skip_small_pool(allocator: Any) -> bool:
             and pol.growth is GrowthRule.PAGES and not pol.stream_ordered_steal)
 
 
-def make_sink(allocator: Any, skip: bool = True) -> "PlainSink":
+def make_sink(allocator: Any, skip: bool = True, gpu: Any = None) -> "PlainSink":
     """The sink for ``allocator`` on the fast path: one that skips the small pool where it can be skipped
     (:func:`can_skip_small_pool`; ``skip`` False: never), on the Python engine (:class:`SkippingSink`) or the
-    native one (:class:`NativeSkippingSink`), else a :class:`PlainSink`."""
+    native one (:class:`NativeSkippingSink`), else a :class:`PlainSink`. With ``gpu`` (the program's GPU work beside
+    the ops: :class:`~gpumem.sim.gpu_work.ModelGpu` or :class:`TwinLag`) a :class:`PlainSink` that sends every op:
+    a skipped op's time would be missing from the GPU's clock."""
+    if gpu is not None:
+        return PlainSink(allocator, gpu)
     if not skip or not can_skip_small_pool(allocator):
         return PlainSink(allocator)
     if isinstance(_engine_of(allocator), NativeEngine):
@@ -183,15 +187,30 @@ def native_run_ops(allocator: Any) -> Any:
     return None
 
 
+class TwinLag:
+    """The native engine's twin running the program's GPU work (Note [A twin that runs the program's GPU work] in
+    ``gpumem/_native/pybackend.cpp``), with :class:`~gpumem.sim.gpu_work.ModelGpu`'s ``before`` and ``after``; its
+    ``run_ops`` makes both itself."""
+
+    __slots__ = ("before", "after")
+
+    def __init__(self, engine: NativeEngine) -> None:
+        self.before = engine.lag_before
+        self.after = engine.lag_after
+
+
 class PlainSink:
     """Sends every op to ``allocator``; stops at its first out-of-memory error (Note [One stream, every policy]).
-    Over the native engine, a step made from the template goes to the engine in one call (:meth:`run_step`)."""
+    Over the native engine, a step made from the template goes to the engine in one call (:meth:`run_step`).
+    ``gpu``: the program's GPU work, told of each op (``before()``) and allocation (``after(stream, ptr, nbytes)``)."""
 
-    def __init__(self, allocator: Any) -> None:
+    def __init__(self, allocator: Any, gpu: Any = None) -> None:
         self.allocator = allocator
         self._allocate = allocator.allocate
         self._free = allocator.free
-        self._run_ops_native = native_run_ops(allocator)
+        self.gpu = gpu
+        # run_ops tells the GPU of its ops only when it is the engine's own twin
+        self._run_ops_native = native_run_ops(allocator) if gpu is None or isinstance(gpu, TwinLag) else None
         self.ptrs: Any = native_module().PtrTable() if self._run_ops_native is not None else {}
         """Op id -> the pointer its allocation got (0: a zero-byte one): a dict, or over the native engine the
         engine's ``PtrTable`` (a dict of ints held in C++, which ``run_ops`` reads and writes)."""
@@ -209,9 +228,14 @@ class PlainSink:
 
     def alloc(self, op_id: int, nbytes: int) -> None:
         if self.error is None:
+            gpu = self.gpu
             try:
+                if gpu is not None:
+                    gpu.before()
                 # a zero-byte allocation takes no memory (as in replay()): no pointer, its free is skipped
-                self.ptrs[op_id] = self._allocate(nbytes, 0) if nbytes else 0
+                p = self.ptrs[op_id] = self._allocate(nbytes, 0) if nbytes else 0
+                if gpu is not None and p:
+                    gpu.after(0, p, nbytes)
             except OutOfMemoryError as exc:
                 self._stop(exc)
 
@@ -224,8 +248,11 @@ class PlainSink:
 
     def free(self, op_id: int) -> None:
         p = self.ptrs.pop(op_id, 0)
-        if p and self.error is None:
-            self._free(p)
+        if self.error is None:
+            if self.gpu is not None:
+                self.gpu.before()
+            if p:
+                self._free(p)
 
     def end_step(self, step: int) -> None:
         """Called after the prefill (0) and each decode step."""
@@ -250,6 +277,15 @@ class PlainSink:
         self._run_ops(tpl.kinds.tolist(), tpl.op_ids(t).tolist(), tpl.sizes(t).tolist())
 
     def _run_ops(self, kinds: list[int], ids: list[int], sizes: list[int]) -> None:
+        if self.gpu is not None:
+            for k, i, n in zip(kinds, ids, sizes):
+                if k == 0:
+                    self.alloc(i, n)
+                    if self.error is not None:
+                        return
+                else:
+                    self.free(i)
+            return
         ptrs, allocate, free = self.ptrs, self._allocate, self._free
         for k, i, n in zip(kinds, ids, sizes):
             if k == 0:

@@ -65,7 +65,9 @@ from ..units import format_bytes
 from .shape import ModelShape
 from .formats import WeightFormat
 from .formulas import dequant_workspace_nbytes
-from .fastreplay import AllStopped, NativeSkippingSink, PlainSink, SinkGroup, SkippingSink, StepJumper, make_sink
+from .fastreplay import (AllStopped, NativeSkippingSink, PlainSink, SinkGroup, SkippingSink, StepJumper, TwinLag,
+                         make_sink)
+from ..sim.gpu_work import GpuTiming, GpuWorkModel, ModelGpu
 from .workload import DECODE_HEAD_STEPS, LoraConfig, check_mixed_precision, weights_nbytes, WorkloadTrace, inference_trace, stream_inference, training_trace
 
 __all__ = ["ReservedEstimate", "FitResult", "FitTry", "estimate_peak_reserved", "find_max_batch",
@@ -145,44 +147,47 @@ class ReservedEstimate:
     replays])."""
 
 
-def _replay(w: WorkloadTrace, device: "str | Device", policy: str, limit: int | None = None) -> ReservedEstimate:
+def _replay(w: WorkloadTrace, device: "str | Device", policy: str, limit: int | None = None,
+            gpu_timing: str | None = None) -> ReservedEstimate:
     opts: dict[str, Any] = {} if limit is None else {"limit": limit}
-    r = replay_trace(w.trace, device, policy, stop_on_oom=True, progress=False, **opts)
+    r = replay_trace(w.trace, device, policy, stop_on_oom=True, progress=False, gpu_timing=gpu_timing, **opts)
     spec = device if isinstance(device, str) else device.spec
     return ReservedEstimate(policy, spec, w.peak_nbytes, r.peak_reserved_bytes, r.oom_message is None,
                             r.oom_message or "", bool(getattr(r.oom_error, "injected", False)),
                             r.stats.peak_allocated_nbytes, r.stats.num_alloc_retries)
 
 
-def decode_slack_for(policy: Any) -> bool:
-    """Whether ``policy``'s replay of ``generate()`` is given Note [Overhead]'s decode slack: a policy over virtual
-    memory whose pages are stolen (``gpumem``), where the slack stands in for the GPU's lag, which an idle replay does
-    not model (Note [The decode slack for stolen pages]). Raises
-    :class:`~gpumem.errors.InvalidArgumentError` for an unknown policy name."""
+def decode_lag_for(policy: Any) -> bool:
+    """Whether ``policy``'s replay of ``generate()`` runs the program's GPU work (the ``model`` GPU timing): a
+    policy over virtual memory whose pages are stolen (``gpumem``), whose steals wait for the GPU (Note [The GPU's
+    lag in the decode replay]). Raises :class:`~gpumem.errors.InvalidArgumentError` for an unknown policy name."""
     if is_bucket_policy(policy):
         return False
     pol = get_policy(policy)
     return pol.vmm is not VmmMode.NEVER and pol.steal_empty_pages
 
 
-# Note [The decode slack for stolen pages]
-#   The decode slack of Note [Overhead] in .workload (a 24 MiB block through every decode forward of a multi-head
-#   7B model) was measured as PyTorch's block rounding of the KV cache, which the ``pytorch`` replay's peak of
-#   blocks now reports (Note [Allocated as PyTorch counts it]); no recorded decode asks for it. Without it the
-#   ``pytorch`` figures of every accuracy row and of the four live long decodes stay above the measurements (the
-#   long decodes' allocated and reserved +0.01 % to +0.03 % where they were +0.14 % to +0.20 %), so the
-#   program's requests (``peak_allocated_bytes``) and the replays of policies whose pages are never stolen are
-#   made without it. The ``gpumem`` replay keeps it: there it stands in for the GPU's lag (pages freed while
-#   queued work still reads them are not stolen live), without which that figure falls under gpumem.torch's live
-#   peak reserved on the 2,048-token decodes (-0.07 %, -0.19 %). ``reports/decode-slack-2026-11-29.md``.
-#   Policies with and without it take two op streams (Note [One stream, every policy] holds within each). The
-#   choice reads the policy, not the device: ``gpumem`` on a device without virtual memory runs on segments,
-#   steals nothing, and still gets the slack (its figure as before, a little high there: attacker 27).
-#   The stand-in is crude: replayed with the lag itself (the simulator's ``model`` timing, no slack) the decode
-#   comes 4-6 MiB above live on seven live decodes, two predicted before they ran, where the slack is up to 54 MiB
-#   above, and the slack's block makes the idle replay steal pages every step where the GPU would not
-#   (``reports/decode-lag-2026-11-29.md``, ``reports/hil/lag-check-h200-2026-11-29.md``). It stays until the
-#   idle twin keeps that timing's clock (the ``model`` replay runs in SimPy, minutes for a long decode).
+def _decode_timing(policy: Any) -> str | None:
+    """The GPU timing of ``policy``'s replays of ``generate()`` traces: ``model`` where it steals pages (Note [The
+    GPU's lag in the decode replay]), else the replay's default."""
+    return GpuTiming.MODEL.value if decode_lag_for(policy) else None
+
+
+# Note [The GPU's lag in the decode replay]
+#   A policy that steals idle pages (``gpumem``) may unmap a page only once the GPU has run the work that last used
+#   it; an idle replay completes every fence at once and steals pages the live GPU is still reading, so its figure
+#   fell under gpumem.torch's live peak reserved on long decodes (-0.07 %, -0.19 % at 2,048-token prompts). The
+#   estimate stood a 24 MiB block in every decode step for that lag (the "decode slack" of Note [Overhead] in
+#   .workload) until 2026-11-30: up to 54 MiB above live, and a storm of page moves every step that made long
+#   estimates slow (1,116,458 device calls by 6,000 tokens, where live made 16,148). Now the decode of such a
+#   policy runs the program's GPU work of the simulator's ``model`` timing (Note [The GPU runs behind the CPU] in
+#   gpumem.sim.gpu_work), which predicted seven live decodes 4-6 MiB from above, two of them before they ran
+#   (``reports/decode-lag-2026-11-29.md``, ``reports/hil/lag-check-h200-2026-11-29.md``): on a device the estimate
+#   opened, in the native engine's twin (Note [A twin that runs the program's GPU work] in
+#   ``gpumem/_native/pybackend.cpp``), else through :class:`~gpumem.sim.gpu_work.ModelGpu` on the device given;
+#   the prefix and full paths replay the trace with ``gpu_timing="model"``: the same clock, to the bit
+#   (``tests/estimate/test_gpu_lag_twin.py``). Every op is sent (the small pool's skip would leave the skipped ops'
+#   time out). Policies that steal nothing replay as before: on one stream their decisions do not wait for the GPU.
 
 
 def _check_policies(policies: object) -> None:
@@ -220,28 +225,21 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
     kw = dict(batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens, weight_format=weight_format,
               workspace_nbytes=workspace_nbytes)
     full = list(range(len(policies)))
-    slack = [decode_slack_for(p) for p in policies]
+    for p in policies:
+        decode_lag_for(p)  # an unknown policy name raises before anything runs
     if not full_replay and head < new_tokens:
         # the fast path: one stream for all (Note [One stream, every policy]), each policy on a device of its own
         # as in the full path (a Device given is one device: its policies take turns); a policy that ran out of
         # memory (or retried) within the prefix goes to the full path, which replays the prefix as a trace
-        # (two streams where some policies get the decode slack and some do not: Note [The decode slack for
-        # stolen pages])
-        if isinstance(device, Device):
-            groups = [[k] for k in full]
-        else:
-            groups = [g for g in ([k for k in full if not slack[k]], [k for k in full if slack[k]]) if g]
+        groups = [[k] for k in full] if isinstance(device, Device) else [full]
         for group in groups:
             got = _stream_policies(shape, dtype_bytes, [policies[k] for k in group], device, limit, peak_nbytes,
-                                   bar, False, dict(kw, decode_slack=slack[group[0]]))
+                                   bar, False, kw)
             out.update((k, est) for k, est in zip(group, got))
         full = [k for k in full if out[k] is None]
     if full:
-        for flag in (False, True):
-            keys = [k for k in full if slack[k] is flag]
-            if keys:
-                _full_path(shape, dtype_bytes, [policies[k] for k in keys], keys, device, limit, peak_nbytes, bar,
-                           head, dict(kw, decode_slack=flag), out)
+        _full_path(shape, dtype_bytes, [policies[k] for k in full], full, device, limit, peak_nbytes, bar, head, kw,
+                   out)
     return [out[k] for k in range(len(policies))]  # type: ignore[misc]
 
 
@@ -268,14 +266,13 @@ def _full_path(shape: ModelShape, dtype_bytes: int, policies: list[str], keys: l
 def _prefix_trace(shape: ModelShape, dtype_bytes: int, head: int, kw: dict[str, Any]) -> WorkloadTrace:
     """The trace of the first ``head`` tokens (Note [Prefix first])."""
     return inference_trace(shape, dtype_bytes, batch_size=kw["batch_size"], prompt_len=kw["prompt_len"],
-                           new_tokens=head, weight_format=kw["weight_format"], workspace_nbytes=kw["workspace_nbytes"],
-                           decode_slack=kw.get("decode_slack", False))
+                           new_tokens=head, weight_format=kw["weight_format"], workspace_nbytes=kw["workspace_nbytes"])
 
 
 def _prefix_result(prefix: WorkloadTrace, device: "str | Device", policy: str, limit: int | None,
                    peak_nbytes: int) -> ReservedEstimate:
     """The replay of the prefix trace as the full path reports it."""
-    first = _replay(prefix, device, policy, limit)
+    first = _replay(prefix, device, policy, limit, _decode_timing(policy))
     return ReservedEstimate(policy, first.device, peak_nbytes, first.peak_reserved_bytes, first.fits,
                             first.oom_message, first.injected_fault, first.peak_block_allocated_bytes,
                             first.alloc_retries)
@@ -308,13 +305,27 @@ def _replay_allocator(device: Device, policy: Any, limit: int | None, fast: bool
     engine = getattr(allocator, "_engine", None)
     if own and isinstance(engine, NativeEngine):
         try:
-            engine.use_idle_twin()
+            engine.use_idle_twin(GpuWorkModel() if decode_lag_for(policy) else None)
         except UnsupportedOperationError:
             pass  # not a simulated device in virtual-memory mode that runs alone: its own calls, as before
         except BaseException:
             allocator.close()
             raise
     return allocator
+
+
+def _decode_gpu(allocator: Any, device: Device, policy: Any) -> Any:
+    """The program's GPU work beside ``policy``'s decode replay (Note [The GPU's lag in the decode replay]): None
+    where the policy does not wait for the GPU or the device is not simulated, the engine's twin where it runs it,
+    else a :class:`~gpumem.sim.gpu_work.ModelGpu` on ``device``."""
+    from ..sim import SimDevice
+
+    if not decode_lag_for(policy) or not isinstance(device, SimDevice):
+        return None
+    engine = getattr(allocator, "_engine", None)
+    if isinstance(engine, NativeEngine) and engine.lag_stats() is not None:
+        return TwinLag(engine)
+    return ModelGpu(device)
 
 
 def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], device: "str | Device",
@@ -328,11 +339,13 @@ def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], d
         raise InvalidArgumentError("one Device replays one policy at a time")
     devs: list[Device] = []
     allocators: list[Any] = []
+    gpus: list[Any] = []
     try:
         for p in policies:
             devs.append(open_device(device) if own else device)  # type: ignore[arg-type]
             allocators.append(_replay_allocator(devs[-1], p, limit, fast=not full_replay, own=own))
-        sinks: list[PlainSink] = [make_sink(a, skip=not full_replay) for a in allocators]
+            gpus.append(_decode_gpu(allocators[-1], devs[-1], p))
+        sinks: list[PlainSink] = [make_sink(a, skip=not full_replay, gpu=g) for a, g in zip(allocators, gpus)]
         group = SinkGroup(sinks)
         n = len(policies)
 
@@ -365,6 +378,9 @@ def _stream_policies(shape: ModelShape, dtype_bytes: int, policies: list[str], d
                                         bool(getattr(err, "injected", False)), s.peak_block_allocated_nbytes(),
                                         st.num_alloc_retries))
     finally:
+        for g in gpus:
+            if isinstance(g, ModelGpu):
+                g.finish()  # the device given runs no work past the replay (its next policy, its owner)
         for a in allocators:
             a.close()
         if own:

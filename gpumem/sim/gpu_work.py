@@ -132,34 +132,101 @@ class GpuWorkModel:
             raise InvalidArgumentError(f"GpuWorkModel.queue_depth must be a positive int, not {self.queue_depth!r}")
 
 
-class ProgramGpu:
-    """Runs a trace's GPU work on a simulated device beside a replay loop: call :meth:`before` ahead of
-    operation ``i`` and :meth:`after` once it is done (with the block's pointer for an allocation)."""
+class _LaunchQueue:
+    """The program's launch queue on a simulated device: work queued after operations, at most
+    ``model.queue_depth`` items ahead of the GPU (Note [The GPU runs behind the CPU])."""
 
-    __slots__ = ("device", "timing", "model", "clock", "_work_s", "_sync", "_streams", "_sizes", "_queue",
-                 "n_launches", "n_blocked", "n_syncs", "max_lag_s", "_cpu_s", "_waits", "n_waits", "n_wait_markers")
+    __slots__ = ("device", "model", "_queue", "n_launches", "n_blocked", "_cpu_s")
 
-    def __init__(self, trace: "Trace", device: Any, timing: "str | GpuTiming | None",
-                 model: GpuWorkModel | None = None) -> None:
+    def __init__(self, device: Any, model: GpuWorkModel | None, what: str) -> None:
         from .device import SimDevice
 
-        self.timing = gpu_timing(timing)
-        if self.timing is GpuTiming.IDLE:
-            raise InvalidArgumentError("ProgramGpu: gpu timing 'idle' runs no GPU work (make none)")
         if not isinstance(device, SimDevice):
             raise InvalidArgumentError(
-                f"gpu timing {self.timing.value!r} runs the program's GPU work on a simulated device; "
+                f"gpu timing {what!r} runs the program's GPU work on a simulated device; "
                 f"{getattr(device, 'spec', device)!r} is not one (replay with gpu_timing='idle')")
         self.device: SimDevice = device
         self.model = model if model is not None else GpuWorkModel()
         if not isinstance(self.model, GpuWorkModel):
             raise InvalidArgumentError(f"gpu work model must be a GpuWorkModel, not {type(model).__name__}")
+        self._cpu_s = self.model.cpu_op_us * 1e-6
+        self._queue: deque[Work] = deque()
+        self.n_launches = 0
+        self.n_blocked = 0
+
+    def _launch(self, stream: int, duration_s: float, ptr: int, nbytes: int) -> None:
+        """Queue ``duration_s`` of work on ``stream`` touching ``[ptr, ptr + nbytes)`` (nothing where either is
+        0), blocking while the launch queue is full."""
+        q = self._queue
+        dev = self.device
+        while q and q[0].done:
+            q.popleft()
+        if len(q) >= self.model.queue_depth:
+            self.n_blocked += 1
+            dev.wait_work(q[0])
+            while q and q[0].done:
+                q.popleft()
+        touches = ((ptr, nbytes),) if ptr and nbytes else ()
+        work = dev.launch(stream, duration_s, touches, name="program")
+        q.append(work)
+        self.n_launches += 1
+
+    def _wait_all(self) -> None:
+        for w in list(self._queue):
+            if not w.done:
+                self.device.wait_work(w)
+        self._queue.clear()
+
+
+class ModelGpu(_LaunchQueue):
+    """The ``model`` timing for operations given one at a time rather than as a trace (the estimate's streamed
+    decode, :mod:`gpumem.estimate.fit`): call :meth:`before` ahead of each operation and :meth:`after` once an
+    allocation is done. The same device calls, in the same order, as :class:`ProgramGpu` with
+    ``timing="model"`` over a trace of those operations; the native engine's twin keeps the same clock in C++
+    (Note [A twin that runs the program's GPU work] in ``gpumem/_native/pybackend.cpp``)."""
+
+    __slots__ = ("_k_min_s", "_factor", "_bandwidth_bps")
+
+    def __init__(self, device: Any, model: GpuWorkModel | None = None) -> None:
+        super().__init__(device, model, GpuTiming.MODEL.value)
+        m = self.model
+        self._bandwidth_bps = self.device.profile.memory_bandwidth_gbps * 1e9 * m.bandwidth_fraction
+        self._k_min_s, self._factor = m.kernel_min_us * 1e-6, m.touch_factor
+
+    def before(self) -> None:
+        """The CPU reaches the next operation: its time passes."""
+        if self._cpu_s:
+            self.device.advance(self._cpu_s)
+
+    def after(self, stream: int, ptr: int, nbytes: int) -> None:
+        """An allocation of ``nbytes`` at ``ptr`` on ``stream`` is done: queue the kernel that follows it."""
+        duration_s = self._k_min_s + self._factor * nbytes / self._bandwidth_bps if nbytes else 0.0
+        if duration_s:
+            self._launch(stream, duration_s, ptr, nbytes)
+
+    def finish(self) -> None:
+        """Let the queued work run out."""
+        self._wait_all()
+
+
+class ProgramGpu(_LaunchQueue):
+    """Runs a trace's GPU work on a simulated device beside a replay loop: call :meth:`before` ahead of
+    operation ``i`` and :meth:`after` once it is done (with the block's pointer for an allocation)."""
+
+    __slots__ = ("timing", "clock", "_work_s", "_sync", "_streams", "_sizes", "n_syncs", "max_lag_s", "_waits",
+                 "n_waits", "n_wait_markers")
+
+    def __init__(self, trace: "Trace", device: Any, timing: "str | GpuTiming | None",
+                 model: GpuWorkModel | None = None) -> None:
+        self.timing = gpu_timing(timing)
+        if self.timing is GpuTiming.IDLE:
+            raise InvalidArgumentError("ProgramGpu: gpu timing 'idle' runs no GPU work (make none)")
+        super().__init__(device, model, self.timing.value)
         kinds = trace.kinds.tolist()
         self._sizes = trace.nbytes.tolist()
         self._streams = trace.streams.tolist()
         n = len(kinds)
         m = self.model
-        self._cpu_s = m.cpu_op_us * 1e-6
         self._sync = [0] * n
         """Per operation: 1 where the program synchronised before it, 2 where it made cross-stream waits,
         3 both (0 mostly: one test per operation in :meth:`before`)."""
@@ -187,9 +254,6 @@ class ProgramGpu:
                 self._sync[w.at_op] |= 2
         self.n_waits = 0
         self.n_wait_markers = 0
-        self._queue: deque[Work] = deque()
-        self.n_launches = 0
-        self.n_blocked = 0
         self.n_syncs = 0
         self.max_lag_s = 0.0
 
@@ -217,30 +281,13 @@ class ProgramGpu:
         """Operation ``i`` is done (``ptr``: the block an allocation got, else 0): queue the work that
         follows it, blocking while the launch queue is full."""
         duration_s = self._work_s[i]
-        if not duration_s:
-            return
-        q = self._queue
-        dev = self.device
-        while q and q[0].done:
-            q.popleft()
-        if len(q) >= self.model.queue_depth:
-            self.n_blocked += 1
-            dev.wait_work(q[0])
-            while q and q[0].done:
-                q.popleft()
-        nbytes = self._sizes[i]
-        touches = ((ptr, nbytes),) if ptr and nbytes else ()
-        work = dev.launch(self._streams[i], duration_s, touches, name="program")
-        q.append(work)
-        self.n_launches += 1
+        if duration_s:
+            self._launch(self._streams[i], duration_s, ptr, self._sizes[i])
 
     def finish(self) -> dict[str, Any]:
         """Let the queued work run out; what the GPU did, for :attr:`ReplayResult.extra`."""
         lag_s = self.device.streams.pending_s
-        for w in list(self._queue):
-            if not w.done:
-                self.device.wait_work(w)
-        self._queue.clear()
+        self._wait_all()
         timing = self.timing.value if self.clock or self.timing is GpuTiming.MODEL else "model (the trace has no clock)"
         out = {"gpu_timing": timing, "gpu_launches": self.n_launches,
                "gpu_queue_full_waits": self.n_blocked, "gpu_syncs": self.n_syncs, "gpu_pending_at_end_s": lag_s}

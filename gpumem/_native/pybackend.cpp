@@ -407,11 +407,8 @@ std::string PyDeviceBackend::use_gpu_lag(const GpuLag& m, PyObject* clock) {
 
 void PyDeviceBackend::lag_prune() {
     Lag& lag = *twin_->lag;
-    for (auto it = lag.streams.begin(); it != lag.streams.end();) {
-        auto& q = it->second;
-        while (!q.empty() && lag_done(q.front().end_s)) q.pop_front();
-        it = q.empty() ? lag.streams.erase(it) : std::next(it);   // an idle stream keeps nothing (StreamEngine)
-    }
+    for (auto& kv : lag.streams)
+        while (!kv.second.empty() && lag_done(kv.second.front().end_s)) kv.second.pop_front();
 }
 
 bool PyDeviceBackend::lag_done(double end_s) const {
@@ -430,7 +427,7 @@ void PyDeviceBackend::lag_advance_s(double seconds) {
     bool due = lag.fresh_start;
     if (!due) {
         lag_prune();
-        for (const auto& kv : lag.streams) due = due || kv.second.front().end_s <= until;
+        for (const auto& kv : lag.streams) due = due || (!kv.second.empty() && kv.second.front().end_s <= until);
     }
     lag.now_s = due ? lag.now_s + (until - lag.now_s) : until;
     lag.through_now = false;
@@ -492,7 +489,12 @@ void PyDeviceBackend::lag_after(StreamHandle stream, std::uint64_t ptr, std::uin
         lag.ok_hi = pos;
     }
     lag_advance(lag.m.launch_us);
-    auto& q = lag.streams[stream];
+    std::deque<LagWork>* qp = lag.queue(stream);
+    if (!qp) {
+        lag.streams.emplace_back(stream, std::deque<LagWork>{});
+        qp = &lag.streams.back().second;
+    }
+    auto& q = *qp;
     while (!q.empty() && lag_done(q.front().end_s)) q.pop_front();
     double start = lag.now_s;
     if (!q.empty()) start = q.back().end_s;   // runs when the work before it has
@@ -599,9 +601,8 @@ EventHandle PyDeviceBackend::event_record(StreamHandle stream) {
         const EventHandle id = kTwinEvent | ++twin_->events;   // idle: complete at once, no work is ever queued
         if (Lag* lag = twin_->lag.get()) {   // the stream's last unfinished work (SimDevice._do_event_record)
             lag_advance(lag->m.event_record_us);
-            auto it = lag->streams.find(stream);
-            if (it != lag->streams.end() && !it->second.empty() && !lag_done(it->second.back().end_s))
-                lag->events.emplace(id, it->second.back().end_s);
+            const std::deque<LagWork>* q = lag->queue(stream);
+            if (q && !q->empty() && !lag_done(q->back().end_s)) lag->events.emplace(id, q->back().end_s);
         }
         return id;
     }
@@ -658,8 +659,7 @@ void PyDeviceBackend::event_destroy(EventHandle event) {
 void PyDeviceBackend::stream_synchronize(StreamHandle stream) {
     call_void(n_stream_synchronize_, u64(stream));   // its cost on the device; then the twin's work, if any
     if (Lag* lag = twin_makes_calls() ? twin_->lag.get() : nullptr) {
-        auto it = lag->streams.find(stream);
-        if (it != lag->streams.end()) lag_wait_stream(it->second);
+        if (const std::deque<LagWork>* q = lag->queue(stream)) lag_wait_stream(*q);
     }
 }
 

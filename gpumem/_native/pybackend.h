@@ -135,7 +135,13 @@ class PyDeviceBackend : public Backend {
         double now_s = 0;
         bool through_now = false;    // work ending at exactly now_s is done (the clock waited for it)
         bool fresh_start = false;    // a stream started since the clock last moved (SimPy's Initialize is due)
-        std::map<StreamHandle, std::deque<LagWork>> streams;   // unfinished work, FIFO per stream
+        // unfinished work, FIFO per stream (an idle stream keeps its empty queue: no allocation per restart)
+        std::vector<std::pair<StreamHandle, std::deque<LagWork>>> streams;
+        std::deque<LagWork>* queue(StreamHandle stream) {
+            for (auto& kv : streams)
+                if (kv.first == stream) return &kv.second;
+            return nullptr;
+        }
         std::deque<double> launched;   // ProgramGpu's launch queue: the ends of the work launched, oldest first
         std::unordered_map<EventHandle, double> events;   // twin event -> the end of the work it waits for
         std::uint64_t launches = 0, queue_full_waits = 0;

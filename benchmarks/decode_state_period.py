@@ -25,7 +25,6 @@ from gpumem.allocator.backing import SegmentBacking
 from gpumem.allocator.factory import make_allocator
 from gpumem.estimate import ModelShape
 from gpumem.estimate.fastreplay import PlainSink, SinkGroup, StepJumper
-from gpumem.estimate.fit import decode_slack_for
 from gpumem.estimate.workload import stream_inference
 from gpumem.specs import open_device
 
@@ -112,8 +111,7 @@ def main() -> None:
     jumper = StepJumper(SinkGroup([sink]), on_step, args.new_tokens - 1)
     t0 = time.perf_counter()
     stream_inference(LLAMA_7B, 2, (jumper,), on_step=jumper.end_step, jump=jumper.jump, batch_size=args.batch,
-                     prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                     decode_slack=decode_slack_for(args.policy))  # as the estimate replays it
+                     prompt_len=args.prompt_len, new_tokens=args.new_tokens)  # the ops the estimate replays
     alloc.close()
     dev.close()
     print(f"7B, batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.policy}; "

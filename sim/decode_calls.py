@@ -34,7 +34,6 @@ from typing import Any
 
 from gpumem.allocator import make_allocator
 from gpumem.errors import GpumemError, OutOfMemoryError
-from gpumem.estimate.fit import decode_slack_for
 from gpumem.estimate.shape import ModelShape
 from gpumem.estimate.workload import stream_inference
 from gpumem.sim import get_profile
@@ -133,10 +132,12 @@ class _Sink:
 
 
 def decode_run(shape: ModelShape, policy: str, *, prompt: int, new_tokens: int, window: int = 100,
-               dtype_bytes: int = 2, latency: LatencyModel | None = None, decode_slack: bool | None = None) -> PolicyRun:
+               dtype_bytes: int = 2, latency: LatencyModel | None = None, decode_slack: bool = False) -> PolicyRun:
     """``generate()`` of ``new_tokens`` after a ``prompt`` under ``policy`` (a name or ``NAME:key=value,...``),
     one request of batch 1, on ``sim:h200-141gb`` (priced as measured unless ``latency`` is given).
-    ``decode_slack``: None for what the estimate replays under that policy, else with or without the slack."""
+    ``decode_slack``: with the decode slack the estimate gave ``gpumem`` before it ran the GPU's lag (Note [The GPU's
+    lag in the decode replay] in ``gpumem/estimate/fit.py``); the ops are the estimate's without it. The GPU here is
+    idle (every fence complete at once), as the estimate's replay was before."""
     profile = dataclasses.replace(get_profile(PROFILE), latency=latency or LatencyModel.as_measured())
     dev = open_device(f"sim:{PROFILE}", profile=profile)
     run = PolicyRun(policy)
@@ -144,10 +145,8 @@ def decode_run(shape: ModelShape, policy: str, *, prompt: int, new_tokens: int, 
         pol = parse_policy(policy)
         alloc = make_allocator(dev, pol)
         sink = _Sink(alloc, dev, window, run)
-        # the ops the estimate replays under this policy (Note [The decode slack for stolen pages])
-        slack = decode_slack_for(pol) if decode_slack is None else decode_slack
         stream_inference(shape, dtype_bytes, (sink,), prompt_len=prompt, new_tokens=new_tokens,
-                         on_step=sink.end_step, decode_slack=slack)
+                         on_step=sink.end_step, decode_slack=decode_slack)
         alloc.close()
     finally:
         dev.close()
@@ -250,12 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ring-token-nbytes", type=int, default=4096, help="--ring: bytes per token (default 4096)")
     p.add_argument("--corpus", choices=("tuning", "check"), help="replay this corpus part's traces instead")
     p.add_argument("--json", type=Path, help="write the windows (or the corpus rows) here")
-    p.add_argument("--no-decode-slack", action="store_true",
-                   help="every policy gets the program's requests only, without the decode slack the estimate "
-                        "adds to the gpumem replay (Note [The decode slack for stolen pages])")
+    slack = p.add_mutually_exclusive_group()
+    slack.add_argument("--decode-slack", action="store_true",
+                       help="add the decode slack the estimate gave the gpumem replay before it ran the GPU's lag "
+                            "(Note [The GPU's lag in the decode replay] in gpumem/estimate/fit.py)")
+    slack.add_argument("--no-decode-slack", action="store_true",
+                       help="the program's requests only: the default since 2026-11-30 (kept for recorded commands)")
     args = p.parse_args(argv)
-    if args.no_decode_slack and (args.ring is not None or args.corpus):
-        p.error("--no-decode-slack is for the model's decode, not --ring or --corpus")
+    if (args.no_decode_slack or args.decode_slack) and (args.ring is not None or args.corpus):
+        p.error("--decode-slack and --no-decode-slack are for the model's decode, not --ring or --corpus")
     if args.prompt < 1 or args.new_tokens < 2 or args.window < 1:
         p.error("--prompt and --window must be >= 1, --new-tokens >= 2")
     if args.json is not None and (why := json_target_problem(args.json)):
@@ -295,9 +297,9 @@ def _study(args: argparse.Namespace, policies: list[str]) -> int:
             args.json.write_text(json.dumps(rows, indent=1))
         return 0
     runs = [decode_run(MODELS[args.model], pol, prompt=args.prompt, new_tokens=args.new_tokens,
-                       window=args.window, decode_slack=False if args.no_decode_slack else None) for pol in policies]
+                       window=args.window, decode_slack=args.decode_slack) for pol in policies]
     print(f"model {args.model}, prompt {args.prompt}, {args.new_tokens} new tokens, batch 1, bf16, sim:{PROFILE} "
-          f"priced as measured{', no decode slack' if args.no_decode_slack else ''}")
+          f"priced as measured, GPU idle, {'with the decode slack' if args.decode_slack else 'no decode slack'}")
     print(table(runs))
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))

@@ -203,9 +203,9 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
                      workspace_nbytes: int = 0, full_replay: bool = False) -> list[ReservedEstimate]:
     """Peak reserved of ``generate()`` under each policy: every op of every decode step replayed as it is
     made (:func:`~gpumem.estimate.workload.stream_inference`), so memory stays bounded while the figures
-    are those of replaying ``inference_trace(..., full_decode=True, decode_slack=decode_slack_for(policy))``
-    (Note [The decode slack for stolen pages]); ``peak_allocated_bytes`` is the program's requests' peak, without
-    the slack. ``bar`` (a progress bar) advances by one per step and policy.
+    are those of replaying ``inference_trace(..., full_decode=True)`` with ``gpu_timing="model"`` where the policy
+    steals pages (Note [The GPU's lag in the decode replay]); ``peak_allocated_bytes`` is the program's requests'
+    peak. ``bar`` (a progress bar) advances by one per step and policy.
 
     The default path makes the ops once for all policies and leaves out small-pool ops where they cannot
     change anything (Notes [One stream, every policy], [Small pool skipped at a fixed point] and [Expandable's
@@ -468,8 +468,8 @@ def estimate_peak_reserved(w: WorkloadTrace, policies: "tuple[str, ...] | list[s
 
     An inference trace holds only some decode steps (Note [Decode steps simulated]); the reserved figures of
     ``generate()`` come from :func:`replay_inference`, which replays every step, and gives a policy whose pages
-    are stolen the decode slack (Note [The decode slack for stolen pages]): a trace replayed here has only what
-    it was built with."""
+    are stolen the GPU's lag (Note [The GPU's lag in the decode replay]): a trace replayed here runs the replay's
+    default GPU timing."""
     _check_policies(policies)
     if not policies:
         raise InvalidArgumentError("estimate_peak_reserved: give at least one policy")

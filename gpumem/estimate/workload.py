@@ -117,10 +117,9 @@ Note [Overhead]
     Those 19 MiB turned out to be PyTorch's blocks, not requests: a KV-cache ``torch.cat`` gets a cached block
     up to 1 MiB larger than it asks for, which the estimate now reads from the ``pytorch`` replay's peak of
     blocks (Note [Allocated as PyTorch counts it] in :mod:`.fit`); no recorded decode makes such a block. So
-    the program's ops are made without it; the decode slack (``DECODE_SLACK_PER_Q_NBYTES``, ``decode_slack=True``)
-    is given only to the replay of policies whose pages are stolen (``gpumem``), where it stands in for the GPU's
-    lag that an idle replay does not model (Note [The decode slack for stolen pages] in :mod:`.fit`,
-    ``reports/decode-slack-2026-11-29.md``).
+    the program's ops are made without it. The decode slack (``DECODE_SLACK_PER_Q_NBYTES``, ``decode_slack=True``)
+    stood in for the GPU's lag in the ``gpumem`` replay until the estimate ran the lag itself (Note [The GPU's lag in
+    the decode replay] in :mod:`.fit`, ``reports/decode-slack-2026-11-29.md``); it stays for studies of it.
 
     Those small buffers (``MISC_NBYTES``, and ``BACKWARD_MISC_NBYTES`` in training) are requests of 1 MiB or
     less, which PyTorch serves from its small pool of 2 MiB segments; the trace makes them as 1 MiB blocks

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from gpumem.cli import main
 from gpumem.estimate import ModelShape, find_max_batch, inference_trace
-from gpumem.estimate.fit import InjectedFaultError, _replay, decode_slack_for, replay_inference, usable_memory
+from gpumem.estimate.fit import InjectedFaultError, _decode_timing, _replay, replay_inference, usable_memory
 from gpumem.estimate.workload import decode_steps_simulated
 from gpumem.managers import GpuMemoryManager
 from gpumem.managers.reserve import default_usable_nbytes
@@ -61,12 +61,10 @@ def test_streamed_replay_reserves_what_the_full_trace_reserves(name, batch, prom
     policies = ("pytorch", "expandable", "gpumem", "bestfit", "cupy")
     streamed = replay_inference(s, 2, policies, "sim:h200-141gb", batch_size=batch, prompt_len=prompt,
                                 new_tokens=new)
-    # a policy whose pages are stolen replays the trace with the decode slack (Note [The decode slack for stolen
-    # pages]); every policy reports the program's requests, without it
-    slacked = inference_trace(s, 2, batch_size=batch, prompt_len=prompt, new_tokens=new, full_decode=True,
-                              decode_slack=True)
+    # a policy whose pages are stolen replays the trace with the GPU's lag (Note [The GPU's lag in the decode
+    # replay]); every policy reports the program's requests
     for r in streamed:
-        ref = _replay(slacked if decode_slack_for(r.policy) else full, "sim:h200-141gb", r.policy)
+        ref = _replay(full, "sim:h200-141gb", r.policy, gpu_timing=_decode_timing(r.policy))
         assert (r.peak_reserved_bytes, r.fits, r.peak_allocated_bytes) == (ref.peak_reserved_bytes, ref.fits,
                                                                            full.peak_nbytes), r.policy
 

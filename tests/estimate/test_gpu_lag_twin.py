@@ -1,0 +1,134 @@
+"""Note [A twin that runs the program's GPU work] (gpumem/_native/pybackend.cpp): the native engine's twin keeps the
+``model`` GPU timing's clock in C++; it must give what the simulator gives (:class:`~gpumem.sim.gpu_work.ModelGpu`,
+``replay_trace(..., gpu_timing="model")``) to the bit: the same peak, the same engine stats, the same clock."""
+
+import pytest
+
+from gpumem.allocator import make_allocator
+from gpumem.errors import InvalidArgumentError, UnsupportedOperationError
+from gpumem.estimate import ModelShape, inference_trace
+from gpumem.estimate.fit import replay_inference
+from gpumem.native import load_engine
+from gpumem.replay import replay_trace
+from gpumem.sim import get_profile
+from gpumem.sim.gpu_work import GpuWorkModel, ModelGpu
+from gpumem.sim.latency import LatencyModel
+from gpumem.specs import open_device
+
+pytestmark = pytest.mark.skipif(load_engine() is None, reason="the native engine is not built")
+
+DEVICE = "sim:h200-141gb"
+# a small multi-head model whose long decode steals pages under gpumem (the GPU's lag decides which)
+SMALL = ModelShape(1024, 2048, 2, 1000, 8, 8)
+
+
+def _run(trace, twin: bool, model: GpuWorkModel | None = None, every: int = 13):
+    """Every op of ``trace`` under gpumem on the native engine, the GPU's work run by the twin or by ModelGpu."""
+    dev = open_device(DEVICE)
+    a = make_allocator(dev, "gpumem", engine="native")
+    try:
+        if twin:
+            eng = a._engine
+            eng.use_idle_twin(model or GpuWorkModel())
+            before, after, clock = eng.lag_before, eng.lag_after, lambda: eng.lag_stats()["now_s"]
+        else:
+            g = ModelGpu(dev, model)
+            before, after, clock = g.before, g.after, lambda: dev.now_s
+        kinds, ids, sizes, streams = trace.as_lists()
+        ptrs: dict[int, int] = {}
+        times = []
+        for j, (k, i, n, s) in enumerate(zip(kinds, ids, sizes, streams)):
+            before()
+            if k == 0:
+                p = ptrs[i] = a.allocate(n, s) if n else 0
+                if n:
+                    after(s, p, n)
+            else:
+                p = ptrs.pop(i, 0)
+                if p:
+                    a.free(p)
+            if j % every == 0:
+                times.append(clock())
+        return a.snapshot_stats(), times
+    finally:
+        a.close()
+        dev.close()
+
+
+@pytest.mark.parametrize("model", [None, GpuWorkModel(cpu_op_us=1.0, queue_depth=8, touch_factor=40.0)])
+def test_the_twin_keeps_the_simulators_clock_to_the_bit(model):
+    trace = inference_trace(SMALL, 2, prompt_len=600, new_tokens=120, full_decode=True).trace
+    (st_py, t_py), (st_twin, t_twin) = _run(trace, False, model), _run(trace, True, model)
+    assert st_twin == st_py
+    assert t_twin == t_py and t_py[-1] > 0
+
+
+def test_the_estimate_gives_the_model_replays_figure():
+    kw = dict(prompt_len=600, new_tokens=150)
+    full = inference_trace(SMALL, 2, full_decode=True, **kw)
+    fast, ref = (replay_inference(SMALL, 2, ("pytorch", "gpumem"), DEVICE, full_replay=f, **kw) for f in (False, True))
+    assert fast == ref
+    assert fast[1].peak_reserved_bytes == replay_trace(full.trace, DEVICE, "gpumem", gpu_timing="model").peak_reserved_bytes
+    assert fast[0].peak_reserved_bytes == replay_trace(full.trace, DEVICE, "pytorch", gpu_timing="idle").peak_reserved_bytes
+    # a Device given: the Python ModelGpu on it, the same figure
+    dev = open_device(DEVICE)
+    try:
+        (given,) = replay_inference(SMALL, 2, ("gpumem",), dev, **kw)
+    finally:
+        dev.close()
+    assert given.peak_reserved_bytes == fast[1].peak_reserved_bytes
+
+
+def test_refusals_change_nothing():
+    profile = get_profile("h200-141gb")
+    busy = profile.__class__(**{**profile.__dict__, "latency": LatencyModel.as_measured()})
+    dev = open_device(DEVICE, profile=busy)
+    a = make_allocator(dev, "gpumem", engine="native")
+    try:
+        with pytest.raises(UnsupportedOperationError, match="prices a busy device higher"):
+            a._engine.use_idle_twin(GpuWorkModel())
+        assert a._engine.lag_stats() is None
+        with pytest.raises(InvalidArgumentError, match="GpuWorkModel"):
+            a._engine.use_idle_twin("model")  # type: ignore[arg-type]
+        a._engine.lag_before()   # no lag: nothing happens
+        a._engine.lag_after(0, 0, 1 << 20)
+        assert dev.now_s == 0.0
+    finally:
+        a.close()
+        dev.close()
+    dev = open_device(DEVICE)
+    a = make_allocator(dev, "gpumem", engine="native")
+    try:
+        eng = a._engine
+        eng.use_idle_twin(GpuWorkModel())
+        with pytest.raises(UnsupportedOperationError, match="other twin"):
+            eng.use_idle_twin(GpuWorkModel())
+        with pytest.raises(InvalidArgumentError, match="stop_at_slow"):
+            from gpumem.native import native_module
+            import numpy as np
+            eng.run_ops(np.zeros(1, np.int8), np.zeros(1, np.int64), np.ones(1, np.int64) << 20,
+                        native_module().PtrTable(), stop_at_slow=True)
+        assert eng.lag_stats()["launches"] == 0
+    finally:
+        a.close()
+        dev.close()
+
+
+def test_an_unmap_under_queued_work_and_a_launch_on_unmapped_memory_are_refused():
+    dev = open_device(DEVICE)
+    a = make_allocator(dev, "gpumem", engine="native")
+    try:
+        eng = a._engine
+        eng.use_idle_twin(GpuWorkModel())
+        p = a.allocate(64 << 20, 0)
+        eng.lag_after(0, p, 64 << 20)   # a kernel reads the block for a while
+        a.free(p)
+        # the engine waits for the free's event before it unmaps: empty_cache keeps the pages the GPU still reads
+        a.empty_cache()
+        assert eng.lag_stats()["pending"] == 1
+        from gpumem.errors import GpumemError
+        with pytest.raises(GpumemError, match="not mapped with access"):
+            eng.lag_after(0, 1 << 40, 4096)
+    finally:
+        a.close()
+        dev.close()

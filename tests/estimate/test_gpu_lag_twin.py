@@ -114,21 +114,29 @@ def test_refusals_change_nothing():
         dev.close()
 
 
-def test_an_unmap_under_queued_work_and_a_launch_on_unmapped_memory_are_refused():
+def test_memory_under_queued_work_is_unmapped_only_after_it_and_a_launch_on_unmapped_memory_is_refused():
     dev = open_device(DEVICE)
     a = make_allocator(dev, "gpumem", engine="native")
     try:
         eng = a._engine
         eng.use_idle_twin(GpuWorkModel())
-        p = a.allocate(64 << 20, 0)
-        eng.lag_after(0, p, 64 << 20)   # a kernel reads the block for a while
+        nbytes = 1 << 30
+        p = a.allocate(nbytes, 0)
+        eng.lag_after(0, p, nbytes)   # a kernel reads the block for a while (about 0.6 ms on the H200)
+        queued_at_s = eng.lag_stats()["now_s"]
         a.free(p)
-        # the engine waits for the free's event before it unmaps: empty_cache keeps the pages the GPU still reads
-        a.empty_cache()
         assert eng.lag_stats()["pending"] == 1
+        # empty_cache unmaps the block's pages only once the kernel has run: the twin's clock waited for it
+        a.empty_cache()
+        assert a.reserved_nbytes == 0
+        st = eng.lag_stats()
+        kernel_s = 4e-6 + 2 * nbytes / (dev.profile.memory_bandwidth_gbps * 1e9 * 0.7)
+        assert st["pending"] == 0 and st["now_s"] >= queued_at_s + kernel_s
+        assert dev.now_s <= st["now_s"]   # the device is set to the twin's time at its own calls only
         from gpumem.errors import GpumemError
         with pytest.raises(GpumemError, match="not mapped with access"):
-            eng.lag_after(0, 1 << 40, 4096)
+            eng.lag_after(0, p, 4096)
+        assert eng.lag_stats()["launches"] == 1
     finally:
         a.close()
         dev.close()

@@ -1066,43 +1066,37 @@ PyObject* Alloc_describe(AllocObject* self, PyObject*) {
 }
 
 // Note [An idle device's bookkeeping calls made here] in pybackend.cpp: on while the engine holds no chunk, no
-// event and the device no mapping. Refusals are InvalidArgumentError.
-PyObject* Alloc_use_idle_twin(AllocObject* self, PyObject*) {
+// event and the device no mapping. use_idle_twin(lag=None, clock=None): with lag (Note [A twin that runs the
+// program's GPU work]) = (cpu_op_s, kernel_min_s, touch_factor, bandwidth_bps, queue_depth, then the latencies in us
+// of launch, event_record, event_query, event_destroy, synchronize, mem_map, mem_set_access (per call, per mapping,
+// per MiB), mem_unmap (the same three)) and clock the device's SimClock. Refusals are InvalidArgumentError (a
+// TypeError or OverflowError for arguments of the wrong type), before anything changes.
+PyObject* Alloc_use_idle_twin(AllocObject* self, PyObject* args) {
     CHECK_ALIVE(self);
-    if (self->engine->closed()) {
-        invalid_argument(self->helpers, "allocator is closed");
-        return nullptr;
-    }
-    std::string why = self->backend->use_idle_twin();
-    if (PyErr_Occurred()) return nullptr;
-    if (!why.empty()) {
-        invalid_argument(self->helpers, why.c_str());
-        return nullptr;
-    }
-    Py_RETURN_NONE;
-}
-
-// Note [A twin that runs the program's GPU work] in pybackend.cpp: use_gpu_lag(constants, clock) after
-// use_idle_twin, before the twin's first call; constants = (cpu_op_s, kernel_min_s, touch_factor, bandwidth_bps,
-// queue_depth, then the latencies in us of launch, event_record, event_query, event_destroy, synchronize, mem_map,
-// mem_set_access (per call, per mapping, per MiB), mem_unmap (the same three)). Refusals are InvalidArgumentError.
-PyObject* Alloc_use_gpu_lag(AllocObject* self, PyObject* args) {
-    CHECK_ALIVE(self);
+    PyObject *o_lag = Py_None, *clock = Py_None;
+    if (!PyArg_ParseTuple(args, "|OO:use_idle_twin", &o_lag, &clock)) return nullptr;
     PyDeviceBackend::GpuLag m;
-    Py_ssize_t depth = 0;
-    PyObject* clock = nullptr;
-    if (!PyArg_ParseTuple(args, "(ddddndddddddddddd)O:use_gpu_lag", &m.cpu_op_s, &m.kernel_min_s, &m.touch_factor,
-                          &m.bandwidth_bps, &depth, &m.launch_us, &m.event_record_us, &m.event_query_us,
-                          &m.event_destroy_us, &m.synchronize_us, &m.mem_map_us, &m.set_access_us,
-                          &m.set_access_mapping_us, &m.set_access_mib_us, &m.unmap_us, &m.unmap_mapping_us,
-                          &m.unmap_mib_us, &clock))
-        return nullptr;
+    const bool with_lag = o_lag != Py_None;
+    if (with_lag) {
+        if (!PyTuple_Check(o_lag)) {
+            PyErr_Format(PyExc_TypeError, "use_idle_twin: lag must be a tuple of the GPU lag's constants, not %.60s",
+                         Py_TYPE(o_lag)->tp_name);
+            return nullptr;
+        }
+        Py_ssize_t depth = 0;
+        if (!PyArg_ParseTuple(o_lag, "ddddndddddddddddd:use_idle_twin", &m.cpu_op_s, &m.kernel_min_s, &m.touch_factor,
+                              &m.bandwidth_bps, &depth, &m.launch_us, &m.event_record_us, &m.event_query_us,
+                              &m.event_destroy_us, &m.synchronize_us, &m.mem_map_us, &m.set_access_us,
+                              &m.set_access_mapping_us, &m.set_access_mib_us, &m.unmap_us, &m.unmap_mapping_us,
+                              &m.unmap_mib_us))
+            return nullptr;
+        m.queue_depth = depth > 0 ? static_cast<std::size_t>(depth) : 0;
+    }
     if (self->engine->closed()) {
         invalid_argument(self->helpers, "allocator is closed");
         return nullptr;
     }
-    m.queue_depth = depth > 0 ? static_cast<std::size_t>(depth) : 0;
-    std::string why = self->backend->use_gpu_lag(m, clock);
+    std::string why = self->backend->use_idle_twin(with_lag ? &m : nullptr, clock == Py_None ? nullptr : clock);
     if (PyErr_Occurred()) return nullptr;
     if (!why.empty()) {
         invalid_argument(self->helpers, why.c_str());
@@ -1124,24 +1118,41 @@ bool lag_call(AllocObject* self, F f) {
     }
 }
 
+// The lag's calls on a closed allocator say so, as its other calls do.
+bool lag_open(AllocObject* self) {
+    if (!self->engine->closed()) return true;
+    invalid_argument(self->helpers, "allocator is closed");
+    return false;
+}
+
 // lag_before(): the CPU reaches the program's next op (ProgramGpu.before); nothing when the lag is off.
 PyObject* Alloc_lag_before(AllocObject* self, PyObject*) {
     CHECK_ALIVE(self);
+    if (!lag_open(self)) return nullptr;
     if (!lag_call(self, [&]() { self->backend->lag_before(); })) return nullptr;
     Py_RETURN_NONE;
 }
 
 // lag_after(stream, ptr, nbytes): the kernel after an allocation (ProgramGpu.after); nothing when the lag is off.
+// Each argument an int in [0, 2**64) (a negative one is an OverflowError, not a wrapped number).
 PyObject* Alloc_lag_after(AllocObject* self, PyObject* args) {
     CHECK_ALIVE(self);
-    unsigned long long stream = 0, ptr = 0, nbytes = 0;
-    if (!PyArg_ParseTuple(args, "KKK:lag_after", &stream, &ptr, &nbytes)) return nullptr;
-    if (!lag_call(self, [&]() { self->backend->lag_after(stream, ptr, nbytes); })) return nullptr;
+    PyObject *o[3];
+    if (!PyArg_ParseTuple(args, "O!O!O!:lag_after", &PyLong_Type, &o[0], &PyLong_Type, &o[1], &PyLong_Type, &o[2]))
+        return nullptr;
+    unsigned long long v[3];
+    for (int k = 0; k < 3; ++k) {
+        v[k] = PyLong_AsUnsignedLongLong(o[k]);
+        if (v[k] == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return nullptr;
+    }
+    if (!lag_open(self)) return nullptr;
+    if (!lag_call(self, [&]() { self->backend->lag_after(v[0], v[1], v[2]); })) return nullptr;
     Py_RETURN_NONE;
 }
 
 PyObject* Alloc_lag_stats(AllocObject* self, PyObject*) {
     CHECK_ALIVE(self);
+    if (!lag_open(self)) return nullptr;
     return self->backend->lag_stats();
 }
 
@@ -1617,16 +1628,13 @@ PyMethodDef Alloc_methods[] = {
      "consistency_problems(list_device) -> list of problems; list_device() -> (mappings, reservations)"},
     {"describe", reinterpret_cast<PyCFunction>(Alloc_describe), METH_NOARGS, "the backing, in words"},
     {"closed", reinterpret_cast<PyCFunction>(Alloc_closed), METH_NOARGS, "whether close() ran"},
-    {"use_gpu_lag", reinterpret_cast<PyCFunction>(Alloc_use_gpu_lag), METH_VARARGS,
-     "use_gpu_lag(constants, clock): the twin runs the program's GPU work (Note [A twin that runs the program's GPU "
-     "work])"},
     {"lag_before", reinterpret_cast<PyCFunction>(Alloc_lag_before), METH_NOARGS,
      "lag_before(): the CPU reaches the program's next op"},
     {"lag_after", reinterpret_cast<PyCFunction>(Alloc_lag_after), METH_VARARGS,
      "lag_after(stream, ptr, nbytes): the kernel after an allocation"},
     {"lag_stats", reinterpret_cast<PyCFunction>(Alloc_lag_stats), METH_NOARGS,
      "lag_stats() -> dict or None: what the lagged twin did"},
-    {"use_idle_twin", reinterpret_cast<PyCFunction>(Alloc_use_idle_twin), METH_NOARGS,
+    {"use_idle_twin", reinterpret_cast<PyCFunction>(Alloc_use_idle_twin), METH_VARARGS,
      "make an idle device's map, access, unmap and event calls in C++ (while no chunk or event is held)"},
     {"twin_device_closed", reinterpret_cast<PyCFunction>(Alloc_twin_device_closed), METH_NOARGS,
      "the device closed: its calls go to it again"},

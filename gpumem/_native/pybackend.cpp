@@ -5,6 +5,7 @@
 #include "pybackend.h"
 
 #include <algorithm>
+#include <cmath>
 #include <iterator>
 #include <string>
 
@@ -100,9 +101,18 @@ void PyDeviceBackend::raise_current() {
 PyObject* PyDeviceBackend::call(PyObject* name, PyObject* a, PyObject* b, PyObject* c, PyObject* d) {
     // Note [A twin that runs the program's GPU work]: the device's clock is the twin's at each call made there
     Lag* lag = twin_ && twin_->lag && !twin_->device_closed ? twin_->lag.get() : nullptr;
-    if (lag) {
-        PyObject* now = PyFloat_FromDouble(lag->now_s);
-        int bad = now ? PyObject_SetAttr(lag->clock, n_now_s_, now) : -1;
+    if (lag) {   // the later of the two (the device's clock moved by other calls, e.g. advance(), counts too)
+        PyObject* dev_now = PyObject_GetAttr(lag->clock, n_now_s_);
+        const double t = dev_now ? PyFloat_AsDouble(dev_now) : -1.0;
+        Py_XDECREF(dev_now);
+        int bad = !dev_now || (t == -1.0 && PyErr_Occurred()) ? -1 : 0;
+        if (!bad && t > lag->now_s) {
+            lag->now_s = t;
+            lag->through_now = false;
+            lag->fresh_start = false;
+        }
+        PyObject* now = bad ? nullptr : PyFloat_FromDouble(lag->now_s);
+        bad = now ? PyObject_SetAttr(lag->clock, n_now_s_, now) : -1;
         Py_XDECREF(now);
         if (bad < 0) {
             Py_XDECREF(a);
@@ -302,8 +312,32 @@ void PyDeviceBackend::twin_check_range(const char* call, std::uint64_t va, std::
     twin_refuses(std::string(call) + ": the range is not inside one reservation");
 }
 
-std::string PyDeviceBackend::use_idle_twin() {
+std::string PyDeviceBackend::use_idle_twin(const GpuLag* lag_spec, PyObject* clock) {
     if (twin_) return "the idle device twin is on already";
+    std::unique_ptr<Lag> lag;
+    if (lag_spec) {   // checked first: a refusal changes nothing
+        const GpuLag& m = *lag_spec;
+        const double us[] = {m.cpu_op_s, m.kernel_min_s, m.touch_factor, m.launch_us, m.event_record_us,
+                             m.event_query_us, m.event_destroy_us, m.synchronize_us, m.mem_map_us, m.set_access_us,
+                             m.set_access_mapping_us, m.set_access_mib_us, m.unmap_us, m.unmap_mapping_us,
+                             m.unmap_mib_us};
+        for (double v : us)
+            if (!(v >= 0) || !std::isfinite(v)) return "the GPU lag's times must be finite numbers >= 0";
+        if (!(m.bandwidth_bps > 0) || !std::isfinite(m.bandwidth_bps)) return "the GPU lag's bandwidth must be > 0";
+        if (m.queue_depth < 1) return "the GPU lag's queue depth must be >= 1";
+        if (!clock) return "the GPU lag needs the device's clock";
+        PyObject* now = PyObject_GetAttr(clock, n_now_s_);
+        if (!now) return "";
+        const double t = PyFloat_AsDouble(now);
+        Py_DECREF(now);
+        if (t == -1.0 && PyErr_Occurred()) return "";
+        if (!std::isfinite(t)) return "the device's clock is not finite";
+        lag = std::make_unique<Lag>();
+        lag->m = m;
+        lag->now_s = t;
+        Py_INCREF(clock);
+        lag->clock = clock;
+    }
     for (PyObject* o : chunks_)
         if (o) return "the idle device twin must be turned on while the engine holds no chunk";
     for (PyObject* o : events_)
@@ -335,6 +369,7 @@ std::string PyDeviceBackend::use_idle_twin() {
         twin->reservations.emplace_back(va, nb);
     }
     Py_DECREF(seq);
+    twin->lag = std::move(lag);
     twin_ = std::move(twin);
     return {};
 }
@@ -372,8 +407,8 @@ PyObject* PyDeviceBackend::twin_mapping_ranges() {
 //     the GPU would still be reading: its gpumem figure fell under live runs until a stand-in (a 24 MiB "decode
 //     slack") was added, which overshoots by up to 54 MiB and sets off a storm of page moves
 //     (reports/decode-lag-2026-11-29.md). The simulator's `model` GPU timing (Note [The GPU runs behind the CPU]
-//     in gpumem/sim/gpu_work.py) predicts seven live decodes 4-6 MiB from above, but runs in SimPy. With
-//     use_gpu_lag the twin keeps that timing's clock itself, as SimPy would keep it for a program alone on the
+//     in gpumem/sim/gpu_work.py) predicts seven live decodes 4-6 MiB from above, but runs in SimPy. Turned on with
+//     a GpuLag, the twin keeps that timing's clock itself, as SimPy would keep it for a program alone on the
 //     device: lag_before() is ProgramGpu.before (the CPU's time per op), lag_after() ProgramGpu.after (the
 //     kernel after an allocation, FIFO per stream, the launch queue bounded, a launch touching memory not mapped
 //     with access refused), every call the twin makes costs the device's latency for it, an event is the end of
@@ -383,28 +418,11 @@ PyObject* PyDeviceBackend::twin_mapping_ranges() {
 //     after, so the device's latency model prices them. Done means what SimPy's clock does: an end before now, or
 //     at now once the clock waited for it. The same arithmetic in the same order gives the same times to the
 //     bit; tests/estimate/test_gpu_lag_twin.py holds the estimate to replay_trace(..., gpu_timing="model").
-//     Only a device whose latency model prices every call idle (no busy factor) takes it.
-std::string PyDeviceBackend::use_gpu_lag(const GpuLag& m, PyObject* clock) {
-    if (!twin_) return "the GPU lag needs the idle device twin on";
-    if (twin_->lag) return "the twin's GPU lag is on already";
-    if (!twin_->maps.empty() || twin_->events) return "the GPU lag must be turned on before the twin's first call";
-    if (!(m.bandwidth_bps > 0) || m.queue_depth < 1 || !(m.cpu_op_s >= 0) || !(m.kernel_min_s >= 0) ||
-        !(m.touch_factor >= 0))
-        return "the GPU lag's constants are out of range";
-    PyObject* now = PyObject_GetAttr(clock, n_now_s_);
-    if (!now) return "";
-    double t = PyFloat_AsDouble(now);
-    Py_DECREF(now);
-    if (t == -1.0 && PyErr_Occurred()) return "";
-    auto lag = std::make_unique<Lag>();
-    lag->m = m;
-    lag->now_s = t;
-    Py_INCREF(clock);
-    lag->clock = clock;
-    twin_->lag = std::move(lag);
-    return {};
-}
-
+//     Only a device whose latency model prices every call idle (no busy factor) and whose sanitizer raises takes
+//     it; a refusal is an InternalError (the simulator's MemoryHazardError), as it means an engine bug. Limits: the
+//     device's own synchronize() and advance() (called by others than the engine) do not see the twin's work, though
+//     time they add counts; work of several streams ending at one instant (kernels shorter than the clock's
+//     resolution, latencies zero) is done together after a wait, where SimPy may finish it one event at a time.
 void PyDeviceBackend::lag_prune() {
     Lag& lag = *twin_->lag;
     for (auto& kv : lag.streams)
@@ -424,12 +442,17 @@ void PyDeviceBackend::lag_advance_s(double seconds) {
     Lag& lag = *twin_->lag;
     const double until = lag.now_s + seconds;
     if (!(until > lag.now_s)) return;
-    bool due = lag.fresh_start;
-    if (!due) {
-        lag_prune();
-        for (const auto& kv : lag.streams) due = due || (!kv.second.empty() && kv.second.front().end_s <= until);
+    const double stop = lag.now_s + (until - lag.now_s);
+    if (stop != until) {   // where run_to stops differs (rarely: not when the subtraction is exact): was one due?
+        bool due = lag.fresh_start;
+        if (!due) {
+            lag_prune();
+            for (const auto& kv : lag.streams) due = due || (!kv.second.empty() && kv.second.front().end_s <= until);
+        }
+        lag.now_s = due ? stop : until;
+    } else {
+        lag.now_s = until;
     }
-    lag.now_s = due ? lag.now_s + (until - lag.now_s) : until;
     lag.through_now = false;
     lag.fresh_start = false;
 }
@@ -458,8 +481,11 @@ void PyDeviceBackend::lag_after(StreamHandle stream, std::uint64_t ptr, std::uin
     if (!gpu_lag()) return;
     if (!twin_makes_calls()) twin_event(kTwinEvent);
     Lag& lag = *twin_->lag;
+    if (!nbytes) return;   // ModelGpu.after: a zero-byte allocation queues nothing
+    if (ptr + nbytes < ptr) twin_refuses("launch: ptr + nbytes is past the end of the address space");
     const double duration_s = lag.m.kernel_min_s + lag.m.touch_factor * static_cast<double>(nbytes) / lag.m.bandwidth_bps;
     if (!duration_s) return;
+    if (!std::isfinite(duration_s)) twin_refuses("launch: the kernel's time is not finite");
     auto& launched = lag.launched;
     while (!launched.empty() && lag_done(launched.front())) launched.pop_front();
     if (launched.size() >= lag.m.queue_depth) {   // the launch queue is full: the CPU waits for its oldest
@@ -485,11 +511,19 @@ void PyDeviceBackend::lag_after(StreamHandle stream, std::uint64_t ptr, std::uin
             }
         }
         if (!ok) twin_refuses("launch: the kernel after an allocation touches memory not mapped with access");
-        lag.ok_lo = lo;
-        lag.ok_hi = pos;
+        if (lo <= lag.ok_hi && lag.ok_lo <= pos && lag.ok_hi) {   // one run of mapped memory with the one known
+            lag.ok_lo = std::min(lag.ok_lo, lo);
+            lag.ok_hi = std::max(lag.ok_hi, pos);
+        } else {
+            lag.ok_lo = lo;
+            lag.ok_hi = pos;
+        }
     }
-    lag_advance(lag.m.launch_us);
     std::deque<LagWork>* qp = lag.queue(stream);
+    const double tail_s = qp && !qp->empty() ? qp->back().end_s : lag.now_s;   // checked before anything moves
+    if (!std::isfinite(std::max(tail_s, lag.now_s) + lag.m.launch_us * 1e-6 + duration_s))
+        twin_refuses("launch: the kernel would end past the largest finite time");
+    lag_advance(lag.m.launch_us);
     if (!qp) {
         lag.streams.emplace_back(stream, std::deque<LagWork>{});
         qp = &lag.streams.back().second;
@@ -498,7 +532,7 @@ void PyDeviceBackend::lag_after(StreamHandle stream, std::uint64_t ptr, std::uin
     while (!q.empty() && lag_done(q.front().end_s)) q.pop_front();
     double start = lag.now_s;
     if (!q.empty()) start = q.back().end_s;   // runs when the work before it has
-    else lag.fresh_start = true;              // a new stream process, started now
+    if (q.empty()) lag.fresh_start = true;    // a new stream process, started now
     q.push_back(LagWork{start + duration_s, ptr, nbytes});
     launched.push_back(start + duration_s);
     ++lag.launches;

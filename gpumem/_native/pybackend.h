@@ -60,10 +60,6 @@ class PyDeviceBackend : public Backend {
     std::size_t chunk_table_size() const { return chunks_.size(); }
     // Visits the Python objects it holds (the allocator's tp_traverse).
     int traverse(visitproc visit, void* arg);
-    // Note [An idle device's bookkeeping calls made here] (pybackend.cpp). Turns it on: "" when done, else why
-    // not (a Python error may be set: then the text is empty too, check PyErr_Occurred). Refused while a chunk, an
-    // event or a mapping exists or the twin is on; the device's granularity and reservations are read.
-    std::string use_idle_twin();
     bool idle_twin() const { return twin_ != nullptr; }
     // The device closed: from now on the twin sends every call to the device, which raises as it does when closed.
     void twin_device_closed() {
@@ -81,8 +77,12 @@ class PyDeviceBackend : public Backend {
                mem_map_us = 0, set_access_us = 0, set_access_mapping_us = 0, set_access_mib_us = 0, unmap_us = 0,
                unmap_mapping_us = 0, unmap_mib_us = 0;
     };
-    // Turns on the twin's GPU lag (after use_idle_twin): "" when done, else why not (a Python error may be set).
-    std::string use_gpu_lag(const GpuLag& lag, PyObject* clock);
+    // Note [An idle device's bookkeeping calls made here] (pybackend.cpp). Turns it on: "" when done, else why
+    // not (a Python error may be set: then the text is empty too, check PyErr_Occurred). Refused while a chunk, an
+    // event or a mapping exists or the twin is on; the device's granularity and reservations are read.
+    // With `lag` (and the device's SimClock `clock`) the twin runs the program's GPU work from the start (Note [A twin
+    // that runs the program's GPU work]); its constants are checked before anything changes.
+    std::string use_idle_twin(const GpuLag* lag = nullptr, PyObject* clock = nullptr);
     bool gpu_lag() const { return twin_ && twin_->lag; }
     // The CPU reaches the program's next op (ProgramGpu.before); after an allocation of `nbytes` at `ptr` on
     // `stream`, the kernel that follows it is queued (ProgramGpu.after). Throw BackendError on a refusal.
@@ -156,7 +156,7 @@ class PyDeviceBackend : public Backend {
         std::vector<std::uint32_t> chunk_maps;     // mappings of each chunk
         std::uint64_t events = 0;                  // recorded so far
         bool device_closed = false;                // twin_device_closed() was called
-        std::unique_ptr<Lag> lag;                  // use_gpu_lag(): the program's GPU runs behind
+        std::unique_ptr<Lag> lag;                  // use_idle_twin(lag): the program's GPU runs behind
     };
     static constexpr EventHandle kTwinEvent = EventHandle{1} << 63;
     std::unique_ptr<IdleTwin> twin_;

@@ -115,16 +115,18 @@ class NativeEngine:
         on_close = self._ext.twin_device_closed
         attach(on_close)  # raises when the device does not run alone
         try:
-            self._ext.use_idle_twin()
-            if lag is not None:
-                self._ext.use_gpu_lag(lag, self.device._clock)  # noqa: SLF001 - the twin keeps the device's clock
+            if lag is None:
+                self._ext.use_idle_twin()
+            else:  # the twin and its lag on together: a refusal changes nothing
+                self._ext.use_idle_twin(lag, self.device._clock)  # noqa: SLF001 - the twin keeps the device's clock
         except BaseException:
             self.device.detach_idle_twin(on_close)
             raise
         self._twin_on_close = on_close
 
     def _gpu_lag_constants(self, m: "GpuWorkModel") -> tuple[float | int, ...]:
-        """``use_gpu_lag``'s constants: the model's and the device's latencies, computed as ProgramGpu computes them."""
+        """The twin's lag constants: the model's and the device's latencies, computed as ProgramGpu computes them
+        (the engine refuses any that is not finite and >= 0, a bandwidth not > 0)."""
         from ..sim.gpu_work import GpuWorkModel
 
         if not isinstance(m, GpuWorkModel):
@@ -135,6 +137,12 @@ class NativeEngine:
             raise UnsupportedOperationError(
                 f"the twin's GPU lag prices every call idle: {dev.spec}'s latency model prices a busy device higher "
                 "or makes calls wait for it")
+        if getattr(dev, "sanitizer", "raise") != "raise":
+            raise UnsupportedOperationError(
+                f"the twin's GPU lag refuses what the simulator's sanitizer would raise: {dev.spec} has "
+                f"sanitizer={dev.sanitizer!r}")
+        if m.queue_depth > sys.maxsize:
+            raise InvalidArgumentError(f"GpuWorkModel.queue_depth must be at most {sys.maxsize}, not {m.queue_depth}")
         bandwidth_bps = dev.profile.memory_bandwidth_gbps * 1e9 * m.bandwidth_fraction
         return (m.cpu_op_us * 1e-6, m.kernel_min_us * 1e-6, m.touch_factor, bandwidth_bps, m.queue_depth,
                 lat.launch_us, lat.event_record_us, lat.event_query_us, lat.event_destroy_us, lat.synchronize_us,

@@ -67,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the model's attention implementation (default sdpa, transformers' default)")
     p.add_argument("--new-tokens", type=_positive, default=4500, help="new tokens of the second request (4500)")
     p.add_argument("--prompt", type=_positive, default=2048, help="prompt tokens of both requests (2048)")
+    p.add_argument("--batch", type=_positive, default=1, help="sequences per request, both requests (1)")
     p.add_argument("--window", type=_positive, default=250, help="tokens per printed line (250)")
     p.add_argument("--json", type=Path, help="also write every line, as JSON, to this file (rewritten after every "
                                              "window)")
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     stats = _stats_reader(torch, args.allocator)
     lines: list[dict] = []
     for n in (WARMUP_TOKENS, args.new_tokens):
-        ids = torch.randint(0, config.vocab_size, (1, args.prompt), device="cuda")
+        ids = torch.randint(0, config.vocab_size, (args.batch, args.prompt), device="cuda")
         clock = _WindowClock(label, args.window, stats, lines, lambda: _write_json(args, lines))
         t_s = time.perf_counter()
         with torch.no_grad():

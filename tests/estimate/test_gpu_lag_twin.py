@@ -18,8 +18,10 @@ from gpumem.specs import open_device
 pytestmark = pytest.mark.skipif(load_engine() is None, reason="the native engine is not built")
 
 DEVICE = "sim:h200-141gb"
-# a small multi-head model whose long decode steals pages under gpumem (the GPU's lag decides which)
-SMALL = ModelShape(1024, 2048, 2, 1000, 8, 8)
+# a decode whose kernels outrun the CPU (batch 8): with the GPU's lag gpumem holds 1,421,869,056 bytes at its peak
+# where the idle replay holds 1,390,411,776, and makes other calls (1,432 device and 173 event calls, 1,496 and 357)
+WIDE = ModelShape(2048, 5504, 4, 32000, 16, 16)
+WIDE_KW = dict(batch_size=8, prompt_len=1024, new_tokens=300)
 
 
 def _run(trace, twin: bool, model: GpuWorkModel | None = None, every: int = 13):
@@ -57,23 +59,25 @@ def _run(trace, twin: bool, model: GpuWorkModel | None = None, every: int = 13):
 
 @pytest.mark.parametrize("model", [None, GpuWorkModel(cpu_op_us=1.0, queue_depth=8, touch_factor=40.0)])
 def test_the_twin_keeps_the_simulators_clock_to_the_bit(model):
-    trace = inference_trace(SMALL, 2, prompt_len=600, new_tokens=120, full_decode=True).trace
+    trace = inference_trace(WIDE, 2, full_decode=True, **WIDE_KW).trace
     (st_py, t_py), (st_twin, t_twin) = _run(trace, False, model), _run(trace, True, model)
     assert st_twin == st_py
     assert t_twin == t_py and t_py[-1] > 0
+    idle = replay_trace(trace, DEVICE, "gpumem", gpu_timing="idle").stats
+    assert (st_twin.peak_reserved_nbytes, st_twin.event_calls) != (idle.peak_reserved_nbytes, idle.event_calls)
 
 
 def test_the_estimate_gives_the_model_replays_figure():
-    kw = dict(prompt_len=600, new_tokens=150)
-    full = inference_trace(SMALL, 2, full_decode=True, **kw)
-    fast, ref = (replay_inference(SMALL, 2, ("pytorch", "gpumem"), DEVICE, full_replay=f, **kw) for f in (False, True))
+    kw = WIDE_KW
+    full = inference_trace(WIDE, 2, full_decode=True, **kw)
+    fast, ref = (replay_inference(WIDE, 2, ("pytorch", "gpumem"), DEVICE, full_replay=f, **kw) for f in (False, True))
     assert fast == ref
     assert fast[1].peak_reserved_bytes == replay_trace(full.trace, DEVICE, "gpumem", gpu_timing="model").peak_reserved_bytes
     assert fast[0].peak_reserved_bytes == replay_trace(full.trace, DEVICE, "pytorch", gpu_timing="idle").peak_reserved_bytes
     # a Device given: the Python ModelGpu on it, the same figure
     dev = open_device(DEVICE)
     try:
-        (given,) = replay_inference(SMALL, 2, ("gpumem",), dev, **kw)
+        (given,) = replay_inference(WIDE, 2, ("gpumem",), dev, **kw)
     finally:
         dev.close()
     assert given.peak_reserved_bytes == fast[1].peak_reserved_bytes

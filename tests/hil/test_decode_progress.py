@@ -22,6 +22,7 @@ def test_window_line_from_nothing_counts_from_zero():
     (["--allocator", "gpumem", "--new-tokens", "0"], "at least 1"),
     (["--allocator", "gpumem", "--window", "x"], "whole number"),
     (["--allocator", "gpumem", "--prompt", "-3"], "at least 1"),
+    (["--allocator", "gpumem", "--batch", "0"], "at least 1"),
 ])
 def test_bad_arguments_are_refused_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -32,7 +33,8 @@ def test_bad_arguments_are_refused_in_one_line(argv, message, capsys):
 
 def test_defaults():
     args = dp._parser().parse_args(["--allocator", "default"])
-    assert (args.attention, args.new_tokens, args.prompt, args.window, args.json) == ("sdpa", 4500, 2048, 250, None)
+    assert (args.attention, args.new_tokens, args.prompt, args.window, args.json, args.batch) == (
+        "sdpa", 4500, 2048, 250, None, 1)
 
 
 def test_help_explains(capsys):

@@ -2,9 +2,11 @@
 
 Issue 18, point 3 (per-operation cost in steady state). The estimate's emitter
 (:func:`gpumem.estimate.workload.stream_inference`: loading the weights, the prefill, then every decode step
-with the DynamicCache grown by ``torch.cat``; the decode slack where the estimate gives it, Note [The decode slack
-for stolen pages] in ``gpumem/estimate/fit.py``) drives one allocator per policy on ``sim:h200-141gb`` priced as
-measured (``LatencyModel.as_measured()``); after each decode step the allocator's device calls (memory calls)
+with the DynamicCache grown by ``torch.cat``) drives one allocator per policy on ``sim:h200-141gb`` priced as
+measured (``LatencyModel.as_measured()``), with the GPU idle (every fence complete at once: the estimate's replay
+before it ran the GPU's lag, Note [The GPU's lag in the decode replay] in ``gpumem/estimate/fit.py``; with
+``--decode-slack`` every policy's ops get the 24 MiB block that stood in for that lag; a recorded command from
+before 2026-11-30 without a flag gave it to ``gpumem`` only, which no flag reproduces); after each decode step the allocator's device calls (memory calls)
 and event calls, the simulated cost of every device call (µs), and the memory held are read. Per window of
 ``--window`` steps it prints the calls per step, the modelled µs per step, and the most memory held, for each
 policy side by side; a policy is ``NAME`` or ``NAME:key=value,...`` (``gpumem:page_slack=0.02``).
@@ -251,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the windows (or the corpus rows) here")
     slack = p.add_mutually_exclusive_group()
     slack.add_argument("--decode-slack", action="store_true",
-                       help="add the decode slack the estimate gave the gpumem replay before it ran the GPU's lag "
-                            "(Note [The GPU's lag in the decode replay] in gpumem/estimate/fit.py)")
+                       help="add the decode slack to every policy's ops (the block the estimate gave the gpumem "
+                            "replay before it ran the GPU's lag: Note [The GPU's lag in the decode replay] in "
+                            "gpumem/estimate/fit.py); the peak allocated printed then counts it")
     slack.add_argument("--no-decode-slack", action="store_true",
                        help="the program's requests only: the default since 2026-11-30 (kept for recorded commands)")
     args = p.parse_args(argv)

@@ -659,8 +659,9 @@ def inference_trace(shape: ModelShape, dtype_bytes: int, *, batch_size: int = 1,
     ``full_decode=True``, the reference: Note [Decode steps simulated]); its size does not grow with
     ``new_tokens``. ``weight_format``: the projections' format (:mod:`.formats`; ``dtype_bytes`` is then the
     rest's and the activations'), ``workspace_nbytes`` a dequantization workspace held from the start.
-    ``decode_slack``: the decode slack of Note [Overhead] in every decode forward (what the replay of a policy
-    whose pages are stolen is given; not the program's own requests).
+    ``decode_slack``: the decode slack of Note [Overhead] in every decode forward (not the program's own requests;
+    the estimate gave it to policies whose pages are stolen until it ran the GPU's lag, Note [The GPU's lag in the
+    decode replay] in :mod:`.fit`).
     """
     _check("batch_size", batch_size)
     _check("prompt_len", prompt_len)

@@ -1,9 +1,10 @@
 """The predictions of a gpumem.torch decode, made before it ran: `PYTHONPATH=. python
 reports/hil/lag-check-h200-2026-11-29/predict.py PROMPT NEW_TOKENS` prints one JSON line per figure.
 
-* ``estimate``: what ``gpumem estimate`` replays for the ``gpumem`` policy today (the idle device, the decode slack:
-  Note [The decode slack for stolen pages] in ``gpumem/estimate/fit.py``), with its peak allocated as gpumem.torch
-  counts it (the program's requests);
+* ``estimate``: what ``gpumem estimate`` replayed for the ``gpumem`` policy when this ran (the idle device, the
+  decode slack, at 884e042), with its peak allocated as gpumem.torch counts it (the program's requests); rerun at a
+  commit from 2026-11-30 on, this row is the estimate with the GPU's lag (Note [The GPU's lag in the decode replay]
+  in ``gpumem/estimate/fit.py``), the ``model`` row's figure;
 * ``idle`` and ``model``: the program's requests (no slack) replayed by ``replay_trace`` under ``gpumem`` with the
   GPU idle and with the GPU's lag modelled (``reports/decode-lag-2026-11-29/replay_timings.py``).
 

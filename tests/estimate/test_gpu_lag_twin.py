@@ -144,3 +144,79 @@ def test_memory_under_queued_work_is_unmapped_only_after_it_and_a_launch_on_unma
     finally:
         a.close()
         dev.close()
+
+
+def _lagged(model: GpuWorkModel | None = None, **open_kw):
+    dev = open_device(DEVICE, **open_kw)
+    a = make_allocator(dev, "gpumem", engine="native")
+    if model is not False:
+        a._engine.use_idle_twin(model or GpuWorkModel())
+    return dev, a
+
+
+@pytest.mark.parametrize("model, profile_change, error", [
+    (GpuWorkModel(queue_depth=2**63), {}, InvalidArgumentError),
+    (GpuWorkModel(), {"memory_bandwidth_gbps": 0.0}, InvalidArgumentError),
+])
+def test_a_refused_lag_leaves_the_twin_off(model, profile_change, error):
+    """Attacker 29: the twin was left on, the device detached, when the lag's constants were refused."""
+    import dataclasses
+
+    profile = dataclasses.replace(get_profile("h200-141gb"), **profile_change)
+    dev = open_device(DEVICE, profile=profile)
+    a = make_allocator(dev, "gpumem", engine="native")
+    try:
+        with pytest.raises(error):
+            a._engine.use_idle_twin(model)
+        assert a._engine._ext.twin_mapping_ranges() is None and a._engine.lag_stats() is None
+        a.allocate(64 << 20, 0)
+        assert dev.n_mappings > 0   # the device's own books: no twin
+    finally:
+        a.close()
+        dev.close()
+
+
+def test_the_device_clock_never_goes_back():
+    """Attacker 29: time the device's clock gained outside the twin (advance()) was lost at the next device call."""
+    dev, a = _lagged()
+    try:
+        dev.advance(1.0)
+        a.allocate(64 << 20, 0)   # grows: device calls, at the later of the two clocks
+        assert dev.now_s > 1.0 and a._engine.lag_stats()["now_s"] >= dev.now_s
+    finally:
+        a.close()
+        dev.close()
+
+
+def test_bad_lag_calls_change_nothing():
+    dev, a = _lagged(GpuWorkModel(touch_factor=1.7e308))
+    eng = a._engine
+    try:
+        p = a.allocate(64 << 20, 0)
+        before = eng.lag_stats()
+        from gpumem.errors import GpumemError
+        with pytest.raises(GpumemError, match="finite"):
+            eng.lag_after(0, p, 64 << 20)   # a kernel past the largest finite time
+        with pytest.raises(OverflowError):
+            eng.lag_after(-1, p, 4096)
+        with pytest.raises(GpumemError, match="address space"):
+            eng.lag_after(0, 2**64 - 4096, 8192)
+        eng.lag_after(0, p, 0)   # a zero-byte allocation queues nothing
+        assert eng.lag_stats() == before
+    finally:
+        a.close()
+        dev.close()
+    for call in (eng.lag_before, lambda: eng.lag_after(0, 1, 1), eng.lag_stats):
+        with pytest.raises(InvalidArgumentError, match="closed"):
+            call()
+
+
+def test_a_device_whose_sanitizer_does_not_raise_is_refused():
+    dev, a = _lagged(False, sanitizer="count")
+    try:
+        with pytest.raises(UnsupportedOperationError, match="sanitizer"):
+            a._engine.use_idle_twin(GpuWorkModel())
+        assert a._engine._ext.twin_mapping_ranges() is None
+    finally:
+        a.close()
+        dev.close()

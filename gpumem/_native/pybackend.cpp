@@ -420,9 +420,11 @@ PyObject* PyDeviceBackend::twin_mapping_ranges() {
 //     bit; tests/estimate/test_gpu_lag_twin.py holds the estimate to replay_trace(..., gpu_timing="model").
 //     Only a device whose latency model prices every call idle (no busy factor) and whose sanitizer raises takes
 //     it; a refusal is an InternalError (the simulator's MemoryHazardError), as it means an engine bug. Limits: the
-//     device's own synchronize() and advance() (called by others than the engine) do not see the twin's work, though
-//     time they add counts; work of several streams ending at one instant (kernels shorter than the clock's
-//     resolution, latencies zero) is done together after a wait, where SimPy may finish it one event at a time.
+//     device's own synchronize() and advance() (called by others than the engine) do not see the twin's work, and
+//     its clock is the twin's only as of the last call made there (the twin takes the later of the two at the next
+//     one); work of several streams ending at one instant (kernels shorter than the clock's resolution, latencies
+//     zero) is done together after a wait, where SimPy may finish it one event at a time; a kernel refused as not
+//     finite is refused before a full launch queue's wait, where the simulator waits first.
 void PyDeviceBackend::lag_prune() {
     Lag& lag = *twin_->lag;
     for (auto& kv : lag.streams)
@@ -533,7 +535,7 @@ void PyDeviceBackend::lag_after(StreamHandle stream, std::uint64_t ptr, std::uin
     double start = lag.now_s;
     if (!q.empty()) start = q.back().end_s;   // runs when the work before it has
     if (q.empty()) lag.fresh_start = true;    // a new stream process, started now
-    q.push_back(LagWork{start + duration_s, ptr, nbytes});
+    q.push_back(LagWork{start + duration_s, ptr, ptr ? nbytes : 0});   // ptr 0 touches nothing (ModelGpu)
     launched.push_back(start + duration_s);
     ++lag.launches;
 }

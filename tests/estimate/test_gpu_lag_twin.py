@@ -220,3 +220,16 @@ def test_a_device_whose_sanitizer_does_not_raise_is_refused():
     finally:
         a.close()
         dev.close()
+
+
+def test_a_kernel_at_pointer_0_touches_nothing():
+    """Re-check 29: the twin recorded work at ptr 0 as touching [0, n) and refused a later unmap there."""
+    dev, a = _lagged()
+    try:
+        p = a.allocate(40 << 20, 0)
+        a.free(p)
+        a._engine.lag_after(0, 0, 1 << 30)   # ModelGpu.after: no touches where ptr is 0
+        assert a.empty_cache() == 40 << 20
+    finally:
+        a.close()
+        dev.close()

@@ -191,7 +191,8 @@ def _decode_timing(policy: Any) -> str | None:
 #   The lag runs through the whole request, prefill included, where the idle replay had been under live too: 7B at
 #   batch 16 and 8 x 4,096 tokens, -0.58 % and -0.36 %, now -6 MiB (-0.011 %, still under; likely the prefill's matrix
 #   products outlast the bytes model) and +4 MiB; nine live decodes 4-6 MiB above
-#   (``reports/hil/estimate-lag-h200-2026-11-30.md``).
+#   (``reports/hil/estimate-lag-h200-2026-11-30.md``). Training keeps its replay: two live gpumem.torch runs held
+#   0.03-0.18 % above allocated, the replay was above them already and the lag put it further above (same report).
 
 
 def _check_policies(policies: object) -> None:

@@ -3,9 +3,10 @@
 ``replay_trace(..., gpu_timing="model")``) to the bit: the same peak, the same engine stats, the same clock."""
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from gpumem.allocator import make_allocator
-from gpumem.errors import InvalidArgumentError, UnsupportedOperationError
+from gpumem.errors import InvalidArgumentError, OutOfMemoryError, UnsupportedOperationError
 from gpumem.estimate import ModelShape, inference_trace
 from gpumem.estimate.fit import replay_inference
 from gpumem.native import load_engine
@@ -233,3 +234,52 @@ def test_a_kernel_at_pointer_0_touches_nothing():
     finally:
         a.close()
         dev.close()
+
+
+# Any program, not only the estimate's: random allocations (small and large, on streams 0-2) and frees, a kernel
+# after each allocation, and now and then empty_cache or a synchronize, under a model whose GPU runs far behind.
+_OPS = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "alloc", "free", "free", "empty", "sync"]),
+                          st.sampled_from([512, 4096, 1 << 20, 3 << 20, 17 << 20, 64 << 20, 300 << 20]),
+                          st.integers(0, 2), st.integers(0, 10**6)), min_size=1, max_size=120)
+
+
+def _program(ops, twin: bool, model: GpuWorkModel):
+    dev = open_device(DEVICE)
+    a = make_allocator(dev, "gpumem", engine="native", limit=1 << 30)
+    out = []
+    try:
+        if twin:
+            eng = a._engine
+            eng.use_idle_twin(model)
+            before, after, clock = eng.lag_before, eng.lag_after, lambda: eng.lag_stats()["now_s"]
+        else:
+            g = ModelGpu(dev, model)
+            before, after, clock = g.before, g.after, lambda: dev.now_s
+        live: list[int] = []
+        for what, nbytes, stream, pick in ops:
+            before()
+            try:
+                if what == "alloc":
+                    p = a.allocate(nbytes, stream)
+                    live.append(p)
+                    after(stream, p, nbytes)
+                elif what == "free" and live:
+                    a.free(live.pop(pick % len(live)))
+                elif what == "empty":
+                    out.append(a.empty_cache())
+                elif what == "sync":
+                    a.synchronize()
+            except OutOfMemoryError as exc:
+                out.append(str(exc))
+            out.append((clock(), a.reserved_nbytes, a.allocated_nbytes))
+        return out, a.snapshot_stats()
+    finally:
+        a.close()
+        dev.close()
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=_OPS)
+def test_any_program_gets_the_simulators_clock_and_decisions(ops):
+    model = GpuWorkModel(cpu_op_us=2.0, queue_depth=4, touch_factor=20.0)
+    assert _program(ops, True, model) == _program(ops, False, model)

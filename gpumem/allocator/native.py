@@ -102,9 +102,9 @@ class NativeEngine:
 
         Raises:
             UnsupportedOperationError: the device is not such a device, or (``gpu_model``) its latency model prices
-                calls on a busy device higher (nothing changed).
-            InvalidArgumentError: the allocator is closed, the twin is on already, or the engine holds a chunk or
-                an event (nothing changed).
+                calls on a busy device higher or its sanitizer does not raise (nothing changed).
+            InvalidArgumentError: the allocator is closed, the twin is on already, the engine holds a chunk or an
+                event, or (``gpu_model``) a constant is out of range (nothing changed).
         """
         attach = getattr(self.device, "attach_idle_twin", None)
         if not self.uses_vmm or attach is None:

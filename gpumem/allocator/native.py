@@ -143,8 +143,7 @@ class NativeEngine:
                 f"sanitizer={dev.sanitizer!r}")
         if m.queue_depth > sys.maxsize:
             raise InvalidArgumentError(f"GpuWorkModel.queue_depth must be at most {sys.maxsize}, not {m.queue_depth}")
-        bandwidth_bps = dev.profile.memory_bandwidth_gbps * 1e9 * m.bandwidth_fraction
-        return (m.cpu_op_us * 1e-6, m.kernel_min_us * 1e-6, m.touch_factor, bandwidth_bps, m.queue_depth,
+        return (m.cpu_op_us * 1e-6, m.kernel_min_us * 1e-6, m.touch_factor, m.bandwidth_bps(dev.profile), m.queue_depth,
                 lat.launch_us, lat.event_record_us, lat.event_query_us, lat.event_destroy_us, lat.synchronize_us,
                 lat.mem_map_us, lat.mem_set_access_us, lat.mem_set_access_mapping_us, lat.mem_set_access_mib_us,
                 lat.mem_unmap_us, lat.mem_unmap_mapping_us, lat.mem_unmap_mib_us)

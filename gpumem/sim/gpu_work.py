@@ -121,6 +121,11 @@ class GpuWorkModel:
     bandwidth_fraction: float = 0.7
     """``model``: the fraction of the profile's memory bandwidth a kernel reaches."""
 
+    def bandwidth_bps(self, profile: Any) -> float:
+        """``model``: the bytes per second a kernel moves on a device of ``profile`` (a
+        :class:`~gpumem.sim.profiles.DeviceProfile`): its memory bandwidth times :attr:`bandwidth_fraction`."""
+        return profile.memory_bandwidth_gbps * 1e9 * self.bandwidth_fraction
+
     def __post_init__(self) -> None:
         for knob in ("cpu_op_us", "sync_gap_us", "kernel_min_us", "touch_factor"):
             value = getattr(self, knob)
@@ -190,7 +195,7 @@ class ModelGpu(_LaunchQueue):
     def __init__(self, device: Any, model: GpuWorkModel | None = None) -> None:
         super().__init__(device, model, GpuTiming.MODEL.value)
         m = self.model
-        self._bandwidth_bps = self.device.profile.memory_bandwidth_gbps * 1e9 * m.bandwidth_fraction
+        self._bandwidth_bps = m.bandwidth_bps(self.device.profile)
         self._k_min_s, self._factor = m.kernel_min_us * 1e-6, m.touch_factor
 
     def before(self) -> None:
@@ -242,7 +247,7 @@ class ProgramGpu(_LaunchQueue):
                 elif gap > 0:
                     work[i] = gap * 1e-6
         else:
-            bw = device.profile.memory_bandwidth_gbps * 1e9 * m.bandwidth_fraction
+            bw = m.bandwidth_bps(device.profile)
             k_min, factor = m.kernel_min_us * 1e-6, m.touch_factor
             work = [k_min + factor * s / bw if kind == 0 and s else 0.0 for kind, s in zip(kinds, self._sizes)]
         self._work_s = work

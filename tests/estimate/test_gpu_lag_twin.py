@@ -2,6 +2,8 @@
 ``model`` GPU timing's clock in C++; it must give what the simulator gives (:class:`~gpumem.sim.gpu_work.ModelGpu`,
 ``replay_trace(..., gpu_timing="model")``) to the bit: the same peak, the same engine stats, the same clock."""
 
+import contextlib
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -147,12 +149,18 @@ def test_memory_under_queued_work_is_unmapped_only_after_it_and_a_launch_on_unma
         dev.close()
 
 
-def _lagged(model: GpuWorkModel | None = None, **open_kw):
-    dev = open_device(DEVICE, **open_kw)
+@contextlib.contextmanager
+def _lagged(model: "GpuWorkModel | None | bool" = None, profile=None, **open_kw):
+    """A device and a gpumem allocator on the native engine, the twin's lag on (``model`` False: off), closed after."""
+    dev = open_device(DEVICE, **({"profile": profile} if profile is not None else {}), **open_kw)
     a = make_allocator(dev, "gpumem", engine="native")
-    if model is not False:
-        a._engine.use_idle_twin(model or GpuWorkModel())
-    return dev, a
+    try:
+        if model is not False:
+            a._engine.use_idle_twin(model or GpuWorkModel())
+        yield dev, a
+    finally:
+        a.close()
+        dev.close()
 
 
 @pytest.mark.parametrize("model, profile_change, error", [
@@ -164,35 +172,25 @@ def test_a_refused_lag_leaves_the_twin_off(model, profile_change, error):
     import dataclasses
 
     profile = dataclasses.replace(get_profile("h200-141gb"), **profile_change)
-    dev = open_device(DEVICE, profile=profile)
-    a = make_allocator(dev, "gpumem", engine="native")
-    try:
+    with _lagged(False, profile=profile) as (dev, a):
         with pytest.raises(error):
             a._engine.use_idle_twin(model)
         assert a._engine._ext.twin_mapping_ranges() is None and a._engine.lag_stats() is None
         a.allocate(64 << 20, 0)
         assert dev.n_mappings > 0   # the device's own books: no twin
-    finally:
-        a.close()
-        dev.close()
 
 
 def test_the_device_clock_never_goes_back():
     """Attacker 29: time the device's clock gained outside the twin (advance()) was lost at the next device call."""
-    dev, a = _lagged()
-    try:
+    with _lagged() as (dev, a):
         dev.advance(1.0)
         a.allocate(64 << 20, 0)   # grows: device calls, at the later of the two clocks
         assert dev.now_s > 1.0 and a._engine.lag_stats()["now_s"] >= dev.now_s
-    finally:
-        a.close()
-        dev.close()
 
 
 def test_bad_lag_calls_change_nothing():
-    dev, a = _lagged(GpuWorkModel(touch_factor=1.7e308))
-    eng = a._engine
-    try:
+    with _lagged(GpuWorkModel(touch_factor=1.7e308)) as (dev, a):
+        eng = a._engine
         p = a.allocate(64 << 20, 0)
         before = eng.lag_stats()
         from gpumem.errors import GpumemError
@@ -204,36 +202,25 @@ def test_bad_lag_calls_change_nothing():
             eng.lag_after(0, 2**64 - 4096, 8192)
         eng.lag_after(0, p, 0)   # a zero-byte allocation queues nothing
         assert eng.lag_stats() == before
-    finally:
-        a.close()
-        dev.close()
     for call in (eng.lag_before, lambda: eng.lag_after(0, 1, 1), eng.lag_stats):
         with pytest.raises(InvalidArgumentError, match="closed"):
             call()
 
 
 def test_a_device_whose_sanitizer_does_not_raise_is_refused():
-    dev, a = _lagged(False, sanitizer="count")
-    try:
+    with _lagged(False, sanitizer="count") as (dev, a):
         with pytest.raises(UnsupportedOperationError, match="sanitizer"):
             a._engine.use_idle_twin(GpuWorkModel())
         assert a._engine._ext.twin_mapping_ranges() is None
-    finally:
-        a.close()
-        dev.close()
 
 
 def test_a_kernel_at_pointer_0_touches_nothing():
     """Re-check 29: the twin recorded work at ptr 0 as touching [0, n) and refused a later unmap there."""
-    dev, a = _lagged()
-    try:
+    with _lagged() as (dev, a):
         p = a.allocate(40 << 20, 0)
         a.free(p)
         a._engine.lag_after(0, 0, 1 << 30)   # ModelGpu.after: no touches where ptr is 0
         assert a.empty_cache() == 40 << 20
-    finally:
-        a.close()
-        dev.close()
 
 
 # Any program, not only the estimate's: random allocations (small and large, on streams 0-2) and frees, a kernel

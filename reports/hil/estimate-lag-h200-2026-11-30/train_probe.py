@@ -37,18 +37,11 @@ def live(alloc: str, hidden: int, inter: int, layers: int, vocab: int, heads: in
         gt.install()
     import transformers
 
-    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                                      vocab_size=vocab, num_attention_heads=heads, num_key_value_heads=heads,
-                                      max_position_embeddings=8192, attn_implementation="sdpa",
-                                      tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = transformers.LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(old)
-    model.to(torch.bfloat16)
+    from benchmarks.hf_memory import build_model  # the accuracy table's model: bf16, SDPA, untied, on the GPU
+
+    model = build_model(torch, transformers, dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                                                  vocab_size=vocab, num_attention_heads=heads,
+                                                  num_key_value_heads=heads))
     model.train()
     model.config.use_cache = False
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)

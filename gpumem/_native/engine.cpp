@@ -1813,6 +1813,21 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
             }
         }
     }
+    if (knobs().wait_own_stream) {   // Note [Wait for the program's own stream] in backing.py
+        for (std::size_t i = 0; idle_at(fits, i); ++i) {
+            IdleChunk c = fits.got[i];
+            FenceMap pending = chunk_fences(c.seg, c.s, batch);
+            bool ours = true;
+            for (auto& f : pending)
+                if (f.first != stream && !fences_done(f.first, f.second)) { ours = false; break; }
+            if (ours) {
+                chunk_ready(c.seg, c.s, true, batch);
+                ++n_steals_;
+                *out = unmap_chunk(c.seg, c.s);
+                return true;
+            }
+        }
+    }
     const IdleChunk c = fits.got[0];
     if (static_cast<double>(reserved_nbytes_ / g_) + static_cast<double>(c.n) <= busy_pages_) {
         try {

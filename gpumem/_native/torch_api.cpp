@@ -56,8 +56,8 @@
 namespace {
 // The engine's policy for PyTorch: the defaults, where GPUMEM_BUSY_SLACK (a number >= 0, or inf) sets
 // AllocatorPolicy.busy_slack, GPUMEM_CHUNK_MAX_FRACTION chunk_max_fraction, GPUMEM_PAGE_SLACK page_slack,
-// GPUMEM_PAGE_SLACK_MIN_NBYTES page_slack_min_nbytes and GPUMEM_STREAM_ORDERED_STEAL stream_ordered_steal
-// (issue 18 measures several live).
+// GPUMEM_PAGE_SLACK_MIN_NBYTES page_slack_min_nbytes, GPUMEM_STREAM_ORDERED_STEAL stream_ordered_steal and
+// GPUMEM_WAIT_OWN_STREAM wait_own_stream (issue 18 measures several live).
 // `base` (gpumem_torch_configure's policy, the default policy otherwise) with GPUMEM_BUSY_SLACK applied.
 gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
     gpumem::EngineConfig cfg = base;
@@ -99,6 +99,14 @@ gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
         if (s != "0" && s != "1")
             throw std::runtime_error("GPUMEM_STREAM_ORDERED_STEAL must be 0 or 1, not '" + s + "'");
         cfg.stream_ordered_steal = s == "1";
+    }
+    // AllocatorPolicy.wait_own_stream: GPUMEM_WAIT_OWN_STREAM=0 or 1 (Note [Wait for the program's own stream] in
+    // backing.py; 0 is the rule before 2026-11-30)
+    if (const char* v = std::getenv("GPUMEM_WAIT_OWN_STREAM")) {
+        std::string s(v);
+        if (s != "0" && s != "1")
+            throw std::runtime_error("GPUMEM_WAIT_OWN_STREAM must be 0 or 1, not '" + s + "'");
+        cfg.wait_own_stream = s == "1";
     }
     // AllocatorPolicy.plan_warmup: GPUMEM_PLAN_WARMUP=0 or 1 (Note [A memory-first warm-up] in plan.py)
     if (const char* v = std::getenv("GPUMEM_PLAN_WARMUP")) {
@@ -612,14 +620,16 @@ GPUMEM_EXPORT std::int64_t gpumem_torch_trace_read(int device, std::uint64_t* ou
 GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double chunk_max_fraction,
                                          double grow_ahead_fraction, int steal_empty_pages, double busy_slack,
                                          int stream_ordered_steal, std::uint64_t page_slack_min_nbytes,
-                                         int plan_warmup) {
+                                         int plan_warmup, int wait_own_stream) {
     // the ranges of AllocatorPolicy (Note [Every knob has a range] in policy.py)
     if ((growth != 0 && growth != 1) || !(page_slack >= 0.0 && page_slack <= 1.0) ||
         !(chunk_max_fraction >= 0.0 && chunk_max_fraction <= 1.0) ||
         !(grow_ahead_fraction >= 0.0 && grow_ahead_fraction <= 1.0) || !(busy_slack >= 0.0) ||
-        (stream_ordered_steal != 0 && stream_ordered_steal != 1) || (plan_warmup != 0 && plan_warmup != 1)) {
+        (stream_ordered_steal != 0 && stream_ordered_steal != 1) || (plan_warmup != 0 && plan_warmup != 1) ||
+        (wait_own_stream != 0 && wait_own_stream != 1)) {
         t_last_error = "gpumem_torch_configure: growth must be 0 or 1, page_slack, grow_ahead_fraction and "
-                       "chunk_max_fraction in [0, 1], busy_slack >= 0, stream_ordered_steal and plan_warmup 0 or 1";
+                       "chunk_max_fraction in [0, 1], busy_slack >= 0, stream_ordered_steal, plan_warmup and "
+                       "wait_own_stream 0 or 1";
         return -1;
     }
     TorchState& s = state();
@@ -633,6 +643,7 @@ GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double c
     s.config.stream_ordered_steal = stream_ordered_steal != 0;
     s.config.page_slack_min_nbytes = page_slack_min_nbytes;
     s.config.plan_warmup = plan_warmup != 0;
+    s.config.wait_own_stream = wait_own_stream != 0;
     return 0;
 }
 

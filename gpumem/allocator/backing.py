@@ -1352,6 +1352,13 @@ class VirtualBacking(Backing):
                 if all(st == stream or self.fences.done(st, number) for st, number in pending.items()):
                     self.n_steals += 1
                     return self._defer_unmap(other, s, pending)
+        if self.knobs.wait_own_stream:   # Note [Wait for the program's own stream]
+            for n, _, s, other in self._idle_walk(seg, first, last, max_pages):
+                pending = self._chunk_fences(other, s, batch)
+                if all(st == stream or self.fences.done(st, number) for st, number in pending.items()):
+                    self._chunk_ready(other, s, True, batch)
+                    self.n_steals += 1
+                    return self._unmap_chunk(other, s)
         n, _, s, other = top
         if self.reserved_nbytes // self.granularity + n <= self._busy_pages:
             try:

@@ -202,6 +202,13 @@ class AllocatorPolicy:
     [Stream-ordered steal] in :mod:`.backing`). Off (the default: it costs step time live): the ``busy_slack``
     rule alone."""
 
+    wait_own_stream: bool = True
+    """``growth=CHUNKS``, past the slack, when no idle chunk that could be stolen is free of queued GPU work: one
+    whose pending work is all on the stream of the block that needs it is waited for and stolen, before the
+    ``busy_slack`` rule may create a chunk; the ``busy_slack`` rule is left for chunks that other streams' work
+    still uses (Note [Wait for the program's own stream] in :mod:`.backing`). False: the ``busy_slack`` rule alone
+    (the rule before 2026-11-30)."""
+
     plan_warmup: bool = True
     """``growth=CHUNKS`` with step plans: from the first ``mark_step()`` (or from ``start_plan_warmup()``, which
     automatic marks call before the first step) until a plan is installed, grow as the memory-first setting does
@@ -310,6 +317,7 @@ _FIELD_RANGES: dict[str, tuple[str, float, float]] = {
     "grow_ahead_fraction": ("float", 0.0, 1.0),
     "busy_slack": ("float+inf", 0.0, float("inf")),
     "stream_ordered_steal": ("bool", 0, 0),
+    "wait_own_stream": ("bool", 0, 0),
     "plan_warmup": ("bool", 0, 0),
 }
 """Each field of :class:`AllocatorPolicy`: its kind and its inclusive range (Note [Every knob has a range])."""

@@ -71,7 +71,7 @@ struct EngineConfig {
     double grow_ahead_fraction = 0.0;                   // growth=CHUNKS: grow ahead at the top of a range
     double busy_slack = 0.05;                           // growth=CHUNKS: create past busy idle chunks within this slack
     bool stream_ordered_steal = false;                  // growth=CHUNKS: steal a chunk busy on the same stream at once
-    bool wait_own_stream = true;                        // growth=CHUNKS: wait for a chunk busy on the same stream only
+    bool wait_own_stream = false;                       // growth=CHUNKS: wait for a chunk busy on the same stream only
     std::uint64_t limit_nbytes = 0;   // 0: no limit (Python: limit_nbytes None)
     double gc_threshold = 0.0;        // 0: none (Python: gc_threshold None)
     // Segment mode (Note [Segment mode] in engine.cpp): malloc'd segments (SegmentBacking) instead of

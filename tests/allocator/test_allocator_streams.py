@@ -158,6 +158,51 @@ def test_a_busy_page_is_waited_for_past_the_busy_slack(dev, engine):
     alloc.check_consistency()
 
 
+WAIT_OWN = dataclasses.replace(GROW_PAST_BUSY, name="wait-own-stream", wait_own_stream=True, page_slack=0.0,
+                               page_slack_min_nbytes=0)
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_chunk_busy_on_the_own_stream_is_waited_for_rather_than_grown_past(dev, engine):
+    """Note [Wait for the program's own stream]: with wait_own_stream, a chunk whose queued work is all on the
+    stream of the block that needs it is waited for and stolen, even where the busy_slack rule (here inf)
+    would create a chunk."""
+    alloc = CachingAllocator(dev, WAIT_OWN, engine=engine)
+    a = alloc.allocate(2 * MiB)
+    x = alloc.allocate(2 * MiB)
+    work = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    b = alloc.allocate(4 * MiB)
+    assert work.done and not dev.hazards and alloc.reserved_nbytes == 6 * MiB
+    assert _stats(alloc)["n_steals"] == 1 and _stats(alloc)["n_waits"] == 1
+    alloc.free(b)
+    alloc.free(x)
+    alloc.check_consistency()
+    alloc.close()
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+@pytest.mark.parametrize("wait_own_stream", [True, False])
+def test_a_chunk_busy_on_another_stream_is_left_to_the_busy_slack_rule(dev, engine, wait_own_stream):
+    """Work of another stream is not waited for by that rule: past it, busy_slack=inf creates a chunk and the
+    kernel keeps running, with the rule on or off (off: also for the own stream, the default)."""
+    alloc = CachingAllocator(dev, dataclasses.replace(WAIT_OWN, wait_own_stream=wait_own_stream), engine=engine)
+    stream = 5 if wait_own_stream else 0   # the block's and its kernel's; the new block's is 0
+    a = alloc.allocate(2 * MiB, stream)
+    x = alloc.allocate(2 * MiB)
+    work = dev.launch(stream, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    b = alloc.allocate(4 * MiB)
+    assert not work.done and not dev.hazards and alloc.reserved_nbytes == 8 * MiB
+    assert _stats(alloc)["n_steals"] == 0 and _stats(alloc)["n_waits"] == 0
+    alloc.free(b)
+    alloc.free(x)
+    alloc.empty_cache()
+    assert work.done and not dev.hazards
+    alloc.check_consistency()
+    alloc.close()
+
+
 ORDERED = dataclasses.replace(get_policy("gpumem"), name="ordered-steal", busy_slack=0.0, page_slack=0.0, page_slack_min_nbytes=0,
                               stream_ordered_steal=True)
 

@@ -52,6 +52,10 @@ POLICIES = [
     dataclasses.replace(_BASE, name="chunks-busy-slack", page_slack=0.0, busy_slack=0.05),
     dataclasses.replace(_BASE, name="chunks-wait-busy", busy_slack=0.0),
     dataclasses.replace(_BASE, name="chunks-no-warmup", plan_warmup=False),
+    # waiting for the program's own stream (off by default), alone and under the stream-ordered steal
+    dataclasses.replace(_BASE, name="chunks-wait-own", wait_own_stream=True, chunk_max_fraction=1 / 1024),
+    dataclasses.replace(_BASE, name="chunks-wait-own-ordered", wait_own_stream=True, stream_ordered_steal=True,
+                        page_slack=0.0, chunk_max_fraction=1 / 16, chunk_max_nbytes=8 * MiB),
     # stream-ordered steal (off by default) on, and on with small chunks that are stolen often
     dataclasses.replace(_BASE, name="chunks-ordered-steal", stream_ordered_steal=True, chunk_max_fraction=1 / 1024),
     dataclasses.replace(_BASE, name="chunks-ordered-small", page_slack=0.0, busy_slack=0.0, stream_ordered_steal=True,
@@ -1062,7 +1066,8 @@ def _bypassed(**fields) -> AllocatorPolicy:
     ("va_reserve_factor", 0.5), ("va_reserve_factor", float("nan")), ("va_reserve_factor", "2"),
     ("page_slack", 1.5), ("page_slack", float("nan")), ("chunk_max_fraction", float("inf")),
     ("chunk_max_nbytes", 0), ("grow_ahead_fraction", -1.0), ("busy_slack", -1.0), ("busy_slack", float("nan")),
-    ("stream_ordered_steal", 1), ("growth", "bad"), ("small_page_nbytes", -1),
+    ("stream_ordered_steal", 1), ("wait_own_stream", 0), ("wait_own_stream", "yes"), ("growth", "bad"),
+    ("small_page_nbytes", -1),
 ])
 @pytest.mark.parametrize("engine", ["python", "native"])
 def test_a_policy_changed_past_its_checks_is_refused_alike_when_the_allocator_is_made(engine, field, value):
@@ -1152,7 +1157,8 @@ def test_a_trace_with_stream_uses_replays_identically_behind_the_gpu():
     t = Trace(t.name, t.source, t.kinds, t.alloc_ids, t.nbytes, t.streams, t.times_us, t.addrs, stream_uses=uses)
     assert len(uses) > 200
     for policy in (_BASE, dataclasses.replace(_BASE, name="ordered", chunk_max_fraction=1 / 1024,
-                                              stream_ordered_steal=True)):
+                                              stream_ordered_steal=True),
+                   dataclasses.replace(_BASE, name="wait-own", chunk_max_fraction=1 / 1024, wait_own_stream=True)):
         pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")), policy=policy)
         runs = []
         for alloc, log in zip(pair.allocs, pair.logs):

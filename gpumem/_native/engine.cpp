@@ -1784,6 +1784,29 @@ bool Engine::chunk_ready(VSeg* seg, std::int64_t s, bool wait, StreamNumbers& ba
     return true;
 }
 
+// VirtualBacking._chunk_of_stream
+std::ptrdiff_t Engine::chunk_of_stream(IdleWalk& fits, std::uint64_t stream, StreamNumbers& batch,
+                                       StreamNumbers& busy, FenceMap& pending) {
+    for (std::size_t i = 0; idle_at(fits, i); ++i) {
+        IdleChunk c = fits.got[i];
+        pending = chunk_fences(c.seg, c.s, batch);
+        bool ours = true;
+        for (auto& f : pending)
+            if (f.first != stream && !fence_done_in_pass(f.first, f.second, busy)) { ours = false; break; }
+        if (ours) return static_cast<std::ptrdiff_t>(i);
+    }
+    return -1;
+}
+
+// VirtualBacking._fence_done
+bool Engine::fence_done_in_pass(std::uint64_t stream, std::uint64_t number, StreamNumbers& busy) {
+    const std::uint64_t* b = busy.find(stream);
+    if (b && number >= *b) return false;   // at or after a fence found pending in this pass
+    if (fences_done(stream, number)) return true;
+    if (!b || number < *b) busy.set(stream, number);
+    return false;
+}
+
 // VirtualBacking._steal_chunk (false: None)
 bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages,
                          std::uint64_t requested, std::uint64_t stream, ChunkHandle* out) {
@@ -1799,33 +1822,24 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
             return true;
         }
     }
+    FenceMap pending;
     if (knobs().stream_ordered_steal) {   // Note [Stream-ordered steal] in backing.py
-        for (std::size_t i = 0; idle_at(fits, i); ++i) {
-            IdleChunk c = fits.got[i];
-            FenceMap pending = chunk_fences(c.seg, c.s, batch);
-            bool ours = true;
-            for (auto& f : pending)
-                if (f.first != stream && !fences_done(f.first, f.second)) { ours = false; break; }
-            if (ours) {
-                ++n_steals_;
-                *out = defer_unmap(c.seg, c.s, std::move(pending));
-                return true;
-            }
+        std::ptrdiff_t i = chunk_of_stream(fits, stream, batch, busy, pending);
+        if (i >= 0) {
+            IdleChunk c = fits.got[static_cast<std::size_t>(i)];
+            ++n_steals_;
+            *out = defer_unmap(c.seg, c.s, std::move(pending));
+            return true;
         }
     }
     if (knobs().wait_own_stream) {   // Note [Wait for the program's own stream] in backing.py
-        for (std::size_t i = 0; idle_at(fits, i); ++i) {
-            IdleChunk c = fits.got[i];
-            FenceMap pending = chunk_fences(c.seg, c.s, batch);
-            bool ours = true;
-            for (auto& f : pending)
-                if (f.first != stream && !fences_done(f.first, f.second)) { ours = false; break; }
-            if (ours) {
-                chunk_ready(c.seg, c.s, true, batch);
-                ++n_steals_;
-                *out = unmap_chunk(c.seg, c.s);
-                return true;
-            }
+        std::ptrdiff_t i = chunk_of_stream(fits, stream, batch, busy, pending);
+        if (i >= 0) {
+            IdleChunk c = fits.got[static_cast<std::size_t>(i)];
+            chunk_ready(c.seg, c.s, true, batch);
+            ++n_steals_;
+            *out = unmap_chunk(c.seg, c.s);
+            return true;
         }
     }
     const IdleChunk c = fits.got[0];

@@ -810,6 +810,10 @@ class Engine {
     bool idle_entry(const IdleKey& key, IdleChunk& out) const;
     void idle_walk(IdleWalk& w, detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages);
     const IdleChunk* idle_at(IdleWalk& w, std::size_t i);
+    // VirtualBacking._chunk_of_stream: the first of `fits` whose pending work is all on `stream`, -1 where none
+    std::ptrdiff_t chunk_of_stream(IdleWalk& fits, std::uint64_t stream, detail::StreamNumbers& batch,
+                                   detail::StreamNumbers& busy, detail::FenceMap& pending);
+    bool fence_done_in_pass(std::uint64_t stream, std::uint64_t number, detail::StreamNumbers& busy);   // _fence_done
     void idle_index_problems(std::vector<std::string>& problems);
     // the fast paths' bodies, under the lock (Note [Fast paths under a held run] in engine.cpp)
     std::uint64_t fast_allocate_locked(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out);

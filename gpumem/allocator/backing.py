@@ -1363,18 +1363,16 @@ class VirtualBacking(Backing):
                 self.n_steals += 1
                 return self._unmap_chunk(other, s)
         if self.knobs.stream_ordered_steal:
-            for n, _, s, other in self._idle_walk(seg, first, last, max_pages):
-                pending = self._chunk_fences(other, s, batch)
-                if all(st == stream or self.fences.done(st, number) for st, number in pending.items()):
-                    self.n_steals += 1
-                    return self._defer_unmap(other, s, pending)
+            ours = self._chunk_of_stream(seg, first, last, max_pages, stream, batch, busy)
+            if ours is not None:
+                self.n_steals += 1
+                return self._defer_unmap(*ours)
         if self.knobs.wait_own_stream:   # Note [Wait for the program's own stream]
-            for n, _, s, other in self._idle_walk(seg, first, last, max_pages):
-                pending = self._chunk_fences(other, s, batch)
-                if all(st == stream or self.fences.done(st, number) for st, number in pending.items()):
-                    self._chunk_ready(other, s, True, batch)
-                    self.n_steals += 1
-                    return self._unmap_chunk(other, s)
+            ours = self._chunk_of_stream(seg, first, last, max_pages, stream, batch, busy)
+            if ours is not None:
+                self._chunk_ready(ours[0], ours[1], True, batch)
+                self.n_steals += 1
+                return self._unmap_chunk(ours[0], ours[1])
         n, _, s, other = top
         if self.reserved_nbytes // self.granularity + n <= self._busy_pages:
             try:
@@ -1384,6 +1382,29 @@ class VirtualBacking(Backing):
         self._chunk_ready(other, s, True, batch)
         self.n_steals += 1
         return self._unmap_chunk(other, s)
+
+    def _chunk_of_stream(self, seg: VirtualSegment, first: int, last: int, max_pages: int, stream: int,
+                         batch: dict[int, int], busy: dict[int, int]
+                         ) -> "tuple[VirtualSegment, int, dict[int, int]] | None":
+        """The first idle chunk that fits (in the steal's order) whose pending work is all on ``stream`` or done:
+        its range, first page and merged fences; None where there is none (Notes [Stream-ordered steal], [Wait
+        for the program's own stream]). ``busy``: the steal's pass, as in :meth:`_page_ready`."""
+        for _, _, s, other in self._idle_walk(seg, first, last, max_pages):
+            pending = self._chunk_fences(other, s, batch)
+            if all(st == stream or self._fence_done(st, number, busy) for st, number in pending.items()):
+                return other, s, pending
+        return None
+
+    def _fence_done(self, stream: int, number: int, busy: dict[int, int]) -> bool:
+        """Whether fence ``number`` of ``stream`` is done, not queried where ``busy`` holds a fence of ``stream``
+        at or before it found pending in this pass (fences complete in order), and a pending one learnt there:
+        a steal past chunks busy on other streams queried each of them on every allocation (attacker 30, F1)."""
+        if number >= busy.get(stream, number + 1):
+            return False
+        if self.fences.done(stream, number):
+            return True
+        busy[stream] = min(busy.get(stream, number), number)
+        return False
 
     def _release_idle_chunk(self, seg: VirtualSegment, first: int, last: int, wait: bool) -> bool:
         """Give back the smallest idle chunk whose work is done (with ``wait``: else the smallest,

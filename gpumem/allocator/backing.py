@@ -171,14 +171,15 @@ queued work is all on the stream of the block that needs it is waited for and st
 new block's work after the old anyway, so the wait only holds the CPU back), and only chunks that other
 streams still use fall to ``busy_slack``. It aims at inference, which has no step plan to hold its memory:
 on the H200 (2026-11-30, ``reports/hil/wait-own-stream-h200-2026-11-30.md``) it held Llama ``generate()``
-at 1.45 % above peak allocated where the default held 5.00 %, and a 7B batch-16 x 4,096 server whose second
-request outgrew its first at 0.53 % where the default grew to 3.27 %; the replays predicted both to the
-hundredth (``gpu_timing="trace"``), and the two-stream workload, whose busy chunks are other streams', keeps
-its 5.43 %. Trained with step plans (the default), GPT-2 and ResNet-50 are unchanged (0.56 %, 0.80 %). It is
-off because it costs time where steps steal: GPT-2 training without step plans +12 % step time against
-PyTorch (3 rounds, +9 ... +15 %; the default +0.05 %), the batch-16 decode 20-50 % more per token (5,070 steals
-in its 48-token request where the default made 607). So it is a setting for memory-first inference
-(``GPUMEM_WAIT_OWN_STREAM=1`` for gpumem.torch), not a default.
+at 1.45 % above peak allocated where the default held 5.00 % (replayed with ``gpu_timing="trace"``: the same
+figures), and a 7B batch-16 x 4,096 server whose second request outgrew its first at 0.53 % where the default
+grew to 3.27 % (replayed: 0.55 % and 4.56 %); the two-stream workload, whose busy chunks are other streams',
+keeps its 5.43 %. Trained with step plans (the default), GPT-2 and ResNet-50 are unchanged (0.56 %, 0.80 %).
+It is off because it costs time where steps steal: GPT-2 training without step plans +12 % step time against
+PyTorch (3 rounds, +9 ... +15 %; the default -0.2 %). The batch-16 decode showed no cost in one device
+session (4.45 s against 4.49 s for 48 tokens) at five times the steals. The wait is made under the allocator's
+lock, as the ``busy_slack`` rule's was past its bound: other threads wait too. A setting for memory-first
+inference (``GPUMEM_WAIT_OWN_STREAM=1`` for gpumem.torch), not a default.
 
 Note [Stream-ordered steal]
 ---------------------------

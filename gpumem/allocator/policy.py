@@ -207,8 +207,9 @@ class AllocatorPolicy:
     whose pending work is all on the stream of the block that needs it is waited for and stolen, before the
     ``busy_slack`` rule may create a chunk; the ``busy_slack`` rule is left for chunks that other streams' work
     still uses (Note [Wait for the program's own stream] in :mod:`.backing`). Off (the default): it held
-    single-stream inference at a fraction of the memory live, but cost step time where steps steal (GPT-2 training
-    without step plans +12 %); the ``busy_slack`` rule alone."""
+    single-stream inference at a fraction of the overhead live, but cost step time where steps steal (GPT-2
+    training without step plans +12 %); the ``busy_slack`` rule alone. With ``stream_ordered_steal`` on, that
+    steal takes such a chunk first."""
 
     plan_warmup: bool = True
     """``growth=CHUNKS`` with step plans: from the first ``mark_step()`` (or from ``start_plan_warmup()``, which

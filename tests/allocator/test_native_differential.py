@@ -52,10 +52,11 @@ POLICIES = [
     dataclasses.replace(_BASE, name="chunks-busy-slack", page_slack=0.0, busy_slack=0.05),
     dataclasses.replace(_BASE, name="chunks-wait-busy", busy_slack=0.0),
     dataclasses.replace(_BASE, name="chunks-no-warmup", plan_warmup=False),
-    # waiting for the program's own stream (off by default), alone and under the stream-ordered steal
+    # waiting for the program's own stream (off by default; test_wait_own_stream_differential.py reaches it more
+    # often), with the default slack and with none and small chunks
     dataclasses.replace(_BASE, name="chunks-wait-own", wait_own_stream=True, chunk_max_fraction=1 / 1024),
-    dataclasses.replace(_BASE, name="chunks-wait-own-ordered", wait_own_stream=True, stream_ordered_steal=True,
-                        page_slack=0.0, chunk_max_fraction=1 / 16, chunk_max_nbytes=8 * MiB),
+    dataclasses.replace(_BASE, name="chunks-wait-own-small", wait_own_stream=True, page_slack=0.0,
+                        page_slack_min_nbytes=0, chunk_max_fraction=1 / 16, chunk_max_nbytes=8 * MiB),
     # stream-ordered steal (off by default) on, and on with small chunks that are stolen often
     dataclasses.replace(_BASE, name="chunks-ordered-steal", stream_ordered_steal=True, chunk_max_fraction=1 / 1024),
     dataclasses.replace(_BASE, name="chunks-ordered-small", page_slack=0.0, busy_slack=0.0, stream_ordered_steal=True,

@@ -1786,7 +1786,7 @@ bool Engine::chunk_ready(VSeg* seg, std::int64_t s, bool wait, StreamNumbers& ba
 
 // VirtualBacking._chunk_of_stream
 std::ptrdiff_t Engine::chunk_of_stream(IdleWalk& fits, std::uint64_t stream, StreamNumbers& batch,
-                                       StreamNumbers& busy, FenceMap& pending) {
+                                       StreamNumbers* busy, FenceMap& pending) {
     for (std::size_t i = 0; idle_at(fits, i); ++i) {
         IdleChunk c = fits.got[i];
         pending = chunk_fences(c.seg, c.s, batch);
@@ -1799,11 +1799,12 @@ std::ptrdiff_t Engine::chunk_of_stream(IdleWalk& fits, std::uint64_t stream, Str
 }
 
 // VirtualBacking._fence_done
-bool Engine::fence_done_in_pass(std::uint64_t stream, std::uint64_t number, StreamNumbers& busy) {
-    const std::uint64_t* b = busy.find(stream);
+bool Engine::fence_done_in_pass(std::uint64_t stream, std::uint64_t number, StreamNumbers* busy) {
+    if (!busy) return fences_done(stream, number);   // every fence queried (the stream-ordered steal)
+    const std::uint64_t* b = busy->find(stream);
     if (b && number >= *b) return false;   // at or after a fence found pending in this pass
     if (fences_done(stream, number)) return true;
-    if (!b || number < *b) busy.set(stream, number);
+    if (!b || number < *b) busy->set(stream, number);
     return false;
 }
 
@@ -1824,7 +1825,7 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
     }
     FenceMap pending;
     if (knobs().stream_ordered_steal) {   // Note [Stream-ordered steal] in backing.py
-        std::ptrdiff_t i = chunk_of_stream(fits, stream, batch, busy, pending);
+        std::ptrdiff_t i = chunk_of_stream(fits, stream, batch, nullptr, pending);
         if (i >= 0) {
             IdleChunk c = fits.got[static_cast<std::size_t>(i)];
             ++n_steals_;
@@ -1833,7 +1834,7 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
         }
     }
     if (knobs().wait_own_stream) {   // Note [Wait for the program's own stream] in backing.py
-        std::ptrdiff_t i = chunk_of_stream(fits, stream, batch, busy, pending);
+        std::ptrdiff_t i = chunk_of_stream(fits, stream, batch, &busy, pending);
         if (i >= 0) {
             IdleChunk c = fits.got[static_cast<std::size_t>(i)];
             chunk_ready(c.seg, c.s, true, batch);

@@ -812,8 +812,8 @@ class Engine {
     const IdleChunk* idle_at(IdleWalk& w, std::size_t i);
     // VirtualBacking._chunk_of_stream: the first of `fits` whose pending work is all on `stream`, -1 where none
     std::ptrdiff_t chunk_of_stream(IdleWalk& fits, std::uint64_t stream, detail::StreamNumbers& batch,
-                                   detail::StreamNumbers& busy, detail::FenceMap& pending);
-    bool fence_done_in_pass(std::uint64_t stream, std::uint64_t number, detail::StreamNumbers& busy);   // _fence_done
+                                   detail::StreamNumbers* busy, detail::FenceMap& pending);
+    bool fence_done_in_pass(std::uint64_t stream, std::uint64_t number, detail::StreamNumbers* busy);   // _fence_done
     void idle_index_problems(std::vector<std::string>& problems);
     // the fast paths' bodies, under the lock (Note [Fast paths under a held run] in engine.cpp)
     std::uint64_t fast_allocate_locked(std::uint64_t nbytes, std::uint64_t stream, std::uint64_t* size_out);

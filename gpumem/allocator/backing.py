@@ -1364,7 +1364,7 @@ class VirtualBacking(Backing):
                 self.n_steals += 1
                 return self._unmap_chunk(other, s)
         if self.knobs.stream_ordered_steal:
-            ours = self._chunk_of_stream(seg, first, last, max_pages, stream, batch, busy)
+            ours = self._chunk_of_stream(seg, first, last, max_pages, stream, batch, None)
             if ours is not None:
                 self.n_steals += 1
                 return self._defer_unmap(*ours)
@@ -1385,21 +1385,24 @@ class VirtualBacking(Backing):
         return self._unmap_chunk(other, s)
 
     def _chunk_of_stream(self, seg: VirtualSegment, first: int, last: int, max_pages: int, stream: int,
-                         batch: dict[int, int], busy: dict[int, int]
+                         batch: dict[int, int], busy: dict[int, int] | None
                          ) -> "tuple[VirtualSegment, int, dict[int, int]] | None":
         """The first idle chunk that fits (in the steal's order) whose pending work is all on ``stream`` or done:
         its range, first page and merged fences; None where there is none (Notes [Stream-ordered steal], [Wait
-        for the program's own stream]). ``busy``: the steal's pass, as in :meth:`_page_ready`."""
+        for the program's own stream]). ``busy``: the steal's pass, as in :meth:`_page_ready` (None: every fence
+        queried, as the stream-ordered steal has always done)."""
         for _, _, s, other in self._idle_walk(seg, first, last, max_pages):
             pending = self._chunk_fences(other, s, batch)
             if all(st == stream or self._fence_done(st, number, busy) for st, number in pending.items()):
                 return other, s, pending
         return None
 
-    def _fence_done(self, stream: int, number: int, busy: dict[int, int]) -> bool:
+    def _fence_done(self, stream: int, number: int, busy: dict[int, int] | None) -> bool:
         """Whether fence ``number`` of ``stream`` is done, not queried where ``busy`` holds a fence of ``stream``
         at or before it found pending in this pass (fences complete in order), and a pending one learnt there:
         a steal past chunks busy on other streams queried each of them on every allocation (attacker 30, F1)."""
+        if busy is None:
+            return self.fences.done(stream, number)
         if number >= busy.get(stream, number + 1):
             return False
         if self.fences.done(stream, number):

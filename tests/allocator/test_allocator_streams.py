@@ -124,16 +124,22 @@ GROW_PAST_BUSY = dataclasses.replace(get_policy("gpumem"), name="grow-past-busy"
                                      stream_ordered_steal=False)
 
 
+def _past_a_running_kernel(dev, alloc, stream: int = 0):
+    """Blocks ``a`` (on ``stream``) and ``x``; a kernel on ``stream`` still reading ``a`` when ``a`` is freed and a
+    block ``b`` twice its size is asked for on stream 0. Returns the kernel's work, ``b`` and ``x``."""
+    a = alloc.allocate(2 * MiB, stream)
+    x = alloc.allocate(2 * MiB)
+    work = dev.launch(stream, KERNEL_S, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    return work, alloc.allocate(4 * MiB), x
+
+
 def test_a_busy_page_is_not_waited_for_when_a_new_chunk_fits(dev):
     """With busy_slack=inf (the rule before issue 18) wait only when the memory is needed: with room on the
     device, a steal that would have to wait for a running kernel creates a chunk instead, and the kernel
     keeps running."""
     alloc = CachingAllocator(dev, GROW_PAST_BUSY)
-    a = alloc.allocate(2 * MiB)
-    x = alloc.allocate(2 * MiB)
-    work = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
-    alloc.free(a)
-    b = alloc.allocate(4 * MiB)
+    work, b, x = _past_a_running_kernel(dev, alloc)
     assert alloc.backing.n_steals == 0 and not work.done and not dev.hazards
     alloc.free(b)
     alloc.free(x)
@@ -147,11 +153,7 @@ def test_a_busy_page_is_waited_for_past_the_busy_slack(dev, engine):
     policy = dataclasses.replace(get_policy("gpumem"), name="wait-busy", busy_slack=0.0, page_slack=0.0, page_slack_min_nbytes=0,
                                  stream_ordered_steal=False)
     alloc = CachingAllocator(dev, policy, engine=engine)
-    a = alloc.allocate(2 * MiB)
-    x = alloc.allocate(2 * MiB)
-    work = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
-    alloc.free(a)
-    b = alloc.allocate(4 * MiB)
+    work, b, x = _past_a_running_kernel(dev, alloc)
     assert work.done and not dev.hazards and alloc.reserved_nbytes == 6 * MiB
     alloc.free(b)
     alloc.free(x)
@@ -168,11 +170,7 @@ def test_a_chunk_busy_on_the_own_stream_is_waited_for_rather_than_grown_past(dev
     stream of the block that needs it is waited for and stolen, even where the busy_slack rule (here inf)
     would create a chunk."""
     alloc = CachingAllocator(dev, WAIT_OWN, engine=engine)
-    a = alloc.allocate(2 * MiB)
-    x = alloc.allocate(2 * MiB)
-    work = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
-    alloc.free(a)
-    b = alloc.allocate(4 * MiB)
+    work, b, x = _past_a_running_kernel(dev, alloc)
     assert work.done and not dev.hazards and alloc.reserved_nbytes == 6 * MiB
     assert _stats(alloc)["n_steals"] == 1 and _stats(alloc)["n_waits"] == 1
     alloc.free(b)
@@ -187,12 +185,8 @@ def test_a_chunk_busy_on_another_stream_is_left_to_the_busy_slack_rule(dev, engi
     """Work of another stream is not waited for by that rule: past it, busy_slack=inf creates a chunk and the
     kernel keeps running, with the rule on or off (off: also for the own stream, the default)."""
     alloc = CachingAllocator(dev, dataclasses.replace(WAIT_OWN, wait_own_stream=wait_own_stream), engine=engine)
-    stream = 5 if wait_own_stream else 0   # the block's and its kernel's; the new block's is 0
-    a = alloc.allocate(2 * MiB, stream)
-    x = alloc.allocate(2 * MiB)
-    work = dev.launch(stream, KERNEL_S, touches=[(a, 2 * MiB)])
-    alloc.free(a)
-    b = alloc.allocate(4 * MiB)
+    # the freed block's and its kernel's stream; the new block's is 0
+    work, b, x = _past_a_running_kernel(dev, alloc, stream=5 if wait_own_stream else 0)
     assert not work.done and not dev.hazards and alloc.reserved_nbytes == 8 * MiB
     assert _stats(alloc)["n_steals"] == 0 and _stats(alloc)["n_waits"] == 0
     alloc.free(b)

@@ -176,10 +176,10 @@ figures), and a 7B batch-16 x 4,096 server whose second request outgrew its firs
 grew to 3.27 % (replayed: 0.55 % and 4.56 %); the two-stream workload, whose busy chunks are other streams',
 keeps its 5.43 %. Trained with step plans (the default), GPT-2 and ResNet-50 are unchanged (0.56 %, 0.80 %).
 It is off because it costs time where steps steal: GPT-2 training without step plans +12 % step time against
-PyTorch (3 rounds, +9 ... +15 %; the default -0.2 %). The batch-16 decode showed no cost in one device
-session (4.45 s against 4.49 s for 48 tokens) at five times the steals. The wait is made under the allocator's
-lock, as the ``busy_slack`` rule's was past its bound: other threads wait too. A setting for memory-first
-inference (``GPUMEM_WAIT_OWN_STREAM=1`` for gpumem.torch), not a default.
+PyTorch (3 rounds, +9 ... +15 %; the default -0.2 %); for inference its cost is unmeasured (the batch-16
+decode made five times the steals; its runs were in different device sessions). The wait is made under the
+allocator's lock, as the ``busy_slack`` rule's was past its bound: other threads wait too. A setting for
+memory-first inference (``GPUMEM_WAIT_OWN_STREAM=1`` for gpumem.torch), not a default.
 
 Note [Stream-ordered steal]
 ---------------------------

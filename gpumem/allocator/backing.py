@@ -172,7 +172,7 @@ new block's work after the old anyway, so the wait only holds the CPU back), and
 streams still use fall to ``busy_slack``. It aims at inference, which has no step plan to hold its memory:
 on the H200 (2026-11-30, ``reports/hil/wait-own-stream-h200-2026-11-30.md``) it held Llama ``generate()``
 at 1.45 % above peak allocated where the default held 5.00 % (replayed with ``gpu_timing="trace"``: the same
-figures), and a 7B batch-16 x 4,096 server whose second request outgrew its first at 0.53 % where the default
+figures), and a 7B batch-16 x 4,096 server whose second request outgrew its first at 0.54 % where the default
 grew to 3.27 % (replayed: 0.55 % and 4.56 %); the two-stream workload, whose busy chunks are other streams',
 keeps its 5.43 %. Trained with step plans (the default), GPT-2 and ResNet-50 are unchanged (0.56 %, 0.80 %).
 It is off because it costs time where steps steal: GPT-2 training without step plans +12 % step time against

@@ -18,19 +18,13 @@ from gpumem.allocator.policy import get_policy
 from gpumem.units import KiB, MiB
 
 from allocator_helpers import small_profile
+from test_allocator_streams import _stats
 from test_native_differential import Pair
 
 _BASE = get_policy("gpumem")
 _STREAMS = (0, 0, 3, 5)
 _SIZES = (700, 300 * KiB, 1 * MiB + 1, 2 * MiB, 3 * MiB, 5 * MiB, 9 * MiB)
 _FAULTED = ("event_synchronize", "mem_unmap", "mem_map", "event_query", "event_record", "mem_create")
-
-
-def _steals_and_waits(alloc) -> tuple[int, int]:
-    if alloc.engine == "native":
-        d = alloc._engine._ext.backing_stats()  # noqa: SLF001
-        return d["n_steals"], d["n_waits"]
-    return alloc.backing.n_steals, alloc.backing.n_waits
 
 
 def _run(seed: int) -> None:
@@ -80,7 +74,8 @@ def _run(seed: int) -> None:
             pair.both("start_plan_warmup")
         elif r < 0.9:
             pair.both("synchronize")
-        assert _steals_and_waits(pair.allocs[0]) == _steals_and_waits(pair.allocs[1])
+        py, nat = (_stats(alloc) for alloc in pair.allocs)
+        assert (py["n_steals"], py["n_waits"]) == (nat["n_steals"], nat["n_waits"])
         assert not pair.devs[0].hazards and not pair.devs[1].hazards
         pair.both("check_consistency")
     for ptr in list(live):

@@ -118,22 +118,25 @@ class ReplayResult:
 
 
 def program_gpu(trace: Trace, device: Device, gpu_timing: "str | GpuTiming | None",
-                gpu_model: GpuWorkModel | None = None) -> ProgramGpu | None:
+                gpu_model: GpuWorkModel | None = None, gpu_clock_us: Any = None) -> ProgramGpu | None:
     """The program's GPU work for a replay of ``trace`` on ``device`` (None for ``idle``: no work).
 
-    ``gpu_timing`` None is the default on a simulated device, and ``idle`` on a real one (which runs no
-    recorded program); ``trace`` or ``model`` named on a real device raises InvalidArgumentError
-    (Note [The GPU runs behind the CPU] in :mod:`gpumem.sim.gpu_work`)."""
+    ``gpu_timing`` None is the default on a simulated device (``gpu-clock`` where ``gpu_clock_us``, the
+    recording's GPU clock, is given), and ``idle`` on a real one (which runs no recorded program); ``trace``,
+    ``model`` or ``gpu-clock`` named on a real device raises InvalidArgumentError (Note [The GPU runs behind the
+    CPU] in :mod:`gpumem.sim.gpu_work`)."""
     from .sim import SimDevice
 
+    if gpu_clock_us is not None and gpu_timing is None:
+        gpu_timing = GpuTiming.GPU_CLOCK
     if gpu_timing is None and not isinstance(device, SimDevice):
         return None
     timing = _gpu_timing(gpu_timing)
     if timing is GpuTiming.IDLE:
-        if gpu_model is not None:
-            raise InvalidArgumentError("gpu_model is for gpu_timing 'trace' or 'model', not 'idle'")
+        if gpu_model is not None or gpu_clock_us is not None:
+            raise InvalidArgumentError("gpu_model and gpu_clock_us are for a gpu_timing other than 'idle'")
         return None
-    return ProgramGpu(trace, device, timing, gpu_model)
+    return ProgramGpu(trace, device, timing, gpu_model, gpu_clock_us)
 
 
 class StreamUsePlan:
@@ -318,18 +321,19 @@ def run_ops_with_gpu(gpu: ProgramGpu, allocate: Any, free: Any, ops: tuple[list[
 
 def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, stop_on_oom: bool = True,
            progress: bool | None = None, gpu_timing: "str | GpuTiming | None" = None,
-           gpu_model: GpuWorkModel | None = None, gpu: ProgramGpu | None = None) -> ReplayResult:
+           gpu_model: GpuWorkModel | None = None, gpu: ProgramGpu | None = None,
+           gpu_clock_us: Any = None) -> ReplayResult:
     """Replay ``trace`` through ``allocator`` (which keeps its state afterwards: live blocks
     of allocations the trace never freed stay allocated).
 
-    ``gpu_timing`` (``trace``, ``model`` or ``idle``; None: the default, :func:`program_gpu`) chooses how the
-    program's GPU work runs beside the replay, ``gpu_model`` its constants
-    (Note [The GPU runs behind the CPU] in :mod:`gpumem.sim.gpu_work`); or ``gpu``, one made already
-    (:func:`program_gpu`)."""
+    ``gpu_timing`` (``trace``, ``model``, ``idle`` or ``gpu-clock``; None: the default, :func:`program_gpu`)
+    chooses how the program's GPU work runs beside the replay, ``gpu_model`` its constants, ``gpu_clock_us`` the
+    recording's GPU clock (one time per op, :func:`gpumem.torch.recorded_gpu_clock`; Note [A replay on the
+    recorded GPU clock] in :mod:`gpumem.sim.gpu_work`); or ``gpu``, one made already (:func:`program_gpu`)."""
     if gpu is None:
-        gpu = program_gpu(trace, allocator.device, gpu_timing, gpu_model)
-    elif gpu_timing is not None or gpu_model is not None:
-        raise InvalidArgumentError("replay: give gpu, or gpu_timing and gpu_model, not both")
+        gpu = program_gpu(trace, allocator.device, gpu_timing, gpu_model, gpu_clock_us)
+    elif gpu_timing is not None or gpu_model is not None or gpu_clock_us is not None:
+        raise InvalidArgumentError("replay: give gpu, or gpu_timing, gpu_model and gpu_clock_us, not both")
     kinds, ids, sizes, streams = trace.as_lists()
     n = len(kinds)
     ptrs = [0] * (max(ids) + 1 if ids else 0)
@@ -394,7 +398,8 @@ def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, sto
 def replay_trace(trace: Union[Trace, str, "os.PathLike[str]"], device: str | Device = "sim:h200-141gb",
                  policy: "str | AllocatorPolicy | BucketPolicy" = DEFAULT_POLICY, *, stop_on_oom: bool = True,
                  progress: bool | None = None, gpu_timing: "str | GpuTiming | None" = None,
-                 gpu_model: GpuWorkModel | None = None, **allocator_options: Any) -> ReplayResult:
+                 gpu_model: GpuWorkModel | None = None, gpu_clock_us: Any = None,
+                 **allocator_options: Any) -> ReplayResult:
     """Replay ``trace`` on ``device`` and return what it measured.
 
     ``trace`` is a :class:`~gpumem.trace.Trace` or the path of a trace file in any format
@@ -404,8 +409,8 @@ def replay_trace(trace: Union[Trace, str, "os.PathLike[str]"], device: str | Dev
     (``gpumem``, ``bestfit``, ``pytorch``, ``cupy``, ...) or ``"bucket"``, the size-bucket pool
     (:mod:`gpumem.allocator.bucket`). ``allocator_options`` go to the allocator
     (``limit=`` among them; ``max_pooled_per_bucket=`` for the bucket pool). ``gpu_timing`` (``trace``,
-    ``model``, ``idle``) and ``gpu_model``: how the program's GPU work runs beside the replay
-    (:func:`replay`; Note [The GPU runs behind the CPU] in :mod:`gpumem.sim.gpu_work`).
+    ``model``, ``idle``, ``gpu-clock``), ``gpu_model`` and ``gpu_clock_us``: how the program's GPU work runs beside
+    the replay (:func:`replay`; Note [The GPU runs behind the CPU] in :mod:`gpumem.sim.gpu_work`).
     """
     if isinstance(trace, (str, os.PathLike)):
         trace = load_trace(trace)
@@ -417,7 +422,7 @@ def replay_trace(trace: Union[Trace, str, "os.PathLike[str]"], device: str | Dev
         allocator = make_allocator(dev, policy, **allocator_options)
         try:
             return replay(trace, allocator, stop_on_oom=stop_on_oom, progress=progress, gpu_timing=gpu_timing,
-                          gpu_model=gpu_model)
+                          gpu_model=gpu_model, gpu_clock_us=gpu_clock_us)
         finally:
             allocator.close()
     finally:

@@ -202,6 +202,10 @@ def _lib() -> ctypes.CDLL:
     lib.gpumem_torch_trace.argtypes = [ctypes.c_int]
     lib.gpumem_torch_trace_read.restype = ctypes.c_int64
     lib.gpumem_torch_trace_read.argtypes = [ctypes.c_int, u64p, ctypes.c_int64]
+    lib.gpumem_torch_trace_gpu_clock.restype = None
+    lib.gpumem_torch_trace_gpu_clock.argtypes = [ctypes.c_int]
+    lib.gpumem_torch_trace_gpu_read.restype = ctypes.c_int64
+    lib.gpumem_torch_trace_gpu_read.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
     lib.gpumem_torch_step_mark.restype = ctypes.c_int
     lib.gpumem_torch_step_mark.argtypes = [ctypes.c_int]
     lib.gpumem_torch_step_template.restype = ctypes.c_int64
@@ -955,10 +959,19 @@ def automatic_step_marks() -> "str | None":
         return None if marks.failed is not None else marks.mode
 
 
-def start_trace() -> None:
+def start_trace(gpu_clock: bool = False) -> None:
     """Record every allocation and free PyTorch asks gpumem for, on every device, from now on (what an
-    earlier trace recorded is forgotten). Read it with :func:`recorded_trace`."""
-    _lib().gpumem_torch_trace(1)
+    earlier trace recorded is forgotten). Read it with :func:`recorded_trace`.
+
+    ``gpu_clock``: also record, for each op, when the GPU had run the work queued on its stream before it
+    (a CUDA event with timing per op, a few microseconds of CPU each; Note [The trace's GPU clock] in
+    ``gpumem/_native/torch_api.cpp``); read with :func:`recorded_gpu_clock`, and a replay under
+    ``gpu_timing="gpu-clock"`` runs the program's GPU work as the GPU ran it."""
+    if not isinstance(gpu_clock, bool):
+        raise InvalidArgumentError(f"start_trace: gpu_clock must be True or False, not {gpu_clock!r}")
+    lib = _lib()
+    lib.gpumem_torch_trace_gpu_clock(1 if gpu_clock else 0)
+    lib.gpumem_torch_trace(1)
 
 
 def stop_trace() -> None:
@@ -1011,10 +1024,15 @@ def recorded_trace(device: "int | str | Any | None" = None, name: str | None = N
     Raises:
         GpumemError: gpumem has no engine on ``device`` (nothing was allocated there).
     """
-    import numpy as np
-
     _require_installed()
     index = _device_index(device)
+    return trace_from_words(_trace_words(index), name or f"gpumem.torch cuda:{index}")
+
+
+def _trace_words(index: int) -> Any:
+    """The native trace buffer of device ``index`` (:data:`_TRACE_WORDS` words per event)."""
+    import numpy as np
+
     lib = _lib()
     u64p = ctypes.POINTER(ctypes.c_uint64)
     for _ in range(8):   # the buffer may grow between sizing and copying while other threads allocate
@@ -1024,8 +1042,53 @@ def recorded_trace(device: "int | str | Any | None" = None, name: str | None = N
         buf = np.zeros(n * _TRACE_WORDS + 1024 * _TRACE_WORDS, dtype=np.uint64)
         have = int(lib.gpumem_torch_trace_read(index, buf.ctypes.data_as(u64p), len(buf) // _TRACE_WORDS))
         if have <= len(buf) // _TRACE_WORDS:
-            return trace_from_words(buf[:have * _TRACE_WORDS], name or f"gpumem.torch cuda:{index}")
+            return buf[:have * _TRACE_WORDS]
     raise GpumemError(f"gpumem's trace on cuda:{index} kept growing while being read; call stop_trace() first")
+
+
+def gpu_clock_of_ops(words: Any, gpu_ns: Any) -> Any:
+    """The GPU clock of each op of the trace :func:`trace_from_words` makes of ``words``: ``gpu_ns`` (one per
+    event, nanoseconds on the trace's clock, negative where unknown) of the events that become ops, in
+    microseconds (NaN where unknown). Raises TraceFormatError where the two do not have one value per event."""
+    import numpy as np
+
+    from .errors import TraceFormatError
+    from .trace.builder import PLAN_CODE, USE_CODE, WAIT_CODE, build_ops
+
+    ev = np.asarray(words, dtype=np.uint64).reshape(-1, _TRACE_WORDS)
+    ns = np.asarray(gpu_ns, dtype=np.int64)
+    if ns.shape != (len(ev),):
+        raise TraceFormatError("<gpumem.torch>", f"{ns.size} GPU clock values for {len(ev)} events")
+    kept, _, _ = build_ops(ev[:, 0].tolist(), ev[:, 1].tolist(), USE_CODE, [], WAIT_CODE, [], PLAN_CODE, [])
+    taken = ns[np.asarray(kept, dtype=np.int64)]
+    out = taken.astype(np.float64) / 1e3
+    out[taken < 0] = np.nan
+    return out
+
+
+def recorded_gpu_clock(device: "int | str | Any | None" = None) -> Any:
+    """For each op of :func:`recorded_trace` (``device``), when the GPU had run the work queued on the op's
+    stream before it, in microseconds on the trace's clock (a float64 array; NaN where unknown: the trace began
+    without ``start_trace(gpu_clock=True)``, or the clock stopped). Waits for the GPU to get there. Call
+    :func:`stop_trace` first (the trace must not change between the two reads).
+
+    Raises:
+        GpumemError: gpumem has no engine on ``device``, or the trace changed while being read.
+    """
+    import numpy as np
+
+    _require_installed()
+    index = _device_index(device)
+    lib = _lib()
+    words = _trace_words(index)
+    n = len(words) // _TRACE_WORDS
+    ns = np.full(n, -1, dtype=np.int64)
+    have = int(lib.gpumem_torch_trace_gpu_read(index, ns.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), n))
+    if have < 0:
+        raise GpumemError(f"gpumem has no GPU clock on cuda:{index}: {_last_error(lib)}")
+    if have != n:
+        raise GpumemError(f"gpumem's trace on cuda:{index} changed while being read; call stop_trace() first")
+    return gpu_clock_of_ops(words, ns)
 
 
 @functools.cache

@@ -110,6 +110,7 @@ struct CudaDriver {
     CUresult (*cuEventQuery)(CUevent) = nullptr;
     CUresult (*cuEventSynchronize)(CUevent) = nullptr;
     CUresult (*cuEventDestroy)(CUevent) = nullptr;
+    CUresult (*cuEventElapsedTime)(float*, CUevent, CUevent) = nullptr;
     CUresult (*cuStreamSynchronize)(CUstream) = nullptr;
 
     std::string error_name(CUresult r) const {
@@ -194,6 +195,7 @@ struct LoadedDriver {
         load(lib, d.cuEventQuery, "cuEventQuery", missing);
         load(lib, d.cuEventSynchronize, "cuEventSynchronize", missing);
         load(lib, d.cuEventDestroy, "cuEventDestroy_v2", missing);
+        load(lib, d.cuEventElapsedTime, "cuEventElapsedTime", missing);
         load(lib, d.cuStreamSynchronize, "cuStreamSynchronize", missing);
         if (!missing.empty()) {
             error = "the CUDA driver lacks " + missing + " (gpumem needs a driver for CUDA 10.2 or later)";
@@ -447,6 +449,32 @@ void CudaBackend::stream_synchronize(StreamHandle stream) {
     ContextScope scope(*this);
     drv_.check(drv_.cuStreamSynchronize(reinterpret_cast<CUstream>(static_cast<std::uintptr_t>(stream))),
                "cuStreamSynchronize");
+}
+
+EventHandle CudaBackend::timing_event_record(StreamHandle stream) {
+    ContextScope scope(*this);
+    CUevent ev = nullptr;
+    drv_.check(drv_.cuEventCreate(&ev, 0), "cuEventCreate");   // flags 0: with timing
+    CUresult r = drv_.cuEventRecord(ev, reinterpret_cast<CUstream>(static_cast<std::uintptr_t>(stream)));
+    if (r != CUDA_SUCCESS) {
+        drv_.cuEventDestroy(ev);
+        drv_.fail(r, "cuEventRecord");
+    }
+    return reinterpret_cast<std::uintptr_t>(ev);
+}
+
+double CudaBackend::timing_elapsed_ms(EventHandle start, EventHandle end) {
+    ContextScope scope(*this);
+    float ms = 0.0f;
+    drv_.check(drv_.cuEventElapsedTime(&ms, reinterpret_cast<CUevent>(static_cast<std::uintptr_t>(start)),
+                                       reinterpret_cast<CUevent>(static_cast<std::uintptr_t>(end))),
+               "cuEventElapsedTime");
+    return static_cast<double>(ms);
+}
+
+void CudaBackend::timing_event_destroy(EventHandle event) {
+    ContextScope scope(*this);   // never pooled: the pool's events are recorded without timing
+    drv_.check(drv_.cuEventDestroy(reinterpret_cast<CUevent>(static_cast<std::uintptr_t>(event))), "cuEventDestroy");
 }
 
 void CudaBackend::synchronize() {

@@ -79,6 +79,14 @@ class CudaBackend final : public Backend {
     void stream_synchronize(StreamHandle stream) override;
     void synchronize() override;
 
+    // Events with timing, for the trace's GPU clock only (Note [The trace's GPU clock] in torch_api.cpp): made
+    // and recorded on `stream`; query and synchronize them with event_query / event_synchronize.
+    EventHandle timing_event_record(StreamHandle stream);
+    // Milliseconds from `start` to `end`, both complete (cuEventElapsedTime: about half a microsecond's resolution).
+    double timing_elapsed_ms(EventHandle start, EventHandle end);
+    // Destroys a timing event (not pooled: the pool's events are recorded without timing).
+    void timing_event_destroy(EventHandle event);
+
     static constexpr std::size_t kMaxPooledEvents = 4096;
 
   private:

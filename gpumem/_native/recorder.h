@@ -65,8 +65,9 @@ class Recorder {
     // Records one event at `t_ns` (steady clock). `nbytes` of a free is PyTorch's size as given (the
     // history keeps it as is, the trace reads a negative one as 0). Never throws: an event that cannot
     // be stored is counted as dropped by the history.
+    // `gpu_stamp`: the event's stamp of the trace's GPU clock (torch_api.cpp), -1 for none.
     void record(std::int32_t action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream,
-                std::int64_t t_ns) noexcept {
+                std::int64_t t_ns, std::int64_t gpu_stamp = -1) noexcept {
         std::lock_guard<std::mutex> lock(mutex_);
         const bool history_kind = !trace_only(action);
         const bool to_history = history_.on && history_kind && taken_ < max_entries_;
@@ -75,7 +76,7 @@ class Recorder {
         if (!to_history && !to_trace) return;
         if (t_ns < last_ns_) t_ns = last_ns_;
         try {
-            events_.push_back(Event{addr, nbytes, stream, t_ns, static_cast<std::int32_t>(device), action});
+            events_.push_back(Event{addr, nbytes, stream, t_ns, static_cast<std::int32_t>(device), action, gpu_stamp});
         } catch (const std::bad_alloc&) {   // recording never fails an allocation: the event is dropped
             if (to_history) ++dropped_;
             return;
@@ -163,6 +164,27 @@ class Recorder {
         return have;
     }
 
+    // For each of `device`'s trace events (those trace_read copies, in its order), up to `n` into `out`: the
+    // time on the trace's clock (ns since it began) of the event's GPU stamp in `stamp_ns` (steady-clock ns by
+    // stamp; -1 unknown), -1 where the event has none. Returns how many the trace holds for that device.
+    std::int64_t trace_read_gpu(int device, const std::vector<std::int64_t>& stamp_ns, std::int64_t* out,
+                                std::int64_t n) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        const std::size_t end = trace_.on ? events_.size() : trace_.stop;
+        std::int64_t have = 0;
+        for (std::size_t i = trace_.start; i < end; ++i) {
+            const Event& e = events_[i];
+            if (e.device != device || e.action == kOutOfMemory) continue;
+            if (out != nullptr && have < n) {
+                const bool known = e.gpu_stamp >= 0 && static_cast<std::size_t>(e.gpu_stamp) < stamp_ns.size() &&
+                                   stamp_ns[static_cast<std::size_t>(e.gpu_stamp)] >= 0;
+                out[have] = known ? stamp_ns[static_cast<std::size_t>(e.gpu_stamp)] - trace_.t0_ns : -1;
+            }
+            ++have;
+        }
+        return have;
+    }
+
   private:
     struct Event {
         std::uint64_t addr;
@@ -171,6 +193,7 @@ class Recorder {
         std::int64_t t_ns;
         std::int32_t device;
         std::int32_t action;
+        std::int64_t gpu_stamp;   // the trace's GPU clock (torch_api.cpp), -1 for none
     };
     struct Window {
         bool on = false;

@@ -40,7 +40,9 @@
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
+#include <cmath>
 #include <cxxabi.h>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -129,9 +131,31 @@ struct TorchOutOfMemory : std::runtime_error {
 };
 
 // One device's engine, and what the PyTorch side counts beyond the engine's own stats.
+// Note [The trace's GPU clock]: a trace's clock says when the CPU made each call, not when the GPU ran the
+// work queued before it, and a replay must guess that (Note [The GPU runs behind the CPU] in
+// gpumem/sim/gpu_work.py): a long gap may be the GPU draining or the CPU busy elsewhere. With the clock on
+// (gpumem_torch_trace_gpu_clock(1)), each traced alloc and free also records a CUDA event with timing on the
+// op's stream, before the op's own work: it completes once the work queued there before the op has run, and
+// its time, read back against a reference event recorded (and waited for) at the device's first stamp, is
+// when the GPU got there, on the trace's clock. Events are read oldest first as they complete (a few per
+// stamp, so that only those of the GPU's lag are held); the rest when the trace is read, which waits for
+// them. Past kMaxPendingStamps outstanding (a GPU far behind) or on a driver error the clock stops for that
+// device (later events get none: the replay then refuses the clock). Each stamp costs the program a few
+// microseconds of CPU (an event made, recorded, queried).
+struct GpuClock {
+    static constexpr std::size_t kMaxPendingStamps = 1u << 20;
+    std::mutex mutex;                 // guards every member below
+    EventHandle ref = 0;              // the reference event (0: not yet recorded)
+    std::int64_t ref_ns = 0;          // its time, steady-clock ns
+    std::vector<std::int64_t> stamp_ns;                          // by stamp: steady-clock ns, -1 not yet known
+    std::deque<std::pair<std::size_t, EventHandle>> pending;     // stamps whose event is not yet read, oldest first
+    bool stopped = false;             // too many pending, or a driver error: no more stamps
+};
+
 struct DeviceEngine {
     std::unique_ptr<CudaBackend> backend;
     std::unique_ptr<Engine> engine;
+    GpuClock clock;
     std::atomic<std::uint64_t> torch_ooms{0};       // alloc calls that ended in out of memory
     std::atomic<std::uint64_t> torch_errors{0};     // alloc calls that failed otherwise
     std::atomic<std::uint64_t> free_errors{0};      // free calls that failed (reported on stderr)
@@ -174,7 +198,67 @@ DeviceEngine* existing(int device) {
     return state().devices[device].load(std::memory_order_acquire);
 }
 
-void record_event(std::int32_t action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream);
+void record_event(std::int32_t action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream,
+                  std::int64_t gpu_stamp = -1);
+
+std::atomic<bool> g_gpu_clock_on{false};   // gpumem_torch_trace_gpu_clock: traced ops are stamped
+
+// Reads the completed event at the front of `c.pending` (under c.mutex).
+void read_front(GpuClock& c, CudaBackend& b) {
+    auto [stamp, ev] = c.pending.front();
+    c.stamp_ns[stamp] = c.ref_ns + std::llround(b.timing_elapsed_ms(c.ref, ev) * 1e6);
+    c.pending.pop_front();
+    b.timing_event_destroy(ev);
+}
+
+// Stamps an op on `stream` of device `d` (Note [The trace's GPU clock]): its stamp, or -1 (the clock is off or
+// stopped). Never throws.
+std::int64_t gpu_stamp(DeviceEngine* d, std::uint64_t stream) noexcept {
+    if (!g_gpu_clock_on.load(std::memory_order_relaxed)) return -1;
+    GpuClock& c = d->clock;
+    CudaBackend& b = *d->backend;
+    std::lock_guard<std::mutex> lock(c.mutex);
+    if (c.stopped) return -1;
+    try {
+        if (c.ref == 0) {
+            c.ref = b.timing_event_record(stream);
+            b.event_synchronize(c.ref);
+            c.ref_ns = now_ns();
+        }
+        for (int k = 0; k < 4 && !c.pending.empty() && b.event_query(c.pending.front().second); ++k) read_front(c, b);
+        if (c.pending.size() >= GpuClock::kMaxPendingStamps) {
+            c.stopped = true;
+            return -1;
+        }
+        const EventHandle ev = b.timing_event_record(stream);
+        c.stamp_ns.push_back(-1);
+        c.pending.emplace_back(c.stamp_ns.size() - 1, ev);
+        return static_cast<std::int64_t>(c.stamp_ns.size() - 1);
+    } catch (const std::exception& e) {
+        c.stopped = true;
+        std::fprintf(stderr, "gpumem: the trace's GPU clock stopped on a CUDA device: %s\n", e.what());
+        return -1;
+    }
+}
+
+// Forgets device `d`'s clock: waits for and destroys its events (a new trace begins). Never throws.
+void gpu_clock_reset(DeviceEngine* d) noexcept {
+    GpuClock& c = d->clock;
+    std::lock_guard<std::mutex> lock(c.mutex);
+    try {
+        for (auto& [stamp, ev] : c.pending) {
+            (void)stamp;
+            d->backend->event_synchronize(ev);
+            d->backend->timing_event_destroy(ev);
+        }
+        if (c.ref != 0) d->backend->timing_event_destroy(c.ref);
+    } catch (const std::exception&) {   // a lost device: the events go with it
+    }
+    c.pending.clear();
+    c.stamp_ns.clear();
+    c.ref = 0;
+    c.stopped = false;
+}
 
 // PlanEventKind (gpumem/trace/model.py): what a step-plan event of the trace says (Recorder::kPlanEvent)
 constexpr std::uint64_t kPlanMark = 0, kPlanWarmupStart = 1, kPlanWarmupStop = 2;
@@ -307,9 +391,10 @@ Recording& recording() {
 }
 
 // Records one event of the hooks (one relaxed load when neither the history nor the trace is on).
-void record_event(std::int32_t action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream) {
+void record_event(std::int32_t action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream,
+                  std::int64_t gpu_stamp) {
     Recorder& r = recording().recorder;
-    if (r.on()) r.record(action, device, addr, nbytes, stream, now_ns());
+    if (r.on()) r.record(action, device, addr, nbytes, stream, now_ns(), gpu_stamp);
 }
 
 // Note [Two alloc functions: one for C, one for PyTorch]: a C++ exception must not leave a function
@@ -343,7 +428,8 @@ void* allocate_on(ssize_t size, int device, void* stream, AllocFailure* failure)
         try {
             std::uint64_t p = d->engine->try_allocate_fast(nbytes, s);
             if (p == 0) p = d->engine->allocate(nbytes, s);
-            record_event(Recorder::kAlloc, device, p, nbytes, s);   // Note [One recorder for the history and the trace]
+            // Note [One recorder for the history and the trace]; Note [The trace's GPU clock]
+            record_event(Recorder::kAlloc, device, p, nbytes, s, recording().recorder.on() ? gpu_stamp(d, s) : -1);
             return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
         } catch (const EngineError& e) {
             if (e.kind == EngineErrorKind::kOutOfMemory) {
@@ -438,7 +524,9 @@ GPUMEM_EXPORT void gpumem_torch_free(void* ptr, ssize_t size, int device, void* 
         return;
     }
     const std::uint64_t p = reinterpret_cast<std::uintptr_t>(ptr);
-    record_event(Recorder::kFree, device, p, static_cast<std::uint64_t>(size), reinterpret_cast<std::uintptr_t>(stream));
+    const std::uint64_t s = reinterpret_cast<std::uintptr_t>(stream);
+    record_event(Recorder::kFree, device, p, static_cast<std::uint64_t>(size), s,
+                 recording().recorder.on() ? gpu_stamp(d, s) : -1);
     try {
         if (!d->engine->try_free_fast(p)) d->engine->free(p);
     } catch (const std::exception& e) {
@@ -599,8 +687,44 @@ GPUMEM_EXPORT int gpumem_torch_history_event_size() { return static_cast<int>(si
 // kept). Note [Tracing PyTorch's calls].
 GPUMEM_EXPORT void gpumem_torch_trace(int on) {
     Recorder& r = recording().recorder;
-    if (on) r.trace_start(now_ns());
-    else r.trace_stop();
+    if (on) {
+        for (int i = 0; i < kMaxDevices; ++i)
+            if (DeviceEngine* d = existing(i)) gpu_clock_reset(d);
+        r.trace_start(now_ns());
+    } else {
+        r.trace_stop();
+    }
+}
+
+// Turns the trace's GPU clock on (1) or off (0) for the ops traced from now on (Note [The trace's GPU clock]).
+GPUMEM_EXPORT void gpumem_torch_trace_gpu_clock(int on) { g_gpu_clock_on.store(on != 0, std::memory_order_relaxed); }
+
+// Copies up to `n` of `device`'s GPU clock times into `out`, one per event gpumem_torch_trace_read copies, in its
+// order: nanoseconds on the trace's clock at which the GPU had run the work queued on the event's stream before
+// it, -1 where unknown (no stamp: the clock was off or stopped). Waits for the events not yet complete. Returns
+// how many the trace holds there (as gpumem_torch_trace_read), -1 when gpumem has no engine there.
+GPUMEM_EXPORT std::int64_t gpumem_torch_trace_gpu_read(int device, std::int64_t* out, std::int64_t n) {
+    DeviceEngine* d = existing(device);
+    if (d == nullptr) {
+        t_last_error = "gpumem has no engine on CUDA device " + std::to_string(device);
+        return -1;
+    }
+    std::vector<std::int64_t> stamp_ns;
+    {
+        GpuClock& c = d->clock;
+        std::lock_guard<std::mutex> lock(c.mutex);
+        try {
+            while (!c.pending.empty()) {
+                d->backend->event_synchronize(c.pending.front().second);
+                read_front(c, *d->backend);
+            }
+        } catch (const std::exception& e) {
+            t_last_error = std::string("gpumem: reading the trace's GPU clock failed: ") + e.what();
+            return -1;
+        }
+        stamp_ns = c.stamp_ns;
+    }
+    return recording().recorder.trace_read_gpu(device, stamp_ns, out, n);
 }
 
 // Copies up to `n` events of `device`'s trace into `out` (5 words each: kind, address, bytes,

@@ -39,6 +39,25 @@ on other streams is kept back as live when the trace has its ``record_stream`` c
 :mod:`gpumem.replay`): its free waits for those streams' queued work here. Cross-stream order is kept
 when the trace has the program's waits (Note [Cross-stream waits]).
 
+Note [A replay on the recorded GPU clock]
+----------------------------------------
+``trace`` timing guesses the GPU from the CPU's clock, and cannot tell a gap the GPU spent draining from one the
+CPU spent elsewhere: on a 7B batch-16 server whose second request outgrew its first (H200), each new length
+stalled the CPU ~40 ms (a per-shape cost, not GPU work), after which the GPU was idle and the engine stole
+freed chunks; ``trace`` read the gaps as a GPU running behind and grew instead (4.56 % against 3.27 % live).
+gpumem.torch can record the GPU's side too (``start_trace(gpu_clock=True)``, Note [The trace's GPU clock] in
+``gpumem/_native/torch_api.cpp``): for each op, when the GPU had run the work queued on its stream before it.
+``gpu-clock`` replays on both clocks: the CPU spends the recorded time between ops (with the simulated
+allocator's own calls on top), and the work queued after op ``i`` ends, relative to the CPU, where the
+recording says: at op ``j``, the next on the stream, the GPU was ``clock[j] - times[j]`` behind, so the work
+ends that long after the CPU reaches ``j`` (a replay whose allocator costs more or less time than live keeps
+the GPU's lag, not its wall time). No launch queue is modelled (the recorded CPU clock holds its waits), and no
+syncs or stream waits (the clock holds their effect). One stream only: the clock times a stream at its own ops,
+so the work of one stream between two of them is one item, and a fence another stream records between them
+(``record_stream``) would wait for all of it; traces of several streams are refused. The clock is a file
+beside the trace (``TRACE.gpu-clock.npy.gz``, :mod:`gpumem.trace.gpu_clock`; ``gpu_clock_us=``, ``gpumem replay --gpu-clock``), not yet in
+``.gmt``. Measured: ``reports/hil/gpu-clock-h200-2026-11-30.md``.
+
 Note [Cross-stream waits]
 -------------------------
 A program that chains its streams (``copy.wait_stream(main)``, then each tower's stream waits for the
@@ -65,6 +84,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -85,9 +105,16 @@ class GpuTiming(str, enum.Enum):
     """GPU time from the bytes each allocation's kernel touches and the profile's bandwidth."""
     IDLE = "idle"
     """No GPU work: every fence completes at once (the replay before issue 18)."""
+    GPU_CLOCK = "gpu-clock"
+    """The CPU at the trace's clock, the GPU as the recording's GPU clock says it ran (Note [A replay on the
+    recorded GPU clock]); needs the clock (``gpu_clock_us``)."""
 
 
 DEFAULT_GPU_TIMING = GpuTiming.TRACE
+#: ``gpu-clock``: work ends this much before the recorded time (:meth:`ProgramGpu._after_on_clock`)
+_CLOCK_MARGIN_S = 1e-9
+#: ``gpu-clock``'s launch queue: never full (the recorded CPU clock already holds the program's waits on it)
+_UNBOUNDED_QUEUE = 2**62
 
 
 def gpu_timing(value: "str | GpuTiming | None") -> GpuTiming:
@@ -219,14 +246,19 @@ class ProgramGpu(_LaunchQueue):
     operation ``i`` and :meth:`after` once it is done (with the block's pointer for an allocation)."""
 
     __slots__ = ("timing", "clock", "_work_s", "_sync", "_streams", "_sizes", "n_syncs", "max_lag_s", "_waits",
-                 "n_waits", "n_wait_markers")
+                 "n_waits", "n_wait_markers", "_cpu_op_s", "_clock_end_s", "_tail_s")
 
     def __init__(self, trace: "Trace", device: Any, timing: "str | GpuTiming | None",
-                 model: GpuWorkModel | None = None) -> None:
+                 model: GpuWorkModel | None = None, gpu_clock_us: Any = None) -> None:
         self.timing = gpu_timing(timing)
         if self.timing is GpuTiming.IDLE:
             raise InvalidArgumentError("ProgramGpu: gpu timing 'idle' runs no GPU work (make none)")
+        if (gpu_clock_us is None) != (self.timing is not GpuTiming.GPU_CLOCK):
+            raise InvalidArgumentError("gpu timing 'gpu-clock' needs the recording's GPU clock (gpu_clock_us), and "
+                                       "the clock is for that timing only")
         super().__init__(device, model, self.timing.value)
+        if self.timing is GpuTiming.GPU_CLOCK:   # the recorded CPU clock paces the CPU: no launch queue to model
+            self.model = dataclasses.replace(self.model, queue_depth=_UNBOUNDED_QUEUE)
         kinds = trace.kinds.tolist()
         self._sizes = trace.nbytes.tolist()
         self._streams = trace.streams.tolist()
@@ -238,7 +270,15 @@ class ProgramGpu(_LaunchQueue):
         times = trace.times_us.tolist()
         self.clock = bool(times) and min(times) != max(times)
         """Whether the trace has a clock (``trace`` timing without one uses the model's kernel times)."""
-        if self.timing is GpuTiming.TRACE and self.clock:
+        self._cpu_op_s: list[float] | None = None
+        """``gpu-clock``: per operation, the CPU time before it (Note [A replay on the recorded GPU clock])."""
+        self._clock_end_s: list[float] | None = None
+        """``gpu-clock``: per operation, when the work queued after it ends, in seconds after the operation."""
+        self._tail_s: dict[int, float] = {}
+        """``gpu-clock``: stream -> when the work queued on it so far ends (simulated seconds)."""
+        if self.timing is GpuTiming.GPU_CLOCK:
+            work = self._from_gpu_clock(trace, times, gpu_clock_us)
+        elif self.timing is GpuTiming.TRACE and self.clock:
             work = [0.0] * n
             for i in range(n - 1):
                 gap = times[i + 1] - times[i]
@@ -253,7 +293,7 @@ class ProgramGpu(_LaunchQueue):
         self._work_s = work
         self._waits: dict[int, list[tuple[int, int]]] = {}
         """Operation -> the ``(stream, waited)`` waits made before it (Note [Cross-stream waits])."""
-        for w in trace.stream_waits:
+        for w in (() if self.timing is GpuTiming.GPU_CLOCK else trace.stream_waits):   # the clock holds their effect
             if w.at_op < n:   # a wait after the last operation orders no work of the replay
                 self._waits.setdefault(w.at_op, []).append((int(w.stream), int(w.waited)))
                 self._sync[w.at_op] |= 2
@@ -261,6 +301,41 @@ class ProgramGpu(_LaunchQueue):
         self.n_wait_markers = 0
         self.n_syncs = 0
         self.max_lag_s = 0.0
+
+    def _from_gpu_clock(self, trace: "Trace", times: list[float], gpu_clock_us: Any) -> list[float]:
+        """The work after each operation and the CPU time before it, from the recorded clocks (Note [A replay on
+        the recorded GPU clock])."""
+        import numpy as np
+
+        n = len(times)
+        clock = np.asarray(gpu_clock_us, dtype=np.float64)
+        if clock.shape != (n,):
+            raise InvalidArgumentError(f"the GPU clock has {clock.size} values for a trace of {n} operations")
+        unknown = int(np.count_nonzero(~np.isfinite(clock)))
+        if unknown:
+            raise InvalidArgumentError(f"the GPU clock has no time for {unknown} of the trace's {n} operations "
+                                       "(recorded without the clock, or it stopped)")
+        if n and not self.clock:
+            raise InvalidArgumentError("gpu timing 'gpu-clock' needs the trace's own clock (times_us) too")
+        streams = set(self._streams) | {u.stream for u in trace.stream_uses}
+        if len(streams) > 1:
+            raise InvalidArgumentError(
+                f"gpu timing 'gpu-clock' times each stream only at its own operations, and this trace uses "
+                f"{len(streams)} streams: a fence one stream records on another cannot be placed (Note [A replay on "
+                "the recorded GPU clock]); replay it under 'trace'")
+        self._cpu_op_s = [self._cpu_s] + [max(times[i + 1] - times[i], 0.0) * 1e-6 for i in range(n - 1)]
+        # the work queued after op i ends when the GPU reaches the next op on its stream: that op's clock
+        # less its CPU time, as a lag behind the CPU (seconds), kept per op i (NaN: no later op there)
+        lag_s = [float("nan")] * n
+        later: dict[int, int] = {}   # stream -> the next operation on it (walking backwards)
+        for i in range(n - 1, -1, -1):
+            s = self._streams[i]
+            j = later.get(s)
+            if j is not None:
+                lag_s[i] = (clock[j] - times[j]) * 1e-6 + (times[j] - times[i]) * 1e-6
+            later[s] = i
+        self._clock_end_s = lag_s
+        return [0.0] * n
 
     def before(self, i: int) -> None:
         """The CPU reaches operation ``i``: its time passes, and it waits where the program synchronised."""
@@ -279,21 +354,46 @@ class ProgramGpu(_LaunchQueue):
                     if not w.done:
                         dev.wait_work(w)
                 self._queue.clear()
-        if self._cpu_s:
-            dev.advance(self._cpu_s)
+        cpu_s = self._cpu_s if self._cpu_op_s is None else self._cpu_op_s[i]
+        if cpu_s:
+            dev.advance(cpu_s)
 
     def after(self, i: int, ptr: int) -> None:
         """Operation ``i`` is done (``ptr``: the block an allocation got, else 0): queue the work that
         follows it, blocking while the launch queue is full."""
+        if self._clock_end_s is not None:
+            self._after_on_clock(i, ptr)
+            return
         duration_s = self._work_s[i]
         if duration_s:
             self._launch(self._streams[i], duration_s, ptr, self._sizes[i])
+
+    def _after_on_clock(self, i: int, ptr: int) -> None:
+        """``gpu-clock``: queue the work after op ``i`` to end where the recording's did, relative to the CPU
+        (Note [A replay on the recorded GPU clock])."""
+        end_after_s = self._clock_end_s[i]   # type: ignore[index]
+        if end_after_s != end_after_s:   # NaN: no later op on the stream, nothing to time
+            return
+        s = self._streams[i]
+        now = self.device.now_s
+        launch_s = self.device.latency.launch_us * 1e-6   # the launch call's cost passes before the work is queued
+        start = max(now + launch_s, self._tail_s.get(s, now))
+        # a nanosecond early (the clock's resolution is half a microsecond): work the recording had done when the
+        # CPU reached op j is done when the replay's CPU gets there, not at the same instant
+        duration_s = max(now + end_after_s - _CLOCK_MARGIN_S - start, 0.0)
+        if duration_s:
+            self._tail_s[s] = start + duration_s
+            self._launch(s, duration_s, ptr, self._sizes[i])
+            cpu = self._cpu_op_s
+            if i + 1 < len(cpu):   # the recorded CPU time holds the program's launches: the simulated one is not added
+                cpu[i + 1] = max(cpu[i + 1] - launch_s, 0.0)   # type: ignore[index]
 
     def finish(self) -> dict[str, Any]:
         """Let the queued work run out; what the GPU did, for :attr:`ReplayResult.extra`."""
         lag_s = self.device.streams.pending_s
         self._wait_all()
-        timing = self.timing.value if self.clock or self.timing is GpuTiming.MODEL else "model (the trace has no clock)"
+        timing = (self.timing.value if self.clock or self.timing is GpuTiming.MODEL
+                  else "model (the trace has no clock)")
         out = {"gpu_timing": timing, "gpu_launches": self.n_launches,
                "gpu_queue_full_waits": self.n_blocked, "gpu_syncs": self.n_syncs, "gpu_pending_at_end_s": lag_s}
         if self._waits:   # only for a trace with waits: a replay of one without them reports what it did

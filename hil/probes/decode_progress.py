@@ -75,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="under gpumem, record every allocation from before the model is built and save the trace "
                         "here at the end (e.g. short.gmt.gz; a few dozen tokens are enough for "
                         "python -m sim.extend_decode, and a 4,500-token trace takes minutes to write)")
+    p.add_argument("--gpu-clock", action="store_true",
+                   help="with --record, also record when the GPU ran each op's queued work (start_trace(gpu_clock="
+                        "True)) and save it beside the trace as RECORD.gpu-clock.npy.gz, for gpumem replay RECORD "
+                        "--gpu-clock RECORD.gpu-clock.npy.gz")
     return p
 
 
@@ -85,6 +89,8 @@ def _arguments_problem(args: argparse.Namespace) -> str:
     if args.prompt + args.new_tokens > MAX_POSITIONS:
         return (f"--prompt {args.prompt:,} + --new-tokens {args.new_tokens:,} is more than the model's "
                 f"{MAX_POSITIONS:,} positions (max_position_embeddings)")
+    if args.gpu_clock and args.record is None:
+        return "--gpu-clock needs --record (the clock is saved beside the trace)"
     if args.record is not None:
         if args.allocator != "gpumem":
             return ("--record needs --allocator gpumem (PyTorch's allocator: hil.probes.workloads records its memory "
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         import gpumem.torch as gt
         gt.install()
         if args.record is not None:
-            gt.start_trace()
+            gt.start_trace(gpu_clock=args.gpu_clock)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hil.probes.workloads import LONG7B_CONFIG
@@ -214,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         save_trace(gt.recorded_trace(0, name=f"7B {args.attention} decode of {args.new_tokens} tokens on gpumem.torch"),
                    args.record)
         print(f"[{label}] trace saved to {args.record}", flush=True)
+        if args.gpu_clock:
+            from gpumem.trace.gpu_clock import gpu_clock_path, save_gpu_clock
+
+            clock_path = save_gpu_clock(gt.recorded_gpu_clock(0), gpu_clock_path(args.record))
+            print(f"[{label}] GPU clock saved to {clock_path}", flush=True)
     _write_json(args, lines)
     return 0
 

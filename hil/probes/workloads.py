@@ -549,14 +549,16 @@ def trace_wait_streams(torch: Any, trace_wait: Callable[[Any, Any], None]) -> Ca
 
 
 def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: Path, policy: str | None,
-              plan_steps: bool = False, step_marks: str | None = None, record_trace: bool = True) -> dict:
+              plan_steps: bool = False, step_marks: str | None = None, record_trace: bool = True,
+              gpu_clock: bool = False) -> dict:
     """Runs one workload under one allocator in this process, recording its trace into ``out_dir`` (with
     ``record_trace`` False nothing is recorded: the allocators run as a program runs them, for step times);
     ``plan_steps``: under gpumem, ``gpumem.torch.step()`` marks the top of every step (step plans, Note
     [Step plans] in gpumem/allocator/plan.py), automatic marks off; ``step_marks``: under gpumem,
     ``configure(step_marks=...)`` marks them with no call in the loop (``"optimizer"``: every optimizer step;
     Note [Automatic step marks] in gpumem/torch.py), ``"off"`` turns those off, None leaves gpumem.torch's
-    default."""
+    default; ``gpu_clock``: under gpumem, the trace's GPU clock too (``start_trace(gpu_clock=True)``), saved beside
+    the trace as ``TRACE.gpu-clock.npy.gz`` (Note [The trace's GPU clock] in gpumem/_native/torch_api.cpp)."""
     if allocator == "gpumem":
         import gpumem.torch as gt
 
@@ -567,7 +569,7 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
             gt.configure(step_marks=None if plan_steps or step_marks == STEP_MARKS_OFF else step_marks)
         step_marks = gt.automatic_step_marks()
         if record_trace:
-            gt.start_trace()
+            gt.start_trace(gpu_clock=gpu_clock)
     import torch
 
     rs_logger = None
@@ -626,6 +628,10 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
             from gpumem.trace import save_trace
 
             save_trace(gt.recorded_trace(0, name=f"{workload} on gpumem.torch"), trace_path)
+            if gpu_clock:
+                from gpumem.trace.gpu_clock import gpu_clock_path, save_gpu_clock
+
+                record["gpu_clock_file"] = save_gpu_clock(gt.recorded_gpu_clock(0), gpu_clock_path(trace_path)).name
     else:
         st = torch.cuda.memory_stats(0)
         record.update(peak_allocated_bytes=int(st["allocated_bytes.all.peak"]),
@@ -665,7 +671,8 @@ def overhead(peak_reserved: int, peak_allocated: int) -> float | None:
 
 def run_live(workloads: Sequence[str], allocators: Sequence[str], steps: int, warmup: int, out: Path,
              policy: str | None, timeout_s: float, tag: str = "", plan_steps: bool = False,
-             step_marks: str | None = None, rounds: int = 1, record_trace: bool = True) -> Path:
+             step_marks: str | None = None, rounds: int = 1, record_trace: bool = True,
+             gpu_clock: bool = False) -> Path:
     """Every workload under every allocator, each its own process; the record is rewritten after each run.
 
     With ``rounds`` above one each workload runs that many rounds of every allocator back to back, the order
@@ -702,6 +709,8 @@ def run_live(workloads: Sequence[str], allocators: Sequence[str], steps: int, wa
             cmd += ["--gpumem-plan-steps"]
         if step_marks:
             cmd += ["--gpumem-step-marks", step_marks]
+        if gpu_clock:
+            cmd += ["--gpumem-gpu-clock"]
         t0 = time.perf_counter()
         try:
             done = subprocess.run(cmd, env=_child_env("default"), capture_output=True, text=True, timeout=timeout_s)
@@ -1193,6 +1202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     live.add_argument("--no-record", action="store_true",
                       help="record no trace, memory history or record_stream log: the allocators run as a program "
                            "runs them (step time); such runs cannot be predicted")
+    live.add_argument("--gpumem-gpu-clock", action="store_true",
+                      help="under gpumem, record the trace's GPU clock too (TRACE.gpu-clock.npy.gz beside each trace), "
+                           "for replays under --gpu-timing gpu-clock; needs the trace (not --no-record)")
     live.add_argument("--timeout", type=float, default=120.0, help="seconds per run (default: %(default)s)")
     live.add_argument("--tag", default="", help="the record's name is workloads-TAG.json (default workloads.json)")
     live.add_argument("--out", type=Path, required=True,
@@ -1208,6 +1220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     child.add_argument("--gpumem-plan-steps", action="store_true")
     child.add_argument("--gpumem-step-marks", choices=STEP_MARKS + (STEP_MARKS_OFF,), default=None)
     child.add_argument("--no-record", action="store_true")
+    child.add_argument("--gpumem-gpu-clock", action="store_true")
     steptime = sub.add_parser("steptime", help="tabulate gpumem's step time against PyTorch's over a record's rounds",
                               description="gpumem.torch's step time against PyTorch's allocator per workload, over "
                                           "the rounds of each record (live --rounds N --no-record; a record of one "
@@ -1241,7 +1254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "child":
         record = run_child(args.workload, args.allocator, args.steps, args.warmup, args.out, args.gpumem_policy,
-                           args.gpumem_plan_steps, args.gpumem_step_marks, record_trace=not args.no_record)
+                           args.gpumem_plan_steps, args.gpumem_step_marks, record_trace=not args.no_record,
+                           gpu_clock=args.gpumem_gpu_clock)
         args.child_out.write_text(json.dumps(record))
         return 0
     if args.cmd == "live":
@@ -1262,8 +1276,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--rounds {args.rounds}: 1 to {MAX_ROUNDS}")
         if args.rounds > 1 and not args.no_record:
             parser.error("--rounds above 1 needs --no-record (each round's traces would replace the last one's)")
+        if args.gpumem_gpu_clock and args.no_record:
+            parser.error("--gpumem-gpu-clock needs the trace: not with --no-record")
         path = run_live(names, allocators, args.steps, args.warmup, args.out, args.gpumem_policy, args.timeout,
-                        args.tag, args.gpumem_plan_steps, args.gpumem_step_marks, args.rounds, not args.no_record)
+                        args.tag, args.gpumem_plan_steps, args.gpumem_step_marks, args.rounds, not args.no_record,
+                        args.gpumem_gpu_clock)
         record = json.loads(path.read_text())
         if set(allocators) == set(ALLOCATORS) and step_times(record):
             print(render_step_times(record))

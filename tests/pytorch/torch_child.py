@@ -142,6 +142,49 @@ def scenario_trace() -> None:
     del b, c
 
 
+def scenario_trace_gpu_clock() -> None:
+    """start_trace(gpu_clock=True): each op gets the time the GPU had run the work queued before it. A matmul
+    chain queued between two allocations makes the GPU fall behind; the clock says so, and a replay on it
+    sees the lag (Note [The trace's GPU clock])."""
+    import numpy as np
+
+    import gpumem.torch as gt
+    from gpumem.replay import replay_trace
+
+    gt.install()
+    import torch
+
+    x = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    gt.start_trace(gpu_clock=True)
+    a = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")     # op 0: the GPU is idle
+    for _ in range(40):                                            # about 40 ms of queued matmuls
+        y = x @ x
+        del y                                                      # allocs and frees while the GPU falls behind
+    b = torch.empty(3000, dtype=torch.uint8, device="cuda")
+    del a
+    torch.cuda.synchronize()
+    c = torch.empty(5000, dtype=torch.uint8, device="cuda")        # after the synchronize: the GPU caught up
+    gt.stop_trace()
+    t = gt.recorded_trace(0)
+    g = gt.recorded_gpu_clock(0)
+    assert g.shape == (t.n_ops,) and np.isfinite(g).all(), g
+    cpu = t.times_us
+    lag = g - cpu
+    assert abs(lag[0]) < 1_000, lag[:3]                 # idle at the start: the clocks agree within a millisecond
+    assert lag[-3] > 5_000, lag[-5:]                    # b's allocation: milliseconds of matmuls still queued
+    assert abs(lag[-1]) < 1_000 or lag[-1] < 0, lag[-1]  # c, after the synchronize: nothing queued
+    assert np.all(np.diff(g[t.streams == t.streams[0]]) >= -1.0), "one stream's clock runs backwards"
+    r = replay_trace(t, "sim:h200-141gb", "gpumem", gpu_clock_us=g, progress=False)
+    assert r.extra["gpu_timing"] == "gpu-clock" and r.completed_ops == t.n_ops, r.extra
+    del b, c, x
+    gt.start_trace()                                    # a trace without the clock: none recorded
+    d = torch.empty(100, device="cuda")
+    gt.stop_trace()
+    assert np.isnan(gt.recorded_gpu_clock(0)).all()
+    del d
+
+
 def scenario_trace_out_env() -> None:
     """GPUMEM_TRACE_OUT: a program that only calls install() leaves its trace in that file at exit."""
     import os

@@ -40,7 +40,8 @@ from .allocator.stats import AllocatorStats
 from .device import Device
 from .errors import InvalidArgumentError, OutOfMemoryError
 from .progress import ProgressBar
-from .sim.gpu_work import GpuTiming, GpuWorkModel, ProgramGpu, gpu_timing as _gpu_timing
+from .sim.gpu_work import DEFAULT_GPU_TIMING, GpuTiming, GpuWorkModel, ProgramGpu, gpu_clock_problem
+from .sim.gpu_work import gpu_timing as _gpu_timing
 from .specs import open_device
 from .trace import PlanEventKind, Trace, load_trace
 
@@ -118,25 +119,36 @@ class ReplayResult:
 
 
 def program_gpu(trace: Trace, device: Device, gpu_timing: "str | GpuTiming | None",
-                gpu_model: GpuWorkModel | None = None, gpu_clock_us: Any = None) -> ProgramGpu | None:
+                gpu_model: GpuWorkModel | None = None) -> ProgramGpu | None:
     """The program's GPU work for a replay of ``trace`` on ``device`` (None for ``idle``: no work).
 
-    ``gpu_timing`` None is the default on a simulated device (``gpu-clock`` where ``gpu_clock_us``, the
-    recording's GPU clock, is given), and ``idle`` on a real one (which runs no recorded program); ``trace``,
-    ``model`` or ``gpu-clock`` named on a real device raises InvalidArgumentError (Note [The GPU runs behind the
-    CPU] in :mod:`gpumem.sim.gpu_work`)."""
+    ``gpu_timing`` None is the default on a simulated device (:func:`default_gpu_timing`: ``gpu-clock`` for a
+    trace recorded with its GPU clock, else ``trace``), and ``idle`` on a real one (which runs no recorded
+    program); ``trace``, ``model`` or ``gpu-clock`` named on a real device raises InvalidArgumentError (Note [The
+    GPU runs behind the CPU] in :mod:`gpumem.sim.gpu_work`)."""
     from .sim import SimDevice
 
-    if gpu_clock_us is not None and gpu_timing is None:
-        gpu_timing = GpuTiming.GPU_CLOCK
     if gpu_timing is None and not isinstance(device, SimDevice):
         return None
-    timing = _gpu_timing(gpu_timing)
+    timing = _gpu_timing(gpu_timing) if gpu_timing is not None else default_gpu_timing(trace)
     if timing is GpuTiming.IDLE:
-        if gpu_model is not None or gpu_clock_us is not None:
-            raise InvalidArgumentError("gpu_model and gpu_clock_us are for a gpu_timing other than 'idle'")
+        if gpu_model is not None:
+            raise InvalidArgumentError("gpu_model is for gpu_timing 'trace' or 'model', not 'idle'")
         return None
-    return ProgramGpu(trace, device, timing, gpu_model, gpu_clock_us)
+    return ProgramGpu(trace, device, timing, gpu_model)
+
+
+def default_gpu_timing(trace: Trace) -> GpuTiming:
+    """The GPU timing a replay of ``trace`` on a simulated device takes when none is named: ``gpu-clock`` where
+    the trace has its GPU clock and can be replayed on it (Note [A replay on the recorded GPU clock]), else the
+    default (``trace``; why not the clock is logged)."""
+    if trace.gpu_times_us is None:
+        return DEFAULT_GPU_TIMING
+    why = gpu_clock_problem(trace)
+    if why:
+        log.warning("%s: %s; replaying under %r timing", trace.name, why, DEFAULT_GPU_TIMING.value)
+        return DEFAULT_GPU_TIMING
+    return GpuTiming.GPU_CLOCK
 
 
 class StreamUsePlan:
@@ -321,19 +333,18 @@ def run_ops_with_gpu(gpu: ProgramGpu, allocate: Any, free: Any, ops: tuple[list[
 
 def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, stop_on_oom: bool = True,
            progress: bool | None = None, gpu_timing: "str | GpuTiming | None" = None,
-           gpu_model: GpuWorkModel | None = None, gpu: ProgramGpu | None = None,
-           gpu_clock_us: Any = None) -> ReplayResult:
+           gpu_model: GpuWorkModel | None = None, gpu: ProgramGpu | None = None) -> ReplayResult:
     """Replay ``trace`` through ``allocator`` (which keeps its state afterwards: live blocks
     of allocations the trace never freed stay allocated).
 
-    ``gpu_timing`` (``trace``, ``model``, ``idle`` or ``gpu-clock``; None: the default, :func:`program_gpu`)
-    chooses how the program's GPU work runs beside the replay, ``gpu_model`` its constants, ``gpu_clock_us`` the
-    recording's GPU clock (one time per op, :func:`gpumem.torch.recorded_gpu_clock`; Note [A replay on the
-    recorded GPU clock] in :mod:`gpumem.sim.gpu_work`); or ``gpu``, one made already (:func:`program_gpu`)."""
+    ``gpu_timing`` (``trace``, ``model``, ``idle`` or ``gpu-clock``, the last for a trace recorded with its GPU
+    clock, :attr:`Trace.gpu_times_us`; None: the default, :func:`program_gpu`) chooses how the program's GPU work
+    runs beside the replay, ``gpu_model`` its constants (Note [The GPU runs behind the CPU] in
+    :mod:`gpumem.sim.gpu_work`); or ``gpu``, one made already (:func:`program_gpu`)."""
     if gpu is None:
-        gpu = program_gpu(trace, allocator.device, gpu_timing, gpu_model, gpu_clock_us)
-    elif gpu_timing is not None or gpu_model is not None or gpu_clock_us is not None:
-        raise InvalidArgumentError("replay: give gpu, or gpu_timing, gpu_model and gpu_clock_us, not both")
+        gpu = program_gpu(trace, allocator.device, gpu_timing, gpu_model)
+    elif gpu_timing is not None or gpu_model is not None:
+        raise InvalidArgumentError("replay: give gpu, or gpu_timing and gpu_model, not both")
     kinds, ids, sizes, streams = trace.as_lists()
     n = len(kinds)
     ptrs = [0] * (max(ids) + 1 if ids else 0)
@@ -398,8 +409,7 @@ def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, sto
 def replay_trace(trace: Union[Trace, str, "os.PathLike[str]"], device: str | Device = "sim:h200-141gb",
                  policy: "str | AllocatorPolicy | BucketPolicy" = DEFAULT_POLICY, *, stop_on_oom: bool = True,
                  progress: bool | None = None, gpu_timing: "str | GpuTiming | None" = None,
-                 gpu_model: GpuWorkModel | None = None, gpu_clock_us: Any = None,
-                 **allocator_options: Any) -> ReplayResult:
+                 gpu_model: GpuWorkModel | None = None, **allocator_options: Any) -> ReplayResult:
     """Replay ``trace`` on ``device`` and return what it measured.
 
     ``trace`` is a :class:`~gpumem.trace.Trace` or the path of a trace file in any format
@@ -409,8 +419,8 @@ def replay_trace(trace: Union[Trace, str, "os.PathLike[str]"], device: str | Dev
     (``gpumem``, ``bestfit``, ``pytorch``, ``cupy``, ...) or ``"bucket"``, the size-bucket pool
     (:mod:`gpumem.allocator.bucket`). ``allocator_options`` go to the allocator
     (``limit=`` among them; ``max_pooled_per_bucket=`` for the bucket pool). ``gpu_timing`` (``trace``,
-    ``model``, ``idle``, ``gpu-clock``), ``gpu_model`` and ``gpu_clock_us``: how the program's GPU work runs beside
-    the replay (:func:`replay`; Note [The GPU runs behind the CPU] in :mod:`gpumem.sim.gpu_work`).
+    ``model``, ``idle``, ``gpu-clock``) and ``gpu_model``: how the program's GPU work runs beside the replay
+    (:func:`replay`; Note [The GPU runs behind the CPU] in :mod:`gpumem.sim.gpu_work`).
     """
     if isinstance(trace, (str, os.PathLike)):
         trace = load_trace(trace)
@@ -422,7 +432,7 @@ def replay_trace(trace: Union[Trace, str, "os.PathLike[str]"], device: str | Dev
         allocator = make_allocator(dev, policy, **allocator_options)
         try:
             return replay(trace, allocator, stop_on_oom=stop_on_oom, progress=progress, gpu_timing=gpu_timing,
-                          gpu_model=gpu_model, gpu_clock_us=gpu_clock_us)
+                          gpu_model=gpu_model)
         finally:
             allocator.close()
     finally:

@@ -963,10 +963,10 @@ def start_trace(gpu_clock: bool = False) -> None:
     """Record every allocation and free PyTorch asks gpumem for, on every device, from now on (what an
     earlier trace recorded is forgotten). Read it with :func:`recorded_trace`.
 
-    ``gpu_clock``: also record, for each op, when the GPU had run the work queued on its stream before it
-    (a CUDA event with timing per op, a few microseconds of CPU each; Note [The trace's GPU clock] in
-    ``gpumem/_native/torch_api.cpp``); read with :func:`recorded_gpu_clock`, and a replay under
-    ``gpu_timing="gpu-clock"`` runs the program's GPU work as the GPU ran it."""
+    ``gpu_clock``: also record, for each op, when the GPU had run the work queued on its stream before it (a
+    CUDA event with timing per op, a few microseconds of CPU each; Note [The trace's GPU clock] in
+    ``gpumem/_native/torch_api.cpp``): :attr:`~gpumem.trace.Trace.gpu_times_us` of the recorded trace, which a
+    replay then runs the program's GPU work on (``gpu_timing="gpu-clock"``)."""
     if not isinstance(gpu_clock, bool):
         raise InvalidArgumentError(f"start_trace: gpu_clock must be True or False, not {gpu_clock!r}")
     lib = _lib()
@@ -1019,14 +1019,33 @@ def trace_from_words(words: Any, name: str = "gpumem.torch") -> Any:
 
 def recorded_trace(device: "int | str | Any | None" = None, name: str | None = None) -> Any:
     """What :func:`start_trace` has recorded on ``device`` so far, as a :class:`~gpumem.trace.Trace`
-    (save it with :func:`gpumem.trace.save_trace`).
+    (save it with :func:`gpumem.trace.save_trace`), with its GPU clock where ``start_trace(gpu_clock=True)``
+    recorded one (:attr:`~gpumem.trace.Trace.gpu_times_us`; reading it waits for the GPU to get there). Call
+    :func:`stop_trace` first when other threads allocate.
 
     Raises:
-        GpumemError: gpumem has no engine on ``device`` (nothing was allocated there).
+        GpumemError: gpumem has no engine on ``device`` (nothing was allocated there), or the trace changed while
+            being read.
     """
+    import dataclasses
+
+    import numpy as np
+
     _require_installed()
     index = _device_index(device)
-    return trace_from_words(_trace_words(index), name or f"gpumem.torch cuda:{index}")
+    words = _trace_words(index)
+    trace = trace_from_words(words, name or f"gpumem.torch cuda:{index}")
+    lib = _lib()
+    n = len(words) // _TRACE_WORDS
+    ns = np.full(n, -1, dtype=np.int64)
+    have = int(lib.gpumem_torch_trace_gpu_read(index, ns.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), n))
+    if have < 0:
+        raise GpumemError(f"gpumem has no GPU clock on cuda:{index}: {_last_error(lib)}")
+    if have != n:
+        raise GpumemError(f"gpumem's trace on cuda:{index} changed while being read; call stop_trace() first")
+    if not (ns >= 0).any():
+        return trace   # recorded without the clock
+    return dataclasses.replace(trace, gpu_times_us=_gpu_clock_of_ops(words, ns))
 
 
 def _trace_words(index: int) -> Any:
@@ -1046,49 +1065,32 @@ def _trace_words(index: int) -> Any:
     raise GpumemError(f"gpumem's trace on cuda:{index} kept growing while being read; call stop_trace() first")
 
 
-def gpu_clock_of_ops(words: Any, gpu_ns: Any) -> Any:
-    """The GPU clock of each op of the trace :func:`trace_from_words` makes of ``words``: ``gpu_ns`` (one per
-    event, nanoseconds on the trace's clock, negative where unknown) of the events that become ops, in
-    microseconds (NaN where unknown). Raises TraceFormatError where the two do not have one value per event."""
+def _gpu_clock_of_ops(words: Any, gpu_ns: Any) -> Any:
+    """The GPU clock of each op of the trace :func:`trace_from_words` makes of ``words`` (the native buffer, read
+    at once with ``gpu_ns``): ``gpu_ns`` (one per event, nanoseconds on the trace's clock, negative where unknown)
+    of the events that become ops, in microseconds (NaN where unknown). Raises TraceFormatError where the two do
+    not have one value per event or the events do not make a trace."""
     import numpy as np
 
     from .errors import TraceFormatError
-    from .trace.builder import PLAN_CODE, USE_CODE, WAIT_CODE, build_ops
+    from .trace.builder import PLAN_CODE, USE_CODE, WAIT_CODE, AddressReuseError, build_ops
 
-    ev = np.asarray(words, dtype=np.uint64).reshape(-1, _TRACE_WORDS)
-    ns = np.asarray(gpu_ns, dtype=np.int64)
-    if ns.shape != (len(ev),):
-        raise TraceFormatError("<gpumem.torch>", f"{ns.size} GPU clock values for {len(ev)} events")
-    kept, _, _ = build_ops(ev[:, 0].tolist(), ev[:, 1].tolist(), USE_CODE, [], WAIT_CODE, [], PLAN_CODE, [])
+    flat = np.asarray(words, dtype=np.uint64)
+    ns = np.asarray(gpu_ns)
+    if flat.ndim != 1 or flat.size % _TRACE_WORDS:
+        raise TraceFormatError("<gpumem.torch>", f"{flat.size} words is not a whole number of {_TRACE_WORDS}-word events")
+    ev = flat.reshape(-1, _TRACE_WORDS)
+    if ns.shape != (len(ev),) or ns.dtype != np.int64:
+        raise TraceFormatError("<gpumem.torch>", f"expected {len(ev)} int64 GPU clock values, one per event, got "
+                                                 f"{ns.dtype} of shape {ns.shape}")
+    try:
+        kept, _, _ = build_ops(ev[:, 0].tolist(), ev[:, 1].tolist(), USE_CODE, [], WAIT_CODE, [], PLAN_CODE, [])
+    except AddressReuseError as e:
+        raise TraceFormatError("<gpumem.torch>", str(e), entry=e.index) from None
     taken = ns[np.asarray(kept, dtype=np.int64)]
     out = taken.astype(np.float64) / 1e3
     out[taken < 0] = np.nan
     return out
-
-
-def recorded_gpu_clock(device: "int | str | Any | None" = None) -> Any:
-    """For each op of :func:`recorded_trace` (``device``), when the GPU had run the work queued on the op's
-    stream before it, in microseconds on the trace's clock (a float64 array; NaN where unknown: the trace began
-    without ``start_trace(gpu_clock=True)``, or the clock stopped). Waits for the GPU to get there. Call
-    :func:`stop_trace` first (the trace must not change between the two reads).
-
-    Raises:
-        GpumemError: gpumem has no engine on ``device``, or the trace changed while being read.
-    """
-    import numpy as np
-
-    _require_installed()
-    index = _device_index(device)
-    lib = _lib()
-    words = _trace_words(index)
-    n = len(words) // _TRACE_WORDS
-    ns = np.full(n, -1, dtype=np.int64)
-    have = int(lib.gpumem_torch_trace_gpu_read(index, ns.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), n))
-    if have < 0:
-        raise GpumemError(f"gpumem has no GPU clock on cuda:{index}: {_last_error(lib)}")
-    if have != n:
-        raise GpumemError(f"gpumem's trace on cuda:{index} changed while being read; call stop_trace() first")
-    return gpu_clock_of_ops(words, ns)
 
 
 @functools.cache

@@ -197,7 +197,7 @@ def test_oom_report_tenants_are_the_simulators(capsys, tmp_path):
 def test_replay_text_labels_are_whole_and_aligned(capsys, big_trace_file):
     code, out, err = run(capsys, "replay", str(big_trace_file), "--device", "sim:gtx-1050-2gb")
     rows = out.splitlines()
-    labels = ["trace", "device", "policy", "engine", "replayed", "peak live", "peak reserved", "overhead", "ext. frag.",
+    labels = ["trace", "device", "policy", "engine", "gpu timing", "replayed", "peak live", "peak reserved", "overhead", "ext. frag.",
               "ooms", "time"]
     assert [r[:15].rstrip() for r in rows] == labels
     assert all(r[15] != " " and r[13:15] == "  " for r in rows)  # every value starts in one column, after two spaces

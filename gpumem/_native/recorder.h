@@ -166,9 +166,10 @@ class Recorder {
 
     // For each of `device`'s trace events (those trace_read copies, in its order), up to `n` into `out`: the
     // time on the trace's clock (ns since it began) of the event's GPU stamp in `stamp_ns` (steady-clock ns by
-    // stamp; -1 unknown), -1 where the event has none. Returns how many the trace holds for that device.
-    std::int64_t trace_read_gpu(int device, const std::vector<std::int64_t>& stamp_ns, std::int64_t* out,
-                                std::int64_t n) {
+    // stamp index, the stamp's low 32 bits; -1 unknown), -1 where the event has none or one of another
+    // `generation` (the high 32 bits: a stamp of an earlier trace). Returns how many the trace holds there.
+    std::int64_t trace_read_gpu(int device, const std::vector<std::int64_t>& stamp_ns, std::uint32_t generation,
+                                std::int64_t* out, std::int64_t n) {
         std::lock_guard<std::mutex> lock(mutex_);
         const std::size_t end = trace_.on ? events_.size() : trace_.stop;
         std::int64_t have = 0;
@@ -176,9 +177,11 @@ class Recorder {
             const Event& e = events_[i];
             if (e.device != device || e.action == kOutOfMemory) continue;
             if (out != nullptr && have < n) {
-                const bool known = e.gpu_stamp >= 0 && static_cast<std::size_t>(e.gpu_stamp) < stamp_ns.size() &&
-                                   stamp_ns[static_cast<std::size_t>(e.gpu_stamp)] >= 0;
-                out[have] = known ? stamp_ns[static_cast<std::size_t>(e.gpu_stamp)] - trace_.t0_ns : -1;
+                const std::uint64_t stamp = static_cast<std::uint64_t>(e.gpu_stamp);
+                const std::size_t index = static_cast<std::size_t>(stamp & 0xffffffffu);
+                const bool known = e.gpu_stamp >= 0 && (stamp >> 32) == generation && index < stamp_ns.size() &&
+                                   stamp_ns[index] >= 0;
+                out[have] = known ? stamp_ns[index] - trace_.t0_ns : -1;
             }
             ++have;
         }

@@ -139,14 +139,20 @@ struct TorchOutOfMemory : std::runtime_error {
 // its time, read back against a reference event recorded (and waited for) at the device's first stamp, is
 // when the GPU got there, on the trace's clock. Events are read oldest first as they complete (a few per
 // stamp, so that only those of the GPU's lag are held); the rest when the trace is read, which waits for
-// them. Past kMaxPendingStamps outstanding (a GPU far behind) or on a driver error the clock stops for that
-// device (later events get none: the replay then refuses the clock). Each stamp costs the program a few
-// microseconds of CPU (an event made, recorded, queried).
+// them. Each event read becomes the reference of the next: cuEventElapsedTime gives float milliseconds, whose
+// resolution against one reference would fall to a microsecond after 11 s and 250 us after an hour (attacker
+// 31). Past kMaxPendingStamps outstanding (a GPU far behind) or on a driver error the clock stops for that
+// device (later events get none: the replay then refuses the clock). A stamp carries the clock's generation
+// (high 32 bits), which a new trace advances, so that an op stamped just before tracing restarted cannot take a
+// stamp of the new trace (recorder.h trace_read_gpu). The clock stamps only while the trace is on (turned off
+// with it). Each stamp costs the program a few microseconds of CPU (an event made, recorded, queried).
 struct GpuClock {
     static constexpr std::size_t kMaxPendingStamps = 1u << 20;
+    static constexpr std::size_t kMaxStamps = (std::size_t{1} << 32) - 1;   // an index fits the low 32 bits
     std::mutex mutex;                 // guards every member below
-    EventHandle ref = 0;              // the reference event (0: not yet recorded)
+    EventHandle ref = 0;              // the reference event: the last one read (0: not yet recorded)
     std::int64_t ref_ns = 0;          // its time, steady-clock ns
+    std::uint32_t generation = 0;     // advanced by each new trace
     std::vector<std::int64_t> stamp_ns;                          // by stamp: steady-clock ns, -1 not yet known
     std::deque<std::pair<std::size_t, EventHandle>> pending;     // stamps whose event is not yet read, oldest first
     bool stopped = false;             // too many pending, or a driver error: no more stamps
@@ -203,12 +209,16 @@ void record_event(std::int32_t action, int device, std::uint64_t addr, std::uint
 
 std::atomic<bool> g_gpu_clock_on{false};   // gpumem_torch_trace_gpu_clock: traced ops are stamped
 
-// Reads the completed event at the front of `c.pending` (under c.mutex).
+// Reads the completed event at the front of `c.pending`, which becomes the reference (under c.mutex).
 void read_front(GpuClock& c, CudaBackend& b) {
     auto [stamp, ev] = c.pending.front();
-    c.stamp_ns[stamp] = c.ref_ns + std::llround(b.timing_elapsed_ms(c.ref, ev) * 1e6);
+    const std::int64_t ns = c.ref_ns + std::llround(b.timing_elapsed_ms(c.ref, ev) * 1e6);
+    c.stamp_ns[stamp] = ns;
     c.pending.pop_front();
-    b.timing_event_destroy(ev);
+    const EventHandle old = c.ref;
+    c.ref = ev;
+    c.ref_ns = ns;
+    b.timing_event_destroy(old);
 }
 
 // Stamps an op on `stream` of device `d` (Note [The trace's GPU clock]): its stamp, or -1 (the clock is off or
@@ -226,14 +236,20 @@ std::int64_t gpu_stamp(DeviceEngine* d, std::uint64_t stream) noexcept {
             c.ref_ns = now_ns();
         }
         for (int k = 0; k < 4 && !c.pending.empty() && b.event_query(c.pending.front().second); ++k) read_front(c, b);
-        if (c.pending.size() >= GpuClock::kMaxPendingStamps) {
+        if (c.pending.size() >= GpuClock::kMaxPendingStamps || c.stamp_ns.size() >= GpuClock::kMaxStamps) {
             c.stopped = true;
             return -1;
         }
-        const EventHandle ev = b.timing_event_record(stream);
-        c.stamp_ns.push_back(-1);
-        c.pending.emplace_back(c.stamp_ns.size() - 1, ev);
-        return static_cast<std::int64_t>(c.stamp_ns.size() - 1);
+        c.stamp_ns.push_back(-1);   // room first: nothing to undo if it throws
+        c.pending.emplace_back(c.stamp_ns.size() - 1, 0);
+        try {
+            c.pending.back().second = b.timing_event_record(stream);
+        } catch (...) {
+            c.pending.pop_back();
+            c.stamp_ns.pop_back();
+            throw;
+        }
+        return static_cast<std::int64_t>(static_cast<std::uint64_t>(c.generation) << 32 | (c.stamp_ns.size() - 1));
     } catch (const std::exception& e) {
         c.stopped = true;
         std::fprintf(stderr, "gpumem: the trace's GPU clock stopped on a CUDA device: %s\n", e.what());
@@ -258,6 +274,7 @@ void gpu_clock_reset(DeviceEngine* d) noexcept {
     c.stamp_ns.clear();
     c.ref = 0;
     c.stopped = false;
+    ++c.generation;
 }
 
 // PlanEventKind (gpumem/trace/model.py): what a step-plan event of the trace says (Recorder::kPlanEvent)
@@ -692,6 +709,7 @@ GPUMEM_EXPORT void gpumem_torch_trace(int on) {
             if (DeviceEngine* d = existing(i)) gpu_clock_reset(d);
         r.trace_start(now_ns());
     } else {
+        g_gpu_clock_on.store(false, std::memory_order_relaxed);   // the clock goes with the trace (attacker 31)
         r.trace_stop();
     }
 }
@@ -710,6 +728,7 @@ GPUMEM_EXPORT std::int64_t gpumem_torch_trace_gpu_read(int device, std::int64_t*
         return -1;
     }
     std::vector<std::int64_t> stamp_ns;
+    std::uint32_t generation = 0;
     {
         GpuClock& c = d->clock;
         std::lock_guard<std::mutex> lock(c.mutex);
@@ -718,13 +737,15 @@ GPUMEM_EXPORT std::int64_t gpumem_torch_trace_gpu_read(int device, std::int64_t*
                 d->backend->event_synchronize(c.pending.front().second);
                 read_front(c, *d->backend);
             }
-        } catch (const std::exception& e) {
-            t_last_error = std::string("gpumem: reading the trace's GPU clock failed: ") + e.what();
-            return -1;
+        } catch (const std::exception& e) {   // the times read so far stay; the rest are unknown (-1)
+            c.stopped = true;
+            std::fprintf(stderr, "gpumem: reading the trace's GPU clock failed on CUDA device %d: %s\n", device,
+                         e.what());
         }
         stamp_ns = c.stamp_ns;
+        generation = c.generation;
     }
-    return recording().recorder.trace_read_gpu(device, stamp_ns, out, n);
+    return recording().recorder.trace_read_gpu(device, stamp_ns, generation, out, n);
 }
 
 // Copies up to `n` events of `device`'s trace into `out` (5 words each: kind, address, bytes,

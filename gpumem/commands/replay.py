@@ -21,18 +21,6 @@ from ._common import (EXIT_CODES, EXIT_USAGE, EXIT_OK, EXIT_OOM, OutputFile, _DE
                       _folder_message, _limit_syntax, _shorten_path, check_output_path, log)
 
 
-def _gpu_clock(args: argparse.Namespace) -> Any:
-    """The ``--gpu-clock`` file's times (None without it)."""
-    if args.gpu_clock is None:
-        return None
-    from ..trace.gpu_clock import load_gpu_clock
-
-    try:
-        return load_gpu_clock(args.gpu_clock)
-    except (FileNotFoundError, TraceFormatError) as exc:
-        raise _UsageError(f"--gpu-clock: {exc}") from None
-
-
 def _load(args: argparse.Namespace):
     from ..trace import detect_format, load_trace
 
@@ -107,6 +95,8 @@ def _print_result(result: Any, summary: str | None) -> None:
     _row("policy", result.policy)
     if "engine" in result.extra:
         _row("engine", str(result.extra["engine"]))
+    if "gpu_timing" in result.extra:
+        _row("gpu timing", str(result.extra["gpu_timing"]))
     if result.oom_op is not None:
         _row("replayed", f"{result.completed_ops:,} of {result.n_ops:,} ops (stopped by out of memory at op "
                          f"{result.oom_op + 1:,})")
@@ -196,9 +186,9 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
         lost = False
         try:
             try:
-                gpu = program_gpu(trace, device, args.gpu_timing, gpu_clock_us=_gpu_clock(args))
+                gpu = program_gpu(trace, device, args.gpu_timing)
             except InvalidArgumentError as exc:
-                raise _UsageError(f"--gpu-timing/--gpu-clock: {exc}") from None
+                raise _UsageError(f"--gpu-timing: {exc}") from None
             if gpu is None and (trace.stream_uses or trace.stream_waits):
                 log.warning("GPU timing idle: every fence is complete at once, so the trace's %d stream use(s) and "
                             "%d cross-stream wait(s) change no decision of this replay: a block freed after a stream use waits "
@@ -289,14 +279,9 @@ def register(sub: Any, formatter_class: Any) -> None:
                    help="how the program's GPU work runs beside the replay, so that memory is freed while work "
                         "that used it may still be queued: 'trace' (GPU time from the trace's clock), 'model' "
                         "(from the bytes each kernel touches), 'idle' (no GPU work, every fence done at once), "
-                        "'gpu-clock' (as the recording's GPU ran it: needs --gpu-clock). "
-                        f"Default: {DEFAULT_GPU_TIMING.value} on a simulated device (gpu-clock with --gpu-clock), "
-                        "idle on a real one")
-    p.add_argument("--gpu-clock", metavar="FILE", default=None,
-                   help="the trace's GPU clock (.npy or .npy.gz), saved beside it from gpumem.torch "
-                        "(start_trace(gpu_clock=True), recorded_gpu_clock(), gpumem.trace.gpu_clock.save_gpu_clock; "
-                        "the probes' --gpu-clock write TRACE.gpu-clock.npy.gz): for each op, when the GPU had run "
-                        "the work queued on its stream before it. Single-stream traces")
+                        "'gpu-clock' (as the recording's GPU ran it: a gpumem.torch trace recorded with "
+                        "start_trace(gpu_clock=True), one stream). Default on a simulated device: gpu-clock for a "
+                        f"trace that has its GPU clock, else {DEFAULT_GPU_TIMING.value}; idle on a real one")
     p.add_argument("--stream-uses", metavar="LOG", default=None,
                    help="a record_stream log written beside a PyTorch snapshot (gpumem.trace.stream_log; the "
                         "workloads probe writes NAME.default.record_stream.jsonl.gz): each logged "

@@ -15,6 +15,7 @@ from typing import Any
 
 from ._common import _DEFAULT_DEVICE, _UsageError, _add_verbose, _check_trace_path, _cli_names, _device_index, \
     _exit_codes_text, _shorten_path
+from ..sim.gpu_work import GpuTiming
 from ..errors import BackendUnavailableError, TraceFormatError
 
 _DESCRIPTION = """\
@@ -191,7 +192,7 @@ def register(sub: Any, formatter_class: type) -> None:
     p.add_argument("--device-index", type=_device_index, default=None, metavar="N",
                    help="for a PyTorch snapshot of several GPUs: report GPU N's trace")
     p.add_argument("--force", action="store_true", help="replace DIR if it exists (once the new report is complete)")
-    p.add_argument("--gpu-timing", choices=("trace", "model", "idle"), default=None,
+    p.add_argument("--gpu-timing", choices=[t.value for t in GpuTiming], default=None,
                    help="how the program's GPU work runs beside each replay (as gpumem replay --gpu-timing)")
     p.add_argument("--json", action="store_true", help="print the files and the summary table as JSON")
     _add_verbose(p)

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from ._common import EXIT_OK, EXIT_USAGE, _UsageError, _add_verbose, _limit_syntax, whole_number_at_least
+from ..sim.gpu_work import GpuTiming
 from ..units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ def register(sub: Any, formatter_class: Any) -> None:
     where.add_argument("--scheduler", metavar="ADDR",
                        help="run on the Dask cluster whose scheduler is at ADDR (tcp://host:8786); needs "
                             "pip install 'gpumem[dask]'")
-    p.add_argument("--gpu-timing", choices=("trace", "model", "idle"), default=None,
+    p.add_argument("--gpu-timing", choices=[t.value for t in GpuTiming], default=None,
                    help="how the program's GPU work runs beside each replay (as gpumem replay --gpu-timing)")
     p.add_argument("--no-plots", action="store_true", help="write the table only")
     p.add_argument("--json", action="store_true", help="print {out, files, rows} as JSON instead of the table")

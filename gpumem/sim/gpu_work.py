@@ -54,9 +54,10 @@ ends that long after the CPU reaches ``j`` (a replay whose allocator costs more 
 the GPU's lag, not its wall time). No launch queue is modelled (the recorded CPU clock holds its waits), and no
 syncs or stream waits (the clock holds their effect). One stream only: the clock times a stream at its own ops,
 so the work of one stream between two of them is one item, and a fence another stream records between them
-(``record_stream``) would wait for all of it; traces of several streams are refused. The clock is a file
-beside the trace (``TRACE.gpu-clock.npy.gz``, :mod:`gpumem.trace.gpu_clock`; ``gpu_clock_us=``, ``gpumem replay --gpu-clock``), not yet in
-``.gmt``. Measured: ``reports/hil/gpu-clock-h200-2026-11-30.md``.
+(``record_stream``) would wait for all of it; traces of several streams are refused (replayed under ``trace``
+by default). The clock travels in the trace (:attr:`~gpumem.trace.Trace.gpu_times_us`, ``.gmt`` version 5),
+and a replay of a trace that has it runs on it unless told otherwise. Measured:
+``reports/hil/gpu-clock-h200-2026-11-30.md``.
 
 Note [Cross-stream waits]
 -------------------------
@@ -107,7 +108,7 @@ class GpuTiming(str, enum.Enum):
     """No GPU work: every fence completes at once (the replay before issue 18)."""
     GPU_CLOCK = "gpu-clock"
     """The CPU at the trace's clock, the GPU as the recording's GPU clock says it ran (Note [A replay on the
-    recorded GPU clock]); needs the clock (``gpu_clock_us``)."""
+    recorded GPU clock]); for traces that have it (:attr:`~gpumem.trace.Trace.gpu_times_us`)."""
 
 
 DEFAULT_GPU_TIMING = GpuTiming.TRACE
@@ -210,6 +211,29 @@ class _LaunchQueue:
         self._queue.clear()
 
 
+def gpu_clock_problem(trace: "Trace") -> str:
+    """Why ``trace`` cannot be replayed on its GPU clock (Note [A replay on the recorded GPU clock]), or ``""``."""
+    import numpy as np
+
+    clock = trace.gpu_times_us
+    if clock is None:
+        return (f"{trace.name} has no GPU clock (record it with gpumem.torch.start_trace(gpu_clock=True), or "
+                "replay under 'trace')")
+    n = trace.n_ops
+    unknown = int(np.count_nonzero(np.isnan(clock)))
+    if unknown:
+        return (f"the GPU clock of {trace.name} has no time for {unknown} of its {n} operations (recorded partly "
+                "without the clock, or it stopped)")
+    times = trace.times_us
+    if n > 1 and (not np.isfinite(times).all() or float(times.min()) == float(times.max())):
+        return f"{trace.name} has no clock of its own (times_us) to pace the CPU by"
+    streams = set(trace.streams.tolist()) | {u.stream for u in trace.stream_uses}
+    if len(streams) > 1:
+        return (f"the GPU clock times each stream only at its own operations, and {trace.name} uses {len(streams)} "
+                "streams: a fence one stream records on another cannot be placed")
+    return ""
+
+
 class ModelGpu(_LaunchQueue):
     """The ``model`` timing for operations given one at a time rather than as a trace (the estimate's streamed
     decode, :mod:`gpumem.estimate.fit`): call :meth:`before` ahead of each operation and :meth:`after` once an
@@ -246,16 +270,17 @@ class ProgramGpu(_LaunchQueue):
     operation ``i`` and :meth:`after` once it is done (with the block's pointer for an allocation)."""
 
     __slots__ = ("timing", "clock", "_work_s", "_sync", "_streams", "_sizes", "n_syncs", "max_lag_s", "_waits",
-                 "n_waits", "n_wait_markers", "_cpu_op_s", "_clock_end_s", "_tail_s")
+                 "n_waits", "n_wait_markers", "_cpu_op_s", "_clock_end_s", "_tail_s", "_launched_s")
 
     def __init__(self, trace: "Trace", device: Any, timing: "str | GpuTiming | None",
-                 model: GpuWorkModel | None = None, gpu_clock_us: Any = None) -> None:
+                 model: GpuWorkModel | None = None) -> None:
         self.timing = gpu_timing(timing)
         if self.timing is GpuTiming.IDLE:
             raise InvalidArgumentError("ProgramGpu: gpu timing 'idle' runs no GPU work (make none)")
-        if (gpu_clock_us is None) != (self.timing is not GpuTiming.GPU_CLOCK):
-            raise InvalidArgumentError("gpu timing 'gpu-clock' needs the recording's GPU clock (gpu_clock_us), and "
-                                       "the clock is for that timing only")
+        if self.timing is GpuTiming.GPU_CLOCK:
+            why = gpu_clock_problem(trace)
+            if why:
+                raise InvalidArgumentError(f"gpu timing 'gpu-clock': {why}")
         super().__init__(device, model, self.timing.value)
         if self.timing is GpuTiming.GPU_CLOCK:   # the recorded CPU clock paces the CPU: no launch queue to model
             self.model = dataclasses.replace(self.model, queue_depth=_UNBOUNDED_QUEUE)
@@ -276,8 +301,10 @@ class ProgramGpu(_LaunchQueue):
         """``gpu-clock``: per operation, when the work queued after it ends, in seconds after the operation."""
         self._tail_s: dict[int, float] = {}
         """``gpu-clock``: stream -> when the work queued on it so far ends (simulated seconds)."""
+        self._launched_s = 0.0
+        """``gpu-clock``: the simulated launch the last operation's work cost the CPU (taken off the next gap)."""
         if self.timing is GpuTiming.GPU_CLOCK:
-            work = self._from_gpu_clock(trace, times, gpu_clock_us)
+            work = self._from_gpu_clock(times, trace.gpu_times_us)
         elif self.timing is GpuTiming.TRACE and self.clock:
             work = [0.0] * n
             for i in range(n - 1):
@@ -302,27 +329,11 @@ class ProgramGpu(_LaunchQueue):
         self.n_syncs = 0
         self.max_lag_s = 0.0
 
-    def _from_gpu_clock(self, trace: "Trace", times: list[float], gpu_clock_us: Any) -> list[float]:
+    def _from_gpu_clock(self, times: list[float], clock: Any) -> list[float]:
         """The work after each operation and the CPU time before it, from the recorded clocks (Note [A replay on
-        the recorded GPU clock])."""
-        import numpy as np
-
+        the recorded GPU clock]); the trace was checked (:func:`gpu_clock_problem`)."""
         n = len(times)
-        clock = np.asarray(gpu_clock_us, dtype=np.float64)
-        if clock.shape != (n,):
-            raise InvalidArgumentError(f"the GPU clock has {clock.size} values for a trace of {n} operations")
-        unknown = int(np.count_nonzero(~np.isfinite(clock)))
-        if unknown:
-            raise InvalidArgumentError(f"the GPU clock has no time for {unknown} of the trace's {n} operations "
-                                       "(recorded without the clock, or it stopped)")
-        if n and not self.clock:
-            raise InvalidArgumentError("gpu timing 'gpu-clock' needs the trace's own clock (times_us) too")
-        streams = set(self._streams) | {u.stream for u in trace.stream_uses}
-        if len(streams) > 1:
-            raise InvalidArgumentError(
-                f"gpu timing 'gpu-clock' times each stream only at its own operations, and this trace uses "
-                f"{len(streams)} streams: a fence one stream records on another cannot be placed (Note [A replay on "
-                "the recorded GPU clock]); replay it under 'trace'")
+        clock = clock.tolist()
         self._cpu_op_s = [self._cpu_s] + [max(times[i + 1] - times[i], 0.0) * 1e-6 for i in range(n - 1)]
         # the work queued after op i ends when the GPU reaches the next op on its stream: that op's clock
         # less its CPU time, as a lag behind the CPU (seconds), kept per op i (NaN: no later op there)
@@ -354,7 +365,11 @@ class ProgramGpu(_LaunchQueue):
                     if not w.done:
                         dev.wait_work(w)
                 self._queue.clear()
-        cpu_s = self._cpu_s if self._cpu_op_s is None else self._cpu_op_s[i]
+        if self._cpu_op_s is None:
+            cpu_s = self._cpu_s
+        else:   # the recorded CPU time holds the program's launches: the simulated launch before is not added
+            cpu_s = max(self._cpu_op_s[i] - self._launched_s, 0.0)
+            self._launched_s = 0.0
         if cpu_s:
             dev.advance(cpu_s)
 
@@ -384,9 +399,7 @@ class ProgramGpu(_LaunchQueue):
         if duration_s:
             self._tail_s[s] = start + duration_s
             self._launch(s, duration_s, ptr, self._sizes[i])
-            cpu = self._cpu_op_s
-            if i + 1 < len(cpu):   # the recorded CPU time holds the program's launches: the simulated one is not added
-                cpu[i + 1] = max(cpu[i + 1] - launch_s, 0.0)   # type: ignore[index]
+            self._launched_s = launch_s
 
     def finish(self) -> dict[str, Any]:
         """Let the queued work run out; what the GPU did, for :attr:`ReplayResult.extra`."""

@@ -26,6 +26,9 @@ single spaces::
   as for ``u``).
 * ``p <kind> <time_us>`` (version 4): a step-plan event of the program, ``kind`` 0 a step mark, 1 the
   memory-first warm-up begun, 2 stopped (:class:`~gpumem.trace.model.PlanEvent`; ``at_op`` as for ``u``).
+* version 5: every ``a`` and ``f`` line ends with one more field, ``<gpu_time_us>``, the op's GPU clock
+  (:attr:`~gpumem.trace.Trace.gpu_times_us`: when the GPU had run the work queued on its stream before it;
+  ``nan`` where unknown), and the header has ``"gpu_clock": true``.
 * ``n_ops`` in the header must match the number of op lines (this catches a
   truncated uncompressed file); ``name``, ``source`` and the counters restore the
   :class:`~gpumem.trace.Trace` fields, so ``read(write(t)) == t``.
@@ -40,10 +43,11 @@ object, counts :data:`STREAM_ENTRY_NBYTES`), an integer
 ids, addresses and streams in ``[0, 2**63)``), and a header ``time_unit`` of ``"us"`` (or none).
 Versions: 1 has ``a`` and ``f`` lines only; 2 adds ``u`` lines and the header's ``n_stream_uses`` (their
 count); 3 adds ``w`` lines and the header's ``n_stream_waits``; 4 adds ``p`` lines and the header's
-``n_plan_events``. The writer writes the oldest version that holds the trace: 1 when it has neither uses
-nor waits nor plan events (so such files are byte for byte what they were), 2 with uses only, 3 with waits,
-4 with plan events; the reader reads all four, and refuses ``u`` lines before version 2, ``w`` lines before
-version 3 and ``p`` lines before version 4.
+``n_plan_events``; 5 adds the GPU clock field. The writer writes the oldest version that holds the trace: 1
+when it has neither uses nor waits nor plan events nor a GPU clock (so such files are byte for byte what they
+were), 2 with uses only, 3 with waits, 4 with plan events, 5 with a GPU clock; the reader reads all five, and
+refuses ``u`` lines before version 2, ``w`` lines before version 3, ``p`` lines before version 4, and op lines
+without the clock field in version 5 (or with it before).
 """
 
 from __future__ import annotations
@@ -85,8 +89,8 @@ def _op_cap(limits: TraceLimits, n_stream: int) -> tuple[int, str]:
 
 
 #: The newest version (plan events); a trace is written in the oldest version that holds it (module docstring).
-FORMAT_VERSION = 4
-FORMAT_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5
+FORMAT_VERSIONS = (1, 2, 3, 4, 5)
 NATIVE_SUFFIXES = (".gmt", ".gmt.gz")
 _HEADER_INTS = ("n_ops", "n_allocs", "n_unmatched_frees", "n_failed_allocs")
 _INT64_MAX = 2**63 - 1
@@ -108,9 +112,10 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
     uses = trace.stream_uses
     waits = trace.stream_waits
     plans = trace.plan_events
+    clock = trace.gpu_times_us
     header: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": 4 if plans else 3 if waits else 2 if uses else 1,
+        "version": 5 if clock is not None else 4 if plans else 3 if waits else 2 if uses else 1,
         "name": trace.name,
         "source": trace.source,
         "n_ops": trace.n_ops,
@@ -119,12 +124,14 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
         "n_failed_allocs": trace.n_failed_allocs,
         "time_unit": "us",
     }
-    if uses or waits or plans:
+    if uses or waits or plans or clock is not None:
         header["n_stream_uses"] = len(uses)
-    if waits or plans:
+    if waits or plans or clock is not None:
         header["n_stream_waits"] = len(waits)
-    if plans:
+    if plans or clock is not None:
         header["n_plan_events"] = len(plans)
+    if clock is not None:
+        header["gpu_clock"] = True
     use_at = [u.at_op for u in uses] + [-1]   # -1: no more uses
     wait_at = [w.at_op for w in waits] + [-1]
     plan_at = [e.at_op for e in plans] + [-1]
@@ -135,9 +142,10 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
         f.write(json.dumps(header) + "\n")
         lines: list[str] = []
         push = lines.append
-        for i, (kind, aid, n, s, t, a) in enumerate(zip(trace.kinds.tolist(), trace.alloc_ids.tolist(),
-                                                        trace.nbytes.tolist(), trace.streams.tolist(),
-                                                        trace.times_us.tolist(), trace.addrs.tolist())):
+        gpu = [""] * trace.n_ops if clock is None else [f" {fmt_time(g)}" for g in clock.tolist()]
+        for i, (kind, aid, n, s, t, a, g) in enumerate(zip(trace.kinds.tolist(), trace.alloc_ids.tolist(),
+                                                           trace.nbytes.tolist(), trace.streams.tolist(),
+                                                           trace.times_us.tolist(), trace.addrs.tolist(), gpu)):
             while use_at[k] == i:
                 u = uses[k]
                 push(f"u {u.alloc_id} {u.stream} {fmt_time(float(u.time_us))}\n")
@@ -151,9 +159,9 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
                 push(f"p {int(e.kind)} {fmt_time(float(e.time_us))}\n")
                 m += 1
             if kind == OpKind.ALLOC:
-                push(f"a {aid} {n} {s} {fmt_time(t)} {a:x}\n")
+                push(f"a {aid} {n} {s} {fmt_time(t)} {a:x}{g}\n")
             else:
-                push(f"f {aid} {s} {fmt_time(t)}\n")
+                push(f"f {aid} {s} {fmt_time(t)}{g}\n")
             if len(lines) >= 65536:
                 f.write("".join(lines))
                 lines.clear()
@@ -195,6 +203,8 @@ def _parse_header(line: str, where: str, limits: TraceLimits = DEFAULT_LIMITS) -
             where, f"line 1: unsupported {FORMAT_NAME} version {shorten(header.get('version'))} "
                    f"(this reader knows {', '.join(map(str, FORMAT_VERSIONS))})"
         )
+    if header["version"] >= 5 and header.get("gpu_clock") is not True:
+        raise TraceFormatError(where, "line 1: a version 5 header must say \"gpu_clock\": true")
     for key in _HEADER_INTS + (("n_stream_uses",) if header["version"] >= 2 else ()) \
             + (("n_stream_waits",) if header["version"] >= 3 else ()) \
             + (("n_plan_events",) if header["version"] >= 4 else ()):
@@ -246,6 +256,7 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
     nbytes = array("q")
     streams = array("q")
     times = array("d")
+    gpu_times = array("d")
     addrs = array("q")
     alloc_nbytes = array("q")
     alloc_addrs = array("q")
@@ -260,11 +271,13 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
         with_uses = header["version"] >= 2
         with_waits = header["version"] >= 3
         with_plans = header["version"] >= 4
+        with_clock = header["version"] >= 5
+        a_fields, f_fields = (7, 5) if with_clock else (6, 4)
         for lineno, line in lines:
             p = line.split()
             try:
                 tag = p[0] if p else ""
-                if tag == "a" and len(p) == 6:
+                if tag == "a" and len(p) == a_fields:
                     aid = _int(p[1], "alloc id", 0, _INT64_MAX)
                     if aid != len(alloc_nbytes):
                         raise ValueError(f"alloc id {aid}, expected {len(alloc_nbytes)}")
@@ -277,7 +290,7 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                     alloc_nbytes.append(n)
                     alloc_addrs.append(a)
                     live.append(1)
-                elif tag == "f" and len(p) == 4:
+                elif tag == "f" and len(p) == f_fields:
                     aid = _int(p[1], "alloc id", 0, _INT64_MAX)
                     if not 0 <= aid < len(live) or not live[aid]:
                         raise ValueError(f"free of id {aid}, which is not live")
@@ -297,6 +310,11 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                     kind = _int(p[1], "plan event kind", 0, max(PlanEventKind))
                     plans.append(PlanEvent(len(kinds), PlanEventKind(kind), _time(p[2])))
                 else:
+                    if with_clock:
+                        raise ValueError("expected 'a <id> <nbytes> <stream> <time_us> <addr> <gpu_time_us>', "
+                                         "'f <id> <stream> <time_us> <gpu_time_us>', 'u <id> <stream> <time_us>', "
+                                         "'w <stream> <waited> <time_us>' or 'p <kind> <time_us>' (a version 5 file), "
+                                         f"got {shorten(line.strip())}")
                     raise ValueError(f"expected 'a <id> <nbytes> <stream> <time_us> <addr>' or "
                                      f"'f <id> <stream> <time_us>'" + (" or 'u <id> <stream> <time_us>'" if with_uses
                                                                       else " (a version 1 file)")
@@ -305,6 +323,10 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                                      + (" or 'p <kind> <time_us>'" if with_plans
                                         else " (a version 3 file)" if with_waits else "")
                                      + f", got {shorten(line.strip())}")
+                if with_clock and tag in ("a", "f"):
+                    g = _time(p[-1])
+                    if g in (float("inf"), float("-inf")):
+                        raise ValueError(f"gpu_time_us {shorten(p[-1])} is infinite (nan is for unknown)")
                 if tag in ("u", "w", "p"):   # a placed event, kept as an object: it counts against the limits
                     max_ops, binding = _op_cap(limits, len(uses) + len(waits) + len(plans))
                     if len(kinds) > max_ops:   # the except below names the file and line
@@ -321,6 +343,8 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
             streams.append(s)
             times.append(t)
             addrs.append(a)
+            if with_clock:
+                gpu_times.append(g)
     if len(kinds) != header["n_ops"]:
         raise TraceFormatError(where, f"header says {header['n_ops']} ops, the file has {len(kinds)} (truncated?)")
     if len(alloc_nbytes) != header["n_allocs"]:
@@ -338,6 +362,7 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
             np.array(streams, dtype=np.int64), np.array(times, dtype=np.float64), np.array(addrs, dtype=np.int64),
             n_unmatched_frees=header["n_unmatched_frees"], n_failed_allocs=header["n_failed_allocs"],
             stream_uses=tuple(uses), stream_waits=tuple(waits), plan_events=tuple(plans),
+            gpu_times_us=np.array(gpu_times, dtype=np.float64) if with_clock else None,
         )
     except (InvalidArgumentError, OverflowError) as e:
         raise TraceFormatError(where, shorten(str(e), 200)[1:-1]) from None

@@ -211,6 +211,11 @@ class Trace:
     """The program's cross-stream waits, in order (module docstring); empty for most sources."""
     plan_events: tuple[PlanEvent, ...] = ()
     """The program's step marks and warm-up switches (gpumem.torch traces), in order; empty for other sources."""
+    gpu_times_us: np.ndarray | None = None
+    """The GPU clock (gpumem.torch traces recorded with ``start_trace(gpu_clock=True)``; None for others): per op,
+    when the GPU had run the work queued on the op's stream before it, on the trace's clock, in microseconds (NaN
+    where unknown). A replay runs the program's GPU work on it (Note [A replay on the recorded GPU clock] in
+    :mod:`gpumem.sim.gpu_work`)."""
 
     __hash__ = None  # type: ignore[assignment]  # mutable container of arrays
 
@@ -240,6 +245,19 @@ class Trace:
         if not all(isinstance(e, PlanEvent) for e in plans):
             raise InvalidArgumentError("Trace.plan_events must hold PlanEvent objects")
         self.plan_events = plans
+        if self.gpu_times_us is not None:
+            given = np.asarray(self.gpu_times_us) if not isinstance(self.gpu_times_us, (bool, str, bytes)) else None
+            if given is None or given.dtype != np.float64 or given.shape != (n,):
+                raise InvalidArgumentError(
+                    f"Trace.gpu_times_us must be one float64 per op ({n}; microseconds on the trace's clock need "
+                    "float64's 53 bits), got "
+                    + (f"{given.dtype} of shape {given.shape}" if given is not None
+                       else f"a {type(self.gpu_times_us).__name__}"))
+            clock = given
+            if np.isinf(clock).any():
+                raise InvalidArgumentError(f"Trace.gpu_times_us: op {int(np.flatnonzero(np.isinf(clock))[0])} has an "
+                                           "infinite time (NaN is for unknown)")
+            self.gpu_times_us = clock
         self.validate()
         self.stream_uses, self.stream_waits = _float_times(self.stream_uses), _float_times(self.stream_waits)
         self.plan_events = _float_times(self.plan_events)
@@ -462,6 +480,9 @@ class Trace:
             and self.stream_uses == other.stream_uses
             and self.stream_waits == other.stream_waits
             and self.plan_events == other.plan_events
+            and (self.gpu_times_us is None) == (other.gpu_times_us is None)
+            and (self.gpu_times_us is None
+                 or np.array_equal(self.gpu_times_us, other.gpu_times_us, equal_nan=True))   # type: ignore[arg-type]
         )
 
     def __repr__(self) -> str:
@@ -547,6 +568,7 @@ class Trace:
             stream_uses=uses,
             stream_waits=waits,
             plan_events=plans,
+            gpu_times_us=None if self.gpu_times_us is None else self.gpu_times_us[start:stop][keep],
         )
 
     def head(self, n_ops: int) -> Trace:
@@ -559,6 +581,7 @@ class Trace:
             name, self.source, self.kinds, self.alloc_ids, self.nbytes, self.streams, self.times_us, self.addrs,
             n_unmatched_frees=self.n_unmatched_frees, n_failed_allocs=self.n_failed_allocs,
             stream_uses=self.stream_uses, stream_waits=self.stream_waits, plan_events=self.plan_events,
+            gpu_times_us=self.gpu_times_us,
         )
 
 

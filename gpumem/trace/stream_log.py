@@ -606,7 +606,8 @@ def merge_stream_uses(trace: Trace, rs: RecordStreamLog, *, device: int | None =
     out = Trace(trace.name, trace.source, trace.kinds, trace.alloc_ids, trace.nbytes, trace.streams, trace.times_us,
                 trace.addrs, n_unmatched_frees=trace.n_unmatched_frees, n_failed_allocs=trace.n_failed_allocs,
                 stream_uses=uses, stream_waits=tuple(m[2] for m in waits),
-                plan_events=trace.plan_events)   # the ops are the trace's: its plan events stay where they were
+                plan_events=trace.plan_events,   # the ops are the trace's: its plan events stay where they were
+                gpu_times_us=trace.gpu_times_us)
     report = MergeReport(len(uses), n_by_count, len(uses) - n_by_count, n_own,
                          tuple(sorted({u.stream for u in uses})), len(waits), n_waits_by_count,
                          n_skipped=len(skipped), n_count_disagreed=n_disagreed)

@@ -77,8 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                         "python -m sim.extend_decode, and a 4,500-token trace takes minutes to write)")
     p.add_argument("--gpu-clock", action="store_true",
                    help="with --record, also record when the GPU ran each op's queued work (start_trace(gpu_clock="
-                        "True)) and save it beside the trace as RECORD.gpu-clock.npy.gz, for gpumem replay RECORD "
-                        "--gpu-clock RECORD.gpu-clock.npy.gz")
+                        "True)): the trace then carries its GPU clock, and gpumem replay runs the program's GPU "
+                        "work on it")
     return p
 
 
@@ -90,7 +90,7 @@ def _arguments_problem(args: argparse.Namespace) -> str:
         return (f"--prompt {args.prompt:,} + --new-tokens {args.new_tokens:,} is more than the model's "
                 f"{MAX_POSITIONS:,} positions (max_position_embeddings)")
     if args.gpu_clock and args.record is None:
-        return "--gpu-clock needs --record (the clock is saved beside the trace)"
+        return "--gpu-clock needs --record (the clock is saved in the trace)"
     if args.record is not None:
         if args.allocator != "gpumem":
             return ("--record needs --allocator gpumem (PyTorch's allocator: hil.probes.workloads records its memory "
@@ -219,12 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         gt.stop_trace()
         save_trace(gt.recorded_trace(0, name=f"7B {args.attention} decode of {args.new_tokens} tokens on gpumem.torch"),
                    args.record)
-        print(f"[{label}] trace saved to {args.record}", flush=True)
-        if args.gpu_clock:
-            from gpumem.trace.gpu_clock import gpu_clock_path, save_gpu_clock
-
-            clock_path = save_gpu_clock(gt.recorded_gpu_clock(0), gpu_clock_path(args.record))
-            print(f"[{label}] GPU clock saved to {clock_path}", flush=True)
+        print(f"[{label}] trace saved to {args.record}" + (" (with its GPU clock)" if args.gpu_clock else ""),
+              flush=True)
     _write_json(args, lines)
     return 0
 

@@ -557,8 +557,8 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
     [Step plans] in gpumem/allocator/plan.py), automatic marks off; ``step_marks``: under gpumem,
     ``configure(step_marks=...)`` marks them with no call in the loop (``"optimizer"``: every optimizer step;
     Note [Automatic step marks] in gpumem/torch.py), ``"off"`` turns those off, None leaves gpumem.torch's
-    default; ``gpu_clock``: under gpumem, the trace's GPU clock too (``start_trace(gpu_clock=True)``), saved beside
-    the trace as ``TRACE.gpu-clock.npy.gz`` (Note [The trace's GPU clock] in gpumem/_native/torch_api.cpp)."""
+    default; ``gpu_clock``: under gpumem, the trace's GPU clock too (``start_trace(gpu_clock=True)``, saved in the
+    trace; Note [The trace's GPU clock] in gpumem/_native/torch_api.cpp)."""
     if allocator == "gpumem":
         import gpumem.torch as gt
 
@@ -628,10 +628,7 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
             from gpumem.trace import save_trace
 
             save_trace(gt.recorded_trace(0, name=f"{workload} on gpumem.torch"), trace_path)
-            if gpu_clock:
-                from gpumem.trace.gpu_clock import gpu_clock_path, save_gpu_clock
-
-                record["gpu_clock_file"] = save_gpu_clock(gt.recorded_gpu_clock(0), gpu_clock_path(trace_path)).name
+            record["gpu_clock"] = gpu_clock
     else:
         st = torch.cuda.memory_stats(0)
         record.update(peak_allocated_bytes=int(st["allocated_bytes.all.peak"]),
@@ -1203,8 +1200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="record no trace, memory history or record_stream log: the allocators run as a program "
                            "runs them (step time); such runs cannot be predicted")
     live.add_argument("--gpumem-gpu-clock", action="store_true",
-                      help="under gpumem, record the trace's GPU clock too (TRACE.gpu-clock.npy.gz beside each trace), "
-                           "for replays under --gpu-timing gpu-clock; needs the trace (not --no-record)")
+                      help="under gpumem, record the trace's GPU clock too (start_trace(gpu_clock=True): each trace "
+                           "carries it, and its replays run on it); needs the trace (not --no-record)")
     live.add_argument("--timeout", type=float, default=120.0, help="seconds per run (default: %(default)s)")
     live.add_argument("--tag", default="", help="the record's name is workloads-TAG.json (default workloads.json)")
     live.add_argument("--out", type=Path, required=True,
@@ -1278,6 +1275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--rounds above 1 needs --no-record (each round's traces would replace the last one's)")
         if args.gpumem_gpu_clock and args.no_record:
             parser.error("--gpumem-gpu-clock needs the trace: not with --no-record")
+        if args.gpumem_gpu_clock and "gpumem" not in allocators:
+            parser.error("--gpumem-gpu-clock is for gpumem's runs: name gpumem in --allocators")
         path = run_live(names, allocators, args.steps, args.warmup, args.out, args.gpumem_policy, args.timeout,
                         args.tag, args.gpumem_plan_steps, args.gpumem_step_marks, args.rounds, not args.no_record,
                         args.gpumem_gpu_clock)

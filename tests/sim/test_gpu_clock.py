@@ -1,10 +1,11 @@
 """Replays on the recording's GPU clock (``gpu_timing="gpu-clock"``; Note [A replay on the recorded GPU clock] in
-gpumem/sim/gpu_work.py) and the pieces that read the clock (``gpumem.torch.gpu_clock_of_ops``, ``gpumem replay
---gpu-clock``, the probes' ``--gpu-clock``). Recording the clock on a GPU: tests/pytorch/torch_child.py
-``trace_gpu_clock``."""
+gpumem/sim/gpu_work.py), the clock in a trace (``Trace.gpu_times_us``, ``.gmt`` version 5) and the pieces that
+read it (``gpumem.torch.gpu_clock_of_ops``, ``gpumem replay``, the probes' ``--gpu-clock``). Recording the clock
+on a GPU: tests/pytorch/torch_child.py ``trace_gpu_clock``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,10 +16,10 @@ from hypothesis import strategies as st
 
 from gpumem.allocator import CachingAllocator
 from gpumem.errors import InvalidArgumentError, TraceFormatError
-from gpumem.replay import program_gpu, replay, replay_trace
+from gpumem.replay import default_gpu_timing, program_gpu, replay, replay_trace
 from gpumem.sim import SimDevice, get_profile
 from gpumem.sim.gpu_work import ProgramGpu
-from gpumem.trace import Trace, load_trace
+from gpumem.trace import Trace, load_trace, save_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACES = ROOT / "data" / "traces"
@@ -30,11 +31,15 @@ def gpt2() -> Trace:
     return load_trace(GPT2)
 
 
+def _clocked(trace: Trace, clock) -> Trace:
+    return dataclasses.replace(trace, gpu_times_us=np.asarray(clock, dtype=np.float64))
+
+
 def test_a_gpu_never_behind_replays_as_an_idle_one(gpt2):
     """A clock equal to the CPU's: the work queued after each op ends when the CPU reaches the next, so every
     fence is complete when the allocator looks: the figures of ``idle``, to the byte and the call."""
     idle = replay_trace(gpt2, "sim:h200-141gb", "gpumem", progress=False, gpu_timing="idle")
-    clock = replay_trace(gpt2, "sim:h200-141gb", "gpumem", progress=False, gpu_clock_us=gpt2.times_us.copy())
+    clock = replay_trace(_clocked(gpt2, gpt2.times_us), "sim:h200-141gb", "gpumem", progress=False)
     assert clock.extra["gpu_timing"] == "gpu-clock"
     assert (clock.peak_reserved_bytes, clock.stats.device_calls) == (idle.peak_reserved_bytes, idle.stats.device_calls)
 
@@ -43,11 +48,11 @@ def test_a_gpu_never_behind_replays_as_an_idle_one(gpt2):
 def test_a_gpu_behind_keeps_fences_pending_and_the_sanitizer_sees_no_hazard(gpt2, engine):
     """The clock 20 ms behind the CPU at every op: the work is queued (touching the blocks it made), fences are
     pending when the allocator looks, and no unmap meets queued work (the sanitizer raises if one does)."""
-    lagging = gpt2.times_us + 20_000.0
+    lagging = _clocked(gpt2, gpt2.times_us + 20_000.0)
     with SimDevice(get_profile("h200-141gb"), sanitizer="raise") as dev:
         alloc = CachingAllocator(dev, "gpumem", engine=engine)
         try:
-            r = replay(gpt2, alloc, progress=False, gpu_clock_us=lagging)
+            r = replay(lagging, alloc, progress=False)
         finally:
             alloc.close()
     idle = replay_trace(gpt2, "sim:h200-141gb", "gpumem", progress=False, gpu_timing="idle", engine=engine)
@@ -77,8 +82,9 @@ def test_the_gpu_runs_as_far_behind_as_the_recording_says(gaps, lags):
     n = trace.n_ops
     times = trace.times_us
     clock = np.maximum.accumulate(times + np.asarray(lags[:n]))
+    trace = _clocked(trace, clock)
     with SimDevice(get_profile("h200-141gb")) as dev:
-        gpu = ProgramGpu(trace, dev, "gpu-clock", gpu_clock_us=clock)
+        gpu = ProgramGpu(trace, dev, "gpu-clock")
         for i in range(n):
             gpu.before(i)
             arrived = dev.now_s
@@ -94,8 +100,9 @@ def test_the_gpu_runs_as_far_behind_as_the_recording_says(gaps, lags):
 def test_the_cpu_keeps_the_recorded_pace():
     """Between two ops the replay's CPU spends the recorded time (the simulated launch in it, not on top)."""
     trace = _one_stream([50.0, 120.0, 80.0])
+    trace = _clocked(trace, trace.times_us + 30.0)
     with SimDevice(get_profile("h200-141gb")) as dev:
-        gpu = ProgramGpu(trace, dev, "gpu-clock", gpu_clock_us=trace.times_us + 30.0)
+        gpu = ProgramGpu(trace, dev, "gpu-clock")
         arrivals = []
         for i in range(trace.n_ops):
             gpu.before(i)
@@ -105,40 +112,43 @@ def test_the_cpu_keeps_the_recorded_pace():
     np.testing.assert_allclose(np.diff(arrivals), np.diff(trace.times_us) * 1e-6, atol=1e-9)
 
 
-def test_bad_clocks_are_refused_and_nothing_changes(gpt2):
+def test_bad_clocks_are_refused_and_nothing_changes(caplog):
     trace = _one_stream([10.0, 10.0])
     good = trace.times_us.copy()
+    for bad, match in ((good[:-1], r"one float64 per op \(4"), (np.ones((2, 2)), r"one float64 per op"),
+                       (good.astype(np.float32), "float32"), ("1234", "one float64 per op"),
+                       (np.array([0.0, np.inf, 1.0, 2.0]), "op 1 has an infinite time"), (True, "one float64 per op")):
+        with pytest.raises(InvalidArgumentError, match=match):
+            dataclasses.replace(trace, gpu_times_us=bad)
     with SimDevice(get_profile("h200-141gb")) as dev:
         before = dev.now_s
-        for bad, match in ((good[:-1], "3 values for a trace of 4"), (np.array([0.0, np.nan, 1.0, 2.0]), "no time for 1"),
-                           (np.ones((2, 2)), "values for a trace of 4")):
-            with pytest.raises(InvalidArgumentError, match=match):
-                replay_trace(trace, dev, progress=False, gpu_clock_us=bad)
-        with pytest.raises(InvalidArgumentError, match="needs the recording's GPU clock"):
+        partial = _clocked(trace, [0.0, np.nan, 20.0, 30.0])
+        with pytest.raises(InvalidArgumentError, match="no time for 1 of its 4 operations"):
+            replay_trace(partial, dev, progress=False, gpu_timing="gpu-clock")
+        with pytest.raises(InvalidArgumentError, match="has no GPU clock"):
             ProgramGpu(trace, dev, "gpu-clock")
-        with pytest.raises(InvalidArgumentError, match="for that timing only"):
-            replay_trace(trace, dev, progress=False, gpu_timing="trace", gpu_clock_us=good)
-        with pytest.raises(InvalidArgumentError, match="not 'idle'|other than 'idle'"):
-            program_gpu(trace, dev, "idle", gpu_clock_us=good)
         flat = Trace.from_ops("flat", "gpumem", [(0, 0, 64, 0, 5.0, 0), (1, 0, 64, 0, 5.0, 0)])
-        with pytest.raises(InvalidArgumentError, match="the trace's own clock"):
-            replay_trace(flat, dev, progress=False, gpu_clock_us=np.array([5.0, 5.0]))
+        with pytest.raises(InvalidArgumentError, match="no clock of its own"):
+            replay_trace(_clocked(flat, [5.0, 5.0]), dev, progress=False, gpu_timing="gpu-clock")
         two = Trace.from_ops("two", "gpumem", [(0, 0, 64, 0, 1.0, 0), (0, 1, 64, 7, 2.0, 0), (1, 0, 64, 0, 3.0, 0)])
+        two = _clocked(two, [1.0, 2.0, 3.0])
         with pytest.raises(InvalidArgumentError, match="uses 2 streams"):
-            replay_trace(two, dev, progress=False, gpu_clock_us=np.array([1.0, 2.0, 3.0]))
-        with pytest.raises(InvalidArgumentError, match="not both"):
-            alloc = CachingAllocator(dev, "gpumem")
-            try:
-                replay(trace, alloc, gpu=ProgramGpu(trace, dev, "trace"), gpu_clock_us=good)
-            finally:
-                alloc.close()
+            replay_trace(two, dev, progress=False, gpu_timing="gpu-clock")
         assert dev.now_s == before and dev.streams.n_busy_streams == 0
+        # by default such traces replay under 'trace', and say why
+        for t in (partial, two):
+            with caplog.at_level("WARNING", logger="gpumem.replay"):
+                assert default_gpu_timing(t).value == "trace"
+            assert "replaying under 'trace' timing" in caplog.text
+        assert default_gpu_timing(trace).value == "trace" and default_gpu_timing(_clocked(trace, good)).value == "gpu-clock"
+        assert program_gpu(_clocked(trace, good), dev, "idle") is None   # the clock can be left unused
 
 
 def test_gpu_clock_of_ops_follows_the_ops_the_trace_keeps():
     """The native buffer holds stream uses, waits, plan events and frees of blocks allocated before tracing
     began; only the events that become ops get a clock, in op order."""
-    from gpumem.torch import gpu_clock_of_ops, trace_from_words
+    from gpumem.torch import _gpu_clock_of_ops as gpu_clock_of_ops
+    from gpumem.torch import trace_from_words
     from gpumem.trace.builder import PLAN_CODE, USE_CODE, WAIT_CODE
 
     a, b = 0x1000, 0x2000
@@ -157,39 +167,57 @@ def test_gpu_clock_of_ops_follows_the_ops_the_trace_keeps():
     assert trace.n_ops == 4 and clock.shape == (4,)
     np.testing.assert_array_equal(clock[[0, 1, 3]], [2.0, 3.0, 5.0])
     assert np.isnan(clock[2])   # -1: no stamp
-    with pytest.raises(TraceFormatError, match="7 GPU clock values for 8 events"):
-        gpu_clock_of_ops(flat, ns[:-1])
+    for bad_words, bad_ns, match in ((flat, ns[:-1], "expected 8 int64 GPU clock values"),
+                                     (flat, ns.astype(float), "expected 8 int64"),
+                                     (flat[:-1], ns, "not a whole number of 5-word events"),
+                                     (np.asarray([[0, a, 8, 0, 1], [0, a, 8, 0, 2]], dtype=np.uint64).ravel(),
+                                      np.asarray([1, 2]), "alloc at")):
+        with pytest.raises(TraceFormatError, match=match):
+            gpu_clock_of_ops(bad_words, bad_ns)
 
 
-def test_cli_replays_on_a_clock_file(tmp_path, capsys, gpt2):
+def test_the_clock_travels_in_gmt_version_5(tmp_path, gpt2):
+    from gpumem.trace.gmt import read_gmt_trace
+
+    clocked = _clocked(gpt2, gpt2.times_us + np.where(np.arange(gpt2.n_ops) % 7 == 0, np.nan, 1234.5))
+    path = tmp_path / "run.gmt.gz"
+    save_trace(clocked, path)
+    back = read_gmt_trace(path)
+    assert back == clocked and back.gpu_times_us is not None
+    assert back != gpt2   # the clock is part of a trace's equality
+    np.testing.assert_array_equal(back.slice(10, 20).gpu_times_us, clocked.gpu_times_us[10:20])
+    assert back.renamed("x").gpu_times_us is back.gpu_times_us
+    plain = tmp_path / "plain.gmt"
+    save_trace(gpt2, plain)
+    assert json.loads(plain.read_text().splitlines()[0])["version"] == 1   # no clock: the old version, as before
+    text = tmp_path / "v5.gmt"
+    save_trace(_clocked(gpt2.head(4), gpt2.head(4).times_us + 1.0), text)
+    lines = text.read_text().splitlines()
+    assert json.loads(lines[0])["version"] == 5 and json.loads(lines[0])["gpu_clock"] is True
+    for k, (mutate, match) in enumerate((
+            (lambda ls: [ls[0].replace('"gpu_clock": true', '"gpu_clock": false')] + ls[1:], "must say \"gpu_clock\": true"),
+            (lambda ls: [ls[0]] + [" ".join(ls[1].split()[:-1])] + ls[2:], "a version 5 file"),
+            (lambda ls: [ls[0]] + [" ".join(ls[1].split()[:-1]) + " inf"] + ls[2:], "is infinite"),
+            (lambda ls: [ls[0]] + [ls[1] + " 7"] + ls[2:], "a version 5 file"),
+            (lambda ls: [ls[0].replace('"version": 5', '"version": 4')] + ls[1:], "version 3 file|expected"))):
+        bad = tmp_path / f"bad{k}.gmt"
+        bad.write_text("\n".join(mutate(list(lines))) + "\n")
+        with pytest.raises(TraceFormatError, match=match):
+            read_gmt_trace(bad)
+
+
+def test_cli_replays_a_trace_on_its_clock(tmp_path, capsys, gpt2):
     from gpumem.cli import main
-    from gpumem.trace import save_trace
-    from gpumem.trace.gpu_clock import gpu_clock_path, load_gpu_clock, save_gpu_clock
 
     path = tmp_path / "run.gmt.gz"
-    save_trace(gpt2, path)
-    clock = save_gpu_clock(gpt2.times_us + 1_000.0, gpu_clock_path(path))
-    assert clock.name == "run.gmt.gz.gpu-clock.npy.gz"
-    np.testing.assert_array_equal(load_gpu_clock(clock), gpt2.times_us + 1_000.0)
-    assert main(["replay", str(path), "--gpu-clock", str(clock), "--json"]) == 0
+    save_trace(_clocked(gpt2, gpt2.times_us + 1_000.0), path)
+    assert main(["replay", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["gpu_timing"] == "gpu-clock" and out["gpu_launches"] > 0
-    save_gpu_clock(gpt2.times_us[:10], tmp_path / "short.npy")
-    (tmp_path / "junk.npy").write_bytes(b"not numpy")
-    np.save(tmp_path / "ints.npy", np.arange(gpt2.n_ops))
-    np.save(tmp_path / "objects.npy", np.array([1.0, None], dtype=object), allow_pickle=True)
-    np.save(tmp_path / "square.npy", np.ones((3, 3)))
-    (tmp_path / "cut.npy").write_bytes((tmp_path / "short.npy").read_bytes()[:-8])
-    for bad, match in (("short.npy", "10 values for a trace of"), ("junk.npy", "not a NumPy .npy file"),
-                       ("ints.npy", "one float per op"), ("missing.npy", "no GPU clock file"),
-                       ("objects.npy", "one float per op"), ("square.npy", "one float per op"),
-                       ("cut.npy", "the file ends after 72 of 80 bytes")):
-        assert main(["replay", str(path), "--gpu-clock", str(tmp_path / bad)]) != 0, bad
-        assert match in capsys.readouterr().err, bad
-    assert main(["replay", str(path), "--gpu-clock", str(clock), "--gpu-timing", "trace"]) != 0
-    assert "for that timing only" in capsys.readouterr().err
-    with pytest.raises(InvalidArgumentError, match="one float per op"):
-        save_gpu_clock(np.arange(3), tmp_path / "x.npy")
+    assert main(["replay", str(path), "--json", "--gpu-timing", "trace"]) == 0
+    assert json.loads(capsys.readouterr().out)["gpu_timing"] == "trace"
+    assert main(["replay", str(GPT2), "--gpu-timing", "gpu-clock"]) != 0
+    assert "has no GPU clock" in capsys.readouterr().err
 
 
 def test_probes_refuse_a_clock_without_a_trace(capsys):

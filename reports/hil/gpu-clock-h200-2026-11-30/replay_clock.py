@@ -1,6 +1,7 @@
 """The simulator's figures of ``reports/hil/gpu-clock-h200-2026-11-30.md``: each trace recorded live with its GPU
-clock (gpumem.torch, default policy, H200), replayed on ``sim:h200-141gb`` under ``gpu-clock`` (single-stream
-traces), ``trace`` and ``idle`` timing, beside the live figures of its run::
+clock (gpumem.torch, default policy, H200; the clock in the trace, ``.gmt`` version 5), replayed on
+``sim:h200-141gb`` under ``gpu-clock`` (single-stream traces: the default for them), ``trace`` and ``idle``
+timing, beside the live figures of its run::
 
     PYTHONPATH=. python reports/hil/gpu-clock-h200-2026-11-30/replay_clock.py
 
@@ -17,7 +18,6 @@ import numpy as np
 
 from gpumem.replay import replay_trace
 from gpumem.trace import load_trace
-from gpumem.trace.gpu_clock import gpu_clock_path, load_gpu_clock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -40,14 +40,13 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for name, path, live, calls in rows():
         trace = load_trace(path, progress=False)
-        clock = load_gpu_clock(gpu_clock_path(path))
-        lag_ms = (clock - trace.times_us) / 1e3
+        lag_ms = (trace.gpu_times_us - trace.times_us) / 1e3
         cells = []
-        for kw in (dict(gpu_clock_us=clock), dict(gpu_timing="trace"), dict(gpu_timing="idle")):
-            if "gpu_clock_us" in kw and len(set(trace.streams.tolist())) > 1:
+        for timing in ("gpu-clock", "trace", "idle"):
+            if timing == "gpu-clock" and len(set(trace.streams.tolist())) > 1:
                 cells.append("refused (4 streams)")
                 continue
-            r = replay_trace(trace, "sim:h200-141gb", "gpumem", progress=False, engine="native", **kw)
+            r = replay_trace(trace, "sim:h200-141gb", "gpumem", progress=False, engine="native", gpu_timing=timing)
             cells.append(f"{r.overhead:.2%} ({r.stats.device_calls:,})")
         print(f"| {name} | {live:.2%} ({calls:,}) | " + " | ".join(cells)
               + f" | {np.median(lag_ms):.2f} / {np.percentile(lag_ms, 99):.1f} ms |")

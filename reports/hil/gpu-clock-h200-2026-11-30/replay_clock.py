@@ -24,9 +24,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def rows() -> list[tuple[str, str, float, int]]:
     """(workload, trace path, live overhead, live device calls) of every recorded run."""
-    end = json.load(open(os.path.join(HERE, "two-requests-b16.json")))["lines"][-1]
-    out = [("batch-16 server, two requests", os.path.join(HERE, "two-requests-b16.gmt.gz"),
-            end["peak_res"] / end["peak_alloc"] - 1, end["dev"])]
+    out = []
+    for label, stem in (("batch-16 server, two requests", "two-requests-b16"),
+                        ("check: batch-16 server, again", "check-b16"), ("check: batch-8 server", "check-b8"),
+                        ("check: eager attention, batch 4", "check-eager-b4")):
+        end = json.load(open(os.path.join(HERE, stem + ".json")))["lines"][-1]
+        out.append((label, os.path.join(HERE, stem + ".gmt.gz"), end["peak_res"] / end["peak_alloc"] - 1, end["dev"]))
     for r in json.load(open(os.path.join(HERE, "workloads-clock.json")))["runs"]:
         path = os.path.join(HERE, r["trace_file"])
         if os.path.exists(path):   # llama_generate's trace (9.7 MB) is not shipped

@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -146,9 +147,15 @@ def default_gpu_timing(trace: Trace) -> GpuTiming:
         return DEFAULT_GPU_TIMING
     why = gpu_clock_problem(trace)
     if why:
-        log.warning("%s: %s; replaying under %r timing", trace.name, why, DEFAULT_GPU_TIMING.value)
+        # warnings, not logging: shown once per message, where a report replays the trace dozens of times
+        warnings.warn(f"{why}; replaying under {DEFAULT_GPU_TIMING.value!r} timing", GpuClockUnusedWarning,
+                      stacklevel=3)
         return DEFAULT_GPU_TIMING
     return GpuTiming.GPU_CLOCK
+
+
+class GpuClockUnusedWarning(UserWarning):
+    """A trace carries its GPU clock but cannot be replayed on it (:func:`default_gpu_timing`)."""
 
 
 class StreamUsePlan:

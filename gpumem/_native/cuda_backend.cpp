@@ -111,6 +111,7 @@ struct CudaDriver {
     CUresult (*cuEventSynchronize)(CUevent) = nullptr;
     CUresult (*cuEventDestroy)(CUevent) = nullptr;
     CUresult (*cuEventElapsedTime)(float*, CUevent, CUevent) = nullptr;
+    CUresult (*cuStreamIsCapturing)(CUstream, int*) = nullptr;   // CUstreamCaptureStatus: 0 none, 1 active, 2 invalidated
     CUresult (*cuStreamSynchronize)(CUstream) = nullptr;
 
     std::string error_name(CUresult r) const {
@@ -197,6 +198,7 @@ struct LoadedDriver {
         load(lib, d.cuEventDestroy, "cuEventDestroy_v2", missing);
         std::string optional;   // only the trace's GPU clock needs it (a stand-in driver may lack it)
         load(lib, d.cuEventElapsedTime, "cuEventElapsedTime", optional);
+        load(lib, d.cuStreamIsCapturing, "cuStreamIsCapturing", optional);
         load(lib, d.cuStreamSynchronize, "cuStreamSynchronize", missing);
         if (!missing.empty()) {
             error = "the CUDA driver lacks " + missing + " (gpumem needs a driver for CUDA 10.2 or later)";
@@ -473,6 +475,15 @@ double CudaBackend::timing_elapsed_ms(EventHandle start, EventHandle end) {
                                        reinterpret_cast<CUevent>(static_cast<std::uintptr_t>(end))),
                "cuEventElapsedTime");
     return static_cast<double>(ms);
+}
+
+bool CudaBackend::stream_capturing(StreamHandle stream) {
+    if (drv_.cuStreamIsCapturing == nullptr) return false;   // a driver without graphs captures nothing
+    ContextScope scope(*this);
+    int status = 0;
+    drv_.check(drv_.cuStreamIsCapturing(reinterpret_cast<CUstream>(static_cast<std::uintptr_t>(stream)), &status),
+               "cuStreamIsCapturing");
+    return status != 0;
 }
 
 void CudaBackend::timing_event_destroy(EventHandle event) {

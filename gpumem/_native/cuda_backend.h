@@ -86,6 +86,8 @@ class CudaBackend final : public Backend {
     double timing_elapsed_ms(EventHandle start, EventHandle end);
     // Destroys a timing event (not pooled: the pool's events are recorded without timing).
     void timing_event_destroy(EventHandle event);
+    // Whether `stream` is being captured into a CUDA graph (false where the driver cannot say).
+    bool stream_capturing(StreamHandle stream);
 
     static constexpr std::size_t kMaxPooledEvents = 4096;
 

@@ -230,6 +230,9 @@ std::int64_t gpu_stamp(DeviceEngine* d, std::uint64_t stream) noexcept {
     std::lock_guard<std::mutex> lock(c.mutex);
     if (c.stopped) return -1;
     try {
+        // an event recorded on a stream being captured into a CUDA graph goes into the graph, and querying or
+        // waiting for it would break the capture: such ops get no stamp (their GPU time unknown; attacker 32)
+        if (b.stream_capturing(stream)) return -1;
         if (c.ref == 0) {
             c.ref = b.timing_event_record(stream);
             b.event_synchronize(c.ref);
@@ -742,10 +745,20 @@ GPUMEM_EXPORT std::int64_t gpumem_torch_trace_gpu_read(int device, std::int64_t*
             std::fprintf(stderr, "gpumem: reading the trace's GPU clock failed on CUDA device %d: %s\n", device,
                          e.what());
         }
-        stamp_ns = c.stamp_ns;
+        try {
+            stamp_ns = c.stamp_ns;
+        } catch (const std::bad_alloc&) {   // never an exception through the C boundary
+            t_last_error = "gpumem: no memory to read the trace's GPU clock";
+            return -1;
+        }
         generation = c.generation;
     }
-    return recording().recorder.trace_read_gpu(device, stamp_ns, generation, out, n);
+    try {
+        return recording().recorder.trace_read_gpu(device, stamp_ns, generation, out, n);
+    } catch (const std::exception& e) {
+        t_last_error = std::string("gpumem: reading the trace's GPU clock failed: ") + e.what();
+        return -1;
+    }
 }
 
 // Copies up to `n` events of `device`'s trace into `out` (5 words each: kind, address, bytes,

@@ -281,7 +281,8 @@ def register(sub: Any, formatter_class: Any) -> None:
                         "(from the bytes each kernel touches), 'idle' (no GPU work, every fence done at once), "
                         "'gpu-clock' (as the recording's GPU ran it: a gpumem.torch trace recorded with "
                         "start_trace(gpu_clock=True), one stream). Default on a simulated device: gpu-clock for a "
-                        f"trace that has its GPU clock, else {DEFAULT_GPU_TIMING.value}; idle on a real one")
+                        f"one-stream trace that has its whole GPU clock, else {DEFAULT_GPU_TIMING.value} (with a "
+                        "warning where a clock is left unused); idle on a real one")
     p.add_argument("--stream-uses", metavar="LOG", default=None,
                    help="a record_stream log written beside a PyTorch snapshot (gpumem.trace.stream_log; the "
                         "workloads probe writes NAME.default.record_stream.jsonl.gz): each logged "

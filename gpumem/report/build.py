@@ -173,7 +173,7 @@ def summary_row(run: PolicyRun, smallest: int | None) -> dict[str, Any]:
 
 SUMMARY_FIELDS = ("trace", "n_ops", "completed_ops", "peak_live_bytes", "peak_reserved_bytes", "overhead", "ooms",
                   "oom_op", "ns_per_op", "sim_time_s", "device_calls", "cache_hits", "cache_misses",
-                  "external_fragmentation_at_end", "engine", "trace_peak_live_bytes")
+                  "external_fragmentation_at_end", "engine", "gpu_timing", "trace_peak_live_bytes")
 """The fields of a summary row taken from :meth:`gpumem.replay.ReplayResult.as_json` (equal to a plain replay's,
 ``ns_per_op`` excepted: it is measured)."""
 

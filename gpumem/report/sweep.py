@@ -139,6 +139,9 @@ class SweepRow:
     cache_misses: int | None = None
     sim_time_s: float | None = None
     engine: str | None = None
+    gpu_timing: str | None = None
+    """How the program's GPU work ran beside the replay (the default differs per trace: ``gpu-clock`` for one
+    that carries its GPU clock)."""
     error: str | None = None
     """``ErrorType: message`` for ``status == "error"``; the out-of-memory message for ``oom``."""
     wall_s: float | None = None
@@ -346,8 +349,8 @@ def run_case(case: SweepCase) -> SweepRow:
         external_fragmentation_at_end=result.stats.external_fragmentation,
         device_calls=result.stats.device_calls, cache_hits=result.stats.cache_hits,
         cache_misses=result.stats.cache_misses, sim_time_s=result.sim_time_s,
-        engine=str(result.extra.get("engine", "")), error=result.oom_message, wall_s=result.wall_s,
-        ns_per_op=result.ns_per_op,
+        engine=str(result.extra.get("engine", "")), gpu_timing=result.extra.get("gpu_timing"),
+        error=result.oom_message, wall_s=result.wall_s, ns_per_op=result.ns_per_op,
     )
 
 

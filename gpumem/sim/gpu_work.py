@@ -216,21 +216,26 @@ def gpu_clock_problem(trace: "Trace") -> str:
     import numpy as np
 
     clock = trace.gpu_times_us
+    name = trace.name
     if clock is None:
-        return (f"{trace.name} has no GPU clock (record it with gpumem.torch.start_trace(gpu_clock=True), or "
-                "replay under 'trace')")
+        return (f"{name} has no GPU clock (record it with gpumem.torch.start_trace(gpu_clock=True), or replay "
+                "under 'trace')")
     n = trace.n_ops
     unknown = int(np.count_nonzero(np.isnan(clock)))
     if unknown:
-        return (f"the GPU clock of {trace.name} has no time for {unknown} of its {n} operations (recorded partly "
-                "without the clock, or it stopped)")
+        return (f"{name}: its GPU clock has no time for {unknown} of its {n} operations (recorded partly without "
+                "the clock, or it stopped)")
     times = trace.times_us
     if n > 1 and (not np.isfinite(times).all() or float(times.min()) == float(times.max())):
-        return f"{trace.name} has no clock of its own (times_us) to pace the CPU by"
+        return f"{name} has no clock of its own (times_us) to pace the CPU by"
+    with np.errstate(over="ignore", invalid="ignore"):
+        spans = np.concatenate((np.diff(times), clock - times))
+    if not np.isfinite(spans).all():
+        return f"{name}: its clocks are too far apart for a float (a gap or a lag is not finite)"
     streams = set(trace.streams.tolist()) | {u.stream for u in trace.stream_uses}
     if len(streams) > 1:
-        return (f"the GPU clock times each stream only at its own operations, and {trace.name} uses {len(streams)} "
-                "streams: a fence one stream records on another cannot be placed")
+        return (f"{name}: the GPU clock times each stream only at its own operations, and it uses {len(streams)} "
+                "streams, so a fence one stream records on another cannot be placed")
     return ""
 
 
@@ -405,7 +410,7 @@ class ProgramGpu(_LaunchQueue):
         """Let the queued work run out; what the GPU did, for :attr:`ReplayResult.extra`."""
         lag_s = self.device.streams.pending_s
         self._wait_all()
-        timing = (self.timing.value if self.clock or self.timing is GpuTiming.MODEL
+        timing = (self.timing.value if self.clock or self.timing in (GpuTiming.MODEL, GpuTiming.GPU_CLOCK)
                   else "model (the trace has no clock)")
         out = {"gpu_timing": timing, "gpu_launches": self.n_launches,
                "gpu_queue_full_waits": self.n_blocked, "gpu_syncs": self.n_syncs, "gpu_pending_at_end_s": lag_s}

@@ -205,6 +205,9 @@ def _parse_header(line: str, where: str, limits: TraceLimits = DEFAULT_LIMITS) -
         )
     if header["version"] >= 5 and header.get("gpu_clock") is not True:
         raise TraceFormatError(where, "line 1: a version 5 header must say \"gpu_clock\": true")
+    if header["version"] < 5 and "gpu_clock" in header:
+        raise TraceFormatError(where, f"line 1: \"gpu_clock\" is a version 5 field, in a version {header['version']} "
+                                      "header")
     for key in _HEADER_INTS + (("n_stream_uses",) if header["version"] >= 2 else ()) \
             + (("n_stream_waits",) if header["version"] >= 3 else ()) \
             + (("n_plan_events",) if header["version"] >= 4 else ()):
@@ -235,9 +238,9 @@ def _int(text: str, what: str, lo: int, hi: int, base: int = 10) -> int:
     return value
 
 
-def _time(text: str) -> float:
+def _time(text: str, what: str = "time_us") -> float:
     if not _FLOAT.fullmatch(text):  # float() takes "١٢" and "1_0"
-        raise ValueError(f"time_us {shorten(text)} is not a number")
+        raise ValueError(f"{what} {shorten(text)} is not a number")
     return float(text)
 
 
@@ -324,7 +327,7 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                                         else " (a version 3 file)" if with_waits else "")
                                      + f", got {shorten(line.strip())}")
                 if with_clock and tag in ("a", "f"):
-                    g = _time(p[-1])
+                    g = _time(p[-1], "gpu_time_us")
                     if g in (float("inf"), float("-inf")):
                         raise ValueError(f"gpu_time_us {shorten(p[-1])} is infinite (nan is for unknown)")
                 if tag in ("u", "w", "p"):   # a placed event, kept as an object: it counts against the limits

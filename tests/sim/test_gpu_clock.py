@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from gpumem.allocator import CachingAllocator
 from gpumem.errors import InvalidArgumentError, TraceFormatError
-from gpumem.replay import default_gpu_timing, program_gpu, replay, replay_trace
+from gpumem.replay import GpuClockUnusedWarning, default_gpu_timing, program_gpu, replay, replay_trace
 from gpumem.sim import SimDevice, get_profile
 from gpumem.sim.gpu_work import ProgramGpu
 from gpumem.trace import Trace, load_trace, save_trace
@@ -112,7 +112,7 @@ def test_the_cpu_keeps_the_recorded_pace():
     np.testing.assert_allclose(np.diff(arrivals), np.diff(trace.times_us) * 1e-6, atol=1e-9)
 
 
-def test_bad_clocks_are_refused_and_nothing_changes(caplog):
+def test_bad_clocks_are_refused_and_nothing_changes():
     trace = _one_stream([10.0, 10.0])
     good = trace.times_us.copy()
     for bad, match in ((good[:-1], r"one float64 per op \(4"), (np.ones((2, 2)), r"one float64 per op"),
@@ -134,12 +134,15 @@ def test_bad_clocks_are_refused_and_nothing_changes(caplog):
         two = _clocked(two, [1.0, 2.0, 3.0])
         with pytest.raises(InvalidArgumentError, match="uses 2 streams"):
             replay_trace(two, dev, progress=False, gpu_timing="gpu-clock")
+        huge = Trace.from_ops("huge", "gpumem", [(0, 0, 64, 0, -1.7e308, 0), (0, 1, 64, 0, 1.7e308, 0),
+                                                  (1, 0, 64, 0, 1.7e308, 0), (1, 1, 64, 0, 1.7e308, 0)])
+        with pytest.raises(InvalidArgumentError, match="too far apart for a float"):   # attacker 32, F2
+            replay_trace(_clocked(huge, [0.0] * 4), dev, progress=False, gpu_timing="gpu-clock")
         assert dev.now_s == before and dev.streams.n_busy_streams == 0
-        # by default such traces replay under 'trace', and say why
+        # by default such traces replay under 'trace', and say why (a warning, shown once per message)
         for t in (partial, two):
-            with caplog.at_level("WARNING", logger="gpumem.replay"):
+            with pytest.warns(GpuClockUnusedWarning, match="replaying under 'trace' timing"):
                 assert default_gpu_timing(t).value == "trace"
-            assert "replaying under 'trace' timing" in caplog.text
         assert default_gpu_timing(trace).value == "trace" and default_gpu_timing(_clocked(trace, good)).value == "gpu-clock"
         assert program_gpu(_clocked(trace, good), dev, "idle") is None   # the clock can be left unused
 
@@ -199,7 +202,11 @@ def test_the_clock_travels_in_gmt_version_5(tmp_path, gpt2):
             (lambda ls: [ls[0]] + [" ".join(ls[1].split()[:-1])] + ls[2:], "a version 5 file"),
             (lambda ls: [ls[0]] + [" ".join(ls[1].split()[:-1]) + " inf"] + ls[2:], "is infinite"),
             (lambda ls: [ls[0]] + [ls[1] + " 7"] + ls[2:], "a version 5 file"),
-            (lambda ls: [ls[0].replace('"version": 5', '"version": 4')] + ls[1:], "version 3 file|expected"))):
+            (lambda ls: [ls[0]] + [" ".join(ls[1].split()[:-1]) + " 0x5"] + ls[2:], "gpu_time_us '0x5' is not"),
+            (lambda ls: [ls[0].replace('"version": 5', '"version": 4')] + [" ".join(x.split()[:-1]) for x in ls[1:]],
+             "a version 5 field, in a version 4 header"),
+            (lambda ls: [ls[0].replace('"version": 5', '"version": 4').replace(', "gpu_clock": true', '')] + ls[1:],
+             "version 3 file|expected"))):
         bad = tmp_path / f"bad{k}.gmt"
         bad.write_text("\n".join(mutate(list(lines))) + "\n")
         with pytest.raises(TraceFormatError, match=match):
@@ -218,6 +225,17 @@ def test_cli_replays_a_trace_on_its_clock(tmp_path, capsys, gpt2):
     assert json.loads(capsys.readouterr().out)["gpu_timing"] == "trace"
     assert main(["replay", str(GPT2), "--gpu-timing", "gpu-clock"]) != 0
     assert "has no GPU clock" in capsys.readouterr().err
+    out_dir = tmp_path / "sweep"
+    assert main(["sweep", str(path), str(GPT2), "--device", "sim:h200-141gb", "--policy", "gpumem", "--out",
+                 str(out_dir), "--no-plots", "--jobs", "1"]) == 0
+    rows = json.loads((out_dir / "sweep.json").read_text())["rows"]
+    assert sorted(r["gpu_timing"] for r in rows) == ["gpu-clock", "trace"]   # each row says which ran
+
+
+def test_one_op_on_its_clock_says_gpu_clock():
+    one = _clocked(Trace.from_ops("one", "gpumem", [(0, 0, 64, 0, 5.0, 0)]), [5.0])
+    r = replay_trace(one, "sim:h200-141gb", "gpumem", progress=False)
+    assert r.extra["gpu_timing"] == "gpu-clock"
 
 
 def test_probes_refuse_a_clock_without_a_trace(capsys):

@@ -144,24 +144,16 @@ class Recorder {
     // the trace holds for that device.
     std::int64_t trace_read(int device, std::uint64_t* out, std::int64_t n) {
         std::lock_guard<std::mutex> lock(mutex_);
-        const std::size_t end = trace_.on ? events_.size() : trace_.stop;
-        std::int64_t have = 0;
-        for (std::size_t i = trace_.start; i < end; ++i) {
-            const Event& e = events_[i];
-            if (e.device != device || e.action == kOutOfMemory) continue;
-            if (out != nullptr && have < n) {
-                const std::uint64_t nbytes = static_cast<std::int64_t>(e.nbytes) < 0 ? 0 : e.nbytes;
-                const std::uint64_t kind = e.action == kStreamUse    ? kTraceUseKind
-                                           : e.action == kStreamWait ? kTraceWaitKind
-                                           : e.action == kPlanEvent  ? kTracePlanKind
-                                                                     : static_cast<std::uint64_t>(e.action);
-                const std::uint64_t words[kTraceWords] = {kind, e.addr, nbytes, e.stream,
-                                                          static_cast<std::uint64_t>(e.t_ns - trace_.t0_ns)};
-                std::memcpy(out + static_cast<std::size_t>(have) * kTraceWords, words, sizeof words);
-            }
-            ++have;
-        }
-        return have;
+        return each_trace_event(device, out != nullptr ? n : 0, [&](const Event& e, std::int64_t k) {
+            const std::uint64_t nbytes = static_cast<std::int64_t>(e.nbytes) < 0 ? 0 : e.nbytes;
+            const std::uint64_t kind = e.action == kStreamUse    ? kTraceUseKind
+                                       : e.action == kStreamWait ? kTraceWaitKind
+                                       : e.action == kPlanEvent  ? kTracePlanKind
+                                                                 : static_cast<std::uint64_t>(e.action);
+            const std::uint64_t words[kTraceWords] = {kind, e.addr, nbytes, e.stream,
+                                                      static_cast<std::uint64_t>(e.t_ns - trace_.t0_ns)};
+            std::memcpy(out + static_cast<std::size_t>(k) * kTraceWords, words, sizeof words);
+        });
     }
 
     // For each of `device`'s trace events (those trace_read copies, in its order), up to `n` into `out`: the
@@ -171,21 +163,13 @@ class Recorder {
     std::int64_t trace_read_gpu(int device, const std::vector<std::int64_t>& stamp_ns, std::uint32_t generation,
                                 std::int64_t* out, std::int64_t n) {
         std::lock_guard<std::mutex> lock(mutex_);
-        const std::size_t end = trace_.on ? events_.size() : trace_.stop;
-        std::int64_t have = 0;
-        for (std::size_t i = trace_.start; i < end; ++i) {
-            const Event& e = events_[i];
-            if (e.device != device || e.action == kOutOfMemory) continue;
-            if (out != nullptr && have < n) {
-                const std::uint64_t stamp = static_cast<std::uint64_t>(e.gpu_stamp);
-                const std::size_t index = static_cast<std::size_t>(stamp & 0xffffffffu);
-                const bool known = e.gpu_stamp >= 0 && (stamp >> 32) == generation && index < stamp_ns.size() &&
-                                   stamp_ns[index] >= 0;
-                out[have] = known ? stamp_ns[index] - trace_.t0_ns : -1;
-            }
-            ++have;
-        }
-        return have;
+        return each_trace_event(device, out != nullptr ? n : 0, [&](const Event& e, std::int64_t k) {
+            const std::uint64_t stamp = static_cast<std::uint64_t>(e.gpu_stamp);
+            const std::size_t index = static_cast<std::size_t>(stamp & 0xffffffffu);
+            const bool known = e.gpu_stamp >= 0 && (stamp >> 32) == generation && index < stamp_ns.size() &&
+                               stamp_ns[index] >= 0;
+            out[k] = known ? stamp_ns[index] - trace_.t0_ns : -1;
+        });
     }
 
   private:
@@ -204,6 +188,21 @@ class Recorder {
         std::size_t stop = 0;    // the trace's end once turned off
         std::int64_t t0_ns = 0;
     };
+
+    // Calls fn(event, k) for the first `n` of `device`'s trace events (the k-th of them), in order; returns how
+    // many the trace holds for that device (under mutex_). Out-of-memory events are the history's only.
+    template <typename Fn>
+    std::int64_t each_trace_event(int device, std::int64_t n, Fn&& fn) {
+        const std::size_t end = trace_.on ? events_.size() : trace_.stop;
+        std::int64_t have = 0;
+        for (std::size_t i = trace_.start; i < end; ++i) {
+            const Event& e = events_[i];
+            if (e.device != device || e.action == kOutOfMemory) continue;
+            if (have < n) fn(e, have);
+            ++have;
+        }
+        return have;
+    }
 
     // Drops the events before the first one a window still reads (under mutex_).
     void compact() {

@@ -20,6 +20,7 @@ from gpumem.replay import GpuClockUnusedWarning, default_gpu_timing, program_gpu
 from gpumem.sim import SimDevice, get_profile
 from gpumem.sim.gpu_work import ProgramGpu
 from gpumem.trace import Trace, load_trace, save_trace
+from test_gpu_timing import _tiny_trace   # one stream: an allocation and its free per gap
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACES = ROOT / "data" / "traces"
@@ -61,16 +62,6 @@ def test_a_gpu_behind_keeps_fences_pending_and_the_sanitizer_sees_no_hazard(gpt2
     assert r.peak_reserved_bytes > idle.peak_reserved_bytes and r.stats.device_calls < idle.stats.device_calls
 
 
-def _one_stream(gaps_us: list[float]) -> Trace:
-    ops, t = [], 0.0
-    for i, gap in enumerate(gaps_us):
-        ops.append((0, i, 4 << 20, 0, t, 0))
-        t += gap
-        ops.append((1, i, 4 << 20, 0, t, 0))
-        t += gap
-    return Trace.from_ops("tiny", "gpumem", ops)
-
-
 @settings(max_examples=30, deadline=None)
 @given(gaps=st.lists(st.floats(min_value=10.0, max_value=500.0), min_size=2, max_size=12),
        lags=st.lists(st.floats(min_value=0.0, max_value=5_000.0), min_size=24, max_size=24))
@@ -78,7 +69,7 @@ def test_the_gpu_runs_as_far_behind_as_the_recording_says(gaps, lags):
     """At each op the work queued before it is done as long after the CPU gets there as the recording says (the
     lag of its clock): an event recorded there completes then. A stream's clock never runs backwards (made so
     here), so every such lag can be reached."""
-    trace = _one_stream(gaps)
+    trace = _tiny_trace(gaps)
     n = trace.n_ops
     times = trace.times_us
     clock = np.maximum.accumulate(times + np.asarray(lags[:n]))
@@ -99,7 +90,7 @@ def test_the_gpu_runs_as_far_behind_as_the_recording_says(gaps, lags):
 
 def test_the_cpu_keeps_the_recorded_pace():
     """Between two ops the replay's CPU spends the recorded time (the simulated launch in it, not on top)."""
-    trace = _one_stream([50.0, 120.0, 80.0])
+    trace = _tiny_trace([50.0, 120.0, 80.0])
     trace = _clocked(trace, trace.times_us + 30.0)
     with SimDevice(get_profile("h200-141gb")) as dev:
         gpu = ProgramGpu(trace, dev, "gpu-clock")
@@ -113,7 +104,7 @@ def test_the_cpu_keeps_the_recorded_pace():
 
 
 def test_bad_clocks_are_refused_and_nothing_changes():
-    trace = _one_stream([10.0, 10.0])
+    trace = _tiny_trace([10.0, 10.0])
     good = trace.times_us.copy()
     for bad, match in ((good[:-1], r"one float64 per op \(4"), (np.ones((2, 2)), r"one float64 per op"),
                        (good.astype(np.float32), "float32"), ("1234", "one float64 per op"),

@@ -142,7 +142,7 @@ def program_gpu(trace: Trace, device: Device, gpu_timing: "str | GpuTiming | Non
 def default_gpu_timing(trace: Trace) -> GpuTiming:
     """The GPU timing a replay of ``trace`` on a simulated device takes when none is named: ``gpu-clock`` where
     the trace has its GPU clock and can be replayed on it (Note [A replay on the recorded GPU clock]), else the
-    default (``trace``; why not the clock is logged)."""
+    default (``trace``; a :class:`GpuClockUnusedWarning` says why a clock the trace has is left unused)."""
     if trace.gpu_times_us is None:
         return DEFAULT_GPU_TIMING
     why = gpu_clock_problem(trace)

@@ -83,9 +83,9 @@ were bit for bit, and ``idle`` ignores waits (no GPU work to order). What the wo
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections import deque
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 

@@ -862,10 +862,11 @@ def live_vs_predicted(record: dict, trace_dir: Path, sim: str = "sim:h200-141gb"
 
 def render_table(rows: Sequence[LivePredictedRow], sim: str) -> str:
     """A Markdown table of :func:`live_vs_predicted`'s rows, with the issue's target per gpumem row."""
-    from gpumem.sim.gpu_work import DEFAULT_GPU_TIMING
+    from gpumem.sim.gpu_work import DEFAULT_GPU_TIMING, GpuTiming
 
     timing = next((r.gpu_timing for r in rows if r.gpu_timing), None) or \
-        f"{DEFAULT_GPU_TIMING.value} (the replay's default)"
+        (f"the replay's default ({GpuTiming.GPU_CLOCK.value} for a one-stream trace that carries its GPU clock, "
+         f"else {DEFAULT_GPU_TIMING.value})")
     lines = [f"Replayed on `{sim}`, GPU timing: {timing}. Overhead = peak reserved / peak allocated - 1; "
              "difference = predicted - live, percentage points. Target (issue 18): gpumem rows within 1 pp "
              "(goal 0.2).", "",

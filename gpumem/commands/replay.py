@@ -258,6 +258,7 @@ def register(sub: Any, formatter_class: Any) -> None:
                     "A gpumem.torch trace (.gmt version 4) also holds where the program marked its steps and\n"
                     "began the memory-first warm-up: the gpumem policy makes the same calls there, so the replay\n"
                     "predicts the run's step plan; the models of other allocators ignore them (docs/replay.md).\n"
+                    "One recorded with its GPU clock (.gmt version 5) replays as its GPU ran (--gpu-timing).\n"
                     "An allocation that does not fit stops the replay; one report on stderr says what failed,\n"
                     "what the trace needs at its peak and which simulated profiles have room for it.",
         epilog=_exit_codes_text(EXIT_CODES),

@@ -984,13 +984,15 @@ def stop_trace() -> None:
 _TRACE_WORDS = 5
 
 
-def trace_from_words(words: Any, name: str = "gpumem.torch") -> Any:
+def trace_from_words(words: Any, name: str = "gpumem.torch", gpu_ns: Any = None) -> Any:
     """A :class:`~gpumem.trace.Trace` from the native trace buffer's words (5 per event: kind, address,
     bytes, stream, nanoseconds since tracing began; kind 2 is a :func:`record_stream`, kept as a
     :class:`~gpumem.trace.StreamUse`, kind 3 a :func:`trace_wait_stream`, kept as a
     :class:`~gpumem.trace.StreamWait`, the awaited stream in the address word; kind 4 a step mark or a
     warm-up begun or stopped, kept as a :class:`~gpumem.trace.PlanEvent`, its kind in the bytes word). Frees
-    and stream uses of blocks allocated before tracing began are skipped (logged)."""
+    and stream uses of blocks allocated before tracing began are skipped (logged). ``gpu_ns`` (int64, one per
+    event: the native GPU clock, nanoseconds on the trace's clock, negative where unknown): the trace's
+    :attr:`~gpumem.trace.Trace.gpu_times_us` (NaN where unknown)."""
     import numpy as np
 
     from .errors import InvalidArgumentError, TraceFormatError
@@ -1003,6 +1005,13 @@ def trace_from_words(words: Any, name: str = "gpumem.torch") -> Any:
     if arr.ndim != 1 or arr.size % _TRACE_WORDS:
         raise TraceFormatError(f"<{name}>", f"{arr.size} words is not a whole number of {_TRACE_WORDS}-word events")
     ev = arr.reshape(-1, _TRACE_WORDS)
+    gpu_us = None
+    if gpu_ns is not None:
+        ns = np.asarray(gpu_ns)
+        if ns.shape != (len(ev),) or ns.dtype != np.int64:
+            raise TraceFormatError(f"<{name}>", f"expected {len(ev)} int64 GPU clock values, one per event, got "
+                                                f"{ns.dtype} of shape {ns.shape}")
+        gpu_us = np.where(ns < 0, np.nan, ns / 1e3)
     if ev.size and int(ev[:, 0].max()) > PLAN_CODE:
         raise TraceFormatError(f"<{name}>", f"event kind {int(ev[:, 0].max())} is not 0 (alloc), 1 (free), "
                                             f"{USE_CODE} (stream use), {WAIT_CODE} (stream wait) or {PLAN_CODE} "
@@ -1010,7 +1019,8 @@ def trace_from_words(words: Any, name: str = "gpumem.torch") -> Any:
     try:
         return build_trace(name, "recorded", ev[:, 0].astype(np.int8), ev[:, 1].astype(np.int64),
                            ev[:, 2].astype(np.int64), ev[:, 3].astype(np.int64), ev[:, 4].astype(np.float64) / 1e3,
-                           origin=f"<{name}>", use_code=USE_CODE, wait_code=WAIT_CODE, plan_code=PLAN_CODE)
+                           origin=f"<{name}>", use_code=USE_CODE, wait_code=WAIT_CODE, plan_code=PLAN_CODE,
+                           gpu_times_us=gpu_us)
     except AddressReuseError as e:
         raise TraceFormatError(f"<{name}>", str(e), entry=e.index) from None
     except InvalidArgumentError as e:   # a plan event of an unknown kind
@@ -1027,14 +1037,11 @@ def recorded_trace(device: "int | str | Any | None" = None, name: str | None = N
         GpumemError: gpumem has no engine on ``device`` (nothing was allocated there), or the trace changed while
             being read.
     """
-    import dataclasses
-
     import numpy as np
 
     _require_installed()
     index = _device_index(device)
     words = _trace_words(index)
-    trace = trace_from_words(words, name or f"gpumem.torch cuda:{index}")
     lib = _lib()
     n = len(words) // _TRACE_WORDS
     ns = np.full(n, -1, dtype=np.int64)
@@ -1043,9 +1050,8 @@ def recorded_trace(device: "int | str | Any | None" = None, name: str | None = N
         raise GpumemError(f"gpumem has no GPU clock on cuda:{index}: {_last_error(lib)}")
     if have != n:
         raise GpumemError(f"gpumem's trace on cuda:{index} changed while being read; call stop_trace() first")
-    if not (ns >= 0).any():
-        return trace   # recorded without the clock
-    return dataclasses.replace(trace, gpu_times_us=_gpu_clock_of_ops(words, ns))
+    # recorded without the clock: no clock in the trace
+    return trace_from_words(words, name or f"gpumem.torch cuda:{index}", ns if (ns >= 0).any() else None)
 
 
 def _trace_words(index: int) -> Any:
@@ -1063,34 +1069,6 @@ def _trace_words(index: int) -> Any:
         if have <= len(buf) // _TRACE_WORDS:
             return buf[:have * _TRACE_WORDS]
     raise GpumemError(f"gpumem's trace on cuda:{index} kept growing while being read; call stop_trace() first")
-
-
-def _gpu_clock_of_ops(words: Any, gpu_ns: Any) -> Any:
-    """The GPU clock of each op of the trace :func:`trace_from_words` makes of ``words`` (the native buffer, read
-    at once with ``gpu_ns``): ``gpu_ns`` (one per event, nanoseconds on the trace's clock, negative where unknown)
-    of the events that become ops, in microseconds (NaN where unknown). Raises TraceFormatError where the two do
-    not have one value per event or the events do not make a trace."""
-    import numpy as np
-
-    from .errors import TraceFormatError
-    from .trace.builder import PLAN_CODE, USE_CODE, WAIT_CODE, AddressReuseError, build_ops
-
-    flat = np.asarray(words, dtype=np.uint64)
-    ns = np.asarray(gpu_ns)
-    if flat.ndim != 1 or flat.size % _TRACE_WORDS:
-        raise TraceFormatError("<gpumem.torch>", f"{flat.size} words is not a whole number of {_TRACE_WORDS}-word events")
-    ev = flat.reshape(-1, _TRACE_WORDS)
-    if ns.shape != (len(ev),) or ns.dtype != np.int64:
-        raise TraceFormatError("<gpumem.torch>", f"expected {len(ev)} int64 GPU clock values, one per event, got "
-                                                 f"{ns.dtype} of shape {ns.shape}")
-    try:
-        kept, _, _ = build_ops(ev[:, 0].tolist(), ev[:, 1].tolist(), USE_CODE, [], WAIT_CODE, [], PLAN_CODE, [])
-    except AddressReuseError as e:
-        raise TraceFormatError("<gpumem.torch>", str(e), entry=e.index) from None
-    taken = ns[np.asarray(kept, dtype=np.int64)]
-    out = taken.astype(np.float64) / 1e3
-    out[taken < 0] = np.nan
-    return out
 
 
 @functools.cache

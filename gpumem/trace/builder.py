@@ -127,6 +127,7 @@ def build_trace(
     use_code: int | None = None,
     wait_code: int | None = None,
     plan_code: int | None = None,
+    gpu_times_us: Sequence[float] | np.ndarray | None = None,
 ) -> Trace:
     """Turn parallel address-keyed event columns into a :class:`Trace`.
 
@@ -138,7 +139,8 @@ def build_trace(
     ``n_unmatched_frees``). Events of ``wait_code`` (:data:`WAIT_CODE`) are stream waits
     (:attr:`Trace.stream_waits`): the event's stream waits for the stream in its ``addrs`` field. Events of
     ``plan_code`` (:data:`PLAN_CODE`) are step-plan events (:attr:`Trace.plan_events`), their
-    :class:`PlanEventKind` in ``sizes``; another kind raises :class:`InvalidArgumentError`.
+    :class:`PlanEventKind` in ``sizes``; another kind raises :class:`InvalidArgumentError`. ``gpu_times_us``
+    (one per event; NaN where unknown): the GPU clock of the events that become ops (:attr:`Trace.gpu_times_us`).
     """
     if use_code in (ALLOC_CODE, FREE_CODE):
         raise InvalidArgumentError(f"build_trace: use_code {use_code} is the code of an alloc or a free")
@@ -191,6 +193,7 @@ def build_trace(
         stream_uses=_stream_uses(raw_uses, streams, times_us),
         stream_waits=_stream_waits(raw_waits, addrs_list, streams, times_us),
         plan_events=_plan_events(raw_plans, sizes, times_us),
+        gpu_times_us=None if gpu_times_us is None else pick(gpu_times_us, np.float64),
     )
 
 

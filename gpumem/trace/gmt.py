@@ -52,6 +52,7 @@ without the clock field in version 5 (or with it before).
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from array import array
@@ -142,7 +143,7 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
         f.write(json.dumps(header) + "\n")
         lines: list[str] = []
         push = lines.append
-        gpu = [""] * trace.n_ops if clock is None else [f" {fmt_time(g)}" for g in clock.tolist()]
+        gpu = itertools.repeat("") if clock is None else [f" {fmt_time(g)}" for g in clock.tolist()]
         for i, (kind, aid, n, s, t, a, g) in enumerate(zip(trace.kinds.tolist(), trace.alloc_ids.tolist(),
                                                            trace.nbytes.tolist(), trace.streams.tolist(),
                                                            trace.times_us.tolist(), trace.addrs.tolist(), gpu)):

@@ -1,6 +1,6 @@
 """Replays on the recording's GPU clock (``gpu_timing="gpu-clock"``; Note [A replay on the recorded GPU clock] in
 gpumem/sim/gpu_work.py), the clock in a trace (``Trace.gpu_times_us``, ``.gmt`` version 5) and the pieces that
-read it (``gpumem.torch.gpu_clock_of_ops``, ``gpumem replay``, the probes' ``--gpu-clock``). Recording the clock
+read it (``gpumem.torch.trace_from_words``, ``gpumem replay``, the probes' ``--gpu-clock``). Recording the clock
 on a GPU: tests/pytorch/torch_child.py ``trace_gpu_clock``."""
 
 from __future__ import annotations
@@ -138,11 +138,13 @@ def test_bad_clocks_are_refused_and_nothing_changes():
         assert program_gpu(_clocked(trace, good), dev, "idle") is None   # the clock can be left unused
 
 
-def test_gpu_clock_of_ops_follows_the_ops_the_trace_keeps():
+def test_the_native_clock_follows_the_ops_the_trace_keeps():
     """The native buffer holds stream uses, waits, plan events and frees of blocks allocated before tracing
     began; only the events that become ops get a clock, in op order."""
-    from gpumem.torch import _gpu_clock_of_ops as gpu_clock_of_ops
     from gpumem.torch import trace_from_words
+
+    def gpu_clock_of_ops(words, ns):
+        return trace_from_words(words, gpu_ns=ns).gpu_times_us
     from gpumem.trace.builder import PLAN_CODE, USE_CODE, WAIT_CODE
 
     a, b = 0x1000, 0x2000
@@ -158,6 +160,7 @@ def test_gpu_clock_of_ops_follows_the_ops_the_trace_keeps():
     ns = np.asarray([1, 2_000, 2_500, 3_000, 3_500, 3_600, -1, 5_000], dtype=np.int64)
     trace = trace_from_words(flat)
     clock = gpu_clock_of_ops(flat, ns)
+    assert trace.gpu_times_us is None   # no clock given: none in the trace
     assert trace.n_ops == 4 and clock.shape == (4,)
     np.testing.assert_array_equal(clock[[0, 1, 3]], [2.0, 3.0, 5.0])
     assert np.isnan(clock[2])   # -1: no stamp

@@ -206,6 +206,8 @@ def _lib() -> ctypes.CDLL:
     lib.gpumem_torch_trace_gpu_clock.argtypes = [ctypes.c_int]
     lib.gpumem_torch_trace_gpu_read.restype = ctypes.c_int64
     lib.gpumem_torch_trace_gpu_read.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
+    lib.gpumem_torch_trace_reserved_read.restype = ctypes.c_int64
+    lib.gpumem_torch_trace_reserved_read.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
     lib.gpumem_torch_step_mark.restype = ctypes.c_int
     lib.gpumem_torch_step_mark.argtypes = [ctypes.c_int]
     lib.gpumem_torch_step_template.restype = ctypes.c_int64
@@ -984,7 +986,7 @@ def stop_trace() -> None:
 _TRACE_WORDS = 5
 
 
-def trace_from_words(words: Any, name: str = "gpumem.torch", gpu_ns: Any = None) -> Any:
+def trace_from_words(words: Any, name: str = "gpumem.torch", gpu_ns: Any = None, reserved: Any = None) -> Any:
     """A :class:`~gpumem.trace.Trace` from the native trace buffer's words (5 per event: kind, address,
     bytes, stream, nanoseconds since tracing began; kind 2 is a :func:`record_stream`, kept as a
     :class:`~gpumem.trace.StreamUse`, kind 3 a :func:`trace_wait_stream`, kept as a
@@ -992,7 +994,8 @@ def trace_from_words(words: Any, name: str = "gpumem.torch", gpu_ns: Any = None)
     warm-up begun or stopped, kept as a :class:`~gpumem.trace.PlanEvent`, its kind in the bytes word). Frees
     and stream uses of blocks allocated before tracing began are skipped (logged). ``gpu_ns`` (int64, one per
     event: the native GPU clock, nanoseconds on the trace's clock, negative where unknown): the trace's
-    :attr:`~gpumem.trace.Trace.gpu_times_us` (NaN where unknown)."""
+    :attr:`~gpumem.trace.Trace.gpu_times_us` (NaN where unknown). ``reserved`` (int64, one per event: the engine's
+    reserved bytes after it, -1 where not recorded): the trace's :attr:`~gpumem.trace.Trace.live_reserved_nbytes`."""
     import numpy as np
 
     from .errors import InvalidArgumentError, TraceFormatError
@@ -1012,6 +1015,12 @@ def trace_from_words(words: Any, name: str = "gpumem.torch", gpu_ns: Any = None)
             raise TraceFormatError(f"<{name}>", f"expected {len(ev)} int64 GPU clock values, one per event, got "
                                                 f"{ns.dtype} of shape {ns.shape}")
         gpu_us = np.where(ns < 0, np.nan, ns / 1e3)
+    if reserved is not None:
+        reserved = np.asarray(reserved)
+        if reserved.shape != (len(ev),) or reserved.dtype != np.int64:
+            raise TraceFormatError(f"<{name}>", f"expected {len(ev)} int64 reserves, one per event, got "
+                                                f"{reserved.dtype} of shape {reserved.shape}")
+        reserved = np.maximum(reserved, -1)   # any negative is "not recorded"
     if ev.size and int(ev[:, 0].max()) > PLAN_CODE:
         raise TraceFormatError(f"<{name}>", f"event kind {int(ev[:, 0].max())} is not 0 (alloc), 1 (free), "
                                             f"{USE_CODE} (stream use), {WAIT_CODE} (stream wait) or {PLAN_CODE} "
@@ -1020,7 +1029,7 @@ def trace_from_words(words: Any, name: str = "gpumem.torch", gpu_ns: Any = None)
         return build_trace(name, "recorded", ev[:, 0].astype(np.int8), ev[:, 1].astype(np.int64),
                            ev[:, 2].astype(np.int64), ev[:, 3].astype(np.int64), ev[:, 4].astype(np.float64) / 1e3,
                            origin=f"<{name}>", use_code=USE_CODE, wait_code=WAIT_CODE, plan_code=PLAN_CODE,
-                           gpu_times_us=gpu_us)
+                           gpu_times_us=gpu_us, live_reserved_nbytes=reserved)
     except AddressReuseError as e:
         raise TraceFormatError(f"<{name}>", str(e), entry=e.index) from None
     except InvalidArgumentError as e:   # a plan event of an unknown kind
@@ -1030,8 +1039,10 @@ def trace_from_words(words: Any, name: str = "gpumem.torch", gpu_ns: Any = None)
 def recorded_trace(device: "int | str | Any | None" = None, name: str | None = None) -> Any:
     """What :func:`start_trace` has recorded on ``device`` so far, as a :class:`~gpumem.trace.Trace`
     (save it with :func:`gpumem.trace.save_trace`), with its GPU clock where ``start_trace(gpu_clock=True)``
-    recorded one (:attr:`~gpumem.trace.Trace.gpu_times_us`; reading it waits for the GPU to get there). Call
-    :func:`stop_trace` first when other threads allocate.
+    recorded one (:attr:`~gpumem.trace.Trace.gpu_times_us`; reading it waits for the GPU to get there) and the
+    engine's reserved bytes after each allocation (:attr:`~gpumem.trace.Trace.live_reserved_nbytes`, which
+    :func:`gpumem.replay.compare_live` compares a replay with). Call :func:`stop_trace` first when other threads
+    allocate.
 
     Raises:
         GpumemError: gpumem has no engine on ``device`` (nothing was allocated there), or the trace changed while
@@ -1050,8 +1061,16 @@ def recorded_trace(device: "int | str | Any | None" = None, name: str | None = N
         raise GpumemError(f"gpumem has no GPU clock on cuda:{index}: {_last_error(lib)}")
     if have != n:
         raise GpumemError(f"gpumem's trace on cuda:{index} changed while being read; call stop_trace() first")
+    reserved = np.full(n, -1, dtype=np.int64)   # Note [The live engine's reserve]
+    have = int(lib.gpumem_torch_trace_reserved_read(index, reserved.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
+                                                    n))
+    if have < 0:
+        raise GpumemError(f"gpumem has no engine on cuda:{index}: {_last_error(lib)}")
+    if have != n:
+        raise GpumemError(f"gpumem's trace on cuda:{index} changed while being read; call stop_trace() first")
     # recorded without the clock: no clock in the trace
-    return trace_from_words(words, name or f"gpumem.torch cuda:{index}", ns if (ns >= 0).any() else None)
+    return trace_from_words(words, name or f"gpumem.torch cuda:{index}", ns if (ns >= 0).any() else None,
+                            reserved if (reserved >= 0).any() else None)
 
 
 def _trace_words(index: int) -> Any:

@@ -65,9 +65,10 @@ class Recorder {
     // Records one event at `t_ns` (steady clock). `nbytes` of a free is PyTorch's size as given (the
     // history keeps it as is, the trace reads a negative one as 0). Never throws: an event that cannot
     // be stored is counted as dropped by the history.
-    // `gpu_stamp`: the event's stamp of the trace's GPU clock (torch_api.cpp), -1 for none.
+    // `gpu_stamp`: the event's stamp of the trace's GPU clock (torch_api.cpp), -1 for none; `reserved`: the
+    // engine's reserved bytes once the op was made (Note [The live engine's reserve] in torch_api.cpp), -1 for none.
     void record(std::int32_t action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream,
-                std::int64_t t_ns, std::int64_t gpu_stamp = -1) noexcept {
+                std::int64_t t_ns, std::int64_t gpu_stamp = -1, std::int64_t reserved = -1) noexcept {
         std::lock_guard<std::mutex> lock(mutex_);
         const bool history_kind = !trace_only(action);
         const bool to_history = history_.on && history_kind && taken_ < max_entries_;
@@ -76,7 +77,8 @@ class Recorder {
         if (!to_history && !to_trace) return;
         if (t_ns < last_ns_) t_ns = last_ns_;
         try {
-            events_.push_back(Event{addr, nbytes, stream, t_ns, static_cast<std::int32_t>(device), action, gpu_stamp});
+            events_.push_back(
+                Event{addr, nbytes, stream, t_ns, static_cast<std::int32_t>(device), action, gpu_stamp, reserved});
         } catch (const std::bad_alloc&) {   // recording never fails an allocation: the event is dropped
             if (to_history) ++dropped_;
             return;
@@ -172,6 +174,15 @@ class Recorder {
         });
     }
 
+    // For each of `device`'s trace events (those trace_read copies, in its order), up to `n` into `out`: the
+    // engine's reserved bytes once the event's op was made, -1 where not recorded (frees, stream uses and waits,
+    // plan events). Returns how many the trace holds there.
+    std::int64_t trace_read_reserved(int device, std::int64_t* out, std::int64_t n) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        return each_trace_event(device, out != nullptr ? n : 0,
+                                [&](const Event& e, std::int64_t k) { out[k] = e.reserved; });
+    }
+
   private:
     struct Event {
         std::uint64_t addr;
@@ -181,6 +192,7 @@ class Recorder {
         std::int32_t device;
         std::int32_t action;
         std::int64_t gpu_stamp;   // the trace's GPU clock (torch_api.cpp), -1 for none
+        std::int64_t reserved;    // the engine's reserved bytes after the op (Note [The live engine's reserve]), -1
     };
     struct Window {
         bool on = false;

@@ -205,7 +205,7 @@ DeviceEngine* existing(int device) {
 }
 
 void record_event(std::int32_t action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream,
-                  std::int64_t gpu_stamp = -1);
+                  std::int64_t gpu_stamp = -1, std::int64_t reserved = -1);
 
 std::atomic<bool> g_gpu_clock_on{false};   // gpumem_torch_trace_gpu_clock: traced ops are stamped
 
@@ -412,9 +412,25 @@ Recording& recording() {
 
 // Records one event of the hooks (one relaxed load when neither the history nor the trace is on).
 void record_event(std::int32_t action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream,
-                  std::int64_t gpu_stamp) {
+                  std::int64_t gpu_stamp, std::int64_t reserved) {
     Recorder& r = recording().recorder;
-    if (r.on()) r.record(action, device, addr, nbytes, stream, now_ns(), gpu_stamp);
+    if (r.on()) r.record(action, device, addr, nbytes, stream, now_ns(), gpu_stamp, reserved);
+}
+
+// Note [The live engine's reserve]: a replay of a live trace says how much memory the engine would hold, and
+// where it differs from the live run's peak it cannot say where the two parted (the trace has the requests, not
+// the engine's answers). So each traced allocation also records the engine's reserved bytes once it is made
+// (Engine::reserved_nbytes, one more lock of the engine's while a recording is on): a replay compares its own
+// after each allocation (gpumem.replay.compare_live) and finds the first op where it grew or stole otherwise.
+// Frees are recorded before the engine frees the block (Note [Tracing PyTorch's calls]), so they carry none; a
+// free does not change the reserve (chunks are stolen or released at allocations and empty_cache()).
+std::int64_t reserve_after(DeviceEngine* d) noexcept {
+    if (!recording().recorder.on()) return -1;
+    try {
+        return static_cast<std::int64_t>(d->engine->reserved_nbytes());
+    } catch (...) {
+        return -1;
+    }
 }
 
 // Note [Two alloc functions: one for C, one for PyTorch]: a C++ exception must not leave a function
@@ -449,7 +465,9 @@ void* allocate_on(ssize_t size, int device, void* stream, AllocFailure* failure)
             std::uint64_t p = d->engine->try_allocate_fast(nbytes, s);
             if (p == 0) p = d->engine->allocate(nbytes, s);
             // Note [One recorder for the history and the trace]; Note [The trace's GPU clock]
-            record_event(Recorder::kAlloc, device, p, nbytes, s, recording().recorder.on() ? gpu_stamp(d, s) : -1);
+            const std::int64_t reserved = reserve_after(d);   // Note [The live engine's reserve]
+            record_event(Recorder::kAlloc, device, p, nbytes, s, recording().recorder.on() ? gpu_stamp(d, s) : -1,
+                         reserved);
             return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
         } catch (const EngineError& e) {
             if (e.kind == EngineErrorKind::kOutOfMemory) {
@@ -757,6 +775,22 @@ GPUMEM_EXPORT std::int64_t gpumem_torch_trace_gpu_read(int device, std::int64_t*
         return recording().recorder.trace_read_gpu(device, stamp_ns, generation, out, n);
     } catch (const std::exception& e) {
         t_last_error = std::string("gpumem: reading the trace's GPU clock failed: ") + e.what();
+        return -1;
+    }
+}
+
+// Copies up to `n` of `device`'s engine reserves into `out`, one per event gpumem_torch_trace_read copies, in its
+// order: the engine's reserved bytes once the event's allocation was made, -1 for events without one (Note [The
+// live engine's reserve]). Returns how many the trace holds there, -1 when gpumem has no engine there.
+GPUMEM_EXPORT std::int64_t gpumem_torch_trace_reserved_read(int device, std::int64_t* out, std::int64_t n) {
+    if (existing(device) == nullptr) {
+        t_last_error = "gpumem has no engine on CUDA device " + std::to_string(device);
+        return -1;
+    }
+    try {
+        return recording().recorder.trace_read_reserved(device, out, n);
+    } catch (const std::exception& e) {
+        t_last_error = std::string("gpumem: reading the trace's reserves failed: ") + e.what();
         return -1;
     }
 }

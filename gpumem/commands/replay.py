@@ -156,6 +156,7 @@ def _source_frames(args: argparse.Namespace, n_allocs: int) -> "list[Any] | None
 def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
     from ..allocator import make_allocator
     from ..replay import program_gpu, replay
+    from ..replay_compare import ReserveCapture, compare_reserves, comparison_json
     from ..specs import open_device
     from ..trace import save_pytorch_snapshot
 
@@ -175,6 +176,9 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
         trace = _load(args)
         if trace.n_ops == 0:
             raise _UsageError(f"the trace {args.trace} has no allocations or frees: nothing to replay")
+        if args.compare_live and trace.live_reserved_nbytes is None:
+            raise _UsageError(f"--compare-live: the trace {args.trace} has no live reserves (gpumem.torch traces "
+                              "have them since .gmt version 6): nothing to compare the replay with")
         allocator = make_allocator(device, args.policy, limit=limit, record_history=export is not None)
         if export is not None and getattr(allocator, "engine", None) == "python":
             from ..native import load_engine
@@ -184,6 +188,8 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
                       "engine does: this replay runs on it, several times slower per operation than the native "
                       "engine (see 'time' below)", file=sys.stderr)
         lost = False
+        capture = ReserveCapture(trace, allocator) if args.compare_live else None
+        comparison = None
         try:
             try:
                 gpu = program_gpu(trace, device, args.gpu_timing)
@@ -196,6 +202,9 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
                             "(Active) at its end (--gpu-timing trace or model honours them)", len(trace.stream_uses), len(trace.stream_waits))
             result = replay(trace, allocator, stop_on_oom=True, progress=None if not args.json else False,
                             gpu=gpu, gpu_timing=None if gpu is not None else (args.gpu_timing or "idle"))
+            if capture is not None:
+                capture.restore()
+                comparison = compare_reserves(trace, capture, result)
             summary = allocator.memory_summary() if args.summary else None
             history = allocator.history() if export is not None else None
             report = replay_oom_report(result, allocator, device) if result.oom_error is not None else None
@@ -214,9 +223,14 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
             data["oom_report"] = report  # the report printed on stderr, with the command line's option names
         if summary is not None:
             data["summary"] = summary  # --summary: the allocator's memory summary table, as text
+        if comparison is not None:
+            data["live_comparison"] = comparison_json(comparison)
         print(json.dumps(data, indent=2))
     else:
         _print_result(result, summary)
+        if comparison is not None:
+            for k, line in enumerate(comparison.lines()):
+                _row("live" if k == 0 else "", printable(line))
     sys.stdout.flush()
     code = EXIT_OK
     if report is not None:
@@ -290,6 +304,10 @@ def register(sub: Any, formatter_class: Any) -> None:
                         "Tensor.record_stream is made in the replay, so a block used on another stream waits "
                         "for that stream's work when freed, as in PyTorch's allocator; its logged "
                         "Stream.wait_stream calls order the streams' GPU work (not under --gpu-timing idle)")
+    p.add_argument("--compare-live", action="store_true",
+                   help="compare the replay's reserve with the live engine's after each allocation (a gpumem.torch "
+                        "trace records it, .gmt version 6) and say where they first differ: the op, its size, and "
+                        "how far behind the GPU ran there (with --json: the \"live_comparison\" key)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--summary", action="store_true", help="also print the allocator's memory summary table "
                                                           "(with --json: as the text of the \"summary\" key)")

@@ -128,6 +128,7 @@ def build_trace(
     wait_code: int | None = None,
     plan_code: int | None = None,
     gpu_times_us: Sequence[float] | np.ndarray | None = None,
+    live_reserved_nbytes: Sequence[int] | np.ndarray | None = None,
 ) -> Trace:
     """Turn parallel address-keyed event columns into a :class:`Trace`.
 
@@ -140,7 +141,9 @@ def build_trace(
     (:attr:`Trace.stream_waits`): the event's stream waits for the stream in its ``addrs`` field. Events of
     ``plan_code`` (:data:`PLAN_CODE`) are step-plan events (:attr:`Trace.plan_events`), their
     :class:`PlanEventKind` in ``sizes``; another kind raises :class:`InvalidArgumentError`. ``gpu_times_us``
-    (one per event; NaN where unknown): the GPU clock of the events that become ops (:attr:`Trace.gpu_times_us`).
+    (one per event; NaN where unknown): the GPU clock of the events that become ops (:attr:`Trace.gpu_times_us`);
+    ``live_reserved_nbytes`` (one per event; -1 where not recorded): the live engine's reserve after each
+    (:attr:`Trace.live_reserved_nbytes`).
     """
     if use_code in (ALLOC_CODE, FREE_CODE):
         raise InvalidArgumentError(f"build_trace: use_code {use_code} is the code of an alloc or a free")
@@ -194,6 +197,7 @@ def build_trace(
         stream_waits=_stream_waits(raw_waits, addrs_list, streams, times_us),
         plan_events=_plan_events(raw_plans, sizes, times_us),
         gpu_times_us=None if gpu_times_us is None else pick(gpu_times_us, np.float64),
+        live_reserved_nbytes=None if live_reserved_nbytes is None else pick(live_reserved_nbytes, np.int64),
     )
 
 

@@ -29,6 +29,10 @@ single spaces::
 * version 5: every ``a`` and ``f`` line ends with one more field, ``<gpu_time_us>``, the op's GPU clock
   (:attr:`~gpumem.trace.Trace.gpu_times_us`: when the GPU had run the work queued on its stream before it;
   ``nan`` where unknown), and the header has ``"gpu_clock": true``.
+* ``r <reserved_nbytes>`` (version 6): the live engine's reserved bytes after the op on the line before it
+  (:attr:`~gpumem.trace.Trace.live_reserved_nbytes`; at most one per op, none where not recorded); the header
+  has ``"n_reserves"`` (their count) and ``"gpu_clock"`` (true or false: whether op lines carry the clock
+  field).
 * ``n_ops`` in the header must match the number of op lines (this catches a
   truncated uncompressed file); ``name``, ``source`` and the counters restore the
   :class:`~gpumem.trace.Trace` fields, so ``read(write(t)) == t``.
@@ -43,11 +47,12 @@ object, counts :data:`STREAM_ENTRY_NBYTES`), an integer
 ids, addresses and streams in ``[0, 2**63)``), and a header ``time_unit`` of ``"us"`` (or none).
 Versions: 1 has ``a`` and ``f`` lines only; 2 adds ``u`` lines and the header's ``n_stream_uses`` (their
 count); 3 adds ``w`` lines and the header's ``n_stream_waits``; 4 adds ``p`` lines and the header's
-``n_plan_events``; 5 adds the GPU clock field. The writer writes the oldest version that holds the trace: 1
-when it has neither uses nor waits nor plan events nor a GPU clock (so such files are byte for byte what they
-were), 2 with uses only, 3 with waits, 4 with plan events, 5 with a GPU clock; the reader reads all five, and
-refuses ``u`` lines before version 2, ``w`` lines before version 3, ``p`` lines before version 4, and op lines
-without the clock field in version 5 (or with it before).
+``n_plan_events``; 5 adds the GPU clock field; 6 adds ``r`` lines and makes the clock field optional. The
+writer writes the oldest version that holds the trace: 1 when it has neither uses nor waits nor plan events nor
+a GPU clock nor live reserves (so such files are byte for byte what they were), 2 with uses only, 3 with waits,
+4 with plan events, 5 with a GPU clock, 6 with live reserves; the reader reads all six, and refuses ``u`` lines
+before version 2, ``w`` lines before version 3, ``p`` lines before version 4, ``r`` lines before version 6, and
+op lines whose clock field the header does not announce (or without it where it does).
 """
 
 from __future__ import annotations
@@ -90,8 +95,8 @@ def _op_cap(limits: TraceLimits, n_stream: int) -> tuple[int, str]:
 
 
 #: The newest version (plan events); a trace is written in the oldest version that holds it (module docstring).
-FORMAT_VERSION = 5
-FORMAT_VERSIONS = (1, 2, 3, 4, 5)
+FORMAT_VERSION = 6
+FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6)
 NATIVE_SUFFIXES = (".gmt", ".gmt.gz")
 _HEADER_INTS = ("n_ops", "n_allocs", "n_unmatched_frees", "n_failed_allocs")
 _INT64_MAX = 2**63 - 1
@@ -114,9 +119,13 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
     waits = trace.stream_waits
     plans = trace.plan_events
     clock = trace.gpu_times_us
+    reserves = trace.live_reserved_nbytes
+    if reserves is not None and not (reserves >= 0).any():
+        reserves = None   # nothing recorded: as a trace without them
     header: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": 5 if clock is not None else 4 if plans else 3 if waits else 2 if uses else 1,
+        "version": (6 if reserves is not None else 5 if clock is not None else 4 if plans else 3 if waits
+                    else 2 if uses else 1),
         "name": trace.name,
         "source": trace.source,
         "n_ops": trace.n_ops,
@@ -125,14 +134,16 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
         "n_failed_allocs": trace.n_failed_allocs,
         "time_unit": "us",
     }
-    if uses or waits or plans or clock is not None:
+    if header["version"] >= 2:
         header["n_stream_uses"] = len(uses)
-    if waits or plans or clock is not None:
+    if header["version"] >= 3:
         header["n_stream_waits"] = len(waits)
-    if plans or clock is not None:
+    if header["version"] >= 4:
         header["n_plan_events"] = len(plans)
-    if clock is not None:
-        header["gpu_clock"] = True
+    if header["version"] >= 5:
+        header["gpu_clock"] = clock is not None
+    if reserves is not None:
+        header["n_reserves"] = int(np.count_nonzero(reserves >= 0))
     use_at = [u.at_op for u in uses] + [-1]   # -1: no more uses
     wait_at = [w.at_op for w in waits] + [-1]
     plan_at = [e.at_op for e in plans] + [-1]
@@ -144,9 +155,11 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
         lines: list[str] = []
         push = lines.append
         gpu = itertools.repeat("") if clock is None else [f" {fmt_time(g)}" for g in clock.tolist()]
-        for i, (kind, aid, n, s, t, a, g) in enumerate(zip(trace.kinds.tolist(), trace.alloc_ids.tolist(),
-                                                           trace.nbytes.tolist(), trace.streams.tolist(),
-                                                           trace.times_us.tolist(), trace.addrs.tolist(), gpu)):
+        res = itertools.repeat(-1) if reserves is None else reserves.tolist()
+        for i, (kind, aid, n, s, t, a, g, r) in enumerate(zip(trace.kinds.tolist(), trace.alloc_ids.tolist(),
+                                                              trace.nbytes.tolist(), trace.streams.tolist(),
+                                                              trace.times_us.tolist(), trace.addrs.tolist(), gpu,
+                                                              res)):
             while use_at[k] == i:
                 u = uses[k]
                 push(f"u {u.alloc_id} {u.stream} {fmt_time(float(u.time_us))}\n")
@@ -163,6 +176,8 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
                 push(f"a {aid} {n} {s} {fmt_time(t)} {a:x}{g}\n")
             else:
                 push(f"f {aid} {s} {fmt_time(t)}{g}\n")
+            if r >= 0:
+                push(f"r {r}\n")
             if len(lines) >= 65536:
                 f.write("".join(lines))
                 lines.clear()
@@ -204,14 +219,20 @@ def _parse_header(line: str, where: str, limits: TraceLimits = DEFAULT_LIMITS) -
             where, f"line 1: unsupported {FORMAT_NAME} version {shorten(header.get('version'))} "
                    f"(this reader knows {', '.join(map(str, FORMAT_VERSIONS))})"
         )
-    if header["version"] >= 5 and header.get("gpu_clock") is not True:
+    if header["version"] == 5 and header.get("gpu_clock") is not True:
         raise TraceFormatError(where, "line 1: a version 5 header must say \"gpu_clock\": true")
+    if header["version"] >= 6 and type(header.get("gpu_clock")) is not bool:
+        raise TraceFormatError(where, "line 1: a version 6 header must say \"gpu_clock\": true or false")
+    if header["version"] < 6 and "n_reserves" in header:
+        raise TraceFormatError(where, f"line 1: \"n_reserves\" is a version 6 field, in a version "
+                                      f"{header['version']} header")
     if header["version"] < 5 and "gpu_clock" in header:
         raise TraceFormatError(where, f"line 1: \"gpu_clock\" is a version 5 field, in a version {header['version']} "
                                       "header")
     for key in _HEADER_INTS + (("n_stream_uses",) if header["version"] >= 2 else ()) \
             + (("n_stream_waits",) if header["version"] >= 3 else ()) \
-            + (("n_plan_events",) if header["version"] >= 4 else ()):
+            + (("n_plan_events",) if header["version"] >= 4 else ()) \
+            + (("n_reserves",) if header["version"] >= 6 else ()):
         value = header.get(key)
         if key not in header:
             raise TraceFormatError(where, f"line 1: header field {key!r} is missing")
@@ -261,6 +282,7 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
     streams = array("q")
     times = array("d")
     gpu_times = array("d")
+    reserves = array("q")   # by op, -1 where no r line
     addrs = array("q")
     alloc_nbytes = array("q")
     alloc_addrs = array("q")
@@ -275,8 +297,11 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
         with_uses = header["version"] >= 2
         with_waits = header["version"] >= 3
         with_plans = header["version"] >= 4
-        with_clock = header["version"] >= 5
+        with_clock = header["version"] == 5 or header.get("gpu_clock") is True
+        with_reserves = header["version"] >= 6
+        n_reserves = 0
         a_fields, f_fields = (7, 5) if with_clock else (6, 4)
+        last_tag = ""
         for lineno, line in lines:
             p = line.split()
             try:
@@ -313,12 +338,22 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                 elif tag == "p" and len(p) == 3 and with_plans:
                     kind = _int(p[1], "plan event kind", 0, max(PlanEventKind))
                     plans.append(PlanEvent(len(kinds), PlanEventKind(kind), _time(p[2])))
+                elif tag == "r" and len(p) == 2 and with_reserves:
+                    if not reserves or reserves[-1] != -1 or last_tag not in ("a", "f"):
+                        raise ValueError("a reserve ('r') must follow the op line it belongs to, one per op")
+                    reserves[-1] = _int(p[1], "reserved bytes", 0, _INT64_MAX)
+                    n_reserves += 1
+                    last_tag = tag
+                    continue
                 else:
-                    if with_clock:
-                        raise ValueError("expected 'a <id> <nbytes> <stream> <time_us> <addr> <gpu_time_us>', "
-                                         "'f <id> <stream> <time_us> <gpu_time_us>', 'u <id> <stream> <time_us>', "
-                                         "'w <stream> <waited> <time_us>' or 'p <kind> <time_us>' (a version 5 file), "
-                                         f"got {shorten(line.strip())}")
+                    if with_clock or with_reserves:
+                        a_form, f_form = (("a <id> <nbytes> <stream> <time_us> <addr> <gpu_time_us>",
+                                           "f <id> <stream> <time_us> <gpu_time_us>") if with_clock else
+                                          ("a <id> <nbytes> <stream> <time_us> <addr>", "f <id> <stream> <time_us>"))
+                        raise ValueError(f"expected '{a_form}', '{f_form}', 'u <id> <stream> <time_us>', "
+                                         "'w <stream> <waited> <time_us>', 'p <kind> <time_us>'"
+                                         + (" or 'r <reserved_nbytes>'" if with_reserves else "")
+                                         + f" (a version {header['version']} file), got {shorten(line.strip())}")
                     raise ValueError(f"expected 'a <id> <nbytes> <stream> <time_us> <addr>' or "
                                      f"'f <id> <stream> <time_us>'" + (" or 'u <id> <stream> <time_us>'" if with_uses
                                                                       else " (a version 1 file)")
@@ -331,6 +366,7 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                     g = _time(p[-1], "gpu_time_us")
                     if g in (float("inf"), float("-inf")):
                         raise ValueError(f"gpu_time_us {shorten(p[-1])} is infinite (nan is for unknown)")
+                last_tag = tag
                 if tag in ("u", "w", "p"):   # a placed event, kept as an object: it counts against the limits
                     max_ops, binding = _op_cap(limits, len(uses) + len(waits) + len(plans))
                     if len(kinds) > max_ops:   # the except below names the file and line
@@ -349,6 +385,8 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
             addrs.append(a)
             if with_clock:
                 gpu_times.append(g)
+            if with_reserves:
+                reserves.append(-1)
     if len(kinds) != header["n_ops"]:
         raise TraceFormatError(where, f"header says {header['n_ops']} ops, the file has {len(kinds)} (truncated?)")
     if len(alloc_nbytes) != header["n_allocs"]:
@@ -359,6 +397,8 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
         raise TraceFormatError(where, f"header says {header['n_stream_waits']} stream waits, the file has {len(waits)}")
     if with_plans and len(plans) != header["n_plan_events"]:
         raise TraceFormatError(where, f"header says {header['n_plan_events']} plan events, the file has {len(plans)}")
+    if with_reserves and n_reserves != header["n_reserves"]:
+        raise TraceFormatError(where, f"header says {header['n_reserves']} reserves, the file has {n_reserves}")
     try:
         return Trace(
             header["name"], header["source"],
@@ -367,6 +407,7 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
             n_unmatched_frees=header["n_unmatched_frees"], n_failed_allocs=header["n_failed_allocs"],
             stream_uses=tuple(uses), stream_waits=tuple(waits), plan_events=tuple(plans),
             gpu_times_us=np.array(gpu_times, dtype=np.float64) if with_clock else None,
+            live_reserved_nbytes=np.array(reserves, dtype=np.int64) if with_reserves else None,
         )
     except (InvalidArgumentError, OverflowError) as e:
         raise TraceFormatError(where, shorten(str(e), 200)[1:-1]) from None

@@ -216,6 +216,10 @@ class Trace:
     when the GPU had run the work queued on the op's stream before it, on the trace's clock, in microseconds (NaN
     where unknown). A replay runs the program's GPU work on it (Note [A replay on the recorded GPU clock] in
     :mod:`gpumem.sim.gpu_work`)."""
+    live_reserved_nbytes: np.ndarray | None = None
+    """The live engine's reserved bytes after each allocation (gpumem.torch traces; None for others): int64 per
+    op, -1 where not recorded (frees, and ops of older recorders). :func:`gpumem.replay.compare_live` compares a
+    replay's with it op by op (Note [The live engine's reserve] in ``gpumem/_native/torch_api.cpp``)."""
 
     __hash__ = None  # type: ignore[assignment]  # mutable container of arrays
 
@@ -258,6 +262,18 @@ class Trace:
                 raise InvalidArgumentError(f"Trace.gpu_times_us: op {int(np.flatnonzero(np.isinf(clock))[0])} has an "
                                            "infinite time (NaN is for unknown)")
             self.gpu_times_us = clock
+        if self.live_reserved_nbytes is not None:
+            got = (np.asarray(self.live_reserved_nbytes)
+                   if not isinstance(self.live_reserved_nbytes, (bool, str, bytes)) else None)
+            if got is None or got.dtype != np.int64 or got.shape != (n,):
+                raise InvalidArgumentError(
+                    f"Trace.live_reserved_nbytes must be one int64 per op ({n}; -1 where not recorded), got "
+                    + (f"{got.dtype} of shape {got.shape}" if got is not None
+                       else f"a {type(self.live_reserved_nbytes).__name__}"))
+            if n and int(got.min()) < -1:
+                raise InvalidArgumentError(f"Trace.live_reserved_nbytes: op {int(np.argmin(got))} has "
+                                           f"{int(got.min())} bytes (-1 is for not recorded)")
+            self.live_reserved_nbytes = got
         self.validate()
         self.stream_uses, self.stream_waits = _float_times(self.stream_uses), _float_times(self.stream_waits)
         self.plan_events = _float_times(self.plan_events)
@@ -483,6 +499,9 @@ class Trace:
             and (self.gpu_times_us is None) == (other.gpu_times_us is None)
             and (self.gpu_times_us is None
                  or np.array_equal(self.gpu_times_us, other.gpu_times_us, equal_nan=True))   # type: ignore[arg-type]
+            and (self.live_reserved_nbytes is None) == (other.live_reserved_nbytes is None)
+            and (self.live_reserved_nbytes is None
+                 or np.array_equal(self.live_reserved_nbytes, other.live_reserved_nbytes))   # type: ignore[arg-type]
         )
 
     def __repr__(self) -> str:
@@ -569,6 +588,8 @@ class Trace:
             stream_waits=waits,
             plan_events=plans,
             gpu_times_us=None if self.gpu_times_us is None else self.gpu_times_us[start:stop][keep],
+            live_reserved_nbytes=(None if self.live_reserved_nbytes is None
+                                  else self.live_reserved_nbytes[start:stop][keep]),
         )
 
     def head(self, n_ops: int) -> Trace:
@@ -581,7 +602,7 @@ class Trace:
             name, self.source, self.kinds, self.alloc_ids, self.nbytes, self.streams, self.times_us, self.addrs,
             n_unmatched_frees=self.n_unmatched_frees, n_failed_allocs=self.n_failed_allocs,
             stream_uses=self.stream_uses, stream_waits=self.stream_waits, plan_events=self.plan_events,
-            gpu_times_us=self.gpu_times_us,
+            gpu_times_us=self.gpu_times_us, live_reserved_nbytes=self.live_reserved_nbytes,
         )
 
 

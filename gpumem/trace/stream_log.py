@@ -607,7 +607,7 @@ def merge_stream_uses(trace: Trace, rs: RecordStreamLog, *, device: int | None =
                 trace.addrs, n_unmatched_frees=trace.n_unmatched_frees, n_failed_allocs=trace.n_failed_allocs,
                 stream_uses=uses, stream_waits=tuple(m[2] for m in waits),
                 plan_events=trace.plan_events,   # the ops are the trace's: its plan events stay where they were
-                gpu_times_us=trace.gpu_times_us)
+                gpu_times_us=trace.gpu_times_us, live_reserved_nbytes=trace.live_reserved_nbytes)
     report = MergeReport(len(uses), n_by_count, len(uses) - n_by_count, n_own,
                          tuple(sorted({u.stream for u in uses})), len(waits), n_waits_by_count,
                          n_skipped=len(skipped), n_count_disagreed=n_disagreed)

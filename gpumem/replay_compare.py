@@ -1,0 +1,220 @@
+"""Where a replay of a live gpumem.torch trace parts from the live run, op by op.
+
+A replay of a trace says how much memory the engine would hold; where that differs from what the live run
+held, the figures alone cannot say where the two parted. gpumem.torch records, with each traced allocation,
+the live engine's reserved bytes once it was made (:attr:`~gpumem.trace.Trace.live_reserved_nbytes`, ``.gmt``
+version 6; Note [The live engine's reserve] in ``gpumem/_native/torch_api.cpp``). :func:`compare_live` replays
+such a trace and compares the replay's reserve with the live one after every allocation that has it: the first
+op where they differ is where the simulated engine first grew or stole otherwise than the live one (with the
+op, its size, its stream and how far behind the GPU ran there when the trace has its clock), which is where a
+study of the simulator's fidelity starts (``gpumem replay TRACE --compare-live``).
+
+Note [Comparing reserves]
+-------------------------
+The reserve is compared after allocations only: a free is recorded before the engine frees the block, so live it
+carries none (and a free changes no reserve: chunks are stolen or released at allocations). Both reserves count
+from the engine's first byte: a trace started after the engine already held memory differs from its first
+allocation on (the comparison says so), as does a replay under another policy than the live engine's. The
+replay's reserve is read after each allocation through the allocator's ``reserved_nbytes``, outside the timed
+GPU model (no simulated time passes), so the comparison does not change the replay.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidArgumentError
+from .trace import OpKind, Trace
+from .units import format_bytes
+
+__all__ = ["LiveComparison", "LiveDivergence", "ReserveCapture", "compare_live", "compare_reserves",
+           "comparison_json"]
+
+
+@dataclass(frozen=True)
+class LiveDivergence:
+    """One allocation where the replay's reserve and the live one differ."""
+
+    op: int
+    """The op's index in the trace."""
+    nbytes: int
+    """Its size."""
+    stream: int
+    time_us: float
+    """When the program made it, on the trace's clock."""
+    live_reserved_nbytes: int
+    """What the live engine held once it was made."""
+    replayed_reserved_nbytes: int
+    """What the replay's engine held once it was made."""
+    gpu_lag_us: float | None
+    """How far behind the CPU the GPU ran there (the trace's GPU clock less its clock), None without a clock."""
+
+    @property
+    def gap_nbytes(self) -> int:
+        """Replayed less live (above 0: the replay held more)."""
+        return self.replayed_reserved_nbytes - self.live_reserved_nbytes
+
+    def describe(self) -> str:
+        lag = "" if self.gpu_lag_us is None else f", the GPU {self.gpu_lag_us / 1e3:.3f} ms behind"
+        return (f"op {self.op:,} (allocation of {format_bytes(self.nbytes)} on stream {self.stream} at "
+                f"{self.time_us / 1e6:.6f} s{lag}): live held {format_bytes(self.live_reserved_nbytes)}, the replay "
+                f"{format_bytes(self.replayed_reserved_nbytes)} ({self.gap_nbytes / 2**20:+,.1f} MiB)")
+
+
+@dataclass(frozen=True)
+class LiveComparison:
+    """A replay's reserve against the live engine's (Note [Comparing reserves])."""
+
+    trace: str
+    allocations_compared: int
+    """Allocations whose live reserve the trace has and the replay made."""
+    allocations_differing: int
+    first: LiveDivergence | None
+    """The first allocation where the two differ; None when they agree at every one."""
+    largest: LiveDivergence | None
+    """The allocation where they differ most (in either direction)."""
+    live_peak_reserved_nbytes: int
+    """The most the live engine held at the allocations compared."""
+    replayed_peak_reserved_nbytes: int
+    """The most the replay's engine held at the same allocations."""
+    result: Any = field(default=None, compare=False, repr=False)
+    """The replay's :class:`~gpumem.replay.ReplayResult`."""
+
+    @property
+    def agrees(self) -> bool:
+        return self.first is None
+
+    def lines(self) -> list[str]:
+        """The comparison as text, one finding per line."""
+        out = [f"{self.allocations_compared:,} allocations compared with the live engine's reserve: "
+               + ("the replay held what live held after every one" if self.agrees else
+                  f"{self.allocations_differing:,} differ")]
+        out.append(f"peak reserved at them: live {format_bytes(self.live_peak_reserved_nbytes)}, replay "
+                   f"{format_bytes(self.replayed_peak_reserved_nbytes)} "
+                   f"({(self.replayed_peak_reserved_nbytes - self.live_peak_reserved_nbytes) / 2**20:+,.1f} MiB)")
+        if self.first is not None:
+            out.append("first difference: " + self.first.describe())
+            if self.first.op == self.first_alloc_op:
+                out.append("  (at the trace's first allocation: the live engine may have held memory before the "
+                           "trace began, or ran another policy)")
+        if self.largest is not None and self.largest != self.first:
+            out.append("largest difference: " + self.largest.describe())
+        return out
+
+    first_alloc_op: int = field(default=-1, compare=False, repr=False)
+
+
+class ReserveCapture:
+    """Wraps ``allocator.allocate`` to read its reserve after each allocation a replay of ``trace`` makes (the
+    allocations of more than 0 bytes, in the trace's order: what :func:`gpumem.replay.replay` calls); call
+    :meth:`restore` when done."""
+
+    def __init__(self, trace: Trace, allocator: Any) -> None:
+        self.ops = np.flatnonzero((trace.kinds == OpKind.ALLOC) & (trace.nbytes > 0))
+        self.reserves: list[int] = []
+        self._allocator = allocator
+        self._had_own = "allocate" in vars(allocator)
+        self._own = vars(allocator).get("allocate")
+        inner = allocator.allocate
+        reserves = self.reserves
+
+        def allocate(nbytes: int, stream: int = 0) -> int:
+            p = inner(nbytes, stream)
+            reserves.append(int(allocator.reserved_nbytes))
+            return p
+
+        allocator.allocate = allocate
+
+    def restore(self) -> None:
+        """Put the allocator's ``allocate`` back."""
+        if self._had_own:
+            self._allocator.allocate = self._own
+        else:
+            del self._allocator.allocate
+
+
+def compare_reserves(trace: Trace, capture: ReserveCapture, result: Any = None) -> LiveComparison:
+    """The comparison of ``trace``'s live reserves with those ``capture`` read in a replay of it."""
+    live_all = trace.live_reserved_nbytes
+    if live_all is None:
+        raise InvalidArgumentError(f"{trace.name}: the trace has no live reserves (gpumem.torch records them with "
+                                   "each allocation since .gmt version 6): nothing to compare the replay with")
+    ops = capture.ops[:len(capture.reserves)]
+    replayed = np.asarray(capture.reserves, dtype=np.int64)
+    live = live_all[ops]
+    known = live >= 0
+    ops, live, replayed = ops[known], live[known], replayed[known]
+    diff = replayed - live
+    bad = np.flatnonzero(diff != 0)
+
+    def at(k: int) -> LiveDivergence:
+        i = int(ops[k])
+        lag = None
+        if trace.gpu_times_us is not None and not math.isnan(float(trace.gpu_times_us[i])):
+            lag = float(trace.gpu_times_us[i] - trace.times_us[i])
+        return LiveDivergence(i, int(trace.nbytes[i]), int(trace.streams[i]), float(trace.times_us[i]),
+                              int(live[k]), int(replayed[k]), lag)
+
+    first = at(int(bad[0])) if len(bad) else None
+    largest = at(int(bad[np.argmax(np.abs(diff[bad]))])) if len(bad) else None
+    return LiveComparison(trace.name, int(len(ops)), int(len(bad)), first, largest,
+                          int(live.max()) if len(live) else 0, int(replayed.max()) if len(replayed) else 0,
+                          result, int(capture.ops[0]) if len(capture.ops) else -1)
+
+
+def comparison_json(c: LiveComparison) -> dict[str, Any]:
+    """``c`` as plain JSON values (``gpumem replay --compare-live --json``)."""
+    def one(d: LiveDivergence | None) -> dict[str, Any] | None:
+        if d is None:
+            return None
+        return {"op": d.op, "nbytes": d.nbytes, "stream": d.stream, "time_us": d.time_us,
+                "live_reserved_bytes": d.live_reserved_nbytes, "replayed_reserved_bytes": d.replayed_reserved_nbytes,
+                "gap_bytes": d.gap_nbytes, "gpu_lag_us": d.gpu_lag_us}
+
+    return {"allocations_compared": c.allocations_compared, "allocations_differing": c.allocations_differing,
+            "live_peak_reserved_bytes": c.live_peak_reserved_nbytes,
+            "replayed_peak_reserved_bytes": c.replayed_peak_reserved_nbytes,
+            "first": one(c.first), "largest": one(c.largest)}
+
+
+def compare_live(trace: Trace, device: Any = "sim:h200-141gb", policy: Any = None, *, gpu_timing: Any = None,
+                 **allocator_options: Any) -> LiveComparison:
+    """Replay ``trace`` (a gpumem.torch trace with its live reserves) on ``device`` under ``policy`` (the default
+    policy: gpumem.torch's own) and compare the replay's reserve with the live engine's after each allocation
+    (Note [Comparing reserves]). ``gpu_timing`` and ``allocator_options`` as for
+    :func:`gpumem.replay.replay_trace`.
+
+    Raises:
+        InvalidArgumentError: the trace has no live reserves, or an argument is invalid.
+    """
+    from .allocator import make_allocator
+    from .allocator.policy import DEFAULT_POLICY
+    from .device import Device
+    from .replay import replay
+    from .specs import open_device
+
+    if not isinstance(trace, Trace):
+        raise InvalidArgumentError(f"compare_live: trace must be a Trace, got {type(trace).__name__}")
+    if trace.live_reserved_nbytes is None:
+        raise InvalidArgumentError(f"{trace.name}: the trace has no live reserves (gpumem.torch records them with "
+                                   "each allocation since .gmt version 6): nothing to compare the replay with")
+    own = not isinstance(device, Device)
+    dev = open_device(device) if own else device
+    try:
+        allocator = make_allocator(dev, DEFAULT_POLICY if policy is None else policy, **allocator_options)
+        try:
+            capture = ReserveCapture(trace, allocator)
+            try:
+                result = replay(trace, allocator, stop_on_oom=True, progress=False, gpu_timing=gpu_timing)
+            finally:
+                capture.restore()
+        finally:
+            allocator.close()
+    finally:
+        if own:
+            dev.close()
+    return compare_reserves(trace, capture, result)

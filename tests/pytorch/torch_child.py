@@ -139,6 +139,18 @@ def scenario_trace() -> None:
     assert (t.n_allocs, t.n_unmatched_frees) == (2, 0), t
     assert sorted(s for k, s in zip(kinds, sizes) if k == 0) == [3000, 1 << 20], sizes
     assert len(kinds) == 3, kinds   # two allocations, one free
+    # Note [The live engine's reserve]: each allocation carries the engine's reserve once made (a page at least),
+    # a free none; and the trace keeps it through a .gmt file
+    r = t.live_reserved_nbytes
+    assert r is not None and all(x >= 2 << 20 for x, k in zip(r.tolist(), kinds) if k == 0), r
+    assert all(x == -1 for x, k in zip(r.tolist(), kinds) if k == 1), r
+    import os
+    import tempfile
+
+    from gpumem.trace import load_trace, save_trace
+
+    with tempfile.TemporaryDirectory() as d:
+        assert load_trace(save_trace(t, os.path.join(d, "t.gmt")), progress=False) == t
     del b, c
 
 

@@ -221,7 +221,7 @@ HEADER3 = HEADER.replace('"version": 1', '"version": 3').replace("}", ', "n_stre
 
 
 @pytest.mark.parametrize("text, message", [
-    (HEADER.replace('"version": 1', '"version": 6') + "\na 0 8 0 0 10\nf 0 0 1\n", "line 1: unsupported .* version 6"),
+    (HEADER.replace('"version": 1', '"version": 7') + "\na 0 8 0 0 10\nf 0 0 1\n", "line 1: unsupported .* version 7"),
     # stream waits (version 3): only there, counted in the header, two streams in range
     (HEADER2 + "\na 0 8 0 0 10\nu 0 5 1\nw 5 0 1\nf 0 0 1\n", "line 4: expected .* \\(a version 2 file\\)"),
     (HEADER + "\na 0 8 0 0 10\nw 5 0 1\nf 0 0 1\n", "line 3: expected .* \\(a version 1 file\\)"),

@@ -1,0 +1,199 @@
+"""The live engine's reserve in a trace (Trace.live_reserved_nbytes, .gmt version 6) and the replay's comparison
+with it (gpumem.replay_compare, ``gpumem replay --compare-live``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from gpumem.errors import InvalidArgumentError, TraceFormatError
+from gpumem.replay_compare import ReserveCapture, compare_live, compare_reserves
+from gpumem.trace import Trace, load_trace, save_trace
+from gpumem.trace.builder import build_trace
+
+MiB = 1 << 20
+
+
+def _trace(reserves: list[int] | None = None, clock: bool = False) -> Trace:
+    """Three allocations (3 MiB, 5 MiB, 1 MiB) and two frees."""
+    codes = [0, 0, 1, 0, 1]
+    addrs = [0x1000_0000, 0x2000_0000, 0x1000_0000, 0x3000_0000, 0x2000_0000]
+    sizes = [3 * MiB, 5 * MiB, 0, MiB, 0]
+    gpu = [float(10 * i + 5) for i in range(5)] if clock else None
+    return build_trace("t", "recorded", codes, addrs, sizes, [0] * 5, [float(10 * i) for i in range(5)],
+                       gpu_times_us=gpu, live_reserved_nbytes=reserves)
+
+
+def _replayed_reserves(t: Trace) -> list[int]:
+    """The reserve a replay of ``t`` holds after each op (-1 at frees), read the way compare_live reads it."""
+    from gpumem.allocator import make_allocator
+    from gpumem.replay import replay
+    from gpumem.specs import open_device
+
+    dev = open_device("sim:h200-141gb")
+    a = make_allocator(dev, "gpumem")
+    cap = ReserveCapture(t, a)
+    replay(t, a, progress=False, gpu_timing="idle")
+    cap.restore()
+    a.close()
+    dev.close()
+    out = [-1] * t.n_ops
+    for i, r in zip(cap.ops.tolist(), cap.reserves):
+        out[i] = r
+    return out
+
+
+@pytest.mark.parametrize("clock", [False, True])
+@pytest.mark.parametrize("suffix", [".gmt", ".gmt.gz"])
+def test_gmt_v6_round_trip(tmp_path, clock, suffix):
+    t = _trace([2 * MiB, 8 * MiB, -1, 8 * MiB, -1], clock=clock)
+    p = save_trace(t, tmp_path / f"t{suffix}")
+    back = load_trace(p, progress=False)
+    assert back == t and back.live_reserved_nbytes.tolist() == [2 * MiB, 8 * MiB, -1, 8 * MiB, -1]
+    text = (gzip.open(p, "rt") if suffix.endswith(".gz") else open(p)).read().splitlines()
+    header = json.loads(text[0])
+    assert header["version"] == 6 and header["n_reserves"] == 3 and header["gpu_clock"] is clock
+    assert text[2] == f"r {2 * MiB}"   # right after the op it belongs to
+
+
+def test_writer_keeps_older_versions_without_reserves(tmp_path):
+    for reserves in (None, [-1] * 5):   # none recorded: as a trace without them
+        p = save_trace(_trace(reserves), tmp_path / "t.gmt")
+        assert json.loads(open(p).readline())["version"] == 1
+        assert load_trace(p, progress=False).live_reserved_nbytes is None
+
+
+_HEAD = ('{"format": "gpumem-trace", "version": 6, "name": "t", "source": "s", "n_ops": 2, "n_allocs": 1, '
+         '"n_unmatched_frees": 0, "n_failed_allocs": 0, "n_stream_uses": 0, "n_stream_waits": 0, '
+         '"n_plan_events": 0, "gpu_clock": false, "n_reserves": 1}')
+
+
+@pytest.mark.parametrize("body, match", [
+    ("r 5\na 0 8 0 0 10\nf 0 0 1\n", "must follow the op line"),
+    ("a 0 8 0 0 10\nr 5\nr 6\nf 0 0 1\n", "must follow the op line"),
+    ("a 0 8 0 0 10\nr -5\nf 0 0 1\n", "reserved bytes"),
+    ("a 0 8 0 0 10\nr 5 6\nf 0 0 1\n", "expected"),
+    ("a 0 8 0 0 10\nf 0 0 1\n", "header says 1 reserves, the file has 0"),
+    ("a 0 8 0 0 10 7\nr 5\nf 0 0 1\n", "expected"),   # a clock field the header does not announce
+])
+def test_gmt_v6_malformed(tmp_path, body, match):
+    p = tmp_path / "bad.gmt"
+    p.write_text(_HEAD + "\n" + body)
+    with pytest.raises(TraceFormatError, match=match):
+        load_trace(p, progress=False)
+
+
+@pytest.mark.parametrize("header_change, match", [
+    (('"gpu_clock": false', '"gpu_clock": 1'), "true or false"),
+    (('"version": 6', '"version": 5'), "gpu_clock"),
+    ((', "n_reserves": 1', ''), "n_reserves"),
+])
+def test_gmt_v6_bad_header(tmp_path, header_change, match):
+    p = tmp_path / "bad.gmt"
+    p.write_text(_HEAD.replace(*header_change) + "\na 0 8 0 0 10\nr 5\nf 0 0 1\n")
+    with pytest.raises(TraceFormatError, match=match):
+        load_trace(p, progress=False)
+
+
+def test_r_line_refused_before_version_6(tmp_path):
+    p = tmp_path / "old.gmt"
+    head = json.loads(_HEAD)
+    head["version"] = 4
+    del head["gpu_clock"], head["n_reserves"]
+    p.write_text(json.dumps(head) + "\na 0 8 0 0 10\nr 5\nf 0 0 1\n")
+    with pytest.raises(TraceFormatError, match="expected"):
+        load_trace(p, progress=False)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (np.zeros(5, np.int32), "int64"),
+    (np.zeros(4, np.int64), "one int64 per op"),
+    (np.array([0, 0, -2, 0, 0], np.int64), "-2 bytes"),
+    ("lots", "live_reserved_nbytes"),
+])
+def test_trace_refuses_bad_reserves(bad, match):
+    t = _trace()
+    with pytest.raises(InvalidArgumentError, match=match):
+        dataclasses.replace(t, live_reserved_nbytes=bad)
+
+
+def test_slice_and_rename_carry_reserves():
+    t = _trace([2 * MiB, 8 * MiB, -1, 8 * MiB, -1])
+    assert t.slice(1, 4).live_reserved_nbytes.tolist() == [8 * MiB, 8 * MiB]   # the free of op 0's block goes
+    assert t.renamed("u").live_reserved_nbytes.tolist() == t.live_reserved_nbytes.tolist()
+    assert t != _trace([2 * MiB, 8 * MiB, -1, 6 * MiB, -1])
+
+
+def test_compare_live_agrees_with_itself():
+    t = _trace()
+    t = dataclasses.replace(t, live_reserved_nbytes=np.array(_replayed_reserves(t), np.int64))
+    c = compare_live(t, gpu_timing="idle")
+    assert c.agrees and c.allocations_compared == 3 and c.allocations_differing == 0
+    assert c.live_peak_reserved_nbytes == c.replayed_peak_reserved_nbytes == c.result.peak_reserved_bytes
+    assert "held what live held" in c.lines()[0]
+
+
+def test_compare_live_finds_the_first_difference():
+    t = _trace()
+    r = _replayed_reserves(t)
+    r[3] += 2 * MiB   # live held a page more after the third allocation
+    t = dataclasses.replace(t, live_reserved_nbytes=np.array(r, np.int64), gpu_times_us=np.arange(5) * 10.0 + 7)
+    c = compare_live(t, gpu_timing="idle")
+    assert not c.agrees and c.allocations_differing == 1
+    assert (c.first.op, c.first.nbytes, c.first.gap_nbytes) == (3, MiB, -2 * MiB)
+    assert c.first.gpu_lag_us == pytest.approx(7.0) and c.largest == c.first
+    assert "op 3 " in c.lines()[2]
+
+
+def test_compare_live_needs_reserves():
+    with pytest.raises(InvalidArgumentError, match="no live reserves"):
+        compare_live(_trace(), gpu_timing="idle")
+    with pytest.raises(InvalidArgumentError, match="must be a Trace"):
+        compare_live("t.gmt")
+
+
+def test_capture_restores_the_allocator():
+    from gpumem.allocator import make_allocator
+    from gpumem.specs import open_device
+
+    dev = open_device("sim:h200-141gb")
+    a = make_allocator(dev, "gpumem")
+    before = a.allocate
+    cap = ReserveCapture(_trace(), a)
+    assert a.allocate is not before
+    cap.restore()
+    assert a.allocate == before
+    a.close()
+    dev.close()
+    with pytest.raises(InvalidArgumentError, match="no live reserves"):
+        compare_reserves(_trace(), cap)
+
+
+def test_cli_compare_live(tmp_path, capsys):
+    from gpumem.cli import main
+
+    t = _trace()
+    t = dataclasses.replace(t, live_reserved_nbytes=np.array(_replayed_reserves(t), np.int64))
+    p = save_trace(t, tmp_path / "t.gmt")
+    assert main(["replay", str(p), "--compare-live", "--gpu-timing", "idle"]) == 0
+    assert "held what live held after every one" in capsys.readouterr().out
+    assert main(["replay", str(p), "--compare-live", "--gpu-timing", "idle", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["live_comparison"]["allocations_differing"] == 0 and data["live_comparison"]["first"] is None
+    q = save_trace(_trace(), tmp_path / "plain.gmt")
+    assert main(["replay", str(q), "--compare-live"]) == 2
+    assert "no live reserves" in capsys.readouterr().err
+
+
+def test_trace_from_words_reads_reserves():
+    from gpumem.torch import trace_from_words
+
+    words = [0, 0x1000, 4096, 0, 0, 1, 0x1000, 4096, 0, 10]
+    t = trace_from_words(words, reserved=np.array([2 * MiB, -7], np.int64))
+    assert t.live_reserved_nbytes.tolist() == [2 * MiB, -1]
+    with pytest.raises(TraceFormatError, match="int64 reserves"):
+        trace_from_words(words, reserved=np.array([1, 2, 3], np.int64))

@@ -205,7 +205,7 @@ DeviceEngine* existing(int device) {
 }
 
 void record_event(std::int32_t action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream,
-                  std::int64_t gpu_stamp = -1, std::int64_t reserved = -1);
+                  std::int64_t gpu_stamp = -1, std::int64_t reserved = -1, std::int64_t t_ns = -1);
 
 std::atomic<bool> g_gpu_clock_on{false};   // gpumem_torch_trace_gpu_clock: traced ops are stamped
 
@@ -411,12 +411,23 @@ Recording& recording() {
 }
 
 // Records one event of the hooks (one relaxed load when neither the history nor the trace is on).
+// `t_ns`: when the op began (steady clock), -1 for now.
 void record_event(std::int32_t action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream,
-                  std::int64_t gpu_stamp, std::int64_t reserved) {
+                  std::int64_t gpu_stamp, std::int64_t reserved, std::int64_t t_ns) {
     Recorder& r = recording().recorder;
-    if (r.on()) r.record(action, device, addr, nbytes, stream, now_ns(), gpu_stamp, reserved);
+    if (r.on()) r.record(action, device, addr, nbytes, stream, t_ns < 0 ? now_ns() : t_ns, gpu_stamp, reserved);
 }
 
+// Note [An op's time is when it began]: an allocation is recorded once the engine has made it (its address is
+// known only then), but with the time it began and a GPU clock stamped before the engine ran: a replay's CPU
+// reaches the op at its time, with the GPU as far behind as it was then, and runs the simulated engine there,
+// whose device calls cost their simulated time (a free was recorded so already: before the engine frees).
+// Stamped after the engine, a slow allocation (a steal or a growth: hundreds of microseconds of driver calls) was
+// replayed that much later than live, after the GPU's queued work that the live engine had found still running:
+// replayed, a 7B batch-16 server stole a busy chunk's pages in the prefill where live grew (the first difference
+// gpumem replay --compare-live found, 194 MiB, reports/hil/live-reserve-h200-2026-11-30.md). The time alone moved
+// to the start made it worse: the stamp, still taken after, then counted the engine's own time as GPU work.
+//
 // Note [The live engine's reserve]: a replay of a live trace says how much memory the engine would hold, and
 // where it differs from the live run's peak it cannot say where the two parted (the trace has the requests, not
 // the engine's answers). So each traced allocation also records the engine's reserved bytes once it is made
@@ -462,12 +473,14 @@ void* allocate_on(ssize_t size, int device, void* stream, AllocFailure* failure)
         const std::uint64_t nbytes = static_cast<std::uint64_t>(size);
         const std::uint64_t s = reinterpret_cast<std::uintptr_t>(stream);
         try {
+            // Note [An op's time is when it began]; Note [The trace's GPU clock]
+            const bool traced = recording().recorder.on();
+            const std::int64_t stamp = traced ? gpu_stamp(d, s) : -1;
+            const std::int64_t began_ns = traced ? now_ns() : -1;
             std::uint64_t p = d->engine->try_allocate_fast(nbytes, s);
             if (p == 0) p = d->engine->allocate(nbytes, s);
-            // Note [One recorder for the history and the trace]; Note [The trace's GPU clock]
-            const std::int64_t reserved = reserve_after(d);   // Note [The live engine's reserve]
-            record_event(Recorder::kAlloc, device, p, nbytes, s, recording().recorder.on() ? gpu_stamp(d, s) : -1,
-                         reserved);
+            // Note [One recorder for the history and the trace]; Note [The live engine's reserve]
+            record_event(Recorder::kAlloc, device, p, nbytes, s, stamp, reserve_after(d), began_ns);
             return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
         } catch (const EngineError& e) {
             if (e.kind == EngineErrorKind::kOutOfMemory) {

@@ -1041,8 +1041,8 @@ def recorded_trace(device: "int | str | Any | None" = None, name: str | None = N
     (save it with :func:`gpumem.trace.save_trace`), with its GPU clock where ``start_trace(gpu_clock=True)``
     recorded one (:attr:`~gpumem.trace.Trace.gpu_times_us`; reading it waits for the GPU to get there) and the
     engine's reserved bytes after each allocation (:attr:`~gpumem.trace.Trace.live_reserved_nbytes`, which
-    :func:`gpumem.replay.compare_live` compares a replay with). Call :func:`stop_trace` first when other threads
-    allocate.
+    :func:`gpumem.replay_compare.compare_live` compares a replay with). Call :func:`stop_trace` first when other
+    threads allocate.
 
     Raises:
         GpumemError: gpumem has no engine on ``device`` (nothing was allocated there), or the trace changed while

@@ -432,7 +432,8 @@ void record_event(std::int32_t action, int device, std::uint64_t addr, std::uint
 // where it differs from the live run's peak it cannot say where the two parted (the trace has the requests, not
 // the engine's answers). So each traced allocation also records the engine's reserved bytes once it is made
 // (Engine::reserved_nbytes, one more lock of the engine's while a recording is on): a replay compares its own
-// after each allocation (gpumem.replay.compare_live) and finds the first op where it grew or stole otherwise.
+// after each allocation (gpumem.replay_compare.compare_live) and finds the first op where it grew or stole
+// otherwise.
 // Frees are recorded before the engine frees the block (Note [Tracing PyTorch's calls]), so they carry none; a
 // free does not change the reserve (chunks are stolen or released at allocations and empty_cache()).
 std::int64_t reserve_after(DeviceEngine* d) noexcept {

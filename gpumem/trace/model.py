@@ -218,8 +218,8 @@ class Trace:
     :mod:`gpumem.sim.gpu_work`)."""
     live_reserved_nbytes: np.ndarray | None = None
     """The live engine's reserved bytes after each allocation (gpumem.torch traces; None for others): int64 per
-    op, -1 where not recorded (frees, and ops of older recorders). :func:`gpumem.replay.compare_live` compares a
-    replay's with it op by op (Note [The live engine's reserve] in ``gpumem/_native/torch_api.cpp``)."""
+    op, -1 where not recorded (frees, and ops of older recorders). :func:`gpumem.replay_compare.compare_live`
+    compares a replay's with it op by op (Note [The live engine's reserve] in ``gpumem/_native/torch_api.cpp``)."""
 
     __hash__ = None  # type: ignore[assignment]  # mutable container of arrays
 

@@ -189,8 +189,9 @@ def _decode_timing(policy: Any) -> str | None:
 #   (``tests/estimate/test_gpu_lag_twin.py``). Every op is sent (the small pool's skip would leave the skipped ops'
 #   time out). Policies that steal nothing replay as before: on one stream their decisions do not wait for the GPU.
 #   The lag runs through the whole request, prefill included, where the idle replay had been under live too: 7B at
-#   batch 16 and 8 x 4,096 tokens, -0.58 % and -0.36 %, now -6 MiB (-0.011 %, still under; likely the prefill's matrix
-#   products outlast the bytes model) and +4 MiB; nine live decodes 4-6 MiB above
+#   batch 16 and 8 x 4,096 tokens, -0.58 % and -0.36 %, now -6 MiB (-0.011 %, still under: a fence's race with the
+#   GPU at the prefill's first growth, not the matrix products' time, measured) and +4 MiB; nine live decodes 4-6 MiB
+#   above
 #   (``reports/hil/estimate-lag-h200-2026-11-30.md``). Training keeps its replay: two live gpumem.torch runs held
 #   0.03-0.18 % above allocated, the replay was above them already and the lag put it further above (same report).
 

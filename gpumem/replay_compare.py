@@ -16,7 +16,11 @@ carries none (and a free changes no reserve: chunks are stolen or released at al
 from the engine's first byte: a trace started after the engine already held memory differs from its first
 allocation on (the comparison says so), as does a replay under another policy than the live engine's. The
 replay's reserve is read after each allocation through the allocator's ``reserved_nbytes``, outside the timed
-GPU model (no simulated time passes), so the comparison does not change the replay.
+GPU model (no simulated time passes), so the comparison does not change the replay. What the trace does not
+hold makes differences the comparison cannot tell from the engine's: memory the live engine gave back or took
+outside the traced allocations (``gpumem.torch.empty_cache()``, another library on the same engine), and, in a
+program allocating from several threads, a reserve read after another thread's allocation (the reserve is read
+once the op is made, outside the recorder's lock).
 """
 
 from __future__ import annotations
@@ -86,13 +90,24 @@ class LiveComparison:
 
     @property
     def agrees(self) -> bool:
-        return self.first is None
+        """Whether the replay held what live held after every allocation of the trace (none compared, or a replay
+        stopped before the end, is not agreement)."""
+        return self.first is None and self.allocations_compared > 0 and self.stopped_at_op is None
 
     def lines(self) -> list[str]:
         """The comparison as text, one finding per line."""
-        out = [f"{self.allocations_compared:,} allocations compared with the live engine's reserve: "
-               + ("the replay held what live held after every one" if self.agrees else
-                  f"{self.allocations_differing:,} differ")]
+        if not self.allocations_compared:
+            head = "no allocation compared with the live engine's reserve"
+        elif self.first is None:
+            head = (f"{self.allocations_compared:,} allocations compared with the live engine's reserve: the replay "
+                    "held what live held after every one")
+        else:
+            head = (f"{self.allocations_compared:,} allocations compared with the live engine's reserve: "
+                    f"{self.allocations_differing:,} differ")
+        out = [head]
+        if self.stopped_at_op is not None:
+            out.append(f"the replay stopped by out of memory at op {self.stopped_at_op:,}: the allocations after it "
+                       "are not compared")
         out.append(f"peak reserved at them: live {format_bytes(self.live_peak_reserved_nbytes)}, replay "
                    f"{format_bytes(self.replayed_peak_reserved_nbytes)} "
                    f"({(self.replayed_peak_reserved_nbytes - self.live_peak_reserved_nbytes) / 2**20:+,.1f} MiB)")
@@ -106,6 +121,8 @@ class LiveComparison:
         return out
 
     first_alloc_op: int = field(default=-1, compare=False, repr=False)
+    stopped_at_op: int | None = None
+    """The op at which the replay stopped by out of memory (None: it replayed the whole trace)."""
 
 
 class ReserveCapture:
@@ -123,7 +140,11 @@ class ReserveCapture:
         reserves = self.reserves
 
         def allocate(nbytes: int, stream: int = 0) -> int:
-            p = inner(nbytes, stream)
+            try:
+                p = inner(nbytes, stream)
+            except BaseException:
+                reserves.append(-1)   # this op's slot: a replay that goes on pairs the next reserve with its op
+                raise
             reserves.append(int(allocator.reserved_nbytes))
             return p
 
@@ -146,7 +167,7 @@ def compare_reserves(trace: Trace, capture: ReserveCapture, result: Any = None) 
     ops = capture.ops[:len(capture.reserves)]
     replayed = np.asarray(capture.reserves, dtype=np.int64)
     live = live_all[ops]
-    known = live >= 0
+    known = (live >= 0) & (replayed >= 0)   # an allocation that failed in the replay has no reserve there
     ops, live, replayed = ops[known], live[known], replayed[known]
     diff = replayed - live
     bad = np.flatnonzero(diff != 0)
@@ -161,9 +182,11 @@ def compare_reserves(trace: Trace, capture: ReserveCapture, result: Any = None) 
 
     first = at(int(bad[0])) if len(bad) else None
     largest = at(int(bad[np.argmax(np.abs(diff[bad]))])) if len(bad) else None
+    oom_op = getattr(result, "oom_op", None)
     return LiveComparison(trace.name, int(len(ops)), int(len(bad)), first, largest,
                           int(live.max()) if len(live) else 0, int(replayed.max()) if len(replayed) else 0,
-                          result, int(capture.ops[0]) if len(capture.ops) else -1)
+                          result, int(capture.ops[0]) if len(capture.ops) else -1,
+                          None if oom_op is None else int(oom_op))
 
 
 def comparison_json(c: LiveComparison) -> dict[str, Any]:
@@ -176,6 +199,7 @@ def comparison_json(c: LiveComparison) -> dict[str, Any]:
                 "gap_bytes": d.gap_nbytes, "gpu_lag_us": d.gpu_lag_us}
 
     return {"allocations_compared": c.allocations_compared, "allocations_differing": c.allocations_differing,
+            "agrees": c.agrees, "stopped_at_op": c.stopped_at_op,
             "live_peak_reserved_bytes": c.live_peak_reserved_nbytes,
             "replayed_peak_reserved_bytes": c.replayed_peak_reserved_nbytes,
             "first": one(c.first), "largest": one(c.largest)}

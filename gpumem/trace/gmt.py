@@ -119,9 +119,7 @@ def write_gmt_trace(trace: Trace, path: PathLike) -> Path:
     waits = trace.stream_waits
     plans = trace.plan_events
     clock = trace.gpu_times_us
-    reserves = trace.live_reserved_nbytes
-    if reserves is not None and not (reserves >= 0).any():
-        reserves = None   # nothing recorded: as a trace without them
+    reserves = trace.live_reserved_nbytes   # None, or at least one recorded (Trace keeps no all -1 array)
     header: dict[str, Any] = {
         "format": FORMAT_NAME,
         "version": (6 if reserves is not None else 5 if clock is not None else 4 if plans else 3 if waits

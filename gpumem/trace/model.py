@@ -273,7 +273,8 @@ class Trace:
             if n and int(got.min()) < -1:
                 raise InvalidArgumentError(f"Trace.live_reserved_nbytes: op {int(np.argmin(got))} has "
                                            f"{int(got.min())} bytes (-1 is for not recorded)")
-            self.live_reserved_nbytes = got
+            # none recorded is no reserves: one form, so that a trace written and read back is equal to itself
+            self.live_reserved_nbytes = got if (got >= 0).any() else None
         self.validate()
         self.stream_uses, self.stream_waits = _float_times(self.stream_uses), _float_times(self.stream_waits)
         self.plan_events = _float_times(self.plan_events)

@@ -197,3 +197,40 @@ def test_trace_from_words_reads_reserves():
     assert t.live_reserved_nbytes.tolist() == [2 * MiB, -1]
     with pytest.raises(TraceFormatError, match="int64 reserves"):
         trace_from_words(words, reserved=np.array([1, 2, 3], np.int64))
+
+
+def test_all_unrecorded_is_no_reserves(tmp_path):
+    """A trace whose reserves are all -1 has none (attacker 33, F2): read(write(t)) == t holds."""
+    t = _trace([-1] * 5)
+    assert t.live_reserved_nbytes is None
+    assert load_trace(save_trace(t, tmp_path / "t.gmt"), progress=False) == t
+    v6 = _trace([2 * MiB, -1, -1, -1, -1])
+    assert v6.slice(1, 5).live_reserved_nbytes is None   # a piece with no recorded allocation
+
+
+def test_a_failed_allocation_keeps_the_pairing():
+    """A replay that goes on past an out-of-memory error pairs each later reserve with its own op (attacker 33,
+    F1), and the comparison says where the replay stopped when it stops."""
+    from gpumem.allocator import make_allocator
+    from gpumem.replay import replay
+    from gpumem.specs import open_device
+
+    t = build_trace("t", "recorded", [0] * 4, [0x1000, 0x2000, 0x3000, 0x4000],
+                    [4 * MiB, 600 * MiB, 30 * MiB, 300 * MiB], [0] * 4, [1.0, 2.0, 3.0, 4.0],
+                    live_reserved_nbytes=[4 * MiB, 602 * MiB, 34 * MiB, 334 * MiB])
+    dev = open_device("sim:h200-141gb")
+    a = make_allocator(dev, "gpumem", limit=512 * MiB)
+    cap = ReserveCapture(t, a)
+    r = replay(t, a, stop_on_oom=False, progress=False, gpu_timing="idle")
+    cap.restore()
+    a.close()
+    dev.close()
+    assert cap.reserves[1] == -1   # op 1 failed
+    c = compare_reserves(t, cap, r)
+    assert c.allocations_compared == 3 and (c.first is None or c.first.op != 1)
+    stopped = compare_live(t, limit=512 * MiB, gpu_timing="idle")
+    assert stopped.stopped_at_op == 1 and not stopped.agrees
+    assert any("stopped by out of memory at op 1" in line for line in stopped.lines())
+    none = compare_live(t, limit=1 * MiB, gpu_timing="idle")
+    assert none.allocations_compared == 0 and not none.agrees
+    assert none.lines()[0] == "no allocation compared with the live engine's reserve"

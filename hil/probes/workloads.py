@@ -765,6 +765,9 @@ class LivePredictedRow:
     :func:`gpumem.trace.stream_log.unknown_stream_uses`)."""
     stream_uses: str | None = None
     """What merging the run's record_stream log did (PyTorch runs that logged one)."""
+    live_comparison: str | None = None
+    """gpumem runs whose trace has the live engine's reserve: where the replay first held otherwise
+    (:func:`gpumem.replay_compare.compare_live`), or that it never did."""
 
     @property
     def diff_pp(self) -> float | None:
@@ -802,6 +805,14 @@ def _replay(trace: Any, sim: str, model: str, gpu_timing: str | None) -> Any:
                                      "(issue 18 point 1)")
         options["gpu_timing"] = gpu_timing
     return replay_trace(trace, sim, parse_policy(model), progress=False, **options)
+
+
+def _compare(trace: Any, sim: str, model: str, gpu_timing: str | None) -> Any:
+    """The replay of a gpumem trace that has the live engine's reserve, compared with it allocation by allocation
+    (:func:`gpumem.replay_compare.compare_live`; its ``result`` is the replay :func:`_replay` makes)."""
+    from gpumem.replay_compare import compare_live
+
+    return compare_live(trace, sim, parse_policy(model), gpu_timing=gpu_timing)
 
 
 def live_vs_predicted(record: dict, trace_dir: Path, sim: str = "sim:h200-141gb", gpu_timing: str | None = None,
@@ -845,10 +856,15 @@ def live_vs_predicted(record: dict, trace_dir: Path, sim: str = "sim:h200-141gb"
                                          None, run["peak_reserved_bytes"], None, run["mean_step_ms"], gpu_timing,
                                          error=f"no trace: {why}"))
             continue
-        not_scored = merged = None
+        not_scored = merged = compared = None
         try:
             trace, merged, not_scored = run_trace(run, trace_dir)
-            res = _replay(trace, sim, model, gpu_timing)
+            if allocator == "gpumem" and getattr(trace, "live_reserved_nbytes", None) is not None:
+                comparison = _compare(trace, sim, model, gpu_timing)
+                res = comparison.result
+                compared = "; ".join(comparison.lines())
+            else:
+                res = _replay(trace, sim, model, gpu_timing)
             predicted, error = res.overhead, None
             predicted_nbytes = res.peak_reserved_bytes
         except (GpumemError, OSError) as exc:
@@ -856,7 +872,7 @@ def live_vs_predicted(record: dict, trace_dir: Path, sim: str = "sim:h200-141gb"
             error = f"replay failed: {exc}"[:200]
         rows.append(LivePredictedRow(run["workload"], allocator, model, live if live is not None else float("nan"),
                                      predicted, run["peak_reserved_bytes"], predicted_nbytes, run["mean_step_ms"],
-                                     gpu_timing, error, not_scored, merged))
+                                     gpu_timing, error, not_scored, merged, compared))
     return rows
 
 
@@ -889,6 +905,10 @@ def render_table(rows: Sequence[LivePredictedRow], sim: str) -> str:
     notes = [f"- {r.workload}, {r.allocator}: {r.stream_uses}" for r in rows if r.stream_uses]
     if notes:
         lines += ["", "record_stream logs merged into PyTorch's snapshots (gpumem/trace/stream_log.py):", *notes]
+    compared = [f"- {r.workload}: {r.live_comparison}" for r in rows if r.live_comparison]
+    if compared:
+        lines += ["", "gpumem's replays against the live engine's reserve after each allocation (gpumem replay "
+                  "--compare-live):", *compared]
     return "\n".join(lines) + "\n"
 
 

@@ -657,3 +657,36 @@ def test_a_run_whose_history_ring_was_full_is_shown_not_predicted(tmp_path: Path
     (row,) = wl.live_vs_predicted(record, tmp_path)
     assert row.predicted_overhead is None and "dropped the oldest" in row.error
     assert "dropped the oldest" in wl.render_table([row], "sim:h200-141gb")
+
+
+def test_a_gpumem_trace_with_live_reserves_is_compared_with_them(tmp_path: Path) -> None:
+    """A gpumem run whose trace has the live engine's reserve: its row says where the replay first held otherwise
+    (or that it never did), from the same replay as the row's prediction."""
+    from gpumem.replay_compare import ReserveCapture
+    from gpumem.allocator import make_allocator
+    from gpumem.replay import replay
+    from gpumem.specs import open_device
+
+    record = _fake_record(tmp_path)
+    path = tmp_path / wl.trace_file_name("fake", "gpumem")
+    trace = load_trace(path, progress=False)
+    dev = open_device("sim:h200-141gb")
+    a = make_allocator(dev, "gpumem")
+    cap = ReserveCapture(trace, a)
+    replay(trace, a, progress=False)
+    cap.restore()
+    a.close()
+    dev.close()
+    reserves = np.full(trace.n_ops, -1, np.int64)
+    reserves[cap.ops] = cap.reserves
+    import dataclasses
+
+    save_trace(dataclasses.replace(trace, live_reserved_nbytes=reserves), path)
+    rows = wl.live_vs_predicted(record, tmp_path)
+    assert rows[1].live_comparison and "held what live held after every one" in rows[1].live_comparison
+    assert rows[0].live_comparison is None   # PyTorch's run: no live reserve
+    reserves[cap.ops[-1]] += 2 * MiB
+    save_trace(dataclasses.replace(trace, live_reserved_nbytes=reserves), path)
+    rows = wl.live_vs_predicted(record, tmp_path)
+    assert f"first difference: op {int(cap.ops[-1])}" in rows[1].live_comparison
+    assert "--compare-live" in wl.render_table(rows, "sim:h200-141gb")

@@ -14,7 +14,11 @@ Note [Comparing reserves]
 The reserve is compared after allocations only: a free is recorded before the engine frees the block, so live it
 carries none (and a free changes no reserve: chunks are stolen or released at allocations). Both reserves count
 from the engine's first byte: a trace started after the engine already held memory differs from its first
-allocation on (the comparison says so), as does a replay under another policy than the live engine's. The
+allocation on (the comparison says so when that is where they part). A replay under another policy than the live
+engine's (gpumem.torch runs ``gpumem`` unless configured otherwise; the trace does not name it) compares two
+engines, not the simulator with the card: the comparison names the policy it replayed when it is not the
+default. A trace recorded without the GPU clock replays under ``trace`` timing, whose guess of the GPU's lag is a
+cause of differences of its own. The
 replay's reserve is read after each allocation through the allocator's ``reserved_nbytes``, outside the timed
 GPU model (no simulated time passes), so the comparison does not change the replay. What the trace does not
 hold makes differences the comparison cannot tell from the engine's: memory the live engine gave back or took
@@ -26,6 +30,7 @@ once the op is made, outside the recorder's lock).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +81,8 @@ class LiveComparison:
     trace: str
     allocations_compared: int
     """Allocations whose live reserve the trace has and the replay made."""
+    allocations_recorded: int
+    """Allocations whose live reserve the trace has (more than those compared where the replay stopped early)."""
     allocations_differing: int
     first: LiveDivergence | None
     """The first allocation where the two differ; None when they agree at every one."""
@@ -98,16 +105,19 @@ class LiveComparison:
         """The comparison as text, one finding per line."""
         if not self.allocations_compared:
             head = "no allocation compared with the live engine's reserve"
-        elif self.first is None:
-            head = (f"{self.allocations_compared:,} allocations compared with the live engine's reserve: the replay "
-                    "held what live held after every one")
         else:
-            head = (f"{self.allocations_compared:,} allocations compared with the live engine's reserve: "
-                    f"{self.allocations_differing:,} differ")
+            whole = self.allocations_compared == self.allocations_recorded
+            n = f"{self.allocations_compared:,}" + ("" if whole else f" of {self.allocations_recorded:,}")
+            verdict = ("the replay held what live held after every one" + ("" if whole else " compared")
+                       if self.first is None else f"{self.allocations_differing:,} differ")
+            head = f"{n} allocations compared with the live engine's reserve: {verdict}"
         out = [head]
+        if self.policy and self.policy != _default_policy_name():
+            out.append(f"the replay ran the {self.policy!r} policy: gpumem.torch runs {_default_policy_name()!r} "
+                       "unless configured otherwise, so differences may be the policy's, not the simulator's")
         if self.stopped_at_op is not None:
-            out.append(f"the replay stopped by out of memory at op {self.stopped_at_op:,}: the allocations after it "
-                       "are not compared")
+            out.append(f"the replay stopped by out of memory at op {self.stopped_at_op:,} (ops counted from 0 here, as "
+                       "in the trace): the allocations from there on are not compared")
         out.append(f"peak reserved at them: live {format_bytes(self.live_peak_reserved_nbytes)}, replay "
                    f"{format_bytes(self.replayed_peak_reserved_nbytes)} "
                    f"({(self.replayed_peak_reserved_nbytes - self.live_peak_reserved_nbytes) / 2**20:+,.1f} MiB)")
@@ -116,13 +126,22 @@ class LiveComparison:
             if self.first.op == self.first_alloc_op:
                 out.append("  (at the trace's first allocation: the live engine may have held memory before the "
                            "trace began, or ran another policy)")
-        if self.largest is not None and self.largest != self.first:
-            out.append("largest difference: " + self.largest.describe())
+        if self.largest is not None:
+            out.append("largest difference: " + ("the first" if self.largest == self.first else
+                                                 self.largest.describe()))
         return out
 
     first_alloc_op: int = field(default=-1, compare=False, repr=False)
     stopped_at_op: int | None = None
     """The op at which the replay stopped by out of memory (None: it replayed the whole trace)."""
+    policy: str = ""
+    """The policy the replay ran (named in :meth:`lines` when it is not the default, gpumem.torch's)."""
+
+
+def _default_policy_name() -> str:
+    from .allocator.policy import DEFAULT_POLICY
+
+    return DEFAULT_POLICY
 
 
 class ReserveCapture:
@@ -158,12 +177,14 @@ class ReserveCapture:
             del self._allocator.allocate
 
 
-def compare_reserves(trace: Trace, capture: ReserveCapture, result: Any = None) -> LiveComparison:
-    """The comparison of ``trace``'s live reserves with those ``capture`` read in a replay of it."""
+def compare_reserves(trace: Trace, capture: ReserveCapture, result: Any = None, policy: str = "") -> LiveComparison:
+    """The comparison of ``trace``'s live reserves with those ``capture`` read in a replay of it (under
+    ``policy``, its name)."""
     live_all = trace.live_reserved_nbytes
     if live_all is None:
         raise InvalidArgumentError(f"{trace.name}: the trace has no live reserves (gpumem.torch records them with "
                                    "each allocation since .gmt version 6): nothing to compare the replay with")
+    recorded = int(np.count_nonzero(live_all[capture.ops] >= 0))
     ops = capture.ops[:len(capture.reserves)]
     replayed = np.asarray(capture.reserves, dtype=np.int64)
     live = live_all[ops]
@@ -183,10 +204,10 @@ def compare_reserves(trace: Trace, capture: ReserveCapture, result: Any = None) 
     first = at(int(bad[0])) if len(bad) else None
     largest = at(int(bad[np.argmax(np.abs(diff[bad]))])) if len(bad) else None
     oom_op = getattr(result, "oom_op", None)
-    return LiveComparison(trace.name, int(len(ops)), int(len(bad)), first, largest,
+    return LiveComparison(trace.name, int(len(ops)), recorded, int(len(bad)), first, largest,
                           int(live.max()) if len(live) else 0, int(replayed.max()) if len(replayed) else 0,
                           result, int(capture.ops[0]) if len(capture.ops) else -1,
-                          None if oom_op is None else int(oom_op))
+                          None if oom_op is None else int(oom_op), policy)
 
 
 def comparison_json(c: LiveComparison) -> dict[str, Any]:
@@ -198,18 +219,19 @@ def comparison_json(c: LiveComparison) -> dict[str, Any]:
                 "live_reserved_bytes": d.live_reserved_nbytes, "replayed_reserved_bytes": d.replayed_reserved_nbytes,
                 "gap_bytes": d.gap_nbytes, "gpu_lag_us": d.gpu_lag_us}
 
-    return {"allocations_compared": c.allocations_compared, "allocations_differing": c.allocations_differing,
+    return {"allocations_compared": c.allocations_compared, "allocations_recorded": c.allocations_recorded,
+            "allocations_differing": c.allocations_differing, "policy": c.policy,
             "agrees": c.agrees, "stopped_at_op": c.stopped_at_op,
             "live_peak_reserved_bytes": c.live_peak_reserved_nbytes,
             "replayed_peak_reserved_bytes": c.replayed_peak_reserved_nbytes,
             "first": one(c.first), "largest": one(c.largest)}
 
 
-def compare_live(trace: Trace, device: Any = "sim:h200-141gb", policy: Any = None, *, gpu_timing: Any = None,
+def compare_live(trace: Any, device: Any = "sim:h200-141gb", policy: Any = None, *, gpu_timing: Any = None,
                  **allocator_options: Any) -> LiveComparison:
-    """Replay ``trace`` (a gpumem.torch trace with its live reserves) on ``device`` under ``policy`` (the default
-    policy: gpumem.torch's own) and compare the replay's reserve with the live engine's after each allocation
-    (Note [Comparing reserves]). ``gpu_timing`` and ``allocator_options`` as for
+    """Replay ``trace`` (a gpumem.torch trace with its live reserves, or the path of one) on ``device`` under
+    ``policy`` (the default policy: gpumem.torch's own) and compare the replay's reserve with the live engine's
+    after each allocation (Note [Comparing reserves]). ``gpu_timing`` and ``allocator_options`` as for
     :func:`gpumem.replay.replay_trace`.
 
     Raises:
@@ -221,15 +243,20 @@ def compare_live(trace: Trace, device: Any = "sim:h200-141gb", policy: Any = Non
     from .replay import replay
     from .specs import open_device
 
+    if isinstance(trace, (str, os.PathLike)):
+        from .trace import load_trace
+
+        trace = load_trace(trace)
     if not isinstance(trace, Trace):
-        raise InvalidArgumentError(f"compare_live: trace must be a Trace, got {type(trace).__name__}")
+        raise InvalidArgumentError(f"compare_live: trace must be a Trace or a path, got {type(trace).__name__}")
     if trace.live_reserved_nbytes is None:
         raise InvalidArgumentError(f"{trace.name}: the trace has no live reserves (gpumem.torch records them with "
                                    "each allocation since .gmt version 6): nothing to compare the replay with")
     own = not isinstance(device, Device)
     dev = open_device(device) if own else device
+    policy = DEFAULT_POLICY if policy is None else policy
     try:
-        allocator = make_allocator(dev, DEFAULT_POLICY if policy is None else policy, **allocator_options)
+        allocator = make_allocator(dev, policy, **allocator_options)
         try:
             capture = ReserveCapture(trace, allocator)
             try:
@@ -241,4 +268,4 @@ def compare_live(trace: Trace, device: Any = "sim:h200-141gb", policy: Any = Non
     finally:
         if own:
             dev.close()
-    return compare_reserves(trace, capture, result)
+    return compare_reserves(trace, capture, result, policy if isinstance(policy, str) else getattr(policy, "name", ""))

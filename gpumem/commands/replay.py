@@ -204,7 +204,7 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
                             gpu=gpu, gpu_timing=None if gpu is not None else (args.gpu_timing or "idle"))
             if capture is not None:
                 capture.restore()
-                comparison = compare_reserves(trace, capture, result)
+                comparison = compare_reserves(trace, capture, result, args.policy)
             summary = allocator.memory_summary() if args.summary else None
             history = allocator.history() if export is not None else None
             report = replay_oom_report(result, allocator, device) if result.oom_error is not None else None
@@ -272,7 +272,9 @@ def register(sub: Any, formatter_class: Any) -> None:
                     "A gpumem.torch trace (.gmt version 4) also holds where the program marked its steps and\n"
                     "began the memory-first warm-up: the gpumem policy makes the same calls there, so the replay\n"
                     "predicts the run's step plan; the models of other allocators ignore them (docs/replay.md).\n"
-                    "One recorded with its GPU clock (.gmt version 5) replays as its GPU ran (--gpu-timing).\n"
+                    "One recorded with its GPU clock (.gmt version 5) replays as its GPU ran (--gpu-timing);\n"
+                    "one that has the live engine's reserve after each allocation (.gmt version 6, every\n"
+                    "gpumem.torch trace) can be compared with it (--compare-live).\n"
                     "An allocation that does not fit stops the replay; one report on stderr says what failed,\n"
                     "what the trace needs at its peak and which simulated profiles have room for it.",
         epilog=_exit_codes_text(EXIT_CODES),

@@ -152,8 +152,17 @@ def test_compare_live_finds_the_first_difference():
 def test_compare_live_needs_reserves():
     with pytest.raises(InvalidArgumentError, match="no live reserves"):
         compare_live(_trace(), gpu_timing="idle")
-    with pytest.raises(InvalidArgumentError, match="must be a Trace"):
-        compare_live("t.gmt")
+    with pytest.raises(InvalidArgumentError, match="must be a Trace or a path"):
+        compare_live(42)
+
+
+def test_compare_live_takes_a_path_and_names_another_policy(tmp_path):
+    t = _trace()
+    t = dataclasses.replace(t, live_reserved_nbytes=np.array(_replayed_reserves(t), np.int64))
+    p = save_trace(t, tmp_path / "t.gmt")
+    assert compare_live(str(p), gpu_timing="idle").agrees
+    other = compare_live(p, policy="pytorch", gpu_timing="idle")
+    assert other.policy == "pytorch" and any("'pytorch' policy" in line for line in other.lines())
 
 
 def test_capture_restores_the_allocator():

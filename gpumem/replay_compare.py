@@ -18,13 +18,12 @@ allocation on (the comparison says so when that is where they part). A replay un
 engine's (gpumem.torch runs ``gpumem`` unless configured otherwise; the trace does not name it) compares two
 engines, not the simulator with the card: the comparison names the policy it replayed when it is not the
 default. A trace recorded without the GPU clock replays under ``trace`` timing, whose guess of the GPU's lag is a
-cause of differences of its own. The
-replay's reserve is read after each allocation through the allocator's ``reserved_nbytes``, outside the timed
-GPU model (no simulated time passes), so the comparison does not change the replay. What the trace does not
-hold makes differences the comparison cannot tell from the engine's: memory the live engine gave back or took
-outside the traced allocations (``gpumem.torch.empty_cache()``, another library on the same engine), and, in a
-program allocating from several threads, a reserve read after another thread's allocation (the reserve is read
-once the op is made, outside the recorder's lock).
+cause of differences of its own. The replay's reserve is read after each allocation through the allocator's
+``reserved_nbytes``, outside the timed GPU model (no simulated time passes), so the comparison does not change
+the replay. What the trace does not hold makes differences the comparison cannot tell from the engine's: memory
+the live engine gave back or took outside the traced allocations (``gpumem.torch.empty_cache()``, another library
+on the same engine), and, in a program allocating from several threads, a reserve read after another thread's
+allocation (the reserve is read once the op is made, outside the recorder's lock).
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .allocator.policy import DEFAULT_POLICY
 from .errors import InvalidArgumentError
 from .trace import OpKind, Trace
 from .units import format_bytes
@@ -94,6 +94,12 @@ class LiveComparison:
     """The most the replay's engine held at the same allocations."""
     result: Any = field(default=None, compare=False, repr=False)
     """The replay's :class:`~gpumem.replay.ReplayResult`."""
+    first_alloc_op: int = field(default=-1, compare=False, repr=False)
+    """The trace's first allocation (a difference there may be memory held before the trace began)."""
+    stopped_at_op: int | None = None
+    """The op at which the replay stopped by out of memory (None: it replayed the whole trace)."""
+    policy: str = ""
+    """The policy the replay ran (named in :meth:`lines` when it is not the default, gpumem.torch's)."""
 
     @property
     def agrees(self) -> bool:
@@ -112,8 +118,8 @@ class LiveComparison:
                        if self.first is None else f"{self.allocations_differing:,} differ")
             head = f"{n} allocations compared with the live engine's reserve: {verdict}"
         out = [head]
-        if self.policy and self.policy != _default_policy_name():
-            out.append(f"the replay ran the {self.policy!r} policy: gpumem.torch runs {_default_policy_name()!r} "
+        if self.policy and self.policy != DEFAULT_POLICY:
+            out.append(f"the replay ran the {self.policy!r} policy: gpumem.torch runs {DEFAULT_POLICY!r} "
                        "unless configured otherwise, so differences may be the policy's, not the simulator's")
         if self.stopped_at_op is not None:
             out.append(f"the replay stopped by out of memory at op {self.stopped_at_op:,} (ops counted from 0 here, as "
@@ -130,18 +136,6 @@ class LiveComparison:
             out.append("largest difference: " + ("the first" if self.largest == self.first else
                                                  self.largest.describe()))
         return out
-
-    first_alloc_op: int = field(default=-1, compare=False, repr=False)
-    stopped_at_op: int | None = None
-    """The op at which the replay stopped by out of memory (None: it replayed the whole trace)."""
-    policy: str = ""
-    """The policy the replay ran (named in :meth:`lines` when it is not the default, gpumem.torch's)."""
-
-
-def _default_policy_name() -> str:
-    from .allocator.policy import DEFAULT_POLICY
-
-    return DEFAULT_POLICY
 
 
 class ReserveCapture:
@@ -238,7 +232,6 @@ def compare_live(trace: Any, device: Any = "sim:h200-141gb", policy: Any = None,
         InvalidArgumentError: the trace has no live reserves, or an argument is invalid.
     """
     from .allocator import make_allocator
-    from .allocator.policy import DEFAULT_POLICY
     from .device import Device
     from .replay import replay
     from .specs import open_device
@@ -268,4 +261,5 @@ def compare_live(trace: Any, device: Any = "sim:h200-141gb", policy: Any = None,
     finally:
         if own:
             dev.close()
-    return compare_reserves(trace, capture, result, policy if isinstance(policy, str) else getattr(policy, "name", ""))
+    name = policy if isinstance(policy, str) else getattr(policy, "name", "")
+    return compare_reserves(trace, capture, result, name)

@@ -94,7 +94,7 @@ def _op_cap(limits: TraceLimits, n_stream: int) -> tuple[int, str]:
     return by_count, "TraceLimits.max_entries"
 
 
-#: The newest version (plan events); a trace is written in the oldest version that holds it (module docstring).
+#: The newest version (live reserves); a trace is written in the oldest version that holds it (module docstring).
 FORMAT_VERSION = 6
 FORMAT_VERSIONS = (1, 2, 3, 4, 5, 6)
 NATIVE_SUFFIXES = (".gmt", ".gmt.gz")

@@ -115,15 +115,17 @@ class LiveComparison:
             whole = self.allocations_compared == self.allocations_recorded
             n = f"{self.allocations_compared:,}" + ("" if whole else f" of {self.allocations_recorded:,}")
             verdict = ("the replay held what live held after every one" + ("" if whole else " compared")
-                       if self.first is None else f"{self.allocations_differing:,} differ")
+                       if self.first is None else
+                       f"{self.allocations_differing:,} {'differs' if self.allocations_differing == 1 else 'differ'}")
             head = f"{n} allocations compared with the live engine's reserve: {verdict}"
         out = [head]
         if self.policy and self.policy != DEFAULT_POLICY:
             out.append(f"the replay ran the {self.policy!r} policy: gpumem.torch runs {DEFAULT_POLICY!r} "
                        "unless configured otherwise, so differences may be the policy's, not the simulator's")
         if self.stopped_at_op is not None:
-            out.append(f"the replay stopped by out of memory at op {self.stopped_at_op:,} (ops counted from 0 here, as "
-                       "in the trace): the allocations from there on are not compared")
+            out.append(f"the replay stopped by out of memory at op {self.stopped_at_op + 1:,} (index "
+                       f"{self.stopped_at_op:,} in the trace, as the ops below): the allocations from there on are not "
+                       "compared")
         out.append(f"peak reserved at them: live {format_bytes(self.live_peak_reserved_nbytes)}, replay "
                    f"{format_bytes(self.replayed_peak_reserved_nbytes)} "
                    f"({(self.replayed_peak_reserved_nbytes - self.live_peak_reserved_nbytes) / 2**20:+,.1f} MiB)")
@@ -197,7 +199,10 @@ def compare_reserves(trace: Trace, capture: ReserveCapture, result: Any = None, 
 
     first = at(int(bad[0])) if len(bad) else None
     largest = at(int(bad[np.argmax(np.abs(diff[bad]))])) if len(bad) else None
+    # stopped: a replay that ran out of memory and did not go on (one with stop_on_oom=False finishes the trace)
     oom_op = getattr(result, "oom_op", None)
+    if oom_op is not None and getattr(result, "completed_ops", 0) >= getattr(result, "n_ops", 0):
+        oom_op = None
     return LiveComparison(trace.name, int(len(ops)), recorded, int(len(bad)), first, largest,
                           int(live.max()) if len(live) else 0, int(replayed.max()) if len(replayed) else 0,
                           result, int(capture.ops[0]) if len(capture.ops) else -1,
@@ -225,8 +230,9 @@ def compare_live(trace: Any, device: Any = "sim:h200-141gb", policy: Any = None,
                  **allocator_options: Any) -> LiveComparison:
     """Replay ``trace`` (a gpumem.torch trace with its live reserves, or the path of one) on ``device`` under
     ``policy`` (the default policy: gpumem.torch's own) and compare the replay's reserve with the live engine's
-    after each allocation (Note [Comparing reserves]). ``gpu_timing`` and ``allocator_options`` as for
-    :func:`gpumem.replay.replay_trace`.
+    after each allocation (Note [Comparing reserves]). ``gpu_timing`` as for :func:`gpumem.replay.replay_trace`;
+    ``allocator_options`` go to the allocator (``limit=``, ``engine=``, ...); the replay stops at the first out of
+    memory, as ``gpumem replay`` does.
 
     Raises:
         InvalidArgumentError: the trace has no live reserves, or an argument is invalid.

@@ -145,6 +145,11 @@ def build_trace(
     ``live_reserved_nbytes`` (one per event; -1 where not recorded): the live engine's reserve after each
     (:attr:`Trace.live_reserved_nbytes`).
     """
+    if live_reserved_nbytes is not None:
+        given = np.asarray(live_reserved_nbytes)
+        if given.ndim != 1 or len(given) != len(codes) or (len(given) and given.dtype.kind not in "iu"):
+            raise InvalidArgumentError(f"build_trace: live_reserved_nbytes must be one int per event ({len(codes)}), "
+                                       f"got {given.dtype} of shape {given.shape}")
     if use_code in (ALLOC_CODE, FREE_CODE):
         raise InvalidArgumentError(f"build_trace: use_code {use_code} is the code of an alloc or a free")
     if wait_code in (ALLOC_CODE, FREE_CODE) or (wait_code is not None and wait_code == use_code):

@@ -862,7 +862,7 @@ def live_vs_predicted(record: dict, trace_dir: Path, sim: str = "sim:h200-141gb"
             if allocator == "gpumem" and getattr(trace, "live_reserved_nbytes", None) is not None:
                 comparison = _compare(trace, sim, model, gpu_timing)
                 res = comparison.result
-                compared = "; ".join(comparison.lines())
+                compared = "; ".join(line.strip() for line in comparison.lines())
             else:
                 res = _replay(trace, sim, model, gpu_timing)
             predicted, error = res.overhead, None

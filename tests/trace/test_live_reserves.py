@@ -237,9 +237,16 @@ def test_a_failed_allocation_keeps_the_pairing():
     assert cap.reserves[1] == -1   # op 1 failed
     c = compare_reserves(t, cap, r)
     assert c.allocations_compared == 3 and (c.first is None or c.first.op != 1)
+    assert c.stopped_at_op is None   # it went on to the end (re-check 34): nothing "not compared" after op 1
     stopped = compare_live(t, limit=512 * MiB, gpu_timing="idle")
     assert stopped.stopped_at_op == 1 and not stopped.agrees
-    assert any("stopped by out of memory at op 1" in line for line in stopped.lines())
+    assert any("stopped by out of memory at op 2 (index 1 " in line for line in stopped.lines())
     none = compare_live(t, limit=1 * MiB, gpu_timing="idle")
     assert none.allocations_compared == 0 and not none.agrees
     assert none.lines()[0] == "no allocation compared with the live engine's reserve"
+
+
+def test_build_trace_refuses_reserves_it_cannot_keep():
+    for bad in ([1.5] * 5, [0] * 4):
+        with pytest.raises(InvalidArgumentError, match="one int per event"):
+            _trace(bad)

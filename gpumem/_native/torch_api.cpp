@@ -204,6 +204,13 @@ DeviceEngine* existing(int device) {
     return state().devices[device].load(std::memory_order_acquire);
 }
 
+// existing(device), or null with gpumem_torch_last_error() saying there is no engine there (the C functions' -1).
+DeviceEngine* existing_or_error(int device) {
+    DeviceEngine* d = existing(device);
+    if (d == nullptr) t_last_error = "gpumem has no engine on CUDA device " + std::to_string(device);
+    return d;
+}
+
 void record_event(std::int32_t action, int device, std::uint64_t addr, std::uint64_t nbytes, std::uint64_t stream,
                   std::int64_t gpu_stamp = -1, std::int64_t reserved = -1, std::int64_t t_ns = -1);
 
@@ -757,11 +764,8 @@ GPUMEM_EXPORT void gpumem_torch_trace_gpu_clock(int on) { g_gpu_clock_on.store(o
 // it, -1 where unknown (no stamp: the clock was off or stopped). Waits for the events not yet complete. Returns
 // how many the trace holds there (as gpumem_torch_trace_read), -1 when gpumem has no engine there.
 GPUMEM_EXPORT std::int64_t gpumem_torch_trace_gpu_read(int device, std::int64_t* out, std::int64_t n) {
-    DeviceEngine* d = existing(device);
-    if (d == nullptr) {
-        t_last_error = "gpumem has no engine on CUDA device " + std::to_string(device);
-        return -1;
-    }
+    DeviceEngine* d = existing_or_error(device);
+    if (d == nullptr) return -1;
     std::vector<std::int64_t> stamp_ns;
     std::uint32_t generation = 0;
     {
@@ -797,10 +801,7 @@ GPUMEM_EXPORT std::int64_t gpumem_torch_trace_gpu_read(int device, std::int64_t*
 // order: the engine's reserved bytes once the event's allocation was made, -1 for events without one (Note [The
 // live engine's reserve]). Returns how many the trace holds there, -1 when gpumem has no engine there.
 GPUMEM_EXPORT std::int64_t gpumem_torch_trace_reserved_read(int device, std::int64_t* out, std::int64_t n) {
-    if (existing(device) == nullptr) {
-        t_last_error = "gpumem has no engine on CUDA device " + std::to_string(device);
-        return -1;
-    }
+    if (existing_or_error(device) == nullptr) return -1;
     try {
         return recording().recorder.trace_read_reserved(device, out, n);
     } catch (const std::exception& e) {
@@ -813,10 +814,7 @@ GPUMEM_EXPORT std::int64_t gpumem_torch_trace_reserved_read(int device, std::int
 // stream, nanoseconds); returns how many the trace holds there (call with n = 0 to size `out`), -1 when
 // gpumem has no engine there.
 GPUMEM_EXPORT std::int64_t gpumem_torch_trace_read(int device, std::uint64_t* out, std::int64_t n) {
-    if (existing(device) == nullptr) {
-        t_last_error = "gpumem has no engine on CUDA device " + std::to_string(device);
-        return -1;
-    }
+    if (existing_or_error(device) == nullptr) return -1;
     return recording().recorder.trace_read(device, out, n);
 }
 
@@ -902,11 +900,8 @@ GPUMEM_EXPORT int gpumem_torch_step_mark(int device) {
 // gpumem_torch_last_error().
 GPUMEM_EXPORT std::int64_t gpumem_torch_step_template(int device, std::uint64_t* out, std::int64_t n,
                                                       std::uint64_t* generation) {
-    DeviceEngine* d = existing(device);
-    if (d == nullptr) {
-        t_last_error = "gpumem has no engine on CUDA device " + std::to_string(device);
-        return -1;
-    }
+    DeviceEngine* d = existing_or_error(device);
+    if (d == nullptr) return -1;
     try {
         std::vector<Engine::StepRecord> rec;
         std::uint64_t gen = 0;

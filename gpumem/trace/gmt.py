@@ -337,7 +337,7 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                     kind = _int(p[1], "plan event kind", 0, max(PlanEventKind))
                     plans.append(PlanEvent(len(kinds), PlanEventKind(kind), _time(p[2])))
                 elif tag == "r" and len(p) == 2 and with_reserves:
-                    if not reserves or reserves[-1] != -1 or last_tag not in ("a", "f"):
+                    if last_tag not in ("a", "f") or reserves[-1] != -1:   # right after its op line, once
                         raise ValueError("a reserve ('r') must follow the op line it belongs to, one per op")
                     reserves[-1] = _int(p[1], "reserved bytes", 0, _INT64_MAX)
                     n_reserves += 1

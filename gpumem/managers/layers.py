@@ -174,13 +174,18 @@ class TrackingLayer(ResourceLayer):
         return ptr
 
     def do_deallocate(self, ptr: int, nbytes: int, alignment: int, stream: int) -> None:
+        # the entry goes before the memory does: once upstream has it back, another thread may be handed the same
+        # pointer and record it here, and removing the entry after would remove that thread's
         with self._lock:
-            bid = self._ids.get(ptr)
+            bid = self._ids.pop(ptr, None)
         if bid is None:
             raise InvalidPointerError(f"deallocate: {ptr:#x} is not tracked by {self!r}")
-        self.upstream.do_deallocate(ptr, nbytes, alignment, stream)
-        with self._lock:
-            del self._ids[ptr]
+        try:
+            self.upstream.do_deallocate(ptr, nbytes, alignment, stream)
+        except BaseException:
+            with self._lock:   # not freed: still tracked
+                self._ids[ptr] = bid
+            raise
         self.tracker.unregister(bid)
 
     def buffer_id(self, ptr: int) -> BufferId:

@@ -425,3 +425,29 @@ def test_log_memory_usage_prints_when_logging_is_not_configured(monkeypatch, cap
         assert st.device == "sim:t4-16gb"
     finally:
         mgr.close()
+
+
+def test_tracking_keeps_the_entry_of_a_pointer_handed_out_again_during_a_free():
+    """The race behind a rare failure of test_threads_share_a_manager: while one thread's free is in the
+    allocator, another thread is handed the same pointer and tracked; the first thread's free must not then
+    remove the second's entry (it removed it after the upstream free; now before)."""
+    with GpuMemoryManager("sim:a100-80gb") as m:
+        layer = m._tracking
+        upstream = layer.upstream
+        real_free = upstream.do_deallocate
+        again = []
+
+        def free_then_reallocate(ptr, nbytes, alignment, stream):
+            real_free(ptr, nbytes, alignment, stream)
+            if not again:   # "another thread", between the free and the entry's removal
+                again.append(layer.do_allocate(nbytes, alignment, stream))
+
+        upstream.do_deallocate = free_then_reallocate
+        try:
+            a = m.allocate(64 * 1024)
+            m.deallocate(a)
+        finally:
+            del upstream.do_deallocate
+        assert again and again[0] == a.ptr   # the same pointer came back
+        assert layer.buffer_id(again[0]) is not None   # and it is still tracked
+        layer.do_deallocate(again[0], 64 * 1024, a.alignment, a.stream)

@@ -34,6 +34,7 @@
 #include <dlfcn.h>
 #include <sys/types.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -146,6 +147,22 @@ struct TorchOutOfMemory : std::runtime_error {
 // (high 32 bits), which a new trace advances, so that an op stamped just before tracing restarted cannot take a
 // stamp of the new trace (recorder.h trace_read_gpu). The clock stamps only while the trace is on (turned off
 // with it). Each stamp costs the program a few microseconds of CPU (an event made, recorded, queried).
+//
+// Note [A stamp lies between its event's record and its completion seen]: chained references carry two errors.
+// The first reference's time was read once event_synchronize returned: late by the wake-up, and by what a timing
+// event takes to be seen done after its timestamp. On the H200 an event without timing (the engine's fences) is
+// seen done 4-5 us after its record on an idle stream, one with timing 8-10 us (the probe beside
+// reports/hil/gpu-clock-bounds-h200-2026-11-30.md); every stamp carried the offset, so an idle GPU showed ~4.5 us
+// of lag, and a replay read it as queued work: a fence the engine records at an allocation (lazily, for the
+// pages freed since its last pass), which live found done, was pending in the replay, and the replay grew where
+// live stole. Now the queue is drained first, a fence and the reference are recorded back to back, and the
+// reference's time is when that fence is seen done (polled). Second, the GPU's timer and the host's steady clock
+// tick a few parts per million apart, which over a long run adds up (one 11 s trace drifted from 6 to 61 us). But
+// an event completes after it was recorded and no later than the query that saw it complete, so each stamp read
+// is held between the host times of the two: bounds, so the hold only ever moves a stamp toward the truth, and as
+// the held stamp becomes the next reference, drift cannot build up past the time between an event's completion
+// and the query that saw it. Both bounds are needed: the upper alone turned the elapsed times' rounding into a
+// downward ratchet (stamps 13 us before their own record by the end of 11 s runs).
 struct GpuClock {
     static constexpr std::size_t kMaxPendingStamps = 1u << 20;
     static constexpr std::size_t kMaxStamps = (std::size_t{1} << 32) - 1;   // an index fits the low 32 bits
@@ -154,7 +171,12 @@ struct GpuClock {
     std::int64_t ref_ns = 0;          // its time, steady-clock ns
     std::uint32_t generation = 0;     // advanced by each new trace
     std::vector<std::int64_t> stamp_ns;                          // by stamp: steady-clock ns, -1 not yet known
-    std::deque<std::pair<std::size_t, EventHandle>> pending;     // stamps whose event is not yet read, oldest first
+    struct Pending {
+        std::size_t stamp;            // its index in stamp_ns
+        EventHandle event;
+        std::int64_t recorded_ns;     // steady-clock ns just before the event was recorded
+    };
+    std::deque<Pending> pending;      // stamps whose event is not yet read, oldest first
     bool stopped = false;             // too many pending, or a driver error: no more stamps
 };
 
@@ -216,10 +238,15 @@ void record_event(std::int32_t action, int device, std::uint64_t addr, std::uint
 
 std::atomic<bool> g_gpu_clock_on{false};   // gpumem_torch_trace_gpu_clock: traced ops are stamped
 
-// Reads the completed event at the front of `c.pending`, which becomes the reference (under c.mutex).
-void read_front(GpuClock& c, CudaBackend& b) {
-    auto [stamp, ev] = c.pending.front();
-    const std::int64_t ns = c.ref_ns + std::llround(b.timing_elapsed_ms(c.ref, ev) * 1e6);
+// Reads the completed event at the front of `c.pending`, which becomes the reference (under c.mutex). `done_ns`:
+// a steady-clock time at which the event was seen complete (Note [A stamp lies between its event's record and
+// its completion seen]).
+void read_front(GpuClock& c, CudaBackend& b, std::int64_t done_ns) {
+    const GpuClock::Pending p = c.pending.front();
+    const EventHandle ev = p.event;
+    const std::int64_t chained = c.ref_ns + std::llround(b.timing_elapsed_ms(c.ref, ev) * 1e6);
+    const std::int64_t ns = std::max(p.recorded_ns, std::min(chained, done_ns));
+    const std::size_t stamp = p.stamp;
     c.stamp_ns[stamp] = ns;
     c.pending.pop_front();
     const EventHandle old = c.ref;
@@ -240,20 +267,39 @@ std::int64_t gpu_stamp(DeviceEngine* d, std::uint64_t stream) noexcept {
         // an event recorded on a stream being captured into a CUDA graph goes into the graph, and querying or
         // waiting for it would break the capture: such ops get no stamp (their GPU time unknown; attacker 32)
         if (b.stream_capturing(stream)) return -1;
-        if (c.ref == 0) {
-            c.ref = b.timing_event_record(stream);
-            b.event_synchronize(c.ref);
+        if (c.ref == 0) {   // Note [A stamp lies between its event's record and its completion seen]
+            const EventHandle drained = b.timing_event_record(stream);
+            try {
+                b.event_synchronize(drained);   // the work queued so far: the reference's own wait is short
+            } catch (...) {
+                b.timing_event_destroy(drained);
+                throw;
+            }
+            b.timing_event_destroy(drained);
+            // the reference's time is when a fence recorded just before it (an event without timing, as the
+            // engine's) is seen done: a timing event is seen done ~4.5 us after its own timestamp
+            const EventHandle fence = b.event_record(stream);
+            try {
+                c.ref = b.timing_event_record(stream);
+                while (!b.event_query(fence)) {
+                }
+            } catch (...) {
+                b.event_destroy(fence);
+                throw;
+            }
             c.ref_ns = now_ns();
+            b.event_destroy(fence);
         }
-        for (int k = 0; k < 4 && !c.pending.empty() && b.event_query(c.pending.front().second); ++k) read_front(c, b);
+        for (int k = 0; k < 4 && !c.pending.empty() && b.event_query(c.pending.front().event); ++k)
+            read_front(c, b, now_ns());
         if (c.pending.size() >= GpuClock::kMaxPendingStamps || c.stamp_ns.size() >= GpuClock::kMaxStamps) {
             c.stopped = true;
             return -1;
         }
         c.stamp_ns.push_back(-1);   // room first: nothing to undo if it throws
-        c.pending.emplace_back(c.stamp_ns.size() - 1, 0);
+        c.pending.push_back({c.stamp_ns.size() - 1, 0, now_ns()});
         try {
-            c.pending.back().second = b.timing_event_record(stream);
+            c.pending.back().event = b.timing_event_record(stream);
         } catch (...) {
             c.pending.pop_back();
             c.stamp_ns.pop_back();
@@ -272,10 +318,9 @@ void gpu_clock_reset(DeviceEngine* d) noexcept {
     GpuClock& c = d->clock;
     std::lock_guard<std::mutex> lock(c.mutex);
     try {
-        for (auto& [stamp, ev] : c.pending) {
-            (void)stamp;
-            d->backend->event_synchronize(ev);
-            d->backend->timing_event_destroy(ev);
+        for (const GpuClock::Pending& p : c.pending) {
+            d->backend->event_synchronize(p.event);
+            d->backend->timing_event_destroy(p.event);
         }
         if (c.ref != 0) d->backend->timing_event_destroy(c.ref);
     } catch (const std::exception&) {   // a lost device: the events go with it
@@ -773,8 +818,8 @@ GPUMEM_EXPORT std::int64_t gpumem_torch_trace_gpu_read(int device, std::int64_t*
         std::lock_guard<std::mutex> lock(c.mutex);
         try {
             while (!c.pending.empty()) {
-                d->backend->event_synchronize(c.pending.front().second);
-                read_front(c, *d->backend);
+                d->backend->event_synchronize(c.pending.front().event);
+                read_front(c, *d->backend, now_ns());
             }
         } catch (const std::exception& e) {   // the times read so far stay; the rest are unknown (-1)
             c.stopped = true;

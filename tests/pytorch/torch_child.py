@@ -187,6 +187,9 @@ def scenario_trace_gpu_clock() -> None:
     assert lag[-3] > 5_000, lag[-5:]                    # b's allocation: milliseconds of matmuls still queued
     assert abs(lag[-1]) < 1_000 or lag[-1] < 0, lag[-1]  # c, after the synchronize: nothing queued
     assert np.all(np.diff(g[t.streams == t.streams[0]]) >= -1.0), "one stream's clock runs backwards"
+    # Note [A stamp lies between its event's record and its completion seen]: no op's GPU time comes before the
+    # op began by more than an event record's cost (100 us is far more than one)
+    assert lag.min() > -100, lag.min()
     r = replay_trace(t, "sim:h200-141gb", "gpumem", progress=False)   # the trace's clock: gpu-clock by default
     assert r.extra["gpu_timing"] == "gpu-clock" and r.completed_ops == t.n_ops, r.extra
     del b, c, x

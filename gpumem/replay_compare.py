@@ -214,9 +214,10 @@ def comparison_json(c: LiveComparison) -> dict[str, Any]:
     def one(d: LiveDivergence | None) -> dict[str, Any] | None:
         if d is None:
             return None
-        return {"op": d.op, "nbytes": d.nbytes, "stream": d.stream, "time_us": d.time_us,
+        lag_us = None if d.gpu_lag_us is None else round(d.gpu_lag_us, 3)   # the clocks' ns, not float noise
+        return {"op": d.op, "nbytes": d.nbytes, "stream": d.stream, "time_us": round(d.time_us, 3),
                 "live_reserved_bytes": d.live_reserved_nbytes, "replayed_reserved_bytes": d.replayed_reserved_nbytes,
-                "gap_bytes": d.gap_nbytes, "gpu_lag_us": d.gpu_lag_us}
+                "gap_bytes": d.gap_nbytes, "gpu_lag_us": lag_us}
 
     return {"allocations_compared": c.allocations_compared, "allocations_recorded": c.allocations_recorded,
             "allocations_differing": c.allocations_differing, "policy": c.policy,

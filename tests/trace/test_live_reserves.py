@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gpumem.errors import InvalidArgumentError, TraceFormatError
-from gpumem.replay_compare import ReserveCapture, compare_live, compare_reserves
+from gpumem.replay_compare import ReserveCapture, compare_live, compare_reserves, comparison_json
 from gpumem.trace import Trace, load_trace, save_trace
 from gpumem.trace.builder import build_trace
 
@@ -147,6 +147,18 @@ def test_compare_live_finds_the_first_difference():
     assert (c.first.op, c.first.nbytes, c.first.gap_nbytes) == (3, MiB, -2 * MiB)
     assert c.first.gpu_lag_us == pytest.approx(7.0) and c.largest == c.first
     assert "op 3 " in c.lines()[2]
+
+
+def test_comparison_json_gives_times_to_the_nanosecond():
+    """Times in ``--json`` are the clocks' nanoseconds, not a float's noise (179.3070000000298: new user 35)."""
+    t = _trace()
+    r = _replayed_reserves(t)
+    r[3] += 2 * MiB
+    lagged = t.times_us + 7.000000000029
+    t = dataclasses.replace(t, live_reserved_nbytes=np.array(r, np.int64), gpu_times_us=lagged)
+    first = comparison_json(compare_live(t, gpu_timing="idle"))["first"]
+    assert first["gpu_lag_us"] == round(first["gpu_lag_us"], 3) == pytest.approx(7.0)
+    assert first["time_us"] == round(first["time_us"], 3)
 
 
 def test_compare_live_needs_reserves():

@@ -5,7 +5,7 @@ timing (``gpu-clock``) and compared with the live reserve allocation by allocati
 (``gpumem.replay_compare.compare_live``); the last column prices the VMM calls on a busy device as measured
 (``LatencyModel.as_measured()``), studied and not adopted::
 
-    PYTHONPATH=. python reports/hil/gpu-clock-bounds-h200-2026-11-30/compare.py          # about 3 minutes
+    PYTHONPATH=. python reports/hil/gpu-clock-bounds-h200-2026-11-30/compare.py          # 1-3 minutes
 
 Live overhead = the largest live reserve / the trace's peak of live bytes, less 1 (the replay's overhead has the
 same denominator).
@@ -44,7 +44,7 @@ def main() -> None:
                 dev.close()
         c = runs[0]
         f = c.first
-        where = "none" if f is None else f"op {f.op:,}: {f.gap_nbytes / 2**20:+,.0f} MiB, GPU {f.gpu_lag_us:.0f} us behind"
+        where = "none" if f is None else f"op {f.op:,}: {f.gap_nbytes / 2**20:+,.0f} MiB, GPU {f.gpu_lag_us:.0f} µs behind"
         agree = c.allocations_compared - c.allocations_differing
         live = int(trace.live_reserved_nbytes.max()) / c.result.peak_live_bytes - 1
         print(f"| {stem} | {live:.2%} | {c.result.overhead:.2%} | {(c.result.overhead - live) * 100:+.2f} pp | "

@@ -8,6 +8,7 @@ any failed assertion exits non-zero with its traceback.
 from __future__ import annotations
 
 import sys
+import time
 
 
 def scenario_work_matches_cpu() -> None:
@@ -193,6 +194,19 @@ def scenario_trace_gpu_clock() -> None:
     r = replay_trace(t, "sim:h200-141gb", "gpumem", progress=False)   # the trace's clock: gpu-clock by default
     assert r.extra["gpu_timing"] == "gpu-clock" and r.completed_ops == t.n_ops, r.extra
     del b, c, x
+    # Note [A stamp lies between its event's record and its completion seen]: an idle GPU's ops are stamped 2-3.3 us
+    # after they begin (H200, three traces of 200); a reference timed by its own timing event put every stamp
+    # ~3.5 us later (an idle floor of 4.4-5.6 us in live traces: new user 35)
+    gt.start_trace(gpu_clock=True)
+    for _ in range(200):
+        torch.cuda.synchronize()
+        time.sleep(1e-4)
+        e = torch.empty(512, dtype=torch.uint8, device="cuda")
+        del e
+    gt.stop_trace()
+    t = gt.recorded_trace(0)
+    idle_lag = float(np.median(t.gpu_times_us - t.times_us))
+    assert 0 < idle_lag < 5.0, idle_lag
     gt.start_trace()                                    # a trace without the clock: none recorded
     d = torch.empty(100, device="cuda")
     gt.stop_trace()

@@ -3,6 +3,7 @@
 
 #include <dlfcn.h>
 
+#include <chrono>
 #include <cstddef>
 #include <mutex>
 #include <vector>
@@ -454,10 +455,13 @@ void CudaBackend::stream_synchronize(StreamHandle stream) {
                "cuStreamSynchronize");
 }
 
-EventHandle CudaBackend::timing_event_record(StreamHandle stream) {
+EventHandle CudaBackend::timing_event_record(StreamHandle stream, std::int64_t* recorded_ns) {
     ContextScope scope(*this);
     CUevent ev = nullptr;
     drv_.check(drv_.cuEventCreate(&ev, 0), "cuEventCreate");   // flags 0: with timing
+    if (recorded_ns != nullptr)
+        *recorded_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now().time_since_epoch()).count();
     CUresult r = drv_.cuEventRecord(ev, reinterpret_cast<CUstream>(static_cast<std::uintptr_t>(stream)));
     if (r != CUDA_SUCCESS) {
         drv_.cuEventDestroy(ev);

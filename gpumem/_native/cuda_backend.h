@@ -81,7 +81,8 @@ class CudaBackend final : public Backend {
 
     // Events with timing, for the trace's GPU clock only (Note [The trace's GPU clock] in torch_api.cpp): made
     // and recorded on `stream`; query and synchronize them with event_query / event_synchronize.
-    EventHandle timing_event_record(StreamHandle stream);
+    // `recorded_ns`, when given, gets the steady clock's nanoseconds just before cuEventRecord (the event made).
+    EventHandle timing_event_record(StreamHandle stream, std::int64_t* recorded_ns = nullptr);
     // Milliseconds from `start` to `end`, both complete (cuEventElapsedTime: about half a microsecond's resolution).
     double timing_elapsed_ms(EventHandle start, EventHandle end);
     // Destroys a timing event (not pooled: the pool's events are recorded without timing).

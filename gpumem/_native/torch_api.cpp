@@ -150,19 +150,23 @@ struct TorchOutOfMemory : std::runtime_error {
 //
 // Note [A stamp lies between its event's record and its completion seen]: chained references carry two errors.
 // The first reference's time was read once event_synchronize returned: late by the wake-up, and by what a timing
-// event takes to be seen done after its timestamp. On the H200 an event without timing (the engine's fences) is
-// seen done 4-5 us after its record on an idle stream, one with timing 8-10 us (the probe beside
-// reports/hil/gpu-clock-bounds-h200-2026-11-30.md); every stamp carried the offset, so an idle GPU showed ~4.5 us
-// of lag, and a replay read it as queued work: a fence the engine records at an allocation (lazily, for the
-// pages freed since its last pass), which live found done, was pending in the replay, and the replay grew where
-// live stole. Now the queue is drained first, a fence and the reference are recorded back to back, and the
-// reference's time is when that fence is seen done (polled). Second, the GPU's timer and the host's steady clock
-// tick a few parts per million apart, which over a long run adds up (one 11 s trace drifted from 6 to 61 us). But
-// an event completes after it was recorded and no later than the query that saw it complete, so each stamp read
-// is held between the host times of the two: bounds, so the hold only ever moves a stamp toward the truth, and as
-// the held stamp becomes the next reference, drift cannot build up past the time between an event's completion
-// and the query that saw it. Both bounds are needed: the upper alone turned the elapsed times' rounding into a
-// downward ratchet (stamps 13 us before their own record by the end of 11 s runs).
+// event takes to be seen done (on the H200 2.5 us more than a fence, an event without timing as the engine's,
+// recorded just before it: event_latency.py beside reports/hil/gpu-clock-bounds-h200-2026-11-30.md). Every stamp
+// carried that offset, so an idle GPU showed 4-6 us of lag, and a replay read it as queued work: a fence the engine
+// records at an allocation (lazily, for the pages freed since its last pass), which live found done, was pending
+// in the replay, and the replay grew where live stole. Now the queue is drained, a fence and the reference are
+// recorded back to back, and the reference's time is when the fence is seen done (anchor_reference). That is good
+// to a few microseconds, not better: the timing event is made between the two records, and the idle floor of the
+// H200 traces so made ranges from 1 to 4 us. Second, the GPU's timer and the host's steady clock tick a few parts
+// per million apart, which over a long run adds up (one 11 s trace drifted from 6 to 61 us). But an event completes
+// after it was recorded and no later than the query that saw it complete, so each stamp read is held between the
+// host times of the two: bounds, so the hold only ever moves a stamp toward the truth. They bound the drift, they
+// do not remove it: a stamp can run late by at most the time from its event's completion to the query that saw it,
+// early by at most the time from its record to its completion (a few microseconds where the GPU keeps up; in the
+// H200 traces the idle floor moved by up to 4 us over 11 s, held there by the lower bound). Both are needed: the
+// upper alone turned the elapsed times' rounding into a downward ratchet (stamps 13 us before their own record by
+// the end of 11 s runs). A timing event made before the fence, the best of several anchors, and re-anchoring at
+// idle moments would remove the rest.
 struct GpuClock {
     static constexpr std::size_t kMaxPendingStamps = 1u << 20;
     static constexpr std::size_t kMaxStamps = (std::size_t{1} << 32) - 1;   // an index fits the low 32 bits
@@ -255,6 +259,41 @@ void read_front(GpuClock& c, CudaBackend& b, std::int64_t done_ns) {
     b.timing_event_destroy(old);
 }
 
+// The clock's first reference on `stream` (under c.mutex; Note [A stamp lies between its event's record and its
+// completion seen]): the work queued so far drained, then a fence and the reference recorded back to back, the
+// reference's time taken when the fence is seen done. Throws on a driver error (the clock then stops).
+void anchor_reference(GpuClock& c, CudaBackend& b, std::uint64_t stream) {
+    constexpr std::int64_t kSpinNs = 1'000'000;   // past this (work queued meanwhile by another thread): wait
+    const EventHandle drained = b.event_record(stream);
+    try {
+        b.event_synchronize(drained);
+    } catch (...) {
+        b.event_destroy(drained);
+        throw;
+    }
+    b.event_destroy(drained);
+    const EventHandle fence = b.event_record(stream);
+    EventHandle ref = 0;
+    try {
+        ref = b.timing_event_record(stream);
+        const std::int64_t give_up_ns = now_ns() + kSpinNs;
+        bool seen = b.event_query(fence);
+        while (!seen && now_ns() < give_up_ns) seen = b.event_query(fence);
+        if (!seen) b.event_synchronize(fence);
+        c.ref_ns = now_ns();
+        b.event_synchronize(ref);   // an elapsed time needs both events complete
+    } catch (...) {
+        try {
+            if (ref != 0) b.timing_event_destroy(ref);
+        } catch (...) {   // a lost device: the event goes with it
+        }
+        b.event_destroy(fence);
+        throw;
+    }
+    b.event_destroy(fence);
+    c.ref = ref;
+}
+
 // Stamps an op on `stream` of device `d` (Note [The trace's GPU clock]): its stamp, or -1 (the clock is off or
 // stopped). Never throws.
 std::int64_t gpu_stamp(DeviceEngine* d, std::uint64_t stream) noexcept {
@@ -267,29 +306,7 @@ std::int64_t gpu_stamp(DeviceEngine* d, std::uint64_t stream) noexcept {
         // an event recorded on a stream being captured into a CUDA graph goes into the graph, and querying or
         // waiting for it would break the capture: such ops get no stamp (their GPU time unknown; attacker 32)
         if (b.stream_capturing(stream)) return -1;
-        if (c.ref == 0) {   // Note [A stamp lies between its event's record and its completion seen]
-            const EventHandle drained = b.timing_event_record(stream);
-            try {
-                b.event_synchronize(drained);   // the work queued so far: the reference's own wait is short
-            } catch (...) {
-                b.timing_event_destroy(drained);
-                throw;
-            }
-            b.timing_event_destroy(drained);
-            // the reference's time is when a fence recorded just before it (an event without timing, as the
-            // engine's) is seen done: a timing event is seen done ~4.5 us after its own timestamp
-            const EventHandle fence = b.event_record(stream);
-            try {
-                c.ref = b.timing_event_record(stream);
-                while (!b.event_query(fence)) {
-                }
-            } catch (...) {
-                b.event_destroy(fence);
-                throw;
-            }
-            c.ref_ns = now_ns();
-            b.event_destroy(fence);
-        }
+        if (c.ref == 0) anchor_reference(c, b, stream);
         for (int k = 0; k < 4 && !c.pending.empty() && b.event_query(c.pending.front().event); ++k)
             read_front(c, b, now_ns());
         if (c.pending.size() >= GpuClock::kMaxPendingStamps || c.stamp_ns.size() >= GpuClock::kMaxStamps) {
@@ -297,9 +314,9 @@ std::int64_t gpu_stamp(DeviceEngine* d, std::uint64_t stream) noexcept {
             return -1;
         }
         c.stamp_ns.push_back(-1);   // room first: nothing to undo if it throws
-        c.pending.push_back({c.stamp_ns.size() - 1, 0, now_ns()});
+        c.pending.push_back({c.stamp_ns.size() - 1, 0, 0});
         try {
-            c.pending.back().event = b.timing_event_record(stream);
+            c.pending.back().event = b.timing_event_record(stream, &c.pending.back().recorded_ns);
         } catch (...) {
             c.pending.pop_back();
             c.stamp_ns.pop_back();

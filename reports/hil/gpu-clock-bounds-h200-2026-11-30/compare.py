@@ -1,6 +1,6 @@
-"""The check table of ``reports/hil/gpu-clock-bounds-h200-2026-11-30.md``: each trace (gpumem.torch on the H200,
-recorded with the GPU clock of Note [A stamp lies between its event's record and its completion seen] and the live
-engine's reserve after each allocation) replayed on ``sim:h200-141gb`` with the default policy under its default
+"""The check table of ``reports/hil/gpu-clock-bounds-h200-2026-11-30.md`` (the four check runs, then the final code's
+run): each trace (gpumem.torch on the H200, recorded with the GPU clock of Note [A stamp lies between its event's
+record and its completion seen] and the live engine's reserve after each allocation) replayed on ``sim:h200-141gb`` with the default policy under its default
 timing (``gpu-clock``) and compared with the live reserve allocation by allocation
 (``gpumem.replay_compare.compare_live``); the last column prices the VMM calls on a busy device as measured
 (``LatencyModel.as_measured()``), studied and not adopted::
@@ -22,7 +22,7 @@ from gpumem.sim.latency import LatencyModel
 from gpumem.trace import load_trace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TRACES = ("check-b12", "check-b14", "check-b16", "check-b20")
+TRACES = ("check-b12", "check-b14", "check-b16", "check-b20", "final-b12")
 
 
 def _device(measured: bool) -> SimDevice:

@@ -192,7 +192,7 @@ def scenario_trace_gpu_clock() -> None:
     assert r.extra["gpu_timing"] == "gpu-clock" and r.completed_ops == t.n_ops, r.extra
     del b, c, x
     # Note [A stamp lies between its event's record and its completion seen]: an idle GPU's ops are stamped within
-    # microseconds of their start (H200: medians of 2.0-3.3 us in three traces of 200 ops; one run in six of this
+    # microseconds of their start (H200: medians of 2.0-3.3 us in three traces of 200 ops; two runs in eight of this
     # scenario came out outside (0, 5) us, as the reference's time varies by a few us from trace to trace). The bound
     # catches a clock that drifts or a reference read at the wrong moment, not that few-us offset (new user 35)
     gt.start_trace(gpu_clock=True)

@@ -40,7 +40,7 @@ from .errors import InvalidArgumentError
 from .trace import OpKind, Trace
 from .units import format_bytes
 
-__all__ = ["LiveComparison", "LiveDivergence", "ReserveCapture", "compare_live", "compare_reserves",
+__all__ = ["LiveComparison", "LiveDivergence", "ReserveCapture", "clock_floor_us", "compare_live", "compare_reserves",
            "comparison_json"]
 
 
@@ -100,6 +100,9 @@ class LiveComparison:
     """The op at which the replay stopped by out of memory (None: it replayed the whole trace)."""
     policy: str = ""
     """The policy the replay ran (named in :meth:`lines` when it is not the default, gpumem.torch's)."""
+    clock_floor_us: tuple[float, float] | None = None
+    """The trace's GPU clock at its least behind in its first and its last second (:func:`clock_floor_us`); None
+    without a clock."""
 
     @property
     def agrees(self) -> bool:
@@ -137,6 +140,11 @@ class LiveComparison:
         if self.largest is not None:
             out.append("largest difference: " + ("the first" if self.largest == self.first else
                                                  self.largest.describe()))
+        if self.clock_floor_us is not None:
+            first_us, last_us = self.clock_floor_us
+            out.append(f"the trace's GPU clock at its least behind: {first_us:.1f} µs in the first second, {last_us:.1f} "
+                       "µs in the last (an idle GPU's lag where it idled; a few µs more, a clock recorded before "
+                       "2026-11-30 or drifting, is queued work to the replay: docs/gpu-timing.md)")
         return out
 
 
@@ -173,6 +181,23 @@ class ReserveCapture:
             del self._allocator.allocate
 
 
+def clock_floor_us(trace: Trace) -> tuple[float, float] | None:
+    """How far behind the CPU ``trace``'s GPU clock is at its least in its first and in its last second of ops (the
+    1st percentile of the GPU's lag there, in microseconds): where the GPU idled, what an idle GPU shows, which a
+    replay reads as queued work (Note [A stamp lies between its event's record and its completion seen] in
+    ``gpumem/_native/torch_api.cpp``). None when the trace has no clock."""
+    if trace.gpu_times_us is None:
+        return None
+    known = np.isfinite(trace.gpu_times_us)
+    if not known.any():
+        return None
+    times_us = trace.times_us[known]
+    lag_us = trace.gpu_times_us[known] - times_us
+    second = np.floor((times_us - times_us.min()) / 1e6)
+    first, last = second == second.min(), second == second.max()
+    return float(np.percentile(lag_us[first], 1)), float(np.percentile(lag_us[last], 1))
+
+
 def compare_reserves(trace: Trace, capture: ReserveCapture, result: Any = None, policy: str = "") -> LiveComparison:
     """The comparison of ``trace``'s live reserves with those ``capture`` read in a replay of it (under
     ``policy``, its name)."""
@@ -206,7 +231,7 @@ def compare_reserves(trace: Trace, capture: ReserveCapture, result: Any = None, 
     return LiveComparison(trace.name, int(len(ops)), recorded, int(len(bad)), first, largest,
                           int(live.max()) if len(live) else 0, int(replayed.max()) if len(replayed) else 0,
                           result, int(capture.ops[0]) if len(capture.ops) else -1,
-                          None if oom_op is None else int(oom_op), policy)
+                          None if oom_op is None else int(oom_op), policy, clock_floor_us(trace))
 
 
 def comparison_json(c: LiveComparison) -> dict[str, Any]:
@@ -222,6 +247,7 @@ def comparison_json(c: LiveComparison) -> dict[str, Any]:
     return {"allocations_compared": c.allocations_compared, "allocations_recorded": c.allocations_recorded,
             "allocations_differing": c.allocations_differing, "policy": c.policy,
             "agrees": c.agrees, "stopped_at_op": c.stopped_at_op,
+            "gpu_clock_floor_us": None if c.clock_floor_us is None else [round(v, 3) for v in c.clock_floor_us],
             "live_peak_reserved_bytes": c.live_peak_reserved_nbytes,
             "replayed_peak_reserved_bytes": c.replayed_peak_reserved_nbytes,
             "first": one(c.first), "largest": one(c.largest)}

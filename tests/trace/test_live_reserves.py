@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gpumem.errors import InvalidArgumentError, TraceFormatError
-from gpumem.replay_compare import ReserveCapture, compare_live, compare_reserves, comparison_json
+from gpumem.replay_compare import ReserveCapture, clock_floor_us, compare_live, compare_reserves, comparison_json
 from gpumem.trace import Trace, load_trace, save_trace
 from gpumem.trace.builder import build_trace
 
@@ -159,6 +159,27 @@ def test_comparison_json_gives_times_to_the_nanosecond():
     first = comparison_json(compare_live(t, gpu_timing="idle"))["first"]
     assert first["gpu_lag_us"] == round(first["gpu_lag_us"], 3) == pytest.approx(7.0)
     assert first["time_us"] == round(first["time_us"], 3)
+
+
+def test_comparison_gives_the_clock_floor_of_the_first_and_last_second():
+    """An offset or drifting GPU clock parts a replay from live at an idle GPU: the comparison says how far behind the
+    clock is at its least, in the trace's first and last second (new user 35: a trace does not say which clock
+    recorded it)."""
+    t = _trace()
+    r = _replayed_reserves(t)
+    times = np.array([0.0, 400_000.0, 900_000.0, 1_500_000.0, 2_200_000.0])   # seconds 0, 0, 0, 1, 2
+    lag = np.array([5.0, 3.0, 9.0, 7.0, -2.0])
+    t = dataclasses.replace(t, times_us=times, gpu_times_us=times + lag, live_reserved_nbytes=np.array(r, np.int64))
+    c = compare_live(t, gpu_timing="idle")
+    lo = float(np.percentile([5.0, 3.0, 9.0], 1))
+    assert c.clock_floor_us == pytest.approx((lo, -2.0)) and clock_floor_us(t) == c.clock_floor_us
+    assert any(line.startswith(f"the trace's GPU clock at its least behind: {lo:.1f} µs") for line in c.lines())
+    assert comparison_json(c)["gpu_clock_floor_us"] == [round(lo, 3), -2.0]
+    no_clock = dataclasses.replace(t, gpu_times_us=None)
+    assert clock_floor_us(no_clock) is None and comparison_json(compare_live(no_clock, gpu_timing="idle"))[
+        "gpu_clock_floor_us"] is None
+    unknown = dataclasses.replace(t, gpu_times_us=np.full(5, np.nan))
+    assert clock_floor_us(unknown) is None
 
 
 def test_compare_live_needs_reserves():

@@ -40,8 +40,25 @@ from .errors import InvalidArgumentError
 from .trace import OpKind, Trace
 from .units import format_bytes
 
-__all__ = ["LiveComparison", "LiveDivergence", "ReserveCapture", "clock_floor_us", "compare_live", "compare_reserves",
+__all__ = ["ClockFloor", "LiveComparison", "LiveDivergence", "ReserveCapture", "clock_floor", "compare_live", "compare_reserves",
            "comparison_json"]
+
+
+@dataclass(frozen=True)
+class ClockFloor:
+    """How far behind the CPU a trace's GPU clock is at its least (the 1st percentile of the GPU's lag) in the first
+    and in the last second of the ops it stamped: where the GPU idled, an idle GPU's lag."""
+
+    first_second_us: float
+    last_second_us: float
+    seconds: int
+    """How many seconds the stamped ops span (1: the first second is the last)."""
+
+    def describe(self) -> str:
+        where = (f"{self.first_second_us:.4g} µs (one second of stamps)" if self.seconds == 1 else
+                 f"{self.first_second_us:.4g} µs in the first second, {self.last_second_us:.4g} µs in the last")
+        return (where + " (an idle GPU's lag where it idled: a few µs, below 0 where stamps sit at their record; tens "
+                "of µs or growing is a clock that drifted, which the replay reads as queued work: docs/gpu-timing.md)")
 
 
 @dataclass(frozen=True)
@@ -100,8 +117,8 @@ class LiveComparison:
     """The op at which the replay stopped by out of memory (None: it replayed the whole trace)."""
     policy: str = ""
     """The policy the replay ran (named in :meth:`lines` when it is not the default, gpumem.torch's)."""
-    clock_floor_us: tuple[float, float] | None = None
-    """The trace's GPU clock at its least behind in its first and its last second (:func:`clock_floor_us`); None
+    clock_floor: ClockFloor | None = None
+    """The trace's GPU clock at its least behind in its first and its last second (:func:`clock_floor`); None
     without a clock."""
 
     @property
@@ -140,11 +157,8 @@ class LiveComparison:
         if self.largest is not None:
             out.append("largest difference: " + ("the first" if self.largest == self.first else
                                                  self.largest.describe()))
-        if self.clock_floor_us is not None:
-            first_us, last_us = self.clock_floor_us
-            out.append(f"the trace's GPU clock at its least behind: {first_us:.1f} µs in the first second, {last_us:.1f} "
-                       "µs in the last (an idle GPU's lag where it idled; a few µs more, a clock recorded before "
-                       "2026-11-30 or drifting, is queued work to the replay: docs/gpu-timing.md)")
+        if self.clock_floor is not None:
+            out.append("the trace's GPU clock at its least behind: " + self.clock_floor.describe())
         return out
 
 
@@ -181,21 +195,22 @@ class ReserveCapture:
             del self._allocator.allocate
 
 
-def clock_floor_us(trace: Trace) -> tuple[float, float] | None:
-    """How far behind the CPU ``trace``'s GPU clock is at its least in its first and in its last second of ops (the
-    1st percentile of the GPU's lag there, in microseconds): where the GPU idled, what an idle GPU shows, which a
-    replay reads as queued work (Note [A stamp lies between its event's record and its completion seen] in
-    ``gpumem/_native/torch_api.cpp``). None when the trace has no clock."""
+def clock_floor(trace: Trace) -> ClockFloor | None:
+    """How far behind the CPU ``trace``'s GPU clock is at its least in its first and in its last second of stamped
+    ops (Note [A stamp lies between its event's record and its completion seen] in ``gpumem/_native/torch_api.cpp``):
+    an offset or drifting clock shows there, which a replay reads as queued work. None when the trace has no clock
+    (or no op with both times finite)."""
     if trace.gpu_times_us is None:
         return None
-    known = np.isfinite(trace.gpu_times_us)
+    known = np.isfinite(trace.gpu_times_us) & np.isfinite(trace.times_us)
     if not known.any():
         return None
     times_us = trace.times_us[known]
     lag_us = trace.gpu_times_us[known] - times_us
     second = np.floor((times_us - times_us.min()) / 1e6)
     first, last = second == second.min(), second == second.max()
-    return float(np.percentile(lag_us[first], 1)), float(np.percentile(lag_us[last], 1))
+    return ClockFloor(float(np.percentile(lag_us[first], 1)), float(np.percentile(lag_us[last], 1)),
+                      int(second.max() - second.min()) + 1)
 
 
 def compare_reserves(trace: Trace, capture: ReserveCapture, result: Any = None, policy: str = "") -> LiveComparison:
@@ -231,7 +246,7 @@ def compare_reserves(trace: Trace, capture: ReserveCapture, result: Any = None, 
     return LiveComparison(trace.name, int(len(ops)), recorded, int(len(bad)), first, largest,
                           int(live.max()) if len(live) else 0, int(replayed.max()) if len(replayed) else 0,
                           result, int(capture.ops[0]) if len(capture.ops) else -1,
-                          None if oom_op is None else int(oom_op), policy, clock_floor_us(trace))
+                          None if oom_op is None else int(oom_op), policy, clock_floor(trace))
 
 
 def comparison_json(c: LiveComparison) -> dict[str, Any]:
@@ -247,7 +262,9 @@ def comparison_json(c: LiveComparison) -> dict[str, Any]:
     return {"allocations_compared": c.allocations_compared, "allocations_recorded": c.allocations_recorded,
             "allocations_differing": c.allocations_differing, "policy": c.policy,
             "agrees": c.agrees, "stopped_at_op": c.stopped_at_op,
-            "gpu_clock_floor_us": None if c.clock_floor_us is None else [round(v, 3) for v in c.clock_floor_us],
+            "gpu_clock_floor": None if c.clock_floor is None else {
+                "first_second_us": round(c.clock_floor.first_second_us, 3),
+                "last_second_us": round(c.clock_floor.last_second_us, 3), "seconds": c.clock_floor.seconds},
             "live_peak_reserved_bytes": c.live_peak_reserved_nbytes,
             "replayed_peak_reserved_bytes": c.replayed_peak_reserved_nbytes,
             "first": one(c.first), "largest": one(c.largest)}

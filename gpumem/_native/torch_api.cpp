@@ -157,13 +157,13 @@ struct TorchOutOfMemory : std::runtime_error {
 // in the replay, and the replay grew where live stole. Now the queue is drained, a fence and the reference are
 // recorded back to back, and the reference's time is when the fence is seen done (anchor_reference). That is good
 // to a few microseconds, not better: the timing event is made between the two records, and the idle floor of the
-// H200 traces so made ranges from 1 to 4 us. Second, the GPU's timer and the host's steady clock tick a few parts
+// H200 traces so made starts between 1 and 4 us. Second, the GPU's timer and the host's steady clock tick a few parts
 // per million apart, which over a long run adds up (one 11 s trace drifted from 6 to 61 us). But an event completes
 // after it was recorded and no later than the query that saw it complete, so each stamp read is held between the
 // host times of the two: bounds, so the hold only ever moves a stamp toward the truth. They bound the drift, they
 // do not remove it: a stamp can run late by at most the time from its event's completion to the query that saw it,
 // early by at most the time from its record to its completion (a few microseconds where the GPU keeps up; in the
-// H200 traces the idle floor moved by up to 4 us over 11 s, held there by the lower bound). Both are needed: the
+// H200 traces the idle floor fell by up to 4.5 us over 11 s, to about -2 us, held there by the lower bound). Both are needed: the
 // upper alone turned the elapsed times' rounding into a downward ratchet (stamps 13 us before their own record by
 // the end of 11 s runs). A timing event made before the fence, the best of several anchors, and re-anchoring at
 // idle moments would remove the rest.
@@ -290,8 +290,8 @@ void anchor_reference(GpuClock& c, CudaBackend& b, std::uint64_t stream) {
         b.event_destroy(fence);
         throw;
     }
+    c.ref = ref;   // before the fence goes: a failure there leaves the reference to gpu_clock_reset
     b.event_destroy(fence);
-    c.ref = ref;
 }
 
 // Stamps an op on `stream` of device `d` (Note [The trace's GPU clock]): its stamp, or -1 (the clock is off or

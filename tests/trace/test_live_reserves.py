@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from gpumem.errors import InvalidArgumentError, TraceFormatError
-from gpumem.replay_compare import ReserveCapture, clock_floor_us, compare_live, compare_reserves, comparison_json
+from gpumem.replay_compare import (ClockFloor, ReserveCapture, clock_floor, compare_live, compare_reserves,
+                                   comparison_json)
 from gpumem.trace import Trace, load_trace, save_trace
 from gpumem.trace.builder import build_trace
 
@@ -172,14 +173,28 @@ def test_comparison_gives_the_clock_floor_of_the_first_and_last_second():
     t = dataclasses.replace(t, times_us=times, gpu_times_us=times + lag, live_reserved_nbytes=np.array(r, np.int64))
     c = compare_live(t, gpu_timing="idle")
     lo = float(np.percentile([5.0, 3.0, 9.0], 1))
-    assert c.clock_floor_us == pytest.approx((lo, -2.0)) and clock_floor_us(t) == c.clock_floor_us
-    assert any(line.startswith(f"the trace's GPU clock at its least behind: {lo:.1f} µs") for line in c.lines())
-    assert comparison_json(c)["gpu_clock_floor_us"] == [round(lo, 3), -2.0]
+    assert c.clock_floor == clock_floor(t) == ClockFloor(pytest.approx(lo), -2.0, 3)
+    assert any(line.startswith(f"the trace's GPU clock at its least behind: {lo:.4g} µs in the first second, -2 µs")
+               for line in c.lines())
+    assert comparison_json(c)["gpu_clock_floor"] == {"first_second_us": round(lo, 3), "last_second_us": -2.0,
+                                                      "seconds": 3}
     no_clock = dataclasses.replace(t, gpu_times_us=None)
-    assert clock_floor_us(no_clock) is None and comparison_json(compare_live(no_clock, gpu_timing="idle"))[
-        "gpu_clock_floor_us"] is None
-    unknown = dataclasses.replace(t, gpu_times_us=np.full(5, np.nan))
-    assert clock_floor_us(unknown) is None
+    assert clock_floor(no_clock) is None
+    assert comparison_json(compare_live(no_clock, gpu_timing="idle"))["gpu_clock_floor"] is None
+
+
+def test_clock_floor_of_hostile_times():
+    """Stamps or op times that are not finite are left out, none left is no clock; one second says so (re-check 36:
+    a NaN op time crashed the comparison)."""
+    t = _trace(clock=True)
+    assert clock_floor(dataclasses.replace(t, gpu_times_us=np.full(5, np.nan))) is None
+    nan_time = t.times_us.copy()
+    nan_time[0] = np.nan
+    f = clock_floor(dataclasses.replace(t, times_us=nan_time))
+    assert f == ClockFloor(5.0, 5.0, 1) and "one second of stamps" in f.describe()
+    all_nan = dataclasses.replace(t, times_us=np.full(5, np.nan))
+    assert clock_floor(all_nan) is None
+    assert "1e+300 µs" in ClockFloor(1e300, 1e300, 1).describe()
 
 
 def test_compare_live_needs_reserves():

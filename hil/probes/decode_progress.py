@@ -111,8 +111,9 @@ def _write_json(args: argparse.Namespace, lines: list[dict]) -> None:
     if args.json is None:
         return
     tmp = args.json.with_name(f".{args.json.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"allocator": args.allocator, "attention": args.attention, "prompt": args.prompt,
-                               "new_tokens": args.new_tokens, "window": args.window, "lines": lines}, indent=1) + "\n")
+    tmp.write_text(json.dumps({"allocator": args.allocator, "attention": args.attention, "batch": args.batch,
+                               "prompt": args.prompt, "new_tokens": args.new_tokens, "window": args.window,
+                               "lines": lines}, indent=1) + "\n")
     os.replace(tmp, args.json)
 
 
@@ -217,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         from gpumem.trace import save_trace
 
         gt.stop_trace()
-        save_trace(gt.recorded_trace(0, name=f"7B {args.attention} decode of {args.new_tokens} tokens on gpumem.torch"),
-                   args.record)
+        name = (f"7B {args.attention} decode of {args.new_tokens} tokens, batch {args.batch}, prompt {args.prompt}, "
+                "on gpumem.torch")
+        save_trace(gt.recorded_trace(0, name=name), args.record)
         print(f"[{label}] trace saved to {args.record}" + (" (with its GPU clock)" if args.gpu_clock else ""),
               flush=True)
     _write_json(args, lines)

@@ -107,3 +107,13 @@ def test_json_write_leaves_no_temporary(tmp_path):
     dp._write_json(args, [{"token": 1}])
     dp._write_json(args, [{"token": 1}, {"token": 2}])
     assert [p.name for p in tmp_path.iterdir()] == ["p.json"]
+
+
+def test_json_names_the_batch(tmp_path):
+    """The run's JSON says its batch, as it says its prompt (new user 35: only the file name said it)."""
+    import json
+
+    args = dp._parser().parse_args(["--allocator", "gpumem", "--batch", "12", "--json", str(tmp_path / "p.json")])
+    dp._write_json(args, [])
+    got = json.loads((tmp_path / "p.json").read_text())
+    assert (got["batch"], got["prompt"]) == (12, args.prompt)

@@ -1,5 +1,7 @@
 """The decode progress probe's arguments and window arithmetic (the probe itself needs a GPU)."""
 
+import json
+
 import pytest
 
 from hil.probes import decode_progress as dp
@@ -111,8 +113,6 @@ def test_json_write_leaves_no_temporary(tmp_path):
 
 def test_json_names_the_batch(tmp_path):
     """The run's JSON says its batch, as it says its prompt (new user 35: only the file name said it)."""
-    import json
-
     args = dp._parser().parse_args(["--allocator", "gpumem", "--batch", "12", "--json", str(tmp_path / "p.json")])
     dp._write_json(args, [])
     got = json.loads((tmp_path / "p.json").read_text())

@@ -40,8 +40,8 @@ from .errors import InvalidArgumentError
 from .trace import OpKind, Trace
 from .units import format_bytes
 
-__all__ = ["ClockFloor", "LiveComparison", "LiveDivergence", "ReserveCapture", "clock_floor", "compare_live", "compare_reserves",
-           "comparison_json"]
+__all__ = ["ClockFloor", "LiveComparison", "LiveDivergence", "ReserveCapture", "clock_floor", "compare_live",
+           "compare_reserves", "comparison_json"]
 
 
 @dataclass(frozen=True)

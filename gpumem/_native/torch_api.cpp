@@ -246,11 +246,9 @@ std::atomic<bool> g_gpu_clock_on{false};   // gpumem_torch_trace_gpu_clock: trac
 // a steady-clock time at which the event was seen complete (Note [A stamp lies between its event's record and
 // its completion seen]).
 void read_front(GpuClock& c, CudaBackend& b, std::int64_t done_ns) {
-    const GpuClock::Pending p = c.pending.front();
-    const EventHandle ev = p.event;
+    const auto [stamp, ev, recorded_ns] = c.pending.front();
     const std::int64_t chained = c.ref_ns + std::llround(b.timing_elapsed_ms(c.ref, ev) * 1e6);
-    const std::int64_t ns = std::max(p.recorded_ns, std::min(chained, done_ns));
-    const std::size_t stamp = p.stamp;
+    const std::int64_t ns = std::max(recorded_ns, std::min(chained, done_ns));
     c.stamp_ns[stamp] = ns;
     c.pending.pop_front();
     const EventHandle old = c.ref;
@@ -264,14 +262,7 @@ void read_front(GpuClock& c, CudaBackend& b, std::int64_t done_ns) {
 // reference's time taken when the fence is seen done. Throws on a driver error (the clock then stops).
 void anchor_reference(GpuClock& c, CudaBackend& b, std::uint64_t stream) {
     constexpr std::int64_t kSpinNs = 1'000'000;   // past this (work queued meanwhile by another thread): wait
-    const EventHandle drained = b.event_record(stream);
-    try {
-        b.event_synchronize(drained);
-    } catch (...) {
-        b.event_destroy(drained);
-        throw;
-    }
-    b.event_destroy(drained);
+    b.stream_synchronize(stream);   // the work queued so far
     const EventHandle fence = b.event_record(stream);
     EventHandle ref = 0;
     try {

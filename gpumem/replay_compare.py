@@ -9,6 +9,10 @@ op where they differ is where the simulated engine first grew or stole otherwise
 op, its size, its stream and how far behind the GPU ran there when the trace has its clock), which is where a
 study of the simulator's fidelity starts (``gpumem replay TRACE --compare-live``).
 
+The comparison also says whether the replay put each block where the live engine did (Note [Comparing
+placements]): where the reserves part but every block sits at the live address, the replay's engine parted from
+the live one in how it backed the blocks with memory (grew, stole or waited), not in where it put them.
+
 Note [Comparing reserves]
 -------------------------
 The reserve is compared after allocations only: a free is recorded before the engine frees the block, so live it
@@ -24,10 +28,22 @@ the replay. What the trace does not hold makes differences the comparison cannot
 the live engine gave back or took outside the traced allocations (``gpumem.torch.empty_cache()``, another library
 on the same engine), and, in a program allocating from several threads, a reserve read after another thread's
 allocation (the reserve is read once the op is made, outside the recorder's lock).
+
+Note [Comparing placements]
+---------------------------
+A trace keeps each allocation's live address, but the live and the replayed engine reserve their address ranges
+wherever their devices put them, so addresses are compared relative to a range. The replay's pointer tells which
+of its device's reservations holds it (looked up when the allocation is made: a range may be given back later);
+the first allocation in a reservation fixes that reservation's shift, live address less replayed; a later one in
+the same reservation is placed as live when its shift is the same. Allocations outside any reservation (segment
+policies, ``malloc``'d memory) are not compared: no placement count is given when none is in one. A placement
+difference at a reservation's first allocation shows only as the shift of every later one there, so the count is
+of allocations at the live place relative to the first, which is what a study of where the engines part needs.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 from dataclasses import dataclass, field
@@ -120,6 +136,13 @@ class LiveComparison:
     clock_floor: ClockFloor | None = None
     """The trace's GPU clock at its least behind in its first and its last second (:func:`clock_floor`); None
     without a clock."""
+    placements_compared: int = 0
+    """Allocations whose place the replay and the live run are compared at (those the replay put in an address
+    reservation: Note [Comparing placements])."""
+    placed_as_live: int = 0
+    """Of those, the allocations the replay put where the live engine did (relative to their reservation)."""
+    first_placed_otherwise: int | None = None
+    """The op (index in the trace) of the first allocation put elsewhere than live; None when none was."""
 
     @property
     def agrees(self) -> bool:
@@ -157,6 +180,14 @@ class LiveComparison:
         if self.largest is not None:
             out.append("largest difference: " + ("the first" if self.largest == self.first else
                                                  self.largest.describe()))
+        if self.placements_compared:
+            if self.first_placed_otherwise is None:
+                out.append(f"placement: each of the {self.placements_compared:,} allocations compared sits where the "
+                           "live engine put it (relative to its address range), so any difference above is in how "
+                           "the engine backed the blocks with memory (grew, stole or waited), not where it put them")
+            else:
+                out.append(f"placement: {self.placed_as_live:,} of {self.placements_compared:,} allocations sit where "
+                           f"the live engine put them; the first elsewhere is op {self.first_placed_otherwise:,}")
         if self.clock_floor is not None:
             out.append("the trace's GPU clock at its least behind: " + self.clock_floor.describe())
         return out
@@ -170,19 +201,40 @@ class ReserveCapture:
     def __init__(self, trace: Trace, allocator: Any) -> None:
         self.ops = np.flatnonzero((trace.kinds == OpKind.ALLOC) & (trace.nbytes > 0))
         self.reserves: list[int] = []
+        self.pointers: list[int] = []
+        """Each allocation's pointer in the replay (-1 where it failed)."""
+        self.ranges: list[int] = []
+        """The base of the device reservation holding each pointer when it was made, -1 where none did (Note
+        [Comparing placements])."""
         self._allocator = allocator
         self._had_own = "allocate" in vars(allocator)
         self._own = vars(allocator).get("allocate")
         inner = allocator.allocate
-        reserves = self.reserves
+        reserves, pointers, ranges = self.reserves, self.pointers, self.ranges
+        device = getattr(allocator, "device", None)
+        known: list[tuple[int, int]] = []   # (base, end) of the device's reservations, by base, read on a miss
+
+        def range_of(ptr: int) -> int:
+            for attempt in (0, 1):
+                i = bisect.bisect_right(known, (ptr, math.inf)) - 1
+                if i >= 0 and known[i][0] <= ptr < known[i][1]:
+                    return known[i][0]
+                if attempt or device is None or not hasattr(device, "reservation_ranges"):
+                    return -1
+                known[:] = sorted((int(va), int(va) + int(n)) for va, n in device.reservation_ranges())
+            return -1
 
         def allocate(nbytes: int, stream: int = 0) -> int:
             try:
                 p = inner(nbytes, stream)
             except BaseException:
                 reserves.append(-1)   # this op's slot: a replay that goes on pairs the next reserve with its op
+                pointers.append(-1)
+                ranges.append(-1)
                 raise
             reserves.append(int(allocator.reserved_nbytes))
+            pointers.append(int(p))
+            ranges.append(range_of(int(p)))
             return p
 
         allocator.allocate = allocate
@@ -239,6 +291,7 @@ def compare_reserves(trace: Trace, capture: ReserveCapture, result: Any = None, 
 
     first = at(int(bad[0])) if len(bad) else None
     largest = at(int(bad[np.argmax(np.abs(diff[bad]))])) if len(bad) else None
+    compared, placed, otherwise = _placements(trace, capture)
     # stopped: a replay that ran out of memory and did not go on (one with stop_on_oom=False finishes the trace)
     oom_op = getattr(result, "oom_op", None)
     if oom_op is not None and getattr(result, "completed_ops", 0) >= getattr(result, "n_ops", 0):
@@ -246,7 +299,28 @@ def compare_reserves(trace: Trace, capture: ReserveCapture, result: Any = None, 
     return LiveComparison(trace.name, int(len(ops)), recorded, int(len(bad)), first, largest,
                           int(live.max()) if len(live) else 0, int(replayed.max()) if len(replayed) else 0,
                           result, int(capture.ops[0]) if len(capture.ops) else -1,
-                          None if oom_op is None else int(oom_op), policy, clock_floor(trace))
+                          None if oom_op is None else int(oom_op), policy, clock_floor(trace), compared, placed,
+                          otherwise)
+
+
+def _placements(trace: Trace, capture: ReserveCapture) -> tuple[int, int, int | None]:
+    """(allocations compared, placed as live, the op of the first placed otherwise) of Note [Comparing
+    placements]."""
+    n = min(len(capture.pointers), len(capture.ranges))
+    if not n:
+        return 0, 0, None
+    ops = capture.ops[:n]
+    ranges = np.asarray(capture.ranges[:n], dtype=np.int64)
+    inside = ranges >= 0
+    if not inside.any():
+        return 0, 0, None
+    ops, ranges = ops[inside], ranges[inside]
+    shift = trace.addrs[ops].astype(np.int64) - np.asarray(capture.pointers[:n], dtype=np.int64)[inside]
+    _, first = np.unique(ranges, return_index=True)   # each reservation's first allocation fixes its shift
+    region_shift = dict(zip(ranges[first].tolist(), shift[first].tolist()))
+    same = shift == np.array([region_shift[r] for r in ranges.tolist()], dtype=np.int64)
+    off = np.flatnonzero(~same)
+    return int(len(ops)), int(same.sum()), int(ops[off[0]]) if len(off) else None
 
 
 def comparison_json(c: LiveComparison) -> dict[str, Any]:
@@ -262,6 +336,8 @@ def comparison_json(c: LiveComparison) -> dict[str, Any]:
     return {"allocations_compared": c.allocations_compared, "allocations_recorded": c.allocations_recorded,
             "allocations_differing": c.allocations_differing, "policy": c.policy,
             "agrees": c.agrees, "stopped_at_op": c.stopped_at_op,
+            "placements_compared": c.placements_compared, "placed_as_live": c.placed_as_live,
+            "first_placed_otherwise_op": c.first_placed_otherwise,
             "gpu_clock_floor": None if c.clock_floor is None else {
                 "first_second_us": round(c.clock_floor.first_second_us, 3),
                 "last_second_us": round(c.clock_floor.last_second_us, 3), "seconds": c.clock_floor.seconds},

@@ -298,3 +298,76 @@ def test_build_trace_refuses_reserves_it_cannot_keep():
     for bad in ([1.5] * 5, [0] * 4):
         with pytest.raises(InvalidArgumentError, match="one int per event"):
             _trace(bad)
+
+
+# -- placements (Note [Comparing placements]) ----------------------------------------------------------------------
+
+def _replayed(t: Trace, policy: str = "gpumem", **options) -> ReserveCapture:
+    from gpumem.allocator import make_allocator
+    from gpumem.replay import replay
+    from gpumem.specs import open_device
+
+    dev = open_device("sim:h200-141gb")
+    a = make_allocator(dev, policy, **options)
+    cap = ReserveCapture(t, a)
+    try:
+        replay(t, a, stop_on_oom=False, progress=False, gpu_timing="idle")
+    finally:
+        cap.restore()
+        a.close()
+        dev.close()
+    return cap
+
+
+def _live_at(t: Trace, pointers: list[int], shift: int) -> Trace:
+    """``t`` with each allocation at ``pointer + shift`` (its free at the same address) and the replay's reserves."""
+    addrs = t.addrs.copy()
+    alloc_ops = np.flatnonzero(t.kinds == 0)
+    for op, p in zip(alloc_ops.tolist(), pointers):
+        old = addrs[op]
+        later = np.flatnonzero((t.kinds == 1) & (t.addrs == old))
+        later = later[later > op]
+        addrs[op] = p + shift
+        if len(later):
+            addrs[later[0]] = p + shift
+    return build_trace("t", "recorded", t.kinds.tolist(), addrs.tolist(), t.nbytes.tolist(), t.streams.tolist(),
+                       t.times_us.tolist(), live_reserved_nbytes=_replayed_reserves(t))
+
+
+def test_placements_agree_where_the_replay_puts_each_block_where_live_did():
+    t = _trace()
+    live = _live_at(t, _replayed(t).pointers, shift=0x5000_0000_0000)   # live's range sits elsewhere
+    c = compare_live(live, gpu_timing="idle")
+    assert (c.placements_compared, c.placed_as_live, c.first_placed_otherwise) == (3, 3, None)
+    assert any(line.startswith("placement: each of the 3 allocations compared sits where") for line in c.lines())
+    data = comparison_json(c)
+    assert (data["placements_compared"], data["placed_as_live"], data["first_placed_otherwise_op"]) == (3, 3, None)
+
+
+def test_a_block_placed_otherwise_is_named():
+    t = _trace()
+    pointers = _replayed(t).pointers
+    pointers[1] += 2 * MiB   # the second allocation (op 1) sat 2 MiB further on live, in the first one's range
+    c = compare_live(_live_at(t, pointers, shift=0x5000_0000_0000), gpu_timing="idle")
+    assert (c.placements_compared, c.placed_as_live, c.first_placed_otherwise) == (3, 2, 1)
+    assert any("2 of 3 allocations sit where the live engine put them; the first elsewhere is op 1" in line
+               for line in c.lines())
+    pointers = _replayed(t).pointers
+    pointers[2] += 2 * MiB   # the 1 MiB one is the first in its own range (the small blocks'): it fixes that shift
+    assert compare_live(_live_at(t, pointers, shift=0x5000_0000_0000), gpu_timing="idle").first_placed_otherwise is None
+
+
+def test_pointers_outside_any_reservation_are_not_compared():
+    t = dataclasses.replace(_trace(), live_reserved_nbytes=np.array([2 * MiB, 8 * MiB, -1, 8 * MiB, -1], np.int64))
+    c = compare_live(t, policy="pytorch", gpu_timing="idle")   # cudaMalloc'd segments: no reservation holds them
+    assert (c.placements_compared, c.placed_as_live, c.first_placed_otherwise) == (0, 0, None)
+    assert not any(line.startswith("placement") for line in c.lines())
+
+
+def test_a_failed_allocation_is_no_placement():
+    t = build_trace("t", "recorded", [0] * 3, [0x1000, 0x2000, 0x3000], [4 * MiB, 600 * MiB, 30 * MiB], [0] * 3,
+                    [1.0, 2.0, 3.0], live_reserved_nbytes=[4 * MiB, 604 * MiB, 34 * MiB])
+    cap = _replayed(t, limit=512 * MiB)
+    assert cap.pointers[1] == -1 and cap.ranges[1] == -1 and cap.ranges[0] >= 0
+    c = compare_reserves(t, cap)
+    assert c.placements_compared == 2   # the two made; their live addresses are not the replay's: one shift each

@@ -7,18 +7,21 @@ from the live run, on the traces shipped beside earlier reports (simulator only,
     PYTHONPATH=. python reports/hil/where-replays-part-2026-11-30/study.py gaps         # live growth ops, seconds
     PYTHONPATH=. python reports/hil/where-replays-part-2026-11-30/study.py oracle 20    # ~2 min
     PYTHONPATH=. python reports/hil/where-replays-part-2026-11-30/study.py estimate 2.5 # the estimate's b16, b8
+    PYTHONPATH=. python reports/hil/where-replays-part-2026-11-30/study.py scale mem_unmap_mapping_us=2.02  # ~1 min
 
 ``fence``, ``busy`` and ``oracle`` change the simulated device by patching its methods here (what-ifs, not
 shipped): ``fence L`` completes an event recorded on a stream with no unfinished work only ``L`` µs after its
 record; ``busy D`` completes one recorded behind work ``D`` µs after that work ends; ``oracle P`` prices each
 allocation's VMM calls so that they fill the time the live op took (the gap to the next op less ``P`` µs, spread
-evenly over the calls a first replay made there). ``estimate L`` replays the estimate's workload of the two
+evenly over the calls a first replay made there). ``scale FIELD=K ...`` multiplies fields of the
+device's :class:`~gpumem.sim.latency.LatencyModel` (``mem_create_points=1.55`` scales a curve's costs). ``estimate L`` replays the estimate's workload of the two
 batch x 4,096-token requests of ``reports/hil/estimate-lag-h200-2026-11-30.md`` (``gpu_timing="model"``, the
 estimate's own figure) with and without ``fence L``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import sys
@@ -82,8 +85,11 @@ def _row(path: str, c) -> str:
             f"{(c.result.overhead - live) * 100:+.2f} pp | {agree:,} of {c.allocations_compared:,} | {where} |")
 
 
-def _compare(path: str):
-    dev = SimDevice(get_profile("h200-141gb"))
+def _compare(path: str, latency=None):
+    profile = get_profile("h200-141gb")
+    if latency is not None:
+        profile = dataclasses.replace(profile, latency=latency)
+    dev = SimDevice(profile)
     try:
         return rc.compare_live(load_trace(path, progress=False), dev, engine="native")
     finally:
@@ -104,11 +110,22 @@ def placement() -> None:
               f"{c.placed_as_live:,} of {c.placements_compared:,} | {c.first_placed_otherwise} |", flush=True)
 
 
-def check_table(title: str) -> None:
+def check_table(title: str, latency=None) -> None:
     print(f"{title}\n\n| run | live | replay | replay - live | allocations agreeing | first difference |")
     print("|---|---:|---:|---:|---:|---|")
     for path in CHECK:
-        print(_row(path, _compare(path)), flush=True)
+        print(_row(path, _compare(path, latency)), flush=True)
+
+
+def scale(settings: list[str]) -> None:
+    lat = get_profile("h200-141gb").latency
+    changes = {}
+    for item in settings:
+        field, _, k = item.partition("=")
+        value = getattr(lat, field)
+        changes[field] = (tuple((n, c * float(k)) for n, c in value) if isinstance(value, tuple)
+                          else value * float(k))
+    check_table("Latency model scaled: " + ", ".join(settings), dataclasses.replace(lat, **changes))
 
 
 def gaps() -> None:
@@ -183,7 +200,7 @@ def estimate(idle_us: float) -> None:
 
 def main() -> None:
     what = sys.argv[1] if len(sys.argv) > 1 else ""
-    arg = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+    arg = float(sys.argv[2]) if len(sys.argv) > 2 and what != "scale" else 0.0
     if what == "placement":
         placement()
     elif what == "fence":
@@ -200,6 +217,8 @@ def main() -> None:
         oracle(arg)
     elif what == "estimate":
         estimate(arg)
+    elif what == "scale":
+        scale(sys.argv[2:])
     else:
         sys.exit(__doc__)
 

@@ -8,13 +8,15 @@ from the live run, on the traces shipped beside earlier reports (simulator only,
     PYTHONPATH=. python reports/hil/where-replays-part-2026-11-30/study.py oracle 20    # ~2 min
     PYTHONPATH=. python reports/hil/where-replays-part-2026-11-30/study.py estimate 2.5 # the estimate's b16, b8
     PYTHONPATH=. python reports/hil/where-replays-part-2026-11-30/study.py scale mem_unmap_mapping_us=2.02  # ~1 min
+    PYTHONPATH=. python reports/hil/where-replays-part-2026-11-30/study.py set event_record_us=31 [--runs ct]
 
 ``fence``, ``busy`` and ``oracle`` change the simulated device by patching its methods here (what-ifs, not
 shipped): ``fence L`` completes an event recorded on a stream with no unfinished work only ``L`` µs after its
 record; ``busy D`` completes one recorded behind work ``D`` µs after that work ends; ``oracle P`` prices each
 allocation's VMM calls so that they fill the time the live op took (the gap to the next op less ``P`` µs, spread
 evenly over the calls a first replay made there). ``scale FIELD=K ...`` multiplies fields of the
-device's :class:`~gpumem.sim.latency.LatencyModel` (``mem_create_points=1.55`` scales a curve's costs). ``estimate L`` replays the estimate's workload of the two
+device's :class:`~gpumem.sim.latency.LatencyModel` (``mem_create_points=1.55`` scales a curve's costs); ``set
+FIELD=V ...`` sets them. Both run the five check runs, or with ``--runs ct`` the four ``ct-`` runs of section 5. ``estimate L`` replays the estimate's workload of the two
 batch x 4,096-token requests of ``reports/hil/estimate-lag-h200-2026-11-30.md`` (``gpu_timing="model"``, the
 estimate's own figure) with and without ``fence L``.
 """
@@ -110,22 +112,31 @@ def placement() -> None:
               f"{c.placed_as_live:,} of {c.placements_compared:,} | {c.first_placed_otherwise} |", flush=True)
 
 
-def check_table(title: str, latency=None) -> None:
+CT = [os.path.join(HERE, f"ct-{r}.gmt.gz") for r in ("a-b16", "a-b12", "b-b16", "b-b20")]
+
+
+def check_table(title: str, latency=None, runs=None) -> None:
     print(f"{title}\n\n| run | live | replay | replay - live | allocations agreeing | first difference |")
     print("|---|---:|---:|---:|---:|---|")
-    for path in CHECK:
+    for path in runs or CHECK:
         print(_row(path, _compare(path, latency)), flush=True)
 
 
-def scale(settings: list[str]) -> None:
+def scale(settings: list[str], absolute: bool = False) -> None:
+    runs = CT if "--runs" in settings and settings[settings.index("--runs") + 1] == "ct" else CHECK
+    settings = [s for s in settings if "=" in s]
     lat = get_profile("h200-141gb").latency
     changes = {}
     for item in settings:
         field, _, k = item.partition("=")
         value = getattr(lat, field)
-        changes[field] = (tuple((n, c * float(k)) for n, c in value) if isinstance(value, tuple)
-                          else value * float(k))
-    check_table("Latency model scaled: " + ", ".join(settings), dataclasses.replace(lat, **changes))
+        if absolute:
+            changes[field] = float(k)
+        else:
+            changes[field] = (tuple((n, c * float(k)) for n, c in value) if isinstance(value, tuple)
+                              else value * float(k))
+    check_table(("Latency model set: " if absolute else "Latency model scaled: ") + ", ".join(settings),
+                dataclasses.replace(lat, **changes), runs)
 
 
 def gaps() -> None:
@@ -200,7 +211,7 @@ def estimate(idle_us: float) -> None:
 
 def main() -> None:
     what = sys.argv[1] if len(sys.argv) > 1 else ""
-    arg = float(sys.argv[2]) if len(sys.argv) > 2 and what != "scale" else 0.0
+    arg = float(sys.argv[2]) if len(sys.argv) > 2 and what not in ("scale", "set") else 0.0
     if what == "placement":
         placement()
     elif what == "fence":
@@ -217,8 +228,8 @@ def main() -> None:
         oracle(arg)
     elif what == "estimate":
         estimate(arg)
-    elif what == "scale":
-        scale(sys.argv[2:])
+    elif what in ("scale", "set"):
+        scale(sys.argv[2:], absolute=what == "set")
     else:
         sys.exit(__doc__)
 

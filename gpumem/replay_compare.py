@@ -138,11 +138,22 @@ class LiveComparison:
     without a clock."""
     placements_compared: int = 0
     """Allocations whose place the replay and the live run are compared at (those the replay put in an address
-    reservation: Note [Comparing placements])."""
+    reservation: Note [Comparing placements]); 0 when none was (segment policies), and then nothing is said of
+    placements."""
     placed_as_live: int = 0
-    """Of those, the allocations the replay put where the live engine did (relative to their reservation)."""
-    first_placed_otherwise: int | None = None
-    """The op (index in the trace) of the first allocation put elsewhere than live; None when none was."""
+    """Of those, the allocations the replay put where the live engine did (relative to the first allocation in the
+    same reservation)."""
+    first_placed_otherwise_op: int | None = None
+    """The op (index in the trace) of the first allocation put elsewhere than live; None when none was, or none
+    was compared."""
+
+    @property
+    def placements_agree(self) -> bool | None:
+        """Whether every allocation compared sits where the live engine put it (Note [Comparing placements]); None
+        when no placement was compared. :attr:`agrees` is about the reserves only."""
+        if not self.placements_compared:
+            return None
+        return self.first_placed_otherwise_op is None
 
     @property
     def agrees(self) -> bool:
@@ -180,17 +191,28 @@ class LiveComparison:
         if self.largest is not None:
             out.append("largest difference: " + ("the first" if self.largest == self.first else
                                                  self.largest.describe()))
-        if self.placements_compared:
-            if self.first_placed_otherwise is None:
-                out.append(f"placement: each of the {self.placements_compared:,} allocations compared sits where the "
-                           "live engine put it (relative to its address range), so any difference above is in how "
-                           "the engine backed the blocks with memory (grew, stole or waited), not where it put them")
-            else:
-                out.append(f"placement: {self.placed_as_live:,} of {self.placements_compared:,} allocations sit where "
-                           f"the live engine put them; the first elsewhere is op {self.first_placed_otherwise:,}")
+        out.append(self._placement_line())
         if self.clock_floor is not None:
             out.append("the trace's GPU clock at its least behind: " + self.clock_floor.describe())
         return out
+
+
+    def _placement_line(self) -> str:
+        n = self.placements_compared
+        if not n:
+            return ("placement: not compared (no allocation of the replay sat in an address reservation: a segment "
+                    "policy's blocks live in cudaMalloc'd segments)")
+        where = "relative to the first allocation in the same address range"
+        if self.first_placed_otherwise_op is None:
+            line = (f"placement: the allocation compared sits where the live engine put it ({where})" if n == 1 else
+                    f"placement: each of the {n:,} allocations compared sits where the live engine put it ({where})")
+            if self.first is not None:
+                line += (", so the differences above are in how the engine backed the blocks with memory (grew, "
+                         "stole or waited), not where it put them")
+            return line
+        verb = "sits" if self.placed_as_live == 1 else "sit"
+        return (f"placement: {self.placed_as_live:,} of {n:,} allocations {verb} where the live engine put them "
+                f"({where}); the first elsewhere is op {self.first_placed_otherwise_op:,}")
 
 
 class ReserveCapture:
@@ -336,8 +358,11 @@ def comparison_json(c: LiveComparison) -> dict[str, Any]:
     return {"allocations_compared": c.allocations_compared, "allocations_recorded": c.allocations_recorded,
             "allocations_differing": c.allocations_differing, "policy": c.policy,
             "agrees": c.agrees, "stopped_at_op": c.stopped_at_op,
-            "placements_compared": c.placements_compared, "placed_as_live": c.placed_as_live,
-            "first_placed_otherwise_op": c.first_placed_otherwise,
+            # none compared (segment policies): null, not 0 of 0 read as "all placed as live"
+            "placements_compared": c.placements_compared,
+            "placed_as_live": c.placed_as_live if c.placements_compared else None,
+            "first_placed_otherwise_op": c.first_placed_otherwise_op,
+            "placements_agree": c.placements_agree,
             "gpu_clock_floor": None if c.clock_floor is None else {
                 "first_second_us": round(c.clock_floor.first_second_us, 3),
                 "last_second_us": round(c.clock_floor.last_second_us, 3), "seconds": c.clock_floor.seconds},

@@ -309,7 +309,8 @@ def register(sub: Any, formatter_class: Any) -> None:
     p.add_argument("--compare-live", action="store_true",
                    help="compare the replay's reserve with the live engine's after each allocation (a gpumem.torch "
                         "trace records it, .gmt version 6) and say where they first differ: the op, its size, and "
-                        "how far behind the GPU ran there (with --json: the \"live_comparison\" key)")
+                        "how far behind the GPU ran there, and whether each block sits where the live engine put it "
+                        "(with --json: the \"live_comparison\" key)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--summary", action="store_true", help="also print the allocator's memory summary table "
                                                           "(with --json: as the text of the \"summary\" key)")

@@ -338,10 +338,12 @@ def test_placements_agree_where_the_replay_puts_each_block_where_live_did():
     t = _trace()
     live = _live_at(t, _replayed(t).pointers, shift=0x5000_0000_0000)   # live's range sits elsewhere
     c = compare_live(live, gpu_timing="idle")
-    assert (c.placements_compared, c.placed_as_live, c.first_placed_otherwise) == (3, 3, None)
+    assert (c.placements_compared, c.placed_as_live, c.first_placed_otherwise_op) == (3, 3, None)
     assert any(line.startswith("placement: each of the 3 allocations compared sits where") for line in c.lines())
     data = comparison_json(c)
     assert (data["placements_compared"], data["placed_as_live"], data["first_placed_otherwise_op"]) == (3, 3, None)
+    assert data["placements_agree"] is True and c.placements_agree is True
+    assert not any("so the differences above" in line for line in c.lines())   # the reserves agree: none above
 
 
 def test_a_block_placed_otherwise_is_named():
@@ -349,19 +351,23 @@ def test_a_block_placed_otherwise_is_named():
     pointers = _replayed(t).pointers
     pointers[1] += 2 * MiB   # the second allocation (op 1) sat 2 MiB further on live, in the first one's range
     c = compare_live(_live_at(t, pointers, shift=0x5000_0000_0000), gpu_timing="idle")
-    assert (c.placements_compared, c.placed_as_live, c.first_placed_otherwise) == (3, 2, 1)
-    assert any("2 of 3 allocations sit where the live engine put them; the first elsewhere is op 1" in line
+    assert (c.placements_compared, c.placed_as_live, c.first_placed_otherwise_op) == (3, 2, 1)
+    assert any(line.startswith("placement: 2 of 3 allocations sit where the live engine put them (relative to the "
+                               "first allocation in the same address range); the first elsewhere is op 1")
                for line in c.lines())
     pointers = _replayed(t).pointers
     pointers[2] += 2 * MiB   # the 1 MiB one is the first in its own range (the small blocks'): it fixes that shift
-    assert compare_live(_live_at(t, pointers, shift=0x5000_0000_0000), gpu_timing="idle").first_placed_otherwise is None
+    assert compare_live(_live_at(t, pointers, shift=0x5000_0000_0000), gpu_timing="idle").first_placed_otherwise_op is None
 
 
 def test_pointers_outside_any_reservation_are_not_compared():
     t = dataclasses.replace(_trace(), live_reserved_nbytes=np.array([2 * MiB, 8 * MiB, -1, 8 * MiB, -1], np.int64))
     c = compare_live(t, policy="pytorch", gpu_timing="idle")   # cudaMalloc'd segments: no reservation holds them
-    assert (c.placements_compared, c.placed_as_live, c.first_placed_otherwise) == (0, 0, None)
-    assert not any(line.startswith("placement") for line in c.lines())
+    assert (c.placements_compared, c.placed_as_live, c.first_placed_otherwise_op) == (0, 0, None)
+    assert c.placements_agree is None
+    assert any(line.startswith("placement: not compared") for line in c.lines())
+    data = comparison_json(c)   # null, not "0 of 0" that a script would read as all placed as live
+    assert (data["placed_as_live"], data["first_placed_otherwise_op"], data["placements_agree"]) == (None, None, None)
 
 
 def test_a_failed_allocation_is_no_placement():
@@ -370,4 +376,7 @@ def test_a_failed_allocation_is_no_placement():
     cap = _replayed(t, limit=512 * MiB)
     assert cap.pointers[1] == -1 and cap.ranges[1] == -1 and cap.ranges[0] >= 0
     c = compare_reserves(t, cap)
-    assert c.placements_compared == 2   # the two made; their live addresses are not the replay's: one shift each
+    # the two made share the large blocks' range; the first fixes its shift, the second's live address (0x3000) is
+    # not the first's shift away from its pointer
+    assert (c.placements_compared, c.placed_as_live, c.first_placed_otherwise_op) == (2, 1, 2)
+    assert any("1 of 2 allocations sits where" in line for line in c.lines())

@@ -93,28 +93,20 @@ def summary() -> None:
 
 
 def pair() -> None:
-    import gpumem.replay_compare as rc
+    sys.path.insert(0, HERE)
+    from study import hook_vmm_calls   # noqa: E402 - the script beside this one
+
     from gpumem.sim import SimDevice, get_profile
-    from gpumem.sim import device as simdev
+    from gpumem.replay_compare import compare_live
     from gpumem.trace import load_trace
 
-    state: dict = {"cap": None, "calls": {}}
-    init = rc.ReserveCapture.__init__
+    state: dict = {"calls": {}, "ops": None}
 
-    def capture_init(self, *args):
-        init(self, *args)
-        state["cap"] = self
+    def price(k, name, cost_us):
+        state["calls"].setdefault(int(state["ops"][k]), []).append((name, cost_us))
+        return cost_us
 
-    call = simdev.SimDevice._call
-
-    def logged_call(self, name, cost_us, nbytes=0):
-        cap = state["cap"]
-        if cap is not None and name in VMM.values() and len(cap.reserves) < len(cap.ops):
-            state["calls"].setdefault(int(cap.ops[len(cap.reserves)]), []).append((name, cost_us))
-        return call(self, name, cost_us, nbytes)
-
-    rc.ReserveCapture.__init__ = capture_init
-    simdev.SimDevice._call = logged_call
+    hook_vmm_calls(price)
     print("| run | call | pairs | live, median | model, median | live / model, median (p10-p90) |\n|---|---|---:|---:|---:|---|")
     for run in RUNS:
         _, ops, names, _, dur = _read(run)
@@ -122,10 +114,12 @@ def pair() -> None:
         for o, n, d in zip(ops.tolist(), names.tolist(), dur.tolist()):
             if n in VMM:
                 live.setdefault(o, []).append((VMM[n], d))
+        trace = load_trace(os.path.join(HERE, f"ct-{run}.gmt.gz"), progress=False)
         state["calls"] = {}
+        state["ops"] = np.flatnonzero((trace.kinds == 0) & (trace.nbytes > 0))
         dev = SimDevice(get_profile("h200-141gb"))
         try:
-            rc.compare_live(load_trace(os.path.join(HERE, f"ct-{run}.gmt.gz"), progress=False), dev, engine="native")
+            compare_live(trace, dev, engine="native")
         finally:
             dev.close()
         pairs: dict[str, list] = {n: [] for n in VMM.values()}

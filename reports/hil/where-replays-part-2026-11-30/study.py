@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 HIL = os.path.dirname(HERE)
 CHECK = [os.path.join(HIL, "gpu-clock-bounds-h200-2026-11-30", s + ".gmt.gz")
          for s in ("check-b12", "check-b14", "check-b16", "check-b20", "final-b12")]
-VMM = ("mem_create", "mem_map", "mem_set_access", "mem_unmap")
+VMM_NAMES = ("mem_create", "mem_map", "mem_set_access", "mem_unmap")
 
 
 class _Seen(simdev.SimEvent):
@@ -109,7 +109,7 @@ def placement() -> None:
         live = int(trace.live_reserved_nbytes.max()) / c.result.peak_live_bytes - 1
         print(f"| {os.path.relpath(path, HIL)} | {live:.2%} | {c.result.overhead:.2%} | "
               f"{c.allocations_compared - c.allocations_differing:,} of {c.allocations_compared:,} | "
-              f"{c.placed_as_live:,} of {c.placements_compared:,} | {c.first_placed_otherwise} |", flush=True)
+              f"{c.placed_as_live:,} of {c.placements_compared:,} | {c.first_placed_otherwise_op} |", flush=True)
 
 
 CT = [os.path.join(HERE, f"ct-{r}.gmt.gz") for r in ("a-b16", "a-b12", "b-b16", "b-b20")]
@@ -140,24 +140,37 @@ def scale(settings: list[str], absolute: bool = False) -> None:
 
 
 def gaps() -> None:
-    """How long live ops took (the time to the next op) where the live engine grew, against those where not."""
-    print("| run | ops | where live grew: median, p90 | where not: median, p90 |")
-    print("|---|---:|---:|---:|")
+    """How long live ops took (the time to the next op) where the live engine grew, against the model's price of
+    that growth made as one chunk (create, map, set access: a lower bound of its price, as several chunks cost
+    more), and against large allocations (64 MiB or more) that did not grow."""
+    lat = get_profile("h200-141gb").latency
+    print("| run | allocations where live grew | time to the next op: median, p90 | the model's price of the growth: "
+          "median | ratio: median, p90 | large allocations that did not grow: median, p90 |")
+    print("|---|---:|---:|---:|---:|---:|")
     for path in CHECK:
         t = load_trace(path, progress=False)
         r = t.live_reserved_nbytes
         a = np.flatnonzero((t.kinds == OpKind.ALLOC) & (r >= 0))
         a = a[a + 1 < t.n_ops]
         dt = t.times_us[a + 1] - t.times_us[a]
-        grew = np.zeros(len(a), bool)
-        grew[1:] = r[a[1:]] > r[a[:-1]]
-        print(f"| {os.path.basename(path).split('.')[0]} | {grew.sum():,} grew of {len(a):,} | "
-              f"{np.median(dt[grew]):,.0f}, {np.percentile(dt[grew], 90):,.0f} µs | "
-              f"{np.median(dt[~grew]):,.0f}, {np.percentile(dt[~grew], 90):,.0f} µs |")
+        growth = np.zeros(len(a), np.int64)
+        growth[1:] = r[a[1:]] - r[a[:-1]]
+        grew = growth > 0
+        price = np.array([lat.mem_create_cost_us(int(g)) + lat.mem_map_us + lat.mem_set_access_cost_us(1, int(g))
+                          for g in growth[grew]])
+        ratio = dt[grew] / price
+        large = ~grew & (t.nbytes[a] >= 64 * 2**20)
+        print(f"| {os.path.basename(path).split('.')[0]} | {grew.sum():,} of {len(a):,} | "
+              f"{np.median(dt[grew]):,.0f}, {np.percentile(dt[grew], 90):,.0f} µs | {np.median(price):,.0f} µs | "
+              f"{np.median(ratio):.1f}x, {np.percentile(ratio, 90):.1f}x | "
+              f"{np.median(dt[large]):,.0f}, {np.percentile(dt[large], 90):,.0f} µs |")
 
 
-def oracle(program_us: float) -> None:
-    state: dict = {"cap": None, "counts": None, "calls": None}
+def hook_vmm_calls(price) -> None:
+    """Route each VMM call a replay's allocation makes through ``price(k, name, cost_us) -> cost_us`` (``k``: the
+    allocation's index among those :class:`~gpumem.replay_compare.ReserveCapture` captures; calls made once the
+    replay is over, by the allocator's close, are not routed)."""
+    state: dict = {"cap": None}
     init = rc.ReserveCapture.__init__
 
     def capture_init(self, *args):
@@ -166,18 +179,27 @@ def oracle(program_us: float) -> None:
 
     call = simdev.SimDevice._call
 
-    def priced_call(self, name, cost_us, nbytes=0):
+    def routed_call(self, name, cost_us, nbytes=0):
         cap = state["cap"]
-        if cap is not None and name in VMM and len(cap.reserves) < len(state["gap_us"]):
-            k = len(cap.reserves)   # the allocation being made (none once the replay is over: the allocator's close)
-            if state["counts"] is not None:
-                state["counts"][k] = state["counts"].get(k, 0) + 1
-            elif state["calls"] and state["calls"].get(k):
-                cost_us = max(cost_us, max(0.0, state["gap_us"][k] - program_us) / state["calls"][k])
+        if cap is not None and name in VMM_NAMES and len(cap.reserves) < len(cap.ops):
+            cost_us = price(len(cap.reserves), name, cost_us)
         return call(self, name, cost_us, nbytes)
 
     rc.ReserveCapture.__init__ = capture_init
-    simdev.SimDevice._call = priced_call
+    simdev.SimDevice._call = routed_call
+
+
+def oracle(program_us: float) -> None:
+    state: dict = {"counts": None, "calls": None}
+
+    def price(k, name, cost_us):
+        if state["counts"] is not None:
+            state["counts"][k] = state["counts"].get(k, 0) + 1
+        elif state["calls"] and state["calls"].get(k):
+            cost_us = max(cost_us, max(0.0, state["gap_us"][k] - program_us) / state["calls"][k])
+        return cost_us
+
+    hook_vmm_calls(price)
     print(f"VMM calls priced to fill the live op (less {program_us:g} µs)\n")
     print("| run | live | replay | replay - live | allocations agreeing | first difference |")
     print("|---|---:|---:|---:|---:|---|")

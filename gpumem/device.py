@@ -322,6 +322,8 @@ class Device(abc.ABC):
         """Truthy once the device is lost (the simulator: True; CUDA: the sticky error)."""
         self._book = MemoryBook(self)
         """What this device handed out (:class:`~gpumem.vmm_book.MemoryBook`)."""
+        self._reservations_made = 0
+        """Address reservations made so far (guarded by ``_lock``): the next one's serial, less one."""
 
     # Note [Event delivery after the call]
     # ------------------------------------
@@ -560,7 +562,8 @@ class Device(abc.ABC):
                 nbytes = check_granular(nbytes, gran)
                 alignment = self._check_alignment(alignment)
             va = self._do_address_reserve(nbytes, alignment)
-            self._book.reservations.add(va, va + nbytes, Reservation(va, nbytes))
+            self._reservations_made += 1
+            self._book.reservations.add(va, va + nbytes, Reservation(va, nbytes, self._reservations_made))
             return va
         finally:
             lock.release()
@@ -934,6 +937,16 @@ class Device(abc.ABC):
         """``(va, nbytes)`` of every live address reservation, by address."""
         with self._lock:
             return [(s, e - s) for s, e, _ in self._book.reservations.items()]
+
+    def reservation_at(self, ptr: int) -> tuple[int, int, int] | None:
+        """``(va, nbytes, serial)`` of the live address reservation holding ``ptr``, or None when none does.
+        ``serial`` numbers this device's reservations in the order they were made (1, 2, ...), so a reservation
+        made again at the address of one given back is told apart from it."""
+        if type(ptr) is not int:
+            ptr = check_pointer(ptr, what="ptr")
+        with self._lock:
+            hit = self._book.reservations.find(ptr)
+        return None if hit is None else (hit[0], hit[1] - hit[0], hit[2].serial)
 
     def check_invariants(self) -> None:
         """Raise :class:`~gpumem.errors.InternalError` if the device's bookkeeping is inconsistent

@@ -33,17 +33,18 @@ Note [Comparing placements]
 ---------------------------
 A trace keeps each allocation's live address, but the live and the replayed engine reserve their address ranges
 wherever their devices put them, so addresses are compared relative to a range. The replay's pointer tells which
-of its device's reservations holds it (looked up when the allocation is made: a range may be given back later);
-the first allocation in a reservation fixes that reservation's shift, live address less replayed; a later one in
-the same reservation is placed as live when its shift is the same. Allocations outside any reservation (segment
-policies, ``malloc``'d memory) are not compared: no placement count is given when none is in one. A placement
+of its device's reservations holds it (looked up when the allocation is made, by the reservation's serial: a range
+may be given back and another reserved at its address); the first allocation in a reservation fixes that
+reservation's shift, live address less replayed; a later one in the same reservation is placed as live when its
+shift is the same. Allocations outside any reservation (segment policies, ``malloc``'d memory), on a device that
+cannot say which reservation holds a pointer, or with no live address (0) are not compared: no placement count is
+given when none is. A placement
 difference at a reservation's first allocation shows only as the shift of every later one there, so the count is
 of allocations at the live place relative to the first, which is what a study of where the engines part needs.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 import os
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from .allocator.policy import DEFAULT_POLICY
-from .errors import InvalidArgumentError
+from .errors import GpumemError, InvalidArgumentError
 from .trace import OpKind, Trace
 from .units import format_bytes
 
@@ -225,26 +226,25 @@ class ReserveCapture:
         self.reserves: list[int] = []
         self.pointers: list[int] = []
         """Each allocation's pointer in the replay (-1 where it failed)."""
-        self.ranges: list[int] = []
-        """The base of the device reservation holding each pointer when it was made, -1 where none did (Note
-        [Comparing placements])."""
+        self.reservations: list[int] = []
+        """The serial of the device reservation holding each pointer when it was made (:meth:`Device.reservation_at
+        <gpumem.device.Device.reservation_at>`), -1 where none did or the device cannot say (Note [Comparing
+        placements])."""
         self._allocator = allocator
         self._had_own = "allocate" in vars(allocator)
         self._own = vars(allocator).get("allocate")
         inner = allocator.allocate
-        reserves, pointers, ranges = self.reserves, self.pointers, self.ranges
-        device = getattr(allocator, "device", None)
-        known: list[tuple[int, int]] = []   # (base, end) of the device's reservations, by base, read on a miss
+        reserves, pointers, reservations = self.reserves, self.pointers, self.reservations
+        reservation_at = getattr(getattr(allocator, "device", None), "reservation_at", None)
 
-        def range_of(ptr: int) -> int:
-            for attempt in (0, 1):
-                i = bisect.bisect_right(known, (ptr, math.inf)) - 1
-                if i >= 0 and known[i][0] <= ptr < known[i][1]:
-                    return known[i][0]
-                if attempt or device is None or not hasattr(device, "reservation_ranges"):
-                    return -1
-                known[:] = sorted((int(va), int(va) + int(n)) for va, n in device.reservation_ranges())
-            return -1
+        def serial_of(ptr: int) -> int:
+            if reservation_at is None or not 0 < ptr < 1 << 63:
+                return -1
+            try:
+                hit = reservation_at(ptr)
+            except GpumemError:   # a device that cannot say: the allocation stands, its place is not compared
+                return -1
+            return -1 if hit is None else int(hit[2])
 
         def allocate(nbytes: int, stream: int = 0) -> int:
             try:
@@ -252,11 +252,12 @@ class ReserveCapture:
             except BaseException:
                 reserves.append(-1)   # this op's slot: a replay that goes on pairs the next reserve with its op
                 pointers.append(-1)
-                ranges.append(-1)
+                reservations.append(-1)
                 raise
             reserves.append(int(allocator.reserved_nbytes))
-            pointers.append(int(p))
-            ranges.append(range_of(int(p)))
+            serial = serial_of(int(p))
+            pointers.append(int(p) if serial >= 0 else -1)
+            reservations.append(serial)
             return p
 
         allocator.allocate = allocate
@@ -328,19 +329,20 @@ def compare_reserves(trace: Trace, capture: ReserveCapture, result: Any = None, 
 def _placements(trace: Trace, capture: ReserveCapture) -> tuple[int, int, int | None]:
     """(allocations compared, placed as live, the op of the first placed otherwise) of Note [Comparing
     placements]."""
-    n = min(len(capture.pointers), len(capture.ranges))
+    n = min(len(capture.pointers), len(capture.reservations))
     if not n:
         return 0, 0, None
     ops = capture.ops[:n]
-    ranges = np.asarray(capture.ranges[:n], dtype=np.int64)
-    inside = ranges >= 0
-    if not inside.any():
+    serials = np.asarray(capture.reservations[:n], dtype=np.int64)
+    live = trace.addrs[ops].astype(np.int64)
+    known = (serials >= 0) & (live > 0)   # a live address of 0 is unknown (a trace built without them)
+    if not known.any():
         return 0, 0, None
-    ops, ranges = ops[inside], ranges[inside]
-    shift = trace.addrs[ops].astype(np.int64) - np.asarray(capture.pointers[:n], dtype=np.int64)[inside]
-    _, first = np.unique(ranges, return_index=True)   # each reservation's first allocation fixes its shift
-    region_shift = dict(zip(ranges[first].tolist(), shift[first].tolist()))
-    same = shift == np.array([region_shift[r] for r in ranges.tolist()], dtype=np.int64)
+    ops, serials, live = ops[known], serials[known], live[known]
+    shift = live - np.asarray(capture.pointers[:n], dtype=np.int64)[known]   # both in (0, 2**63): no wrap
+    _, first = np.unique(serials, return_index=True)   # each reservation's first allocation fixes its shift
+    region_shift = dict(zip(serials[first].tolist(), shift[first].tolist()))
+    same = shift == np.array([region_shift[r] for r in serials.tolist()], dtype=np.int64)
     off = np.flatnonzero(~same)
     return int(len(ops)), int(same.sum()), int(ops[off[0]]) if len(off) else None
 

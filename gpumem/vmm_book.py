@@ -75,12 +75,15 @@ class Mapping:
 class Reservation:
     """A reserved virtual range and the mappings inside it."""
 
-    __slots__ = ("start", "nbytes", "mappings")
+    __slots__ = ("start", "nbytes", "mappings", "serial")
 
-    def __init__(self, start: int, nbytes: int) -> None:
+    def __init__(self, start: int, nbytes: int, serial: int = 0) -> None:
         self.start = start
         self.nbytes = nbytes
         self.mappings: IntervalMap[Mapping] = IntervalMap()
+        self.serial = serial
+        """Which of the device's reservations this is, in the order they were made (1, 2, ...): one made again at
+        a freed one's address is another."""
 
     @property
     def end(self) -> int:

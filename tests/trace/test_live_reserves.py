@@ -374,9 +374,105 @@ def test_a_failed_allocation_is_no_placement():
     t = build_trace("t", "recorded", [0] * 3, [0x1000, 0x2000, 0x3000], [4 * MiB, 600 * MiB, 30 * MiB], [0] * 3,
                     [1.0, 2.0, 3.0], live_reserved_nbytes=[4 * MiB, 604 * MiB, 34 * MiB])
     cap = _replayed(t, limit=512 * MiB)
-    assert cap.pointers[1] == -1 and cap.ranges[1] == -1 and cap.ranges[0] >= 0
+    assert cap.pointers[1] == -1 and cap.reservations[1] == -1 and cap.reservations[0] >= 1
     c = compare_reserves(t, cap)
     # the two made share the large blocks' range; the first fixes its shift, the second's live address (0x3000) is
     # not the first's shift away from its pointer
     assert (c.placements_compared, c.placed_as_live, c.first_placed_otherwise_op) == (2, 1, 2)
     assert any("1 of 2 allocations sits where" in line for line in c.lines())
+
+
+class _Device:
+    """Says which reservation holds a pointer: one range at ``BASE``, its serial as set (attacker 37, F1)."""
+
+    BASE = 0x7F00_0000_0000
+
+    def __init__(self) -> None:
+        self.serial = 1
+        self.fails = False
+
+    def reservation_at(self, ptr: int):
+        if self.fails:
+            raise InvalidArgumentError("cannot say")
+        return (self.BASE, 1 << 30, self.serial)
+
+
+class _Allocator:
+    reserved_nbytes = 2 * MiB
+
+    def __init__(self, pointers: list[int]) -> None:
+        self.device = _Device()
+        self._pointers = iter(pointers)
+
+    def allocate(self, nbytes: int, stream: int = 0) -> int:
+        return next(self._pointers)
+
+
+def _four_allocations(live_addrs: list[int]) -> Trace:
+    return build_trace("t", "recorded", [0] * 4, live_addrs, [MiB] * 4, [0] * 4, [1.0, 2.0, 3.0, 4.0],
+                       live_reserved_nbytes=[2 * MiB] * 4)
+
+
+def test_a_reservation_made_again_at_a_freed_ones_address_has_its_own_shift():
+    """Live, two reservations at X and Y; the replay's second is made at its first's (freed) address, as a driver
+    reuses a freed range: each block sits where live put it relative to its own reservation (attacker 37, F1)."""
+    b = _Device.BASE
+    x, y = 0x1_0000_0000, 0x9_0000_0000
+    t = _four_allocations([x, x + MiB, y, y + MiB])
+    a = _Allocator([b, b + MiB, b, b + MiB])
+    cap = ReserveCapture(t, a)
+    a.allocate(MiB)
+    a.allocate(MiB)
+    a.device.serial = 2   # given back and reserved again at the same base
+    a.allocate(MiB)
+    a.allocate(MiB)
+    cap.restore()
+    c = compare_reserves(t, cap)
+    assert cap.reservations == [1, 1, 2, 2]
+    assert (c.placements_compared, c.placed_as_live, c.first_placed_otherwise_op) == (4, 4, None)
+
+
+def test_a_device_that_cannot_say_leaves_the_allocation_standing():
+    b = _Device.BASE
+    t = _four_allocations([0x1000, 0x2000, 0x3000, 0x4000])
+    a = _Allocator([b, b + MiB, b + 2 * MiB, b + 3 * MiB])
+    a.device.fails = True
+    cap = ReserveCapture(t, a)
+    assert [a.allocate(MiB) for _ in range(4)] == [b, b + MiB, b + 2 * MiB, b + 3 * MiB]
+    cap.restore()
+    assert cap.reservations == [-1] * 4 and cap.reserves == [2 * MiB] * 4
+    assert compare_reserves(t, cap).placements_compared == 0
+
+
+def test_unknown_live_addresses_and_wild_pointers_are_not_compared():
+    b = _Device.BASE
+    t = _four_allocations([0x1_0000_0000, 0, 0x1_0000_0000 + 2 * MiB, 0x1_0000_0000 + 3 * MiB])   # 0: unknown
+    a = _Allocator([b, b + MiB, 1 << 63, b + 3 * MiB])   # a pointer past int64 from a duck-typed allocator
+    cap = ReserveCapture(t, a)
+    for _ in range(4):
+        a.allocate(MiB)
+    cap.restore()
+    c = compare_reserves(t, cap)
+    assert cap.pointers[2] == -1 and cap.reservations[2] == -1
+    assert (c.placements_compared, c.placed_as_live, c.first_placed_otherwise_op) == (2, 2, None)
+
+
+def test_device_reservation_at():
+    from gpumem.specs import open_device
+
+    dev = open_device("sim:h200-141gb")
+    try:
+        g = dev.granularity_nbytes
+        va = dev.address_reserve(4 * g)
+        wa = dev.address_reserve(2 * g)
+        assert dev.reservation_at(va + g) == (va, 4 * g, 1) and dev.reservation_at(wa) == (wa, 2 * g, 2)
+        dev.address_free(va, 4 * g)
+        assert dev.reservation_at(va + g) is None
+        again = dev.address_reserve(4 * g)
+        assert dev.reservation_at(again)[2] == 3   # another reservation, wherever it lands
+        with pytest.raises(InvalidArgumentError):
+            dev.reservation_at("0x1000")
+        dev.address_free(again, 4 * g)
+        dev.address_free(wa, 2 * g)
+    finally:
+        dev.close()

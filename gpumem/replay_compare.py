@@ -38,9 +38,9 @@ may be given back and another reserved at its address); the first allocation in 
 reservation's shift, live address less replayed; a later one in the same reservation is placed as live when its
 shift is the same. Allocations outside any reservation (segment policies, ``malloc``'d memory), on a device that
 cannot say which reservation holds a pointer, or with no live address (0) are not compared: no placement count is
-given when none is. A placement
-difference at a reservation's first allocation shows only as the shift of every later one there, so the count is
-of allocations at the live place relative to the first, which is what a study of where the engines part needs.
+given when none is. A placement difference at a reservation's first allocation shows only as the shift of every
+later one there, so the count is of allocations at the live place relative to the first, which is what a study of
+where the engines part needs.
 """
 
 from __future__ import annotations
@@ -197,12 +197,11 @@ class LiveComparison:
             out.append("the trace's GPU clock at its least behind: " + self.clock_floor.describe())
         return out
 
-
     def _placement_line(self) -> str:
         n = self.placements_compared
         if not n:
-            return ("placement: not compared (no allocation of the replay sat in an address reservation: a segment "
-                    "policy's blocks live in cudaMalloc'd segments)")
+            return ("placement: not compared (no allocation of the replay sat in an address reservation the device "
+                    "could name, with a live address: a segment policy's blocks live in cudaMalloc'd segments)")
         where = "relative to the first allocation in the same address range"
         if self.first_placed_otherwise_op is None:
             line = (f"placement: the allocation compared sits where the live engine put it ({where})" if n == 1 else

@@ -1,7 +1,7 @@
 """The studies of ``reports/hil/where-replays-part-2026-11-30.md``: where replays of live gpumem.torch traces part
 from the live run, on the traces shipped beside earlier reports (simulator only, this machine's CPU)::
 
-    PYTHONPATH=. python reports/hil/where-replays-part-2026-11-30/study.py placement    # ~4 min
+    PYTHONPATH=. python reports/hil/where-replays-part-2026-11-30/study.py placement    # ~6 min
     PYTHONPATH=. python reports/hil/where-replays-part-2026-11-30/study.py fence 2.5    # seen latency, ~1 min
     PYTHONPATH=. python reports/hil/where-replays-part-2026-11-30/study.py busy 2.5     # after busy work, ~1 min
     PYTHONPATH=. python reports/hil/where-replays-part-2026-11-30/study.py gaps         # live growth ops, seconds

@@ -939,10 +939,13 @@ class Device(abc.ABC):
             return [(s, e - s) for s, e, _ in self._book.reservations.items()]
 
     def reservation_at(self, ptr: int) -> tuple[int, int, int] | None:
-        """``(va, nbytes, serial)`` of the live address reservation holding ``ptr``, or None when none does.
-        ``serial`` numbers this device's reservations in the order they were made (1, 2, ...), so a reservation
-        made again at the address of one given back is told apart from it."""
-        if type(ptr) is not int:
+        """``(va, nbytes, serial)`` of the live address reservation holding ``ptr``, or None when none does (a
+        closed device holds none). ``serial`` numbers this device's reservations in the order they were made (1, 2,
+        ...), so a reservation made again at the address of one given back is told apart from it.
+
+        Raises:
+            InvalidArgumentError: ``ptr`` is not a positive int (as :meth:`free` refuses it)."""
+        if type(ptr) is not int or ptr <= 0:
             ptr = check_pointer(ptr, what="ptr")
         with self._lock:
             hit = self._book.reservations.find(ptr)

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from .allocator.policy import DEFAULT_POLICY
-from .errors import GpumemError, InvalidArgumentError
+from .errors import InvalidArgumentError
 from .trace import OpKind, Trace
 from .units import format_bytes
 
@@ -200,8 +200,9 @@ class LiveComparison:
     def _placement_line(self) -> str:
         n = self.placements_compared
         if not n:
-            return ("placement: not compared (no allocation of the replay sat in an address reservation the device "
-                    "could name, with a live address: a segment policy's blocks live in cudaMalloc'd segments)")
+            return ("placement: not compared (no allocation the replay made sat in an address reservation the device "
+                    "could name and had a live address: so under a segment policy, whose blocks live in cudaMalloc'd "
+                    "segments, or a replay stopped before its first allocation)")
         where = "relative to the first allocation in the same address range"
         if self.first_placed_otherwise_op is None:
             line = (f"placement: the allocation compared sits where the live engine put it ({where})" if n == 1 else
@@ -224,7 +225,8 @@ class ReserveCapture:
         self.ops = np.flatnonzero((trace.kinds == OpKind.ALLOC) & (trace.nbytes > 0))
         self.reserves: list[int] = []
         self.pointers: list[int] = []
-        """Each allocation's pointer in the replay (-1 where it failed)."""
+        """Each allocation's pointer in the replay, -1 where it failed or its place is not compared (no reservation
+        holds it, the device cannot say, or it lies outside ``(0, 2**63)``)."""
         self.reservations: list[int] = []
         """The serial of the device reservation holding each pointer when it was made (:meth:`Device.reservation_at
         <gpumem.device.Device.reservation_at>`), -1 where none did or the device cannot say (Note [Comparing
@@ -241,9 +243,9 @@ class ReserveCapture:
                 return -1
             try:
                 hit = reservation_at(ptr)
-            except GpumemError:   # a device that cannot say: the allocation stands, its place is not compared
+                return -1 if hit is None else int(hit[2])
+            except Exception:   # noqa: BLE001 - a device that cannot say: the allocation stands, its place is not compared
                 return -1
-            return -1 if hit is None else int(hit[2])
 
         def allocate(nbytes: int, stream: int = 0) -> int:
             try:

@@ -444,6 +444,28 @@ def test_a_device_that_cannot_say_leaves_the_allocation_standing():
     assert compare_reserves(t, cap).placements_compared == 0
 
 
+def test_a_device_whose_lookup_breaks_leaves_the_capture_in_step():
+    """A duck-typed device answering a 2-tuple: the allocation stands and the three lists stay in step (re-check
+    37)."""
+    b = _Device.BASE
+    t = _four_allocations([0x1000, 0x2000, 0x3000, 0x4000])
+    a = _Allocator([b, b + MiB, b + 2 * MiB, b + 3 * MiB])
+    a.device.reservation_at = lambda ptr: (ptr, MiB)
+    cap = ReserveCapture(t, a)
+    assert a.allocate(MiB) == b
+    cap.restore()
+    assert (cap.reserves, cap.pointers, cap.reservations) == ([2 * MiB], [-1], [-1])
+
+
+def test_not_compared_names_no_single_cause():
+    t = _four_allocations([0x1000, 0x2000, 0x3000, 0x4000])
+    t = dataclasses.replace(t, addrs=np.zeros_like(t.addrs))   # the gpumem policy, no live addresses
+    c = compare_live(t, gpu_timing="idle")
+    assert c.placements_compared == 0
+    assert any(line.startswith("placement: not compared (no allocation the replay made sat in an address reservation")
+               for line in c.lines())
+
+
 def test_unknown_live_addresses_and_wild_pointers_are_not_compared():
     b = _Device.BASE
     t = _four_allocations([0x1_0000_0000, 0, 0x1_0000_0000 + 2 * MiB, 0x1_0000_0000 + 3 * MiB])   # 0: unknown
@@ -470,8 +492,10 @@ def test_device_reservation_at():
         assert dev.reservation_at(va + g) is None
         again = dev.address_reserve(4 * g)
         assert dev.reservation_at(again)[2] == 3   # another reservation, wherever it lands
-        with pytest.raises(InvalidArgumentError):
-            dev.reservation_at("0x1000")
+        for bad in ("0x1000", 0, -1, np.int64(-1), True, 1.5):   # as free() refuses them, whatever their type
+            with pytest.raises(InvalidArgumentError):
+                dev.reservation_at(bad)
+        assert dev.reservation_at(np.int64(wa)) == (wa, 2 * g, 2) and dev.reservation_at(2**200) is None
         dev.address_free(again, 4 * g)
         dev.address_free(wa, 2 * g)
     finally:

@@ -330,7 +330,7 @@ def compare_reserves(trace: Trace, capture: ReserveCapture, result: Any = None, 
 def _placements(trace: Trace, capture: ReserveCapture) -> tuple[int, int, int | None]:
     """(allocations compared, placed as live, the op of the first placed otherwise) of Note [Comparing
     placements]."""
-    n = min(len(capture.pointers), len(capture.reservations))
+    n = len(capture.pointers)   # appended with capture.reservations, one each per allocation
     if not n:
         return 0, 0, None
     ops = capture.ops[:n]
@@ -341,9 +341,9 @@ def _placements(trace: Trace, capture: ReserveCapture) -> tuple[int, int, int | 
         return 0, 0, None
     ops, serials, live = ops[known], serials[known], live[known]
     shift = live - np.asarray(capture.pointers[:n], dtype=np.int64)[known]   # both in (0, 2**63): no wrap
-    _, first = np.unique(serials, return_index=True)   # each reservation's first allocation fixes its shift
-    region_shift = dict(zip(serials[first].tolist(), shift[first].tolist()))
-    same = shift == np.array([region_shift[r] for r in serials.tolist()], dtype=np.int64)
+    # each reservation's first allocation fixes its shift
+    _, first, which = np.unique(serials, return_index=True, return_inverse=True)
+    same = shift == shift[first][which]
     off = np.flatnonzero(~same)
     return int(len(ops)), int(same.sum()), int(ops[off[0]]) if len(off) else None
 

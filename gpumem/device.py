@@ -766,6 +766,23 @@ class Device(abc.ABC):
         self._check_usable()
         self._do_synchronize()
 
+    def engine_work(self, pages_indexed: int) -> None:
+        """Told by an allocator's engine that it did CPU work of its own: it indexed ``pages_indexed`` pages
+        before choosing a page to steal (Note [The engine's own time] in ``gpumem/sim/latency.py``). A real
+        device does nothing: the time passed by itself. A simulated one lets it pass. Never fails on a closed or
+        lost device: the work was the engine's, not the device's.
+
+        Raises:
+            InvalidArgumentError: ``pages_indexed`` is not an int >= 0.
+        """
+        if type(pages_indexed) is not int or pages_indexed < 0:
+            raise InvalidArgumentError(f"engine_work: pages_indexed must be an int >= 0, got {pages_indexed!r}")
+        if pages_indexed:
+            self._run(self._do_engine_work, pages_indexed)
+
+    def _do_engine_work(self, pages_indexed: int) -> None:
+        """The engine's CPU time passes (:meth:`engine_work`); the real device's time passes by itself."""
+
     # -- streams and events ---------------------------------------------------------------
     def stream_create(self) -> int:
         """Create a stream; return its id (> 0). Stream 0 is the default stream and always exists."""

@@ -71,6 +71,10 @@ class Backend {
     virtual void stream_synchronize(StreamHandle stream) = 0;
     virtual void synchronize() = 0;
 
+    // Device.engine_work: the engine indexed `pages_indexed` pages before a steal (Note [The engine's own time] in
+    // gpumem/sim/latency.py). A real device's time passes by itself: nothing to do; the simulator's backend lets it pass.
+    virtual void engine_work(std::uint64_t pages_indexed) { (void)pages_indexed; }
+
     // Segment mode (SegmentBacking): Device.malloc / Device.free. Only the Python backend has them: the
     // engine runs malloc'd segments over the simulator (and any Python Device) only; CudaBackend keeps
     // these defaults, and the engines it serves (torch_api.cpp) are always in virtual-memory mode.

@@ -1883,6 +1883,9 @@ bool Engine::release_idle_chunk(VSeg* seg, std::int64_t first, std::int64_t last
 
 // VirtualBacking._idle_refresh (Note [An index of idle chunks] in backing.py)
 void Engine::idle_refresh() {
+    std::uint64_t n_fresh = 0;   // Note [The engine's own time] in gpumem/sim/latency.py; before anything changes
+    for (auto& up : vsegs_) n_fresh += up->fresh.size();
+    if (n_fresh) backend_.engine_work(n_fresh);
     for (auto& up : vsegs_) {
         VSeg* other = up.get();
         IdleKey last_key{-1, 0};

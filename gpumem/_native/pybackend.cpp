@@ -48,6 +48,11 @@ PyDeviceBackend::PyDeviceBackend(PyObject* device, PyObject* oom_error_cls, PyOb
     n_malloc_ = intern("malloc");
     n_free_ = intern("free");
     n_now_s_ = intern("now_s");
+    n_engine_work_ = intern("engine_work");
+    if (n_engine_work_ && !PyObject_HasAttr(device_, n_engine_work_)) {   // a stand-in device: the work goes untold
+        Py_DECREF(n_engine_work_);
+        n_engine_work_ = nullptr;
+    }
     ok_ = n_vmm_supported_ != nullptr && n_malloc_ != nullptr && n_free_ != nullptr;
 }
 
@@ -690,6 +695,12 @@ void PyDeviceBackend::event_destroy(EventHandle event) {
     events_[event - 1] = nullptr;
     free_event_ids_.push_back(event);
     call_void(n_event_destroy_, ev);   // steals the table's reference
+}
+
+// Device.engine_work, through call(): with the twin's GPU lag the device's clock is the twin's before it and read
+// back after, so the engine's time moves the twin's clock as it moves SimPy's
+void PyDeviceBackend::engine_work(std::uint64_t pages_indexed) {
+    if (n_engine_work_) call_void(n_engine_work_, u64(pages_indexed));
 }
 
 void PyDeviceBackend::stream_synchronize(StreamHandle stream) {

@@ -48,6 +48,7 @@ class PyDeviceBackend : public Backend {
     bool event_query(EventHandle event) override;
     void event_synchronize(EventHandle event) override;
     void event_destroy(EventHandle event) override;
+    void engine_work(std::uint64_t pages_indexed) override;
     void stream_synchronize(StreamHandle stream) override;
     void synchronize() override;
     std::uint64_t segment_malloc(std::uint64_t nbytes) override;   // device.malloc(nbytes)
@@ -116,6 +117,7 @@ class PyDeviceBackend : public Backend {
         *n_granularity_nbytes_, *n_vmm_supported_;
     PyObject *n_malloc_ = nullptr, *n_free_ = nullptr;   // segment mode
     PyObject* n_now_s_ = nullptr;                         // SimClock.now_s (the twin's GPU lag)
+    PyObject* n_engine_work_ = nullptr;                   // Device.engine_work; null: the device has none
 
     // What the device's books would hold for the calls the twin makes (Note [An idle device's bookkeeping
     // calls made here]); its events are ids with kTwinEvent set.

@@ -32,7 +32,7 @@ from allocator_helpers import small_profile
 if load_engine() is None:  # pragma: no cover - the engine is optional
     pytest.skip("the native engine (gpumem._engine) is not built", allow_module_level=True)
 
-RECORDED = ("mem_info", "address_reserve", "address_free", "mem_create", "mem_release", "mem_map",
+RECORDED = ("engine_work", "mem_info", "address_reserve", "address_free", "mem_create", "mem_release", "mem_map",
             "mem_set_access", "mem_unmap", "event_record", "event_query", "event_synchronize", "event_destroy",
             "stream_synchronize", "synchronize", "malloc", "free")
 """The device calls an allocator makes in virtual-memory mode, and ``malloc``/``free`` in segment mode

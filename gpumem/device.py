@@ -28,6 +28,8 @@ The interface mirrors the CUDA calls it stands for:
 ``event_query``          ``cudaEventQuery`` (``cudaErrorNotReady`` is ``False``)
 ``event_synchronize``    ``cudaEventSynchronize``
 ``event_destroy``        ``cudaEventDestroy``
+``engine_work``          none: the allocator's own CPU time, told to the
+                         simulator (Note [The engine's own time])
 =======================  ===============================================
 
 Note [Public methods check, implementations do]
@@ -52,9 +54,10 @@ the same order:
 2. a closed device (:class:`~gpumem.errors.DeviceClosedError`), then a lost one
    (:class:`~gpumem.errors.DeviceLostError`): after a loss *every* call but
    :meth:`Device.properties`, :meth:`Device.close`, :meth:`Device.subscribe`
-   (host-side bookkeeping, so code can still watch a device it is giving up on)
-   and the introspection methods (``allocation_ranges``, ``check_invariants``...)
-   raises, the simulator's ``advance``, ``launch``, ``add_tenant`` and
+   (host-side bookkeeping, so code can still watch a device it is giving up on),
+   :meth:`Device.engine_work` (the allocator's time, not the device's: a closed
+   or lost device ignores it, before ``_do_engine_work``) and the introspection
+   methods (``allocation_ranges``, ``check_invariants``...) raises, the simulator's ``advance``, ``launch``, ``add_tenant`` and
    ``watch_free_level`` included;
 3. the checks against what the device handed out (an unknown pointer, stream or
    mapping, an event destroyed or made by another device), then the call.
@@ -73,7 +76,7 @@ from typing import Any, Callable, TypeVar, Union
 from .errors import DeviceClosedError, DeviceLostError, InvalidArgumentError, UnsupportedOperationError
 from .events import EventCallback, EventHub, MemoryEvent, Subscription
 from .units import format_bytes
-from .validate import STREAM_END, check_nbytes, check_pointer, check_stream  # re-exported: gpumem.device's checks
+from .validate import STREAM_END, check_int_in_range, check_nbytes, check_pointer, check_stream  # re-exported: gpumem.device's checks
 from .vmm_book import Allocation, Mapping, MemoryBook, Physical, Reservation
 
 log = logging.getLogger(__name__)
@@ -768,20 +771,25 @@ class Device(abc.ABC):
 
     def engine_work(self, pages_indexed: int) -> None:
         """Told by an allocator's engine that it did CPU work of its own: it indexed ``pages_indexed`` pages
-        before choosing a page to steal (Note [The engine's own time] in ``gpumem/sim/latency.py``). A real
-        device does nothing: the time passed by itself. A simulated one lets it pass. Never fails on a closed or
-        lost device: the work was the engine's, not the device's.
+        before it looked for a page to steal (Note [The engine's own time] in ``gpumem/sim/latency.py``). A real
+        device does nothing: the time passed by itself. A simulated one lets it pass. Not a device call: a
+        closed or lost device ignores it (``_do_engine_work`` is not called), and it counts no call.
 
         Raises:
-            InvalidArgumentError: ``pages_indexed`` is not an int >= 0.
+            InvalidArgumentError: ``pages_indexed`` is not an integer in ``[0, 2**63)``.
         """
-        if type(pages_indexed) is not int or pages_indexed < 0:
-            raise InvalidArgumentError(f"engine_work: pages_indexed must be an int >= 0, got {pages_indexed!r}")
+        if pages_indexed.__class__ is not int or not 0 <= pages_indexed < 1 << 63:  # the hot case: a plain int
+            pages_indexed = check_int_in_range(pages_indexed, "engine_work: pages_indexed", 0, (1 << 63) - 1)
         if pages_indexed:
-            self._run(self._do_engine_work, pages_indexed)
+            self._run(self._engine_work, pages_indexed)
+
+    def _engine_work(self, pages_indexed: int) -> None:
+        if not (self._closed or self._lost):
+            self._do_engine_work(pages_indexed)
 
     def _do_engine_work(self, pages_indexed: int) -> None:
-        """The engine's CPU time passes (:meth:`engine_work`); the real device's time passes by itself."""
+        """The engine's CPU time passes (:meth:`engine_work`; never on a closed or lost device); a real device's
+        time passes by itself."""
 
     # -- streams and events ---------------------------------------------------------------
     def stream_create(self) -> int:

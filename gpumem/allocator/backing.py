@@ -1254,8 +1254,9 @@ class VirtualBacking(Backing):
     def _idle_refresh(self) -> None:
         """Index the chunks of the pages put in ``empty`` since the last look (idle or not: checked when read)."""
         n_fresh = sum(len(other.fresh) for other in self.vsegments.values())
-        if n_fresh:  # Note [The engine's own time] in gpumem.sim.latency; before anything changes
-            self.device.engine_work(n_fresh)
+        engine_work = getattr(self.device, "engine_work", None)  # a stand-in device may have none (pybackend.cpp)
+        if n_fresh and engine_work is not None:  # Note [The engine's own time] in gpumem.sim.latency; before any change
+            engine_work(n_fresh)
         g = self.granularity
         keys, known = self._idle_keys, self._idle_known
         for other in self.vsegments.values():

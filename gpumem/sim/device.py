@@ -395,8 +395,6 @@ class SimDevice(Device):
     def _do_engine_work(self, pages_indexed: int) -> None:
         # the engine's CPU time, not a device call: no call counted, no fault drawn, nothing refused
         # (Note [The engine's own time] in gpumem.sim.latency)
-        if self._closed or self._lost:
-            return
         seconds = self.latency.engine_index_cost_us(pages_indexed) * 1e-6
         if seconds and math.isfinite(self._clock.now + self.streams.pending_s + seconds):
             self._clock.advance(seconds)

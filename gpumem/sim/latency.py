@@ -66,20 +66,22 @@ The simulated clock used to move only through device calls, so the engine's deci
 do: in four gpumem.torch servers on the H200, whose every driver call was timed
 (``reports/hil/where-replays-part-2026-11-30.md`` §5, the tuning part), a steal's first fence record came
 29-34 µs (median) after the op began, a growth's first call 4.6 µs after. The same engine on this project's CPU
-shows where the difference goes: indexing the pages freed since its last look (``_idle_refresh``, Note [An
-index of idle chunks] in :mod:`gpumem.allocator.backing`), 1,300 pages at the median. A replay whose fence is
+shows where the difference goes: indexing the pages that fell empty since its last look (freed, or mapped by a
+steal and not yet taken; ``_idle_refresh``, Note [An index of idle chunks] in :mod:`gpumem.allocator.backing`),
+1,300 pages at the median. A replay whose fence is
 asked at once finds pending what live, asked 30 µs later, found done, and grows where live stole (the first
 difference of both b16 servers, op 3,088). So both engines tell the device how many pages they index
 (:meth:`gpumem.device.Device.engine_work`, the same count in both: the differential test records it), and the
 simulator lets ``engine_index_us * ln(1 + pages / engine_index_pages)`` pass. Fitted on the 105 steals of the
-two call logs that timed fence records, less the 4.6 µs every slow op takes (by least absolute deviations,
-over pages from tens to 17,000: 17.1 µs and 274 pages; median error 5.5 µs). Why a log: the time grows with the
+two call logs that timed fence records, less the 4.6 µs every slow op takes (the scale that minimises the median
+absolute error, the height its median ratio; over walks of 1 to 24,873 pages: 17.1 µs and 274 pages; median
+error 5.5 µs). Why a log: the time grows with the
 pages far less than in proportion (36 ns a page at 261 pages, 3.6 at 17,000), as pages freed together lie
 together in memory; a line misses the small walks by 10 µs, a square root the large ones by 36. The 4.6 µs
 is left out: every slow op takes it, and none of the replays' differences is a growth asked 4 µs late.
 
 The same logs price ``cuMemUnmap`` inside the program at twice its calibration on an idle device (1,741 unmaps:
-38.9 µs at the median, 2.00x the model's 19.4 per mapping), so :attr:`LatencyModel.mem_unmap_mapping_us` is the
+38.9 µs at the median, 2.00x the model's 19.4 per mapping, 1.98x its 19.6 for a 2 MiB page), so :attr:`LatencyModel.mem_unmap_mapping_us` is the
 in-program figure, 38.7 (with 0.10 per MiB: 38.9 for a 2 MiB page). The other VMM calls cost what the
 calibration says there (create 1.0-1.5x, map 0.45-0.75x, set access 0.86-1.3x). A real device's time passes by
 itself: ``engine_work`` does nothing there.
@@ -95,6 +97,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from gpumem.errors import InvalidArgumentError
+from gpumem.validate import check_int_in_range
 from gpumem.units import GiB, MiB
 
 #: The device calls :attr:`LatencyModel.waits_for_device` may name: the virtual-memory calls.
@@ -177,16 +180,22 @@ class LatencyModel:
     pages / engine_index_pages)`` for the pages it indexes first, which the engine reports through
     :meth:`gpumem.device.Device.engine_work` (Note [The engine's own time]); at least 0."""
     engine_index_pages: float = 274.0
-    """The scale of :attr:`engine_index_us`'s curve, in pages; above 0."""
+    """The scale of :attr:`engine_index_us`'s curve, in pages; at least 1."""
 
     def __post_init__(self) -> None:
         for knob, low in (("busy_factor_base", 1.0), ("busy_factor_per_decade", 0.0), ("engine_index_us", 0.0),
-                          ("engine_index_pages", 0.0)):
+                          ("engine_index_pages", 1.0)):
             value = getattr(self, knob)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < math.inf:
-                raise InvalidArgumentError(f"LatencyModel.{knob} must be a finite number >= {low:g}, not {value!r}")
-        if not self.engine_index_pages > 0:
-            raise InvalidArgumentError(f"LatencyModel.engine_index_pages must be > 0, not {self.engine_index_pages!r}")
+            try:
+                finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            except OverflowError:  # an int past any float
+                finite = False
+            if not (finite and value >= low):
+                raise InvalidArgumentError(f"LatencyModel.{knob} must be a finite number >= {low:g}, not {value!r:.60}")
+        # a walk's time stays finite: at most engine_index_us * ln(1 + 2**63), 44x it
+        if self.engine_index_us * math.log1p(2.0**63) > 1e12:
+            raise InvalidArgumentError(f"LatencyModel.engine_index_us must be at most {1e12 / math.log1p(2.0**63):.3g} "
+                                       f"µs, not {self.engine_index_us!r}")
         waits = self.waits_for_device
         if isinstance(waits, (tuple, list)):
             waits = frozenset(waits)
@@ -219,7 +228,13 @@ class LatencyModel:
         return self.busy_factor_base + self.busy_factor_per_decade * math.log10(1 + n_mappings)
 
     def engine_index_cost_us(self, pages_indexed: int) -> float:
-        """The engine's CPU time to index ``pages_indexed`` pages before a steal (Note [The engine's own time])."""
+        """The engine's CPU time to index ``pages_indexed`` pages before a steal (Note [The engine's own time]).
+
+        Raises:
+            InvalidArgumentError: ``pages_indexed`` is not an integer in ``[0, 2**63)``.
+        """
+        if pages_indexed.__class__ is not int or not 0 <= pages_indexed < 1 << 63:
+            pages_indexed = check_int_in_range(pages_indexed, "engine_index_cost_us: pages_indexed", 0, (1 << 63) - 1)
         return self.engine_index_us * math.log1p(pages_indexed / self.engine_index_pages)
 
     def malloc_free_us(self, nbytes: int) -> float:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 
 from gpumem import InvalidArgumentError, MiB
 from gpumem.allocator import make_allocator
 from gpumem.native import load_engine
-from gpumem.sim import LatencyModel, SimDevice, get_profile
+from gpumem.sim import FaultPlan, LatencyModel, SimDevice, get_profile
 
 US = 1e-6
 ENGINES = ["python"] + (["native"] if load_engine() is not None else [])
@@ -48,7 +49,7 @@ def test_engine_work_lets_the_time_pass_and_is_no_device_call():
         dev.close()
 
 
-@pytest.mark.parametrize("bad", [-1, True, 1.5, "3", None, 2**70 * 1.0])
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "3", None, 2**70 * 1.0, 2**63, 2**1100])
 def test_engine_work_refuses_what_is_not_a_count(bad):
     dev = _device()
     try:
@@ -60,6 +61,20 @@ def test_engine_work_refuses_what_is_not_a_count(bad):
         dev.close()
 
 
+def test_any_integer_type_is_a_count_and_the_cost_checks_its_argument():
+    dev = _device()
+    try:
+        t0 = dev.now_s
+        dev.engine_work(np.int64(274))  # as every device call takes any integer type (attacker 38)
+        assert (dev.now_s - t0) / US == pytest.approx(17.1 * math.log(2))
+    finally:
+        dev.close()
+    lat = LatencyModel()
+    for bad in (-5, -274, True, math.nan, 2**63):
+        with pytest.raises(InvalidArgumentError, match="engine_index_cost_us: pages_indexed"):
+            lat.engine_index_cost_us(bad)
+
+
 def test_engine_work_on_a_closed_device_does_nothing():
     dev = _device()
     t0 = dev.now_s
@@ -68,12 +83,11 @@ def test_engine_work_on_a_closed_device_does_nothing():
     assert dev.now_s == t0
 
 
-def test_a_huge_count_cannot_make_the_clock_infinite():
-    dev = _device(engine_index_us=1e300, engine_index_pages=1e-300)
+def test_the_largest_walk_keeps_the_clock_finite():
+    dev = _device(engine_index_us=2e10, engine_index_pages=1)
     try:
-        t0 = dev.now_s
-        dev.engine_work(2**62)
-        assert math.isfinite(dev.now_s) and dev.now_s == t0
+        dev.engine_work(2**63 - 1)  # the most a model allows: about 10 days of simulated time
+        assert math.isfinite(dev.now_s) and dev.now_s > 0
     finally:
         dev.close()
 
@@ -81,7 +95,10 @@ def test_a_huge_count_cannot_make_the_clock_infinite():
 @pytest.mark.parametrize("field, value", [("engine_index_us", -1.0), ("engine_index_us", math.inf),
                                           ("engine_index_us", math.nan), ("engine_index_us", True),
                                           ("engine_index_pages", 0.0), ("engine_index_pages", -5.0),
-                                          ("engine_index_pages", math.nan), ("engine_index_pages", "274")])
+                                          ("engine_index_pages", math.nan), ("engine_index_pages", "274"),
+                                          ("engine_index_pages", 0.5), ("engine_index_pages", 5e-324),
+                                          ("engine_index_us", 2**1024), ("engine_index_us", 1e300),
+                                          ("busy_factor_base", 2**1024)])
 def test_the_latency_model_refuses_bad_engine_constants(field, value):
     with pytest.raises(InvalidArgumentError, match=f"LatencyModel.{field}"):
         LatencyModel(**{field: value})
@@ -133,3 +150,42 @@ def test_both_engines_report_the_same_work():
             alloc.close()
             dev.close()
     assert found[0] == found[1] and found[0][0]
+
+
+class _StandIn:
+    """A device proxy that forwards everything but ``engine_work`` (a stand-in written before it existed)."""
+
+    def __init__(self, dev: SimDevice) -> None:
+        self._dev = dev
+
+    def __getattr__(self, name: str):
+        if name == "engine_work":
+            raise AttributeError(name)
+        return getattr(self._dev, name)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_device_without_engine_work_is_not_told(engine):
+    """Both engines skip a device that has no engine_work (new user 38: the Python engine raised AttributeError)."""
+    dev = _device()
+    alloc = make_allocator(_StandIn(dev), "gpumem", engine=engine)
+    try:
+        a = alloc.allocate(64 * MiB)
+        alloc.allocate(1 * MiB)
+        alloc.free(a)
+        alloc.allocate(128 * MiB)  # a steal: the index refreshed, nobody told
+        alloc.check_consistency()
+    finally:
+        alloc.close()
+        dev.close()
+
+
+def test_a_lost_device_ignores_engine_work():
+    dev = SimDevice(get_profile("h200-141gb"), faults=FaultPlan(device_lost_at_s=0.001))
+    try:
+        dev.advance(0.002)  # lost meanwhile
+        t0 = dev.now_s
+        dev.engine_work(1_000)  # the engine's time, not the device's: no DeviceLostError, no time
+        assert dev.now_s == t0
+    finally:
+        dev.close()

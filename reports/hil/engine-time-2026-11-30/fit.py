@@ -7,9 +7,9 @@ servers of ``reports/hil/where-replays-part-2026-11-30.md`` §5 (the tuning part
    each op's pages indexed before a steal are read off :meth:`gpumem.device.Device.engine_work`.
 2. Each live steal op whose first engine call is a fence record (the ``b`` runs: the ``a`` runs' patch did not
    time records) gives the gap from the end of the trace clock's reads to that record.
-3. A growth op's gap to its ``cuMemCreate`` is the part every slow op takes (the median, 4.5 µs), taken off.
-4. ``k * ln(1 + pages / p0)`` fitted to what is left by least absolute deviations (a grid over ``p0``, the
-   median ratio for ``k``), with a line and a square root beside it.
+3. A growth op's gap to its ``cuMemCreate`` is the part every slow op takes (the median, 4.6 µs), taken off.
+4. ``k * ln(1 + pages / p0)`` fitted to what is left: the ``p0`` of a grid that minimises the median absolute
+   error, with ``k`` the median ratio; a least-squares line and a square root beside it.
 5. The pooled median of every live ``cuMemUnmap`` of the four runs.
 """
 

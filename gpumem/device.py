@@ -57,8 +57,9 @@ the same order:
    (host-side bookkeeping, so code can still watch a device it is giving up on),
    :meth:`Device.engine_work` (the allocator's time, not the device's: a closed
    or lost device ignores it, before ``_do_engine_work``) and the introspection
-   methods (``allocation_ranges``, ``check_invariants``...) raises, the simulator's ``advance``, ``launch``, ``add_tenant`` and
-   ``watch_free_level`` included;
+   methods (``allocation_ranges``, ``check_invariants``...) raises, the
+   simulator's ``advance``, ``launch``, ``add_tenant`` and ``watch_free_level``
+   included;
 3. the checks against what the device handed out (an unknown pointer, stream or
    mapping, an event destroyed or made by another device), then the call.
 """
@@ -76,7 +77,8 @@ from typing import Any, Callable, TypeVar, Union
 from .errors import DeviceClosedError, DeviceLostError, InvalidArgumentError, UnsupportedOperationError
 from .events import EventCallback, EventHub, MemoryEvent, Subscription
 from .units import format_bytes
-from .validate import STREAM_END, check_int_in_range, check_nbytes, check_pointer, check_stream  # re-exported: gpumem.device's checks
+from .validate import (  # re-exported: gpumem.device's checks
+    STREAM_END, check_int_in_range, check_nbytes, check_pointer, check_stream)
 from .vmm_book import Allocation, Mapping, MemoryBook, Physical, Reservation
 
 log = logging.getLogger(__name__)

@@ -62,29 +62,28 @@ priced idle, 3.73 against 2.55 on the check rows). ``idle`` timing never sees a 
 
 Note [The engine's own time]
 ----------------------------
-The simulated clock used to move only through device calls, so the engine's decisions took no time. Live they
-do: in four gpumem.torch servers on the H200, whose every driver call was timed
-(``reports/hil/where-replays-part-2026-11-30.md`` §5, the tuning part), a steal's first fence record came
-29-34 µs (median) after the op began, a growth's first call 4.6 µs after. The same engine on this project's CPU
-shows where the difference goes: indexing the pages that fell empty since its last look (freed, or mapped by a
-steal and not yet taken; ``_idle_refresh``, Note [An index of idle chunks] in :mod:`gpumem.allocator.backing`),
-1,300 pages at the median. A replay whose fence is
-asked at once finds pending what live, asked 30 µs later, found done, and grows where live stole (the first
-difference of both b16 servers, op 3,088). So both engines tell the device how many pages they index
-(:meth:`gpumem.device.Device.engine_work`, the same count in both: the differential test records it), and the
-simulator lets ``engine_index_us * ln(1 + pages / engine_index_pages)`` pass. Fitted on the 105 steals of the
-two call logs that timed fence records, less the 4.6 µs every slow op takes (the scale that minimises the median
-absolute error, the height its median ratio; over walks of 1 to 24,873 pages: 17.1 µs and 274 pages; median
-error 5.5 µs). Why a log: the time grows with the
-pages far less than in proportion (36 ns a page at 261 pages, 3.6 at 17,000), as pages freed together lie
-together in memory; a line misses the small walks by 10 µs, a square root the large ones by 36. The 4.6 µs
-is left out: every slow op takes it, and none of the replays' differences is a growth asked 4 µs late.
+The simulated clock used to move only through device calls, so the engine's decisions took no time. Live they do:
+in four gpumem.torch servers on the H200, whose every driver call was timed
+(``reports/hil/where-replays-part-2026-11-30.md`` §5, the tuning part), a steal's first fence record came 29-34 µs
+(median) after the op began, a growth's first call 4.6 µs after. The same engine on this project's CPU shows where
+the difference goes: indexing the pages that fell empty since its last look (freed, or mapped by a steal and not
+yet taken; ``_idle_refresh``, Note [An index of idle chunks] in :mod:`gpumem.allocator.backing`), 1,300 pages at
+the median. A replay whose fence is asked at once finds pending what live, asked 30 µs later, found done, and
+grows where live stole (the first difference of both b16 servers, op 3,088). So both engines tell the device how
+many pages they index (:meth:`gpumem.device.Device.engine_work`, the same count in both: the differential test
+records it), and the simulator lets ``engine_index_us * ln(1 + pages / engine_index_pages)`` pass. Fitted on the
+105 steals of the two call logs that timed fence records, less the 4.6 µs every slow op takes (the scale that
+minimises the median absolute error, the height its median ratio; over walks of 1 to 24,873 pages: 17.1 µs and 274
+pages; median error 5.5 µs). Why a log: the time grows with the pages far less than in proportion (36 ns a page at
+261 pages, 3.6 at 17,000), as pages freed together lie together in memory; a line misses the small walks by 10 µs,
+a square root the large ones by 36. The 4.6 µs is left out: every slow op takes it, and none of the replays'
+differences is a growth asked 4 µs late.
 
 The same logs price ``cuMemUnmap`` inside the program at twice its calibration on an idle device (1,741 unmaps:
-38.9 µs at the median, 2.00x the model's 19.4 per mapping, 1.98x its 19.6 for a 2 MiB page), so :attr:`LatencyModel.mem_unmap_mapping_us` is the
-in-program figure, 38.7 (with 0.10 per MiB: 38.9 for a 2 MiB page). The other VMM calls cost what the
-calibration says there (create 1.0-1.5x, map 0.45-0.75x, set access 0.86-1.3x). A real device's time passes by
-itself: ``engine_work`` does nothing there.
+38.9 µs at the median, 2.00x the model's 19.4 per mapping, 1.98x its 19.6 for a 2 MiB page), so
+:attr:`LatencyModel.mem_unmap_mapping_us` is the in-program figure, 38.7 (with 0.10 per MiB: 38.9 for a 2 MiB
+page). The other VMM calls cost what the calibration says there (create 1.0-1.5x, map 0.45-0.75x, set access
+0.86-1.3x). A real device's time passes by itself: ``engine_work`` does nothing there.
 
 Simulated time only moves the SimPy clock; nothing sleeps for real.
 """

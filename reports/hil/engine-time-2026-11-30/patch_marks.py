@@ -2,9 +2,9 @@
 memory and written at exit to $MK_LOG as 'MK name ns_since_allocate_slow value' lines. Apply it to a copy of the
 repository, then build there (section 1 of ``reports/hil/engine-time-2026-11-30.md``)::
 
-    git worktree add /tmp/marks HEAD && cd /tmp/marks
+    git worktree add ../marks HEAD && cd ../marks
     python reports/hil/engine-time-2026-11-30/patch_marks.py && python setup.py -q build_ext --inplace
-    MK_LOG=/tmp/marks.txt PYTHONPATH=. python reports/hil/engine-time-2026-11-30/marks.py \\
+    MK_LOG=$PWD/marks.txt PYTHONPATH=. python reports/hil/engine-time-2026-11-30/marks.py \\
         reports/hil/where-replays-part-2026-11-30/ct-b-b16.gmt.gz
 """
 import re

@@ -49,9 +49,14 @@ PyDeviceBackend::PyDeviceBackend(PyObject* device, PyObject* oom_error_cls, PyOb
     n_free_ = intern("free");
     n_now_s_ = intern("now_s");
     n_engine_work_ = intern("engine_work");
-    if (n_engine_work_ && !PyObject_HasAttr(device_, n_engine_work_)) {   // a stand-in device: the work goes untold
-        Py_DECREF(n_engine_work_);
-        n_engine_work_ = nullptr;
+    if (n_engine_work_) {   // a stand-in device may have none, or None: the work goes untold (as backing.py decides)
+        PyObject* f = PyObject_GetAttr(device_, n_engine_work_);
+        if (!f) PyErr_Clear();   // a property that raises counts as none
+        if (!f || f == Py_None) {
+            Py_DECREF(n_engine_work_);
+            n_engine_work_ = nullptr;
+        }
+        Py_XDECREF(f);
     }
     ok_ = n_vmm_supported_ != nullptr && n_malloc_ != nullptr && n_free_ != nullptr;
 }

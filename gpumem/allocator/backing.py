@@ -566,6 +566,15 @@ def pool_va_nbytes(device: Device, policy: AllocatorPolicy) -> int:
     return va_nbytes
 
 
+def _has_engine_work(device: object) -> bool:
+    """Whether ``device`` has an ``engine_work`` that is not None; an attribute that fails to be read counts as
+    none (what ``PyDeviceBackend`` decides once, at construction, in ``gpumem/_native/pybackend.cpp``)."""
+    try:
+        return getattr(device, "engine_work", None) is not None
+    except Exception:  # noqa: BLE001 - a property that raises: the device is told nothing, as natively
+        return False
+
+
 class VirtualBacking(Backing):
     """Virtual ranges with physical chunks mapped under the pages live blocks touch; see Note [Virtual memory:
     pages follow live data] and Note [Chunks of several pages]."""
@@ -580,6 +589,9 @@ class VirtualBacking(Backing):
         self.va_nbytes = pool_va_nbytes(device, policy)
         self.vsegments: dict[bool, VirtualSegment] = {}
         """One range per pool (``True``: the small pool)."""
+        self.tells_engine_work = _has_engine_work(device)
+        """Whether the device takes :meth:`~gpumem.device.Device.engine_work` (decided once, as the native engine
+        decides it: a stand-in device may have none)."""
         self.unmapped: list[PhysicalHandle] = []
         """Physical chunks held but mapped nowhere."""
         self._exported_cached: dict[int, tuple[int, int]] = {}
@@ -1253,10 +1265,10 @@ class VirtualBacking(Backing):
     # -- Note [An index of idle chunks] ------------------------------------------------------------------
     def _idle_refresh(self) -> None:
         """Index the chunks of the pages put in ``empty`` since the last look (idle or not: checked when read)."""
-        n_fresh = sum(len(other.fresh) for other in self.vsegments.values())
-        engine_work = getattr(self.device, "engine_work", None)  # a stand-in device may have none (pybackend.cpp)
-        if n_fresh and engine_work is not None:  # Note [The engine's own time] in gpumem.sim.latency; before any change
-            engine_work(n_fresh)
+        if self.tells_engine_work:  # Note [The engine's own time] in gpumem.sim.latency; before anything changes
+            n_fresh = sum(len(other.fresh) for other in self.vsegments.values())
+            if n_fresh:
+                self.device.engine_work(n_fresh)
         g = self.granularity
         keys, known = self._idle_keys, self._idle_known
         for other in self.vsegments.values():

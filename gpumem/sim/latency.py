@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -185,9 +186,10 @@ class LatencyModel:
         for knob, low in (("busy_factor_base", 1.0), ("busy_factor_per_decade", 0.0), ("engine_index_us", 0.0),
                           ("engine_index_pages", 1.0)):
             value = getattr(self, knob)
-            try:
-                finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-            except OverflowError:  # an int past any float
+            try:  # any real number type (numpy's too), not a bool
+                finite = (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                          and math.isfinite(float(value)))
+            except (OverflowError, ValueError):  # an int past any float
                 finite = False
             if not (finite and value >= low):
                 raise InvalidArgumentError(f"LatencyModel.{knob} must be a finite number >= {low:g}, not {value!r:.60}")

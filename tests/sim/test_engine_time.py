@@ -189,3 +189,38 @@ def test_a_lost_device_ignores_engine_work():
         assert dev.now_s == t0
     finally:
         dev.close()
+
+
+class _RaisingProperty(SimDevice):
+    @property
+    def engine_work(self):  # type: ignore[override]
+        raise RuntimeError("engine_work cannot be read")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("how", ["none", "raising"])
+def test_both_engines_decide_once_whether_the_device_is_told(engine, how):
+    """An engine_work that is None or cannot be read counts as none, in both engines alike (re-check 38)."""
+    profile = get_profile("h200-141gb")
+    if how == "none":
+        dev = SimDevice(profile)
+        dev.engine_work = None  # type: ignore[assignment]
+    else:
+        dev = _RaisingProperty(profile)
+    alloc = make_allocator(dev, "gpumem", engine=engine)
+    try:
+        a = alloc.allocate(64 * MiB)
+        alloc.allocate(1 * MiB)
+        alloc.free(a)
+        alloc.allocate(128 * MiB)  # a steal: nobody told, no error
+        alloc.check_consistency()
+    finally:
+        alloc.close()
+        dev.close()
+
+
+def test_the_latency_model_takes_numpy_numbers():
+    lat = LatencyModel(engine_index_us=np.float32(17.1), engine_index_pages=np.int64(274))
+    assert lat.engine_index_cost_us(274) == pytest.approx(17.1 * math.log(2), rel=1e-6)
+    with pytest.raises(InvalidArgumentError, match="LatencyModel.engine_index_pages"):
+        LatencyModel(engine_index_pages=np.True_)

@@ -395,7 +395,7 @@ class SimDevice(Device):
     def _do_engine_work(self, pages_indexed: int) -> None:
         # the engine's CPU time, not a device call: no call counted, no fault drawn, nothing refused
         # (Note [The engine's own time] in gpumem.sim.latency)
-        seconds = self.latency.engine_index_cost_us(pages_indexed) * 1e-6
+        seconds = self.latency._engine_index_cost_us(pages_indexed) * 1e-6  # noqa: SLF001 - checked by engine_work
         if seconds and math.isfinite(self._clock.now + self.streams.pending_s + seconds):
             self._clock.advance(seconds)
 

@@ -236,6 +236,10 @@ class LatencyModel:
         """
         if pages_indexed.__class__ is not int or not 0 <= pages_indexed < 1 << 63:
             pages_indexed = check_int_in_range(pages_indexed, "engine_index_cost_us: pages_indexed", 0, (1 << 63) - 1)
+        return self._engine_index_cost_us(pages_indexed)
+
+    def _engine_index_cost_us(self, pages_indexed: int) -> float:
+        """:meth:`engine_index_cost_us` of a count already checked (``Device.engine_work`` checked it)."""
         return self.engine_index_us * math.log1p(pages_indexed / self.engine_index_pages)
 
     def malloc_free_us(self, nbytes: int) -> float:

@@ -37,10 +37,11 @@ gives a pluggable allocator] in ``gpumem/_native/torch_api.cpp``):
   program (the trace is written at exit). :func:`configure` gives the engine a policy's growth knobs.
   Every optimizer step marks a step plan's step, with no :func:`step` call in the loop (automatic step
   marks, on by default; ``GPUMEM_STEP_MARKS=off`` or ``configure(step_marks=None)`` turns them off).
-* CUDA graph capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``) has not been
-  tried on gpumem: PyTorch gives a pluggable allocator no private graph pools, and the events the
-  engine records and queries when memory goes back behave differently on a capturing stream
-  (captured into the graph, or refused, depending on the capture mode).
+* CUDA graph capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``,
+  ``torch.cuda.make_graphed_callables``) raises :class:`~gpumem.errors.UnsupportedOperationError`
+  before anything is captured: PyTorch gives these two functions no private graph pool, so memory a
+  graph allocated would go to other tensors while the graph replays (Note [No graph capture through
+  two C functions]). :func:`gpumem.torch_shim.install` supports capture.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from .errors import BackendUnavailableError, GpumemError, InvalidArgumentError
+from .errors import BackendUnavailableError, GpumemError, InvalidArgumentError, UnsupportedOperationError
 from .native import library_path
 from .units import format_bytes
 
@@ -119,8 +120,48 @@ def _installed_allocator() -> Any:
     except RuntimeError as exc:  # "Can't swap an already initialized allocator"
         raise TooLateError(f"PyTorch refused to change its CUDA allocator ({exc}); call gpumem.torch.install() "
                            "before PyTorch first uses the GPU") from None
+    _refuse_graph_capture(torch)
     log.info("PyTorch allocates through gpumem (%s)", library_path())
     return allocator
+
+
+# Note [No graph capture through two C functions]: a CUDA graph replays its kernels on the addresses it was
+# captured with, so PyTorch serves a capture from a private pool (beginAllocateToPool) whose blocks no tensor
+# outside the graph gets while the graph lives. A pluggable allocator installed from Python has only its alloc
+# and free functions: nothing tells it that a capture began, and a block the graph freed at the end of capture
+# goes back to the engine's cache, to be handed to the next tensor while replays still write it. The engine's
+# own calls fail the capture besides: a growth (cuMemCreate, cuMemMap) or a fence query on a capturing stream is
+# refused in the default (global) capture mode, which PyTorch reports only at capture_end, as "operation failed
+# due to a previous error during capture" (live on the H200: reports/hil/workloads-today-h200-2026-11-30.md).
+# A capture that allocates nothing would be safe, but it cannot be told apart in advance, and a silent
+# corruption is the worse failure. So install() wraps CUDAGraph.capture_begin, the door of every capture
+# (torch.cuda.graph, make_graphed_callables, torch.compile's CUDA-graph trees), and torch.cuda.graph's __enter__,
+# which would switch the current stream before it, to raise before anything is captured or switched (the
+# program's state unchanged), naming gpumem.torch_shim, whose C++ hooks give each graph a pool of its own.
+GRAPH_CAPTURE_REFUSED = (
+    "CUDA graph capture is not supported when gpumem is installed through gpumem.torch.install(): PyTorch gives "
+    "its two C functions no private graph pool, so memory the graph allocates would be handed to other tensors "
+    "while the graph replays. Install gpumem with gpumem.torch_shim.install() instead (its C++ hooks give each "
+    "graph a pool of its own; it needs a C++ compiler and the CUDA headers), or capture under PyTorch's own "
+    "allocator")
+
+
+def _refuse_graph_capture(torch: Any) -> None:
+    """``CUDAGraph.capture_begin`` and ``torch.cuda.graph.__enter__`` made to raise :data:`GRAPH_CAPTURE_REFUSED`
+    (Note [No graph capture through two C functions]); installed once, with the allocator."""
+    graphs = getattr(torch.cuda, "graphs", None)
+    doors = ((getattr(graphs, "CUDAGraph", None) or getattr(torch.cuda, "CUDAGraph", None), "capture_begin"),
+             (getattr(graphs, "graph", None) or getattr(torch.cuda, "graph", None), "__enter__"))
+    for cls, name in doors:
+        original = getattr(cls, name, None) if isinstance(cls, type) else None
+        if original is None:
+            continue
+
+        @functools.wraps(original)
+        def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
+            raise UnsupportedOperationError(GRAPH_CAPTURE_REFUSED)
+
+        setattr(cls, name, refuse)
 
 
 def install(device: "int | str | Any | None" = None) -> None:

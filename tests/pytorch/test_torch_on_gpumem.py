@@ -146,7 +146,8 @@ def _child(scenario: str) -> str:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("scenario", ["work_matches_cpu", "oom_is_torch_oom", "too_late", "streams", "trace",
-                                      "trace_gpu_clock", "trace_out_env", "step_marks_env", "step_marks_off_env"])
+                                      "trace_gpu_clock", "trace_out_env", "step_marks_env", "step_marks_off_env",
+                                      "graph_capture_refused"])
 def test_pytorch_on_gpumem(scenario, device_spec):
     if not device_spec.startswith("cuda:"):
         pytest.skip("needs a real CUDA device")
@@ -169,3 +170,61 @@ def test_configure_refuses_a_policy_the_engine_cannot_run(policy, field):
     pol = dataclasses.replace(get_policy("gpumem"), round_nbytes=1 << 20) if policy == "round" else policy
     with pytest.raises(InvalidArgumentError, match=f"default policy's .*{field}"):
         gt.configure(pol)
+
+
+# -- CUDA graph capture under the two C functions (Note [No graph capture through two C functions]) -------------
+def _stand_in_torch(with_graphs_module: bool = True):
+    """A stand-in for the parts of ``torch`` the refusal touches: a CUDAGraph whose capture_begin and a graph
+    context manager whose __enter__ (which switches the current stream first, as PyTorch's does) record what
+    they did."""
+    import types
+
+    calls = []
+
+    class CUDAGraph:
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            calls.append("capture_begin")
+
+    class graph:
+        def __init__(self, cuda_graph):
+            self.cuda_graph = cuda_graph
+
+        def __enter__(self):
+            calls.append("stream switched")
+            self.cuda_graph.capture_begin()
+
+        def __exit__(self, *exc):
+            calls.append("capture_end")
+
+    cuda = types.SimpleNamespace(CUDAGraph=CUDAGraph, graph=graph)
+    if with_graphs_module:
+        cuda.graphs = types.SimpleNamespace(CUDAGraph=CUDAGraph, graph=graph)
+    return types.SimpleNamespace(cuda=cuda), calls
+
+
+@pytest.mark.parametrize("with_graphs_module", [True, False])
+def test_graph_capture_is_refused_before_anything_happens(with_graphs_module):
+    """Live on the H200 a capture under gpumem.torch failed only at capture_end, with CUDA's "operation failed due
+    to a previous error during capture", and one that allocated nothing on the engine's slow path would have
+    handed the graph's memory to other tensors. Now every door raises gpumem's error first, with nothing done."""
+    from gpumem.errors import UnsupportedOperationError
+
+    torch, calls = _stand_in_torch(with_graphs_module)
+    gt._refuse_graph_capture(torch)
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(UnsupportedOperationError, match=r"gpumem\.torch_shim\.install\(\)"):
+        g.capture_begin()
+    with pytest.raises(UnsupportedOperationError, match="private graph pool"):
+        with torch.cuda.graph(g):
+            calls.append("captured work")
+    assert calls == []   # no stream switched, nothing captured, no capture_end
+    assert torch.cuda.CUDAGraph.capture_begin.__name__ == "capture_begin"   # wrapped, not renamed
+
+
+def test_graph_capture_refusal_skips_what_this_torch_lacks():
+    """A PyTorch without CUDA graphs (or a stand-in without them) is left as it is, with no error at install."""
+    import types
+
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace())
+    gt._refuse_graph_capture(torch)
+    assert vars(torch.cuda) == {}

@@ -120,6 +120,34 @@ def scenario_streams() -> None:
     assert st["num_allocs"] == st["num_frees"], st  # no matmul here: nothing is kept
 
 
+def scenario_graph_capture_refused() -> None:
+    """A CUDA graph capture raises gpumem's clear error before anything is captured or switched (Note [No graph
+    capture through two C functions] in gpumem/torch.py); the program goes on allocating on its stream. Before,
+    it failed at capture_end with "operation failed due to a previous error during capture"."""
+    import gpumem.torch as gt
+    from gpumem.errors import UnsupportedOperationError
+
+    gt.install()
+    import torch
+
+    model = torch.nn.Linear(256, 256).cuda()
+    x = torch.randn(64, 256, device="cuda")
+    before = torch.cuda.current_stream()
+    graph = torch.cuda.CUDAGraph()
+    for attempt in (lambda: torch.cuda.graph(graph).__enter__(), lambda: graph.capture_begin(),
+                    lambda: torch.cuda.make_graphed_callables(model, (x,))):
+        try:
+            attempt()
+        except UnsupportedOperationError as exc:
+            assert "gpumem.torch_shim.install()" in str(exc), exc
+        else:
+            raise AssertionError("a graph capture under gpumem.torch did not raise")
+        assert torch.cuda.current_stream() == before, "the current stream was switched"
+        assert not torch.cuda.is_current_stream_capturing()
+    y = model(x)   # the engine still serves the program
+    assert float((y - torch.nn.functional.linear(x, model.weight, model.bias)).abs().max()) == 0.0
+
+
 def scenario_trace() -> None:
     """gpumem.torch records the allocations PyTorch asks for, with the policy configure() gave the engine."""
     import gpumem.torch as gt

@@ -37,11 +37,12 @@ gives a pluggable allocator] in ``gpumem/_native/torch_api.cpp``):
   program (the trace is written at exit). :func:`configure` gives the engine a policy's growth knobs.
   Every optimizer step marks a step plan's step, with no :func:`step` call in the loop (automatic step
   marks, on by default; ``GPUMEM_STEP_MARKS=off`` or ``configure(step_marks=None)`` turns them off).
-* CUDA graph capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``,
-  ``torch.cuda.make_graphed_callables``) raises :class:`~gpumem.errors.UnsupportedOperationError`
-  before anything is captured: PyTorch gives these two functions no private graph pool, so memory a
-  graph allocated would go to other tensors while the graph replays (Note [No graph capture through
-  two C functions]). :func:`gpumem.torch_shim.install` supports capture.
+* CUDA graph capture (``torch.cuda.graph``, ``torch.cuda.make_graphed_callables``, and
+  ``torch.compile`` with ``mode="reduce-overhead"``, ``mode="max-autotune"`` or
+  ``backend="cudagraphs"``) raises :class:`~gpumem.errors.UnsupportedOperationError` before anything
+  is captured: PyTorch gives these two functions no private graph pool, so memory a graph allocated
+  would go to other tensors while the graph replays (Note [No graph capture through two C
+  functions]). :func:`gpumem.torch_shim.install` supports capture.
 """
 
 from __future__ import annotations
@@ -134,34 +135,73 @@ def _installed_allocator() -> Any:
 # refused in the default (global) capture mode, which PyTorch reports only at capture_end, as "operation failed
 # due to a previous error during capture" (live on the H200: reports/hil/workloads-today-h200-2026-11-30.md).
 # A capture that allocates nothing would be safe, but it cannot be told apart in advance, and a silent
-# corruption is the worse failure. So install() wraps CUDAGraph.capture_begin, the door of every capture
-# (torch.cuda.graph, make_graphed_callables, torch.compile's CUDA-graph trees), and torch.cuda.graph's __enter__,
-# which would switch the current stream before it, to raise before anything is captured or switched (the
-# program's state unchanged), naming gpumem.torch_shim, whose C++ hooks give each graph a pool of its own.
+# corruption is the worse failure. So install() wraps the doors of a capture to raise before anything happens:
+# CUDAGraph.capture_begin (every capture from Python), torch.cuda.graph's __enter__ (which switches the current
+# stream first; torch.compile's CUDA-graph trees enter one when made), and make_graphed_callables (which runs
+# warm-up passes first, updating BatchNorm statistics and the RNG), each under every name PyTorch binds it to.
+# The refusal names gpumem.torch_shim, whose C++ hooks give each graph a pool of its own (where the shim fell back
+# to these two functions, its warning said why). What it cannot see: captures begun in C++ (an extension's
+# at::cuda::CUDAGraph), a call to the C base class (torch._C._CUDAGraph.capture_begin) or to a wrapper's
+# __wrapped__, and a subclass whose capture_begin does not call super(). Guarding the doors must never fail an
+# install that succeeded: a PyTorch whose doors cannot be wrapped is logged, and left as it is.
 GRAPH_CAPTURE_REFUSED = (
-    "CUDA graph capture is not supported when gpumem is installed through gpumem.torch.install(): PyTorch gives "
-    "its two C functions no private graph pool, so memory the graph allocates would be handed to other tensors "
-    "while the graph replays. Install gpumem with gpumem.torch_shim.install() instead (its C++ hooks give each "
-    "graph a pool of its own; it needs a C++ compiler and the CUDA headers), or capture under PyTorch's own "
-    "allocator")
+    "CUDA graph capture is not supported when gpumem is PyTorch's allocator through its two C functions "
+    "(gpumem.torch.install(), or gpumem.torch_shim.install() where the shim could not be built): PyTorch gives "
+    "them no private graph pool, so memory the graph allocates would be handed to other tensors while the graph "
+    "replays. Install gpumem with gpumem.torch_shim.install() (its C++ hooks give each graph a pool of its own; it "
+    "needs ninja, a C++ compiler and the CUDA headers), or capture under PyTorch's own allocator.")
+
+
+def _graph_doors(torch: Any) -> list[tuple[Any, str]]:
+    """``(owner, attribute)`` of every door of a CUDA graph capture in ``torch`` (Note [No graph capture through two
+    C functions]), each distinct object once: the ``CUDAGraph`` classes' ``capture_begin``, the ``graph`` context
+    managers' ``__enter__``, and the modules' ``make_graphed_callables``."""
+    cuda = torch.cuda
+    graphs = getattr(cuda, "graphs", None)
+    doors: list[tuple[Any, str]] = []
+    seen: set[int] = set()
+    for module in (graphs, cuda):
+        if module is None:
+            continue
+        for attr, name in (("CUDAGraph", "capture_begin"), ("graph", "__enter__")):
+            cls = getattr(module, attr, None)
+            if isinstance(cls, type) and id(cls) not in seen and getattr(cls, name, None) is not None:
+                seen.add(id(cls))
+                doors.append((cls, name))
+        if callable(getattr(module, "make_graphed_callables", None)):
+            doors.append((module, "make_graphed_callables"))
+    return doors
+
+
+def _refusing(original: Any) -> Any:
+    """``original`` (a door of a CUDA graph capture) wrapped to raise :data:`GRAPH_CAPTURE_REFUSED`, unless gpumem's
+    C++ shim is PyTorch's allocator (which PyTorch does not let take over from the two C functions; a guard)."""
+
+    @functools.wraps(original)
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        if _installed_through_shim.cache_info().currsize:
+            return original(*args, **kwargs)
+        raise UnsupportedOperationError(GRAPH_CAPTURE_REFUSED)
+
+    return refuse
 
 
 def _refuse_graph_capture(torch: Any) -> None:
-    """``CUDAGraph.capture_begin`` and ``torch.cuda.graph.__enter__`` made to raise :data:`GRAPH_CAPTURE_REFUSED`
-    (Note [No graph capture through two C functions]); installed once, with the allocator."""
-    graphs = getattr(torch.cuda, "graphs", None)
-    doors = ((getattr(graphs, "CUDAGraph", None) or getattr(torch.cuda, "CUDAGraph", None), "capture_begin"),
-             (getattr(graphs, "graph", None) or getattr(torch.cuda, "graph", None), "__enter__"))
-    for cls, name in doors:
-        original = getattr(cls, name, None) if isinstance(cls, type) else None
-        if original is None:
-            continue
-
-        @functools.wraps(original)
-        def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
-            raise UnsupportedOperationError(GRAPH_CAPTURE_REFUSED)
-
-        setattr(cls, name, refuse)
+    """Every door of a CUDA graph capture made to raise :data:`GRAPH_CAPTURE_REFUSED` (Note [No graph capture
+    through two C functions]); installed once, with the allocator. Never raises: a door that cannot be wrapped is
+    logged."""
+    try:
+        doors = _graph_doors(torch)
+    except Exception as exc:  # noqa: BLE001 - guarding the doors must not fail an install that succeeded
+        log.warning("gpumem.torch: could not find PyTorch's CUDA graph capture to refuse it (%s); a capture will "
+                    "fail only at its end, or silently share the graph's memory", exc)
+        return
+    for owner, name in doors:
+        try:
+            setattr(owner, name, _refusing(getattr(owner, name)))
+        except Exception as exc:  # noqa: BLE001 - as above
+            log.warning("gpumem.torch: could not refuse CUDA graph capture at %s.%s (%s)",
+                        getattr(owner, "__name__", owner), name, exc)
 
 
 def install(device: "int | str | Any | None" = None) -> None:
@@ -181,7 +221,9 @@ def install(device: "int | str | Any | None" = None) -> None:
     on (every optimizer step marks a step plan's step, as ``configure(step_marks="optimizer")`` does) unless
     ``GPUMEM_STEP_MARKS`` (:data:`STEP_MARKS_ENV`) is ``off``, ``configure(step_marks=None)`` came first, or
     PyTorch has no global optimizer hook (before 2.0). Both variables are read at the first call that
-    installs them.
+    installs them. The install also makes every CUDA graph capture of this process raise
+    :class:`~gpumem.errors.UnsupportedOperationError` (Note [No graph capture through two C functions]):
+    capture needs :func:`gpumem.torch_shim.install`.
 
     Raises:
         TooLateError: PyTorch had already initialised CUDA.

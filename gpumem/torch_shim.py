@@ -104,7 +104,7 @@ def _installed() -> InstallPath:
         module = build()
     except ShimBuildError as exc:
         log.warning("%s; installing gpumem through its two C hooks instead (gpumem.torch: no record_stream, "
-                    "CUDA-graph pools, empty_cache or torch.cuda.memory_stats)", exc)
+                    "empty_cache or torch.cuda.memory_stats, and CUDA graph capture raises)", exc)
         gtorch.install()
         return InstallPath.CTYPES
     try:

@@ -174,16 +174,19 @@ def test_configure_refuses_a_policy_the_engine_cannot_run(policy, field):
 
 # -- CUDA graph capture under the two C functions (Note [No graph capture through two C functions]) -------------
 def _stand_in_torch(with_graphs_module: bool = True):
-    """A stand-in for the parts of ``torch`` the refusal touches: a CUDAGraph whose capture_begin and a graph
-    context manager whose __enter__ (which switches the current stream first, as PyTorch's does) record what
-    they did."""
+    """A stand-in for the parts of ``torch`` the refusal touches: a CUDAGraph whose capture_begin, a graph context
+    manager whose __enter__ (which switches the current stream first, as PyTorch's does) and a
+    make_graphed_callables (which runs warm-up passes first) record what they did."""
     import types
 
     calls = []
 
-    class CUDAGraph:
+    class _CBase:   # PyTorch's C base class: capture_begin inherited from it
         def capture_begin(self, pool=None, capture_error_mode="global"):
             calls.append("capture_begin")
+
+    class CUDAGraph(_CBase):
+        pass
 
     class graph:
         def __init__(self, cuda_graph):
@@ -196,9 +199,15 @@ def _stand_in_torch(with_graphs_module: bool = True):
         def __exit__(self, *exc):
             calls.append("capture_end")
 
-    cuda = types.SimpleNamespace(CUDAGraph=CUDAGraph, graph=graph)
+    def make_graphed_callables(callables, sample_args):
+        calls.append("warm-up passes")
+        with graph(CUDAGraph()):
+            pass
+
+    names = dict(CUDAGraph=CUDAGraph, graph=graph, make_graphed_callables=make_graphed_callables)
+    cuda = types.SimpleNamespace(**names)
     if with_graphs_module:
-        cuda.graphs = types.SimpleNamespace(CUDAGraph=CUDAGraph, graph=graph)
+        cuda.graphs = types.SimpleNamespace(**names)
     return types.SimpleNamespace(cuda=cuda), calls
 
 
@@ -206,18 +215,25 @@ def _stand_in_torch(with_graphs_module: bool = True):
 def test_graph_capture_is_refused_before_anything_happens(with_graphs_module):
     """Live on the H200 a capture under gpumem.torch failed only at capture_end, with CUDA's "operation failed due
     to a previous error during capture", and one that allocated nothing on the engine's slow path would have
-    handed the graph's memory to other tensors. Now every door raises gpumem's error first, with nothing done."""
+    handed the graph's memory to other tensors. Now every door raises gpumem's error first, with nothing done
+    (make_graphed_callables included: its warm-up passes would update BatchNorm statistics; attacker 39)."""
     from gpumem.errors import UnsupportedOperationError
 
     torch, calls = _stand_in_torch(with_graphs_module)
     gt._refuse_graph_capture(torch)
     g = torch.cuda.CUDAGraph()
     with pytest.raises(UnsupportedOperationError, match=r"gpumem\.torch_shim\.install\(\)"):
-        g.capture_begin()
+        g.capture_begin(pool=None, capture_error_mode="global")
     with pytest.raises(UnsupportedOperationError, match="private graph pool"):
         with torch.cuda.graph(g):
             calls.append("captured work")
-    assert calls == []   # no stream switched, nothing captured, no capture_end
+    modules = [torch.cuda] + ([torch.cuda.graphs] if with_graphs_module else [])
+    for module in modules:
+        with pytest.raises(UnsupportedOperationError):
+            module.make_graphed_callables((), ())
+        with pytest.raises(UnsupportedOperationError):
+            module.graph(g).__enter__()
+    assert calls == []   # no stream switched, nothing captured, no warm-up pass, no capture_end
     assert torch.cuda.CUDAGraph.capture_begin.__name__ == "capture_begin"   # wrapped, not renamed
 
 
@@ -228,3 +244,66 @@ def test_graph_capture_refusal_skips_what_this_torch_lacks():
     torch = types.SimpleNamespace(cuda=types.SimpleNamespace())
     gt._refuse_graph_capture(torch)
     assert vars(torch.cuda) == {}
+
+
+def test_graph_capture_refusal_never_fails_the_install(caplog):
+    """The refusal is put in after PyTorch took gpumem's allocator: a door that cannot be found or wrapped is
+    logged, never raised (a raise there left gpumem installed but install() failed, and a retry said TooLateError;
+    attacker 39)."""
+    import types
+
+    class Frozen(type):
+        def __setattr__(cls, name, value):
+            raise TypeError("frozen class")
+
+    class CUDAGraph(metaclass=Frozen):
+        def capture_begin(self):
+            return "captured"
+
+    class Exploding:
+        def __getattr__(self, name):
+            raise RuntimeError("no such thing here")
+
+    with caplog.at_level("WARNING", logger="gpumem.torch"):
+        gt._refuse_graph_capture(types.SimpleNamespace(cuda=types.SimpleNamespace(CUDAGraph=CUDAGraph)))
+        gt._refuse_graph_capture(types.SimpleNamespace(cuda=Exploding()))
+    assert CUDAGraph().capture_begin() == "captured"   # left as it was, and said so
+    assert len([r for r in caplog.records if "could not" in r.getMessage()]) == 2
+
+
+def test_graph_capture_goes_through_where_the_shim_is_the_allocator():
+    """A guard: PyTorch lets no allocator take over from the two C functions, but were gpumem's C++ shim
+    PyTorch's allocator, its graphs have pools of their own, and the wrapped doors pass through."""
+    torch, calls = _stand_in_torch()
+    gt._refuse_graph_capture(torch)
+    gt._installed_through_shim()
+    try:
+        torch.cuda.CUDAGraph().capture_begin()
+    finally:
+        gt._installed_through_shim.cache_clear()
+    assert calls == ["capture_begin"]
+
+
+@native_only
+def test_install_refuses_graph_capture(monkeypatch):
+    """install() itself puts the refusal in, once PyTorch took the two C functions."""
+    import types
+
+    from gpumem.errors import UnsupportedOperationError
+
+    torch, calls = _stand_in_torch()
+    taken = []
+    torch.cuda.is_available = lambda: True
+    torch.cuda.is_initialized = lambda: False
+    torch.cuda.memory = types.SimpleNamespace(CUDAPluggableAllocator=lambda *a: ("pluggable", a),
+                                              change_current_allocator=taken.append)
+    monkeypatch.setattr(gt, "_torch", lambda who="gpumem.torch": torch)
+    gt._installed_allocator.cache_clear()
+    try:
+        gt._installed_allocator()
+        assert taken and taken[0][0] == "pluggable"
+        with pytest.raises(UnsupportedOperationError):
+            torch.cuda.CUDAGraph().capture_begin()
+    finally:
+        gt._installed_allocator.cache_clear()
+    assert calls == []

@@ -52,6 +52,7 @@ import atexit
 import dataclasses
 import functools
 import importlib
+import inspect
 import logging
 import os
 import sys
@@ -142,8 +143,10 @@ def _installed_allocator() -> Any:
 # The refusal names gpumem.torch_shim, whose C++ hooks give each graph a pool of its own (where the shim fell back
 # to these two functions, its warning said why). What it cannot see: captures begun in C++ (an extension's
 # at::cuda::CUDAGraph), a call to the C base class (torch._C._CUDAGraph.capture_begin) or to a wrapper's
-# __wrapped__, and a subclass whose capture_begin does not call super(). Guarding the doors must never fail an
-# install that succeeded: a PyTorch whose doors cannot be wrapped is logged, and left as it is.
+# __wrapped__, a subclass whose capture_begin does not call super(), and a name bound before install() (`from
+# torch.cuda import make_graphed_callables` runs its warm-up before the graph's refusal: install first). Guarding
+# the doors must never fail an install that succeeded: a door that cannot be read or wrapped is logged, the others
+# are guarded.
 GRAPH_CAPTURE_REFUSED = (
     "CUDA graph capture is not supported when gpumem is PyTorch's allocator through its two C functions "
     "(gpumem.torch.install(), or gpumem.torch_shim.install() where the shim could not be built): PyTorch gives "
@@ -152,23 +155,33 @@ GRAPH_CAPTURE_REFUSED = (
     "needs ninja, a C++ compiler and the CUDA headers), or capture under PyTorch's own allocator.")
 
 
+def _lookup(owner: Any, name: str) -> Any:
+    """``owner.name``, or None where it is missing or its lookup raises anything (logged: a lazy attribute of a
+    PyTorch that cannot be read must not keep the other doors from being guarded)."""
+    try:
+        return getattr(owner, name, None)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        log.warning("gpumem.torch: could not look at %s of PyTorch to refuse CUDA graph capture there (%s: %s)",
+                    name, type(exc).__name__, exc)
+        return None
+
+
 def _graph_doors(torch: Any) -> list[tuple[Any, str]]:
     """``(owner, attribute)`` of every door of a CUDA graph capture in ``torch`` (Note [No graph capture through two
-    C functions]), each distinct object once: the ``CUDAGraph`` classes' ``capture_begin``, the ``graph`` context
-    managers' ``__enter__``, and the modules' ``make_graphed_callables``."""
-    cuda = torch.cuda
-    graphs = getattr(cuda, "graphs", None)
+    C functions]), each distinct class once: the ``CUDAGraph`` classes' ``capture_begin``, the ``graph`` context
+    managers' ``__enter__``, and each module's ``make_graphed_callables``."""
+    cuda = _lookup(torch, "cuda")
     doors: list[tuple[Any, str]] = []
     seen: set[int] = set()
-    for module in (graphs, cuda):
+    for module in (_lookup(cuda, "graphs"), cuda):
         if module is None:
             continue
         for attr, name in (("CUDAGraph", "capture_begin"), ("graph", "__enter__")):
-            cls = getattr(module, attr, None)
-            if isinstance(cls, type) and id(cls) not in seen and getattr(cls, name, None) is not None:
+            cls = _lookup(module, attr)
+            if isinstance(cls, type) and id(cls) not in seen and _lookup(cls, name) is not None:
                 seen.add(id(cls))
                 doors.append((cls, name))
-        if callable(getattr(module, "make_graphed_callables", None)):
+        if callable(_lookup(module, "make_graphed_callables")):
             doors.append((module, "make_graphed_callables"))
     return doors
 
@@ -186,10 +199,19 @@ def _refusing(original: Any) -> Any:
     return refuse
 
 
+def _refused_door(owner: Any, name: str) -> Any:
+    """What ``owner.name`` becomes: the door wrapped by :func:`_refusing`, as the same kind of attribute (a static or
+    class method of a class stays one)."""
+    raw = inspect.getattr_static(owner, name) if isinstance(owner, type) else getattr(owner, name)
+    if isinstance(raw, (staticmethod, classmethod)):
+        return type(raw)(_refusing(raw.__func__))
+    return _refusing(raw)
+
+
 def _refuse_graph_capture(torch: Any) -> None:
     """Every door of a CUDA graph capture made to raise :data:`GRAPH_CAPTURE_REFUSED` (Note [No graph capture
-    through two C functions]); installed once, with the allocator. Never raises: a door that cannot be wrapped is
-    logged."""
+    through two C functions]); installed once, with the allocator. Never raises: a door that cannot be found or
+    wrapped is logged."""
     try:
         doors = _graph_doors(torch)
     except Exception as exc:  # noqa: BLE001 - guarding the doors must not fail an install that succeeded
@@ -198,10 +220,13 @@ def _refuse_graph_capture(torch: Any) -> None:
         return
     for owner, name in doors:
         try:
-            setattr(owner, name, _refusing(getattr(owner, name)))
+            setattr(owner, name, _refused_door(owner, name))
         except Exception as exc:  # noqa: BLE001 - as above
-            log.warning("gpumem.torch: could not refuse CUDA graph capture at %s.%s (%s)",
-                        getattr(owner, "__name__", owner), name, exc)
+            try:
+                where = f"{owner.__name__}.{name}"
+            except Exception:  # noqa: BLE001 - a name that cannot be read is not worth a failed install
+                where = name
+            log.warning("gpumem.torch: could not refuse CUDA graph capture at %s (%s)", where, exc)
 
 
 def install(device: "int | str | Any | None" = None) -> None:

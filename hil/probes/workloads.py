@@ -454,8 +454,8 @@ WORKLOADS: dict[str, Callable[[Any, dict], tuple[str, Callable[[int], Any]]]] = 
 
 #: Workloads that run only when named, minutes per run (a 7B model's 4,500-token decode; 3,000 tokens a step, whose
 #: default 12 steps outlast the default timeout), with the options that let them finish.
-NAMED_ONLY = {"llama7b_long_decode": "--steps 2 --warmup 1 --timeout 300",
-              "llama7b_long_decode_sdpa": "--steps 2 --warmup 1 --timeout 300",
+NAMED_ONLY = {"llama7b_long_decode": "--steps 2 --warmup 1 --no-record --timeout 600",
+              "llama7b_long_decode_sdpa": "--steps 2 --warmup 1 --no-record --timeout 600",
               "llama_long_decode": "--steps 3 --warmup 1 --timeout 300"}
 
 #: Workloads gpumem.torch refuses by design, not run under ``gpumem`` (said, and left out of the record).
@@ -702,6 +702,7 @@ def run_live(workloads: Sequence[str], allocators: Sequence[str], steps: int, wa
     path = out / (f"workloads-{tag}.json" if tag else "workloads.json")
     order = [(workload, r, allocator) for workload in workloads for r in range(1, rounds + 1)
              for allocator in (allocators if r % 2 else list(reversed(allocators)))]
+    path.write_text(json.dumps(result, indent=1))   # a record even where no run is made (or all are refused)
     for workload, round_, allocator in order:
         if allocator == "gpumem" and workload in GPUMEM_REFUSES:
             print(f"{workload:<20} {allocator:<8} not run: {GPUMEM_REFUSES[workload]}", flush=True)
@@ -1303,6 +1304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--gpumem-plan-steps and --gpumem-step-marks mark the same steps twice: choose one")
         if len(set(names)) < len(names) or len(set(allocators)) < len(allocators):
             parser.error("a workload or an allocator is named twice (its runs would replace each other)")
+        if allocators == ["gpumem"] and names and all(n in GPUMEM_REFUSES for n in names):
+            parser.error(f"{', '.join(names)} is not run under gpumem: {GPUMEM_REFUSES[names[0]]}")
         if not 1 <= args.rounds <= MAX_ROUNDS:
             parser.error(f"--rounds {args.rounds}: 1 to {MAX_ROUNDS}")
         if args.rounds > 1 and not args.no_record:

@@ -714,3 +714,21 @@ def test_a_workload_gpumem_refuses_is_not_run_under_it(tmp_path: Path, monkeypat
         assert wl.main(["live", "--out", str(tmp_path / workload), "--allocators", "default", "--workloads",
                         workload, *options.split()]) == 0
         assert [c[4] for c in calls] == [workload]
+
+
+def test_a_live_run_that_runs_nothing_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture) -> None:
+    """Re-check 39: `live --allocators gpumem --workloads cudagraph_train` refused every run, wrote no record, and
+    read a missing file (a traceback) or an earlier run's record (its exit status). Now it is refused at once, with
+    the reason, and a record is written before the first run."""
+    import subprocess
+
+    calls: list = []
+    monkeypatch.setattr(subprocess, "run", _fake_child(calls))
+    stale = tmp_path / "workloads.json"
+    stale.write_text(json.dumps({"runs": [{"workload": "x", "allocator": "gpumem", "error": "old"}]}))
+    with pytest.raises(SystemExit):
+        wl.main(["live", "--out", str(tmp_path), "--allocators", "gpumem", "--workloads", "cudagraph_train"])
+    assert "is not run under gpumem" in capsys.readouterr().err and calls == []
+    path = wl.run_live(["cudagraph_train"], ["gpumem"], 3, 1, tmp_path, None, 5.0)
+    assert json.loads(path.read_text())["runs"] == [] and calls == []   # the stale record replaced

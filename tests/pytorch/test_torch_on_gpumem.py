@@ -268,7 +268,47 @@ def test_graph_capture_refusal_never_fails_the_install(caplog):
         gt._refuse_graph_capture(types.SimpleNamespace(cuda=types.SimpleNamespace(CUDAGraph=CUDAGraph)))
         gt._refuse_graph_capture(types.SimpleNamespace(cuda=Exploding()))
     assert CUDAGraph().capture_begin() == "captured"   # left as it was, and said so
-    assert len([r for r in caplog.records if "could not" in r.getMessage()]) == 2
+    said = [r.getMessage() for r in caplog.records]
+    assert any("could not refuse CUDA graph capture at CUDAGraph.capture_begin (frozen class)" in m for m in said)
+    assert any("could not look at graphs" in m and "no such thing here" in m for m in said)
+
+
+def test_one_unreadable_door_leaves_the_others_guarded(caplog):
+    """Re-check 39: a lookup that raised something else than AttributeError (a lazy attribute) made the whole
+    search fail, so no door was guarded. Now only that door is skipped (and said). A door that is a static or a
+    class method stays one, so a call let through (the shim's guard) binds as before."""
+    import types
+
+    from gpumem.errors import UnsupportedOperationError
+
+    torch, calls = _stand_in_torch(with_graphs_module=False)
+
+    class Lazy(types.SimpleNamespace):
+        def __getattribute__(self, name):
+            if name == "make_graphed_callables":
+                raise ImportError("a lazy import that fails")
+            return super().__getattribute__(name)
+
+    class StaticGraph:
+        @staticmethod
+        def capture_begin(pool=None):
+            calls.append(("static", pool))
+
+    torch.cuda = Lazy(**vars(torch.cuda))
+    torch.cuda.graphs = types.SimpleNamespace(CUDAGraph=StaticGraph)
+    with caplog.at_level("WARNING", logger="gpumem.torch"):
+        gt._refuse_graph_capture(torch)
+    assert any("make_graphed_callables" in r.getMessage() for r in caplog.records)
+    for g in (torch.cuda.CUDAGraph(), StaticGraph()):
+        with pytest.raises(UnsupportedOperationError):
+            g.capture_begin(pool=1)
+    assert isinstance(vars(StaticGraph)["capture_begin"], staticmethod)
+    gt._installed_through_shim()
+    try:
+        StaticGraph().capture_begin(pool=1)   # let through: bound as the static method it was
+    finally:
+        gt._installed_through_shim.cache_clear()
+    assert calls == [("static", 1)]
 
 
 def test_graph_capture_goes_through_where_the_shim_is_the_allocator():

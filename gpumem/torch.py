@@ -105,7 +105,10 @@ def _torch(who: str = "gpumem.torch") -> Any:
 
 # Note [Installing once]: PyTorch takes one allocator per process, so the pluggable allocator is
 # made and installed once; functools.cache keeps it (and is how `installed()` knows). A failed
-# install raises, caches nothing and may be retried.
+# install raises, caches nothing and may be retried. Where gpumem.torch_shim.install() came first,
+# gpumem is PyTorch's allocator already and install() makes no second one (PyTorch would refuse it,
+# which read as "called too late"); the shim called after install() says so and stays on the two
+# C hooks (gpumem.torch_shim._installed).
 @functools.cache
 def _installed_allocator() -> Any:
     torch = _torch()
@@ -262,7 +265,8 @@ def install(device: "int | str | Any | None" = None) -> None:
     """
     index = None if device is None else _device_index(device, default_current=False)
     marks = _env_step_marks()   # checked before anything is installed: a bad value changes nothing
-    _installed_allocator()
+    if not _installed_through_shim.cache_info().currsize:   # Note [Installing once]
+        _installed_allocator()
     out = os.environ.get(TRACE_OUT_ENV)
     if out and not _trace_at_exit.cache_info().currsize:
         _trace_at_exit(out)

@@ -95,6 +95,12 @@ def build(verbose: bool = False) -> Any:
 @functools.cache
 def _installed() -> InstallPath:
     torch = _torch()
+    if gtorch._installed_allocator.cache_info().currsize:   # Note [Installing once] in gpumem/torch.py
+        log.warning("gpumem is PyTorch's allocator through its two C hooks already (gpumem.torch.install() came "
+                    "first), and PyTorch takes one allocator per process: the shim cannot take over (no "
+                    "record_stream, empty_cache or torch.cuda.memory_stats, and CUDA graph capture raises); call "
+                    "gpumem.torch_shim.install() instead of gpumem.torch.install()")
+        return InstallPath.CTYPES
     if torch.cuda.is_initialized():
         raise TooLateError(
             "gpumem.torch_shim.install() was called after PyTorch initialised CUDA, when its allocator can no "
@@ -127,7 +133,8 @@ def install() -> InstallPath:
 
     Returns:
         :attr:`InstallPath.SHIM`, or :attr:`InstallPath.CTYPES` where the shim could not be built (one warning
-        says why; gpumem is then installed through :func:`gpumem.torch.install`).
+        says why; gpumem is then installed through :func:`gpumem.torch.install`) or where
+        :func:`gpumem.torch.install` came first (one warning: PyTorch takes one allocator per process).
 
     Raises:
         gpumem.torch.TooLateError: PyTorch had already initialised CUDA.

@@ -138,6 +138,44 @@ def test_install_falls_back_to_the_c_hooks_with_one_warning(fake_torch, monkeypa
         ts.pool_table()
 
 
+@native_only
+def test_the_shim_after_the_c_hooks_says_so_and_stays_on_them(fake_torch, caplog):
+    """Attacker 39: gpumem.torch.install() first, then gpumem.torch_shim.install(): PyTorch refused the second
+    allocator and the shim said "called too late", when gpumem was PyTorch's allocator all along. Now the shim
+    says what happened and reports the C hooks (InstallPath.CTYPES), building nothing, even once CUDA started."""
+    torch, ext = fake_torch()
+    taken = []
+    torch.cuda.is_available = lambda: True
+    torch.cuda.memory = types.SimpleNamespace(CUDAPluggableAllocator=lambda *a: ("pluggable", a),
+                                              change_current_allocator=taken.append)
+    gt._installed_allocator.cache_clear()
+    try:
+        gt._installed_allocator()            # what gpumem.torch.install() makes
+        torch.cuda.is_initialized = lambda: True   # the program allocated since
+        with caplog.at_level(logging.WARNING, logger="gpumem.torch_shim"):
+            assert ts.install() is ts.InstallPath.CTYPES
+            assert ts.install() is ts.InstallPath.CTYPES
+    finally:
+        gt._installed_allocator.cache_clear()
+    assert len(taken) == 1 and ext.loads == []
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "gpumem.torch.install() came first" in warnings[0]
+
+
+def test_the_c_hooks_after_the_shim_make_no_second_allocator(fake_torch, monkeypatch):
+    """gpumem.torch.install() after the shim (a library calling one, the program the other) made a second
+    pluggable allocator, which PyTorch refused as "called too late". gpumem is PyTorch's allocator already:
+    install() goes on with what it adds (step marks, the trace at exit) and makes none."""
+    fake_torch()
+    assert ts.install() is ts.InstallPath.SHIM
+    import functools
+
+    made = []
+    monkeypatch.setattr(gt, "_installed_allocator", functools.cache(lambda: made.append(1)))
+    gt.install()
+    assert made == [] and gt.installed()
+
+
 def test_install_after_cuda_started_is_too_late_and_changes_nothing(fake_torch):
     torch, ext = fake_torch()
     torch.cuda.is_initialized = lambda: True

@@ -147,7 +147,7 @@ def _child(scenario: str) -> str:
 @pytest.mark.cuda
 @pytest.mark.parametrize("scenario", ["work_matches_cpu", "oom_is_torch_oom", "too_late", "streams", "trace",
                                       "trace_gpu_clock", "trace_out_env", "step_marks_env", "step_marks_off_env",
-                                      "graph_capture_refused"])
+                                      "graph_capture_refused", "shim_after_c_hooks", "c_hooks_after_shim"])
 def test_pytorch_on_gpumem(scenario, device_spec):
     if not device_spec.startswith("cuda:"):
         pytest.skip("needs a real CUDA device")

@@ -150,6 +150,46 @@ def scenario_graph_capture_refused() -> None:
     assert float((y - torch.nn.functional.linear(x, model[0].weight, model[0].bias)).abs().max()) == 0.0
 
 
+def scenario_shim_after_c_hooks() -> None:
+    """gpumem.torch_shim.install() after gpumem.torch.install() and a CUDA tensor: the C hooks stay, said with a
+    warning, where the shim raised TooLateError ("called too late") before (Note [Installing once])."""
+    import gpumem.torch as gt
+    import gpumem.torch_shim as ts
+
+    gt.install()
+    import torch
+
+    x = torch.ones(1024, device="cuda")
+    assert ts.install() is ts.InstallPath.CTYPES and gt.installed()
+    assert float((x * 2).sum()) == 2048.0
+
+
+def scenario_c_hooks_after_shim() -> None:
+    """gpumem.torch.install() after gpumem.torch_shim.install(): no second allocator (PyTorch refused it as "called
+    too late" before), and CUDA graphs, which the shim supports, are not refused."""
+    import gpumem.torch as gt
+    import gpumem.torch_shim as ts
+
+    if ts.install() is not ts.InstallPath.SHIM:
+        raise AssertionError("the shim could not be built here: this scenario needs it")
+    gt.install()
+    import torch
+
+    static = torch.zeros(1024, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        static.add_(1)   # warm-up, as PyTorch's CUDA graph guide says
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static.add_(1)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert float(static.sum()) == 3.0 * 1024, float(static.sum())   # warm-up, capture (not run), two replays
+
+
 def scenario_trace() -> None:
     """gpumem.torch records the allocations PyTorch asks for, with the policy configure() gave the engine."""
     import gpumem.torch as gt

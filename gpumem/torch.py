@@ -123,6 +123,8 @@ def _installed_allocator() -> Any:
     try:
         torch.cuda.memory.change_current_allocator(allocator)
     except RuntimeError as exc:  # "Can't swap an already initialized allocator"
+        if _installed_through_shim.cache_info().currsize:   # the shim won, in another thread (Note [Installing once])
+            return None
         raise TooLateError(f"PyTorch refused to change its CUDA allocator ({exc}); call gpumem.torch.install() "
                            "before PyTorch first uses the GPU") from None
     _refuse_graph_capture(torch)
@@ -249,12 +251,13 @@ def install(device: "int | str | Any | None" = None) -> None:
     on (every optimizer step marks a step plan's step, as ``configure(step_marks="optimizer")`` does) unless
     ``GPUMEM_STEP_MARKS`` (:data:`STEP_MARKS_ENV`) is ``off``, ``configure(step_marks=None)`` came first, or
     PyTorch has no global optimizer hook (before 2.0). Both variables are read at the first call that
-    installs them. The install also makes every CUDA graph capture of this process raise
-    :class:`~gpumem.errors.UnsupportedOperationError` (Note [No graph capture through two C functions]):
-    capture needs :func:`gpumem.torch_shim.install`.
+    installs them. Making the two C functions PyTorch's allocator also makes every CUDA graph capture of this
+    process raise :class:`~gpumem.errors.UnsupportedOperationError` (Note [No graph capture through two C
+    functions]): capture needs :func:`gpumem.torch_shim.install`. Where that came first, gpumem is PyTorch's
+    allocator already: no second one is made (Note [Installing once]).
 
     Raises:
-        TooLateError: PyTorch had already initialised CUDA.
+        TooLateError: PyTorch had already initialised CUDA, and gpumem is not its allocator.
         BackendUnavailableError: PyTorch, a CUDA device or gpumem's native engine is missing
             (see :func:`gpumem.engine`).
         InvalidArgumentError: ``GPUMEM_STEP_MARKS`` holds a value not in :data:`STEP_MARKS` and not ``off``

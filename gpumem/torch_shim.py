@@ -52,7 +52,7 @@ class InstallPath(enum.Enum):
     """How :func:`install` made gpumem PyTorch's allocator."""
 
     SHIM = "shim"      # the C++ extension: every hook of torch::cuda::CUDAPluggableAllocator
-    CTYPES = "ctypes"  # gpumem.torch.install(): alloc and free only (the shim could not be built)
+    CTYPES = "ctypes"  # gpumem.torch.install(): alloc and free only (the shim could not be built, or came second)
 
 
 class ShimBuildError(BackendUnavailableError):
@@ -92,15 +92,23 @@ def build(verbose: bool = False) -> Any:
                              f"{str(exc).strip()[-2000:]}") from exc
 
 
+def _c_hooks_came_first() -> InstallPath:
+    """gpumem.torch.install() made PyTorch's allocator before the shim could (Note [Installing once] in
+    gpumem/torch.py): said once, and gpumem.torch.install() called again, which makes no second allocator and
+    finishes what an earlier call (the shim's fallback included) may have left undone."""
+    log.warning("gpumem is PyTorch's allocator through its two C hooks already (gpumem.torch.install() came first), "
+                "and PyTorch takes one allocator per process: the shim cannot take over (no record_stream, "
+                "empty_cache or torch.cuda.memory_stats, and CUDA graph capture raises); call "
+                "gpumem.torch_shim.install() instead of gpumem.torch.install()")
+    gtorch.install()
+    return InstallPath.CTYPES
+
+
 @functools.cache
 def _installed() -> InstallPath:
     torch = _torch()
     if gtorch._installed_allocator.cache_info().currsize:   # Note [Installing once] in gpumem/torch.py
-        log.warning("gpumem is PyTorch's allocator through its two C hooks already (gpumem.torch.install() came "
-                    "first), and PyTorch takes one allocator per process: the shim cannot take over (no "
-                    "record_stream, empty_cache or torch.cuda.memory_stats, and CUDA graph capture raises); call "
-                    "gpumem.torch_shim.install() instead of gpumem.torch.install()")
-        return InstallPath.CTYPES
+        return _c_hooks_came_first()
     if torch.cuda.is_initialized():
         raise TooLateError(
             "gpumem.torch_shim.install() was called after PyTorch initialised CUDA, when its allocator can no "
@@ -113,9 +121,13 @@ def _installed() -> InstallPath:
                     "empty_cache or torch.cuda.memory_stats, and CUDA graph capture raises)", exc)
         gtorch.install()
         return InstallPath.CTYPES
+    if gtorch._installed_allocator.cache_info().currsize:   # made by another thread while the shim was built
+        return _c_hooks_came_first()
     try:
         module.install(library_path())
     except RuntimeError as exc:  # "Can't swap an already initialized allocator"
+        if gtorch._installed_allocator.cache_info().currsize:   # as above, between the test and the swap
+            return _c_hooks_came_first()
         raise TooLateError(f"PyTorch refused gpumem's allocator ({exc}); call gpumem.torch_shim.install() before "
                            "PyTorch first uses the GPU") from None
     gtorch._installed_through_shim()
@@ -182,7 +194,8 @@ def mem_pool() -> Any:
     if how is InstallPath.SHIM:
         return torch.cuda.MemPool()
     if how is InstallPath.CTYPES or gtorch.installed():
-        raise GpumemError("gpumem is PyTorch's allocator through its two C hooks (the shim could not be built), "
+        raise GpumemError("gpumem is PyTorch's allocator through its two C hooks (the shim could not be built, or "
+                          "gpumem.torch.install() came first), "
                           "which cannot serve a torch.cuda.MemPool")
     allocator = _plain_allocator()
     return torch.cuda.MemPool(allocator.allocator())

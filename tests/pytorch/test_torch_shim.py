@@ -138,16 +138,28 @@ def test_install_falls_back_to_the_c_hooks_with_one_warning(fake_torch, monkeypa
         ts.pool_table()
 
 
-@native_only
-def test_the_shim_after_the_c_hooks_says_so_and_stays_on_them(fake_torch, caplog):
-    """Attacker 39: gpumem.torch.install() first, then gpumem.torch_shim.install(): PyTorch refused the second
-    allocator and the shim said "called too late", when gpumem was PyTorch's allocator all along. Now the shim
-    says what happened and reports the C hooks (InstallPath.CTYPES), building nothing, even once CUDA started."""
-    torch, ext = fake_torch()
+def _c_hooks_torch(torch):
+    """The parts of torch gpumem.torch's install touches, on the fake: what PyTorch takes is listed."""
     taken = []
     torch.cuda.is_available = lambda: True
     torch.cuda.memory = types.SimpleNamespace(CUDAPluggableAllocator=lambda *a: ("pluggable", a),
                                               change_current_allocator=taken.append)
+    return taken
+
+
+@pytest.fixture
+def no_install_env(monkeypatch):
+    for name in (gt.TRACE_OUT_ENV, gt.STEP_MARKS_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+@native_only
+def test_the_shim_after_the_c_hooks_says_so_and_stays_on_them(fake_torch, caplog, no_install_env):
+    """Attacker 39: gpumem.torch.install() first, then gpumem.torch_shim.install(): PyTorch refused the second
+    allocator and the shim said "called too late", when gpumem was PyTorch's allocator all along. Now the shim
+    says what happened and reports the C hooks (InstallPath.CTYPES), building nothing, even once CUDA started."""
+    torch, ext = fake_torch()
+    taken = _c_hooks_torch(torch)
     gt._installed_allocator.cache_clear()
     try:
         gt._installed_allocator()            # what gpumem.torch.install() makes
@@ -162,7 +174,46 @@ def test_the_shim_after_the_c_hooks_says_so_and_stays_on_them(fake_torch, caplog
     assert len(warnings) == 1 and "gpumem.torch.install() came first" in warnings[0]
 
 
-def test_the_c_hooks_after_the_shim_make_no_second_allocator(fake_torch, monkeypatch):
+@native_only
+def test_the_shim_loses_a_race_to_the_c_hooks_without_too_late(fake_torch, caplog, no_install_env):
+    """Install-order review: another thread's gpumem.torch.install() while the shim was being built (minutes, the
+    first time) made PyTorch refuse the shim, and the shim said "called too late". It says what happened."""
+    torch, ext = fake_torch()
+    taken = _c_hooks_torch(torch)
+
+    def build_while_the_other_thread_installs(verbose=False):
+        gt._installed_allocator()   # the other thread, during the build
+        return types.SimpleNamespace(install=lambda path: (_ for _ in ()).throw(
+            RuntimeError("Can't swap an already initialized allocator")))
+
+    gt._installed_allocator.cache_clear()
+    try:
+        for race_at_build in (True, False):
+            ts._installed.cache_clear()
+            gt._installed_allocator.cache_clear()
+            if race_at_build:   # the other thread done before the shim looks again
+                build = build_while_the_other_thread_installs
+            else:               # ... or between the shim's look and its swap: PyTorch refuses
+                def build(verbose=False):
+                    module = build_while_the_other_thread_installs()
+                    real = gt._installed_allocator
+                    gt._installed_allocator.cache_clear()   # not seen at the look, seen after the refusal
+                    module.install = lambda path: (real(), (_ for _ in ()).throw(
+                        RuntimeError("Can't swap an already initialized allocator")))
+                    return module
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(ts, "build", build)
+                with caplog.at_level(logging.WARNING, logger="gpumem.torch_shim"):
+                    assert ts.install() is ts.InstallPath.CTYPES
+    finally:
+        gt._installed_allocator.cache_clear()
+    assert taken and all(t[0] == "pluggable" for t in taken)
+    assert all("gpumem.torch.install() came first" in r.getMessage() for r in caplog.records
+               if r.levelno == logging.WARNING)
+
+
+@native_only
+def test_the_c_hooks_after_the_shim_make_no_second_allocator(fake_torch, monkeypatch, no_install_env):
     """gpumem.torch.install() after the shim (a library calling one, the program the other) made a second
     pluggable allocator, which PyTorch refused as "called too late". gpumem is PyTorch's allocator already:
     install() goes on with what it adds (step marks, the trace at exit) and makes none."""

@@ -287,9 +287,14 @@ def _installed_through_shim() -> None:
     :func:`installed` knows (Note [Installing once]), without this module reading the shim's."""
 
 
+def _installed_through_c_hooks() -> bool:
+    """Whether :func:`install` made its two C functions PyTorch's allocator here (Note [Installing once])."""
+    return _installed_allocator.cache_info().currsize > 0
+
+
 def installed() -> bool:
     """Whether :func:`install` (or :func:`gpumem.torch_shim.install`) made gpumem PyTorch's allocator here."""
-    return _installed_allocator.cache_info().currsize > 0 or _installed_through_shim.cache_info().currsize > 0
+    return _installed_through_c_hooks() or _installed_through_shim.cache_info().currsize > 0
 
 
 @functools.cache

@@ -107,7 +107,7 @@ def _c_hooks_came_first() -> InstallPath:
 @functools.cache
 def _installed() -> InstallPath:
     torch = _torch()
-    if gtorch._installed_allocator.cache_info().currsize:   # Note [Installing once] in gpumem/torch.py
+    if gtorch._installed_through_c_hooks():   # Note [Installing once] in gpumem/torch.py
         return _c_hooks_came_first()
     if torch.cuda.is_initialized():
         raise TooLateError(
@@ -121,12 +121,12 @@ def _installed() -> InstallPath:
                     "empty_cache or torch.cuda.memory_stats, and CUDA graph capture raises)", exc)
         gtorch.install()
         return InstallPath.CTYPES
-    if gtorch._installed_allocator.cache_info().currsize:   # made by another thread while the shim was built
+    if gtorch._installed_through_c_hooks():   # made by another thread while the shim was built
         return _c_hooks_came_first()
     try:
         module.install(library_path())
     except RuntimeError as exc:  # "Can't swap an already initialized allocator"
-        if gtorch._installed_allocator.cache_info().currsize:   # as above, between the test and the swap
+        if gtorch._installed_through_c_hooks():   # as above, between the test and the swap
             return _c_hooks_came_first()
         raise TooLateError(f"PyTorch refused gpumem's allocator ({exc}); call gpumem.torch_shim.install() before "
                            "PyTorch first uses the GPU") from None

@@ -1787,15 +1787,30 @@ bool Engine::chunk_ready(VSeg* seg, std::int64_t s, bool wait, StreamNumbers& ba
 // VirtualBacking._chunk_of_stream
 std::ptrdiff_t Engine::chunk_of_stream(IdleWalk& fits, std::uint64_t stream, StreamNumbers& batch,
                                        StreamNumbers* busy, FenceMap& pending) {
+    std::ptrdiff_t oldest = -1;
+    std::int64_t oldest_own = 0;
+    FenceMap here;
     for (std::size_t i = 0; idle_at(fits, i); ++i) {
         IdleChunk c = fits.got[i];
-        pending = chunk_fences(c.seg, c.s, batch);
+        here = chunk_fences(c.seg, c.s, batch);
         bool ours = true;
-        for (auto& f : pending)
-            if (f.first != stream && !fence_done_in_pass(f.first, f.second, busy)) { ours = false; break; }
-        if (ours) return static_cast<std::ptrdiff_t>(i);
+        std::int64_t own = -1;   // the chunk's last fence on stream (-1: none)
+        for (auto& f : here) {
+            if (f.first == stream) own = static_cast<std::int64_t>(f.second);
+            else if (!fence_done_in_pass(f.first, f.second, busy)) { ours = false; break; }
+        }
+        if (!ours) continue;
+        if (!busy) {   // the stream-ordered steal: the first in the steal's order
+            pending = std::move(here);
+            return static_cast<std::ptrdiff_t>(i);
+        }
+        if (oldest < 0 || own < oldest_own) {   // Note [Wait for the oldest fence] in backing.py
+            oldest = static_cast<std::ptrdiff_t>(i);
+            oldest_own = own;
+            pending = here;
+        }
     }
-    return -1;
+    return oldest;
 }
 
 // VirtualBacking._fence_done

@@ -181,6 +181,21 @@ decode made five times the steals; its runs were in different device sessions). 
 allocator's lock, as the ``busy_slack`` rule's was past its bound: other threads wait too. A setting for
 memory-first inference (``GPUMEM_WAIT_OWN_STREAM=1`` for gpumem.torch), not a default.
 
+Note [Wait for the oldest fence]
+--------------------------------
+A page's fence is recorded when a steal first meets the page busy, after all the work then queued on its
+stream (Note [Wait, do not grow, behind the GPU]). So of the idle chunks busy on the own stream, one freed
+since the last steal carries the newest fence: waiting for it drains the GPU's whole queue, and the GPU
+idles while the CPU launches again. One met busy at an earlier steal carries an older fence, which the GPU
+reaches sooner, and the work queued after it keeps the GPU busy. The wait takes the chunk whose last fence
+on the stream is oldest (the steal's order among equals); until 2026-12-01 it took the first in the steal's
+order. Replayed (``reports/hil/wait-oldest-h200-2026-12-01.md``), GPT-2 bf16 training without step marks:
+the simulated time -0.7 % against the rule off, where the steal's order cost +15 % (live: +12 %, measured
+on GPT-2 fp32 on 2026-11-30), for 3.17 % above peak allocated (the steal's order 2.79 %, off 6.93 %); the
+other workloads' memory within 0.1 point. Live on the H200 the memory matched (GPT-2 3.13-3.19 %, variable
+lengths 1.16-1.61 %, MoE 2.06-2.39 %, ``generate()`` 1.45 %; off 6.65-7.04, 5.78-5.86, 4.07, 5.00 %). Its
+time was not shown: that day's rounds spread by 15-35 % (the rule off and on alike). So the rule stays off.
+
 Note [Stream-ordered steal]
 ---------------------------
 Behind the GPU the idle chunks past the slack are mostly busy, and busy on the very stream that now needs
@@ -1403,15 +1418,22 @@ class VirtualBacking(Backing):
     def _chunk_of_stream(self, seg: VirtualSegment, first: int, last: int, max_pages: int, stream: int,
                          batch: dict[int, int], busy: dict[int, int] | None
                          ) -> "tuple[VirtualSegment, int, dict[int, int]] | None":
-        """The first idle chunk that fits (in the steal's order) whose pending work is all on ``stream`` or done:
-        its range, first page and merged fences; None where there is none (Notes [Stream-ordered steal], [Wait
-        for the program's own stream]). ``busy``: the steal's pass, as in :meth:`_page_ready` (None: every fence
-        queried, as the stream-ordered steal has always done)."""
+        """An idle chunk that fits whose pending work is all on ``stream`` or done: its range, first page and merged
+        fences; None where there is none (Notes [Stream-ordered steal], [Wait for the program's own stream]).
+        ``busy``: the steal's pass, as in :meth:`_page_ready`; given (the wait), the chunk whose last fence on
+        ``stream`` is oldest, the first in the steal's order among equals (Note [Wait for the oldest fence]);
+        None (the stream-ordered steal, which does not wait): the first in the steal's order, every fence
+        queried."""
+        oldest: "tuple[int, tuple[VirtualSegment, int, dict[int, int]]] | None" = None
         for _, _, s, other in self._idle_walk(seg, first, last, max_pages):
             pending = self._chunk_fences(other, s, batch)
             if all(st == stream or self._fence_done(st, number, busy) for st, number in pending.items()):
-                return other, s, pending
-        return None
+                if busy is None:
+                    return other, s, pending
+                own = pending.get(stream, -1)   # Note [Wait for the oldest fence]
+                if oldest is None or own < oldest[0]:
+                    oldest = (own, (other, s, pending))
+        return None if oldest is None else oldest[1]
 
     def _fence_done(self, stream: int, number: int, busy: dict[int, int] | None) -> bool:
         """Whether fence ``number`` of ``stream`` is done, not queried where ``busy`` holds a fence of ``stream``

@@ -180,6 +180,37 @@ def test_a_chunk_busy_on_the_own_stream_is_waited_for_rather_than_grown_past(dev
 
 
 @pytest.mark.parametrize("engine", ["python", "native"])
+def test_the_wait_for_the_own_stream_takes_the_chunk_whose_fence_is_oldest(dev, engine):
+    """Note [Wait for the oldest fence]: of two idle chunks busy on the own stream, the wait takes the one whose
+    fence the GPU reaches first: ``a``'s, recorded at an earlier steal, not ``c``'s, recorded at this one after
+    all the queued work, which the steal's order (highest address first) would have taken. The kernel on ``c``
+    is still running after the steal."""
+    alloc = CachingAllocator(dev, WAIT_OWN, engine=engine)
+    d = alloc.allocate(2 * MiB, 7)   # no work on stream 7: its chunk is ready
+    a = alloc.allocate(2 * MiB)
+    y = alloc.allocate(2 * MiB)   # keeps the holes of a and c apart
+    c = alloc.allocate(2 * MiB)
+    first = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)], name="reads a")
+    alloc.free(a)
+    alloc.free(d)
+    s1 = alloc.allocate(1 * MiB)   # the small pool's page: d's chunk stolen, a's fenced on the way (busy)
+    assert not first.done and _stats(alloc)["n_waits"] == 0
+    second = dev.launch(0, KERNEL_S, touches=[(c, 2 * MiB)], name="reads c")
+    alloc.free(c)
+    s2 = alloc.allocate(1 * MiB)   # the rest of that page
+    s3 = alloc.allocate(1 * MiB)   # another page: a's chunk or c's, both busy on stream 0
+    assert first.done and not second.done and not dev.hazards
+    assert alloc.reserved_nbytes == 8 * MiB
+    assert _stats(alloc)["n_steals"] == 2 and _stats(alloc)["n_waits"] == 1
+    for p in (s1, s2, s3, y):
+        alloc.free(p)
+    alloc.empty_cache()
+    assert second.done and not dev.hazards
+    alloc.check_consistency()
+    alloc.close()
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
 @pytest.mark.parametrize("wait_own_stream", [True, False])
 def test_a_chunk_busy_on_another_stream_is_left_to_the_busy_slack_rule(dev, engine, wait_own_stream):
     """Work of another stream is not waited for by that rule: past it, busy_slack=inf creates a chunk and the

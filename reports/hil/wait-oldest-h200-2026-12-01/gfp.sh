@@ -1,11 +1,5 @@
 # GPT-2 fp32 training without step marks (no plan): wait_own_stream on (the oldest fence), then off, rounds against PyTorch
-set -e
-pip install -q --target /tmp/site .whl/simpy-*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD
-python3 setup.py -q build_ext --inplace > /tmp/build.log 2>&1 || { tail -30 /tmp/build.log; exit 1; }
-mkdir -p /tmp/st
-START=$(date +%s)
-left() { echo $(( ${BUDGET:-400} - ($(date +%s) - START) )); }
+SCRATCH=/tmp/st . "$(dirname "$0")/device_setup.sh" 400
 for w in 1 0; do
   [ $(left) -gt 60 ] || break
   GPUMEM_WAIT_OWN_STREAM=$w timeout $(left) python3 -m hil.probes.workloads live --workloads gpt2_train --rounds 3 --no-record \

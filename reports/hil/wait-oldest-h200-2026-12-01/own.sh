@@ -1,11 +1,5 @@
 # wait_own_stream (the oldest fence) off against on, gpumem.torch only, alternating; one PyTorch reference round
-set -e
-pip install -q --target /tmp/site .whl/simpy-*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD
-python3 setup.py -q build_ext --inplace > /tmp/build.log 2>&1 || { tail -30 /tmp/build.log; exit 1; }
-mkdir -p /tmp/wl
-START=$(date +%s)
-left() { echo $(( ${BUDGET:-540} - ($(date +%s) - START) )); }
+SCRATCH=/tmp/wl . "$(dirname "$0")/device_setup.sh" 540
 g() {  # setting round allocators
   [ $(left) -gt 40 ] || return 0
   GPUMEM_WAIT_OWN_STREAM=$1 timeout $(left) python3 -m hil.probes.workloads live --workloads gpt2_train_bf16 \

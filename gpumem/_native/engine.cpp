@@ -1775,12 +1775,18 @@ void Engine::idle_chunks(VSeg* seg, std::int64_t first, std::int64_t last, std::
     }
 }
 
-// VirtualBacking._chunk_ready (all(...): stops at the first page whose work is not done)
+// VirtualBacking._chunk_ready (stops at the first page whose work is not done; with wait_own_stream the chunk's
+// other pages are fenced first: Note [Wait for the oldest fence] in backing.py)
 bool Engine::chunk_ready(VSeg* seg, std::int64_t s, bool wait, StreamNumbers& batch,
                          StreamNumbers* busy) {
     std::int64_t n = mapped_chunk_pages(seg, s);
     for (std::int64_t q = s; q < s + n; ++q)
-        if (!page_ready(seg, q, wait, batch, busy)) return false;
+        if (!page_ready(seg, q, wait, batch, busy)) {
+            if (knobs().wait_own_stream)
+                for (std::int64_t r = q + 1; r < s + n; ++r)
+                    if (seg->dirty.has(r)) fence_page(seg, r, batch);
+            return false;
+        }
     return true;
 }
 
@@ -1788,7 +1794,7 @@ bool Engine::chunk_ready(VSeg* seg, std::int64_t s, bool wait, StreamNumbers& ba
 std::ptrdiff_t Engine::chunk_of_stream(IdleWalk& fits, std::uint64_t stream, StreamNumbers& batch,
                                        StreamNumbers* busy, FenceMap& pending) {
     std::ptrdiff_t oldest = -1;
-    std::int64_t oldest_own = 0;
+    std::int64_t oldest_n = 0, oldest_own = 0;
     FenceMap here;
     for (std::size_t i = 0; idle_at(fits, i); ++i) {
         IdleChunk c = fits.got[i];
@@ -1804,10 +1810,12 @@ std::ptrdiff_t Engine::chunk_of_stream(IdleWalk& fits, std::uint64_t stream, Str
             pending = std::move(here);
             return static_cast<std::ptrdiff_t>(i);
         }
-        if (oldest < 0 || own < oldest_own) {   // Note [Wait for the oldest fence] in backing.py
+        // Note [Wait for the oldest fence] in backing.py: the largest, then the oldest fence; `pending` is not filled
+        // here (the wait's caller does not read it)
+        if (oldest < 0 || c.n > oldest_n || (c.n == oldest_n && own < oldest_own)) {
             oldest = static_cast<std::ptrdiff_t>(i);
+            oldest_n = c.n;
             oldest_own = own;
-            pending = here;
         }
     }
     return oldest;

@@ -810,8 +810,8 @@ class Engine {
     bool idle_entry(const IdleKey& key, IdleChunk& out) const;
     void idle_walk(IdleWalk& w, detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages);
     const IdleChunk* idle_at(IdleWalk& w, std::size_t i);
-    // VirtualBacking._chunk_of_stream: one of `fits` whose pending work is all on `stream` (with `busy`, the one whose
-    // last fence there is oldest; without, the first), -1 where none
+    // VirtualBacking._chunk_of_stream: one of `fits` whose pending work is all on `stream` (with `busy`, of the largest
+    // the one whose last fence there is oldest; without, the first, its fences in `pending`), -1 where none
     std::ptrdiff_t chunk_of_stream(IdleWalk& fits, std::uint64_t stream, detail::StreamNumbers& batch,
                                    detail::StreamNumbers* busy, detail::FenceMap& pending);
     bool fence_done_in_pass(std::uint64_t stream, std::uint64_t number, detail::StreamNumbers* busy);   // _fence_done

@@ -188,19 +188,21 @@ A page's fence is recorded when a steal first meets the page busy, after all the
 stream (Note [Wait, do not grow, behind the GPU]). So of the idle chunks busy on the own stream, one freed
 since the last steal carries the newest fence: waiting for it drains the GPU's whole queue, and the GPU
 idles while the CPU launches again. One met busy at an earlier steal carries an older fence, which the GPU
-reaches sooner, and the work queued after it keeps the GPU busy. The wait takes the chunk whose last fence
-on the stream is oldest (the steal's order among equals); until 2026-12-01 it took the first in the steal's
-order. Replayed (``reports/hil/wait-oldest-h200-2026-12-01.md``), GPT-2 bf16 training without step marks:
-the simulated time -0.7 % against the rule off, where the steal's order cost +15 % (live: +12 %, measured
-on GPT-2 fp32 on 2026-11-30), for 3.17 % above peak allocated (the steal's order 2.79 %, off 6.93 %); the
-other traces' memory within half a point. Live on the H200, GPT-2 fp32 training without step plans: +4.8 %
-step time against PyTorch's allocator (the steal's order +11.9 %, the rule off -0.2 %) for 3.7-3.9 % above
-peak allocated (off 5.56 %). The waits got cheaper; the 3,300-3,800 steals per process did not, and the
-replay prices them too low (a driver call after a pause costs more live). Still above the issue's 1 %: off.
-The earlier finding that the oldest fence "changed nothing measurable" (Note [Wait, do not grow, behind the
-GPU]) was about memory, in replays that did not then price a wait; this choice is for time. It walks every
-idle chunk that fits rather than stopping at the first, under the allocator's lock; the pass before it has
-walked them all already.
+reaches sooner, and the work queued after it keeps the GPU busy. So the wait takes, of the largest chunks
+that fit, the one whose last fence on the stream is oldest (the steal's order among equals); until
+2026-12-01 it took the first in the steal's order. Two details (attacker 40): with this knob a pass that
+meets a busy chunk fences all its pages, not only the first it queried, else the others took the newest
+fence at the next steal; and age does not outrank size, else a small old chunk taken first left a run
+that the large chunk no longer fitted, and the rest was created. The default does neither (unchanged).
+Live on the H200 (``reports/hil/wait-oldest-h200-2026-12-01.md``; the first version: any size, one page
+fenced), GPT-2 fp32 training without step plans: +4.8 % step time against PyTorch's allocator (the
+steal's order +11.9 %, the rule off -0.2 %) for 3.7-3.9 % above peak allocated (off 5.56 %). The waits
+got cheaper; the 3,300-3,800 steals per process did not, and the replay prices them too low (a driver
+call after a pause costs more live): it gave that version -0.7 % on GPT-2 bf16 without step marks, where
+the steal's order cost +15 %. Still above the issue's 1 %: off. The earlier finding that the oldest fence
+"changed nothing measurable" (Note [Wait, do not grow, behind the GPU]) was about memory, in replays that
+did not then price a wait; this choice is for time. It walks every idle chunk that fits rather than
+stopping at the first, under the allocator's lock; the pass before it has walked them all already.
 
 Note [Stream-ordered steal]
 ---------------------------
@@ -1377,9 +1379,17 @@ class VirtualBacking(Backing):
     def _chunk_ready(self, seg: VirtualSegment, s: int, wait: bool, batch: dict[int, int],
                      busy: dict[int, int] | None = None) -> bool:
         """Whether the work on every page of the idle chunk at ``s`` is done (fences recorded and
-        queried; with ``wait``, waited for)."""
+        queried; with ``wait``, waited for). It stops at the first page whose work is not done; with
+        ``wait_own_stream``, the chunk's other pages are fenced first (Note [Wait for the oldest fence])."""
         n = seg.chunks[s].nbytes // self.granularity  # type: ignore[union-attr]
-        return all(self._page_ready(seg, q, wait, batch, busy) for q in range(s, s + n))
+        for q in range(s, s + n):
+            if not self._page_ready(seg, q, wait, batch, busy):
+                if self.knobs.wait_own_stream:
+                    for r in range(q + 1, s + n):
+                        if r in seg.dirty:
+                            self._fence_page(seg, r, batch)
+                return False
+        return True
 
     def _steal_chunk(self, seg: VirtualSegment, first: int, last: int, max_pages: int,
                      requested: int, stream: int) -> PhysicalHandle | None:
@@ -1426,19 +1436,20 @@ class VirtualBacking(Backing):
                          ) -> "tuple[VirtualSegment, int, dict[int, int]] | None":
         """An idle chunk that fits whose pending work is all on ``stream`` or done: its range, first page and merged
         fences; None where there is none (Notes [Stream-ordered steal], [Wait for the program's own stream]).
-        ``busy``: the steal's pass, as in :meth:`_page_ready`; given (the wait), the chunk whose last fence on
-        ``stream`` is oldest, the first in the steal's order among equals (Note [Wait for the oldest fence]);
+        ``busy``: the steal's pass, as in :meth:`_page_ready`; given (the wait), of the largest such chunks the
+        one whose last fence on ``stream`` is oldest, the first in the steal's order among equals (Note [Wait for
+        the oldest fence]);
         None (the stream-ordered steal, which does not wait): the first in the steal's order, every fence
         queried."""
-        oldest: "tuple[int, tuple[VirtualSegment, int, dict[int, int]]] | None" = None
-        for _, _, s, other in self._idle_walk(seg, first, last, max_pages):
+        oldest: "tuple[tuple[int, int], tuple[VirtualSegment, int, dict[int, int]]] | None" = None
+        for n, _, s, other in self._idle_walk(seg, first, last, max_pages):
             pending = self._chunk_fences(other, s, batch)
             if all(st == stream or self._fence_done(st, number, busy) for st, number in pending.items()):
                 if busy is None:
                     return other, s, pending
-                own = pending.get(stream, -1)   # Note [Wait for the oldest fence]
-                if oldest is None or own < oldest[0]:
-                    oldest = (own, (other, s, pending))
+                key = (-n, pending.get(stream, -1))   # Note [Wait for the oldest fence]
+                if oldest is None or key < oldest[0]:
+                    oldest = (key, (other, s, pending))
         return None if oldest is None else oldest[1]
 
     def _fence_done(self, stream: int, number: int, busy: dict[int, int] | None) -> bool:

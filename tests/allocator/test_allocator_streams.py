@@ -211,6 +211,72 @@ def test_the_wait_for_the_own_stream_takes_the_chunk_whose_fence_is_oldest(dev, 
 
 
 @pytest.mark.parametrize("engine", ["python", "native"])
+@pytest.mark.parametrize("pages", [2, 4])
+def test_a_chunk_of_several_pages_met_busy_keeps_the_age_of_that_meeting(dev, engine, pages):
+    """Note [Wait for the oldest fence], attacker 40 F1: a steal that meets a busy chunk of several pages fences all
+    of them then, not only the first (whose query stops the pass); else its other pages took the newest fence at
+    the next steal, and the wait for that chunk drained the queue as the steal's order did."""
+    policy = dataclasses.replace(WAIT_OWN, chunk_max_fraction=1.0)
+    alloc = CachingAllocator(dev, policy, engine=engine)
+    n = pages * 2 * MiB
+    held = alloc.allocate(40 * MiB)   # memory held, so that a new chunk may have several pages
+    d = alloc.allocate(n, 7)   # no work on stream 7: its chunk is ready
+    a = alloc.allocate(n)
+    y = alloc.allocate(2 * MiB)
+    c = alloc.allocate(n)
+    z = alloc.allocate(2 * MiB)
+    first = dev.launch(0, KERNEL_S, touches=[(a, n)], name="reads a")
+    alloc.free(a)
+    alloc.free(d)
+    s1 = alloc.allocate(n, 5)   # d's chunk stolen; a's met busy on the way
+    assert not first.done and _stats(alloc)["n_waits"] == 0
+    second = dev.launch(0, KERNEL_S, touches=[(c, n)], name="reads c")
+    alloc.free(c)
+    s3 = alloc.allocate(n + 2 * MiB)   # on stream 0: a's chunk or c's, both busy there
+    assert first.done and not second.done and not dev.hazards
+    assert _stats(alloc)["n_waits"] == 1
+    for p in (held, s1, y, z, s3):
+        alloc.free(p)
+    alloc.empty_cache()
+    assert second.done and not dev.hazards
+    alloc.check_consistency()
+    alloc.close()
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
+@pytest.mark.parametrize("busy_slack", [0.0, float("inf")])
+def test_the_oldest_fence_is_chosen_among_the_largest_chunks_only(dev, engine, busy_slack):
+    """Note [Wait for the oldest fence], attacker 40 F2: a run of four pages to back, a one-page chunk with an old
+    fence and a four-page one with a new fence, both busy on the own stream: the wait takes the four-page chunk (as
+    the steal's order did). Taking the older one-page chunk first left three pages the four-page chunk no longer
+    fitted, and they were created: 58 -> 64 MiB held, busy_slack=0 or not."""
+    policy = dataclasses.replace(WAIT_OWN, chunk_max_fraction=1.0, busy_slack=busy_slack)
+    alloc = CachingAllocator(dev, policy, engine=engine)
+    held = alloc.allocate(40 * MiB)
+    d = alloc.allocate(2 * MiB, 7)
+    a = alloc.allocate(2 * MiB)
+    y = alloc.allocate(2 * MiB)
+    c = alloc.allocate(8 * MiB)
+    z = alloc.allocate(2 * MiB)
+    top = alloc.allocate(2 * MiB)
+    first = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)], name="reads a")
+    alloc.free(a)
+    alloc.free(d)
+    s1 = alloc.allocate(1 * MiB)   # d's chunk stolen; a's (one page) met busy: the older fence
+    second = dev.launch(0, KERNEL_S, touches=[(c, 8 * MiB)], name="reads c")
+    alloc.free(c)   # four pages, the newer fence
+    alloc.free(top)   # an idle mapped page at the top, where b starts
+    reserved = alloc.reserved_nbytes
+    b = alloc.allocate(10 * MiB)   # five pages on stream 0: the top page and four more
+    assert alloc.reserved_nbytes == reserved == 58 * MiB
+    assert second.done and _stats(alloc)["n_waits"] == 1 and not dev.hazards
+    for p in (held, s1, y, z, b):
+        alloc.free(p)
+    alloc.check_consistency()
+    alloc.close()
+
+
+@pytest.mark.parametrize("engine", ["python", "native"])
 @pytest.mark.parametrize("wait_own_stream", [True, False])
 def test_a_chunk_busy_on_another_stream_is_left_to_the_busy_slack_rule(dev, engine, wait_own_stream):
     """Work of another stream is not waited for by that rule: past it, busy_slack=inf creates a chunk and the

@@ -180,42 +180,14 @@ def test_a_chunk_busy_on_the_own_stream_is_waited_for_rather_than_grown_past(dev
 
 
 @pytest.mark.parametrize("engine", ["python", "native"])
-def test_the_wait_for_the_own_stream_takes_the_chunk_whose_fence_is_oldest(dev, engine):
+@pytest.mark.parametrize("pages", [1, 2, 4])
+def test_the_wait_for_the_own_stream_takes_the_chunk_whose_fence_is_oldest(dev, engine, pages):
     """Note [Wait for the oldest fence]: of two idle chunks busy on the own stream, the wait takes the one whose
-    fence the GPU reaches first: ``a``'s, recorded at an earlier steal, not ``c``'s, recorded at this one after
-    all the queued work, which the steal's order (highest address first) would have taken. The kernel on ``c``
-    is still running after the steal."""
-    alloc = CachingAllocator(dev, WAIT_OWN, engine=engine)
-    d = alloc.allocate(2 * MiB, 7)   # no work on stream 7: its chunk is ready
-    a = alloc.allocate(2 * MiB)
-    y = alloc.allocate(2 * MiB)   # keeps the holes of a and c apart
-    c = alloc.allocate(2 * MiB)
-    first = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)], name="reads a")
-    alloc.free(a)
-    alloc.free(d)
-    s1 = alloc.allocate(1 * MiB)   # the small pool's page: d's chunk stolen, a's fenced on the way (busy)
-    assert not first.done and _stats(alloc)["n_waits"] == 0
-    second = dev.launch(0, KERNEL_S, touches=[(c, 2 * MiB)], name="reads c")
-    alloc.free(c)
-    s2 = alloc.allocate(1 * MiB)   # the rest of that page
-    s3 = alloc.allocate(1 * MiB)   # another page: a's chunk or c's, both busy on stream 0
-    assert first.done and not second.done and not dev.hazards
-    assert alloc.reserved_nbytes == 8 * MiB
-    assert _stats(alloc)["n_steals"] == 2 and _stats(alloc)["n_waits"] == 1
-    for p in (s1, s2, s3, y):
-        alloc.free(p)
-    alloc.empty_cache()
-    assert second.done and not dev.hazards
-    alloc.check_consistency()
-    alloc.close()
-
-
-@pytest.mark.parametrize("engine", ["python", "native"])
-@pytest.mark.parametrize("pages", [2, 4])
-def test_a_chunk_of_several_pages_met_busy_keeps_the_age_of_that_meeting(dev, engine, pages):
-    """Note [Wait for the oldest fence], attacker 40 F1: a steal that meets a busy chunk of several pages fences all
-    of them then, not only the first (whose query stops the pass); else its other pages took the newest fence at
-    the next steal, and the wait for that chunk drained the queue as the steal's order did."""
+    fence the GPU reaches first: ``a``'s, recorded at an earlier steal, not ``c``'s, recorded at this one after all
+    the queued work, which the steal's order (highest address first) would have taken; the kernel on ``c`` is still
+    running after the steal. With chunks of several pages (attacker 40 F1) the steal that meets ``a``'s busy
+    fences all its pages then, not only the first (whose query stops the pass); else the others took the newest
+    fence at the next steal, and the wait drained the queue as the steal's order did."""
     policy = dataclasses.replace(WAIT_OWN, chunk_max_fraction=1.0)
     alloc = CachingAllocator(dev, policy, engine=engine)
     n = pages * 2 * MiB
@@ -232,7 +204,8 @@ def test_a_chunk_of_several_pages_met_busy_keeps_the_age_of_that_meeting(dev, en
     assert not first.done and _stats(alloc)["n_waits"] == 0
     second = dev.launch(0, KERNEL_S, touches=[(c, n)], name="reads c")
     alloc.free(c)
-    s3 = alloc.allocate(n + 2 * MiB)   # on stream 0: a's chunk or c's, both busy there
+    # on stream 0, a's chunk or c's, both busy there: the small pool's first page, or a run past both holes
+    s3 = alloc.allocate(1 * MiB if pages == 1 else n + 2 * MiB)
     assert first.done and not second.done and not dev.hazards
     assert _stats(alloc)["n_waits"] == 1
     for p in (held, s1, y, z, s3):

@@ -176,11 +176,11 @@ figures), and a 7B batch-16 x 4,096 server whose second request outgrew its firs
 grew to 3.27 % (replayed: 0.55 % and 4.56 %); the two-stream workload, whose busy chunks are other streams',
 keeps its 5.43 %. Trained with step plans (the default), GPT-2 and ResNet-50 are unchanged (0.56 %, 0.80 %).
 It is off because it costs time where steps steal: on GPT-2 training without step plans, step time against
-PyTorch +4.8 % (3 rounds; the default -0.2 %), +12 % before it waited for the oldest fence (Note [Wait for the
-oldest fence]). For inference its cost is unmeasured (the batch-16 decode made five times the steals; its runs
-were in different device sessions). The wait is made under the
-allocator's lock, as the ``busy_slack`` rule's was past its bound: other threads wait too. A setting for
-memory-first inference (``GPUMEM_WAIT_OWN_STREAM=1`` for gpumem.torch), not a default.
+PyTorch +4.8 % (3 rounds; the default -0.2 %) in the first version of Note [Wait for the oldest fence], +12 %
+before it. For inference its cost is unmeasured (the batch-16 decode made five times the steals; its runs were
+in different device sessions). The wait is made under the allocator's lock, as the ``busy_slack`` rule's was
+past its bound: other threads wait too. A setting for memory-first inference (``GPUMEM_WAIT_OWN_STREAM=1`` for
+gpumem.torch), not a default.
 
 Note [Wait for the oldest fence]
 --------------------------------
@@ -1438,9 +1438,8 @@ class VirtualBacking(Backing):
         fences; None where there is none (Notes [Stream-ordered steal], [Wait for the program's own stream]).
         ``busy``: the steal's pass, as in :meth:`_page_ready`; given (the wait), of the largest such chunks the
         one whose last fence on ``stream`` is oldest, the first in the steal's order among equals (Note [Wait for
-        the oldest fence]);
-        None (the stream-ordered steal, which does not wait): the first in the steal's order, every fence
-        queried."""
+        the oldest fence]); None (the stream-ordered steal, which does not wait): the first in the steal's order,
+        every fence queried."""
         oldest: "tuple[tuple[int, int], tuple[VirtualSegment, int, dict[int, int]]] | None" = None
         for n, _, s, other in self._idle_walk(seg, first, last, max_pages):
             pending = self._chunk_fences(other, s, batch)

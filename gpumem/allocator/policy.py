@@ -205,12 +205,12 @@ class AllocatorPolicy:
     wait_own_stream: bool = False
     """``growth=CHUNKS``, past the slack, when no idle chunk that could be stolen is free of queued GPU work: one
     whose pending work is all on the stream of the block that needs it (of the largest of those, the one whose
-    fence the GPU reaches first: Note [Wait for the oldest fence] in :mod:`.backing`) is waited for and stolen, before the
-    ``busy_slack`` rule may create a chunk; the ``busy_slack`` rule is left for chunks that other streams' work
-    still uses (Note [Wait for the program's own stream] in :mod:`.backing`). Off (the default): it held
-    single-stream inference at a fraction of the overhead live, but costs step time where steps steal (GPT-2
-    training without step plans +4.8 % in the oldest fence's first version, +12 % before it); the ``busy_slack`` rule alone. With ``stream_ordered_steal`` on, that
-    steal takes such a chunk first."""
+    fence the GPU reaches first: Note [Wait for the oldest fence] in :mod:`.backing`) is waited for and stolen,
+    before the ``busy_slack`` rule may create a chunk; the ``busy_slack`` rule is left for chunks that other
+    streams' work still uses (Note [Wait for the program's own stream] in :mod:`.backing`). Off (the default): it
+    held single-stream inference at a fraction of the overhead live, but costs step time where steps steal (GPT-2
+    training without step plans +4.8 % in the oldest fence's first version, +12 % before it); the ``busy_slack``
+    rule alone. With ``stream_ordered_steal`` on, that steal takes such a chunk first."""
 
     plan_warmup: bool = True
     """``growth=CHUNKS`` with step plans: from the first ``mark_step()`` (or from ``start_plan_warmup()``, which

@@ -123,7 +123,7 @@ def _installed_allocator() -> Any:
     try:
         torch.cuda.memory.change_current_allocator(allocator)
     except RuntimeError as exc:  # "Can't swap an already initialized allocator"
-        if _installed_through_shim.cache_info().currsize:   # the shim won, in another thread (Note [Installing once])
+        if _shim_is_allocator():   # the shim won, in another thread (Note [Installing once])
             return None
         raise TooLateError(f"PyTorch refused to change its CUDA allocator ({exc}); call gpumem.torch.install() "
                            "before PyTorch first uses the GPU") from None
@@ -197,7 +197,7 @@ def _refusing(original: Any) -> Any:
 
     @functools.wraps(original)
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        if _installed_through_shim.cache_info().currsize:
+        if _shim_is_allocator():
             return original(*args, **kwargs)
         raise UnsupportedOperationError(GRAPH_CAPTURE_REFUSED)
 
@@ -268,7 +268,7 @@ def install(device: "int | str | Any | None" = None) -> None:
     """
     index = None if device is None else _device_index(device, default_current=False)
     marks = _env_step_marks()   # checked before anything is installed: a bad value changes nothing
-    if not _installed_through_shim.cache_info().currsize:   # Note [Installing once]
+    if not _shim_is_allocator():   # Note [Installing once]
         _installed_allocator()
     out = os.environ.get(TRACE_OUT_ENV)
     if out and not _trace_at_exit.cache_info().currsize:
@@ -287,6 +287,11 @@ def _installed_through_shim() -> None:
     :func:`installed` knows (Note [Installing once]), without this module reading the shim's."""
 
 
+def _shim_is_allocator() -> bool:
+    """Whether :mod:`gpumem.torch_shim` made its C++ shim PyTorch's allocator here (Note [Installing once])."""
+    return _installed_through_shim.cache_info().currsize > 0
+
+
 def _installed_through_c_hooks() -> bool:
     """Whether :func:`install` made its two C functions PyTorch's allocator here (Note [Installing once])."""
     return _installed_allocator.cache_info().currsize > 0
@@ -294,7 +299,7 @@ def _installed_through_c_hooks() -> bool:
 
 def installed() -> bool:
     """Whether :func:`install` (or :func:`gpumem.torch_shim.install`) made gpumem PyTorch's allocator here."""
-    return _installed_through_c_hooks() or _installed_through_shim.cache_info().currsize > 0
+    return _installed_through_c_hooks() or _shim_is_allocator()
 
 
 @functools.cache

@@ -20,7 +20,8 @@ comes from is the timing:
 * ``trace`` (the default): the trace's clock (a trace without one gets ``model``'s times). A GPU-bound
   program's CPU is throttled to the GPU's pace, so the time the recording spent between operations ``i``
   and ``i + 1`` is the GPU time of the work queued there; a gap of ``sync_gap_us`` or more is a
-  synchronisation (``loss.item()``, a data loader): the CPU waits for the GPU to drain there.
+  synchronisation (``loss.item()``, a data loader): the CPU waits for the GPU to drain there, and the gap
+  is that drain (Note [A sync gap is the GPU draining]).
 * ``model``: no clock. An allocation's item runs ``kernel_min_us`` plus ``touch_factor`` times the block's
   bytes at ``bandwidth_fraction`` of the profile's bandwidth; a free queues nothing.
 * ``idle``: no work; every fence is complete when recorded: the replay before issue 18, bit for bit.
@@ -38,6 +39,22 @@ on other streams is kept back as live when the trace has its ``record_stream`` c
 (:attr:`~gpumem.trace.Trace.stream_uses`: gpumem's ``.gmt`` version 2; Note [Stream uses in a replay] in
 :mod:`gpumem.replay`): its free waits for those streams' queued work here. Cross-stream order is kept
 when the trace has the program's waits (Note [Cross-stream waits]).
+
+Note [A sync gap is the GPU draining]
+-------------------------------------
+A training step's CPU issues its work and waits at ``loss.item()``: GPT-2 fp32 (batch 8 x 512, H200) issues
+for about 50 ms and then waits about 45 ms, while the GPU, never idle, runs the step's 95 ms. The gaps
+before the wait are the CPU's pace, not the GPU's; the wait is the GPU finishing what was queued. Priced
+as the CPU's gaps alone, the GPU of a replay kept pace with the CPU and the step lasted half its time
+(that trace: 0.577 s simulated for 1.342 s recorded), so a cost the allocator adds (a steal's driver calls,
+a wait) came out as twice its share of the step. So the work queued since the previous synchronisation is
+stretched, item by item in proportion, to end where the trace's clock resumes: the GPU falls behind
+through the step as it did live and the replay lasts the recording (1.312 s). Measured
+(``reports/sim-sync-drain.md``): on the 24 live rows of ``python -m sim.predict_live`` the memory predicted
+is the same within noise (tuning 0.087 -> 0.088 pp mean error; check 0.236 -> 0.064), and ``wait_own_stream``'s
+price on that GPT-2 comes out +3.3 % (live +5.0 points; +7.9 % before). A gap that is not GPU work (a data
+loader, a per-shape CPU cost) is misread as a slow GPU: the recorded GPU clock tells them apart (below);
+``GpuWorkModel(sync_gap_is_gpu_work=False)`` keeps the CPU's gaps alone.
 
 Note [A replay on the recorded GPU clock]
 ----------------------------------------
@@ -142,6 +159,10 @@ class GpuWorkModel:
     sync_gap_us: float = 2000.0
     """``trace``: a gap in the trace's clock at least this long is a synchronisation, not GPU work (1 ms to
     none swept against the live runs: ``reports/sim-predict-live.md``)."""
+    sync_gap_is_gpu_work: bool = True
+    """``trace``: a synchronisation's gap is the GPU finishing the work queued since the previous one, so that
+    work is stretched to end where the trace's clock resumes (Note [A sync gap is the GPU draining]); ``False``:
+    the work takes only the CPU's gaps (the model before 2026-12-01)."""
     kernel_min_us: float = 4.0
     """``model``: the shortest kernel."""
     touch_factor: float = 2.0
@@ -161,6 +182,8 @@ class GpuWorkModel:
                 raise InvalidArgumentError(f"GpuWorkModel.{knob} must be a finite number >= 0, not {value!r}")
         if not isinstance(self.bandwidth_fraction, (int, float)) or not 0.0 < self.bandwidth_fraction <= 1.0:
             raise InvalidArgumentError(f"GpuWorkModel.bandwidth_fraction must be in (0, 1], not {self.bandwidth_fraction!r}")
+        if not isinstance(self.sync_gap_is_gpu_work, bool):
+            raise InvalidArgumentError(f"GpuWorkModel.sync_gap_is_gpu_work must be a bool, not {self.sync_gap_is_gpu_work!r}")
         if not isinstance(self.queue_depth, int) or isinstance(self.queue_depth, bool) or self.queue_depth < 1:
             raise InvalidArgumentError(f"GpuWorkModel.queue_depth must be a positive int, not {self.queue_depth!r}")
 
@@ -209,6 +232,16 @@ class _LaunchQueue:
             if not w.done:
                 self.device.wait_work(w)
         self._queue.clear()
+
+
+def _stretch(work: list[float], first: int, end: int, drain_s: float) -> None:
+    """Scale ``work[first:end]`` so that it totals its own sum plus ``drain_s`` (Note [A sync gap is the GPU
+    draining]); nothing where it is all zero."""
+    span_s = sum(work[first:end])
+    if span_s > 0:
+        scale = (span_s + drain_s) / span_s
+        for k in range(first, end):
+            work[k] *= scale
 
 
 def gpu_clock_problem(trace: "Trace") -> str:
@@ -312,10 +345,14 @@ class ProgramGpu(_LaunchQueue):
             work = self._from_gpu_clock(times, trace.gpu_times_us)
         elif self.timing is GpuTiming.TRACE and self.clock:
             work = [0.0] * n
+            since = 0   # the first operation after the last synchronisation
             for i in range(n - 1):
                 gap = times[i + 1] - times[i]
                 if gap >= m.sync_gap_us:
                     self._sync[i + 1] = 1
+                    if m.sync_gap_is_gpu_work:   # Note [A sync gap is the GPU draining]
+                        _stretch(work, since, i + 1, gap * 1e-6)
+                    since = i + 1
                 elif gap > 0:
                     work[i] = gap * 1e-6
         else:

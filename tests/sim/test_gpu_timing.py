@@ -98,6 +98,45 @@ def test_trace_timing_takes_the_gpu_time_from_the_clock_and_syncs_at_long_gaps()
     assert out["gpu_queue_full_waits"] > 0
 
 
+@pytest.mark.parametrize("drains", [True, False])
+def test_a_sync_gap_is_the_gpu_draining_the_work_queued_since_the_last_one(drains):
+    """Note [A sync gap is the GPU draining]: ops at 0, 100, 200, 300, 400 us, then 5 ms waits. The work queued
+    before the first wait is stretched to end where the clock resumes (5.4 ms in all, each item in proportion);
+    the CPU reaches the wait ahead of the GPU and waits there. With the knob off, the CPU's gaps alone."""
+    trace = _tiny_trace([100.0, 100.0, 5000.0, 100.0])
+    model = GpuWorkModel(cpu_op_us=1.0, sync_gap_us=1000.0, sync_gap_is_gpu_work=drains)
+    with SimDevice(get_profile("h200-141gb")) as dev:
+        gpu = ProgramGpu(trace, dev, "trace", model)
+        work = list(gpu._work_s)  # noqa: SLF001 - the durations under test
+        for i in range(trace.n_ops):
+            gpu.before(i)
+            gpu.after(i, 0)
+        gpu.finish()
+        end_s = dev.now_s
+    scale = 5400 / 400 if drains else 1.0
+    assert work[:4] == pytest.approx([100e-6 * scale] * 4) and work[4:6] == [0.0, 0.0]
+    assert work[6] == pytest.approx(100e-6)  # after the last wait: nothing to drain, the CPU's gap
+    assert (end_s > 5.4e-3) if drains else (end_s < 1e-3)
+
+
+@settings(max_examples=50, deadline=None)
+@given(gaps=st.lists(st.floats(min_value=0.0, max_value=3000.0), min_size=1, max_size=30))
+def test_the_work_before_each_sync_lasts_the_clock_up_to_where_it_resumes(gaps):
+    """Each stretch of work between two synchronisations (with any work in it) lasts what the trace's clock
+    spent from its first operation to the end of the sync's gap: the GPU ends where the CPU resumed live."""
+    trace = _tiny_trace(gaps)
+    times = trace.times_us.tolist()
+    with SimDevice(get_profile("h200-141gb")) as dev:
+        gpu = ProgramGpu(trace, dev, "trace", GpuWorkModel(sync_gap_us=1000.0))
+        work, sync = gpu._work_s, gpu._sync  # noqa: SLF001
+    since = 0
+    for i in range(1, trace.n_ops):
+        if sync[i] & 1:
+            if sum(work[since:i]) > 0:
+                assert sum(work[since:i]) == pytest.approx((times[i] - times[since]) * 1e-6, rel=1e-9)
+            since = i
+
+
 @settings(max_examples=25, deadline=None)
 @given(gaps=st.lists(st.floats(min_value=0.0, max_value=3000.0), min_size=1, max_size=30),
        depth=st.integers(min_value=1, max_value=8))
@@ -140,7 +179,7 @@ def test_bad_gpu_timing_is_refused_and_nothing_changes():
     with pytest.raises(InvalidArgumentError, match="not a simulated device|is not one"):
         ProgramGpu(trace, object(), "trace")
     for bad in ({"queue_depth": 0}, {"cpu_op_us": -1.0}, {"bandwidth_fraction": 0.0},
-                {"sync_gap_us": float("inf")}, {"queue_depth": True}):
+                {"sync_gap_us": float("inf")}, {"queue_depth": True}, {"sync_gap_is_gpu_work": 1}):
         with pytest.raises(InvalidArgumentError, match="GpuWorkModel"):
             GpuWorkModel(**bad)
     with pytest.raises(SweepError, match="unknown gpu timing"):

@@ -316,7 +316,8 @@ def choose(cands: Sequence[Candidate], tuning: dict[str, Errors], default: Candi
     for narrow in (lambda c: c.latency == default.latency, lambda c: c.timing == default.timing):
         if any(narrow(c) for c in tied):
             tied = [c for c in tied if narrow(c)]
-    tied.sort(key=lambda c: (c.timing, c.latency, c.sync_gap_ms if c.sync_gap_ms is not None else 0.0))
+    tied.sort(key=lambda c: (c.timing, c.latency, c.sync_gap_ms if c.sync_gap_ms is not None else 0.0,
+                             not c.sync_drains))
     return tied[(len(tied) - 1) // 2]
 
 
@@ -450,8 +451,10 @@ def report(rows: list[Row], preds: list[dict[str, float]], cands: list[Candidate
     out.append(f"Least mean absolute error on the tuning rows: {chosen.label} (mean {ct.mean_abs_pp:.3f} pp, worst "
                f"{ct.worst_abs_pp:.2f} pp); today's default {default.label}: mean {dt.mean_abs_pp:.3f} pp, worst "
                f"{dt.worst_abs_pp:.2f} pp; against it {v.better} rows better, {v.worse} worse, difference "
-               f"{v.mean_diff_pp:+.3f} pp [{v.low_pp:+.3f}, {v.high_pp:+.3f}]. Default after this table: "
-               f"**{adopted.label}**.")
+               f"{v.mean_diff_pp:+.3f} pp [{v.low_pp:+.3f}, {v.high_pp:+.3f}]"
+               + (f", a gain under the {ADOPT_MARGIN_PP:g} pp margin" if adopted != chosen and v.better > v.worse
+                  and v.high_pp < 0.0 else "")
+               + f". Default after this table: **{adopted.label}**.")
     data = {"rows": [dict(dataclasses.asdict(r), predicted=p) for r, p in zip(rows, preds)],
             "default": default.label, "chosen": chosen.label, "adopted": adopted.label,
             "vs_default": {lab: dataclasses.asdict(x) for lab, x in vs_default.items()},

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import DeviceLostError, GpumemError, InvalidArgumentError, TraceFormatError
 from ..managers.forensics import replay_oom_report
-from ..sim.gpu_work import DEFAULT_GPU_TIMING, GpuTiming
+from ..sim.gpu_work import DEFAULT_GPU_TIMING, GpuTiming, GpuWorkModel
 from ..trace.limits import printable
 from ..units import format_bytes
 from ..validate import parse_limit
@@ -96,7 +96,9 @@ def _print_result(result: Any, summary: str | None) -> None:
     if "engine" in result.extra:
         _row("engine", str(result.extra["engine"]))
     if "gpu_timing" in result.extra:
-        _row("gpu timing", str(result.extra["gpu_timing"]))
+        drain = result.extra.get("gpu_sync_drain")
+        _row("gpu timing", str(result.extra["gpu_timing"])
+             + ("" if drain is None else " (a sync's gap is GPU work)" if drain else " (--no-sync-drain)"))
     if result.oom_op is not None:
         _row("replayed", f"{result.completed_ops:,} of {result.n_ops:,} ops (stopped by out of memory at op "
                          f"{result.oom_op + 1:,})")
@@ -191,10 +193,16 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
         capture = ReserveCapture(trace, allocator) if args.compare_live else None
         comparison = None
         try:
+            if args.no_sync_drain and args.gpu_timing not in (None, GpuTiming.TRACE.value):
+                raise _UsageError(f"--no-sync-drain is for --gpu-timing trace, not {args.gpu_timing}")
             try:
-                gpu = program_gpu(trace, device, args.gpu_timing)
+                gpu = program_gpu(trace, device, args.gpu_timing,
+                                  GpuWorkModel(sync_gap_is_gpu_work=False) if args.no_sync_drain else None)
             except InvalidArgumentError as exc:
                 raise _UsageError(f"--gpu-timing: {exc}") from None
+            if args.no_sync_drain and (gpu is None or gpu.timing is not GpuTiming.TRACE):
+                raise _UsageError("--no-sync-drain is for --gpu-timing trace (this replay's timing is "
+                                  f"{'idle' if gpu is None else gpu.timing.value})")
             if gpu is None and (trace.stream_uses or trace.stream_waits):
                 log.warning("GPU timing idle: every fence is complete at once, so the trace's %d stream use(s) and "
                             "%d cross-stream wait(s) change no decision of this replay: a block freed after a stream use waits "
@@ -292,6 +300,9 @@ def register(sub: Any, formatter_class: Any) -> None:
     p.add_argument("--device-index", type=_device_index, default=None, metavar="N",
                    help="for a PyTorch snapshot of several GPUs: replay GPU N's trace (needed when more than one "
                         "GPU has one; with --stream-uses, the device of the log's calls by default)")
+    p.add_argument("--no-sync-drain", action="store_true",
+                   help="under --gpu-timing trace: a synchronisation's gap is not GPU work, the work between two "
+                        "takes only the CPU's gaps (the model before 2026-12-01; docs/gpu-timing.md)")
     p.add_argument("--gpu-timing", choices=[t.value for t in GpuTiming], default=None,
                    help="how the program's GPU work runs beside the replay, so that memory is freed while work "
                         "that used it may still be queued: 'trace' (GPU time from the trace's clock), 'model' "

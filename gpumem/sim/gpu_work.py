@@ -48,13 +48,17 @@ before the wait are the CPU's pace, not the GPU's; the wait is the GPU finishing
 as the CPU's gaps alone, the GPU of a replay kept pace with the CPU and the step lasted half its time
 (that trace: 0.577 s simulated for 1.342 s recorded), so a cost the allocator adds (a steal's driver calls,
 a wait) came out as twice its share of the step. So the work queued since the previous synchronisation is
-stretched, item by item in proportion, to end where the trace's clock resumes: the GPU falls behind
-through the step as it did live and the replay lasts the recording (1.312 s). Measured
-(``reports/sim-sync-drain.md``): on the 24 live rows of ``python -m sim.predict_live`` the memory predicted
-is the same within noise (tuning 0.087 -> 0.088 pp mean error; check 0.236 -> 0.064), and ``wait_own_stream``'s
-price on that GPT-2 comes out +3.3 % (live +5.0 points; +7.9 % before). A gap that is not GPU work (a data
-loader, a per-shape CPU cost) is misread as a slow GPU: the recorded GPU clock tells them apart (below);
-``GpuWorkModel(sync_gap_is_gpu_work=False)`` keeps the CPU's gaps alone.
+stretched, item by item in proportion, to end where the trace's clock resumes (never beyond the clock's
+net span where it stepped back, and not where the scale is not finite): the replay lasts the recording
+(1.312 s). Measured (``reports/sim-sync-drain.md``): on the 24 live rows of ``python -m sim.predict_live``
+the memory predicted is the same within noise (tuning 0.087 -> 0.088 pp mean error; check 0.236 -> 0.064);
+the rule off predicted within 0.2 points of live step time on three steady workloads, ``wait_own_stream``'s
+price far under it (GPT-2 fp32 +3.4 %, +8.4 % before, live +4.8; ResNet-50 +3.8 %, live +21 %). Limits: a
+gap that is not GPU work (a data loader, a per-shape CPU cost, a short stall past ``sync_gap_us`` that splits
+a step) moves the drain onto the wrong ops, and the recorded GPU clock tells them apart (below); the stretch
+is of the interval's total, so streams that overlap end before the clock resumes; a cut trace
+(``Trace.head``) leaves its last interval unstretched. ``GpuWorkModel(sync_gap_is_gpu_work=False)`` keeps
+the CPU's gaps alone (``gpumem replay --no-sync-drain``).
 
 Note [A replay on the recorded GPU clock]
 ----------------------------------------
@@ -102,6 +106,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -234,14 +239,16 @@ class _LaunchQueue:
         self._queue.clear()
 
 
-def _stretch(work: list[float], first: int, end: int, drain_s: float) -> None:
-    """Scale ``work[first:end]`` so that it totals its own sum plus ``drain_s`` (Note [A sync gap is the GPU
-    draining]); nothing where it is all zero."""
+def _stretch(work: list[float], first: int, end: int, total_s: float) -> None:
+    """Scale ``work[first:end]`` up so that it totals ``total_s`` (Note [A sync gap is the GPU draining]). Left as
+    it is where it is all zero, where ``total_s`` is not more than its sum, and where the scale is not finite (a
+    clock of inf or NaN, or one that overflows): no item is ever made non-finite."""
     span_s = sum(work[first:end])
-    if span_s > 0:
-        scale = (span_s + drain_s) / span_s
-        for k in range(first, end):
-            work[k] *= scale
+    if span_s > 0 and total_s > span_s:
+        scale = total_s / span_s
+        if math.isfinite(scale):
+            for k in range(first, end):
+                work[k] *= scale
 
 
 def gpu_clock_problem(trace: "Trace") -> str:
@@ -346,15 +353,21 @@ class ProgramGpu(_LaunchQueue):
         elif self.timing is GpuTiming.TRACE and self.clock:
             work = [0.0] * n
             since = 0   # the first operation after the last synchronisation
+            backward = False   # whether the clock stepped back since then (an RMM log's threads, out of order)
             for i in range(n - 1):
                 gap = times[i + 1] - times[i]
                 if gap >= m.sync_gap_us:
                     self._sync[i + 1] = 1
                     if m.sync_gap_is_gpu_work:   # Note [A sync gap is the GPU draining]
-                        _stretch(work, since, i + 1, gap * 1e-6)
-                    since = i + 1
+                        # to where the clock resumes: the gaps' sum, or net of the steps back if there were any
+                        total_s = ((times[i + 1] - times[since]) * 1e-6 if backward
+                                   else sum(work[since:i + 1]) + gap * 1e-6)
+                        _stretch(work, since, i + 1, total_s)
+                    since, backward = i + 1, False
                 elif gap > 0:
                     work[i] = gap * 1e-6
+                elif gap < 0:
+                    backward = True
         else:
             bw = m.bandwidth_bps(device.profile)
             k_min, factor = m.kernel_min_us * 1e-6, m.touch_factor
@@ -451,6 +464,8 @@ class ProgramGpu(_LaunchQueue):
                   else "model (the trace has no clock)")
         out = {"gpu_timing": timing, "gpu_launches": self.n_launches,
                "gpu_queue_full_waits": self.n_blocked, "gpu_syncs": self.n_syncs, "gpu_pending_at_end_s": lag_s}
+        if self.timing is GpuTiming.TRACE and self.clock:   # which model of a synchronisation's gap priced it
+            out["gpu_sync_drain"] = self.model.sync_gap_is_gpu_work
         if self._waits:   # only for a trace with waits: a replay of one without them reports what it did
             out.update(gpu_stream_waits=self.n_waits, gpu_stream_wait_markers=self.n_wait_markers)
         return out

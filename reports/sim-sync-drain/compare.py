@@ -3,6 +3,7 @@ synchronisation's gap as GPU work (now) against the CPU's gaps alone (``sync_gap
 
     PYTHONPATH=. python reports/sim-sync-drain/compare.py corpus   # every data/traces trace, default policy
     PYTHONPATH=. python reports/sim-sync-drain/compare.py rule [TRACE...]   # wait_own_stream's price
+    PYTHONPATH=. python reports/sim-sync-drain/compare.py rule --as-measured|--cpu-pace [TRACE...]   # what-ifs
 
 (The 24 live rows: ``python -m sim.predict_live``, whose candidates include the model before.) ``corpus``: peak
 reserved above peak live and the simulated time of each trace's replay under both, beside the time its clock
@@ -21,7 +22,8 @@ from pathlib import Path
 from gpumem.allocator import backing
 from gpumem.allocator.policy import get_policy
 from gpumem.replay import replay_trace
-from gpumem.sim import gpu_work
+from gpumem.sim import SimDevice, get_profile, gpu_work
+from gpumem.sim.latency import LatencyModel
 from gpumem.sim.gpu_work import GpuWorkModel
 from gpumem.trace import load_trace
 from gpumem.trace.corpus import CHECK, TUNING
@@ -54,10 +56,31 @@ def _sync_times(trace, policy, model, **kw) -> tuple[object, list[float]]:
             times.append(self.device.now_s)
 
     gpu_work.ProgramGpu.before = before
+    profile = get_profile("h200-141gb")
+    if "--as-measured" in sys.argv:   # calls priced as on a busy device with many mappings
+        profile = dataclasses.replace(profile, latency=LatencyModel.as_measured())
+    dev = SimDevice(profile)
     try:
-        return replay_trace(trace, "sim:h200-141gb", policy, progress=False, gpu_model=model, **kw), times
+        return replay_trace(trace, dev, policy, progress=False, gpu_model=model, **kw), times
     finally:
         gpu_work.ProgramGpu.before = real
+        dev.close()
+
+
+def _cpu_at_recorded_pace() -> None:
+    """What-if (``--cpu-pace``, not shipped): under ``trace`` the replay's CPU spends the recorded gap before each
+    operation (its own pace) instead of ``cpu_op_us``, as it does under ``gpu-clock``."""
+    real = gpu_work.ProgramGpu.__init__
+
+    def init(self, trace, device, timing, model=None):
+        real(self, trace, device, timing, model)
+        if self.timing is gpu_work.GpuTiming.TRACE and self.clock:
+            t = trace.times_us.tolist()
+            gaps = [t[i] - t[i - 1] for i in range(1, len(t))]
+            self._cpu_op_s = [self._cpu_s] + [g * 1e-6 if 0 < g < self.model.sync_gap_us else self._cpu_s
+                                              for g in gaps]
+
+    gpu_work.ProgramGpu.__init__ = init
 
 
 def _steady(trace, sync_s: list[float]) -> tuple[float, int]:
@@ -79,7 +102,9 @@ def rule() -> None:
     print("| trace (marks left out) | model | allocator | overhead | device calls | simulated s | last part s | "
           "last part against PyTorch's allocator |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
-    names = sys.argv[2:] or ["gpt2_fp32_train_h200", "gpt2_bf16_train_h200", "resnet50_train_h200", "vit_train_h200",
+    if "--cpu-pace" in sys.argv:
+        _cpu_at_recorded_pace()
+    names = [a for a in sys.argv[2:] if not a.startswith("--")] or ["gpt2_fp32_train_h200", "gpt2_bf16_train_h200", "resnet50_train_h200", "vit_train_h200",
                              "llama_varlen_train_h200"]
     for name in (f"{n}.snapshot.pickle.gz" for n in names):
         trace = dataclasses.replace(load_trace(TRACES / name, progress=False), plan_events=())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,34 @@ def test_a_sync_gap_is_the_gpu_draining_the_work_queued_since_the_last_one(drain
     assert (end_s > 5.4e-3) if drains else (end_s < 1e-3)
 
 
+def _trace_at(times_us: list[float]) -> Trace:
+    """Allocations and frees in turn (one block live at a time) at the given clock times."""
+    return Trace.from_ops("clock", "gpumem", [(k % 2, k // 2, 4 << 20, 0, t, 0) for k, t in enumerate(times_us)])
+
+
+def test_a_clock_that_steps_back_is_not_read_as_a_drain():
+    """An RMM log keeps its threads' small steps back; the step forward after one is no GPU work: the stretch
+    never makes the work since the last synchronisation outlast the clock's net span (attacker 41: work[0] was 1 s
+    for 100 us of clock, and a log of 19.9 ms replayed in 49 ms)."""
+    trace = _trace_at([0.0, 100.0, -1e6, 100.0, 5000.0, 5100.0])
+    with SimDevice(get_profile("h200-141gb")) as dev:
+        gpu = ProgramGpu(trace, dev, "trace", GpuWorkModel(sync_gap_us=1000.0))
+        assert gpu._work_s[:3] == pytest.approx([100e-6, 0.0, 0.0])  # noqa: SLF001
+
+
+@pytest.mark.parametrize("times", [[0.0, 0.0, 100.0, float("inf")], [0.0, 1e-300, 2e-300, 1e300],
+                                   [0.0, 100.0, float("nan"), 5000.0, 5100.0]])
+def test_a_clock_of_inf_nan_or_overflow_stretches_nothing_and_replays(times):
+    """A factor of inf made items of inf and 0 * inf = NaN, and the replay failed mid-way in the device's launch
+    (attacker 41): such an interval is left as the CPU's gaps made it."""
+    trace = _trace_at(times)
+    with SimDevice(get_profile("h200-141gb")) as dev:
+        work = ProgramGpu(trace, dev, "trace", GpuWorkModel(sync_gap_us=1000.0))._work_s  # noqa: SLF001
+    assert all(math.isfinite(w) and w >= 0 for w in work)
+    r = replay_trace(trace, "sim:h200-141gb", "gpumem", progress=False, gpu_timing="trace")
+    assert r.completed_ops == trace.n_ops and math.isfinite(r.sim_time_s)
+
+
 @settings(max_examples=50, deadline=None)
 @given(gaps=st.lists(st.floats(min_value=0.0, max_value=3000.0), min_size=1, max_size=30))
 def test_the_work_before_each_sync_lasts_the_clock_up_to_where_it_resumes(gaps):
@@ -184,6 +213,23 @@ def test_bad_gpu_timing_is_refused_and_nothing_changes():
             GpuWorkModel(**bad)
     with pytest.raises(SweepError, match="unknown gpu timing"):
         make_cases([str(TRACES / "gpt2_train.snapshot.pickle.gz")], ["sim:h200-141gb"], ["gpumem"], gpu_timing="x")
+
+
+def test_cli_no_sync_drain(capsys):
+    """``--no-sync-drain`` replays under the model before Note [A sync gap is the GPU draining] and says so; it is
+    refused, with the reason, under a timing it does not apply to."""
+    from gpumem.cli import main
+
+    path = str(TRACES / "resnet_train.snapshot.pickle.gz")
+    runs = {}
+    for flags in ([], ["--no-sync-drain"]):
+        assert main(["replay", path, "--json", *flags]) == 0
+        runs[bool(flags)] = json.loads(capsys.readouterr().out)
+    assert runs[False]["gpu_sync_drain"] is True and runs[True]["gpu_sync_drain"] is False
+    assert runs[True]["sim_time_s"] < runs[False]["sim_time_s"]
+    for timing in ("idle", "model"):
+        assert main(["replay", path, "--gpu-timing", timing, "--no-sync-drain"]) == 2
+        assert f"--no-sync-drain is for --gpu-timing trace, not {timing}" in capsys.readouterr().err
 
 
 def test_cli_gpu_timing(capsys):

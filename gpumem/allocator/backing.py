@@ -199,10 +199,11 @@ fenced), GPT-2 fp32 training without step plans: +4.8 % step time against PyTorc
 steal's order +11.9 %, the rule off -0.2 %) for 3.7-3.9 % above peak allocated (off 5.56 %). The waits
 got cheaper; the 3,300-3,800 steals per process did not. As it is now, ResNet-50 +21 % and ViT +3.1 %
 (0.9 and 1.4 % above peak allocated, off 2.1 and 5.3 %); a replay of the same programs prices the rule at
-+3.4 % (GPT-2), +3.8 % and +0.4 %, too low (``reports/sim-sync-drain.md``). Above the issue's 1 %: off. The earlier finding that the oldest fence
-"changed nothing measurable" (Note [Wait, do not grow, behind the GPU]) was about memory, in replays that
-did not then price a wait; this choice is for time. It walks every idle chunk that fits rather than
-stopping at the first, under the allocator's lock; the pass before it has walked them all already.
++3.4 % (GPT-2), +3.8 % and +0.4 %, too low (``reports/sim-sync-drain.md``). Above the issue's 1 %: off.
+The earlier finding that the oldest fence "changed nothing measurable" (Note [Wait, do not grow, behind
+the GPU]) was about memory, in replays that did not then price a wait; this choice is for time. It walks
+every idle chunk that fits rather than stopping at the first, under the allocator's lock; the pass before it
+has walked them all already.
 
 Note [Stream-ordered steal]
 ---------------------------

@@ -210,7 +210,8 @@ class AllocatorPolicy:
     streams' work still uses (Note [Wait for the program's own stream] in :mod:`.backing`). Off (the default): it
     held single-stream inference at a fraction of the overhead live, but costs step time where steps steal (GPT-2
     training without step plans +4.8 % in the oldest fence's first version, +12 % before it; ResNet-50 +21 % and
-    ViT +3.1 % as it is now); the ``busy_slack`` rule alone. With ``stream_ordered_steal`` on, that steal takes such a chunk first."""
+    ViT +3.1 % as it is now); the ``busy_slack`` rule alone. With ``stream_ordered_steal`` on, that steal takes
+    such a chunk first."""
 
     plan_warmup: bool = True
     """``growth=CHUNKS`` with step plans: from the first ``mark_step()`` (or from ``start_plan_warmup()``, which

@@ -200,9 +200,10 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
                                   GpuWorkModel(sync_gap_is_gpu_work=False) if args.no_sync_drain else None)
             except InvalidArgumentError as exc:
                 raise _UsageError(f"--gpu-timing: {exc}") from None
-            if args.no_sync_drain and (gpu is None or gpu.timing is not GpuTiming.TRACE):
-                raise _UsageError("--no-sync-drain is for --gpu-timing trace (this replay's timing is "
-                                  f"{'idle' if gpu is None else gpu.timing.value})")
+            if args.no_sync_drain and (gpu is None or gpu.timing is not GpuTiming.TRACE or not gpu.clock):
+                raise _UsageError("--no-sync-drain is for --gpu-timing trace on a trace with a clock (this replay's "
+                                  "timing is " + ("idle" if gpu is None else "model: the trace has no clock"
+                                                  if gpu.timing is GpuTiming.TRACE else gpu.timing.value) + ")")
             if gpu is None and (trace.stream_uses or trace.stream_waits):
                 log.warning("GPU timing idle: every fence is complete at once, so the trace's %d stream use(s) and "
                             "%d cross-stream wait(s) change no decision of this replay: a block freed after a stream use waits "

@@ -49,7 +49,7 @@ as the CPU's gaps alone, the GPU of a replay kept pace with the CPU and the step
 (that trace: 0.577 s simulated for 1.342 s recorded), so a cost the allocator adds (a steal's driver calls,
 a wait) came out as twice its share of the step. So the work queued since the previous synchronisation is
 stretched, item by item in proportion, to end where the trace's clock resumes (never beyond the clock's
-net span where it stepped back, and not where the scale is not finite): the replay lasts the recording
+net span where it stepped back, and not where the clock is not finite): the replay lasts the recording
 (1.312 s). Measured (``reports/sim-sync-drain.md``): on the 24 live rows of ``python -m sim.predict_live``
 the memory predicted is the same within noise (tuning 0.087 -> 0.088 pp mean error; check 0.236 -> 0.064);
 the rule off predicted within 0.2 points of live step time on three steady workloads, ``wait_own_stream``'s
@@ -188,7 +188,8 @@ class GpuWorkModel:
         if not isinstance(self.bandwidth_fraction, (int, float)) or not 0.0 < self.bandwidth_fraction <= 1.0:
             raise InvalidArgumentError(f"GpuWorkModel.bandwidth_fraction must be in (0, 1], not {self.bandwidth_fraction!r}")
         if not isinstance(self.sync_gap_is_gpu_work, bool):
-            raise InvalidArgumentError(f"GpuWorkModel.sync_gap_is_gpu_work must be a bool, not {self.sync_gap_is_gpu_work!r}")
+            raise InvalidArgumentError(
+                f"GpuWorkModel.sync_gap_is_gpu_work must be a bool, not {self.sync_gap_is_gpu_work!r}")
         if not isinstance(self.queue_depth, int) or isinstance(self.queue_depth, bool) or self.queue_depth < 1:
             raise InvalidArgumentError(f"GpuWorkModel.queue_depth must be a positive int, not {self.queue_depth!r}")
 
@@ -241,14 +242,17 @@ class _LaunchQueue:
 
 def _stretch(work: list[float], first: int, end: int, total_s: float) -> None:
     """Scale ``work[first:end]`` up so that it totals ``total_s`` (Note [A sync gap is the GPU draining]). Left as
-    it is where it is all zero, where ``total_s`` is not more than its sum, and where the scale is not finite (a
-    clock of inf or NaN, or one that overflows): no item is ever made non-finite."""
+    it is where it is all zero, where ``total_s`` is not more than its sum, and where ``total_s`` is not finite (a
+    clock of inf or NaN): no item is ever made non-finite."""
     span_s = sum(work[first:end])
-    if span_s > 0 and total_s > span_s:
+    if span_s > 0 and span_s < total_s < math.inf:
         scale = total_s / span_s
         if math.isfinite(scale):
             for k in range(first, end):
                 work[k] *= scale
+        else:   # a sum so small that the scale overflows: each item's share of the total instead
+            for k in range(first, end):
+                work[k] = work[k] / span_s * total_s
 
 
 def gpu_clock_problem(trace: "Trace") -> str:

@@ -6,13 +6,13 @@ synchronisation's gap as GPU work (now) against the CPU's gaps alone (``sync_gap
     PYTHONPATH=. python reports/sim-sync-drain/compare.py rule --as-measured|--cpu-pace [TRACE...]   # what-ifs
 
 (The 24 live rows: ``python -m sim.predict_live``, whose candidates include the model before.) ``corpus``: peak
-reserved above peak live and the simulated time of each trace's replay under both, beside the time its clock
-spans. ``rule``: five training traces of the corpus (GPT-2 fp32 and bf16, ResNet-50, ViT, Llama with variable lengths; recorded under PyTorch's allocator: the same programs as
-the live rounds) with their step marks left out, under PyTorch's allocator and under ``wait_own_stream`` off, with
-the steal's order, the first version of the oldest fence and now (the variants of
-``reports/hil/wait-oldest-h200-2026-12-01/sim_rule.py``, Python engine): overhead, device calls, simulated time,
-and the time of the run's last part (from the first synchronisation after 60 % of the trace's clock to the last
-one: the steps past growth, as the live rounds time them) against PyTorch's allocator.
+reserved above peak live and the simulated time of each trace's replay under both, beside the time its clock spans.
+``rule``: five training traces of the corpus (GPT-2 fp32 and bf16, ResNet-50, ViT, Llama with variable lengths;
+recorded under PyTorch's allocator: the same programs as the live rounds) with their step marks left out, under
+PyTorch's allocator and under ``wait_own_stream`` off, with the steal's order, the first version of the oldest fence
+and now (the variants of ``reports/hil/wait-oldest-h200-2026-12-01/sim_rule.py``, Python engine): overhead, device
+calls, simulated time, and the time of the run's last part (from the first synchronisation after 60 % of the trace's
+clock to the last one: the steps past growth, as the live rounds time them) against PyTorch's allocator.
 """
 import dataclasses
 import sys
@@ -34,12 +34,14 @@ MODELS = {"before": GpuWorkModel(sync_gap_is_gpu_work=False), "now": GpuWorkMode
 
 
 def corpus() -> None:
-    print("| part | trace | before: overhead | now: overhead | before: simulated s | now: simulated s | the clock's span s |")
+    print("| part | trace | before: overhead | now: overhead | before: simulated s | now: simulated s | "
+          "the clock's span s |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for part, names in (("tuning", TUNING), ("check", CHECK)):
         for name in names:
             trace = load_trace(TRACES / name, progress=False)
-            rs = {k: replay_trace(trace, "sim:h200-141gb", "gpumem", progress=False, gpu_model=m) for k, m in MODELS.items()}
+            rs = {k: replay_trace(trace, "sim:h200-141gb", "gpumem", progress=False, gpu_model=m)
+                  for k, m in MODELS.items()}
             span_s = float(trace.times_us[-1] - trace.times_us[0]) / 1e6
             print(f"| {part} | {name} | {rs['before'].overhead:.2%} | {rs['now'].overhead:.2%} | "
                   f"{rs['before'].sim_time_s:.3f} | {rs['now'].sim_time_s:.3f} | {span_s:.3f} |", flush=True)
@@ -104,8 +106,9 @@ def rule() -> None:
     print("|---|---|---|---:|---:|---:|---:|---:|")
     if "--cpu-pace" in sys.argv:
         _cpu_at_recorded_pace()
-    names = [a for a in sys.argv[2:] if not a.startswith("--")] or ["gpt2_fp32_train_h200", "gpt2_bf16_train_h200", "resnet50_train_h200", "vit_train_h200",
-                             "llama_varlen_train_h200"]
+    names = [a for a in sys.argv[2:] if not a.startswith("--")] or [
+        "gpt2_fp32_train_h200", "gpt2_bf16_train_h200", "resnet50_train_h200", "vit_train_h200",
+        "llama_varlen_train_h200"]
     for name in (f"{n}.snapshot.pickle.gz" for n in names):
         trace = dataclasses.replace(load_trace(TRACES / name, progress=False), plan_events=())
         t = trace.times_us
@@ -128,7 +131,8 @@ def rule() -> None:
                     backing.VirtualBacking._chunk_ready = S.NOW_READY
                 part, _ = _steady(trace, syncs)
                 print(f"| {short} | {label} | gpumem, wait_own_stream {vname} | {r.overhead:.2%} | "
-                      f"{r.stats.device_calls:,} | {r.sim_time_s:.3f} | {part:.3f} | {part / base - 1:+.2%} |", flush=True)
+                      f"{r.stats.device_calls:,} | {r.sim_time_s:.3f} | {part:.3f} | {part / base - 1:+.2%} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -136,10 +136,12 @@ def test_a_clock_that_steps_back_is_not_read_as_a_drain():
 
 
 @pytest.mark.parametrize("times", [[0.0, 0.0, 100.0, float("inf")], [0.0, 1e-300, 2e-300, 1e300],
-                                   [0.0, 100.0, float("nan"), 5000.0, 5100.0]])
-def test_a_clock_of_inf_nan_or_overflow_stretches_nothing_and_replays(times):
+                                   [0.0, 100.0, -float("inf"), 100.0, 5000.0], [0.0, 100.0, 50.0, float("inf"),
+                                                                                   float("inf")]])
+def test_a_clock_of_inf_or_overflow_makes_finite_work_and_replays(times):
     """A factor of inf made items of inf and 0 * inf = NaN, and the replay failed mid-way in the device's launch
-    (attacker 41): such an interval is left as the CPU's gaps made it."""
+    (attacker 41): an interval whose clock is not finite is left as the CPU's gaps made it, and one whose scale
+    overflows takes each item's share of the total."""
     trace = _trace_at(times)
     with SimDevice(get_profile("h200-141gb")) as dev:
         work = ProgramGpu(trace, dev, "trace", GpuWorkModel(sync_gap_us=1000.0))._work_s  # noqa: SLF001
@@ -215,7 +217,7 @@ def test_bad_gpu_timing_is_refused_and_nothing_changes():
         make_cases([str(TRACES / "gpt2_train.snapshot.pickle.gz")], ["sim:h200-141gb"], ["gpumem"], gpu_timing="x")
 
 
-def test_cli_no_sync_drain(capsys):
+def test_cli_no_sync_drain(capsys, tmp_path):
     """``--no-sync-drain`` replays under the model before Note [A sync gap is the GPU draining] and says so; it is
     refused, with the reason, under a timing it does not apply to."""
     from gpumem.cli import main
@@ -230,6 +232,12 @@ def test_cli_no_sync_drain(capsys):
     for timing in ("idle", "model"):
         assert main(["replay", path, "--gpu-timing", timing, "--no-sync-drain"]) == 2
         assert f"--no-sync-drain is for --gpu-timing trace, not {timing}" in capsys.readouterr().err
+    from gpumem.trace import save_trace
+
+    clockless = tmp_path / "noclock.trace.pickle.gz"   # trace timing falls back to the model's times (re-check 41)
+    save_trace(_trace_at([0.0] * 20), clockless)
+    assert main(["replay", str(clockless), "--no-sync-drain"]) == 2
+    assert "timing is model: the trace has no clock" in capsys.readouterr().err
 
 
 def test_cli_gpu_timing(capsys):

@@ -86,8 +86,8 @@ def test_a_candidate_replaces_the_default_only_beyond_the_rows_noise() -> None:
     assert v.mean_diff_pp < 0 and (v.better, v.worse) == (1, 2)
     assert pl.adopt(c, d, v) == d
     assert pl.adopt(d, d, v) == d
-    # better on four rows of six by 0.01-0.03 pp, worse on none (the sync thresholds under the drain, 2026-12-01):
-    # within the replay's jitter, kept
+    # better on four rows of six by 0.01-0.03 pp, worse on none (as the drain's 10 ms threshold, 0.02-0.04 pp,
+    # on 2026-12-01): within the replay's jitter, kept
     rows, preds = _rows_preds([0.01] * 6, [0.01] * 6, [0.0101, 0.0102, 0.0103, 0.0101, 0.01, 0.01])
     v = pl.paired(rows, preds, "a", "b")
     assert (v.better, v.worse) == (4, 0) and v.high_pp < 0 and v.mean_diff_pp > -pl.ADOPT_MARGIN_PP

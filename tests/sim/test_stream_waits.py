@@ -94,7 +94,7 @@ def test_a_replay_without_waits_reports_what_it_did() -> None:
     """The replay's extra keys of a trace without waits are those from before waits existed."""
     r = replay_trace(OLD_GMT, SIM, "gpumem", progress=False)
     assert set(r.extra) == {"engine", "n_stream_uses", "n_plan_events", "gpu_timing", "gpu_launches",
-                            "gpu_queue_full_waits", "gpu_syncs", "gpu_pending_at_end_s"}
+                            "gpu_queue_full_waits", "gpu_syncs", "gpu_pending_at_end_s", "gpu_sync_drain"}
 
 
 # -- the simulated device ------------------------------------------------------------------------------------

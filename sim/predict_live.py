@@ -368,10 +368,14 @@ def adopt(chosen: Candidate, default: Candidate, vs_default: Paired) -> Candidat
     bootstrap over rows that mostly tie is narrow without meaning more (``reports/sim-predict-live.md``)."""
     if chosen == default:
         return default
-    if (vs_default.better > vs_default.worse and vs_default.high_pp < 0.0
-            and vs_default.mean_diff_pp <= -ADOPT_MARGIN_PP):
+    if _beats_beyond_noise(vs_default) and vs_default.mean_diff_pp <= -ADOPT_MARGIN_PP:
         return chosen
     return default
+
+
+def _beats_beyond_noise(v: Paired) -> bool:
+    """Better on more rows than worse, with the whole 95 % interval of the paired difference below zero."""
+    return v.better > v.worse and v.high_pp < 0.0
 
 
 def _pct(x: float) -> str:
@@ -452,8 +456,8 @@ def report(rows: list[Row], preds: list[dict[str, float]], cands: list[Candidate
                f"{ct.worst_abs_pp:.2f} pp); today's default {default.label}: mean {dt.mean_abs_pp:.3f} pp, worst "
                f"{dt.worst_abs_pp:.2f} pp; against it {v.better} rows better, {v.worse} worse, difference "
                f"{v.mean_diff_pp:+.3f} pp [{v.low_pp:+.3f}, {v.high_pp:+.3f}]"
-               + (f", a gain under the {ADOPT_MARGIN_PP:g} pp margin" if adopted != chosen and v.better > v.worse
-                  and v.high_pp < 0.0 else "")
+               + (f", a gain under the {ADOPT_MARGIN_PP:g} pp margin" if adopted != chosen and _beats_beyond_noise(v)
+                  else "")
                + f". Default after this table: **{adopted.label}**.")
     data = {"rows": [dict(dataclasses.asdict(r), predicted=p) for r, p in zip(rows, preds)],
             "default": default.label, "chosen": chosen.label, "adopted": adopted.label,

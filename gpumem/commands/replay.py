@@ -36,7 +36,7 @@ def _load(args: argparse.Namespace):
         # the log's device picks the snapshot's (a log of another device is then refused by the loader)
         device = args.device_index if rs is None or args.device_index is not None else rs.only_device()
         from_log = f" (device {device}, the --stream-uses log's)" if device != args.device_index else ""
-        trace = load_trace(args.trace, format=args.format, device=device)
+        trace = load_trace(args.trace, format=args.format, device=device, step_marks=not args.no_step_marks)
     except FileNotFoundError:
         _check_trace_path(args.trace)
         raise _UsageError(f"no such trace file: {_shorten_path(args.trace)}") from None
@@ -116,8 +116,9 @@ def _print_result(result: Any, summary: str | None) -> None:
         _row("stream waits", f"{result.extra['gpu_stream_waits']:,} cross-stream waits made (work queued after a "
                              "wait starts once the awaited stream's work before it is done)")
     if result.extra.get("n_plan_events"):
-        _row("plan events", f"{result.extra['n_plan_events']:,} step marks and warm-up switches made, as "
-                            "gpumem.torch made them (Note [Plan events in a replay])")
+        _row("plan events", f"{result.extra['n_plan_events']:,} step marks and warm-up switches made, where "
+                            "gpumem.torch made them (a PyTorch snapshot: where it would have, at the optimizer's "
+                            "steps; --no-step-marks leaves them out)")
     _row("time", f"{result.wall_s:.2f} s wall, {result.ns_per_op:,.0f} ns per op")
     if summary is not None:
         print(summary)
@@ -279,8 +280,10 @@ def register(sub: Any, formatter_class: Any) -> None:
                     "                 memory the allocator keeps but does not use is one piece;\n"
                     "  out-of-memory errors and the time per operation.\n"
                     "A gpumem.torch trace (.gmt version 4) also holds where the program marked its steps and\n"
-                    "began the memory-first warm-up: the gpumem policy makes the same calls there, so the replay\n"
-                    "predicts the run's step plan; the models of other allocators ignore them (docs/replay.md).\n"
+                    "began the memory-first warm-up, and a PyTorch snapshot where its optimizer steps ended\n"
+                    "(gpumem.torch's automatic marks): the gpumem policy makes the same calls there, so the\n"
+                    "replay predicts the run's step plan (--no-step-marks: a run without); the models of other\n"
+                    "allocators ignore them (docs/replay.md).\n"
                     "One recorded with its GPU clock (.gmt version 5) replays as its GPU ran (--gpu-timing);\n"
                     "one that has the live engine's reserve after each allocation (.gmt version 6, every\n"
                     "gpumem.torch trace) can be compared with it (--compare-live).\n"
@@ -301,6 +304,10 @@ def register(sub: Any, formatter_class: Any) -> None:
     p.add_argument("--device-index", type=_device_index, default=None, metavar="N",
                    help="for a PyTorch snapshot of several GPUs: replay GPU N's trace (needed when more than one "
                         "GPU has one; with --stream-uses, the device of the log's calls by default)")
+    p.add_argument("--no-step-marks", action="store_true",
+                   help="leave out the trace's step marks (those a gpumem.torch trace recorded, and those read off a "
+                        "PyTorch snapshot's optimizer steps, where gpumem.torch marks by default): the gpumem "
+                        "policy then predicts a run without step plans, as GPUMEM_STEP_MARKS=off runs")
     p.add_argument("--no-sync-drain", action="store_true",
                    help="under --gpu-timing trace: a synchronisation's gap is not GPU work, the work between two "
                         "takes only the CPU's gaps (the model before 2026-12-01; docs/gpu-timing.md)")

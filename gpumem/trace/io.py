@@ -24,6 +24,7 @@ is nothing to replay, and such a file is almost always the wrong one.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from pathlib import Path
 
@@ -107,7 +108,8 @@ def detect_format(path: PathLike) -> str:
 
 
 def load_trace(path: PathLike, format: str | None = None, *, device: int | None = None,
-               name: str | None = None, limits: TraceLimits | None = None, progress: bool | None = None) -> Trace:
+               name: str | None = None, limits: TraceLimits | None = None, progress: bool | None = None,
+               step_marks: bool = True) -> Trace:
     """Read a trace in any supported format.
 
     ``format`` forces a reader (a name or alias from the module docstring);
@@ -116,7 +118,11 @@ def load_trace(path: PathLike, format: str | None = None, *, device: int | None 
     its first dot; .gmt files keep the name stored in them). ``limits`` caps what
     reading may cost (default :data:`~gpumem.trace.limits.DEFAULT_LIMITS`);
     ``progress`` shows a bar of the file's bytes read (None: only when stderr is a
-    terminal). Raises ``FileNotFoundError`` for a missing file and
+    terminal). ``step_marks`` keeps the trace's step-plan events (:attr:`Trace.plan_events`): those a
+    gpumem.torch trace recorded, and for a PyTorch snapshot those gpumem.torch would have made at its optimizer
+    steps (Note [Step marks read off a snapshot's optimizer steps] in :mod:`gpumem.trace.optimizer_marks`);
+    False leaves them out, so that a replay predicts a run without step plans (``GPUMEM_STEP_MARKS=off``).
+    Raises ``FileNotFoundError`` for a missing file and
     ``TraceFormatError`` for something that is no regular file (a directory, a
     FIFO, a device, a symbolic link loop: checked with ``os.stat``, never opened),
     a forced format that the content's signature contradicts, an unknown format,
@@ -135,7 +141,8 @@ def load_trace(path: PathLike, format: str | None = None, *, device: int | None 
                                        f"this is a {fmt} trace")
     try:
         if fmt == "pytorch-snapshot":
-            trace = read_pytorch_snapshot(p, device=device, name=name, limits=limits, progress=progress)
+            trace = read_pytorch_snapshot(p, device=device, name=name, limits=limits, progress=progress,
+                                          step_marks=step_marks)
         elif fmt == "rmm-log":
             trace = read_rmm_log(p, name=name, limits=limits, progress=progress)
         else:
@@ -148,6 +155,8 @@ def load_trace(path: PathLike, format: str | None = None, *, device: int | None 
                                        f"{shorten(str(e), 120)[1:-1]})") from e
     if trace.n_allocs == 0:
         raise TraceFormatError(str(p), f"no allocations: the {fmt} trace holds no allocation to replay")
+    if not step_marks and trace.plan_events:
+        trace = dataclasses.replace(trace, plan_events=())
     return trace
 
 

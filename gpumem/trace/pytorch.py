@@ -6,7 +6,8 @@ A snapshot is a pickled dict (often gzipped)::
       "segments": [ {"address", "total_size", "stream", "blocks": [...], ...}, ... ],  # state at dump time
       "device_traces": [ [entry, entry, ...],   # device 0, oldest first
                          [...], ... ],          # one list per device
-      "allocator_settings": {...}, ...          # optional, ignored here
+      "allocator_settings": {...},              # optional, ignored here
+      "external_annotations": [ {"stage", "name", "device", "time_us"}, ... ],  # record_function ranges
     }
 
 Each trace entry is a dict with ``action``, ``addr``, ``size`` (the *requested*
@@ -26,7 +27,9 @@ So an allocation lives from its ``alloc`` to the ``free_requested`` of the same
 address. The history is a ring buffer: it may begin with frees of allocations
 made before recording started; those are skipped and counted
 (``n_unmatched_frees``). ``segments`` (the allocator state at dump time) is not
-needed to rebuild the ops and is not read.
+needed to rebuild the ops and is not read. ``external_annotations`` give the trace's plan events: the step
+marks gpumem.torch would have made at the end of each optimizer step (Note [Step marks read off a snapshot's
+optimizer steps] in :mod:`gpumem.trace.optimizer_marks`).
 
 Loading is safe (see :mod:`gpumem.trace.safe_pickle`), bounded (see
 :class:`~gpumem.trace.limits.TraceLimits`: besides the caps applied while
@@ -43,7 +46,9 @@ something wrong, to name the bad entry.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import logging
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,9 +61,12 @@ from ._fileio import PathLike, check_exists, trace_name_from_path
 from .builder import AddressReuseError, build_trace
 from .limits import DEFAULT_LIMITS, TraceLimits, max_entries_for, shorten
 from .model import Trace
+from .optimizer_marks import infer_step_marks
 from .safe_pickle import _load_counted
 
 __all__ = ["ACTIONS", "read_pytorch_snapshot", "load_snapshot_dict", "snapshot_to_trace"]
+
+log = logging.getLogger(__name__)
 
 #: Every trace-entry action PyTorch writes, with the code used internally (0 alloc, 1 free).
 ACTIONS: dict[str, int] = {
@@ -222,6 +230,7 @@ def snapshot_to_trace(
     limits: TraceLimits | None = None,
     n_objects: int | None = None,
     memory_nbytes: int = 0,
+    step_marks: bool = True,
 ) -> Trace:
     """The ops of one device of an in-memory snapshot dict (``where`` names it in errors).
 
@@ -233,11 +242,15 @@ def snapshot_to_trace(
     dicts, so more entries than objects means memo references repeated.
     ``memory_nbytes`` (the memory unpickling took) is deducted from
     ``limits.max_memory_nbytes`` before the entries' columns are counted against it.
+    ``step_marks``: the trace's plan events are the step marks gpumem.torch would have made, read off the
+    snapshot's optimizer steps (Note [Step marks read off a snapshot's optimizer steps] in
+    :mod:`gpumem.trace.optimizer_marks`); False leaves them out.
     """
     limits = limits or DEFAULT_LIMITS
     _check_top_level(snapshot, where, limits)
     traces = snapshot["device_traces"]
-    entries = traces[_pick_device(traces, device, where)] if traces else []
+    picked = _pick_device(traces, device, where) if traces else 0
+    entries = traces[picked] if traces else []
     max_entries, binding = max_entries_for(limits, memory_nbytes)
     if len(entries) > max_entries:
         raise TraceFormatError(where, f"{len(entries):,} entries, more than {max_entries:,} "
@@ -253,22 +266,36 @@ def snapshot_to_trace(
     codes, addrs, sizes, streams, times = cols
     n_oom = codes.count(_OOM)
     try:
-        return build_trace(
+        trace = build_trace(
             name, "pytorch-snapshot", codes, addrs, sizes, streams, np.asarray(times, dtype=np.float64),
             origin=where, n_failed_allocs=n_oom,
         )
     except AddressReuseError as e:
         raise TraceFormatError(where, str(e), entry=e.index) from None
+    if not step_marks:
+        return trace
+    # Note [Step marks read off a snapshot's optimizer steps] in gpumem/trace/optimizer_marks.py
+    marks = infer_step_marks(snapshot.get("external_annotations"), picked, trace.times_us, where)
+    if marks.reason is not None:
+        log.warning("%s: no step marks read off its optimizer steps, so a replay under the gpumem policy predicts "
+                    "a run without step plans: %s", where, marks.reason)
+    if not marks.events:
+        return trace
+    log.info("%s: %d step mark(s) read off the optimizer steps of %s (gpumem.torch's automatic marks), the "
+             "memory-first warm-up begun at op 0", where, len(marks.events) - 1, marks.optimizer)
+    return dataclasses.replace(trace, plan_events=marks.events)
 
 
 def read_pytorch_snapshot(path: PathLike, *, device: int | None = None, name: str | None = None,
-                          limits: TraceLimits | None = None, progress: bool | None = False) -> Trace:
+                          limits: TraceLimits | None = None, progress: bool | None = False,
+                          step_marks: bool = True) -> Trace:
     """Read a PyTorch memory snapshot pickle (gzipped or not) as a :class:`Trace`.
 
     ``device`` picks one device of a multi-device snapshot (its index in
     ``device_traces``); ``name`` defaults to the file name up to its first dot;
     ``limits`` defaults to :data:`~gpumem.trace.limits.DEFAULT_LIMITS`; ``progress``
-    shows the compressed bytes read (None: only on a terminal). Raises
+    shows the compressed bytes read (None: only on a terminal); ``step_marks`` as for
+    :func:`snapshot_to_trace` (the step marks gpumem.torch would have made). Raises
     ``FileNotFoundError`` for a missing file and ``TraceFormatError`` (naming the
     file, and the entry index for a bad entry) for anything unreadable.
     """
@@ -277,5 +304,5 @@ def read_pytorch_snapshot(path: PathLike, *, device: int | None = None, name: st
         data, n_objects, memory_nbytes = _load_snapshot(path, limits, progress)
         return snapshot_to_trace(
             data, name=trace_name_from_path(path) if name is None else name, device=device, where=str(path),
-            consume=True, limits=limits, n_objects=n_objects, memory_nbytes=memory_nbytes,
+            consume=True, limits=limits, n_objects=n_objects, memory_nbytes=memory_nbytes, step_marks=step_marks,
         )

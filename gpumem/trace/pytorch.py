@@ -281,8 +281,9 @@ def snapshot_to_trace(
                     "a run without step plans: %s", where, marks.reason)
     if not marks.events:
         return trace
-    log.info("%s: %d step mark(s) read off the optimizer steps of %s (gpumem.torch's automatic marks), the "
-             "memory-first warm-up begun at op 0", where, len(marks.events) - 1, marks.optimizer)
+    log.info("%s: %d step mark(s) read off the optimizer steps of %s (gpumem.torch's automatic marks; %d step(s) "
+             "GradScaler skipped, %d of them not placed), the memory-first warm-up begun at op 0", where,
+             len(marks.events) - 1, marks.optimizer, marks.n_skipped, marks.n_skipped_unplaced)
     return dataclasses.replace(trace, plan_events=marks.events)
 
 

@@ -92,18 +92,22 @@ def test_allocator_and_backends_tables_match_what_gpumem_replay_prints():
     where it prints 3.45 %), and backends.md gave GPU-idle figures under the default command."""
     from gpumem.replay import replay_trace
 
-    def overhead(trace: str, timing: str) -> float:
+    from gpumem.trace import load_trace
+
+    def overhead(trace: str, timing: str, step_marks: bool = True) -> float:
         path = next((ROOT / "data" / "traces").glob(f"{trace}.*"))
-        return round(replay_trace(str(path), "sim:h200-141gb", "gpumem", progress=False,
-                                  gpu_timing=timing).overhead * 100, 2)
+        return round(replay_trace(load_trace(path, progress=False, step_marks=step_marks), "sim:h200-141gb",
+                                  "gpumem", progress=False, gpu_timing=timing).overhead * 100, 2)
 
     allocator = (ROOT / "docs" / "allocator.md").read_text(encoding="utf-8")
-    rows = _table_rows(allocator, "| trace | part | GPU idle (`--gpu-timing idle`) | GPU behind (`--gpu-timing trace`")
+    rows = _table_rows(allocator, "| trace | part | step marks | GPU idle (`--gpu-timing idle`) | GPU behind "
+                                  "(`--gpu-timing trace`")
     checked = 0
-    for name, _, idle, behind in rows:
+    for name, _, _, idle, behind, unmarked in rows:
         trace = name.split(" ")[0]
         if trace in _FAST:
             assert (_pct(idle), _pct(behind)) == (overhead(trace, "idle"), overhead(trace, "trace")), name
+            assert _pct(unmarked) == overhead(trace, "trace", step_marks=False), name
             checked += 1
     assert checked >= 4
     backends = (ROOT / "docs" / "backends.md").read_text(encoding="utf-8")

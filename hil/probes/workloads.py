@@ -173,6 +173,100 @@ def w_resnet50_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
     return "ResNet-50 training (torchvision), fp32 AdamW, batch 64 x 224 px", _train_step(torch, model, loss_of)
 
 
+
+def w_vit_train_fp16_scaler(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    """ViT-B/16 under fp16 autocast with a ``GradScaler`` growing its scale after every good step, so that some
+    steps are skipped, and ``zero_grad`` after the update (the other loop order than
+    :func:`w_gpt2_train_fp16_scaler`'s): a check of the step marks read off a snapshot (Note [Step marks read
+    off a snapshot's optimizer steps] in gpumem/trace/optimizer_marks.py). ``ctx["extra"]`` reports the
+    skipped steps."""
+    import torchvision
+
+    model = torchvision.models.vit_b_16(weights=None).cuda()
+    lossf = torch.nn.CrossEntropyLoss()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 14, growth_factor=2.0, backoff_factor=0.5,
+                                  growth_interval=1)
+    model.train()
+    skipped: list[int] = []
+
+    def step(i: int) -> Any:
+        g = _gen(torch, i)
+        x = torch.randn((32, 3, 224, 224), device="cuda", generator=g)
+        y = torch.randint(0, 1000, (32,), device="cuda", generator=g)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = lossf(model(x), y)
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        if scaler.get_scale() < before:
+            skipped.append(i)
+        return loss.detach().float()
+    ctx["extra"] = lambda: {"scaler_skipped_steps": list(skipped)}
+    return ("ViT-B/16 training, fp16 autocast, GradScaler growing every step (periodic skipped steps), AdamW, "
+            "zero_grad after the update, batch 32 x 224 px", step)
+
+
+def w_resnet50_train_accum(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    """ResNet-50 with SGD (momentum) and gradient accumulation over two micro-batches per update, ``zero_grad``
+    after it: one optimizer step per two forward/backward passes (a check of the step marks read off a
+    snapshot)."""
+    import torchvision
+
+    model = torchvision.models.resnet50(weights=None).cuda()
+    lossf = torch.nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    model.train()
+
+    def step(i: int) -> Any:
+        total = None
+        for k in range(2):
+            g = _gen(torch, 2 * i + k)
+            x = torch.randn((32, 3, 224, 224), device="cuda", generator=g)
+            y = torch.randint(0, 1000, (32,), device="cuda", generator=g)
+            loss = lossf(model(x), y) / 2
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total.float()
+    return "ResNet-50 training, SGD momentum, 2 accumulated micro-batches of 32 x 224 px per update", step
+
+
+def w_gan_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    """A small GAN (MLP generator and discriminator, d 2048), one AdamW each, a discriminator then a generator
+    update per step: two optimizers of one class, which a snapshot cannot tell apart (Note [Step marks read off
+    a snapshot's optimizer steps]: each range is read as a mark, where gpumem.torch marks with the first)."""
+    nn = torch.nn
+    d = 2048
+    gen = nn.Sequential(nn.Linear(256, d), nn.ReLU(), nn.Linear(d, d), nn.ReLU(), nn.Linear(d, 1024)).cuda()
+    disc = nn.Sequential(nn.Linear(1024, d), nn.LeakyReLU(0.2), nn.Linear(d, d), nn.LeakyReLU(0.2),
+                         nn.Linear(d, 1)).cuda()
+    opt_d = torch.optim.AdamW(disc.parameters(), lr=2e-4)
+    opt_g = torch.optim.AdamW(gen.parameters(), lr=2e-4)
+    bce = nn.BCEWithLogitsLoss()
+
+    def step(i: int) -> Any:
+        g = _gen(torch, i)
+        real = torch.randn((1024, 1024), device="cuda", generator=g)
+        z = torch.randn((1024, 256), device="cuda", generator=g)
+        ones = torch.ones((1024, 1), device="cuda")
+        zeros = torch.zeros((1024, 1), device="cuda")
+        opt_d.zero_grad(set_to_none=True)
+        fake = gen(z)
+        loss_d = bce(disc(real), ones) + bce(disc(fake.detach()), zeros)
+        loss_d.backward()
+        opt_d.step()
+        opt_g.zero_grad(set_to_none=True)
+        loss_g = bce(disc(fake), ones)
+        loss_g.backward()
+        opt_g.step()
+        return (loss_d.detach() + loss_g.detach()).float()
+    return "GAN, MLP generator and discriminator (d 2048), two AdamW, batch 1024", step
+
+
 #: Llama-style decoder lengths, one per step (variable sequence lengths, as in packed-free batches).
 LLAMA_LENGTHS = (384, 1024, 160, 768, 512, 896, 256, 640, 1024, 320, 704, 448, 960, 192, 576, 832)
 
@@ -447,6 +541,8 @@ WORKLOADS: dict[str, Callable[[Any, dict], tuple[str, Callable[[int], Any]]]] = 
     "unet_train": w_unet_train, "gpt2_train_bf16": w_gpt2_train_bf16, "multistream_infer": w_multistream_infer,
     "cudagraph_train": w_cudagraph_train, "llama_long_decode": w_llama_long_decode,
     "gpt2_train_fp16_scaler": w_gpt2_train_fp16_scaler, "llama7b_long_decode": w_llama7b_long_decode,
+    "vit_train_fp16_scaler": w_vit_train_fp16_scaler, "resnet50_train_accum": w_resnet50_train_accum,
+    "gan_train": w_gan_train,
     # the attention the estimate models (SDPA keeps no score matrices; eager's prefill holds 512 MiB ones per layer)
     "llama7b_long_decode_sdpa": lambda torch, ctx: w_llama7b_long_decode(torch, ctx, "sdpa"),
 }

@@ -3,7 +3,9 @@
 ``sim/step_plan.py`` studied a prototype (``PlanResource``) beside gpumem's caching allocator; this replays
 the same traces through :class:`gpumem.allocator.CachingAllocator` itself (the native engine, its plan layer:
 Note [Step plans] in :mod:`gpumem.allocator.plan`) and calls ``mark_step()`` where the program would call
-``gpumem.torch.step()``. The recorded traces carry no step marks, so the marks are put where
+``gpumem.torch.step()``. The traces are read without the marks gpumem.torch would make at their optimizer
+steps (``load_trace(..., step_marks=False)``; Note [Step marks read off a snapshot's optimizer steps]): the marks
+are put where
 :func:`sim.step_plan.find_period` finds the steps (exact signature, the boundary where the fewest bytes are
 live, :func:`sim.step_plan.split_steps`), from the first steady step on, and at every period after the
 repeating stretch: later than a program calling ``step()`` from its first step would (the setup and the
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         if not match:
             ap.error(f"--traces: {name} is no trace file, and no corpus trace starts with it")
         try:   # a file that is no trace, or a trace with no step to mark: one line, before any replay
-            trace = load_trace(match[0])
+            trace = load_trace(match[0], step_marks=False)
             studied.append((match[0].name.split(".")[0], trace, step_marks(trace)))
         except GpumemError as exc:
             ap.error(f"--traces: {printable(str(exc))}")

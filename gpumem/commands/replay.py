@@ -88,7 +88,22 @@ def _row(label: str, value: str) -> None:
     print(f"{label:<{_LABEL_WIDTH}}{value}")
 
 
-def _print_result(result: Any, summary: str | None) -> None:
+def _marks_row(trace: Any, no_step_marks: bool) -> str | None:
+    """The replay's line on the trace's step marks (Note [Plan events in a replay]), or None where it made none
+    and none were left out."""
+    from ..trace.model import PlanEventKind
+
+    if no_step_marks:
+        return "left out (--no-step-marks): a run without step plans, as GPUMEM_STEP_MARKS=off"
+    n = sum(1 for e in trace.plan_events if e.kind is PlanEventKind.MARK)
+    if not trace.plan_events:
+        return None
+    where = ("read off the snapshot's optimizer steps, where gpumem.torch marks by default"
+             if trace.source == "pytorch-snapshot" else "where gpumem.torch made them")
+    return f"{n:,} step marks and {len(trace.plan_events) - n:,} warm-up switch(es), {where}"
+
+
+def _print_result(result: Any, summary: str | None, marks: str | None = None) -> None:
     # the name comes from the trace file: escape sequences in it must not reach the terminal
     _row("trace", f"{printable(result.trace)} ({result.n_ops:,} ops, {result.n_allocs:,} allocations)")
     _row("device", result.device)
@@ -115,10 +130,9 @@ def _print_result(result: Any, summary: str | None) -> None:
     if result.extra.get("gpu_stream_waits"):
         _row("stream waits", f"{result.extra['gpu_stream_waits']:,} cross-stream waits made (work queued after a "
                              "wait starts once the awaited stream's work before it is done)")
-    if result.extra.get("n_plan_events"):
-        _row("plan events", f"{result.extra['n_plan_events']:,} step marks and warm-up switches made, where "
-                            "gpumem.torch made them (a PyTorch snapshot: where it would have, at the optimizer's "
-                            "steps; --no-step-marks leaves them out)")
+    if marks is not None and (result.extra.get("n_plan_events") or marks.startswith("left out")):
+        _row("step marks", marks + ("" if marks.startswith("left out") else
+                                    f" ({result.extra['n_plan_events']:,} made)"))
     _row("time", f"{result.wall_s:.2f} s wall, {result.ns_per_op:,.0f} ns per op")
     if summary is not None:
         print(summary)
@@ -237,7 +251,7 @@ def _replay(args: argparse.Namespace, export: OutputFile | None) -> int:
             data["live_comparison"] = comparison_json(comparison)
         print(json.dumps(data, indent=2))
     else:
-        _print_result(result, summary)
+        _print_result(result, summary, _marks_row(trace, args.no_step_marks))
         if comparison is not None:
             for k, line in enumerate(comparison.lines()):
                 _row("live" if k == 0 else "", printable(line))

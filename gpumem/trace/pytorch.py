@@ -251,6 +251,7 @@ def snapshot_to_trace(
     traces = snapshot["device_traces"]
     picked = _pick_device(traces, device, where) if traces else 0
     entries = traces[picked] if traces else []
+    n_devices_with_ops = sum(1 for t in traces if t)   # counted before consume empties them
     max_entries, binding = max_entries_for(limits, memory_nbytes)
     if len(entries) > max_entries:
         raise TraceFormatError(where, f"{len(entries):,} entries, more than {max_entries:,} "
@@ -275,15 +276,21 @@ def snapshot_to_trace(
     if not step_marks:
         return trace
     # Note [Step marks read off a snapshot's optimizer steps] in gpumem/trace/optimizer_marks.py
-    marks = infer_step_marks(snapshot.get("external_annotations"), picked, trace.times_us, where)
+    annotations = snapshot.get("external_annotations")
+    if isinstance(annotations, list) and len(annotations) > max_entries:
+        raise TraceFormatError(where, f"{len(annotations):,} external annotations, more than {max_entries:,} "
+                                      f"({binding}); raise the limit if the file is genuine")
+    marks = infer_step_marks(annotations, picked, trace.times_us, where,
+                             sole_device=n_devices_with_ops <= 1)
     if marks.reason is not None:
         log.warning("%s: no step marks read off its optimizer steps, so a replay under the gpumem policy predicts "
                     "a run without step plans: %s", where, marks.reason)
     if not marks.events:
         return trace
-    log.info("%s: %d step mark(s) read off the optimizer steps of %s (gpumem.torch's automatic marks; %d step(s) "
-             "GradScaler skipped, %d of them not placed), the memory-first warm-up begun at op 0", where,
-             len(marks.events) - 1, marks.optimizer, marks.n_skipped, marks.n_skipped_unplaced)
+    log.info("%s: %d step mark(s) read off the optimizer steps of %s (gpumem.torch's automatic marks; %d of them "
+             "for steps GradScaler skipped; %d step end(s) before the first op, %d after the last, not made), the "
+             "memory-first warm-up begun at op 0", where, len(marks.events) - 1, shorten(marks.optimizer, 60),
+             marks.n_skipped, marks.n_before_first_op, marks.n_after_last_op)
     return dataclasses.replace(trace, plan_events=marks.events)
 
 

@@ -22,7 +22,9 @@ from hil.probes.workloads import corpus_part_of
 HIL = Path(__file__).resolve().parents[1] / "hil"
 RECORDS = (HIL / "live-vs-predicted-h200-2026-11-29-default-marks" / "workloads-predict-default.json",
            HIL / "workloads-today-h200-2026-11-30" / "run-a" / "workloads-train.json",
-           HIL / "workloads-today-h200-2026-11-30" / "run-a" / "workloads-infer.json")
+           HIL / "workloads-today-h200-2026-11-30" / "run-a" / "workloads-infer.json",
+           # recorded after the rule was written, on loops it was not looked at for (check rows)
+           HIL / "snapshot-marks-h200-2026-12-01" / "check" / "workloads-check.json")
 
 
 def _load(folder: Path, snapshot: str, marks: bool):

@@ -94,13 +94,19 @@ def _marks_row(trace: Any, no_step_marks: bool) -> str | None:
     from ..trace.model import PlanEventKind
 
     if no_step_marks:
-        return "left out (--no-step-marks): a run without step plans, as GPUMEM_STEP_MARKS=off"
+        return "left out (--no-step-marks)"
     n = sum(1 for e in trace.plan_events if e.kind is PlanEventKind.MARK)
     if not trace.plan_events:
         return None
     where = ("read off the snapshot's optimizer steps, where gpumem.torch marks by default"
              if trace.source == "pytorch-snapshot" else "where gpumem.torch made them")
     return f"{n:,} step marks and {len(trace.plan_events) - n:,} warm-up switch(es), {where}"
+
+
+def _events_in(marks: str) -> str:
+    """The count of events a :func:`_marks_row` line names (marks and switches together)."""
+    words = marks.replace(",", "").split()
+    return f"{int(words[0]) + int(words[4]):,}"
 
 
 def _print_result(result: Any, summary: str | None, marks: str | None = None) -> None:
@@ -130,9 +136,11 @@ def _print_result(result: Any, summary: str | None, marks: str | None = None) ->
     if result.extra.get("gpu_stream_waits"):
         _row("stream waits", f"{result.extra['gpu_stream_waits']:,} cross-stream waits made (work queued after a "
                              "wait starts once the awaited stream's work before it is done)")
-    if marks is not None and (result.extra.get("n_plan_events") or marks.startswith("left out")):
-        _row("step marks", marks + ("" if marks.startswith("left out") else
-                                    f" ({result.extra['n_plan_events']:,} made)"))
+    if marks is not None:
+        made = result.extra.get("n_plan_events", 0)
+        _row("step marks", marks if marks.startswith("left out") else
+             marks + (" (not made: this policy has no step plans)" if not made else
+                      "" if f"{made:,}" == _events_in(marks) else f" ({made:,} made before the replay stopped)"))
     _row("time", f"{result.wall_s:.2f} s wall, {result.ns_per_op:,.0f} ns per op")
     if summary is not None:
         print(summary)

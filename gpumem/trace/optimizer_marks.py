@@ -15,12 +15,17 @@ Note [Step marks read off a snapshot's optimizer steps]
 
     A step GradScaler skips (inf or NaN gradients) has no range, but gpumem.torch marks it all the same, where
     the update would have ended; left out, the replay's plan misses every step after it (GPT-2 fp16 with
-    GradScaler, 16 of 40 steps skipped: 88.3 % predicted, 0.87 % live). So where ``Optimizer.zero_grad#``
-    ranges start at most once per step, an interval between two of them with no step and at least as many ops
-    as a stepped one less its update's is a skipped iteration (a shorter one, zero_grad called twice, is
-    none), its mark as many ops before the next ``zero_grad`` as every stepped iteration's stands, which must
-    be one number. The interval after the last ``zero_grad`` is not read (a loop that zeroes after its update
-    ends there; one that zeroes first may have skipped its last step: not made).
+    GradScaler, 16 of 40 steps skipped: 88.3 % predicted, 0.87 % live). So the ``Optimizer.zero_grad#`` ranges
+    delimit iterations, where no two step ends fall between two of them (a ``zero_grad`` inside a step, a
+    closure's, LBFGS's, delimits nothing). An interval between two with no step and at least half the
+    allocations of a stepped one less its update's is a skipped iteration (a shorter one, ``zero_grad`` called
+    twice, a short pass between, is none), its mark as many ops before the next ``zero_grad`` as every stepped
+    iteration's stands, which must be one number. Each END pairs with the START before it (the first with op 0
+    where the ops' ring began inside that step). The interval after the last ``zero_grad`` is not read (a loop
+    that zeroes after its update ends there; one that zeroes first may have skipped its last step: not made).
+    Where skipped steps may be but cannot be placed (ranges that do not pair, iterations that disagree on where
+    the mark stands), **no mark is made at all**: a plan that misses every skipped step predicts worse than
+    none.
 
     On eleven H200 programs recorded under both allocators (``reports/snapshot-step-marks.md``), every mark
     stood at the op where gpumem.torch made it but one skipped last step and a GAN's (below), and the replay
@@ -30,15 +35,17 @@ Note [Step marks read off a snapshot's optimizer steps]
     skipped steps whose iterations disagree on where their mark stands), no mark is made and a warning says
     why. **Marks made where gpumem.torch makes none**, which a snapshot cannot tell: two optimizers of one
     class (each range a mark, where gpumem.torch marks with the first: a GAN predicted 3.82 % for 1.05 % live),
-    a step inside a CUDA-graph capture, an evaluation pass that zeroes gradients and is as long as a step.
-    Not seen: a skipped step in a loop that never calls ``optimizer.zero_grad()``, and a skipped first step of
-    a loop that zeroes after its update. ``load_trace(..., step_marks=False)`` reads a trace without marks.
+    a step inside a CUDA-graph capture, a pass that zeroes gradients with no step and half an iteration's
+    allocations (read as a skipped step). Not seen: a skipped step in a loop that never calls
+    ``optimizer.zero_grad()``, the skipped first step of a loop that zeroes after its update, and steps run on a
+    thread other than the one that turned the history on (PyTorch records that thread's ranges only, unless
+    told otherwise). ``load_trace(..., step_marks=False)`` reads a trace without marks.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -55,6 +62,8 @@ OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
 ZERO_GRAD_PREFIX = "Optimizer.zero_grad#"
 _PREFIXES = (OPTIMIZER_STEP_PREFIX, ZERO_GRAD_PREFIX)
 _OFF = " (step_marks=False, gpumem replay --no-step-marks, reads the trace without them)"
+#: Devices an annotation may name (PyTorch's device indices are small; -1: no device).
+_MAX_DEVICE = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -62,8 +71,8 @@ class InferredMarks:
     """What a snapshot's annotations say of gpumem.torch's step marks (Note [Step marks read off a snapshot's
     optimizer steps]): the ``events`` to make (none when ``reason`` says why not), the optimizer class whose
     steps marked, how many step ends fell before the first op or after the last (not made: the annotations'
-    ring reaches further back than the ops', and a replay makes no event after its last op), and how many
-    steps GradScaler skipped (marked, placed by their iterations)."""
+    ring reaches further back than the ops', and a replay makes no event after its last op), and how many marks
+    stand for steps GradScaler skipped."""
 
     events: tuple[PlanEvent, ...] = ()
     optimizer: str | None = None
@@ -75,12 +84,14 @@ class InferredMarks:
 
 @dataclass
 class _Ranges:
-    """The optimizer ranges of one device, in time order: each step's START and END, each ``zero_grad``'s START,
-    with the optimizer's class."""
+    """The optimizer ranges of a device, each list in time order with the optimizer's class."""
 
-    step_starts: list[tuple[float, str]]
-    step_ends: list[tuple[float, str]]
-    zeros: list[tuple[float, str]]
+    step_starts: list[tuple[float, str]] = field(default_factory=list)
+    step_ends: list[tuple[float, str]] = field(default_factory=list)
+    zeros: list[tuple[float, str]] = field(default_factory=list)
+
+    def lists(self) -> tuple[list[tuple[float, str]], ...]:
+        return self.step_starts, self.step_ends, self.zeros
 
 
 def _finite(t: Any) -> bool:
@@ -92,17 +103,19 @@ def _finite(t: Any) -> bool:
         return False
 
 
-_KINDS = ((OPTIMIZER_STEP_PREFIX, "START", ".step", "step_starts"), (OPTIMIZER_STEP_PREFIX, "END", ".step", "step_ends"),
-          (ZERO_GRAD_PREFIX, "START", ".zero_grad", "zeros"))
+#: (name prefix, stage, class suffix, index into _Ranges.lists()) of the ranges read.
+_KINDS = ((OPTIMIZER_STEP_PREFIX, "START", ".step", 0), (OPTIMIZER_STEP_PREFIX, "END", ".step", 1),
+          (ZERO_GRAD_PREFIX, "START", ".zero_grad", 2))
 
 
-def _ranges(annotations: Any, device: int | None, where: str) -> dict[int, _Ranges]:
-    """The optimizer ranges of every device (``device`` None) or of one, by device."""
+def _ranges(annotations: Any, where: str) -> dict[int, _Ranges]:
+    """The optimizer ranges of the snapshot, by device."""
     if annotations is None:
         return {}
     if not isinstance(annotations, list):
-        raise TraceFormatError(where, f"external_annotations is a {type(annotations).__name__}, not a list")
+        raise TraceFormatError(where, f"external_annotations is a {type(annotations).__name__}, not a list{_OFF}")
     out: dict[int, _Ranges] = {}
+    classes: dict[str, str] = {}   # name -> class: one string per distinct name, however often a file repeats it
     for i, a in enumerate(annotations):
         if not isinstance(a, dict):
             raise TraceFormatError(where, f"external_annotations[{i}] is a {type(a).__name__}, not a dict{_OFF}")
@@ -112,83 +125,120 @@ def _ranges(annotations: Any, device: int | None, where: str) -> dict[int, _Rang
         stage, dev, t = a.get("stage"), a.get("device"), a.get("time_us")
         if not isinstance(stage, str):
             raise TraceFormatError(where, f"external_annotations[{i}] ({shorten(name, 60)}) has no string stage{_OFF}")
-        if isinstance(dev, bool) or not isinstance(dev, int):
-            raise TraceFormatError(where, f"external_annotations[{i}] ({shorten(name, 60)}) has no integer "
-                                          f"device{_OFF}")
+        if isinstance(dev, bool) or not isinstance(dev, int) or not -1 <= dev < _MAX_DEVICE:
+            raise TraceFormatError(where, f"external_annotations[{i}] ({shorten(name, 60)}) has no device in "
+                                          f"[-1, {_MAX_DEVICE}){_OFF}")
         if not _finite(t):
             raise TraceFormatError(where, f"external_annotations[{i}] ({shorten(name, 60)}) has no finite "
                                           f"time_us{_OFF}")
-        if device is not None and dev != device:
-            continue
-        for prefix, want, suffix, field_name in _KINDS:
+        for prefix, want, suffix, k in _KINDS:
             if name.startswith(prefix) and stage == want:
-                cls = name[len(prefix):]
-                cls = cls[:-len(suffix)] if cls.endswith(suffix) else cls
-                got = out.setdefault(dev, _Ranges([], [], []))
-                getattr(got, field_name).append((float(t), cls))
+                cls = classes.get(name)
+                if cls is None:
+                    cls = name[len(prefix):]
+                    cls = classes[name] = cls[:-len(suffix)] if cls.endswith(suffix) else cls
+                out.setdefault(dev, _Ranges()).lists()[k].append((float(t), cls))
     for got in out.values():
-        for lst in (got.step_starts, got.step_ends, got.zeros):
+        for lst in got.lists():
             lst.sort(key=lambda e: e[0])
     return out
 
 
-def _skipped_steps(r: _Ranges, cls: str, times: np.ndarray) -> tuple[list[int], str | None]:
+def _merged(by_device: dict[int, _Ranges]) -> _Ranges:
+    out = _Ranges()
+    for got in by_device.values():
+        for mine, theirs in zip(out.lists(), got.lists()):
+            mine.extend(theirs)
+    for lst in out.lists():
+        lst.sort(key=lambda e: e[0])
+    return out
+
+
+def _updates(starts_us: list[float], ends_us: list[float], t0_us: float) -> list[tuple[float, float]] | None:
+    """Each step's ``(start, end)``: an END paired with the last START before it and after the END before it, or
+    with ``t0_us`` for the first END when no START precedes it (the ops' ring began inside that step); a START
+    with no END after it (a snapshot taken mid-step) is left. None where they do not pair."""
+    out = []
+    j = 0
+    prev = -math.inf
+    for end in ends_us:
+        if out and end == prev:
+            continue   # one step's END twice (a file that repeats it): one step
+        start = None
+        while j < len(starts_us) and starts_us[j] < end:
+            if starts_us[j] >= prev:
+                start = starts_us[j]
+            j += 1
+        if start is None:
+            if out:
+                return None   # two ENDs with no START between
+            start = min(t0_us, end)
+        out.append((start, end))
+        prev = end
+    return out
+
+
+def _skipped_steps(r: _Ranges, cls: str, times: np.ndarray, kinds: np.ndarray) -> tuple[list[int], str | None]:
     """The ops of the marks gpumem.torch made for the steps GradScaler skipped (Note [Step marks read off a
-    snapshot's optimizer steps]), and why none can be read (None: all placed, or none skipped)."""
-    zeros_us = [t for t, c in r.zeros if c == cls]
-    ends_us = [t for t, _ in r.step_ends]
-    starts_us = [t for t, c in r.step_starts if c == cls]
-    if len(zeros_us) < 2 or not ends_us or len(starts_us) != len(ends_us):
+    snapshot's optimizer steps]), and why skipped steps could not be read where the ranges say there may be
+    some (None: read, or none)."""
+    updates = _updates([t for t, c in r.step_starts if c == cls], [t for t, _ in r.step_ends], float(times[0]))
+    if updates is None:
+        return [], "the optimizer step ranges' starts and ends do not pair"
+    # a zero_grad inside a step (a closure optimizer's, LBFGS) delimits no iteration
+    zeros_us = [t for t, c in r.zeros if c == cls and not any(s <= t <= e for s, e in updates)]
+    if len(zeros_us) < 2:
         return [], None
     z_us = np.asarray(zeros_us)
-    e_us = np.asarray(ends_us)
+    e_us = np.asarray([e for _, e in updates])   # one per step
     first_end = np.searchsorted(e_us, z_us, side="left")          # the first step ending after each zero_grad
     per_iteration = first_end[1:] - first_end[:-1]                  # steps ending in [zero_grad i, zero_grad i+1)
     if (per_iteration > 1).any() or not (per_iteration > 0).any():
-        return [], None   # zero_grad not once per step: what it delimits is not an iteration
+        return [], None   # no zero_grad between two steps: what it delimits is not an iteration
+    # lengths in allocations, which a ring that begins mid-iteration keeps (it drops frees of what it never saw)
+    allocs = np.concatenate(([0], np.cumsum(kinds == 0)))
     z_ops = np.searchsorted(times, z_us, side="right")
     e_ops = np.searchsorted(times, e_us, side="right")
-    s_ops = np.searchsorted(times, np.asarray(starts_us), side="right")
+    s_ops = np.searchsorted(times, np.asarray([s for s, _ in updates]), side="right")
     stepped = np.flatnonzero(per_iteration == 1)
     k = first_end[stepped]                                          # each stepped iteration's step
     gaps = set((z_ops[stepped + 1] - e_ops[k]).tolist())
-    # a skipped iteration is a stepped one short of its optimizer's ops; a step-less interval shorter than that
-    # (zero_grad called twice, an evaluation pass that zeroes) is no iteration
-    shortest = int(((z_ops[stepped + 1] - z_ops[stepped]) - (e_ops[k] - s_ops[k])).min())
-    lengths = z_ops[1:] - z_ops[:-1]
-    skipped = [int(i) for i in np.flatnonzero(per_iteration == 0) if lengths[i] >= shortest]
+    # a skipped iteration is a stepped one short of its update's allocations; an interval with less than half
+    # of that (zero_grad called twice, a short pass between) is no iteration
+    iteration = (allocs[z_ops[stepped + 1]] - allocs[z_ops[stepped]]) - (allocs[e_ops[k]] - allocs[s_ops[k]])
+    if int(iteration.min()) <= 0:
+        return [], None
+    lengths = allocs[z_ops[1:]] - allocs[z_ops[:-1]]
+    skipped = [int(i) for i in np.flatnonzero(per_iteration == 0) if 2 * lengths[i] >= int(iteration.min())]
     if not skipped:
         return [], None
     if len(gaps) != 1:
-        return [], (f"{len(skipped)} optimizer step(s) skipped (GradScaler) and the ops from a step's end to the "
-                    "next zero_grad differ from one iteration to the next, so where gpumem.torch marked the "
-                    "skipped ones is not in the snapshot")
+        return [], (f"{len(skipped)} iteration(s) with no optimizer step (GradScaler skipped it?), and the ops "
+                    "from a step's end to the next zero_grad differ from one iteration to the next, so where "
+                    "gpumem.torch marked them is not in the snapshot")
     gap = gaps.pop()
     placed = [int(z_ops[i + 1]) - gap for i in skipped]
     if any(op <= z_ops[i] for op, i in zip(placed, skipped)):
-        return [], ("a skipped optimizer step's mark would stand before its iteration's zero_grad: where "
+        return [], ("an iteration with no optimizer step would be marked before its zero_grad: where "
                     "gpumem.torch marked it is not in the snapshot")
     return placed, None
 
 
 def infer_step_marks(annotations: Any, device: int, times_us: np.ndarray, where: str = "<snapshot>", *,
-                     sole_device: bool = False) -> InferredMarks:
+                     sole_device: bool = False, kinds: np.ndarray | None = None) -> InferredMarks:
     """The step-plan events gpumem.torch would have made in a program whose snapshot has ``annotations``
     (its ``external_annotations``) and whose ops on ``device`` ran at ``times_us`` (Note [Step marks read off a
-    snapshot's optimizer steps]). ``sole_device``: ``device`` is the only one with ops, so optimizer ranges
-    recorded on one other device are its program's (PyTorch records a range on the thread's current device).
+    snapshot's optimizer steps]); ``kinds``, the ops' kinds (0 alloc, 1 free; default: all allocations), measure
+    its iterations. ``sole_device``: ``device`` is the only one with ops, so every optimizer range is its
+    program's, whatever device it was recorded on (PyTorch records a range on the thread's current device).
 
     Raises:
         TraceFormatError: the annotations are malformed (not a list of dicts, an optimizer range without a
             stage, a device or a finite time).
     """
-    by_device = _ranges(annotations, None, where)
-    r = by_device.get(device)
-    if (r is None or not r.step_ends) and sole_device:
-        others = [d for d, got in by_device.items() if got.step_ends]
-        if len(others) == 1:
-            r = by_device[others[0]]
-    if r is None or not r.step_ends:
+    by_device = _ranges(annotations, where)
+    r = _merged(by_device) if sole_device else by_device.get(device, _Ranges())
+    if not r.step_ends:
         elsewhere = sorted(d for d, got in by_device.items() if got.step_ends)
         return InferredMarks(reason=None if not elsewhere else
                              f"its optimizer steps are recorded on device(s) {elsewhere[:4]}, its ops on {device}")
@@ -200,22 +250,25 @@ def infer_step_marks(annotations: Any, device: int, times_us: np.ndarray, where:
     cls = classes[0]
     times = np.asarray(times_us, dtype=np.float64)
     n = len(times)
+    if n == 0:
+        return InferredMarks(optimizer=cls)
     if n > 1 and bool((np.diff(times) < 0).any()):
         return InferredMarks(optimizer=cls, reason="the ops' times go back (several threads): the op before an "
                                                    "optimizer step's end is not defined")
-    before = sum(1 for t, _ in r.step_ends if n and t < times[0])
-    ends = [(t, c) for t, c in r.step_ends if not (n and t < times[0])]
-    kept = _Ranges([(t, c) for t, c in r.step_starts if not (n and t < times[0])], ends,
-                   [(t, c) for t, c in r.zeros if not (n and t < times[0])])
-    skipped, why = _skipped_steps(kept, cls, times)
-    if why is not None:
-        return InferredMarks(optimizer=cls, reason=why)
+    t0 = times[0]
+    before = sum(1 for t, _ in r.step_ends if t < t0)
+    # what the annotations' ring kept from before the ops' first: not this trace's (a step that began before it
+    # and ended after keeps its END, paired from op 0)
+    kept = _Ranges(*([e for e in lst if e[0] >= t0] for lst in r.lists()))
+    ends = kept.step_ends
+    skipped, unread = _skipped_steps(kept, cls, times, np.zeros(n, np.int8) if kinds is None else np.asarray(kinds))
+    if unread is not None:   # a plan that misses every skipped step predicts worse than none: make none
+        return InferredMarks(optimizer=cls, reason=unread, n_before_first_op=before)
     at = np.searchsorted(times, [t for t, _ in ends], side="right")
     marks: dict[int, float] = {}
     for k, (t, _) in zip(at.tolist(), ends):
         marks.setdefault(int(k), t)
-    for k in skipped:
-        marks.setdefault(k, 0.0)
+    n_skipped = sum(1 for k in skipped if marks.setdefault(k, 0.0) == 0.0)
     events = [PlanEvent(0, PlanEventKind.WARMUP_START)]
     events += [PlanEvent(k, PlanEventKind.MARK, marks[k]) for k in sorted(marks) if k < n]
-    return InferredMarks(tuple(events), cls, None, before, sum(1 for k in marks if k >= n), len(skipped))
+    return InferredMarks(tuple(events), cls, None, before, int(np.count_nonzero(at >= n)), n_skipped)

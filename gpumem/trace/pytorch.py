@@ -279,9 +279,10 @@ def snapshot_to_trace(
     annotations = snapshot.get("external_annotations")
     if isinstance(annotations, list) and len(annotations) > max_entries:
         raise TraceFormatError(where, f"{len(annotations):,} external annotations, more than {max_entries:,} "
-                                      f"({binding}); raise the limit if the file is genuine")
-    marks = infer_step_marks(annotations, picked, trace.times_us, where,
-                             sole_device=n_devices_with_ops <= 1)
+                                      f"({binding}); raise the limit if the file is genuine, or read it without "
+                                      "them (step_marks=False, gpumem replay --no-step-marks)")
+    marks = infer_step_marks(annotations, picked, trace.times_us, where, sole_device=n_devices_with_ops <= 1,
+                             kinds=trace.kinds)
     if marks.reason is not None:
         log.warning("%s: no step marks read off its optimizer steps, so a replay under the gpumem policy predicts "
                     "a run without step plans: %s", where, marks.reason)

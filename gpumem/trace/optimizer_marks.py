@@ -10,8 +10,9 @@ Note [Step marks read off a snapshot's optimizer steps]
     one named ``Optimizer.step#<class>.step`` whose global post-hooks, gpumem.torch's mark among them, run just
     before the range ends. So a mark stands after the last op at or before each such range's END, and the
     warm-up begins at op 0: the optimizer is made before its first step, and what is allocated before it
-    (the weights) is made once. Step ends before the first op (the annotations' ring keeps as many entries as
-    the ops', so it reaches further back) or after the last make no mark; several at one op make one.
+    (the weights) is made once. Of the step ends before the first op (the annotations' ring keeps as many
+    entries as the ops', so it reaches further back), the last marks op 0; after the last op, none; several
+    ends at one op make one mark.
 
     A step GradScaler skips (inf or NaN gradients) has no range, but gpumem.torch marks it all the same, where
     the update would have ended; left out, the replay's plan misses every step after it (GPT-2 fp16 with
@@ -70,8 +71,9 @@ _MAX_DEVICE = 1 << 16
 class InferredMarks:
     """What a snapshot's annotations say of gpumem.torch's step marks (Note [Step marks read off a snapshot's
     optimizer steps]): the ``events`` to make (none when ``reason`` says why not), the optimizer class whose
-    steps marked, how many step ends fell before the first op or after the last (not made: the annotations'
-    ring reaches further back than the ops', and a replay makes no event after its last op), and how many marks
+    steps marked, how many step ends fell before the first op (but the last, which marks op 0) or after the
+    last op (not made: the annotations' ring reaches further back than the ops', and a replay makes no event
+    after its last op), and how many marks
     stand for steps GradScaler skipped."""
 
     events: tuple[PlanEvent, ...] = ()
@@ -266,9 +268,11 @@ def infer_step_marks(annotations: Any, device: int, times_us: np.ndarray, where:
         return InferredMarks(optimizer=cls, reason=unread, n_before_first_op=before)
     at = np.searchsorted(times, [t for t, _ in ends], side="right")
     marks: dict[int, float] = {}
+    if before:   # the last step that ended before the first op was marked there, before op 0
+        marks[0] = max(t for t, _ in r.step_ends if t < t0)
     for k, (t, _) in zip(at.tolist(), ends):
         marks.setdefault(int(k), t)
     n_skipped = sum(1 for k in skipped if marks.setdefault(k, 0.0) == 0.0)
     events = [PlanEvent(0, PlanEventKind.WARMUP_START)]
     events += [PlanEvent(k, PlanEventKind.MARK, marks[k]) for k in sorted(marks) if k < n]
-    return InferredMarks(tuple(events), cls, None, before, int(np.count_nonzero(at >= n)), n_skipped)
+    return InferredMarks(tuple(events), cls, None, max(0, before - 1), int(np.count_nonzero(at >= n)), n_skipped)

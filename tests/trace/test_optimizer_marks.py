@@ -81,8 +81,8 @@ def test_another_devices_steps_are_not_this_devices_marks() -> None:
 @given(st.lists(st.floats(0, 100, allow_nan=False), min_size=1, max_size=40),
        st.lists(st.floats(-5, 120, allow_nan=False), max_size=12))
 def test_each_mark_follows_exactly_the_ops_at_or_before_its_step(op_times: list[float], ends: list[float]) -> None:
-    """One mark at each op that follows a step's end (several ends there: one mark), none for an end before the
-    first op (the annotations' ring reaches further back than the ops') or after the last. Ranges that overlap
+    """One mark at each op that follows a step's end (several ends there: one mark); of the ends before the first
+    op (the annotations' ring reaches further back than the ops'), the last marks op 0; none after the last. Ranges that overlap
     (no program's) do not pair: no mark, and a reason (the test below)."""
     times = np.sort(np.asarray(op_times, dtype=np.float64))
     ends = sorted(set(ends))
@@ -92,9 +92,10 @@ def test_each_mark_follows_exactly_the_ops_at_or_before_its_step(op_times: list[
     got = infer_step_marks(ranges, 0, times)
     marks = [e.at_op for e in got.events if e.kind is PlanEventKind.MARK]
     inside = [t for t in ends if t >= times[0]]
-    want = sorted({int(np.count_nonzero(times <= t)) for t in inside} - {len(times)})
+    want = sorted({int(np.count_nonzero(times <= t)) for t in inside} - {len(times)}
+                  | ({0} if len(inside) < len(ends) else set()))   # the last end before the first op marks op 0
     assert marks == want
-    assert got.n_before_first_op == len(ends) - len(inside)
+    assert got.n_before_first_op == max(0, len(ends) - len(inside) - 1)
     assert got.n_after_last_op == sum(1 for t in inside if np.count_nonzero(times <= t) == len(times))
 
 

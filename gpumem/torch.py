@@ -669,7 +669,12 @@ def step_plan_info(device: "int | str | Any | None" = None) -> Any:
 #   optimizer still referenced stops marking after 16 steps of the real one (the plan forms that much
 #   later), a GAN's pair (one step each) or a critic stepping five or ten times per generator step never
 #   swaps (the first gap cannot tell a critic from a successor: hence a floor, not only the learnt gap).
-#   Held by weak reference: a collected marker hands over at once.
+#   And a marker that steps at least twice between two steps of another, RARER_GAPS (2) times in a row, hands
+#   over to that one: a WGAN whose critic stepped first marked five times per iteration (a critic's four
+#   steps alike, the fifth with the generator's update), the plan missed one step in five and served it beside
+#   the arena: 77.3 % above peak allocated live on the H200, where PyTorch's allocator held 16.6 %
+#   (reports/two-optimizers.md). The rarer optimizer's steps cut whole iterations. Held by weak reference: a
+#   collected marker hands over at once. The rule is MarkerRule's, which a snapshot's replay follows too.
 # * A step GradScaler skips (inf or NaN gradients: scaler.step(optimizer) does not call optimizer.step, so
 #   the hook does not run) is marked all the same: while marks are on, GradScaler.step is wrapped (the class's
 #   method, put back when marks go off) and marks as the hook would when the optimizer did not step inside it
@@ -701,13 +706,55 @@ def step_plan_info(device: "int | str | Any | None" = None) -> Any:
 HANDOVER_MIN_STEPS = 16
 
 
+#: Gaps in a row in which the marker stepped at least twice between two steps of one other optimizer that hand
+#: it the marks (Note [Automatic step marks]: a critic's five steps per generator step).
+RARER_GAPS = 2
+
+
+@dataclasses.dataclass
+class MarkerRule:
+    """Which optimizer's steps mark a device (Note [Automatic step marks]): :meth:`stepped` is told each step's
+    optimizer, by any key that compares equal for one optimizer, and says whether that step marks. Also how a
+    snapshot's replay follows it (Note [Two optimizers of one class] in :mod:`gpumem.trace.optimizer_marks`)."""
+
+    marker: Any = None    # the key of the optimizer whose steps mark
+    others: int = 0       # steps of other optimizers since the marker's last
+    others_max: int = 0   # the most such steps seen between two of the marker's
+    mine: int = 0         # the marker's steps since another optimizer's last (or since it began marking)
+    rarer: Any = None     # another optimizer that stepped after at least two of the marker's
+    rarer_gaps: int = 0   # ... that many times in a row
+
+    def stepped(self, key: Any) -> bool:
+        """Whether the step of the optimizer ``key`` marks, after the hand-over rules."""
+        if self.marker is not None and key == self.marker:
+            self.others_max, self.others = max(self.others_max, self.others), 0
+            self.mine += 1
+            return True
+        if self.marker is None:
+            self._hand_to(key)
+            return True
+        self.others += 1
+        gap, self.mine = self.mine, 0
+        if gap >= 2:
+            self.rarer_gaps = self.rarer_gaps + 1 if key == self.rarer else 1
+            self.rarer = key
+        else:
+            self.rarer, self.rarer_gaps = None, 0
+        if self.rarer_gaps >= RARER_GAPS or self.others >= max(HANDOVER_MIN_STEPS, 2 * self.others_max + 2):
+            self._hand_to(key)
+            return True
+        return False
+
+    def _hand_to(self, key: Any) -> None:
+        self.marker, self.others, self.others_max, self.mine, self.rarer, self.rarer_gaps = key, 0, 0, 1, None, 0
+
+
 @dataclasses.dataclass
 class _DeviceMarks:
-    """One device's marker (Note [Automatic step marks])."""
+    """One device's marker (Note [Automatic step marks]): a :class:`MarkerRule` over weak references to the
+    optimizers (equal while their optimizer lives)."""
 
-    marker: Any = None    # weakref.ref to the optimizer whose steps mark this device
-    others: int = 0       # steps of other optimizers on this device since the marker's last
-    others_max: int = 0   # the most such steps seen between two of the marker's
+    rule: MarkerRule = dataclasses.field(default_factory=MarkerRule)
     by_hand: bool = False  # step() was called for this device: the hook stands down here
 
 
@@ -828,22 +875,19 @@ class _AutoMarks:
                 dm = self.devices.setdefault(d, _DeviceMarks())
                 if dm.by_hand:
                     continue
-                owner = dm.marker() if dm.marker is not None else None
-                if owner is optimizer:
-                    dm.others_max, dm.others = max(dm.others_max, dm.others), 0
-                    out.append(d)
+                rule = dm.rule
+                if rule.marker is not None and rule.marker() is None:
+                    rule.marker = None   # a collected marker hands over at once
+                before, since = rule.marker, rule.others + 1
+                if not rule.stepped(weakref.ref(optimizer)):
                     continue
-                if owner is not None:
-                    dm.others += 1
-                    if dm.others < max(HANDOVER_MIN_STEPS, 2 * dm.others_max + 2):
-                        continue
-                    log.warning("gpumem.torch: %s (%#x) stepped %d times on cuda:%d with no step of the optimizer "
-                                "that marked it; its steps mark cuda:%d from now on", type(optimizer).__name__,
-                                id(optimizer), dm.others, d, d)
-                else:
+                if before is None:
                     log.info("gpumem.torch: the steps of %s (%#x) mark step plans on cuda:%d",
                              type(optimizer).__name__, id(optimizer), d)
-                dm.marker, dm.others, dm.others_max = weakref.ref(optimizer), 0, 0
+                elif rule.marker is not before:
+                    log.warning("gpumem.torch: %s (%#x) stepped %d time(s) since the last step of the optimizer "
+                                "that marked cuda:%d (it steps more rarely, or that one stopped); its steps mark "
+                                "cuda:%d from now on", type(optimizer).__name__, id(optimizer), since, d, d)
                 out.append(d)
         return tuple(out)
 

@@ -34,13 +34,29 @@ Note [Step marks read off a snapshot's optimizer steps]
     Where the annotations cannot say (steps of two optimizer classes: gpumem.torch marks with one optimizer
     per device by rules a snapshot cannot follow, as it names the class, not the object; op times that go back;
     skipped steps whose iterations disagree on where their mark stands), no mark is made and a warning says
-    why. **Marks made where gpumem.torch makes none**, which a snapshot cannot tell: two optimizers of one
-    class (each range a mark, where gpumem.torch marks with the first: a GAN predicted 3.82 % for 1.05 % live),
-    a step inside a CUDA-graph capture, a pass that zeroes gradients with no step and half an iteration's
-    allocations (read as a skipped step). Not seen: a skipped step in a loop that never calls
+    why. Two optimizers of one class are told apart by what their steps allocate (Note [Two optimizers of one
+    class]). **Marks made where gpumem.torch makes none**, which a snapshot cannot tell: two optimizers of one
+    class whose steps allocate alike (each range a mark), a step inside a CUDA-graph capture, a pass that zeroes
+    gradients with no step and half an iteration's allocations (read as a skipped step). Not seen: a skipped step in a loop that never calls
     ``optimizer.zero_grad()``, the skipped first step of a loop that zeroes after its update, and steps run on a
     thread other than the one that turned the history on (PyTorch records that thread's ranges only, unless
     told otherwise). ``load_trace(..., step_marks=False)`` reads a trace without marks.
+
+Note [Two optimizers of one class]
+    gpumem.torch marks a device with one optimizer's steps (:class:`gpumem.torch.MarkerRule`: the first to step,
+    handing over by its rules), and a snapshot names an optimizer's class, not the object: a GAN's two AdamW
+    were read as 48 marks where gpumem.torch made 24 (3.82 % predicted, 1.05 % live). But an optimizer's step
+    allocates what its own parameters' shapes ask (foreach temporaries, state made at the first step), so the
+    set of sizes a step range allocates names its optimizer: each set met in at least two ranges is one
+    optimizer, and the ranges are put through the same ``MarkerRule``. Only where that is unambiguous: every
+    range's set met twice or more (a first step that makes state with other sizes, as SGD's momentum, leaves
+    one met once: as before, each range a mark), at least two sets, and one of them stepping between two steps
+    of another (sets one after the other are one optimizer whose step changed, or a hand-over the floor
+    covers); not where the ops' ring cut a range, a step ended before the first op or GradScaler skipped one
+    (whose optimizer is not in the snapshot). Two optimizers whose steps allocate nothing or alike (SGD with
+    momentum after its first step) stay one: each range a mark, gpumem.torch's first optimizer marking alone.
+    Built on the GAN of ``reports/hil/snapshot-marks-h200-2026-12-01``; checked on three programs written after
+    it (``reports/two-optimizers.md``).
 """
 
 from __future__ import annotations
@@ -53,6 +69,7 @@ import numpy as np
 
 from ..errors import TraceFormatError
 from .limits import shorten
+from ..torch import MarkerRule
 from .model import PlanEvent, PlanEventKind
 
 __all__ = ["InferredMarks", "OPTIMIZER_STEP_PREFIX", "infer_step_marks"]
@@ -82,6 +99,9 @@ class InferredMarks:
     n_before_first_op: int = 0
     n_after_last_op: int = 0
     n_skipped: int = 0
+    n_optimizers: int = 1
+    """Optimizers of the class told apart by their steps' allocations (Note [Two optimizers of one class]); 1
+    where they are not."""
 
 
 @dataclass
@@ -226,8 +246,35 @@ def _skipped_steps(r: _Ranges, cls: str, times: np.ndarray, kinds: np.ndarray) -
     return placed, None
 
 
+def _optimizers(updates: list[tuple[float, float]], times: np.ndarray, kinds: np.ndarray,
+                nbytes: np.ndarray) -> list[int] | None:
+    """Which optimizer made each step range of one class (Note [Two optimizers of one class]): a label per range,
+    or None where they are not told apart (one optimizer as far as the ops say)."""
+    t0 = float(times[0])
+    sigs: list[frozenset[int] | None] = []
+    for s, e in updates:
+        if s <= t0:
+            sigs.append(None)   # a range the ops' ring cut (it keeps the newest ops): its allocations are not all here
+            continue
+        i, j = int(np.searchsorted(times, s, side="left")), int(np.searchsorted(times, e, side="right"))
+        sigs.append(frozenset(nbytes[i:j][kinds[i:j] == 0].tolist()))
+    count: dict[frozenset[int], int] = {}
+    for g in sigs:
+        if g is not None:
+            count[g] = count.get(g, 0) + 1
+    recurring = [g for g, c in count.items() if c >= 2]
+    if len(recurring) < 2 or any(g is None or count[g] < 2 for g in sigs):
+        return None
+    labels = [recurring.index(g) for g in sigs]   # type: ignore[arg-type]
+    runs = [lab for k, lab in enumerate(labels) if k == 0 or labels[k - 1] != lab]
+    if len(runs) == len(set(runs)):
+        return None   # one after the other, never between each other's steps: a changed step, or a hand-over
+    return labels
+
+
 def infer_step_marks(annotations: Any, device: int, times_us: np.ndarray, where: str = "<snapshot>", *,
-                     sole_device: bool = False, kinds: np.ndarray | None = None) -> InferredMarks:
+                     sole_device: bool = False, kinds: np.ndarray | None = None,
+                     nbytes: np.ndarray | None = None) -> InferredMarks:
     """The step-plan events gpumem.torch would have made in a program whose snapshot has ``annotations``
     (its ``external_annotations``) and whose ops on ``device`` ran at ``times_us`` (Note [Step marks read off a
     snapshot's optimizer steps]); ``kinds``, the ops' kinds (0 alloc, 1 free; default: all allocations), measure
@@ -263,9 +310,21 @@ def infer_step_marks(annotations: Any, device: int, times_us: np.ndarray, where:
     # and ended after keeps its END, paired from op 0)
     kept = _Ranges(*([e for e in lst if e[0] >= t0] for lst in r.lists()))
     ends = kept.step_ends
-    skipped, unread = _skipped_steps(kept, cls, times, np.zeros(n, np.int8) if kinds is None else np.asarray(kinds))
+    kinds = np.zeros(n, np.int8) if kinds is None else np.asarray(kinds)
+    skipped, unread = _skipped_steps(kept, cls, times, kinds)
     if unread is not None:   # a plan that misses every skipped step predicts worse than none: make none
         return InferredMarks(optimizer=cls, reason=unread, n_before_first_op=before)
+    n_optimizers = 1
+    if nbytes is not None and len(ends) > 1:   # Note [Two optimizers of one class]
+        updates = _updates([t for t, c in kept.step_starts if c == cls], [t for t, _ in ends], float(t0))
+        labels = None if updates is None else _optimizers(updates, times, kinds, np.asarray(nbytes))
+        if labels is not None and (before or skipped):
+            labels = None   # whose steps the ring's lost ends or the skipped ones were is not here
+        if labels is not None:
+            n_optimizers = len(set(labels))
+            rule = MarkerRule()
+            marking = {e: rule.stepped(lab) for (_, e), lab in zip(updates, labels)}
+            ends = [(t, c) for t, c in ends if marking.get(t, True)]
     at = np.searchsorted(times, [t for t, _ in ends], side="right")
     marks: dict[int, float] = {}
     if before:   # the last step that ended before the first op was marked there, before op 0
@@ -275,4 +334,5 @@ def infer_step_marks(annotations: Any, device: int, times_us: np.ndarray, where:
     n_skipped = sum(1 for k in skipped if marks.setdefault(k, 0.0) == 0.0)
     events = [PlanEvent(0, PlanEventKind.WARMUP_START)]
     events += [PlanEvent(k, PlanEventKind.MARK, marks[k]) for k in sorted(marks) if k < n]
-    return InferredMarks(tuple(events), cls, None, max(0, before - 1), int(np.count_nonzero(at >= n)), n_skipped)
+    return InferredMarks(tuple(events), cls, None, max(0, before - 1), int(np.count_nonzero(at >= n)), n_skipped,
+                         n_optimizers)

@@ -282,7 +282,7 @@ def snapshot_to_trace(
                                       f"({binding}); raise the limit if the file is genuine, or read it without "
                                       "them (step_marks=False, gpumem replay --no-step-marks)")
     marks = infer_step_marks(annotations, picked, trace.times_us, where, sole_device=n_devices_with_ops <= 1,
-                             kinds=trace.kinds)
+                             kinds=trace.kinds, nbytes=trace.nbytes)
     if marks.reason is not None:
         log.warning("%s: no step marks read off its optimizer steps, so a replay under the gpumem policy predicts "
                     "a run without step plans: %s", where, marks.reason)

@@ -237,8 +237,8 @@ def w_resnet50_train_accum(torch: Any, ctx: dict) -> tuple[str, Callable[[int], 
 
 def w_gan_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
     """A small GAN (MLP generator and discriminator, d 2048), one AdamW each, a discriminator then a generator
-    update per step: two optimizers of one class, which a snapshot cannot tell apart (Note [Step marks read off
-    a snapshot's optimizer steps]: each range is read as a mark, where gpumem.torch marks with the first)."""
+    update per step: two optimizers of one class, told apart in a snapshot by what their steps allocate (Note
+    [Two optimizers of one class] in gpumem/trace/optimizer_marks.py, built on this program)."""
     nn = torch.nn
     d = 2048
     gen = nn.Sequential(nn.Linear(256, d), nn.ReLU(), nn.Linear(d, d), nn.ReLU(), nn.Linear(d, 1024)).cuda()
@@ -265,6 +265,96 @@ def w_gan_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
         opt_g.step()
         return (loss_d.detach() + loss_g.detach()).float()
     return "GAN, MLP generator and discriminator (d 2048), two AdamW, batch 1024", step
+
+
+def w_wgan_critic_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    """A WGAN (conv critic, MLP-to-conv generator), one Adam each: five critic updates per generator update, the
+    critic's first (gpumem.torch's marker: the first optimizer to step; the generator's one step between two of
+    the critic's never hands the marks over). A check program for Note [Two optimizers of one class]."""
+    nn = torch.nn
+    gen = nn.Sequential(nn.Linear(128, 256 * 8 * 8), nn.Unflatten(1, (256, 8, 8)), nn.ReLU(),
+                        nn.ConvTranspose2d(256, 128, 4, 2, 1), nn.ReLU(), nn.ConvTranspose2d(128, 3, 4, 2, 1),
+                        nn.Tanh()).cuda()
+    critic = nn.Sequential(nn.Conv2d(3, 128, 4, 2, 1), nn.LeakyReLU(0.2), nn.Conv2d(128, 256, 4, 2, 1),
+                           nn.LeakyReLU(0.2), nn.Flatten(), nn.Linear(256 * 8 * 8, 1)).cuda()
+    opt_c = torch.optim.Adam(critic.parameters(), lr=1e-4, betas=(0.0, 0.9))
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-4, betas=(0.0, 0.9))
+
+    def step(i: int) -> Any:
+        g = _gen(torch, i)
+        for _ in range(5):
+            real = torch.randn((256, 3, 32, 32), device="cuda", generator=g)
+            z = torch.randn((256, 128), device="cuda", generator=g)
+            opt_c.zero_grad(set_to_none=True)
+            loss_c = critic(gen(z).detach()).mean() - critic(real).mean()
+            loss_c.backward()
+            opt_c.step()
+        opt_g.zero_grad(set_to_none=True)
+        loss_g = -critic(gen(torch.randn((256, 128), device="cuda", generator=g))).mean()
+        loss_g.backward()
+        opt_g.step()
+        return (loss_c.detach() + loss_g.detach()).float()
+    return "WGAN, conv critic and generator (32 px), two Adam, five critic updates per generator update", step
+
+
+def w_gan_gen_first_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    """A GAN (MLP, d 1536) whose generator updates first, with zero_grad after each update, two AdamW made in
+    the other order (the discriminator's first): gpumem.torch marks with the generator's, the first to step. A
+    check program for Note [Two optimizers of one class]."""
+    nn = torch.nn
+    d = 1536
+    gen = nn.Sequential(nn.Linear(128, d), nn.GELU(), nn.Linear(d, d), nn.GELU(), nn.Linear(d, 768)).cuda()
+    disc = nn.Sequential(nn.Linear(768, d), nn.GELU(), nn.Linear(d, 1)).cuda()
+    opt_d = torch.optim.AdamW(disc.parameters(), lr=2e-4)
+    opt_g = torch.optim.AdamW(gen.parameters(), lr=2e-4)
+    bce = nn.BCEWithLogitsLoss()
+
+    def step(i: int) -> Any:
+        g = _gen(torch, i)
+        real = torch.randn((2048, 768), device="cuda", generator=g)
+        fake = gen(torch.randn((2048, 128), device="cuda", generator=g))
+        loss_g = bce(disc(fake), torch.ones((2048, 1), device="cuda"))
+        loss_g.backward()
+        opt_g.step()
+        opt_g.zero_grad(set_to_none=True)
+        opt_d.zero_grad(set_to_none=True)   # the generator's loss left gradients in the discriminator
+        loss_d = bce(disc(real), torch.ones((2048, 1), device="cuda")) + bce(disc(fake.detach()),
+                                                                             torch.zeros((2048, 1), device="cuda"))
+        loss_d.backward()
+        opt_d.step()
+        opt_d.zero_grad(set_to_none=True)
+        return (loss_d.detach() + loss_g.detach()).float()
+    return "GAN, MLP (d 1536), generator updated first, two AdamW, batch 2048", step
+
+
+def w_gan_sgd_train(torch: Any, ctx: dict) -> tuple[str, Callable[[int], Any]]:
+    """The GAN of ``gan_train`` with SGD and momentum for both: after the first, whose momentum buffers it makes,
+    a step allocates nothing, so the two optimizers' steps look alike in a snapshot (Note [Two optimizers of one
+    class]: every range read as a mark). A check program for the limit."""
+    nn = torch.nn
+    d = 2048
+    gen = nn.Sequential(nn.Linear(256, d), nn.ReLU(), nn.Linear(d, d), nn.ReLU(), nn.Linear(d, 1024)).cuda()
+    disc = nn.Sequential(nn.Linear(1024, d), nn.LeakyReLU(0.2), nn.Linear(d, 1)).cuda()
+    opt_d = torch.optim.SGD(disc.parameters(), lr=1e-3, momentum=0.9)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=1e-3, momentum=0.9)
+    bce = nn.BCEWithLogitsLoss()
+
+    def step(i: int) -> Any:
+        g = _gen(torch, i)
+        real = torch.randn((1024, 1024), device="cuda", generator=g)
+        z = torch.randn((1024, 256), device="cuda", generator=g)
+        opt_d.zero_grad(set_to_none=True)
+        fake = gen(z)
+        loss_d = bce(disc(real), torch.ones((1024, 1), device="cuda")) + bce(disc(fake.detach()),
+                                                                             torch.zeros((1024, 1), device="cuda"))
+        loss_d.backward()
+        opt_d.step()
+        opt_g.zero_grad(set_to_none=True)
+        loss_g = bce(disc(fake), torch.ones((1024, 1), device="cuda"))
+        loss_g.backward()
+        opt_g.step()
+        return (loss_d.detach() + loss_g.detach()).float()
+    return "GAN, MLP (d 2048), two SGD with momentum, batch 1024", step
 
 
 #: Llama-style decoder lengths, one per step (variable sequence lengths, as in packed-free batches).
@@ -542,7 +632,8 @@ WORKLOADS: dict[str, Callable[[Any, dict], tuple[str, Callable[[int], Any]]]] = 
     "cudagraph_train": w_cudagraph_train, "llama_long_decode": w_llama_long_decode,
     "gpt2_train_fp16_scaler": w_gpt2_train_fp16_scaler, "llama7b_long_decode": w_llama7b_long_decode,
     "vit_train_fp16_scaler": w_vit_train_fp16_scaler, "resnet50_train_accum": w_resnet50_train_accum,
-    "gan_train": w_gan_train,
+    "gan_train": w_gan_train, "wgan_critic_train": w_wgan_critic_train, "gan_gen_first_train": w_gan_gen_first_train,
+    "gan_sgd_train": w_gan_sgd_train,
     # the attention the estimate models (SDPA keeps no score matrices; eager's prefill holds 512 MiB ones per layer)
     "llama7b_long_decode_sdpa": lambda torch, ctx: w_llama7b_long_decode(torch, ctx, "sdpa"),
 }

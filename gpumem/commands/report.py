@@ -72,7 +72,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                                 policies=_policies(args.policy), pressure=args.pressure,
                                 stop_on_oom=not args.keep_going, fit=not args.no_fit, samples=args.samples,
                                 trace_format=args.format, device_index=args.device_index,
-                                gpu_timing=args.gpu_timing,
+                                gpu_timing=args.gpu_timing, step_marks=not args.no_step_marks,
                                 fit_devices=() if args.no_fit else _fit_devices(args.fit_device))
     except InvalidArgumentError as exc:
         raise _UsageError(str(exc)) from None
@@ -126,9 +126,14 @@ def _command_line(args: argparse.Namespace, options: Any) -> str:
         words += ["--device", d]
     words += ["--policy", "all"] if args.policy in (None, ["all"]) else [w for p in options.policies
                                                                           for w in ("--policy", p)]
-    for flag, on in (("--keep-going", args.keep_going), ("--no-fit", args.no_fit)):
+    for flag, on in (("--keep-going", args.keep_going), ("--no-fit", args.no_fit),
+                     ("--no-step-marks", args.no_step_marks)):
         if on:
             words.append(flag)
+    for flag, value in (("--gpu-timing", args.gpu_timing), ("--format", args.format),
+                        ("--device-index", args.device_index)):
+        if value is not None:
+            words += [flag, str(value)]
     for d in args.fit_device or []:
         words += ["--fit-device", d]
     if args.pressure:
@@ -194,6 +199,9 @@ def register(sub: Any, formatter_class: type) -> None:
     p.add_argument("--force", action="store_true", help="replace DIR if it exists (once the new report is complete)")
     p.add_argument("--gpu-timing", choices=[t.value for t in GpuTiming], default=None,
                    help="how the program's GPU work runs beside each replay (as gpumem replay --gpu-timing)")
+    p.add_argument("--no-step-marks", action="store_true",
+                   help="read the trace without its step marks (as gpumem replay --no-step-marks): the gpumem "
+                        "policy then replays a run without step plans")
     p.add_argument("--json", action="store_true", help="print the files and the summary table as JSON")
     _add_verbose(p)
     p.set_defaults(func=cmd_report)

@@ -88,6 +88,9 @@ def register(sub: Any, formatter_class: Any) -> None:
                             "pip install 'gpumem[dask]'")
     p.add_argument("--gpu-timing", choices=[t.value for t in GpuTiming], default=None,
                    help="how the program's GPU work runs beside each replay (as gpumem replay --gpu-timing)")
+    p.add_argument("--no-step-marks", action="store_true",
+                   help="read the traces without their step marks (as gpumem replay --no-step-marks): the gpumem "
+                        "policy then replays runs without step plans")
     p.add_argument("--no-plots", action="store_true", help="write the table only")
     p.add_argument("--json", action="store_true", help="print {out, files, rows} as JSON instead of the table")
     _add_verbose(p)
@@ -163,7 +166,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         _check_traces(args.traces)
     try:
         check_out_dir(args.out, args.traces)
-        make_cases(args.traces, args.device, policies, args.limit or [None], args.gpu_timing)  # bad arguments: fail before any work
+        # bad arguments: fail before any work
+        make_cases(args.traces, args.device, policies, args.limit or [None], args.gpu_timing, not args.no_step_marks)
     except InvalidArgumentError as exc:
         raise _UsageError(str(exc)) from None
     client = executor = None
@@ -171,7 +175,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         client, executor = _dask_executor(args.scheduler)
     try:
         result = run_sweep(args.traces, args.device, policies, args.limit or [None], executor=executor, jobs=args.jobs,
-                           progress=not args.json, gpu_timing=args.gpu_timing)
+                           progress=not args.json, gpu_timing=args.gpu_timing, step_marks=not args.no_step_marks)
     finally:
         if client is not None:
             client.close()

@@ -78,6 +78,8 @@ class ReportOptions:
     device_index: int | None = None
     gpu_timing: str | None = None
     """How the program's GPU work runs beside each replay (:func:`gpumem.replay.replay`; None: the default)."""
+    step_marks: bool = True
+    """Read the trace's step marks (False: a run without step plans, as ``gpumem replay --no-step-marks``)."""
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -97,6 +99,8 @@ class ReportOptions:
                                            f"{', '.join(PRESET_NAMES)}")
         if self.samples < 10:
             raise InvalidArgumentError("samples must be at least 10")
+        if not isinstance(self.step_marks, bool):
+            raise InvalidArgumentError(f"step_marks must be True or False, got {type(self.step_marks).__name__}")
 
 
 @dataclass
@@ -193,7 +197,8 @@ def build_report(trace_path: str | os.PathLike[str], out_dir: str | os.PathLike[
         raise ReportExistsError(f"{out} exists; choose another folder or replace it (--force)")
     check_report_out(out, trace_path)
     figures.check_matplotlib()
-    trace = load_trace(trace_path, format=options.trace_format, device=options.device_index)
+    trace = load_trace(trace_path, format=options.trace_format, device=options.device_index,
+                       step_marks=options.step_marks)
     if trace.n_ops == 0:
         raise InvalidArgumentError(f"the trace {trace_path} has no allocations or frees: nothing to report")
     specs = [with_pressure(d, options.pressure) for d in options.devices]

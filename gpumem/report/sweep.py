@@ -106,6 +106,8 @@ class SweepCase:
     limit: str | None = None
     gpu_timing: str | None = None
     """How the program's GPU work runs beside the replay (None: the default of :func:`gpumem.replay.replay`)."""
+    step_marks: bool = True
+    """Read the trace's step marks (False: ``load_trace(..., step_marks=False)``, a run without step plans)."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,8 @@ class SweepRow:
     gpu_timing: str | None = None
     """How the program's GPU work ran beside the replay (the default differs per trace: ``gpu-clock`` for one
     that carries its GPU clock)."""
+    step_marks: bool = True
+    """Whether the trace's step marks were read (``gpumem sweep --no-step-marks``: not)."""
     error: str | None = None
     """``ErrorType: message`` for ``status == "error"``; the out-of-memory message for ``oom``."""
     wall_s: float | None = None
@@ -237,7 +241,8 @@ def _check_limit(limit: Any) -> str | None:
 
 
 def make_cases(traces: Sequence[Any], devices: Sequence[str], policies: Sequence[str],
-               limits: Sequence[Any] = (None,), gpu_timing: str | None = None) -> list[SweepCase]:
+               limits: Sequence[Any] = (None,), gpu_timing: str | None = None,
+               step_marks: bool = True) -> list[SweepCase]:
     """Check the arguments and return every combination as a :class:`SweepCase`, in table order.
 
     Raises :class:`SweepError` for an empty or repeated argument, a trace that is not a path, a malformed
@@ -279,15 +284,17 @@ def make_cases(traces: Sequence[Any], devices: Sequence[str], policies: Sequence
             gpu_timing = _check_timing(gpu_timing).value
         except InvalidArgumentError as exc:
             raise SweepError(str(exc)) from None
+    if not isinstance(step_marks, bool):
+        raise SweepError(f"step_marks must be True or False, got {type(step_marks).__name__}")
     cases = []
     for i, (t, d, p, lim) in enumerate(itertools.product(trace_list, device_list, policy_list, limit_list)):
-        cases.append(SweepCase(i, t, os.path.abspath(t), d, p, lim, gpu_timing))
+        cases.append(SweepCase(i, t, os.path.abspath(t), d, p, lim, gpu_timing, step_marks))
     return cases
 
 
 # -- one case, in a worker -------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=_TRACE_CACHE_SIZE)
-def _cached_trace(path: str, mtime_ns: int, size: int) -> Any:
+def _cached_trace(path: str, mtime_ns: int, size: int, step_marks: bool = True) -> Any:
     # Note [Per-worker trace cache]: a worker runs many cases of the same trace (a sweep is sorted by trace
     # first), and reading a snapshot costs more than replaying it; so each worker process keeps its last few
     # traces. The key holds the file's mtime and size, so an edited file is read again. This cache is the
@@ -295,12 +302,12 @@ def _cached_trace(path: str, mtime_ns: int, size: int) -> Any:
     # bounded (_TRACE_CACHE_SIZE traces); lru_cache guards it with its own lock.
     from ..trace import load_trace
 
-    return load_trace(path)
+    return load_trace(path, step_marks=step_marks)
 
 
-def _load_trace(path: str) -> Any:
+def _load_trace(path: str, step_marks: bool = True) -> Any:
     st = os.stat(path)
-    return _cached_trace(path, st.st_mtime_ns, st.st_size)
+    return _cached_trace(path, st.st_mtime_ns, st.st_size, step_marks)
 
 
 def _error_row(case: SweepCase, exc: BaseException | str) -> SweepRow:
@@ -308,7 +315,7 @@ def _error_row(case: SweepCase, exc: BaseException | str) -> SweepRow:
     # the worker's absolute path says where this machine keeps the file: the table shows the path as given
     text = text.replace(case.trace_path, case.trace)
     return SweepRow(case.index, case.trace, case.device, case.policy, case.limit, SweepStatus.ERROR.value, False,
-                    error=text[:2000])
+                    step_marks=case.step_marks, error=text[:2000])
 
 
 def run_case(case: SweepCase) -> SweepRow:
@@ -322,7 +329,7 @@ def run_case(case: SweepCase) -> SweepRow:
 
     limit_nbytes = None
     try:
-        trace = _load_trace(case.trace_path)
+        trace = _load_trace(case.trace_path, case.step_marks)
         if trace.n_ops == 0:
             return _error_row(case, "InvalidArgumentError: the trace has no allocations or frees")
         device = open_device(case.device)
@@ -350,7 +357,7 @@ def run_case(case: SweepCase) -> SweepRow:
         device_calls=result.stats.device_calls, cache_hits=result.stats.cache_hits,
         cache_misses=result.stats.cache_misses, sim_time_s=result.sim_time_s,
         engine=str(result.extra.get("engine", "")), gpu_timing=result.extra.get("gpu_timing"),
-        error=result.oom_message, wall_s=result.wall_s, ns_per_op=result.ns_per_op,
+        step_marks=case.step_marks, error=result.oom_message, wall_s=result.wall_s, ns_per_op=result.ns_per_op,
     )
 
 
@@ -431,7 +438,8 @@ def describe_executor(executor: Any) -> str:
 
 def run_sweep(traces: Sequence[Any], devices: Sequence[str], policies: Sequence[str],
               limits: Sequence[Any] = (None,), *, executor: Any = None, jobs: int | None = None,
-              progress: bool | None = True, gpu_timing: str | None = None) -> SweepResult:
+              progress: bool | None = True, gpu_timing: str | None = None,
+              step_marks: bool = True) -> SweepResult:
     """Replay every trace x device x policy x limit and return the tidy table (:class:`SweepResult`).
 
     ``traces`` are file paths (any format :func:`gpumem.trace.load_trace` reads); each worker loads them
@@ -445,7 +453,8 @@ def run_sweep(traces: Sequence[Any], devices: Sequence[str], policies: Sequence[
     cases) runs the cases and is shut down afterwards; ``jobs=1`` runs them in this process.
     ``progress``: a bar of finished cases, shown only when stderr is a terminal (False: never).
     ``gpu_timing``: how the program's GPU work runs beside each replay (``trace``, ``model``, ``idle``;
-    None: the default of :func:`gpumem.replay.replay`).
+    None: the default of :func:`gpumem.replay.replay`). ``step_marks=False``: the traces are read without
+    their step marks (:func:`gpumem.trace.load_trace`), so the ``gpumem`` policy replays a run without step plans.
 
     Raises :class:`SweepError` for bad arguments (nothing is run then); a case that fails is a row with
     ``status="error"`` (Note [Errors are rows]).
@@ -459,7 +468,7 @@ def run_sweep(traces: Sequence[Any], devices: Sequence[str], policies: Sequence[
     if executor is not None and not callable(getattr(executor, "submit", None)):
         raise SweepError(f"executor must have a submit(fn, *args) method (a concurrent.futures-style executor), "
                          f"got {type(executor).__name__}")
-    cases = make_cases(traces, devices, policies, limits, gpu_timing)
+    cases = make_cases(traces, devices, policies, limits, gpu_timing, step_marks)
     own = executor is None
     if own:
         n = min(jobs or os.cpu_count() or 1, len(cases))

@@ -669,8 +669,9 @@ def step_plan_info(device: "int | str | Any | None" = None) -> Any:
 #   optimizer still referenced stops marking after 16 steps of the real one (the plan forms that much
 #   later), a GAN's pair (one step each) or a critic stepping five or ten times per generator step never
 #   swaps (the first gap cannot tell a critic from a successor: hence a floor, not only the learnt gap).
-#   And a marker that steps at least twice between two steps of another, RARER_GAPS (2) times in a row, hands
-#   over to that one: a WGAN whose critic stepped first marked five times per iteration (a critic's four
+#   And a marker that steps 2 to HANDOVER_MIN_STEPS times between two steps of another, RARER_GAPS (2) times in
+#   a row, hands over to that one, which learns that gap as the most others' steps between its own (so the floor
+#   does not hand back; an auxiliary optimizer stepping once per hundred steps never takes over): a WGAN whose critic stepped first marked five times per iteration (a critic's four
 #   steps alike, the fifth with the generator's update), the plan missed one step in five and served it beside
 #   the arena: 77.3 % above peak allocated live on the H200, where PyTorch's allocator held 16.6 %
 #   (reports/two-optimizers.md). The rarer optimizer's steps cut whole iterations. Held by weak reference: a
@@ -706,8 +707,8 @@ def step_plan_info(device: "int | str | Any | None" = None) -> Any:
 HANDOVER_MIN_STEPS = 16
 
 
-#: Gaps in a row in which the marker stepped at least twice between two steps of one other optimizer that hand
-#: it the marks (Note [Automatic step marks]: a critic's five steps per generator step).
+#: Gaps in a row in which the marker stepped 2 to HANDOVER_MIN_STEPS times between two steps of one other optimizer
+#: that hand it the marks (Note [Automatic step marks]: a critic's five steps per generator step).
 RARER_GAPS = 2
 
 
@@ -731,28 +732,47 @@ class MarkerRule:
             self.mine += 1
             return True
         if self.marker is None:
-            self._hand_to(key)
+            self._hand_to(key, 0)
             return True
         self.others += 1
         gap, self.mine = self.mine, 0
-        if gap >= 2:
-            self.rarer_gaps = self.rarer_gaps + 1 if key == self.rarer else 1
+        if 2 <= gap <= HANDOVER_MIN_STEPS:   # a sub-iteration's steps between; not an auxiliary one's rare step
+            self.rarer_gaps = self.rarer_gaps + 1 if self.rarer is not None and key == self.rarer else 1
             self.rarer = key
         else:
             self.rarer, self.rarer_gaps = None, 0
-        if self.rarer_gaps >= RARER_GAPS or self.others >= max(HANDOVER_MIN_STEPS, 2 * self.others_max + 2):
-            self._hand_to(key)
+        if self.rarer_gaps >= RARER_GAPS:
+            self._hand_to(key, gap)   # the old marker steps about `gap` times between the new one's
+            return True
+        if self.others >= max(HANDOVER_MIN_STEPS, 2 * self.others_max + 2):
+            self._hand_to(key, 0)
             return True
         return False
 
-    def _hand_to(self, key: Any) -> None:
-        self.marker, self.others, self.others_max, self.mine, self.rarer, self.rarer_gaps = key, 0, 0, 1, None, 0
+    def _hand_to(self, key: Any, others_max: int) -> None:
+        self.marker, self.others, self.others_max, self.mine, self.rarer, self.rarer_gaps = key, 0, others_max, 1, \
+            None, 0
+
+
+class _OptimizerKey:
+    """An optimizer as :class:`MarkerRule` compares it: by identity, held weakly (an optimizer's own ``__eq__``
+    is never called; a collected one equals nothing)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, optimizer: Any) -> None:
+        self.ref = weakref.ref(optimizer)
+
+    def __eq__(self, other: object) -> bool:
+        mine = self.ref()
+        return isinstance(other, _OptimizerKey) and mine is not None and mine is other.ref()
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclasses.dataclass
 class _DeviceMarks:
-    """One device's marker (Note [Automatic step marks]): a :class:`MarkerRule` over weak references to the
-    optimizers (equal while their optimizer lives)."""
+    """One device's marker (Note [Automatic step marks]): a :class:`MarkerRule` over :class:`_OptimizerKey`."""
 
     rule: MarkerRule = dataclasses.field(default_factory=MarkerRule)
     by_hand: bool = False  # step() was called for this device: the hook stands down here
@@ -876,18 +896,22 @@ class _AutoMarks:
                 if dm.by_hand:
                     continue
                 rule = dm.rule
-                if rule.marker is not None and rule.marker() is None:
+                if rule.marker is not None and rule.marker.ref() is None:
                     rule.marker = None   # a collected marker hands over at once
-                before, since = rule.marker, rule.others + 1
-                if not rule.stepped(weakref.ref(optimizer)):
+                before, since, gap = rule.marker, rule.others + 1, rule.mine
+                if not rule.stepped(_OptimizerKey(optimizer)):
                     continue
                 if before is None:
                     log.info("gpumem.torch: the steps of %s (%#x) mark step plans on cuda:%d",
                              type(optimizer).__name__, id(optimizer), d)
+                elif rule.marker is not before and rule.others_max:
+                    log.info("gpumem.torch: %s (%#x) steps once per %d steps of the optimizer that marked cuda:%d; "
+                             "its steps, which cut whole iterations, mark cuda:%d from now on",
+                             type(optimizer).__name__, id(optimizer), gap, d, d)
                 elif rule.marker is not before:
-                    log.warning("gpumem.torch: %s (%#x) stepped %d time(s) since the last step of the optimizer "
-                                "that marked cuda:%d (it steps more rarely, or that one stopped); its steps mark "
-                                "cuda:%d from now on", type(optimizer).__name__, id(optimizer), since, d, d)
+                    log.warning("gpumem.torch: %s (%#x) stepped %d times with no step of the optimizer that marked "
+                                "cuda:%d; its steps mark cuda:%d from now on", type(optimizer).__name__,
+                                id(optimizer), since, d, d)
                 out.append(d)
         return tuple(out)
 

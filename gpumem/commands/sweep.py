@@ -192,7 +192,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                           "rows": [r.as_dict() for r in result.rows]}, indent=2))
     else:
         _print_table(result)
-        print(f"\n{len(result.rows)} cases on {result.executor}; table and figures in {args.out}")
+        what = "table" if args.no_plots else "table and figures"
+        print(f"\n{len(result.rows)} cases on {result.executor}; {what} in {args.out}")
     if result.n_errors:
         print(f"gpumem sweep: {result.n_errors} of {len(result.rows)} cases could not run; their rows say why "
               f"(sweep.csv, column error)", file=sys.stderr)

@@ -100,7 +100,7 @@ class ReportOptions:
         if self.samples < 10:
             raise InvalidArgumentError("samples must be at least 10")
         if not isinstance(self.step_marks, bool):
-            raise InvalidArgumentError(f"step_marks must be True or False, got {type(self.step_marks).__name__}")
+            raise InvalidArgumentError(f"step_marks must be True or False, got {self.step_marks!r}")
 
 
 @dataclass

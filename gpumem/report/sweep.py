@@ -109,6 +109,10 @@ class SweepCase:
     step_marks: bool = True
     """Read the trace's step marks (False: ``load_trace(..., step_marks=False)``, a run without step plans)."""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.step_marks, bool):
+            raise SweepError(f"step_marks must be True or False, got {self.step_marks!r}")
+
 
 @dataclass(frozen=True)
 class SweepRow:
@@ -160,6 +164,9 @@ class SweepRow:
 
 COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SweepRow))
 """The table's columns, in order."""
+_EARLIER_COLUMNS: tuple[tuple[str, ...], ...] = (tuple(c for c in COLUMNS if c != "step_marks"),)
+"""The columns of sweeps written by earlier versions, whose folders a sweep may replace (before 2026-12-01: no
+``step_marks``)."""
 
 
 @dataclass(frozen=True)
@@ -285,7 +292,7 @@ def make_cases(traces: Sequence[Any], devices: Sequence[str], policies: Sequence
         except InvalidArgumentError as exc:
             raise SweepError(str(exc)) from None
     if not isinstance(step_marks, bool):
-        raise SweepError(f"step_marks must be True or False, got {type(step_marks).__name__}")
+        raise SweepError(f"step_marks must be True or False, got {step_marks!r}")
     cases = []
     for i, (t, d, p, lim) in enumerate(itertools.product(trace_list, device_list, policy_list, limit_list)):
         cases.append(SweepCase(i, t, os.path.abspath(t), d, p, lim, gpu_timing, step_marks))
@@ -528,7 +535,7 @@ def _is_sweep_folder(out: Path) -> bool:
         data = json.loads((out / "sweep.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    if not isinstance(data, dict) or data.get("columns") != list(COLUMNS) \
+    if not isinstance(data, dict) or data.get("columns") not in [list(c) for c in (COLUMNS, *_EARLIER_COLUMNS)] \
             or not isinstance(data.get("rows"), list) or not isinstance(data.get("figures"), list) \
             or not {"traces", "devices", "policies", "limits", "executor"} <= set(data):
         return False

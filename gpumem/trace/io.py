@@ -28,7 +28,7 @@ import dataclasses
 import zlib
 from pathlib import Path
 
-from ..errors import GpumemError, TraceFormatError
+from ..errors import GpumemError, InvalidArgumentError, TraceFormatError
 from ._fileio import PathLike, check_exists, peek
 from .limits import TraceLimits, shorten
 from .model import Trace
@@ -122,12 +122,15 @@ def load_trace(path: PathLike, format: str | None = None, *, device: int | None 
     gpumem.torch trace recorded, and for a PyTorch snapshot those gpumem.torch would have made at its optimizer
     steps (Note [Step marks read off a snapshot's optimizer steps] in :mod:`gpumem.trace.optimizer_marks`);
     False leaves them out, so that a replay predicts a run without step plans (``GPUMEM_STEP_MARKS=off``).
-    Raises ``FileNotFoundError`` for a missing file and
+    Raises ``InvalidArgumentError`` for a ``step_marks`` that is not a bool, ``FileNotFoundError`` for a missing
+    file and
     ``TraceFormatError`` for something that is no regular file (a directory, a
     FIFO, a device, a symbolic link loop: checked with ``os.stat``, never opened),
     a forced format that the content's signature contradicts, an unknown format,
     unreadable content, an exceeded limit, or a trace with no allocations.
     """
+    if not isinstance(step_marks, bool):
+        raise InvalidArgumentError(f"load_trace: step_marks must be True or False, got {shorten(step_marks, 40)}")
     p = check_exists(path)
     if format is None:
         fmt = detect_format(p)

@@ -46,17 +46,20 @@ Note [Two optimizers of one class]
     gpumem.torch marks a device with one optimizer's steps (:class:`gpumem.torch.MarkerRule`: the first to step,
     handing over by its rules), and a snapshot names an optimizer's class, not the object: a GAN's two AdamW
     were read as 48 marks where gpumem.torch made 24 (3.82 % predicted, 1.05 % live). But an optimizer's step
-    allocates what its own parameters' shapes ask (foreach temporaries, state made at the first step), so the
-    set of sizes a step range allocates names its optimizer: each set met in at least two ranges is one
-    optimizer, and the ranges are put through the same ``MarkerRule``. Only where that is unambiguous: every
-    range's set met twice or more (a first step that makes state with other sizes, as SGD's momentum, leaves
-    one met once: as before, each range a mark), at least two sets, and one of them stepping between two steps
-    of another (sets one after the other are one optimizer whose step changed, or a hand-over the floor
-    covers); not where the ops' ring cut a range, a step ended before the first op or GradScaler skipped one
-    (whose optimizer is not in the snapshot). Two optimizers whose steps allocate nothing or alike (SGD with
-    momentum after its first step) stay one: each range a mark, gpumem.torch's first optimizer marking alone.
-    Built on the GAN of ``reports/hil/snapshot-marks-h200-2026-12-01``; checked on three programs written after
-    it (``reports/two-optimizers.md``).
+    allocates what its own parameters' shapes ask (foreach temporaries, state made at its first step), so the
+    set of sizes a step range allocates names its optimizer, and the ranges go through the same ``MarkerRule``.
+    The evidence must hold three ways, since one optimizer's steps can vary too (a preconditioner refreshed
+    every tenth step, parameters unfrozen and frozen again: attacker 43): each set met in two ranges or more
+    (a first step with other sizes, SGD's momentum, leaves one met once), each between two ranges of another
+    set at least once (sets one after the other are one optimizer whose step changed, or a hand-over the floor
+    covers), and each set's first range making state, an allocation live to the trace's end (a refresh step
+    after the first makes none). Else, as before, each range a mark; also where the ops' ring cut a range, a
+    step ended before the first op or GradScaler skipped one (whose optimizer is not in the snapshot). Still
+    misread: one optimizer whose steps alternate between two sets each met first with new state (heads of a
+    multi-task model stepped on alternate steps): read as two. Two optimizers whose steps allocate alike or
+    nothing (two SGD with momentum after their first steps) are read as one: each range a mark. Built on the
+    GAN of ``reports/hil/snapshot-marks-h200-2026-12-01``; checked on three programs written after it
+    (``reports/two-optimizers.md``).
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TraceFormatError
+from ..errors import InvalidArgumentError, TraceFormatError
 from .limits import shorten
 from ..torch import MarkerRule
 from .model import PlanEvent, PlanEventKind
@@ -246,35 +249,50 @@ def _skipped_steps(r: _Ranges, cls: str, times: np.ndarray, kinds: np.ndarray) -
     return placed, None
 
 
-def _optimizers(updates: list[tuple[float, float]], times: np.ndarray, kinds: np.ndarray,
-                nbytes: np.ndarray) -> list[int] | None:
+def _kept_to_end(kinds: np.ndarray, alloc_ids: np.ndarray) -> np.ndarray:
+    """Per op, whether it is an allocation the trace never frees (live at its end: an optimizer's state)."""
+    freed = np.unique(alloc_ids[kinds == 1])
+    return (kinds == 0) & ~np.isin(alloc_ids, freed)
+
+
+def _optimizers(updates: list[tuple[float, float]], times: np.ndarray, kinds: np.ndarray, nbytes: np.ndarray,
+                kept: np.ndarray) -> list[int] | None:
     """Which optimizer made each step range of one class (Note [Two optimizers of one class]): a label per range,
-    or None where they are not told apart (one optimizer as far as the ops say)."""
+    or None where they are not told apart (one optimizer as far as the ops say). ``kept``: per op, an allocation
+    still live at the trace's end."""
     t0 = float(times[0])
     sigs: list[frozenset[int] | None] = []
+    makes_state: list[bool] = []
     for s, e in updates:
         if s <= t0:
             sigs.append(None)   # a range the ops' ring cut (it keeps the newest ops): its allocations are not all here
+            makes_state.append(False)
             continue
         i, j = int(np.searchsorted(times, s, side="left")), int(np.searchsorted(times, e, side="right"))
         sigs.append(frozenset(nbytes[i:j][kinds[i:j] == 0].tolist()))
+        makes_state.append(bool(kept[i:j].any()))
     count: dict[frozenset[int], int] = {}
     for g in sigs:
         if g is not None:
             count[g] = count.get(g, 0) + 1
-    recurring = [g for g, c in count.items() if c >= 2]
-    if len(recurring) < 2 or any(g is None or count[g] < 2 for g in sigs):
+    index = {g: k for k, g in enumerate(g for g, c in count.items() if c >= 2)}
+    if len(index) < 2 or any(g is None or g not in index for g in sigs):
         return None
-    labels = [recurring.index(g) for g in sigs]   # type: ignore[arg-type]
-    runs = [lab for k, lab in enumerate(labels) if k == 0 or labels[k - 1] != lab]
-    if len(runs) == len(set(runs)):
-        return None   # one after the other, never between each other's steps: a changed step, or a hand-over
+    labels = [index[g] for g in sigs]   # type: ignore[index]
+    runs: dict[int, int] = {}
+    first: dict[int, int] = {}
+    for k, lab in enumerate(labels):
+        first.setdefault(lab, k)
+        if k == 0 or labels[k - 1] != lab:
+            runs[lab] = runs.get(lab, 0) + 1
+    if min(runs.values()) < 2 or not all(makes_state[k] for k in first.values()):
+        return None   # not each between two of another's steps, or a first step that makes no state: one optimizer
     return labels
 
 
 def infer_step_marks(annotations: Any, device: int, times_us: np.ndarray, where: str = "<snapshot>", *,
                      sole_device: bool = False, kinds: np.ndarray | None = None,
-                     nbytes: np.ndarray | None = None) -> InferredMarks:
+                     nbytes: np.ndarray | None = None, alloc_ids: np.ndarray | None = None) -> InferredMarks:
     """The step-plan events gpumem.torch would have made in a program whose snapshot has ``annotations``
     (its ``external_annotations``) and whose ops on ``device`` ran at ``times_us`` (Note [Step marks read off a
     snapshot's optimizer steps]); ``kinds``, the ops' kinds (0 alloc, 1 free; default: all allocations), measure
@@ -315,9 +333,13 @@ def infer_step_marks(annotations: Any, device: int, times_us: np.ndarray, where:
     if unread is not None:   # a plan that misses every skipped step predicts worse than none: make none
         return InferredMarks(optimizer=cls, reason=unread, n_before_first_op=before)
     n_optimizers = 1
-    if nbytes is not None and len(ends) > 1:   # Note [Two optimizers of one class]
+    if nbytes is not None and alloc_ids is not None and len(ends) > 1:   # Note [Two optimizers of one class]
+        nbytes, ids = np.asarray(nbytes), np.asarray(alloc_ids)
+        if nbytes.shape != (n,) or ids.shape != (n,):
+            raise InvalidArgumentError(f"infer_step_marks: nbytes and alloc_ids must hold one entry per op ({n}), "
+                                       f"got {nbytes.shape} and {ids.shape}")
         updates = _updates([t for t, c in kept.step_starts if c == cls], [t for t, _ in ends], float(t0))
-        labels = None if updates is None else _optimizers(updates, times, kinds, np.asarray(nbytes))
+        labels = None if updates is None else _optimizers(updates, times, kinds, nbytes, _kept_to_end(kinds, ids))
         if labels is not None and (before or skipped):
             labels = None   # whose steps the ring's lost ends or the skipped ones were is not here
         if labels is not None:

@@ -282,16 +282,18 @@ def snapshot_to_trace(
                                       f"({binding}); raise the limit if the file is genuine, or read it without "
                                       "them (step_marks=False, gpumem replay --no-step-marks)")
     marks = infer_step_marks(annotations, picked, trace.times_us, where, sole_device=n_devices_with_ops <= 1,
-                             kinds=trace.kinds, nbytes=trace.nbytes)
+                             kinds=trace.kinds, nbytes=trace.nbytes, alloc_ids=trace.alloc_ids)
     if marks.reason is not None:
         log.warning("%s: no step marks read off its optimizer steps, so a replay under the gpumem policy predicts "
                     "a run without step plans: %s", where, marks.reason)
     if not marks.events:
         return trace
-    log.info("%s: %d step mark(s) read off the optimizer steps of %s (gpumem.torch's automatic marks; %d of them "
-             "for steps GradScaler skipped; %d step end(s) before the first op, %d after the last, not made), the "
-             "memory-first warm-up begun at op 0", where, len(marks.events) - 1, shorten(marks.optimizer, 60),
-             marks.n_skipped, marks.n_before_first_op, marks.n_after_last_op)
+    log.info("%s: %d step mark(s) read off the optimizer steps of %s (gpumem.torch's automatic marks; %s; %d of "
+             "them for steps GradScaler skipped; %d step end(s) before the first op, %d after the last, not made), "
+             "the memory-first warm-up begun at op 0", where, len(marks.events) - 1, shorten(marks.optimizer, 60),
+             "one optimizer as far as its steps' allocations tell" if marks.n_optimizers == 1 else
+             f"{marks.n_optimizers} optimizers of the class told apart by their steps' allocations, the marker's "
+             "steps marked", marks.n_skipped, marks.n_before_first_op, marks.n_after_last_op)
     return dataclasses.replace(trace, plan_events=marks.events)
 
 

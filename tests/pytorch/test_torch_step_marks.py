@@ -254,13 +254,40 @@ def test_a_critic_that_stepped_first_hands_the_marks_to_the_rarer_generator(fake
     alloc, marked = glued
     gt.configure(step_marks="optimizer")
     loop, gen, critic = TrainLoop(alloc), FakeOptimizer(fake_torch), FakeOptimizer(fake_torch)
-    with caplog.at_level(logging.WARNING, logger="gpumem.torch"):
+    with caplog.at_level(logging.INFO, logger="gpumem.torch"):
         for _ in range(4):
             for _ in range(5):
                 critic.step()
             loop.train_step(gen)
     assert len(marked) == 10 + 3   # the critic's ten, then the generator's from its second step on
-    assert "its steps mark cuda:0 from now on" in caplog.text
+    assert "steps once per 5 steps of the optimizer that marked cuda:0" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+class _RaisesOnEq(FakeOptimizer):
+    def __eq__(self, other):
+        raise TypeError("an optimizer whose == raises")
+
+    __hash__ = FakeOptimizer.__hash__
+
+
+class _AlwaysEqual(FakeOptimizer):
+    def __eq__(self, other):
+        return True
+
+    __hash__ = FakeOptimizer.__hash__
+
+
+@pytest.mark.parametrize("cls", [_RaisesOnEq, _AlwaysEqual])
+def test_optimizers_are_compared_by_identity_never_by_their_eq(fake_torch, glued, cls):
+    """Attacker 43: the marker rule compared weak references, which call the optimizers' own ``__eq__``: one
+    that raised failed the user's step(), one always equal merged a GAN's two optimizers."""
+    alloc, marked = glued
+    gt.configure(step_marks="optimizer")
+    loop, first, second = TrainLoop(alloc), cls(fake_torch), cls(fake_torch)
+    for _ in range(5):
+        loop.train_step(first, second)
+    assert len(marked) == 5
 
 
 def test_each_device_has_its_own_marker(fake_torch, glued):

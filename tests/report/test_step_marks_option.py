@@ -43,3 +43,25 @@ def test_cli_report_no_step_marks(tmp_path: Path, capsys: pytest.CaptureFixture[
         got[bool(flag)] = row["overhead"]
         assert ("--no-step-marks" in (out / "index.html").read_text()) == bool(flag)
     assert got[False] == pytest.approx(0.0662, abs=5e-4) and got[True] == pytest.approx(0.0925, abs=5e-4)
+
+
+def test_a_sweep_case_refuses_a_step_marks_that_is_not_a_bool() -> None:
+    """Attacker 43: ``SweepCase(step_marks="no")`` ran with the marks and wrote "no" in its row."""
+    from gpumem.report.sweep import SweepCase
+
+    with pytest.raises(SweepError, match="step_marks must be True or False"):
+        SweepCase(0, "t", "/t", "sim:h200-141gb", "gpumem", step_marks="no")  # type: ignore[arg-type]
+
+
+def test_a_sweep_folder_written_before_the_step_marks_column_is_replaced(tmp_path: Path) -> None:
+    """Attacker 43: a folder an earlier version wrote (no ``step_marks`` column) was refused as not a sweep's."""
+    from gpumem.report.sweep import COLUMNS, write_sweep
+
+    out = tmp_path / "sweep"
+    result = run_sweep([str(SNAP)], ["sim:h200-141gb"], ["pytorch"], jobs=1, progress=False)
+    write_sweep(result, out, plots=False)
+    data = json.loads((out / "sweep.json").read_text())
+    data["columns"] = [c for c in COLUMNS if c != "step_marks"]
+    (out / "sweep.json").write_text(json.dumps(data))
+    write_sweep(result, out, plots=False)
+    assert json.loads((out / "sweep.json").read_text())["columns"] == list(COLUMNS)

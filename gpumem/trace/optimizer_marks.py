@@ -72,7 +72,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError, TraceFormatError
 from .limits import shorten
-from ..torch import MarkerRule
+from ..marker_rule import MarkerRule
 from .model import PlanEvent, PlanEventKind
 
 __all__ = ["InferredMarks", "OPTIMIZER_STEP_PREFIX", "infer_step_marks"]

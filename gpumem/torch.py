@@ -672,10 +672,10 @@ def step_plan_info(device: "int | str | Any | None" = None) -> Any:
 #   swaps (the first gap cannot tell a critic from a successor: hence a floor, not only the learnt gap).
 #   And a marker that steps 2 to HANDOVER_MIN_STEPS times between two steps of another, RARER_GAPS (2) times in
 #   a row, hands over to that one, which learns that gap as the most others' steps between its own (so the floor
-#   does not hand back; an auxiliary optimizer stepping once per hundred steps never takes over): a WGAN whose critic stepped first marked five times per iteration (a critic's four
-#   steps alike, the fifth with the generator's update), the plan missed one step in five and served it beside
-#   the arena: 77.3 % above peak allocated live on the H200, where PyTorch's allocator held 16.6 %
-#   (reports/two-optimizers.md). The rarer optimizer's steps cut whole iterations. Held by weak reference: a
+#   does not hand back; an auxiliary optimizer stepping once per hundred steps never takes over): a WGAN whose
+#   critic stepped first marked five times per iteration (a critic's four steps alike, the fifth with the
+#   generator's update), the plan missed one step in five and served it beside the arena: 77.3 % above peak
+#   allocated live on the H200, where PyTorch's allocator held 16.6 % (reports/two-optimizers.md). The rarer optimizer's steps cut whole iterations. Held by weak reference: a
 #   collected marker hands over at once. The rule is MarkerRule's, which a snapshot's replay follows too.
 # * A step GradScaler skips (inf or NaN gradients: scaler.step(optimizer) does not call optimizer.step, so
 #   the hook does not run) is marked all the same: while marks are on, GradScaler.step is wrapped (the class's

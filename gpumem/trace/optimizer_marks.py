@@ -52,13 +52,17 @@ Note [Two optimizers of one class]
     every tenth step, parameters unfrozen and frozen again: attacker 43): each set met in two ranges or more
     (a first step with other sizes, SGD's momentum, leaves one met once), each between two ranges of another
     set at least once (sets one after the other are one optimizer whose step changed, or a hand-over the floor
-    covers), and each set's first range making state, an allocation live to the trace's end (a refresh step
-    after the first makes none). Else, as before, each range a mark; also where the ops' ring cut a range, a
-    step ended before the first op or GradScaler skipped one (whose optimizer is not in the snapshot). Still
-    misread: one optimizer whose steps alternate between two sets each met first with new state (heads of a
-    multi-task model stepped on alternate steps): read as two. Two optimizers whose steps allocate alike or
-    nothing (two SGD with momentum after their first steps) are read as one: each range a mark. Built on the
-    GAN of ``reports/hil/snapshot-marks-h200-2026-12-01``; checked on three programs written after it
+    covers), and each set either making state in its first range (an allocation outliving the set's next range:
+    a refresh step's temporaries do not) or neither holding nor held by another set (a refresh step allocates
+    what every step does, and more). The second way is what a history turned on after the first steps, a run
+    resumed from a checkpoint, or a snapshot dumped after the optimizers were deleted leaves (re-check 43);
+    at most eight sets are judged by it. Else, as before, each range a mark; also where the ops' ring cut a
+    range, a step ended before the first op or GradScaler skipped one (whose optimizer is not in the snapshot).
+    Still misread as two: one optimizer whose steps alternate between sets that each make state first or
+    neither hold the other (heads of a multi-task model stepped on alternate steps, ``a5 b5`` repeated, a
+    lazily made refresh state). Two optimizers whose steps allocate alike or nothing (two SGD with momentum
+    after their first steps) are read as one: each range a mark. Built on the GAN of
+    ``reports/hil/snapshot-marks-h200-2026-12-01``; checked on three programs written after it
     (``reports/two-optimizers.md``).
 """
 
@@ -83,6 +87,9 @@ OPTIMIZER_STEP_PREFIX = "Optimizer.step#"
 ZERO_GRAD_PREFIX = "Optimizer.zero_grad#"
 _PREFIXES = (OPTIMIZER_STEP_PREFIX, ZERO_GRAD_PREFIX)
 _OFF = " (step_marks=False, gpumem replay --no-step-marks, reads the trace without them)"
+#: The most step sets made without state that are still told apart by their sizes alone (Note [Two optimizers of
+#: one class]); each is compared with every other set.
+_MAX_STATELESS_SETS = 8
 #: Devices an annotation may name (PyTorch's device indices are small; -1: no device).
 _MAX_DEVICE = 1 << 16
 
@@ -249,28 +256,36 @@ def _skipped_steps(r: _Ranges, cls: str, times: np.ndarray, kinds: np.ndarray) -
     return placed, None
 
 
-def _kept_to_end(kinds: np.ndarray, alloc_ids: np.ndarray) -> np.ndarray:
-    """Per op, whether it is an allocation the trace never frees (live at its end: an optimizer's state)."""
-    freed = np.unique(alloc_ids[kinds == 1])
-    return (kinds == 0) & ~np.isin(alloc_ids, freed)
+def _freed_at(kinds: np.ndarray, alloc_ids: np.ndarray) -> np.ndarray:
+    """Per op, the index of the op that frees its allocation (``len(kinds)`` where the trace never frees it; for a
+    free, its own index)."""
+    n = len(kinds)
+    out = np.full(n, n, dtype=np.int64)
+    frees = np.flatnonzero(kinds == 1)
+    if len(alloc_ids) and int(alloc_ids.min()) >= 0:
+        at = np.full(int(alloc_ids.max()) + 1, n, dtype=np.int64)
+        at[alloc_ids[frees]] = frees
+        out = at[alloc_ids]
+    else:   # ids not dense and non-negative (never from build_trace): a dict
+        at_d = {int(alloc_ids[k]): int(k) for k in frees}
+        out = np.fromiter((at_d.get(int(a), n) for a in alloc_ids), dtype=np.int64, count=n)
+    out[frees] = frees
+    return out
 
 
 def _optimizers(updates: list[tuple[float, float]], times: np.ndarray, kinds: np.ndarray, nbytes: np.ndarray,
-                kept: np.ndarray) -> list[int] | None:
+                freed_at: np.ndarray) -> list[int] | None:
     """Which optimizer made each step range of one class (Note [Two optimizers of one class]): a label per range,
-    or None where they are not told apart (one optimizer as far as the ops say). ``kept``: per op, an allocation
-    still live at the trace's end."""
+    or None where they are not told apart (one optimizer as far as the ops say). ``freed_at``: per op, the op
+    that frees its allocation (:func:`_freed_at`)."""
     t0 = float(times[0])
     sigs: list[frozenset[int] | None] = []
-    makes_state: list[bool] = []
+    spans: list[tuple[int, int]] = []
     for s, e in updates:
-        if s <= t0:
-            sigs.append(None)   # a range the ops' ring cut (it keeps the newest ops): its allocations are not all here
-            makes_state.append(False)
-            continue
         i, j = int(np.searchsorted(times, s, side="left")), int(np.searchsorted(times, e, side="right"))
-        sigs.append(frozenset(nbytes[i:j][kinds[i:j] == 0].tolist()))
-        makes_state.append(bool(kept[i:j].any()))
+        spans.append((i, j))
+        # a range the ops' ring cut (it keeps the newest ops): its allocations are not all here
+        sigs.append(None if s <= t0 else frozenset(nbytes[i:j][kinds[i:j] == 0].tolist()))
     count: dict[frozenset[int], int] = {}
     for g in sigs:
         if g is not None:
@@ -280,13 +295,25 @@ def _optimizers(updates: list[tuple[float, float]], times: np.ndarray, kinds: np
         return None
     labels = [index[g] for g in sigs]   # type: ignore[index]
     runs: dict[int, int] = {}
-    first: dict[int, int] = {}
+    met: dict[int, list[int]] = {}
     for k, lab in enumerate(labels):
-        first.setdefault(lab, k)
+        met.setdefault(lab, []).append(k)
         if k == 0 or labels[k - 1] != lab:
             runs[lab] = runs.get(lab, 0) + 1
-    if min(runs.values()) < 2 or not all(makes_state[k] for k in first.values()):
-        return None   # not each between two of another's steps, or a first step that makes no state: one optimizer
+    if min(runs.values()) < 2:
+        return None   # not each between two of another's steps: one optimizer whose step changed
+    stateless = []
+    for lab, ks in met.items():
+        (i, j), (_, j_next) = spans[ks[0]], spans[ks[1]]
+        if not (freed_at[i:j][kinds[i:j] == 0] >= j_next).any():   # nothing of its first outlives its next
+            stateless.append(lab)
+    if len(stateless) > _MAX_STATELESS_SETS:
+        return None
+    sets = list(index)
+    for lab in stateless:
+        mine = sets[lab]
+        if any(k != lab and (mine <= g or g <= mine) for k, g in enumerate(sets)):
+            return None   # a step that makes no state and allocates a part of another's (or more): one optimizer
     return labels
 
 
@@ -298,11 +325,21 @@ def infer_step_marks(annotations: Any, device: int, times_us: np.ndarray, where:
     snapshot's optimizer steps]); ``kinds``, the ops' kinds (0 alloc, 1 free; default: all allocations), measure
     its iterations. ``sole_device``: ``device`` is the only one with ops, so every optimizer range is its
     program's, whatever device it was recorded on (PyTorch records a range on the thread's current device).
+    ``nbytes`` and ``alloc_ids``, the ops' sizes and allocation ids (given together, and with ``kinds``), tell two
+    optimizers of one class apart (Note [Two optimizers of one class]); left out, every step range marks.
 
     Raises:
         TraceFormatError: the annotations are malformed (not a list of dicts, an optimizer range without a
             stage, a device or a finite time).
+        InvalidArgumentError: ``nbytes`` or ``alloc_ids`` given without the other or without ``kinds``, or any of
+            them not one entry per op.
     """
+    if (nbytes is None) != (alloc_ids is None) or (nbytes is not None and kinds is None):
+        raise InvalidArgumentError("infer_step_marks: nbytes and alloc_ids tell optimizers apart only together and "
+                                   "with kinds (the ops' sizes, allocation ids and kinds); got "
+                                   f"kinds={'None' if kinds is None else 'given'}, "
+                                   f"nbytes={'None' if nbytes is None else 'given'}, "
+                                   f"alloc_ids={'None' if alloc_ids is None else 'given'}")
     by_device = _ranges(annotations, where)
     r = _merged(by_device) if sole_device else by_device.get(device, _Ranges())
     if not r.step_ends:
@@ -333,13 +370,13 @@ def infer_step_marks(annotations: Any, device: int, times_us: np.ndarray, where:
     if unread is not None:   # a plan that misses every skipped step predicts worse than none: make none
         return InferredMarks(optimizer=cls, reason=unread, n_before_first_op=before)
     n_optimizers = 1
-    if nbytes is not None and alloc_ids is not None and len(ends) > 1:   # Note [Two optimizers of one class]
+    if nbytes is not None and len(ends) > 1:   # Note [Two optimizers of one class]
         nbytes, ids = np.asarray(nbytes), np.asarray(alloc_ids)
-        if nbytes.shape != (n,) or ids.shape != (n,):
-            raise InvalidArgumentError(f"infer_step_marks: nbytes and alloc_ids must hold one entry per op ({n}), "
-                                       f"got {nbytes.shape} and {ids.shape}")
+        if nbytes.shape != (n,) or ids.shape != (n,) or kinds.shape != (n,):
+            raise InvalidArgumentError(f"infer_step_marks: kinds, nbytes and alloc_ids must hold one entry per op "
+                                       f"({n}), got {kinds.shape}, {nbytes.shape} and {ids.shape}")
         updates = _updates([t for t, c in kept.step_starts if c == cls], [t for t, _ in ends], float(t0))
-        labels = None if updates is None else _optimizers(updates, times, kinds, nbytes, _kept_to_end(kinds, ids))
+        labels = None if updates is None else _optimizers(updates, times, kinds, nbytes, _freed_at(kinds, ids))
         if labels is not None and (before or skipped):
             labels = None   # whose steps the ring's lost ends or the skipped ones were is not here
         if labels is not None:

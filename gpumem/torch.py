@@ -676,7 +676,8 @@ def step_plan_info(device: "int | str | Any | None" = None) -> Any:
 #   critic stepped first marked five times per iteration (a critic's four steps alike, the fifth with the
 #   generator's update), the plan missed one step in five and served it beside the arena: 77.3 % above peak
 #   allocated live on the H200, where PyTorch's allocator held 16.6 % (reports/two-optimizers.md). The rarer
-#   optimizer's steps cut whole iterations. Held by weak reference: a collected marker hands over at once. The rule is MarkerRule's, which a snapshot's replay follows too.
+#   optimizer's steps cut whole iterations. Held by weak reference: a collected marker hands over at once. The
+#   rule is MarkerRule's (gpumem/marker_rule.py), which a snapshot's replay follows too.
 # * A step GradScaler skips (inf or NaN gradients: scaler.step(optimizer) does not call optimizer.step, so
 #   the hook does not run) is marked all the same: while marks are on, GradScaler.step is wrapped (the class's
 #   method, put back when marks go off) and marks as the hook would when the optimizer did not step inside it

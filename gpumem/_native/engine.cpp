@@ -3460,6 +3460,8 @@ constexpr int kMissWindow = 8;        // plan.py MISS_WINDOW
 constexpr int kMissWindowLimit = 4;   // plan.py MISS_WINDOW_LIMIT
 constexpr std::uint64_t kArenaVaFactor = 2;   // plan.py ARENA_VA_FACTOR
 constexpr std::uint64_t kOverrunFactor = 4;   // plan.py OVERRUN_FACTOR
+constexpr std::uint64_t kEarlyLeaveSteps = 16;   // plan.py EARLY_LEAVE_STEPS
+constexpr std::uint64_t kEarlyDrops = 3;   // plan.py EARLY_DROPS
 constexpr std::uint64_t kWarmupMarks = 8;   // plan.py WARMUP_MARKS
 constexpr std::uint64_t kWarmupAllocs = std::uint64_t{1} << 14;   // plan.py WARMUP_ALLOCS
 
@@ -3709,6 +3711,7 @@ bool Engine::plan_end_step() {
     miss_bits_ = ((miss_bits_ << 1) | (hit ? 0u : 1u)) & ((1u << kMissWindow) - 1);
     if (planned_steps_ == 0) empty_cache_locked();   // the leftovers of the last step before the plan
     ++planned_steps_;
+    if (planned_steps_ >= kEarlyLeaveSteps) early_drops_ = 0;   // this plan lived (plan.py, Note [A plan that leaves early])
     if (plan_drops(miss_bits_)) return true;
     cursor_ = 0;
     left_ = missed_ = false;
@@ -4000,6 +4003,7 @@ bool Engine::install_plan(const std::vector<std::int64_t>& offsets, std::int64_t
 
 std::uint64_t Engine::plan_allocate(std::uint64_t nbytes, std::uint64_t stream) {
     if (plan_state_ == kPlanPlanned && !lost_ && !closed_) {
+        const bool was_left = left_;
         std::uint64_t p = 0;
         GPUMEM_OPERATION({ p = plan_serve(nbytes, stream); })
         if (p) return p;
@@ -4008,6 +4012,12 @@ std::uint64_t Engine::plan_allocate(std::uint64_t nbytes, std::uint64_t stream) 
             plan_drop();
             plan_reset_recording();
             plan_state_ = kPlanOff;
+            GPUMEM_OPERATION({ plan_give_back_dropped(); })
+        } else if (left_ && !was_left && planned_steps_ < kEarlyLeaveSteps && early_drops_ < kEarlyDrops) {
+            ++early_drops_;   // plan.py, Note [A plan that leaves early]
+            plan_drop();
+            plan_reset_recording();
+            plan_state_ = kPlanRecording;
             GPUMEM_OPERATION({ plan_give_back_dropped(); })
         }
     }

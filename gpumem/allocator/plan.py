@@ -54,6 +54,22 @@ that tried it (the mark of a drop, a free, ``close``) and leaves the layer recor
 when it is unmapped, so the next try (every ``mark_step`` retries dropped arenas with nothing live)
 releases it without unmapping again, and ``close`` leaks nothing once the device answers.
 
+Note [A plan that leaves early]
+-------------------------------
+Why: a plan forms from the first two marked steps that match, and a program whose marks change their meaning
+early (a WGAN whose critic marked first: the marks handed to the generator after two critic gaps, Note
+[Automatic step marks] in gpumem/torch.py) installed a plan of the critic's steps that the generator's step
+left at once. Until three misses dropped it, each step was served by the engine beside the arena's mapped
+pages: the run's peak, 77.8 % above peak allocated in the replay of the live WGAN's own trace (76.25 % live).
+Rule: a planned step that first leaves its plan (a slot's size or stream differs, or it runs past the template
+with no restart) within the plan's first :data:`EARLY_LEAVE_STEPS` planned steps drops the plan at once, as
+``shrink`` does (Note [Step plans under memory pressure]): the idle runs go back before the engine serves the
+request, and the layer records again. At most :data:`EARLY_DROPS` such drops in a row (a plan that lives
+:data:`EARLY_LEAVE_STEPS` planned steps resets the count), so steps that vary early re-record a bounded number
+of times and then keep the miss rules of Note [Step plans]. Only a leave, not a miss: a step that meets a kept
+block or a failed mapping still allocates the template's sequence. The step marked mid-way through an install
+(allocations between the mark and the install) is left by design and drops nothing.
+
 Note [When marks stop]
 ----------------------
 A program may stop marking (automatic marks off, a stray ``step()``, the marking optimizer idle, an eval or
@@ -247,7 +263,8 @@ from ..errors import InvalidArgumentError, InvalidPointerError, OutOfMemoryError
 from ..validate import as_int
 
 __all__ = ["ROUND_NBYTES", "MISS_LIMIT", "MISS_WINDOW", "MISS_WINDOW_LIMIT", "RELEASED_ARENAS", "ARENA_VA_FACTOR",
-           "RECORD_LIMIT", "OVERRUN_FACTOR", "check_record_limit", "StepState", "MarkResult", "PlanItems", "Planner", "plan",
+           "RECORD_LIMIT", "OVERRUN_FACTOR", "EARLY_LEAVE_STEPS", "EARLY_DROPS", "check_record_limit", "StepState",
+           "MarkResult", "PlanItems", "Planner", "plan",
            "plan_height", "check_plan", "StepTemplate", "template_items", "plan_step", "StepPlan", "PlanInfo",
            "check_generation"]
 
@@ -269,6 +286,12 @@ RECORD_LIMIT = 1 << 14
 stop]). Per engine: ``set_step_record_limit``."""
 OVERRUN_FACTOR = 4
 """A planned step whose allocations pass this many times its template's drops the plan (Note [When marks stop])."""
+EARLY_LEAVE_STEPS = 16
+"""Planned steps from an install within which a step that leaves the plan drops it (Note [A plan that leaves
+early])."""
+EARLY_DROPS = 3
+"""Drops in a row for a step that left early, after which the plan's miss rules alone decide (Note [A plan that
+leaves early])."""
 WARMUP_MARKS = 8
 """Marks of a memory-first warm-up after which it ends with no plan installed (Note [A memory-first warm-up])."""
 WARMUP_ALLOCS = RECORD_LIMIT
@@ -626,6 +649,8 @@ class StepPlan:
                                      "implicit_steps"), 0)
         self.record_limit = RECORD_LIMIT
         """Records a recorded step may hold (Note [When marks stop]): :meth:`set_record_limit`."""
+        self.early_drops = 0
+        """Plans dropped in a row for a step that left them early (Note [A plan that leaves early])."""
         self.warmup_marks = 0
         """Marks since the memory-first warm-up began (Note [A memory-first warm-up])."""
         self.warmup_since = 0
@@ -776,6 +801,8 @@ class StepPlan:
         if self.planned_steps == 0:
             self.e._empty_cache_locked()   # the leftovers of the last step before the plan
         self.planned_steps += 1
+        if self.planned_steps >= EARLY_LEAVE_STEPS:
+            self.early_drops = 0   # this plan lived: a later early leave drops again (Note [A plan that leaves early])
         if self._drops(self.miss_bits):
             return True
         self.cursor = 0
@@ -955,6 +982,7 @@ class StepPlan:
         """Under the engine's lock, arguments checked; the engine serves what the plan does not."""
         e = self.e
         if self.state is StepState.PLANNED and e._lost is None and not e._closed and not e.device.closed:
+            was_left = self.left
             ptr = self._serve(nbytes, stream)
             if ptr:
                 return ptr
@@ -963,6 +991,13 @@ class StepPlan:
                 self._drop()
                 self._reset_recording()
                 self.state = StepState.OFF
+                self._give_back_dropped()
+            elif (self.left and not was_left and self.planned_steps < EARLY_LEAVE_STEPS
+                  and self.early_drops < EARLY_DROPS):   # Note [A plan that leaves early]
+                self.early_drops += 1
+                self._drop()
+                self._reset_recording()
+                self.state = StepState.RECORDING
                 self._give_back_dropped()
         ptr = e._allocate_engine(nbytes, stream)
         self.since_mark += 1

@@ -1,0 +1,112 @@
+"""A plan that leaves early (Note [A plan that leaves early] in gpumem/allocator/plan.py).
+
+Properties: a planned step that first leaves its plan (a slot's size differs) within the plan's first
+EARLY_LEAVE_STEPS planned steps drops it at that allocation, the layer recording again and the dropped arena's
+idle runs given back; at most EARLY_DROPS such drops in a row, after which the miss rules alone decide, until a
+plan lives EARLY_LEAVE_STEPS planned steps; a leave later than that, or a miss (not a leave), drops nothing at
+once; a plan installed mid-step (allocations between the mark and the install) is not dropped by the partial
+step it begins in; both engines decide the same (also ``test_native_differential.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpumem import sim
+from gpumem.allocator import CachingAllocator
+from gpumem.allocator.plan import EARLY_DROPS, EARLY_LEAVE_STEPS, StepState
+from gpumem.native import load_engine
+from gpumem.units import MiB
+
+from test_plan_layer import LOOP, Loop
+
+ENGINES = ["python"] + (["native"] if load_engine() is not None else [])
+LEAVE = {2: 6 * MiB}   # LOOP's third allocation made larger than its slot (5 MiB): the step leaves the plan
+
+
+def make(engine: str) -> CachingAllocator:
+    return CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine=engine)
+
+
+def until_planned(loop: Loop, most: int = 12) -> int:
+    """LOOP steps until a plan is installed; the steps it took."""
+    for i in range(most):
+        loop.step()
+        if loop.alloc.step_plan_info().state is StepState.PLANNED:
+            return i + 1
+    raise AssertionError("no plan formed")
+
+
+def leave(loop: Loop) -> None:
+    """Mark, then LOOP's first allocations up to the one that leaves the plan (the rest of the step follows)."""
+    loop.alloc.mark_step()
+    loop.allocations(LOOP[:3], LEAVE)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_step_that_leaves_a_new_plan_drops_it_at_once_and_gives_its_idle_pages_back(engine):
+    alloc = make(engine)
+    loop = Loop(alloc)
+    until_planned(loop)
+    loop.step()   # one planned step, a hit: the arena's pages are mapped
+    before = alloc.step_plan_info()
+    assert before.mapped_nbytes > 0 and before.plans_dropped == 0
+    leave(loop)
+    info = alloc.step_plan_info()
+    assert info.state is StepState.RECORDING and info.plans_dropped == 1
+    assert info.mapped_nbytes < before.mapped_nbytes   # the runs no live allocation touches went back
+    loop.allocations(LOOP[3:])
+    until_planned(loop)   # the layer records again and a new plan forms
+    for _ in range(3):
+        loop.step()
+    info = alloc.step_plan_info()
+    assert info.state is StepState.PLANNED and info.plans_installed == 2 and info.steps_missed == 0
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_early_drops_stop_after_a_bound_until_a_plan_lives(engine):
+    alloc = make(engine)
+    loop = Loop(alloc)
+    for k in range(EARLY_DROPS):
+        until_planned(loop)
+        leave(loop)
+        loop.allocations(LOOP[3:])
+        assert alloc.step_plan_info().plans_dropped == k + 1
+    until_planned(loop)
+    leave(loop)   # the bound is met: this plan stays, the step counted a miss at its end
+    loop.allocations(LOOP[3:])
+    info = alloc.step_plan_info()
+    assert info.state is StepState.PLANNED and info.plans_dropped == EARLY_DROPS
+    for _ in range(EARLY_LEAVE_STEPS + 2):   # the plan lives EARLY_LEAVE_STEPS planned steps: the count resets
+        loop.step()
+    for _ in range(3):   # three misses in a row drop it at the mark after them (Note [Step plans])
+        loop.step(change=LEAVE)
+    loop.step()
+    assert alloc.step_plan_info().plans_dropped == EARLY_DROPS + 1
+    until_planned(loop)
+    leave(loop)
+    info = alloc.step_plan_info()
+    assert info.state is StepState.RECORDING and info.plans_dropped == EARLY_DROPS + 2
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_leave_after_the_early_steps_or_a_miss_drops_nothing_at_once(engine):
+    alloc = make(engine)
+    loop = Loop(alloc)
+    until_planned(loop)
+    for _ in range(EARLY_LEAVE_STEPS):
+        loop.step()
+    leave(loop)
+    info = alloc.step_plan_info()
+    assert info.state is StepState.PLANNED and info.plans_dropped == 0
+    loop.allocations(LOOP[3:])
+    alloc.check_consistency()
+    alloc2 = make(engine)   # a miss (a kept block over a slot) is no leave
+    loop2 = Loop(alloc2)
+    until_planned(loop2)
+    loop2.step(keep=0)
+    loop2.step()
+    assert alloc2.step_plan_info().plans_dropped == 0
+    alloc2.check_consistency()

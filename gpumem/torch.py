@@ -668,8 +668,9 @@ def step_plan_info(device: "int | str | Any | None" = None) -> Any:
 #   device once that one has stepped HANDOVER_MIN_STEPS (16) times, or twice the most steps others ever made
 #   between two of the marker's plus two if more, with no step of the marker between: a warm-up or LR-finder
 #   optimizer still referenced stops marking after 16 steps of the real one (the plan forms that much
-#   later), a GAN's pair (one step each) or a critic stepping five or ten times per generator step never
-#   swaps (the first gap cannot tell a critic from a successor: hence a floor, not only the learnt gap).
+#   later), a GAN's pair (one step each) or a critic stepping five or ten times per generator step does not
+#   take over by this floor (the first gap cannot tell a critic from a successor: hence a floor, not only the
+#   learnt gap).
 #   And a marker that steps 2 to HANDOVER_MIN_STEPS times between two steps of another, RARER_GAPS (2) times in
 #   a row, hands over to that one, which learns that gap as the most others' steps between its own (so the floor
 #   does not hand back; an auxiliary optimizer stepping once per hundred steps never takes over): a WGAN whose

@@ -1,5 +1,6 @@
 """The table of reports/two-optimizers.md: each H200 program with two optimizers of one class, its PyTorch snapshot
-replayed (sim:h200-141gb, default policy and timing) against gpumem.torch's live figure and own trace::
+replayed (sim:h200-141gb, default policy and timing) against gpumem.torch's live figure and own trace. The replays
+run today's engine; each live figure is its run's (the WGAN's first two before Note [A plan that leaves early])::
 
     PYTHONPATH=. python reports/two-optimizers/table.py
 """
@@ -22,7 +23,8 @@ ROWS = (("built on", HIL / "snapshot-marks-h200-2026-12-01" / "check", "gan_trai
         ("check", HIL / "two-optimizers-h200-2026-12-01" / "check", "gan_gen_first_train", "check"),
         ("check", HIL / "two-optimizers-h200-2026-12-01" / "check", "gan_sgd_train", "check"),
         ("check (rule before)", HIL / "two-optimizers-h200-2026-12-01" / "check", "wgan_critic_train", "check"),
-        ("check (rule now)", HIL / "two-optimizers-h200-2026-12-01" / "rule", "wgan_critic_train", "rule"))
+        ("check (rule now)", HIL / "two-optimizers-h200-2026-12-01" / "rule", "wgan_critic_train", "rule"),
+        ("check (early drop)", HIL / "early-leave-h200-2026-12-01" / "run", "wgan_critic_train", "wgan"))
 
 
 def _marks(t) -> list[int]:

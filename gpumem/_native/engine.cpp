@@ -4018,7 +4018,13 @@ std::uint64_t Engine::plan_allocate(std::uint64_t nbytes, std::uint64_t stream) 
             plan_drop();
             plan_reset_recording();
             plan_state_ = kPlanRecording;
-            GPUMEM_OPERATION({ plan_give_back_dropped(); })
+            try {
+                GPUMEM_OPERATION({ plan_give_back_dropped(); })
+            } catch (const BackendError& e) {
+                // a lost device, and a KeyboardInterrupt or SystemExit, go through (Note [Only Exception is caught]);
+                // else the runs stay held and the next mark gives them back
+                if (e.kind == ErrorKind::kDeviceLost || e.fatal) throw;
+            }
         }
     }
     std::uint64_t p = allocate_engine(nbytes, stream);

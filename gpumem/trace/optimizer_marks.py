@@ -262,11 +262,11 @@ def _freed_at(kinds: np.ndarray, alloc_ids: np.ndarray) -> np.ndarray:
     n = len(kinds)
     out = np.full(n, n, dtype=np.int64)
     frees = np.flatnonzero(kinds == 1)
-    if len(alloc_ids) and int(alloc_ids.min()) >= 0:
+    if len(alloc_ids) and int(alloc_ids.min()) >= 0 and int(alloc_ids.max()) < 4 * n + 1024:   # dense ids
         at = np.full(int(alloc_ids.max()) + 1, n, dtype=np.int64)
         at[alloc_ids[frees]] = frees
         out = at[alloc_ids]
-    else:   # ids not dense and non-negative (never from build_trace): a dict
+    else:   # ids not dense (never from build_trace): a dict, in the ops' count whatever the ids
         at_d = {int(alloc_ids[k]): int(k) for k in frees}
         out = np.fromiter((at_d.get(int(a), n) for a in alloc_ids), dtype=np.int64, count=n)
     out[frees] = frees
@@ -332,7 +332,7 @@ def infer_step_marks(annotations: Any, device: int, times_us: np.ndarray, where:
         TraceFormatError: the annotations are malformed (not a list of dicts, an optimizer range without a
             stage, a device or a finite time).
         InvalidArgumentError: ``nbytes`` or ``alloc_ids`` given without the other or without ``kinds``, or any of
-            them not one entry per op.
+            them not one integer per op.
     """
     if (nbytes is None) != (alloc_ids is None) or (nbytes is not None and kinds is None):
         raise InvalidArgumentError("infer_step_marks: nbytes and alloc_ids tell optimizers apart only together and "
@@ -354,6 +354,16 @@ def infer_step_marks(annotations: Any, device: int, times_us: np.ndarray, where:
     cls = classes[0]
     times = np.asarray(times_us, dtype=np.float64)
     n = len(times)
+    if kinds is not None:
+        kinds = np.asarray(kinds)
+        arrays = {"kinds": kinds} if nbytes is None else \
+            {"kinds": kinds, "nbytes": np.asarray(nbytes), "alloc_ids": np.asarray(alloc_ids)}
+        for what, a in arrays.items():
+            if a.shape != (n,) or not np.issubdtype(a.dtype, np.integer):
+                raise InvalidArgumentError(f"infer_step_marks: {what} must hold one integer per op ({n}), got "
+                                           f"shape {a.shape} of {a.dtype}")
+        if nbytes is not None:
+            nbytes, ids = arrays["nbytes"], arrays["alloc_ids"]
     if n == 0:
         return InferredMarks(optimizer=cls)
     if n > 1 and bool((np.diff(times) < 0).any()):
@@ -371,10 +381,6 @@ def infer_step_marks(annotations: Any, device: int, times_us: np.ndarray, where:
         return InferredMarks(optimizer=cls, reason=unread, n_before_first_op=before)
     n_optimizers = 1
     if nbytes is not None and len(ends) > 1:   # Note [Two optimizers of one class]
-        nbytes, ids = np.asarray(nbytes), np.asarray(alloc_ids)
-        if nbytes.shape != (n,) or ids.shape != (n,) or kinds.shape != (n,):
-            raise InvalidArgumentError(f"infer_step_marks: kinds, nbytes and alloc_ids must hold one entry per op "
-                                       f"({n}), got {kinds.shape}, {nbytes.shape} and {ids.shape}")
         updates = _updates([t for t, c in kept.step_starts if c == cls], [t for t, _ in ends], float(t0))
         labels = None if updates is None else _optimizers(updates, times, kinds, nbytes, _freed_at(kinds, ids))
         if labels is not None and (before or skipped):

@@ -110,3 +110,43 @@ def test_a_leave_after_the_early_steps_or_a_miss_drops_nothing_at_once(engine):
     loop2.step()
     assert alloc2.step_plan_info().plans_dropped == 0
     alloc2.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_give_back_that_fails_in_an_early_drop_serves_the_request_and_the_next_mark_retries(engine):
+    """Attacker 44: a failed mem_unmap during the early drop's give-back failed the program's allocation, which
+    before the rule was served by the engine with no device call. Now the request is served, the runs stay held,
+    and the next mark gives them back; a lost device still raises."""
+    from gpumem.errors import CudaError, DeviceLostError
+
+    for error, raises in ((CudaError("mem_unmap", "CUDA_ERROR_UNKNOWN", "injected"), False),
+                          (DeviceLostError("injected: the device fell off the bus"), True)):
+        dev = sim.SimDevice(sim.get_profile("h200-141gb"))
+        alloc = CachingAllocator(dev, engine=engine)
+        loop = Loop(alloc)
+        until_planned(loop)
+        loop.step()
+        alloc.mark_step()
+        loop.allocations(LOOP[:2])
+        real = dev.mem_unmap
+
+        def failing(*args, error=error):
+            raise error
+
+        dev.mem_unmap = failing
+        try:
+            if raises:
+                with pytest.raises(DeviceLostError):
+                    alloc.allocate(6 * MiB, 0)
+                continue
+            ptr = alloc.allocate(6 * MiB, 0)   # leaves the plan: the early drop's give-back fails
+        finally:
+            dev.mem_unmap = real
+        held = alloc.step_plan_info()
+        assert ptr and held.state is StepState.RECORDING and held.plans_dropped == 1 and held.mapped_nbytes > 0
+        alloc.free(ptr)
+        loop.allocations(LOOP[3:])
+        alloc.check_consistency()
+        alloc.mark_step()   # the retry: what nothing touches goes back
+        assert alloc.step_plan_info().mapped_nbytes < held.mapped_nbytes
+        alloc.check_consistency()

@@ -15,7 +15,7 @@ import pytest
 
 from gpumem import sim
 from gpumem.allocator import CachingAllocator
-from gpumem.allocator.plan import OVERRUN_FACTOR, MarkResult, StepState
+from gpumem.allocator.plan import EARLY_LEAVE_STEPS, OVERRUN_FACTOR, MarkResult, StepState
 from gpumem.native import load_engine
 from gpumem.units import MiB
 
@@ -91,7 +91,7 @@ def test_steps_that_repeat_after_marks_stop_keep_the_plan_and_one_doing_somethin
 def test_no_restart_after_a_step_that_left_the_plan(engine):
     alloc = make(engine)
     loop = MarksAfter(alloc)
-    for _ in range(6):
+    for _ in range(6 + EARLY_LEAVE_STEPS):   # past the early steps, where a leave drops (Note [A plan that leaves early])
         loop.step()
     loop.step(mark=False, change={2: 6 * MiB})   # leaves the plan at slot 2
     loop.step()   # its first allocation fits slot 0, but the step left: served by the engine, one miss
@@ -105,7 +105,7 @@ def test_no_restart_after_a_step_that_left_the_plan(engine):
 def test_no_restart_while_a_live_allocation_sits_over_slot_0(engine):
     alloc = make(engine)
     loop = MarksAfter(alloc)
-    for _ in range(6):
+    for _ in range(6 + EARLY_LEAVE_STEPS):   # past the early steps (Note [A plan that leaves early])
         loop.step()
     loop.step(mark=False, keep=0)   # slot 0's allocation is held on
     before = alloc.step_plan_info()
@@ -124,7 +124,7 @@ def test_a_restart_that_would_drop_the_plan_is_not_made(engine, first_missed):
     next step counts the long step missed and drops the plan. With the first step a hit, the restart is made."""
     alloc = make(engine)
     loop = MarksAfter(alloc)
-    for _ in range(6):
+    for _ in range(6 + EARLY_LEAVE_STEPS):   # past the early steps (Note [A plan that leaves early])
         loop.step()
     loop.step(change={3: 4000} if first_missed else None)   # a miss (left at slot 3) or a hit
     loop.step(keep=1, change={3: 4000})   # a miss; its slot 1 allocation stays live
@@ -176,7 +176,7 @@ def test_a_short_step_that_is_not_the_templates_prefix_still_leaves_the_plan(eng
     """A step whose third allocation is not its slot's size leaves the plan (a miss) however short it is."""
     alloc = make(engine)
     loop = MarksAfter(alloc)
-    for _ in range(4):
+    for _ in range(4 + EARLY_LEAVE_STEPS):   # past the early steps (Note [A plan that leaves early])
         loop.step()
     before = alloc.step_plan_info()
     loop.step(pattern=LOOP[:2] + [(64 * MiB, 0, 1)])

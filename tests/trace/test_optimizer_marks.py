@@ -369,8 +369,34 @@ def test_one_optimizer_whose_steps_vary_is_one_optimizer() -> None:
 
 def test_sizes_of_another_length_than_the_ops_are_refused() -> None:
     annotations, times, kinds, nbytes, ids, _ = _two_optimizer_ops("abab", {"a": 4096, "b": 8192})
-    with pytest.raises(InvalidArgumentError, match="one entry per op"):
+    with pytest.raises(InvalidArgumentError, match="one integer per op"):
         infer_step_marks(annotations, 0, times, kinds=kinds, nbytes=nbytes[:-1], alloc_ids=ids)
+
+
+@pytest.mark.parametrize("bad", ["float", "bool", "short", "kinds", "one_end"])
+def test_ids_sizes_and_kinds_not_one_integer_per_op_are_refused(bad) -> None:
+    """Attacker 44: float or bool ids raised IndexError, a wrong length went unchecked with one step END or
+    failed inside the skipped-step reading first."""
+    pattern = "a" if bad == "one_end" else "abab"
+    annotations, times, kinds, nbytes, ids, _ = _two_optimizer_ops(pattern, {"a": 4096, "b": 8192})
+    if bad == "float":
+        ids = ids.astype(float)
+    elif bad == "bool":
+        ids = ids % 2 == 0
+    elif bad in ("short", "one_end"):
+        nbytes = nbytes[:-1]
+    else:
+        kinds = kinds[:-1]
+    with pytest.raises(InvalidArgumentError, match="one integer per op"):
+        infer_step_marks(annotations, 0, times, kinds=kinds, nbytes=nbytes, alloc_ids=ids)
+
+
+def test_sparse_huge_ids_are_read_in_the_ops_count() -> None:
+    """Attacker 44: the free of each op was looked up in an array as long as the largest id (2**40: 8 TiB)."""
+    annotations, times, kinds, nbytes, ids, last = _two_optimizer_ops("ab" * 6, {"a": 4096, "b": 8192})
+    got = infer_step_marks(annotations, 0, times, kinds=kinds, nbytes=nbytes, alloc_ids=ids + (1 << 40))
+    want = infer_step_marks(annotations, 0, times, kinds=kinds, nbytes=nbytes, alloc_ids=ids)
+    assert got.events == want.events and got.n_optimizers == want.n_optimizers == 2
 
 
 def test_many_distinct_step_sets_are_read_in_linear_time() -> None:

@@ -3460,7 +3460,6 @@ constexpr int kMissWindow = 8;        // plan.py MISS_WINDOW
 constexpr int kMissWindowLimit = 4;   // plan.py MISS_WINDOW_LIMIT
 constexpr std::uint64_t kArenaVaFactor = 2;   // plan.py ARENA_VA_FACTOR
 constexpr std::uint64_t kOverrunFactor = 4;   // plan.py OVERRUN_FACTOR
-constexpr std::uint64_t kEarlyLeaveSteps = 16;   // plan.py EARLY_LEAVE_STEPS
 constexpr std::uint64_t kEarlyDrops = 3;   // plan.py EARLY_DROPS
 constexpr std::uint64_t kWarmupMarks = 8;   // plan.py WARMUP_MARKS
 constexpr std::uint64_t kWarmupAllocs = std::uint64_t{1} << 14;   // plan.py WARMUP_ALLOCS
@@ -3711,7 +3710,7 @@ bool Engine::plan_end_step() {
     miss_bits_ = ((miss_bits_ << 1) | (hit ? 0u : 1u)) & ((1u << kMissWindow) - 1);
     if (planned_steps_ == 0) empty_cache_locked();   // the leftovers of the last step before the plan
     ++planned_steps_;
-    if (planned_steps_ >= kEarlyLeaveSteps) early_drops_ = 0;   // this plan lived (plan.py, Note [A plan that leaves early])
+    if (planned_steps_ >= early_leave_steps_) early_drops_ = 0;   // it lived (plan.py, Note [A plan that leaves early])
     if (plan_drops(miss_bits_)) return true;
     cursor_ = 0;
     left_ = missed_ = false;
@@ -4013,7 +4012,7 @@ std::uint64_t Engine::plan_allocate(std::uint64_t nbytes, std::uint64_t stream) 
             plan_reset_recording();
             plan_state_ = kPlanOff;
             GPUMEM_OPERATION({ plan_give_back_dropped(); })
-        } else if (left_ && !was_left && planned_steps_ < kEarlyLeaveSteps && early_drops_ < kEarlyDrops) {
+        } else if (left_ && !was_left && planned_steps_ < early_leave_steps_ && early_drops_ < kEarlyDrops) {
             ++early_drops_;   // plan.py, Note [A plan that leaves early]
             plan_drop();
             plan_reset_recording();
@@ -4364,6 +4363,11 @@ std::uint64_t Engine::plan_give_back_idle() {
 void Engine::set_step_record_limit(std::uint64_t records) {
     Guard guard(*this);
     record_limit_ = records;
+}
+
+void Engine::set_early_leave_steps(std::uint64_t steps) {
+    Guard guard(*this);
+    early_leave_steps_ = steps;
 }
 
 // Unmap (unless a failed try already did) and release run `i` of `arena`, then forget it: a failure leaves

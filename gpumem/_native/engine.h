@@ -441,6 +441,9 @@ class Engine {
     // Records a recorded step may hold before it is abandoned (plan.py StepPlan.set_record_limit, Note [When
     // marks stop]); the caller checked it is in [1, 2**40].
     void set_step_record_limit(std::uint64_t records);
+    // Planned steps from an install within which a step that leaves the plan drops it (plan.py
+    // StepPlan.early_leave_steps, Note [A plan that leaves early]; 0: never).
+    void set_early_leave_steps(std::uint64_t steps);
     // Note [One lock for a run of fast paths] (engine.cpp): the lock taken once for a run of try_allocate_fast
     // and try_free_fast calls (the binding's run_ops, Note [A step's ops in one call] in op_table.h), which nest
     // in it; the holder calls nothing else and runs no Python until release_for_fast_run().
@@ -751,6 +754,7 @@ class Engine {
     std::uint64_t plan_implicit_steps_ = 0;   // plan.py counts["implicit_steps"] (Note [An implicit step restart])
     std::uint64_t record_limit_ = std::uint64_t{1} << 14;   // plan.py record_limit (RECORD_LIMIT)
     std::uint64_t early_drops_ = 0;   // plan.py early_drops (Note [A plan that leaves early])
+    std::uint64_t early_leave_steps_ = 16;   // plan.py early_leave_steps (EARLY_LEAVE_STEPS)
     // Note [A memory-first warm-up] in plan.py: VirtualBacking.warmup and StepPlan's warmup_* (same names)
     bool warmup_ = false, warmup_done_ = false;
     EngineConfig memory_first_;   // AllocatorPolicy.memory_first(): the growth knobs while warm

@@ -1278,6 +1278,15 @@ PyObject* Alloc_step_plan_info(AllocObject* self, PyObject*) {
     });
 }
 
+// set_early_leave_steps(steps): NativeEngine.set_early_leave_steps checked it (plan.py check_early_leave_steps)
+PyObject* Alloc_set_early_leave_steps(AllocObject* self, PyObject* args) {
+    unsigned long long steps = 0;
+    CHECK_ALIVE(self);
+    if (!PyArg_ParseTuple(args, "K:set_early_leave_steps", &steps)) return nullptr;
+    self->engine->set_early_leave_steps(steps);
+    Py_RETURN_NONE;
+}
+
 // set_step_record_limit(records): NativeEngine.set_step_record_limit checked it (plan.py check_record_limit)
 PyObject* Alloc_set_step_record_limit(AllocObject* self, PyObject* args) {
     CHECK_ALIVE(self);
@@ -1654,6 +1663,8 @@ PyMethodDef Alloc_methods[] = {
     {"reset_peak_stats", reinterpret_cast<PyCFunction>(Alloc_reset_peak_stats), METH_NOARGS,
      "peaks down to the values now"},
     {"step_plan_info", reinterpret_cast<PyCFunction>(Alloc_step_plan_info), METH_NOARGS, "the plan layer's counters"},
+    {"set_early_leave_steps", reinterpret_cast<PyCFunction>(Alloc_set_early_leave_steps), METH_VARARGS,
+     "set_early_leave_steps(steps): planned steps within which a step that leaves the plan drops it (0: never)"},
     {"set_step_record_limit", reinterpret_cast<PyCFunction>(Alloc_set_step_record_limit), METH_VARARGS,
      "set_step_record_limit(records): records a recorded step may hold before it is abandoned"},
     {"run_ops", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Alloc_run_ops)),

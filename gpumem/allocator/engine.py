@@ -114,6 +114,12 @@ class Engine(Protocol):
         :mod:`gpumem.allocator.plan`; default :data:`~gpumem.allocator.plan.RECORD_LIMIT`)."""
         ...
 
+    def set_early_leave_steps(self, steps: int) -> None:
+        """Planned steps from an install within which a step that leaves the plan drops it (Note [A plan that
+        leaves early] in :mod:`gpumem.allocator.plan`; default :data:`~gpumem.allocator.plan.EARLY_LEAVE_STEPS`,
+        0: never)."""
+        ...
+
 
 def no_history_error() -> InvalidArgumentError:
     """What :meth:`Engine.history` raises when the allocator was created without ``record_history``."""

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 from .backing import pool_page_nbytes
 from .engine import OomCause, no_history_error
 from .engine import oom_error as build_oom_error
-from .plan import check_generation, check_record_limit
+from .plan import check_early_leave_steps, check_generation, check_record_limit
 from .policy import AllocatorPolicy
 from .stats import AllocatorStats
 
@@ -151,6 +151,10 @@ class NativeEngine:
     def set_step_record_limit(self, records: int) -> None:
         """The engine's limit on a recorded step's records, checked as the Python engine checks it."""
         self._ext.set_step_record_limit(check_record_limit(records))
+
+    def set_early_leave_steps(self, steps: int) -> None:
+        """The engine's early-leave bound (Note [A plan that leaves early]), checked as the Python engine checks it."""
+        self._ext.set_early_leave_steps(check_early_leave_steps(steps))
 
     def install_plan(self, offsets: list[int], generation: int | None = None) -> bool:
         """The engine's install; ``generation`` checked as the Python engine checks it (-1: none given)."""

@@ -270,7 +270,8 @@ from ..validate import as_int
 log = logging.getLogger(__name__)
 
 __all__ = ["ROUND_NBYTES", "MISS_LIMIT", "MISS_WINDOW", "MISS_WINDOW_LIMIT", "RELEASED_ARENAS", "ARENA_VA_FACTOR",
-           "RECORD_LIMIT", "OVERRUN_FACTOR", "EARLY_LEAVE_STEPS", "EARLY_DROPS", "check_record_limit", "StepState",
+           "RECORD_LIMIT", "OVERRUN_FACTOR", "EARLY_LEAVE_STEPS", "EARLY_DROPS", "check_record_limit",
+           "check_early_leave_steps", "StepState",
            "MarkResult", "PlanItems", "Planner", "plan",
            "plan_height", "check_plan", "StepTemplate", "template_items", "plan_step", "StepPlan", "PlanInfo",
            "check_generation"]
@@ -658,6 +659,8 @@ class StepPlan:
         """Records a recorded step may hold (Note [When marks stop]): :meth:`set_record_limit`."""
         self.early_drops = 0
         """Plans dropped in a row for a step that left them early (Note [A plan that leaves early])."""
+        self.early_leave_steps = EARLY_LEAVE_STEPS
+        """Planned steps within which a leave drops the plan (0: never): :meth:`set_early_leave_steps`."""
         self.warmup_marks = 0
         """Marks since the memory-first warm-up began (Note [A memory-first warm-up])."""
         self.warmup_since = 0
@@ -692,6 +695,11 @@ class StepPlan:
         self.e2: list[int] = []
         self.blocked_nbytes = 0   # this step's requests served by the engine because their slot met a kept block
         self.moved_at = -1   # the planned step of the last move off kept blocks (-1: none)
+
+    def set_early_leave_steps(self, steps: Any) -> None:
+        """Planned steps from an install within which a step that leaves the plan drops it (Note [A plan that
+        leaves early]; default :data:`EARLY_LEAVE_STEPS`, 0: never, the miss rules alone)."""
+        self.early_leave_steps = check_early_leave_steps(steps)
 
     def set_record_limit(self, records: Any) -> None:
         """Records a recorded step may hold before it is abandoned (default :data:`RECORD_LIMIT`); a step
@@ -808,7 +816,7 @@ class StepPlan:
         if self.planned_steps == 0:
             self.e._empty_cache_locked()   # the leftovers of the last step before the plan
         self.planned_steps += 1
-        if self.planned_steps >= EARLY_LEAVE_STEPS:
+        if self.planned_steps >= self.early_leave_steps:
             self.early_drops = 0   # this plan lived: a later early leave drops again (Note [A plan that leaves early])
         if self._drops(self.miss_bits):
             return True
@@ -999,7 +1007,7 @@ class StepPlan:
                 self._reset_recording()
                 self.state = StepState.OFF
                 self._give_back_dropped()
-            elif (self.left and not was_left and self.planned_steps < EARLY_LEAVE_STEPS
+            elif (self.left and not was_left and self.planned_steps < self.early_leave_steps
                   and self.early_drops < EARLY_DROPS):   # Note [A plan that leaves early]
                 self.early_drops += 1
                 self._drop()
@@ -1416,6 +1424,14 @@ def _refused_slots(planned: list[tuple[int, int]], sizes: list[int], streams: li
         if next_other[i] < bisect.bisect_left(starts, o + sizes[k]):
             refused[k] = True
     return refused
+
+
+def check_early_leave_steps(steps: Any) -> int:
+    """``steps`` as an early-leave bound (Note [A plan that leaves early]): an int in [0, 2**40]."""
+    steps = as_int(steps, "early_leave_steps")
+    if not 0 <= steps <= 1 << 40:
+        raise InvalidArgumentError(f"early_leave_steps must be in [0, 2**40], got {steps}")
+    return steps
 
 
 def check_record_limit(records: Any) -> int:

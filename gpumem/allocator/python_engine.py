@@ -25,7 +25,7 @@ from .backing import AddressSpaceExhausted, Backing, LimitExceeded, Segment, Seg
 from .block import Block, FreeList, TopDownFreeList, append_block, drop_last_block, merge_blocks, split_block
 from .engine import OomCause, no_history_error, oom_error
 from .fences import StreamFences
-from .plan import StepPlan, check_generation, check_record_limit
+from .plan import StepPlan, check_early_leave_steps, check_generation, check_record_limit
 from .policy import AllocatorPolicy
 from .stats import AllocatorStats
 
@@ -710,6 +710,12 @@ class PythonEngine:
         records = check_record_limit(records)
         with self._lock:
             self._plan.set_record_limit(records)
+
+    def set_early_leave_steps(self, steps: int) -> None:
+        """Planned steps within which a leave drops the plan (Note [A plan that leaves early] in :mod:`.plan`)."""
+        steps = check_early_leave_steps(steps)
+        with self._lock:
+            self._plan.set_early_leave_steps(steps)
 
     def history(self, label: str):  # -> gpumem.trace.Trace
         if self._recorder is None:

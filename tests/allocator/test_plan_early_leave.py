@@ -15,6 +15,7 @@ import pytest
 from gpumem import sim
 from gpumem.allocator import CachingAllocator
 from gpumem.allocator.plan import EARLY_DROPS, EARLY_LEAVE_STEPS, StepState
+from gpumem.errors import InvalidArgumentError
 from gpumem.native import load_engine
 from gpumem.units import MiB
 
@@ -150,3 +151,37 @@ def test_a_give_back_that_fails_in_an_early_drop_serves_the_request_and_the_next
         alloc.mark_step()   # the retry: what nothing touches goes back
         assert alloc.step_plan_info().mapped_nbytes < held.mapped_nbytes
         alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(("steps", "drops"), [(4, True), (3, False), (0, False)])
+def test_the_early_leave_bound_is_a_setting_and_zero_turns_the_drop_off(engine, steps, drops):
+    """``set_early_leave_steps``: a leave while fewer than ``steps`` planned steps have ended drops the plan; 0,
+    never (the miss rules alone). The leave here comes after three planned steps (the partial step the plan was
+    installed in and two more): a bound of 4 drops it, 3 does not."""
+    alloc = make(engine)
+    alloc._engine.set_early_leave_steps(steps)   # noqa: SLF001
+    loop = Loop(alloc)
+    until_planned(loop)
+    loop.step()
+    loop.step()   # two planned steps, hits
+    leave(loop)
+    info = alloc.step_plan_info()
+    assert info.plans_dropped == (1 if drops else 0)
+    assert info.state is (StepState.RECORDING if drops else StepState.PLANNED)
+    loop.allocations(LOOP[3:])
+    alloc.check_consistency()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("bad", [-1, 1 << 41, True, 2.0, "16", None])
+def test_a_bad_early_leave_bound_is_refused_and_the_bound_kept(engine, bad):
+    """A bound that is not an int in [0, 2**40] raises InvalidArgumentError naming it; the default bound stays
+    (a leave at the first planned step still drops the plan)."""
+    alloc = make(engine)
+    with pytest.raises(InvalidArgumentError, match="early_leave_steps"):
+        alloc._engine.set_early_leave_steps(bad)   # noqa: SLF001
+    loop = Loop(alloc)
+    until_planned(loop)
+    leave(loop)
+    assert alloc.step_plan_info().plans_dropped == 1

@@ -35,8 +35,13 @@ from test_native_differential import Pair
 ENGINES = ["python"] + (["native"] if load_engine() is not None else [])
 
 
-def make(engine: str, **kw) -> CachingAllocator:
-    return CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine=engine, **kw)
+def make(engine: str, early_leave_steps: int = 0, **kw) -> CachingAllocator:
+    """An allocator on a simulated H200 whose plans a leaving step does not drop at once unless asked
+    (``early_leave_steps``): these tests are of the miss rules; Note [A plan that leaves early] has its own
+    (``test_plan_early_leave.py``)."""
+    alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine=engine, **kw)
+    alloc._engine.set_early_leave_steps(early_leave_steps)   # noqa: SLF001
+    return alloc
 
 
 # A training-like step: (size, stream, freed how many allocations later); the last ones live into the next step.
@@ -1186,6 +1191,7 @@ def dropped_with_a_kept_block(engine: str, limit: int | None = None) -> tuple[Ca
     in a planned step is kept: the dropped arena stays, pinned by it (Note [Arena runs of at most a chunk])."""
     alloc = CachingAllocator(sim.SimDevice(sim.custom_profile("t", 16384 * MiB, context_nbytes=32 * MiB)),
                              engine=engine, limit=limit)
+    alloc._engine.set_early_leave_steps(0)   # noqa: SLF001  the miss rules drop it, not an early leave
     kept = None
     for i in range(6):
         alloc.mark_step()

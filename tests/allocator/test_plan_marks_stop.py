@@ -26,8 +26,11 @@ from test_plan_layer import LOOP, Loop, check_no_overlap
 ENGINES = ["python"] + (["native"] if load_engine() is not None else [])
 
 
-def make(engine: str, record_limit: int | None = None, **kw) -> CachingAllocator:
+def make(engine: str, record_limit: int | None = None, early_leave_steps: int = 0, **kw) -> CachingAllocator:
+    """As ``test_plan_layer.make``: plans that a leaving step does not drop at once unless asked (these tests are
+    of the overrun and record bounds, Note [When marks stop])."""
     alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine=engine, **kw)
+    alloc._engine.set_early_leave_steps(early_leave_steps)   # noqa: SLF001
     if record_limit is not None:
         alloc._engine.set_step_record_limit(record_limit)   # noqa: SLF001
     return alloc

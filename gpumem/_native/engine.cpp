@@ -2613,9 +2613,14 @@ std::uint64_t Engine::allocate(std::uint64_t nbytes, std::uint64_t stream) {
 }
 
 // PythonEngine._allocate_engine: the engine's allocation, under the lock
-std::uint64_t Engine::allocate_engine(std::uint64_t nbytes, std::uint64_t stream) {
+// policy.round(nbytes), saturated at UINT64_MAX
+std::uint64_t Engine::round_up_nbytes(std::uint64_t nbytes) const {
     const std::uint64_t r = cfg_.round_nbytes;
-    std::uint64_t size = nbytes > UINT64_MAX - r ? UINT64_MAX : (nbytes + r - 1) & ~(r - 1);
+    return nbytes > UINT64_MAX - r ? UINT64_MAX : (nbytes + r - 1) & ~(r - 1);
+}
+
+std::uint64_t Engine::allocate_engine(std::uint64_t nbytes, std::uint64_t stream) {
+    std::uint64_t size = round_up_nbytes(nbytes);
     bool small = size <= (UINT64_MAX >> 1) && static_cast<std::int64_t>(size) <= small_max_;
     // Note [The hot path makes no device call]
     if (!lost_ && !closed_) {
@@ -2640,10 +2645,16 @@ void Engine::check_open() {
     if (closed_) throw EngineError(EngineErrorKind::kClosed, "allocator is closed");
 }
 
+// PythonEngine._never_fits: larger than the device or the limit, refused at once (and no leave: plan.py, Note [A
+// plan that leaves early])
+bool Engine::never_fits(std::uint64_t size) const {
+    return size > total_nbytes_ || (cfg_.limit_nbytes && size > cfg_.limit_nbytes);
+}
+
 // PythonEngine._allocate_slow
 std::uint64_t Engine::allocate_slow(std::uint64_t nbytes, std::uint64_t size, bool small, std::uint64_t stream) {
     std::uint64_t total = total_nbytes_;
-    if (size > total || (cfg_.limit_nbytes && size > cfg_.limit_nbytes)) {
+    if (never_fits(size)) {
         // can never fit: refuse at once, without waiting for work or flushing the cache
         ++st_.num_ooms;
         std::uint64_t f, t;
@@ -4012,7 +4023,8 @@ std::uint64_t Engine::plan_allocate(std::uint64_t nbytes, std::uint64_t stream) 
             plan_reset_recording();
             plan_state_ = kPlanOff;
             GPUMEM_OPERATION({ plan_give_back_dropped(); })
-        } else if (left_ && !was_left && planned_steps_ < early_leave_steps_ && early_drops_ < kEarlyDrops) {
+        } else if (left_ && !was_left && planned_steps_ < early_leave_steps_ && early_drops_ < kEarlyDrops &&
+                   !never_fits(round_up_nbytes(nbytes))) {
             ++early_drops_;   // plan.py, Note [A plan that leaves early]
             plan_drop();
             plan_reset_recording();

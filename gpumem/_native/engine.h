@@ -533,6 +533,8 @@ class Engine {
     // -- python_engine.py: PythonEngine ----------------------------------------------------------
     void check_usable_op();
     std::uint64_t allocate_slow(std::uint64_t nbytes, std::uint64_t size, bool small, std::uint64_t stream);
+    std::uint64_t round_up_nbytes(std::uint64_t nbytes) const;   // policy.round(nbytes), saturated
+    bool never_fits(std::uint64_t size) const;   // PythonEngine._never_fits: over the device or the limit
     std::uint64_t hand_out(detail::Block* b, std::uint64_t nbytes, std::uint64_t stream);
     void free_booked(std::uint64_t ptr, detail::Block* b);
     detail::Block* grow(bool small, std::uint64_t stream, std::uint64_t size, detail::FreeList* fl,

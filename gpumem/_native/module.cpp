@@ -1278,13 +1278,21 @@ PyObject* Alloc_step_plan_info(AllocObject* self, PyObject*) {
     });
 }
 
-// set_early_leave_steps(steps): NativeEngine.set_early_leave_steps checked it (plan.py check_early_leave_steps)
+// set_early_leave_steps(steps): NativeEngine.set_early_leave_steps checked it (plan.py check_early_leave_steps);
+// checked again here (the binding is reachable), and run as an operation: a call re-entered from a device call
+// inside an allocation raises InternalError instead of a C++ exception unwinding through Python (attacker 45, F1)
 PyObject* Alloc_set_early_leave_steps(AllocObject* self, PyObject* args) {
-    unsigned long long steps = 0;
     CHECK_ALIVE(self);
+    unsigned long long steps = 0;
     if (!PyArg_ParseTuple(args, "K:set_early_leave_steps", &steps)) return nullptr;
-    self->engine->set_early_leave_steps(steps);
-    Py_RETURN_NONE;
+    if (steps > (1ULL << 40)) {
+        PyErr_SetString(PyExc_ValueError, "set_early_leave_steps: steps must be in [0, 2**40]");
+        return nullptr;
+    }
+    return run_op(self, [&]() -> PyObject* {
+        self->engine->set_early_leave_steps(steps);
+        Py_RETURN_NONE;
+    });
 }
 
 // set_step_record_limit(records): NativeEngine.set_step_record_limit checked it (plan.py check_record_limit)
@@ -1296,8 +1304,10 @@ PyObject* Alloc_set_step_record_limit(AllocObject* self, PyObject* args) {
         PyErr_SetString(PyExc_ValueError, "set_step_record_limit: records must be in [1, 2**40]");
         return nullptr;
     }
-    self->engine->set_step_record_limit(records);
-    Py_RETURN_NONE;
+    return run_op(self, [&]() -> PyObject* {   // re-entered from a device call: InternalError (attacker 45, F1)
+        self->engine->set_step_record_limit(records);
+        Py_RETURN_NONE;
+    });
 }
 
 // -- run_ops: a step's ops in one call (Note [A step's ops in one call] in op_table.h) ----------------------

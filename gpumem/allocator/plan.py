@@ -69,8 +69,10 @@ request, and the layer records again. At most :data:`EARLY_DROPS` such drops in 
 of times and then keep the miss rules of Note [Step plans] (a plan those drop leaves the count where it was:
 no early drop until a plan lives). Only a leave, not a miss: a step that meets a kept block or a failed
 mapping still allocates the template's sequence. The step marked mid-way through an install (allocations
-between the mark and the install) is left by design and drops nothing. A give-back that fails there is kept for
-the next mark (the request it came in is served all the same; a lost device still raises). Live on the H200: the WGAN 6.27 %
+between the mark and the install) is left by design and drops nothing, and so does a request that can never fit
+(over the device or the limit: refused at once, the plan kept). A give-back that fails there is kept for the next
+mark (the request it came in is served all the same; a lost device still raises). Per engine,
+``set_early_leave_steps`` sets the bound (0: never; the miss-rule tests). Live on the H200: the WGAN 6.27 %
 (PyTorch's allocator 16.55 %); every other trace of the corpus and of the live records replays as before
 (reports/early-leave.md).
 
@@ -296,7 +298,7 @@ OVERRUN_FACTOR = 4
 """A planned step whose allocations pass this many times its template's drops the plan (Note [When marks stop])."""
 EARLY_LEAVE_STEPS = 16
 """Planned steps from an install within which a step that leaves the plan drops it (Note [A plan that leaves
-early])."""
+early]). Per engine: ``set_early_leave_steps`` (0: never)."""
 EARLY_DROPS = 3
 """Drops in a row for a step that left early, after which the plan's miss rules alone decide (Note [A plan that
 leaves early])."""
@@ -1007,8 +1009,9 @@ class StepPlan:
                 self._reset_recording()
                 self.state = StepState.OFF
                 self._give_back_dropped()
-            elif (self.left and not was_left and self.planned_steps < self.early_leave_steps
-                  and self.early_drops < EARLY_DROPS):   # Note [A plan that leaves early]
+            elif (self.left and not was_left and self.planned_steps < self.early_leave_steps   # Note [A plan that
+                  and self.early_drops < EARLY_DROPS                                             # leaves early]
+                  and not e._never_fits(-(-nbytes // e._round_nbytes) * e._round_nbytes)):
                 self.early_drops += 1
                 self._drop()
                 self._reset_recording()

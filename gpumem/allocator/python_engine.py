@@ -162,9 +162,15 @@ class PythonEngine:
                 raise DeviceClosedError(f"{self.device.spec} is closed")
             return self._allocate_slow(nbytes, size, small, stream)
 
+    def _never_fits(self, size: int) -> bool:
+        """Whether a request of ``size`` rounded bytes can never fit: larger than the device or the limit (refused
+        at once by :meth:`_allocate_slow`, and no step's leave: Note [A plan that leaves early] in :mod:`.plan`)."""
+        return size > self.device.properties().total_nbytes or (self.limit_nbytes is not None
+                                                                and size > self.limit_nbytes)
+
     def _allocate_slow(self, nbytes: int, size: int, small: bool, stream: int) -> int:
         total = self.device.properties().total_nbytes
-        if size > total or (self.limit_nbytes is not None and size > self.limit_nbytes):
+        if self._never_fits(size):
             # can never fit: refuse at once, without waiting for work or flushing the cache
             self._stats.num_ooms += 1
             self.device.mem_info()  # the native engine asks twice here too (the differential test compares calls)

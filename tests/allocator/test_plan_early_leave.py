@@ -5,7 +5,9 @@ EARLY_LEAVE_STEPS planned steps drops it at that allocation, the layer recording
 idle runs given back; at most EARLY_DROPS such drops in a row, after which the miss rules alone decide, until a
 plan lives EARLY_LEAVE_STEPS planned steps; a leave later than that, or a miss (not a leave), drops nothing at
 once; a plan installed mid-step (allocations between the mark and the install) is not dropped by the partial
-step it begins in; both engines decide the same (also ``test_native_differential.py``).
+step it begins in, nor by a request that can never fit; the bound is a setting of each engine
+(``set_early_leave_steps``, 0: never), bad values refused; both engines decide the same (also
+``test_native_differential.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 from gpumem import sim
 from gpumem.allocator import CachingAllocator
 from gpumem.allocator.plan import EARLY_DROPS, EARLY_LEAVE_STEPS, StepState
-from gpumem.errors import InvalidArgumentError
+from gpumem.errors import InternalError, InvalidArgumentError, OutOfMemoryError
 from gpumem.native import load_engine
 from gpumem.units import MiB
 
@@ -181,6 +183,62 @@ def test_a_bad_early_leave_bound_is_refused_and_the_bound_kept(engine, bad):
     alloc = make(engine)
     with pytest.raises(InvalidArgumentError, match="early_leave_steps"):
         alloc._engine.set_early_leave_steps(bad)   # noqa: SLF001
+    loop = Loop(alloc)
+    until_planned(loop)
+    leave(loop)
+    assert alloc.step_plan_info().plans_dropped == 1
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("over", ["limit", "device"])
+def test_a_request_that_can_never_fit_is_refused_and_the_plan_kept(engine, over):
+    """A request larger than the limit or the device is refused at once (out of memory) and is no leave: the plan a
+    planned step early in its life holds stays installed (attacker 45, F2: it was dropped, and the limit's error no
+    longer named the plan's arena)."""
+    alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine=engine, limit=400 * MiB)
+    loop = Loop(alloc)
+    until_planned(loop)
+    loop.step()
+    alloc.mark_step()
+    loop.allocations(LOOP[:2])
+    before = alloc.step_plan_info()
+    nbytes = 401 * MiB if over == "limit" else alloc.device.properties().total_nbytes + 1
+    with pytest.raises(OutOfMemoryError) as err:
+        alloc.allocate(nbytes)
+    info = alloc.step_plan_info()
+    assert info.state is StepState.PLANNED and info.plans_dropped == 0 == before.plans_dropped
+    assert info.mapped_nbytes == before.mapped_nbytes
+    if over == "limit":   # the limit's message says what the plans hold
+        assert "step plan" in str(err.value)
+    loop.allocations(LOOP[2:])
+    alloc.mark_step()
+    assert alloc.step_plan_info().state is StepState.PLANNED
+    alloc.check_consistency()
+
+
+@pytest.mark.skipif("native" not in ENGINES, reason="the native engine is not built")
+@pytest.mark.parametrize("setter", ["set_early_leave_steps", "set_step_record_limit"])
+def test_a_setting_changed_from_inside_a_device_call_raises_and_is_kept(setter):
+    """A setter re-entered from a device call inside an allocation (a finalizer, a Python device) raises
+    InternalError in the native engine, the setting unchanged (attacker 45, F1: a C++ exception unwound through
+    Python and crashed the interpreter)."""
+    dev = sim.SimDevice(sim.get_profile("h200-141gb"))
+    alloc = CachingAllocator(dev, engine="native")
+    real, seen = dev.mem_create, []
+
+    def mem_create(*args):
+        if not seen:
+            try:
+                getattr(alloc._engine, setter)(1)   # noqa: SLF001
+            except BaseException as exc:   # noqa: BLE001 - what the call raised is the test's subject
+                seen.append(exc)
+        return real(*args)
+
+    dev.mem_create = mem_create
+    alloc.free(alloc.allocate(64 * MiB))
+    assert len(seen) == 1 and isinstance(seen[0], InternalError) and "re-enter" in str(seen[0])
+    alloc.check_consistency()
+    # the early-leave bound kept its default: a leave at the first planned step still drops the plan
     loop = Loop(alloc)
     until_planned(loop)
     leave(loop)

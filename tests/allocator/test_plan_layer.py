@@ -35,12 +35,13 @@ from test_native_differential import Pair
 ENGINES = ["python"] + (["native"] if load_engine() is not None else [])
 
 
-def make(engine: str, early_leave_steps: int = 0, **kw) -> CachingAllocator:
-    """An allocator on a simulated H200 whose plans a leaving step does not drop at once unless asked
-    (``early_leave_steps``): these tests are of the miss rules; Note [A plan that leaves early] has its own
-    (``test_plan_early_leave.py``)."""
+def make(engine: str, early_leave_steps: int | None = None, **kw) -> CachingAllocator:
+    """An allocator on a simulated H200; ``early_leave_steps`` 0 for the tests of the miss rules whose plans a
+    leaving step must not drop at once (Note [A plan that leaves early] has its own: ``test_plan_early_leave.py``),
+    None for the engine's default."""
     alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine=engine, **kw)
-    alloc._engine.set_early_leave_steps(early_leave_steps)   # noqa: SLF001
+    if early_leave_steps is not None:
+        alloc._engine.set_early_leave_steps(early_leave_steps)   # noqa: SLF001
     return alloc
 
 
@@ -222,7 +223,7 @@ def test_a_small_allocation_kept_every_tenth_step_does_not_grow_memory(engine):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_missing_three_steps_drops_the_plan_and_gives_the_arena_back(engine):
-    alloc, loop = planned(engine, 5)
+    alloc, loop = planned(engine, 5, early_leave_steps=0)   # the miss rules drop it
     dev = alloc.device
     reservations = len(list(dev.reservation_ranges()))
     assert alloc.step_plan_info().mapped_nbytes > 0
@@ -295,7 +296,7 @@ def test_arena_pointers_are_checked_like_any_other(engine):
 def test_a_failed_release_of_a_dropped_arena_is_retried_and_planning_goes_on(engine):
     """One failed mem_release while a dropped plan's arena is given back: the mark raises, the layer records
     again, the next mark finishes the give-back where it stopped (attacker 7, finding 2)."""
-    alloc, loop = planned(engine, 5)
+    alloc, loop = planned(engine, 5, early_leave_steps=0)   # the miss rules drop it
     dev = alloc.device
     other = [(2 * MiB, 0, 1)] * 3
     for _ in range(MISS_LIMIT):
@@ -612,7 +613,7 @@ def test_a_plan_missed_in_half_of_its_last_eight_steps_or_three_in_a_row_is_drop
     """Finding 1 (its remainder): misses were counted in a row only, so steps that alternate hit and miss
     kept the plan for good. Now half of the last MISS_WINDOW planned steps missed drop it too; three in a
     row still do; one step in three or four missing keeps it (a drop would plan the same steps again)."""
-    alloc = make(engine)
+    alloc = make(engine, early_leave_steps=0)
     loop = Loop(alloc)
     for _ in range(3):
         loop.step()   # the third mark installs the plan: this step is planned step 0, a hit

@@ -26,11 +26,13 @@ from test_plan_layer import LOOP, Loop, check_no_overlap
 ENGINES = ["python"] + (["native"] if load_engine() is not None else [])
 
 
-def make(engine: str, record_limit: int | None = None, early_leave_steps: int = 0, **kw) -> CachingAllocator:
-    """As ``test_plan_layer.make``: plans that a leaving step does not drop at once unless asked (these tests are
-    of the overrun and record bounds, Note [When marks stop])."""
+def make(engine: str, record_limit: int | None = None, early_leave_steps: int | None = None,
+         **kw) -> CachingAllocator:
+    """As ``test_plan_layer.make``: ``early_leave_steps`` 0 for the tests whose plans a leaving step must not drop
+    at once (these are of the overrun and record bounds, Note [When marks stop]), None for the default."""
     alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine=engine, **kw)
-    alloc._engine.set_early_leave_steps(early_leave_steps)   # noqa: SLF001
+    if early_leave_steps is not None:
+        alloc._engine.set_early_leave_steps(early_leave_steps)   # noqa: SLF001
     if record_limit is not None:
         alloc._engine.set_step_record_limit(record_limit)   # noqa: SLF001
     return alloc
@@ -162,7 +164,7 @@ def unmarked_figures(engine: str, loop_steps: int, rotated_steps: int) -> tuple[
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_plan_whose_marks_stop_is_dropped_and_memory_returns_to_the_unmarked_figure(engine):
-    alloc = make(engine)
+    alloc = make(engine, early_leave_steps=0)
     loop = UnmarkedLoop(alloc)
     loop.steps(6, mark=True)
     info = alloc.step_plan_info()
@@ -186,7 +188,7 @@ def test_a_plan_whose_marks_stop_is_dropped_and_memory_returns_to_the_unmarked_f
 def test_a_long_pass_between_two_marks_drops_the_plan_and_training_is_planned_again(engine):
     """An evaluation pass (other sizes, many of them) between two marks: nothing breaks, no two live
     allocations overlap, and three marks after training resumes the plan serves again."""
-    alloc = make(engine)
+    alloc = make(engine, early_leave_steps=0)
     loop = UnmarkedLoop(alloc)
     loop.steps(5, mark=True)
     assert alloc.step_plan_info().steps_hit >= 1
@@ -202,7 +204,7 @@ def test_a_long_pass_between_two_marks_drops_the_plan_and_training_is_planned_ag
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_dropped_arena_keeps_a_block_live_past_the_drop_until_its_free(engine):
-    alloc = make(engine)
+    alloc = make(engine, early_leave_steps=0)
     loop = UnmarkedLoop(alloc)
     loop.steps(5, mark=True)
     kept = loop.live[-1]   # an arena allocation that lives into the next step

@@ -62,16 +62,17 @@ def range_text(lo: float, hi: float | None, *, hi_open: bool = False) -> str:
 
 
 def as_int(value: object, what: str) -> int:
-    """``value`` as a plain ``int`` (any integer type, through :func:`operator.index`); a ``bool`` or a
-    non-integer raises :class:`InvalidArgumentError` naming ``what``."""
-    if value.__class__ is int:
+    """``value`` as a plain ``int`` (any integer type, through :func:`operator.index`); a ``bool``, a non-integer,
+    or an ``__index__`` that raises raises :class:`InvalidArgumentError` naming ``what``."""
+    if type(value) is int:   # type(), not __class__, which an object may fake (attacker 45, F4)
         return value  # type: ignore[return-value]
     if isinstance(value, bool):
         raise InvalidArgumentError(f"{what} must be an int, got bool {value!r}")
     try:
-        return int(operator.index(value))  # type: ignore[arg-type]
-    except TypeError:
+        n = operator.index(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):   # an __index__ may raise anything: a bad value, not a crash
         raise InvalidArgumentError(f"{what} must be an int, got {type(value).__name__} {value!r:.60}") from None
+    return int(n)
 
 
 def check_int_in_range(value: object, what: str, lo: int, hi: int | None = None) -> int:

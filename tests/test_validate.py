@@ -234,3 +234,40 @@ def test_real_ranges_refuse_bools_nan_and_huge_ints():
     for bad in (True, float("nan"), float("inf"), 10**400, "0.5", None, 1.5):
         with pytest.raises(InvalidArgumentError, match=r"f must be a (finite )?number in \[0.0, 1.0\]"):
             validate.check_real_in_range(bad, "f", 0.0, 1.0)
+
+
+class _Index:
+    """An object whose ``__index__`` does what the test says."""
+
+    def __init__(self, index: Callable[[], Any]) -> None:
+        self._index = index
+
+    def __index__(self) -> Any:
+        return self._index()
+
+
+class _FakeInt:
+    """An object that says its class is ``int`` (attacker 45, F4: stored as it was by the Python engine)."""
+
+    __class__ = int   # type: ignore[assignment]
+
+    def __ge__(self, other: object) -> bool:
+        return True
+
+    def __le__(self, other: object) -> bool:
+        return True
+
+
+def _raise(exc: BaseException) -> Any:
+    raise exc
+
+
+@pytest.mark.parametrize("bad", [_Index(lambda: _raise(ValueError("no"))), _Index(lambda: _raise(OverflowError())),
+                                 _FakeInt()],
+                         ids=["index-raises-ValueError", "index-raises-OverflowError", "fake-int"])
+def test_as_int_refuses_what_only_looks_like_an_int(bad):
+    """``as_int``: an ``__index__`` that raises ValueError or OverflowError, and an object that fakes ``__class__``,
+    are InvalidArgumentError naming the argument, not an escaped error or a stored object."""
+    with pytest.raises(InvalidArgumentError, match="early_leave_steps"):
+        validate.as_int(bad, "early_leave_steps")
+

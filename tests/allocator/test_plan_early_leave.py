@@ -243,3 +243,27 @@ def test_a_setting_changed_from_inside_a_device_call_raises_and_is_kept(setter):
     until_planned(loop)
     leave(loop)
     assert alloc.step_plan_info().plans_dropped == 1
+
+
+class _FakeInt:
+    """An object that says its class is ``int`` (attacker 45, F4: the Python engine stored it as it was, the native
+    one raised TypeError)."""
+
+    __class__ = int   # type: ignore[assignment]
+
+    def __ge__(self, other: object) -> bool:
+        return True
+
+    def __le__(self, other: object) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_fake_int_bound_is_refused_by_both_engines_and_the_bound_kept(engine):
+    alloc = make(engine)
+    with pytest.raises(InvalidArgumentError, match="early_leave_steps"):
+        alloc._engine.set_early_leave_steps(_FakeInt())   # noqa: SLF001
+    loop = Loop(alloc)
+    until_planned(loop)
+    leave(loop)
+    assert alloc.step_plan_info().plans_dropped == 1

@@ -71,8 +71,8 @@ no early drop until a plan lives). Only a leave, not a miss: a step that meets a
 mapping still allocates the template's sequence. The step marked mid-way through an install (allocations
 between the mark and the install) is left by design and drops nothing, and so does a request that can never fit
 (over the device or the limit: refused at once, the plan kept). A give-back that fails there is kept for the next
-mark (the request it came in is served all the same; a lost device still raises). Per engine,
-``set_early_leave_steps`` sets the bound (0: never; the miss-rule tests). Live on the H200: the WGAN 6.27 %
+mark (the request it came in is served all the same; a lost device still raises). The engines'
+``set_early_leave_steps`` sets the bound (0: never); it is internal, for the tests of the miss rules. Live on the H200: the WGAN 6.27 %
 (PyTorch's allocator 16.55 %); every other trace of the corpus and of the live records replays as before
 (reports/early-leave.md).
 
@@ -298,7 +298,7 @@ OVERRUN_FACTOR = 4
 """A planned step whose allocations pass this many times its template's drops the plan (Note [When marks stop])."""
 EARLY_LEAVE_STEPS = 16
 """Planned steps from an install within which a step that leaves the plan drops it (Note [A plan that leaves
-early]). Per engine: ``set_early_leave_steps`` (0: never)."""
+early]). The engines' internal ``set_early_leave_steps`` sets it (0: never; the miss-rule tests)."""
 EARLY_DROPS = 3
 """Drops in a row for a step that left early, after which the plan's miss rules alone decide (Note [A plan that
 leaves early])."""

@@ -11,5 +11,5 @@ timeout $(left) python3 -m hil.probes.workloads live --workloads wgan_critic_tra
     --allocators gpumem --steps ${STEPS:-24} --warmup 6 --timeout 200 --tag plain --out /tmp/wc/plain \
     > /tmp/wc/log-plain.txt 2>&1 || echo "rc $?" >> /tmp/wc/log-plain.txt
 echo "total $(( $(date +%s) - START )) s" >> /tmp/wc/log-plain.txt
-tar czf $OUT/wgan-clock.tgz -C /tmp/wc .
+tar czf "$OUT/wgan-clock.tgz" -C /tmp/wc .
 tail -n 8 /tmp/wc/log-clock.txt /tmp/wc/log-plain.txt

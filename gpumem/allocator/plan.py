@@ -267,7 +267,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DeviceLostError, InvalidArgumentError, InvalidPointerError, OutOfMemoryError
-from ..validate import as_int
+from ..validate import as_int, check_int_in_range
 
 log = logging.getLogger(__name__)
 
@@ -1011,7 +1011,7 @@ class StepPlan:
                 self._give_back_dropped()
             elif (self.left and not was_left and self.planned_steps < self.early_leave_steps   # Note [A plan that
                   and self.early_drops < EARLY_DROPS                                             # leaves early]
-                  and not e._never_fits(-(-nbytes // e._round_nbytes) * e._round_nbytes)):
+                  and not e._never_fits(e._rounded(nbytes))):
                 self.early_drops += 1
                 self._drop()
                 self._reset_recording()
@@ -1431,10 +1431,7 @@ def _refused_slots(planned: list[tuple[int, int]], sizes: list[int], streams: li
 
 def check_early_leave_steps(steps: Any) -> int:
     """``steps`` as an early-leave bound (Note [A plan that leaves early]): an int in [0, 2**40]."""
-    steps = as_int(steps, "early_leave_steps")
-    if not 0 <= steps <= 1 << 40:
-        raise InvalidArgumentError(f"early_leave_steps must be in [0, 2**40], got {steps}")
-    return steps
+    return check_int_in_range(steps, "early_leave_steps", 0, 1 << 40)
 
 
 def check_record_limit(records: Any) -> int:

@@ -25,7 +25,7 @@ from .backing import AddressSpaceExhausted, Backing, LimitExceeded, Segment, Seg
 from .block import Block, FreeList, TopDownFreeList, append_block, drop_last_block, merge_blocks, split_block
 from .engine import OomCause, no_history_error, oom_error
 from .fences import StreamFences
-from .plan import StepPlan, check_early_leave_steps, check_generation, check_record_limit
+from .plan import StepPlan, check_generation, check_record_limit
 from .policy import AllocatorPolicy
 from .stats import AllocatorStats
 
@@ -161,6 +161,12 @@ class PythonEngine:
             if self.device.closed:
                 raise DeviceClosedError(f"{self.device.spec} is closed")
             return self._allocate_slow(nbytes, size, small, stream)
+
+    def _rounded(self, nbytes: int) -> int:
+        """``policy.round(nbytes)`` (the hot path, :meth:`_allocate_engine`, writes it out; Note [The hot path,
+        read once])."""
+        r = self._round_nbytes
+        return -(-nbytes // r) * r
 
     def _never_fits(self, size: int) -> bool:
         """Whether a request of ``size`` rounded bytes can never fit: larger than the device or the limit (refused
@@ -719,7 +725,6 @@ class PythonEngine:
 
     def set_early_leave_steps(self, steps: int) -> None:
         """Planned steps within which a leave drops the plan (Note [A plan that leaves early] in :mod:`.plan`)."""
-        steps = check_early_leave_steps(steps)
         with self._lock:
             self._plan.set_early_leave_steps(steps)
 

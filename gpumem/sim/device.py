@@ -328,6 +328,8 @@ class SimDevice(Device):
         self._prices_busy = profile.latency.busy_factor(0) != 1.0 or profile.latency.busy_factor_per_decade != 0.0
         self._n_mappings = 0
         """Live mappings (Note [A busy device prices VMM calls higher] in :mod:`gpumem.sim.latency`)."""
+        self._vmm_end_s: float | None = None
+        """When the last call of BUSY_PRICED_CALLS ended (Note [A cold VMM call costs more]); None before the first."""
         self.sanitizer = sanitizer
         """``"raise"``, ``"count"`` or ``"off"`` (see the module docstring)."""
         self.hazards: list[Hazard] = []
@@ -417,12 +419,18 @@ class SimDevice(Device):
         """The cost of a call of :data:`~gpumem.sim.latency.BUSY_PRICED_CALLS` now: its idle cost, times the
         busy factor at the mappings held while any stream has unfinished work (Note [A busy device prices
         VMM calls higher] in :mod:`gpumem.sim.latency`)."""
-        if not self.streams._n_pending:  # noqa: SLF001 - the device is idle: a hot check
-            return idle_cost_us
-        self.stats.busy_priced_calls += 1
-        if not self._prices_busy:  # the default model: every call at its idle price
-            return idle_cost_us
-        return idle_cost_us * self.latency.busy_factor(self._n_mappings)
+        lat = self.latency
+        if lat.cold_vmm_us:   # Note [A cold VMM call costs more] in gpumem.sim.latency
+            now = self._clock.now
+            if self._vmm_end_s is not None:
+                idle_cost_us += lat.cold_vmm_cost_us((now - self._vmm_end_s) * 1e6)
+        if self.streams._n_pending:  # noqa: SLF001 - the device is busy: a hot check
+            self.stats.busy_priced_calls += 1
+            if self._prices_busy:  # not the default model, which prices every call idle
+                idle_cost_us *= lat.busy_factor(self._n_mappings)
+        if lat.cold_vmm_us:
+            self._vmm_end_s = now + idle_cost_us * 1e-6
+        return idle_cost_us
 
     def runs_alone(self) -> bool:
         """Whether nothing but its caller's own calls can happen on this device now: no tenants, no planned
@@ -444,13 +452,19 @@ class SimDevice(Device):
         :class:`~gpumem.errors.UnsupportedOperationError`.
 
         Raises:
-            UnsupportedOperationError: the device does not run alone (:meth:`runs_alone`); nothing attached.
+            UnsupportedOperationError: the device does not run alone (:meth:`runs_alone`), or its latency model prices
+                a cold VMM call higher (the twin's own calls would not; Note [A cold VMM call costs more] in
+                :mod:`gpumem.sim.latency`); nothing attached.
         """
         with self._lock:
             if not self.runs_alone():
                 raise UnsupportedOperationError(
                     f"the idle device twin needs a simulated device with nothing else on it (no tenants, faults per "
                     f"call, GPU work or other twin): {self.spec} is not one")
+            if self.latency.cold_vmm_us:
+                raise UnsupportedOperationError(
+                    f"the idle device twin prices its calls without the cold-call term: {self.spec}'s latency model "
+                    f"has cold_vmm_us={self.latency.cold_vmm_us!r}")
             self._twins.append(on_close)
 
     def detach_idle_twin(self, on_close: Callable[[], None]) -> None:

@@ -85,6 +85,24 @@ The same logs price ``cuMemUnmap`` inside the program at twice its calibration o
 page). The other VMM calls cost what the calibration says there (create 1.0-1.5x, map 0.45-0.75x, set access
 0.86-1.3x). A real device's time passes by itself: ``engine_work`` does nothing there.
 
+Note [A cold VMM call costs more]
+--------------------------------
+The calibration timed each call in a loop, each right after the last. Inside a program a VMM call mostly comes
+alone, after the program's own work: timed live in seven tuning runs on the H200 (the four ``ct-`` servers, and GPT-2,
+MoE and ResNet-50 trained without step plans: ``reports/hil/engine-time-training-h200-2026-12-02.md``), a
+``cuMemCreate`` or ``cuMemUnmap`` made within 5 µs of the previous VMM call costs what the calibration says, one made
+after 2-5 ms 56 µs more at the median, after 50 ms or more 111 µs more; the first create of a steal that decided a
+replay's divergence took 61 µs, its map 55 (the model: 11 and 2). So a call of :data:`BUSY_PRICED_CALLS` made ``gap``
+µs after the previous one ended costs ``cold_vmm_us * ln(1 + gap / cold_vmm_gap_us)`` more: 18 µs and 150 µs, fitted
+on those logs (least absolute error, each run alike; median error 6.9 µs against 13.6 without; on the check run,
+Llama with variable lengths, 4.3 against 5.0). Other calls (events, ``mem_info``) do not warm the path.
+Off by default (``cold_vmm_us=0``; :data:`MEASURED_COLD_VMM_US` holds the fit). On the traces replayed on their GPU
+clock it predicts the 11 tuning rows within 0.29 points (0.062 mean, against 1.33 and 0.217 off), but not the 24 check
+rows better (0.299 mean against 0.318, worst 1.47 against 1.43); under the default ``trace`` timing it changes
+``python -m sim.predict_live`` by nothing beyond noise (tuning 0.088 -> 0.092 pp mean, check 0.064 both), where the
+engine's own time is already in the trace's gaps. The idle twin does not price it and refuses such a device.
+Not modelled: the run-to-run spread of the term (the check run's extras are about 0.7x the tuning runs').
+
 Simulated time only moves the SimPy clock; nothing sleeps for real.
 """
 
@@ -113,6 +131,9 @@ Points = tuple[tuple[int, float], ...]
 #: :meth:`LatencyModel.as_measured` (Note [A busy device prices VMM calls higher]).
 MEASURED_BUSY_FACTOR_BASE = 1.18
 MEASURED_BUSY_FACTOR_PER_DECADE = 0.33
+#: The cold-call term fitted on the live call logs of seven tuning runs, for :attr:`LatencyModel.cold_vmm_us` (its
+#: scale, :attr:`LatencyModel.cold_vmm_gap_us`, defaults to the fitted 150 µs; Note [A cold VMM call costs more]).
+MEASURED_COLD_VMM_US = 18.0
 
 
 def interpolate_us(points: Points, nbytes: int, sizes: Sequence[int] | None = None) -> float:
@@ -181,10 +202,15 @@ class LatencyModel:
     :meth:`gpumem.device.Device.engine_work` (Note [The engine's own time]); at least 0."""
     engine_index_pages: float = 274.0
     """The scale of :attr:`engine_index_us`'s curve, in pages; at least 1."""
+    cold_vmm_us: float = 0.0
+    """A call of :data:`BUSY_PRICED_CALLS` made ``gap`` µs after the previous one ended costs
+    ``cold_vmm_us * ln(1 + gap / cold_vmm_gap_us)`` more (Note [A cold VMM call costs more]); at least 0."""
+    cold_vmm_gap_us: float = 150.0
+    """The scale of :attr:`cold_vmm_us`'s curve, in µs; at least 1."""
 
     def __post_init__(self) -> None:
         for knob, low in (("busy_factor_base", 1.0), ("busy_factor_per_decade", 0.0), ("engine_index_us", 0.0),
-                          ("engine_index_pages", 1.0)):
+                          ("engine_index_pages", 1.0), ("cold_vmm_us", 0.0), ("cold_vmm_gap_us", 1.0)):
             value = getattr(self, knob)
             try:  # any real number type (numpy's too), not a bool
                 finite = (isinstance(value, numbers.Real) and not isinstance(value, bool)
@@ -193,10 +219,11 @@ class LatencyModel:
                 finite = False
             if not (finite and value >= low):
                 raise InvalidArgumentError(f"LatencyModel.{knob} must be a finite number >= {low:g}, not {value!r:.60}")
-        # a walk's time stays finite: at most engine_index_us * ln(1 + 2**63), 44x it
-        if self.engine_index_us * math.log1p(2.0**63) > 1e12:
-            raise InvalidArgumentError(f"LatencyModel.engine_index_us must be at most {1e12 / math.log1p(2.0**63):.3g} "
-                                       f"µs, not {self.engine_index_us!r}")
+        # a walk's time stays finite: at most engine_index_us * ln(1 + 2**63), 44x it; so does a cold call's extra
+        for knob in ("engine_index_us", "cold_vmm_us"):
+            if getattr(self, knob) * math.log1p(2.0**63) > 1e12:
+                raise InvalidArgumentError(f"LatencyModel.{knob} must be at most {1e12 / math.log1p(2.0**63):.3g} "
+                                           f"µs, not {getattr(self, knob)!r}")
         waits = self.waits_for_device
         if isinstance(waits, (tuple, list)):
             waits = frozenset(waits)
@@ -241,6 +268,14 @@ class LatencyModel:
     def _engine_index_cost_us(self, pages_indexed: int) -> float:
         """:meth:`engine_index_cost_us` of a count already checked (``Device.engine_work`` checked it)."""
         return self.engine_index_us * math.log1p(pages_indexed / self.engine_index_pages)
+
+    def cold_vmm_cost_us(self, gap_us: float) -> float:
+        """What a VMM call made ``gap_us`` after the previous one ended costs beyond its price (Note [A cold VMM
+        call costs more]): 0 for a gap of 0 or less, or when :attr:`cold_vmm_us` is 0. The gap is capped at 2**63
+        µs, so the extra stays finite."""
+        if not self.cold_vmm_us or not gap_us > 0:
+            return 0.0
+        return self.cold_vmm_us * math.log1p(min(gap_us, 2.0**63) / self.cold_vmm_gap_us)
 
     def malloc_free_us(self, nbytes: int) -> float:
         """Cost of a ``cudaMalloc`` + ``cudaFree`` pair of ``nbytes``."""

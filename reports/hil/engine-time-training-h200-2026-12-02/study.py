@@ -1,0 +1,151 @@
+"""The tables of ``reports/hil/engine-time-training-h200-2026-12-02.md`` (simulator and call logs, this machine's CPU)::
+
+    PYTHONPATH=. python reports/hil/engine-time-training-h200-2026-12-02/study.py cold      # the cold term, ~1 min
+    PYTHONPATH=. python reports/hil/engine-time-training-h200-2026-12-02/study.py replays   # ~5 min, 2 processes
+
+``cold`` reads the compact call logs of the tuning runs (the four ``ct-`` servers of
+``where-replays-part-2026-11-30`` and this record's GPT-2, MoE and ResNet-50 without step plans), takes each VMM
+call's time less the run's median for that call made within 5 µs of the previous VMM call, and fits ``k * ln(1 +
+gap / g)`` to it (least absolute error, each run weighed alike); the check run (Llama with variable lengths) is
+tabled beside it. ``replays`` replays every shipped trace that has its GPU clock and live reserves on its clock,
+with the cold term off and on, and tables live against predicted overhead by part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import gzip
+import json
+import os
+import sys
+from multiprocessing import Pool
+
+import numpy as np
+
+from gpumem.replay_compare import compare_live
+from gpumem.sim import SimDevice, get_profile
+from gpumem.sim.latency import MEASURED_COLD_VMM_US, LatencyModel
+from gpumem.trace import load_trace
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HIL = os.path.dirname(HERE)
+RUN = os.path.join(HERE, "run")
+W = os.path.join(HIL, "where-replays-part-2026-11-30")
+VMM = ("cuMemCreate", "cuMemMap", "cuMemUnmap", "cuMemSetAccess", "cuMemRelease")
+FITTED = ("cuMemCreate", "cuMemUnmap", "cuMemMap", "cuMemRelease")
+TUNING = ([(os.path.join(W, f"calls-{r}.tsv.gz"), os.path.join(W, f"ct-{r}.gmt.gz"))
+           for r in ("a-b16", "a-b12", "b-b16", "b-b20")]
+          + [(os.path.join(RUN, f"calls-{r}.tsv.gz"), os.path.join(RUN, r, f"{w}.gpumem.gmt.gz"))
+             for r, w in (("gpt2", "gpt2_train"), ("moe", "moe_train"), ("resnet", "resnet50_train"))])
+CHECK = [(os.path.join(RUN, "calls-varlen.tsv.gz"), os.path.join(RUN, "varlen", "llama_varlen_train.gpumem.gmt.gz"))]
+EDGES = (0, 5, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, np.inf)
+
+
+def _extras(calls: str, trace: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per VMM call of :data:`FITTED`: the gap since the previous VMM call ended (µs) and its time less the run's
+    warm median of that call."""
+    tr = load_trace(trace, progress=False)
+    with gzip.open(calls, "rt") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    op = np.array([int(r[0]) for r in rows])
+    name = np.array([r[1] for r in rows])
+    start = tr.times_us[np.minimum(op, len(tr.times_us) - 1)] + np.array([float(r[2]) for r in rows])
+    dur = np.array([float(r[3]) for r in rows])
+    idx = np.flatnonzero(np.isin(name, VMM))
+    gap = np.full(len(rows), np.nan)
+    gap[idx[1:]] = np.maximum(start[idx[1:]] - (start[idx[:-1]] + dur[idx[:-1]]), 0.0)
+    gaps, extra = [], []
+    for n in FITTED:
+        m = (name == n) & ~np.isnan(gap)
+        warm = m & (gap < 5)
+        if warm.sum() >= 5:
+            gaps.append(gap[m])
+            extra.append(dur[m] - np.median(dur[warm]))
+    return np.concatenate(gaps), np.concatenate(extra)
+
+
+def _pool(runs):
+    parts = [_extras(c, t) for c, t in runs]
+    g = np.concatenate([p[0] for p in parts])
+    x = np.concatenate([p[1] for p in parts])
+    w = np.concatenate([np.full(len(p[0]), 1.0 / len(p[0])) for p in parts])
+    return g, x, w
+
+
+def cold() -> None:
+    g, x, w = _pool(TUNING)
+    best = min((float(np.sum(w * np.abs(x - k * np.log1p(g / g0)))), float(k), g0)
+               for g0 in (10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000) for k in np.arange(2, 40, 0.25))
+    _, k, g0 = best
+    print(f"fit on the tuning logs: extra = {k:g} µs * ln(1 + gap / {g0:g} µs)\n")
+    gc, xc, _ = _pool(CHECK)
+    print("| gap since the previous VMM call | tuning: calls | extra, median | model | check: calls | extra, median "
+          "| model |\n|---|---:|---:|---:|---:|---:|---:|")
+    for a, b in zip(EDGES[:-1], EDGES[1:]):
+        cells = []
+        for gg, xx in ((g, x), (gc, xc)):
+            s = (gg >= a) & (gg < b)
+            cells += ([f"{s.sum():,}", f"{np.median(xx[s]):.1f} µs", f"{np.median(k * np.log1p(gg[s] / g0)):.1f} µs"]
+                      if s.sum() >= 5 else ["", "", ""])
+        print(f"| {a:g}-{b:g} µs | " + " | ".join(cells) + " |")
+    for label, (gg, xx) in (("tuning", (g, x)), ("check", (gc, xc))):
+        s = gg >= 5
+        print(f"{label}, calls 5 µs or more after the previous: median |error| {np.median(np.abs(xx[s] - k * np.log1p(gg[s] / g0))):.1f} µs "
+              f"with the term, {np.median(np.abs(xx[s])):.1f} without")
+
+
+def _clock_traces() -> list[str]:
+    out = []
+    for f in sorted(glob.glob(os.path.join(HIL, "**", "*.gmt.gz"), recursive=True)):
+        with gzip.open(f, "rt") as fh:
+            h = json.loads(fh.readline())
+        if h.get("version") == 6 and h.get("gpu_clock") is True and "multistream" not in f:
+            out.append(f)
+    return out
+
+
+def _part(f: str) -> str:
+    """The tuning rows: the ``ct-`` servers (whose call logs fitted the term), this record's GPT-2, MoE and ResNet-50,
+    and the tuning workloads' traces (GPT-2, bf16 GPT-2, ResNet-50, MoE training); the rest check."""
+    tuning = ("where-replays-part" in f or ("engine-time-training" in f and "varlen" not in f)
+              or ("workloads-today" in f and ("gpt2_train_bf16" in f or "moe_train" in f))
+              or ("live-reserve" in f and ("gpt2_train" in f or "resnet50" in f)))
+    return "tuning" if tuning else "check"
+
+
+def _replay(args: tuple[str, float]) -> tuple[str, float, float, float]:
+    f, cold_us = args
+    dev = SimDevice(dataclasses.replace(get_profile("h200-141gb"), latency=LatencyModel(cold_vmm_us=cold_us)))
+    c = compare_live(load_trace(f, progress=False), dev, gpu_timing="gpu-clock")
+    peak = c.result.peak_live_bytes
+    return f, cold_us, 100 * (c.live_peak_reserved_nbytes / peak - 1), 100 * (c.replayed_peak_reserved_nbytes / peak - 1)
+
+
+def replays() -> None:
+    jobs = [(f, c) for f in _clock_traces() for c in (0.0, MEASURED_COLD_VMM_US)]
+    with Pool(2) as pool:
+        got = pool.map(_replay, jobs)
+    by = {}
+    for f, c, live, rep in got:
+        by.setdefault(f, {})[c] = (live, rep)
+    print("| trace | part | live | on its clock | with the cold term |\n|---|---|---:|---:|---:|")
+    for f, v in by.items():
+        live = v[0.0][0]
+        print(f"| {os.path.relpath(f, HIL)} | {_part(f)} | {live:.2f} % | {v[0.0][1]:.2f} % ({v[0.0][1] - live:+.2f}) | "
+              f"{v[MEASURED_COLD_VMM_US][1]:.2f} % ({v[MEASURED_COLD_VMM_US][1] - live:+.2f}) |")
+    for part in ("tuning", "check"):
+        for c in (0.0, MEASURED_COLD_VMM_US):
+            e = [abs(v[c][1] - v[c][0]) for f, v in by.items() if _part(f) == part]
+            print(f"{part}, cold_vmm_us={c:g}: {len(e)} rows, mean |error| {np.mean(e):.3f} pp, worst {max(e):.2f}, "
+                  f"within 1 pp {sum(x <= 1 for x in e)}, within 0.5 pp {sum(x <= 0.5 for x in e)}")
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else ""
+    if what == "cold":
+        cold()
+    elif what == "replays":
+        replays()
+    else:
+        sys.exit(__doc__)

@@ -1,0 +1,88 @@
+"""Note [A cold VMM call costs more]: a VMM call made long after the previous one costs more, by the latency
+model's cold term; off by default (every figure as before), and the idle twin, which does not price it, refuses
+a device that has it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gpumem import InvalidArgumentError, MiB
+from gpumem.errors import UnsupportedOperationError
+from gpumem.sim import LatencyModel, SimDevice, get_profile
+from gpumem.sim.latency import MEASURED_COLD_VMM_US
+
+US = 1e-6
+GRAN = 2 * MiB
+
+
+def _device(latency: LatencyModel) -> SimDevice:
+    return SimDevice(dataclasses.replace(get_profile("h200-141gb"), latency=latency))
+
+
+def _cost_us(dev: SimDevice, fn) -> float:
+    t0 = dev.now_s
+    fn()
+    return (dev.now_s - t0) / US
+
+
+def test_off_by_default_and_the_measured_term():
+    lat = LatencyModel()
+    assert lat.cold_vmm_us == 0.0 and lat.cold_vmm_cost_us(1e6) == 0.0
+    on = LatencyModel(cold_vmm_us=MEASURED_COLD_VMM_US)
+    assert on.cold_vmm_gap_us == 150.0
+    assert on.cold_vmm_cost_us(150.0) == pytest.approx(18.0 * math.log(2.0))
+    assert on.cold_vmm_cost_us(0.0) == on.cold_vmm_cost_us(-5.0) == on.cold_vmm_cost_us(math.nan) == 0.0
+    assert math.isfinite(on.cold_vmm_cost_us(math.inf))
+
+
+@given(a=st.floats(0.0, 1e9), b=st.floats(0.0, 1e9))
+def test_a_longer_gap_never_costs_less(a, b):
+    lat = LatencyModel(cold_vmm_us=MEASURED_COLD_VMM_US)
+    lo, hi = sorted((a, b))
+    assert 0.0 <= lat.cold_vmm_cost_us(lo) <= lat.cold_vmm_cost_us(hi)
+
+
+@pytest.mark.parametrize("knob,bad", [("cold_vmm_us", -0.1), ("cold_vmm_us", math.nan), ("cold_vmm_us", math.inf),
+                                      ("cold_vmm_us", True), ("cold_vmm_us", "18"), ("cold_vmm_us", 1e12),
+                                      ("cold_vmm_gap_us", 0.5), ("cold_vmm_gap_us", math.inf),
+                                      ("cold_vmm_gap_us", None)])
+def test_bad_terms_are_refused(knob, bad):
+    with pytest.raises(InvalidArgumentError, match=knob):
+        LatencyModel(**{knob: bad})
+
+
+def test_the_device_prices_a_call_by_the_gap_since_the_last_vmm_call_ended():
+    lat = LatencyModel(cold_vmm_us=MEASURED_COLD_VMM_US)
+    dev = _device(lat)
+    price = lat.mem_create_cost_us(GRAN)
+    first = _cost_us(dev, lambda: dev.mem_create(GRAN))   # no VMM call before: no gap to price
+    assert first == pytest.approx(price)
+    warm = _cost_us(dev, lambda: dev.mem_create(GRAN))    # right after the previous one
+    assert warm == pytest.approx(price)
+    dev.advance(0.010)                                      # 10 ms of the program's own work
+    cold = _cost_us(dev, lambda: dev.mem_create(GRAN))
+    assert cold == pytest.approx(price + lat.cold_vmm_cost_us(10_000.0))
+    dev.mem_info()                                          # not a VMM call: its time is part of the gap
+    after = _cost_us(dev, lambda: dev.mem_create(GRAN))
+    assert after == pytest.approx(price + lat.cold_vmm_cost_us(lat.mem_get_info_us))
+
+
+def test_off_the_calls_cost_what_they_did():
+    dev, plain = _device(LatencyModel(cold_vmm_us=0.0)), _device(LatencyModel())
+    for d in (dev, plain):
+        d.mem_create(GRAN)
+        d.advance(0.5)
+    assert _cost_us(dev, lambda: dev.mem_create(GRAN)) == _cost_us(plain, lambda: plain.mem_create(GRAN))
+
+
+def test_the_idle_twin_refuses_a_device_with_the_cold_term():
+    dev = _device(LatencyModel(cold_vmm_us=MEASURED_COLD_VMM_US))
+    with pytest.raises(UnsupportedOperationError, match="cold"):
+        dev.attach_idle_twin(lambda: None)
+    assert not dev._twins   # noqa: SLF001 - nothing attached
+    _device(LatencyModel()).attach_idle_twin(lambda: None)

@@ -101,8 +101,9 @@ class NativeEngine:
         :meth:`lag_before` before it and, for an allocation, :meth:`lag_after` after it.
 
         Raises:
-            UnsupportedOperationError: the device is not such a device, or (``gpu_model``) its latency model prices
-                calls on a busy device higher or its sanitizer does not raise (nothing changed).
+            UnsupportedOperationError: the device is not such a device, its latency model prices a cold VMM call
+                higher (``cold_vmm_us``), or (``gpu_model``) it prices calls on a busy device higher or its sanitizer
+                does not raise (nothing changed).
             InvalidArgumentError: the allocator is closed, the twin is on already, the engine holds a chunk or an
                 event, or (``gpu_model``) a constant is out of range (nothing changed).
         """

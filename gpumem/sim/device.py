@@ -418,17 +418,18 @@ class SimDevice(Device):
     def _priced(self, idle_cost_us: float) -> float:
         """The cost of a call of :data:`~gpumem.sim.latency.BUSY_PRICED_CALLS` now: its idle cost, times the
         busy factor at the mappings held while any stream has unfinished work (Note [A busy device prices
-        VMM calls higher] in :mod:`gpumem.sim.latency`)."""
+        VMM calls higher] in :mod:`gpumem.sim.latency`), plus the cold term for the time since the previous such
+        call ended (Note [A cold VMM call costs more] there)."""
         lat = self.latency
-        if lat.cold_vmm_us:   # Note [A cold VMM call costs more] in gpumem.sim.latency
-            now = self._clock.now
-            if self._vmm_end_s is not None:
-                idle_cost_us += lat.cold_vmm_cost_us((now - self._vmm_end_s) * 1e6)
         if self.streams._n_pending:  # noqa: SLF001 - the device is busy: a hot check
             self.stats.busy_priced_calls += 1
             if self._prices_busy:  # not the default model, which prices every call idle
                 idle_cost_us *= lat.busy_factor(self._n_mappings)
-        if lat.cold_vmm_us:
+        cold_us = lat.cold_vmm_us
+        if cold_us:
+            now = self._clock.now
+            if self._vmm_end_s is not None:
+                idle_cost_us += lat._cold_vmm_cost_us((now - self._vmm_end_s) * 1e6)  # noqa: SLF001
             self._vmm_end_s = now + idle_cost_us * 1e-6
         return idle_cost_us
 
@@ -463,8 +464,8 @@ class SimDevice(Device):
                     f"call, GPU work or other twin): {self.spec} is not one")
             if self.latency.cold_vmm_us:
                 raise UnsupportedOperationError(
-                    f"the idle device twin prices its calls without the cold-call term: {self.spec}'s latency model "
-                    f"has cold_vmm_us={self.latency.cold_vmm_us!r}")
+                    f"the idle device twin prices its calls without the cold-call term: this device's latency model "
+                    f"has cold_vmm_us={self.latency.cold_vmm_us!r} (use one with cold_vmm_us=0 for the twin)")
             self._twins.append(on_close)
 
     def detach_idle_twin(self, on_close: Callable[[], None]) -> None:
@@ -890,6 +891,8 @@ class SimDevice(Device):
             self._wait_for(work)
         self.stats.device_waits += 1
         self.stats.device_wait_s += self._clock.now - start_s
+        if self._vmm_end_s is not None:   # the call's own wait is not a pause before it (Note [A cold VMM call ...])
+            self._vmm_end_s += self._clock.now - start_s
 
     def _wait_for(self, work: Work | None) -> None:
         """Run simulated time until ``work`` has finished (tenants and other streams act meanwhile)."""

@@ -88,20 +88,22 @@ page). The other VMM calls cost what the calibration says there (create 1.0-1.5x
 Note [A cold VMM call costs more]
 --------------------------------
 The calibration timed each call in a loop, each right after the last. Inside a program a VMM call mostly comes
-alone, after the program's own work: timed live in seven tuning runs on the H200 (the four ``ct-`` servers, and GPT-2,
-MoE and ResNet-50 trained without step plans: ``reports/hil/engine-time-training-h200-2026-12-02.md``), a
-``cuMemCreate`` or ``cuMemUnmap`` made within 5 µs of the previous VMM call costs what the calibration says, one made
-after 2-5 ms 56 µs more at the median, after 50 ms or more 111 µs more; the first create of a steal that decided a
-replay's divergence took 61 µs, its map 55 (the model: 11 and 2). So a call of :data:`BUSY_PRICED_CALLS` made ``gap``
-µs after the previous one ended costs ``cold_vmm_us * ln(1 + gap / cold_vmm_gap_us)`` more: 18 µs and 150 µs, fitted
-on those logs (least absolute error, each run alike; median error 6.9 µs against 13.6 without; on the check run,
-Llama with variable lengths, 4.3 against 5.0). Other calls (events, ``mem_info``) do not warm the path.
-Off by default (``cold_vmm_us=0``; :data:`MEASURED_COLD_VMM_US` holds the fit). On the traces replayed on their GPU
-clock it predicts the 11 tuning rows within 0.29 points (0.062 mean, against 1.33 and 0.217 off), but not the 24 check
-rows better (0.299 mean against 0.318, worst 1.47 against 1.43); under the default ``trace`` timing it changes
-``python -m sim.predict_live`` by nothing beyond noise (tuning 0.088 -> 0.092 pp mean, check 0.064 both), where the
-engine's own time is already in the trace's gaps. The idle twin does not price it and refuses such a device.
-Not modelled: the run-to-run spread of the term (the check run's extras are about 0.7x the tuning runs').
+after the program's own work, and then costs more: found first in the four ``ct-`` servers' call logs
+(``reports/hil/workloads-today-h200-2026-11-30.md`` §5), timed again in three training runs without step plans
+(GPT-2, MoE, ResNet-50; ``reports/hil/engine-time-training-h200-2026-12-02.md``). Over those seven tuning logs a
+create, map, unmap or release made within 5 µs of the previous VMM call costs its warm price, one after 2-5 ms 56 µs
+more at the median, after 50 ms or more 111 µs more. So a call of :data:`BUSY_PRICED_CALLS` made ``gap`` µs after
+the previous one of them ended costs ``cold_vmm_us * ln(1 + gap / cold_vmm_gap_us)`` more: 18 µs and 150 µs, fitted
+on those logs (least absolute error, each run alike; median error 6.9 µs against 13.6 without, on the check run 4.3
+against 5.0). Other calls (events, ``mem_info``) do not warm the path. It does not explain every slow call: in the
+op that parted a Llama replay from live, the term gives the create's 61 µs, not the 55 µs map right after it.
+Off by default (:data:`MEASURED_COLD_VMM_US` holds the fit). The shipped unmap price (38.7 µs, Note [The engine's
+own time]) is the median of warm and cold unmaps together: with the term, the logs' model prices unmaps at their warm
+30.2 µs. Replayed on their GPU clocks (that record, §3), that model predicts the tuning rows better than the shipped
+one and the check rows worse; the term on the shipped unmap (cold unmaps counted twice) is better on both, but a
+model whose parts the logs contradict is not adopted for its totals, as in the first study. Under the default
+``trace`` timing the term gains nothing (the engine's own time is already in the trace's gaps). The idle twin does
+not price it and refuses such a device.
 
 Simulated time only moves the SimPy clock; nothing sleeps for real.
 """
@@ -152,7 +154,19 @@ def interpolate_us(points: Points, nbytes: int, sizes: Sequence[int] | None = No
 
 @dataclass(frozen=True)
 class LatencyModel:
-    """Simulated cost of each device call, in microseconds (Note [Latency calibration])."""
+    """Simulated cost of each device call, in microseconds (Note [Latency calibration]).
+
+    The defaults price every call as calibrated, warm and on an idle device. Optional terms, each off by default:
+    ``waits_for_device`` (VMM calls that wait for queued work), the busy factor (:meth:`as_measured`; Note [A busy
+    device prices VMM calls higher]) and the cold-call term (``cold_vmm_us``; Note [A cold VMM call costs more])::
+
+        import dataclasses
+        from gpumem.sim import SimDevice, get_profile
+        from gpumem.sim.latency import MEASURED_COLD_VMM_US, LatencyModel
+        profile = get_profile("h200-141gb")
+        lat = LatencyModel(cold_vmm_us=MEASURED_COLD_VMM_US, mem_unmap_mapping_us=30.2)   # unmaps at their warm price
+        dev = SimDevice(dataclasses.replace(profile, latency=lat))
+    """
 
     malloc_free_points: Points = ((0, 84.6), (1 * MiB, 84.6), (64 * MiB, 152.0), (1 * GiB, 641.4))
     malloc_share: float = 0.6
@@ -203,8 +217,11 @@ class LatencyModel:
     engine_index_pages: float = 274.0
     """The scale of :attr:`engine_index_us`'s curve, in pages; at least 1."""
     cold_vmm_us: float = 0.0
-    """A call of :data:`BUSY_PRICED_CALLS` made ``gap`` µs after the previous one ended costs
-    ``cold_vmm_us * ln(1 + gap / cold_vmm_gap_us)`` more (Note [A cold VMM call costs more]); at least 0."""
+    """A call of :data:`BUSY_PRICED_CALLS` made ``gap`` µs after the previous one of them ended costs
+    ``cold_vmm_us * ln(1 + gap / cold_vmm_gap_us)`` more, added after the busy factor (fitted over the live warm
+    price), growing without bound but slowly (about 158 µs at a 1 s gap; measured to 111-117 µs past 20 ms); a wait
+    for the device the call itself makes (:attr:`waits_for_device`) is not part of the gap (Note [A cold VMM call
+    costs more]); at least 0."""
     cold_vmm_gap_us: float = 150.0
     """The scale of :attr:`cold_vmm_us`'s curve, in µs; at least 1."""
 
@@ -219,6 +236,11 @@ class LatencyModel:
                 finite = False
             if not (finite and value >= low):
                 raise InvalidArgumentError(f"LatencyModel.{knob} must be a finite number >= {low:g}, not {value!r:.60}")
+            # kept as a plain float: a numpy float32 or a float subclass would carry its arithmetic into the clock
+            value = float(value)
+            if not (math.isfinite(value) and value >= low):
+                raise InvalidArgumentError(f"LatencyModel.{knob} must be a finite number >= {low:g}, not {value!r:.60}")
+            object.__setattr__(self, knob, value)
         # a walk's time stays finite: at most engine_index_us * ln(1 + 2**63), 44x it; so does a cold call's extra
         for knob in ("engine_index_us", "cold_vmm_us"):
             if getattr(self, knob) * math.log1p(2.0**63) > 1e12:
@@ -271,8 +293,18 @@ class LatencyModel:
 
     def cold_vmm_cost_us(self, gap_us: float) -> float:
         """What a VMM call made ``gap_us`` after the previous one ended costs beyond its price (Note [A cold VMM
-        call costs more]): 0 for a gap of 0 or less, or when :attr:`cold_vmm_us` is 0. The gap is capped at 2**63
-        µs, so the extra stays finite."""
+        call costs more]): 0 for a gap of 0 or less (or NaN), or when :attr:`cold_vmm_us` is 0. The gap is capped at
+        2**63 µs, so the extra stays finite.
+
+        Raises:
+            InvalidArgumentError: ``gap_us`` is not a real number (a bool is not one).
+        """
+        if isinstance(gap_us, bool) or not isinstance(gap_us, numbers.Real):
+            raise InvalidArgumentError(f"cold_vmm_cost_us: gap_us must be a real number, not {gap_us!r:.60}")
+        return self._cold_vmm_cost_us(float(gap_us))
+
+    def _cold_vmm_cost_us(self, gap_us: float) -> float:
+        """:meth:`cold_vmm_cost_us` of a float gap (the device's clock)."""
         if not self.cold_vmm_us or not gap_us > 0:
             return 0.0
         return self.cold_vmm_us * math.log1p(min(gap_us, 2.0**63) / self.cold_vmm_gap_us)

@@ -4,7 +4,6 @@ a device that has it."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -13,21 +12,12 @@ from hypothesis import strategies as st
 
 from gpumem import InvalidArgumentError, MiB
 from gpumem.errors import UnsupportedOperationError
-from gpumem.sim import LatencyModel, SimDevice, get_profile
+from gpumem.sim import LatencyModel
 from gpumem.sim.latency import MEASURED_COLD_VMM_US
 
-US = 1e-6
+from tests.sim.test_sim_busy_latency import _cost_us, _device
+
 GRAN = 2 * MiB
-
-
-def _device(latency: LatencyModel) -> SimDevice:
-    return SimDevice(dataclasses.replace(get_profile("h200-141gb"), latency=latency))
-
-
-def _cost_us(dev: SimDevice, fn) -> float:
-    t0 = dev.now_s
-    fn()
-    return (dev.now_s - t0) / US
 
 
 def test_off_by_default_and_the_measured_term():
@@ -86,3 +76,47 @@ def test_the_idle_twin_refuses_a_device_with_the_cold_term():
         dev.attach_idle_twin(lambda: None)
     assert not dev._twins   # noqa: SLF001 - nothing attached
     _device(LatencyModel()).attach_idle_twin(lambda: None)
+
+
+def test_a_numpy_or_subclassed_term_is_kept_as_a_plain_float():
+    np = pytest.importorskip("numpy")
+
+    class Odd(float):
+        def __mul__(self, other):
+            return math.nan
+
+    for value in (np.float32(18), np.float16(18), Odd(18.0)):
+        lat = LatencyModel(cold_vmm_us=value)
+        assert type(lat.cold_vmm_us) is float and lat.cold_vmm_us == 18.0
+    dev = _device(LatencyModel(cold_vmm_us=np.float32(18)))
+    dev.mem_create(GRAN)
+    dev.advance(3600.0)
+    dev.mem_create(GRAN)
+    assert type(dev.now_s) is float and math.isfinite(dev.stats.busy_us)
+
+
+@pytest.mark.parametrize("bad", [None, "100", True, [1.0]])
+def test_a_gap_that_is_not_a_number_is_refused(bad):
+    with pytest.raises(InvalidArgumentError, match="gap_us"):
+        LatencyModel(cold_vmm_us=MEASURED_COLD_VMM_US).cold_vmm_cost_us(bad)
+
+
+def test_a_calls_own_wait_for_the_device_is_not_a_pause():
+    lat = LatencyModel(cold_vmm_us=MEASURED_COLD_VMM_US, waits_for_device=frozenset({"mem_map"}))
+    dev = _device(lat)
+    h = dev.mem_create(GRAN)
+    va = dev.address_reserve(GRAN)
+    dev.launch(0, 0.010)
+    dev.mem_map(va, GRAN, h, 0)
+    assert dev.stats.cost_us["mem_map"] == pytest.approx(lat.mem_map_us + lat.cold_vmm_cost_us(lat.launch_us))
+
+
+def test_the_term_is_added_after_the_busy_factor():
+    lat = LatencyModel.as_measured(cold_vmm_us=MEASURED_COLD_VMM_US)
+    dev = _device(lat)
+    dev.mem_create(GRAN)
+    dev.launch(0, 1.0)
+    dev.advance(0.05)
+    cost = _cost_us(dev, lambda: dev.mem_create(GRAN))
+    assert cost == pytest.approx(lat.mem_create_cost_us(GRAN) * lat.busy_factor(0)
+                                 + lat.cold_vmm_cost_us(0.05e6 + lat.launch_us))

@@ -8,6 +8,8 @@ import re
 
 p = "gpumem/_native/cuda_backend.cpp"
 s = open(p).read()
+if "calltime_tick" in s:
+    raise SystemExit(f"{p} is patched already: restore it (git checkout gpumem/_native) or use a fresh copy")
 n1 = len(re.findall(r"drv_\.check\(drv_\.cu", s))
 s = re.sub(r"drv_\.check\(drv_\.cu", "drv_.check((calltime_tick(), drv_.cu", s)
 s, n2 = re.subn(r'\),(\s*)"cu(\w+)"\)', r')),\1"cu\2")', s)

@@ -3,7 +3,11 @@
 # the study patch beside this file. Run on the device from the repository root (OUT set, the simpy wheel in .whl/);
 # the records, traces and compact call logs come back as one tar:
 #   tar xzf $OUT/engine-time.tgz -C reports/hil/engine-time-training-h200-2026-12-02/run
+# It patches gpumem/_native/ in place (the device's copy is fresh at every call): elsewhere, run it in a throwaway
+# clone, or `git checkout gpumem/_native` after it.
 HERE=reports/hil/engine-time-training-h200-2026-12-02
+: "${OUT:?set OUT to the folder whose files come back}"
+ls .whl/simpy-*.whl >/dev/null 2>&1 || { echo "no simpy wheel in .whl/ (pip download simpy --no-deps -d .whl)" >&2; exit 1; }
 python3 $HERE/patch_calltime.py
 SCRATCH=/tmp/et . reports/hil/wait-oldest-h200-2026-12-01/device_setup.sh ${BUDGET:-480}
 # NAME:WORKLOAD:MARKS; the step marks off (no step plans) make GPT-2, MoE and ResNet-50 steal pages every step

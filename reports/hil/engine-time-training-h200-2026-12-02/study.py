@@ -1,14 +1,17 @@
 """The tables of ``reports/hil/engine-time-training-h200-2026-12-02.md`` (simulator and call logs, this machine's CPU)::
 
-    PYTHONPATH=. python reports/hil/engine-time-training-h200-2026-12-02/study.py cold      # the cold term, ~1 min
-    PYTHONPATH=. python reports/hil/engine-time-training-h200-2026-12-02/study.py replays   # ~5 min, 2 processes
+    PYTHONPATH=. python reports/hil/engine-time-training-h200-2026-12-02/study.py cold      # the cold term, seconds
+    PYTHONPATH=. python reports/hil/engine-time-training-h200-2026-12-02/study.py maps      # seconds
+    PYTHONPATH=. python reports/hil/engine-time-training-h200-2026-12-02/study.py replays   # ~8 min, 2 processes
+    PYTHONPATH=. python reports/hil/engine-time-training-h200-2026-12-02/study.py trace     # ~15 min
 
 ``cold`` reads the compact call logs of the tuning runs (the four ``ct-`` servers of
 ``where-replays-part-2026-11-30`` and this record's GPT-2, MoE and ResNet-50 without step plans), takes each VMM
 call's time less the run's median for that call made within 5 µs of the previous VMM call, and fits ``k * ln(1 +
 gap / g)`` to it (least absolute error, each run weighed alike); the check run (Llama with variable lengths) is
-tabled beside it. ``replays`` replays every shipped trace that has its GPU clock and live reserves on its clock,
-with the cold term off and on, and tables live against predicted overhead by part.
+tabled beside it. ``maps`` tables a map's time right after a create by the create's gap. ``replays`` replays every shipped trace that has its GPU clock and live reserves on its clock,
+under each of :data:`MODELS`, and tables live against predicted overhead by part. ``trace`` replays the scored rows
+of ``python -m sim.predict_live`` under ``trace`` and ``model`` timing with and without the cold term.
 """
 
 from __future__ import annotations
@@ -26,6 +29,12 @@ import numpy as np
 from gpumem.replay_compare import compare_live
 from gpumem.sim import SimDevice, get_profile
 from gpumem.sim.latency import MEASURED_COLD_VMM_US, LatencyModel
+
+#: The models replayed: the shipped one, the cold term on the shipped unmap price (38.7 µs, the in-program median
+#: of warm and cold unmaps together, so cold unmaps are priced twice), and the term with the unmap at its warm
+#: in-program price (30.2 µs: the median of the tuning runs' warm-unmap medians), the model the logs give.
+MODELS = {"shipped": LatencyModel(), "cold term": LatencyModel(cold_vmm_us=MEASURED_COLD_VMM_US),
+          "cold term, warm unmap": LatencyModel(cold_vmm_us=MEASURED_COLD_VMM_US, mem_unmap_mapping_us=30.2)}
 from gpumem.trace import load_trace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -95,6 +104,29 @@ def cold() -> None:
               f"with the term, {np.median(np.abs(xx[s])):.1f} without")
 
 
+def maps() -> None:
+    """How long a ``cuMemMap`` right after a ``cuMemCreate`` takes, by that create's gap since the VMM call before."""
+    print("| log | map after a create made within 5 µs | 5-500 µs | 0.5-5 ms | 5 ms or more |\n|---|---|---|---|---|")
+    for calls, trace in TUNING + CHECK:
+        tr = load_trace(trace, progress=False)
+        with gzip.open(calls, "rt") as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+        op = np.array([int(r[0]) for r in rows])
+        name = np.array([r[1] for r in rows])
+        start = tr.times_us[np.minimum(op, len(tr.times_us) - 1)] + np.array([float(r[2]) for r in rows])
+        dur = np.array([float(r[3]) for r in rows])
+        idx = np.flatnonzero(np.isin(name, VMM))
+        pairs = [(start[j] - (start[h] + dur[h]), dur[i]) for h, j, i in zip(idx, idx[1:], idx[2:])
+                 if name[i] == "cuMemMap" and name[j] == "cuMemCreate"]
+        gap, map_us = np.array(pairs).T
+        cells = []
+        for lo, hi in ((0, 5), (5, 500), (500, 5000), (5000, np.inf)):
+            s = (gap >= lo) & (gap < hi)
+            cells.append(f"{s.sum():,}: {np.median(map_us[s]):.1f} µs (p90 {np.percentile(map_us[s], 90):.1f})"
+                         if s.sum() else "")
+        print(f"| {os.path.basename(calls)} | " + " | ".join(cells) + " |")
+
+
 def _clock_traces() -> list[str]:
     out = []
     for f in sorted(glob.glob(os.path.join(HIL, "**", "*.gmt.gz"), recursive=True)):
@@ -114,38 +146,61 @@ def _part(f: str) -> str:
     return "tuning" if tuning else "check"
 
 
-def _replay(args: tuple[str, float]) -> tuple[str, float, float, float]:
-    f, cold_us = args
-    dev = SimDevice(dataclasses.replace(get_profile("h200-141gb"), latency=LatencyModel(cold_vmm_us=cold_us)))
+def _replay(args: tuple[str, str]) -> tuple[str, str, float, float]:
+    f, model = args
+    dev = SimDevice(dataclasses.replace(get_profile("h200-141gb"), latency=MODELS[model]))
     c = compare_live(load_trace(f, progress=False), dev, gpu_timing="gpu-clock")
     peak = c.result.peak_live_bytes
-    return f, cold_us, 100 * (c.live_peak_reserved_nbytes / peak - 1), 100 * (c.replayed_peak_reserved_nbytes / peak - 1)
+    return f, model, 100 * (c.live_peak_reserved_nbytes / peak - 1), 100 * (c.replayed_peak_reserved_nbytes / peak - 1)
 
 
 def replays() -> None:
-    jobs = [(f, c) for f in _clock_traces() for c in (0.0, MEASURED_COLD_VMM_US)]
+    jobs = [(f, m) for f in _clock_traces() for m in MODELS]
     with Pool(2) as pool:
         got = pool.map(_replay, jobs)
-    by = {}
-    for f, c, live, rep in got:
-        by.setdefault(f, {})[c] = (live, rep)
-    print("| trace | part | live | on its clock | with the cold term |\n|---|---|---:|---:|---:|")
+    by: dict[str, dict[str, tuple[float, float]]] = {}
+    for f, m, live, rep in got:
+        by.setdefault(f, {})[m] = (live, rep)
+    print("| trace | part | live | " + " | ".join(MODELS) + " |\n|---|---|---:|" + "---:|" * len(MODELS))
     for f, v in by.items():
-        live = v[0.0][0]
-        print(f"| {os.path.relpath(f, HIL)} | {_part(f)} | {live:.2f} % | {v[0.0][1]:.2f} % ({v[0.0][1] - live:+.2f}) | "
-              f"{v[MEASURED_COLD_VMM_US][1]:.2f} % ({v[MEASURED_COLD_VMM_US][1] - live:+.2f}) |")
+        live = v["shipped"][0]
+        print(f"| {os.path.relpath(f, HIL)} | {_part(f)} | {live:.2f} % | "
+              + " | ".join(f"{v[m][1]:.2f} % ({v[m][1] - live:+.2f})" for m in MODELS) + " |")
     for part in ("tuning", "check"):
-        for c in (0.0, MEASURED_COLD_VMM_US):
-            e = [abs(v[c][1] - v[c][0]) for f, v in by.items() if _part(f) == part]
-            print(f"{part}, cold_vmm_us={c:g}: {len(e)} rows, mean |error| {np.mean(e):.3f} pp, worst {max(e):.2f}, "
+        for m in MODELS:
+            e = [abs(v[m][1] - v[m][0]) for f, v in by.items() if _part(f) == part]
+            print(f"{part}, {m}: {len(e)} rows, mean |error| {np.mean(e):.3f} pp, worst {max(e):.2f}, "
                   f"within 1 pp {sum(x <= 1 for x in e)}, within 0.5 pp {sum(x <= 0.5 for x in e)}")
 
 
+def trace_timing() -> None:
+    """The 24 live rows of ``python -m sim.predict_live`` under the default ``trace`` timing and under ``model``,
+    each with the shipped latency model and with the cold term."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HIL)))
+    import sim.predict_live as pl   # noqa: E402 - the repository's sim/ package
+
+    pl.LATENCIES["cold term"] = MODELS["cold term"]
+    cands = [pl.Candidate("trace", lat, 2.0) for lat in ("idle-priced", "cold term")]
+    cands += [pl.Candidate("model", lat) for lat in ("idle-priced", "cold term")]
+    rows = [r for r in pl.live_rows() if r.not_scored is None]
+    errs: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        trace = load_trace(r.trace, progress=False)
+        for c in cands:
+            errs.setdefault((r.part, c.label), []).append(
+                abs(pl._replay(trace, pl.LIVE_POLICIES[r.policy], c) - r.live) * 100)   # noqa: SLF001
+    for (part, label), e in sorted(errs.items()):
+        print(f"{part}, {label}: {len(e)} rows, mean |error| {np.mean(e):.3f} pp, worst {max(e):.2f}")
+
+
+COMMANDS = {"cold": cold, "maps": maps, "replays": replays, "trace": trace_timing}
+
+
 if __name__ == "__main__":
-    what = sys.argv[1] if len(sys.argv) > 1 else ""
-    if what == "cold":
-        cold()
-    elif what == "replays":
-        replays()
+    what = sys.argv[1:2]
+    if what in (["-h"], ["--help"]):
+        print(__doc__)
+    elif len(sys.argv) != 2 or sys.argv[1] not in COMMANDS:
+        sys.exit(f"{__doc__}\nunknown command {' '.join(sys.argv[1:])!r}: use one of {', '.join(COMMANDS)}")
     else:
-        sys.exit(__doc__)
+        COMMANDS[sys.argv[1]]()

@@ -4,6 +4,8 @@
     PYTHONPATH=. python reports/hil/engine-time-training-h200-2026-12-02/study.py maps      # seconds
     PYTHONPATH=. python reports/hil/engine-time-training-h200-2026-12-02/study.py replays   # ~8 min, 2 processes
     PYTHONPATH=. python reports/hil/engine-time-training-h200-2026-12-02/study.py trace     # ~15 min
+    PYTHONPATH=. python reports/hil/engine-time-training-h200-2026-12-02/study.py repeat    # ~1 min
+    PYTHONPATH=. python reports/hil/engine-time-training-h200-2026-12-02/study.py policies  # ~1 min
 
 ``cold`` reads the compact call logs of the tuning runs (the four ``ct-`` servers of
 ``where-replays-part-2026-11-30`` and this record's GPT-2, MoE and ResNet-50 without step plans), takes each VMM
@@ -11,7 +13,9 @@ call's time less the run's median for that call made within 5 µs of the previou
 gap / g)`` to it (least absolute error, each run weighed alike); the check run (Llama with variable lengths) is
 tabled beside it. ``maps`` tables a map's time right after a create by the create's gap. ``replays`` replays every shipped trace that has its GPU clock and live reserves on its clock,
 under each of :data:`MODELS`, and tables live against predicted overhead by part. ``trace`` replays the scored rows
-of ``python -m sim.predict_live`` under ``trace`` and ``model`` timing with and without the cold term.
+of ``python -m sim.predict_live`` under ``trace`` and ``model`` timing with and without the cold term. ``repeat``
+replays the runs repeated after the decisions (``run/repeat``), ``policies`` every clocked run of Llama with variable
+lengths under two policy knobs (a what-if).
 """
 
 from __future__ import annotations
@@ -173,27 +177,89 @@ def replays() -> None:
                   f"within 1 pp {sum(x <= 1 for x in e)}, within 0.5 pp {sum(x <= 0.5 for x in e)}")
 
 
-def trace_timing() -> None:
-    """The 24 live rows of ``python -m sim.predict_live`` under the default ``trace`` timing and under ``model``,
-    each with the shipped latency model and with the cold term."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(HIL)))
+def _trace_row(args):
+    """One scored row of ``python -m sim.predict_live``: its part and (candidate label, |error| in points) pairs."""
     import sim.predict_live as pl   # noqa: E402 - the repository's sim/ package
 
+    row, cands = args
     pl.LATENCIES["cold term"] = MODELS["cold term"]
+    trace = load_trace(row.trace, progress=False)
+    return row.part, [(c.label, abs(pl._replay(trace, pl.LIVE_POLICIES[row.policy], c) - row.live) * 100)   # noqa: SLF001
+                      for c in cands]
+
+
+def trace_timing() -> None:
+    """The scored live rows of ``python -m sim.predict_live`` under the default ``trace`` timing and under ``model``,
+    each with the shipped latency model and with the cold term."""
+    import sim.predict_live as pl   # noqa: E402 - the repository's sim/ package (run from the repository's root)
+
     cands = [pl.Candidate("trace", lat, 2.0) for lat in ("idle-priced", "cold term")]
     cands += [pl.Candidate("model", lat) for lat in ("idle-priced", "cold term")]
     rows = [r for r in pl.live_rows() if r.not_scored is None]
     errs: dict[tuple[str, str], list[float]] = {}
-    for r in rows:
-        trace = load_trace(r.trace, progress=False)
-        for c in cands:
-            errs.setdefault((r.part, c.label), []).append(
-                abs(pl._replay(trace, pl.LIVE_POLICIES[r.policy], c) - r.live) * 100)   # noqa: SLF001
+    with Pool(2) as pool:
+        for part, got in pool.map(_trace_row, [(r, cands) for r in rows]):
+            for label, e in got:
+                errs.setdefault((part, label), []).append(e)
     for (part, label), e in sorted(errs.items()):
         print(f"{part}, {label}: {len(e)} rows, mean |error| {np.mean(e):.3f} pp, worst {max(e):.2f}")
 
 
-COMMANDS = {"cold": cold, "maps": maps, "replays": replays, "trace": trace_timing}
+VARLEN = sorted(glob.glob(os.path.join(RUN, "repeat", "v*", "*.gmt.gz"))) + [
+    os.path.join(RUN, "varlen", "llama_varlen_train.gpumem.gmt.gz"),
+    os.path.join(HIL, "check-gpu-clock-h200-2026-12-02", "run", "llama_varlen_train.gpumem.gmt.gz"),
+    os.path.join(HIL, "workloads-today-h200-2026-11-30", "run-a", "llama_varlen_train.gpumem.gmt.gz")]
+
+
+def repeat() -> None:
+    """The repeated runs (``run/repeat``: three of Llama with variable lengths, two of GPT-2 without step plans, made
+    after every decision above) replayed on their clocks under each of :data:`MODELS`."""
+    fs = sorted(glob.glob(os.path.join(RUN, "repeat", "*", "*.gmt.gz")))
+    with Pool(2) as pool:
+        got = pool.map(_replay, [(f, m) for f in fs for m in MODELS])
+    print("| run | live | " + " | ".join(MODELS) + " |\n|---|---:|" + "---:|" * len(MODELS))
+    by: dict[str, dict[str, tuple[float, float]]] = {}
+    for f, m, live, rep in got:
+        by.setdefault(f, {})[m] = (live, rep)
+    for f, v in by.items():
+        live = v["shipped"][0]
+        print(f"| {os.path.relpath(f, RUN)} | {live:.2f} % | "
+              + " | ".join(f"{v[m][1]:.2f} % ({v[m][1] - live:+.2f})" for m in MODELS) + " |")
+
+
+def _policy_replay(args: tuple[str, str]) -> tuple[str, str, float, float]:
+    from gpumem.allocator.policy import POLICIES
+    from gpumem.replay import replay_trace
+    from gpumem.specs import open_device
+
+    f, knob = args
+    policy = POLICIES["gpumem"] if knob == "default" else dataclasses.replace(POLICIES["gpumem"], **{knob: True})
+    dev = open_device("sim:h200-141gb")
+    try:
+        r = replay_trace(load_trace(f, progress=False), dev, policy, progress=False)
+    finally:
+        dev.close()
+    return f, knob, 100 * r.overhead, r.sim_time_s
+
+
+def policies() -> None:
+    """Every run of Llama with variable lengths that has its clock, replayed on it under the default policy and with
+    ``wait_own_stream`` or ``stream_ordered_steal`` on (a what-if: the live runs had the default)."""
+    knobs = ("default", "wait_own_stream", "stream_ordered_steal")
+    with Pool(2) as pool:
+        got = pool.map(_policy_replay, [(f, k) for f in VARLEN for k in knobs])
+    print("| run | " + " | ".join(knobs) + " |\n|---|" + "---:|" * len(knobs))
+    by: dict[str, dict[str, tuple[float, float]]] = {}
+    for f, k, ov, t in got:
+        by.setdefault(f, {})[k] = (ov, t)
+    for f, v in by.items():
+        base_s = v["default"][1]
+        print(f"| {os.path.relpath(f, HIL)} | " + " | ".join(
+            f"{v[k][0]:.2f} % ({100 * (v[k][1] / base_s - 1):+.1f} % time)" for k in knobs) + " |")
+
+
+COMMANDS = {"cold": cold, "maps": maps, "replays": replays, "trace": trace_timing, "repeat": repeat,
+            "policies": policies}
 
 
 if __name__ == "__main__":

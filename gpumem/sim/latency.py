@@ -95,11 +95,13 @@ create, map, unmap or release made within 5 µs of the previous VMM call costs i
 more at the median, after 50 ms or more 111 µs more. So a call of :data:`BUSY_PRICED_CALLS` made ``gap`` µs after
 the previous one of them ended costs ``cold_vmm_us * ln(1 + gap / cold_vmm_gap_us)`` more: 18 µs and 150 µs, fitted
 on those logs (least absolute error, each run alike; median error 6.9 µs against 13.6 without, on the check run 4.3
-against 5.0). Other calls (events, ``mem_info``) do not warm the path. It does not explain every slow call: in the
-op that parted a Llama replay from live, the term gives the create's 61 µs, not the 55 µs map right after it.
+against 5.0). The fit covers creates, maps, unmaps and releases; set access and the address calls take the term by
+extension, and that other calls (events, ``mem_info``) do not warm the path is a choice, not a measurement. It does
+not explain every slow call: at the op where a Llama replay parted from live, another run's live create cost 61 µs
+(11 µs of price and about 50 of term) and the map right after it 55 µs, which no term here gives.
 Off by default (:data:`MEASURED_COLD_VMM_US` holds the fit). The shipped unmap price (38.7 µs, Note [The engine's
 own time]) is the median of warm and cold unmaps together: with the term, the logs' model prices unmaps at their warm
-30.2 µs. Replayed on their GPU clocks (that record, §3), that model predicts the tuning rows better than the shipped
+30.2 µs a mapping (the tuning runs' warm median, 30.4 µs, less a 2 MiB page's 0.2). Replayed on their GPU clocks (that record, §3), that model predicts the tuning rows better than the shipped
 one and the check rows worse; the term on the shipped unmap (cold unmaps counted twice) is better on both, but a
 model whose parts the logs contradict is not adopted for its totals, as in the first study. Under the default
 ``trace`` timing the term gains nothing (the engine's own time is already in the trace's gaps). The idle twin does

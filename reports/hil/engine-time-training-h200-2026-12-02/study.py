@@ -55,18 +55,23 @@ CHECK = [(os.path.join(RUN, "calls-varlen.tsv.gz"), os.path.join(RUN, "varlen", 
 EDGES = (0, 5, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, np.inf)
 
 
-def _extras(calls: str, trace: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per VMM call of :data:`FITTED`: the gap since the previous VMM call ended (µs) and its time less the run's
-    warm median of that call."""
+def _read_log(calls: str, trace: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A compact call log's names, starts (µs, on the trace's clock: the op's time plus the offset) and lengths."""
     tr = load_trace(trace, progress=False)
     with gzip.open(calls, "rt") as f:
         rows = [line.split() for line in f.readlines()[1:]]
     op = np.array([int(r[0]) for r in rows])
     name = np.array([r[1] for r in rows])
     start = tr.times_us[np.minimum(op, len(tr.times_us) - 1)] + np.array([float(r[2]) for r in rows])
-    dur = np.array([float(r[3]) for r in rows])
+    return name, start, np.array([float(r[3]) for r in rows])
+
+
+def _extras(calls: str, trace: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per VMM call of :data:`FITTED`: the gap since the previous VMM call ended (µs) and its time less the run's
+    warm median of that call."""
+    name, start, dur = _read_log(calls, trace)
     idx = np.flatnonzero(np.isin(name, VMM))
-    gap = np.full(len(rows), np.nan)
+    gap = np.full(len(name), np.nan)
     gap[idx[1:]] = np.maximum(start[idx[1:]] - (start[idx[:-1]] + dur[idx[:-1]]), 0.0)
     gaps, extra = [], []
     for n in FITTED:
@@ -102,6 +107,15 @@ def cold() -> None:
             cells += ([f"{s.sum():,}", f"{np.median(xx[s]):.1f} µs", f"{np.median(k * np.log1p(gg[s] / g0)):.1f} µs"]
                       if s.sum() >= 5 else ["", "", ""])
         print(f"| {a:g}-{b:g} µs | " + " | ".join(cells) + " |")
+    warm = []
+    for calls, trace in TUNING:
+        name, start, dur = _read_log(calls, trace)
+        idx = np.flatnonzero(np.isin(name, VMM))
+        u = idx[1:][(name[idx[1:]] == "cuMemUnmap") & (start[idx[1:]] - (start[idx[:-1]] + dur[idx[:-1]]) < 5)]
+        warm.append((os.path.basename(calls), len(u), float(np.median(dur[u])) if len(u) else float("nan")))
+    print("warm unmaps (within 5 µs of the previous VMM call), per tuning log: "
+          + ", ".join(f"{n} {c} at {m:.1f} µs" for n, c, m in warm)
+          + f"; median of those with 5 or more: {np.median([m for _, c, m in warm if c >= 5]):.1f} µs")
     for label, (gg, xx) in (("tuning", (g, x)), ("check", (gc, xc))):
         s = gg >= 5
         print(f"{label}, calls 5 µs or more after the previous: median |error| {np.median(np.abs(xx[s] - k * np.log1p(gg[s] / g0))):.1f} µs "
@@ -112,13 +126,7 @@ def maps() -> None:
     """How long a ``cuMemMap`` right after a ``cuMemCreate`` takes, by that create's gap since the VMM call before."""
     print("| log | map after a create made within 5 µs | 5-500 µs | 0.5-5 ms | 5 ms or more |\n|---|---|---|---|---|")
     for calls, trace in TUNING + CHECK:
-        tr = load_trace(trace, progress=False)
-        with gzip.open(calls, "rt") as f:
-            rows = [line.split() for line in f.readlines()[1:]]
-        op = np.array([int(r[0]) for r in rows])
-        name = np.array([r[1] for r in rows])
-        start = tr.times_us[np.minimum(op, len(tr.times_us) - 1)] + np.array([float(r[2]) for r in rows])
-        dur = np.array([float(r[3]) for r in rows])
+        name, start, dur = _read_log(calls, trace)
         idx = np.flatnonzero(np.isin(name, VMM))
         pairs = [(start[j] - (start[h] + dur[h]), dur[i]) for h, j, i in zip(idx, idx[1:], idx[2:])
                  if name[i] == "cuMemMap" and name[j] == "cuMemCreate"]

@@ -797,7 +797,9 @@ class SimDevice(Device):
     def _do_mem_create(self, nbytes: int) -> SparseStore:
         cost_us = self._create_cost_us.get(nbytes)
         if cost_us is None:
-            cost_us = self._create_cost_us[nbytes] = self.latency.mem_create_cost_us(nbytes)
+            # priced at most at the card's size, as malloc is: a create past it fails, after no longer than that
+            cost_us = self._create_cost_us[nbytes] = self.latency.mem_create_cost_us(
+                min(nbytes, self.profile.total_nbytes))
         self._call("mem_create", self._priced(cost_us), nbytes)
         self._decide_allocation_fault(nbytes)
         if nbytes > self._free_nbytes():
@@ -887,12 +889,15 @@ class SimDevice(Device):
         tails = [w for w in self.streams.tails() if w.state != DONE]
         if not tails:
             return
-        for work in tails:
-            self._wait_for(work)
-        self.stats.device_waits += 1
-        self.stats.device_wait_s += self._clock.now - start_s
-        if self._vmm_end_s is not None:   # the call's own wait is not a pause before it (Note [A cold VMM call ...])
-            self._vmm_end_s += self._clock.now - start_s
+        try:
+            for work in tails:
+                self._wait_for(work)
+        finally:   # counted, and not a pause before the call (Note [A cold VMM call costs more]), if interrupted too
+            waited_s = self._clock.now - start_s
+            self.stats.device_waits += 1
+            self.stats.device_wait_s += waited_s
+            if self._vmm_end_s is not None:
+                self._vmm_end_s += waited_s
 
     def _wait_for(self, work: Work | None) -> None:
         """Run simulated time until ``work`` has finished (tenants and other streams act meanwhile)."""

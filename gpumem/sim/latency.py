@@ -113,6 +113,7 @@ Simulated time only moves the SimPy clock; nothing sleeps for real.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
@@ -138,6 +139,19 @@ MEASURED_BUSY_FACTOR_PER_DECADE = 0.33
 #: The cold-call term fitted on the live call logs of seven tuning runs, for :attr:`LatencyModel.cold_vmm_us` (its
 #: scale, :attr:`LatencyModel.cold_vmm_gap_us`, defaults to the fitted 150 µs; Note [A cold VMM call costs more]).
 MEASURED_COLD_VMM_US = 18.0
+
+
+def _real(knob: str, value: object, low: float, high: float = math.inf) -> float:
+    """``value`` as a plain float, if it is a real number (numpy's too, not a bool) that is finite and within
+    ``[low, high]``; else InvalidArgumentError naming ``LatencyModel.knob``."""
+    try:
+        got = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+    except Exception:  # noqa: BLE001 - an int past any float, or a __float__ that raises: not a number we can use
+        got = math.nan
+    if not (math.isfinite(got) and low <= got <= high):
+        bounds = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+        raise InvalidArgumentError(f"LatencyModel.{knob} must be a finite number {bounds}, not {value!r:.60}")
+    return got
 
 
 def interpolate_us(points: Points, nbytes: int, sizes: Sequence[int] | None = None) -> float:
@@ -228,21 +242,20 @@ class LatencyModel:
     """The scale of :attr:`cold_vmm_us`'s curve, in µs; at least 1."""
 
     def __post_init__(self) -> None:
-        for knob, low in (("busy_factor_base", 1.0), ("busy_factor_per_decade", 0.0), ("engine_index_us", 0.0),
-                          ("engine_index_pages", 1.0), ("cold_vmm_us", 0.0), ("cold_vmm_gap_us", 1.0)):
-            value = getattr(self, knob)
-            try:  # any real number type (numpy's too), not a bool
-                finite = (isinstance(value, numbers.Real) and not isinstance(value, bool)
-                          and math.isfinite(float(value)))
-            except (OverflowError, ValueError):  # an int past any float
-                finite = False
-            if not (finite and value >= low):
-                raise InvalidArgumentError(f"LatencyModel.{knob} must be a finite number >= {low:g}, not {value!r:.60}")
-            # kept as a plain float: a numpy float32 or a float subclass would carry its arithmetic into the clock
-            value = float(value)
-            if not (math.isfinite(value) and value >= low):
-                raise InvalidArgumentError(f"LatencyModel.{knob} must be a finite number >= {low:g}, not {value!r:.60}")
-            object.__setattr__(self, knob, value)
+        # every cost and term is kept as a plain float, checked first: a numpy float32 or a float subclass would
+        # carry its arithmetic into the simulated clock (attackers 46-47)
+        lows = {"busy_factor_base": 1.0, "engine_index_pages": 1.0, "cold_vmm_gap_us": 1.0}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_points"):
+                if not isinstance(value, tuple) or not value or not all(
+                        isinstance(p, tuple) and len(p) == 2 for p in value):
+                    raise InvalidArgumentError(f"LatencyModel.{f.name} must be a non-empty tuple of (nbytes, µs) "
+                                               f"pairs, not {value!r:.60}")
+                object.__setattr__(self, f.name, tuple((n, _real(f"{f.name} cost", c, 0.0)) for n, c in value))
+            elif f.type == "float":
+                high = 1.0 if f.name == "malloc_share" else math.inf
+                object.__setattr__(self, f.name, _real(f.name, value, lows.get(f.name, 0.0), high))
         # a walk's time stays finite: at most engine_index_us * ln(1 + 2**63), 44x it; so does a cold call's extra
         for knob in ("engine_index_us", "cold_vmm_us"):
             if getattr(self, knob) * math.log1p(2.0**63) > 1e12:
@@ -303,7 +316,13 @@ class LatencyModel:
         """
         if isinstance(gap_us, bool) or not isinstance(gap_us, numbers.Real):
             raise InvalidArgumentError(f"cold_vmm_cost_us: gap_us must be a real number, not {gap_us!r:.60}")
-        return self._cold_vmm_cost_us(float(gap_us))
+        try:
+            gap = float(gap_us)
+        except OverflowError:   # past any float: as far as it goes
+            gap = math.inf if gap_us > 0 else -math.inf
+        except Exception as exc:  # noqa: BLE001 - a __float__ that raises
+            raise InvalidArgumentError(f"cold_vmm_cost_us: gap_us must be a real number, not {gap_us!r:.60}") from exc
+        return self._cold_vmm_cost_us(gap)
 
     def _cold_vmm_cost_us(self, gap_us: float) -> float:
         """:meth:`cold_vmm_cost_us` of a float gap (the device's clock)."""

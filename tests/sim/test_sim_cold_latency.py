@@ -15,7 +15,7 @@ from gpumem.errors import UnsupportedOperationError
 from gpumem.sim import LatencyModel
 from gpumem.sim.latency import MEASURED_COLD_VMM_US
 
-from tests.sim.test_sim_busy_latency import _cost_us, _device
+from tests.sim.test_sim_busy_latency import US, _cost_us, _device
 
 GRAN = 2 * MiB
 
@@ -120,3 +120,68 @@ def test_the_term_is_added_after_the_busy_factor():
     cost = _cost_us(dev, lambda: dev.mem_create(GRAN))
     assert cost == pytest.approx(lat.mem_create_cost_us(GRAN) * lat.busy_factor(0)
                                  + lat.cold_vmm_cost_us(0.05e6 + lat.launch_us))
+
+
+def test_every_cost_is_kept_as_a_plain_float_and_a_bad_one_refused():
+    np = pytest.importorskip("numpy")
+    lat = LatencyModel(mem_map_us=np.float32(2.5), mem_create_points=((2 * MiB, np.float32(10.5)),))
+    assert type(lat.mem_map_us) is float and type(lat.mem_create_points[0][1]) is float
+    dev = _device(lat)
+    h = dev.mem_create(GRAN)
+    va = dev.address_reserve(GRAN)
+    dev.mem_map(va, GRAN, h, 0)
+    assert type(dev.now_s) is float
+    for knob, bad in (("mem_map_us", "2.1"), ("mem_map_us", -5.0), ("mem_map_us", math.nan), ("malloc_share", 1.5),
+                      ("mem_create_points", ((2 * MiB, -1.0),)), ("mem_create_points", ()), ("launch_us", True)):
+        with pytest.raises(InvalidArgumentError, match=knob):
+            LatencyModel(**{knob: bad})
+
+
+def test_a_float_that_will_not_convert_is_refused():
+    class Raising(float):
+        def __float__(self):
+            raise RuntimeError("no")
+
+    with pytest.raises(InvalidArgumentError, match="cold_vmm_us"):
+        LatencyModel(cold_vmm_us=Raising(1.0))
+    with pytest.raises(InvalidArgumentError, match="gap_us"):
+        LatencyModel(cold_vmm_us=MEASURED_COLD_VMM_US).cold_vmm_cost_us(Raising(1.0))
+
+
+def test_a_gap_past_any_float_is_capped():
+    on = LatencyModel(cold_vmm_us=MEASURED_COLD_VMM_US)
+    assert on.cold_vmm_cost_us(10**400) == on.cold_vmm_cost_us(math.inf) > 0
+    assert on.cold_vmm_cost_us(-(10**400)) == 0.0
+    assert LatencyModel().cold_vmm_cost_us(10**400) == 0.0
+
+
+def test_an_interrupted_wait_is_not_a_pause_before_the_retry():
+    lat = LatencyModel(cold_vmm_us=MEASURED_COLD_VMM_US, waits_for_device=frozenset({"mem_map"}))
+    dev = _device(lat)
+    env = dev.env
+    h = dev.mem_create(GRAN)
+    va = dev.address_reserve(GRAN)
+
+    def fails_midway():
+        yield env.timeout(0.005)
+        raise RuntimeError("a foreign process fails mid-wait")
+
+    env.process(fails_midway())
+    dev.launch(0, 0.010)
+    end_before = dev._vmm_end_s   # noqa: SLF001
+    start = dev.now_s
+    with pytest.raises(RuntimeError, match="mid-wait"):
+        dev.mem_map(va, GRAN, h, 0)
+    assert dev.stats.device_waits == 1 and dev.stats.device_wait_s > 0
+    dev.mem_map(va, GRAN, h, 0)
+    assert dev.stats.cost_us["mem_map"] == pytest.approx(
+        lat.mem_map_us + lat.cold_vmm_cost_us((start - end_before) / US))
+
+
+def test_a_create_past_the_card_costs_no_more_than_one_of_the_card():
+    from gpumem.errors import OutOfMemoryError
+
+    dev = _device(LatencyModel())
+    with pytest.raises(OutOfMemoryError):
+        dev.mem_create(2**62)
+    assert dev.now_s < 1.0

@@ -101,11 +101,11 @@ not explain every slow call: at the op where a Llama replay parted from live, an
 (11 µs of price and about 50 of term) and the map right after it 55 µs, which no term here gives.
 Off by default (:data:`MEASURED_COLD_VMM_US` holds the fit). The shipped unmap price (38.7 µs, Note [The engine's
 own time]) is the median of warm and cold unmaps together: with the term, the logs' model prices unmaps at their warm
-30.2 µs a mapping (the tuning runs' warm median, 30.4 µs, less a 2 MiB page's 0.2). Replayed on their GPU clocks (that record, §3), that model predicts the tuning rows better than the shipped
-one and the check rows worse; the term on the shipped unmap (cold unmaps counted twice) is better on both, but a
-model whose parts the logs contradict is not adopted for its totals, as in the first study. Under the default
-``trace`` timing the term gains nothing (the engine's own time is already in the trace's gaps). The idle twin does
-not price it and refuses such a device.
+30.2 µs a mapping (the tuning runs' warm median, 30.4 µs, less a 2 MiB page's 0.2). Replayed on their GPU clocks
+(that record, §3), that model predicts the tuning rows better than the shipped one and the check rows worse; the term
+on the shipped unmap (cold unmaps counted twice) is better on both, but a model whose parts the logs contradict is
+not adopted for its totals, as in the first study. Under the default ``trace`` timing the term gains nothing (the
+engine's own time is already in the trace's gaps). The idle twin does not price it and refuses such a device.
 
 Simulated time only moves the SimPy clock; nothing sleeps for real.
 """
@@ -243,7 +243,7 @@ class LatencyModel:
 
     def __post_init__(self) -> None:
         # every cost and term is kept as a plain float, checked first: a numpy float32 or a float subclass would
-        # carry its arithmetic into the simulated clock (attackers 46-47)
+        # carry its arithmetic into the simulated clock
         lows = {"busy_factor_base": 1.0, "engine_index_pages": 1.0, "cold_vmm_gap_us": 1.0}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)

@@ -11,8 +11,9 @@
 ``where-replays-part-2026-11-30`` and this record's GPT-2, MoE and ResNet-50 without step plans), takes each VMM
 call's time less the run's median for that call made within 5 µs of the previous VMM call, and fits ``k * ln(1 +
 gap / g)`` to it (least absolute error, each run weighed alike); the check run (Llama with variable lengths) is
-tabled beside it. ``maps`` tables a map's time right after a create by the create's gap. ``replays`` replays every shipped trace that has its GPU clock and live reserves on its clock,
-under each of :data:`MODELS`, and tables live against predicted overhead by part. ``trace`` replays the scored rows
+tabled beside it. ``maps`` tables a map's time right after a create by the create's gap. ``replays`` replays every
+shipped trace that has its GPU clock and live reserves on its clock, under each of :data:`MODELS`, and tables live
+against predicted overhead by part. ``trace`` replays the scored rows
 of ``python -m sim.predict_live`` under ``trace`` and ``model`` timing with and without the cold term. ``repeat``
 replays the runs repeated after the decisions (``run/repeat``), ``policies`` every clocked run of Llama with variable
 lengths under two policy knobs (a what-if).
@@ -118,7 +119,8 @@ def cold() -> None:
           + f"; median of those with 5 or more: {np.median([m for _, c, m in warm if c >= 5]):.1f} µs")
     for label, (gg, xx) in (("tuning", (g, x)), ("check", (gc, xc))):
         s = gg >= 5
-        print(f"{label}, calls 5 µs or more after the previous: median |error| {np.median(np.abs(xx[s] - k * np.log1p(gg[s] / g0))):.1f} µs "
+        err_us = np.median(np.abs(xx[s] - k * np.log1p(gg[s] / g0)))
+        print(f"{label}, calls 5 µs or more after the previous: median |error| {err_us:.1f} µs "
               f"with the term, {np.median(np.abs(xx[s])):.1f} without")
 
 
@@ -192,8 +194,8 @@ def _trace_row(args):
     row, cands = args
     pl.LATENCIES["cold term"] = MODELS["cold term"]
     trace = load_trace(row.trace, progress=False)
-    return row.part, [(c.label, abs(pl._replay(trace, pl.LIVE_POLICIES[row.policy], c) - row.live) * 100)   # noqa: SLF001
-                      for c in cands]
+    policy = pl.LIVE_POLICIES[row.policy]
+    return row.part, [(c.label, abs(pl._replay(trace, policy, c) - row.live) * 100) for c in cands]   # noqa: SLF001
 
 
 def trace_timing() -> None:

@@ -6,6 +6,7 @@
     PYTHONPATH=. python reports/hil/engine-time-training-h200-2026-12-02/study.py trace     # ~15 min
     PYTHONPATH=. python reports/hil/engine-time-training-h200-2026-12-02/study.py repeat    # ~1 min
     PYTHONPATH=. python reports/hil/engine-time-training-h200-2026-12-02/study.py policies  # ~1 min
+    PYTHONPATH=. python reports/hil/engine-time-training-h200-2026-12-02/study.py steps     # seconds
 
 ``cold`` reads the compact call logs of the tuning runs (the four ``ct-`` servers of
 ``where-replays-part-2026-11-30`` and this record's GPT-2, MoE and ResNet-50 without step plans), takes each VMM
@@ -16,7 +17,7 @@ shipped trace that has its GPU clock and live reserves on its clock, under each 
 against predicted overhead by part. ``trace`` replays the scored rows
 of ``python -m sim.predict_live`` under ``trace`` and ``model`` timing with and without the cold term. ``repeat``
 replays the runs repeated after the decisions (``run/repeat``), ``policies`` every clocked run of Llama with variable
-lengths under two policy knobs (a what-if).
+lengths under two policy knobs (a what-if), ``steps`` their step times from the traces' step marks.
 """
 
 from __future__ import annotations
@@ -268,8 +269,18 @@ def policies() -> None:
             f"{v[k][0]:.2f} % ({100 * (v[k][1] / base_s - 1):+.1f} % time)" for k in knobs) + " |")
 
 
+def steps() -> None:
+    """Each clocked Llama run's step times from its trace's step marks (ms; the probe times steps 7 onward)."""
+    for f in VARLEN[:-1] + [os.path.join(HIL, "wait-own-varlen-h200-2026-12-02", "run", "on-rec",
+                                         "llama_varlen_train.gpumem.gmt.gz")]:
+        tr = load_trace(f, progress=False)
+        t = [e.time_us for e in tr.plan_events if e.kind.name == "MARK"]
+        ms = [round((b - a) / 1e3) for a, b in zip(t, t[1:])]
+        print(f"| {os.path.relpath(f, HIL)} | {ms[5]} | {ms[6]} | {ms[7]} | {min(ms[8:])}-{max(ms[8:])} |")
+
+
 COMMANDS = {"cold": cold, "maps": maps, "replays": replays, "trace": trace_timing, "repeat": repeat,
-            "policies": policies}
+            "policies": policies, "steps": steps}
 
 
 if __name__ == "__main__":

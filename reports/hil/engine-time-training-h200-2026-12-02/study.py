@@ -161,6 +161,14 @@ def _part(f: str) -> str:
     return "tuning" if tuning else "check"
 
 
+def _by_trace(got) -> dict[str, dict[str, tuple[float, float]]]:
+    """``(trace, variant, a, b)`` results as trace -> variant -> ``(a, b)``."""
+    by: dict[str, dict[str, tuple[float, float]]] = {}
+    for f, key, a, b in got:
+        by.setdefault(f, {})[key] = (a, b)
+    return by
+
+
 def _replay(args: tuple[str, str]) -> tuple[str, str, float, float]:
     f, model = args
     dev = SimDevice(dataclasses.replace(get_profile("h200-141gb"), latency=MODELS[model]))
@@ -173,9 +181,7 @@ def replays() -> None:
     jobs = [(f, m) for f in _clock_traces() for m in MODELS]
     with Pool(2) as pool:
         got = pool.map(_replay, jobs)
-    by: dict[str, dict[str, tuple[float, float]]] = {}
-    for f, m, live, rep in got:
-        by.setdefault(f, {})[m] = (live, rep)
+    by = _by_trace(got)
     print("| trace | part | live | " + " | ".join(MODELS) + " |\n|---|---|---:|" + "---:|" * len(MODELS))
     for f, v in by.items():
         live = v["shipped"][0]
@@ -229,9 +235,7 @@ def repeat() -> None:
     with Pool(2) as pool:
         got = pool.map(_replay, [(f, m) for f in fs for m in MODELS])
     print("| run | live | " + " | ".join(MODELS) + " |\n|---|---:|" + "---:|" * len(MODELS))
-    by: dict[str, dict[str, tuple[float, float]]] = {}
-    for f, m, live, rep in got:
-        by.setdefault(f, {})[m] = (live, rep)
+    by = _by_trace(got)
     for f, v in by.items():
         live = v["shipped"][0]
         print(f"| {os.path.relpath(f, RUN)} | {live:.2f} % | "
@@ -260,9 +264,7 @@ def policies() -> None:
     with Pool(2) as pool:
         got = pool.map(_policy_replay, [(f, k) for f in VARLEN for k in knobs])
     print("| run | " + " | ".join(knobs) + " |\n|---|" + "---:|" * len(knobs))
-    by: dict[str, dict[str, tuple[float, float]]] = {}
-    for f, k, ov, t in got:
-        by.setdefault(f, {})[k] = (ov, t)
+    by = _by_trace(got)
     for f, v in by.items():
         base_s = v["default"][1]
         print(f"| {os.path.relpath(f, HIL)} | " + " | ".join(

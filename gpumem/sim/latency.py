@@ -253,7 +253,7 @@ class LatencyModel:
                     raise InvalidArgumentError(f"LatencyModel.{f.name} must be a non-empty tuple of (nbytes, µs) "
                                                f"pairs, not {value!r:.60}")
                 object.__setattr__(self, f.name, tuple((n, _real(f"{f.name} cost", c, 0.0)) for n, c in value))
-            elif f.type == "float":
+            elif f.type in ("float", float):   # the annotation, as a string (postponed) or not
                 high = 1.0 if f.name == "malloc_share" else math.inf
                 object.__setattr__(self, f.name, _real(f.name, value, lows.get(f.name, 0.0), high))
         # a walk's time stays finite: at most engine_index_us * ln(1 + 2**63), 44x it; so does a cold call's extra

@@ -161,8 +161,11 @@ def _part(f: str) -> str:
     return "tuning" if tuning else "check"
 
 
-def _by_trace(got) -> dict[str, dict[str, tuple[float, float]]]:
-    """``(trace, variant, a, b)`` results as trace -> variant -> ``(a, b)``."""
+def _by_trace(fn, jobs: list[tuple[str, str]]) -> dict[str, dict[str, tuple[float, float]]]:
+    """``fn`` over ``jobs`` (``(trace, variant)``) in two processes, its ``(trace, variant, a, b)`` results as
+    trace -> variant -> ``(a, b)``."""
+    with Pool(2) as pool:
+        got = pool.map(fn, jobs)
     by: dict[str, dict[str, tuple[float, float]]] = {}
     for f, key, a, b in got:
         by.setdefault(f, {})[key] = (a, b)
@@ -178,10 +181,7 @@ def _replay(args: tuple[str, str]) -> tuple[str, str, float, float]:
 
 
 def replays() -> None:
-    jobs = [(f, m) for f in _clock_traces() for m in MODELS]
-    with Pool(2) as pool:
-        got = pool.map(_replay, jobs)
-    by = _by_trace(got)
+    by = _by_trace(_replay, [(f, m) for f in _clock_traces() for m in MODELS])
     print("| trace | part | live | " + " | ".join(MODELS) + " |\n|---|---|---:|" + "---:|" * len(MODELS))
     for f, v in by.items():
         live = v["shipped"][0]
@@ -232,10 +232,8 @@ def repeat() -> None:
     """The repeated runs (``run/repeat``: three of Llama with variable lengths, two of GPT-2 without step plans, made
     after every decision above) replayed on their clocks under each of :data:`MODELS`."""
     fs = sorted(glob.glob(os.path.join(RUN, "repeat", "*", "*.gmt.gz")))
-    with Pool(2) as pool:
-        got = pool.map(_replay, [(f, m) for f in fs for m in MODELS])
+    by = _by_trace(_replay, [(f, m) for f in fs for m in MODELS])
     print("| run | live | " + " | ".join(MODELS) + " |\n|---|---:|" + "---:|" * len(MODELS))
-    by = _by_trace(got)
     for f, v in by.items():
         live = v["shipped"][0]
         print(f"| {os.path.relpath(f, RUN)} | {live:.2f} % | "
@@ -261,10 +259,8 @@ def policies() -> None:
     """Every run of Llama with variable lengths that has its clock, replayed on it under the default policy and with
     ``wait_own_stream`` or ``stream_ordered_steal`` on (a what-if: the live runs had the default)."""
     knobs = ("default", "wait_own_stream", "stream_ordered_steal")
-    with Pool(2) as pool:
-        got = pool.map(_policy_replay, [(f, k) for f in VARLEN for k in knobs])
+    by = _by_trace(_policy_replay, [(f, k) for f in VARLEN for k in knobs])
     print("| run | " + " | ".join(knobs) + " |\n|---|" + "---:|" * len(knobs))
-    by = _by_trace(got)
     for f, v in by.items():
         base_s = v["default"][1]
         print(f"| {os.path.relpath(f, HIL)} | " + " | ".join(

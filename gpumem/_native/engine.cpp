@@ -3639,7 +3639,7 @@ void Engine::plan_end_warmup(bool planned) {
     if (warmup_) {
         warmup_ = false;
         warmup_done_ = true;
-        if (!planned) empty_cache_locked();   // its one-page chunks do not outlive it
+        if (!planned && cfg_.warmup_give_back) empty_cache_locked();   // Note [A memory-first warm-up] in plan.py
     }
 }
 

@@ -331,7 +331,7 @@ const PolicyField kPolicyFields[] = {
     {"large_page_nbytes", FieldKind::kU64OrNone, offsetof(EngineConfig, large_page_nbytes)},
     NOT_READ(segments_top_down),   // segment mode only
     CFG(grow_ahead_fraction, kF64), CFG(busy_slack, kF64), CFG(stream_ordered_steal, kBool),
-    CFG(wait_own_stream, kBool), CFG(plan_warmup, kBool),
+    CFG(wait_own_stream, kBool), CFG(plan_warmup, kBool), CFG(warmup_give_back, kBool),
 };
 #undef CFG
 #undef NOT_READ

@@ -221,6 +221,12 @@ class AllocatorPolicy:
     :mod:`.plan`). No effect on a program that never marks a step, nor under another growth rule, nor
     without ``steal_empty_pages`` (one-page chunks that are never stolen cost calls and save nothing)."""
 
+    warmup_give_back: bool = False
+    """``plan_warmup``: a warm-up that ends with no plan (its 8th mark, or 2**14 allocations with no mark) gives the
+    engine's idle cache back at once (``empty_cache``), its one-page chunks with it. Off (the default): what the
+    warm-up grew stays and serves the steps after it; the give-back unmapped and released thousands of chunks in
+    one step that the next steps grew again (Note [A memory-first warm-up] in :mod:`.plan`)."""
+
     def memory_first(self) -> "AllocatorPolicy":
         """This policy with the memory-first setting of its growth knobs: no page slack (nor its floor), the
         stream-ordered steal, chunks of 1 / :data:`WARMUP_CHUNKS` of the memory held (one page under 8 GiB of
@@ -323,6 +329,7 @@ _FIELD_RANGES: dict[str, tuple[str, float, float]] = {
     "stream_ordered_steal": ("bool", 0, 0),
     "wait_own_stream": ("bool", 0, 0),
     "plan_warmup": ("bool", 0, 0),
+    "warmup_give_back": ("bool", 0, 0),
 }
 """Each field of :class:`AllocatorPolicy`: its kind and its inclusive range (Note [Every knob has a range])."""
 

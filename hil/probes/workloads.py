@@ -790,13 +790,16 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
     losses = []
     t_start = time.perf_counter()
     mark = gt.step if plan_steps and allocator == "gpumem" else None
+    tops_s = []   # the host's clock at each step's top: no synchronisation, so the GPU runs behind as it would
     for i in range(steps):
         if i == warmup:
             torch.cuda.synchronize()
             t_start = time.perf_counter()
+        tops_s.append(time.perf_counter())
         if mark is not None:
             mark()   # the top of the loop: the step's boundary, where the fewest tensors are alive
         losses.append(step(i))
+    tops_s.append(time.perf_counter())
     torch.cuda.synchronize()
     elapsed_s = time.perf_counter() - t_start
     trace_path = out_dir / trace_file_name(workload, allocator) if record_trace else None
@@ -804,6 +807,8 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
                               "steps": steps, "warmup": warmup, "policy": policy if allocator == "gpumem" else None,
                               "losses": [float(x) for x in torch.stack(losses).cpu().tolist()],
                               "mean_step_ms": elapsed_s / (steps - warmup) * 1e3,
+                              # each step's host time (the GPU may still run it): where one step's cost lands
+                              "host_step_ms": [round((b - a) * 1e3, 3) for a, b in zip(tops_s, tops_s[1:])],
                               "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
                               "trace_file": trace_path.name if trace_path else None,
                               # the trace knows every record_stream the program made: gpumem's recorder

@@ -52,6 +52,7 @@ POLICIES = [
     dataclasses.replace(_BASE, name="chunks-busy-slack", page_slack=0.0, busy_slack=0.05),
     dataclasses.replace(_BASE, name="chunks-wait-busy", busy_slack=0.0),
     dataclasses.replace(_BASE, name="chunks-no-warmup", plan_warmup=False),
+    dataclasses.replace(_BASE, name="chunks-warmup-give-back", warmup_give_back=True),   # the rule before 2026-12-02
     # waiting for the program's own stream (off by default; test_wait_own_stream_differential.py reaches it more
     # often), with the default slack and with none and small chunks
     dataclasses.replace(_BASE, name="chunks-wait-own", wait_own_stream=True, chunk_max_fraction=1 / 1024),
@@ -1067,7 +1068,8 @@ def _bypassed(**fields) -> AllocatorPolicy:
     ("va_reserve_factor", 0.5), ("va_reserve_factor", float("nan")), ("va_reserve_factor", "2"),
     ("page_slack", 1.5), ("page_slack", float("nan")), ("chunk_max_fraction", float("inf")),
     ("chunk_max_nbytes", 0), ("grow_ahead_fraction", -1.0), ("busy_slack", -1.0), ("busy_slack", float("nan")),
-    ("stream_ordered_steal", 1), ("wait_own_stream", 0), ("wait_own_stream", "yes"), ("growth", "bad"),
+    ("stream_ordered_steal", 1), ("wait_own_stream", 0), ("wait_own_stream", "yes"), ("warmup_give_back", 1),
+    ("growth", "bad"),
     ("small_page_nbytes", -1),
 ])
 @pytest.mark.parametrize("engine", ["python", "native"])

@@ -1336,12 +1336,13 @@ def test_a_warmup_that_ends_inside_a_failing_allocation_leaves_the_same_consiste
 
 @pytest.mark.parametrize("exc", INJECTED)
 def test_the_eighth_mark_failing_in_its_give_back_leaves_the_same_consistent_state(exc):
-    """The 8th mark of a warm-up with no plan gives the idle cache back inside mark_step: a device call there
-    raising gives the same outcome in both engines and a consistent allocator; the warm-up is over either way
-    (review attacker 14)."""
+    """With ``warmup_give_back``, the 8th mark of a warm-up with no plan gives the idle cache back inside
+    mark_step: a device call there raising gives the same outcome in both engines and a consistent allocator; the
+    warm-up is over either way (review attacker 14)."""
     k = 1
     while True:
-        pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")))
+        pair = Pair(lambda: sim.SimDevice(sim.get_profile("h200-141gb")),
+                    dataclasses.replace(_BASE, warmup_give_back=True))
         for i in range(7):
             pair.both("mark_step")
             for ptr in [pair.both("allocate", (3 + i) * MiB + j, j % 2 * 7)[1] for j in range(3)]:

@@ -83,7 +83,7 @@ struct EngineConfig {
     // growth=CHUNKS with step plans: grow memory-first until a plan is installed (Note [A memory-first warm-up]
     // in plan.py; Engine::warmup_)
     bool plan_warmup = true;
-    bool warmup_give_back = false;   // a warm-up that ends with no plan gives the idle cache back
+    bool warmup_give_back = true;   // a warm-up that ends with no plan gives the idle cache back
     // growth=PAGES, no steal: the page size of the small / large pool's range (Note [Pages of a pool's own
     // size] in engine.cpp); 0: the device granularity (Python: small_page_nbytes / large_page_nbytes None)
     std::uint64_t small_page_nbytes = 0;

@@ -59,9 +59,10 @@
 namespace {
 // The engine's policy for PyTorch: the defaults, where GPUMEM_BUSY_SLACK (a number >= 0, or inf) sets
 // AllocatorPolicy.busy_slack, GPUMEM_CHUNK_MAX_FRACTION chunk_max_fraction, GPUMEM_PAGE_SLACK page_slack,
-// GPUMEM_PAGE_SLACK_MIN_NBYTES page_slack_min_nbytes, GPUMEM_STREAM_ORDERED_STEAL stream_ordered_steal and
-// GPUMEM_WAIT_OWN_STREAM wait_own_stream (issue 18 measures several live).
-// `base` (gpumem_torch_configure's policy, the default policy otherwise) with GPUMEM_BUSY_SLACK applied.
+// GPUMEM_PAGE_SLACK_MIN_NBYTES page_slack_min_nbytes, GPUMEM_STREAM_ORDERED_STEAL stream_ordered_steal,
+// GPUMEM_WAIT_OWN_STREAM wait_own_stream, GPUMEM_PLAN_WARMUP plan_warmup and GPUMEM_WARMUP_GIVE_BACK
+// warmup_give_back (issue 18 measures several live).
+// `base` (gpumem_torch_configure's policy, the default policy otherwise) with those variables applied.
 gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
     gpumem::EngineConfig cfg = base;
     if (const char* v = std::getenv("GPUMEM_BUSY_SLACK")) {
@@ -118,7 +119,7 @@ gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
             throw std::runtime_error("GPUMEM_PLAN_WARMUP must be 0 or 1, not '" + s + "'");
         cfg.plan_warmup = s == "1";
     }
-    // AllocatorPolicy.warmup_give_back: GPUMEM_WARMUP_GIVE_BACK=0 or 1 (1 is the rule before 2026-12-02)
+    // AllocatorPolicy.warmup_give_back: GPUMEM_WARMUP_GIVE_BACK=0 or 1 (0 keeps the warm-up's one-page chunks)
     if (const char* v = std::getenv("GPUMEM_WARMUP_GIVE_BACK")) {
         std::string s(v);
         if (s != "0" && s != "1")

@@ -158,16 +158,16 @@ quadratic, 33 s for 200 multi-GB operations at 27 GB held, attacker 14; the stea
 index of idle chunks] in :mod:`.backing`). It ends for good when a plan is
 installed, at the :data:`WARMUP_MARKS` (8th) mark with none (a repeating loop is planned at its third), or
 after :data:`WARMUP_ALLOCS` allocations with no mark (checked where the engine grows, the only place the
-knobs are read). Ended, with a plan or none, what it grew stays: its one-page chunks serve the steps after it,
-stolen page by page where a larger block needs them. Giving the idle cache back at an end with no plan
-(``warmup_give_back``, the rule before 2026-12-02, made when steals moved those pages at a cost: live
-llama_varlen_train 106.9 ms a step against 56.2 unmarked) now costs more than it saves: live on the H200
-(reports/hil/warmup-end-h200-2026-12-02.md) Llama with variable lengths released about 6,300 chunks in one
-step (248-369 ms against 60-118 without it) and grew them back in the next (39,600-40,000 driver calls in 40
-steps against 26,000-32,000), at 5.56-6.01 % above peak allocated against 2.19-5.78 %; MoE 4.07 against
-4.18 %; replayed, every trace in data/traces holds as much or less without it (MoE 4.02 -> 2.44 %, GPT-2
-5.54 -> 5.31 %). The warm-up's own cost is paid for a few steps; a program that neither marks nor turns
-automatic marks on is not touched (with them on, a device no optimizer steps runs warm for its first
+knobs are read). Ended with a plan, what it grew stays. Ended with none, the engine's idle cache goes back at
+once (waiting for the GPU, as ``empty_cache``; ``warmup_give_back``, on by default): else its one-page chunks
+outlive it and their pages are moved one by one in the steady steps. Live on the H200
+(reports/hil/warmup-end-h200-2026-12-02.md), Llama with variable lengths: the give-back's step takes 250-370 ms
+(about 6,300 chunks released, grown again in the next steps), once; kept, the steady steps (13-48, the warm-up's
+end untimed) took a median +17 % over five rounds (more steals: 5,600-8,100 against 4,900-5,000 in 48 steps),
+for 0.1-0.2 points less memory (5.73-5.89 % against 5.86-6.06 %); MoE 4.18 % kept against 4.07 %. A long run
+pays the one step, a short one may prefer to keep (replayed, every trace in data/traces holds as much or less
+kept: MoE 4.02 -> 2.44 %, GPT-2 5.54 -> 5.31 %). So the warm-up's cost is paid for a few steps; a program
+that neither marks nor turns automatic marks on is not touched (with them on, a device no optimizer steps runs warm for its first
 WARMUP_ALLOCS allocations). A policy that does not steal (``steal_empty_pages=False``) never begins it. Both engines count the same marks
 and ``num_allocs`` (the differential test); ``PlanInfo.warmup`` says whether it is on.
 
@@ -744,8 +744,8 @@ class StepPlan:
         return b.warmup
 
     def end_warmup(self, planned: bool) -> None:
-        """End the warm-up; with no plan (``planned`` False) and the policy's ``warmup_give_back``, give the
-        engine's idle cache back (its one-page chunks with it)."""
+        """End the warm-up; with no plan (``planned`` False) and the policy's ``warmup_give_back`` (the default),
+        give the engine's idle cache back, so that its one-page chunks do not outlive it."""
         if self.e.backing.warmup:
             self.e.backing.warmup = False
             self.warmup_done = True

@@ -40,6 +40,7 @@ import gzip
 import json
 import logging
 import math
+import os
 import pickle
 import shutil
 import statistics
@@ -810,6 +811,8 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
                               # each step's host time (the GPU may still run it): where one step's cost lands
                               "host_step_ms": [round((b - a) * 1e3, 3) for a, b in zip(tops_s, tops_s[1:])],
                               "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
+                              # the engine's knobs set from the environment: a record says which setting ran
+                              "gpumem_env": {k: os.environ[k] for k in ENGINE_ENV if k in os.environ},
                               "trace_file": trace_path.name if trace_path else None,
                               # the trace knows every record_stream the program made: gpumem's recorder
                               # records them, and PyTorch's runs log them beside the snapshot
@@ -1222,6 +1225,12 @@ def _round_of(run: dict) -> int:
         raise WorkloadInputError(f"run {run.get('workload')!r}: round {r!r} is not a whole number >= 1")
     return r
 
+
+#: The environment variables by which gpumem.torch's engine takes policy knobs (``gpumem.torch.configure``), which
+#: each run's record keeps (``gpumem_env``).
+ENGINE_ENV = ("GPUMEM_BUSY_SLACK", "GPUMEM_CHUNK_MAX_FRACTION", "GPUMEM_PAGE_SLACK", "GPUMEM_PAGE_SLACK_MIN_NBYTES",
+              "GPUMEM_STREAM_ORDERED_STEAL", "GPUMEM_WAIT_OWN_STREAM", "GPUMEM_PLAN_WARMUP", "GPUMEM_WARMUP_GIVE_BACK",
+              "GPUMEM_STEP_MARKS")
 
 #: The longest step time a record may give (ms): a day; longer is a broken record, and ratios of such
 #: numbers overflow.

@@ -52,7 +52,7 @@ POLICIES = [
     dataclasses.replace(_BASE, name="chunks-busy-slack", page_slack=0.0, busy_slack=0.05),
     dataclasses.replace(_BASE, name="chunks-wait-busy", busy_slack=0.0),
     dataclasses.replace(_BASE, name="chunks-no-warmup", plan_warmup=False),
-    dataclasses.replace(_BASE, name="chunks-warmup-give-back", warmup_give_back=True),   # the rule before 2026-12-02
+    dataclasses.replace(_BASE, name="chunks-warmup-keep", warmup_give_back=False),
     # waiting for the program's own stream (off by default; test_wait_own_stream_differential.py reaches it more
     # often), with the default slack and with none and small chunks
     dataclasses.replace(_BASE, name="chunks-wait-own", wait_own_stream=True, chunk_max_fraction=1 / 1024),
@@ -1336,8 +1336,8 @@ def test_a_warmup_that_ends_inside_a_failing_allocation_leaves_the_same_consiste
 
 @pytest.mark.parametrize("exc", INJECTED)
 def test_the_eighth_mark_failing_in_its_give_back_leaves_the_same_consistent_state(exc):
-    """With ``warmup_give_back``, the 8th mark of a warm-up with no plan gives the idle cache back inside
-    mark_step: a device call there raising gives the same outcome in both engines and a consistent allocator; the
+    """With ``warmup_give_back`` (the default), the 8th mark of a warm-up with no plan gives the idle cache back
+    inside mark_step: a device call there raising gives the same outcome in both engines and a consistent allocator; the
     warm-up is over either way (review attacker 14)."""
     k = 1
     while True:

@@ -104,9 +104,8 @@ def test_the_first_mark_begins_it_and_the_plan_ends_it(engine):
 @pytest.mark.parametrize("give_back", [False, True])
 @pytest.mark.parametrize("engine", ENGINES)
 def test_it_ends_at_the_eighth_mark_when_no_plan_forms(engine, give_back):
-    """The 8th mark with no plan ends it; what it grew stays (the default), or with ``warmup_give_back`` the idle
-    cache goes back at once, its one-page chunks with it (live, that give-back unmapped and released thousands
-    of chunks in one step, which the next steps grew again)."""
+    """The 8th mark with no plan ends it; with ``warmup_give_back`` (the default) the idle cache goes back at once,
+    its one-page chunks with it; without, what it grew stays and the mark makes no device call."""
     alloc = make(engine, dataclasses.replace(DEFAULT, warmup_give_back=give_back))
     loop = Loop(alloc)
     for i in range(WARMUP_MARKS + 2):

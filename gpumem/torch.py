@@ -624,7 +624,8 @@ class _Warmups:
         if was and not info.warmup:
             log.info("gpumem.torch: the memory-first warm-up on cuda:%d ended: %s", index,
                      "a step plan is installed" if info.state is StepState.PLANNED
-                     else "no step plan formed, the idle cache went back and the engine grows as without marks")
+                     else "no step plan formed; the engine grows as without marks (the idle cache the warm-up grew "
+                          "went back unless warmup_give_back is off)")
 
 
 @functools.cache

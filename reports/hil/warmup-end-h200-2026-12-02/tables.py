@@ -36,8 +36,11 @@ def live() -> None:
             if "error" in r:
                 print(f"| {tag} | {r['workload']} | {r['allocator']} | error: {r['error'][:60]} |")
                 continue
-            host = r["host_step_ms"]
-            name = "PyTorch's" if r["allocator"] == "default" else ("gpumem, give-back" if "give" in tag
+            host = r.get("host_step_ms") or []
+            if len(host) < 8:
+                sys.exit(f"{f}: {r['workload']} ({r['allocator']}) has {len(host)} host step times, not the 8 or more "
+                         "this table needs: a record from a workloads probe older than host_step_ms, or a short run")
+            name = "PyTorch's" if r["allocator"] == "default" else ("gpumem, give-back" if os.path.basename(tag).startswith("give")
                                                                      else "gpumem, kept")
             print(f"| {tag} | {r['workload']} | {name} | "
                   f"{100 * (r['peak_reserved_bytes'] / r['peak_allocated_bytes'] - 1):.2f} % | "
@@ -69,7 +72,9 @@ def _replay(args: tuple[str, str]) -> tuple[str, str, float, float]:
     from gpumem.trace import load_trace
 
     f, timing = args
-    pol = dataclasses.replace(POLICIES["gpumem"], warmup_give_back="give" in os.path.dirname(f))
+    # The run folder's own name says the setting (give-rec or kept-rec), never the path above it.
+    give_back = os.path.basename(os.path.dirname(f)).startswith("give")
+    pol = dataclasses.replace(POLICIES["gpumem"], warmup_give_back=give_back)
     c = compare_live(load_trace(f, progress=False), "sim:h200-141gb", pol, gpu_timing=timing)
     peak = c.result.peak_live_bytes
     return f, timing, 100 * (c.live_peak_reserved_nbytes / peak - 1), 100 * (c.replayed_peak_reserved_nbytes / peak - 1)

@@ -891,10 +891,11 @@ GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double c
         !(chunk_max_fraction >= 0.0 && chunk_max_fraction <= 1.0) ||
         !(grow_ahead_fraction >= 0.0 && grow_ahead_fraction <= 1.0) || !(busy_slack >= 0.0) ||
         (stream_ordered_steal != 0 && stream_ordered_steal != 1) || (plan_warmup != 0 && plan_warmup != 1) ||
-        (wait_own_stream != 0 && wait_own_stream != 1) || (warmup_give_back != 0 && warmup_give_back != 1)) {
+        (wait_own_stream != 0 && wait_own_stream != 1) || (warmup_give_back != 0 && warmup_give_back != 1) ||
+        (steal_empty_pages != 0 && steal_empty_pages != 1)) {
         t_last_error = "gpumem_torch_configure: growth must be 0 or 1, page_slack, grow_ahead_fraction and "
-                       "chunk_max_fraction in [0, 1], busy_slack >= 0, stream_ordered_steal, plan_warmup, "
-                       "wait_own_stream and warmup_give_back 0 or 1";
+                       "chunk_max_fraction in [0, 1], busy_slack >= 0, steal_empty_pages, stream_ordered_steal, "
+                       "plan_warmup, wait_own_stream and warmup_give_back 0 or 1";
         return -1;
     }
     TorchState& s = state();

@@ -109,7 +109,8 @@ def test_trace_and_configure_hooks_without_an_engine(lib):
     # the engine refuses values out of range (nothing changes); a valid policy is taken
     for bad in [(2, 0.0, 0.5, 0.0, 1, 0.05, 1), (1, 1.5, 0.5, 0.0, 1, 0.05, 1), (1, 0.0, -0.1, 0.0, 1, 0.05, 1),
                 (1, 0.0, 0.5, -0.1, 1, 0.05, 1), (1, 0.0, 0.5, 1.5, 1, 0.05, 1), (1, float("nan"), 0.5, 0.0, 1, 0.05, 1),
-                (1, 0.0, 0.5, 0.0, 1, -1.0, 1), (1, 0.0, 0.5, 0.0, 1, float("nan"), 1), (1, 0.0, 0.5, 0.0, 1, 0.05, 2)]:
+                (1, 0.0, 0.5, 0.0, 1, -1.0, 1), (1, 0.0, 0.5, 0.0, 1, float("nan"), 1), (1, 0.0, 0.5, 0.0, 1, 0.05, 2),
+                (1, 0.0, 0.5, 0.0, 2, 0.05, 1), (1, 0.0, 0.5, 0.0, -1, 0.05, 1)]:   # steal_empty_pages 0 or 1 too
         assert lib.gpumem_torch_configure(*bad, 0, 1, 0, 0) == -1, bad
         assert b"growth must be 0 or 1" in lib.gpumem_torch_last_error()
     for bad_bools in [(2, 0, 0), (0, 2, 0), (0, -1, 0), (0, 0, 2), (1, 1, -1)]:   # plan_warmup, wait_own_stream,

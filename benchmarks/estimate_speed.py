@@ -20,6 +20,13 @@ size it asks (``skip_gallop=False``, the search before Note [Gallop skipped]) ag
 other at each length, and checks that both give the same answers (the whole ``FitResult`` but its tries)::
 
     python -m benchmarks.estimate_speed --search --new-tokens 16,100,1000
+
+``--jobs 1,2`` times ``gpumem fit`` (``find_max_batch`` under ``pytorch``) on each number of worker processes
+(Note [Probes replayed ahead] in ``gpumem/estimate/probe_pool.py``), the counts alternated over ``--rounds``, in
+wall seconds (the workers' time is not this process's), and checks every run against the first (the whole
+``FitResult``, its tries included)::
+
+    python -m benchmarks.estimate_speed --jobs 1,2 --new-tokens 1000,4000 --rounds 2
 """
 
 from __future__ import annotations
@@ -65,7 +72,13 @@ def main() -> None:
     ap.add_argument("--search", action="store_true",
                     help="time gpumem fit's search instead: every size replayed (skip_gallop=False) against the "
                          "default (Note [Gallop skipped]), both on the fast replay")
+    ap.add_argument("--jobs", help="comma-separated worker counts: time gpumem fit on each (Note [Probes replayed "
+                                   "ahead])")
+    ap.add_argument("--rounds", type=int, default=1, help="--jobs: runs of each count, alternated (default 1)")
     args = ap.parse_args()
+    if args.jobs:
+        _jobs_table(args)
+        return
     if args.search:
         _search_table(args)
         return
@@ -163,6 +176,28 @@ def _search_table(args: argparse.Namespace) -> None:
                   f"{f'{n_old}/{n_new}':>9} {'yes' if same else 'NO':>5}", flush=True)
     finally:
         fit_module.replay_inference = real
+
+
+def _jobs_table(args: argparse.Namespace) -> None:
+    """``find_max_batch`` under ``pytorch`` on each ``--jobs`` count, alternated, in wall seconds."""
+    counts = [int(x) for x in args.jobs.split(",")]
+    print(f"7B (6.74B, bf16), prompt {args.prompt_len}, {args.device}, fit under pytorch; "
+          f"{platform.python_implementation()} {platform.python_version()}; {os.cpu_count()} CPUs; load average at "
+          f"start {os.getloadavg()[0]:.1f}; wall seconds")
+    print(f"{'new tok':>7} {'round':>5} {'answer':>10} " + " ".join(f"{f'jobs {j} s':>9}" for j in counts)
+          + " " + " ".join(f"{f'1/{j}':>6}" for j in counts[1:]) + f" {'same':>5}")
+    for n in (int(x) for x in args.new_tokens.split(",")):
+        kw = dict(device=args.device, prompt_len=args.prompt_len, new_tokens=n)
+        for rnd in range(args.rounds):
+            order = counts if rnd % 2 == 0 else counts[::-1]
+            runs = {j: _timed(lambda j=j: find_max_batch(LLAMA_7B, 2, jobs=j, **kw)) for j in order}
+            first = runs[counts[0]][0]
+            same = all(r == first for r, _ in runs.values())
+            base = runs[counts[0]][1]
+            print(f"{n:>7} {rnd + 1:>5} {f'{first.simulated}/{first.binary_search}/{first.halving}':>10} "
+                  + " ".join(f"{runs[j][1]:>9.2f}" for j in counts) + " "
+                  + " ".join(f"{base / runs[j][1]:>5.2f}x" for j in counts[1:]) + f" {'yes' if same else 'NO':>5}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,10 @@ def register(sub: Any, formatter_class: type) -> None:
     p.add_argument("--max", type=int, default=4096, dest="max_value",
                    help="upper bound of the search (default: %(default)s); an answer equal to it is shown as '>= N' "
                         "with a warning (JSON: at_max): larger values were not tried")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="processes to replay generate() probes on once one replay takes half a second or more, "
+                        "the sizes the search may ask next replayed ahead; the answer is the same with 1 "
+                        "(default: the CPUs this process may use, at most 8)")
     p.add_argument("--json", action="store_true", help="one JSON object (its fields include the workload: "
                                                        "prompt_len, new_tokens, batch_size, training)")
     _add_verbose(p)
@@ -86,6 +90,7 @@ def register(sub: Any, formatter_class: type) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the answer (or JSON); exit 0, or 1 when not even the smallest size fits."""
     from ..estimate.fit import InjectedFaultError, find_max_batch
+    from ..estimate.probe_pool import default_jobs
 
     shape, cfg_bytes = model_from_args(args)
     if args.mixed_precision is not None and args.dtype is None:
@@ -108,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
         raise vmm_policy_error(args.policy, args.device)
     if args.max_value < 1:  # find_max_batch would name its parameter (max_value), not the option
         raise InvalidArgumentError(f"--max {args.max_value}: the search's upper bound must be 1 or more")
+    if args.jobs is not None and args.jobs < 1:
+        raise InvalidArgumentError(f"--jobs {args.jobs}: the processes to replay on must be 1 or more")
+    jobs = default_jobs() if args.jobs is None else args.jobs
     note = (context_note(args.prompt_len + (0 if args.training else args.new_tokens), args.context_len)
             if args.search == "batch" else "")
     try:
@@ -117,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
                            max_value=args.max_value, progress=False if args.json else None,
                            weight_format=None if lora is not None else args.weight_fmt,
                            gradient_checkpointing=args.gradient_checkpointing, optimizer_8bit=args.optimizer_8bit,
-                           mixed_precision=args.mixed_precision, lora=lora)
+                           mixed_precision=args.mixed_precision, lora=lora, jobs=jobs)
     except InjectedFaultError as exc:  # Note: the injected fault is named, never read as a shortage
         print(f"gpumem fit: {exc}", file=sys.stderr)
         return EXIT_DEVICE_ERROR

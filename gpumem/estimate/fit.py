@@ -47,6 +47,7 @@ Note [Allocated as PyTorch counts it]
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -65,6 +66,7 @@ from ..units import format_bytes
 from .shape import ModelShape
 from .formats import WeightFormat
 from .formulas import dequant_workspace_nbytes
+from .probe_pool import EAGER_STEP_LAYERS, POOL_AFTER_S, PoolBroken, ProbeJob, ProbePool, ahead, check_jobs
 from .fastreplay import (AllStopped, NativeSkippingSink, PlainSink, SinkGroup, SkippingSink, StepJumper, TwinLag,
                          make_sink)
 from ..sim.gpu_work import GpuTiming, GpuWorkModel, ModelGpu
@@ -588,7 +590,19 @@ class _Probes:
     def __init__(self, workload: Callable[[int], WorkloadTrace],
                  replay: Callable[[WorkloadTrace, int, int], ReservedEstimate],
                  fault: Callable[[int, ReservedEstimate], Exception], usable: int, full_replay: bool, bar: Any,
-                 tries: list[FitTry]) -> None:
+                 tries: list[FitTry], jobs: int = 1, job: "Callable[[int, int], ProbeJob | None] | None" = None,
+                 explore: "Callable[[_Probes], object] | None" = None,
+                 pool_factory: "Callable[[int], Any] | None" = None, pool_after_s: float | None = None,
+                 eager: bool = False) -> None:
+        self._jobs = jobs
+        self._eager = eager  # the pool starts with the first replay (a long decode: EAGER_STEP_LAYERS)
+        # jobs -> a ProbePool (tests give one that runs in this process); both read when the search starts
+        self._pool_factory = ProbePool if pool_factory is None else pool_factory
+        self._pool_after_s = POOL_AFTER_S if pool_after_s is None else pool_after_s
+        self._job = job  # (value, room) -> the replay as a worker runs it, None where it stays here
+        self._explore = explore  # runs the search over a _Probes (Note [Probes replayed ahead])
+        self._pool: ProbePool | None = None
+        self._pool_broken = False
         self._workload = workload
         self._replay = replay
         self._fault = fault
@@ -619,12 +633,11 @@ class _Probes:
         appending no try."""
         key = (v, lim)
         if key not in self._cache:
-            if not self._full_replay and self._fitted.get(v, self._usable + 1) <= (lim or self._usable):
-                self._cache[key] = True  # Note [Probes share replays]
-            elif self.peak(v) > (lim or self._usable):
-                self._cache[key] = False  # cannot fit: its live bytes alone exceed the room
+            known = self._answer_without_replay(v, lim)
+            if known is not None:
+                self._cache[key] = known
             else:
-                r = self._replay(self._workload(v), v, lim or self._usable)
+                r = self._take_replay(v, lim)
                 if r.injected_fault:
                     raise self._fault(v, r)
                 self._cache[key] = r.fits
@@ -632,6 +645,66 @@ class _Probes:
                     self._fitted[v] = min(self._fitted.get(v, r.peak_reserved_bytes), r.peak_reserved_bytes)
                 self._bar.update(1)
         return self._cache[key]
+
+    def _answer_without_replay(self, v: int, lim: int) -> bool | None:
+        """``v`` under ``lim`` answered by a replay of it made under another limit, or by its live bytes; None
+        where it must be replayed."""
+        if not self._full_replay and self._fitted.get(v, self._usable + 1) <= (lim or self._usable):
+            return True  # Note [Probes share replays]
+        if self.peak(v) > (lim or self._usable):
+            return False  # cannot fit: its live bytes alone exceed the room
+        return None
+
+    def _take_replay(self, v: int, lim: int) -> ReservedEstimate:
+        """``v``'s replay under ``lim``: from the pool where one runs (with the sizes the search may ask next
+        replayed ahead: Note [Probes replayed ahead]), else here, starting the pool after a long one."""
+        room = lim or self._usable
+        job = None if self._job is None or self._pool_broken else self._job(v, room)
+        if (self._eager and job is not None and self._pool is None and self._jobs > 1
+                and self._explore is not None):
+            log.info("gpumem fit: long replays ahead; on %d processes, asked ahead", self._jobs)
+            self._pool = self._pool_factory(self._jobs)
+        pool = self._pool
+        if pool is not None and job is not None:
+            key = (v, lim)
+            idle = self._jobs - pool.in_flight()  # workers free for sizes asked ahead; this one asked at least
+            if not pool.pending(key):
+                idle = max(idle, 1)
+            if idle > 0:
+                for k in ahead(key, self._first_unknown, idle, pool.pending, pool.answers()):
+                    pool.submit(k, self._job(k[0], k[1] or self._usable))
+            try:
+                return pool.take(key, job)
+            except PoolBroken:
+                self._pool_broken = True
+                self.close()
+        t0 = time.perf_counter()
+        r = self._replay(self._workload(v), v, room)
+        if (job is not None and self._pool is None and not self._pool_broken and self._jobs > 1
+                and self._explore is not None and time.perf_counter() - t0 >= self._pool_after_s):
+            log.info("gpumem fit: a replay took %.2f s; the next ones on %d processes, asked ahead",
+                     time.perf_counter() - t0, self._jobs)
+            self._pool = self._pool_factory(self._jobs)
+        return r
+
+    def _first_unknown(self, assumed: "dict[Any, bool]") -> "tuple[int, int] | None":
+        """The first size the search would replay with the answers known and those ``assumed`` (Note [Probes
+        replayed ahead]); None where it would end first, or fail (the search itself says why if it gets there)."""
+        if self._explore is None:
+            return None
+        try:
+            self._explore(_DryProbes(self, assumed))
+        except _Unknown as u:
+            return u.key
+        except Exception:  # noqa: BLE001 - a branch the search may never take: nothing to replay ahead there
+            return None
+        return None
+
+    def close(self) -> None:
+        """End the pool's workers (replays asked ahead and not taken are dropped)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
 
     def fits(self, v: int, lim: int, rule: str) -> bool:
         """The answer the search asks for: ``v`` within ``lim`` bytes, under ``rule``."""
@@ -665,6 +738,40 @@ class _Probes:
                 break
             p //= 2
         self.assumed_below[lim] = max(p, known)
+
+
+class _Unknown(Exception):
+    """A dry search reached a size it would replay (Note [Probes replayed ahead])."""
+
+    def __init__(self, key: "tuple[int, int]") -> None:
+        super().__init__(key)
+        self.key = key
+
+
+class _DryProbes(_Probes):
+    """The search's probes with nothing replayed: answers known to ``real`` (replayed, shared or bounded), then
+    those ``assumed``; any other raises :class:`_Unknown` (Note [Probes replayed ahead]). Its tries and gallop
+    bounds are its own; the answers, the fitted peaks and the workloads' peaks are ``real``'s."""
+
+    def __init__(self, real: _Probes, assumed: "dict[Any, bool]") -> None:  # noqa: super-init-not-called
+        self.__dict__.update(real.__dict__)
+        self.tries = []
+        self.assumed_below = {}
+        self._bar = NoProgress()
+        self._pool = None
+        self._real = real
+        self._assumed = assumed
+
+    def replayed(self, v: int, lim: int) -> bool:
+        key = (v, lim)
+        if key in self._cache:
+            return self._cache[key]
+        known = self._real._answer_without_replay(v, lim)
+        if known is not None:
+            return known
+        if key in self._assumed:
+            return self._assumed[key]
+        raise _Unknown(key)
 
 
 def _alone_without_faults(dev: Device) -> bool:
@@ -737,7 +844,7 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                    progress: bool | None = False, weight_format: WeightFormat | None = None,
                    gradient_checkpointing: bool = False, optimizer_8bit: bool = False,
                    mixed_precision: str | None = None, full_replay: bool = False,
-                   skip_gallop: bool = True, lora: LoraConfig | None = None) -> FitResult:
+                   skip_gallop: bool = True, lora: LoraConfig | None = None, jobs: int = 1) -> FitResult:
     """The largest batch (``search="batch"``) or prompt/sequence length (``search="seq_len"``, at
     ``batch_size``) that runs on ``device`` without out-of-memory, by replaying the workload's allocations
     under ``policy`` with ``margin`` of the memory beyond the weights held back (default
@@ -756,6 +863,9 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
     shared (the reference of Note [Probes share replays] and of :func:`replay_inference`'s fast path).
     ``skip_gallop=False``: every size the search asks is replayed, the small ones of its gallop included (the
     reference of Note [Gallop skipped]; the same result wherever that Note's assumption holds, the tries aside).
+    ``jobs``: processes to replay ``generate()`` probes on, the sizes the search may ask next replayed ahead once
+    a replay took :data:`~gpumem.estimate.probe_pool.POOL_AFTER_S` (Note [Probes replayed ahead] in
+    :mod:`.probe_pool`: the same result and tries as ``jobs=1``, sooner).
 
     Note [Probes share replays]
         The searches probe the same sizes under two limits: the margin's (``simulated``) and the usable memory
@@ -774,6 +884,7 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         raise InvalidArgumentError(f"skip_gallop must be True or False, got {skip_gallop!r}")
     if search not in ("batch", "seq_len"):
         raise InvalidArgumentError(f"search must be 'batch' or 'seq_len', got {search!r}")
+    check_jobs(jobs)
     if isinstance(max_value, bool) or not isinstance(max_value, int) or max_value < 1:
         raise InvalidArgumentError(f"max_value must be a positive whole number, got {max_value!r}")
     if margin is None:
@@ -862,8 +973,22 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                 f"{v} on {dev.spec}; nothing was out of memory, and no size can be judged on a "
                 f"device that injects faults (give the spec without them): {r.oom_message}")
 
-        probes = _Probes(workload, replay, fault, usable, full_replay, bar, tries)
-        simulated, estimate, first, halving, binary = _search(probes, limit, usable, max_value, start, skip_gallop)
+        def job(v: int, room: int) -> ProbeJob | None:
+            if training or not isinstance(probe_dev, str):  # Note [Probes replayed ahead]: these stay here
+                return None
+            b, p = sizes(v)
+            return ProbeJob(shape, dtype_bytes, policy, probe_dev, b, p, new_tokens, room, probes.peak(v),
+                            weight_format, workspace, full_replay)
+
+        def explore(p: _Probes) -> object:
+            return _search(p, limit, usable, max_value, start, skip_gallop)
+
+        eager = not training and new_tokens * shape.n_layers >= EAGER_STEP_LAYERS
+        probes = _Probes(workload, replay, fault, usable, full_replay, bar, tries, jobs, job, explore, eager=eager)
+        try:
+            simulated, estimate, first, halving, binary = explore(probes)
+        finally:
+            probes.close()
         reason = ""
         if simulated < 1:
             what = "batch 1" if search == "batch" else f"a prompt of 1 token at batch {batch_size}"

@@ -269,3 +269,21 @@ def test_the_footer_says_which_rows_count_blocks(capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "blocks as PyTorch counts them where the pytorch replay fit" in out and "ran out of memory" in out
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_fit_jobs_below_one_is_refused_by_its_option_name(value, capsys):
+    assert main(["fit", *SHAPE, "--prompt-len", "64", "--jobs", value]) == 2
+    err = capsys.readouterr().err
+    assert f"gpumem fit: --jobs {value}: the processes to replay on must be 1 or more" in err
+
+
+def test_fit_answers_the_same_on_one_process_and_several(capsys):
+    """Note [Probes replayed ahead]: --jobs changes how long, never what (here no replay is long enough to start
+    the pool: the same path as --jobs 1)."""
+    outs = []
+    for jobs in ("1", "3"):
+        assert main(["fit", *SHAPE, "--prompt-len", "64", "--new-tokens", "4", "--max", "64", "--json",
+                     "--jobs", jobs]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]

@@ -1,0 +1,201 @@
+"""``gpumem fit``'s replays on several processes, asked ahead of the search (Note [Probes replayed ahead]).
+
+Note [Probes replayed ahead]
+    A search of :func:`~gpumem.estimate.fit.find_max_batch` asks one size at a time, and each answer near the
+    limit is a replay of the whole ``generate()`` (7B, prompt 2048, 4,000 new tokens: seven replays of about a
+    second; at the batches it probes nearly every op is sent: Note [Small pool skipped at a fixed point]). The
+    search is a function of its answers, and each answer of a size under a limit is a function of the size and
+    the limit alone: replayed, shared (Note [Probes share replays]) or bounded by the live bytes, it is the
+    same. So the sizes the search may ask next can be replayed before it asks, on other processes. Before each
+    replay the search waits for, :func:`ahead` runs the search *dry* over the answers known so far (those of
+    replays ended but not yet asked for among them) plus assumed ones (each unknown answer taken both ways,
+    breadth first), and collects the sizes those runs would replay next, up to one per idle worker; those are replayed at once on a :class:`ProbePool`. The real
+    search then asks what it always asked, in the same order, and takes each answer when its replay ends:
+    the result, the tries and every figure are those of the search in one process (compared in
+    ``tests/estimate/test_probe_pool.py``). What was replayed ahead and not asked is dropped.
+
+    Only a ``generate()`` probe on a device spec the search opens anew for each probe (Note [Each probe on a
+    device of its own]) goes to the pool: a process replays it on a device of its own exactly as the search
+    would. A shared device (faults, tenants, a Device given) and training steps stay in one process. The pool
+    starts with the first replay where the decode is long (:data:`EAGER_STEP_LAYERS`), else once a replay
+    took :data:`POOL_AFTER_S` or more: below that, starting processes (about half a second) costs more than it
+    saves (the tests' small models; a 7B at 1,000 new tokens, whose replays take a quarter second). Workers start by ``forkserver`` where the platform has it (no
+    fork of a process that may hold other threads' locks), else ``spawn``; they are ended, not awaited, when
+    the search ends, so a replay asked ahead and not needed costs no wait.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable
+
+from ..errors import InvalidArgumentError
+from .formats import WeightFormat
+from .shape import ModelShape
+
+__all__ = ["ProbeJob", "ProbePool", "POOL_AFTER_S", "EAGER_STEP_LAYERS", "ahead", "default_jobs", "check_jobs"]
+
+log = logging.getLogger(__name__)
+
+POOL_AFTER_S = 0.5
+"""A replay at least this long (seconds, in the search's own process) starts the pool (Note [Probes replayed
+ahead])."""
+
+EAGER_STEP_LAYERS = 64_000
+"""Decode steps times decoder blocks from which a ``generate()`` replay is taken as long before any has run (7B:
+2,000 new tokens), so that the pool starts with the first replay (Note [Probes replayed ahead])."""
+
+MAX_JOBS = 8
+"""The most worker processes :func:`default_jobs` chooses."""
+
+
+def default_jobs() -> int:
+    """The processes ``gpumem fit`` replays on by default: the CPUs this process may run on, at most
+    :data:`MAX_JOBS`."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        n = os.cpu_count() or 1
+    return max(1, min(MAX_JOBS, n))
+
+
+def check_jobs(jobs: Any) -> int:
+    """``jobs`` as a whole number of processes >= 1, else :class:`InvalidArgumentError`."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise InvalidArgumentError(f"jobs must be a whole number of processes >= 1, got {jobs!r}")
+    return jobs
+
+
+@dataclass(frozen=True)
+class ProbeJob:
+    """One ``generate()`` replay of :func:`~gpumem.estimate.fit.replay_inference` under one policy, as a worker
+    process runs it (every field can be pickled; ``device`` is a spec, opened anew by the replay)."""
+
+    shape: ModelShape
+    dtype_bytes: int
+    policy: str
+    device: str
+    batch_size: int
+    prompt_len: int
+    new_tokens: int
+    limit: int
+    peak_nbytes: int
+    weight_format: WeightFormat | None
+    workspace_nbytes: int
+    full_replay: bool
+
+    def run(self) -> Any:
+        """The replay's :class:`~gpumem.estimate.fit.ReservedEstimate` (in whichever process calls it)."""
+        from .fit import replay_inference
+
+        return replay_inference(self.shape, self.dtype_bytes, (self.policy,), self.device,
+                                batch_size=self.batch_size, prompt_len=self.prompt_len, new_tokens=self.new_tokens,
+                                limit=self.limit, peak_nbytes=self.peak_nbytes, weight_format=self.weight_format,
+                                workspace_nbytes=self.workspace_nbytes, full_replay=self.full_replay)[0]
+
+
+def _run(job: ProbeJob) -> Any:
+    return job.run()
+
+
+def _context() -> Any:
+    methods = multiprocessing.get_all_start_methods()
+    if "forkserver" in methods:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__, "gpumem.estimate.fit"])  # each worker forks with these imported
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+class ProbePool:
+    """Replays :class:`ProbeJob` s on ``jobs`` worker processes, each key at most once (Note [Probes replayed
+    ahead])."""
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs = check_jobs(jobs)
+        self._executor = concurrent.futures.ProcessPoolExecutor(max_workers=self.jobs, mp_context=_context())
+        self._futures: dict[Hashable, concurrent.futures.Future] = {}
+
+    def pending(self, key: Hashable) -> bool:
+        """Whether ``key`` was submitted and its result not yet taken."""
+        return key in self._futures
+
+    def in_flight(self) -> int:
+        """Submitted replays not yet ended."""
+        return sum(not f.done() for f in self._futures.values())
+
+    def answers(self) -> "dict[Hashable, bool]":
+        """Whether each replay that has ended (and not been taken) fits: known answers for :func:`ahead`."""
+        return {k: f.result().fits for k, f in self._futures.items() if f.done() and f.exception() is None}
+
+    def submit(self, key: Hashable, job: ProbeJob) -> None:
+        if key not in self._futures:
+            self._futures[key] = self._executor.submit(_run, job)
+
+    def take(self, key: Hashable, job: ProbeJob) -> Any:
+        """The result of ``key``'s replay (submitted now if it was not), waiting for it. A pool whose worker died
+        (killed, out of host memory) is refused further work: the replay is made here, in this process."""
+        self.submit(key, job)
+        fut = self._futures.pop(key)
+        try:
+            return fut.result()
+        except concurrent.futures.process.BrokenProcessPool as exc:
+            log.warning("gpumem fit: a replay's worker process died (%s); the search goes on in one process (a "
+                        "script that calls find_max_batch with jobs > 1 needs its calls under "
+                        "`if __name__ == \"__main__\":`, as multiprocessing asks)", exc)
+            raise PoolBroken from exc
+
+    def close(self) -> None:
+        """End the workers now: replays asked ahead and not taken are dropped, not awaited."""
+        self._futures.clear()
+        ex = self._executor
+        terminate = getattr(ex, "terminate_workers", None)  # Python 3.14
+        if terminate is not None:
+            terminate()
+            return
+        procs = list((getattr(ex, "_processes", None) or {}).values())
+        ex.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+
+
+class PoolBroken(Exception):
+    """A :class:`ProbePool`'s worker died: the caller replays in its own process from then on."""
+
+
+def ahead(first: Hashable, first_unknown: Callable[[dict], "Hashable | None"], width: int,
+          skip: Callable[[Hashable], bool], known: "dict[Hashable, bool] | None" = None,
+          max_runs: int = 64) -> list[Hashable]:
+    """The keys to replay now: ``first`` (the one the search waits for) and those the search would ask next under
+    every combination of the unknown answers (breadth first), at most ``width`` in all, leaving out those for
+    which ``skip`` is True (already asked); ``first`` comes first unless skipped. ``first_unknown(assumed)``
+    runs the search dry with the answers in ``assumed`` (key -> bool) taken as given and returns the first key
+    it would have to replay, or None when the search ends without another replay. ``known``: answers of
+    replays that have ended, taken as given in every dry run (``first``'s among them when it has ended). At most
+    ``max_runs`` dry runs."""
+    known = dict(known or {})
+    keys = [] if skip(first) else [first]
+    seen = {first}
+    queue: deque[dict] = deque([known] if first in known else [{**known, first: True}, {**known, first: False}])
+    runs = 0
+    while queue and len(keys) < width and runs < max_runs:
+        assumed = queue.popleft()
+        runs += 1
+        key = first_unknown(assumed)
+        if key is None:
+            continue
+        if key not in seen:
+            seen.add(key)
+            if not skip(key):
+                keys.append(key)
+        queue.append({**assumed, key: True})
+        queue.append({**assumed, key: False})
+    return keys

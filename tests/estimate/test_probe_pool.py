@@ -1,0 +1,204 @@
+"""Note [Probes replayed ahead]: find_max_batch with ``jobs > 1`` replays the sizes its search may ask next on other
+processes, and answers exactly as with one process: the same result, the same tries in the same order."""
+
+import dataclasses
+import time
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from gpumem.errors import InvalidArgumentError
+from gpumem.estimate import ModelShape, find_max_batch
+from gpumem.estimate import fit as fit_module
+from gpumem.estimate.fit import FitTry, ReservedEstimate, _Probes, _search
+from gpumem.estimate.probe_pool import PoolBroken, ProbeJob, ProbePool, ahead, check_jobs, default_jobs
+from gpumem.progress import NoProgress
+
+from test_fit_search import MATRIX, TINY, WIDE, FakeReplays, fake_searches
+
+
+class InlinePool:
+    """A ProbePool that makes each replay in this process when it is taken, and notes what was asked ahead.
+    ``broken_after``: the take after that many raises PoolBroken, as a pool whose worker died."""
+
+    def __init__(self, run, broken_after: int | None = None, ended: bool = False) -> None:
+        self.run = run
+        self.broken_after = broken_after
+        self.ended = ended  # replays asked ahead have ended by the next take (answers() has them), else run
+        self.submitted: list = []
+        self.taken: list = []
+        self._pending: dict = {}
+        self.closed = False
+
+    def pending(self, key) -> bool:
+        return key in self._pending
+
+    def in_flight(self) -> int:
+        return 0 if self.ended else len(self._pending)
+
+    def answers(self) -> dict:
+        return {k: self.run(job).fits for k, job in self._pending.items()} if self.ended else {}
+
+    def submit(self, key, job) -> None:
+        assert not self.closed
+        if key not in self._pending:
+            self._pending[key] = job
+            self.submitted.append(key)
+
+    def take(self, key, job):
+        if self.broken_after is not None and len(self.taken) >= self.broken_after:
+            raise PoolBroken
+        self.submit(key, job)
+        del self._pending[key]
+        self.taken.append(key)
+        return self.run(job)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _pooled(fake: FakeReplays, usable: int, tries: list, jobs: int, limit: int, max_value: int, start, skip: bool,
+            broken_after: int | None = None, ended: bool = True):
+    """FakeReplays' probes with an InlinePool from the first replay on."""
+    plain = fake.probes(usable, tries)
+    pools: list[InlinePool] = []
+
+    def factory(n: int) -> InlinePool:
+        assert n == jobs
+        pools.append(InlinePool(lambda job: plain._replay(plain._workload(job[0]), job[0], job[1]), broken_after,
+                                ended))
+        return pools[-1]
+
+    probes = _Probes(plain._workload, plain._replay, plain._fault, usable, False, NoProgress(), tries, jobs,
+                     lambda v, room: (v, room), lambda p: _search(p, limit, usable, max_value, start, skip),
+                     pool_factory=factory, pool_after_s=0.0)
+    return probes, pools
+
+
+@settings(max_examples=150)
+@given(fake_searches(), st.sampled_from([2, 3, 8]), st.booleans(), st.booleans())
+def test_replaying_ahead_keeps_every_answer_and_try(case, jobs, skip, ended):
+    max_value, limit, usable, per, fit_l, fit_u, start = case
+    pad = [False] * (2 * max_value + 2)
+    tables = {limit: fit_l + pad, usable: fit_u + pad}
+    if limit == usable:
+        tables = {limit: [a or b for a, b in zip(fit_l + pad, fit_u + pad)]}
+    one, many = FakeReplays(tables, per), FakeReplays(tables, per)
+    one_tries: list[FitTry] = []
+    many_tries: list[FitTry] = []
+    want = _search(one.probes(usable, one_tries), limit, usable, max_value, start, skip)
+    probes, pools = _pooled(many, usable, many_tries, jobs, limit, max_value, start, skip, ended=ended)
+    try:
+        got = _search(probes, limit, usable, max_value, start, skip)
+    finally:
+        probes.close()
+    assert got == want
+    assert many_tries == one_tries  # the same sizes asked, in the same order, with the same answers
+    # every replay the search waited for was one it makes in one process; the first made here, the rest taken
+    # from the pool, which was asked for each before or when it was needed
+    assert set(one.replayed) <= set(many.replayed)   # FakeReplays notes every replay, asked ahead or not
+    if pools:
+        pool = pools[0]
+        assert pool.closed
+        assert [(v, lim or usable) for v, lim in pool.taken] == one.replayed[1:]
+        assert set(pool.taken) <= set(pool.submitted)
+
+
+def test_replaying_ahead_asks_the_next_sizes_of_both_answers():
+    # under 100: sizes up to 5 fit; under 200: up to 9 (as test_fit_search's hand-made case)
+    tables = {100: [v <= 5 for v in range(40)], 200: [v <= 9 for v in range(40)]}
+    one, many = FakeReplays(tables, 10), FakeReplays(tables, 10)
+    assert _search(one.probes(200, []), 100, 200, 16, None, True) == (5, 16, 16, 8, 9)
+    probes, pools = _pooled(many, 200, [], 3, 100, 16, None, True)
+    assert _search(probes, 100, 200, 16, None, True) == (5, 16, 16, 8, 9)
+    pool = pools[0]
+    # the first replay (8 under 100) is made here; at the second (4 under 100, the next power of two down) the
+    # pool is asked for it and for what the search asks after it either way
+    assert one.replayed[0] == (8, 100) and pool.taken[0] == (4, 100)
+    assert pool.submitted[:3] == [(4, 100), (6, 100), (2, 100)]
+    assert len(pool.submitted) > len(pool.taken)   # some asked ahead were not needed, and were dropped
+
+
+def test_a_pool_whose_worker_died_leaves_the_search_to_this_process():
+    tables = {100: [v <= 5 for v in range(40)], 200: [v <= 9 for v in range(40)]}
+    one, many = FakeReplays(tables, 10), FakeReplays(tables, 10)
+    one_tries: list[FitTry] = []
+    many_tries: list[FitTry] = []
+    want = _search(one.probes(200, one_tries), 100, 200, 16, None, True)
+    probes, pools = _pooled(many, 200, many_tries, 2, 100, 16, None, True, broken_after=1)
+    assert _search(probes, 100, 200, 16, None, True) == want
+    assert many_tries == one_tries
+    assert len(pools) == 1 and pools[0].closed and len(pools[0].taken) == 1   # no new pool after it broke
+
+
+def test_ahead_counts_only_keys_not_asked_yet():
+    # a search asking 1, then 2 if 1 fits else 3, then 4 ...: a binary tree of keys
+    def first_unknown(assumed):
+        k = 1
+        while k in assumed:
+            k = 2 * k if assumed[k] else 2 * k + 1
+        return k if k < 64 else None
+
+    assert ahead(1, first_unknown, 7, lambda k: False) == [1, 2, 3, 4, 5, 6, 7]
+    assert ahead(1, first_unknown, 3, lambda k: k in (1, 2)) == [3, 4, 5]
+    assert ahead(1, first_unknown, 1, lambda k: False) == [1]
+    assert ahead(1, lambda assumed: None, 4, lambda k: False) == [1]
+    # an answer known (a replay ended) is taken as given: only its branch is explored
+    assert ahead(1, first_unknown, 3, lambda k: k in (1,), known={1: False}) == [3, 6, 7]
+    assert ahead(2, first_unknown, 2, lambda k: False, known={1: True, 3: True}) == [2, 4]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True, None])
+def test_jobs_must_be_a_whole_number_of_processes(bad):
+    with pytest.raises(InvalidArgumentError, match="jobs must be a whole number of processes >= 1"):
+        check_jobs(bad)
+    with pytest.raises(InvalidArgumentError, match="jobs must be a whole number"):
+        find_max_batch(TINY, 2, device="sim:gtx-1050-2gb", prompt_len=64, new_tokens=2, max_value=4, jobs=bad)
+
+
+def test_default_jobs_is_within_the_cpus():
+    assert 1 <= default_jobs() <= 8
+
+
+@pytest.mark.parametrize("shape, kw", [MATRIX[0], MATRIX[3], MATRIX[6]])
+def test_find_max_batch_on_worker_processes_answers_as_one_process(shape, kw, monkeypatch):
+    """Real worker processes, started at once (no replay is long here): the same answers and tries as one
+    process; training steps stay in this process."""
+    monkeypatch.setattr(fit_module, "POOL_AFTER_S", 0.0)
+    started = []
+    real_pool = fit_module.ProbePool
+
+    def pool(jobs):
+        started.append(jobs)
+        return real_pool(jobs)
+
+    monkeypatch.setattr(fit_module, "ProbePool", pool)
+    one = find_max_batch(shape, 2, **kw)
+    many = find_max_batch(shape, 2, jobs=2, **kw)
+    assert dataclasses.replace(many, tries=[]) == dataclasses.replace(one, tries=[])
+    assert many.tries == one.tries
+    assert started == ([] if kw.get("training") else [2])
+
+
+@dataclasses.dataclass(frozen=True)
+class _SleepingJob(ProbeJob):
+    """A replay that takes a minute."""
+
+    def run(self):
+        time.sleep(60)
+
+
+def test_a_probe_pool_ends_its_workers_without_waiting_for_replays_asked_ahead():
+    pool = ProbePool(2)
+    job = ProbeJob(WIDE, 2, "pytorch", "sim:gtx-1050-2gb", 8, 600, 120, 2 << 30, 1 << 30, None, 0, False)
+    try:
+        r = pool.take("a", job)
+        assert isinstance(r, ReservedEstimate) and r.policy == "pytorch" and r.fits
+        assert r == job.run()   # as this process replays it
+        pool.submit("slow", _SleepingJob(*dataclasses.astuple(job)))
+        assert pool.pending("slow") and not pool.pending("a")
+    finally:
+        t0 = time.perf_counter()
+        pool.close()
+    assert time.perf_counter() - t0 < 30   # the minute's replay was ended, not awaited
+    assert not pool.pending("slow")

@@ -66,7 +66,8 @@ from ..units import format_bytes
 from .shape import ModelShape
 from .formats import WeightFormat
 from .formulas import dequant_workspace_nbytes
-from .probe_pool import EAGER_STEP_LAYERS, POOL_AFTER_S, PoolBroken, ProbeJob, ProbePool, ahead, check_jobs
+from .probe_pool import (EAGER_STEP_LAYERS, POOL_AFTER_S, PoolBroken, ProbeJob, ProbePool, ahead, check_jobs,
+                         usable_cpus)
 from .fastreplay import (AllStopped, NativeSkippingSink, PlainSink, SinkGroup, SkippingSink, StepJumper, TwinLag,
                          make_sink)
 from ..sim.gpu_work import GpuTiming, GpuWorkModel, ModelGpu
@@ -863,9 +864,10 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
     shared (the reference of Note [Probes share replays] and of :func:`replay_inference`'s fast path).
     ``skip_gallop=False``: every size the search asks is replayed, the small ones of its gallop included (the
     reference of Note [Gallop skipped]; the same result wherever that Note's assumption holds, the tries aside).
-    ``jobs``: processes to replay ``generate()`` probes on, the sizes the search may ask next replayed ahead once
-    a replay took :data:`~gpumem.estimate.probe_pool.POOL_AFTER_S` (Note [Probes replayed ahead] in
-    :mod:`.probe_pool`: the same result and tries as ``jobs=1``, sooner).
+    ``jobs``: processes (at most the CPUs) to replay ``generate()`` probes on, with the sizes the search may ask
+    next replayed ahead, from the first replay of a long decode or once a replay took
+    :data:`~gpumem.estimate.probe_pool.POOL_AFTER_S` (Note [Probes replayed ahead] in :mod:`.probe_pool`: the same
+    result and tries as ``jobs=1``, sooner).
 
     Note [Probes share replays]
         The searches probe the same sizes under two limits: the margin's (``simulated``) and the usable memory
@@ -885,6 +887,9 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
     if search not in ("batch", "seq_len"):
         raise InvalidArgumentError(f"search must be 'batch' or 'seq_len', got {search!r}")
     check_jobs(jobs)
+    if jobs > usable_cpus():  # more processes than CPUs only wait on each other (and each holds a replay)
+        log.info("find_max_batch: jobs=%d, but %d CPUs: %d processes", jobs, usable_cpus(), usable_cpus())
+        jobs = usable_cpus()
     if isinstance(max_value, bool) or not isinstance(max_value, int) or max_value < 1:
         raise InvalidArgumentError(f"max_value must be a positive whole number, got {max_value!r}")
     if margin is None:

@@ -38,7 +38,7 @@ from ..errors import InvalidArgumentError
 from .formats import WeightFormat
 from .shape import ModelShape
 
-__all__ = ["ProbeJob", "ProbePool", "POOL_AFTER_S", "EAGER_STEP_LAYERS", "ahead", "default_jobs", "check_jobs"]
+__all__ = ["ProbeJob", "ProbePool", "usable_cpus", "POOL_AFTER_S", "EAGER_STEP_LAYERS", "ahead", "default_jobs", "check_jobs"]
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +54,18 @@ MAX_JOBS = 8
 """The most worker processes :func:`default_jobs` chooses."""
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def default_jobs() -> int:
     """The processes ``gpumem fit`` replays on by default: the CPUs this process may run on, at most
     :data:`MAX_JOBS`."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        n = os.cpu_count() or 1
-    return max(1, min(MAX_JOBS, n))
+    return min(MAX_JOBS, usable_cpus())
 
 
 def check_jobs(jobs: Any) -> int:

@@ -202,3 +202,20 @@ def test_a_probe_pool_ends_its_workers_without_waiting_for_replays_asked_ahead()
         pool.close()
     assert time.perf_counter() - t0 < 30   # the minute's replay was ended, not awaited
     assert not pool.pending("slow")
+
+
+def test_jobs_past_the_cpus_start_no_more_processes_than_cpus(monkeypatch):
+    from gpumem.estimate.probe_pool import usable_cpus
+
+    monkeypatch.setattr(fit_module, "POOL_AFTER_S", 0.0)
+    started = []
+
+    class Recorder(InlinePool):
+        def __init__(self, jobs):
+            started.append(jobs)
+            super().__init__(lambda job: job.run())
+
+    monkeypatch.setattr(fit_module, "ProbePool", Recorder)
+    kw = dict(device="sim:gtx-1050-2gb", prompt_len=256, new_tokens=2, max_value=64)
+    assert find_max_batch(TINY, 2, jobs=10_000, **kw) == find_max_batch(TINY, 2, **kw)
+    assert started == ([usable_cpus()] if usable_cpus() > 1 else [])

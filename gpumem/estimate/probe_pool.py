@@ -30,6 +30,8 @@ import concurrent.futures
 import logging
 import multiprocessing
 import os
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
@@ -38,7 +40,8 @@ from ..errors import InvalidArgumentError
 from .formats import WeightFormat
 from .shape import ModelShape
 
-__all__ = ["ProbeJob", "ProbePool", "usable_cpus", "POOL_AFTER_S", "EAGER_STEP_LAYERS", "ahead", "default_jobs", "check_jobs"]
+__all__ = ["ProbeJob", "ProbePool", "PoolBroken", "POOL_AFTER_S", "EAGER_STEP_LAYERS", "ahead", "check_jobs",
+           "default_jobs", "usable_cpus"]
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,27 @@ def _run(job: ProbeJob) -> Any:
     return job.run()
 
 
+WATCH_PARENT_S = 0.5
+"""How often a worker checks that the process that started it is alive."""
+
+
+def _watch_parent(pid: int) -> None:
+    """A worker's initializer: end this worker once process ``pid`` (the search's) is gone. Its parent is the
+    forkserver, not that process, so a search killed (SIGTERM, SIGKILL, the out-of-memory killer) before
+    :meth:`ProbePool.close` ran would leave its workers behind (new user 2026-12-03)."""
+    def watch() -> None:
+        while True:
+            time.sleep(WATCH_PARENT_S)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:  # alive, another user's (a pid reused): keep going
+                pass
+
+    threading.Thread(target=watch, name="gpumem-fit-watch-parent", daemon=True).start()
+
+
 def _context() -> Any:
     methods = multiprocessing.get_all_start_methods()
     if "forkserver" in methods:
@@ -122,8 +146,13 @@ class ProbePool:
 
     def __init__(self, jobs: int) -> None:
         self.jobs = check_jobs(jobs)
-        self._executor = concurrent.futures.ProcessPoolExecutor(max_workers=self.jobs, mp_context=_context())
+        self._executor = concurrent.futures.ProcessPoolExecutor(max_workers=self.jobs, mp_context=_context(),
+                                                                initializer=_watch_parent, initargs=(os.getpid(),))
         self._futures: dict[Hashable, concurrent.futures.Future] = {}
+        self.submitted = 0
+        """Replays asked for (ahead or waited for)."""
+        self.taken = 0
+        """Replays whose answer the search took; the rest were asked ahead and not needed."""
 
     def pending(self, key: Hashable) -> bool:
         """Whether ``key`` was submitted and its result not yet taken."""
@@ -140,6 +169,7 @@ class ProbePool:
     def submit(self, key: Hashable, job: ProbeJob) -> None:
         if key not in self._futures:
             self._futures[key] = self._executor.submit(_run, job)
+            self.submitted += 1
 
     def take(self, key: Hashable, job: ProbeJob) -> Any:
         """The result of ``key``'s replay (submitted now if it was not), waiting for it. A pool whose worker died
@@ -147,15 +177,20 @@ class ProbePool:
         self.submit(key, job)
         fut = self._futures.pop(key)
         try:
-            return fut.result()
+            r = fut.result()
         except concurrent.futures.process.BrokenProcessPool as exc:
-            log.warning("gpumem fit: a replay's worker process died (%s); the search goes on in one process (a "
-                        "script that calls find_max_batch with jobs > 1 needs its calls under "
-                        "`if __name__ == \"__main__\":`, as multiprocessing asks)", exc)
+            log.warning("find_max_batch: a worker process ended before its replay did (%s); the search goes on in "
+                        "this process alone, with the same answer. A script that calls find_max_batch(..., jobs=N) "
+                        "runs its top level again in each worker: its calls must be under "
+                        "`if __name__ == \"__main__\":`, as multiprocessing asks", exc)
             raise PoolBroken from exc
+        self.taken += 1
+        return r
 
     def close(self) -> None:
         """End the workers now: replays asked ahead and not taken are dropped, not awaited."""
+        log.info("find_max_batch: %d replays on %d processes, %d of them asked ahead and not needed",
+                 self.submitted, self.jobs, self.submitted - self.taken)
         self._futures.clear()
         ex = self._executor
         terminate = getattr(ex, "terminate_workers", None)  # Python 3.14

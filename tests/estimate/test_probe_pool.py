@@ -2,6 +2,9 @@
 processes, and answers exactly as with one process: the same result, the same tries in the same order."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -219,3 +222,48 @@ def test_jobs_past_the_cpus_start_no_more_processes_than_cpus(monkeypatch):
     kw = dict(device="sim:gtx-1050-2gb", prompt_len=256, new_tokens=2, max_value=64)
     assert find_max_batch(TINY, 2, jobs=10_000, **kw) == find_max_batch(TINY, 2, **kw)
     assert started == ([usable_cpus()] if usable_cpus() > 1 else [])
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+_KILLED_SEARCH = """
+import sys, time
+sys.path.insert(0, {here!r})
+from test_probe_pool import _SleepingJob
+from test_fit_search import WIDE
+from gpumem.estimate.probe_pool import ProbePool
+if __name__ == "__main__":
+    pool = ProbePool(2)
+    for key in ("a", "b"):
+        pool.submit(key, _SleepingJob(WIDE, 2, "pytorch", "sim:gtx-1050-2gb", 8, 600, 120, 2 << 30, 1 << 30, None, 0,
+                                      False))
+    while len(pool._executor._processes or {{}}) < 2:
+        time.sleep(0.05)
+    print(" ".join(str(p) for p in pool._executor._processes), flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_workers_end_when_the_search_is_killed():
+    """New user 2026-12-03: a `gpumem fit` killed by SIGTERM or SIGKILL left its workers (and the forkserver)
+    running with no parent; each worker now ends once the search's process is gone."""
+    script = _KILLED_SEARCH.format(here=os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_running(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 20
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(p) for p in pids)

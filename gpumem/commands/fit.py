@@ -78,9 +78,12 @@ def register(sub: Any, formatter_class: type) -> None:
                    help="upper bound of the search (default: %(default)s); an answer equal to it is shown as '>= N' "
                         "with a warning (JSON: at_max): larger values were not tried")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
-                   help="processes to replay generate() probes on once one replay takes half a second or more, "
-                        "the sizes the search may ask next replayed ahead; the answer is the same with 1 "
-                        "(default: the CPUs this process may use, at most 8)")
+                   help="worker processes for the generate() replays (default: the CPUs this process may use, at "
+                        "most 8; 1: none). They start with the first replay of a long decode (new tokens x blocks >= "
+                        "64,000) or after a replay of half a second, and also replay sizes the search may ask next, "
+                        "so more CPU is used in all; the answer is the same as with --jobs 1. Training, and a "
+                        "--device with faults or tenants, stay in one process. On a busy machine --jobs 1 can be "
+                        "faster")
     p.add_argument("--json", action="store_true", help="one JSON object (its fields include the workload: "
                                                        "prompt_len, new_tokens, batch_size, training)")
     _add_verbose(p)

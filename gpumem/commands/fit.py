@@ -80,7 +80,7 @@ def register(sub: Any, formatter_class: type) -> None:
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="worker processes for the generate() replays (default: the CPUs this process may use, at "
                         "most 8; 1: none). They start with the first replay of a long decode (new tokens x blocks >= "
-                        "64,000) or after a replay of half a second, and also replay sizes the search may ask next, "
+                        "64,000) or after a replay of a second, and also replay sizes the search may ask next, "
                         "so more CPU is used in all; the answer is the same as with --jobs 1. Training, and a "
                         "--device with faults or tenants, stay in one process. On a busy machine --jobs 1 can be "
                         "faster")

@@ -18,10 +18,12 @@ Note [Probes replayed ahead]
     device of its own]) goes to the pool: a process replays it on a device of its own exactly as the search
     would. A shared device (faults, tenants, a Device given) and training steps stay in one process. The pool
     starts with the first replay where the decode is long (:data:`EAGER_STEP_LAYERS`), else once a replay
-    took :data:`POOL_AFTER_S` or more: below that, starting processes (about half a second) costs more than it
-    saves (the tests' small models; a 7B at 1,000 new tokens, whose replays take a quarter second). Workers start by ``forkserver`` where the platform has it (no
-    fork of a process that may hold other threads' locks), else ``spawn``; they are ended, not awaited, when
-    the search ends, so a replay asked ahead and not needed costs no wait.
+    took :data:`POOL_AFTER_S` or more: below that, starting processes (half a second to a second and a half)
+    costs more than it saves (the tests' small models; a 7B at 1,000 new tokens, whose replays take a quarter
+    to half a second: on the H200's host, started after half a second, the pool made that fit 1 s slower).
+    Workers start by ``forkserver`` where the platform has it (no fork of a process that may hold other threads'
+    locks), else ``spawn``; they are ended, not awaited, when the search ends, so a replay asked ahead and not
+    needed costs no wait, and each ends by itself once the search's process is gone.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ __all__ = ["ProbeJob", "ProbePool", "PoolBroken", "POOL_AFTER_S", "EAGER_STEP_LA
 
 log = logging.getLogger(__name__)
 
-POOL_AFTER_S = 0.5
+POOL_AFTER_S = 1.0
 """A replay at least this long (seconds, in the search's own process) starts the pool (Note [Probes replayed
 ahead])."""
 

@@ -67,7 +67,7 @@ from .shape import ModelShape
 from .formats import WeightFormat
 from .formulas import dequant_workspace_nbytes
 from .probe_pool import (EAGER_STEP_LAYERS, POOL_AFTER_S, PoolBroken, ProbeJob, ProbePool, ahead, check_jobs,
-                         usable_cpus)
+                         check_not_bootstrapping, pool_refused, usable_cpus)
 from .fastreplay import (AllStopped, NativeSkippingSink, PlainSink, SinkGroup, SkippingSink, StepJumper, TwinLag,
                          make_sink)
 from ..sim.gpu_work import GpuTiming, GpuWorkModel, ModelGpu
@@ -658,35 +658,56 @@ class _Probes:
 
     def _take_replay(self, v: int, lim: int) -> ReservedEstimate:
         """``v``'s replay under ``lim``: from the pool where one runs (with the sizes the search may ask next
-        replayed ahead: Note [Probes replayed ahead]), else here, starting the pool after a long one."""
+        replayed ahead: Note [Probes replayed ahead]), else here, starting the pool after a long one. Whatever goes
+        wrong with the pool (it cannot start, a worker died, a replay failed there) leaves the search to this
+        process, which then replays every size itself: the answer is the same."""
         room = lim or self._usable
         job = None if self._job is None or self._pool_broken else self._job(v, room)
-        if (self._eager and job is not None and self._pool is None and self._jobs > 1
-                and self._explore is not None):
-            log.info("gpumem fit: long replays ahead; on %d processes, asked ahead", self._jobs)
-            self._pool = self._pool_factory(self._jobs)
-        pool = self._pool
-        if pool is not None and job is not None:
-            key = (v, lim)
-            idle = self._jobs - pool.in_flight()  # workers free for sizes asked ahead; this one asked at least
-            if not pool.pending(key):
-                idle = max(idle, 1)
-            if idle > 0:
-                for k in ahead(key, self._first_unknown, idle, pool.pending, pool.answers()):
-                    pool.submit(k, self._job(k[0], k[1] or self._usable))
+        if self._eager and self._pool is None and job is not None:
+            self._start_pool(job, "long replays ahead")
+        if self._pool is not None and job is not None:
             try:
-                return pool.take(key, job)
+                return self._from_pool((v, lim), job)
             except PoolBroken:
                 self._pool_broken = True
                 self.close()
         t0 = time.perf_counter()
         r = self._replay(self._workload(v), v, room)
-        if (job is not None and self._pool is None and not self._pool_broken and self._jobs > 1
-                and self._explore is not None and time.perf_counter() - t0 >= self._pool_after_s):
-            log.info("gpumem fit: a replay took %.2f s; the next ones on %d processes, asked ahead",
-                     time.perf_counter() - t0, self._jobs)
-            self._pool = self._pool_factory(self._jobs)
+        elapsed_s = time.perf_counter() - t0
+        if self._pool is None and job is not None and elapsed_s >= self._pool_after_s:
+            self._start_pool(job, f"a replay took {elapsed_s:.2f} s")
         return r
+
+    def _start_pool(self, job: ProbeJob, why: str) -> None:
+        """Start the pool (more than one job, a search to run dry, the pool not given up, workers allowed here)."""
+        if self._jobs < 2 or self._explore is None or self._pool_broken:
+            return
+        refused = pool_refused(job)
+        if refused:
+            log.info("find_max_batch: %s, but %s: one process", why, refused)
+            self._pool_broken = True
+            return
+        try:
+            self._pool = self._pool_factory(self._jobs)
+        except Exception as exc:  # noqa: BLE001 - no semaphores (no /dev/shm), no processes: one process then
+            log.warning("find_max_batch: worker processes could not start (%s: %s); the search goes on in this "
+                        "process alone, with the same answer", type(exc).__name__, exc)
+            self._pool_broken = True
+            return
+        log.info("find_max_batch: %s; the next replays on %d processes, sizes the search may ask next asked ahead",
+                 why, self._jobs)
+
+    def _from_pool(self, key: "tuple[int, int]", job: ProbeJob) -> ReservedEstimate:
+        """``key``'s replay from the pool, the sizes the search may ask next submitted first; PoolBroken where the
+        pool cannot give it."""
+        pool = self._pool
+        idle = self._jobs - pool.in_flight()  # workers free for sizes asked ahead; this one asked at least
+        if not pool.pending(key):
+            idle = max(idle, 1)
+        if idle > 0:
+            for k in ahead(key, self._first_unknown, idle, pool.pending, pool.answers()):
+                pool.submit(k, self._job(k[0], k[1] or self._usable))
+        return pool.take(key, job)
 
     def _first_unknown(self, assumed: "dict[Any, bool]") -> "tuple[int, int] | None":
         """The first size the search would replay with the answers known and those ``assumed`` (Note [Probes
@@ -978,12 +999,19 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                 f"{v} on {dev.spec}; nothing was out of memory, and no size can be judged on a "
                 f"device that injects faults (give the spec without them): {r.oom_message}")
 
+        try:
+            policy_rules = get_policy(policy)
+        except InvalidArgumentError:
+            policy_rules = None  # a bucket policy, or one the replay refuses itself
+        if jobs > 1:
+            check_not_bootstrapping()
+
         def job(v: int, room: int) -> ProbeJob | None:
             if training or not isinstance(probe_dev, str):  # Note [Probes replayed ahead]: these stay here
                 return None
             b, p = sizes(v)
             return ProbeJob(shape, dtype_bytes, policy, probe_dev, b, p, new_tokens, room, probes.peak(v),
-                            weight_format, workspace, full_replay)
+                            weight_format, workspace, full_replay, policy_rules)
 
         def explore(p: _Probes) -> object:
             return _search(p, limit, usable, max_value, start, skip_gallop)

@@ -31,7 +31,10 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
+import pickle
+import sys
 import threading
 import time
 from collections import deque
@@ -42,8 +45,8 @@ from ..errors import InvalidArgumentError
 from .formats import WeightFormat
 from .shape import ModelShape
 
-__all__ = ["ProbeJob", "ProbePool", "PoolBroken", "POOL_AFTER_S", "EAGER_STEP_LAYERS", "ahead", "check_jobs",
-           "default_jobs", "usable_cpus"]
+__all__ = ["ProbeJob", "ProbePool", "PoolBroken", "POOL_AFTER_S", "EAGER_STEP_LAYERS", "GUARD_HINT", "ahead",
+           "check_jobs", "check_not_bootstrapping", "default_jobs", "pool_refused", "usable_cpus"]
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +100,23 @@ class ProbeJob:
     weight_format: WeightFormat | None
     workspace_nbytes: int
     full_replay: bool
+    policy_rules: Any = None
+    """The policy ``policy`` names where the job was made (an ``AllocatorPolicy``): a worker refuses the job where
+    its own differs (one added or changed at run time in the search's process), and the search makes it itself."""
 
     def run(self) -> Any:
         """The replay's :class:`~gpumem.estimate.fit.ReservedEstimate` (in whichever process calls it)."""
+        from ..allocator.policy import get_policy
+        from ..errors import InternalError
         from .fit import replay_inference
+
+        if self.policy_rules is not None:
+            try:
+                here = get_policy(self.policy)
+            except InvalidArgumentError:
+                here = None
+            if here != self.policy_rules:
+                raise InternalError(f"policy {self.policy!r} is not the search's here: added or changed at run time")
 
         return replay_inference(self.shape, self.dtype_bytes, (self.policy,), self.device,
                                 batch_size=self.batch_size, prompt_len=self.prompt_len, new_tokens=self.new_tokens,
@@ -133,11 +149,40 @@ def _watch_parent(pid: int) -> None:
     threading.Thread(target=watch, name="gpumem-fit-watch-parent", daemon=True).start()
 
 
+GUARD_HINT = ("a script that calls find_max_batch(..., jobs=N) runs its top level again in each worker: its calls "
+              "must be under `if __name__ == \"__main__\":`, as multiprocessing asks")
+
+
+def pool_refused(job: ProbeJob) -> str:
+    """Why no worker process can take ``job`` here ('' where they can): this process is a daemon (a worker of
+    another pool may not start processes), the main program has no file a worker could import (read from
+    stdin), or the job does not pickle."""
+    if multiprocessing.current_process().daemon:
+        return "this process is a daemon (a pool's worker), which may not start processes"
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if isinstance(path, str) and not os.path.isfile(path):
+        return f"the main program has no file a worker could import ({path})"
+    try:
+        pickle.dumps(job)
+    except Exception as exc:  # noqa: BLE001 - a local class, a lambda: anything a worker cannot receive
+        return f"the replay cannot be sent to a worker ({type(exc).__name__}: {exc})"
+    return ""
+
+
+def check_not_bootstrapping() -> None:
+    """Raise where a worker is importing the main program and that program calls find_max_batch at its top level
+    (it would run the whole search in the worker): the worker ends at once, and the search goes on without it."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise InvalidArgumentError("find_max_batch was called while a worker process was starting: " + GUARD_HINT)
+
+
 def _context() -> Any:
     methods = multiprocessing.get_all_start_methods()
     if "forkserver" in methods:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__, "gpumem.estimate.fit"])  # each worker forks with these imported
+        # each worker forks with these imported; a preload list set by the program is kept
+        have = list(getattr(getattr(multiprocessing.forkserver, "_forkserver", None), "_preload_modules", ()) or ())
+        ctx.set_forkserver_preload(have + [m for m in (__name__, "gpumem.estimate.fit") if m not in have])
         return ctx
     return multiprocessing.get_context("spawn")
 
@@ -169,8 +214,14 @@ class ProbePool:
         return {k: f.result().fits for k, f in self._futures.items() if f.done() and f.exception() is None}
 
     def submit(self, key: Hashable, job: ProbeJob) -> None:
+        """Ask for ``key``'s replay (nothing where it was asked); :class:`PoolBroken` where the pool cannot take it."""
         if key not in self._futures:
-            self._futures[key] = self._executor.submit(_run, job)
+            try:
+                self._futures[key] = self._executor.submit(_run, job)
+            except Exception as exc:  # noqa: BLE001 - broken (a worker died), or a process could not start
+                log.warning("find_max_batch: no worker process takes the replay (%s: %s); the search goes on in "
+                            "this process alone, with the same answer", type(exc).__name__, exc)
+                raise PoolBroken from exc
             self.submitted += 1
 
     def take(self, key: Hashable, job: ProbeJob) -> Any:
@@ -182,9 +233,11 @@ class ProbePool:
             r = fut.result()
         except concurrent.futures.process.BrokenProcessPool as exc:
             log.warning("find_max_batch: a worker process ended before its replay did (%s); the search goes on in "
-                        "this process alone, with the same answer. A script that calls find_max_batch(..., jobs=N) "
-                        "runs its top level again in each worker: its calls must be under "
-                        "`if __name__ == \"__main__\":`, as multiprocessing asks", exc)
+                        "this process alone, with the same answer. %s", exc, GUARD_HINT[0].upper() + GUARD_HINT[1:])
+            raise PoolBroken from exc
+        except Exception as exc:  # noqa: BLE001 - the replay failed there: made here, which raises if it fails too
+            log.info("find_max_batch: a replay failed in a worker (%s: %s); the search goes on in this process",
+                     type(exc).__name__, exc)
             raise PoolBroken from exc
         self.taken += 1
         return r

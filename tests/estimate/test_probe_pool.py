@@ -267,3 +267,109 @@ def test_workers_end_when_the_search_is_killed():
     while any(_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_running(p) for p in pids)
+
+
+def _fast_pool(monkeypatch):
+    """Worker processes from the first replay on."""
+    monkeypatch.setattr(fit_module, "POOL_AFTER_S", 0.0)
+
+
+@pytest.mark.parametrize("how", ["added", "changed"])
+def test_a_policy_added_or_changed_at_run_time_is_replayed_here(how, monkeypatch):
+    """Attacker 2026-12-03: a policy added to POLICIES at run time was unknown in the workers (jobs=2 raised where
+    jobs=1 answered); a built-in one changed would have been replayed there unchanged. The workers refuse a policy
+    other than the search's, and the search replays it itself."""
+    from gpumem.allocator.policy import POLICIES
+
+    name = "mine" if how == "added" else "pytorch"
+    monkeypatch.setitem(POLICIES, name, dataclasses.replace(POLICIES["pytorch"], name=name,
+                                                            round_nbytes=4 * POLICIES["pytorch"].round_nbytes))
+    _fast_pool(monkeypatch)
+    kw = dict(device="sim:gtx-1050-2gb", prompt_len=256, new_tokens=20, max_value=512, policy=name)
+    assert find_max_batch(TINY, 2, jobs=2, **kw) == find_max_batch(TINY, 2, **kw)
+
+
+def test_a_pool_that_cannot_start_leaves_the_search_to_this_process(monkeypatch, caplog):
+    """Attacker 2026-12-03: with no semaphores (no /dev/shm) the pool's start raised out of gpumem fit."""
+    def no_pool(jobs):
+        raise OSError(38, "Function not implemented")
+
+    _fast_pool(monkeypatch)
+    monkeypatch.setattr(fit_module, "ProbePool", no_pool)
+    kw = dict(device="sim:gtx-1050-2gb", prompt_len=256, new_tokens=20, max_value=512)
+    assert find_max_batch(TINY, 2, jobs=2, **kw) == find_max_batch(TINY, 2, **kw)
+    assert "worker processes could not start (OSError" in caplog.text
+
+
+def test_a_pool_broken_between_two_takes_leaves_the_search_to_this_process():
+    """Attacker 2026-12-03: a worker dying between two takes made the next submit raise BrokenProcessPool out of
+    the search."""
+    class BrokenSubmit(InlinePool):
+        def submit(self, key, job):
+            if self.taken:
+                raise PoolBroken
+            super().submit(key, job)
+
+    tables = {100: [v <= 5 for v in range(40)], 200: [v <= 9 for v in range(40)]}
+    one, many = FakeReplays(tables, 10), FakeReplays(tables, 10)
+    one_tries: list[FitTry] = []
+    many_tries: list[FitTry] = []
+    want = _search(one.probes(200, one_tries), 100, 200, 16, None, True)
+    plain = many.probes(200, many_tries)
+    pools = []
+
+    def factory(n):
+        pools.append(BrokenSubmit(lambda job: plain._replay(plain._workload(job[0]), job[0], job[1])))
+        return pools[-1]
+
+    probes = _Probes(plain._workload, plain._replay, plain._fault, 200, False, NoProgress(), many_tries, 2,
+                     lambda v, room: (v, room), lambda p: _search(p, 100, 200, 16, None, True),
+                     pool_factory=factory, pool_after_s=0.0)
+    assert _search(probes, 100, 200, 16, None, True) == want
+    assert many_tries == one_tries and len(pools) == 1 and pools[0].closed
+
+
+def test_a_shape_that_does_not_pickle_is_replayed_here(monkeypatch):
+    """Attacker 2026-12-03: a ModelShape subclass defined in a function could not be sent to a worker."""
+    @dataclasses.dataclass(frozen=True)
+    class LocalShape(ModelShape):
+        pass
+
+    shape = LocalShape(*dataclasses.astuple(TINY))
+    _fast_pool(monkeypatch)
+    started = []
+    monkeypatch.setattr(fit_module, "ProbePool", lambda jobs: started.append(jobs))
+    kw = dict(device="sim:gtx-1050-2gb", prompt_len=256, new_tokens=20, max_value=512)
+    assert find_max_batch(shape, 2, jobs=2, **kw) == find_max_batch(shape, 2, **kw)
+    assert started == []
+
+
+def test_no_pool_in_a_daemon_process(monkeypatch):
+    """Attacker 2026-12-03: inside a daemonic process (a multiprocessing.Pool's worker) jobs=2 raised "daemonic
+    processes are not allowed to have children"."""
+    import multiprocessing
+
+    from gpumem.estimate.probe_pool import pool_refused
+
+    monkeypatch.setattr(multiprocessing.current_process(), "daemon", True, raising=False)
+    job = ProbeJob(WIDE, 2, "pytorch", "sim:gtx-1050-2gb", 8, 600, 120, 2 << 30, 1 << 30, None, 0, False)
+    assert "daemon" in pool_refused(job)
+
+
+def test_the_forkserver_preload_list_of_the_program_is_kept():
+    """Attacker 2026-12-03: starting a pool replaced the program's forkserver preload list."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    from gpumem.estimate import probe_pool
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no forkserver here")
+    server = multiprocessing.forkserver._forkserver
+    before = list(server._preload_modules)
+    try:
+        multiprocessing.set_forkserver_preload(["json"])
+        probe_pool._context()
+        assert server._preload_modules[0] == "json" and "gpumem.estimate.fit" in server._preload_modules
+    finally:
+        multiprocessing.set_forkserver_preload(before)

@@ -62,12 +62,21 @@ MAX_JOBS = 8
 """The most worker processes :func:`default_jobs` chooses."""
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on."""
+def usable_cpus(cpu_max_path: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The CPUs this process may run on: its affinity, within its cgroup's CPU quota where one is set (a container
+    given ``--cpus 2`` on a 64-CPU host has 64 in its affinity; attacker 2026-12-03)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        n = max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
+        n = max(1, os.cpu_count() or 1)
+    try:
+        with open(cpu_max_path, encoding="ascii") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max" and int(period) > 0:
+            n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):  # no cgroup v2 quota here
+        pass
+    return n
 
 
 def default_jobs() -> int:

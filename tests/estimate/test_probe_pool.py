@@ -373,3 +373,14 @@ def test_the_forkserver_preload_list_of_the_program_is_kept():
         assert server._preload_modules[0] == "json" and "gpumem.estimate.fit" in server._preload_modules
     finally:
         multiprocessing.set_forkserver_preload(before)
+
+
+@pytest.mark.parametrize("text, cap", [("200000 100000\n", 2), ("150000 100000\n", 2), ("max 100000\n", None),
+                                       ("garbage", None), ("50000 100000", 1)])
+def test_usable_cpus_keeps_within_a_cgroup_quota(text, cap, tmp_path):
+    from gpumem.estimate.probe_pool import usable_cpus
+
+    path = tmp_path / "cpu.max"
+    path.write_text(text)
+    free = usable_cpus(str(tmp_path / "none"))
+    assert usable_cpus(str(path)) == (free if cap is None else min(free, cap))

@@ -73,14 +73,19 @@ def fake_searches(draw):
     return max_value, limit, usable, per, fit_l, fit_u, start
 
 
+def fake_tables(max_value: int, limit: int, usable: int, fit_l: list[bool], fit_u: list[bool]) -> dict:
+    """FakeReplays' tables of a :func:`fake_searches` case: the usable memory's answers past ``max_value`` too (a
+    halving retry may start above it), one table where the two limits are one."""
+    pad = [False] * (2 * max_value + 2)
+    if limit == usable:
+        return {limit: [a or b for a, b in zip(fit_l + pad, fit_u + pad)]}
+    return {limit: fit_l + pad, usable: fit_u + pad}
+
+
 @given(fake_searches())
 def test_skipping_the_gallop_keeps_every_answer_where_its_assumption_holds(case):
     max_value, limit, usable, per, fit_l, fit_u, start = case
-    # the usable memory's table must answer past max_value too (a halving retry may start above it)
-    pad = [False] * (2 * max_value + 2)
-    tables = {limit: fit_l + pad, usable: fit_u + pad}
-    if limit == usable:
-        tables = {limit: [a or b for a, b in zip(fit_l + pad, fit_u + pad)]}
+    tables = fake_tables(max_value, limit, usable, fit_l, fit_u)
     plain, skip = FakeReplays(tables, per), FakeReplays(tables, per)
     plain_tries: list[FitTry] = []
     skip_tries: list[FitTry] = []

@@ -17,7 +17,7 @@ from gpumem.estimate.fit import FitTry, ReservedEstimate, _Probes, _search
 from gpumem.estimate.probe_pool import PoolBroken, ProbeJob, ProbePool, ahead, check_jobs, default_jobs
 from gpumem.progress import NoProgress
 
-from test_fit_search import MATRIX, TINY, WIDE, FakeReplays, fake_searches
+from test_fit_search import MATRIX, TINY, WIDE, FakeReplays, fake_searches, fake_tables
 
 
 class InlinePool:
@@ -82,10 +82,7 @@ def _pooled(fake: FakeReplays, usable: int, tries: list, jobs: int, limit: int, 
 @given(fake_searches(), st.sampled_from([2, 3, 8]), st.booleans(), st.booleans())
 def test_replaying_ahead_keeps_every_answer_and_try(case, jobs, skip, ended):
     max_value, limit, usable, per, fit_l, fit_u, start = case
-    pad = [False] * (2 * max_value + 2)
-    tables = {limit: fit_l + pad, usable: fit_u + pad}
-    if limit == usable:
-        tables = {limit: [a or b for a, b in zip(fit_l + pad, fit_u + pad)]}
+    tables = fake_tables(max_value, limit, usable, fit_l, fit_u)
     one, many = FakeReplays(tables, per), FakeReplays(tables, per)
     one_tries: list[FitTry] = []
     many_tries: list[FitTry] = []

@@ -908,9 +908,10 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
     if search not in ("batch", "seq_len"):
         raise InvalidArgumentError(f"search must be 'batch' or 'seq_len', got {search!r}")
     check_jobs(jobs)
-    if jobs > usable_cpus():  # more processes than CPUs only wait on each other (and each holds a replay)
-        log.info("find_max_batch: jobs=%d, but %d CPUs: %d processes", jobs, usable_cpus(), usable_cpus())
-        jobs = usable_cpus()
+    cpus = usable_cpus()
+    if jobs > cpus:  # more processes than CPUs only wait on each other (and each holds a replay)
+        log.info("find_max_batch: jobs=%d, but %d CPUs usable here: %d processes", jobs, cpus, cpus)
+        jobs = cpus
     if isinstance(max_value, bool) or not isinstance(max_value, int) or max_value < 1:
         raise InvalidArgumentError(f"max_value must be a positive whole number, got {max_value!r}")
     if margin is None:
@@ -1003,7 +1004,8 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
             policy_rules = get_policy(policy)
         except InvalidArgumentError:
             policy_rules = None  # a bucket policy, or one the replay refuses itself
-        if jobs > 1:
+
+        if jobs > 1 and not training and isinstance(probe_dev, str):  # a pool may start: never in a worker's start
             check_not_bootstrapping()
 
         def job(v: int, room: int) -> ProbeJob | None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
 import os
 import pickle
@@ -64,7 +65,9 @@ MAX_JOBS = 8
 
 def usable_cpus(cpu_max_path: str = "/sys/fs/cgroup/cpu.max") -> int:
     """The CPUs this process may run on: its affinity, within its cgroup's CPU quota where one is set (a container
-    given ``--cpus 2`` on a 64-CPU host has 64 in its affinity; attacker 2026-12-03)."""
+    given ``--cpus 2`` on a 64-CPU host has 64 in its affinity; attacker 2026-12-03). Only a cgroup v2 quota seen
+    at the root of the process's own cgroup view (a container's) is read; v1 quotas and those of an ancestor
+    group are not."""
     try:
         n = max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
@@ -137,23 +140,18 @@ def _run(job: ProbeJob) -> Any:
     return job.run()
 
 
-WATCH_PARENT_S = 0.5
-"""How often a worker checks that the process that started it is alive."""
+def _watch_parent() -> None:
+    """A worker's initializer: end this worker once the process that asked for it (the search's) is gone, as its
+    sentinel says (ready at its death, a zombie's too; no pid to be reused). Under ``forkserver`` the worker's
+    parent in the process tree is the forkserver, so a search killed (SIGTERM, SIGKILL, the out-of-memory
+    killer) before :meth:`ProbePool.close` ran left its workers behind (new user 2026-12-03)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
 
-
-def _watch_parent(pid: int) -> None:
-    """A worker's initializer: end this worker once process ``pid`` (the search's) is gone. Its parent is the
-    forkserver, not that process, so a search killed (SIGTERM, SIGKILL, the out-of-memory killer) before
-    :meth:`ProbePool.close` ran would leave its workers behind (new user 2026-12-03)."""
     def watch() -> None:
-        while True:
-            time.sleep(WATCH_PARENT_S)
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                os._exit(1)
-            except PermissionError:  # alive, another user's (a pid reused): keep going
-                pass
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
 
     threading.Thread(target=watch, name="gpumem-fit-watch-parent", daemon=True).start()
 
@@ -168,8 +166,9 @@ def pool_refused(job: ProbeJob) -> str:
     stdin), or the job does not pickle."""
     if multiprocessing.current_process().daemon:
         return "this process is a daemon (a pool's worker), which may not start processes"
-    path = getattr(sys.modules.get("__main__"), "__file__", None)
-    if isinstance(path, str) and not os.path.isfile(path):
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(main, "__spec__", None) is None and isinstance(path, str) and not os.path.isfile(path):
         return f"the main program has no file a worker could import ({path})"
     try:
         pickle.dumps(job)
@@ -190,7 +189,8 @@ def _context() -> Any:
     if "forkserver" in methods:
         ctx = multiprocessing.get_context("forkserver")
         # each worker forks with these imported; a preload list set by the program is kept
-        have = list(getattr(getattr(multiprocessing.forkserver, "_forkserver", None), "_preload_modules", ()) or ())
+        have = [m for m in getattr(getattr(multiprocessing.forkserver, "_forkserver", None), "_preload_modules", ())
+                or () if m != "__main__"]  # CPython's default, not the program's choice: never the script here
         ctx.set_forkserver_preload(have + [m for m in (__name__, "gpumem.estimate.fit") if m not in have])
         return ctx
     return multiprocessing.get_context("spawn")
@@ -203,7 +203,7 @@ class ProbePool:
     def __init__(self, jobs: int) -> None:
         self.jobs = check_jobs(jobs)
         self._executor = concurrent.futures.ProcessPoolExecutor(max_workers=self.jobs, mp_context=_context(),
-                                                                initializer=_watch_parent, initargs=(os.getpid(),))
+                                                                initializer=_watch_parent)
         self._futures: dict[Hashable, concurrent.futures.Future] = {}
         self.submitted = 0
         """Replays asked for (ahead or waited for)."""
@@ -241,8 +241,10 @@ class ProbePool:
         try:
             r = fut.result()
         except concurrent.futures.process.BrokenProcessPool as exc:
+            main_file = getattr(sys.modules.get("__main__"), "__file__", None)
             log.warning("find_max_batch: a worker process ended before its replay did (%s); the search goes on in "
-                        "this process alone, with the same answer. %s", exc, GUARD_HINT[0].upper() + GUARD_HINT[1:])
+                        "this process alone, with the same answer.%s", exc,
+                        f" If this program is a script: {GUARD_HINT}" if main_file else "")
             raise PoolBroken from exc
         except Exception as exc:  # noqa: BLE001 - the replay failed there: made here, which raises if it fails too
             log.info("find_max_batch: a replay failed in a worker (%s: %s); the search goes on in this process",

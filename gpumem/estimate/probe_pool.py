@@ -9,10 +9,11 @@ Note [Probes replayed ahead]
     same. So the sizes the search may ask next can be replayed before it asks, on other processes. Before each
     replay the search waits for, :func:`ahead` runs the search *dry* over the answers known so far (those of
     replays ended but not yet asked for among them) plus assumed ones (each unknown answer taken both ways,
-    breadth first), and collects the sizes those runs would replay next, up to one per idle worker; those are replayed at once on a :class:`ProbePool`. The real
-    search then asks what it always asked, in the same order, and takes each answer when its replay ends:
-    the result, the tries and every figure are those of the search in one process (compared in
-    ``tests/estimate/test_probe_pool.py``). What was replayed ahead and not asked is dropped.
+    breadth first), and collects the sizes those runs would replay next, up to one per idle worker; those are
+    replayed at once on a :class:`ProbePool`. The real search then asks what it always asked, in the same order,
+    and takes each answer when its replay ends: the result, the tries and every figure are those of the search
+    in one process (compared in ``tests/estimate/test_probe_pool.py``). What was replayed ahead and not asked is
+    dropped.
 
     Only a ``generate()`` probe on a device spec the search opens anew for each probe (Note [Each probe on a
     device of its own]) goes to the pool: a process replays it on a device of its own exactly as the search
@@ -37,7 +38,6 @@ import os
 import pickle
 import sys
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from ..device import Device
-from ..errors import GpumemError, InvalidArgumentError, OutOfMemoryError, UnsupportedOperationError
+from ..errors import GpumemError, InternalError, InvalidArgumentError, OutOfMemoryError, UnsupportedOperationError
 from ..managers.reserve import default_usable_nbytes
 from ..progress import NoProgress, progress as progress_bar
 from ..allocator import make_allocator
@@ -66,7 +66,7 @@ from ..units import format_bytes
 from .shape import ModelShape
 from .formats import WeightFormat
 from .formulas import dequant_workspace_nbytes
-from .probe_pool import (EAGER_STEP_LAYERS, POOL_AFTER_S, PoolBroken, ProbeJob, ProbePool, ahead, check_jobs,
+from .probe_pool import (EAGER_STEP_LAYERS, POOL_AFTER_S, PoolBroken, ProbePool, ahead, check_jobs,
                          check_not_bootstrapping, pool_refused, usable_cpus)
 from .fastreplay import (AllStopped, NativeSkippingSink, PlainSink, SinkGroup, SkippingSink, StepJumper, TwinLag,
                          make_sink)
@@ -760,6 +760,44 @@ class _Probes:
                 break
             p //= 2
         self.assumed_below[lim] = max(p, known)
+
+
+@dataclass(frozen=True)
+class ProbeJob:
+    """One ``generate()`` replay of :func:`replay_inference` under one policy, as a worker process of a
+    :class:`~gpumem.estimate.probe_pool.ProbePool` runs it (Note [Probes replayed ahead]; every field can be pickled;
+    ``device`` is a spec, opened anew by the replay)."""
+
+    shape: ModelShape
+    dtype_bytes: int
+    policy: str
+    device: str
+    batch_size: int
+    prompt_len: int
+    new_tokens: int
+    limit: int
+    peak_nbytes: int
+    weight_format: WeightFormat | None
+    workspace_nbytes: int
+    full_replay: bool
+    policy_rules: Any = None
+    """The policy ``policy`` names where the job was made (an ``AllocatorPolicy``): a worker refuses the job where
+    its own differs (one added or changed at run time in the search's process), and the search makes it itself."""
+
+    def run(self) -> Any:
+        """The replay's :class:`ReservedEstimate` (in whichever process calls it)."""
+        if self.policy_rules is not None:
+            try:
+                here = get_policy(self.policy)
+            except InvalidArgumentError:
+                here = None
+            if here != self.policy_rules:
+                raise InternalError(f"policy {self.policy!r} is not the search's here: added or changed at run time")
+        return replay_inference(self.shape, self.dtype_bytes, (self.policy,), self.device,
+                                batch_size=self.batch_size, prompt_len=self.prompt_len, new_tokens=self.new_tokens,
+                                limit=self.limit, peak_nbytes=self.peak_nbytes, weight_format=self.weight_format,
+                                workspace_nbytes=self.workspace_nbytes, full_replay=self.full_replay)[0]
+
 
 
 class _Unknown(Exception):

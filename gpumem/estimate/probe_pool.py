@@ -39,14 +39,11 @@ import pickle
 import sys
 import threading
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
 from ..errors import InvalidArgumentError
-from .formats import WeightFormat
-from .shape import ModelShape
 
-__all__ = ["ProbeJob", "ProbePool", "PoolBroken", "POOL_AFTER_S", "EAGER_STEP_LAYERS", "GUARD_HINT", "ahead",
+__all__ = ["ProbePool", "PoolBroken", "POOL_AFTER_S", "EAGER_STEP_LAYERS", "GUARD_HINT", "ahead",
            "check_jobs", "check_not_bootstrapping", "default_jobs", "pool_refused", "usable_cpus"]
 
 log = logging.getLogger(__name__)
@@ -95,48 +92,8 @@ def check_jobs(jobs: Any) -> int:
     return jobs
 
 
-@dataclass(frozen=True)
-class ProbeJob:
-    """One ``generate()`` replay of :func:`~gpumem.estimate.fit.replay_inference` under one policy, as a worker
-    process runs it (every field can be pickled; ``device`` is a spec, opened anew by the replay)."""
-
-    shape: ModelShape
-    dtype_bytes: int
-    policy: str
-    device: str
-    batch_size: int
-    prompt_len: int
-    new_tokens: int
-    limit: int
-    peak_nbytes: int
-    weight_format: WeightFormat | None
-    workspace_nbytes: int
-    full_replay: bool
-    policy_rules: Any = None
-    """The policy ``policy`` names where the job was made (an ``AllocatorPolicy``): a worker refuses the job where
-    its own differs (one added or changed at run time in the search's process), and the search makes it itself."""
-
-    def run(self) -> Any:
-        """The replay's :class:`~gpumem.estimate.fit.ReservedEstimate` (in whichever process calls it)."""
-        from ..allocator.policy import get_policy
-        from ..errors import InternalError
-        from .fit import replay_inference
-
-        if self.policy_rules is not None:
-            try:
-                here = get_policy(self.policy)
-            except InvalidArgumentError:
-                here = None
-            if here != self.policy_rules:
-                raise InternalError(f"policy {self.policy!r} is not the search's here: added or changed at run time")
-
-        return replay_inference(self.shape, self.dtype_bytes, (self.policy,), self.device,
-                                batch_size=self.batch_size, prompt_len=self.prompt_len, new_tokens=self.new_tokens,
-                                limit=self.limit, peak_nbytes=self.peak_nbytes, weight_format=self.weight_format,
-                                workspace_nbytes=self.workspace_nbytes, full_replay=self.full_replay)[0]
-
-
-def _run(job: ProbeJob) -> Any:
+def _run(job: Any) -> Any:
+    """A worker's task: the job's ``run()`` (a :class:`~gpumem.estimate.fit.ProbeJob`)."""
     return job.run()
 
 
@@ -160,7 +117,7 @@ GUARD_HINT = ("a script that calls find_max_batch(..., jobs=N) runs its top leve
               "must be under `if __name__ == \"__main__\":`, as multiprocessing asks")
 
 
-def pool_refused(job: ProbeJob) -> str:
+def pool_refused(job: Any) -> str:
     """Why no worker process can take ``job`` here ('' where they can): this process is a daemon (a worker of
     another pool may not start processes), the main program has no file a worker could import (read from
     stdin), or the job does not pickle."""
@@ -197,7 +154,8 @@ def _context() -> Any:
 
 
 class ProbePool:
-    """Replays :class:`ProbeJob` s on ``jobs`` worker processes, each key at most once (Note [Probes replayed
+    """Runs jobs (each a picklable object with a ``run()``: :class:`~gpumem.estimate.fit.ProbeJob`) on ``jobs`` worker
+    processes, each key at most once (Note [Probes replayed
     ahead])."""
 
     def __init__(self, jobs: int) -> None:
@@ -222,7 +180,7 @@ class ProbePool:
         """Whether each replay that has ended (and not been taken) fits: known answers for :func:`ahead`."""
         return {k: f.result().fits for k, f in self._futures.items() if f.done() and f.exception() is None}
 
-    def submit(self, key: Hashable, job: ProbeJob) -> None:
+    def submit(self, key: Hashable, job: Any) -> None:
         """Ask for ``key``'s replay (nothing where it was asked); :class:`PoolBroken` where the pool cannot take it."""
         if key not in self._futures:
             try:
@@ -233,7 +191,7 @@ class ProbePool:
                 raise PoolBroken from exc
             self.submitted += 1
 
-    def take(self, key: Hashable, job: ProbeJob) -> Any:
+    def take(self, key: Hashable, job: Any) -> Any:
         """The result of ``key``'s replay (submitted now if it was not), waiting for it. A pool whose worker died
         (killed, out of host memory) is refused further work: the replay is made here, in this process."""
         self.submit(key, job)

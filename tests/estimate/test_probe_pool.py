@@ -13,8 +13,8 @@ from hypothesis import given, settings, strategies as st
 from gpumem.errors import InvalidArgumentError
 from gpumem.estimate import ModelShape, find_max_batch
 from gpumem.estimate import fit as fit_module
-from gpumem.estimate.fit import FitTry, ReservedEstimate, _Probes, _search
-from gpumem.estimate.probe_pool import PoolBroken, ProbeJob, ProbePool, ahead, check_jobs, default_jobs
+from gpumem.estimate.fit import FitTry, ProbeJob, ReservedEstimate, _Probes, _search
+from gpumem.estimate.probe_pool import PoolBroken, ProbePool, ahead, check_jobs, default_jobs
 from gpumem.progress import NoProgress
 
 from test_fit_search import MATRIX, TINY, WIDE, FakeReplays, fake_searches, fake_tables

@@ -74,10 +74,16 @@ def main() -> None:
                          "default (Note [Gallop skipped]), both on the fast replay")
     ap.add_argument("--jobs", help="comma-separated worker counts: time gpumem fit on each (Note [Probes replayed "
                                    "ahead])")
-    ap.add_argument("--rounds", type=int, default=1, help="--jobs: runs of each count, alternated (default 1)")
+    ap.add_argument("--estimate-jobs", help="comma-separated process counts: time the estimate's replays (every "
+                                            "--policies) on each (Note [Policies replayed apart])")
+    ap.add_argument("--rounds", type=int, default=1, help="--jobs, --estimate-jobs: runs of each count, alternated "
+                                                          "(default 1)")
     args = ap.parse_args()
     if args.jobs:
         _jobs_table(args)
+        return
+    if args.estimate_jobs:
+        _estimate_jobs_table(args)
         return
     if args.search:
         _search_table(args)
@@ -196,6 +202,33 @@ def _jobs_table(args: argparse.Namespace) -> None:
             base = runs[counts[0]][1]
             print(f"{n:>7} {rnd + 1:>5} {f'{first.simulated}/{first.binary_search}/{first.halving}':>10} "
                   + " ".join(f"{runs[j][1]:>9.2f}" for j in counts) + " "
+                  + " ".join(f"{base / runs[j][1]:>5.2f}x" for j in counts[1:]) + f" {'yes' if same else 'NO':>5}",
+                  flush=True)
+
+
+def _estimate_jobs_table(args: argparse.Namespace) -> None:
+    """The estimate (its short trace and ``replay_inference`` of every ``--policies``) on each ``--estimate-jobs``
+    count, alternated, in wall seconds, with the figures compared."""
+    counts = [int(x) for x in args.estimate_jobs.split(",")]
+    policies = tuple(p for p in args.policies.split(",") if p)
+    print(f"7B (6.74B, bf16), batch 1, prompt {args.prompt_len}, {args.device}, estimate under {','.join(policies)}; "
+          f"{platform.python_implementation()} {platform.python_version()}; {os.cpu_count()} CPUs; load average at "
+          f"start {os.getloadavg()[0]:.1f}; wall seconds")
+    print(f"{'new tok':>7} {'round':>5} " + " ".join(f"{f'jobs {j} s':>9}" for j in counts)
+          + " " + " ".join(f"{f'1/{j}':>6}" for j in counts[1:]) + f" {'same':>5}")
+    for n in (int(x) for x in args.new_tokens.split(",")):
+        kw = dict(prompt_len=args.prompt_len, new_tokens=n)
+
+        def estimate(j: int) -> list:
+            peak = inference_trace(LLAMA_7B, 2, **kw)
+            return replay_inference(LLAMA_7B, 2, policies, args.device, peak_nbytes=peak.peak_nbytes, jobs=j, **kw)
+        for rnd in range(args.rounds):
+            order = counts if rnd % 2 == 0 else counts[::-1]
+            runs = {j: _timed(lambda j=j: estimate(j)) for j in order}
+            first = runs[counts[0]][0]
+            same = all(r == first for r, _ in runs.values())
+            base = runs[counts[0]][1]
+            print(f"{n:>7} {rnd + 1:>5} " + " ".join(f"{runs[j][1]:>9.2f}" for j in counts) + " "
                   + " ".join(f"{base / runs[j][1]:>5.2f}x" for j in counts[1:]) + f" {'yes' if same else 'NO':>5}",
                   flush=True)
 

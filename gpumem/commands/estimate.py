@@ -84,6 +84,12 @@ def register(sub: Any, formatter_class: type) -> None:
     r.add_argument("--device", default="sim:h200-141gb", help="simulated device for the replays, and whose usable "
                    "memory (as a GpuMemoryManager sees it) FITS compares with (default: %(default)s)")
     r.add_argument("--no-reserved", action="store_true", help="skip the replays (peak allocated only)")
+    r.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="processes to replay on (default: the CPUs this process may use, at most 8; 1: this one "
+                        "alone). A long decode (new tokens x blocks >= 64,000) on a --device without faults or "
+                        "tenants replays its policies side by side, gpumem's here and the others on worker "
+                        "processes: the same figures sooner where there are CPUs to spare; training and shorter "
+                        "decodes stay in one process")
     p.add_argument("--json", action="store_true", help="one JSON list, an object per dtype")
     _add_verbose(p)
     p.set_defaults(func=run)
@@ -126,6 +132,8 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     mixed = getattr(args, "mixed_precision", None)
     if mixed is not None:
         _check_mixed_args(args)
+    if args.jobs is not None and args.jobs < 1:
+        raise InvalidArgumentError(f"--jobs {args.jobs}: the processes to replay on must be 1 or more")
     usable, workspace = _usable(args.device, shape, args.weight_fmt)
     rows = []
     dims = (shape.hidden_size, shape.intermediate_size, shape.n_layers, shape.vocab_size, shape.n_heads,
@@ -191,6 +199,7 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
     from ..estimate.fit import (allocated_as_pytorch_counts, estimate_peak_reserved, replay_inference,
                                  training_reserved_nbytes)
     from ..estimate.formulas import estimate_inference_memory, estimate_training_memory
+    from ..estimate.probe_pool import default_jobs
     from ..estimate.workload import training_trace
 
     moe = {k: getattr(shape, k) for k in ("n_experts", "experts_per_token", "expert_intermediate_size",
@@ -240,7 +249,8 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
         else:
             res = replay_inference(shape, nbytes, policies, args.device, batch_size=args.batch_size,
                                    prompt_len=prompt, new_tokens=new, limit=usable, peak_nbytes=est.total_bytes,
-                                   bar=bar, weight_format=fmt, workspace_nbytes=workspace)
+                                   bar=bar, weight_format=fmt, workspace_nbytes=workspace,
+                                   jobs=default_jobs() if args.jobs is None else args.jobs)
         by_policy = {e.policy: e.peak_reserved_bytes for e in res}
         first = res[0]
         # Note [Allocated as PyTorch counts it] in gpumem.estimate.fit: with pytorch first, the replay's blocks,

@@ -68,6 +68,7 @@ from .formats import WeightFormat
 from .formulas import dequant_workspace_nbytes
 from .probe_pool import (EAGER_STEP_LAYERS, POOL_AFTER_S, PoolBroken, ProbePool, ahead, check_jobs,
                          check_not_bootstrapping, pool_refused, usable_cpus)
+from .policy_workers import APART_STEP_LAYERS, PolicyWorkers, split_policies
 from .fastreplay import (AllStopped, NativeSkippingSink, PlainSink, SinkGroup, SkippingSink, StepJumper, TwinLag,
                          make_sink)
 from ..sim.gpu_work import GpuTiming, GpuWorkModel, ModelGpu
@@ -209,7 +210,7 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
                      device: "str | Device", *, batch_size: int = 1, prompt_len: int,
                      new_tokens: int = DEFAULT_NEW_TOKENS, limit: int | None = None, peak_nbytes: int | None = None,
                      bar: Any = None, weight_format: WeightFormat | None = None,
-                     workspace_nbytes: int = 0, full_replay: bool = False) -> list[ReservedEstimate]:
+                     workspace_nbytes: int = 0, full_replay: bool = False, jobs: int = 1) -> list[ReservedEstimate]:
     """Peak reserved of ``generate()`` under each policy: every op of every decode step replayed as it is
     made (:func:`~gpumem.estimate.workload.stream_inference`), so memory stays bounded while the figures
     are those of replaying ``inference_trace(..., full_decode=True)`` with ``gpu_timing="model"`` where the policy
@@ -220,10 +221,16 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
     change anything (Notes [One stream, every policy], [Small pool skipped at a fixed point] and [Expandable's
     small pool skipped] in :mod:`.fastreplay`), and replays only the prefix trace where the full path would
     start with it (Note [Stopped where the prefix trace stops too]); ``full_replay=True`` is the reference, one stream per policy with every op sent,
-    and gives the same figures to the byte."""
+    and gives the same figures to the byte.
+
+    ``jobs``: processes to replay on (at most the CPUs usable). With more than one, a long decode on a device
+    spec that runs alone replays its policies in groups side by side, the same figures sooner (Note [Policies
+    replayed apart] in :mod:`.policy_workers`); a script that calls it so must do it under ``if __name__ ==
+    "__main__":``."""
     _check_policies(policies)
     if not isinstance(full_replay, bool):
         raise InvalidArgumentError(f"full_replay must be True or False, got {full_replay!r}")
+    check_jobs(jobs)
     if peak_nbytes is None:
         peak_nbytes = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len,
                                       new_tokens=new_tokens, weight_format=weight_format,
@@ -236,6 +243,11 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
     full = list(range(len(policies)))
     for p in policies:
         decode_lag_for(p)  # an unknown policy name raises before anything runs
+    if (jobs > 1 and not full_replay and head < new_tokens and isinstance(device, str) and len(policies) > 1
+            and new_tokens * shape.n_layers >= APART_STEP_LAYERS):
+        got = _replay_apart(shape, dtype_bytes, tuple(policies), device, limit, peak_nbytes, bar, kw, jobs)
+        if got is not None:
+            return got
     if not full_replay and head < new_tokens:
         # the fast path: one stream for all (Note [One stream, every policy]), each policy on a device of its own
         # as in the full path (a Device given is one device: its policies take turns); a policy that ran out of
@@ -250,6 +262,48 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
         _full_path(shape, dtype_bytes, [policies[k] for k in full], full, device, limit, peak_nbytes, bar, head, kw,
                    out)
     return [out[k] for k in range(len(policies))]  # type: ignore[misc]
+
+
+def _replay_apart(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, ...]", device: str,
+                  limit: int | None, peak_nbytes: int, bar: Any, kw: dict[str, Any],
+                  jobs: int) -> "list[ReservedEstimate] | None":
+    """Note [Policies replayed apart]: the groups of :func:`split_policies` but the first on worker processes, the
+    first here; None where the device spec shares what a fresh device would not (tenants, faults): one process."""
+    probe = open_device(device)
+    try:
+        if not _alone_without_faults(probe):
+            return None
+    finally:
+        probe.close()
+    check_not_bootstrapping("replay_inference")
+    jobs = min(jobs, usable_cpus())
+    groups = split_policies(policies, jobs)
+    if len(groups) < 2:
+        return None
+
+    def job(group: "tuple[int, ...]") -> PolicyGroupJob:
+        names = tuple(policies[k] for k in group)
+        return PolicyGroupJob(shape, dtype_bytes, names, device, kw["batch_size"], kw["prompt_len"],
+                              kw["new_tokens"], limit, peak_nbytes, kw["weight_format"], kw["workspace_nbytes"],
+                              tuple(_policy_rules(p) for p in names))
+
+    bar = bar if bar is not None else NoProgress()
+    jobs_apart = [job(g) for g in groups[1:]]
+    workers = PolicyWorkers(jobs_apart, bar)
+    out: dict[int, ReservedEstimate] = {}
+    try:
+        log.info("replay_inference: policies %s replayed on %d processes", [[policies[k] for k in g] for g in groups],
+                 len(groups))
+        mine = job(groups[0]).run(workers.bar())
+        out.update(zip(groups[0], mine))
+        for i, (g, j) in enumerate(zip(groups[1:], jobs_apart)):
+            got = workers.result(i)
+            if got is None:
+                got = j.run(workers.replay_bar(i))
+            out.update(zip(g, got))
+    finally:
+        workers.close()
+    return [out[k] for k in range(len(policies))]
 
 
 def _full_path(shape: ModelShape, dtype_bytes: int, policies: list[str], keys: list[int], device: "str | Device",
@@ -787,17 +841,60 @@ class ProbeJob:
     def run(self) -> Any:
         """The replay's :class:`ReservedEstimate` (in whichever process calls it)."""
         if self.policy_rules is not None:
-            try:
-                here = get_policy(self.policy)
-            except InvalidArgumentError:
-                here = None
-            if here != self.policy_rules:
-                raise InternalError(f"policy {self.policy!r} is not the search's here: added or changed at run time")
+            _check_policy_here(self.policy, self.policy_rules)
         return replay_inference(self.shape, self.dtype_bytes, (self.policy,), self.device,
                                 batch_size=self.batch_size, prompt_len=self.prompt_len, new_tokens=self.new_tokens,
                                 limit=self.limit, peak_nbytes=self.peak_nbytes, weight_format=self.weight_format,
                                 workspace_nbytes=self.workspace_nbytes, full_replay=self.full_replay)[0]
 
+
+
+@dataclass(frozen=True)
+class PolicyGroupJob:
+    """``generate()`` replayed under a group of policies by :func:`replay_inference`, as a worker process of
+    :class:`~gpumem.estimate.policy_workers.PolicyWorkers` runs it (Note [Policies replayed apart]; every field can
+    be pickled; ``device`` is a spec, opened anew for each policy)."""
+
+    shape: ModelShape
+    dtype_bytes: int
+    policies: "tuple[str, ...]"
+    device: str
+    batch_size: int
+    prompt_len: int
+    new_tokens: int
+    limit: int | None
+    peak_nbytes: int
+    weight_format: WeightFormat | None
+    workspace_nbytes: int
+    policy_rules: "tuple[Any, ...]"
+    """The policy each name gives where the job was made (``None`` for a name that is not an ``AllocatorPolicy``'s):
+    a worker whose own differ refuses the job (a policy added or changed at run time), and it is replayed there."""
+
+    def run(self, bar: Any = None) -> "list[ReservedEstimate]":
+        """The group's figures, in its order (in whichever process calls it); ``bar`` moves by one per decode step
+        and policy."""
+        for p, rules in zip(self.policies, self.policy_rules):
+            if rules is not None:
+                _check_policy_here(p, rules)
+        return replay_inference(self.shape, self.dtype_bytes, self.policies, self.device,
+                                batch_size=self.batch_size, prompt_len=self.prompt_len, new_tokens=self.new_tokens,
+                                limit=self.limit, peak_nbytes=self.peak_nbytes, weight_format=self.weight_format,
+                                workspace_nbytes=self.workspace_nbytes, bar=bar)
+
+
+def _policy_rules(policy: str) -> Any:
+    """What ``policy`` names here (an ``AllocatorPolicy``), None for a bucket policy or one the replay refuses."""
+    try:
+        return get_policy(policy)
+    except InvalidArgumentError:
+        return None
+
+
+def _check_policy_here(policy: str, rules: Any) -> None:
+    """InternalError where ``policy`` does not name ``rules`` in this process (a worker started before it was added
+    or changed at run time in the caller's)."""
+    if _policy_rules(policy) != rules:
+        raise InternalError(f"policy {policy!r} is not the caller's here: added or changed at run time")
 
 
 class _Unknown(Exception):
@@ -1038,10 +1135,7 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                 f"{v} on {dev.spec}; nothing was out of memory, and no size can be judged on a "
                 f"device that injects faults (give the spec without them): {r.oom_message}")
 
-        try:
-            policy_rules = get_policy(policy)
-        except InvalidArgumentError:
-            policy_rules = None  # a bucket policy, or one the replay refuses itself
+        policy_rules = _policy_rules(policy)
 
         if jobs > 1 and not training and isinstance(probe_dev, str):  # a pool may start: never in a worker's start
             check_not_bootstrapping()

@@ -113,8 +113,8 @@ def _watch_parent() -> None:
     threading.Thread(target=watch, name="gpumem-fit-watch-parent", daemon=True).start()
 
 
-GUARD_HINT = ("a script that calls find_max_batch(..., jobs=N) runs its top level again in each worker: its calls "
-              "must be under `if __name__ == \"__main__\":`, as multiprocessing asks")
+GUARD_HINT = ("a script that calls find_max_batch or replay_inference with jobs=N runs its top level again in each "
+              "worker: its calls must be under `if __name__ == \"__main__\":`, as multiprocessing asks")
 
 
 def pool_refused(job: Any) -> str:
@@ -134,11 +134,12 @@ def pool_refused(job: Any) -> str:
     return ""
 
 
-def check_not_bootstrapping() -> None:
-    """Raise where a worker is importing the main program and that program calls find_max_batch at its top level
-    (it would run the whole search in the worker): the worker ends at once, and the search goes on without it."""
+def check_not_bootstrapping(caller: str = "find_max_batch") -> None:
+    """Raise where a worker is importing the main program and that program calls ``caller`` at its top level (it
+    would run the whole search or estimate in the worker): the worker ends at once, and the caller's process goes on
+    without it."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise InvalidArgumentError("find_max_batch was called while a worker process was starting: " + GUARD_HINT)
+        raise InvalidArgumentError(f"{caller} was called while a worker process was starting: " + GUARD_HINT)
 
 
 def _context() -> Any:

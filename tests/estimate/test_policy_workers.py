@@ -1,0 +1,227 @@
+"""Note [Policies replayed apart]: replay_inference with ``jobs > 1`` replays a long decode's policies in groups on
+worker processes and gives the figures of one process; whatever goes wrong with a worker leaves its group here."""
+
+import dataclasses
+import json
+import logging
+import multiprocessing
+import os
+import time
+
+import pytest
+
+from gpumem.cli import main
+from gpumem.errors import InvalidArgumentError
+from gpumem.estimate import ModelShape
+from gpumem.estimate import fit as fit_module
+from gpumem.estimate.fit import PolicyGroupJob, replay_inference
+from gpumem.estimate.policy_workers import PolicyWorkers, split_policies
+
+TINY = ModelShape(512, 1376, 4, 8000, 8, 8)
+POLICIES = ("pytorch", "expandable", "gpumem")
+KW = dict(prompt_len=128, new_tokens=24)
+
+
+class CountingBar:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def update(self, n=1) -> None:
+        self.n += n
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def apart(monkeypatch):
+    """Every decode long enough to replay apart, and the groups counted as they are made."""
+    monkeypatch.setattr(fit_module, "APART_STEP_LAYERS", 0)
+    monkeypatch.setattr(fit_module, "usable_cpus", lambda: 8)
+    made = []
+    real = fit_module.PolicyWorkers
+
+    def workers(jobs, bar):
+        made.append([j.policies for j in jobs])
+        return real(jobs, bar)
+
+    monkeypatch.setattr(fit_module, "PolicyWorkers", workers)
+    return made
+
+
+@pytest.mark.parametrize("policies, jobs, groups", [
+    (POLICIES, 2, [(2,), (0, 1)]),
+    (POLICIES, 3, [(2,), (0,), (1,)]),
+    (POLICIES, 8, [(2,), (0,), (1,)]),
+    (POLICIES, 1, [(2, 0, 1)]),
+    (("pytorch", "expandable"), 2, [(0,), (1,)]),
+    (("gpumem", "pytorch"), 4, [(0,), (1,)]),
+])
+def test_split_keeps_gpumem_here_and_deals_the_others(policies, jobs, groups):
+    assert split_policies(policies, jobs) == groups
+
+
+@pytest.mark.parametrize("jobs", [0, -1, 1.5, True, "2"])
+def test_jobs_that_are_not_a_count_of_processes_are_refused(jobs):
+    with pytest.raises(InvalidArgumentError, match="jobs must be a whole number"):
+        replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", jobs=jobs, **KW)
+
+
+@pytest.mark.parametrize("jobs", [2, 3])
+def test_policies_apart_give_the_figures_of_one_process(jobs, apart):
+    one_bar, many_bar = CountingBar(), CountingBar()
+    one = replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", bar=one_bar, **KW)
+    many = replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", bar=many_bar, jobs=jobs, **KW)
+    assert many == one
+    assert [r.policy for r in many] == list(POLICIES)
+    assert many_bar.n == one_bar.n   # the workers' steps moved the bar, each once
+    assert apart == [[("pytorch", "expandable")]] if jobs == 2 else [[("pytorch",), ("expandable",)]]
+
+
+def test_an_out_of_memory_replay_apart_stops_as_in_one_process(apart):
+    """A limit the decode outgrows: each policy stops where it stops in one process (one of them on the full path)."""
+    one = replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", limit=60 << 20, **KW)
+    many = replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", limit=60 << 20, jobs=2, **KW)
+    assert many == one and not all(r.fits for r in one)
+
+
+@pytest.mark.parametrize("spec", ["sim:h200-141gb,faults=mem_create:0.5", "sim:h200-141gb,tenants=1"])
+def test_a_device_with_faults_or_tenants_stays_in_one_process(spec, apart):
+    try:
+        one = replay_inference(TINY, 2, POLICIES, spec, **KW)
+    except Exception as exc:  # noqa: BLE001 - the spec's own refusal: the same with jobs
+        with pytest.raises(type(exc)):
+            replay_inference(TINY, 2, POLICIES, spec, jobs=2, **KW)
+    else:
+        assert replay_inference(TINY, 2, POLICIES, spec, jobs=2, **KW) == one
+    assert apart == []
+
+
+def test_short_decodes_and_one_policy_stay_in_one_process(monkeypatch):
+    made = []
+    monkeypatch.setattr(fit_module, "PolicyWorkers", lambda jobs, bar: made.append(jobs))
+    replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", jobs=2, **KW)   # 24 x 4 block-steps: short
+    monkeypatch.setattr(fit_module, "APART_STEP_LAYERS", 0)
+    replay_inference(TINY, 2, ("gpumem",), "sim:h200-141gb", jobs=2, **KW)
+    replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", jobs=2, full_replay=True, **KW)
+    assert made == []
+
+
+@dataclasses.dataclass(frozen=True)
+class _DiesInWorker(PolicyGroupJob):
+    """A group whose worker process dies (killed, out of host memory) mid-way; in the estimate's process it
+    replays."""
+
+    def run(self, bar=None):
+        if multiprocessing.parent_process() is not None:
+            if bar is not None:
+                bar.update(5)
+            os._exit(3)
+        return super().run(bar)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FailsInWorker(PolicyGroupJob):
+    def run(self, bar=None):
+        if multiprocessing.parent_process() is not None:
+            raise MemoryError("no host memory in the worker")
+        return super().run(bar)
+
+
+@pytest.mark.parametrize("job_class, why", [(_DiesInWorker, "ended before its replay did"),
+                                            (_FailsInWorker, "MemoryError: no host memory in the worker")])
+def test_a_worker_that_fails_leaves_its_group_here(job_class, why, apart, monkeypatch, caplog):
+    monkeypatch.setattr(fit_module, "PolicyGroupJob", job_class)
+    one_bar, many_bar = CountingBar(), CountingBar()
+    one = replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", bar=one_bar, **KW)
+    with caplog.at_level(logging.WARNING):
+        many = replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", bar=many_bar, jobs=2, **KW)
+    assert many == one
+    assert why in caplog.text and "replayed in this process instead" in caplog.text
+    assert many_bar.n == one_bar.n   # the dead worker's steps are not counted twice
+
+
+def test_a_policy_changed_at_run_time_is_replayed_here(apart, monkeypatch, caplog):
+    """A worker starts with the policies as the program imports them: one changed at run time in the estimate's
+    process is refused there and replayed here."""
+    from gpumem.allocator.policy import POLICIES as REGISTRY
+
+    monkeypatch.setitem(REGISTRY, "pytorch", dataclasses.replace(REGISTRY["pytorch"],
+                                                                 round_nbytes=4 * REGISTRY["pytorch"].round_nbytes))
+    one = replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", **KW)
+    many = replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", jobs=2, **KW)
+    assert many == one
+    assert "not the caller's here" in caplog.text
+
+
+def test_no_worker_from_a_daemon_process(apart, monkeypatch, caplog):
+    monkeypatch.setattr(multiprocessing.current_process(), "daemon", True, raising=False)
+    one = replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", **KW)
+    assert replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", jobs=2, **KW) == one
+    assert "daemon" in caplog.text
+
+
+def test_workers_that_cannot_start_leave_the_groups_here(apart, monkeypatch, caplog):
+    """No semaphores or pipes (no /dev/shm): the estimate goes on in one process."""
+    from gpumem.estimate import policy_workers
+
+    def no_context():
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(policy_workers, "_context", no_context)
+    one = replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", **KW)
+    assert replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", jobs=3, **KW) == one
+    assert "OSError" in caplog.text
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sleeps:
+    def run(self, bar=None):
+        time.sleep(60)
+
+
+def test_close_ends_a_worker_without_waiting_for_it():
+    workers = PolicyWorkers([_Sleeps()], CountingBar())
+    t0 = time.perf_counter()
+    workers.close()
+    assert time.perf_counter() - t0 < 10
+    assert not workers._workers[0].process.is_alive()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Counts:
+    steps: int
+
+    def run(self, bar=None):
+        for _ in range(self.steps):
+            bar.update(1)
+        return ["done"]
+
+
+def test_a_worker_moves_the_bar_by_its_steps():
+    bar = CountingBar()
+    workers = PolicyWorkers([_Counts(7), _Counts(3)], bar)
+    try:
+        assert workers.result(0) == ["done"] and workers.result(1) == ["done"]
+    finally:
+        workers.close()
+    assert bar.n == 10
+
+
+SHAPE = ["--hidden-size", "512", "--intermediate-size", "1376", "--layers", "4", "--vocab-size", "8000", "--heads",
+         "8", "--prompt-len", "128", "--new-tokens", "24"]
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_estimate_jobs_below_one_is_refused_by_its_option_name(value, capsys):
+    assert main(["estimate", *SHAPE, "--jobs", value]) == 2
+    assert f"gpumem estimate: --jobs {value}: the processes to replay on must be 1 or more" in capsys.readouterr().err
+
+
+def test_estimate_prints_the_same_on_one_process_and_several(apart, capsys):
+    outs = []
+    for jobs in ("1", "2"):
+        assert main(["estimate", *SHAPE, "--json", "--jobs", jobs]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0] == outs[1]
+    assert apart == [[("pytorch", "expandable")]]

@@ -132,8 +132,9 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     mixed = getattr(args, "mixed_precision", None)
     if mixed is not None:
         _check_mixed_args(args)
-    if args.jobs is not None and args.jobs < 1:
-        raise InvalidArgumentError(f"--jobs {args.jobs}: the processes to replay on must be 1 or more")
+    jobs = getattr(args, "jobs", 1)  # a Namespace made by hand (a harness) may have none: one process, as the API
+    if jobs is not None and jobs < 1:
+        raise InvalidArgumentError(f"--jobs {jobs}: the processes to replay on must be 1 or more")
     usable, workspace = _usable(args.device, shape, args.weight_fmt)
     rows = []
     dims = (shape.hidden_size, shape.intermediate_size, shape.n_layers, shape.vocab_size, shape.n_heads,
@@ -150,6 +151,14 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     finally:
         bar.close()
     return rows
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    """``--jobs``: the processes to replay on (None: the default; absent from a Namespace made by hand: 1)."""
+    from ..estimate.probe_pool import default_jobs
+
+    jobs = getattr(args, "jobs", 1)
+    return default_jobs() if jobs is None else jobs
 
 
 def _check_mixed_args(args: argparse.Namespace) -> None:
@@ -199,7 +208,6 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
     from ..estimate.fit import (allocated_as_pytorch_counts, estimate_peak_reserved, replay_inference,
                                  training_reserved_nbytes)
     from ..estimate.formulas import estimate_inference_memory, estimate_training_memory
-    from ..estimate.probe_pool import default_jobs
     from ..estimate.workload import training_trace
 
     moe = {k: getattr(shape, k) for k in ("n_experts", "experts_per_token", "expert_intermediate_size",
@@ -250,7 +258,7 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
             res = replay_inference(shape, nbytes, policies, args.device, batch_size=args.batch_size,
                                    prompt_len=prompt, new_tokens=new, limit=usable, peak_nbytes=est.total_bytes,
                                    bar=bar, weight_format=fmt, workspace_nbytes=workspace,
-                                   jobs=default_jobs() if args.jobs is None else args.jobs)
+                                   jobs=_jobs(args))
         by_policy = {e.policy: e.peak_reserved_bytes for e in res}
         first = res[0]
         # Note [Allocated as PyTorch counts it] in gpumem.estimate.fit: with pytorch first, the replay's blocks,

@@ -85,11 +85,11 @@ def register(sub: Any, formatter_class: type) -> None:
                    "memory (as a GpuMemoryManager sees it) FITS compares with (default: %(default)s)")
     r.add_argument("--no-reserved", action="store_true", help="skip the replays (peak allocated only)")
     r.add_argument("--jobs", type=int, default=None, metavar="N",
-                   help="processes to replay on (default: the CPUs this process may use, at most 8; 1: this one "
-                        "alone). A long decode (new tokens x blocks >= 64,000) on a --device without faults or "
-                        "tenants replays its policies side by side, gpumem's here and the others on worker "
-                        "processes: the same figures sooner where there are CPUs to spare; training and shorter "
-                        "decodes stay in one process")
+                   help="processes to replay on (default: the CPUs this process may use, at most 8; never more "
+                        "than those; 1: this one alone). A long decode (new tokens x blocks >= 64,000) on a --device "
+                        "without faults or tenants replays its policies side by side, gpumem's here and the others on "
+                        "worker processes: the same figures sooner where there are CPUs to spare; training and "
+                        "shorter decodes stay in one process. On a busy machine --jobs 1 can be faster")
     p.add_argument("--json", action="store_true", help="one JSON list, an object per dtype")
     _add_verbose(p)
     p.set_defaults(func=run)
@@ -133,8 +133,8 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     if mixed is not None:
         _check_mixed_args(args)
     jobs = getattr(args, "jobs", 1)  # a Namespace made by hand (a harness) may have none: one process, as the API
-    if jobs is not None and jobs < 1:
-        raise InvalidArgumentError(f"--jobs {jobs}: the processes to replay on must be 1 or more")
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise InvalidArgumentError(f"--jobs {jobs!r:.40}: the processes to replay on must be 1 or more")
     usable, workspace = _usable(args.device, shape, args.weight_fmt)
     rows = []
     dims = (shape.hidden_size, shape.intermediate_size, shape.n_layers, shape.vocab_size, shape.n_heads,

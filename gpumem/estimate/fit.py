@@ -230,7 +230,7 @@ def replay_inference(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, 
     _check_policies(policies)
     if not isinstance(full_replay, bool):
         raise InvalidArgumentError(f"full_replay must be True or False, got {full_replay!r}")
-    check_jobs(jobs)
+    jobs = check_jobs(jobs)
     if peak_nbytes is None:
         peak_nbytes = inference_trace(shape, dtype_bytes, batch_size=batch_size, prompt_len=prompt_len,
                                       new_tokens=new_tokens, weight_format=weight_format,
@@ -273,6 +273,9 @@ def _replay_apart(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, ...
     try:
         if not _alone_without_faults(probe):
             return None
+        profile = getattr(probe, "profile", None)
+        for p in policies:  # what refuses a policy on this device (no virtual memory) refuses it now, not after
+            _replay_allocator(probe, p, limit, fast=True).close()  # the replay in this process (attacker 2026-12-03)
     finally:
         probe.close()
     check_not_bootstrapping("replay_inference")
@@ -285,7 +288,7 @@ def _replay_apart(shape: ModelShape, dtype_bytes: int, policies: "tuple[str, ...
         names = tuple(policies[k] for k in group)
         return PolicyGroupJob(shape, dtype_bytes, names, device, kw["batch_size"], kw["prompt_len"],
                               kw["new_tokens"], limit, peak_nbytes, kw["weight_format"], kw["workspace_nbytes"],
-                              tuple(_policy_rules(p) for p in names))
+                              tuple(_policy_rules(p) for p in names), profile)
 
     bar = bar if bar is not None else NoProgress()
     jobs_apart = [job(g) for g in groups[1:]]
@@ -869,6 +872,9 @@ class PolicyGroupJob:
     policy_rules: "tuple[Any, ...]"
     """The policy each name gives where the job was made (``None`` for a name that is not an ``AllocatorPolicy``'s):
     a worker whose own differ refuses the job (a policy added or changed at run time), and it is replayed there."""
+    device_profile: Any = None
+    """The profile ``device`` opened with where the job was made: a worker whose spec opens another refuses the
+    job (a profile changed at run time: attacker 2026-12-03), and it is replayed there."""
 
     def run(self, bar: Any = None) -> "list[ReservedEstimate]":
         """The group's figures, in its order (in whichever process calls it); ``bar`` moves by one per decode step
@@ -876,6 +882,14 @@ class PolicyGroupJob:
         for p, rules in zip(self.policies, self.policy_rules):
             if rules is not None:
                 _check_policy_here(p, rules)
+        if self.device_profile is not None:
+            dev = open_device(self.device)
+            try:
+                if getattr(dev, "profile", None) != self.device_profile:
+                    raise InternalError(f"device {self.device!r} is not the caller's here: its profile was changed "
+                                        "at run time")
+            finally:
+                dev.close()
         return replay_inference(self.shape, self.dtype_bytes, self.policies, self.device,
                                 batch_size=self.batch_size, prompt_len=self.prompt_len, new_tokens=self.new_tokens,
                                 limit=self.limit, peak_nbytes=self.peak_nbytes, weight_format=self.weight_format,
@@ -1042,7 +1056,7 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
         raise InvalidArgumentError(f"skip_gallop must be True or False, got {skip_gallop!r}")
     if search not in ("batch", "seq_len"):
         raise InvalidArgumentError(f"search must be 'batch' or 'seq_len', got {search!r}")
-    check_jobs(jobs)
+    jobs = check_jobs(jobs)
     cpus = usable_cpus()
     if jobs > cpus:  # more processes than CPUs only wait on each other (and each holds a replay)
         log.info("find_max_batch: jobs=%d, but %d CPUs usable here: %d processes", jobs, cpus, cpus)

@@ -12,9 +12,14 @@ Note [Policies replayed apart]
     worker starts a quarter to half a second late. The figures are those of one process
     (``tests/estimate/test_policy_workers.py``); what goes wrong with a worker (it cannot start, it died, its
     replay failed there) leaves its group to this process, which replays it itself (and raises what it raises).
-    Each worker counts its decode steps in shared memory, which this process adds to the caller's bar, so the bar
-    moves as it does in one process. Workers start by ``forkserver`` (as :mod:`.probe_pool`'s), end by
-    themselves once this process is gone, and are ended when the estimate ends.
+    A worker refuses a policy or a device profile changed at run time in this process (it has the program's as
+    imported), and what refuses a policy on the device (no virtual memory) raises here before any worker starts.
+    Each worker counts its decode steps in shared memory, which this process adds to the caller's bar; where a
+    policy stops early (out of memory) its group stops counting, where one process counts every policy while any
+    runs, so the bar can end short of one process's there. Workers start by ``forkserver`` (as
+    :mod:`.probe_pool`'s), end by themselves once this process is gone, and are ended (killed, if they ignore
+    SIGTERM) when the estimate ends. A script's top level runs again in each worker as it starts: one not under
+    ``if __name__ == "__main__":`` fails the worker, after running whatever else that top level runs.
 """
 
 from __future__ import annotations
@@ -77,9 +82,12 @@ def _work(job: Any, conn: Any, counter: Any) -> None:
     except BaseException as exc:  # noqa: BLE001 - anything: the caller's own replay raises it again
         out = ("failed", f"{type(exc).__name__}: {exc}")
     try:
-        conn.send(out)
-    except Exception as exc:  # noqa: BLE001 - a result that does not pickle: the caller replays
-        conn.send(("failed", f"the result could not be sent ({type(exc).__name__}: {exc})"))
+        try:
+            conn.send(out)
+        except Exception as exc:  # noqa: BLE001 - a result that does not pickle: the caller replays
+            conn.send(("failed", f"the result could not be sent ({type(exc).__name__}: {exc})"))
+    except OSError:  # the caller has gone or stopped listening (it ended this worker's estimate): nothing to say
+        pass
     finally:
         conn.close()
 
@@ -92,6 +100,9 @@ class _Worker:
     process: Any = None
     starter: "threading.Thread | None" = None
     start_error: str = ""
+    refused: str = ""
+    """Why no worker may start here by design (a daemon process, a program read from stdin, a job that does not
+    pickle): said once, at INFO."""
     counted: int = 0
     """Steps of this worker already added to the bar."""
 
@@ -104,14 +115,24 @@ class PolicyWorkers:
     def __init__(self, jobs: "list[Any]", bar: Any) -> None:
         self._bar = bar
         self._workers = [_Worker(job) for job in jobs]
+        self._said_refused = False
+        try:
+            self._start_all()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_all(self) -> None:
         try:
             ctx = _context()
         except Exception as exc:  # noqa: BLE001 - no start method works here: this process replays every group
             ctx, why = None, f"{type(exc).__name__}: {exc}"
         for w in self._workers:
-            refused = pool_refused(w.job) if ctx is not None else why
-            if refused:
-                w.start_error = refused
+            if ctx is None:
+                w.start_error = why
+                continue
+            w.refused = pool_refused(w.job)
+            if w.refused:
                 continue
             try:
                 receive, send = ctx.Pipe(duplex=False)
@@ -122,8 +143,14 @@ class PolicyWorkers:
                 w.start_error = f"{type(exc).__name__}: {exc}"
                 continue
             # started on a thread: the first start waits for the forkserver's imports, which this process need not
-            w.starter = threading.Thread(target=self._start, args=(w, send), name="gpumem-estimate-start", daemon=True)
-            w.starter.start()
+            starter = threading.Thread(target=self._start, args=(w, send), name="gpumem-estimate-start", daemon=True)
+            try:
+                starter.start()
+            except RuntimeError as exc:  # "can't start new thread" (a pids limit): this process replays it
+                w.start_error = f"{type(exc).__name__}: {exc}"
+                send.close()
+                continue
+            w.starter = starter
 
     @staticmethod
     def _start(w: _Worker, send: Any) -> None:
@@ -161,6 +188,12 @@ class PolicyWorkers:
         them (logged), and the steps it counted are taken off the bar's next updates for this process's replay:
         :meth:`replay_bar`."""
         w = self._workers[k]
+        if w.refused:
+            if not self._said_refused:
+                self._said_refused = True
+                log.info("replay_inference: no worker process here (%s): the policies are replayed in this process",
+                         w.refused)
+            return None
         if w.starter is not None:
             while w.starter.is_alive():
                 w.starter.join(POLL_S)
@@ -172,17 +205,26 @@ class PolicyWorkers:
                     self.move_bar()
                 status, value = w.conn.recv()
             except (EOFError, OSError) as exc:
-                main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-                status, value = "failed", ("the worker process ended before its replay did "
-                                           f"({str(exc) or type(exc).__name__})"
-                                           + (f". If this program is a script: {GUARD_HINT}" if main_file else ""))
+                status, value = "failed", self._why_ended(w, exc)
             self.move_bar()
             if status == "ok":
                 return value
             why = value
-        log.warning("gpumem estimate: the policies of a worker process are replayed in this process instead (%s); "
-                    "the figures are the same", why)
+        log.warning("replay_inference: the policies of a worker process are replayed in this process instead (%s)",
+                    why)
         return None
+
+    @staticmethod
+    def _why_ended(w: _Worker, exc: BaseException) -> str:
+        """Why a worker's pipe ended with no result: the signal that killed it, else (the program a script) the hint
+        that its top level must be guarded, the likeliest cause of a worker that failed as it started."""
+        w.process.join(timeout=1)
+        code = w.process.exitcode
+        if code is not None and code < 0:
+            return f"the worker process was killed by signal {-code} before its replay ended"
+        main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+        return (f"the worker process ended before its replay did ({str(exc) or type(exc).__name__}, exit code {code})"
+                + (f". If this program is a script: {GUARD_HINT}" if main_file else ""))
 
     def replay_bar(self, k: int) -> Any:
         """The bar for replaying job ``k`` here after its worker failed: the steps the worker counted are not
@@ -198,6 +240,9 @@ class PolicyWorkers:
             if p is not None and w.starter is not None and not w.start_error:
                 if p.is_alive():
                     p.terminate()
+                    p.join(timeout=1)
+                if p.is_alive():  # SIGTERM handled or ignored (a handler the worker's import of the program set)
+                    p.kill()
                 p.join(timeout=5)
             if w.conn is not None:
                 w.conn.close()

@@ -34,6 +34,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
+import numbers
 import os
 import pickle
 import sys
@@ -86,10 +87,11 @@ def default_jobs() -> int:
 
 
 def check_jobs(jobs: Any) -> int:
-    """``jobs`` as a whole number of processes >= 1, else :class:`InvalidArgumentError`."""
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise InvalidArgumentError(f"jobs must be a whole number of processes >= 1, got {jobs!r}")
-    return jobs
+    """``jobs`` as a whole number of processes >= 1 (an ``int``; numpy's integers taken), else
+    :class:`InvalidArgumentError`."""
+    if isinstance(jobs, bool) or not isinstance(jobs, numbers.Integral) or jobs < 1:
+        raise InvalidArgumentError(f"jobs must be a whole number of processes >= 1, got {jobs!r:.60}")
+    return int(jobs)
 
 
 def _run(job: Any) -> Any:
@@ -142,6 +144,17 @@ def check_not_bootstrapping(caller: str = "find_max_batch") -> None:
         raise InvalidArgumentError(f"{caller} was called while a worker process was starting: " + GUARD_HINT)
 
 
+def _shadowed(cwd: "str | None" = None) -> bool:
+    """Whether a folder named like this package in the working directory (``cwd``, default the current one) is not
+    this package: the forkserver runs with that directory first on its path (``python -c``; CPython 3.11 ignores
+    the path it is given while importing the preload list), so under an editable install it imported that folder
+    as a namespace package and every worker failed (new user 2026-12-03, run from the folder holding a clone)."""
+    top = __name__.split(".")[0]
+    here = os.path.join(cwd if cwd is not None else os.getcwd(), top)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.isdir(here) and os.path.realpath(here) != os.path.realpath(package)
+
+
 def _context() -> Any:
     methods = multiprocessing.get_all_start_methods()
     if "forkserver" in methods:
@@ -149,7 +162,8 @@ def _context() -> Any:
         # each worker forks with these imported; a preload list set by the program is kept
         have = [m for m in getattr(getattr(multiprocessing.forkserver, "_forkserver", None), "_preload_modules", ())
                 or () if m != "__main__"]  # CPython's default, not the program's choice: never the script here
-        ctx.set_forkserver_preload(have + [m for m in (__name__, "gpumem.estimate.fit") if m not in have])
+        ours = [] if _shadowed() else [m for m in (__name__, "gpumem.estimate.fit") if m not in have]
+        ctx.set_forkserver_preload(have + ours)  # shadowed: each worker imports them on the program's own path
         return ctx
     return multiprocessing.get_context("spawn")
 

@@ -155,10 +155,47 @@ def test_a_policy_changed_at_run_time_is_replayed_here(apart, monkeypatch, caplo
 
 
 def test_no_worker_from_a_daemon_process(apart, monkeypatch, caplog):
+    """Refused by design: said once, at INFO, not a warning per group on every call (attacker 2026-12-03)."""
+    caplog.set_level(logging.INFO)
     monkeypatch.setattr(multiprocessing.current_process(), "daemon", True, raising=False)
     one = replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", **KW)
-    assert replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", jobs=2, **KW) == one
-    assert "daemon" in caplog.text
+    assert replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", jobs=3, **KW) == one
+    said = [r for r in caplog.records if "daemon" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO
+
+
+def test_numpy_integers_are_a_count_of_processes(apart):
+    np = pytest.importorskip("numpy")
+    assert replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", jobs=np.int64(2), **KW) == \
+        replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", **KW)
+
+
+def test_a_policy_the_device_refuses_is_refused_before_any_worker_starts(apart):
+    """Attacker 2026-12-03: expandable on a device without virtual memory raised only after this process's own
+    replay (and a warning that the figures would be the same)."""
+    import time as _time
+
+    from gpumem.errors import UnsupportedOperationError
+
+    with pytest.raises(UnsupportedOperationError) as one:
+        replay_inference(TINY, 2, POLICIES, "sim:jetson-nano-4gb", **KW)
+    with pytest.raises(UnsupportedOperationError) as many:
+        replay_inference(TINY, 2, POLICIES, "sim:jetson-nano-4gb", jobs=2, **KW)
+    assert str(many.value) == str(one.value)
+    assert apart == []
+
+
+def test_a_device_profile_changed_at_run_time_is_replayed_here(apart, monkeypatch, caplog):
+    """Attacker 2026-12-03: a worker opened the profile as imported: figures of another device, without a word."""
+    from gpumem.sim import profiles
+
+    monkeypatch.setattr(profiles, "BUILTIN_PROFILES", tuple(
+        dataclasses.replace(p, total_nbytes=p.context_nbytes + (80 << 20)) if p.name == "h200-141gb" else p
+        for p in profiles.BUILTIN_PROFILES))
+    one = replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", **KW)
+    many = replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", jobs=3, **KW)
+    assert many == one and not all(r.fits for r in one)
+    assert "profile was changed at run time" in caplog.text
 
 
 def test_workers_that_cannot_start_leave_the_groups_here(apart, monkeypatch, caplog):
@@ -178,6 +215,72 @@ def test_workers_that_cannot_start_leave_the_groups_here(apart, monkeypatch, cap
 class _Sleeps:
     def run(self, bar=None):
         time.sleep(60)
+
+
+@dataclasses.dataclass(frozen=True)
+class _IgnoresSigterm:
+    def run(self, bar=None):
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        bar.update(1)
+        time.sleep(60)
+
+
+def test_close_kills_a_worker_that_ignores_sigterm():
+    """Attacker 2026-12-03: a program whose top level sets a SIGTERM handler hands it to its workers."""
+    bar = CountingBar()
+    workers = PolicyWorkers([_IgnoresSigterm()], bar)
+    deadline = time.perf_counter() + 30
+    while workers.progress() == 0 and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    t0 = time.perf_counter()
+    workers.close()
+    assert time.perf_counter() - t0 < 5
+    assert workers._workers[0].process.exitcode == -9
+
+
+def test_a_starter_thread_that_cannot_start_leaves_the_group_here(monkeypatch, caplog):
+    """Attacker 2026-12-03: "can't start new thread" (a pids limit) escaped, leaving the workers started."""
+    import threading
+
+    from gpumem.estimate import policy_workers
+
+    real = threading.Thread.start
+    calls = []
+
+    def start(self):
+        calls.append(self.name)
+        if self.name == "gpumem-estimate-start" and calls.count(self.name) == 2:
+            raise RuntimeError("can't start new thread")
+        return real(self)
+
+    monkeypatch.setattr(policy_workers.threading.Thread, "start", start)
+    bar = CountingBar()
+    workers = PolicyWorkers([_Counts(2), _Counts(3)], bar)
+    try:
+        assert workers.result(0) == ["done"]
+        assert workers.result(1) is None
+    finally:
+        workers.close()
+    assert "can't start new thread" in caplog.text
+
+
+@dataclasses.dataclass(frozen=True)
+class _Killed:
+    def run(self, bar=None):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_killed_by_a_signal_is_said_so(caplog):
+    workers = PolicyWorkers([_Killed()], CountingBar())
+    try:
+        assert workers.result(0) is None
+    finally:
+        workers.close()
+    assert "killed by signal 9" in caplog.text and "__main__" not in caplog.text
 
 
 def test_close_ends_a_worker_without_waiting_for_it():
@@ -225,3 +328,31 @@ def test_estimate_prints_the_same_on_one_process_and_several(apart, capsys):
         outs.append(json.loads(capsys.readouterr().out))
     assert outs[0] == outs[1]
     assert apart == [[("pytorch", "expandable")]]
+
+
+def test_a_folder_named_gpumem_in_the_working_directory_is_not_this_package(tmp_path):
+    from gpumem.estimate.probe_pool import _shadowed
+
+    assert not _shadowed(str(tmp_path))
+    (tmp_path / "gpumem").mkdir()
+    assert _shadowed(str(tmp_path))
+    assert not _shadowed(os.path.dirname(os.path.dirname(os.path.dirname(fit_module.__file__))))
+
+
+def test_workers_start_from_a_folder_that_holds_a_clone(tmp_path):
+    """New user 2026-12-03: run from the folder holding a clone (a folder named gpumem there), every worker imported
+    that folder as the package and failed, with a traceback, even with --json."""
+    import shutil
+    import subprocess
+    import sys
+
+    exe = shutil.which("gpumem", path=os.path.dirname(sys.executable))
+    if exe is None:
+        pytest.skip("no gpumem command beside this Python")
+    (tmp_path / "gpumem").mkdir()
+    args = [exe, "estimate", "--hidden-size", "4096", "--intermediate-size", "11008", "--layers", "32",
+            "--vocab-size", "32000", "--heads", "32", "--prompt-len", "2048", "--new-tokens", "2000", "--json", "-v"]
+    done = subprocess.run([*args, "--jobs", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "replayed on 2 processes" in done.stderr
+    assert "Traceback" not in done.stderr and "instead" not in done.stderr

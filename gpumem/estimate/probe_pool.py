@@ -150,7 +150,10 @@ def _shadowed(cwd: "str | None" = None) -> bool:
     the path it is given while importing the preload list), so under an editable install it imported that folder
     as a namespace package and every worker failed (new user 2026-12-03, run from the folder holding a clone)."""
     top = __name__.split(".")[0]
-    here = os.path.join(cwd if cwd is not None else os.getcwd(), top)
+    try:
+        here = os.path.join(cwd if cwd is not None else os.getcwd(), top)
+    except OSError:  # the working directory was removed: the forkserver cannot import from it either
+        return False
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return os.path.isdir(here) and os.path.realpath(here) != os.path.realpath(package)
 

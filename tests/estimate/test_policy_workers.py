@@ -356,3 +356,13 @@ def test_workers_start_from_a_folder_that_holds_a_clone(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "replayed on 2 processes" in done.stderr
     assert "Traceback" not in done.stderr and "instead" not in done.stderr
+
+
+def test_a_removed_working_directory_shadows_nothing(tmp_path, monkeypatch):
+    from gpumem.estimate.probe_pool import _shadowed
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    assert not _shadowed()

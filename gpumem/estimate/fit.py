@@ -47,6 +47,7 @@ Note [Allocated as PyTorch counts it]
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -840,9 +841,12 @@ class ProbeJob:
     policy_rules: Any = None
     """The policy ``policy`` names where the job was made (an ``AllocatorPolicy``): a worker refuses the job where
     its own differs (one added or changed at run time in the search's process), and the search makes it itself."""
+    package_dir: str | None = field(default_factory=lambda: PACKAGE_DIR)
+    """Where the search's process imported gpumem from: a worker that imported another copy refuses the job."""
 
     def run(self) -> Any:
         """The replay's :class:`ReservedEstimate` (in whichever process calls it)."""
+        _check_same_package(self.package_dir)
         if self.policy_rules is not None:
             _check_policy_here(self.policy, self.policy_rules)
         return replay_inference(self.shape, self.dtype_bytes, (self.policy,), self.device,
@@ -875,10 +879,13 @@ class PolicyGroupJob:
     device_profile: Any = None
     """The profile ``device`` opened with where the job was made: a worker whose spec opens another refuses the
     job (a profile changed at run time: attacker 2026-12-03), and it is replayed there."""
+    package_dir: str | None = field(default_factory=lambda: PACKAGE_DIR)
+    """Where the caller's process imported gpumem from: a worker that imported another copy refuses the job."""
 
     def run(self, bar: Any = None) -> "list[ReservedEstimate]":
         """The group's figures, in its order (in whichever process calls it); ``bar`` moves by one per decode step
         and policy."""
+        _check_same_package(self.package_dir)
         for p, rules in zip(self.policies, self.policy_rules):
             if rules is not None:
                 _check_policy_here(p, rules)
@@ -894,6 +901,18 @@ class PolicyGroupJob:
                                 batch_size=self.batch_size, prompt_len=self.prompt_len, new_tokens=self.new_tokens,
                                 limit=self.limit, peak_nbytes=self.peak_nbytes, weight_format=self.weight_format,
                                 workspace_nbytes=self.workspace_nbytes, bar=bar)
+
+
+PACKAGE_DIR = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+"""The folder this process imported gpumem from."""
+
+
+def _check_same_package(package_dir: "str | None") -> None:
+    """InternalError where this process imported gpumem from elsewhere than ``package_dir`` (a worker whose
+    forkserver found another copy on its own path than the caller's: attacker 2026-12-03, a script in a clone with
+    gpumem installed too gave other figures on the workers)."""
+    if package_dir is not None and package_dir != PACKAGE_DIR:
+        raise InternalError(f"gpumem is imported from {PACKAGE_DIR} here, from {package_dir} by the caller")
 
 
 def _policy_rules(policy: str) -> Any:

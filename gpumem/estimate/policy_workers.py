@@ -13,7 +13,9 @@ Note [Policies replayed apart]
     (``tests/estimate/test_policy_workers.py``); what goes wrong with a worker (it cannot start, it died, its
     replay failed there) leaves its group to this process, which replays it itself (and raises what it raises).
     A worker refuses a policy or a device profile changed at run time in this process (it has the program's as
-    imported), and what refuses a policy on the device (no virtual memory) raises here before any worker starts.
+    imported) and a job from a process that imported another copy of gpumem (the forkserver preloads the package
+    only where its own path finds this copy); other module constants changed at run time (the workload's) are not
+    seen there. What refuses a policy on the device (no virtual memory) raises here before any worker starts.
     Each worker counts its decode steps in shared memory, which this process adds to the caller's bar; where a
     policy stops early (out of memory) its group stops counting, where one process counts every policy while any
     runs, so the bar can end short of one process's there. Workers start by ``forkserver`` (as

@@ -30,6 +30,7 @@ Note [Probes replayed ahead]
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.machinery
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -145,17 +146,48 @@ def check_not_bootstrapping(caller: str = "find_max_batch") -> None:
 
 
 def _shadowed(cwd: "str | None" = None) -> bool:
-    """Whether a folder named like this package in the working directory (``cwd``, default the current one) is not
-    this package: the forkserver runs with that directory first on its path (``python -c``; CPython 3.11 ignores
-    the path it is given while importing the preload list), so under an editable install it imported that folder
-    as a namespace package and every worker failed (new user 2026-12-03, run from the folder holding a clone)."""
+    """Whether what the working directory (``cwd``, default the current one) holds under this package's name (a
+    folder, a ``gpumem.py``) is not this package: the forkserver runs with that directory first on its path
+    (``python -c``; CPython 3.11 ignores the path it is given while importing the preload list), so it imported that
+    folder as a namespace package (under an editable install) or ran the program's own ``gpumem.py``, and every worker
+    failed (new user and attacker 2026-12-03, run from the folder holding a clone)."""
     top = __name__.split(".")[0]
     try:
-        here = os.path.join(cwd if cwd is not None else os.getcwd(), top)
-    except OSError:  # the working directory was removed: the forkserver cannot import from it either
+        where = cwd if cwd is not None else os.getcwd()
+        spec = importlib.machinery.PathFinder.find_spec(top, [where])
+    except (OSError, ImportError, ValueError):  # the working directory was removed, or cannot be read
         return False
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return os.path.isdir(here) and os.path.realpath(here) != os.path.realpath(package)
+    if spec is None:
+        return False
+    package = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    found = list(spec.submodule_search_locations or ()) or [os.path.dirname(spec.origin or "")]
+    return any(os.path.realpath(f) != package for f in found)
+
+
+def _forkserver_path() -> "list[str]":
+    """Where a ``python -c`` started now looks first for a package: this directory, ``PYTHONPATH``, the site
+    folders (an import hook, an editable install's finder, comes after these, in the forkserver as here)."""
+    import site
+
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    user = site.getusersitepackages() if site.ENABLE_USER_SITE else None
+    return [os.getcwd(), *extra, *site.getsitepackages(), *([user] if isinstance(user, str) else [])]
+
+
+def _other_copy_first() -> bool:
+    """Whether the forkserver would import another copy of this package than this process did (a script run from a
+    clone, or ``sys.path`` changed by the program, with the package installed too: attacker 2026-12-03, other
+    figures on the workers). Each worker then imports it on the program's own path instead."""
+    top = __name__.split(".")[0]
+    try:
+        spec = importlib.machinery.PathFinder.find_spec(top, _forkserver_path())
+    except (OSError, ImportError, ValueError):
+        return True
+    if spec is None:
+        return False  # an import hook finds it, there as here
+    package = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    found = list(spec.submodule_search_locations or ()) or [os.path.dirname(spec.origin or "")]
+    return any(os.path.realpath(f) != package for f in found)
 
 
 def _context() -> Any:
@@ -165,7 +197,8 @@ def _context() -> Any:
         # each worker forks with these imported; a preload list set by the program is kept
         have = [m for m in getattr(getattr(multiprocessing.forkserver, "_forkserver", None), "_preload_modules", ())
                 or () if m != "__main__"]  # CPython's default, not the program's choice: never the script here
-        ours = [] if _shadowed() else [m for m in (__name__, "gpumem.estimate.fit") if m not in have]
+        ours = ([] if _shadowed() or _other_copy_first() else
+                [m for m in (__name__, "gpumem.estimate.fit") if m not in have])
         ctx.set_forkserver_preload(have + ours)  # shadowed: each worker imports them on the program's own path
         return ctx
     return multiprocessing.get_context("spawn")

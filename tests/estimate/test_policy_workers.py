@@ -337,6 +337,13 @@ def test_a_folder_named_gpumem_in_the_working_directory_is_not_this_package(tmp_
     (tmp_path / "gpumem").mkdir()
     assert _shadowed(str(tmp_path))
     assert not _shadowed(os.path.dirname(os.path.dirname(os.path.dirname(fit_module.__file__))))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "gpumem.py").write_text("print('the program s own gpumem.py')\n")
+    assert _shadowed(str(other))   # attacker 2026-12-03: the forkserver ran it, its print in --json's output
+    (tmp_path / "file").mkdir()
+    (tmp_path / "file" / "gpumem").write_text("")   # a file without .py: not importable, not a shadow
+    assert not _shadowed(str(tmp_path / "file"))
 
 
 def test_workers_start_from_a_folder_that_holds_a_clone(tmp_path):
@@ -350,11 +357,17 @@ def test_workers_start_from_a_folder_that_holds_a_clone(tmp_path):
     if exe is None:
         pytest.skip("no gpumem command beside this Python")
     (tmp_path / "gpumem").mkdir()
+    (tmp_path / "mod").mkdir()
+    (tmp_path / "mod" / "gpumem.py").write_text("print('SHADOW')\n")
     args = [exe, "estimate", "--hidden-size", "4096", "--intermediate-size", "11008", "--layers", "32",
             "--vocab-size", "32000", "--heads", "32", "--prompt-len", "2048", "--new-tokens", "2000", "--json", "-v"]
     done = subprocess.run([*args, "--jobs", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "replayed on 2 processes" in done.stderr
+    assert "Traceback" not in done.stderr and "instead" not in done.stderr
+    done = subprocess.run([*args, "--jobs", "2"], cwd=tmp_path / "mod", capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "SHADOW" not in done.stdout, done.stderr[-2000:]
+    json.loads(done.stdout)
     assert "Traceback" not in done.stderr and "instead" not in done.stderr
 
 
@@ -366,3 +379,25 @@ def test_a_removed_working_directory_shadows_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(gone)
     gone.rmdir()
     assert not _shadowed()
+
+
+def test_a_worker_with_another_copy_of_gpumem_refuses_and_the_group_is_replayed_here(apart, monkeypatch, caplog):
+    """Attacker 2026-12-03: a script in a clone, gpumem installed too: the forkserver imported the installed copy,
+    and the workers' figures were another copy's, without a word."""
+    monkeypatch.setattr(fit_module, "PACKAGE_DIR", "/another/copy")
+    one = replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", **KW)
+    assert replay_inference(TINY, 2, POLICIES, "sim:h200-141gb", jobs=2, **KW) == one
+    assert "from /another/copy by the caller" in caplog.text
+
+
+def test_the_forkserver_preloads_nothing_where_its_path_finds_another_copy(tmp_path, monkeypatch):
+    from gpumem.estimate import probe_pool
+
+    (tmp_path / "gpumem").mkdir()
+    (tmp_path / "gpumem" / "__init__.py").write_text("")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # the working directory comes first on the forkserver's path
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert probe_pool._other_copy_first()
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.dirname(fit_module.__file__))))
+    assert not probe_pool._other_copy_first()

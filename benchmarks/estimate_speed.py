@@ -36,6 +36,7 @@ import dataclasses
 import os
 import platform
 import time
+from typing import Any
 
 from gpumem.estimate import ModelShape, find_max_batch, inference_trace
 from gpumem.estimate.fit import replay_inference
@@ -184,26 +185,37 @@ def _search_table(args: argparse.Namespace) -> None:
         fit_module.replay_inference = real
 
 
+def _alternated(counts: "list[int]", rounds: int, run: Any, label: Any, n: int) -> None:
+    """``run(j)`` for each process count ``j``, the order alternated round by round; one line per round: ``label``
+    of the first result, the wall seconds, the ratios to the first count, and whether every result is the same."""
+    for rnd in range(rounds):
+        order = counts if rnd % 2 == 0 else counts[::-1]
+        runs = {j: _timed(lambda j=j: run(j)) for j in order}
+        first = runs[counts[0]][0]
+        same = all(r == first for r, _ in runs.values())
+        base = runs[counts[0]][1]
+        print(f"{n:>7} {rnd + 1:>5} {label(first)}" + " ".join(f"{runs[j][1]:>9.2f}" for j in counts) + " "
+              + " ".join(f"{base / runs[j][1]:>5.2f}x" for j in counts[1:]) + f" {'yes' if same else 'NO':>5}",
+              flush=True)
+
+
+def _jobs_header(args: argparse.Namespace, what: str, counts: "list[int]", answer: bool) -> None:
+    print(f"7B (6.74B, bf16), prompt {args.prompt_len}, {args.device}, {what}; "
+          f"{platform.python_implementation()} {platform.python_version()}; {os.cpu_count()} CPUs; load average at "
+          f"start {os.getloadavg()[0]:.1f}; wall seconds")
+    print(f"{'new tok':>7} {'round':>5} " + (f"{'answer':>10} " if answer else "")
+          + " ".join(f"{f'jobs {j} s':>9}" for j in counts)
+          + " " + " ".join(f"{f'1/{j}':>6}" for j in counts[1:]) + f" {'same':>5}")
+
+
 def _jobs_table(args: argparse.Namespace) -> None:
     """``find_max_batch`` under ``pytorch`` on each ``--jobs`` count, alternated, in wall seconds."""
     counts = [int(x) for x in args.jobs.split(",")]
-    print(f"7B (6.74B, bf16), prompt {args.prompt_len}, {args.device}, fit under pytorch; "
-          f"{platform.python_implementation()} {platform.python_version()}; {os.cpu_count()} CPUs; load average at "
-          f"start {os.getloadavg()[0]:.1f}; wall seconds")
-    print(f"{'new tok':>7} {'round':>5} {'answer':>10} " + " ".join(f"{f'jobs {j} s':>9}" for j in counts)
-          + " " + " ".join(f"{f'1/{j}':>6}" for j in counts[1:]) + f" {'same':>5}")
+    _jobs_header(args, "fit under pytorch", counts, answer=True)
     for n in (int(x) for x in args.new_tokens.split(",")):
         kw = dict(device=args.device, prompt_len=args.prompt_len, new_tokens=n)
-        for rnd in range(args.rounds):
-            order = counts if rnd % 2 == 0 else counts[::-1]
-            runs = {j: _timed(lambda j=j: find_max_batch(LLAMA_7B, 2, jobs=j, **kw)) for j in order}
-            first = runs[counts[0]][0]
-            same = all(r == first for r, _ in runs.values())
-            base = runs[counts[0]][1]
-            print(f"{n:>7} {rnd + 1:>5} {f'{first.simulated}/{first.binary_search}/{first.halving}':>10} "
-                  + " ".join(f"{runs[j][1]:>9.2f}" for j in counts) + " "
-                  + " ".join(f"{base / runs[j][1]:>5.2f}x" for j in counts[1:]) + f" {'yes' if same else 'NO':>5}",
-                  flush=True)
+        _alternated(counts, args.rounds, lambda j: find_max_batch(LLAMA_7B, 2, jobs=j, **kw),
+                    lambda r: f"{f'{r.simulated}/{r.binary_search}/{r.halving}':>10} ", n)
 
 
 def _estimate_jobs_table(args: argparse.Namespace) -> None:
@@ -211,27 +223,14 @@ def _estimate_jobs_table(args: argparse.Namespace) -> None:
     count, alternated, in wall seconds, with the figures compared."""
     counts = [int(x) for x in args.estimate_jobs.split(",")]
     policies = tuple(p for p in args.policies.split(",") if p)
-    print(f"7B (6.74B, bf16), batch 1, prompt {args.prompt_len}, {args.device}, estimate under {','.join(policies)}; "
-          f"{platform.python_implementation()} {platform.python_version()}; {os.cpu_count()} CPUs; load average at "
-          f"start {os.getloadavg()[0]:.1f}; wall seconds")
-    print(f"{'new tok':>7} {'round':>5} " + " ".join(f"{f'jobs {j} s':>9}" for j in counts)
-          + " " + " ".join(f"{f'1/{j}':>6}" for j in counts[1:]) + f" {'same':>5}")
+    _jobs_header(args, f"batch 1, estimate under {','.join(policies)}", counts, answer=False)
     for n in (int(x) for x in args.new_tokens.split(",")):
         kw = dict(prompt_len=args.prompt_len, new_tokens=n)
 
-        def estimate(j: int) -> list:
+        def estimate(j: int, kw: dict = kw) -> list:
             peak = inference_trace(LLAMA_7B, 2, **kw)
             return replay_inference(LLAMA_7B, 2, policies, args.device, peak_nbytes=peak.peak_nbytes, jobs=j, **kw)
-        for rnd in range(args.rounds):
-            order = counts if rnd % 2 == 0 else counts[::-1]
-            runs = {j: _timed(lambda j=j: estimate(j)) for j in order}
-            first = runs[counts[0]][0]
-            same = all(r == first for r, _ in runs.values())
-            base = runs[counts[0]][1]
-            print(f"{n:>7} {rnd + 1:>5} " + " ".join(f"{runs[j][1]:>9.2f}" for j in counts) + " "
-                  + " ".join(f"{base / runs[j][1]:>5.2f}x" for j in counts[1:]) + f" {'yes' if same else 'NO':>5}",
-                  flush=True)
-
+        _alternated(counts, args.rounds, estimate, lambda r: "", n)
 
 if __name__ == "__main__":
     main()

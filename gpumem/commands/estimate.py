@@ -86,7 +86,7 @@ def register(sub: Any, formatter_class: type) -> None:
     r.add_argument("--no-reserved", action="store_true", help="skip the replays (peak allocated only)")
     r.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="processes to replay on (default: the CPUs this process may use, at most 8; never more "
-                        "than those; 1: this one alone). A long decode (new tokens x blocks >= 64,000) on a --device "
+                        "than those; 1: this one alone). A long decode (new tokens x blocks >= 96,000) on a --device "
                         "without faults or tenants replays its policies side by side, gpumem's here and the others on "
                         "worker processes: the same figures sooner where there are CPUs to spare; training and "
                         "shorter decodes stay in one process. On a busy machine --jobs 1 can be faster")

@@ -6,7 +6,7 @@ Note [Policies replayed apart]
     :mod:`.fastreplay`): its figure depends on its policy and the workload alone. So a group of policies can be
     replayed in another process and give the figures this one would. On a long decode the replays are the
     estimate's time (7B, prompt 2,048, 4,000 new tokens: ``gpumem`` 0.9 s, the two others 0.5 s of CPU; 16,000:
-    4.1 and 2.3 s), so with :data:`APART_STEP_LAYERS` or more decode steps times blocks and more than one
+    4.1 and 2.3 s), so with :data:`APART_STEP_LAYERS` or more new tokens times blocks and more than one
     process allowed, each group but the first runs on a process of its own, started first, while this process
     replays the first group: the policy whose decode sends every op (``gpumem``), as it takes longest and a
     worker starts a quarter to half a second late. The figures are those of one process
@@ -40,9 +40,11 @@ __all__ = ["APART_STEP_LAYERS", "PolicyWorkers", "split_policies"]
 
 log = logging.getLogger(__name__)
 
-APART_STEP_LAYERS = 64_000
-"""Decode steps times decoder blocks from which the estimate's policies are replayed apart (7B: 2,000 new tokens;
-Note [Policies replayed apart]); below, starting a process costs about what it saves."""
+APART_STEP_LAYERS = 96_000
+"""New tokens times decoder blocks from which the estimate's policies are replayed apart (7B: 3,000 new tokens;
+Note [Policies replayed apart]). At 2,000 new tokens of a 7B, 2 CPUs, starting a worker cost about what it saved
+(0.84-0.92 s against 0.75-0.92 s; a reviewer on a busy machine 1.11 s against 1.43 s: reports/estimate-speed.md
+round 15); at 4,000 it saved a third."""
 
 POLL_S = 0.1
 """How often the bar is moved while this process waits for a worker."""

@@ -360,7 +360,7 @@ def test_workers_start_from_a_folder_that_holds_a_clone(tmp_path):
     (tmp_path / "mod").mkdir()
     (tmp_path / "mod" / "gpumem.py").write_text("print('SHADOW')\n")
     args = [exe, "estimate", "--hidden-size", "4096", "--intermediate-size", "11008", "--layers", "32",
-            "--vocab-size", "32000", "--heads", "32", "--prompt-len", "2048", "--new-tokens", "2000", "--json", "-v"]
+            "--vocab-size", "32000", "--heads", "32", "--prompt-len", "2048", "--new-tokens", "3000", "--json", "-v"]
     done = subprocess.run([*args, "--jobs", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "replayed on 2 processes" in done.stderr

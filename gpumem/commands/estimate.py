@@ -132,9 +132,7 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     mixed = getattr(args, "mixed_precision", None)
     if mixed is not None:
         _check_mixed_args(args)
-    jobs = getattr(args, "jobs", 1)  # a Namespace made by hand (a harness) may have none: one process, as the API
-    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
-        raise InvalidArgumentError(f"--jobs {jobs!r:.40}: the processes to replay on must be 1 or more")
+    jobs = _jobs(args)
     usable, workspace = _usable(args.device, shape, args.weight_fmt)
     rows = []
     dims = (shape.hidden_size, shape.intermediate_size, shape.n_layers, shape.vocab_size, shape.n_heads,
@@ -147,18 +145,23 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         for name, nbytes in dtypes:
             rows.append(_row(args, shape, dims, name, nbytes, prompt, new, max_len, policies, (usable, workspace),
-                             note, bar))
+                             note, bar, jobs))
     finally:
         bar.close()
     return rows
 
 
 def _jobs(args: argparse.Namespace) -> int:
-    """``--jobs``: the processes to replay on (None: the default; absent from a Namespace made by hand: 1)."""
+    """``--jobs``: the processes to replay on (None: the default; absent from a Namespace made by hand, a
+    harness's: 1, as the API), else InvalidArgumentError naming the option."""
     from ..estimate.probe_pool import default_jobs
 
     jobs = getattr(args, "jobs", 1)
-    return default_jobs() if jobs is None else jobs
+    if jobs is None:
+        return default_jobs()
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise InvalidArgumentError(f"--jobs {jobs!r:.40}: the processes to replay on must be 1 or more")
+    return jobs
 
 
 def _check_mixed_args(args: argparse.Namespace) -> None:
@@ -201,7 +204,8 @@ def _usable(spec: str, shape: Any, fmt: Any) -> tuple[int, int]:
 
 
 def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str, nbytes: int, prompt: int,
-         new: int, max_len: int, policies: list[str], room: tuple[int, int], note: str, bar: Any) -> dict[str, Any]:
+         new: int, max_len: int, policies: list[str], room: tuple[int, int], note: str, bar: Any,
+         jobs: int = 1) -> dict[str, Any]:
     """One dtype's estimate as a JSON-ready dict; ``room`` is (usable bytes, dequantization workspace bytes)."""
     usable, workspace = room
     fmt = args.weight_fmt
@@ -258,7 +262,7 @@ def _row(args: argparse.Namespace, shape: Any, dims: tuple[int, ...], name: str,
             res = replay_inference(shape, nbytes, policies, args.device, batch_size=args.batch_size,
                                    prompt_len=prompt, new_tokens=new, limit=usable, peak_nbytes=est.total_bytes,
                                    bar=bar, weight_format=fmt, workspace_nbytes=workspace,
-                                   jobs=_jobs(args))
+                                   jobs=jobs)
         by_policy = {e.policy: e.peak_reserved_bytes for e in res}
         first = res[0]
         # Note [Allocated as PyTorch counts it] in gpumem.estimate.fit: with pytorch first, the replay's blocks,

@@ -47,7 +47,6 @@ Note [Allocated as PyTorch counts it]
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -67,7 +66,7 @@ from ..units import format_bytes
 from .shape import ModelShape
 from .formats import WeightFormat
 from .formulas import dequant_workspace_nbytes
-from .probe_pool import (EAGER_STEP_LAYERS, POOL_AFTER_S, PoolBroken, ProbePool, ahead, check_jobs,
+from .probe_pool import (EAGER_STEP_LAYERS, PACKAGE_DIR, POOL_AFTER_S, PoolBroken, ProbePool, ahead, check_jobs,
                          check_not_bootstrapping, pool_refused, usable_cpus)
 from .policy_workers import APART_STEP_LAYERS, PolicyWorkers, split_policies
 from .fastreplay import (AllStopped, NativeSkippingSink, PlainSink, SinkGroup, SkippingSink, StepJumper, TwinLag,
@@ -901,10 +900,6 @@ class PolicyGroupJob:
                                 batch_size=self.batch_size, prompt_len=self.prompt_len, new_tokens=self.new_tokens,
                                 limit=self.limit, peak_nbytes=self.peak_nbytes, weight_format=self.weight_format,
                                 workspace_nbytes=self.workspace_nbytes, bar=bar)
-
-
-PACKAGE_DIR = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-"""The folder this process imported gpumem from."""
 
 
 def _check_same_package(package_dir: "str | None") -> None:

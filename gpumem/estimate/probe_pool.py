@@ -145,23 +145,30 @@ def check_not_bootstrapping(caller: str = "find_max_batch") -> None:
         raise InvalidArgumentError(f"{caller} was called while a worker process was starting: " + GUARD_HINT)
 
 
+PACKAGE_DIR = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+"""The folder this process imported gpumem from."""
+
+
+def _another_copy_on(path: "list[str]") -> bool:
+    """Whether the first package of this name that ``path`` holds (an import hook aside) is not this copy: a folder
+    or module elsewhere, a namespace package. False where ``path`` holds none (an import hook finds it)."""
+    spec = importlib.machinery.PathFinder.find_spec(__name__.split(".")[0], path)
+    if spec is None:
+        return False
+    found = list(spec.submodule_search_locations or ()) or [os.path.dirname(spec.origin or "")]
+    return any(os.path.realpath(f) != PACKAGE_DIR for f in found)
+
+
 def _shadowed(cwd: "str | None" = None) -> bool:
     """Whether what the working directory (``cwd``, default the current one) holds under this package's name (a
     folder, a ``gpumem.py``) is not this package: the forkserver runs with that directory first on its path
     (``python -c``; CPython 3.11 ignores the path it is given while importing the preload list), so it imported that
     folder as a namespace package (under an editable install) or ran the program's own ``gpumem.py``, and every worker
     failed (new user and attacker 2026-12-03, run from the folder holding a clone)."""
-    top = __name__.split(".")[0]
     try:
-        where = cwd if cwd is not None else os.getcwd()
-        spec = importlib.machinery.PathFinder.find_spec(top, [where])
+        return _another_copy_on([cwd if cwd is not None else os.getcwd()])
     except (OSError, ImportError, ValueError):  # the working directory was removed, or cannot be read
         return False
-    if spec is None:
-        return False
-    package = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    found = list(spec.submodule_search_locations or ()) or [os.path.dirname(spec.origin or "")]
-    return any(os.path.realpath(f) != package for f in found)
 
 
 def _forkserver_path() -> "list[str]":
@@ -178,16 +185,10 @@ def _other_copy_first() -> bool:
     """Whether the forkserver would import another copy of this package than this process did (a script run from a
     clone, or ``sys.path`` changed by the program, with the package installed too: attacker 2026-12-03, other
     figures on the workers). Each worker then imports it on the program's own path instead."""
-    top = __name__.split(".")[0]
     try:
-        spec = importlib.machinery.PathFinder.find_spec(top, _forkserver_path())
+        return _another_copy_on(_forkserver_path())
     except (OSError, ImportError, ValueError):
         return True
-    if spec is None:
-        return False  # an import hook finds it, there as here
-    package = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    found = list(spec.submodule_search_locations or ()) or [os.path.dirname(spec.origin or "")]
-    return any(os.path.realpath(f) != package for f in found)
 
 
 def _context() -> Any:

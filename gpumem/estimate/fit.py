@@ -840,14 +840,15 @@ class ProbeJob:
     policy_rules: Any = None
     """The policy ``policy`` names where the job was made (an ``AllocatorPolicy``): a worker refuses the job where
     its own differs (one added or changed at run time in the search's process), and the search makes it itself."""
+    device_profile: Any = None
+    """The profile ``device`` opened with where the job was made: a worker whose spec opens another refuses the
+    job (a profile changed at run time), and the search makes it itself."""
     package_dir: str | None = field(default_factory=lambda: PACKAGE_DIR)
     """Where the search's process imported gpumem from: a worker that imported another copy refuses the job."""
 
     def run(self) -> Any:
         """The replay's :class:`ReservedEstimate` (in whichever process calls it)."""
-        _check_same_package(self.package_dir)
-        if self.policy_rules is not None:
-            _check_policy_here(self.policy, self.policy_rules)
+        _check_here(self.package_dir, (self.policy,), (self.policy_rules,), self.device, self.device_profile)
         return replay_inference(self.shape, self.dtype_bytes, (self.policy,), self.device,
                                 batch_size=self.batch_size, prompt_len=self.prompt_len, new_tokens=self.new_tokens,
                                 limit=self.limit, peak_nbytes=self.peak_nbytes, weight_format=self.weight_format,
@@ -884,30 +885,32 @@ class PolicyGroupJob:
     def run(self, bar: Any = None) -> "list[ReservedEstimate]":
         """The group's figures, in its order (in whichever process calls it); ``bar`` moves by one per decode step
         and policy."""
-        _check_same_package(self.package_dir)
-        for p, rules in zip(self.policies, self.policy_rules):
-            if rules is not None:
-                _check_policy_here(p, rules)
-        if self.device_profile is not None:
-            dev = open_device(self.device)
-            try:
-                if getattr(dev, "profile", None) != self.device_profile:
-                    raise InternalError(f"device {self.device!r} is not the caller's here: its profile was changed "
-                                        "at run time")
-            finally:
-                dev.close()
+        _check_here(self.package_dir, self.policies, self.policy_rules, self.device, self.device_profile)
         return replay_inference(self.shape, self.dtype_bytes, self.policies, self.device,
                                 batch_size=self.batch_size, prompt_len=self.prompt_len, new_tokens=self.new_tokens,
                                 limit=self.limit, peak_nbytes=self.peak_nbytes, weight_format=self.weight_format,
                                 workspace_nbytes=self.workspace_nbytes, bar=bar)
 
 
-def _check_same_package(package_dir: "str | None") -> None:
-    """InternalError where this process imported gpumem from elsewhere than ``package_dir`` (a worker whose
-    forkserver found another copy on its own path than the caller's: attacker 2026-12-03, a script in a clone with
-    gpumem installed too gave other figures on the workers)."""
+def _check_here(package_dir: "str | None", policies: "tuple[str, ...]", rules: "tuple[Any, ...]", device: str,
+                profile: Any) -> None:
+    """InternalError where this process (a worker) would replay a job otherwise than the process that made it did:
+    gpumem imported from elsewhere than ``package_dir`` (the forkserver found another copy on its own path: attacker
+    2026-12-03, a script in a clone with gpumem installed too), a policy other than its ``rules`` (added or changed
+    at run time there), or ``device`` opening another profile than ``profile`` (changed at run time there). The
+    caller then makes the job itself."""
     if package_dir is not None and package_dir != PACKAGE_DIR:
         raise InternalError(f"gpumem is imported from {PACKAGE_DIR} here, from {package_dir} by the caller")
+    for p, r in zip(policies, rules):
+        if r is not None:
+            _check_policy_here(p, r)
+    if profile is not None:
+        dev = open_device(device)
+        try:
+            if getattr(dev, "profile", None) != profile:
+                raise InternalError(f"device {device!r} is not the caller's here: its profile was changed at run time")
+        finally:
+            dev.close()
 
 
 def _policy_rules(policy: str) -> Any:
@@ -1173,7 +1176,7 @@ def find_max_batch(shape: ModelShape, dtype_bytes: int, *, device: "str | Device
                 return None
             b, p = sizes(v)
             return ProbeJob(shape, dtype_bytes, policy, probe_dev, b, p, new_tokens, room, probes.peak(v),
-                            weight_format, workspace, full_replay, policy_rules)
+                            weight_format, workspace, full_replay, policy_rules, getattr(dev, "profile", None))
 
         def explore(p: _Probes) -> object:
             return _search(p, limit, usable, max_value, start, skip_gallop)

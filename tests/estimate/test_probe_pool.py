@@ -2,6 +2,7 @@
 processes, and answers exactly as with one process: the same result, the same tries in the same order."""
 
 import dataclasses
+import logging
 import os
 import subprocess
 import sys
@@ -383,3 +384,18 @@ def test_usable_cpus_keeps_within_a_cgroup_quota(text, cap, tmp_path):
     path.write_text(text)
     free = usable_cpus(str(tmp_path / "none"))
     assert usable_cpus(str(path)) == (free if cap is None else min(free, cap))
+
+
+def test_a_device_profile_changed_at_run_time_is_replayed_here(monkeypatch, caplog):
+    """As replay_inference's workers (test_policy_workers): a fit's workers opened the profile as imported, and their
+    answers were another device's."""
+    from gpumem.sim import profiles
+
+    monkeypatch.setattr(profiles, "BUILTIN_PROFILES", tuple(
+        dataclasses.replace(p, total_nbytes=p.total_nbytes // 2) if p.name == "gtx-1050-2gb" else p
+        for p in profiles.BUILTIN_PROFILES))
+    _fast_pool(monkeypatch)
+    caplog.set_level(logging.INFO)
+    kw = dict(device="sim:gtx-1050-2gb", prompt_len=256, new_tokens=20, max_value=512)
+    assert find_max_batch(TINY, 2, jobs=2, **kw) == find_max_batch(TINY, 2, **kw)
+    assert "profile was changed at run time" in caplog.text

@@ -514,7 +514,9 @@ void Engine::release_for_fast_run() {
     unlock();
 }
 
-Engine::Engine(Backend& backend, const EngineConfig& config) : backend_(backend), cfg_(config), memory_first_(config) {
+Engine::Engine(Backend& backend, const EngineConfig& config)
+    : backend_(backend), cfg_(config), memory_first_(config), after_warmup_knobs_(config) {
+    after_warmup_knobs_.stream_ordered_steal = true;   // Note [The ordered steal after a warm-up] in backing.py
     memory_first_.page_slack = 0.0;   // AllocatorPolicy.memory_first (Note [A memory-first warm-up] in plan.py)
     memory_first_.page_slack_min_nbytes = 0;
     memory_first_.stream_ordered_steal = true;
@@ -3639,6 +3641,7 @@ void Engine::plan_end_warmup(bool planned) {
     if (warmup_) {
         warmup_ = false;
         warmup_done_ = true;
+        if (!planned && cfg_.steal_after_warmup) after_warmup_ = true;   // StepPlan.end_warmup
         if (!planned && cfg_.warmup_give_back) empty_cache_locked();   // Note [A memory-first warm-up] in plan.py
     }
 }

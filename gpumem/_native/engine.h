@@ -84,6 +84,8 @@ struct EngineConfig {
     // in plan.py; Engine::warmup_)
     bool plan_warmup = true;
     bool warmup_give_back = true;   // a warm-up that ends with no plan gives the idle cache back
+    // and leaves the stream-ordered steal on (Note [The ordered steal after a warm-up] in backing.py)
+    bool steal_after_warmup = true;
     // growth=PAGES, no steal: the page size of the small / large pool's range (Note [Pages of a pool's own
     // size] in engine.cpp); 0: the device granularity (Python: small_page_nbytes / large_page_nbytes None)
     std::uint64_t small_page_nbytes = 0;
@@ -761,7 +763,13 @@ class Engine {
     // Note [A memory-first warm-up] in plan.py: VirtualBacking.warmup and StepPlan's warmup_* (same names)
     bool warmup_ = false, warmup_done_ = false;
     EngineConfig memory_first_;   // AllocatorPolicy.memory_first(): the growth knobs while warm
-    const EngineConfig& knobs() const { return warmup_ ? memory_first_ : cfg_; }   // VirtualBacking.knobs
+    // VirtualBacking.after_warmup and its knobs: a warm-up ended with no plan and cfg_.steal_after_warmup (Note
+    // [The ordered steal after a warm-up] in backing.py)
+    bool after_warmup_ = false;
+    EngineConfig after_warmup_knobs_;
+    const EngineConfig& knobs() const {   // VirtualBacking.knobs
+        return warmup_ ? memory_first_ : after_warmup_ ? after_warmup_knobs_ : cfg_;
+    }
     std::uint64_t warmup_marks_ = 0, warmup_since_ = 0;
     bool plan_start_warmup();   // StepPlan.start_warmup (caller holds mu_)
     void plan_end_warmup(bool planned);   // StepPlan.end_warmup

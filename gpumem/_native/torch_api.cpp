@@ -126,6 +126,14 @@ gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
             throw std::runtime_error("GPUMEM_WARMUP_GIVE_BACK must be 0 or 1, not '" + s + "'");
         cfg.warmup_give_back = s == "1";
     }
+    // AllocatorPolicy.steal_after_warmup: GPUMEM_STEAL_AFTER_WARMUP=0 or 1 (0: the policy's own knobs after a warm-up
+    // that ended with no plan, the rule before 2026-12-03; Note [The ordered steal after a warm-up] in backing.py)
+    if (const char* v = std::getenv("GPUMEM_STEAL_AFTER_WARMUP")) {
+        std::string s(v);
+        if (s != "0" && s != "1")
+            throw std::runtime_error("GPUMEM_STEAL_AFTER_WARMUP must be 0 or 1, not '" + s + "'");
+        cfg.steal_after_warmup = s == "1";
+    }
     return cfg;
 }
 }  // namespace
@@ -885,17 +893,18 @@ GPUMEM_EXPORT std::int64_t gpumem_torch_trace_read(int device, std::uint64_t* ou
 GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double chunk_max_fraction,
                                          double grow_ahead_fraction, int steal_empty_pages, double busy_slack,
                                          int stream_ordered_steal, std::uint64_t page_slack_min_nbytes,
-                                         int plan_warmup, int wait_own_stream, int warmup_give_back) {
+                                         int plan_warmup, int wait_own_stream, int warmup_give_back,
+                                         int steal_after_warmup) {
     // the ranges of AllocatorPolicy (Note [Every knob has a range] in policy.py)
     if ((growth != 0 && growth != 1) || !(page_slack >= 0.0 && page_slack <= 1.0) ||
         !(chunk_max_fraction >= 0.0 && chunk_max_fraction <= 1.0) ||
         !(grow_ahead_fraction >= 0.0 && grow_ahead_fraction <= 1.0) || !(busy_slack >= 0.0) ||
         (stream_ordered_steal != 0 && stream_ordered_steal != 1) || (plan_warmup != 0 && plan_warmup != 1) ||
         (wait_own_stream != 0 && wait_own_stream != 1) || (warmup_give_back != 0 && warmup_give_back != 1) ||
-        (steal_empty_pages != 0 && steal_empty_pages != 1)) {
+        (steal_empty_pages != 0 && steal_empty_pages != 1) || (steal_after_warmup != 0 && steal_after_warmup != 1)) {
         t_last_error = "gpumem_torch_configure: growth must be 0 or 1, page_slack, grow_ahead_fraction and "
                        "chunk_max_fraction in [0, 1], busy_slack >= 0, steal_empty_pages, stream_ordered_steal, "
-                       "plan_warmup, wait_own_stream and warmup_give_back 0 or 1";
+                       "plan_warmup, wait_own_stream, warmup_give_back and steal_after_warmup 0 or 1";
         return -1;
     }
     TorchState& s = state();
@@ -911,6 +920,7 @@ GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double c
     s.config.plan_warmup = plan_warmup != 0;
     s.config.wait_own_stream = wait_own_stream != 0;
     s.config.warmup_give_back = warmup_give_back != 0;
+    s.config.steal_after_warmup = steal_after_warmup != 0;
     return 0;
 }
 

@@ -200,7 +200,7 @@ class AllocatorPolicy:
     that needs it is stolen at once, ordered after that work on the stream, instead of grown past or
     waited for: mapped under the new block first, its old mapping unmapped once its fence completes (Note
     [Stream-ordered steal] in :mod:`.backing`). Off (the default: it costs step time live): the ``busy_slack``
-    rule alone."""
+    rule alone; but on after a warm-up that ended with no plan (:attr:`steal_after_warmup`)."""
 
     wait_own_stream: bool = False
     """``growth=CHUNKS``, past the slack, when no idle chunk that could be stolen is free of queued GPU work: one
@@ -228,6 +228,13 @@ class AllocatorPolicy:
     step's release (250-370 ms once, live) but moves its one-page chunks' pages in the steady steps that follow
     (+17 % step time, median of five rounds on Llama with variable lengths): Note [A memory-first warm-up] in
     :mod:`.plan`."""
+
+    steal_after_warmup: bool = True
+    """``plan_warmup``: a warm-up that ends with no plan (its 8th mark, or 2**14 allocations with no mark) leaves the
+    stream-ordered steal on (:attr:`stream_ordered_steal`) for the rest of the run, whatever that knob says: the
+    program marks steps that do not repeat, or runs no optimizer (``generate()`` under automatic marks), and there
+    the ``busy_slack`` rule grew 4-6 % past peak allocated live (Note [The ordered steal after a warm-up] in
+    :mod:`.backing`). Off: the policy's own knobs after it, as before."""
 
     def memory_first(self) -> "AllocatorPolicy":
         """This policy with the memory-first setting of its growth knobs: no page slack (nor its floor), the
@@ -332,6 +339,7 @@ _FIELD_RANGES: dict[str, tuple[str, float, float]] = {
     "wait_own_stream": ("bool", 0, 0),
     "plan_warmup": ("bool", 0, 0),
     "warmup_give_back": ("bool", 0, 0),
+    "steal_after_warmup": ("bool", 0, 0),
 }
 """Each field of :class:`AllocatorPolicy`: its kind and its inclusive range (Note [Every knob has a range])."""
 

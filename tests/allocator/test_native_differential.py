@@ -53,6 +53,7 @@ POLICIES = [
     dataclasses.replace(_BASE, name="chunks-wait-busy", busy_slack=0.0),
     dataclasses.replace(_BASE, name="chunks-no-warmup", plan_warmup=False),
     dataclasses.replace(_BASE, name="chunks-warmup-keep", warmup_give_back=False),
+    dataclasses.replace(_BASE, name="chunks-warmup-no-steal-after", steal_after_warmup=False),
     # waiting for the program's own stream (off by default; test_wait_own_stream_differential.py reaches it more
     # often), with the default slack and with none and small chunks
     dataclasses.replace(_BASE, name="chunks-wait-own", wait_own_stream=True, chunk_max_fraction=1 / 1024),
@@ -1069,7 +1070,7 @@ def _bypassed(**fields) -> AllocatorPolicy:
     ("page_slack", 1.5), ("page_slack", float("nan")), ("chunk_max_fraction", float("inf")),
     ("chunk_max_nbytes", 0), ("grow_ahead_fraction", -1.0), ("busy_slack", -1.0), ("busy_slack", float("nan")),
     ("stream_ordered_steal", 1), ("wait_own_stream", 0), ("wait_own_stream", "yes"), ("warmup_give_back", 1),
-    ("growth", "bad"),
+    ("steal_after_warmup", 0), ("steal_after_warmup", "yes"), ("growth", "bad"),
     ("small_page_nbytes", -1),
 ])
 @pytest.mark.parametrize("engine", ["python", "native"])

@@ -129,6 +129,56 @@ def test_it_ends_at_the_eighth_mark_when_no_plan_forms(engine, give_back):
     alloc.check_consistency()
 
 
+def _busy_steal_program(alloc: CachingAllocator, device: sim.SimDevice) -> int:
+    """A kernel still reads block A on stream 0 when A is freed; a block of stream 0 then needs two pages more
+    than are held idle: the reserved bytes after it (test_allocator_streams' steal scenario)."""
+    a = alloc.allocate(2 * MiB)
+    x = alloc.allocate(2 * MiB)   # stays live: A's free block is not the range's tail
+    work = device.launch(0, 1.0, touches=[(a, 2 * MiB)])
+    alloc.free(a)
+    b = alloc.allocate(4 * MiB)
+    assert not work.done
+    reserved = alloc.reserved_nbytes
+    alloc.free(b)
+    alloc.free(x)
+    return reserved
+
+
+@pytest.mark.parametrize("steal_after", [False, True])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_warmup_that_ends_with_no_plan_leaves_the_ordered_steal_on(engine, steal_after):
+    """Note [The ordered steal after a warm-up]: after the 8th mark with no plan, memory freed on a stream whose
+    work is still queued serves that stream's next block at once (``steal_after_warmup``, the default), where the
+    policy's own knobs (here the ``busy_slack`` rule with no bound) create memory instead; a warm-up stopped by
+    hand, or one that never ran, leaves the policy's knobs."""
+    policy = dataclasses.replace(DEFAULT, steal_after_warmup=steal_after, page_slack=0.0, page_slack_min_nbytes=0,
+                                 busy_slack=float("inf"))
+    results = {}
+    for how in ("ended", "stopped", "never"):
+        device = sim.SimDevice(sim.get_profile("h200-141gb"))
+        alloc = CachingAllocator(device, policy, engine=engine)
+        if how == "ended":
+            for i in range(WARMUP_MARKS):
+                alloc.mark_step()
+                alloc.free(alloc.allocate(512 * (i + 1)))   # steps that differ: no plan
+        elif how == "stopped":
+            alloc.start_plan_warmup()
+            assert alloc.stop_plan_warmup()
+        assert not warmup(alloc) and alloc.step_plan_info().plans_installed == 0
+        results[how] = _busy_steal_program(alloc, device)
+        alloc.check_consistency()
+        alloc.close()
+        assert not device.hazards
+    assert results["stopped"] == results["never"] == 8 * MiB   # grown past the busy page
+    assert results["ended"] == (6 * MiB if steal_after else 8 * MiB)   # stolen in stream order, not grown
+
+
+def test_steal_after_warmup_is_a_bool_and_on_by_default():
+    assert DEFAULT.steal_after_warmup is True
+    with pytest.raises(InvalidArgumentError, match="steal_after_warmup must be a bool"):
+        dataclasses.replace(DEFAULT, steal_after_warmup=1)
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_it_ends_after_many_allocations_with_no_mark(engine):
     """A program that turned the warm-up on (automatic marks) but never marks goes back to its policy."""

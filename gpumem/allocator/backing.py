@@ -226,19 +226,22 @@ points of memory; the step-time target (within 1 %) comes first until a steal is
 ended with no plan have it on all the same (Note [The ordered steal after a warm-up]).
 
 Note [The ordered steal after a warm-up]
----------------------------------------
+----------------------------------------
 A warm-up that ends with no plan (Note [A memory-first warm-up] in :mod:`.plan`) leaves the stream-ordered steal
-on for the rest of the run (``AllocatorPolicy.steal_after_warmup``, on by default; :attr:`VirtualBacking.after_warmup`).
+on for the rest of the run (``AllocatorPolicy.steal_after_warmup``, on by default; :attr:`Backing.after_warmup`),
+a plan formed later included (the steps it misses are served so).
 Why: such a program marks steps that do not repeat (variable lengths, routed experts), and after the warm-up the
 ``busy_slack`` rule grew into the chunks its GPU was still using: live on the H200 Llama with variable lengths held
 5.76-5.78 % above peak allocated and the MoE block 4.07 %, with the steal 1.53-2.27 % and 2.12-2.23 %, at no
-step-time cost the rounds could see (steps 13-40, three rounds alternating: Llama 46.6-59.3 ms against the
-default's 57.9-62.8, MoE 45.5-48.5 against 46.4-48.6; ``reports/hil/sos-default-h200-2026-12-03.md``). There it adds
+step-time cost the rounds could see (median of steps 13-40, three rounds alternating: Llama 46.6-59.3 ms against
+the rule before's 57.9-62.8, MoE 45.5-48.5 against 46.4-48.6, round by round -3.6, +4.5 and -6.2 %;
+``reports/hil/sos-default-h200-2026-12-03.md``). There it adds
 ~33 and ~22 driver calls a step (3.3 % and 13 % of the run's), where a program that never marks would pay double
 its calls (the replays of the corpus without marks: GPT-2 fp32 3,057 -> 5,128 calls; the measured cost that kept
 the steal off by default, +7 % step time on GPT-2 without plans). So the rule follows the warm-up: a program
-whose plan forms is served by the plan; one that never marks (inference, marks turned off), or whose warm-up was
-stopped by hand, keeps the policy's knobs. Replayed (``gpu_timing="trace"``), gpt2_train 5.54 -> 0.80 %, moe_train
+whose plan forms during it is served by the plan; one that never begins it (inference under gpumem.torch, whose
+automatic marks begin it with the first optimizer on a GPU; marks turned off), or stops it by hand, keeps the
+policy's knobs. Replayed (``gpu_timing="trace"``), gpt2_train 5.54 -> 0.80 %, moe_train
 4.02 -> 1.25 % (tuning), llama_varlen_train 5.77 -> 0.75 % (check); no other trace of data/traces moves.
 
 Note [An index of idle chunks]

@@ -60,8 +60,8 @@ namespace {
 // The engine's policy for PyTorch: the defaults, where GPUMEM_BUSY_SLACK (a number >= 0, or inf) sets
 // AllocatorPolicy.busy_slack, GPUMEM_CHUNK_MAX_FRACTION chunk_max_fraction, GPUMEM_PAGE_SLACK page_slack,
 // GPUMEM_PAGE_SLACK_MIN_NBYTES page_slack_min_nbytes, GPUMEM_STREAM_ORDERED_STEAL stream_ordered_steal,
-// GPUMEM_WAIT_OWN_STREAM wait_own_stream, GPUMEM_PLAN_WARMUP plan_warmup and GPUMEM_WARMUP_GIVE_BACK
-// warmup_give_back (issue 18 measures several live).
+// GPUMEM_WAIT_OWN_STREAM wait_own_stream, GPUMEM_PLAN_WARMUP plan_warmup, GPUMEM_WARMUP_GIVE_BACK
+// warmup_give_back and GPUMEM_STEAL_AFTER_WARMUP steal_after_warmup (issue 18 measures several live).
 // `base` (gpumem_torch_configure's policy, the default policy otherwise) with those variables applied.
 gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
     gpumem::EngineConfig cfg = base;

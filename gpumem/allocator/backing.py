@@ -241,7 +241,8 @@ its calls (the replays of the corpus without marks: GPT-2 fp32 3,057 -> 5,128 ca
 the steal off by default, +7 % step time on GPT-2 without plans). So the rule follows the warm-up: a program
 whose plan forms during it is served by the plan; one that never begins it (inference under gpumem.torch, whose
 automatic marks begin it with the first optimizer on a GPU; marks turned off), or stops it by hand, keeps the
-policy's knobs. Replayed (``gpu_timing="trace"``), gpt2_train 5.54 -> 0.80 %, moe_train
+policy's knobs; but one past 2**14 allocations with no mark has ended, stopped or not (``stop_plan_warmup``), and
+gets the steal. Replayed (``gpu_timing="trace"``), gpt2_train 5.54 -> 0.80 %, moe_train
 4.02 -> 1.25 % (tuning), llama_varlen_train 5.77 -> 0.75 % (check); no other trace of data/traces moves.
 
 Note [An index of idle chunks]

@@ -3641,7 +3641,7 @@ void Engine::plan_end_warmup(bool planned) {
     if (warmup_) {
         warmup_ = false;
         warmup_done_ = true;
-        if (!planned && cfg_.steal_after_warmup) after_warmup_ = true;   // StepPlan.end_warmup
+        if (cfg_.steal_after_warmup) after_warmup_ = true;   // StepPlan.end_warmup
         if (!planned && cfg_.warmup_give_back) empty_cache_locked();   // Note [A memory-first warm-up] in plan.py
     }
 }

@@ -84,7 +84,8 @@ struct EngineConfig {
     // in plan.py; Engine::warmup_)
     bool plan_warmup = true;
     bool warmup_give_back = true;   // a warm-up that ends with no plan gives the idle cache back
-    // and leaves the stream-ordered steal on (Note [The ordered steal after a warm-up] in backing.py)
+    // a warm-up that ends (with a plan or none) leaves the stream-ordered steal on (Note [The ordered steal after a
+    // warm-up] in backing.py)
     bool steal_after_warmup = true;
     // growth=PAGES, no steal: the page size of the small / large pool's range (Note [Pages of a pool's own
     // size] in engine.cpp); 0: the device granularity (Python: small_page_nbytes / large_page_nbytes None)
@@ -763,8 +764,8 @@ class Engine {
     // Note [A memory-first warm-up] in plan.py: VirtualBacking.warmup and StepPlan's warmup_* (same names)
     bool warmup_ = false, warmup_done_ = false;
     EngineConfig memory_first_;   // AllocatorPolicy.memory_first(): the growth knobs while warm
-    // VirtualBacking.after_warmup and its knobs: a warm-up ended with no plan and cfg_.steal_after_warmup (Note
-    // [The ordered steal after a warm-up] in backing.py)
+    // VirtualBacking.after_warmup and its knobs: a warm-up ended and cfg_.steal_after_warmup (Note [The ordered
+    // steal after a warm-up] in backing.py)
     bool after_warmup_ = false;
     EngineConfig after_warmup_knobs_;
     const EngineConfig& knobs() const {   // VirtualBacking.knobs

@@ -222,28 +222,30 @@ mapped nowhere. The memory is that of ``busy_slack=0`` without its waits: on the
 (``docs/stream-ordered-steal.md``). Work on other streams is not ordered by it: such a chunk falls to
 the ``busy_slack`` rule. Off by default: live on the H200 every steal cost 70-290 µs, more than its
 driver calls, and at cap 1/256 it cost +7 % step time on GPT-2 and +14 % on ResNet-50 for 0.9 and 1.0
-points of memory; the step-time target (within 1 %) comes first until a steal is cheaper. Programs whose warm-up
-ended with no plan have it on all the same (Note [The ordered steal after a warm-up]).
+points of memory; the step-time target (within 1 %) comes first until a steal is cheaper. Programs whose step
+plan's warm-up ended have it on all the same (Note [The ordered steal after a warm-up]).
 
 Note [The ordered steal after a warm-up]
 ----------------------------------------
-A warm-up that ends with no plan (Note [A memory-first warm-up] in :mod:`.plan`) leaves the stream-ordered steal
-on for the rest of the run (``AllocatorPolicy.steal_after_warmup``, on by default; :attr:`Backing.after_warmup`),
-a plan formed later included (the steps it misses are served so).
-Why: such a program marks steps that do not repeat (variable lengths, routed experts), and after the warm-up the
-``busy_slack`` rule grew into the chunks its GPU was still using: live on the H200 Llama with variable lengths held
-5.76-5.78 % above peak allocated and the MoE block 4.07 %, with the steal 1.53-2.27 % and 2.12-2.23 %, at no
-step-time cost the rounds could see (median of steps 13-40, three rounds alternating: Llama 46.6-59.3 ms against
-the rule before's 57.9-62.8, MoE 45.5-48.5 against 46.4-48.6, round by round -3.6, +4.5 and -6.2 %;
-``reports/hil/sos-default-h200-2026-12-03.md``). There it adds
-~33 and ~22 driver calls a step (3.3 % and 13 % of the run's), where a program that never marks would pay double
-its calls (the replays of the corpus without marks: GPT-2 fp32 3,057 -> 5,128 calls; the measured cost that kept
-the steal off by default, +7 % step time on GPT-2 without plans). So the rule follows the warm-up: a program
-whose plan forms during it is served by the plan; one that never begins it (inference under gpumem.torch, whose
-automatic marks begin it with the first optimizer on a GPU; marks turned off), or stops it by hand, keeps the
-policy's knobs; but one past 2**14 allocations with no mark has ended, stopped or not (``stop_plan_warmup``), and
-gets the steal. Replayed (``gpu_timing="trace"``), gpt2_train 5.54 -> 0.80 %, moe_train
-4.02 -> 1.25 % (tuning), llama_varlen_train 5.77 -> 0.75 % (check); no other trace of data/traces moves.
+A step plan's warm-up (Note [A memory-first warm-up] in :mod:`.plan`) that ends, with a plan or with none, leaves
+the stream-ordered steal on for the rest of the run (``AllocatorPolicy.steal_after_warmup``, on by default;
+:attr:`Backing.after_warmup`), a plan formed or dropped later included. Why: a program whose marks form no plan
+marks steps that do not repeat (variable lengths, routed experts), and after the warm-up the ``busy_slack`` rule
+grew into the chunks its GPU was still using: live on the H200 Llama with variable lengths held 5.76-5.78 % above
+peak allocated and the MoE block 4.07 %, with the steal 1.53-2.27 % and 2.12-2.23 %, at no step-time cost the
+rounds could see (median of steps 13-40, three rounds alternating: Llama 46.6-59.3 ms against the rule before's
+57.9-62.8, MoE 45.5-48.5 against 46.4-48.6, round by round -3.6, +4.5 and -6.2 %;
+``reports/hil/sos-default-h200-2026-12-03.md``). There it adds ~33 and ~22 driver calls a step (3.3 % and 13 % of
+the run's). Where a plan forms, the engine serves only what the plan does not: GPT-2 and ResNet-50 held the same
+0.56 % and 0.80 % live with the steal, with at most ~2.5 more calls a step, and a step the plan misses (a CUDA-graph
+capture after the plan, in cudagraph_train's replay: 3.77 -> 0.65 %) is served by it too. A program that never
+marks would pay double its calls (the replays of the corpus without marks: GPT-2 fp32 3,057 -> 5,128; the measured
+cost that kept the steal off by default, +7 % step time on GPT-2 without plans). So the rule follows the warm-up:
+one that never begins it (inference under gpumem.torch, whose automatic marks begin it with the first optimizer on
+a GPU; marks turned off), or stops it by hand, keeps the policy's knobs; but one past 2**14 allocations with no
+mark has ended, stopped or not (``stop_plan_warmup``), and gets the steal. Replayed (``gpu_timing="trace"``):
+gpt2_train 5.54 -> 0.80 %, moe_train 4.02 -> 1.25 %, cudagraph_train 3.77 -> 0.65 % (tuning), llama_varlen_train
+5.77 -> 0.75 % (check); no other trace of data/traces moves.
 
 Note [An index of idle chunks]
 ------------------------------
@@ -349,7 +351,7 @@ class Backing(abc.ABC):
         engine turns it on and off (Note [A memory-first warm-up] in :mod:`.plan`)."""
         self._memory_first = policy.memory_first()
         self.after_warmup = False
-        """A warm-up ended with no plan and the policy's ``steal_after_warmup``: grow by the policy's knobs with the
+        """A warm-up ended and the policy has ``steal_after_warmup``: grow by the policy's knobs with the
         stream-ordered steal on (Note [The ordered steal after a warm-up]); the engine sets it."""
         self._after_warmup = replace(policy, stream_ordered_steal=True)
         self.on_segment: Callable[[str, int, int, int], None] | None = None
@@ -358,8 +360,8 @@ class Backing(abc.ABC):
     @property
     def knobs(self) -> AllocatorPolicy:
         """The growth knobs in force: the policy's, or their memory-first setting while a step plan's warm-up
-        is on (:meth:`~.policy.AllocatorPolicy.memory_first`), with the stream-ordered steal after one that ended
-        with no plan (:attr:`after_warmup`)."""
+        is on (:meth:`~.policy.AllocatorPolicy.memory_first`), with the stream-ordered steal after one ended
+        (:attr:`after_warmup`)."""
         if self.warmup:
             return self._memory_first
         return self._after_warmup if self.after_warmup else self.policy

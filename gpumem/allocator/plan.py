@@ -158,9 +158,9 @@ quadratic, 33 s for 200 multi-GB operations at 27 GB held, attacker 14; the stea
 index of idle chunks] in :mod:`.backing`). It ends for good when a plan is
 installed, at the :data:`WARMUP_MARKS` (8th) mark with none (a repeating loop is planned at its third), or
 after :data:`WARMUP_ALLOCS` allocations with no mark (checked where the engine grows, the only place the
-knobs are read). Ended with a plan, what it grew stays. Ended with none, the policy's knobs come back with the
-stream-ordered steal on (``steal_after_warmup``: Note [The ordered steal after a warm-up] in :mod:`.backing`), and
-the engine's idle cache goes back at
+knobs are read). Either way the policy's knobs come back with the stream-ordered steal on (``steal_after_warmup``:
+Note [The ordered steal after a warm-up] in :mod:`.backing`). Ended with a plan, what it grew stays. Ended with
+none, the engine's idle cache goes back at
 once (waiting for the GPU, as ``empty_cache``; ``warmup_give_back``, on by default): else its one-page chunks
 outlive it and their pages are moved one by one in the steady steps. Live on the H200
 (reports/hil/warmup-end-h200-2026-12-02.md), Llama with variable lengths: the give-back's step takes 250-370 ms
@@ -746,12 +746,13 @@ class StepPlan:
         return b.warmup
 
     def end_warmup(self, planned: bool) -> None:
-        """End the warm-up; with no plan (``planned`` False) and the policy's ``warmup_give_back`` (the default),
-        give the engine's idle cache back, so that its one-page chunks do not outlive it."""
+        """End the warm-up: the stream-ordered steal stays on where the policy says so (``steal_after_warmup``, the
+        default); with no plan (``planned`` False) and the policy's ``warmup_give_back`` (the default), give the
+        engine's idle cache back, so that its one-page chunks do not outlive it."""
         if self.e.backing.warmup:
             self.e.backing.warmup = False
             self.warmup_done = True
-            if not planned and self.e.policy.steal_after_warmup:
+            if self.e.policy.steal_after_warmup:
                 self.e.backing.after_warmup = True   # Note [The ordered steal after a warm-up] in backing.py
             if not planned and self.e.policy.warmup_give_back:
                 self.e._empty_cache_locked()

@@ -200,7 +200,7 @@ class AllocatorPolicy:
     that needs it is stolen at once, ordered after that work on the stream, instead of grown past or
     waited for: mapped under the new block first, its old mapping unmapped once its fence completes (Note
     [Stream-ordered steal] in :mod:`.backing`). Off (the default: it costs step time live): the ``busy_slack``
-    rule alone; but on after a warm-up that ended with no plan (:attr:`steal_after_warmup`)."""
+    rule alone; but on after a step plan's warm-up has ended (:attr:`steal_after_warmup`)."""
 
     wait_own_stream: bool = False
     """``growth=CHUNKS``, past the slack, when no idle chunk that could be stolen is free of queued GPU work: one
@@ -230,11 +230,11 @@ class AllocatorPolicy:
     :mod:`.plan`."""
 
     steal_after_warmup: bool = True
-    """``plan_warmup``: a warm-up that ends with no plan (its 8th mark, or 2**14 allocations with no mark) leaves the
-    stream-ordered steal on (:attr:`stream_ordered_steal`) for the rest of the run, whatever that knob says (a plan
-    formed later included: its misses are served so): the program marks steps that do not repeat, and there the
-    ``busy_slack`` rule grew 4-6 % past peak allocated live (Note [The ordered steal after a warm-up] in
-    :mod:`.backing`). A program that never begins a warm-up (inference under gpumem.torch, whose automatic marks
+    """``plan_warmup``: a warm-up that ends (a plan installed, its 8th mark with none, or 2**14 allocations with no
+    mark) leaves the stream-ordered steal on (:attr:`stream_ordered_steal`) for the rest of the run, whatever that
+    knob says (what a plan misses is served so): where the marks form no plan, the program marks steps that do not
+    repeat, and there the ``busy_slack`` rule grew 4-6 % past peak allocated live (Note [The ordered steal after a
+    warm-up] in :mod:`.backing`). A program that never begins a warm-up (inference under gpumem.torch, whose automatic marks
     begin it with the first optimizer on a GPU; marks turned off) or stops it by hand keeps the policy's knobs;
     one that begins it by hand (``start_plan_warmup()``) and never marks gets the steal after 2**14 allocations.
     Off: the policy's own knobs after it, as before. Set it in Python (``dataclasses.replace(policy,

@@ -144,33 +144,42 @@ def _busy_steal_program(alloc: CachingAllocator, device: sim.SimDevice) -> int:
     return reserved
 
 
-@pytest.mark.parametrize("steal_after", [False, True])
+def _warm_then_busy(engine: str, policy, how: str) -> int:
+    """An allocator whose warm-up ``how`` ("no plan": 8 marks of steps that differ; "plan": a repeating loop
+    planned at its third mark; "stopped" by hand; "never" begun), then :func:`_busy_steal_program`'s reserved
+    bytes; the sanitizer sees no hazard."""
+    device = sim.SimDevice(sim.get_profile("h200-141gb"))
+    alloc = CachingAllocator(device, policy, engine=engine)
+    if how in ("no plan", "plan"):
+        for i in range(WARMUP_MARKS if how == "no plan" else 3):
+            alloc.mark_step()
+            alloc.free(alloc.allocate(512 * (i + 1) if how == "no plan" else 512))   # steps that differ, or not
+        assert alloc.step_plan_info().plans_installed == (how == "plan")
+    elif how == "stopped":
+        alloc.start_plan_warmup()
+        assert alloc.stop_plan_warmup()
+    assert not warmup(alloc)
+    reserved = _busy_steal_program(alloc, device)   # after a plan: its 2 MiB misses the 512 B slot, the engine serves
+    alloc.check_consistency()
+    alloc.close()
+    assert not device.hazards
+    return reserved
+
+
 @pytest.mark.parametrize("engine", ENGINES)
-def test_a_warmup_that_ends_with_no_plan_leaves_the_ordered_steal_on(engine, steal_after):
-    """Note [The ordered steal after a warm-up]: after the 8th mark with no plan, memory freed on a stream whose
-    work is still queued serves that stream's next block at once (``steal_after_warmup``, the default), where the
-    policy's own knobs (here the ``busy_slack`` rule with no bound) create memory instead; a warm-up stopped by
-    hand, or one that never ran, leaves the policy's knobs."""
-    policy = dataclasses.replace(DEFAULT, steal_after_warmup=steal_after, page_slack=0.0, page_slack_min_nbytes=0,
-                                 busy_slack=float("inf"))
-    results = {}
-    for how in ("ended", "stopped", "never"):
-        device = sim.SimDevice(sim.get_profile("h200-141gb"))
-        alloc = CachingAllocator(device, policy, engine=engine)
-        if how == "ended":
-            for i in range(WARMUP_MARKS):
-                alloc.mark_step()
-                alloc.free(alloc.allocate(512 * (i + 1)))   # steps that differ: no plan
-        elif how == "stopped":
-            alloc.start_plan_warmup()
-            assert alloc.stop_plan_warmup()
-        assert not warmup(alloc) and alloc.step_plan_info().plans_installed == 0
-        results[how] = _busy_steal_program(alloc, device)
-        alloc.check_consistency()
-        alloc.close()
-        assert not device.hazards
-    assert results["stopped"] == results["never"] == 8 * MiB   # grown past the busy page
-    assert results["ended"] == (6 * MiB if steal_after else 8 * MiB)   # stolen in stream order, not grown
+def test_a_warmup_that_ends_leaves_the_ordered_steal_on(engine):
+    """Note [The ordered steal after a warm-up]: once the warm-up has ended, with a plan or none, memory freed on a
+    stream whose work is still queued serves that stream's next block at once (``steal_after_warmup``, the
+    default), where the policy's own knobs (here the ``busy_slack`` rule with no bound) create memory instead; a
+    warm-up stopped by hand, or one that never ran, leaves the policy's knobs."""
+    knobs = dict(page_slack=0.0, page_slack_min_nbytes=0, busy_slack=float("inf"))
+    on = dataclasses.replace(DEFAULT, steal_after_warmup=True, **knobs)
+    off = dataclasses.replace(DEFAULT, steal_after_warmup=False, **knobs)
+    for how in ("stopped", "never"):
+        assert _warm_then_busy(engine, on, how) == _warm_then_busy(engine, off, how) == 8 * MiB   # grown past it
+    assert _warm_then_busy(engine, on, "no plan") == 6 * MiB   # stolen in stream order, not grown
+    assert _warm_then_busy(engine, off, "no plan") == 8 * MiB
+    assert _warm_then_busy(engine, off, "plan") - _warm_then_busy(engine, on, "plan") == 2 * MiB
 
 
 def test_steal_after_warmup_is_a_bool_and_on_by_default():

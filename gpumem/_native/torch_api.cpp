@@ -127,7 +127,7 @@ gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
         cfg.warmup_give_back = s == "1";
     }
     // AllocatorPolicy.steal_after_warmup: GPUMEM_STEAL_AFTER_WARMUP=0 or 1 (0: the policy's own knobs after a warm-up
-    // that ended with no plan, the rule before 2026-12-03; Note [The ordered steal after a warm-up] in backing.py)
+    // has ended, the rule before 2026-12-03; Note [The ordered steal after a warm-up] in backing.py)
     if (const char* v = std::getenv("GPUMEM_STEAL_AFTER_WARMUP")) {
         std::string s(v);
         if (s != "0" && s != "1")

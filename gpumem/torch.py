@@ -420,8 +420,11 @@ def memory_stats(device: "int | str | Any | None" = None) -> dict[str, int]:
       access, unmap, release), ``num_event_calls``.
 
     and every counter of gpumem's engine under ``gpumem.<name>`` (``gpumem.n_chunks``,
-    ``gpumem.n_steals``, ``gpumem.va_nbytes``...). Before the first allocation on ``device`` every
-    value is 0.
+    ``gpumem.n_steals``, ``gpumem.va_nbytes``...), with the host's wall time inside its driver calls since
+    the engine was made, in nanoseconds: ``gpumem.driver_memory_ns`` (create, map, set access, unmap,
+    release), ``gpumem.driver_event_ns`` (event record, query, destroy) and ``gpumem.driver_wait_ns``
+    (synchronizations): what a policy's calls add to the thread that allocates (Note [Time in driver calls]
+    in ``gpumem/_native/cuda_backend.h``). Before the first allocation on ``device`` every value is 0.
 
     Raises:
         GpumemError: :func:`install` was not called in this process.
@@ -484,6 +487,8 @@ def memory_summary(device: "int | str | Any | None" = None) -> str:
         f"driver memory calls {st['num_device_calls']:,}, event calls {st['num_event_calls']:,}, "
         f"chunks {st['gpumem.n_chunks']:,}, steals {st['gpumem.n_steals']:,}, waits {st['gpumem.n_waits']:,}",
         f"address space reserved {format_bytes(st['gpumem.va_nbytes'])}, page {format_bytes(st['gpumem.granularity_nbytes'])}",
+        f"time in driver calls: memory {st['gpumem.driver_memory_ns'] / 1e6:,.1f} ms, events "
+        f"{st['gpumem.driver_event_ns'] / 1e6:,.1f} ms, waits {st['gpumem.driver_wait_ns'] / 1e6:,.1f} ms",
     ]
     if plan.mapped_nbytes or plan.state_name != "OFF":
         lines.append(f"step plan: {plan.state_name}, {plan.slots} slots, arena {format_bytes(plan.mapped_nbytes)} mapped, "

@@ -271,6 +271,23 @@ class CudaBackend::ContextScope {
     bool pushed_ = false;
 };
 
+// Note [Time in driver calls]: adds the wall time from its making to its end (the call and its context scope,
+// made after it) to `counter`, also when the call throws.
+class CudaBackend::Timed {
+  public:
+    explicit Timed(std::atomic<std::uint64_t>& counter) : counter_(counter), t0_(std::chrono::steady_clock::now()) {}
+    ~Timed() {
+        const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_);
+        counter_.fetch_add(static_cast<std::uint64_t>(ns.count()), std::memory_order_relaxed);
+    }
+    Timed(const Timed&) = delete;
+    Timed& operator=(const Timed&) = delete;
+
+  private:
+    std::atomic<std::uint64_t>& counter_;
+    std::chrono::steady_clock::time_point t0_;
+};
+
 namespace {
 
 CUmemAllocationProp device_prop(int device) {
@@ -348,6 +365,7 @@ void CudaBackend::mem_info(std::uint64_t* free_nbytes, std::uint64_t* total_nbyt
 }
 
 std::uint64_t CudaBackend::address_reserve(std::uint64_t nbytes, std::uint64_t alignment) {
+    Timed timed(memory_ns_);
     ContextScope scope(*this);
     CUdeviceptr va = 0;
     drv_.check(drv_.cuMemAddressReserve(&va, nbytes, alignment, 0, 0), "cuMemAddressReserve");
@@ -355,11 +373,13 @@ std::uint64_t CudaBackend::address_reserve(std::uint64_t nbytes, std::uint64_t a
 }
 
 void CudaBackend::address_free(std::uint64_t va, std::uint64_t nbytes) {
+    Timed timed(memory_ns_);
     ContextScope scope(*this);
     drv_.check(drv_.cuMemAddressFree(va, nbytes), "cuMemAddressFree");
 }
 
 ChunkHandle CudaBackend::mem_create(std::uint64_t nbytes) {
+    Timed timed(memory_ns_);
     ContextScope scope(*this);
     CUmemAllocationProp prop = device_prop(device_);
     CUmemGenericAllocationHandle handle = 0;
@@ -368,11 +388,13 @@ ChunkHandle CudaBackend::mem_create(std::uint64_t nbytes) {
 }
 
 void CudaBackend::mem_release(ChunkHandle handle) {
+    Timed timed(memory_ns_);
     ContextScope scope(*this);
     drv_.check(drv_.cuMemRelease(handle), "cuMemRelease");
 }
 
 void CudaBackend::mem_map(std::uint64_t va, std::uint64_t nbytes, ChunkHandle handle, std::uint64_t offset) {
+    Timed timed(memory_ns_);
     ContextScope scope(*this);
     drv_.check(drv_.cuMemMap(va, nbytes, offset, handle, 0), "cuMemMap");
 }
@@ -388,6 +410,7 @@ void CudaBackend::mem_map(std::uint64_t va, std::uint64_t nbytes, ChunkHandle ha
 // cuDeviceCanAccessPeer says can reach this one (found once, at construction). One call names them all;
 // on a one-GPU machine the call is what it was.
 void CudaBackend::mem_set_access(std::uint64_t va, std::uint64_t nbytes) {
+    Timed timed(memory_ns_);
     ContextScope scope(*this);
     std::vector<CUmemAccessDesc> access(1 + peers_.size());
     for (std::size_t i = 0; i < access.size(); ++i) {
@@ -399,11 +422,13 @@ void CudaBackend::mem_set_access(std::uint64_t va, std::uint64_t nbytes) {
 }
 
 void CudaBackend::mem_unmap(std::uint64_t va, std::uint64_t nbytes) {
+    Timed timed(memory_ns_);
     ContextScope scope(*this);
     drv_.check(drv_.cuMemUnmap(va, nbytes), "cuMemUnmap");
 }
 
 EventHandle CudaBackend::event_record(StreamHandle stream) {
+    Timed timed(event_ns_);
     ContextScope scope(*this);
     CUevent ev = nullptr;
     {
@@ -423,6 +448,7 @@ EventHandle CudaBackend::event_record(StreamHandle stream) {
 }
 
 bool CudaBackend::event_query(EventHandle event) {
+    Timed timed(event_ns_);
     ContextScope scope(*this);
     CUresult r = drv_.cuEventQuery(reinterpret_cast<CUevent>(static_cast<std::uintptr_t>(event)));
     if (r == CUDA_SUCCESS) return true;
@@ -431,12 +457,14 @@ bool CudaBackend::event_query(EventHandle event) {
 }
 
 void CudaBackend::event_synchronize(EventHandle event) {
+    Timed timed(wait_ns_);
     ContextScope scope(*this);
     drv_.check(drv_.cuEventSynchronize(reinterpret_cast<CUevent>(static_cast<std::uintptr_t>(event))),
                "cuEventSynchronize");
 }
 
 void CudaBackend::event_destroy(EventHandle event) {
+    Timed timed(event_ns_);
     CUevent ev = reinterpret_cast<CUevent>(static_cast<std::uintptr_t>(event));
     {
         std::lock_guard<std::mutex> lock(event_mutex_);   // Note [Recycled events]
@@ -450,6 +478,7 @@ void CudaBackend::event_destroy(EventHandle event) {
 }
 
 void CudaBackend::stream_synchronize(StreamHandle stream) {
+    Timed timed(wait_ns_);
     ContextScope scope(*this);
     drv_.check(drv_.cuStreamSynchronize(reinterpret_cast<CUstream>(static_cast<std::uintptr_t>(stream))),
                "cuStreamSynchronize");
@@ -496,6 +525,7 @@ void CudaBackend::timing_event_destroy(EventHandle event) {
 }
 
 void CudaBackend::synchronize() {
+    Timed timed(wait_ns_);
     ContextScope scope(*this);
     drv_.check(drv_.cuCtxSynchronize(), "cuCtxSynchronize");
 }

@@ -599,13 +599,14 @@ Engine& cuda_engine(int device) { return *get_or_make(device)->engine; }
 using namespace gpumem;
 
 // Names of the values gpumem_torch_stats writes, in order, comma-separated: the engine's stats
-// (kStatFields in engine.h), then the shim's own counters.
+// (kStatFields in engine.h), then the shim's own counters, then the backend's time in driver calls
+// (Note [Time in driver calls] in cuda_backend.h).
 GPUMEM_EXPORT const char* gpumem_torch_stat_names() {
     try {
         static const std::string names = [] {
             std::string out;
             for (const StatField& f : kStatFields) (out += f.name) += ',';
-            return out + "torch_ooms,torch_errors,free_errors,zero_allocs";
+            return out + "torch_ooms,torch_errors,free_errors,zero_allocs,driver_memory_ns,driver_event_ns,driver_wait_ns";
         }();
         return names.c_str();
     } catch (...) {   // no memory for the string: never an exception through the C boundary
@@ -751,8 +752,9 @@ GPUMEM_EXPORT int gpumem_torch_stats(int device, std::uint64_t* out, int n) {
         t_last_error = e.what();
         return -1;
     }
+    const CudaBackend::CallTimes times = d->backend->call_times();
     const std::uint64_t own[] = {d->torch_ooms.load(), d->torch_errors.load(), d->free_errors.load(),
-                                 d->zero_allocs.load()};
+                                 d->zero_allocs.load(), times.memory_ns, times.event_ns, times.wait_ns};
     std::uint64_t values[sizeof kStatFields / sizeof kStatFields[0] + sizeof own / sizeof own[0]];
     int count = 0;
     for (const StatField& f : kStatFields) values[count++] = st.*f.member;

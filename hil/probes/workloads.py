@@ -745,6 +745,22 @@ def trace_wait_streams(torch: Any, trace_wait: Callable[[Any, Any], None]) -> Ca
     return undo
 
 
+def timed_driver(before: dict[str, int], after: dict[str, int], n_steps: int) -> dict[str, float]:
+    """gpumem's driver calls over the timed steps, per step: how many, and the host's milliseconds inside them
+    (Note [Time in driver calls] in gpumem/_native/cuda_backend.h): what the engine's calls add to a step,
+    measured in the run rather than read off step times that move by more than it on a shared host."""
+    if not before or n_steps <= 0:
+        return {}
+
+    def per_step(key: str, scale: float = 1.0) -> float:
+        return round((after.get(key, 0) - before.get(key, 0)) * scale / n_steps, 4)
+
+    return {"memory_calls": per_step("num_device_calls"), "event_calls": per_step("num_event_calls"),
+            "steals": per_step("gpumem.n_steals"), "waits": per_step("gpumem.n_waits"),
+            "memory_ms": per_step("gpumem.driver_memory_ns", 1e-6), "event_ms": per_step("gpumem.driver_event_ns", 1e-6),
+            "wait_ms": per_step("gpumem.driver_wait_ns", 1e-6)}
+
+
 def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: Path, policy: str | None,
               plan_steps: bool = False, step_marks: str | None = None, record_trace: bool = True,
               gpu_clock: bool = False) -> dict:
@@ -792,9 +808,12 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
     t_start = time.perf_counter()
     mark = gt.step if plan_steps and allocator == "gpumem" else None
     tops_s = []   # the host's clock at each step's top: no synchronisation, so the GPU runs behind as it would
+    at_warmup: dict[str, int] = {}   # gpumem's counters when the timed steps begin
     for i in range(steps):
         if i == warmup:
             torch.cuda.synchronize()
+            if allocator == "gpumem":
+                at_warmup = gt.memory_stats(0)
             t_start = time.perf_counter()
         tops_s.append(time.perf_counter())
         if mark is not None:
@@ -827,7 +846,8 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
                       peak_reserved_bytes=st["reserved_bytes.all.peak"], num_allocs=st["num_allocs"],
                       num_device_calls=st["num_device_calls"], n_steals=st["gpumem.n_steals"],
                       n_waits=st["gpumem.n_waits"], n_chunks=st["gpumem.n_chunks"], plan_steps=plan_steps,
-                      step_marks=step_marks, step_plan=gt.step_plan_info(0).as_dict())
+                      step_marks=step_marks, step_plan=gt.step_plan_info(0).as_dict(),
+                      timed_driver=timed_driver(at_warmup, st, steps - warmup))
         if trace_path:
             from gpumem.trace import save_trace
 

@@ -732,3 +732,17 @@ def test_a_live_run_that_runs_nothing_says_so(tmp_path: Path, monkeypatch: pytes
     assert "is not run under gpumem" in capsys.readouterr().err and calls == []
     path = wl.run_live(["cudagraph_train"], ["gpumem"], 3, 1, tmp_path, None, 5.0)
     assert json.loads(path.read_text())["runs"] == [] and calls == []   # the stale record replaced
+
+
+def test_timed_driver_gives_the_timed_steps_calls_and_milliseconds_per_step() -> None:
+    """Note [Time in driver calls]: the probe's record gives the engine's driver calls over the timed steps only
+    (the counters when they began taken from those at the end), per step, the nanoseconds as milliseconds."""
+    before = {"num_device_calls": 100, "num_event_calls": 40, "gpumem.n_steals": 3, "gpumem.n_waits": 0,
+              "gpumem.driver_memory_ns": 5_000_000, "gpumem.driver_event_ns": 1_000_000, "gpumem.driver_wait_ns": 0}
+    after = {"num_device_calls": 140, "num_event_calls": 80, "gpumem.n_steals": 7, "gpumem.n_waits": 2,
+             "gpumem.driver_memory_ns": 7_000_000, "gpumem.driver_event_ns": 1_400_000, "gpumem.driver_wait_ns": 600_000}
+    got = wl.timed_driver(before, after, 4)
+    assert got == {"memory_calls": 10.0, "event_calls": 10.0, "steals": 1.0, "waits": 0.5, "memory_ms": 0.5,
+                   "event_ms": 0.1, "wait_ms": 0.15}
+    # no counters when the timed steps began (PyTorch's allocator, or no timed step): nothing to give
+    assert wl.timed_driver({}, after, 4) == {} and wl.timed_driver(before, after, 0) == {}

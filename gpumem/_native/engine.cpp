@@ -1849,11 +1849,12 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
         }
     }
     FenceMap pending;
-    if (knobs().stream_ordered_steal) {   // Note [Stream-ordered steal] in backing.py
+    if (ordered_steal_allowed()) {   // Note [Stream-ordered steal] in backing.py
         std::ptrdiff_t i = chunk_of_stream(fits, stream, batch, nullptr, pending);
         if (i >= 0) {
             IdleChunk c = fits.got[static_cast<std::size_t>(i)];
             ++n_steals_;
+            if (before_rule_alone()) ++before_steals_;   // VirtualBacking._count_before_steal
             *out = defer_unmap(c.seg, c.s, std::move(pending));
             return true;
         }

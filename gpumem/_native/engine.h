@@ -87,6 +87,9 @@ struct EngineConfig {
     // a warm-up that ends (with a plan or none) leaves the stream-ordered steal on (Note [The ordered steal after a
     // warm-up] in backing.py)
     bool steal_after_warmup = true;
+    // before a warm-up has begun (or after one stopped by hand), the stream-ordered steal is on (Note [The ordered
+    // steal before a warm-up] in backing.py)
+    bool steal_before_warmup = true;
     // growth=PAGES, no steal: the page size of the small / large pool's range (Note [Pages of a pool's own
     // size] in engine.cpp); 0: the device granularity (Python: small_page_nbytes / large_page_nbytes None)
     std::uint64_t small_page_nbytes = 0;
@@ -768,8 +771,22 @@ class Engine {
     // steal after a warm-up] in backing.py)
     bool after_warmup_ = false;
     EngineConfig after_warmup_knobs_;
+    // VirtualBacking.before_steals: stream-ordered steals made by cfg_.steal_before_warmup alone, at most
+    // kBeforeStealBurst and one per kBeforeStealAllocs allocations (Note [The ordered steal before a warm-up] in
+    // backing.py)
+    std::uint64_t before_steals_ = 0;
+    static constexpr std::uint64_t kBeforeStealAllocs = 1024;   // backing.py BEFORE_STEAL_ALLOCS
+    static constexpr std::uint64_t kBeforeStealBurst = 512;     // backing.py BEFORE_STEAL_BURST
+    bool before_rule_alone() const { return !(warmup_ || after_warmup_ || cfg_.stream_ordered_steal); }
+    bool ordered_steal_allowed() const {   // VirtualBacking._ordered_steal_allowed
+        return knobs().stream_ordered_steal &&
+               (!before_rule_alone() || before_steals_ <= kBeforeStealBurst + st_.num_allocs / kBeforeStealAllocs);
+    }
     const EngineConfig& knobs() const {   // VirtualBacking.knobs
-        return warmup_ ? memory_first_ : after_warmup_ ? after_warmup_knobs_ : cfg_;
+        if (warmup_) return memory_first_;
+        // the steal after a warm-up ended, or before one ended where the policy says so (warmup_done_ is
+        // VirtualBacking.warmup_ended; Note [The ordered steal before a warm-up] in backing.py)
+        return after_warmup_ || (!warmup_done_ && cfg_.steal_before_warmup) ? after_warmup_knobs_ : cfg_;
     }
     std::uint64_t warmup_marks_ = 0, warmup_since_ = 0;
     bool plan_start_warmup();   // StepPlan.start_warmup (caller holds mu_)

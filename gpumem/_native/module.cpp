@@ -332,7 +332,7 @@ const PolicyField kPolicyFields[] = {
     NOT_READ(segments_top_down),   // segment mode only
     CFG(grow_ahead_fraction, kF64), CFG(busy_slack, kF64), CFG(stream_ordered_steal, kBool),
     CFG(wait_own_stream, kBool), CFG(plan_warmup, kBool), CFG(warmup_give_back, kBool),
-    CFG(steal_after_warmup, kBool),
+    CFG(steal_after_warmup, kBool), CFG(steal_before_warmup, kBool),
 };
 #undef CFG
 #undef NOT_READ

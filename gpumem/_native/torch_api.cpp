@@ -61,8 +61,9 @@ namespace {
 // AllocatorPolicy.busy_slack, GPUMEM_CHUNK_MAX_FRACTION chunk_max_fraction, GPUMEM_PAGE_SLACK page_slack,
 // GPUMEM_PAGE_SLACK_MIN_NBYTES page_slack_min_nbytes, GPUMEM_STREAM_ORDERED_STEAL stream_ordered_steal,
 // GPUMEM_WAIT_OWN_STREAM wait_own_stream, GPUMEM_PLAN_WARMUP plan_warmup, GPUMEM_WARMUP_GIVE_BACK
-// warmup_give_back and GPUMEM_STEAL_AFTER_WARMUP steal_after_warmup (issue 18 measures several live).
-// `base` (gpumem_torch_configure's policy, the default policy otherwise) with those variables applied.
+// warmup_give_back, GPUMEM_STEAL_AFTER_WARMUP steal_after_warmup and GPUMEM_STEAL_BEFORE_WARMUP steal_before_warmup
+// (issue 18 measures several live). `base` (gpumem_torch_configure's policy, the default policy otherwise) with
+// those variables applied.
 gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
     gpumem::EngineConfig cfg = base;
     if (const char* v = std::getenv("GPUMEM_BUSY_SLACK")) {
@@ -133,6 +134,14 @@ gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
         if (s != "0" && s != "1")
             throw std::runtime_error("GPUMEM_STEAL_AFTER_WARMUP must be 0 or 1, not '" + s + "'");
         cfg.steal_after_warmup = s == "1";
+    }
+    // AllocatorPolicy.steal_before_warmup: GPUMEM_STEAL_BEFORE_WARMUP=0 or 1 (0: the policy's own knobs until a
+    // warm-up begins, the rule before 2026-12-03; Note [The ordered steal before a warm-up] in backing.py)
+    if (const char* v = std::getenv("GPUMEM_STEAL_BEFORE_WARMUP")) {
+        std::string s(v);
+        if (s != "0" && s != "1")
+            throw std::runtime_error("GPUMEM_STEAL_BEFORE_WARMUP must be 0 or 1, not '" + s + "'");
+        cfg.steal_before_warmup = s == "1";
     }
     return cfg;
 }
@@ -896,17 +905,19 @@ GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double c
                                          double grow_ahead_fraction, int steal_empty_pages, double busy_slack,
                                          int stream_ordered_steal, std::uint64_t page_slack_min_nbytes,
                                          int plan_warmup, int wait_own_stream, int warmup_give_back,
-                                         int steal_after_warmup) {
+                                         int steal_after_warmup, int steal_before_warmup) {
     // the ranges of AllocatorPolicy (Note [Every knob has a range] in policy.py)
     if ((growth != 0 && growth != 1) || !(page_slack >= 0.0 && page_slack <= 1.0) ||
         !(chunk_max_fraction >= 0.0 && chunk_max_fraction <= 1.0) ||
         !(grow_ahead_fraction >= 0.0 && grow_ahead_fraction <= 1.0) || !(busy_slack >= 0.0) ||
         (stream_ordered_steal != 0 && stream_ordered_steal != 1) || (plan_warmup != 0 && plan_warmup != 1) ||
         (wait_own_stream != 0 && wait_own_stream != 1) || (warmup_give_back != 0 && warmup_give_back != 1) ||
-        (steal_empty_pages != 0 && steal_empty_pages != 1) || (steal_after_warmup != 0 && steal_after_warmup != 1)) {
+        (steal_empty_pages != 0 && steal_empty_pages != 1) || (steal_after_warmup != 0 && steal_after_warmup != 1) ||
+        (steal_before_warmup != 0 && steal_before_warmup != 1)) {
         t_last_error = "gpumem_torch_configure: growth must be 0 or 1, page_slack, grow_ahead_fraction and "
                        "chunk_max_fraction in [0, 1], busy_slack >= 0, steal_empty_pages, stream_ordered_steal, "
-                       "plan_warmup, wait_own_stream, warmup_give_back and steal_after_warmup 0 or 1";
+                       "plan_warmup, wait_own_stream, warmup_give_back, steal_after_warmup and steal_before_warmup "
+                       "0 or 1";
         return -1;
     }
     TorchState& s = state();
@@ -923,6 +934,7 @@ GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double c
     s.config.wait_own_stream = wait_own_stream != 0;
     s.config.warmup_give_back = warmup_give_back != 0;
     s.config.steal_after_warmup = steal_after_warmup != 0;
+    s.config.steal_before_warmup = steal_before_warmup != 0;
     return 0;
 }
 

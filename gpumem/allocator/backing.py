@@ -223,7 +223,8 @@ mapped nowhere. The memory is that of ``busy_slack=0`` without its waits: on the
 the ``busy_slack`` rule. Off by default: live on the H200 every steal cost 70-290 µs, more than its
 driver calls, and at cap 1/256 it cost +7 % step time on GPT-2 and +14 % on ResNet-50 for 0.9 and 1.0
 points of memory; the step-time target (within 1 %) comes first until a steal is cheaper. Programs whose step
-plan's warm-up ended have it on all the same (Note [The ordered steal after a warm-up]).
+plan's warm-up ended have it on all the same (Note [The ordered steal after a warm-up]), and those that have not
+begun one, within a budget (Note [The ordered steal before a warm-up]).
 
 Note [The ordered steal after a warm-up]
 ----------------------------------------
@@ -241,11 +242,29 @@ the run's). Where a plan forms, the engine serves only what the plan does not: G
 capture after the plan, in cudagraph_train's replay: 3.77 -> 0.65 %) is served by it too. A program that never
 marks would pay double its calls (the replays of the corpus without marks: GPT-2 fp32 3,057 -> 5,128; the measured
 cost that kept the steal off by default, +7 % step time on GPT-2 without plans). So the rule follows the warm-up:
-one that never begins it (inference under gpumem.torch, whose automatic marks begin it with the first optimizer on
-a GPU; marks turned off), or stops it by hand, keeps the policy's knobs; but one past 2**14 allocations with no
-mark has ended, stopped or not (``stop_plan_warmup``), and gets the steal. Replayed (``gpu_timing="trace"``):
-gpt2_train 5.54 -> 0.80 %, moe_train 4.02 -> 1.25 %, cudagraph_train 3.77 -> 0.65 % (tuning), llama_varlen_train
-5.77 -> 0.75 % (check); no other trace of data/traces moves.
+one that never begins it, or stops it by hand, is Note [The ordered steal before a warm-up]'s; but one past 2**14
+allocations with no mark has ended, stopped or not (``stop_plan_warmup``), and gets the steal. Replayed
+(``gpu_timing="trace"``): gpt2_train 5.54 -> 0.80 %, moe_train 4.02 -> 1.25 %, cudagraph_train 3.77 -> 0.65 %
+(tuning), llama_varlen_train 5.77 -> 0.75 % (check); no other trace of data/traces moved.
+
+Note [The ordered steal before a warm-up]
+-----------------------------------------
+Before a step plan's warm-up has begun (or after one stopped by hand) the stream-ordered steal is on too
+(``AllocatorPolicy.steal_before_warmup``, on by default; :attr:`Backing.warmup_ended` ends it): inference under
+gpumem.torch (its automatic marks begin the warm-up with the first optimizer on a GPU), a trace that marks no step,
+a program with marks off. The ``busy_slack`` rule grew ~5 % past peak allocated there: live on the H200
+``generate()`` held 5.00 %, with the steal 1.45 %. The cost was measured in the run, not read off step times that
+move 10-20 % between rounds on that host (Note [Time in driver calls] in ``gpumem/_native/cuda_backend.h``): 6
+steals a step, 0.71-0.95 ms of the host's time in driver calls against 0.02-0.10 ms without, on steps of
+361-517 ms (~0.2 %; ``reports/hil/sos-nomarks-h200-2026-12-03.md``). Training with marks off steals ~25-45 times
+a step and waits on the deferred unmaps: 8.4-10.9 ms a step (ResNet-50, GPT-2) for 0.2-0.6 points. So the
+steals this rule alone makes have a budget (:data:`BEFORE_STEAL_BURST` = 512, then one per
+:data:`BEFORE_STEAL_ALLOCS` = 1,024 allocations): a few hundred milliseconds once, then ~1 % of a step where an
+allocation takes ~40 µs of it (a steal costs 0.1-0.4 ms). ``generate()`` steals one per ~2,200 allocations and
+never meets it; without the burst, llama_generate's replay stays at 3.78 % (its steals come when a large request
+arrives). The budget was chosen on the tuning part (llama_generate, bert_varlen, GPT-2 fp32 and ResNet-50 without
+marks). A warm-up that has ended is the after-rule's alone, so a program that marks is served as before.
+``GPUMEM_STEAL_BEFORE_WARMUP=0`` restores the rule before.
 
 Note [An index of idle chunks]
 ------------------------------
@@ -291,6 +310,13 @@ from .policy import AllocatorPolicy, GrowthRule
 log = logging.getLogger(__name__)
 
 SegmentCallback = Callable[["Segment"], None]
+
+BEFORE_STEAL_ALLOCS = 1024
+"""Note [The ordered steal before a warm-up]: past :data:`BEFORE_STEAL_BURST`, the stream-ordered steals made by
+``steal_before_warmup`` alone are at most one per this many allocations of the engine."""
+BEFORE_STEAL_BURST = 512
+"""The stream-ordered steals ``steal_before_warmup`` alone may make before :data:`BEFORE_STEAL_ALLOCS` counts:
+steal ``k`` (from 0) is taken while ``k <= BEFORE_STEAL_BURST + allocations // BEFORE_STEAL_ALLOCS``."""
 
 _TOP_DOWN_START = 1 << 62
 """The ``order`` below which the first segment of a ``segments_top_down`` policy sorts (Note [Segments top-down])."""
@@ -354,6 +380,14 @@ class Backing(abc.ABC):
         """A warm-up ended and the policy has ``steal_after_warmup``: grow by the policy's knobs with the
         stream-ordered steal on (Note [The ordered steal after a warm-up]); the engine sets it."""
         self._after_warmup = replace(policy, stream_ordered_steal=True)
+        self.before_steals = 0
+        """Stream-ordered steals made by ``steal_before_warmup`` alone (Note [The ordered steal before a
+        warm-up]): at most :data:`BEFORE_STEAL_BURST` and one per :data:`BEFORE_STEAL_ALLOCS` allocations."""
+        self.allocations: Callable[[], int] = lambda: 0
+        """The engine's allocations so far (``AllocatorStats.num_allocs``; the engine sets it)."""
+        self.warmup_ended = False
+        """A step plan's warm-up has ended (the engine sets it; ``StepPlan.warmup_done``): before one has, the policy's
+        ``steal_before_warmup`` gives the stream-ordered steal (Note [The ordered steal before a warm-up])."""
         self.on_segment: Callable[[str, int, int, int], None] | None = None
         """Called as ``on_segment(action, addr, nbytes, stream)`` for history recording."""
 
@@ -361,10 +395,13 @@ class Backing(abc.ABC):
     def knobs(self) -> AllocatorPolicy:
         """The growth knobs in force: the policy's, or their memory-first setting while a step plan's warm-up
         is on (:meth:`~.policy.AllocatorPolicy.memory_first`), with the stream-ordered steal after one ended
-        (:attr:`after_warmup`)."""
+        (:attr:`after_warmup`) and before one began (``steal_before_warmup``, Note [The ordered steal before a
+        warm-up])."""
         if self.warmup:
             return self._memory_first
-        return self._after_warmup if self.after_warmup else self.policy
+        if self.after_warmup or (not self.warmup_ended and self.policy.steal_before_warmup):
+            return self._after_warmup
+        return self.policy
 
     def _check_limit(self, extra_nbytes: int, requested: int) -> None:
         if self.limit_nbytes is not None and self.reserved_nbytes + self.outside_nbytes + extra_nbytes > self.limit_nbytes:
@@ -1442,10 +1479,11 @@ class VirtualBacking(Backing):
             if self._chunk_ready(other, s, False, batch, busy):
                 self.n_steals += 1
                 return self._unmap_chunk(other, s)
-        if self.knobs.stream_ordered_steal:
+        if self._ordered_steal_allowed():
             ours = self._chunk_of_stream(seg, first, last, max_pages, stream, batch, None)
             if ours is not None:
                 self.n_steals += 1
+                self._count_before_steal()
                 return self._defer_unmap(*ours)
         if self.knobs.wait_own_stream:   # Note [Wait for the program's own stream]
             ours = self._chunk_of_stream(seg, first, last, max_pages, stream, batch, busy)
@@ -1462,6 +1500,22 @@ class VirtualBacking(Backing):
         self._chunk_ready(other, s, True, batch)
         self.n_steals += 1
         return self._unmap_chunk(other, s)
+
+    def _before_rule_alone(self) -> bool:
+        """Whether the stream-ordered steal is on only by ``steal_before_warmup`` now (not by the policy, a
+        warm-up or the after-rule)."""
+        return not (self.warmup or self.after_warmup or self.policy.stream_ordered_steal)
+
+    def _ordered_steal_allowed(self) -> bool:
+        """The stream-ordered steal may run now: the knobs in force have it and, where only ``steal_before_warmup``
+        gives it, its budget is not spent (Note [The ordered steal before a warm-up])."""
+        return self.knobs.stream_ordered_steal and (
+            not self._before_rule_alone()
+            or self.before_steals <= BEFORE_STEAL_BURST + self.allocations() // BEFORE_STEAL_ALLOCS)
+
+    def _count_before_steal(self) -> None:
+        if self._before_rule_alone():
+            self.before_steals += 1
 
     def _chunk_of_stream(self, seg: VirtualSegment, first: int, last: int, max_pages: int, stream: int,
                          batch: dict[int, int], busy: dict[int, int] | None

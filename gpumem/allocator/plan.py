@@ -752,6 +752,7 @@ class StepPlan:
         if self.e.backing.warmup:
             self.e.backing.warmup = False
             self.warmup_done = True
+            self.e.backing.warmup_ended = True   # no more steal_before_warmup (Note [The ordered steal before a warm-up])
             if self.e.policy.steal_after_warmup:
                 self.e.backing.after_warmup = True   # Note [The ordered steal after a warm-up] in backing.py
             if not planned and self.e.policy.warmup_give_back:

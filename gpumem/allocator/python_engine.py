@@ -73,6 +73,7 @@ class PythonEngine:
         """The last :data:`_FREED_MEMORY` addresses freed, oldest first (Note [Freed addresses, oldest first])."""
         self._pending: list[Block] = []
         self._stats = AllocatorStats()
+        self.backing.allocations = lambda: self._stats.num_allocs   # Note [The ordered steal before a warm-up]
         self._recorder = None
         if record_history:
             from ..trace import TraceRecorder

@@ -171,8 +171,8 @@ def test_a_warmup_that_ends_leaves_the_ordered_steal_on(engine):
     """Note [The ordered steal after a warm-up]: once the warm-up has ended, with a plan or none, memory freed on a
     stream whose work is still queued serves that stream's next block at once (``steal_after_warmup``, the
     default), where the policy's own knobs (here the ``busy_slack`` rule with no bound) create memory instead; a
-    warm-up stopped by hand, or one that never ran, leaves the policy's knobs."""
-    knobs = dict(page_slack=0.0, page_slack_min_nbytes=0, busy_slack=float("inf"))
+    warm-up stopped by hand, or one that never ran, is ``steal_before_warmup``'s (here off: the policy's knobs)."""
+    knobs = dict(page_slack=0.0, page_slack_min_nbytes=0, busy_slack=float("inf"), steal_before_warmup=False)
     on = dataclasses.replace(DEFAULT, steal_after_warmup=True, **knobs)
     off = dataclasses.replace(DEFAULT, steal_after_warmup=False, **knobs)
     for how in ("stopped", "never"):
@@ -182,10 +182,71 @@ def test_a_warmup_that_ends_leaves_the_ordered_steal_on(engine):
     assert _warm_then_busy(engine, off, "plan") - _warm_then_busy(engine, on, "plan") == 2 * MiB
 
 
-def test_steal_after_warmup_is_a_bool_and_on_by_default():
-    assert DEFAULT.steal_after_warmup is True
-    with pytest.raises(InvalidArgumentError, match="steal_after_warmup must be a bool"):
-        dataclasses.replace(DEFAULT, steal_after_warmup=1)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_no_warmup_yet_or_one_stopped_has_the_ordered_steal_before(engine):
+    """Note [The ordered steal before a warm-up]: a program that never began a warm-up, or stopped it by hand,
+    steals in stream order where ``steal_before_warmup`` (the default) says so, where the policy's own knobs create
+    memory; once a warm-up has ended, only ``steal_after_warmup`` decides."""
+    knobs = dict(page_slack=0.0, page_slack_min_nbytes=0, busy_slack=float("inf"))
+    before = dataclasses.replace(DEFAULT, steal_before_warmup=True, steal_after_warmup=False, **knobs)
+    neither = dataclasses.replace(DEFAULT, steal_before_warmup=False, steal_after_warmup=False, **knobs)
+    for how in ("stopped", "never"):
+        assert _warm_then_busy(engine, before, how) == 6 * MiB   # stolen in stream order, not grown
+        assert _warm_then_busy(engine, neither, how) == 8 * MiB
+    # a warm-up that ended: not "before" any more, with a plan or none
+    assert _warm_then_busy(engine, before, "no plan") == _warm_then_busy(engine, neither, "no plan") == 8 * MiB
+    assert _warm_then_busy(engine, before, "plan") == _warm_then_busy(engine, neither, "plan")
+
+
+def _unmarked_busy_program(engine: str, policy, n: int = 3000):
+    """``n`` allocations of three sizes on stream 0, each touched by a kernel still queued when it is freed two
+    allocations later, never a mark: memory past the held pages comes from busy chunks (a stream-ordered steal) or
+    is grown. The allocator's stats, its backing's counters (and, on the Python engine, ``before_steals``)."""
+    device = sim.SimDevice(sim.get_profile("h200-141gb"))
+    alloc = CachingAllocator(device, policy, engine=engine)
+    live = []
+    for i in range(n):
+        nbytes = (2, 4, 6)[i % 3] * MiB + (i % 7) * 4096
+        ptr = alloc.allocate(nbytes, 0)
+        device.launch(0, 0.01, touches=[(ptr, nbytes)])
+        live.append(ptr)
+        if len(live) > 2:
+            alloc.free(live.pop(0))
+    alloc.check_consistency()
+    before = alloc._engine.backing.before_steals if engine == "python" else None   # noqa: SLF001
+    out = (alloc.snapshot_stats(), alloc._engine._ext.backing_stats() if engine == "native" else None, before)  # noqa: SLF001
+    alloc.close()
+    assert not device.hazards
+    return out
+
+
+def test_the_steal_before_a_warmup_keeps_to_its_budget():
+    """Note [The ordered steal before a warm-up]: the steals ``steal_before_warmup`` alone makes are at most
+    BEFORE_STEAL_BURST and one per BEFORE_STEAL_ALLOCS allocations (training without marks steals ~40 times a
+    step); the policy's own ``stream_ordered_steal`` has no budget; both engines keep to it alike."""
+    from gpumem.allocator.backing import BEFORE_STEAL_ALLOCS, BEFORE_STEAL_BURST
+
+    knobs = dict(page_slack=0.0, page_slack_min_nbytes=0, busy_slack=float("inf"))
+    before = dataclasses.replace(DEFAULT, **knobs)
+    always = dataclasses.replace(DEFAULT, stream_ordered_steal=True, **knobs)
+    stats, _, spent = _unmarked_busy_program("python", before)
+    # the burst was spent, and no more than the budget since (here the program grew instead)
+    assert BEFORE_STEAL_BURST + 1 <= spent <= BEFORE_STEAL_BURST + 1 + stats.num_allocs // BEFORE_STEAL_ALLOCS
+    unbudgeted, _, spent_always = _unmarked_busy_program("python", always)
+    assert spent_always == 0   # the policy's steal is not the before-rule's
+    # without the budget the program steals more, holds less, and makes more driver calls
+    assert unbudgeted.peak_reserved_nbytes < stats.peak_reserved_nbytes and unbudgeted.device_calls > stats.device_calls
+    if "native" in ENGINES:
+        for policy in (before, always):
+            assert _unmarked_busy_program("native", policy)[0] == _unmarked_busy_program("python", policy)[0]
+
+
+@pytest.mark.parametrize("knob", ["steal_after_warmup", "steal_before_warmup"])
+def test_the_steal_knobs_are_bools_and_on_by_default(knob):
+    assert getattr(DEFAULT, knob) is True
+    for bad in (1, "yes", None):
+        with pytest.raises(InvalidArgumentError, match=f"{knob} must be a bool"):
+            dataclasses.replace(DEFAULT, **{knob: bad})
 
 
 @pytest.mark.parametrize("engine", ENGINES)

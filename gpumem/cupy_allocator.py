@@ -85,13 +85,10 @@ CUPY_PAGE_SLACK = 0.2
 
 def cupy_policy() -> AllocatorPolicy:
     """The policy of the engines :func:`install` makes by default: the default policy with
-    :data:`CUPY_PAGE_SLACK` (Note [CuPy's page slack]), and without the stream-ordered steal before a warm-up
-    (``steal_before_warmup``: a CuPy program never marks a step, so it would steal for the whole run; its driver
-    calls cost training without marks 9-10 ms a step under PyTorch, and no CuPy run has measured it)."""
+    :data:`CUPY_PAGE_SLACK` (Note [CuPy's page slack])."""
     return dataclasses.replace(get_policy(DEFAULT_POLICY), name=f"{DEFAULT_POLICY}-cupy",
                                description="the default policy with CuPy's page slack (Note [CuPy's page slack] "
-                                           "in gpumem.cupy_allocator), no steal before a warm-up",
-                               page_slack=CUPY_PAGE_SLACK, steal_before_warmup=False)
+                                           "in gpumem.cupy_allocator)", page_slack=CUPY_PAGE_SLACK)
 
 
 class _BlockOwner:

@@ -87,9 +87,9 @@ struct EngineConfig {
     // a warm-up that ends (with a plan or none) leaves the stream-ordered steal on (Note [The ordered steal after a
     // warm-up] in backing.py)
     bool steal_after_warmup = true;
-    // before a warm-up has begun (or after one stopped by hand), the stream-ordered steal is on (Note [The ordered
-    // steal before a warm-up] in backing.py)
-    bool steal_before_warmup = true;
+    // before a warm-up has begun (or after one stopped by hand), the stream-ordered steal is on, within a budget
+    // (Note [The ordered steal before a warm-up] in backing.py)
+    bool steal_before_warmup = false;
     // growth=PAGES, no steal: the page size of the small / large pool's range (Note [Pages of a pool's own
     // size] in engine.cpp); 0: the device granularity (Python: small_page_nbytes / large_page_nbytes None)
     std::uint64_t small_page_nbytes = 0;

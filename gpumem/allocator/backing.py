@@ -223,8 +223,8 @@ mapped nowhere. The memory is that of ``busy_slack=0`` without its waits: on the
 the ``busy_slack`` rule. Off by default: live on the H200 every steal cost 70-290 µs, more than its
 driver calls, and at cap 1/256 it cost +7 % step time on GPT-2 and +14 % on ResNet-50 for 0.9 and 1.0
 points of memory; the step-time target (within 1 %) comes first until a steal is cheaper. Programs whose step
-plan's warm-up ended have it on all the same (Note [The ordered steal after a warm-up]), and those that have not
-begun one, within a budget (Note [The ordered steal before a warm-up]).
+plan's warm-up ended have it on all the same (Note [The ordered steal after a warm-up]); those that have not begun
+one, where ``steal_before_warmup`` says so (Note [The ordered steal before a warm-up]).
 
 Note [The ordered steal after a warm-up]
 ----------------------------------------
@@ -242,29 +242,31 @@ the run's). Where a plan forms, the engine serves only what the plan does not: G
 capture after the plan, in cudagraph_train's replay: 3.77 -> 0.65 %) is served by it too. A program that never
 marks would pay double its calls (the replays of the corpus without marks: GPT-2 fp32 3,057 -> 5,128; the measured
 cost that kept the steal off by default, +7 % step time on GPT-2 without plans). So the rule follows the warm-up:
-one that never begins it, or stops it by hand, is Note [The ordered steal before a warm-up]'s; but one past 2**14
+one that never begins it, or stops it by hand, keeps the policy's knobs (Note [The ordered steal before a warm-up]);
+but one past 2**14
 allocations with no mark has ended, stopped or not (``stop_plan_warmup``), and gets the steal. Replayed
 (``gpu_timing="trace"``): gpt2_train 5.54 -> 0.80 %, moe_train 4.02 -> 1.25 %, cudagraph_train 3.77 -> 0.65 %
 (tuning), llama_varlen_train 5.77 -> 0.75 % (check); no other trace of data/traces moved.
 
 Note [The ordered steal before a warm-up]
 -----------------------------------------
-Before a step plan's warm-up has begun (or after one stopped by hand) the stream-ordered steal is on too
-(``AllocatorPolicy.steal_before_warmup``, on by default; :attr:`Backing.warmup_ended` ends it): inference under
-gpumem.torch (its automatic marks begin the warm-up with the first optimizer on a GPU), a trace that marks no step,
-a program with marks off. The ``busy_slack`` rule grew ~5 % past peak allocated there: live on the H200
-``generate()`` held 5.00 %, with the steal 1.45 %. The cost was measured in the run, not read off step times that
-move 10-20 % between rounds on that host (Note [Time in driver calls] in ``gpumem/_native/cuda_backend.h``): 6
-steals a step, 0.71-0.95 ms of the host's time in driver calls against 0.02-0.10 ms without, on steps of
-361-517 ms (~0.2 %; ``reports/hil/sos-nomarks-h200-2026-12-03.md``). Training with marks off steals ~25-45 times
-a step and waits on the deferred unmaps: 8.4-10.9 ms a step (ResNet-50, GPT-2) for 0.2-0.6 points. So the
-steals this rule alone makes have a budget (:data:`BEFORE_STEAL_BURST` = 512, then one per
-:data:`BEFORE_STEAL_ALLOCS` = 1,024 allocations): a few hundred milliseconds once, then ~1 % of a step where an
-allocation takes ~40 µs of it (a steal costs 0.1-0.4 ms). ``generate()`` steals one per ~2,200 allocations and
-never meets it; without the burst, llama_generate's replay stays at 3.78 % (its steals come when a large request
-arrives). The budget was chosen on the tuning part (llama_generate, bert_varlen, GPT-2 fp32 and ResNet-50 without
-marks). A warm-up that has ended is the after-rule's alone, so a program that marks is served as before.
-``GPUMEM_STEAL_BEFORE_WARMUP=0`` restores the rule before.
+``AllocatorPolicy.steal_before_warmup`` (off by default) turns the stream-ordered steal on before a step plan's
+warm-up has ended (none begun, or one stopped by hand; :attr:`Backing.warmup_ended`): inference under gpumem.torch
+(its automatic marks begin the warm-up with the first optimizer on a GPU), traces that mark no step, marks off. The
+``busy_slack`` rule grows ~5 % past peak allocated there: live on the H200 ``generate()`` held 5.00 %, with the
+steal 1.45 %; replayed, llama_generate 3.95 -> 0.64 % and bert_varlen 1.22 -> 0.77 % (tuning),
+llama_kvcache_generate 2.29 -> 1.45 % (check); multistream_infer 5.43 % either way (busy on other streams).
+Why it is off: ``generate()``'s steps were 5 and 18 % longer with it (the sum of each step's minimum over five runs
+a setting, then four; ``reports/hil/sos-nomarks-h200-2026-12-03.md``), while the host's time in its driver calls
+was 0.7-0.9 ms of a ~400 ms step (Note [Time in driver calls] in ``gpumem/_native/cuda_backend.h``): the cost
+is on the GPU's side (remapping under queued work), which the simulator does not show (replayed step time +0.05 %).
+Training without marks steals ~25-45 times a step and waits on the deferred unmaps (8.4-10.9 ms a step): so the
+steals this rule alone makes have a budget, :data:`BEFORE_STEAL_BURST` = 512, then one per
+:data:`BEFORE_STEAL_ALLOCS` = 1,024 allocations (a few hundred ms once, then about one steal a step); the burst
+is what llama_generate's replay needs (3.78 % without it: its steals come when a large request arrives). Chosen on
+the tuning part (llama_generate, GPT-2 fp32 and ResNet-50 without marks). After a warm-up has ended only
+``steal_after_warmup`` decides; there the rounds showed no such cost (Llama with variable lengths -18 %, MoE -2 %,
+per-step minima).
 
 Note [An index of idle chunks]
 ------------------------------

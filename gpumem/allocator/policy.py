@@ -200,8 +200,8 @@ class AllocatorPolicy:
     that needs it is stolen at once, ordered after that work on the stream, instead of grown past or
     waited for: mapped under the new block first, its old mapping unmapped once its fence completes (Note
     [Stream-ordered steal] in :mod:`.backing`). Off (the default: it costs step time live where steps
-    steal): the ``busy_slack`` rule alone; but on before a step plan's warm-up begins (:attr:`steal_before_warmup`)
-    and after it has ended (:attr:`steal_after_warmup`)."""
+    steal): the ``busy_slack`` rule alone; but on after a step plan's warm-up has ended (:attr:`steal_after_warmup`)
+    and, where :attr:`steal_before_warmup` says so, before one begins."""
 
     wait_own_stream: bool = False
     """``growth=CHUNKS``, past the slack, when no idle chunk that could be stolen is free of queued GPU work: one
@@ -236,24 +236,23 @@ class AllocatorPolicy:
     knob says (what a plan misses is served so): where the marks form no plan, the program marks steps that do not
     repeat, and there the ``busy_slack`` rule grew 4-6 % past peak allocated live (Note [The ordered steal after a
     warm-up] in :mod:`.backing`). A program that never begins a warm-up (inference under gpumem.torch, whose
-    automatic marks begin it with the first optimizer on a GPU; marks turned off) or stops it by hand is
-    :attr:`steal_before_warmup`'s;
+    automatic marks begin it with the first optimizer on a GPU; marks turned off) or stops it by hand keeps the
+    policy's knobs (unless :attr:`steal_before_warmup`);
     one that begins it by hand (``start_plan_warmup()``) and never marks gets the steal after 2**14 allocations.
     Off: the policy's own knobs after it, as before. Set it in Python (``dataclasses.replace(policy,
     steal_after_warmup=False)``) or, for gpumem.torch, with ``GPUMEM_STEAL_AFTER_WARMUP=0``."""
 
-    steal_before_warmup: bool = True
+    steal_before_warmup: bool = False
     """A program that has not begun a step plan's warm-up (none yet, or one stopped by hand) grows with the
     stream-ordered steal on (:attr:`stream_ordered_steal`), whatever that knob says, within a budget: at most 512
-    such steals, then one per 1,024 allocations. Such programs are inference under gpumem.torch (whose automatic
-    marks begin a warm-up with the first optimizer on a GPU), replays of traces that mark no step, and programs
-    with marks turned off. There the ``busy_slack`` rule grew into chunks the GPU was still using: live on the H200
-    ``generate()`` held 5.00 % above peak allocated, 1.45 % with the steal, for 0.7-0.9 ms of driver calls a step
-    measured in the run (~0.2 % of its step). The budget bounds what training without marks pays (it steals ~25-45
-    times a step; Note [The ordered steal before a warm-up] in :mod:`.backing`). Off: the policy's own knobs until
-    a warm-up begins (the rule before). Set it in Python (``dataclasses.replace(policy,
-    steal_before_warmup=False)``) or, for gpumem.torch, with ``GPUMEM_STEAL_BEFORE_WARMUP=0``. gpumem.cupy's policy
-    (:func:`gpumem.cupy_allocator.cupy_policy`) has it off: CuPy programs never mark, and no CuPy run measured it."""
+    such steals, then one per 1,024 allocations (training without marks steals ~25-45 times a step). Such programs
+    are inference under gpumem.torch (whose automatic marks begin a warm-up with the first optimizer on a GPU),
+    replays of traces that mark no step, and programs with marks turned off. Off by default: live on the H200 it
+    took ``generate()`` from 5.00 to 1.45 % above peak allocated, but its steps were 5-18 % longer (the minimum of
+    each step over 4-5 runs), where its driver calls took only 0.7-0.9 ms a step of the host's time: the cost is
+    on the GPU's side (Note [The ordered steal before a warm-up] in :mod:`.backing`). Set it in Python
+    (``dataclasses.replace(policy, steal_before_warmup=True)``) or, for gpumem.torch, with
+    ``GPUMEM_STEAL_BEFORE_WARMUP=1``."""
 
     def memory_first(self) -> "AllocatorPolicy":
         """This policy with the memory-first setting of its growth knobs: no page slack (nor its floor), the

@@ -185,8 +185,8 @@ def test_a_warmup_that_ends_leaves_the_ordered_steal_on(engine):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_no_warmup_yet_or_one_stopped_has_the_ordered_steal_before(engine):
     """Note [The ordered steal before a warm-up]: a program that never began a warm-up, or stopped it by hand,
-    steals in stream order where ``steal_before_warmup`` (the default) says so, where the policy's own knobs create
-    memory; once a warm-up has ended, only ``steal_after_warmup`` decides."""
+    steals in stream order where ``steal_before_warmup`` (off by default) says so, where the policy's own knobs
+    create memory; once a warm-up has ended, only ``steal_after_warmup`` decides."""
     knobs = dict(page_slack=0.0, page_slack_min_nbytes=0, busy_slack=float("inf"))
     before = dataclasses.replace(DEFAULT, steal_before_warmup=True, steal_after_warmup=False, **knobs)
     neither = dataclasses.replace(DEFAULT, steal_before_warmup=False, steal_after_warmup=False, **knobs)
@@ -227,7 +227,7 @@ def test_the_steal_before_a_warmup_keeps_to_its_budget():
     from gpumem.allocator.backing import BEFORE_STEAL_ALLOCS, BEFORE_STEAL_BURST
 
     knobs = dict(page_slack=0.0, page_slack_min_nbytes=0, busy_slack=float("inf"))
-    before = dataclasses.replace(DEFAULT, **knobs)
+    before = dataclasses.replace(DEFAULT, steal_before_warmup=True, **knobs)
     always = dataclasses.replace(DEFAULT, stream_ordered_steal=True, **knobs)
     stats, _, spent = _unmarked_busy_program("python", before)
     # the burst was spent, and no more than the budget since (here the program grew instead)
@@ -241,9 +241,9 @@ def test_the_steal_before_a_warmup_keeps_to_its_budget():
             assert _unmarked_busy_program("native", policy)[0] == _unmarked_busy_program("python", policy)[0]
 
 
-@pytest.mark.parametrize("knob", ["steal_after_warmup", "steal_before_warmup"])
-def test_the_steal_knobs_are_bools_and_on_by_default(knob):
-    assert getattr(DEFAULT, knob) is True
+@pytest.mark.parametrize(("knob", "default"), [("steal_after_warmup", True), ("steal_before_warmup", False)])
+def test_the_steal_knobs_are_bools(knob, default):
+    assert getattr(DEFAULT, knob) is default
     for bad in (1, "yes", None):
         with pytest.raises(InvalidArgumentError, match=f"{knob} must be a bool"):
             dataclasses.replace(DEFAULT, **{knob: bad})

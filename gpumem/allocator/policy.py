@@ -245,7 +245,7 @@ class AllocatorPolicy:
     steal_before_warmup: bool = False
     """A program that has not begun a step plan's warm-up (none yet, or one stopped by hand) grows with the
     stream-ordered steal on (:attr:`stream_ordered_steal`), whatever that knob says, within a budget: at most 512
-    such steals, then one per 1,024 allocations (training without marks steals ~25-45 times a step). Such programs
+    such steals, then one per 1,024 allocations (training without marks steals 30-50 times a step). Such programs
     are inference under gpumem.torch (whose automatic marks begin a warm-up with the first optimizer on a GPU),
     replays of traces that mark no step, and programs with marks turned off. Off by default: live on the H200 it
     took ``generate()`` from 5.00 to 1.45 % above peak allocated, but its steps were 5-18 % longer (the minimum of

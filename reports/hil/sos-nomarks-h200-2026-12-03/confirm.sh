@@ -1,4 +1,4 @@
-# Issue 18: the new default (steal_before_warmup on) run as a user runs it, nothing set, and with
+# Issue 18: the default of commit de74743 (steal_before_warmup on; off since) run as a user runs it, nothing set, and with
 # GPUMEM_STEAL_BEFORE_WARMUP=0; 40 steps, 12 untimed, no trace; records as in run.sh (timed_driver):
 #   * generate() and multistream_infer (no marks): the default, then GPUMEM_STEAL_BEFORE_WARMUP=0;
 #   * GPT-2 and ResNet-50 training with marks (the default): the default, for the figures a plan gives;
@@ -7,11 +7,7 @@
 #   tar xzf $OUT/sosc.tgz -C reports/hil/sos-nomarks-h200-2026-12-03/confirm
 SCRATCH=${SCRATCH:-/tmp/sosc}  # a plain assignment: one before `.` would not outlive it
 . "$(dirname "$0")/../wait-oldest-h200-2026-12-01/device_setup.sh" ${BUDGET:-500}
-S=${STEPS:-40}
-live() {  # live TAG WORKLOADS ALLOCATORS, with the environment set by the caller
-  timeout $(left) python3 -m hil.probes.workloads live --workloads $2 --allocators $3 --steps $S --warmup ${WARMUP:-12} \
-      --timeout 200 --no-record --tag $1 --out $SCRATCH/$1 >> $SCRATCH/log.txt 2>&1 || echo "$1 rc $?" >> $SCRATCH/log.txt
-}
+. "$(dirname "$0")/live.sh"
 live infer-default llama_generate,multistream_infer gpumem,default
 GPUMEM_STEAL_BEFORE_WARMUP=0 live infer-before0 llama_generate,multistream_infer gpumem
 live train-marks gpt2_train,resnet50_train gpumem

@@ -9,11 +9,7 @@
 # tar of SCRATCH's content (default /tmp/sosn): tar xzf $OUT/sosn.tgz -C reports/hil/sos-nomarks-h200-2026-12-03/run
 SCRATCH=${SCRATCH:-/tmp/sosn}  # a plain assignment: one before `.` would not outlive it
 . "$(dirname "$0")/../wait-oldest-h200-2026-12-01/device_setup.sh" ${BUDGET:-560}
-S=${STEPS:-40}
-live() {  # live TAG WORKLOADS ALLOCATORS, with the environment set by the caller
-  timeout $(left) python3 -m hil.probes.workloads live --workloads $2 --allocators $3 --steps $S --warmup ${WARMUP:-12} \
-      --timeout 200 --no-record --tag $1 --out $SCRATCH/$1 >> $SCRATCH/log.txt 2>&1 || echo "$1 rc $?" >> $SCRATCH/log.txt
-}
+. "$(dirname "$0")/live.sh"
 for r in $(seq 1 ${GEN:-2}); do
   if [ $((r % 2)) = 1 ]; then order="1 0"; else order="0 1"; fi
   for v in $order; do GPUMEM_STREAM_ORDERED_STEAL=$v live gen$v-$r llama_generate gpumem; done

@@ -135,8 +135,8 @@ gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
             throw std::runtime_error("GPUMEM_STEAL_AFTER_WARMUP must be 0 or 1, not '" + s + "'");
         cfg.steal_after_warmup = s == "1";
     }
-    // AllocatorPolicy.steal_before_warmup: GPUMEM_STEAL_BEFORE_WARMUP=0 or 1 (0: the policy's own knobs until a
-    // warm-up begins, the rule before 2026-12-03; Note [The ordered steal before a warm-up] in backing.py)
+    // AllocatorPolicy.steal_before_warmup: GPUMEM_STEAL_BEFORE_WARMUP=0 or 1 (1: the stream-ordered steal, within
+    // its budget, until a warm-up has ended; Note [The ordered steal before a warm-up] in backing.py)
     if (const char* v = std::getenv("GPUMEM_STEAL_BEFORE_WARMUP")) {
         std::string s(v);
         if (s != "0" && s != "1")
@@ -615,7 +615,8 @@ GPUMEM_EXPORT const char* gpumem_torch_stat_names() {
         static const std::string names = [] {
             std::string out;
             for (const StatField& f : kStatFields) (out += f.name) += ',';
-            return out + "torch_ooms,torch_errors,free_errors,zero_allocs,driver_memory_ns,driver_event_ns,driver_wait_ns";
+            return out + "torch_ooms,torch_errors,free_errors,zero_allocs,"
+                         "driver_memory_ns,driver_event_ns,driver_wait_ns";
         }();
         return names.c_str();
     } catch (...) {   // no memory for the string: never an exception through the C boundary

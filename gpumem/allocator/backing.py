@@ -243,10 +243,9 @@ capture after the plan, in cudagraph_train's replay: 3.77 -> 0.65 %) is served b
 marks would pay double its calls (the replays of the corpus without marks: GPT-2 fp32 3,057 -> 5,128; the measured
 cost that kept the steal off by default, +7 % step time on GPT-2 without plans). So the rule follows the warm-up:
 one that never begins it, or stops it by hand, keeps the policy's knobs (Note [The ordered steal before a warm-up]);
-but one past 2**14
-allocations with no mark has ended, stopped or not (``stop_plan_warmup``), and gets the steal. Replayed
-(``gpu_timing="trace"``): gpt2_train 5.54 -> 0.80 %, moe_train 4.02 -> 1.25 %, cudagraph_train 3.77 -> 0.65 %
-(tuning), llama_varlen_train 5.77 -> 0.75 % (check); no other trace of data/traces moved.
+but one past 2**14 allocations with no mark has ended, stopped or not (``stop_plan_warmup``), and gets the steal.
+Replayed (``gpu_timing="trace"``): gpt2_train 5.54 -> 0.80 %, moe_train 4.02 -> 1.25 %, cudagraph_train 3.77 ->
+0.65 % (tuning), llama_varlen_train 5.77 -> 0.75 % (check); no other trace of data/traces moved.
 
 Note [The ordered steal before a warm-up]
 -----------------------------------------
@@ -260,12 +259,11 @@ Why it is off: ``generate()``'s steps were 5.2 and 18.2 % longer with it (the su
 runs a setting, then four; ``reports/hil/sos-nomarks-h200-2026-12-03.md``), while the host's time in its driver calls
 was 0.7-0.9 ms of a ~400 ms step (Note [Time in driver calls] in ``gpumem/_native/cuda_backend.h``): the cost
 is on the GPU's side (likely the remapping under queued work; not measured apart), which the simulator does not
-show (replayed step time +0.05 %).
-Training without marks steals 30-50 times a step and waits on the deferred unmaps (8.5-11 ms a step): so the
-steals this rule alone makes have a budget, :data:`BEFORE_STEAL_BURST` = 512, then one per
-:data:`BEFORE_STEAL_ALLOCS` = 1,024 allocations (a few hundred ms once, then about one steal a step); the burst
-is what llama_generate's replay needs (3.78 % with a burst of 64: its steals come when a large request arrives). Chosen on
-the tuning part (llama_generate, GPT-2 fp32 and ResNet-50 without marks). After a warm-up has ended only
+show (replayed step time +0.05 %). Training without marks steals 30-50 times a step and waits on the deferred
+unmaps (8.5-11 ms a step): so the steals this rule alone makes have a budget, :data:`BEFORE_STEAL_BURST` = 512,
+then one per :data:`BEFORE_STEAL_ALLOCS` = 1,024 allocations (a few hundred ms once, then about one steal a step);
+the burst is what llama_generate's replay needs (3.78 % with a burst of 64: its steals come when a large request
+arrives). Chosen on the tuning part (llama_generate, GPT-2 fp32 and ResNet-50 without marks). After a warm-up has ended only
 ``steal_after_warmup`` decides; there the same minima showed no such cost (Llama with variable lengths -16.8 %, MoE
 -0.7 %).
 

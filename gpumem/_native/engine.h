@@ -780,7 +780,7 @@ class Engine {
     bool before_rule_alone() const { return !(warmup_ || after_warmup_ || cfg_.stream_ordered_steal); }
     bool ordered_steal_allowed() const {   // VirtualBacking._ordered_steal_allowed
         return knobs().stream_ordered_steal &&
-               (!before_rule_alone() || before_steals_ <= kBeforeStealBurst + st_.num_allocs / kBeforeStealAllocs);
+               (!before_rule_alone() || before_steals_ < kBeforeStealBurst + st_.num_allocs / kBeforeStealAllocs);
     }
     const EngineConfig& knobs() const {   // VirtualBacking.knobs
         if (warmup_) return memory_first_;

@@ -90,6 +90,9 @@ GPUMEM_EXPORT GpumemPool* gpumem_torch_pool_new(int device) {
         if (!pool->backend->info().vmm_supported)
             throw std::runtime_error("CUDA device " + std::to_string(device) +
                                      " does not support virtual memory management");
+        // the default policy, whatever configure() or the GPUMEM_* variables say: a pool never marks a step, so
+        // never begins a warm-up, and steal_before_warmup stays off in it (Note [The ordered steal before a
+        // warm-up] in backing.py)
         pool->engine = std::make_unique<Engine>(*pool->backend, EngineConfig());
         return pool.release();
     } catch (const std::exception& e) {

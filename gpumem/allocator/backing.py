@@ -317,7 +317,7 @@ BEFORE_STEAL_ALLOCS = 1024
 ``steal_before_warmup`` alone are at most one per this many allocations of the engine."""
 BEFORE_STEAL_BURST = 512
 """The stream-ordered steals ``steal_before_warmup`` alone may make before :data:`BEFORE_STEAL_ALLOCS` counts:
-steal ``k`` (from 0) is taken while ``k <= BEFORE_STEAL_BURST + allocations // BEFORE_STEAL_ALLOCS``."""
+steal ``k`` (from 0) is taken while ``k < BEFORE_STEAL_BURST + allocations // BEFORE_STEAL_ALLOCS``."""
 
 _TOP_DOWN_START = 1 << 62
 """The ``order`` below which the first segment of a ``segments_top_down`` policy sorts (Note [Segments top-down])."""
@@ -383,7 +383,8 @@ class Backing(abc.ABC):
         self._after_warmup = replace(policy, stream_ordered_steal=True)
         self.before_steals = 0
         """Stream-ordered steals made by ``steal_before_warmup`` alone (Note [The ordered steal before a
-        warm-up]): at most :data:`BEFORE_STEAL_BURST` and one per :data:`BEFORE_STEAL_ALLOCS` allocations."""
+        warm-up]): at most :data:`BEFORE_STEAL_BURST` and one per :data:`BEFORE_STEAL_ALLOCS` allocations. A steal
+        whose map or set-access then fails has been counted too (in both engines)."""
         self.allocations: Callable[[], int] = lambda: 0
         """The engine's allocations so far (``AllocatorStats.num_allocs``; the engine sets it)."""
         self.warmup_ended = False
@@ -1512,7 +1513,7 @@ class VirtualBacking(Backing):
         gives it, its budget is not spent (Note [The ordered steal before a warm-up])."""
         return self.knobs.stream_ordered_steal and (
             not self._before_rule_alone()
-            or self.before_steals <= BEFORE_STEAL_BURST + self.allocations() // BEFORE_STEAL_ALLOCS)
+            or self.before_steals < BEFORE_STEAL_BURST + self.allocations() // BEFORE_STEAL_ALLOCS)
 
     def _count_before_steal(self) -> None:
         if self._before_rule_alone():

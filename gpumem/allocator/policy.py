@@ -247,7 +247,8 @@ class AllocatorPolicy:
     stream-ordered steal on (:attr:`stream_ordered_steal`), whatever that knob says, within a budget: at most 512
     such steals, then one per 1,024 allocations (training without marks steals 30-50 times a step). Such programs
     are inference under gpumem.torch (whose automatic marks begin a warm-up with the first optimizer on a GPU),
-    replays of traces that mark no step, and programs with marks turned off. Off by default: live on the H200 it
+    replays of traces that mark no step, programs with marks turned off, and a policy without ``plan_warmup`` (no
+    warm-up ever begins: the rule holds for the whole run, marks or not). Off by default: live on the H200 it
     took ``generate()`` from 5.00 to 1.45 % above peak allocated, but its steps were 5-18 % longer (the minimum of
     each step over 4-5 runs), where its driver calls took only 0.7-0.9 ms a step of the host's time: the cost is
     on the GPU's side (Note [The ordered steal before a warm-up] in :mod:`.backing`). Set it in Python

@@ -231,7 +231,7 @@ def test_the_steal_before_a_warmup_keeps_to_its_budget():
     always = dataclasses.replace(DEFAULT, stream_ordered_steal=True, **knobs)
     stats, _, spent = _unmarked_busy_program("python", before)
     # the burst was spent, and no more than the budget since (here the program grew instead)
-    assert BEFORE_STEAL_BURST + 1 <= spent <= BEFORE_STEAL_BURST + 1 + stats.num_allocs // BEFORE_STEAL_ALLOCS
+    assert BEFORE_STEAL_BURST <= spent <= BEFORE_STEAL_BURST + stats.num_allocs // BEFORE_STEAL_ALLOCS
     unbudgeted, _, spent_always = _unmarked_busy_program("python", always)
     assert spent_always == 0   # the policy's steal is not the before-rule's
     # without the budget the program steals more, holds less, and makes more driver calls

@@ -135,8 +135,9 @@ gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
             throw std::runtime_error("GPUMEM_STEAL_AFTER_WARMUP must be 0 or 1, not '" + s + "'");
         cfg.steal_after_warmup = s == "1";
     }
-    // AllocatorPolicy.steal_before_warmup: GPUMEM_STEAL_BEFORE_WARMUP=0 or 1 (1: the stream-ordered steal, within
-    // its budget, until a warm-up has ended; Note [The ordered steal before a warm-up] in backing.py)
+    // AllocatorPolicy.steal_before_warmup: GPUMEM_STEAL_BEFORE_WARMUP=0 (the default: the policy's own knobs until a
+    // warm-up has ended) or 1 (the stream-ordered steal, within its budget; Note [The ordered steal before a warm-up]
+    // in backing.py)
     if (const char* v = std::getenv("GPUMEM_STEAL_BEFORE_WARMUP")) {
         std::string s(v);
         if (s != "0" && s != "1")

@@ -255,16 +255,17 @@ warm-up has ended (none begun, or one stopped by hand; :attr:`Backing.warmup_end
 ``busy_slack`` rule grows ~5 % past peak allocated there: live on the H200 ``generate()`` held 5.00 %, with the
 steal 1.45 %; replayed, llama_generate 3.95 -> 0.64 % and bert_varlen 1.22 -> 0.77 % (tuning),
 llama_kvcache_generate 2.29 -> 1.45 % (check); multistream_infer 5.43 % either way (busy on other streams).
-Why it is off: ``generate()``'s steps were 5.2 and 18.2 % longer with it (the sum of each step's minimum over five
-runs a setting, then four; ``reports/hil/sos-nomarks-h200-2026-12-03.md``), while the host's time in its driver calls
-was 0.7-0.9 ms of a ~400 ms step (Note [Time in driver calls] in ``gpumem/_native/cuda_backend.h``): the cost
+Why it is off: ``generate()``'s steps were 18.2 % longer with it (the sum of each step's minimum over four runs a
+setting; 5.2 % over the second session's five, one call of which alone gave -0.5 %;
+``reports/hil/sos-nomarks-h200-2026-12-03.md``), while the host's time in all its driver calls was 0.7-1.0 ms of a
+~400 ms step (Note [Time in driver calls] in ``gpumem/_native/cuda_backend.h``): the cost
 is on the GPU's side (likely the remapping under queued work; not measured apart), which the simulator does not
 show (replayed step time +0.05 %). Training without marks steals 30-50 times a step and waits on the deferred
 unmaps (8.5-11 ms a step): so the steals this rule alone makes have a budget, :data:`BEFORE_STEAL_BURST` = 512,
 then one per :data:`BEFORE_STEAL_ALLOCS` = 1,024 allocations (a few hundred ms once, then about one steal a step);
 the burst is what llama_generate's replay needs (3.78 % with a burst of 64: its steals come when a large request
-arrives). Chosen on the tuning part (llama_generate, GPT-2 fp32 and ResNet-50 without marks). After a warm-up has ended only
-``steal_after_warmup`` decides; there the same minima showed no such cost (Llama with variable lengths -16.8 %, MoE
+arrives). The budget was chosen on llama_generate, GPT-2 fp32 and ResNet-50 without marks (all tuning traces). After a warm-up has ended only
+``steal_after_warmup`` decides; there the same minima showed no such cost (Llama with variable lengths -16.7 %, MoE
 -0.7 %).
 
 Note [An index of idle chunks]

@@ -249,11 +249,12 @@ class AllocatorPolicy:
     are inference under gpumem.torch (whose automatic marks begin a warm-up with the first optimizer on a GPU),
     replays of traces that mark no step, programs with marks turned off, and a policy without ``plan_warmup`` (no
     warm-up ever begins: the rule holds for the whole run, marks or not). Off by default: live on the H200 it
-    took ``generate()`` from 5.00 to 1.45 % above peak allocated, but its steps were 5-18 % longer (the minimum of
-    each step over 4-5 runs), where its driver calls took only 0.7-0.9 ms a step of the host's time: the cost is
-    on the GPU's side (Note [The ordered steal before a warm-up] in :mod:`.backing`). Set it in Python
+    took ``generate()`` from 5.00 to 1.45 % above peak allocated, but its steps were up to 18 % longer (the sum of
+    each step's minimum over 4-5 runs), where all its driver calls took 0.7-1.0 ms a step of the host's time: the
+    cost is likely on the GPU's side, not measured apart (Note [The ordered steal before a warm-up] in
+    :mod:`.backing`). Set it in Python
     (``dataclasses.replace(policy, steal_before_warmup=True)``) or, for gpumem.torch, with
-    ``GPUMEM_STEAL_BEFORE_WARMUP=1``."""
+    ``GPUMEM_STEAL_BEFORE_WARMUP=1`` (or ``gpumem.torch.configure(policy)`` with it, before the first allocation)."""
 
     def memory_first(self) -> "AllocatorPolicy":
         """This policy with the memory-first setting of its growth knobs: no page slack (nor its floor), the

@@ -3,13 +3,14 @@ the stream-ordered steal on against off, and against PyTorch's allocator. Host n
 delay to a step (PyTorch's own median step moved 327-556 ms between runs), so a step's minimum over several runs
 is the least disturbed estimate of it; the sums and the median per-step ratio are printed.
 
-    python reports/hil/sos-nomarks-h200-2026-12-03/step_minima.py [RECORD_FOLDER ...]
+    python reports/hil/sos-nomarks-h200-2026-12-03/step_minima.py [--workload NAME] [RECORD_FOLDER ...]
 
 Default folders: this record's runs (run/, confirm/, confirm2/) and the second session's
 (reports/hil/sos-default-h200-2026-12-03/run/{a,b,c}). The first 12 steps (untimed) are left out."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -38,6 +39,8 @@ def table(folders: list[Path], workload: str = "llama_generate") -> None:
             for run in json.loads(path.read_text())["runs"]:
                 if run["workload"] == workload and run["steps"] == 40:
                     runs[setting(run)].append(run["host_step_ms"][UNTIMED:])
+    if not all(runs.values()):
+        raise SystemExit(f"{workload}: no run of every setting in {', '.join(str(f) for f in folders)}")
     n = min(len(steps) for group in runs.values() for steps in group)
     minima = {k: [min(steps[i] for steps in group) for i in range(n)] for k, group in runs.items()}
     print(f"{', '.join(f'{f.parent.name}/{f.name}' for f in folders)}: runs {', '.join(f'{k} {len(v)}' for k, v in runs.items())}")
@@ -48,6 +51,14 @@ def table(folders: list[Path], workload: str = "llama_generate") -> None:
         print(f"  {a}/{b}: sum {sum(minima[a]) / sum(minima[b]) - 1:+.1%}, median step {statistics.median(ratios) - 1:+.1%}")
 
 
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="llama_generate", help="the workload (default: %(default)s)")
+    parser.add_argument("folders", nargs="*", type=Path, help="record folders, one group (default: both records)")
+    args = parser.parse_args(argv)
+    for group in [args.folders] if args.folders else DEFAULT_FOLDERS:
+        table(group, args.workload)
+
+
 if __name__ == "__main__":
-    for group in ([[Path(a) for a in sys.argv[1:]]] if len(sys.argv) > 1 else DEFAULT_FOLDERS):
-        table(group)
+    main(sys.argv[1:])

@@ -515,8 +515,8 @@ void Engine::release_for_fast_run() {
 }
 
 Engine::Engine(Backend& backend, const EngineConfig& config)
-    : backend_(backend), cfg_(config), memory_first_(config), after_warmup_knobs_(config) {
-    after_warmup_knobs_.stream_ordered_steal = true;   // Note [The ordered steal after a warm-up] in backing.py
+    : backend_(backend), cfg_(config), memory_first_(config), steal_knobs_(config) {
+    steal_knobs_.stream_ordered_steal = true;   // Note [The ordered steal after a warm-up] in backing.py
     memory_first_.page_slack = 0.0;   // AllocatorPolicy.memory_first (Note [A memory-first warm-up] in plan.py)
     memory_first_.page_slack_min_nbytes = 0;
     memory_first_.stream_ordered_steal = true;

@@ -767,10 +767,11 @@ class Engine {
     // Note [A memory-first warm-up] in plan.py: VirtualBacking.warmup and StepPlan's warmup_* (same names)
     bool warmup_ = false, warmup_done_ = false;
     EngineConfig memory_first_;   // AllocatorPolicy.memory_first(): the growth knobs while warm
-    // VirtualBacking.after_warmup and its knobs: a warm-up ended and cfg_.steal_after_warmup (Note [The ordered
-    // steal after a warm-up] in backing.py)
+    // VirtualBacking.after_warmup: a warm-up ended and cfg_.steal_after_warmup (Note [The ordered steal after a
+    // warm-up] in backing.py); steal_knobs_ (VirtualBacking._steal_knobs): cfg_ with the stream-ordered steal, the
+    // knobs of the after- and the before-rule
     bool after_warmup_ = false;
-    EngineConfig after_warmup_knobs_;
+    EngineConfig steal_knobs_;
     // VirtualBacking.before_steals: stream-ordered steals made by cfg_.steal_before_warmup alone, at most
     // kBeforeStealBurst and one per kBeforeStealAllocs allocations (Note [The ordered steal before a warm-up] in
     // backing.py)
@@ -786,7 +787,7 @@ class Engine {
         if (warmup_) return memory_first_;
         // the steal after a warm-up ended, or before one ended where the policy says so (warmup_done_ is
         // VirtualBacking.warmup_ended; Note [The ordered steal before a warm-up] in backing.py)
-        return after_warmup_ || (!warmup_done_ && cfg_.steal_before_warmup) ? after_warmup_knobs_ : cfg_;
+        return after_warmup_ || (!warmup_done_ && cfg_.steal_before_warmup) ? steal_knobs_ : cfg_;
     }
     std::uint64_t warmup_marks_ = 0, warmup_since_ = 0;
     bool plan_start_warmup();   // StepPlan.start_warmup (caller holds mu_)

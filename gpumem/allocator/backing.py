@@ -381,7 +381,7 @@ class Backing(abc.ABC):
         self.after_warmup = False
         """A warm-up ended and the policy has ``steal_after_warmup``: grow by the policy's knobs with the
         stream-ordered steal on (Note [The ordered steal after a warm-up]); the engine sets it."""
-        self._after_warmup = replace(policy, stream_ordered_steal=True)
+        self._steal_knobs = replace(policy, stream_ordered_steal=True)   # the after- and before-rules' knobs
         self.before_steals = 0
         """Stream-ordered steals made by ``steal_before_warmup`` alone (Note [The ordered steal before a
         warm-up]): at most :data:`BEFORE_STEAL_BURST` and one per :data:`BEFORE_STEAL_ALLOCS` allocations. A steal
@@ -403,7 +403,7 @@ class Backing(abc.ABC):
         if self.warmup:
             return self._memory_first
         if self.after_warmup or (not self.warmup_ended and self.policy.steal_before_warmup):
-            return self._after_warmup
+            return self._steal_knobs
         return self.policy
 
     def _check_limit(self, extra_nbytes: int, requested: int) -> None:

@@ -346,7 +346,7 @@ def _lib() -> ctypes.CDLL:
     lib.gpumem_torch_configure.restype = ctypes.c_int
     lib.gpumem_torch_configure.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.c_double, ctypes.c_double,
                                            ctypes.c_int, ctypes.c_double, ctypes.c_int, ctypes.c_uint64, ctypes.c_int,
-                                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+                                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.gpumem_torch_plan_warmup.restype = ctypes.c_int
     lib.gpumem_torch_plan_warmup.argtypes = [ctypes.c_int]
     return lib
@@ -1037,7 +1037,7 @@ def _optimizer_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
 #: The policy fields the native engine takes from :func:`configure` (the others are the default policy's).
 _ENGINE_KNOBS = ("growth", "page_slack", "page_slack_min_nbytes", "chunk_max_fraction", "grow_ahead_fraction",
                  "steal_empty_pages", "busy_slack", "stream_ordered_steal", "wait_own_stream", "plan_warmup",
-                 "warmup_give_back", "steal_after_warmup", "steal_before_warmup")
+                 "warmup_give_back", "steal_after_warmup", "steal_before_warmup", "wait_on_gpu")
 
 
 #: ``configure``'s default for ``step_marks``: leave the step marks as they are.
@@ -1052,10 +1052,11 @@ def configure(policy: Any = None, *, step_marks: "str | None" = _KEEP) -> None:
     Call it with a policy before the first allocation on a device: an engine already made keeps its policy. The
     native engine takes ``growth``, ``page_slack``, ``page_slack_min_nbytes``, ``chunk_max_fraction``, ``grow_ahead_fraction``,
     ``steal_empty_pages``, ``busy_slack``, ``stream_ordered_steal``, ``wait_own_stream``, ``plan_warmup``,
-    ``warmup_give_back``, ``steal_after_warmup`` and ``steal_before_warmup`` (``GPUMEM_BUSY_SLACK``,
+    ``warmup_give_back``, ``steal_after_warmup``, ``steal_before_warmup`` and ``wait_on_gpu`` (``GPUMEM_BUSY_SLACK``,
     ``GPUMEM_CHUNK_MAX_FRACTION``, ``GPUMEM_PAGE_SLACK``, ``GPUMEM_PAGE_SLACK_MIN_NBYTES``,
     ``GPUMEM_STREAM_ORDERED_STEAL=0|1``, ``GPUMEM_WAIT_OWN_STREAM=0|1``, ``GPUMEM_PLAN_WARMUP=0|1``,
-    ``GPUMEM_WARMUP_GIVE_BACK=0|1``, ``GPUMEM_STEAL_AFTER_WARMUP=0|1`` and ``GPUMEM_STEAL_BEFORE_WARMUP=0|1``, when
+    ``GPUMEM_WARMUP_GIVE_BACK=0|1``, ``GPUMEM_STEAL_AFTER_WARMUP=0|1``, ``GPUMEM_STEAL_BEFORE_WARMUP=0|1`` and
+    ``GPUMEM_WAIT_ON_GPU=0|1``, when
     set, override those; only gpumem.torch reads them, a ``CachingAllocator`` takes its policy as given); the
     policy's other fields must be the default policy's.
 
@@ -1101,7 +1102,8 @@ def configure(policy: Any = None, *, step_marks: "str | None" = _KEEP) -> None:
                                       float(pol.busy_slack), int(bool(pol.stream_ordered_steal)),
                                       int(pol.page_slack_min_nbytes), int(bool(pol.plan_warmup)),
                                       int(bool(pol.wait_own_stream)), int(bool(pol.warmup_give_back)),
-                                      int(bool(pol.steal_after_warmup)), int(bool(pol.steal_before_warmup))) != 0:
+                                      int(bool(pol.steal_after_warmup)), int(bool(pol.steal_before_warmup)),
+                                      int(bool(pol.wait_on_gpu))) != 0:
             raise InvalidArgumentError(f"gpumem.torch.configure({pol.name!r}): {_last_error(lib)}")
     if step_marks is not _KEEP:
         _auto_marks().turn(step_marks, register)

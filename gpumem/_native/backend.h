@@ -68,6 +68,9 @@ class Backend {
     virtual bool event_query(EventHandle event) = 0;
     virtual void event_synchronize(EventHandle event) = 0;
     virtual void event_destroy(EventHandle event) = 0;
+    // Device.stream_wait_event: work queued on `stream` after this call runs once `event` has completed (GPU-side;
+    // the host does not wait). Note [Wait on the GPU, not the host] in backing.py.
+    virtual void stream_wait_event(StreamHandle stream, EventHandle event) = 0;
     virtual void stream_synchronize(StreamHandle stream) = 0;
     virtual void synchronize() = 0;
 

@@ -114,6 +114,7 @@ struct CudaDriver {
     CUresult (*cuEventElapsedTime)(float*, CUevent, CUevent) = nullptr;
     CUresult (*cuStreamIsCapturing)(CUstream, int*) = nullptr;   // CUstreamCaptureStatus: 0 none, 1 active, 2 invalidated
     CUresult (*cuStreamSynchronize)(CUstream) = nullptr;
+    CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned) = nullptr;
 
     std::string error_name(CUresult r) const {
         const char* name = nullptr;
@@ -201,6 +202,7 @@ struct LoadedDriver {
         load(lib, d.cuEventElapsedTime, "cuEventElapsedTime", optional);
         load(lib, d.cuStreamIsCapturing, "cuStreamIsCapturing", optional);
         load(lib, d.cuStreamSynchronize, "cuStreamSynchronize", missing);
+        load(lib, d.cuStreamWaitEvent, "cuStreamWaitEvent", missing);
         if (!missing.empty()) {
             error = "the CUDA driver lacks " + missing + " (gpumem needs a driver for CUDA 10.2 or later)";
             return;
@@ -461,6 +463,14 @@ void CudaBackend::event_synchronize(EventHandle event) {
     ContextScope scope(*this);
     drv_.check(drv_.cuEventSynchronize(reinterpret_cast<CUevent>(static_cast<std::uintptr_t>(event))),
                "cuEventSynchronize");
+}
+
+void CudaBackend::stream_wait_event(StreamHandle stream, EventHandle event) {
+    Timed timed(event_ns_);
+    ContextScope scope(*this);
+    drv_.check(drv_.cuStreamWaitEvent(reinterpret_cast<CUstream>(static_cast<std::uintptr_t>(stream)),
+                                      reinterpret_cast<CUevent>(static_cast<std::uintptr_t>(event)), 0),
+               "cuStreamWaitEvent");
 }
 
 void CudaBackend::event_destroy(EventHandle event) {

@@ -86,6 +86,7 @@ class CudaBackend final : public Backend {
     bool event_query(EventHandle event) override;
     void event_synchronize(EventHandle event) override;
     void event_destroy(EventHandle event) override;
+    void stream_wait_event(StreamHandle stream, EventHandle event) override;
     void stream_synchronize(StreamHandle stream) override;
     void synchronize() override;
 

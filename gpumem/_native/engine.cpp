@@ -817,6 +817,24 @@ void Engine::fences_wait(std::uint64_t stream, std::uint64_t number) {
     }
 }
 
+// StreamFences.order_after
+void Engine::fences_order_after(std::uint64_t waiting, std::uint64_t stream, std::uint64_t number) {
+    if (number <= fences_done_of(stream)) return;
+    auto it = fq_index_.find(stream);
+    if (it == fq_index_.end()) return;
+    const StreamQueue& q = *it->second;
+    bool have = false;
+    EventHandle target = 0;
+    for (std::size_t i = q.head; i < q.q.size(); ++i) {
+        if (q.q[i].first > number) break;
+        target = q.q[i].second;
+        have = true;
+    }
+    if (!have) return;
+    backend_.stream_wait_event(waiting, target);
+    ++n_stream_waits_;
+}
+
 bool Engine::fences_all_done(const FenceMap* f) {
     if (!f || f->empty()) return true;
     for (auto& sn : *f)
@@ -1877,6 +1895,14 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
         } catch (...) {
             if (!classify_current().oom) throw;   // memory is needed now: wait for the busy chunk
         }
+    }
+    if (knobs().wait_on_gpu) {   // Note [Wait on the GPU, not the host] in backing.py
+        pending = chunk_fences(c.seg, c.s, batch);
+        for (const auto& sn : pending)
+            if (sn.first != stream) fences_order_after(stream, sn.first, sn.second);
+        ++n_steals_;
+        *out = defer_unmap(c.seg, c.s, std::move(pending));
+        return true;
     }
     chunk_ready(c.seg, c.s, true, batch);
     ++n_steals_;
@@ -3219,7 +3245,7 @@ EngineStats Engine::stats() {
         st.largest_free_nbytes = std::min(largest_block, cap);
     }
     st.device_calls = device_calls_ + plan_arena_calls_;
-    st.event_calls = n_records_ + n_queries_ + f_n_waits_ + n_destroys_;
+    st.event_calls = n_records_ + n_queries_ + f_n_waits_ + n_destroys_ + n_stream_waits_;
     const std::uint64_t plan_live = plan_live_nbytes();
     st.plan_free_nbytes = plan_mapped_nbytes_ > plan_live ? plan_mapped_nbytes_ - plan_live : 0;
     st.n_chunks = n_chunks_;

@@ -72,6 +72,7 @@ struct EngineConfig {
     double busy_slack = 0.05;                           // growth=CHUNKS: create past busy idle chunks within this slack
     bool stream_ordered_steal = false;                  // growth=CHUNKS: steal a chunk busy on the same stream at once
     bool wait_own_stream = false;                       // growth=CHUNKS: wait for a chunk busy on the same stream only
+    bool wait_on_gpu = false;                           // growth=CHUNKS: past busy_slack, the stream waits, not the host
     std::uint64_t limit_nbytes = 0;   // 0: no limit (Python: limit_nbytes None)
     double gc_threshold = 0.0;        // 0: none (Python: gc_threshold None)
     // Segment mode (Note [Segment mode] in engine.cpp): malloc'd segments (SegmentBacking) instead of
@@ -587,6 +588,7 @@ class Engine {
     void destroy_retired_event(EventHandle event);
     bool fences_all_done(const detail::FenceMap* f);
     void fences_wait_all(const detail::FenceMap* f);
+    void fences_order_after(std::uint64_t waiting, std::uint64_t stream, std::uint64_t number);
     void fences_forget_idle();
     void fences_close();
     std::uint64_t fences_done_of(std::uint64_t stream) const;
@@ -703,7 +705,7 @@ class Engine {
     std::vector<FenceQueueIndex::node_type> fq_index_spare_;   // fq_index_'s, likewise
     std::unordered_map<std::uint64_t, std::uint64_t> fdone_;
     std::uint64_t fnext_ = 1;
-    std::uint64_t n_records_ = 0, n_queries_ = 0, f_n_waits_ = 0, n_destroys_ = 0;
+    std::uint64_t n_records_ = 0, n_queries_ = 0, f_n_waits_ = 0, n_destroys_ = 0, n_stream_waits_ = 0;
 
     // VirtualBacking state
     std::vector<std::unique_ptr<detail::VSeg>> vsegs_;   // creation order (dict order); at most 2

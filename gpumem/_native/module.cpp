@@ -331,7 +331,7 @@ const PolicyField kPolicyFields[] = {
     {"large_page_nbytes", FieldKind::kU64OrNone, offsetof(EngineConfig, large_page_nbytes)},
     NOT_READ(segments_top_down),   // segment mode only
     CFG(grow_ahead_fraction, kF64), CFG(busy_slack, kF64), CFG(stream_ordered_steal, kBool),
-    CFG(wait_own_stream, kBool), CFG(plan_warmup, kBool), CFG(warmup_give_back, kBool),
+    CFG(wait_own_stream, kBool), CFG(wait_on_gpu, kBool), CFG(plan_warmup, kBool), CFG(warmup_give_back, kBool),
     CFG(steal_after_warmup, kBool), CFG(steal_before_warmup, kBool),
 };
 #undef CFG
@@ -1085,11 +1085,11 @@ PyObject* Alloc_use_idle_twin(AllocObject* self, PyObject* args) {
             return nullptr;
         }
         Py_ssize_t depth = 0;
-        if (!PyArg_ParseTuple(o_lag, "ddddndddddddddddd:use_idle_twin", &m.cpu_op_s, &m.kernel_min_s, &m.touch_factor,
+        if (!PyArg_ParseTuple(o_lag, "ddddnddddddddddddd:use_idle_twin", &m.cpu_op_s, &m.kernel_min_s, &m.touch_factor,
                               &m.bandwidth_bps, &depth, &m.launch_us, &m.event_record_us, &m.event_query_us,
                               &m.event_destroy_us, &m.synchronize_us, &m.mem_map_us, &m.set_access_us,
                               &m.set_access_mapping_us, &m.set_access_mib_us, &m.unmap_us, &m.unmap_mapping_us,
-                              &m.unmap_mib_us))
+                              &m.unmap_mib_us, &m.stream_wait_event_us))
             return nullptr;
         m.queue_depth = depth > 0 ? static_cast<std::size_t>(depth) : 0;
     }

@@ -38,6 +38,7 @@ PyDeviceBackend::PyDeviceBackend(PyObject* device, PyObject* oom_error_cls, PyOb
     n_event_record_ = intern("event_record");
     n_event_query_ = intern("event_query");
     n_event_synchronize_ = intern("event_synchronize");
+    n_stream_wait_event_ = intern("stream_wait_event");
     n_event_destroy_ = intern("event_destroy");
     n_stream_synchronize_ = intern("stream_synchronize");
     n_synchronize_ = intern("synchronize");
@@ -330,7 +331,7 @@ std::string PyDeviceBackend::use_idle_twin(const GpuLag* lag_spec, PyObject* clo
         const double us[] = {m.cpu_op_s, m.kernel_min_s, m.touch_factor, m.launch_us, m.event_record_us,
                              m.event_query_us, m.event_destroy_us, m.synchronize_us, m.mem_map_us, m.set_access_us,
                              m.set_access_mapping_us, m.set_access_mib_us, m.unmap_us, m.unmap_mapping_us,
-                             m.unmap_mib_us};
+                             m.unmap_mib_us, m.stream_wait_event_us};
         for (double v : us)
             if (!(v >= 0) || !std::isfinite(v)) return "the GPU lag's times must be finite numbers >= 0";
         if (!(m.bandwidth_bps > 0) || !std::isfinite(m.bandwidth_bps)) return "the GPU lag's bandwidth must be > 0";
@@ -685,6 +686,32 @@ void PyDeviceBackend::event_synchronize(EventHandle event) {
     PyObject* ev = get(events_, event, "event");
     Py_INCREF(ev);
     call_void(n_event_synchronize_, ev);
+}
+
+// SimDevice._do_stream_wait_event: an event not complete queues a zero-length marker on `stream` that ends when the
+// event's work does (StreamEngine._run: it starts when the work before it has, and waits for the event's)
+void PyDeviceBackend::stream_wait_event(StreamHandle stream, EventHandle event) {
+    if (twin_event(event)) {
+        Lag* lag = twin_makes_calls() ? twin_->lag.get() : nullptr;
+        if (!lag) return;
+        lag_advance(lag->m.stream_wait_event_us);
+        auto it = lag->events.find(event);
+        if (it == lag->events.end() || lag_done(it->second)) return;
+        std::deque<LagWork>* qp = lag->queue(stream);
+        if (!qp) {
+            lag->streams.emplace_back(stream, std::deque<LagWork>{});
+            qp = &lag->streams.back().second;
+        }
+        auto& q = *qp;
+        while (!q.empty() && lag_done(q.front().end_s)) q.pop_front();
+        if (q.empty()) lag->fresh_start = true;   // a new stream process, started now
+        const double start = q.empty() ? lag->now_s : q.back().end_s;
+        q.push_back(LagWork{std::max(start, it->second), 0, 0});
+        return;
+    }
+    PyObject* ev = get(events_, event, "event");
+    Py_INCREF(ev);
+    call_void(n_stream_wait_event_, u64(stream), ev);
 }
 
 void PyDeviceBackend::event_destroy(EventHandle event) {

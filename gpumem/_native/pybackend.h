@@ -47,6 +47,7 @@ class PyDeviceBackend : public Backend {
     EventHandle event_record(StreamHandle stream) override;
     bool event_query(EventHandle event) override;
     void event_synchronize(EventHandle event) override;
+    void stream_wait_event(StreamHandle stream, EventHandle event) override;
     void event_destroy(EventHandle event) override;
     void engine_work(std::uint64_t pages_indexed) override;
     void stream_synchronize(StreamHandle stream) override;
@@ -76,7 +77,7 @@ class PyDeviceBackend : public Backend {
         std::size_t queue_depth = 1;
         double launch_us = 0, event_record_us = 0, event_query_us = 0, event_destroy_us = 0, synchronize_us = 0,
                mem_map_us = 0, set_access_us = 0, set_access_mapping_us = 0, set_access_mib_us = 0, unmap_us = 0,
-               unmap_mapping_us = 0, unmap_mib_us = 0;
+               unmap_mapping_us = 0, unmap_mib_us = 0, stream_wait_event_us = 0;
     };
     // Note [An idle device's bookkeeping calls made here] (pybackend.cpp). Turns it on: "" when done, else why
     // not (a Python error may be set: then the text is empty too, check PyErr_Occurred). Refused while a chunk, an
@@ -113,7 +114,7 @@ class PyDeviceBackend : public Backend {
     std::vector<std::uint64_t> free_chunk_ids_, free_event_ids_;
     PyObject *n_properties_, *n_mem_info_, *n_address_reserve_, *n_address_free_, *n_mem_create_, *n_mem_release_,
         *n_mem_map_, *n_mem_set_access_, *n_mem_unmap_, *n_event_record_, *n_event_query_, *n_event_synchronize_,
-        *n_event_destroy_, *n_stream_synchronize_, *n_synchronize_, *n_free_nbytes_, *n_total_nbytes_,
+        *n_event_destroy_, *n_stream_wait_event_, *n_stream_synchronize_, *n_synchronize_, *n_free_nbytes_, *n_total_nbytes_,
         *n_granularity_nbytes_, *n_vmm_supported_;
     PyObject *n_malloc_ = nullptr, *n_free_ = nullptr;   // segment mode
     PyObject* n_now_s_ = nullptr;                         // SimClock.now_s (the twin's GPU lag)

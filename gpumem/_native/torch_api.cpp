@@ -57,11 +57,21 @@
 #define GPUMEM_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
+// A 0-or-1 variable `name`, where set, into `field`; anything else is refused.
+void env_bool(const char* name, bool& field) {
+    if (const char* v = std::getenv(name)) {
+        std::string s(v);
+        if (s != "0" && s != "1") throw std::runtime_error(std::string(name) + " must be 0 or 1, not '" + s + "'");
+        field = s == "1";
+    }
+}
+
 // The engine's policy for PyTorch: the defaults, where GPUMEM_BUSY_SLACK (a number >= 0, or inf) sets
 // AllocatorPolicy.busy_slack, GPUMEM_CHUNK_MAX_FRACTION chunk_max_fraction, GPUMEM_PAGE_SLACK page_slack,
 // GPUMEM_PAGE_SLACK_MIN_NBYTES page_slack_min_nbytes, GPUMEM_STREAM_ORDERED_STEAL stream_ordered_steal,
 // GPUMEM_WAIT_OWN_STREAM wait_own_stream, GPUMEM_PLAN_WARMUP plan_warmup, GPUMEM_WARMUP_GIVE_BACK
-// warmup_give_back, GPUMEM_STEAL_AFTER_WARMUP steal_after_warmup and GPUMEM_STEAL_BEFORE_WARMUP steal_before_warmup
+// warmup_give_back, GPUMEM_STEAL_AFTER_WARMUP steal_after_warmup, GPUMEM_STEAL_BEFORE_WARMUP steal_before_warmup and
+// GPUMEM_WAIT_ON_GPU wait_on_gpu
 // (issue 18 measures several live). `base` (gpumem_torch_configure's policy, the default policy otherwise) with
 // those variables applied.
 gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
@@ -99,51 +109,23 @@ gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
         cfg.page_slack_min_nbytes = std::stoull(s);
     }
     // AllocatorPolicy.stream_ordered_steal: GPUMEM_STREAM_ORDERED_STEAL=0 or 1 (issue 18 measures both live)
-    if (const char* v = std::getenv("GPUMEM_STREAM_ORDERED_STEAL")) {
-        std::string s(v);
-        if (s != "0" && s != "1")
-            throw std::runtime_error("GPUMEM_STREAM_ORDERED_STEAL must be 0 or 1, not '" + s + "'");
-        cfg.stream_ordered_steal = s == "1";
-    }
+    env_bool("GPUMEM_STREAM_ORDERED_STEAL", cfg.stream_ordered_steal);
     // AllocatorPolicy.wait_own_stream: GPUMEM_WAIT_OWN_STREAM=0 or 1 (Note [Wait for the program's own stream] in
     // backing.py; 0 is the rule before 2026-11-30)
-    if (const char* v = std::getenv("GPUMEM_WAIT_OWN_STREAM")) {
-        std::string s(v);
-        if (s != "0" && s != "1")
-            throw std::runtime_error("GPUMEM_WAIT_OWN_STREAM must be 0 or 1, not '" + s + "'");
-        cfg.wait_own_stream = s == "1";
-    }
+    env_bool("GPUMEM_WAIT_OWN_STREAM", cfg.wait_own_stream);
     // AllocatorPolicy.plan_warmup: GPUMEM_PLAN_WARMUP=0 or 1 (Note [A memory-first warm-up] in plan.py)
-    if (const char* v = std::getenv("GPUMEM_PLAN_WARMUP")) {
-        std::string s(v);
-        if (s != "0" && s != "1")
-            throw std::runtime_error("GPUMEM_PLAN_WARMUP must be 0 or 1, not '" + s + "'");
-        cfg.plan_warmup = s == "1";
-    }
+    env_bool("GPUMEM_PLAN_WARMUP", cfg.plan_warmup);
     // AllocatorPolicy.warmup_give_back: GPUMEM_WARMUP_GIVE_BACK=0 or 1 (0 keeps the warm-up's one-page chunks)
-    if (const char* v = std::getenv("GPUMEM_WARMUP_GIVE_BACK")) {
-        std::string s(v);
-        if (s != "0" && s != "1")
-            throw std::runtime_error("GPUMEM_WARMUP_GIVE_BACK must be 0 or 1, not '" + s + "'");
-        cfg.warmup_give_back = s == "1";
-    }
+    env_bool("GPUMEM_WARMUP_GIVE_BACK", cfg.warmup_give_back);
     // AllocatorPolicy.steal_after_warmup: GPUMEM_STEAL_AFTER_WARMUP=0 or 1 (0: the policy's own knobs after a warm-up
     // has ended, the rule before 2026-12-03; Note [The ordered steal after a warm-up] in backing.py)
-    if (const char* v = std::getenv("GPUMEM_STEAL_AFTER_WARMUP")) {
-        std::string s(v);
-        if (s != "0" && s != "1")
-            throw std::runtime_error("GPUMEM_STEAL_AFTER_WARMUP must be 0 or 1, not '" + s + "'");
-        cfg.steal_after_warmup = s == "1";
-    }
+    env_bool("GPUMEM_STEAL_AFTER_WARMUP", cfg.steal_after_warmup);
     // AllocatorPolicy.steal_before_warmup: GPUMEM_STEAL_BEFORE_WARMUP=0 (the default: the policy's own knobs until a
     // warm-up has ended) or 1 (the stream-ordered steal, within its budget; Note [The ordered steal before a warm-up]
     // in backing.py)
-    if (const char* v = std::getenv("GPUMEM_STEAL_BEFORE_WARMUP")) {
-        std::string s(v);
-        if (s != "0" && s != "1")
-            throw std::runtime_error("GPUMEM_STEAL_BEFORE_WARMUP must be 0 or 1, not '" + s + "'");
-        cfg.steal_before_warmup = s == "1";
-    }
+    env_bool("GPUMEM_STEAL_BEFORE_WARMUP", cfg.steal_before_warmup);
+    // AllocatorPolicy.wait_on_gpu: GPUMEM_WAIT_ON_GPU=0 or 1 (Note [Wait on the GPU, not the host] in backing.py)
+    env_bool("GPUMEM_WAIT_ON_GPU", cfg.wait_on_gpu);
     return cfg;
 }
 }  // namespace
@@ -907,7 +889,7 @@ GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double c
                                          double grow_ahead_fraction, int steal_empty_pages, double busy_slack,
                                          int stream_ordered_steal, std::uint64_t page_slack_min_nbytes,
                                          int plan_warmup, int wait_own_stream, int warmup_give_back,
-                                         int steal_after_warmup, int steal_before_warmup) {
+                                         int steal_after_warmup, int steal_before_warmup, int wait_on_gpu) {
     // the ranges of AllocatorPolicy (Note [Every knob has a range] in policy.py)
     if ((growth != 0 && growth != 1) || !(page_slack >= 0.0 && page_slack <= 1.0) ||
         !(chunk_max_fraction >= 0.0 && chunk_max_fraction <= 1.0) ||
@@ -915,11 +897,11 @@ GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double c
         (stream_ordered_steal != 0 && stream_ordered_steal != 1) || (plan_warmup != 0 && plan_warmup != 1) ||
         (wait_own_stream != 0 && wait_own_stream != 1) || (warmup_give_back != 0 && warmup_give_back != 1) ||
         (steal_empty_pages != 0 && steal_empty_pages != 1) || (steal_after_warmup != 0 && steal_after_warmup != 1) ||
-        (steal_before_warmup != 0 && steal_before_warmup != 1)) {
+        (steal_before_warmup != 0 && steal_before_warmup != 1) || (wait_on_gpu != 0 && wait_on_gpu != 1)) {
         t_last_error = "gpumem_torch_configure: growth must be 0 or 1, page_slack, grow_ahead_fraction and "
                        "chunk_max_fraction in [0, 1], busy_slack >= 0, steal_empty_pages, stream_ordered_steal, "
-                       "plan_warmup, wait_own_stream, warmup_give_back, steal_after_warmup and steal_before_warmup "
-                       "0 or 1";
+                       "plan_warmup, wait_own_stream, warmup_give_back, steal_after_warmup, steal_before_warmup and "
+                       "wait_on_gpu 0 or 1";
         return -1;
     }
     TorchState& s = state();
@@ -937,6 +919,7 @@ GPUMEM_EXPORT int gpumem_torch_configure(int growth, double page_slack, double c
     s.config.warmup_give_back = warmup_give_back != 0;
     s.config.steal_after_warmup = steal_after_warmup != 0;
     s.config.steal_before_warmup = steal_before_warmup != 0;
+    s.config.wait_on_gpu = wait_on_gpu != 0;
     return 0;
 }
 

@@ -93,7 +93,11 @@ GPUMEM_EXPORT GpumemPool* gpumem_torch_pool_new(int device) {
         // the default policy, whatever configure() or the GPUMEM_* variables say: a pool never marks a step, so
         // never begins a warm-up, and steal_before_warmup stays off in it (Note [The ordered steal before a
         // warm-up] in backing.py)
-        pool->engine = std::make_unique<Engine>(*pool->backend, EngineConfig());
+        EngineConfig cfg;
+        // a pool serves CUDA graph captures, whose streams may not wait on an event recorded outside the capture:
+        // the host waits (Note [Wait on the GPU, not the host] in backing.py)
+        cfg.wait_on_gpu = false;
+        pool->engine = std::make_unique<Engine>(*pool->backend, cfg);
         return pool.release();
     } catch (const std::exception& e) {
         t_error = std::string("gpumem could not make a memory pool on CUDA device ") + std::to_string(device) +

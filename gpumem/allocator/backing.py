@@ -1500,6 +1500,13 @@ class VirtualBacking(Backing):
                 return self._create_chunk(n, requested)
             except OutOfMemoryError:
                 pass  # memory is needed now: wait for the busy chunk
+        if self.knobs.wait_on_gpu:   # Note [Wait on the GPU, not the host]
+            pending = self._chunk_fences(other, s, batch)
+            for st, number in pending.items():
+                if st != stream:
+                    self.fences.order_after(stream, st, number)
+            self.n_steals += 1
+            return self._defer_unmap(other, s, pending)
         self._chunk_ready(other, s, True, batch)
         self.n_steals += 1
         return self._unmap_chunk(other, s)

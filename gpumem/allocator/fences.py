@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 class StreamFences:
     """Events recorded on streams, known complete in recording order (see the Note)."""
 
-    __slots__ = ("device", "_queues", "_done", "_next", "n_records", "n_queries", "n_waits", "n_destroys")
+    __slots__ = ("device", "_queues", "_done", "_next", "n_records", "n_queries", "n_waits", "n_destroys", "n_stream_waits")
 
     def __init__(self, device: Device) -> None:
         self.device = device
@@ -54,11 +54,12 @@ class StreamFences:
         self.n_queries = 0
         self.n_waits = 0
         self.n_destroys = 0
+        self.n_stream_waits = 0
 
     @property
     def device_calls(self) -> int:
-        """Event calls made so far (record, query, synchronize, destroy)."""
-        return self.n_records + self.n_queries + self.n_waits + self.n_destroys
+        """Event calls made so far (record, query, synchronize, destroy, stream wait)."""
+        return self.n_records + self.n_queries + self.n_waits + self.n_destroys + self.n_stream_waits
 
     @property
     def outstanding(self) -> int:
@@ -119,6 +120,22 @@ class StreamFences:
             self.n_waits += 1
             while q and q[0][0] <= number:
                 self._retire(stream, q)
+
+    def order_after(self, waiting: int, stream: int, number: int) -> None:
+        """Make ``waiting`` run its later work after the fence (``stream_wait_event`` on it, if not known complete)."""
+        if number <= self._done.get(stream, 0):
+            return
+        q = self._queues.get(stream)
+        if not q:
+            return
+        target = None
+        for n, event in q:
+            if n > number:
+                break
+            target = event
+        if target is not None:
+            self.device.stream_wait_event(waiting, target)
+            self.n_stream_waits += 1
 
     def all_done(self, fences: dict[int, int] | None) -> bool:
         """Whether every ``{stream: number}`` fence has completed (queries, never waits)."""

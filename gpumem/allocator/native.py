@@ -147,7 +147,7 @@ class NativeEngine:
         return (m.cpu_op_us * 1e-6, m.kernel_min_us * 1e-6, m.touch_factor, m.bandwidth_bps(dev.profile), m.queue_depth,
                 lat.launch_us, lat.event_record_us, lat.event_query_us, lat.event_destroy_us, lat.synchronize_us,
                 lat.mem_map_us, lat.mem_set_access_us, lat.mem_set_access_mapping_us, lat.mem_set_access_mib_us,
-                lat.mem_unmap_us, lat.mem_unmap_mapping_us, lat.mem_unmap_mib_us)
+                lat.mem_unmap_us, lat.mem_unmap_mapping_us, lat.mem_unmap_mib_us, lat.stream_wait_event_us)
 
     def set_step_record_limit(self, records: int) -> None:
         """The engine's limit on a recorded step's records, checked as the Python engine checks it."""

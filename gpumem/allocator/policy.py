@@ -214,6 +214,13 @@ class AllocatorPolicy:
     ViT +3.1 % as it is now); the ``busy_slack`` rule alone. With ``stream_ordered_steal`` on, that steal takes
     such a chunk first."""
 
+    wait_on_gpu: bool = False
+    """``growth=CHUNKS``, past the ``busy_slack`` rule's bound: the busy idle chunk that is stolen is waited for on
+    the GPU, not the host: the stream that needs it waits (``stream_wait_event``) for the fences of the other streams
+    still using it, and the chunk is mapped under the new block at once, its old mapping unmapped once those fences
+    complete, as the stream-ordered steal does (Note [Wait on the GPU, not the host] in :mod:`.backing`). The same
+    chunk is stolen as with the host's wait, so the memory held is the same; the host does not stall."""
+
     plan_warmup: bool = True
     """``growth=CHUNKS`` with step plans: from the first ``mark_step()`` (or from ``start_plan_warmup()``, which
     automatic marks call before the first step) until a plan is installed, grow as the memory-first setting does
@@ -357,6 +364,7 @@ _FIELD_RANGES: dict[str, tuple[str, float, float]] = {
     "busy_slack": ("float+inf", 0.0, float("inf")),
     "stream_ordered_steal": ("bool", 0, 0),
     "wait_own_stream": ("bool", 0, 0),
+    "wait_on_gpu": ("bool", 0, 0),
     "plan_warmup": ("bool", 0, 0),
     "warmup_give_back": ("bool", 0, 0),
     "steal_after_warmup": ("bool", 0, 0),

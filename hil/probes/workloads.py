@@ -1250,7 +1250,8 @@ def _round_of(run: dict) -> int:
 #: each run's record keeps (``gpumem_env``).
 ENGINE_ENV = ("GPUMEM_BUSY_SLACK", "GPUMEM_CHUNK_MAX_FRACTION", "GPUMEM_PAGE_SLACK", "GPUMEM_PAGE_SLACK_MIN_NBYTES",
               "GPUMEM_STREAM_ORDERED_STEAL", "GPUMEM_WAIT_OWN_STREAM", "GPUMEM_PLAN_WARMUP", "GPUMEM_WARMUP_GIVE_BACK",
-              "GPUMEM_STEAL_AFTER_WARMUP", "GPUMEM_STEAL_BEFORE_WARMUP", "GPUMEM_STEP_MARKS")
+              "GPUMEM_STEAL_AFTER_WARMUP", "GPUMEM_STEAL_BEFORE_WARMUP", "GPUMEM_WAIT_ON_GPU",
+              "GPUMEM_STEP_MARKS")
 
 #: The longest step time a record may give (ms): a day; longer is a broken record, and ratios of such
 #: numbers overflow.

@@ -34,7 +34,7 @@ if load_engine() is None:  # pragma: no cover - the engine is optional
 
 RECORDED = ("engine_work", "mem_info", "address_reserve", "address_free", "mem_create", "mem_release", "mem_map",
             "mem_set_access", "mem_unmap", "event_record", "event_query", "event_synchronize", "event_destroy",
-            "stream_synchronize", "synchronize", "malloc", "free")
+            "stream_synchronize", "stream_wait_event", "synchronize", "malloc", "free")
 """The device calls an allocator makes in virtual-memory mode, and ``malloc``/``free`` in segment mode
 (``properties()`` is static, not recorded)."""
 
@@ -64,6 +64,11 @@ POLICIES = [
     # stream-ordered steal (off by default) on, and on with small chunks that are stolen often
     dataclasses.replace(_BASE, name="chunks-ordered-steal", stream_ordered_steal=True, chunk_max_fraction=1 / 1024),
     dataclasses.replace(_BASE, name="chunks-ordered-small", page_slack=0.0, busy_slack=0.0, stream_ordered_steal=True,
+                        chunk_max_fraction=1 / 16, chunk_max_nbytes=8 * MiB),
+    # waiting on the GPU past the busy_slack rule (Note [Wait on the GPU, not the host]), with the default slack
+    # and with none (every busy steal waits so), chunks stolen often
+    dataclasses.replace(_BASE, name="chunks-wait-on-gpu", wait_on_gpu=True, chunk_max_fraction=1 / 1024),
+    dataclasses.replace(_BASE, name="chunks-wait-on-gpu-busy0", wait_on_gpu=True, page_slack=0.0, busy_slack=0.0,
                         chunk_max_fraction=1 / 16, chunk_max_nbytes=8 * MiB),
     # growth=PAGES, the behaviour before issue 7 (one-page chunks, no slack)
     dataclasses.replace(_BASE, name="pages", growth=GrowthRule.PAGES, page_slack=0.0),

@@ -111,16 +111,17 @@ def test_trace_and_configure_hooks_without_an_engine(lib):
                 (1, 0.0, 0.5, -0.1, 1, 0.05, 1), (1, 0.0, 0.5, 1.5, 1, 0.05, 1), (1, float("nan"), 0.5, 0.0, 1, 0.05, 1),
                 (1, 0.0, 0.5, 0.0, 1, -1.0, 1), (1, 0.0, 0.5, 0.0, 1, float("nan"), 1), (1, 0.0, 0.5, 0.0, 1, 0.05, 2),
                 (1, 0.0, 0.5, 0.0, 2, 0.05, 1), (1, 0.0, 0.5, 0.0, -1, 0.05, 1)]:   # steal_empty_pages 0 or 1 too
-        assert lib.gpumem_torch_configure(*bad, 0, 1, 0, 0, 1, 1) == -1, bad
+        assert lib.gpumem_torch_configure(*bad, 0, 1, 0, 0, 1, 1, 0) == -1, bad
         assert b"growth must be 0 or 1" in lib.gpumem_torch_last_error()
-    # plan_warmup, wait_own_stream, warmup_give_back, steal_after_warmup, steal_before_warmup
-    for bad_bools in [(2, 0, 0, 1, 1), (0, 2, 0, 1, 1), (0, -1, 0, 1, 1), (0, 0, 2, 1, 1), (1, 1, -1, 1, 1),
-                      (1, 1, 1, 2, 1), (0, 0, 0, -1, 1), (0, 0, 0, 1, 2), (1, 1, 1, 1, -1)]:
+    # plan_warmup, wait_own_stream, warmup_give_back, steal_after_warmup, steal_before_warmup, wait_on_gpu
+    for bad_bools in [(2, 0, 0, 1, 1, 0), (0, 2, 0, 1, 1, 0), (0, -1, 0, 1, 1, 0), (0, 0, 2, 1, 1, 0),
+                      (1, 1, -1, 1, 1, 0), (1, 1, 1, 2, 1, 0), (0, 0, 0, -1, 1, 0), (0, 0, 0, 1, 2, 0),
+                      (1, 1, 1, 1, -1, 0), (0, 0, 0, 1, 1, 2), (0, 0, 0, 1, 1, -1)]:
         assert lib.gpumem_torch_configure(1, 0.0, 0.5, 0.0, 1, 0.05, 1, 0, *bad_bools) == -1, bad_bools
-        assert (b"plan_warmup, wait_own_stream, warmup_give_back, steal_after_warmup and steal_before_warmup 0 or 1"
-                in lib.gpumem_torch_last_error())
+        assert (b"plan_warmup, wait_own_stream, warmup_give_back, steal_after_warmup, steal_before_warmup and "
+                b"wait_on_gpu 0 or 1" in lib.gpumem_torch_last_error())
     # AllocatorPolicy's ranges are the engine's: the ends are taken (attacker 9, F3)
-    assert lib.gpumem_torch_configure(1, 1.0, 0.0, 1.0, 1, 0.05, 1, 0, 0, 1, 1, 0, 0) == 0
+    assert lib.gpumem_torch_configure(1, 1.0, 0.0, 1.0, 1, 0.05, 1, 0, 0, 1, 1, 0, 0, 1) == 0
     assert lib.gpumem_torch_plan_warmup(1) == 0 and lib.gpumem_torch_plan_warmup(0) == 0   # no engine: nothing to do
     for bad in (2, -1, 7):   # 0 or 1, as configure's plan_warmup (review attacker 14, F4)
         assert lib.gpumem_torch_plan_warmup(bad) == -1, bad

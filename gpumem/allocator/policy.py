@@ -219,7 +219,9 @@ class AllocatorPolicy:
     the GPU, not the host: the stream that needs it waits (``stream_wait_event``) for the fences of the other streams
     still using it, and the chunk is mapped under the new block at once, its old mapping unmapped once those fences
     complete, as the stream-ordered steal does (Note [Wait on the GPU, not the host] in :mod:`.backing`). The same
-    chunk is stolen as with the host's wait, so the memory held is the same; the host does not stall."""
+    chunk is stolen as with the host's wait; the host does not stall, but the stream's later work runs after the
+    other streams' (live on the H200, multistream_infer: steps 23.8 ms against 25.5-27.0, memory 10.74 % above peak
+    allocated against 5.43 %). Off by default; ``GPUMEM_WAIT_ON_GPU=1`` for gpumem.torch."""
 
     plan_warmup: bool = True
     """``growth=CHUNKS`` with step plans: from the first ``mark_step()`` (or from ``start_plan_warmup()``, which

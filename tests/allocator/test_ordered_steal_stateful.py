@@ -34,14 +34,20 @@ ORDERED_POLICIES = [
                         busy_slack=busy_slack)
     for page_slack in (0.0, _BASE.page_slack) for busy_slack in (0.0, 0.05)] + [
     dataclasses.replace(_BASE, name="ordered-ahead", stream_ordered_steal=True, chunk_max_fraction=1 / 16,
-                        chunk_max_nbytes=8 * MiB, page_slack=0.1, busy_slack=0.0, grow_ahead_fraction=0.25)]
+                        chunk_max_nbytes=8 * MiB, page_slack=0.1, busy_slack=0.0, grow_ahead_fraction=0.25)] + [
+    # waiting on the GPU past the busy_slack bound (Note [Wait on the GPU, not the host]): deferred like the ordered
+    # steal, with the ordered steal and without
+    dataclasses.replace(_BASE, name=f"wait-on-gpu-{ordered}-{busy_slack}", wait_on_gpu=True,
+                        stream_ordered_steal=ordered, chunk_max_fraction=1 / 16, chunk_max_nbytes=8 * MiB,
+                        page_slack=0.0, busy_slack=busy_slack)
+    for ordered in (False, True) for busy_slack in (0.0, 0.05)]
 
 SIZES = st.one_of(st.integers(1, 3 * MiB), st.integers(3 * MiB, 24 * MiB),
                   st.sampled_from([2 * MiB, 4 * MiB, 6 * MiB, 8 * MiB, 16 * MiB]))
 STREAMS = st.sampled_from([0, 0, 0, 7, 9])
 SCHEDULES = st.dictionaries(st.integers(1, 16), st.sampled_from(INJECTED), min_size=1, max_size=2)
 FAULT_CALLS = ("mem_create", "mem_map", "mem_set_access", "mem_unmap", "mem_release", "event_record",
-               "event_query", "event_synchronize")
+               "event_query", "event_synchronize", "stream_wait_event")
 
 
 def _no_hazard(r) -> None:

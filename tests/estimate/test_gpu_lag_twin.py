@@ -27,10 +27,10 @@ WIDE = ModelShape(2048, 5504, 4, 32000, 16, 16)
 WIDE_KW = dict(batch_size=8, prompt_len=1024, new_tokens=300)
 
 
-def _run(trace, twin: bool, model: GpuWorkModel | None = None, every: int = 13):
-    """Every op of ``trace`` under gpumem on the native engine, the GPU's work run by the twin or by ModelGpu."""
+def _run(trace, twin: bool, model: GpuWorkModel | None = None, every: int = 13, policy="gpumem"):
+    """Every op of ``trace`` under ``policy`` on the native engine, the GPU's work run by the twin or by ModelGpu."""
     dev = open_device(DEVICE)
-    a = make_allocator(dev, "gpumem", engine="native")
+    a = make_allocator(dev, policy, engine="native")
     try:
         if twin:
             eng = a._engine
@@ -68,6 +68,23 @@ def test_the_twin_keeps_the_simulators_clock_to_the_bit(model):
     assert t_twin == t_py and t_py[-1] > 0
     idle = replay_trace(trace, DEVICE, "gpumem", gpu_timing="idle").stats
     assert (st_twin.peak_reserved_nbytes, st_twin.event_calls) != (idle.peak_reserved_nbytes, idle.event_calls)
+
+
+def test_the_twin_runs_the_gpus_waits_to_the_bit():
+    """Note [Wait on the GPU, not the host]: a stream that waits on another's fence starts its later work when that
+    work ends, in the twin as in the simulator (a zero-length marker on the stream)."""
+    import dataclasses
+    from pathlib import Path
+
+    from gpumem.allocator.policy import get_policy
+    from gpumem.trace import load_trace
+
+    trace = load_trace(Path(__file__).resolve().parents[2] / "data" / "traces" / "multistream_infer_h200.snapshot.pickle.gz")
+    policy = dataclasses.replace(get_policy("gpumem"), wait_on_gpu=True, busy_slack=0.0)
+    (st_py, t_py), (st_twin, t_twin) = (_run(trace, twin, policy=policy, every=5) for twin in (False, True))
+    assert st_twin == st_py and t_twin == t_py
+    host = _run(trace, False, policy=dataclasses.replace(policy, wait_on_gpu=False), every=5)[0]
+    assert st_py.event_calls != host.event_calls   # the GPU's waits were made
 
 
 def test_the_estimate_gives_the_model_replays_figure():

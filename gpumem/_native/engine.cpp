@@ -790,22 +790,30 @@ bool Engine::fences_done(std::uint64_t stream, std::uint64_t number) {
     return q.q[q.head].first > number;
 }
 
-// StreamFences.wait
-void Engine::fences_wait(std::uint64_t stream, std::uint64_t number) {
-    if (number <= fences_done_of(stream)) return;
+// StreamFences._event_of: the newest event of `stream` recorded at or before fence `number` and not known complete
+// (false: the fence is done)
+bool Engine::fences_event_of(std::uint64_t stream, std::uint64_t number, EventHandle* out) {
+    if (number <= fences_done_of(stream)) return false;
     auto it = fq_index_.find(stream);
-    if (it == fq_index_.end()) return;
-    StreamQueue* q = &*it->second;
+    if (it == fq_index_.end()) return false;
+    const StreamQueue& q = *it->second;
     bool have = false;
-    EventHandle target = 0;
-    for (std::size_t i = q->head; i < q->q.size(); ++i) {
-        if (q->q[i].first > number) break;
-        target = q->q[i].second;
+    for (std::size_t i = q.head; i < q.q.size(); ++i) {
+        if (q.q[i].first > number) break;
+        *out = q.q[i].second;
         have = true;
     }
-    if (!have) return;
+    return have;
+}
+
+// StreamFences.wait
+void Engine::fences_wait(std::uint64_t stream, std::uint64_t number) {
+    EventHandle target = 0;
+    if (!fences_event_of(stream, number, &target)) return;
     backend_.event_synchronize(target);
     ++f_n_waits_;
+    auto it = fq_index_.find(stream);
+    StreamQueue* q = &*it->second;
     while (q && q->q[q->head].first <= number) {
         auto front = q->q[q->head++];
         fdone_[stream] = front.first;
@@ -817,20 +825,10 @@ void Engine::fences_wait(std::uint64_t stream, std::uint64_t number) {
     }
 }
 
-// StreamFences.order_after
+// StreamFences.order_after (Note [Wait on the GPU, not the host] in backing.py)
 void Engine::fences_order_after(std::uint64_t waiting, std::uint64_t stream, std::uint64_t number) {
-    if (number <= fences_done_of(stream)) return;
-    auto it = fq_index_.find(stream);
-    if (it == fq_index_.end()) return;
-    const StreamQueue& q = *it->second;
-    bool have = false;
     EventHandle target = 0;
-    for (std::size_t i = q.head; i < q.q.size(); ++i) {
-        if (q.q[i].first > number) break;
-        target = q.q[i].second;
-        have = true;
-    }
-    if (!have) return;
+    if (!fences_event_of(stream, number, &target)) return;
     backend_.stream_wait_event(waiting, target);
     ++n_stream_waits_;
 }

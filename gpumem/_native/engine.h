@@ -589,6 +589,7 @@ class Engine {
     bool fences_all_done(const detail::FenceMap* f);
     void fences_wait_all(const detail::FenceMap* f);
     void fences_order_after(std::uint64_t waiting, std::uint64_t stream, std::uint64_t number);
+    bool fences_event_of(std::uint64_t stream, std::uint64_t number, EventHandle* out);
     void fences_forget_idle();
     void fences_close();
     std::uint64_t fences_done_of(std::uint64_t stream) const;

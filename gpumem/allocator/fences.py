@@ -103,36 +103,32 @@ class StreamFences:
             self._retire(stream, q)
         return number <= self._done.get(stream, 0) or not q or q[0][0] > number
 
-    def wait(self, stream: int, number: int) -> None:
-        """Block until the fence has completed (``event_synchronize`` on it, if not known complete)."""
+    def _event_of(self, stream: int, number: int) -> Any:
+        """The newest event of ``stream`` recorded at or before fence ``number`` and not known complete, or None
+        (the fence is done)."""
         if number <= self._done.get(stream, 0):
-            return
-        q = self._queues.get(stream)
-        if not q:
-            return
+            return None
         target = None
-        for n, event in q:
+        for n, event in self._queues.get(stream, ()):
             if n > number:
                 break
             target = event
+        return target
+
+    def wait(self, stream: int, number: int) -> None:
+        """Block until the fence has completed (``event_synchronize`` on it, if not known complete)."""
+        target = self._event_of(stream, number)
         if target is not None:
             self.device.event_synchronize(target)
             self.n_waits += 1
+            q = self._queues[stream]
             while q and q[0][0] <= number:
                 self._retire(stream, q)
 
     def order_after(self, waiting: int, stream: int, number: int) -> None:
-        """Make ``waiting`` run its later work after the fence (``stream_wait_event`` on it, if not known complete)."""
-        if number <= self._done.get(stream, 0):
-            return
-        q = self._queues.get(stream)
-        if not q:
-            return
-        target = None
-        for n, event in q:
-            if n > number:
-                break
-            target = event
+        """Make ``waiting`` run its later work after the fence (``stream_wait_event`` on it, if not known complete):
+        the GPU waits, not the host (Note [Wait on the GPU, not the host] in :mod:`.backing`)."""
+        target = self._event_of(stream, number)
         if target is not None:
             self.device.stream_wait_event(waiting, target)
             self.n_stream_waits += 1

@@ -275,14 +275,14 @@ Past the ``busy_slack`` bound a busy idle chunk is waited for: the host blocks o
 multistream_infer spends 13-15 ms of its 25-27 ms steps so, two waits a step. ``wait_on_gpu`` (off) has the
 stream that needs the chunk wait instead (``stream_wait_event`` on each other stream's fence; its own stream's
 work runs first anyway) and steals the chunk as the stream-ordered steal does: mapped under the new block at
-once, the old mapping deferred until the fences complete. The same chunk is taken, so in a replay the memory
-held moves only where the program's GPU work does. But the waiting stream's later work now runs after the
-other's: live on the H200 (``reports/hil/wait-on-gpu-h200-2026-12-03.md``, 40 steps, two runs a setting)
+once, the old mapping deferred until the fences complete. The same chunk is taken at that moment, but the
+waiting stream's later work now runs after the other's, which changes what is busy later: live on the H200 (``reports/hil/wait-on-gpu-h200-2026-12-03.md``, 40 steps, two runs a setting)
 multistream_infer's steps were 23.8-23.9 ms against the default's 25.5-27.0 (PyTorch's allocator 22.1), and it
 held **10.74 %** above peak allocated against 5.43 %: its ``record_stream`` blocks come back later, best fit
-spreads live data over 5 % more pages, and ``busy_slack`` is relative to those. The replay of that run's own
-trace shows the same 10.74 % (the shipped 10-step snapshot does not: 5.43 %). With ``busy_slack=0`` too it
-held 5.74 % (replayed 5.75 %) at 24.4-26.7 ms. Not a default: memory comes first, and the step time it saves
+spreads live data over 5 % more pages, and ``busy_slack`` is relative to those. Replays of the 40-step runs'
+own traces show it too (either run's trace under the knob: 10.74 %; the shipped 10-step snapshot does not: 5.43 %).
+With ``busy_slack=0`` too it held 5.74 % (that run's trace, not recorded; the knob's run's trace replayed so: 5.75 %)
+at 24.4-26.7 ms. Not a default: memory comes first, and the step time it saves
 costs five points of memory. It stays for programs that want the time; the waits of the deferred mappings
 (a block placed where an old mapping still waits, :meth:`VirtualBacking._drain_deferred`) remain on the host.
 Private pools (CUDA graph captures) never use it: a capturing stream may not wait on an event from outside.

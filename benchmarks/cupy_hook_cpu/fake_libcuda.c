@@ -61,3 +61,4 @@ CUresult cuEventQuery(void* e) { (void)e; return 0; }
 CUresult cuEventSynchronize(void* e) { (void)e; return 0; }
 CUresult cuEventDestroy_v2(void* e) { (void)e; return 0; }
 CUresult cuStreamSynchronize(void* s) { (void)s; return 0; }
+CUresult cuStreamWaitEvent(void* s, void* e, unsigned flags) { (void)s; (void)e; (void)flags; return 0; }

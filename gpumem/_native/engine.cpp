@@ -1040,7 +1040,12 @@ void Engine::commit(Block* b) {
     for (std::int64_t p = first; p <= last; ++p)
         if (refs[p] == 0 && seg->chunks[p] == 0) need.push_back(p);
     if (!need.empty()) {
-        if (chunked_) map_runs(seg, need, first, last, b->size, b->stream);
+        if (chunked_) {   // the pages the block covers whole (Note [No other stream on a deferred chunk] in backing.py)
+            const std::uint64_t g = seg->page_nbytes;
+            const std::int64_t whole_lo = first + ((b->addr - seg->base) % g != 0 ? 1 : 0);
+            const std::int64_t whole_hi = last - ((b->addr + b->size - seg->base) % g != 0 ? 1 : 0);
+            map_runs(seg, need, first, last, b->size, b->stream, whole_lo, whole_hi);
+        }
         else map_pages(seg, need, first, last, b->size);
     }
     for (std::int64_t p = first; p <= last; ++p) {
@@ -1553,7 +1558,7 @@ std::int64_t Engine::chunk_cap_pages_of(std::int64_t held, const EngineConfig& k
 
 // VirtualBacking._map_runs
 void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int64_t first, std::int64_t last,
-                      std::uint64_t requested, std::uint64_t stream) {
+                      std::uint64_t requested, std::uint64_t stream, std::int64_t whole_lo, std::int64_t whole_hi) {
     const std::uint64_t g = g_;
     if (!deferred_.empty()) {
         drain_deferred(false, nullptr, nullptr, nullptr);
@@ -1590,7 +1595,8 @@ void Engine::map_runs(VSeg* seg, const std::vector<std::int64_t>& need, std::int
                 std::int64_t rem = end - pos;
                 ChunkHandle h;
                 if (!take_cached(rem, &h))
-                    h = chunk_for(seg, pos, rem, end - 1 == top_page, first, last, budget, requested, stream);
+                    h = chunk_for(seg, pos, rem, end - 1 == top_page, first, last, budget, requested, stream,
+                                  pos >= whole_lo ? whole_hi - pos + 1 : 0);
                 map_chunk(seg, pos, h);
                 mapped.push_back(pos);
                 pos += mapped_chunk_pages(seg, pos);
@@ -1727,12 +1733,13 @@ std::int64_t Engine::growth_pages(VSeg* seg, std::int64_t pos, std::int64_t rem,
 
 // VirtualBacking._chunk_for
 ChunkHandle Engine::chunk_for(VSeg* seg, std::int64_t pos, std::int64_t rem, bool at_top, std::int64_t first,
-                              std::int64_t last, std::int64_t budget, std::uint64_t requested, std::uint64_t stream) {
+                              std::int64_t last, std::int64_t budget, std::uint64_t requested, std::uint64_t stream,
+                              std::int64_t unshared) {
     std::int64_t n = cfg_.steal_empty_pages ? growth_pages(seg, pos, rem, at_top, budget)
                                             : std::min(rem, chunk_cap_pages());
     if (n) return create_chunk(n, requested);
     ChunkHandle h;
-    if (steal_chunk(seg, first, last, rem, requested, stream, &h)) return h;
+    if (steal_chunk(seg, first, last, rem, requested, stream, unshared, &h)) return h;
     // idle chunks that remain are all larger than the run: give back one whose work is done and
     // create what fits (memory shrinks); wait for one only when memory would run short
     release_idle_chunk(seg, first, last, false);
@@ -1810,12 +1817,13 @@ bool Engine::chunk_ready(VSeg* seg, std::int64_t s, bool wait, StreamNumbers& ba
 
 // VirtualBacking._chunk_of_stream
 std::ptrdiff_t Engine::chunk_of_stream(IdleWalk& fits, std::uint64_t stream, StreamNumbers& batch,
-                                       StreamNumbers* busy, FenceMap& pending) {
+                                       StreamNumbers* busy, FenceMap& pending, std::int64_t unshared) {
     std::ptrdiff_t oldest = -1;
     std::int64_t oldest_n = 0, oldest_own = 0;
     FenceMap here;
     for (std::size_t i = 0; idle_at(fits, i); ++i) {
         IdleChunk c = fits.got[i];
+        if (unshared >= 0 && c.n > unshared) continue;   // Note [No other stream on a deferred chunk] in backing.py
         here = chunk_fences(c.seg, c.s, batch);
         bool ours = true;
         std::int64_t own = -1;   // the chunk's last fence on stream (-1: none)
@@ -1851,7 +1859,7 @@ bool Engine::fence_done_in_pass(std::uint64_t stream, std::uint64_t number, Stre
 
 // VirtualBacking._steal_chunk (false: None)
 bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages,
-                         std::uint64_t requested, std::uint64_t stream, ChunkHandle* out) {
+                         std::uint64_t requested, std::uint64_t stream, std::int64_t unshared, ChunkHandle* out) {
     IdleWalk fits(idle_walk_spare_);
     idle_walk(fits, seg, first, last, max_pages);   // Note [An index of idle chunks] in backing.py
     if (!idle_at(fits, 0)) return false;
@@ -1865,8 +1873,8 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
         }
     }
     FenceMap pending;
-    if (ordered_steal_allowed()) {   // Note [Stream-ordered steal] in backing.py
-        std::ptrdiff_t i = chunk_of_stream(fits, stream, batch, nullptr, pending);
+    if (unshared > 0 && ordered_steal_allowed()) {   // Notes [Stream-ordered steal], [No other stream on a deferred chunk]
+        std::ptrdiff_t i = chunk_of_stream(fits, stream, batch, nullptr, pending, unshared);
         if (i >= 0) {
             IdleChunk c = fits.got[static_cast<std::size_t>(i)];
             ++n_steals_;
@@ -1894,7 +1902,8 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
             if (!classify_current().oom) throw;   // memory is needed now: wait for the busy chunk
         }
     }
-    if (knobs().wait_on_gpu) {   // Note [Wait on the GPU, not the host] in backing.py
+    if (knobs().wait_on_gpu && c.n <= unshared) {   // Notes [Wait on the GPU, not the host], [No other stream on a
+                                                     // deferred chunk] in backing.py
         pending = chunk_fences(c.seg, c.s, batch);
         for (const auto& sn : pending)
             if (sn.first != stream) fences_order_after(stream, sn.first, sn.second);

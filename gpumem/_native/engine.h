@@ -632,12 +632,13 @@ class Engine {
     std::int64_t chunk_cap_pages() const;
     std::int64_t chunk_cap_pages_of(std::int64_t held_pages, const EngineConfig& k) const;   // AllocatorPolicy.chunk_cap_pages
     void map_runs(detail::VSeg* seg, const std::vector<std::int64_t>& need, std::int64_t first, std::int64_t last,
-                  std::uint64_t requested, std::uint64_t stream);
+                  std::uint64_t requested, std::uint64_t stream, std::int64_t whole_lo, std::int64_t whole_hi);
     bool take_cached(std::int64_t max_pages, ChunkHandle* out);
     void map_chunk(detail::VSeg* seg, std::int64_t pos, ChunkHandle h);
     std::int64_t growth_pages(detail::VSeg* seg, std::int64_t pos, std::int64_t rem, bool at_top, std::int64_t budget);
     ChunkHandle chunk_for(detail::VSeg* seg, std::int64_t pos, std::int64_t rem, bool at_top, std::int64_t first,
-                          std::int64_t last, std::int64_t budget, std::uint64_t requested, std::uint64_t stream);
+                          std::int64_t last, std::int64_t budget, std::uint64_t requested, std::uint64_t stream,
+                          std::int64_t unshared);
     ChunkHandle create_chunk(std::int64_t n_pages, std::uint64_t requested);
     struct IdleChunk {   // (pages, address, first page, range), as _idle_chunks' tuples
         std::int64_t n;
@@ -649,7 +650,7 @@ class Engine {
     bool chunk_ready(detail::VSeg* seg, std::int64_t s, bool wait, detail::StreamNumbers& batch,
                      detail::StreamNumbers* busy = nullptr);
     bool steal_chunk(detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages,
-                     std::uint64_t requested, std::uint64_t stream, ChunkHandle* out);
+                     std::uint64_t requested, std::uint64_t stream, std::int64_t unshared, ChunkHandle* out);
     // stream-ordered steal (Note [Stream-ordered steal] in backing.py; same names)
     detail::FenceMap chunk_fences(detail::VSeg* seg, std::int64_t s, detail::StreamNumbers& batch);
     ChunkHandle defer_unmap(detail::VSeg* seg, std::int64_t s, detail::FenceMap pending);
@@ -849,9 +850,10 @@ class Engine {
     void idle_walk(IdleWalk& w, detail::VSeg* seg, std::int64_t first, std::int64_t last, std::int64_t max_pages);
     const IdleChunk* idle_at(IdleWalk& w, std::size_t i);
     // VirtualBacking._chunk_of_stream: one of `fits` whose pending work is all on `stream` (with `busy`, of the largest
-    // the one whose last fence there is oldest; without, the first, its fences in `pending`), -1 where none
+    // the one whose last fence there is oldest; without, the first, its fences in `pending`), -1 where none; with
+    // `unshared` >= 0, only chunks of at most that many pages (Note [No other stream on a deferred chunk] in backing.py)
     std::ptrdiff_t chunk_of_stream(IdleWalk& fits, std::uint64_t stream, detail::StreamNumbers& batch,
-                                   detail::StreamNumbers* busy, detail::FenceMap& pending);
+                                   detail::StreamNumbers* busy, detail::FenceMap& pending, std::int64_t unshared = -1);
     bool fence_done_in_pass(std::uint64_t stream, std::uint64_t number, detail::StreamNumbers* busy);   // _fence_done
     void idle_index_problems(std::vector<std::string>& problems);
     // the fast paths' bodies, under the lock (Note [Fast paths under a held run] in engine.cpp)

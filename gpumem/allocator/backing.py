@@ -244,8 +244,9 @@ marks would pay double its calls (the replays of the corpus without marks: GPT-2
 cost that kept the steal off by default, +7 % step time on GPT-2 without plans). So the rule follows the warm-up:
 one that never begins it, or stops it by hand, keeps the policy's knobs (Note [The ordered steal before a warm-up]);
 but one past 2**14 allocations with no mark has ended, stopped or not (``stop_plan_warmup``), and gets the steal.
-Replayed (``gpu_timing="trace"``): gpt2_train 5.54 -> 0.80 %, moe_train 4.02 -> 1.25 %, cudagraph_train 3.77 ->
-0.65 % (tuning), llama_varlen_train 5.77 -> 0.75 % (check); no other trace of data/traces moved.
+Replayed (``gpu_timing="trace"``): gpt2_train 5.54 -> 0.80 %, moe_train 4.02 -> 1.52 %, cudagraph_train 3.77 ->
+0.65 % (tuning), llama_varlen_train 5.77 -> 0.77 % (check); no other trace of data/traces moved (1.25 and 0.75 %
+before Note [No other stream on a deferred chunk]).
 
 Note [The ordered steal before a warm-up]
 -----------------------------------------
@@ -286,6 +287,20 @@ at 24.4-26.7 ms. Not a default: memory comes first, and the step time it saves
 costs five points of memory. It stays for programs that want the time; the waits of the deferred mappings
 (a block placed where an old mapping still waits, :meth:`VirtualBacking._drain_deferred`) remain on the host.
 Private pools (CUDA graph captures) never use it: a capturing stream may not wait on an event from outside.
+
+Note [No other stream on a deferred chunk]
+------------------------------------------
+A chunk taken without a host wait (the stream-ordered steal, ``wait_on_gpu``) is still read and written by its old
+work through its old mapping. Only the stream that took it is ordered after that work. But blocks of different
+streams share pages: a small-pool page holds blocks of any stream, and the page where a large block begins or ends
+mid-page holds the next block carved there, of any stream, with no device call (the page is mapped). Such a block
+of a third stream on the taken chunk ran beside the old work on the same bytes (attacker review of 2026-12-03, both
+engines, the default policy after a warm-up included; the simulator's sanitizer checks unmaps only, so a device that
+followed physical pages found it). So a chunk is taken so only onto pages the new block covers whole, which no
+other block can reach while it lives, and after it only through its stream's free list or a fenced release of
+address space, both ordered after the old work. A chunk that would reach the block's partial first or last page is
+waited for on the host (or grown past within ``busy_slack``) as before. On the corpus (``gpu_timing="trace"``) it
+moved moe_train 1.25 -> 1.52 % and llama_varlen_train 0.75 -> 0.77 %; no other trace.
 
 Note [An index of idle chunks]
 ------------------------------
@@ -831,7 +846,9 @@ class VirtualBacking(Backing):
         need = [p for p in range(first, last + 1) if refs[p] == 0 and chunks[p] is None]
         if need:
             if self.chunked:
-                self._map_runs(seg, need, first, last, block.size, block.stream)
+                g = seg.page_nbytes   # the pages the block covers whole (Note [No other stream on a deferred chunk])
+                whole = (first + ((block.addr - seg.base) % g != 0), last - ((block.addr + block.size - seg.base) % g != 0))
+                self._map_runs(seg, need, first, last, block.size, block.stream, whole)
             else:
                 self._map_pages(seg, need, first, last, block.size)
         self._take_pages(seg, first, last)
@@ -1164,7 +1181,7 @@ class VirtualBacking(Backing):
         return self.knobs.chunk_cap_pages(self.reserved_nbytes // self.granularity, self.granularity)
 
     def _map_runs(self, seg: VirtualSegment, need: list[int], first: int, last: int, requested: int,
-                  stream: int) -> None:
+                  stream: int, whole: tuple[int, int]) -> None:
         """Map chunks under the pages in ``need`` (ascending), run by run, left to right; one access
         call per contiguous run of newly mapped pages; all or nothing (Note [Failure atomicity]).
 
@@ -1204,7 +1221,7 @@ class VirtualBacking(Backing):
                     handle = self._take_cached(rem)
                     if handle is None:
                         handle = self._chunk_for(seg, pos, rem, end - 1 == top_page, first, last, budget, requested,
-                                                 stream)
+                                                 stream, whole[1] - pos + 1 if pos >= whole[0] else 0)
                     self._map_chunk(seg, pos, handle)
                     mapped.append(pos)
                     pos += handle.nbytes // g
@@ -1321,7 +1338,7 @@ class VirtualBacking(Backing):
         return n
 
     def _chunk_for(self, seg: VirtualSegment, pos: int, rem: int, at_top: bool, first: int, last: int,
-                   budget: int, requested: int, stream: int) -> PhysicalHandle:
+                   budget: int, requested: int, stream: int, unshared: int) -> PhysicalHandle:
         """A chunk of at most ``rem`` pages (more only when grown ahead at the top) for page ``pos`` of
         ``seg``, held by the caller and in no list: created within the slack, else an idle chunk
         stolen, else created past the slack (the limit and the device allowing), else an idle chunk
@@ -1330,7 +1347,7 @@ class VirtualBacking(Backing):
             rem, self._chunk_cap_pages())
         if n:
             return self._create_chunk(n, requested)
-        handle = self._steal_chunk(seg, first, last, rem, requested, stream)
+        handle = self._steal_chunk(seg, first, last, rem, requested, stream, unshared)
         if handle is not None:
             return handle
         # idle chunks that remain are all larger than the run: give back one whose work is done and
@@ -1483,7 +1500,7 @@ class VirtualBacking(Backing):
         return True
 
     def _steal_chunk(self, seg: VirtualSegment, first: int, last: int, max_pages: int,
-                     requested: int, stream: int) -> PhysicalHandle | None:
+                     requested: int, stream: int, unshared: int) -> PhysicalHandle | None:
         """Unmap an idle chunk of at most ``max_pages`` and return it (held by the caller); None when
         there is none. The largest goes first (fewest calls), then the highest address (as for
         pages, Note [Virtual memory: pages follow live data]); one whose work is done before one
@@ -1501,8 +1518,8 @@ class VirtualBacking(Backing):
             if self._chunk_ready(other, s, False, batch, busy):
                 self.n_steals += 1
                 return self._unmap_chunk(other, s)
-        if self._ordered_steal_allowed():
-            ours = self._chunk_of_stream(seg, first, last, max_pages, stream, batch, None)
+        if unshared > 0 and self._ordered_steal_allowed():   # Note [No other stream on a deferred chunk]
+            ours = self._chunk_of_stream(seg, first, last, max_pages, stream, batch, None, unshared)
             if ours is not None:
                 self.n_steals += 1
                 self._count_before_steal()
@@ -1519,7 +1536,7 @@ class VirtualBacking(Backing):
                 return self._create_chunk(n, requested)
             except OutOfMemoryError:
                 pass  # memory is needed now: wait for the busy chunk
-        if self.knobs.wait_on_gpu:   # Note [Wait on the GPU, not the host]
+        if self.knobs.wait_on_gpu and n <= unshared:   # Notes [Wait on the GPU, not the host], [No other stream on a deferred chunk]
             pending = self._chunk_fences(other, s, batch)
             for st, number in pending.items():
                 if st != stream:
@@ -1547,16 +1564,19 @@ class VirtualBacking(Backing):
             self.before_steals += 1
 
     def _chunk_of_stream(self, seg: VirtualSegment, first: int, last: int, max_pages: int, stream: int,
-                         batch: dict[int, int], busy: dict[int, int] | None
+                         batch: dict[int, int], busy: dict[int, int] | None, unshared: int | None = None
                          ) -> "tuple[VirtualSegment, int, dict[int, int]] | None":
         """An idle chunk that fits whose pending work is all on ``stream`` or done: its range, first page and merged
         fences; None where there is none (Notes [Stream-ordered steal], [Wait for the program's own stream]).
         ``busy``: the steal's pass, as in :meth:`_page_ready`; given (the wait), of the largest such chunks the
         one whose last fence on ``stream`` is oldest, the first in the steal's order among equals (Note [Wait for
         the oldest fence]); None (the stream-ordered steal, which does not wait): the first in the steal's order,
-        every fence queried."""
+        every fence queried. ``unshared``: only chunks of at most that many pages (Note [No other stream on a
+        deferred chunk])."""
         oldest: "tuple[tuple[int, int], tuple[VirtualSegment, int, dict[int, int]]] | None" = None
         for n, _, s, other in self._idle_walk(seg, first, last, max_pages):
+            if unshared is not None and n > unshared:
+                continue   # it would reach a page other blocks share (Note [No other stream on a deferred chunk])
             pending = self._chunk_fences(other, s, batch)
             if all(st == stream or self._fence_done(st, number, busy) for st, number in pending.items()):
                 if busy is None:

@@ -93,7 +93,7 @@ from .pressure import Scenario, TenantContext
 from .profiles import DeviceProfile
 from .slots import Slot as _Slot, SlotIndex
 from .storage import SparseStore
-from .streams import DONE, StreamEngine, Work
+from .streams import DONE, PhysicalPiece, StreamEngine, Work
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,8 @@ class Hazard:
 
     time_s: float
     call: str
-    """The device call: ``free``, ``mem_unmap`` or ``launch``."""
+    """The device call: ``free``, ``mem_unmap`` or ``launch``; ``alias`` for work that ran beside other work on the
+    same physical bytes (Note [Physical aliasing] in :mod:`gpumem.sim.streams`)."""
     stream: int
     va: int
     nbytes: int
@@ -335,6 +336,8 @@ class SimDevice(Device):
         self.hazards: list[Hazard] = []
         """Hazards seen in ``count`` mode, oldest first."""
         self.streams = StreamEngine(self._clock)
+        self.streams.on_alias = self._alias_seen
+        self._pending_alias: Hazard | None = None   # raise mode: raised by the next call (_check_usable)
         self._next_stream = 1
         self._closed = False
         self._lost = False
@@ -1008,17 +1011,48 @@ class SimDevice(Device):
         self._check_finite_time("launch", duration_s)
         label = name if name is not None else f"work {self.stats.calls.get('launch', 0) + 1}"
         hazards: list[Hazard] = []
+        phys: list[PhysicalPiece] = []   # Note [Physical aliasing] in gpumem.sim.streams
         if self.sanitizer != "off":
             for ptr, nbytes in ranges:
                 try:
-                    self._book.locate(ptr, nbytes, "launch")
+                    pieces = self._book.locate(ptr, nbytes, "launch")
                 except InvalidPointerError as exc:
                     hazards.append(self._hazard(Hazard(self.now_s, "launch", stream, ptr, nbytes, label,
                                         f"work {label!r} on stream {stream} touches [{ptr:#x}, {ptr + nbytes:#x}), "
                                         f"which is not allocated or not mapped with access ({exc})")))
+                    continue
+                va = ptr
+                for record, offset, n in pieces:
+                    if isinstance(record, Physical):
+                        phys.append(PhysicalPiece(record, offset, n, va))
+                    va += n
         self._call("launch", self.latency.launch_us)
         self._record_hazards(*hazards)
-        return self.streams.launch(stream, label, duration_s, ranges)
+        return self.streams.launch(stream, label, duration_s, ranges, phys=phys)
+
+    def _alias_seen(self, work: Work, other: Work, theirs: PhysicalPiece, ours: PhysicalPiece) -> None:
+        """StreamEngine.on_alias: ``work`` started beside ``other`` on the same physical bytes through another
+        address (Note [Physical aliasing] in :mod:`gpumem.sim.streams`). No call can be refused (the GPU runs the
+        work), so the hazard is always recorded, and in ``raise`` mode the next device call raises it."""
+        lo = max(ours.offset, theirs.offset)
+        hi = min(ours.offset + ours.nbytes, theirs.offset + theirs.nbytes)
+        va, other_va = ours.va + lo - ours.offset, theirs.va + lo - theirs.offset
+        hazard = Hazard(self.now_s, "alias", work.stream, va, hi - lo, work.name,
+                        f"work {work.name!r} on stream {work.stream} runs on [{va:#x}, {va + hi - lo:#x}) while "
+                        f"{other.state_name} work {other.name!r} on stream {other.stream} runs on the same physical "
+                        f"bytes through [{other_va:#x}, {other_va + hi - lo:#x}): a chunk was mapped again before its "
+                        f"old work ended, and nothing ordered the new work after it")
+        self._record_hazards(hazard)
+        if self.sanitizer == "raise" and self._pending_alias is None:
+            self._pending_alias = hazard
+
+    def _check_usable(self) -> None:
+        """The base class's check, then an alias seen while the GPU ran (``raise`` mode), raised once, before the
+        call changes anything."""
+        super()._check_usable()
+        hazard, self._pending_alias = self._pending_alias, None
+        if hazard is not None:
+            raise hazard.to_error()
 
     def _sanitize_release(self, call: str, va: int, nbytes: int) -> Hazard | None:
         """Before ``free`` or ``mem_unmap`` of ``[va, va + nbytes)``: is in-flight work touching it?

@@ -22,12 +22,26 @@ Note [What the sanitizer looks at]
 Work that is queued or running *touches* its ranges (reads and writes them)
 until it ends. :meth:`StreamEngine.touching` finds in-flight work overlapping a
 range; the device asks it before it frees or unmaps memory.
+
+Note [Physical aliasing]
+------------------------
+A virtual range can be unmapped only after its work ends, but the physical chunk behind it can be
+mapped again elsewhere at once: an allocator that hands a chunk on before its old work ran (a
+stream-ordered steal) must make sure that every new user of the chunk is ordered after that work.
+The checks above see virtual addresses only, so such a bug passed them (the attacker review of
+2026-12-03 found one: a block of a third stream on a shared page of a taken chunk). So work also
+carries its *physical* pieces (``phys``: chunk, offset, length, and the address it reached them
+through), and when work starts, running work of another stream that reaches the same bytes of a
+chunk through another address is an alias: the two run side by side on one piece of memory. The
+same address on two streams is the program's own sharing (a block used on two streams), not the
+allocator's. Work on one stream never overlaps itself. The check runs at start, when the order the
+streams' waits made is known; ``on_alias`` tells the device, which records the hazard.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import simpy
 
@@ -43,15 +57,19 @@ class Work:
     """Work queued on a stream by ``SimDevice.launch`` (a kernel, a copy): it runs for
     ``duration_s`` of simulated time and reads and writes ``touches`` while queued or running."""
 
-    __slots__ = ("name", "stream", "duration_s", "touches", "wait_for", "state", "start_s", "end_s", "done_event")
+    __slots__ = ("name", "stream", "duration_s", "touches", "wait_for", "state", "start_s", "end_s", "done_event",
+                 "phys")
 
     def __init__(self, env: simpy.Environment, name: str, stream: int, duration_s: float,
-                 touches: tuple[tuple[int, int], ...], wait_for: "Work | None" = None) -> None:
+                 touches: tuple[tuple[int, int], ...], wait_for: "Work | None" = None,
+                 phys: "tuple[PhysicalPiece, ...]" = ()) -> None:
         self.name = name
         self.stream = stream
         self.duration_s = duration_s
         self.touches = touches
         """``(ptr, nbytes)`` ranges the work reads and writes."""
+        self.phys = phys
+        """The physical pieces of ``touches`` that lie in mapped chunks (Note [Physical aliasing])."""
         self.wait_for = wait_for
         self.state = QUEUED
         self.start_s: float | None = None
@@ -72,6 +90,33 @@ class Work:
         return f"<Work {self.name!r} stream={self.stream} {self.state_name}>"
 
 
+class PhysicalPiece(NamedTuple):
+    """``nbytes`` of a physical chunk from ``offset``, reached through virtual address ``va``."""
+
+    chunk: object
+    offset: int
+    nbytes: int
+    va: int
+
+
+#: Told of an alias when ``work`` starts: ``(work, running work of another stream, its piece, work's piece)``.
+AliasObserver = Callable[["Work", "Work", PhysicalPiece, PhysicalPiece], None]
+
+
+def find_alias(a: Sequence[PhysicalPiece], b: Sequence[PhysicalPiece]) -> tuple[PhysicalPiece, PhysicalPiece] | None:
+    """A piece of ``b`` and one of ``a`` on the same bytes of one chunk reached through different addresses, or
+    None (Note [Physical aliasing])."""
+    by_chunk: dict[int, list[PhysicalPiece]] = {}
+    for p in b:
+        by_chunk.setdefault(id(p.chunk), []).append(p)
+    for p in a:
+        for q in by_chunk.get(id(p.chunk), ()):
+            lo = max(p.offset, q.offset)
+            if lo < min(p.offset + p.nbytes, q.offset + q.nbytes) and p.va - p.offset != q.va - q.offset:
+                return q, p
+    return None
+
+
 class _Stream:
     __slots__ = ("id", "queue", "process", "tail")
 
@@ -90,6 +135,9 @@ class StreamEngine:
         self.env = clock.env
         self._streams: dict[int, _Stream] = {}
         self._inflight: dict[Work, None] = {}  # insertion-ordered set
+        self._running_phys: dict[Work, None] = {}  # running work with physical pieces (Note [Physical aliasing])
+        self.on_alias: AliasObserver | None = None
+        """Called when work starts beside running work of another stream on the same physical bytes."""
         self._n_pending = 0
         self.pending_s = 0.0
         """The summed durations of unfinished work (an upper bound on how long it can still run:
@@ -112,12 +160,13 @@ class StreamEngine:
         return [st.tail for st in self._streams.values() if st.tail is not None and st.tail.state != DONE]
 
     def launch(self, stream: int, name: str, duration_s: float, touches: Sequence[tuple[int, int]] = (),
-               wait_for: Work | None = None) -> Work:
-        """Queue work on ``stream`` (made lazily) and start the stream's process if it is idle."""
+               wait_for: Work | None = None, phys: Sequence[PhysicalPiece] = ()) -> Work:
+        """Queue work on ``stream`` (made lazily) and start the stream's process if it is idle; ``phys``: the
+        physical pieces of ``touches`` (Note [Physical aliasing])."""
         st = self._streams.get(stream)
         if st is None:
             st = self._streams[stream] = _Stream(stream)
-        work = Work(self.env, name, stream, duration_s, tuple(touches), wait_for)
+        work = Work(self.env, name, stream, duration_s, tuple(touches), wait_for, tuple(phys))
         st.queue.append(work)
         st.tail = work
         self._n_pending += 1
@@ -143,12 +192,16 @@ class StreamEngine:
                 yield waited.done_event
             work.state = RUNNING
             work.start_s = env.now
+            if work.phys and work.duration_s > 0:
+                self._check_alias(work)
+                self._running_phys[work] = None
             if work.duration_s > 0:
                 yield env.timeout(work.duration_s)
             work.state = DONE
             work.end_s = env.now
             queue.popleft()
             self._inflight.pop(work, None)
+            self._running_phys.pop(work, None)
             self._n_pending -= 1
             # reset when idle, so rounding in the running sum never accumulates
             self.pending_s = self.pending_s - work.duration_s if self._n_pending else 0.0
@@ -157,6 +210,16 @@ class StreamEngine:
         # an idle stream keeps nothing: foreign code may use thousands of stream ids once each
         if self._streams.get(st.id) is st:
             del self._streams[st.id]
+
+    def _check_alias(self, work: Work) -> None:
+        """Tell ``on_alias`` of running work of another stream on ``work``'s physical bytes through another
+        address (Note [Physical aliasing]); work that ends at this instant does not run beside it."""
+        now = self.env.now
+        for other in self._running_phys:
+            if other.stream != work.stream and other.start_s + other.duration_s > now:   # type: ignore[operator]
+                hit = find_alias(work.phys, other.phys)
+                if hit is not None and self.on_alias is not None:
+                    self.on_alias(work, other, *hit)
 
     def touching(self, va: int, nbytes: int) -> tuple[Work, int, int] | None:
         """In-flight work that touches ``[va, va + nbytes)``, with the overlapping touch, or ``None``."""

@@ -199,14 +199,14 @@ def test_no_warmup_yet_or_one_stopped_has_the_ordered_steal_before(engine):
 
 
 def _unmarked_busy_program(engine: str, policy, n: int = 3000):
-    """``n`` allocations of three sizes on stream 0, each touched by a kernel still queued when it is freed two
+    """``n`` allocations of seven sizes, whole pages, on stream 0, each touched by a kernel still queued when it is freed two
     allocations later, never a mark: memory past the held pages comes from busy chunks (a stream-ordered steal) or
     is grown. The allocator's stats, its backing's counters (and, on the Python engine, ``before_steals``)."""
     device = sim.SimDevice(sim.get_profile("h200-141gb"))
     alloc = CachingAllocator(device, policy, engine=engine)
     live = []
     for i in range(n):
-        nbytes = (2, 4, 6)[i % 3] * MiB + (i % 7) * 4096
+        nbytes = ((i * 5) % 7 + 1) * 2 * MiB   # whole pages: an ordered steal takes only those (Note [No other stream on a deferred chunk])
         ptr = alloc.allocate(nbytes, 0)
         device.launch(0, 0.01, touches=[(ptr, nbytes)])
         live.append(ptr)

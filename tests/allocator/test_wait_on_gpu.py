@@ -105,3 +105,78 @@ def test_wait_on_gpu_is_a_bool_and_off_by_default():
     for bad in (1, "yes", None):
         with pytest.raises(InvalidArgumentError, match="wait_on_gpu must be a bool"):
             dataclasses.replace(get_policy("gpumem"), wait_on_gpu=bad)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("knobs", [{"wait_on_gpu": True}, {"stream_ordered_steal": True}],
+                         ids=["wait-on-gpu", "ordered-steal"])
+def test_no_block_of_a_third_stream_shares_a_chunk_its_old_work_still_uses(engine, knobs):
+    """Note [No other stream on a deferred chunk] (attacker review, 2026-12-03): A's 2 MiB freed under a queued
+    kernel; a 512 B block of B on it (a small-pool page, shared by any stream) and then one of C. Taken without a
+    host wait, C's kernel ran on the bytes A's old kernel still used. Now the chunk is waited for on the host."""
+    C = 11
+    dev = CountingDevice(small_profile(384))
+    alloc = CachingAllocator(dev, dataclasses.replace(TIGHT, **knobs), engine=engine)
+    x = alloc.allocate(2 * MiB, A)
+    kernel = dev.launch(A, KERNEL_S, touches=[(x, 2 * MiB)])
+    alloc.free(x)
+    b = alloc.allocate(512, B if "wait_on_gpu" in knobs else A)
+    c = alloc.allocate(512, C)
+    work = dev.launch(C, 1e-3, touches=[(c, 512)])
+    dev.synchronize()
+    assert kernel.done and work.start_s >= kernel.end_s   # C's work never ran beside A's old work
+    assert "stream_wait_event" not in dev.counts   # the shared page's chunk was waited for on the host
+    for p in (b, c):
+        alloc.free(p)
+    assert not alloc.check_consistency()
+    alloc.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_chunk_under_the_blocks_partial_last_page_is_waited_for_on_the_host(engine):
+    """A block that ends mid-page: the chunk for its last page could be shared by the next block of any stream,
+    so it is not taken without a host wait; the pages it covers whole are."""
+    dev = CountingDevice(small_profile(384))
+    alloc = CachingAllocator(dev, dataclasses.replace(TIGHT, wait_on_gpu=True, chunk_max_fraction=1 / 1024), engine=engine)
+    x = alloc.allocate(8 * MiB, A)   # four one-page chunks
+    kernel = dev.launch(A, KERNEL_S, touches=[(x, 8 * MiB)])
+    alloc.free(x)
+    b = alloc.allocate(6 * MiB + 512, B)   # three whole pages and a partial fourth
+    assert dev.counts["stream_wait_event"] >= 1 and dev.counts["event_synchronize"] >= 1
+    assert kernel.done   # the host waited for the partial page's chunk
+    c = alloc.allocate(512 * 1024, 11)   # may share the fourth page
+    work = dev.launch(11, 1e-3, touches=[(c, 512 * 1024)])
+    dev.synchronize()
+    assert work.start_s >= kernel.end_s
+    for p in (b, c):
+        alloc.free(p)
+    assert not alloc.check_consistency()
+    alloc.close()
+
+
+@pytest.mark.parametrize("knobs", [{"wait_on_gpu": True}, {"stream_ordered_steal": True}],
+                         ids=["wait-on-gpu", "ordered-steal"])
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed", "as-before"])
+def test_the_simulators_sanitizer_sees_the_third_streams_alias(monkeypatch, knobs, fixed):
+    """Note [Physical aliasing] in gpumem.sim.streams: the bug of Note [No other stream on a deferred chunk] passed
+    every check of the simulator until work carried its physical pieces; with the chunk taken as before the fix
+    (any size, shared pages too), the sanitizer now records the alias; with the fix, none."""
+    from gpumem.allocator.backing import VirtualBacking
+
+    if not fixed:
+        steal = VirtualBacking._steal_chunk
+        monkeypatch.setattr(VirtualBacking, "_steal_chunk",
+                            lambda self, *args: steal(self, *args[:-1], 1 << 40))
+    dev = CountingDevice(small_profile(384), sanitizer="count")
+    alloc = CachingAllocator(dev, dataclasses.replace(TIGHT, **knobs), engine="python")
+    x = alloc.allocate(2 * MiB, A)
+    dev.launch(A, KERNEL_S, touches=[(x, 2 * MiB)])
+    alloc.free(x)
+    b = alloc.allocate(512, B if "wait_on_gpu" in knobs else A)
+    c = alloc.allocate(512, 11)
+    dev.launch(11, 1e-3, touches=[(c, 512)], name="third")
+    dev.synchronize()
+    assert [(h.call, h.work) for h in dev.hazards] == ([] if fixed else [("alias", "third")])
+    for p in (b, c):
+        alloc.free(p)
+    alloc.close()

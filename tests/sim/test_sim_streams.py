@@ -492,3 +492,60 @@ def test_a_base_exception_from_a_subscriber_propagates_and_drops_the_queued_even
     ptr = dev.allocation_ranges()[0][0]
     dev.free(ptr)                            # delivery works again afterwards
     assert seen == [70 * GiB, 70 * GiB, 60 * GiB]
+
+
+def _aliased(dev: SimDevice):
+    """One chunk mapped at two addresses (what a stream-ordered steal makes: the old mapping waits for its work)."""
+    va, h = _mapped(dev)
+    va2 = dev.address_reserve(4 * G)
+    dev.mem_map(va2, G, h)
+    dev.mem_set_access(va2, G)
+    return va, va2
+
+
+def test_work_beside_other_work_on_the_same_physical_bytes_is_an_alias():
+    """Note [Physical aliasing] in gpumem.sim.streams: the unmap and free checks see addresses only; a chunk
+    mapped again elsewhere while its old work runs is caught when new work of another stream starts on it."""
+    dev = SimDevice(A100, sanitizer="count")
+    va, va2 = _aliased(dev)
+    dev.launch(0, KERNEL_S, [(va + 4096, 8192)], name="old")
+    dev.launch(1, 0.001, [(va2, 4096)], name="apart")   # other bytes of the chunk: no alias
+    dev.launch(2, 0.001, [(va2 + 8192, 4096)], name="new")
+    dev.synchronize()
+    assert [(h.call, h.stream, h.va, h.nbytes, h.work) for h in dev.hazards] == [("alias", 2, va2 + 8192, 4096, "new")]
+    assert "'old' on stream 0" in dev.hazards[0].message
+
+
+def test_an_alias_raises_from_the_next_call_once_and_changes_nothing():
+    dev = SimDevice(A100)
+    va, va2 = _aliased(dev)
+    dev.launch(0, KERNEL_S, [(va, G)], name="old")
+    dev.launch(1, 0.001, [(va2, 4096)], name="new")   # starts at once, beside "old"
+    dev.advance(0.002)
+    before = _state(dev)
+    with pytest.raises(MemoryHazardError) as info:
+        dev.launch(1, 0.001, [(va2, 4096)], name="later")
+    assert (info.value.call, info.value.stream, info.value.work) == ("alias", 1, "new")
+    assert _state(dev) == before and len(dev.hazards) == 1
+    dev.synchronize()   # raised once
+
+
+def test_ordered_or_same_address_or_same_stream_work_is_no_alias():
+    dev = SimDevice(A100)
+    va, va2 = _aliased(dev)
+    dev.launch(0, KERNEL_S, [(va, G)], name="first")
+    dev.launch(2, KERNEL_S, [(va, G)], name="same address")   # the program's own sharing of a block
+    dev.synchronize()
+    old = dev.launch(0, KERNEL_S, [(va, G)], name="old")
+    dev.launch(0, 0.001, [(va2, G)], name="same stream")   # runs after "old"
+    e = dev.event_record(0)
+    dev.stream_wait_event(1, e)
+    new = dev.launch(1, 0.001, [(va2, G)], name="ordered")
+    dev.synchronize()
+    assert new.start_s >= old.end_s and not dev.hazards
+    # work that ends as the other starts does not run beside it
+    dev.launch(3, KERNEL_S, [(va, G)])
+    dev.advance(KERNEL_S)
+    dev.launch(4, KERNEL_S, [(va2, G)])
+    dev.synchronize()
+    assert not dev.hazards

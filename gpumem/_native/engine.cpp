@@ -962,6 +962,14 @@ VSeg* Engine::range_of(bool small) {
     return seg ? seg : segment(small);
 }
 
+// VirtualBacking.begin_multi_stream: blocks of a second stream from now on; the chunks taken without a host wait
+// while one stream had blocks are waited for now (Note [One stream needs no whole pages] in backing.py)
+void Engine::begin_multi_stream() {
+    if (multi_stream_) return;
+    multi_stream_ = true;
+    if (!deferred_.empty()) drain_deferred(true, nullptr, nullptr, nullptr);
+}
+
 // VirtualBacking.extend
 std::uint64_t Engine::extend(VSeg* seg, std::uint64_t stream, std::uint64_t extra_nbytes, std::uint64_t requested) {
     if (seg->top + extra_nbytes > seg->nbytes || extra_nbytes > seg->nbytes) va_exhausted(requested);
@@ -970,7 +978,7 @@ std::uint64_t Engine::extend(VSeg* seg, std::uint64_t stream, std::uint64_t extr
         have_first_stream_ = true;
         first_stream_ = stream;
     } else if (stream != first_stream_) {
-        multi_stream_ = true;
+        begin_multi_stream();
     }
     std::uint64_t addr = seg->base + seg->top;
     seg->top += extra_nbytes;
@@ -1042,8 +1050,9 @@ void Engine::commit(Block* b) {
     if (!need.empty()) {
         if (chunked_) {   // the pages the block covers whole (Note [No other stream on a deferred chunk] in backing.py)
             const std::uint64_t g = seg->page_nbytes;
-            const std::int64_t whole_lo = first + ((b->addr - seg->base) % g != 0 ? 1 : 0);
-            const std::int64_t whole_hi = last - ((b->addr + b->size - seg->base) % g != 0 ? 1 : 0);
+            // one stream: every page (Note [One stream needs no whole pages] in backing.py)
+            const std::int64_t whole_lo = first + (multi_stream_ && (b->addr - seg->base) % g != 0 ? 1 : 0);
+            const std::int64_t whole_hi = last - (multi_stream_ && (b->addr + b->size - seg->base) % g != 0 ? 1 : 0);
             map_runs(seg, need, first, last, b->size, b->stream, whole_lo, whole_hi);
         }
         else map_pages(seg, need, first, last, b->size);
@@ -2941,7 +2950,7 @@ bool Engine::reown_idle(std::uint64_t stream, FreeList* fl) {
         moved = true;
     }
     if (moved) {
-        multi_stream_ = true;   // pages now track their streams
+        begin_multi_stream();   // pages now track their streams
         release_cached_all(false);   // a merged free top can now be trimmed
     }
     return moved;

@@ -545,6 +545,7 @@ class Engine {
     bool never_fits(std::uint64_t size) const;   // PythonEngine._never_fits: over the device or the limit
     std::uint64_t hand_out(detail::Block* b, std::uint64_t nbytes, std::uint64_t stream);
     void free_booked(std::uint64_t ptr, detail::Block* b);
+    void begin_multi_stream();
     detail::Block* grow(bool small, std::uint64_t stream, std::uint64_t size, detail::FreeList* fl,
                         std::uint64_t nbytes);
     detail::Block* grow_once(bool small, std::uint64_t stream, std::uint64_t size, detail::FreeList* fl);

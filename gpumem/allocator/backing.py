@@ -259,9 +259,10 @@ llama_kvcache_generate 2.29 -> 1.45 % (check); multistream_infer 5.43 % either w
 Why it is off: ``generate()``'s steps were 18.2 % longer with it (the sum of each step's minimum over four runs a
 setting; 5.2 % over the second session's five, one call of which alone gave -0.5 %;
 ``reports/hil/sos-nomarks-h200-2026-12-03.md``), while the host's time in all its driver calls was 0.7-1.0 ms of a
-~400 ms step (Note [Time in driver calls] in ``gpumem/_native/cuda_backend.h``): the cost
-is on the GPU's side (likely the remapping under queued work; not measured apart), which the simulator does not
-show (replayed step time +0.05 %). Training without marks steals 30-50 times a step and waits on the deferred
+~400 ms step (Note [Time in driver calls] in ``gpumem/_native/cuda_backend.h``); the simulator shows no
+cost (replayed step time +0.05 %). Runs alternated in one call (``reports/hil/sbw-ab-h200-2026-12-04.md``) gave
++0.7, +3.3 and +45.3 % round by round: not settled, and not the GPU pausing for remaps, which the card does not
+(``reports/hil/vmm-stall-h200-2026-11-25.md``). Training without marks steals 30-50 times a step and waits on the deferred
 unmaps (8.5-11 ms a step): so the steals this rule alone makes have a budget, :data:`BEFORE_STEAL_BURST` = 512,
 then one per :data:`BEFORE_STEAL_ALLOCS` = 1,024 allocations (a few hundred ms once, then about one steal a step);
 the burst is what llama_generate's replay needs (3.78 % with a burst of 64: its steals come when a large request
@@ -301,6 +302,20 @@ other block can reach while it lives, and after it only through its stream's fre
 address space, both ordered after the old work. A chunk that would reach the block's partial first or last page is
 waited for on the host (or grown past within ``busy_slack``) as before. On the corpus (``gpu_timing="trace"``) it
 moved moe_train 1.25 -> 1.52 % and llama_varlen_train 0.75 -> 0.77 %; no other trace.
+
+Note [One stream needs no whole pages]
+--------------------------------------
+The rule above cost single-stream programs their steals: a block that begins or ends mid-page (most blocks) could
+take no chunk under its partial pages without a host wait; live on the H200 ``generate()`` with
+``steal_before_warmup`` held 3.33 % where it held 1.45 % before the rule, and the MoE block 2.50 % after a warm-up
+(2.12-2.23 % before). The danger is only a block of *another* stream on such a page, and the engine knows when
+one can first exist: a stream's first memory comes from growing the range's top (:meth:`VirtualBacking.extend`) or
+from re-owning an idle stream's free blocks, the two places that set :attr:`VirtualBacking.multi_stream`. So
+while every block has been of one stream a chunk may go under every page of the block, as before the rule; the
+moment a second stream gets memory (:meth:`VirtualBacking.begin_multi_stream`) every deferred old mapping is waited
+for on the host, once, before that stream's block is handed out, and from then on the whole-page rule holds.
+``record_stream`` does not count: a block used on another stream is live, and its chunk is taken in stream order
+only once every fence on it is the taker's or done (``wait_on_gpu`` orders the taker after the others').
 
 Note [An index of idle chunks]
 ------------------------------
@@ -439,6 +454,10 @@ class Backing(abc.ABC):
         if self.after_warmup or (not self.warmup_ended and self.policy.steal_before_warmup):
             return self._steal_knobs
         return self.policy
+
+    def begin_multi_stream(self) -> None:
+        """Blocks of a second stream exist from now on (the engine tells it where it re-owns another stream's free
+        blocks). Nothing to do here; :class:`VirtualBacking` tracks it."""
 
     def _check_limit(self, extra_nbytes: int, requested: int) -> None:
         if self.limit_nbytes is not None and self.reserved_nbytes + self.outside_nbytes + extra_nbytes > self.limit_nbytes:
@@ -789,10 +808,20 @@ class VirtualBacking(Backing):
         if self._first_stream is None:
             self._first_stream = stream
         elif stream != self._first_stream:
-            self.multi_stream = True
+            self.begin_multi_stream()
         addr = seg.base + seg.top
         seg.top += extra_nbytes
         return addr
+
+    def begin_multi_stream(self) -> None:
+        """Blocks of a second stream exist from now on: pages track their streams, and the chunks taken without
+        a host wait while one stream had blocks are waited for here, before the new stream's first block is used
+        (Note [One stream needs no whole pages])."""
+        if self.multi_stream:
+            return
+        self.multi_stream = True
+        if self.deferred:
+            self._drain_deferred(True)
 
     def lower_top(self, seg: VirtualSegment, addr: int, stream: int, wait: bool) -> bool:
         """Give back the address space from ``addr`` to the top (a free block of ``stream`` the allocator
@@ -847,7 +876,8 @@ class VirtualBacking(Backing):
         if need:
             if self.chunked:
                 g = seg.page_nbytes   # the pages the block covers whole (Note [No other stream on a deferred chunk])
-                whole = (first + ((block.addr - seg.base) % g != 0), last - ((block.addr + block.size - seg.base) % g != 0))
+                whole = ((first + ((block.addr - seg.base) % g != 0), last - ((block.addr + block.size - seg.base) % g != 0))
+                         if self.multi_stream else (first, last))   # Note [One stream needs no whole pages]
                 self._map_runs(seg, need, first, last, block.size, block.stream, whole)
             else:
                 self._map_pages(seg, need, first, last, block.size)

@@ -259,9 +259,9 @@ class AllocatorPolicy:
     replays of traces that mark no step, programs with marks turned off, and a policy without ``plan_warmup`` (no
     warm-up ever begins: the rule holds for the whole run, marks or not). Off by default: live on the H200 it
     took ``generate()`` from 5.00 to 1.45 % above peak allocated, but its steps were up to 18 % longer (the sum of
-    each step's minimum over 4-5 runs), where all its driver calls took 0.7-1.0 ms a step of the host's time: the
-    cost is likely on the GPU's side, not measured apart (Note [The ordered steal before a warm-up] in
-    :mod:`.backing`). Set it in Python
+    each step's minimum over 4-5 runs), where all its driver calls took 0.7-1.0 ms a step of the host's time; runs
+    alternated in one call gave +0.7, +3.3 and +45.3 % round by round: not settled (Note [The ordered steal before a
+    warm-up] in :mod:`.backing`). Set it in Python
     (``dataclasses.replace(policy, steal_before_warmup=True)``) or, for gpumem.torch, with
     ``GPUMEM_STEAL_BEFORE_WARMUP=1`` (or ``gpumem.torch.configure(policy)`` with it, before the first allocation)."""
 

@@ -378,7 +378,7 @@ class PythonEngine:
                 self._insert_free(b)
             moved = True
         if moved:
-            self.backing.multi_stream = True  # type: ignore[attr-defined] # pages now track their streams
+            self.backing.begin_multi_stream()  # pages now track their streams
             release = self._release_cached(wait=False)  # a merged free top can now be trimmed
             log.debug("re-owned idle streams' free blocks to stream %d (%d B released)", stream, release)
         return moved

@@ -808,6 +808,8 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
     t_start = time.perf_counter()
     mark = gt.step if plan_steps and allocator == "gpumem" else None
     tops_s = []   # the host's clock at each step's top: no synchronisation, so the GPU runs behind as it would
+    cpu_tops_s = []   # the process's CPU time at the same points: a cost on the host shows here, a wait on the
+    # GPU only as far as the synchronisations spin (CUDA's default on a machine with free cores)
     at_warmup: dict[str, int] = {}   # gpumem's counters when the timed steps begin
     for i in range(steps):
         if i == warmup:
@@ -816,10 +818,12 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
                 at_warmup = gt.memory_stats(0)
             t_start = time.perf_counter()
         tops_s.append(time.perf_counter())
+        cpu_tops_s.append(time.process_time())
         if mark is not None:
             mark()   # the top of the loop: the step's boundary, where the fewest tensors are alive
         losses.append(step(i))
     tops_s.append(time.perf_counter())
+    cpu_tops_s.append(time.process_time())
     torch.cuda.synchronize()
     elapsed_s = time.perf_counter() - t_start
     trace_path = out_dir / trace_file_name(workload, allocator) if record_trace else None
@@ -829,6 +833,8 @@ def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: P
                               "mean_step_ms": elapsed_s / (steps - warmup) * 1e3,
                               # each step's host time (the GPU may still run it): where one step's cost lands
                               "host_step_ms": [round((b - a) * 1e3, 3) for a, b in zip(tops_s, tops_s[1:])],
+                              # each step's CPU time of the whole process over the same points
+                              "host_cpu_step_ms": [round((b - a) * 1e3, 3) for a, b in zip(cpu_tops_s, cpu_tops_s[1:])],
                               "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
                               # the engine's knobs set from the environment: a record says which setting ran
                               "gpumem_env": {k: os.environ[k] for k in ENGINE_ENV if k in os.environ},

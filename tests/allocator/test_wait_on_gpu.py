@@ -163,10 +163,11 @@ def test_the_simulators_sanitizer_sees_the_third_streams_alias(monkeypatch, knob
     (any size, shared pages too), the sanitizer now records the alias; with the fix, none."""
     from gpumem.allocator.backing import VirtualBacking
 
-    if not fixed:
+    if not fixed:   # any chunk, and no wait where a second stream first gets memory
         steal = VirtualBacking._steal_chunk
         monkeypatch.setattr(VirtualBacking, "_steal_chunk",
                             lambda self, *args: steal(self, *args[:-1], 1 << 40))
+        monkeypatch.setattr(VirtualBacking, "begin_multi_stream", lambda self: setattr(self, "multi_stream", True))
     dev = CountingDevice(small_profile(384), sanitizer="count")
     alloc = CachingAllocator(dev, dataclasses.replace(TIGHT, **knobs), engine="python")
     x = alloc.allocate(2 * MiB, A)
@@ -180,3 +181,52 @@ def test_the_simulators_sanitizer_sees_the_third_streams_alias(monkeypatch, knob
     for p in (b, c):
         alloc.free(p)
     alloc.close()
+
+
+def _one_stream_partial_page(engine: str):
+    """Stream A's two one-page blocks freed under a queued kernel between live ones, then 2 MiB + 512 B on A at the
+    top: a whole page and a partial one, each needing a chunk, and the two idle chunks busy on A the only ones.
+    Returns the device, the allocator, the kernel and the new block."""
+    dev = CountingDevice(small_profile(384), sanitizer="count")
+    alloc = CachingAllocator(dev, dataclasses.replace(TIGHT, stream_ordered_steal=True, chunk_max_fraction=1 / 1024),
+                             engine=engine)
+    x1, g1, x2, g2 = (alloc.allocate(2 * MiB, A) for _ in range(4))
+    kernel = dev.launch(A, KERNEL_S, touches=[(x1, 2 * MiB), (x2, 2 * MiB)])
+    alloc.free(x1)
+    alloc.free(x2)
+    b = alloc.allocate(2 * MiB + 512, A)
+    return dev, alloc, kernel, b, (g1, g2)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_one_stream_takes_the_chunk_under_its_partial_page_without_a_wait(engine):
+    """Note [One stream needs no whole pages]: while every block is of one stream, the chunk under a block's partial
+    page is taken in stream order (under Note [No other stream on a deferred chunk] alone, the host waited); the
+    first block of a second stream waits for the old work on the host, once, and runs after it."""
+    dev, alloc, kernel, b, guards = _one_stream_partial_page(engine)
+    assert dev.counts == {} and not kernel.done   # both chunks taken in stream order: no wait of any kind
+    assert alloc.stats.reserved_nbytes == 8 * MiB
+    work = dev.launch(A, 1e-3, touches=[(b, 2 * MiB + 512)])
+    c = alloc.allocate(512 * 1024, 11)   # the first block of another stream
+    assert dev.counts["event_synchronize"] >= 1 and "stream_wait_event" not in dev.counts and kernel.done
+    late = dev.launch(11, 1e-3, touches=[(c, 512 * 1024)], name="other")
+    d = alloc.allocate(512 * 1024, 11)
+    dev.synchronize()
+    assert late.start_s >= kernel.end_s and work.done and not dev.hazards
+    for p in (b, c, d) + guards:
+        alloc.free(p)
+    assert not alloc.check_consistency()
+    alloc.close()
+
+
+def test_one_stream_both_engines_make_the_same_calls():
+    if len(ENGINES) < 2:
+        pytest.skip("the native engine is not built")
+    seen = []
+    for engine in ENGINES:
+        dev, alloc, _, b, _ = _one_stream_partial_page(engine)
+        c = alloc.allocate(512 * 1024, 11)
+        seen.append((b, c, dict(dev.counts), alloc.stats.device_calls, alloc.stats.event_calls,
+                     alloc.stats.reserved_nbytes))
+        alloc.close()
+    assert seen[0] == seen[1]

@@ -325,6 +325,10 @@ class Device(abc.ABC):
         self._closed = False
         self._lost: Any = False
         """Truthy once the device is lost (the simulator: True; CUDA: the sticky error)."""
+        self._pending_error: Exception | None = None
+        """An error found while no call ran (the simulator's physical alias, seen as the GPU ran work): the next
+        call raises it, once, before it changes anything (:meth:`_check_usable`); the fast paths test it with
+        closed and lost."""
         self._book = MemoryBook(self)
         """What this device handed out (:class:`~gpumem.vmm_book.MemoryBook`)."""
         self._reservations_made = 0
@@ -462,7 +466,7 @@ class Device(abc.ABC):
         lock = self._lock
         lock.acquire()
         try:
-            if self._closed or self._lost:
+            if self._closed or self._lost or self._pending_error:
                 self._check_usable()
             return self._do_mem_info()
         finally:
@@ -478,6 +482,10 @@ class Device(abc.ABC):
             raise DeviceClosedError(f"{self.spec} is closed")
         if self._lost:
             raise DeviceLostError(self._lost_message())
+        error = self._pending_error
+        if error is not None:
+            self._pending_error = None
+            raise error
 
     def _lost_message(self) -> str:
         return f"{self.spec} is lost"
@@ -507,7 +515,7 @@ class Device(abc.ABC):
         lock = self._lock
         lock.acquire()
         try:
-            if self._closed or self._lost:
+            if self._closed or self._lost or self._pending_error:
                 self._check_usable()
             alloc = self._do_malloc(nbytes)
             self._book.add_allocation(alloc)
@@ -529,7 +537,7 @@ class Device(abc.ABC):
         lock = self._lock
         lock.acquire()
         try:
-            if self._closed or self._lost:
+            if self._closed or self._lost or self._pending_error:
                 self._check_usable()
             alloc = self._book.allocation_to_free(ptr)
             self._do_free(alloc)
@@ -561,7 +569,7 @@ class Device(abc.ABC):
         lock.acquire()
         try:
             gran = self._vmm_gran
-            if not gran or self._closed or self._lost:
+            if not gran or self._closed or self._lost or self._pending_error:
                 gran = self._vmm_ready("address_reserve")
             if type(nbytes) is not int or nbytes <= 0 or nbytes % gran or type(alignment) is not int or alignment:
                 nbytes = check_granular(nbytes, gran)
@@ -582,7 +590,7 @@ class Device(abc.ABC):
         lock.acquire()
         try:
             gran = self._vmm_gran
-            if not gran or self._closed or self._lost:
+            if not gran or self._closed or self._lost or self._pending_error:
                 gran = self._vmm_ready("address_free")
             if type(va) is not int or type(nbytes) is not int or va <= 0 or nbytes <= 0 or nbytes % gran:
                 va = check_pointer(va, what="va")
@@ -602,7 +610,7 @@ class Device(abc.ABC):
         lock.acquire()
         try:
             gran = self._vmm_gran
-            if not gran or self._closed or self._lost:
+            if not gran or self._closed or self._lost or self._pending_error:
                 gran = self._vmm_ready("mem_create")
             if type(nbytes) is not int or nbytes <= 0 or nbytes % gran:
                 nbytes = check_granular(nbytes, gran)
@@ -619,7 +627,7 @@ class Device(abc.ABC):
         lock = self._lock
         lock.acquire()
         try:
-            if not self._vmm_gran or self._closed or self._lost:
+            if not self._vmm_gran or self._closed or self._lost or self._pending_error:
                 self._vmm_ready("mem_release")
             phys = self._book.physical(handle, PhysicalHandle, "mem_release")
             self._do_mem_release(phys)
@@ -645,7 +653,7 @@ class Device(abc.ABC):
         lock.acquire()
         try:
             gran = self._vmm_gran
-            if not gran or self._closed or self._lost:
+            if not gran or self._closed or self._lost or self._pending_error:
                 gran = self._vmm_ready("mem_map")
             if (type(va) is not int or type(nbytes) is not int or type(offset) is not int or va <= 0 or nbytes <= 0
                     or offset < 0 or va % gran or nbytes % gran or offset % gran):
@@ -686,7 +694,7 @@ class Device(abc.ABC):
         lock.acquire()
         try:
             gran = self._vmm_gran
-            if not gran or self._closed or self._lost:
+            if not gran or self._closed or self._lost or self._pending_error:
                 gran = self._vmm_ready("mem_set_access")
             if type(va) is not int or type(nbytes) is not int or va <= 0 or nbytes <= 0 or nbytes % gran:
                 va = check_pointer(va, what="va")
@@ -715,7 +723,7 @@ class Device(abc.ABC):
         lock.acquire()
         try:
             gran = self._vmm_gran
-            if not gran or self._closed or self._lost:
+            if not gran or self._closed or self._lost or self._pending_error:
                 gran = self._vmm_ready("mem_unmap")
             if type(va) is not int or type(nbytes) is not int or va <= 0 or nbytes <= 0 or nbytes % gran:
                 va = check_pointer(va, what="va")
@@ -828,7 +836,7 @@ class Device(abc.ABC):
         lock = self._lock
         lock.acquire()
         try:
-            if self._closed or self._lost:
+            if self._closed or self._lost or self._pending_error:
                 self._check_usable()
             return self._do_event_record(stream)
         finally:
@@ -844,7 +852,7 @@ class Device(abc.ABC):
         lock = self._lock
         lock.acquire()
         try:
-            if self._closed or self._lost:
+            if self._closed or self._lost or self._pending_error:
                 self._check_usable()
             if event._device is not self or event._destroyed:
                 self._check_event(event, "event_query")
@@ -862,7 +870,7 @@ class Device(abc.ABC):
         lock = self._lock
         lock.acquire()
         try:
-            if self._closed or self._lost:
+            if self._closed or self._lost or self._pending_error:
                 self._check_usable()
             if event._device is not self or event._destroyed:
                 self._check_event(event, "event_synchronize")
@@ -880,7 +888,7 @@ class Device(abc.ABC):
         lock = self._lock
         lock.acquire()
         try:
-            if self._closed or self._lost:
+            if self._closed or self._lost or self._pending_error:
                 self._check_usable()
             if event._device is not self or event._destroyed:
                 self._check_event(event, "event_destroy")
@@ -899,7 +907,7 @@ class Device(abc.ABC):
         lock = self._lock
         lock.acquire()
         try:
-            if self._closed or self._lost:
+            if self._closed or self._lost or self._pending_error:
                 self._check_usable()
             self._do_stream_synchronize(stream)
         finally:

@@ -337,7 +337,6 @@ class SimDevice(Device):
         """Hazards seen in ``count`` mode, oldest first."""
         self.streams = StreamEngine(self._clock)
         self.streams.on_alias = self._alias_seen
-        self._pending_alias: Hazard | None = None   # raise mode: raised by the next call (_check_usable)
         self._next_stream = 1
         self._closed = False
         self._lost = False
@@ -1043,16 +1042,8 @@ class SimDevice(Device):
                         f"bytes through [{other_va:#x}, {other_va + hi - lo:#x}): a chunk was mapped again before its "
                         f"old work ended, and nothing ordered the new work after it")
         self._record_hazards(hazard)
-        if self.sanitizer == "raise" and self._pending_alias is None:
-            self._pending_alias = hazard
-
-    def _check_usable(self) -> None:
-        """The base class's check, then an alias seen while the GPU ran (``raise`` mode), raised once, before the
-        call changes anything."""
-        super()._check_usable()
-        hazard, self._pending_alias = self._pending_alias, None
-        if hazard is not None:
-            raise hazard.to_error()
+        if self.sanitizer == "raise" and self._pending_error is None:
+            self._pending_error = hazard.to_error()   # the next call raises it (Device._check_usable)
 
     def _sanitize_release(self, call: str, va: int, nbytes: int) -> Hazard | None:
         """Before ``free`` or ``mem_unmap`` of ``[va, va + nbytes)``: is in-flight work touching it?
@@ -1108,6 +1099,9 @@ class SimDevice(Device):
         for on_close in twins:  # C++ only (the twin's flag): safe under the device's lock
             on_close()
         self._drain()
+        if self._pending_error is not None:   # no call comes after close to raise it: said here
+            log.warning("%s closed with an error no call raised: %s", self.spec, self._pending_error)
+            self._pending_error = None
         self._small_pages.clear()
         self._space.clear()
         self._slots.clear()

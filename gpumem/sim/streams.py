@@ -35,7 +35,10 @@ through), and when work starts, running work of another stream that reaches the 
 chunk through another address is an alias: the two run side by side on one piece of memory. The
 same address on two streams is the program's own sharing (a block used on two streams), not the
 allocator's. Work on one stream never overlaps itself. The check runs at start, when the order the
-streams' waits made is known; ``on_alias`` tells the device, which records the hazard.
+streams' waits made is known; ``on_alias`` tells the device, which records the hazard (``raise`` mode: the
+next call of any kind raises it, once). What it does not see: an unordered user that happens to start after the
+old work ended in simulated time (behind other work of its stream, say) races on a card all the same; catching it
+needs the order of the streams (which work happened before which), not the clock. Not built.
 """
 
 from __future__ import annotations
@@ -192,9 +195,11 @@ class StreamEngine:
                 yield waited.done_event
             work.state = RUNNING
             work.start_s = env.now
-            if work.phys and work.duration_s > 0:
-                self._check_alias(work)
-                self._running_phys[work] = None
+            if work.phys:   # zero-length work is checked too; only work that lasts runs beside later work
+                if self._running_phys:
+                    self._check_alias(work)
+                if work.duration_s > 0:
+                    self._running_phys[work] = None
             if work.duration_s > 0:
                 yield env.timeout(work.duration_s)
             work.state = DONE

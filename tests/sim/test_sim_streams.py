@@ -530,6 +530,42 @@ def test_an_alias_raises_from_the_next_call_once_and_changes_nothing():
     dev.synchronize()   # raised once
 
 
+@pytest.mark.parametrize("call", ["mem_info", "malloc", "event_record", "mem_create", "stream_synchronize"])
+def test_an_alias_raises_from_a_fast_path_call_too(call):
+    """The calls whose fast path skips the checks of a usable device (attacker review of 2026-12-04: the alias waited
+    for a launch or a synchronize, and was blamed on it)."""
+    dev = SimDevice(A100)
+    va, va2 = _aliased(dev)
+    dev.launch(0, KERNEL_S, [(va, G)], name="old")
+    dev.launch(1, 0.001, [(va2, 4096)], name="new")
+    dev.advance(0.002)   # the GPU ran "new" beside "old": the alias is pending (this call came before it)
+    before = _state(dev)
+    args = {"malloc": (4096,), "event_record": (0,), "mem_create": (G,), "stream_synchronize": (0,)}.get(call, ())
+    with pytest.raises(MemoryHazardError) as info:
+        getattr(dev, call)(*args)
+    assert info.value.call == "alias" and _state(dev) == before
+    getattr(dev, call)(*args)   # raised once
+
+
+def test_an_alias_no_call_raised_is_logged_at_close(caplog):
+    dev = SimDevice(A100)
+    va, va2 = _aliased(dev)
+    dev.launch(0, KERNEL_S, [(va, G)], name="old")
+    dev.launch(1, 0.001, [(va2, 4096)], name="new")
+    with caplog.at_level("WARNING", logger="gpumem.sim.device"):
+        dev.close()
+    assert "closed with an error no call raised" in caplog.text and dev.hazards
+
+
+def test_zero_length_work_beside_other_work_is_an_alias_too():
+    dev = SimDevice(A100, sanitizer="count")
+    va, va2 = _aliased(dev)
+    dev.launch(0, KERNEL_S, [(va, G)], name="old")
+    dev.launch(1, 0.0, [(va2, 4096)], name="instant")
+    dev.synchronize()
+    assert [(h.call, h.work) for h in dev.hazards] == [("alias", "instant")]
+
+
 def test_ordered_or_same_address_or_same_stream_work_is_no_alias():
     dev = SimDevice(A100)
     va, va2 = _aliased(dev)

@@ -966,8 +966,8 @@ VSeg* Engine::range_of(bool small) {
 // while one stream had blocks are waited for now (Note [One stream needs no whole pages] in backing.py)
 void Engine::begin_multi_stream() {
     if (multi_stream_) return;
+    if (!deferred_.empty()) drain_deferred(true, nullptr, nullptr, nullptr);   // first: one that throws runs again
     multi_stream_ = true;
-    if (!deferred_.empty()) drain_deferred(true, nullptr, nullptr, nullptr);
 }
 
 // VirtualBacking.extend
@@ -2941,6 +2941,7 @@ bool Engine::reown_idle(std::uint64_t stream, FreeList* fl) {
         std::uint64_t s = other->stream;
         std::uint64_t number = fences_record(s);
         if (!fences_done(s, number)) continue;   // that stream still has work queued
+        begin_multi_stream();   // pages track their streams: before any block moves (it may throw)
         std::vector<Block*> blocks(other->blocks.begin(), other->blocks.end());
         for (Block* b : blocks) {
             fl_remove(other, b);
@@ -2950,7 +2951,6 @@ bool Engine::reown_idle(std::uint64_t stream, FreeList* fl) {
         moved = true;
     }
     if (moved) {
-        begin_multi_stream();   // pages now track their streams
         release_cached_all(false);   // a merged free top can now be trimmed
     }
     return moved;

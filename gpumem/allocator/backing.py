@@ -313,7 +313,9 @@ one can first exist: a stream's first memory comes from growing the range's top 
 from re-owning an idle stream's free blocks, the two places that set :attr:`VirtualBacking.multi_stream`. So
 while every block has been of one stream a chunk may go under every page of the block, as before the rule; the
 moment a second stream gets memory (:meth:`VirtualBacking.begin_multi_stream`) every deferred old mapping is waited
-for on the host, once, before that stream's block is handed out, and from then on the whole-page rule holds.
+for on the host, once, before that stream's block is handed out, and from then on the whole-page rule holds. The
+flag is set only after that wait succeeds (a wait that raised runs again at the next call: attacker review), and a
+re-own waits before any block moves.
 ``record_stream`` does not count: a block used on another stream is live, and its chunk is taken in stream order
 only once every fence on it is the taker's or done (``wait_on_gpu`` orders the taker after the others'). Live
 with this rule: ``generate()`` with the steal 1.45 %, MoE 2.23 %, multistream_infer 5.43 % as before
@@ -821,9 +823,9 @@ class VirtualBacking(Backing):
         (Note [One stream needs no whole pages])."""
         if self.multi_stream:
             return
-        self.multi_stream = True
         if self.deferred:
-            self._drain_deferred(True)
+            self._drain_deferred(True)   # first: a drain that raises runs again at the next call
+        self.multi_stream = True
 
     def lower_top(self, seg: VirtualSegment, addr: int, stream: int, wait: bool) -> bool:
         """Give back the address space from ``addr`` to the top (a free block of ``stream`` the allocator

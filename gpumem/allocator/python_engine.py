@@ -372,13 +372,13 @@ class PythonEngine:
             number = self.fences.record(s)
             if not self.fences.done(s, number):
                 continue  # that stream still has work queued: its free blocks stay its own
+            self.backing.begin_multi_stream()  # pages track their streams: before any block moves (it may raise)
             for b in fl:
                 fl.remove(b)
                 b.stream = stream
                 self._insert_free(b)
             moved = True
         if moved:
-            self.backing.begin_multi_stream()  # pages now track their streams
             release = self._release_cached(wait=False)  # a merged free top can now be trimmed
             log.debug("re-owned idle streams' free blocks to stream %d (%d B released)", stream, release)
         return moved

@@ -11,7 +11,7 @@ import pytest
 from gpumem import sim
 from gpumem.allocator import CachingAllocator
 from gpumem.allocator.policy import get_policy
-from gpumem.errors import InvalidArgumentError
+from gpumem.errors import InvalidArgumentError, TransientDeviceError
 from gpumem.native import load_engine
 from gpumem.units import MiB
 
@@ -230,3 +230,35 @@ def test_one_stream_both_engines_make_the_same_calls():
                      alloc.stats.reserved_nbytes))
         alloc.close()
     assert seen[0] == seen[1]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("error", [TransientDeviceError("event sync failed"), KeyboardInterrupt()],
+                         ids=["device-error", "ctrl-c"])
+def test_a_failed_wait_at_the_second_stream_runs_again(monkeypatch, engine, error):
+    """Attacker review of 2026-12-04: the second stream's first allocation set the flag, then its host wait failed;
+    the next allocation, flag set, waited for nothing, and its block on the partial page ran beside the old work."""
+    dev, alloc, kernel, b, guards = _one_stream_partial_page(engine)
+    work = dev.launch(A, 1e-3, touches=[(b, 2 * MiB + 512)])
+    real = CountingDevice.event_synchronize
+    calls = []
+
+    def flaky(self, event):
+        calls.append(event)
+        if len(calls) == 1:
+            raise error
+        return real(self, event)
+
+    monkeypatch.setattr(CountingDevice, "event_synchronize", flaky)
+    with pytest.raises(type(error)):
+        alloc.allocate(3 * MiB, 11)   # the large pool: grows from b's end, on b's partial page
+    assert not kernel.done and not alloc.check_consistency()
+    c = alloc.allocate(3 * MiB, 11)   # waits again, for real
+    assert kernel.done
+    dev.launch(11, 1e-3, touches=[(c, 3 * MiB)], name="other")
+    dev.synchronize()
+    assert not dev.hazards and work.done
+    for p in (b, c) + guards:
+        alloc.free(p)
+    assert not alloc.check_consistency()
+    alloc.close()

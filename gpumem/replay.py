@@ -360,6 +360,9 @@ def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, sto
     free = allocator.free
     device = allocator.device
     sim_start = getattr(device, "now_s", None)
+    # the simulator's sanitizer in count mode records hazards instead of raising: the replay says how many it saw
+    hazards = getattr(device, "hazards", None) if getattr(device, "sanitizer", None) == "count" else None
+    hazards_before = len(hazards) if isinstance(hazards, list) else None
     bar = ProgressBar(n, f"replay {trace.name}", enabled=progress)
     ooms = 0
     oom_error: OutOfMemoryError | None = None
@@ -390,6 +393,11 @@ def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, sto
         bar.close(done)
     extra: dict[str, Any] = {"engine": getattr(allocator, "engine", "python"), **calls_made(trace, allocator, done)}
     extra.update(gpu.finish() if gpu is not None else {"gpu_timing": GpuTiming.IDLE.value})
+    if hazards_before is not None:
+        seen: dict[str, int] = {}
+        for h in hazards[hazards_before:]:   # type: ignore[index]
+            seen[h.call] = seen.get(h.call, 0) + 1
+        extra["sanitizer_hazards"] = seen
     stats = allocator.snapshot_stats()
     sim_end = getattr(device, "now_s", None)
     return ReplayResult(

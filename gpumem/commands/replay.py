@@ -136,6 +136,10 @@ def _print_result(result: Any, summary: str | None, marks: str | None = None) ->
     if result.extra.get("gpu_stream_waits"):
         _row("stream waits", f"{result.extra['gpu_stream_waits']:,} cross-stream waits made (work queued after a "
                              "wait starts once the awaited stream's work before it is done)")
+    if "sanitizer_hazards" in result.extra:
+        seen = result.extra["sanitizer_hazards"]
+        _row("hazards", (", ".join(f"{n:,} {call}" for call, n in sorted(seen.items())) if seen else "none")
+             + "  (the simulator's sanitizer, count mode: docs/devices.md)")
     if marks is not None:
         made = result.extra.get("n_plan_events", 0)
         _row("step marks", marks if marks.startswith("left out") else

@@ -242,3 +242,17 @@ def test_the_smallest_card_cannot_hold_gpt2():
     assert trace.peak_live_nbytes > 2 * GiB
     result = replay_trace(trace, "sim:jetson-nano-2gb", "gpumem", progress=False)
     assert result.ooms == 1 and "out of memory" in result.oom_message
+
+
+def test_a_replay_on_a_counting_sanitizer_says_the_hazards_it_saw():
+    """``sanitizer=count`` records hazards instead of raising: the replay reports those of its own run (attacker
+    review of 2026-12-04: the command line showed none of them), none where the sanitizer raises."""
+    from gpumem.sim.device import Hazard
+
+    trace = real_trace("multistream_infer_h200.snapshot.pickle.gz")
+    dev = open_device("sim:h200-141gb?sanitizer=count")
+    dev.hazards.append(Hazard(0.0, "alias", 1, 0, 1, "before", "made before the replay"))
+    result = replay_trace(trace, dev)
+    assert result.extra["sanitizer_hazards"] == {} and result.as_json()["sanitizer_hazards"] == {}
+    dev.close()
+    assert "sanitizer_hazards" not in replay_trace(trace, "sim:h200-141gb").extra

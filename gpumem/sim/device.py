@@ -1030,17 +1030,17 @@ class SimDevice(Device):
         return self.streams.launch(stream, label, duration_s, ranges, phys=phys)
 
     def _alias_seen(self, work: Work, other: Work, theirs: PhysicalPiece, ours: PhysicalPiece) -> None:
-        """StreamEngine.on_alias: ``work`` started beside ``other`` on the same physical bytes through another
-        address (Note [Physical aliasing] in :mod:`gpumem.sim.streams`). No call can be refused (the GPU runs the
-        work), so the hazard is always recorded, and in ``raise`` mode the next device call raises it."""
+        """StreamEngine.on_alias: ``work``, just launched, may run beside unfinished ``other`` on the same physical
+        bytes through another address, nothing ordering it after (Note [Physical aliasing] in
+        :mod:`gpumem.sim.streams`). The hazard is recorded, and in ``raise`` mode the next device call raises it."""
         lo = max(ours.offset, theirs.offset)
         hi = min(ours.offset + ours.nbytes, theirs.offset + theirs.nbytes)
         va, other_va = ours.va + lo - ours.offset, theirs.va + lo - theirs.offset
         hazard = Hazard(self.now_s, "alias", work.stream, va, hi - lo, work.name,
-                        f"work {work.name!r} on stream {work.stream} runs on [{va:#x}, {va + hi - lo:#x}) while "
-                        f"{other.state_name} work {other.name!r} on stream {other.stream} runs on the same physical "
+                        f"work {work.name!r} on stream {work.stream} touches [{va:#x}, {va + hi - lo:#x}) while "
+                        f"{other.state_name} work {other.name!r} on stream {other.stream} touches the same physical "
                         f"bytes through [{other_va:#x}, {other_va + hi - lo:#x}): a chunk was mapped again before its "
-                        f"old work ended, and nothing ordered the new work after it")
+                        f"old work ended, and nothing orders the new work after it")
         self._record_hazards(hazard)
         if self.sanitizer == "raise" and self._pending_error is None:
             self._pending_error = hazard.to_error()   # the next call raises it (Device._check_usable)

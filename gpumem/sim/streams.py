@@ -31,14 +31,17 @@ stream-ordered steal) must make sure that every new user of the chunk is ordered
 The checks above see virtual addresses only, so such a bug passed them (the attacker review of
 2026-12-03 found one: a block of a third stream on a shared page of a taken chunk). So work also
 carries its *physical* pieces (``phys``: chunk, offset, length, and the address it reached them
-through), and when work starts, running work of another stream that reaches the same bytes of a
-chunk through another address is an alias: the two run side by side on one piece of memory. The
-same address on two streams is the program's own sharing (a block used on two streams), not the
-allocator's. Work on one stream never overlaps itself. The check runs at start, when the order the
-streams' waits made is known; ``on_alias`` tells the device, which records the hazard (``raise`` mode: the
-next call of any kind raises it, once). What it does not see: an unordered user that happens to start after the
-old work ended in simulated time (behind other work of its stream, say) races on a card all the same; catching it
-needs the order of the streams (which work happened before which), not the clock. Not built.
+through), and when work is launched, unfinished work of another stream that reaches the same bytes of
+a chunk through another address, and that the new work is not ordered after, is an alias: on a card the
+two may run side by side on one piece of memory, whatever the simulated clock happens to do (a first
+version compared running times only, and missed a user queued behind other work: attacker review of
+2026-12-04). The order is kept as vector clocks: every work has a place in the device's launch order
+(``seq``) and knows, by stream, the newest work it must follow (``vc``), inherited from its stream and
+merged from the work a stream waits for (``stream_wait_event``, ``order_streams``). Work the host saw
+finish is finished, so host synchronizations need no clock. The same address on two streams is the
+program's own sharing (a block used on two streams), not the allocator's; work on one stream never
+overlaps itself. ``on_alias`` tells the device, which records the hazard (``raise`` mode: the next call
+of any kind raises it, once).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class Work:
     ``duration_s`` of simulated time and reads and writes ``touches`` while queued or running."""
 
     __slots__ = ("name", "stream", "duration_s", "touches", "wait_for", "state", "start_s", "end_s", "done_event",
-                 "phys")
+                 "phys", "seq", "vc")
 
     def __init__(self, env: simpy.Environment, name: str, stream: int, duration_s: float,
                  touches: tuple[tuple[int, int], ...], wait_for: "Work | None" = None,
@@ -78,6 +81,11 @@ class Work:
         self.start_s: float | None = None
         self.end_s: float | None = None
         self.done_event = simpy.Event(env)
+        self.seq = 0
+        """Its place in the order of all work launched on the device (Note [Physical aliasing])."""
+        self.vc: dict[int, int] = {}
+        """What it is ordered after, by stream: the :attr:`seq` of the newest work of each other stream that must
+        finish before it starts (its own stream's earlier work always must). Shared, never changed."""
 
     @property
     def done(self) -> bool:
@@ -121,13 +129,14 @@ def find_alias(a: Sequence[PhysicalPiece], b: Sequence[PhysicalPiece]) -> tuple[
 
 
 class _Stream:
-    __slots__ = ("id", "queue", "process", "tail")
+    __slots__ = ("id", "queue", "process", "tail", "vc")
 
     def __init__(self, stream_id: int) -> None:
         self.id = stream_id
         self.queue: deque[Work] = deque()
         self.process: simpy.Process | None = None
         self.tail: Work | None = None
+        self.vc: dict[int, int] = {}   # what work launched here from now on is ordered after (Work.vc)
 
 
 class StreamEngine:
@@ -138,7 +147,9 @@ class StreamEngine:
         self.env = clock.env
         self._streams: dict[int, _Stream] = {}
         self._inflight: dict[Work, None] = {}  # insertion-ordered set
-        self._running_phys: dict[Work, None] = {}  # running work with physical pieces (Note [Physical aliasing])
+        self._seq = 0
+        self._phys_unfinished: dict[int, dict[Work, None]] = {}
+        """Unfinished work with physical pieces, by stream, oldest first (Note [Physical aliasing])."""
         self.on_alias: AliasObserver | None = None
         """Called when work starts beside running work of another stream on the same physical bytes."""
         self._n_pending = 0
@@ -170,6 +181,21 @@ class StreamEngine:
         if st is None:
             st = self._streams[stream] = _Stream(stream)
         work = Work(self.env, name, stream, duration_s, tuple(touches), wait_for, tuple(phys))
+        self._seq += 1
+        work.seq = self._seq
+        if wait_for is not None and wait_for.state != DONE:   # what the waited work is ordered after, and it
+            vc = dict(st.vc)
+            for s, n in wait_for.vc.items():
+                if vc.get(s, 0) < n:
+                    vc[s] = n
+            if vc.get(wait_for.stream, 0) < wait_for.seq:
+                vc[wait_for.stream] = wait_for.seq
+            st.vc = vc
+        work.vc = st.vc
+        if work.phys:
+            if self._phys_unfinished:
+                self._check_alias(work)
+            self._phys_unfinished.setdefault(stream, {})[work] = None
         st.queue.append(work)
         st.tail = work
         self._n_pending += 1
@@ -195,18 +221,17 @@ class StreamEngine:
                 yield waited.done_event
             work.state = RUNNING
             work.start_s = env.now
-            if work.phys:   # zero-length work is checked too; only work that lasts runs beside later work
-                if self._running_phys:
-                    self._check_alias(work)
-                if work.duration_s > 0:
-                    self._running_phys[work] = None
             if work.duration_s > 0:
                 yield env.timeout(work.duration_s)
             work.state = DONE
             work.end_s = env.now
             queue.popleft()
             self._inflight.pop(work, None)
-            self._running_phys.pop(work, None)
+            if work.phys:
+                works = self._phys_unfinished[work.stream]
+                del works[work]
+                if not works:
+                    del self._phys_unfinished[work.stream]
             self._n_pending -= 1
             # reset when idle, so rounding in the running sum never accumulates
             self.pending_s = self.pending_s - work.duration_s if self._n_pending else 0.0
@@ -217,11 +242,19 @@ class StreamEngine:
             del self._streams[st.id]
 
     def _check_alias(self, work: Work) -> None:
-        """Tell ``on_alias`` of running work of another stream on ``work``'s physical bytes through another
-        address (Note [Physical aliasing]); work that ends at this instant does not run beside it."""
+        """Tell ``on_alias`` of unfinished work of another stream on ``work``'s physical bytes through another
+        address that ``work`` is not ordered after (Note [Physical aliasing]); work that ends at this instant is
+        finished."""
         now = self.env.now
-        for other in self._running_phys:
-            if other.stream != work.stream and other.start_s + other.duration_s > now:   # type: ignore[operator]
+        for stream, works in self._phys_unfinished.items():
+            if stream == work.stream:
+                continue
+            known = work.vc.get(stream, 0)
+            for other in reversed(works):   # newest first: the older ones are ordered before once one is
+                if other.seq <= known:
+                    break
+                if other.state == RUNNING and other.start_s + other.duration_s <= now:   # type: ignore[operator]
+                    continue
                 hit = find_alias(work.phys, other.phys)
                 if hit is not None and self.on_alias is not None:
                     self.on_alias(work, other, *hit)

@@ -295,8 +295,8 @@ work through its old mapping. Only the stream that took it is ordered after that
 streams share pages: a small-pool page holds blocks of any stream, and the page where a large block begins or ends
 mid-page holds the next block carved there, of any stream, with no device call (the page is mapped). Such a block
 of a third stream on the taken chunk ran beside the old work on the same bytes (attacker review of 2026-12-03, both
-engines, the default policy after a warm-up included; the simulator's sanitizer checks unmaps only, so a device that
-followed physical pages found it). So a chunk is taken so only onto pages the new block covers whole, which no
+engines, the default policy after a warm-up included; the simulator's sanitizer checked unmaps only then: its alias
+check, Note [Physical aliasing] in :mod:`gpumem.sim.streams`, now catches it, ``tests/allocator/test_wait_on_gpu.py``). So a chunk is taken so only onto pages the new block covers whole, which no
 other block can reach while it lives, and after it only through its stream's free list or a fenced release of
 address space, both ordered after the old work. A chunk that would reach the block's partial first or last page is
 waited for on the host (or grown past within ``busy_slack``) as before. On the corpus (``gpu_timing="trace"``) it
@@ -307,8 +307,8 @@ Note [One stream needs no whole pages]
 --------------------------------------
 The rule above cost single-stream programs their steals: a block that begins or ends mid-page (most blocks) could
 take no chunk under its partial pages without a host wait; live on the H200 ``generate()`` with
-``steal_before_warmup`` held 3.33 % where it held 1.45 % before the rule, and the MoE block 2.50 % after a warm-up
-(2.12-2.23 % before). The danger is only a block of *another* stream on such a page, and the engine knows when
+``steal_before_warmup`` held 3.33 % where it held 1.45 % before the rule, and the MoE block 2.50 % after a warm-up in
+one run (2.12-2.23 % before). The danger is only a block of *another* stream on such a page, and the engine knows when
 one can first exist: a stream's first memory comes from growing the range's top (:meth:`VirtualBacking.extend`) or
 from re-owning an idle stream's free blocks, the two places that set :attr:`VirtualBacking.multi_stream`. So
 while every block has been of one stream a chunk may go under every page of the block, as before the rule; the

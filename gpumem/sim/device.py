@@ -148,8 +148,8 @@ class Hazard:
 
     time_s: float
     call: str
-    """The device call: ``free``, ``mem_unmap`` or ``launch``; ``alias`` for work that ran beside other work on the
-    same physical bytes (Note [Physical aliasing] in :mod:`gpumem.sim.streams`)."""
+    """The device call: ``free``, ``mem_unmap`` or ``launch``; ``alias`` for work launched unordered beside unfinished work of
+    another stream on the same physical bytes (Note [Physical aliasing] in :mod:`gpumem.sim.streams`)."""
     stream: int
     va: int
     nbytes: int

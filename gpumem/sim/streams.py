@@ -110,7 +110,8 @@ class PhysicalPiece(NamedTuple):
     va: int
 
 
-#: Told of an alias when ``work`` starts: ``(work, running work of another stream, its piece, work's piece)``.
+#: Told of an alias when ``work`` is launched: ``(work, unfinished work of another stream it is not ordered after,
+#: that work's piece, work's piece)``.
 AliasObserver = Callable[["Work", "Work", PhysicalPiece, PhysicalPiece], None]
 
 
@@ -151,7 +152,8 @@ class StreamEngine:
         self._phys_unfinished: dict[int, dict[Work, None]] = {}
         """Unfinished work with physical pieces, by stream, oldest first (Note [Physical aliasing])."""
         self.on_alias: AliasObserver | None = None
-        """Called when work starts beside running work of another stream on the same physical bytes."""
+        """Called when work is launched that may run beside unfinished work of another stream on the same physical
+        bytes (nothing orders it after that work)."""
         self._n_pending = 0
         self.pending_s = 0.0
         """The summed durations of unfinished work (an upper bound on how long it can still run:

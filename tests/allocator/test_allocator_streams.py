@@ -448,6 +448,9 @@ def test_a_stolen_chunk_whose_new_mapping_cannot_be_undone_keeps_its_fences(dev,
     it under that block while stream 0's kernel still uses it through the old mapping."""
     policy = dataclasses.replace(ORDERED, busy_slack=float("inf"))
     alloc = CachingAllocator(dev, policy, engine=engine)
+    # stream 5 has memory from the start: its first block later would wait for every deferred mapping on the
+    # host (Note [One stream needs no whole pages]), and this test is about the fences of the rollback
+    s5 = alloc.allocate(512, 5)
     a = alloc.allocate(2 * MiB)
     x = alloc.allocate(2 * MiB)
     work = dev.launch(0, KERNEL_S, touches=[(a, 2 * MiB)])
@@ -473,7 +476,7 @@ def test_a_stolen_chunk_whose_new_mapping_cannot_be_undone_keeps_its_fences(dev,
     assert all(h != a_chunk for va, _, h in dev.mapping_ranges() if b <= va < b + 2 * MiB), \
         "a block of stream 5 was given memory a kernel of stream 0 still uses"
     alloc.check_consistency()
-    for p in (b, x):
+    for p in (b, x, s5):
         alloc.free(p)
     alloc.close()
     assert work.done and not dev.hazards

@@ -31,6 +31,7 @@ import math
 import os
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -394,10 +395,7 @@ def replay(trace: Trace, allocator: "CachingAllocator | BucketAllocator", *, sto
     extra: dict[str, Any] = {"engine": getattr(allocator, "engine", "python"), **calls_made(trace, allocator, done)}
     extra.update(gpu.finish() if gpu is not None else {"gpu_timing": GpuTiming.IDLE.value})
     if hazards_before is not None:
-        seen: dict[str, int] = {}
-        for h in hazards[hazards_before:]:   # type: ignore[index]
-            seen[h.call] = seen.get(h.call, 0) + 1
-        extra["sanitizer_hazards"] = seen
+        extra["sanitizer_hazards"] = dict(Counter(h.call for h in hazards[hazards_before:]))   # type: ignore[index]
     stats = allocator.snapshot_stats()
     sim_end = getattr(device, "now_s", None)
     return ReplayResult(

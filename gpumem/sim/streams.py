@@ -68,7 +68,7 @@ class Work:
 
     def __init__(self, env: simpy.Environment, name: str, stream: int, duration_s: float,
                  touches: tuple[tuple[int, int], ...], wait_for: "Work | None" = None,
-                 phys: "tuple[PhysicalPiece, ...]" = ()) -> None:
+                 phys: "tuple[PhysicalPiece, ...]" = (), seq: int = 0, vc: "dict[int, int] | None" = None) -> None:
         self.name = name
         self.stream = stream
         self.duration_s = duration_s
@@ -81,9 +81,9 @@ class Work:
         self.start_s: float | None = None
         self.end_s: float | None = None
         self.done_event = simpy.Event(env)
-        self.seq = 0
+        self.seq = seq
         """Its place in the order of all work launched on the device (Note [Physical aliasing])."""
-        self.vc: dict[int, int] = {}
+        self.vc: dict[int, int] = {} if vc is None else vc
         """What it is ordered after, by stream: the :attr:`seq` of the newest work of each other stream that must
         finish before it starts (its own stream's earlier work always must). Shared, never changed."""
 
@@ -182,9 +182,6 @@ class StreamEngine:
         st = self._streams.get(stream)
         if st is None:
             st = self._streams[stream] = _Stream(stream)
-        work = Work(self.env, name, stream, duration_s, tuple(touches), wait_for, tuple(phys))
-        self._seq += 1
-        work.seq = self._seq
         if wait_for is not None and wait_for.state != DONE:   # what the waited work is ordered after, and it
             vc = dict(st.vc)
             for s, n in wait_for.vc.items():
@@ -193,7 +190,8 @@ class StreamEngine:
             if vc.get(wait_for.stream, 0) < wait_for.seq:
                 vc[wait_for.stream] = wait_for.seq
             st.vc = vc
-        work.vc = st.vc
+        self._seq += 1
+        work = Work(self.env, name, stream, duration_s, tuple(touches), wait_for, tuple(phys), self._seq, st.vc)
         if work.phys:
             if self._phys_unfinished:
                 self._check_alias(work)

@@ -424,7 +424,10 @@ def memory_stats(device: "int | str | Any | None" = None) -> dict[str, int]:
     the engine was made, in nanoseconds: ``gpumem.driver_memory_ns`` (create, map, set access, unmap,
     release), ``gpumem.driver_event_ns`` (event record, query, destroy) and ``gpumem.driver_wait_ns``
     (synchronizations): what a policy's calls add to the thread that allocates (Note [Time in driver calls]
-    in ``gpumem/_native/cuda_backend.h``). Before the first allocation on ``device`` every value is 0.
+    in ``gpumem/_native/cuda_backend.h``); and the hooks' wall time in the engine's slow path (an allocation or
+    free its fast path does not serve: searches, growth, steals, fences, driver calls included),
+    ``gpumem.engine_slow_ns`` over ``gpumem.engine_slow_calls`` calls (Note [Time in the engine's slow path] in
+    ``gpumem/_native/torch_api.cpp``). Before the first allocation on ``device`` every value is 0.
 
     Raises:
         GpumemError: :func:`install` was not called in this process.
@@ -488,7 +491,8 @@ def memory_summary(device: "int | str | Any | None" = None) -> str:
         f"chunks {st['gpumem.n_chunks']:,}, steals {st['gpumem.n_steals']:,}, waits {st['gpumem.n_waits']:,}",
         f"address space reserved {format_bytes(st['gpumem.va_nbytes'])}, page {format_bytes(st['gpumem.granularity_nbytes'])}",
         f"time in driver calls: memory {st['gpumem.driver_memory_ns'] / 1e6:,.1f} ms, events "
-        f"{st['gpumem.driver_event_ns'] / 1e6:,.1f} ms, waits {st['gpumem.driver_wait_ns'] / 1e6:,.1f} ms",
+        f"{st['gpumem.driver_event_ns'] / 1e6:,.1f} ms, waits {st['gpumem.driver_wait_ns'] / 1e6:,.1f} ms; "
+        f"in the engine's slow path {st['gpumem.engine_slow_ns'] / 1e6:,.1f} ms over {st['gpumem.engine_slow_calls']:,} calls",
     ]
     if plan.mapped_nbytes or plan.state_name != "OFF":
         lines.append(f"step plan: {plan.state_name}, {plan.slots} slots, arena {format_bytes(plan.mapped_nbytes)} mapped, "

@@ -200,7 +200,18 @@ struct DeviceEngine {
     std::atomic<std::uint64_t> torch_errors{0};     // alloc calls that failed otherwise
     std::atomic<std::uint64_t> free_errors{0};      // free calls that failed (reported on stderr)
     std::atomic<std::uint64_t> zero_allocs{0};      // size-0 requests (no memory: null pointer)
+    // Note [Time in the engine's slow path]
+    std::atomic<std::uint64_t> slow_ns{0};          // wall ns inside the engine's allocate and free past the fast path
+    std::atomic<std::uint64_t> slow_calls{0};       // how many such calls
 };
+
+// Note [Time in the engine's slow path]: a policy's cost in step time is host time spent in the engine where
+// its fast path (a cached block of the size class, a free into the stream's list) does not serve the call:
+// searches, splits, growth, steals, fences and their driver calls. Step times on a shared host move by more
+// than that (issue 18's alternated rounds: 289-389 ms for one setting of generate()), so the hooks measure it
+// directly: two steady-clock reads around each slow call, none on the fast path (tens of nanoseconds against
+// the microseconds a slow call takes). The driver calls' share is in the backend's own times (Note [Time in
+// driver calls] in cuda_backend.h); the rest is the engine's own work.
 
 // Note [Tracing PyTorch's calls]: gpumem_torch_trace(1) makes the hooks record every allocation and
 // free they serve, read per device as (kind 0 alloc / 1 free, address, bytes, stream, nanoseconds since
@@ -547,7 +558,12 @@ void* allocate_on(ssize_t size, int device, void* stream, AllocFailure* failure)
             const std::int64_t stamp = traced ? gpu_stamp(d, s) : -1;
             const std::int64_t began_ns = traced ? now_ns() : -1;
             std::uint64_t p = d->engine->try_allocate_fast(nbytes, s);
-            if (p == 0) p = d->engine->allocate(nbytes, s);
+            if (p == 0) {
+                const std::int64_t slow_began_ns = now_ns();   // Note [Time in the engine's slow path]
+                p = d->engine->allocate(nbytes, s);
+                d->slow_ns.fetch_add(static_cast<std::uint64_t>(now_ns() - slow_began_ns), std::memory_order_relaxed);
+                d->slow_calls.fetch_add(1, std::memory_order_relaxed);
+            }
             // Note [One recorder for the history and the trace]; Note [The live engine's reserve]
             record_event(Recorder::kAlloc, device, p, nbytes, s, stamp, reserve_after(d), began_ns);
             return reinterpret_cast<void*>(static_cast<std::uintptr_t>(p));
@@ -592,14 +608,15 @@ using namespace gpumem;
 
 // Names of the values gpumem_torch_stats writes, in order, comma-separated: the engine's stats
 // (kStatFields in engine.h), then the shim's own counters, then the backend's time in driver calls
-// (Note [Time in driver calls] in cuda_backend.h).
+// (Note [Time in driver calls] in cuda_backend.h), then the hooks' time in the engine's slow path (Note [Time in
+// the engine's slow path]).
 GPUMEM_EXPORT const char* gpumem_torch_stat_names() {
     try {
         static const std::string names = [] {
             std::string out;
             for (const StatField& f : kStatFields) (out += f.name) += ',';
             return out + "torch_ooms,torch_errors,free_errors,zero_allocs,"
-                         "driver_memory_ns,driver_event_ns,driver_wait_ns";
+                         "driver_memory_ns,driver_event_ns,driver_wait_ns,engine_slow_ns,engine_slow_calls";
         }();
         return names.c_str();
     } catch (...) {   // no memory for the string: never an exception through the C boundary
@@ -650,7 +667,12 @@ GPUMEM_EXPORT void gpumem_torch_free(void* ptr, ssize_t size, int device, void* 
     record_event(Recorder::kFree, device, p, static_cast<std::uint64_t>(size), s,
                  recording().recorder.on() ? gpu_stamp(d, s) : -1);
     try {
-        if (!d->engine->try_free_fast(p)) d->engine->free(p);
+        if (!d->engine->try_free_fast(p)) {
+            const std::int64_t slow_began_ns = now_ns();   // Note [Time in the engine's slow path]
+            d->engine->free(p);
+            d->slow_ns.fetch_add(static_cast<std::uint64_t>(now_ns() - slow_began_ns), std::memory_order_relaxed);
+            d->slow_calls.fetch_add(1, std::memory_order_relaxed);
+        }
     } catch (const std::exception& e) {
         if (d->free_errors.fetch_add(1, std::memory_order_relaxed) < 8)
             std::fprintf(stderr, "gpumem: free of %p on CUDA device %d failed: %s\n", ptr, device, e.what());
@@ -747,7 +769,8 @@ GPUMEM_EXPORT int gpumem_torch_stats(int device, std::uint64_t* out, int n) {
     }
     const CudaBackend::CallTimes times = d->backend->call_times();
     const std::uint64_t own[] = {d->torch_ooms.load(), d->torch_errors.load(), d->free_errors.load(),
-                                 d->zero_allocs.load(), times.memory_ns, times.event_ns, times.wait_ns};
+                                 d->zero_allocs.load(), times.memory_ns, times.event_ns, times.wait_ns,
+                                 d->slow_ns.load(), d->slow_calls.load()};
     std::uint64_t values[sizeof kStatFields / sizeof kStatFields[0] + sizeof own / sizeof own[0]];
     int count = 0;
     for (const StatField& f : kStatFields) values[count++] = st.*f.member;

@@ -758,7 +758,10 @@ def timed_driver(before: dict[str, int], after: dict[str, int], n_steps: int) ->
     return {"memory_calls": per_step("num_device_calls"), "event_calls": per_step("num_event_calls"),
             "steals": per_step("gpumem.n_steals"), "waits": per_step("gpumem.n_waits"),
             "memory_ms": per_step("gpumem.driver_memory_ns", 1e-6), "event_ms": per_step("gpumem.driver_event_ns", 1e-6),
-            "wait_ms": per_step("gpumem.driver_wait_ns", 1e-6)}
+            "wait_ms": per_step("gpumem.driver_wait_ns", 1e-6),
+            # the hooks' time in the engine's slow path, driver calls included (Note [Time in the engine's slow
+            # path] in gpumem/_native/torch_api.cpp): all a policy adds to the host beyond the fast path
+            "slow_calls": per_step("gpumem.engine_slow_calls"), "slow_ms": per_step("gpumem.engine_slow_ns", 1e-6)}
 
 
 def run_child(workload: str, allocator: str, steps: int, warmup: int, out_dir: Path, policy: str | None,

@@ -664,7 +664,8 @@ def test_the_engine_knows_every_policy_and_stats_field():
     names.restype = ctypes.c_char_p
     assert names().decode().split(",") == [*_engine.STATS_FIELDS, *_engine.BACKING_STATS_FIELDS, "torch_ooms",
                                            "torch_errors", "free_errors", "zero_allocs", "driver_memory_ns",
-                                           "driver_event_ns", "driver_wait_ns"]
+                                           "driver_event_ns", "driver_wait_ns", "engine_slow_ns",
+                                           "engine_slow_calls"]
 
 
 def test_device_lost_is_remembered_the_same():

@@ -738,11 +738,13 @@ def test_timed_driver_gives_the_timed_steps_calls_and_milliseconds_per_step() ->
     """Note [Time in driver calls]: the probe's record gives the engine's driver calls over the timed steps only
     (the counters when they began taken from those at the end), per step, the nanoseconds as milliseconds."""
     before = {"num_device_calls": 100, "num_event_calls": 40, "gpumem.n_steals": 3, "gpumem.n_waits": 0,
-              "gpumem.driver_memory_ns": 5_000_000, "gpumem.driver_event_ns": 1_000_000, "gpumem.driver_wait_ns": 0}
+              "gpumem.driver_memory_ns": 5_000_000, "gpumem.driver_event_ns": 1_000_000, "gpumem.driver_wait_ns": 0,
+              "gpumem.engine_slow_calls": 1000, "gpumem.engine_slow_ns": 10_000_000}
     after = {"num_device_calls": 140, "num_event_calls": 80, "gpumem.n_steals": 7, "gpumem.n_waits": 2,
-             "gpumem.driver_memory_ns": 7_000_000, "gpumem.driver_event_ns": 1_400_000, "gpumem.driver_wait_ns": 600_000}
+             "gpumem.driver_memory_ns": 7_000_000, "gpumem.driver_event_ns": 1_400_000, "gpumem.driver_wait_ns": 600_000,
+             "gpumem.engine_slow_calls": 1200, "gpumem.engine_slow_ns": 14_000_000}
     got = wl.timed_driver(before, after, 4)
     assert got == {"memory_calls": 10.0, "event_calls": 10.0, "steals": 1.0, "waits": 0.5, "memory_ms": 0.5,
-                   "event_ms": 0.1, "wait_ms": 0.15}
+                   "event_ms": 0.1, "wait_ms": 0.15, "slow_calls": 50.0, "slow_ms": 1.0}
     # no counters when the timed steps began (PyTorch's allocator, or no timed step): nothing to give
     assert wl.timed_driver({}, after, 4) == {} and wl.timed_driver(before, after, 0) == {}

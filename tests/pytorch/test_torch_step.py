@@ -184,7 +184,8 @@ def test_memory_summary_names_the_arena_and_leaves_it_out_of_inactive_split(monk
                   "num_alloc_retries": 0, "num_device_calls": 0, "num_event_calls": 0, "gpumem.n_chunks": 0,
                   "gpumem.n_steals": 0, "gpumem.n_waits": 0, "gpumem.va_nbytes": 0, "gpumem.granularity_nbytes": 2 * MiB,
                   "gpumem.free_errors": 0, "gpumem.torch_errors": 0, "gpumem.driver_memory_ns": 0,
-                  "gpumem.driver_event_ns": 0, "gpumem.driver_wait_ns": 0})
+                  "gpumem.driver_event_ns": 0, "gpumem.driver_wait_ns": 0, "gpumem.engine_slow_ns": 0,
+                  "gpumem.engine_slow_calls": 0})
     monkeypatch.setattr(gt, "memory_stats", lambda device=None: stats)
     text = gt.memory_summary(0)
     assert "step plan: PLANNED" in text

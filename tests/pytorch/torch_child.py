@@ -55,8 +55,15 @@ def scenario_work_matches_cpu() -> None:
         assert (stats["gpumem.driver_event_ns"] > 0) == (stats["num_event_calls"] > 0), stats
     assert after["gpumem.driver_event_ns"] >= st["gpumem.driver_event_ns"], (st, after)
     assert after["gpumem.driver_wait_ns"] >= st["gpumem.driver_wait_ns"] >= 0, (st, after)
+    # Note [Time in the engine's slow path]: the first allocations grew the range (slow calls, timed); the
+    # fast path served some (fewer slow calls than calls); empty_cache is no hook call, so nothing moved
+    assert 0 < st["gpumem.engine_slow_calls"] < st["num_allocs"] + st["num_frees"], st
+    assert st["gpumem.engine_slow_ns"] > 0, st
+    assert (after["gpumem.engine_slow_calls"], after["gpumem.engine_slow_ns"]) == (
+        st["gpumem.engine_slow_calls"], st["gpumem.engine_slow_ns"]), (st, after)
     summary = gt.memory_summary()
     assert "reserved (mapped)" in summary and "overhead" in summary and "time in driver calls" in summary
+    assert "in the engine's slow path" in summary
     print(summary)
 
 

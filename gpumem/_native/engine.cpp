@@ -1450,7 +1450,7 @@ void Engine::steal(VSeg* seg, std::int64_t first, std::int64_t last, std::int64_
             continue;
         }
         unmapped_.push_back(unmap_page(c.other, c.p));
-        ++n_steals_;
+        count_steal();
         ++stolen;
     }
     if (stolen < count && !busy.empty()) {
@@ -1470,7 +1470,7 @@ void Engine::steal(VSeg* seg, std::int64_t first, std::int64_t last, std::int64_
                 if (seen || (other == seg && first <= p && p <= last)) continue;
                 if (page_ready(other, p, false, batch)) {
                     unmapped_.push_back(unmap_page(other, p));
-                    ++n_steals_;
+                    count_steal();
                     ++stolen;
                 }
             }
@@ -1484,7 +1484,7 @@ void Engine::steal(VSeg* seg, std::int64_t first, std::int64_t last, std::int64_
         }
         page_ready(c.other, c.p, true, batch);
         unmapped_.push_back(unmap_page(c.other, c.p));
-        ++n_steals_;
+        count_steal();
         ++stolen;
     }
 }
@@ -1876,7 +1876,7 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
     for (std::size_t i = 0; idle_at(fits, i); ++i) {
         IdleChunk c = fits.got[i];
         if (chunk_ready(c.seg, c.s, false, batch, &busy)) {
-            ++n_steals_;
+            count_steal();
             *out = unmap_chunk(c.seg, c.s);
             return true;
         }
@@ -1886,8 +1886,7 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
         std::ptrdiff_t i = chunk_of_stream(fits, stream, batch, nullptr, pending, unshared);
         if (i >= 0) {
             IdleChunk c = fits.got[static_cast<std::size_t>(i)];
-            ++n_steals_;
-            if (before_rule_alone()) ++before_steals_;   // VirtualBacking._count_before_steal
+            count_steal();
             *out = defer_unmap(c.seg, c.s, std::move(pending));
             return true;
         }
@@ -1897,7 +1896,7 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
         if (i >= 0) {
             IdleChunk c = fits.got[static_cast<std::size_t>(i)];
             chunk_ready(c.seg, c.s, true, batch);
-            ++n_steals_;
+            count_steal();
             *out = unmap_chunk(c.seg, c.s);
             return true;
         }
@@ -1916,12 +1915,12 @@ bool Engine::steal_chunk(VSeg* seg, std::int64_t first, std::int64_t last, std::
         pending = chunk_fences(c.seg, c.s, batch);
         for (const auto& sn : pending)
             if (sn.first != stream) fences_order_after(stream, sn.first, sn.second);
-        ++n_steals_;
+        count_steal();
         *out = defer_unmap(c.seg, c.s, std::move(pending));
         return true;
     }
     chunk_ready(c.seg, c.s, true, batch);
-    ++n_steals_;
+    count_steal();
     *out = unmap_chunk(c.seg, c.s);
     return true;
 }

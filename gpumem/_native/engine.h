@@ -90,7 +90,7 @@ struct EngineConfig {
     bool steal_after_warmup = true;
     // before a warm-up has begun (or after one stopped by hand), the stream-ordered steal is on, within a budget
     // (Note [The ordered steal before a warm-up] in backing.py)
-    bool steal_before_warmup = false;
+    bool steal_before_warmup = true;
     // growth=PAGES, no steal: the page size of the small / large pool's range (Note [Pages of a pool's own
     // size] in engine.cpp); 0: the device granularity (Python: small_page_nbytes / large_page_nbytes None)
     std::uint64_t small_page_nbytes = 0;
@@ -777,16 +777,21 @@ class Engine {
     // knobs of the after- and the before-rule
     bool after_warmup_ = false;
     EngineConfig steal_knobs_;
-    // VirtualBacking.before_steals: stream-ordered steals made by cfg_.steal_before_warmup alone, at most
-    // kBeforeStealBurst and one per kBeforeStealAllocs allocations (Note [The ordered steal before a warm-up] in
-    // backing.py)
+    // VirtualBacking.before_steals / before_ended: steals of every kind made while cfg_.steal_before_warmup alone
+    // gives the stream-ordered steal; the rule ends for the run where they pass kBeforeStealBurst plus one per
+    // kBeforeStealAllocs allocations (Note [The ordered steal before a warm-up] in backing.py)
     std::uint64_t before_steals_ = 0;
-    static constexpr std::uint64_t kBeforeStealAllocs = 1024;   // backing.py BEFORE_STEAL_ALLOCS
-    static constexpr std::uint64_t kBeforeStealBurst = 512;     // backing.py BEFORE_STEAL_BURST
+    bool before_ended_ = false;
+    static constexpr std::uint64_t kBeforeStealAllocs = 256;   // backing.py BEFORE_STEAL_ALLOCS
+    static constexpr std::uint64_t kBeforeStealBurst = 512;    // backing.py BEFORE_STEAL_BURST
     bool before_rule_alone() const { return !(warmup_ || after_warmup_ || cfg_.stream_ordered_steal); }
     bool ordered_steal_allowed() const {   // VirtualBacking._ordered_steal_allowed
-        return knobs().stream_ordered_steal &&
-               (!before_rule_alone() || before_steals_ < kBeforeStealBurst + st_.num_allocs / kBeforeStealAllocs);
+        return knobs().stream_ordered_steal && !(before_rule_alone() && before_ended_);
+    }
+    void count_steal() {   // VirtualBacking._count_steal
+        ++n_steals_;
+        if (before_ended_ || !(before_rule_alone() && knobs().stream_ordered_steal)) return;
+        if (++before_steals_ > kBeforeStealBurst + st_.num_allocs / kBeforeStealAllocs) before_ended_ = true;
     }
     const EngineConfig& knobs() const {   // VirtualBacking.knobs
         if (warmup_) return memory_first_;

@@ -120,9 +120,9 @@ gpumem::EngineConfig torch_engine_config(const gpumem::EngineConfig& base) {
     // AllocatorPolicy.steal_after_warmup: GPUMEM_STEAL_AFTER_WARMUP=0 or 1 (0: the policy's own knobs after a warm-up
     // has ended, the rule before 2026-12-03; Note [The ordered steal after a warm-up] in backing.py)
     env_bool("GPUMEM_STEAL_AFTER_WARMUP", cfg.steal_after_warmup);
-    // AllocatorPolicy.steal_before_warmup: GPUMEM_STEAL_BEFORE_WARMUP=0 (the default: the policy's own knobs until a
-    // warm-up has ended) or 1 (the stream-ordered steal, within its budget; Note [The ordered steal before a warm-up]
-    // in backing.py)
+    // AllocatorPolicy.steal_before_warmup: GPUMEM_STEAL_BEFORE_WARMUP=1 (the default: the stream-ordered steal until a
+    // warm-up has ended, a rule that ends where steals outrun its budget; Note [The ordered steal before a warm-up] in
+    // backing.py) or 0 (the policy's own knobs until then, the rule before 2026-12-04)
     env_bool("GPUMEM_STEAL_BEFORE_WARMUP", cfg.steal_before_warmup);
     // AllocatorPolicy.wait_on_gpu: GPUMEM_WAIT_ON_GPU=0 or 1 (Note [Wait on the GPU, not the host] in backing.py)
     env_bool("GPUMEM_WAIT_ON_GPU", cfg.wait_on_gpu);

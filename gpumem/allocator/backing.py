@@ -366,12 +366,13 @@ log = logging.getLogger(__name__)
 
 SegmentCallback = Callable[["Segment"], None]
 
-BEFORE_STEAL_ALLOCS = 1024
-"""Note [The ordered steal before a warm-up]: past :data:`BEFORE_STEAL_BURST`, the stream-ordered steals made by
-``steal_before_warmup`` alone are at most one per this many allocations of the engine."""
+BEFORE_STEAL_ALLOCS = 256
+"""Note [The ordered steal before a warm-up]: past :data:`BEFORE_STEAL_BURST`, the steals made while
+``steal_before_warmup`` alone gives the stream-ordered steal may grow by one per this many allocations of the
+engine; the rule ends for the run where they outrun that."""
 BEFORE_STEAL_BURST = 512
-"""The stream-ordered steals ``steal_before_warmup`` alone may make before :data:`BEFORE_STEAL_ALLOCS` counts:
-steal ``k`` (from 0) is taken while ``k < BEFORE_STEAL_BURST + allocations // BEFORE_STEAL_ALLOCS``."""
+"""The steals made under ``steal_before_warmup`` alone before :data:`BEFORE_STEAL_ALLOCS` counts: the rule ends at
+the steal ``k`` (from 1) with ``k > BEFORE_STEAL_BURST + allocations // BEFORE_STEAL_ALLOCS``."""
 
 _TOP_DOWN_START = 1 << 62
 """The ``order`` below which the first segment of a ``segments_top_down`` policy sorts (Note [Segments top-down])."""
@@ -436,9 +437,12 @@ class Backing(abc.ABC):
         stream-ordered steal on (Note [The ordered steal after a warm-up]); the engine sets it."""
         self._steal_knobs = replace(policy, stream_ordered_steal=True)   # the after- and before-rules' knobs
         self.before_steals = 0
-        """Stream-ordered steals made by ``steal_before_warmup`` alone (Note [The ordered steal before a
-        warm-up]): at most :data:`BEFORE_STEAL_BURST` and one per :data:`BEFORE_STEAL_ALLOCS` allocations. A steal
-        whose map or set-access then fails has been counted too (in both engines)."""
+        """Steals of every kind made while ``steal_before_warmup`` alone gives the stream-ordered steal (Note [The
+        ordered steal before a warm-up]). A steal whose map or set-access then fails has been counted too (in both
+        engines)."""
+        self.before_ended = False
+        """The rule of ``steal_before_warmup`` has ended for the run: :attr:`before_steals` passed
+        :data:`BEFORE_STEAL_BURST` plus one per :data:`BEFORE_STEAL_ALLOCS` allocations."""
         self.allocations: Callable[[], int] = lambda: 0
         """The engine's allocations so far (``AllocatorStats.num_allocs``; the engine sets it)."""
         self.warmup_ended = False
@@ -1158,7 +1162,7 @@ class VirtualBacking(Backing):
                 busy.append(cand)
                 continue
             self.unmapped.append(self._unmap_page(other, p))
-            self.n_steals += 1
+            self._count_steal()
             stolen += 1
         if stolen < count and busy:
             # before creating or waiting, any other empty page whose work is done (beyond the highest few)
@@ -1173,7 +1177,7 @@ class VirtualBacking(Backing):
                         continue
                     if self._page_ready(other, p, False, batch):
                         self.unmapped.append(self._unmap_page(other, p))
-                        self.n_steals += 1
+                        self._count_steal()
                         stolen += 1
         for _, p, other in busy:
             if stolen == count:
@@ -1183,7 +1187,7 @@ class VirtualBacking(Backing):
                 continue
             self._page_ready(other, p, True, batch)
             self.unmapped.append(self._unmap_page(other, p))
-            self.n_steals += 1
+            self._count_steal()
             stolen += 1
 
     def _create_instead(self, requested: int) -> bool:
@@ -1550,19 +1554,18 @@ class VirtualBacking(Backing):
         busy: dict[int, int] = {}
         for n, _, s, other in itertools.chain((top,), fits):
             if self._chunk_ready(other, s, False, batch, busy):
-                self.n_steals += 1
+                self._count_steal()
                 return self._unmap_chunk(other, s)
         if unshared > 0 and self._ordered_steal_allowed():   # Note [No other stream on a deferred chunk]
             ours = self._chunk_of_stream(seg, first, last, max_pages, stream, batch, None, unshared)
             if ours is not None:
-                self.n_steals += 1
-                self._count_before_steal()
+                self._count_steal()
                 return self._defer_unmap(*ours)
         if self.knobs.wait_own_stream:   # Note [Wait for the program's own stream]
             ours = self._chunk_of_stream(seg, first, last, max_pages, stream, batch, busy)
             if ours is not None:
                 self._chunk_ready(ours[0], ours[1], True, batch)
-                self.n_steals += 1
+                self._count_steal()
                 return self._unmap_chunk(ours[0], ours[1])
         n, _, s, other = top
         if self.reserved_nbytes // self.granularity + n <= self._busy_pages:
@@ -1575,10 +1578,10 @@ class VirtualBacking(Backing):
             for st, number in pending.items():
                 if st != stream:
                     self.fences.order_after(stream, st, number)
-            self.n_steals += 1
+            self._count_steal()
             return self._defer_unmap(other, s, pending)
         self._chunk_ready(other, s, True, batch)
-        self.n_steals += 1
+        self._count_steal()
         return self._unmap_chunk(other, s)
 
     def _before_rule_alone(self) -> bool:
@@ -1588,14 +1591,19 @@ class VirtualBacking(Backing):
 
     def _ordered_steal_allowed(self) -> bool:
         """The stream-ordered steal may run now: the knobs in force have it and, where only ``steal_before_warmup``
-        gives it, its budget is not spent (Note [The ordered steal before a warm-up])."""
-        return self.knobs.stream_ordered_steal and (
-            not self._before_rule_alone()
-            or self.before_steals < BEFORE_STEAL_BURST + self.allocations() // BEFORE_STEAL_ALLOCS)
+        gives it, that rule has not ended (Note [The ordered steal before a warm-up])."""
+        return self.knobs.stream_ordered_steal and not (self._before_rule_alone() and self.before_ended)
 
-    def _count_before_steal(self) -> None:
-        if self._before_rule_alone():
-            self.before_steals += 1
+    def _count_steal(self) -> None:
+        """A steal was made. While only ``steal_before_warmup`` gives the stream-ordered steal, every steal counts
+        against that rule's budget, and the rule ends for the run once they pass it (Note [The ordered steal before
+        a warm-up])."""
+        self.n_steals += 1
+        if self.before_ended or not (self._before_rule_alone() and self.knobs.stream_ordered_steal):
+            return
+        self.before_steals += 1
+        if self.before_steals > BEFORE_STEAL_BURST + self.allocations() // BEFORE_STEAL_ALLOCS:
+            self.before_ended = True
 
     def _chunk_of_stream(self, seg: VirtualSegment, first: int, last: int, max_pages: int, stream: int,
                          batch: dict[int, int], busy: dict[int, int] | None, unshared: int | None = None

@@ -251,7 +251,7 @@ class AllocatorPolicy:
     Off: the policy's own knobs after it, as before. Set it in Python (``dataclasses.replace(policy,
     steal_after_warmup=False)``) or, for gpumem.torch, with ``GPUMEM_STEAL_AFTER_WARMUP=0``."""
 
-    steal_before_warmup: bool = False
+    steal_before_warmup: bool = True
     """A program that has not begun a step plan's warm-up (none yet, or one stopped by hand) grows with the
     stream-ordered steal on (:attr:`stream_ordered_steal`), whatever that knob says, within a budget: at most 512
     such steals, then one per 1,024 allocations (training without marks steals 30-50 times a step). Such programs
@@ -407,6 +407,7 @@ POLICIES: dict[str, AllocatorPolicy] = {
             vmm=VmmMode.ALWAYS,
             va_reserve_factor=1.125,
             steal_empty_pages=False,
+            steal_before_warmup=False,   # PyTorch's segments never steal
             page_slack=0.0,
             growth=GrowthRule.PAGES,
             small_page_nbytes=2 * MiB,

@@ -54,8 +54,8 @@ POLICIES = [
     dataclasses.replace(_BASE, name="chunks-no-warmup", plan_warmup=False),
     dataclasses.replace(_BASE, name="chunks-warmup-keep", warmup_give_back=False),
     dataclasses.replace(_BASE, name="chunks-warmup-no-steal-after", steal_after_warmup=False),
-    dataclasses.replace(_BASE, name="chunks-steal-before", steal_before_warmup=True),
-    dataclasses.replace(_BASE, name="chunks-steal-before-not-after", steal_before_warmup=True, steal_after_warmup=False),
+    dataclasses.replace(_BASE, name="chunks-no-steal-before", steal_before_warmup=False),
+    dataclasses.replace(_BASE, name="chunks-steal-before-not-after", steal_after_warmup=False),
     # waiting for the program's own stream (off by default; test_wait_own_stream_differential.py reaches it more
     # often), with the default slack and with none and small chunks
     dataclasses.replace(_BASE, name="chunks-wait-own", wait_own_stream=True, chunk_max_fraction=1 / 1024),

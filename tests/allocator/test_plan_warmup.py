@@ -185,7 +185,7 @@ def test_a_warmup_that_ends_leaves_the_ordered_steal_on(engine):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_no_warmup_yet_or_one_stopped_has_the_ordered_steal_before(engine):
     """Note [The ordered steal before a warm-up]: a program that never began a warm-up, or stopped it by hand,
-    steals in stream order where ``steal_before_warmup`` (off by default) says so, where the policy's own knobs
+    steals in stream order where ``steal_before_warmup`` (on by default) says so, where the policy's own knobs
     create memory; once a warm-up has ended, only ``steal_after_warmup`` decides."""
     knobs = dict(page_slack=0.0, page_slack_min_nbytes=0, busy_slack=float("inf"))
     before = dataclasses.replace(DEFAULT, steal_before_warmup=True, steal_after_warmup=False, **knobs)
@@ -201,7 +201,8 @@ def test_no_warmup_yet_or_one_stopped_has_the_ordered_steal_before(engine):
 def _unmarked_busy_program(engine: str, policy, n: int = 3000):
     """``n`` allocations of seven sizes, whole pages, on stream 0, each touched by a kernel still queued when it is freed two
     allocations later, never a mark: memory past the held pages comes from busy chunks (a stream-ordered steal) or
-    is grown. The allocator's stats, its backing's counters (and, on the Python engine, ``before_steals``)."""
+    is grown. The allocator's stats, its backing's counters (and, on the Python engine, ``before_steals`` and
+    ``before_ended``)."""
     device = sim.SimDevice(sim.get_profile("h200-141gb"))
     alloc = CachingAllocator(device, policy, engine=engine)
     live = []
@@ -213,35 +214,43 @@ def _unmarked_busy_program(engine: str, policy, n: int = 3000):
         if len(live) > 2:
             alloc.free(live.pop(0))
     alloc.check_consistency()
-    before = alloc._engine.backing.before_steals if engine == "python" else None   # noqa: SLF001
+    backing = alloc._engine.backing if engine == "python" else None   # noqa: SLF001
+    before = (backing.before_steals, backing.before_ended) if backing is not None else None
     out = (alloc.snapshot_stats(), alloc._engine._ext.backing_stats() if engine == "native" else None, before)  # noqa: SLF001
     alloc.close()
     assert not device.hazards
     return out
 
 
-def test_the_steal_before_a_warmup_keeps_to_its_budget():
-    """Note [The ordered steal before a warm-up]: the steals ``steal_before_warmup`` alone makes are at most
-    BEFORE_STEAL_BURST and one per BEFORE_STEAL_ALLOCS allocations (training without marks steals ~40 times a
-    step); the policy's own ``stream_ordered_steal`` has no budget; both engines keep to it alike."""
+def test_the_steal_before_a_warmup_ends_where_steals_outrun_its_budget():
+    """Note [The ordered steal before a warm-up]: every steal made under ``steal_before_warmup`` alone counts against
+    its budget, BEFORE_STEAL_BURST and one per BEFORE_STEAL_ALLOCS allocations, and the rule ends for the run where
+    they pass it (live, training with its marks off stole ~45 times a step under it and paid a third of its step
+    time); a program within it keeps the rule; the policy's own ``stream_ordered_steal`` has no budget; both engines
+    alike."""
     from gpumem.allocator.backing import BEFORE_STEAL_ALLOCS, BEFORE_STEAL_BURST
 
     knobs = dict(page_slack=0.0, page_slack_min_nbytes=0, busy_slack=float("inf"))
     before = dataclasses.replace(DEFAULT, steal_before_warmup=True, **knobs)
+    off = dataclasses.replace(DEFAULT, steal_before_warmup=False, **knobs)
     always = dataclasses.replace(DEFAULT, stream_ordered_steal=True, **knobs)
-    stats, _, spent = _unmarked_busy_program("python", before)
-    # the burst was spent, and no more than the budget since (here the program grew instead)
-    assert BEFORE_STEAL_BURST <= spent <= BEFORE_STEAL_BURST + stats.num_allocs // BEFORE_STEAL_ALLOCS
-    unbudgeted, _, spent_always = _unmarked_busy_program("python", always)
-    assert spent_always == 0   # the policy's steal is not the before-rule's
+    stats, _, (spent, ended) = _unmarked_busy_program("python", before)
+    # the storm passed the budget: the rule ended, at the steal that passed it, and no steal counted after
+    assert ended and BEFORE_STEAL_BURST < spent <= BEFORE_STEAL_BURST + stats.num_allocs // BEFORE_STEAL_ALLOCS + 1
+    unbudgeted, _, (spent_always, ended_always) = _unmarked_busy_program("python", always)
+    assert (spent_always, ended_always) == (0, False)   # the policy's steal is not the before-rule's
     # without the budget the program steals more, holds less, and makes more driver calls
     assert unbudgeted.peak_reserved_nbytes < stats.peak_reserved_nbytes and unbudgeted.device_calls > stats.device_calls
+    # a short program stays within the budget: the rule holds all along and saves memory against the knob off
+    short, _, (spent_short, ended_short) = _unmarked_busy_program("python", before, n=200)
+    assert not ended_short and 0 < spent_short <= BEFORE_STEAL_BURST
+    assert short.peak_reserved_nbytes < _unmarked_busy_program("python", off, n=200)[0].peak_reserved_nbytes
     if "native" in ENGINES:
-        for policy in (before, always):
-            assert _unmarked_busy_program("native", policy)[0] == _unmarked_busy_program("python", policy)[0]
+        for policy, n in ((before, 3000), (before, 200), (always, 3000)):
+            assert _unmarked_busy_program("native", policy, n)[0] == _unmarked_busy_program("python", policy, n)[0]
 
 
-@pytest.mark.parametrize(("knob", "default"), [("steal_after_warmup", True), ("steal_before_warmup", False)])
+@pytest.mark.parametrize(("knob", "default"), [("steal_after_warmup", True), ("steal_before_warmup", True)])
 def test_the_steal_knobs_are_bools(knob, default):
     assert getattr(DEFAULT, knob) is default
     for bad in (1, "yes", None):

@@ -249,25 +249,28 @@ Replayed (``gpu_timing="trace"``): gpt2_train 5.54 -> 0.80 %, moe_train 4.02 -> 
 
 Note [The ordered steal before a warm-up]
 -----------------------------------------
-``AllocatorPolicy.steal_before_warmup`` (off by default) turns the stream-ordered steal on before a step plan's
+``AllocatorPolicy.steal_before_warmup`` (on by default) turns the stream-ordered steal on before a step plan's
 warm-up has ended (none begun, or one stopped by hand; :attr:`Backing.warmup_ended`): inference under gpumem.torch
 (its automatic marks begin the warm-up with the first optimizer on a GPU), traces that mark no step, marks off. The
 ``busy_slack`` rule grows ~5 % past peak allocated there: live on the H200 ``generate()`` held 5.00 %, with the
 steal 1.45 %; replayed, llama_generate 3.95 -> 0.64 % and bert_varlen 1.22 -> 0.77 % (tuning),
-llama_kvcache_generate 2.29 -> 1.45 % (check); multistream_infer 5.43 % either way (busy on other streams).
-Why it is off: ``generate()``'s steps were 18.2 % longer with it (the sum of each step's minimum over four runs a
-setting; 5.2 % over the second session's five, one call of which alone gave -0.5 %;
-``reports/hil/sos-nomarks-h200-2026-12-03.md``), while the host's time in all its driver calls was 0.7-1.0 ms of a
-~400 ms step (Note [Time in driver calls] in ``gpumem/_native/cuda_backend.h``); the simulator shows no
-cost (replayed step time +0.05 %). Runs alternated in one call (``reports/hil/sbw-ab-h200-2026-12-04.md``) gave
-+0.7, +3.3 and +45.3 % round by round: not settled, and not the GPU pausing for remaps, which the card does not
-(``reports/hil/vmm-stall-h200-2026-11-25.md``). Training without marks steals 30-50 times a step and waits on the deferred
-unmaps (8.5-11 ms a step): so the steals this rule alone makes have a budget, :data:`BEFORE_STEAL_BURST` = 512,
-then one per :data:`BEFORE_STEAL_ALLOCS` = 1,024 allocations (a few hundred ms once, then about one steal a step);
-the burst is what llama_generate's replay needs (3.78 % with a burst of 64: its steals come when a large request
-arrives). The budget was chosen on llama_generate, GPT-2 fp32 and ResNet-50 without marks (all tuning traces). After a warm-up has ended only
-``steal_after_warmup`` decides; there the same minima showed no such cost (Llama with variable lengths -16.7 %, MoE
--0.7 %).
+llama_kvcache_generate 2.29 -> 1.45 % (check); multistream_infer 5.43 % either way (busy on other streams). Its
+cost on ``generate()``, measured in the hooks (Note [Time in the engine's slow path] in
+``gpumem/_native/torch_api.cpp``), is 0.68 ms of host time a step, 0.19 % (the wall times of one setting spread
+289-389 ms, which is why runs of them could not settle it: ``reports/hil/sbw-slow-h200-2026-12-04.md``).
+But a program that only moves pages under it pays: training with its marks off stole ~45 times a step and spent a
+third of its step in the slow path (ResNet-50; the driver calls and a host wait a step for the deferred unmaps), for
+1.1 points (GPT-2: none; ``reports/hil/sbw-default-h200-2026-12-04.md``). So the rule has a budget, and every steal
+made while it alone gives the stream-ordered steal counts, not only its own: the ordinary steals the tight cache
+makes afterwards are its cost too. Past :data:`BEFORE_STEAL_BURST` = 512 plus one per :data:`BEFORE_STEAL_ALLOCS` =
+256 allocations, the rule **ends for the run** (:attr:`Backing.before_ended`): inference steals in 0.05-0.32 % of its
+allocations (``generate()`` live, llama_generate, bert_varlen replayed) and keeps it; training without marks, 1.7-7.2 %,
+loses it within about ten steps and runs as with the knob off after (live: the same 2.09 and 5.56 %, the same
+steps; ``reports/hil/sbw-latch-h200-2026-12-04.md``). A budget of the rule's own steals only, one per 1,024
+allocations, let that storm run on (1,950 steals against its 545); counting every steal with one per 1,024 held
+llama_generate at 3.78 % (its steals come late, with a large request). The burst is what llama_generate's replay
+needs (3.78 % with a burst of 64). After a warm-up has ended only ``steal_after_warmup`` decides. The replay makes
+the storm's calls but charges a tenth of their live cost (``sbw-default``): not yet modelled.
 
 Note [Wait on the GPU, not the host]
 ------------------------------------

@@ -253,17 +253,15 @@ class AllocatorPolicy:
 
     steal_before_warmup: bool = True
     """A program that has not begun a step plan's warm-up (none yet, or one stopped by hand) grows with the
-    stream-ordered steal on (:attr:`stream_ordered_steal`), whatever that knob says, within a budget: at most 512
-    such steals, then one per 1,024 allocations (training without marks steals 30-50 times a step). Such programs
-    are inference under gpumem.torch (whose automatic marks begin a warm-up with the first optimizer on a GPU),
-    replays of traces that mark no step, programs with marks turned off, and a policy without ``plan_warmup`` (no
-    warm-up ever begins: the rule holds for the whole run, marks or not). Off by default: live on the H200 it
-    took ``generate()`` from 5.00 to 1.45 % above peak allocated, but its steps were up to 18 % longer (the sum of
-    each step's minimum over 4-5 runs), where all its driver calls took 0.7-1.0 ms a step of the host's time; runs
-    alternated in one call gave +0.7, +3.3 and +45.3 % round by round: not settled (Note [The ordered steal before a
-    warm-up] in :mod:`.backing`). Set it in Python
-    (``dataclasses.replace(policy, steal_before_warmup=True)``) or, for gpumem.torch, with
-    ``GPUMEM_STEAL_BEFORE_WARMUP=1`` (or ``gpumem.torch.configure(policy)`` with it, before the first allocation)."""
+    stream-ordered steal on (:attr:`stream_ordered_steal`), whatever that knob says, until the steals made so (of
+    every kind) pass 512 plus one per 256 allocations: then the rule ends for the run. Such programs are inference
+    under gpumem.torch (whose automatic marks begin a warm-up with the first optimizer on a GPU), replays of traces
+    that mark no step, programs with marks turned off, and a policy without ``plan_warmup`` (no warm-up ever begins).
+    On by default: live on the H200 it takes ``generate()`` from 5.00 to 1.45 % above peak allocated for 0.19 % of
+    its step in host time; training with marks off, where it only moved pages (a third of ResNet-50's step), loses
+    it within about ten steps (Note [The ordered steal before a warm-up] in :mod:`.backing`). Off:
+    ``dataclasses.replace(policy, steal_before_warmup=False)`` in Python or, for gpumem.torch,
+    ``GPUMEM_STEAL_BEFORE_WARMUP=0`` (or ``gpumem.torch.configure(policy)`` with it, before the first allocation)."""
 
     def memory_first(self) -> "AllocatorPolicy":
         """This policy with the memory-first setting of its growth knobs: no page slack (nor its floor), the

@@ -90,10 +90,13 @@ GPUMEM_EXPORT GpumemPool* gpumem_torch_pool_new(int device) {
         if (!pool->backend->info().vmm_supported)
             throw std::runtime_error("CUDA device " + std::to_string(device) +
                                      " does not support virtual memory management");
-        // the default policy, whatever configure() or the GPUMEM_* variables say: a pool never marks a step, so
-        // never begins a warm-up, and steal_before_warmup stays off in it (Note [The ordered steal before a
-        // warm-up] in backing.py)
+        // the default policy, whatever configure() or the GPUMEM_* variables say, but for the two knobs below: a
+        // pool never marks a step, so never begins a warm-up, and the steal before a warm-up (on by default since
+        // 2026-12-04) stays off in it, as before: that steal maps a chunk still used by queued work and defers the
+        // unmap behind fences on the stream that took it, which has never been run or tested under a capture
+        // (Note [The ordered steal before a warm-up] in backing.py; found by a review when the default changed)
         EngineConfig cfg;
+        cfg.steal_before_warmup = false;
         // a pool serves CUDA graph captures, whose streams may not wait on an event recorded outside the capture:
         // the host waits (Note [Wait on the GPU, not the host] in backing.py)
         cfg.wait_on_gpu = false;

@@ -242,7 +242,8 @@ the run's). Where a plan forms, the engine serves only what the plan does not: G
 capture after the plan, in cudagraph_train's replay: 3.77 -> 0.65 %) is served by it too. A program that never
 marks would pay double its calls (the replays of the corpus without marks: GPT-2 fp32 3,057 -> 5,128; the measured
 cost that kept the steal off by default, +7 % step time on GPT-2 without plans). So the rule follows the warm-up:
-one that never begins it, or stops it by hand, keeps the policy's knobs (Note [The ordered steal before a warm-up]);
+one that never begins it, or stops it by hand, is the before-rule's (Note [The ordered steal before a warm-up]: the
+steal too by default, until its budget is spent);
 but one past 2**14 allocations with no mark has ended, stopped or not (``stop_plan_warmup``), and gets the steal.
 Replayed (``gpu_timing="trace"``): gpt2_train 5.54 -> 0.80 %, moe_train 4.02 -> 1.25 %, cudagraph_train 3.77 ->
 0.65 % (tuning), llama_varlen_train 5.77 -> 0.75 % (check); no other trace of data/traces moved.

@@ -245,8 +245,8 @@ class AllocatorPolicy:
     knob says (what a plan misses is served so): where the marks form no plan, the program marks steps that do not
     repeat, and there the ``busy_slack`` rule grew 4-6 % past peak allocated live (Note [The ordered steal after a
     warm-up] in :mod:`.backing`). A program that never begins a warm-up (inference under gpumem.torch, whose
-    automatic marks begin it with the first optimizer on a GPU; marks turned off) or stops it by hand keeps the
-    policy's knobs (unless :attr:`steal_before_warmup`);
+    automatic marks begin it with the first optimizer on a GPU; marks turned off) or stops it by hand is
+    :attr:`steal_before_warmup`'s (the steal too by default, until that rule's budget is spent);
     one that begins it by hand (``start_plan_warmup()``) and never marks gets the steal after 2**14 allocations.
     Off: the policy's own knobs after it, as before. Set it in Python (``dataclasses.replace(policy,
     steal_after_warmup=False)``) or, for gpumem.torch, with ``GPUMEM_STEAL_AFTER_WARMUP=0``."""

@@ -46,8 +46,9 @@ def _old_behaviour(monkeypatch) -> None:
 ORDERED_DEFAULT = dataclasses.replace(get_policy("gpumem"), name="ordered-default", stream_ordered_steal=True,
                                       page_slack_min_nbytes=0)
 #: the default policy without the slack's floor: on these few-page devices every page past the peak is stolen
-#: (Note [A slack of at least one page])
-STEAL_NOW = dataclasses.replace(get_policy("gpumem"), name="steal-now", page_slack_min_nbytes=0)
+#: (Note [A slack of at least one page]); the steal before a warm-up (on by default) off, so that the policy's own
+#: rules decide (Note [The ordered steal before a warm-up])
+STEAL_NOW = dataclasses.replace(get_policy("gpumem"), name="steal-now", page_slack_min_nbytes=0, steal_before_warmup=False)
 
 
 def _steal_scenario(dev, stream: int, policy=STEAL_NOW) -> tuple[object, int, int, CachingAllocator]:
@@ -121,7 +122,7 @@ def test_empty_cache_under_a_running_kernel_is_a_hazard_with_the_old_behaviour(d
 
 
 GROW_PAST_BUSY = dataclasses.replace(get_policy("gpumem"), name="grow-past-busy", busy_slack=float("inf"),
-                                     stream_ordered_steal=False)
+                                     stream_ordered_steal=False, steal_before_warmup=False)
 
 
 def _past_a_running_kernel(dev, alloc, stream: int = 0):
@@ -151,7 +152,7 @@ def test_a_busy_page_is_waited_for_past_the_busy_slack(dev, engine):
     """Note [Wait, do not grow, behind the GPU]: past page_slack + busy_slack the steal waits for the
     running kernel instead of creating a chunk (before issue 18 it grew: the test above)."""
     policy = dataclasses.replace(get_policy("gpumem"), name="wait-busy", busy_slack=0.0, page_slack=0.0, page_slack_min_nbytes=0,
-                                 stream_ordered_steal=False)
+                                 stream_ordered_steal=False, steal_before_warmup=False)
     alloc = CachingAllocator(dev, policy, engine=engine)
     work, b, x = _past_a_running_kernel(dev, alloc)
     assert work.done and not dev.hazards and alloc.reserved_nbytes == 6 * MiB

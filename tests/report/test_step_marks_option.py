@@ -16,13 +16,16 @@ from gpumem.report.sweep import SweepError, make_cases, run_sweep
 ROOT = Path(__file__).resolve().parents[2]
 # a small GAN whose snapshot carries 24 step marks: 6.62 % above peak live with them, 9.25 % without
 SNAP = ROOT / "reports" / "hil" / "two-optimizers-h200-2026-12-01" / "check" / "gan_gen_first_train.default.snapshot.pickle.gz"
+# without the marks no warm-up begins, so the steal before a warm-up holds (on by default since 2026-12-04: Note [The
+# ordered steal before a warm-up]); 9.25 % before it
+NO_MARKS = 0.0575
 
 
 def test_sweep_reads_the_marks_and_leaves_them_out_when_told() -> None:
     rows = [run_sweep([str(SNAP)], ["sim:h200-141gb"], ["gpumem"], jobs=1, progress=False, step_marks=marks).rows[0]
             for marks in (True, False)]
     assert [r.status for r in rows] == ["ok", "ok"] and [r.step_marks for r in rows] == [True, False]
-    assert rows[0].overhead == pytest.approx(0.0662, abs=5e-4) and rows[1].overhead == pytest.approx(0.0925, abs=5e-4)
+    assert rows[0].overhead == pytest.approx(0.0662, abs=5e-4) and rows[1].overhead == pytest.approx(NO_MARKS, abs=5e-4)
 
 
 def test_sweep_and_report_refuse_a_step_marks_that_is_not_a_bool() -> None:
@@ -42,7 +45,7 @@ def test_cli_report_no_step_marks(tmp_path: Path, capsys: pytest.CaptureFixture[
         row = summary["summary"][0] if "summary" in summary else summary["rows"][0]
         got[bool(flag)] = row["overhead"]
         assert ("--no-step-marks" in (out / "index.html").read_text()) == bool(flag)
-    assert got[False] == pytest.approx(0.0662, abs=5e-4) and got[True] == pytest.approx(0.0925, abs=5e-4)
+    assert got[False] == pytest.approx(0.0662, abs=5e-4) and got[True] == pytest.approx(NO_MARKS, abs=5e-4)
 
 
 def test_a_sweep_case_refuses_a_step_marks_that_is_not_a_bool() -> None:

@@ -35,12 +35,14 @@ BEFORE_ISSUE_18 = {
 
 def _policy_before_issue_18(**knobs):
     """The default policy with the chunk cap it had before issue 18 point 3 (1/256 of the memory held; Note
-    [Chunks of several pages]), the policy the figures above were measured with."""
+    [Chunks of several pages]) and without the steal before a warm-up (on by default since 2026-12-04), the policy the
+    figures above were measured with."""
     import dataclasses
 
     from gpumem.allocator.policy import POLICIES
 
-    return dataclasses.replace(POLICIES["gpumem"], chunk_max_fraction=1 / 256, **knobs)
+    return dataclasses.replace(POLICIES["gpumem"], **{"chunk_max_fraction": 1 / 256, "steal_before_warmup": False,
+                                                      **knobs})
 
 
 @pytest.mark.parametrize("name", sorted(BEFORE_ISSUE_18))

@@ -237,6 +237,20 @@ struct TorchState {
     bool warmup_at_start = false;          // engines made from now on begin the plan warm-up (under make_mutex)
 };
 
+// Adds the wall time of its scope to d's slow-path counters when the scope ends, by a return or an exception
+// (an allocation that ends in out of memory, after the engine's retries, is among the slowest: attacker review).
+struct SlowPathTimer {
+    DeviceEngine* d;
+    std::int64_t began_ns;
+    explicit SlowPathTimer(DeviceEngine* engine) : d(engine), began_ns(now_ns()) {}
+    SlowPathTimer(const SlowPathTimer&) = delete;
+    SlowPathTimer& operator=(const SlowPathTimer&) = delete;
+    ~SlowPathTimer() {
+        d->slow_ns.fetch_add(static_cast<std::uint64_t>(now_ns() - began_ns), std::memory_order_relaxed);
+        d->slow_calls.fetch_add(1, std::memory_order_relaxed);
+    }
+};
+
 TorchState& state() {
     static TorchState* s = new TorchState();   // never destroyed (Note [Engines live until the process ends])
     return *s;
@@ -559,10 +573,8 @@ void* allocate_on(ssize_t size, int device, void* stream, AllocFailure* failure)
             const std::int64_t began_ns = traced ? now_ns() : -1;
             std::uint64_t p = d->engine->try_allocate_fast(nbytes, s);
             if (p == 0) {
-                const std::int64_t slow_began_ns = now_ns();   // Note [Time in the engine's slow path]
+                SlowPathTimer timed(d);   // Note [Time in the engine's slow path]
                 p = d->engine->allocate(nbytes, s);
-                d->slow_ns.fetch_add(static_cast<std::uint64_t>(now_ns() - slow_began_ns), std::memory_order_relaxed);
-                d->slow_calls.fetch_add(1, std::memory_order_relaxed);
             }
             // Note [One recorder for the history and the trace]; Note [The live engine's reserve]
             record_event(Recorder::kAlloc, device, p, nbytes, s, stamp, reserve_after(d), began_ns);
@@ -668,10 +680,8 @@ GPUMEM_EXPORT void gpumem_torch_free(void* ptr, ssize_t size, int device, void* 
                  recording().recorder.on() ? gpu_stamp(d, s) : -1);
     try {
         if (!d->engine->try_free_fast(p)) {
-            const std::int64_t slow_began_ns = now_ns();   // Note [Time in the engine's slow path]
+            SlowPathTimer timed(d);   // Note [Time in the engine's slow path]
             d->engine->free(p);
-            d->slow_ns.fetch_add(static_cast<std::uint64_t>(now_ns() - slow_began_ns), std::memory_order_relaxed);
-            d->slow_calls.fetch_add(1, std::memory_order_relaxed);
         }
     } catch (const std::exception& e) {
         if (d->free_errors.fetch_add(1, std::memory_order_relaxed) < 8)

@@ -270,7 +270,10 @@ loses it within about ten steps and runs as with the knob off after (live: the s
 steps; ``reports/hil/sbw-latch-h200-2026-12-04.md``). A budget of the rule's own steals only, one per 1,024
 allocations, let that storm run on (1,950 steals against its 545); counting every steal with one per 1,024 held
 llama_generate at 3.78 % (its steals come late, with a large request). The burst is what llama_generate's replay
-needs (3.78 % with a burst of 64). After a warm-up has ended only ``steal_after_warmup`` decides. The replay makes
+needs (3.78 % with a burst of 64). Its known fault (attacker review): one allocation that steals hundreds of idle
+chunks of a fragmented cache ends the rule, and that program then runs as with the knob off, the default before.
+Counting allocations that stole instead let the training storm run on into GPT-2's timed steps (12-13 ms a step:
+``reports/hil/sbw-per-alloc-h200-2026-12-04.md``), so steals are counted. After a warm-up has ended only ``steal_after_warmup`` decides. The replay makes
 the storm's calls but charges a tenth of their live cost (``sbw-default``): not yet modelled.
 
 Note [Wait on the GPU, not the host]

@@ -2399,10 +2399,16 @@ VSeg* Engine::new_segment(bool small, std::uint64_t stream, std::uint64_t nbytes
     const std::uint64_t seg_nbytes = segment_nbytes(small, nbytes);
     check_limit(seg_nbytes, nbytes);
     const std::uint64_t step = (seg_nbytes + g_ - 1) / g_ * g_;   // align_up(seg_nbytes, granularity)
-    if (cfg_.segments_top_down && step > order_low_)   // Python's int goes below 0; the engine's key would wrap
-        throw EngineError(EngineErrorKind::kInternal, "segments_top_down: 2**62 B of segments made, the order keys ran out");
+    // the device is asked first, as Python's SegmentBacking does: a segment larger than any device fails there,
+    // out of memory, in both engines (attacker review, 2026-12-05: the key check came first and raised an internal
+    // error for a policy of 2**63 - 1 B small segments)
     const std::uint64_t ptr = backend_.segment_malloc(seg_nbytes);
     ++device_calls_;
+    if (cfg_.segments_top_down && step > order_low_) {   // Python's int goes below 0; the engine's key would wrap
+        backend_.segment_free(ptr);
+        ++device_calls_;
+        throw EngineError(EngineErrorKind::kInternal, "segments_top_down: 2**62 B of segments made, the order keys ran out");
+    }
     std::unique_ptr<VSeg> seg(new VSeg(ptr, seg_nbytes, small, stream, VSeg::Malloced{}));
     if (cfg_.segments_top_down) {   // Note [Segments top-down] in policy.py
         order_low_ -= step;
@@ -3226,6 +3232,7 @@ void Engine::close() {
     fl_index_[1].clear();
     fl_last_[0] = fl_last_[1] = nullptr;
     fl_order_.clear();
+    st_.allocated_nbytes = st_.requested_nbytes = 0;   // live blocks are invalid from here (PythonEngine.close)
     leaked_nbytes_ = reserved_nbytes_ + plan_mapped_nbytes_;
 }
 

@@ -119,9 +119,11 @@ class CachingAllocator(AllocatorContract):
         self.device = device
         self.policy = get_policy(policy)
         self.limit_nbytes = parse_limit(limit, device.properties().total_nbytes)
-        if self.limit_nbytes is not None and self.limit_nbytes >= 1 << 64:  # the native engine's limit is 64-bit
+        # the native engine's slack arithmetic takes the limit as a signed 64-bit count, so a limit of 2**63 or more
+        # would turn negative there and the two engines decide apart (attacker review, 2026-12-05): refused alike
+        if self.limit_nbytes is not None and self.limit_nbytes >= 1 << 63:
             raise InvalidArgumentError(f"limit: {self.limit_nbytes} bytes is more than an allocator can reserve "
-                                       "(2**64 - 1 at most)")
+                                       "(2**63 - 1 at most)")
         if gc_threshold is not None and not (isinstance(gc_threshold, (int, float)) and 0 < gc_threshold < 1):
             raise InvalidArgumentError(f"gc_threshold must be a fraction in (0, 1), got {gc_threshold!r}")
         self.gc_threshold = gc_threshold

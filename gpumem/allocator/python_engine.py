@@ -781,6 +781,8 @@ class PythonEngine:
             self._live.clear()
             self._pending.clear()
             self._free_lists.clear()
+            # live blocks are invalid from here: the counters say so (they said the bytes of the blocks dropped)
+            self._stats.allocated_nbytes = self._stats.requested_nbytes = 0
             leaked = self.backing.reserved_nbytes + self._plan.mapped_nbytes
             if leaked:
                 why = (f"work on streams {sorted(failed)} may still use it" if failed

@@ -1134,16 +1134,16 @@ def test_a_limit_past_64_bits_is_refused_alike(engine):
     """Review rv21a: limit=2**64 (parse_limit's largest byte count) passed the binding's unchecked ``K``
     conversion as 0, no limit, so the native engine's OOM error had limit_nbytes None and no "its limit
     is" clause where the Python engine's had both. No allocator can reserve 2**64 bytes: both refuse it
-    by name; 2**64 - 1 is taken by both."""
+    by name. Since the attacker review of 2026-12-05 (a limit of 2**63 or more turned negative in the native
+    engine's slack arithmetic: tests/allocator/test_limits_and_close.py) 2**63 - 1 is the largest both take."""
     dev = sim.SimDevice(small_profile(384))
-    with pytest.raises(InvalidArgumentError, match="limit"):
-        CachingAllocator(dev, limit=2**64, engine=engine)
-    with pytest.raises(InvalidArgumentError, match="limit"):
-        CachingAllocator(dev, limit=str(2**64), engine=engine)
-    alloc = CachingAllocator(dev, limit=2**64 - 1, engine=engine)
+    for bad in (2**64, str(2**64), 2**64 - 1, 2**63):
+        with pytest.raises(InvalidArgumentError, match="limit"):
+            CachingAllocator(dev, limit=bad, engine=engine)
+    alloc = CachingAllocator(dev, limit=2**63 - 1, engine=engine)
     with pytest.raises(OutOfMemoryError) as err:
         alloc.allocate(1 << 40)
-    assert err.value.limit_nbytes == 2**64 - 1 and "its limit is" in str(err.value)
+    assert err.value.limit_nbytes == 2**63 - 1 and "its limit is" in str(err.value)
 
 
 def test_the_binding_refuses_a_limit_it_cannot_hold():

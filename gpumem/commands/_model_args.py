@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
 
 import logging
@@ -70,7 +71,10 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
         name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
         args.config_dtype = _SHORT.get(name, name)
         ctx = cfg.get("max_position_embeddings")
-        if isinstance(ctx, int) and not isinstance(ctx, bool) and ctx > 0:
+        if ctx is not None:  # a value not understood is refused, never dropped (it decides the default length)
+            if isinstance(ctx, bool) or not isinstance(ctx, int) or ctx <= 0:
+                raise InvalidArgumentError(f"{args.hf_config}: max_position_embeddings must be a positive JSON "
+                                           f"integer (the model's context), got {ctx!r:.40}")
             args.context_len = ctx
         return shape, nbytes
     missing = [n for n, v in zip(_SHAPE_OPTIONS, numbers) if v is None]
@@ -78,10 +82,26 @@ def model_from_args(args: argparse.Namespace) -> tuple[ModelShape, int]:
         raise InvalidArgumentError(f"missing {', '.join(missing)} (or give --hf-config)")
     if args.head_dim is not None and args.head_dim <= 0:  # 0 is ModelShape's "default": never from the user
         raise InvalidArgumentError(f"--head-dim must be positive, got {args.head_dim}")
-    shape = ModelShape(args.hidden_size, args.intermediate_size, args.layers, args.vocab_size, args.heads,
-                       args.heads if args.kv_heads is None else args.kv_heads, args.head_dim or 0,
-                       args.tie_word_embeddings)
+    try:
+        shape = ModelShape(args.hidden_size, args.intermediate_size, args.layers, args.vocab_size, args.heads,
+                           args.heads if args.kv_heads is None else args.kv_heads, args.head_dim or 0,
+                           args.tie_word_embeddings)
+    except InvalidArgumentError as exc:  # ModelShape names its parameters; the user gave the options
+        raise InvalidArgumentError(_option_names(str(exc))) from None
     return shape, 2
+
+
+#: ModelShape's parameter names -> the shape options that give them (:func:`_option_names`).
+_SHAPE_PARAMS = {"hidden_size": "--hidden-size", "intermediate_size": "--intermediate-size", "n_layers": "--layers",
+                 "vocab_size": "--vocab-size", "n_heads": "--heads", "n_kv_heads": "--kv-heads",
+                 "head_dim": "--head-dim", "tie_word_embeddings": "--tie-word-embeddings"}
+
+
+def _option_names(message: str) -> str:
+    """A :class:`ModelShape` message with its parameter names as the command's options: "hidden_size 4096 is
+    not a multiple of n_heads 30; give head_dim" -> "--hidden-size 4096 is not a multiple of --heads 30; give
+    --head-dim"."""
+    return re.sub(r"\b(" + "|".join(_SHAPE_PARAMS) + r")\b", lambda m: _SHAPE_PARAMS[m.group(1)], message)
 
 
 #: The shape options, in the order of :func:`model_from_args`'s numbers (the five required ones first).
@@ -151,13 +171,17 @@ def params_text(n_params: int) -> str:
     return str(n_params)
 
 
-def context_note(tokens: int, context_len: int | None) -> str:
-    """A warning (logged, and returned for the output) when ``tokens`` exceed the config's context; else ``""``."""
+def context_note(tokens: int, context_len: int | None, json_output: bool = False) -> str:
+    """A warning when ``tokens`` exceed the config's context, else ``""``: returned for the output, which
+    shows it once (the text on standard output as a ``warning:`` line); logged as well only for
+    ``json_output``, whose ``warnings`` field a reader of the terminal does not see. Logged beside the text
+    line it was printed twice (stdout and stderr)."""
     if context_len is None or tokens <= context_len:
         return ""
     note = (f"{tokens} tokens exceed the model's context of {context_len} (max_position_embeddings in the config); "
             f"the estimate is for the shape as if it could")
-    log.warning("%s", note)
+    if json_output:
+        log.warning("%s", note)
     return note
 
 

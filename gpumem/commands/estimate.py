@@ -111,12 +111,15 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     for opt, value in (("prompt_len", args.prompt_len), ("max_seq_len", args.max_seq_len)):
         if value is not None and value <= 0:
             raise InvalidArgumentError(f"{opt} (--{opt.replace('_', '-')}) must be a positive whole number, got {value}")
+    _check_batch_size(args.batch_size)
     if args.prompt_len is None and not args.training and max_seq_len is not None and max_seq_len <= args.new_tokens:
         raise InvalidArgumentError(f"--new-tokens {args.new_tokens} leaves no prompt in a sequence of {max_seq_len}")
     new = args.new_tokens
     max_len = max_seq_len if max_seq_len is not None else args.prompt_len + (0 if args.training else new)
     prompt = args.prompt_len if args.prompt_len is not None else max_len - (0 if args.training else new)
-    note = context_note(max(max_len, prompt + (0 if args.training else new)), args.context_len)
+    _check_lengths(args, prompt, new, max_len)
+    note = context_note(max(max_len, prompt + (0 if args.training else new)), args.context_len,
+                        json_output=bool(getattr(args, "json", False)))
     policies = [x.strip() for x in ",".join(args.policy or DEFAULT_POLICIES).split(",") if x.strip()]
     if not policies:
         raise InvalidArgumentError(f"--policy {' '.join(args.policy)!r} names no allocator policy")
@@ -149,6 +152,36 @@ def estimate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     finally:
         bar.close()
     return rows
+
+
+def _check_batch_size(batch: Any) -> None:
+    """``--batch-size`` must be 1 or more and within the sanity cap: refused here by the option's name (the
+    library's own messages name its parameter, ``batch_size``)."""
+    from ..estimate.formulas import WORKLOAD_CAPS
+
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise InvalidArgumentError(f"--batch-size must be a whole number >= 1, got {batch!r:.40}")
+    if batch > WORKLOAD_CAPS["batch_size"]:
+        raise InvalidArgumentError(f"--batch-size {batch} exceeds the sanity cap of {WORKLOAD_CAPS['batch_size']}")
+
+
+def _check_lengths(args: argparse.Namespace, prompt: int, new: int, max_len: int) -> None:
+    """The sequence lengths within the library's sanity caps, refused by the options that gave them (the
+    library names its parameters: ``max_seq_len`` for a sequence the user gave as ``--prompt-len``)."""
+    from ..estimate.formulas import WORKLOAD_CAPS
+
+    for flag, value, key in (("--prompt-len", args.prompt_len, "prompt_len"),
+                             ("--max-seq-len", args.max_seq_len, "max_seq_len"),
+                             ("--new-tokens", None if args.training else new, "new_tokens")):
+        if value is not None and value > WORKLOAD_CAPS[key]:
+            raise InvalidArgumentError(f"{flag} {value} exceeds the sanity cap of {WORKLOAD_CAPS[key]}")
+    cap, total = WORKLOAD_CAPS["max_seq_len"], max(max_len, prompt + (0 if args.training else new))
+    if total > cap:
+        if args.prompt_len is None and args.max_seq_len is None:
+            parts = "the --hf-config's max_position_embeddings"
+        else:
+            parts = f"--prompt-len {prompt}" + ("" if args.training else f" + --new-tokens {new}")
+        raise InvalidArgumentError(f"a sequence of {total} tokens ({parts}) exceeds the sanity cap of {cap}")
 
 
 def _jobs(args: argparse.Namespace) -> int:

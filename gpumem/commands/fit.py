@@ -114,12 +114,17 @@ def run(args: argparse.Namespace) -> int:
     check_policy_name(args.policy)
     if not check_device(args.device) and needs_vmm(args.policy):
         raise vmm_policy_error(args.policy, args.device)
+    # find_max_batch would name its parameters (batch_size, prompt_len), not the options
+    for flag, value in (("--batch-size", args.batch_size), ("--prompt-len", args.prompt_len)):
+        if value < 1:
+            raise InvalidArgumentError(f"{flag} must be a whole number >= 1, got {value}")
     if args.max_value < 1:  # find_max_batch would name its parameter (max_value), not the option
         raise InvalidArgumentError(f"--max {args.max_value}: the search's upper bound must be 1 or more")
     if args.jobs is not None and args.jobs < 1:
         raise InvalidArgumentError(f"--jobs {args.jobs}: the processes to replay on must be 1 or more")
     jobs = default_jobs() if args.jobs is None else args.jobs
-    note = (context_note(args.prompt_len + (0 if args.training else args.new_tokens), args.context_len)
+    note = (context_note(args.prompt_len + (0 if args.training else args.new_tokens), args.context_len,
+                         json_output=args.json)
             if args.search == "batch" else "")
     try:
         r = find_max_batch(shape, nbytes, device=args.device, prompt_len=args.prompt_len,

@@ -239,6 +239,10 @@ UNMODELLED_KEYS = {
 
 _NEUTRAL = (None, False, 0, [], {}, "")
 
+#: The :data:`UNMODELLED_KEYS` that give the weights' format: read as the dense decoder, their weights would be
+#: counted as plain 16-bit ones (the other keys are memory of another kind the estimate leaves out).
+_WEIGHT_FORMAT_KEYS = ("quantization",)
+
 
 def config_weight_format(cfg: Mapping[str, Any], origin: str = "config") -> "WeightFormat | None":
     """The weight format a config's ``quantization_config`` names (Note [Weight formats] in :mod:`.formats`),
@@ -320,9 +324,26 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str, read_quantization_co
     model stops it with ``InvalidArgumentError`` naming the field: read as the dense Llama-style decoder it
     otherwise describes, a Mixtral-8x7B config came out as 7.24B parameters (13.49 GiB) instead of 46.7B, and
     a BitNet config as bf16 weights four times their packed size, without a word. Better no answer than a
-    wrong one: what is refused here is what this module does not read yet."""
+    wrong one: what is refused here is what this module does not read yet.
+
+    The ``model_type`` is checked first: a model this estimate does not read at all is named as such, not by
+    the first of its fields that happens to be checked (a Gemma-2 config was refused for its soft-capping)."""
     moe = {k: cfg[k] for k in MOE_KEYS if cfg.get(k) not in _NEUTRAL}
-    read = MOE_MODEL_KEYS.get(str(cfg.get("model_type")), ())
+    model_type = cfg.get("model_type")
+    archs = cfg.get("architectures")
+    if model_type is None and archs not in _NEUTRAL:  # taken as Llama-style: its architectures must agree
+        others = [a for a in archs if a not in _DENSE_ARCHITECTURES] if isinstance(archs, list) else [archs]
+        if others:
+            raise InvalidArgumentError(f"{origin}: a config without model_type naming architectures "
+                                       f"{others!r:.80} is not read (without model_type it is taken as the "
+                                       f"Llama-style {', '.join(_DENSE_ARCHITECTURES)})")
+    if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
+        kind = (f" (a mixture-of-experts model: {', '.join(f'{k}={v!r:.40}' for k, v in moe.items())})"
+                if moe else "")
+        raise InvalidArgumentError(f"{origin}: model_type {model_type!r:.60}{kind} is not one this estimate models "
+                                   f"(it reads {', '.join(SUPPORTED_MODEL_TYPES)}: Llama-style decoders); its "
+                                   "layers may hold other weights and temporaries")
+    read = MOE_MODEL_KEYS.get(str(model_type), ())
     if moe and (not read or any(k not in read for k in moe)):
         fields = ", ".join(f"{k}={v!r:.40}" for k, v in moe.items() if k not in read)
         raise InvalidArgumentError(f"{origin}: a mixture-of-experts model ({fields}) is not supported by this "
@@ -336,6 +357,14 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str, read_quantization_co
         if cfg.get("output_router_logits") not in _NEUTRAL:
             raise InvalidArgumentError(f"{origin}: output_router_logits keeps every layer's router logits for "
                                        "the auxiliary loss, which this estimate does not model")
+        q = cfg.get("quantization_config")
+        if q not in _NEUTRAL:
+            # refused whatever format is given for it: --weight-format / --weight-bits would not help (the
+            # experts are 3-D tensors packed per expert, param_nbytes in .workload refuses them quantized)
+            shown = q.get("quant_method", q) if isinstance(q, Mapping) else q
+            raise InvalidArgumentError(f"{origin}: a {model_type} config with a quantization_config (quant_method "
+                                       f"{shown!r:.40}): quantized experts of a mixture-of-experts model are not "
+                                       "modelled, whatever --weight-format or --weight-bits is given")
     if read_quantization_config:
         config_weight_format(cfg, origin)  # a quantization_config it does not read raises
     else:
@@ -344,27 +373,22 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str, read_quantization_co
         value = cfg.get(key)
         if value not in _NEUTRAL:
             shown = value.get("quant_method", value) if isinstance(value, Mapping) else value
+            # only a weight-format field would be counted as plain 16-bit weights; the others (soft-capping,
+            # MLP biases, an encoder, cross-attention, ...) are other memory the estimate leaves out
+            tail = ": it would be read as plain 16-bit dense weights" if key in _WEIGHT_FORMAT_KEYS else ""
             raise InvalidArgumentError(f"{origin}: {key} ({shown!r:.80}) means {what}, which this estimate does "
-                                       "not model: it would be read as plain 16-bit dense weights")
-    model_type = cfg.get("model_type")
-    archs = cfg.get("architectures")
-    if model_type is None and archs not in _NEUTRAL:  # taken as Llama-style: its architectures must agree
-        others = [a for a in archs if a not in _DENSE_ARCHITECTURES] if isinstance(archs, list) else [archs]
-        if others:
-            raise InvalidArgumentError(f"{origin}: a config without model_type naming architectures "
-                                       f"{others!r:.80} is not read (without model_type it is taken as the "
-                                       f"Llama-style {', '.join(_DENSE_ARCHITECTURES)})")
-    if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
-        raise InvalidArgumentError(f"{origin}: model_type {model_type!r:.60} is not one this estimate models "
-                                   f"(it reads {', '.join(SUPPORTED_MODEL_TYPES)}: Llama-style decoders); its "
-                                   "layers may hold other weights and temporaries")
-    act = cfg.get("hidden_act", cfg.get("hidden_activation"))
-    if model_type == "bitnet" and act != "relu2":
-        raise InvalidArgumentError(f"{origin}: a bitnet config with hidden_act {act!r:.40} is not modelled (BitNet's "
+                                       f"not model{tail}")
+    # a config may name its activation hidden_act (Llama) or hidden_activation (Gemma): each one given (not
+    # null) is checked; an explicit null beside the other key hid the other one
+    acts = {k: cfg[k] for k in ("hidden_act", "hidden_activation") if cfg.get(k) is not None}
+    if model_type == "bitnet" and (not acts or any(a != "relu2" for a in acts.values())):
+        key, act = next(((k, a) for k, a in acts.items() if a != "relu2"), ("hidden_act", None))
+        raise InvalidArgumentError(f"{origin}: a bitnet config with {key} {act!r:.40} is not modelled (BitNet's "
                                    "MLP is relu2)")
-    if act is not None and act not in ("silu", "swish") and model_type != "bitnet":
-        raise InvalidArgumentError(f"{origin}: hidden_act {act!r:.60} is not modelled (the estimate's MLP is "
-                                   "the gated SiLU of Llama); its temporaries differ")
+    for key, act in acts.items():
+        if act not in ("silu", "swish") and model_type != "bitnet":
+            raise InvalidArgumentError(f"{origin}: {key} {act!r:.60} is not modelled (the estimate's MLP is "
+                                       "the gated SiLU of Llama); its temporaries differ")
     layer_types = cfg.get("layer_types")
     if layer_types is not None and not isinstance(layer_types, list):
         raise InvalidArgumentError(f"{origin}: layer_types must be a JSON list of each layer's attention, got "
@@ -420,7 +444,9 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]", *
 
     Returns ``(shape, dtype_bytes)``; ``dtype_bytes`` comes from ``torch_dtype`` / ``dtype`` (2 when
     absent). A multimodal config (a ``text_config`` beside a vision or audio tower) is refused: give its
-    ``text_config`` as a file of its own to estimate the language model alone. A ``quantization_config``
+    ``text_config`` as a file of its own to estimate the language model alone; the outer config's fields
+    (its ``model_type`` included, which a ``text_config`` without one takes) are checked as the inner ones,
+    and a ``text_config`` nested in the ``text_config`` is refused. A ``quantization_config``
     this estimate does not read is refused (:func:`config_weight_format`) unless ``read_quantization_config``
     is False: the caller then gives the projections' format itself (``--weight-format``); one that keeps
     modules or copies in 16 bits is refused either way (:func:`check_quantization_config`). Raises
@@ -449,11 +475,19 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]", *
     if cfg.get("text_config") is not None and not isinstance(cfg.get("text_config"), Mapping):
         raise InvalidArgumentError(f"{origin}: text_config must be a JSON object, got {cfg['text_config']!r:.40}")
     if isinstance(cfg.get("text_config"), Mapping):
+        inner = cfg["text_config"]
+        if inner.get("text_config") is not None:
+            raise InvalidArgumentError(f"{origin}: text_config holds a text_config of its own, which is not read "
+                                       "(give the innermost text_config as a file of its own)")
         # the outer config's own fields are checked too: a vision tower, MoE keys or a quantization_config
-        # there change memory as much as inside (they were silently dropped with the outer config)
-        _refuse_unmodelled({k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "text_config")},
-                           origin, read_quantization_config)
-        cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if k in ("torch_dtype", "dtype")}}
+        # there change memory as much as inside (they were silently dropped with the outer config); so is its
+        # model_type and architectures (a gemma3 config with a Llama-like text_config was read as a Llama);
+        # a text_config without a model_type of its own takes the outer one
+        outer_type = cfg.get("model_type")
+        _refuse_unmodelled({k: v for k, v in cfg.items() if k != "text_config"}, origin, read_quantization_config)
+        cfg = {**inner, **{k: v for k, v in cfg.items() if k in ("torch_dtype", "dtype")}}
+        if inner.get("model_type") is None and outer_type is not None:
+            cfg["model_type"] = outer_type
     _refuse_unmodelled(cfg, origin, read_quantization_config)
     fields = {
         "hidden_size": _first(cfg, "hidden_size", "n_embd", "d_model"),

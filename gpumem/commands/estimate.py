@@ -24,14 +24,18 @@ DESCRIPTION = """\
 Estimate the GPU memory of Hugging Face generate() (greedy, DynamicCache, SDPA) or of full training steps
 (AdamW) for a Llama-style decoder, from a config.json or the numbers.
 
-Two figures per dtype: the peak of ALLOCATED bytes (what torch.cuda.max_memory_allocated reports: with
-pytorch the first --policy and its replay fitting, the blocks of that replay, a block keeping a remainder of up
-to 1 MiB: on an H200 never below the measurement on the rows not tuned on, +0.01 % to +0.50 %, for 0.1B-7B
-models, batch 1-32, prompts up to 4096: docs/estimation.md; else, and with --no-reserved, the requests, what
-gpumem.torch counts, which can be below PyTorch's count of blocks: -0.12 % on a 7B row of 16 new tokens), and the
-peak of RESERVED bytes under each --policy (what nvidia-smi shows and what decides out of
-memory), from replaying the workload's allocations through gpumem's model of that allocator on the
-simulated --device.
+Two figures per dtype:
+
+  PEAK ALLOC  the peak of allocated bytes, what torch.cuda.max_memory_allocated reports. With pytorch as the
+              first --policy (the default) it is the blocks of that replay (a block may keep up to 1 MiB
+              more than asked); on an H200 it was never below the measurement on the rows not tuned on
+              (+0.01 % to +0.50 %, 0.1B-7B models, batch 1-32, prompts up to 4096: docs/estimation.md).
+              Otherwise, and with --no-reserved, it is the requests themselves, as gpumem.torch counts
+              them, which can be a little below PyTorch's count (-0.12 % on a 7B row of 16 new tokens).
+  RES <policy>
+              the peak of reserved bytes under each --policy (what nvidia-smi shows, and what decides out
+              of memory): the workload's allocations replayed through gpumem's model of that allocator on
+              the simulated --device.
 
 examples:
   gpumem estimate --hf-config config.json --batch-size 8 --prompt-len 1024 --new-tokens 128

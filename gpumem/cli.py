@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 from typing import Any, Sequence
@@ -68,7 +69,33 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(f".commands.{name}", __package__).register(sub, raw)
     refuse_repeated_options(parser)  # Note [Options behave the same in every command]
     hint_swallowed_positionals(parser)
+    _take_negative_values(parser)
     return parser
+
+
+#: What argparse takes for a value, not an option, after an option that wants one: a '-' then a digit (or '.'
+#: and a digit), units or '%' after it allowed. Python 3.11's own pattern takes bare numbers only.
+_NEGATIVE_VALUE = re.compile(r"^-\.?[0-9]")
+
+
+def _take_negative_values(parser: argparse.ArgumentParser) -> None:
+    """Let every option of ``parser`` and its subcommands take a value that starts with '-' and a digit.
+
+    Note [Negative values]: argparse takes a word that starts with '-' for an option unless it looks like a
+    negative number, by its pattern ``^-\\d+$|^-\\d*\\.\\d+$``: so ``--limit -1GiB`` failed with "expected one
+    argument" while ``--limit=-1GiB`` reached the check that says what is wrong with the value. No gpumem
+    option looks like a negative number (argparse itself would then take such words for options again),
+    so a word of '-' and a digit can be nothing but a value: the pattern is widened to any such word
+    (Python 3.13 widened its own the same way), through the parser's ``_negative_number_matcher``, the one
+    attribute argparse reads it from; where a Python has no such attribute nothing changes (the
+    ``--limit=-1GiB`` form works everywhere).
+    """
+    if hasattr(parser, "_negative_number_matcher") and not getattr(parser, "_has_negative_number_optionals", [True]):
+        parser._negative_number_matcher = _NEGATIVE_VALUE
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                _take_negative_values(sub)
 
 
 def _stdout_closed() -> bool:

@@ -12,7 +12,16 @@ Options in the spec string (after ``?``, joined by ``&``) for simulated devices:
 ``fail.mem_unmap=0.01``; see :data:`gpumem.sim.faults.CALL_NAMES`) and
 ``sanitizer=raise|count|off`` (what the memory sanitizer does about a hazard;
 ``raise`` by default, ``count`` for replays).
-Keyword arguments do the same from Python and take precedence.
+Keyword arguments do the same from Python and take precedence. Each option may be given once: a
+repeated one (``pressure=spikes&pressure=step``) is refused, naming it, as the command line refuses an
+option given twice. A profile may be named by the start of its name (``sim:h200``) where that names one
+profile; where it names several (``sim:a100``: ``a100-40gb`` and ``a100-80gb``) it is refused as
+ambiguous, listing them.
+
+``cpu`` (which ``gpumem info`` and :mod:`gpumem.discovery` list as the CPU backend) is no device spec
+here: it means "keep the data in host memory" (the CPU fallback of
+:func:`~gpumem.discovery.select_backend_for_model`), and gpumem has no CPU :class:`~gpumem.Device` to open
+or replay on; ``open_device("cpu")`` says so.
 """
 
 from __future__ import annotations
@@ -54,6 +63,29 @@ _SIM_OPTIONS = ("pressure", "seed", "fail_rate", "lost_at_s", "sanitizer", "fail
 _FAIL_PREFIX = "fail."
 
 
+_CPU_NOT_A_DEVICE = ("'cpu' is the CPU backend that `gpumem info` lists (the CPU fallback: keep the data in host "
+                     "memory); gpumem has no CPU device to open or replay on: use 'sim:<profile>' (a simulated "
+                     "GPU, see `gpumem devices`) or 'cuda:<index>'")
+
+
+def _query_options(spec: str, query: str) -> dict[str, str]:
+    """The ``?`` options of ``spec`` as a dict; an option given twice is refused, naming it (it would
+    otherwise be decided silently by which came last)."""
+    pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=False) if query else []
+    options: dict[str, str] = {}
+    repeated: dict[str, list[str]] = {}
+    for key, value in pairs:
+        if key in options:
+            repeated.setdefault(key, [options[key]]).append(value)
+        else:
+            options[key] = value
+    if repeated:
+        shown = "; ".join(f"{k} ({', '.join(_shown(v, 40) for v in values)})" for k, values in repeated.items())
+        raise InvalidArgumentError(f"device spec {_shown(spec)}: option(s) given more than once: {shown}; "
+                                   "give each option once")
+    return options
+
+
 def parse_spec(spec: str) -> DeviceSpec:
     """Parse ``"sim:<profile>[?opts]"`` or ``"cuda:<index>"``; raise :class:`InvalidArgumentError` otherwise."""
     if not isinstance(spec, str):
@@ -61,13 +93,15 @@ def parse_spec(spec: str) -> DeviceSpec:
     head, _, query = spec.strip().partition("?")
     kind_text, sep, target = head.partition(":")
     kind_text = kind_text.lower()
+    if kind_text.strip() == "cpu":
+        raise InvalidArgumentError(f"device spec {_shown(spec)}: {_CPU_NOT_A_DEVICE}")
     if not sep or not target:
         raise InvalidArgumentError(f"device spec {_shown(spec)} must look like 'sim:<profile>' or 'cuda:<index>'")
     try:
         kind = DeviceKind(kind_text)
     except ValueError:
         raise InvalidArgumentError(f"device spec {_shown(spec)}: unknown kind {kind_text!r} (use 'sim' or 'cuda')") from None
-    options = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=False)) if query else {}
+    options = _query_options(spec, query)
     if kind is DeviceKind.CUDA:
         if options:
             raise InvalidArgumentError(f"device spec {_shown(spec)}: cuda devices take no options")
@@ -81,12 +115,27 @@ def parse_spec(spec: str) -> DeviceSpec:
     return DeviceSpec(kind, target.lower() if kind is DeviceKind.SIM else target, options)
 
 
+def _builtin_profile(name: str, spec: str) -> Any:
+    """The built-in profile ``name`` names (:func:`gpumem.sim.get_profile`); a start of a name that fits
+    several profiles (``a100``: ``a100-40gb`` and ``a100-80gb``) is refused as ambiguous, listing them."""
+    from gpumem import sim
+
+    key = name.strip().lower()
+    if not any(p.name == key for p in sim.BUILTIN_PROFILES):
+        candidates = [p.name for p in sim.BUILTIN_PROFILES if p.name.startswith(key + "-")]
+        if len(candidates) > 1:
+            raise DeviceNotFoundError(f"device spec {_shown(spec)}: simulated profile {_shown(name, 40)} is "
+                                      f"ambiguous: it could be {', '.join(candidates)}; name one in full "
+                                      f"(e.g. 'sim:{candidates[0]}')")
+    return sim.get_profile(name)
+
+
 def _sim_device(parsed: DeviceSpec, spec: str, kwargs: dict[str, Any]) -> Device:
     from gpumem import sim  # the simulator is part of this distribution; imported lazily to keep gpumem light
 
     profile = kwargs.pop("profile", None)
     if profile is None:
-        profile = sim.get_profile(parsed.target)
+        profile = _builtin_profile(parsed.target, spec)
     elif not isinstance(profile, sim.DeviceProfile):
         raise InvalidArgumentError(f"profile must be a sim.DeviceProfile, got {type(profile).__name__}")
     opts = parsed.options

@@ -4,8 +4,14 @@ profile, with total and free bytes, and which allocator engine gpumem runs on.""
 from __future__ import annotations
 
 import argparse
+import ctypes
+import dataclasses
+import glob
 import json
-from typing import Any
+import os
+import shutil
+import sys
+from typing import Any, Callable
 
 from ..units import format_bytes
 from ._common import EXIT_OK, _add_verbose, log
@@ -37,11 +43,58 @@ def _device_rows() -> list[dict[str, Any]]:
     return rows
 
 
+#: What `gpumem devices` and `gpumem info` say where the CUDA backend is unavailable and nothing on the machine
+#: shows an NVIDIA GPU (Note [The install hint needs a GPU]).
+NO_GPU_REASON = "no NVIDIA GPU found on this machine (no /dev/nvidia* device, no nvidia-smi, no NVIDIA driver library)"
+
+_NVML_LIBRARIES = ("nvml.dll",) if sys.platform == "win32" else ("libnvidia-ml.so.1", "libnvidia-ml.so")
+
+
+def nvidia_gpu_present(*, dev_dir: str = "/dev", which: Callable[[str], str | None] = shutil.which,
+                       load: Callable[[str], Any] = ctypes.CDLL) -> bool:
+    """Whether this machine shows a sign of an NVIDIA GPU: a device node ``/dev/nvidia<N>``, ``nvidia-smi`` on
+    the ``PATH``, or the driver's NVML library loading (which also covers WSL, where the GPU is no
+    ``/dev/nvidia<N>``). Nothing is initialised (no NVML session, no CUDA context). ``dev_dir``, ``which`` and ``load``
+    replace the device folder, ``shutil.which`` and ``ctypes.CDLL`` (tests)."""
+    if glob.glob(os.path.join(dev_dir, "nvidia[0-9]*")):
+        return True
+    if which("nvidia-smi"):
+        return True
+    for name in _NVML_LIBRARIES:
+        try:
+            load(name)
+        except OSError:
+            continue
+        return True
+    return False
+
+
+def without_misleading_hint(backends: list[Any], *, gpu_present: Callable[[], bool] | None = None) -> list[Any]:
+    """``backends`` (a :func:`gpumem.discovery.discover_backends` result) with the CUDA backend's reason
+    replaced by :data:`NO_GPU_REASON` where it tells to install a CUDA extra but the machine has no sign of
+    an NVIDIA GPU (Note [The install hint needs a GPU])."""
+    from ..cuda.backend import INSTALL_HINT
+    from ..discovery import BackendKind
+
+    out = []
+    for b in backends:
+        if (b.kind is BackendKind.CUDA and not b.available and not b.devices and INSTALL_HINT in b.reason
+                and not (gpu_present or nvidia_gpu_present)()):
+            b = dataclasses.replace(b, reason=NO_GPU_REASON)
+        out.append(b)
+    return out
+
+
 def _no_cuda_reason() -> str:
-    """Why no CUDA device is listed, as backend discovery found it: the extra missing, no driver, no GPU..."""
+    """Why no CUDA device is listed, as backend discovery found it: the extra missing, no driver, no GPU...
+
+    Note [The install hint needs a GPU]: where nvidia-ml-py is missing, discovery's reason ends in
+    'pip install "gpumem[cuda12]"'; on a machine without an NVIDIA GPU that advice leads nowhere (the extra
+    installs, and still no GPU is listed). So the hint is given only where the machine shows a GPU
+    (:func:`nvidia_gpu_present`); elsewhere the reason says that no NVIDIA GPU was found."""
     from ..discovery import BackendKind, discover_backends
 
-    cuda = next((b for b in discover_backends() if b.kind is BackendKind.CUDA), None)
+    cuda = next((b for b in without_misleading_hint(discover_backends()) if b.kind is BackendKind.CUDA), None)
     if cuda is None or not cuda.reason:
         return "CUDA backend discovery found none"
     return cuda.reason

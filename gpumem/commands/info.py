@@ -14,8 +14,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     """``gpumem info``: print the backend summary (or, with ``--json``, one JSON object); returns the exit
     status."""
     from ..discovery import backends_as_json, discover_backends, format_backend_summary
+    from .devices import without_misleading_hint
 
-    backends = discover_backends()
+    # Note [The install hint needs a GPU] in gpumem/commands/devices.py
+    backends = without_misleading_hint(discover_backends())
     if args.json:
         print(json.dumps(backends_as_json(backends), indent=2))
     else:

@@ -9,6 +9,15 @@ Allocator logs name allocations by address: ``alloc 0x7f..00 (4096 B)`` and late
   window opened, or a foreign pointer) is skipped and counted as *unmatched*;
 * an alloc at an address that is still live means events were lost: the trace is
   malformed and :class:`AddressReuseError` names the offending event;
+* a free of an address whose allocation in the window was freed already, with no alloc there since (a
+  second free), means events were lost just as well (the alloc between the two frees): the trace is
+  malformed and :class:`DoubleFreeError` (an :class:`AddressReuseError`, so that every reader refuses
+  it as it refuses the other) names the second free and the first; it is not an unmatched free, whose
+  allocation was made before the window opened;
+* with ``free_sizes`` (:func:`build_trace`: sources whose frees carry their allocation's size, PyTorch's
+  snapshots and RMM's logs), a free whose size differs from its allocation's is counted and logged in one
+  warning, naming the first; the allocation's size is the one kept (a free's size is redundant: the
+  replay frees the block);
 * with ``use_code``, an event of that code is a stream use (``record_stream``) of the allocation
   live at its address, kept as a :class:`~gpumem.trace.model.StreamUse` at its place among the ops;
   a use of an address with no live allocation (allocated before the window opened) is skipped and
@@ -29,14 +38,15 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from ..errors import InvalidArgumentError
 from .model import OpKind, PlanEvent, PlanEventKind, StreamUse, StreamWait, Trace
 
-__all__ = ["AddressReuseError", "build_ops", "build_trace", "replay_addresses", "USE_CODE", "WAIT_CODE", "PLAN_CODE"]
+__all__ = ["AddressReuseError", "DoubleFreeError", "build_ops", "build_trace", "replay_addresses", "USE_CODE",
+           "WAIT_CODE", "PLAN_CODE"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +73,27 @@ class AddressReuseError(Exception):
         self.addr = addr
 
 
+class DoubleFreeError(AddressReuseError):
+    """A second free of an address: its allocation in the trace window was freed already (at event
+    ``first_free``) and nothing was allocated there since. ``index`` is the second free's position in the
+    input. A subclass of :class:`AddressReuseError`: both say that events of the address were lost, and
+    every reader refuses both alike, naming the event (:meth:`describe` names the first free as the reader
+    numbers its events)."""
+
+    def __init__(self, index: int, addr: int, first_free: int) -> None:
+        Exception.__init__(self, self.describe(f"event {first_free}", addr))
+        self.index = index
+        self.addr = addr
+        self.first_free = first_free
+
+    @staticmethod
+    def describe(first: str, addr: int) -> str:
+        """The message, the first free named ``first`` (``"entry 12"``, ``"line 14"``)."""
+        return (f"second free of {addr:#x}: its allocation in the trace window was already freed ({first}) and "
+                "nothing was allocated there since, so events were lost or the trace is damaged (a free of an "
+                "address allocated before the window opened is skipped instead)")
+
+
 def build_ops(codes: Sequence[int], addrs: Sequence[int], use_code: int | None = None,
               uses: list[tuple[int, int, int]] | None = None, wait_code: int | None = None,
               waits: list[tuple[int, int]] | None = None, plan_code: int | None = None,
@@ -72,14 +103,17 @@ def build_ops(codes: Sequence[int], addrs: Sequence[int], use_code: int | None =
     ``codes[i]`` is 0 (alloc), 1 (free) or anything else (ignored), ``addrs[i]`` the
     event's address. Returns ``(kept, ids, n_unmatched)``: the indices of the
     events that become ops, the alloc id of each, and the number of frees skipped
-    because their address held no live allocation. Raises
-    :class:`AddressReuseError` for an alloc at a live address. With ``use_code`` (not 0 or 1), each
+    because their address held no live allocation in the window. Raises
+    :class:`AddressReuseError` for an alloc at a live address, and :class:`DoubleFreeError` for a second
+    free of an address allocated in the window (freed already, not allocated again). With ``use_code``
+    (not 0 or 1), each
     event of that code whose address is live is appended to ``uses`` as ``(at_op, alloc_id, index)``
     (those of addresses not live are skipped, and not counted in ``n_unmatched``). With ``wait_code``,
     each event of that code is appended to ``waits`` as ``(at_op, index)``, and with ``plan_code`` to
     ``plans``.
     """
     live: dict[int, int] = {}
+    freed: dict[int, int] = {}   # address -> the event that freed the allocation there, until one is made again
     kept = array("q")  # compact: 8 bytes per event, where a list of ints takes ~40
     ids = array("q")
     keep = kept.append
@@ -91,6 +125,7 @@ def build_ops(codes: Sequence[int], addrs: Sequence[int], use_code: int | None =
         if code == ALLOC_CODE:
             if addr in live:
                 raise AddressReuseError(i, addr)
+            freed.pop(addr, None)
             live[addr] = next_id
             keep(i)
             add_id(next_id)
@@ -98,8 +133,12 @@ def build_ops(codes: Sequence[int], addrs: Sequence[int], use_code: int | None =
         elif code == FREE_CODE:
             aid = pop(addr, None)
             if aid is None:
+                first = freed.get(addr)
+                if first is not None:
+                    raise DoubleFreeError(i, addr, first)
                 n_unmatched += 1
                 continue
+            freed[addr] = i
             keep(i)
             add_id(aid)
         elif code == use_code and uses is not None:
@@ -129,12 +168,17 @@ def build_trace(
     plan_code: int | None = None,
     gpu_times_us: Sequence[float] | np.ndarray | None = None,
     live_reserved_nbytes: Sequence[int] | np.ndarray | None = None,
+    free_sizes: bool = False,
+    event_name: Callable[[int], str] | None = None,
 ) -> Trace:
     """Turn parallel address-keyed event columns into a :class:`Trace`.
 
-    ``sizes`` matter for allocs only: a free's size is taken from its allocation.
-    ``origin`` (usually the file name) prefixes the warning logged once when frees
-    were skipped. Raises :class:`AddressReuseError` as :func:`build_ops` does. Events
+    ``sizes`` matter for allocs only: a free's size is taken from its allocation. With ``free_sizes``
+    (the source's frees carry their allocation's size: PyTorch snapshots, RMM logs), frees whose size
+    differs are counted and one warning names the first (module docstring). ``origin`` (usually the file
+    name) prefixes the warnings logged once when frees were skipped or sizes differ; ``event_name`` names an
+    event by its input position in them (default ``"event N"``; readers pass ``"entry N"``, ``"line N"``).
+    Raises :class:`AddressReuseError` (and :class:`DoubleFreeError`) as :func:`build_ops` does. Events
     of ``use_code`` (gpumem's recorders: :data:`USE_CODE`) are stream uses
     (:attr:`Trace.stream_uses`); a use of an address not live is skipped (logged, not counted in
     ``n_unmatched_frees``). Events of ``wait_code`` (:data:`WAIT_CODE`) are stream waits
@@ -182,7 +226,11 @@ def build_trace(
     is_free = kinds == OpKind.FREE
     if is_free.any():
         alloc_nbytes = nbytes[~is_free]  # ordered by id: ids are handed out in alloc order
-        nbytes[is_free] = alloc_nbytes[alloc_ids[is_free]]
+        from_alloc = alloc_nbytes[alloc_ids[is_free]]
+        if free_sizes:
+            _warn_free_sizes(origin or name, idx[is_free], nbytes[is_free], from_alloc, addrs_list,
+                             event_name or (lambda i: f"event {i}"))
+        nbytes[is_free] = from_alloc
 
     def pick(col: Sequence[float] | np.ndarray, dtype: type) -> np.ndarray:
         return np.asarray(col, dtype=dtype)[idx] if len(idx) else np.zeros(0, dtype)
@@ -204,6 +252,19 @@ def build_trace(
         gpu_times_us=None if gpu_times_us is None else pick(gpu_times_us, np.float64),
         live_reserved_nbytes=None if live_reserved_nbytes is None else pick(live_reserved_nbytes, np.int64),
     )
+
+
+def _warn_free_sizes(origin: str, events: np.ndarray, given: np.ndarray, from_alloc: np.ndarray,
+                     addrs: Sequence[int], event_name: Callable[[int], str]) -> None:
+    """One warning when frees (input positions ``events``) carry a size (``given``) other than their
+    allocation's (``from_alloc``): how many, and the first."""
+    differ = np.flatnonzero(given != from_alloc)
+    if not len(differ):
+        return
+    k = int(differ[0])
+    log.warning("%s: %d free(s) carry a size other than their allocation's (the first, %s, frees %#x with size "
+                "%d, allocated with %d): the allocation's size is kept", origin, len(differ),
+                event_name(int(events[k])), int(addrs[int(events[k])]), int(given[k]), int(from_alloc[k]))
 
 
 def _at_events(events: list[int], ints: Sequence[int] | np.ndarray,

@@ -1,7 +1,8 @@
 """gpumem's own trace format (``.gmt``, or ``.gmt.gz`` gzip-compressed).
 
 A UTF-8 text file: a JSON header line, then one line per op, fields separated by
-single spaces::
+single spaces (one space between two fields, none at the start or the end of a line: a tab, or two
+spaces in a row, is refused; a line may end in ``\r\n``)::
 
     {"format": "gpumem-trace", "version": 1, "name": "gpt2_train", "source": "pytorch-snapshot", "n_ops": 4, "n_allocs": 2, "n_unmatched_frees": 0, "n_failed_allocs": 0, "time_unit": "us"}
     a 0 37632 0 1795211429637998 7f49e3e00000
@@ -13,24 +14,31 @@ single spaces::
   0, 1, 2, ... in order (they are redundant, and checked, so a damaged file is
   caught early). ``addr`` is the original address in lowercase hex, no ``0x``.
 * ``f <alloc_id> <stream> <time_us>``: the FREE of a live allocation; its size
-  and address are those of the ALLOC.
+  and address are those of the ALLOC. Its stream is the one the free was made on, kept as written: it may
+  differ from the allocation's (RMM's ``deallocate`` takes a stream of its own; PyTorch and gpumem.torch
+  free on the allocation's), so a trace read from an RMM log writes and reads back equal; a replay frees
+  the block, which belongs to its allocation's stream.
 * ``time_us`` is written as an integer when integral, else as Python's shortest
   round-trip ``repr`` of the float (``nan``/``inf`` allowed), so times survive
-  exactly. Streams and sizes are decimal integers.
+  exactly. Streams, sizes, ids and reserved bytes are plain decimal digits (no sign: ``+1000`` is refused,
+  as is a ``+`` before a time).
 * ``u <alloc_id> <stream> <time_us>`` (version 2): a stream use, ``record_stream`` of the live
   allocation ``alloc_id`` on ``stream``, made where the line stands among the ops
   (:class:`~gpumem.trace.model.StreamUse`; ``at_op`` is the number of op lines before it). The
   allocation must be live there (allocated on an earlier line, not yet freed).
 * ``w <stream> <waited> <time_us>`` (version 3): a stream wait, work queued on ``stream`` from there on
   waits for the work queued on ``waited`` before it (:class:`~gpumem.trace.model.StreamWait`; ``at_op``
-  as for ``u``).
+  as for ``u``). A stream may wait for itself (``s.wait_stream(s)``): it orders nothing, and it is kept as
+  the program made it, as :class:`~gpumem.trace.model.StreamWait` keeps it.
 * ``p <kind> <time_us>`` (version 4): a step-plan event of the program, ``kind`` 0 a step mark, 1 the
   memory-first warm-up begun, 2 stopped (:class:`~gpumem.trace.model.PlanEvent`; ``at_op`` as for ``u``).
 * version 5: every ``a`` and ``f`` line ends with one more field, ``<gpu_time_us>``, the op's GPU clock
   (:attr:`~gpumem.trace.Trace.gpu_times_us`: when the GPU had run the work queued on its stream before it;
   ``nan`` where unknown), and the header has ``"gpu_clock": true``.
 * ``r <reserved_nbytes>`` (version 6): the live engine's reserved bytes after the op on the line before it
-  (:attr:`~gpumem.trace.Trace.live_reserved_nbytes`; at most one per op, none where not recorded); the header
+  (:attr:`~gpumem.trace.Trace.live_reserved_nbytes`; at most one per op, none where not recorded; never fewer
+  than the bytes the trace's allocations live after that op hold, which the engine holds among its reserve: a
+  smaller one is refused); the header
   has ``"n_reserves"`` (their count) and ``"gpu_clock"`` (true or false: whether op lines carry the clock
   field).
 * ``n_ops`` in the header must match the number of op lines (this catches a
@@ -101,7 +109,7 @@ NATIVE_SUFFIXES = (".gmt", ".gmt.gz")
 _HEADER_INTS = ("n_ops", "n_allocs", "n_unmatched_frees", "n_failed_allocs")
 _INT64_MAX = 2**63 - 1
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-_DEC_INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_DEC_INT = re.compile(r"-?[0-9]+", re.ASCII)   # a '-' only to say "negative" (out of range), never a '+'
 _HEX_INT = re.compile(r"[0-9a-fA-F]+", re.ASCII)
 _FLOAT = re.compile(r"[+-]?(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|nan|inf|infinity)",
                     re.ASCII | re.IGNORECASE)
@@ -250,6 +258,8 @@ def _int(text: str, what: str, lo: int, hi: int, base: int = 10) -> int:
     """``int(text, base)`` within ``[lo, hi]``; ``ValueError`` quoting at most a prefix of ``text``."""
     if len(text) > 20:  # 2**63 has 19 digits, 16 in hex: anything longer is out of range (or not a number)
         raise ValueError(f"{what} {shorten(text)} is not a 64-bit integer")
+    if text[:1] == "+":
+        raise ValueError(f"{what} {shorten(text)} has a '+' sign: numbers are plain decimal digits")
     if not (_HEX_INT if base == 16 else _DEC_INT).fullmatch(text):  # int() takes "١٢" and "1_0"
         raise ValueError(f"{what} {shorten(text)} is not {'a hexadecimal' if base == 16 else 'an'} integer")
     value = int(text, base)
@@ -259,6 +269,8 @@ def _int(text: str, what: str, lo: int, hi: int, base: int = 10) -> int:
 
 
 def _time(text: str, what: str = "time_us") -> float:
+    if text[:1] == "+":   # the writer never writes one
+        raise ValueError(f"{what} {shorten(text)} has a '+' sign: times are written without one")
     if not _FLOAT.fullmatch(text):  # float() takes "١٢" and "1_0"
         raise ValueError(f"{what} {shorten(text)} is not a number")
     return float(text)
@@ -300,10 +312,16 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
         n_reserves = 0
         a_fields, f_fields = (7, 5) if with_clock else (6, 4)
         last_tag = ""
+        live_nbytes = 0   # what the trace's live allocations hold (a reserve is never less)
         for lineno, line in lines:
-            p = line.split()
+            p = line.split(" ")
             try:
-                tag = p[0] if p else ""
+                if "\t" in line:
+                    raise ValueError(f"a tab in {shorten(line.strip())}: fields are separated by single spaces")
+                if "" in p and line:
+                    raise ValueError(f"an empty field in {shorten(line)} (two spaces in a row, or a space at the "
+                                     "start or the end of the line): fields are separated by single spaces")
+                tag = p[0]
                 if tag == "a" and len(p) == a_fields:
                     aid = _int(p[1], "alloc id", 0, _INT64_MAX)
                     if aid != len(alloc_nbytes):
@@ -314,6 +332,7 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                     a = _int(p[5], "addr", 0, _INT64_MAX, 16)
                     s, t = _int(p[3], "stream", 0, _INT64_MAX), _time(p[4])
                     kinds.append(0)
+                    live_nbytes += n
                     alloc_nbytes.append(n)
                     alloc_addrs.append(a)
                     live.append(1)
@@ -324,6 +343,7 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                     s, t = _int(p[2], "stream", 0, _INT64_MAX), _time(p[3])
                     live[aid] = 0
                     n, a = alloc_nbytes[aid], alloc_addrs[aid]
+                    live_nbytes -= n
                     kinds.append(1)
                 elif tag == "u" and len(p) == 4 and with_uses:
                     aid = _int(p[1], "alloc id", 0, _INT64_MAX)
@@ -339,7 +359,12 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                 elif tag == "r" and len(p) == 2 and with_reserves:
                     if last_tag not in ("a", "f") or reserves[-1] != -1:   # right after its op line, once
                         raise ValueError("a reserve ('r') must follow the op line it belongs to, one per op")
-                    reserves[-1] = _int(p[1], "reserved bytes", 0, _INT64_MAX)
+                    reserved = _int(p[1], "reserved bytes", 0, _INT64_MAX)
+                    if reserved < live_nbytes:
+                        raise ValueError(f"reserved bytes {reserved:,} are fewer than the {live_nbytes:,} bytes the "
+                                         "trace's allocations hold live after the op before it: the live engine "
+                                         "holds them among its reserve, so the reserve cannot be smaller")
+                    reserves[-1] = reserved
                     n_reserves += 1
                     last_tag = tag
                     continue

@@ -26,7 +26,12 @@ trace), sometimes ``compile_context`` and ``user_metadata``. Actions:
 So an allocation lives from its ``alloc`` to the ``free_requested`` of the same
 address. The history is a ring buffer: it may begin with frees of allocations
 made before recording started; those are skipped and counted
-(``n_unmatched_frees``). ``segments`` (the allocator state at dump time) is not
+(``n_unmatched_frees``). Events lost inside the window are refused with the entry named
+(:mod:`gpumem.trace.builder`): an ``alloc`` at an address still live (its free lost) and a second
+``free_requested`` of an address whose allocation in the window was freed already (the alloc between
+them lost). A ``free_requested`` carries its allocation's requested size (PyTorch writes the same
+``requested_size``): one of another size is kept with its allocation's size and the frees that differ are
+counted in one warning naming the first. ``segments`` (the allocator state at dump time) is not
 needed to rebuild the ops and is not read. ``external_annotations`` give the trace's plan events: the step
 marks gpumem.torch would have made at the end of each optimizer step (Note [Step marks read off a snapshot's
 optimizer steps] in :mod:`gpumem.trace.optimizer_marks`).
@@ -58,7 +63,7 @@ import numpy as np
 
 from ..errors import TraceFormatError
 from ._fileio import PathLike, check_exists, trace_name_from_path
-from .builder import AddressReuseError, build_trace
+from .builder import AddressReuseError, DoubleFreeError, build_trace
 from .limits import DEFAULT_LIMITS, TraceLimits, max_entries_for, shorten
 from .model import Trace
 from .optimizer_marks import infer_step_marks
@@ -269,8 +274,10 @@ def snapshot_to_trace(
     try:
         trace = build_trace(
             name, "pytorch-snapshot", codes, addrs, sizes, streams, np.asarray(times, dtype=np.float64),
-            origin=where, n_failed_allocs=n_oom,
+            origin=where, n_failed_allocs=n_oom, free_sizes=True, event_name=lambda i: f"entry {i}",
         )
+    except DoubleFreeError as e:
+        raise TraceFormatError(where, e.describe(f"entry {e.first_free}", e.addr), entry=e.index) from None
     except AddressReuseError as e:
         raise TraceFormatError(where, str(e), entry=e.index) from None
     if not step_marks:

@@ -15,9 +15,13 @@ RAPIDS Memory Manager's logging adaptor writes one CSV line per call::
   cannot be told from a wrap.
 * ``Pointer`` is hexadecimal; ``Stream`` is decimal or ``0x`` hexadecimal.
 * ``allocate`` becomes an ALLOC op, ``free`` the FREE op of the allocation at that
-  pointer (its ``Size`` column is not needed); ``allocate failure`` is counted in
-  ``n_failed_allocs``. ``Thread`` is ignored. Columns are found by header name, so
-  extra columns are tolerated.
+  pointer (its ``Size`` column is not needed: a free of another size than its allocation's
+  is kept with the allocation's, and such frees are counted in one warning naming the first);
+  ``allocate failure`` is counted in ``n_failed_allocs``. A free of a pointer never allocated
+  in the log is skipped and counted (allocated before logging began); a second free of a pointer
+  whose allocation in the log was freed already, like an allocation at a pointer still live, means
+  lines were lost and is refused. ``Thread`` is ignored. Columns are found by header name, so
+  extra columns are tolerated; a column named twice is refused (which one is meant cannot be told).
 
 :func:`write_rmm_log` writes the same format (thread 0, times taken modulo a day
 after rounding to whole microseconds), so a trace with non-decreasing times whose
@@ -43,7 +47,7 @@ import numpy as np
 
 from ..errors import TraceFormatError
 from ._fileio import PathLike, check_exists, iter_lines, open_binary, open_for_writing, trace_name_from_path
-from .builder import AddressReuseError, build_trace, replay_addresses
+from .builder import AddressReuseError, DoubleFreeError, build_trace, replay_addresses
 from .limits import DEFAULT_LIMITS, TraceLimits, max_entries_for, shorten
 from .model import OpKind, Trace
 
@@ -127,6 +131,10 @@ def read_rmm_log(path: PathLike, *, name: str | None = None, limits: TraceLimits
         if not header:
             raise TraceFormatError(where, "line 1: empty file, expected the RMM log header " + ",".join(RMM_HEADER))
         columns = [c.strip() for c in header.split(",")]
+        repeated = sorted({c for c in columns if columns.count(c) > 1})
+        if repeated:   # which of the two would be meant cannot be told: refused, not the first taken
+            raise TraceFormatError(where, f"line 1: header {shorten(header)} repeats column(s) "
+                                          f"{', '.join(shorten(c, 40) for c in repeated)}; each column may appear once")
         missing = [c for c in _REQUIRED if c not in columns]
         if missing:
             raise TraceFormatError(where, f"line 1: header {shorten(header)} lacks column(s) {', '.join(missing)}")
@@ -176,7 +184,11 @@ def read_rmm_log(path: PathLike, *, name: str | None = None, limits: TraceLimits
         return build_trace(
             name if name is not None else trace_name_from_path(path), "rmm-log",
             codes, addrs, sizes, streams, times, origin=where, n_failed_allocs=codes.count(2),
+            free_sizes=True, event_name=lambda i: f"line {linenos[i]}",
         )
+    except DoubleFreeError as e:
+        raise TraceFormatError(where, f"line {linenos[e.index]}: "
+                                      + e.describe(f"line {linenos[e.first_free]}", e.addr)) from None
     except AddressReuseError as e:
         raise TraceFormatError(where, f"line {linenos[e.index]}: {e}") from None
 

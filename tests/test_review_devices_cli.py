@@ -155,3 +155,16 @@ def test_an_option_after_limit_is_still_an_option(capsys, trace_file):
     with pytest.raises(SystemExit):
         main(["replay", trace_file, "--limit", "--json"])
     assert "argument --limit: expected one argument" in capsys.readouterr().err
+
+
+def test_get_profile_names_an_ambiguous_prefix_for_every_caller() -> None:
+    """The ambiguity is in gpumem.sim.get_profile itself, so a caller other than a device spec (a custom
+    profile's base, a backend preference) hears it too."""
+    from gpumem.errors import DeviceNotFoundError
+    from gpumem.sim import custom_profile, get_profile
+
+    with pytest.raises(DeviceNotFoundError, match=r"'a100' is ambiguous: it could be a100-40gb, a100-80gb"):
+        get_profile("a100")
+    with pytest.raises(DeviceNotFoundError, match="ambiguous"):
+        custom_profile("mine", 2**30, base="a100")
+    assert get_profile("h200").name == "h200-141gb"

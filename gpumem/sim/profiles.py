@@ -145,6 +145,9 @@ def get_profile(name: str) -> DeviceProfile:
     matches = [p for p in BUILTIN_PROFILES if p.name.startswith(key + "-")]
     if len(matches) == 1:
         return matches[0]
+    if matches:   # "a100": a100-40gb and a100-80gb (new-user review: it was called unknown)
+        raise DeviceNotFoundError(f"simulated profile {name!r:.40} is ambiguous: it could be "
+                                  f"{', '.join(p.name for p in matches)}; name one in full (e.g. {matches[0].name!r})")
     raise DeviceNotFoundError(
         f"unknown simulated profile {name!r}; known profiles: {', '.join(profile_names())} "
         "(from Python, gpumem.sim.custom_profile(...) builds a profile for another card)"

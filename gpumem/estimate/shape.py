@@ -319,7 +319,8 @@ def _refuse_kept_16_bit(q: Mapping[str, Any], origin: str) -> None:
                                    "beside the int8 ones, which this estimate does not model")
 
 
-def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str, read_quantization_config: bool = True) -> None:
+def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str, read_quantization_config: bool = True, *,
+                       wrapper: bool = False) -> None:
     """Note [Refuse what is not modelled]: a config field that changes memory and that this estimate does not
     model stops it with ``InvalidArgumentError`` naming the field: read as the dense Llama-style decoder it
     otherwise describes, a Mixtral-8x7B config came out as 7.24B parameters (13.49 GiB) instead of 46.7B, and
@@ -328,6 +329,12 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str, read_quantization_co
 
     The ``model_type`` is checked first: a model this estimate does not read at all is named as such, not by
     the first of its fields that happens to be checked (a Gemma-2 config was refused for its soft-capping)."""
+    # a vision or audio tower first: its message says how to estimate the language model alone, which a
+    # refusal of the wrapper's model_type (llava, ...) would not (second attacker review)
+    for key in ("vision_config", "audio_config"):
+        if cfg.get(key) not in _NEUTRAL:
+            raise InvalidArgumentError(f"{origin}: {key} means {UNMODELLED_KEYS[key]}, which this estimate does not "
+                                       "model")
     moe = {k: cfg[k] for k in MOE_KEYS if cfg.get(k) not in _NEUTRAL}
     model_type = cfg.get("model_type")
     archs = cfg.get("architectures")
@@ -381,7 +388,8 @@ def _refuse_unmodelled(cfg: Mapping[str, Any], origin: str, read_quantization_co
     # a config may name its activation hidden_act (Llama) or hidden_activation (Gemma): each one given (not
     # null) is checked; an explicit null beside the other key hid the other one
     acts = {k: cfg[k] for k in ("hidden_act", "hidden_activation") if cfg.get(k) is not None}
-    if model_type == "bitnet" and (not acts or any(a != "relu2" for a in acts.values())):
+    # ``wrapper``: the outer config of a text_config, whose activation is the inner one's (checked after)
+    if model_type == "bitnet" and (acts or not wrapper) and (not acts or any(a != "relu2" for a in acts.values())):
         key, act = next(((k, a) for k, a in acts.items() if a != "relu2"), ("hidden_act", None))
         raise InvalidArgumentError(f"{origin}: a bitnet config with {key} {act!r:.40} is not modelled (BitNet's "
                                    "MLP is relu2)")
@@ -484,7 +492,8 @@ def from_hf_config(path_or_dict: "str | os.PathLike[str] | Mapping[str, Any]", *
         # model_type and architectures (a gemma3 config with a Llama-like text_config was read as a Llama);
         # a text_config without a model_type of its own takes the outer one
         outer_type = cfg.get("model_type")
-        _refuse_unmodelled({k: v for k, v in cfg.items() if k != "text_config"}, origin, read_quantization_config)
+        _refuse_unmodelled({k: v for k, v in cfg.items() if k != "text_config"}, origin, read_quantization_config,
+                           wrapper=True)
         cfg = {**inner, **{k: v for k, v in cfg.items() if k in ("torch_dtype", "dtype")}}
         if inner.get("model_type") is None and outer_type is not None:
             cfg["model_type"] = outer_type

@@ -10,10 +10,12 @@ Allocator logs name allocations by address: ``alloc 0x7f..00 (4096 B)`` and late
 * an alloc at an address that is still live means events were lost: the trace is
   malformed and :class:`AddressReuseError` names the offending event;
 * a free of an address whose allocation in the window was freed already, with no alloc there since (a
-  second free), means events were lost just as well (the alloc between the two frees): the trace is
-  malformed and :class:`DoubleFreeError` (an :class:`AddressReuseError`, so that every reader refuses
-  it as it refuses the other) names the second free and the first; it is not an unmatched free, whose
-  allocation was made before the window opened;
+  second free), means, in a file (``refuse_second_free``: PyTorch snapshots, RMM logs), that events were
+  lost just as well (the alloc between the two frees): the trace is malformed and :class:`SecondFreeError`
+  (an :class:`AddressReuseError`, so that every reader refuses it as it refuses the other) names the second
+  free and the first. gpumem's own recorders keep a free before the engine judges it, so their history
+  holds a program's double free, which the engine refused: there it is skipped, with a warning of its own
+  (it is not an unmatched free either, whose allocation was made before the window opened);
 * with ``free_sizes`` (:func:`build_trace`: sources whose frees carry their allocation's size, PyTorch's
   snapshots and RMM's logs), a free whose size differs from its allocation's is counted and logged in one
   warning, naming the first; the allocation's size is the one kept (a free's size is redundant: the
@@ -45,7 +47,7 @@ import numpy as np
 from ..errors import InvalidArgumentError
 from .model import OpKind, PlanEvent, PlanEventKind, StreamUse, StreamWait, Trace
 
-__all__ = ["AddressReuseError", "DoubleFreeError", "build_ops", "build_trace", "replay_addresses", "USE_CODE",
+__all__ = ["AddressReuseError", "SecondFreeError", "build_ops", "build_trace", "replay_addresses", "USE_CODE",
            "WAIT_CODE", "PLAN_CODE"]
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ class AddressReuseError(Exception):
         self.addr = addr
 
 
-class DoubleFreeError(AddressReuseError):
+class SecondFreeError(AddressReuseError):
     """A second free of an address: its allocation in the trace window was freed already (at event
     ``first_free``) and nothing was allocated there since. ``index`` is the second free's position in the
     input. A subclass of :class:`AddressReuseError`: both say that events of the address were lost, and
@@ -97,15 +99,19 @@ class DoubleFreeError(AddressReuseError):
 def build_ops(codes: Sequence[int], addrs: Sequence[int], use_code: int | None = None,
               uses: list[tuple[int, int, int]] | None = None, wait_code: int | None = None,
               waits: list[tuple[int, int]] | None = None, plan_code: int | None = None,
-              plans: list[tuple[int, int]] | None = None) -> tuple[array[int], array[int], int]:
+              plans: list[tuple[int, int]] | None = None, *, refuse_second_free: bool = False,
+              second_frees: list[int] | None = None) -> tuple[array[int], array[int], int]:
     """Pair allocs and frees by address.
 
     ``codes[i]`` is 0 (alloc), 1 (free) or anything else (ignored), ``addrs[i]`` the
     event's address. Returns ``(kept, ids, n_unmatched)``: the indices of the
     events that become ops, the alloc id of each, and the number of frees skipped
     because their address held no live allocation in the window. Raises
-    :class:`AddressReuseError` for an alloc at a live address, and :class:`DoubleFreeError` for a second
-    free of an address allocated in the window (freed already, not allocated again). With ``use_code``
+    :class:`AddressReuseError` for an alloc at a live address and, with ``refuse_second_free`` (the file
+    readers), :class:`SecondFreeError` for a second free of an address allocated in the window (freed
+    already, not allocated again); without it (gpumem's own recorders, whose history keeps a free the engine
+    then refused: the program's double free) such a free is skipped, counted in ``n_unmatched`` and, where
+    ``second_frees`` is given, its index appended there. With ``use_code``
     (not 0 or 1), each
     event of that code whose address is live is appended to ``uses`` as ``(at_op, alloc_id, index)``
     (those of addresses not live are skipped, and not counted in ``n_unmatched``). With ``wait_code``,
@@ -135,7 +141,10 @@ def build_ops(codes: Sequence[int], addrs: Sequence[int], use_code: int | None =
             if aid is None:
                 first = freed.get(addr)
                 if first is not None:
-                    raise DoubleFreeError(i, addr, first)
+                    if refuse_second_free:
+                        raise SecondFreeError(i, addr, first)
+                    if second_frees is not None:
+                        second_frees.append(i)
                 n_unmatched += 1
                 continue
             freed[addr] = i
@@ -170,6 +179,7 @@ def build_trace(
     live_reserved_nbytes: Sequence[int] | np.ndarray | None = None,
     free_sizes: bool = False,
     event_name: Callable[[int], str] | None = None,
+    refuse_second_free: bool = False,
 ) -> Trace:
     """Turn parallel address-keyed event columns into a :class:`Trace`.
 
@@ -178,7 +188,8 @@ def build_trace(
     differs are counted and one warning names the first (module docstring). ``origin`` (usually the file
     name) prefixes the warnings logged once when frees were skipped or sizes differ; ``event_name`` names an
     event by its input position in them (default ``"event N"``; readers pass ``"entry N"``, ``"line N"``).
-    Raises :class:`AddressReuseError` (and :class:`DoubleFreeError`) as :func:`build_ops` does. Events
+    Raises :class:`AddressReuseError` (and, with ``refuse_second_free``, :class:`SecondFreeError`) as
+    :func:`build_ops` does. Events
     of ``use_code`` (gpumem's recorders: :data:`USE_CODE`) are stream uses
     (:attr:`Trace.stream_uses`); a use of an address not live is skipped (logged, not counted in
     ``n_unmatched_frees``). Events of ``wait_code`` (:data:`WAIT_CODE`) are stream waits
@@ -205,17 +216,23 @@ def build_trace(
     raw_uses: list[tuple[int, int, int]] = []
     raw_waits: list[tuple[int, int]] = []
     raw_plans: list[tuple[int, int]] = []
+    second: list[int] = []
     kept, ids, n_unmatched = build_ops(codes_list, addrs_list, use_code, raw_uses if use_code is not None else None,
                                        wait_code, raw_waits if wait_code is not None else None,
-                                       plan_code, raw_plans if plan_code is not None else None)
+                                       plan_code, raw_plans if plan_code is not None else None,
+                                       refuse_second_free=refuse_second_free, second_frees=second)
     n_unmatched_uses = 0
     if use_code is not None:
         n_unmatched_uses = sum(1 for c in codes_list if c == use_code) - len(raw_uses)
-    if n_unmatched:
+    if n_unmatched - len(second):
         log.warning(
             "%s: skipped %d free(s) of addresses never allocated in the trace window",
-            origin or name, n_unmatched,
+            origin or name, n_unmatched - len(second),
         )
+    if second:
+        name_of = event_name or (lambda i: f"event {i}")
+        log.warning("%s: skipped %d second free(s) of addresses freed already in the trace window (the first: %s)",
+                    origin or name, len(second), name_of(second[0]))
     if n_unmatched_uses:
         log.warning("%s: skipped %d stream use(s) of addresses not allocated in the trace window",
                     origin or name, n_unmatched_uses)

@@ -38,7 +38,8 @@ spaces in a row, is refused; a line may end in ``\r\n``)::
 * ``r <reserved_nbytes>`` (version 6): the live engine's reserved bytes after the op on the line before it
   (:attr:`~gpumem.trace.Trace.live_reserved_nbytes`; at most one per op, none where not recorded; never fewer
   than the bytes the trace's allocations live after that op hold, which the engine holds among its reserve: a
-  smaller one is refused); the header
+  smaller one is read as written, since a :class:`~gpumem.trace.Trace` may hold it and what is written must read
+  back, and one warning names the first); the header
   has ``"n_reserves"`` (their count) and ``"gpu_clock"`` (true or false: whether op lines carry the clock
   field).
 * ``n_ops`` in the header must match the number of op lines (this catches a
@@ -67,6 +68,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import re
 from array import array
 from pathlib import Path
@@ -78,6 +80,8 @@ from ..errors import InvalidArgumentError, TraceFormatError
 from ._fileio import PathLike, check_exists, iter_lines, open_binary, open_for_writing
 from .limits import DEFAULT_LIMITS, ENTRY_NBYTES, TraceLimits, shorten
 from .model import OpKind, PlanEvent, PlanEventKind, StreamUse, StreamWait, Trace
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "FORMAT_VERSIONS", "NATIVE_SUFFIXES", "read_gmt_trace",
            "write_gmt_trace"]
@@ -312,7 +316,9 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
         n_reserves = 0
         a_fields, f_fields = (7, 5) if with_clock else (6, 4)
         last_tag = ""
-        live_nbytes = 0   # what the trace's live allocations hold (a reserve is never less)
+        live_nbytes = 0   # what the trace's live allocations hold (a live engine's reserve is never less)
+        below_live: list[tuple[int, int, int]] = []   # the first reserve below it: (line, reserved, live)
+        n_below_live = 0
         for lineno, line in lines:
             p = line.split(" ")
             try:
@@ -360,10 +366,10 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
                     if last_tag not in ("a", "f") or reserves[-1] != -1:   # right after its op line, once
                         raise ValueError("a reserve ('r') must follow the op line it belongs to, one per op")
                     reserved = _int(p[1], "reserved bytes", 0, _INT64_MAX)
-                    if reserved < live_nbytes:
-                        raise ValueError(f"reserved bytes {reserved:,} are fewer than the {live_nbytes:,} bytes the "
-                                         "trace's allocations hold live after the op before it: the live engine "
-                                         "holds them among its reserve, so the reserve cannot be smaller")
+                    if reserved < live_nbytes:   # impossible live; kept as written (save_trace writes it)
+                        if not below_live:
+                            below_live.append((lineno, reserved, live_nbytes))
+                        n_below_live += 1
                     reserves[-1] = reserved
                     n_reserves += 1
                     last_tag = tag
@@ -422,6 +428,11 @@ def read_gmt_trace(path: PathLike, *, limits: TraceLimits | None = None, progres
         raise TraceFormatError(where, f"header says {header['n_plan_events']} plan events, the file has {len(plans)}")
     if with_reserves and n_reserves != header["n_reserves"]:
         raise TraceFormatError(where, f"header says {header['n_reserves']} reserves, the file has {n_reserves}")
+    if below_live:
+        line_no, reserved, held = below_live[0]
+        log.warning("%s: %d reserve(s) below the bytes the trace's allocations hold live (the first, line %d: %s "
+                    "reserved, %s live): not what a live engine reports; comparisons with them mean little",
+                    where, n_below_live, line_no, f"{reserved:,}", f"{held:,}")
     try:
         return Trace(
             header["name"], header["source"],

@@ -63,7 +63,7 @@ import numpy as np
 
 from ..errors import TraceFormatError
 from ._fileio import PathLike, check_exists, trace_name_from_path
-from .builder import AddressReuseError, DoubleFreeError, build_trace
+from .builder import AddressReuseError, SecondFreeError, build_trace
 from .limits import DEFAULT_LIMITS, TraceLimits, max_entries_for, shorten
 from .model import Trace
 from .optimizer_marks import infer_step_marks
@@ -275,8 +275,9 @@ def snapshot_to_trace(
         trace = build_trace(
             name, "pytorch-snapshot", codes, addrs, sizes, streams, np.asarray(times, dtype=np.float64),
             origin=where, n_failed_allocs=n_oom, free_sizes=True, event_name=lambda i: f"entry {i}",
+            refuse_second_free=True,
         )
-    except DoubleFreeError as e:
+    except SecondFreeError as e:
         raise TraceFormatError(where, e.describe(f"entry {e.first_free}", e.addr), entry=e.index) from None
     except AddressReuseError as e:
         raise TraceFormatError(where, str(e), entry=e.index) from None

@@ -47,7 +47,7 @@ import numpy as np
 
 from ..errors import TraceFormatError
 from ._fileio import PathLike, check_exists, iter_lines, open_binary, open_for_writing, trace_name_from_path
-from .builder import AddressReuseError, DoubleFreeError, build_trace, replay_addresses
+from .builder import AddressReuseError, SecondFreeError, build_trace, replay_addresses
 from .limits import DEFAULT_LIMITS, TraceLimits, max_entries_for, shorten
 from .model import OpKind, Trace
 
@@ -131,7 +131,8 @@ def read_rmm_log(path: PathLike, *, name: str | None = None, limits: TraceLimits
         if not header:
             raise TraceFormatError(where, "line 1: empty file, expected the RMM log header " + ",".join(RMM_HEADER))
         columns = [c.strip() for c in header.split(",")]
-        repeated = sorted({c for c in columns if columns.count(c) > 1})
+        # empty names (a header that ends in commas) name no column: not a repeat (second attacker review)
+        repeated = sorted({c for c in columns if c and columns.count(c) > 1})
         if repeated:   # which of the two would be meant cannot be told: refused, not the first taken
             raise TraceFormatError(where, f"line 1: header {shorten(header)} repeats column(s) "
                                           f"{', '.join(shorten(c, 40) for c in repeated)}; each column may appear once")
@@ -184,9 +185,9 @@ def read_rmm_log(path: PathLike, *, name: str | None = None, limits: TraceLimits
         return build_trace(
             name if name is not None else trace_name_from_path(path), "rmm-log",
             codes, addrs, sizes, streams, times, origin=where, n_failed_allocs=codes.count(2),
-            free_sizes=True, event_name=lambda i: f"line {linenos[i]}",
+            free_sizes=True, event_name=lambda i: f"line {linenos[i]}", refuse_second_free=True,
         )
-    except DoubleFreeError as e:
+    except SecondFreeError as e:
         raise TraceFormatError(where, f"line {linenos[e.index]}: "
                                       + e.describe(f"line {linenos[e.first_free]}", e.addr)) from None
     except AddressReuseError as e:

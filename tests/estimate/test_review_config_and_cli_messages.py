@@ -215,3 +215,26 @@ def test_the_context_warning_is_shown_once(tmp_path, capsys, caplog, command, ar
     assert out.count(text) == 1 and f"warning: {text}" in out
     assert text not in err
     assert not any(text in r.getMessage() for r in caplog.records)
+
+
+BITNET = {**LLAMA, "model_type": "bitnet", "hidden_act": "relu2",
+          "quantization_config": {"quant_method": "bitnet", "linear_class": "bitlinear", "quantization_mode": "offline"}}
+
+
+def test_a_bitnet_text_config_wrapper_reads_as_the_bitnet_inside() -> None:
+    """Second attacker review: the outer config, checked with its model_type, has no activation of its own, and
+    was refused as 'a bitnet config with hidden_act None' (mixtral and qwen2_moe wrappers read)."""
+    inner = {k: v for k, v in BITNET.items() if k != "model_type"}
+    wrapped = from_hf_config({"model_type": "bitnet", "text_config": inner})
+    assert wrapped == from_hf_config(BITNET)
+    with pytest.raises(InvalidArgumentError, match="hidden_act 'silu'"):   # the inner one is still checked
+        from_hf_config({"model_type": "bitnet", "text_config": {**inner, "hidden_act": "silu"}})
+
+
+def test_a_vision_tower_is_named_before_the_wrappers_model_type() -> None:
+    """A llava config (a Llama text_config beside a vision tower) keeps the refusal that says how to estimate
+    the language model alone, not 'model_type llava is not one this estimate models'."""
+    cfg = {"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}, "text_config": LLAMA}
+    with pytest.raises(InvalidArgumentError, match="vision_config means a vision tower.*text_config as a file of its own"):
+        from_hf_config(cfg)
+    assert from_hf_config(LLAMA)   # which, given alone, reads

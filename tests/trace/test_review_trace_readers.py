@@ -12,7 +12,7 @@ import pytest
 from gpumem.cli import EXIT_OK, EXIT_USAGE, main
 from gpumem.errors import TraceFormatError
 from gpumem.trace import load_trace, save_trace
-from gpumem.trace.builder import DoubleFreeError, build_trace
+from gpumem.trace.builder import SecondFreeError, build_trace
 from gpumem.trace.gmt import read_gmt_trace
 from gpumem.trace.pytorch import read_pytorch_snapshot
 from gpumem.trace.rmm import read_rmm_log
@@ -28,6 +28,15 @@ def test_rmm_header_with_a_repeated_column_is_refused(tmp_path):
                  "1,00:00:00.000002,free,0x1000,4096,0,8\n")
     with pytest.raises(TraceFormatError, match=r"line 1: header .* repeats column\(s\) 'Size'"):
         read_rmm_log(p)
+
+
+def test_rmm_header_ending_in_empty_columns_still_reads(tmp_path):
+    """Empty names (trailing commas) are no repeat (second attacker review: ',,' was refused as repeating '')."""
+    p = tmp_path / "commas.csv"
+    p.write_text("Thread,Time,Action,Pointer,Size,Stream,,\n"
+                 "1,00:00:00.000001,allocate,0x1000,4096,0,,\n"
+                 "1,00:00:00.000002,free,0x1000,4096,0,,\n")
+    assert read_rmm_log(p).n_ops == 2
 
 
 def test_rmm_header_with_distinct_extra_columns_still_reads(tmp_path):
@@ -112,9 +121,26 @@ def test_snapshot_free_of_the_same_size_does_not_warn(tmp_path, caplog):
 
 
 def test_build_trace_raises_double_free_error():
-    with pytest.raises(DoubleFreeError, match="second free of 0x10") as info:
-        build_trace("b", "recorded", [0, 1, 1], [0x10, 0x10, 0x10], [8, 0, 0], [0] * 3, [0.0] * 3)
+    with pytest.raises(SecondFreeError, match="second free of 0x10") as info:
+        build_trace("b", "recorded", [0, 1, 1], [0x10, 0x10, 0x10], [8, 0, 0], [0] * 3, [0.0] * 3,
+                    refuse_second_free=True)
     assert (info.value.index, info.value.first_free) == (2, 1)
+
+
+def test_a_recorders_history_with_a_programs_double_free_still_builds(caplog):
+    """gpumem.torch writes a free to its history before the engine judges it, so a program's double free (which
+    the engine refused) is in the history: refusing it there lost the out-of-memory snapshot and the recording
+    (second attacker review, 2026-12-05). The recorders skip it with a warning of its own."""
+    from gpumem.recording import snapshot_from_events
+
+    with caplog.at_level(logging.WARNING, logger="gpumem.trace.builder"):
+        t = build_trace("b", "recorded", [0, 1, 1], [0x10, 0x10, 0x10], [8, 0, 0], [0] * 3, [0.0] * 3)
+    assert t.n_ops == 2 and t.n_unmatched_frees == 1
+    assert "skipped 1 second free(s) of addresses freed already" in caplog.text
+    assert "never allocated" not in caplog.text
+    snap = snapshot_from_events([(0, 0, 0x7F0000000000, 1024, 0, 1.0), (1, 0, 0x7F0000000000, 1024, 0, 2.0),
+                                 (1, 0, 0x7F0000000000, 1024, 0, 3.0)])
+    assert [e["action"] for e in snap["device_traces"][0]].count("alloc") == 1
 
 
 # -- 7: the .gmt reader and its documentation -------------------------------------------------------------------
@@ -131,10 +157,28 @@ def _gmt(tmp_path, header: dict, body: str):
     return p
 
 
-def test_gmt_reserve_below_live_is_refused(tmp_path):
+def test_gmt_reserve_below_live_reads_with_a_warning(tmp_path, caplog):
+    """Refused at first (attacker review); but a Trace may hold such a reserve and save_trace writes it, so the
+    reader must read it back (second attacker review): read as written, with a warning naming the first."""
     p = _gmt(tmp_path, _V6, "a 0 1000000 0 0 1000\nr 5\nf 0 0 1\n")
-    with pytest.raises(TraceFormatError, match=r"line 3: reserved bytes 5 are fewer than the 1,000,000 bytes"):
-        read_gmt_trace(p)
+    with caplog.at_level(logging.WARNING, logger="gpumem.trace.gmt"):
+        t = read_gmt_trace(p)
+    assert t.live_reserved_nbytes.tolist() == [5, -1]
+    assert "1 reserve(s) below the bytes" in caplog.text and "line 3: 5 reserved, 1,000,000 live" in caplog.text
+
+
+def test_gmt_a_trace_with_a_reserve_below_live_round_trips(tmp_path):
+    import dataclasses
+
+    import numpy as np
+
+    from gpumem.trace import Trace, load_trace, save_trace
+
+    t = Trace.from_ops("t", "gpumem", [(0, 0, 4096, 0, 1.0, 0x1000), (0, 1, 4096, 0, 2.0, 0x3000),
+                                       (1, 0, 4096, 0, 3.0, 0x1000)])
+    t = dataclasses.replace(t, live_reserved_nbytes=np.array([4096, 4096, -1], dtype=np.int64))
+    save_trace(t, tmp_path / "r.gmt")
+    assert load_trace(tmp_path / "r.gmt") == t
 
 
 def test_gmt_reserve_at_or_above_live_reads(tmp_path):

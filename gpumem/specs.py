@@ -115,27 +115,12 @@ def parse_spec(spec: str) -> DeviceSpec:
     return DeviceSpec(kind, target.lower() if kind is DeviceKind.SIM else target, options)
 
 
-def _builtin_profile(name: str, spec: str) -> Any:
-    """The built-in profile ``name`` names (:func:`gpumem.sim.get_profile`); a start of a name that fits
-    several profiles (``a100``: ``a100-40gb`` and ``a100-80gb``) is refused as ambiguous, listing them."""
-    from gpumem import sim
-
-    key = name.strip().lower()
-    if not any(p.name == key for p in sim.BUILTIN_PROFILES):
-        candidates = [p.name for p in sim.BUILTIN_PROFILES if p.name.startswith(key + "-")]
-        if len(candidates) > 1:
-            raise DeviceNotFoundError(f"device spec {_shown(spec)}: simulated profile {_shown(name, 40)} is "
-                                      f"ambiguous: it could be {', '.join(candidates)}; name one in full "
-                                      f"(e.g. 'sim:{candidates[0]}')")
-    return sim.get_profile(name)
-
-
 def _sim_device(parsed: DeviceSpec, spec: str, kwargs: dict[str, Any]) -> Device:
     from gpumem import sim  # the simulator is part of this distribution; imported lazily to keep gpumem light
 
     profile = kwargs.pop("profile", None)
     if profile is None:
-        profile = _builtin_profile(parsed.target, spec)
+        profile = sim.get_profile(parsed.target)   # an ambiguous start of a name is refused there
     elif not isinstance(profile, sim.DeviceProfile):
         raise InvalidArgumentError(f"profile must be a sim.DeviceProfile, got {type(profile).__name__}")
     opts = parsed.options

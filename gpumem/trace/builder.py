@@ -229,8 +229,8 @@ def build_trace(
             "%s: skipped %d free(s) of addresses never allocated in the trace window",
             origin or name, n_unmatched - len(second),
         )
+    name_of = event_name or (lambda i: f"event {i}")
     if second:
-        name_of = event_name or (lambda i: f"event {i}")
         log.warning("%s: skipped %d second free(s) of addresses freed already in the trace window (the first: %s)",
                     origin or name, len(second), name_of(second[0]))
     if n_unmatched_uses:
@@ -245,8 +245,7 @@ def build_trace(
         alloc_nbytes = nbytes[~is_free]  # ordered by id: ids are handed out in alloc order
         from_alloc = alloc_nbytes[alloc_ids[is_free]]
         if free_sizes:
-            _warn_free_sizes(origin or name, idx[is_free], nbytes[is_free], from_alloc, addrs_list,
-                             event_name or (lambda i: f"event {i}"))
+            _warn_free_sizes(origin or name, idx[is_free], nbytes[is_free], from_alloc, addrs_list, name_of)
         nbytes[is_free] = from_alloc
 
     def pick(col: Sequence[float] | np.ndarray, dtype: type) -> np.ndarray:

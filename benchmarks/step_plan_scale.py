@@ -44,10 +44,10 @@ def measure(engine: str, n: int, steps: int) -> dict[str, float]:
     planner_s = [0.0]
     real = caching.plan_step
 
-    def timed_plan_step(*args: object) -> object:
+    def timed_plan_step(*args: object, **kwargs: object) -> object:
         t0 = time.perf_counter()
         try:
-            return real(*args)
+            return real(*args, **kwargs)
         finally:
             planner_s[0] += time.perf_counter() - t0
 

@@ -602,7 +602,8 @@ def _mark_step(index: int) -> Any:
                                                         ctypes.byref(again))) != n or again.value != generation.value:
             return result   # another thread's mark took the step (Note [Step plans and threads])
         ranks = words.view(np.int64)
-        offsets = plan_step(StepTemplate(ranks[0::4], words[1::4], ranks[2::4], ranks[3::4]))
+        page_nbytes = _raw_stats(index).get("granularity_nbytes") or None   # the arena's page (its device's)
+        offsets = plan_step(StepTemplate(ranks[0::4], words[1::4], ranks[2::4], ranks[3::4]), page_nbytes=page_nbytes)
         if (offsets >= 0).any():
             offsets = np.ascontiguousarray(offsets, dtype=np.int64)
             code = lib.gpumem_torch_step_install(index, offsets.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), n,

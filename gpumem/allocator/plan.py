@@ -41,6 +41,23 @@ sit in the engine during the first planned step, and an arena mapped whole at in
 pages twice (475 MiB, 4.5 % of GPT-2 fp32's step, in the study's trace). Its pages count in reserved;
 freeing it waits for its streams (``stream_synchronize``), once per dropped plan.
 
+Note [A plan laid out for its first step]
+-----------------------------------------
+Why: on four of the five corpus traces whose plan forms, the run's peak was the first planned step (ResNet-50
+0.80 % there, 0.34 % in every step after it). The items that wrap into the next step (gradients freed at the next
+``zero_grad``) were allocated by the engine in the last recorded step and stay there, live, until their frees early
+in the first planned step; their slots in the arena are empty until then, while the pages around them are mapped
+as their neighbours first touch them: a page shared with an empty slot holds no live byte of it (20.9 MB on
+ResNet-50, 161 such items of 0.10 GB). How: :attr:`Planner.GREEDY_BEST` also tries each of its three orders with
+the wrapping items placed first (they are all alive at the step's start, so they need their sum anyway and end up
+side by side at the bottom), and, given the arena's page size (``page_nbytes``: the device's granularity; both
+``CachingAllocator.mark_step`` and ``gpumem.torch`` pass it), keeps the layout whose :func:`first_step_nbytes` is
+least: the most pages mapped in the first step plus the leftovers still live in the engine, or every page a slot
+touches (the steps after), whichever is more; ties by height. Without a page size it keeps the lowest, as before.
+Corpus, ``sim:h200-141gb``, default timing: resnet50_train 0.80 -> 0.45 % (tuning), vit_train 1.01 -> 0.90 %
+(check), no row higher (``reports/plan-first-step-2026-12-05.md``). The price: the mark that plans places six
+orders instead of three (GPT-2 bf16's 1,587 allocations: 0.12 -> 0.25 s, once per plan).
+
 Note [Step plans under memory pressure]
 ---------------------------------------
 A step that leaves the plan is served by the engine while the arena keeps its mapped pages, so both can
@@ -281,7 +298,7 @@ __all__ = ["ROUND_NBYTES", "MISS_LIMIT", "MISS_WINDOW", "MISS_WINDOW_LIMIT", "RE
            "RECORD_LIMIT", "OVERRUN_FACTOR", "EARLY_LEAVE_STEPS", "EARLY_DROPS", "check_record_limit",
            "check_early_leave_steps", "StepState",
            "MarkResult", "PlanItems", "Planner", "plan",
-           "plan_height", "check_plan", "StepTemplate", "template_items", "plan_step", "StepPlan", "PlanInfo",
+           "plan_height", "first_step_nbytes", "check_plan", "StepTemplate", "template_items", "plan_step", "StepPlan", "PlanInfo",
            "check_generation"]
 
 ROUND_NBYTES = 512
@@ -416,7 +433,9 @@ class Planner(str, enum.Enum):
     """Largest first (longest lifetime among equals), each at the lowest offset free over its lifetime."""
     GREEDY_BEST = "greedy-best"
     """The lowest of three greedy orders: largest first into the lowest free offset, largest first into
-    the smallest gap that fits (TFLite's greedy-by-size), longest-lived first into the lowest offset."""
+    the smallest gap that fits (TFLite's greedy-by-size), longest-lived first into the lowest offset. Given the
+    arena's page size, also each of them with the items that wrap into the next step placed first, and "lowest"
+    is then the memory the plan's first step holds (Note [A plan laid out for its first step])."""
 
 
 def _place(items: PlanItems, order: Sequence[int], best_gap: bool) -> np.ndarray:
@@ -449,18 +468,26 @@ def _place(items: PlanItems, order: Sequence[int], best_gap: bool) -> np.ndarray
     return offsets
 
 
-def plan(items: PlanItems, planner: Planner | str = Planner.GREEDY_BEST) -> np.ndarray:
+def plan(items: PlanItems, planner: Planner | str = Planner.GREEDY_BEST, page_nbytes: int | None = None,
+         base_nbytes: int = 0) -> np.ndarray:
     """An offset per item (bytes; multiples of :data:`ROUND_NBYTES` for rounded sizes) such that no two
     items alive at one time overlap.
 
+    ``page_nbytes``: the arena's page size, for :attr:`Planner.GREEDY_BEST` to choose the layout whose first
+    planned step holds least (:func:`first_step_nbytes`; ``base_nbytes``: where these items start in the arena);
+    None chooses the lowest (Note [A plan laid out for its first step]).
+
     Raises:
-        InvalidArgumentError: an unknown planner.
+        InvalidArgumentError: an unknown planner, a page size that is not positive, a negative base.
     """
     try:
         planner = Planner(planner)
     except ValueError:
         raise InvalidArgumentError(f"unknown planner {planner!r}; choose one of "
                                    f"{', '.join(p.value for p in Planner)}") from None
+    if page_nbytes is not None:
+        page_nbytes = check_int_in_range(page_nbytes, "plan: page_nbytes", 1)
+    base_nbytes = check_int_in_range(base_nbytes, "plan: base_nbytes", 0)
     if planner is Planner.FIRST_FIT:
         order = np.lexsort((np.arange(len(items)), items.s1))
         return _place(items, order.tolist(), best_gap=False)
@@ -468,14 +495,48 @@ def plan(items: PlanItems, planner: Planner | str = Planner.GREEDY_BEST) -> np.n
     by_size = np.lexsort((items.s1, -length, -items.nbytes)).tolist()
     if planner is Planner.GREEDY_SIZE:
         return _place(items, by_size, best_gap=False)
+    by_length = np.lexsort((items.s1, -items.nbytes, -length))
     tries = [_place(items, by_size, best_gap=False), _place(items, by_size, best_gap=True),
-             _place(items, np.lexsort((items.s1, -items.nbytes, -length)).tolist(), best_gap=False)]
-    return min(tries, key=lambda offs: plan_height(items, offs))
+             _place(items, by_length.tolist(), best_gap=False)]
+    wraps = items.e2 > items.s2
+    if page_nbytes is None or not wraps.any() or wraps.all():
+        return min(tries, key=lambda offs: plan_height(items, offs))
+    # the same three orders with the items that wrap first (a stable sort keeps each order among them)
+    first = [np.concatenate((o[wraps[o]], o[~wraps[o]])) for o in (np.asarray(by_size), by_length)]
+    tries += [_place(items, first[0].tolist(), best_gap=False), _place(items, first[0].tolist(), best_gap=True),
+              _place(items, first[1].tolist(), best_gap=False)]
+    return min(tries, key=lambda offs: (first_step_nbytes(items, offs, page_nbytes, base_nbytes),
+                                        plan_height(items, offs)))
 
 
 def plan_height(items: PlanItems, offsets: np.ndarray) -> int:
     """The arena a plan needs: the highest end of an item (0 for no item)."""
     return int((np.asarray(offsets) + items.nbytes).max()) if len(items) else 0
+
+
+def first_step_nbytes(items: PlanItems, offsets: np.ndarray, page_nbytes: int, base_nbytes: int = 0) -> int:
+    """The most bytes a plan's arena and the leftovers of the step before it hold at once, from its install on:
+    in its first planned step, the arena's pages touched so far (a page is mapped when a slot first touches it)
+    plus the items that wrap, still live in the engine where the recorded step allocated them; later, every
+    page a slot touches (Note [A plan laid out for its first step]). The items start ``base_nbytes`` into the
+    arena, which starts on a page."""
+    if len(items) == 0:
+        return 0
+    offsets = np.asarray(offsets, dtype=np.int64) + base_nbytes
+    first_page = offsets // page_nbytes
+    last_page = (offsets + items.nbytes - 1) // page_nbytes
+    lo = int(first_page.min())
+    touched_at = np.full(int(last_page.max()) - lo + 1, np.iinfo(np.int64).max, dtype=np.int64)
+    for i in np.argsort(items.s1, kind="stable")[::-1]:   # the earliest start written last
+        touched_at[first_page[i] - lo:last_page[i] - lo + 1] = items.s1[i]
+    touched_at = np.sort(touched_at)
+    wraps = items.e2 > items.s2
+    ends = np.sort(items.e2[wraps])
+    left = np.concatenate((np.cumsum(items.nbytes[wraps][np.argsort(items.e2[wraps], kind="stable")][::-1])[::-1], [0]))
+    times = np.unique(items.s1)
+    mapped = np.searchsorted(touched_at, times, side="right") * page_nbytes
+    leftover = left[np.searchsorted(ends, times, side="right")]
+    return int(max((mapped + leftover).max(), len(touched_at) * page_nbytes))
 
 
 def check_plan(items: PlanItems, offsets: np.ndarray) -> None:
@@ -531,16 +592,19 @@ def template_items(t: StepTemplate) -> tuple[np.ndarray, PlanItems]:
     return idx, PlanItems(sizes, k[idx], e1, np.zeros(len(idx), dtype=np.int64), e2)
 
 
-def plan_step(t: StepTemplate, planner: Planner | str = Planner.GREEDY_BEST) -> np.ndarray:
+def plan_step(t: StepTemplate, planner: Planner | str = Planner.GREEDY_BEST,
+              page_nbytes: int | None = None) -> np.ndarray:
     """An arena offset per allocation of ``t`` (-1: left to the engine): each stream's items planned apart
-    and stacked, so that no slot is shared between streams (Note [Step plans])."""
+    and stacked, so that no slot is shared between streams (Note [Step plans]). ``page_nbytes``: the arena's
+    page size (the device's granularity), by which the layout is chosen for the plan's first step (Note [A plan
+    laid out for its first step]); None: the lowest."""
     offsets = np.full(len(t), -1, dtype=np.int64)
     idx, items = template_items(t)
     base = 0
     for s in np.unique(t.streams[idx]):
         mine = np.flatnonzero(t.streams[idx] == s)
         sub = items.subset(mine)
-        offs = plan(sub, planner)
+        offs = plan(sub, planner, page_nbytes, base)
         offsets[idx[mine]] = offs + base
         base += -(-plan_height(sub, offs) // ROUND_NBYTES) * ROUND_NBYTES
     return offsets

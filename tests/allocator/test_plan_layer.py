@@ -753,13 +753,13 @@ def test_a_mark_from_another_thread_while_planning_installs_nothing_and_raises_n
     real = caching.plan_step
     interrupted = []
 
-    def planning_while_another_thread_marks(t, *args):
+    def planning_while_another_thread_marks(t, *args, **kwargs):
         if not interrupted:
             interrupted.append(1)
             worker = threading.Thread(target=alloc.mark_step)
             worker.start()
             worker.join()
-        return real(t, *args)
+        return real(t, *args, **kwargs)
 
     monkeypatch.setattr(caching, "plan_step", planning_while_another_thread_marks)
     results = [loop.step() for _ in range(3)]

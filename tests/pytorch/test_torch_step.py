@@ -48,8 +48,16 @@ class StandIn:
     """The C functions of step plans, over a native engine on the simulator (what
     ``torch_api.cpp`` does over a device's CUDA engine), for gpumem.torch's Python glue."""
 
-    def __init__(self, engine) -> None:
-        self.e = engine
+    def __init__(self, engine, granularity_nbytes: int) -> None:
+        self.e, self.granularity_nbytes = engine, granularity_nbytes
+
+    def gpumem_torch_stat_names(self):
+        return b"granularity_nbytes"
+
+    def gpumem_torch_stats(self, index, values, n):
+        """The one stat the glue reads when it plans: the arena's page (Note [A plan laid out for its first step])."""
+        values[0] = self.granularity_nbytes
+        return 1
 
     def gpumem_torch_step_mark(self, index):
         return self.e.mark_step()
@@ -96,7 +104,7 @@ class StandIn:
 def glued_allocator(monkeypatch) -> CachingAllocator:
     """A native engine on the simulator behind gpumem.torch's C functions (:class:`StandIn`)."""
     alloc = CachingAllocator(sim.SimDevice(sim.get_profile("h200-141gb")), engine="native")
-    stand_in = StandIn(alloc._engine)   # noqa: SLF001
+    stand_in = StandIn(alloc._engine, alloc.device.properties().granularity_nbytes)   # noqa: SLF001
     monkeypatch.setattr(gt, "_lib", lambda: stand_in)
     monkeypatch.setattr(gt, "_require_installed", lambda: None)
     return alloc
@@ -148,13 +156,13 @@ def test_a_mark_from_another_thread_while_step_plans_installs_nothing(monkeypatc
     alloc = glued_allocator(monkeypatch)
     real, interrupted = plan_module.plan_step, []
 
-    def planning_while_another_thread_marks(t, *args):
+    def planning_while_another_thread_marks(t, *args, **kwargs):
         if not interrupted:
             interrupted.append(1)
             worker = threading.Thread(target=gt.step, args=(0,))
             worker.start()
             worker.join()
-        return real(t, *args)
+        return real(t, *args, **kwargs)
 
     monkeypatch.setattr(plan_module, "plan_step", planning_while_another_thread_marks)
     loop, results = PatternLoop(alloc), []

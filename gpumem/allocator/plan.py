@@ -524,19 +524,25 @@ def first_step_nbytes(items: PlanItems, offsets: np.ndarray, page_nbytes: int, b
         return 0
     offsets = np.asarray(offsets, dtype=np.int64) + base_nbytes
     first_page = offsets // page_nbytes
-    last_page = (offsets + items.nbytes - 1) // page_nbytes
-    lo = int(first_page.min())
-    touched_at = np.full(int(last_page.max()) - lo + 1, np.iinfo(np.int64).max, dtype=np.int64)
+    end_page = (offsets + items.nbytes - 1) // page_nbytes + 1
+    # the pages between consecutive item edges are touched together: one entry per such run, not per page
+    edges = np.unique(np.concatenate((first_page, end_page)))
+    never = np.iinfo(np.int64).max
+    touched_at = np.full(len(edges) - 1, never, dtype=np.int64)
+    lo, hi = np.searchsorted(edges, first_page), np.searchsorted(edges, end_page)
     for i in np.argsort(items.s1, kind="stable")[::-1]:   # the earliest start written last
-        touched_at[first_page[i] - lo:last_page[i] - lo + 1] = items.s1[i]
-    touched_at = np.sort(touched_at)
+        touched_at[lo[i]:hi[i]] = items.s1[i]
+    pages = np.diff(edges)[touched_at < never]
+    touched_at = touched_at[touched_at < never]
+    order = np.argsort(touched_at, kind="stable")
+    touched_at, mapped_pages = touched_at[order], np.cumsum(pages[order])
     wraps = items.e2 > items.s2
     ends = np.sort(items.e2[wraps])
     left = np.concatenate((np.cumsum(items.nbytes[wraps][np.argsort(items.e2[wraps], kind="stable")][::-1])[::-1], [0]))
     times = np.unique(items.s1)
-    mapped = np.searchsorted(touched_at, times, side="right") * page_nbytes
+    mapped = np.concatenate(([0], mapped_pages))[np.searchsorted(touched_at, times, side="right")] * page_nbytes
     leftover = left[np.searchsorted(ends, times, side="right")]
-    return int(max((mapped + leftover).max(), len(touched_at) * page_nbytes))
+    return int(max((mapped + leftover).max(), int(mapped_pages[-1]) * page_nbytes))
 
 
 def check_plan(items: PlanItems, offsets: np.ndarray) -> None:

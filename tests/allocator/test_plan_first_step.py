@@ -101,3 +101,12 @@ def test_resnet50_trace_holds_under_half_a_percent_once_its_first_step_is_planne
     alloc.check_consistency()
     alloc.close()
     assert 0.0040 < result.overhead < 0.0050
+
+
+def test_first_step_nbytes_does_not_walk_page_by_page():
+    """A terabyte item on one-byte pages (a page size the API accepts): counted by runs of pages between item
+    edges, so it answers at once instead of filling an array of 2**40 pages (attack on the first version)."""
+    items = PlanItems([1 << 40, 512], [0, 1], [3, 3], [0, 0], [0, 2])
+    offsets = plan(items, page_nbytes=1)
+    # at the second allocation: both slots mapped, and the wrapping item's copy still live in the engine
+    assert first_step_nbytes(items, offsets, 1) == (1 << 40) + 512 + 512

@@ -47,8 +47,8 @@ Why: on four of the five corpus traces whose plan forms, the run's peak was the 
 0.80 % there, 0.34 % in every step after it). The items that wrap into the next step (gradients freed at the next
 ``zero_grad``) were allocated by the engine in the last recorded step and stay there, live, until their frees early
 in the first planned step; their slots in the arena are empty until then, while the pages around them are mapped
-as their neighbours first touch them: a page shared with an empty slot holds no live byte of it (20.9 MB on
-ResNet-50, 161 such items of 0.10 GB). How: :attr:`Planner.GREEDY_BEST` also tries each of its three orders with
+as their neighbours first touch them: a page shared with an empty slot holds no live byte of it (ResNet-50: 161
+such items, 0.10 GB in all; 23.8 MB of its arena's pages held no live byte at that step's peak). How: :attr:`Planner.GREEDY_BEST` also tries each of its three orders with
 the wrapping items placed first (they are all alive at the step's start, so they need their sum anyway and end up
 side by side at the bottom), and, given the arena's page size (``page_nbytes``: the device's granularity; both
 ``CachingAllocator.mark_step`` and ``gpumem.torch`` pass it), keeps the layout whose :func:`first_step_nbytes` is
@@ -474,8 +474,10 @@ def plan(items: PlanItems, planner: Planner | str = Planner.GREEDY_BEST, page_nb
     items alive at one time overlap.
 
     ``page_nbytes``: the arena's page size, for :attr:`Planner.GREEDY_BEST` to choose the layout whose first
-    planned step holds least (:func:`first_step_nbytes`; ``base_nbytes``: where these items start in the arena);
-    None chooses the lowest (Note [A plan laid out for its first step]).
+    planned step holds least (:func:`first_step_nbytes`; ``base_nbytes``: where these items start in the arena;
+    ties go to the lower). None, or items of which none or all wrap into the next step (then the extra orders
+    are the same), keeps the lowest: the layout of least :func:`plan_height` (Note [A plan laid out for its
+    first step]). The other planners ignore both.
 
     Raises:
         InvalidArgumentError: an unknown planner, a page size that is not positive, a negative base.
@@ -515,14 +517,39 @@ def plan_height(items: PlanItems, offsets: np.ndarray) -> int:
 
 
 def first_step_nbytes(items: PlanItems, offsets: np.ndarray, page_nbytes: int, base_nbytes: int = 0) -> int:
-    """The most bytes a plan's arena and the leftovers of the step before it hold at once, from its install on:
-    in its first planned step, the arena's pages touched so far (a page is mapped when a slot first touches it)
-    plus the items that wrap, still live in the engine where the recorded step allocated them; later, every
-    page a slot touches (Note [A plan laid out for its first step]). The items start ``base_nbytes`` into the
-    arena, which starts on a page."""
+    """The most bytes a plan's arena and the leftovers of the step before it hold at once, from its install on
+    (Note [A plan laid out for its first step]).
+
+    In the first planned step, at each allocation: the arena's pages touched so far (a page is mapped when a
+    slot's first segment starts on it) plus the items that wrap (``e2 > s2``), whose copies from the recorded
+    step are live in the engine until their frees at rank ``e2``; later, every page a slot touches. Times are
+    allocation ranks within the step, as in :class:`PlanItems`.
+
+    Args:
+        items: the plan's items.
+        offsets: one byte offset per item, as :func:`plan` returns them (integers, at least 0).
+        page_nbytes: the arena's page size (the device's granularity), at least 1.
+        base_nbytes: where these items start in the arena (a stream's items stacked above another's), at least 0;
+            the arena starts on a page.
+
+    Returns:
+        Bytes: whole pages plus the leftovers' bytes; 0 for no item.
+
+    Raises:
+        InvalidArgumentError: ``offsets`` not one integer per item, a negative offset, a page size below 1, a
+            negative base.
+    """
+    page_nbytes = check_int_in_range(page_nbytes, "first_step_nbytes: page_nbytes", 1)
+    base_nbytes = check_int_in_range(base_nbytes, "first_step_nbytes: base_nbytes", 0)
+    raw = np.asarray(offsets)
+    if raw.shape != (len(items),) or (raw.size and raw.dtype.kind not in "iu"):
+        raise InvalidArgumentError(f"first_step_nbytes: {len(items)} integer offsets expected (one per item), got "
+                                   f"{raw.dtype} of shape {raw.shape}")
+    if (raw < 0).any():
+        raise InvalidArgumentError("first_step_nbytes: a negative offset")
     if len(items) == 0:
         return 0
-    offsets = np.asarray(offsets, dtype=np.int64) + base_nbytes
+    offsets = raw.astype(np.int64) + base_nbytes
     first_page = offsets // page_nbytes
     end_page = (offsets + items.nbytes - 1) // page_nbytes + 1
     # the pages between consecutive item edges are touched together: one entry per such run, not per page
@@ -603,7 +630,11 @@ def plan_step(t: StepTemplate, planner: Planner | str = Planner.GREEDY_BEST,
     """An arena offset per allocation of ``t`` (-1: left to the engine): each stream's items planned apart
     and stacked, so that no slot is shared between streams (Note [Step plans]). ``page_nbytes``: the arena's
     page size (the device's granularity), by which the layout is chosen for the plan's first step (Note [A plan
-    laid out for its first step]); None: the lowest."""
+    laid out for its first step]); None: the lowest (least height), as :func:`plan` says.
+
+    Raises:
+        InvalidArgumentError: an unknown planner, a page size below 1.
+    """
     offsets = np.full(len(t), -1, dtype=np.int64)
     idx, items = template_items(t)
     base = 0

@@ -110,3 +110,19 @@ def test_first_step_nbytes_does_not_walk_page_by_page():
     offsets = plan(items, page_nbytes=1)
     # at the second allocation: both slots mapped, and the wrapping item's copy still live in the engine
     assert first_step_nbytes(items, offsets, 1) == (1 << 40) + 512 + 512
+
+
+@pytest.mark.parametrize("offsets, page, base, text", [
+    ([0], 2048, 0, r"first_step_nbytes: 2 integer offsets expected \(one per item\), got int64 of shape \(1,\)"),
+    ([0.0, 1024.0], 2048, 0, r"first_step_nbytes: 2 integer offsets expected .* got float64"),
+    ([0, -1024], 2048, 0, r"first_step_nbytes: a negative offset"),
+    ([0, 1024], 0, 0, r"first_step_nbytes: page_nbytes must be an int in >= 1, got 0"),
+    ([0, 1024], -2048, 0, r"first_step_nbytes: page_nbytes must be an int in >= 1, got -2048"),
+    ([0, 1024], 2048, -1, r"first_step_nbytes: base_nbytes must be an int in >= 0, got -1"),
+])
+def test_first_step_nbytes_refuses_what_is_not_a_plan_by_name(offsets, page, base, text):
+    """New-user review: a page size of 0 gave 512 and a divide warning, a negative one or offsets of another length
+    an IndexError, a negative base or float offsets were taken."""
+    items = PlanItems([1024, 1024], [0, 1], [2, 2], [0, 0], [1, 0])
+    with pytest.raises(InvalidArgumentError, match=text):
+        first_step_nbytes(items, np.array(offsets), page, base)

@@ -603,7 +603,8 @@ def _mark_step(index: int) -> Any:
             return result   # another thread's mark took the step (Note [Step plans and threads])
         ranks = words.view(np.int64)
         page_nbytes = _raw_stats(index).get("granularity_nbytes") or None   # the arena's page (its device's)
-        offsets = plan_step(StepTemplate(ranks[0::4], words[1::4], ranks[2::4], ranks[3::4]), page_nbytes=page_nbytes)
+        offsets = plan_step(StepTemplate(ranks[0::4], words[1::4], ranks[2::4], ranks[3::4]), page_nbytes=page_nbytes,
+                            limit_nbytes=_device_total_nbytes(index))
         if (offsets >= 0).any():
             offsets = np.ascontiguousarray(offsets, dtype=np.int64)
             code = lib.gpumem_torch_step_install(index, offsets.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), n,
@@ -615,6 +616,15 @@ def _mark_step(index: int) -> Any:
                          int((offsets >= 0).sum()), index)
     _warmups().after_mark(index)
     return result
+
+
+def _device_total_nbytes(index: int) -> int | None:
+    """The memory of cuda:``index``, past which no step plan may end (Note [A plan taller than the device] in
+    gpumem/allocator/plan.py); None where PyTorch is not loaded or has no CUDA (the tests' stand-in engines)."""
+    torch = sys.modules.get("torch")   # a mark comes from a program that runs PyTorch: never imported here
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(index).total_memory)
 
 
 @dataclasses.dataclass

@@ -230,8 +230,9 @@ class CachingAllocator(AllocatorContract):
         if result is MarkResult.READY:
             ready = self._engine.step_template(True)   # None: another thread's mark took the step
             if ready is not None:
-                offsets = plan_step(StepTemplate(*ready[:4]),
-                                    page_nbytes=self.device.properties().granularity_nbytes)
+                props = self.device.properties()
+                offsets = plan_step(StepTemplate(*ready[:4]), page_nbytes=props.granularity_nbytes,
+                                    limit_nbytes=props.total_nbytes)
                 if (offsets >= 0).any():
                     self._engine.install_plan([int(x) for x in offsets], ready[4])
         return result

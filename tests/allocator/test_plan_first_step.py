@@ -74,10 +74,13 @@ def test_the_wrapping_items_are_laid_out_side_by_side_where_that_maps_less():
 
 
 @pytest.mark.parametrize("kwargs, text", [
-    ({"page_nbytes": 0}, r"plan: page_nbytes must be an int in >= 1, got "),
-    ({"page_nbytes": -2048}, r"plan: page_nbytes must be an int in >= 1, got "),
+    ({"page_nbytes": 0}, r"plan: page_nbytes must be an int in \[1, 2\*\*48\], got "),
+    ({"page_nbytes": -2048}, r"plan: page_nbytes must be an int in \[1, 2\*\*48\], got "),
     ({"page_nbytes": 2048.5}, r"plan: page_nbytes"),
-    ({"page_nbytes": 2048, "base_nbytes": -512}, r"plan: base_nbytes must be an int in >= 0, got -512"),
+    ({"page_nbytes": 1 << 63}, r"plan: page_nbytes must be an int in \[1, 2\*\*48\], got 9223372036854775808"),
+    ({"page_nbytes": True}, r"plan: page_nbytes must be an int, got bool True"),
+    ({"page_nbytes": 2048, "base_nbytes": (1 << 63) - 1}, r"plan: base_nbytes must be an int in \[0, 2\*\*48\]"),
+    ({"page_nbytes": 2048, "base_nbytes": -512}, r"plan: base_nbytes must be an int in \[0, 2\*\*48\], got -512"),
 ])
 def test_bad_planner_arguments_are_refused_by_name(kwargs, text):
     items = PlanItems([1024, 1024], [0, 1], [2, 2], [0, 0], [1, 0])
@@ -85,9 +88,45 @@ def test_bad_planner_arguments_are_refused_by_name(kwargs, text):
         plan(items, **kwargs)
 
 
-def test_plan_step_refuses_a_page_size_that_is_not_positive():
-    with pytest.raises(InvalidArgumentError, match=r"plan: page_nbytes must be an int in >= 1, got "):
-        plan_step(StepTemplate([1024, 1024], [0, 0], [2, -1], [-1, 1]), page_nbytes=0)
+@pytest.mark.parametrize("template", [StepTemplate([1024, 1024], [0, 0], [2, -1], [-1, 1]),
+                                      StepTemplate([], [], [], [])])
+@pytest.mark.parametrize("kwargs, text", [
+    ({"page_nbytes": 0}, r"plan_step: page_nbytes must be an int in \[1, 2\*\*48\], got 0"),
+    ({"page_nbytes": 1 << 63}, r"plan_step: page_nbytes must be an int in \[1, 2\*\*48\]"),
+    ({"limit_nbytes": 0}, r"plan_step: limit_nbytes must be an int in \[1, 2\*\*48\], got 0"),
+    ({"planner": "tallest"}, r"unknown planner 'tallest'"),
+])
+def test_plan_step_refuses_bad_arguments_even_with_nothing_to_plan(template, kwargs, text):
+    """Attacker review: an empty template took any page size (nothing reached the check in plan())."""
+    with pytest.raises(InvalidArgumentError, match=text):
+        plan_step(template, **kwargs)
+
+
+def test_a_stream_whose_plan_ends_past_the_device_stays_the_engines():
+    """Note [A plan taller than the device]: two streams of 3 KiB each, stacked, need 6 KiB; under a limit of 4 KiB
+    the first keeps its plan and the second is left to the engine; the first's plan alone is as without a limit."""
+    t = StepTemplate([3072, 3072], [0, 1], [1, 2], [-1, -1])
+    assert plan_step(t).tolist() == [0, 3072]
+    assert plan_step(t, limit_nbytes=4096).tolist() == [0, -1]
+    assert plan_step(t, limit_nbytes=1024).tolist() == [-1, -1]
+    assert plan_step(t, limit_nbytes=6144).tolist() == [0, 3072]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_marking_steps_of_two_streams_larger_than_half_the_device_does_not_raise(engine):
+    """Attacker review, F1: 9 GiB a step on each of two streams of a 16 GB T4, a mark each step. The stacked plan
+    ended past the device, and the third mark raised 'install_plan: offset ... ends past the device's ... B'
+    on both engines. Now the second stream's allocations stay the engine's and the steps run."""
+    from gpumem.units import GiB
+    alloc = CachingAllocator(open_device("sim:t4-16gb"), get_policy("gpumem"), engine=engine)
+    for _ in range(8):
+        alloc.mark_step()
+        for stream in (0, 1):
+            alloc.free(alloc.allocate(9 * GiB, stream))
+    info = alloc.step_plan_info()
+    alloc.check_consistency()
+    alloc.close()
+    assert info.plans_installed >= 1 and info.served > 0
 
 
 @pytest.mark.slow
@@ -116,9 +155,11 @@ def test_first_step_nbytes_does_not_walk_page_by_page():
     ([0], 2048, 0, r"first_step_nbytes: 2 integer offsets expected \(one per item\), got int64 of shape \(1,\)"),
     ([0.0, 1024.0], 2048, 0, r"first_step_nbytes: 2 integer offsets expected .* got float64"),
     ([0, -1024], 2048, 0, r"first_step_nbytes: a negative offset"),
-    ([0, 1024], 0, 0, r"first_step_nbytes: page_nbytes must be an int in >= 1, got 0"),
-    ([0, 1024], -2048, 0, r"first_step_nbytes: page_nbytes must be an int in >= 1, got -2048"),
-    ([0, 1024], 2048, -1, r"first_step_nbytes: base_nbytes must be an int in >= 0, got -1"),
+    ([0, 1024], 0, 0, r"first_step_nbytes: page_nbytes must be an int in \[1, 2\*\*48\], got 0"),
+    ([0, 1024], -2048, 0, r"first_step_nbytes: page_nbytes must be an int in \[1, 2\*\*48\], got -2048"),
+    ([0, 1024], 2048, -1, r"first_step_nbytes: base_nbytes must be an int in \[0, 2\*\*48\], got -1"),
+    ([0, 1024], 1 << 63, 0, r"first_step_nbytes: page_nbytes must be an int in \[1, 2\*\*48\]"),
+    ([0, 1024], 2048, (1 << 63) - 1, r"first_step_nbytes: base_nbytes must be an int in \[0, 2\*\*48\]"),
 ])
 def test_first_step_nbytes_refuses_what_is_not_a_plan_by_name(offsets, page, base, text):
     """New-user review: a page size of 0 gave 512 and a divide warning, a negative one or offsets of another length

@@ -8,6 +8,7 @@ against a stand-in library whose functions call a native engine on the simulator
 from __future__ import annotations
 
 import ctypes
+import sys
 
 import pytest
 
@@ -142,6 +143,35 @@ def test_step_plans_and_installs_through_the_c_api_glue(monkeypatch):
     info = gt.step_plan_info(0)
     assert isinstance(info, PlanInfo) and info.state == StepState.PLANNED and info.served == 4 * len(PatternLoop.PATTERN)   # the steps from the READY mark on
     assert info.fallback == 0
+    alloc.check_consistency()
+
+
+def test_the_mark_bounds_the_plan_by_the_cards_memory(monkeypatch):
+    """Note [A plan taller than the device]: gpumem.torch passes the card's memory (PyTorch's total_memory) to the
+    planner, so a plan stacked past it is not installed (which raised in the training loop); without PyTorch's
+    CUDA there is no bound."""
+    import types
+
+    import gpumem.allocator.plan as plan_module
+
+    alloc = glued_allocator(monkeypatch)
+    limits, real = [], plan_module.plan_step
+
+    def recording(t, *args, **kwargs):
+        limits.append(kwargs.get("limit_nbytes"))
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "plan_step", recording)
+    fake_cuda = types.SimpleNamespace(is_available=lambda: True,
+                                      get_device_properties=lambda i: types.SimpleNamespace(total_memory=1 << 20))
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=fake_cuda))
+    loop = PatternLoop(alloc)
+    for _ in range(6):
+        loop.marked_step()
+    assert limits and set(limits) == {1 << 20}   # the pattern's step (MiBs) does not fit 1 MiB: nothing planned
+    assert gt.step_plan_info(0).plans_installed == 0
+    monkeypatch.delitem(sys.modules, "torch")
+    assert gt._device_total_nbytes(0) is None   # noqa: SLF001
     alloc.check_consistency()
 
 

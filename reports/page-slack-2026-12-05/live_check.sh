@@ -1,5 +1,5 @@
-# Issue 18, for a later device session (NOT RUN YET: no device was lent on 2026-12-05). The page slack's live
-# price: the workloads whose replays moved in reports/page-slack-2026-12-05.md (MoE and Llama with variable lengths:
+# Issue 18: the page slack's live price (run on an H100 later on 2026-12-05: reports/hil/page-slack-h100-2026-12-05.md):
+# the workloads whose replays moved in reports/page-slack-2026-12-05.md (MoE and Llama with variable lengths:
 # no step plan forms; generate(): no marks), and GPT-2 and ResNet-50 training as controls, under gpumem.torch with
 # GPUMEM_PAGE_SLACK unset (0.005) and 0.0015, in ABBA order; 40 steps, 12 untimed, no trace. Each run records peak
 # reserved / peak allocated and the hooks' time in the engine's slow path a step (timed_driver.slow_ms).
@@ -12,8 +12,8 @@ run() {   # TAG WORKLOAD
 }
 for w in moe_train llama_varlen_train llama_generate gpt2_train resnet50_train; do
   run $w-a-default $w
-  GPUMEM_PAGE_SLACK=0.0015 run $w-b-0.0015 $w
-  GPUMEM_PAGE_SLACK=0.0015 run $w-c-0.0015 $w
+  GPUMEM_PAGE_SLACK=0.0015 run $w-b-slack0p0015 $w
+  GPUMEM_PAGE_SLACK=0.0015 run $w-c-slack0p0015 $w
   run $w-d-default $w
   echo "$w done at $(( $(date +%s) - START )) s" >> $SCRATCH/log.txt
 done

@@ -37,10 +37,42 @@ from .commands._common import (EXIT_BROKEN_PIPE, EXIT_CODES, EXIT_DEVICE_ERROR, 
                                _exit_codes_text, _folder_message, _limit_syntax, _shorten_path, check_output_path,
                                run_command)
 from .commands.devices import cmd_devices  # noqa: F401 - the old names, importable from gpumem.cli
-from .commands.replay import cmd_replay  # noqa: F401
 from .errors import DeviceLostError, GpumemError, InvalidArgumentError, OutOfMemoryError, TraceFormatError  # noqa: F401
 
 log = logging.getLogger("gpumem")
+
+
+def __getattr__(name: str) -> Any:
+    """``cmd_replay``, an old name importable from here, loaded on first use: its module imports numpy, which
+    :func:`main` keeps for after :func:`_one_blas_thread` (Note [One BLAS thread for the estimate])."""
+    if name == "cmd_replay":
+        from .commands.replay import cmd_replay
+        return cmd_replay
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# Note [One BLAS thread for the estimate]
+#     numpy's OpenBLAS starts a thread per CPU when numpy is imported, and each spins about 0.1 s of CPU before it
+#     sleeps (perf on `gpumem estimate`: 6.6 % of the samples of a 7B replay at 8,000 new tokens in
+#     blas_thread_server). gpumem computes no linear algebra, so on the 2-CPU machine of
+#     reports/estimate-speed-2026-12-05.md that spin only took a CPU from the replay and from the worker
+#     processes the estimate starts (Note [Policies replayed apart]). The commands that replay at length
+#     (`estimate`, `fit`) therefore ask for one BLAS thread, through OPENBLAS_NUM_THREADS, which OpenBLAS reads
+#     when numpy loads it: set only where the user set nothing, only while numpy is not yet imported (in a process
+#     that imported it, as a test calling main(), nothing is changed), and inherited by those worker processes.
+#     The other commands keep the environment as it was (`record` passes it to the program it runs).
+_ONE_BLAS_THREAD_COMMANDS = ("estimate", "fit")
+
+
+def _one_blas_thread(argv: Sequence[str]) -> bool:
+    """Set OPENBLAS_NUM_THREADS=1 where ``argv``'s command replays at length and nothing has loaded numpy or set
+    the variable (Note [One BLAS thread for the estimate]); whether it was set."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if (command not in _ONE_BLAS_THREAD_COMMANDS or "numpy" in sys.modules
+            or "OPENBLAS_NUM_THREADS" in os.environ):
+        return False
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    return True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # inside the try: a Ctrl-C while the handler is being installed is an interruption like any other
         sigint = _SigintFlag()
+        _one_blas_thread(sys.argv[1:] if argv is None else argv)
         parser = build_parser()
         from .commands._args import strip_bookkeeping
 

@@ -479,8 +479,43 @@ void PyDeviceBackend::lag_wait(double end_s) {
     lag.fresh_start = false;
 }
 
-void PyDeviceBackend::lag_wait_stream(const std::deque<LagWork>& q) {
+void PyDeviceBackend::lag_wait_stream(const Fifo<LagWork>& q) {
     if (!q.empty()) lag_wait(q.back().end_s);
+}
+
+// Note [Ranges known mapped]
+//     The sanitizer's launch check (lag_after) walks the twin's mappings over the kernel's bytes. A range it found
+//     mapped with access stays so until an unmap (a map adds mappings, mem_set_access only grants access), so the
+//     twin keeps a few such ranges and a launch within one of them needs no walk: the same answer as the walk,
+//     made from the walks before it. Every unmap forgets them all. Until 2026-12-05 one range was kept: the 7B
+//     decode's kernels land in the KV caches and the step's temporaries, far apart, and 375,916 of the 4,568,298
+//     launches of its gpumem replay at 4,000 new tokens walked the map (lag_stats()["mapping_walks"]); with
+//     kOkRanges of them, the oldest replaced, checked in turn, 65,417 did, and the replay at 16,000 took 0.87x
+//     the time (reports/estimate-speed-2026-12-05.md). A range found next to or over one known is merged with it
+//     (their union has no gap: both are mapped with access).
+bool PyDeviceBackend::lag_known_mapped(std::uint64_t lo, std::uint64_t hi) const {
+    const Lag& lag = *twin_->lag;
+    for (unsigned k = 0; k < lag.ok_n; ++k)
+        if (lo >= lag.ok[k].first && hi <= lag.ok[k].second) return true;
+    return false;
+}
+
+void PyDeviceBackend::lag_note_mapped(std::uint64_t lo, std::uint64_t hi) {
+    Lag& lag = *twin_->lag;
+    for (unsigned k = 0; k < lag.ok_n; ++k) {
+        auto& r = lag.ok[k];
+        if (lo <= r.second && r.first <= hi) {   // touching or overlapping: one run of mapped memory
+            r.first = std::min(r.first, lo);
+            r.second = std::max(r.second, hi);
+            return;
+        }
+    }
+    if (lag.ok_n < Lag::kOkRanges) {
+        lag.ok[lag.ok_n++] = {lo, hi};
+        return;
+    }
+    lag.ok[lag.ok_next] = {lo, hi};
+    lag.ok_next = (lag.ok_next + 1) % Lag::kOkRanges;
 }
 
 void PyDeviceBackend::lag_before() {
@@ -506,7 +541,8 @@ void PyDeviceBackend::lag_after(StreamHandle stream, std::uint64_t ptr, std::uin
         lag_wait(launched.front());
         while (!launched.empty() && lag_done(launched.front())) launched.pop_front();
     }
-    if (ptr && nbytes && !(ptr >= lag.ok_lo && ptr + nbytes <= lag.ok_hi)) {   // the sanitizer's launch check
+    if (ptr && nbytes && !lag_known_mapped(ptr, ptr + nbytes)) {   // the sanitizer's launch check
+        ++lag.ok_walks;
         auto& maps = twin_->maps;
         auto it = maps.upper_bound(ptr);
         bool ok = it != maps.begin();
@@ -524,21 +560,15 @@ void PyDeviceBackend::lag_after(StreamHandle stream, std::uint64_t ptr, std::uin
             }
         }
         if (!ok) twin_refuses("launch: the kernel after an allocation touches memory not mapped with access");
-        if (lo <= lag.ok_hi && lag.ok_lo <= pos && lag.ok_hi) {   // one run of mapped memory with the one known
-            lag.ok_lo = std::min(lag.ok_lo, lo);
-            lag.ok_hi = std::max(lag.ok_hi, pos);
-        } else {
-            lag.ok_lo = lo;
-            lag.ok_hi = pos;
-        }
+        lag_note_mapped(lo, pos);
     }
-    std::deque<LagWork>* qp = lag.queue(stream);
+    Fifo<LagWork>* qp = lag.queue(stream);
     const double tail_s = qp && !qp->empty() ? qp->back().end_s : lag.now_s;   // checked before anything moves
     if (!std::isfinite(std::max(tail_s, lag.now_s) + lag.m.launch_us * 1e-6 + duration_s))
         twin_refuses("launch: the kernel would end past the largest finite time");
     lag_advance(lag.m.launch_us);
     if (!qp) {
-        lag.streams.emplace_back(stream, std::deque<LagWork>{});
+        lag.streams.emplace_back(stream, Fifo<LagWork>{});
         qp = &lag.streams.back().second;
     }
     auto& q = *qp;
@@ -557,10 +587,11 @@ PyObject* PyDeviceBackend::lag_stats() {
     std::size_t pending = 0;
     for (const auto& kv : lag.streams)
         for (const LagWork& w : kv.second) pending += !lag_done(w.end_s);
-    return Py_BuildValue("{s:d,s:K,s:K,s:n}", "now_s", lag.now_s, "launches",
+    return Py_BuildValue("{s:d,s:K,s:K,s:n,s:K}", "now_s", lag.now_s, "launches",
                          static_cast<unsigned long long>(lag.launches), "queue_full_waits",
                          static_cast<unsigned long long>(lag.queue_full_waits), "pending",
-                         static_cast<Py_ssize_t>(pending));
+                         static_cast<Py_ssize_t>(pending), "mapping_walks",
+                         static_cast<unsigned long long>(lag.ok_walks));
 }
 
 void PyDeviceBackend::mem_map(std::uint64_t va, std::uint64_t nbytes, ChunkHandle handle, std::uint64_t offset) {
@@ -634,7 +665,7 @@ void PyDeviceBackend::mem_unmap(std::uint64_t va, std::uint64_t nbytes) {
             for (auto m = first; m != it; ++m) ++n_maps;
             lag_advance(lag.m.unmap_us + lag.m.unmap_mapping_us * static_cast<double>(n_maps) +
                         lag.m.unmap_mib_us * static_cast<double>(nbytes) / 1048576.0);
-            lag.ok_lo = lag.ok_hi = 0;
+            lag.ok_n = lag.ok_next = 0;   // Note [Ranges known mapped]
         }
         for (auto m = first; m != it; ++m) --twin_->chunk_maps[m->second.chunk - 1];
         maps.erase(first, it);
@@ -648,7 +679,7 @@ EventHandle PyDeviceBackend::event_record(StreamHandle stream) {
         const EventHandle id = kTwinEvent | ++twin_->events;   // idle: complete at once, no work is ever queued
         if (Lag* lag = twin_->lag.get()) {   // the stream's last unfinished work (SimDevice._do_event_record)
             lag_advance(lag->m.event_record_us);
-            const std::deque<LagWork>* q = lag->queue(stream);
+            const Fifo<LagWork>* q = lag->queue(stream);
             if (q && !q->empty() && !lag_done(q->back().end_s)) lag->events.emplace(id, q->back().end_s);
         }
         return id;
@@ -697,9 +728,9 @@ void PyDeviceBackend::stream_wait_event(StreamHandle stream, EventHandle event) 
         lag_advance(lag->m.stream_wait_event_us);
         auto it = lag->events.find(event);
         if (it == lag->events.end() || lag_done(it->second)) return;
-        std::deque<LagWork>* qp = lag->queue(stream);
+        Fifo<LagWork>* qp = lag->queue(stream);
         if (!qp) {
-            lag->streams.emplace_back(stream, std::deque<LagWork>{});
+            lag->streams.emplace_back(stream, Fifo<LagWork>{});
             qp = &lag->streams.back().second;
         }
         auto& q = *qp;
@@ -738,7 +769,7 @@ void PyDeviceBackend::engine_work(std::uint64_t pages_indexed) {
 void PyDeviceBackend::stream_synchronize(StreamHandle stream) {
     call_void(n_stream_synchronize_, u64(stream));   // its cost on the device; then the twin's work, if any
     if (Lag* lag = twin_makes_calls() ? twin_->lag.get() : nullptr) {
-        if (const std::deque<LagWork>* q = lag->queue(stream)) lag_wait_stream(*q);
+        if (const Fifo<LagWork>* q = lag->queue(stream)) lag_wait_stream(*q);
     }
 }
 

@@ -287,3 +287,41 @@ def _program(ops, twin: bool, model: GpuWorkModel):
 def test_any_program_gets_the_simulators_clock_and_decisions(ops):
     model = GpuWorkModel(cpu_op_us=2.0, queue_depth=4, touch_factor=20.0)
     assert _program(ops, True, model) == _program(ops, False, model)
+
+
+def test_a_range_known_mapped_is_forgotten_at_an_unmap():
+    """Note [Ranges known mapped]: a launch within a range an earlier launch found mapped with access skips the walk
+    over the mappings; an unmap forgets every such range, so a launch on memory unmapped since is still refused (a
+    cache kept over the unmap would let it through)."""
+    with _lagged() as (dev, a):
+        eng = a._engine
+        ptrs = [a.allocate(64 << 20, 0) for _ in range(3)]   # three blocks, each a run of pages of its own
+        for p in ptrs:
+            eng.lag_after(0, p, 4096)
+        walks = eng.lag_stats()["mapping_walks"]
+        for p in ptrs:   # all three known: no walk
+            eng.lag_after(0, p + 8192, 4096)
+        assert eng.lag_stats()["mapping_walks"] == walks
+        a.synchronize()
+        a.free(ptrs[1])
+        assert a.empty_cache() > 0   # the middle block's pages unmapped
+        from gpumem.errors import GpumemError
+        with pytest.raises(GpumemError, match="not mapped with access"):
+            eng.lag_after(0, ptrs[1], 4096)
+        eng.lag_after(0, ptrs[0], 4096)   # still mapped: found again by a walk
+        eng.lag_after(0, ptrs[2], 4096)
+        assert eng.lag_stats()["mapping_walks"] == walks + 3   # the refused launch walked too
+
+
+def test_a_long_queue_of_kernels_keeps_the_simulators_clock():
+    """Note [The lag's queues a ring each]: hundreds of kernels queued at once on a stream and in the launch queue
+    (the ring grown several times, pushed and popped while wrapped), the clock and decisions of ModelGpu."""
+    model = GpuWorkModel(cpu_op_us=0.5, queue_depth=300, touch_factor=400.0)
+    ops = [("alloc", (1 << 20) * (1 + k % 5), k % 2, k) for k in range(400)]
+    ops[150:150] = [("free", 0, 0, k) for k in range(100)]
+    ops[320:320] = [("sync", 0, 0, 0), ("empty", 0, 0, 0)]
+    assert _program(ops, True, model) == _program(ops, False, model)
+    with _lagged(model) as (dev, a):   # the queues do get long: most of 100 kernels still to run
+        for k in range(100):
+            a._engine.lag_after(0, a.allocate(1 << 20, 0), 1 << 20)
+        assert a._engine.lag_stats()["pending"] > 64   # the ring (16 at first) grown twice at least

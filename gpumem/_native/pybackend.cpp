@@ -490,9 +490,9 @@ void PyDeviceBackend::lag_wait_stream(const Fifo<LagWork>& q) {
 //     made from the walks before it. Every unmap forgets them all. Until 2026-12-05 one range was kept: the 7B
 //     decode's kernels land in the KV caches and the step's temporaries, far apart, and 375,916 of the 4,568,298
 //     launches of its gpumem replay at 4,000 new tokens walked the map (lag_stats()["mapping_walks"]); with
-//     kOkRanges of them, the oldest replaced, checked in turn, 65,417 did, and the replay at 16,000 took 0.87x
-//     the time (reports/estimate-speed-2026-12-05.md). A range found next to or over one known is merged with it
-//     (their union has no gap: both are mapped with access).
+//     kOkRanges of them, the oldest replaced, checked in turn, 65,417 did, and the replay at 16,000 took 0.92x
+//     the time (3.30 -> 3.02 s, reports/estimate-speed-2026-12-05.md). A range found next to or over one known is
+//     merged with it (their union has no gap: both are mapped with access).
 bool PyDeviceBackend::lag_known_mapped(std::uint64_t lo, std::uint64_t hi) const {
     const Lag& lag = *twin_->lag;
     for (unsigned k = 0; k < lag.ok_n; ++k)

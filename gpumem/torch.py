@@ -584,7 +584,7 @@ def _mark_step(index: int) -> Any:
     """The mark of :func:`step` on device ``index`` (also the optimizer hook's: Note [Automatic step marks])."""
     import numpy as np
 
-    from .allocator.plan import MarkResult, StepTemplate, plan_step
+    from .allocator.plan import MAX_ARENA_NBYTES, MarkResult, StepTemplate, plan_step
 
     lib = _lib()
     code = lib.gpumem_torch_step_mark(index)
@@ -602,9 +602,17 @@ def _mark_step(index: int) -> Any:
                                                         ctypes.byref(again))) != n or again.value != generation.value:
             return result   # another thread's mark took the step (Note [Step plans and threads])
         ranks = words.view(np.int64)
+        t = StepTemplate(ranks[0::4], words[1::4], ranks[2::4], ranks[3::4])
         page_nbytes = _raw_stats(index).get("granularity_nbytes") or None   # the arena's page (its device's)
-        offsets = plan_step(StepTemplate(ranks[0::4], words[1::4], ranks[2::4], ranks[3::4]), page_nbytes=page_nbytes,
-                            limit_nbytes=_device_total_nbytes(index))
+        room = _plan_room_nbytes(index)
+        refused = _refused_plans().on(index)
+        if not refused.worth_planning(t, room or MAX_ARENA_NBYTES):
+            return result   # refused before in no less room (Note [A plan taller than the device])
+        offsets = plan_step(t, page_nbytes=page_nbytes, limit_nbytes=room)
+        if refused.note(t, room or MAX_ARENA_NBYTES, offsets):
+            log.warning("gpumem.torch: the recorded step on cuda:%d does not fit the %s free there: no step plan, "
+                        "the engine serves it as without marks (Note [A plan taller than the device] in "
+                        "gpumem.allocator.plan)", index, format_bytes(room or MAX_ARENA_NBYTES))
         if (offsets >= 0).any():
             offsets = np.ascontiguousarray(offsets, dtype=np.int64)
             code = lib.gpumem_torch_step_install(index, offsets.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), n,
@@ -618,13 +626,41 @@ def _mark_step(index: int) -> Any:
     return result
 
 
-def _device_total_nbytes(index: int) -> int | None:
-    """The memory of cuda:``index``, past which no step plan may end (Note [A plan taller than the device] in
-    gpumem/allocator/plan.py); None where PyTorch is not loaded or has no CUDA (the tests' stand-in engines)."""
-    torch = sys.modules.get("torch")   # a mark comes from a program that runs PyTorch: never imported here
-    if torch is None or not torch.cuda.is_available():
+def _plan_room_nbytes(index: int) -> int | None:
+    """The room a step plan has on cuda:``index`` (:func:`gpumem.allocator.plan.plan_room_nbytes`: the device's
+    memory, at most its free bytes plus gpumem's idle cache there; Note [A plan taller than the device]); None
+    where PyTorch is not loaded, has no CUDA or cannot say (the tests' stand-in engines)."""
+    from .allocator.plan import plan_room_nbytes
+
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)   # a mark comes from a PyTorch program: never imported
+    try:
+        if cuda is None or not cuda.is_available():
+            return None
+        free_nbytes, total_nbytes = cuda.mem_get_info(index)
+    except (AttributeError, RuntimeError, TypeError, ValueError):
         return None
-    return int(torch.cuda.get_device_properties(index).total_memory)
+    raw = _raw_stats(index)
+    return plan_room_nbytes(int(total_nbytes), int(free_nbytes), raw.get("reserved_nbytes", 0),
+                            raw.get("allocated_nbytes", 0))
+
+
+@dataclasses.dataclass
+class _RefusedPlansByDevice:
+    """Each device's :class:`gpumem.allocator.plan.RefusedPlans`; one per process (:func:`_refused_plans`)."""
+
+    by_index: dict[int, Any] = dataclasses.field(default_factory=dict)   # guarded by lock
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def on(self, index: int) -> Any:
+        from .allocator.plan import RefusedPlans
+
+        with self.lock:
+            return self.by_index.setdefault(index, RefusedPlans())
+
+
+@functools.cache
+def _refused_plans() -> _RefusedPlansByDevice:
+    return _RefusedPlansByDevice()
 
 
 @dataclasses.dataclass

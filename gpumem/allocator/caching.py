@@ -62,20 +62,24 @@ device's. After the device is lost, every call raises
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..device import Device
-from ..errors import InternalError, InvalidArgumentError, UnsupportedOperationError
+from ..errors import InternalError, InvalidArgumentError, OutOfMemoryError, UnsupportedOperationError
 from ..native import load_engine
+from ..units import format_bytes
 from ..validate import as_int, check_stream, parse_limit
 from .backing import Backing, pool_va_nbytes
 from .engine import Engine
 from .native import NativeEngine
-from .plan import MarkResult, PlanInfo, StepTemplate, plan_step
+from .plan import MarkResult, PlanInfo, RefusedPlans, StepTemplate, plan_room_nbytes, plan_step
 from .policy import DEFAULT_POLICY, AllocatorPolicy, VmmMode, get_policy
 from .python_engine import PythonEngine
 from .resource import AllocatorContract
 from .stats import AllocatorStats, format_summary
+
+log = logging.getLogger(__name__)
 
 NATIVE_BY_DEFAULT = True
 """Whether ``engine=None`` picks the native engine where it can run (Note [Choosing the engine]).
@@ -127,6 +131,7 @@ class CachingAllocator(AllocatorContract):
         if gc_threshold is not None and not (isinstance(gc_threshold, (int, float)) and 0 < gc_threshold < 1):
             raise InvalidArgumentError(f"gc_threshold must be a fraction in (0, 1), got {gc_threshold!r}")
         self.gc_threshold = gc_threshold
+        self._refused_plans = RefusedPlans()   # Note [A plan taller than the device] in .plan
         if self.policy.vmm is VmmMode.ALWAYS and not device.vmm_supported:
             raise UnsupportedOperationError(f"policy {self.policy.name!r} needs virtual memory management, "
                                             f"which {device.spec} does not support")
@@ -230,12 +235,33 @@ class CachingAllocator(AllocatorContract):
         if result is MarkResult.READY:
             ready = self._engine.step_template(True)   # None: another thread's mark took the step
             if ready is not None:
-                props = self.device.properties()
-                offsets = plan_step(StepTemplate(*ready[:4]), page_nbytes=props.granularity_nbytes,
-                                    limit_nbytes=props.total_nbytes)
-                if (offsets >= 0).any():
-                    self._engine.install_plan([int(x) for x in offsets], ready[4])
+                self._plan_ready_step(StepTemplate(*ready[:4]), ready[4])
         return result
+
+    def _plan_ready_step(self, t: StepTemplate, generation: int) -> None:
+        """Plan the recorded step ``t`` within the room it has and install the plan (Note [A plan taller than
+        the device] in :mod:`.plan`); a step refused for want of room is not planned again while the room
+        is no larger."""
+        props = self.device.properties()
+        mem = self.device.mem_info()
+        room = plan_room_nbytes(props.total_nbytes, mem.free_nbytes, self._engine.reserved_nbytes(),
+                                self._engine.allocated_nbytes(), self.limit_nbytes)
+        if not self._refused_plans.worth_planning(t, room):
+            return
+        offsets = plan_step(t, page_nbytes=props.granularity_nbytes, limit_nbytes=room,
+                            round_nbytes=self.policy.round_nbytes)
+        if self._refused_plans.note(t, room, offsets):
+            log.warning("mark_step: the recorded step does not fit the %s this allocator has room for on %s: "
+                        "no step plan, the engine serves it as without marks (Note [A plan taller than the "
+                        "device] in gpumem.allocator.plan)", format_bytes(room), self.device.spec)
+        if not (offsets >= 0).any():
+            return
+        try:
+            self._engine.install_plan([int(x) for x in offsets], generation)
+        except OutOfMemoryError as exc:   # the arena's address range: this step runs as without a plan; not
+            # remembered as a refusal, an address range may come free (the next match plans again)
+            log.warning("mark_step: the step plan's arena could not be reserved on %s (%s): no step plan, the "
+                        "engine serves the step as without marks", self.device.spec, exc)
 
     def start_plan_warmup(self) -> bool:
         """Grow memory-first from now until a step plan is installed, as the first :meth:`mark_step` would begin

@@ -66,9 +66,14 @@ Note [A plan taller than the device]
 Each stream's items are planned apart and stacked (Note [Step plans]); two streams that each use most of the
 device stack past it, and a layout chosen for its first step may be taller than the lowest. The engines refuse
 an offset past the device (``install_plan``), which a mark raised in a program doing nothing wrong (a review:
-9 GiB a step on each of two streams of a 16 GB card, the third mark). ``plan_step`` takes the device's memory
-(``limit_nbytes``; both callers pass it): a stream whose layout would end past it takes its lowest layout, and
-where that too ends past it, its allocations stay the engine's (logged); a plan of no stream installs nothing.
+9 GiB a step on each of two streams of a 16 GB card, the third mark). ``plan_step`` takes the room a plan
+has (``limit_nbytes``; :func:`plan_room_nbytes`: the device's memory, at most free plus the engine's idle
+cache, less what the allocator's limit leaves): where the stack ends past it, every stream takes its lowest
+layout, and where that too ends past it, nothing is planned (all -1, logged). All or nothing: a plan of one
+stream beside another left to the engine held both, was dropped by the memory pressure it made and formed
+again at the next match, forever (a review: 20 installed, 20 dropped, no planned step, twice the device
+calls). A refused step is remembered (:class:`RefusedPlans`): the same sizes on the same streams are not
+planned again until the room grows (a review: 16 s of planning in a run of 0.2 s).
 
 Note [Step plans under memory pressure]
 ---------------------------------------
@@ -294,8 +299,10 @@ from __future__ import annotations
 
 import bisect
 import enum
+import hashlib
 import itertools
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -620,21 +627,26 @@ class StepTemplate:
         self.free_next = np.asarray(free_next, dtype=np.int64)
         if not (len(self.nbytes) == len(self.streams) == len(self.free_own) == len(self.free_next)):
             raise InvalidArgumentError("StepTemplate: nbytes, streams, free_own and free_next must be of one length")
+        if len(self.nbytes) and (int(self.nbytes.min()) < 0 or int(self.nbytes.max()) > MAX_ARENA_NBYTES):
+            raise InvalidArgumentError(f"StepTemplate: every nbytes must be in [0, {MAX_ARENA_NBYTES}] (an arena's "
+                                       f"most), got {int(self.nbytes.min())}..{int(self.nbytes.max())}")
 
     def __len__(self) -> int:
         return len(self.nbytes)
 
 
-def template_items(t: StepTemplate) -> tuple[np.ndarray, PlanItems]:
+def template_items(t: StepTemplate, round_nbytes: int = ROUND_NBYTES) -> tuple[np.ndarray, PlanItems]:
     """The plannable allocations of ``t`` (their positions in the step) and their :class:`PlanItems`:
     freed in the step (``[k, free_own)``), or in the next step no later than their own slot comes round
-    again (``[k, n)`` and ``[0, free_next)``). The rest stays the engine's."""
+    again (``[k, n)`` and ``[0, free_next)``). The rest stays the engine's. Sizes are rounded up to
+    ``round_nbytes`` (the engine's policy's, at least :data:`ROUND_NBYTES`), so every offset is a multiple of it."""
+    r = max(ROUND_NBYTES, int(round_nbytes))
     n = len(t)
     k = np.arange(n, dtype=np.int64)
     own = t.free_own >= 0
     wrap = ~own & (t.free_next >= 0) & (t.free_next <= k)
     idx = np.flatnonzero(own | wrap)
-    sizes = np.maximum(ROUND_NBYTES, -(-t.nbytes[idx] // ROUND_NBYTES) * ROUND_NBYTES)
+    sizes = np.maximum(r, -(-t.nbytes[idx] // r) * r)
     w = wrap[idx]
     e1 = np.where(w, n, t.free_own[idx])
     e2 = np.where(w, t.free_next[idx], 0)
@@ -642,16 +654,23 @@ def template_items(t: StepTemplate) -> tuple[np.ndarray, PlanItems]:
 
 
 def plan_step(t: StepTemplate, planner: Planner | str = Planner.GREEDY_BEST,
-              page_nbytes: int | None = None, limit_nbytes: int | None = None) -> np.ndarray:
+              page_nbytes: int | None = None, limit_nbytes: int | None = None,
+              round_nbytes: int = ROUND_NBYTES) -> np.ndarray:
     """An arena offset per allocation of ``t`` (-1: left to the engine): each stream's items planned apart
     and stacked, so that no slot is shared between streams (Note [Step plans]). ``page_nbytes``: the arena's
     page size (the device's granularity), by which the layout is chosen for the plan's first step (Note [A plan
     laid out for its first step]); None: the lowest (least height), as :func:`plan` says. ``limit_nbytes``: the
-    device's memory, past which no slot may end (Note [A plan taller than the device]); None: no bound.
+    room the plan has (:func:`plan_room_nbytes`), past which no slot may end; a plan that cannot end within it
+    is no plan, every offset -1 (Note [A plan taller than the device]); None: :data:`MAX_ARENA_NBYTES`.
+    ``round_nbytes``: the engine's policy's rounding (``AllocatorPolicy.round_nbytes``), a power of two; sizes
+    and offsets are multiples of it where it exceeds :data:`ROUND_NBYTES` (the engine refuses other offsets).
 
     Raises:
-        InvalidArgumentError: an unknown planner, a page size or a limit outside ``[1, MAX_ARENA_NBYTES]``.
+        InvalidArgumentError: ``t`` not a :class:`StepTemplate`, an unknown planner, a page size or a limit
+            outside ``[1, MAX_ARENA_NBYTES]``.
     """
+    if not isinstance(t, StepTemplate):
+        raise InvalidArgumentError(f"plan_step: t must be a StepTemplate, not {type(t).__name__}")
     try:
         planner = Planner(planner)
     except ValueError:
@@ -659,26 +678,93 @@ def plan_step(t: StepTemplate, planner: Planner | str = Planner.GREEDY_BEST,
                                    f"{', '.join(p.value for p in Planner)}") from None
     if page_nbytes is not None:
         page_nbytes = check_int_in_range(page_nbytes, "plan_step: page_nbytes", 1, MAX_ARENA_NBYTES)
-    if limit_nbytes is not None:
-        limit_nbytes = check_int_in_range(limit_nbytes, "plan_step: limit_nbytes", 1, MAX_ARENA_NBYTES)
+    round_nbytes = check_int_in_range(round_nbytes, "plan_step: round_nbytes", 1, MAX_ARENA_NBYTES)
+    if round_nbytes & (round_nbytes - 1):
+        raise InvalidArgumentError(f"plan_step: round_nbytes must be a power of two, got {round_nbytes}")
+    bound = MAX_ARENA_NBYTES if limit_nbytes is None else check_int_in_range(
+        limit_nbytes, "plan_step: limit_nbytes", 1, MAX_ARENA_NBYTES)
     offsets = np.full(len(t), -1, dtype=np.int64)
-    idx, items = template_items(t)
+    idx, items = template_items(t, round_nbytes)
+    if len(idx) == 0:
+        return offsets
+    r = max(ROUND_NBYTES, round_nbytes)
+    stacked = _stack_streams(t, idx, items, planner, page_nbytes, r)
+    if stacked[1] > bound and page_nbytes is not None:   # the lowest layouts may still fit
+        stacked = _stack_streams(t, idx, items, planner, None, r)
+    if stacked[1] > bound:
+        log.info("plan_step: the step's plan (%d allocations, %d B stacked over %d streams) ends past its room of "
+                 "%d B: nothing is planned, the engine serves the step", len(idx), stacked[1],
+                 len(np.unique(t.streams[idx])), bound)
+        return offsets
+    offsets[idx] = stacked[0]
+    return offsets
+
+
+def _stack_streams(t: StepTemplate, idx: np.ndarray, items: PlanItems, planner: Planner,
+                   page_nbytes: int | None, round_nbytes: int) -> tuple[np.ndarray, int]:
+    """Each stream's items of ``items`` (at ``idx`` in ``t``) planned apart, stacked in stream order: their
+    offsets (in ``items``' order) and the stack's height, every stream's rounded to ``round_nbytes``."""
+    offs_all = np.empty(len(idx), dtype=np.int64)
     base = 0
     for s in np.unique(t.streams[idx]):
         mine = np.flatnonzero(t.streams[idx] == s)
         sub = items.subset(mine)
+        if base > MAX_ARENA_NBYTES:   # past every room: no need to plan the rest
+            return offs_all, base
         offs = plan(sub, planner, page_nbytes, base)
-        if limit_nbytes is not None and base + plan_height(sub, offs) > limit_nbytes:
-            if page_nbytes is not None:   # the lowest layout may still fit
-                offs = plan(sub, planner, None, base)
-            if base + plan_height(sub, offs) > limit_nbytes:
-                log.info("plan_step: stream %#x's plan (%d B from %d B) ends past the device's %d B: its %d "
-                         "allocations stay the engine's", int(s), plan_height(sub, offs), base, limit_nbytes,
-                         len(sub))
-                continue
-        offsets[idx[mine]] = offs + base
-        base += -(-plan_height(sub, offs) // ROUND_NBYTES) * ROUND_NBYTES
-    return offsets
+        offs_all[mine] = offs + base
+        base += -(-plan_height(sub, offs) // round_nbytes) * round_nbytes
+    return offs_all, base
+
+
+def plan_room_nbytes(total_nbytes: int, free_nbytes: int | None = None, reserved_nbytes: int = 0,
+                     allocated_nbytes: int = 0, limit_nbytes: int | None = None) -> int:
+    """The most a step plan's arena may hold at a mark (``plan_step``'s ``limit_nbytes``; Note [A plan taller
+    than the device]): the device's ``total_nbytes``; where ``free_nbytes`` is known (other tenants included),
+    at most the free bytes plus the engine's idle cache (``reserved_nbytes - allocated_nbytes``: the cache
+    can go back for the arena, the live bytes stay); where the allocator has a ``limit_nbytes``, at most what
+    it leaves beside the live bytes. At least 1 (an empty room plans nothing), at most
+    :data:`MAX_ARENA_NBYTES`."""
+    room = int(total_nbytes)
+    if free_nbytes is not None:
+        room = min(room, int(free_nbytes) + max(0, int(reserved_nbytes) - int(allocated_nbytes)))
+    if limit_nbytes is not None:
+        room = min(room, int(limit_nbytes) - int(allocated_nbytes))
+    return max(1, min(room, MAX_ARENA_NBYTES))
+
+
+class RefusedPlans:
+    """The last step :func:`plan_step` refused for want of room, so that a mark does not plan the same step
+    again while the room is no larger (Note [A plan taller than the device]): its fingerprint (sizes and
+    streams) and the room it had. One per allocator and device; thread-safe (marks may come from threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: tuple[bytes, int] | None = None   # guarded by _lock
+
+    @staticmethod
+    def fingerprint(t: StepTemplate) -> bytes:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(np.ascontiguousarray(t.nbytes).tobytes())
+        h.update(np.ascontiguousarray(t.streams).tobytes())
+        return h.digest()
+
+    def worth_planning(self, t: StepTemplate, room_nbytes: int) -> bool:
+        """Whether ``t`` may fit ``room_nbytes``: False for the step last refused, unless the room grew."""
+        with self._lock:
+            last = self._last
+        return last is None or last[1] < room_nbytes or last[0] != self.fingerprint(t)
+
+    def note(self, t: StepTemplate, room_nbytes: int, offsets: np.ndarray) -> bool:
+        """Remember what ``plan_step`` answered for ``t`` in ``room_nbytes``: a refusal (every offset -1 where
+        something was plannable) is kept, any other answer forgets it. Returns whether it was a new refusal
+        (the caller warns once per step)."""
+        refused = bool(len(offsets)) and not bool((offsets >= 0).any()) and len(template_items(t)[0]) > 0
+        key = (self.fingerprint(t), int(room_nbytes)) if refused else None
+        with self._lock:
+            new = refused and (self._last is None or self._last[0] != key[0])
+            self._last = key
+        return new
 
 
 # -- the plan layer of the Python engine -------------------------------------------------------------------

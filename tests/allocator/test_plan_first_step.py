@@ -4,6 +4,7 @@ planner's arguments are checked, and the corpus trace that showed the problem ho
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +14,10 @@ from hypothesis import strategies as st
 
 from gpumem import open_device
 from gpumem.allocator import CachingAllocator
-from gpumem.allocator.plan import (PlanItems, Planner, StepTemplate, check_plan, first_step_nbytes, plan, plan_height,
+from gpumem.allocator.plan import (MAX_ARENA_NBYTES, PlanItems, Planner, StepTemplate, check_plan, first_step_nbytes, plan, plan_height, plan_room_nbytes,
                                    plan_step)
 from gpumem.allocator.policy import get_policy
-from gpumem.errors import InvalidArgumentError
+from gpumem.errors import InvalidArgumentError, OutOfMemoryError
 from gpumem.replay import replay
 from gpumem.trace import load_trace
 from tests.allocator.test_plan_layer import ENGINES
@@ -102,31 +103,114 @@ def test_plan_step_refuses_bad_arguments_even_with_nothing_to_plan(template, kwa
         plan_step(template, **kwargs)
 
 
-def test_a_stream_whose_plan_ends_past_the_device_stays_the_engines():
-    """Note [A plan taller than the device]: two streams of 3 KiB each, stacked, need 6 KiB; under a limit of 4 KiB
-    the first keeps its plan and the second is left to the engine; the first's plan alone is as without a limit."""
+def test_a_plan_stacked_past_its_room_is_no_plan():
+    """Note [A plan taller than the device]: two streams of 3 KiB each, stacked, need 6 KiB; under a room of 4 KiB
+    nothing is planned (all or nothing: the first stream's plan beside the second's engine memory was dropped by
+    the pressure it made, and formed again, forever); within 6 KiB the plan is as without a room."""
     t = StepTemplate([3072, 3072], [0, 1], [1, 2], [-1, -1])
     assert plan_step(t).tolist() == [0, 3072]
-    assert plan_step(t, limit_nbytes=4096).tolist() == [0, -1]
+    assert plan_step(t, limit_nbytes=4096).tolist() == [-1, -1]
     assert plan_step(t, limit_nbytes=1024).tolist() == [-1, -1]
     assert plan_step(t, limit_nbytes=6144).tolist() == [0, 3072]
 
 
+def test_a_plan_past_its_room_takes_the_lowest_layouts_where_they_fit(monkeypatch):
+    """Where the layouts chosen for the first step stack past the room, every stream takes its lowest layout, and
+    the plan is that where it fits."""
+    import gpumem.allocator.plan as plan_module
+
+    t = StepTemplate([3072, 3072], [0, 1], [1, 2], [-1, -1])
+    real = plan_module.plan
+
+    def taller_for_pages(items, planner, page_nbytes, base):
+        offs = real(items, planner, None, base)
+        return offs + (4096 if page_nbytes is not None else 0)   # a first-step layout 4 KiB taller
+
+    monkeypatch.setattr(plan_module, "plan", taller_for_pages)
+    assert plan_step(t, page_nbytes=2048).tolist() == [4096, 3072 + 8192]
+    assert plan_step(t, page_nbytes=2048, limit_nbytes=6144).tolist() == [0, 3072]
+    assert plan_step(t, page_nbytes=2048, limit_nbytes=6143).tolist() == [-1, -1]
+
+
 @pytest.mark.parametrize("engine", ENGINES)
-def test_marking_steps_of_two_streams_larger_than_half_the_device_does_not_raise(engine):
-    """Attacker review, F1: 9 GiB a step on each of two streams of a 16 GB T4, a mark each step. The stacked plan
-    ended past the device, and the third mark raised 'install_plan: offset ... ends past the device's ... B'
-    on both engines. Now the second stream's allocations stay the engine's and the steps run."""
+def test_marking_steps_of_two_streams_larger_than_half_the_device_plans_once_and_runs(engine, monkeypatch, caplog):
+    """Attacker reviews: 9 GiB a step on each of two streams of a 16 GB T4, a mark each step. The stacked plan ended
+    past the device and the third mark raised 'install_plan: ... ends past the device' (F1); then one stream's
+    plan was installed beside the other's engine memory and dropped by the pressure, 20 times in 60 steps with
+    no planned step and twice the device calls (F3), and a step that cannot fit was planned again at every
+    match (F2: 16 s of planning in a run of 0.2 s). Now nothing is planned, once, with one warning."""
+    import gpumem.allocator.caching as caching_module
     from gpumem.units import GiB
+
+    calls, real = [], caching_module.plan_step
+    monkeypatch.setattr(caching_module, "plan_step", lambda *a, **k: calls.append(k) or real(*a, **k))
     alloc = CachingAllocator(open_device("sim:t4-16gb"), get_policy("gpumem"), engine=engine)
-    for _ in range(8):
-        alloc.mark_step()
-        for stream in (0, 1):
-            alloc.free(alloc.allocate(9 * GiB, stream))
+    with caplog.at_level(logging.WARNING, logger="gpumem.allocator.caching"):
+        for _ in range(30):
+            alloc.mark_step()
+            for stream in (0, 1):
+                alloc.free(alloc.allocate(9 * GiB, stream))
     info = alloc.step_plan_info()
     alloc.check_consistency()
     alloc.close()
-    assert info.plans_installed >= 1 and info.served > 0
+    assert len(calls) == 1 and calls[0]["limit_nbytes"] <= 16 * GiB
+    assert info.plans_installed == 0 and info.plans_dropped == 0
+    assert sum("does not fit" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_allocators_limit_bounds_the_plans_room_and_a_step_that_fits_is_planned(engine, monkeypatch):
+    """plan_room_nbytes at a mark: the allocator's limit less its live bytes, else the device's free bytes plus the
+    engine's idle cache. One stream of 8 GiB a step plans on the T4 with or without a limit."""
+    import gpumem.allocator.caching as caching_module
+    from gpumem.units import GiB, MiB
+
+    real = caching_module.plan_step
+    for limit in (None, 10 * GiB):
+        calls = []
+        monkeypatch.setattr(caching_module, "plan_step", lambda *a, **k: calls.append(k) or real(*a, **k))
+        alloc = CachingAllocator(open_device("sim:t4-16gb"), get_policy("gpumem"), engine=engine, limit=limit)
+        keep = alloc.allocate(512 * MiB, 0)   # live across the steps: outside the room
+        for _ in range(6):
+            alloc.mark_step()
+            alloc.free(alloc.allocate(8 * GiB + 1, 0))
+        info = alloc.step_plan_info()
+        alloc.free(keep)
+        alloc.check_consistency()
+        alloc.close()
+        assert info.plans_installed == 1 and len(calls) == 1
+        if limit is not None:
+            assert calls[0]["limit_nbytes"] == limit - 512 * MiB
+        else:
+            assert 8 * GiB < calls[0]["limit_nbytes"] <= alloc.device.properties().total_nbytes - 512 * MiB
+
+
+def test_plan_room_nbytes_is_the_least_of_its_bounds():
+    assert plan_room_nbytes(100) == 100
+    assert plan_room_nbytes(100, free_nbytes=30, reserved_nbytes=50, allocated_nbytes=20) == 60
+    assert plan_room_nbytes(100, free_nbytes=90, reserved_nbytes=10, allocated_nbytes=0) == 100
+    assert plan_room_nbytes(100, limit_nbytes=70, allocated_nbytes=20) == 50
+    assert plan_room_nbytes(100, limit_nbytes=10, allocated_nbytes=20) == 1   # no room: plans nothing
+    assert plan_room_nbytes(1 << 60) == MAX_ARENA_NBYTES
+
+
+def test_a_plan_past_the_largest_arena_is_no_plan_without_a_limit():
+    """Attacker review F8: stacked streams whose base passes 2**48 were planned there; now refused as any plan
+    past its room."""
+    t = StepTemplate([1 << 47, 1 << 47, 1 << 47], [0, 1, 2], [1, 2, 3], [-1, -1, -1])
+    assert plan_step(t).tolist() == [-1, -1, -1]
+
+
+@pytest.mark.parametrize("nbytes, text", [([-1], r"StepTemplate: every nbytes must be in \[0, 281474976710656\]"),
+                                          ([(1 << 48) + 1], r"StepTemplate: every nbytes must be in")])
+def test_a_step_template_refuses_sizes_no_arena_holds(nbytes, text):
+    with pytest.raises(InvalidArgumentError, match=text):
+        StepTemplate(nbytes, [0], [-1], [-1])
+
+
+def test_plan_step_names_what_is_not_a_template():
+    with pytest.raises(InvalidArgumentError, match="plan_step: t must be a StepTemplate, not NoneType"):
+        plan_step(None)
 
 
 @pytest.mark.slow
@@ -167,3 +251,61 @@ def test_first_step_nbytes_refuses_what_is_not_a_plan_by_name(offsets, page, bas
     items = PlanItems([1024, 1024], [0, 1], [2, 2], [0, 0], [1, 0])
     with pytest.raises(InvalidArgumentError, match=text):
         first_step_nbytes(items, np.array(offsets), page, base)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_policy_that_rounds_past_512_bytes_gets_a_plan_it_can_install(engine):
+    """Attacker review F5: a policy with round_nbytes 4096 made the mark raise 'install_plan: offset ... is not -1
+    or a multiple of 4096 B' (the plan rounded to 512). plan_step rounds as the engine does now."""
+    import dataclasses
+
+    policy = dataclasses.replace(get_policy("gpumem"), round_nbytes=4096)
+    alloc = CachingAllocator(open_device("sim:h200-141gb"), policy, engine=engine)
+    for _ in range(6):
+        alloc.mark_step()
+        a, b = alloc.allocate(1000, 0), alloc.allocate(5000, 0)
+        alloc.free(a)
+        c = alloc.allocate(700, 0)
+        alloc.free(b)
+        alloc.free(c)
+    info = alloc.step_plan_info()
+    alloc.check_consistency()
+    alloc.close()
+    assert info.plans_installed == 1 and info.steps_hit >= 2
+
+
+@pytest.mark.parametrize("round_nbytes, text", [(1000, "round_nbytes must be a power of two, got 1000"),
+                                                (0, r"round_nbytes must be an int in \[1, 2\*\*48\]")])
+def test_plan_step_refuses_a_rounding_no_engine_has(round_nbytes, text):
+    with pytest.raises(InvalidArgumentError, match=text):
+        plan_step(StepTemplate([512], [0], [-1], [0]), round_nbytes=round_nbytes)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_arena_that_cannot_be_reserved_leaves_the_mark_quiet_and_a_later_match_plans(engine, caplog):
+    """Attacker review F6: an address range for the arena that the device refused (out of memory) raised from
+    mark_step in a program doing nothing wrong. Now the step runs as without a plan (warned), and once the device
+    reserves again, a later match installs the plan."""
+    dev = open_device("sim:h200-141gb")
+    alloc = CachingAllocator(dev, get_policy("gpumem"), engine=engine)
+    real, refusing = dev.address_reserve, [False]
+
+    def reserve(nbytes, *args, **kwargs):
+        if refusing[0]:
+            raise OutOfMemoryError(nbytes, 0, 1 << 48)
+        return real(nbytes, *args, **kwargs)
+
+    dev.address_reserve = reserve
+    with caplog.at_level(logging.WARNING, logger="gpumem.allocator.caching"):
+        for i in range(10):
+            refusing[0] = i < 5
+            alloc.mark_step()
+            refusing[0] = False
+            a, b = alloc.allocate(3 << 20), alloc.allocate(1 << 20)
+            alloc.free(a)
+            alloc.free(b)
+    info = alloc.step_plan_info()
+    alloc.check_consistency()
+    alloc.close()
+    assert any("arena could not be reserved" in r.getMessage() for r in caplog.records)
+    assert info.plans_installed == 1 and info.steps_hit >= 1

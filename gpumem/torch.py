@@ -584,7 +584,7 @@ def _mark_step(index: int) -> Any:
     """The mark of :func:`step` on device ``index`` (also the optimizer hook's: Note [Automatic step marks])."""
     import numpy as np
 
-    from .allocator.plan import MAX_ARENA_NBYTES, MarkResult, StepTemplate, plan_step
+    from .allocator.plan import MAX_ARENA_NBYTES, MarkResult, StepTemplate, plan_step_and_height
 
     lib = _lib()
     code = lib.gpumem_torch_step_mark(index)
@@ -604,20 +604,25 @@ def _mark_step(index: int) -> Any:
         ranks = words.view(np.int64)
         t = StepTemplate(ranks[0::4], words[1::4], ranks[2::4], ranks[3::4])
         page_nbytes = _raw_stats(index).get("granularity_nbytes") or None   # the arena's page (its device's)
-        room = _plan_room_nbytes(index)
+        room = _plan_room_nbytes(index, t.carried_nbytes())
         refused = _refused_plans().on(index)
         if not refused.worth_planning(t, room or MAX_ARENA_NBYTES):
             return result   # refused before in no less room (Note [A plan taller than the device])
-        offsets = plan_step(t, page_nbytes=page_nbytes, limit_nbytes=room)
+        offsets, height = plan_step_and_height(t, page_nbytes=page_nbytes, limit_nbytes=room)
         if refused.note(t, room or MAX_ARENA_NBYTES, offsets):
-            log.warning("gpumem.torch: the recorded step on cuda:%d does not fit the %s free there: no step plan, "
-                        "the engine serves it as without marks (Note [A plan taller than the device] in "
-                        "gpumem.allocator.plan)", index, format_bytes(room or MAX_ARENA_NBYTES))
+            log.warning("gpumem.torch: the recorded step's plan on cuda:%d needs %s and gpumem has room for %s there "
+                        "(free memory plus its idle cache): no step plan, the engine serves the step as where no "
+                        "plan forms, and this step is not planned again until the room grows (Note [A plan taller "
+                        "than the device] in gpumem.allocator.plan)", index, format_bytes(height),
+                        format_bytes(room or MAX_ARENA_NBYTES))
         if (offsets >= 0).any():
             offsets = np.ascontiguousarray(offsets, dtype=np.int64)
             code = lib.gpumem_torch_step_install(index, offsets.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), n,
                                                  generation.value)
-            if code < 0:
+            if code == -2:   # the arena's memory or address range: this step runs as where no plan forms
+                log.warning("gpumem.torch: the step plan's arena could not be reserved on cuda:%d (%s): no step "
+                            "plan, the engine serves the step", index, _last_error(lib))
+            elif code < 0:
                 raise GpumemError(f"gpumem refused the step plan on cuda:{index}: {_last_error(lib)}")
             if code == 0:
                 log.info("gpumem.torch: a step plan of %d allocations is installed on cuda:%d",
@@ -626,7 +631,7 @@ def _mark_step(index: int) -> Any:
     return result
 
 
-def _plan_room_nbytes(index: int) -> int | None:
+def _plan_room_nbytes(index: int, carried_nbytes: int = 0) -> int | None:
     """The room a step plan has on cuda:``index`` (:func:`gpumem.allocator.plan.plan_room_nbytes`: the device's
     memory, at most its free bytes plus gpumem's idle cache there; Note [A plan taller than the device]); None
     where PyTorch is not loaded, has no CUDA or cannot say (the tests' stand-in engines)."""
@@ -641,7 +646,7 @@ def _plan_room_nbytes(index: int) -> int | None:
         return None
     raw = _raw_stats(index)
     return plan_room_nbytes(int(total_nbytes), int(free_nbytes), raw.get("reserved_nbytes", 0),
-                            raw.get("allocated_nbytes", 0))
+                            raw.get("allocated_nbytes", 0), carried_nbytes=carried_nbytes)
 
 
 @dataclasses.dataclass

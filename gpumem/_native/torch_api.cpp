@@ -1028,8 +1028,9 @@ GPUMEM_EXPORT std::int64_t gpumem_torch_step_template(int device, std::uint64_t*
 }
 
 // Installs the plan of the waiting step of `generation` (gpumem_torch_step_template's; -1: whichever waits):
-// `n` offsets (-1: the engine's). Returns 0, 1 when that step no longer waits (nothing installed), or -1
-// with gpumem_torch_last_error() (nothing changed for a bad plan).
+// `n` offsets (-1: the engine's). Returns 0, 1 when that step no longer waits (nothing installed), -2 when
+// the device refused the arena's memory or address range (out of memory: nothing installed, the step runs
+// without a plan), or -1 with gpumem_torch_last_error() (nothing changed for a bad plan).
 GPUMEM_EXPORT int gpumem_torch_step_install(int device, const std::int64_t* offsets, std::int64_t n,
                                             std::int64_t generation) {
     DeviceEngine* d = existing(device);
@@ -1040,6 +1041,9 @@ GPUMEM_EXPORT int gpumem_torch_step_install(int device, const std::int64_t* offs
     }
     try {
         return d->engine->install_plan(std::vector<std::int64_t>(offsets, offsets + n), generation) ? 0 : 1;
+    } catch (const EngineError& e) {
+        t_last_error = e.what();
+        return e.kind == EngineErrorKind::kOutOfMemory ? -2 : -1;
     } catch (const std::exception& e) {
         t_last_error = e.what();
         return -1;

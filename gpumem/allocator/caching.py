@@ -73,7 +73,7 @@ from ..validate import as_int, check_stream, parse_limit
 from .backing import Backing, pool_va_nbytes
 from .engine import Engine
 from .native import NativeEngine
-from .plan import MarkResult, PlanInfo, RefusedPlans, StepTemplate, plan_room_nbytes, plan_step
+from .plan import MarkResult, PlanInfo, RefusedPlans, StepTemplate, plan_room_nbytes, plan_step_and_height
 from .policy import DEFAULT_POLICY, AllocatorPolicy, VmmMode, get_policy
 from .python_engine import PythonEngine
 from .resource import AllocatorContract
@@ -214,7 +214,11 @@ class CachingAllocator(AllocatorContract):
         device call; a step that leaves the plan is served by the engine as without a plan, and a plan
         missed three steps in a row, or four of its last eight, is dropped and recording starts again.
         Call it at the same point of every step, where the fewest bytes are live (the top of a training
-        loop). Returns what the call did (:class:`.plan.MarkResult`). Marks from several threads are
+        loop). Returns what the call did (:class:`.plan.MarkResult`). A plan must fit the room the allocator has
+        at the mark (free memory plus its idle cache, within ``limit``; each stream's slots are stacked): one
+        that does not is not installed (the call still returns READY; ``step_plan_info().plans_installed`` says
+        it), a warning says so once, and the same step is not planned again until the room grows (Note [A plan
+        taller than the device] in :mod:`.plan`). Marks from several threads are
         safe: a READY step that another thread's mark took while this one planned it is not installed
         (Note [Step plans and threads] in :mod:`.plan`).
 
@@ -245,15 +249,17 @@ class CachingAllocator(AllocatorContract):
         props = self.device.properties()
         mem = self.device.mem_info()
         room = plan_room_nbytes(props.total_nbytes, mem.free_nbytes, self._engine.reserved_nbytes(),
-                                self._engine.allocated_nbytes(), self.limit_nbytes)
+                                self._engine.allocated_nbytes(), self.limit_nbytes, t.carried_nbytes())
         if not self._refused_plans.worth_planning(t, room):
             return
-        offsets = plan_step(t, page_nbytes=props.granularity_nbytes, limit_nbytes=room,
-                            round_nbytes=self.policy.round_nbytes)
+        offsets, height = plan_step_and_height(t, page_nbytes=props.granularity_nbytes, limit_nbytes=room,
+                                               round_nbytes=self.policy.round_nbytes)
         if self._refused_plans.note(t, room, offsets):
-            log.warning("mark_step: the recorded step does not fit the %s this allocator has room for on %s: "
-                        "no step plan, the engine serves it as without marks (Note [A plan taller than the "
-                        "device] in gpumem.allocator.plan)", format_bytes(room), self.device.spec)
+            log.warning("mark_step: the recorded step's plan needs %s and this allocator has room for %s on %s "
+                        "(free memory plus its idle cache, within its limit): no step plan, the engine serves the "
+                        "step as where no plan forms, and this step is not planned again until the room grows (Note "
+                        "[A plan taller than the device] in gpumem.allocator.plan)", format_bytes(height),
+                        format_bytes(room), self.device.spec)
         if not (offsets >= 0).any():
             return
         try:
@@ -261,7 +267,7 @@ class CachingAllocator(AllocatorContract):
         except OutOfMemoryError as exc:   # the arena's address range: this step runs as without a plan; not
             # remembered as a refusal, an address range may come free (the next match plans again)
             log.warning("mark_step: the step plan's arena could not be reserved on %s (%s): no step plan, the "
-                        "engine serves the step as without marks", self.device.spec, exc)
+                        "engine serves the step as where no plan forms", self.device.spec, exc)
 
     def start_plan_warmup(self) -> bool:
         """Grow memory-first from now until a step plan is installed, as the first :meth:`mark_step` would begin

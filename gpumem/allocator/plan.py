@@ -69,11 +69,12 @@ an offset past the device (``install_plan``), which a mark raised in a program d
 9 GiB a step on each of two streams of a 16 GB card, the third mark). ``plan_step`` takes the room a plan
 has (``limit_nbytes``; :func:`plan_room_nbytes`: the device's memory, at most free plus the engine's idle
 cache, less what the allocator's limit leaves): where the stack ends past it, every stream takes its lowest
-layout, and where that too ends past it, nothing is planned (all -1, logged). All or nothing: a plan of one
-stream beside another left to the engine held both, was dropped by the memory pressure it made and formed
-again at the next match, forever (a review: 20 installed, 20 dropped, no planned step, twice the device
-calls). A refused step is remembered (:class:`RefusedPlans`): the same sizes on the same streams are not
-planned again until the room grows (a review: 16 s of planning in a run of 0.2 s).
+layout, and where that too ends past it, nothing is planned (all -1, logged), and the engine serves the step
+as where no plan forms (a memory-first warm-up runs to its end: Note [A memory-first warm-up]). All or
+nothing: a plan of one stream beside another left to the engine held both, was dropped by the memory pressure
+it made and formed again at the next match, forever (a review: 20 installed, 20 dropped, no planned step,
+twice the device calls). A refused step is remembered (:class:`RefusedPlans`): the same step is not planned
+again until the room grows (a review: 16 s of planning in a run of 0.2 s).
 
 Note [Step plans under memory pressure]
 ---------------------------------------
@@ -317,7 +318,7 @@ __all__ = ["ROUND_NBYTES", "MISS_LIMIT", "MISS_WINDOW", "MISS_WINDOW_LIMIT", "RE
            "RECORD_LIMIT", "OVERRUN_FACTOR", "EARLY_LEAVE_STEPS", "EARLY_DROPS", "check_record_limit",
            "check_early_leave_steps", "StepState",
            "MarkResult", "PlanItems", "Planner", "plan",
-           "plan_height", "first_step_nbytes", "check_plan", "StepTemplate", "template_items", "plan_step", "StepPlan", "PlanInfo",
+           "plan_height", "first_step_nbytes", "check_plan", "StepTemplate", "template_items", "plan_step", "plan_step_and_height", "plan_room_nbytes", "RefusedPlans", "StepPlan", "PlanInfo",
            "check_generation"]
 
 ROUND_NBYTES = 512
@@ -621,18 +622,45 @@ class StepTemplate:
 
     def __init__(self, nbytes: Sequence[int], streams: Sequence[int], free_own: Sequence[int],
                  free_next: Sequence[int]) -> None:
-        self.nbytes = np.asarray(nbytes, dtype=np.int64)
-        self.streams = np.asarray(streams, dtype=np.uint64)
-        self.free_own = np.asarray(free_own, dtype=np.int64)
-        self.free_next = np.asarray(free_next, dtype=np.int64)
-        if not (len(self.nbytes) == len(self.streams) == len(self.free_own) == len(self.free_next)):
+        self.nbytes = _int_column(nbytes, "nbytes", np.int64)
+        self.streams = _int_column(streams, "streams", np.uint64)
+        self.free_own = _int_column(free_own, "free_own", np.int64)
+        self.free_next = _int_column(free_next, "free_next", np.int64)
+        n = len(self.nbytes)
+        if not (n == len(self.streams) == len(self.free_own) == len(self.free_next)):
             raise InvalidArgumentError("StepTemplate: nbytes, streams, free_own and free_next must be of one length")
-        if len(self.nbytes) and (int(self.nbytes.min()) < 0 or int(self.nbytes.max()) > MAX_ARENA_NBYTES):
-            raise InvalidArgumentError(f"StepTemplate: every nbytes must be in [0, {MAX_ARENA_NBYTES}] (an arena's "
-                                       f"most), got {int(self.nbytes.min())}..{int(self.nbytes.max())}")
+        if n and (int(self.nbytes.min()) < 0 or int(self.nbytes.max()) > MAX_ARENA_NBYTES):
+            raise InvalidArgumentError(f"StepTemplate: every nbytes must be in [0, 2**48] (an arena's most), got "
+                                       f"{int(self.nbytes.min())}..{int(self.nbytes.max())}")
+        for name, ranks in (("free_own", self.free_own), ("free_next", self.free_next)):
+            if n and (int(ranks.min()) < -1 or int(ranks.max()) > n):
+                raise InvalidArgumentError(f"StepTemplate: every {name} must be -1 or a rank in [0, {n}] (the step "
+                                           f"has {n} allocations), got {int(ranks.min())}..{int(ranks.max())}")
 
     def __len__(self) -> int:
         return len(self.nbytes)
+
+    def carried_nbytes(self) -> int:
+        """Bytes of the step's allocations live at the step's end (freed early in the next step), rounded as the
+        plan rounds: live at the mark that plans the step, and given slots by it (:func:`plan_room_nbytes`)."""
+        carried = (self.free_own < 0) & (self.free_next >= 0)
+        return int(np.maximum(ROUND_NBYTES, -(-self.nbytes[carried] // ROUND_NBYTES) * ROUND_NBYTES).sum())
+
+
+def _int_column(values: Any, name: str, dtype: Any) -> np.ndarray:
+    """``values`` as a one-dimensional array of ``dtype``: integers only (no floats, bools or strings, which
+    would be truncated or parsed), each within ``dtype``'s range."""
+    try:
+        a = np.asarray(values)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"StepTemplate: {name} must be a sequence of integers ({exc})") from None
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise InvalidArgumentError(f"StepTemplate: {name} must be a sequence of integers, got "
+                                   f"{a.dtype} of shape {a.shape}")
+    info = np.iinfo(dtype)
+    if a.size and (int(a.min()) < info.min or int(a.max()) > info.max):
+        raise InvalidArgumentError(f"StepTemplate: every {name} must be in [{info.min}, {info.max}]")
+    return a.astype(dtype, copy=False)
 
 
 def template_items(t: StepTemplate, round_nbytes: int = ROUND_NBYTES) -> tuple[np.ndarray, PlanItems]:
@@ -656,6 +684,13 @@ def template_items(t: StepTemplate, round_nbytes: int = ROUND_NBYTES) -> tuple[n
 def plan_step(t: StepTemplate, planner: Planner | str = Planner.GREEDY_BEST,
               page_nbytes: int | None = None, limit_nbytes: int | None = None,
               round_nbytes: int = ROUND_NBYTES) -> np.ndarray:
+    """The offsets of :func:`plan_step_and_height` (its arguments and errors)."""
+    return plan_step_and_height(t, planner, page_nbytes, limit_nbytes, round_nbytes)[0]
+
+
+def plan_step_and_height(t: StepTemplate, planner: Planner | str = Planner.GREEDY_BEST,
+                         page_nbytes: int | None = None, limit_nbytes: int | None = None,
+                         round_nbytes: int = ROUND_NBYTES) -> tuple[np.ndarray, int]:
     """An arena offset per allocation of ``t`` (-1: left to the engine): each stream's items planned apart
     and stacked, so that no slot is shared between streams (Note [Step plans]). ``page_nbytes``: the arena's
     page size (the device's granularity), by which the layout is chosen for the plan's first step (Note [A plan
@@ -664,10 +699,12 @@ def plan_step(t: StepTemplate, planner: Planner | str = Planner.GREEDY_BEST,
     is no plan, every offset -1 (Note [A plan taller than the device]); None: :data:`MAX_ARENA_NBYTES`.
     ``round_nbytes``: the engine's policy's rounding (``AllocatorPolicy.round_nbytes``), a power of two; sizes
     and offsets are multiples of it where it exceeds :data:`ROUND_NBYTES` (the engine refuses other offsets).
+    Also returns the plan's height in bytes (the streams stacked; 0 with nothing plannable), which a refused
+    plan needed: more than ``limit_nbytes``.
 
     Raises:
         InvalidArgumentError: ``t`` not a :class:`StepTemplate`, an unknown planner, a page size or a limit
-            outside ``[1, MAX_ARENA_NBYTES]``.
+            outside ``[1, MAX_ARENA_NBYTES]``, a ``round_nbytes`` outside it or not a power of two.
     """
     if not isinstance(t, StepTemplate):
         raise InvalidArgumentError(f"plan_step: t must be a StepTemplate, not {type(t).__name__}")
@@ -686,7 +723,7 @@ def plan_step(t: StepTemplate, planner: Planner | str = Planner.GREEDY_BEST,
     offsets = np.full(len(t), -1, dtype=np.int64)
     idx, items = template_items(t, round_nbytes)
     if len(idx) == 0:
-        return offsets
+        return offsets, 0
     r = max(ROUND_NBYTES, round_nbytes)
     stacked = _stack_streams(t, idx, items, planner, page_nbytes, r)
     if stacked[1] > bound and page_nbytes is not None:   # the lowest layouts may still fit
@@ -695,9 +732,9 @@ def plan_step(t: StepTemplate, planner: Planner | str = Planner.GREEDY_BEST,
         log.info("plan_step: the step's plan (%d allocations, %d B stacked over %d streams) ends past its room of "
                  "%d B: nothing is planned, the engine serves the step", len(idx), stacked[1],
                  len(np.unique(t.streams[idx])), bound)
-        return offsets
+        return offsets, stacked[1]
     offsets[idx] = stacked[0]
-    return offsets
+    return offsets, stacked[1]
 
 
 def _stack_streams(t: StepTemplate, idx: np.ndarray, items: PlanItems, planner: Planner,
@@ -718,25 +755,43 @@ def _stack_streams(t: StepTemplate, idx: np.ndarray, items: PlanItems, planner: 
 
 
 def plan_room_nbytes(total_nbytes: int, free_nbytes: int | None = None, reserved_nbytes: int = 0,
-                     allocated_nbytes: int = 0, limit_nbytes: int | None = None) -> int:
+                     allocated_nbytes: int = 0, limit_nbytes: int | None = None, carried_nbytes: int = 0) -> int:
     """The most a step plan's arena may hold at a mark (``plan_step``'s ``limit_nbytes``; Note [A plan taller
     than the device]): the device's ``total_nbytes``; where ``free_nbytes`` is known (other tenants included),
-    at most the free bytes plus the engine's idle cache (``reserved_nbytes - allocated_nbytes``: the cache
-    can go back for the arena, the live bytes stay); where the allocator has a ``limit_nbytes``, at most what
-    it leaves beside the live bytes. At least 1 (an empty room plans nothing), at most
-    :data:`MAX_ARENA_NBYTES`."""
+    at most the free bytes plus what the engine holds (``reserved_nbytes``) less its live bytes that stay
+    (``allocated_nbytes`` less ``carried_nbytes``, the step's own allocations still live at the mark, which the
+    plan has slots for: :meth:`StepTemplate.carried_nbytes`); where the allocator has a ``limit_nbytes``, at most
+    what it leaves beside those live bytes. At least 1 (an empty room plans nothing), at most
+    :data:`MAX_ARENA_NBYTES`.
+
+    Raises:
+        InvalidArgumentError: an argument that is not an int (None allowed for ``free_nbytes`` and
+            ``limit_nbytes``) in ``[0, 2**64)`` (``total_nbytes``: at least 1).
+    """
+    total_nbytes = check_int_in_range(total_nbytes, "plan_room_nbytes: total_nbytes", 1, (1 << 64) - 1)
+    reserved_nbytes, allocated_nbytes, carried_nbytes = (
+        check_int_in_range(v, f"plan_room_nbytes: {name}", 0, (1 << 64) - 1)
+        for name, v in (("reserved_nbytes", reserved_nbytes), ("allocated_nbytes", allocated_nbytes),
+                        ("carried_nbytes", carried_nbytes)))
+    if free_nbytes is not None:
+        free_nbytes = check_int_in_range(free_nbytes, "plan_room_nbytes: free_nbytes", 0, (1 << 64) - 1)
+    if limit_nbytes is not None:
+        limit_nbytes = check_int_in_range(limit_nbytes, "plan_room_nbytes: limit_nbytes", 0, (1 << 64) - 1)
+    staying = max(0, int(allocated_nbytes) - int(carried_nbytes))
     room = int(total_nbytes)
     if free_nbytes is not None:
-        room = min(room, int(free_nbytes) + max(0, int(reserved_nbytes) - int(allocated_nbytes)))
+        room = min(room, int(free_nbytes) + max(0, int(reserved_nbytes) - staying))
     if limit_nbytes is not None:
-        room = min(room, int(limit_nbytes) - int(allocated_nbytes))
+        room = min(room, int(limit_nbytes) - staying)
     return max(1, min(room, MAX_ARENA_NBYTES))
 
 
 class RefusedPlans:
     """The last step :func:`plan_step` refused for want of room, so that a mark does not plan the same step
-    again while the room is no larger (Note [A plan taller than the device]): its fingerprint (sizes and
-    streams) and the room it had. One per allocator and device; thread-safe (marks may come from threads)."""
+    again while the room is no larger (Note [A plan taller than the device]): its fingerprint (sizes, streams
+    and the frees' ranks: what the plan's height depends on) and the room it had. Only the last refused step
+    is kept (a program whose refused steps alternate plans each again), and any growth of the room, a page
+    or more, plans it again. One per allocator and device; thread-safe (marks may come from threads)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -746,7 +801,8 @@ class RefusedPlans:
     def fingerprint(t: StepTemplate) -> bytes:
         h = hashlib.blake2b(digest_size=16)
         h.update(np.ascontiguousarray(t.nbytes).tobytes())
-        h.update(np.ascontiguousarray(t.streams).tobytes())
+        for a in (t.streams, t.free_own, t.free_next):
+            h.update(np.ascontiguousarray(a).tobytes())
         return h.digest()
 
     def worth_planning(self, t: StepTemplate, room_nbytes: int) -> bool:

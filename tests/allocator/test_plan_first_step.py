@@ -142,8 +142,8 @@ def test_marking_steps_of_two_streams_larger_than_half_the_device_plans_once_and
     import gpumem.allocator.caching as caching_module
     from gpumem.units import GiB
 
-    calls, real = [], caching_module.plan_step
-    monkeypatch.setattr(caching_module, "plan_step", lambda *a, **k: calls.append(k) or real(*a, **k))
+    calls, real = [], caching_module.plan_step_and_height
+    monkeypatch.setattr(caching_module, "plan_step_and_height", lambda *a, **k: calls.append(k) or real(*a, **k))
     alloc = CachingAllocator(open_device("sim:t4-16gb"), get_policy("gpumem"), engine=engine)
     with caplog.at_level(logging.WARNING, logger="gpumem.allocator.caching"):
         for _ in range(30):
@@ -155,7 +155,7 @@ def test_marking_steps_of_two_streams_larger_than_half_the_device_plans_once_and
     alloc.close()
     assert len(calls) == 1 and calls[0]["limit_nbytes"] <= 16 * GiB
     assert info.plans_installed == 0 and info.plans_dropped == 0
-    assert sum("does not fit" in r.getMessage() for r in caplog.records) == 1
+    assert sum("no step plan" in r.getMessage() for r in caplog.records) == 1
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -165,10 +165,10 @@ def test_the_allocators_limit_bounds_the_plans_room_and_a_step_that_fits_is_plan
     import gpumem.allocator.caching as caching_module
     from gpumem.units import GiB, MiB
 
-    real = caching_module.plan_step
+    real = caching_module.plan_step_and_height
     for limit in (None, 10 * GiB):
         calls = []
-        monkeypatch.setattr(caching_module, "plan_step", lambda *a, **k: calls.append(k) or real(*a, **k))
+        monkeypatch.setattr(caching_module, "plan_step_and_height", lambda *a, **k: calls.append(k) or real(*a, **k))
         alloc = CachingAllocator(open_device("sim:t4-16gb"), get_policy("gpumem"), engine=engine, limit=limit)
         keep = alloc.allocate(512 * MiB, 0)   # live across the steps: outside the room
         for _ in range(6):
@@ -201,7 +201,7 @@ def test_a_plan_past_the_largest_arena_is_no_plan_without_a_limit():
     assert plan_step(t).tolist() == [-1, -1, -1]
 
 
-@pytest.mark.parametrize("nbytes, text", [([-1], r"StepTemplate: every nbytes must be in \[0, 281474976710656\]"),
+@pytest.mark.parametrize("nbytes, text", [([-1], r"StepTemplate: every nbytes must be in \[0, 2\*\*48\]"),
                                           ([(1 << 48) + 1], r"StepTemplate: every nbytes must be in")])
 def test_a_step_template_refuses_sizes_no_arena_holds(nbytes, text):
     with pytest.raises(InvalidArgumentError, match=text):
@@ -309,3 +309,79 @@ def test_an_arena_that_cannot_be_reserved_leaves_the_mark_quiet_and_a_later_matc
     alloc.close()
     assert any("arena could not be reserved" in r.getMessage() for r in caplog.records)
     assert info.plans_installed == 1 and info.steps_hit >= 1
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_gradients_live_across_the_mark_count_in_the_plans_room(engine):
+    """Attacker review B1: the room left out every byte live at the mark, but the gradients a step leaves live
+    (freed by the next step's zero_grad) are the plan's own slots; a loop using most of a T4 got no plan where it
+    got one before (17 steps hit). StepTemplate.carried_nbytes puts them back in the room."""
+    from gpumem.units import GiB
+
+    alloc = CachingAllocator(open_device("sim:t4-16gb"), get_policy("gpumem"), engine=engine)
+    weights, grads = alloc.allocate(3 * GiB), None
+    for _ in range(20):
+        alloc.mark_step()
+        if grads is not None:
+            alloc.free(grads)   # zero_grad
+        acts = [alloc.allocate(10 * GiB // 8) for _ in range(8)]
+        grads = alloc.allocate(GiB)
+        for a in acts:
+            alloc.free(a)
+    info = alloc.step_plan_info()
+    alloc.free(grads)
+    alloc.free(weights)
+    alloc.check_consistency()
+    alloc.close()
+    assert info.plans_installed == 1 and info.steps_hit >= 15 and info.plans_dropped == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_refused_step_does_not_block_a_step_of_the_same_sizes_and_other_lifetimes(engine):
+    """Attacker review B2: the refusal's fingerprint was sizes and streams only, so a later step with the same
+    sizes and shorter lifetimes, which fits, was never planned. The frees' ranks are in the fingerprint now."""
+    from gpumem.units import GiB
+
+    alloc = CachingAllocator(open_device("sim:t4-16gb"), get_policy("gpumem"), engine=engine)
+    big, small = 13 * GiB // 2, 2 * GiB
+    for _ in range(12):   # two 6.5 GiB together on stream 0, 2 GiB on stream 1: stacked 15 GiB, no room
+        alloc.mark_step()
+        a, b = alloc.allocate(big, 0), alloc.allocate(big, 0)
+        alloc.free(a)
+        alloc.free(b)
+        alloc.free(alloc.allocate(small, 1))
+    assert alloc.step_plan_info().plans_installed == 0
+    for _ in range(12):   # the same sizes and streams, one 6.5 GiB at a time: 8.5 GiB stacked, it fits
+        alloc.mark_step()
+        alloc.free(alloc.allocate(big, 0))
+        alloc.free(alloc.allocate(big, 0))
+        alloc.free(alloc.allocate(small, 1))
+    info = alloc.step_plan_info()
+    alloc.check_consistency()
+    alloc.close()
+    assert info.plans_installed == 1 and info.steps_hit >= 5
+
+
+@pytest.mark.parametrize("args, text", [
+    (([1.7], [0], [-1], [-1]), "nbytes must be a sequence of integers, got float64"),
+    ((["1"], [0], [-1], [-1]), "nbytes must be a sequence of integers"),
+    (([True], [0], [-1], [-1]), "nbytes must be a sequence of integers, got bool"),
+    ((5, [0], [-1], [-1]), r"nbytes must be a sequence of integers, got int64 of shape \(\)"),
+    (([1], [-1], [-1], [-1]), r"every streams must be in \[0, 18446744073709551615\]"),
+    (([1], [0], [99], [-1]), r"every free_own must be -1 or a rank in \[0, 1\]"),
+    (([1], [0], [-1], [-2]), r"every free_next must be -1 or a rank in \[0, 1\]"),
+])
+def test_a_step_template_takes_integers_only(args, text):
+    """Attacker review: floats and bools were truncated (a free rank of 1.9 became 1, changing lifetimes), strings
+    parsed, a rank past the step taken, a stream of -1 raised OverflowError."""
+    with pytest.raises(InvalidArgumentError, match=text):
+        StepTemplate(*args)
+
+
+@pytest.mark.parametrize("kwargs, text", [({"total_nbytes": "100"}, "total_nbytes"), ({"total_nbytes": 0}, "total_nbytes"),
+                                          ({"total_nbytes": 100, "free_nbytes": 1.5}, "free_nbytes"),
+                                          ({"total_nbytes": 100, "allocated_nbytes": True}, "allocated_nbytes"),
+                                          ({"total_nbytes": 100, "limit_nbytes": -1}, "limit_nbytes")])
+def test_plan_room_nbytes_names_a_bad_argument(kwargs, text):
+    with pytest.raises(InvalidArgumentError, match=f"plan_room_nbytes: {text}"):
+        plan_room_nbytes(**kwargs)

@@ -750,7 +750,7 @@ def test_a_mark_from_another_thread_while_planning_installs_nothing_and_raises_n
     stale one installs nothing, the mark returns READY, and later steps plan again."""
     alloc = make(engine)
     loop = Loop(alloc)
-    real = caching.plan_step
+    real = caching.plan_step_and_height
     interrupted = []
 
     def planning_while_another_thread_marks(t, *args, **kwargs):
@@ -761,7 +761,7 @@ def test_a_mark_from_another_thread_while_planning_installs_nothing_and_raises_n
             worker.join()
         return real(t, *args, **kwargs)
 
-    monkeypatch.setattr(caching, "plan_step", planning_while_another_thread_marks)
+    monkeypatch.setattr(caching, "plan_step_and_height", planning_while_another_thread_marks)
     results = [loop.step() for _ in range(3)]
     assert results[2] is MarkResult.READY and interrupted
     info = alloc.step_plan_info()

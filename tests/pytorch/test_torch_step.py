@@ -18,7 +18,7 @@ import gpumem.torch as gt
 from gpumem import sim
 from gpumem.allocator import CachingAllocator
 from gpumem.allocator.plan import MarkResult, PlanInfo, StepState
-from gpumem.errors import GpumemError, InvalidArgumentError
+from gpumem.errors import GpumemError, InvalidArgumentError, OutOfMemoryError
 from gpumem.native import load_engine
 from gpumem.units import MiB
 
@@ -80,6 +80,9 @@ class StandIn:
     def gpumem_torch_step_install(self, index, offsets, n, generation):
         try:
             installed = self.e.install_plan([offsets[i] for i in range(n)], None if generation < 0 else generation)
+        except OutOfMemoryError as exc:   # torch_api.cpp: an EngineError of kind kOutOfMemory
+            self.error = str(exc).encode()
+            return -2
         except InvalidArgumentError as exc:
             self.error = str(exc).encode()
             return -1
@@ -159,13 +162,13 @@ def test_the_mark_bounds_the_plan_by_the_room_on_the_card_and_plans_a_refused_st
     import gpumem.allocator.plan as plan_module
 
     alloc = glued_allocator(monkeypatch)
-    limits, real = [], plan_module.plan_step
+    limits, real = [], plan_module.plan_step_and_height
 
     def recording(t, *args, **kwargs):
         limits.append(kwargs.get("limit_nbytes"))
         return real(t, *args, **kwargs)
 
-    monkeypatch.setattr(plan_module, "plan_step", recording)
+    monkeypatch.setattr(plan_module, "plan_step_and_height", recording)
     fake_cuda = types.SimpleNamespace(is_available=lambda: True, mem_get_info=lambda i: (1 << 19, 1 << 20))
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=fake_cuda))
     loop = PatternLoop(alloc)
@@ -173,13 +176,39 @@ def test_the_mark_bounds_the_plan_by_the_room_on_the_card_and_plans_a_refused_st
         results = [loop.marked_step() for _ in range(12)]
     assert results.count(MarkResult.READY) >= 3   # the step matched again and again ...
     assert len(limits) == 1 and limits[0] <= 1 << 20   # ... and was planned once: the MiBs do not fit 1 MiB
-    assert sum("does not fit" in r.getMessage() for r in caplog.records) == 1
+    assert sum("no step plan" in r.getMessage() for r in caplog.records) == 1
     assert gt.step_plan_info(0).plans_installed == 0
     fake_cuda.mem_get_info = lambda i: (1 << 40, 1 << 41)   # the room grew: the step is planned again, and fits
     results = [loop.marked_step() for _ in range(6)]
     assert len(limits) == 2 and gt.step_plan_info(0).plans_installed == 1
     monkeypatch.delitem(sys.modules, "torch")
     assert gt._plan_room_nbytes(0) is None   # noqa: SLF001
+    alloc.check_consistency()
+
+
+def test_an_arena_the_card_refuses_leaves_the_mark_quiet_and_a_later_match_plans(monkeypatch, caplog):
+    """Attacker review (B3): an arena whose address range the device refused made gpumem.torch.step() raise
+    'gpumem refused the step plan' (the C function's -1); it returns -2 for out of memory now, which the mark
+    warns about, and a later match plans."""
+    alloc = glued_allocator(monkeypatch)
+    dev = alloc.device
+    real, refusing = dev.address_reserve, [False]
+
+    def reserve(nbytes, *args, **kwargs):
+        if refusing[0]:
+            raise OutOfMemoryError(nbytes, 0, 1 << 48)
+        return real(nbytes, *args, **kwargs)
+
+    dev.address_reserve = reserve
+    loop = PatternLoop(alloc)
+    with caplog.at_level(logging.WARNING, logger="gpumem.torch"):
+        for i in range(10):
+            refusing[0] = i < 5
+            gt.step(0)
+            refusing[0] = False
+            loop.allocations()
+    assert any("arena could not be reserved" in r.getMessage() for r in caplog.records)
+    assert gt.step_plan_info(0).plans_installed == 1
     alloc.check_consistency()
 
 
@@ -208,7 +237,7 @@ def test_a_mark_from_another_thread_while_step_plans_installs_nothing(monkeypatc
     import gpumem.allocator.plan as plan_module
 
     alloc = glued_allocator(monkeypatch)
-    real, interrupted = plan_module.plan_step, []
+    real, interrupted = plan_module.plan_step_and_height, []
 
     def planning_while_another_thread_marks(t, *args, **kwargs):
         if not interrupted:
@@ -218,7 +247,7 @@ def test_a_mark_from_another_thread_while_step_plans_installs_nothing(monkeypatc
             worker.join()
         return real(t, *args, **kwargs)
 
-    monkeypatch.setattr(plan_module, "plan_step", planning_while_another_thread_marks)
+    monkeypatch.setattr(plan_module, "plan_step_and_height", planning_while_another_thread_marks)
     loop, results = PatternLoop(alloc), []
     for _ in range(8):
         results.append(loop.marked_step())

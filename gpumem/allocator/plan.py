@@ -643,7 +643,8 @@ class StepTemplate:
     def carried_nbytes(self) -> int:
         """Bytes of the step's allocations live at the step's end (freed early in the next step), rounded as the
         plan rounds: live at the mark that plans the step, and given slots by it (:func:`plan_room_nbytes`)."""
-        carried = (self.free_own < 0) & (self.free_next >= 0)
+        k = np.arange(len(self.nbytes), dtype=np.int64)
+        carried = (self.free_own < 0) & (self.free_next >= 0) & (self.free_next <= k)   # planned: template_items
         return int(np.maximum(ROUND_NBYTES, -(-self.nbytes[carried] // ROUND_NBYTES) * ROUND_NBYTES).sum())
 
 

@@ -281,13 +281,9 @@ def test_plan_step_refuses_a_rounding_no_engine_has(round_nbytes, text):
         plan_step(StepTemplate([512], [0], [-1], [0]), round_nbytes=round_nbytes)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_an_arena_that_cannot_be_reserved_leaves_the_mark_quiet_and_a_later_match_plans(engine, caplog):
-    """Attacker review F6: an address range for the arena that the device refused (out of memory) raised from
-    mark_step in a program doing nothing wrong. Now the step runs as without a plan (warned), and once the device
-    reserves again, a later match installs the plan."""
-    dev = open_device("sim:h200-141gb")
-    alloc = CachingAllocator(dev, get_policy("gpumem"), engine=engine)
+def refuse_address_ranges_when(dev) -> list[bool]:
+    """Make ``dev.address_reserve`` raise out of memory while the returned flag's ``[0]`` is True (an arena's
+    address range the device refuses); shared by the tests of the mark's two callers."""
     real, refusing = dev.address_reserve, [False]
 
     def reserve(nbytes, *args, **kwargs):
@@ -296,6 +292,17 @@ def test_an_arena_that_cannot_be_reserved_leaves_the_mark_quiet_and_a_later_matc
         return real(nbytes, *args, **kwargs)
 
     dev.address_reserve = reserve
+    return refusing
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_arena_that_cannot_be_reserved_leaves_the_mark_quiet_and_a_later_match_plans(engine, caplog):
+    """Attacker review F6: an address range for the arena that the device refused (out of memory) raised from
+    mark_step in a program doing nothing wrong. Now the step runs as without a plan (warned), and once the device
+    reserves again, a later match installs the plan."""
+    dev = open_device("sim:h200-141gb")
+    alloc = CachingAllocator(dev, get_policy("gpumem"), engine=engine)
+    refusing = refuse_address_ranges_when(dev)
     with caplog.at_level(logging.WARNING, logger="gpumem.allocator.caching"):
         for i in range(10):
             refusing[0] = i < 5

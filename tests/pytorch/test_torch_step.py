@@ -21,6 +21,7 @@ from gpumem.allocator.plan import MarkResult, PlanInfo, StepState
 from gpumem.errors import GpumemError, InvalidArgumentError, OutOfMemoryError
 from gpumem.native import load_engine
 from gpumem.units import MiB
+from tests.allocator.test_plan_first_step import refuse_address_ranges_when
 
 pytestmark = pytest.mark.skipif(load_engine() is None, reason="the native engine is not built")
 
@@ -192,14 +193,7 @@ def test_an_arena_the_card_refuses_leaves_the_mark_quiet_and_a_later_match_plans
     warns about, and a later match plans."""
     alloc = glued_allocator(monkeypatch)
     dev = alloc.device
-    real, refusing = dev.address_reserve, [False]
-
-    def reserve(nbytes, *args, **kwargs):
-        if refusing[0]:
-            raise OutOfMemoryError(nbytes, 0, 1 << 48)
-        return real(nbytes, *args, **kwargs)
-
-    dev.address_reserve = reserve
+    refusing = refuse_address_ranges_when(dev)
     loop = PatternLoop(alloc)
     with caplog.at_level(logging.WARNING, logger="gpumem.torch"):
         for i in range(10):

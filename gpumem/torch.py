@@ -314,6 +314,8 @@ def _lib() -> ctypes.CDLL:
     lib.gpumem_torch_stats.argtypes = [ctypes.c_int, u64p, ctypes.c_int]
     lib.gpumem_torch_empty_cache.restype = ctypes.c_int
     lib.gpumem_torch_empty_cache.argtypes = [ctypes.c_int, u64p]
+    lib.gpumem_torch_releasable.restype = ctypes.c_int
+    lib.gpumem_torch_releasable.argtypes = [ctypes.c_int, u64p]
     lib.gpumem_torch_record_stream.restype = ctypes.c_int
     lib.gpumem_torch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.gpumem_torch_trace_wait_stream.restype = ctypes.c_int
@@ -611,9 +613,9 @@ def _mark_step(index: int) -> Any:
         offsets, height = plan_step_and_height(t, page_nbytes=page_nbytes, limit_nbytes=room)
         if refused.note(t, room or MAX_ARENA_NBYTES, offsets):
             log.warning("gpumem.torch: the recorded step's plan on cuda:%d needs %s and gpumem has room for %s there "
-                        "(free memory plus its idle cache): no step plan, the engine serves the step as where no "
-                        "plan forms, and this step is not planned again until the room grows (Note [A plan taller "
-                        "than the device] in gpumem.allocator.plan)", index, format_bytes(height),
+                        "(free memory plus the idle chunks its cache can give back): no step plan, the engine serves "
+                        "the step as where no plan forms, and this step is not planned again until the room grows "
+                        "(Note [A plan taller than the device] in gpumem.allocator.plan)", index, format_bytes(height),
                         format_bytes(room or MAX_ARENA_NBYTES))
         if (offsets >= 0).any():
             offsets = np.ascontiguousarray(offsets, dtype=np.int64)
@@ -646,7 +648,18 @@ def _plan_room_nbytes(index: int, carried_nbytes: int = 0) -> int | None:
         return None
     raw = _raw_stats(index)
     return plan_room_nbytes(int(total_nbytes), int(free_nbytes), raw.get("reserved_nbytes", 0),
-                            raw.get("allocated_nbytes", 0), carried_nbytes=carried_nbytes)
+                            raw.get("allocated_nbytes", 0), carried_nbytes=carried_nbytes,
+                            releasable_nbytes=_releasable_nbytes(index))
+
+
+def _releasable_nbytes(index: int) -> int:
+    """What :func:`empty_cache` would give back on cuda:``index`` now (whole idle chunks and cached ones; Note [The
+    room counts whole chunks] in gpumem.allocator.plan), changing nothing."""
+    lib = _lib()
+    nbytes = ctypes.c_uint64(0)
+    if lib.gpumem_torch_releasable(index, ctypes.byref(nbytes)) != 0:
+        raise GpumemError(f"gpumem could not read its releasable cache on cuda:{index}: {_last_error(lib)}")
+    return int(nbytes.value)
 
 
 @dataclasses.dataclass

@@ -3307,6 +3307,33 @@ std::uint64_t Engine::allocated_nbytes() {
     return st_.allocated_nbytes;
 }
 
+// SegmentBacking.releasable_nbytes and VirtualBacking.releasable_nbytes: free segments; cached chunks and
+// mapped chunks no live block touches, counted at their first page, less those still mapped where stolen from
+std::uint64_t Engine::releasable_nbytes() {
+    Guard guard(*this, true);
+    std::uint64_t nbytes = 0;
+    if (cfg_.segments) {
+        for (auto& up : msegs_)
+            if (!up->live) nbytes += up->nbytes;
+        return nbytes;
+    }
+    for (ChunkHandle h : unmapped_) nbytes += chunk_nbytes(h);
+    std::vector<std::int64_t> pages;
+    for (auto& up : vsegs_) {
+        VSeg* seg = up.get();
+        seg->empty_list(pages);
+        for (auto p : pages) {
+            const ChunkHandle h = seg->chunks[p];
+            if (!h || (p && seg->chunks[p - 1] == h)) continue;   // counted at its chunk's first page
+            const std::int64_t n = mapped_chunk_pages(seg, p);
+            bool idle = true;
+            for (std::int64_t q = p + 1; q < p + n && idle; ++q) idle = seg->is_empty(q);
+            if (idle && (deferred_.empty() || !has_deferred(h))) nbytes += seg->chunk_nbytes[p];
+        }
+    }
+    return nbytes;
+}
+
 std::uint64_t Engine::block_size(std::uint64_t ptr) {
     Guard guard(*this, true);
     if (!arenas_.empty()) {

@@ -402,6 +402,9 @@ class Engine {
     void reset_peak_stats();
     std::uint64_t reserved_nbytes();
     std::uint64_t allocated_nbytes();
+    // Backing.releasable_nbytes: what empty_cache's release of the engine's cache would give back now, its
+    // fences waited for, changing nothing (Note [The room counts whole chunks] in plan.py).
+    std::uint64_t releasable_nbytes();
     std::uint64_t block_size(std::uint64_t ptr);   // throws kInvalidPointer for a non-live pointer
     std::vector<std::pair<std::uint64_t, std::uint64_t>> live_blocks();   // (ptr, size)
     // check_consistency(): the engine's own invariants, plus the device's mappings (va, nbytes,

@@ -886,6 +886,11 @@ PyObject* Alloc_allocated_nbytes(AllocObject* self, PyObject*) {
     return PyLong_FromUnsignedLongLong(self->engine->allocated_nbytes());
 }
 
+PyObject* Alloc_releasable_nbytes(AllocObject* self, PyObject*) {
+    CHECK_ALIVE(self);
+    return PyLong_FromUnsignedLongLong(self->engine->releasable_nbytes());
+}
+
 // block_size(ptr): ptr as CachingAllocator.block_size takes it (any integer, through as_ptr).
 PyObject* Alloc_block_size(AllocObject* self, PyObject* ptr) {
     CHECK_ALIVE(self);
@@ -1642,6 +1647,8 @@ PyMethodDef Alloc_methods[] = {
      "the backing's counters (chunks, steals, waits, ranges, address space, page, leaked), as a dict"},
     {"reserved_nbytes", reinterpret_cast<PyCFunction>(Alloc_reserved_nbytes), METH_NOARGS, "reserved bytes"},
     {"allocated_nbytes", reinterpret_cast<PyCFunction>(Alloc_allocated_nbytes), METH_NOARGS, "allocated bytes"},
+    {"releasable_nbytes", reinterpret_cast<PyCFunction>(Alloc_releasable_nbytes), METH_NOARGS,
+     "the bytes giving the cache back would release now (whole idle chunks, cached chunks, free segments)"},
     {"block_size", reinterpret_cast<PyCFunction>(Alloc_block_size), METH_O, "size of a live block"},
     {"live_blocks", reinterpret_cast<PyCFunction>(Alloc_live_blocks), METH_NOARGS, "(ptr, size) of live blocks"},
     {"consistency_problems", reinterpret_cast<PyCFunction>(Alloc_consistency_problems), METH_O,

@@ -806,6 +806,23 @@ GPUMEM_EXPORT int gpumem_torch_empty_cache(int device, std::uint64_t* released_n
     return 0;
 }
 
+// What gpumem_torch_empty_cache would give back on `device` now (Engine::releasable_nbytes: whole idle chunks and
+// cached ones; not a step plan's arena), to *nbytes; changes nothing. Returns 0 (0 bytes where gpumem has no
+// engine there), or -1 on error.
+GPUMEM_EXPORT int gpumem_torch_releasable(int device, std::uint64_t* nbytes) {
+    std::uint64_t releasable = 0;
+    if (DeviceEngine* d = existing(device)) {
+        try {
+            releasable = d->engine->releasable_nbytes();
+        } catch (const std::exception& e) {
+            t_last_error = e.what();
+            return -1;
+        }
+    }
+    if (nbytes != nullptr) *nbytes = releasable;
+    return 0;
+}
+
 // The message of this thread's last failed gpumem_torch_* call.
 GPUMEM_EXPORT const char* gpumem_torch_last_error() { return t_last_error.c_str(); }
 

@@ -508,6 +508,12 @@ class Backing(abc.ABC):
         """
 
     @abc.abstractmethod
+    def releasable_nbytes(self) -> int:
+        """The bytes :meth:`release_cached` would give back now with ``wait`` (its fences waited for), changing
+        nothing: memory no live block touches and that can move whole (Note [The room counts whole chunks]).
+        Makes no device call."""
+
+    @abc.abstractmethod
     def segments_list(self) -> list[Segment]:
         """Every segment (or virtual range) the allocator tiles with blocks."""
 
@@ -581,6 +587,9 @@ class SegmentBacking(Backing):
         seg.live -= 1
         if not seg.live:
             seg.dirty = True
+
+    def releasable_nbytes(self) -> int:
+        return sum(seg.nbytes for seg in self.segments.values() if not seg.live)
 
     def release_cached(self, drop_blocks: SegmentCallback, wait: bool = True) -> int:
         released = 0
@@ -1791,6 +1800,21 @@ class VirtualBacking(Backing):
             self.deferred = keep + entries[i:]
 
     # -- giving memory back ---------------------------------------------------------------------
+    def releasable_nbytes(self) -> int:
+        # Note [The room counts whole chunks]: a chunk moves whole, so one live page keeps all of its pages; a
+        # chunk still mapped where it was stolen from stays until its fence completes (release_cached skips it)
+        nbytes = sum(h.nbytes for h in self.unmapped)
+        for seg in self.vsegments.values():
+            chunks, empty = seg.chunks, seg.empty
+            for p in empty:
+                handle = chunks[p]
+                if handle is None or (p and chunks[p - 1] is handle):
+                    continue   # counted at its chunk's first page, which is empty where the whole chunk is
+                n = handle.nbytes // seg.page_nbytes
+                if all(q in empty for q in range(p + 1, p + n)) and not any(e[2] is handle for e in self.deferred):
+                    nbytes += handle.nbytes
+        return nbytes
+
     def release_cached(self, drop_blocks: SegmentCallback, wait: bool = True) -> int:
         released = 0
         batch: dict[int, int] = {}

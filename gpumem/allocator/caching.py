@@ -249,16 +249,18 @@ class CachingAllocator(AllocatorContract):
         props = self.device.properties()
         mem = self.device.mem_info()
         room = plan_room_nbytes(props.total_nbytes, mem.free_nbytes, self._engine.reserved_nbytes(),
-                                self._engine.allocated_nbytes(), self.limit_nbytes, t.carried_nbytes())
+                                self._engine.allocated_nbytes(), self.limit_nbytes, t.carried_nbytes(),
+                                self._engine.releasable_nbytes())
         if not self._refused_plans.worth_planning(t, room):
             return
         offsets, height = plan_step_and_height(t, page_nbytes=props.granularity_nbytes, limit_nbytes=room,
                                                round_nbytes=self.policy.round_nbytes)
         if self._refused_plans.note(t, room, offsets):
             log.warning("mark_step: the recorded step's plan needs %s and this allocator has room for %s on %s "
-                        "(free memory plus its idle cache, within its limit): no step plan, the engine serves the "
-                        "step as where no plan forms, and this step is not planned again until the room grows (Note "
-                        "[A plan taller than the device] in gpumem.allocator.plan)", format_bytes(height),
+                        "(free memory plus the idle chunks its cache can give back, within its limit): no step "
+                        "plan, the engine serves the step as where no plan forms, and this step is not planned again "
+                        "until the room grows (Note [A plan taller than the device] in gpumem.allocator.plan)",
+                        format_bytes(height),
                         format_bytes(room), self.device.spec)
         if not (offsets >= 0).any():
             return

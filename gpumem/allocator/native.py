@@ -73,6 +73,7 @@ class NativeEngine:
         self.empty_cache = ext.empty_cache
         self.reserved_nbytes = ext.reserved_nbytes
         self.allocated_nbytes = ext.allocated_nbytes
+        self.releasable_nbytes = ext.releasable_nbytes
         self.live_blocks = ext.live_blocks
         self.block_size = ext.block_size
         self.describe = ext.describe

@@ -76,6 +76,19 @@ it made and formed again at the next match, forever (a review: 20 installed, 20 
 twice the device calls). A refused step is remembered (:class:`RefusedPlans`): the same step is not planned
 again until the room grows (a review: 16 s of planning in a run of 0.2 s).
 
+Note [The room counts whole chunks]
+-----------------------------------
+The arena gets its pages from the device after the engine gives its cache back, and the engine gives back
+only chunks no live block touches: a chunk moves whole (Note [Chunks of several pages] in
+:mod:`.backing`), so one live page keeps every page of it. The room first counted the engine's reserved
+bytes less its live ones, holes between live blocks included; where the cache was such holes (a review: a
+16 GB card, 2,700 holes of 3 MiB between 2 MiB blocks), the plan was installed, its arena ran out, the
+engine's out-of-memory ladder dropped it and the allocation raised in a program that runs unmarked (10
+errors in 30 steps, 10 plans dropped). Both engines count what their release would give back
+(``releasable_nbytes``: whole idle chunks, cached chunks, free segments); the room is the free bytes plus
+that, plus the step's carried allocations (:meth:`StepTemplate.carried_nbytes`, freed before their slots
+serve). Under a limit, the same: the limit less what the engine keeps after its release.
+
 Note [Step plans under memory pressure]
 ---------------------------------------
 A step that leaves the plan is served by the engine while the arena keeps its mapped pages, so both can
@@ -756,18 +769,21 @@ def _stack_streams(t: StepTemplate, idx: np.ndarray, items: PlanItems, planner: 
 
 
 def plan_room_nbytes(total_nbytes: int, free_nbytes: int | None = None, reserved_nbytes: int = 0,
-                     allocated_nbytes: int = 0, limit_nbytes: int | None = None, carried_nbytes: int = 0) -> int:
+                     allocated_nbytes: int = 0, limit_nbytes: int | None = None, carried_nbytes: int = 0,
+                     releasable_nbytes: int | None = None) -> int:
     """The most a step plan's arena may hold at a mark (``plan_step``'s ``limit_nbytes``; Note [A plan taller
     than the device]): the device's ``total_nbytes``; where ``free_nbytes`` is known (other tenants included),
     at most the free bytes plus what the engine holds (``reserved_nbytes``) less its live bytes that stay
     (``allocated_nbytes`` less ``carried_nbytes``, the step's own allocations still live at the mark, which the
     plan has slots for: :meth:`StepTemplate.carried_nbytes`); where the allocator has a ``limit_nbytes``, at most
-    what it leaves beside those live bytes. At least 1 (an empty room plans nothing), at most
-    :data:`MAX_ARENA_NBYTES`.
+    what it leaves beside those live bytes. Where ``releasable_nbytes`` is known (the engine's
+    ``releasable_nbytes()``: what giving its cache back would release), the engine's part is that plus the
+    carried bytes, and under a limit what it keeps after that release counts against it (Note [The room counts
+    whole chunks]). At least 1 (an empty room plans nothing), at most :data:`MAX_ARENA_NBYTES`.
 
     Raises:
-        InvalidArgumentError: an argument that is not an int (None allowed for ``free_nbytes`` and
-            ``limit_nbytes``) in ``[0, 2**64)`` (``total_nbytes``: at least 1).
+        InvalidArgumentError: an argument that is not an int (None allowed for ``free_nbytes``,
+            ``limit_nbytes`` and ``releasable_nbytes``) in ``[0, 2**64)`` (``total_nbytes``: at least 1).
     """
     total_nbytes = check_int_in_range(total_nbytes, "plan_room_nbytes: total_nbytes", 1, (1 << 64) - 1)
     reserved_nbytes, allocated_nbytes, carried_nbytes = (
@@ -778,12 +794,19 @@ def plan_room_nbytes(total_nbytes: int, free_nbytes: int | None = None, reserved
         free_nbytes = check_int_in_range(free_nbytes, "plan_room_nbytes: free_nbytes", 0, (1 << 64) - 1)
     if limit_nbytes is not None:
         limit_nbytes = check_int_in_range(limit_nbytes, "plan_room_nbytes: limit_nbytes", 0, (1 << 64) - 1)
+    if releasable_nbytes is not None:
+        releasable_nbytes = check_int_in_range(releasable_nbytes, "plan_room_nbytes: releasable_nbytes", 0,
+                                               (1 << 64) - 1)
     staying = max(0, int(allocated_nbytes) - int(carried_nbytes))
+    cache = max(0, int(reserved_nbytes) - staying)   # what the engine holds beyond its live bytes that stay
+    movable = cache   # of which only whole chunks move (Note [The room counts whole chunks])
+    if releasable_nbytes is not None:
+        movable = min(cache, int(releasable_nbytes) + int(carried_nbytes))
     room = int(total_nbytes)
     if free_nbytes is not None:
-        room = min(room, int(free_nbytes) + max(0, int(reserved_nbytes) - staying))
-    if limit_nbytes is not None:
-        room = min(room, int(limit_nbytes) - staying)
+        room = min(room, int(free_nbytes) + movable)
+    if limit_nbytes is not None:   # what the engine keeps after its release counts against the limit
+        room = min(room, int(limit_nbytes) - staying - (cache - movable))
     return max(1, min(room, MAX_ARENA_NBYTES))
 
 

@@ -624,6 +624,10 @@ class PythonEngine:
     def allocated_nbytes(self) -> int:
         return self._stats.allocated_nbytes
 
+    def releasable_nbytes(self) -> int:
+        with self._lock:
+            return self.backing.releasable_nbytes()
+
     def live_blocks(self) -> list[tuple[int, int]]:
         """The engine's live blocks and the step plan's arenas' live allocations, by address (review attacker 12,
         F4: the arenas' were left out, as *Live blocks* once left them out of the summary)."""

@@ -192,6 +192,12 @@ def test_plan_room_nbytes_is_the_least_of_its_bounds():
     assert plan_room_nbytes(100, limit_nbytes=70, allocated_nbytes=20) == 50
     assert plan_room_nbytes(100, limit_nbytes=10, allocated_nbytes=20) == 1   # no room: plans nothing
     assert plan_room_nbytes(1 << 60) == MAX_ARENA_NBYTES
+    # only what the engine's release gives back counts (Note [The room counts whole chunks]), carried bytes beside it
+    assert plan_room_nbytes(100, free_nbytes=30, reserved_nbytes=50, allocated_nbytes=20, releasable_nbytes=5) == 35
+    assert plan_room_nbytes(100, free_nbytes=30, reserved_nbytes=50, allocated_nbytes=20, releasable_nbytes=5,
+                            carried_nbytes=10) == 45
+    assert plan_room_nbytes(100, free_nbytes=30, reserved_nbytes=50, allocated_nbytes=20, releasable_nbytes=99) == 60
+    assert plan_room_nbytes(100, limit_nbytes=70, reserved_nbytes=50, allocated_nbytes=20, releasable_nbytes=5) == 25
 
 
 def test_a_plan_past_the_largest_arena_is_no_plan_without_a_limit():
@@ -388,7 +394,8 @@ def test_a_step_template_takes_integers_only(args, text):
 @pytest.mark.parametrize("kwargs, text", [({"total_nbytes": "100"}, "total_nbytes"), ({"total_nbytes": 0}, "total_nbytes"),
                                           ({"total_nbytes": 100, "free_nbytes": 1.5}, "free_nbytes"),
                                           ({"total_nbytes": 100, "allocated_nbytes": True}, "allocated_nbytes"),
-                                          ({"total_nbytes": 100, "limit_nbytes": -1}, "limit_nbytes")])
+                                          ({"total_nbytes": 100, "limit_nbytes": -1}, "limit_nbytes"),
+                                          ({"total_nbytes": 100, "releasable_nbytes": -5}, "releasable_nbytes")])
 def test_plan_room_nbytes_names_a_bad_argument(kwargs, text):
     with pytest.raises(InvalidArgumentError, match=f"plan_room_nbytes: {text}"):
         plan_room_nbytes(**kwargs)

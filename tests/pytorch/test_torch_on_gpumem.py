@@ -65,7 +65,8 @@ def lib():
 @native_only
 def test_the_hooks_are_exported(lib):
     for name in (gt.ALLOC_FN, gt.FREE_FN, "gpumem_torch_stats", "gpumem_torch_empty_cache",
-                 "gpumem_torch_record_stream", "gpumem_torch_start", "gpumem_torch_trace_wait_stream"):
+                 "gpumem_torch_record_stream", "gpumem_torch_start", "gpumem_torch_trace_wait_stream",
+                 "gpumem_torch_releasable"):
         assert hasattr(lib, name), name
 
 
@@ -81,6 +82,8 @@ def test_the_hooks_without_an_engine(lib):
     assert lib.gpumem_torch_stats(0, out, len(names)) == 0
     released = ctypes.c_uint64(7)
     assert lib.gpumem_torch_empty_cache(0, ctypes.byref(released)) == 0 and released.value == 0
+    releasable = ctypes.c_uint64(7)
+    assert lib.gpumem_torch_releasable(0, ctypes.byref(releasable)) == 0 and releasable.value == 0
     assert lib.gpumem_torch_record_stream(ctypes.c_void_p(0x1000), None) == -1
     assert b"no gpumem engine has started" in lib.gpumem_torch_last_error()
     assert lib.gpumem_torch_engine_state(-1) == -1 and lib.gpumem_torch_engine_state(5) == 0

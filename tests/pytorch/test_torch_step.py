@@ -63,6 +63,11 @@ class StandIn:
         values[0] = self.granularity_nbytes
         return 1
 
+    def gpumem_torch_releasable(self, index, nbytes):
+        """What the engine's release would give back (the plan's room: Note [The room counts whole chunks])."""
+        nbytes._obj.value = self.e.releasable_nbytes()
+        return 0
+
     def gpumem_torch_step_mark(self, index):
         return self.e.mark_step()
 

@@ -3324,7 +3324,8 @@ std::uint64_t Engine::releasable_nbytes() {
         seg->empty_list(pages);
         for (auto p : pages) {
             const ChunkHandle h = seg->chunks[p];
-            if (!h || (p && seg->chunks[p - 1] == h)) continue;   // counted at its chunk's first page
+            if (h && !chunked_) nbytes += seg->chunk_nbytes[p];   // a chunk a page (of the range's size)
+            if (!h || !chunked_ || (p && seg->chunks[p - 1] == h)) continue;   // counted at its chunk's first page
             const std::int64_t n = mapped_chunk_pages(seg, p);
             bool idle = true;
             for (std::int64_t q = p + 1; q < p + n && idle; ++q) idle = seg->is_empty(q);

@@ -1808,7 +1808,9 @@ class VirtualBacking(Backing):
             chunks, empty = seg.chunks, seg.empty
             for p in empty:
                 handle = chunks[p]
-                if handle is None or (p and chunks[p - 1] is handle):
+                if handle is not None and not self.chunked:
+                    nbytes += handle.nbytes   # a chunk a page (of the range's size)
+                if handle is None or not self.chunked or (p and chunks[p - 1] is handle):
                     continue   # counted at its chunk's first page, which is empty where the whole chunk is
                 n = handle.nbytes // seg.page_nbytes
                 if all(q in empty for q in range(p + 1, p + n)) and not any(e[2] is handle for e in self.deferred):

@@ -87,7 +87,10 @@ engine's out-of-memory ladder dropped it and the allocation raised in a program 
 errors in 30 steps, 10 plans dropped). Both engines count what their release would give back
 (``releasable_nbytes``: whole idle chunks, cached chunks, free segments); the room is the free bytes plus
 that, plus the step's carried allocations (:meth:`StepTemplate.carried_nbytes`, freed before their slots
-serve). Under a limit, the same: the limit less what the engine keeps after its release.
+serve). Under a limit, the same: the limit less what the engine keeps after its release. And the plan needs
+its height plus what the engine serves beside the arena in the step (:func:`engine_rise_nbytes`: allocations
+not freed within two steps share no memory with the arena): a plan that fitted without it was installed and
+dropped by the out-of-memory ladder at every match in a band of limits (a review: 10 of each in 30 steps).
 
 Note [Step plans under memory pressure]
 ---------------------------------------
@@ -695,6 +698,29 @@ def template_items(t: StepTemplate, round_nbytes: int = ROUND_NBYTES) -> tuple[n
     return idx, PlanItems(sizes, k[idx], e1, np.zeros(len(idx), dtype=np.int64), e2)
 
 
+def engine_rise_nbytes(t: StepTemplate, idx: np.ndarray, round_nbytes: int = ROUND_NBYTES) -> int:
+    """The most the engine's live bytes rise above their level at the mark while a planned step runs (Note [The
+    room counts whole chunks]): the allocations the plan leaves to the engine (all but ``idx``, the plannable
+    ones: :func:`template_items`), less their own frees in the step and the frees, at their ``free_next`` ranks,
+    of the previous step's copies of those still live at the mark. Rounded as the plan rounds; 0 where the
+    engine only gives back."""
+    n = len(t)
+    if n == len(idx):
+        return 0
+    r = max(ROUND_NBYTES, int(round_nbytes))
+    left = np.ones(n, dtype=bool)
+    left[idx] = False
+    k = np.flatnonzero(left)
+    sizes = np.maximum(r, -(-t.nbytes[k] // r) * r)
+    after = np.zeros(n + 1, dtype=np.int64)   # after[j]: the change made by allocation j and the frees before it
+    np.add.at(after, k, sizes)
+    own = t.free_own[k] >= 0
+    np.add.at(after, t.free_own[k][own], -sizes[own])
+    prev = ~own & (t.free_next[k] >= 0)   # the previous step's copy, live at the mark, goes at this rank
+    np.add.at(after, t.free_next[k][prev], -sizes[prev])
+    return max(0, int(np.cumsum(after[:n]).max()))
+
+
 def plan_step(t: StepTemplate, planner: Planner | str = Planner.GREEDY_BEST,
               page_nbytes: int | None = None, limit_nbytes: int | None = None,
               round_nbytes: int = ROUND_NBYTES) -> np.ndarray:
@@ -713,8 +739,9 @@ def plan_step_and_height(t: StepTemplate, planner: Planner | str = Planner.GREED
     is no plan, every offset -1 (Note [A plan taller than the device]); None: :data:`MAX_ARENA_NBYTES`.
     ``round_nbytes``: the engine's policy's rounding (``AllocatorPolicy.round_nbytes``), a power of two; sizes
     and offsets are multiples of it where it exceeds :data:`ROUND_NBYTES` (the engine refuses other offsets).
-    Also returns the plan's height in bytes (the streams stacked; 0 with nothing plannable), which a refused
-    plan needed: more than ``limit_nbytes``.
+    Also returns what the plan needs in bytes: its height (the streams stacked; 0 with nothing plannable) plus
+    the engine's rise during the step (:func:`engine_rise_nbytes`: what the plan leaves to the engine shares
+    no memory with the arena), more than ``limit_nbytes`` where the plan was refused.
 
     Raises:
         InvalidArgumentError: ``t`` not a :class:`StepTemplate`, an unknown planner, a page size or a limit
@@ -739,16 +766,17 @@ def plan_step_and_height(t: StepTemplate, planner: Planner | str = Planner.GREED
     if len(idx) == 0:
         return offsets, 0
     r = max(ROUND_NBYTES, round_nbytes)
+    rise = engine_rise_nbytes(t, idx, r)
     stacked = _stack_streams(t, idx, items, planner, page_nbytes, r)
-    if stacked[1] > bound and page_nbytes is not None:   # the lowest layouts may still fit
+    if stacked[1] + rise > bound and page_nbytes is not None:   # the lowest layouts may still fit
         stacked = _stack_streams(t, idx, items, planner, None, r)
-    if stacked[1] > bound:
-        log.info("plan_step: the step's plan (%d allocations, %d B stacked over %d streams) ends past its room of "
-                 "%d B: nothing is planned, the engine serves the step", len(idx), stacked[1],
-                 len(np.unique(t.streams[idx])), bound)
-        return offsets, stacked[1]
+    if stacked[1] + rise > bound:
+        log.info("plan_step: the step's plan (%d allocations, %d B stacked over %d streams, beside %d B the engine "
+                 "serves) ends past its room of %d B: nothing is planned, the engine serves the step", len(idx),
+                 stacked[1], len(np.unique(t.streams[idx])), rise, bound)
+        return offsets, stacked[1] + rise
     offsets[idx] = stacked[0]
-    return offsets, stacked[1]
+    return offsets, stacked[1] + rise
 
 
 def _stack_streams(t: StepTemplate, idx: np.ndarray, items: PlanItems, planner: Planner,

@@ -1,6 +1,7 @@
 """Note [The room counts whole chunks] (gpumem/allocator/plan.py): ``releasable_nbytes`` is what giving the engine's
 cache back releases, in both engines and every backing, and a step plan's room counts only that: a marked program
-whose cache is holes between live blocks runs as it does unmarked."""
+whose cache is holes between live blocks runs as it does unmarked. A plan needs its height plus what the engine
+serves beside it in the step (``engine_rise_nbytes``)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from hypothesis import strategies as st
 
 from gpumem import open_device
 from gpumem.allocator import CachingAllocator
+from gpumem.allocator.plan import StepTemplate, engine_rise_nbytes, plan_step_and_height, template_items
 from gpumem.allocator.policy import get_policy
 from gpumem.errors import OutOfMemoryError
-from gpumem.units import MiB
+from gpumem.units import GiB, MiB
 from tests.allocator.test_plan_layer import ENGINES
 
 PROGRAMS = st.lists(st.tuples(st.booleans(), st.integers(1, 24 * MiB), st.integers(0, 10_000)), min_size=1, max_size=60)
@@ -87,3 +89,51 @@ def test_a_cache_of_holes_between_live_blocks_is_no_room_for_a_plan(engine, capl
         results[marked] = (ooms, info.plans_installed, info.plans_dropped, warnings)
     assert results[False][0] == 0
     assert results[True] == (0, 0, 0, 1), results
+
+
+def _one_step(alloc, prev):
+    """A temporary of 4 GiB, a 2 GiB block kept to the end of the next step (after that step's own copy is made:
+    not plannable), a 1 GiB temporary."""
+    alloc.free(alloc.allocate(4 * GiB))
+    b = alloc.allocate(2 * GiB)
+    alloc.free(alloc.allocate(GiB))
+    if prev is not None:
+        alloc.free(prev)
+    return b
+
+
+def test_the_engines_rise_is_what_the_plan_leaves_to_it():
+    # _one_step's template: a (freed at rank 1), b (kept: freed at rank 3 of the next step), c (freed at rank 3)
+    t = StepTemplate([4 * GiB, 2 * GiB, GiB], [0, 0, 0], [1, -1, 3], [-1, 3, -1])
+    idx, _ = template_items(t)
+    assert idx.tolist() == [0, 2] and engine_rise_nbytes(t, idx) == 2 * GiB
+    assert plan_step_and_height(t)[1] == 4 * GiB + 2 * GiB   # a and c share a slot; b beside the arena
+    # the first freed at rank 1 of the next step, after its own allocation (not plannable); the last never freed:
+    # the engine's live bytes go +2, -2 (the previous copy), +3 GiB
+    t = StepTemplate([2 * GiB, GiB, 3 * GiB], [0, 0, 0], [-1, 2, -1], [1, -1, -1])
+    assert template_items(t)[0].tolist() == [1] and engine_rise_nbytes(t, template_items(t)[0]) == 3 * GiB
+    t = StepTemplate([GiB, GiB], [0, 0], [1, 2], [-1, -1])
+    assert engine_rise_nbytes(t, template_items(t)[0]) == 0   # everything planned
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_plan_that_fits_only_without_what_the_engine_serves_is_refused(engine, caplog):
+    """Attacker review: in a band of limits a marked loop's plan fitted the room but the allocations it leaves to
+    the engine did not fit beside it: installed and dropped by the out-of-memory ladder at every match, no planned
+    step (here 10 of each in 30 steps under a 7 GiB limit, where the loop holds 6 GiB unmarked). Now refused once,
+    with a warning; under 8 GiB, the plan and the engine's 2 GiB both fit and the plan serves."""
+    for limit, want in ((7 * GiB, (0, 0, 1)), (8 * GiB, (1, 0, 0))):
+        alloc = CachingAllocator(open_device("sim:t4-16gb"), get_policy("gpumem"), engine=engine, limit=limit)
+        prev = None
+        with caplog.at_level(logging.WARNING, logger="gpumem.allocator.caching"):
+            caplog.clear()
+            for _ in range(20):
+                alloc.mark_step()
+                prev = _one_step(alloc, prev)
+        info = alloc.step_plan_info()
+        warnings = sum("no step plan" in r.getMessage() for r in caplog.records)
+        alloc.free(prev)
+        alloc.check_consistency()
+        alloc.close()
+        assert (info.plans_installed, info.plans_dropped, warnings) == want, (limit, info)
+        assert info.steps_hit >= (15 if want[0] else 0)

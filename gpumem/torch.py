@@ -315,7 +315,7 @@ def _lib() -> ctypes.CDLL:
     lib.gpumem_torch_empty_cache.restype = ctypes.c_int
     lib.gpumem_torch_empty_cache.argtypes = [ctypes.c_int, u64p]
     lib.gpumem_torch_releasable.restype = ctypes.c_int
-    lib.gpumem_torch_releasable.argtypes = [ctypes.c_int, u64p]
+    lib.gpumem_torch_releasable.argtypes = [ctypes.c_int, ctypes.c_int, u64p]
     lib.gpumem_torch_record_stream.restype = ctypes.c_int
     lib.gpumem_torch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.gpumem_torch_trace_wait_stream.restype = ctypes.c_int
@@ -653,11 +653,12 @@ def _plan_room_nbytes(index: int, carried_nbytes: int = 0) -> int | None:
 
 
 def _releasable_nbytes(index: int) -> int:
-    """What :func:`empty_cache` would give back on cuda:``index`` now (whole idle chunks and cached ones; Note [The
-    room counts whole chunks] in gpumem.allocator.plan), changing nothing."""
+    """What :func:`empty_cache` would give back on cuda:``index`` now were the READY step's carried allocations
+    freed (whole idle chunks and cached ones; Note [The room counts whole chunks] in gpumem.allocator.plan),
+    changing nothing."""
     lib = _lib()
     nbytes = ctypes.c_uint64(0)
-    if lib.gpumem_torch_releasable(index, ctypes.byref(nbytes)) != 0:
+    if lib.gpumem_torch_releasable(index, 1, ctypes.byref(nbytes)) != 0:
         raise GpumemError(f"gpumem could not read its releasable cache on cuda:{index}: {_last_error(lib)}")
     return int(nbytes.value)
 

@@ -8,6 +8,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <unordered_set>
 
 namespace gpumem {
 namespace detail {
@@ -3307,28 +3308,61 @@ std::uint64_t Engine::allocated_nbytes() {
     return st_.allocated_nbytes;
 }
 
-// SegmentBacking.releasable_nbytes and VirtualBacking.releasable_nbytes: free segments; cached chunks and
-// mapped chunks no live block touches, counted at their first page, less those still mapped where stolen from
-std::uint64_t Engine::releasable_nbytes() {
-    Guard guard(*this, true);
+// PythonEngine.releasable_nbytes: SegmentBacking.releasable_nbytes and VirtualBacking.releasable_nbytes (Note
+// [The room counts whole chunks] in plan.py): free segments; cached chunks and mapped chunks no live block
+// touches, counted once each, less those still mapped where stolen from. With `with_carried`, a page touched only
+// by the READY step's carried blocks (PythonEngine._carried_blocks) counts as empty.
+std::uint64_t Engine::releasable_nbytes(bool with_carried) {
+    Guard guard(*this);
+    check_usable_op();
+    if (closed_) return 0;
+    std::vector<Block*> carried;
+    if (with_carried && plan_state_ == kPlanReady)
+        for (const auto& kv : rec_cur_map_) {   // the step just ended; its slots' lifetimes are the template's
+            if (kv.second >= rec_prev_.size()) continue;   // not at READY, where the two steps have one length
+            const StepRecord& r = rec_prev_[kv.second];
+            if (r.free_own >= 0 || r.free_next < 0 || r.free_next > static_cast<std::int64_t>(kv.second)) continue;
+            if (Block* b = static_cast<Block*>(live_.get(kv.first))) carried.push_back(b);
+        }
     std::uint64_t nbytes = 0;
     if (cfg_.segments) {
-        for (auto& up : msegs_)
-            if (!up->live) nbytes += up->nbytes;
+        std::unordered_map<const VSeg*, std::uint64_t> gone;
+        for (Block* b : carried) ++gone[b->seg];
+        for (auto& up : msegs_) {
+            auto it = gone.find(up.get());
+            if (up->live == (it == gone.end() ? 0 : it->second)) nbytes += up->nbytes;
+        }
         return nbytes;
+    }
+    std::unordered_map<const VSeg*, std::unordered_map<std::int64_t, std::int64_t>> gone;
+    for (Block* b : carried) {
+        const VSeg* seg = b->seg;
+        auto& pages = gone[seg];
+        const auto first = static_cast<std::int64_t>((b->addr - seg->base) / seg->page_nbytes);
+        const auto last = static_cast<std::int64_t>((b->addr + b->size - 1 - seg->base) / seg->page_nbytes);
+        for (std::int64_t q = first; q <= last; ++q) ++pages[q];
     }
     for (ChunkHandle h : unmapped_) nbytes += chunk_nbytes(h);
     std::vector<std::int64_t> pages;
+    std::unordered_set<ChunkHandle> seen;
+    static const std::unordered_map<std::int64_t, std::int64_t> kNone;
     for (auto& up : vsegs_) {
         VSeg* seg = up.get();
+        auto git = gone.find(seg);
+        const auto& freed = git == gone.end() ? kNone : git->second;
         seg->empty_list(pages);
+        for (const auto& kv : freed) pages.push_back(kv.first);
         for (auto p : pages) {
             const ChunkHandle h = seg->chunks[p];
-            if (h && !chunked_) nbytes += seg->chunk_nbytes[p];   // a chunk a page (of the range's size)
-            if (!h || !chunked_ || (p && seg->chunks[p - 1] == h)) continue;   // counted at its chunk's first page
-            const std::int64_t n = mapped_chunk_pages(seg, p);
+            if (!h || !seen.insert(h).second) continue;   // no chunk, or counted
+            const std::int64_t first = chunk_start(seg, p);
+            const auto n = static_cast<std::int64_t>(seg->chunk_nbytes[p] / seg->page_nbytes);
             bool idle = true;
-            for (std::int64_t q = p + 1; q < p + n && idle; ++q) idle = seg->is_empty(q);
+            for (std::int64_t q = first; q < first + n && idle; ++q) {
+                if (seg->is_empty(q)) continue;
+                auto f = freed.find(q);
+                idle = f != freed.end() && seg->refs[q] == f->second;
+            }
             if (idle && (deferred_.empty() || !has_deferred(h))) nbytes += seg->chunk_nbytes[p];
         }
     }

@@ -402,9 +402,10 @@ class Engine {
     void reset_peak_stats();
     std::uint64_t reserved_nbytes();
     std::uint64_t allocated_nbytes();
-    // Backing.releasable_nbytes: what empty_cache's release of the engine's cache would give back now, its
-    // fences waited for, changing nothing (Note [The room counts whole chunks] in plan.py).
-    std::uint64_t releasable_nbytes();
+    // PythonEngine.releasable_nbytes: what empty_cache's release of the engine's cache would give back now, its
+    // fences waited for, changing nothing; with `with_carried`, were the READY step's carried blocks freed too
+    // (Note [The room counts whole chunks] in plan.py). 0 once closed; kDeviceLost once the device was lost.
+    std::uint64_t releasable_nbytes(bool with_carried = false);
     std::uint64_t block_size(std::uint64_t ptr);   // throws kInvalidPointer for a non-live pointer
     std::vector<std::pair<std::uint64_t, std::uint64_t>> live_blocks();   // (ptr, size)
     // check_consistency(): the engine's own invariants, plus the device's mappings (va, nbytes,

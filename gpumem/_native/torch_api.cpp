@@ -807,13 +807,13 @@ GPUMEM_EXPORT int gpumem_torch_empty_cache(int device, std::uint64_t* released_n
 }
 
 // What gpumem_torch_empty_cache would give back on `device` now (Engine::releasable_nbytes: whole idle chunks and
-// cached ones; not a step plan's arena), to *nbytes; changes nothing. Returns 0 (0 bytes where gpumem has no
-// engine there), or -1 on error.
-GPUMEM_EXPORT int gpumem_torch_releasable(int device, std::uint64_t* nbytes) {
+// cached ones; not a step plan's arena; with `with_carried`, were the READY step's carried blocks freed too), to
+// *nbytes; changes nothing. Returns 0 (0 bytes where gpumem has no engine there), or -1 on error.
+GPUMEM_EXPORT int gpumem_torch_releasable(int device, int with_carried, std::uint64_t* nbytes) {
     std::uint64_t releasable = 0;
     if (DeviceEngine* d = existing(device)) {
         try {
-            releasable = d->engine->releasable_nbytes();
+            releasable = d->engine->releasable_nbytes(with_carried != 0);
         } catch (const std::exception& e) {
             t_last_error = e.what();
             return -1;

@@ -359,8 +359,9 @@ import itertools
 import logging
 import math
 from array import array
+from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from ..device import Device, PhysicalHandle
 from ..errors import InternalError, InvalidArgumentError, OutOfMemoryError
@@ -508,10 +509,10 @@ class Backing(abc.ABC):
         """
 
     @abc.abstractmethod
-    def releasable_nbytes(self) -> int:
+    def releasable_nbytes(self, assume_free: Sequence[Block] = ()) -> int:
         """The bytes :meth:`release_cached` would give back now with ``wait`` (its fences waited for), changing
-        nothing: memory no live block touches and that can move whole (Note [The room counts whole chunks]).
-        Makes no device call."""
+        nothing: memory no live block touches and that can move whole (Note [The room counts whole chunks]); with
+        ``assume_free`` (live blocks), what it would give back were those freed too. Makes no device call."""
 
     @abc.abstractmethod
     def segments_list(self) -> list[Segment]:
@@ -588,8 +589,9 @@ class SegmentBacking(Backing):
         if not seg.live:
             seg.dirty = True
 
-    def releasable_nbytes(self) -> int:
-        return sum(seg.nbytes for seg in self.segments.values() if not seg.live)
+    def releasable_nbytes(self, assume_free: Sequence[Block] = ()) -> int:
+        gone: Counter[int] = Counter(id(b.segment) for b in assume_free)
+        return sum(seg.nbytes for seg in self.segments.values() if seg.live == gone[id(seg)])
 
     def release_cached(self, drop_blocks: SegmentCallback, wait: bool = True) -> int:
         released = 0
@@ -1800,20 +1802,30 @@ class VirtualBacking(Backing):
             self.deferred = keep + entries[i:]
 
     # -- giving memory back ---------------------------------------------------------------------
-    def releasable_nbytes(self) -> int:
-        # Note [The room counts whole chunks]: a chunk moves whole, so one live page keeps all of its pages; a
-        # chunk still mapped where it was stolen from stays until its fence completes (release_cached skips it)
+    def releasable_nbytes(self, assume_free: Sequence[Block] = ()) -> int:
+        # Note [The room counts whole chunks]: a chunk moves whole, so one live page keeps all of its pages (a
+        # page touched only by blocks of ``assume_free`` counts as empty); a chunk still mapped where it was
+        # stolen from stays until its fence completes (release_cached skips it)
+        gone: dict[int, Counter[int]] = {}   # id(range) -> page -> blocks of assume_free touching it
+        for b in assume_free:
+            seg, first, last = self._pages(b)
+            gone.setdefault(id(seg), Counter()).update(range(first, last + 1))
         nbytes = sum(h.nbytes for h in self.unmapped)
+        stolen = {id(e[2]) for e in self.deferred}
         for seg in self.vsegments.values():
-            chunks, empty = seg.chunks, seg.empty
-            for p in empty:
+            chunks, empty, refs, g = seg.chunks, seg.empty, seg.refs, seg.page_nbytes
+            freed = gone.get(id(seg), Counter())
+            starts = {p for p in empty if chunks[p] is not None}
+            starts.update(p for p in freed if chunks[p] is not None)
+            seen: set[int] = set()
+            for p in starts:
                 handle = chunks[p]
-                if handle is not None and not self.chunked:
-                    nbytes += handle.nbytes   # a chunk a page (of the range's size)
-                if handle is None or not self.chunked or (p and chunks[p - 1] is handle):
-                    continue   # counted at its chunk's first page, which is empty where the whole chunk is
-                n = handle.nbytes // seg.page_nbytes
-                if all(q in empty for q in range(p + 1, p + n)) and not any(e[2] is handle for e in self.deferred):
+                if id(handle) in seen:
+                    continue
+                seen.add(id(handle))
+                s = self._chunk_start(seg, p)
+                if id(handle) not in stolen and all(q in empty or refs[q] == freed[q]
+                                                    for q in range(s, s + handle.nbytes // g)):
                     nbytes += handle.nbytes
         return nbytes
 

@@ -250,7 +250,7 @@ class CachingAllocator(AllocatorContract):
         mem = self.device.mem_info()
         room = plan_room_nbytes(props.total_nbytes, mem.free_nbytes, self._engine.reserved_nbytes(),
                                 self._engine.allocated_nbytes(), self.limit_nbytes, t.carried_nbytes(),
-                                self._engine.releasable_nbytes())
+                                self._engine.releasable_nbytes(True))
         if not self._refused_plans.worth_planning(t, room):
             return
         offsets, height = plan_step_and_height(t, page_nbytes=props.granularity_nbytes, limit_nbytes=room,

@@ -61,10 +61,11 @@ class Engine(Protocol):
 
     def allocated_nbytes(self) -> int: ...
 
-    def releasable_nbytes(self) -> int:
+    def releasable_nbytes(self, with_carried: bool = False) -> int:
         """The bytes giving the engine's cache back would release now (whole idle chunks, cached chunks, free
-        segments; not a step plan's arena), its fences waited for; changes nothing (Note [The room counts whole
-        chunks] in :mod:`.plan`)."""
+        segments; not a step plan's arena), its fences waited for; with ``with_carried``, were the READY step's
+        carried allocations (live at the mark, placed by its plan) freed too. Changes nothing (Note [The room
+        counts whole chunks] in :mod:`.plan`); 0 once closed, DeviceLostError once the device was lost."""
         ...
 
     def live_blocks(self) -> list[tuple[int, int]]: ...

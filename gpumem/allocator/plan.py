@@ -85,12 +85,14 @@ bytes less its live ones, holes between live blocks included; where the cache wa
 16 GB card, 2,700 holes of 3 MiB between 2 MiB blocks), the plan was installed, its arena ran out, the
 engine's out-of-memory ladder dropped it and the allocation raised in a program that runs unmarked (10
 errors in 30 steps, 10 plans dropped). Both engines count what their release would give back
-(``releasable_nbytes``: whole idle chunks, cached chunks, free segments); the room is the free bytes plus
-that, plus the step's carried allocations (:meth:`StepTemplate.carried_nbytes`, freed before their slots
-serve). Under a limit, the same: the limit less what the engine keeps after its release. And the plan needs
-its height plus what the engine serves beside the arena in the step (:func:`engine_rise_nbytes`: allocations
-not freed within two steps share no memory with the arena): a plan that fitted without it was installed and
-dropped by the out-of-memory ladder at every match in a band of limits (a review: 10 of each in 30 steps).
+(``releasable_nbytes``: whole idle chunks, cached chunks, free segments) were the step's carried
+allocations freed too (:meth:`StepTemplate.carried_nbytes`: live at the mark, freed before their slots
+serve), and the room is the free bytes plus that: counted whole, the carried bytes between blocks that stay
+made the same errors (a review: 204 in 30 steps). Under a limit, the limit less what the engine keeps after
+its release. And the plan needs its height plus what the engine serves beside the arena in the step
+(:func:`engine_rise_nbytes`: allocations not freed within two steps share no memory with the arena): a plan
+that fitted without it was installed and dropped by the out-of-memory ladder at every match in a band of
+limits (a review: 10 of each in 30 steps).
 
 Note [Step plans under memory pressure]
 ---------------------------------------
@@ -702,8 +704,9 @@ def engine_rise_nbytes(t: StepTemplate, idx: np.ndarray, round_nbytes: int = ROU
     """The most the engine's live bytes rise above their level at the mark while a planned step runs (Note [The
     room counts whole chunks]): the allocations the plan leaves to the engine (all but ``idx``, the plannable
     ones: :func:`template_items`), less their own frees in the step and the frees, at their ``free_next`` ranks,
-    of the previous step's copies of those still live at the mark. Rounded as the plan rounds; 0 where the
-    engine only gives back."""
+    of the previous step's copies of those still live at the mark. Each rounded up to ``round_nbytes``
+    (:func:`plan_step_and_height` gives the arena's page where it has one: an allocation the engine serves beside
+    a full arena may need pages of its own); 0 where the engine only gives back."""
     n = len(t)
     if n == len(idx):
         return 0
@@ -766,7 +769,7 @@ def plan_step_and_height(t: StepTemplate, planner: Planner | str = Planner.GREED
     if len(idx) == 0:
         return offsets, 0
     r = max(ROUND_NBYTES, round_nbytes)
-    rise = engine_rise_nbytes(t, idx, r)
+    rise = engine_rise_nbytes(t, idx, page_nbytes or r)   # pages at worst: the engine's own beside the arena
     stacked = _stack_streams(t, idx, items, planner, page_nbytes, r)
     if stacked[1] + rise > bound and page_nbytes is not None:   # the lowest layouts may still fit
         stacked = _stack_streams(t, idx, items, planner, None, r)
@@ -805,9 +808,10 @@ def plan_room_nbytes(total_nbytes: int, free_nbytes: int | None = None, reserved
     (``allocated_nbytes`` less ``carried_nbytes``, the step's own allocations still live at the mark, which the
     plan has slots for: :meth:`StepTemplate.carried_nbytes`); where the allocator has a ``limit_nbytes``, at most
     what it leaves beside those live bytes. Where ``releasable_nbytes`` is known (the engine's
-    ``releasable_nbytes()``: what giving its cache back would release), the engine's part is that plus the
-    carried bytes, and under a limit what it keeps after that release counts against it (Note [The room counts
-    whole chunks]). At least 1 (an empty room plans nothing), at most :data:`MAX_ARENA_NBYTES`.
+    ``releasable_nbytes(with_carried=True)``: what giving its cache back would release, were the carried
+    allocations freed), the engine's part is that alone, and under a limit what it keeps after that release
+    counts against it (Note [The room counts whole chunks]). At least 1 (an empty room plans nothing), at most
+    :data:`MAX_ARENA_NBYTES`.
 
     Raises:
         InvalidArgumentError: an argument that is not an int (None allowed for ``free_nbytes``,
@@ -829,7 +833,7 @@ def plan_room_nbytes(total_nbytes: int, free_nbytes: int | None = None, reserved
     cache = max(0, int(reserved_nbytes) - staying)   # what the engine holds beyond its live bytes that stay
     movable = cache   # of which only whole chunks move (Note [The room counts whole chunks])
     if releasable_nbytes is not None:
-        movable = min(cache, int(releasable_nbytes) + int(carried_nbytes))
+        movable = min(cache, int(releasable_nbytes))
     room = int(total_nbytes)
     if free_nbytes is not None:
         room = min(room, int(free_nbytes) + movable)

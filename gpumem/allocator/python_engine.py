@@ -25,7 +25,7 @@ from .backing import AddressSpaceExhausted, Backing, LimitExceeded, Segment, Seg
 from .block import Block, FreeList, TopDownFreeList, append_block, drop_last_block, merge_blocks, split_block
 from .engine import OomCause, no_history_error, oom_error
 from .fences import StreamFences
-from .plan import StepPlan, check_generation, check_record_limit
+from .plan import StepPlan, StepState, check_generation, check_record_limit
 from .policy import AllocatorPolicy
 from .stats import AllocatorStats
 
@@ -624,9 +624,28 @@ class PythonEngine:
     def allocated_nbytes(self) -> int:
         return self._stats.allocated_nbytes
 
-    def releasable_nbytes(self) -> int:
-        with self._lock:
-            return self.backing.releasable_nbytes()
+    def releasable_nbytes(self, with_carried: bool = False) -> int:
+        with self._operation():
+            if self._closed:
+                return 0
+            return self.backing.releasable_nbytes(self._carried_blocks() if with_carried else ())
+
+    def _carried_blocks(self) -> list[Block]:
+        """The engine's live blocks that the READY step's plan places though they are live at the mark: the
+        allocations of the step just ended (its sizes are the template's) whose template slot is freed early in
+        the next step (:meth:`.plan.StepTemplate.carried_nbytes`); none without a READY step."""
+        plan = self._plan
+        if plan.state is not StepState.READY:
+            return []
+        out = []
+        for ptr, i in plan.cur_map.items():
+            if i >= len(plan.prev):
+                continue   # not at READY, where the two steps have one length
+            _, _, free_own, free_next = plan.prev[i]
+            block = self._live.get(ptr)
+            if block is not None and free_own < 0 and 0 <= free_next <= i:
+                out.append(block)
+        return out
 
     def live_blocks(self) -> list[tuple[int, int]]:
         """The engine's live blocks and the step plan's arenas' live allocations, by address (review attacker 12,

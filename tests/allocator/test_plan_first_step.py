@@ -192,10 +192,10 @@ def test_plan_room_nbytes_is_the_least_of_its_bounds():
     assert plan_room_nbytes(100, limit_nbytes=70, allocated_nbytes=20) == 50
     assert plan_room_nbytes(100, limit_nbytes=10, allocated_nbytes=20) == 1   # no room: plans nothing
     assert plan_room_nbytes(1 << 60) == MAX_ARENA_NBYTES
-    # only what the engine's release gives back counts (Note [The room counts whole chunks]), carried bytes beside it
+    # only what the engine's release gives back counts (Note [The room counts whole chunks])
     assert plan_room_nbytes(100, free_nbytes=30, reserved_nbytes=50, allocated_nbytes=20, releasable_nbytes=5) == 35
-    assert plan_room_nbytes(100, free_nbytes=30, reserved_nbytes=50, allocated_nbytes=20, releasable_nbytes=5,
-                            carried_nbytes=10) == 45
+    assert plan_room_nbytes(100, free_nbytes=30, reserved_nbytes=50, allocated_nbytes=20, releasable_nbytes=15,
+                            carried_nbytes=10) == 45   # releasable counts the carried blocks' chunks
     assert plan_room_nbytes(100, free_nbytes=30, reserved_nbytes=50, allocated_nbytes=20, releasable_nbytes=99) == 60
     assert plan_room_nbytes(100, limit_nbytes=70, reserved_nbytes=50, allocated_nbytes=20, releasable_nbytes=5) == 25
 

@@ -83,7 +83,7 @@ def test_the_hooks_without_an_engine(lib):
     released = ctypes.c_uint64(7)
     assert lib.gpumem_torch_empty_cache(0, ctypes.byref(released)) == 0 and released.value == 0
     releasable = ctypes.c_uint64(7)
-    assert lib.gpumem_torch_releasable(0, ctypes.byref(releasable)) == 0 and releasable.value == 0
+    assert lib.gpumem_torch_releasable(0, 1, ctypes.byref(releasable)) == 0 and releasable.value == 0
     assert lib.gpumem_torch_record_stream(ctypes.c_void_p(0x1000), None) == -1
     assert b"no gpumem engine has started" in lib.gpumem_torch_last_error()
     assert lib.gpumem_torch_engine_state(-1) == -1 and lib.gpumem_torch_engine_state(5) == 0

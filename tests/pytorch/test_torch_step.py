@@ -63,9 +63,9 @@ class StandIn:
         values[0] = self.granularity_nbytes
         return 1
 
-    def gpumem_torch_releasable(self, index, nbytes):
+    def gpumem_torch_releasable(self, index, with_carried, nbytes):
         """What the engine's release would give back (the plan's room: Note [The room counts whole chunks])."""
-        nbytes._obj.value = self.e.releasable_nbytes()
+        nbytes._obj.value = self.e.releasable_nbytes(bool(with_carried))
         return 0
 
     def gpumem_torch_step_mark(self, index):

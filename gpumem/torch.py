@@ -612,10 +612,11 @@ def _mark_step(index: int) -> Any:
             return result   # refused before in no less room (Note [A plan taller than the device])
         offsets, height = plan_step_and_height(t, page_nbytes=page_nbytes, limit_nbytes=room)
         if refused.note(t, room or MAX_ARENA_NBYTES, offsets):
-            log.warning("gpumem.torch: the recorded step's plan on cuda:%d needs %s and gpumem has room for %s there "
-                        "(free memory plus the idle chunks its cache can give back): no step plan, the engine serves "
-                        "the step as where no plan forms, and this step is not planned again until the room grows "
-                        "(Note [A plan taller than the device] in gpumem.allocator.plan)", index, format_bytes(height),
+            log.warning("gpumem.torch: the recorded step's plan on cuda:%d needs %s (its arena and what gpumem serves "
+                        "beside it in the step) and gpumem has room for %s there (free memory plus the idle chunks its "
+                        "cache can give back): no step plan, gpumem serves the step as it does where no plan forms, "
+                        "and this step is not planned again until the room grows (Notes [The room counts whole chunks] "
+                        "and [A plan taller than the device] in gpumem.allocator.plan)", index, format_bytes(height),
                         format_bytes(room or MAX_ARENA_NBYTES))
         if (offsets >= 0).any():
             offsets = np.ascontiguousarray(offsets, dtype=np.int64)
@@ -635,7 +636,8 @@ def _mark_step(index: int) -> Any:
 
 def _plan_room_nbytes(index: int, carried_nbytes: int = 0) -> int | None:
     """The room a step plan has on cuda:``index`` (:func:`gpumem.allocator.plan.plan_room_nbytes`: the device's
-    memory, at most its free bytes plus gpumem's idle cache there; Note [A plan taller than the device]); None
+    memory, at most its free bytes plus the chunks of gpumem's idle cache there that hold no live block, the carried
+    allocations counted as freed; Note [The room counts whole chunks]); None
     where PyTorch is not loaded, has no CUDA or cannot say (the tests' stand-in engines)."""
     from .allocator.plan import plan_room_nbytes
 

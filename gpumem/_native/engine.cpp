@@ -3316,7 +3316,8 @@ std::uint64_t Engine::releasable_nbytes(bool with_carried) {
     Guard guard(*this);
     check_usable_op();
     if (closed_) return 0;
-    std::vector<Block*> carried;
+    // blocks freed while other streams used them go back with the cache too (it waits for those uses)
+    std::vector<Block*> carried(pending_.begin(), pending_.end());
     if (with_carried && plan_state_ == kPlanReady)
         for (const auto& kv : rec_cur_map_) {   // the step just ended; its slots' lifetimes are the template's
             if (kv.second >= rec_prev_.size()) continue;   // not at READY, where the two steps have one length

@@ -215,8 +215,9 @@ class CachingAllocator(AllocatorContract):
         missed three steps in a row, or four of its last eight, is dropped and recording starts again.
         Call it at the same point of every step, where the fewest bytes are live (the top of a training
         loop). Returns what the call did (:class:`.plan.MarkResult`). A plan must fit the room the allocator has
-        at the mark (free memory plus its idle cache, within ``limit``; each stream's slots are stacked): one
-        that does not is not installed (the call still returns READY; ``step_plan_info().plans_installed`` says
+        at the mark (free memory plus the chunks of its idle cache that hold no live block, within ``limit``; each
+        stream's slots are stacked, and what the engine still serves beside them in the step counts too: Note [The
+        room counts whole chunks] in :mod:`.plan`): one that does not is not installed (the call still returns READY; ``step_plan_info().plans_installed`` says
         it), a warning says so once, and the same step is not planned again until the room grows (Note [A plan
         taller than the device] in :mod:`.plan`). Marks from several threads are
         safe: a READY step that another thread's mark took while this one planned it is not installed
@@ -256,12 +257,13 @@ class CachingAllocator(AllocatorContract):
         offsets, height = plan_step_and_height(t, page_nbytes=props.granularity_nbytes, limit_nbytes=room,
                                                round_nbytes=self.policy.round_nbytes)
         if self._refused_plans.note(t, room, offsets):
-            log.warning("mark_step: the recorded step's plan needs %s and this allocator has room for %s on %s "
-                        "(free memory plus the idle chunks its cache can give back, within its limit): no step "
-                        "plan, the engine serves the step as where no plan forms, and this step is not planned again "
-                        "until the room grows (Note [A plan taller than the device] in gpumem.allocator.plan)",
-                        format_bytes(height),
-                        format_bytes(room), self.device.spec)
+            log.warning("mark_step: the recorded step's plan needs %s (its arena and what the engine serves beside it "
+                        "in the step) and this allocator has room for %s on %s (free memory plus the idle chunks its "
+                        "cache can give back%s): no step plan, the engine serves the step as it does where no plan "
+                        "forms, and this step is not planned again until the room grows (Notes [The room counts whole "
+                        "chunks] and [A plan taller than the device] in gpumem.allocator.plan)", format_bytes(height),
+                        format_bytes(room), self.device.spec,
+                        "" if self.limit_nbytes is None else f", within the limit of {format_bytes(self.limit_nbytes)}")
         if not (offsets >= 0).any():
             return
         try:

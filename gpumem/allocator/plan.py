@@ -67,10 +67,11 @@ Each stream's items are planned apart and stacked (Note [Step plans]); two strea
 device stack past it, and a layout chosen for its first step may be taller than the lowest. The engines refuse
 an offset past the device (``install_plan``), which a mark raised in a program doing nothing wrong (a review:
 9 GiB a step on each of two streams of a 16 GB card, the third mark). ``plan_step`` takes the room a plan
-has (``limit_nbytes``; :func:`plan_room_nbytes`: the device's memory, at most free plus the engine's idle
-cache, less what the allocator's limit leaves): where the stack ends past it, every stream takes its lowest
-layout, and where that too ends past it, nothing is planned (all -1, logged), and the engine serves the step
-as where no plan forms (a memory-first warm-up runs to its end: Note [A memory-first warm-up]). All or
+has (``limit_nbytes``; :func:`plan_room_nbytes`: the device's memory, at most its free bytes plus the idle
+chunks the engine can give back, and within the allocator's limit: Note [The room counts whole chunks]): where
+the stack ends past it, every stream takes its lowest layout, and where that too ends past it, nothing is
+planned (all -1, logged), and the engine serves the step as where no plan forms (a memory-first warm-up runs
+to its end: Note [A memory-first warm-up]). All or
 nothing: a plan of one stream beside another left to the engine held both, was dropped by the memory pressure
 it made and formed again at the next match, forever (a review: 20 installed, 20 dropped, no planned step,
 twice the device calls). A refused step is remembered (:class:`RefusedPlans`): the same step is not planned
@@ -774,7 +775,7 @@ def plan_step_and_height(t: StepTemplate, planner: Planner | str = Planner.GREED
     if stacked[1] + rise > bound and page_nbytes is not None:   # the lowest layouts may still fit
         stacked = _stack_streams(t, idx, items, planner, None, r)
     if stacked[1] + rise > bound:
-        log.info("plan_step: the step's plan (%d allocations, %d B stacked over %d streams, beside %d B the engine "
+        log.info("plan_step: the step's plan (%d allocations, %d B stacked over %d stream(s), beside %d B the engine "
                  "serves) ends past its room of %d B: nothing is planned, the engine serves the step", len(idx),
                  stacked[1], len(np.unique(t.streams[idx])), rise, bound)
         return offsets, stacked[1] + rise
@@ -809,7 +810,8 @@ def plan_room_nbytes(total_nbytes: int, free_nbytes: int | None = None, reserved
     plan has slots for: :meth:`StepTemplate.carried_nbytes`); where the allocator has a ``limit_nbytes``, at most
     what it leaves beside those live bytes. Where ``releasable_nbytes`` is known (the engine's
     ``releasable_nbytes(with_carried=True)``: what giving its cache back would release, were the carried
-    allocations freed), the engine's part is that alone, and under a limit what it keeps after that release
+    allocations freed), the engine's part is that, at most ``reserved_nbytes`` less the live bytes that stay
+    (so it counts only with ``reserved_nbytes`` given), and under a limit what it keeps after that release
     counts against it (Note [The room counts whole chunks]). At least 1 (an empty room plans nothing), at most
     :data:`MAX_ARENA_NBYTES`.
 

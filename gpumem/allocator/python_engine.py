@@ -628,7 +628,8 @@ class PythonEngine:
         with self._operation():
             if self._closed:
                 return 0
-            return self.backing.releasable_nbytes(self._carried_blocks() if with_carried else ())
+            # blocks freed while other streams used them go back with the cache too (it waits for those uses)
+            return self.backing.releasable_nbytes(self._pending + (self._carried_blocks() if with_carried else []))
 
     def _carried_blocks(self) -> list[Block]:
         """The engine's live blocks that the READY step's plan places though they are live at the mark: the

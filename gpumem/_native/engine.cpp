@@ -2965,30 +2965,35 @@ bool Engine::reown_idle(std::uint64_t stream, FreeList* fl) {
 // PythonEngine._retry_after_release
 Block* Engine::retry_after_release(bool small, std::uint64_t stream, std::uint64_t size, FreeList* fl,
                                    std::uint64_t nbytes) {
-    plan_shrink();   // plan.py StepPlan.shrink: a step plan's arena gives back what no live allocation uses
-    for (int w = 0; w < 2; ++w) {
-        bool wait = w == 1;
-        process_pending(wait);
-        release_cached_all(wait);
-        bool more = !wait && anything_to_wait_for();   // before this attempt adds its own free block
-        Block* b = nullptr;
-        Caught caught;
-        try {
-            b = fl_best_fit(fl, size);
-            if (!b && !cfg_.segments && reown_idle(stream, fl)) b = fl_best_fit(fl, size);   // virtual memory only
-            if (b) fl_remove(fl, b);
-            else b = grow_once(small, stream, size, fl);
-            b = split(b, size, small, fl);
-            commit(b);
-            return b;
-        } catch (...) {
-            if (b) insert_free(b);
-            caught = classify_current();
-            if (!caught.oom) throw;
-        }
-        if (!more) {
-            ++st_.num_ooms;
-            throw oom_error(nbytes, caught.cause, caught.exc);
+    // the engine's own cache first, then a step plan's arena (plan.py StepPlan.shrink: Note [Step plans under
+    // memory pressure])
+    for (int shrink = 0; shrink < 2; ++shrink) {
+        if (shrink) plan_shrink();
+        for (int w = 0; w < 2; ++w) {
+            bool wait = w == 1;
+            process_pending(wait);
+            release_cached_all(wait);
+            bool more = !wait && anything_to_wait_for();   // before this attempt adds its own free block
+            Block* b = nullptr;
+            Caught caught;
+            try {
+                b = fl_best_fit(fl, size);
+                if (!b && !cfg_.segments && reown_idle(stream, fl)) b = fl_best_fit(fl, size);   // virtual memory only
+                if (b) fl_remove(fl, b);
+                else b = grow_once(small, stream, size, fl);
+                b = split(b, size, small, fl);
+                commit(b);
+                return b;
+            } catch (...) {
+                if (b) insert_free(b);
+                caught = classify_current();
+                if (!caught.oom) throw;
+            }
+            if (!more && (shrink || !(plan_state_ == kPlanPlanned || !arenas_.empty()))) {
+                ++st_.num_ooms;
+                throw oom_error(nbytes, caught.cause, caught.exc);
+            }
+            if (!more) break;   // the plan's arena next
         }
     }
     throw EngineError(EngineErrorKind::kInternal, "unreachable");

@@ -99,10 +99,12 @@ Note [Step plans under memory pressure]
 ---------------------------------------
 A step that leaves the plan is served by the engine while the arena keeps its mapped pages, so both can
 hold a step's worth of memory; a program that fits unmarked under a limit ran out of memory marked.
-Rule: before the engine declares out of memory (its retry ladder), ``StepPlan.shrink`` drops the
-plan (state RECORDING) and gives back every run (a mapping made at once) of a dropped arena that no live
-allocation touches, after waiting for the arena's streams; a dropped arena with nothing live goes back
-whole. The engine then retries. The arena's mapped bytes count in the out-of-memory error's reserved.
+Rule: before the engine declares out of memory (its retry ladder), and only once giving its own cache back
+(waiting for its work) did not make room, ``StepPlan.shrink`` drops the plan (state RECORDING) and gives back
+every run (a mapping made at once) of a dropped arena that no live allocation touches, after waiting for the
+arena's streams; a dropped arena with nothing live goes back whole. The engine then retries. (The plan was
+dropped first until a review found a plan installed and dropped at every match under a limit, 5 of each in 30
+steps, where the engine's idle cache alone made room.) The arena's mapped bytes count in the out-of-memory error's reserved.
 A failed give-back (``mem_unmap``, ``mem_release``, ``address_free`` or a wait) raises from the call
 that tried it (the mark of a drop, a free, ``close``) and leaves the layer recording: each run notes
 when it is unmapped, so the next try (every ``mark_step`` retries dropped arenas with nothing live)

@@ -397,34 +397,40 @@ class PythonEngine:
                              nbytes: int) -> Block:
         """Make pending blocks reusable and give cached memory back, then try once more to find or grow,
         split and commit a block: first with what is free of work (no waiting), and only if that is
-        still short, waiting for the work still using cached memory."""
-        self._plan.shrink()   # Note [Step plans under memory pressure]
-        for wait in (False, True):
-            self._process_pending(wait=wait)
-            self._release_cached(wait=wait)
-            more = not wait and self._anything_to_wait_for()  # before this attempt adds its own free block
-            block = None
-            try:
-                block = free_list.best_fit(size)
-                if block is None and isinstance(self.backing, VirtualBacking) and self._reown_idle(stream, free_list):
+        still short, waiting for the work still using cached memory; and only if that too is short, with a
+        step plan's arena dropped (Note [Step plans under memory pressure])."""
+        plan = self._plan
+        for shrink in (False, True):
+            if shrink:
+                plan.shrink()
+            for wait in (False, True):
+                self._process_pending(wait=wait)
+                self._release_cached(wait=wait)
+                more = not wait and self._anything_to_wait_for()  # before this attempt adds its own free block
+                block = None
+                try:
                     block = free_list.best_fit(size)
-                if block is not None:
-                    free_list.remove(block)
-                else:
-                    block = self._grow_once(small, stream, size, free_list)
-                block = self._split(block, size, small, free_list)
-                self.backing.commit(block)
-                return block
-            except OutOfMemoryError as exc:
-                if block is not None:
-                    self._unsplit_after_failure(block, free_list)
-                if not more:
-                    self._stats.num_ooms += 1
-                    raise self._oom_error(nbytes, exc) from None
-            except BaseException:
-                if block is not None:
-                    self._unsplit_after_failure(block, free_list)
-                raise
+                    if block is None and isinstance(self.backing, VirtualBacking) and self._reown_idle(stream, free_list):
+                        block = free_list.best_fit(size)
+                    if block is not None:
+                        free_list.remove(block)
+                    else:
+                        block = self._grow_once(small, stream, size, free_list)
+                    block = self._split(block, size, small, free_list)
+                    self.backing.commit(block)
+                    return block
+                except OutOfMemoryError as exc:
+                    if block is not None:
+                        self._unsplit_after_failure(block, free_list)
+                    if not more and (shrink or not (plan.state is StepState.PLANNED or plan.arenas)):
+                        self._stats.num_ooms += 1
+                        raise self._oom_error(nbytes, exc) from None
+                    if not more:
+                        break   # the plan's arena next
+                except BaseException:
+                    if block is not None:
+                        self._unsplit_after_failure(block, free_list)
+                    raise
         raise InternalError("unreachable")  # pragma: no cover
 
     def _kept_nbytes(self, block: Block, size: int, small: bool) -> int:

@@ -235,3 +235,30 @@ def test_a_plan_that_fits_only_without_what_the_engine_serves_is_refused(engine,
         alloc.close()
         assert (info.plans_installed, info.plans_dropped, warnings) == want, (limit, info)
         assert info.steps_hit >= (15 if want[0] else 0)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_out_of_memory_gives_the_engines_cache_back_before_the_plan(engine):
+    """New-user review: 1 GiB of weights, six 512 MiB activations a step and a 512 MiB block kept three steps hold
+    6 GiB unmarked; under a 6 GiB limit the plan was installed and dropped at every match (5 of each in 30 steps):
+    the engine's retry ladder dropped the plan before giving back its own idle cache, which alone made room. Now
+    the cache goes first (Note [Step plans under memory pressure])."""
+    from collections import deque
+
+    alloc = CachingAllocator(open_device("sim:t4-16gb"), get_policy("gpumem"), engine=engine, limit=6 * GiB)
+    weights = [alloc.allocate(256 * MiB) for _ in range(4)]
+    kept: deque[int] = deque()
+    for _ in range(30):
+        alloc.mark_step()
+        acts = [alloc.allocate(512 * MiB) for _ in range(6)]
+        kept.append(alloc.allocate(512 * MiB))
+        if len(kept) > 3:
+            alloc.free(kept.popleft())
+        for ptr in acts:
+            alloc.free(ptr)
+    info = alloc.step_plan_info()
+    for ptr in weights + list(kept):
+        alloc.free(ptr)
+    alloc.check_consistency()
+    alloc.close()
+    assert (info.plans_installed, info.plans_dropped) == (1, 0) and info.steps_hit >= 25, info

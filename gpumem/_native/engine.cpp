@@ -3327,7 +3327,7 @@ std::uint64_t Engine::releasable_nbytes(bool with_carried) {
         for (const auto& kv : rec_cur_map_) {   // the step just ended; its slots' lifetimes are the template's
             if (kv.second >= rec_prev_.size()) continue;   // not at READY, where the two steps have one length
             const StepRecord& r = rec_prev_[kv.second];
-            if (r.free_own >= 0 || r.free_next < 0 || r.free_next > static_cast<std::int64_t>(kv.second)) continue;
+            if (r.free_own >= 0 || r.free_next != 0) continue;   // freed before the next step allocates: room
             if (Block* b = static_cast<Block*>(live_.get(kv.first))) carried.push_back(b);
         }
     std::uint64_t nbytes = 0;

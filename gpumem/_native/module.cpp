@@ -887,10 +887,13 @@ PyObject* Alloc_allocated_nbytes(AllocObject* self, PyObject*) {
 }
 
 // releasable_nbytes(with_carried=False): PythonEngine.releasable_nbytes
-PyObject* Alloc_releasable_nbytes(AllocObject* self, PyObject* args) {
+PyObject* Alloc_releasable_nbytes(AllocObject* self, PyObject* args, PyObject* kwargs) {
     CHECK_ALIVE(self);
     int with_carried = 0;
-    if (!PyArg_ParseTuple(args, "|p:releasable_nbytes", &with_carried)) return nullptr;
+    static const char* kwlist[] = {"with_carried", nullptr};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|p:releasable_nbytes", const_cast<char**>(kwlist),
+                                     &with_carried))
+        return nullptr;
     return run_op(self, [&]() {
         return PyLong_FromUnsignedLongLong(self->engine->releasable_nbytes(with_carried != 0));
     });
@@ -1652,7 +1655,7 @@ PyMethodDef Alloc_methods[] = {
      "the backing's counters (chunks, steals, waits, ranges, address space, page, leaked), as a dict"},
     {"reserved_nbytes", reinterpret_cast<PyCFunction>(Alloc_reserved_nbytes), METH_NOARGS, "reserved bytes"},
     {"allocated_nbytes", reinterpret_cast<PyCFunction>(Alloc_allocated_nbytes), METH_NOARGS, "allocated bytes"},
-    {"releasable_nbytes", reinterpret_cast<PyCFunction>(Alloc_releasable_nbytes), METH_VARARGS,
+    {"releasable_nbytes", reinterpret_cast<PyCFunction>(Alloc_releasable_nbytes), METH_VARARGS | METH_KEYWORDS,
      "releasable_nbytes(with_carried=False): what giving the cache back would release now"},
     {"block_size", reinterpret_cast<PyCFunction>(Alloc_block_size), METH_O, "size of a live block"},
     {"live_blocks", reinterpret_cast<PyCFunction>(Alloc_live_blocks), METH_NOARGS, "(ptr, size) of live blocks"},

@@ -86,10 +86,12 @@ bytes less its live ones, holes between live blocks included; where the cache wa
 16 GB card, 2,700 holes of 3 MiB between 2 MiB blocks), the plan was installed, its arena ran out, the
 engine's out-of-memory ladder dropped it and the allocation raised in a program that runs unmarked (10
 errors in 30 steps, 10 plans dropped). Both engines count what their release would give back
-(``releasable_nbytes``: whole idle chunks, cached chunks, free segments) were the step's carried
-allocations freed too (:meth:`StepTemplate.carried_nbytes`: live at the mark, freed before their slots
-serve), and the room is the free bytes plus that: counted whole, the carried bytes between blocks that stay
-made the same errors (a review: 204 in 30 steps). Under a limit, the limit less what the engine keeps after
+(``releasable_nbytes``: whole idle chunks, cached chunks, free segments, blocks freed while other streams
+use them) were the step's carried allocations that go before the next step allocates freed too (live at the
+mark, placed by the plan: :meth:`StepTemplate.carried_nbytes`), and the room is the free bytes plus that:
+counted whole, the carried bytes between blocks that stay made the same errors (a review: 204 in 30 steps),
+and gradients freed after the forward pass (``zero_grad`` there) are still live while the arena maps it (a
+review: 32 of 2,028 random training loops under a limit raised out of memory marked, not unmarked). Under a limit, the limit less what the engine keeps after
 its release. And the plan needs its height plus what the engine serves beside the arena in the step
 (:func:`engine_rise_nbytes`: allocations not freed within two steps share no memory with the arena): a plan
 that fitted without it was installed and dropped by the out-of-memory ladder at every match in a band of
@@ -708,8 +710,9 @@ def engine_rise_nbytes(t: StepTemplate, idx: np.ndarray, round_nbytes: int = ROU
     room counts whole chunks]): the allocations the plan leaves to the engine (all but ``idx``, the plannable
     ones: :func:`template_items`), less their own frees in the step and the frees, at their ``free_next`` ranks,
     of the previous step's copies of those still live at the mark. Each rounded up to ``round_nbytes``
-    (:func:`plan_step_and_height` gives the arena's page where it has one: an allocation the engine serves beside
-    a full arena may need pages of its own); 0 where the engine only gives back."""
+    (:func:`plan_step_and_height` adds two of the arena's pages where it has one: the engine packs what it
+    serves, but beside a full arena its small and its large pool may each need a page of their own); 0 where the
+    engine only gives back."""
     n = len(t)
     if n == len(idx):
         return 0
@@ -772,7 +775,9 @@ def plan_step_and_height(t: StepTemplate, planner: Planner | str = Planner.GREED
     if len(idx) == 0:
         return offsets, 0
     r = max(ROUND_NBYTES, round_nbytes)
-    rise = engine_rise_nbytes(t, idx, page_nbytes or r)   # pages at worst: the engine's own beside the arena
+    rise = engine_rise_nbytes(t, idx, r)
+    if rise and page_nbytes:   # the engine packs them, but may need a page of its own in each pool beside the arena
+        rise += 2 * page_nbytes
     stacked = _stack_streams(t, idx, items, planner, page_nbytes, r)
     if stacked[1] + rise > bound and page_nbytes is not None:   # the lowest layouts may still fit
         stacked = _stack_streams(t, idx, items, planner, None, r)

@@ -638,9 +638,11 @@ class PythonEngine:
             return self.backing.releasable_nbytes(self._pending + (self._carried_blocks() if with_carried else []))
 
     def _carried_blocks(self) -> list[Block]:
-        """The engine's live blocks that the READY step's plan places though they are live at the mark: the
-        allocations of the step just ended (its sizes are the template's) whose template slot is freed early in
-        the next step (:meth:`.plan.StepTemplate.carried_nbytes`); none without a READY step."""
+        """The engine's live blocks that the READY step's plan places though they are live at the mark and that go
+        before the next step allocates anything: the allocations of the step just ended (its sizes are the
+        template's) whose template slot is freed at rank 0 of the next step. One freed later (``zero_grad`` after
+        the forward pass) is still live while the arena maps the step's first pages, so it is no room (Note [The
+        room counts whole chunks]). None without a READY step."""
         plan = self._plan
         if plan.state is not StepState.READY:
             return []
@@ -650,7 +652,7 @@ class PythonEngine:
                 continue   # not at READY, where the two steps have one length
             _, _, free_own, free_next = plan.prev[i]
             block = self._live.get(ptr)
-            if block is not None and free_own < 0 and 0 <= free_next <= i:
+            if block is not None and free_own < 0 and free_next == 0:   # freed before the next step allocates
                 out.append(block)
         return out
 

@@ -219,8 +219,9 @@ def test_a_plan_that_fits_only_without_what_the_engine_serves_is_refused(engine,
     """Attacker review: in a band of limits a marked loop's plan fitted the room but the allocations it leaves to
     the engine did not fit beside it: installed and dropped by the out-of-memory ladder at every match, no planned
     step (here 10 of each in 30 steps under a 7 GiB limit, where the loop holds 6 GiB unmarked). Now refused once,
-    with a warning; under 8 GiB, the plan and the engine's 2 GiB both fit and the plan serves."""
-    for limit, want in ((7 * GiB, (0, 0, 1)), (8 * GiB, (1, 0, 0))):
+    with a warning; under 8.25 GiB, the plan and the engine's 2 GiB (and a page of its own in each pool) both fit
+    and the plan serves."""
+    for limit, want in ((7 * GiB, (0, 0, 1)), (8 * GiB + GiB // 4, (1, 0, 0))):
         alloc = CachingAllocator(open_device("sim:t4-16gb"), get_policy("gpumem"), engine=engine, limit=limit)
         prev = None
         with caplog.at_level(logging.WARNING, logger="gpumem.allocator.caching"):

@@ -337,32 +337,36 @@ def test_a_failed_release_of_a_dropped_arena_is_retried_and_planning_goes_on(eng
 def test_a_program_that_fits_unmarked_fits_marked_when_its_steps_leave_the_plan(engine):
     """Under a limit the program fits unmarked: steps that leave the plan (allocation 0 one byte larger) do
     not run out of memory, the engine's out-of-memory ladder drops the plan and takes the arena's idle runs
-    back; an out-of-memory error counts the arena in reserved (attacker 7, finding 1)."""
-    for marked in (False, True):
-        alloc = make(engine, limit=32 * MiB)
-        loop = Loop(alloc)
-        for i in range(12):
+    back; an out-of-memory error counts the arena in reserved (attacker 7, finding 1). Under 32 MiB the plan's
+    room (Note [The room counts whole chunks]: the blocks carried across the mark are freed after the next step
+    allocates, so they are no room) refuses it since 2026-12-06; under 40 MiB it is installed."""
+    for limit, planned in ((32 * MiB, False), (40 * MiB, True)):
+        for marked in (False, True):
+            alloc = make(engine, limit=limit)
+            loop = Loop(alloc)
+            for i in range(12):
+                if marked:
+                    loop.step(change={0: 3 * MiB + 1} if i >= 5 else None)
+                else:
+                    # the same allocations without marks
+                    for j, (size, stream, life) in enumerate(LOOP):
+                        loop.free_due()
+                        loop.clock += 1
+                        size = 3 * MiB + 1 if (i >= 5 and j == 0) else size
+                        loop.live.append([alloc.allocate(size, stream), size, loop.clock + life])
+            alloc.check_consistency()
+            assert alloc.stats.peak_reserved_nbytes <= limit
             if marked:
-                loop.step(change={0: 3 * MiB + 1} if i >= 5 else None)
-            else:
-                # the same allocations without marks
-                for j, (size, stream, life) in enumerate(LOOP):
-                    loop.free_due()
-                    loop.clock += 1
-                    size = 3 * MiB + 1 if (i >= 5 and j == 0) else size
-                    loop.live.append([alloc.allocate(size, stream), size, loop.clock + life])
-        alloc.check_consistency()
-        assert alloc.stats.peak_reserved_nbytes <= 32 * MiB
-        if marked:
-            assert alloc.step_plan_info().plans_dropped >= 1
-    alloc = make(engine, limit=32 * MiB)
+                info = alloc.step_plan_info()
+                assert (info.plans_installed >= 1 and info.plans_dropped >= 1) if planned else info.plans_installed == 0
+    alloc = make(engine, limit=40 * MiB)
     loop = Loop(alloc)
     for _ in range(5):
         loop.step()
     mapped = alloc.step_plan_info().mapped_nbytes
     assert mapped > 0
     with pytest.raises(OutOfMemoryError) as info:
-        alloc.allocate(31 * MiB)
+        alloc.allocate(39 * MiB)
     assert info.value.cached_nbytes >= 0   # the arena counts in reserved
 
 

@@ -2989,7 +2989,7 @@ Block* Engine::retry_after_release(bool small, std::uint64_t stream, std::uint64
                 caught = classify_current();
                 if (!caught.oom) throw;
             }
-            if (!more && (shrink || !(plan_state_ == kPlanPlanned || !arenas_.empty()))) {
+            if (!more && (shrink || !plan_holds_memory())) {
                 ++st_.num_ooms;
                 throw oom_error(nbytes, caught.cause, caught.exc);
             }

@@ -495,6 +495,8 @@ class Engine {
         bool holds(std::uint64_t p) const { return p >= base && p < base + nbytes; }
     };
     bool plan_active() const { return plan_state_ != kPlanOff || !arenas_.empty(); }
+    // plan.py StepPlan.holds_memory: plan_shrink() has something to drop or give back
+    bool plan_holds_memory() const { return plan_state_ == kPlanPlanned || !arenas_.empty(); }
     void plan_reset_recording();
     void plan_clear_slots();
     void plan_slide();

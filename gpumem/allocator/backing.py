@@ -1815,10 +1815,10 @@ class VirtualBacking(Backing):
         for seg in self.vsegments.values():
             chunks, empty, refs, g = seg.chunks, seg.empty, seg.refs, seg.page_nbytes
             freed = gone.get(id(seg), Counter())
-            starts = {p for p in empty if chunks[p] is not None}
-            starts.update(p for p in freed if chunks[p] is not None)
+            pages = {p for p in empty if chunks[p] is not None}   # a page of each chunk that may be idle
+            pages.update(p for p in freed if chunks[p] is not None)
             seen: set[int] = set()
-            for p in starts:
+            for p in pages:
                 handle = chunks[p]
                 if id(handle) in seen:
                     continue

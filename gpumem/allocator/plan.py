@@ -1599,6 +1599,10 @@ class StepPlan:
         self.counts["plans_dropped"] += 1
         self._clear_slots()
 
+    def holds_memory(self) -> bool:
+        """Whether :meth:`shrink` has anything to drop or give back: a plan installed, or an arena still held."""
+        return self.state is StepState.PLANNED or bool(self.arenas)
+
     def shrink(self) -> None:
         """The engine is out of memory (its retry ladder): drop the plan, give back every dropped arena with
         nothing live and, of the others, every run no live allocation touches (Note [Step plans under memory

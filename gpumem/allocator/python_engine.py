@@ -422,7 +422,7 @@ class PythonEngine:
                 except OutOfMemoryError as exc:
                     if block is not None:
                         self._unsplit_after_failure(block, free_list)
-                    if not more and (shrink or not (plan.state is StepState.PLANNED or plan.arenas)):
+                    if not more and (shrink or not plan.holds_memory()):
                         self._stats.num_ooms += 1
                         raise self._oom_error(nbytes, exc) from None
                     if not more:
